@@ -1,0 +1,1 @@
+"""warmboot's wire schema, codec, compatibility rule, CPU probe and event store."""

@@ -1,0 +1,157 @@
+"""Aggregates whose events are the wire Structs, plugged into the eventsourcing library.
+
+The library stores what its `Mapper` makes of a domain event. `WireMapper` makes
+the contract's JSON of the event's Struct (CONTRACT section 4), with the event's
+`type` as the library topic, so that the log is readable by any NATS client and
+each event has exactly one definition: its Struct in `events.schema`.
+
+An aggregate's id is `<kind>.<entity id>` (e.g. `worker.w-17`): the JetStream
+recorder stores it on the subject `<prefix>.ev.<kind>.<entity id>`.
+
+Aggregates decide in their command methods and change state only in `apply`,
+which dispatches on the event type to a `when_<EventType>` method.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any, ClassVar
+
+from eventsourcing.application import Application
+from eventsourcing.persistence import Mapper, StoredEvent
+
+from events.codec import decoder, encode
+from events.schema import EVENT_TYPES, Event
+
+AGGREGATE_KINDS: dict[str, type["WireAggregate"]] = {}
+
+
+def now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def aggregate_id(kind: str, entity_id: str) -> str:
+    return f"{kind}.{entity_id}"
+
+
+def split_id(originator_id: str) -> tuple[str, str]:
+    """`worker.w-17` -> ("worker", "w-17")."""
+    kind, _, entity_id = originator_id.partition(".")
+    return kind, entity_id
+
+
+class Recorded:
+    """A library domain event that carries one wire event Struct as its whole state."""
+
+    __slots__ = ("originator_id", "originator_version", "body")
+
+    def __init__(self, originator_id: str, originator_version: int, body: Event):
+        self.originator_id = originator_id
+        self.originator_version = originator_version
+        self.body = body
+
+    @property
+    def timestamp(self) -> datetime:
+        return self.body.at
+
+    def mutate(self, aggregate: "WireAggregate | None") -> "WireAggregate":
+        if aggregate is None:
+            kind, entity_id = split_id(self.originator_id)
+            aggregate = AGGREGATE_KINDS[kind](entity_id)
+        if self.originator_version != aggregate.version + 1:
+            raise ValueError(
+                f"{self.originator_id}: event version {self.originator_version} "
+                f"does not follow {aggregate.version}"
+            )
+        aggregate.apply(self.body)
+        aggregate.version = self.originator_version
+        return aggregate
+
+    def __repr__(self) -> str:
+        return f"Recorded({self.originator_id}@{self.originator_version}: {self.body!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, Recorded)
+            and (self.originator_id, self.originator_version, self.body)
+            == (other.originator_id, other.originator_version, other.body)
+        )
+
+
+class WireAggregate:
+    """Base of the Worker and Actor aggregates: a version, pending events, `apply`."""
+
+    KIND: ClassVar[str]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "KIND" in cls.__dict__:
+            AGGREGATE_KINDS[cls.KIND] = cls
+
+    def __init__(self, entity_id: str):
+        self.id = aggregate_id(self.KIND, entity_id)
+        self.entity_id = entity_id
+        self.version = 0
+        self.pending_events: list[Recorded] = []
+        self.history: list[Event] = []  # bodies applied, oldest first (request_id look-ups)
+
+    @classmethod
+    def create_id(cls, entity_id: str) -> str:
+        return aggregate_id(cls.KIND, entity_id)
+
+    def record(self, body: Event) -> None:
+        """Trigger an event: apply it now, keep it pending until the application saves."""
+        event = Recorded(self.id, self.version + 1, body)
+        event.mutate(self)
+        self.pending_events.append(event)
+
+    def collect_events(self) -> list[Recorded]:
+        events, self.pending_events = self.pending_events, []
+        return events
+
+    def apply(self, body: Event) -> None:
+        getattr(self, f"when_{type(body).__name__}")(body)
+        self.history.append(body)
+
+    def recorded_by(self, request_id: str) -> Event | None:
+        """The first event this aggregate recorded for `request_id`, if any."""
+        for body in self.history:
+            if body.request_id == request_id:
+                return body
+        return None
+
+
+class WireMapper(Mapper):
+    """Stores a `Recorded` event as its Struct's JSON, topic = the event's `type`.
+
+    Anything else (the library's own snapshots and test events) goes through the
+    library's default mapping, so the module stays a general-purpose store.
+    """
+
+    def to_stored_event(self, domain_event: Any) -> StoredEvent:
+        if isinstance(domain_event, Recorded):
+            return StoredEvent(
+                originator_id=domain_event.originator_id,
+                originator_version=domain_event.originator_version,
+                topic=type(domain_event.body).__name__,
+                state=encode(domain_event.body),
+            )
+        return super().to_stored_event(domain_event)
+
+    def to_domain_event(self, stored_event: StoredEvent) -> Any:
+        event_type = EVENT_TYPES.get(stored_event.topic)
+        if event_type is not None:
+            body = decoder(event_type).decode(stored_event.state)
+            return Recorded(str(stored_event.originator_id), stored_event.originator_version, body)
+        return super().to_domain_event(stored_event)
+
+
+class WireApplication(Application[str]):
+    """An eventsourcing Application whose aggregates are WireAggregates."""
+
+    def construct_mapper(self) -> Mapper:
+        return WireMapper(transcoder=self.construct_transcoder())
+
+    def stored_event(self, originator_id: str, version: int, body: Event) -> StoredEvent:
+        """The stored form of one event, for writers that commit without loading an aggregate."""
+        return self.mapper.to_stored_event(Recorded(originator_id, version, body))

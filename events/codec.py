@@ -1,0 +1,95 @@
+"""Encoders and decoders for bodies and events: msgspec, decoding straight into Structs.
+
+`decode_request` is the edge: bytes in, a valid request Struct out, or a
+`ContractError(INVALID_ARGUMENT)` naming the field. Nothing past it re-validates.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from typing import Any, TypeVar
+
+import msgspec
+
+from events.errors import ContractError, invalid
+from events.schema import REPLY_TYPES, REQUEST_TYPES, AnyEvent, ErrorReply, Event
+from events.validate import CHECKS
+
+T = TypeVar("T")
+
+encoder = msgspec.json.Encoder()
+encode = encoder.encode
+event_decoder = msgspec.json.Decoder(AnyEvent)
+
+MAX_BODY = 1 << 20  # bigger bodies are refused before decoding
+
+_AT = re.compile(r" - at `\$(?P<path>[^`]*)`$")
+_MISSING = re.compile(r"missing required field `(?P<name>[^`]+)`")
+
+
+@lru_cache(maxsize=None)
+def decoder(type_: type[T]) -> msgspec.json.Decoder:
+    return msgspec.json.Decoder(type_)
+
+
+def field_path(error: msgspec.ValidationError) -> tuple[str, str | None]:
+    """Split msgspec's message into (message, path): `...- at `$.a[0].b`` -> ("...", "a[0].b")."""
+    text = str(error)
+    match = _AT.search(text)
+    path = match.group("path").lstrip(".") if match else ""
+    message = text[: match.start()] if match else text
+    missing = _MISSING.search(message)
+    if missing:
+        path = f"{path}.{missing.group('name')}" if path else missing.group("name")
+    return message, path or None
+
+
+def decode_request(type_: type[T], data: bytes, *, path_prefix: str = "") -> T:
+    """Decode and validate a request body; raise INVALID_ARGUMENT naming the field."""
+    if len(data) > MAX_BODY:
+        raise invalid(f"body of {len(data)} bytes exceeds the limit of {MAX_BODY}")
+    if not data.strip():
+        data = b"{}"
+    try:
+        value = decoder(type_).decode(data)
+    except msgspec.ValidationError as e:
+        message, path = field_path(e)
+        raise invalid(message, f"{path_prefix}{path}" if path else None) from None
+    except msgspec.DecodeError as e:
+        raise invalid(f"body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise invalid("body nests too deeply") from None
+    check = CHECKS.get(type_)
+    if check is not None:
+        check(value)
+    return value
+
+
+def decode_event(data: bytes) -> Event:
+    return event_decoder.decode(data)
+
+
+def decode_reply(type_: type[T], data: bytes) -> T:
+    """Decode a reply; an error body becomes the ContractError it carries."""
+    if data.startswith(b'{"error"'):
+        raise ContractError.from_detail(decoder(ErrorReply).decode(data).error)
+    return decoder(type_).decode(data)
+
+
+def to_builtins(value: Any) -> Any:
+    return msgspec.to_builtins(value)
+
+
+def json_schemas() -> dict[str, Any]:
+    """JSON Schema of every request, reply and event body, for clients in other languages."""
+    types = [*REQUEST_TYPES, *REPLY_TYPES, *AnyEvent.__args__]
+    _, components = msgspec.json.schema_components(types)
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "warmboot wire contract v1",
+        "requests": [t.__name__ for t in REQUEST_TYPES],
+        "replies": [t.__name__ for t in REPLY_TYPES],
+        "events": [t.__name__ for t in AnyEvent.__args__],
+        "$defs": components,
+    }

@@ -1,0 +1,67 @@
+"""The one compatibility rule (CONTRACT section 2) and the compat key the scheduler indexes.
+
+A snapshot stamped S warm-boots on a worker runtime R when the classes are equal,
+the schema versions are equal and the attribute sets are equal key for key and
+value for value. `name` and `actor_overhead` never take part.
+"""
+
+from __future__ import annotations
+
+from events.schema import ActorRuntime, Attribute, CompatVersion, WorkerRuntime, WorkerSandboxClass
+
+# (sandbox_class, schema_version, ((key, value), ...) sorted by key)
+CompatKey = tuple[str, str, tuple[tuple[str, str], ...]]
+
+
+def sorted_attributes(attributes: tuple[Attribute, ...]) -> tuple[Attribute, ...]:
+    return tuple(sorted(attributes, key=lambda a: a.key))
+
+
+def canonical_version(version: CompatVersion) -> CompatVersion:
+    """The stored form of a version: attributes sorted by key (order carries no meaning)."""
+    attrs = sorted_attributes(version.attributes)
+    if attrs == version.attributes:
+        return version
+    return CompatVersion(schema_version=version.schema_version, attributes=attrs)
+
+
+def compat_key(sandbox_class: str, version: CompatVersion) -> CompatKey:
+    """Canonical, hashable form: equal runtimes have equal keys, whatever the attribute order."""
+    return (
+        sandbox_class,
+        version.schema_version,
+        tuple(sorted((a.key, a.value) for a in version.attributes)),
+    )
+
+
+def stamp_key(stamp: ActorRuntime) -> CompatKey:
+    return compat_key(stamp.sandbox_class, stamp.version)
+
+
+def same_version(a: CompatVersion, b: CompatVersion) -> bool:
+    return compat_key("", a) == compat_key("", b)
+
+
+def matches(stamp: ActorRuntime, entry: WorkerSandboxClass) -> WorkerRuntime | None:
+    """The runtime of a worker's class entry that can restore `stamp`, or None.
+
+    The default runtime is tried first, then the restorable runtimes in their order.
+    """
+    if stamp.sandbox_class != entry.sandbox_class:
+        return None
+    want = stamp_key(stamp)
+    for runtime in (entry.default_runtime, *entry.restorable_runtimes):
+        if compat_key(entry.sandbox_class, runtime.version) == want:
+            return runtime
+    return None
+
+
+def pin_of(sandbox_class: str, runtime: WorkerRuntime) -> ActorRuntime:
+    """The pin an actor placed under `runtime` carries (and later stamps its snapshots with)."""
+    return ActorRuntime(sandbox_class=sandbox_class, name=runtime.name, version=runtime.version)
+
+
+def describe_key(key: CompatKey) -> str:
+    """Short human form, e.g. `gvisor v1 architecture=amd64,cpu_features=0ac8…`."""
+    sandbox_class, schema_version, attrs = key
+    return f"{sandbox_class} {schema_version} " + ",".join(f"{k}={v}" for k, v in attrs)

