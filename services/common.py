@@ -184,6 +184,22 @@ def store_env(nats_url: str, prefix: str, replicas: int = 1) -> dict[str, str]:
     }
 
 
+async def run_command(command: Callable[[], T], attempts: int = 8) -> T:
+    """Run a load-decide-save `command` off the event loop, again on a lost OCC race.
+
+    `command` must re-read what it decides on each time (the repository does), so
+    a retry decides on fresh state. After `attempts` lost races: UNAVAILABLE.
+    """
+    from eventsourcing.persistence import IntegrityError
+
+    for _ in range(attempts):
+        try:
+            return await asyncio.to_thread(command)
+        except IntegrityError:
+            continue
+    raise unavailable(f"lost {attempts} concurrent-write races in a row; try again")
+
+
 # --- client -------------------------------------------------------------------------
 
 
