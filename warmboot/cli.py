@@ -12,3 +12,6 @@ def main() -> None:
 
 
 # Commands are registered below, one line per module.
+from warmboot.cmd_serve import serve  # noqa: E402
+
+main.add_command(serve)

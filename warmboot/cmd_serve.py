@@ -1,0 +1,44 @@
+"""`warmboot serve`: run one service, or all of them, against an existing NATS server."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import AsyncExitStack
+
+import click
+
+from events.subjects import DEFAULT_PREFIX
+from warmboot.runner import SERVICES, start_services, until_signal
+
+
+@click.command()
+@click.argument("service", type=click.Choice([*SERVICES, "all"]))
+@click.option("--nats", "nats_url", default="nats://127.0.0.1:4222", show_default=True,
+              envvar="NATS_URL", help="NATS server URL.")
+@click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="WARMBOOT_PREFIX",
+              help="Subject prefix of the deployment.")
+@click.option("--metrics-port", type=int, default=None,
+              help="Serve Prometheus metrics on this port (0: any free port).")
+@click.option("--ttl", "ttl_s", type=float, default=15.0, show_default=True,
+              help="Registry: seconds of silence after which a worker is removed as LOST.")
+def serve(service: str, nats_url: str, prefix: str, metrics_port: int | None, ttl_s: float) -> None:
+    """Run SERVICE (registry, snapshotter, scheduler, or all) until SIGINT/SIGTERM."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    names = list(SERVICES) if service == "all" else [service]
+
+    async def run() -> None:
+        async with AsyncExitStack() as stack:
+            running = await start_services(
+                stack, names, nats_url, prefix, metrics_port, {"registry": {"ttl_s": ttl_s}}
+            )
+            click.echo(f"serving {', '.join(names)} on {nats_url} (prefix {prefix})")
+            if running.metrics_port:
+                click.echo(f"metrics on http://127.0.0.1:{running.metrics_port}/metrics")
+            await until_signal()
+            click.echo("stopping")
+
+    try:
+        asyncio.run(run())
+    except OSError as e:
+        raise click.ClickException(str(e)) from None

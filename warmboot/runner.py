@@ -1,0 +1,88 @@
+"""Running warmboot's services in one process until a signal: used by `serve` and `up`."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import signal
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats
+
+from events.subjects import check_prefix
+from services.common import start_metrics
+
+log = logging.getLogger("warmboot")
+
+# name -> "module:Class"; each class takes (nc, *, nats_url, prefix) and has async start()/stop().
+SERVICES: dict[str, str] = {
+    "registry": "services.registry.service:RegistryService",
+    "snapshotter": "services.snapshotter.service:SnapshotterService",
+    "scheduler": "services.scheduler.service:SchedulerService",
+}
+
+
+def service_class(name: str) -> type:
+    module, _, cls = SERVICES[name].partition(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+@dataclass
+class Running:
+    """Services started in this process, and where they can be reached."""
+
+    nats_url: str
+    prefix: str
+    names: list[str]
+    metrics_port: int | None
+    services: list[Any] = field(default_factory=list)
+
+
+async def connect(url: str, name: str) -> nats.NATS:
+    """A client that keeps reconnecting while the server restarts."""
+    return await nats.connect(
+        url,
+        name=name,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5,
+        allow_reconnect=True,
+    )
+
+
+async def start_services(
+    stack: AsyncExitStack,
+    names: list[str],
+    nats_url: str,
+    prefix: str,
+    metrics_port: int | None = None,
+    options: dict[str, dict[str, Any]] | None = None,
+) -> Running:
+    """Start `names` (in registry, snapshotter, scheduler order); `stack` stops them in reverse."""
+    check_prefix(prefix)
+    options = options or {}
+    nc = await connect(nats_url, f"warmboot-{'+'.join(names)}")
+    stack.push_async_callback(nc.close)
+    running = Running(nats_url, prefix, names, start_metrics(metrics_port))
+    for name in names:
+        service = service_class(name)(nc, nats_url=nats_url, prefix=prefix, **options.get(name, {}))
+        await service.start()
+        stack.push_async_callback(service.stop)
+        running.services.append(service)
+        log.info("%s serving on %s (prefix %s)", name, nats_url, prefix)
+    return running
+
+
+async def until_signal() -> None:
+    """Return on SIGINT or SIGTERM."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
