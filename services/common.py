@@ -174,14 +174,16 @@ class ReplyCache:
             self._inflight.pop(key, None)
 
 
-def store_env(nats_url: str, prefix: str, replicas: int = 1) -> dict[str, str]:
-    """The eventsourcing environment that selects the JetStream event store for a deployment."""
-    return {
-        "PERSISTENCE_MODULE": "events.jetstream",
-        "NATS_URL": nats_url,
-        "WARMBOOT_PREFIX": prefix,
-        "WARMBOOT_STREAM_REPLICAS": str(replicas),
-    }
+def store_env(nats_url: str, prefix: str, replicas: int | None = None) -> dict[str, str]:
+    """The eventsourcing environment that selects the JetStream event store for a deployment.
+
+    Without `replicas`, the stream's replica count comes from the process environment
+    (WARMBOOT_STREAM_REPLICAS, which `warmboot serve --replicas` sets), else 1.
+    """
+    env = {"PERSISTENCE_MODULE": "events.jetstream", "NATS_URL": nats_url, "WARMBOOT_PREFIX": prefix}
+    if replicas is not None:
+        env["WARMBOOT_STREAM_REPLICAS"] = str(replicas)
+    return env
 
 
 async def run_command(command: Callable[[], T], attempts: int = 8) -> T:

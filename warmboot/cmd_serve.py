@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from contextlib import AsyncExitStack
 
 import click
@@ -22,8 +23,16 @@ from warmboot.runner import SERVICES, start_services, until_signal
               help="Serve Prometheus metrics on this port (0: any free port).")
 @click.option("--ttl", "ttl_s", type=float, default=15.0, show_default=True,
               help="Registry: seconds of silence after which a worker is removed as LOST.")
-def serve(service: str, nats_url: str, prefix: str, metrics_port: int | None, ttl_s: float) -> None:
-    """Run SERVICE (registry, snapshotter, scheduler, or all) until SIGINT/SIGTERM."""
+@click.option("--replicas", type=click.IntRange(1, 5), default=None, envvar="WARMBOOT_STREAM_REPLICAS",
+              help="Replica count of the event stream when this process creates it (3 on a cluster).")
+def serve(service: str, nats_url: str, prefix: str, metrics_port: int | None, ttl_s: float,
+          replicas: int | None) -> None:
+    """Run SERVICE (registry, snapshotter, scheduler, or all) until SIGINT/SIGTERM.
+
+    NATS URLs may be a comma-separated list (the members of a cluster).
+    """
+    if replicas is not None:
+        os.environ["WARMBOOT_STREAM_REPLICAS"] = str(replicas)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     names = list(SERVICES) if service == "all" else [service]
 

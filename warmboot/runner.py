@@ -44,7 +44,7 @@ class Running:
 async def connect(url: str, name: str) -> nats.NATS:
     """A client that keeps reconnecting while the server restarts."""
     return await nats.connect(
-        url,
+        servers=url.split(","),
         name=name,
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.5,
