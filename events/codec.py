@@ -24,7 +24,8 @@ event_decoder = msgspec.json.Decoder(AnyEvent)
 
 MAX_BODY = 1 << 20  # bigger bodies are refused before decoding
 
-_AT = re.compile(r" - at `\$(?P<path>[^`]*)`$")
+# msgspec ends its message with ` - at `$.a[0].b``, or ` - at `key` in `$.labels`` for a map key
+_AT = re.compile(r" - at (?P<key>`key` in )?`\$(?P<path>[^`]*)`$")
 _MISSING = re.compile(r"missing required field `(?P<name>[^`]+)`")
 
 
@@ -39,6 +40,8 @@ def field_path(error: msgspec.ValidationError) -> tuple[str, str | None]:
     match = _AT.search(text)
     path = match.group("path").lstrip(".") if match else ""
     message = text[: match.start()] if match else text
+    if match and match.group("key"):
+        message = f"{message} (in a key)"
     missing = _MISSING.search(message)
     if missing:
         path = f"{path}.{missing.group('name')}" if path else missing.group("name")

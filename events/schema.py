@@ -19,13 +19,17 @@ from msgspec import Meta, Struct, field
 
 # --- scalar constraints (CONTRACT section 2) ---------------------------------
 
-ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$"
-CLASS_PATTERN = r"^[a-z][a-z0-9-]{0,62}$"
-SCHEMA_VERSION_PATTERN = r"^v[1-9][0-9]{0,3}$"
-ATTR_KEY_PATTERN = r"^[a-z][a-z0-9_]{0,127}$"
+# Every pattern ends in `(?!\n)$`, not a bare `$`: msgspec matches with Python's
+# `re.search`, whose `$` also matches before a final newline, so `"abc\n"` would
+# pass as an id. The lookahead closes that and still means the same to ECMA-262
+# regex engines reading the published JSON Schema.
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}(?!\n)$"
+CLASS_PATTERN = r"^[a-z][a-z0-9-]{0,62}(?!\n)$"
+SCHEMA_VERSION_PATTERN = r"^v[1-9][0-9]{0,3}(?!\n)$"
+ATTR_KEY_PATTERN = r"^[a-z][a-z0-9_]{0,127}(?!\n)$"
 # printable: no C0/C1 control characters and no DEL
-PRINTABLE_PATTERN = r"^[^\x00-\x1f\x7f-\x9f]*$"
-LABEL_KEY_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9._/-]{0,251}[A-Za-z0-9])?$"
+PRINTABLE_PATTERN = r"^[^\x00-\x1f\x7f-\x9f]*(?!\n)$"
+LABEL_KEY_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9._/-]{0,251}[A-Za-z0-9])?(?!\n)$"
 
 MAX_INT = 1 << 40  # MiB and millicores: far above any machine, far below overflow
 

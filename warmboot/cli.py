@@ -18,3 +18,7 @@ main.add_command(serve)
 from warmboot.cmd_up import up  # noqa: E402
 
 main.add_command(up)
+from warmboot.cmd_foundation import probe, schema  # noqa: E402
+
+main.add_command(probe)
+main.add_command(schema)
