@@ -119,8 +119,15 @@ class NatsServer:
         return "\n".join(lines) + "\n"
 
     def start(self, timeout: float = 20.0) -> "NatsServer":
+        """Start and wait until ready. Call it from a long-lived thread: the kernel's
+        parent-death signal follows the thread that started the child, not the process."""
+        self.spawn()
+        return self.wait_ready(timeout)
+
+    def spawn(self) -> None:
+        """Start the process without waiting (a cluster spawns all members, then waits)."""
         if self.running:
-            return self
+            return
         self.store_dir.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(self.config())
         self._ready.clear()
@@ -133,6 +140,8 @@ class NatsServer:
         )
         self._reader = threading.Thread(target=self._read_log, daemon=True, name=f"log-{self.name}")
         self._reader.start()
+
+    def wait_ready(self, timeout: float = 20.0) -> "NatsServer":
         if not self._ready.wait(timeout) or not self.running:
             tail = "\n".join(list(self.log)[-20:])
             self.stop()
@@ -203,3 +212,78 @@ class NatsServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+
+
+class NatsCluster:
+    """Several nats-server processes on loopback with cluster routes and JetStream on each."""
+
+    def __init__(self, store_dir: str | Path, size: int = 3, host: str = "127.0.0.1", name: str = "warmboot"):
+        cluster_ports = [free_port(host) for _ in range(size)]
+        self.nodes = [
+            NatsServer(
+                store_dir,
+                host=host,
+                name=f"n{i + 1}",
+                cluster_name=name,
+                cluster_port=cluster_ports[i],
+                routes=[f"nats://{host}:{p}" for j, p in enumerate(cluster_ports) if j != i],
+            )
+            for i in range(size)
+        ]
+
+    @property
+    def url(self) -> str:
+        """All members, comma-separated, as `--nats` and NATS_URL accept."""
+        return ",".join(node.url for node in self.nodes)
+
+    @property
+    def urls(self) -> list[str]:
+        return [node.url for node in self.nodes]
+
+    def node(self, name: str) -> NatsServer:
+        return next(n for n in self.nodes if n.name == name)
+
+    def start(self, timeout: float = 30.0) -> "NatsCluster":
+        # Members wait for each other's routes, so spawn them all before waiting on any.
+        for node in self.nodes:
+            node.spawn()
+        try:
+            for node in self.nodes:
+                node.wait_ready(timeout)
+        except NatsServerError:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def __enter__(self) -> "NatsCluster":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+async def wait_jetstream(servers: str | list[str], timeout: float = 30.0) -> None:
+    """Return once JetStream answers account info (a cluster has elected its meta leader)."""
+    import asyncio
+
+    import nats
+
+    servers = servers.split(",") if isinstance(servers, str) else servers
+    nc = await nats.connect(servers=servers, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+    try:
+        js = nc.jetstream(timeout=2.0)
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            try:
+                await js.account_info()
+                return
+            except Exception:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise NatsServerError(f"JetStream did not answer within {timeout}s") from None
+                await asyncio.sleep(0.1)  # polling a condition with a deadline, not a fixed wait
+    finally:
+        await nc.close()
