@@ -206,12 +206,18 @@ def probe_version(
 
 
 def _describe(error: msgspec.ValidationError, raw: dict) -> str:
-    """Name the attribute a validation error is about, by key rather than by index."""
+    """Say which attribute a validation error is about, by key rather than by index."""
     text = str(error)
     match = re.search(r"`\$\.attributes\[(\d+)\]", text)
     if match:
         attr = raw["attributes"][int(match.group(1))]
-        return f"attribute {attr['key']!r} is invalid: {text.split(' - at ')[0]} (value {attr['value']!r})"
+        # keys were checked before; only a value can be wrong here
+        return (
+            f"attribute {attr['key']!r} has an invalid value {attr['value']!r}: "
+            "a value is 1 to 256 printable characters"
+        )
+    if "attributes" in text and "length" in text:
+        return f"{len(raw['attributes'])} attributes are too many: a version has at most 32"
     return f"probed version is invalid: {text}"
 
 
