@@ -22,3 +22,7 @@ from warmboot.cmd_foundation import probe, schema  # noqa: E402
 
 main.add_command(probe)
 main.add_command(schema)
+from warmboot.cmd_views import explain, fragmentation  # noqa: E402
+
+main.add_command(explain)
+main.add_command(fragmentation)
