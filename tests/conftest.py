@@ -40,3 +40,14 @@ async def nc(nats_server):
     client = await nats.connect(nats_server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
     yield client
     await client.close()
+
+
+@pytest.fixture
+async def stack(nats_server, prefix):
+    """Every warmboot service, started in this process against the session server on a fresh prefix."""
+    from contextlib import AsyncExitStack
+
+    from warmboot.runner import SERVICES, start_services
+
+    async with AsyncExitStack() as exits:
+        yield await start_services(exits, list(SERVICES), nats_server.url, prefix)
