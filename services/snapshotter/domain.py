@@ -1,0 +1,511 @@
+"""What the snapshotter decides: the Actor lifecycle, and the stamp every snapshot gets.
+
+No I/O here, no asyncio, no clock: time comes in as `at`. The NATS wiring is in
+`services.snapshotter.service`.
+
+States and transitions (CONTRACT section 3)::
+
+    create            -> CREATED        ActorCreated (+ SnapshotTaken CREATE from a tag/golden)
+    resume (scheduler) CREATED|PAUSED|SUSPENDED -> RUNNING   ActorPlaced (written by the scheduler)
+    pause             RUNNING -> PAUSED             SnapshotTaken PAUSE, ActorReleased PAUSED
+    suspend           RUNNING -> SUSPENDED          SnapshotTaken SUSPEND, ActorReleased SUSPENDED
+    suspend           PAUSED  -> SUSPENDED          SnapshotTaken PROMOTE
+    tag               any but STOPPED, with a snapshot: SnapshotTaken TAG (+ TagRecorded on the tag)
+    update-template   any but STOPPED               TemplateChanged (nothing if unchanged)
+    stop              any but STOPPED -> STOPPED    ActorReleased STOPPED if placed, ActorStopped
+    worker removed    RUNNING on it -> SUSPENDED    ActorReleased WORKER_REMOVED
+
+Anything else is FAILED_PRECONDITION and records nothing.
+
+The stamp (`Snapshot.sandbox_runtime`) follows one idea: a snapshot says the runtime
+its memory image was produced under. While an actor runs, that is the pin on its
+assignment (`ActorPlaced.sandbox_runtime`), which the scheduler chose when it
+placed the actor; it is never read from the worker's current default, because a
+rolling upgrade moves a worker's default to v2 while the actors already running on
+it still run v1. Every copy or move of a snapshot keeps its stamp.
+
+Tags (project addition). A tag is its own small aggregate, `tag.<tag>`, whose
+history lives on `<prefix>.ev.tag.<tag>` and holds `TagRecorded` events; the latest
+one is what the tag names, so tagging again moves the tag. Tagging writes, in one
+atomic append, `SnapshotTaken(origin=TAG)` on the actor (the actor's history shows
+it was tagged, and the tag is guarded by the actor's optimistic concurrency, so it
+copies the snapshot that is latest at commit) and `TagRecorded` on the tag, which
+is what `create` with `source_tag` reads.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from dataclasses import dataclass
+from datetime import datetime
+
+import msgspec
+
+from events.aggregate import WireAggregate
+from events.errors import ContractError, not_found, precondition
+from events.schema import (
+    ActorCreated,
+    ActorPlaced,
+    ActorReleased,
+    ActorRuntime,
+    ActorStopped,
+    CreateActor,
+    ErrorCode,
+    Event,
+    Fidelity,
+    Location,
+    ReleaseReason,
+    Snapshot,
+    SnapshotOrigin,
+    SnapshotTaken,
+    TagRecorded,
+    TemplateChanged,
+    WorkerRegistered,
+    WorkerRemoved,
+)
+
+MAX_ID = 128  # ids are at most 128 characters (ID_PATTERN)
+
+
+class ActorState(enum.Enum):
+    CREATED = "CREATED"
+    RUNNING = "RUNNING"
+    PAUSED = "PAUSED"
+    SUSPENDED = "SUSPENDED"
+    STOPPED = "STOPPED"
+
+
+# States from which the scheduler may place (resume) an actor.
+RESUMABLE = (ActorState.CREATED, ActorState.PAUSED, ActorState.SUSPENDED)
+
+
+def already_exists(message: str, field: str | None = None) -> ContractError:
+    return ContractError(ErrorCode.ALREADY_EXISTS, message, field)
+
+
+# --- the stamping rules -------------------------------------------------------------
+
+
+def stamp_from_pin(assignment: ActorPlaced) -> ActorRuntime:
+    """The stamp of a snapshot taken from a running actor: its assignment's pin.
+
+    The pin is what the actor actually runs under: the runtime entry that matched
+    its memory snapshot on a warm boot, or the worker's class default on a cold
+    boot or a downgraded restore, fixed when it was placed. The worker's current
+    default is never consulted: after a rolling upgrade it may be v2 while this
+    actor still runs v1, and a v1 image stamped v2 would be restored on a worker
+    that cannot load it.
+    """
+    return assignment.sandbox_runtime
+
+
+def default_snapshot_id(actor_id: str, version: int) -> str:
+    """The id of a snapshot taken without one: `<actor_id>-v<version>`.
+
+    `version` is the actor's version at the event that records the snapshot, so
+    the id is deterministic (a replay or a second replica deciding the same step
+    derives the same id) and unique within the actor. Ids near the 128-char limit
+    are shortened with a digest of the full actor id, so they stay unique.
+    """
+    suffix = f"-v{version}"
+    if len(actor_id) + len(suffix) <= MAX_ID:
+        return actor_id + suffix
+    digest = hashlib.sha256(actor_id.encode()).hexdigest()[:12]
+    return f"{actor_id[: MAX_ID - len(suffix) - len(digest) - 1]}-{digest}{suffix}"
+
+
+def paused_snapshot(
+    actor_id: str, snapshot_id: str, template_uid: str, assignment: ActorPlaced,
+    borrowed: bool, at: datetime,
+) -> Snapshot:
+    """pause: a LOCAL MEMORY snapshot on the assigned node, stamped from the assignment's pin."""
+    return Snapshot(
+        snapshot_id=snapshot_id,
+        actor_id=actor_id,
+        template_uid=template_uid,
+        fidelity=Fidelity.MEMORY,
+        location=Location.LOCAL,
+        node=assignment.node,
+        uri=None,
+        sandbox_runtime=stamp_from_pin(assignment),
+        borrowed=borrowed,
+        taken_at=at,
+    )
+
+
+def suspended_snapshot(
+    actor_id: str, snapshot_id: str, template_uid: str, assignment: ActorPlaced,
+    fidelity: Fidelity, uri: str | None, at: datetime,
+) -> Snapshot:
+    """suspend from RUNNING: an EXTERNAL snapshot of the requested fidelity, stamped from the pin.
+
+    A VOLUMES or ROOTFS snapshot is stamped too, for the record. It is the actor's
+    own durable copy, so it is never `borrowed`.
+    """
+    return Snapshot(
+        snapshot_id=snapshot_id,
+        actor_id=actor_id,
+        template_uid=template_uid,
+        fidelity=fidelity,
+        location=Location.EXTERNAL,
+        node=None,
+        uri=uri,
+        sandbox_runtime=stamp_from_pin(assignment),
+        borrowed=False,
+        taken_at=at,
+    )
+
+
+def promoted_snapshot(
+    local: Snapshot, snapshot_id: str | None, fidelity: Fidelity, uri: str | None
+) -> Snapshot:
+    """suspend from PAUSED: the local snapshot uploaded as EXTERNAL, keeping its stamp.
+
+    The actor holds no assignment any more (pause released it), so there is no pin
+    to read: the stamp is the one the pause recorded, which is the pin the actor
+    ran under. The image is the one taken at pause, so `taken_at` is kept too, and
+    so is the id unless the caller names the uploaded copy. The node is cleared:
+    the snapshot no longer lives on one machine. It is now the actor's own
+    durable copy, so it is not `borrowed`.
+    """
+    return msgspec.structs.replace(
+        local,
+        snapshot_id=snapshot_id or local.snapshot_id,
+        fidelity=fidelity,
+        location=Location.EXTERNAL,
+        node=None,
+        uri=uri,
+        borrowed=False,
+    )
+
+
+def tagged_copy(latest: Snapshot) -> Snapshot:
+    """tag: the tag names a copy of the actor's latest snapshot, stamp (and all else) unchanged.
+
+    The copy keeps the snapshot's id: it names the same image, and a worker asked
+    to restore it looks it up by that id.
+    """
+    return latest
+
+
+def initial_snapshot(
+    actor_id: str, tagged: Snapshot | None, golden: Snapshot | None
+) -> Snapshot | None:
+    """create: the new actor's first snapshot, from a tag or a golden snapshot, keeping its stamp.
+
+    The copy becomes the new actor's (`actor_id`); id, image, template, fidelity
+    and stamp are the source's. A golden snapshot is `borrowed: true`: the actor
+    holds no durable volumes of its own until its first suspend. A tag's copy
+    keeps the `borrowed` flag of the snapshot the tag names.
+    """
+    if golden is not None:
+        return msgspec.structs.replace(golden, actor_id=actor_id, borrowed=True)
+    if tagged is not None:
+        return msgspec.structs.replace(tagged, actor_id=actor_id)
+    return None
+
+
+# --- the Actor aggregate ---------------------------------------------------------------
+
+
+class Actor(WireAggregate):
+    """One actor's history `actor.<actor_id>`: written by the snapshotter and the scheduler."""
+
+    KIND = "actor"
+
+    def __init__(self, entity_id: str):
+        super().__init__(entity_id)
+        self.state: ActorState | None = None  # None: no ActorCreated yet
+        self.sandbox_class = ""
+        self.template_uid = ""
+        self.template_version = 0  # version of the event that set template_uid
+        self.min_fidelity = Fidelity.ROOTFS
+        self.latest_snapshot: Snapshot | None = None
+        # The current placement (RUNNING only), the version that recorded it, and
+        # the template the placed instance was started from.
+        self.assignment: ActorPlaced | None = None
+        self.assignment_version = 0
+        self.running_template_uid = ""
+        self.node_pin: str | None = None  # PAUSED: the node that holds the local snapshot
+        self.borrows_volumes = False  # created from a golden snapshot, not suspended since
+
+    # --- guards ---
+
+    def require(self, verb: str, *states: ActorState) -> None:
+        if self.state is None:
+            raise not_found(f"actor {self.entity_id!r} does not exist", "actor_id")
+        if self.state not in states:
+            allowed = " or ".join(s.value for s in states)
+            raise precondition(
+                f"cannot {verb} actor {self.entity_id!r}: it is {self.state.value}, "
+                f"{verb} needs {allowed}"
+            )
+
+    def require_live(self, verb: str) -> None:
+        self.require(verb, ActorState.CREATED, ActorState.RUNNING, ActorState.PAUSED,
+                     ActorState.SUSPENDED)
+
+    def next_snapshot_id(self, requested: str | None) -> str:
+        return requested or default_snapshot_id(self.entity_id, self.version + 1)
+
+    # --- commands: decide, then record ---
+
+    def create(self, request: CreateActor, tagged: Snapshot | None, at: datetime) -> None:
+        """Create from nothing, a tag's snapshot (resolved by the caller) or a golden snapshot."""
+        if self.state is not None:
+            raise already_exists(f"actor {self.entity_id!r} already exists", "actor_id")
+        if request.source_tag is not None and tagged is None:
+            raise not_found(f"tag {request.source_tag!r} does not exist", "source_tag")
+        snapshot = initial_snapshot(self.entity_id, tagged, request.golden_snapshot)
+        self.record(ActorCreated(
+            actor_id=self.entity_id,
+            sandbox_class=request.sandbox_class,
+            template_uid=request.template_uid,
+            resources=request.resources,
+            selectors=request.selectors,
+            min_fidelity=request.min_fidelity,
+            snapshot=snapshot,
+            at=at,
+            request_id=request.request_id,
+        ))
+        if snapshot is not None:
+            # Every snapshot an actor ever had is a SnapshotTaken in its history.
+            self.record(SnapshotTaken(
+                actor_id=self.entity_id, snapshot=snapshot, origin=SnapshotOrigin.CREATE,
+                at=at, request_id=request.request_id,
+            ))
+
+    def place(self, placed: ActorPlaced) -> None:
+        """resume (decided by the scheduler): the actor runs where `placed` says, pinned to its runtime."""
+        if placed.actor_id != self.entity_id:
+            raise ValueError(f"placement of {placed.actor_id!r} recorded on actor {self.entity_id!r}")
+        self.require("resume", *RESUMABLE)
+        if self.state is ActorState.PAUSED and placed.node != self.node_pin:
+            raise precondition(
+                f"actor {self.entity_id!r} is paused on node {self.node_pin!r}; "
+                f"it resumes only there, not on {placed.node!r}"
+            )
+        self.record(placed)
+
+    def pause(self, snapshot_id: str | None, request_id: str | None, at: datetime) -> Snapshot:
+        """RUNNING -> PAUSED: a local memory snapshot stamped from the pin; the assignment is released."""
+        self.require("pause", ActorState.RUNNING)
+        assignment = self.assignment
+        assert assignment is not None  # RUNNING always has one
+        snapshot = paused_snapshot(
+            self.entity_id, self.next_snapshot_id(snapshot_id), self.running_template_uid,
+            assignment, self.borrows_volumes, at,
+        )
+        self.record(SnapshotTaken(
+            actor_id=self.entity_id, snapshot=snapshot, origin=SnapshotOrigin.PAUSE,
+            at=at, request_id=request_id,
+        ))
+        self.release(assignment, ReleaseReason.PAUSED, request_id, at)
+        return snapshot
+
+    def suspend(
+        self, snapshot_id: str | None, uri: str | None, fidelity: Fidelity,
+        request_id: str | None, at: datetime,
+    ) -> Snapshot:
+        """RUNNING -> SUSPENDED (new external snapshot, assignment released), or
+        PAUSED -> SUSPENDED (the local snapshot promoted, node pin cleared)."""
+        self.require("suspend", ActorState.RUNNING, ActorState.PAUSED)
+        if self.state is ActorState.PAUSED:
+            local = self.latest_snapshot
+            assert local is not None  # PAUSED always has its local snapshot
+            snapshot = promoted_snapshot(local, snapshot_id, fidelity, uri)
+            self.record(SnapshotTaken(
+                actor_id=self.entity_id, snapshot=snapshot, origin=SnapshotOrigin.PROMOTE,
+                at=at, request_id=request_id,
+            ))
+            return snapshot
+        assignment = self.assignment
+        assert assignment is not None
+        snapshot = suspended_snapshot(
+            self.entity_id, self.next_snapshot_id(snapshot_id), self.running_template_uid,
+            assignment, fidelity, uri, at,
+        )
+        self.record(SnapshotTaken(
+            actor_id=self.entity_id, snapshot=snapshot, origin=SnapshotOrigin.SUSPEND,
+            at=at, request_id=request_id,
+        ))
+        self.release(assignment, ReleaseReason.SUSPENDED, request_id, at)
+        return snapshot
+
+    def tag(self, tag: "Tag", request_id: str | None, at: datetime) -> Snapshot:
+        """Name a copy of the latest snapshot with `tag` (recorded on the actor and on the tag)."""
+        self.require_live("tag")
+        if self.latest_snapshot is None:
+            raise precondition(f"cannot tag actor {self.entity_id!r}: it has no snapshot yet")
+        snapshot = tagged_copy(self.latest_snapshot)
+        self.record(SnapshotTaken(
+            actor_id=self.entity_id, snapshot=snapshot, origin=SnapshotOrigin.TAG,
+            at=at, request_id=request_id,
+        ))
+        tag.name(snapshot, request_id, at)
+        return snapshot
+
+    def change_template(self, template_uid: str, request_id: str | None, at: datetime) -> bool:
+        """The template the next resume uses; False (nothing recorded) when it is already that one.
+
+        A running instance keeps the template it was started from: its snapshots
+        record that one, so a memory image of the old template is not restored
+        under the new one (the scheduler falls back with TEMPLATE_CHANGED).
+        """
+        self.require_live("update the template of")
+        if template_uid == self.template_uid:
+            return False
+        self.record(TemplateChanged(
+            actor_id=self.entity_id, template_uid=template_uid, at=at, request_id=request_id,
+        ))
+        return True
+
+    def stop(self, request_id: str | None, at: datetime) -> None:
+        """Any live state -> STOPPED, releasing the assignment first if it holds one."""
+        self.require_live("stop")
+        if self.assignment is not None:
+            self.release(self.assignment, ReleaseReason.STOPPED, request_id, at)
+        self.record(ActorStopped(actor_id=self.entity_id, at=at, request_id=request_id))
+
+    def release_from_removed_worker(self, worker_id: str, placed_version: int, at: datetime) -> bool:
+        """Release the placement made at `placed_version` on the removed `worker_id`, if still held.
+
+        A no-op (False) when that placement has already ended: released by a pause,
+        a suspend, a stop, or by another replica of this process. Comparing the
+        placement's version, not just the worker id, keeps a late or replayed
+        removal from releasing a newer placement on a worker of the same id.
+        """
+        held = self.assignment
+        if held is None or held.worker_id != worker_id or self.assignment_version != placed_version:
+            return False
+        self.release(held, ReleaseReason.WORKER_REMOVED, None, at)
+        return True
+
+    def release(
+        self, assignment: ActorPlaced, reason: ReleaseReason, request_id: str | None, at: datetime
+    ) -> None:
+        self.record(ActorReleased(
+            actor_id=self.entity_id, worker_id=assignment.worker_id, reason=reason,
+            at=at, request_id=request_id,
+        ))
+
+    # --- events: change state, never refuse (they are facts) ---
+
+    def when_ActorCreated(self, e: ActorCreated) -> None:
+        self.state = ActorState.CREATED
+        self.sandbox_class = e.sandbox_class
+        self.template_uid = e.template_uid
+        self.template_version = self.version + 1
+        self.min_fidelity = e.min_fidelity
+        self.latest_snapshot = e.snapshot
+        self.borrows_volumes = e.snapshot is not None and e.snapshot.borrowed
+
+    def when_SnapshotTaken(self, e: SnapshotTaken) -> None:
+        self.latest_snapshot = e.snapshot
+        if e.origin is SnapshotOrigin.PROMOTE:
+            self.state = ActorState.SUSPENDED
+            self.node_pin = None
+        if e.origin in (SnapshotOrigin.SUSPEND, SnapshotOrigin.PROMOTE):
+            self.borrows_volumes = False
+
+    def when_TemplateChanged(self, e: TemplateChanged) -> None:
+        self.template_uid = e.template_uid
+        self.template_version = self.version + 1
+
+    def when_ActorPlaced(self, e: ActorPlaced) -> None:
+        self.state = ActorState.RUNNING
+        self.assignment = e
+        self.assignment_version = self.version + 1
+        self.running_template_uid = self.template_uid
+        self.node_pin = None
+
+    def when_ActorReleased(self, e: ActorReleased) -> None:
+        released = self.assignment
+        self.assignment = None
+        if e.reason is ReleaseReason.PAUSED:
+            self.state = ActorState.PAUSED
+            self.node_pin = released.node if released is not None else None
+        elif e.reason in (ReleaseReason.SUSPENDED, ReleaseReason.WORKER_REMOVED):
+            # A lost worker took the instance with it: the actor resumes from its
+            # latest snapshot, like a suspended one.
+            self.state = ActorState.SUSPENDED
+        # STOPPED: ActorStopped follows in the same append and sets the state.
+
+    def when_ActorStopped(self, e: ActorStopped) -> None:
+        self.state = ActorState.STOPPED
+        self.assignment = None
+        self.node_pin = None
+
+
+class Tag(WireAggregate):
+    """A tag's history `tag.<tag>`: each TagRecorded names the snapshot the tag now points at."""
+
+    KIND = "tag"
+
+    def __init__(self, entity_id: str):
+        super().__init__(entity_id)
+        self.snapshot: Snapshot | None = None
+
+    def name(self, snapshot: Snapshot, request_id: str | None, at: datetime) -> None:
+        self.record(TagRecorded(tag=self.entity_id, snapshot=snapshot, at=at, request_id=request_id))
+
+    def when_TagRecorded(self, e: TagRecorded) -> None:
+        self.snapshot = e.snapshot
+
+
+# --- who is placed where: the fold the worker-removal process follows -----------------
+
+
+@dataclass(frozen=True)
+class Release:
+    """A placement to end because its worker was removed."""
+
+    actor_id: str
+    worker_id: str
+    placed_version: int  # the actor version of the ActorPlaced that made the placement
+
+
+class PlacementFold:
+    """Which actor is placed on which worker, folded from the log in stream order.
+
+    `apply` returns the placements that must be released because of the event:
+    every placement on a worker when it is removed, and a placement made on a
+    worker that was already removed (a scheduler that had not yet seen the
+    removal). A later `WorkerRegistered` of the same id makes it a live worker again.
+    """
+
+    def __init__(self) -> None:
+        self.on_worker: dict[str, dict[str, int]] = {}  # worker_id -> {actor_id: placed_version}
+        self.worker_of: dict[str, str] = {}  # actor_id -> worker_id
+        self.removed: set[str] = set()
+
+    def placed_on(self, worker_id: str) -> dict[str, int]:
+        return dict(self.on_worker.get(worker_id, {}))
+
+    def apply(self, originator_version: int, e: Event) -> list[Release]:
+        if isinstance(e, ActorPlaced):
+            self._forget(e.actor_id)
+            if e.worker_id in self.removed:
+                return [Release(e.actor_id, e.worker_id, originator_version)]
+            self.on_worker.setdefault(e.worker_id, {})[e.actor_id] = originator_version
+            self.worker_of[e.actor_id] = e.worker_id
+        elif isinstance(e, (ActorReleased, ActorStopped)):
+            self._forget(e.actor_id)
+        elif isinstance(e, WorkerRemoved):
+            self.removed.add(e.worker_id)
+            placed = self.on_worker.pop(e.worker_id, {})
+            for actor_id in placed:
+                del self.worker_of[actor_id]
+            return [Release(a, e.worker_id, v) for a, v in sorted(placed.items())]
+        elif isinstance(e, WorkerRegistered):
+            self.removed.discard(e.worker_id)
+        return []
+
+    def _forget(self, actor_id: str) -> None:
+        worker_id = self.worker_of.pop(actor_id, None)
+        if worker_id is not None:
+            actors = self.on_worker[worker_id]
+            del actors[actor_id]
+            if not actors:
+                del self.on_worker[worker_id]

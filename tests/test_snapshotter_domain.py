@@ -1,0 +1,399 @@
+"""The Actor aggregate and the stamping rules, without a bus: decisions are pure."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import msgspec
+import pytest
+
+from events.errors import ContractError
+from events.schema import (
+    Action,
+    ActorCreated,
+    ActorPlaced,
+    ActorReleased,
+    ActorRuntime,
+    ActorStopped,
+    Attribute,
+    CompatVersion,
+    CreateActor,
+    ErrorCode,
+    Fidelity,
+    Location,
+    PlacedFidelity,
+    ReleaseReason,
+    Resources,
+    Snapshot,
+    SnapshotOrigin,
+    SnapshotTaken,
+    TagRecorded,
+    TemplateChanged,
+    WorkerRegistered,
+    WorkerRemoved,
+)
+from services.snapshotter.domain import (
+    Actor,
+    ActorState,
+    PlacementFold,
+    Release,
+    Tag,
+    default_snapshot_id,
+    initial_snapshot,
+    stamp_from_pin,
+)
+
+T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+CLASS = "gvisor"
+
+
+def runtime(version: str) -> ActorRuntime:
+    return ActorRuntime(
+        sandbox_class=CLASS,
+        name=f"runsc-{version}",
+        version=CompatVersion(
+            schema_version="v1",
+            attributes=(Attribute(key="architecture", value="amd64"),
+                        Attribute(key="gvisor_asset_hash", value=version)),
+        ),
+    )
+
+
+V1, V2 = runtime("v1"), runtime("v2")
+
+
+def at(seconds: int = 0) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+def create_request(actor_id: str = "a-1", **kw) -> CreateActor:
+    return CreateActor(
+        actor_id=actor_id, sandbox_class=CLASS, template_uid="tpl-1",
+        resources=Resources(cpu_millis=500, memory_mib=512), **kw,
+    )
+
+
+def placed(actor: Actor, worker_id: str = "w-1", node: str = "n-1", pin: ActorRuntime = V1) -> ActorPlaced:
+    return ActorPlaced(
+        actor_id=actor.entity_id, worker_id=worker_id, node=node, action=Action.RUN,
+        fidelity=PlacedFidelity.NONE, sandbox_runtime=pin,
+        booked=Resources(cpu_millis=500, memory_mib=512), at=at(1),
+    )
+
+
+def created(actor_id: str = "a-1", **kw) -> Actor:
+    actor = Actor(actor_id)
+    actor.create(create_request(actor_id, **kw), None, at())
+    return actor
+
+
+def running(actor_id: str = "a-1", pin: ActorRuntime = V1, node: str = "n-1") -> Actor:
+    actor = created(actor_id)
+    actor.place(placed(actor, node=node, pin=pin))
+    return actor
+
+
+def bodies(actor: Actor) -> list:
+    return [e.body for e in actor.collect_events()]
+
+
+def code_of(excinfo) -> ErrorCode:
+    return excinfo.value.code
+
+
+def golden(stamp: ActorRuntime | None = V1) -> Snapshot:
+    return Snapshot(
+        snapshot_id="golden-7", actor_id="template-actor", template_uid="tpl-1",
+        fidelity=Fidelity.MEMORY, location=Location.EXTERNAL, uri="s3://golden/7",
+        sandbox_runtime=stamp, taken_at=at(-100),
+    )
+
+
+# --- stamping rules ---------------------------------------------------------------
+
+
+def test_pause_stamps_the_pin_makes_a_local_memory_snapshot_and_keeps_the_node():
+    actor = running(pin=V1, node="n-9")
+    actor.collect_events()
+    snapshot = actor.pause(None, "r-1", at(5))
+    assert snapshot.sandbox_runtime == V1
+    assert (snapshot.location, snapshot.fidelity, snapshot.node) == (Location.LOCAL, Fidelity.MEMORY, "n-9")
+    assert snapshot.taken_at == at(5) and snapshot.template_uid == "tpl-1"
+    events = bodies(actor)
+    assert [type(e) for e in events] == [SnapshotTaken, ActorReleased]
+    assert events[0].origin is SnapshotOrigin.PAUSE and events[0].snapshot == snapshot
+    assert events[1].reason is ReleaseReason.PAUSED and events[1].worker_id == "w-1"
+    assert all(e.request_id == "r-1" for e in events)
+    assert actor.state is ActorState.PAUSED and actor.node_pin == "n-9" and actor.assignment is None
+
+
+def test_stamp_comes_from_the_assignment_never_from_anything_else():
+    actor = running(pin=V1)
+    assert stamp_from_pin(actor.assignment) == V1
+    # The stamp functions take only the assignment: a worker's default cannot leak in.
+    assert actor.pause(None, None, at(2)).sandbox_runtime == V1
+
+
+def test_suspend_from_running_is_external_of_the_requested_fidelity_stamped_from_the_pin():
+    actor = running(pin=V2)
+    actor.collect_events()
+    snapshot = actor.suspend("snap-x", "s3://b/x", Fidelity.VOLUMES, None, at(3))
+    assert snapshot.sandbox_runtime == V2  # VOLUMES is stamped too, for the record
+    assert (snapshot.snapshot_id, snapshot.location, snapshot.fidelity, snapshot.node, snapshot.uri) == (
+        "snap-x", Location.EXTERNAL, Fidelity.VOLUMES, None, "s3://b/x")
+    events = bodies(actor)
+    assert [type(e) for e in events] == [SnapshotTaken, ActorReleased]
+    assert events[0].origin is SnapshotOrigin.SUSPEND
+    assert events[1].reason is ReleaseReason.SUSPENDED
+    assert actor.state is ActorState.SUSPENDED and actor.node_pin is None
+
+
+def test_suspend_from_paused_promotes_the_local_snapshot_keeping_its_stamp_and_image():
+    actor = running(pin=V1, node="n-3")
+    local = actor.pause(None, None, at(5))
+    actor.collect_events()
+    promoted = actor.suspend(None, "s3://b/p", Fidelity.MEMORY, None, at(50))
+    assert promoted.sandbox_runtime == V1
+    assert promoted.snapshot_id == local.snapshot_id and promoted.taken_at == local.taken_at
+    assert (promoted.location, promoted.node, promoted.uri) == (Location.EXTERNAL, None, "s3://b/p")
+    events = bodies(actor)
+    assert [type(e) for e in events] == [SnapshotTaken]  # nothing held, nothing released
+    assert events[0].origin is SnapshotOrigin.PROMOTE
+    assert actor.state is ActorState.SUSPENDED and actor.node_pin is None
+
+
+def test_rolling_upgrade_actor_started_on_v1_stays_v1_and_a_new_placement_gets_its_own_pin():
+    old = running("old", pin=V1)  # placed before the worker's default moved to v2
+    fresh = running("fresh", pin=V2)  # placed after: the scheduler pinned the new default
+    assert old.pause(None, None, at(9)).sandbox_runtime == V1
+    assert old.suspend(None, None, Fidelity.MEMORY, None, at(10)).sandbox_runtime == V1
+    assert fresh.pause(None, None, at(9)).sandbox_runtime == V2
+
+
+def test_default_snapshot_id_is_deterministic_unique_per_version_and_a_valid_id():
+    assert default_snapshot_id("a-1", 4) == "a-1-v4"
+    long_a, long_b = "a" * 127 + "x", "a" * 127 + "y"
+    ids = {default_snapshot_id(long_a, 4), default_snapshot_id(long_b, 4), default_snapshot_id(long_a, 5)}
+    assert len(ids) == 3 and all(len(i) <= 128 for i in ids)
+    assert default_snapshot_id(long_a, 4) == default_snapshot_id(long_a, 4)
+    actor = running()
+    snapshot = actor.pause(None, None, at(1))
+    assert snapshot.snapshot_id == f"a-1-v{actor.version - 1}"  # the SnapshotTaken's version
+
+
+def test_tag_copies_the_latest_snapshot_with_its_stamp_onto_the_actor_and_the_tag():
+    actor = running(pin=V1)
+    snapshot = actor.suspend(None, "s3://x", Fidelity.MEMORY, None, at(2))
+    actor.collect_events()
+    tag = Tag("release-1")
+    copy = actor.tag(tag, "r-9", at(3))
+    assert copy == snapshot and copy.sandbox_runtime == V1
+    (taken,) = bodies(actor)
+    assert taken.origin is SnapshotOrigin.TAG and taken.snapshot == snapshot
+    (recorded,) = bodies(tag)
+    assert isinstance(recorded, TagRecorded) and recorded.tag == "release-1" and recorded.snapshot == snapshot
+    assert tag.snapshot == snapshot and actor.latest_snapshot == snapshot
+
+
+def test_create_from_a_tag_keeps_the_stamp_and_makes_the_copy_the_new_actors():
+    source = running("src", pin=V1)
+    snapshot = source.suspend(None, "s3://x", Fidelity.MEMORY, None, at(2))
+    actor = Actor("a-2")
+    actor.create(create_request("a-2", source_tag="t"), snapshot, at(4))
+    events = bodies(actor)
+    assert [type(e) for e in events] == [ActorCreated, SnapshotTaken]
+    first = events[0].snapshot
+    assert first == events[1].snapshot and events[1].origin is SnapshotOrigin.CREATE
+    assert first.sandbox_runtime == V1 and first.actor_id == "a-2" and first.borrowed is False
+    assert msgspec.structs.replace(first, actor_id="src") == snapshot
+    assert actor.state is ActorState.CREATED and actor.latest_snapshot == first
+
+
+def test_create_from_golden_keeps_the_stamp_and_is_borrowed_until_the_first_suspend():
+    actor = created("a-3", golden_snapshot=golden(V2))
+    assert actor.latest_snapshot.borrowed is True and actor.latest_snapshot.sandbox_runtime == V2
+    assert actor.latest_snapshot.actor_id == "a-3" and actor.latest_snapshot.snapshot_id == "golden-7"
+    actor.place(placed(actor, pin=V2))
+    assert actor.pause(None, None, at(3)).borrowed is True  # no volumes of its own yet
+    assert actor.suspend(None, "s3://own", Fidelity.VOLUMES, None, at(4)).borrowed is False
+    actor.place(placed(actor, pin=V2))
+    assert actor.pause(None, None, at(6)).borrowed is False
+
+
+def test_initial_snapshot_without_a_source_is_none():
+    assert initial_snapshot("a", None, None) is None
+    assert bodies(created())[0].snapshot is None
+
+
+# --- transitions and refusals ----------------------------------------------------------
+
+
+def test_create_twice_is_already_exists_and_from_an_unknown_tag_not_found():
+    actor = created()
+    with pytest.raises(ContractError) as e:
+        actor.create(create_request(), None, at())
+    assert code_of(e) is ErrorCode.ALREADY_EXISTS
+    with pytest.raises(ContractError) as e:
+        Actor("a-9").create(create_request("a-9", source_tag="nope"), None, at())
+    assert code_of(e) is ErrorCode.NOT_FOUND and e.value.field == "source_tag"
+
+
+@pytest.mark.parametrize("verb", ["pause", "suspend", "tag", "update", "stop"])
+def test_unknown_actor_is_not_found(verb):
+    actor = Actor("ghost")
+    calls = {
+        "pause": lambda: actor.pause(None, None, at()),
+        "suspend": lambda: actor.suspend(None, None, Fidelity.MEMORY, None, at()),
+        "tag": lambda: actor.tag(Tag("t"), None, at()),
+        "update": lambda: actor.change_template("tpl-2", None, at()),
+        "stop": lambda: actor.stop(None, at()),
+    }
+    with pytest.raises(ContractError) as e:
+        calls[verb]()
+    assert code_of(e) is ErrorCode.NOT_FOUND
+    assert actor.pending_events == []
+
+
+def states() -> dict[str, Actor]:
+    paused = running("p")
+    paused.pause(None, None, at(1))
+    suspended = running("s")
+    suspended.suspend(None, None, Fidelity.ROOTFS, None, at(1))
+    stopped = created("x")
+    stopped.stop(None, at(1))
+    for actor in (paused, suspended, stopped):
+        actor.collect_events()
+    return {"CREATED": created("c"), "PAUSED": paused, "SUSPENDED": suspended, "STOPPED": stopped}
+
+
+ILLEGAL = [
+    ("pause", "CREATED"), ("pause", "PAUSED"), ("pause", "SUSPENDED"), ("pause", "STOPPED"),
+    ("suspend", "CREATED"), ("suspend", "SUSPENDED"), ("suspend", "STOPPED"),
+    ("tag", "CREATED"), ("tag", "STOPPED"), ("update", "STOPPED"), ("stop", "STOPPED"),
+]
+
+
+@pytest.mark.parametrize("verb,state", ILLEGAL)
+def test_illegal_transitions_are_failed_precondition_and_record_nothing(verb, state):
+    actor = states()[state]
+    actor.collect_events()
+    version = actor.version
+    calls = {
+        "pause": lambda: actor.pause(None, None, at(9)),
+        "suspend": lambda: actor.suspend(None, None, Fidelity.MEMORY, None, at(9)),
+        "tag": lambda: actor.tag(Tag("t"), None, at(9)),
+        "update": lambda: actor.change_template("tpl-2", None, at(9)),
+        "stop": lambda: actor.stop(None, at(9)),
+    }
+    with pytest.raises(ContractError) as e:
+        calls[verb]()
+    assert code_of(e) is ErrorCode.FAILED_PRECONDITION
+    assert actor.pending_events == [] and actor.version == version
+
+
+def test_resume_rules_running_and_stopped_refuse_and_paused_only_on_its_node():
+    actor = running()
+    with pytest.raises(ContractError) as e:
+        actor.place(placed(actor))
+    assert code_of(e) is ErrorCode.FAILED_PRECONDITION
+    actor.pause(None, None, at(2))
+    with pytest.raises(ContractError) as e:
+        actor.place(placed(actor, node="elsewhere"))
+    assert code_of(e) is ErrorCode.FAILED_PRECONDITION
+    actor.place(placed(actor, node="n-1"))
+    assert actor.state is ActorState.RUNNING and actor.node_pin is None
+
+
+def test_update_template_records_once_and_a_running_instance_keeps_its_template():
+    actor = running()
+    actor.collect_events()
+    assert actor.change_template("tpl-2", "r", at(2)) is True
+    (event,) = bodies(actor)
+    assert isinstance(event, TemplateChanged) and event.template_uid == "tpl-2"
+    assert actor.change_template("tpl-2", "r2", at(3)) is False and bodies(actor) == []
+    # The running instance was started from tpl-1: its snapshot says so.
+    assert actor.pause(None, None, at(4)).template_uid == "tpl-1"
+    actor.place(placed(actor))
+    assert actor.pause(None, None, at(5)).template_uid == "tpl-2"
+
+
+def test_stop_releases_what_it_holds_then_stops():
+    actor = running()
+    actor.collect_events()
+    actor.stop("r", at(2))
+    events = bodies(actor)
+    assert [type(e) for e in events] == [ActorReleased, ActorStopped]
+    assert events[0].reason is ReleaseReason.STOPPED and events[0].worker_id == "w-1"
+    assert actor.state is ActorState.STOPPED and actor.assignment is None
+    paused = running("p")
+    paused.pause(None, None, at(1))
+    paused.collect_events()
+    paused.stop(None, at(2))
+    assert [type(e) for e in bodies(paused)] == [ActorStopped]
+    assert paused.node_pin is None
+
+
+def test_release_from_removed_worker_only_ends_the_placement_it_names():
+    actor = running()
+    placed_version = actor.assignment_version
+    actor.collect_events()
+    assert actor.release_from_removed_worker("w-other", placed_version, at(2)) is False
+    assert actor.release_from_removed_worker("w-1", placed_version + 7, at(2)) is False
+    assert actor.release_from_removed_worker("w-1", placed_version, at(2)) is True
+    (event,) = bodies(actor)
+    assert event.reason is ReleaseReason.WORKER_REMOVED and event.worker_id == "w-1"
+    assert actor.state is ActorState.SUSPENDED
+    assert actor.release_from_removed_worker("w-1", placed_version, at(3)) is False  # once
+
+
+def test_replaying_the_history_rebuilds_the_same_state():
+    actor = running(pin=V1)
+    actor.pause(None, None, at(2))
+    actor.suspend(None, "s3://x", Fidelity.MEMORY, None, at(3))
+    events = actor.collect_events()
+    replayed = None
+    for event in events:
+        replayed = event.mutate(replayed)
+    assert replayed.state is actor.state and replayed.latest_snapshot == actor.latest_snapshot
+    assert replayed.version == actor.version
+
+
+# --- the placement fold ----------------------------------------------------------------
+
+
+def worker_removed(worker_id: str) -> WorkerRemoved:
+    return WorkerRemoved(worker_id=worker_id, reason="LOST", at=at(10))
+
+
+def test_fold_releases_every_actor_on_a_removed_worker_once():
+    fold = PlacementFold()
+    a, b, c = running("a"), running("b"), running("c")
+    assert fold.apply(2, placed(a, worker_id="w-1")) == []
+    assert fold.apply(2, placed(b, worker_id="w-1")) == []
+    assert fold.apply(2, placed(c, worker_id="w-2")) == []
+    assert fold.apply(3, ActorReleased(actor_id="b", worker_id="w-1", reason=ReleaseReason.PAUSED, at=at(4))) == []
+    assert fold.apply(5, placed(b, worker_id="w-1")) == []
+    assert fold.apply(1, worker_removed("w-1")) == [Release("a", "w-1", 2), Release("b", "w-1", 5)]
+    assert fold.apply(2, worker_removed("w-1")) == []
+    assert fold.placed_on("w-2") == {"c": 2}
+
+
+def test_fold_releases_a_placement_on_an_already_removed_worker_until_it_registers_again():
+    fold = PlacementFold()
+    fold.apply(1, worker_removed("w-1"))
+    a = running("a")
+    assert fold.apply(2, placed(a, worker_id="w-1")) == [Release("a", "w-1", 2)]
+    registered = WorkerRegistered(
+        worker_id="w-1", node="n-1", capacity=Resources(cpu_millis=1000, memory_mib=1024),
+        labels={}, sandbox_classes=(), at=at(20),
+    )
+    fold.apply(2, registered)
+    assert fold.apply(4, placed(a, worker_id="w-1")) == []
+    assert fold.placed_on("w-1") == {"a": 4}
+
+
+def test_fold_forgets_stopped_actors():
+    fold = PlacementFold()
+    fold.apply(2, placed(running("a")))
+    fold.apply(4, ActorStopped(actor_id="a", at=at(3)))
+    assert fold.apply(1, worker_removed("w-1")) == []
