@@ -1,0 +1,264 @@
+"""What the registry decides about a worker: the Worker aggregate.
+
+Pure decisions: no I/O, no asyncio, no clock (each command takes `at`). The
+service (`services.registry.service`) loads a Worker, calls one command, and
+saves the events it recorded.
+
+Rules (CONTRACT sections 2 and 3, Registry):
+
+- A worker's first registration fixes its set of sandbox classes. A later one
+  that adds or drops a class is FAILED_PRECONDITION (field `sandbox_classes`):
+  a worker does not change class; it is removed and registered anew.
+- What is stored is canonical: classes sorted by name, each version's attributes
+  sorted by key. So a report whose classes or attributes come in another order is
+  no change, while the order of `restorable_runtimes` is kept (a match tries them
+  in order), so reordering them is a runtime change.
+- Identical content writes nothing (`UNCHANGED`). Any difference in a class entry
+  (a default or restorable runtime's version, name or actor overhead) writes
+  `RuntimeChanged` with the whole new set and the set it replaces; a different
+  node, capacity or labels writes `WorkerUpdated`. Both may come from one
+  request: `RuntimeChanged` is written first and the outcome is `RUNTIME_CHANGED`.
+- Lives: `WorkerRemoved` (by a caller or as `LOST`) ends a worker's life. A
+  removed worker may register again: that writes `WorkerRegistered` and starts a
+  new life with whatever classes it now reports, undrained.
+- Drain is sticky within a life: a drained worker that registers again (say,
+  after its agent restarted) stays drained, as a cordoned node stays cordoned
+  when its kubelet restarts. Draining a drained worker writes nothing.
+- Drain and remove of a worker that is not registered (never was, or removed)
+  are NOT_FOUND; so is a heartbeat.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from events.aggregate import WireAggregate
+from events.compat import canonical_version
+from events.errors import invalid, not_found, precondition
+from events.schema import (
+    Event,
+    Labels,
+    RegisterOutcome,
+    RegisterWorker,
+    Resources,
+    RuntimeChanged,
+    WorkerDrained,
+    WorkerRegistered,
+    WorkerRemoved,
+    WorkerRuntime,
+    WorkerSandboxClass,
+    WorkerUpdated,
+)
+
+LOST = "LOST"
+
+# Which events each request verb writes: a request_id reused across verbs is refused.
+VERB_EVENTS: dict[str, tuple[type[Event], ...]] = {
+    "register": (WorkerRegistered, RuntimeChanged, WorkerUpdated),
+    "drain": (WorkerDrained,),
+    "remove": (WorkerRemoved,),
+}
+
+
+def canonical_runtime(runtime: WorkerRuntime) -> WorkerRuntime:
+    version = canonical_version(runtime.version)
+    if version is runtime.version:
+        return runtime
+    return WorkerRuntime(version=version, name=runtime.name, actor_overhead=runtime.actor_overhead)
+
+
+def canonical_classes(classes: tuple[WorkerSandboxClass, ...]) -> tuple[WorkerSandboxClass, ...]:
+    """The stored form of a worker's class entries: sorted by class, attributes sorted by key."""
+    return tuple(
+        WorkerSandboxClass(
+            sandbox_class=entry.sandbox_class,
+            default_runtime=canonical_runtime(entry.default_runtime),
+            restorable_runtimes=tuple(canonical_runtime(r) for r in entry.restorable_runtimes),
+        )
+        for entry in sorted(classes, key=lambda e: e.sandbox_class)
+    )
+
+
+def register_outcome(events: list[Event]) -> RegisterOutcome:
+    """The outcome a registration answered, from the events it wrote."""
+    kinds = {type(e) for e in events}
+    if WorkerRegistered in kinds:
+        return RegisterOutcome.REGISTERED
+    if RuntimeChanged in kinds:
+        return RegisterOutcome.RUNTIME_CHANGED
+    if WorkerUpdated in kinds:
+        return RegisterOutcome.UPDATED
+    return RegisterOutcome.UNCHANGED
+
+
+def _names(classes: tuple[WorkerSandboxClass, ...]) -> list[str]:
+    return sorted(entry.sandbox_class for entry in classes)
+
+
+class Worker(WireAggregate):
+    """One worker's history (`worker.<worker_id>`): registrations, drains, removals."""
+
+    KIND = "worker"
+
+    def __init__(self, entity_id: str):
+        super().__init__(entity_id)
+        self.alive = False  # registered, and not removed since
+        self.lives = 0
+        self.node: str | None = None
+        self.capacity: Resources | None = None
+        self.labels: Labels = {}
+        self.sandbox_classes: tuple[WorkerSandboxClass, ...] = ()
+        self.drained = False
+        self.removed_reason: str | None = None
+        # request_id -> versions of the events it wrote, oldest first
+        self.request_versions: dict[str, list[int]] = {}
+
+    # --- decisions ------------------------------------------------------------------
+
+    def register(self, request: RegisterWorker, at: datetime) -> RegisterOutcome:
+        classes = canonical_classes(request.sandbox_classes)
+        rid = request.request_id
+        if not self.alive:
+            self.record(
+                WorkerRegistered(
+                    at=at,
+                    request_id=rid,
+                    worker_id=self.entity_id,
+                    node=request.node,
+                    capacity=request.capacity,
+                    labels=dict(request.labels),
+                    sandbox_classes=classes,
+                )
+            )
+            return RegisterOutcome.REGISTERED
+        self._check_same_classes(classes)
+        runtime_changed = classes != self.sandbox_classes
+        updated = (request.node, request.capacity, dict(request.labels)) != (
+            self.node,
+            self.capacity,
+            self.labels,
+        )
+        if runtime_changed:
+            self.record(
+                RuntimeChanged(
+                    at=at,
+                    request_id=rid,
+                    worker_id=self.entity_id,
+                    sandbox_classes=classes,
+                    previous=self.sandbox_classes,
+                )
+            )
+        if updated:
+            self.record(
+                WorkerUpdated(
+                    at=at,
+                    request_id=rid,
+                    worker_id=self.entity_id,
+                    node=request.node,
+                    capacity=request.capacity,
+                    labels=dict(request.labels),
+                )
+            )
+        if runtime_changed:
+            return RegisterOutcome.RUNTIME_CHANGED
+        return RegisterOutcome.UPDATED if updated else RegisterOutcome.UNCHANGED
+
+    def drain(self, reason: str | None, at: datetime, request_id: str | None = None) -> bool:
+        """Mark the worker drained; False (nothing written) if it already is."""
+        self.require_alive()
+        if self.drained:
+            return False
+        self.record(WorkerDrained(at=at, request_id=request_id, worker_id=self.entity_id, reason=reason))
+        return True
+
+    def remove(self, reason: str | None, at: datetime, request_id: str | None = None) -> None:
+        self.require_alive()
+        self.record(WorkerRemoved(at=at, request_id=request_id, worker_id=self.entity_id, reason=reason))
+
+    def lose(self, at: datetime) -> bool:
+        """Remove the worker as LOST (its heartbeats stopped); False if it is not alive.
+
+        Two registry replicas deciding this on the same version conflict on save;
+        the loser re-decides on the fresh state, finds the worker removed, and
+        writes nothing: exactly one `WorkerRemoved(LOST)` per life.
+        """
+        if not self.alive:
+            return False
+        self.record(WorkerRemoved(at=at, worker_id=self.entity_id, reason=LOST))
+        return True
+
+    def require_alive(self) -> None:
+        if not self.alive:
+            if self.lives:
+                raise not_found(f"worker {self.entity_id!r} was removed ({self.removed_reason or 'no reason'})")
+            raise not_found(f"worker {self.entity_id!r} is not registered")
+
+    def answered(self, verb: str, request_id: str | None) -> list[int]:
+        """Versions of the events an earlier `verb` request with this request_id wrote.
+
+        Empty if it wrote none (or never came). A request_id that wrote events of
+        another verb is refused: it names a different request.
+        """
+        if request_id is None:
+            return []
+        versions = self.request_versions.get(request_id, [])
+        if versions:
+            first = self.history[versions[0] - 1]
+            if not isinstance(first, VERB_EVENTS[verb]):
+                raise invalid(
+                    f"request_id {request_id!r} was already used for another request "
+                    f"(it wrote {type(first).__name__})",
+                    "request_id",
+                )
+        return versions
+
+    def events_at(self, versions: list[int]) -> list[Event]:
+        return [self.history[v - 1] for v in versions]
+
+    def _check_same_classes(self, classes: tuple[WorkerSandboxClass, ...]) -> None:
+        have, want = _names(self.sandbox_classes), _names(classes)
+        if have == want:
+            return
+        added = [c for c in want if c not in have]
+        dropped = [c for c in have if c not in want]
+        parts = []
+        if added:
+            parts.append(f"adds {', '.join(added)}")
+        if dropped:
+            parts.append(f"drops {', '.join(dropped)}")
+        raise precondition(
+            f"worker {self.entity_id!r} registered the sandbox classes [{', '.join(have)}]; "
+            f"this registration {' and '.join(parts)}. A worker does not change class: "
+            "remove it and register it anew",
+            "sandbox_classes",
+        )
+
+    # --- evolution ----------------------------------------------------------------------
+
+    def apply(self, body: Event) -> None:
+        # Called before the version moves on: this event's version is self.version + 1.
+        super().apply(body)
+        if body.request_id is not None:
+            self.request_versions.setdefault(body.request_id, []).append(self.version + 1)
+
+    def when_WorkerRegistered(self, event: WorkerRegistered) -> None:
+        self.alive = True
+        self.lives += 1
+        self.drained = False
+        self.removed_reason = None
+        self.node, self.capacity, self.labels = event.node, event.capacity, dict(event.labels)
+        self.sandbox_classes = canonical_classes(event.sandbox_classes)
+
+    def when_RuntimeChanged(self, event: RuntimeChanged) -> None:
+        self.sandbox_classes = canonical_classes(event.sandbox_classes)
+
+    def when_WorkerUpdated(self, event: WorkerUpdated) -> None:
+        self.node, self.capacity, self.labels = event.node, event.capacity, dict(event.labels)
+
+    def when_WorkerDrained(self, event: WorkerDrained) -> None:
+        self.drained = True
+
+    def when_WorkerRemoved(self, event: WorkerRemoved) -> None:
+        self.alive = False
+        self.drained = False
+        self.removed_reason = event.reason or ""

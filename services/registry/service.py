@@ -1,0 +1,448 @@
+"""How the registry talks: the `warmboot-registry` micro service, its event store and its liveness.
+
+What it decides is in `services.registry.domain`. Here:
+
+- `RegistryStore`: the eventsourcing application over the JetStream event store
+  (`store_env`). Each command loads a Worker, decides, saves; `run_command` runs it
+  off the event loop and again on a lost optimistic-concurrency race, so any number
+  of replicas may serve the same worker.
+- `Liveness`: heartbeats are not events. Each one is a put of the worker's key in
+  the JetStream key-value bucket `<PREFIX>_HEARTBEATS` with a per-message TTL (the
+  registry's `ttl_s`, whole seconds). When a key outlives its TTL the server itself
+  removes it and writes a "MaxAge" marker in its place; the replicas share one
+  durable work-queue consumer on the bucket, so each marker reaches one replica,
+  which removes the worker as `LOST` (and a crash before the ack hands the marker to
+  another). Replicas do not poll or scan per worker; two that do handle the same
+  marker write one event between them, as the aggregate decides on fresh state.
+- `RegistryService`: the four endpoints of CONTRACT section 3 (Registry).
+
+Replies carry `seq`: the stream sequence of the last event the request wrote. A
+request that writes nothing (`UNCHANGED`, draining a drained worker) answers the
+sequence of the worker's last event, which includes everything it was answered
+from. A repeated `request_id` answers the first reply (ReplyCache), or, if that
+was lost, what the worker's history recorded for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from contextlib import suppress
+from datetime import datetime
+from typing import Awaitable, Callable
+
+import msgspec
+from eventsourcing.application import AggregateNotFoundError
+from nats.aio.client import Client as NATS
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, KeyValueConfig, StorageType
+from nats.js.errors import NotFoundError
+from prometheus_client import Counter
+
+from events.aggregate import WireApplication, now
+from events.codec import decode_event, encode
+from events.errors import invalid, unavailable
+from events.schema import (
+    DrainWorker,
+    Heartbeat,
+    HeartbeatReply,
+    RegisterOutcome,
+    RegisterReply,
+    RegisterWorker,
+    RemoveWorker,
+    SeqReply,
+    WorkerRemoved,
+)
+from events.subjects import bucket_name, check_prefix, event_subject, stream_name
+from services.common import EndpointSpec, ReplyCache, add_endpoints, run_command, store_env
+from services.registry.domain import Worker, register_outcome
+
+log = logging.getLogger("warmboot.registry")
+
+SERVICE = "registry"
+DEFAULT_TTL_S = 15.0
+# How long the server keeps an expiry marker: the registry may be down this long
+# and still remove every worker that went silent meanwhile (start-up reconciliation
+# covers longer outages). Part of the bucket's configuration, so not tied to ttl_s.
+MARKER_TTL_S = 300.0
+SWEEPER = "registry-sweeper"
+MARKER_REASON = "Nats-Marker-Reason"
+
+REGISTRATIONS = Counter(
+    "warmboot_registry_registrations_total", "Registrations answered, by outcome", ["outcome"]
+)
+LOST_WORKERS = Counter("warmboot_registry_workers_lost_total", "Workers removed as LOST by this replica")
+
+
+class Decided(msgspec.Struct, frozen=True):
+    """What a command decided: its answer, and where in the log the answer stands.
+
+    `seq` is the stream sequence of the last event written, when the command wrote
+    any; otherwise `version` is the worker's version the answer stands on (its last
+    event, or the last event an earlier request with the same request_id wrote),
+    whose sequence the service looks up.
+    """
+
+    outcome: RegisterOutcome | None = None
+    seq: int | None = None
+    version: int = 0
+    wrote: bool = False
+
+
+class RegistryStore(WireApplication):
+    """The Worker repository on the event store: one load-decide-save per command."""
+
+    name = "registry"
+
+    def load(self, worker_id: str) -> Worker:
+        try:
+            return self.repository.get(Worker.create_id(worker_id))
+        except AggregateNotFoundError:
+            return Worker(worker_id)
+
+    def _commit(self, worker: Worker, outcome: RegisterOutcome | None = None) -> Decided:
+        if not worker.pending_events:
+            return Decided(outcome=outcome, version=worker.version)
+        recordings = self.save(worker)
+        return Decided(outcome=outcome, seq=recordings[-1].notification.id, version=worker.version, wrote=True)
+
+    def register(self, request: RegisterWorker, at: datetime) -> Decided:
+        worker = self.load(request.worker_id)
+        earlier = worker.answered("register", request.request_id)
+        if earlier:
+            return Decided(outcome=register_outcome(worker.events_at(earlier)), version=earlier[-1])
+        outcome = worker.register(request, at)
+        return self._commit(worker, outcome)
+
+    def drain(self, worker_id: str, request: DrainWorker, at: datetime) -> Decided:
+        worker = self.load(worker_id)
+        earlier = worker.answered("drain", request.request_id)
+        if earlier:
+            return Decided(version=earlier[-1])
+        worker.drain(request.reason, at, request.request_id)
+        return self._commit(worker)
+
+    def remove(self, worker_id: str, request: RemoveWorker, at: datetime) -> Decided:
+        worker = self.load(worker_id)
+        earlier = worker.answered("remove", request.request_id)
+        if earlier:
+            return Decided(version=earlier[-1])
+        worker.remove(request.reason, at, request.request_id)
+        return self._commit(worker)
+
+    def lose(self, worker_id: str, at: datetime) -> Decided:
+        worker = self.load(worker_id)
+        worker.lose(at)
+        return self._commit(worker)
+
+    def require_alive(self, worker_id: str) -> None:
+        self.load(worker_id).require_alive()
+
+
+class EventPositions:
+    """Stream sequences of a worker's events, read from the stream itself.
+
+    A worker's subject holds exactly its events, version 1 first (the stream never
+    discards), so version v is the v-th message on the subject.
+    """
+
+    def __init__(self, nc: NATS, prefix: str):
+        self.js = nc.jetstream()
+        self.prefix = prefix
+        self.stream = stream_name(prefix)
+
+    async def seq_of(self, worker_id: str, version: int) -> int:
+        if version <= 0:
+            return 0
+        subject = event_subject(self.prefix, Worker.KIND, worker_id)
+        try:
+            info = await self.js.stream_info(self.stream, subjects_filter=subject)
+            count = (info.state.subjects or {}).get(subject, 0)
+            if count == version:
+                return (await self.js.get_msg(self.stream, subject=subject)).seq
+            # An earlier event (a repeated request_id, or a newer event appeared
+            # since the load): walk the subject from its start.
+            seq = 0
+            for _ in range(version):
+                seq = (await self.js.get_msg(self.stream, seq=seq + 1, subject=subject, next=True)).seq
+            return seq
+        except NotFoundError:
+            raise unavailable(f"the event log has no event {version} of worker {worker_id!r} yet") from None
+
+
+class Liveness:
+    """Heartbeats in a JetStream KV bucket with per-message TTLs; expiry markers swept once.
+
+    `on_expired(worker_id)` is awaited for each worker whose last heartbeat the
+    server expired; at most one replica gets each marker.
+    """
+
+    def __init__(self, nc: NATS, prefix: str, ttl_s: float, on_expired: Callable[[str], Awaitable[None]]):
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.bucket = bucket_name(prefix, "heartbeats")
+        self.stream = f"KV_{self.bucket}"
+        self.ttl_s = ttl_s
+        self.on_expired = on_expired
+        self._task: asyncio.Task[None] | None = None
+
+    def subject(self, worker_id: str) -> str:
+        return f"$KV.{self.bucket}.{worker_id}"
+
+    @property
+    def ttl_header(self) -> dict[str, str]:
+        # The server counts TTLs in whole seconds; round up so a worker never expires early.
+        return {"Nats-TTL": f"{max(1, math.ceil(self.ttl_s))}s"}
+
+    async def start(self) -> None:
+        await self.js.create_key_value(
+            KeyValueConfig(
+                bucket=self.bucket,
+                description="warmboot worker heartbeats: one key per worker, expiring after the registry's TTL",
+                history=1,
+                storage=StorageType.FILE,
+                limit_marker_ttl=MARKER_TTL_S,
+            )
+        )
+        self._sub = await self.js.pull_subscribe(
+            f"$KV.{self.bucket}.>",
+            durable=SWEEPER,
+            stream=self.stream,
+            config=ConsumerConfig(
+                durable_name=SWEEPER,
+                description="registry replicas share it: each expiry marker reaches one of them",
+                deliver_policy=DeliverPolicy.NEW,
+                ack_policy=AckPolicy.EXPLICIT,
+                ack_wait=30.0,
+                headers_only=True,
+                max_ack_pending=-1,
+            ),
+        )
+        self._task = asyncio.create_task(self._sweep(), name=f"{self.bucket}-sweep")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        with suppress(Exception):
+            await self._sub.unsubscribe()
+
+    async def beat(self, worker_id: str) -> None:
+        value = encode({"at": now(), "ttl_s": self.ttl_s})
+        await self.js.publish(self.subject(worker_id), value, headers=self.ttl_header)
+
+    async def forget(self, worker_id: str) -> None:
+        """Drop a removed worker's heartbeat, leaving a tombstone that expires by itself."""
+        await self.js.publish(
+            self.subject(worker_id),
+            b"",
+            headers={"KV-Operation": "PURGE", "Nats-Rollup": "sub", "Nats-TTL": f"{int(MARKER_TTL_S)}s"},
+        )
+
+    async def state(self, worker_id: str) -> str:
+        """`beating`, `expired` (the server's marker is the last entry) or `absent`."""
+        try:
+            msg = await self.js.get_msg(self.stream, subject=self.subject(worker_id))
+        except NotFoundError:
+            return "absent"
+        headers = msg.headers or {}
+        if headers.get(MARKER_REASON) == "MaxAge":
+            return "expired"
+        if MARKER_REASON in headers or "KV-Operation" in headers:
+            return "absent"
+        return "beating"
+
+    async def start_clock(self, worker_id: str) -> None:
+        """A heartbeat on behalf of a worker that has none, unless one arrives first."""
+        headers = {**self.ttl_header, "Nats-Expected-Last-Subject-Sequence": "0"}
+        with suppress(Exception):
+            await self.js.publish(self.subject(worker_id), encode({"at": now(), "ttl_s": self.ttl_s}), headers=headers)
+
+    async def _sweep(self) -> None:
+        backoff = 0.1
+        while True:
+            try:
+                msgs = await self._sub.fetch(128, timeout=5.0)
+            except NatsTimeoutError:
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # the server restarting, a leader change: try again
+                log.debug("heartbeat sweep: %r; retrying", error)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                continue
+            backoff = 0.1
+            for msg in msgs:
+                if (msg.headers or {}).get(MARKER_REASON) == "MaxAge":
+                    worker_id = msg.subject.rsplit(".", 1)[-1]
+                    try:
+                        await self.on_expired(worker_id)
+                    except asyncio.CancelledError:
+                        raise
+                    except Exception:
+                        log.warning("could not remove lost worker %s; redelivering", worker_id, exc_info=True)
+                        with suppress(Exception):
+                            await msg.nak(delay=1.0)
+                        continue
+                with suppress(Exception):
+                    await msg.ack()
+
+
+class RegistryService:
+    """`warmboot-registry`: register, heartbeat, drain and remove workers (CONTRACT section 3)."""
+
+    def __init__(
+        self,
+        nc: NATS,
+        *,
+        nats_url: str,
+        prefix: str,
+        ttl_s: float = DEFAULT_TTL_S,
+        store_replicas: int = 1,
+        env: dict[str, str] | None = None,
+    ):
+        if ttl_s < 1:
+            raise ValueError(f"ttl_s must be at least 1 second (heartbeat TTLs are whole seconds), not {ttl_s}")
+        self.nc = nc
+        self.prefix = check_prefix(prefix)
+        self.ttl_s = ttl_s
+        self.env = env if env is not None else store_env(nats_url, prefix, store_replicas)
+        self.store: RegistryStore | None = None
+        self.replies = ReplyCache(nc, prefix)
+        self.positions = EventPositions(nc, prefix)
+        self.liveness = Liveness(nc, prefix, ttl_s, self._expired)
+        self.service = None
+
+    async def start(self) -> "RegistryService":
+        self.store = await asyncio.to_thread(RegistryStore, self.env)
+        await self.replies.start()
+        await self.liveness.start()
+        await self.reconcile()
+        self.service = await add_endpoints(
+            self.nc,
+            self.prefix,
+            SERVICE,
+            "warmboot worker registry: workers report their runtimes per sandbox class",
+            [
+                EndpointSpec("register", RegisterWorker, self.register),
+                EndpointSpec("heartbeat", Heartbeat, self.heartbeat),
+                EndpointSpec("drain", DrainWorker, self.drain),
+                EndpointSpec("remove", RemoveWorker, self.remove),
+            ],
+        )
+        return self
+
+    async def stop(self) -> None:
+        if self.service is not None:
+            with suppress(Exception):
+                await self.service.stop()
+            self.service = None
+        await self.liveness.stop()
+        if self.store is not None:
+            await asyncio.to_thread(self.store.close)
+            self.store = None
+
+    # --- endpoints ----------------------------------------------------------------------
+
+    async def register(self, worker_id: str, request: RegisterWorker) -> RegisterReply:
+        if request.worker_id != worker_id:
+            raise invalid(
+                f"worker_id {request.worker_id!r} does not match the subject's worker {worker_id!r}",
+                "worker_id",
+            )
+
+        async def compute() -> RegisterReply:
+            decided = await run_command(lambda: self.store.register(request, now()))
+            # A registration is also a heartbeat; after the write, so a refused one is not.
+            await self.liveness.beat(worker_id)
+            REGISTRATIONS.labels(decided.outcome.value).inc()
+            return RegisterReply(outcome=decided.outcome, seq=await self._seq(worker_id, decided))
+
+        return await self.replies.once(f"register.{worker_id}", request.request_id, compute, RegisterReply)
+
+    async def heartbeat(self, worker_id: str, request: Heartbeat) -> HeartbeatReply:
+        await asyncio.to_thread(self.store.require_alive, worker_id)
+        await self.liveness.beat(worker_id)
+        return HeartbeatReply(ttl_s=self.ttl_s)
+
+    async def drain(self, worker_id: str, request: DrainWorker) -> SeqReply:
+        async def compute() -> SeqReply:
+            decided = await run_command(lambda: self.store.drain(worker_id, request, now()))
+            return SeqReply(seq=await self._seq(worker_id, decided))
+
+        return await self.replies.once(f"drain.{worker_id}", request.request_id, compute, SeqReply)
+
+    async def remove(self, worker_id: str, request: RemoveWorker) -> SeqReply:
+        async def compute() -> SeqReply:
+            decided = await run_command(lambda: self.store.remove(worker_id, request, now()))
+            if decided.wrote:
+                await self.liveness.forget(worker_id)
+            return SeqReply(seq=await self._seq(worker_id, decided))
+
+        return await self.replies.once(f"remove.{worker_id}", request.request_id, compute, SeqReply)
+
+    async def _seq(self, worker_id: str, decided: Decided) -> int:
+        if decided.seq is not None:
+            return decided.seq
+        return await self.positions.seq_of(worker_id, decided.version)
+
+    # --- liveness -------------------------------------------------------------------------
+
+    async def _expired(self, worker_id: str) -> None:
+        # A heartbeat (or a new registration) that came after the marker wins.
+        if await self.liveness.state(worker_id) == "beating":
+            return
+        decided = await run_command(lambda: self.store.lose(worker_id, now()))
+        if decided.wrote:
+            LOST_WORKERS.inc()
+            log.info("worker %s removed as LOST after %ss without a heartbeat", worker_id, self.ttl_s)
+
+    async def reconcile(self) -> None:
+        """At start: every registered worker has a heartbeat clock running, or is swept.
+
+        A worker registered while no replica could record its heartbeat, or whose
+        expiry marker aged out while every replica was down, would otherwise never
+        be found lost. Cost: one read per registered worker, once per start.
+        """
+        for worker_id in await self._registered_workers():
+            state = await self.liveness.state(worker_id)
+            if state == "absent":
+                await self.liveness.start_clock(worker_id)
+            elif state == "expired":
+                await self._expired(worker_id)
+
+    async def _registered_workers(self) -> list[str]:
+        """Workers whose last event is not a removal, from the stream's last message per worker."""
+        js = self.nc.jetstream()
+        subjects = event_subject(self.prefix, Worker.KIND, "*")
+        stream = stream_name(self.prefix)
+        try:
+            sub = await js.pull_subscribe(
+                subjects,
+                stream=stream,
+                config=ConsumerConfig(
+                    deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+                    ack_policy=AckPolicy.NONE,
+                    inactive_threshold=30.0,
+                ),
+            )
+        except NotFoundError:
+            return []  # no event log yet: nobody registered
+        registered = []
+        try:
+            pending = (await sub.consumer_info()).num_pending
+            while pending > 0:
+                for msg in await sub.fetch(min(pending, 256), timeout=5.0):
+                    pending -= 1
+                    if not isinstance(decode_event(msg.data), WorkerRemoved):
+                        registered.append(msg.subject.rsplit(".", 1)[-1])
+        finally:
+            with suppress(Exception):
+                name = (await sub.consumer_info()).name
+                await sub.unsubscribe()
+                await js.delete_consumer(stream, name)
+        return registered
