@@ -1,0 +1,680 @@
+"""The scheduler's projection: a pure fold of the event log (no I/O, no clock, no asyncio).
+
+`Projection.apply(seq, event, version)` folds one event of the stream, in stream
+order. What it keeps is exactly what placement and `fragmentation` read:
+
+- workers: node, capacity, labels, state (REGISTERED, DRAINED; a removed worker is
+  dropped), per sandbox class the default and restorable runtimes, what is booked
+  on them and which actors hold those bookings;
+- per sandbox class, an index from compat key to the workers whose default runtime
+  matches it and to the workers one of whose restorable runtimes matches it, so that
+  the compatible workers of a stamp are one dictionary look-up away, never a scan;
+- actors: state, class, template, resources, selectors, `min_fidelity`, the latest
+  snapshot (its stamp shared with every other snapshot of the same runtime), the
+  assignment (worker, booking, pin) or the node a PAUSED actor is pinned to, and the
+  last placement's `request_id` and sequence (idempotent retries);
+- per subject the scheduler writes (`actor.<id>`, `booking.<worker id>`): the
+  aggregate version and the stream sequence of its last event, which are the
+  optimistic-concurrency expectations of the next commit;
+- counts for fragmentation: latest MEMORY snapshots per compat key of actors waiting
+  for a resume, and live (registered, undrained) workers per key.
+
+Memory is kept small on purpose (one actor is one `__slots__` object; compat keys,
+stamps, runtimes, templates, resources and selector maps are interned, one object
+per distinct value), because a projection holds every actor of a deployment.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from math import ceil
+from typing import Any, Callable, Iterator, Mapping
+
+from events.compat import CompatKey, compat_key, describe_key
+from events.schema import (
+    ActorCreated,
+    ActorPlaced,
+    ActorReleased,
+    ActorRuntime,
+    ActorStopped,
+    CompatVersion,
+    Event,
+    Fidelity,
+    ReleaseReason,
+    Resources,
+    RuntimeChanged,
+    Snapshot,
+    SnapshotOrigin,
+    SnapshotTaken,
+    TagRecorded,
+    TemplateChanged,
+    WorkerBooked,
+    WorkerDrained,
+    WorkerRegistered,
+    WorkerRemoved,
+    WorkerRuntime,
+    WorkerSandboxClass,
+    WorkerUpdated,
+)
+
+# Memory every worker keeps out of what it offers to actors (CONTRACT placement rule 6).
+WORKER_RESERVE_MIB = 64
+
+# Worker states. A removed worker leaves the projection; registering it again starts afresh.
+REGISTERED = "REGISTERED"
+DRAINED = "DRAINED"
+
+# Actor states.
+CREATED = "CREATED"
+RUNNING = "RUNNING"
+PAUSED = "PAUSED"
+SUSPENDED = "SUSPENDED"
+STOPPED = "STOPPED"
+# States in which an actor waits for a resume: its latest snapshot is what a resume restores.
+WAITING = frozenset((CREATED, PAUSED, SUSPENDED))
+
+MEMORY = Fidelity.MEMORY
+_EMPTY: Mapping[str, str] = {}
+
+
+def stable_hash(text: str) -> int:
+    """A 64-bit hash that is the same in every process (str's hash() is salted per process)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+class Compat:
+    """One interned compat key: (class, schema version, sorted attributes), and its version."""
+
+    __slots__ = ("key", "sandbox_class", "version")
+
+    def __init__(self, key: CompatKey, version: CompatVersion):
+        self.key = key
+        self.sandbox_class = key[0]
+        self.version = version
+
+    def __repr__(self) -> str:
+        return f"Compat({describe_key(self.key)})"
+
+
+class Stamp:
+    """An interned ActorRuntime (a snapshot's stamp or an assignment's pin) and its compat key."""
+
+    __slots__ = ("runtime", "compat")
+
+    def __init__(self, runtime: ActorRuntime, compat: Compat):
+        self.runtime = runtime
+        self.compat = compat
+
+
+class Runtime:
+    """An interned worker runtime of one class: its compat key, overhead and the pin it gives."""
+
+    __slots__ = ("compat", "name", "fixed_mib", "per_gib_mib", "pin")
+
+    def __init__(self, compat: Compat, runtime: WorkerRuntime):
+        self.compat = compat
+        self.name = runtime.name
+        overhead = runtime.actor_overhead
+        self.fixed_mib = overhead.fixed_mib if overhead else 0
+        self.per_gib_mib = overhead.per_gib_mib if overhead else 0
+        # The pin carries the matched entry's version with the snapshot's (= the entry's) class.
+        self.pin = ActorRuntime(sandbox_class=compat.sandbox_class, name=runtime.name, version=runtime.version)
+
+    def overhead_mib(self, memory_mib: int) -> int:
+        """`fixed_mib + per_gib_mib * ceil(memory_mib / 1024)` (CONTRACT placement rule 6)."""
+        if self.per_gib_mib:
+            return self.fixed_mib + self.per_gib_mib * ceil(memory_mib / 1024)
+        return self.fixed_mib
+
+
+class ClassEntry:
+    """What one worker runs for one sandbox class."""
+
+    __slots__ = ("default", "restorable")
+
+    def __init__(self, default: Runtime, restorable: tuple[Runtime, ...]):
+        self.default = default
+        self.restorable = restorable
+
+    def match(self, compat: Compat) -> Runtime | None:
+        """The runtime that can restore a snapshot of `compat`: the default first, then in order."""
+        if self.default.compat is compat:
+            return self.default
+        for runtime in self.restorable:
+            if runtime.compat is compat:
+                return runtime
+        return None
+
+    def compats(self) -> Iterator[Compat]:
+        yield self.default.compat
+        for runtime in self.restorable:
+            yield runtime.compat
+
+
+class Worker:
+    __slots__ = (
+        "worker_id",
+        "h",  # stable hash of the id: deterministic tie-breaks
+        "node",
+        "cpu_millis",
+        "memory_mib",
+        "labels",
+        "state",
+        "classes",  # {sandbox_class: ClassEntry}
+        "booked_cpu",
+        "booked_mem",
+        "actors",  # ids of the actors whose bookings are on this worker
+    )
+
+    def __init__(self, worker_id: str):
+        self.worker_id = worker_id
+        self.h = stable_hash(worker_id)
+        self.node = ""
+        self.cpu_millis = 0
+        self.memory_mib = 0
+        self.labels: Mapping[str, str] = _EMPTY
+        self.state = REGISTERED
+        self.classes: dict[str, ClassEntry] = {}
+        self.booked_cpu = 0
+        self.booked_mem = 0
+        self.actors: set[str] = set()
+
+    @property
+    def live(self) -> bool:
+        """Takes new placements (registered and not drained)."""
+        return self.state is REGISTERED
+
+    @property
+    def room_cpu(self) -> int:
+        return self.cpu_millis - self.booked_cpu
+
+    @property
+    def room_mem(self) -> int:
+        return self.memory_mib - WORKER_RESERVE_MIB - self.booked_mem
+
+    def __repr__(self) -> str:
+        return f"Worker({self.worker_id} on {self.node}, {self.state}, room {self.room_cpu}m/{self.room_mem}MiB)"
+
+
+class IndexedSet:
+    """Workers in a stable order with O(1) add, remove and access by position.
+
+    Removal moves the last member into the hole, so the order is a function of the
+    sequence of operations alone: every replica that folds the same log gets the same
+    order, which keeps sampling by position deterministic.
+    """
+
+    __slots__ = ("items", "pos")
+
+    def __init__(self) -> None:
+        self.items: list[Worker] = []
+        self.pos: dict[str, int] = {}
+
+    def add(self, worker: Worker) -> None:
+        if worker.worker_id not in self.pos:
+            self.pos[worker.worker_id] = len(self.items)
+            self.items.append(worker)
+
+    def discard(self, worker: Worker) -> None:
+        i = self.pos.pop(worker.worker_id, None)
+        if i is None:
+            return
+        last = self.items.pop()
+        if last is not worker:
+            self.items[i] = last
+            self.pos[last.worker_id] = i
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __iter__(self) -> Iterator[Worker]:
+        return iter(self.items)
+
+    def __contains__(self, worker: Worker) -> bool:
+        return worker.worker_id in self.pos
+
+
+class ClassIndex:
+    """Per sandbox class: its workers, the compat-key indices and the fragmentation counts."""
+
+    __slots__ = ("sandbox_class", "workers", "default", "restorable", "live_default", "live_restorable", "memory_snapshots")
+
+    def __init__(self, sandbox_class: str):
+        self.sandbox_class = sandbox_class
+        self.workers = IndexedSet()  # registered (drained included) workers of the class
+        self.default: dict[Compat, IndexedSet] = {}  # key -> workers whose default matches
+        self.restorable: dict[Compat, IndexedSet] = {}  # key -> workers with a matching restorable
+        self.live_default: dict[Compat, int] = {}  # counts over live workers only
+        self.live_restorable: dict[Compat, int] = {}
+        self.memory_snapshots: dict[Compat, int] = {}  # latest MEMORY snapshots of waiting actors
+
+    def live_workers(self, compat: Compat) -> int:
+        return self.live_default.get(compat, 0) + self.live_restorable.get(compat, 0)
+
+    def stranded(self) -> int:
+        """Latest MEMORY snapshots that no registered, undrained worker can restore."""
+        return sum(n for compat, n in self.memory_snapshots.items() if n and not self.live_workers(compat))
+
+    def live_count(self) -> int:
+        return sum(1 for w in self.workers if w.live)
+
+
+def _bump(counts: dict[Compat, int], compat: Compat, delta: int) -> None:
+    n = counts.get(compat, 0) + delta
+    if n:
+        counts[compat] = n
+    else:
+        counts.pop(compat, None)
+
+
+class Actor:
+    __slots__ = (
+        "actor_id",
+        "state",
+        "sandbox_class",
+        "template_uid",
+        "resources",
+        "selectors",
+        "min_fidelity",
+        # the latest snapshot, inline (one object less per actor)
+        "snapshot_id",
+        "snap_template",
+        "snap_fidelity",
+        "snap_node",
+        "snap_stamp",  # Stamp | None
+        "snap_borrowed",
+        # the assignment while RUNNING
+        "worker",  # the Worker object booked (its record, even if it has since been removed)
+        "booked",  # Resources
+        "pin",  # Stamp
+        "node",  # node of the assignment while RUNNING; the pinned node while PAUSED
+        # idempotency: the last placement
+        "placed_seq",
+        "placed_request_id",
+        # optimistic concurrency on `actor.<id>`
+        "version",
+        "last_seq",
+    )
+
+    def __init__(self, actor_id: str):
+        self.actor_id = actor_id
+        self.state = CREATED
+        self.sandbox_class = ""
+        self.template_uid = ""
+        self.resources: Resources | None = None
+        self.selectors: Mapping[str, str] = _EMPTY
+        self.min_fidelity = Fidelity.ROOTFS
+        self.snapshot_id: str | None = None
+        self.snap_template: str | None = None
+        self.snap_fidelity: Fidelity | None = None
+        self.snap_node: str | None = None
+        self.snap_stamp: Stamp | None = None
+        self.snap_borrowed = False
+        self.worker: Worker | None = None
+        self.booked: Resources | None = None
+        self.pin: Stamp | None = None
+        self.node: str | None = None
+        self.placed_seq = 0
+        self.placed_request_id: str | None = None
+        self.version = 0
+        self.last_seq = 0
+
+    @property
+    def has_snapshot(self) -> bool:
+        return self.snapshot_id is not None
+
+    def __repr__(self) -> str:
+        return f"Actor({self.actor_id}, {self.state}, {self.sandbox_class})"
+
+
+class Projection:
+    """The fold. `seq` is the stream sequence of the last message folded."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+        self.events = 0
+        self.workers: dict[str, Worker] = {}
+        self.classes: dict[str, ClassIndex] = {}
+        self.actors: dict[str, Actor] = {}
+        self.bookings: dict[str, tuple[int, int]] = {}  # worker id -> (version, last seq) of booking.<id>
+        self.subjects: dict[str, tuple[int, int]] = {}  # any other subject's (version, last seq), by aggregate id
+        # interning tables
+        self._compats: dict[CompatKey, Compat] = {}
+        self._compat_by_version: dict[tuple[str, CompatVersion], Compat] = {}
+        self._stamps: dict[ActorRuntime, Stamp] = {}
+        self._runtimes: dict[tuple[str, WorkerRuntime], Runtime] = {}
+        self._strings: dict[str, str] = {}
+        self._resources: dict[Resources, Resources] = {}
+        self._selectors: dict[tuple[tuple[str, str], ...], Mapping[str, str]] = {(): _EMPTY}
+        self._dispatch: dict[type, Callable[[Any, int], None]] = {
+            WorkerRegistered: self._worker_registered,
+            RuntimeChanged: self._runtime_changed,
+            WorkerUpdated: self._worker_updated,
+            WorkerDrained: self._worker_drained,
+            WorkerRemoved: self._worker_removed,
+            ActorCreated: self._actor_created,
+            SnapshotTaken: self._snapshot_taken,
+            TemplateChanged: self._template_changed,
+            ActorPlaced: self._actor_placed,
+            ActorReleased: self._actor_released,
+            ActorStopped: self._actor_stopped,
+        }
+
+    # --- the fold ---------------------------------------------------------------------
+
+    def apply(self, seq: int, event: Event, version: int | None = None) -> None:
+        """Fold one event recorded at stream sequence `seq` (its aggregate version if known)."""
+        if seq > self.seq:
+            self.seq = seq
+        self.events += 1
+        kind = type(event)
+        if kind is WorkerBooked:
+            previous = self.bookings.get(event.worker_id)
+            self.bookings[event.worker_id] = (version or (previous[0] + 1 if previous else 1), seq)
+            return
+        handler = self._dispatch.get(kind)
+        if event.KIND == "actor":
+            actor = self.actors.get(event.actor_id)
+            if actor is None and kind is not ActorCreated:
+                self._other_subject(f"actor.{event.actor_id}", seq, version)
+                return
+            if handler is not None:
+                handler(event, seq)
+            actor = self.actors[event.actor_id]
+            actor.version = version or actor.version + 1
+            actor.last_seq = seq
+            return
+        if handler is not None:
+            handler(event, seq)
+        elif kind is TagRecorded:
+            self._other_subject(f"tag.{event.tag}", seq, version)
+
+    def skip(self, seq: int) -> None:
+        """A message that is not an event (e.g. a tracking record) still advances the position."""
+        if seq > self.seq:
+            self.seq = seq
+
+    def _other_subject(self, aggregate_id: str, seq: int, version: int | None) -> None:
+        previous = self.subjects.get(aggregate_id)
+        self.subjects[aggregate_id] = (version or (previous[0] + 1 if previous else 1), seq)
+
+    # --- interning --------------------------------------------------------------------------
+
+    def compat(self, sandbox_class: str, version: CompatVersion) -> Compat:
+        found = self._compat_by_version.get((sandbox_class, version))
+        if found is not None:
+            return found
+        key = compat_key(sandbox_class, version)
+        found = self._compats.get(key)
+        if found is None:
+            found = self._compats[key] = Compat(key, version)
+        self._compat_by_version[(sandbox_class, version)] = found
+        return found
+
+    def compat_of_key(self, key: CompatKey) -> Compat | None:
+        return self._compats.get(key)
+
+    def stamp(self, runtime: ActorRuntime) -> Stamp:
+        found = self._stamps.get(runtime)
+        if found is None:
+            found = self._stamps[runtime] = Stamp(runtime, self.compat(runtime.sandbox_class, runtime.version))
+        return found
+
+    def _runtime(self, sandbox_class: str, runtime: WorkerRuntime) -> Runtime:
+        found = self._runtimes.get((sandbox_class, runtime))
+        if found is None:
+            found = Runtime(self.compat(sandbox_class, runtime.version), runtime)
+            self._runtimes[(sandbox_class, runtime)] = found
+        return found
+
+    def _str(self, text: str) -> str:
+        return self._strings.setdefault(text, text)
+
+    def _res(self, resources: Resources) -> Resources:
+        return self._resources.setdefault(resources, resources)
+
+    def _sel(self, selectors: Mapping[str, str]) -> Mapping[str, str]:
+        key = tuple(sorted(selectors.items()))
+        found = self._selectors.get(key)
+        if found is None:
+            found = self._selectors[key] = dict(key)
+        return found
+
+    def class_index(self, sandbox_class: str) -> ClassIndex:
+        index = self.classes.get(sandbox_class)
+        if index is None:
+            index = self.classes[sandbox_class] = ClassIndex(sandbox_class)
+        return index
+
+    # --- workers ------------------------------------------------------------------------
+
+    def _index(self, worker: Worker, delta: int) -> None:
+        """Add (+1) or remove (-1) a worker from the indices of its classes."""
+        live = worker.live
+        for name, entry in worker.classes.items():
+            index = self.class_index(name)
+            if delta > 0:
+                index.workers.add(worker)
+            else:
+                index.workers.discard(worker)
+            for i, runtime in enumerate((entry.default, *entry.restorable)):
+                table = index.default if i == 0 else index.restorable
+                counts = index.live_default if i == 0 else index.live_restorable
+                members = table.get(runtime.compat)
+                if delta > 0:
+                    if members is None:
+                        members = table[runtime.compat] = IndexedSet()
+                    members.add(worker)
+                elif members is not None:
+                    members.discard(worker)
+                    if not members:
+                        del table[runtime.compat]
+                if live:
+                    _bump(counts, runtime.compat, delta)
+
+    def _set_live(self, worker: Worker, live: bool) -> None:
+        """Move a worker's contribution to the live counts when it is drained (or undrained)."""
+        if worker.live == live:
+            return
+        delta = 1 if live else -1
+        for name, entry in worker.classes.items():
+            index = self.class_index(name)
+            _bump(index.live_default, entry.default.compat, delta)
+            for runtime in entry.restorable:
+                _bump(index.live_restorable, runtime.compat, delta)
+
+    def _classes(self, entries: tuple[WorkerSandboxClass, ...]) -> dict[str, ClassEntry]:
+        classes = {}
+        for entry in entries:
+            name = self._str(entry.sandbox_class)
+            classes[name] = ClassEntry(
+                self._runtime(name, entry.default_runtime),
+                tuple(self._runtime(name, r) for r in entry.restorable_runtimes),
+            )
+        return classes
+
+    def _worker_registered(self, event: WorkerRegistered, seq: int) -> None:
+        worker = self.workers.get(event.worker_id)
+        if worker is not None:  # registered again without a removal: take the new content
+            self._index(worker, -1)
+        else:
+            worker = self.workers[event.worker_id] = Worker(event.worker_id)
+        worker.state = REGISTERED
+        worker.node = self._str(event.node)
+        worker.cpu_millis = event.capacity.cpu_millis
+        worker.memory_mib = event.capacity.memory_mib
+        worker.labels = self._sel(event.labels)
+        worker.classes = self._classes(event.sandbox_classes)
+        self._index(worker, +1)
+
+    def _runtime_changed(self, event: RuntimeChanged, seq: int) -> None:
+        worker = self.workers.get(event.worker_id)
+        if worker is None:
+            return
+        self._index(worker, -1)
+        worker.classes = self._classes(event.sandbox_classes)
+        self._index(worker, +1)
+
+    def _worker_updated(self, event: WorkerUpdated, seq: int) -> None:
+        worker = self.workers.get(event.worker_id)
+        if worker is None:
+            return
+        worker.node = self._str(event.node)
+        worker.cpu_millis = event.capacity.cpu_millis
+        worker.memory_mib = event.capacity.memory_mib
+        worker.labels = self._sel(event.labels)
+
+    def _worker_drained(self, event: WorkerDrained, seq: int) -> None:
+        worker = self.workers.get(event.worker_id)
+        if worker is None:
+            return
+        self._set_live(worker, False)
+        worker.state = DRAINED
+
+    def _worker_removed(self, event: WorkerRemoved, seq: int) -> None:
+        worker = self.workers.pop(event.worker_id, None)
+        if worker is None:
+            return
+        self._index(worker, -1)
+        # Actors still assigned keep a reference to this record until the snapshotter
+        # releases them; their bookings no longer count anywhere.
+
+    # --- actors -------------------------------------------------------------------------
+
+    def _count(self, actor: Actor, delta: int) -> None:
+        """Count (or uncount) an actor's latest MEMORY snapshot while it waits for a resume."""
+        stamp = actor.snap_stamp
+        if stamp is not None and actor.snap_fidelity is MEMORY and actor.state in WAITING:
+            _bump(self.class_index(stamp.compat.sandbox_class).memory_snapshots, stamp.compat, delta)
+
+    def _set_snapshot(self, actor: Actor, snapshot: Snapshot | None) -> None:
+        if snapshot is None:
+            return
+        actor.snapshot_id = snapshot.snapshot_id
+        actor.snap_template = self._str(snapshot.template_uid)
+        actor.snap_fidelity = snapshot.fidelity
+        actor.snap_node = self._str(snapshot.node) if snapshot.node is not None else None
+        actor.snap_stamp = self.stamp(snapshot.sandbox_runtime) if snapshot.sandbox_runtime is not None else None
+        actor.snap_borrowed = snapshot.borrowed
+
+    def _release(self, actor: Actor) -> None:
+        worker = actor.worker
+        if worker is None:
+            return
+        booked = actor.booked
+        if actor.actor_id in worker.actors:
+            worker.actors.discard(actor.actor_id)
+            worker.booked_cpu -= booked.cpu_millis
+            worker.booked_mem -= booked.memory_mib
+        actor.worker = None
+        actor.booked = None
+        actor.pin = None
+
+    def _actor_created(self, event: ActorCreated, seq: int) -> None:
+        actor = self.actors.get(event.actor_id)
+        if actor is None:
+            actor = self.actors[event.actor_id] = Actor(event.actor_id)
+            previous = self.subjects.pop(f"actor.{event.actor_id}", None)
+            if previous is not None:
+                actor.version, actor.last_seq = previous
+        else:
+            self._count(actor, -1)
+            self._release(actor)
+        actor.state = CREATED
+        actor.sandbox_class = self._str(event.sandbox_class)
+        actor.template_uid = self._str(event.template_uid)
+        actor.resources = self._res(event.resources)
+        actor.selectors = self._sel(event.selectors)
+        actor.min_fidelity = event.min_fidelity
+        self._set_snapshot(actor, event.snapshot)
+        self._count(actor, +1)
+
+    def _snapshot_taken(self, event: SnapshotTaken, seq: int) -> None:
+        origin = event.origin
+        if origin is SnapshotOrigin.TAG:  # a copy under a tag: the actor's own latest is unchanged
+            return
+        actor = self.actors[event.actor_id]
+        self._count(actor, -1)
+        snapshot = event.snapshot
+        self._set_snapshot(actor, snapshot)
+        if origin is SnapshotOrigin.PAUSE:
+            node = snapshot.node or actor.node
+            self._release(actor)
+            actor.state = PAUSED
+            actor.node = self._str(node) if node else None
+        elif origin is SnapshotOrigin.SUSPEND:
+            self._release(actor)
+            actor.state = SUSPENDED
+            actor.node = None
+        elif origin is SnapshotOrigin.PROMOTE:
+            actor.state = SUSPENDED
+            actor.node = None
+        self._count(actor, +1)
+
+    def _template_changed(self, event: TemplateChanged, seq: int) -> None:
+        self.actors[event.actor_id].template_uid = self._str(event.template_uid)
+
+    def _actor_placed(self, event: ActorPlaced, seq: int) -> None:
+        actor = self.actors[event.actor_id]
+        self._count(actor, -1)
+        self._release(actor)  # a placement without a release in between replaces the old one
+        booked = self._res(event.booked)
+        worker = self.workers.get(event.worker_id)
+        if worker is not None:
+            worker.booked_cpu += booked.cpu_millis
+            worker.booked_mem += booked.memory_mib
+            worker.actors.add(actor.actor_id)
+        else:  # placed on a worker removed meanwhile: nothing to book against
+            worker = Worker(event.worker_id)
+            worker.state = DRAINED
+        actor.worker = worker
+        actor.booked = booked
+        actor.pin = self.stamp(event.sandbox_runtime)
+        actor.node = self._str(event.node)
+        actor.state = RUNNING
+        actor.placed_seq = seq
+        actor.placed_request_id = event.request_id
+
+    def _actor_released(self, event: ActorReleased, seq: int) -> None:
+        actor = self.actors[event.actor_id]
+        self._count(actor, -1)
+        node = actor.node
+        self._release(actor)
+        reason = event.reason
+        if reason is ReleaseReason.PAUSED:
+            # pinned to the node it ran on (or the one its PAUSE snapshot, folded first, named)
+            actor.state = PAUSED
+            actor.node = node
+        elif reason is ReleaseReason.STOPPED:
+            actor.state = STOPPED
+            actor.node = None
+        else:  # SUSPENDED, or WORKER_REMOVED: resumable from its latest snapshot
+            actor.state = SUSPENDED
+            actor.node = None
+        self._count(actor, +1)
+
+    def _actor_stopped(self, event: ActorStopped, seq: int) -> None:
+        actor = self.actors[event.actor_id]
+        self._count(actor, -1)
+        self._release(actor)
+        actor.state = STOPPED
+        actor.node = None
+
+    # --- reads --------------------------------------------------------------------------
+
+    def actor_expectation(self, actor_id: str) -> tuple[int, int]:
+        """(version, last stream seq) of `actor.<id>`: what the next commit on it expects."""
+        actor = self.actors.get(actor_id)
+        if actor is not None:
+            return actor.version, actor.last_seq
+        return self.subjects.get(f"actor.{actor_id}", (0, 0))
+
+    def booking_expectation(self, worker_id: str) -> tuple[int, int]:
+        """(version, last stream seq) of `booking.<worker id>`."""
+        return self.bookings.get(worker_id, (0, 0))
+
+    def stranded(self, sandbox_class: str | None = None) -> int:
+        if sandbox_class is not None:
+            index = self.classes.get(sandbox_class)
+            return index.stranded() if index else 0
+        return sum(index.stranded() for index in self.classes.values())

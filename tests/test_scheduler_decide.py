@@ -1,0 +1,779 @@
+"""The scheduler's decision, pure: projections are built by folding events, no bus.
+
+Each placement rule of CONTRACT section 3 and its negative; explain's reasons,
+counts and message; replay-and-decide determinism; the index against the scan;
+fragmentation and stranded counts.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from events.errors import ContractError
+from events.schema import (
+    Action,
+    ActorCreated,
+    ActorOverhead,
+    ActorPlaced,
+    ActorReleased,
+    ActorRuntime,
+    ActorStopped,
+    Attribute,
+    CompatVersion,
+    ErrorCode,
+    Event,
+    FallbackReason,
+    Fidelity,
+    Location,
+    PlacedFidelity,
+    ReleaseReason,
+    Resources,
+    RuntimeChanged,
+    Snapshot,
+    SnapshotOrigin,
+    SnapshotTaken,
+    TemplateChanged,
+    WorkerBooked,
+    WorkerDrained,
+    WorkerRegistered,
+    WorkerRemoved,
+    WorkerRuntime,
+    WorkerSandboxClass,
+    WorkerUpdated,
+)
+from services.scheduler.decide import (
+    Draw,
+    choose,
+    decide,
+    decide_by_scan,
+    explain,
+    fragmentation,
+    plan,
+    summary,
+)
+from services.scheduler.projection import (
+    CREATED,
+    PAUSED,
+    RUNNING,
+    STOPPED,
+    SUSPENDED,
+    WORKER_RESERVE_MIB,
+    Projection,
+)
+
+AT = datetime(2026, 11, 30, tzinfo=timezone.utc)
+CLS = "gvisor"
+
+
+def version(build: str, arch: str = "amd64") -> CompatVersion:
+    attrs = {"architecture": arch, "gvisor_asset_hash": build}
+    return CompatVersion(schema_version="v1", attributes=tuple(Attribute(key=k, value=v) for k, v in sorted(attrs.items())))
+
+
+V1, V2, V3 = version("1"), version("2"), version("3")
+
+
+def runtime(v: CompatVersion, name: str | None = None, fixed: int = 0, per_gib: int = 0) -> WorkerRuntime:
+    return WorkerRuntime(version=v, name=name, actor_overhead=ActorOverhead(fixed_mib=fixed, per_gib_mib=per_gib))
+
+
+def stamp(v: CompatVersion, cls: str = CLS) -> ActorRuntime:
+    return ActorRuntime(sandbox_class=cls, version=v)
+
+
+class Log:
+    """A log in the making: each event gets the next sequence and is folded at once."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self.p = Projection()
+
+    def add(self, event: Event) -> int:
+        self.events.append(event)
+        seq = len(self.events)
+        self.p.apply(seq, event)
+        return seq
+
+    def replay(self, upto: int | None = None) -> Projection:
+        fresh = Projection()
+        for seq, event in enumerate(self.events[:upto], start=1):
+            fresh.apply(seq, event)
+        return fresh
+
+    # --- workers ---
+
+    def worker(
+        self,
+        worker_id: str,
+        default: WorkerRuntime = None,
+        restorable: tuple[WorkerRuntime, ...] = (),
+        *,
+        node: str | None = None,
+        cpu: int = 4000,
+        mem: int = 8192,
+        labels: dict[str, str] | None = None,
+        cls: str = CLS,
+    ) -> int:
+        entry = WorkerSandboxClass(sandbox_class=cls, default_runtime=default or runtime(V1), restorable_runtimes=restorable)
+        return self.add(WorkerRegistered(
+            at=AT, worker_id=worker_id, node=node or f"node-{worker_id}",
+            capacity=Resources(cpu_millis=cpu, memory_mib=mem), labels=labels or {}, sandbox_classes=(entry,),
+        ))
+
+    def drain(self, worker_id: str) -> int:
+        return self.add(WorkerDrained(at=AT, worker_id=worker_id, reason="maintenance"))
+
+    # --- actors ---
+
+    def actor(
+        self, actor_id: str, *, cpu: int = 500, mem: int = 1024, template: str = "t1",
+        selectors: dict[str, str] | None = None, min_fidelity: Fidelity = Fidelity.ROOTFS,
+        snapshot: Snapshot | None = None,
+    ) -> int:
+        return self.add(ActorCreated(
+            at=AT, actor_id=actor_id, sandbox_class=CLS, template_uid=template,
+            resources=Resources(cpu_millis=cpu, memory_mib=mem), selectors=selectors or {},
+            min_fidelity=min_fidelity, snapshot=snapshot,
+        ))
+
+    def snapshot(
+        self, actor_id: str, *, fidelity: Fidelity = Fidelity.MEMORY, stamped: CompatVersion | None = V1,
+        template: str = "t1", origin: SnapshotOrigin = SnapshotOrigin.SUSPEND, node: str | None = None,
+        borrowed: bool = False, snapshot_id: str | None = None,
+    ) -> int:
+        snap = make_snapshot(actor_id, fidelity=fidelity, stamped=stamped, template=template, node=node,
+                             borrowed=borrowed, snapshot_id=snapshot_id or f"{actor_id}-s{len(self.events)}",
+                             location=Location.LOCAL if origin is SnapshotOrigin.PAUSE else Location.EXTERNAL)
+        return self.add(SnapshotTaken(at=AT, actor_id=actor_id, snapshot=snap, origin=origin))
+
+    def place(self, placement, request_id: str | None = None) -> int:
+        self.add(WorkerBooked(at=AT, worker_id=placement.worker_id, actor_id=placement.actor_id, request_id=request_id))
+        return self.add(ActorPlaced(
+            at=AT, actor_id=placement.actor_id, worker_id=placement.worker_id, node=placement.node,
+            action=placement.action, fidelity=placement.fidelity, sandbox_runtime=placement.sandbox_runtime,
+            snapshot_id=placement.snapshot_id, fallback=placement.fallback, booked=placement.booked,
+            request_id=request_id,
+        ))
+
+    def release(self, actor_id: str, worker_id: str, reason: ReleaseReason) -> int:
+        return self.add(ActorReleased(at=AT, actor_id=actor_id, worker_id=worker_id, reason=reason))
+
+    def decide(self, actor_id: str, selectors=None, position=None):
+        return decide(self.p, actor_id, selectors, self.p.seq if position is None else position)
+
+    def explain(self, actor_id: str, selectors=None):
+        return explain(self.p, actor_id, selectors, self.p.seq)
+
+
+def make_snapshot(
+    actor_id: str, *, fidelity=Fidelity.MEMORY, stamped=V1, template="t1", node=None, borrowed=False,
+    snapshot_id="s1", location=Location.EXTERNAL,
+) -> Snapshot:
+    return Snapshot(
+        snapshot_id=snapshot_id, actor_id=actor_id, template_uid=template, fidelity=fidelity, location=location,
+        node=node, sandbox_runtime=stamp(stamped) if stamped is not None else None, borrowed=borrowed, taken_at=AT,
+    )
+
+
+def refused(log: Log, actor_id: str, code: ErrorCode, selectors=None) -> ContractError:
+    with pytest.raises(ContractError) as caught:
+        log.decide(actor_id, selectors)
+    assert caught.value.code is code, caught.value
+    return caught.value
+
+
+# --- rule 1: no snapshot -> RUN on the class default ---------------------------------------------------
+
+
+def test_cold_start_runs_on_the_class_default_with_its_overhead():
+    log = Log()
+    log.worker("w1", runtime(V2, name="runsc-2", fixed=100, per_gib=8), (runtime(V1),))
+    log.actor("a", cpu=250, mem=1025)
+    placed = log.decide("a")
+    assert placed.action is Action.RUN and placed.fidelity is PlacedFidelity.NONE
+    assert placed.sandbox_runtime == ActorRuntime(sandbox_class=CLS, name="runsc-2", version=V2)
+    assert placed.snapshot_id is None and placed.fallback is None
+    # 1025 MiB is two started GiB: 100 + 8 * 2
+    assert placed.booked == Resources(cpu_millis=250, memory_mib=1025 + 116)
+
+
+def test_unknown_running_and_stopped_actors_are_refused():
+    log = Log()
+    log.worker("w1")
+    refused(log, "ghost", ErrorCode.NOT_FOUND)
+    log.actor("a")
+    log.place(log.decide("a"))
+    assert log.p.actors["a"].state is RUNNING
+    refused(log, "a", ErrorCode.FAILED_PRECONDITION)
+    log.add(ActorStopped(at=AT, actor_id="a"))
+    assert log.p.actors["a"].state is STOPPED
+    refused(log, "a", ErrorCode.FAILED_PRECONDITION)
+
+
+def test_no_worker_of_the_class_is_resource_exhausted():
+    log = Log()
+    log.worker("other", cls="microvm")
+    log.actor("a")
+    error = refused(log, "a", ErrorCode.RESOURCE_EXHAUSTED)
+    assert error.message.startswith("0/1 workers available: 1 class not registered")
+
+
+# --- rule 2: memory restore on a compatible worker ------------------------------------------------------------------
+
+
+def test_memory_restore_on_the_worker_whose_default_matches_pins_that_entry():
+    log = Log()
+    log.worker("old", runtime(V1, name="runsc-1"))
+    log.worker("new", runtime(V2, name="runsc-2"))
+    log.actor("a")
+    log.snapshot("a", stamped=V1, snapshot_id="snap-1")
+    for position in range(50):  # whatever the tie-break draws
+        placed = log.decide("a", position=position)
+        assert placed.worker_id == "old"
+        assert placed.action is Action.RESTORE and placed.fidelity is PlacedFidelity.MEMORY
+        assert placed.sandbox_runtime == ActorRuntime(sandbox_class=CLS, name="runsc-1", version=V1)
+        assert placed.snapshot_id == "snap-1" and placed.fallback is None
+
+
+def test_memory_restore_on_a_restorable_runtime_pins_the_restorable_entry_and_books_its_overhead():
+    log = Log()
+    log.worker("upgraded", runtime(V2, name="runsc-2", fixed=10), (runtime(V3), runtime(V1, name="runsc-1", fixed=200)))
+    log.worker("elsewhere", runtime(V3))
+    log.actor("a", mem=2048)
+    log.snapshot("a", stamped=V1)
+    placed = log.decide("a")
+    assert placed.worker_id == "upgraded" and placed.fidelity is PlacedFidelity.MEMORY
+    assert placed.sandbox_runtime == ActorRuntime(sandbox_class=CLS, name="runsc-1", version=V1)
+    assert placed.booked.memory_mib == 2048 + 200
+
+
+def test_attribute_order_does_not_matter_for_the_match():
+    log = Log()
+    log.worker("w1", runtime(V2))
+    reordered = CompatVersion(schema_version="v1", attributes=tuple(reversed(V2.attributes)))
+    log.actor("a")
+    log.snapshot("a", stamped=reordered)
+    assert log.decide("a").fidelity is PlacedFidelity.MEMORY
+
+
+def test_a_compatible_worker_with_room_is_always_preferred():
+    log = Log()
+    for i in range(20):  # plenty of incompatible room
+        log.worker(f"big-{i}", runtime(V2), mem=65536)
+    log.worker("tight", runtime(V1), mem=1024 + WORKER_RESERVE_MIB)  # exactly fits
+    log.actor("a", mem=1024)
+    log.snapshot("a", stamped=V1)
+    for position in range(100):
+        assert log.decide("a", position=position).worker_id == "tight"
+
+
+def test_a_default_match_is_preferred_over_a_restorable_match():
+    log = Log()
+    for i in range(5):
+        log.worker(f"restorer-{i}", runtime(V2), (runtime(V1),), mem=65536)
+    log.worker("runner", runtime(V1), mem=4096)
+    log.actor("a")
+    log.snapshot("a", stamped=V1)
+    assert {log.decide("a", position=n).worker_id for n in range(100)} == {"runner"}
+
+
+# --- rule 3: volumes, rootfs, template changed ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fidelity, placed", [(Fidelity.VOLUMES, PlacedFidelity.VOLUMES), (Fidelity.ROOTFS, PlacedFidelity.ROOTFS)])
+def test_volumes_and_rootfs_snapshots_restore_on_any_worker_pinned_to_its_default(fidelity, placed):
+    log = Log()
+    log.worker("w2", runtime(V2, name="runsc-2"))
+    log.actor("a")
+    log.snapshot("a", fidelity=fidelity, stamped=V1, snapshot_id="vol-1")
+    result = log.decide("a")
+    assert result.worker_id == "w2" and result.action is Action.RESTORE and result.fidelity is placed
+    assert result.sandbox_runtime == ActorRuntime(sandbox_class=CLS, name="runsc-2", version=V2)
+    assert result.snapshot_id == "vol-1" and result.fallback is None
+
+
+def test_template_changed_restores_volumes_even_where_memory_would_load():
+    log = Log()
+    log.worker("compatible", runtime(V1))
+    log.actor("a")
+    log.snapshot("a", stamped=V1, template="t1")
+    log.add(TemplateChanged(at=AT, actor_id="a", template_uid="t2"))
+    placed = log.decide("a")
+    assert placed.fidelity is PlacedFidelity.VOLUMES and placed.action is Action.RESTORE
+    assert placed.fallback.reason is FallbackReason.TEMPLATE_CHANGED
+    assert (placed.fallback.from_fidelity, placed.fallback.to_fidelity) == (PlacedFidelity.MEMORY, PlacedFidelity.VOLUMES)
+    assert placed.sandbox_runtime == stamp(V1)  # the default, which happens to be V1
+
+
+def test_memory_snapshot_without_a_stamp_cannot_use_its_memory():
+    log = Log()
+    log.worker("w1", runtime(V1))
+    log.actor("a")
+    log.snapshot("a", stamped=None)
+    placed = log.decide("a")
+    assert placed.fidelity is PlacedFidelity.VOLUMES
+    assert placed.fallback.reason is FallbackReason.SNAPSHOT_NOT_MEMORY
+
+
+# --- rule 4: fallback when no compatible worker has room -------------------------------------------------------------
+
+
+def test_full_compatible_fleet_falls_back_to_volumes_on_the_new_workers_default():
+    log = Log()
+    log.worker("compatible", runtime(V1), mem=512)
+    log.worker("new", runtime(V2, name="runsc-2", fixed=64))
+    log.actor("a", mem=1024)
+    log.snapshot("a", stamped=V1, snapshot_id="mem-1")
+    placed = log.decide("a")
+    assert placed.worker_id == "new" and placed.action is Action.RESTORE
+    assert placed.fidelity is PlacedFidelity.VOLUMES and placed.snapshot_id == "mem-1"
+    assert placed.fallback.reason is FallbackReason.NO_COMPATIBLE_WORKER
+    assert (placed.fallback.from_fidelity, placed.fallback.to_fidelity) == (PlacedFidelity.MEMORY, PlacedFidelity.VOLUMES)
+    assert placed.sandbox_runtime == ActorRuntime(sandbox_class=CLS, name="runsc-2", version=V2)
+    assert placed.booked.memory_mib == 1024 + 64
+
+
+def test_no_compatible_worker_at_all_falls_back_too():
+    log = Log()
+    log.worker("new", runtime(V2))
+    log.actor("a")
+    log.snapshot("a", stamped=V1)
+    assert log.decide("a").fallback.reason is FallbackReason.NO_COMPATIBLE_WORKER
+
+
+def test_min_fidelity_memory_refuses_to_fall_back():
+    log = Log()
+    log.worker("compatible", runtime(V1), mem=512)
+    log.worker("new", runtime(V2))
+    log.actor("a", min_fidelity=Fidelity.MEMORY)
+    log.snapshot("a", stamped=V1)
+    error = refused(log, "a", ErrorCode.RESOURCE_EXHAUSTED)
+    assert "1 insufficient memory" in error.message and "1 runtime mismatch" in error.message
+    assert "min_fidelity is MEMORY" in error.message
+    # and with room on the compatible worker it restores memory as usual
+    log.add(WorkerUpdated(at=AT, worker_id="compatible", node="node-compatible",
+                          capacity=Resources(cpu_millis=4000, memory_mib=8192), labels={}))
+    assert log.decide("a").worker_id == "compatible"
+
+
+def test_borrowed_golden_snapshot_falls_back_to_a_cold_run():
+    log = Log()
+    log.worker("compatible", runtime(V1), mem=512)
+    log.worker("new", runtime(V2, name="runsc-2"))
+    golden = make_snapshot("a", stamped=V1, borrowed=True, snapshot_id="golden")
+    log.actor("a", snapshot=golden)
+    placed = log.decide("a")
+    assert placed.worker_id == "new" and placed.action is Action.RUN and placed.fidelity is PlacedFidelity.NONE
+    assert placed.fallback.reason is FallbackReason.NO_COMPATIBLE_WORKER
+    assert placed.fallback.to_fidelity is PlacedFidelity.NONE
+    assert placed.snapshot_id is None
+    assert placed.sandbox_runtime == ActorRuntime(sandbox_class=CLS, name="runsc-2", version=V2)
+
+
+def test_borrowed_golden_snapshot_restores_memory_where_it_can():
+    log = Log()
+    log.worker("compatible", runtime(V1))
+    log.actor("a", snapshot=make_snapshot("a", stamped=V1, borrowed=True, snapshot_id="golden"))
+    placed = log.decide("a")
+    assert placed.fidelity is PlacedFidelity.MEMORY and placed.snapshot_id == "golden"
+
+
+# --- rule 5: a PAUSED actor only on its node ----------------------------------------------------------------------------
+
+
+def paused_on(log: Log, actor_id: str, worker_id: str) -> None:
+    placed = log.decide(actor_id)
+    assert placed.worker_id == worker_id
+    log.place(placed)
+    log.snapshot(actor_id, origin=SnapshotOrigin.PAUSE, stamped=placed.sandbox_runtime.version, node=placed.node)
+    log.release(actor_id, worker_id, ReleaseReason.PAUSED)
+    assert log.p.actors[actor_id].state is PAUSED and log.p.actors[actor_id].node == placed.node
+
+
+def test_paused_actor_restores_only_on_its_node():
+    log = Log()
+    log.worker("home", runtime(V1), node="n1", mem=2048)
+    log.actor("a", mem=1024)
+    paused_on(log, "a", "home")
+    log.worker("away", runtime(V1), node="n2", mem=65536)  # compatible, roomy, elsewhere
+    log.worker("home-new", runtime(V2), node="n1", mem=65536)  # on the node, incompatible
+    for position in range(30):
+        placed = log.decide("a", position=position)
+        assert placed.worker_id == "home" and placed.fidelity is PlacedFidelity.MEMORY
+
+
+def test_paused_actor_is_never_relaxed_off_its_node_or_its_runtime():
+    log = Log()
+    log.worker("home", runtime(V1), node="n1", mem=2048)
+    log.actor("a", mem=1024)
+    paused_on(log, "a", "home")
+    log.actor("b", mem=1500)
+    log.place(log.decide("b"))  # fills "home"
+    log.worker("away", runtime(V1), node="n2", mem=65536)
+    log.worker("home-new", runtime(V2), node="n1", mem=65536)
+    error = refused(log, "a", ErrorCode.RESOURCE_EXHAUSTED)
+    assert "PAUSED on node n1" in error.message
+    assert "1 not on pinned node" in error.message and "1 runtime mismatch" in error.message
+    assert "1 insufficient memory" in error.message
+
+
+def test_suspend_from_paused_clears_the_node_pin():
+    log = Log()
+    log.worker("home", runtime(V1), node="n1", mem=2048)
+    log.actor("a", mem=1024)
+    paused_on(log, "a", "home")
+    log.add(WorkerDrained(at=AT, worker_id="home"))
+    log.worker("away", runtime(V1), node="n2")
+    refused(log, "a", ErrorCode.RESOURCE_EXHAUSTED)
+    log.snapshot("a", origin=SnapshotOrigin.PROMOTE, stamped=V1)
+    assert log.p.actors["a"].state is SUSPENDED and log.p.actors["a"].node is None
+    assert log.decide("a").worker_id == "away"
+
+
+# --- rule 6: candidates -------------------------------------------------------------------------------------------------
+
+
+def test_selectors_of_the_actor_and_of_the_request_must_all_hold():
+    log = Log()
+    log.worker("ssd-a", labels={"disk": "ssd", "zone": "a"})
+    log.worker("ssd-b", labels={"disk": "ssd", "zone": "b"})
+    log.worker("hdd-a", labels={"disk": "hdd", "zone": "a"})
+    log.actor("a", selectors={"disk": "ssd"})
+    assert {log.decide("a", position=n).worker_id for n in range(60)} == {"ssd-a", "ssd-b"}
+    assert {log.decide("a", {"zone": "b"}, position=n).worker_id for n in range(20)} == {"ssd-b"}
+    error = refused(log, "a", ErrorCode.RESOURCE_EXHAUSTED, {"zone": "c"})
+    assert error.message.startswith("0/3 workers available: 3 selector mismatch")
+
+
+def test_drained_workers_take_no_new_placements():
+    log = Log()
+    log.worker("w1")
+    log.worker("w2")
+    log.drain("w1")
+    log.actor("a")
+    assert {log.decide("a", position=n).worker_id for n in range(40)} == {"w2"}
+    log.drain("w2")
+    assert refused(log, "a", ErrorCode.RESOURCE_EXHAUSTED).message.startswith("0/2 workers available: 2 drained")
+
+
+def test_removed_workers_leave_the_fleet():
+    log = Log()
+    log.worker("w1")
+    log.add(WorkerRemoved(at=AT, worker_id="w1", reason="LOST"))
+    log.actor("a")
+    assert refused(log, "a", ErrorCode.RESOURCE_EXHAUSTED).message.startswith("0/0 workers available")
+    log.worker("w1")  # registered anew, with a clean slate
+    assert log.decide("a").worker_id == "w1"
+
+
+def test_a_worker_with_no_registered_class_is_never_chosen():
+    log = Log()
+    log.worker("micro", cls="microvm", mem=65536)
+    log.worker("g", mem=4096)
+    log.actor("a")
+    assert {log.decide("a", position=n).worker_id for n in range(40)} == {"g"}
+
+
+def test_the_64_mib_reserve_and_the_overhead_are_booked_exactly():
+    overhead = runtime(V1, fixed=128, per_gib=8)
+    need = 2048 + 128 + 8 * 2
+    log = Log()
+    log.worker("exact", overhead, mem=need + WORKER_RESERVE_MIB, cpu=500)
+    log.actor("a", cpu=500, mem=2048)
+    placed = log.decide("a")
+    assert placed.booked == Resources(cpu_millis=500, memory_mib=need)
+    log.place(placed)
+    w = log.p.workers["exact"]
+    assert (w.room_cpu, w.room_mem) == (0, 0) and w.actors == {"a"}
+
+    short = Log()
+    short.worker("short", overhead, mem=need + WORKER_RESERVE_MIB - 1)
+    short.actor("a", cpu=500, mem=2048)
+    assert refused(short, "a", ErrorCode.RESOURCE_EXHAUSTED).message.startswith("0/1 workers available: 1 insufficient memory")
+
+    cpu = Log()
+    cpu.worker("cpu", overhead, cpu=499)
+    cpu.actor("a", cpu=500, mem=2048)
+    assert refused(cpu, "a", ErrorCode.RESOURCE_EXHAUSTED).message.startswith("0/1 workers available: 1 insufficient cpu")
+
+
+def test_bookings_are_released_by_pause_suspend_stop_and_worker_removal():
+    log = Log()
+    log.worker("w1", cpu=1000, mem=1024 + WORKER_RESERVE_MIB)
+    log.actor("a", cpu=1000, mem=1024)
+    log.actor("b", cpu=1000, mem=1024)
+    log.place(log.decide("a"))
+    refused(log, "b", ErrorCode.RESOURCE_EXHAUSTED)
+    log.snapshot("a", origin=SnapshotOrigin.SUSPEND)
+    log.release("a", "w1", ReleaseReason.SUSPENDED)
+    assert log.p.workers["w1"].booked_mem == 0 and log.p.actors["a"].state is SUSPENDED
+    log.place(log.decide("b"))
+    log.release("b", "w1", ReleaseReason.STOPPED)
+    log.add(ActorStopped(at=AT, actor_id="b"))
+    log.place(log.decide("a"))
+    log.add(WorkerRemoved(at=AT, worker_id="w1", reason="LOST"))
+    log.release("a", "w1", ReleaseReason.WORKER_REMOVED)
+    assert log.p.actors["a"].state is SUSPENDED and log.p.actors["a"].worker is None
+
+
+def test_concurrent_bookings_in_flight_count_against_room():
+    log = Log()
+    log.worker("w1", mem=1024 + WORKER_RESERVE_MIB)
+    log.worker("w2", mem=1024 + WORKER_RESERVE_MIB)
+    log.actor("a", mem=1024)
+    first = log.decide("a")
+    other = {"w1": "w2", "w2": "w1"}[first.worker_id]
+    pending = {first.worker_id: (first.booked.cpu_millis, first.booked.memory_mib)}
+    assert decide(log.p, "a", None, log.p.seq, pending).worker_id == other
+
+
+# --- rule 7 and replay ------------------------------------------------------------------------------------------------------
+
+
+def fleet_log(workers: int = 40, actors: int = 60) -> Log:
+    log = Log()
+    for i in range(workers):
+        log.worker(f"w{i:03d}", runtime([V1, V2, V3][i % 3]), (runtime([V2, V3, V1][i % 3]),) if i % 2 else (),
+                   mem=4096 + 512 * (i % 5), node=f"n{i % 7}")
+    for j in range(actors):
+        log.actor(f"a{j:03d}", mem=256 + 128 * (j % 4))
+        if j % 3:
+            log.snapshot(f"a{j:03d}", stamped=[V1, V2, V3][j % 3])
+    return log
+
+
+def test_replaying_the_log_to_a_requests_position_gives_the_same_decision():
+    log = fleet_log()
+    decisions = []
+    for j in range(60):
+        position = log.p.seq
+        placed = log.decide(f"a{j:03d}")
+        decisions.append((f"a{j:03d}", position, placed))
+        log.place(placed)
+    for actor_id, position, placed in decisions:
+        again = decide(log.replay(position), actor_id, None, position)
+        assert again == placed
+
+
+def test_placements_spread_over_equal_workers():
+    log = Log()
+    for i in range(10):
+        log.worker(f"w{i}", mem=65536)
+    for j in range(200):
+        log.actor(f"a{j}", cpu=100, mem=256)
+        log.place(log.decide(f"a{j}"))
+    booked = sorted(len(w.actors) for w in log.p.workers.values())
+    assert booked[0] >= 10 and booked[-1] <= 30, booked  # power of two choices keeps it even
+
+
+def test_choices_come_only_from_the_actor_and_the_position():
+    log = fleet_log()
+    a = [log.decide("a001", position=n).worker_id for n in range(30)]
+    b = [log.decide("a001", position=n).worker_id for n in range(30)]
+    assert a == b and len(set(a)) > 1
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    workers=st.lists(
+        st.tuples(
+            st.sampled_from([V1, V2, V3]),  # default
+            st.lists(st.sampled_from([V1, V2, V3]), max_size=2, unique=True),  # restorable
+            st.integers(0, 6),  # memory in units of 512 MiB
+            st.booleans(),  # drained
+            st.sampled_from(["a", "b"]),  # zone label
+            st.sampled_from([CLS, "microvm"]),
+        ),
+        max_size=14,
+    ),
+    snap=st.sampled_from([None, "memory", "volumes", "old-template", "borrowed"]),
+    stamped=st.sampled_from([V1, V2, V3]),
+    mem=st.integers(1, 5),
+    zone=st.sampled_from([None, "a"]),
+    min_memory=st.booleans(),
+)
+def test_the_index_agrees_with_the_scan_of_every_worker(workers, snap, stamped, mem, zone, min_memory):
+    log = Log()
+    for i, (default, restorable, units, drained, z, cls) in enumerate(workers):
+        restorable = tuple(runtime(v) for v in restorable if v != default)
+        log.worker(f"w{i}", runtime(default, fixed=32), restorable, mem=units * 512 + WORKER_RESERVE_MIB,
+                   labels={"zone": z}, cls=cls)
+        if drained:
+            log.drain(f"w{i}")
+    golden = None
+    if snap == "borrowed":
+        golden = make_snapshot("a", stamped=stamped, borrowed=True)
+    log.actor("a", mem=mem * 400, min_fidelity=Fidelity.MEMORY if min_memory else Fidelity.ROOTFS, snapshot=golden)
+    if snap in ("memory", "old-template"):
+        log.snapshot("a", stamped=stamped, template="t0" if snap == "old-template" else "t1")
+    elif snap == "volumes":
+        log.snapshot("a", fidelity=Fidelity.VOLUMES, stamped=stamped)
+    selectors = {"zone": zone} if zone else None
+
+    def outcome(fn):
+        try:
+            return fn(log.p, "a", selectors, log.p.seq)
+        except ContractError as error:
+            return error.code
+
+    by_index, by_scan = outcome(decide), outcome(decide_by_scan)
+    if isinstance(by_index, ErrorCode):
+        assert by_scan == by_index
+        return
+    assert not isinstance(by_scan, ErrorCode)
+    same = ("action", "fidelity", "fallback", "snapshot_id")
+    assert [getattr(by_index, f) for f in same] == [getattr(by_scan, f) for f in same]
+    # the chosen worker passes every named check of its tier
+    chosen = log.p.workers[by_index.worker_id]
+    tier = next(t for t in plan(log.p, log.p.actors["a"], selectors).tiers if t.fidelity is by_index.fidelity)
+    assert tier.ask.reasons(chosen, {}) == []
+    # fit() is the fast path of the pipeline: they agree on every worker
+    for worker in log.p.workers.values():
+        for t in plan(log.p, log.p.actors["a"], selectors).tiers:
+            assert (t.ask.fit(worker, {}) is None) == bool(t.ask.reasons(worker, {}))
+
+
+def test_choose_walks_the_tier_when_the_draws_miss():
+    log = Log()
+    for i in range(100):
+        log.worker(f"w{i:03d}", mem=WORKER_RESERVE_MIB + (2048 if i == 77 else 10))
+    log.actor("a", mem=1024)
+    assert {log.decide("a", position=n).worker_id for n in range(20)} == {"w077"}
+    the_plan = plan(log.p, log.p.actors["a"], None)
+    assert choose(the_plan.tiers[0].ask, [], Draw(1), {}) is None
+
+
+# --- explain ----------------------------------------------------------------------------------------------------------
+
+
+def test_explain_names_the_reasons_counts_and_the_decision():
+    log = Log()
+    for i in range(7):
+        log.worker(f"new-{i}", runtime(V2))
+    for i in range(3):
+        log.worker(f"full-{i}", runtime(V1), mem=512)
+    for i in range(2):
+        log.worker(f"drained-{i}", runtime(V1))
+        log.drain(f"drained-{i}")
+    log.actor("a", mem=1024)
+    log.snapshot("a", stamped=V1)
+    why = log.explain("a")
+    assert why.counts == {"runtime mismatch": 7, "insufficient memory": 3, "drained": 2}
+    assert why.candidates == 0
+    assert why.message.startswith("0/12 workers available: 7 runtime mismatch, 3 insufficient memory, 2 drained")
+    assert {r.worker_id: r.reasons for r in why.rejected}["drained-0"] == ["drained"]
+    assert why.decision.fallback.reason is FallbackReason.NO_COMPATIBLE_WORKER
+    assert why.decision == log.decide("a")
+    assert why.error is None
+
+
+def test_explain_of_a_refusal_carries_the_error():
+    log = Log()
+    log.worker("w", runtime(V2))
+    log.actor("a", min_fidelity=Fidelity.MEMORY)
+    log.snapshot("a", stamped=V1)
+    why = log.explain("a")
+    assert why.decision is None and why.error.code is ErrorCode.RESOURCE_EXHAUSTED
+    assert why.counts == {"runtime mismatch": 1}
+    assert log.explain("nobody").error.code is ErrorCode.NOT_FOUND
+
+
+def test_summary_orders_by_count():
+    assert summary(0, 12, {"drained": 2, "runtime mismatch": 7, "insufficient memory": 3}) == (
+        "0/12 workers available: 7 runtime mismatch, 3 insufficient memory, 2 drained"
+    )
+    assert summary(3, 3, {}) == "3/3 workers available"
+
+
+# --- projection details -------------------------------------------------------------------------------------------------
+
+
+def test_subject_expectations_follow_the_log():
+    log = Log()
+    log.worker("w1")
+    log.actor("a")
+    assert log.p.actor_expectation("a") == (1, 2)
+    assert log.p.booking_expectation("w1") == (0, 0)
+    log.place(log.decide("a"), request_id="r1")
+    assert log.p.booking_expectation("w1") == (1, 3)
+    assert log.p.actor_expectation("a") == (2, 4)
+    actor = log.p.actors["a"]
+    assert (actor.placed_seq, actor.placed_request_id, actor.state) == (4, "r1", RUNNING)
+    assert log.p.actor_expectation("nobody") == (0, 0)
+
+
+def test_runtime_change_moves_a_worker_between_index_entries():
+    log = Log()
+    log.worker("w1", runtime(V1))
+    log.actor("a")
+    log.snapshot("a", stamped=V1)
+    log.add(RuntimeChanged(
+        at=AT, worker_id="w1",
+        sandbox_classes=(WorkerSandboxClass(sandbox_class=CLS, default_runtime=runtime(V2)),),
+        previous=(WorkerSandboxClass(sandbox_class=CLS, default_runtime=runtime(V1)),),
+    ))
+    assert log.decide("a").fallback.reason is FallbackReason.NO_COMPATIBLE_WORKER
+    index = log.p.classes[CLS]
+    assert [c.version for c in index.default] == [V2]
+
+
+def test_interning_shares_one_stamp_per_runtime():
+    log = Log()
+    log.worker("w1")
+    for j in range(5):
+        log.actor(f"a{j}")
+        log.snapshot(f"a{j}", stamped=V1)
+    stamps = {id(a.snap_stamp) for a in log.p.actors.values()}
+    assert len(stamps) == 1
+    assert len({id(a.resources) for a in log.p.actors.values()}) == 1
+
+
+# --- fragmentation ------------------------------------------------------------------------------------------------------------
+
+
+def test_fragmentation_counts_versions_free_room_and_stranded_snapshots():
+    log = Log()
+    log.worker("w1", runtime(V2), (runtime(V1),), mem=4096)
+    log.worker("w2", runtime(V2), mem=2048)
+    for j, v in enumerate([V1, V1, V2, V3, V3]):
+        log.actor(f"a{j}")
+        log.snapshot(f"a{j}", stamped=v)
+    log.actor("vol")
+    log.snapshot("vol", fidelity=Fidelity.VOLUMES, stamped=V3)
+    frag = fragmentation(log.p)
+    [gvisor] = frag.classes
+    assert gvisor.workers == 2 and gvisor.stranded_snapshots == 2  # the two V3 memory snapshots
+    rows = {r.version: r for r in gvisor.runtimes}
+    assert (rows[V1].workers_default, rows[V1].workers_restorable, rows[V1].snapshots_memory) == (0, 1, 2)
+    assert (rows[V2].workers_default, rows[V2].workers_restorable, rows[V2].snapshots_memory) == (2, 0, 1)
+    assert rows[V2].free.memory_mib == 4096 + 2048 - 2 * WORKER_RESERVE_MIB
+    assert rows[V3].snapshots_memory == 2 and rows[V3].workers_default == 0
+    # draining the only V1 restorer strands the V1 snapshots too
+    log.drain("w1")
+    assert fragmentation(log.p).classes[0].stranded_snapshots == 4
+    # a worker that restores V3 takes those off the stranded count
+    log.worker("w3", runtime(V3))
+    assert log.p.stranded(CLS) == 2
+    # a resumed actor no longer waits on its snapshot
+    log.place(log.decide("a3"))
+    assert fragmentation(log.p, CLS).classes[0].runtimes[-1].snapshots_memory == 1
+    assert fragmentation(log.p, "nope").classes == []
+
+
+def test_actor_lifecycle_states_follow_the_snapshotter_events():
+    log = Log()
+    log.worker("w1", node="n1")
+    log.actor("a")
+    assert log.p.actors["a"].state is CREATED
+    log.place(log.decide("a"))
+    log.snapshot("a", origin=SnapshotOrigin.PAUSE, node="n1")
+    log.release("a", "w1", ReleaseReason.PAUSED)
+    assert (log.p.actors["a"].state, log.p.actors["a"].node) == (PAUSED, "n1")
+    log.snapshot("a", origin=SnapshotOrigin.TAG)  # a tag copies; the latest stays
+    log.snapshot("a", origin=SnapshotOrigin.PROMOTE)
+    assert log.p.actors["a"].state is SUSPENDED
+    assert log.p.workers["w1"].booked_mem == 0
