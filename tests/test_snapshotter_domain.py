@@ -397,3 +397,14 @@ def test_fold_forgets_stopped_actors():
     fold.apply(2, placed(running("a")))
     fold.apply(4, ActorStopped(actor_id="a", at=at(3)))
     assert fold.apply(1, worker_removed("w-1")) == []
+
+
+def test_create_from_a_tag_of_another_class_is_failed_precondition():
+    source = running("src", pin=V1)
+    snapshot = source.suspend(None, "s3://x", Fidelity.MEMORY, None, at(2))
+    request = msgspec.structs.replace(create_request("a-5", source_tag="t"), sandbox_class="microvm")
+    actor = Actor("a-5")
+    with pytest.raises(ContractError) as e:
+        actor.create(request, snapshot, at(3))
+    assert code_of(e) is ErrorCode.FAILED_PRECONDITION and e.value.field == "source_tag"
+    assert actor.pending_events == []

@@ -257,6 +257,13 @@ class Actor(WireAggregate):
             raise already_exists(f"actor {self.entity_id!r} already exists", "actor_id")
         if request.source_tag is not None and tagged is None:
             raise not_found(f"tag {request.source_tag!r} does not exist", "source_tag")
+        if tagged is not None and tagged.sandbox_runtime is not None \
+                and tagged.sandbox_runtime.sandbox_class != request.sandbox_class:
+            raise precondition(
+                f"tag {request.source_tag!r} names a snapshot of class "
+                f"{tagged.sandbox_runtime.sandbox_class!r}, not {request.sandbox_class!r}",
+                "source_tag",
+            )
         snapshot = initial_snapshot(self.entity_id, tagged, request.golden_snapshot)
         self.record(ActorCreated(
             actor_id=self.entity_id,

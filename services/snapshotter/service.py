@@ -1,0 +1,471 @@
+"""How the snapshotter talks: the `warmboot-snapshotter` micro service and its log follower.
+
+Decisions are in `services.snapshotter.domain`; this module loads aggregates from
+the event store, asks them to decide, saves what they recorded and answers.
+
+- Endpoints (CONTRACT section 3): `<prefix>.snapshotter.<verb>.<actor_id>` for
+  create, pause, suspend, tag, update-template and stop, in the queue group
+  `warmboot-snapshotter`, so any number of replicas serve them. Each command runs
+  load-decide-save off the event loop and decides again on fresh state when it
+  loses an optimistic-concurrency race (with the scheduler placing the same actor,
+  or another replica). A refused command saves nothing.
+- `seq` in a reply is the stream sequence of the last event the request wrote
+  (tag saves the tag's event first and the actor's last, so it is the actor's),
+  or, when the request wrote nothing, of the event that already holds that state.
+- `request_id`: the first answer is kept in the shared reply cache; when that
+  entry is missing (lost with a crash between commit and cache write), the
+  answer is rebuilt from the actor's history, where every event names the
+  request that caused it.
+- `WorkerRemovalProcess` follows the log from its start and folds who is placed
+  where (`PlacementFold`). When a worker is removed it releases every actor still
+  placed there with reason WORKER_REMOVED, writing the releases and a tracking
+  record of the removal's position in one atomic append. Every replica runs it:
+  a position already tracked is skipped, and two replicas releasing at once
+  conflict on the actors' histories, so the loser re-checks, finds the position
+  tracked, and writes nothing. Each removal is handled exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from dataclasses import dataclass
+from datetime import datetime
+from functools import partial
+from typing import Any, Callable
+
+from eventsourcing.application import AggregateNotFoundError, ProcessingEvent
+from eventsourcing.persistence import IntegrityError, Tracking
+from eventsourcing.projection import ApplicationSubscription, EventSourcedProjection
+from nats.aio.client import Client as NATS
+from nats.js.errors import NotFoundError
+
+from events.aggregate import Recorded, WireAggregate, WireApplication, now
+from events.errors import invalid, not_found, precondition, unavailable
+from events.schema import (
+    ActorCreated,
+    ActorReleased,
+    ActorStopped,
+    Base,
+    CreateActor,
+    Event,
+    PauseActor,
+    ReleaseReason,
+    SeqReply,
+    SnapshotOrigin,
+    SnapshotReply,
+    SnapshotTaken,
+    StopActor,
+    SuspendActor,
+    TagSnapshot,
+    TemplateChanged,
+    UpdateTemplate,
+)
+from events.subjects import check_prefix, event_subject, stream_name
+from services.common import EndpointSpec, ReplyCache, add_endpoints, run_command, store_env
+from services.snapshotter.domain import Actor, PlacementFold, Release, Tag
+
+log = logging.getLogger("warmboot.snapshotter")
+
+SERVICE = "snapshotter"
+
+
+class SnapshotterApplication(WireApplication):
+    """The event-sourced application the endpoints load actors and tags from and save to."""
+
+    name = "Snapshotter"
+
+
+# --- answers recorded in the history ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PriorAnswer:
+    """An answer already in the log: build the reply once the event's stream sequence is known."""
+
+    aggregate_id: str
+    version: int
+    reply: Callable[[int], Base]
+
+
+def first_event_fits(verb: str, event: Event) -> bool:
+    """Whether `event`, the first one a request recorded, is what `verb` records first."""
+    if verb == "create":
+        return isinstance(event, ActorCreated)
+    if verb == "update-template":
+        return isinstance(event, TemplateChanged)
+    if verb == "stop":
+        return isinstance(event, ActorStopped) or (
+            isinstance(event, ActorReleased) and event.reason is ReleaseReason.STOPPED
+        )
+    origins = {
+        "pause": (SnapshotOrigin.PAUSE,),
+        "suspend": (SnapshotOrigin.SUSPEND, SnapshotOrigin.PROMOTE),
+        "tag": (SnapshotOrigin.TAG,),
+    }[verb]
+    return isinstance(event, SnapshotTaken) and event.origin in origins
+
+
+def answer_from_history(actor: WireAggregate, verb: str, request_id: str | None) -> PriorAnswer | None:
+    """The answer to a repeated request, rebuilt from the events it recorded, if any."""
+    if request_id is None:
+        return None
+    versions = [v for v, body in enumerate(actor.history, 1) if body.request_id == request_id]
+    if not versions:
+        return None
+    first = actor.history[versions[0] - 1]
+    if not first_event_fits(verb, first):
+        raise precondition(
+            f"request_id {request_id!r} was already used for another request on this actor",
+            "request_id",
+        )
+    if isinstance(first, SnapshotTaken):
+        snapshot = first.snapshot
+        reply: Callable[[int], Base] = lambda seq: SnapshotReply(snapshot=snapshot, seq=seq)
+    else:
+        reply = lambda seq: SeqReply(seq=seq)
+    return PriorAnswer(actor.id, versions[-1], reply)
+
+
+def last_seq(recordings: list[Any]) -> int:
+    return recordings[-1].notification.id
+
+
+# --- the worker-removal process ------------------------------------------------------------
+
+
+class WorkerRemovalProcess(EventSourcedProjection[str], WireApplication):
+    """Releases, exactly once, every actor placed on a worker that is removed.
+
+    The library's event-sourced projection: a process recorder writes the releases
+    and the tracking record of the position that caused them atomically. The
+    placement fold is rebuilt from the start of the log each time the process
+    starts (it is small: one entry per running actor); positions already tracked
+    are only folded, never acted on again.
+    """
+
+    name = "SnapshotterWorkerRemovals"
+    topics = ("WorkerRegistered", "WorkerRemoved", "ActorPlaced", "ActorReleased", "ActorStopped")
+    ATTEMPTS = 16
+
+    def __init__(self, env: dict[str, str] | None = None) -> None:
+        super().__init__(env)
+        self.fold = PlacementFold()
+        self.position = 0  # id of the last notification folded
+        self.released = 0  # releases this replica wrote
+        self.conflicts = 0  # appends lost to another writer (then re-checked)
+        self._moved = threading.Condition()
+        self._stopping = threading.Event()
+        self._subscription: ApplicationSubscription[str] | None = None
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    # --- processing (runs on the follower thread) ---
+
+    def process_event(self, domain_event: Any, tracking: Tracking) -> None:
+        if isinstance(domain_event, Recorded):
+            releases = self.fold.apply(domain_event.originator_version, domain_event.body)
+            if releases:
+                self.release(releases, tracking, domain_event.body.at)
+        with self._moved:
+            self.position = tracking.notification_id
+            self._moved.notify_all()
+
+    def release(self, releases: list[Release], tracking: Tracking, at: datetime) -> None:
+        """Release `releases` and track `tracking` in one append, unless that position is tracked.
+
+        `at` is the time of the event that caused the releases, so every replica
+        deciding this step decides the same events.
+        """
+        for _ in range(self.ATTEMPTS):
+            if self.recorder.has_tracking_id(tracking.application_name, tracking.notification_id):
+                return
+            processing = ProcessingEvent[str](tracking=tracking)
+            count = 0
+            for release in releases:
+                try:
+                    actor: Actor = self.repository.get(Actor.create_id(release.actor_id))
+                except AggregateNotFoundError:
+                    continue
+                if actor.release_from_removed_worker(release.worker_id, release.placed_version, at):
+                    processing.collect_events(actor)
+                    count += 1
+            try:
+                self._record(processing)
+            except IntegrityError:
+                self.conflicts += 1  # another writer got there first: look again
+                continue
+            self.released += count
+            if count:
+                log.info("released %d actor(s) of removed worker %s at position %d",
+                         count, releases[0].worker_id, tracking.notification_id)
+            return
+        raise RuntimeError(f"could not settle the releases at position {tracking.notification_id}")
+
+    # --- the follower thread ---
+
+    def follow(self) -> None:
+        """Start following the log from its first event, on a thread of its own.
+
+        Every application of a deployment shares one log (the stream), so the
+        process reads it through its own recorder, and its tracking records carry
+        its own name: no other follower's positions mix with its own.
+        """
+        self._subscription = ApplicationSubscription(self, gt=None, topics=self.topics)
+        self._thread = threading.Thread(target=self._run, name=f"{self.name}-follower", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        assert self._subscription is not None
+        try:
+            with self._subscription:
+                for domain_event, tracking in self._subscription:
+                    self._process_until_done(domain_event, tracking)
+                    if self._stopping.is_set():
+                        return
+        except BaseException as error:  # noqa: BLE001 - reported through .error and the log
+            if not self._stopping.is_set():
+                self.error = error
+                log.exception("%s stopped following the log", self.name)
+        finally:
+            with self._moved:
+                self._moved.notify_all()
+
+    def _process_until_done(self, domain_event: Any, tracking: Tracking) -> None:
+        """Process one event; on a store failure, back off and try the same event again."""
+        delay = 0.1
+        while True:
+            try:
+                self.process_event(domain_event, tracking)
+                return
+            except Exception:
+                if self._stopping.is_set():
+                    raise
+                log.warning("%s: position %d failed; retrying", self.name, tracking.notification_id,
+                            exc_info=True)
+                if self._stopping.wait(delay):
+                    raise
+                delay = min(delay * 2, 5.0)
+
+    def wait_for(self, position: int, timeout: float) -> bool:
+        """Block until the log is folded up to `position` (True), or `timeout`/stop (False)."""
+        with self._moved:
+            return self._moved.wait_for(
+                lambda: self.position >= position or self._stopping.is_set() or self.error is not None,
+                timeout,
+            ) and self.position >= position
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._subscription is not None:
+            self._subscription.stop()
+        if self._thread is not None:
+            self._thread.join()
+        self.close()
+
+
+# --- the service -------------------------------------------------------------------------------
+
+
+class SnapshotterService:
+    """The snapshotter replica: `warmboot-snapshotter` endpoints plus the worker-removal process.
+
+    `env` overrides the event-store environment (default: the JetStream store of
+    `prefix` on `nats_url`); `follow=False` runs the endpoints only.
+    """
+
+    def __init__(
+        self,
+        nc: NATS,
+        *,
+        nats_url: str,
+        prefix: str,
+        env: dict[str, str] | None = None,
+        follow: bool = True,
+        reply_ttl_s: float = 3600.0,
+    ) -> None:
+        self.nc = nc
+        self.nats_url = nats_url
+        self.prefix = check_prefix(prefix)
+        self.env = env if env is not None else store_env(nats_url, prefix)
+        self.follow = follow
+        self.replies = ReplyCache(nc, prefix, reply_ttl_s)
+        self.app: SnapshotterApplication | None = None
+        self.process: WorkerRemovalProcess | None = None
+        self.micro = None
+
+    async def start(self) -> "SnapshotterService":
+        self.app = await asyncio.to_thread(SnapshotterApplication, self.env)
+        await self.replies.start()
+        if self.follow:
+            self.process = await asyncio.to_thread(WorkerRemovalProcess, self.env)
+            self.process.follow()
+        self.micro = await add_endpoints(
+            self.nc, self.prefix, SERVICE,
+            "Actor lifecycle steps that take, promote and tag snapshots, stamped with their runtime",
+            [
+                EndpointSpec("create", CreateActor, self.create),
+                EndpointSpec("pause", PauseActor, self.pause),
+                EndpointSpec("suspend", SuspendActor, self.suspend),
+                EndpointSpec("tag", TagSnapshot, self.tag),
+                EndpointSpec("update-template", UpdateTemplate, self.update_template),
+                EndpointSpec("stop", StopActor, self.stop_actor),
+            ],
+        )
+        return self
+
+    async def stop(self) -> None:
+        if self.micro is not None:
+            await self.micro.stop()
+            self.micro = None
+        if self.process is not None:
+            await asyncio.to_thread(self.process.stop)
+            self.process = None
+        if self.app is not None:
+            await asyncio.to_thread(self.app.close)
+            self.app = None
+
+    async def wait_followed(self, position: int, timeout: float = 10.0) -> bool:
+        """Whether the worker-removal process has folded the log up to `position`."""
+        assert self.process is not None
+        return await asyncio.to_thread(self.process.wait_for, position, timeout)
+
+    # --- endpoint plumbing ---
+
+    async def answer(
+        self, verb: str, actor_id: str, request_id: str | None, reply_type: type,
+        decide: Callable[[], Base | PriorAnswer],
+    ) -> Any:
+        async def compute() -> Base:
+            outcome = await run_command(decide)
+            if isinstance(outcome, PriorAnswer):
+                return outcome.reply(await self.seq_of(outcome.aggregate_id, outcome.version))
+            return outcome
+
+        return await self.replies.once(f"{SERVICE}.{verb}.{actor_id}", request_id, compute, reply_type)
+
+    def load_actor(self, actor_id: str, *, must_exist: bool = True) -> Actor:
+        assert self.app is not None
+        try:
+            return self.app.repository.get(Actor.create_id(actor_id))
+        except AggregateNotFoundError:
+            if must_exist:
+                raise not_found(f"actor {actor_id!r} does not exist", "actor_id") from None
+            return Actor(actor_id)
+
+    def load_tag(self, tag: str) -> Tag:
+        assert self.app is not None
+        try:
+            return self.app.repository.get(Tag.create_id(tag))
+        except AggregateNotFoundError:
+            return Tag(tag)
+
+    async def seq_of(self, aggregate_id: str, version: int) -> int:
+        """The stream sequence of event `version` of an aggregate.
+
+        Only needed to answer a repeat whose cached reply was lost, or a request that
+        changed nothing. One subject holds exactly one aggregate's events, version 1
+        first (the stream never discards), so version v is the subject's v-th message.
+        """
+        kind, _, entity_id = aggregate_id.partition(".")
+        subject = event_subject(self.prefix, kind, entity_id)
+        stream = stream_name(self.prefix)
+        js = self.nc.jetstream()
+        try:
+            info = await js.stream_info(stream, subjects_filter=subject)
+            if (info.state.subjects or {}).get(subject, 0) == version:
+                return (await js.get_msg(stream, subject=subject)).seq
+            seq = 0
+            for _ in range(version):
+                seq = (await js.get_msg(stream, seq=seq + 1, subject=subject, next=True)).seq
+            return seq
+        except NotFoundError:
+            raise unavailable(f"the event log has no event {version} of {aggregate_id} yet") from None
+
+    # --- endpoints ---
+
+    async def create(self, actor_id: str, req: CreateActor) -> SeqReply:
+        if req.actor_id != actor_id:
+            raise invalid(f"actor_id {req.actor_id!r} differs from the subject's {actor_id!r}", "actor_id")
+        return await self.answer("create", actor_id, req.request_id, SeqReply,
+                                 partial(self.decide_create, actor_id, req))
+
+    def decide_create(self, actor_id: str, req: CreateActor) -> Base | PriorAnswer:
+        actor = self.load_actor(actor_id, must_exist=False)
+        found = answer_from_history(actor, "create", req.request_id)
+        if found is not None:
+            return found
+        tagged = self.load_tag(req.source_tag).snapshot if req.source_tag is not None else None
+        actor.create(req, tagged, now())
+        assert self.app is not None
+        return SeqReply(seq=last_seq(self.app.save(actor)))
+
+    async def pause(self, actor_id: str, req: PauseActor) -> SnapshotReply:
+        return await self.answer("pause", actor_id, req.request_id, SnapshotReply,
+                                 partial(self.decide_pause, actor_id, req))
+
+    def decide_pause(self, actor_id: str, req: PauseActor) -> Base | PriorAnswer:
+        actor = self.load_actor(actor_id)
+        found = answer_from_history(actor, "pause", req.request_id)
+        if found is not None:
+            return found
+        snapshot = actor.pause(req.snapshot_id, req.request_id, now())
+        assert self.app is not None
+        return SnapshotReply(snapshot=snapshot, seq=last_seq(self.app.save(actor)))
+
+    async def suspend(self, actor_id: str, req: SuspendActor) -> SnapshotReply:
+        return await self.answer("suspend", actor_id, req.request_id, SnapshotReply,
+                                 partial(self.decide_suspend, actor_id, req))
+
+    def decide_suspend(self, actor_id: str, req: SuspendActor) -> Base | PriorAnswer:
+        actor = self.load_actor(actor_id)
+        found = answer_from_history(actor, "suspend", req.request_id)
+        if found is not None:
+            return found
+        snapshot = actor.suspend(req.snapshot_id, req.uri, req.fidelity, req.request_id, now())
+        assert self.app is not None
+        return SnapshotReply(snapshot=snapshot, seq=last_seq(self.app.save(actor)))
+
+    async def tag(self, actor_id: str, req: TagSnapshot) -> SnapshotReply:
+        return await self.answer("tag", actor_id, req.request_id, SnapshotReply,
+                                 partial(self.decide_tag, actor_id, req))
+
+    def decide_tag(self, actor_id: str, req: TagSnapshot) -> Base | PriorAnswer:
+        actor = self.load_actor(actor_id)
+        found = answer_from_history(actor, "tag", req.request_id)
+        if found is not None:
+            return found
+        tag = self.load_tag(req.tag)
+        snapshot = actor.tag(tag, req.request_id, now())
+        assert self.app is not None
+        # The tag's event first, the actor's last: the reply's seq is the actor's event.
+        return SnapshotReply(snapshot=snapshot, seq=last_seq(self.app.save(tag, actor)))
+
+    async def update_template(self, actor_id: str, req: UpdateTemplate) -> SeqReply:
+        return await self.answer("update-template", actor_id, req.request_id, SeqReply,
+                                 partial(self.decide_update_template, actor_id, req))
+
+    def decide_update_template(self, actor_id: str, req: UpdateTemplate) -> Base | PriorAnswer:
+        actor = self.load_actor(actor_id)
+        found = answer_from_history(actor, "update-template", req.request_id)
+        if found is not None:
+            return found
+        if not actor.change_template(req.template_uid, req.request_id, now()):
+            # Already that template: the event that set it is the answer.
+            return PriorAnswer(actor.id, actor.template_version, lambda seq: SeqReply(seq=seq))
+        assert self.app is not None
+        return SeqReply(seq=last_seq(self.app.save(actor)))
+
+    async def stop_actor(self, actor_id: str, req: StopActor) -> SeqReply:
+        return await self.answer("stop", actor_id, req.request_id, SeqReply,
+                                 partial(self.decide_stop, actor_id, req))
+
+    def decide_stop(self, actor_id: str, req: StopActor) -> Base | PriorAnswer:
+        actor = self.load_actor(actor_id)
+        found = answer_from_history(actor, "stop", req.request_id)
+        if found is not None:
+            return found
+        actor.stop(req.request_id, now())
+        assert self.app is not None
+        return SeqReply(seq=last_seq(self.app.save(actor)))

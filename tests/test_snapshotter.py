@@ -1,0 +1,491 @@
+"""The snapshotter over a real bus: nats-server, the JetStream event store, nats.micro endpoints.
+
+Placements (`ActorPlaced`) are written the way the scheduler writes them: through
+the event store, on the actor's history, with optimistic concurrency. Workers are
+registered, upgraded and removed through the registry's endpoints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from datetime import datetime, timezone
+
+import msgspec
+import pytest
+
+from events.aggregate import WireApplication, now
+from events.codec import decode_event
+from events.errors import ContractError
+from events.schema import (
+    Action,
+    ActorCreated,
+    ActorPlaced,
+    ActorReleased,
+    ActorRuntime,
+    ActorStopped,
+    Attribute,
+    CompatVersion,
+    CreateActor,
+    ErrorCode,
+    Event,
+    Fidelity,
+    Location,
+    PauseActor,
+    PlacedFidelity,
+    RegisterReply,
+    RegisterWorker,
+    ReleaseReason,
+    RemoveWorker,
+    Resources,
+    SeqReply,
+    Snapshot,
+    SnapshotOrigin,
+    SnapshotReply,
+    SnapshotTaken,
+    StopActor,
+    SuspendActor,
+    TagRecorded,
+    TagSnapshot,
+    TemplateChanged,
+    UpdateTemplate,
+    WorkerRemoved,
+    WorkerRuntime,
+    WorkerSandboxClass,
+)
+from events.subjects import bucket_name, service_subject, stream_name
+from services.common import ReplyCache, call, store_env
+from services.registry.service import RegistryService
+from services.snapshotter.domain import Actor
+from services.snapshotter.service import SnapshotterService
+
+CLASS = "gvisor"
+STORE = os.environ.get("WARMBOOT_TEST_STORE", "events.jetstream")
+
+
+def version(asset: str) -> CompatVersion:
+    return CompatVersion(
+        schema_version="v1",
+        attributes=(Attribute(key="architecture", value="amd64"), Attribute(key="gvisor_asset_hash", value=asset)),
+    )
+
+
+V1, V2 = version("aaaa1111"), version("bbbb2222")
+
+
+def pin(v: CompatVersion, name: str) -> ActorRuntime:
+    return ActorRuntime(sandbox_class=CLASS, name=name, version=v)
+
+
+PIN_V1, PIN_V2 = pin(V1, "runsc-1"), pin(V2, "runsc-2")
+
+
+def env_for(nats_url: str, prefix: str) -> dict[str, str]:
+    env = store_env(nats_url, prefix)
+    env["PERSISTENCE_MODULE"] = STORE
+    return env
+
+
+# --- fixtures ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def snapshotter(nats_server, prefix, nc):
+    service = SnapshotterService(nc, nats_url=nats_server.url, prefix=prefix, env=env_for(nats_server.url, prefix))
+    await service.start()
+    yield service
+    await service.stop()
+
+
+@pytest.fixture
+async def registry(nats_server, prefix, nc):
+    service = RegistryService(nc, nats_url=nats_server.url, prefix=prefix, env=env_for(nats_server.url, prefix))
+    await service.start()
+    yield service
+    await service.stop()
+
+
+@pytest.fixture
+async def placer(nats_server, prefix):
+    """Writes ActorPlaced into an actor's history as the scheduler does: load, record, save (OCC)."""
+    app = await asyncio.to_thread(WireApplication, env_for(nats_server.url, prefix))
+    yield Placer(app)
+    await asyncio.to_thread(app.close)
+
+
+class Placer:
+    def __init__(self, app: WireApplication):
+        self.app = app
+
+    async def place(self, actor_id: str, worker_id: str, node: str, sandbox_runtime: ActorRuntime) -> int:
+        def commit() -> int:
+            actor: Actor = self.app.repository.get(Actor.create_id(actor_id))
+            actor.place(ActorPlaced(
+                actor_id=actor_id, worker_id=worker_id, node=node, action=Action.RUN,
+                fidelity=PlacedFidelity.NONE, sandbox_runtime=sandbox_runtime,
+                booked=Resources(cpu_millis=250, memory_mib=256), at=now(),
+            ))
+            return self.app.save(actor)[-1].notification.id
+
+        return await asyncio.to_thread(commit)
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+
+def subject(prefix: str, verb: str, actor_id: str) -> str:
+    return service_subject(prefix, "snapshotter", verb, actor_id)
+
+
+async def create(nc, prefix: str, actor_id: str, **fields) -> SeqReply:
+    body = CreateActor(actor_id=actor_id, sandbox_class=CLASS, template_uid="tpl-1",
+                       resources=Resources(cpu_millis=250, memory_mib=256), **fields)
+    return await call(nc, subject(prefix, "create", actor_id), body, SeqReply)
+
+
+async def pause(nc, prefix: str, actor_id: str, **fields) -> SnapshotReply:
+    return await call(nc, subject(prefix, "pause", actor_id), PauseActor(**fields), SnapshotReply)
+
+
+async def suspend(nc, prefix: str, actor_id: str, fidelity: Fidelity = Fidelity.MEMORY, **fields) -> SnapshotReply:
+    return await call(nc, subject(prefix, "suspend", actor_id), SuspendActor(fidelity=fidelity, **fields),
+                      SnapshotReply)
+
+
+async def tag(nc, prefix: str, actor_id: str, name: str, **fields) -> SnapshotReply:
+    return await call(nc, subject(prefix, "tag", actor_id), TagSnapshot(tag=name, **fields), SnapshotReply)
+
+
+async def refused(awaitable) -> ContractError:
+    with pytest.raises(ContractError) as excinfo:
+        await awaitable
+    return excinfo.value
+
+
+async def last_seq(nc, prefix: str) -> int:
+    return (await nc.jetstream().stream_info(stream_name(prefix))).state.last_seq
+
+
+async def read_log(nc, prefix: str) -> list[tuple[int, str, Event]]:
+    """Every event in the stream, as a client that knows only the contract reads it.
+
+    A raw JetStream ordered consumer on `<prefix>.ev.>`; bodies decoded with
+    `events.codec` alone (no eventsourcing library), until nothing is pending.
+    """
+    sub = await nc.jetstream().subscribe(f"{prefix}.ev.>", ordered_consumer=True)
+    events: list[tuple[int, str, Event]] = []
+    try:
+        while True:
+            msg = await sub.next_msg(timeout=5)
+            events.append((msg.metadata.sequence.stream, msg.subject, decode_event(msg.data)))
+            if msg.metadata.num_pending == 0:
+                return events
+    finally:
+        await sub.unsubscribe()
+
+
+def registration(worker_id: str, node: str, default: CompatVersion, restorable: tuple[CompatVersion, ...] = ()):
+    return RegisterWorker(
+        worker_id=worker_id, node=node, capacity=Resources(cpu_millis=8000, memory_mib=16384),
+        sandbox_classes=(WorkerSandboxClass(
+            sandbox_class=CLASS,
+            default_runtime=WorkerRuntime(version=default, name="runsc-default"),
+            restorable_runtimes=tuple(WorkerRuntime(version=v) for v in restorable),
+        ),),
+    )
+
+
+async def register(nc, prefix: str, reg: RegisterWorker) -> RegisterReply:
+    return await call(nc, service_subject(prefix, "registry", "register", reg.worker_id), reg, RegisterReply)
+
+
+# --- stamping rules ------------------------------------------------------------------------------
+
+
+async def test_rolling_upgrade_pause_stamps_the_pin_and_promotion_keeps_it(
+    snapshotter, registry, placer, nc, prefix
+):
+    await register(nc, prefix, registration("w-1", "node-1", V1))
+    await create(nc, prefix, "old")
+    await placer.place("old", "w-1", "node-1", PIN_V1)  # placed while the default was v1
+
+    # Rolling upgrade: the worker's default becomes v2; it can still restore v1.
+    upgraded = await register(nc, prefix, registration("w-1", "node-1", V2, (V1,)))
+    assert upgraded.outcome.value == "RUNTIME_CHANGED"
+
+    paused = await pause(nc, prefix, "old")
+    assert paused.snapshot.sandbox_runtime == PIN_V1  # the pin, not the worker's new default
+    assert (paused.snapshot.location, paused.snapshot.fidelity, paused.snapshot.node) == (
+        Location.LOCAL, Fidelity.MEMORY, "node-1")
+
+    promoted = await suspend(nc, prefix, "old", uri="s3://snaps/old")
+    assert promoted.snapshot.sandbox_runtime == PIN_V1
+    assert promoted.snapshot.snapshot_id == paused.snapshot.snapshot_id
+    assert (promoted.snapshot.location, promoted.snapshot.node) == (Location.EXTERNAL, None)
+
+    # A fresh actor placed on the upgraded worker runs its new default: pinned, and stamped, v2.
+    await create(nc, prefix, "fresh")
+    await placer.place("fresh", "w-1", "node-1", PIN_V2)
+    assert (await pause(nc, prefix, "fresh")).snapshot.sandbox_runtime == PIN_V2
+
+    log = [(s, e) for s, _, e in await read_log(nc, prefix) if getattr(e, "actor_id", None) == "old"]
+    taken = [e for _, e in log if isinstance(e, SnapshotTaken)]
+    assert [t.origin for t in taken] == [SnapshotOrigin.PAUSE, SnapshotOrigin.PROMOTE]
+    assert all(t.snapshot.sandbox_runtime == PIN_V1 for t in taken)
+    released = [e for _, e in log if isinstance(e, ActorReleased)]
+    assert [(r.worker_id, r.reason) for r in released] == [("w-1", ReleaseReason.PAUSED)]
+    assert promoted.seq == log[-1][0]
+
+
+async def test_suspend_from_running_is_external_stamped_from_the_pin_and_releases(
+    snapshotter, placer, nc, prefix
+):
+    await create(nc, prefix, "a-1")
+    await placer.place("a-1", "w-9", "node-9", PIN_V2)
+    reply = await suspend(nc, prefix, "a-1", Fidelity.VOLUMES, snapshot_id="snap-1", uri="s3://b/1")
+    s = reply.snapshot
+    assert (s.snapshot_id, s.location, s.fidelity, s.uri, s.node) == (
+        "snap-1", Location.EXTERNAL, Fidelity.VOLUMES, "s3://b/1", None)
+    assert s.sandbox_runtime == PIN_V2  # stamped also when the snapshot has no memory
+    events = [e for _, _, e in await read_log(nc, prefix)]
+    assert isinstance(events[-1], ActorReleased) and events[-1].reason is ReleaseReason.SUSPENDED
+    assert reply.seq == await last_seq(nc, prefix)
+
+
+async def test_tag_and_create_from_tag_keep_the_stamp(snapshotter, placer, nc, prefix):
+    await create(nc, prefix, "src")
+    await placer.place("src", "w-1", "node-1", PIN_V1)
+    suspended = (await suspend(nc, prefix, "src", uri="s3://b/src")).snapshot
+    tagged = await tag(nc, prefix, "src", "golden-path")
+    assert tagged.snapshot == suspended  # a copy: same image, same stamp
+
+    made = await create(nc, prefix, "copy", source_tag="golden-path")
+    log = await read_log(nc, prefix)
+    tag_events = [e for _, subj, e in log if subj == f"{prefix}.ev.tag.golden-path"]
+    assert tag_events == [TagRecorded(tag="golden-path", snapshot=suspended, at=tag_events[0].at)]
+    copy_events = [(s, e) for s, _, e in log if getattr(e, "actor_id", None) == "copy"]
+    created, taken = copy_events[0][1], copy_events[1][1]
+    assert isinstance(created, ActorCreated) and isinstance(taken, SnapshotTaken)
+    assert taken.origin is SnapshotOrigin.CREATE and created.snapshot == taken.snapshot
+    assert created.snapshot.sandbox_runtime == PIN_V1 and created.snapshot.actor_id == "copy"
+    assert created.snapshot.snapshot_id == suspended.snapshot_id and created.snapshot.borrowed is False
+    assert made.seq == copy_events[-1][0]
+    # The copy's snapshot is its own latest: tagging it copies it again, stamp unchanged.
+    assert (await tag(nc, prefix, "copy", "again")).snapshot.sandbox_runtime == PIN_V1
+
+    error = await refused(create(nc, prefix, "orphan", source_tag="no-such-tag"))
+    assert (error.code, error.field) == (ErrorCode.NOT_FOUND, "source_tag")
+
+
+async def test_create_from_golden_keeps_the_stamp_and_is_borrowed(snapshotter, nc, prefix):
+    golden = Snapshot(
+        snapshot_id="gold-1", actor_id="template-actor", template_uid="tpl-1", fidelity=Fidelity.MEMORY,
+        location=Location.EXTERNAL, uri="s3://golden/1", sandbox_runtime=PIN_V2,
+        taken_at=datetime(2026, 1, 1, tzinfo=timezone.utc),
+    )
+    await create(nc, prefix, "g-1", golden_snapshot=golden)
+    (_, _, created), (_, _, taken) = (await read_log(nc, prefix))[:2]
+    assert created.snapshot.borrowed is True and created.snapshot.sandbox_runtime == PIN_V2
+    assert taken.origin is SnapshotOrigin.CREATE and taken.snapshot == created.snapshot
+    assert msgspec.structs.replace(created.snapshot, actor_id="template-actor", borrowed=False) == golden
+
+
+# --- refusals ----------------------------------------------------------------------------------
+
+
+async def test_illegal_transitions_are_failed_precondition_and_write_nothing(snapshotter, placer, nc, prefix):
+    await create(nc, prefix, "a-1")
+    before = await last_seq(nc, prefix)
+    for attempt in (
+        pause(nc, prefix, "a-1"),  # CREATED: nothing runs
+        suspend(nc, prefix, "a-1"),
+        tag(nc, prefix, "a-1", "t"),  # no snapshot yet
+    ):
+        assert (await refused(attempt)).code is ErrorCode.FAILED_PRECONDITION
+    error = await refused(create(nc, prefix, "a-1"))
+    assert (error.code, error.field) == (ErrorCode.ALREADY_EXISTS, "actor_id")
+    assert await last_seq(nc, prefix) == before
+
+    await placer.place("a-1", "w-1", "node-1", PIN_V1)
+    await suspend(nc, prefix, "a-1", uri="s3://x")
+    before = await last_seq(nc, prefix)
+    assert (await refused(pause(nc, prefix, "a-1"))).code is ErrorCode.FAILED_PRECONDITION  # SUSPENDED
+    assert (await refused(suspend(nc, prefix, "a-1"))).code is ErrorCode.FAILED_PRECONDITION
+    await call(nc, subject(prefix, "stop", "a-1"), StopActor(), SeqReply)
+    stopped = await last_seq(nc, prefix)
+    assert stopped == before + 1  # ActorStopped only: nothing was held
+    for attempt in (
+        call(nc, subject(prefix, "stop", "a-1"), StopActor(), SeqReply),
+        call(nc, subject(prefix, "update-template", "a-1"), UpdateTemplate(template_uid="tpl-2"), SeqReply),
+        tag(nc, prefix, "a-1", "t"),
+    ):
+        assert (await refused(attempt)).code is ErrorCode.FAILED_PRECONDITION
+    assert await last_seq(nc, prefix) == stopped
+
+
+async def test_unknown_actors_are_not_found(snapshotter, nc, prefix):
+    await create(nc, prefix, "exists")  # the stream exists; nothing else does
+    before = await last_seq(nc, prefix)
+    for attempt in (
+        pause(nc, prefix, "ghost"),
+        suspend(nc, prefix, "ghost"),
+        tag(nc, prefix, "ghost", "t"),
+        call(nc, subject(prefix, "update-template", "ghost"), UpdateTemplate(template_uid="t"), SeqReply),
+        call(nc, subject(prefix, "stop", "ghost"), StopActor(), SeqReply),
+    ):
+        assert (await refused(attempt)).code is ErrorCode.NOT_FOUND
+    mismatch = await refused(call(nc, subject(prefix, "create", "other"), CreateActor(
+        actor_id="ghost", sandbox_class=CLASS, template_uid="t", resources=Resources(cpu_millis=1, memory_mib=1)),
+        SeqReply))
+    assert (mismatch.code, mismatch.field) == (ErrorCode.INVALID_ARGUMENT, "actor_id")
+    assert await last_seq(nc, prefix) == before
+
+
+# --- update-template and stop ------------------------------------------------------------------
+
+
+async def test_update_template_and_stop(snapshotter, placer, nc, prefix):
+    first = await create(nc, prefix, "a-1")
+    same = await call(nc, subject(prefix, "update-template", "a-1"), UpdateTemplate(template_uid="tpl-1"), SeqReply)
+    assert same.seq == first.seq  # unchanged: the event that set it
+    changed = await call(nc, subject(prefix, "update-template", "a-1"), UpdateTemplate(template_uid="tpl-2"),
+                         SeqReply)
+    assert changed.seq == await last_seq(nc, prefix)
+    await placer.place("a-1", "w-3", "node-3", PIN_V1)
+    stopped = await call(nc, subject(prefix, "stop", "a-1"), StopActor(), SeqReply)
+    tail = [e for _, _, e in await read_log(nc, prefix)][-4:]
+    assert isinstance(tail[0], TemplateChanged) and tail[0].template_uid == "tpl-2"
+    assert isinstance(tail[1], ActorPlaced)
+    assert isinstance(tail[2], ActorReleased) and (tail[2].worker_id, tail[2].reason) == ("w-3", ReleaseReason.STOPPED)
+    assert isinstance(tail[3], ActorStopped)
+    assert stopped.seq == await last_seq(nc, prefix)
+
+
+# --- idempotency --------------------------------------------------------------------------------
+
+
+async def test_request_id_retry_returns_the_first_answer_and_writes_one_event(snapshotter, placer, nc, prefix):
+    await create(nc, prefix, "a-1", request_id="create-1")
+    assert (await create(nc, prefix, "a-1", request_id="create-1")).seq == 1  # not ALREADY_EXISTS
+    await placer.place("a-1", "w-1", "node-1", PIN_V1)
+    first = await pause(nc, prefix, "a-1", request_id="pause-1")
+    after_first = await last_seq(nc, prefix)
+    again = await pause(nc, prefix, "a-1", request_id="pause-1")
+    assert again == first and await last_seq(nc, prefix) == after_first
+
+    # The cached reply lost (a crash between commit and cache write): the history answers.
+    kv = await nc.jetstream().key_value(bucket_name(prefix, "replies"))
+    await kv.purge(ReplyCache.key("snapshotter.pause.a-1", "pause-1"))
+    assert await pause(nc, prefix, "a-1", request_id="pause-1") == first
+    assert await last_seq(nc, prefix) == after_first
+
+    # Concurrent duplicates: one answer, one write.
+    replies = await asyncio.gather(*(suspend(nc, prefix, "a-1", uri="s3://x", request_id="susp-1") for _ in range(4)))
+    assert all(r == replies[0] for r in replies)
+    log = [e for _, _, e in await read_log(nc, prefix)]
+    assert sum(isinstance(e, SnapshotTaken) and e.request_id == "susp-1" for e in log) == 1
+    assert sum(isinstance(e, SnapshotTaken) and e.request_id == "pause-1" for e in log) == 1
+
+    # A request_id already used for another verb on this actor is refused, not misanswered.
+    await kv.purge(ReplyCache.key("snapshotter.tag.a-1", "pause-1"))
+    error = await refused(tag(nc, prefix, "a-1", "t", request_id="pause-1"))
+    assert (error.code, error.field) == (ErrorCode.FAILED_PRECONDITION, "request_id")
+
+
+# --- the log is the contract --------------------------------------------------------------------
+
+
+async def test_raw_subscriber_reads_the_stamp_as_the_contract_says(snapshotter, placer, nc, prefix):
+    await create(nc, prefix, "a-1")
+    await placer.place("a-1", "w-1", "node-1", PIN_V1)
+    reply = await pause(nc, prefix, "a-1")
+    msg = await nc.jetstream().get_msg(stream_name(prefix), seq=reply.seq - 1)
+    assert msg.subject == f"{prefix}.ev.actor.a-1"
+    raw = msgspec.json.decode(msg.data)
+    assert raw["type"] == "SnapshotTaken" and raw["actor_id"] == "a-1" and raw["origin"] == "PAUSE"
+    stamp = raw["snapshot"]["sandbox_runtime"]
+    assert stamp["sandbox_class"] == CLASS and stamp["version"]["schema_version"] == "v1"
+    assert {a["key"]: a["value"] for a in stamp["version"]["attributes"]} == {
+        "architecture": "amd64", "gvisor_asset_hash": "aaaa1111"}
+    assert raw["snapshot"]["location"] == "LOCAL" and raw["snapshot"]["node"] == "node-1"
+    assert decode_event(msg.data).snapshot == reply.snapshot
+    released = decode_event((await nc.jetstream().get_msg(stream_name(prefix), seq=reply.seq)).data)
+    assert isinstance(released, ActorReleased) and released.reason is ReleaseReason.PAUSED
+
+
+# --- worker removal ------------------------------------------------------------------------------
+
+
+async def test_a_removed_workers_actors_are_released_once_with_two_replicas(
+    snapshotter, registry, placer, nats_server, nc, prefix
+):
+    second = SnapshotterService(nc, nats_url=nats_server.url, prefix=prefix, env=env_for(nats_server.url, prefix))
+    await second.start()
+    try:
+        await register(nc, prefix, registration("w-1", "node-1", V1))
+        for actor_id in ("a-1", "a-2", "a-3"):
+            await create(nc, prefix, actor_id)
+        await placer.place("a-1", "w-1", "node-1", PIN_V1)
+        await placer.place("a-2", "w-1", "node-1", PIN_V1)
+        await placer.place("a-3", "w-other", "node-2", PIN_V1)  # elsewhere: untouched
+        paused_seq = (await pause(nc, prefix, "a-1")).seq  # released already (PAUSED)
+        await placer.place("a-1", "w-1", "node-1", PIN_V1)  # resumed on its node: placed again
+
+        removed = await call(nc, service_subject(prefix, "registry", "remove", "w-1"), RemoveWorker(reason="gone"),
+                             SeqReply)
+        assert removed.seq > paused_seq
+        # Both replicas fold past the removal and past the releases it caused.
+        releases = await released_by_removal(nc, prefix, count=2)
+        settled = max(seq for seq, _ in releases)
+        assert await snapshotter.wait_followed(settled) and await second.wait_followed(settled)
+
+        log = await read_log(nc, prefix)
+        removal = [e for _, _, e in log if isinstance(e, ActorReleased) and e.reason is ReleaseReason.WORKER_REMOVED]
+        assert sorted(e.actor_id for e in removal) == ["a-1", "a-2"]  # each exactly once
+        assert all(e.worker_id == "w-1" for e in removal)
+        assert snapshotter.process.released + second.process.released == 2
+        (worker_removed,) = [e for _, _, e in log if isinstance(e, WorkerRemoved)]
+        assert all(e.at == worker_removed.at for e in removal)  # decided from the log, not a clock
+
+        # Released actors are suspended: they can be placed again, and paused there.
+        await placer.place("a-2", "w-2", "node-2", PIN_V1)
+        assert (await pause(nc, prefix, "a-2")).snapshot.node == "node-2"
+    finally:
+        await second.stop()
+
+
+async def test_a_restarted_replica_does_not_release_again(registry, placer, nats_server, nc, prefix):
+    env = env_for(nats_server.url, prefix)
+    first = await SnapshotterService(nc, nats_url=nats_server.url, prefix=prefix, env=env).start()
+    try:
+        await register(nc, prefix, registration("w-1", "node-1", V1))
+        await create(nc, prefix, "a-1")
+        await placer.place("a-1", "w-1", "node-1", PIN_V1)
+        await call(nc, service_subject(prefix, "registry", "remove", "w-1"), RemoveWorker(), SeqReply)
+        ((seq, _),) = await released_by_removal(nc, prefix, count=1)
+        assert await first.wait_followed(seq) and first.process.released == 1
+    finally:
+        await first.stop()
+    before = await last_seq(nc, prefix)
+    again = await SnapshotterService(nc, nats_url=nats_server.url, prefix=prefix, env=env).start()
+    try:
+        assert await again.wait_followed(seq)  # folded the whole log again from its start
+        assert again.process.released == 0 and await last_seq(nc, prefix) == before
+    finally:
+        await again.stop()
+
+
+async def released_by_removal(nc, prefix: str, count: int) -> list[tuple[int, ActorReleased]]:
+    """Wait (on the stream, not a clock) for `count` WORKER_REMOVED releases; return them."""
+    js = nc.jetstream()
+    sub = await js.subscribe(f"{prefix}.ev.actor.*", ordered_consumer=True)
+    found: list[tuple[int, ActorReleased]] = []
+    try:
+        while len(found) < count:
+            msg = await sub.next_msg(timeout=10)
+            event = decode_event(msg.data)
+            if isinstance(event, ActorReleased) and event.reason is ReleaseReason.WORKER_REMOVED:
+                found.append((msg.metadata.sequence.stream, event))
+    finally:
+        await sub.unsubscribe()
+    return found
