@@ -26,3 +26,7 @@ from warmboot.cmd_views import explain, fragmentation  # noqa: E402
 
 main.add_command(explain)
 main.add_command(fragmentation)
+from warmboot.cmd_registry import agent, nats_config  # noqa: E402
+
+main.add_command(agent)
+main.add_command(nats_config)

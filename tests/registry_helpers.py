@@ -1,0 +1,118 @@
+"""Helpers for the registry and agent tests: bodies, requests, and waiting on the event log."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import msgspec
+import nats.errors
+from nats.aio.client import Client as NATS
+from nats.js.errors import NotFoundError
+
+from events.codec import decode_event, encode
+from events.schema import Event
+from events.subjects import event_subject, service_subject, stream_name
+
+
+def attrs(**pairs: str) -> list[dict[str, str]]:
+    return [{"key": k, "value": v} for k, v in pairs.items()]
+
+
+def runtime(asset: str, name: str | None = None, order: str = "forward", **more: str) -> dict[str, Any]:
+    """A v1 runtime of class gvisor with asset digest `asset`; `order` shuffles its attributes."""
+    pairs = attrs(architecture="amd64", cpu_features="0ac853df914e2ca0", gvisor_asset_hash=asset, **more)
+    if order == "reverse":
+        pairs = pairs[::-1]
+    body: dict[str, Any] = {"version": {"schema_version": "v1", "attributes": pairs}}
+    if name is not None:
+        body["name"] = name
+    return body
+
+
+def registration(
+    worker_id: str,
+    default: dict | None = None,
+    restorable: list[dict] | None = None,
+    *,
+    node: str = "node-a",
+    cpu: int = 4000,
+    memory: int = 8192,
+    labels: dict[str, str] | None = None,
+    classes: list[dict] | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    if classes is None:
+        classes = [
+            {
+                "sandbox_class": "gvisor",
+                "default_runtime": default or runtime("v1"),
+                "restorable_runtimes": restorable or [],
+            }
+        ]
+    return {
+        "worker_id": worker_id,
+        "node": node,
+        "capacity": {"cpu_millis": cpu, "memory_mib": memory},
+        "labels": labels if labels is not None else {"zone": "a"},
+        "sandbox_classes": classes,
+        **extra,
+    }
+
+
+async def raw_request(nc: NATS, prefix: str, verb: str, worker_id: str, body: Any, timeout: float = 10.0):
+    """(decoded reply dict, headers) of one registry request; body may be raw bytes."""
+    data = body if isinstance(body, bytes) else encode(body)
+    msg = await nc.request(service_subject(prefix, "registry", verb, worker_id), data, timeout=timeout)
+    return msgspec.json.decode(msg.data), (msg.headers or {})
+
+
+async def last_seq(nc: NATS, prefix: str) -> int:
+    try:
+        return (await nc.jetstream().stream_info(stream_name(prefix))).state.last_seq
+    except NotFoundError:
+        return 0
+
+
+async def worker_events(nc: NATS, prefix: str, worker_id: str) -> list[tuple[int, Event]]:
+    """Every event on the worker's subject, in order, with its stream sequence."""
+    js = nc.jetstream()
+    subject = event_subject(prefix, "worker", worker_id)
+    events: list[tuple[int, Event]] = []
+    seq = 0
+    while True:
+        try:
+            msg = await js.get_msg(stream_name(prefix), seq=seq + 1, subject=subject, next=True)
+        except NotFoundError:
+            return events
+        seq = msg.seq
+        events.append((seq, decode_event(msg.data)))
+
+
+async def wait_event(
+    nc: NATS, prefix: str, worker_id: str, event_type: type, *, after: int = 0, timeout: float = 20.0
+) -> tuple[int, Event]:
+    """The first event of `event_type` on the worker's subject with a sequence above `after`.
+
+    Reads the stream with an ordered consumer: returns as soon as the event is
+    stored; `timeout` only bounds a failure.
+    """
+    js = nc.jetstream()
+    subject = event_subject(prefix, "worker", worker_id)
+    deadline = time.monotonic() + timeout
+    sub = await js.subscribe(subject, ordered_consumer=True, stream=stream_name(prefix))
+    try:
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError(f"no {event_type.__name__} for {worker_id} within {timeout}s")
+            try:
+                msg = await sub.next_msg(timeout=remaining)
+            except (asyncio.TimeoutError, nats.errors.TimeoutError):
+                raise AssertionError(f"no {event_type.__name__} for {worker_id} within {timeout}s") from None
+            event = decode_event(msg.data)
+            if msg.metadata.sequence.stream > after and isinstance(event, event_type):
+                return msg.metadata.sequence.stream, event
+    finally:
+        await sub.unsubscribe()

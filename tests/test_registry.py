@@ -1,0 +1,464 @@
+"""The registry over a real bus: validation at the endpoint, the rolling-upgrade sequence,
+class changes, drain and remove, request_id retries, and liveness with two replicas.
+
+Every test runs the registry on the JetStream event store of the session's nats-server
+under a fresh prefix, and checks what the stream holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import uuid
+from contextlib import asynccontextmanager
+from datetime import datetime, timezone
+
+import msgspec
+import nats
+import pytest
+
+from events.codec import decode_event
+from events.schema import (
+    RegisterOutcome,
+    RegisterWorker,
+    RuntimeChanged,
+    WorkerDrained,
+    WorkerRegistered,
+    WorkerRemoved,
+    WorkerUpdated,
+)
+from events.subjects import bucket_name, stream_name
+from services.registry.domain import Worker, canonical_classes
+from services.registry.service import SWEEPER, RegistryService
+from tests.registry_helpers import (
+    attrs,
+    last_seq,
+    raw_request,
+    registration,
+    runtime,
+    wait_event,
+    worker_events,
+)
+
+AT = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc)
+
+
+@asynccontextmanager
+async def running_registry(nats_url: str, prefix: str, ttl_s: float = 15.0):
+    nc = await nats.connect(nats_url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+    service = RegistryService(nc, nats_url=nats_url, prefix=prefix, ttl_s=ttl_s)
+    await service.start()
+    try:
+        yield service
+    finally:
+        await service.stop()
+        await nc.close()
+
+
+@pytest.fixture
+async def registry(nats_url, prefix):
+    async with running_registry(nats_url, prefix) as service:
+        yield service
+
+
+async def register(nc, prefix, body, worker_id=None):
+    reply, headers = await raw_request(nc, prefix, "register", worker_id or body["worker_id"], body)
+    assert "error" not in reply, reply
+    return reply
+
+
+# --- the pure decisions -------------------------------------------------------------------
+
+
+def decide(worker: Worker, body: dict) -> RegisterOutcome:
+    return worker.register(msgspec.convert(body, RegisterWorker), AT)
+
+
+def test_domain_first_registration_then_unchanged_and_canonical():
+    worker = Worker("w-1")
+    assert decide(worker, registration("w-1")) is RegisterOutcome.REGISTERED
+    [event] = [e.body for e in worker.collect_events()]
+    assert isinstance(event, WorkerRegistered)
+    keys = [a.key for a in event.sandbox_classes[0].default_runtime.version.attributes]
+    assert keys == sorted(keys)
+    reordered = registration("w-1", default=runtime("v1", order="reverse"))
+    assert decide(worker, reordered) is RegisterOutcome.UNCHANGED
+    assert worker.collect_events() == []
+
+
+def test_domain_runtime_and_update_in_one_request():
+    worker = Worker("w-1")
+    decide(worker, registration("w-1"))
+    worker.collect_events()
+    body = registration("w-1", default=runtime("v2"), restorable=[runtime("v1")], memory=16384)
+    assert decide(worker, body) is RegisterOutcome.RUNTIME_CHANGED
+    changed, updated = [e.body for e in worker.collect_events()]
+    assert isinstance(changed, RuntimeChanged) and isinstance(updated, WorkerUpdated)
+    assert changed.previous == canonical_classes(msgspec.convert(registration("w-1"), RegisterWorker).sandbox_classes)
+    assert updated.capacity.memory_mib == 16384
+
+
+def test_domain_lives_drain_and_lost():
+    worker = Worker("w-1")
+    decide(worker, registration("w-1"))
+    assert worker.drain("maintenance", AT) is True
+    assert worker.drain("again", AT) is False  # nothing new: already drained
+    assert decide(worker, registration("w-1")) is RegisterOutcome.UNCHANGED
+    assert worker.drained  # a drain survives a re-registration
+    assert worker.lose(AT) is True
+    assert worker.lose(AT) is False  # a second replica deciding on fresh state writes nothing
+    two_classes = registration("w-1", classes=[
+        {"sandbox_class": "gvisor", "default_runtime": runtime("v1")},
+        {"sandbox_class": "microvm", "default_runtime": runtime("k1")},
+    ])
+    assert decide(worker, two_classes) is RegisterOutcome.REGISTERED  # a new life, new classes
+    assert not worker.drained and worker.lives == 2
+
+
+# --- validation through the endpoint ----------------------------------------------------------
+
+
+def _set(path: list, value):
+    def mutate(body: dict) -> dict:
+        body = copy.deepcopy(body)
+        target = body
+        for step in path[:-1]:
+            target = target[step]
+        target[path[-1]] = value
+        return body
+
+    return mutate
+
+
+def _default_attrs(value):
+    return _set(["sandbox_classes", 0, "default_runtime", "version", "attributes"], value)
+
+
+DEFAULT = "sandbox_classes[0].default_runtime"
+V1 = attrs(architecture="amd64", gvisor_asset_hash="v1")
+CLASS = {"sandbox_class": "gvisor", "default_runtime": runtime("v1")}
+
+# (id, mutation of a valid registration of worker w-valid, field, text in the message)
+INVALID_REGISTRATIONS = [
+    ("worker_id-pattern", _set(["worker_id"], "-w"), "worker_id", "matching regex"),
+    ("worker_id-not-subject", _set(["worker_id"], "w-other"), "worker_id", "does not match the subject"),
+    ("worker_id-missing", lambda b: {k: v for k, v in b.items() if k != "worker_id"}, "worker_id", "missing"),
+    ("node-pattern", _set(["node"], "node a"), "node", "matching regex"),
+    ("node-too-long", _set(["node"], "n" * 129), "node", "matching regex"),
+    ("cpu-zero", _set(["capacity", "cpu_millis"], 0), "capacity.cpu_millis", ">= 1"),
+    ("memory-negative", _set(["capacity", "memory_mib"], -1), "capacity.memory_mib", ">= 1"),
+    ("memory-missing", _set(["capacity"], {"cpu_millis": 1}), "capacity.memory_mib", "missing"),
+    ("label-value-control", _set(["labels"], {"zone": "a\x01"}), "labels[...]", "matching regex"),
+    ("classes-empty", _set(["sandbox_classes"], []), "sandbox_classes", "length >= 1"),
+    ("classes-nine", _set(["sandbox_classes"], [
+        {"sandbox_class": f"c{i}", "default_runtime": runtime("v1")} for i in range(9)
+    ]), "sandbox_classes", "length <= 8"),
+    ("class-twice", _set(["sandbox_classes"], [CLASS, CLASS]), "sandbox_classes[1].sandbox_class", "listed twice"),
+    ("class-pattern", _set(["sandbox_classes", 0, "sandbox_class"], "GVisor"), "sandbox_classes[0].sandbox_class",
+     "matching regex"),
+    ("default-missing", _set(["sandbox_classes", 0], {"sandbox_class": "gvisor"}),
+     "sandbox_classes[0].default_runtime", "missing"),
+    ("name-too-long", _set(["sandbox_classes", 0, "default_runtime", "name"], "n" * 254), f"{DEFAULT}.name",
+     "length <= 253"),
+    ("schema-version-pattern", _set(["sandbox_classes", 0, "default_runtime", "version", "schema_version"], "1"),
+     f"{DEFAULT}.version.schema_version", "matching regex"),
+    ("attributes-empty", _default_attrs([]), f"{DEFAULT}.version.attributes", "length >= 1"),
+    ("attributes-33", _default_attrs(attrs(architecture="amd64", **{f"k{i}": "x" for i in range(32)})),
+     f"{DEFAULT}.version.attributes", "length <= 32"),
+    ("attribute-key-twice", _default_attrs([*V1, {"key": "architecture", "value": "arm64"}]),
+     f"{DEFAULT}.version.attributes[2].key", "duplicate attribute key"),
+    ("attribute-key-pattern", _default_attrs([*V1, {"key": "Arch", "value": "x"}]),
+     f"{DEFAULT}.version.attributes[2].key", "matching regex"),
+    ("attribute-value-empty", _default_attrs([*V1, {"key": "k", "value": ""}]),
+     f"{DEFAULT}.version.attributes[2].value", "length >= 1"),
+    ("attribute-value-257", _default_attrs([*V1, {"key": "k", "value": "x" * 257}]),
+     f"{DEFAULT}.version.attributes[2].value", "length <= 256"),
+    ("attribute-value-control", _default_attrs([*V1, {"key": "k", "value": "a\nb"}]),
+     f"{DEFAULT}.version.attributes[2].value", "matching regex"),
+    ("v1-without-architecture", _default_attrs(attrs(gvisor_asset_hash="v1")),
+     f"{DEFAULT}.version.attributes", "requires the attribute 'architecture'"),
+    ("overhead-negative", _set(["sandbox_classes", 0, "default_runtime", "actor_overhead"], {"fixed_mib": -1}),
+     f"{DEFAULT}.actor_overhead.fixed_mib", ">= 0"),
+    ("restorable-33", _set(["sandbox_classes", 0, "restorable_runtimes"], [runtime(f"old{i}") for i in range(33)]),
+     "sandbox_classes[0].restorable_runtimes", "length <= 32"),
+    ("restorable-equals-default", _set(["sandbox_classes", 0, "restorable_runtimes"], [runtime("v1", order="reverse")]),
+     "sandbox_classes[0].restorable_runtimes[0].version", "equals default_runtime"),
+    ("restorable-twice", _set(["sandbox_classes", 0, "restorable_runtimes"], [runtime("v0"), runtime("v0", "again")]),
+     "sandbox_classes[0].restorable_runtimes[1].version", "equals restorable_runtimes[0]"),
+    ("request-id-too-long", _set(["request_id"], "r" * 129), "request_id", "length <= 128"),
+    # wrong JSON types
+    ("capacity-string", _set(["capacity"], "lots"), "capacity", "Expected `object`, got `str`"),
+    ("cpu-float", _set(["capacity", "cpu_millis"], 1.5), "capacity.cpu_millis", "Expected `int`, got `float`"),
+    ("classes-object", _set(["sandbox_classes"], {"gvisor": {}}), "sandbox_classes", "Expected `array`, got `object`"),
+    ("labels-list", _set(["labels"], ["a"]), "labels", "Expected `object`, got `array`"),
+    ("attribute-value-number", _default_attrs([*V1, {"key": "k", "value": 7}]),
+     f"{DEFAULT}.version.attributes[2].value", "Expected `str`, got `int`"),
+]
+
+
+@pytest.fixture(scope="module")
+async def validation_registry(nats_server):
+    prefix = "t" + uuid.uuid4().hex[:12]
+    async with running_registry(nats_server.url, prefix) as service:
+        client = await nats.connect(nats_server.url)
+        # one event in the stream, so "nothing written" is a sequence that stays put
+        await register(client, prefix, registration("w-valid"))
+        yield client, prefix
+        await client.close()
+
+
+@pytest.mark.parametrize("mutate, field, text", [c[1:] for c in INVALID_REGISTRATIONS],
+                         ids=[c[0] for c in INVALID_REGISTRATIONS])
+async def test_invalid_registration_is_refused_with_field_and_writes_nothing(validation_registry, mutate, field,
+                                                                              text):
+    nc, prefix = validation_registry
+    before = await last_seq(nc, prefix)
+    reply, headers = await raw_request(nc, prefix, "register", "w-valid", mutate(registration("w-valid")))
+    assert reply["error"]["code"] == "INVALID_ARGUMENT", reply
+    assert reply["error"]["field"] == field, reply
+    assert text in reply["error"]["message"], reply
+    assert headers["Nats-Service-Error-Code"] == "400"
+    assert headers["Nats-Service-Error"] == reply["error"]["message"][:512]
+    assert await last_seq(nc, prefix) == before
+
+
+@pytest.mark.parametrize(
+    "verb, subject_id, body, field, text",
+    [
+        ("register", "w-valid", b"\x00\xffgarbage", None, "not valid JSON"),
+        ("register", "w-valid", b"[1, 2]", None, "Expected `object`, got `array`"),
+        ("register", "w-valid", b'{"worker_id": 5}', "worker_id", "Expected `str`, got `int`"),
+        ("register", "-bad", registration("-bad"), "subject", "not a valid id"),
+        ("heartbeat", "w-valid", b"{not json", None, "not valid JSON"),
+        ("heartbeat", "w-valid", {"request_id": 5}, "request_id", "Expected `str | null`, got `int`"),
+        ("drain", "w-valid", {"reason": ["a"]}, "reason", "Expected `str | null`, got `array`"),
+        ("drain", "w-valid", {"reason": "x" * 257}, "reason", "length <= 256"),
+        ("remove", "w-valid", {"reason": 1}, "reason", "Expected `str | null`, got `int`"),
+        ("remove", "w-valid", b"\xc3\x28", None, "not valid JSON"),
+    ],
+    ids=["garbage", "array", "id-int", "subject-token", "hb-garbage", "hb-request-id-int", "drain-reason-list",
+         "drain-reason-long", "remove-reason-int", "remove-bad-utf8"],
+)
+async def test_bad_bodies_on_every_endpoint(validation_registry, verb, subject_id, body, field, text):
+    nc, prefix = validation_registry
+    before = await last_seq(nc, prefix)
+    reply, headers = await raw_request(nc, prefix, verb, subject_id, body)
+    assert reply["error"]["code"] == "INVALID_ARGUMENT", reply
+    assert reply["error"]["field"] == field, reply
+    assert text in reply["error"]["message"], reply
+    assert headers["Nats-Service-Error-Code"] == "400"
+    assert await last_seq(nc, prefix) == before
+
+
+async def test_unknown_fields_are_ignored_and_unknown_schema_versions_accepted(validation_registry):
+    nc, prefix = validation_registry
+    body = registration("w-future", default={"version": {"schema_version": "v7", "attributes": attrs(anything="x")}},
+                        future_field={"nested": True})
+    assert (await register(nc, prefix, body))["outcome"] == "REGISTERED"
+
+
+# --- the rolling upgrade ----------------------------------------------------------------------------
+
+
+async def test_rolling_upgrade_sequence(registry, nc, prefix):
+    v1 = registration("w-1", default=runtime("v1", "gvisor-1"))
+    first = await register(nc, prefix, v1)
+    assert first["outcome"] == "REGISTERED"
+
+    v2 = registration("w-1", default=runtime("v2", "gvisor-2"), restorable=[runtime("v1", "gvisor-1")])
+    second = await register(nc, prefix, v2)
+    assert second["outcome"] == "RUNTIME_CHANGED" and second["seq"] > first["seq"]
+
+    again = await register(nc, prefix, v2)
+    assert again == {"outcome": "UNCHANGED", "seq": second["seq"]}  # the worker's last event
+
+    reordered = registration("w-1", default=runtime("v2", "gvisor-2", order="reverse"),
+                             restorable=[runtime("v1", "gvisor-1", order="reverse")])
+    assert await register(nc, prefix, reordered) == {"outcome": "UNCHANGED", "seq": second["seq"]}
+
+    three = registration("w-1", default=runtime("v3"), restorable=[runtime("v2"), runtime("v1")])
+    assert (await register(nc, prefix, three))["outcome"] == "RUNTIME_CHANGED"
+    swapped = registration("w-1", default=runtime("v3"), restorable=[runtime("v1"), runtime("v2")])
+    last = await register(nc, prefix, swapped)
+    assert last["outcome"] == "RUNTIME_CHANGED"  # the order of restorable runtimes is kept
+
+    events = await worker_events(nc, prefix, "w-1")
+    assert [type(e).__name__ for _, e in events] == [
+        "WorkerRegistered", "RuntimeChanged", "RuntimeChanged", "RuntimeChanged",
+    ]
+    assert [seq for seq, _ in events][-1] == last["seq"] == await last_seq(nc, prefix)
+    upgrade = events[1][1]
+    assert upgrade.previous == events[0][1].sandbox_classes
+    assert upgrade.sandbox_classes[0].default_runtime.name == "gvisor-2"
+    assert [r.name for r in upgrade.sandbox_classes[0].restorable_runtimes] == ["gvisor-1"]
+    for _, event in events:  # stored sorted by key, whatever order they came in
+        for entry in event.sandbox_classes:
+            for rt in (entry.default_runtime, *entry.restorable_runtimes):
+                keys = [a.key for a in rt.version.attributes]
+                assert keys == sorted(keys)
+
+
+async def test_update_and_runtime_change_in_one_request(registry, nc, prefix):
+    await register(nc, prefix, registration("w-1"))
+    body = registration("w-1", default=runtime("v2"), node="node-b", labels={"zone": "b"}, cpu=8000)
+    reply = await register(nc, prefix, body)
+    assert reply["outcome"] == "RUNTIME_CHANGED"
+    events = await worker_events(nc, prefix, "w-1")
+    assert [type(e) for _, e in events] == [WorkerRegistered, RuntimeChanged, WorkerUpdated]
+    assert reply["seq"] == events[-1][0]
+    updated = events[-1][1]
+    assert (updated.node, updated.capacity.cpu_millis, updated.labels) == ("node-b", 8000, {"zone": "b"})
+    only_labels = await register(nc, prefix, {**body, "labels": {"zone": "c"}})
+    assert only_labels["outcome"] == "UPDATED"
+
+
+async def test_class_change_is_refused(registry, nc, prefix):
+    await register(nc, prefix, registration("w-1"))
+    before = await last_seq(nc, prefix)
+    both = registration("w-1", classes=[
+        {"sandbox_class": "gvisor", "default_runtime": runtime("v1")},
+        {"sandbox_class": "microvm", "default_runtime": runtime("k1")},
+    ])
+    reply, headers = await raw_request(nc, prefix, "register", "w-1", both)
+    assert reply["error"]["code"] == "FAILED_PRECONDITION"
+    assert reply["error"]["field"] == "sandbox_classes"
+    assert "adds microvm" in reply["error"]["message"]
+    assert headers["Nats-Service-Error-Code"] == "409"
+    other = registration("w-1", classes=[{"sandbox_class": "microvm", "default_runtime": runtime("k1")}])
+    reply, _ = await raw_request(nc, prefix, "register", "w-1", other)
+    assert reply["error"]["code"] == "FAILED_PRECONDITION"
+    assert "adds microvm and drops gvisor" in reply["error"]["message"]
+    assert await last_seq(nc, prefix) == before
+
+    # removed, it may come back with other classes: a new life
+    await raw_request(nc, prefix, "remove", "w-1", {"reason": "reprovisioned"})
+    assert (await register(nc, prefix, both))["outcome"] == "REGISTERED"
+
+
+async def test_drain_and_remove(registry, nc, prefix):
+    await register(nc, prefix, registration("w-1"))
+    drained, _ = await raw_request(nc, prefix, "drain", "w-1", {"reason": "kernel upgrade"})
+    events = await worker_events(nc, prefix, "w-1")
+    assert isinstance(events[-1][1], WorkerDrained) and events[-1][1].reason == "kernel upgrade"
+    assert drained == {"seq": events[-1][0]}
+    again, _ = await raw_request(nc, prefix, "drain", "w-1", {})
+    assert again == drained  # already drained: nothing written, the same position
+
+    hb, _ = await raw_request(nc, prefix, "heartbeat", "w-1", {})
+    assert hb == {"ttl_s": 15.0}  # a drained worker is still alive
+
+    removed, _ = await raw_request(nc, prefix, "remove", "w-1", {"reason": "decommissioned"})
+    events = await worker_events(nc, prefix, "w-1")
+    assert isinstance(events[-1][1], WorkerRemoved) and events[-1][1].reason == "decommissioned"
+    assert removed == {"seq": events[-1][0]}
+
+    before = await last_seq(nc, prefix)
+    for verb in ("drain", "remove", "heartbeat"):
+        reply, headers = await raw_request(nc, prefix, verb, "w-1", {})
+        assert reply["error"]["code"] == "NOT_FOUND", (verb, reply)
+        assert headers["Nats-Service-Error-Code"] == "404"
+    reply, _ = await raw_request(nc, prefix, "heartbeat", "w-never", {})
+    assert reply["error"]["code"] == "NOT_FOUND" and "not registered" in reply["error"]["message"]
+    assert await last_seq(nc, prefix) == before
+
+
+async def test_request_id_retry_returns_the_first_answer(registry, nc, prefix):
+    body = registration("w-1", request_id="reg-1")
+    first = await register(nc, prefix, body)
+    # the same request_id with other content: still the first answer, nothing written
+    retry = await register(nc, prefix, {**body, "node": "node-z"})
+    assert retry == first
+    assert len(await worker_events(nc, prefix, "w-1")) == 1
+
+    change = registration("w-1", default=runtime("v2"), cpu=1000, request_id="reg-2")
+    changed = await register(nc, prefix, change)
+    assert changed["outcome"] == "RUNTIME_CHANGED"
+
+    # The reply cache lost (a crash between commit and cache write): the history answers.
+    js = nc.jetstream()
+    await js.purge_stream(f"KV_{bucket_name(prefix, 'replies')}")
+    assert await register(nc, prefix, change) == changed  # both events of reg-2; seq of the last
+    assert await register(nc, prefix, body) == first
+    assert len(await worker_events(nc, prefix, "w-1")) == 3
+
+    drain = {"reason": "r", "request_id": "d-1"}
+    drained, _ = await raw_request(nc, prefix, "drain", "w-1", drain)
+    await js.purge_stream(f"KV_{bucket_name(prefix, 'replies')}")
+    assert (await raw_request(nc, prefix, "drain", "w-1", drain))[0] == drained
+
+    reused, _ = await raw_request(nc, prefix, "remove", "w-1", {"request_id": "reg-1"})
+    assert reused["error"]["code"] == "INVALID_ARGUMENT" and reused["error"]["field"] == "request_id"
+
+    removal = {"request_id": "rm-1"}
+    removed, _ = await raw_request(nc, prefix, "remove", "w-1", removal)
+    assert (await raw_request(nc, prefix, "remove", "w-1", removal))[0] == removed
+    await js.purge_stream(f"KV_{bucket_name(prefix, 'replies')}")
+    assert (await raw_request(nc, prefix, "remove", "w-1", removal))[0] == removed
+    assert [type(e) for _, e in await worker_events(nc, prefix, "w-1")] == [
+        WorkerRegistered, RuntimeChanged, WorkerUpdated, WorkerDrained, WorkerRemoved,
+    ]
+
+
+async def test_concurrent_duplicate_requests_write_once(registry, nc, prefix):
+    body = registration("w-1", request_id="same")
+    replies = await asyncio.gather(*(register(nc, prefix, body) for _ in range(8)))
+    assert all(r == replies[0] for r in replies)
+    assert len(await worker_events(nc, prefix, "w-1")) == 1
+
+
+# --- liveness --------------------------------------------------------------------------------------
+
+
+async def test_silent_worker_removed_as_lost_exactly_once_with_two_replicas(nats_url, nc, prefix):
+    async with running_registry(nats_url, prefix, ttl_s=1) as one, running_registry(nats_url, prefix, ttl_s=1) as two:
+        start = await last_seq(nc, prefix)
+        await register(nc, prefix, registration("w-silent"))
+        await register(nc, prefix, registration("w-beating"))
+        beat, _ = await raw_request(nc, prefix, "heartbeat", "w-beating", {})
+        assert beat == {"ttl_s": 1.0}
+
+        seq, removed = await wait_event(nc, prefix, "w-silent", WorkerRemoved, after=start)
+        assert removed.reason == "LOST"
+
+        # Both replicas handling the same expiry (a redelivered marker) write nothing more.
+        await asyncio.gather(one._expired("w-silent"), two._expired("w-silent"))
+        # The shared sweeper has dealt with every marker it delivered.
+        info = await nc.jetstream().consumer_info(f"KV_{bucket_name(prefix, 'heartbeats')}", SWEEPER)
+        assert info.num_ack_pending == 0
+        events = await worker_events(nc, prefix, "w-silent")
+        assert [type(e) for _, e in events] == [WorkerRegistered, WorkerRemoved]
+
+        reply, _ = await raw_request(nc, prefix, "heartbeat", "w-silent", {})
+        assert reply["error"]["code"] == "NOT_FOUND"
+        # a worker that comes back registers anew
+        assert (await register(nc, prefix, registration("w-silent")))["outcome"] == "REGISTERED"
+
+
+async def test_both_replicas_expiring_at_once_write_one_removal(nats_url, nc, prefix):
+    async with running_registry(nats_url, prefix) as one, running_registry(nats_url, prefix) as two:
+        await register(nc, prefix, registration("w-1"))
+        # As if both received the expiry (no heartbeat on record: purge it first).
+        await nc.jetstream().purge_stream(f"KV_{bucket_name(prefix, 'heartbeats')}")
+        await asyncio.gather(*(r._expired("w-1") for r in (one, two, one, two)))
+        events = await worker_events(nc, prefix, "w-1")
+        assert [type(e) for _, e in events] == [WorkerRegistered, WorkerRemoved]
+        assert events[-1][1].reason == "LOST"
+
+
+async def test_restart_reconciles_a_registered_worker_without_heartbeat(nats_url, nc, prefix):
+    async with running_registry(nats_url, prefix):
+        await register(nc, prefix, registration("w-orphan"))
+    # its heartbeat record is lost while no registry runs
+    await nc.jetstream().purge_stream(f"KV_{bucket_name(prefix, 'heartbeats')}")
+    start = await last_seq(nc, prefix)
+    async with running_registry(nats_url, prefix, ttl_s=1):
+        _, removed = await wait_event(nc, prefix, "w-orphan", WorkerRemoved, after=start)
+        assert removed.reason == "LOST"
+
+
+async def test_the_log_is_the_contract_json(registry, nc, prefix):
+    await register(nc, prefix, registration("w-1"))
+    msg = await nc.jetstream().get_last_msg(stream_name(prefix), f"{prefix}.ev.worker.w-1")
+    raw = msgspec.json.decode(msg.data)
+    assert raw["type"] == "WorkerRegistered" and raw["worker_id"] == "w-1"
+    assert isinstance(decode_event(msg.data), WorkerRegistered)

@@ -1,0 +1,436 @@
+"""The worker agent: tells the registry, and keeps telling it, what this worker runs.
+
+`warmboot agent --nats URL --worker-id ID --node NODE --config FILE` reads a TOML
+file (see examples/agent.toml) that declares the worker's capacity, labels and,
+per sandbox class, the default runtime and the restorable runtimes. A runtime is a
+probe profile (`gvisor` or `microvm`: which CPU attributes `events.probe` reads
+from this machine) plus literal attributes (the runtime's asset digests), or
+literal attributes alone; with its informational name and actor overhead.
+
+The agent then:
+- registers (`<prefix>.registry.register.<worker_id>`), and heartbeats at a third
+  of the TTL the registry answers;
+- re-registers when the file's content changes, so an operator rolls out v2 by
+  making it the default and moving v1 into `restorable_runtimes`; an edit the
+  agent cannot use (bad TOML, a rule broken) is logged and the last good
+  registration stays in force;
+- re-registers after the connection comes back (a NATS restart), and when a
+  heartbeat answers NOT_FOUND (the worker was removed, e.g. as LOST): a worker
+  whose agent runs is a worker in service;
+- on SIGTERM/SIGINT drains the worker first if asked (`--drain-on-exit`), then
+  stops. A drained worker stays drained when its agent comes back before the
+  registry's TTL; once removed as LOST it registers anew, undrained.
+
+Requests use the inbox prefix `_INBOX.<worker_id>` so that, with the
+configuration of `warmboot nats-config`, a worker's credentials can receive
+replies to its own requests and no one else's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+import tomllib
+import uuid
+from contextlib import suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import nats
+from nats.aio.client import Client as NATS
+
+from events.codec import decode_request, encode, to_builtins
+from events.errors import ContractError
+from events.probe import DEFAULT_CPUINFO, PROFILES, SCHEMA_VERSION, ProbeError, probe_host
+from events.schema import (
+    ActorOverhead,
+    DrainWorker,
+    ErrorCode,
+    Heartbeat,
+    HeartbeatReply,
+    RegisterReply,
+    RegisterWorker,
+    SeqReply,
+)
+from events.subjects import DEFAULT_PREFIX, check_prefix, service_subject
+from services.common import call
+
+log = logging.getLogger("warmboot.agent")
+
+DEFAULT_TTL_S = 15.0  # until the registry says otherwise
+HEARTBEATS_PER_TTL = 3
+RETRY_MIN_S, RETRY_MAX_S = 0.2, 5.0
+REQUEST_TIMEOUT_S = 5.0
+
+
+class ConfigError(ValueError):
+    """The agent's configuration cannot make a valid registration; says where."""
+
+
+# --- the configuration file -----------------------------------------------------------
+
+
+class RuntimeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One runtime of a sandbox class, as the TOML file declares it."""
+
+    name: str | None = None
+    profile: str | None = None  # probe this machine's CPU with this profile
+    schema_version: str = SCHEMA_VERSION
+    attributes: dict[str, str] = msgspec.field(default_factory=dict)
+    actor_overhead: ActorOverhead | None = None
+
+
+class ClassConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    sandbox_class: str
+    default_runtime: RuntimeConfig
+    restorable_runtimes: list[RuntimeConfig] = msgspec.field(default_factory=list)
+
+
+class CapacityConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    cpu_millis: int
+    memory_mib: int
+
+
+class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    capacity: CapacityConfig
+    labels: dict[str, str] = msgspec.field(default_factory=dict)
+    sandbox_classes: list[ClassConfig]
+
+
+@dataclass(frozen=True)
+class ProbeSettings:
+    """Where the probe reads this machine: tests point it at a sample cpuinfo."""
+
+    cpuinfo_path: Path = DEFAULT_CPUINFO
+    architecture: str | None = None  # None: this machine's
+
+
+def parse_config(text: str, source: str = "config") -> AgentConfig:
+    """TOML text -> AgentConfig; unknown keys are errors (a typo must not pass silently)."""
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{source}: not valid TOML: {e}") from None
+    try:
+        return msgspec.convert(raw, AgentConfig)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"{source}: {_where(str(e))}") from None
+
+
+def _where(text: str) -> str:
+    """msgspec's "... - at `$.a[0].b`" -> "a[0].b: ..."."""
+    message, sep, path = text.rpartition(" - at `$")
+    if not sep:
+        return text
+    return f"{path.rstrip('`').lstrip('.')}: {message}"
+
+
+def _version(runtime: RuntimeConfig, path: str, probe: ProbeSettings) -> dict[str, Any]:
+    if runtime.profile is None:
+        attributes = sorted(runtime.attributes.items())
+        return {
+            "schema_version": runtime.schema_version,
+            "attributes": [{"key": k, "value": v} for k, v in attributes],
+        }
+    if runtime.profile not in PROFILES:
+        raise ConfigError(f"{path}.profile: unknown profile {runtime.profile!r}; expected one of {', '.join(PROFILES)}")
+    if runtime.schema_version != SCHEMA_VERSION:
+        raise ConfigError(
+            f"{path}.schema_version: the probe reports schema {SCHEMA_VERSION}, "
+            f"not {runtime.schema_version!r}; give the attributes literally for another schema"
+        )
+    try:
+        version = probe_host(
+            runtime.profile,
+            runtime.attributes,
+            cpuinfo_path=probe.cpuinfo_path,
+            architecture=probe.architecture,
+        )
+    except ProbeError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    return to_builtins(version)
+
+
+def _runtime(runtime: RuntimeConfig, path: str, probe: ProbeSettings) -> dict[str, Any]:
+    body: dict[str, Any] = {"version": _version(runtime, path, probe)}
+    if runtime.name is not None:
+        body["name"] = runtime.name
+    if runtime.actor_overhead is not None:
+        body["actor_overhead"] = to_builtins(runtime.actor_overhead)
+    return body
+
+
+def build_registration(
+    config: AgentConfig, worker_id: str, node: str, probe: ProbeSettings = ProbeSettings()
+) -> RegisterWorker:
+    """The RegisterWorker this configuration makes on this machine, checked by the
+    registry's own rules (so a bad edit is caught here, with the field's path)."""
+    classes = []
+    for i, entry in enumerate(config.sandbox_classes):
+        path = f"sandbox_classes[{i}]"
+        classes.append(
+            {
+                "sandbox_class": entry.sandbox_class,
+                "default_runtime": _runtime(entry.default_runtime, f"{path}.default_runtime", probe),
+                "restorable_runtimes": [
+                    _runtime(r, f"{path}.restorable_runtimes[{j}]", probe)
+                    for j, r in enumerate(entry.restorable_runtimes)
+                ],
+            }
+        )
+    raw = {
+        "worker_id": worker_id,
+        "node": node,
+        "capacity": to_builtins(config.capacity),
+        "labels": config.labels,
+        "sandbox_classes": classes,
+    }
+    try:
+        return decode_request(RegisterWorker, encode(raw))
+    except ContractError as e:
+        where = f"{e.field}: " if e.field else ""
+        raise ConfigError(f"{where}{e.message}") from None
+
+
+def load_registration(path: Path, worker_id: str, node: str, probe: ProbeSettings = ProbeSettings()) -> RegisterWorker:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read: {e}") from None
+    return build_registration(parse_config(text, str(path)), worker_id, node, probe)
+
+
+# --- the agent ----------------------------------------------------------------------------
+
+
+def _fingerprint(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+class Agent:
+    """One worker's agent. `await run(stop)` until `stop` is set; see the module docstring."""
+
+    def __init__(
+        self,
+        nats_url: str,
+        worker_id: str,
+        node: str,
+        config_path: str | Path,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        drain_on_exit: bool = False,
+        watch_interval_s: float = 1.0,
+        probe: ProbeSettings = ProbeSettings(),
+        inbox_prefix: str | None = None,
+    ):
+        self.nats_url = nats_url
+        self.worker_id = worker_id
+        self.node = node
+        self.config_path = Path(config_path)
+        self.prefix = check_prefix(prefix)
+        self.drain_on_exit = drain_on_exit
+        self.watch_interval_s = watch_interval_s
+        self.probe = probe
+        self.inbox_prefix = inbox_prefix or f"_INBOX.{worker_id}"
+        self.ttl_s = DEFAULT_TTL_S
+        self.nc: NATS | None = None
+        self.registration: RegisterWorker | None = None  # the one in force
+        self.registered: RegisterReply | None = None  # the registry's last answer to it
+        self._file_fingerprint: tuple[int, int, int] | None = None
+        self._file_digest: bytes | None = None
+        self._reconnected = asyncio.Event()
+
+    def subject(self, verb: str) -> str:
+        return service_subject(self.prefix, "registry", verb, self.worker_id)
+
+    # --- configuration -------------------------------------------------------------------
+
+    def _read_config(self) -> RegisterWorker | None:
+        """The registration of the file as it is now; None if its content did not change."""
+        fingerprint = _fingerprint(self.config_path)
+        if fingerprint is not None and fingerprint == self._file_fingerprint:
+            return None
+        try:
+            data = self.config_path.read_bytes()
+        except OSError as e:
+            raise ConfigError(f"{self.config_path}: cannot read: {e}") from None
+        self._file_fingerprint = fingerprint
+        digest = hashlib.sha256(data).digest()
+        if digest == self._file_digest:
+            return None
+        self._file_digest = digest
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{self.config_path}: not UTF-8: {e}") from None
+        return build_registration(parse_config(text, str(self.config_path)), self.worker_id, self.node, self.probe)
+
+    # --- talking to the registry -----------------------------------------------------------
+
+    async def _connect(self, stop: asyncio.Event) -> NATS:
+        async def reconnected() -> None:
+            log.info("reconnected to %s", self.nc.connected_url.netloc if self.nc and self.nc.connected_url else "NATS")
+            self._reconnected.set()
+
+        async def error(e: Exception) -> None:
+            log.warning("NATS: %s", e)
+
+        delay = RETRY_MIN_S
+        while True:
+            try:
+                return await nats.connect(
+                    self.nats_url,
+                    name=f"warmboot-agent-{self.worker_id}",
+                    inbox_prefix=self.inbox_prefix,
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=0.5,
+                    reconnected_cb=reconnected,
+                    error_cb=error,
+                    connect_timeout=2,
+                )
+            except Exception as e:  # the server is not up yet: keep trying until stopped
+                log.warning("cannot connect to %s: %s; retrying in %.1fs", self.nats_url, e, delay)
+                if await _wait(stop, delay):
+                    raise asyncio.CancelledError from None
+                delay = min(delay * 2, RETRY_MAX_S)
+
+    async def _request(self, verb: str, body: Any, reply_type: type, stop: asyncio.Event | None):
+        """A request, retried while the registry is unreachable (UNAVAILABLE) unless stopped."""
+        delay = RETRY_MIN_S
+        while True:
+            try:
+                return await call(self.nc, self.subject(verb), body, reply_type, timeout=REQUEST_TIMEOUT_S)
+            except ContractError as e:
+                if e.code != ErrorCode.UNAVAILABLE or stop is None:
+                    raise
+                log.warning("%s: %s; retrying in %.1fs", verb, e.message, delay)
+            except Exception as e:  # connection closed or reconnecting
+                if stop is None:
+                    raise
+                log.warning("%s: %s; retrying in %.1fs", verb, e, delay)
+            if await _wait(stop, delay):
+                raise asyncio.CancelledError
+            delay = min(delay * 2, RETRY_MAX_S)
+
+    async def register(self, registration: RegisterWorker, stop: asyncio.Event) -> RegisterReply:
+        """Register `registration` (one request_id across retries), then heartbeat to learn the TTL."""
+        body = msgspec.structs.replace(registration, request_id=f"agent-{uuid.uuid4().hex}")
+        reply = await self._request("register", body, RegisterReply, stop)
+        self.registration, self.registered = registration, reply
+        log.info("registered %s: %s (seq %d)", self.worker_id, reply.outcome.value, reply.seq)
+        await self.heartbeat(stop)
+        return reply
+
+    async def heartbeat(self, stop: asyncio.Event) -> None:
+        try:
+            reply = await self._request("heartbeat", Heartbeat(), HeartbeatReply, stop)
+        except ContractError as e:
+            if e.code != ErrorCode.NOT_FOUND or self.registration is None:
+                raise
+            log.warning("the registry no longer knows %s (%s); registering again", self.worker_id, e.message)
+            await self.register(self.registration, stop)
+            return
+        self.ttl_s = reply.ttl_s
+
+    async def drain(self, reason: str, timeout_s: float = 5.0) -> SeqReply | None:
+        """Best effort at exit: a drain retried for at most `timeout_s`."""
+        give_up = asyncio.Event()
+        body = DrainWorker(reason=reason, request_id=f"agent-{uuid.uuid4().hex}")
+        try:
+            return await asyncio.wait_for(self._request("drain", body, SeqReply, give_up), timeout_s)
+        except (asyncio.TimeoutError, asyncio.CancelledError, ContractError) as e:
+            log.warning("could not drain %s: %s", self.worker_id, e)
+            return None
+
+    # --- the loop --------------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Serve until `stop` is set. A configuration or registration the registry
+        refuses at start raises (ConfigError, ContractError); later ones are logged."""
+        registration = self._read_config()
+        assert registration is not None
+        try:
+            self.nc = await self._connect(stop)
+        except asyncio.CancelledError:
+            return
+        serving = asyncio.create_task(self._serve(registration, stop), name=f"agent-{self.worker_id}")
+        stopping = asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if serving.done():
+                serving.result()
+        finally:
+            stopping.cancel()
+            serving.cancel()
+            with suppress(asyncio.CancelledError):
+                await serving
+            if self.drain_on_exit and self.registration is not None and not self.nc.is_closed:
+                reply = await self.drain("agent stopped")
+                if reply is not None:
+                    log.info("drained %s (seq %d)", self.worker_id, reply.seq)
+            with suppress(Exception):
+                await self.nc.close()
+
+    async def _serve(self, registration: RegisterWorker, stop: asyncio.Event) -> None:
+        await self.register(registration, stop)
+        next_beat = time.monotonic() + self.ttl_s / HEARTBEATS_PER_TTL
+        next_watch = time.monotonic() + self.watch_interval_s
+        while True:
+            await _wait_any((stop, self._reconnected), min(next_beat, next_watch) - time.monotonic())
+            if stop.is_set():
+                return
+            try:
+                if self._reconnected.is_set():
+                    self._reconnected.clear()
+                    await self.register(self.registration, stop)
+                    next_beat = time.monotonic() + self.ttl_s / HEARTBEATS_PER_TTL
+                if time.monotonic() >= next_watch:
+                    await self._sync_config(stop)
+                    next_watch = time.monotonic() + self.watch_interval_s
+                if time.monotonic() >= next_beat:
+                    await self.heartbeat(stop)
+                    next_beat = time.monotonic() + self.ttl_s / HEARTBEATS_PER_TTL
+            except ContractError as e:  # the registry refused something: say so, keep serving
+                log.error("%s", e)
+                next_beat = time.monotonic() + RETRY_MAX_S
+
+    async def _sync_config(self, stop: asyncio.Event) -> None:
+        try:
+            registration = self._read_config()
+        except ConfigError as e:
+            log.error("ignoring the edit of %s, keeping the registration in force: %s", self.config_path, e)
+            return
+        if registration is None or registration == self.registration:
+            return
+        try:
+            await self.register(registration, stop)
+        except ContractError as e:
+            log.error("the registry refused the edit of %s, keeping the registration in force: %s", self.config_path, e)
+
+
+async def _wait(event: asyncio.Event, timeout: float) -> bool:
+    """Wait up to `timeout` seconds for `event`; True if it is set."""
+    with suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(event.wait(), max(timeout, 0))
+    return event.is_set()
+
+
+async def _wait_any(events: tuple[asyncio.Event, ...], timeout: float) -> bool:
+    """Wait up to `timeout` seconds for any of `events`; True if one is set."""
+    if any(e.is_set() for e in events):
+        return True
+    waiters = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        done, _ = await asyncio.wait(waiters, timeout=max(timeout, 0), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()
+    return bool(done)
