@@ -170,3 +170,13 @@ def test_pin_of_carries_the_matched_runtime_and_the_class():
     assert pin == ActorRuntime(sandbox_class="gvisor", name="runsc-old", version=runtime.version)
     # a snapshot stamped with that pin restores on the same runtime
     assert matches(pin, entry(worker_runtime(*BASE), runtime)) is runtime
+
+
+@pytest.mark.parametrize(
+    "a, b",
+    [("x" * 255 + "a", "x" * 255 + "b"), ("sha256:ABCDEF", "sha256:abcdef"), ("h1", "h1 ")],
+)
+def test_values_differing_in_the_last_character_or_in_case_differ(a, b):
+    worker = worker_runtime(("architecture", "amd64"), ("kernel_digest", a))
+    assert matches(stamp(("architecture", "amd64"), ("kernel_digest", b)), entry(worker)) is None
+    assert compat_key("gvisor", version(("kernel_digest", a))) != compat_key("gvisor", version(("kernel_digest", b)))
