@@ -84,7 +84,8 @@ class NatsServer:
         self.extra_config = extra_config
         self.process: subprocess.Popen[str] | None = None
         self.log: deque[str] = deque(maxlen=400)
-        self._ready = threading.Event()
+        self._ready = threading.Event()  # the ready line was logged, or the log ended
+        self._ready_logged = False
         self._reader: threading.Thread | None = None
 
     @property
@@ -131,6 +132,7 @@ class NatsServer:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(self.config())
         self._ready.clear()
+        self._ready_logged = False
         self.process = subprocess.Popen(
             [server_binary(), "-c", str(self.config_path)],
             stdout=subprocess.DEVNULL,
@@ -142,10 +144,13 @@ class NatsServer:
         self._reader.start()
 
     def wait_ready(self, timeout: float = 20.0) -> "NatsServer":
-        if not self._ready.wait(timeout) or not self.running:
+        # The log can end (the process exiting, e.g. its port taken) a moment before
+        # the exit is visible to poll(): only the ready line itself means ready.
+        if not self._ready.wait(timeout) or not self._ready_logged or not self.running:
             tail = "\n".join(list(self.log)[-20:])
+            why = "exited before it was ready" if self._ready.is_set() else f"was not ready within {timeout}s"
             self.stop()
-            raise NatsServerError(f"nats-server did not become ready within {timeout}s:\n{tail}")
+            raise NatsServerError(f"nats-server {why}:\n{tail}")
         self._check_jetstream(timeout)
         return self
 
@@ -154,8 +159,9 @@ class NatsServer:
         for line in self.process.stderr:
             self.log.append(line.rstrip())
             if READY_LINE in line:
+                self._ready_logged = True
                 self._ready.set()
-        self._ready.set()  # process ended: wake the waiter, which sees it is not running
+        self._ready.set()  # log ended: wake the waiter, which sees no ready line
 
     def _check_jetstream(self, timeout: float) -> None:
         """The server's INFO line says whether JetStream is enabled for clients."""

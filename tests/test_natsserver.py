@@ -1,0 +1,179 @@
+"""The embedded nats-server: starts, serves JetStream, stops with SIGTERM, and leaves no
+process behind, also when its parent is killed with SIGKILL."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import nats
+import pytest
+from nats.js.api import StreamConfig
+
+from warmboot.natsserver import NatsServer, NatsServerError, free_port, server_binary
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def alive(pid: int) -> bool:
+    """True while `pid` is a running (not zombie) process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    state = stat.rsplit(")", 1)[1].split()[0]
+    return state not in ("Z", "X")
+
+
+def wait_gone(pid: int, timeout: float = 20.0) -> bool:
+    """Poll until `pid` is no longer a running process (a condition with a deadline)."""
+    deadline = time.monotonic() + timeout
+    while alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def servers_using(config_path: Path) -> list[int]:
+    """Running nats-server processes started with this config file."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if str(config_path).encode() in argv and alive(int(entry.name)):
+            found.append(int(entry.name))
+    return found
+
+
+def accepts_connections(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+async def test_starts_serves_jetstream_and_stops_with_sigterm(tmp_path):
+    server = NatsServer(tmp_path).start()
+    pid = server.pid
+    assert server.running and alive(pid)
+    assert Path(f"/proc/{pid}/exe").resolve() == Path(server_binary()).resolve()
+    assert server.host == "127.0.0.1" and server.url == f"nats://127.0.0.1:{server.port}"
+
+    nc = await nats.connect(server.url)
+    try:
+        js = nc.jetstream()
+        await js.add_stream(StreamConfig(name="PROBE", subjects=["probe.>"]))
+        ack = await js.publish("probe.one", b"hello")
+        assert (ack.stream, ack.seq) == ("PROBE", 1)
+        msg = await js.get_msg("PROBE", 1)
+        assert msg.data == b"hello"
+        assert (await js.account_info()).streams == 1
+    finally:
+        await nc.close()
+    assert (tmp_path / server.name / "jetstream").is_dir()  # JetStream stores under store_dir
+
+    server.stop()
+    assert not server.running
+    assert not alive(pid)
+    assert servers_using(server.config_path) == []
+    assert not accepts_connections(server.port)
+    server.stop()  # stopping twice is harmless
+
+
+async def test_stop_is_a_graceful_sigterm(tmp_path):
+    server = NatsServer(tmp_path).start()
+    process = server.process
+    server.stop()
+    # SIGTERM lets nats-server shut down on its own: it exits rather than being killed
+    assert process.returncode in (0, -signal.SIGTERM)
+    assert any("Server Exiting" in line or "Initiating Shutdown" in line for line in server.log)
+
+
+async def test_restart_keeps_the_jetstream_store(tmp_path):
+    server = NatsServer(tmp_path, port=free_port()).start()
+    try:
+        nc = await nats.connect(server.url)
+        js = nc.jetstream()
+        await js.add_stream(StreamConfig(name="KEEP", subjects=["keep.>"]))
+        await js.publish("keep.a", b"1")
+        await nc.close()
+        server.restart()
+        nc = await nats.connect(server.url)
+        msg = await nc.jetstream().get_msg("KEEP", 1)
+        assert msg.data == b"1"
+        await nc.close()
+    finally:
+        server.stop()
+
+
+def test_a_server_that_cannot_start_is_an_error_not_a_hang(tmp_path, nats_server):
+    taken = NatsServer(tmp_path, port=nats_server.port)
+    started = time.monotonic()
+    with pytest.raises(NatsServerError, match="exited before it was ready") as caught:
+        taken.start(timeout=20)
+    assert "address already in use" in str(caught.value)  # the log's tail says why
+    assert time.monotonic() - started < 15  # noticed the exit, did not wait out the timeout
+    assert not taken.running
+
+
+async def test_the_session_server_answers_jetstream(nc, prefix):
+    js = nc.jetstream()
+    info = await js.add_stream(StreamConfig(name=prefix.upper(), subjects=[f"{prefix}.>"]))
+    assert info.config.name == prefix.upper()
+    await js.publish(f"{prefix}.x", b"x")
+    assert (await js.stream_info(prefix.upper())).state.messages == 1
+    await js.delete_stream(prefix.upper())
+
+
+CHILD = textwrap.dedent(
+    """
+    import sys
+    from warmboot.natsserver import NatsServer
+
+    server = NatsServer(sys.argv[1]).start()
+    print(server.pid, server.port, flush=True)
+    sys.stdin.read()  # until the test kills us
+    """
+)
+
+
+def test_parent_killed_with_sigkill_leaves_no_orphan(tmp_path):
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        line = child.stdout.readline()
+        assert line, "the child did not start its nats-server"
+        server_pid, port = map(int, line.split())
+        assert alive(server_pid) and accepts_connections(port)
+        config = next(tmp_path.glob("*.conf"))
+        assert servers_using(config) == [server_pid]
+
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=10)
+
+        assert wait_gone(server_pid), f"nats-server {server_pid} outlived its killed parent"
+        assert servers_using(config) == []
+        assert not accepts_connections(port)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        for pid in servers_using(next(tmp_path.glob("*.conf"), tmp_path / "none")):
+            os.kill(pid, signal.SIGKILL)  # only if the test failed: the server this test started
