@@ -9,6 +9,7 @@ The child gets PR_SET_PDEATHSIG, so it dies with its parent even on `kill -9`.
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import os
 import shutil
@@ -50,12 +51,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass  # not Linux: stop() and atexit still apply
+# Loaded in the parent: a dlopen in the child of a threaded parent can deadlock.
+try:
+    _LIBC: ctypes.CDLL | None = ctypes.CDLL("libc.so.6", use_errno=True)
+except OSError:
+    _LIBC = None  # not Linux: stop() and atexit still apply
+
+
+def _die_with_parent(parent_pid: int) -> None:  # runs in the child between fork and exec
+    if _LIBC is not None:
+        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent_pid:
+        os._exit(1)  # the parent died between fork and prctl: no signal will come
     os.setsid()  # its own process group: a Ctrl-C on the terminal reaches us, we stop it
 
 
@@ -138,7 +145,7 @@ class NatsServer:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=functools.partial(_die_with_parent, os.getpid()),
         )
         self._reader = threading.Thread(target=self._read_log, daemon=True, name=f"log-{self.name}")
         self._reader.start()
