@@ -54,7 +54,7 @@ from events.schema import (
     WorkerSandboxClass,
 )
 from events.subjects import bucket_name, service_subject, stream_name
-from services.common import ReplyCache, call, store_env
+from services.common import ReplyCache, call, run_command, store_env
 from services.registry.service import RegistryService
 from services.snapshotter.domain import Actor
 from services.snapshotter.service import SnapshotterService
@@ -127,7 +127,7 @@ class Placer:
             ))
             return self.app.save(actor)[-1].notification.id
 
-        return await asyncio.to_thread(commit)
+        return await run_command(commit)  # a lost race re-decides on fresh state, as the scheduler does
 
 
 # --- helpers -------------------------------------------------------------------------------
@@ -489,3 +489,56 @@ async def released_by_removal(nc, prefix: str, count: int) -> list[tuple[int, Ac
     finally:
         await sub.unsubscribe()
     return found
+
+
+async def test_concurrent_pauses_on_two_replicas_one_wins_the_other_re_reads(
+    snapshotter, placer, nats_server, nc, prefix
+):
+    second = await SnapshotterService(nc, nats_url=nats_server.url, prefix=prefix,
+                                      env=env_for(nats_server.url, prefix), follow=False).start()
+    try:
+        for round_ in range(3):
+            actor_id = f"a-{round_}"
+            await create(nc, prefix, actor_id)
+            await placer.place(actor_id, "w-1", "node-1", PIN_V1)
+            outcomes = await asyncio.gather(*(pause(nc, prefix, actor_id) for _ in range(4)),
+                                            return_exceptions=True)
+            won = [o for o in outcomes if isinstance(o, SnapshotReply)]
+            lost = [o for o in outcomes if isinstance(o, ContractError)]
+            assert len(won) == 1 and len(lost) == 3, outcomes
+            assert all(e.code is ErrorCode.FAILED_PRECONDITION for e in lost)  # re-read: PAUSED now
+        log = [e for _, _, e in await read_log(nc, prefix)]
+        assert sum(isinstance(e, SnapshotTaken) for e in log) == 3
+        assert sum(isinstance(e, ActorReleased) for e in log) == 3
+    finally:
+        await second.stop()
+
+
+async def test_a_placement_racing_a_stop_never_leaves_a_stopped_actor_placed(snapshotter, placer, nc, prefix):
+    await create(nc, prefix, "a-1")
+    stop = asyncio.ensure_future(call(nc, subject(prefix, "stop", "a-1"), StopActor(), SeqReply))
+    try:
+        await placer.place("a-1", "w-1", "node-1", PIN_V1)
+    except ContractError as error:  # the stop won: a stopped actor is not placed
+        assert error.code is ErrorCode.FAILED_PRECONDITION
+    await stop
+    log = [e for _, _, e in await read_log(nc, prefix)]
+    assert isinstance(log[-1], ActorStopped)
+    if any(isinstance(e, ActorPlaced) for e in log):  # the placement won: the stop released it
+        assert isinstance(log[-2], ActorReleased) and log[-2].reason is ReleaseReason.STOPPED
+
+
+async def test_snapshots_and_releases_are_counted(snapshotter, placer, nc, prefix):
+    from prometheus_client import REGISTRY
+
+    def value(name: str, **labels: str) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    pauses = value("warmboot_snapshots_taken_total", sandbox_class=CLASS, origin="PAUSE", fidelity="MEMORY")
+    paused = value("warmboot_actor_releases_total", reason="PAUSED")
+    await create(nc, prefix, "a-1")
+    await placer.place("a-1", "w-1", "node-1", PIN_V1)
+    await pause(nc, prefix, "a-1")
+    assert value("warmboot_snapshots_taken_total", sandbox_class=CLASS, origin="PAUSE",
+                 fidelity="MEMORY") == pauses + 1
+    assert value("warmboot_actor_releases_total", reason="PAUSED") == paused + 1

@@ -40,6 +40,7 @@ from eventsourcing.persistence import IntegrityError, Tracking
 from eventsourcing.projection import ApplicationSubscription, EventSourcedProjection
 from nats.aio.client import Client as NATS
 from nats.js.errors import NotFoundError
+from prometheus_client import Counter
 
 from events.aggregate import Recorded, WireAggregate, WireApplication, now
 from events.errors import invalid, not_found, precondition, unavailable
@@ -69,6 +70,12 @@ from services.snapshotter.domain import Actor, PlacementFold, Release, Tag
 log = logging.getLogger("warmboot.snapshotter")
 
 SERVICE = "snapshotter"
+
+SNAPSHOTS = Counter(
+    "warmboot_snapshots_taken_total", "SnapshotTaken events written, by how the snapshot came about",
+    ["sandbox_class", "origin", "fidelity"],
+)
+RELEASES = Counter("warmboot_actor_releases_total", "ActorReleased events written, by reason", ["reason"])
 
 
 class SnapshotterApplication(WireApplication):
@@ -128,8 +135,22 @@ def answer_from_history(actor: WireAggregate, verb: str, request_id: str | None)
     return PriorAnswer(actor.id, versions[-1], reply)
 
 
+def counted(recordings: list[Any]) -> list[Any]:
+    """`recordings`, after counting the snapshots and releases among them."""
+    for recording in recordings:
+        body = getattr(recording.domain_event, "body", None)
+        if isinstance(body, SnapshotTaken):
+            stamp = body.snapshot.sandbox_runtime
+            SNAPSHOTS.labels(stamp.sandbox_class if stamp else "", body.origin.value,
+                             body.snapshot.fidelity.value).inc()
+        elif isinstance(body, ActorReleased):
+            RELEASES.labels(body.reason.value).inc()
+    return recordings
+
+
 def last_seq(recordings: list[Any]) -> int:
-    return recordings[-1].notification.id
+    """The stream sequence of the last event saved."""
+    return counted(recordings)[-1].notification.id
 
 
 # --- the worker-removal process ------------------------------------------------------------
@@ -158,8 +179,9 @@ class WorkerRemovalProcess(EventSourcedProjection[str], WireApplication):
         self._moved = threading.Condition()
         self._stopping = threading.Event()
         self._subscription: ApplicationSubscription[str] | None = None
+        self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self.error: BaseException | None = None
+        self.error: BaseException | None = None  # the last failure of the subscription
 
     # --- processing (runs on the follower thread) ---
 
@@ -192,7 +214,7 @@ class WorkerRemovalProcess(EventSourcedProjection[str], WireApplication):
                     processing.collect_events(actor)
                     count += 1
             try:
-                self._record(processing)
+                counted(self._record(processing))
             except IntegrityError:
                 self.conflicts += 1  # another writer got there first: look again
                 continue
@@ -212,22 +234,41 @@ class WorkerRemovalProcess(EventSourcedProjection[str], WireApplication):
         process reads it through its own recorder, and its tracking records carry
         its own name: no other follower's positions mix with its own.
         """
-        self._subscription = ApplicationSubscription(self, gt=None, topics=self.topics)
+        self._subscribe(None)
         self._thread = threading.Thread(target=self._run, name=f"{self.name}-follower", daemon=True)
         self._thread.start()
 
+    def _subscribe(self, gt: int | None) -> ApplicationSubscription[str]:
+        with self._lock:
+            self._subscription = ApplicationSubscription(self, gt=gt, topics=self.topics)
+            if self._stopping.is_set():  # stop() ran meanwhile and missed this one
+                self._subscription.stop()
+            return self._subscription
+
     def _run(self) -> None:
-        assert self._subscription is not None
+        subscription = self._subscription
+        delay = 0.1
         try:
-            with self._subscription:
-                for domain_event, tracking in self._subscription:
-                    self._process_until_done(domain_event, tracking)
+            while not self._stopping.is_set():
+                try:
+                    with subscription:
+                        for domain_event, tracking in subscription:
+                            self._process_until_done(domain_event, tracking)
+                            delay = 0.1
+                            if self._stopping.is_set():
+                                return
+                    return  # the subscription ended: stopped
+                except Exception as error:
                     if self._stopping.is_set():
                         return
-        except BaseException as error:  # noqa: BLE001 - reported through .error and the log
-            if not self._stopping.is_set():
-                self.error = error
-                log.exception("%s stopped following the log", self.name)
+                    # The fold is kept: carry on after the last position folded.
+                    self.error = error
+                    log.warning("%s: the log subscription failed at position %d; resubscribing",
+                                self.name, self.position, exc_info=True)
+                    if self._stopping.wait(delay):
+                        return
+                    delay = min(delay * 2, 5.0)
+                    subscription = self._subscribe(self.position)
         finally:
             with self._moved:
                 self._moved.notify_all()
@@ -252,14 +293,14 @@ class WorkerRemovalProcess(EventSourcedProjection[str], WireApplication):
         """Block until the log is folded up to `position` (True), or `timeout`/stop (False)."""
         with self._moved:
             return self._moved.wait_for(
-                lambda: self.position >= position or self._stopping.is_set() or self.error is not None,
-                timeout,
+                lambda: self.position >= position or self._stopping.is_set(), timeout
             ) and self.position >= position
 
     def stop(self) -> None:
         self._stopping.set()
-        if self._subscription is not None:
-            self._subscription.stop()
+        with self._lock:
+            if self._subscription is not None:
+                self._subscription.stop()
         if self._thread is not None:
             self._thread.join()
         self.close()
