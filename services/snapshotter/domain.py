@@ -31,6 +31,25 @@ atomic append, `SnapshotTaken(origin=TAG)` on the actor (the actor's history sho
 it was tagged, and the tag is guarded by the actor's optimistic concurrency, so it
 copies the snapshot that is latest at commit) and `TagRecorded` on the tag, which
 is what `create` with `source_tag` reads.
+
+Where CONTRACT.md is silent, this is what the snapshotter does:
+
+- Creating an actor that exists is ALREADY_EXISTS (field `actor_id`); from a tag
+  that names nothing, NOT_FOUND (field `source_tag`); from a tag whose snapshot is
+  stamped with another sandbox class, FAILED_PRECONDITION (field `source_tag`).
+- A snapshot taken without a `snapshot_id` gets `<actor_id>-v<version>`
+  (`default_snapshot_id`). A promoted snapshot keeps the local one's id and
+  `taken_at` unless the caller names it; a tag's copy and a created actor's first
+  snapshot keep the source's id (they name the same image).
+- A snapshot records the template its running instance was started from, which
+  is the template at placement, even if `update-template` ran since: the memory
+  image is of that template, and the scheduler falls back (TEMPLATE_CHANGED) when
+  it is no longer the actor's.
+- `borrowed` stays on the snapshots of an actor created from a golden snapshot
+  (a pause's too) until its first suspend; a tag's copy keeps the flag it had.
+- An actor whose worker was removed is SUSPENDED: its instance is gone and it
+  resumes from its latest snapshot. `update-template` to the current template
+  writes nothing. Stop of a STOPPED actor is FAILED_PRECONDITION.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from dataclasses import dataclass
 from datetime import datetime
@@ -313,7 +314,8 @@ class SnapshotterService:
     """The snapshotter replica: `warmboot-snapshotter` endpoints plus the worker-removal process.
 
     `env` overrides the event-store environment (default: the JetStream store of
-    `prefix` on `nats_url`); `follow=False` runs the endpoints only.
+    `prefix` on `nats_url`, with `store_replicas` stream replicas when it creates
+    the stream); `follow=False` runs the endpoints only.
     """
 
     def __init__(
@@ -323,13 +325,16 @@ class SnapshotterService:
         nats_url: str,
         prefix: str,
         env: dict[str, str] | None = None,
+        store_replicas: int | None = None,
         follow: bool = True,
         reply_ttl_s: float = 3600.0,
     ) -> None:
         self.nc = nc
         self.nats_url = nats_url
         self.prefix = check_prefix(prefix)
-        self.env = env if env is not None else store_env(nats_url, prefix)
+        if store_replicas is None:  # `warmboot serve --replicas` sets it in the environment
+            store_replicas = int(os.environ.get("WARMBOOT_STREAM_REPLICAS", "1"))
+        self.env = env if env is not None else store_env(nats_url, prefix, store_replicas)
         self.follow = follow
         self.replies = ReplyCache(nc, prefix, reply_ttl_s)
         self.app: SnapshotterApplication | None = None
@@ -337,6 +342,14 @@ class SnapshotterService:
         self.micro = None
 
     async def start(self) -> "SnapshotterService":
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def _start(self) -> None:
         self.app = await asyncio.to_thread(SnapshotterApplication, self.env)
         await self.replies.start()
         if self.follow:
@@ -354,12 +367,14 @@ class SnapshotterService:
                 EndpointSpec("stop", StopActor, self.stop_actor),
             ],
         )
-        return self
 
     async def stop(self) -> None:
         if self.micro is not None:
-            await self.micro.stop()
-            self.micro = None
+            micro, self.micro = self.micro, None
+            try:
+                await micro.stop()
+            except Exception:  # the connection is already closed: nothing left to unsubscribe
+                log.debug("stopping the micro service failed", exc_info=True)
         if self.process is not None:
             await asyncio.to_thread(self.process.stop)
             self.process = None
