@@ -24,11 +24,11 @@ from events.compat import compat_key, matches
 from events.errors import ContractError
 
 SETTINGS = settings(
-    max_examples=60,
+    max_examples=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-MAX_COLLECTION = 4  # generated lists and maps stay small; the limits are tested in test_validation
+MAX_COLLECTION = 3  # generated lists and maps stay small; the limits are tested in test_validation
 INT64 = (-(1 << 63), (1 << 63) - 1)
 
 printable = st.characters(codec="utf-8", exclude_categories=["Cs", "Cc"])
@@ -106,7 +106,7 @@ known_or_unknown_schema = st.one_of(st.just("v1"), st.from_regex(s.SCHEMA_VERSIO
 
 
 @st.composite
-def compat_versions(draw, max_attributes: int = 8) -> s.CompatVersion:
+def compat_versions(draw, max_attributes: int = 6) -> s.CompatVersion:
     """Unique keys, 1 to 32 of them, `architecture` under v1, in any order."""
     schema_version = draw(known_or_unknown_schema)
     entries = draw(st.dictionaries(attr_key, attr_value, min_size=1, max_size=max_attributes))
@@ -129,7 +129,7 @@ worker_runtimes = st.builds(
 @st.composite
 def worker_sandbox_classes(draw) -> s.WorkerSandboxClass:
     """The default and the restorable runtimes all differ by version."""
-    runtimes = draw(st.lists(worker_runtimes, min_size=1, max_size=4, unique_by=lambda r: compat_key("", r.version)))
+    runtimes = draw(st.lists(worker_runtimes, min_size=1, max_size=3, unique_by=lambda r: compat_key("", r.version)))
     return s.WorkerSandboxClass(
         sandbox_class=draw(of_class),
         default_runtime=runtimes[0],
