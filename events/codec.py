@@ -81,7 +81,8 @@ def decode_reply(type_: type[T], data: bytes) -> T:
 
 
 def to_builtins(value: Any) -> Any:
-    return msgspec.to_builtins(value)
+    """Plain JSON values (dicts, lists, str, numbers) exactly as the value goes on the wire."""
+    return msgspec.json.decode(encode(value))
 
 
 def json_schemas() -> dict[str, Any]:

@@ -22,11 +22,15 @@ from warmboot.cmd_foundation import probe, schema  # noqa: E402
 
 main.add_command(probe)
 main.add_command(schema)
-from warmboot.cmd_views import explain, fragmentation  # noqa: E402
+from warmboot.cmd_views import explain, fragmentation, workers  # noqa: E402
 
 main.add_command(explain)
 main.add_command(fragmentation)
+main.add_command(workers)
 from warmboot.cmd_registry import agent, nats_config  # noqa: E402
 
 main.add_command(agent)
 main.add_command(nats_config)
+from warmboot.cmd_audit import audit  # noqa: E402
+
+main.add_command(audit)

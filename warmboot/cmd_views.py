@@ -7,52 +7,19 @@ the scheduler's own projection, so it shows exactly what the scheduler sees.
 
 from __future__ import annotations
 
-import asyncio
 import json
-from typing import Any, Awaitable, Callable
 
 import click
 from rich.console import Console
 from rich.table import Table
 
 from events.codec import to_builtins
-from events.compat import compat_key, describe_key
-from events.errors import ContractError
 from events.schema import Explanation, ExplainResume, Fragmentation, FragmentationQuery
-from events.subjects import DEFAULT_PREFIX, service_subject
+from events.subjects import service_subject
 from services.common import call
-from warmboot.runner import connect
+from warmboot.cli_common import ask, json_option, nats_option, prefix_option, version_text
 
 console = Console()
-
-nats_option = click.option("--nats", "nats_url", default="nats://127.0.0.1:4222", show_default=True,
-                           envvar="NATS_URL", help="NATS server URL(s), comma-separated.")
-prefix_option = click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="WARMBOOT_PREFIX",
-                             help="Subject prefix of the deployment.")
-json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-
-
-def ask(nats_url: str, work: Callable[[Any], Awaitable[Any]]) -> Any:
-    """Connect, run `work(nc)`, close; contract errors and connection failures become CLI errors."""
-
-    async def run() -> Any:
-        try:
-            nc = await asyncio.wait_for(connect(nats_url, "warmboot-cli"), 5)
-        except (OSError, asyncio.TimeoutError) as e:
-            raise click.ClickException(f"cannot reach NATS at {nats_url}: {e}") from None
-        try:
-            return await work(nc)
-        finally:
-            await nc.close()
-
-    try:
-        return asyncio.run(run())
-    except ContractError as e:
-        raise click.ClickException(f"{e.code.value}: {e.message}" + (f" (field {e.field})" if e.field else ""))
-
-
-def version_text(version: Any) -> str:
-    return describe_key(compat_key("", version)).strip()
 
 
 @click.command()
@@ -115,3 +82,58 @@ def fragmentation(sandbox_class: str | None, nats_url: str, prefix: str, as_json
         console.print(table)
     if not answer.classes:
         console.print("no sandbox classes registered")
+
+
+def worker_rows(projection) -> list[dict]:
+    """One row per (worker, sandbox class), sorted by class, default runtime and worker."""
+    from events.codec import to_builtins
+
+    rows = []
+    for worker in projection.workers.values():
+        for sandbox_class, entry in worker.classes.items():
+            rows.append({
+                "sandbox_class": sandbox_class,
+                "worker_id": worker.worker_id,
+                "node": worker.node,
+                "state": worker.state,
+                "default_runtime": to_builtins(entry.default.compat.version),
+                "restorable_runtimes": [to_builtins(r.compat.version) for r in entry.restorable],
+                "capacity": {"cpu_millis": worker.cpu_millis, "memory_mib": worker.memory_mib},
+                "free": {"cpu_millis": worker.room_cpu, "memory_mib": worker.room_mem},
+                "actors": len(worker.actors),
+            })
+    rows.sort(key=lambda r: (r["sandbox_class"], json.dumps(r["default_runtime"], sort_keys=True), r["worker_id"]))
+    return rows
+
+
+@click.command()
+@click.option("--class", "sandbox_class", default=None, help="Only this sandbox class.")
+@nats_option
+@prefix_option
+@json_option
+def workers(sandbox_class: str | None, nats_url: str, prefix: str, as_json: bool) -> None:
+    """Registered workers by class and runtime, with free capacity and drain state.
+
+    Folds the log with the scheduler's projection: what it shows is what the scheduler sees.
+    """
+    from warmboot.audit import Sink
+    from warmboot.cli_common import replay
+
+    sink = ask(nats_url, lambda nc: replay(nc, prefix, Sink(), not as_json))
+    rows = [r for r in worker_rows(sink.projection) if sandbox_class in (None, r["sandbox_class"])]
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        console.print("no workers registered")
+        return
+    table = Table(title=f"workers at sequence {sink.seq}")
+    for col in ("class", "default runtime", "restorable", "worker", "node", "state", "free cpu (m)",
+                "free mem (MiB)", "actors"):
+        table.add_column(col, justify="right" if col.startswith(("free", "actors", "restorable")) else "left")
+    for r in rows:
+        version = sink.projection.workers[r["worker_id"]].classes[r["sandbox_class"]].default.compat.version
+        table.add_row(r["sandbox_class"], version_text(version), str(len(r["restorable_runtimes"])), r["worker_id"],
+                      r["node"], r["state"], str(r["free"]["cpu_millis"]), str(r["free"]["memory_mib"]),
+                      str(r["actors"]))
+    console.print(table)

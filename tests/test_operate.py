@@ -1,0 +1,182 @@
+"""Operating warmboot: `up` with the demo, audit by replay, and the operator views."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import uuid
+from contextlib import AsyncExitStack
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from rich.console import Console
+
+from events.codec import encode, to_builtins
+from events.jetstream import TOPIC_HEADER, VERSION_HEADER
+from events.schema import (
+    Action,
+    ActorPlaced,
+    ActorRuntime,
+    Explanation,
+    ExplainResume,
+    Fragmentation,
+    FragmentationQuery,
+    PlacedFidelity,
+    Resources,
+)
+from events.subjects import event_subject, service_subject
+from services.common import call
+from services.scheduler.projection import PAUSED
+from warmboot.audit import summary
+from warmboot.cli import main
+from warmboot.demo import DemoConfig, run_demo
+from warmboot.runner import SERVICES, start_services
+
+SMALL = DemoConfig(workers=12, actors=40)
+
+
+def table_rows(text: str) -> dict[str, str]:
+    """The demo summary table as {what: value}."""
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in re.split(r"[│┃]", line) if c.strip()]
+        if len(cells) == 2:
+            rows[cells[0]] = cells[1]
+    return rows
+
+
+def check_demo_summary(rows: dict[str, str]) -> None:
+    assert int(rows["placements RESTORE MEMORY"]) > 0
+    assert int(rows["placements RUN NONE"]) > 0
+    assert int(rows["fallbacks NO_COMPATIBLE_WORKER"]) > 0
+    assert int(rows["stranded snapshots during upgrade (v1 restorable)"]) == 0
+    assert int(rows["stranded snapshots after v1 dropped"]) > 0
+    assert int(rows["stranded snapshots after the actors moved"]) == 0
+
+
+def test_up_runs_the_demo_and_twice_in_a_row(tmp_path):
+    store = tmp_path / "store"
+    args = [str(Path(sys.executable).parent / "warmboot"), "up", "--demo", "--exit-after-demo", "--port", "0",
+            "--metrics-port", "0", "--store", str(store), "--workers", str(SMALL.workers),
+            "--actors", str(SMALL.actors)]
+    first = subprocess.run(args, capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "200"})
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "new store" in first.stdout and "NATS     nats://127.0.0.1:" in first.stdout
+    check_demo_summary(table_rows(first.stdout))
+    second = subprocess.run(args, capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "200"})
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "resetting the store" in second.stdout
+    check_demo_summary(table_rows(second.stdout))
+
+
+@pytest.fixture(scope="module")
+async def demo(nats_server):
+    """The demo, in-process, on its own prefix; the services keep running for the checks."""
+    prefix = "t" + uuid.uuid4().hex[:12]
+    async with AsyncExitStack() as exits:
+        running = await start_services(exits, list(SERVICES), nats_server.url, prefix,
+                                       options={"scheduler": {"metrics": False}})
+        tally = await run_demo(nats_server.url, prefix, SMALL, Console(file=open("/dev/null", "w")))
+        yield running, prefix, tally
+
+
+def cli(*args: str):
+    return asyncio.to_thread(CliRunner().invoke, main, list(args))
+
+
+async def test_audit_verify_passes_on_the_demo_log(demo, nats_url):
+    _, prefix, _ = demo
+    result = await cli("audit", "verify", "--nats", nats_url, "--prefix", prefix)
+    assert result.exit_code == 0, result.output
+    assert "no violation" in result.output
+
+
+async def test_replay_until_a_sequence_gives_what_the_scheduler_had_then(demo, nats_url, nc):
+    running, prefix, _ = demo
+    scheduler = running.services[list(SERVICES).index("scheduler")]
+    then = summary(scheduler.projection)  # the scheduler's projection and its sequence, at one instant
+    # The log moves on: a worker leaves.
+    await nc.request(service_subject(prefix, "registry", "remove", "w-gv0-000"), b"{}", timeout=10)
+    result = await cli("audit", "replay", "--until", str(then["seq"]), "--json", "--nats", nats_url,
+                       "--prefix", prefix)
+    assert result.exit_code == 0, result.output
+    replayed = json.loads(result.output)
+    assert replayed == then
+    now = await cli("audit", "replay", "--json", "--nats", nats_url, "--prefix", prefix)
+    assert json.loads(now.output)["seq"] > then["seq"]
+
+
+async def test_replay_until_a_time_stops_there(demo, nats_url):
+    _, prefix, _ = demo
+    result = await cli("audit", "replay", "--until-time", "2000-01-01T00:00:00", "--json", "--nats", nats_url,
+                       "--prefix", prefix)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["events"] == 0
+
+
+async def test_actor_timeline_shows_stamps_pins_and_fallbacks(demo, nats_url):
+    _, prefix, _ = demo
+    result = await cli("audit", "actor", "a-0000", "--json", "--nats", nats_url, "--prefix", prefix)
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.output)
+    kinds = [r["event"] for r in rows]
+    assert kinds[0] == "ActorCreated"
+    assert "ActorPlaced" in kinds and "SnapshotTaken PAUSE" in kinds
+    placed = [r for r in rows if r["event"] == "ActorPlaced"]
+    assert all(r["runtime"].startswith("pin ") and r["worker"] for r in placed)
+    assert any(r["fallback"] == "NO_COMPATIBLE_WORKER" for r in placed)
+    assert [r["seq"] for r in rows] == sorted(r["seq"] for r in rows)
+    missing = await cli("audit", "actor", "nobody", "--nats", nats_url, "--prefix", prefix)
+    assert missing.exit_code != 0 and "no events" in missing.output
+
+
+async def test_views_json_agree_with_the_endpoints(demo, nats_url, nc):
+    _, prefix, _ = demo
+    frag = await call(nc, service_subject(prefix, "scheduler", "fragmentation"), FragmentationQuery(), Fragmentation)
+    shown = await cli("fragmentation", "--json", "--nats", nats_url, "--prefix", prefix)
+    assert shown.exit_code == 0, shown.output
+    assert json.loads(shown.output) == to_builtins(frag)
+
+    why = await call(nc, service_subject(prefix, "scheduler", "explain", "a-0001"), ExplainResume(), Explanation)
+    shown = await cli("explain", "a-0001", "--json", "--nats", nats_url, "--prefix", prefix)
+    assert shown.exit_code == 0, shown.output
+    assert json.loads(shown.output) == to_builtins(why)
+
+    listed = await cli("workers", "--json", "--nats", nats_url, "--prefix", prefix)
+    assert listed.exit_code == 0, listed.output
+    rows = json.loads(listed.output)
+    for cls in frag.classes:
+        assert sum(1 for r in rows if r["sandbox_class"] == cls.sandbox_class) == cls.workers
+        free = sum(r["free"]["memory_mib"] for r in rows
+                   if r["sandbox_class"] == cls.sandbox_class and r["state"] == "REGISTERED")
+        assert free == sum(rt.free.memory_mib for rt in cls.runtimes if rt.workers_default)
+
+
+async def test_verify_names_the_sequence_of_a_forged_overbooking(demo, nats_url, nc):
+    running, prefix, _ = demo
+    scheduler = running.services[list(SERVICES).index("scheduler")]
+    projection = scheduler.projection
+    actor = next(a for a in projection.actors.values() if a.state is PAUSED)
+    worker = next(w for w in projection.workers.values() if w.live)
+    entry = next(iter(worker.classes.values()))
+    forged = ActorPlaced(
+        actor_id=actor.actor_id, at=datetime.now(timezone.utc), worker_id=worker.worker_id, node=worker.node,
+        action=Action.RUN, fidelity=PlacedFidelity.NONE,
+        sandbox_runtime=ActorRuntime(sandbox_class=entry.default.compat.sandbox_class,
+                                     version=entry.default.compat.version),
+        booked=Resources(cpu_millis=1, memory_mib=worker.memory_mib * 2),
+    )
+    ack = await nc.jetstream().publish(
+        event_subject(prefix, "actor", actor.actor_id), encode(forged),
+        headers={TOPIC_HEADER: "ActorPlaced", VERSION_HEADER: str(actor.version + 1)},
+    )
+    result = await cli("audit", "verify", "--nats", nats_url, "--prefix", prefix)
+    assert result.exit_code == 1
+    assert f"sequence {ack.seq}" in result.output
+    assert "booked past its room" in result.output

@@ -1,0 +1,70 @@
+"""What the operator commands share: NATS options, one-shot connections, replaying the log."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Awaitable, Callable
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from events.compat import compat_key, describe_key
+from events.errors import ContractError
+from events.subjects import DEFAULT_PREFIX, stream_name
+from warmboot.runner import connect
+
+nats_option = click.option("--nats", "nats_url", default="nats://127.0.0.1:4222", show_default=True,
+                           envvar="NATS_URL", help="NATS server URL(s), comma-separated.")
+prefix_option = click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="WARMBOOT_PREFIX",
+                             help="Subject prefix of the deployment.")
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+
+
+def ask(nats_url: str, work: Callable[[Any], Awaitable[Any]]) -> Any:
+    """Connect, run `work(nc)`, close; contract errors and connection failures become CLI errors."""
+
+    async def run() -> Any:
+        try:
+            nc = await asyncio.wait_for(connect(nats_url, "warmboot-cli"), 5)
+        except (OSError, asyncio.TimeoutError) as e:
+            raise click.ClickException(f"cannot reach NATS at {nats_url}: {e}") from None
+        try:
+            return await work(nc)
+        finally:
+            await nc.close()
+
+    try:
+        return asyncio.run(run())
+    except ContractError as e:
+        raise click.ClickException(f"{e.code.value}: {e.message}" + (f" (field {e.field})" if e.field else ""))
+
+
+def version_text(version: Any) -> str:
+    return describe_key(compat_key("", version)).strip()
+
+
+async def last_seq(nc: Any, prefix: str) -> int:
+    try:
+        return (await nc.jetstream().stream_info(stream_name(prefix))).state.last_seq
+    except Exception as e:
+        raise click.ClickException(f"no event stream {stream_name(prefix)}: {e}") from None
+
+
+async def replay(nc: Any, prefix: str, sink: Any, show_progress: bool) -> Any:
+    """Fold the whole stream (as it is now) into `sink` with the scheduler's own Fold,
+    with a progress bar on stderr."""
+    from services.scheduler.service import Fold
+
+    target = await last_seq(nc, prefix)
+    progress = Progress(TextColumn("replaying"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=Console(stderr=True), disable=not show_progress, transient=True)
+    with progress:
+        task = progress.add_task("", total=target)
+        sink.on_position = lambda seq: progress.update(task, completed=seq)
+        fold = Fold(nc, prefix, sink)
+        try:
+            await fold.start(timeout=max(60.0, target / 5000))
+        finally:
+            await fold.stop()
+    return sink
