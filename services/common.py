@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, TypeVar
@@ -122,7 +123,8 @@ class ReplyCache:
     async def start(self) -> "ReplyCache":
         js = self.nc.jetstream()
         self.kv = await js.create_key_value(
-            KeyValueConfig(bucket=self.bucket, ttl=self.ttl_s, storage=StorageType.FILE, history=1)
+            KeyValueConfig(bucket=self.bucket, ttl=self.ttl_s, storage=StorageType.FILE, history=1,
+                           replicas=stream_replicas())
         )
         return self
 
@@ -172,6 +174,11 @@ class ReplyCache:
             raise
         finally:
             self._inflight.pop(key, None)
+
+
+def stream_replicas() -> int:
+    """Replicas of the streams and buckets a service creates: WARMBOOT_STREAM_REPLICAS, else 1."""
+    return int(os.environ.get("WARMBOOT_STREAM_REPLICAS") or 1)
 
 
 def store_env(nats_url: str, prefix: str, replicas: int | None = None) -> dict[str, str]:
