@@ -207,14 +207,6 @@ def load_registration(path: Path, worker_id: str, node: str, probe: ProbeSetting
 # --- the agent ----------------------------------------------------------------------------
 
 
-def _fingerprint(path: Path) -> tuple[int, int, int] | None:
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    return (st.st_ino, st.st_mtime_ns, st.st_size)
-
-
 class Agent:
     """One worker's agent. `await run(stop)` until `stop` is set; see the module docstring."""
 
@@ -244,7 +236,7 @@ class Agent:
         self.nc: NATS | None = None
         self.registration: RegisterWorker | None = None  # the one in force
         self.registered: RegisterReply | None = None  # the registry's last answer to it
-        self._file_fingerprint: tuple[int, int, int] | None = None
+        self.sent_registration = False  # the registry may know this worker (a reply may be in flight)
         self._file_digest: bytes | None = None
         self._reconnected = asyncio.Event()
 
@@ -254,15 +246,15 @@ class Agent:
     # --- configuration -------------------------------------------------------------------
 
     def _read_config(self) -> RegisterWorker | None:
-        """The registration of the file as it is now; None if its content did not change."""
-        fingerprint = _fingerprint(self.config_path)
-        if fingerprint is not None and fingerprint == self._file_fingerprint:
-            return None
+        """The registration of the file as it is now; None if its content did not change.
+
+        The file is small and read whole each time: an mtime can miss an edit made
+        within its granularity, a content digest cannot.
+        """
         try:
             data = self.config_path.read_bytes()
         except OSError as e:
             raise ConfigError(f"{self.config_path}: cannot read: {e}") from None
-        self._file_fingerprint = fingerprint
         digest = hashlib.sha256(data).digest()
         if digest == self._file_digest:
             return None
@@ -323,6 +315,7 @@ class Agent:
     async def register(self, registration: RegisterWorker, stop: asyncio.Event) -> RegisterReply:
         """Register `registration` (one request_id across retries), then heartbeat to learn the TTL."""
         body = msgspec.structs.replace(registration, request_id=f"agent-{uuid.uuid4().hex}")
+        self.sent_registration = True
         reply = await self._request("register", body, RegisterReply, stop)
         self.registration, self.registered = registration, reply
         log.info("registered %s: %s (seq %d)", self.worker_id, reply.outcome.value, reply.seq)
@@ -372,7 +365,7 @@ class Agent:
             serving.cancel()
             with suppress(asyncio.CancelledError):
                 await serving
-            if self.drain_on_exit and self.registration is not None and not self.nc.is_closed:
+            if self.drain_on_exit and self.sent_registration and not self.nc.is_closed:
                 reply = await self.drain("agent stopped")
                 if reply is not None:
                     log.info("drained %s (seq %d)", self.worker_id, reply.seq)

@@ -334,6 +334,7 @@ class RegistryService:
                 EndpointSpec("remove", RemoveWorker, self.remove),
             ],
         )
+        await self.nc.flush()  # the server has our subscriptions: we serve when start() returns
         return self
 
     async def stop(self) -> None:
