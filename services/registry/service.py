@@ -26,14 +26,17 @@ was lost, what the worker's history recorded for it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 from contextlib import suppress
 from datetime import datetime
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable, TypeVar
 
 import msgspec
+import nats.errors
 from eventsourcing.application import AggregateNotFoundError
+from eventsourcing.persistence import OperationalError
 from nats.aio.client import Client as NATS
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, KeyValueConfig, StorageType
@@ -55,10 +58,11 @@ from events.schema import (
     WorkerRemoved,
 )
 from events.subjects import bucket_name, check_prefix, event_subject, stream_name
-from services.common import EndpointSpec, ReplyCache, add_endpoints, run_command, store_env
+from services.common import EndpointSpec, ReplyCache, add_endpoints, run_command, store_env, stream_replicas
 from services.registry.domain import Worker, register_outcome
 
 log = logging.getLogger("warmboot.registry")
+T = TypeVar("T")
 
 SERVICE = "registry"
 DEFAULT_TTL_S = 15.0
@@ -79,15 +83,17 @@ class Decided(msgspec.Struct, frozen=True):
     """What a command decided: its answer, and where in the log the answer stands.
 
     `seq` is the stream sequence of the last event written, when the command wrote
-    any; otherwise `version` is the worker's version the answer stands on (its last
-    event, or the last event an earlier request with the same request_id wrote),
-    whose sequence the service looks up.
+    any. Otherwise the service looks it up: for a `replay` (an earlier request with
+    the same request_id) the sequence of that request's last event, `version`;
+    else the sequence of the worker's last event, which holds all the answer
+    stood on.
     """
 
     outcome: RegisterOutcome | None = None
     seq: int | None = None
     version: int = 0
     wrote: bool = False
+    replay: bool = False
 
 
 class RegistryStore(WireApplication):
@@ -111,7 +117,7 @@ class RegistryStore(WireApplication):
         worker = self.load(request.worker_id)
         earlier = worker.answered("register", request.request_id)
         if earlier:
-            return Decided(outcome=register_outcome(worker.events_at(earlier)), version=earlier[-1])
+            return Decided(outcome=register_outcome(worker.events_at(earlier)), version=earlier[-1], replay=True)
         outcome = worker.register(request, at)
         return self._commit(worker, outcome)
 
@@ -119,7 +125,7 @@ class RegistryStore(WireApplication):
         worker = self.load(worker_id)
         earlier = worker.answered("drain", request.request_id)
         if earlier:
-            return Decided(version=earlier[-1])
+            return Decided(version=earlier[-1], replay=True)
         worker.drain(request.reason, at, request.request_id)
         return self._commit(worker)
 
@@ -127,7 +133,7 @@ class RegistryStore(WireApplication):
         worker = self.load(worker_id)
         earlier = worker.answered("remove", request.request_id)
         if earlier:
-            return Decided(version=earlier[-1])
+            return Decided(version=earlier[-1], replay=True)
         worker.remove(request.reason, at, request.request_id)
         return self._commit(worker)
 
@@ -152,23 +158,26 @@ class EventPositions:
         self.prefix = prefix
         self.stream = stream_name(prefix)
 
-    async def seq_of(self, worker_id: str, version: int) -> int:
-        if version <= 0:
-            return 0
-        subject = event_subject(self.prefix, Worker.KIND, worker_id)
+    def subject(self, worker_id: str) -> str:
+        return event_subject(self.prefix, Worker.KIND, worker_id)
+
+    async def last_seq(self, worker_id: str) -> int:
+        """The sequence of the worker's last event (0 if it has none)."""
         try:
-            info = await self.js.stream_info(self.stream, subjects_filter=subject)
-            count = (info.state.subjects or {}).get(subject, 0)
-            if count == version:
-                return (await self.js.get_msg(self.stream, subject=subject)).seq
-            # An earlier event (a repeated request_id, or a newer event appeared
-            # since the load): walk the subject from its start.
-            seq = 0
+            return (await self.js.get_msg(self.stream, subject=self.subject(worker_id))).seq
+        except NotFoundError:
+            return 0
+
+    async def seq_of(self, worker_id: str, version: int) -> int:
+        """The sequence of the worker's event `version`: the version-th message on its subject."""
+        subject = self.subject(worker_id)
+        seq = 0
+        try:
             for _ in range(version):
                 seq = (await self.js.get_msg(self.stream, seq=seq + 1, subject=subject, next=True)).seq
-            return seq
         except NotFoundError:
-            raise unavailable(f"the event log has no event {version} of worker {worker_id!r} yet") from None
+            raise unavailable(f"the event log has no event {version} of worker {worker_id!r}") from None
+        return seq
 
 
 class Liveness:
@@ -178,13 +187,21 @@ class Liveness:
     server expired; at most one replica gets each marker.
     """
 
-    def __init__(self, nc: NATS, prefix: str, ttl_s: float, on_expired: Callable[[str], Awaitable[None]]):
+    def __init__(
+        self,
+        nc: NATS,
+        prefix: str,
+        ttl_s: float,
+        on_expired: Callable[[str], Awaitable[None]],
+        replicas: int = 1,
+    ):
         self.nc = nc
         self.js = nc.jetstream()
         self.bucket = bucket_name(prefix, "heartbeats")
         self.stream = f"KV_{self.bucket}"
         self.ttl_s = ttl_s
         self.on_expired = on_expired
+        self.replicas = replicas
         self._task: asyncio.Task[None] | None = None
 
     def subject(self, worker_id: str) -> str:
@@ -203,6 +220,7 @@ class Liveness:
                 history=1,
                 storage=StorageType.FILE,
                 limit_marker_ttl=MARKER_TTL_S,
+                replicas=self.replicas,
             )
         )
         self._sub = await self.js.pull_subscribe(
@@ -292,6 +310,20 @@ class Liveness:
                     await msg.ack()
 
 
+def outage_is_unavailable(handler: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """A store or bus outage while serving is UNAVAILABLE (retry later), not INTERNAL."""
+
+    @functools.wraps(handler)
+    async def serve(*args: Any) -> T:
+        try:
+            return await handler(*args)
+        except (OperationalError, nats.errors.Error) as error:
+            log.warning("%s: %r", handler.__name__, error)
+            raise unavailable(f"the event log or the heartbeat bucket is unavailable: {error}") from None
+
+    return serve
+
+
 class RegistryService:
     """`warmboot-registry`: register, heartbeat, drain and remove workers (CONTRACT section 3)."""
 
@@ -302,7 +334,7 @@ class RegistryService:
         nats_url: str,
         prefix: str,
         ttl_s: float = DEFAULT_TTL_S,
-        store_replicas: int = 1,
+        store_replicas: int | None = None,
         env: dict[str, str] | None = None,
     ):
         if ttl_s < 1:
@@ -314,7 +346,9 @@ class RegistryService:
         self.store: RegistryStore | None = None
         self.replies = ReplyCache(nc, prefix)
         self.positions = EventPositions(nc, prefix)
-        self.liveness = Liveness(nc, prefix, ttl_s, self._expired)
+        self.liveness = Liveness(
+            nc, prefix, ttl_s, self._expired, store_replicas if store_replicas is not None else stream_replicas()
+        )
         self.service = None
 
     async def start(self) -> "RegistryService":
@@ -349,6 +383,7 @@ class RegistryService:
 
     # --- endpoints ----------------------------------------------------------------------
 
+    @outage_is_unavailable
     async def register(self, worker_id: str, request: RegisterWorker) -> RegisterReply:
         if request.worker_id != worker_id:
             raise invalid(
@@ -357,19 +392,22 @@ class RegistryService:
             )
 
         async def compute() -> RegisterReply:
-            decided = await run_command(lambda: self.store.register(request, now()))
-            # A registration is also a heartbeat; after the write, so a refused one is not.
+            # A registration is also a heartbeat. Beating first means an expiry being
+            # swept right now finds the worker beating and leaves it registered.
             await self.liveness.beat(worker_id)
+            decided = await run_command(lambda: self.store.register(request, now()))
             REGISTRATIONS.labels(decided.outcome.value).inc()
             return RegisterReply(outcome=decided.outcome, seq=await self._seq(worker_id, decided))
 
         return await self.replies.once(f"register.{worker_id}", request.request_id, compute, RegisterReply)
 
+    @outage_is_unavailable
     async def heartbeat(self, worker_id: str, request: Heartbeat) -> HeartbeatReply:
         await asyncio.to_thread(self.store.require_alive, worker_id)
         await self.liveness.beat(worker_id)
         return HeartbeatReply(ttl_s=self.ttl_s)
 
+    @outage_is_unavailable
     async def drain(self, worker_id: str, request: DrainWorker) -> SeqReply:
         async def compute() -> SeqReply:
             decided = await run_command(lambda: self.store.drain(worker_id, request, now()))
@@ -377,6 +415,7 @@ class RegistryService:
 
         return await self.replies.once(f"drain.{worker_id}", request.request_id, compute, SeqReply)
 
+    @outage_is_unavailable
     async def remove(self, worker_id: str, request: RemoveWorker) -> SeqReply:
         async def compute() -> SeqReply:
             decided = await run_command(lambda: self.store.remove(worker_id, request, now()))
@@ -389,7 +428,9 @@ class RegistryService:
     async def _seq(self, worker_id: str, decided: Decided) -> int:
         if decided.seq is not None:
             return decided.seq
-        return await self.positions.seq_of(worker_id, decided.version)
+        if decided.replay:
+            return await self.positions.seq_of(worker_id, decided.version)
+        return await self.positions.last_seq(worker_id)
 
     # --- liveness -------------------------------------------------------------------------
 
