@@ -88,7 +88,7 @@ async def test_starts_serves_jetstream_and_stops_with_sigterm(tmp_path):
     assert not server.running
     assert not alive(pid)
     assert servers_using(server.config_path) == []
-    assert not accepts_connections(server.port)
+    # (not "the port refuses connections": other tests may take a freed port at once)
     server.stop()  # stopping twice is harmless
 
 
@@ -170,7 +170,6 @@ def test_parent_killed_with_sigkill_leaves_no_orphan(tmp_path):
 
         assert wait_gone(server_pid), f"nats-server {server_pid} outlived its killed parent"
         assert servers_using(config) == []
-        assert not accepts_connections(port)
     finally:
         if child.poll() is None:
             child.kill()
