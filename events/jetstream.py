@@ -273,7 +273,8 @@ class ConnectOptions:
         )
 
     def connect_kwargs(self) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {"servers": [self.url]}
+        # NATS_URL may list a cluster's members, comma-separated (as `--nats` does).
+        kwargs: dict[str, Any] = {"servers": [u.strip() for u in self.url.split(",") if u.strip()]}
         if self.creds:
             kwargs["user_credentials"] = self.creds
         if self.user:
@@ -369,6 +370,13 @@ class _Link:
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
+        # Stopped by shutdown(): let the client's leftover tasks end before the loop closes.
+        tasks = asyncio.all_tasks(self.loop)
+        for task in tasks:
+            task.cancel()
+        self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+        self.loop.close()
 
     def call(self, coro: Any) -> Any:
         """Run `coro` on the link's loop and wait for it (coroutines bound their own time)."""
@@ -431,7 +439,7 @@ class _Link:
         if collector is not None:
             collector.feed(msg)
 
-    async def direct_batch(self, stream: str, request: dict[str, Any]) -> tuple[list[Msg], int]:
+    async def direct_batch(self, stream: str, request: dict[str, Any], timeout: float) -> tuple[list[Msg], int]:
         """One batched direct get: the messages, and how many more match after them."""
         token = str(next(self.tokens))
         collector = _Collector(asyncio.get_running_loop())
@@ -440,7 +448,7 @@ class _Link:
             await self.nc.publish(
                 f"$JS.API.DIRECT.GET.{stream}", json.dumps(request).encode(), reply=f"{self.inbox}.{token}"
             )
-            pending = await asyncio.wait_for(collector.done, REQUEST_TIMEOUT)
+            pending = await asyncio.wait_for(collector.done, timeout)
         finally:
             del self.collectors[token]
         return collector.msgs, pending
@@ -449,8 +457,8 @@ class _Link:
         if self.nc is not None and not self.nc.is_closed:
             try:
                 await asyncio.wait_for(self.nc.close(), 5)
-            except (asyncio.TimeoutError, nats.errors.Error):
-                pass
+            except (asyncio.TimeoutError, nats.errors.Error, OSError) as error:
+                log.debug("closing the connection to %s: %r", self.options.url, error)
 
     def shutdown(self) -> None:
         if self.closed:
@@ -542,8 +550,8 @@ _UNANSWERED = (
 )
 
 
-class _Backoff:
-    """Sleeps between attempts, doubling, until the operation's deadline."""
+class _Retry:
+    """The time budget of one operation: per-attempt timeouts, and doubling sleeps between attempts."""
 
     def __init__(self, what: str, budget: float):
         self.what = what
@@ -552,10 +560,15 @@ class _Backoff:
         self.budget = budget
         self.delay = 0.05
 
+    @property
+    def timeout(self) -> float:
+        """How long the next attempt may wait for an answer."""
+        return max(0.05, min(REQUEST_TIMEOUT, self.deadline - self.loop.time()))
+
     async def wait(self, error: BaseException) -> None:
         if self.loop.time() + self.delay > self.deadline:
             raise StoreUnavailableError(
-                f"{self.what}: JetStream unavailable for {self.budget:.0f}s (last error: {error!r})"
+                f"{self.what}: JetStream unavailable for {self.budget:g}s (last error: {error!r})"
             ) from error
         log.debug("%s: retrying after %r", self.what, error)
         await asyncio.sleep(self.delay)
@@ -652,36 +665,36 @@ class _Stream:
         await link.connect(self.budget)
         if not create or self.name in link.ready_streams:
             return
-        backoff = _Backoff(f"creating stream {self.name}", self.budget)
+        retry = _Retry(f"creating stream {self.name}", self.budget)
         while True:
             try:
-                await self._create_or_update()
+                await self._create_or_update(retry.timeout)
                 break
             except _ServerSaid as said:
                 if not said.transient:
                     raise OperationalError(f"stream {self.name}: {said}") from None
-                await backoff.wait(said)
+                await retry.wait(said)
             except _NOT_DELIVERED + _UNANSWERED as error:
-                await backoff.wait(error)
+                await retry.wait(error)
         link.ready_streams.add(self.name)
 
-    async def _api(self, subject: str, payload: dict[str, Any] | None = None) -> dict[str, Any]:
+    async def _api(self, subject: str, payload: dict[str, Any] | None, timeout: float) -> dict[str, Any]:
         body = json.dumps(payload).encode() if payload is not None else b""
-        reply = await self.link.nc.request(f"$JS.API.{subject}", body, timeout=REQUEST_TIMEOUT)
+        reply = await self.link.nc.request(f"$JS.API.{subject}", body, timeout=timeout)
         data = json.loads(reply.data)
         if "error" in data:
             raise _ServerSaid.from_reply(data)
         return data
 
-    async def _create_or_update(self) -> None:
+    async def _create_or_update(self, timeout: float) -> None:
         wanted = self.config()
         try:
-            await self._api(f"STREAM.CREATE.{self.name}", wanted)
+            await self._api(f"STREAM.CREATE.{self.name}", wanted, timeout)
             return
         except _ServerSaid as said:
             if said.err_code != ERR_STREAM_NAME_IN_USE:
                 raise
-        current = (await self._api(f"STREAM.INFO.{self.name}"))["config"]
+        current = (await self._api(f"STREAM.INFO.{self.name}", None, timeout))["config"]
         merged = dict(current)
         merged["subjects"] = sorted(set(current.get("subjects") or []) | set(self.subjects))
         merged["allow_atomic"] = True
@@ -689,7 +702,7 @@ class _Stream:
         merged["duplicate_window"] = max(int(current.get("duplicate_window") or 0), DUPLICATE_WINDOW_NS)
         if merged != current:
             log.info("updating stream %s to what the event store needs", self.name)
-            await self._api(f"STREAM.UPDATE.{self.name}", merged)
+            await self._api(f"STREAM.UPDATE.{self.name}", merged, timeout)
 
     # -- reads
 
@@ -705,7 +718,7 @@ class _Stream:
         """Messages on `filter_subject` from `start_seq` (to `stop`), at most `limit` kept ones."""
         msgs: list[Msg] = []
         seq = max(start_seq, 1)
-        backoff: _Backoff | None = None
+        retry = _Retry(f"reading {filter_subject}", self.budget)
         while True:
             want = READ_PAGE
             if limit is not None and keep is None:
@@ -716,10 +729,9 @@ class _Stream:
                 return msgs
             request = {"seq": seq, "next_by_subj": filter_subject, "batch": want}
             try:
-                page, pending = await self.link.direct_batch(self.name, request)
+                page, pending = await self.link.direct_batch(self.name, request, retry.timeout)
             except _NOT_DELIVERED + _UNANSWERED as error:
-                backoff = backoff or _Backoff(f"reading {filter_subject}", self.budget)
-                await backoff.wait(error)
+                await retry.wait(error)
                 continue
             for msg in page:
                 msg_seq = int(msg.headers["Nats-Sequence"])
@@ -735,44 +747,38 @@ class _Stream:
 
     async def last_direct(self, subject: str) -> Msg | None:
         """The last message on `subject` (a wildcard is allowed), from any replica."""
-        backoff: _Backoff | None = None
+        retry = _Retry(f"reading the last message of {subject}", self.budget)
+        request = json.dumps({"last_by_subj": subject}).encode()
         while True:
             try:
                 reply = await self.link.nc.request(
-                    f"$JS.API.DIRECT.GET.{self.name}",
-                    json.dumps({"last_by_subj": subject}).encode(),
-                    timeout=REQUEST_TIMEOUT,
+                    f"$JS.API.DIRECT.GET.{self.name}", request, timeout=retry.timeout
                 )
             except _NOT_DELIVERED + _UNANSWERED as error:
-                backoff = backoff or _Backoff(f"reading the last message of {subject}", self.budget)
-                await backoff.wait(error)
+                await retry.wait(error)
                 continue
             status = reply.headers.get("Status") if reply.headers and not reply.data else None
             if status is None:
                 return reply
             if status == "404":
                 return None
-            error = OperationalError(f"direct get of {subject} failed with status {status}")
-            backoff = backoff or _Backoff(f"reading the last message of {subject}", self.budget)
-            await backoff.wait(error)
+            await retry.wait(OperationalError(f"direct get of {subject} answered status {status}"))
 
     async def last_from_leader(self, subject: str) -> tuple[int, dict[str, str], bytes] | None:
         """The last message on `subject` as the stream leader has it: (seq, headers, data)."""
-        backoff: _Backoff | None = None
+        retry = _Retry(f"reading the last message of {subject}", self.budget)
         while True:
             try:
-                data = await self._api(f"STREAM.MSG.GET.{self.name}", {"last_by_subj": subject})
+                data = await self._api(f"STREAM.MSG.GET.{self.name}", {"last_by_subj": subject}, retry.timeout)
             except _ServerSaid as said:
                 if said.err_code == ERR_NO_MESSAGE_FOUND or said.code == 404:
                     return None
                 if not said.transient:
                     raise OperationalError(f"reading {subject}: {said}") from None
-                backoff = backoff or _Backoff(f"reading {subject}", self.budget)
-                await backoff.wait(said)
+                await retry.wait(said)
                 continue
             except _NOT_DELIVERED + _UNANSWERED as error:
-                backoff = backoff or _Backoff(f"reading {subject}", self.budget)
-                await backoff.wait(error)
+                await retry.wait(error)
                 continue
             message = data["message"]
             headers = _parse_header_block(base64.b64decode(message["hdrs"])) if message.get("hdrs") else {}
@@ -787,13 +793,13 @@ class _Stream:
         `retried` says an earlier attempt of this very batch may have been stored
         (its reply was lost): then a duplicate is recognised as ours, not a conflict.
         """
-        await self._expect(batch)
-        backoff = _Backoff(f"appending to {self.name}", self.budget)
+        await self._expect(batch, verify=not retried)
+        retry = _Retry(f"appending to {self.name}", self.budget)
         uncertain = retried
         replans = 0
         while True:
             try:
-                last_seq = await self._send(batch)
+                last_seq = await self._send(batch, retry.timeout)
             except _ServerSaid as said:
                 if said.conflict:
                     if uncertain:
@@ -807,26 +813,30 @@ class _Stream:
                     continue
                 if not said.transient:
                     raise OperationalError(f"appending to {self.name}: {said}") from None
-                await backoff.wait(said)
+                await retry.wait(said)
                 continue
             except _NOT_DELIVERED as error:
-                await backoff.wait(error)
+                await retry.wait(error)
                 continue
             except _UNANSWERED as error:
                 uncertain = True  # it may have been stored
-                await backoff.wait(error)
+                await retry.wait(error)
                 continue
             first_seq = last_seq - len(batch.outs) + 1
             self._remember(batch, first_seq)
             return list(range(first_seq, last_seq + 1))
 
-    async def _expect(self, batch: _Batch) -> None:
-        """Fill in each guard's expected last sequence: given, remembered or looked up."""
+    async def _expect(self, batch: _Batch, verify: bool = True) -> None:
+        """Fill in each guard's expected last sequence: given, remembered or looked up.
+
+        With `verify`, a position at or below the subject's known last one is refused
+        here, without asking the server (versions are never taken back).
+        """
         seen = self.link.last_seen
         missing = []
         for guard in batch.guards.values():
             last = seen.get(guard.subject)
-            if last is not None and last.position is not None and guard.first_position <= last.position:
+            if verify and last is not None and last.position is not None and guard.first_position <= last.position:
                 raise IntegrityError(
                     f"{guard.subject}: position {guard.first_position} is already taken "
                     f"(last is {last.position})"
@@ -840,8 +850,10 @@ class _Stream:
         if missing:
             found = await asyncio.gather(*(self.last_direct(guard.subject) for guard in missing))
             for guard, msg in zip(missing, found):
-                last = self._last_of(guard, msg.headers if msg else None, int(msg.headers["Nats-Sequence"]) if msg else 0)
-                self._check_position(guard, last)
+                seq = int(msg.headers["Nats-Sequence"]) if msg else 0
+                last = self._last_of(guard, msg.headers if msg else None, seq)
+                if verify:
+                    self._check_position(guard, last)
                 guard.expected = last.seq
 
     def _last_of(self, guard: _Guard, headers: Mapping[str, str] | None, seq: int) -> _Last:
@@ -906,7 +918,7 @@ class _Stream:
         for guard in batch.guards.values():
             self.link.last_seen.put(guard.subject, _Last(first_seq + guard.last_index, guard.last_position))
 
-    async def _send(self, batch: _Batch) -> int:
+    async def _send(self, batch: _Batch, timeout: float) -> int:
         """One attempt: publish the batch; the stream sequence of its last message."""
         nc = self.link.nc
         outs = batch.outs
@@ -920,7 +932,7 @@ class _Stream:
             return headers
 
         if len(outs) == 1:
-            reply = await nc.request(outs[0].subject, outs[0].data, timeout=REQUEST_TIMEOUT, headers=headers_of(0, outs[0]))
+            reply = await nc.request(outs[0].subject, outs[0].data, timeout=timeout, headers=headers_of(0, outs[0]))
         else:
             batch_id = self.link.nuid.next().decode()
             for index, out in enumerate(outs[:-1]):
@@ -933,7 +945,7 @@ class _Stream:
             headers[BATCH_ID_HEADER] = batch_id
             headers[BATCH_SEQ_HEADER] = str(len(outs))
             headers[BATCH_COMMIT_HEADER] = "1"
-            reply = await nc.request(outs[last].subject, outs[last].data, timeout=REQUEST_TIMEOUT, headers=headers)
+            reply = await nc.request(outs[last].subject, outs[last].data, timeout=timeout, headers=headers)
         ack = json.loads(reply.data)
         if "error" in ack:
             raise _ServerSaid.from_reply(ack)
