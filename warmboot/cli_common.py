@@ -68,3 +68,26 @@ async def replay(nc: Any, prefix: str, sink: Any, show_progress: bool) -> Any:
         finally:
             await fold.stop()
     return sink
+
+
+async def read_subject(nc: Any, prefix: str, subject: str) -> list[tuple[int, Any]]:
+    """Every event on one subject of the stream, as (stream sequence, event), in order."""
+    from events.codec import decode_event
+
+    js = nc.jetstream()
+    stream = stream_name(prefix)
+    try:
+        info = await js.stream_info(stream, subjects_filter=subject)
+    except Exception as e:
+        raise click.ClickException(f"no event stream {stream}: {e}") from None
+    count = (info.state.subjects or {}).get(subject, 0)
+    records: list[tuple[int, Any]] = []
+    if count:
+        sub = await js.subscribe(subject, stream=stream, ordered_consumer=True)
+        try:
+            while len(records) < count:
+                msg = await sub.next_msg(timeout=10)
+                records.append((msg.metadata.sequence.stream, decode_event(msg.data)))
+        finally:
+            await sub.unsubscribe()
+    return records

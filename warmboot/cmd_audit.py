@@ -9,12 +9,10 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from events.codec import decode_event
-from events.jetstream import VERSION_HEADER
 from events.schema import ActorPlaced, SnapshotTaken
-from events.subjects import event_subject, stream_name
+from events.subjects import event_subject
 from warmboot.audit import Sink, summary
-from warmboot.cli_common import ask, json_option, nats_option, prefix_option, replay, version_text
+from warmboot.cli_common import ask, json_option, nats_option, prefix_option, read_subject, replay, version_text
 
 console = Console()
 
@@ -74,30 +72,11 @@ def verify_cmd(nats_url: str, prefix: str) -> None:
 def actor_cmd(actor_id: str, nats_url: str, prefix: str, as_json: bool) -> None:
     """Print ACTOR_ID's timeline: every event with stamp, pin, fidelity, fallback and worker."""
 
-    async def read(nc):
-        js = nc.jetstream()
-        subject = event_subject(prefix, "actor", actor_id)
-        try:
-            info = await js.stream_info(stream_name(prefix), subjects_filter=subject)
-        except Exception as e:
-            raise click.ClickException(f"no event stream {stream_name(prefix)}: {e}") from None
-        count = (info.state.subjects or {}).get(subject, 0)
-        records = []
-        if count:
-            sub = await js.subscribe(subject, stream=stream_name(prefix), ordered_consumer=True)
-            try:
-                while len(records) < count:
-                    msg = await sub.next_msg(timeout=10)
-                    version = msg.headers.get(VERSION_HEADER) if msg.headers else None
-                    records.append((msg.metadata.sequence.stream, version, decode_event(msg.data)))
-            finally:
-                await sub.unsubscribe()
-        return records
-
-    records = ask(nats_url, read)
+    subject = event_subject(prefix, "actor", actor_id)
+    records = ask(nats_url, lambda nc: read_subject(nc, prefix, subject))
     if not records:
         raise click.ClickException(f"no events for actor {actor_id}")
-    rows = [timeline_row(seq, event) for seq, _, event in records]
+    rows = [timeline_row(seq, event) for seq, event in records]
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
