@@ -205,3 +205,15 @@ def test_agent_command_prints_the_registration(tmp_path):
     assert '"gvisor_asset_hash"' in result.output and '"cpu_features"' in result.output
     bad = CliRunner().invoke(main, ["agent", "--worker-id", "bad id", "--node", "n", "--config", str(path)])
     assert bad.exit_code == 2 and "one NATS subject token" in bad.output
+
+
+async def test_agent_stops_promptly_while_nats_is_unreachable(tmp_path):
+    path = tmp_path / "agent.toml"
+    path.write_text(config("v1"))
+    agent = Agent("nats://127.0.0.1:1", "w-a", "node-a", path, drain_on_exit=True, probe=PROBE)
+    stop = asyncio.Event()
+    task = asyncio.create_task(agent.run(stop))
+    await asyncio.sleep(0)  # let it start connecting (one turn of the loop, not a wait)
+    stop.set()
+    await asyncio.wait_for(task, 5)
+    assert agent.nc is None and not agent.sent_registration

@@ -239,6 +239,7 @@ class Agent:
         self.sent_registration = False  # the registry may know this worker (a reply may be in flight)
         self._file_digest: bytes | None = None
         self._reconnected = asyncio.Event()
+        self._last_error: str | None = None
 
     def subject(self, verb: str) -> str:
         return service_subject(self.prefix, "registry", verb, self.worker_id)
@@ -268,31 +269,50 @@ class Agent:
     # --- talking to the registry -----------------------------------------------------------
 
     async def _connect(self, stop: asyncio.Event) -> NATS:
+        """Connect, waiting for the server as long as it takes; CancelledError once stopped."""
+
         async def reconnected() -> None:
-            log.info("reconnected to %s", self.nc.connected_url.netloc if self.nc and self.nc.connected_url else "NATS")
+            log.info("reconnected to NATS")
+            self._last_error = None
             self._reconnected.set()
 
         async def error(e: Exception) -> None:
-            log.warning("NATS: %s", e)
+            if str(e) != self._last_error:  # once per distinct error, not once per retry
+                self._last_error = str(e)
+                log.warning("NATS: %s", e)
 
         delay = RETRY_MIN_S
         while True:
-            try:
-                return await nats.connect(
+            connecting = asyncio.ensure_future(
+                nats.connect(
                     self.nats_url,
                     name=f"warmboot-agent-{self.worker_id}",
                     inbox_prefix=self.inbox_prefix,
-                    max_reconnect_attempts=-1,
+                    max_reconnect_attempts=-1,  # also retries the first connection
                     reconnect_time_wait=0.5,
                     reconnected_cb=reconnected,
                     error_cb=error,
                     connect_timeout=2,
                 )
-            except Exception as e:  # the server is not up yet: keep trying until stopped
-                log.warning("cannot connect to %s: %s; retrying in %.1fs", self.nats_url, e, delay)
+            )
+            stopping = asyncio.ensure_future(stop.wait())
+            await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            stopping.cancel()
+            if not connecting.done():
+                connecting.cancel()
+                with suppress(BaseException):
+                    await connecting
+                raise asyncio.CancelledError
+            try:
+                nc = connecting.result()
+            except Exception as e:  # refused outright (e.g. bad credentials): try again, slower
+                log.warning("cannot connect to NATS: %s; retrying in %.1fs", e, delay)
                 if await _wait(stop, delay):
                     raise asyncio.CancelledError from None
                 delay = min(delay * 2, RETRY_MAX_S)
+                continue
+            self._last_error = None
+            return nc
 
     async def _request(self, verb: str, body: Any, reply_type: type, stop: asyncio.Event | None):
         """A request, retried while the registry is unreachable (UNAVAILABLE) unless stopped."""
