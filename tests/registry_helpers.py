@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from contextlib import asynccontextmanager
 from typing import Any
 
 import msgspec
+import nats
 import nats.errors
 from nats.aio.client import Client as NATS
 from nats.js.errors import NotFoundError
@@ -14,6 +16,7 @@ from nats.js.errors import NotFoundError
 from events.codec import decode_event, encode
 from events.schema import Event
 from events.subjects import event_subject, service_subject, stream_name
+from services.registry.service import RegistryService
 
 
 def attrs(**pairs: str) -> list[dict[str, str]]:
@@ -116,3 +119,16 @@ async def wait_event(
                 return msg.metadata.sequence.stream, event
     finally:
         await sub.unsubscribe()
+
+
+@asynccontextmanager
+async def running_registry(nats_url: str, prefix: str, ttl_s: float = 15.0):
+    """A registry replica with its own connection, on the JetStream event store."""
+    nc = await nats.connect(nats_url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+    service = RegistryService(nc, nats_url=nats_url, prefix=prefix, ttl_s=ttl_s)
+    await service.start()
+    try:
+        yield service
+    finally:
+        await service.stop()
+        await nc.close()

@@ -18,8 +18,7 @@ import pytest
 from events.compat import same_version
 from events.probe import probe_version
 from events.schema import RuntimeChanged, WorkerDrained, WorkerRegistered, WorkerRemoved
-from tests.registry_helpers import raw_request, wait_event
-from tests.test_registry import running_registry
+from tests.registry_helpers import raw_request, running_registry, wait_event
 from warmboot.agent import Agent, ConfigError, ProbeSettings, load_registration, parse_config
 from warmboot.natsserver import NatsServer
 

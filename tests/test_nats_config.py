@@ -16,8 +16,7 @@ from click.testing import CliRunner
 
 from events.codec import decode_event
 from events.subjects import event_subject, service_subject, stream_name
-from tests.registry_helpers import last_seq, registration
-from tests.test_registry import running_registry
+from tests.registry_helpers import last_seq, registration, running_registry
 from warmboot.cli import main
 from warmboot.cmd_registry import nats_auth_config
 from warmboot.natsserver import NatsServer

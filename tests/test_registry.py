@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import uuid
-from contextlib import asynccontextmanager
 from datetime import datetime, timezone
 
 import msgspec
@@ -29,30 +28,19 @@ from events.schema import (
 )
 from events.subjects import bucket_name, stream_name
 from services.registry.domain import Worker, canonical_classes
-from services.registry.service import SWEEPER, RegistryService
+from services.registry.service import SWEEPER
 from tests.registry_helpers import (
     attrs,
     last_seq,
     raw_request,
     registration,
+    running_registry,
     runtime,
     wait_event,
     worker_events,
 )
 
 AT = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc)
-
-
-@asynccontextmanager
-async def running_registry(nats_url: str, prefix: str, ttl_s: float = 15.0):
-    nc = await nats.connect(nats_url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
-    service = RegistryService(nc, nats_url=nats_url, prefix=prefix, ttl_s=ttl_s)
-    await service.start()
-    try:
-        yield service
-    finally:
-        await service.stop()
-        await nc.close()
 
 
 @pytest.fixture
