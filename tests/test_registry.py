@@ -450,3 +450,15 @@ async def test_the_log_is_the_contract_json(registry, nc, prefix):
     raw = msgspec.json.decode(msg.data)
     assert raw["type"] == "WorkerRegistered" and raw["worker_id"] == "w-1"
     assert isinstance(decode_event(msg.data), WorkerRegistered)
+
+
+async def test_two_replicas_writing_one_worker_concurrently_lose_nothing(nats_url, nc, prefix):
+    async with running_registry(nats_url, prefix), running_registry(nats_url, prefix):
+        await register(nc, prefix, registration("w-1"))
+        bodies = [registration("w-1", cpu=1000 + i) for i in range(12)]
+        replies = await asyncio.gather(*(register(nc, prefix, b) for b in bodies))
+        assert {r["outcome"] for r in replies} == {"UPDATED"}
+        events = await worker_events(nc, prefix, "w-1")
+        assert len(events) == 13  # each registration won its own version
+        assert sorted(r["seq"] for r in replies) == [seq for seq, _ in events[1:]]
+        assert sorted(e.capacity.cpu_millis for _, e in events[1:]) == [1000 + i for i in range(12)]
