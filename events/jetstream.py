@@ -42,9 +42,17 @@ Layout, for a prefix ``p`` (CONTRACT section 4):
 Writing. `insert_events` appends all messages of one call as one JetStream atomic
 batch (at most `MAX_BATCH_MESSAGES`), each subject's first message carrying
 ``Nats-Expected-Last-Subject-Sequence``: the batch is stored whole or not at all,
-and only if no subject has moved on since its writer read it. Versions of an
-aggregate only grow: an event whose version is not above the stored last
-version of its aggregate is a conflict, `eventsourcing.persistence.IntegrityError`.
+and only if no subject has moved on since its writer read it. The expected
+sequence of a subject comes from what this process last read or wrote there; a
+first version (0 or 1) expects an empty subject; otherwise the subject's last
+message is looked up. Versions of an aggregate only grow: an event whose version
+is not above the stored last version of its aggregate is a conflict,
+`eventsourcing.persistence.IntegrityError` (when the server refuses an
+expectation, the subject is read again: a conflict if the version is taken,
+another attempt if not). Transient errors (no responders, timeouts, 503, a
+leader election, a dropped connection) are retried with backoff within
+``WARMBOOT_STORE_TIMEOUT``; a resent batch whose first attempt was stored after
+all is recognised by its message ids and contents, and not stored twice.
 The application recorders return the stream sequences of the events written:
 notification ids are stream sequences, so tracking records (and anything else
 in the stream) are gaps that readers skip.
@@ -254,6 +262,28 @@ def _parse_header_block(raw: bytes) -> dict[str, str]:
 # --- connection: one event-loop thread per (url, credentials) ----------------------------
 
 
+_HEADER_NAME = re.compile(rb"^[\x21-\x7e]+$")  # printable ASCII, no white space
+
+
+class _Client(NATS):
+    """nats-py's client with a leaner header parser: replays are bound by header parsing.
+
+    It gives the same dict as nats-py's own `_parse_header_lines` (names that are not
+    printable ASCII without white space are skipped, values stripped and decoded).
+    """
+
+    @staticmethod
+    def _parse_header_lines(raw: bytes) -> dict[str, str]:
+        headers: dict[str, str] = {}
+        for line in raw.split(b"\r\n"):
+            name, sep, value = line.partition(b":")
+            if sep:
+                name = name.strip()
+                if _HEADER_NAME.match(name):
+                    headers[name.decode("ascii")] = value.strip().decode("utf-8", "replace")
+        return headers
+
+
 @dataclass(frozen=True)
 class ConnectOptions:
     url: str
@@ -409,9 +439,10 @@ class _Link:
         async def on_reconnected() -> None:
             log.info("reconnected to %s", self.options.url)
 
+        nc = _Client()
         try:
-            nc = await asyncio.wait_for(
-                nats.connect(
+            await asyncio.wait_for(
+                nc.connect(
                     **self.options.connect_kwargs(),
                     name="warmboot-eventstore",
                     allow_reconnect=True,
@@ -845,6 +876,8 @@ class _Stream:
                 continue
             if last is not None:
                 guard.expected = last.seq
+            elif guard.first_position <= 1:
+                guard.expected = 0  # a first version expects an empty subject; if not, the server says so
             else:
                 missing.append(guard)
         if missing:
