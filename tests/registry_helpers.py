@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -17,6 +18,10 @@ from events.codec import decode_event, encode
 from events.schema import Event
 from events.subjects import event_subject, service_subject, stream_name
 from services.registry.service import RegistryService
+from warmboot.agent import ProbeSettings
+
+CPUINFO = Path(__file__).parent / "cpuinfo" / "intel-xeon-8480.txt"
+PROBE = ProbeSettings(cpuinfo_path=CPUINFO, architecture="amd64")
 
 
 def attrs(**pairs: str) -> list[dict[str, str]]:
@@ -132,3 +137,32 @@ async def running_registry(nats_url: str, prefix: str, ttl_s: float = 15.0):
     finally:
         await service.stop()
         await nc.close()
+
+
+def agent_config(default_asset: str, restorable_assets: tuple[str, ...] = (), memory_mib: int = 8192) -> str:
+    """An agent config of one gvisor class: defaults probed, asset digests literal."""
+    text = f"""
+[capacity]
+cpu_millis = 4000
+memory_mib = {memory_mib}
+
+[labels]
+zone = "a"
+
+[[sandbox_classes]]
+sandbox_class = "gvisor"
+
+[sandbox_classes.default_runtime]
+name = "gvisor-{default_asset}"
+profile = "gvisor"
+attributes = {{ gvisor_asset_hash = "{default_asset}" }}
+actor_overhead = {{ fixed_mib = 16, per_gib_mib = 2 }}
+"""
+    for asset in restorable_assets:
+        text += f"""
+[[sandbox_classes.restorable_runtimes]]
+name = "gvisor-{asset}"
+profile = "gvisor"
+attributes = {{ gvisor_asset_hash = "{asset}" }}
+"""
+    return text

@@ -18,42 +18,11 @@ import pytest
 from events.compat import same_version
 from events.probe import probe_version
 from events.schema import RuntimeChanged, WorkerDrained, WorkerRegistered, WorkerRemoved
-from tests.registry_helpers import raw_request, running_registry, wait_event
-from warmboot.agent import Agent, ConfigError, ProbeSettings, load_registration, parse_config
+from tests.registry_helpers import CPUINFO, PROBE, agent_config as config, raw_request, running_registry, wait_event
+from warmboot.agent import Agent, ConfigError, load_registration, parse_config
 from warmboot.natsserver import NatsServer
 
 ROOT = Path(__file__).parent.parent
-CPUINFO = Path(__file__).parent / "cpuinfo" / "intel-xeon-8480.txt"
-PROBE = ProbeSettings(cpuinfo_path=CPUINFO, architecture="amd64")
-
-
-def config(default_asset: str, restorable_assets: tuple[str, ...] = (), memory_mib: int = 8192) -> str:
-    """An agent config of one gvisor class: defaults probed, asset digests literal."""
-    text = f"""
-[capacity]
-cpu_millis = 4000
-memory_mib = {memory_mib}
-
-[labels]
-zone = "a"
-
-[[sandbox_classes]]
-sandbox_class = "gvisor"
-
-[sandbox_classes.default_runtime]
-name = "gvisor-{default_asset}"
-profile = "gvisor"
-attributes = {{ gvisor_asset_hash = "{default_asset}" }}
-actor_overhead = {{ fixed_mib = 16, per_gib_mib = 2 }}
-"""
-    for asset in restorable_assets:
-        text += f"""
-[[sandbox_classes.restorable_runtimes]]
-name = "gvisor-{asset}"
-profile = "gvisor"
-attributes = {{ gvisor_asset_hash = "{asset}" }}
-"""
-    return text
 
 
 def probed(asset: str):

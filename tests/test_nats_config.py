@@ -15,14 +15,16 @@ import pytest
 from click.testing import CliRunner
 
 from events.codec import decode_event
+from events.schema import RuntimeChanged, WorkerRegistered
 from events.subjects import event_subject, service_subject, stream_name
-from tests.registry_helpers import last_seq, registration, running_registry
+from tests.registry_helpers import PROBE, agent_config, last_seq, registration, running_registry, wait_event
+from warmboot.agent import Agent
 from warmboot.cli import main
 from warmboot.cmd_registry import nats_auth_config
 from warmboot.natsserver import NatsServer
 
 PREFIX = "authz"
-PASSWORDS = {"svc": "svc-secret", "ops": "ops-secret", "w-1": "w1-secret", "w-2": "w2-secret"}
+PASSWORDS = {"svc": "svc-secret", "ops": "ops-secret", "w-1": "w1-secret", "w-2": "w2-secret", "w-3": "w3-secret"}
 
 
 class Client:
@@ -52,7 +54,7 @@ class Client:
 
 @pytest.fixture(scope="module")
 async def secured(tmp_path_factory):
-    conf = nats_auth_config(PREFIX, "svc", ["w-1", "w-2"], ["ops"], PASSWORDS)
+    conf = nats_auth_config(PREFIX, "svc", ["w-1", "w-2", "w-3"], ["ops"], PASSWORDS)
     server = NatsServer(tmp_path_factory.mktemp("secured"), extra_config=conf).start()
     services_url = f"nats://svc:{PASSWORDS['svc']}@{server.host}:{server.port}"
     async with running_registry(services_url, PREFIX):
@@ -166,3 +168,21 @@ def test_command_writes_private_files_and_keeps_passwords(tmp_path):
     assert clash.exit_code == 2 and "unique" in clash.output
     bad = runner.invoke(main, ["nats-config", "--worker", "w.1"])
     assert bad.exit_code == 2
+
+
+async def test_the_agent_works_with_worker_credentials(secured, tmp_path):
+    path = tmp_path / "agent.toml"
+    path.write_text(agent_config("v1"))
+    admin = await Client().connect(secured, "svc")
+    url = f"nats://w-3:{PASSWORDS['w-3']}@{secured.host}:{secured.port}"
+    agent = Agent(url, "w-3", "node-c", path, prefix=PREFIX, watch_interval_s=0.05, probe=PROBE)
+    stop = asyncio.Event()
+    task = asyncio.create_task(agent.run(stop))
+    try:
+        seq, _ = await wait_event(admin.nc, PREFIX, "w-3", WorkerRegistered)
+        path.write_text(agent_config("v2", ("v1",)))
+        await wait_event(admin.nc, PREFIX, "w-3", RuntimeChanged, after=seq)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 15)
+        await admin.nc.close()
