@@ -98,6 +98,7 @@ async def add_endpoints(
     for spec in specs:
         subject = service_subject(prefix, service, spec.verb, "*" if spec.per_entity else None)
         await svc.add_endpoint(name=spec.verb, subject=subject, handler=wrap(spec, service))
+    await nc.flush()  # the server has the subscriptions: requests sent after this are served
     return svc
 
 
