@@ -110,6 +110,7 @@ from nats.nuid import NUID
 from eventsourcing.persistence import (
     AggregateRecorder,
     ApplicationRecorder,
+    DataError,
     InfrastructureFactory,
     IntegrityError,
     Notification,
@@ -338,11 +339,13 @@ class _LastSeen:
                 self.entries.move_to_end(subject)
             return last
 
-    def put(self, subject: str, last: _Last) -> None:
+    def put(self, subject: str, last: _Last, authoritative: bool = False) -> None:
+        """Remember `last`; a read that may be older than what is known does not replace it,
+        what the stream leader said or acknowledged does."""
         with self.lock:
             known = self.entries.get(subject)
-            if known is not None and known.seq > last.seq:
-                return  # never go back in time
+            if not authoritative and known is not None and known.seq > last.seq:
+                return
             self.entries[subject] = last
             self.entries.move_to_end(subject)
             while len(self.entries) > self.capacity:
@@ -394,7 +397,6 @@ class _Link:
         self.nuid = NUID()
         self.ready_streams: set[str] = set()
         self.last_seen = _LastSeen()
-        self.lock = threading.Lock()
         self.thread.start()
 
     def _run_loop(self) -> None:
@@ -853,6 +855,11 @@ class _Stream:
                 uncertain = True  # it may have been stored
                 await retry.wait(error)
                 continue
+            except nats.errors.MaxPayloadError:
+                largest = max(len(out.data) for out in batch.outs)
+                raise DataError(
+                    f"a message of {largest} bytes exceeds the server's max_payload"
+                ) from None
             first_seq = last_seq - len(batch.outs) + 1
             self._remember(batch, first_seq)
             return list(range(first_seq, last_seq + 1))
@@ -860,26 +867,32 @@ class _Stream:
     async def _expect(self, batch: _Batch, verify: bool = True) -> None:
         """Fill in each guard's expected last sequence: given, remembered or looked up.
 
-        With `verify`, a position at or below the subject's known last one is refused
-        here, without asking the server (versions are never taken back).
+        With `verify`, a position at or below the subject's last one is refused here
+        (versions are never taken back). What this process remembers is only a hint:
+        a refusal is confirmed with the stream leader first.
         """
         seen = self.link.last_seen
-        missing = []
+        missing, doubtful = [], []
         for guard in batch.guards.values():
             last = seen.get(guard.subject)
             if verify and last is not None and last.position is not None and guard.first_position <= last.position:
-                raise IntegrityError(
-                    f"{guard.subject}: position {guard.first_position} is already taken "
-                    f"(last is {last.position})"
-                )
-            if guard.given:
+                doubtful.append(guard)
+            elif guard.given:
                 continue
-            if last is not None:
+            elif last is not None:
                 guard.expected = last.seq
             elif guard.first_position <= 1:
                 guard.expected = 0  # a first version expects an empty subject; if not, the server says so
             else:
                 missing.append(guard)
+        if doubtful:
+            found = await asyncio.gather(*(self.last_from_leader(guard.subject) for guard in doubtful))
+            for guard, current in zip(doubtful, found):
+                seq, headers = (current[0], current[1]) if current else (0, None)
+                last = self._last_of(guard, headers, seq, authoritative=True)
+                self._check_position(guard, last)
+                if not guard.given:
+                    guard.expected = last.seq
         if missing:
             found = await asyncio.gather(*(self.last_direct(guard.subject) for guard in missing))
             for guard, msg in zip(missing, found):
@@ -889,13 +902,15 @@ class _Stream:
                     self._check_position(guard, last)
                 guard.expected = last.seq
 
-    def _last_of(self, guard: _Guard, headers: Mapping[str, str] | None, seq: int) -> _Last:
+    def _last_of(
+        self, guard: _Guard, headers: Mapping[str, str] | None, seq: int, authoritative: bool = False
+    ) -> _Last:
         if not seq:
             last = _Last(0, None)
         else:
             value = (headers or {}).get(guard.position_header)
             last = _Last(seq, int(value) if value is not None else None)
-        self.link.last_seen.put(guard.subject, last)
+        self.link.last_seen.put(guard.subject, last, authoritative=authoritative)
         return last
 
     @staticmethod
@@ -912,7 +927,7 @@ class _Stream:
         changed = False
         for guard, current in zip(guards, found):
             seq, headers = (current[0], current[1]) if current else (0, None)
-            last = self._last_of(guard, headers, seq)
+            last = self._last_of(guard, headers, seq, authoritative=True)
             if guard.given:
                 if guard.expected != last.seq:
                     raise IntegrityError(
@@ -949,7 +964,8 @@ class _Stream:
 
     def _remember(self, batch: _Batch, first_seq: int) -> None:
         for guard in batch.guards.values():
-            self.link.last_seen.put(guard.subject, _Last(first_seq + guard.last_index, guard.last_position))
+            last = _Last(first_seq + guard.last_index, guard.last_position)
+            self.link.last_seen.put(guard.subject, last, authoritative=True)
 
     async def _send(self, batch: _Batch, timeout: float) -> int:
         """One attempt: publish the batch; the stream sequence of its last message."""

@@ -530,3 +530,22 @@ def test_the_lean_header_parser_reads_headers_as_nats_py_does():
     ]
     for raw in samples:
         assert _Client._parse_header_lines(raw) == Client._parse_header_lines(raw)
+
+
+def test_what_cannot_be_one_atomic_append_is_refused_before_anything_is_written(nats_url, prefix):
+    from eventsourcing.persistence import DataError
+
+    from events.jetstream import MAX_BATCH_MESSAGES
+
+    factory = JetStreamFactory(Environment(env=store_env(nats_url, prefix)))
+    try:
+        recorder = factory.application_recorder()
+        too_many = [StoredEvent("worker.w-1", v, "topic", b"{}") for v in range(1, MAX_BATCH_MESSAGES + 2)]
+        with pytest.raises(ProgrammingError, match="at most 1000"):
+            recorder.insert_events(too_many)
+        with pytest.raises(DataError, match="max_payload"):
+            recorder.insert_events([StoredEvent("worker.w-1", 1, "topic", b"x" * (3 << 20))])
+        assert recorder.max_notification_id() is None
+        assert recorder.insert_events(too_many[:MAX_BATCH_MESSAGES]) == list(range(1, MAX_BATCH_MESSAGES + 1))
+    finally:
+        factory.close()
