@@ -228,18 +228,21 @@ def notification_from_message(
 ) -> Notification:
     """Turn a raw message of `<prefix>.ev.>` (from any reader) into the library's Notification."""
     headers = headers or {}
-    topic = headers.get(TOPIC_HEADER)
-    version = headers.get(VERSION_HEADER)
-    if topic is None or version is None:  # written by another client: fall back on the contract
-        topic = topic or _body_type(data)
-        version = version or headers.get(MSG_ID_HEADER, "").rpartition(":")[2] or "0"
     return Notification(
         id=seq,
         originator_id=originator_of(events_namespace(prefix), subject, headers),
-        originator_version=int(version),
-        topic=topic,
+        originator_version=_version_of(headers),
+        topic=headers.get(TOPIC_HEADER) or _body_type(data),  # another client's message: its `type`
         state=data,
     )
+
+
+def _version_of(headers: Mapping[str, str]) -> int:
+    """The originator version of a message: its header, else the end of its Nats-Msg-Id."""
+    value = headers.get(VERSION_HEADER)
+    if value is None:
+        value = headers.get(MSG_ID_HEADER, "").rpartition(":")[2]
+    return int(value or 0)
 
 
 def _body_type(data: bytes) -> str:
@@ -397,6 +400,8 @@ class _Link:
         self.nuid = NUID()
         self.ready_streams: set[str] = set()
         self.last_seen = _LastSeen()
+        self.waiting: set[concurrent.futures.Future[Any]] = set()
+        self.waiting_lock = threading.Lock()
         self.thread.start()
 
     def _run_loop(self) -> None:
@@ -409,6 +414,9 @@ class _Link:
         self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
         self.loop.run_until_complete(self.loop.shutdown_asyncgens())
         self.loop.close()
+        with self.waiting_lock:  # calls submitted as the loop stopped never ran: release their callers
+            for future in self.waiting:
+                future.cancel()
 
     def call(self, coro: Any) -> Any:
         """Run `coro` on the link's loop and wait for it (coroutines bound their own time)."""
@@ -418,7 +426,16 @@ class _Link:
         if self.closed:
             coro.close()
             raise ProgrammingError("the JetStream connection of this recorder is closed")
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        with self.waiting_lock:
+            self.waiting.add(future)
+        try:
+            return future.result()
+        except concurrent.futures.CancelledError:
+            raise OperationalError("the JetStream connection was closed during the call") from None
+        finally:
+            with self.waiting_lock:
+                self.waiting.discard(future)
 
     def spawn(self, coro: Any) -> concurrent.futures.Future[Any]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
@@ -1102,17 +1119,11 @@ class JetStreamAggregateRecorder(JetStreamRecorder, AggregateRecorder):
             msgs = self.link.call(self._all(subject, gt))
         events = []
         for msg in msgs:
-            version = int(msg.headers[VERSION_HEADER])
+            version = _version_of(msg.headers)
             if (gt is not None and version <= gt) or (lte is not None and version > lte):
                 continue
-            events.append(
-                StoredEvent(
-                    originator_id=originator_id,
-                    originator_version=version,
-                    topic=msg.headers[TOPIC_HEADER],
-                    state=msg.data,
-                )
-            )
+            topic = msg.headers.get(TOPIC_HEADER) or _body_type(msg.data)
+            events.append(StoredEvent(originator_id, version, topic, msg.data))
         if desc:
             events.reverse()
         if limit is not None:
@@ -1124,7 +1135,7 @@ class JetStreamAggregateRecorder(JetStreamRecorder, AggregateRecorder):
         if msg is None:
             self.link.last_seen.put(subject, _Last(0, None))
             return []
-        self.link.last_seen.put(subject, _Last(int(msg.headers["Nats-Sequence"]), int(msg.headers[VERSION_HEADER])))
+        self.link.last_seen.put(subject, _Last(int(msg.headers["Nats-Sequence"]), _version_of(msg.headers)))
         return [msg]
 
     async def _all(self, subject: str, gt: int | None) -> list[Msg]:
@@ -1135,7 +1146,7 @@ class JetStreamAggregateRecorder(JetStreamRecorder, AggregateRecorder):
         msgs = await self.stream.read(subject, start)
         if msgs:
             last = msgs[-1]
-            self.link.last_seen.put(subject, _Last(int(last.headers["Nats-Sequence"]), int(last.headers[VERSION_HEADER])))
+            self.link.last_seen.put(subject, _Last(int(last.headers["Nats-Sequence"]), _version_of(last.headers)))
         elif start == 1:
             self.link.last_seen.put(subject, _Last(0, None))
         return msgs
