@@ -6,7 +6,8 @@ through the library's environment (so ``<APPNAME>_NATS_URL`` overrides
 ``NATS_URL`` for one application):
 
 =============================  ==========================================================
-``NATS_URL``                   server URL, default ``nats://127.0.0.1:4222``
+``NATS_URL``                   server URL(s), comma-separated for a cluster;
+                               default ``nats://127.0.0.1:4222``
 ``WARMBOOT_PREFIX``            subject prefix, default ``warmboot``
 ``WARMBOOT_STREAM_REPLICAS``   replicas of a stream this module creates, default 1
 ``NATS_CREDS``                 path of a credentials file (JWT + nkey seed)
@@ -924,6 +925,8 @@ class _Stream:
     ) -> _Last:
         if not seq:
             last = _Last(0, None)
+        elif guard.position_header == VERSION_HEADER:
+            last = _Last(seq, _version_of(headers or {}))
         else:
             value = (headers or {}).get(guard.position_header)
             last = _Last(seq, int(value) if value is not None else None)

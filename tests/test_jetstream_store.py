@@ -40,7 +40,7 @@ from events.schema import (
 )
 from events.subjects import stream_name
 from services.common import store_env
-from warmboot.natsserver import NatsServer
+from warmboot.natsserver import NatsCluster, NatsServer, wait_jetstream
 
 ROOT = Path(__file__).resolve().parent.parent
 AT = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
@@ -197,6 +197,36 @@ def test_an_unreachable_store_raises_a_clear_error_after_the_retry_budget(own_se
         assert time.monotonic() - started < 10
     finally:
         app.close()
+
+
+async def stream_leader(url: str, prefix: str) -> str:
+    import nats
+
+    nc = await nats.connect(url.split(","))
+    try:
+        return (await nc.jetstream().stream_info(stream_name(prefix))).cluster.leader
+    finally:
+        await nc.close()
+
+
+@pytest.mark.timeout(240)
+def test_writes_ride_out_the_stream_leader_being_killed(tmp_path):
+    with NatsCluster(tmp_path) as cluster:
+        asyncio.run(wait_jetstream(cluster.url))
+        prefix = new_prefix()
+        app = WireApplication(env=store_env(cluster.url, prefix, replicas=3))
+        try:
+            tally = Tally("t-1")
+            tally.drain("0")
+            app.save(tally)
+            cluster.node(asyncio.run(stream_leader(cluster.url, prefix))).kill()
+            for i in range(1, 10):  # each save rides out the election (and a reconnect) by itself
+                tally.drain(str(i))
+                app.save(tally)
+            assert app.repository.get("tally.t-1").reasons == [str(i) for i in range(10)]
+            assert [n.id for n in app.recorder.select_notifications(None, 100)] == list(range(1, 11))
+        finally:
+            app.close()
 
 
 # --- concurrent writers ------------------------------------------------------------------------
