@@ -40,15 +40,14 @@ import heapq
 import itertools
 import logging
 import os
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
-from functools import partial
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import msgspec
 from eventsourcing.persistence import IntegrityError, OperationalError
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.micro.request import Request
 from prometheus_client import Counter, Gauge
 
 from events.aggregate import WireApplication, now
@@ -67,8 +66,8 @@ from events.schema import (
     ResumeActor,
     WorkerBooked,
 )
-from events.subjects import check_prefix, stream_name
-from services.common import EndpointSpec, ReplyCache, add_endpoints, store_env
+from events.subjects import check_prefix, service_subject, stream_name
+from services.common import EndpointSpec, ReplyCache, add_endpoints, store_env, wrap
 from services.scheduler.decide import decide, explain, fragmentation
 from services.scheduler.projection import Projection
 
@@ -78,7 +77,8 @@ SERVICE = "scheduler"
 DEFAULT_COMMIT_ATTEMPTS = 8
 DEFAULT_CATCH_UP_S = 5.0  # how long a request waits for the fold (min_seq, after a lost race)
 GAUGE_INTERVAL_S = 2.0
-COMMIT_THREADS = 16  # appends in flight at once (each holds a thread while the store waits for its ack)
+MAX_CONCURRENT_REQUESTS = 4096  # requests handled at once by one replica
+MAX_GROUP = 400  # placements per append: 800 messages, under the server's 1,000 per atomic batch
 
 # --- metrics (prometheus-client default registry; defined once per process) -----------------------
 
@@ -216,12 +216,35 @@ class Hold:
         self.worker_id = worker_id
         self.cpu = cpu
         self.mem = mem
-        self.expected: tuple[int, int] | None = None  # (version, seq) of booking.<id> it expected
+        self.expected: tuple[int, int] | None = None  # (version, seq) of booking.<id> its commit expected
         self.written: tuple[int, int] | None = None  # (version, seq) of the WorkerBooked it wrote
         self.placed_seq = 0
-        self.done = done
+        self.done = done  # settled once its commit succeeded or failed
         self.released = False
 
+
+class Commit:
+    """A decided placement waiting for the group commit."""
+
+    __slots__ = ("placement", "request_id", "hold", "booking", "actor", "after", "result")
+
+    def __init__(
+        self,
+        placement: Placement,
+        request_id: str | None,
+        hold: Hold,
+        booking: tuple[int, int],
+        actor: tuple[int, int],
+        after: Hold | None,
+        result: asyncio.Future[int],
+    ):
+        self.placement = placement
+        self.request_id = request_id
+        self.hold = hold
+        self.booking = booking  # (version, seq) of booking.<worker> the decision saw
+        self.actor = actor  # (version, seq) of actor.<id> the decision saw
+        self.after = after  # this replica's previous booking of the same worker, if unfolded then
+        self.result = result  # the ActorPlaced sequence, or the error
 
 class KeyedLock:
     """One asyncio lock per key, dropped when nobody holds or waits for it."""
@@ -276,6 +299,7 @@ class SchedulerService:
         store_replicas: int | None = None,
         commit_attempts: int = DEFAULT_COMMIT_ATTEMPTS,
         catch_up_s: float = DEFAULT_CATCH_UP_S,
+        max_group: int = MAX_GROUP,
         env: dict[str, str] | None = None,
     ):
         self.nc = nc
@@ -286,42 +310,68 @@ class SchedulerService:
         self.metrics = metrics
         self.commit_attempts = commit_attempts
         self.catch_up_s = catch_up_s
+        self.max_group = max(1, min(max_group, MAX_GROUP))
         self.projection = Projection()
         self.fold = Fold(nc, prefix, self.projection, self._folded)
         self.replies = ReplyCache(nc, prefix)
         self.store: WireApplication | None = None
         self.service: Any = None
-        self.commits = 0
-        self.conflicts = 0
-        self._executor: ThreadPoolExecutor | None = None
+        self.commits = 0  # placements committed
+        self.conflicts = 0  # placements whose commit lost a race (each is decided again)
+        self.groups = 0  # appends made (a group of placements each)
         self._pending: dict[str, tuple[int, int]] = {}  # worker id -> in-flight (cpu, mem), for decide
         self._chain: dict[str, Hold] = {}  # worker id -> the latest hold on it
         self._unfolded: list[tuple[int, int, Hold]] = []  # committed holds by ActorPlaced seq
         self._unfolded_actors: dict[str, int] = {}  # actor id -> seq of a placement not folded yet
+        self._queue: list[Commit] = []
+        self._wake = asyncio.Event()
+        self._committer: asyncio.Task[None] | None = None
         self._tie = itertools.count()
         self._actors = KeyedLock()
         self._gauges: asyncio.Task[None] | None = None
         self._gauge_labels: set[tuple[str, ...]] = set()
         self._stopping = False
+        self._requests: set[asyncio.Task[None]] = set()
+        self._request_slots = asyncio.Semaphore(MAX_CONCURRENT_REQUESTS)
+
+    def _concurrently(self, handle: Callable[[Request], Awaitable[None]]) -> Callable[[Request], Awaitable[None]]:
+        """A micro handler that starts `handle` as a task and returns at once (at most
+        MAX_CONCURRENT_REQUESTS at a time: past that, the subscription waits)."""
+
+        def finished(task: asyncio.Task[None]) -> None:
+            self._requests.discard(task)
+            self._request_slots.release()
+
+        async def handler(request: Request) -> None:
+            await self._request_slots.acquire()
+            task = asyncio.create_task(handle(request))
+            self._requests.add(task)
+            task.add_done_callback(finished)
+
+        return handler
 
     # --- life cycle ---
 
     async def start(self) -> "SchedulerService":
         self.store = await asyncio.to_thread(WireApplication, self.env)  # creates the stream if need be
-        self._executor = ThreadPoolExecutor(COMMIT_THREADS, thread_name_prefix="scheduler-commit")
         await self.fold.start(max(self.catch_up_s, 60.0))
         await self.replies.start()
+        self._committer = asyncio.create_task(self._commit_groups(), name="scheduler-committer")
         self.service = await add_endpoints(
             self.nc,
             self.prefix,
             SERVICE,
             "warmboot scheduler: places resumes where their snapshot can load, or falls back",
-            [
-                EndpointSpec("resume", ResumeActor, self.resume),
-                EndpointSpec("explain", ExplainResume, self.explain),
-                EndpointSpec("fragmentation", FragmentationQuery, self.fragmentation, per_entity=False),
-            ],
+            [EndpointSpec("fragmentation", FragmentationQuery, self.fragmentation, per_entity=False)],
         )
+        # nats.micro awaits each request before it reads the next one; resumes wait for a
+        # group commit and explains for the fold, so these two run as tasks of their own.
+        for spec in (EndpointSpec("resume", ResumeActor, self.resume), EndpointSpec("explain", ExplainResume, self.explain)):
+            await self.service.add_endpoint(
+                name=spec.verb,
+                subject=service_subject(self.prefix, SERVICE, spec.verb, "*"),
+                handler=self._concurrently(wrap(spec, SERVICE)),
+            )
         await self.nc.flush()  # the server has our subscriptions before start() returns
         if self.metrics:
             self._gauges = asyncio.create_task(self._refresh_gauges(), name="scheduler-gauges")
@@ -334,15 +384,17 @@ class SchedulerService:
             with suppress(Exception):
                 await self.service.stop()
             self.service = None
-        if self._gauges is not None:
-            self._gauges.cancel()
-            with suppress(asyncio.CancelledError):
-                await self._gauges
-            self._gauges = None
+        if self._requests:  # let the requests in progress finish (new commits are refused)
+            await asyncio.wait(set(self._requests), timeout=self.catch_up_s + 5)
+        for task in (self._gauges, self._committer):
+            if task is not None:
+                task.cancel()
+                with suppress(asyncio.CancelledError):
+                    await task
+        self._gauges = self._committer = None
+        self._fail(self._queue, unavailable("this scheduler replica is stopping; try again"))
+        self._queue = []
         await self.fold.stop()
-        if self._executor is not None:
-            await asyncio.to_thread(self._executor.shutdown, True)
-            self._executor = None
         if self.store is not None:
             store, self.store = self.store, None
             await asyncio.to_thread(store.close)
@@ -379,8 +431,6 @@ class SchedulerService:
                 placement = decide(p, actor_id, request.selectors, p.seq, self._pending)
                 try:
                     seq = await self._commit(placement, request.request_id)
-                except OperationalError as error:
-                    raise unavailable(f"the event store did not take the placement: {error}") from None
                 except IntegrityError as error:
                     self.conflicts += 1
                     if self.metrics:
@@ -388,6 +438,8 @@ class SchedulerService:
                     log.debug("placement of %s on %s lost a race: %s", actor_id, placement.worker_id, error)
                     await self._catch_up(placement)
                     continue
+                except OperationalError as error:
+                    raise unavailable(f"the event store did not take the placement: {error}") from None
                 self.commits += 1
                 if self.metrics:
                     self._count(placement)
@@ -397,28 +449,87 @@ class SchedulerService:
         )
 
     async def _commit(self, placement: Placement, request_id: str | None) -> int:
-        """Append WorkerBooked + ActorPlaced atomically, guarded on both subjects; the ActorPlaced seq."""
+        """Queue the placement for the next group commit; its ActorPlaced sequence once written.
+
+        The expectations are taken now, from the state the decision was made on, and the
+        booking counts as in flight from now on, so later decisions of this replica see it.
+        """
+        if self._stopping:
+            raise unavailable("this scheduler replica is stopping; try again")
         p = self.projection
         worker_id, actor_id = placement.worker_id, placement.actor_id
-        booking = p.booking_expectation(worker_id)
-        actor_version, actor_seq = p.actor_expectation(actor_id)
         loop = asyncio.get_running_loop()
         hold = Hold(worker_id, placement.booked.cpu_millis, placement.booked.memory_mib, loop.create_future())
         self._hold(hold)
-        before = self._chain.get(worker_id)
+        after = self._chain.get(worker_id)
         self._chain[worker_id] = hold
+        item = Commit(
+            placement, request_id, hold, p.booking_expectation(worker_id), p.actor_expectation(actor_id), after,
+            loop.create_future(),
+        )
+        self._queue.append(item)
+        self._wake.set()
         try:
-            if before is not None:  # our own earlier booking of this worker goes first
-                await asyncio.shield(before.done)
-                known = before.written or before.expected
+            seq = await asyncio.shield(item.result)
+            self._unfolded_actors[actor_id] = seq
+            return seq
+        finally:
+            if not hold.placed_seq or self.fold.applied >= hold.placed_seq:
+                self._unhold(hold)
+            else:
+                heapq.heappush(self._unfolded, (hold.placed_seq, next(self._tie), hold))
+
+    async def _commit_groups(self) -> None:
+        """The committer: one append at a time, each carrying every placement queued meanwhile.
+
+        An atomic append costs about the same for one placement as for hundreds (the
+        server makes each batch durable before it answers), so placements decided while
+        one append is in flight share the next. A group holds at most one placement per
+        worker; a placement whose previous booking of the same worker by this replica is
+        still queued waits for a later group, and then expects the sequence it wrote.
+        """
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._queue:
+                group: list[Commit] = []
+                rest: list[Commit] = []
+                workers: set[str] = set()
+                for item in self._queue:
+                    worker_id = item.hold.worker_id
+                    blocked = item.after is not None and not item.after.done.done()
+                    if blocked or worker_id in workers or len(group) >= self.max_group:
+                        rest.append(item)
+                    else:
+                        workers.add(worker_id)
+                        group.append(item)
+                self._queue = rest
+                try:
+                    await self._append(group)
+                except asyncio.CancelledError:
+                    self._fail(group, unavailable("this scheduler replica is stopping; try again"))
+                    raise
+                except Exception as error:  # the store failed: every placement of the group fails with it
+                    log.warning("appending %d placements failed: %s", len(group), error)
+                    self._fail(group, error)
+
+    async def _append(self, group: list[Commit]) -> None:
+        store = self.store
+        stored = []
+        expected: dict[str, int] = {}
+        for item in group:
+            booking = item.booking
+            if item.after is not None:  # our own earlier booking of this worker went first
+                known = item.after.written or item.after.expected
                 if known is not None and known[1] > booking[1]:
                     booking = known
-            hold.expected = booking
-            store, executor = self.store, self._executor
-            if self._stopping or store is None or executor is None:
-                raise unavailable("this scheduler replica is stopping; try again")
+                item.after = None
+                item.booking = booking
+            item.hold.expected = booking
+            placement = item.placement
+            worker_id, actor_id = placement.worker_id, placement.actor_id
             at = now()
-            booked = WorkerBooked(at=at, worker_id=worker_id, actor_id=actor_id, request_id=request_id)
+            booked = WorkerBooked(at=at, worker_id=worker_id, actor_id=actor_id, request_id=item.request_id)
             placed = ActorPlaced(
                 at=at,
                 actor_id=actor_id,
@@ -430,28 +541,55 @@ class SchedulerService:
                 snapshot_id=placement.snapshot_id,
                 fallback=placement.fallback,
                 booked=placement.booked,
-                request_id=request_id,
+                request_id=item.request_id,
             )
             booking_id, placed_id = f"booking.{worker_id}", f"actor.{actor_id}"
-            stored = [
-                store.stored_event(booking_id, booking[0] + 1, booked),
-                store.stored_event(placed_id, actor_version + 1, placed),
-            ]
-            append = partial(
-                store.recorder.insert_events, stored, expected_last_seqs={booking_id: booking[1], placed_id: actor_seq}
-            )
-            seqs = await loop.run_in_executor(executor, append)
-            hold.written = (booking[0] + 1, seqs[0])
-            hold.placed_seq = seqs[-1]
-            self._unfolded_actors[actor_id] = seqs[-1]
-            return seqs[-1]
-        finally:
-            if not hold.done.done():
-                hold.done.set_result(None)
-            if not hold.placed_seq or self.fold.applied >= hold.placed_seq:
-                self._unhold(hold)
-            else:
-                heapq.heappush(self._unfolded, (hold.placed_seq, next(self._tie), hold))
+            stored.append(store.stored_event(booking_id, booking[0] + 1, booked))
+            stored.append(store.stored_event(placed_id, item.actor[0] + 1, placed))
+            expected[booking_id] = booking[1]
+            expected[placed_id] = item.actor[1]
+        self.groups += 1
+        try:
+            seqs = await asyncio.to_thread(store.recorder.insert_events, stored, expected_last_seqs=expected)
+        except IntegrityError as error:
+            await self._sort_out(group, error)
+            return
+        for i, item in enumerate(group):
+            hold = item.hold
+            hold.written = (hold.expected[0] + 1, seqs[2 * i])
+            hold.placed_seq = seqs[2 * i + 1]
+            hold.done.set_result(None)
+            item.result.set_result(hold.placed_seq)
+
+    async def _sort_out(self, group: list[Commit], error: IntegrityError) -> None:
+        """A group was refused: fold what the log holds now, fail the placements whose
+        subjects moved on (they are decided again) and queue the others again unchanged."""
+        try:
+            last = (await self.nc.jetstream().stream_info(self.stream)).state.last_seq
+            await self.fold.wait(last, self.catch_up_s)
+        except Exception:
+            self._fail(group, error)
+            return
+        p = self.projection
+        stale = [
+            item for item in group
+            if p.booking_expectation(item.hold.worker_id) != item.hold.expected
+            or p.actor_expectation(item.placement.actor_id) != item.actor
+        ]
+        if not stale:  # refused for a reason the expectations do not show: let each decide again
+            stale = group
+        self._fail(stale, IntegrityError(str(error)))
+        if len(stale) < len(group):
+            kept = [item for item in group if item not in stale]
+            self._queue[:0] = kept
+            self._wake.set()
+
+    def _fail(self, items: list[Commit], error: BaseException) -> None:
+        for item in items:
+            if not item.hold.done.done():
+                item.hold.done.set_result(None)
+            if not item.result.done():
+                item.result.set_exception(error)
 
     def _hold(self, hold: Hold) -> None:
         cpu, mem = self._pending.get(hold.worker_id, (0, 0))
@@ -524,4 +662,3 @@ class SchedulerService:
             except Exception:
                 log.exception("refreshing the scheduler's gauges failed")
             await asyncio.sleep(GAUGE_INTERVAL_S)
-

@@ -1,0 +1,448 @@
+"""Scheduler benchmark: decision cost, committed resumes over NATS, replay rate.
+
+    python bench/scheduler.py [--quick] [--json]
+
+Side by side, in one run:
+
+(a) decision time with the compat-key index against a straightforward scan of every
+    worker applying the same rule (`decide_by_scan`), at 1k, 10k and 50k workers with
+    50 runtime versions; each worker's default is one version and it can restore the
+    two before it, and one filler placement per worker books 0-90% of its memory.
+    Timed: memory-snapshot resumes (the case the index is for) and cold starts.
+(b) committed resumes/s end to end over NATS: a client keeps a window of resume
+    requests in flight against 1, then 3 scheduler replicas (separate processes, each
+    its own fold and commits), every resume of a different actor; and the share of
+    commits that lost an optimistic-concurrency race.
+(c) replay: the fold of a large log from sequence 1 (decode + apply) against the raw
+    nats-py read rate of the same stream through the same kind of ordered consumer.
+
+With `--json` the last line is one JSON object with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import nats  # noqa: E402
+
+from events.codec import encode  # noqa: E402
+from events.jetstream import MSG_ID_HEADER, TOPIC_HEADER, VERSION_HEADER  # noqa: E402
+from events.schema import (  # noqa: E402
+    Action,
+    ActorCreated,
+    ActorOverhead,
+    ActorPlaced,
+    ActorReleased,
+    ActorRuntime,
+    Attribute,
+    CompatVersion,
+    Event,
+    Fidelity,
+    Location,
+    PlacedFidelity,
+    ReleaseReason,
+    Resources,
+    ResumeActor,
+    Snapshot,
+    SnapshotOrigin,
+    SnapshotTaken,
+    WorkerBooked,
+    WorkerRegistered,
+    WorkerRuntime,
+    WorkerSandboxClass,
+)
+from events.subjects import service_subject, stream_name  # noqa: E402
+from services.scheduler.decide import decide, decide_by_scan  # noqa: E402
+from services.scheduler.projection import WORKER_RESERVE_MIB, Projection  # noqa: E402
+
+AT = datetime(2026, 11, 30, tzinfo=timezone.utc)
+CLS = "gvisor"
+VERSIONS = 50
+
+
+def version(i: int) -> CompatVersion:
+    return CompatVersion(schema_version="v1", attributes=(
+        Attribute(key="architecture", value="amd64"),
+        Attribute(key="cpu_features", value=f"{0x0ac853df914e2ca0 ^ (i % 7):016x}"),
+        Attribute(key="gvisor_asset_hash", value=f"sha256-{i:04d}"),
+    ))
+
+
+VERSION_LIST = [version(i) for i in range(VERSIONS)]
+
+
+def worker_event(i: int, *, mem: int = 65536, cpu: int = 64000) -> WorkerRegistered:
+    v = i % VERSIONS
+    overhead = ActorOverhead(fixed_mib=64, per_gib_mib=8) if i % 2 else None
+    entry = WorkerSandboxClass(
+        sandbox_class=CLS,
+        default_runtime=WorkerRuntime(version=VERSION_LIST[v], name=f"runsc-{v}", actor_overhead=overhead),
+        restorable_runtimes=tuple(WorkerRuntime(version=VERSION_LIST[(v - k) % VERSIONS]) for k in (1, 2)),
+    )
+    return WorkerRegistered(at=AT, worker_id=f"w{i:05d}", node=f"node-{i // 4:05d}",
+                            capacity=Resources(cpu_millis=cpu, memory_mib=mem), labels={"zone": f"z{i % 3}"},
+                            sandbox_classes=(entry,))
+
+
+def actor_event(actor_id: str, mem: int = 1024) -> ActorCreated:
+    return ActorCreated(at=AT, actor_id=actor_id, sandbox_class=CLS, template_uid="tmpl-1",
+                        resources=Resources(cpu_millis=250, memory_mib=mem), selectors={},
+                        min_fidelity=Fidelity.ROOTFS)
+
+
+def snapshot_event(actor_id: str, v: int, origin=SnapshotOrigin.SUSPEND) -> SnapshotTaken:
+    snap = Snapshot(snapshot_id=f"{actor_id}-s", actor_id=actor_id, template_uid="tmpl-1", fidelity=Fidelity.MEMORY,
+                    location=Location.EXTERNAL, sandbox_runtime=ActorRuntime(sandbox_class=CLS, version=VERSION_LIST[v]),
+                    taken_at=AT)
+    return SnapshotTaken(at=AT, actor_id=actor_id, snapshot=snap, origin=origin)
+
+
+def placed_event(actor_id: str, worker_id: str, mem: int) -> ActorPlaced:
+    return ActorPlaced(at=AT, actor_id=actor_id, worker_id=worker_id, node="n", action=Action.RUN,
+                       fidelity=PlacedFidelity.NONE, sandbox_runtime=ActorRuntime(sandbox_class=CLS, version=VERSION_LIST[0]),
+                       booked=Resources(cpu_millis=250, memory_mib=mem))
+
+
+# --- (a) decisions ---------------------------------------------------------------------------------------
+
+
+def build_fleet(n_workers: int, n_actors: int, rng: random.Random) -> tuple[Projection, list[str], list[str]]:
+    p = Projection()
+    seq = 0
+
+    def apply(event: Event) -> None:
+        nonlocal seq
+        seq += 1
+        p.apply(seq, event)
+
+    for i in range(n_workers):
+        apply(worker_event(i))
+        filler = f"fill-{i}"
+        apply(actor_event(filler, mem=2048))
+        apply(placed_event(filler, f"w{i:05d}", int((65536 - WORKER_RESERVE_MIB) * rng.random() * 0.9)))
+    memory, cold = [], []
+    for j in range(n_actors):
+        actor_id = f"a{j:05d}"
+        apply(actor_event(actor_id, mem=rng.choice([512, 1024, 2048, 4096])))
+        if j % 4:
+            apply(snapshot_event(actor_id, rng.randrange(VERSIONS)))
+            memory.append(actor_id)
+        else:
+            cold.append(actor_id)
+    return p, memory, cold
+
+
+def time_decisions(fn, p: Projection, actor_ids: list[str], count: int, rng: random.Random) -> list[float]:
+    samples = []
+    for n in range(count):
+        actor_id = rng.choice(actor_ids)
+        t = time.perf_counter_ns()
+        fn(p, actor_id, None, p.seq + n)
+        samples.append((time.perf_counter_ns() - t) / 1000)
+    return samples
+
+
+def bench_decisions(quick: bool) -> dict[str, float]:
+    out: dict[str, float] = {}
+    rng = random.Random(7)
+    sizes = [(1000, 2000, 200), (10_000, 2000 if quick else 5000, 25 if quick else 60),
+             (50_000, 1000 if quick else 3000, 6 if quick else 15)]
+    for workers, index_n, scan_n in sizes:
+        label = f"{workers // 1000}k"
+        t0 = time.perf_counter()
+        p, memory, cold = build_fleet(workers, 2000, rng)
+        build_s = time.perf_counter() - t0
+        idx = time_decisions(decide, p, memory, index_n, rng)
+        idx_cold = time_decisions(decide, p, cold, index_n, rng)
+        scan = time_decisions(decide_by_scan, p, memory, scan_n, rng)
+        p50_idx, p50_scan = statistics.median(idx), statistics.median(scan)
+        out[f"decide_p50_us_{label}"] = round(p50_idx, 1)
+        out[f"decide_p99_us_{label}"] = round(sorted(idx)[int(len(idx) * 0.99) - 1], 1)
+        out[f"decide_cold_p50_us_{label}"] = round(statistics.median(idx_cold), 1)
+        out[f"scan_p50_us_{label}"] = round(p50_scan, 1)
+        out[f"index_vs_scan_{label}"] = round(p50_scan / p50_idx, 1)
+        print(f"(a) {workers:>6} workers, {VERSIONS} versions: index p50 {p50_idx:8.1f} us "
+              f"(cold start {statistics.median(idx_cold):.1f} us), scan p50 {p50_scan:10.1f} us, "
+              f"index {p50_scan / p50_idx:7.1f}x faster  [fold of {p.events} events in {build_s:.1f}s]",
+              flush=True)
+    return out
+
+
+# --- log writing (b, c) ---------------------------------------------------------------------------------------
+
+
+async def publish_events(nc, prefix: str, events: list[Event], versions: dict[str, int]) -> None:
+    """Bulk-load events as the event store stores them (body, topic, version, msg id headers)."""
+    js = nc.jetstream(publish_async_max_pending=4000)
+    for event in events:
+        aggregate_id = f"{event.KIND}.{event.entity_id}"
+        v = versions[aggregate_id] = versions.get(aggregate_id, 0) + 1
+        await js.publish_async(
+            f"{prefix}.ev.{aggregate_id}", encode(event),
+            headers={MSG_ID_HEADER: f"{aggregate_id}:{v}", TOPIC_HEADER: type(event).__name__, VERSION_HEADER: str(v)},
+        )
+    await js.publish_async_completed()
+
+
+async def ensure_stream(nats_url: str, prefix: str) -> None:
+    """Create the stream exactly as the event store does (through its factory)."""
+    from events.aggregate import WireApplication
+    from services.common import store_env
+
+    app = await asyncio.to_thread(WireApplication, store_env(nats_url, prefix))
+    await asyncio.to_thread(app.close)
+
+
+# --- (b) committed resumes ------------------------------------------------------------------------------------
+
+
+def run_replica(nats_url: str, prefix: str) -> None:
+    """A scheduler replica in its own process: prints `READY <metrics port>`, runs until stdin closes."""
+    from services.common import start_metrics
+    from services.scheduler.service import SchedulerService
+
+    async def main() -> None:
+        nc = await nats.connect(nats_url)
+        service = SchedulerService(nc, nats_url=nats_url, prefix=prefix)
+        await service.start()
+        port = start_metrics(0)
+        print(f"READY {port}", flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+        await service.stop()
+        await nc.close()
+
+    asyncio.run(main())
+
+
+def scrape(port: int, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            head, _, value = line.rpartition(" ")
+            if head == name or head.startswith(name + "{"):
+                total += float(value)
+    return total
+
+
+async def bench_resumes(
+    nats_url: str, replicas: int, actors: int, window: int, request_ids: bool, workers: int = 1000
+) -> dict[str, float]:
+    prefix = f"bench{replicas}{'r' if request_ids else ''}w{workers}p{os.getpid() % 1000}"
+    await ensure_stream(nats_url, prefix)
+    nc = await nats.connect(nats_url)
+    per_worker = actors // workers + 2  # room for every actor: the figure is commits, not refusals
+    events: list[Event] = [worker_event(i, mem=per_worker * 1200 + 4096, cpu=per_worker * 300 + 1000)
+                           for i in range(workers)]
+    for j in range(actors):
+        events.append(actor_event(f"a{j:06d}", mem=1024))
+        if j % 3 == 0:
+            events.append(snapshot_event(f"a{j:06d}", (j * 7) % VERSIONS))
+    await publish_events(nc, prefix, events, {})
+    procs = []
+    ports = []
+    for _ in range(replicas):
+        proc = subprocess.Popen([sys.executable, __file__, "--replica", nats_url, prefix],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        procs.append(proc)
+    for proc in procs:
+        line = await asyncio.to_thread(proc.stdout.readline)
+        if not line.startswith("READY"):
+            raise RuntimeError(f"replica did not start: {line!r}")
+        ports.append(int(line.split()[1]))
+    try:
+        placed = refused = 0
+        queue = list(range(actors))
+        latencies: list[float] = []
+
+        async def worker() -> None:
+            nonlocal placed, refused
+            while queue:
+                j = queue.pop()
+                body = encode(ResumeActor(request_id=f"r-{j}" if request_ids else None))
+                t = time.perf_counter()
+                msg = await nc.request(service_subject(prefix, "scheduler", "resume", f"a{j:06d}"), body, timeout=30)
+                latencies.append(time.perf_counter() - t)
+                if msg.data.startswith(b'{"error"'):
+                    refused += 1
+                else:
+                    placed += 1
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(window)))
+        elapsed = time.perf_counter() - t0
+        commits = sum(scrape(port, "warmboot_placements_total") for port in ports)
+        conflicts = sum(scrape(port, "warmboot_scheduler_commit_conflicts_total") for port in ports)
+    finally:
+        for proc in procs:
+            proc.stdin.close()
+        for proc in procs:
+            await asyncio.to_thread(proc.wait, 30)
+        await nc.close()
+    latencies.sort()
+    return {
+        "resumes_per_s": round(placed / elapsed, 1),
+        "placed": placed,
+        "refused": refused,
+        "commit_conflict_rate": round(conflicts / max(commits + conflicts, 1), 4),
+        "latency_p50_ms": round(latencies[len(latencies) // 2] * 1000, 2),
+        "latency_p99_ms": round(latencies[int(len(latencies) * 0.99)] * 1000, 2),
+    }
+
+
+# --- (c) replay ------------------------------------------------------------------------------------------------------
+
+
+def replay_log(total: int, rng: random.Random) -> list[Event]:
+    """A log shaped like a busy deployment: workers, then actors created, suspended, placed, released."""
+    events: list[Event] = [worker_event(i) for i in range(2000)]
+    j = 0
+    while len(events) < total:
+        actor_id = f"r{j:07d}"
+        worker_id = f"w{rng.randrange(2000):05d}"
+        events.append(actor_event(actor_id, mem=1024))
+        events.append(WorkerBooked(at=AT, worker_id=worker_id, actor_id=actor_id))
+        events.append(placed_event(actor_id, worker_id, 1024))
+        events.append(snapshot_event(actor_id, rng.randrange(VERSIONS)))
+        events.append(ActorReleased(at=AT, actor_id=actor_id, worker_id=worker_id, reason=ReleaseReason.SUSPENDED))
+        j += 1
+    return events[:total]
+
+
+async def bench_replay(nats_url: str, total: int) -> dict[str, float]:
+    from services.scheduler.service import Fold
+
+    prefix = f"replay{os.getpid() % 1000}"
+    await ensure_stream(nats_url, prefix)
+    nc = await nats.connect(nats_url)
+    events = replay_log(total, random.Random(3))
+    t = time.perf_counter()
+    await publish_events(nc, prefix, events, {})
+    write_s = time.perf_counter() - t
+    js = nc.jetstream()
+    last = (await js.stream_info(stream_name(prefix))).state.last_seq
+
+    async def raw() -> float:
+        done = asyncio.get_running_loop().create_future()
+        count = 0
+
+        async def cb(msg) -> None:
+            nonlocal count
+            count += 1
+            if count >= last and not done.done():
+                done.set_result(None)
+
+        t0 = time.perf_counter()
+        sub = await js.subscribe(f"{prefix}.>", stream=stream_name(prefix), cb=cb, ordered_consumer=True)
+        await done
+        elapsed = time.perf_counter() - t0
+        await sub.unsubscribe()
+        return last / elapsed
+
+    async def fold() -> float:
+        f = Fold(nc, prefix, Projection())
+        t0 = time.perf_counter()
+        await f.start(600)
+        elapsed = time.perf_counter() - t0
+        await f.stop()
+        assert f.projection.events == last, (f.projection.events, last)
+        return last / elapsed
+
+    raw_rates, fold_rates = [], []
+    for _ in range(2):  # alternate, keep the best of each: both read the same warm stream
+        raw_rates.append(await raw())
+        fold_rates.append(await fold())
+    # the fold without the bus: decode + apply of the same bodies from memory
+    bodies = [encode(e) for e in events]
+    from events.codec import decode_event
+
+    p = Projection()
+    t0 = time.perf_counter()
+    for seq, body in enumerate(bodies, start=1):
+        p.apply(seq, decode_event(body))
+    apply_rate = len(bodies) / (time.perf_counter() - t0)
+    await nc.close()
+    return {
+        "replay_events_per_s": round(max(fold_rates)),
+        "raw_read_events_per_s": round(max(raw_rates)),
+        "decode_apply_events_per_s": round(apply_rate),
+        "replay_events": last,
+        "log_write_events_per_s": round(last / write_s),
+    }
+
+
+# --- main ---------------------------------------------------------------------------------------------------------------
+
+
+async def bench_bus(quick: bool) -> dict[str, float]:
+    from warmboot.natsserver import NatsServer
+
+    out: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp, NatsServer(tmp) as server:
+        actors = 4000 if quick else 20000
+        window = 128
+        def show(label: str, r: dict[str, float]) -> None:
+            print(f"(b) {label}: {r['resumes_per_s']:8.1f} committed resumes/s "
+                  f"(p50 {r['latency_p50_ms']} ms, p99 {r['latency_p99_ms']} ms, {window} in flight), "
+                  f"conflict rate {r['commit_conflict_rate']:.2%}, refused {r['refused']}", flush=True)
+
+        one = await bench_resumes(server.url, 1, actors, window, request_ids=False)
+        show("1 replica,  1000 workers", one)
+        three = await bench_resumes(server.url, 3, actors, window, request_ids=False)
+        show("3 replicas, 1000 workers", three)
+        with_ids = await bench_resumes(server.url, 1, actors // 2, window, request_ids=True)
+        show("1 replica,  1000 workers, every resume with a request_id", with_ids)
+        contended = await bench_resumes(server.url, 3, actors // 2, window, request_ids=False, workers=100)
+        show("3 replicas,  100 workers (contended)", contended)
+        out.update({
+            "resumes_per_s": one["resumes_per_s"],
+            "resume_latency_p50_ms": one["latency_p50_ms"],
+            "resumes_per_s_3_replicas": three["resumes_per_s"],
+            "commit_conflict_rate": three["commit_conflict_rate"],
+            "commit_conflict_rate_1_replica": one["commit_conflict_rate"],
+            "resumes_per_s_with_request_id": with_ids["resumes_per_s"],
+            "resumes_per_s_3_replicas_100_workers": contended["resumes_per_s"],
+            "commit_conflict_rate_3_replicas_100_workers": contended["commit_conflict_rate"],
+        })
+        replay = await bench_replay(server.url, 200_000 if quick else 1_000_000)
+        print(f"(c) replay of {replay['replay_events']} events: fold {replay['replay_events_per_s']:,} events/s, "
+              f"raw nats-py read {replay['raw_read_events_per_s']:,} msgs/s "
+              f"(decode+apply alone {replay['decode_apply_events_per_s']:,}/s)", flush=True)
+        out.update(replay)
+    return out
+
+
+def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "--replica":
+        run_replica(sys.argv[2], sys.argv[3])
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller sizes; about 5 minutes on 2 cores")
+    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    args = parser.parse_args()
+    t0 = time.perf_counter()
+    results = bench_decisions(args.quick)
+    results.update(asyncio.run(bench_bus(args.quick)))
+    results["quick"] = args.quick
+    results["elapsed_s"] = round(time.perf_counter() - t0, 1)
+    if args.json:
+        print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
