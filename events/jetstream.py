@@ -155,6 +155,8 @@ DEFAULT_STORE_TIMEOUT = 30.0
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 SUBSCRIPTION_BUFFER = 10_000
 IDLE_HEARTBEAT = 1.0  # an ordered consumer is recreated after two missed heartbeats
+CATCH_UP_ATTEMPTS = 6  # reads answered by a replica behind this process's own writes, asked again
+CATCH_UP_DELAY = 0.005  # doubling: about 0.3 s in all before reading through the stream leader
 MAX_REPLANS = 16  # rounds of "someone else appended, look again" before giving up
 
 # nats-server error codes (server/errors.json)
@@ -561,6 +563,14 @@ def _close_all() -> None:
         link.shutdown()
 
 
+@dataclass
+class _Stored:
+    """A message read through the stream leader, shaped like a direct-get reply."""
+
+    headers: dict[str, str]
+    data: bytes
+
+
 # --- transient errors and retries -------------------------------------------------------
 
 
@@ -835,6 +845,63 @@ class _Stream:
             headers = _parse_header_block(base64.b64decode(message["hdrs"])) if message.get("hdrs") else {}
             body = base64.b64decode(message["data"]) if message.get("data") else b""
             return int(message["seq"]), headers, body
+
+    async def last(self, subject: str) -> Msg | _Stored | None:
+        """The last message on `subject`, never older than what this process saw there.
+
+        Direct gets may be answered by a replica that is behind (on a replicated
+        stream); such an answer is asked again, then read through the leader.
+        """
+        known = self.link.last_seen.get(subject)
+        delay = CATCH_UP_DELAY
+        for _ in range(CATCH_UP_ATTEMPTS):
+            msg = await self.last_direct(subject)
+            if known is None or not known.seq or (msg is not None and int(msg.headers["Nats-Sequence"]) >= known.seq):
+                return msg
+            await asyncio.sleep(delay)
+            delay *= 2
+        current = await self.last_from_leader(subject)
+        if current is None:
+            return None
+        seq, headers, data = current
+        return _Stored({**headers, "Nats-Sequence": str(seq), "Nats-Subject": subject}, data)
+
+    async def subject_from(self, subject: str, start: int) -> list[Msg] | list[_Stored]:
+        """Every message on `subject` from `start`, at least up to what this process saw there."""
+        known = self.link.last_seen.get(subject)
+        must_see = known.seq if known is not None and known.seq >= start else 0
+        delay = CATCH_UP_DELAY
+        for _ in range(CATCH_UP_ATTEMPTS):
+            msgs = await self.read(subject, start)
+            if not must_see or (msgs and int(msgs[-1].headers["Nats-Sequence"]) >= must_see):
+                return msgs
+            await asyncio.sleep(delay)  # a replica behind: ask again (maybe another one)
+            delay *= 2
+        return await self._subject_from_leader(subject, start)
+
+    async def _subject_from_leader(self, subject: str, start: int) -> list[_Stored]:
+        stored: list[_Stored] = []
+        seq = max(start, 1)
+        retry = _Retry(f"reading {subject} through the leader", self.budget)
+        while True:
+            request = {"seq": seq, "next_by_subj": subject}
+            try:
+                data = await self._api(f"STREAM.MSG.GET.{self.name}", request, retry.timeout)
+            except _ServerSaid as said:
+                if said.err_code == ERR_NO_MESSAGE_FOUND or said.code == 404:
+                    return stored
+                if not said.transient:
+                    raise OperationalError(f"reading {subject}: {said}") from None
+                await retry.wait(said)
+                continue
+            except _NOT_DELIVERED + _UNANSWERED as error:
+                await retry.wait(error)
+                continue
+            message = data["message"]
+            headers = _parse_header_block(base64.b64decode(message["hdrs"])) if message.get("hdrs") else {}
+            headers.update({"Nats-Sequence": str(message["seq"]), "Nats-Subject": subject})
+            stored.append(_Stored(headers, base64.b64decode(message["data"]) if message.get("data") else b""))
+            seq = int(message["seq"]) + 1
 
     # -- appends
 
@@ -1133,20 +1200,20 @@ class JetStreamAggregateRecorder(JetStreamRecorder, AggregateRecorder):
             events = events[:limit]
         return events
 
-    async def _last(self, subject: str) -> list[Msg]:
-        msg = await self.stream.last_direct(subject)
+    async def _last(self, subject: str) -> list[Msg] | list[_Stored]:
+        msg = await self.stream.last(subject)
         if msg is None:
             self.link.last_seen.put(subject, _Last(0, None))
             return []
         self.link.last_seen.put(subject, _Last(int(msg.headers["Nats-Sequence"]), _version_of(msg.headers)))
         return [msg]
 
-    async def _all(self, subject: str, gt: int | None) -> list[Msg]:
+    async def _all(self, subject: str, gt: int | None) -> list[Msg] | list[_Stored]:
         start = 1
         known = self.link.last_seen.get(subject)
         if gt is not None and known is not None and known.position is not None and known.position <= gt:
             start = known.seq + 1  # everything up to there is at or below `gt`
-        msgs = await self.stream.read(subject, start)
+        msgs = await self.stream.subject_from(subject, start)
         if msgs:
             last = msgs[-1]
             self.link.last_seen.put(subject, _Last(int(last.headers["Nats-Sequence"]), _version_of(last.headers)))
@@ -1208,7 +1275,7 @@ class JetStreamTrackingRecorder(JetStreamRecorder, TrackingRecorder):
         self.link.call(self.stream.append(batch))
 
     def max_tracking_id(self, application_name: str) -> int | None:
-        msg = self.link.call(self.stream.last_direct(tracking_subject(self.prefix, application_name)))
+        msg = self.link.call(self.stream.last(tracking_subject(self.prefix, application_name)))
         if msg is None:
             return None
         return int(msg.headers[TRACKING_HEADER])

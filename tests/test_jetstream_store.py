@@ -579,3 +579,22 @@ def test_what_cannot_be_one_atomic_append_is_refused_before_anything_is_written(
         assert recorder.insert_events(too_many[:MAX_BATCH_MESSAGES]) == list(range(1, MAX_BATCH_MESSAGES + 1))
     finally:
         factory.close()
+
+
+def test_a_read_behind_this_process_s_own_writes_is_made_through_the_stream_leader(nats_url, prefix):
+    """On a replicated stream a direct get may reach a replica that has not applied the
+    latest writes yet. One server cannot lag, so the process's memory of its last write
+    is pushed ahead of every replica instead: the reads must then go to the leader."""
+    from events.jetstream import _Last
+
+    factory = JetStreamFactory(Environment(env=store_env(nats_url, prefix)))
+    try:
+        recorder = factory.application_recorder()
+        written = [StoredEvent("worker.w-1", v, f"T{v}", f"{v}".encode()) for v in (1, 2, 3)]
+        recorder.insert_events(written)
+        recorder.link.last_seen.put(f"{prefix}.ev.worker.w-1", _Last(10**6, 3), authoritative=True)
+        assert recorder.select_events("worker.w-1") == written
+        assert recorder.select_events("worker.w-1", desc=True, limit=1) == written[-1:]
+        assert recorder.select_events("worker.w-1", gt=1, lte=2) == written[1:2]
+    finally:
+        factory.close()
