@@ -396,6 +396,7 @@ class _Link:
         self.thread = threading.Thread(target=self._run_loop, name=f"jetstream-{options.url}", daemon=True)
         self.nc: NATS | None = None
         self.connecting: asyncio.Lock | None = None
+        self.last_error: BaseException | None = None
         self.subscriptions: "weakref.WeakSet[JetStreamSubscription]" = weakref.WeakSet()
         self.inbox = ""
         self.collectors: dict[str, _Collector] = {}
@@ -453,6 +454,9 @@ class _Link:
     async def _connect(self, timeout: float) -> None:
 
         async def on_error(error: Exception) -> None:
+            # The server's word (e.g. an authorization violation) says more than the reset after it.
+            if not (isinstance(error, OSError) and self.last_error is not None):
+                self.last_error = error
             log.debug("nats: %r", error)
 
         async def on_disconnected() -> None:
@@ -481,7 +485,8 @@ class _Link:
             )
         except asyncio.TimeoutError:
             raise StoreUnavailableError(
-                f"could not connect to NATS at {self.options.url} within {timeout:.0f}s"
+                f"could not connect to NATS at {self.options.url} within {timeout:g}s"
+                f" (last error: {self.last_error!r})"
             ) from None
         self.inbox = nc.new_inbox()
         await nc.subscribe(f"{self.inbox}.*", cb=self._route)

@@ -598,3 +598,26 @@ def test_a_read_behind_this_process_s_own_writes_is_made_through_the_stream_lead
         assert recorder.select_events("worker.w-1", gt=1, lte=2) == written[1:2]
     finally:
         factory.close()
+
+
+def test_credentials_from_the_environment_and_one_connection_per_credentials(tmp_path):
+    users = 'authorization { users = [ {user: "alice", password: "wonder"}, {user: "bob", password: "builder"} ] }'
+    server = NatsServer(tmp_path / "auth", extra_config=users)
+    server.start()
+    try:
+        prefix = new_prefix()
+        alice = app_on(server.url, prefix, NATS_USER="alice", NATS_PASSWORD="wonder")
+        bob = app_on(server.url, prefix, NATS_USER="bob", NATS_PASSWORD="builder")
+        try:
+            tally = Tally("t-1")
+            tally.drain("alice")
+            alice.save(tally)
+            assert bob.repository.get("tally.t-1").reasons == ["alice"]
+            assert alice.factory.link is not bob.factory.link
+        finally:
+            alice.close()
+            bob.close()
+        with pytest.raises(StoreUnavailableError, match="could not connect.*[Aa]uthorization"):
+            app_on(server.url, prefix, NATS_USER="mallory", NATS_PASSWORD="x", WARMBOOT_STORE_TIMEOUT="1")
+    finally:
+        server.stop()
