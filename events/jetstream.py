@@ -72,7 +72,13 @@ nothing written). Every originator named there must have an event in the call.
 
 Reading. ``select_events`` and ``select_notifications`` use batched direct gets
 (one request answers up to `READ_PAGE` messages); ``subscribe`` uses an ordered
-consumer. ``max_notification_id`` is one direct get of the last event message.
+consumer (recreated by nats-py after a server restart, from where it was);
+``max_notification_id`` is one direct get of the last event message. Topics are
+filtered on the `TOPIC_HEADER` of each message, here, not by the server. On a
+replicated stream a direct get may be answered by a replica that is behind: a
+read of a subject that comes back older than what this process wrote or read
+there is asked again, then made through the stream leader, so a process always
+reads its own writes.
 
 Threads. The library is synchronous and nats-py is asyncio: the module runs one
 event-loop thread and one connection per (URL, credentials) in the process,
@@ -293,11 +299,13 @@ class _Client(NATS):
 
 @dataclass(frozen=True)
 class ConnectOptions:
+    """Where and as whom to connect: the key of the shared connections."""
+
     url: str
     creds: str | None = None
     user: str | None = None
-    password: str | None = None
-    token: str | None = None
+    password: str | None = field(default=None, repr=False)
+    token: str | None = field(default=None, repr=False)
 
     @classmethod
     def from_env(cls, env: Environment) -> "ConnectOptions":
@@ -308,6 +316,11 @@ class ConnectOptions:
             password=env.get("NATS_PASSWORD") or None,
             token=env.get("NATS_TOKEN") or None,
         )
+
+    @property
+    def where(self) -> str:
+        """The URL(s) without any user:password in them, for messages and logs."""
+        return re.sub(r"//[^@/,]*@", "//", self.url)
 
     def connect_kwargs(self) -> dict[str, Any]:
         # NATS_URL may list a cluster's members, comma-separated (as `--nats` does).
@@ -393,7 +406,7 @@ class _Link:
         self.refs = 0
         self.closed = False
         self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self._run_loop, name=f"jetstream-{options.url}", daemon=True)
+        self.thread = threading.Thread(target=self._run_loop, name="warmboot-jetstream", daemon=True)
         self.nc: NATS | None = None
         self.connecting: asyncio.Lock | None = None
         self.last_error: BaseException | None = None
@@ -460,10 +473,10 @@ class _Link:
             log.debug("nats: %r", error)
 
         async def on_disconnected() -> None:
-            log.info("disconnected from %s; reconnecting", self.options.url)
+            log.info("disconnected from %s; reconnecting", self.options.where)
 
         async def on_reconnected() -> None:
-            log.info("reconnected to %s", self.options.url)
+            log.info("reconnected to %s", self.options.where)
 
         nc = _Client()
         try:
@@ -484,8 +497,12 @@ class _Link:
                 timeout,
             )
         except asyncio.TimeoutError:
+            try:  # stop its reconnect loop: the next call starts afresh
+                await asyncio.wait_for(nc.close(), 2)
+            except (asyncio.TimeoutError, nats.errors.Error, OSError):
+                pass
             raise StoreUnavailableError(
-                f"could not connect to NATS at {self.options.url} within {timeout:g}s"
+                f"could not connect to NATS at {self.options.where} within {timeout:g}s"
                 f" (last error: {self.last_error!r})"
             ) from None
         self.inbox = nc.new_inbox()
@@ -516,7 +533,7 @@ class _Link:
             try:
                 await asyncio.wait_for(self.nc.close(), 5)
             except (asyncio.TimeoutError, nats.errors.Error, OSError) as error:
-                log.debug("closing the connection to %s: %r", self.options.url, error)
+                log.debug("closing the connection to %s: %r", self.options.where, error)
 
     def shutdown(self) -> None:
         if self.closed:
@@ -1245,13 +1262,8 @@ class JetStreamApplicationRecorder(JetStreamAggregateRecorder, ApplicationRecord
         first = 1 if start is None else (start if inclusive_of_start else start + 1)
         if limit <= 0 or (stop is not None and stop < first):
             return []
-        keep = None
-        if topics:
-            wanted = set(topics)
-
-            def keep(msg: Msg) -> bool:
-                return msg.headers.get(TOPIC_HEADER) in wanted
-
+        wanted = set(topics)
+        keep = (lambda msg: msg.headers.get(TOPIC_HEADER) in wanted) if wanted else None
         msgs = self.link.call(
             self.stream.read(f"{self.namespace}.>", first, stop=stop, limit=limit, keep=keep)
         )
