@@ -175,6 +175,7 @@ ERR_CLUSTER_NOT_LEADER = 10009
 ERR_BATCH_TOO_MANY_INFLIGHT = 10210
 ERR_STREAM_NAME_IN_USE = 10058
 ERR_NO_MESSAGE_FOUND = 10037
+ERR_STREAM_NOT_FOUND = 10059
 CONFLICT_CODES = {ERR_WRONG_LAST_SEQUENCE, ERR_BATCH_WRONG_LAST_SEQUENCE, ERR_BATCH_DUPLICATE_MSG_ID}
 TRANSIENT_CODES = {ERR_BATCH_INCOMPLETE, ERR_CLUSTER_NOT_AVAILABLE, ERR_CLUSTER_NOT_LEADER, ERR_BATCH_TOO_MANY_INFLIGHT}
 
@@ -636,12 +637,13 @@ _UNANSWERED = (
 class _Retry:
     """The time budget of one operation: per-attempt timeouts, and doubling sleeps between attempts."""
 
-    def __init__(self, what: str, budget: float):
+    def __init__(self, what: str, budget: float, stream: "_Stream | None" = None):
         self.what = what
         self.loop = asyncio.get_running_loop()
         self.deadline = self.loop.time() + budget
         self.budget = budget
         self.delay = 0.05
+        self.stream = stream  # asked once whether it exists when nobody answers
 
     @property
     def timeout(self) -> float:
@@ -649,6 +651,9 @@ class _Retry:
         return max(0.05, min(REQUEST_TIMEOUT, self.deadline - self.loop.time()))
 
     async def wait(self, error: BaseException) -> None:
+        if isinstance(error, nats.errors.NoRespondersError) and self.stream is not None:
+            stream, self.stream = self.stream, None
+            await stream.check_exists()
         if self.loop.time() + self.delay > self.deadline:
             raise StoreUnavailableError(
                 f"{self.what}: JetStream unavailable for {self.budget:g}s (last error: {error!r})"
@@ -787,6 +792,19 @@ class _Stream:
             log.info("updating stream %s to what the event store needs", self.name)
             await self._api(f"STREAM.UPDATE.{self.name}", merged, timeout)
 
+    async def check_exists(self) -> None:
+        """Nobody answers for the stream: raise a clear error if it does not exist at all."""
+        try:
+            await self._api(f"STREAM.INFO.{self.name}", None, REQUEST_TIMEOUT)
+        except _ServerSaid as said:
+            if said.err_code == ERR_STREAM_NOT_FOUND:
+                self.link.ready_streams.discard(self.name)
+                raise OperationalError(
+                    f"stream {self.name} does not exist (deleted, or never created: CREATE_TABLE=no?)"
+                ) from None
+        except _NOT_DELIVERED + _UNANSWERED:
+            pass  # JetStream itself is not answering: a transient state, retried by the caller
+
     # -- reads
 
     async def read(
@@ -801,7 +819,7 @@ class _Stream:
         """Messages on `filter_subject` from `start_seq` (to `stop`), at most `limit` kept ones."""
         msgs: list[Msg] = []
         seq = max(start_seq, 1)
-        retry = _Retry(f"reading {filter_subject}", self.budget)
+        retry = _Retry(f"reading {filter_subject}", self.budget, self)
         while True:
             want = READ_PAGE
             if limit is not None and keep is None:
@@ -830,7 +848,7 @@ class _Stream:
 
     async def last_direct(self, subject: str) -> Msg | None:
         """The last message on `subject` (a wildcard is allowed), from any replica."""
-        retry = _Retry(f"reading the last message of {subject}", self.budget)
+        retry = _Retry(f"reading the last message of {subject}", self.budget, self)
         request = json.dumps({"last_by_subj": subject}).encode()
         while True:
             try:
@@ -849,7 +867,7 @@ class _Stream:
 
     async def last_from_leader(self, subject: str) -> tuple[int, dict[str, str], bytes] | None:
         """The last message on `subject` as the stream leader has it: (seq, headers, data)."""
-        retry = _Retry(f"reading the last message of {subject}", self.budget)
+        retry = _Retry(f"reading the last message of {subject}", self.budget, self)
         while True:
             try:
                 data = await self._api(f"STREAM.MSG.GET.{self.name}", {"last_by_subj": subject}, retry.timeout)
@@ -904,7 +922,7 @@ class _Stream:
     async def _subject_from_leader(self, subject: str, start: int) -> list[_Stored]:
         stored: list[_Stored] = []
         seq = max(start, 1)
-        retry = _Retry(f"reading {subject} through the leader", self.budget)
+        retry = _Retry(f"reading {subject} through the leader", self.budget, self)
         while True:
             request = {"seq": seq, "next_by_subj": subject}
             try:
@@ -934,7 +952,7 @@ class _Stream:
         (its reply was lost): then a duplicate is recognised as ours, not a conflict.
         """
         await self._expect(batch, verify=not retried)
-        retry = _Retry(f"appending to {self.name}", self.budget)
+        retry = _Retry(f"appending to {self.name}", self.budget, self)
         uncertain = retried
         replans = 0
         while True:

@@ -621,3 +621,22 @@ def test_credentials_from_the_environment_and_one_connection_per_credentials(tmp
             app_on(server.url, prefix, NATS_USER="mallory", NATS_PASSWORD="x", WARMBOOT_STORE_TIMEOUT="1")
     finally:
         server.stop()
+
+
+async def test_a_missing_stream_is_named_at_once_not_retried_for_the_whole_budget(nats_url, prefix, nc):
+    from eventsourcing.persistence import OperationalError
+
+    factory = JetStreamFactory(Environment(env=store_env(nats_url, prefix)))
+    try:
+        recorder = factory.application_recorder()
+        await nc.jetstream().delete_stream(stream_name(prefix))
+        started = time.monotonic()
+        with pytest.raises(OperationalError, match="does not exist"):
+            await asyncio.to_thread(recorder.insert_events, [StoredEvent("worker.w-1", 1, "T", b"{}")])
+        with pytest.raises(OperationalError, match="does not exist"):
+            await asyncio.to_thread(recorder.select_notifications, None, 10)
+        assert time.monotonic() - started < 5
+        factory.application_recorder()  # a recorder made now creates it again
+        assert await asyncio.to_thread(recorder.insert_events, [StoredEvent("worker.w-1", 1, "T", b"{}")]) == [1]
+    finally:
+        factory.close()
