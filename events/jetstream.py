@@ -359,6 +359,12 @@ class _LastSeen:
                 self.entries.move_to_end(subject)
             return last
 
+    def forget(self, prefixes: list[str]) -> None:
+        """Drop what is known of subjects under `prefixes` (their stream was made anew)."""
+        with self.lock:
+            for subject in [s for s in self.entries if s.startswith(tuple(prefixes))]:
+                del self.entries[subject]
+
     def put(self, subject: str, last: _Last, authoritative: bool = False) -> None:
         """Remember `last`; a read that may be older than what is known does not replace it,
         what the stream leader said or acknowledged does."""
@@ -724,6 +730,7 @@ class _Stream:
         self.replicas = replicas
         self.budget = budget
         self.per_subject_limit = per_subject_limit
+        self.create = True  # whether a missing stream may be created (CREATE_TABLE)
 
     # -- setup
 
@@ -749,6 +756,7 @@ class _Stream:
 
     async def ensure(self, create: bool) -> None:
         """Connect; create the stream (idempotently) or bring an existing one up to what we need."""
+        self.create = create
         link = self.link
         await link.connect(self.budget)
         if not create or self.name in link.ready_streams:
@@ -793,15 +801,20 @@ class _Stream:
             await self._api(f"STREAM.UPDATE.{self.name}", merged, timeout)
 
     async def check_exists(self) -> None:
-        """Nobody answers for the stream: raise a clear error if it does not exist at all."""
+        """Nobody answers for the stream: if it does not exist, create it again or say so."""
         try:
             await self._api(f"STREAM.INFO.{self.name}", None, REQUEST_TIMEOUT)
         except _ServerSaid as said:
-            if said.err_code == ERR_STREAM_NOT_FOUND:
-                self.link.ready_streams.discard(self.name)
+            if said.err_code != ERR_STREAM_NOT_FOUND:
+                return
+            self.link.ready_streams.discard(self.name)
+            if not self.create:
                 raise OperationalError(
-                    f"stream {self.name} does not exist (deleted, or never created: CREATE_TABLE=no?)"
+                    f"stream {self.name} does not exist (and CREATE_TABLE says not to create it)"
                 ) from None
+            log.warning("stream %s is gone (deleted, or a new server); creating it again", self.name)
+            self.link.last_seen.forget([subject.rstrip(">") for subject in self.subjects])
+            await self.ensure(True)
         except _NOT_DELIVERED + _UNANSWERED:
             pass  # JetStream itself is not answering: a transient state, retried by the caller
 
@@ -872,6 +885,10 @@ class _Stream:
             try:
                 data = await self._api(f"STREAM.MSG.GET.{self.name}", {"last_by_subj": subject}, retry.timeout)
             except _ServerSaid as said:
+                if said.err_code == ERR_STREAM_NOT_FOUND:
+                    await self.check_exists()  # made again (then nothing is in it), or an error
+                    await retry.wait(said)
+                    continue
                 if said.err_code == ERR_NO_MESSAGE_FOUND or said.code == 404:
                     return None
                 if not said.transient:
@@ -928,6 +945,10 @@ class _Stream:
             try:
                 data = await self._api(f"STREAM.MSG.GET.{self.name}", request, retry.timeout)
             except _ServerSaid as said:
+                if said.err_code == ERR_STREAM_NOT_FOUND:
+                    await self.check_exists()
+                    await retry.wait(said)
+                    continue
                 if said.err_code == ERR_NO_MESSAGE_FOUND or said.code == 404:
                     return stored
                 if not said.transient:

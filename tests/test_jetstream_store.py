@@ -623,20 +623,27 @@ def test_credentials_from_the_environment_and_one_connection_per_credentials(tmp
         server.stop()
 
 
-async def test_a_missing_stream_is_named_at_once_not_retried_for_the_whole_budget(nats_url, prefix, nc):
+async def test_a_stream_deleted_under_the_store_is_made_again_or_named(nats_url, prefix, nc):
     from eventsourcing.persistence import OperationalError
 
     factory = JetStreamFactory(Environment(env=store_env(nats_url, prefix)))
+    restrained = JetStreamFactory(Environment(env={**store_env(nats_url, prefix), "CREATE_TABLE": "no"}))
     try:
         recorder = factory.application_recorder()
+        restrained_recorder = restrained.application_recorder()
+        written = [StoredEvent("worker.w-1", v, "T", b"{}") for v in (1, 2, 3)]
+        await asyncio.to_thread(recorder.insert_events, written)
         await nc.jetstream().delete_stream(stream_name(prefix))
         started = time.monotonic()
         with pytest.raises(OperationalError, match="does not exist"):
-            await asyncio.to_thread(recorder.insert_events, [StoredEvent("worker.w-1", 1, "T", b"{}")])
-        with pytest.raises(OperationalError, match="does not exist"):
-            await asyncio.to_thread(recorder.select_notifications, None, 10)
-        assert time.monotonic() - started < 5
-        factory.application_recorder()  # a recorder made now creates it again
-        assert await asyncio.to_thread(recorder.insert_events, [StoredEvent("worker.w-1", 1, "T", b"{}")]) == [1]
+            await asyncio.to_thread(restrained_recorder.select_notifications, None, 10)
+        assert time.monotonic() - started < 5  # not retried for the whole budget
+        # The default: the stream is made again and the append goes through.
+        assert await asyncio.to_thread(recorder.insert_events, written[:1]) == [1]
+        assert (await nc.jetstream().stream_info(stream_name(prefix))).config.allow_atomic
+        # What the process knew of the old stream is forgotten: reads and appends go on from the new one.
+        assert await asyncio.to_thread(recorder.select_events, "worker.w-1", gt=0) == written[:1]
+        assert await asyncio.to_thread(recorder.insert_events, written[1:2]) == [2]
     finally:
         factory.close()
+        restrained.close()
