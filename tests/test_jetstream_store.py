@@ -647,3 +647,27 @@ async def test_a_stream_deleted_under_the_store_is_made_again_or_named(nats_url,
     finally:
         factory.close()
         restrained.close()
+
+
+_TOKEN_CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_:~+=!@#$%^&()[]{}|;,"
+
+
+def test_an_originator_id_and_its_subject_map_both_ways():
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    from events.jetstream import ID_TYPE_HEADER, originator_of, originator_subject
+
+    token = st.text(alphabet=_TOKEN_CHARS, min_size=1, max_size=12)
+    kinds = token.filter(lambda kind: kind != "aggregate")
+    dotted = st.builds(lambda kind, parts: ".".join([kind, *parts]), kinds, st.lists(token, min_size=1, max_size=3))
+    ids = st.one_of(st.uuids(), token, dotted)
+
+    @given(ids)
+    def round_trip(originator_id):
+        subject = originator_subject("p.ev", originator_id)
+        headers = {ID_TYPE_HEADER: "uuid"} if isinstance(originator_id, uuid.UUID) else {}
+        assert subject.startswith("p.ev.") and " " not in subject
+        assert originator_of("p.ev", subject, headers) == originator_id
+
+    round_trip()
