@@ -151,13 +151,10 @@ class Log:
         return self.add(SnapshotTaken(at=AT, actor_id=actor_id, snapshot=snap, origin=origin))
 
     def place(self, placement, request_id: str | None = None) -> int:
-        self.add(WorkerBooked(at=AT, worker_id=placement.worker_id, actor_id=placement.actor_id, request_id=request_id))
-        return self.add(ActorPlaced(
-            at=AT, actor_id=placement.actor_id, worker_id=placement.worker_id, node=placement.node,
-            action=placement.action, fidelity=placement.fidelity, sandbox_runtime=placement.sandbox_runtime,
-            snapshot_id=placement.snapshot_id, fallback=placement.fallback, booked=placement.booked,
-            request_id=request_id,
-        ))
+        """What the scheduler commits: ActorPlaced, then WorkerBooked, in one atomic append."""
+        self.add(placed_event(placement, request_id))
+        return self.add(WorkerBooked(at=AT, worker_id=placement.worker_id, actor_id=placement.actor_id,
+                                     request_id=request_id))
 
     def release(self, actor_id: str, worker_id: str, reason: ReleaseReason) -> int:
         return self.add(ActorReleased(at=AT, actor_id=actor_id, worker_id=worker_id, reason=reason))
@@ -167,6 +164,15 @@ class Log:
 
     def explain(self, actor_id: str, selectors=None):
         return explain(self.p, actor_id, selectors, self.p.seq)
+
+
+def placed_event(placement, request_id: str | None = None) -> ActorPlaced:
+    return ActorPlaced(
+        at=AT, actor_id=placement.actor_id, worker_id=placement.worker_id, node=placement.node,
+        action=placement.action, fidelity=placement.fidelity, sandbox_runtime=placement.sandbox_runtime,
+        snapshot_id=placement.snapshot_id, fallback=placement.fallback, booked=placement.booked,
+        request_id=request_id,
+    )
 
 
 def make_snapshot(
@@ -699,11 +705,27 @@ def test_subject_expectations_follow_the_log():
     assert log.p.actor_expectation("a") == (1, 2)
     assert log.p.booking_expectation("w1") == (0, 0)
     log.place(log.decide("a"), request_id="r1")
-    assert log.p.booking_expectation("w1") == (1, 3)
-    assert log.p.actor_expectation("a") == (2, 4)
+    assert log.p.actor_expectation("a") == (2, 3)
+    assert log.p.booking_expectation("w1") == (1, 4)
     actor = log.p.actors["a"]
-    assert (actor.placed_seq, actor.placed_request_id, actor.state) == (4, "r1", RUNNING)
+    assert (actor.placed_seq, actor.placed_request_id, actor.state) == (3, "r1", RUNNING)
     assert log.p.actor_expectation("nobody") == (0, 0)
+
+
+def test_half_a_commit_never_shows_a_booking_sequence_ahead_of_its_capacity():
+    """A fold may be read between the two events of one commit: then the placement's
+    capacity is already counted while the booking subject still shows the old sequence,
+    so a decision taken in between commits against an old expectation and loses."""
+    log = Log()
+    log.worker("w1", mem=1024 + WORKER_RESERVE_MIB)
+    log.actor("a", mem=1024)
+    log.actor("b", mem=1024)
+    placed = log.decide("a")
+    before = log.p.booking_expectation("w1")
+    log.add(placed_event(placed))  # the first half of the append
+    assert log.p.booking_expectation("w1") == before
+    assert log.p.workers["w1"].room_mem == 0
+    refused(log, "b", ErrorCode.RESOURCE_EXHAUSTED)
 
 
 def test_runtime_change_moves_a_worker_between_index_entries():

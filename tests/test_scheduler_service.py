@@ -10,13 +10,16 @@ under test. No sleeps: every wait is on a reply, a stream sequence or an event.
 from __future__ import annotations
 
 import asyncio
-import random
+import signal
+import subprocess
+import sys
 from datetime import datetime, timezone
 
-import msgspec
 import nats
 import pytest
 from prometheus_client import REGISTRY
+
+from eventsourcing.persistence import IntegrityError
 
 from events.aggregate import WireApplication
 from events.codec import decode_event, encode
@@ -56,7 +59,8 @@ from events.schema import (
 from events.subjects import service_subject, stream_name
 from services.common import ReplyCache, call, store_env
 from services.scheduler.projection import WORKER_RESERVE_MIB
-from services.scheduler.service import SchedulerService
+from services.scheduler.decide import decide
+from services.scheduler.service import Commit, Hold, SchedulerService
 
 AT = datetime(2026, 11, 30, tzinfo=timezone.utc)
 CLS = "gvisor"
@@ -93,17 +97,20 @@ class Store:
         self.app.close()
 
 
-def register(worker_id: str, default: CompatVersion = V1, restorable=(), *, cpu=4000, mem=4096, node=None, overhead=0):
+def register(worker_id: str, default: CompatVersion = V1, restorable=(), *, cpu=4000, mem=4096, node=None, overhead=0,
+             labels=None):
     runtime = WorkerRuntime(version=default, actor_overhead=ActorOverhead(fixed_mib=overhead))
     entry = WorkerSandboxClass(sandbox_class=CLS, default_runtime=runtime,
                                restorable_runtimes=tuple(WorkerRuntime(version=v) for v in restorable))
     return WorkerRegistered(at=AT, worker_id=worker_id, node=node or f"node-{worker_id}",
-                            capacity=Resources(cpu_millis=cpu, memory_mib=mem), labels={}, sandbox_classes=(entry,))
+                            capacity=Resources(cpu_millis=cpu, memory_mib=mem), labels=labels or {},
+                            sandbox_classes=(entry,))
 
 
-def create(actor_id: str, *, cpu=500, mem=1024, min_fidelity=Fidelity.ROOTFS):
+def create(actor_id: str, *, cpu=500, mem=1024, min_fidelity=Fidelity.ROOTFS, selectors=None):
     return ActorCreated(at=AT, actor_id=actor_id, sandbox_class=CLS, template_uid="t1",
-                        resources=Resources(cpu_millis=cpu, memory_mib=mem), selectors={}, min_fidelity=min_fidelity)
+                        resources=Resources(cpu_millis=cpu, memory_mib=mem), selectors=selectors or {},
+                        min_fidelity=min_fidelity)
 
 
 def suspended(actor_id: str, stamped: CompatVersion, fidelity=Fidelity.MEMORY):
@@ -182,16 +189,17 @@ async def test_resume_places_commits_and_answers_over_nats(nc, prefix, store, re
     await asyncio.to_thread(store.write, register("old", V1), register("new", V2, overhead=32))
     await asyncio.to_thread(store.write, create("a"), suspended("a", V1))
     await asyncio.to_thread(store.write, create("cold"))
-    await replicas()
+    service = await replicas()
     placed_before = metric("warmboot_placements_total", sandbox_class=CLS, action="RESTORE", fidelity="MEMORY")
 
     a = await resume(nc, prefix, "a")
     assert (a.worker_id, a.action, a.fidelity, a.snapshot_id) == ("old", Action.RESTORE, PlacedFidelity.MEMORY, "a-snap")
     assert a.sandbox_runtime == ActorRuntime(sandbox_class=CLS, version=V1)
     events = dict(await read_log(nc, prefix))
-    recorded = events[a.seq]
+    recorded = events[a.seq - 1]  # the reply's seq is the last event written: the booking marker
     assert isinstance(recorded, ActorPlaced) and recorded.worker_id == "old" and recorded.booked == a.booked
-    assert isinstance(events[a.seq - 1], WorkerBooked) and events[a.seq - 1].worker_id == "old"
+    assert isinstance(events[a.seq], WorkerBooked) and events[a.seq].worker_id == "old"
+    assert max(events) == a.seq
     assert metric("warmboot_placements_total", sandbox_class=CLS, action="RESTORE", fidelity="MEMORY") == placed_before + 1
 
     with pytest.raises(ContractError) as running:
@@ -208,6 +216,11 @@ async def test_resume_places_commits_and_answers_over_nats(nc, prefix, store, re
     [gvisor] = frag.classes
     assert gvisor.workers == 2 and gvisor.stranded_snapshots == 0
     assert {r.version: r.workers_default for r in gvisor.runtimes} == {V1: 1, V2: 1}
+
+    service.refresh_gauges()
+    label = "v1 architecture=amd64,gvisor_asset_hash=2"
+    assert metric("warmboot_scheduler_workers", sandbox_class=CLS, runtime=label, role="default") == 1
+    assert metric("warmboot_scheduler_fold_seq") == service.projection.seq >= cold.seq
 
 
 async def test_fallback_is_committed_and_counted(nc, prefix, store, replicas):
@@ -264,6 +277,45 @@ async def test_a_replica_sees_events_written_after_it_started(nc, prefix, store,
     assert again.worker_id == "w" and again.seq > a.seq
 
 
+# --- group commits ------------------------------------------------------------------------------------
+
+
+async def test_concurrent_resumes_share_appends(nc, prefix, store, replicas):
+    await asyncio.to_thread(store.write, *[register(f"w{i}", V1) for i in range(10)])
+    await asyncio.to_thread(store.write, *[create(f"a{j:02d}", cpu=100, mem=256) for j in range(60)])
+    service = await replicas()
+    placed = await asyncio.gather(*(resume(nc, prefix, f"a{j:02d}") for j in range(60)))
+    assert service.commits == 60 and service.groups < 60
+    assert sum(check_log(await read_log(nc, prefix)).values()) == 60
+    assert len({a.seq for a in placed}) == 60
+
+
+async def test_a_refused_group_keeps_the_placements_that_are_still_valid(nc, prefix, store, replicas):
+    await asyncio.to_thread(store.write, register("w1", labels={"slot": "1"}), register("w2", labels={"slot": "2"}))
+    await asyncio.to_thread(store.write, create("x", selectors={"slot": "1"}), create("y", selectors={"slot": "2"}))
+    service = await replicas()
+    p = service.projection
+    on_w1, on_w2 = decide(p, "x", None, p.seq), decide(p, "y", None, p.seq)
+    loop = asyncio.get_running_loop()
+
+    def queued(placement, booking) -> Commit:
+        hold = Hold(placement.worker_id, placement.booked.cpu_millis, placement.booked.memory_mib, loop.create_future())
+        return Commit(placement, None, hold, booking, p.actor_expectation(placement.actor_id), None,
+                      loop.create_future())
+
+    x, y = queued(on_w1, p.booking_expectation("w1")), queued(on_w2, p.booking_expectation("w2"))
+    # another replica books w2 after y was decided
+    seq = await asyncio.to_thread(store.write, WorkerBooked(at=AT, worker_id="w2", actor_id="elsewhere"))
+    await service.fold.wait(seq, 5)
+    await service._append([x, y])
+    with pytest.raises(IntegrityError):
+        await y.result
+    x_seq = await x.result  # committed by the next group, without deciding again
+    events = dict(await read_log(nc, prefix))
+    assert isinstance(events[x_seq], WorkerBooked) and events[x_seq - 1].actor_id == "x"
+    assert [e.actor_id for e in events.values() if isinstance(e, ActorPlaced)] == ["x"]
+
+
 # --- idempotency ----------------------------------------------------------------------------------------
 
 
@@ -287,7 +339,7 @@ async def test_a_lost_reply_retried_with_its_request_id_gives_one_placement(nc, 
     await sub.unsubscribe()
 
     retry = await resume(nc, prefix, "a", request_id="req-a")
-    assert retry.seq == placed_seq
+    assert retry.seq == placed_seq + 1  # the WorkerBooked written with it
     again = await resume(nc, prefix, "a", request_id="req-a")
     assert again == retry
 
@@ -370,13 +422,14 @@ async def test_three_replicas_and_200_concurrent_resumes_never_overbook(nc, nats
     placed = [o for o in outcomes if isinstance(o, Assignment)]
     refused = [o for o in outcomes if not isinstance(o, Assignment)]
     assert set(refused) <= {ErrorCode.RESOURCE_EXHAUSTED}, refused
+    events = await read_log(nc, prefix)
+    per_worker = check_log(events)
     assert len(placed) == 96  # every slot taken, none twice
-    per_worker = check_log(await read_log(nc, prefix))
     assert sum(per_worker.values()) == 96 and set(per_worker.values()) == {8}
-    log_placed = {e.actor_id: (s, e) for s, e in await read_log(nc, prefix) if isinstance(e, ActorPlaced)}
+    log_placed = {e.actor_id: (s, e) for s, e in events if isinstance(e, ActorPlaced)}
     for assignment in placed:
         seq, event = log_placed[assignment.actor_id]
-        assert seq == assignment.seq and event.worker_id == assignment.worker_id
+        assert seq == assignment.seq - 1 and event.worker_id == assignment.worker_id
     assert sum(s.commits for s in services) == 96
     # the replicas agree on what is booked
     last = await last_seq(nc, prefix)
@@ -416,3 +469,76 @@ async def test_a_replica_stopped_mid_load_is_rebuilt_from_the_log_and_serves(nc,
     placements = check_log(await read_log(nc, prefix))
     assert sum(placements.values()) == 90
     assert [a.actor_id for a in first + second + third] == [f"a{j:02d}" for j in range(90)]
+
+
+class ReplicaProcess:
+    """A scheduler replica in a process of its own (`warmboot serve scheduler`), to kill -9."""
+
+    def __init__(self, nats_url: str, prefix: str):
+        code = "from warmboot.cli import main; main()"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code, "serve", "scheduler", "--nats", nats_url, "--prefix", prefix],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        )
+
+    async def ready(self) -> None:
+        line = await asyncio.wait_for(asyncio.to_thread(self.proc.stdout.readline), 60)
+        assert line.startswith("serving scheduler"), line
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+
+async def test_a_replica_killed_mid_load_is_rebuilt_from_the_log_and_serves(nc, nats_url, prefix, store, replicas):
+    await asyncio.to_thread(store.write, *[register(f"w{i}", V1, mem=16 * 256 + WORKER_RESERVE_MIB) for i in range(6)])
+    await asyncio.to_thread(store.write, *[create(f"a{j:02d}", cpu=100, mem=256) for j in range(90)])
+    survivor = await replicas()
+    doomed = ReplicaProcess(nats_url, prefix)
+    reborn = None
+    try:
+        await doomed.ready()
+        answered = 0
+        enough = asyncio.Event()
+
+        async def one(j: int) -> Assignment:
+            nonlocal answered
+            for _ in range(10):  # a request the killed replica took never gets a reply: retry, same request_id
+                try:
+                    assignment = await resume(nc, prefix, f"a{j:02d}", timeout=2, request_id=f"kill-{j}")
+                except ContractError as error:
+                    if error.code is not ErrorCode.UNAVAILABLE:
+                        raise
+                    continue
+                answered += 1
+                if answered - survivor.commits >= 3:  # the other replica has answered some too
+                    enough.set()
+                return assignment
+            raise AssertionError(f"a{j:02d} never placed")
+
+        load = asyncio.gather(*(one(j) for j in range(60)))
+        waiting = asyncio.create_task(enough.wait())
+        await asyncio.wait([load, waiting], return_when=asyncio.FIRST_COMPLETED)
+        waiting.cancel()
+        assert enough.is_set(), "the replica to kill answered nothing"
+        doomed.kill()
+        placed = await load
+
+        reborn = ReplicaProcess(nats_url, prefix)
+        await reborn.ready()
+        await survivor.stop()  # from here on only the rebuilt replica answers
+        with pytest.raises(ContractError) as running:  # it folded the placements made before it started
+            await resume(nc, prefix, "a00", request_id="again")
+        assert running.value.code is ErrorCode.FAILED_PRECONDITION
+        assert await resume(nc, prefix, "a00", request_id="kill-0") == placed[0]
+        placed += await asyncio.gather(*(one(j) for j in range(60, 90)))
+    finally:
+        doomed.kill()
+        if reborn is not None:
+            reborn.kill()
+    assert [a.actor_id for a in placed] == [f"a{j:02d}" for j in range(90)]
+    events = await read_log(nc, prefix)
+    assert sum(check_log(events).values()) == 90
+    by_actor = {e.actor_id: s for s, e in events if isinstance(e, ActorPlaced)}
+    assert all(by_actor[a.actor_id] == a.seq - 1 for a in placed)

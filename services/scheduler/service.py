@@ -13,13 +13,17 @@ What it decides is in `services.scheduler.decide`; what it knows, in
   service `warmboot-scheduler` in its queue group, so any number of replicas serve.
 
 Committing a placement (CONTRACT placement rule 8). A resume appends, in one atomic
-batch through the event store's recorder, `WorkerBooked` on `booking.<worker id>`
-and `ActorPlaced` on `actor.<actor id>`, each guarded by the last stream sequence
-the decision saw for that subject. Another replica that booked the same worker, or
+batch through the event store's recorder, `ActorPlaced` on `actor.<actor id>` and
+`WorkerBooked` on `booking.<worker id>`, each guarded by the last stream sequence
+the decision saw for that subject. The order matters: a fold delivers a batch one
+message at a time and a decision may run between two of them; with the placement
+first, a worker's booking sequence never moves ahead of the capacity it accounts
+for, so a decision made in between expects an old sequence and loses, instead of
+booking room that is already taken. Another replica that booked the same worker, or
 placed (or released, paused...) the same actor meanwhile, makes the batch fail as a
 whole; this replica then waits until its fold has those events and decides again,
 at most `commit_attempts` times, then answers UNAVAILABLE. The reply's `seq` is the
-sequence of the `ActorPlaced`, the last event the request wrote.
+sequence of the `WorkerBooked`, the last event the request wrote.
 
 Within one replica, resumes run concurrently. A decision counts the bookings this
 replica has in flight (committed or not, until its fold has them), so concurrent
@@ -194,10 +198,14 @@ class Fold:
         if not seq or self.projection.seq >= seq:
             return
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._waiters, (seq, next(self._tie), waiter))
+        entry = (seq, next(self._tie), waiter)
+        heapq.heappush(self._waiters, entry)
         try:
             await asyncio.wait_for(waiter, timeout)
         except asyncio.TimeoutError:
+            with suppress(ValueError):
+                self._waiters.remove(entry)
+                heapq.heapify(self._waiters)
             raise unavailable(
                 f"this scheduler replica has folded the log up to sequence {self.projection.seq}, "
                 f"not {seq}, within {timeout:g}s; try again"
@@ -210,7 +218,7 @@ class Fold:
 class Hold:
     """One booking this replica is committing (or has committed but not folded yet)."""
 
-    __slots__ = ("worker_id", "cpu", "mem", "expected", "written", "placed_seq", "done", "released")
+    __slots__ = ("worker_id", "cpu", "mem", "expected", "written", "last_seq", "done", "released")
 
     def __init__(self, worker_id: str, cpu: int, mem: int, done: asyncio.Future[None]):
         self.worker_id = worker_id
@@ -218,7 +226,7 @@ class Hold:
         self.mem = mem
         self.expected: tuple[int, int] | None = None  # (version, seq) of booking.<id> its commit expected
         self.written: tuple[int, int] | None = None  # (version, seq) of the WorkerBooked it wrote
-        self.placed_seq = 0
+        self.last_seq = 0  # the WorkerBooked's sequence: the fold has the booking once past it
         self.done = done  # settled once its commit succeeded or failed
         self.released = False
 
@@ -311,6 +319,7 @@ class SchedulerService:
         self.commit_attempts = commit_attempts
         self.catch_up_s = catch_up_s
         self.max_group = max(1, min(max_group, MAX_GROUP))
+        self._group_limit = self.max_group  # halved after a refused append, doubled after a taken one
         self.projection = Projection()
         self.fold = Fold(nc, prefix, self.projection, self._folded)
         self.replies = ReplyCache(nc, prefix)
@@ -474,10 +483,10 @@ class SchedulerService:
             self._unfolded_actors[actor_id] = seq
             return seq
         finally:
-            if not hold.placed_seq or self.fold.applied >= hold.placed_seq:
+            if not hold.last_seq or self.fold.applied >= hold.last_seq:
                 self._unhold(hold)
             else:
-                heapq.heappush(self._unfolded, (hold.placed_seq, next(self._tie), hold))
+                heapq.heappush(self._unfolded, (hold.last_seq, next(self._tie), hold))
 
     async def _commit_groups(self) -> None:
         """The committer: one append at a time, each carrying every placement queued meanwhile.
@@ -498,7 +507,7 @@ class SchedulerService:
                 for item in self._queue:
                     worker_id = item.hold.worker_id
                     blocked = item.after is not None and not item.after.done.done()
-                    if blocked or worker_id in workers or len(group) >= self.max_group:
+                    if blocked or worker_id in workers or len(group) >= self._group_limit:
                         rest.append(item)
                     else:
                         workers.add(worker_id)
@@ -544,8 +553,10 @@ class SchedulerService:
                 request_id=item.request_id,
             )
             booking_id, placed_id = f"booking.{worker_id}", f"actor.{actor_id}"
-            stored.append(store.stored_event(booking_id, booking[0] + 1, booked))
+            # ActorPlaced first: a fold that has read only part of the batch has then counted
+            # the booking before the booking subject's sequence moves, never the reverse.
             stored.append(store.stored_event(placed_id, item.actor[0] + 1, placed))
+            stored.append(store.stored_event(booking_id, booking[0] + 1, booked))
             expected[booking_id] = booking[1]
             expected[placed_id] = item.actor[1]
         self.groups += 1
@@ -554,16 +565,22 @@ class SchedulerService:
         except IntegrityError as error:
             await self._sort_out(group, error)
             return
+        self._group_limit = min(self.max_group, self._group_limit * 2)
         for i, item in enumerate(group):
             hold = item.hold
-            hold.written = (hold.expected[0] + 1, seqs[2 * i])
-            hold.placed_seq = seqs[2 * i + 1]
+            hold.written = (hold.expected[0] + 1, seqs[2 * i + 1])
+            hold.last_seq = seqs[2 * i + 1]
             hold.done.set_result(None)
-            item.result.set_result(hold.placed_seq)
+            item.result.set_result(hold.last_seq)
 
     async def _sort_out(self, group: list[Commit], error: IntegrityError) -> None:
         """A group was refused: fold what the log holds now, fail the placements whose
-        subjects moved on (they are decided again) and queue the others again unchanged."""
+        subjects moved on (they are decided again) and queue the others again unchanged.
+
+        Under contention (replicas booking the same workers) smaller groups lose less
+        to one stale placement, so the next groups are at most half this one's size.
+        """
+        self._group_limit = max(1, len(group) // 2)
         try:
             last = (await self.nc.jetstream().stream_info(self.stream)).state.last_seq
             await self.fold.wait(last, self.catch_up_s)
@@ -624,9 +641,14 @@ class SchedulerService:
         await self.fold.wait(last, self.catch_up_s)
 
     async def _recorded(self, seq: int) -> Assignment:
-        """The assignment an earlier request recorded at `seq` (a retry after a lost reply)."""
-        msg = await self.nc.jetstream().get_msg(self.stream, seq=seq, direct=True)
-        placed = decoder(ActorPlaced).decode(msg.data)
+        """The assignment an earlier request recorded with the ActorPlaced at `seq` (a retry
+        after a lost reply); its `seq` is that of the WorkerBooked written with it, right after."""
+        js = self.nc.jetstream()
+        placed = decoder(ActorPlaced).decode((await js.get_msg(self.stream, seq=seq, direct=True)).data)
+        with suppress(Exception):  # written by something else than this scheduler: no booking marker
+            booked = decode_event((await js.get_msg(self.stream, seq=seq + 1, direct=True)).data)
+            if isinstance(booked, WorkerBooked) and booked.actor_id == placed.actor_id:
+                seq += 1
         fields = {f: getattr(placed, f) for f in Placement.__struct_fields__}
         return Assignment(**fields, seq=seq)
 

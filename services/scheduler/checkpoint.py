@@ -1,0 +1,288 @@
+"""Projection checkpoints: when to save, where, and how a new replica starts from one.
+
+A checkpoint is a cache of the fold, never a source of truth: the projection at one
+stream sequence, encoded by `services.scheduler.checkpoint_codec`, stored as an
+object of the JetStream object store `<PREFIX>_CHECKPOINTS`. A new replica loads the
+newest checkpoint it can use and replays only the tail of the log after it; if none
+is usable (none yet, corrupt, an unknown format, another version of the fold's code,
+another incarnation of the stream) it says why in a warning and replays the whole log,
+which gives the same projection, only slower.
+
+When: every `every_events` events folded (once the fold has caught up with the
+stream: a replica replaying a long log saves when it is done, not on the way), or
+every `interval_s` seconds if anything was folded since the last one. Before saving,
+a replica looks at the store: if another replica saved one recently (within half
+the interval in events) it does not save its own.
+
+Consistency: a checkpoint is exactly the projection at its recorded sequence. The
+fold applies messages on the event loop, one callback at a time; a save starts
+between two of them, sets `capturing`, and copies the projection into Structs in a
+worker thread while the fold's next callback waits for `capturing` to clear (`hold`).
+Requests keep being answered from the projection meanwhile: they only read it.
+Encoding, compressing and uploading run after the fold has resumed.
+
+Names: `projection-<seq, 20 digits>-<replica token>`, so that names sort by sequence
+and two replicas saving at the same sequence never write the same object. The
+`keep` newest are kept, older ones deleted after each save.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import time
+import uuid
+from contextlib import suppress
+from typing import Any
+
+from nats.aio.client import Client as NATS
+from nats.js.api import ObjectMeta, ObjectStoreConfig, StorageType
+from nats.js.errors import NotFoundError, ObjectNotFoundError
+
+from events.subjects import bucket_name, stream_name
+from services.common import stream_replicas
+from services.scheduler.checkpoint_codec import (
+    CheckpointRejected,
+    decode_checkpoint,
+    encode_checkpoint,
+    export_state,
+)
+from services.scheduler.projection import Projection
+
+log = logging.getLogger("warmboot.scheduler.checkpoint")
+
+DEFAULT_EVERY_EVENTS = 50_000
+DEFAULT_INTERVAL_S = 60.0
+KEEP = 2  # newest checkpoints kept; the older one is the fallback if the newest cannot be read
+CAUGHT_UP = 1_000  # the count trigger waits until at most this many messages are left to fold
+LOAD_TIMEOUT_S = 60.0  # reading one checkpoint object
+CLOSE_WAIT_S = 10.0  # a save in progress at stop() may finish within this
+NAME_PREFIX = "projection-"
+
+
+def object_name(seq: int, token: str) -> str:
+    return f"{NAME_PREFIX}{seq:020d}-{token}"
+
+
+def seq_of(name: str) -> int | None:
+    if not name.startswith(NAME_PREFIX):
+        return None
+    digits = name[len(NAME_PREFIX):].partition("-")[0]
+    return int(digits) if digits.isdigit() else None
+
+
+class Checkpoints:
+    """Saves a scheduler's projection now and then; gives a new replica the newest one."""
+
+    def __init__(
+        self,
+        nc: NATS,
+        prefix: str,
+        *,
+        every_events: int = DEFAULT_EVERY_EVENTS,
+        interval_s: float = DEFAULT_INTERVAL_S,
+        keep: int = KEEP,
+        replicas: int | None = None,
+        compress: bool = True,
+    ):
+        if every_events < 1:
+            raise ValueError("every_events must be at least 1")
+        self.nc = nc
+        self.prefix = prefix
+        self.stream = stream_name(prefix)
+        self.bucket = bucket_name(prefix, "checkpoints")
+        self.every_events = every_events
+        self.interval_s = interval_s
+        self.keep = max(1, keep)
+        self.replicas = replicas or stream_replicas()
+        self.compress = compress
+        self.token = uuid.uuid4().hex[:8]
+        self.store: Any = None
+        # Set while a save copies the projection: the fold waits for it (see `hold`).
+        self.capturing: asyncio.Future[None] | None = None
+        # What was restored at start: the fold replayed only what came after.
+        self.restored_seq = 0
+        self.restored_events = 0
+        # The last save (or restore): the triggers count from here.
+        self.saved_seq = 0
+        self.saved_events = 0
+        self.saved_at = time.monotonic()
+        self.stored_seq = 0  # the newest checkpoint this replica has finished storing
+        self.saves = 0
+        self.skipped = 0  # saves left to another replica's recent checkpoint
+        self.last_capture_s = 0.0  # how long the fold waited during the last save
+        self.last_size = 0
+        self._due = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._saving: asyncio.Task[str | None] | None = None
+        self._saved = asyncio.Condition()
+        self._capture = asyncio.Lock()  # one capture at a time: each gates the fold on its own
+
+    # --- the store ---
+
+    async def open(self) -> "Checkpoints":
+        js = self.nc.jetstream()
+        config = ObjectStoreConfig(
+            bucket=self.bucket, description="warmboot scheduler projection checkpoints (derived from the log)",
+            storage=StorageType.FILE, replicas=self.replicas,
+        )
+        try:
+            self.store = await js.create_object_store(config=config)
+        except Exception:  # it exists with another configuration (e.g. replicas): use it as it is
+            self.store = await js.object_store(self.bucket)
+        return self
+
+    async def list(self) -> list[tuple[int, str]]:
+        """(sequence, name) of the stored checkpoints, newest first."""
+        try:
+            infos = await self.store.list(ignore_deletes=True)
+        except NotFoundError:
+            return []
+        found = [(seq, info.name) for info in infos if (seq := seq_of(info.name)) is not None]
+        return sorted(found, reverse=True)
+
+    async def _read(self, name: str) -> bytes:
+        buffer = io.BytesIO()  # nats-py appends chunks to bytes otherwise: quadratic on large objects
+        await self.store.get(name, writeinto=buffer)
+        return buffer.getvalue()
+
+    async def _stream_identity(self) -> tuple[str, int]:
+        info = await self.nc.jetstream().stream_info(self.stream)
+        created = info.created.isoformat() if info.created is not None else ""
+        return created, info.state.last_seq
+
+    # --- loading ---
+
+    async def load(self) -> Projection | None:
+        """The projection of the newest usable checkpoint, or None (then replay the whole log)."""
+        created, last_seq = await self._stream_identity()
+        for seq, name in await self.list():
+            try:
+                data = await asyncio.wait_for(self._read(name), LOAD_TIMEOUT_S)
+            except Exception as error:
+                log.warning("checkpoint %s ignored: it could not be read (%s: %s)", name, type(error).__name__, error)
+                continue
+            try:
+                envelope, projection = await asyncio.to_thread(decode_checkpoint, data)
+                if envelope.stream != self.stream or envelope.stream_created != created:
+                    raise CheckpointRejected(
+                        f"it belongs to stream {envelope.stream} created {envelope.stream_created or '?'}, "
+                        f"not to {self.stream} created {created or '?'}"
+                    )
+                if envelope.seq > last_seq:
+                    raise CheckpointRejected(f"it covers sequence {envelope.seq}, the stream ends at {last_seq}")
+            except CheckpointRejected as why:
+                log.warning("checkpoint %s ignored: %s", name, why)
+                continue
+            self.restored_seq = self.saved_seq = projection.seq
+            self.restored_events = self.saved_events = projection.events
+            self.saved_at = time.monotonic()
+            log.info("restored the projection from checkpoint %s: %d events up to sequence %d (%d bytes)",
+                     name, projection.events, projection.seq, len(data))
+            return projection
+        return None
+
+    # --- saving ---
+
+    async def hold(self) -> None:
+        """Wait until no save is copying the projection (the fold calls this before folding)."""
+        while self.capturing is not None:
+            await asyncio.shield(self.capturing)
+
+    def folded(self, events: int, behind: int) -> None:
+        """After each message folded: wake the saver when enough events have come in."""
+        if events - self.saved_events >= self.every_events and behind <= CAUGHT_UP:
+            self._due.set()
+
+    async def save(self, projection: Projection) -> str:
+        """Capture `projection` now and store it; the object's name."""
+        async with self._capture:
+            gate = self.capturing = asyncio.get_running_loop().create_future()
+            t0 = time.perf_counter()
+            try:
+                state = await asyncio.to_thread(export_state, projection)
+            finally:
+                self.capturing = None
+                gate.set_result(None)
+            self.last_capture_s = time.perf_counter() - t0
+        self.saved_seq, self.saved_events, self.saved_at = state.seq, state.events, time.monotonic()
+        created, _ = await self._stream_identity()
+        data = await asyncio.to_thread(
+            encode_checkpoint, state, stream=self.stream, stream_created=created, compress=self.compress
+        )
+        name = object_name(self.saved_seq, self.token)
+        await self.store.put(name, data, meta=ObjectMeta(name=name, description=f"projection at sequence {self.saved_seq}"))
+        self.saves += 1
+        self.last_size = len(data)
+        log.info("saved checkpoint %s (%d events, %d bytes; the fold waited %.3f s)",
+                 name, state.events, len(data), self.last_capture_s)
+        async with self._saved:
+            self.stored_seq = max(self.stored_seq, state.seq)
+            self._saved.notify_all()
+        try:
+            await self._prune()
+        except Exception as error:  # the next save prunes again
+            log.warning("deleting old checkpoints failed (%s: %s)", type(error).__name__, error)
+        return name
+
+    async def _prune(self) -> None:
+        for _, name in (await self.list())[self.keep:]:
+            with suppress(ObjectNotFoundError, NotFoundError):  # another replica pruned it first
+                await self.store.delete(name)
+
+    async def wait_saved(self, seq: int, timeout: float) -> None:
+        """Return once this replica has stored a checkpoint covering `seq`."""
+        async with self._saved:
+            await asyncio.wait_for(self._saved.wait_for(lambda: self.stored_seq >= seq), timeout)
+
+    def _busy(self) -> bool:
+        return self._saving is not None and not self._saving.done()
+
+    # --- the saver ---
+
+    def follow(self, fold: Any) -> None:
+        """Save `fold.projection` on the triggers from now on; the fold holds for captures."""
+        fold.checkpoints = self
+        self._task = asyncio.create_task(self._run(fold), name="scheduler-checkpoints")
+
+    async def _run(self, fold: Any) -> None:
+        while True:
+            with suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._due.wait(), self.interval_s if self.interval_s > 0 else None)
+            self._due.clear()
+            projection = fold.projection
+            fresh = projection.events - self.saved_events
+            if fresh <= 0:
+                continue
+            by_count = fresh >= self.every_events
+            by_time = self.interval_s > 0 and time.monotonic() - self.saved_at >= self.interval_s
+            if not (by_count or by_time):
+                continue
+            try:
+                newest = next(iter(await self.list()), (0, ""))[0]
+                if newest >= projection.seq - self.every_events // 2:  # another replica's is recent enough
+                    self.skipped += 1
+                    self.saved_seq, self.saved_events, self.saved_at = newest, projection.events, time.monotonic()
+                    continue
+                self._saving = asyncio.create_task(self.save(projection))
+                await asyncio.shield(self._saving)
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # the store is unavailable: try again at the next trigger
+                self.saved_events, self.saved_at = projection.events, time.monotonic()
+                log.warning("saving a checkpoint failed (%s: %s); trying again later", type(error).__name__, error)
+
+    async def close(self) -> None:
+        task, self._task = self._task, None
+        if self._busy():  # let a save in progress finish, rather than leave chunks without their object
+            with suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(self._saving), CLOSE_WAIT_S)
+        if task is not None:
+            task.cancel()
+            with suppress(asyncio.CancelledError):
+                await task
+        if self._saving is not None and not self._saving.done():
+            self._saving.cancel()
+            with suppress(BaseException):
+                await self._saving

@@ -1,0 +1,447 @@
+"""A scheduler projection as bytes and back: pure (no I/O, no asyncio, no clock).
+
+`export_state(projection)` copies everything the fold keeps into msgspec Structs
+(`State`); `restore_state(state)` builds a new projection from them that is the
+same, field for field and order for order, as the one exported:
+
+- Objects shared by reference in the projection (workers, interned compat keys,
+  stamps, runtimes, resources, label and selector maps) are written once, in
+  tables, and referred to by position, so a restored projection shares them the
+  same way (an actor's booking points at the very Worker record in its class
+  index; all snapshots of one runtime share one Stamp) and is as small in memory.
+- Orders that decisions depend on are kept as they are: the member lists of every
+  `IndexedSet` (power-of-two sampling draws by position), the order of workers,
+  actors and classes, the counts tables. So `decide` gives the same worker for
+  the same position on a restored projection as on a full replay.
+- A worker record that is no longer registered but still referred to by an actor
+  (its booking outlived a `WorkerRemoved`) is written too, after the registered ones.
+
+`encode_checkpoint` wraps a State into an `Envelope`: the format version, a
+digest of the fold's code, the stream position it covers, the stream it belongs
+to and a digest of the body. `decode_checkpoint` refuses (`CheckpointRejected`,
+with the reason) anything that is not exactly a checkpoint of this format, of this
+fold code and intact; the caller then replays the log instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import zlib
+from pathlib import Path
+from typing import Iterable
+
+import msgspec
+from msgspec import Struct
+
+from events.compat import compat_key
+from events.schema import ActorRuntime, CompatVersion, Fidelity, Resources, WorkerRuntime
+from services.scheduler import projection as projection_module
+from services.scheduler.projection import (
+    CREATED,
+    DRAINED,
+    PAUSED,
+    REGISTERED,
+    RUNNING,
+    STOPPED,
+    SUSPENDED,
+    Actor,
+    ClassEntry,
+    ClassIndex,
+    Compat,
+    IndexedSet,
+    Projection,
+    Worker,
+)
+
+# Bump on any change of what State holds or how it maps onto the projection.
+FORMAT = 1
+
+# The states are compared by identity in the fold and in decide (`state is REGISTERED`):
+# a restored projection must hold these very objects, not equal strings.
+_WORKER_STATES = {REGISTERED: REGISTERED, DRAINED: DRAINED}
+_ACTOR_STATES = {s: s for s in (CREATED, RUNNING, PAUSED, SUSPENDED, STOPPED)}
+
+NONE = -1  # "no reference" in an index field
+
+
+def _fold_digest() -> str:
+    """Identifies the fold's code: a checkpoint is only ever restored by the code that wrote it.
+
+    A checkpoint is a cache of a fold; if the fold's code changes (a new field, a fixed
+    rule), an old checkpoint could differ from what a replay of the same log gives now.
+    So the digest covers the sources of the fold and of this codec; where the sources
+    are not readable, the attribute layout of the projection's classes stands in.
+    """
+    h = hashlib.blake2b(digest_size=12)
+    h.update(str(FORMAT).encode())
+    try:
+        for path in (projection_module.__file__, __file__):
+            h.update(Path(path).read_bytes())
+    except (OSError, TypeError):
+        for cls in (Worker, Actor, ClassIndex, ClassEntry, IndexedSet, Compat):
+            h.update(repr((cls.__name__, cls.__slots__)).encode())
+        h.update(repr(sorted(vars(Projection()))).encode())
+    return h.hexdigest()
+
+
+FOLD_DIGEST = _fold_digest()
+
+
+# --- the state ----------------------------------------------------------------------------------
+
+
+class WorkerRow(Struct, array_like=True):
+    worker_id: str
+    node: str
+    cpu_millis: int
+    memory_mib: int
+    labels: int  # index into State.maps
+    state: str
+    classes: list[tuple[str, int, list[int]]]  # (sandbox_class, default, restorable) by index into State.runtimes
+    booked_cpu: int
+    booked_mem: int
+
+
+class ActorRow(Struct, array_like=True):
+    actor_id: str
+    state: str
+    sandbox_class: str
+    template_uid: str
+    resources: int  # index into State.resources, or NONE
+    selectors: int  # index into State.maps
+    min_fidelity: Fidelity
+    snapshot_id: str | None
+    snap_template: str | None
+    snap_fidelity: Fidelity | None
+    snap_node: str | None
+    snap_stamp: int  # index into State.stamps, or NONE
+    snap_borrowed: bool
+    worker: int  # index into State.workers, or NONE
+    holds: bool  # the actor's booking counts on its worker (it is in `worker.actors`)
+    booked: int  # index into State.resources, or NONE
+    pin: int  # index into State.stamps, or NONE
+    node: str | None
+    placed_seq: int
+    placed_request_id: str | None
+    version: int
+    last_seq: int
+
+
+class ClassRow(Struct, array_like=True):
+    sandbox_class: str
+    workers: list[int]  # the class's IndexedSet, in order, by index into State.workers
+    default: list[tuple[int, list[int]]]  # (compat, members in order)
+    restorable: list[tuple[int, list[int]]]
+    live_default: list[tuple[int, int]]  # (compat, count)
+    live_restorable: list[tuple[int, int]]
+    memory_snapshots: list[tuple[int, int]]
+
+
+class State(Struct):
+    """Everything a projection holds, with shared objects in tables."""
+
+    seq: int
+    events: int
+    compats: list[tuple[str, CompatVersion]]  # (sandbox_class, the version first seen for the key)
+    runtimes: list[tuple[str, WorkerRuntime]]
+    stamps: list[ActorRuntime]
+    resources: list[Resources]
+    maps: list[list[tuple[str, str]]]  # interned label and selector maps, sorted pairs
+    registered: int  # workers[:registered] are the registered ones, in the projection's order
+    workers: list[WorkerRow]
+    classes: list[ClassRow]
+    actors: list[ActorRow]
+    bookings: list[tuple[str, int, int]]  # (worker id, version, last seq) of booking.<id>
+    subjects: list[tuple[str, int, int]]
+
+
+class Envelope(Struct):
+    """What is stored: the State's bytes and what decides whether they may be used."""
+
+    format: int
+    fold: str  # FOLD_DIGEST of the code that wrote it
+    seq: int  # stream sequence of the last message the projection folded
+    events: int
+    stream: str  # the stream's name and creation time: this incarnation of the log
+    stream_created: str
+    digest: str  # blake2b of `body`
+    compression: str  # "zlib" or "none"
+    body: bytes  # msgpack of State
+
+
+class _Header(Struct):
+    """The one field every format will keep: read first, so an unknown format is named as such."""
+
+    format: int
+
+
+class CheckpointRejected(Exception):
+    """A checkpoint that must not be used; the message says why."""
+
+
+# --- projection -> state ---------------------------------------------------------------------------
+
+
+def export_state(p: Projection) -> State:
+    """Copy the projection into a State. Nothing may fold into `p` meanwhile."""
+    compat_index = {id(c): i for i, c in enumerate(p._compats.values())}
+    compats = [(c.sandbox_class, c.version) for c in p._compats.values()]
+    runtime_index = {id(r): i for i, r in enumerate(p._runtimes.values())}
+    runtimes = list(p._runtimes)
+    stamp_index = {id(s): i for i, s in enumerate(p._stamps.values())}
+    stamps = [s.runtime for s in p._stamps.values()]
+    resource_index = {id(r): i for i, r in enumerate(p._resources.values())}
+    resources = list(p._resources.values())
+    map_index = {id(m): i for i, m in enumerate(p._selectors.values())}
+    maps = [list(key) for key in p._selectors]
+
+    def map_of(mapping: object) -> int:
+        found = map_index.get(id(mapping))
+        if found is None:  # not interned (cannot happen through the fold; kept exact anyway)
+            found = map_index[id(mapping)] = len(maps)
+            maps.append(sorted(mapping.items()))  # type: ignore[attr-defined]
+        return found
+
+    def resource_of(value: Resources | None) -> int:
+        if value is None:
+            return NONE
+        found = resource_index.get(id(value))
+        if found is None:
+            found = resource_index[id(value)] = len(resources)
+            resources.append(value)
+        return found
+
+    workers: list[Worker] = list(p.workers.values())
+    worker_index = {id(w): i for i, w in enumerate(workers)}
+    registered = len(workers)
+    for actor in p.actors.values():  # records of removed workers that bookings still point at
+        worker = actor.worker
+        if worker is not None and id(worker) not in worker_index:
+            worker_index[id(worker)] = len(workers)
+            workers.append(worker)
+
+    worker_rows = [
+        WorkerRow(
+            w.worker_id, w.node, w.cpu_millis, w.memory_mib, map_of(w.labels), w.state,
+            [(name, runtime_index[id(e.default)], [runtime_index[id(r)] for r in e.restorable])
+             for name, e in w.classes.items()],
+            w.booked_cpu, w.booked_mem,
+        )
+        for w in workers
+    ]
+
+    def members(s: IndexedSet) -> list[int]:
+        return [worker_index[id(w)] for w in s.items]
+
+    def counts(table: dict[Compat, int]) -> list[tuple[int, int]]:
+        return [(compat_index[id(c)], n) for c, n in table.items()]
+
+    class_rows = [
+        ClassRow(
+            index.sandbox_class,
+            members(index.workers),
+            [(compat_index[id(c)], members(s)) for c, s in index.default.items()],
+            [(compat_index[id(c)], members(s)) for c, s in index.restorable.items()],
+            counts(index.live_default),
+            counts(index.live_restorable),
+            counts(index.memory_snapshots),
+        )
+        for index in p.classes.values()
+    ]
+
+    stamp_of = stamp_index.get
+    actor_rows = []
+    append = actor_rows.append
+    for a in p.actors.values():
+        worker = a.worker
+        snap_stamp, pin = a.snap_stamp, a.pin
+        append(ActorRow(
+            a.actor_id, a.state, a.sandbox_class, a.template_uid, resource_of(a.resources), map_of(a.selectors),
+            a.min_fidelity, a.snapshot_id, a.snap_template, a.snap_fidelity, a.snap_node,
+            NONE if snap_stamp is None else stamp_of(id(snap_stamp)), a.snap_borrowed,
+            NONE if worker is None else worker_index[id(worker)],
+            worker is not None and a.actor_id in worker.actors,
+            resource_of(a.booked),
+            NONE if pin is None else stamp_of(id(pin)),
+            a.node, a.placed_seq, a.placed_request_id, a.version, a.last_seq,
+        ))
+
+    return State(
+        seq=p.seq,
+        events=p.events,
+        compats=compats,
+        runtimes=runtimes,
+        stamps=stamps,
+        resources=resources,
+        maps=maps,
+        registered=registered,
+        workers=worker_rows,
+        classes=class_rows,
+        actors=actor_rows,
+        bookings=[(k, v, s) for k, (v, s) in p.bookings.items()],
+        subjects=[(k, v, s) for k, (v, s) in p.subjects.items()],
+    )
+
+
+# --- state -> projection ---------------------------------------------------------------------------------
+
+
+def _at(table: list, i: int):
+    """table[i] for a reference field; NONE gives None; anything else out of range is an error."""
+    if i == NONE:
+        return None
+    if i < 0:
+        raise IndexError(f"reference {i} out of range")
+    return table[i]
+
+
+def restore_state(state: State) -> Projection:
+    """A new projection equal to the one `state` was exported from. Raises on an inconsistent state."""
+    p = Projection()
+    p.seq = state.seq
+    p.events = state.events
+
+    compats: list[Compat] = []
+    for sandbox_class, version in state.compats:
+        key = compat_key(sandbox_class, version)
+        if key in p._compats:
+            raise ValueError(f"compat key {key} appears twice")
+        compat = p._compats[key] = Compat(key, version)
+        compats.append(compat)
+    runtimes = [p._runtime(sandbox_class, runtime) for sandbox_class, runtime in state.runtimes]
+    stamps = [p.stamp(runtime) for runtime in state.stamps]
+    resources = [p._res(r) for r in state.resources]
+    maps = [p._sel(dict(pairs)) for pairs in state.maps]
+    text = p._str
+
+    workers: list[Worker] = []
+    for i, row in enumerate(state.workers):
+        w = Worker(row.worker_id)
+        w.node = text(row.node)
+        w.cpu_millis = row.cpu_millis
+        w.memory_mib = row.memory_mib
+        w.labels = maps[row.labels]
+        w.state = _WORKER_STATES[row.state]
+        w.classes = {
+            text(name): ClassEntry(runtimes[default], tuple(runtimes[r] for r in restorable))
+            for name, default, restorable in row.classes
+        }
+        w.booked_cpu = row.booked_cpu
+        w.booked_mem = row.booked_mem
+        workers.append(w)
+        if i < state.registered:
+            if w.worker_id in p.workers:
+                raise ValueError(f"worker {w.worker_id} registered twice")
+            p.workers[w.worker_id] = w
+
+    def members(indices: Iterable[int]) -> IndexedSet:
+        s = IndexedSet()
+        for i in indices:
+            s.add(workers[i])
+        return s
+
+    for row in state.classes:
+        index = ClassIndex(text(row.sandbox_class))
+        index.workers = members(row.workers)
+        index.default = {compats[c]: members(m) for c, m in row.default}
+        index.restorable = {compats[c]: members(m) for c, m in row.restorable}
+        index.live_default = {compats[c]: n for c, n in row.live_default}
+        index.live_restorable = {compats[c]: n for c, n in row.live_restorable}
+        index.memory_snapshots = {compats[c]: n for c, n in row.memory_snapshots}
+        p.classes[index.sandbox_class] = index
+
+    actors = p.actors
+    for row in state.actors:
+        a = Actor(row.actor_id)
+        a.state = _ACTOR_STATES[row.state]
+        a.sandbox_class = text(row.sandbox_class)
+        a.template_uid = text(row.template_uid)
+        a.resources = _at(resources, row.resources)
+        a.selectors = maps[row.selectors]
+        a.min_fidelity = row.min_fidelity
+        a.snapshot_id = row.snapshot_id
+        a.snap_template = None if row.snap_template is None else text(row.snap_template)
+        a.snap_fidelity = row.snap_fidelity
+        a.snap_node = None if row.snap_node is None else text(row.snap_node)
+        a.snap_stamp = _at(stamps, row.snap_stamp)
+        a.snap_borrowed = row.snap_borrowed
+        worker = a.worker = _at(workers, row.worker)
+        if row.holds:
+            if worker is None:
+                raise ValueError(f"actor {row.actor_id} holds a booking on no worker")
+            worker.actors.add(row.actor_id)
+        a.booked = _at(resources, row.booked)
+        a.pin = _at(stamps, row.pin)
+        a.node = None if row.node is None else text(row.node)
+        a.placed_seq = row.placed_seq
+        a.placed_request_id = row.placed_request_id
+        a.version = row.version
+        a.last_seq = row.last_seq
+        if a.actor_id in actors:
+            raise ValueError(f"actor {a.actor_id} appears twice")
+        actors[a.actor_id] = a
+
+    p.bookings = {worker_id: (version, seq) for worker_id, version, seq in state.bookings}
+    p.subjects = {subject: (version, seq) for subject, version, seq in state.subjects}
+    return p
+
+
+# --- bytes ---------------------------------------------------------------------------------------------------
+
+_encoder = msgspec.msgpack.Encoder()
+_state_decoder = msgspec.msgpack.Decoder(State)
+_envelope_decoder = msgspec.msgpack.Decoder(Envelope)
+_header_decoder = msgspec.msgpack.Decoder(_Header)
+
+
+def _digest(body: bytes) -> str:
+    return hashlib.blake2b(body, digest_size=16).hexdigest()
+
+
+def encode_checkpoint(state: State, *, stream: str, stream_created: str, compress: bool = True) -> bytes:
+    body = _encoder.encode(state)
+    if compress:
+        body = zlib.compress(body, 1)
+    return _encoder.encode(Envelope(
+        format=FORMAT, fold=FOLD_DIGEST, seq=state.seq, events=state.events, stream=stream,
+        stream_created=stream_created, digest=_digest(body), compression="zlib" if compress else "none", body=body,
+    ))
+
+
+def read_envelope(data: bytes) -> Envelope:
+    """The envelope, if it is one this code can use at all; CheckpointRejected otherwise."""
+    try:
+        header = _header_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as error:
+        raise CheckpointRejected(f"not a checkpoint ({error})") from None
+    if header.format != FORMAT:
+        raise CheckpointRejected(f"unknown format version {header.format} (this scheduler reads {FORMAT})")
+    try:
+        envelope = _envelope_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as error:
+        raise CheckpointRejected(f"corrupt envelope ({error})") from None
+    if envelope.fold != FOLD_DIGEST:
+        raise CheckpointRejected("written by another version of the scheduler's fold")
+    if _digest(envelope.body) != envelope.digest:
+        raise CheckpointRejected("body does not match its digest")
+    return envelope
+
+
+def decode_checkpoint(data: bytes) -> tuple[Envelope, Projection]:
+    """The envelope and the restored projection; CheckpointRejected if anything is off."""
+    envelope = read_envelope(data)
+    try:
+        body = envelope.body
+        if envelope.compression == "zlib":
+            body = zlib.decompress(body)
+        elif envelope.compression != "none":
+            raise ValueError(f"unknown compression {envelope.compression!r}")
+        state = _state_decoder.decode(body)
+        if (state.seq, state.events) != (envelope.seq, envelope.events):
+            raise ValueError("body and envelope disagree on the position")
+        projection = restore_state(state)
+    except CheckpointRejected:
+        raise
+    except Exception as error:  # any inconsistency at all: the log is still there to replay
+        raise CheckpointRejected(f"corrupt body ({type(error).__name__}: {error})") from None
+    return envelope, projection
