@@ -211,14 +211,16 @@ class Checkpoints:
         data = await asyncio.to_thread(
             encode_checkpoint, state, stream=self.stream, stream_created=created, compress=self.compress
         )
-        name = object_name(self.saved_seq, self.token)
-        await self.store.put(name, data, meta=ObjectMeta(name=name, description=f"projection at sequence {self.saved_seq}"))
+        seq, events = state.seq, state.events
+        del state  # the copy can be large: keep only its bytes through the upload
+        name = object_name(seq, self.token)
+        await self.store.put(name, data, meta=ObjectMeta(name=name, description=f"projection at sequence {seq}"))
         self.saves += 1
         self.last_size = len(data)
         log.info("saved checkpoint %s (%d events, %d bytes; the fold waited %.3f s)",
-                 name, state.events, len(data), self.last_capture_s)
+                 name, events, len(data), self.last_capture_s)
         async with self._saved:
-            self.stored_seq = max(self.stored_seq, state.seq)
+            self.stored_seq = max(self.stored_seq, seq)
             self._saved.notify_all()
         try:
             await self._prune()
@@ -260,8 +262,11 @@ class Checkpoints:
             if not (by_count or by_time):
                 continue
             try:
+                # Another replica's checkpoint may make this one pointless: on the count
+                # trigger, one within half the interval; on the time trigger, one as new.
+                slack = self.every_events // 2 if by_count else 0
                 newest = next(iter(await self.list()), (0, ""))[0]
-                if newest >= projection.seq - self.every_events // 2:  # another replica's is recent enough
+                if newest >= projection.seq - slack:
                     self.skipped += 1
                     self.saved_seq, self.saved_events, self.saved_at = newest, projection.events, time.monotonic()
                     continue

@@ -51,6 +51,7 @@ import msgspec
 from eventsourcing.persistence import IntegrityError, OperationalError
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.micro.request import Request
 from prometheus_client import Counter, Gauge
 
@@ -72,6 +73,7 @@ from events.schema import (
 )
 from events.subjects import check_prefix, service_subject, stream_name
 from services.common import EndpointSpec, ReplyCache, add_endpoints, store_env, wrap
+from services.scheduler.checkpoint import DEFAULT_INTERVAL_S, Checkpoints
 from services.scheduler.decide import decide, explain, fragmentation
 from services.scheduler.projection import Projection
 
@@ -137,16 +139,23 @@ class Fold:
         self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
         self._tie = itertools.count()
         self._sub: Any = None
+        self.checkpoints: Checkpoints | None = None  # set by Checkpoints.follow: holds the fold during a capture
 
     @property
     def applied(self) -> int:
         return self.projection.seq
 
     async def start(self, timeout: float) -> None:
+        """Read from the message after the projection's position (1, or a restored checkpoint's + 1)."""
         js = self.nc.jetstream()
         target = (await js.stream_info(self.stream)).state.last_seq
+        start = {}
+        if self.projection.seq:
+            start = {"deliver_policy": DeliverPolicy.BY_START_SEQUENCE,
+                     "config": ConsumerConfig(opt_start_seq=self.projection.seq + 1)}
         self._sub = await js.subscribe(
-            f"{self.prefix}.>", stream=self.stream, cb=self._on_msg, ordered_consumer=True, idle_heartbeat=2.0
+            f"{self.prefix}.>", stream=self.stream, cb=self._on_msg, ordered_consumer=True, idle_heartbeat=2.0,
+            **start,
         )
         await self.wait(target, timeout)
 
@@ -161,11 +170,16 @@ class Fold:
         self._waiters.clear()
 
     async def _on_msg(self, msg: Msg) -> None:
+        checkpoints = self.checkpoints
+        if checkpoints is not None and checkpoints.capturing is not None:
+            await checkpoints.hold()  # a checkpoint is copying the projection: fold nothing meanwhile
         tokens = msg.reply.split(".")
         if len(tokens) == 9:
             seq, behind = int(tokens[5]), int(tokens[8])
         else:
             seq, behind = int(tokens[Msg.Ack.StreamSeq]), int(tokens[Msg.Ack.NumPending])
+        if seq <= self.projection.seq:  # redelivered: an ordered consumer reset before its first message
+            return
         headers = msg.headers
         topic = headers.get(TOPIC_HEADER) if headers else None
         projection = self.projection
@@ -192,6 +206,8 @@ class Fold:
                 waiter.set_result(None)
         if self.on_applied is not None:
             self.on_applied(seq)
+        if checkpoints is not None:
+            checkpoints.folded(projection.events, behind)
 
     async def wait(self, seq: int | None, timeout: float) -> None:
         """Return once the fold has applied `seq`; UNAVAILABLE if it does not within `timeout`."""
@@ -309,6 +325,8 @@ class SchedulerService:
         catch_up_s: float = DEFAULT_CATCH_UP_S,
         max_group: int = MAX_GROUP,
         env: dict[str, str] | None = None,
+        checkpoint_every: int | None = None,
+        checkpoint_interval_s: float = DEFAULT_INTERVAL_S,
     ):
         self.nc = nc
         self.prefix = check_prefix(prefix)
@@ -322,6 +340,12 @@ class SchedulerService:
         self._group_limit = self.max_group  # halved after a refused append, doubled after a taken one
         self.projection = Projection()
         self.fold = Fold(nc, prefix, self.projection, self._folded)
+        # Projection checkpoints (services.scheduler.checkpoint): start from the newest, save every
+        # `checkpoint_every` events or `checkpoint_interval_s` seconds; None or 0: always replay the log.
+        self.checkpoints = (
+            Checkpoints(nc, prefix, every_events=checkpoint_every, interval_s=checkpoint_interval_s)
+            if checkpoint_every else None
+        )
         self.replies = ReplyCache(nc, prefix)
         self.store: WireApplication | None = None
         self.service: Any = None
@@ -363,7 +387,13 @@ class SchedulerService:
 
     async def start(self) -> "SchedulerService":
         self.store = await asyncio.to_thread(WireApplication, self.env)  # creates the stream if need be
+        if self.checkpoints is not None:
+            restored = await (await self.checkpoints.open()).load()
+            if restored is not None:  # the fold goes on from its position
+                self.projection = self.fold.projection = restored
         await self.fold.start(max(self.catch_up_s, 60.0))
+        if self.checkpoints is not None:
+            self.checkpoints.follow(self.fold)
         await self.replies.start()
         self._committer = asyncio.create_task(self._commit_groups(), name="scheduler-committer")
         self.service = await add_endpoints(
@@ -403,6 +433,8 @@ class SchedulerService:
         self._gauges = self._committer = None
         self._fail(self._queue, unavailable("this scheduler replica is stopping; try again"))
         self._queue = []
+        if self.checkpoints is not None:
+            await self.checkpoints.close()
         await self.fold.stop()
         if self.store is not None:
             store, self.store = self.store, None
