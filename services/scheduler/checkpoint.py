@@ -38,7 +38,7 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.js.api import ObjectMeta, ObjectStoreConfig, StorageType
-from nats.js.errors import NotFoundError, ObjectNotFoundError
+from nats.js.errors import BadRequestError, NotFoundError, ObjectNotFoundError
 
 from events.subjects import bucket_name, stream_name
 from services.common import stream_replicas
@@ -124,12 +124,12 @@ class Checkpoints:
     async def open(self) -> "Checkpoints":
         js = self.nc.jetstream()
         config = ObjectStoreConfig(
-            bucket=self.bucket, description="warmboot scheduler projection checkpoints (derived from the log)",
+            description="warmboot scheduler projection checkpoints (derived from the log)",
             storage=StorageType.FILE, replicas=self.replicas,
         )
         try:
-            self.store = await js.create_object_store(config=config)
-        except Exception:  # it exists with another configuration (e.g. replicas): use it as it is
+            self.store = await js.create_object_store(self.bucket, config=config)
+        except BadRequestError:  # it exists with another configuration (e.g. replicas): use it as it is
             self.store = await js.object_store(self.bucket)
         return self
 
@@ -247,6 +247,7 @@ class Checkpoints:
         """Save `fold.projection` on the triggers from now on; the fold holds for captures."""
         fold.checkpoints = self
         self._task = asyncio.create_task(self._run(fold), name="scheduler-checkpoints")
+        self.folded(fold.projection.events, fold.behind)  # a long replay at start: save it right away
 
     async def _run(self, fold: Any) -> None:
         while True:
