@@ -176,6 +176,7 @@ ERR_BATCH_TOO_MANY_INFLIGHT = 10210
 ERR_STREAM_NAME_IN_USE = 10058
 ERR_NO_MESSAGE_FOUND = 10037
 ERR_STREAM_NOT_FOUND = 10059
+ERR_CLUSTER_NO_PEERS = 10005
 CONFLICT_CODES = {ERR_WRONG_LAST_SEQUENCE, ERR_BATCH_WRONG_LAST_SEQUENCE, ERR_BATCH_DUPLICATE_MSG_ID}
 TRANSIENT_CODES = {ERR_BATCH_INCOMPLETE, ERR_CLUSTER_NOT_AVAILABLE, ERR_CLUSTER_NOT_LEADER, ERR_BATCH_TOO_MANY_INFLIGHT}
 
@@ -767,7 +768,8 @@ class _Stream:
                 await self._create_or_update(retry.timeout)
                 break
             except _ServerSaid as said:
-                if not said.transient:
+                # No peers for the replicas yet: a cluster still forming, or a member restarting.
+                if not (said.transient or said.err_code == ERR_CLUSTER_NO_PEERS):
                     raise OperationalError(f"stream {self.name}: {said}") from None
                 await retry.wait(said)
             except _NOT_DELIVERED + _UNANSWERED as error:
@@ -790,7 +792,13 @@ class _Stream:
         except _ServerSaid as said:
             if said.err_code != ERR_STREAM_NAME_IN_USE:
                 raise
-        current = (await self._api(f"STREAM.INFO.{self.name}", None, timeout))["config"]
+        try:
+            current = (await self._api(f"STREAM.INFO.{self.name}", None, timeout))["config"]
+        except _ServerSaid as said:
+            if said.err_code != ERR_STREAM_NOT_FOUND:
+                raise
+            # "in use" and "not found" at once: a cluster between two states; ask again
+            raise _ServerSaid(503, ERR_CLUSTER_NOT_AVAILABLE, f"stream {self.name} is settling") from None
         merged = dict(current)
         merged["subjects"] = sorted(set(current.get("subjects") or []) | set(self.subjects))
         merged["allow_atomic"] = True
@@ -805,8 +813,8 @@ class _Stream:
         try:
             await self._api(f"STREAM.INFO.{self.name}", None, REQUEST_TIMEOUT)
         except _ServerSaid as said:
-            if said.err_code != ERR_STREAM_NOT_FOUND:
-                return
+            if said.err_code != ERR_STREAM_NOT_FOUND or await self._listed():
+                return  # there, between leaders: the caller's retries ride it out
             self.link.ready_streams.discard(self.name)
             if not self.create:
                 raise OperationalError(
@@ -817,6 +825,14 @@ class _Stream:
             await self.ensure(True)
         except _NOT_DELIVERED + _UNANSWERED:
             pass  # JetStream itself is not answering: a transient state, retried by the caller
+
+    async def _listed(self) -> bool:
+        """Whether the account's stream list (the meta leader's word) names this stream."""
+        try:
+            names = await self._api("STREAM.NAMES", {"subject": self.subjects[0]}, REQUEST_TIMEOUT)
+        except (_ServerSaid,) + _NOT_DELIVERED + _UNANSWERED:
+            return True  # cannot tell: do not conclude it is gone
+        return self.name in (names.get("streams") or [])
 
     # -- reads
 
