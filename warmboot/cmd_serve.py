@@ -10,6 +10,7 @@ from contextlib import AsyncExitStack
 import click
 
 from events.subjects import DEFAULT_PREFIX
+from services.scheduler.checkpoint import DEFAULT_EVERY_EVENTS, DEFAULT_INTERVAL_S
 from warmboot.runner import SERVICES, start_services, until_signal
 
 
@@ -25,8 +26,14 @@ from warmboot.runner import SERVICES, start_services, until_signal
               help="Registry: seconds of silence after which a worker is removed as LOST.")
 @click.option("--replicas", type=click.IntRange(1, 5), default=None, envvar="WARMBOOT_STREAM_REPLICAS",
               help="Replica count of the event stream when this process creates it (3 on a cluster).")
+@click.option("--checkpoint-every", type=click.IntRange(min=0), default=DEFAULT_EVERY_EVENTS, show_default=True,
+              help="Scheduler: save a projection checkpoint every N events folded (0: no checkpoints, "
+                   "a new replica replays the whole log).")
+@click.option("--checkpoint-interval", "checkpoint_interval_s", type=click.FloatRange(min=0),
+              default=DEFAULT_INTERVAL_S, show_default=True,
+              help="Scheduler: also save one after this many seconds if anything was folded (0: off).")
 def serve(service: str, nats_url: str, prefix: str, metrics_port: int | None, ttl_s: float,
-          replicas: int | None) -> None:
+          replicas: int | None, checkpoint_every: int, checkpoint_interval_s: float) -> None:
     """Run SERVICE (registry, snapshotter, scheduler, or all) until SIGINT/SIGTERM.
 
     NATS URLs may be a comma-separated list (the members of a cluster).
@@ -39,7 +46,9 @@ def serve(service: str, nats_url: str, prefix: str, metrics_port: int | None, tt
     async def run() -> None:
         async with AsyncExitStack() as stack:
             running = await start_services(
-                stack, names, nats_url, prefix, metrics_port, {"registry": {"ttl_s": ttl_s}}
+                stack, names, nats_url, prefix, metrics_port,
+                {"registry": {"ttl_s": ttl_s},
+                 "scheduler": {"checkpoint_every": checkpoint_every, "checkpoint_interval_s": checkpoint_interval_s}},
             )
             click.echo(f"serving {', '.join(names)} on {nats_url} (prefix {prefix})")
             if running.metrics_port:

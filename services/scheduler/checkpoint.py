@@ -113,6 +113,7 @@ class Checkpoints:
         self.skipped = 0  # saves left to another replica's recent checkpoint
         self.last_capture_s = 0.0  # how long the fold waited during the last save
         self.last_size = 0
+        self.load_timings: dict[str, float] = {}  # of the checkpoint restored: read_s, decode_s, bytes
         self._due = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._saving: asyncio.Task[str | None] | None = None
@@ -158,11 +159,13 @@ class Checkpoints:
         """The projection of the newest usable checkpoint, or None (then replay the whole log)."""
         created, last_seq = await self._stream_identity()
         for seq, name in await self.list():
+            t0 = time.perf_counter()
             try:
                 data = await asyncio.wait_for(self._read(name), LOAD_TIMEOUT_S)
             except Exception as error:
                 log.warning("checkpoint %s ignored: it could not be read (%s: %s)", name, type(error).__name__, error)
                 continue
+            t1 = time.perf_counter()
             try:
                 envelope, projection = await asyncio.to_thread(decode_checkpoint, data)
                 if envelope.stream != self.stream or envelope.stream_created != created:
@@ -175,6 +178,7 @@ class Checkpoints:
             except CheckpointRejected as why:
                 log.warning("checkpoint %s ignored: %s", name, why)
                 continue
+            self.load_timings = {"read_s": t1 - t0, "decode_s": time.perf_counter() - t1, "bytes": len(data)}
             self.restored_seq = self.saved_seq = projection.seq
             self.restored_events = self.saved_events = projection.events
             self.saved_at = time.monotonic()
