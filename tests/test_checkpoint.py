@@ -538,3 +538,18 @@ async def test_a_capture_holds_the_fold_and_the_checkpoint_is_the_projection_at_
     assert restored.seq == seen[0]
     assert_same(restored, await replay_until(nc, prefix, restored.seq))
     assert_same(service.projection, await replay(nc, prefix))
+
+
+async def test_a_checkpoint_bucket_that_cannot_be_made_does_not_stop_a_replica(nc, prefix, log_, replicas, caplog):
+    last = await write_mix(log_)
+    bucket = f"{prefix.upper()}_CHECKPOINTS"
+    # another stream already holds the object store's subjects: the bucket cannot be created
+    await nc.jetstream().add_stream(name=f"SQUAT_{prefix.upper()}", subjects=[f"$O.{bucket}.>"])
+    caplog.set_level(logging.WARNING, logger="warmboot.scheduler.checkpoint")
+    service = await replicas(checkpoint_every=10, checkpoint_interval_s=0)
+    assert f"checkpoint bucket {bucket} unavailable" in caplog.text
+    assert service.projection.seq == last and service.checkpoints.restored_seq == 0
+    assert_same(service.projection, await replay(nc, prefix))
+    frag = await call(nc, f"{prefix}.scheduler.fragmentation", FragmentationQuery(), Fragmentation)
+    assert frag == fragmentation(service.projection)
+    await nc.jetstream().delete_stream(f"SQUAT_{prefix.upper()}")

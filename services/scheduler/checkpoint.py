@@ -123,6 +123,16 @@ class Checkpoints:
     # --- the store ---
 
     async def open(self) -> "Checkpoints":
+        """Create (or bind) the bucket. A failure is a warning, never fatal: the replica then
+        replays the log, and the saver tries to open the bucket again at its next save."""
+        try:
+            await self._open()
+        except Exception as error:
+            log.warning("checkpoint bucket %s unavailable (%s: %s); replaying the whole log",
+                        self.bucket, type(error).__name__, error)
+        return self
+
+    async def _open(self) -> None:
         js = self.nc.jetstream()
         config = ObjectStoreConfig(
             description="warmboot scheduler projection checkpoints (derived from the log)",
@@ -132,7 +142,6 @@ class Checkpoints:
             self.store = await js.create_object_store(self.bucket, config=config)
         except BadRequestError:  # it exists with another configuration (e.g. replicas): use it as it is
             self.store = await js.object_store(self.bucket)
-        return self
 
     async def list(self) -> list[tuple[int, str]]:
         """(sequence, name) of the stored checkpoints, newest first."""
@@ -157,8 +166,15 @@ class Checkpoints:
 
     async def load(self) -> Projection | None:
         """The projection of the newest usable checkpoint, or None (then replay the whole log)."""
-        created, last_seq = await self._stream_identity()
-        for seq, name in await self.list():
+        if self.store is None:
+            return None
+        try:
+            created, last_seq = await self._stream_identity()
+            stored = await self.list()
+        except Exception as error:
+            log.warning("listing checkpoints failed (%s: %s); replaying the whole log", type(error).__name__, error)
+            return None
+        for seq, name in stored:
             t0 = time.perf_counter()
             try:
                 data = await asyncio.wait_for(self._read(name), LOAD_TIMEOUT_S)
@@ -201,6 +217,8 @@ class Checkpoints:
 
     async def save(self, projection: Projection) -> str:
         """Capture `projection` now and store it; the object's name."""
+        if self.store is None:
+            await self._open()
         async with self._capture:
             gate = self.capturing = asyncio.get_running_loop().create_future()
             t0 = time.perf_counter()
@@ -267,6 +285,8 @@ class Checkpoints:
             if not (by_count or by_time):
                 continue
             try:
+                if self.store is None:
+                    await self._open()
                 # Another replica's checkpoint may make this one pointless: on the count
                 # trigger, one within half the interval; on the time trigger, one as new.
                 slack = self.every_events // 2 if by_count else 0
