@@ -95,19 +95,27 @@ class Load:
         self.ack(reply.seq, "actor", actor_id)
 
     async def cycle(self, actor_id: str, round_: int) -> None:
-        """resume -> pause -> resume -> suspend, each with its own request_id."""
-        for step, (service, verb, body, reply_type) in enumerate([
-            ("scheduler", "resume", ResumeActor(request_id=f"{actor_id}-{round_}-r1"), Assignment),
-            ("snapshotter", "pause", PauseActor(request_id=f"{actor_id}-{round_}-p"), SnapshotReply),
-            ("scheduler", "resume", ResumeActor(request_id=f"{actor_id}-{round_}-r2"), Assignment),
-            ("snapshotter", "suspend", SuspendActor(fidelity=Fidelity.MEMORY, request_id=f"{actor_id}-{round_}-s"),
-             SnapshotReply),
-        ]):
-            reply = await self.ask(service, verb, actor_id, body, reply_type)
-            self.ack(reply.seq, "actor", actor_id)
-            if isinstance(reply, Assignment):
+        """resume -> pause -> resume -> suspend, each with its own request_id; each resume passes
+        the previous reply's seq as `min_seq` (read-your-writes across services)."""
+        seq = 0
+        for step in ("r1", "p", "r2", "s"):
+            request_id = f"{actor_id}-{round_}-{step}"
+            if step.startswith("r"):
+                reply = await self.ask("scheduler", "resume", actor_id,
+                                       ResumeActor(min_seq=seq, request_id=request_id), Assignment)
                 assert reply.actor_id == actor_id
                 self.placements.setdefault(actor_id, []).append(reply)
+                # The last event a placement writes is its booking marker, on the worker's booking subject.
+                self.ack(reply.seq, "booking", reply.worker_id)
+            elif step == "p":
+                reply = await self.ask("snapshotter", "pause", actor_id, PauseActor(request_id=request_id),
+                                       SnapshotReply)
+                self.ack(reply.seq, "actor", actor_id)
+            else:
+                reply = await self.ask("snapshotter", "suspend", actor_id,
+                                       SuspendActor(fidelity=Fidelity.MEMORY, request_id=request_id), SnapshotReply)
+                self.ack(reply.seq, "actor", actor_id)
+            seq = reply.seq
 
 
 async def check_log(nc, load: Load) -> None:
@@ -119,10 +127,15 @@ async def check_log(nc, load: Load) -> None:
         msg = await js.get_msg(stream, seq)
         assert msg.subject == subject, (seq, msg.subject, subject)
     for actor_id, assignments in load.placements.items():
+        history = [e for _, e in await read_subject(nc, load.prefix, f"{load.prefix}.ev.actor.{actor_id}")
+                   if isinstance(e, ActorPlaced)]
+        by_request = {e.request_id: e for e in history}
+        assert len(by_request) == len(history), f"{actor_id}: one ActorPlaced per resume request"
         for assignment in assignments:
-            placed = decode_event((await js.get_msg(stream, assignment.seq)).data)
-            assert isinstance(placed, ActorPlaced) and placed.actor_id == actor_id
-            assert placed.worker_id == assignment.worker_id and placed.sandbox_runtime == assignment.sandbox_runtime
+            booked = decode_event((await js.get_msg(stream, assignment.seq)).data)
+            assert (booked.worker_id, booked.actor_id) == (assignment.worker_id, actor_id)
+        answered = {(a.worker_id, a.sandbox_runtime) for a in assignments}
+        assert answered <= {(e.worker_id, e.sandbox_runtime) for e in history}
     sink = await replay(nc, load.prefix, Sink(verify=True), False)
     assert sink.violation is None, str(sink.violation)
     stamps = sum(1 for a in sink.projection.actors.values() if a.snap_stamp is not None)

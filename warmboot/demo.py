@@ -30,6 +30,7 @@ from events.schema import (
     Attribute,
     CompatVersion,
     CreateActor,
+    ErrorCode,
     Fidelity,
     Fragmentation,
     FragmentationQuery,
@@ -92,6 +93,7 @@ class Tally:
     resumes: int = 0
     resume_seconds: float = 0.0  # summed latency
     resume_wall: float = 0.0  # wall time of the resume phases
+    retries: int = 0  # requests answered UNAVAILABLE and sent again
 
 
 def runtime(sandbox_class: str, generation: int, release: str) -> WorkerRuntime:
@@ -128,13 +130,28 @@ class Demo:
         self.workers = fleet(cfg, self.rng)
         self.releases: dict[str, tuple[str, ...]] = {}  # worker -> (default, *restorable) releases
         self.gate = asyncio.Semaphore(cfg.concurrency)
+        self.seqs: dict[str, int] = {}  # actor -> seq of its last write: the next resume's min_seq
+        self.steps: dict[str, int] = {}
 
     def subject(self, service: str, verb: str, entity: str | None = None) -> str:
         return service_subject(self.prefix, service, verb, entity)
 
     async def request(self, service: str, verb: str, entity: str | None, body: Any, reply: type) -> Any:
-        async with self.gate:
-            return await call(self.nc, self.subject(service, verb, entity), body, reply, self.cfg.timeout)
+        """One request, retried with the same body (and request_id) while it is UNAVAILABLE,
+        as a careful client does: a retry gets the first answer, never a second write."""
+        for attempt in range(8):
+            try:
+                async with self.gate:
+                    return await call(self.nc, self.subject(service, verb, entity), body, reply, self.cfg.timeout)
+            except ContractError as e:
+                if e.code is not ErrorCode.UNAVAILABLE or attempt == 7:
+                    raise
+                self.tally.retries += 1
+                await asyncio.sleep(0.1 * (attempt + 1))  # client back-off
+
+    def request_id(self, actor_id: str, verb: str) -> str:
+        self.steps[actor_id] = self.steps.get(actor_id, 0) + 1
+        return f"demo-{actor_id}-{verb}-{self.steps[actor_id]}"
 
     async def register(self, worker: Worker, releases: tuple[str, ...]) -> None:
         default, *restorable = releases
@@ -166,13 +183,15 @@ class Demo:
     async def resume(self, actor_id: str) -> Assignment | None:
         started = time.perf_counter()
         try:
-            assignment = await self.request("scheduler", "resume", actor_id, ResumeActor(), Assignment)
+            body = ResumeActor(min_seq=self.seqs.get(actor_id), request_id=self.request_id(actor_id, "resume"))
+            assignment = await self.request("scheduler", "resume", actor_id, body, Assignment)
         except ContractError as e:
             self.tally.refusals[e.code.value] += 1
             return None
         finally:
             self.tally.resumes += 1
             self.tally.resume_seconds += time.perf_counter() - started
+        self.seqs[actor_id] = assignment.seq
         self.tally.placements[(assignment.action.value, assignment.fidelity.value)] += 1
         if assignment.fallback:
             self.tally.fallbacks[assignment.fallback.reason.value] += 1
@@ -180,7 +199,9 @@ class Demo:
 
     async def pause(self, actor_id: str) -> bool:
         try:
-            await self.request("snapshotter", "pause", actor_id, PauseActor(), SnapshotReply)
+            body = PauseActor(request_id=self.request_id(actor_id, "pause"))
+            reply = await self.request("snapshotter", "pause", actor_id, body, SnapshotReply)
+            self.seqs[actor_id] = reply.seq
             return True
         except ContractError as e:
             self.tally.refusals[e.code.value] += 1
@@ -188,7 +209,9 @@ class Demo:
 
     async def suspend(self, actor_id: str, fidelity: Fidelity = Fidelity.MEMORY) -> bool:
         try:
-            await self.request("snapshotter", "suspend", actor_id, SuspendActor(fidelity=fidelity), SnapshotReply)
+            body = SuspendActor(fidelity=fidelity, request_id=self.request_id(actor_id, "suspend"))
+            reply = await self.request("snapshotter", "suspend", actor_id, body, SnapshotReply)
+            self.seqs[actor_id] = reply.seq
             return True
         except ContractError as e:
             self.tally.refusals[e.code.value] += 1
@@ -262,9 +285,11 @@ async def run_demo(nats_url: str, prefix: str, cfg: DemoConfig, console: Console
                     template_uid="tmpl-1",
                     resources=Resources(cpu_millis=rng.choice((250, 500, 1000)),
                                         memory_mib=rng.choice((256, 512, 1024))),
+                    request_id=demo.request_id(actor_id, "create"),
                 )
                 with suppress(ContractError):
-                    await demo.request("snapshotter", "create", actor_id, body, SeqReply)
+                    reply = await demo.request("snapshotter", "create", actor_id, body, SeqReply)
+                    demo.seqs[actor_id] = reply.seq
 
             await each(actors, create, advance)
             await demo.resume_all(actors, phase())
@@ -331,6 +356,7 @@ def summary(tally: Tally) -> Table:
     for phase, n in tally.stranded.items():
         table.add_row(f"stranded snapshots {phase}", str(n))
     table.add_row("resumes", str(tally.resumes))
+    table.add_row("requests retried after UNAVAILABLE", str(tally.retries))
     rate = tally.resumes / tally.resume_wall if tally.resume_wall else 0.0
     table.add_row("resumes/s (wall time of the resume phases)", f"{rate:.0f}")
     table.add_row("resume latency (mean ms)", f"{1000 * tally.resume_seconds / max(1, tally.resumes):.1f}")
