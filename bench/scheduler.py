@@ -267,6 +267,7 @@ async def bench_resumes(
         ports.append(int(line.split()[1]))
     try:
         placed = refused = 0
+        errors: dict[str, int] = {}
         queue = list(range(actors))
         latencies: list[float] = []
 
@@ -280,6 +281,10 @@ async def bench_resumes(
                 latencies.append(time.perf_counter() - t)
                 if msg.data.startswith(b'{"error"'):
                     refused += 1
+                    code = json.loads(msg.data)["error"]["code"]
+                    errors[code] = errors.get(code, 0) + 1
+                    if os.environ.get("BENCH_SHOW_ERRORS"):
+                        print(msg.data.decode(), flush=True)
                 else:
                     placed += 1
 
@@ -299,6 +304,7 @@ async def bench_resumes(
         "resumes_per_s": round(placed / elapsed, 1),
         "placed": placed,
         "refused": refused,
+        "errors": errors,
         "commit_conflict_rate": round(conflicts / max(commits + conflicts, 1), 4),
         "latency_p50_ms": round(latencies[len(latencies) // 2] * 1000, 2),
         "latency_p99_ms": round(latencies[int(len(latencies) * 0.99)] * 1000, 2),
@@ -399,7 +405,8 @@ async def bench_bus(quick: bool) -> dict[str, float]:
         def show(label: str, r: dict[str, float]) -> None:
             print(f"(b) {label}: {r['resumes_per_s']:8.1f} committed resumes/s "
                   f"(p50 {r['latency_p50_ms']} ms, p99 {r['latency_p99_ms']} ms, {window} in flight), "
-                  f"conflict rate {r['commit_conflict_rate']:.2%}, refused {r['refused']}", flush=True)
+                  f"conflict rate {r['commit_conflict_rate']:.2%}, refused {r['refused']} {r['errors'] or ''}",
+                  flush=True)
 
         one = await bench_resumes(server.url, 1, actors, window, request_ids=False)
         show("1 replica,  1000 workers", one)

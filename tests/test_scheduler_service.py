@@ -60,7 +60,7 @@ from events.subjects import service_subject, stream_name
 from services.common import ReplyCache, call, store_env
 from services.scheduler.projection import WORKER_RESERVE_MIB
 from services.scheduler.decide import decide
-from services.scheduler.service import Commit, Hold, SchedulerService
+from services.scheduler.service import Job, SchedulerService
 
 AT = datetime(2026, 11, 30, tzinfo=timezone.utc)
 CLS = "gvisor"
@@ -297,20 +297,15 @@ async def test_a_refused_group_keeps_the_placements_that_are_still_valid(nc, pre
     p = service.projection
     on_w1, on_w2 = decide(p, "x", None, p.seq), decide(p, "y", None, p.seq)
     loop = asyncio.get_running_loop()
-
-    def queued(placement, booking) -> Commit:
-        hold = Hold(placement.worker_id, placement.booked.cpu_millis, placement.booked.memory_mib, loop.create_future())
-        return Commit(placement, None, hold, booking, p.actor_expectation(placement.actor_id), None,
-                      loop.create_future())
-
-    x, y = queued(on_w1, p.booking_expectation("w1")), queued(on_w2, p.booking_expectation("w2"))
+    x, y = (service._queued(placed, Job(placed.actor_id, None, None, loop.create_future())) for placed in (on_w1, on_w2))
     # another replica books w2 after y was decided
     seq = await asyncio.to_thread(store.write, WorkerBooked(at=AT, worker_id="w2", actor_id="elsewhere"))
     await service.fold.wait(seq, 5)
     await service._append([x, y])
     with pytest.raises(IntegrityError):
         await y.result
-    x_seq = await x.result  # committed by the next group, without deciding again
+    placed_x, x_seq = await x.result  # committed by the next group, without deciding again
+    assert placed_x is on_w1
     events = dict(await read_log(nc, prefix))
     assert isinstance(events[x_seq], WorkerBooked) and events[x_seq - 1].actor_id == "x"
     assert [e.actor_id for e in events.values() if isinstance(e, ActorPlaced)] == ["x"]

@@ -12,24 +12,30 @@ What it decides is in `services.scheduler.decide`; what it knows, in
 - `SchedulerService` answers `resume`, `explain` and `fragmentation` as the nats.micro
   service `warmboot-scheduler` in its queue group, so any number of replicas serve.
 
-Committing a placement (CONTRACT placement rule 8). A resume appends, in one atomic
-batch through the event store's recorder, `ActorPlaced` on `actor.<actor id>` and
-`WorkerBooked` on `booking.<worker id>`, each guarded by the last stream sequence
-the decision saw for that subject. The order matters: a fold delivers a batch one
-message at a time and a decision may run between two of them; with the placement
-first, a worker's booking sequence never moves ahead of the capacity it accounts
-for, so a decision made in between expects an old sequence and loses, instead of
-booking room that is already taken. Another replica that booked the same worker, or
-placed (or released, paused...) the same actor meanwhile, makes the batch fail as a
-whole; this replica then waits until its fold has those events and decides again,
-at most `commit_attempts` times, then answers UNAVAILABLE. The reply's `seq` is the
-sequence of the `WorkerBooked`, the last event the request wrote.
+Committing placements (CONTRACT placement rule 8). Each placement is two events,
+`ActorPlaced` on `actor.<actor id>` then `WorkerBooked` on `booking.<worker id>`,
+each guarded by the last stream sequence the decision saw for that subject; another
+replica that booked the same worker, or wrote on the same actor meanwhile, makes the
+append fail. The order matters: a fold delivers a batch one message at a time and a
+decision may run between two of them; with the placement first, a worker's booking
+sequence never moves ahead of the capacity it accounts for, so a decision made in
+between expects an old sequence and loses, instead of booking room already taken.
+The reply's `seq` is the sequence of the `WorkerBooked`, the last event written.
 
-Within one replica, resumes run concurrently. A decision counts the bookings this
-replica has in flight (committed or not, until its fold has them), so concurrent
-decisions do not pick the same room; commits on one worker are chained, each
-expecting the booking sequence its predecessor wrote, so a replica does not lose
-races against itself.
+One committer task per replica decides and appends, in rounds: it takes every resume
+queued since the last round, decides each on the current fold (so a decision is as
+fresh as it can be when it is committed), and appends them all as one atomic batch
+through the event store's recorder. A file-backed atomic batch costs a few ms
+whatever its size (the server makes it durable before answering), so grouping is
+what lets one replica commit thousands of placements per second. If the batch is
+refused, the committer folds up to the stream's end, sends the placements whose two
+subjects have not moved into the next round unchanged, and fails the others: their
+resumes decide again, at most `commit_attempts` times, then answer UNAVAILABLE.
+
+Within a replica nothing races: decisions count the bookings this replica has in
+flight (appended or not, until its fold has them), a round holds at most one
+placement per worker, and a placement on a worker this replica booked in an earlier
+round that is not folded yet expects the sequence that round wrote.
 
 Idempotency: `request_id` through `ReplyCache` (the first answer, shared by every
 replica), and through the log: an actor whose last placement carries the request's
@@ -57,7 +63,7 @@ from prometheus_client import Counter, Gauge
 
 from events.aggregate import WireApplication, now
 from events.codec import decode_event, decoder
-from events.errors import unavailable
+from events.errors import ContractError, unavailable
 from events.jetstream import TOPIC_HEADER, VERSION_HEADER
 from events.schema import (
     EVENT_TYPES,
@@ -234,17 +240,29 @@ class Fold:
 class Hold:
     """One booking this replica is committing (or has committed but not folded yet)."""
 
-    __slots__ = ("worker_id", "cpu", "mem", "expected", "written", "last_seq", "done", "released")
+    __slots__ = ("worker_id", "cpu", "mem", "expected", "written", "last_seq", "settled", "released")
 
-    def __init__(self, worker_id: str, cpu: int, mem: int, done: asyncio.Future[None]):
+    def __init__(self, worker_id: str, cpu: int, mem: int):
         self.worker_id = worker_id
         self.cpu = cpu
         self.mem = mem
         self.expected: tuple[int, int] | None = None  # (version, seq) of booking.<id> its commit expected
         self.written: tuple[int, int] | None = None  # (version, seq) of the WorkerBooked it wrote
         self.last_seq = 0  # the WorkerBooked's sequence: the fold has the booking once past it
-        self.done = done  # settled once its commit succeeded or failed
-        self.released = False
+        self.settled = False  # its append succeeded or failed
+        self.released = False  # no longer counted in flight
+
+
+class Job:
+    """A resume waiting for the committer to decide and commit it."""
+
+    __slots__ = ("actor_id", "selectors", "request_id", "result")
+
+    def __init__(self, actor_id: str, selectors: Any, request_id: str | None, result: asyncio.Future[Any]):
+        self.actor_id = actor_id
+        self.selectors = selectors
+        self.request_id = request_id
+        self.result = result  # (Placement, seq) or the error
 
 
 class Commit:
@@ -260,7 +278,7 @@ class Commit:
         booking: tuple[int, int],
         actor: tuple[int, int],
         after: Hold | None,
-        result: asyncio.Future[int],
+        result: asyncio.Future[Any],
     ):
         self.placement = placement
         self.request_id = request_id
@@ -268,7 +286,7 @@ class Commit:
         self.booking = booking  # (version, seq) of booking.<worker> the decision saw
         self.actor = actor  # (version, seq) of actor.<id> the decision saw
         self.after = after  # this replica's previous booking of the same worker, if unfolded then
-        self.result = result  # the ActorPlaced sequence, or the error
+        self.result = result  # (Placement, sequence of its WorkerBooked), or the error
 
 class KeyedLock:
     """One asyncio lock per key, dropped when nobody holds or waits for it."""
@@ -356,7 +374,8 @@ class SchedulerService:
         self._chain: dict[str, Hold] = {}  # worker id -> the latest hold on it
         self._unfolded: list[tuple[int, int, Hold]] = []  # committed holds by ActorPlaced seq
         self._unfolded_actors: dict[str, int] = {}  # actor id -> seq of a placement not folded yet
-        self._queue: list[Commit] = []
+        self._jobs: list[Job] = []  # resumes to decide
+        self._ready: list[Commit] = []  # decided placements to append again after a refused group
         self._wake = asyncio.Event()
         self._committer: asyncio.Task[None] | None = None
         self._tie = itertools.count()
@@ -431,8 +450,12 @@ class SchedulerService:
                 with suppress(asyncio.CancelledError):
                     await task
         self._gauges = self._committer = None
-        self._fail(self._queue, unavailable("this scheduler replica is stopping; try again"))
-        self._queue = []
+        stopping = unavailable("this scheduler replica is stopping; try again")
+        self._fail(self._ready, stopping)
+        for job in self._jobs:
+            if not job.result.done():
+                job.result.set_exception(stopping)
+        self._jobs, self._ready = [], []
         if self.checkpoints is not None:
             await self.checkpoints.close()
         await self.fold.stop()
@@ -459,28 +482,32 @@ class SchedulerService:
 
     async def _resume(self, actor_id: str, request: ResumeActor) -> Assignment:
         await self.fold.wait(request.min_seq, self.catch_up_s)
-        p = self.projection
         async with self._actors(actor_id):
             for _ in range(self.commit_attempts):
+                if self._stopping:
+                    raise unavailable("this scheduler replica is stopping; try again")
                 unfolded = self._unfolded_actors.get(actor_id)
                 if unfolded is not None:  # our own last placement of it: decide on state that has it
                     await self.fold.wait(unfolded, self.catch_up_s)
                     self._unfolded_actors.pop(actor_id, None)
-                actor = p.actors.get(actor_id)
+                actor = self.projection.actors.get(actor_id)
                 if request.request_id is not None and actor is not None and actor.placed_request_id == request.request_id:
                     return await self._recorded(actor.placed_seq)
-                placement = decide(p, actor_id, request.selectors, p.seq, self._pending)
+                job = Job(actor_id, request.selectors, request.request_id, asyncio.get_running_loop().create_future())
+                self._jobs.append(job)
+                self._wake.set()
                 try:
-                    seq = await self._commit(placement, request.request_id)
+                    placement, seq = await asyncio.shield(job.result)
                 except IntegrityError as error:
                     self.conflicts += 1
                     if self.metrics:
                         COMMIT_CONFLICTS.inc()
-                    log.debug("placement of %s on %s lost a race: %s", actor_id, placement.worker_id, error)
-                    await self._catch_up(placement)
+                    log.debug("placement of %s lost a race: %s", actor_id, error)
+                    await self._catch_up(job)
                     continue
                 except OperationalError as error:
                     raise unavailable(f"the event store did not take the placement: {error}") from None
+                self._unfolded_actors[actor_id] = seq
                 self.commits += 1
                 if self.metrics:
                     self._count(placement)
@@ -489,62 +516,51 @@ class SchedulerService:
             f"placing actor {actor_id} lost {self.commit_attempts} concurrent-commit races in a row; try again"
         )
 
-    async def _commit(self, placement: Placement, request_id: str | None) -> int:
-        """Queue the placement for the next group commit; its ActorPlaced sequence once written.
-
-        The expectations are taken now, from the state the decision was made on, and the
-        booking counts as in flight from now on, so later decisions of this replica see it.
-        """
-        if self._stopping:
-            raise unavailable("this scheduler replica is stopping; try again")
-        p = self.projection
-        worker_id, actor_id = placement.worker_id, placement.actor_id
-        loop = asyncio.get_running_loop()
-        hold = Hold(worker_id, placement.booked.cpu_millis, placement.booked.memory_mib, loop.create_future())
-        self._hold(hold)
-        after = self._chain.get(worker_id)
-        self._chain[worker_id] = hold
-        item = Commit(
-            placement, request_id, hold, p.booking_expectation(worker_id), p.actor_expectation(actor_id), after,
-            loop.create_future(),
-        )
-        self._queue.append(item)
-        self._wake.set()
-        try:
-            seq = await asyncio.shield(item.result)
-            self._unfolded_actors[actor_id] = seq
-            return seq
-        finally:
-            if not hold.last_seq or self.fold.applied >= hold.last_seq:
-                self._unhold(hold)
-            else:
-                heapq.heappush(self._unfolded, (hold.last_seq, next(self._tie), hold))
-
     async def _commit_groups(self) -> None:
-        """The committer: one append at a time, each carrying every placement queued meanwhile.
+        """The committer: decide what is queued, then one append for all of it, and again.
 
-        An atomic append costs about the same for one placement as for hundreds (the
-        server makes each batch durable before it answers), so placements decided while
-        one append is in flight share the next. A group holds at most one placement per
-        worker; a placement whose previous booking of the same worker by this replica is
-        still queued waits for a later group, and then expects the sequence it wrote.
+        Decisions are made here, right before the append, on the freshest fold: the
+        shorter the time between deciding and committing, the fewer commits lose a race
+        against another replica. An atomic append costs about the same for one placement
+        as for hundreds (the server makes each batch durable before it answers), so every
+        resume that arrived while one append was in flight shares the next. A group holds
+        at most one placement per worker (the OCC guard is per subject); a resume that
+        lands on a worker already in the group is decided again in the next one, which
+        then expects the booking sequence this group wrote.
         """
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while self._queue:
-                group: list[Commit] = []
-                rest: list[Commit] = []
-                workers: set[str] = set()
-                for item in self._queue:
-                    worker_id = item.hold.worker_id
-                    blocked = item.after is not None and not item.after.done.done()
-                    if blocked or worker_id in workers or len(group) >= self._group_limit:
-                        rest.append(item)
-                    else:
-                        workers.add(worker_id)
-                        group.append(item)
-                self._queue = rest
+            while self._ready or self._jobs:
+                workers = {item.hold.worker_id for item in self._ready}
+                group = self._ready[: self._group_limit]
+                self._ready = self._ready[self._group_limit:]
+                jobs, self._jobs, deferred = self._jobs, [], []
+                p = self.projection
+                for job in jobs:
+                    if job.result.done():  # its caller went away
+                        continue
+                    if len(group) >= self._group_limit:
+                        deferred.append(job)
+                        continue
+                    try:
+                        placement = decide(p, job.actor_id, job.selectors, p.seq, self._pending)
+                    except ContractError as error:
+                        job.result.set_exception(error)
+                        continue
+                    except Exception as error:  # a bug: this request fails, the committer goes on
+                        log.exception("deciding the placement of %s failed", job.actor_id)
+                        job.result.set_exception(error)
+                        continue
+                    worker_id = placement.worker_id
+                    if worker_id in workers:
+                        deferred.append(job)
+                        continue
+                    workers.add(worker_id)
+                    group.append(self._queued(placement, job))
+                self._jobs[:0] = deferred
+                if not group:
+                    continue
                 try:
                     await self._append(group)
                 except asyncio.CancelledError:
@@ -553,6 +569,20 @@ class SchedulerService:
                 except Exception as error:  # the store failed: every placement of the group fails with it
                     log.warning("appending %d placements failed: %s", len(group), error)
                     self._fail(group, error)
+
+    def _queued(self, placement: Placement, job: "Job") -> Commit:
+        """A decided placement: its booking counts as in flight from now on, and it carries
+        the expectations of the state it was decided on."""
+        p = self.projection
+        worker_id = placement.worker_id
+        hold = Hold(worker_id, placement.booked.cpu_millis, placement.booked.memory_mib)
+        self._hold(hold)
+        after = self._chain.get(worker_id)
+        self._chain[worker_id] = hold
+        return Commit(
+            placement, job.request_id, hold, p.booking_expectation(worker_id), p.actor_expectation(placement.actor_id),
+            after, job.result,
+        )
 
     async def _append(self, group: list[Commit]) -> None:
         store = self.store
@@ -598,12 +628,18 @@ class SchedulerService:
             await self._sort_out(group, error)
             return
         self._group_limit = min(self.max_group, self._group_limit * 2)
+        applied = self.fold.applied
         for i, item in enumerate(group):
             hold = item.hold
             hold.written = (hold.expected[0] + 1, seqs[2 * i + 1])
             hold.last_seq = seqs[2 * i + 1]
-            hold.done.set_result(None)
-            item.result.set_result(hold.last_seq)
+            hold.settled = True
+            if applied >= hold.last_seq:
+                self._unhold(hold)
+            else:
+                heapq.heappush(self._unfolded, (hold.last_seq, next(self._tie), hold))
+            if not item.result.done():
+                item.result.set_result((item.placement, hold.last_seq))
 
     async def _sort_out(self, group: list[Commit], error: IntegrityError) -> None:
         """A group was refused: fold what the log holds now, fail the placements whose
@@ -628,15 +664,17 @@ class SchedulerService:
         if not stale:  # refused for a reason the expectations do not show: let each decide again
             stale = group
         self._fail(stale, IntegrityError(str(error)))
-        if len(stale) < len(group):
-            kept = [item for item in group if item not in stale]
-            self._queue[:0] = kept
+        kept = [item for item in group if item not in stale and not item.result.done()]
+        for item in kept:
+            item.booking = item.hold.expected
+        self._ready[:0] = kept
+        if kept:
             self._wake.set()
 
     def _fail(self, items: list[Commit], error: BaseException) -> None:
         for item in items:
-            if not item.hold.done.done():
-                item.hold.done.set_result(None)
+            item.hold.settled = True
+            self._unhold(item.hold)
             if not item.result.done():
                 item.result.set_exception(error)
 
@@ -663,14 +701,16 @@ class SchedulerService:
         while unfolded and unfolded[0][0] <= seq:
             self._unhold(heapq.heappop(unfolded)[2])
 
-    async def _catch_up(self, placement: Placement) -> None:
-        """After a lost race: wait until the fold has what the two subjects hold now."""
-        js = self.nc.jetstream()
-        last = 0
-        for subject in (f"{self.prefix}.ev.booking.{placement.worker_id}", f"{self.prefix}.ev.actor.{placement.actor_id}"):
-            with suppress(Exception):  # no message yet on the subject
-                last = max(last, (await js.get_msg(self.stream, subject=subject, direct=True)).seq)
-        await self.fold.wait(last, self.catch_up_s)
+    async def _catch_up(self, job: Job) -> None:
+        """After a lost race: wait until the fold has what the actor's subject holds now
+        (the worker's side was caught up with by the committer before it gave up)."""
+        try:
+            msg = await self.nc.jetstream().get_msg(
+                self.stream, subject=f"{self.prefix}.ev.actor.{job.actor_id}", direct=True
+            )
+        except Exception:  # no message on the subject yet, or the server is busy: decide on what we have
+            return
+        await self.fold.wait(msg.seq, self.catch_up_s)
 
     async def _recorded(self, seq: int) -> Assignment:
         """The assignment an earlier request recorded with the ActorPlaced at `seq` (a retry
