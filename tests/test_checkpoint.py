@@ -58,7 +58,7 @@ from events.subjects import stream_name
 from services.common import call, store_env
 from services.scheduler import projection as projection_module
 from services.scheduler import checkpoint as checkpoint_module
-from services.scheduler.checkpoint import Checkpoints, object_name
+from services.scheduler.checkpoint import Checkpoints, incarnation_of, object_name
 from services.scheduler.checkpoint_codec import (
     FORMAT,
     CheckpointRejected,
@@ -417,8 +417,9 @@ async def test_a_checkpoint_through_the_object_store_restores_the_full_replay(nc
     service = await replicas(checkpoint_every=10**9, checkpoint_interval_s=0)
     assert service.checkpoints.restored_seq == 0 and service.projection.seq == last
     name = await service.checkpoints.save(service.projection)
-    assert name == object_name(last, service.checkpoints.token)
-    assert [n for _, n in await service.checkpoints.list()] == [name]
+    created = (await nc.jetstream().stream_info(stream_name(prefix))).created.isoformat()
+    assert name == object_name(last, incarnation_of(created), service.checkpoints.token)
+    assert [n for _, _, n in await service.checkpoints.list()] == [name]
 
     restored = await (await Checkpoints(nc, prefix).open()).load()
     full = await replay(nc, prefix)
@@ -429,6 +430,9 @@ async def test_a_checkpoint_through_the_object_store_restores_the_full_replay(nc
 
 async def test_a_new_replica_folds_only_the_tail_after_the_newest_checkpoint(nc, prefix, log_, replicas):
     start = await write_mix(log_)
+    # left over from an earlier incarnation of the stream: neither newer than ours nor kept
+    stale = object_name(10**9, incarnation_of("2001-01-01"), "stale")
+    await (await Checkpoints(nc, prefix).open()).store.put(stale, b"left over")
     # saves on its own: at once (it replayed more than 25 events), then every 25 events folded
     first = await replicas(checkpoint_every=25, checkpoint_interval_s=0)
     await first.checkpoints.wait_saved(start, 20)
@@ -439,7 +443,7 @@ async def test_a_new_replica_folds_only_the_tail_after_the_newest_checkpoint(nc,
     await first.stop()  # lets a save in progress finish
     assert first.checkpoints.saves == 3
     stored = await first.checkpoints.list()
-    assert len(stored) == 2, "older checkpoints are pruned"
+    assert len(stored) == 2 and stale not in [n for _, _, n in stored], "older checkpoints are pruned"
     newest = stored[0][0]
     assert newest == first.checkpoints.stored_seq
     tail = [create("t1"), *placed("t1", "w1", V1), create("t2"), taken("t2", SnapshotOrigin.SUSPEND, snap("t2", V2))]
@@ -479,13 +483,16 @@ async def test_unusable_checkpoints_are_named_in_a_warning_and_the_log_is_replay
     created = info.created.isoformat()
     valid = encode_checkpoint(state, stream=stream_name(prefix), stream_created=created)
     envelope = msgspec.msgpack.decode(valid, type=Envelope)
+    now = incarnation_of(created)
     bad = {
-        object_name(last, "corrupt"): valid[: len(valid) // 3],
-        object_name(last, "format"): msgspec.msgpack.encode(msgspec.structs.replace(envelope, format=FORMAT + 7)),
-        object_name(last, "fold"): msgspec.msgpack.encode(msgspec.structs.replace(envelope, fold="0" * 24)),
-        object_name(last, "stream"): encode_checkpoint(state, stream=stream_name(prefix), stream_created="2001-01-01"),
-        object_name(last + 5, "ahead"): encode_checkpoint(
+        object_name(last, now, "corrupt"): valid[: len(valid) // 3],
+        object_name(last, now, "format"): msgspec.msgpack.encode(msgspec.structs.replace(envelope, format=FORMAT + 7)),
+        object_name(last, now, "fold"): msgspec.msgpack.encode(msgspec.structs.replace(envelope, fold="0" * 24)),
+        object_name(last, now, "stream"): encode_checkpoint(state, stream=stream_name(prefix),
+                                                            stream_created="2001-01-01"),
+        object_name(last + 5, now, "ahead"): encode_checkpoint(
             msgspec.structs.replace(state, seq=last + 5), stream=stream_name(prefix), stream_created=created),
+        object_name(10**6, incarnation_of("2001-01-01"), "old"): valid,  # a stream deleted and made again
     }
     for name, data in bad.items():  # all newer than (or as new as) the good one: tried first
         await writer.store.put(name, data)
@@ -497,6 +504,7 @@ async def test_unusable_checkpoints_are_named_in_a_warning_and_the_log_is_replay
         assert f"checkpoint {name} ignored" in warned
     assert f"unknown format version {FORMAT + 7}" in warned and "another version of the scheduler's fold" in warned
     assert "created 2001-01-01" in warned and f"the stream ends at {last}" in warned
+    assert "written for another incarnation of stream" in warned
     assert fallback.checkpoints.restored_seq == last - 3  # the older, valid one, and the tail after it
     assert_same(fallback.projection, full)
 

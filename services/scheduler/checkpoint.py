@@ -29,6 +29,7 @@ and two replicas saving at the same sequence never write the same object. The
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import io
 import logging
 import time
@@ -61,15 +62,23 @@ CLOSE_WAIT_S = 10.0  # a save in progress at stop() may finish within this
 NAME_PREFIX = "projection-"
 
 
-def object_name(seq: int, token: str) -> str:
-    return f"{NAME_PREFIX}{seq:020d}-{token}"
+def incarnation_of(stream_created: str) -> str:
+    """A short name for one incarnation of the stream (a stream deleted and made again,
+    or restored from a backup, is another one: its sequences start over)."""
+    return hashlib.blake2b(stream_created.encode(), digest_size=4).hexdigest()
 
 
-def seq_of(name: str) -> int | None:
+def object_name(seq: int, incarnation: str, token: str) -> str:
+    return f"{NAME_PREFIX}{seq:020d}-{incarnation}-{token}"
+
+
+def parse_name(name: str) -> tuple[int, str] | None:
+    """(sequence, stream incarnation) of a checkpoint's object name; None for any other name."""
     if not name.startswith(NAME_PREFIX):
         return None
-    digits = name[len(NAME_PREFIX):].partition("-")[0]
-    return int(digits) if digits.isdigit() else None
+    digits, _, rest = name[len(NAME_PREFIX):].partition("-")
+    incarnation = rest.partition("-")[0]
+    return (int(digits), incarnation) if digits.isdigit() and incarnation else None
 
 
 class Checkpoints:
@@ -143,13 +152,13 @@ class Checkpoints:
         except BadRequestError:  # it exists with another configuration (e.g. replicas): use it as it is
             self.store = await js.object_store(self.bucket)
 
-    async def list(self) -> list[tuple[int, str]]:
-        """(sequence, name) of the stored checkpoints, newest first."""
+    async def list(self) -> list[tuple[int, str, str]]:
+        """(sequence, stream incarnation, name) of the stored checkpoints, newest first."""
         try:
             infos = await self.store.list(ignore_deletes=True)
         except NotFoundError:
             return []
-        found = [(seq, info.name) for info in infos if (seq := seq_of(info.name)) is not None]
+        found = [(*parsed, info.name) for info in infos if (parsed := parse_name(info.name)) is not None]
         return sorted(found, reverse=True)
 
     async def _read(self, name: str) -> bytes:
@@ -174,7 +183,12 @@ class Checkpoints:
         except Exception as error:
             log.warning("listing checkpoints failed (%s: %s); replaying the whole log", type(error).__name__, error)
             return None
-        for seq, name in stored:
+        incarnation = incarnation_of(created)
+        for seq, written_for, name in stored:
+            if written_for != incarnation:
+                log.warning("checkpoint %s ignored: it was written for another incarnation of stream %s", name,
+                            self.stream)
+                continue
             t0 = time.perf_counter()
             try:
                 data = await asyncio.wait_for(self._read(name), LOAD_TIMEOUT_S)
@@ -235,7 +249,8 @@ class Checkpoints:
         )
         seq, events = state.seq, state.events
         del state  # the copy can be large: keep only its bytes through the upload
-        name = object_name(seq, self.token)
+        incarnation = incarnation_of(created)
+        name = object_name(seq, incarnation, self.token)
         await self.store.put(name, data, meta=ObjectMeta(name=name, description=f"projection at sequence {seq}"))
         self.saves += 1
         self.last_size = len(data)
@@ -245,13 +260,18 @@ class Checkpoints:
             self.stored_seq = max(self.stored_seq, seq)
             self._saved.notify_all()
         try:
-            await self._prune()
+            await self._prune(incarnation)
         except Exception as error:  # the next save prunes again
             log.warning("deleting old checkpoints failed (%s: %s)", type(error).__name__, error)
         return name
 
-    async def _prune(self) -> None:
-        for _, name in (await self.list())[self.keep:]:
+    async def _prune(self, incarnation: str) -> None:
+        """Keep the `keep` newest of this incarnation of the stream; delete the rest."""
+        kept = 0
+        for _, written_for, name in await self.list():
+            if written_for == incarnation and kept < self.keep:
+                kept += 1
+                continue
             with suppress(ObjectNotFoundError, NotFoundError):  # another replica pruned it first
                 await self.store.delete(name)
 
@@ -290,7 +310,8 @@ class Checkpoints:
                 # Another replica's checkpoint may make this one pointless: on the count
                 # trigger, one within half the interval; on the time trigger, one as new.
                 slack = self.every_events // 2 if by_count else 0
-                newest = next(iter(await self.list()), (0, ""))[0]
+                incarnation = incarnation_of((await self._stream_identity())[0])
+                newest = max((seq for seq, written_for, _ in await self.list() if written_for == incarnation), default=0)
                 if newest >= projection.seq - slack:
                     self.skipped += 1
                     self.saved_seq, self.saved_events, self.saved_at = newest, projection.events, time.monotonic()
