@@ -461,6 +461,19 @@ async def test_a_new_replica_folds_only_the_tail_after_the_newest_checkpoint(nc,
     assert frag == fragmentation(full)
 
 
+async def test_the_time_trigger_saves_what_was_folded_since_the_last_save(nc, prefix, log_, replicas):
+    last = await write_mix(log_)
+    service = await replicas(checkpoint_every=10**9, checkpoint_interval_s=0.2)
+    await service.checkpoints.wait_saved(last, 10)
+    saves = service.checkpoints.saves
+    assert saves == 1
+    more = await asyncio.to_thread(log_.write, create("later"))
+    await service.checkpoints.wait_saved(more, 10)
+    assert service.checkpoints.saves == saves + 1
+    stored = await service.checkpoints.list()
+    assert [seq for seq, _, _ in stored] == [more, last]
+
+
 async def replay_until(nc, prefix, seq: int) -> Projection:
     from warmboot.audit import Sink
 

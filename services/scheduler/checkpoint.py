@@ -21,9 +21,12 @@ worker thread while the fold's next callback waits for `capturing` to clear (`ho
 Requests keep being answered from the projection meanwhile: they only read it.
 Encoding, compressing and uploading run after the fold has resumed.
 
-Names: `projection-<seq, 20 digits>-<replica token>`, so that names sort by sequence
-and two replicas saving at the same sequence never write the same object. The
-`keep` newest are kept, older ones deleted after each save.
+Names: `projection-<seq, 20 digits>-<stream incarnation>-<replica token>`: names sort
+by sequence; a replica looks only at checkpoints of the stream as it is now (the
+incarnation is a digest of the stream's creation time, so one left over from a
+deleted stream is never taken for a recent one); two replicas saving at the same
+sequence never write the same object. After each save the `keep` newest of the
+current incarnation are kept and every other checkpoint is deleted.
 """
 
 from __future__ import annotations
