@@ -799,3 +799,18 @@ def test_actor_lifecycle_states_follow_the_snapshotter_events():
     log.snapshot("a", origin=SnapshotOrigin.PROMOTE)
     assert log.p.actors["a"].state is SUSPENDED
     assert log.p.workers["w1"].booked_mem == 0
+
+
+def test_a_booking_marker_folded_from_its_subject_is_the_event_folded():
+    log = Log()
+    log.worker("w1")
+    log.actor("a")
+    log.place(log.decide("a"))
+    by_subject = Projection()
+    for seq, event in enumerate(log.events, start=1):
+        if isinstance(event, WorkerBooked):
+            by_subject.booking_marker(seq, event.worker_id)
+        else:
+            by_subject.apply(seq, event)
+    assert by_subject.bookings == log.p.bookings and by_subject.seq == log.p.seq
+    assert by_subject.events == log.p.events

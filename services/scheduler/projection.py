@@ -369,8 +369,7 @@ class Projection:
         self.events += 1
         kind = type(event)
         if kind is WorkerBooked:
-            previous = self.bookings.get(event.worker_id)
-            self.bookings[event.worker_id] = (version or (previous[0] + 1 if previous else 1), seq)
+            self._booked(seq, event.worker_id, version)
             return
         handler = self._dispatch.get(kind)
         if event.KIND == "actor":
@@ -388,6 +387,18 @@ class Projection:
             handler(event, seq)
         elif kind is TagRecorded:
             self._other_subject(f"tag.{event.tag}", seq, version)
+
+    def booking_marker(self, seq: int, worker_id: str, version: int | None = None) -> None:
+        """Fold a `WorkerBooked` known from its subject alone (all the fold needs of it),
+        without decoding its body; the same as `apply` of the event."""
+        if seq > self.seq:
+            self.seq = seq
+        self.events += 1
+        self._booked(seq, worker_id, version)
+
+    def _booked(self, seq: int, worker_id: str, version: int | None) -> None:
+        previous = self.bookings.get(worker_id)
+        self.bookings[worker_id] = (version or (previous[0] + 1 if previous else 1), seq)
 
     def skip(self, seq: int) -> None:
         """A message that is not an event (e.g. a tracking record) still advances the position."""

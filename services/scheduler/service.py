@@ -138,6 +138,7 @@ class Fold:
         self.prefix = prefix
         self.stream = stream_name(prefix)
         self.events_prefix = f"{prefix}.ev."
+        self.booking_prefix = f"{prefix}.ev.{WorkerBooked.KIND}."
         self.projection = projection
         self.on_applied = on_applied
         self.behind = 0  # messages the server had not delivered yet at the last one folded
@@ -189,7 +190,11 @@ class Fold:
         headers = msg.headers
         topic = headers.get(TOPIC_HEADER) if headers else None
         projection = self.projection
-        if topic in EVENT_TYPES or (topic is None and msg.subject.startswith(self.events_prefix)):
+        if topic == "WorkerBooked" and msg.subject.startswith(self.booking_prefix):
+            # the subject says all the fold needs of a booking marker: no body to decode
+            version = headers.get(VERSION_HEADER)
+            projection.booking_marker(seq, msg.subject[len(self.booking_prefix):], int(version) if version else None)
+        elif topic in EVENT_TYPES or (topic is None and msg.subject.startswith(self.events_prefix)):
             try:
                 event = decode_event(msg.data)
                 version = headers.get(VERSION_HEADER) if headers else None
