@@ -432,6 +432,8 @@ async def test_three_replicas_and_200_concurrent_resumes_never_overbook(nc, nats
         await s.fold.wait(last, 10)
     booked = [{w.worker_id: w.booked_mem for w in s.projection.workers.values()} for s in services]
     assert booked[0] == booked[1] == booked[2]
+    for s in services:  # nothing is left counted in flight once the folds have every commit
+        assert (s._pending, s._chain, s._unfolded, s._unfolded_actors) == ({}, {}, [], {})
 
 
 async def test_a_replica_stopped_mid_load_is_rebuilt_from_the_log_and_serves(nc, prefix, store, replicas):

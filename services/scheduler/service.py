@@ -245,10 +245,11 @@ class Fold:
 class Hold:
     """One booking this replica is committing (or has committed but not folded yet)."""
 
-    __slots__ = ("worker_id", "cpu", "mem", "expected", "written", "last_seq", "settled", "released")
+    __slots__ = ("worker_id", "actor_id", "cpu", "mem", "expected", "written", "last_seq", "settled", "released")
 
-    def __init__(self, worker_id: str, cpu: int, mem: int):
+    def __init__(self, worker_id: str, actor_id: str, cpu: int, mem: int):
         self.worker_id = worker_id
+        self.actor_id = actor_id
         self.cpu = cpu
         self.mem = mem
         self.expected: tuple[int, int] | None = None  # (version, seq) of booking.<id> its commit expected
@@ -377,7 +378,7 @@ class SchedulerService:
         self.groups = 0  # appends made (a group of placements each)
         self._pending: dict[str, tuple[int, int]] = {}  # worker id -> in-flight (cpu, mem), for decide
         self._chain: dict[str, Hold] = {}  # worker id -> the latest hold on it
-        self._unfolded: list[tuple[int, int, Hold]] = []  # committed holds by ActorPlaced seq
+        self._unfolded: list[tuple[int, int, Hold]] = []  # appended holds, by the seq of their WorkerBooked
         self._unfolded_actors: dict[str, int] = {}  # actor id -> seq of a placement not folded yet
         self._jobs: list[Job] = []  # resumes to decide
         self._ready: list[Commit] = []  # decided placements to append again after a refused group
@@ -494,7 +495,6 @@ class SchedulerService:
                 unfolded = self._unfolded_actors.get(actor_id)
                 if unfolded is not None:  # our own last placement of it: decide on state that has it
                     await self.fold.wait(unfolded, self.catch_up_s)
-                    self._unfolded_actors.pop(actor_id, None)
                 actor = self.projection.actors.get(actor_id)
                 if request.request_id is not None and actor is not None and actor.placed_request_id == request.request_id:
                     return await self._recorded(actor.placed_seq)
@@ -512,7 +512,6 @@ class SchedulerService:
                     continue
                 except OperationalError as error:
                     raise unavailable(f"the event store did not take the placement: {error}") from None
-                self._unfolded_actors[actor_id] = seq
                 self.commits += 1
                 if self.metrics:
                     self._count(placement)
@@ -580,7 +579,7 @@ class SchedulerService:
         the expectations of the state it was decided on."""
         p = self.projection
         worker_id = placement.worker_id
-        hold = Hold(worker_id, placement.booked.cpu_millis, placement.booked.memory_mib)
+        hold = Hold(worker_id, placement.actor_id, placement.booked.cpu_millis, placement.booked.memory_mib)
         self._hold(hold)
         after = self._chain.get(worker_id)
         self._chain[worker_id] = hold
@@ -643,6 +642,7 @@ class SchedulerService:
                 self._unhold(hold)
             else:
                 heapq.heappush(self._unfolded, (hold.last_seq, next(self._tie), hold))
+                self._unfolded_actors[hold.actor_id] = hold.last_seq
             if not item.result.done():
                 item.result.set_result((item.placement, hold.last_seq))
 
@@ -704,7 +704,10 @@ class SchedulerService:
         """After each message folded: bookings now in the projection leave the in-flight set."""
         unfolded = self._unfolded
         while unfolded and unfolded[0][0] <= seq:
-            self._unhold(heapq.heappop(unfolded)[2])
+            hold = heapq.heappop(unfolded)[2]
+            self._unhold(hold)
+            if self._unfolded_actors.get(hold.actor_id) == hold.last_seq:
+                del self._unfolded_actors[hold.actor_id]
 
     async def _catch_up(self, job: Job) -> None:
         """After a lost race: wait until the fold has what the actor's subject holds now
