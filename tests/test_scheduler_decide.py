@@ -814,3 +814,18 @@ def test_a_booking_marker_folded_from_its_subject_is_the_event_folded():
             by_subject.apply(seq, event)
     assert by_subject.bookings == log.p.bookings and by_subject.seq == log.p.seq
     assert by_subject.events == log.p.events
+
+
+def test_refusal_messages_kept_for_alike_resumes_are_the_ones_computed():
+    log = Log()
+    log.worker("w1", mem=512)
+    for j in range(3):
+        log.actor(f"a{j}")
+    refusals: dict = {}
+    messages = []
+    for j in range(3):
+        with pytest.raises(ContractError) as caught:
+            decide(log.p, f"a{j}", None, log.p.seq, {}, refusals)
+        messages.append(caught.value.message)
+    assert len(refusals) == 1 and len(set(messages)) == 1
+    assert messages[0] == refused(log, "a0", ErrorCode.RESOURCE_EXHAUSTED).message

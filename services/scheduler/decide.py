@@ -447,8 +447,15 @@ def decide(
     selectors: Mapping[str, str] | None,
     position: int,
     pending: Pending = NO_PENDING,
+    refusals: dict | None = None,
 ) -> Placement:
-    """The placement a resume gets from the log folded to `position`; raises ContractError."""
+    """The placement a resume gets from the log folded to `position`; raises ContractError.
+
+    A refusal's message counts every worker's reason, which costs a pass over the
+    fleet; `refusals`, if given, keeps those messages by requirement so that refusals
+    of alike resumes reuse one. The caller must empty it whenever the projection or
+    `pending` changes: the messages are then exactly what each refusal would compute.
+    """
     actor = resolve(projection, actor_id)
     the_plan = plan(projection, actor, selectors)
     draw = Draw(seed(actor_id, position))
@@ -456,12 +463,19 @@ def decide(
         choice = choose(tier.ask, tier.members, draw, pending)
         if choice is not None:
             return placement(actor, tier, choice)
-    raise exhausted(_exhausted_message(projection, the_plan, pending))
+    raise exhausted(_exhausted_message(projection, the_plan, pending, refusals))
 
 
-def _exhausted_message(projection: Projection, the_plan: Plan, pending: Pending) -> str:
-    total, candidates, counts = _tally(projection.workers.values(), the_plan.primary, pending, None)
-    return f"{summary(candidates, total, counts)}; {the_plan.refusal}"
+def _exhausted_message(projection: Projection, the_plan: Plan, pending: Pending, refusals: dict | None = None) -> str:
+    ask = the_plan.primary
+    key = (ask.sandbox_class, ask.cpu, ask.memory_mib, ask.selectors, ask.node, ask.compat, the_plan.refusal)
+    if refusals is not None and key in refusals:
+        return refusals[key]
+    total, candidates, counts = _tally(projection.workers.values(), ask, pending, None)
+    message = f"{summary(candidates, total, counts)}; {the_plan.refusal}"
+    if refusals is not None:
+        refusals[key] = message
+    return message
 
 
 def _tally(

@@ -377,6 +377,7 @@ class SchedulerService:
         self.conflicts = 0  # placements whose commit lost a race (each is decided again)
         self.groups = 0  # appends made (a group of placements each)
         self._pending: dict[str, tuple[int, int]] = {}  # worker id -> in-flight (cpu, mem), for decide
+        self._refusals: dict = {}  # refusal messages of decide, valid until the fold or _pending changes
         self._chain: dict[str, Hold] = {}  # worker id -> the latest hold on it
         self._unfolded: list[tuple[int, int, Hold]] = []  # appended holds, by the seq of their WorkerBooked
         self._unfolded_actors: dict[str, int] = {}  # actor id -> seq of a placement not folded yet
@@ -548,7 +549,7 @@ class SchedulerService:
                         deferred.append(job)
                         continue
                     try:
-                        placement = decide(p, job.actor_id, job.selectors, p.seq, self._pending)
+                        placement = decide(p, job.actor_id, job.selectors, p.seq, self._pending, self._refusals)
                     except ContractError as error:
                         job.result.set_exception(error)
                         continue
@@ -684,6 +685,7 @@ class SchedulerService:
                 item.result.set_exception(error)
 
     def _hold(self, hold: Hold) -> None:
+        self._refusals.clear()
         cpu, mem = self._pending.get(hold.worker_id, (0, 0))
         self._pending[hold.worker_id] = (cpu + hold.cpu, mem + hold.mem)
 
@@ -691,6 +693,7 @@ class SchedulerService:
         if hold.released:
             return
         hold.released = True
+        self._refusals.clear()
         cpu, mem = self._pending[hold.worker_id]
         cpu, mem = cpu - hold.cpu, mem - hold.mem
         if cpu or mem:
@@ -702,6 +705,8 @@ class SchedulerService:
 
     def _folded(self, seq: int) -> None:
         """After each message folded: bookings now in the projection leave the in-flight set."""
+        if self._refusals:
+            self._refusals.clear()
         unfolded = self._unfolded
         while unfolded and unfolded[0][0] <= seq:
             hold = heapq.heappop(unfolded)[2]
