@@ -22,7 +22,7 @@ import nats
 from nats.aio.client import Client as NATS
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import KeyNotFoundError, NotFoundError
-from nats.micro import ServiceConfig, add_service
+from nats.micro import ServiceConfig
 from nats.micro.request import Request
 from nats.micro.service import Service
 
@@ -80,12 +80,49 @@ def wrap(spec: EndpointSpec, service: str) -> Callable[[Request], Awaitable[None
     return handle
 
 
+MAX_CONCURRENT_REQUESTS = 256
+
+
+class MicroService(Service):
+    """A nats.micro service whose endpoints answer requests concurrently.
+
+    nats.micro awaits each handler before it reads the endpoint's next message, so a
+    handler that waits on the store would serialise every request of the replica.
+    Handlers added through `concurrently` start each request as a task (at most
+    MAX_CONCURRENT_REQUESTS at once; past that the subscription waits), and `stop`
+    lets the ones in flight finish.
+    """
+
+    def __init__(self, nc: NATS, config: ServiceConfig, max_concurrent: int = MAX_CONCURRENT_REQUESTS):
+        super().__init__(nc, config)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._slots = asyncio.Semaphore(max_concurrent)
+
+    def concurrently(self, handle: Callable[[Request], Awaitable[None]]) -> Callable[[Request], Awaitable[None]]:
+        def finished(task: asyncio.Task[None]) -> None:
+            self._tasks.discard(task)
+            self._slots.release()
+
+        async def handler(request: Request) -> None:
+            await self._slots.acquire()
+            task = asyncio.create_task(handle(request))
+            self._tasks.add(task)
+            task.add_done_callback(finished)
+
+        return handler
+
+    async def stop(self, drain_s: float = 10.0) -> None:
+        await super().stop()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=drain_s)
+
+
 async def add_endpoints(
     nc: NATS, prefix: str, service: str, description: str, specs: list[EndpointSpec]
-) -> Service:
+) -> MicroService:
     """Start the micro service `warmboot-<service>` in the queue group of that name."""
     name = f"warmboot-{service}"
-    svc = await add_service(
+    svc = MicroService(
         nc,
         ServiceConfig(
             name=name,
@@ -95,9 +132,10 @@ async def add_endpoints(
             metadata={"prefix": prefix},
         ),
     )
+    await svc.start()
     for spec in specs:
         subject = service_subject(prefix, service, spec.verb, "*" if spec.per_entity else None)
-        await svc.add_endpoint(name=spec.verb, subject=subject, handler=wrap(spec, service))
+        await svc.add_endpoint(name=spec.verb, subject=subject, handler=svc.concurrently(wrap(spec, service)))
     await nc.flush()  # the server has the subscriptions: requests sent after this are served
     return svc
 
