@@ -4,6 +4,7 @@ process behind, also when its parent is killed with SIGKILL."""
 from __future__ import annotations
 
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -32,13 +33,17 @@ def alive(pid: int) -> bool:
 
 
 def wait_gone(pid: int, timeout: float = 20.0) -> bool:
-    """Poll until `pid` is no longer a running process (a condition with a deadline)."""
-    deadline = time.monotonic() + timeout
-    while alive(pid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
+    """Wait for `pid` to exit: a pidfd becomes readable when the process ends (an event,
+    not a poll). The process is not our child, so waitpid cannot be used."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        readable, _, _ = select.select([fd], [], [], timeout)
+    finally:
+        os.close(fd)
+    return bool(readable) or not alive(pid)
 
 
 def servers_using(config_path: Path) -> list[int]:
