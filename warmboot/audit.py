@@ -92,7 +92,10 @@ class Verifier:
 
 
 class Sink:
-    """What `Fold` folds into: a projection, bounded by a sequence or a time, optionally verified."""
+    """What `Fold` folds into: a projection, bounded by a sequence or a time, optionally verified.
+
+    It offers the methods `Fold` calls on a Projection (apply, booking_marker, skip, seq).
+    """
 
     def __init__(self, until_seq: int | None = None, until_time: datetime | None = None, verify: bool = False,
                  on_position: Callable[[int], None] | None = None):
@@ -124,6 +127,12 @@ class Sink:
             if self.verifier is not None:
                 self.violation = self.verifier.check(seq, event)
             self.projection.apply(seq, event, version)
+        self.skip(seq)
+
+    def booking_marker(self, seq: int, worker_id: str, version: int | None = None) -> None:
+        """A WorkerBooked marker, which the fold reads from its subject without decoding it."""
+        if not self._beyond(seq, None) and self.violation is None:
+            self.projection.booking_marker(seq, worker_id, version)
         self.skip(seq)
 
     def skip(self, seq: int) -> None:
