@@ -215,6 +215,7 @@ def walk(p: Projection) -> dict[str, Any]:
     """
     assert set(vars(p)) == {"seq", "events", "workers", "classes", "actors", "bookings", "subjects", "_compats",
                             "_compat_by_version", "_stamps", "_runtimes", "_strings", "_resources", "_selectors",
+                            "_specs", "_kinds", "_leases", "_suffixes",
                             "_dispatch"}, "a new Projection field: teach the checkpoint codec about it"
     registered = {id(w) for w in p.workers.values()}
     others: dict[int, int] = {}  # unregistered worker records, numbered by first sight
@@ -233,6 +234,8 @@ def walk(p: Projection) -> dict[str, Any]:
             return ("entry", value(v.default), [value(r) for r in v.restorable])
         if isinstance(v, projection_module.Compat):
             return ("compat", v.key, v.version)
+        if isinstance(v, (projection_module.Spec, projection_module.SnapshotKind, projection_module.Lease)):
+            return (type(v).__name__, obj(v))
         if isinstance(v, projection_module.IndexedSet):
             assert v.pos == {w.worker_id: i for i, w in enumerate(v.items)}
             return [value(w) for w in v.items]

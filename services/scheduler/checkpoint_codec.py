@@ -5,10 +5,11 @@
 same, field for field and order for order, as the one exported:
 
 - Objects shared by reference in the projection (workers, interned compat keys,
-  stamps, runtimes, resources, label and selector maps) are written once, in
-  tables, and referred to by position, so a restored projection shares them the
-  same way (an actor's booking points at the very Worker record in its class
-  index; all snapshots of one runtime share one Stamp) and is as small in memory.
+  stamps, runtimes, resources, label and selector maps, actors' specs, snapshot
+  kinds and leases) are written once, in tables, and referred to by position, so a
+  restored projection shares them the same way (an actor's booking points at the
+  very Worker record in its class index; all snapshots of one runtime share one
+  Stamp) and is as small in memory.
 - Orders that decisions depend on are kept as they are: the member lists of every
   `IndexedSet` (power-of-two sampling draws by position), the order of workers,
   actors and classes, the counts tables. So `decide` gives the same worker for
@@ -51,12 +52,15 @@ from services.scheduler.projection import (
     ClassIndex,
     Compat,
     IndexedSet,
+    Lease,
     Projection,
+    SnapshotKind,
+    Spec,
     Worker,
 )
 
 # Bump on any change of what State holds or how it maps onto the projection.
-FORMAT = 1
+FORMAT = 2
 
 # The states are compared by identity in the fold and in decide (`state is REGISTERED`):
 # a restored projection must hold these very objects, not equal strings.
@@ -80,7 +84,7 @@ def _fold_digest() -> str:
         for path in (projection_module.__file__, __file__):
             h.update(Path(path).read_bytes())
     except (OSError, TypeError):
-        for cls in (Worker, Actor, ClassIndex, ClassEntry, IndexedSet, Compat):
+        for cls in (Worker, Actor, ClassIndex, ClassEntry, IndexedSet, Compat, Spec, SnapshotKind, Lease):
             h.update(repr((cls.__name__, cls.__slots__)).encode())
         h.update(repr(sorted(vars(Projection()))).encode())
     return h.hexdigest()
@@ -106,31 +110,24 @@ class WorkerRow(Struct, array_like=True, gc=False):
     classes: list[tuple[str, int, list[int]]]  # (sandbox_class, default, restorable) by index into State.runtimes
     booked_cpu: int
     booked_mem: int
+    holders: list[str]
+    booking_version: int
+    booking_seq: int
 
 
 class ActorRow(Struct, array_like=True, gc=False):
     actor_id: str
     state: str
-    sandbox_class: str
-    template_uid: str
-    resources: int  # index into State.resources, or NONE
-    selectors: int  # index into State.maps
-    min_fidelity: Fidelity
-    snapshot_id: str | None
-    snap_template: str | None
-    snap_fidelity: Fidelity | None
-    snap_node: str | None
-    snap_stamp: int  # index into State.stamps, or NONE
-    snap_borrowed: bool
+    spec: int  # index into State.specs
+    snapshot: int  # index into State.kinds, or NONE
+    snapshot_ref: str | None
     worker: int  # index into State.workers, or NONE
-    holds: bool  # the actor's booking counts on its worker (it is in `worker.actors`)
-    booked: int  # index into State.resources, or NONE
-    pin: int  # index into State.stamps, or NONE
+    lease: int  # index into State.leases, or NONE
     node: str | None
-    placed_seq: int
-    placed_request_id: str | None
     version: int
     last_seq: int
+    placed_request_id: str | None
+    placed_seq: int
 
 
 class ClassRow(Struct, array_like=True, gc=False):
@@ -153,6 +150,9 @@ class State(Struct):
     stamps: list[ActorRuntime]
     resources: list[Resources]
     maps: list[list[tuple[str, str]]]  # interned label and selector maps, sorted pairs
+    specs: list[tuple[str, str, int, int, Fidelity]]  # (class, template, resources, selectors, min_fidelity)
+    kinds: list[tuple[str, Fidelity, int, bool, bool]]  # (template, fidelity, stamp or NONE, borrowed, prefixed)
+    leases: list[tuple[int, int]]  # (booked: index into resources, pin: index into stamps)
     registered: int  # workers[:registered] are the registered ones, in the projection's order
     workers: list[WorkerRow]
     classes: list[ClassRow]
@@ -240,6 +240,15 @@ def _export(p: Projection) -> State:
             resources.append(value)
         return found
 
+    spec_index = {id(s): i for i, s in enumerate(p._specs.values())}
+    specs = [(s.sandbox_class, s.template_uid, resource_of(s.resources), map_of(s.selectors), s.min_fidelity)
+             for s in p._specs.values()]
+    kind_index = {id(k): i for i, k in enumerate(p._kinds.values())}
+    kinds = [(k.template_uid, k.fidelity, NONE if k.stamp is None else stamp_index[id(k.stamp)], k.borrowed,
+              k.prefixed) for k in p._kinds.values()]
+    lease_index = {id(lease): i for i, lease in enumerate(p._leases.values())}
+    leases = [(resource_of(lease.booked), stamp_index[id(lease.pin)]) for lease in p._leases.values()]
+
     workers: list[Worker] = list(p.workers.values())
     worker_index = {id(w): i for i, w in enumerate(workers)}
     registered = len(workers)
@@ -254,7 +263,7 @@ def _export(p: Projection) -> State:
             w.worker_id, w.node, w.cpu_millis, w.memory_mib, map_of(w.labels), w.state,
             [(name, runtime_index[id(e.default)], [runtime_index[id(r)] for r in e.restorable])
              for name, e in w.classes.items()],
-            w.booked_cpu, w.booked_mem,
+            w.booked_cpu, w.booked_mem, list(w.holders), w.booking_version, w.booking_seq,
         )
         for w in workers
     ]
@@ -278,21 +287,15 @@ def _export(p: Projection) -> State:
         for index in p.classes.values()
     ]
 
-    stamp_of = stamp_index.get
     actor_rows = []
     append = actor_rows.append
     for a in p.actors.values():
-        worker = a.worker
-        snap_stamp, pin = a.snap_stamp, a.pin
+        worker, kind, lease = a.worker, a.snapshot, a.lease
         append(ActorRow(
-            a.actor_id, a.state, a.sandbox_class, a.template_uid, resource_of(a.resources), map_of(a.selectors),
-            a.min_fidelity, a.snapshot_id, a.snap_template, a.snap_fidelity, a.snap_node,
-            NONE if snap_stamp is None else stamp_of(id(snap_stamp)), a.snap_borrowed,
-            NONE if worker is None else worker_index[id(worker)],
-            worker is not None and a.actor_id in worker.actors,
-            resource_of(a.booked),
-            NONE if pin is None else stamp_of(id(pin)),
-            a.node, a.placed_seq, a.placed_request_id, a.version, a.last_seq,
+            a.actor_id, a.state, spec_index[id(a.spec)], NONE if kind is None else kind_index[id(kind)],
+            a.snapshot_ref, NONE if worker is None else worker_index[id(worker)],
+            NONE if lease is None else lease_index[id(lease)], a.node, a.version, a.last_seq,
+            a.placed_request_id, a.placed_seq,
         ))
 
     return State(
@@ -303,6 +306,9 @@ def _export(p: Projection) -> State:
         stamps=stamps,
         resources=resources,
         maps=maps,
+        specs=specs,
+        kinds=kinds,
+        leases=leases,
         registered=registered,
         workers=worker_rows,
         classes=class_rows,
@@ -348,6 +354,12 @@ def _restore(state: State) -> Projection:
     maps = [p._sel(dict(pairs)) for pairs in state.maps]
     text = p._str
 
+    specs = [p.spec(text(cls), text(template), resources[r], maps[m], min_fidelity)
+             for cls, template, r, m, min_fidelity in state.specs]
+    kinds = [p.snapshot_kind(text(template), fidelity, _at(stamps, stamp), borrowed, prefixed)
+             for template, fidelity, stamp, borrowed, prefixed in state.kinds]
+    leases = [p.lease(resources[booked], stamps[pin]) for booked, pin in state.leases]
+
     workers: list[Worker] = []
     for i, row in enumerate(state.workers):
         w = Worker(row.worker_id)
@@ -362,6 +374,9 @@ def _restore(state: State) -> Projection:
         }
         w.booked_cpu = row.booked_cpu
         w.booked_mem = row.booked_mem
+        w.holders = tuple(row.holders)
+        w.booking_version = row.booking_version
+        w.booking_seq = row.booking_seq
         workers.append(w)
         if i < state.registered:
             if w.worker_id in p.workers:
@@ -385,34 +400,21 @@ def _restore(state: State) -> Projection:
         p.classes[index.sandbox_class] = index
 
     actors = p.actors
-    new_actor = Actor.__new__
+    suffix = p.suffix
     for row in state.actors:
-        a = new_actor(Actor)  # every slot is set below (a test walks the slots of both projections)
-        a.actor_id = row.actor_id
-        a.state = _ACTOR_STATES[row.state]
-        a.sandbox_class = text(row.sandbox_class)
-        a.template_uid = text(row.template_uid)
-        a.resources = _at(resources, row.resources)
-        a.selectors = maps[row.selectors]
-        a.min_fidelity = row.min_fidelity
-        a.snapshot_id = row.snapshot_id
-        a.snap_template = None if row.snap_template is None else text(row.snap_template)
-        a.snap_fidelity = row.snap_fidelity
-        a.snap_node = None if row.snap_node is None else text(row.snap_node)
-        a.snap_stamp = _at(stamps, row.snap_stamp)
-        a.snap_borrowed = row.snap_borrowed
-        worker = a.worker = _at(workers, row.worker)
-        if row.holds:
-            if worker is None:
-                raise ValueError(f"actor {row.actor_id} holds a booking on no worker")
-            worker.actors.add(row.actor_id)
-        a.booked = _at(resources, row.booked)
-        a.pin = _at(stamps, row.pin)
-        a.node = None if row.node is None else text(row.node)
-        a.placed_seq = row.placed_seq
-        a.placed_request_id = row.placed_request_id
-        a.version = row.version
-        a.last_seq = row.last_seq
+        kind = _at(kinds, row.snapshot)
+        ref = row.snapshot_ref
+        if kind is not None and kind.prefixed:  # the rest after the actor's id: interned again
+            ref = suffix(ref)
+        worker = _at(workers, row.worker)
+        lease = _at(leases, row.lease)
+        if (worker is None) != (lease is None):
+            raise ValueError(f"actor {row.actor_id} has a worker and no lease, or the reverse")
+        a = Actor(
+            row.actor_id, _ACTOR_STATES[row.state], specs[row.spec], kind, ref, worker, lease,
+            None if row.node is None else text(row.node), row.version, row.last_seq, row.placed_request_id,
+            row.placed_seq,
+        )
         if a.actor_id in actors:
             raise ValueError(f"actor {a.actor_id} appears twice")
         actors[a.actor_id] = a

@@ -19,9 +19,19 @@ order. What it keeps is exactly what placement and `fragmentation` read:
 - counts for fragmentation: latest MEMORY snapshots per compat key of actors waiting
   for a resume, and live (registered, undrained) workers per key.
 
-Memory is kept small on purpose (one actor is one `__slots__` object; compat keys,
-stamps, runtimes, templates, resources and selector maps are interned, one object
-per distinct value), because a projection holds every actor of a deployment.
+Memory is kept small on purpose, because a projection holds every actor of a
+deployment (at most 300 bytes each, as `bench/recovery.py` measures it):
+
+- one actor is one msgspec Struct that the garbage collector does not track (no
+  reference cycle passes through it), 16 bytes of header and 8 per field;
+- what many actors have alike is interned and referred to: compat keys, stamps,
+  runtimes, templates, resources, selector maps, and the combinations an actor
+  refers to as one (`Spec`: what it asks for; `SnapshotKind`: what decisions read of
+  its latest snapshot; `Lease`: what it books while running);
+- a snapshot id that starts with the actor's id (the snapshotter's default is
+  `<actor id>-v<version>`) is kept as the interned rest;
+- a worker keeps the ids of the actors booked on it in a tuple, and the OCC
+  expectation of its `booking.<id>` subject in two fields.
 """
 
 from __future__ import annotations
@@ -29,6 +39,8 @@ from __future__ import annotations
 import hashlib
 from math import ceil
 from typing import Any, Callable, Iterator, Mapping
+
+from msgspec import Struct
 
 from events.compat import CompatKey, compat_key, describe_key
 from events.schema import (
@@ -75,6 +87,10 @@ WAITING = frozenset((CREATED, PAUSED, SUSPENDED))
 
 MEMORY = Fidelity.MEMORY
 _EMPTY: Mapping[str, str] = {}
+
+# Distinct snapshot-id suffixes interned at most: past that, a suffix is kept per actor
+# (user-chosen ids may all differ; the snapshotter's own are `-v<version>`, few).
+SUFFIXES_INTERNED = 1 << 16
 
 
 def stable_hash(text: str) -> int:
@@ -163,7 +179,10 @@ class Worker:
         "classes",  # {sandbox_class: ClassEntry}
         "booked_cpu",
         "booked_mem",
-        "actors",  # ids of the actors whose bookings are on this worker
+        "holders",  # ids of the actors whose bookings are on this worker, in booking order
+        # optimistic concurrency on `booking.<worker id>`
+        "booking_version",
+        "booking_seq",
     )
 
     def __init__(self, worker_id: str):
@@ -177,7 +196,9 @@ class Worker:
         self.classes: dict[str, ClassEntry] = {}
         self.booked_cpu = 0
         self.booked_mem = 0
-        self.actors: set[str] = set()
+        self.holders: tuple[str, ...] = ()
+        self.booking_version = 0
+        self.booking_seq = 0
 
     @property
     def live(self) -> bool:
@@ -191,6 +212,23 @@ class Worker:
     @property
     def room_mem(self) -> int:
         return self.memory_mib - WORKER_RESERVE_MIB - self.booked_mem
+
+    @property
+    def actors(self) -> frozenset[str]:
+        """The ids of the actors whose bookings are on this worker."""
+        return frozenset(self.holders)
+
+    def book(self, actor_id: str, booked: Resources) -> None:
+        self.booked_cpu += booked.cpu_millis
+        self.booked_mem += booked.memory_mib
+        self.holders += (actor_id,)
+
+    def unbook(self, actor_id: str, booked: Resources) -> None:
+        self.booked_cpu -= booked.cpu_millis
+        self.booked_mem -= booked.memory_mib
+        holders = self.holders
+        i = holders.index(actor_id)
+        self.holders = holders[:i] + holders[i + 1:]
 
     def __repr__(self) -> str:
         return f"Worker({self.worker_id} on {self.node}, {self.state}, room {self.room_cpu}m/{self.room_mem}MiB)"
@@ -267,64 +305,127 @@ def _bump(counts: dict[Compat, int], compat: Compat, delta: int) -> None:
         counts.pop(compat, None)
 
 
-class Actor:
-    __slots__ = (
-        "actor_id",
-        "state",
-        "sandbox_class",
-        "template_uid",
-        "resources",
-        "selectors",
-        "min_fidelity",
-        # the latest snapshot, inline (one object less per actor)
-        "snapshot_id",
-        "snap_template",
-        "snap_fidelity",
-        "snap_node",
-        "snap_stamp",  # Stamp | None
-        "snap_borrowed",
-        # the assignment while RUNNING
-        "worker",  # the Worker object booked (its record, even if it has since been removed)
-        "booked",  # Resources
-        "pin",  # Stamp
-        "node",  # node of the assignment while RUNNING; the pinned node while PAUSED
-        # idempotency: the last placement
-        "placed_seq",
-        "placed_request_id",
-        # optimistic concurrency on `actor.<id>`
-        "version",
-        "last_seq",
-    )
+# --- actors -----------------------------------------------------------------------------------------
 
-    def __init__(self, actor_id: str):
-        self.actor_id = actor_id
-        self.state = CREATED
-        self.sandbox_class = ""
-        self.template_uid = ""
-        self.resources: Resources | None = None
-        self.selectors: Mapping[str, str] = _EMPTY
-        self.min_fidelity = Fidelity.ROOTFS
-        self.snapshot_id: str | None = None
-        self.snap_template: str | None = None
-        self.snap_fidelity: Fidelity | None = None
-        self.snap_node: str | None = None
-        self.snap_stamp: Stamp | None = None
-        self.snap_borrowed = False
-        self.worker: Worker | None = None
-        self.booked: Resources | None = None
-        self.pin: Stamp | None = None
-        self.node: str | None = None
-        self.placed_seq = 0
-        self.placed_request_id: str | None = None
-        self.version = 0
-        self.last_seq = 0
+
+class Spec:
+    """What an actor asks for (interned: actors created alike share one)."""
+
+    __slots__ = ("sandbox_class", "template_uid", "resources", "selectors", "min_fidelity")
+
+    def __init__(self, sandbox_class: str, template_uid: str, resources: Resources, selectors: Mapping[str, str],
+                 min_fidelity: Fidelity):
+        self.sandbox_class = sandbox_class
+        self.template_uid = template_uid
+        self.resources = resources
+        self.selectors = selectors
+        self.min_fidelity = min_fidelity
+
+
+class SnapshotKind:
+    """What decisions read of an actor's latest snapshot (interned), and whether its id
+    is the actor's id followed by the suffix the actor keeps (`Actor.snapshot_ref`)."""
+
+    __slots__ = ("template_uid", "fidelity", "stamp", "borrowed", "prefixed")
+
+    def __init__(self, template_uid: str, fidelity: Fidelity, stamp: Stamp | None, borrowed: bool, prefixed: bool):
+        self.template_uid = template_uid
+        self.fidelity = fidelity
+        self.stamp = stamp
+        self.borrowed = borrowed
+        self.prefixed = prefixed
+
+
+class Lease:
+    """What a running actor holds on its worker (interned): the resources booked and the pin."""
+
+    __slots__ = ("booked", "pin")
+
+    def __init__(self, booked: Resources, pin: Stamp):
+        self.booked = booked
+        self.pin = pin
+
+
+class Actor(Struct, gc=False, eq=False):
+    """One actor. A Struct untracked by the garbage collector (it is in no reference
+    cycle): 16 bytes of header and 8 per field, the most numerous record of the fold."""
+
+    actor_id: str  # the very string that keys `Projection.actors`
+    state: str
+    spec: Spec
+    snapshot: SnapshotKind | None = None  # the latest snapshot, None before the first
+    snapshot_ref: str | None = None  # its id, or (`snapshot.prefixed`) the rest after the actor's id
+    # the assignment while RUNNING
+    worker: Worker | None = None  # the Worker record booked (its record, even if it has since been removed)
+    lease: Lease | None = None
+    node: str | None = None  # node of the assignment while RUNNING; the pinned node while PAUSED
+    # optimistic concurrency on `actor.<id>`
+    version: int = 0
+    last_seq: int = 0
+    # idempotency: the last placement's request_id and sequence (None and 0 if it carried none)
+    placed_request_id: str | None = None
+    placed_seq: int = 0
+
+    # what the actor asks for
+    @property
+    def sandbox_class(self) -> str:
+        return self.spec.sandbox_class
 
     @property
+    def template_uid(self) -> str:
+        return self.spec.template_uid
+
+    @property
+    def resources(self) -> Resources:
+        return self.spec.resources
+
+    @property
+    def selectors(self) -> Mapping[str, str]:
+        return self.spec.selectors
+
+    @property
+    def min_fidelity(self) -> Fidelity:
+        return self.spec.min_fidelity
+
+    # its latest snapshot
+    @property
     def has_snapshot(self) -> bool:
-        return self.snapshot_id is not None
+        return self.snapshot is not None
+
+    @property
+    def snapshot_id(self) -> str | None:
+        kind = self.snapshot
+        if kind is not None and kind.prefixed:
+            return self.actor_id + self.snapshot_ref
+        return self.snapshot_ref
+
+    @property
+    def snap_template(self) -> str | None:
+        return self.snapshot.template_uid if self.snapshot is not None else None
+
+    @property
+    def snap_fidelity(self) -> Fidelity | None:
+        return self.snapshot.fidelity if self.snapshot is not None else None
+
+    @property
+    def snap_stamp(self) -> Stamp | None:
+        return self.snapshot.stamp if self.snapshot is not None else None
+
+    @property
+    def snap_borrowed(self) -> bool:
+        return self.snapshot.borrowed if self.snapshot is not None else False
+
+    # its assignment
+    @property
+    def booked(self) -> Resources | None:
+        return self.lease.booked if self.lease is not None else None
+
+    @property
+    def pin(self) -> Stamp | None:
+        return self.lease.pin if self.lease is not None else None
 
     def __repr__(self) -> str:
-        return f"Actor({self.actor_id}, {self.state}, {self.sandbox_class})"
+        return f"Actor({self.actor_id}, {self.state}, {self.spec.sandbox_class})"
 
 
 class Projection:
@@ -336,8 +437,10 @@ class Projection:
         self.workers: dict[str, Worker] = {}
         self.classes: dict[str, ClassIndex] = {}
         self.actors: dict[str, Actor] = {}
-        self.bookings: dict[str, tuple[int, int]] = {}  # worker id -> (version, last seq) of booking.<id>
-        self.subjects: dict[str, tuple[int, int]] = {}  # any other subject's (version, last seq), by aggregate id
+        # (version, last seq) of `booking.<id>` subjects of workers not registered now (a
+        # registered worker keeps its own), and of any other subject, by aggregate id
+        self.bookings: dict[str, tuple[int, int]] = {}
+        self.subjects: dict[str, tuple[int, int]] = {}
         # interning tables
         self._compats: dict[CompatKey, Compat] = {}
         self._compat_by_version: dict[tuple[str, CompatVersion], Compat] = {}
@@ -346,6 +449,10 @@ class Projection:
         self._strings: dict[str, str] = {}
         self._resources: dict[Resources, Resources] = {}
         self._selectors: dict[tuple[tuple[str, str], ...], Mapping[str, str]] = {(): _EMPTY}
+        self._specs: dict[tuple, Spec] = {}
+        self._kinds: dict[tuple, SnapshotKind] = {}
+        self._leases: dict[tuple[Resources, Stamp], Lease] = {}
+        self._suffixes: dict[str, str] = {}
         self._dispatch: dict[type, Callable[[Any, int], None]] = {
             WorkerRegistered: self._worker_registered,
             RuntimeChanged: self._runtime_changed,
@@ -397,6 +504,11 @@ class Projection:
         self._booked(seq, worker_id, version)
 
     def _booked(self, seq: int, worker_id: str, version: int | None) -> None:
+        worker = self.workers.get(worker_id)
+        if worker is not None:
+            worker.booking_version = version or worker.booking_version + 1
+            worker.booking_seq = seq
+            return
         previous = self.bookings.get(worker_id)
         self.bookings[worker_id] = (version or (previous[0] + 1 if previous else 1), seq)
 
@@ -449,6 +561,50 @@ class Projection:
         found = self._selectors.get(key)
         if found is None:
             found = self._selectors[key] = dict(key)
+        return found
+
+    def spec(self, sandbox_class: str, template_uid: str, resources: Resources, selectors: Mapping[str, str],
+             min_fidelity: Fidelity) -> Spec:
+        """The interned Spec; `resources` and `selectors` must be interned already (their
+        identity stands for their content)."""
+        key = (sandbox_class, template_uid, id(resources), id(selectors), min_fidelity)
+        found = self._specs.get(key)
+        if found is None:
+            found = self._specs[key] = Spec(
+                self._str(sandbox_class), self._str(template_uid), resources, selectors, min_fidelity
+            )
+        return found
+
+    def snapshot_kind(self, template_uid: str, fidelity: Fidelity, stamp: Stamp | None, borrowed: bool,
+                      prefixed: bool) -> SnapshotKind:
+        key = (template_uid, fidelity, stamp, borrowed, prefixed)
+        found = self._kinds.get(key)
+        if found is None:
+            found = self._kinds[key] = SnapshotKind(self._str(template_uid), fidelity, stamp, borrowed, prefixed)
+        return found
+
+    def lease(self, booked: Resources, pin: Stamp) -> Lease:
+        """The interned Lease; `booked` must be interned already."""
+        key = (booked, pin)
+        found = self._leases.get(key)
+        if found is None:
+            found = self._leases[key] = Lease(booked, pin)
+        return found
+
+    def snapshot_ref(self, actor_id: str, snapshot_id: str) -> tuple[bool, str]:
+        """(prefixed, what an actor keeps of `snapshot_id`): the interned rest after the
+        actor's id when the id starts with it, else the id itself."""
+        if not snapshot_id.startswith(actor_id):
+            return False, snapshot_id
+        return True, self.suffix(snapshot_id[len(actor_id):])
+
+    def suffix(self, rest: str) -> str:
+        """A snapshot id's rest after the actor's id, interned (while the table has room)."""
+        found = self._suffixes.get(rest)
+        if found is None:
+            if len(self._suffixes) >= SUFFIXES_INTERNED:
+                return rest
+            found = self._suffixes[rest] = rest
         return found
 
     def class_index(self, sandbox_class: str) -> ClassIndex:
@@ -510,6 +666,9 @@ class Projection:
             self._index(worker, -1)
         else:
             worker = self.workers[event.worker_id] = Worker(event.worker_id)
+            previous = self.bookings.pop(event.worker_id, None)  # booked before, under another record
+            if previous is not None:
+                worker.booking_version, worker.booking_seq = previous
         worker.state = REGISTERED
         worker.node = self._str(event.node)
         worker.cpu_millis = event.capacity.cpu_millis
@@ -547,6 +706,8 @@ class Projection:
         if worker is None:
             return
         self._index(worker, -1)
+        if worker.booking_seq:  # its booking subject goes on; a new registration takes it up
+            self.bookings[worker.worker_id] = (worker.booking_version, worker.booking_seq)
         # Actors still assigned keep a reference to this record until the snapshotter
         # releases them; their bookings no longer count anywhere.
 
@@ -554,49 +715,43 @@ class Projection:
 
     def _count(self, actor: Actor, delta: int) -> None:
         """Count (or uncount) an actor's latest MEMORY snapshot while it waits for a resume."""
-        stamp = actor.snap_stamp
-        if stamp is not None and actor.snap_fidelity is MEMORY and actor.state in WAITING:
-            _bump(self.class_index(stamp.compat.sandbox_class).memory_snapshots, stamp.compat, delta)
+        kind = actor.snapshot
+        if kind is not None and kind.stamp is not None and kind.fidelity is MEMORY and actor.state in WAITING:
+            compat = kind.stamp.compat
+            _bump(self.class_index(compat.sandbox_class).memory_snapshots, compat, delta)
 
     def _set_snapshot(self, actor: Actor, snapshot: Snapshot | None) -> None:
         if snapshot is None:
             return
-        actor.snapshot_id = snapshot.snapshot_id
-        actor.snap_template = self._str(snapshot.template_uid)
-        actor.snap_fidelity = snapshot.fidelity
-        actor.snap_node = self._str(snapshot.node) if snapshot.node is not None else None
-        actor.snap_stamp = self.stamp(snapshot.sandbox_runtime) if snapshot.sandbox_runtime is not None else None
-        actor.snap_borrowed = snapshot.borrowed
+        prefixed, actor.snapshot_ref = self.snapshot_ref(actor.actor_id, snapshot.snapshot_id)
+        runtime = snapshot.sandbox_runtime
+        actor.snapshot = self.snapshot_kind(
+            snapshot.template_uid, snapshot.fidelity, self.stamp(runtime) if runtime is not None else None,
+            snapshot.borrowed, prefixed,
+        )
 
     def _release(self, actor: Actor) -> None:
         worker = actor.worker
         if worker is None:
             return
-        booked = actor.booked
-        if actor.actor_id in worker.actors:
-            worker.actors.discard(actor.actor_id)
-            worker.booked_cpu -= booked.cpu_millis
-            worker.booked_mem -= booked.memory_mib
+        worker.unbook(actor.actor_id, actor.lease.booked)
         actor.worker = None
-        actor.booked = None
-        actor.pin = None
+        actor.lease = None
 
     def _actor_created(self, event: ActorCreated, seq: int) -> None:
+        spec = self.spec(event.sandbox_class, event.template_uid, self._res(event.resources),
+                         self._sel(event.selectors), event.min_fidelity)
         actor = self.actors.get(event.actor_id)
         if actor is None:
-            actor = self.actors[event.actor_id] = Actor(event.actor_id)
+            actor = self.actors[event.actor_id] = Actor(event.actor_id, CREATED, spec)
             previous = self.subjects.pop(f"actor.{event.actor_id}", None)
             if previous is not None:
                 actor.version, actor.last_seq = previous
         else:
             self._count(actor, -1)
             self._release(actor)
-        actor.state = CREATED
-        actor.sandbox_class = self._str(event.sandbox_class)
-        actor.template_uid = self._str(event.template_uid)
-        actor.resources = self._res(event.resources)
-        actor.selectors = self._sel(event.selectors)
-        actor.min_fidelity = event.min_fidelity
+            actor.state = CREATED
+            actor.spec = spec
         self._set_snapshot(actor, event.snapshot)
         self._count(actor, +1)
 
@@ -623,7 +778,10 @@ class Projection:
         self._count(actor, +1)
 
     def _template_changed(self, event: TemplateChanged, seq: int) -> None:
-        self.actors[event.actor_id].template_uid = self._str(event.template_uid)
+        actor = self.actors[event.actor_id]
+        spec = actor.spec
+        actor.spec = self.spec(spec.sandbox_class, event.template_uid, spec.resources, spec.selectors,
+                               spec.min_fidelity)
 
     def _actor_placed(self, event: ActorPlaced, seq: int) -> None:
         actor = self.actors[event.actor_id]
@@ -631,20 +789,17 @@ class Projection:
         self._release(actor)  # a placement without a release in between replaces the old one
         booked = self._res(event.booked)
         worker = self.workers.get(event.worker_id)
-        if worker is not None:
-            worker.booked_cpu += booked.cpu_millis
-            worker.booked_mem += booked.memory_mib
-            worker.actors.add(actor.actor_id)
-        else:  # placed on a worker removed meanwhile: nothing to book against
+        if worker is None:  # placed on a worker removed meanwhile: a record of its own, which no decision reads
             worker = Worker(event.worker_id)
             worker.state = DRAINED
+        worker.book(actor.actor_id, booked)
         actor.worker = worker
-        actor.booked = booked
-        actor.pin = self.stamp(event.sandbox_runtime)
+        actor.lease = self.lease(booked, self.stamp(event.sandbox_runtime))
         actor.node = self._str(event.node)
         actor.state = RUNNING
-        actor.placed_seq = seq
-        actor.placed_request_id = event.request_id
+        request_id = event.request_id
+        actor.placed_request_id = request_id
+        actor.placed_seq = seq if request_id is not None else 0
 
     def _actor_released(self, event: ActorReleased, seq: int) -> None:
         actor = self.actors[event.actor_id]
@@ -682,6 +837,9 @@ class Projection:
 
     def booking_expectation(self, worker_id: str) -> tuple[int, int]:
         """(version, last stream seq) of `booking.<worker id>`."""
+        worker = self.workers.get(worker_id)
+        if worker is not None:
+            return worker.booking_version, worker.booking_seq
         return self.bookings.get(worker_id, (0, 0))
 
     def stranded(self, sandbox_class: str | None = None) -> int:
