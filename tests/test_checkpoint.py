@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import weakref
 from datetime import datetime, timezone
 from typing import Any
 
@@ -213,7 +214,7 @@ def walk(p: Projection) -> dict[str, Any]:
     It reads the classes' `__slots__` rather than a list of names, so a field added to
     the projection and forgotten by the codec shows up here as a difference.
     """
-    assert set(vars(p)) == {"seq", "events", "workers", "classes", "actors", "bookings", "subjects", "_compats",
+    assert set(vars(p)) == {"seq", "events", "_ref", "workers", "classes", "actors", "bookings", "subjects", "_compats",
                             "_compat_by_version", "_stamps", "_runtimes", "_strings", "_resources", "_selectors",
                             "_specs", "_kinds", "_leases", "_suffixes",
                             "_dispatch"}, "a new Projection field: teach the checkpoint codec about it"
@@ -239,8 +240,10 @@ def walk(p: Projection) -> dict[str, Any]:
         if isinstance(v, projection_module.IndexedSet):
             assert v.pos == {w.worker_id: i for i, w in enumerate(v.items)}
             return [value(w) for w in v.items]
-        if isinstance(v, (set, frozenset)):
+        if isinstance(v, (set, frozenset, projection_module.BookedActors)):
             return sorted(v)
+        if isinstance(v, weakref.ref):
+            return ("ref", v() is p)
         if isinstance(v, dict):
             return [(value(k), value(x)) for k, x in v.items()]
         if isinstance(v, str) and v in ("REGISTERED", "DRAINED", "CREATED", "RUNNING", "PAUSED", "SUSPENDED", "STOPPED"):
@@ -248,7 +251,8 @@ def walk(p: Projection) -> dict[str, Any]:
         return v
 
     def obj(o: Any) -> dict[str, Any]:
-        return {name: value(getattr(o, name)) for name in type(o).__slots__}
+        names = getattr(type(o), "__struct_fields__", None) or type(o).__slots__  # a Struct: its fields, inherited too
+        return {"class": type(o).__name__, **{name: value(getattr(o, name)) for name in names}}
 
     return {
         "seq": p.seq,

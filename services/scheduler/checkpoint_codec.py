@@ -35,6 +35,7 @@ from typing import Iterable, Iterator
 
 import msgspec
 from msgspec import Struct
+from msgspec.structs import astuple
 
 from events.compat import compat_key
 from events.schema import ActorRuntime, CompatVersion, Fidelity, Resources, WorkerRuntime
@@ -48,6 +49,7 @@ from services.scheduler.projection import (
     STOPPED,
     SUSPENDED,
     Actor,
+    Assigned,
     ClassEntry,
     ClassIndex,
     Compat,
@@ -84,7 +86,7 @@ def _fold_digest() -> str:
         for path in (projection_module.__file__, __file__):
             h.update(Path(path).read_bytes())
     except (OSError, TypeError):
-        for cls in (Worker, Actor, ClassIndex, ClassEntry, IndexedSet, Compat, Spec, SnapshotKind, Lease):
+        for cls in (Worker, Actor, Assigned, ClassIndex, ClassEntry, IndexedSet, Compat, Spec, SnapshotKind, Lease):
             h.update(repr((cls.__name__, cls.__slots__)).encode())
         h.update(repr(sorted(vars(Projection()))).encode())
     return h.hexdigest()
@@ -110,7 +112,7 @@ class WorkerRow(Struct, array_like=True, gc=False):
     classes: list[tuple[str, int, list[int]]]  # (sandbox_class, default, restorable) by index into State.runtimes
     booked_cpu: int
     booked_mem: int
-    holders: list[str]
+    holding: int
     booking_version: int
     booking_seq: int
 
@@ -263,7 +265,7 @@ def _export(p: Projection) -> State:
             w.worker_id, w.node, w.cpu_millis, w.memory_mib, map_of(w.labels), w.state,
             [(name, runtime_index[id(e.default)], [runtime_index[id(r)] for r in e.restorable])
              for name, e in w.classes.items()],
-            w.booked_cpu, w.booked_mem, list(w.holders), w.booking_version, w.booking_seq,
+            w.booked_cpu, w.booked_mem, w.holding, w.booking_version, w.booking_seq,
         )
         for w in workers
     ]
@@ -362,7 +364,7 @@ def _restore(state: State) -> Projection:
 
     workers: list[Worker] = []
     for i, row in enumerate(state.workers):
-        w = Worker(row.worker_id)
+        w = Worker(row.worker_id, p._ref)
         w.node = text(row.node)
         w.cpu_millis = row.cpu_millis
         w.memory_mib = row.memory_mib
@@ -374,7 +376,7 @@ def _restore(state: State) -> Projection:
         }
         w.booked_cpu = row.booked_cpu
         w.booked_mem = row.booked_mem
-        w.holders = tuple(row.holders)
+        w.holding = row.holding
         w.booking_version = row.booking_version
         w.booking_seq = row.booking_seq
         workers.append(w)
@@ -411,10 +413,12 @@ def _restore(state: State) -> Projection:
         if (worker is None) != (lease is None):
             raise ValueError(f"actor {row.actor_id} has a worker and no lease, or the reverse")
         a = Actor(
-            row.actor_id, _ACTOR_STATES[row.state], specs[row.spec], kind, ref, worker, lease,
+            row.actor_id, _ACTOR_STATES[row.state], specs[row.spec], kind, ref,
             None if row.node is None else text(row.node), row.version, row.last_seq, row.placed_request_id,
             row.placed_seq,
         )
+        if worker is not None:
+            a = Assigned(*astuple(a), worker, lease)
         if a.actor_id in actors:
             raise ValueError(f"actor {a.actor_id} appears twice")
         actors[a.actor_id] = a

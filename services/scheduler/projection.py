@@ -30,17 +30,20 @@ deployment (at most 300 bytes each, as `bench/recovery.py` measures it):
   its latest snapshot; `Lease`: what it books while running);
 - a snapshot id that starts with the actor's id (the snapshotter's default is
   `<actor id>-v<version>`) is kept as the interned rest;
-- a worker keeps the ids of the actors booked on it in a tuple, and the OCC
-  expectation of its `booking.<id>` subject in two fields.
+- a worker counts the actors booked on it (their ids are found through their
+  assignments), and keeps the OCC expectation of its `booking.<id>` subject.
 """
 
 from __future__ import annotations
 
 import hashlib
+import weakref
+from collections.abc import Set
 from math import ceil
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, ClassVar, Iterator, Mapping
 
 from msgspec import Struct
+from msgspec.structs import astuple
 
 from events.compat import CompatKey, compat_key, describe_key
 from events.schema import (
@@ -179,13 +182,14 @@ class Worker:
         "classes",  # {sandbox_class: ClassEntry}
         "booked_cpu",
         "booked_mem",
-        "holders",  # ids of the actors whose bookings are on this worker, in booking order
+        "holding",  # how many actors hold bookings on this worker
+        "fold",  # a weak reference to the projection the record is part of (see `actors`)
         # optimistic concurrency on `booking.<worker id>`
         "booking_version",
         "booking_seq",
     )
 
-    def __init__(self, worker_id: str):
+    def __init__(self, worker_id: str, fold: "weakref.ref[Projection] | None" = None):
         self.worker_id = worker_id
         self.h = stable_hash(worker_id)
         self.node = ""
@@ -196,7 +200,8 @@ class Worker:
         self.classes: dict[str, ClassEntry] = {}
         self.booked_cpu = 0
         self.booked_mem = 0
-        self.holders: tuple[str, ...] = ()
+        self.holding = 0
+        self.fold = fold
         self.booking_version = 0
         self.booking_seq = 0
 
@@ -214,24 +219,51 @@ class Worker:
         return self.memory_mib - WORKER_RESERVE_MIB - self.booked_mem
 
     @property
-    def actors(self) -> frozenset[str]:
-        """The ids of the actors whose bookings are on this worker."""
-        return frozenset(self.holders)
+    def actors(self) -> "BookedActors":
+        """The ids of the actors whose bookings are on this worker (a set)."""
+        return BookedActors(self)
 
-    def book(self, actor_id: str, booked: Resources) -> None:
+    def book(self, booked: Resources) -> None:
         self.booked_cpu += booked.cpu_millis
         self.booked_mem += booked.memory_mib
-        self.holders += (actor_id,)
+        self.holding += 1
 
-    def unbook(self, actor_id: str, booked: Resources) -> None:
+    def unbook(self, booked: Resources) -> None:
         self.booked_cpu -= booked.cpu_millis
         self.booked_mem -= booked.memory_mib
-        holders = self.holders
-        i = holders.index(actor_id)
-        self.holders = holders[:i] + holders[i + 1:]
+        self.holding -= 1
 
     def __repr__(self) -> str:
         return f"Worker({self.worker_id} on {self.node}, {self.state}, room {self.room_cpu}m/{self.room_mem}MiB)"
+
+
+class BookedActors(Set):
+    """The ids of the actors booked on a worker, as a set: counted by the worker, found
+    by their assignment (`Actor.worker`) in the projection. Keeping the ids on each worker
+    would cost as much again as the assignment itself."""
+
+    __slots__ = ("worker",)
+
+    def __init__(self, worker: Worker):
+        self.worker = worker
+
+    def __len__(self) -> int:
+        return self.worker.holding
+
+    def __iter__(self) -> Iterator[str]:
+        fold = self.worker.fold() if self.worker.fold is not None else None
+        if fold is None:
+            return iter(())
+        worker = self.worker
+        return (a.actor_id for a in fold.actors.values() if a.worker is worker)
+
+    def __contains__(self, actor_id: object) -> bool:
+        fold = self.worker.fold() if self.worker.fold is not None else None
+        actor = fold.actors.get(actor_id) if fold is not None else None  # type: ignore[arg-type]
+        return actor is not None and actor.worker is self.worker
+
+    def __repr__(self) -> str:
+        return f"BookedActors({set(self)})"
 
 
 class IndexedSet:
@@ -347,17 +379,18 @@ class Lease:
 
 
 class Actor(Struct, gc=False, eq=False):
-    """One actor. A Struct untracked by the garbage collector (it is in no reference
-    cycle): 16 bytes of header and 8 per field, the most numerous record of the fold."""
+    """One actor without an assignment; one with an assignment is an `Assigned`.
+
+    A Struct untracked by the garbage collector (it is in no reference cycle): 16 bytes
+    of header and 8 per field, the most numerous record of the fold. Its record is
+    replaced when it gets or loses an assignment: hold on to it only while nothing folds.
+    """
 
     actor_id: str  # the very string that keys `Projection.actors`
     state: str
     spec: Spec
     snapshot: SnapshotKind | None = None  # the latest snapshot, None before the first
     snapshot_ref: str | None = None  # its id, or (`snapshot.prefixed`) the rest after the actor's id
-    # the assignment while RUNNING
-    worker: Worker | None = None  # the Worker record booked (its record, even if it has since been removed)
-    lease: Lease | None = None
     node: str | None = None  # node of the assignment while RUNNING; the pinned node while PAUSED
     # optimistic concurrency on `actor.<id>`
     version: int = 0
@@ -365,6 +398,9 @@ class Actor(Struct, gc=False, eq=False):
     # idempotency: the last placement's request_id and sequence (None and 0 if it carried none)
     placed_request_id: str | None = None
     placed_seq: int = 0
+
+    worker: ClassVar[Worker | None] = None
+    lease: ClassVar[Lease | None] = None
 
     # what the actor asks for
     @property
@@ -425,7 +461,17 @@ class Actor(Struct, gc=False, eq=False):
         return self.lease.pin if self.lease is not None else None
 
     def __repr__(self) -> str:
-        return f"Actor({self.actor_id}, {self.state}, {self.spec.sandbox_class})"
+        return f"{type(self).__name__}({self.actor_id}, {self.state}, {self.spec.sandbox_class})"
+
+
+class Assigned(Actor):
+    """An actor with an assignment: RUNNING (or made SUSPENDED by a PROMOTE without a release)."""
+
+    worker: Worker | None = None  # the Worker record booked (its record, even if it has since been removed)
+    lease: Lease | None = None
+
+
+_ACTOR_FIELDS = len(Actor.__struct_fields__)
 
 
 class Projection:
@@ -434,6 +480,7 @@ class Projection:
     def __init__(self) -> None:
         self.seq = 0
         self.events = 0
+        self._ref = weakref.ref(self)  # what worker records know of the projection
         self.workers: dict[str, Worker] = {}
         self.classes: dict[str, ClassIndex] = {}
         self.actors: dict[str, Actor] = {}
@@ -665,7 +712,7 @@ class Projection:
         if worker is not None:  # registered again without a removal: take the new content
             self._index(worker, -1)
         else:
-            worker = self.workers[event.worker_id] = Worker(event.worker_id)
+            worker = self.workers[event.worker_id] = Worker(event.worker_id, self._ref)
             previous = self.bookings.pop(event.worker_id, None)  # booked before, under another record
             if previous is not None:
                 worker.booking_version, worker.booking_seq = previous
@@ -730,13 +777,22 @@ class Projection:
             snapshot.borrowed, prefixed,
         )
 
-    def _release(self, actor: Actor) -> None:
-        worker = actor.worker
-        if worker is None:
-            return
-        worker.unbook(actor.actor_id, actor.lease.booked)
-        actor.worker = None
-        actor.lease = None
+    def _release(self, actor: Actor) -> Actor:
+        """Give up the actor's assignment, if it has one; its record from now on."""
+        if type(actor) is not Assigned:
+            return actor
+        actor.worker.unbook(actor.lease.booked)
+        actor = self.actors[actor.actor_id] = Actor(*astuple(actor)[:_ACTOR_FIELDS])
+        return actor
+
+    def _assign(self, actor: Actor, worker: Worker, lease: Lease) -> Actor:
+        """Book the actor on `worker` (after `_release`); its record from now on."""
+        worker.book(lease.booked)
+        if type(actor) is not Assigned:
+            actor = self.actors[actor.actor_id] = Assigned(*astuple(actor))
+        actor.worker = worker
+        actor.lease = lease
+        return actor
 
     def _actor_created(self, event: ActorCreated, seq: int) -> None:
         spec = self.spec(event.sandbox_class, event.template_uid, self._res(event.resources),
@@ -749,7 +805,7 @@ class Projection:
                 actor.version, actor.last_seq = previous
         else:
             self._count(actor, -1)
-            self._release(actor)
+            actor = self._release(actor)
             actor.state = CREATED
             actor.spec = spec
         self._set_snapshot(actor, event.snapshot)
@@ -765,11 +821,11 @@ class Projection:
         self._set_snapshot(actor, snapshot)
         if origin is SnapshotOrigin.PAUSE:
             node = snapshot.node or actor.node
-            self._release(actor)
+            actor = self._release(actor)
             actor.state = PAUSED
             actor.node = self._str(node) if node else None
         elif origin is SnapshotOrigin.SUSPEND:
-            self._release(actor)
+            actor = self._release(actor)
             actor.state = SUSPENDED
             actor.node = None
         elif origin is SnapshotOrigin.PROMOTE:
@@ -786,15 +842,12 @@ class Projection:
     def _actor_placed(self, event: ActorPlaced, seq: int) -> None:
         actor = self.actors[event.actor_id]
         self._count(actor, -1)
-        self._release(actor)  # a placement without a release in between replaces the old one
-        booked = self._res(event.booked)
+        actor = self._release(actor)  # a placement without a release in between replaces the old one
         worker = self.workers.get(event.worker_id)
         if worker is None:  # placed on a worker removed meanwhile: a record of its own, which no decision reads
-            worker = Worker(event.worker_id)
+            worker = Worker(event.worker_id, self._ref)
             worker.state = DRAINED
-        worker.book(actor.actor_id, booked)
-        actor.worker = worker
-        actor.lease = self.lease(booked, self.stamp(event.sandbox_runtime))
+        actor = self._assign(actor, worker, self.lease(self._res(event.booked), self.stamp(event.sandbox_runtime)))
         actor.node = self._str(event.node)
         actor.state = RUNNING
         request_id = event.request_id
@@ -805,7 +858,7 @@ class Projection:
         actor = self.actors[event.actor_id]
         self._count(actor, -1)
         node = actor.node
-        self._release(actor)
+        actor = self._release(actor)
         reason = event.reason
         if reason is ReleaseReason.PAUSED:
             # pinned to the node it ran on (or the one its PAUSE snapshot, folded first, named)
@@ -822,7 +875,7 @@ class Projection:
     def _actor_stopped(self, event: ActorStopped, seq: int) -> None:
         actor = self.actors[event.actor_id]
         self._count(actor, -1)
-        self._release(actor)
+        actor = self._release(actor)
         actor.state = STOPPED
         actor.node = None
 
