@@ -131,6 +131,7 @@ from eventsourcing.persistence import (
 )
 from eventsourcing.utils import Environment, EnvType, resolve_topic, strtobool
 
+from events.headers import parse_header_lines
 from events.subjects import DEFAULT_PREFIX, check_prefix, stream_name
 
 log = logging.getLogger("warmboot.jetstream")
@@ -277,26 +278,15 @@ def _parse_header_block(raw: bytes) -> dict[str, str]:
 # --- connection: one event-loop thread per (url, credentials) ----------------------------
 
 
-_HEADER_NAME = re.compile(rb"^[\x21-\x7e]+$")  # printable ASCII, no white space
-
-
 class _Client(NATS):
     """nats-py's client with a leaner header parser: replays are bound by header parsing.
 
     It gives the same dict as nats-py's own `_parse_header_lines` (names that are not
-    printable ASCII without white space are skipped, values stripped and decoded).
+    printable ASCII without white space are skipped, values stripped and decoded);
+    the parser is shared with the other readers of the log (`events.headers`).
     """
 
-    @staticmethod
-    def _parse_header_lines(raw: bytes) -> dict[str, str]:
-        headers: dict[str, str] = {}
-        for line in raw.split(b"\r\n"):
-            name, sep, value = line.partition(b":")
-            if sep:
-                name = name.strip()
-                if _HEADER_NAME.match(name):
-                    headers[name.decode("ascii")] = value.strip().decode("utf-8", "replace")
-        return headers
+    _parse_header_lines = staticmethod(parse_header_lines)
 
 
 @dataclass(frozen=True)

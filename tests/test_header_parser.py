@@ -1,0 +1,60 @@
+"""The shared header parser (events.headers) reads every block as its line-by-line
+byte parser does, and as nats-py does for the names NATS clients write; its table of
+lines seen changes nothing but the speed."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from nats.aio.client import Client
+
+from events import headers
+from events.headers import _parse_bytes, parse_header_lines
+
+SAMPLES = [
+    b"Nats-Msg-Id: worker.w-1:1\r\nWarmboot-Topic: WorkerDrained\r\nWarmboot-Version: 1\r\n",
+    b"Nats-Stream: T_EVENTS\r\nNats-Subject: t.ev.worker.w-1\r\nNats-Sequence: 7\r\n\r\n",
+    b"A:b\r\nBad Name: x\r\nC:\t d \r\nno colon here\r\n",
+    "Reason: caf\u00e9 \u2014 ok\r\n".encode(),
+    b"\xff\xfe: dropped\r\nKept: \xff\r\n",
+    b": no name\r\n \x0b: blank name\r\nDel\x7f: x\r\nCtl\x01: y\r\nSep\x1c: z\r\nA: 1\r\nA: 2\r\n",
+    b"K:\x0c v \x0b\r\nL: a\nb\r\nM:\r\nN: \r\n\r\n\r\n",
+]
+
+# the characters header blocks are made of, the awkward ones included
+_CHARS = st.sampled_from(list(":- \t\r\n\x0b\x0c\x1c\x7f\x01aZ09é\u2014") + ["\r\n"])
+_LINE = st.lists(_CHARS, max_size=12).map("".join)
+_BLOCK = st.lists(_LINE, max_size=6).map(lambda lines: "\r\n".join(lines).encode())
+_TOKEN = st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E, blacklist_characters=":"), min_size=1,
+                 max_size=8)
+_VALUE = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=12)
+_WELL_FORMED = st.lists(st.tuples(_TOKEN, _VALUE), max_size=8).map(
+    lambda pairs: "".join(f"{k}: {v}\r\n" for k, v in pairs).encode() + b"\r\n")
+
+
+def test_samples_read_as_the_byte_parser_and_nats_py_read_them():
+    for raw in SAMPLES:
+        assert parse_header_lines(raw) == _parse_bytes(raw)
+        assert parse_header_lines(raw) == parse_header_lines(raw)  # again, from the table
+    for raw in SAMPLES[:5]:  # names that are tokens (or not ASCII at all): nats-py agrees
+        assert parse_header_lines(raw) == Client._parse_header_lines(raw)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_BLOCK)
+def test_any_block_reads_as_the_byte_parser_reads_it(raw):
+    assert parse_header_lines(raw) == _parse_bytes(raw)
+    assert parse_header_lines(raw) == _parse_bytes(raw)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_WELL_FORMED)
+def test_blocks_of_tokens_read_as_nats_py_reads_them(raw):
+    assert parse_header_lines(raw) == Client._parse_header_lines(raw)
+
+
+def test_the_table_of_lines_stays_bounded_and_is_only_a_cache():
+    blocks = [f"Nats-Msg-Id: actor.a{i}:1\r\nWarmboot-Topic: ActorCreated\r\n\r\n".encode() for i in range(10_000)]
+    for raw in blocks:
+        assert parse_header_lines(raw) == _parse_bytes(raw)
+        assert len(headers._lines) <= headers._LINES_KEPT
