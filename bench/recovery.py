@@ -19,11 +19,12 @@
    the newest checkpoint).
 4. With checkpoint: a new replica (checkpoints on) loads it and folds only the tail;
    same measure as 2. Ratio = with / without; the target is under 0.1.
-5. Memory, in this process with tracemalloc: a projection folded from decoded events
-   with 10,000 workers and then 100,000 actors (`--quick` 20,000) in a realistic mix of
-   states; bytes per 1,000 workers and per 1,000 actors (target: at most 300 bytes per
+5. Memory, in this process with tracemalloc: a projection folded as a replica folds
+   the stream (each message through `Fold.fold_message`, with its subject and the
+   headers the store writes) with 10,000 workers and then 100,000 actors (`--quick`
+   20,000) in a realistic mix of states; bytes per 1,000 workers and per 1,000 actors (target: at most 300 bytes per
    actor), also for the same projection restored from a checkpoint, and where an actor's
-   bytes are allocated (the fold's lines; `codec.py`: strings decoded from events, i.e.
+   bytes are allocated (the fold's lines; `service.py`: strings decoded from events, i.e.
    ids; `recovery.py`: the stream sequences an actor keeps, as int objects).
 
 With `--json` the last line is one JSON object with the figures.
@@ -51,7 +52,7 @@ sys.path.insert(0, str(ROOT))
 
 import nats  # noqa: E402
 
-from events.codec import decode_event, encode  # noqa: E402
+from events.codec import encode  # noqa: E402
 from events.jetstream import MSG_ID_HEADER, TOPIC_HEADER, VERSION_HEADER  # noqa: E402
 from events.schema import (  # noqa: E402
     Action,
@@ -308,35 +309,49 @@ async def time_to_answer(nats_url: str, prefix: str, checkpoint_every: int) -> t
 
 
 def projection_memory(workers: int, actors: int) -> dict:
-    """Bytes a projection holds per 1,000 workers and per 1,000 actors: folded from decoded
-    events, and restored from a checkpoint's bytes (everything allocated while traced)."""
+    """Bytes a projection holds per 1,000 workers and per 1,000 actors: folded as a replica
+    folds the stream, and restored from a checkpoint's bytes (everything allocated while traced)."""
     from services.scheduler.checkpoint_codec import decode_checkpoint, encode_checkpoint, export_state
     from services.scheduler.projection import Projection
+    from services.scheduler.service import Fold
+
+    prefix = "mem"
+    versions: dict[str, int] = {}
+
+    def message(event: Event) -> tuple[str, dict[str, str], bytes]:
+        """What the stream holds: subject, the headers the store writes, body."""
+        aggregate_id = f"{event.KIND}.{event.entity_id}"
+        v = versions[aggregate_id] = versions.get(aggregate_id, 0) + 1
+        return (f"{prefix}.ev.{aggregate_id}",
+                {MSG_ID_HEADER: f"{aggregate_id}:{v}", TOPIC_HEADER: type(event).__name__, VERSION_HEADER: str(v)},
+                encode(event))
 
     deployment = Deployment(random.Random(11), workers)
-    worker_bodies = [encode(deployment.register()) for _ in range(workers)]
-    bodies: list[bytes] = []
+    worker_messages = [message(deployment.register()) for _ in range(workers)]
+    messages: list[tuple[str, dict[str, str], bytes]] = []
     while deployment.next_actor < actors:
-        bodies.extend(encode(e) for e in deployment.step())
+        messages.extend(message(e) for e in deployment.step())
     for _ in range(actors):  # the actors created last are mostly CREATED: live a little longer, as in a log
-        bodies.extend(encode(e) for e in deployment.step(create=0.0))
-    del deployment
+        messages.extend(message(e) for e in deployment.step(create=0.0))
+    del deployment, versions
 
-    def fold(p: Projection, seq: int, items: list[bytes]) -> int:
-        for body in items:
+    def fold(p: Projection, seq: int, items: list[tuple[str, dict[str, str], bytes]]) -> int:
+        replica = Fold(None, prefix, p)  # its per-message path, without the bus
+        for subject, headers, body in items:
             seq += 1
-            p.apply(seq, decode_event(body))
+            replica.fold_message(seq, subject, headers, body)
+        assert replica.errors == 0
         return seq
 
     gc.collect()
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
     p = Projection()
-    seq = fold(p, 0, worker_bodies)
+    seq = fold(p, 0, worker_messages)
     gc.collect()
     after_workers = tracemalloc.get_traced_memory()[0]
     before = tracemalloc.take_snapshot()
-    fold(p, seq, bodies)
+    fold(p, seq, messages)
     gc.collect()
     after_actors = tracemalloc.get_traced_memory()[0]
     sites = tracemalloc.take_snapshot().compare_to(before, "lineno")
@@ -349,7 +364,7 @@ def projection_memory(workers: int, actors: int) -> dict:
              for s in sites[:6]]
 
     data = encode_checkpoint(export_state(p), stream="bench", stream_created="", compress=False)
-    del p, bodies, worker_bodies
+    del p, messages, worker_messages
     gc.collect()
     tracemalloc.start()
     base_r = tracemalloc.get_traced_memory()[0]
