@@ -500,7 +500,8 @@ class Projection:
         self._kinds: dict[tuple, SnapshotKind] = {}
         self._leases: dict[tuple[Resources, Stamp], Lease] = {}
         self._suffixes: dict[str, str] = {}
-        self._dispatch: dict[type, Callable[[Any, int], None]] = {
+        # an actor event's handler returns the actor's record as it is after the event
+        self._dispatch: dict[type, Callable[[Any, int], Actor | None]] = {
             WorkerRegistered: self._worker_registered,
             RuntimeChanged: self._runtime_changed,
             WorkerUpdated: self._worker_updated,
@@ -532,8 +533,7 @@ class Projection:
                 self._other_subject(f"actor.{event.actor_id}", seq, version)
                 return
             if handler is not None:
-                handler(event, seq)
-            actor = self.actors[event.actor_id]
+                actor = handler(event, seq)  # an actor's handler gives its record as it is now
             actor.version = version or actor.version + 1
             actor.last_seq = seq
             return
@@ -604,6 +604,8 @@ class Projection:
         return self._resources.setdefault(resources, resources)
 
     def _sel(self, selectors: Mapping[str, str]) -> Mapping[str, str]:
+        if not selectors:
+            return _EMPTY
         key = tuple(sorted(selectors.items()))
         found = self._selectors.get(key)
         if found is None:
@@ -794,13 +796,13 @@ class Projection:
         actor.lease = lease
         return actor
 
-    def _actor_created(self, event: ActorCreated, seq: int) -> None:
+    def _actor_created(self, event: ActorCreated, seq: int) -> Actor:
         spec = self.spec(event.sandbox_class, event.template_uid, self._res(event.resources),
                          self._sel(event.selectors), event.min_fidelity)
         actor = self.actors.get(event.actor_id)
         if actor is None:
             actor = self.actors[event.actor_id] = Actor(event.actor_id, CREATED, spec)
-            previous = self.subjects.pop(f"actor.{event.actor_id}", None)
+            previous = self.subjects.pop(f"actor.{event.actor_id}", None) if self.subjects else None
             if previous is not None:
                 actor.version, actor.last_seq = previous
         else:
@@ -810,12 +812,13 @@ class Projection:
             actor.spec = spec
         self._set_snapshot(actor, event.snapshot)
         self._count(actor, +1)
+        return actor
 
-    def _snapshot_taken(self, event: SnapshotTaken, seq: int) -> None:
+    def _snapshot_taken(self, event: SnapshotTaken, seq: int) -> Actor:
+        actor = self.actors[event.actor_id]
         origin = event.origin
         if origin is SnapshotOrigin.TAG:  # a copy under a tag: the actor's own latest is unchanged
-            return
-        actor = self.actors[event.actor_id]
+            return actor
         self._count(actor, -1)
         snapshot = event.snapshot
         self._set_snapshot(actor, snapshot)
@@ -832,14 +835,16 @@ class Projection:
             actor.state = SUSPENDED
             actor.node = None
         self._count(actor, +1)
+        return actor
 
-    def _template_changed(self, event: TemplateChanged, seq: int) -> None:
+    def _template_changed(self, event: TemplateChanged, seq: int) -> Actor:
         actor = self.actors[event.actor_id]
         spec = actor.spec
         actor.spec = self.spec(spec.sandbox_class, event.template_uid, spec.resources, spec.selectors,
                                spec.min_fidelity)
+        return actor
 
-    def _actor_placed(self, event: ActorPlaced, seq: int) -> None:
+    def _actor_placed(self, event: ActorPlaced, seq: int) -> Actor:
         actor = self.actors[event.actor_id]
         self._count(actor, -1)
         actor = self._release(actor)  # a placement without a release in between replaces the old one
@@ -853,8 +858,9 @@ class Projection:
         request_id = event.request_id
         actor.placed_request_id = request_id
         actor.placed_seq = seq if request_id is not None else 0
+        return actor
 
-    def _actor_released(self, event: ActorReleased, seq: int) -> None:
+    def _actor_released(self, event: ActorReleased, seq: int) -> Actor:
         actor = self.actors[event.actor_id]
         self._count(actor, -1)
         node = actor.node
@@ -871,13 +877,15 @@ class Projection:
             actor.state = SUSPENDED
             actor.node = None
         self._count(actor, +1)
+        return actor
 
-    def _actor_stopped(self, event: ActorStopped, seq: int) -> None:
+    def _actor_stopped(self, event: ActorStopped, seq: int) -> Actor:
         actor = self.actors[event.actor_id]
         self._count(actor, -1)
         actor = self._release(actor)
         actor.state = STOPPED
         actor.node = None
+        return actor
 
     # --- reads --------------------------------------------------------------------------
 
