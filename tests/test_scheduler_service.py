@@ -539,3 +539,61 @@ async def test_a_replica_killed_mid_load_is_rebuilt_from_the_log_and_serves(nc, 
     assert sum(check_log(events).values()) == 90
     by_actor = {e.actor_id: s for s, e in events if isinstance(e, ActorPlaced)}
     assert all(by_actor[a.actor_id] == a.seq - 1 for a in placed)
+
+
+# --- how the fold reads event bodies (no bus) ---------------------------------------------------------------------
+
+
+def test_the_folds_reader_gives_the_events_decode_event_gives_and_refuses_what_it_refuses():
+    import json
+
+    import msgspec
+
+    from services.scheduler.service import EventReader
+
+    pin = ActorRuntime(sandbox_class=CLS, name="runsc", version=V1)
+    placed = ActorPlaced(at=AT, actor_id="a", worker_id="w1", node="n1", action=Action.RESTORE,
+                         fidelity=PlacedFidelity.MEMORY, sandbox_runtime=pin, snapshot_id="a-v2",
+                         booked=Resources(cpu_millis=500, memory_mib=1024), request_id="r1")
+    unstamped = SnapshotTaken(at=AT, actor_id="a", origin=SnapshotOrigin.SUSPEND, snapshot=Snapshot(
+        snapshot_id="a-v3", actor_id="a", template_uid="t1", fidelity=Fidelity.VOLUMES, location=Location.EXTERNAL,
+        taken_at=AT))
+    events = [register("w1"), create("a"), placed, suspended("a", V2), unstamped, suspended("b", V1), placed]
+    reader = EventReader()
+    for event in events * 2:  # the second time from the reader's table of stamps
+        read = reader.decode(encode(event))
+        assert isinstance(read, type(event)) and msgspec.to_builtins(read) == msgspec.to_builtins(event)
+        assert encode(read) == encode(event)
+
+    def body(event: Event, **changes) -> bytes:
+        data = json.loads(encode(event))
+        for path, value in changes.items():
+            *parents, last = path.split("__")
+            target = data
+            for key in parents:
+                target = target[key]
+            if value is KeyError:
+                del target[last]
+            else:
+                target[last] = value
+        return json.dumps(data).encode()
+
+    bad_version = json.loads(encode(V1))
+    bad_version["attributes"][0]["key"] = "not a key!"
+    refused = [
+        body(placed, sandbox_runtime=None),
+        body(placed, sandbox_runtime=KeyError),
+        body(placed, sandbox_runtime__version=bad_version),
+        body(placed, sandbox_runtime__sandbox_class=7),
+        body(placed, worker_id="two words"),
+        body(suspended("a", V1), snapshot__sandbox_runtime__version=bad_version),
+        body(suspended("a", V1), snapshot__sandbox_runtime=[]),
+        encode(placed)[:-3],
+    ]
+    for data in refused * 2:
+        with pytest.raises((msgspec.ValidationError, msgspec.DecodeError)) as by_schema:
+            decode_event(data)
+        with pytest.raises(type(by_schema.value)):
+            reader.decode(data)
+    # a stamp given as null on a snapshot is no stamp, as the schema reads it
+    assert reader.decode(body(suspended("a", V1), snapshot__sandbox_runtime=None)).snapshot.sandbox_runtime is None

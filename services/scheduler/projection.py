@@ -527,6 +527,9 @@ class Projection:
             self._booked(seq, event.worker_id, version)
             return
         handler = self._dispatch.get(kind)
+        if handler is None and kind not in self._dispatch:  # a subclass of an event type folds as that type
+            handler = self._dispatch[kind] = next((self._dispatch[t] for t in kind.__mro__ if t in self._dispatch),
+                                                  None)
         if event.KIND == "actor":
             actor = self.actors.get(event.actor_id)
             if actor is None and kind is not ActorCreated:

@@ -51,24 +51,28 @@ import itertools
 import logging
 import os
 from contextlib import suppress
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Union
 
 import msgspec
 from eventsourcing.persistence import IntegrityError, OperationalError
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy
+from msgspec import Raw
+from msgspec.structs import force_setattr
 from nats.micro.request import Request
 from prometheus_client import Counter, Gauge
 
 from events.aggregate import WireApplication, now
-from events.codec import decode_event, decoder, event_decoder
+from events.codec import decode_event, decoder
 from events.errors import ContractError, unavailable
 from events.headers import parse_header_lines
 from events.jetstream import TOPIC_HEADER, VERSION_HEADER
 from events.schema import (
     EVENT_TYPES,
     ActorPlaced,
+    ActorRuntime,
+    AnyEvent,
     Assignment,
     Explanation,
     ExplainResume,
@@ -76,6 +80,8 @@ from events.schema import (
     FragmentationQuery,
     Placement,
     ResumeActor,
+    Snapshot,
+    SnapshotTaken,
     WorkerBooked,
 )
 from events.subjects import check_prefix, service_subject, stream_name
@@ -144,6 +150,69 @@ def lean_headers(nc: NATS) -> None:
         nc._parse_header_lines = parse_header_lines  # type: ignore[method-assign]
 
 
+# The two events that carry a stamp, read with the stamp's JSON kept raw (see EventReader).
+
+
+class _SnapshotRead(Snapshot, kw_only=True, frozen=True):
+    sandbox_runtime: Raw = Raw(b"null")
+
+
+class _PlacedRead(ActorPlaced, kw_only=True, frozen=True, tag="ActorPlaced"):
+    sandbox_runtime: Raw
+
+
+class _TakenRead(SnapshotTaken, kw_only=True, frozen=True, tag="SnapshotTaken"):
+    snapshot: _SnapshotRead
+
+
+_READ_TYPES = {ActorPlaced: _PlacedRead, SnapshotTaken: _TakenRead}
+_read_decoder = msgspec.json.Decoder(Union[tuple(_READ_TYPES.get(t, t) for t in AnyEvent.__args__)])  # type: ignore[misc]
+_runtime_decoder = msgspec.json.Decoder(ActorRuntime)
+_optional_runtime_decoder = msgspec.json.Decoder(ActorRuntime | None)
+RUNTIMES_KEPT = 4096
+
+
+class EventReader:
+    """Decodes event bodies for the fold: the same events as `decode_event`, or the same
+    errors, in less time.
+
+    Decoding checks every string of an event against its pattern; the stamp an
+    ActorPlaced or a SnapshotTaken carries (a runtime: class, schema version and
+    attributes) is most of those strings, and recurs from event to event. So those
+    two are read with the stamp's JSON kept raw, and each distinct stamp text is
+    decoded, with all its checks, once; the event then holds the decoded runtime (it
+    is an instance of a subclass of its schema type, field for field the same).
+    """
+
+    def __init__(self) -> None:
+        self._runtimes: dict[bytes, ActorRuntime] = {}
+        self._optional: dict[bytes, ActorRuntime | None] = {}
+
+    def decode(self, data: bytes) -> Any:
+        event = _read_decoder.decode(data)
+        kind = type(event)
+        if kind is _PlacedRead:
+            force_setattr(event, "sandbox_runtime", self._runtime(event.sandbox_runtime, self._runtimes,
+                                                                 _runtime_decoder))
+        elif kind is _TakenRead:
+            snapshot = event.snapshot
+            force_setattr(snapshot, "sandbox_runtime", self._runtime(snapshot.sandbox_runtime, self._optional,
+                                                                    _optional_runtime_decoder))
+        return event
+
+    @staticmethod
+    def _runtime(raw: Raw, seen: dict, decoder: msgspec.json.Decoder) -> Any:
+        text = bytes(raw)
+        try:
+            return seen[text]
+        except KeyError:
+            runtime = decoder.decode(text)  # raises as decoding the whole event would
+            if len(seen) >= RUNTIMES_KEPT:
+                seen.clear()
+            seen[text] = runtime
+            return runtime
+
+
 class Fold:
     """The projection, kept current from the stream: replay from sequence 1, then live."""
 
@@ -160,6 +229,7 @@ class Fold:
         self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
         self._tie = itertools.count()
         self._sub: Any = None
+        self._read = EventReader().decode
         self.checkpoints: Checkpoints | None = None  # set by Checkpoints.follow: holds the fold during a capture
 
     @property
@@ -224,7 +294,7 @@ class Fold:
             projection.booking_marker(seq, subject[len(self.booking_prefix):], int(version) if version else None)
         elif topic in EVENT_TYPES or (topic is None and subject.startswith(self.events_prefix)):
             try:
-                event = event_decoder.decode(data)
+                event = self._read(data)
                 version = headers.get(VERSION_HEADER) if headers else None
                 projection.apply(seq, event, int(version) if version else None)
             except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
