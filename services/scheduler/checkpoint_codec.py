@@ -414,8 +414,8 @@ def _restore(state: State) -> Projection:
             raise ValueError(f"actor {row.actor_id} has a worker and no lease, or the reverse")
         a = Actor(
             row.actor_id, _ACTOR_STATES[row.state], specs[row.spec], kind, ref,
-            None if row.node is None else text(row.node), row.version, row.last_seq, row.placed_request_id,
-            row.placed_seq,
+            None if row.node is None else text(row.node), row.version, row.last_seq,
+            None if row.placed_request_id is None else row.placed_request_id.encode(), row.placed_seq,
         )
         if worker is not None:
             a = Assigned(*astuple(a), worker, lease)

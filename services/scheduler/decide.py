@@ -286,39 +286,41 @@ def resolve(projection: Projection, actor_id: str) -> Actor:
 
 def merged_selectors(actor: Actor, selectors: Mapping[str, str] | None) -> tuple[tuple[str, str], ...]:
     if not selectors:
-        return tuple(actor.selectors.items())
-    merged = dict(actor.selectors)
+        return tuple(actor.spec.selectors.items())
+    merged = dict(actor.spec.selectors)
     merged.update(selectors)
     return tuple(sorted(merged.items()))
 
 
 def plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | None) -> Plan:
-    cls = actor.sandbox_class
+    spec = actor.spec  # what it asks for
+    cls = spec.sandbox_class
     index = projection.classes.get(cls)
     everyone: Sequence[Worker] = index.workers.items if index is not None else ()
     sel = merged_selectors(actor, selectors)
     node = actor.node if actor.state is PAUSED else None
-    res = actor.resources
+    res = spec.resources
 
     def ask(compat: Compat | None) -> Ask:
         return Ask(cls, res.cpu_millis, res.memory_mib, sel, node, compat)
 
     any_ask = ask(None)
-    borrowed = actor.snap_borrowed
+    snapshot = actor.snapshot  # what its latest snapshot is
     tiers: list[Tier] = []
 
-    if not actor.has_snapshot:  # rule 1: cold start on the class default
+    if snapshot is None:  # rule 1: cold start on the class default
         tiers.append(Tier("cold start", any_ask, everyone, Action.RUN, PlacedFidelity.NONE, None, None))
         return Plan(actor, tiers, any_ask, "no worker of the class fits", False)
 
-    if actor.snap_fidelity is not MEMORY:  # rule 3: volumes or rootfs, nothing given up
-        fidelity = _FIDELITY[actor.snap_fidelity]
+    borrowed = snapshot.borrowed
+    if snapshot.fidelity is not MEMORY:  # rule 3: volumes or rootfs, nothing given up
+        fidelity = _FIDELITY[snapshot.fidelity]
         tiers.append(Tier("restore", any_ask, everyone, Action.RESTORE, fidelity, None, None))
         return Plan(actor, tiers, any_ask, "no worker of the class fits", False)
 
-    stamp = actor.snap_stamp
+    stamp = snapshot.stamp
     lost = None
-    if actor.snap_template != actor.template_uid:
+    if snapshot.template_uid != spec.template_uid:
         lost = FallbackReason.TEMPLATE_CHANGED
     elif stamp is None or stamp.compat.sandbox_class != cls:
         lost = FallbackReason.SNAPSHOT_NOT_MEMORY
@@ -341,7 +343,7 @@ def plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | No
     )
     if actor.state is PAUSED:  # rule 5: never relaxed
         refusal = f"actor is PAUSED on node {node}: its memory restores only on a compatible worker there"
-    elif actor.min_fidelity is Fidelity.MEMORY:  # rule 4's exception
+    elif spec.min_fidelity is Fidelity.MEMORY:  # rule 4's exception
         refusal = "no compatible worker has room and min_fidelity is MEMORY"
     else:  # rule 4: fall back rather than fail
         tiers.append(_without_memory(any_ask, everyone, FallbackReason.NO_COMPATIBLE_WORKER, borrowed))

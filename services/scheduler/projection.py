@@ -395,8 +395,9 @@ class Actor(Struct, gc=False, eq=False):
     # optimistic concurrency on `actor.<id>`
     version: int = 0
     last_seq: int = 0
-    # idempotency: the last placement's request_id and sequence (None and 0 if it carried none)
-    placed_request_id: str | None = None
+    # idempotency: the last placement's request_id (as UTF-8: 16 bytes less than a str) and
+    # sequence; None and 0 if it carried none
+    placed_request: bytes | None = None
     placed_seq: int = 0
 
     worker: ClassVar[Worker | None] = None
@@ -450,6 +451,11 @@ class Actor(Struct, gc=False, eq=False):
     @property
     def snap_borrowed(self) -> bool:
         return self.snapshot.borrowed if self.snapshot is not None else False
+
+    @property
+    def placed_request_id(self) -> str | None:
+        request = self.placed_request
+        return request.decode() if request is not None else None
 
     # its assignment
     @property
@@ -859,7 +865,7 @@ class Projection:
         actor.node = self._str(event.node)
         actor.state = RUNNING
         request_id = event.request_id
-        actor.placed_request_id = request_id
+        actor.placed_request = request_id.encode() if request_id is not None else None
         actor.placed_seq = seq if request_id is not None else 0
         return actor
 
