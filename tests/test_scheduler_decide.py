@@ -829,3 +829,72 @@ def test_refusal_messages_kept_for_alike_resumes_are_the_ones_computed():
         messages.append(caught.value.message)
     assert len(refusals) == 1 and len(set(messages)) == 1
     assert messages[0] == refused(log, "a0", ErrorCode.RESOURCE_EXHAUSTED).message
+
+
+# --- what the projection keeps compactly reads back whole -----------------------------------------------------------
+
+
+def test_a_workers_booking_expectation_outlives_its_removal_and_follows_a_new_registration():
+    log = Log()
+    log.add(WorkerBooked(at=AT, worker_id="w1", actor_id="early"))  # booked before it ever registered
+    assert log.p.booking_expectation("w1") == (1, 1)
+    log.worker("w1", mem=8192)
+    log.actor("a")
+    seq = log.place(log.decide("a"), request_id="r1")
+    assert log.p.booking_expectation("w1") == (2, seq)
+    log.add(WorkerRemoved(at=AT, worker_id="w1", reason="LOST"))
+    assert log.p.booking_expectation("w1") == (2, seq)
+    seq = log.add(WorkerBooked(at=AT, worker_id="w1", actor_id="late"))  # a marker for the removed worker
+    assert log.p.booking_expectation("w1") == (3, seq)
+    log.worker("w1")  # registered again afresh: its subject's history goes on
+    assert log.p.booking_expectation("w1") == (3, seq)
+    by_markers = Projection()
+    for n, event in enumerate(log.events, start=1):
+        if isinstance(event, WorkerBooked):
+            by_markers.booking_marker(n, event.worker_id)
+        else:
+            by_markers.apply(n, event)
+    assert by_markers.booking_expectation("w1") == log.p.booking_expectation("w1")
+    assert log.replay().booking_expectation("w1") == log.p.booking_expectation("w1")
+
+
+def test_the_actors_booked_on_a_worker_read_as_a_set_and_follow_placements_and_releases():
+    log = Log()
+    log.worker("w1", mem=65536)
+    for a in ("a", "b", "c"):
+        log.actor(a)
+        log.place(log.decide(a))
+    w = log.p.workers["w1"]
+    assert w.actors == {"a", "b", "c"} and len(w.actors) == 3 and "b" in w.actors and "z" not in w.actors
+    log.snapshot("b", origin=SnapshotOrigin.SUSPEND)
+    log.release("b", "w1", ReleaseReason.SUSPENDED)
+    log.release("c", "w1", ReleaseReason.STOPPED)
+    log.add(ActorStopped(at=AT, actor_id="c"))
+    assert w.actors == {"a"} and sorted(w.actors) == ["a"] and "b" not in w.actors
+    log.add(WorkerRemoved(at=AT, worker_id="w1", reason="LOST"))
+    log.actor("d")
+    placed = log.p.actors["a"]
+    log.add(ActorPlaced(at=AT, actor_id="d", worker_id="w1", node="n", action=Action.RUN,
+                        fidelity=PlacedFidelity.NONE, sandbox_runtime=placed.pin.runtime,
+                        booked=Resources(cpu_millis=100, memory_mib=100)))
+    orphan = log.p.actors["d"].worker  # booked on a worker removed meanwhile: a record of its own
+    assert orphan is not w and "w1" not in log.p.workers and orphan.actors == {"d"}
+    assert w.actors == {"a"}  # the removed record still lists the actor it was booked by
+
+
+def test_snapshot_ids_read_back_whole_however_they_are_kept(monkeypatch):
+    from services.scheduler import projection as projection_module
+
+    log = Log()
+    log.worker("w1")
+    ids = {"a": "a-v7", "b": "b", "c": "snapshot-of-c", "d": "d-v7"}  # prefixed, the id alone, not prefixed
+    for actor_id, snapshot_id in ids.items():
+        log.actor(actor_id)
+        log.snapshot(actor_id, fidelity=Fidelity.VOLUMES, snapshot_id=snapshot_id)
+    assert {a: log.p.actors[a].snapshot_id for a in ids} == ids
+    assert log.p.actors["a"].snapshot_ref is log.p.actors["d"].snapshot_ref  # "-v7", kept once
+    assert log.decide("c").snapshot_id == "snapshot-of-c" and log.decide("a").snapshot_id == "a-v7"
+    monkeypatch.setattr(projection_module, "SUFFIXES_INTERNED", len(log.p._suffixes))  # the table is full
+    log.actor("e")
+    log.snapshot("e", fidelity=Fidelity.VOLUMES, snapshot_id="e-v8")
+    assert log.p.actors["e"].snapshot_id == "e-v8" and "-v8" not in log.p._suffixes
