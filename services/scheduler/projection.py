@@ -5,14 +5,14 @@ order. What it keeps is exactly what placement and `fragmentation` read:
 
 - workers: node, capacity, labels, state (REGISTERED, DRAINED; a removed worker is
   dropped), per sandbox class the default and restorable runtimes, what is booked
-  on them and which actors hold those bookings;
+  on them and by how many actors (`Worker.actors` names them);
 - per sandbox class, an index from compat key to the workers whose default runtime
   matches it and to the workers one of whose restorable runtimes matches it, so that
   the compatible workers of a stamp are one dictionary look-up away, never a scan;
 - actors: state, class, template, resources, selectors, `min_fidelity`, the latest
-  snapshot (its stamp shared with every other snapshot of the same runtime), the
-  assignment (worker, booking, pin) or the node a PAUSED actor is pinned to, and the
-  last placement's `request_id` and sequence (idempotent retries);
+  snapshot (what decisions read of it: template, fidelity, stamp, borrowed; and its
+  id), the assignment (worker, booking, pin) or the node a PAUSED actor is pinned
+  to, and the last placement's `request_id` and sequence (idempotent retries);
 - per subject the scheduler writes (`actor.<id>`, `booking.<worker id>`): the
   aggregate version and the stream sequence of its last event, which are the
   optimistic-concurrency expectations of the next commit;
@@ -183,13 +183,13 @@ class Worker:
         "booked_cpu",
         "booked_mem",
         "holding",  # how many actors hold bookings on this worker
-        "fold",  # a weak reference to the projection the record is part of (see `actors`)
+        "projection",  # a weak reference to the projection the record is part of (see `actors`)
         # optimistic concurrency on `booking.<worker id>`
         "booking_version",
         "booking_seq",
     )
 
-    def __init__(self, worker_id: str, fold: "weakref.ref[Projection] | None" = None):
+    def __init__(self, worker_id: str, projection: "weakref.ref[Projection] | None" = None):
         self.worker_id = worker_id
         self.h = stable_hash(worker_id)
         self.node = ""
@@ -201,7 +201,7 @@ class Worker:
         self.booked_cpu = 0
         self.booked_mem = 0
         self.holding = 0
-        self.fold = fold
+        self.projection = projection
         self.booking_version = 0
         self.booking_seq = 0
 
@@ -250,16 +250,17 @@ class BookedActors(Set):
     def __len__(self) -> int:
         return self.worker.holding
 
+    def _actors(self) -> dict[str, "Actor"]:
+        ref = self.worker.projection
+        projection = ref() if ref is not None else None
+        return projection.actors if projection is not None else {}
+
     def __iter__(self) -> Iterator[str]:
-        fold = self.worker.fold() if self.worker.fold is not None else None
-        if fold is None:
-            return iter(())
         worker = self.worker
-        return (a.actor_id for a in fold.actors.values() if a.worker is worker)
+        return (a.actor_id for a in self._actors().values() if a.worker is worker)
 
     def __contains__(self, actor_id: object) -> bool:
-        fold = self.worker.fold() if self.worker.fold is not None else None
-        actor = fold.actors.get(actor_id) if fold is not None else None  # type: ignore[arg-type]
+        actor = self._actors().get(actor_id)  # type: ignore[call-overload]
         return actor is not None and actor.worker is self.worker
 
     def __repr__(self) -> str:

@@ -6,8 +6,10 @@ What it decides is in `services.scheduler.decide`; what it knows, in
 - `Fold` keeps the projection current. An ordered push consumer on the whole event
   stream delivers every message from sequence 1 into a callback (the fastest way
   nats-py reads a stream), which decodes the body with msgspec straight into its
-  event Struct and folds it; messages that are not events (the tracking records of
-  process applications) only advance the position. `wait(seq)` lets a request be
+  event Struct (`EventReader`) and folds it; messages that are not events (the
+  tracking records of process applications) only advance the position. A replay is
+  bound by nats-py's work per message, most of it parsing headers: the fold reads
+  with the shared lean parser (`lean_headers`). `wait(seq)` lets a request be
   answered from state that includes `seq` (`min_seq`), or UNAVAILABLE after a deadline.
 - `SchedulerService` answers `resume`, `explain` and `fragmentation` as the nats.micro
   service `warmboot-scheduler` in its queue group, so any number of replicas serve.
