@@ -118,7 +118,8 @@ class MicroService(Service):
 
 
 async def add_endpoints(
-    nc: NATS, prefix: str, service: str, description: str, specs: list[EndpointSpec]
+    nc: NATS, prefix: str, service: str, description: str, specs: list[EndpointSpec],
+    max_concurrent: int = MAX_CONCURRENT_REQUESTS,
 ) -> MicroService:
     """Start the micro service `warmboot-<service>` in the queue group of that name."""
     name = f"warmboot-{service}"
@@ -131,6 +132,7 @@ async def add_endpoints(
             queue_group=name,
             metadata={"prefix": prefix},
         ),
+        max_concurrent,
     )
     await svc.start()
     for spec in specs:

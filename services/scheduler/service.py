@@ -53,7 +53,7 @@ import itertools
 import logging
 import os
 from contextlib import suppress
-from typing import Any, Awaitable, Callable, Union
+from typing import Any, Callable, Union
 
 import msgspec
 from eventsourcing.persistence import IntegrityError, OperationalError
@@ -62,7 +62,6 @@ from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from msgspec import Raw
 from msgspec.structs import force_setattr
-from nats.micro.request import Request
 from prometheus_client import Counter, Gauge
 
 from events.aggregate import WireApplication, now
@@ -86,8 +85,8 @@ from events.schema import (
     SnapshotTaken,
     WorkerBooked,
 )
-from events.subjects import check_prefix, service_subject, stream_name
-from services.common import EndpointSpec, ReplyCache, add_endpoints, store_env, wrap
+from events.subjects import check_prefix, stream_name
+from services.common import EndpointSpec, ReplyCache, add_endpoints, store_env
 from services.scheduler.checkpoint import DEFAULT_INTERVAL_S, Checkpoints
 from services.scheduler.decide import decide, explain, fragmentation
 from services.scheduler.projection import Projection
@@ -480,24 +479,6 @@ class SchedulerService:
         self._gauges: asyncio.Task[None] | None = None
         self._gauge_labels: set[tuple[str, ...]] = set()
         self._stopping = False
-        self._requests: set[asyncio.Task[None]] = set()
-        self._request_slots = asyncio.Semaphore(MAX_CONCURRENT_REQUESTS)
-
-    def _concurrently(self, handle: Callable[[Request], Awaitable[None]]) -> Callable[[Request], Awaitable[None]]:
-        """A micro handler that starts `handle` as a task and returns at once (at most
-        MAX_CONCURRENT_REQUESTS at a time: past that, the subscription waits)."""
-
-        def finished(task: asyncio.Task[None]) -> None:
-            self._requests.discard(task)
-            self._request_slots.release()
-
-        async def handler(request: Request) -> None:
-            await self._request_slots.acquire()
-            task = asyncio.create_task(handle(request))
-            self._requests.add(task)
-            task.add_done_callback(finished)
-
-        return handler
 
     # --- life cycle ---
 
@@ -512,22 +493,19 @@ class SchedulerService:
             self.checkpoints.follow(self.fold)
         await self.replies.start()
         self._committer = asyncio.create_task(self._commit_groups(), name="scheduler-committer")
+        # Resumes wait for a group commit and explains for the fold: many run at once.
         self.service = await add_endpoints(
             self.nc,
             self.prefix,
             SERVICE,
             "warmboot scheduler: places resumes where their snapshot can load, or falls back",
-            [EndpointSpec("fragmentation", FragmentationQuery, self.fragmentation, per_entity=False)],
+            [
+                EndpointSpec("resume", ResumeActor, self.resume),
+                EndpointSpec("explain", ExplainResume, self.explain),
+                EndpointSpec("fragmentation", FragmentationQuery, self.fragmentation, per_entity=False),
+            ],
+            max_concurrent=MAX_CONCURRENT_REQUESTS,
         )
-        # nats.micro awaits each request before it reads the next one; resumes wait for a
-        # group commit and explains for the fold, so these two run as tasks of their own.
-        for spec in (EndpointSpec("resume", ResumeActor, self.resume), EndpointSpec("explain", ExplainResume, self.explain)):
-            await self.service.add_endpoint(
-                name=spec.verb,
-                subject=service_subject(self.prefix, SERVICE, spec.verb, "*"),
-                handler=self._concurrently(wrap(spec, SERVICE)),
-            )
-        await self.nc.flush()  # the server has our subscriptions before start() returns
         if self.metrics:
             self._gauges = asyncio.create_task(self._refresh_gauges(), name="scheduler-gauges")
         log.info("scheduler folded %d events up to sequence %d", self.projection.events, self.projection.seq)
@@ -535,12 +513,10 @@ class SchedulerService:
 
     async def stop(self) -> None:
         self._stopping = True
-        if self.service is not None:
+        if self.service is not None:  # let the requests in progress finish (new commits are refused)
             with suppress(Exception):
-                await self.service.stop()
+                await self.service.stop(drain_s=self.catch_up_s + 5)
             self.service = None
-        if self._requests:  # let the requests in progress finish (new commits are refused)
-            await asyncio.wait(set(self._requests), timeout=self.catch_up_s + 5)
         for task in (self._gauges, self._committer):
             if task is not None:
                 task.cancel()
