@@ -58,6 +58,10 @@ def precondition(message: str, field: str | None = None) -> ContractError:
     return ContractError(ErrorCode.FAILED_PRECONDITION, message, field)
 
 
+def already_exists(message: str, field: str | None = None) -> ContractError:
+    return ContractError(ErrorCode.ALREADY_EXISTS, message, field)
+
+
 def exhausted(message: str, field: str | None = None) -> ContractError:
     return ContractError(ErrorCode.RESOURCE_EXHAUSTED, message, field)
 

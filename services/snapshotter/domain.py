@@ -62,7 +62,7 @@ from datetime import datetime
 import msgspec
 
 from events.aggregate import WireAggregate
-from events.errors import ContractError, not_found, precondition
+from events.errors import already_exists, not_found, precondition
 from events.schema import (
     ActorCreated,
     ActorPlaced,
@@ -70,7 +70,6 @@ from events.schema import (
     ActorRuntime,
     ActorStopped,
     CreateActor,
-    ErrorCode,
     Event,
     Fidelity,
     Location,
@@ -97,10 +96,6 @@ class ActorState(enum.Enum):
 
 # States from which the scheduler may place (resume) an actor.
 RESUMABLE = (ActorState.CREATED, ActorState.PAUSED, ActorState.SUSPENDED)
-
-
-def already_exists(message: str, field: str | None = None) -> ContractError:
-    return ContractError(ErrorCode.ALREADY_EXISTS, message, field)
 
 
 # --- the stamping rules -------------------------------------------------------------
