@@ -884,12 +884,14 @@ class _Stream:
                 return None
             await retry.wait(OperationalError(f"direct get of {subject} answered status {status}"))
 
-    async def last_from_leader(self, subject: str) -> tuple[int, dict[str, str], bytes] | None:
-        """The last message on `subject` as the stream leader has it: (seq, headers, data)."""
-        retry = _Retry(f"reading the last message of {subject}", self.budget, self)
+    async def _leader_get(self, request: dict[str, Any], subject: str, retry: "_Retry") -> tuple[int, dict[str, str], bytes] | None:
+        """One message as the stream leader has it, (seq, headers, data), or None when there is none.
+
+        Transient errors are retried within `retry`'s budget; a stream deleted under us is made again.
+        """
         while True:
             try:
-                data = await self._api(f"STREAM.MSG.GET.{self.name}", {"last_by_subj": subject}, retry.timeout)
+                data = await self._api(f"STREAM.MSG.GET.{self.name}", request, retry.timeout)
             except _ServerSaid as said:
                 if said.err_code == ERR_STREAM_NOT_FOUND:
                     await self.check_exists()  # made again (then nothing is in it), or an error
@@ -908,6 +910,11 @@ class _Stream:
             headers = _parse_header_block(base64.b64decode(message["hdrs"])) if message.get("hdrs") else {}
             body = base64.b64decode(message["data"]) if message.get("data") else b""
             return int(message["seq"]), headers, body
+
+    async def last_from_leader(self, subject: str) -> tuple[int, dict[str, str], bytes] | None:
+        """The last message on `subject` as the stream leader has it: (seq, headers, data)."""
+        retry = _Retry(f"reading the last message of {subject}", self.budget, self)
+        return await self._leader_get({"last_by_subj": subject}, subject, retry)
 
     async def last(self, subject: str) -> Msg | _Stored | None:
         """The last message on `subject`, never older than what this process saw there.
@@ -946,29 +953,12 @@ class _Stream:
         stored: list[_Stored] = []
         seq = max(start, 1)
         retry = _Retry(f"reading {subject} through the leader", self.budget, self)
-        while True:
-            request = {"seq": seq, "next_by_subj": subject}
-            try:
-                data = await self._api(f"STREAM.MSG.GET.{self.name}", request, retry.timeout)
-            except _ServerSaid as said:
-                if said.err_code == ERR_STREAM_NOT_FOUND:
-                    await self.check_exists()
-                    await retry.wait(said)
-                    continue
-                if said.err_code == ERR_NO_MESSAGE_FOUND or said.code == 404:
-                    return stored
-                if not said.transient:
-                    raise OperationalError(f"reading {subject}: {said}") from None
-                await retry.wait(said)
-                continue
-            except _NOT_DELIVERED + _UNANSWERED as error:
-                await retry.wait(error)
-                continue
-            message = data["message"]
-            headers = _parse_header_block(base64.b64decode(message["hdrs"])) if message.get("hdrs") else {}
-            headers.update({"Nats-Sequence": str(message["seq"]), "Nats-Subject": subject})
-            stored.append(_Stored(headers, base64.b64decode(message["data"]) if message.get("data") else b""))
-            seq = int(message["seq"]) + 1
+        while (found := await self._leader_get({"seq": seq, "next_by_subj": subject}, subject, retry)) is not None:
+            seq, headers, body = found
+            headers.update({"Nats-Sequence": str(seq), "Nats-Subject": subject})
+            stored.append(_Stored(headers, body))
+            seq += 1
+        return stored
 
     # -- appends
 
