@@ -15,12 +15,13 @@ which dispatches on the event type to a `when_<EventType>` method.
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 from eventsourcing.application import Application
 from eventsourcing.persistence import Mapper, StoredEvent
 
 from events.codec import decoder, encode
+from events.errors import precondition
 from events.schema import EVENT_TYPES, Event
 
 AGGREGATE_KINDS: dict[str, type["WireAggregate"]] = {}
@@ -43,12 +44,13 @@ def split_id(originator_id: str) -> tuple[str, str]:
 class Recorded:
     """A library domain event that carries one wire event Struct as its whole state."""
 
-    __slots__ = ("originator_id", "originator_version", "body")
+    __slots__ = ("originator_id", "originator_version", "body", "seq")
 
-    def __init__(self, originator_id: str, originator_version: int, body: Event):
+    def __init__(self, originator_id: str, originator_version: int, body: Event, seq: int = 0):
         self.originator_id = originator_id
         self.originator_version = originator_version
         self.body = body
+        self.seq = seq  # its stream sequence when read from the store (0: not stored yet)
 
     @property
     def timestamp(self) -> datetime:
@@ -64,6 +66,7 @@ class Recorded:
                 f"does not follow {aggregate.version}"
             )
         aggregate.apply(self.body)
+        aggregate.seqs.append(self.seq)
         aggregate.version = self.originator_version
         return aggregate
 
@@ -79,9 +82,22 @@ class Recorded:
 
 
 class WireAggregate:
-    """Base of the Worker and Actor aggregates: a version, pending events, `apply`."""
+    """Base of the Worker and Actor aggregates: a version, pending events, `apply`, and
+    the one rule of idempotency (`prior`).
+
+    Idempotency (CONTRACT section 1, v1.1). Every event carries the `request_id` of the
+    request that caused it, so the entity's history says what an earlier request with
+    the same id did. A request id is scoped to one *life* of the entity: the events
+    since the last one for which `starts_life` is true (a worker's registration after
+    a removal, an actor's creation after a stop). A request that starts a new life is
+    never answered from an earlier one. A request id whose first event in the life is
+    not what the request's verb records (`VERB_FIRST`) names another request: refused
+    with FAILED_PRECONDITION, field `request_id`, in every service alike.
+    """
 
     KIND: ClassVar[str]
+    # verb -> whether an event is what a request of that verb records first
+    VERB_FIRST: ClassVar[dict[str, Callable[[Event], bool]]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -94,6 +110,9 @@ class WireAggregate:
         self.version = 0
         self.pending_events: list[Recorded] = []
         self.history: list[Event] = []  # bodies applied, oldest first (request_id look-ups)
+        self.seqs: list[int] = []  # stream sequence of each version (0 until it is stored)
+        self.life_start = 1  # version of the first event of the current life
+        self.request_versions: dict[str, list[int]] = {}  # request_id -> versions it recorded
 
     @classmethod
     def create_id(cls, entity_id: str) -> str:
@@ -110,15 +129,43 @@ class WireAggregate:
         return events
 
     def apply(self, body: Event) -> None:
+        # Called before the version moves on: this event's version is self.version + 1.
+        version = self.version + 1
+        if self.starts_life(body):
+            self.life_start = version
         getattr(self, f"when_{type(body).__name__}")(body)
         self.history.append(body)
+        if body.request_id is not None:
+            self.request_versions.setdefault(body.request_id, []).append(version)
 
-    def recorded_by(self, request_id: str) -> Event | None:
-        """The first event this aggregate recorded for `request_id`, if any."""
-        for body in self.history:
-            if body.request_id == request_id:
-                return body
-        return None
+    def starts_life(self, body: Event) -> bool:
+        """Whether `body` begins a new life of the entity (request ids are scoped to one)."""
+        return False
+
+    def prior(self, verb: str, request_id: str | None, *, new_life: bool = False) -> list[int]:
+        """Versions of the events an earlier `verb` request with `request_id` recorded in
+        this life, oldest first; empty if none (or `new_life`: the request starts one).
+        Raises FAILED_PRECONDITION if the id recorded another verb's events."""
+        if request_id is None or new_life:
+            return []
+        start = self.life_start
+        versions = [v for v in self.request_versions.get(request_id, ()) if v >= start]
+        if versions:
+            first = self.history[versions[0] - 1]
+            if not self.VERB_FIRST[verb](first):
+                raise precondition(
+                    f"request_id {request_id!r} was already used for another request on "
+                    f"{self.KIND} {self.entity_id!r} (it recorded {type(first).__name__})",
+                    "request_id",
+                )
+        return versions
+
+    def events_at(self, versions: list[int]) -> list[Event]:
+        return [self.history[v - 1] for v in versions]
+
+    def seq_at(self, version: int) -> int:
+        """The stream sequence of event `version`, as read from the store (0 if unknown)."""
+        return self.seqs[version - 1] if 0 < version <= len(self.seqs) else 0
 
 
 class WireMapper(Mapper):
@@ -142,7 +189,8 @@ class WireMapper(Mapper):
         event_type = EVENT_TYPES.get(stored_event.topic)
         if event_type is not None:
             body = decoder(event_type).decode(stored_event.state)
-            return Recorded(str(stored_event.originator_id), stored_event.originator_version, body)
+            return Recorded(str(stored_event.originator_id), stored_event.originator_version, body,
+                            getattr(stored_event, "seq", 0))
         return super().to_domain_event(stored_event)
 
 

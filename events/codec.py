@@ -14,7 +14,7 @@ import msgspec
 
 from events.errors import ContractError, invalid
 from events.schema import REPLY_TYPES, REQUEST_TYPES, AnyEvent, ErrorReply, Event
-from events.validate import CHECKS
+from events.validate import check_request
 
 T = TypeVar("T")
 
@@ -63,10 +63,7 @@ def decode_request(type_: type[T], data: bytes, *, path_prefix: str = "") -> T:
         raise invalid(f"body is not valid JSON: {e}") from None
     except RecursionError:
         raise invalid("body nests too deeply") from None
-    check = CHECKS.get(type_)
-    if check is not None:
-        check(value)
-    return value
+    return check_request(type_, value)
 
 
 def decode_event(data: bytes) -> Event:

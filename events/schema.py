@@ -27,8 +27,13 @@ ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}(?!\n)$"
 CLASS_PATTERN = r"^[a-z][a-z0-9-]{0,62}(?!\n)$"
 SCHEMA_VERSION_PATTERN = r"^v[1-9][0-9]{0,3}(?!\n)$"
 ATTR_KEY_PATTERN = r"^[a-z][a-z0-9_]{0,127}(?!\n)$"
-# printable: no C0/C1 control characters and no DEL
+# Printable (CONTRACT section 2, v1.1) is what `str.isprintable()` accepts. A regular
+# expression for that would list every unassigned code point of one Unicode version,
+# so the pattern below (no C0/C1 control character, no DEL) is only what the published
+# JSON Schema can say; every field typed with it is also marked `PRINTABLE`, and
+# `events.validate` checks those with `str.isprintable()` right after decoding.
 PRINTABLE_PATTERN = r"^[^\x00-\x1f\x7f-\x9f]*(?!\n)$"
+PRINTABLE = {"printable": True}
 LABEL_KEY_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9._/-]{0,251}[A-Za-z0-9])?(?!\n)$"
 
 MAX_INT = 1 << 40  # MiB and millicores: far above any machine, far below overflow
@@ -37,17 +42,20 @@ Id = Annotated[str, Meta(pattern=ID_PATTERN, description="one NATS subject token
 SandboxClass = Annotated[str, Meta(pattern=CLASS_PATTERN)]
 SchemaVersion = Annotated[str, Meta(pattern=SCHEMA_VERSION_PATTERN)]
 AttrKey = Annotated[str, Meta(pattern=ATTR_KEY_PATTERN)]
-AttrValue = Annotated[str, Meta(min_length=1, max_length=256, pattern=PRINTABLE_PATTERN)]
-Name = Annotated[str, Meta(max_length=253, pattern=PRINTABLE_PATTERN)]
-Reason = Annotated[str, Meta(max_length=256, pattern=PRINTABLE_PATTERN)]
-Uri = Annotated[str, Meta(max_length=2048, pattern=PRINTABLE_PATTERN)]
-RequestId = Annotated[str, Meta(min_length=1, max_length=128, pattern=PRINTABLE_PATTERN)]
+AttrValue = Annotated[str, Meta(min_length=1, max_length=256, pattern=PRINTABLE_PATTERN, extra=PRINTABLE)]
+Name = Annotated[str, Meta(max_length=253, pattern=PRINTABLE_PATTERN, extra=PRINTABLE)]
+Reason = Annotated[str, Meta(max_length=256, pattern=PRINTABLE_PATTERN, extra=PRINTABLE)]
+Uri = Annotated[str, Meta(max_length=2048, pattern=PRINTABLE_PATTERN, extra=PRINTABLE)]
+RequestId = Annotated[str, Meta(min_length=1, max_length=128, pattern=PRINTABLE_PATTERN, extra=PRINTABLE)]
 LabelKey = Annotated[str, Meta(pattern=LABEL_KEY_PATTERN)]
-LabelValue = Annotated[str, Meta(max_length=256, pattern=PRINTABLE_PATTERN)]
+LabelValue = Annotated[str, Meta(max_length=256, pattern=PRINTABLE_PATTERN, extra=PRINTABLE)]
 Labels = Annotated[dict[LabelKey, LabelValue], Meta(max_length=64)]
 NonNegative = Annotated[int, Meta(ge=0, le=MAX_INT)]
 Positive = Annotated[int, Meta(gt=0, le=MAX_INT)]
 Seq = Annotated[int, Meta(ge=0)]
+# RFC 3339 with a zone (CONTRACT section 1); a caller's other offset is normalised to UTC
+# at the edge (events.validate), so every time in the log is UTC.
+Time = Annotated[datetime, Meta(tz=True)]
 
 
 class Base(Struct, kw_only=True, frozen=True):
@@ -151,6 +159,9 @@ class WorkerRuntime(Base, kw_only=True):
     version: CompatVersion
     name: Name | None = None
     actor_overhead: ActorOverhead | None = None
+    # v1.1: one-way compatibility edges: this runtime also restores snapshots stamped
+    # with any of these versions (its own `version` stays the pin of what it restores).
+    compatible_versions: Annotated[tuple[CompatVersion, ...], Meta(max_length=32)] = ()
 
 
 class WorkerSandboxClass(Base, kw_only=True):
@@ -189,7 +200,7 @@ class Snapshot(Base, kw_only=True):
     uri: Uri | None = None
     sandbox_runtime: ActorRuntime | None = None
     borrowed: bool = False
-    taken_at: datetime
+    taken_at: Time
 
 
 class Fallback(Base, kw_only=True):
@@ -291,8 +302,22 @@ class StopActor(Base, kw_only=True):
     request_id: RequestId | None = None
 
 
+class RevertActor(Base, kw_only=True):
+    """v1.1: give up the actor's LOCAL image and go back to its latest EXTERNAL snapshot (or none)."""
+
+    reason: Reason | None = None
+    request_id: RequestId | None = None
+
+
 class SnapshotReply(Base, kw_only=True):
     snapshot: Snapshot
+    seq: Seq
+
+
+class RevertReply(Base, kw_only=True):
+    """The EXTERNAL snapshot the actor went back to, or null when it will cold-boot."""
+
+    snapshot: Snapshot | None
     seq: Seq
 
 
@@ -326,6 +351,9 @@ class Placement(Base, kw_only=True):
     snapshot_id: Id | None = None
     fallback: Fallback | None = None
     booked: Resources
+    # v1.1: on a MEMORY restore, the version that matched the stamp: the pin's own version,
+    # or the compatible version (edge) through which the pin's runtime accepts it; else null.
+    matched_version: CompatVersion | None = None
 
 
 class Assignment(Placement, kw_only=True):
@@ -337,15 +365,24 @@ class Rejection(Base, kw_only=True):
     reasons: list[str]
 
 
-class Explanation(Base, kw_only=True):
-    """`decision` is the placement a resume would get now; `error` what it would refuse with.
+class Refusal(Base, kw_only=True):
+    """How a resume would be refused now (its error code and message)."""
 
-    Exactly one of the two is set. `message` is the one-line summary an operator
-    reads, e.g. "0/12 workers available: 7 runtime mismatch, 3 insufficient memory, 2 drained".
+    code: ErrorCode
+    message: str
+
+
+class Explanation(Base, kw_only=True):
+    """`decision` is the placement a resume would get now; `refusal` what it would refuse with.
+
+    Exactly one of the two is set. A refusal is part of a successful explanation, so it
+    is never a top-level `error` (that key means the explain request itself failed).
+    `message` is the one-line summary an operator reads, e.g.
+    "0/12 workers available: 7 runtime mismatch, 3 insufficient memory, 2 drained".
     """
 
     decision: Placement | None = None
-    error: ErrorDetail | None = None
+    refusal: Refusal | None = None
     candidates: int
     rejected: list[Rejection]
     counts: dict[str, int]
@@ -358,6 +395,8 @@ class RuntimeFragmentation(Base, kw_only=True):
     workers_restorable: int
     free: Room
     snapshots_memory: int
+    # v1.1: live workers that accept this version only through a compatibility edge
+    workers_compatible: int = 0
 
 
 class ClassFragmentation(Base, kw_only=True):
@@ -365,10 +404,48 @@ class ClassFragmentation(Base, kw_only=True):
     workers: int
     runtimes: list[RuntimeFragmentation]
     stranded_snapshots: int
+    # v1.1: waiting actors whose LOCAL latest snapshot is on a node with no registered
+    # worker of the class (given up only by `revert`)
+    lost_local_snapshots: int = 0
 
 
 class Fragmentation(Base, kw_only=True):
     classes: list[ClassFragmentation]
+
+
+class WhatIf(Base, kw_only=True):
+    """v1.1 `scheduler.whatif`: the fleet as if these runtimes were dropped and these workers drained."""
+
+    sandbox_class: SandboxClass
+    drop_runtimes: Annotated[tuple[CompatVersion, ...], Meta(max_length=64)] = ()
+    drain_workers: Annotated[tuple[Id, ...], Meta(max_length=10_000)] = ()
+    limit: Annotated[int, Meta(ge=0, le=10_000)] = 100
+    min_seq: Seq | None = None
+
+
+class SnapshotCounts(Base, kw_only=True):
+    stranded_snapshots: int
+    memory_restorable_snapshots: int
+
+
+class StrandedActor(Base, kw_only=True):
+    actor_id: str
+    stamp: ActorRuntime
+
+
+class RuntimeForecast(Base, kw_only=True):
+    version: CompatVersion
+    workers_before: int
+    workers_after: int
+    free_before: Room
+    free_after: Room
+
+
+class WhatIfAnswer(Base, kw_only=True):
+    before: SnapshotCounts
+    after: SnapshotCounts
+    newly_stranded: list[StrandedActor]
+    runtimes: list[RuntimeForecast]
 
 
 # --- events (CONTRACT section 4) ---------------------------------------------------
@@ -377,7 +454,7 @@ class Fragmentation(Base, kw_only=True):
 class Event(Base, kw_only=True, tag_field="type", tag=True):
     """Base of every event: `type` is the class name; `at` the time it was decided."""
 
-    at: datetime
+    at: Time
     # The request that caused the event (project addition): a retried request with
     # the same id is answered from the event that already recorded it.
     request_id: RequestId | None = None
@@ -468,6 +545,15 @@ class ActorStopped(ActorEvent, kw_only=True):
     pass
 
 
+class ActorReverted(ActorEvent, kw_only=True):
+    """v1.1: the actor gave up its LOCAL image `abandoned` and went back to `snapshot`
+    (its latest EXTERNAL one), or to none (it cold-boots); it is SUSPENDED."""
+
+    snapshot: Snapshot | None = None
+    abandoned: Snapshot
+    reason: Reason | None = None
+
+
 class WorkerBooked(Event, kw_only=True):
     """Project addition: the booking marker a placement writes beside `ActorPlaced`.
 
@@ -478,6 +564,25 @@ class WorkerBooked(Event, kw_only=True):
 
     worker_id: Id
     actor_id: Id
+    KIND: ClassVar[str] = "booking"
+
+    @property
+    def entity_id(self) -> str:
+        return self.worker_id
+
+
+class WorkerFenced(Event, kw_only=True):
+    """Project addition: written by the registry on `<prefix>.ev.booking.<worker_id>` in the
+    same atomic append as every event of the worker's own history (`event` names it).
+
+    A placement is committed only if the worker's booking subject has not moved since
+    the state its decision read (CONTRACT placement rule 8), so a drain, removal,
+    runtime change or capacity cut of the worker makes every placement decided
+    before it lose and decide again on fresh state.
+    """
+
+    worker_id: Id
+    event: str
     KIND: ClassVar[str] = "booking"
 
     @property
@@ -509,7 +614,9 @@ AnyEvent = Union[
     ActorPlaced,
     ActorReleased,
     ActorStopped,
+    ActorReverted,
     WorkerBooked,
+    WorkerFenced,
     TagRecorded,
 ]
 
@@ -526,9 +633,11 @@ REQUEST_TYPES: tuple[type[Base], ...] = (
     TagSnapshot,
     UpdateTemplate,
     StopActor,
+    RevertActor,
     ResumeActor,
     ExplainResume,
     FragmentationQuery,
+    WhatIf,
 )
 
 REPLY_TYPES: tuple[type[Base], ...] = (
@@ -536,8 +645,10 @@ REPLY_TYPES: tuple[type[Base], ...] = (
     HeartbeatReply,
     SeqReply,
     SnapshotReply,
+    RevertReply,
     Assignment,
     Explanation,
     Fragmentation,
+    WhatIfAnswer,
     ErrorReply,
 )

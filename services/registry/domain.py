@@ -9,10 +9,11 @@ Rules (CONTRACT sections 2 and 3, Registry):
 - A worker's first registration fixes its set of sandbox classes. A later one
   that adds or drops a class is FAILED_PRECONDITION (field `sandbox_classes`):
   a worker does not change class; it is removed and registered anew.
-- What is stored is canonical: classes sorted by name, each version's attributes
-  sorted by key. So a report whose classes or attributes come in another order is
-  no change, while the order of `restorable_runtimes` is kept (a match tries them
-  in order), so reordering them is a runtime change.
+- What is stored and compared is the normalised registration (v1.1): classes sorted
+  by name, each version's attributes sorted by key, restorable runtimes and
+  compatible versions taken as sets (stored sorted by compat key), a null
+  `actor_overhead` as zeros. So a report that only reorders them, or sends `null`
+  for zero overhead, is no change (`UNCHANGED`).
 - Identical content writes nothing (`UNCHANGED`). Any difference in a class entry
   (a default or restorable runtime's version, name or actor overhead) writes
   `RuntimeChanged` with the whole new set and the set it replaces; a different
@@ -26,6 +27,8 @@ Rules (CONTRACT sections 2 and 3, Registry):
   when its kubelet restarts. Draining a drained worker writes nothing.
 - Drain and remove of a worker that is not registered (never was, or removed)
   are NOT_FOUND; so is a heartbeat.
+- Request ids are scoped to one life (`WireAggregate.prior`): a registration of a
+  removed worker with a request id of its previous life registers it anew.
 """
 
 from __future__ import annotations
@@ -33,9 +36,10 @@ from __future__ import annotations
 from datetime import datetime
 
 from events.aggregate import WireAggregate
-from events.compat import canonical_version
-from events.errors import invalid, not_found, precondition
+from events.compat import canonical_version, compat_key
+from events.errors import not_found, precondition
 from events.schema import (
+    ActorOverhead,
     Event,
     Labels,
     RegisterOutcome,
@@ -52,31 +56,33 @@ from events.schema import (
 
 LOST = "LOST"
 
-# Which events each request verb writes: a request_id reused across verbs is refused.
-VERB_EVENTS: dict[str, tuple[type[Event], ...]] = {
-    "register": (WorkerRegistered, RuntimeChanged, WorkerUpdated),
-    "drain": (WorkerDrained,),
-    "remove": (WorkerRemoved,),
-}
+NO_OVERHEAD = ActorOverhead(fixed_mib=0, per_gib_mib=0)
 
 
 def canonical_runtime(runtime: WorkerRuntime) -> WorkerRuntime:
+    """A runtime as stored: attributes sorted, compatible versions as a sorted set, overhead explicit."""
     version = canonical_version(runtime.version)
-    if version is runtime.version:
+    edges = tuple(sorted({compat_key("", v): canonical_version(v) for v in runtime.compatible_versions}.items()))
+    compatible = tuple(v for _, v in edges)
+    overhead = runtime.actor_overhead or NO_OVERHEAD
+    if (version, compatible, overhead) == (runtime.version, runtime.compatible_versions, runtime.actor_overhead):
         return runtime
-    return WorkerRuntime(version=version, name=runtime.name, actor_overhead=runtime.actor_overhead)
+    return WorkerRuntime(version=version, name=runtime.name, actor_overhead=overhead, compatible_versions=compatible)
 
 
 def canonical_classes(classes: tuple[WorkerSandboxClass, ...]) -> tuple[WorkerSandboxClass, ...]:
-    """The stored form of a worker's class entries: sorted by class, attributes sorted by key."""
-    return tuple(
-        WorkerSandboxClass(
+    """The stored form of a worker's class entries: sorted by class, restorable runtimes
+    as a set sorted by compat key, every runtime canonical."""
+    out = []
+    for entry in sorted(classes, key=lambda e: e.sandbox_class):
+        restorable = sorted((canonical_runtime(r) for r in entry.restorable_runtimes),
+                            key=lambda r: compat_key("", r.version))
+        out.append(WorkerSandboxClass(
             sandbox_class=entry.sandbox_class,
             default_runtime=canonical_runtime(entry.default_runtime),
-            restorable_runtimes=tuple(canonical_runtime(r) for r in entry.restorable_runtimes),
-        )
-        for entry in sorted(classes, key=lambda e: e.sandbox_class)
-    )
+            restorable_runtimes=tuple(restorable),
+        ))
+    return tuple(out)
 
 
 def register_outcome(events: list[Event]) -> RegisterOutcome:
@@ -99,6 +105,11 @@ class Worker(WireAggregate):
     """One worker's history (`worker.<worker_id>`): registrations, drains, removals."""
 
     KIND = "worker"
+    VERB_FIRST = {
+        "register": lambda e: isinstance(e, (WorkerRegistered, RuntimeChanged, WorkerUpdated)),
+        "drain": lambda e: isinstance(e, WorkerDrained),
+        "remove": lambda e: isinstance(e, WorkerRemoved),
+    }
 
     def __init__(self, entity_id: str):
         super().__init__(entity_id)
@@ -110,8 +121,6 @@ class Worker(WireAggregate):
         self.sandbox_classes: tuple[WorkerSandboxClass, ...] = ()
         self.drained = False
         self.removed_reason: str | None = None
-        # request_id -> versions of the events it wrote, oldest first
-        self.request_versions: dict[str, list[int]] = {}
 
     # --- decisions ------------------------------------------------------------------
 
@@ -194,26 +203,9 @@ class Worker(WireAggregate):
             raise not_found(f"worker {self.entity_id!r} is not registered")
 
     def answered(self, verb: str, request_id: str | None) -> list[int]:
-        """Versions of the events an earlier `verb` request with this request_id wrote.
-
-        Empty if it wrote none (or never came). A request_id that wrote events of
-        another verb is refused: it names a different request.
-        """
-        if request_id is None:
-            return []
-        versions = self.request_versions.get(request_id, [])
-        if versions:
-            first = self.history[versions[0] - 1]
-            if not isinstance(first, VERB_EVENTS[verb]):
-                raise invalid(
-                    f"request_id {request_id!r} was already used for another request "
-                    f"(it wrote {type(first).__name__})",
-                    "request_id",
-                )
-        return versions
-
-    def events_at(self, versions: list[int]) -> list[Event]:
-        return [self.history[v - 1] for v in versions]
+        """Versions of the events an earlier `verb` request with this request_id wrote in
+        this life (`WireAggregate.prior`); a registration of a removed worker starts a new one."""
+        return self.prior(verb, request_id, new_life=verb == "register" and not self.alive)
 
     def _check_same_classes(self, classes: tuple[WorkerSandboxClass, ...]) -> None:
         have, want = _names(self.sandbox_classes), _names(classes)
@@ -235,11 +227,8 @@ class Worker(WireAggregate):
 
     # --- evolution ----------------------------------------------------------------------
 
-    def apply(self, body: Event) -> None:
-        # Called before the version moves on: this event's version is self.version + 1.
-        super().apply(body)
-        if body.request_id is not None:
-            self.request_versions.setdefault(body.request_id, []).append(self.version + 1)
+    def starts_life(self, body: Event) -> bool:
+        return isinstance(body, WorkerRegistered) and not self.alive
 
     def when_WorkerRegistered(self, event: WorkerRegistered) -> None:
         self.alive = True

@@ -16,11 +16,14 @@ What it decides is in `services.registry.domain`. Here:
   marker write one event between them, as the aggregate decides on fresh state.
 - `RegistryService`: the four endpoints of CONTRACT section 3 (Registry).
 
-Replies carry `seq`: the stream sequence of the last event the request wrote. A
-request that writes nothing (`UNCHANGED`, draining a drained worker) answers the
-sequence of the worker's last event, which includes everything it was answered
-from. A repeated `request_id` answers the first reply (ReplyCache), or, if that
-was lost, what the worker's history recorded for it.
+Replies carry `seq`: the stream sequence of the last event of the worker's history
+the request wrote (the registry's fence on the booking subject follows it in the
+same append). A request that writes nothing (`UNCHANGED`, draining a drained worker)
+answers the sequence of the worker's last event, which includes everything it was
+answered from. A repeated `request_id` is answered from the worker's history, where
+every event names the request that caused it (scoped to the worker's current life:
+`events.aggregate.WireAggregate.prior`), so the answer is decided where the write
+happens, also after a lost reply or a crash between commit and reply.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, KeyValueConfig
 from nats.js.errors import NotFoundError
 from prometheus_client import Counter
 
-from events.aggregate import WireApplication, now
+from events.aggregate import Recorded, WireApplication, now
 from events.codec import decode_event, encode
 from events.errors import invalid, unavailable
 from events.schema import (
@@ -55,10 +58,12 @@ from events.schema import (
     RegisterWorker,
     RemoveWorker,
     SeqReply,
+    WorkerFenced,
     WorkerRemoved,
 )
 from events.subjects import bucket_name, check_prefix, event_subject, stream_name
-from services.common import EndpointSpec, ReplyCache, add_endpoints, run_command, store_env, stream_replicas
+from services.common import EndpointSpec, add_endpoints, run_command, store_env, stream_replicas
+from services.locks import KeyedLock
 from services.registry.domain import Worker, register_outcome
 
 log = logging.getLogger("warmboot.registry")
@@ -82,11 +87,12 @@ LOST_WORKERS = Counter("warmboot_registry_workers_lost_total", "Workers removed 
 class Decided(msgspec.Struct, frozen=True):
     """What a command decided: its answer, and where in the log the answer stands.
 
-    `seq` is the stream sequence of the last event written, when the command wrote
-    any. Otherwise the service looks it up: for a `replay` (an earlier request with
-    the same request_id) the sequence of that request's last event, `version`;
-    else the sequence of the worker's last event, which holds all the answer
-    stood on.
+    `seq` is the stream sequence of the last event of the worker's history the command
+    wrote; for a `replay` (an earlier request with the same request_id in this life)
+    that of the earlier request's last event, `version`; when nothing was written, that
+    of the worker's last event, which holds all the answer stood on. The worker's
+    history as loaded knows each event's sequence; `seq` is None only when the store
+    did not say (the service then looks it up).
     """
 
     outcome: RegisterOutcome | None = None
@@ -108,16 +114,38 @@ class RegistryStore(WireApplication):
             return Worker(worker_id)
 
     def _commit(self, worker: Worker, outcome: RegisterOutcome | None = None) -> Decided:
+        """Save what `worker` recorded, fenced (CONTRACT placement rule 8).
+
+        Every append to a worker's history carries, in the same atomic batch and after
+        it, a `WorkerFenced` on the worker's booking subject: a placement is committed
+        only if that subject has not moved since its decision, so no placement decided
+        on the worker's earlier state can commit after this change. The fence expects
+        the booking subject's last sequence as read here; a placement that lands in
+        between makes the save lose (IntegrityError) and `run_command` try again.
+        """
         if not worker.pending_events:
-            return Decided(outcome=outcome, version=worker.version)
-        recordings = self.save(worker)
-        return Decided(outcome=outcome, seq=recordings[-1].notification.id, version=worker.version, wrote=True)
+            return Decided(outcome=outcome, seq=worker.seq_at(worker.version) or None, version=worker.version)
+        last_type = type(worker.pending_events[-1].body).__name__
+        recordings = self.save(worker, self._fence(worker.entity_id, last_type))
+        seq = recordings[-2].notification.id  # the worker's last event; the fence follows it
+        return Decided(outcome=outcome, seq=seq, version=worker.version, wrote=True)
+
+    def _fence(self, worker_id: str, event: str) -> Recorded:
+        booking_id = WorkerFenced.KIND + "." + worker_id
+        last = self.recorder.select_events(booking_id, desc=True, limit=1)
+        version = last[0].originator_version + 1 if last else 1
+        return Recorded(booking_id, version, WorkerFenced(at=now(), worker_id=worker_id, event=event))
+
+    @staticmethod
+    def _replay(worker: Worker, versions: list[int], outcome: RegisterOutcome | None = None) -> Decided:
+        last = versions[-1]
+        return Decided(outcome=outcome, seq=worker.seq_at(last) or None, version=last, replay=True)
 
     def register(self, request: RegisterWorker, at: datetime) -> Decided:
         worker = self.load(request.worker_id)
         earlier = worker.answered("register", request.request_id)
         if earlier:
-            return Decided(outcome=register_outcome(worker.events_at(earlier)), version=earlier[-1], replay=True)
+            return self._replay(worker, earlier, register_outcome(worker.events_at(earlier)))
         outcome = worker.register(request, at)
         return self._commit(worker, outcome)
 
@@ -125,7 +153,7 @@ class RegistryStore(WireApplication):
         worker = self.load(worker_id)
         earlier = worker.answered("drain", request.request_id)
         if earlier:
-            return Decided(version=earlier[-1], replay=True)
+            return self._replay(worker, earlier)
         worker.drain(request.reason, at, request.request_id)
         return self._commit(worker)
 
@@ -133,7 +161,7 @@ class RegistryStore(WireApplication):
         worker = self.load(worker_id)
         earlier = worker.answered("remove", request.request_id)
         if earlier:
-            return Decided(version=earlier[-1], replay=True)
+            return self._replay(worker, earlier)
         worker.remove(request.reason, at, request.request_id)
         return self._commit(worker)
 
@@ -344,7 +372,9 @@ class RegistryService:
         self.ttl_s = ttl_s
         self.env = env if env is not None else store_env(nats_url, prefix, store_replicas)
         self.store: RegistryStore | None = None
-        self.replies = ReplyCache(nc, prefix)
+        # Requests about one worker are decided one at a time in this replica; request ids
+        # are answered from the worker's history, where the write happens (WireAggregate.prior).
+        self._workers = KeyedLock()
         self.positions = EventPositions(nc, prefix)
         self.liveness = Liveness(
             nc, prefix, ttl_s, self._expired, store_replicas if store_replicas is not None else stream_replicas()
@@ -353,7 +383,6 @@ class RegistryService:
 
     async def start(self) -> "RegistryService":
         self.store = await asyncio.to_thread(RegistryStore, self.env)
-        await self.replies.start()
         await self.liveness.start()
         await self.reconcile()
         self.service = await add_endpoints(
@@ -391,15 +420,13 @@ class RegistryService:
                 "worker_id",
             )
 
-        async def compute() -> RegisterReply:
+        async with self._workers(worker_id):
             # A registration is also a heartbeat. Beating first means an expiry being
             # swept right now finds the worker beating and leaves it registered.
             await self.liveness.beat(worker_id)
             decided = await run_command(lambda: self.store.register(request, now()))
             REGISTRATIONS.labels(decided.outcome.value).inc()
             return RegisterReply(outcome=decided.outcome, seq=await self._seq(worker_id, decided))
-
-        return await self.replies.once(f"register.{worker_id}", request.request_id, compute, RegisterReply)
 
     @outage_is_unavailable
     async def heartbeat(self, worker_id: str, request: Heartbeat) -> HeartbeatReply:
@@ -409,21 +436,17 @@ class RegistryService:
 
     @outage_is_unavailable
     async def drain(self, worker_id: str, request: DrainWorker) -> SeqReply:
-        async def compute() -> SeqReply:
+        async with self._workers(worker_id):
             decided = await run_command(lambda: self.store.drain(worker_id, request, now()))
             return SeqReply(seq=await self._seq(worker_id, decided))
 
-        return await self.replies.once(f"drain.{worker_id}", request.request_id, compute, SeqReply)
-
     @outage_is_unavailable
     async def remove(self, worker_id: str, request: RemoveWorker) -> SeqReply:
-        async def compute() -> SeqReply:
+        async with self._workers(worker_id):
             decided = await run_command(lambda: self.store.remove(worker_id, request, now()))
             if decided.wrote:
                 await self.liveness.forget(worker_id)
             return SeqReply(seq=await self._seq(worker_id, decided))
-
-        return await self.replies.once(f"remove.{worker_id}", request.request_id, compute, SeqReply)
 
     async def _seq(self, worker_id: str, decided: Decided) -> int:
         if decided.seq is not None:
@@ -438,7 +461,8 @@ class RegistryService:
         # A heartbeat (or a new registration) that came after the marker wins.
         if await self.liveness.state(worker_id) == "beating":
             return
-        decided = await run_command(lambda: self.store.lose(worker_id, now()))
+        async with self._workers(worker_id):
+            decided = await run_command(lambda: self.store.lose(worker_id, now()))
         if decided.wrote:
             LOST_WORKERS.inc()
             log.info("worker %s removed as LOST after %ss without a heartbeat", worker_id, self.ttl_s)

@@ -87,6 +87,7 @@ from events.schema import (
 )
 from events.subjects import check_prefix, stream_name
 from services.common import EndpointSpec, ReplyCache, add_endpoints, store_env
+from services.locks import KeyedLock
 from services.scheduler.checkpoint import DEFAULT_INTERVAL_S, Checkpoints
 from services.scheduler.decide import decide, explain, fragmentation
 from services.scheduler.projection import Projection
@@ -382,43 +383,6 @@ class Commit:
         self.actor = actor  # (version, seq) of actor.<id> the decision saw
         self.after = after  # this replica's previous booking of the same worker, if unfolded then
         self.result = result  # (Placement, sequence of its WorkerBooked), or the error
-
-class KeyedLock:
-    """One asyncio lock per key, dropped when nobody holds or waits for it."""
-
-    def __init__(self) -> None:
-        self._locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
-
-    def __call__(self, key: str) -> "_Held":
-        return _Held(self, key)
-
-
-class _Held:
-    def __init__(self, owner: KeyedLock, key: str):
-        self.owner = owner
-        self.key = key
-
-    async def __aenter__(self) -> None:
-        entry = self.owner._locks.get(self.key)
-        if entry is None:
-            entry = self.owner._locks[self.key] = (asyncio.Lock(), [0])
-        entry[1][0] += 1
-        try:
-            await entry[0].acquire()
-        except BaseException:
-            self._leave(entry)
-            raise
-
-    async def __aexit__(self, *exc: object) -> None:
-        entry = self.owner._locks[self.key]
-        entry[0].release()
-        self._leave(entry)
-
-    def _leave(self, entry: tuple[asyncio.Lock, list[int]]) -> None:
-        entry[1][0] -= 1
-        if not entry[1][0]:
-            del self.owner._locks[self.key]
-
 
 # --- the service -------------------------------------------------------------------------------------------
 

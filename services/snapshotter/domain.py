@@ -10,10 +10,12 @@ States and transitions (CONTRACT section 3)::
     pause             RUNNING -> PAUSED             SnapshotTaken PAUSE, ActorReleased PAUSED
     suspend           RUNNING -> SUSPENDED          SnapshotTaken SUSPEND, ActorReleased SUSPENDED
     suspend           PAUSED  -> SUSPENDED          SnapshotTaken PROMOTE
-    tag               any but STOPPED, with a snapshot: SnapshotTaken TAG (+ TagRecorded on the tag)
+    tag               any but STOPPED, latest snapshot EXTERNAL: SnapshotTaken TAG (+ TagRecorded on the tag)
     update-template   any but STOPPED               TemplateChanged (nothing if unchanged)
     stop              any but STOPPED -> STOPPED    ActorReleased STOPPED if placed, ActorStopped
     worker removed    RUNNING on it -> SUSPENDED    ActorReleased WORKER_REMOVED
+    revert            PAUSED, or SUSPENDED with a LOCAL latest snapshot -> SUSPENDED   ActorReverted
+    create            STOPPED -> CREATED            a new life (ActorCreated, as from nothing)
 
 Anything else is FAILED_PRECONDITION and records nothing.
 
@@ -34,7 +36,9 @@ is what `create` with `source_tag` reads.
 
 Where CONTRACT.md is silent, this is what the snapshotter does:
 
-- Creating an actor that exists is ALREADY_EXISTS (field `actor_id`); from a tag
+- Creating an actor that exists is ALREADY_EXISTS (field `actor_id`), unless it is
+  STOPPED: then the create starts a new life of the same id (request ids are scoped
+  to one life, CONTRACT section 1 v1.1), as a worker registers anew after a removal. From a tag
   that names nothing, NOT_FOUND (field `source_tag`); from a tag whose snapshot is
   stamped with another sandbox class, FAILED_PRECONDITION (field `source_tag`).
 - A snapshot taken without a `snapshot_id` gets `<actor_id>-v<version>`
@@ -48,8 +52,16 @@ Where CONTRACT.md is silent, this is what the snapshotter does:
 - `borrowed` stays on the snapshots of an actor created from a golden snapshot
   (a pause's too) until its first suspend; a tag's copy keeps the flag it had.
 - An actor whose worker was removed is SUSPENDED: its instance is gone and it
-  resumes from its latest snapshot. `update-template` to the current template
-  writes nothing. Stop of a STOPPED actor is FAILED_PRECONDITION.
+  resumes from its latest snapshot, wherever that is (a LOCAL one only on its node).
+  `update-template` to the current template writes nothing. Stop of a STOPPED actor
+  is FAILED_PRECONDITION.
+- Only an EXTERNAL snapshot can be tagged (v1.1): a tag is for other actors, on any
+  node, and a LOCAL image exists on one node only.
+- revert (v1.1) gives up the LOCAL latest snapshot and goes back to the actor's
+  latest EXTERNAL snapshot of this life (the last one it suspended, promoted or was
+  created from), or to none: it then cold-boots. It is the way out for an actor
+  whose node is gone; nothing reverts by itself, because the local image holds
+  state that a revert loses.
 """
 
 from __future__ import annotations
@@ -67,6 +79,7 @@ from events.schema import (
     ActorCreated,
     ActorPlaced,
     ActorReleased,
+    ActorReverted,
     ActorRuntime,
     ActorStopped,
     CreateActor,
@@ -223,10 +236,24 @@ def initial_snapshot(
 # --- the Actor aggregate ---------------------------------------------------------------
 
 
+def _taken(*origins: SnapshotOrigin):
+    return lambda e: isinstance(e, SnapshotTaken) and e.origin in origins
+
+
 class Actor(WireAggregate):
     """One actor's history `actor.<actor_id>`: written by the snapshotter and the scheduler."""
 
     KIND = "actor"
+    VERB_FIRST = {
+        "create": lambda e: isinstance(e, ActorCreated),
+        "pause": _taken(SnapshotOrigin.PAUSE),
+        "suspend": _taken(SnapshotOrigin.SUSPEND, SnapshotOrigin.PROMOTE),
+        "tag": _taken(SnapshotOrigin.TAG),
+        "update-template": lambda e: isinstance(e, TemplateChanged),
+        "stop": lambda e: isinstance(e, ActorStopped) or (
+            isinstance(e, ActorReleased) and e.reason is ReleaseReason.STOPPED),
+        "revert": lambda e: isinstance(e, ActorReverted),
+    }
 
     def __init__(self, entity_id: str):
         super().__init__(entity_id)
@@ -243,6 +270,7 @@ class Actor(WireAggregate):
         self.running_template_uid = ""
         self.node_pin: str | None = None  # PAUSED: the node that holds the local snapshot
         self.borrows_volumes = False  # created from a golden snapshot, not suspended since
+        self.latest_external: Snapshot | None = None  # what a revert goes back to
 
     # --- guards ---
 
@@ -263,11 +291,25 @@ class Actor(WireAggregate):
     def next_snapshot_id(self, requested: str | None) -> str:
         return requested or default_snapshot_id(self.entity_id, self.version + 1)
 
+    @property
+    def alive(self) -> bool:
+        """Created and not stopped since: a create now would not start a new life."""
+        return self.state is not None and self.state is not ActorState.STOPPED
+
+    def answered(self, verb: str, request_id: str | None) -> list[int]:
+        """Versions an earlier `verb` request with this id recorded in this life
+        (`WireAggregate.prior`); a create of an absent or stopped actor starts a new one."""
+        return self.prior(verb, request_id, new_life=verb == "create" and not self.alive)
+
+    def starts_life(self, body: Event) -> bool:
+        return isinstance(body, ActorCreated)
+
     # --- commands: decide, then record ---
 
     def create(self, request: CreateActor, tagged: Snapshot | None, at: datetime) -> None:
-        """Create from nothing, a tag's snapshot (resolved by the caller) or a golden snapshot."""
-        if self.state is not None:
+        """Create from nothing, a tag's snapshot (resolved by the caller) or a golden snapshot;
+        a STOPPED actor is created anew (a new life of the same id)."""
+        if self.alive:
             raise already_exists(f"actor {self.entity_id!r} already exists", "actor_id")
         if request.source_tag is not None and tagged is None:
             raise not_found(f"tag {request.source_tag!r} does not exist", "source_tag")
@@ -357,8 +399,15 @@ class Actor(WireAggregate):
     def tag(self, tag: "Tag", request_id: str | None, at: datetime) -> Snapshot:
         """Name a copy of the latest snapshot with `tag` (recorded on the actor and on the tag)."""
         self.require_live("tag")
-        if self.latest_snapshot is None:
+        latest = self.latest_snapshot
+        if latest is None:
             raise precondition(f"cannot tag actor {self.entity_id!r}: it has no snapshot yet")
+        if latest.location is not Location.EXTERNAL:
+            raise precondition(
+                f"cannot tag actor {self.entity_id!r}: its latest snapshot {latest.snapshot_id!r} is LOCAL "
+                f"on node {latest.node!r}; a tag is for other actors on any node: suspend it first "
+                "(the image is promoted to EXTERNAL), then tag"
+            )
         snapshot = tagged_copy(self.latest_snapshot)
         self.record(SnapshotTaken(
             actor_id=self.entity_id, snapshot=snapshot, origin=SnapshotOrigin.TAG,
@@ -388,6 +437,28 @@ class Actor(WireAggregate):
         if self.assignment is not None:
             self.release(self.assignment, ReleaseReason.STOPPED, request_id, at)
         self.record(ActorStopped(actor_id=self.entity_id, at=at, request_id=request_id))
+
+    def revert(self, reason: str | None, request_id: str | None, at: datetime) -> Snapshot | None:
+        """Give up the LOCAL latest snapshot: back to the latest EXTERNAL one (or none), SUSPENDED."""
+        if self.state is None:
+            raise not_found(f"actor {self.entity_id!r} does not exist", "actor_id")
+        local = self.latest_snapshot
+        if self.state is not ActorState.PAUSED and not (
+            self.state is ActorState.SUSPENDED and local is not None and local.location is Location.LOCAL
+        ):
+            raise precondition(
+                f"cannot revert actor {self.entity_id!r}: it is {self.state.value}"
+                + ("" if local is None else f" with its latest snapshot {local.location.value}")
+                + "; revert gives up a LOCAL image: it needs a PAUSED actor, or a SUSPENDED one "
+                "whose latest snapshot is LOCAL"
+            )
+        assert local is not None  # PAUSED always has its local snapshot
+        back = self.latest_external
+        self.record(ActorReverted(
+            actor_id=self.entity_id, snapshot=back, abandoned=local, reason=reason,
+            at=at, request_id=request_id,
+        ))
+        return back
 
     def release_from_removed_worker(self, worker_id: str, placed_version: int, at: datetime) -> bool:
         """Release the placement made at `placed_version` on the removed `worker_id`, if still held.
@@ -421,9 +492,17 @@ class Actor(WireAggregate):
         self.min_fidelity = e.min_fidelity
         self.latest_snapshot = e.snapshot
         self.borrows_volumes = e.snapshot is not None and e.snapshot.borrowed
+        self.latest_external = e.snapshot if e.snapshot is not None and e.snapshot.location is Location.EXTERNAL \
+            else None
+        self.assignment = None
+        self.node_pin = None
 
     def when_SnapshotTaken(self, e: SnapshotTaken) -> None:
+        if e.origin is SnapshotOrigin.TAG:  # a copy under a tag: the actor's own latest is unchanged
+            return
         self.latest_snapshot = e.snapshot
+        if e.snapshot.location is Location.EXTERNAL:
+            self.latest_external = e.snapshot
         if e.origin is SnapshotOrigin.PROMOTE:
             self.state = ActorState.SUSPENDED
             self.node_pin = None
@@ -457,6 +536,12 @@ class Actor(WireAggregate):
         self.state = ActorState.STOPPED
         self.assignment = None
         self.node_pin = None
+
+    def when_ActorReverted(self, e: ActorReverted) -> None:
+        self.state = ActorState.SUSPENDED
+        self.latest_snapshot = e.snapshot
+        self.node_pin = None
+        self.borrows_volumes = e.snapshot is not None and e.snapshot.borrowed
 
 
 class Tag(WireAggregate):

@@ -12,10 +12,12 @@ the event store, asks them to decide, saves what they recorded and answers.
 - `seq` in a reply is the stream sequence of the last event the request wrote
   (tag saves the tag's event first and the actor's last, so it is the actor's),
   or, when the request wrote nothing, of the event that already holds that state.
-- `request_id`: the first answer is kept in the shared reply cache; when that
-  entry is missing (lost with a crash between commit and cache write), the
-  answer is rebuilt from the actor's history, where every event names the
-  request that caused it.
+- `request_id`: a repeated request is answered from the actor's history, where
+  every event names the request that caused it, at the moment it would write
+  (`events.aggregate.WireAggregate.prior`: scoped to the actor's current life; an
+  id used for another verb is FAILED_PRECONDITION). So a retry after a lost reply
+  or a crash gets the first answer, and never a refusal caused by its own first
+  attempt. Requests about one actor are decided one at a time in a replica.
 - `WorkerRemovalProcess` follows the log from its start and folds who is placed
   where (`PlacementFold`). When a worker is removed it releases every actor still
   placed there with reason WORKER_REMOVED, writing the releases and a tracking
@@ -31,7 +33,6 @@ import asyncio
 import logging
 import os
 import threading
-from dataclasses import dataclass
 from datetime import datetime
 from functools import partial
 from typing import Any, Callable
@@ -40,32 +41,29 @@ from eventsourcing.application import AggregateNotFoundError, ProcessingEvent
 from eventsourcing.persistence import IntegrityError, Tracking
 from eventsourcing.projection import ApplicationSubscription, EventSourcedProjection
 from nats.aio.client import Client as NATS
-from nats.js.errors import NotFoundError
 from prometheus_client import Counter
 
 from events.aggregate import Recorded, WireAggregate, WireApplication, now
-from events.errors import invalid, not_found, precondition, unavailable
+from events.errors import invalid, not_found, unavailable
 from events.schema import (
-    ActorCreated,
     ActorReleased,
-    ActorStopped,
+    ActorReverted,
     Base,
     CreateActor,
-    Event,
     PauseActor,
-    ReleaseReason,
+    RevertActor,
+    RevertReply,
     SeqReply,
-    SnapshotOrigin,
     SnapshotReply,
     SnapshotTaken,
     StopActor,
     SuspendActor,
     TagSnapshot,
-    TemplateChanged,
     UpdateTemplate,
 )
-from events.subjects import check_prefix, event_subject, stream_name
-from services.common import EndpointSpec, ReplyCache, add_endpoints, run_command, store_env
+from events.subjects import check_prefix
+from services.common import EndpointSpec, add_endpoints, run_command, store_env
+from services.locks import KeyedLock
 from services.snapshotter.domain import Actor, PlacementFold, Release, Tag
 
 log = logging.getLogger("warmboot.snapshotter")
@@ -88,52 +86,29 @@ class SnapshotterApplication(WireApplication):
 # --- answers recorded in the history ---------------------------------------------------
 
 
-@dataclass(frozen=True)
-class PriorAnswer:
-    """An answer already in the log: build the reply once the event's stream sequence is known."""
-
-    aggregate_id: str
-    version: int
-    reply: Callable[[int], Base]
-
-
-def first_event_fits(verb: str, event: Event) -> bool:
-    """Whether `event`, the first one a request recorded, is what `verb` records first."""
-    if verb == "create":
-        return isinstance(event, ActorCreated)
-    if verb == "update-template":
-        return isinstance(event, TemplateChanged)
-    if verb == "stop":
-        return isinstance(event, ActorStopped) or (
-            isinstance(event, ActorReleased) and event.reason is ReleaseReason.STOPPED
-        )
-    origins = {
-        "pause": (SnapshotOrigin.PAUSE,),
-        "suspend": (SnapshotOrigin.SUSPEND, SnapshotOrigin.PROMOTE),
-        "tag": (SnapshotOrigin.TAG,),
-    }[verb]
-    return isinstance(event, SnapshotTaken) and event.origin in origins
+def recorded_seq(actor: Actor, version: int) -> int:
+    """The stream sequence of the actor's event `version`, as its history was read."""
+    seq = actor.seq_at(version)
+    if not seq:  # the event store names every event's position; a store that does not cannot answer
+        raise unavailable(f"the event store did not say where event {version} of actor {actor.entity_id!r} is")
+    return seq
 
 
-def answer_from_history(actor: WireAggregate, verb: str, request_id: str | None) -> PriorAnswer | None:
-    """The answer to a repeated request, rebuilt from the events it recorded, if any."""
-    if request_id is None:
-        return None
-    versions = [v for v, body in enumerate(actor.history, 1) if body.request_id == request_id]
+def answer_from_history(actor: Actor, verb: str, request_id: str | None) -> Base | None:
+    """The answer to a repeated request, rebuilt from the events it recorded in this life, if any."""
+    versions = actor.answered(verb, request_id)
     if not versions:
         return None
     first = actor.history[versions[0] - 1]
-    if not first_event_fits(verb, first):
-        raise precondition(
-            f"request_id {request_id!r} was already used for another request on this actor",
-            "request_id",
-        )
     if isinstance(first, SnapshotTaken):
         snapshot = first.snapshot
         reply: Callable[[int], Base] = lambda seq: SnapshotReply(snapshot=snapshot, seq=seq)
+    elif isinstance(first, ActorReverted):
+        back = first.snapshot
+        reply = lambda seq: RevertReply(snapshot=back, seq=seq)
     else:
         reply = lambda seq: SeqReply(seq=seq)
-    return PriorAnswer(actor.id, versions[-1], reply)
+    return reply(recorded_seq(actor, versions[-1]))
 
 
 def counted(recordings: list[Any]) -> list[Any]:
@@ -327,7 +302,6 @@ class SnapshotterService:
         env: dict[str, str] | None = None,
         store_replicas: int | None = None,
         follow: bool = True,
-        reply_ttl_s: float = 3600.0,
     ) -> None:
         self.nc = nc
         self.nats_url = nats_url
@@ -336,7 +310,7 @@ class SnapshotterService:
             store_replicas = int(os.environ.get("WARMBOOT_STREAM_REPLICAS", "1"))
         self.env = env if env is not None else store_env(nats_url, prefix, store_replicas)
         self.follow = follow
-        self.replies = ReplyCache(nc, prefix, reply_ttl_s)
+        self._actors = KeyedLock()  # requests about one actor, one at a time in this replica
         self.app: SnapshotterApplication | None = None
         self.process: WorkerRemovalProcess | None = None
         self.micro = None
@@ -351,7 +325,6 @@ class SnapshotterService:
 
     async def _start(self) -> None:
         self.app = await asyncio.to_thread(SnapshotterApplication, self.env)
-        await self.replies.start()
         if self.follow:
             self.process = await asyncio.to_thread(WorkerRemovalProcess, self.env)
             self.process.follow()
@@ -365,6 +338,7 @@ class SnapshotterService:
                 EndpointSpec("tag", TagSnapshot, self.tag),
                 EndpointSpec("update-template", UpdateTemplate, self.update_template),
                 EndpointSpec("stop", StopActor, self.stop_actor),
+                EndpointSpec("revert", RevertActor, self.revert),
             ],
         )
 
@@ -389,17 +363,10 @@ class SnapshotterService:
 
     # --- endpoint plumbing ---
 
-    async def answer(
-        self, verb: str, actor_id: str, request_id: str | None, reply_type: type,
-        decide: Callable[[], Base | PriorAnswer],
-    ) -> Any:
-        async def compute() -> Base:
-            outcome = await run_command(decide)
-            if isinstance(outcome, PriorAnswer):
-                return outcome.reply(await self.seq_of(outcome.aggregate_id, outcome.version))
-            return outcome
-
-        return await self.replies.once(f"{SERVICE}.{verb}.{actor_id}", request_id, compute, reply_type)
+    async def answer(self, actor_id: str, decide: Callable[[], Base]) -> Any:
+        """Run one load-decide-save of `actor_id`, alone among this replica's requests about it."""
+        async with self._actors(actor_id):
+            return await run_command(decide)
 
     def load_actor(self, actor_id: str, *, must_exist: bool = True) -> Actor:
         assert self.app is not None
@@ -417,111 +384,95 @@ class SnapshotterService:
         except AggregateNotFoundError:
             return Tag(tag)
 
-    async def seq_of(self, aggregate_id: str, version: int) -> int:
-        """The stream sequence of event `version` of an aggregate.
-
-        Only needed to answer a repeat whose cached reply was lost, or a request that
-        changed nothing. One subject holds exactly one aggregate's events, version 1
-        first (the stream never discards), so version v is the subject's v-th message.
-        """
-        kind, _, entity_id = aggregate_id.partition(".")
-        subject = event_subject(self.prefix, kind, entity_id)
-        stream = stream_name(self.prefix)
-        js = self.nc.jetstream()
-        try:
-            info = await js.stream_info(stream, subjects_filter=subject)
-            if (info.state.subjects or {}).get(subject, 0) == version:
-                return (await js.get_msg(stream, subject=subject)).seq
-            seq = 0
-            for _ in range(version):
-                seq = (await js.get_msg(stream, seq=seq + 1, subject=subject, next=True)).seq
-            return seq
-        except NotFoundError:
-            raise unavailable(f"the event log has no event {version} of {aggregate_id} yet") from None
-
     # --- endpoints ---
+    # Each one: load the actor, answer a repeated request from its history, else decide
+    # and save; all of it again on a lost optimistic-concurrency race (`answer`).
 
     async def create(self, actor_id: str, req: CreateActor) -> SeqReply:
         if req.actor_id != actor_id:
             raise invalid(f"actor_id {req.actor_id!r} differs from the subject's {actor_id!r}", "actor_id")
-        return await self.answer("create", actor_id, req.request_id, SeqReply,
-                                 partial(self.decide_create, actor_id, req))
+        return await self.answer(actor_id, partial(self.decide_create, actor_id, req))
 
-    def decide_create(self, actor_id: str, req: CreateActor) -> Base | PriorAnswer:
+    def decide_create(self, actor_id: str, req: CreateActor) -> Base:
         actor = self.load_actor(actor_id, must_exist=False)
         found = answer_from_history(actor, "create", req.request_id)
         if found is not None:
             return found
         tagged = self.load_tag(req.source_tag).snapshot if req.source_tag is not None else None
         actor.create(req, tagged, now())
-        assert self.app is not None
-        return SeqReply(seq=last_seq(self.app.save(actor)))
+        return SeqReply(seq=self.save(actor))
 
     async def pause(self, actor_id: str, req: PauseActor) -> SnapshotReply:
-        return await self.answer("pause", actor_id, req.request_id, SnapshotReply,
-                                 partial(self.decide_pause, actor_id, req))
+        return await self.answer(actor_id, partial(self.decide_pause, actor_id, req))
 
-    def decide_pause(self, actor_id: str, req: PauseActor) -> Base | PriorAnswer:
+    def decide_pause(self, actor_id: str, req: PauseActor) -> Base:
         actor = self.load_actor(actor_id)
         found = answer_from_history(actor, "pause", req.request_id)
         if found is not None:
             return found
         snapshot = actor.pause(req.snapshot_id, req.request_id, now())
-        assert self.app is not None
-        return SnapshotReply(snapshot=snapshot, seq=last_seq(self.app.save(actor)))
+        return SnapshotReply(snapshot=snapshot, seq=self.save(actor))
 
     async def suspend(self, actor_id: str, req: SuspendActor) -> SnapshotReply:
-        return await self.answer("suspend", actor_id, req.request_id, SnapshotReply,
-                                 partial(self.decide_suspend, actor_id, req))
+        return await self.answer(actor_id, partial(self.decide_suspend, actor_id, req))
 
-    def decide_suspend(self, actor_id: str, req: SuspendActor) -> Base | PriorAnswer:
+    def decide_suspend(self, actor_id: str, req: SuspendActor) -> Base:
         actor = self.load_actor(actor_id)
         found = answer_from_history(actor, "suspend", req.request_id)
         if found is not None:
             return found
         snapshot = actor.suspend(req.snapshot_id, req.uri, req.fidelity, req.request_id, now())
-        assert self.app is not None
-        return SnapshotReply(snapshot=snapshot, seq=last_seq(self.app.save(actor)))
+        return SnapshotReply(snapshot=snapshot, seq=self.save(actor))
 
     async def tag(self, actor_id: str, req: TagSnapshot) -> SnapshotReply:
-        return await self.answer("tag", actor_id, req.request_id, SnapshotReply,
-                                 partial(self.decide_tag, actor_id, req))
+        return await self.answer(actor_id, partial(self.decide_tag, actor_id, req))
 
-    def decide_tag(self, actor_id: str, req: TagSnapshot) -> Base | PriorAnswer:
+    def decide_tag(self, actor_id: str, req: TagSnapshot) -> Base:
         actor = self.load_actor(actor_id)
         found = answer_from_history(actor, "tag", req.request_id)
         if found is not None:
             return found
         tag = self.load_tag(req.tag)
         snapshot = actor.tag(tag, req.request_id, now())
-        assert self.app is not None
         # The tag's event first, the actor's last: the reply's seq is the actor's event.
-        return SnapshotReply(snapshot=snapshot, seq=last_seq(self.app.save(tag, actor)))
+        return SnapshotReply(snapshot=snapshot, seq=self.save(tag, actor))
 
     async def update_template(self, actor_id: str, req: UpdateTemplate) -> SeqReply:
-        return await self.answer("update-template", actor_id, req.request_id, SeqReply,
-                                 partial(self.decide_update_template, actor_id, req))
+        return await self.answer(actor_id, partial(self.decide_update_template, actor_id, req))
 
-    def decide_update_template(self, actor_id: str, req: UpdateTemplate) -> Base | PriorAnswer:
+    def decide_update_template(self, actor_id: str, req: UpdateTemplate) -> Base:
         actor = self.load_actor(actor_id)
         found = answer_from_history(actor, "update-template", req.request_id)
         if found is not None:
             return found
         if not actor.change_template(req.template_uid, req.request_id, now()):
             # Already that template: the event that set it is the answer.
-            return PriorAnswer(actor.id, actor.template_version, lambda seq: SeqReply(seq=seq))
-        assert self.app is not None
-        return SeqReply(seq=last_seq(self.app.save(actor)))
+            return SeqReply(seq=recorded_seq(actor, actor.template_version))
+        return SeqReply(seq=self.save(actor))
 
     async def stop_actor(self, actor_id: str, req: StopActor) -> SeqReply:
-        return await self.answer("stop", actor_id, req.request_id, SeqReply,
-                                 partial(self.decide_stop, actor_id, req))
+        return await self.answer(actor_id, partial(self.decide_stop, actor_id, req))
 
-    def decide_stop(self, actor_id: str, req: StopActor) -> Base | PriorAnswer:
+    def decide_stop(self, actor_id: str, req: StopActor) -> Base:
         actor = self.load_actor(actor_id)
         found = answer_from_history(actor, "stop", req.request_id)
         if found is not None:
             return found
         actor.stop(req.request_id, now())
+        return SeqReply(seq=self.save(actor))
+
+    async def revert(self, actor_id: str, req: RevertActor) -> RevertReply:
+        return await self.answer(actor_id, partial(self.decide_revert, actor_id, req))
+
+    def decide_revert(self, actor_id: str, req: RevertActor) -> Base:
+        actor = self.load_actor(actor_id)
+        found = answer_from_history(actor, "revert", req.request_id)
+        if found is not None:
+            return found
+        back = actor.revert(req.reason, req.request_id, now())
+        return RevertReply(snapshot=back, seq=self.save(actor))
+
+    def save(self, *aggregates: WireAggregate) -> int:
+        """Save what the aggregates recorded (one atomic append); the sequence of the last event."""
         assert self.app is not None
-        return SeqReply(seq=last_seq(self.app.save(actor)))
+        return last_seq(self.app.save(*aggregates))
