@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from events.errors import ContractError, invalid
-from events.schema import REPLY_TYPES, REQUEST_TYPES, AnyEvent, ErrorReply, Event
+from events.schema import AnyEvent, ErrorReply, Event
 from events.validate import check_request
 
 T = TypeVar("T")
@@ -80,17 +80,3 @@ def decode_reply(type_: type[T], data: bytes) -> T:
 def to_builtins(value: Any) -> Any:
     """Plain JSON values (dicts, lists, str, numbers) exactly as the value goes on the wire."""
     return msgspec.json.decode(encode(value))
-
-
-def json_schemas() -> dict[str, Any]:
-    """JSON Schema of every request, reply and event body, for clients in other languages."""
-    types = [*REQUEST_TYPES, *REPLY_TYPES, *AnyEvent.__args__]
-    _, components = msgspec.json.schema_components(types)
-    return {
-        "$schema": "https://json-schema.org/draft/2020-12/schema",
-        "title": "warmboot wire contract v1",
-        "requests": [t.__name__ for t in REQUEST_TYPES],
-        "replies": [t.__name__ for t in REPLY_TYPES],
-        "events": [t.__name__ for t in AnyEvent.__args__],
-        "$defs": components,
-    }

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from events.codec import encode, json_schemas
+from events.codec import encode
 from events.probe import (
     ARCHITECTURES,
     DEFAULT_CPUINFO,
@@ -60,6 +60,30 @@ def probe(profile: str, cpuinfo_path: Path, arch: str | None, attrs: tuple[str, 
 
 
 @click.command("schema")
-def schema() -> None:
-    """Print the JSON Schema of every request, reply and event body."""
-    click.echo(json.dumps(json_schemas(), indent=2, sort_keys=False))
+@click.option("--check", "body_path", type=click.Path(dir_okay=False, path_type=Path, allow_dash=True),
+              default=None, metavar="BODY.json", help="Validate this body (- for standard input) instead of printing.")
+@click.option("--as", "name", default=None, metavar="NAME",
+              help="The body's type: a request, reply or event name, or AnyRequest, AnyReply, AnyEvent.")
+def schema(body_path: Path | None, name: str | None) -> None:
+    """Print the JSON Schema (2020-12) of every request, reply and event body.
+
+    With --check BODY.json --as NAME, validate a body instead: against the JSON Schema
+    (the PyPI jsonschema package) and with warmboot's own decoder, each verdict
+    printed with the JSON path of every error; exits 1 if either rejects the body.
+    """
+    from events.jsonschema import json_schema
+
+    if body_path is None:
+        if name is not None:
+            raise click.UsageError("--as goes with --check BODY.json")
+        click.echo(json.dumps(json_schema(), indent=2))
+        return
+    from warmboot.schema_check import check_body
+
+    if name is None:
+        raise click.UsageError("--check needs --as NAME (the body's type)")
+    data = click.open_file(str(body_path), "rb").read()
+    report = check_body(name, data)
+    click.echo(report.text())
+    if not report.valid:
+        raise SystemExit(1)
