@@ -1,25 +1,147 @@
-"""Operator views: `warmboot explain`, `warmboot fragmentation`, `warmboot workers`.
+"""Operator views: `warmboot workers`, `warmboot fragmentation`, `warmboot explain`.
 
-Tables for people, `--json` for machines. explain and fragmentation ask the
-scheduler's endpoints (the answers a resume would get); workers folds the log with
-the scheduler's own projection, so it shows exactly what the scheduler sees.
+Plain aligned columns for people (warmboot.render), `-o wide` for every column and
+the full runtime attributes, `-o json` (or `--json`) for machines. A runtime is shown
+by its label (events.runtime_id: its name, `name@3f9a1c` when the name is shared, or
+`rt-3f9a1c`), the same in every view: each view labels runtimes against the runtimes
+of the registered workers. explain and fragmentation ask the scheduler's endpoints
+(the answers a resume would get) and fold only the workers' histories for the names;
+workers folds the whole log with the scheduler's own projection (warmboot.audit.Sink),
+so it shows exactly what the scheduler sees.
 """
 
 from __future__ import annotations
 
 import json
+from typing import Any, Callable
 
 import click
-from rich.console import Console
-from rich.table import Table
+import msgspec
 
-from events.codec import to_builtins
-from events.schema import Explanation, ExplainResume, Fragmentation, FragmentationQuery
-from events.subjects import service_subject
+from events.codec import decode_event, to_builtins
+from events.jetstream import VERSION_HEADER
+from events.runtime_id import Runtimes, short_id
+from events.schema import CompatVersion, Explanation, ExplainResume, Fragmentation, FragmentationQuery, Placement
+from events.subjects import event_subject, service_subject, stream_name
 from services.common import call
-from warmboot.cli_common import ask, json_option, nats_option, prefix_option, version_text
+from warmboot.cli_common import ask, nats_option, prefix_option, version_text
+from warmboot.render import Column, render_fields, render_table, terminal_width
 
-console = Console()
+# --- what every view shares -----------------------------------------------------------------------
+
+
+def output_option(command: Callable) -> Callable:
+    """`-o wide|json`, and `--json` as the alias it always was."""
+    command = click.option("--json", "as_json", is_flag=True, help="Same as -o json.")(command)
+    return click.option("-o", "--output", type=click.Choice(["wide", "json"]), default=None,
+                        help="wide: every column and the full runtime attributes; json: for machines.")(command)
+
+
+def output_mode(output: str | None, as_json: bool) -> str:
+    return "json" if as_json else (output or "table")
+
+
+def echo_json(value: Any) -> None:
+    click.echo(json.dumps(value, indent=2))
+
+
+def echo_table(rendered, width: int | None) -> None:
+    click.echo(rendered.text)
+    note = rendered.footnote(width)
+    if note:
+        click.echo(note)
+
+
+def runtimes_of(projection: Any) -> Runtimes:
+    """Every runtime the projection's workers offer (default, restorable, edges), with its names."""
+    runtimes = Runtimes()
+    for worker in projection.workers.values():
+        for sandbox_class, entry in worker.classes.items():
+            for runtime in (entry.default, *entry.restorable):
+                runtimes.add(sandbox_class, runtime.compat.version, runtime.name)
+                for edge in getattr(runtime, "edges", ()):
+                    runtimes.add(sandbox_class, edge.version)
+    return runtimes
+
+
+async def fleet_runtimes(nc: Any, prefix: str) -> Runtimes:
+    """The runtimes of the registered workers: their histories alone (`<prefix>.ev.worker.>`),
+    folded with the scheduler's projection, a small part of the log."""
+    from services.scheduler.projection import Projection
+
+    js = nc.jetstream()
+    subject = event_subject(prefix, "worker", ">")
+    try:
+        info = await js.stream_info(stream_name(prefix), subjects_filter=subject)
+    except Exception as e:
+        raise click.ClickException(f"no event stream {stream_name(prefix)}: {e}") from None
+    count = sum((info.state.subjects or {}).values())
+    projection = Projection()
+    if count:
+        sub = await js.subscribe(subject, stream=stream_name(prefix), ordered_consumer=True)
+        try:
+            for _ in range(count):
+                msg = await sub.next_msg(timeout=10)
+                version = (msg.headers or {}).get(VERSION_HEADER)
+                projection.apply(msg.metadata.sequence.stream, decode_event(msg.data), int(version) if version else None)
+        finally:
+            await sub.unsubscribe()
+    return runtimes_of(projection)
+
+
+def mib(value: int) -> str:
+    return f"{value}Mi"
+
+
+def millis(value: int) -> str:
+    return f"{value}m"
+
+
+# --- explain ----------------------------------------------------------------------------------------
+
+
+def decision_fields(d: Placement, runtimes: Runtimes, wide: bool) -> list[tuple[str, str]]:
+    stamp = d.sandbox_runtime
+    fields = [
+        ("DECISION", f"{d.action.value} at {d.fidelity.value}" if d.fidelity.value != "NONE" else
+         f"{d.action.value} (cold boot)"),
+        ("WORKER", d.worker_id),
+        ("NODE", d.node),
+        ("RUNTIME", runtimes.label(stamp.sandbox_class, stamp.version, stamp.name)),
+    ]
+    matched = d.matched_version
+    if matched is not None:
+        fields.append(("MATCHED", runtimes.label(stamp.sandbox_class, matched)))
+    if d.snapshot_id:
+        fields.append(("SNAPSHOT", d.snapshot_id))
+    if d.fallback:
+        f = d.fallback
+        fields.append(("FALLBACK", f"{f.reason.value} ({f.from_fidelity.value} -> {f.to_fidelity.value})"))
+    fields.append(("BOOKED", f"{millis(d.booked.cpu_millis)} cpu, {mib(d.booked.memory_mib)} memory"))
+    if wide:
+        fields.append(("RUNTIME ID", short_id(runtimes.add(stamp.sandbox_class, stamp.version))))
+        fields.append(("ATTRIBUTES", version_text(stamp.version)))
+    return fields
+
+
+REJECTED_COLUMNS = [
+    Column("WORKER", lambda r: r.worker_id),
+    Column("REASONS", lambda r: ", ".join(r.reasons)),
+]
+
+
+def render_explanation(actor_id: str, answer: Explanation, runtimes: Runtimes, width: int | None,
+                       wide: bool = False) -> str:
+    fields = [("ACTOR", actor_id), ("SUMMARY", answer.message or f"{answer.candidates} candidates")]
+    if answer.decision is not None:
+        fields += decision_fields(answer.decision, runtimes, wide)
+    if answer.refusal is not None:
+        fields.append(("REFUSED", f"{answer.refusal.code.value}: {answer.refusal.message}"))
+    parts = [render_fields(fields, None if wide else width)]
+    if answer.rejected:
+        rendered = render_table(REJECTED_COLUMNS, answer.rejected, width, wide)
+        parts.append(rendered.text)
+    return "\n\n".join(parts)
 
 
 @click.command()
@@ -27,91 +149,152 @@ console = Console()
 @click.option("--selector", "selectors", multiple=True, metavar="KEY=VALUE", help="Extra label selector.")
 @nats_option
 @prefix_option
-@json_option
-def explain(actor_id: str, selectors: tuple[str, ...], nats_url: str, prefix: str, as_json: bool) -> None:
+@output_option
+def explain(actor_id: str, selectors: tuple[str, ...], nats_url: str, prefix: str, output: str | None,
+            as_json: bool) -> None:
     """Why a resume of ACTOR_ID would land where it would (writes nothing)."""
     try:
         sel = dict(s.split("=", 1) for s in selectors) or None
     except ValueError:
         raise click.BadParameter("selectors are KEY=VALUE", param_hint="--selector") from None
     subject = service_subject(prefix, "scheduler", "explain", actor_id)
-    answer: Explanation = ask(nats_url, lambda nc: call(nc, subject, ExplainResume(selectors=sel), Explanation))
-    if as_json:
-        click.echo(json.dumps(to_builtins(answer), indent=2))
+    mode = output_mode(output, as_json)
+
+    async def work(nc: Any) -> tuple[Explanation, Runtimes | None]:
+        answer = await call(nc, subject, ExplainResume(selectors=sel), Explanation)
+        return answer, (None if mode == "json" else await fleet_runtimes(nc, prefix))
+
+    answer, runtimes = ask(nats_url, work)
+    if mode == "json":
+        echo_json(to_builtins(answer))
         return
-    console.print(answer.message or f"{answer.candidates} candidates")
-    if answer.decision:
-        d = answer.decision
-        fallback = f", fallback {d.fallback.reason.value}" if d.fallback else ""
-        console.print(
-            f"would {d.action.value} at fidelity {d.fidelity.value} on [bold]{d.worker_id}[/] "
-            f"(node {d.node}) pinned to {version_text(d.sandbox_runtime.version)}{fallback}"
-        )
-    if answer.error:
-        console.print(f"[red]{answer.error.code.value}[/]: {answer.error.message}")
-    if answer.rejected:
-        table = Table(title="rejected workers")
-        table.add_column("worker")
-        table.add_column("reasons")
-        for r in answer.rejected:
-            table.add_row(r.worker_id, ", ".join(r.reasons))
-        console.print(table)
+    click.echo(render_explanation(actor_id, answer, runtimes, terminal_width(), mode == "wide"))
+
+
+# --- fragmentation ------------------------------------------------------------------------------------
+
+
+CLASS_COLUMNS = [
+    Column("CLASS", lambda c: c.sandbox_class),
+    Column("WORKERS", lambda c: str(c.workers), right=True),
+    Column("STRANDED", lambda c: str(c.stranded_snapshots), right=True),
+    Column("LOST LOCAL", lambda c: str(c.lost_local_snapshots), right=True),
+]
+
+
+def runtime_columns(runtimes: Runtimes) -> list[Column]:
+    """Columns of (class, RuntimeFragmentation) rows."""
+    return [
+        Column("CLASS", lambda r: r[0]),
+        Column("RUNTIME", lambda r: runtimes.label(r[0], r[1].version), drop=1,
+               narrow=Column("RUNTIME", lambda r: short_id(runtimes.add(r[0], r[1].version)), about="as ids")),
+        Column("DEFAULT", lambda r: str(r[1].workers_default), right=True),
+        Column("RESTORABLE", lambda r: str(r[1].workers_restorable), right=True),
+        Column("EDGE", lambda r: str(r[1].workers_compatible), right=True, drop=3),
+        Column("CPU FREE", lambda r: millis(r[1].free.cpu_millis), right=True, drop=2),
+        Column("MEM FREE", lambda r: mib(r[1].free.memory_mib), right=True),
+        Column("SNAPSHOTS", lambda r: str(r[1].snapshots_memory), right=True),
+        Column("ID", lambda r: short_id(runtimes.add(r[0], r[1].version)), wide=True),
+        Column("ATTRIBUTES", lambda r: version_text(r[1].version), wide=True),
+    ]
+
+
+def render_fragmentation(answer: Fragmentation, runtimes: Runtimes, width: int | None, wide: bool = False) -> str:
+    if not answer.classes:
+        return "no sandbox classes registered"
+    classes = render_table(CLASS_COLUMNS, answer.classes, width, wide)
+    rows = [(c.sandbox_class, rt) for c in answer.classes for rt in c.runtimes]
+    table = render_table(runtime_columns(runtimes), rows, width, wide)
+    text = classes.text + "\n\n" + table.text
+    note = table.footnote(width)
+    return text + ("\n" + note if note else "")
 
 
 @click.command()
 @click.option("--class", "sandbox_class", default=None, help="Only this sandbox class.")
 @nats_option
 @prefix_option
-@json_option
-def fragmentation(sandbox_class: str | None, nats_url: str, prefix: str, as_json: bool) -> None:
-    """Runtimes per sandbox class: workers, free capacity, memory snapshots, stranded."""
+@output_option
+def fragmentation(sandbox_class: str | None, nats_url: str, prefix: str, output: str | None, as_json: bool) -> None:
+    """Per sandbox class: workers, stranded and lost local snapshots; per runtime: the workers
+    running it (DEFAULT), able to restore it (RESTORABLE) or accepting it through a compatible
+    version (EDGE), their free room, and the memory snapshots stamped with it (SNAPSHOTS)."""
     subject = service_subject(prefix, "scheduler", "fragmentation")
     query = FragmentationQuery(sandbox_class=sandbox_class)
-    answer: Fragmentation = ask(nats_url, lambda nc: call(nc, subject, query, Fragmentation))
-    if as_json:
-        click.echo(json.dumps(to_builtins(answer), indent=2))
+    mode = output_mode(output, as_json)
+
+    async def work(nc: Any) -> tuple[Fragmentation, Runtimes | None]:
+        answer = await call(nc, subject, query, Fragmentation)
+        return answer, (None if mode == "json" else await fleet_runtimes(nc, prefix))
+
+    answer, runtimes = ask(nats_url, work)
+    if mode == "json":
+        echo_json(to_builtins(answer))
         return
-    for cls in answer.classes:
-        table = Table(title=f"{cls.sandbox_class}: {cls.workers} workers, "
-                            f"{cls.stranded_snapshots} stranded memory snapshots")
-        for col in ("runtime", "default on", "restorable on", "free cpu (m)", "free mem (MiB)", "memory snapshots"):
-            table.add_column(col, justify="left" if col == "runtime" else "right")
-        for rt in cls.runtimes:
-            table.add_row(version_text(rt.version), str(rt.workers_default), str(rt.workers_restorable),
-                          str(rt.free.cpu_millis), str(rt.free.memory_mib), str(rt.snapshots_memory))
-        console.print(table)
-    if not answer.classes:
-        console.print("no sandbox classes registered")
+    click.echo(render_fragmentation(answer, runtimes, terminal_width(), mode == "wide"))
 
 
-def worker_rows(projection) -> list[dict]:
+# --- workers ------------------------------------------------------------------------------------------
+
+
+def worker_rows(projection: Any, runtimes: Runtimes | None = None) -> list[dict]:
     """One row per (worker, sandbox class), sorted by class, default runtime and worker."""
-    from events.codec import to_builtins
-
+    runtimes = runtimes or runtimes_of(projection)
     rows = []
     for worker in projection.workers.values():
         for sandbox_class, entry in worker.classes.items():
+            default = entry.default
             rows.append({
                 "sandbox_class": sandbox_class,
                 "worker_id": worker.worker_id,
                 "node": worker.node,
                 "state": worker.state,
-                "default_runtime": to_builtins(entry.default.compat.version),
+                "runtime": runtimes.label(sandbox_class, default.compat.version, default.name),
+                "runtime_id": short_id(default.compat.key),
+                "default_runtime": to_builtins(default.compat.version),
+                "restorable": [runtimes.label(sandbox_class, r.compat.version, r.name) for r in entry.restorable],
                 "restorable_runtimes": [to_builtins(r.compat.version) for r in entry.restorable],
                 "capacity": {"cpu_millis": worker.cpu_millis, "memory_mib": worker.memory_mib},
                 "free": {"cpu_millis": worker.room_cpu, "memory_mib": worker.room_mem},
                 "actors": len(worker.actors),
             })
-    rows.sort(key=lambda r: (r["sandbox_class"], json.dumps(r["default_runtime"], sort_keys=True), r["worker_id"]))
+    rows.sort(key=lambda r: (r["sandbox_class"], r["runtime"], r["worker_id"]))
     return rows
+
+
+WORKER_COLUMNS = [  # `drop`: the highest gives way first when the terminal is narrow
+    Column("WORKER", lambda r: r["worker_id"]),
+    Column("CLASS", lambda r: r["sandbox_class"], drop=3),
+    Column("RUNTIME", lambda r: r["runtime"], drop=1,
+           narrow=Column("RUNTIME", lambda r: r["runtime_id"], about="as ids")),
+    Column("RESTORABLE", lambda r: ",".join(r["restorable"]) or "-", drop=4,
+           narrow=Column("RESTORABLE", lambda r: str(len(r["restorable"])), right=True, about="as a count")),
+    Column("STATE", lambda r: r["state"]),
+    Column("CPU FREE", lambda r: millis(r["free"]["cpu_millis"]), right=True),
+    Column("MEM FREE", lambda r: mib(r["free"]["memory_mib"]), right=True),
+    Column("ACTORS", lambda r: str(r["actors"]), right=True, drop=2),
+    Column("NODE", lambda r: r["node"], drop=5),
+    Column("CPU", lambda r: millis(r["capacity"]["cpu_millis"]), right=True, wide=True),
+    Column("MEM", lambda r: mib(r["capacity"]["memory_mib"]), right=True, wide=True),
+    Column("RUNTIME ID", lambda r: r["runtime_id"], wide=True),
+    Column("ATTRIBUTES", lambda r: version_text(_version(r["default_runtime"])), wide=True),
+]
+
+
+def _version(builtins: dict) -> CompatVersion:
+    return msgspec.convert(builtins, CompatVersion)
+
+
+def render_workers(rows: list[dict], width: int | None, wide: bool = False):
+    return render_table(WORKER_COLUMNS, rows, width, wide)
 
 
 @click.command()
 @click.option("--class", "sandbox_class", default=None, help="Only this sandbox class.")
 @nats_option
 @prefix_option
-@json_option
-def workers(sandbox_class: str | None, nats_url: str, prefix: str, as_json: bool) -> None:
+@output_option
+def workers(sandbox_class: str | None, nats_url: str, prefix: str, output: str | None, as_json: bool) -> None:
     """Registered workers by class and runtime, with free capacity and drain state.
 
     Folds the log with the scheduler's projection: what it shows is what the scheduler sees.
@@ -119,21 +302,14 @@ def workers(sandbox_class: str | None, nats_url: str, prefix: str, as_json: bool
     from warmboot.audit import Sink
     from warmboot.cli_common import replay
 
-    sink = ask(nats_url, lambda nc: replay(nc, prefix, Sink(), not as_json))
+    mode = output_mode(output, as_json)
+    sink = ask(nats_url, lambda nc: replay(nc, prefix, Sink(), mode != "json"))
     rows = [r for r in worker_rows(sink.projection) if sandbox_class in (None, r["sandbox_class"])]
-    if as_json:
-        click.echo(json.dumps(rows, indent=2))
+    if mode == "json":
+        echo_json(rows)
         return
     if not rows:
-        console.print("no workers registered")
+        click.echo("no workers registered")
         return
-    table = Table(title=f"workers at sequence {sink.seq}")
-    for col in ("class", "default runtime", "restorable", "worker", "node", "state", "free cpu (m)",
-                "free mem (MiB)", "actors"):
-        table.add_column(col, justify="right" if col.startswith(("free", "actors", "restorable")) else "left")
-    for r in rows:
-        version = sink.projection.workers[r["worker_id"]].classes[r["sandbox_class"]].default.compat.version
-        table.add_row(r["sandbox_class"], version_text(version), str(len(r["restorable_runtimes"])), r["worker_id"],
-                      r["node"], r["state"], str(r["free"]["cpu_millis"]), str(r["free"]["memory_mib"]),
-                      str(r["actors"]))
-    console.print(table)
+    width = terminal_width()
+    echo_table(render_workers(rows, width, mode == "wide"), width)

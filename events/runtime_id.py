@@ -1,0 +1,104 @@
+"""A runtime's short identity, shown the same way by every view, and read back wherever a runtime is named.
+
+`short_id(key)` is a pure function of the compat key (`events.compat`): ``rt-`` and the
+first 6 hex digits of the SHA-256 of the key written as compact JSON,
+``["gvisor","v1",[["architecture","amd64"],["cpu_features","0ac853df914e2ca0"]]]``
+(class, schema version, attributes sorted by key; UTF-8, no spaces), so that a
+client in any language computes the same id.
+
+A runtime's *label* is its `name` when it has one and that name tells it apart,
+else the short id: a worker's runtime name is informational and often shared by
+runtimes that are not compatible (one release on three CPU generations), so a name
+that several compat keys carry is shown as ``name@3f9a1c`` (its short id's digits),
+and a runtime without a name as ``rt-3f9a1c``. `Runtimes` holds the runtimes a view
+knows (with their names) and gives each its label; `Runtimes.resolve` reads any of
+those forms back (a name alone may stand for several runtimes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from events.compat import CompatKey, compat_key
+from events.schema import CompatVersion
+
+PREFIX = "rt-"
+DIGITS = 6
+
+
+def short_id(key: CompatKey) -> str:
+    """`rt-` + 6 hex digits of SHA-256 over the compat key as compact JSON (see the module doc)."""
+    sandbox_class, schema_version, attrs = key
+    text = json.dumps([sandbox_class, schema_version, [list(a) for a in attrs]], separators=(",", ":"),
+                      ensure_ascii=False)
+    return PREFIX + hashlib.sha256(text.encode()).hexdigest()[:DIGITS]
+
+
+class UnknownRuntime(LookupError):
+    """A runtime named on input that is none of the known ones, or stands for several."""
+
+
+@dataclass
+class Known:
+    key: CompatKey
+    version: CompatVersion
+    names: set[str] = field(default_factory=set)
+
+
+class Runtimes:
+    """The runtimes a view knows, by compat key, with the names workers give them."""
+
+    def __init__(self, entries: Iterable[tuple[str, CompatVersion, str | None]] = ()):
+        self.known: dict[CompatKey, Known] = {}
+        self._by_name: dict[str, set[CompatKey]] = {}
+        for sandbox_class, version, name in entries:
+            self.add(sandbox_class, version, name)
+
+    def add(self, sandbox_class: str, version: CompatVersion, name: str | None = None) -> CompatKey:
+        key = compat_key(sandbox_class, version)
+        known = self.known.setdefault(key, Known(key, version))
+        if name:
+            known.names.add(name)
+            self._by_name.setdefault(name, set()).add(key)
+        return key
+
+    def label(self, sandbox_class: str, version: CompatVersion, name: str | None = None) -> str:
+        """`name`, `name@3f9a1c` when other runtimes carry the name too, or `rt-3f9a1c`."""
+        key = compat_key(sandbox_class, version)
+        known = self.known.get(key)
+        names = set(known.names) if known else set()
+        if name:
+            names.add(name)
+        if not names:
+            return short_id(key)
+        chosen = name or min(names)
+        if len(names) == 1 and self._by_name.get(chosen, {key}) == {key}:
+            return chosen
+        return f"{chosen}@{short_id(key)[len(PREFIX):]}"
+
+    def resolve(self, text: str, sandbox_class: str | None = None) -> list[Known]:
+        """The runtimes `text` names: a short id (`rt-3f9a1c`), `name@3f9a1c`, or a name (all that
+        carry it); only of `sandbox_class` if given. UnknownRuntime if none."""
+        candidates = [k for k in self.known.values() if sandbox_class in (None, k.key[0])]
+        name, at, digits = text.rpartition("@")
+        if at:
+            found = [k for k in candidates if short_id(k.key) == PREFIX + digits and name in k.names]
+        elif text.startswith(PREFIX):
+            found = [k for k in candidates if short_id(k.key) == text]
+        else:
+            found = [k for k in candidates if text in k.names]
+        if not found:
+            where = f" of class {sandbox_class}" if sandbox_class else ""
+            shown = sorted({self.label(k.key[0], k.version) for k in candidates})
+            raise UnknownRuntime(f"no runtime{where} is named {text!r}; known: {', '.join(shown) or 'none'}")
+        return sorted(found, key=lambda k: k.key)
+
+    def resolve_one(self, text: str, sandbox_class: str | None = None) -> Known:
+        found = self.resolve(text, sandbox_class)
+        if len(found) > 1:
+            ids = ", ".join(short_id(k.key) for k in found)
+            raise UnknownRuntime(f"{text!r} names {len(found)} runtimes ({ids}); give one of their ids")
+        return found[0]

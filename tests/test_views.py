@@ -1,0 +1,302 @@
+"""The operator views fit a terminal: plain aligned columns, short runtime identities, no cell cut.
+
+Rendered at 80 and 100 columns from a fleet with realistic ids (workers `w-gv-0042`,
+nodes `node-eu-west-017`, one runtime name shared by three CPU generations), both
+from the pure renderers and through the CLI against real services on the bus.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from contextlib import AsyncExitStack
+from datetime import datetime, timezone
+
+import pytest
+from click.testing import CliRunner
+
+from events.compat import compat_key
+from events.runtime_id import Runtimes, UnknownRuntime, short_id
+from events.schema import (
+    Assignment,
+    Attribute,
+    CompatVersion,
+    CreateActor,
+    ErrorCode,
+    Explanation,
+    ExplainResume,
+    Fragmentation,
+    FragmentationQuery,
+    PauseActor,
+    Refusal,
+    Rejection,
+    RegisterReply,
+    RegisterWorker,
+    Resources,
+    ResumeActor,
+    SeqReply,
+    SnapshotReply,
+    WorkerRegistered,
+    WorkerRuntime,
+    WorkerSandboxClass,
+)
+from events.subjects import service_subject
+from services.common import call
+from services.scheduler.decide import fragmentation
+from services.scheduler.projection import Projection
+from warmboot.cli import main
+from warmboot.cmd_views import (
+    CLASS_COLUMNS,
+    REJECTED_COLUMNS,
+    WORKER_COLUMNS,
+    render_explanation,
+    render_fragmentation,
+    render_workers,
+    runtime_columns,
+    runtimes_of,
+    worker_rows,
+)
+from warmboot.runner import SERVICES, start_services
+
+WIDTHS = (80, 100)
+AT = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+GENERATIONS = {
+    "gvisor": [{"architecture": "amd64", "cpu_features": f"{h:016x}"}
+               for h in (0x0AC853DF914E2CA0, 0x5F1D0C3B2A994E17, 0x9E3779B97F4A7C15)],
+    "microvm": [{"architecture": "amd64", "cpu_vendor": "GenuineIntel", "cpu_model": m}
+                for m in ("6/106", "6/143", "25/17")],
+}
+NAMES = {"gvisor": "runsc", "microvm": "firecracker"}
+
+
+def runtime(sandbox_class: str, generation: int, release: str) -> WorkerRuntime:
+    attrs = {**GENERATIONS[sandbox_class][generation], "asset_digest": f"sha256-{sandbox_class}-{release}"}
+    return WorkerRuntime(
+        name=f"{NAMES[sandbox_class]}-{release}",  # one name on three CPU generations, as in a real fleet
+        version=CompatVersion(schema_version="v1",
+                              attributes=tuple(Attribute(key=k, value=v) for k, v in sorted(attrs.items()))),
+    )
+
+
+def fleet(n: int = 24) -> list[RegisterWorker]:
+    workers = []
+    for i in range(n):
+        cls = ("gvisor", "microvm")[i % 2]
+        generation = (0, 0, 1, 2)[(i // 2) % 4]
+        entry = WorkerSandboxClass(
+            sandbox_class=cls, default_runtime=runtime(cls, generation, "2024.11"),
+            restorable_runtimes=(runtime(cls, generation, "2024.05"),) if i % 3 else (),
+        )
+        workers.append(RegisterWorker(
+            worker_id=f"w-{cls[:2]}-{i:04d}", node=f"node-eu-west-{i:03d}",
+            capacity=Resources(cpu_millis=16000, memory_mib=65536), sandbox_classes=(entry,)))
+    return workers
+
+
+def folded(workers: list[RegisterWorker]) -> Projection:
+    projection = Projection()
+    for seq, w in enumerate(workers, 1):
+        projection.apply(seq, WorkerRegistered(at=AT, worker_id=w.worker_id, node=w.node, capacity=w.capacity,
+                                               labels=w.labels, sandbox_classes=w.sandbox_classes), 1)
+    return projection
+
+
+def possible_cells(columns, rows) -> set[str]:
+    """Every cell the columns can show for these rows (full and narrow forms), and the header words."""
+    cells: set[str] = set()
+    for column in columns:
+        for c in (column, column.narrow) if column.narrow else (column,):
+            cells.update(c.header.split())
+            cells.update(word for row in rows for word in c.value(row).split())
+    return cells
+
+
+def assert_fits_whole(text: str, width: int, allowed: set[str]) -> None:
+    """No line is wider than the terminal, and every word shown is a whole cell (none was cut)."""
+    lines = text.splitlines()
+    too_wide = [line for line in lines if len(line) > width]
+    assert not too_wide, f"{len(too_wide)} lines over {width} columns: {too_wide[0]!r}"
+    assert "…" not in text and "│" not in text and "─" not in text  # no ellipsis, no box borders
+    note = next((i for i, line in enumerate(lines) if line.startswith("(to fit")), len(lines))
+    for line in lines[:note]:  # up to the note on what gave way
+        for word in line.split():
+            assert word in allowed, f"{word!r} is not a whole cell, in {line!r}"
+
+
+# --- the short runtime identity --------------------------------------------------------------------
+
+
+def test_short_id_is_a_pure_function_of_the_compat_key():
+    a = runtime("gvisor", 0, "2024.11").version
+    shuffled = CompatVersion(schema_version="v1", attributes=tuple(reversed(a.attributes)))
+    assert short_id(compat_key("gvisor", a)) == short_id(compat_key("gvisor", shuffled))
+    assert short_id(compat_key("gvisor", a)) != short_id(compat_key("microvm", a))
+    # the documented vector (docs/events.md): a client in another language computes the same
+    v = CompatVersion(schema_version="v1", attributes=(Attribute(key="cpu_features", value="0ac853df914e2ca0"),
+                                                       Attribute(key="architecture", value="amd64")))
+    assert short_id(compat_key("gvisor", v)) == "rt-00e9f5"
+
+
+def test_labels_tell_runtimes_apart_and_read_back():
+    gen0, gen1 = runtime("gvisor", 0, "2024.11"), runtime("gvisor", 1, "2024.11")
+    unique = runtime("gvisor", 2, "2024.05")
+    runtimes = Runtimes([("gvisor", r.version, r.name) for r in (gen0, gen1, unique)])
+    runtimes.add("gvisor", runtime("microvm", 0, "x").version)  # a runtime without a name
+    label0 = runtimes.label("gvisor", gen0.version)
+    assert label0 == "runsc-2024.11@" + short_id(compat_key("gvisor", gen0.version))[3:]
+    assert runtimes.label("gvisor", unique.version) == "runsc-2024.05"
+    assert runtimes.label("gvisor", runtime("microvm", 0, "x").version).startswith("rt-")
+    assert runtimes.resolve_one(label0).version == gen0.version
+    assert runtimes.resolve_one(short_id(compat_key("gvisor", gen1.version))).version == gen1.version
+    assert runtimes.resolve_one("runsc-2024.05").version == unique.version
+    assert [k.version for k in runtimes.resolve("runsc-2024.11")] == sorted(
+        [gen0.version, gen1.version], key=lambda v: compat_key("gvisor", v))
+    with pytest.raises(UnknownRuntime, match="names 2 runtimes"):
+        runtimes.resolve_one("runsc-2024.11")
+    with pytest.raises(UnknownRuntime, match="no runtime of class microvm is named 'runsc-2024.05'"):
+        runtimes.resolve("runsc-2024.05", sandbox_class="microvm")
+
+
+# --- the renderers -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_workers_fit_without_a_cut_cell(width):
+    rows = worker_rows(folded(fleet()))
+    rendered = render_workers(rows, width)
+    assert_fits_whole(rendered.text, width, possible_cells(WORKER_COLUMNS, rows))
+    header = rendered.text.splitlines()[0].split()
+    assert header[:2] == ["WORKER", "RUNTIME"] or header[:3] == ["WORKER", "CLASS", "RUNTIME"]
+    assert {"STATE", "CPU", "MEM", "FREE"} <= set(header)
+    assert len(rendered.text.splitlines()) == len(rows) + 1
+    if width == 100:  # the labels, not only the ids, have room
+        assert all(r["runtime"] in rendered.text for r in rows)
+    assert rendered.left_out and rendered.footnote(width).startswith(f"(to fit {width} columns: NODE")
+
+
+def test_wide_shows_every_column_and_the_full_attributes():
+    rows = worker_rows(folded(fleet()))
+    text = render_workers(rows, 80, wide=True).text
+    assert text.splitlines()[0].split()[-4:] == ["MEM", "RUNTIME", "ID", "ATTRIBUTES"]
+    first = rows[0]
+    line = next(line for line in text.splitlines() if line.startswith(first["worker_id"] + " "))
+    assert first["node"] in line and first["runtime_id"] in line and "cpu_features=" in line
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_fragmentation_fits_without_a_cut_cell(width):
+    projection = folded(fleet())
+    answer = fragmentation(projection)
+    runtimes = runtimes_of(projection)
+    text = render_fragmentation(answer, runtimes, width)
+    rows = [(c.sandbox_class, rt) for c in answer.classes for rt in c.runtimes]
+    allowed = possible_cells(CLASS_COLUMNS, answer.classes) | possible_cells(runtime_columns(runtimes), rows)
+    assert_fits_whole(text, width, allowed)
+    assert "LOST LOCAL" in text and "STRANDED" in text
+    for cls, rt in rows:  # every runtime shown by its label
+        assert runtimes.label(cls, rt.version) in text
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_explain_fits_and_wraps_without_cutting(width):
+    projection = folded(fleet())
+    runtimes = runtimes_of(projection)
+    refused = Explanation(
+        refusal=Refusal(code=ErrorCode.FAILED_PRECONDITION,
+                        message="the LOCAL image of a-0042 is on node node-eu-west-017, which has no registered "
+                                "worker of class gvisor; give it up with revert to go back to its latest "
+                                "EXTERNAL snapshot"),
+        candidates=12, counts={"runtime mismatch": 7},
+        rejected=[Rejection(worker_id=f"w-gv-{i:04d}", reasons=["runtime mismatch", "insufficient memory"])
+                  for i in range(12)],
+        message="0/12 workers available: 7 runtime mismatch, 3 insufficient memory, 2 drained",
+    )
+    text = render_explanation("a-0042", refused, runtimes, width)
+    words = {w for field in ("ACTOR", "SUMMARY", "REFUSED", "a-0042", refused.message,
+                             "FAILED_PRECONDITION: " + refused.refusal.message) for w in field.split()}
+    assert_fits_whole(text, width, words | possible_cells(REJECTED_COLUMNS, refused.rejected))
+    assert " ".join(text.split()).count(refused.refusal.message) == 1  # wrapped, every word kept
+    assert all(f"{r.worker_id}  {', '.join(r.reasons)}" in text for r in refused.rejected)
+
+
+# --- through the CLI, against the services -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+async def operated(nats_server):
+    """Real services on their own prefix; the fleet registered, actors created, resumed and paused."""
+    prefix = "t" + __import__("uuid").uuid4().hex[:12]
+    async with AsyncExitStack() as exits:
+        await start_services(exits, list(SERVICES), nats_server.url, prefix, options={"scheduler": {"metrics": False}})
+        import nats
+
+        nc = await nats.connect(nats_server.url)
+        exits.push_async_callback(nc.close)
+        for w in fleet():
+            await call(nc, service_subject(prefix, "registry", "register", w.worker_id), w, RegisterReply)
+        for i in range(6):
+            actor = f"a-{i:04d}"
+            cls = ("gvisor", "microvm")[i % 2]
+            await call(nc, service_subject(prefix, "snapshotter", "create", actor),
+                       CreateActor(actor_id=actor, sandbox_class=cls, template_uid="tpl-2026-01",
+                                   resources=Resources(cpu_millis=500, memory_mib=1024)), SeqReply)
+            placed = await call(nc, service_subject(prefix, "scheduler", "resume", actor), ResumeActor(), Assignment)
+            if i % 2:
+                await call(nc, service_subject(prefix, "snapshotter", "pause", actor),
+                           PauseActor(), SnapshotReply)
+            assert placed.worker_id
+        yield prefix, nc
+
+
+def cli(*args: str, width: int | None = None):
+    env = {"COLUMNS": str(width)} if width else {}
+    return asyncio.to_thread(CliRunner().invoke, main, list(args), env=env)
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+async def test_workers_command_fits(operated, nats_url, width):
+    prefix, _ = operated
+    shown = await cli("workers", "--nats", nats_url, "--prefix", prefix, width=width)
+    assert shown.exit_code == 0, shown.output
+    listed = await cli("workers", "-o", "json", "--nats", nats_url, "--prefix", prefix)
+    rows = json.loads(listed.output)
+    assert len(rows) == len(fleet()) and sum(r["actors"] for r in rows) == 3  # three run, three paused
+    assert_fits_whole(shown.output, width, possible_cells(WORKER_COLUMNS, rows))
+    legacy = await cli("workers", "--json", "--nats", nats_url, "--prefix", prefix)
+    assert json.loads(legacy.output) == rows
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+async def test_fragmentation_command_fits_and_labels_like_workers(operated, nats_url, width):
+    prefix, nc = operated
+    answer = await call(nc, service_subject(prefix, "scheduler", "fragmentation"), FragmentationQuery(),
+                        Fragmentation)
+    shown = await cli("fragmentation", "--nats", nats_url, "--prefix", prefix, width=width)
+    assert shown.exit_code == 0, shown.output
+    workers = json.loads((await cli("workers", "-o", "json", "--nats", nats_url, "--prefix", prefix)).output)
+    runtimes = runtimes_of(folded(fleet()))
+    rows = [(c.sandbox_class, rt) for c in answer.classes for rt in c.runtimes]
+    allowed = possible_cells(CLASS_COLUMNS, answer.classes) | possible_cells(runtime_columns(runtimes), rows)
+    assert_fits_whole(shown.output, width, allowed)
+    assert {r["runtime"] for r in workers} <= set(shown.output.split())  # the same label in both views
+    assert sum(rt.snapshots_memory for _, rt in rows) == 3  # the paused actors' images
+
+
+async def test_explain_command_fits_and_shows_the_pin_by_its_label(operated, nats_url):
+    prefix, nc = operated
+    why = await call(nc, service_subject(prefix, "scheduler", "explain", "a-0001"), ExplainResume(), Explanation)
+    for width in WIDTHS:
+        shown = await cli("explain", "a-0001", "--nats", nats_url, "--prefix", prefix, width=width)
+        assert shown.exit_code == 0, shown.output
+        assert max(len(line) for line in shown.output.splitlines()) <= width
+        pin = why.decision.sandbox_runtime
+        label = runtimes_of(folded(fleet())).label(pin.sandbox_class, pin.version, pin.name)
+        head = shown.output.strip().split("\n\n")[0]  # the fields, before the table of rejected workers
+        fields = {line.split()[0]: line.split()[1:] for line in head.splitlines()}
+        assert fields["RUNTIME"] == [label]
+        assert fields["WORKER"] == [why.decision.worker_id]
+    for flag in (["-o", "json"], ["--json"]):
+        out = await cli("explain", "a-0001", *flag, "--nats", nats_url, "--prefix", prefix)
+        assert json.loads(out.output)["decision"]["worker_id"] == why.decision.worker_id
+    wide = await cli("explain", "a-0001", "-o", "wide", "--nats", nats_url, "--prefix", prefix, width=80)
+    assert "ATTRIBUTES" in wide.output and "cpu_" in wide.output
