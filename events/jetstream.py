@@ -13,6 +13,8 @@ through the library's environment (so ``<APPNAME>_NATS_URL`` overrides
 ``NATS_CREDS``                 path of a credentials file (JWT + nkey seed)
 ``NATS_USER``/``NATS_PASSWORD``  user and password
 ``NATS_TOKEN``                 authentication token
+``NATS_NKEY_SEED``             path of an nkey seed file (``warmboot nats-config --auth nkey``)
+``NATS_INBOX_PREFIX``          inbox prefix of the connection (the services' own, `services_inbox`)
 ``WARMBOOT_STORE_TIMEOUT``     seconds an operation keeps retrying transient errors
                                (no responders, timeouts, 503, a leader election)
                                before raising `StoreUnavailableError`; default 30
@@ -132,6 +134,7 @@ from eventsourcing.persistence import (
 from eventsourcing.utils import Environment, EnvType, resolve_topic, strtobool
 
 from events.headers import parse_header_lines
+from events.natsauth import NKEY_SEED_ENV, nkey_options, redact_url
 from events.subjects import DEFAULT_PREFIX, check_prefix, stream_name
 
 log = logging.getLogger("warmboot.jetstream")
@@ -293,11 +296,13 @@ class _Client(NATS):
 class ConnectOptions:
     """Where and as whom to connect: the key of the shared connections."""
 
-    url: str
+    url: str = field(repr=False)  # may hold user:password: shown as `where`
     creds: str | None = None
     user: str | None = None
     password: str | None = field(default=None, repr=False)
     token: str | None = field(default=None, repr=False)
+    nkey_seed: str | None = None  # path of an nkey seed file
+    inbox_prefix: str | None = None
 
     @classmethod
     def from_env(cls, env: Environment) -> "ConnectOptions":
@@ -307,16 +312,24 @@ class ConnectOptions:
             user=env.get("NATS_USER") or None,
             password=env.get("NATS_PASSWORD") or None,
             token=env.get("NATS_TOKEN") or None,
+            nkey_seed=env.get(NKEY_SEED_ENV) or None,
+            inbox_prefix=env.get("NATS_INBOX_PREFIX") or None,
         )
 
     @property
     def where(self) -> str:
         """The URL(s) without any user:password in them, for messages and logs."""
-        return re.sub(r"//[^@/,]*@", "//", self.url)
+        return redact_url(self.url)
+
+    def __repr__(self) -> str:
+        return f"ConnectOptions(where={self.where!r}, creds={self.creds!r}, user={self.user!r})"
 
     def connect_kwargs(self) -> dict[str, Any]:
         # NATS_URL may list a cluster's members, comma-separated (as `--nats` does).
         kwargs: dict[str, Any] = {"servers": [u.strip() for u in self.url.split(",") if u.strip()]}
+        kwargs.update(nkey_options(self.nkey_seed))
+        if self.inbox_prefix:
+            kwargs["inbox_prefix"] = self.inbox_prefix
         if self.creds:
             kwargs["user_credentials"] = self.creds
         if self.user:

@@ -36,3 +36,13 @@ def service_subject(prefix: str, service: str, verb: str, entity_id: str | None 
 def bucket_name(prefix: str, purpose: str) -> str:
     """Key-value / object store names, e.g. `WARMBOOT_HEARTBEATS`."""
     return f"{prefix.upper().replace('-', '_')}_{purpose.upper()}"
+
+
+def services_inbox(prefix: str) -> str:
+    """The inbox prefix of the services' connections, `_INBOX._<prefix>`.
+
+    Its second token starts with `_`, which no worker id (an inbox prefix of its own)
+    and no nats-py inbox (base62) can: the services never answer a request whose
+    reply subject is one of their own inboxes, and other roles may not read them.
+    """
+    return f"_INBOX._{prefix}"

@@ -2,9 +2,24 @@
 request_id idempotency, the request client, and the metrics server.
 
 A service handler is `async (entity_id, request) -> reply Struct`; it raises
-`ContractError` to refuse. `add_endpoints` turns that into a micro endpoint that
-decodes and validates the body at the edge, answers errors exactly as CONTRACT
-section 1 says (body and `Nats-Service-Error*` headers) and never leaks a traceback.
+`ContractError` to refuse. `add_endpoints` turns that into a micro endpoint that:
+
+- serves a request only if its reply subject is an inbox (CONTRACT section 1,
+  "Replies"): `_INBOX.` (which covers a worker's `_INBOX.<worker_id>.`) and not the
+  services' own inboxes (`services_inbox`). Any other request is dropped before its
+  body is even decoded (nothing parsed, nothing answered, nothing published with the
+  services' rights), counted in `warmboot_requests_dropped_total` and logged once per
+  offending subject. The check is a string prefix test on the message's reply subject.
+  nats.micro's `$SRV.PING/INFO/STATS` handlers get the same check;
+- decodes and validates the body at the edge, answers errors exactly as CONTRACT
+  section 1 says (the JSON error body, sent through micro's error reply, so its
+  `Nats-Service-Error*` headers carry the same) and never leaks a traceback;
+- answers UNAVAILABLE (retryable) when a store, bucket or the bus does not answer
+  (`is_outage`), INTERNAL with a logged traceback for anything else unexpected;
+- answers requests concurrently, and keeps micro's per-endpoint stats honest: a
+  request counts, with its time from receipt to its reply being sent, once it is
+  answered; every error reply counts in `num_errors`;
+- names each endpoint's request and reply schema in its `$SRV.INFO` metadata.
 """
 
 from __future__ import annotations
@@ -14,22 +29,28 @@ import hashlib
 import logging
 import os
 import re
+import time
+import typing
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, TypeVar
 
-import msgspec
 import nats
+import nats.errors
+import nats.js.errors
+from eventsourcing.persistence import OperationalError
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import KeyNotFoundError, NotFoundError
 from nats.micro import ServiceConfig
 from nats.micro.request import Request
-from nats.micro.service import Service
+from nats.micro.service import Endpoint, EndpointConfig, Service
+from prometheus_client import Counter
 
 from events.codec import decode_reply, decode_request, encode
 from events.errors import ContractError, invalid, unavailable
 from events.schema import ID_PATTERN, Base, ErrorCode
-from events.subjects import bucket_name, service_subject
+from events.subjects import bucket_name, service_subject, services_inbox
 
 log = logging.getLogger("warmboot.service")
 T = TypeVar("T")
@@ -38,27 +59,133 @@ _ID = re.compile(ID_PATTERN)
 VERSION = "1.0.0"
 Handler = Callable[[str | None, Any], Awaitable[Base]]
 
+# Reply subjects a request may name (CONTRACT section 1, "Replies"). A client with a
+# custom inbox prefix of its own is served once its prefix is added here (and the
+# services' user may publish there: `warmboot nats-config`).
+REPLY_PREFIXES: tuple[str, ...] = ("_INBOX.",)
+
+DROPPED = Counter(
+    "warmboot_requests_dropped_total",
+    "Requests dropped unprocessed and unanswered: no reply subject, or one that is not an inbox",
+    ["service", "endpoint", "reason"],
+)
+
 
 @dataclass(frozen=True)
 class EndpointSpec:
-    """One request subject: `<prefix>.<service>.<verb>[.<entity_id>]`."""
+    """One request subject: `<prefix>.<service>.<verb>[.<entity_id>]`.
+
+    The reply schema named in `$SRV.INFO` is `reply_type`, else the handler's return
+    annotation.
+    """
 
     verb: str
     request_type: type
     handler: Handler
     per_entity: bool = True  # the subject ends with an entity id token
+    reply_type: type | None = None
+
+    def metadata(self) -> dict[str, str]:
+        reply = self.reply_type
+        if reply is None:
+            try:
+                reply = typing.get_type_hints(self.handler).get("return")
+            except Exception:  # an annotation that does not resolve: name no reply type
+                reply = None
+        meta = {"request": self.request_type.__name__}
+        if isinstance(reply, type):
+            meta["reply"] = reply.__name__
+        return meta
+
+
+# --- what a request may be answered to ------------------------------------------------
+
+
+class ReplyGuard:
+    """Decides whether a request's reply subject may be answered; counts and logs the rest.
+
+    `allowed(reply)` is the hot path: two prefix tests, no regex, no await.
+    """
+
+    MAX_LOGGED = 1024  # offending subjects remembered (each logged once); then one last line
+
+    def __init__(self, service: str, prefix: str, reply_prefixes: tuple[str, ...] = REPLY_PREFIXES):
+        self.service = service
+        self.prefixes = reply_prefixes
+        self.own = services_inbox(prefix) + "."
+        self._logged: set[str] = set()
+
+    def allowed(self, reply: str) -> bool:
+        return reply.startswith(self.prefixes) and not reply.startswith(self.own)
+
+    def drop(self, endpoint: str, subject: str, reply: str) -> None:
+        reason = "no_reply" if not reply else ("services_inbox" if reply.startswith(self.own) else "not_inbox")
+        DROPPED.labels(self.service, endpoint, reason).inc()
+        key = reply or subject
+        if key in self._logged:
+            return
+        if len(self._logged) >= self.MAX_LOGGED:
+            if len(self._logged) == self.MAX_LOGGED:
+                self._logged.add("")  # one more entry: this line is written once
+                log.warning("warmboot-%s: more requests with offending reply subjects; no longer logged "
+                            "(warmboot_requests_dropped_total counts them)", self.service)
+            return
+        self._logged.add(key)
+        log.warning("warmboot-%s: dropped a request on %s: reply subject %r is %s (CONTRACT section 1, Replies)",
+                    self.service, subject[:200], reply[:200],
+                    "missing" if not reply else "not an inbox this service may answer")
+
+
+# --- outages and errors ---------------------------------------------------------------
+
+_OUTAGES = (OperationalError, nats.errors.Error, asyncio.TimeoutError, ConnectionError)
+# nats errors that say the caller (this code) used the client wrongly: bugs, not outages
+_MISUSE = (
+    nats.errors.BadSubjectError, nats.errors.BadHeaderError, nats.errors.MaxPayloadError,
+    nats.errors.BadTimeoutError, nats.errors.BadSubscriptionError, nats.errors.InvalidCallbackTypeError,
+    nats.errors.NotJSMessageError, nats.errors.MsgAlreadyAckdError, nats.js.errors.InvalidKeyError,
+    nats.js.errors.InvalidBucketNameError, nats.js.errors.InvalidObjectNameError,
+)
+
+
+def is_outage(error: BaseException) -> bool:
+    """Whether `error` means that a store, a bucket or the bus did not answer (retry later).
+
+    The event store's OperationalError (StoreUnavailableError among them), a time-out,
+    no responders, a closed or reconnecting connection, a JetStream API error of the
+    5xx kind (503: no quorum, a leader election). A JetStream API error of the 4xx kind
+    (the server answered: the request was wrong) and a misuse of the client are bugs.
+    """
+    if isinstance(error, nats.js.errors.APIError):
+        if isinstance(error, (nats.js.errors.BadRequestError, nats.js.errors.NotFoundError)):
+            return False
+        code = getattr(error, "code", None)  # some subclasses never set it
+        return code is None or code >= 500
+    return isinstance(error, _OUTAGES) and not isinstance(error, _MISUSE)
+
+
+def _header_text(text: str) -> str:
+    # a header value is one line: a message quoting a caller's input must not add headers
+    return text.replace("\r", " ").replace("\n", " ")[:512]
 
 
 def error_headers(error: ContractError) -> dict[str, str]:
-    return {"Nats-Service-Error": error.message[:512], "Nats-Service-Error-Code": str(error.status)}
+    return {"Nats-Service-Error": _header_text(error.message), "Nats-Service-Error-Code": str(error.status)}
 
 
 async def respond_error(request: Request, error: ContractError) -> None:
-    await request.respond(encode(error.reply()), headers=error_headers(error))
+    """The contract's error body, through micro's error reply (its two headers)."""
+    await request.respond_error(str(error.status), _header_text(error.message), data=encode(error.reply()))
 
 
-def wrap(spec: EndpointSpec, service: str) -> Callable[[Request], Awaitable[None]]:
-    async def handle(request: Request) -> None:
+INTERNAL_MESSAGE = "internal error; the service log has the details"
+
+
+def wrap(spec: EndpointSpec, service: str) -> Callable[[Request], Awaitable[ContractError | None]]:
+    """The request handler of one endpoint: the error it answered, or None for a reply."""
+    outages = _OutageLog(f"{service}.{spec.verb}")
+
+    async def handle(request: Request) -> ContractError | None:
         try:
             entity_id = None
             if spec.per_entity:
@@ -66,50 +193,144 @@ def wrap(spec: EndpointSpec, service: str) -> Callable[[Request], Awaitable[None
                 if not _ID.match(entity_id):
                     raise invalid(f"subject token {entity_id!r} is not a valid id", "subject")
             body = decode_request(spec.request_type, request.data)
-            reply = await spec.handler(entity_id, body)
-            await request.respond(encode(reply))
+            data = encode(await spec.handler(entity_id, body))
         except ContractError as error:
             await respond_error(request, error)
+            return error
         except asyncio.CancelledError:
             raise
-        except Exception:  # a bug: log it here, tell the caller no more than that
-            log.exception("%s.%s failed on %s", service, spec.verb, request.subject)
-            internal = ContractError(ErrorCode.INTERNAL, "internal error; the service log has the details")
-            await respond_error(request, internal)
+        except Exception as error:
+            if is_outage(error):
+                outages.seen(error)
+                refused = unavailable(f"the event log, a bucket or the bus did not answer "
+                                      f"({type(error).__name__}); try again")
+            else:  # a bug: log it here, tell the caller no more than that
+                log.exception("%s.%s failed on %s", service, spec.verb, request.subject)
+                refused = ContractError(ErrorCode.INTERNAL, INTERNAL_MESSAGE)
+            await respond_error(request, refused)
+            return refused
+        await request.respond(data)
+        return None
 
     return handle
 
 
+class _OutageLog:
+    """One warning per endpoint and OUTAGE_LOG_S while an outage lasts, with a count."""
+
+    OUTAGE_LOG_S = 10.0
+
+    def __init__(self, where: str):
+        self.where = where
+        self.next_at = 0.0
+        self.unlogged = 0
+
+    def seen(self, error: BaseException) -> None:
+        now = time.monotonic()
+        if now < self.next_at:
+            self.unlogged += 1
+            return
+        more = f" (and {self.unlogged} more since the last line)" if self.unlogged else ""
+        log.warning("%s: answered UNAVAILABLE: %r%s", self.where, error, more)
+        self.next_at, self.unlogged = now + self.OUTAGE_LOG_S, 0
+
+
+# --- the micro service ------------------------------------------------------------------
+
 MAX_CONCURRENT_REQUESTS = 256
 
 
-class MicroService(Service):
-    """A nats.micro service whose endpoints answer requests concurrently.
+class ConcurrentEndpoint(Endpoint):
+    """A micro endpoint that serves each request as a task, with stats as `$SRV.STATS` means them.
 
-    nats.micro awaits each handler before it reads the endpoint's next message, so a
-    handler that waits on the store would serialise every request of the replica.
-    Handlers added through `concurrently` start each request as a task (at most
-    MAX_CONCURRENT_REQUESTS at once; past that the subscription waits), and `stop`
-    lets the ones in flight finish.
+    nats.micro awaits each handler before it reads the endpoint's next message and
+    times that await, so a handler that spawned a task would be counted as done in
+    microseconds and never as an error. Here a request is counted when its reply
+    (or error reply) is sent, with the time since it was received, waiting for a
+    slot included.
     """
 
-    def __init__(self, nc: NATS, config: ServiceConfig, max_concurrent: int = MAX_CONCURRENT_REQUESTS):
+    def __init__(self, service: "MicroService", config: EndpointConfig):
+        super().__init__(service, config)
+        self._micro = service
+
+    async def _handle_request(self, msg: Msg) -> None:
+        reply = msg.reply
+        if not (reply and self._micro.guard.allowed(reply)):
+            self._micro.guard.drop(self._name, msg.subject, reply)
+            return
+        start = time.perf_counter_ns()
+        await self._micro.slots.acquire()
+        self._micro.track(asyncio.create_task(self._serve(Request(msg), start)))
+
+    async def _serve(self, request: Request, start: int) -> None:
+        error = None
+        try:
+            error = await self._handler(request)
+        except asyncio.CancelledError:
+            raise
+        except Exception as failure:  # the reply itself could not be sent (the connection went)
+            log.debug("could not answer %s: %r", request.subject, failure)
+            error = failure
+        self._num_requests += 1
+        if error is not None:
+            self._num_errors += 1
+            self._last_error = (f"{error.status}:{error.code.value}: {error.message}"
+                                if isinstance(error, ContractError) else repr(error))[:512]
+        self._processing_time += time.perf_counter_ns() - start
+        self._average_processing_time = self._processing_time // self._num_requests
+
+
+class MicroService(Service):
+    """A nats.micro service whose endpoints answer requests concurrently and only to inboxes.
+
+    At most `max_concurrent` requests are served at once; past that the endpoints'
+    subscriptions wait. `stop` lets the ones in flight finish.
+    """
+
+    def __init__(self, nc: NATS, config: ServiceConfig, max_concurrent: int = MAX_CONCURRENT_REQUESTS,
+                 guard: ReplyGuard | None = None):
         super().__init__(nc, config)
+        self.guard = guard or ReplyGuard(config.name, (config.metadata or {}).get("prefix", ""))
+        self.slots = asyncio.Semaphore(max_concurrent)
         self._tasks: set[asyncio.Task[None]] = set()
-        self._slots = asyncio.Semaphore(max_concurrent)
 
-    def concurrently(self, handle: Callable[[Request], Awaitable[None]]) -> Callable[[Request], Awaitable[None]]:
-        def finished(task: asyncio.Task[None]) -> None:
-            self._tasks.discard(task)
-            self._slots.release()
+    def track(self, task: asyncio.Task[None]) -> None:
+        self._tasks.add(task)
+        task.add_done_callback(self._finished)
 
-        async def handler(request: Request) -> None:
-            await self._slots.acquire()
-            task = asyncio.create_task(handle(request))
-            self._tasks.add(task)
-            task.add_done_callback(finished)
+    def _finished(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self.slots.release()
 
-        return handler
+    async def add_endpoint(self, config: EndpointConfig | None = None, **kwargs: Any) -> None:
+        config = EndpointConfig(**kwargs) if config is None else config
+        if config.queue_group is None:
+            config = EndpointConfig(name=config.name, handler=config.handler, subject=config.subject,
+                                    metadata=config.metadata, queue_group=self._queue_group)
+        endpoint = ConcurrentEndpoint(self, config)
+        await endpoint._start()
+        self._endpoints.append(endpoint)
+
+    # nats.micro's discovery handlers answer any reply subject too: the same check.
+    async def _handle_ping_request(self, msg: Msg) -> None:
+        if self._answerable(msg, "$SRV.PING"):
+            await super()._handle_ping_request(msg)
+
+    async def _handle_info_request(self, msg: Msg) -> None:
+        if self._answerable(msg, "$SRV.INFO"):
+            await super()._handle_info_request(msg)
+
+    async def _handle_stats_request(self, msg: Msg) -> None:
+        if self._answerable(msg, "$SRV.STATS"):
+            await super()._handle_stats_request(msg)
+
+    def _answerable(self, msg: Msg, endpoint: str) -> bool:
+        reply = msg.reply
+        if reply and self.guard.allowed(reply):
+            return True
+        self.guard.drop(endpoint, msg.subject, reply)
+        return False
 
     async def stop(self, drain_s: float = 10.0) -> None:
         await super().stop()
@@ -119,9 +340,13 @@ class MicroService(Service):
 
 async def add_endpoints(
     nc: NATS, prefix: str, service: str, description: str, specs: list[EndpointSpec],
-    max_concurrent: int = MAX_CONCURRENT_REQUESTS,
+    max_concurrent: int = MAX_CONCURRENT_REQUESTS, reply_prefixes: tuple[str, ...] = REPLY_PREFIXES,
 ) -> MicroService:
-    """Start the micro service `warmboot-<service>` in the queue group of that name."""
+    """Start the micro service `warmboot-<service>` in the queue group of that name.
+
+    Its metadata names the deployment's subject prefix (`prefix`); each endpoint's,
+    its request and reply schema (`request`, `reply`: names in `warmboot schema`).
+    """
     name = f"warmboot-{service}"
     svc = MicroService(
         nc,
@@ -133,11 +358,13 @@ async def add_endpoints(
             metadata={"prefix": prefix},
         ),
         max_concurrent,
+        ReplyGuard(service, prefix, reply_prefixes),
     )
     await svc.start()
     for spec in specs:
         subject = service_subject(prefix, service, spec.verb, "*" if spec.per_entity else None)
-        await svc.add_endpoint(name=spec.verb, subject=subject, handler=svc.concurrently(wrap(spec, service)))
+        await svc.add_endpoint(name=spec.verb, subject=subject, handler=wrap(spec, service),
+                               metadata=spec.metadata())
     await nc.flush()  # the server has the subscriptions: requests sent after this are served
     return svc
 
@@ -148,10 +375,12 @@ async def add_endpoints(
 class ReplyCache:
     """The first answer to each `request_id`, shared by every replica (JetStream KV).
 
-    A replica also folds concurrent duplicates it receives itself onto one
-    computation. When a reply is lost *and* the cache write is lost (a crash
-    between commit and put), services fall back to the entity's history:
-    every event carries the `request_id` that caused it.
+    It is the long memory of idempotency only: services answer a repeated request
+    from the entity's history first (every event carries the `request_id` that caused
+    it), and look here only for what the history they keep no longer holds (the
+    scheduler keeps an actor's last few placements). An entry is written after the
+    reply is decided, without holding the reply back; one lost with a crash is answered
+    by the history while it still holds it.
     """
 
     def __init__(self, nc: NATS, prefix: str, ttl_s: float = 3600.0):
@@ -159,7 +388,7 @@ class ReplyCache:
         self.bucket = bucket_name(prefix, "replies")
         self.ttl_s = ttl_s
         self.kv = None
-        self._inflight: dict[str, asyncio.Future[bytes]] = {}
+        self._writes: set[asyncio.Task[None]] = set()
 
     async def start(self) -> "ReplyCache":
         js = self.nc.jetstream()
@@ -180,41 +409,27 @@ class ReplyCache:
             return None
         return entry.value or None
 
-    async def once(
-        self, scope: str, request_id: str | None, compute: Callable[[], Awaitable[Base]], reply_type: type[T]
-    ) -> T:
-        """Answer `compute()` once per (scope, request_id); repeats get the first answer.
+    def remember(self, key: str, reply: Base) -> None:
+        """Store `reply` under `key` in the background (at most MAX_CACHE_WRITES at once)."""
+        if self.kv is None or len(self._writes) >= MAX_CACHE_WRITES:
+            return
+        task = asyncio.get_running_loop().create_task(self._put(key, encode(reply)))
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
 
-        Errors are not cached: a refused request wrote nothing, so trying again is safe.
-        """
-        if request_id is None:
-            return await compute()
-        key = self.key(scope, request_id)
-        running = self._inflight.get(key)
-        if running is not None:
-            return msgspec.json.decode(await asyncio.shield(running), type=reply_type)
-        future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-        self._inflight[key] = future
+    async def _put(self, key: str, data: bytes) -> None:
         try:
-            cached = await self.get(key)
-            if cached is not None:
-                future.set_result(cached)
-                return msgspec.json.decode(cached, type=reply_type)
-            reply = await compute()
-            data = encode(reply)
-            try:
-                await self.kv.put(key, data)
-            except Exception:  # the history fallback still answers a retry correctly
-                log.warning("could not cache the reply to request %s", key, exc_info=True)
-            future.set_result(data)
-            return reply
-        except BaseException as error:
-            if not future.done():
-                future.set_exception(error)
-                future.exception()  # retrieved: no "never retrieved" warning
-            raise
-        finally:
-            self._inflight.pop(key, None)
+            await self.kv.put(key, data)
+        except Exception:  # the history still answers a retry while it holds the answer
+            log.warning("could not cache the reply to request %s", key, exc_info=True)
+
+    async def flush(self) -> None:
+        """Wait for the cache writes in flight (a replica stopping)."""
+        if self._writes:
+            await asyncio.wait(list(self._writes), timeout=5.0)
+
+
+MAX_CACHE_WRITES = 4096
 
 
 def stream_replicas() -> int:
@@ -226,9 +441,11 @@ def store_env(nats_url: str, prefix: str, replicas: int | None = None) -> dict[s
     """The eventsourcing environment that selects the JetStream event store for a deployment.
 
     Without `replicas`, the stream's replica count comes from the process environment
-    (WARMBOOT_STREAM_REPLICAS, which `warmboot serve --replicas` sets), else 1.
+    (WARMBOOT_STREAM_REPLICAS, which `warmboot serve --replicas` sets), else 1. So do
+    credentials not in the URL (NATS_NKEY_SEED, NATS_USER, ...: events.jetstream).
     """
-    env = {"PERSISTENCE_MODULE": "events.jetstream", "NATS_URL": nats_url, "WARMBOOT_PREFIX": prefix}
+    env = {"PERSISTENCE_MODULE": "events.jetstream", "NATS_URL": nats_url, "WARMBOOT_PREFIX": prefix,
+           "NATS_INBOX_PREFIX": services_inbox(prefix)}  # the services' inboxes (docs/security.md)
     if replicas is not None:
         env["WARMBOOT_STREAM_REPLICAS"] = str(replicas)
     return env
@@ -273,11 +490,27 @@ async def call(
 # --- metrics --------------------------------------------------------------------------
 
 
-def start_metrics(port: int | None, host: str = "127.0.0.1") -> int | None:
-    """Serve prometheus-client's default registry on `port` (0: any free port)."""
+LOOPBACK = "127.0.0.1"
+ALL_INTERFACES = "0.0.0.0"
+
+
+def start_metrics(port: int | None, host: str = LOOPBACK) -> int | None:
+    """Serve prometheus-client's default registry on `host`:`port` (0: any free port); the port."""
     if port is None:
         return None
     from prometheus_client import start_http_server
 
     server, _thread = start_http_server(port, addr=host)
     return server.server_port
+
+
+def metrics_url(host: str, port: int) -> str:
+    """The URL a scraper uses: for a server on every interface, this host's name (no DNS
+    look-up: the name as the host knows itself)."""
+    if host in (ALL_INTERFACES, "::", ""):
+        import socket
+
+        host = socket.gethostname()
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}/metrics"

@@ -1,4 +1,5 @@
-"""`warmboot nats-config` on a real nats-server: what each role may and may not say.
+"""`warmboot nats-config` on a real nats-server: what each role may and may not say, and
+each way of proving who one is (passwords, bcrypt hashes, nkeys).
 
 A server runs with the generated authorization block; the registry connects as the
 services user; a worker's credentials register that worker and nothing else.
@@ -9,67 +10,44 @@ from __future__ import annotations
 import asyncio
 import json
 import stat
+from contextlib import AsyncExitStack
 
 import nats
 import pytest
 from click.testing import CliRunner
 
 from events.codec import decode_event
+from events.natsauth import NKEY_SEED_ENV, redact_url
 from events.schema import RuntimeChanged, WorkerRegistered
 from events.subjects import event_subject, service_subject, stream_name
-from tests.registry_helpers import PROBE, agent_config, last_seq, registration, running_registry, wait_event
+from tests.registry_helpers import PROBE, agent_config, last_seq, registration, wait_event
+from tests.secured_helpers import Secured, Serve
 from warmboot.agent import Agent
 from warmboot.cli import main
-from warmboot.cmd_registry import nats_auth_config
 from warmboot.natsserver import NatsServer
+from warmboot.runner import start_services
 
 PREFIX = "authz"
-PASSWORDS = {"svc": "svc-secret", "ops": "ops-secret", "w-1": "w1-secret", "w-2": "w2-secret", "w-3": "w3-secret"}
-
-
-class Client:
-    """A connection as one user, collecting the permission violations the server reports."""
-
-    def __init__(self):
-        self.violations: asyncio.Queue[str] = asyncio.Queue()
-        self.nc = None
-
-    async def connect(self, server: NatsServer, user: str, **options) -> "Client":
-        async def on_error(error: Exception) -> None:
-            if "permissions violation" in str(error).lower():
-                self.violations.put_nowait(str(error))
-
-        url = f"nats://{user}:{PASSWORDS[user]}@{server.host}:{server.port}"
-        self.nc = await nats.connect(url, error_cb=on_error, **options)
-        return self
-
-    async def violation(self, subject: str) -> str:
-        """The server's refusal of `subject` (waits for the -ERR it sends back; the
-        client reports it in lower case)."""
-        while True:
-            message = await asyncio.wait_for(self.violations.get(), 10)
-            if subject.lower() in message.lower():
-                return message
 
 
 @pytest.fixture(scope="module")
 async def secured(tmp_path_factory):
-    conf = nats_auth_config(PREFIX, "svc", ["w-1", "w-2", "w-3"], ["ops"], PASSWORDS)
-    server = NatsServer(tmp_path_factory.mktemp("secured"), extra_config=conf).start()
-    services_url = f"nats://svc:{PASSWORDS['svc']}@{server.host}:{server.port}"
-    async with running_registry(services_url, PREFIX):
+    server = Secured(tmp_path_factory.mktemp("secured"), PREFIX, workers=("w-1", "w-2", "w-3"),
+                     operators=("ops",)).start()
+    async with AsyncExitStack() as stack:
+        await start_services(stack, ["registry"], server.url("svc"), PREFIX)
         yield server
     server.stop()
 
 
 async def test_no_credentials_no_connection(secured):
     with pytest.raises(Exception):
-        await nats.connect(secured.url, max_reconnect_attempts=0, allow_reconnect=False, connect_timeout=2)
+        await nats.connect(secured.url(), max_reconnect_attempts=0, allow_reconnect=False, connect_timeout=2)
 
 
 async def test_a_worker_speaks_only_for_itself(secured):
-    admin = await Client().connect(secured, "svc")
-    worker = await Client().connect(secured, "w-1", inbox_prefix="_INBOX.w-1")
+    admin = await secured.connect("svc")
+    worker = await secured.connect("w-1")
     try:
         subject = service_subject(PREFIX, "registry", "register", "w-1")
         reply = await worker.nc.request(subject, json.dumps(registration("w-1")).encode(), timeout=10)
@@ -91,9 +69,10 @@ async def test_a_worker_speaks_only_for_itself(secured):
         await worker.nc.publish(js_api, b"")
         await worker.violation(js_api)
 
-        # the scheduler
-        for verb in ("resume.a-1", "explain.a-1", "fragmentation"):
-            subject = f"{PREFIX}.scheduler.{verb}"
+        # the scheduler and the snapshotter
+        for verb in ("scheduler.resume.a-1", "scheduler.explain.a-1", "scheduler.fragmentation",
+                     "snapshotter.create.a-1"):
+            subject = f"{PREFIX}.{verb}"
             await worker.nc.publish(subject, b"{}")
             await worker.violation(subject)
 
@@ -105,16 +84,17 @@ async def test_a_worker_speaks_only_for_itself(secured):
         assert (await worker.nc.request(service_subject(PREFIX, "registry", "heartbeat", "w-1"), b"{}", timeout=10))
         assert await last_seq(admin.nc, PREFIX) == before
     finally:
-        await worker.nc.close()
-        await admin.nc.close()
+        await worker.close()
+        await admin.close()
 
 
 async def test_an_operator_reads_the_log_and_queries_but_writes_nothing(secured):
-    admin = await Client().connect(secured, "svc")
-    ops = await Client().connect(secured, "ops")
+    admin = await secured.connect("svc")
+    worker = await secured.connect("w-2")
+    ops = await secured.connect("ops")
     try:
         subject = service_subject(PREFIX, "registry", "register", "w-2")
-        await admin.nc.request(subject, json.dumps(registration("w-2")).encode(), timeout=10)
+        await worker.nc.request(subject, json.dumps(registration("w-2")).encode(), timeout=10)
         before = await last_seq(admin.nc, PREFIX)
 
         js = ops.nc.jetstream()
@@ -133,31 +113,35 @@ async def test_an_operator_reads_the_log_and_queries_but_writes_nothing(secured)
         with pytest.raises(nats.errors.NoRespondersError):
             await ops.nc.request(f"{PREFIX}.scheduler.explain.a-1", b"{}", timeout=5)
 
-        for subject in (f"{PREFIX}.ev.worker.w-2", f"{PREFIX}.registry.remove.w-2",
-                        f"{PREFIX}.scheduler.resume.a-1", f"$JS.API.STREAM.PURGE.{stream_name(PREFIX)}"):
+        for subject in (f"{PREFIX}.ev.worker.w-2", f"{PREFIX}.registry.remove.w-2", f"{PREFIX}.scheduler.resume.a-1",
+                        f"{PREFIX}.snapshotter.stop.a-1", f"$JS.API.STREAM.PURGE.{stream_name(PREFIX)}",
+                        f"$JS.API.CONSUMER.DELETE.{stream_name(PREFIX)}.any"):
             await ops.nc.publish(subject, b"{}")
             await ops.violation(subject)
         await ops.nc.flush()
         assert await last_seq(admin.nc, PREFIX) == before
     finally:
-        await ops.nc.close()
-        await admin.nc.close()
+        for client in (ops, worker, admin):
+            await client.close()
 
 
 def test_command_writes_private_files_and_keeps_passwords(tmp_path):
     conf, secrets = tmp_path / "auth.conf", tmp_path / "secrets.json"
     runner = CliRunner()
-    args = ["nats-config", "--prefix", "wb", "--worker", "w-1", "--operator", "ops",
+    args = ["nats-config", "--prefix", "wb", "--worker", "w-1", "--operator", "ops", "--client", "orch",
             "--secrets", str(secrets), "--out", str(conf)]
     first = runner.invoke(main, args)
     assert first.exit_code == 0, first.output
     passwords = json.loads(secrets.read_text())
-    assert set(passwords) == {"warmboot-services", "ops", "w-1"}
+    assert set(passwords) == {"warmboot-services", "ops", "orch", "w-1"}
     for path in (conf, secrets):
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
     text = conf.read_text()
-    assert '"wb.registry.*.w-1"' in text and '"_INBOX.w-1.>"' in text
+    assert '"wb.registry.*.w-1"' in text and '"_INBOX.w-1.>"' in text and '"_INBOX.orch.>"' in text
     assert '"wb.scheduler.fragmentation"' in text
+    services = next(line for line in text.splitlines() if '"warmboot-services"' in line)
+    assert '"wb.ev.>"' in services and '"wb.registry.>"' in services  # publishes events, serves requests
+    assert '"wb.registry.' not in services.split("subscribe:")[0]  # never publishes onto a request subject
 
     second = runner.invoke(main, [*args, "--worker", "w-2"])
     assert second.exit_code == 0, second.output
@@ -168,14 +152,15 @@ def test_command_writes_private_files_and_keeps_passwords(tmp_path):
     assert clash.exit_code == 2 and "unique" in clash.output
     bad = runner.invoke(main, ["nats-config", "--worker", "w.1"])
     assert bad.exit_code == 2
+    orphan = runner.invoke(main, ["nats-config", "--auth", "nkey"])
+    assert orphan.exit_code == 2 and "--secrets or --seeds-dir" in orphan.output
 
 
 async def test_the_agent_works_with_worker_credentials(secured, tmp_path):
     path = tmp_path / "agent.toml"
     path.write_text(agent_config("v1"))
-    admin = await Client().connect(secured, "svc")
-    url = f"nats://w-3:{PASSWORDS['w-3']}@{secured.host}:{secured.port}"
-    agent = Agent(url, "w-3", "node-c", path, prefix=PREFIX, watch_interval_s=0.05, probe=PROBE)
+    admin = await secured.connect("svc")
+    agent = Agent(secured.url("w-3"), "w-3", "node-c", path, prefix=PREFIX, watch_interval_s=0.05, probe=PROBE)
     stop = asyncio.Event()
     task = asyncio.create_task(agent.run(stop))
     try:
@@ -185,4 +170,85 @@ async def test_the_agent_works_with_worker_credentials(secured, tmp_path):
     finally:
         stop.set()
         await asyncio.wait_for(task, 15)
-        await admin.nc.close()
+        await admin.close()
+
+
+# --- beyond clear passwords ------------------------------------------------------------------------
+
+
+def nats_config(tmp_path, *more: str) -> tuple[str, dict[str, str]]:
+    conf, secrets = tmp_path / "auth.conf", tmp_path / "secrets.json"
+    result = CliRunner().invoke(main, ["nats-config", "--prefix", "hx", "--services-user", "svc", "--worker", "w-1",
+                                       "--operator", "ops", "--secrets", str(secrets), "--out", str(conf), *more])
+    assert result.exit_code == 0, result.output
+    return conf.read_text(), json.loads(secrets.read_text())
+
+
+async def test_bcrypt_keeps_only_hashes_in_the_configuration(tmp_path):
+    text, passwords = nats_config(tmp_path, "--auth", "bcrypt")
+    assert text.count('password: "$2a$11$') == 3
+    assert not [p for p in passwords.values() if p in text]
+    server = NatsServer(tmp_path / "nats", extra_config=text).start()
+    try:
+        url = f"nats://w-1:{passwords['w-1']}@{server.host}:{server.port}"
+        async with AsyncExitStack() as stack:
+            await start_services(stack, ["registry"], f"nats://svc:{passwords['svc']}@{server.host}:{server.port}",
+                                 "hx")
+            worker = await nats.connect(url, inbox_prefix="_INBOX.w-1")
+            stack.push_async_callback(worker.close)
+            reply = await worker.request(service_subject("hx", "registry", "register", "w-1"),
+                                         json.dumps(registration("w-1")).encode(), timeout=10)
+            assert json.loads(reply.data)["outcome"] == "REGISTERED"
+        with pytest.raises(Exception):
+            await nats.connect(url.replace(passwords["w-1"], "wrong"), max_reconnect_attempts=0,
+                               allow_reconnect=False, connect_timeout=2)
+    finally:
+        server.stop()
+
+
+async def test_nkeys_one_pair_per_user_seeds_private_and_only_public_keys_configured(tmp_path, monkeypatch):
+    seeds = tmp_path / "seeds"
+    text, kept = nats_config(tmp_path, "--auth", "nkey", "--seeds-dir", str(seeds))
+    assert set(kept) == {"svc", "ops", "w-1"}
+    for user, seed in kept.items():
+        path = seeds / f"{user}.nk"
+        assert path.read_text().strip() == seed and seed.startswith("SU")
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert seed not in text
+    assert text.count('nkey: "U') == 3 and "password" not in text
+    again, kept_again = nats_config(tmp_path, "--auth", "nkey", "--seeds-dir", str(seeds))
+    assert kept_again == kept and again == text  # a second run rotates nothing
+
+    server = NatsServer(tmp_path / "nats", extra_config=text).start()
+    serve = Serve("registry", "--nats", server.url, "--nkey-seed", str(seeds / "svc.nk"), "--prefix", "hx",
+                  env={NKEY_SEED_ENV: ""})
+    try:
+        await asyncio.to_thread(serve.start)
+        path = tmp_path / "agent.toml"
+        path.write_text(agent_config("v1"))
+        agent = Agent(server.url, "w-1", "node-a", path, prefix="hx", probe=PROBE, nkey_seed=str(seeds / "w-1.nk"))
+        stop = asyncio.Event()
+        task = asyncio.create_task(agent.run(stop))
+        ops = await nats.connect(server.url, nkeys_seed=str(seeds / "ops.nk"))
+        try:
+            await wait_event(ops, "hx", "w-1", WorkerRegistered)
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 15)
+            await ops.close()
+    finally:
+        await asyncio.to_thread(serve.stop)
+        server.stop()
+    assert not [seed for seed in kept.values() if seed in serve.output]
+
+
+@pytest.mark.parametrize("url, shown", [
+    ("nats://svc:s3cret@h:4222", "nats://h:4222"),
+    ("nats://svc:s3cret@h1:4222,nats://svc:s3cret@h2:4222", "nats://h1:4222,nats://h2:4222"),
+    ("nats://svc:p@ss@h:4222", "nats://h:4222"),  # an unencoded '@' in the password
+    ("svc:s3cret@h:4222", "h:4222"),
+    ("tls://token@h:4222", "tls://h:4222"),
+    ("nats://h:4222", "nats://h:4222"),
+])
+def test_urls_are_shown_without_credentials(url, shown):
+    assert redact_url(url) == shown

@@ -45,6 +45,7 @@ from nats.aio.client import Client as NATS
 
 from events.codec import decode_request, encode, to_builtins
 from events.errors import ContractError
+from events.natsauth import nkey_options, nkey_seed_path
 from events.probe import DEFAULT_CPUINFO, PROFILES, SCHEMA_VERSION, ProbeError, probe_host
 from events.schema import (
     ActorOverhead,
@@ -222,8 +223,10 @@ class Agent:
         watch_interval_s: float = 1.0,
         probe: ProbeSettings = ProbeSettings(),
         inbox_prefix: str | None = None,
+        nkey_seed: str | None = None,
     ):
         self.nats_url = nats_url
+        self.nkey_seed = nkey_seed_path(nkey_seed)  # a seed file, or $NATS_NKEY_SEED
         self.worker_id = worker_id
         self.node = node
         self.config_path = Path(config_path)
@@ -293,6 +296,7 @@ class Agent:
                     reconnected_cb=reconnected,
                     error_cb=error,
                     connect_timeout=2,
+                    **nkey_options(self.nkey_seed),
                 )
             )
             stopping = asyncio.ensure_future(stop.wait())

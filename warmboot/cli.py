@@ -27,9 +27,11 @@ from warmboot.cmd_views import explain, fragmentation, workers  # noqa: E402
 main.add_command(explain)
 main.add_command(fragmentation)
 main.add_command(workers)
-from warmboot.cmd_registry import agent, nats_config  # noqa: E402
+from warmboot.cmd_registry import agent  # noqa: E402
 
 main.add_command(agent)
+from warmboot.nats_config import nats_config  # noqa: E402
+
 main.add_command(nats_config)
 from warmboot.cmd_audit import audit  # noqa: E402
 

@@ -11,6 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from events.compat import compat_key, describe_key
 from events.errors import ContractError
+from events.natsauth import redact_url
 from events.subjects import DEFAULT_PREFIX, stream_name
 from warmboot.runner import connect
 
@@ -28,7 +29,7 @@ def ask(nats_url: str, work: Callable[[Any], Awaitable[Any]]) -> Any:
         try:
             nc = await asyncio.wait_for(connect(nats_url, "warmboot-cli"), 5)
         except (OSError, asyncio.TimeoutError) as e:
-            raise click.ClickException(f"cannot reach NATS at {nats_url}: {e}") from None
+            raise click.ClickException(f"cannot reach NATS at {redact_url(nats_url)}: {e}") from None
         try:
             return await work(nc)
         finally:

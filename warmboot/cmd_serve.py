@@ -9,7 +9,9 @@ from contextlib import AsyncExitStack
 
 import click
 
+from events.natsauth import NKEY_SEED_ENV
 from events.subjects import DEFAULT_PREFIX
+from services.common import ALL_INTERFACES
 from services.scheduler.checkpoint import DEFAULT_EVERY_EVENTS, DEFAULT_INTERVAL_S
 from warmboot.runner import SERVICES, start_services, until_signal
 
@@ -17,11 +19,15 @@ from warmboot.runner import SERVICES, start_services, until_signal
 @click.command()
 @click.argument("service", type=click.Choice([*SERVICES, "all"]))
 @click.option("--nats", "nats_url", default="nats://127.0.0.1:4222", show_default=True,
-              envvar="NATS_URL", help="NATS server URL.")
+              envvar="NATS_URL", help="NATS server URL(s); credentials as nats://USER:PASSWORD@HOST:PORT.")
+@click.option("--nkey-seed", type=click.Path(exists=True, dir_okay=False), default=None, envvar=NKEY_SEED_ENV,
+              help="Sign in with the nkey seed in this file (warmboot nats-config --auth nkey).")
 @click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="WARMBOOT_PREFIX",
               help="Subject prefix of the deployment.")
 @click.option("--metrics-port", type=int, default=None,
               help="Serve Prometheus metrics on this port (0: any free port).")
+@click.option("--metrics-host", default=ALL_INTERFACES, show_default=True,
+              help="Interface the metrics are served on (all by default, for a Prometheus on another host).")
 @click.option("--ttl", "ttl_s", type=float, default=15.0, show_default=True,
               help="Registry: seconds of silence after which a worker is removed as LOST.")
 @click.option("--replicas", type=click.IntRange(1, 5), default=None, envvar="WARMBOOT_STREAM_REPLICAS",
@@ -32,14 +38,17 @@ from warmboot.runner import SERVICES, start_services, until_signal
 @click.option("--checkpoint-interval", "checkpoint_interval_s", type=click.FloatRange(min=0),
               default=DEFAULT_INTERVAL_S, show_default=True,
               help="Scheduler: also save one after this many seconds if anything was folded (0: off).")
-def serve(service: str, nats_url: str, prefix: str, metrics_port: int | None, ttl_s: float,
-          replicas: int | None, checkpoint_every: int, checkpoint_interval_s: float) -> None:
+def serve(service: str, nats_url: str, nkey_seed: str | None, prefix: str, metrics_port: int | None,
+          metrics_host: str, ttl_s: float, replicas: int | None, checkpoint_every: int,
+          checkpoint_interval_s: float) -> None:
     """Run SERVICE (registry, snapshotter, scheduler, or all) until SIGINT/SIGTERM.
 
     NATS URLs may be a comma-separated list (the members of a cluster).
     """
     if replicas is not None:
         os.environ["WARMBOOT_STREAM_REPLICAS"] = str(replicas)
+    if nkey_seed is not None:  # the services' connection and their event store sign with it
+        os.environ[NKEY_SEED_ENV] = os.path.abspath(nkey_seed)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     names = list(SERVICES) if service == "all" else [service]
 
@@ -49,10 +58,11 @@ def serve(service: str, nats_url: str, prefix: str, metrics_port: int | None, tt
                 stack, names, nats_url, prefix, metrics_port,
                 {"registry": {"ttl_s": ttl_s},
                  "scheduler": {"checkpoint_every": checkpoint_every, "checkpoint_interval_s": checkpoint_interval_s}},
+                metrics_host=metrics_host,
             )
-            click.echo(f"serving {', '.join(names)} on {nats_url} (prefix {prefix})")
-            if running.metrics_port:
-                click.echo(f"metrics on http://127.0.0.1:{running.metrics_port}/metrics")
+            click.echo(f"serving {', '.join(names)} on {running.where} (prefix {prefix})")
+            if running.metrics_url:
+                click.echo(f"metrics on {running.metrics_url}")
             await until_signal()
             click.echo("stopping")
 

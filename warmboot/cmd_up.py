@@ -62,8 +62,8 @@ def up(port: int, store: Path, prefix: str, metrics_port: int, demo: bool, exit_
                                            {"scheduler": checkpoints})
             console.print(f"NATS     {server.url}  (JetStream stream {stream_name(prefix)} in {store})")
             console.print(f"services {', '.join(f'warmboot-{n}' for n in running.names)}")
-            if running.metrics_port:
-                console.print(f"metrics  http://127.0.0.1:{running.metrics_port}/metrics")
+            if running.metrics_url:
+                console.print(f"metrics  {running.metrics_url}")
             if demo:
                 from warmboot.demo import DemoConfig, run_demo
 

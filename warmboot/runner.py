@@ -12,8 +12,9 @@ from typing import Any
 
 import nats
 
-from events.subjects import check_prefix
-from services.common import start_metrics
+from events.natsauth import nkey_options, nkey_seed_path, redact_url
+from events.subjects import check_prefix, services_inbox
+from services.common import LOOPBACK, metrics_url, start_metrics
 
 log = logging.getLogger("warmboot")
 
@@ -34,21 +35,38 @@ def service_class(name: str) -> type:
 class Running:
     """Services started in this process, and where they can be reached."""
 
-    nats_url: str
+    nats_url: str = field(repr=False)  # may hold a password: show `where`
     prefix: str
     names: list[str]
     metrics_port: int | None
     services: list[Any] = field(default_factory=list)
+    metrics_host: str = LOOPBACK
+
+    @property
+    def where(self) -> str:
+        return redact_url(self.nats_url)
+
+    @property
+    def metrics_url(self) -> str | None:
+        return metrics_url(self.metrics_host, self.metrics_port) if self.metrics_port else None
 
 
-async def connect(url: str, name: str) -> nats.NATS:
-    """A client that keeps reconnecting while the server restarts."""
+async def connect(url: str, name: str, *, inbox_prefix: str | None = None, nkey_seed: str | None = None) -> nats.NATS:
+    """A client that keeps reconnecting while the server restarts.
+
+    Signs in with the nkey seed file `nkey_seed` or $NATS_NKEY_SEED when there is one,
+    besides any user:password in `url`.
+    """
+    options: dict[str, Any] = nkey_options(nkey_seed_path(nkey_seed))
+    if inbox_prefix:
+        options["inbox_prefix"] = inbox_prefix
     return await nats.connect(
         servers=url.split(","),
         name=name,
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.5,
         allow_reconnect=True,
+        **options,
     )
 
 
@@ -59,19 +77,24 @@ async def start_services(
     prefix: str,
     metrics_port: int | None = None,
     options: dict[str, dict[str, Any]] | None = None,
+    metrics_host: str = LOOPBACK,
 ) -> Running:
-    """Start `names` (in registry, snapshotter, scheduler order); `stack` stops them in reverse."""
+    """Start `names` (in registry, snapshotter, scheduler order); `stack` stops them in reverse.
+
+    Their connection uses the services' inbox prefix (`services_inbox`), as their
+    event store does (`store_env`).
+    """
     check_prefix(prefix)
     options = options or {}
-    nc = await connect(nats_url, f"warmboot-{'+'.join(names)}")
+    nc = await connect(nats_url, f"warmboot-{'+'.join(names)}", inbox_prefix=services_inbox(prefix))
     stack.push_async_callback(nc.close)
-    running = Running(nats_url, prefix, names, start_metrics(metrics_port))
+    running = Running(nats_url, prefix, names, start_metrics(metrics_port, metrics_host), metrics_host=metrics_host)
     for name in names:
         service = service_class(name)(nc, nats_url=nats_url, prefix=prefix, **options.get(name, {}))
         await service.start()
         stack.push_async_callback(service.stop)
         running.services.append(service)
-        log.info("%s serving on %s (prefix %s)", name, nats_url, prefix)
+        log.info("%s serving on %s (prefix %s)", name, running.where, prefix)
     return running
 
 

@@ -338,20 +338,6 @@ class Liveness:
                     await msg.ack()
 
 
-def outage_is_unavailable(handler: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
-    """A store or bus outage while serving is UNAVAILABLE (retry later), not INTERNAL."""
-
-    @functools.wraps(handler)
-    async def serve(*args: Any) -> T:
-        try:
-            return await handler(*args)
-        except (OperationalError, nats.errors.Error) as error:
-            log.warning("%s: %r", handler.__name__, error)
-            raise unavailable(f"the event log or the heartbeat bucket is unavailable: {error}") from None
-
-    return serve
-
-
 class RegistryService:
     """`warmboot-registry`: register, heartbeat, drain and remove workers (CONTRACT section 3)."""
 
@@ -412,7 +398,6 @@ class RegistryService:
 
     # --- endpoints ----------------------------------------------------------------------
 
-    @outage_is_unavailable
     async def register(self, worker_id: str, request: RegisterWorker) -> RegisterReply:
         if request.worker_id != worker_id:
             raise invalid(
@@ -428,19 +413,16 @@ class RegistryService:
             REGISTRATIONS.labels(decided.outcome.value).inc()
             return RegisterReply(outcome=decided.outcome, seq=await self._seq(worker_id, decided))
 
-    @outage_is_unavailable
     async def heartbeat(self, worker_id: str, request: Heartbeat) -> HeartbeatReply:
         await asyncio.to_thread(self.store.require_alive, worker_id)
         await self.liveness.beat(worker_id)
         return HeartbeatReply(ttl_s=self.ttl_s)
 
-    @outage_is_unavailable
     async def drain(self, worker_id: str, request: DrainWorker) -> SeqReply:
         async with self._workers(worker_id):
             decided = await run_command(lambda: self.store.drain(worker_id, request, now()))
             return SeqReply(seq=await self._seq(worker_id, decided))
 
-    @outage_is_unavailable
     async def remove(self, worker_id: str, request: RemoveWorker) -> SeqReply:
         async with self._workers(worker_id):
             decided = await run_command(lambda: self.store.remove(worker_id, request, now()))

@@ -1,0 +1,37 @@
+"""How a warmboot process shows a NATS URL and proves who it is (docs/security.md).
+
+One definition for the services, the event store, the agent and the CLI:
+
+- `redact_url`: a URL (or a comma-separated list of them) as it may appear in a log
+  line, a repr or an error message: without the `user:password@` of any member.
+- `NKEY_SEED_ENV`: the environment variable that names a file holding an nkey seed
+  (`warmboot nats-config --auth nkey` writes one per user); `nkey_options` turns
+  it into nats-py's connect options. nats-py reads the file again for each
+  signature, so the seed is not kept in the process's memory between connects.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+NKEY_SEED_ENV = "NATS_NKEY_SEED"
+
+# Everything up to the last '@' before the host, per member of a list (greedy, so a
+# password with an unencoded '@' is removed whole), with or without a scheme.
+_USERINFO = re.compile(r"(^|,|//)[^/,]*@")
+
+
+def redact_url(url: str) -> str:
+    """`nats://svc:secret@h:4222,nats://svc:secret@h2` -> `nats://h:4222,nats://h2`."""
+    return _USERINFO.sub(r"\1", url)
+
+
+def nkey_seed_path(explicit: str | None = None) -> str | None:
+    """The nkey seed file to sign with: `explicit`, else $NATS_NKEY_SEED, else none."""
+    return explicit or os.environ.get(NKEY_SEED_ENV) or None
+
+
+def nkey_options(seed_path: str | None) -> dict[str, str]:
+    """nats-py connect options for an nkey seed file (none without one)."""
+    return {"nkeys_seed": seed_path} if seed_path else {}

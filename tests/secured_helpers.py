@@ -1,0 +1,158 @@
+"""Helpers for the tests on a server secured by `warmboot nats-config`: users, connections
+that collect the server's permission refusals, and `warmboot serve` as a child process."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import nats
+
+from events.subjects import services_inbox
+from warmboot.nats_config import Identity, identities, nats_auth_config
+from warmboot.natsserver import NatsServer, _die_with_parent
+
+WARMBOOT = str(Path(sys.executable).parent / "warmboot")
+
+
+class Client:
+    """A connection as one user, collecting the permission violations the server reports."""
+
+    def __init__(self):
+        self.violations: asyncio.Queue[str] = asyncio.Queue()
+        self.nc = None
+
+    async def connect(self, url: str, **options) -> "Client":
+        async def on_error(error: Exception) -> None:
+            if "permissions violation" in str(error).lower():
+                self.violations.put_nowait(str(error))
+
+        self.nc = await nats.connect(url, error_cb=on_error, **options)
+        return self
+
+    async def violation(self, subject: str) -> str:
+        """The server's refusal of `subject` (waits for the -ERR it sends back; the
+        client reports it in lower case)."""
+        while True:
+            message = await asyncio.wait_for(self.violations.get(), 10)
+            if subject.lower() in message.lower():
+                return message
+
+    async def close(self) -> None:
+        await self.nc.close()
+
+
+class Secured:
+    """A nats-server with the generated authorization block for one prefix.
+
+    `passwords` are random per run, so that a test can grep output for them.
+    """
+
+    def __init__(self, store_dir: Path, prefix: str, *, services: str = "svc", workers=(), operators=(),
+                 clients=(), auth: str = "password"):
+        self.prefix = prefix
+        self.services = services
+        self.operators = set(operators)
+        users = [services, *operators, *clients, *workers]
+        self.secrets = {u: (secrets.token_urlsafe(18) if auth != "nkey" else _seed()) for u in users}
+        ids: dict[str, Identity] = identities(auth, self.secrets)
+        self.config = nats_auth_config(prefix, services, list(workers), list(operators), clients=list(clients),
+                                       ids=ids)
+        self.server = NatsServer(store_dir, extra_config=self.config)
+
+    def start(self) -> "Secured":
+        self.server.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    def url(self, user: str | None = None) -> str:
+        if user is None:
+            return self.server.url
+        return f"nats://{user}:{self.secrets[user]}@{self.server.host}:{self.server.port}"
+
+    def inbox(self, user: str) -> str | None:
+        """The inbox prefix a user's connection must use to hear its replies (operators: any)."""
+        if user == self.services:
+            return services_inbox(self.prefix)
+        return None if user in self.operators else f"_INBOX.{user}"
+
+    async def connect(self, user: str, **options) -> Client:
+        inbox = self.inbox(user)
+        if inbox is not None:
+            options.setdefault("inbox_prefix", inbox)
+        return await Client().connect(self.url(user), **options)
+
+    def violations(self) -> list[str]:
+        """The permission violations the server logged (of the lines it still keeps)."""
+        return [line for line in self.server.log if "Violation" in line]
+
+
+def _seed() -> str:
+    from warmboot.nats_config import new_nkey_seed
+
+    return new_nkey_seed()
+
+
+class Serve:
+    """`warmboot serve ARGS` as a child process; its whole output (stdout and stderr) kept."""
+
+    SERVING = re.compile(r"^serving (.+) on (\S+) \(prefix (\S+)\)")
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None):
+        self.args = [WARMBOOT, "serve", *args]
+        self.env = {**os.environ, **(env or {})}
+        self.lines: list[str] = []
+        self.process: subprocess.Popen[str] | None = None
+        self._ready = threading.Event()
+        self._serving = False
+
+    def start(self, timeout: float = 60.0) -> "Serve":
+        self.process = subprocess.Popen(
+            self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env,
+            preexec_fn=functools.partial(_die_with_parent, os.getpid()),
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        if not self._ready.wait(timeout) or not self._serving:
+            self.stop()
+            raise AssertionError("warmboot serve did not start:\n" + self.output)
+        return self
+
+    def _read(self) -> None:
+        assert self.process and self.process.stdout
+        for line in self.process.stdout:
+            self.lines.append(line.rstrip("\n"))
+            if self.SERVING.match(line):
+                self._serving = True
+                self._ready.set()
+        self._ready.set()
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def line(self, start: str) -> str:
+        return next(line for line in self.lines if line.startswith(start))
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.process is None:
+            return 0
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._reader.join(10)  # the whole output, to its last line
+        return self.process.returncode

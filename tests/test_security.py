@@ -1,0 +1,447 @@
+"""docs/security.md on a real nats-server secured by `warmboot nats-config`.
+
+- Every flow of every service runs under the services' least-privilege permissions
+  with no permission violation logged by the server (this is how the permission set
+  was found, and what keeps it true as the services change).
+- No request is answered anywhere but to an inbox: each reply-subject attack of
+  issue 12 (a worker's own heartbeat whose reply names another worker's drain or
+  removal, an actor's stop or resume, the event log, the heartbeat bucket; the same
+  through `$SRV.PING`) changes nothing, and the services keep serving.
+- The services' user cannot publish onto a request subject; an operator cannot delete
+  the services' consumers nor read their inboxes; the services' output holds no password.
+
+`warmboot serve all` runs as a child process, as it is deployed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+
+import nats.errors
+import pytest
+from nats.js.api import ConsumerConfig
+
+from events.codec import decode_event, encode
+from events.errors import ContractError
+from events.schema import (
+    Attribute,
+    CompatVersion,
+    CreateActor,
+    DrainWorker,
+    ExplainResume,
+    Explanation,
+    Fidelity,
+    Fragmentation,
+    FragmentationQuery,
+    Heartbeat,
+    HeartbeatReply,
+    PauseActor,
+    RegisterReply,
+    RemoveWorker,
+    Resources,
+    ResumeActor,
+    Assignment,
+    SeqReply,
+    SnapshotReply,
+    StopActor,
+    SuspendActor,
+    TagSnapshot,
+    UpdateTemplate,
+    WorkerRemoved,
+    WorkerRegistered,
+)
+from events.subjects import bucket_name, event_subject, service_subject, stream_name
+from services.common import call
+from tests.registry_helpers import CPUINFO, PROBE, agent_config, registration, wait_event
+from tests.secured_helpers import WARMBOOT, Secured, Serve
+from warmboot.agent import Agent
+
+PREFIX = "sec"
+STREAM = stream_name(PREFIX)
+HEARTBEATS = bucket_name(PREFIX, "heartbeats")
+WORKERS = ("w-1", "w-2", "w-3", "w-lost", "w-agent")
+
+
+def sub(service: str, verb: str, entity: str | None = None) -> str:
+    return service_subject(PREFIX, service, verb, entity)
+
+
+def serve_args(secured: Secured, *more: str) -> list[str]:
+    return ["all", "--nats", secured.url(secured.services), "--prefix", PREFIX,
+            "--metrics-port", "0", "--metrics-host", "127.0.0.1", *more]
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The value of one sample in Prometheus text; 0 if absent."""
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            head, _, value = line.rpartition(" ")
+            got = head[len(name):].strip("{}")
+            if ",".join(sorted(got.split(","))) == want or (not labels and not got):
+                return float(value)
+    return 0.0
+
+
+async def last_seq(nc) -> int:
+    return (await nc.jetstream().stream_info(STREAM)).state.last_seq
+
+
+async def history(nc, kind: str, entity: str) -> list[int]:
+    """Stream sequences of the messages on one entity's subject."""
+    js, subject, seqs = nc.jetstream(), event_subject(PREFIX, kind, entity), []
+    while True:
+        try:
+            msg = await js.get_msg(STREAM, seq=(seqs[-1] if seqs else 0) + 1, subject=subject, next=True)
+        except nats.js.errors.NotFoundError:
+            return seqs
+        seqs.append(msg.seq)
+
+
+async def heartbeat_entry(nc, worker_id: str) -> int:
+    msg = await nc.jetstream().get_msg(f"KV_{HEARTBEATS}", subject=f"$KV.{HEARTBEATS}.{worker_id}")
+    return msg.seq
+
+
+def version(asset: str) -> CompatVersion:
+    return CompatVersion(schema_version="v1", attributes=(Attribute(key="architecture", value="amd64"),
+                                                          Attribute(key="cpu_features", value="0ac853df914e2ca0"),
+                                                          Attribute(key="gvisor_asset_hash", value=asset)))
+
+
+def create_body(actor_id: str, **fields) -> CreateActor:
+    return CreateActor(actor_id=actor_id, sandbox_class="gvisor", template_uid="tpl-1",
+                       resources=Resources(cpu_millis=250, memory_mib=256), **fields)
+
+
+# --- every flow under the generated permissions --------------------------------------------------------
+
+
+async def test_every_flow_runs_under_least_privilege_with_no_violation(tmp_path):
+    secured = Secured(tmp_path / "nats", PREFIX, workers=WORKERS, operators=("ops",), clients=("orch",)).start()
+    checkpoints = ("--checkpoint-every", "3", "--checkpoint-interval", "0")
+    serves = [Serve(*serve_args(secured, "--ttl", "15", *checkpoints))]
+    agents: list[tuple[asyncio.Event, asyncio.Task]] = []
+    clients = []
+    try:
+        await asyncio.to_thread(serves[0].start)
+        svc = await secured.connect("svc")  # reads the streams as the services do
+        orch = await secured.connect("orch")
+        ops = await secured.connect("ops")
+        clients += [svc, orch, ops]
+
+        # two workers run the agent with their own credentials
+        for worker_id, node in (("w-1", "node-a"), ("w-2", "node-b")):
+            path = tmp_path / f"{worker_id}.toml"
+            path.write_text(agent_config("v1", memory_mib=16384))
+            agent = Agent(secured.url(worker_id), worker_id, node, path, prefix=PREFIX, watch_interval_s=0.05,
+                          probe=PROBE)
+            stop = asyncio.Event()
+            agents.append((stop, asyncio.create_task(agent.run(stop))))
+            await wait_event(svc.nc, PREFIX, worker_id, WorkerRegistered)
+        nc = orch.nc
+
+        # the snapshotter and the scheduler, driven by a client
+        await call(nc, sub("snapshotter", "create", "a-1"), create_body("a-1", request_id="c-1"), SeqReply)
+        await call(nc, sub("snapshotter", "create", "a-2"), create_body("a-2"), SeqReply)
+        placed = await call(nc, sub("scheduler", "resume", "a-1"), ResumeActor(request_id="r-1"), Assignment)
+        again = await call(nc, sub("scheduler", "resume", "a-1"), ResumeActor(request_id="r-1"), Assignment)
+        assert again == placed  # a repeated request is answered, not placed again
+        await call(nc, sub("snapshotter", "pause", "a-1"), PauseActor(request_id="p-1"), SnapshotReply)
+        await call(nc, sub("scheduler", "resume", "a-1"), ResumeActor(min_seq=placed.seq), Assignment)
+        await call(nc, sub("snapshotter", "suspend", "a-1"), SuspendActor(fidelity=Fidelity.MEMORY, uri="s3://x/a-1"),
+                   SnapshotReply)
+        await call(nc, sub("snapshotter", "tag", "a-1"), TagSnapshot(tag="gold"), SnapshotReply)
+        await call(nc, sub("snapshotter", "create", "a-3"), create_body("a-3", source_tag="gold"), SeqReply)
+        await call(nc, sub("snapshotter", "update-template", "a-2"), UpdateTemplate(template_uid="tpl-2"), SeqReply)
+        on_worker = await call(nc, sub("scheduler", "resume", "a-2"), ResumeActor(), Assignment)
+        await call(nc, sub("snapshotter", "stop", "a-3"), StopActor(), SeqReply)
+        await call(nc, sub("scheduler", "fragmentation"), FragmentationQuery(), Fragmentation)
+
+        # an operator reads: explain, fragmentation, the log, service discovery
+        await call(ops.nc, sub("scheduler", "explain", "a-1"), ExplainResume(), Explanation)
+        await call(ops.nc, sub("scheduler", "fragmentation"), FragmentationQuery(), Fragmentation)
+        log = await ops.nc.jetstream().subscribe(f"{PREFIX}.ev.>", stream=STREAM, ordered_consumer=True)
+        first = await log.next_msg(timeout=10)
+        assert decode_event(first.data) is not None
+        await log.unsubscribe()
+        stats = await ops.nc.request("$SRV.STATS.warmboot-scheduler", b"", timeout=10)
+        assert json.loads(stats.data)["name"] == "warmboot-scheduler"
+
+        # the worker that runs a-2 drains and removes itself: a-2 is released
+        worker_id = on_worker.worker_id
+        worker = await secured.connect(worker_id)
+        clients.append(worker)
+        stop, task = agents.pop(["w-1", "w-2"].index(worker_id))
+        stop.set()
+        await asyncio.wait_for(task, 15)
+        await call(worker.nc, sub("registry", "drain", worker_id), DrainWorker(reason="maintenance"), SeqReply)
+        await call(worker.nc, sub("registry", "remove", worker_id), RemoveWorker(reason="gone"), SeqReply)
+
+        # the scheduler saved checkpoints (every 3 events); every service restarts and goes on from them
+        store = await svc.nc.jetstream().object_store(bucket_name(PREFIX, "checkpoints"))
+        assert await store.list()
+        assert await asyncio.to_thread(serves[0].stop) == 0
+        serves.append(Serve(*serve_args(secured, "--ttl", "1", *checkpoints)))
+        await asyncio.to_thread(serves[1].start)
+        assert "restored the projection from checkpoint" in serves[1].output
+        explained = await call(ops.nc, sub("scheduler", "explain", "a-1"), ExplainResume(min_seq=await last_seq(svc.nc)),
+                               Explanation)
+        assert explained.candidates == 1
+        assert await call(nc, sub("scheduler", "resume", "a-1"), ResumeActor(), Assignment)
+
+        # a worker that goes silent is removed as LOST by the sweeper (now a heartbeat TTL of 1 s)
+        lost = await secured.connect("w-lost")
+        await call(lost.nc, sub("registry", "register", "w-lost"), registration("w-lost"), RegisterReply)
+        await lost.close()
+        _, removed = await wait_event(svc.nc, PREFIX, "w-lost", WorkerRemoved)
+        assert removed.reason == "LOST"
+
+        assert secured.violations() == []
+    finally:
+        for stop, task in agents:
+            stop.set()
+            await asyncio.wait_for(task, 15)
+        for client in clients:
+            await client.close()
+        for serve in serves:
+            await asyncio.to_thread(serve.stop)
+        secured.stop()
+        print(*(serve.output for serve in serves), *secured.violations(), sep="\n")  # shown when it fails
+    assert not [serve for serve in serves if secured.secrets["svc"] in serve.output]
+
+
+# --- a deployment under attack -----------------------------------------------------------------------
+
+
+class Deployment:
+    """A secured server, `warmboot serve all` as the services' user, and a connection per role."""
+
+    def __init__(self, secured: Secured, serve: Serve):
+        self.secured, self.serve = secured, serve
+        self.conns: dict[str, object] = {}
+
+    async def open(self) -> "Deployment":
+        for user in ("svc", "ops", "orch", "w-1", "w-2"):
+            self.conns[user] = await self.secured.connect(user)
+        return self
+
+    def __getattr__(self, user: str):
+        return self.conns[user.replace("_", "-")]
+
+    def metrics(self) -> str:
+        url = self.serve.line("metrics on ").split()[-1]
+        return urllib.request.urlopen(url, timeout=10).read().decode()
+
+    def dropped(self, service: str, endpoint: str, reason: str) -> float:
+        return metric(self.metrics(), "warmboot_requests_dropped_total", service=service, endpoint=endpoint,
+                      reason=reason)
+
+
+@pytest.fixture(scope="module")
+async def deployment(tmp_path_factory):
+    secured = Secured(tmp_path_factory.mktemp("secured"), PREFIX, workers=WORKERS, operators=("ops",),
+                      clients=("orch",)).start()
+    serve = Serve(*serve_args(secured, "--ttl", "300"))
+    await asyncio.to_thread(serve.start)
+    d = await Deployment(secured, serve).open()
+    for worker_id, node in (("w-1", "node-a"), ("w-2", "node-b")):
+        await call(d.conns[worker_id].nc, sub("registry", "register", worker_id), registration(worker_id, node=node),
+                   RegisterReply)
+    await call(d.orch.nc, sub("snapshotter", "create", "a-1"), create_body("a-1"), SeqReply)
+    await call(d.orch.nc, sub("snapshotter", "create", "a-2"), create_body("a-2"), SeqReply)
+    try:
+        yield d
+    finally:
+        for conn in d.conns.values():
+            await conn.close()
+        await asyncio.to_thread(serve.stop)
+        secured.stop()
+
+
+class State:
+    """What an attack must leave alone: the stream's last sequence, the victims' histories,
+    w-2's heartbeat entry."""
+
+    @classmethod
+    async def of(cls, d: Deployment) -> "State":
+        state = cls()
+        nc = d.svc.nc
+        state.last = await last_seq(nc)
+        state.w2 = await history(nc, "worker", "w-2")
+        state.a1 = await history(nc, "actor", "a-1")
+        state.kv_w2 = await heartbeat_entry(nc, "w-2")
+        return state
+
+    def __eq__(self, other: object) -> bool:
+        return vars(self) == vars(other)
+
+    def __repr__(self) -> str:
+        return f"State({vars(self)})"
+
+
+TARGETS = {
+    "drain w-2": sub("registry", "drain", "w-2"),
+    "remove w-2": sub("registry", "remove", "w-2"),
+    "stop a-1": sub("snapshotter", "stop", "a-1"),
+    "resume a-1": sub("scheduler", "resume", "a-1"),
+    "append to w-2's history": event_subject(PREFIX, "worker", "w-2"),
+    "overwrite w-2's heartbeat": f"$KV.{HEARTBEATS}.w-2",
+}
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+async def test_a_workers_request_with_a_reply_subject_that_is_no_inbox_changes_nothing(deployment, target):
+    d = deployment
+    before = await State.of(d)
+    dropped = d.dropped("registry", "heartbeat", "not_inbox")
+
+    # w-1's own heartbeat, answered "to" the target: the registry must not publish there
+    await d.w_1.nc.publish(sub("registry", "heartbeat", "w-1"), encode(Heartbeat()), reply=TARGETS[target])
+    # the same endpoint's next request is served: the attack was handled before it (one subscription, in order)
+    assert await call(d.w_1.nc, sub("registry", "heartbeat", "w-1"), Heartbeat(), HeartbeatReply)
+    assert d.dropped("registry", "heartbeat", "not_inbox") == dropped + 1
+    # and every service still answers (the snapshotter and the scheduler hear about a-1 as before)
+    with pytest.raises(ContractError) as refused:
+        await call(d.orch.nc, sub("snapshotter", "pause", "a-1"), PauseActor(), SnapshotReply)
+    assert refused.value.code.value == "FAILED_PRECONDITION"
+    await call(d.ops.nc, sub("scheduler", "explain", "a-1"), ExplainResume(min_seq=before.last), Explanation)
+    assert await State.of(d) == before
+
+
+@pytest.mark.parametrize("verb", ["PING", "INFO", "STATS"])
+async def test_discovery_requests_with_a_reply_subject_that_is_no_inbox_change_nothing(deployment, verb):
+    d = deployment
+    before = await State.of(d)
+    dropped = [d.dropped(s, f"$SRV.{verb}", "not_inbox") for s in ("registry", "snapshotter", "scheduler")]
+    for target in TARGETS.values():
+        await d.ops.nc.publish(f"$SRV.{verb}", b"", reply=target)
+    await d.ops.nc.publish(f"$SRV.{verb}", b"")  # no reply subject at all
+
+    # each of the three services answers the next discovery request on the same subject
+    inbox = d.ops.nc.new_inbox()
+    answers = await d.ops.nc.subscribe(inbox, max_msgs=3)
+    await d.ops.nc.publish(f"$SRV.{verb}", b"", reply=inbox)
+    names = sorted([json.loads((await answers.next_msg(timeout=10)).data)["name"] for _ in range(3)])
+    assert names == ["warmboot-registry", "warmboot-scheduler", "warmboot-snapshotter"]
+    after = [d.dropped(s, f"$SRV.{verb}", "not_inbox") for s in ("registry", "snapshotter", "scheduler")]
+    assert after == [n + len(TARGETS) for n in dropped]
+    assert all(d.dropped(s, f"$SRV.{verb}", "no_reply") >= 1 for s in ("registry", "snapshotter", "scheduler"))
+    assert await State.of(d) == before
+
+
+async def test_a_request_without_a_reply_subject_is_not_processed(deployment):
+    d = deployment
+    kv_w1 = await heartbeat_entry(d.svc.nc, "w-1")
+    await d.w_1.nc.publish(sub("registry", "heartbeat", "w-1"), encode(Heartbeat()))  # would put w-1's heartbeat
+    await call(d.w_2.nc, sub("registry", "heartbeat", "w-2"), Heartbeat(), HeartbeatReply)  # same subscription
+    assert await heartbeat_entry(d.svc.nc, "w-1") == kv_w1
+    assert d.dropped("registry", "heartbeat", "no_reply") >= 1
+
+
+async def test_a_reply_to_the_services_own_inbox_is_refused(deployment):
+    """An inbox, but one of the services' own: answering there would feed their own
+    subscriptions (JetStream replies, deliveries) with a forged message."""
+    d = deployment
+    dropped = d.dropped("registry", "heartbeat", "services_inbox")
+    await d.w_1.nc.publish(sub("registry", "heartbeat", "w-1"), encode(Heartbeat()),
+                           reply=f"{secured_inbox()}.abc.1")
+    assert await call(d.w_1.nc, sub("registry", "heartbeat", "w-1"), Heartbeat(), HeartbeatReply)
+    assert d.dropped("registry", "heartbeat", "services_inbox") == dropped + 1
+
+
+def secured_inbox() -> str:
+    from events.subjects import services_inbox
+
+    return services_inbox(PREFIX)
+
+
+async def test_the_services_user_cannot_publish_onto_a_request_subject(deployment):
+    d = deployment
+    before = await last_seq(d.svc.nc)
+    for subject in (sub("registry", "drain", "w-2"), sub("registry", "register", "w-9"),
+                    sub("snapshotter", "stop", "a-1"), sub("scheduler", "resume", "a-1"),
+                    sub("scheduler", "fragmentation"), f"{secured_inbox()}.forged"):
+        await d.svc.nc.publish(subject, b"{}")
+        await d.svc.violation(subject)
+    assert await last_seq(d.svc.nc) == before
+
+
+async def test_an_operator_cannot_delete_consumers_nor_read_the_services_inboxes(deployment):
+    d = deployment
+    js = d.ops.nc.jetstream()
+    # its own consumer: it may read with it, not delete it (a name prefix cannot be pinned)
+    mine = await js.pull_subscribe(f"{PREFIX}.ev.>", stream=STREAM, config=ConsumerConfig(inactive_threshold=30.0))
+    assert await mine.fetch(1, timeout=10)
+    name = (await mine.consumer_info()).name
+    for victim in (f"{STREAM}.{name}", f"KV_{HEARTBEATS}.registry-sweeper"):
+        subject = f"$JS.API.CONSUMER.DELETE.{victim}"
+        await d.ops.nc.publish(subject, b"")
+        await d.ops.violation(subject)
+    assert (await d.svc.nc.jetstream().consumer_info(f"KV_{HEARTBEATS}", "registry-sweeper")).name
+
+    # replies to workers reach an operator's _INBOX.> (it is trusted with them), the services' do not
+    seen: list[str] = []
+    marker = asyncio.get_running_loop().create_future()
+
+    async def on_msg(msg):
+        seen.append(msg.subject)
+        if msg.subject == "_INBOX.marker" and not marker.done():
+            marker.set_result(None)
+
+    spy = await d.ops.nc.subscribe("_INBOX.>", cb=on_msg)
+    await d.ops.nc.flush()
+    await d.svc.nc.jetstream().stream_info(STREAM)  # its reply goes to the services' inbox
+    await call(d.w_1.nc, sub("registry", "heartbeat", "w-1"), Heartbeat(), HeartbeatReply)
+    await d.svc.nc.publish("_INBOX.marker", b"")  # sent after both replies were received
+    await asyncio.wait_for(marker, 10)
+    await spy.unsubscribe()
+    assert any(s.startswith("_INBOX.w-1.") for s in seen), seen
+    assert not [s for s in seen if s.startswith(secured_inbox())], seen
+
+
+async def test_the_agent_works_with_worker_credentials_and_no_output_holds_a_password(deployment, tmp_path):
+    d = deployment
+    path = tmp_path / "agent.toml"
+    path.write_text(agent_config("v1"))
+    agent = await asyncio.create_subprocess_exec(
+        WARMBOOT, "agent", "--nats", d.secured.url("w-3"), "--worker-id", "w-3", "--node", "node-c",
+        "--config", str(path), "--prefix", PREFIX, "--cpuinfo", str(CPUINFO), "--arch", "amd64", "-v",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )
+    try:
+        await wait_event(d.svc.nc, PREFIX, "w-3", WorkerRegistered)
+    finally:
+        agent.terminate()
+        agent_output = (await asyncio.wait_for(agent.communicate(), 20))[0].decode()
+    assert "agent w-3 stopped" in agent_output
+
+    # the operator commands: a server that is not there, a wrong password
+    dead = d.secured.url("ops").replace(f":{d.secured.server.port}", ":1")
+    cli = []
+    for url in (dead, d.secured.url("ops").replace(d.secured.secrets["ops"], d.secured.secrets["ops"][::-1])):
+        proc = await asyncio.create_subprocess_exec(
+            WARMBOOT, "fragmentation", "--nats", url, "--prefix", PREFIX,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        cli.append((await asyncio.wait_for(proc.communicate(), 30))[0].decode())
+        assert proc.returncode != 0
+    assert "cannot reach NATS at nats://127.0.0.1:1" in cli[0]
+
+    outputs = {"serve": d.serve.output, "agent": agent_output, "cli": "\n".join(cli)}
+    assert "serving registry, snapshotter, scheduler on nats://127.0.0.1:" in outputs["serve"]
+    for user, secret in d.secured.secrets.items():
+        for name, text in outputs.items():
+            assert secret not in text and secret[::-1] not in text, f"{user}'s password in the {name} output"
+
+
+async def test_no_permission_violation_but_the_ones_the_tests_provoked(deployment):
+    """Run last: over all the attacks above, the services' user was refused only where a
+    test published as it on purpose (the request subjects and its own inbox)."""
+    d = deployment
+    await call(d.w_1.nc, sub("registry", "heartbeat", "w-1"), Heartbeat(), HeartbeatReply)
+    provoked = {sub("registry", "drain", "w-2"), sub("registry", "register", "w-9"), sub("snapshotter", "stop", "a-1"),
+                sub("scheduler", "resume", "a-1"), sub("scheduler", "fragmentation"), f"{secured_inbox()}.forged"}
+    svc = [line for line in d.secured.violations() if "user:svc" in line]
+    assert {line.rsplit('Subject "', 1)[1].rstrip('"') for line in svc} <= provoked, svc

@@ -1,0 +1,295 @@
+"""The shared service shell (services.common) over a real bus: who is answered, how an
+error is sent and counted, what `$SRV.STATS` and `$SRV.INFO` say, and that an outage of
+the store, a bucket or the bus is UNAVAILABLE for every service, never INTERNAL."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from contextlib import AsyncExitStack
+
+import nats
+import nats.errors
+import nats.js.errors
+import pytest
+from eventsourcing.persistence import IntegrityError, OperationalError
+
+from events.codec import encode
+from events.errors import ContractError, not_found
+from events.jetstream import StoreUnavailableError
+from events.schema import (
+    CreateActor,
+    DrainWorker,
+    Heartbeat,
+    HeartbeatReply,
+    RegisterReply,
+    Resources,
+    ResumeActor,
+    SeqReply,
+)
+from events.subjects import event_subject, service_subject, stream_name
+from services.common import EndpointSpec, add_endpoints, call, is_outage
+from tests.registry_helpers import registration
+from warmboot.natsserver import NatsCluster, wait_jetstream
+from warmboot.runner import SERVICES, start_services
+
+# --- which errors are outages (pure) ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("error", [
+    OperationalError("store"), StoreUnavailableError("no answer for 30s"), nats.errors.TimeoutError(),
+    nats.errors.NoRespondersError(), nats.errors.ConnectionClosedError(), nats.errors.ConnectionReconnectingError(),
+    nats.js.errors.ServiceUnavailableError(code=503, description="JetStream system temporarily unavailable"),
+    nats.js.errors.ServerError(code=500), nats.js.errors.NoStreamResponseError(), asyncio.TimeoutError(),
+    ConnectionResetError(),
+])
+def test_an_outage_is_told_apart_from_a_bug(error):
+    assert is_outage(error)
+
+
+@pytest.mark.parametrize("error", [
+    ValueError(), KeyError("x"), AttributeError(), IntegrityError(), nats.errors.BadSubjectError(),
+    nats.js.errors.BadRequestError(code=400, description="bad request"), nats.js.errors.NotFoundError(code=404),
+    nats.js.errors.KeyWrongLastSequenceError(),
+])
+def test_a_bug_is_no_outage(error):
+    assert not is_outage(error)
+
+
+# --- a test service on the real bus --------------------------------------------------------------
+
+
+class Probe:
+    """Handlers that answer, refuse, fail as a bug or as an outage, or wait to be released."""
+
+    def __init__(self):
+        self.calls = 0
+        self.started = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def answer(self, entity_id: str, request: Heartbeat) -> HeartbeatReply:
+        self.calls += 1
+        if entity_id == "missing":
+            raise not_found(f"no {entity_id}\r\nX-Injected: 1", "worker_id")
+        if entity_id == "bug":
+            raise KeyError("a bug")
+        if entity_id == "outage":
+            raise StoreUnavailableError("the event store did not answer for 30s")
+        if entity_id == "slow":
+            self.started.set()
+            await self.release.wait()
+        return HeartbeatReply(ttl_s=1.0)
+
+
+@pytest.fixture
+async def probe(nc, prefix):
+    handlers = Probe()
+    micro = await add_endpoints(nc, prefix, "probe", "a test service", [
+        EndpointSpec("answer", Heartbeat, handlers.answer),
+        EndpointSpec("listed", Heartbeat, handlers.answer, per_entity=False, reply_type=SeqReply),
+    ])
+    yield handlers
+    await micro.stop()
+
+
+async def stats(nc, name: str) -> dict[str, dict]:
+    reply = await nc.request(f"$SRV.STATS.{name}", b"", timeout=10)
+    return {e["name"]: e for e in json.loads(reply.data)["endpoints"]}
+
+
+async def test_errors_go_out_as_micro_error_replies_with_the_contract_body(nc, prefix, probe):
+    msg = await nc.request(service_subject(prefix, "probe", "answer", "missing"), b"{}", timeout=10)
+    assert msg.headers["Nats-Service-Error-Code"] == "404"
+    assert msg.headers["Nats-Service-Error"] == "no missing  X-Injected: 1"  # one header line, nothing injected
+    assert "X-Injected" not in msg.headers
+    assert json.loads(msg.data) == {"error": {"code": "NOT_FOUND", "message": "no missing\r\nX-Injected: 1",
+                                              "field": "worker_id"}}
+
+
+async def test_a_bug_is_internal_with_a_logged_traceback_and_an_outage_unavailable(nc, prefix, probe, caplog):
+    with caplog.at_level(logging.WARNING, logger="warmboot.service"):
+        bug = await nc.request(service_subject(prefix, "probe", "answer", "bug"), b"{}", timeout=10)
+        outage = await nc.request(service_subject(prefix, "probe", "answer", "outage"), b"{}", timeout=10)
+    assert json.loads(bug.data)["error"]["code"] == "INTERNAL" and bug.headers["Nats-Service-Error-Code"] == "500"
+    assert "KeyError" not in bug.data.decode()
+    assert json.loads(outage.data)["error"]["code"] == "UNAVAILABLE"
+    assert outage.headers["Nats-Service-Error-Code"] == "503"
+    [traceback] = [r for r in caplog.records if r.exc_info]
+    assert traceback.exc_info[0] is KeyError and "probe.answer failed" in traceback.getMessage()
+    assert any("answered UNAVAILABLE" in r.getMessage() for r in caplog.records)
+
+
+async def test_stats_count_requests_errors_and_the_time_until_the_reply(nc, prefix, probe):
+    def subject(entity: str) -> str:
+        return service_subject(prefix, "probe", "answer", entity)
+
+    for entity, body in (("w-1", b"{}"), ("w-2", b"{}"), ("missing", b"{}"), ("bug", b"{}"), ("w-3", b"[1]")):
+        await nc.request(subject(entity), body, timeout=10)
+    slow = asyncio.ensure_future(nc.request(subject("slow"), b"{}", timeout=10))
+    await probe.started.wait()
+    started = asyncio.get_running_loop().time()
+    await asyncio.sleep(0.2)  # the handler's own work, which STATS must count: not a wait for a condition
+    probe.release.set()
+    await slow
+    waited_ns = (asyncio.get_running_loop().time() - started) * 1e9
+
+    answer = (await stats(nc, "warmboot-probe"))["answer"]
+    assert answer["num_requests"] == 6  # w-1, w-2, missing, bug, the invalid body, slow
+    assert answer["num_errors"] == 3  # missing, bug, the invalid body
+    assert answer["last_error"].startswith("400:INVALID_ARGUMENT")
+    assert answer["processing_time"] >= waited_ns
+    assert answer["average_processing_time"] == answer["processing_time"] // 6
+
+
+async def test_only_inbox_replies_are_processed(nc, prefix, probe):
+    subject = service_subject(prefix, "probe", "answer", "w-1")
+    for reply in (None, f"{prefix}.registry.drain.w-2", "$KV.X.y", "INBOX.x", f"_INBOX._{prefix}.own"):
+        await nc.publish(subject, b"{}", reply=reply or "")
+    msg = await nc.request(subject, b"{}", timeout=10)  # the same subscription, after them
+    assert json.loads(msg.data) == {"ttl_s": 1.0}
+    assert probe.calls == 1
+    assert (await stats(nc, "warmboot-probe"))["answer"]["num_requests"] == 1
+
+
+async def test_info_names_each_endpoints_request_and_reply_schema(nc, prefix, probe):
+    info = json.loads((await nc.request("$SRV.INFO.warmboot-probe", b"", timeout=10)).data)
+    assert info["metadata"] == {"prefix": prefix}
+    endpoints = {e["name"]: e["metadata"] for e in info["endpoints"]}
+    assert endpoints == {"answer": {"request": "Heartbeat", "reply": "HeartbeatReply"},
+                         "listed": {"request": "Heartbeat", "reply": "SeqReply"}}
+
+
+async def test_every_service_endpoint_names_its_schemas(nc, prefix, stack):
+    inbox = nc.new_inbox()
+    answers = await nc.subscribe(inbox)
+    await nc.publish("$SRV.INFO", b"", reply=inbox)
+    seen = {}
+    while len(seen) < 3:
+        info = json.loads((await answers.next_msg(timeout=10)).data)
+        if info["metadata"].get("prefix") == prefix:
+            seen[info["name"]] = {e["name"]: e["metadata"] for e in info["endpoints"]}
+    await answers.unsubscribe()
+    assert seen["warmboot-registry"]["register"] == {"request": "RegisterWorker", "reply": "RegisterReply"}
+    assert seen["warmboot-scheduler"]["resume"] == {"request": "ResumeActor", "reply": "Assignment"}
+    for name, endpoints in seen.items():
+        for verb, meta in endpoints.items():
+            assert set(meta) == {"request", "reply"}, (name, verb, meta)
+
+
+async def test_the_real_services_count_their_error_replies(nc, prefix, stack):
+    for worker_id in ("nobody-1", "nobody-2"):
+        with pytest.raises(ContractError):
+            await call(nc, service_subject(prefix, "registry", "heartbeat", worker_id), Heartbeat(), HeartbeatReply)
+    await call(nc, service_subject(prefix, "registry", "register", "w-1"), registration("w-1"), RegisterReply)
+    await call(nc, service_subject(prefix, "registry", "heartbeat", "w-1"), Heartbeat(), HeartbeatReply)
+    # other tests' registries may answer too: take this deployment's (its metadata names the prefix)
+    inbox = nc.new_inbox()
+    answers = await nc.subscribe(inbox)
+    await nc.publish("$SRV.STATS.warmboot-registry", b"", reply=inbox)
+    mine = None
+    while mine is None:
+        data = json.loads((await answers.next_msg(timeout=10)).data)
+        if data["metadata"].get("prefix") == prefix:
+            mine = {e["name"]: e for e in data["endpoints"]}
+    await answers.unsubscribe()
+    assert mine["heartbeat"]["num_requests"] == 3 and mine["heartbeat"]["num_errors"] == 2
+    assert mine["heartbeat"]["last_error"].startswith("404:NOT_FOUND")
+    assert mine["register"]["num_requests"] == 1 and mine["register"]["num_errors"] == 0
+
+
+async def test_without_permissions_the_services_still_answer_nothing_but_inboxes(nc, prefix, stack):
+    """The reply check alone (an unsecured server, services with every right): a worker's
+    heartbeat whose reply names another worker's drain drains nothing."""
+    for worker_id in ("w-1", "w-2"):
+        await call(nc, service_subject(prefix, "registry", "register", worker_id), registration(worker_id),
+                   RegisterReply)
+    js = nc.jetstream()
+    before = (await js.stream_info(stream_name(prefix))).state.last_seq
+    heartbeat = service_subject(prefix, "registry", "heartbeat", "w-1")
+    for target in (service_subject(prefix, "registry", "drain", "w-2"), service_subject(prefix, "registry", "remove", "w-2"),
+                   event_subject(prefix, "worker", "w-2")):
+        await nc.publish(heartbeat, encode(Heartbeat()), reply=target)
+    await call(nc, heartbeat, Heartbeat(), HeartbeatReply)
+    # drain w-2 for real: its history's next event is this drain, nothing in between
+    drained = await call(nc, service_subject(prefix, "registry", "drain", "w-2"), DrainWorker(reason="mine"), SeqReply)
+    assert drained.seq == before + 1
+
+
+# --- an outage: JetStream without quorum, core NATS still routing ---------------------------------------
+
+
+@pytest.mark.timeout(240)
+async def test_a_store_that_does_not_answer_is_unavailable_for_every_service(tmp_path, prefix, monkeypatch):
+    monkeypatch.setenv("WARMBOOT_STORE_TIMEOUT", "2")  # the event store gives up after 2 s
+    monkeypatch.setenv("WARMBOOT_STREAM_REPLICAS", "3")  # every stream and bucket on all three nodes
+    cluster = NatsCluster(tmp_path, 3)
+    await asyncio.to_thread(cluster.start)
+    try:
+        await wait_jetstream(cluster.url)
+        first = cluster.nodes[0].url  # services and the client stay on the node that survives
+        async with AsyncExitStack() as stack:
+            await start_services(stack, list(SERVICES), first, prefix, options={"scheduler": {"catch_up_s": 2.0}})
+            nc = await nats.connect(first)
+            stack.push_async_callback(nc.close)
+            await call(nc, service_subject(prefix, "registry", "register", "w-1"), registration("w-1"), RegisterReply)
+            create = CreateActor(actor_id="a-1", sandbox_class="gvisor", template_uid="t",
+                                 resources=Resources(cpu_millis=100, memory_mib=64))
+            await call(nc, service_subject(prefix, "snapshotter", "create", "a-1"), create, SeqReply)
+
+            for node in cluster.nodes[1:]:  # two of three gone: no quorum, no JetStream
+                await asyncio.to_thread(node.kill)
+
+            requests = [
+                ("registry", "heartbeat", "w-1", Heartbeat(), HeartbeatReply),
+                ("registry", "drain", "w-1", DrainWorker(reason="x"), SeqReply),
+                ("snapshotter", "create", "a-2", CreateActor(actor_id="a-2", sandbox_class="gvisor", template_uid="t",
+                                                             resources=Resources(cpu_millis=100, memory_mib=64)),
+                 SeqReply),
+                ("scheduler", "resume", "a-1", ResumeActor(request_id="r-1"), SeqReply),  # reads the reply cache
+            ]
+            for service, verb, entity, body, reply_type in requests:
+                with pytest.raises(ContractError) as refused:
+                    await call(nc, service_subject(prefix, service, verb, entity), body, reply_type, timeout=60)
+                assert refused.value.code.value == "UNAVAILABLE", (service, verb, refused.value)
+    finally:
+        await asyncio.to_thread(cluster.stop)
+
+
+# --- metrics other hosts can scrape ------------------------------------------------------------------
+
+
+def listening_on(port: int) -> set[str]:
+    """Local addresses (hex, as /proc/net/tcp writes them) of the sockets listening on `port`."""
+    found = set()
+    for line in open("/proc/net/tcp").read().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        address, _, hex_port = local.partition(":")
+        if int(hex_port, 16) == port and state == "0A":  # LISTEN
+            found.add(address)
+    return found
+
+
+async def test_serve_serves_metrics_on_every_interface_and_up_on_loopback(nats_url, prefix):
+    import socket
+    import urllib.request
+
+    from tests.secured_helpers import Serve
+
+    serve = Serve("registry", "--nats", nats_url, "--prefix", prefix, "--metrics-port", "0")
+    await asyncio.to_thread(serve.start)
+    try:
+        url = serve.line("metrics on ").split()[-1]
+        assert url.startswith(f"http://{socket.gethostname()}:") and url.endswith("/metrics")
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        assert listening_on(port) == {"00000000"}  # 0.0.0.0: every interface
+        text = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10)
+                                       .read().decode())
+        assert "warmboot_registry_registrations_total" in text
+    finally:
+        await asyncio.to_thread(serve.stop)
+
+    async with AsyncExitStack() as stack:  # what `warmboot up` starts: the default host
+        running = await start_services(stack, ["registry"], nats_url, prefix, metrics_port=0)
+        assert running.metrics_url == f"http://127.0.0.1:{running.metrics_port}/metrics"
+        assert listening_on(running.metrics_port) == {"0100007F"}  # 127.0.0.1

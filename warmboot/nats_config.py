@@ -1,0 +1,377 @@
+"""`warmboot nats-config`: who may say what on the bus (docs/security.md).
+
+The permissions of each role are pure functions of the deployment's prefix, and
+the configuration text a pure function of the users and their credentials; the
+command only reads and writes the files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+
+from events.schema import ID_PATTERN
+from events.subjects import DEFAULT_PREFIX, bucket_name, check_prefix, events_filter, services_inbox, stream_name
+
+_ID = re.compile(ID_PATTERN)
+SERVICES = ("registry", "snapshotter", "scheduler")
+AUTH_MODES = ("password", "bcrypt", "nkey")
+BCRYPT_ROUNDS = 11  # nats-server's own default (`nats server passwd`)
+
+
+# --- who may say what ---------------------------------------------------------------------------
+
+
+def worker_permissions(prefix: str, worker_id: str) -> dict:
+    """A worker may speak only for itself, and hear only the replies to its own requests."""
+    return {
+        "publish": {"allow": [f"{prefix}.registry.*.{worker_id}"]},
+        "subscribe": {"allow": [f"_INBOX.{worker_id}.>"]},
+    }
+
+
+def client_permissions(prefix: str, name: str) -> dict:
+    """The orchestrator that drives actors: every snapshotter and scheduler endpoint, and
+    service discovery; replies on its own inbox prefix, as a worker's."""
+    return {
+        "publish": {"allow": [f"{prefix}.snapshotter.>", f"{prefix}.scheduler.>", "$SRV.>"]},
+        "subscribe": {"allow": [f"_INBOX.{name}.>"]},
+    }
+
+
+def operator_permissions(prefix: str) -> dict:
+    """Read the event log (its own consumers), call the scheduler's read-only queries,
+    discover services; write nothing, delete nothing, read no service's inbox."""
+    stream = stream_name(prefix)
+    return {
+        "publish": {
+            "allow": [
+                f"{prefix}.scheduler.explain.*",
+                f"{prefix}.scheduler.fragmentation",
+                f"{prefix}.scheduler.whatif",
+                "$SRV.>",
+                "$JS.API.INFO",
+                f"$JS.API.STREAM.INFO.{stream}",
+                f"$JS.API.STREAM.MSG.GET.{stream}",
+                f"$JS.API.DIRECT.GET.{stream}",
+                f"$JS.API.DIRECT.GET.{stream}.>",
+                f"$JS.API.CONSUMER.CREATE.{stream}",
+                f"$JS.API.CONSUMER.CREATE.{stream}.>",
+                f"$JS.API.CONSUMER.INFO.{stream}.*",
+                f"$JS.API.CONSUMER.MSG.NEXT.{stream}.*",
+                f"$JS.ACK.{stream}.>",
+                f"$JS.FC.{stream}.>",
+            ]
+        },
+        "subscribe": {"allow": ["_INBOX.>"], "deny": [f"{services_inbox(prefix)}.>"]},
+    }
+
+
+def services_api(prefix: str) -> list[str]:
+    """The JetStream API calls the services make, stream by stream (found by running every
+    flow under these permissions and watching the API: tests/test_security.py). Why
+    each one is there: docs/security.md."""
+    events = stream_name(prefix)
+    heartbeats = f"KV_{bucket_name(prefix, 'heartbeats')}"
+    replies = f"KV_{bucket_name(prefix, 'replies')}"
+    checkpoints = f"OBJ_{bucket_name(prefix, 'checkpoints')}"
+    calls = [
+        "INFO",
+        "STREAM.NAMES",
+        # the event log: the event store, the scheduler's fold, the registry's start-up reconciliation
+        f"STREAM.CREATE.{events}", f"STREAM.UPDATE.{events}", f"STREAM.INFO.{events}",
+        f"STREAM.MSG.GET.{events}", f"DIRECT.GET.{events}", f"DIRECT.GET.{events}.>",
+        f"CONSUMER.CREATE.{events}", f"CONSUMER.CREATE.{events}.>", f"CONSUMER.INFO.{events}.*",
+        f"CONSUMER.MSG.NEXT.{events}.*", f"CONSUMER.DELETE.{events}.*",
+        # heartbeats: the registry's puts and reads, its durable sweeper of expiry markers
+        f"STREAM.CREATE.{heartbeats}", f"STREAM.INFO.{heartbeats}", f"STREAM.MSG.GET.{heartbeats}",
+        f"DIRECT.GET.{heartbeats}.>", f"CONSUMER.CREATE.{heartbeats}.>", f"CONSUMER.DURABLE.CREATE.{heartbeats}.*",
+        f"CONSUMER.INFO.{heartbeats}.*", f"CONSUMER.MSG.NEXT.{heartbeats}.*",
+        # the reply cache: key gets and puts
+        f"STREAM.CREATE.{replies}", f"STREAM.INFO.{replies}", f"STREAM.MSG.GET.{replies}",
+        f"DIRECT.GET.{replies}.>",
+        # scheduler checkpoints: object puts, gets (an ordered consumer per object), deletes (purges)
+        f"STREAM.CREATE.{checkpoints}", f"STREAM.INFO.{checkpoints}", f"STREAM.MSG.GET.{checkpoints}",
+        f"DIRECT.GET.{checkpoints}.>", f"STREAM.PURGE.{checkpoints}",
+        f"CONSUMER.CREATE.{checkpoints}", f"CONSUMER.CREATE.{checkpoints}.>",
+    ]
+    return [f"$JS.API.{call}" for call in calls] + [
+        f"$JS.ACK.{heartbeats}.>",  # the sweeper acknowledges (or naks) each marker
+        f"$JS.FC.{events}.>",  # flow control of the ordered consumers on the log
+        f"$JS.FC.{checkpoints}.>",  # and of those that read a checkpoint's chunks
+    ]
+
+
+def services_permissions(prefix: str) -> dict:
+    """Publish only into the services' own streams and buckets (through the JetStream API
+    and onto their subjects) and onto inboxes; never onto any service's request subject.
+    Subscribe where they serve, to discovery, and to their own inboxes."""
+    p = prefix
+    publish = [
+        events_filter(p),  # <prefix>.ev.>: events, booking markers, whatever the log gains
+        f"{p}.tracking.>",  # process applications' tracking records, in the same stream
+        f"$KV.{bucket_name(p, 'heartbeats')}.>",
+        f"$KV.{bucket_name(p, 'replies')}.>",
+        f"$O.{bucket_name(p, 'checkpoints')}.>",
+        *services_api(p),
+        "_INBOX.>",  # replies (the endpoints answer only inboxes)
+    ]
+    return {
+        "publish": {"allow": publish, "deny": [f"{services_inbox(p)}.>"]},
+        "subscribe": {
+            "allow": [*(f"{p}.{service}.>" for service in SERVICES), "$SRV.>", f"{services_inbox(p)}.>"],
+        },
+    }
+
+
+# --- credentials ------------------------------------------------------------------------------
+
+
+def new_password() -> str:
+    return secrets.token_urlsafe(24)
+
+
+def new_nkey_seed() -> str:
+    """A new user nkey seed (`SU...`), as `nsc`/`nk -gen user` make one."""
+    import nkeys
+
+    return nkeys.encode_seed(secrets.token_bytes(32), nkeys.PREFIX_BYTE_USER).decode()
+
+
+def nkey_public(seed: str) -> str:
+    import nkeys
+
+    pair = nkeys.from_seed(bytearray(seed.encode()))
+    try:
+        return pair.public_key.decode()
+    finally:
+        pair.wipe()
+
+
+def bcrypt_hash(password: str, rounds: int = BCRYPT_ROUNDS) -> str:
+    import bcrypt
+
+    return bcrypt.hashpw(password.encode(), bcrypt.gensalt(rounds, prefix=b"2a")).decode()
+
+
+@dataclass(frozen=True)
+class Identity:
+    """How the server knows one user: `user` + `password` (clear or bcrypt), or `nkey` alone."""
+
+    user: str
+    password: str | None = None
+    nkey: str | None = None
+
+    def fields(self) -> str:
+        if self.nkey is not None:
+            return f"nkey: {_q(self.nkey)}"
+        return f"user: {_q(self.user)}, password: {_q(self.password or '')}"
+
+
+def identities(auth: str, secrets_of: dict[str, str]) -> dict[str, Identity]:
+    """What the configuration holds of each user: the password, its bcrypt hash, or the
+    nkey seed's public key (the seed itself never goes into the configuration)."""
+    if auth == "password":
+        return {u: Identity(u, password=s) for u, s in secrets_of.items()}
+    if auth == "bcrypt":
+        return {u: Identity(u, password=bcrypt_hash(s)) for u, s in secrets_of.items()}
+    if auth == "nkey":
+        return {u: Identity(u, nkey=nkey_public(s)) for u, s in secrets_of.items()}
+    raise ValueError(f"auth must be one of {', '.join(AUTH_MODES)}, not {auth!r}")
+
+
+# --- the configuration text ---------------------------------------------------------------------
+
+
+def _q(value: str) -> str:
+    return json.dumps(value)  # a JSON string is a valid nats-server config string
+
+
+def _permissions(perms: dict) -> str:
+    parts = []
+    for direction in ("publish", "subscribe"):
+        rules = [f"{kind}: [{', '.join(_q(s) for s in perms[direction][kind])}]"
+                 for kind in ("allow", "deny") if perms[direction].get(kind)]
+        parts.append(f"{direction}: {{ {', '.join(rules)} }}")
+    return "{ " + ", ".join(parts) + " }"
+
+
+def nats_auth_config(
+    prefix: str,
+    services_user: str,
+    workers: list[str],
+    operators: list[str],
+    passwords: dict[str, str] | None = None,
+    clients: list[str] | None = None,
+    ids: dict[str, Identity] | None = None,
+) -> str:
+    """The `authorization` block of a nats-server configuration, users per role.
+
+    Users are given by `ids` (any auth mode), or by clear `passwords`.
+    """
+    clients = clients or []
+    if ids is None:
+        ids = identities("password", passwords or {})
+    held = "nkey public keys" if any(i.nkey for i in ids.values()) else "passwords (or their hashes)"
+
+    def user(name: str, perms: dict) -> str:
+        return f"    {{ {ids[name].fields()}, permissions: {_permissions(perms)} }}"
+
+    lines = [
+        f"# warmboot users for the subject prefix {prefix!r}, written by `warmboot nats-config`.",
+        "# Include this file from the nats-server configuration:  include \"warmboot-auth.conf\"",
+        f"# It holds {held}: keep it readable by the server's user only.",
+        "authorization {",
+        "  users: [",
+        "    # services (registry, snapshotter, scheduler): their own streams and buckets, inboxes",
+        user(services_user, services_permissions(prefix)),
+    ]
+    if clients:
+        lines.append(f"    # clients: the snapshotter and the scheduler, replies on _INBOX.<own name>.>")
+    lines += [user(name, client_permissions(prefix, name)) for name in clients]
+    if operators:
+        lines.append(f"    # operators: read the log ({events_filter(prefix)}), call explain, fragmentation, whatif")
+    lines += [user(name, operator_permissions(prefix)) for name in operators]
+    if workers:
+        lines.append(f"    # workers: {prefix}.registry.*.<own id> only, replies on _INBOX.<own id>.>")
+    lines += [user(worker_id, worker_permissions(prefix, worker_id)) for worker_id in workers]
+    lines += ["  ]", "}"]
+    return "\n".join(lines) + "\n"
+
+
+# --- the command ------------------------------------------------------------------------------
+
+
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(path, 0o600)  # an existing file keeps its mode through O_CREAT: set it
+
+
+def _check_id(ctx: click.Context | None, param: click.Parameter | None, value):
+    values = value if isinstance(value, tuple) else (value,)
+    for v in values:
+        if v is not None and not _ID.match(v):
+            raise click.BadParameter(f"{v!r} must match {ID_PATTERN} (one NATS subject token)")
+    return value
+
+
+def _check_prefix(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    try:
+        return check_prefix(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def _read_secrets(path: Path | None) -> dict[str, str]:
+    if path is None or not path.exists():
+        return {}
+    try:
+        return {str(k): str(v) for k, v in json.loads(path.read_text()).items()}
+    except (OSError, ValueError, AttributeError) as e:
+        raise click.ClickException(f"{path}: not a JSON object of user -> secret: {e}") from None
+
+
+def _usable_seed(seed: str) -> bool:
+    try:
+        nkey_public(seed)
+        return True
+    except Exception:
+        return False
+
+
+@click.command("nats-config")
+@click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="WARMBOOT_PREFIX",
+              callback=_check_prefix, help="Subject prefix of the deployment.")
+@click.option("--services-user", default="warmboot-services", show_default=True, callback=_check_id,
+              help="User the services connect as.")
+@click.option("--worker", "workers", multiple=True, callback=_check_id, metavar="WORKER_ID",
+              help="A worker's user, named after its id; repeatable.")
+@click.option("--workers-file", type=click.File("r"), default=None,
+              help="File with one worker id per line (blank lines and # comments skipped).")
+@click.option("--operator", "operators", multiple=True, callback=_check_id, metavar="NAME",
+              help="An operator's user (read the log, explain, fragmentation, whatif); repeatable.")
+@click.option("--client", "clients", multiple=True, callback=_check_id, metavar="NAME",
+              help="A client's user (calls the snapshotter and the scheduler; inbox _INBOX.NAME); repeatable.")
+@click.option("--auth", type=click.Choice(AUTH_MODES), default="password", show_default=True,
+              help="password: clear passwords in the configuration; bcrypt: their bcrypt hashes; "
+                   "nkey: one nkey pair per user, only public keys in the configuration.")
+@click.option("--secrets", "secrets_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="JSON file of user -> password (or nkey seed with --auth nkey): secrets found there are "
+                   "kept, new users get new ones, and the file is rewritten (mode 0600).")
+@click.option("--seeds-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="--auth nkey: also write each user's seed to DIR/USER.nk (mode 0600), the file that "
+                   "--nkey-seed / NATS_NKEY_SEED take.")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the configuration here (mode 0600) instead of standard output.")
+def nats_config(
+    prefix: str,
+    services_user: str,
+    workers: tuple[str, ...],
+    workers_file,
+    operators: tuple[str, ...],
+    clients: tuple[str, ...],
+    auth: str,
+    secrets_path: Path | None,
+    seeds_dir: Path | None,
+    out_path: Path | None,
+) -> None:
+    """Write a nats-server `authorization` block with one user per role.
+
+    The services may publish only into their own streams and buckets and onto
+    inboxes, never onto a request subject. Each worker may publish only
+    PREFIX.registry.*.ITS_ID (register, heartbeat, drain, remove itself) and
+    receive replies on _INBOX.ITS_ID.> (the agent's inbox prefix). Clients call
+    the snapshotter and the scheduler. Operators may read the event log and call
+    the scheduler's read-only queries. See docs/security.md.
+    """
+    worker_ids = list(workers)
+    if workers_file is not None:
+        for line in workers_file:
+            line = line.split("#", 1)[0].strip()
+            if line:
+                _check_id(None, None, line)
+                worker_ids.append(line)
+    worker_ids = list(dict.fromkeys(worker_ids))
+    users = [services_user, *operators, *clients, *worker_ids]
+    clashes = sorted({u for u in users if users.count(u) > 1})
+    if clashes:
+        raise click.UsageError(f"user names must be unique across roles: {', '.join(clashes)}")
+    if seeds_dir is not None and auth != "nkey":
+        raise click.UsageError("--seeds-dir goes with --auth nkey")
+
+    if auth == "nkey" and secrets_path is None and seeds_dir is None:
+        raise click.UsageError("--auth nkey needs --secrets or --seeds-dir: a seed nobody keeps signs nothing")
+
+    kept = _read_secrets(secrets_path)
+    if seeds_dir is not None:  # seeds handed out earlier are kept too
+        for u in users:
+            path = seeds_dir / f"{u}.nk"
+            if u not in kept and path.is_file():
+                kept[u] = path.read_text().strip()
+    fresh = new_nkey_seed if auth == "nkey" else new_password
+    # a password kept from a password run is no seed, and the other way round: make a new one
+    usable = _usable_seed if auth == "nkey" else (lambda s: not _usable_seed(s))
+    secrets_of = {u: kept[u] if u in kept and usable(kept[u]) else fresh() for u in users}
+
+    text = nats_auth_config(prefix, services_user, worker_ids, list(operators), clients=list(clients),
+                            ids=identities(auth, secrets_of))
+    if secrets_path is not None:
+        _write_private(secrets_path, json.dumps(secrets_of, indent=2) + "\n")
+    if seeds_dir is not None:
+        seeds_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for u, seed in secrets_of.items():
+            _write_private(seeds_dir / f"{u}.nk", seed + "\n")
+    if out_path is None:
+        click.echo(text, nl=False)
+    else:
+        _write_private(out_path, text)
+        click.echo(f"wrote {out_path}: {len(worker_ids)} worker(s), {len(operators)} operator(s), "
+                   f"{len(clients)} client(s), auth {auth}", err=True)
