@@ -193,6 +193,26 @@ class StoreUnavailableError(OperationalError):
     """JetStream did not answer (or answered "unavailable") for longer than the retry budget."""
 
 
+@dataclass(frozen=True, eq=False)
+class SequencedStoredEvent(StoredEvent):
+    """A stored event as `select_events` reads it: also its stream sequence, `seq`.
+
+    Equal (and hashing alike) to a StoredEvent of the same four fields, so the library
+    and its tests see a StoredEvent; the aggregates of this project keep `seq` so that
+    the answer to a repeated request names its event's position without another read.
+    """
+
+    seq: int = 0
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, StoredEvent):
+            return NotImplemented
+        return (self.originator_id, self.originator_version, self.topic, self.state) == (
+            other.originator_id, other.originator_version, other.topic, other.state)
+
+    __hash__ = StoredEvent.__hash__
+
+
 # --- subjects ---------------------------------------------------------------------------
 
 
@@ -1263,7 +1283,8 @@ class JetStreamAggregateRecorder(JetStreamRecorder, AggregateRecorder):
             if (gt is not None and version <= gt) or (lte is not None and version > lte):
                 continue
             topic = msg.headers.get(TOPIC_HEADER) or _body_type(msg.data)
-            events.append(StoredEvent(originator_id, version, topic, msg.data))
+            events.append(SequencedStoredEvent(originator_id, version, topic, msg.data,
+                                               int(msg.headers["Nats-Sequence"])))
         if desc:
             events.reverse()
         if limit is not None:

@@ -534,6 +534,7 @@ class ActorPlaced(ActorEvent, kw_only=True):
     snapshot_id: Id | None = None
     fallback: Fallback | None = None
     booked: Resources
+    matched_version: CompatVersion | None = None  # v1.1: as on the Assignment
 
 
 class ActorReleased(ActorEvent, kw_only=True):

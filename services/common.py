@@ -28,6 +28,7 @@ import asyncio
 import hashlib
 import logging
 import os
+import random
 import re
 import time
 import typing
@@ -375,10 +376,12 @@ async def add_endpoints(
 class ReplyCache:
     """The first answer to each `request_id`, shared by every replica (JetStream KV).
 
-    A replica also folds concurrent duplicates it receives itself onto one
-    computation. When a reply is lost *and* the cache write is lost (a crash
-    between commit and put), services fall back to the entity's history:
-    every event carries the `request_id` that caused it.
+    It is the long memory of idempotency only: services answer a repeated request
+    from the entity's history first (every event carries the `request_id` that caused
+    it), and look here only for what the history they keep no longer holds (the
+    scheduler keeps an actor's last few placements). An entry is written after the
+    reply is decided, without holding the reply back; one lost with a crash is answered
+    by the history while it still holds it.
     """
 
     def __init__(self, nc: NATS, prefix: str, ttl_s: float = 3600.0):
@@ -386,7 +389,7 @@ class ReplyCache:
         self.bucket = bucket_name(prefix, "replies")
         self.ttl_s = ttl_s
         self.kv = None
-        self._inflight: dict[str, asyncio.Future[bytes]] = {}
+        self._writes: set[asyncio.Task[None]] = set()
 
     async def start(self) -> "ReplyCache":
         js = self.nc.jetstream()
@@ -407,41 +410,27 @@ class ReplyCache:
             return None
         return entry.value or None
 
-    async def once(
-        self, scope: str, request_id: str | None, compute: Callable[[], Awaitable[Base]], reply_type: type[T]
-    ) -> T:
-        """Answer `compute()` once per (scope, request_id); repeats get the first answer.
+    def remember(self, key: str, reply: Base) -> None:
+        """Store `reply` under `key` in the background (at most MAX_CACHE_WRITES at once)."""
+        if self.kv is None or len(self._writes) >= MAX_CACHE_WRITES:
+            return
+        task = asyncio.get_running_loop().create_task(self._put(key, encode(reply)))
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
 
-        Errors are not cached: a refused request wrote nothing, so trying again is safe.
-        """
-        if request_id is None:
-            return await compute()
-        key = self.key(scope, request_id)
-        running = self._inflight.get(key)
-        if running is not None:
-            return msgspec.json.decode(await asyncio.shield(running), type=reply_type)
-        future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-        self._inflight[key] = future
+    async def _put(self, key: str, data: bytes) -> None:
         try:
-            cached = await self.get(key)
-            if cached is not None:
-                future.set_result(cached)
-                return msgspec.json.decode(cached, type=reply_type)
-            reply = await compute()
-            data = encode(reply)
-            try:
-                await self.kv.put(key, data)
-            except Exception:  # the history fallback still answers a retry correctly
-                log.warning("could not cache the reply to request %s", key, exc_info=True)
-            future.set_result(data)
-            return reply
-        except BaseException as error:
-            if not future.done():
-                future.set_exception(error)
-                future.exception()  # retrieved: no "never retrieved" warning
-            raise
-        finally:
-            self._inflight.pop(key, None)
+            await self.kv.put(key, data)
+        except Exception:  # the history still answers a retry while it holds the answer
+            log.warning("could not cache the reply to request %s", key, exc_info=True)
+
+    async def flush(self) -> None:
+        """Wait for the cache writes in flight (a replica stopping)."""
+        if self._writes:
+            await asyncio.wait(list(self._writes), timeout=5.0)
+
+
+MAX_CACHE_WRITES = 4096
 
 
 def stream_replicas() -> int:
@@ -471,11 +460,13 @@ async def run_command(command: Callable[[], T], attempts: int = 8) -> T:
     """
     from eventsourcing.persistence import IntegrityError
 
-    for _ in range(attempts):
+    for attempt in range(attempts):
         try:
             return await asyncio.to_thread(command)
         except IntegrityError:
-            continue
+            # Writers that lost to each other should not meet again at once: a short,
+            # growing, random pause spreads them (0-2 ms, then 0-4, 0-8 ... at most 0-64).
+            await asyncio.sleep(random.random() * 0.002 * (1 << min(attempt, 5)))
     raise unavailable(f"lost {attempts} concurrent-write races in a row; try again")
 
 

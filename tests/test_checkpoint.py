@@ -215,8 +215,8 @@ def walk(p: Projection) -> dict[str, Any]:
     the projection and forgotten by the codec shows up here as a difference.
     """
     assert set(vars(p)) == {"seq", "events", "_ref", "workers", "classes", "actors", "bookings", "subjects", "_compats",
-                            "_compat_by_version", "_stamps", "_runtimes", "_strings", "_resources", "_selectors",
-                            "_specs", "_kinds", "_leases", "_suffixes",
+                            "_compat_by_version", "_stamps", "_runtimes", "_entries", "_strings", "_resources",
+                            "_selectors", "_specs", "_kinds", "_leases", "_suffixes", "recreated", "placed_listener",
                             "_dispatch"}, "a new Projection field: teach the checkpoint codec about it"
     registered = {id(w) for w in p.workers.values()}
     others: dict[int, int] = {}  # unregistered worker records, numbered by first sight
@@ -246,6 +246,8 @@ def walk(p: Projection) -> dict[str, Any]:
             return ("ref", v() is p)
         if isinstance(v, dict):
             return [(value(k), value(x)) for k, x in v.items()]
+        if isinstance(v, (tuple, list)):
+            return (type(v).__name__, [value(x) for x in v])
         if isinstance(v, str) and v in ("REGISTERED", "DRAINED", "CREATED", "RUNNING", "PAUSED", "SUSPENDED", "STOPPED"):
             assert v is getattr(projection_module, v), f"state {v} is not the module's constant"
         return v
@@ -262,6 +264,7 @@ def walk(p: Projection) -> dict[str, Any]:
         "actors": [(k, obj(a)) for k, a in p.actors.items()],
         "bookings": list(p.bookings.items()),
         "subjects": list(p.subjects.items()),
+        "recreated": list(p.recreated.items()),
         "compats": [value(c) for c in p._compats.values()],
         # sharing: one object per distinct stamp, resources and label/selector map
         "distinct": (
@@ -287,7 +290,7 @@ def answers(p: Projection) -> dict[str, Any]:
         "fragmentation": fragmentation(p),
         "decide": {a: attempt(decide, p, a, None, p.seq) for a in ids},
         "decide_zone_b": {a: attempt(decide, p, a, {"zone": "b"}, p.seq + 7) for a in ids},
-        "explain": {a: explain(p, a, None, p.seq) for a in ids},
+        "explain": {a: attempt(explain, p, a, None, p.seq) for a in ids},
         "actor_expectations": {a: p.actor_expectation(a) for a in ids},
         "booking_expectations": {w: p.booking_expectation(w) for w in ["w1", "w2", "w3", "w4", "w5", "w6", "w7", "w9"]},
         "stranded": p.stranded(),

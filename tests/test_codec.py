@@ -32,7 +32,9 @@ SETTINGS = settings(
 MAX_COLLECTION = 3  # generated lists and maps stay small; the limits are tested in test_validation
 INT64 = (-(1 << 63), (1 << 63) - 1)
 
-printable = st.characters(codec="utf-8", exclude_categories=["Cs", "Cc"])
+# printable: what str.isprintable() accepts (CONTRACT section 2, v1.1)
+printable = st.characters(codec="utf-8", exclude_categories=["Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp", "Zs"]) \
+    | st.just(" ")
 # Struct type -> its hand-written strategy (filled in below, looked up at draw time)
 OVERRIDES: dict[type, st.SearchStrategy] = {}
 
@@ -119,18 +121,22 @@ def compat_versions(draw, max_attributes: int = 6) -> s.CompatVersion:
     return s.CompatVersion(schema_version=schema_version, attributes=tuple(s.Attribute(key=k, value=v) for k, v in pairs))
 
 
-worker_runtimes = st.builds(
-    s.WorkerRuntime,
-    version=compat_versions(),
-    name=st.none() | st.text(printable, max_size=40),
-    actor_overhead=st.none() | of(s.ActorOverhead),
-)
+@st.composite
+def worker_runtimes(draw) -> s.WorkerRuntime:
+    """Compatible versions that differ from the runtime's own version and from each other."""
+    versions = draw(st.lists(compat_versions(), min_size=1, max_size=3, unique_by=lambda v: compat_key("", v)))
+    return s.WorkerRuntime(
+        version=versions[0],
+        name=draw(st.none() | st.text(printable, max_size=40)),
+        actor_overhead=draw(st.none() | of(s.ActorOverhead)),
+        compatible_versions=tuple(versions[1:]),
+    )
 
 
 @st.composite
 def worker_sandbox_classes(draw) -> s.WorkerSandboxClass:
     """The default and the restorable runtimes all differ by version."""
-    runtimes = draw(st.lists(worker_runtimes, min_size=1, max_size=3, unique_by=lambda r: compat_key("", r.version)))
+    runtimes = draw(st.lists(worker_runtimes(), min_size=1, max_size=3, unique_by=lambda r: compat_key("", r.version)))
     return s.WorkerSandboxClass(
         sandbox_class=draw(of_class),
         default_runtime=runtimes[0],
@@ -158,8 +164,9 @@ def create_actors(draw) -> s.CreateActor:
     source = draw(st.sampled_from(["none", "tag", "golden"]))
     if source == "tag":
         return msgspec.structs.replace(generic, source_tag=draw(ids))
-    if source == "golden":
-        golden = draw(of(s.Snapshot))
+    if source == "golden":  # EXTERNAL with a uri (v1.1)
+        golden = msgspec.structs.replace(draw(of(s.Snapshot)), location=s.Location.EXTERNAL,
+                                         uri=draw(st.text(printable, min_size=1, max_size=64)))
         if golden.sandbox_runtime is not None:
             stamp = msgspec.structs.replace(golden.sandbox_runtime, sandbox_class=generic.sandbox_class)
             golden = msgspec.structs.replace(golden, sandbox_runtime=stamp)
@@ -169,6 +176,7 @@ def create_actors(draw) -> s.CreateActor:
 
 OVERRIDES.update({
     s.CompatVersion: compat_versions(),
+    s.WorkerRuntime: worker_runtimes(),
     s.WorkerSandboxClass: worker_sandbox_classes(),
     s.RegisterWorker: register_workers(),
     s.CreateActor: create_actors(),
@@ -177,7 +185,8 @@ OVERRIDES.update({
 WIRE_TYPES = [
     s.Attribute, s.CompatVersion, s.ActorOverhead, s.WorkerRuntime, s.WorkerSandboxClass,
     s.ActorRuntime, s.Resources, s.Room, s.Snapshot, s.Fallback, s.ErrorDetail, s.Rejection,
-    s.Placement, s.RuntimeFragmentation, s.ClassFragmentation,
+    s.Placement, s.RuntimeFragmentation, s.ClassFragmentation, s.Refusal, s.SnapshotCounts, s.StrandedActor,
+    s.RuntimeForecast,
 ]
 EVENT_TYPES = list(s.AnyEvent.__args__)
 

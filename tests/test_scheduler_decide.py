@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from events.codec import to_builtins
 from events.errors import ContractError
 from events.schema import (
     Action,
@@ -56,6 +57,7 @@ from services.scheduler.decide import (
     summary,
 )
 from services.scheduler.projection import (
+    request_hash,
     CREATED,
     PAUSED,
     RUNNING,
@@ -674,18 +676,21 @@ def test_explain_names_the_reasons_counts_and_the_decision():
     assert {r.worker_id: r.reasons for r in why.rejected}["drained-0"] == ["drained"]
     assert why.decision.fallback.reason is FallbackReason.NO_COMPATIBLE_WORKER
     assert why.decision == log.decide("a")
-    assert why.error is None
+    assert why.refusal is None
 
 
-def test_explain_of_a_refusal_carries_the_error():
+def test_explain_of_a_refusal_carries_it_as_refusal_not_error():
     log = Log()
     log.worker("w", runtime(V2))
     log.actor("a", min_fidelity=Fidelity.MEMORY)
     log.snapshot("a", stamped=V1)
     why = log.explain("a")
-    assert why.decision is None and why.error.code is ErrorCode.RESOURCE_EXHAUSTED
+    assert why.decision is None and why.refusal.code is ErrorCode.RESOURCE_EXHAUSTED
     assert why.counts == {"runtime mismatch": 1}
-    assert log.explain("nobody").error.code is ErrorCode.NOT_FOUND
+    assert "error" not in to_builtins(why)  # a generic client sees a successful reply (CONTRACT section 1)
+    with pytest.raises(ContractError) as unknown:  # explain itself fails: no such actor
+        log.explain("nobody")
+    assert unknown.value.code is ErrorCode.NOT_FOUND
 
 
 def test_summary_orders_by_count():
@@ -708,7 +713,7 @@ def test_subject_expectations_follow_the_log():
     assert log.p.actor_expectation("a") == (2, 3)
     assert log.p.booking_expectation("w1") == (1, 4)
     actor = log.p.actors["a"]
-    assert (actor.placed_seq, actor.placed_request_id, actor.state) == (3, "r1", RUNNING)
+    assert (actor.placed_by(request_hash("r1")), actor.placed_by(request_hash("r2")), actor.state) == (3, 0, RUNNING)
     assert log.p.actor_expectation("nobody") == (0, 0)
 
 

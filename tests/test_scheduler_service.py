@@ -251,8 +251,9 @@ async def test_explain_names_reasons_and_writes_nothing(nc, prefix, store, repli
     assert why.message.startswith("0/3 workers available: 1 drained, 1 insufficient memory, 1 runtime mismatch")
     assert why.decision.worker_id == "new" and why.decision.fallback.reason is FallbackReason.NO_COMPATIBLE_WORKER
     assert await last_seq(nc, prefix) == before
-    missing = await call(nc, subject(prefix, "explain", "ghost"), ExplainResume(), Explanation)
-    assert missing.error.code is ErrorCode.NOT_FOUND
+    with pytest.raises(ContractError) as missing:  # explain itself fails for an unknown actor
+        await call(nc, subject(prefix, "explain", "ghost"), ExplainResume(), Explanation)
+    assert missing.value.code is ErrorCode.NOT_FOUND
     assert await last_seq(nc, prefix) == before
 
 

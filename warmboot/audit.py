@@ -15,14 +15,26 @@ from typing import Any, Callable
 
 from events.compat import stamp_key
 from events.schema import (
+    Action,
     ActorPlaced,
     Event,
+    PlacedFidelity,
     RuntimeChanged,
     SnapshotOrigin,
     SnapshotTaken,
 )
 from services.scheduler.decide import fragmentation
 from services.scheduler.projection import RUNNING, Projection
+
+# The rules `audit verify` checks at each ActorPlaced (names as they appear in its report).
+UNKNOWN_ACTOR = "placement of an unknown actor"
+PLACED_TWICE = "actor placed twice without a release"
+NOT_TAKING = "placement on a worker that takes none"
+PAST_ROOM = "worker booked past its room"
+RUNTIME_GONE = "placement on a runtime the worker does not offer"
+SELECTOR_UNMET = "placement on a worker that does not meet the actor's selectors"
+LOCAL_OFF_NODE = "restore of a LOCAL snapshot off its node"
+ACROSS_ARCHITECTURES = "restore without memory across architectures"
 
 
 @dataclass(frozen=True)
@@ -52,22 +64,52 @@ class Verifier:
         return None
 
     def _placement(self, seq: int, event: ActorPlaced) -> Violation | None:
-        actor = self.projection.actors.get(event.actor_id)
+        """A placement must be feasible on the log as it stood right before it (CONTRACT
+        placement rules 2 to 8): no event of its worker that lands between a decision and
+        its commit may have made it infeasible, and where the image lives and what it was
+        built for decide where it may go."""
+        aid, wid = event.actor_id, event.worker_id
+        actor = self.projection.actors.get(aid)
         if actor is None:
-            return Violation(seq, "placement of an unknown actor", event.actor_id)
+            return Violation(seq, UNKNOWN_ACTOR, aid)
         if actor.state is RUNNING:
-            return Violation(seq, "actor placed twice without a release",
-                             f"{event.actor_id} already runs on {actor.worker.worker_id if actor.worker else '?'}")
-        worker = self.projection.workers.get(event.worker_id)
+            return Violation(seq, PLACED_TWICE, f"{aid} already runs on {actor.worker.worker_id if actor.worker else '?'}")
+        worker = self.projection.workers.get(wid)
         if worker is None or not worker.live:
-            return Violation(seq, "placement on a worker that takes none",
-                             f"{event.worker_id} is {'drained' if worker else 'not registered'}")
+            return Violation(seq, NOT_TAKING, f"{wid} is {'drained' if worker else 'not registered'}")
         if event.booked.cpu_millis > worker.room_cpu or event.booked.memory_mib > worker.room_mem:
             return Violation(
-                seq, "worker booked past its room",
-                f"{event.worker_id} had {worker.room_cpu}m cpu / {worker.room_mem} MiB free, "
-                f"{event.actor_id} booked {event.booked.cpu_millis}m / {event.booked.memory_mib} MiB",
+                seq, PAST_ROOM,
+                f"{wid} had {worker.room_cpu}m cpu / {worker.room_mem} MiB free, "
+                f"{aid} booked {event.booked.cpu_millis}m / {event.booked.memory_mib} MiB",
             )
+        labels = worker.labels
+        unmet = sorted(f"{k}={v}" for k, v in actor.spec.selectors.items() if labels.get(k) != v)
+        if unmet:
+            return Violation(seq, SELECTOR_UNMET, f"{aid} selects {', '.join(unmet)}; {wid} has no such label")
+        entry = worker.classes.get(actor.spec.sandbox_class)
+        pin = stamp_key(event.sandbox_runtime)
+        kind = actor.snapshot
+        stamp = kind.stamp if kind is not None else None
+        if entry is None:
+            return Violation(seq, RUNTIME_GONE, f"{wid} does not register class {actor.spec.sandbox_class}")
+        if event.fidelity is PlacedFidelity.MEMORY:
+            match = entry.match(stamp.compat) if stamp is not None else None
+            if match is None or match[1].compat.key != pin:
+                return Violation(seq, RUNTIME_GONE,
+                                 f"{aid}'s memory image ({stamp_key(stamp.runtime) if stamp else 'unstamped'}) "
+                                 f"restored on {wid} pinned to {pin}, which {wid} does not offer for it")
+        elif entry.default.compat.key != pin:
+            return Violation(seq, RUNTIME_GONE, f"{aid} pinned to {pin}; {wid}'s default is {entry.default.compat.key}")
+        if kind is not None and kind.local and event.action is Action.RESTORE and event.node != kind.node:
+            return Violation(seq, LOCAL_OFF_NODE,
+                             f"{aid}'s latest snapshot is LOCAL on node {kind.node}; restored on {wid} on {event.node}")
+        without_memory = event.fallback is not None or (
+            event.action is Action.RESTORE and event.fidelity is not PlacedFidelity.MEMORY)
+        if without_memory and stamp is not None and stamp.compat.arch is not None \
+                and entry.default.compat.arch != stamp.compat.arch:
+            return Violation(seq, ACROSS_ARCHITECTURES,
+                             f"{aid}'s snapshot is {stamp.compat.arch}; {wid}'s default is {entry.default.compat.arch}")
         return None
 
     def _stamp(self, seq: int, event: SnapshotTaken) -> Violation | None:
@@ -158,6 +200,7 @@ def summary(projection: Projection) -> dict[str, Any]:
         "workers": dict(sorted(workers.items())),
         "actors": dict(sorted(actors.items())),
         "stranded_snapshots": projection.stranded(),
+        "lost_local_snapshots": projection.lost_local(),
         "fragmentation": fragmentation(projection),
     })
 

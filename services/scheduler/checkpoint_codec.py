@@ -54,6 +54,7 @@ from services.scheduler.projection import (
     ClassIndex,
     Compat,
     IndexedSet,
+    ROLES,
     Lease,
     Projection,
     SnapshotKind,
@@ -62,7 +63,7 @@ from services.scheduler.projection import (
 )
 
 # Bump on any change of what State holds or how it maps onto the projection.
-FORMAT = 2
+FORMAT = 3
 
 # The states are compared by identity in the fold and in decide (`state is REGISTERED`):
 # a restored projection must hold these very objects, not equal strings.
@@ -128,18 +129,20 @@ class ActorRow(Struct, array_like=True, gc=False):
     node: str | None
     version: int
     last_seq: int
-    placed_request_id: str | None
-    placed_seq: int
+    placements: bytes | None
 
 
 class ClassRow(Struct, array_like=True, gc=False):
     sandbox_class: str
     workers: list[int]  # the class's IndexedSet, in order, by index into State.workers
-    default: list[tuple[int, list[int]]]  # (compat, members in order)
-    restorable: list[tuple[int, list[int]]]
-    live_default: list[tuple[int, int]]  # (compat, count)
-    live_restorable: list[tuple[int, int]]
-    memory_snapshots: list[tuple[int, int]]
+    members: list[list[tuple[int, list[int]]]]  # per role: (compat, members in order)
+    live: list[list[tuple[int, int]]]  # per role: (compat, count)
+    by_node: list[tuple[str, list[int]]]
+    by_arch: list[tuple[str | None, list[int]]]
+    live_on_node: list[tuple[str, int, int]]  # (node, compat, count)
+    external_memory: list[tuple[int, int]]
+    local_memory: list[tuple[str, int, int]]  # (node, compat, count)
+    local_waiting: list[tuple[str, int]]
 
 
 class State(Struct):
@@ -153,7 +156,8 @@ class State(Struct):
     resources: list[Resources]
     maps: list[list[tuple[str, str]]]  # interned label and selector maps, sorted pairs
     specs: list[tuple[str, str, int, int, Fidelity]]  # (class, template, resources, selectors, min_fidelity)
-    kinds: list[tuple[str, Fidelity, int, bool, bool]]  # (template, fidelity, stamp or NONE, borrowed, prefixed)
+    # (template, fidelity, stamp or NONE, borrowed, prefixed, local, node)
+    kinds: list[tuple[str, Fidelity, int, bool, bool, bool, str | None]]
     leases: list[tuple[int, int]]  # (booked: index into resources, pin: index into stamps)
     registered: int  # workers[:registered] are the registered ones, in the projection's order
     workers: list[WorkerRow]
@@ -161,6 +165,7 @@ class State(Struct):
     actors: list[ActorRow]
     bookings: list[tuple[str, int, int]]  # (worker id, version, last seq) of booking.<id>
     subjects: list[tuple[str, int, int]]
+    recreated: list[tuple[str, int]]  # (actor id, seq of the ActorCreated of its current life)
 
 
 class Envelope(Struct):
@@ -247,7 +252,7 @@ def _export(p: Projection) -> State:
              for s in p._specs.values()]
     kind_index = {id(k): i for i, k in enumerate(p._kinds.values())}
     kinds = [(k.template_uid, k.fidelity, NONE if k.stamp is None else stamp_index[id(k.stamp)], k.borrowed,
-              k.prefixed) for k in p._kinds.values()]
+              k.prefixed, k.local, k.node) for k in p._kinds.values()]
     lease_index = {id(lease): i for i, lease in enumerate(p._leases.values())}
     leases = [(resource_of(lease.booked), stamp_index[id(lease.pin)]) for lease in p._leases.values()]
 
@@ -280,11 +285,14 @@ def _export(p: Projection) -> State:
         ClassRow(
             index.sandbox_class,
             members(index.workers),
-            [(compat_index[id(c)], members(s)) for c, s in index.default.items()],
-            [(compat_index[id(c)], members(s)) for c, s in index.restorable.items()],
-            counts(index.live_default),
-            counts(index.live_restorable),
-            counts(index.memory_snapshots),
+            [[(compat_index[id(c)], members(s)) for c, s in table.items()] for table in index.members],
+            [counts(table) for table in index.live],
+            [(node, members(s)) for node, s in index.by_node.items()],
+            [(arch, members(s)) for arch, s in index.by_arch.items()],
+            [(node, compat_index[id(c)], n) for (node, c), n in index.live_on_node.items()],
+            counts(index.external_memory),
+            [(node, compat_index[id(c)], n) for (node, c), n in index.local_memory.items()],
+            list(index.local_waiting.items()),
         )
         for index in p.classes.values()
     ]
@@ -296,8 +304,7 @@ def _export(p: Projection) -> State:
         append(ActorRow(
             a.actor_id, a.state, spec_index[id(a.spec)], NONE if kind is None else kind_index[id(kind)],
             a.snapshot_ref, NONE if worker is None else worker_index[id(worker)],
-            NONE if lease is None else lease_index[id(lease)], a.node, a.version, a.last_seq,
-            a.placed_request_id, a.placed_seq,
+            NONE if lease is None else lease_index[id(lease)], a.node, a.version, a.last_seq, a.placements,
         ))
 
     return State(
@@ -317,6 +324,7 @@ def _export(p: Projection) -> State:
         actors=actor_rows,
         bookings=[(k, v, s) for k, (v, s) in p.bookings.items()],
         subjects=[(k, v, s) for k, (v, s) in p.subjects.items()],
+        recreated=list(p.recreated.items()),
     )
 
 
@@ -358,8 +366,8 @@ def _restore(state: State) -> Projection:
 
     specs = [p.spec(text(cls), text(template), resources[r], maps[m], min_fidelity)
              for cls, template, r, m, min_fidelity in state.specs]
-    kinds = [p.snapshot_kind(text(template), fidelity, _at(stamps, stamp), borrowed, prefixed)
-             for template, fidelity, stamp, borrowed, prefixed in state.kinds]
+    kinds = [p.snapshot_kind(text(template), fidelity, _at(stamps, stamp), borrowed, prefixed, local, node)
+             for template, fidelity, stamp, borrowed, prefixed, local, node in state.kinds]
     leases = [p.lease(resources[booked], stamps[pin]) for booked, pin in state.leases]
 
     workers: list[Worker] = []
@@ -371,7 +379,7 @@ def _restore(state: State) -> Projection:
         w.labels = maps[row.labels]
         w.state = _WORKER_STATES[row.state]
         w.classes = {
-            text(name): ClassEntry(runtimes[default], tuple(runtimes[r] for r in restorable))
+            text(name): p._entry(runtimes[default], tuple(runtimes[r] for r in restorable))
             for name, default, restorable in row.classes
         }
         w.booked_cpu = row.booked_cpu
@@ -393,12 +401,17 @@ def _restore(state: State) -> Projection:
 
     for row in state.classes:
         index = ClassIndex(text(row.sandbox_class))
+        if len(row.members) != len(ROLES) or len(row.live) != len(ROLES):
+            raise ValueError(f"class {row.sandbox_class}: {len(row.members)} roles, not {len(ROLES)}")
         index.workers = members(row.workers)
-        index.default = {compats[c]: members(m) for c, m in row.default}
-        index.restorable = {compats[c]: members(m) for c, m in row.restorable}
-        index.live_default = {compats[c]: n for c, n in row.live_default}
-        index.live_restorable = {compats[c]: n for c, n in row.live_restorable}
-        index.memory_snapshots = {compats[c]: n for c, n in row.memory_snapshots}
+        index.members = tuple({compats[c]: members(m) for c, m in table} for table in row.members)
+        index.live = tuple({compats[c]: n for c, n in table} for table in row.live)
+        index.by_node = {text(node): members(m) for node, m in row.by_node}
+        index.by_arch = {arch: members(m) for arch, m in row.by_arch}
+        index.live_on_node = {(text(node), compats[c]): n for node, c, n in row.live_on_node}
+        index.external_memory = {compats[c]: n for c, n in row.external_memory}
+        index.local_memory = {(text(node), compats[c]): n for node, c, n in row.local_memory}
+        index.local_waiting = dict(row.local_waiting)
         p.classes[index.sandbox_class] = index
 
     actors = p.actors
@@ -414,8 +427,7 @@ def _restore(state: State) -> Projection:
             raise ValueError(f"actor {row.actor_id} has a worker and no lease, or the reverse")
         a = Actor(
             row.actor_id, _ACTOR_STATES[row.state], specs[row.spec], kind, ref,
-            None if row.node is None else text(row.node), row.version, row.last_seq,
-            None if row.placed_request_id is None else row.placed_request_id.encode(), row.placed_seq,
+            None if row.node is None else text(row.node), row.version, row.last_seq, row.placements,
         )
         if worker is not None:
             a = Assigned(*astuple(a), worker, lease)
@@ -425,6 +437,7 @@ def _restore(state: State) -> Projection:
 
     p.bookings = {worker_id: (version, seq) for worker_id, version, seq in state.bookings}
     p.subjects = {subject: (version, seq) for subject, version, seq in state.subjects}
+    p.recreated = dict(state.recreated)
     return p
 
 

@@ -5,37 +5,45 @@ request's selectors and, from the service, the bookings it has in flight (so tha
 concurrent decisions of one replica do not pick room it is already committing).
 No I/O, no clock, no randomness that does not come from the inputs.
 
-## Placement (CONTRACT section 3, placement rules 1 to 7)
+## Placement (CONTRACT section 3, placement rules 1 to 7, v1.1)
 
 The actor's state and latest snapshot give a *plan*: an ordered list of tiers, each a
 set of candidate workers, the runtime a worker would run the actor under, and what
-the placement then is (action, fidelity, pin, fallback).
+the placement then is (action, fidelity, pin, fallback). `min_fidelity` is a floor
+for every tier (rule 4a): a tier below it is not in the plan, and a plan left without
+a tier that more room could fill is refused with FAILED_PRECONDITION naming the cause.
 
-- No snapshot: one tier, every worker of the class, RUN on its default (rule 1).
+- Where the snapshot lives (rule 5): a LOCAL image restores only on a worker on its
+  node, at any fidelity, whatever the actor's state; every tier is restricted to the
+  class's workers on that node and there is no fallback tier that leaves it. When the
+  node has no registered worker of the class, FAILED_PRECONDITION names the node and
+  the way out (`revert`).
+- No snapshot: one tier, every worker of the class, RUN on its default (rule 1); not
+  with `min_fidelity` MEMORY.
 - A MEMORY snapshot of the actor's current template, stamped for its class (rule 2):
-  tier 1 the workers whose default runtime equals the stamp, tier 2 those with an equal
-  restorable runtime (both straight from the projection's compat-key index); then the
-  fallback tier, every worker of the class on its default, VOLUMES with reason
-  NO_COMPATIBLE_WORKER, or RUN with fidelity NONE when the snapshot is `borrowed`
-  (rule 4). With `min_fidelity` MEMORY there is no fallback tier: RESOURCE_EXHAUSTED.
-- A MEMORY snapshot of an older template: every worker of the class on its default,
-  VOLUMES (RUN/NONE if borrowed), fallback TEMPLATE_CHANGED (rule 3). A MEMORY snapshot
-  with no stamp, or one stamped for another class, goes the same way with reason
-  SNAPSHOT_NOT_MEMORY: the memory is in the snapshot but cannot be used.
-- A VOLUMES or ROOTFS snapshot: every worker of the class on its default, at the
-  snapshot's fidelity, no fallback (nothing the snapshot holds is given up).
-- A PAUSED actor: every tier is restricted to its pinned node and there is no
-  fallback tier (rule 5): RESOURCE_EXHAUSTED rather than leave the node or the runtime.
-  If its template changed meanwhile its memory is unusable anyway, so any worker of
-  the class on that node restores its volumes (TEMPLATE_CHANGED).
+  four tiers straight from the projection's compat-key index, in the preference of
+  rule 2: workers whose default equals the stamp, whose restorable runtime equals
+  it, whose default lists it as a compatible version (an edge), whose restorable
+  runtime does. Then the fallback tier (rule 4): VOLUMES with reason
+  NO_COMPATIBLE_WORKER, or RUN with fidelity NONE when the snapshot is `borrowed`;
+  not with `min_fidelity` MEMORY (RESOURCE_EXHAUSTED: more room could help), not for
+  a LOCAL image.
+- A MEMORY snapshot of an older template (TEMPLATE_CHANGED), or one whose stamp is
+  missing or of another class (SNAPSHOT_NOT_MEMORY): VOLUMES (RUN/NONE if borrowed),
+  the memory given up (rule 3).
+- A VOLUMES or ROOTFS snapshot: restored at its fidelity, no fallback (rule 3).
+- Every tier without memory of a stamped snapshot keeps the stamp's `architecture`
+  (rule 4): only workers whose class default has it (the projection indexes workers
+  by that architecture).
 
 The first tier with a feasible worker wins. A worker is feasible when it passes the
 pipeline of named checks, in this order, each of which names what it rejects:
 `class not registered`, `drained`, `selector mismatch`, `not on pinned node`,
-`runtime mismatch`, `insufficient cpu`, `insufficient memory` (rule 6). Room is
-capacity minus the 64 MiB worker reserve minus what is booked; an actor books its
-resources plus the chosen runtime's overhead. Selectors: the actor's, with the
-request's added (the request's value wins on a shared key).
+`runtime mismatch`, `architecture mismatch`, `insufficient cpu`, `insufficient memory`
+(rule 6). Room is capacity minus the 64 MiB worker reserve minus what is booked; an
+actor books its resources plus the chosen runtime's overhead. Selectors are the
+actor's and the request's together; the request may add keys, never change one
+(INVALID_ARGUMENT, field `selectors.<key>`).
 
 ## Choice within a tier (rule 7): power of two choices, deterministic
 
@@ -55,10 +63,13 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Mapping, Sequence
 
-from events.errors import ContractError, exhausted, not_found, precondition
+from events.compat import compat_key, describe_key
+from events.errors import ContractError, exhausted, invalid, not_found, precondition
 from events.schema import (
     Action,
     ClassFragmentation,
+    CompatVersion,
+    ErrorCode,
     Explanation,
     Fallback,
     FallbackReason,
@@ -66,13 +77,18 @@ from events.schema import (
     Fragmentation,
     Placement,
     PlacedFidelity,
+    Refusal,
     Rejection,
     Resources,
     Room,
     RuntimeFragmentation,
 )
 from services.scheduler.projection import (
+    EDGE_DEFAULT,
+    EDGE_RESTORABLE,
     MEMORY,
+    OWN_DEFAULT,
+    OWN_RESTORABLE,
     PAUSED,
     REGISTERED,
     RUNNING,
@@ -99,6 +115,7 @@ DRAINED = "drained"
 SELECTOR_MISMATCH = "selector mismatch"
 NOT_ON_PINNED_NODE = "not on pinned node"
 RUNTIME_MISMATCH = "runtime mismatch"
+ARCHITECTURE_MISMATCH = "architecture mismatch"
 INSUFFICIENT_CPU = "insufficient cpu"
 INSUFFICIENT_MEMORY = "insufficient memory"
 
@@ -107,15 +124,18 @@ _FIDELITY = {
     Fidelity.VOLUMES: PlacedFidelity.VOLUMES,
     Fidelity.ROOTFS: PlacedFidelity.ROOTFS,
 }
+# The floor's order (rule 4a): lower is better.
+_RANK = {PlacedFidelity.MEMORY: 0, PlacedFidelity.VOLUMES: 1, PlacedFidelity.ROOTFS: 2, PlacedFidelity.NONE: 3}
 
 
 # --- the ask: what a tier requires of a worker ----------------------------------------------
 
 
 class Ask:
-    """The requirements one tier puts on a worker; `compat` set means a memory restore."""
+    """The requirements one tier puts on a worker: `compat` set means a memory restore,
+    `arch` the architecture its class default must have, `node` the node it must be on."""
 
-    __slots__ = ("sandbox_class", "cpu", "memory_mib", "selectors", "node", "compat")
+    __slots__ = ("sandbox_class", "cpu", "memory_mib", "selectors", "node", "compat", "arch")
 
     def __init__(
         self,
@@ -125,6 +145,7 @@ class Ask:
         selectors: tuple[tuple[str, str], ...],
         node: str | None,
         compat: Compat | None,
+        arch: str | None = None,
     ):
         self.sandbox_class = sandbox_class
         self.cpu = cpu
@@ -132,6 +153,7 @@ class Ask:
         self.selectors = selectors
         self.node = node
         self.compat = compat
+        self.arch = arch
 
     def runtime(self, worker: Worker) -> Runtime | None:
         """The runtime the actor would run under on `worker` (None: the worker cannot)."""
@@ -140,7 +162,8 @@ class Ask:
             return None
         if self.compat is None:
             return entry.default
-        return entry.match(self.compat)
+        match = entry.match(self.compat)
+        return match[1] if match is not None else None
 
     def need_mib(self, runtime: Runtime) -> int:
         return self.memory_mib + runtime.overhead_mib(self.memory_mib)
@@ -157,9 +180,15 @@ class Ask:
             for key, value in self.selectors:
                 if labels.get(key) != value:
                     return None
-        runtime = entry.default if self.compat is None else entry.match(self.compat)
-        if runtime is None:
-            return None
+        if self.compat is None:
+            runtime = entry.default
+            if self.arch is not None and runtime.compat.arch != self.arch:
+                return None
+        else:
+            match = entry.accepts.get(self.compat)
+            if match is None:
+                return None
+            runtime = match[1]
         need = self.memory_mib + runtime.overhead_mib(self.memory_mib)
         room_cpu = worker.cpu_millis - worker.booked_cpu
         room_mem = worker.memory_mib - WORKER_RESERVE_MIB - worker.booked_mem
@@ -210,6 +239,12 @@ def check_runtime(ask: Ask, worker: Worker) -> str | None:
     return None if ask.runtime(worker) is not None else RUNTIME_MISMATCH
 
 
+def check_architecture(ask: Ask, worker: Worker) -> str | None:
+    if ask.arch is None or ask.compat is not None:
+        return None
+    return None if worker.classes[ask.sandbox_class].arch == ask.arch else ARCHITECTURE_MISMATCH
+
+
 def check_cpu(ask: Ask, worker: Worker, pending: Pending) -> str | None:
     return None if _room(worker, pending)[0] >= ask.cpu else INSUFFICIENT_CPU
 
@@ -225,6 +260,7 @@ FEASIBILITY: tuple[Callable[[Ask, Worker], str | None], ...] = (
     check_selectors,
     check_node,
     check_runtime,
+    check_architecture,
 )
 FIT: tuple[Callable[[Ask, Worker, Pending], str | None], ...] = (check_cpu, check_memory)
 
@@ -232,14 +268,19 @@ FIT: tuple[Callable[[Ask, Worker, Pending], str | None], ...] = (check_cpu, chec
 # --- the plan ---------------------------------------------------------------------------------
 
 
-DEFAULT = "default"
-RESTORABLE = "restorable"
+# The memory tiers, in the order of rule 2 (v1.1), by the role a runtime accepts the stamp in.
+MEMORY_TIERS = (
+    (OWN_DEFAULT, "default runtime match"),
+    (OWN_RESTORABLE, "restorable runtime match"),
+    (EDGE_DEFAULT, "default runtime through a compatible version"),
+    (EDGE_RESTORABLE, "restorable runtime through a compatible version"),
+)
 
 
 class Tier:
     """One step of a plan: who is a candidate, and what a placement on one of them is."""
 
-    __slots__ = ("name", "ask", "members", "action", "fidelity", "fallback", "match")
+    __slots__ = ("name", "ask", "members", "action", "fidelity", "fallback", "role")
 
     def __init__(
         self,
@@ -249,7 +290,7 @@ class Tier:
         action: Action,
         fidelity: PlacedFidelity,
         fallback: Fallback | None,
-        match: str | None,
+        role: int | None,
     ):
         self.name = name
         self.ask = ask
@@ -257,7 +298,7 @@ class Tier:
         self.action = action
         self.fidelity = fidelity
         self.fallback = fallback
-        self.match = match  # memory tiers: which runtime of a worker matches the stamp
+        self.role = role  # memory tiers: the role in which a worker's runtime accepts the stamp
 
 
 class Plan:
@@ -285,70 +326,153 @@ def resolve(projection: Projection, actor_id: str) -> Actor:
 
 
 def merged_selectors(actor: Actor, selectors: Mapping[str, str] | None) -> tuple[tuple[str, str], ...]:
+    """The actor's selectors and the request's together (rule 6, v1.1): a request may add a
+    key, never change the value of one the actor selects on (INVALID_ARGUMENT)."""
+    own = actor.spec.selectors
     if not selectors:
-        return tuple(actor.spec.selectors.items())
-    merged = dict(actor.spec.selectors)
-    merged.update(selectors)
+        return tuple(own.items())
+    merged = dict(own)
+    for key, value in selectors.items():
+        have = own.get(key)
+        if have is not None and have != value:
+            raise invalid(
+                f"actor {actor.actor_id} selects {key}={have}; a resume may add selectors, "
+                f"not change one ({key}={value})",
+                f"selectors.{key}",
+            )
+        merged[key] = value
     return tuple(sorted(merged.items()))
+
+
+def _below(fidelity: PlacedFidelity, floor: Fidelity) -> bool:
+    return _RANK[fidelity] > _RANK[_FIDELITY[floor]]
 
 
 def plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | None) -> Plan:
     spec = actor.spec  # what it asks for
     cls = spec.sandbox_class
     index = projection.classes.get(cls)
-    everyone: Sequence[Worker] = index.workers.items if index is not None else ()
     sel = merged_selectors(actor, selectors)
-    node = actor.node if actor.state is PAUSED else None
     res = spec.resources
-
-    def ask(compat: Compat | None) -> Ask:
-        return Ask(cls, res.cpu_millis, res.memory_mib, sel, node, compat)
-
-    any_ask = ask(None)
+    floor = spec.min_fidelity
     snapshot = actor.snapshot  # what its latest snapshot is
-    tiers: list[Tier] = []
+    aid = actor.actor_id
 
+    # Rule 5: a LOCAL image restores only on its node (a PAUSED actor's image is LOCAL).
+    node = None
+    if snapshot is not None and snapshot.local:
+        node = snapshot.node or ""
+    elif actor.state is PAUSED:
+        node = actor.node or ""
+    if node is not None:
+        on_node = index.by_node.get(node) if index is not None and node else None
+        if not on_node:
+            where = f"node {node}" if node else "a node it does not name"
+            raise precondition(
+                f"actor {aid}'s latest snapshot is a LOCAL image on {where}, where no worker of class {cls} "
+                f"is registered; it restores only there. To give the image up, revert the actor "
+                f"(snapshotter revert): it then resumes from its latest EXTERNAL snapshot, or cold-boots"
+            )
+        everyone: Sequence[Worker] = on_node.items
+    else:
+        everyone = index.workers.items if index is not None else ()
+
+    def ask(compat: Compat | None, arch: str | None = None) -> Ask:
+        return Ask(cls, res.cpu_millis, res.memory_mib, sel, node, compat, arch)
+
+    def without_memory(arch: str | None) -> Sequence[Worker]:
+        """Candidates of a tier without memory: on the node, or of the stamp's architecture."""
+        if arch is None or node is not None or index is None:
+            return everyone
+        found = index.by_arch.get(arch)
+        return found.items if found is not None else ()
+
+    tiers: list[Tier] = []
     if snapshot is None:  # rule 1: cold start on the class default
+        any_ask = ask(None)
+        if floor is Fidelity.MEMORY:
+            raise precondition(
+                f"actor {aid} has no snapshot to restore and its min_fidelity is MEMORY: a cold boot "
+                "(RUN, fidelity NONE) is below it; create it from a MEMORY snapshot (a tag or a golden "
+                "snapshot) or with a lower min_fidelity"
+            )
         tiers.append(Tier("cold start", any_ask, everyone, Action.RUN, PlacedFidelity.NONE, None, None))
         return Plan(actor, tiers, any_ask, "no worker of the class fits", False)
 
+    stamp = snapshot.stamp
+    arch = stamp.compat.arch if stamp is not None else None
     borrowed = snapshot.borrowed
     if snapshot.fidelity is not MEMORY:  # rule 3: volumes or rootfs, nothing given up
         fidelity = _FIDELITY[snapshot.fidelity]
-        tiers.append(Tier("restore", any_ask, everyone, Action.RESTORE, fidelity, None, None))
-        return Plan(actor, tiers, any_ask, "no worker of the class fits", False)
+        if _below(fidelity, floor):
+            raise precondition(
+                f"actor {aid}'s latest snapshot holds {fidelity.value} only, below its min_fidelity "
+                f"{floor.value}"
+            )
+        restore = ask(None, arch)
+        tiers.append(Tier("restore", restore, without_memory(arch), Action.RESTORE, fidelity, None, None))
+        return Plan(actor, tiers, restore, _no_worker(arch, node), False)
 
-    stamp = snapshot.stamp
-    lost = None
+    lost = cause = None
     if snapshot.template_uid != spec.template_uid:
         lost = FallbackReason.TEMPLATE_CHANGED
+        cause = (f"its template changed since the snapshot (the memory image is of template "
+                 f"{snapshot.template_uid}, the actor's is now {spec.template_uid})")
     elif stamp is None or stamp.compat.sandbox_class != cls:
         lost = FallbackReason.SNAPSHOT_NOT_MEMORY
+        cause = "its snapshot's stamp is missing or of another class, so no runtime can be matched to it"
     if lost is not None:  # rule 3: memory in the snapshot that cannot be used
-        tiers.append(_without_memory(any_ask, everyone, lost, borrowed))
-        return Plan(actor, tiers, any_ask, "no worker of the class fits", False)
+        tier = _without_memory(ask(None, arch), without_memory(arch), lost, borrowed)
+        if _below_floor(tier, floor, borrowed):
+            raise precondition(f"actor {aid} cannot be restored at its min_fidelity {floor.value}: {cause}")
+        tiers.append(tier)
+        return Plan(actor, tiers, tier.ask, _no_worker(arch, node), False)
 
-    # rule 2: a memory restore on a worker whose default or restorable runtime equals the stamp
+    # rule 2: a memory restore on a worker that accepts the stamp, in the order of preference
     compat = stamp.compat
     mem_ask = ask(compat)
-    defaults = index.default.get(compat) if index is not None else None
-    restorables = index.restorable.get(compat) if index is not None else None
-    tiers.append(
-        Tier("default runtime match", mem_ask, defaults.items if defaults else (), Action.RESTORE,
-             PlacedFidelity.MEMORY, None, DEFAULT)
-    )
-    tiers.append(
-        Tier("restorable runtime match", mem_ask, restorables.items if restorables else (), Action.RESTORE,
-             PlacedFidelity.MEMORY, None, RESTORABLE)
-    )
-    if actor.state is PAUSED:  # rule 5: never relaxed
-        refusal = f"actor is PAUSED on node {node}: its memory restores only on a compatible worker there"
-    elif spec.min_fidelity is Fidelity.MEMORY:  # rule 4's exception
+    for role, name in MEMORY_TIERS:
+        if node is not None:  # the node's workers of that role (few)
+            members: Sequence[Worker] = [w for w in everyone if _role(w, cls, compat) == role]
+        else:
+            found = index.members[role].get(compat) if index is not None else None
+            members = found.items if found else ()
+        tiers.append(Tier(name, mem_ask, members, Action.RESTORE, PlacedFidelity.MEMORY, None, role))
+    if node is not None:  # rule 5: never relaxed
+        refusal = (f"its memory image is LOCAL on node {node}: it restores only on a compatible worker there"
+                   if actor.state is not PAUSED else
+                   f"actor is PAUSED on node {node}: its memory restores only on a compatible worker there")
+    elif floor is Fidelity.MEMORY:  # rule 4's exception (4a: more room could help)
         refusal = "no compatible worker has room and min_fidelity is MEMORY"
-    else:  # rule 4: fall back rather than fail
-        tiers.append(_without_memory(any_ask, everyone, FallbackReason.NO_COMPATIBLE_WORKER, borrowed))
-        refusal = "no worker of the class fits"
+    else:  # rule 4: fall back rather than fail, keeping the stamp's architecture
+        fallback = _without_memory(ask(None, arch), without_memory(arch), FallbackReason.NO_COMPATIBLE_WORKER,
+                                   borrowed)
+        if _below_floor(fallback, floor, borrowed):
+            refusal = f"no compatible worker has room, and a fallback is below min_fidelity {floor.value}"
+        else:
+            tiers.append(fallback)
+            refusal = _no_worker(arch, None)
     return Plan(actor, tiers, mem_ask, refusal, True)
+
+
+def _role(worker: Worker, sandbox_class: str, compat: Compat) -> int | None:
+    entry = worker.classes.get(sandbox_class)
+    match = entry.match(compat) if entry is not None else None
+    return match[0] if match is not None else None
+
+
+def _no_worker(arch: str | None, node: str | None) -> str:
+    where = f" on node {node}" if node else ""
+    of = f" with architecture {arch}" if arch is not None else ""
+    return f"no worker of the class{of}{where} fits"
+
+
+def _below_floor(tier: Tier, floor: Fidelity, borrowed: bool) -> bool:
+    """Whether a tier without memory is below `min_fidelity` (rule 4a): an actor that owns
+    nothing to lose (a borrowed snapshot) may RUN unless its floor is MEMORY."""
+    if borrowed and tier.fidelity is PlacedFidelity.NONE:
+        return floor is Fidelity.MEMORY
+    return _below(tier.fidelity, floor)
 
 
 def _without_memory(ask: Ask, members: Sequence[Worker], reason: FallbackReason, borrowed: bool) -> Tier:
@@ -437,7 +561,17 @@ def placement(actor: Actor, tier: Tier, choice: Choice) -> Placement:
         snapshot_id=actor.snapshot_id if tier.action is Action.RESTORE else None,
         fallback=tier.fallback,
         booked=Resources(cpu_millis=tier.ask.cpu, memory_mib=need),
+        matched_version=_matched(tier, runtime),
     )
+
+
+def _matched(tier: Tier, runtime: Runtime) -> CompatVersion | None:
+    """On a memory restore, the version that matched the stamp: the pin's own, or the edge."""
+    if tier.role is None:
+        return None
+    if tier.role in (OWN_DEFAULT, OWN_RESTORABLE):
+        return runtime.compat.version
+    return tier.ask.compat.version
 
 
 # --- decide --------------------------------------------------------------------------------------
@@ -470,7 +604,8 @@ def decide(
 
 def _exhausted_message(projection: Projection, the_plan: Plan, pending: Pending, refusals: dict | None = None) -> str:
     ask = the_plan.primary
-    key = (ask.sandbox_class, ask.cpu, ask.memory_mib, ask.selectors, ask.node, ask.compat, the_plan.refusal)
+    key = (ask.sandbox_class, ask.cpu, ask.memory_mib, ask.selectors, ask.node, ask.compat, ask.arch,
+           the_plan.refusal)
     if refusals is not None and key in refusals:
         return refusals[key]
     total, candidates, counts = _tally(projection.workers.values(), ask, pending, None)
@@ -519,16 +654,22 @@ def explain(
 ) -> Explanation:
     """What a resume would get now and why every other worker was passed over; writes nothing.
 
-    Reasons and counts are against the actor's first requirement (a memory restore
-    on a compatible worker when its snapshot allows one; otherwise any worker of its
-    class), over every registered worker. Each rejected worker carries the first
-    feasibility check it fails or, past those, every resource check it fails.
+    A resume that would be refused is a successful explanation with `refusal` set (never
+    a top-level `error`, which means the explain request itself failed: an unknown actor,
+    a selector that conflicts with the actor's). Reasons and counts are against the
+    actor's first requirement (a memory restore on a compatible worker when its snapshot
+    allows one; otherwise any worker of its class), over every registered worker. Each
+    rejected worker carries the first feasibility check it fails or, past those, every
+    resource check it fails.
     """
     try:
         actor = resolve(projection, actor_id)
+        the_plan = plan(projection, actor, selectors)
     except ContractError as error:
-        return Explanation(error=error.detail(), candidates=0, rejected=[], counts={}, message=error.message)
-    the_plan = plan(projection, actor, selectors)
+        if error.code in (ErrorCode.NOT_FOUND, ErrorCode.INVALID_ARGUMENT):
+            raise
+        return Explanation(refusal=Refusal(code=error.code, message=error.message), candidates=0, rejected=[],
+                           counts={}, message=error.message)
     rejected: list[Rejection] = []
     total, candidates, counts = _tally(projection.workers.values(), the_plan.primary, pending, rejected)
     text = summary(candidates, total, counts)
@@ -536,10 +677,13 @@ def explain(
         decision = decide(projection, actor_id, selectors, position, pending)
     except ContractError as error:
         return Explanation(
-            error=error.detail(), candidates=candidates, rejected=rejected, counts=counts,
-            message=f"{text}; {the_plan.refusal}",
+            refusal=Refusal(code=error.code, message=error.message), candidates=candidates, rejected=rejected,
+            counts=counts, message=f"{text}; {the_plan.refusal}",
         )
     outcome = f"{decision.action.value} {decision.fidelity.value} on {decision.worker_id}"
+    matched = decision.matched_version
+    if matched is not None and compat_key("", matched) != compat_key("", decision.sandbox_runtime.version):
+        outcome += f" (restorable through compatible version {describe_key(compat_key('', matched)).strip()})"
     if decision.fallback is not None:
         outcome += f" (fallback {decision.fallback.reason.value})"
     return Explanation(
@@ -574,10 +718,8 @@ def decide_by_scan(
             fit = ask.fit(worker, pending)
             if fit is None:
                 continue
-            if tier.match is not None:  # a memory tier: split by the kind of runtime that matched
-                on_default = fit[0] is worker.classes[ask.sandbox_class].default
-                if on_default != (tier.match == DEFAULT):
-                    continue
+            if tier.role is not None and _role(worker, ask.sandbox_class, ask.compat) != tier.role:
+                continue  # a memory tier: only workers accepting the stamp in its role
             keep.append(worker)
         choice = choose(ask, keep, draw, pending)
         if choice is not None:
@@ -589,10 +731,13 @@ def decide_by_scan(
 
 
 def fragmentation(projection: Projection, sandbox_class: str | None = None) -> Fragmentation:
-    """Per class and runtime version: live workers running it as default or able to
-    restore it, their free room, and the latest MEMORY snapshots of actors waiting for
-    a resume that are stamped with it; `stranded_snapshots` counts those of versions
-    that no registered, undrained worker can restore.
+    """Per class and runtime version: live workers running it as default, able to restore
+    it (a restorable runtime), or accepting it only through a compatibility edge, their
+    free room, and the counted memory snapshots stamped with it; per class the
+    `stranded_snapshots` (CONTRACT section 3: counted memory snapshots no registered,
+    undrained worker could restore at MEMORY; a LOCAL one only by a worker on its node)
+    and the `lost_local_snapshots` (waiting actors whose LOCAL latest snapshot is on a
+    node with no registered worker of the class).
     """
     classes = []
     names = sorted(projection.classes) if sandbox_class is None else [sandbox_class]
@@ -600,29 +745,33 @@ def fragmentation(projection: Projection, sandbox_class: str | None = None) -> F
         index = projection.classes.get(name)
         if index is None:
             continue
-        compats = set(index.default) | set(index.restorable) | set(index.memory_snapshots)
+        compats = {c for table in index.members for c in table} | set(index.external_memory)
+        compats |= {c for _, c in index.local_memory}
         runtimes = []
         for compat in sorted(compats, key=lambda c: c.key):
             seen: set[str] = set()
             free_cpu = free_mem = 0
-            for table in (index.default, index.restorable):
+            for table in index.members:
                 for worker in table.get(compat, ()):
                     if worker.live and worker.worker_id not in seen:
                         seen.add(worker.worker_id)
                         free_cpu += max(worker.room_cpu, 0)
                         free_mem += max(worker.room_mem, 0)
+            live = index.live
             runtimes.append(
                 RuntimeFragmentation(
                     version=compat.version,
-                    workers_default=index.live_default.get(compat, 0),
-                    workers_restorable=index.live_restorable.get(compat, 0),
+                    workers_default=live[OWN_DEFAULT].get(compat, 0),
+                    workers_restorable=live[OWN_RESTORABLE].get(compat, 0),
+                    workers_compatible=live[EDGE_DEFAULT].get(compat, 0) + live[EDGE_RESTORABLE].get(compat, 0),
                     free=Room(cpu_millis=free_cpu, memory_mib=free_mem),
-                    snapshots_memory=index.memory_snapshots.get(compat, 0),
+                    snapshots_memory=index.memory_snapshots(compat),
                 )
             )
         classes.append(
             ClassFragmentation(
-                sandbox_class=name, workers=index.live_count(), runtimes=runtimes, stranded_snapshots=index.stranded()
+                sandbox_class=name, workers=index.live_count(), runtimes=runtimes, stranded_snapshots=index.stranded(),
+                lost_local_snapshots=index.lost_local(),
             )
         )
     return Fragmentation(classes=classes)

@@ -37,6 +37,7 @@ deployment (at most 300 bytes each, as `bench/recovery.py` measures it):
 from __future__ import annotations
 
 import hashlib
+import struct
 import weakref
 from collections.abc import Set
 from math import ceil
@@ -50,11 +51,13 @@ from events.schema import (
     ActorCreated,
     ActorPlaced,
     ActorReleased,
+    ActorReverted,
     ActorRuntime,
     ActorStopped,
     CompatVersion,
     Event,
     Fidelity,
+    Location,
     ReleaseReason,
     Resources,
     RuntimeChanged,
@@ -65,6 +68,7 @@ from events.schema import (
     TemplateChanged,
     WorkerBooked,
     WorkerDrained,
+    WorkerFenced,
     WorkerRegistered,
     WorkerRemoved,
     WorkerRuntime,
@@ -101,15 +105,26 @@ def stable_hash(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
-class Compat:
-    """One interned compat key: (class, schema version, sorted attributes), and its version."""
+# Roles in which a worker's runtime accepts a stamp, in the order placement rule 2 (v1.1)
+# prefers them: the runtime's own version as the class default, as a restorable runtime,
+# then a compatibility edge (`compatible_versions`) of the default, of a restorable.
+OWN_DEFAULT, OWN_RESTORABLE, EDGE_DEFAULT, EDGE_RESTORABLE = 0, 1, 2, 3
+ROLES = (OWN_DEFAULT, OWN_RESTORABLE, EDGE_DEFAULT, EDGE_RESTORABLE)
+ROLE_NAMES = ("default", "restorable", "edge of default", "edge of restorable")
+ARCHITECTURE = "architecture"
 
-    __slots__ = ("key", "sandbox_class", "version")
+
+class Compat:
+    """One interned compat key: (class, schema version, sorted attributes), its version,
+    and its `architecture` attribute (None if it has none)."""
+
+    __slots__ = ("key", "sandbox_class", "version", "arch")
 
     def __init__(self, key: CompatKey, version: CompatVersion):
         self.key = key
         self.sandbox_class = key[0]
         self.version = version
+        self.arch = next((v for k, v in key[2] if k == ARCHITECTURE), None)
 
     def __repr__(self) -> str:
         return f"Compat({describe_key(self.key)})"
@@ -126,18 +141,20 @@ class Stamp:
 
 
 class Runtime:
-    """An interned worker runtime of one class: its compat key, overhead and the pin it gives."""
+    """An interned worker runtime of one class: its compat key, overhead, the pin it gives,
+    and the compat keys of its compatible versions (the one-way edges it accepts)."""
 
-    __slots__ = ("compat", "name", "fixed_mib", "per_gib_mib", "pin")
+    __slots__ = ("compat", "name", "fixed_mib", "per_gib_mib", "pin", "edges")
 
-    def __init__(self, compat: Compat, runtime: WorkerRuntime):
+    def __init__(self, compat: Compat, runtime: WorkerRuntime, edges: tuple[Compat, ...] = ()):
         self.compat = compat
         self.name = runtime.name
         overhead = runtime.actor_overhead
         self.fixed_mib = overhead.fixed_mib if overhead else 0
         self.per_gib_mib = overhead.per_gib_mib if overhead else 0
-        # The pin carries the matched entry's version with the snapshot's (= the entry's) class.
+        # The pin carries the runtime's own version with the class: what the actor runs under.
         self.pin = ActorRuntime(sandbox_class=compat.sandbox_class, name=runtime.name, version=runtime.version)
+        self.edges = edges
 
     def overhead_mib(self, memory_mib: int) -> int:
         """`fixed_mib + per_gib_mib * ceil(memory_mib / 1024)` (CONTRACT placement rule 6)."""
@@ -147,33 +164,39 @@ class Runtime:
 
 
 class ClassEntry:
-    """What one worker runs for one sandbox class."""
+    """What one worker runs for one sandbox class (interned: workers configured alike share one).
 
-    __slots__ = ("default", "restorable")
+    `accepts` maps every compat key a memory snapshot may carry to restore here to the
+    best role in which a runtime of the entry accepts it and that runtime."""
+
+    __slots__ = ("default", "restorable", "accepts")
 
     def __init__(self, default: Runtime, restorable: tuple[Runtime, ...]):
         self.default = default
         self.restorable = restorable
+        accepts: dict[Compat, tuple[int, Runtime]] = {}
+        for role, runtime in ((OWN_DEFAULT, default), *((OWN_RESTORABLE, r) for r in restorable)):
+            accepts.setdefault(runtime.compat, (role, runtime))
+        for edge in default.edges:
+            accepts.setdefault(edge, (EDGE_DEFAULT, default))
+        for runtime in restorable:
+            for edge in runtime.edges:
+                accepts.setdefault(edge, (EDGE_RESTORABLE, runtime))
+        self.accepts = accepts
 
-    def match(self, compat: Compat) -> Runtime | None:
-        """The runtime that can restore a snapshot of `compat`: the default first, then in order."""
-        if self.default.compat is compat:
-            return self.default
-        for runtime in self.restorable:
-            if runtime.compat is compat:
-                return runtime
-        return None
+    def match(self, compat: Compat) -> tuple[int, Runtime] | None:
+        """(role, runtime) that can restore a memory snapshot of `compat` here, or None."""
+        return self.accepts.get(compat)
 
-    def compats(self) -> Iterator[Compat]:
-        yield self.default.compat
-        for runtime in self.restorable:
-            yield runtime.compat
+    @property
+    def arch(self) -> str | None:
+        """The architecture of the class default: what a restore without memory runs on."""
+        return self.default.compat.arch
 
 
 class Worker:
     __slots__ = (
         "worker_id",
-        "h",  # stable hash of the id: deterministic tie-breaks
         "node",
         "cpu_millis",
         "memory_mib",
@@ -191,7 +214,6 @@ class Worker:
 
     def __init__(self, worker_id: str, projection: "weakref.ref[Projection] | None" = None):
         self.worker_id = worker_id
-        self.h = stable_hash(worker_id)
         self.node = ""
         self.cpu_millis = 0
         self.memory_mib = 0
@@ -306,25 +328,63 @@ class IndexedSet:
 
 
 class ClassIndex:
-    """Per sandbox class: its workers, the compat-key indices and the fragmentation counts."""
+    """Per sandbox class: its workers, the indices decisions look things up in, and the
+    counts fragmentation reads.
 
-    __slots__ = ("sandbox_class", "workers", "default", "restorable", "live_default", "live_restorable", "memory_snapshots")
+    - `members[role][compat]`: the workers accepting `compat` in that role (each worker in
+      its best role only), `live[role][compat]` how many of them are live;
+    - `by_node[node]`, `by_arch[architecture]`: the workers on a node, and by the
+      architecture of their class default (a restore without memory keeps the stamp's);
+    - `live_on_node[(node, compat)]`: live workers on a node accepting `compat` in any role;
+    - what counts as stranded (CONTRACT section 3): the latest MEMORY snapshots of
+      SUSPENDED and PAUSED actors of their current template, EXTERNAL ones per compat
+      key (`external_memory`), LOCAL ones per node and key (`local_memory`);
+    - `local_waiting[node]`: waiting actors whose latest snapshot is LOCAL on `node`
+      (lost when no worker of the class is registered there).
+    """
+
+    __slots__ = ("sandbox_class", "workers", "members", "live", "by_node", "by_arch", "live_on_node",
+                 "external_memory", "local_memory", "local_waiting")
 
     def __init__(self, sandbox_class: str):
         self.sandbox_class = sandbox_class
         self.workers = IndexedSet()  # registered (drained included) workers of the class
-        self.default: dict[Compat, IndexedSet] = {}  # key -> workers whose default matches
-        self.restorable: dict[Compat, IndexedSet] = {}  # key -> workers with a matching restorable
-        self.live_default: dict[Compat, int] = {}  # counts over live workers only
-        self.live_restorable: dict[Compat, int] = {}
-        self.memory_snapshots: dict[Compat, int] = {}  # latest MEMORY snapshots of waiting actors
+        self.members: tuple[dict[Compat, IndexedSet], ...] = tuple({} for _ in ROLES)
+        self.live: tuple[dict[Compat, int], ...] = tuple({} for _ in ROLES)
+        self.by_node: dict[str, IndexedSet] = {}
+        self.by_arch: dict[str | None, IndexedSet] = {}
+        self.live_on_node: dict[tuple[str, Compat], int] = {}
+        self.external_memory: dict[Compat, int] = {}
+        self.local_memory: dict[tuple[str, Compat], int] = {}
+        self.local_waiting: dict[str, int] = {}
 
-    def live_workers(self, compat: Compat) -> int:
-        return self.live_default.get(compat, 0) + self.live_restorable.get(compat, 0)
+    @property
+    def default(self) -> dict[Compat, IndexedSet]:
+        return self.members[OWN_DEFAULT]
+
+    @property
+    def restorable(self) -> dict[Compat, IndexedSet]:
+        return self.members[OWN_RESTORABLE]
+
+    def accepting(self, compat: Compat) -> int:
+        """Live workers of the class that can restore a memory snapshot of `compat`, in any role."""
+        return sum(live.get(compat, 0) for live in self.live)
 
     def stranded(self) -> int:
-        """Latest MEMORY snapshots that no registered, undrained worker can restore."""
-        return sum(n for compat, n in self.memory_snapshots.items() if n and not self.live_workers(compat))
+        """Counted memory snapshots that no registered, undrained worker could restore at MEMORY
+        (a LOCAL one: no such worker on its node)."""
+        external = sum(n for compat, n in self.external_memory.items() if not self.accepting(compat))
+        local = sum(n for key, n in self.local_memory.items() if not self.live_on_node.get(key))
+        return external + local
+
+    def memory_snapshots(self, compat: Compat) -> int:
+        """Counted memory snapshots stamped `compat`, EXTERNAL and LOCAL."""
+        local = sum(n for (_, c), n in self.local_memory.items() if c is compat) if self.local_memory else 0
+        return self.external_memory.get(compat, 0) + local
+
+    def lost_local(self) -> int:
+        """Waiting actors whose LOCAL latest snapshot is on a node with no registered worker of the class."""
+        return sum(n for node, n in self.local_waiting.items() if node not in self.by_node)
 
     def live_count(self) -> int:
         return sum(1 for w in self.workers if w.live)
@@ -356,17 +416,22 @@ class Spec:
 
 
 class SnapshotKind:
-    """What decisions read of an actor's latest snapshot (interned), and whether its id
-    is the actor's id followed by the suffix the actor keeps (`Actor.snapshot_ref`)."""
+    """What decisions read of an actor's latest snapshot (interned): template, fidelity,
+    stamp, borrowed, where it lives (`local`, and the `node` of a LOCAL image: None if it
+    did not say), and whether its id is the actor's id followed by the suffix the actor
+    keeps (`Actor.snapshot_ref`)."""
 
-    __slots__ = ("template_uid", "fidelity", "stamp", "borrowed", "prefixed")
+    __slots__ = ("template_uid", "fidelity", "stamp", "borrowed", "prefixed", "local", "node")
 
-    def __init__(self, template_uid: str, fidelity: Fidelity, stamp: Stamp | None, borrowed: bool, prefixed: bool):
+    def __init__(self, template_uid: str, fidelity: Fidelity, stamp: Stamp | None, borrowed: bool, prefixed: bool,
+                 local: bool = False, node: str | None = None):
         self.template_uid = template_uid
         self.fidelity = fidelity
         self.stamp = stamp
         self.borrowed = borrowed
         self.prefixed = prefixed
+        self.local = local
+        self.node = node
 
 
 class Lease:
@@ -396,10 +461,9 @@ class Actor(Struct, gc=False, eq=False):
     # optimistic concurrency on `actor.<id>`
     version: int = 0
     last_seq: int = 0
-    # idempotency: the last placement's request_id (as UTF-8: 16 bytes less than a str) and
-    # sequence; None and 0 if it carried none
-    placed_request: bytes | None = None
-    placed_seq: int = 0
+    # idempotency: the placements of this life that carried a request_id, newest first, at
+    # most RECENT_PLACEMENTS, packed as (64-bit hash of the request id, stream sequence)
+    placements: bytes | None = None
 
     worker: ClassVar[Worker | None] = None
     lease: ClassVar[Lease | None] = None
@@ -427,10 +491,6 @@ class Actor(Struct, gc=False, eq=False):
 
     # its latest snapshot
     @property
-    def has_snapshot(self) -> bool:
-        return self.snapshot is not None
-
-    @property
     def snapshot_id(self) -> str | None:
         kind = self.snapshot
         if kind is not None and kind.prefixed:
@@ -438,25 +498,22 @@ class Actor(Struct, gc=False, eq=False):
         return self.snapshot_ref
 
     @property
-    def snap_template(self) -> str | None:
-        return self.snapshot.template_uid if self.snapshot is not None else None
-
-    @property
-    def snap_fidelity(self) -> Fidelity | None:
-        return self.snapshot.fidelity if self.snapshot is not None else None
-
-    @property
     def snap_stamp(self) -> Stamp | None:
         return self.snapshot.stamp if self.snapshot is not None else None
 
-    @property
-    def snap_borrowed(self) -> bool:
-        return self.snapshot.borrowed if self.snapshot is not None else False
+    def placed_by(self, request: int) -> int:
+        """The stream sequence of this life's placement that carried the request id whose
+        `request_hash` is `request`, if it is among the recent ones; else 0."""
+        packed = self.placements
+        if packed:
+            for h, seq in _PLACEMENT.iter_unpack(packed):
+                if h == request:
+                    return seq
+        return 0
 
     @property
-    def placed_request_id(self) -> str | None:
-        request = self.placed_request
-        return request.decode() if request is not None else None
+    def placements_known(self) -> int:
+        return len(self.placements) // _PLACEMENT.size if self.placements else 0
 
     # its assignment
     @property
@@ -480,6 +537,23 @@ class Assigned(Actor):
 
 _ACTOR_FIELDS = len(Actor.__struct_fields__)
 
+# Recent placements an actor keeps for idempotent retries (see Actor.placements).
+RECENT_PLACEMENTS = 4
+_PLACEMENT = struct.Struct("<Qq")
+
+
+def request_hash(request_id: str) -> int:
+    """The 64-bit hash an actor keeps of a placement's request id (the same in every process)."""
+    return stable_hash(request_id)
+
+
+def with_placement(packed: bytes | None, request: int, seq: int) -> bytes:
+    """`packed` with (request, seq) in front, keeping at most RECENT_PLACEMENTS."""
+    entry = _PLACEMENT.pack(request, seq)
+    if not packed:
+        return entry
+    return (entry + packed)[: RECENT_PLACEMENTS * _PLACEMENT.size]
+
 
 class Projection:
     """The fold. `seq` is the stream sequence of the last message folded."""
@@ -495,11 +569,18 @@ class Projection:
         # registered worker keeps its own), and of any other subject, by aggregate id
         self.bookings: dict[str, tuple[int, int]] = {}
         self.subjects: dict[str, tuple[int, int]] = {}
+        # actor id -> sequence of the ActorCreated that began its current life, for actors
+        # created more than once (few): an answer recorded before it is of an earlier life
+        self.recreated: dict[str, int] = {}
+        # called with (actor id, request hash, seq) for each placement folded that carries a
+        # request id: what a replica needs to answer a retry that is still waiting to be decided
+        self.placed_listener: Callable[[str, int, int], None] | None = None
         # interning tables
         self._compats: dict[CompatKey, Compat] = {}
         self._compat_by_version: dict[tuple[str, CompatVersion], Compat] = {}
         self._stamps: dict[ActorRuntime, Stamp] = {}
         self._runtimes: dict[tuple[str, WorkerRuntime], Runtime] = {}
+        self._entries: dict[tuple[int, ...], ClassEntry] = {}
         self._strings: dict[str, str] = {}
         self._resources: dict[Resources, Resources] = {}
         self._selectors: dict[tuple[tuple[str, str], ...], Mapping[str, str]] = {(): _EMPTY}
@@ -520,6 +601,7 @@ class Projection:
             ActorPlaced: self._actor_placed,
             ActorReleased: self._actor_released,
             ActorStopped: self._actor_stopped,
+            ActorReverted: self._actor_reverted,
         }
 
     # --- the fold ---------------------------------------------------------------------
@@ -530,7 +612,7 @@ class Projection:
             self.seq = seq
         self.events += 1
         kind = type(event)
-        if kind is WorkerBooked:
+        if kind is WorkerBooked or kind is WorkerFenced:
             self._booked(seq, event.worker_id, version)
             return
         handler = self._dispatch.get(kind)
@@ -551,10 +633,13 @@ class Projection:
             handler(event, seq)
         elif kind is TagRecorded:
             self._other_subject(f"tag.{event.tag}", seq, version)
+        elif event.KIND == "booking":  # a marker of a kind this fold does not know: its sequence still guards
+            self._booked(seq, event.worker_id, version)
 
     def booking_marker(self, seq: int, worker_id: str, version: int | None = None) -> None:
-        """Fold a `WorkerBooked` known from its subject alone (all the fold needs of it),
-        without decoding its body; the same as `apply` of the event."""
+        """Fold a message of `booking.<worker id>` (a placement's WorkerBooked or the registry's
+        WorkerFenced) known from its subject alone (all the fold needs of it), without decoding
+        its body; the same as `apply` of the event."""
         if seq > self.seq:
             self.seq = seq
         self.events += 1
@@ -591,9 +676,6 @@ class Projection:
         self._compat_by_version[(sandbox_class, version)] = found
         return found
 
-    def compat_of_key(self, key: CompatKey) -> Compat | None:
-        return self._compats.get(key)
-
     def stamp(self, runtime: ActorRuntime) -> Stamp:
         found = self._stamps.get(runtime)
         if found is None:
@@ -603,8 +685,16 @@ class Projection:
     def _runtime(self, sandbox_class: str, runtime: WorkerRuntime) -> Runtime:
         found = self._runtimes.get((sandbox_class, runtime))
         if found is None:
-            found = Runtime(self.compat(sandbox_class, runtime.version), runtime)
+            edges = tuple(self.compat(sandbox_class, v) for v in runtime.compatible_versions)
+            found = Runtime(self.compat(sandbox_class, runtime.version), runtime, edges)
             self._runtimes[(sandbox_class, runtime)] = found
+        return found
+
+    def _entry(self, default: Runtime, restorable: tuple[Runtime, ...]) -> ClassEntry:
+        key = (id(default), *map(id, restorable))  # interned runtimes: identity stands for content
+        found = self._entries.get(key)
+        if found is None:
+            found = self._entries[key] = ClassEntry(default, restorable)
         return found
 
     def _str(self, text: str) -> str:
@@ -635,11 +725,12 @@ class Projection:
         return found
 
     def snapshot_kind(self, template_uid: str, fidelity: Fidelity, stamp: Stamp | None, borrowed: bool,
-                      prefixed: bool) -> SnapshotKind:
-        key = (template_uid, fidelity, stamp, borrowed, prefixed)
+                      prefixed: bool, local: bool = False, node: str | None = None) -> SnapshotKind:
+        key = (template_uid, fidelity, stamp, borrowed, prefixed, local, node)
         found = self._kinds.get(key)
         if found is None:
-            found = self._kinds[key] = SnapshotKind(self._str(template_uid), fidelity, stamp, borrowed, prefixed)
+            found = self._kinds[key] = SnapshotKind(self._str(template_uid), fidelity, stamp, borrowed, prefixed,
+                                                    local, None if node is None else self._str(node))
         return found
 
     def lease(self, booked: Resources, pin: Stamp) -> Lease:
@@ -677,43 +768,38 @@ class Projection:
     def _index(self, worker: Worker, delta: int) -> None:
         """Add (+1) or remove (-1) a worker from the indices of its classes."""
         live = worker.live
+        node = worker.node
         for name, entry in worker.classes.items():
             index = self.class_index(name)
+            _member(index.by_node, node, worker, delta)
+            _member(index.by_arch, entry.arch, worker, delta)
             if delta > 0:
                 index.workers.add(worker)
             else:
                 index.workers.discard(worker)
-            for i, runtime in enumerate((entry.default, *entry.restorable)):
-                table = index.default if i == 0 else index.restorable
-                counts = index.live_default if i == 0 else index.live_restorable
-                members = table.get(runtime.compat)
-                if delta > 0:
-                    if members is None:
-                        members = table[runtime.compat] = IndexedSet()
-                    members.add(worker)
-                elif members is not None:
-                    members.discard(worker)
-                    if not members:
-                        del table[runtime.compat]
+            for compat, (role, _) in entry.accepts.items():
+                _member(index.members[role], compat, worker, delta)
                 if live:
-                    _bump(counts, runtime.compat, delta)
+                    _bump(index.live[role], compat, delta)
+                    _bump(index.live_on_node, (node, compat), delta)
 
     def _set_live(self, worker: Worker, live: bool) -> None:
         """Move a worker's contribution to the live counts when it is drained (or undrained)."""
         if worker.live == live:
             return
         delta = 1 if live else -1
+        node = worker.node
         for name, entry in worker.classes.items():
             index = self.class_index(name)
-            _bump(index.live_default, entry.default.compat, delta)
-            for runtime in entry.restorable:
-                _bump(index.live_restorable, runtime.compat, delta)
+            for compat, (role, _) in entry.accepts.items():
+                _bump(index.live[role], compat, delta)
+                _bump(index.live_on_node, (node, compat), delta)
 
     def _classes(self, entries: tuple[WorkerSandboxClass, ...]) -> dict[str, ClassEntry]:
         classes = {}
         for entry in entries:
             name = self._str(entry.sandbox_class)
-            classes[name] = ClassEntry(
+            classes[name] = self._entry(
                 self._runtime(name, entry.default_runtime),
                 tuple(self._runtime(name, r) for r in entry.restorable_runtimes),
             )
@@ -748,7 +834,11 @@ class Projection:
         worker = self.workers.get(event.worker_id)
         if worker is None:
             return
-        worker.node = self._str(event.node)
+        node = self._str(event.node)
+        if node is not worker.node:  # its place in the per-node indices moves with it
+            self._index(worker, -1)
+            worker.node = node
+            self._index(worker, +1)
         worker.cpu_millis = event.capacity.cpu_millis
         worker.memory_mib = event.capacity.memory_mib
         worker.labels = self._sel(event.labels)
@@ -773,20 +863,36 @@ class Projection:
     # --- actors -------------------------------------------------------------------------
 
     def _count(self, actor: Actor, delta: int) -> None:
-        """Count (or uncount) an actor's latest MEMORY snapshot while it waits for a resume."""
+        """Count (or uncount) what fragmentation reads of a waiting actor's latest snapshot:
+        a MEMORY snapshot of its current template (SUSPENDED or PAUSED) for `stranded`, and
+        a LOCAL one's node for `lost_local`."""
         kind = actor.snapshot
-        if kind is not None and kind.stamp is not None and kind.fidelity is MEMORY and actor.state in WAITING:
+        if kind is None:
+            return
+        state = actor.state
+        if kind.local and state in WAITING:
+            _bump(self.class_index(actor.spec.sandbox_class).local_waiting, kind.node or "", delta)
+        if kind.fidelity is MEMORY and kind.stamp is not None and (state is SUSPENDED or state is PAUSED) \
+                and kind.template_uid == actor.spec.template_uid:
+            index = self.class_index(actor.spec.sandbox_class)
             compat = kind.stamp.compat
-            _bump(self.class_index(compat.sandbox_class).memory_snapshots, compat, delta)
+            if kind.local:
+                _bump(index.local_memory, (kind.node or "", compat), delta)
+            else:
+                _bump(index.external_memory, compat, delta)
 
-    def _set_snapshot(self, actor: Actor, snapshot: Snapshot | None) -> None:
+    def _set_snapshot(self, actor: Actor, snapshot: Snapshot | None, node: str | None = None) -> None:
+        """The actor's latest snapshot is now `snapshot` (None: it has none); a LOCAL one that
+        names no node is on `node`, if given."""
         if snapshot is None:
+            actor.snapshot = actor.snapshot_ref = None
             return
         prefixed, actor.snapshot_ref = self.snapshot_ref(actor.actor_id, snapshot.snapshot_id)
         runtime = snapshot.sandbox_runtime
+        local = snapshot.location is Location.LOCAL
         actor.snapshot = self.snapshot_kind(
             snapshot.template_uid, snapshot.fidelity, self.stamp(runtime) if runtime is not None else None,
-            snapshot.borrowed, prefixed,
+            snapshot.borrowed, prefixed, local, (snapshot.node or node) if local else None,
         )
 
     def _release(self, actor: Actor) -> Actor:
@@ -815,11 +921,14 @@ class Projection:
             previous = self.subjects.pop(f"actor.{event.actor_id}", None) if self.subjects else None
             if previous is not None:
                 actor.version, actor.last_seq = previous
-        else:
+        else:  # created anew after a stop: a new life, nothing of the last one carries over
             self._count(actor, -1)
             actor = self._release(actor)
             actor.state = CREATED
             actor.spec = spec
+            actor.node = None
+            actor.placements = None
+            self.recreated[actor.actor_id] = seq
         self._set_snapshot(actor, event.snapshot)
         self._count(actor, +1)
         return actor
@@ -831,12 +940,13 @@ class Projection:
             return actor
         self._count(actor, -1)
         snapshot = event.snapshot
-        self._set_snapshot(actor, snapshot)
+        # a LOCAL image that names no node is on the node the actor runs on
+        self._set_snapshot(actor, snapshot, actor.node if actor.state is RUNNING else None)
         if origin is SnapshotOrigin.PAUSE:
-            node = snapshot.node or actor.node
+            node = actor.snapshot.node or actor.node
             actor = self._release(actor)
             actor.state = PAUSED
-            actor.node = self._str(node) if node else None
+            actor.node = node
         elif origin is SnapshotOrigin.SUSPEND:
             actor = self._release(actor)
             actor.state = SUSPENDED
@@ -849,9 +959,11 @@ class Projection:
 
     def _template_changed(self, event: TemplateChanged, seq: int) -> Actor:
         actor = self.actors[event.actor_id]
+        self._count(actor, -1)  # a memory snapshot of the old template no longer counts
         spec = actor.spec
         actor.spec = self.spec(spec.sandbox_class, event.template_uid, spec.resources, spec.selectors,
                                spec.min_fidelity)
+        self._count(actor, +1)
         return actor
 
     def _actor_placed(self, event: ActorPlaced, seq: int) -> Actor:
@@ -866,8 +978,11 @@ class Projection:
         actor.node = self._str(event.node)
         actor.state = RUNNING
         request_id = event.request_id
-        actor.placed_request = request_id.encode() if request_id is not None else None
-        actor.placed_seq = seq if request_id is not None else 0
+        if request_id is not None:
+            request = request_hash(request_id)
+            actor.placements = with_placement(actor.placements, request, seq)
+            if self.placed_listener is not None:
+                self.placed_listener(actor.actor_id, request, seq)
         return actor
 
     def _actor_released(self, event: ActorReleased, seq: int) -> Actor:
@@ -883,7 +998,7 @@ class Projection:
         elif reason is ReleaseReason.STOPPED:
             actor.state = STOPPED
             actor.node = None
-        else:  # SUSPENDED, or WORKER_REMOVED: resumable from its latest snapshot
+        else:  # SUSPENDED, or WORKER_REMOVED: resumable from its latest snapshot, wherever it is
             actor.state = SUSPENDED
             actor.node = None
         self._count(actor, +1)
@@ -895,6 +1010,16 @@ class Projection:
         actor = self._release(actor)
         actor.state = STOPPED
         actor.node = None
+        return actor
+
+    def _actor_reverted(self, event: ActorReverted, seq: int) -> Actor:
+        actor = self.actors[event.actor_id]
+        self._count(actor, -1)
+        actor = self._release(actor)
+        self._set_snapshot(actor, event.snapshot)
+        actor.state = SUSPENDED
+        actor.node = None
+        self._count(actor, +1)
         return actor
 
     # --- reads --------------------------------------------------------------------------
@@ -913,8 +1038,32 @@ class Projection:
             return worker.booking_version, worker.booking_seq
         return self.bookings.get(worker_id, (0, 0))
 
+    def life_started(self, actor_id: str) -> int:
+        """The sequence of the ActorCreated that began the actor's current life if it was
+        created more than once; 0 otherwise."""
+        return self.recreated.get(actor_id, 0)
+
     def stranded(self, sandbox_class: str | None = None) -> int:
         if sandbox_class is not None:
             index = self.classes.get(sandbox_class)
             return index.stranded() if index else 0
         return sum(index.stranded() for index in self.classes.values())
+
+    def lost_local(self, sandbox_class: str | None = None) -> int:
+        if sandbox_class is not None:
+            index = self.classes.get(sandbox_class)
+            return index.lost_local() if index else 0
+        return sum(index.lost_local() for index in self.classes.values())
+
+
+def _member(table: dict[Any, IndexedSet], key: Any, worker: Worker, delta: int) -> None:
+    """Add the worker to (delta > 0) or remove it from the member set `table[key]`."""
+    members = table.get(key)
+    if delta > 0:
+        if members is None:
+            members = table[key] = IndexedSet()
+        members.add(worker)
+    elif members is not None:
+        members.discard(worker)
+        if not members:
+            del table[key]

@@ -90,7 +90,7 @@ from services.common import EndpointSpec, ReplyCache, add_endpoints, store_env
 from services.locks import KeyedLock
 from services.scheduler.checkpoint import DEFAULT_INTERVAL_S, Checkpoints
 from services.scheduler.decide import decide, explain, fragmentation
-from services.scheduler.projection import Projection
+from services.scheduler.projection import RECENT_PLACEMENTS, Projection, request_hash
 
 log = logging.getLogger("warmboot.scheduler")
 
@@ -120,9 +120,18 @@ WORKERS = Gauge(
 )
 STRANDED = Gauge(
     "warmboot_scheduler_stranded_snapshots",
-    "Latest MEMORY snapshots of waiting actors that no registered, undrained worker can restore",
+    "Latest MEMORY snapshots of suspended or paused actors (current template) that no registered, undrained "
+    "worker can restore at MEMORY (a LOCAL one: none on its node)",
     ["sandbox_class"],
 )
+LOST_LOCAL = Gauge(
+    "warmboot_scheduler_lost_local_snapshots",
+    "Waiting actors whose LOCAL latest snapshot is on a node with no registered worker of the class "
+    "(resumable only after a revert)",
+    ["sandbox_class"],
+)
+# the `role` label of warmboot_scheduler_workers, by projection role
+GAUGE_ROLES = ("default", "restorable", "edge_default", "edge_restorable")
 FOLD_LAG = Gauge("warmboot_scheduler_fold_lag_events", "Messages in the stream the fold has not read yet")
 FOLD_SEQ = Gauge("warmboot_scheduler_fold_seq", "Stream sequence of the last message folded")
 
@@ -290,8 +299,9 @@ class Fold:
         """Fold one message of the stream as read: its sequence, subject, headers and body."""
         projection = self.projection
         topic = headers.get(TOPIC_HEADER) if headers else None
-        if topic == "WorkerBooked" and subject.startswith(self.booking_prefix):
-            # the subject says all the fold needs of a booking marker: no body to decode
+        if subject.startswith(self.booking_prefix) and headers:
+            # a placement's WorkerBooked or the registry's WorkerFenced: the subject says all
+            # the fold needs of a booking marker, so there is no body to decode
             version = headers.get(VERSION_HEADER)
             projection.booking_marker(seq, subject[len(self.booking_prefix):], int(version) if version else None)
         elif topic in EVENT_TYPES or (topic is None and subject.startswith(self.events_prefix)):
@@ -352,13 +362,27 @@ class Hold:
 class Job:
     """A resume waiting for the committer to decide and commit it."""
 
-    __slots__ = ("actor_id", "selectors", "request_id", "result")
+    __slots__ = ("actor_id", "selectors", "request_id", "request", "result")
 
     def __init__(self, actor_id: str, selectors: Any, request_id: str | None, result: asyncio.Future[Any]):
         self.actor_id = actor_id
         self.selectors = selectors
         self.request_id = request_id
-        self.result = result  # (Placement, seq) or the error
+        self.request = request_hash(request_id) if request_id is not None else None
+        self.result = result  # (Placement, seq), Answered, or the error
+
+    @property
+    def key(self) -> tuple[str, int] | None:
+        return (self.actor_id, self.request) if self.request is not None else None
+
+
+class Answered:
+    """A job whose request the log already answers: its placement is the ActorPlaced at `seq`."""
+
+    __slots__ = ("seq",)
+
+    def __init__(self, seq: int):
+        self.seq = seq
 
 
 class Commit:
@@ -416,6 +440,7 @@ class SchedulerService:
         self.max_group = max(1, min(max_group, MAX_GROUP))
         self._group_limit = self.max_group  # halved after a refused append, doubled after a taken one
         self.projection = Projection()
+        self.projection.placed_listener = self._placed
         self.fold = Fold(nc, prefix, self.projection, self._folded)
         # Projection checkpoints (services.scheduler.checkpoint): start from the newest, save every
         # `checkpoint_every` events or `checkpoint_interval_s` seconds; None or 0: always replay the log.
@@ -434,6 +459,10 @@ class SchedulerService:
         self._chain: dict[str, Hold] = {}  # worker id -> the latest hold on it
         self._unfolded: list[tuple[int, int, Hold]] = []  # appended holds, by the seq of their WorkerBooked
         self._unfolded_actors: dict[str, int] = {}  # actor id -> seq of a placement not folded yet
+        # idempotency of jobs in flight: (actor id, request hash) -> jobs waiting, and -> the
+        # sequence of a placement carrying that request the fold met meanwhile
+        self._awaiting: dict[tuple[str, int], int] = {}
+        self._answered: dict[tuple[str, int], int] = {}
         self._jobs: list[Job] = []  # resumes to decide
         self._ready: list[Commit] = []  # decided placements to append again after a refused group
         self._wake = asyncio.Event()
@@ -451,6 +480,7 @@ class SchedulerService:
         if self.checkpoints is not None:
             restored = await (await self.checkpoints.open()).load()
             if restored is not None:  # the fold goes on from its position
+                restored.placed_listener = self._placed
                 self.projection = self.fold.projection = restored
         await self.fold.start(max(self.catch_up_s, 60.0))
         if self.checkpoints is not None:
@@ -495,6 +525,7 @@ class SchedulerService:
         self._jobs, self._ready = [], []
         if self.checkpoints is not None:
             await self.checkpoints.close()
+        await self.replies.flush()
         await self.fold.stop()
         if self.store is not None:
             store, self.store = self.store, None
@@ -503,9 +534,7 @@ class SchedulerService:
     # --- endpoints ---
 
     async def resume(self, actor_id: str, request: ResumeActor) -> Assignment:
-        return await self.replies.once(
-            f"resume.{actor_id}", request.request_id, lambda: self._resume(actor_id, request), Assignment
-        )
+        return await self._resume(actor_id, request)
 
     async def explain(self, actor_id: str, request: ExplainResume) -> Explanation:
         await self.fold.wait(request.min_seq, self.catch_up_s)
@@ -518,22 +547,37 @@ class SchedulerService:
     # --- resume ---
 
     async def _resume(self, actor_id: str, request: ResumeActor) -> Assignment:
+        """Idempotency is decided where the write happens. A request id is answered from the
+        log: by the actor's recent placements of this life (`Actor.placed_by`), checked here
+        and again by the committer right before it decides, and by any placement carrying
+        the id that the fold meets while the job waits (`_placed`), so a retry, or a stale
+        attempt that a stalled committer decides late, never places twice. Only when the
+        actor has more placements than it keeps, the shared reply cache answers for older ones.
+        """
         await self.fold.wait(request.min_seq, self.catch_up_s)
+        rid = request.request_id
         async with self._actors(actor_id):
-            for _ in range(self.commit_attempts):
+            for attempt in range(self.commit_attempts):
                 if self._stopping:
                     raise unavailable("this scheduler replica is stopping; try again")
                 unfolded = self._unfolded_actors.get(actor_id)
                 if unfolded is not None:  # our own last placement of it: decide on state that has it
                     await self.fold.wait(unfolded, self.catch_up_s)
-                actor = self.projection.actors.get(actor_id)
-                if request.request_id is not None and actor is not None and actor.placed_request_id == request.request_id:
-                    return await self._recorded(actor.placed_seq)
-                job = Job(actor_id, request.selectors, request.request_id, asyncio.get_running_loop().create_future())
+                job = Job(actor_id, request.selectors, rid, asyncio.get_running_loop().create_future())
+                if job.request is not None:
+                    actor = self.projection.actors.get(actor_id)
+                    seq = actor.placed_by(job.request) if actor is not None else 0
+                    if seq:
+                        return await self._recorded(seq)
+                    if attempt == 0 and actor is not None and actor.placements_known >= RECENT_PLACEMENTS:
+                        cached = await self._cached(actor_id, rid)
+                        if cached is not None:
+                            return cached
+                    self._awaiting[job.key] = self._awaiting.get(job.key, 0) + 1
                 self._jobs.append(job)
                 self._wake.set()
                 try:
-                    placement, seq = await asyncio.shield(job.result)
+                    result = await asyncio.shield(job.result)
                 except IntegrityError as error:
                     self.conflicts += 1
                     if self.metrics:
@@ -543,13 +587,47 @@ class SchedulerService:
                     continue
                 except OperationalError as error:
                     raise unavailable(f"the event store did not take the placement: {error}") from None
+                finally:
+                    self._forget(job)
+                if isinstance(result, Answered):
+                    return await self._recorded(result.seq)
+                placement, seq = result
                 self.commits += 1
                 if self.metrics:
                     self._count(placement)
-                return Assignment(**msgspec.structs.asdict(placement), seq=seq)
+                assignment = Assignment(**msgspec.structs.asdict(placement), seq=seq)
+                if rid is not None:
+                    self.replies.remember(self.replies.key(f"resume.{actor_id}", rid), assignment)
+                return assignment
         raise unavailable(
             f"placing actor {actor_id} lost {self.commit_attempts} concurrent-commit races in a row; try again"
         )
+
+    async def _cached(self, actor_id: str, request_id: str) -> Assignment | None:
+        """The reply cache's answer to a request id, if it is of the actor's current life."""
+        data = await self.replies.get(self.replies.key(f"resume.{actor_id}", request_id))
+        if data is None:
+            return None
+        assignment = msgspec.json.decode(data, type=Assignment)
+        return assignment if assignment.seq > self.projection.life_started(actor_id) else None
+
+    def _placed(self, actor_id: str, request: int, seq: int) -> None:
+        """The fold met a placement carrying a request id: a job of that request still waiting
+        here is answered by it, whichever replica wrote it (listener of the projection)."""
+        key = (actor_id, request)
+        if key in self._awaiting:
+            self._answered[key] = seq
+
+    def _forget(self, job: Job) -> None:
+        key = job.key
+        if key is None:
+            return
+        n = self._awaiting.get(key, 0) - 1
+        if n > 0:
+            self._awaiting[key] = n
+        else:
+            self._awaiting.pop(key, None)
+            self._answered.pop(key, None)
 
     async def _commit_groups(self) -> None:
         """The committer: decide what is queued, then one append for all of it, and again.
@@ -578,6 +656,10 @@ class SchedulerService:
                     if len(group) >= self._group_limit:
                         deferred.append(job)
                         continue
+                    answered = self._answered_by_log(job)
+                    if answered:  # its request was placed meanwhile (a retry, another replica)
+                        job.result.set_result(Answered(answered))
+                        continue
                     try:
                         placement = decide(p, job.actor_id, job.selectors, p.seq, self._pending, self._refusals)
                     except ContractError as error:
@@ -604,6 +686,16 @@ class SchedulerService:
                 except Exception as error:  # the store failed: every placement of the group fails with it
                     log.warning("appending %d placements failed: %s", len(group), error)
                     self._fail(group, error)
+
+    def _answered_by_log(self, job: Job) -> int:
+        """The ActorPlaced that already carries the job's request id, if the fold has met one."""
+        if job.request is None:
+            return 0
+        found = self._answered.get(job.key, 0)
+        if found:
+            return found
+        actor = self.projection.actors.get(job.actor_id)
+        return actor.placed_by(job.request) if actor is not None else 0
 
     def _queued(self, placement: Placement, job: "Job") -> Commit:
         """A decided placement: its booking counts as in flight from now on, and it carries
@@ -647,6 +739,7 @@ class SchedulerService:
                 snapshot_id=placement.snapshot_id,
                 fallback=placement.fallback,
                 booked=placement.booked,
+                matched_version=placement.matched_version,
                 request_id=item.request_id,
             )
             booking_id, placed_id = f"booking.{worker_id}", f"actor.{actor_id}"
@@ -779,12 +872,13 @@ class SchedulerService:
         p = self.projection
         seen: set[tuple[str, ...]] = set()
         for name, index in p.classes.items():
-            for role, counts in (("default", index.live_default), ("restorable", index.live_restorable)):
+            for role, counts in zip(GAUGE_ROLES, index.live):
                 for compat, n in counts.items():
                     labels = (name, runtime_label(compat.key), role)
                     WORKERS.labels(*labels).set(n)
                     seen.add(labels)
             STRANDED.labels(name).set(index.stranded())
+            LOST_LOCAL.labels(name).set(index.lost_local())
         for labels in self._gauge_labels - seen:
             with suppress(KeyError):
                 WORKERS.remove(*labels)
