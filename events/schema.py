@@ -337,6 +337,7 @@ class ExplainResume(Base, kw_only=True):
 
 class FragmentationQuery(Base, kw_only=True):
     sandbox_class: SandboxClass | None = None
+    min_seq: Seq | None = None  # project addition: answered from state that includes it
 
 
 class Placement(Base, kw_only=True):

@@ -542,6 +542,7 @@ class SchedulerService:
         return explain(p, actor_id, request.selectors, p.seq, self._pending)
 
     async def fragmentation(self, _: str | None, request: FragmentationQuery) -> Fragmentation:
+        await self.fold.wait(request.min_seq, self.catch_up_s)
         return fragmentation(self.projection, request.sandbox_class)
 
     # --- resume ---

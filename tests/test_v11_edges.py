@@ -1,0 +1,220 @@
+"""CONTRACT v1.1, the edges of the rules, over the real bus: min_fidelity as a floor,
+selectors that only narrow, printable text, request ids per life, registrations compared
+normalised, explain's refusal, and times normalised to UTC. Every refusal writes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timedelta, timezone
+
+import msgspec
+import pytest
+
+from events.codec import encode
+from events.errors import ContractError
+from events.schema import (
+    ActorCreated,
+    ActorOverhead,
+    ErrorCode,
+    Fidelity,
+    PlacedFidelity,
+    RegisterOutcome,
+    SnapshotTaken,
+    WorkerRegistered,
+)
+from events.subjects import service_subject
+from tests.factories import actor, golden, last_seq, read_log, runtime, version, worker
+from warmboot.client import Client
+
+V1, V2, V3 = version("v1"), version("v2"), version("v3")
+
+
+@pytest.fixture
+async def wb(stack, nc, prefix):
+    return Client(nc, prefix)
+
+
+async def refused(nc, prefix, call) -> ContractError:
+    """The contract error `call` is refused with; the stream's last sequence is unchanged."""
+    before = await last_seq(nc, prefix)
+    with pytest.raises(ContractError) as caught:
+        await call
+    assert await last_seq(nc, prefix) == before, "a refused request wrote something"
+    return caught.value
+
+
+# --- min_fidelity is a floor for every rule (4a) -------------------------------------------------
+
+
+async def test_min_fidelity_memory_never_cold_boots_or_gives_up_memory(wb, nc, prefix):
+    await wb.register(worker("w", V1, mem=8192))
+    # no snapshot: a cold boot (NONE) is below MEMORY
+    await wb.create(actor("fresh", min_fidelity=Fidelity.MEMORY))
+    error = await refused(nc, prefix, wb.resume("fresh"))
+    assert error.code is ErrorCode.FAILED_PRECONDITION and "MEMORY" in error.message
+    # a memory snapshot of an older template: the memory is unusable, more room cannot help
+    await wb.create(actor("tpl", min_fidelity=Fidelity.MEMORY, golden_snapshot=golden(V1)))
+    await wb.update_template("tpl", "t2")
+    error = await refused(nc, prefix, wb.resume("tpl"))
+    assert error.code is ErrorCode.FAILED_PRECONDITION and "template" in error.message
+    # an unstamped golden snapshot: no runtime can be matched to it
+    await wb.create(actor("bare", min_fidelity=Fidelity.MEMORY,
+                          golden_snapshot=msgspec.structs.replace(golden(V1), sandbox_runtime=None)))
+    error = await refused(nc, prefix, wb.resume("bare"))
+    assert error.code is ErrorCode.FAILED_PRECONDITION and "stamp" in error.message
+    # compatible workers exist but are full: more room would help
+    await wb.create(actor("big", mem=7000, min_fidelity=Fidelity.MEMORY, golden_snapshot=golden(V1)))
+    await wb.create(actor("big2", mem=7000, min_fidelity=Fidelity.MEMORY, golden_snapshot=golden(V1)))
+    assert (await wb.resume("big")).fidelity is PlacedFidelity.MEMORY
+    assert (await refused(nc, prefix, wb.resume("big2"))).code is ErrorCode.RESOURCE_EXHAUSTED
+
+
+async def test_min_fidelity_volumes_is_kept_by_every_rule(wb, nc, prefix):
+    await wb.register(worker("w", V2, mem=8192))
+    # a ROOTFS snapshot holds less than VOLUMES
+    await wb.register(worker("old", V1))
+    await wb.create(actor("r", min_fidelity=Fidelity.VOLUMES))
+    await wb.resume("r")
+    await wb.suspend("r", fidelity=Fidelity.ROOTFS, uri="s3://r")
+    error = await refused(nc, prefix, wb.resume("r"))
+    assert error.code is ErrorCode.FAILED_PRECONDITION and "ROOTFS" in error.message
+    # a borrowed golden snapshot owns nothing to lose: it may RUN below VOLUMES
+    await wb.remove("old")
+    await wb.create(actor("g", min_fidelity=Fidelity.VOLUMES, golden_snapshot=golden(V1)))
+    placed = await wb.resume("g")
+    assert (placed.fidelity, placed.fallback.to_fidelity) == (PlacedFidelity.NONE, PlacedFidelity.NONE)
+    # an actor with no snapshot may always RUN below its floor, unless that floor is MEMORY
+    await wb.create(actor("new", min_fidelity=Fidelity.VOLUMES))
+    assert (await wb.resume("new")).fidelity is PlacedFidelity.NONE
+
+
+# --- a request's selectors add to the actor's (rule 6) ----------------------------------------------
+
+
+async def test_a_resume_cannot_widen_the_actors_selectors(wb, nc, prefix):
+    await wb.register(worker("eu", V1, labels={"zone": "eu", "rack": "r1"}))
+    await wb.register(worker("us", V1, labels={"zone": "us", "rack": "r1"}, cpu=64000, mem=65536))
+    await wb.create(actor("a", selectors={"zone": "eu"}))
+    error = await refused(nc, prefix, wb.resume("a", selectors={"zone": "us"}))
+    assert (error.code, error.field) == (ErrorCode.INVALID_ARGUMENT, "selectors.zone")
+    with pytest.raises(ContractError) as explained:  # explain refuses the same request the same way
+        await wb.explain("a", selectors={"zone": "us"})
+    assert explained.value.field == "selectors.zone"
+    placed = await wb.resume("a", selectors={"zone": "eu", "rack": "r1"})  # the same key agreeing, a new one
+    assert placed.worker_id == "eu"
+
+
+# --- printable text ------------------------------------------------------------------------------------
+
+
+INVISIBLE = ["\u200b", "\u202e", "\u00a0", "\u2028", "\ufeff", "\ue000", "\u0378"]
+
+
+@pytest.mark.parametrize("char", INVISIBLE, ids=[f"U+{ord(c):04X}" for c in INVISIBLE])
+async def test_invisible_and_bidi_text_is_refused_at_the_edge(wb, nc, prefix, char):
+    spoofed = version("v1" + char)
+    error = await refused(nc, prefix, wb.register(worker("w", spoofed)))
+    assert error.code is ErrorCode.INVALID_ARGUMENT
+    assert error.field == "sandbox_classes[0].default_runtime.version.attributes[1].value"
+    error = await refused(nc, prefix, wb.register(worker("w", V1, labels={"team": "a" + char})))
+    assert error.field == "labels.team"
+    error = await refused(nc, prefix, wb.register(worker("w", runtime(V1, name="gvisor" + char))))
+    assert error.field == "sandbox_classes[0].default_runtime.name"
+    await wb.register(worker("w", V1))
+    error = await refused(nc, prefix, wb.drain("w", reason="ok" + char))
+    assert (error.code, error.field) == (ErrorCode.INVALID_ARGUMENT, "reason")
+
+
+# --- request ids are scoped to one life ---------------------------------------------------------------
+
+
+async def test_a_worker_that_derives_its_request_id_from_its_config_can_come_back(wb, nc, prefix):
+    body = worker("w1", V1, request_id="boot-1")
+    first = await wb.register(body)
+    assert await wb.register(body) == first  # a retry in the same life: the first answer
+    await wb.remove("w1")
+    again = await wb.register(body)  # a new life: a new registration, written
+    assert again.outcome is RegisterOutcome.REGISTERED and again.seq > first.seq
+    assert (await wb.heartbeat("w1")).ttl_s > 0
+    registered = [e for _, e in await read_log(nc, prefix) if isinstance(e, WorkerRegistered)]
+    assert len(registered) == 2
+
+
+async def test_an_actor_stopped_is_created_anew_with_the_same_request_id(wb, nc, prefix):
+    await wb.register(worker("w", V1))
+    first = await wb.create(actor("a", request_id="make-a"))
+    assert await wb.create(actor("a", request_id="make-a")) == first
+    await wb.resume("a")
+    await wb.stop("a")
+    again = await wb.create(actor("a", request_id="make-a"))
+    assert again.seq > first.seq
+    placed = await wb.resume("a")  # a fresh life: cold start again, nothing of the last one
+    assert placed.fidelity is PlacedFidelity.NONE
+    created = [e for _, e in await read_log(nc, prefix) if isinstance(e, ActorCreated)]
+    assert len(created) == 2
+    error = await refused(nc, prefix, wb.create(actor("a", request_id="other")))
+    assert error.code is ErrorCode.ALREADY_EXISTS  # alive again: a create of another request is refused
+
+
+async def test_a_request_id_reused_for_another_verb_is_one_rule_in_every_service(wb, nc, prefix):
+    await wb.register(worker("w", V1, request_id="r-1"))
+    error = await refused(nc, prefix, wb.drain("w", request_id="r-1"))
+    assert (error.code, error.field) == (ErrorCode.FAILED_PRECONDITION, "request_id")
+    await wb.create(actor("a", request_id="c-1"))
+    await wb.resume("a")
+    error = await refused(nc, prefix, wb.pause("a", request_id="c-1"))
+    assert (error.code, error.field) == (ErrorCode.FAILED_PRECONDITION, "request_id")
+
+
+# --- registrations are compared normalised ----------------------------------------------------------------
+
+
+async def test_reordering_runtimes_or_null_overhead_is_no_change(wb, nc, prefix):
+    a = runtime(V1, compatible=(version("old1"), version("old2")))
+    first = await wb.register(worker("w", V3, (a, runtime(V2))))
+    reordered = worker("w", V3, (runtime(V2), runtime(V1, compatible=(version("old2"), version("old1")))))
+    assert (await wb.register(reordered)).outcome is RegisterOutcome.UNCHANGED
+    null_overhead = msgspec.structs.replace(
+        reordered, sandbox_classes=tuple(
+            msgspec.structs.replace(e, default_runtime=msgspec.structs.replace(e.default_runtime, actor_overhead=None))
+            for e in reordered.sandbox_classes))
+    assert (await wb.register(null_overhead)).outcome is RegisterOutcome.UNCHANGED
+    zeros = msgspec.structs.replace(
+        null_overhead, sandbox_classes=tuple(
+            msgspec.structs.replace(e, default_runtime=msgspec.structs.replace(
+                e.default_runtime, actor_overhead=ActorOverhead(fixed_mib=0, per_gib_mib=0)))
+            for e in null_overhead.sandbox_classes))
+    assert (await wb.register(zeros)).outcome is RegisterOutcome.UNCHANGED
+    changed = await wb.register(worker("w", V3, (runtime(V2),)))
+    assert changed.outcome is RegisterOutcome.RUNTIME_CHANGED and changed.seq > first.seq
+
+
+# --- explain never answers a top-level error for a refusal ---------------------------------------------------
+
+
+async def test_explain_of_a_refused_resume_is_a_successful_reply(wb, nc, prefix):
+    await wb.register(worker("w", V2))
+    await wb.create(actor("a", min_fidelity=Fidelity.MEMORY, golden_snapshot=golden(V1)))
+    msg = await nc.request(service_subject(prefix, "scheduler", "explain", "a"), b"{}", timeout=5)
+    body = json.loads(msg.data)
+    assert "error" not in body and body["decision"] is None
+    assert body["refusal"]["code"] == "RESOURCE_EXHAUSTED"
+    assert not (msg.headers or {}).get("Nats-Service-Error-Code")
+
+
+# --- times a caller sends are UTC in the log -------------------------------------------------------------------
+
+
+async def test_a_golden_snapshots_time_is_normalised_to_utc_or_refused(wb, nc, prefix):
+    local = datetime(2026, 12, 1, 14, 0, tzinfo=timezone(timedelta(hours=2)))
+    await wb.create(actor("a", golden_snapshot=msgspec.structs.replace(golden(V1), taken_at=local)))
+    (taken,) = [e for _, e in await read_log(nc, prefix) if isinstance(e, SnapshotTaken)]
+    assert taken.snapshot.taken_at == local and taken.snapshot.taken_at.utcoffset() == timedelta(0)
+    raw = json.loads(encode(actor("b", golden_snapshot=golden(V1))))
+    raw["golden_snapshot"]["taken_at"] = "2026-12-01T12:00:00"  # no zone: not RFC 3339
+    before = await last_seq(nc, prefix)
+    msg = await nc.request(service_subject(prefix, "snapshotter", "create", "b"), json.dumps(raw).encode(), timeout=5)
+    error = json.loads(msg.data)["error"]
+    assert (error["code"], error["field"]) == ("INVALID_ARGUMENT", "golden_snapshot.taken_at")
+    assert await last_seq(nc, prefix) == before

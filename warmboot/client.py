@@ -1,0 +1,249 @@
+"""A typed async client of warmboot's public subjects (CONTRACT section 3).
+
+One method per endpoint, taking and returning the schema's Structs (`events.schema`)::
+
+    async with await Client.connect("nats://127.0.0.1:4222") as wb:
+        await wb.create(CreateActor(actor_id="a-1", sandbox_class="gvisor", template_uid="t1",
+                                    resources=Resources(cpu_millis=500, memory_mib=1024)))
+        placed = await wb.resume("a-1")          # sees the create: read-your-writes
+        snap = await wb.pause("a-1")
+        print(placed.worker_id, snap.snapshot.location)
+
+What it does so that callers need not:
+
+- Read-your-writes: the client remembers the highest `seq` any reply gave it and
+  sends it as `min_seq` on resume, explain, fragmentation and whatif, so a scheduler
+  replica that has not folded this client's own writes yet waits for them (or answers
+  UNAVAILABLE, which is retried) instead of answering from older state.
+- Idempotency: every mutating request carries a `request_id`; one is generated when
+  the caller gives none, so a retry is the same request.
+- Retries: UNAVAILABLE, a time-out and "no responders" are retried with the same body
+  (the same `request_id`), at most `attempts` times, with a growing, jittered pause.
+  Everything else is raised at once.
+- Errors: every contract error is raised as `events.errors.ContractError`, with its
+  `code`, `message` and `field`.
+
+The client does not own a connection it is given; `Client.connect` makes one it owns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import uuid
+from typing import Any, TypeVar
+
+import msgspec
+import nats
+import nats.errors
+from nats.aio.client import Client as NATS
+
+from events.codec import decode_reply, encode
+from events.errors import ContractError, unavailable
+from events.schema import (
+    Assignment,
+    Base,
+    CreateActor,
+    DrainWorker,
+    ErrorCode,
+    ExplainResume,
+    Explanation,
+    Fidelity,
+    Fragmentation,
+    FragmentationQuery,
+    Heartbeat,
+    HeartbeatReply,
+    PauseActor,
+    RegisterReply,
+    RegisterWorker,
+    RemoveWorker,
+    ResumeActor,
+    RevertActor,
+    RevertReply,
+    SeqReply,
+    SnapshotReply,
+    StopActor,
+    SuspendActor,
+    TagSnapshot,
+    UpdateTemplate,
+    WhatIf,
+    WhatIfAnswer,
+)
+from events.subjects import DEFAULT_PREFIX, check_prefix, service_subject
+
+T = TypeVar("T")
+
+DEFAULT_TIMEOUT_S = 5.0
+DEFAULT_ATTEMPTS = 6
+FIRST_BACKOFF_S = 0.05
+MAX_BACKOFF_S = 2.0
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+class Client:
+    """warmboot's endpoints as typed methods, over one NATS connection (see the module docstring)."""
+
+    def __init__(
+        self,
+        nc: NATS,
+        prefix: str = DEFAULT_PREFIX,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        attempts: int = DEFAULT_ATTEMPTS,
+        read_your_writes: bool = True,
+    ):
+        self.nc = nc
+        self.prefix = check_prefix(prefix)
+        self.timeout = timeout
+        self.attempts = max(1, attempts)
+        self.read_your_writes = read_your_writes
+        self.seq = 0  # the highest stream sequence a reply has given this client
+        self.retries = 0  # requests sent again after UNAVAILABLE or a time-out
+        self._owned = False
+
+    @classmethod
+    async def connect(cls, servers: str | list[str], prefix: str = DEFAULT_PREFIX, **options: Any) -> "Client":
+        """A client with a connection of its own (closed by `close`); `options` go to the Client,
+        except the nats.connect keywords `user_credentials`, `nkeys_seed`, `inbox_prefix` and `name`."""
+        connect = {k: options.pop(k) for k in ("user_credentials", "nkeys_seed", "inbox_prefix", "name")
+                   if k in options}
+        urls = servers.split(",") if isinstance(servers, str) else servers
+        nc = await nats.connect(servers=urls, max_reconnect_attempts=-1, reconnect_time_wait=0.25,
+                                **{"name": "warmboot-client", **connect})
+        client = cls(nc, prefix, **options)
+        client._owned = True
+        return client
+
+    async def close(self) -> None:
+        if self._owned and not self.nc.is_closed:
+            await self.nc.close()
+
+    async def __aenter__(self) -> "Client":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # --- the one way a request is made -------------------------------------------------
+
+    async def request(self, service: str, verb: str, entity: str | None, body: Base, reply_type: type[T]) -> T:
+        """Send `body` to `<prefix>.<service>.<verb>[.<entity>]` and decode the reply as
+        `reply_type`, retrying what the contract says is safe to retry (the body, and so
+        its request_id, unchanged); remember the reply's `seq`."""
+        subject = service_subject(self.prefix, service, verb, entity)
+        data = encode(body)
+        delay = FIRST_BACKOFF_S
+        for attempt in range(self.attempts):
+            try:
+                reply = await self._once(subject, data, reply_type)
+            except ContractError as error:
+                if error.code is not ErrorCode.UNAVAILABLE or attempt == self.attempts - 1:
+                    raise
+            else:
+                seq = getattr(reply, "seq", None)
+                if isinstance(seq, int) and seq > self.seq:
+                    self.seq = seq
+                return reply
+            self.retries += 1
+            await asyncio.sleep(delay * (0.5 + random.random()))
+            delay = min(delay * 2, MAX_BACKOFF_S)
+        raise AssertionError("unreachable")
+
+    async def _once(self, subject: str, data: bytes, reply_type: type[T]) -> T:
+        try:
+            msg = await self.nc.request(subject, data, timeout=self.timeout)
+        except nats.errors.NoRespondersError:
+            raise unavailable(f"no service answers {subject}") from None
+        except nats.errors.TimeoutError:
+            raise unavailable(f"no reply from {subject} within {self.timeout:g}s") from None
+        return decode_reply(reply_type, msg.data)
+
+    def _min_seq(self, given: int | None) -> int | None:
+        if given is not None:
+            return given
+        return self.seq or None if self.read_your_writes else None
+
+    @staticmethod
+    def _with_request_id(body: Any) -> Any:
+        if getattr(body, "request_id", None) is None:
+            return msgspec.structs.replace(body, request_id=new_request_id())
+        return body
+
+    # --- registry ---------------------------------------------------------------------------
+
+    async def register(self, registration: RegisterWorker) -> RegisterReply:
+        body = self._with_request_id(registration)
+        return await self.request("registry", "register", body.worker_id, body, RegisterReply)
+
+    async def heartbeat(self, worker_id: str) -> HeartbeatReply:
+        return await self.request("registry", "heartbeat", worker_id, Heartbeat(), HeartbeatReply)
+
+    async def drain(self, worker_id: str, reason: str | None = None, request_id: str | None = None) -> SeqReply:
+        body = DrainWorker(reason=reason, request_id=request_id or new_request_id())
+        return await self.request("registry", "drain", worker_id, body, SeqReply)
+
+    async def remove(self, worker_id: str, reason: str | None = None, request_id: str | None = None) -> SeqReply:
+        body = RemoveWorker(reason=reason, request_id=request_id or new_request_id())
+        return await self.request("registry", "remove", worker_id, body, SeqReply)
+
+    # --- snapshotter ------------------------------------------------------------------------
+
+    async def create(self, actor: CreateActor) -> SeqReply:
+        body = self._with_request_id(actor)
+        return await self.request("snapshotter", "create", body.actor_id, body, SeqReply)
+
+    async def pause(self, actor_id: str, snapshot_id: str | None = None, request_id: str | None = None) -> SnapshotReply:
+        body = PauseActor(snapshot_id=snapshot_id, request_id=request_id or new_request_id())
+        return await self.request("snapshotter", "pause", actor_id, body, SnapshotReply)
+
+    async def suspend(
+        self, actor_id: str, fidelity: Fidelity = Fidelity.MEMORY, uri: str | None = None,
+        snapshot_id: str | None = None, request_id: str | None = None,
+    ) -> SnapshotReply:
+        body = SuspendActor(snapshot_id=snapshot_id, uri=uri, fidelity=fidelity,
+                            request_id=request_id or new_request_id())
+        return await self.request("snapshotter", "suspend", actor_id, body, SnapshotReply)
+
+    async def tag(self, actor_id: str, tag: str, request_id: str | None = None) -> SnapshotReply:
+        body = TagSnapshot(tag=tag, request_id=request_id or new_request_id())
+        return await self.request("snapshotter", "tag", actor_id, body, SnapshotReply)
+
+    async def update_template(self, actor_id: str, template_uid: str, request_id: str | None = None) -> SeqReply:
+        body = UpdateTemplate(template_uid=template_uid, request_id=request_id or new_request_id())
+        return await self.request("snapshotter", "update-template", actor_id, body, SeqReply)
+
+    async def stop(self, actor_id: str, request_id: str | None = None) -> SeqReply:
+        body = StopActor(request_id=request_id or new_request_id())
+        return await self.request("snapshotter", "stop", actor_id, body, SeqReply)
+
+    async def revert(self, actor_id: str, reason: str | None = None, request_id: str | None = None) -> RevertReply:
+        body = RevertActor(reason=reason, request_id=request_id or new_request_id())
+        return await self.request("snapshotter", "revert", actor_id, body, RevertReply)
+
+    # --- scheduler ------------------------------------------------------------------------------
+
+    async def resume(
+        self, actor_id: str, selectors: dict[str, str] | None = None, request_id: str | None = None,
+        min_seq: int | None = None,
+    ) -> Assignment:
+        body = ResumeActor(selectors=selectors, min_seq=self._min_seq(min_seq),
+                           request_id=request_id or new_request_id())
+        return await self.request("scheduler", "resume", actor_id, body, Assignment)
+
+    async def explain(
+        self, actor_id: str, selectors: dict[str, str] | None = None, min_seq: int | None = None,
+    ) -> Explanation:
+        body = ExplainResume(selectors=selectors, min_seq=self._min_seq(min_seq))
+        return await self.request("scheduler", "explain", actor_id, body, Explanation)
+
+    async def fragmentation(self, sandbox_class: str | None = None, min_seq: int | None = None) -> Fragmentation:
+        body = FragmentationQuery(sandbox_class=sandbox_class, min_seq=self._min_seq(min_seq))
+        return await self.request("scheduler", "fragmentation", None, body, Fragmentation)
+
+    async def whatif(self, query: WhatIf) -> WhatIfAnswer:
+        if query.min_seq is None and self.read_your_writes and self.seq:
+            query = msgspec.structs.replace(query, min_seq=self.seq)
+        return await self.request("scheduler", "whatif", None, query, WhatIfAnswer)
