@@ -252,3 +252,13 @@ async def test_nkeys_one_pair_per_user_seeds_private_and_only_public_keys_config
 ])
 def test_urls_are_shown_without_credentials(url, shown):
     assert redact_url(url) == shown
+
+
+def test_no_repr_holds_a_password():
+    from events.jetstream import ConnectOptions
+    from warmboot.runner import Running
+
+    options = ConnectOptions.from_env({"NATS_URL": "nats://svc:s3cret@h:4222", "NATS_PASSWORD": "other-secret"})
+    running = Running("nats://svc:s3cret@h:4222", "wb", ["registry"], None)
+    for text in (repr(options), options.where, repr(running), running.where):
+        assert "s3cret" not in text and "other-secret" not in text

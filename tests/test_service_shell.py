@@ -293,3 +293,21 @@ async def test_serve_serves_metrics_on_every_interface_and_up_on_loopback(nats_u
         running = await start_services(stack, ["registry"], nats_url, prefix, metrics_port=0)
         assert running.metrics_url == f"http://127.0.0.1:{running.metrics_port}/metrics"
         assert listening_on(running.metrics_port) == {"0100007F"}  # 127.0.0.1
+
+
+def test_an_offending_subject_is_logged_once_and_the_log_is_bounded(caplog):
+    from services.common import DROPPED, ReplyGuard
+
+    guard = ReplyGuard("guarded", "gp")
+    guard.MAX_LOGGED = 2
+    with caplog.at_level(logging.WARNING, logger="warmboot.service"):
+        for _ in range(3):
+            guard.drop("heartbeat", "gp.registry.heartbeat.w-1", "gp.registry.drain.w-2")
+        for i in range(5):
+            guard.drop("heartbeat", "gp.registry.heartbeat.w-1", f"elsewhere.{i}")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3, lines  # the first subject once, one more, then that no more are logged
+    assert "'gp.registry.drain.w-2'" in lines[0] and "no longer logged" in lines[2]
+    assert DROPPED.labels("guarded", "heartbeat", "not_inbox")._value.get() == 8
+    assert guard.allowed("_INBOX.w-1.abc") and guard.allowed("_INBOX.xyz")
+    assert not guard.allowed("_INBOX._gp.abc") and not guard.allowed("gp.registry.drain.w-2")
