@@ -3,10 +3,10 @@ published, validated against the published JSON Schema with the PyPI `jsonschema
 (not warmboot's decoder).
 
 `TrafficTap` listens on the session's nats-server from a thread of its own (its own event
-loop and connection, so tests never wait for it): on the services' request subjects
-(`*.registry.>`, `*.snapshotter.>`, `*.scheduler.>`), on `_INBOX.>` for their replies,
-correlated with the requests by reply subject, and on `*.ev.>` for the events as they are
-appended. It learns which request and reply type each endpoint takes from the services'
+loop and connection, so tests never wait for it), to every subject, and keeps what is on
+the services' request subjects (`<prefix>.registry|snapshotter|scheduler.>`), their
+replies on `_INBOX.>` (correlated with the requests by reply subject, in the order the
+server delivered them) and the events on `<prefix>.ev.>` as they are appended. It learns which request and reply type each endpoint takes from the services'
 own `$SRV.INFO` metadata, as a client in another language would.
 
 - A request answered without an error must validate as the endpoint's request type (one
@@ -95,6 +95,7 @@ class TrafficTap:
         self._any: dict[str, dict[str, tuple[str, str | None]]] = {}  # service -> verbs, from any prefix
         self._asking: set[tuple[str, str]] = set()
         self._tries: Counter = Counter()
+        self._learned: dict[tuple[str, str], threading.Event] = {}
         self._waiting: list[tuple[str, bytes, bytes]] = []  # answered before their endpoint was known
         self._nc: Any = None
 
@@ -123,11 +124,10 @@ class TrafficTap:
 
         self._nc = await nats.connect(self.url, name="traffic-tap", error_cb=error_cb, max_reconnect_attempts=-1,
                                       reconnect_time_wait=0.2)
-        limits = {"pending_msgs_limit": 500_000, "pending_bytes_limit": 512 * 1024 * 1024}
-        for service in SERVICES:
-            await self._nc.subscribe(f"*.{service}.>", cb=self._guarded(self._on_request), **limits)
-        await self._nc.subscribe("_INBOX.>", cb=self._guarded(self._on_reply), **limits)
-        await self._nc.subscribe("*.ev.>", cb=self._guarded(self._on_event), **limits)
+        # One subscription: nats-py runs each subscription's callbacks in a task of its own, so a
+        # reply heard on another subscription could be handled before the request it answers.
+        await self._nc.subscribe(">", cb=self._guarded(self._on_message), pending_msgs_limit=500_000,
+                                 pending_bytes_limit=512 * 1024 * 1024)
         await self._nc.flush()
 
     async def _stop(self) -> None:
@@ -146,6 +146,17 @@ class TrafficTap:
         return cb
 
     # --- listening ----------------------------------------------------------------------------------
+
+    def _on_message(self, msg: Any) -> None:
+        subject = msg.subject
+        if subject.startswith("_INBOX."):
+            self._on_reply(msg)
+            return
+        kind = subject.split(".", 2)[1:2]
+        if kind == ["ev"]:
+            self._on_event(msg)
+        elif kind and kind[0] in SERVICES:
+            self._on_request(msg)
 
     def _on_request(self, msg: Any) -> None:
         reply = msg.reply
@@ -214,9 +225,16 @@ class TrafficTap:
                 if (info.get("metadata") or {}).get("prefix") == prefix:
                     self._types[(prefix, service)] = verbs
         self._asking.discard((prefix, service))
+        if (prefix, service) in self._types:
+            self._learned.setdefault((prefix, service), threading.Event()).set()
         waiting, self._waiting = self._waiting, []
         for subject, request, reply in waiting:
             self._check_pair(subject, request, reply)
+
+    def wait_learned(self, prefix: str, service: str, timeout: float) -> bool:
+        """Whether the tap has read the endpoints of `service` on `prefix` within `timeout` (from any thread)."""
+        event = self._learned.setdefault((prefix, service), threading.Event())
+        return event.wait(timeout)
 
     def _endpoint(self, subject: str) -> tuple[str, str | None] | None:
         prefix, service, verb = (subject.split(".") + ["", ""])[:3]

@@ -1,0 +1,58 @@
+"""The traffic check itself (tests/traffic_tap.py), on a server of its own so that what it is shown
+here (an invalid event, on purpose) never reaches the session's check."""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import AsyncExitStack
+
+import nats
+
+from events.jetstream import TOPIC_HEADER
+from events.schema import Attribute, CompatVersion, RegisterReply, RegisterWorker, Resources, WorkerRuntime
+from events.schema import WorkerSandboxClass
+from events.subjects import service_subject
+from services.common import call
+from tests.traffic_tap import TrafficTap
+from warmboot.natsserver import NatsServer
+from warmboot.runner import start_services
+
+
+def registration() -> RegisterWorker:
+    version = CompatVersion(schema_version="v1", attributes=(Attribute(key="architecture", value="amd64"),))
+    return RegisterWorker(worker_id="w-gv-0042", node="node-eu-west-017",
+                          capacity=Resources(cpu_millis=4000, memory_mib=8192),
+                          sandbox_classes=(WorkerSandboxClass(sandbox_class="gvisor",
+                                                              default_runtime=WorkerRuntime(version=version)),))
+
+
+async def test_the_tap_judges_what_is_answered_and_appended(tmp_path):
+    server = NatsServer(tmp_path / "nats").start()
+    tap = TrafficTap(server.url)
+    await asyncio.to_thread(tap.start)
+    try:
+        async with AsyncExitStack() as exits:
+            await start_services(exits, ["registry"], server.url, "tp")
+            nc = await nats.connect(server.url)
+            exits.push_async_callback(nc.close)
+            subject = service_subject("tp", "registry", "register", "w-gv-0042")
+            await call(nc, subject, registration(), RegisterReply)  # request, reply and events: valid
+            refused = await nc.request(subject, b'{"worker_id": 42}', timeout=10)  # invalid on purpose
+            assert b'"INVALID_ARGUMENT"' in refused.data
+            await nc.publish("tp.ev.actor.a-1", b'{"type":"ActorStopped","actor_id":"a 1"}',
+                             headers={TOPIC_HEADER: "ActorStopped"})
+            await nc.publish("tp.ev.actor.a-2", b"{}", headers={TOPIC_HEADER: "tests:SomethingElse"})
+            await nc.flush()
+            assert await asyncio.to_thread(tap.wait_learned, "tp", "registry", 10)  # from $SRV.INFO
+    finally:
+        tally = await asyncio.to_thread(tap.stop)
+        server.stop()
+    assert tally.checked["request"] == 1  # the refused one is not judged
+    assert tally.checked["reply"] == 2, tap.report()  # its error reply is judged (as ErrorReply)
+    assert tally.checked["event"] >= 2  # WorkerRegistered, its fence, and the invalid one
+    assert tally.foreign == 1
+    assert tally.invalid == 1, tally.failures
+    failure = tally.failures[0]
+    assert (failure.what, failure.name, failure.subject) == ("event", "ActorStopped", "tp.ev.actor.a-1")
+    assert ("$.actor_id", "'a 1' does not match '^[A-Za-z0-9][A-Za-z0-9_-]{0,127}(?!\\\\n)$'") in failure.errors
+    assert "TRAFFIC CHECK FAILED" in tap.report() and not tally.broken
