@@ -54,36 +54,32 @@ async def stack(nats_server, prefix):
 
 
 # --- the traffic check (tests/traffic_tap.py) ---------------------------------------------------------
-# Every test on the session server is listened to: the bodies sent to and answered by the
-# services, and the events appended, are validated against the published JSON Schema with the
-# PyPI `jsonschema` validator. A body that does not validate fails the run (its report is printed
-# in the terminal summary); what the tap could not see is only counted.
+# What the services of this process receive and answer, and the events in the session server's
+# streams, are judged against the published JSON Schema with the PyPI `jsonschema` validator when
+# the session ends. A body that does not validate fails the run (the report is printed in the
+# terminal summary); what the check could not read is only noted.
 
 _TAPS: list = []
 
 
-@pytest.fixture(scope="session")
-def traffic_tap(nats_server):
-    from tests.traffic_tap import TrafficTap
-
-    tap = TrafficTap(nats_server.url)
-    tap.start()
-    _TAPS.append(tap)
-    yield tap
-    tap.stop()
-
-
 @pytest.fixture(scope="session", autouse=True)
 def _traffic_check(request):
-    # first of all fixtures, so that it hears module fixtures too; only if a test uses the server
+    from tests.traffic_tap import TrafficTap
+
+    server = None
     if any("nats_server" in getattr(item, "fixturenames", ()) for item in request.session.items):
-        request.getfixturevalue("traffic_tap")
+        server = request.getfixturevalue("nats_server")  # set up first, so torn down after the check
+    tap = TrafficTap()
+    tap.install()
+    _TAPS.append(tap)
+    yield tap
+    tap.finish(server.url if server is not None else None)
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session, exitstatus):
     for tap in _TAPS:
-        if tap.stop().invalid or tap.tally.broken:
+        if tap.finish(None).invalid or tap.tally.broken:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 

@@ -26,10 +26,10 @@ def registration() -> RegisterWorker:
                                                               default_runtime=WorkerRuntime(version=version)),))
 
 
-async def test_the_tap_judges_what_is_answered_and_appended(tmp_path):
+async def test_the_check_judges_what_is_answered_and_appended(tmp_path):
     server = NatsServer(tmp_path / "nats").start()
-    tap = TrafficTap(server.url)
-    await asyncio.to_thread(tap.start)
+    tap = TrafficTap()
+    tap.install()
     try:
         async with AsyncExitStack() as exits:
             await start_services(exits, ["registry"], server.url, "tp")
@@ -39,18 +39,18 @@ async def test_the_tap_judges_what_is_answered_and_appended(tmp_path):
             await call(nc, subject, registration(), RegisterReply)  # request, reply and events: valid
             refused = await nc.request(subject, b'{"worker_id": 42}', timeout=10)  # invalid on purpose
             assert b'"INVALID_ARGUMENT"' in refused.data
-            await nc.publish("tp.ev.actor.a-1", b'{"type":"ActorStopped","actor_id":"a 1"}',
+            js = nc.jetstream()
+            await js.publish("tp.ev.actor.a-1", b'{"type":"ActorStopped","actor_id":"a 1"}',
                              headers={TOPIC_HEADER: "ActorStopped"})
-            await nc.publish("tp.ev.actor.a-2", b"{}", headers={TOPIC_HEADER: "tests:SomethingElse"})
-            await nc.flush()
-            assert await asyncio.to_thread(tap.wait_learned, "tp", "registry", 10)  # from $SRV.INFO
+            await js.publish("tp.ev.actor.a-2", b"{}", headers={TOPIC_HEADER: "tests:SomethingElse"})
+        tally = await asyncio.to_thread(tap.finish, server.url)
     finally:
-        tally = await asyncio.to_thread(tap.stop)
+        tap.uninstall()
         server.stop()
-    assert tally.checked["request"] == 1  # the refused one is not judged
-    assert tally.checked["reply"] == 2, tap.report()  # its error reply is judged (as ErrorReply)
-    assert tally.checked["event"] >= 2  # WorkerRegistered, its fence, and the invalid one
-    assert tally.foreign == 1
+    assert tally.checked["request"] == 1, tap.report()  # the refused one is not judged
+    assert tally.checked["reply"] == 2, tap.report()  # its error reply is (as ErrorReply)
+    assert tally.checked["event"] == 3, tap.report()  # WorkerRegistered, its fence, the invalid one
+    assert (tally.streams, tally.foreign) == (1, 1)
     assert tally.invalid == 1, tally.failures
     failure = tally.failures[0]
     assert (failure.what, failure.name, failure.subject) == ("event", "ActorStopped", "tp.ev.actor.a-1")
