@@ -52,8 +52,8 @@ import heapq
 import itertools
 import logging
 import os
-from contextlib import suppress
-from typing import Any, Callable, Union
+from contextlib import asynccontextmanager, suppress
+from typing import Any, AsyncIterator, Callable, Union
 
 import msgspec
 from eventsourcing.persistence import IntegrityError, OperationalError
@@ -466,6 +466,9 @@ class SchedulerService:
         self._jobs: list[Job] = []  # resumes to decide
         self._ready: list[Commit] = []  # decided placements to append again after a refused group
         self._wake = asyncio.Event()
+        self._may_commit = asyncio.Event()  # cleared while `commits_held`
+        self._may_commit.set()
+        self._arrival: asyncio.Future[None] | None = None  # `until_queued` waits on it
         self._committer: asyncio.Task[None] | None = None
         self._tie = itertools.count()
         self._actors = KeyedLock()
@@ -531,6 +534,25 @@ class SchedulerService:
             store, self.store = self.store, None
             await asyncio.to_thread(store.close)
 
+    # --- holding the committer (fault tests, maintenance) ---
+
+    @asynccontextmanager
+    async def commits_held(self) -> AsyncIterator[None]:
+        """While held, the committer decides and appends nothing; resumes queue up, as they
+        do when a replica stalls (a leader election). On release it decides them as usual."""
+        self._may_commit.clear()
+        try:
+            yield
+        finally:
+            self._may_commit.set()
+            self._wake.set()
+
+    async def until_queued(self, jobs: int) -> None:
+        """Return once at least `jobs` resumes wait for the committer."""
+        while len(self._jobs) < jobs:
+            self._arrival = asyncio.get_running_loop().create_future()
+            await self._arrival
+
     # --- endpoints ---
 
     async def resume(self, actor_id: str, request: ResumeActor) -> Assignment:
@@ -577,6 +599,8 @@ class SchedulerService:
                     self._awaiting[job.key] = self._awaiting.get(job.key, 0) + 1
                 self._jobs.append(job)
                 self._wake.set()
+                if self._arrival is not None and not self._arrival.done():
+                    self._arrival.set_result(None)
                 try:
                     result = await asyncio.shield(job.result)
                 except IntegrityError as error:
@@ -644,6 +668,7 @@ class SchedulerService:
         """
         while True:
             await self._wake.wait()
+            await self._may_commit.wait()
             self._wake.clear()
             while self._ready or self._jobs:
                 workers = {item.hold.worker_id for item in self._ready}

@@ -1,0 +1,92 @@
+"""One placement per request across replicas, also when a replica stalls (issue 14, 1 and 2).
+
+A replica whose committer stalls (a leader election) holds a resume it queued; the
+client times out and retries the same request id; another replica answers it; the
+client goes on (suspends, resumes again with other ids...). When the stalled replica
+decides its stale attempt at last, it must answer from the log, never place the actor
+again. Made deterministic by holding the replica's committer (`commits_held`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import AsyncExitStack
+
+import pytest
+
+from events.schema import ActorPlaced, ResumeActor
+from services.scheduler.projection import RECENT_PLACEMENTS
+from services.scheduler.service import SchedulerService
+from tests.factories import actor, last_seq, read_log, version, worker
+from warmboot.client import Client
+from warmboot.runner import connect
+
+V1 = version("v1")
+
+
+@pytest.fixture
+async def stalled(stack, nats_url, prefix):
+    """A second scheduler replica that serves no requests itself (its endpoints stopped):
+    the tests hand it the stale attempt directly, as if it had received it before stalling."""
+    async with AsyncExitStack() as exits:
+        nc = await connect(nats_url, "stalled-replica")
+        exits.push_async_callback(nc.close)
+        replica = await SchedulerService(nc, nats_url=nats_url, prefix=prefix, metrics=False).start()
+        exits.push_async_callback(replica.stop)
+        await replica.service.stop()
+        replica.service = None
+        yield replica
+
+
+async def placements(nc, prefix, request_id: str) -> list[tuple[int, ActorPlaced]]:
+    return [(s, e) for s, e in await read_log(nc, prefix) if isinstance(e, ActorPlaced) and e.request_id == request_id]
+
+
+@pytest.mark.parametrize("later", [0, 1, RECENT_PLACEMENTS + 1], ids=["suspended", "resumed-again", "many-later"])
+async def test_a_stale_attempt_decided_late_answers_from_the_log(stalled, nc, prefix, later):
+    wb = Client(nc, prefix)
+    for i in range(4):
+        await wb.register(worker(f"w{i}", V1))
+    await wb.create(actor("a"))
+    async with stalled.commits_held():
+        stale = asyncio.create_task(stalled.resume("a", ResumeActor(request_id="R")))
+        await stalled.until_queued(1)
+        first = await wb.resume("a", request_id="R")  # the retry, answered by the other replica
+        await wb.suspend("a", uri="s3://a/0")
+        for i in range(later):  # the client goes on with other requests
+            await wb.resume("a", request_id=f"R{i + 2}")
+            await wb.suspend("a", uri=f"s3://a/{i + 1}")
+        await stalled.fold.wait(await last_seq(nc, prefix), 10)  # it has folded all of it meanwhile
+    answer = await asyncio.wait_for(stale, 10)
+    assert answer == first  # the first answer, not a second placement
+    assert [s for s, _ in await placements(nc, prefix, "R")] == [first.seq - 1]  # ActorPlaced, then WorkerBooked
+
+
+async def test_a_retry_that_races_its_own_committed_first_attempt_gets_the_first_answer(stalled, nc, prefix):
+    """Attempt 1 is committed, its reply lost; attempt 2 reaches a replica that had queued
+    it before it folded attempt 1: answered with attempt 1's placement, not 'RUNNING'."""
+    wb = Client(nc, prefix)
+    await wb.register(worker("w", V1))
+    await wb.create(actor("a"))
+    async with stalled.commits_held():
+        second = asyncio.create_task(stalled.resume("a", ResumeActor(request_id="R")))
+        await stalled.until_queued(1)
+        first = await wb.resume("a", request_id="R")
+    assert await asyncio.wait_for(second, 10) == first
+    assert len(await placements(nc, prefix, "R")) == 1
+
+
+async def test_duplicates_in_flight_on_two_replicas_place_once(stalled, nc, prefix):
+    wb = Client(nc, prefix)
+    for i in range(3):
+        await wb.register(worker(f"w{i}", V1, cpu=64000, mem=65536))
+    actors = [f"a{i}" for i in range(40)]
+    for a in actors:
+        await wb.create(actor(a))
+    async with stalled.commits_held():
+        stale = [asyncio.create_task(stalled.resume(a, ResumeActor(request_id=f"r-{a}"))) for a in actors]
+        await stalled.until_queued(len(actors))
+        answered = await asyncio.gather(*(wb.resume(a, request_id=f"r-{a}") for a in actors))
+    assert await asyncio.gather(*stale) == answered
+    for a in actors:
+        assert len(await placements(nc, prefix, f"r-{a}")) == 1
