@@ -676,6 +676,10 @@ class Projection:
         self._compat_by_version[(sandbox_class, version)] = found
         return found
 
+    def compat_of_key(self, key: CompatKey) -> Compat | None:
+        """The interned compat key equal to `key`, if the log has named it."""
+        return self._compats.get(key)
+
     def stamp(self, runtime: ActorRuntime) -> Stamp:
         found = self._stamps.get(runtime)
         if found is None:

@@ -83,6 +83,8 @@ from events.schema import (
     ResumeActor,
     Snapshot,
     SnapshotTaken,
+    WhatIf,
+    WhatIfAnswer,
     WorkerBooked,
 )
 from events.subjects import check_prefix, stream_name
@@ -91,6 +93,7 @@ from services.locks import KeyedLock
 from services.scheduler.checkpoint import DEFAULT_INTERVAL_S, Checkpoints
 from services.scheduler.decide import decide, explain, fragmentation
 from services.scheduler.projection import RECENT_PLACEMENTS, Projection, request_hash
+from services.scheduler.whatif import whatif
 
 log = logging.getLogger("warmboot.scheduler")
 
@@ -500,6 +503,7 @@ class SchedulerService:
                 EndpointSpec("resume", ResumeActor, self.resume),
                 EndpointSpec("explain", ExplainResume, self.explain),
                 EndpointSpec("fragmentation", FragmentationQuery, self.fragmentation, per_entity=False),
+                EndpointSpec("whatif", WhatIf, self.whatif, per_entity=False),
             ],
             max_concurrent=MAX_CONCURRENT_REQUESTS,
         )
@@ -562,6 +566,10 @@ class SchedulerService:
         await self.fold.wait(request.min_seq, self.catch_up_s)
         p = self.projection
         return explain(p, actor_id, request.selectors, p.seq, self._pending)
+
+    async def whatif(self, _: str | None, request: WhatIf) -> WhatIfAnswer:
+        await self.fold.wait(request.min_seq, self.catch_up_s)
+        return whatif(self.projection, request)
 
     async def fragmentation(self, _: str | None, request: FragmentationQuery) -> Fragmentation:
         await self.fold.wait(request.min_seq, self.catch_up_s)

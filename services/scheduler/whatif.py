@@ -1,0 +1,152 @@
+"""`scheduler.whatif` (CONTRACT v1.1): the fleet as if some runtimes were dropped and some
+workers drained, as a pure function of the projection (no I/O, writes nothing).
+
+It answers what an operator needs before a step of a rolling upgrade: how many counted
+memory snapshots are stranded and how many stay memory-restorable, before and after;
+which actors become stranded; and, per runtime version of the class, the workers that
+accept it and their free room, before and after.
+
+"Stranded" is the one definition `ClassIndex.stranded` uses (CONTRACT section 3): a
+counted memory snapshot (the latest MEMORY snapshot of a SUSPENDED or PAUSED actor of
+its current template) is stranded when no registered, undrained worker of its class
+could restore it at MEMORY, by version or by edge; a LOCAL one, when no such worker is
+on its node. Here, "could" is judged as if every worker of the class stopped offering
+the dropped runtimes (as default, as restorable, or as a compatible version) and the
+named workers were drained. A runtime accepts a stamp when its own version or one of
+its compatible versions equals it; a dropped runtime accepts nothing, and a dropped
+version is accepted by nobody.
+"""
+
+from __future__ import annotations
+
+from events.compat import compat_key
+from events.errors import not_found
+from events.schema import Room, RuntimeForecast, SnapshotCounts, StrandedActor, WhatIf, WhatIfAnswer
+from services.scheduler.projection import (
+    MEMORY,
+    PAUSED,
+    SUSPENDED,
+    ClassEntry,
+    ClassIndex,
+    Compat,
+    Projection,
+    Worker,
+)
+
+
+def accepts(entry: ClassEntry, compat: Compat, dropped: frozenset[Compat]) -> bool:
+    """Whether a runtime of `entry` that is not dropped can restore a memory snapshot of `compat`."""
+    if compat in dropped:
+        return False
+    for runtime in (entry.default, *entry.restorable):
+        if runtime.compat not in dropped and (runtime.compat is compat or compat in runtime.edges):
+            return True
+    return False
+
+
+class Scenario:
+    """Who accepts what, as if `dropped` were dropped and `drained` drained (memoised per key)."""
+
+    def __init__(self, index: ClassIndex, dropped: frozenset[Compat], drained: frozenset[str]):
+        self.index = index
+        self.dropped = dropped
+        self.drained = drained
+        self._acceptors: dict[Compat, list[Worker]] = {}
+
+    def acceptors(self, compat: Compat) -> list[Worker]:
+        """Live workers that would still accept `compat` (each once)."""
+        found = self._acceptors.get(compat)
+        if found is None:
+            found, seen = [], set()
+            name = self.index.sandbox_class
+            for table in self.index.members:
+                for worker in table.get(compat, ()):
+                    wid = worker.worker_id
+                    if wid in seen or not worker.live or wid in self.drained:
+                        continue
+                    seen.add(wid)
+                    if accepts(worker.classes[name], compat, self.dropped):
+                        found.append(worker)
+            self._acceptors[compat] = found
+        return found
+
+    def on_node(self, node: str, compat: Compat) -> bool:
+        return any(w.node == node for w in self.acceptors(compat))
+
+
+def _before(index: ClassIndex) -> SnapshotCounts:
+    counted = sum(index.external_memory.values()) + sum(index.local_memory.values())
+    stranded = index.stranded()
+    return SnapshotCounts(stranded_snapshots=stranded, memory_restorable_snapshots=counted - stranded)
+
+
+def _after(index: ClassIndex, scenario: Scenario) -> tuple[SnapshotCounts, set]:
+    """The counts after, and the keys (a compat, or a (node, compat)) stranded after."""
+    stranded_keys: set = set()
+    stranded = restorable = 0
+    for compat, n in index.external_memory.items():
+        if scenario.acceptors(compat):
+            restorable += n
+        else:
+            stranded += n
+            stranded_keys.add(compat)
+    for key, n in index.local_memory.items():
+        node, compat = key
+        if scenario.on_node(node, compat):
+            restorable += n
+        else:
+            stranded += n
+            stranded_keys.add(key)
+    return SnapshotCounts(stranded_snapshots=stranded, memory_restorable_snapshots=restorable), stranded_keys
+
+
+def _was_stranded(index: ClassIndex, key) -> bool:
+    if isinstance(key, tuple):
+        return not index.live_on_node.get(key)
+    return not index.accepting(key)
+
+
+def _room(workers) -> Room:
+    return Room(cpu_millis=sum(max(w.room_cpu, 0) for w in workers),
+                memory_mib=sum(max(w.room_mem, 0) for w in workers))
+
+
+def whatif(projection: Projection, query: WhatIf) -> WhatIfAnswer:
+    """The forecast of `query` on the log folded into `projection` (CONTRACT `scheduler.whatif`)."""
+    name = query.sandbox_class
+    index = projection.classes.get(name)
+    if index is None:
+        raise not_found(f"no worker has registered the sandbox class {name!r}", "sandbox_class")
+    dropped = frozenset(c for c in (projection.compat_of_key(compat_key(name, v)) for v in query.drop_runtimes)
+                        if c is not None)
+    scenario = Scenario(index, dropped, frozenset(query.drain_workers))
+    after, stranded_after = _after(index, scenario)
+
+    newly = [key for key in stranded_after if not _was_stranded(index, key)]
+    newly_stranded: list[StrandedActor] = []
+    if newly and query.limit:
+        wanted = set(newly)
+        for actor in projection.actors.values():  # in the log's order: the same list on every replica
+            kind = actor.snapshot
+            if kind is None or kind.fidelity is not MEMORY or kind.stamp is None:
+                continue
+            if actor.state is not SUSPENDED and actor.state is not PAUSED:
+                continue
+            if actor.spec.sandbox_class != name or kind.template_uid != actor.spec.template_uid:
+                continue
+            key = (kind.node or "", kind.stamp.compat) if kind.local else kind.stamp.compat
+            if key in wanted:
+                newly_stranded.append(StrandedActor(actor_id=actor.actor_id, stamp=kind.stamp.runtime))
+                if len(newly_stranded) >= query.limit:
+                    break
+
+    compats = {c for table in index.members for c in table} | set(index.external_memory)
+    compats |= {c for _, c in index.local_memory} | dropped
+    runtimes = []
+    baseline = Scenario(index, frozenset(), frozenset())
+    for compat in sorted(compats, key=lambda c: c.key):
+        before = baseline.acceptors(compat)
+        now = scenario.acceptors(compat)
+        runtimes.append(RuntimeForecast(version=compat.version, workers_before=len(before), workers_after=len(now),
+                                        free_before=_room(before), free_after=_room(now)))
+    return WhatIfAnswer(before=_before(index), after=after, newly_stranded=newly_stranded, runtimes=runtimes)

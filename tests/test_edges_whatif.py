@@ -1,0 +1,141 @@
+"""One-way compatibility edges (`compatible_versions`) and `scheduler.whatif`, over the bus."""
+
+from __future__ import annotations
+
+import pytest
+
+from events.errors import ContractError
+from events.schema import Action, CompatVersion, ErrorCode, PlacedFidelity, RegisterOutcome, WhatIf
+from tests.factories import CLASS, actor, golden, last_seq, runtime, version, worker
+from warmboot.client import Client
+
+V1, V2, V3 = version("v1"), version("v2"), version("v3")
+EDGE = runtime(V2, name="gvisor-2", compatible=(V1,))  # v2 restores v1's snapshots, not the reverse
+
+
+@pytest.fixture
+async def wb(stack, nc, prefix):
+    return Client(nc, prefix)
+
+
+async def test_a_v1_snapshot_restores_through_an_edge_and_its_next_snapshot_is_stamped_v2(wb):
+    await wb.register(worker("new", EDGE))
+    await wb.create(actor("a", golden_snapshot=golden(V1)))
+    why = await wb.explain("a")
+    assert "restorable through compatible version" in why.message and why.decision.matched_version == V1
+    placed = await wb.resume("a")
+    assert (placed.worker_id, placed.action, placed.fidelity) == ("new", Action.RESTORE, PlacedFidelity.MEMORY)
+    assert placed.sandbox_runtime.version == V2 and placed.matched_version == V1  # pinned to the runtime it runs
+    suspended = await wb.suspend("a", uri="s3://a")
+    assert suspended.snapshot.sandbox_runtime.version == V2  # the lineage moves forward across the edge
+    again = await wb.resume("a")
+    assert again.matched_version == V2 and again.sandbox_runtime.version == V2
+
+
+async def test_an_edge_is_one_way(wb):
+    await wb.register(worker("old", runtime(V1)))
+    await wb.create(actor("a", golden_snapshot=golden(V2)))
+    placed = await wb.resume("a")  # a v2 image on a v1 runtime: not from memory
+    assert placed.fidelity is not PlacedFidelity.MEMORY and placed.fallback is not None
+    assert placed.matched_version is None
+
+
+async def test_a_workers_own_version_is_preferred_over_an_edge(wb, nc, prefix):
+    await wb.register(worker("own", V1, cpu=64000, mem=65536))
+    await wb.register(worker("edge", EDGE, cpu=64000, mem=65536))
+    for i in range(30):
+        await wb.create(actor(f"a{i}", cpu=100, mem=256, golden_snapshot=golden(V1)))
+    placed = [await wb.resume(f"a{i}") for i in range(30)]
+    assert {p.worker_id for p in placed} == {"own"}
+    assert all(p.matched_version == V1 and p.sandbox_runtime.version == V1 for p in placed)
+    await wb.drain("own")
+    await wb.create(actor("late", golden_snapshot=golden(V1)))
+    late = await wb.resume("late")
+    assert (late.worker_id, late.matched_version, late.sandbox_runtime.version) == ("edge", V1, V2)
+    why = await wb.explain("a0")
+    assert "RUNNING" in why.refusal.message
+
+
+async def test_edge_validation_names_the_field_and_writes_nothing(wb, nc, prefix):
+    before = await last_seq(nc, prefix)
+    cases = {
+        "sandbox_classes[0].default_runtime.compatible_versions[0]": runtime(V2, compatible=(V2,)),
+        "sandbox_classes[0].default_runtime.compatible_versions[1]": runtime(V2, compatible=(V1, V1)),
+        "sandbox_classes[0].default_runtime.compatible_versions[0].attributes": runtime(  # v1 needs architecture
+            V2, compatible=(CompatVersion(schema_version="v1", attributes=version("x").attributes[1:]),)),
+    }
+    for field, rt in cases.items():
+        with pytest.raises(ContractError) as caught:
+            await wb.register(worker("w", rt))
+        assert (caught.value.code, caught.value.field) == (ErrorCode.INVALID_ARGUMENT, field)
+    assert await last_seq(nc, prefix) == before
+
+
+async def test_compatible_versions_are_a_set_and_part_of_the_registration(wb):
+    first = await wb.register(worker("w", runtime(V3, compatible=(V1, V2))))
+    assert first.outcome is RegisterOutcome.REGISTERED
+    assert (await wb.register(worker("w", runtime(V3, compatible=(V2, V1))))).outcome is RegisterOutcome.UNCHANGED
+    assert (await wb.register(worker("w", runtime(V3, compatible=(V2,))))).outcome is RegisterOutcome.RUNTIME_CHANGED
+
+
+# --- whatif -----------------------------------------------------------------------------------
+
+
+async def fleet(wb: Client) -> None:
+    """Two v1 workers, one of them on the node of the paused actors; a v2 worker with an edge to v1;
+    actors suspended and paused under v1 and v2."""
+    await wb.register(worker("old", runtime(V1), node="n-old", cpu=64000, mem=65536))
+    await wb.register(worker("mixed", V2, (V1,), node="n-mixed", cpu=64000, mem=65536))
+    for i in range(6):
+        await wb.create(actor(f"s{i}"))
+        await wb.resume(f"s{i}")
+        await wb.suspend(f"s{i}", uri=f"s3://s{i}")  # EXTERNAL, stamped with their pins
+    for i in range(4):
+        await wb.create(actor(f"p{i}", golden_snapshot=golden(V1)))
+        await wb.resume(f"p{i}")
+        await wb.pause(f"p{i}")  # LOCAL on their worker's node
+
+
+async def test_whatif_forecasts_what_the_drop_then_does_and_writes_nothing(wb, nc, prefix):
+    await fleet(wb)
+    frag = (await wb.fragmentation(CLASS)).classes[0]
+    before = await last_seq(nc, prefix)
+    query = WhatIf(sandbox_class=CLASS, drop_runtimes=(V1,), limit=100)
+    forecast = await wb.whatif(query)
+    assert await last_seq(nc, prefix) == before  # writes nothing
+    assert forecast.before.stranded_snapshots == frag.stranded_snapshots == 0
+    assert forecast.after.stranded_snapshots > 0
+    assert len(forecast.newly_stranded) == forecast.after.stranded_snapshots
+    assert all(s.stamp.version == V1 for s in forecast.newly_stranded)
+    v1 = next(r for r in forecast.runtimes if r.version == V1)
+    assert (v1.workers_before, v1.workers_after) == (2, 0)
+
+    # now make the drop: every worker stops offering v1
+    await wb.register(worker("old", runtime(V2), node="n-old", cpu=64000, mem=65536))
+    await wb.register(worker("mixed", V2, node="n-mixed", cpu=64000, mem=65536))
+    after = (await wb.fragmentation(CLASS)).classes[0]
+    assert after.stranded_snapshots == forecast.after.stranded_snapshots
+    restorable = sum(r.snapshots_memory for r in after.runtimes) - after.stranded_snapshots
+    assert restorable == forecast.after.memory_restorable_snapshots
+    assert next(r for r in after.runtimes if r.version == V1).workers_default == 0
+
+
+async def test_whatif_counts_an_edge_as_restorable_and_a_drain_as_gone(wb, nc, prefix):
+    await fleet(wb)
+    await wb.register(worker("edge", EDGE, node="n-edge", cpu=64000, mem=65536))
+    # the two first workers drained: the EXTERNAL snapshots (v1 or v2) restore on the edge
+    # worker (v1 through its edge); the LOCAL ones are on nodes left without a worker
+    drained = await wb.whatif(WhatIf(sandbox_class=CLASS, drain_workers=("old", "mixed")))
+    assert drained.after.stranded_snapshots == 4 and drained.after.memory_restorable_snapshots == 6
+    everyone = await wb.whatif(WhatIf(sandbox_class=CLASS, drain_workers=("old", "mixed", "edge")))
+    assert everyone.after.stranded_snapshots == 10
+    # dropping v1 drops it everywhere, as an edge too: every v1 snapshot is stranded
+    dropped = await wb.whatif(WhatIf(sandbox_class=CLASS, drop_runtimes=(V1,)))
+    v1_stamped = sum(1 for s in dropped.newly_stranded if s.stamp.version == V1)
+    assert v1_stamped == dropped.after.stranded_snapshots == len(dropped.newly_stranded)
+    assert dropped.before == drained.before
+    limited = await wb.whatif(WhatIf(sandbox_class=CLASS, drain_workers=("old", "mixed", "edge"), limit=2))
+    assert len(limited.newly_stranded) == 2
+    with pytest.raises(ContractError) as unknown:
+        await wb.whatif(WhatIf(sandbox_class="nope"))
+    assert (unknown.value.code, unknown.value.field) == (ErrorCode.NOT_FOUND, "sandbox_class")
