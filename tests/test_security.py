@@ -180,11 +180,14 @@ async def test_every_flow_runs_under_least_privilege_with_no_violation(tmp_path)
         await call(worker.nc, sub("registry", "drain", worker_id), DrainWorker(reason="maintenance"), SeqReply)
         await call(worker.nc, sub("registry", "remove", worker_id), RemoveWorker(reason="gone"), SeqReply)
 
-        # the scheduler saved checkpoints (every 3 events); every service restarts and goes on from them
-        store = await svc.nc.jetstream().object_store(bucket_name(PREFIX, "checkpoints"))
-        assert await store.list()
+        # the scheduler saves checkpoints (every 3 events); every service restarts and goes on from one
+        checkpoint_bucket = bucket_name(PREFIX, "checkpoints")
+        saved = await svc.nc.jetstream().subscribe(f"$O.{checkpoint_bucket}.M.>", stream=f"OBJ_{checkpoint_bucket}",
+                                                   ordered_consumer=True)
+        await saved.next_msg(timeout=30)  # a checkpoint's metadata: it is stored
+        await saved.unsubscribe()
         assert await asyncio.to_thread(serves[0].stop) == 0
-        serves.append(Serve(*serve_args(secured, "--ttl", "1", *checkpoints)))
+        serves.append(Serve(*serve_args(secured, "--ttl", "15", *checkpoints)))
         await asyncio.to_thread(serves[1].start)
         assert "restored the projection from checkpoint" in serves[1].output
         explained = await call(ops.nc, sub("scheduler", "explain", "a-1"), ExplainResume(min_seq=await last_seq(svc.nc)),
@@ -192,7 +195,10 @@ async def test_every_flow_runs_under_least_privilege_with_no_violation(tmp_path)
         assert explained.candidates == 1
         assert await call(nc, sub("scheduler", "resume", "a-1"), ResumeActor(), Assignment)
 
-        # a worker that goes silent is removed as LOST by the sweeper (now a heartbeat TTL of 1 s)
+        # a worker that goes silent is removed as LOST by the sweeper (a registry with a heartbeat TTL of 1 s)
+        assert await asyncio.to_thread(serves[1].stop) == 0
+        serves.append(Serve(*serve_args(secured, "--ttl", "1", *checkpoints)))
+        await asyncio.to_thread(serves[2].start)
         lost = await secured.connect("w-lost")
         await call(lost.nc, sub("registry", "register", "w-lost"), registration("w-lost"), RegisterReply)
         await lost.close()

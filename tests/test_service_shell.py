@@ -19,6 +19,7 @@ from events.codec import encode
 from events.errors import ContractError, not_found
 from events.jetstream import StoreUnavailableError
 from events.schema import (
+    Assignment,
     CreateActor,
     DrainWorker,
     Heartbeat,
@@ -29,7 +30,7 @@ from events.schema import (
     SeqReply,
 )
 from events.subjects import event_subject, service_subject, stream_name
-from services.common import EndpointSpec, add_endpoints, call, is_outage
+from services.common import EndpointSpec, ReplyCache, add_endpoints, call, is_outage
 from tests.registry_helpers import registration
 from warmboot.natsserver import NatsCluster, wait_jetstream
 from warmboot.runner import SERVICES, start_services
@@ -220,25 +221,43 @@ async def test_without_permissions_the_services_still_answer_nothing_but_inboxes
 
 
 @pytest.mark.timeout(240)
-async def test_a_store_that_does_not_answer_is_unavailable_for_every_service(tmp_path, prefix, monkeypatch):
+async def test_a_store_that_does_not_answer_is_unavailable_for_every_service(tmp_path, prefix, monkeypatch, caplog):
     monkeypatch.setenv("WARMBOOT_STORE_TIMEOUT", "2")  # the event store gives up after 2 s
-    monkeypatch.setenv("WARMBOOT_STREAM_REPLICAS", "3")  # every stream and bucket on all three nodes
     cluster = NatsCluster(tmp_path, 3)
     await asyncio.to_thread(cluster.start)
     try:
         await wait_jetstream(cluster.url)
-        first = cluster.nodes[0].url  # services and the client stay on the node that survives
         async with AsyncExitStack() as stack:
-            await start_services(stack, list(SERVICES), first, prefix, options={"scheduler": {"catch_up_s": 2.0}})
-            nc = await nats.connect(first)
+            # a reply cache bucket with one replica: the node that holds it will be gone
+            monkeypatch.setenv("WARMBOOT_STREAM_REPLICAS", "1")
+            probe_nc = await nats.connect(cluster.url.split(","))
+            stack.push_async_callback(probe_nc.close)
+            cache = await ReplyCache(probe_nc, prefix + "-probe").start()
+            holder = (await probe_nc.jetstream().stream_info(f"KV_{cache.bucket}")).cluster.leader
+            survivor = next(node for node in cluster.nodes if node.name != holder)
+            monkeypatch.setenv("WARMBOOT_STREAM_REPLICAS", "3")  # the services' streams on all three nodes
+
+            # services and the client stay on the node that survives
+            await start_services(stack, list(SERVICES), survivor.url, prefix, options={"scheduler": {"catch_up_s": 2.0}})
+            nc = await nats.connect(survivor.url)
             stack.push_async_callback(nc.close)
             await call(nc, service_subject(prefix, "registry", "register", "w-1"), registration("w-1"), RegisterReply)
             create = CreateActor(actor_id="a-1", sandbox_class="gvisor", template_uid="t",
                                  resources=Resources(cpu_millis=100, memory_mib=64))
             await call(nc, service_subject(prefix, "snapshotter", "create", "a-1"), create, SeqReply)
 
-            for node in cluster.nodes[1:]:  # two of three gone: no quorum, no JetStream
-                await asyncio.to_thread(node.kill)
+            async def read_cache(entity_id: str, request: Heartbeat) -> HeartbeatReply:  # as the scheduler's long tail
+                await cache.get(cache.key("probe", entity_id))
+                return HeartbeatReply(ttl_s=0.0)
+
+            micro = await add_endpoints(nc, prefix, "probe", "reads a reply cache",
+                                        [EndpointSpec("read", Heartbeat, read_cache)])
+            stack.push_async_callback(micro.stop)
+            assert await call(nc, service_subject(prefix, "probe", "read", "r-0"), Heartbeat(), HeartbeatReply)
+
+            for node in cluster.nodes:  # two of three gone, the bucket's holder among them: no quorum
+                if node is not survivor:
+                    await asyncio.to_thread(node.kill)
 
             requests = [
                 ("registry", "heartbeat", "w-1", Heartbeat(), HeartbeatReply),
@@ -246,12 +265,19 @@ async def test_a_store_that_does_not_answer_is_unavailable_for_every_service(tmp
                 ("snapshotter", "create", "a-2", CreateActor(actor_id="a-2", sandbox_class="gvisor", template_uid="t",
                                                              resources=Resources(cpu_millis=100, memory_mib=64)),
                  SeqReply),
-                ("scheduler", "resume", "a-1", ResumeActor(request_id="r-1"), SeqReply),  # reads the reply cache
+                ("scheduler", "resume", "a-1", ResumeActor(request_id="r-1"), Assignment),
+                ("probe", "read", "r-1", Heartbeat(), HeartbeatReply),  # a key-value read nobody answers
             ]
-            for service, verb, entity, body, reply_type in requests:
-                with pytest.raises(ContractError) as refused:
-                    await call(nc, service_subject(prefix, service, verb, entity), body, reply_type, timeout=60)
-                assert refused.value.code.value == "UNAVAILABLE", (service, verb, refused.value)
+            with caplog.at_level(logging.WARNING, logger="warmboot.service"):
+                for service, verb, entity, body, reply_type in requests:
+                    with pytest.raises(ContractError) as refused:
+                        await call(nc, service_subject(prefix, service, verb, entity), body, reply_type, timeout=60)
+                    assert refused.value.code.value == "UNAVAILABLE", (service, verb, refused.value)
+            messages = [r.getMessage() for r in caplog.records]
+            # how JetStream says it (a time-out, no responders, a 503) depends on the moment: all are outages
+            assert [m for m in messages if m.startswith("probe.read: answered UNAVAILABLE: ")], messages
+            # no traceback of the services: nothing taken for a bug
+            assert not [r for r in caplog.records if r.exc_info and r.name.startswith("warmboot")]
     finally:
         await asyncio.to_thread(cluster.stop)
 
