@@ -6,14 +6,14 @@ What it decides is in `services.registry.domain`. Here:
   (`store_env`). Each command loads a Worker, decides, saves; `run_command` runs it
   off the event loop and again on a lost optimistic-concurrency race, so any number
   of replicas may serve the same worker.
-- `Liveness`: heartbeats are not events. Each one is a put of the worker's key in
-  the JetStream key-value bucket `<PREFIX>_HEARTBEATS` with a per-message TTL (the
-  registry's `ttl_s`, whole seconds). When a key outlives its TTL the server itself
-  removes it and writes a "MaxAge" marker in its place; the replicas share one
-  durable work-queue consumer on the bucket, so each marker reaches one replica,
-  which removes the worker as `LOST` (and a crash before the ack hands the marker to
-  another). Replicas do not poll or scan per worker; two that do handle the same
-  marker write one event between them, as the aggregate decides on fresh state.
+- `Liveness` (`services.registry.liveness`): heartbeats are not events. Each one is a
+  put of the worker's key in the JetStream key-value bucket `<PREFIX>_HEARTBEATS` with
+  a per-message TTL; the server expires it and the replicas sweep its marker once.
+- The roster (`services.registry.roster`, kept current by `services.registry.fold`):
+  which workers are registered, folded from their events. A heartbeat is answered
+  from it behind the fold's barrier (every worker event stored before the heartbeat
+  is folded), so it loads no history; only a worker the roster does not have is
+  looked up in the log before the answer is NOT_FOUND.
 - `RegistryService`: the four endpoints of CONTRACT section 3 (Registry).
 
 Replies carry `seq`: the stream sequence of the last event of the worker's history
@@ -29,26 +29,19 @@ happens, also after a lost reply or a crash between commit and reply.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-import math
 from contextlib import suppress
 from datetime import datetime
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import TypeVar
 
 import msgspec
-import nats.errors
 from eventsourcing.application import AggregateNotFoundError
-from eventsourcing.persistence import OperationalError
 from nats.aio.client import Client as NATS
-from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, KeyValueConfig, StorageType
 from nats.js.errors import NotFoundError
 from prometheus_client import Counter
 
 from events.aggregate import Recorded, WireApplication, now
-from events.codec import decode_event, encode
-from events.errors import invalid, unavailable
+from events.errors import ContractError, invalid, unavailable
 from events.schema import (
     DrainWorker,
     Heartbeat,
@@ -59,24 +52,22 @@ from events.schema import (
     RemoveWorker,
     SeqReply,
     WorkerFenced,
-    WorkerRemoved,
 )
-from events.subjects import bucket_name, check_prefix, event_subject, stream_name
+from events.subjects import check_prefix, event_subject, stream_name
 from services.common import EndpointSpec, add_endpoints, run_command, store_env, stream_replicas
 from services.locks import KeyedLock
 from services.registry.domain import Worker, register_outcome
+from services.registry.fold import RosterFold
+from services.registry.liveness import SWEEPER, Liveness  # noqa: F401 (SWEEPER: the sweeper's name, for callers)
+from services.registry.roster import Roster
 
 log = logging.getLogger("warmboot.registry")
 T = TypeVar("T")
 
 SERVICE = "registry"
 DEFAULT_TTL_S = 15.0
-# How long the server keeps an expiry marker: the registry may be down this long
-# and still remove every worker that went silent meanwhile (start-up reconciliation
-# covers longer outages). Part of the bucket's configuration, so not tied to ttl_s.
-MARKER_TTL_S = 300.0
-SWEEPER = "registry-sweeper"
-MARKER_REASON = "Nats-Marker-Reason"
+FOLD_START_S = 120.0  # time to fold every worker event at start
+RECONCILE_LANES = 32  # heartbeat records read at once when reconciling at start
 
 REGISTRATIONS = Counter(
     "warmboot_registry_registrations_total", "Registrations answered, by outcome", ["outcome"]
@@ -208,136 +199,6 @@ class EventPositions:
         return seq
 
 
-class Liveness:
-    """Heartbeats in a JetStream KV bucket with per-message TTLs; expiry markers swept once.
-
-    `on_expired(worker_id)` is awaited for each worker whose last heartbeat the
-    server expired; at most one replica gets each marker.
-    """
-
-    def __init__(
-        self,
-        nc: NATS,
-        prefix: str,
-        ttl_s: float,
-        on_expired: Callable[[str], Awaitable[None]],
-        replicas: int = 1,
-    ):
-        self.nc = nc
-        self.js = nc.jetstream()
-        self.bucket = bucket_name(prefix, "heartbeats")
-        self.stream = f"KV_{self.bucket}"
-        self.ttl_s = ttl_s
-        self.on_expired = on_expired
-        self.replicas = replicas
-        self._task: asyncio.Task[None] | None = None
-
-    def subject(self, worker_id: str) -> str:
-        return f"$KV.{self.bucket}.{worker_id}"
-
-    @property
-    def ttl_header(self) -> dict[str, str]:
-        # The server counts TTLs in whole seconds; round up so a worker never expires early.
-        return {"Nats-TTL": f"{max(1, math.ceil(self.ttl_s))}s"}
-
-    async def start(self) -> None:
-        await self.js.create_key_value(
-            KeyValueConfig(
-                bucket=self.bucket,
-                description="warmboot worker heartbeats: one key per worker, expiring after the registry's TTL",
-                history=1,
-                storage=StorageType.FILE,
-                limit_marker_ttl=MARKER_TTL_S,
-                replicas=self.replicas,
-            )
-        )
-        self._sub = await self.js.pull_subscribe(
-            f"$KV.{self.bucket}.>",
-            durable=SWEEPER,
-            stream=self.stream,
-            config=ConsumerConfig(
-                durable_name=SWEEPER,
-                description="registry replicas share it: each expiry marker reaches one of them",
-                deliver_policy=DeliverPolicy.NEW,
-                ack_policy=AckPolicy.EXPLICIT,
-                ack_wait=30.0,
-                headers_only=True,
-                max_ack_pending=-1,
-            ),
-        )
-        self._task = asyncio.create_task(self._sweep(), name=f"{self.bucket}-sweep")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        with suppress(Exception):
-            await self._sub.unsubscribe()
-
-    async def beat(self, worker_id: str) -> None:
-        value = encode({"at": now(), "ttl_s": self.ttl_s})
-        await self.js.publish(self.subject(worker_id), value, headers=self.ttl_header)
-
-    async def forget(self, worker_id: str) -> None:
-        """Drop a removed worker's heartbeat, leaving a tombstone that expires by itself."""
-        await self.js.publish(
-            self.subject(worker_id),
-            b"",
-            headers={"KV-Operation": "PURGE", "Nats-Rollup": "sub", "Nats-TTL": f"{int(MARKER_TTL_S)}s"},
-        )
-
-    async def state(self, worker_id: str) -> str:
-        """`beating`, `expired` (the server's marker is the last entry) or `absent`."""
-        try:
-            msg = await self.js.get_msg(self.stream, subject=self.subject(worker_id))
-        except NotFoundError:
-            return "absent"
-        headers = msg.headers or {}
-        if headers.get(MARKER_REASON) == "MaxAge":
-            return "expired"
-        if MARKER_REASON in headers or "KV-Operation" in headers:
-            return "absent"
-        return "beating"
-
-    async def start_clock(self, worker_id: str) -> None:
-        """A heartbeat on behalf of a worker that has none, unless one arrives first."""
-        headers = {**self.ttl_header, "Nats-Expected-Last-Subject-Sequence": "0"}
-        with suppress(Exception):
-            await self.js.publish(self.subject(worker_id), encode({"at": now(), "ttl_s": self.ttl_s}), headers=headers)
-
-    async def _sweep(self) -> None:
-        backoff = 0.1
-        while True:
-            try:
-                msgs = await self._sub.fetch(128, timeout=5.0)
-            except NatsTimeoutError:
-                continue
-            except asyncio.CancelledError:
-                raise
-            except Exception as error:  # the server restarting, a leader change: try again
-                log.debug("heartbeat sweep: %r; retrying", error)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
-                continue
-            backoff = 0.1
-            for msg in msgs:
-                if (msg.headers or {}).get(MARKER_REASON) == "MaxAge":
-                    worker_id = msg.subject.rsplit(".", 1)[-1]
-                    try:
-                        await self.on_expired(worker_id)
-                    except asyncio.CancelledError:
-                        raise
-                    except Exception:
-                        log.warning("could not remove lost worker %s; redelivering", worker_id, exc_info=True)
-                        with suppress(Exception):
-                            await msg.nak(delay=1.0)
-                        continue
-                with suppress(Exception):
-                    await msg.ack()
-
-
 class RegistryService:
     """`warmboot-registry`: register, heartbeat, drain and remove workers (CONTRACT section 3)."""
 
@@ -362,13 +223,16 @@ class RegistryService:
         # are answered from the worker's history, where the write happens (WireAggregate.prior).
         self._workers = KeyedLock()
         self.positions = EventPositions(nc, prefix)
+        self.roster = Roster()
+        self.fold = RosterFold(nc, prefix, self.roster)
         self.liveness = Liveness(
             nc, prefix, ttl_s, self._expired, store_replicas if store_replicas is not None else stream_replicas()
         )
         self.service = None
 
     async def start(self) -> "RegistryService":
-        self.store = await asyncio.to_thread(RegistryStore, self.env)
+        self.store = await asyncio.to_thread(RegistryStore, self.env)  # makes the stream if need be
+        await self.fold.start(FOLD_START_S)
         await self.liveness.start()
         await self.reconcile()
         self.service = await add_endpoints(
@@ -392,6 +256,7 @@ class RegistryService:
                 await self.service.stop()
             self.service = None
         await self.liveness.stop()
+        await self.fold.stop()
         if self.store is not None:
             await asyncio.to_thread(self.store.close)
             self.store = None
@@ -414,7 +279,17 @@ class RegistryService:
             return RegisterReply(outcome=decided.outcome, seq=await self._seq(worker_id, decided))
 
     async def heartbeat(self, worker_id: str, request: Heartbeat) -> HeartbeatReply:
-        await asyncio.to_thread(self.store.require_alive, worker_id)
+        # From the roster, once it holds every worker event stored before this request
+        # (whichever replica wrote it): a worker removed a moment ago is seen removed.
+        # One the roster does not have is looked up in its history: the log says
+        # NOT_FOUND (or that it registered meanwhile). So does a barrier not to be had.
+        try:
+            await self.fold.current()
+            alive = self.roster.alive(worker_id)
+        except ContractError:
+            alive = False
+        if not alive:
+            await asyncio.to_thread(self.store.require_alive, worker_id)
         await self.liveness.beat(worker_id)
         return HeartbeatReply(ttl_s=self.ttl_s)
 
@@ -454,43 +329,19 @@ class RegistryService:
 
         A worker registered while no replica could record its heartbeat, or whose
         expiry marker aged out while every replica was down, would otherwise never
-        be found lost. Cost: one read per registered worker, once per start.
+        be found lost. The registered workers are the roster's (folded up to the
+        start); cost: one read of the bucket per registered worker, once per start.
         """
-        for worker_id in await self._registered_workers():
-            state = await self.liveness.state(worker_id)
-            if state == "absent":
-                await self.liveness.start_clock(worker_id)
-            elif state == "expired":
-                await self._expired(worker_id)
+        pending = self.roster.registered()
 
-    async def _registered_workers(self) -> list[str]:
-        """Workers whose last event is not a removal, from the stream's last message per worker."""
-        js = self.nc.jetstream()
-        subjects = event_subject(self.prefix, Worker.KIND, "*")
-        stream = stream_name(self.prefix)
-        try:
-            sub = await js.pull_subscribe(
-                subjects,
-                stream=stream,
-                config=ConsumerConfig(
-                    deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
-                    ack_policy=AckPolicy.NONE,
-                    inactive_threshold=30.0,
-                ),
-            )
-        except NotFoundError:
-            return []  # no event log yet: nobody registered
-        registered = []
-        try:
-            pending = (await sub.consumer_info()).num_pending
-            while pending > 0:
-                for msg in await sub.fetch(min(pending, 256), timeout=5.0):
-                    pending -= 1
-                    if not isinstance(decode_event(msg.data), WorkerRemoved):
-                        registered.append(msg.subject.rsplit(".", 1)[-1])
-        finally:
-            with suppress(Exception):
-                name = (await sub.consumer_info()).name
-                await sub.unsubscribe()
-                await js.delete_consumer(stream, name)
-        return registered
+        async def lane() -> None:
+            for worker_id in pending:
+                state = await self.liveness.state(worker_id)
+                if state == "absent":
+                    await self.liveness.start_clock(worker_id)
+                elif state == "expired":
+                    await self._expired(worker_id)
+
+        async with asyncio.TaskGroup() as lanes:
+            for _ in range(RECONCILE_LANES):
+                lanes.create_task(lane())

@@ -1,0 +1,217 @@
+"""The registry's roster, kept current from the log, and a read barrier on it.
+
+`RosterFold` reads the workers' subjects (`<prefix>.ev.worker.*`, not the whole log:
+a start replays worker events only) with an ordered push consumer into a callback,
+the fastest way nats-py reads a stream, and folds each event's type and sequence
+into a `Roster` (`services.registry.roster`). No body is decoded: the event store's
+topic header names the type.
+
+`current()` is the barrier a heartbeat is answered behind: it returns once the fold
+holds every worker event that was stored before the call, written by this replica
+or any other. The consumer cannot say that by itself: the server answers a write
+before it signals the stream's consumers (an internal queue), so neither a
+delivery nor the consumer's pending count need include an event whose writer has
+already been answered. The stream's state does, so a barrier round asks the stream
+leader (1) the stream's last sequence L, then, unless the fold already accounts for
+everything up to L, (2) the first worker event after what the fold accounts for;
+none (or one past L) means the fold is complete up to L, else the round waits until
+the fold has delivered that event and asks (2) again. Calls to `current()` made
+while a round is under way join the next round, so one round (one or two API
+requests) serves every heartbeat that arrived meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import suppress
+from typing import Any
+
+import msgspec
+import nats.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from events.codec import decode_event
+from events.errors import ContractError, unavailable
+from events.jetstream import ERR_NO_MESSAGE_FOUND, TOPIC_HEADER
+from events.natspy import ack_positions, use_lean_headers
+from events.subjects import event_subject, stream_name
+from services.registry.roster import Roster
+
+log = logging.getLogger("warmboot.registry")
+
+WORKER_KIND = "worker"
+
+
+class _ApiError(msgspec.Struct):
+    code: int = 0
+    err_code: int = 0
+    description: str = ""
+
+
+class _State(msgspec.Struct):
+    last_seq: int = 0
+
+
+class _StreamInfo(msgspec.Struct):
+    state: _State | None = None
+    error: _ApiError | None = None
+
+
+class _Stored(msgspec.Struct):
+    seq: int
+
+
+class _MsgGet(msgspec.Struct):
+    message: _Stored | None = None
+    error: _ApiError | None = None
+
+
+_info_decoder = msgspec.json.Decoder(_StreamInfo)
+_get_decoder = msgspec.json.Decoder(_MsgGet)
+
+
+class RosterFold:
+    """The roster kept current from the workers' subjects, with a read barrier (`current`)."""
+
+    def __init__(self, nc: NATS, prefix: str, roster: Roster, barrier_timeout: float = 2.0):
+        self.nc = nc
+        self.roster = roster
+        self.stream = stream_name(prefix)
+        self.filter = event_subject(prefix, WORKER_KIND, "*")
+        self.subject_prefix = self.filter[:-1]
+        self.barrier_timeout = barrier_timeout
+        # Every worker event up to this sequence is folded (the fold's own position, or
+        # further when the stream leader said no worker event lies in between).
+        self.complete = 0
+        self.errors = 0
+        self.rounds = 0
+        self._sub: Any = None
+        self._waiters: list[asyncio.Future[None]] = []  # calls of current() for the next round
+        self._round: asyncio.Task[None] | None = None
+        self._want: tuple[int, asyncio.Future[None]] | None = None  # the round waits for this sequence
+
+    async def start(self, timeout: float) -> None:
+        """Read the workers' events from the first; return once every one stored so far is folded."""
+        use_lean_headers(self.nc)
+        self._sub = await self.nc.jetstream().subscribe(
+            self.filter, stream=self.stream, cb=self._on_msg, ordered_consumer=True, idle_heartbeat=2.0,
+        )
+        try:
+            await asyncio.wait_for(self._settle(), timeout)
+        except asyncio.TimeoutError:
+            raise unavailable(f"the registry could not fold the workers' events within {timeout:g}s "
+                              f"(it holds up to sequence {self.complete})") from None
+
+    async def stop(self) -> None:
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            with suppress(Exception):
+                await sub.unsubscribe()
+        if self._round is not None:
+            self._round.cancel()
+            with suppress(asyncio.CancelledError):
+                await self._round
+        self._fail(self._waiters, unavailable("the registry is stopping"))
+        self._waiters = []
+
+    # --- folding ------------------------------------------------------------------------
+
+    async def _on_msg(self, msg: Msg) -> None:
+        seq = ack_positions(msg.reply)[0]
+        if seq <= self.roster.seq:  # redelivered: an ordered consumer reset before its first message
+            return
+        headers = msg.headers
+        event_type = headers.get(TOPIC_HEADER) if headers else None
+        if event_type is None:  # not written by the event store: the body says its type
+            try:
+                event_type = type(decode_event(msg.data)).__name__
+            except Exception:
+                self.errors += 1
+                log.warning("message %d on %s is not a worker event; skipped", seq, msg.subject)
+                event_type = ""
+        self.roster.apply(seq, msg.subject[len(self.subject_prefix):], event_type)
+        if seq > self.complete:
+            self.complete = seq
+        want = self._want
+        if want is not None and seq >= want[0] and not want[1].done():
+            want[1].set_result(None)
+
+    # --- the barrier --------------------------------------------------------------------
+
+    async def current(self) -> None:
+        """Return once every worker event stored before this call is folded.
+
+        UNAVAILABLE if the stream leader cannot be asked, or the fold does not get
+        there within `barrier_timeout`.
+        """
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        if self._round is None:
+            self._round = asyncio.create_task(self._rounds(), name=f"{self.stream}-roster-barrier")
+        await waiter
+
+    async def _rounds(self) -> None:
+        try:
+            while self._waiters:
+                waiters, self._waiters = self._waiters, []
+                self.rounds += 1
+                try:
+                    await asyncio.wait_for(self._settle(), self.barrier_timeout)
+                except asyncio.TimeoutError:
+                    self._fail(waiters, unavailable(
+                        f"this registry replica's fold of worker events is not current within "
+                        f"{self.barrier_timeout:g}s (it holds up to sequence {self.complete})"))
+                except ContractError as error:
+                    self._fail(waiters, error)
+                except (nats.errors.Error, OSError) as error:
+                    self._fail(waiters, unavailable(f"the event log is unavailable: {error!r}"))
+                else:
+                    for waiter in waiters:
+                        if not waiter.done():
+                            waiter.set_result(None)
+        finally:
+            self._round = None
+
+    @staticmethod
+    def _fail(waiters: list[asyncio.Future[None]], error: Exception) -> None:
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_exception(error)
+                waiter.exception()  # retrieved: a caller that gave up leaves no warning
+
+    async def _settle(self) -> None:
+        last = await self._last_seq()
+        while self.complete < last:
+            seq = await self._next_worker_event(self.complete + 1)
+            if seq is None or seq > last:
+                self.complete = max(self.complete, last)
+                return
+            if self.complete < seq:  # not folded yet: it is on its way to the callback
+                want = self._want = (seq, asyncio.get_running_loop().create_future())
+                try:
+                    await want[1]
+                finally:
+                    self._want = None
+
+    async def _api(self, verb: str, body: bytes) -> bytes:
+        msg = await self.nc.request(f"$JS.API.STREAM.{verb}.{self.stream}", body, timeout=self.barrier_timeout)
+        return msg.data
+
+    async def _last_seq(self) -> int:
+        info = _info_decoder.decode(await self._api("INFO", b""))
+        if info.error is not None or info.state is None:
+            raise unavailable(f"the event log {self.stream} is unavailable: "
+                              f"{info.error.description if info.error else 'no state'}")
+        return info.state.last_seq
+
+    async def _next_worker_event(self, start: int) -> int | None:
+        """The sequence of the first worker event at or after `start`, as the stream leader has it."""
+        body = msgspec.json.encode({"seq": start, "next_by_subj": self.filter})
+        got = _get_decoder.decode(await self._api("MSG.GET", body))
+        if got.error is not None:
+            if got.error.err_code == ERR_NO_MESSAGE_FOUND or got.error.code == 404:
+                return None
+            raise unavailable(f"the event log {self.stream} is unavailable: {got.error.description}")
+        return got.message.seq if got.message is not None else None

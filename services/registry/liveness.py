@@ -1,0 +1,344 @@
+"""Heartbeats in a JetStream KV bucket with per-message TTLs; expiry markers swept once.
+
+Heartbeats are not events. Each one is a put of the worker's key in the bucket
+`<PREFIX>_HEARTBEATS` with a per-message TTL (the registry's `ttl_s`, whole seconds).
+When a key outlives its TTL the server itself removes it and writes a "MaxAge"
+marker in its place; the replicas share one durable work-queue consumer on the
+bucket, so each marker reaches one replica, which removes the worker as `LOST` (and
+a crash before the ack hands the marker to another). Replicas do not poll or scan
+per worker; two that do handle the same marker write one event between them, as the
+aggregate decides on fresh state.
+
+A beat returns once the server has stored the put (its ack), so the `ttl_s` a
+heartbeat answers counts from a put that is in the bucket. Puts are pipelined:
+`Acks` publishes each with a reply subject under one wildcard inbox and matches
+the acks as they come back, so any number are in flight and each costs one publish
+and one small ack decode (nats-py's `publish` is a request with its own timer and
+JSON parse; its `publish_async` puts a timer on a semaphore per call).
+
+The sweeper's consumer delivers every message of the bucket, each heartbeat's put
+among them (the server writes a marker on the key's own subject, so no filter tells
+the two apart), and each must be acknowledged. `Sweeper` reads it with one pull
+request of many messages at a time into a callback, acknowledges a put there, and
+hands markers to one task that removes their workers in turn (nats-py's `fetch`
+costs a task and a timer per message, and its time-outs can swallow a cancellation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import math
+from contextlib import suppress
+from typing import Awaitable, Callable
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, KeyValueConfig, StorageType
+from nats.js.errors import NotFoundError
+
+from events.aggregate import now
+from events.codec import encode
+from events.errors import unavailable
+from events.subjects import bucket_name
+
+log = logging.getLogger("warmboot.registry")
+
+# How long the server keeps an expiry marker: the registry may be down this long
+# and still remove every worker that went silent meanwhile (start-up reconciliation
+# covers longer outages). Part of the bucket's configuration, so not tied to ttl_s.
+MARKER_TTL_S = 300.0
+SWEEPER = "registry-sweeper"
+MARKER_REASON = "Nats-Marker-Reason"
+ACK_TIMEOUT_S = 5.0
+PULL_BATCH = 1024  # messages one pull request of the sweeper asks for
+PULL_EXPIRES_S = 5.0  # how long the server holds a pull request that is not filled
+
+
+class _ApiError(msgspec.Struct):
+    code: int = 0
+    err_code: int = 0
+    description: str = ""
+
+
+class _PubAck(msgspec.Struct):
+    seq: int = 0
+    error: _ApiError | None = None
+
+
+_ack_decoder = msgspec.json.Decoder(_PubAck)
+
+
+class Acks:
+    """JetStream publishes whose acks come back on one wildcard inbox: many in flight at once.
+
+    `publish` returns the stream sequence the server stored the message at, or raises
+    UNAVAILABLE (no stream, an error from the server, no ack within `timeout`).
+    """
+
+    def __init__(self, nc: NATS, timeout: float = ACK_TIMEOUT_S):
+        self.nc = nc
+        self.timeout = timeout
+        self._pending: dict[str, tuple[asyncio.Future[int], float]] = {}
+        self._tokens = itertools.count(1)
+        self._inbox = ""
+        self._sub = None
+        self._watch: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._inbox = self.nc.new_inbox() + "."
+        self._sub = await self.nc.subscribe(self._inbox + "*", cb=self._on_ack)
+        self._watch = asyncio.create_task(self._expire(), name="heartbeat-acks")
+
+    async def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            with suppress(asyncio.CancelledError):
+                await self._watch
+            self._watch = None
+        if self._sub is not None:
+            with suppress(Exception):
+                await self._sub.unsubscribe()
+            self._sub = None
+        for future, _ in self._pending.values():
+            if not future.done():
+                future.set_exception(unavailable("the registry is stopping"))
+                future.exception()
+        self._pending.clear()
+
+    async def publish(self, subject: str, payload: bytes, headers: dict[str, str]) -> int:
+        token = str(next(self._tokens))
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[int] = loop.create_future()
+        self._pending[token] = (future, loop.time() + self.timeout)
+        try:
+            await self.nc.publish(subject, payload, reply=self._inbox + token, headers=headers)
+            return await future
+        finally:
+            self._pending.pop(token, None)
+
+    async def _on_ack(self, msg: Msg) -> None:
+        entry = self._pending.get(msg.subject[len(self._inbox):])
+        if entry is None or entry[0].done():
+            return  # too late: its publish timed out
+        future = entry[0]
+        if not msg.data:  # a status message: 503, no stream listens on the subject
+            status = (msg.headers or {}).get("Status", "")
+            future.set_exception(unavailable(f"no JetStream stream stored the heartbeat (status {status})"))
+            return
+        try:
+            ack = _ack_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            future.set_exception(unavailable(f"the heartbeat bucket answered {msg.data[:200]!r}"))
+            return
+        if ack.error is not None:
+            future.set_exception(unavailable(f"the heartbeat bucket refused the put: {ack.error.description}"))
+        else:
+            future.set_result(ack.seq)
+
+    async def _expire(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(min(0.25, self.timeout / 4))
+            moment = loop.time()
+            for future, deadline in list(self._pending.values()):
+                if deadline < moment and not future.done():
+                    future.set_exception(unavailable(f"the heartbeat bucket did not answer within {self.timeout:g}s"))
+
+
+class Sweeper:
+    """A durable pull consumer shared by the replicas, read into a callback.
+
+    One pull request of `PULL_BATCH` messages is outstanding at a time; when it is
+    filled, or the server ends it (408: expired, 409, 404), the next one goes out. A
+    message that is not an expiry marker is acknowledged at once; a marker is queued
+    for `on_marker(worker_id)`, then acknowledged, or handed back (nak) to be
+    redelivered a second later if that failed. A replica that dies before the ack
+    leaves the marker to another.
+    """
+
+    def __init__(self, nc: NATS, stream: str, config: ConsumerConfig,
+                 on_marker: Callable[[str], Awaitable[None]]):
+        self.nc = nc
+        self.stream = stream
+        self.config = config
+        self.on_marker = on_marker
+        self._next = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{config.durable_name}"
+        self._request = json.dumps({"batch": PULL_BATCH, "expires": int(PULL_EXPIRES_S * 1e9)}).encode()
+        self._inbox = ""
+        self._sub = None
+        self._credit = 0
+        self._ended: asyncio.Event | None = None
+        self._status = ""  # how the server ended the last pull request
+        self._markers: asyncio.Queue[Msg] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        js = self.nc.jetstream()
+        try:
+            await js.consumer_info(self.stream, self.config.durable_name)
+        except NotFoundError:
+            await js.add_consumer(self.stream, config=self.config)
+        self._inbox = self.nc.new_inbox()
+        self._ended = asyncio.Event()
+        self._sub = await self.nc.subscribe(self._inbox, cb=self._on_msg)
+        self._tasks = [asyncio.create_task(self._pull(), name=f"{self.stream}-sweep-pull"),
+                       asyncio.create_task(self._handle_markers(), name=f"{self.stream}-sweep")]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        if self._sub is not None:
+            with suppress(Exception):
+                await self._sub.unsubscribe()
+            self._sub = None
+
+    async def _pull(self) -> None:
+        backoff = 0.1
+        while True:
+            self._ended.clear()
+            self._credit, self._status = PULL_BATCH, ""
+            try:
+                await self.nc.publish(self._next, self._request, reply=self._inbox)
+                # Filled, expired (408), ended otherwise by the server, or lost (a reconnect).
+                with suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._ended.wait(), PULL_EXPIRES_S + 1.0)
+            except Exception as error:  # disconnected
+                self._status = repr(error)
+            if self._status in ("", "408"):
+                backoff = 0.1
+                continue
+            # No consumer or stream (503, 409, 404: deleted, a leader change): not in a tight loop.
+            log.debug("heartbeat sweep: the pull ended with %s; asking again in %.1fs", self._status, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
+
+    async def _on_msg(self, msg: Msg) -> None:
+        headers = msg.headers
+        if not msg.reply:  # a status: 100 (a heartbeat) keeps the request; 404, 408, 409, 503 end it
+            status = headers.get("Status", "") if headers else ""
+            if status != "100":
+                self._status = status or "an empty message"
+                self._ended.set()
+            return
+        self._credit -= 1
+        if self._credit <= 0:
+            self._ended.set()
+        if headers and headers.get(MARKER_REASON) == "MaxAge":
+            self._markers.put_nowait(msg)
+        else:
+            with suppress(Exception):
+                await self.nc.publish(msg.reply, b"+ACK")
+
+    async def _handle_markers(self) -> None:
+        while True:
+            msg = await self._markers.get()
+            worker_id = msg.subject.rsplit(".", 1)[-1]
+            try:
+                await self.on_marker(worker_id)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.warning("could not remove lost worker %s; redelivering", worker_id, exc_info=True)
+                with suppress(Exception):
+                    await msg.nak(delay=1.0)
+                continue
+            with suppress(Exception):
+                await msg.ack()
+
+
+class Liveness:
+    """Heartbeats in a JetStream KV bucket with per-message TTLs; expiry markers swept once.
+
+    `on_expired(worker_id)` is awaited for each worker whose last heartbeat the
+    server expired; at most one replica gets each marker.
+    """
+
+    def __init__(
+        self,
+        nc: NATS,
+        prefix: str,
+        ttl_s: float,
+        on_expired: Callable[[str], Awaitable[None]],
+        replicas: int = 1,
+    ):
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.bucket = bucket_name(prefix, "heartbeats")
+        self.stream = f"KV_{self.bucket}"
+        self.ttl_s = ttl_s
+        self.on_expired = on_expired
+        self.replicas = replicas
+        # The server counts TTLs in whole seconds; round up so a worker never expires early.
+        self.ttl_header = {"Nats-TTL": f"{max(1, math.ceil(ttl_s))}s"}
+        self.acks = Acks(nc)
+        self.sweeper = Sweeper(nc, self.stream, ConsumerConfig(
+            durable_name=SWEEPER,
+            description="registry replicas share it: each expiry marker reaches one of them",
+            filter_subject=f"$KV.{self.bucket}.>",
+            deliver_policy=DeliverPolicy.NEW,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=30.0,
+            headers_only=True,
+            max_ack_pending=-1,
+        ), on_expired)
+
+    def subject(self, worker_id: str) -> str:
+        return f"$KV.{self.bucket}.{worker_id}"
+
+    async def start(self) -> None:
+        await self.js.create_key_value(
+            KeyValueConfig(
+                bucket=self.bucket,
+                description="warmboot worker heartbeats: one key per worker, expiring after the registry's TTL",
+                history=1,
+                storage=StorageType.FILE,
+                limit_marker_ttl=MARKER_TTL_S,
+                replicas=self.replicas,
+            )
+        )
+        await self.acks.start()
+        await self.sweeper.start()
+
+    async def stop(self) -> None:
+        await self.sweeper.stop()
+        await self.acks.stop()
+
+    async def beat(self, worker_id: str) -> None:
+        """Put the worker's heartbeat; returns once the server has stored it."""
+        value = encode({"at": now(), "ttl_s": self.ttl_s})
+        await self.acks.publish(self.subject(worker_id), value, self.ttl_header)
+
+    async def forget(self, worker_id: str) -> None:
+        """Drop a removed worker's heartbeat, leaving a tombstone that expires by itself."""
+        await self.js.publish(
+            self.subject(worker_id),
+            b"",
+            headers={"KV-Operation": "PURGE", "Nats-Rollup": "sub", "Nats-TTL": f"{int(MARKER_TTL_S)}s"},
+        )
+
+    async def state(self, worker_id: str) -> str:
+        """`beating`, `expired` (the server's marker is the last entry) or `absent`."""
+        try:
+            msg = await self.js.get_msg(self.stream, subject=self.subject(worker_id))
+        except NotFoundError:
+            return "absent"
+        headers = msg.headers or {}
+        if headers.get(MARKER_REASON) == "MaxAge":
+            return "expired"
+        if MARKER_REASON in headers or "KV-Operation" in headers:
+            return "absent"
+        return "beating"
+
+    async def start_clock(self, worker_id: str) -> None:
+        """A heartbeat on behalf of a worker that has none, unless one arrives first."""
+        headers = {**self.ttl_header, "Nats-Expected-Last-Subject-Sequence": "0"}
+        with suppress(Exception):
+            await self.js.publish(self.subject(worker_id), encode({"at": now(), "ttl_s": self.ttl_s}), headers=headers)

@@ -1,0 +1,131 @@
+"""Heartbeats answered from the registry's roster, a fold of worker events, behind its barrier.
+
+A replica answers a heartbeat from its in-memory roster once the roster holds every
+worker event stored before the heartbeat, whichever replica wrote it; a worker the
+roster does not have is looked up in the log. These tests run two replicas on the
+session's nats-server and ask one of them directly (a client cannot pick a replica
+through the queue group) right after the other wrote.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+
+from events.errors import ContractError
+from events.schema import ErrorCode, Heartbeat, RegisterWorker, RemoveWorker
+from events.subjects import bucket_name
+from services.registry.roster import Roster
+from tests.registry_helpers import raw_request, registration, running_registry
+
+
+def body(worker_id: str) -> RegisterWorker:
+    return msgspec.convert(registration(worker_id), RegisterWorker)
+
+
+async def refused(call) -> ContractError:
+    with pytest.raises(ContractError) as caught:
+        await call
+    return caught.value
+
+
+# --- the fold itself ---------------------------------------------------------------------------
+
+
+def test_roster_follows_each_life():
+    roster = Roster()
+    roster.apply(1, "w-1", "WorkerRegistered")
+    roster.apply(2, "w-2", "WorkerRegistered")
+    roster.apply(3, "w-1", "WorkerDrained")
+    assert roster.alive("w-1") and roster.last_seq("w-1") == 3
+    roster.apply(4, "w-1", "WorkerRemoved")
+    assert not roster.alive("w-1") and roster.last_seq("w-1") == 4
+    assert sorted(roster.registered()) == ["w-2"]
+    roster.apply(5, "w-1", "WorkerRegistered")  # a new life
+    roster.apply(6, "w-1", "RuntimeChanged")
+    assert roster.alive("w-1") and sorted(roster.registered()) == ["w-1", "w-2"]
+    assert not roster.alive("w-never") and roster.last_seq("w-never") == 0
+    assert roster.seq == 6 and len(roster) == 2
+
+
+# --- answers across replicas -------------------------------------------------------------------
+
+
+async def test_a_removal_through_another_replica_is_not_found_at_once(nats_url, prefix):
+    async with running_registry(nats_url, prefix) as one, running_registry(nats_url, prefix) as two:
+        for life in range(8):
+            await two.register("w-1", body("w-1"))
+            assert (await one.heartbeat("w-1", Heartbeat())).ttl_s == 15.0
+            await two.remove("w-1", RemoveWorker(reason=f"life {life}"))
+            error = await refused(one.heartbeat("w-1", Heartbeat()))
+            assert error.code == ErrorCode.NOT_FOUND and f"was removed (life {life})" in error.message
+
+
+async def test_a_registration_through_another_replica_beats_at_once(nats_url, prefix):
+    async with running_registry(nats_url, prefix) as one, running_registry(nats_url, prefix) as two:
+        for n in range(8):
+            worker_id = f"w-{n}"
+            await two.register(worker_id, body(worker_id))
+            assert (await one.heartbeat(worker_id, Heartbeat())).ttl_s == 15.0
+        error = await refused(one.heartbeat("w-never", Heartbeat()))
+        assert error.code == ErrorCode.NOT_FOUND and "not registered" in error.message
+
+
+async def test_a_replica_whose_fold_stalls_answers_from_the_log(nats_url, prefix):
+    async with running_registry(nats_url, prefix) as one, running_registry(nats_url, prefix) as two:
+        await two.register("w-gone", body("w-gone"))
+        await two.register("w-kept", body("w-kept"))
+        await one.heartbeat("w-gone", Heartbeat())  # one's roster has both
+        one.fold.barrier_timeout = 0.2
+        await one.fold._sub.unsubscribe()  # one hears of no worker event from now on
+        await two.remove("w-gone", RemoveWorker(reason="decommissioned"))
+        # one's barrier cannot be had (the removal never reaches its fold): the log answers
+        error = await refused(one.heartbeat("w-gone", Heartbeat()))
+        assert error.code == ErrorCode.NOT_FOUND and "was removed (decommissioned)" in error.message
+        assert (await one.heartbeat("w-kept", Heartbeat())).ttl_s == 15.0
+
+
+async def test_concurrent_heartbeats_share_barrier_rounds(nats_url, prefix):
+    async with running_registry(nats_url, prefix) as one:
+        workers = [f"w-{n}" for n in range(50)]
+        for worker_id in workers:
+            await one.register(worker_id, body(worker_id))
+        rounds = one.fold.rounds
+        replies = await asyncio.gather(*(one.heartbeat(w, Heartbeat()) for w in workers * 4))
+        assert {r.ttl_s for r in replies} == {15.0}
+        assert one.fold.rounds - rounds <= 2  # 200 heartbeats, one or two reads of the stream's state
+
+
+async def test_a_started_replica_has_every_registered_worker(nats_url, nc, prefix):
+    async with running_registry(nats_url, prefix):
+        for n in range(5):
+            assert "error" not in (await raw_request(nc, prefix, "register", f"w-{n}", registration(f"w-{n}")))[0]
+        await raw_request(nc, prefix, "remove", "w-0", {})
+    async with running_registry(nats_url, prefix) as later:
+        assert sorted(later.roster.registered()) == ["w-1", "w-2", "w-3", "w-4"]
+        for n in range(1, 5):
+            assert (await raw_request(nc, prefix, "heartbeat", f"w-{n}", {}))[0] == {"ttl_s": 15.0}
+        reply, _ = await raw_request(nc, prefix, "heartbeat", "w-0", {})
+        assert reply["error"]["code"] == "NOT_FOUND"
+
+
+# --- the put behind the reply ----------------------------------------------------------------------
+
+
+async def test_a_heartbeat_answers_once_its_put_is_stored(nats_url, nc, prefix):
+    async with running_registry(nats_url, prefix):
+        await raw_request(nc, prefix, "register", "w-1", registration("w-1"))
+        js = nc.jetstream()
+        stream = f"KV_{bucket_name(prefix, 'heartbeats')}"
+        before = (await js.stream_info(stream)).state.last_seq
+        assert (await raw_request(nc, prefix, "heartbeat", "w-1", {}))[0] == {"ttl_s": 15.0}
+        entry = await js.get_msg(stream, subject=f"$KV.{bucket_name(prefix, 'heartbeats')}.w-1")
+        assert entry.seq > before and entry.headers["Nats-TTL"] == "15s"
+        assert msgspec.json.decode(entry.data)["ttl_s"] == 15.0
+
+        await js.delete_stream(stream)  # the bucket is gone: no put can be stored
+        reply, headers = await raw_request(nc, prefix, "heartbeat", "w-1", {})
+        assert reply["error"]["code"] == "UNAVAILABLE", reply
+        assert headers["Nats-Service-Error-Code"] == "503"
