@@ -313,7 +313,7 @@ def projection_memory(workers: int, actors: int) -> dict:
     folds the stream, and restored from a checkpoint's bytes (everything allocated while traced)."""
     from services.scheduler.checkpoint_codec import decode_checkpoint, encode_checkpoint, export_state
     from services.scheduler.projection import Projection
-    from services.scheduler.service import Fold
+    from services.scheduler.fold import Fold
 
     prefix = "mem"
     versions: dict[str, int] = {}

@@ -72,7 +72,8 @@ from events.schema import (  # noqa: E402
 )
 from events.subjects import service_subject, stream_name  # noqa: E402
 from services.scheduler.decide import decide, decide_by_scan  # noqa: E402
-from services.scheduler.projection import WORKER_RESERVE_MIB, Projection  # noqa: E402
+from services.scheduler.projection import Projection  # noqa: E402
+from services.scheduler.records import WORKER_RESERVE_MIB  # noqa: E402
 
 AT = datetime(2026, 11, 30, tzinfo=timezone.utc)
 CLS = "gvisor"
@@ -359,7 +360,7 @@ def write_through_store(nats_url: str, prefix: str, events: list[Event], batch: 
 
 
 async def bench_replay(nats_url: str, total: int) -> dict[str, float]:
-    from services.scheduler.service import Fold
+    from services.scheduler.fold import Fold
 
     prefix = f"replay{os.getpid() % 1000}"
     await ensure_stream(nats_url, prefix)

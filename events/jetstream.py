@@ -133,7 +133,7 @@ from eventsourcing.persistence import (
 )
 from eventsourcing.utils import Environment, EnvType, resolve_topic, strtobool
 
-from events.headers import parse_header_lines
+from events.natspy import ack_positions, parse_header_block, use_lean_headers
 from events.natsauth import NKEY_SEED_ENV, nkey_options, redact_url
 from events.subjects import DEFAULT_PREFIX, check_prefix, stream_name
 
@@ -288,28 +288,7 @@ def _body_type(data: bytes) -> str:
     return str(body.get("type", "")) if isinstance(body, dict) else ""
 
 
-def _parse_header_block(raw: bytes) -> dict[str, str]:
-    """Headers of a `STREAM.MSG.GET` answer: `NATS/1.0\\r\\nKey: value\\r\\n...`."""
-    headers: dict[str, str] = {}
-    for line in raw.decode().split("\r\n")[1:]:
-        key, sep, value = line.partition(":")
-        if sep:
-            headers.setdefault(key.strip(), value.strip())
-    return headers
-
-
 # --- connection: one event-loop thread per (url, credentials) ----------------------------
-
-
-class _Client(NATS):
-    """nats-py's client with a leaner header parser: replays are bound by header parsing.
-
-    It gives the same dict as nats-py's own `_parse_header_lines` (names that are not
-    printable ASCII without white space are skipped, values stripped and decoded);
-    the parser is shared with the other readers of the log (`events.headers`).
-    """
-
-    _parse_header_lines = staticmethod(parse_header_lines)
 
 
 @dataclass(frozen=True)
@@ -509,7 +488,8 @@ class _Link:
         async def on_reconnected() -> None:
             log.info("reconnected to %s", self.options.where)
 
-        nc = _Client()
+        nc = NATS()
+        use_lean_headers(nc)  # replays are bound by header parsing (events.natspy)
         try:
             await asyncio.wait_for(
                 nc.connect(
@@ -940,7 +920,7 @@ class _Stream:
                 await retry.wait(error)
                 continue
             message = data["message"]
-            headers = _parse_header_block(base64.b64decode(message["hdrs"])) if message.get("hdrs") else {}
+            headers = parse_header_block(base64.b64decode(message["hdrs"])) if message.get("hdrs") else {}
             body = base64.b64decode(message["data"]) if message.get("data") else b""
             return int(message["seq"]), headers, body
 
@@ -1426,7 +1406,7 @@ class JetStreamSubscription(Subscription[JetStreamApplicationRecorder]):
             if item is _STOP or self._has_been_stopped:
                 raise StopIteration
             reply, subject, headers, data = item
-            notification = notification_from_message(self._recorder.prefix, _stream_seq(reply), subject, headers, data)
+            notification = notification_from_message(self._recorder.prefix, ack_positions(reply)[0], subject, headers, data)
             if self._wanted and notification.topic not in self._wanted:
                 continue
             self._last_notification_id = notification.id
@@ -1452,14 +1432,6 @@ async def _unsubscribe(consumer: Any) -> None:
         await consumer.unsubscribe()
     except nats.errors.Error:
         pass
-
-
-def _stream_seq(reply: str) -> int:
-    """The stream sequence in a JetStream delivery's reply subject `$JS.ACK...`."""
-    tokens = reply.split(".")
-    if len(tokens) == 9:  # $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<time>.<pending>
-        return int(tokens[5])
-    return int(tokens[7])  # $JS.ACK.<domain>.<account hash>.<stream>.<consumer>.<delivered>.<sseq>...
 
 
 # --- factory -----------------------------------------------------------------------------------

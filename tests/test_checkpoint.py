@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import weakref
 from datetime import datetime, timezone
 from typing import Any
 
@@ -57,7 +56,8 @@ from events.schema import (
 )
 from events.subjects import stream_name
 from services.common import call, store_env
-from services.scheduler import projection as projection_module
+from events.states import ActorState, WorkerState
+from services.scheduler import records as records_module
 from services.scheduler import checkpoint as checkpoint_module
 from services.scheduler.checkpoint import Checkpoints, incarnation_of, object_name
 from services.scheduler.checkpoint_codec import (
@@ -69,9 +69,11 @@ from services.scheduler.checkpoint_codec import (
     export_state,
     restore_state,
 )
-from services.scheduler.decide import decide, explain, fragmentation
+from services.scheduler.decide import decide, explain
+from services.scheduler.fragmentation import fragmentation
 from services.scheduler.projection import Projection
-from services.scheduler.service import Fold, SchedulerService
+from services.scheduler.fold import Fold
+from services.scheduler.service import SchedulerService
 from warmboot.audit import summary
 
 AT = datetime(2026, 11, 30, tzinfo=timezone.utc)
@@ -214,42 +216,39 @@ def walk(p: Projection) -> dict[str, Any]:
     It reads the classes' `__slots__` rather than a list of names, so a field added to
     the projection and forgotten by the codec shows up here as a difference.
     """
-    assert set(vars(p)) == {"seq", "events", "_ref", "workers", "classes", "actors", "bookings", "subjects", "_compats",
-                            "_compat_by_version", "_stamps", "_runtimes", "_entries", "_strings", "_resources",
-                            "_selectors", "_specs", "_kinds", "_leases", "_suffixes", "recreated", "placed_listener",
-                            "_dispatch"}, "a new Projection field: teach the checkpoint codec about it"
+    assert set(vars(p)) == {"seq", "events", "workers", "classes", "actors", "bookings", "subjects", "intern",
+                            "recreated", "placed_listener", "_dispatch"}, \
+        "a new Projection field: teach the checkpoint codec about it"
     registered = {id(w) for w in p.workers.values()}
     others: dict[int, int] = {}  # unregistered worker records, numbered by first sight
 
     def value(v: Any) -> Any:
-        if isinstance(v, projection_module.Worker):
+        if isinstance(v, records_module.Worker):
             if id(v) in registered:
                 return ("worker", v.worker_id)
             n = others.setdefault(id(v), len(others))
             return ("record", n, obj(v))
-        if isinstance(v, projection_module.Stamp):
+        if isinstance(v, records_module.Stamp):
             return ("stamp", v.runtime, v.compat.key, v.compat.version)
-        if isinstance(v, projection_module.Runtime):
+        if isinstance(v, records_module.Runtime):
             return ("runtime", v.compat.key, v.compat.version, v.name, v.fixed_mib, v.per_gib_mib, v.pin)
-        if isinstance(v, projection_module.ClassEntry):
+        if isinstance(v, records_module.ClassEntry):
             return ("entry", value(v.default), [value(r) for r in v.restorable])
-        if isinstance(v, projection_module.Compat):
+        if isinstance(v, records_module.Compat):
             return ("compat", v.key, v.version)
-        if isinstance(v, (projection_module.Spec, projection_module.SnapshotKind, projection_module.Lease)):
+        if isinstance(v, (records_module.Spec, records_module.SnapshotKind, records_module.Lease)):
             return (type(v).__name__, obj(v))
-        if isinstance(v, projection_module.IndexedSet):
+        if isinstance(v, records_module.IndexedSet):
             assert v.pos == {w.worker_id: i for i, w in enumerate(v.items)}
             return [value(w) for w in v.items]
-        if isinstance(v, (set, frozenset, projection_module.BookedActors)):
+        if isinstance(v, (set, frozenset, frozenset)):
             return sorted(v)
-        if isinstance(v, weakref.ref):
-            return ("ref", v() is p)
         if isinstance(v, dict):
             return [(value(k), value(x)) for k, x in v.items()]
         if isinstance(v, (tuple, list)):
             return (type(v).__name__, [value(x) for x in v])
-        if isinstance(v, str) and v in ("REGISTERED", "DRAINED", "CREATED", "RUNNING", "PAUSED", "SUSPENDED", "STOPPED"):
-            assert v is getattr(projection_module, v), f"state {v} is not the module's constant"
+        if isinstance(v, (ActorState, WorkerState)):
+            return ("state", v.value)
         return v
 
     def obj(o: Any) -> dict[str, Any]:
@@ -265,7 +264,7 @@ def walk(p: Projection) -> dict[str, Any]:
         "bookings": list(p.bookings.items()),
         "subjects": list(p.subjects.items()),
         "recreated": list(p.recreated.items()),
-        "compats": [value(c) for c in p._compats.values()],
+        "compats": [value(c) for c in p.intern.compats],
         # sharing: one object per distinct stamp, resources and label/selector map
         "distinct": (
             len({id(a.snap_stamp) for a in p.actors.values()} | {id(a.pin) for a in p.actors.values()}),
@@ -307,9 +306,9 @@ def assert_same(restored: Projection, replayed: Projection) -> None:
 
 def test_the_mix_reaches_every_state():
     p = fold_all(event_mix())
-    states = {a.state for a in p.actors.values()}
+    states = {a.state.value for a in p.actors.values()}
     assert states == {"CREATED", "RUNNING", "PAUSED", "SUSPENDED", "STOPPED"}
-    assert {w.state for w in p.workers.values()} == {"REGISTERED", "DRAINED"}
+    assert {w.state.value for w in p.workers.values()} == {"REGISTERED", "DRAINED"}
     orphans = [a for a in p.actors.values() if a.worker is not None and p.workers.get(a.worker.worker_id) is not a.worker]
     assert orphans, "an actor still booked on a removed worker's record"
     assert p.stranded() >= 1 and p.subjects and p.bookings

@@ -15,7 +15,7 @@ from contextlib import AsyncExitStack
 import pytest
 
 from events.schema import ActorPlaced, ResumeActor
-from services.scheduler.projection import RECENT_PLACEMENTS
+from services.scheduler.records import RECENT_PLACEMENTS
 from services.scheduler.service import SchedulerService
 from tests.factories import actor, last_seq, read_log, version, worker
 from warmboot.client import Client
@@ -48,9 +48,9 @@ async def test_a_stale_attempt_decided_late_answers_from_the_log(stalled, nc, pr
     for i in range(4):
         await wb.register(worker(f"w{i}", V1))
     await wb.create(actor("a"))
-    async with stalled.commits_held():
+    async with stalled.committer.commits_held():
         stale = asyncio.create_task(stalled.resume("a", ResumeActor(request_id="R")))
-        await stalled.until_queued(1)
+        await stalled.committer.until_queued(1)
         first = await wb.resume("a", request_id="R")  # the retry, answered by the other replica
         await wb.suspend("a", uri="s3://a/0")
         for i in range(later):  # the client goes on with other requests
@@ -68,9 +68,9 @@ async def test_a_retry_that_races_its_own_committed_first_attempt_gets_the_first
     wb = Client(nc, prefix)
     await wb.register(worker("w", V1))
     await wb.create(actor("a"))
-    async with stalled.commits_held():
+    async with stalled.committer.commits_held():
         second = asyncio.create_task(stalled.resume("a", ResumeActor(request_id="R")))
-        await stalled.until_queued(1)
+        await stalled.committer.until_queued(1)
         first = await wb.resume("a", request_id="R")
     assert await asyncio.wait_for(second, 10) == first
     assert len(await placements(nc, prefix, "R")) == 1
@@ -83,9 +83,9 @@ async def test_duplicates_in_flight_on_two_replicas_place_once(stalled, nc, pref
     actors = [f"a{i}" for i in range(40)]
     for a in actors:
         await wb.create(actor(a))
-    async with stalled.commits_held():
+    async with stalled.committer.commits_held():
         stale = [asyncio.create_task(stalled.resume(a, ResumeActor(request_id=f"r-{a}"))) for a in actors]
-        await stalled.until_queued(len(actors))
+        await stalled.committer.until_queued(len(actors))
         answered = await asyncio.gather(*(wb.resume(a, request_id=f"r-{a}") for a in actors))
     assert await asyncio.gather(*stale) == answered
     for a in actors:

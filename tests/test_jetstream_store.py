@@ -546,22 +546,6 @@ def test_notifications_skip_what_is_not_an_event_and_honour_topics(nats_url, pre
         factory.close()
 
 
-def test_the_lean_header_parser_reads_headers_as_nats_py_does():
-    from nats.aio.client import Client
-
-    from events.jetstream import _Client
-
-    samples = [
-        b"Nats-Msg-Id: worker.w-1:1\r\nWarmboot-Topic: WorkerDrained\r\nWarmboot-Version: 1\r\n",
-        b"Nats-Stream: T_EVENTS\r\nNats-Subject: t.ev.worker.w-1\r\nNats-Sequence: 7\r\n\r\n",
-        b"A:b\r\nBad Name: x\r\nC:\t d \r\nno colon here\r\n",
-        "Reason: caf\u00e9 \u2014 ok\r\n".encode(),
-        b"\xff\xfe: dropped\r\nKept: \xff\r\n",
-    ]
-    for raw in samples:
-        assert _Client._parse_header_lines(raw) == Client._parse_header_lines(raw)
-
-
 def test_what_cannot_be_one_atomic_append_is_refused_before_anything_is_written(nats_url, prefix):
     from eventsourcing.persistence import DataError
 

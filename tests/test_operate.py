@@ -32,7 +32,7 @@ from events.schema import (
 )
 from events.subjects import event_subject, service_subject
 from services.common import call
-from services.scheduler.projection import PAUSED
+from services.scheduler.records import PAUSED
 from warmboot.audit import summary
 from warmboot.cli import main
 from warmboot.demo import DemoConfig, run_demo

@@ -58,9 +58,10 @@ from events.schema import (
 )
 from events.subjects import service_subject, stream_name
 from services.common import ReplyCache, call, store_env
-from services.scheduler.projection import WORKER_RESERVE_MIB
+from services.scheduler.records import WORKER_RESERVE_MIB
 from services.scheduler.decide import decide
-from services.scheduler.service import Job, SchedulerService
+from services.scheduler.committer import Job
+from services.scheduler.service import SchedulerService
 
 AT = datetime(2026, 11, 30, tzinfo=timezone.utc)
 CLS = "gvisor"
@@ -286,7 +287,7 @@ async def test_concurrent_resumes_share_appends(nc, prefix, store, replicas):
     await asyncio.to_thread(store.write, *[create(f"a{j:02d}", cpu=100, mem=256) for j in range(60)])
     service = await replicas()
     placed = await asyncio.gather(*(resume(nc, prefix, f"a{j:02d}") for j in range(60)))
-    assert service.commits == 60 and service.groups < 60
+    assert service.commits == 60 and service.committer.groups < 60
     assert sum(check_log(await read_log(nc, prefix)).values()) == 60
     assert len({a.seq for a in placed}) == 60
 
@@ -298,11 +299,12 @@ async def test_a_refused_group_keeps_the_placements_that_are_still_valid(nc, pre
     p = service.projection
     on_w1, on_w2 = decide(p, "x", None, p.seq), decide(p, "y", None, p.seq)
     loop = asyncio.get_running_loop()
-    x, y = (service._queued(placed, Job(placed.actor_id, None, None, loop.create_future())) for placed in (on_w1, on_w2))
+    x, y = (service.committer.prepare(placed, Job(placed.actor_id, None, None, loop.create_future()))
+            for placed in (on_w1, on_w2))
     # another replica books w2 after y was decided
     seq = await asyncio.to_thread(store.write, WorkerBooked(at=AT, worker_id="w2", actor_id="elsewhere"))
     await service.fold.wait(seq, 5)
-    await service._append([x, y])
+    await service.committer.append([x, y])
     with pytest.raises(IntegrityError):
         await y.result
     placed_x, x_seq = await x.result  # committed by the next group, without deciding again
@@ -434,7 +436,7 @@ async def test_three_replicas_and_200_concurrent_resumes_never_overbook(nc, nats
     booked = [{w.worker_id: w.booked_mem for w in s.projection.workers.values()} for s in services]
     assert booked[0] == booked[1] == booked[2]
     for s in services:  # nothing is left counted in flight once the folds have every commit
-        assert (s._pending, s._chain, s._unfolded, s._unfolded_actors) == ({}, {}, [], {})
+        assert s.committer.settled and not s.committer.pending
 
 
 async def test_a_replica_stopped_mid_load_is_rebuilt_from_the_log_and_serves(nc, prefix, store, replicas):
@@ -550,7 +552,7 @@ def test_the_folds_reader_gives_the_events_decode_event_gives_and_refuses_what_i
 
     import msgspec
 
-    from services.scheduler.service import EventReader
+    from services.scheduler.fold import EventReader
 
     pin = ActorRuntime(sandbox_class=CLS, name="runsc", version=V1)
     placed = ActorPlaced(at=AT, actor_id="a", worker_id="w1", node="n1", action=Action.RESTORE,

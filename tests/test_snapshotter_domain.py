@@ -32,16 +32,10 @@ from events.schema import (
     WorkerRegistered,
     WorkerRemoved,
 )
-from services.snapshotter.domain import (
-    Actor,
-    ActorState,
-    PlacementFold,
-    Release,
-    Tag,
-    default_snapshot_id,
-    initial_snapshot,
-    stamp_from_pin,
-)
+from events.states import ActorState
+from services.snapshotter.domain import Actor, Tag
+from services.snapshotter.placements import PlacementFold, Release
+from services.snapshotter.stamping import default_snapshot_id, initial_snapshot, stamp_from_pin
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 CLASS = "gvisor"

@@ -42,7 +42,7 @@ from events.schema import (
 )
 from events.subjects import service_subject
 from services.common import call
-from services.scheduler.decide import fragmentation
+from services.scheduler.fragmentation import fragmentation
 from services.scheduler.projection import Projection
 from warmboot.cli import main
 from warmboot.cmd_views import (

@@ -23,8 +23,9 @@ from events.schema import (
     SnapshotOrigin,
     SnapshotTaken,
 )
-from services.scheduler.decide import fragmentation
-from services.scheduler.projection import RUNNING, Projection
+from services.scheduler.fragmentation import fragmentation
+from services.scheduler.projection import Projection
+from services.scheduler.records import RUNNING
 
 # The rules `audit verify` checks at each ActorPlaced (names as they appear in its report).
 UNKNOWN_ACTOR = "placement of an unknown actor"
@@ -192,8 +193,8 @@ def summary(projection: Projection) -> dict[str, Any]:
 
     from events.codec import to_builtins
 
-    workers = Counter(w.state for w in projection.workers.values())
-    actors = Counter(a.state for a in projection.actors.values())
+    workers = Counter(w.state.value for w in projection.workers.values())
+    actors = Counter(a.state.value for a in projection.actors.values())
     return to_builtins({
         "seq": projection.seq,
         "events": projection.events,

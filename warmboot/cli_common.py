@@ -55,7 +55,7 @@ async def last_seq(nc: Any, prefix: str) -> int:
 async def replay(nc: Any, prefix: str, sink: Any, show_progress: bool) -> Any:
     """Fold the whole stream (as it is now) into `sink` with the scheduler's own Fold,
     with a progress bar on stderr."""
-    from services.scheduler.service import Fold
+    from services.scheduler.fold import Fold
 
     target = await last_seq(nc, prefix)
     progress = Progress(TextColumn("replaying"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

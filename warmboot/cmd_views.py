@@ -248,7 +248,7 @@ def worker_rows(projection: Any, runtimes: Runtimes | None = None) -> list[dict]
                 "sandbox_class": sandbox_class,
                 "worker_id": worker.worker_id,
                 "node": worker.node,
-                "state": worker.state,
+                "state": worker.state.value,
                 "runtime": runtimes.label(sandbox_class, default.compat.version, default.name),
                 "runtime_id": short_id(default.compat.key),
                 "default_runtime": to_builtins(default.compat.version),
@@ -256,7 +256,7 @@ def worker_rows(projection: Any, runtimes: Runtimes | None = None) -> list[dict]
                 "restorable_runtimes": [to_builtins(r.compat.version) for r in entry.restorable],
                 "capacity": {"cpu_millis": worker.cpu_millis, "memory_mib": worker.memory_mib},
                 "free": {"cpu_millis": worker.room_cpu, "memory_mib": worker.room_mem},
-                "actors": len(worker.actors),
+                "actors": worker.holding,
             })
     rows.sort(key=lambda r: (r["sandbox_class"], r["runtime"], r["worker_id"]))
     return rows

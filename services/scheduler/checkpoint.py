@@ -16,8 +16,8 @@ the interval in events) it does not save its own.
 
 Consistency: a checkpoint is exactly the projection at its recorded sequence. The
 fold applies messages on the event loop, one callback at a time; a save starts
-between two of them, sets `capturing`, and copies the projection into Structs in a
-worker thread while the fold's next callback waits for `capturing` to clear (`hold`).
+between two of them and copies the projection into Structs in a worker thread while
+the fold is paused (`Fold.paused`): its next callback waits until the copy is done.
 Requests keep being answered from the projection meanwhile: they only read it.
 Encoding, compressing and uploading run after the fold has resumed.
 
@@ -37,7 +37,7 @@ import io
 import logging
 import time
 import uuid
-from contextlib import suppress
+from contextlib import nullcontext, suppress
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -112,7 +112,7 @@ class Checkpoints:
         self.token = uuid.uuid4().hex[:8]
         self.store: Any = None
         # Set while a save copies the projection: the fold waits for it (see `hold`).
-        self.capturing: asyncio.Future[None] | None = None
+        self._fold: Any = None  # the fold followed: paused while a save copies its projection
         # What was restored at start: the fold replayed only what came after.
         self.restored_seq = 0
         self.restored_events = 0
@@ -222,11 +222,6 @@ class Checkpoints:
 
     # --- saving ---
 
-    async def hold(self) -> None:
-        """Wait until no save is copying the projection (the fold calls this before folding)."""
-        while self.capturing is not None:
-            await asyncio.shield(self.capturing)
-
     def folded(self, events: int, behind: int) -> None:
         """After each message folded: wake the saver when enough events have come in."""
         if events - self.saved_events >= self.every_events and behind <= CAUGHT_UP:
@@ -236,14 +231,10 @@ class Checkpoints:
         """Capture `projection` now and store it; the object's name."""
         if self.store is None:
             await self._open()
-        async with self._capture:
-            gate = self.capturing = asyncio.get_running_loop().create_future()
+        fold = self._fold
+        async with self._capture, (fold.paused() if fold is not None else nullcontext()):
             t0 = time.perf_counter()
-            try:
-                state = await asyncio.to_thread(export_state, projection)
-            finally:
-                self.capturing = None
-                gate.set_result(None)
+            state = await asyncio.to_thread(export_state, projection)
             self.last_capture_s = time.perf_counter() - t0
         self.saved_seq, self.saved_events, self.saved_at = state.seq, state.events, time.monotonic()
         created, _ = await self._stream_identity()
@@ -290,7 +281,8 @@ class Checkpoints:
 
     def follow(self, fold: Any) -> None:
         """Save `fold.projection` on the triggers from now on; the fold holds for captures."""
-        fold.checkpoints = self
+        self._fold = fold
+        fold.listeners.append(lambda seq: self.folded(fold.projection.events, fold.behind))
         self._task = asyncio.create_task(self._run(fold), name="scheduler-checkpoints")
         self.folded(fold.projection.events, fold.behind)  # a long replay at start: save it right away
 

@@ -37,26 +37,21 @@ import msgspec
 from msgspec import Struct
 from msgspec.structs import astuple
 
-from events.compat import compat_key
 from events.schema import ActorRuntime, CompatVersion, Fidelity, Resources, WorkerRuntime
+from events.states import ActorState, WorkerState
+from services.scheduler import interner as interner_module
 from services.scheduler import projection as projection_module
-from services.scheduler.projection import (
-    CREATED,
-    DRAINED,
-    PAUSED,
-    REGISTERED,
-    RUNNING,
-    STOPPED,
-    SUSPENDED,
+from services.scheduler import records as records_module
+from services.scheduler.projection import Projection
+from services.scheduler.records import (
+    ROLES,
     Actor,
     Assigned,
     ClassEntry,
     ClassIndex,
     Compat,
     IndexedSet,
-    ROLES,
     Lease,
-    Projection,
     SnapshotKind,
     Spec,
     Worker,
@@ -65,10 +60,6 @@ from services.scheduler.projection import (
 # Bump on any change of what State holds or how it maps onto the projection.
 FORMAT = 3
 
-# The states are compared by identity in the fold and in decide (`state is REGISTERED`):
-# a restored projection must hold these very objects, not equal strings.
-_WORKER_STATES = {REGISTERED: REGISTERED, DRAINED: DRAINED}
-_ACTOR_STATES = {s: s for s in (CREATED, RUNNING, PAUSED, SUSPENDED, STOPPED)}
 
 NONE = -1  # "no reference" in an index field
 
@@ -84,12 +75,13 @@ def _fold_digest() -> str:
     h = hashlib.blake2b(digest_size=12)
     h.update(str(FORMAT).encode())
     try:
-        for path in (projection_module.__file__, __file__):
+        for path in (records_module.__file__, interner_module.__file__, projection_module.__file__, __file__):
             h.update(Path(path).read_bytes())
     except (OSError, TypeError):
         for cls in (Worker, Actor, Assigned, ClassIndex, ClassEntry, IndexedSet, Compat, Spec, SnapshotKind, Lease):
             h.update(repr((cls.__name__, cls.__slots__)).encode())
         h.update(repr(sorted(vars(Projection()))).encode())
+        h.update(repr(sorted(vars(Projection().intern))).encode())
     return h.hexdigest()
 
 
@@ -220,16 +212,17 @@ def export_state(p: Projection) -> State:
 
 
 def _export(p: Projection) -> State:
-    compat_index = {id(c): i for i, c in enumerate(p._compats.values())}
-    compats = [(c.sandbox_class, c.version) for c in p._compats.values()]
-    runtime_index = {id(r): i for i, r in enumerate(p._runtimes.values())}
-    runtimes = list(p._runtimes)
-    stamp_index = {id(s): i for i, s in enumerate(p._stamps.values())}
-    stamps = [s.runtime for s in p._stamps.values()]
-    resource_index = {id(r): i for i, r in enumerate(p._resources.values())}
-    resources = list(p._resources.values())
-    map_index = {id(m): i for i, m in enumerate(p._selectors.values())}
-    maps = [list(key) for key in p._selectors]
+    interned = p.intern
+    compat_index = {id(c): i for i, c in enumerate(interned.compats)}
+    compats = [(c.sandbox_class, c.version) for c in interned.compats]
+    runtime_index = {id(r): i for i, r in enumerate(interned.runtime_records())}
+    runtimes = list(interned.runtimes)
+    stamp_index = {id(s): i for i, s in enumerate(interned.stamps)}
+    stamps = [s.runtime for s in interned.stamps]
+    resource_index = {id(r): i for i, r in enumerate(interned.resource_values)}
+    resources = list(interned.resource_values)
+    map_index = {id(m): i for i, m in enumerate(interned.selector_maps)}
+    maps = [sorted(m.items()) for m in interned.selector_maps]
 
     def map_of(mapping: object) -> int:
         found = map_index.get(id(mapping))
@@ -247,14 +240,14 @@ def _export(p: Projection) -> State:
             resources.append(value)
         return found
 
-    spec_index = {id(s): i for i, s in enumerate(p._specs.values())}
+    spec_index = {id(s): i for i, s in enumerate(interned.specs)}
     specs = [(s.sandbox_class, s.template_uid, resource_of(s.resources), map_of(s.selectors), s.min_fidelity)
-             for s in p._specs.values()]
-    kind_index = {id(k): i for i, k in enumerate(p._kinds.values())}
+             for s in interned.specs]
+    kind_index = {id(k): i for i, k in enumerate(interned.kinds)}
     kinds = [(k.template_uid, k.fidelity, NONE if k.stamp is None else stamp_index[id(k.stamp)], k.borrowed,
-              k.prefixed, k.local, k.node) for k in p._kinds.values()]
-    lease_index = {id(lease): i for i, lease in enumerate(p._leases.values())}
-    leases = [(resource_of(lease.booked), stamp_index[id(lease.pin)]) for lease in p._leases.values()]
+              k.prefixed, k.local, k.node) for k in interned.kinds]
+    lease_index = {id(lease): i for i, lease in enumerate(interned.leases)}
+    leases = [(resource_of(lease.booked), stamp_index[id(lease.pin)]) for lease in interned.leases]
 
     workers: list[Worker] = list(p.workers.values())
     worker_index = {id(w): i for i, w in enumerate(workers)}
@@ -267,7 +260,7 @@ def _export(p: Projection) -> State:
 
     worker_rows = [
         WorkerRow(
-            w.worker_id, w.node, w.cpu_millis, w.memory_mib, map_of(w.labels), w.state,
+            w.worker_id, w.node, w.cpu_millis, w.memory_mib, map_of(w.labels), w.state.value,
             [(name, runtime_index[id(e.default)], [runtime_index[id(r)] for r in e.restorable])
              for name, e in w.classes.items()],
             w.booked_cpu, w.booked_mem, w.holding, w.booking_version, w.booking_seq,
@@ -302,7 +295,7 @@ def _export(p: Projection) -> State:
     for a in p.actors.values():
         worker, kind, lease = a.worker, a.snapshot, a.lease
         append(ActorRow(
-            a.actor_id, a.state, spec_index[id(a.spec)], NONE if kind is None else kind_index[id(kind)],
+            a.actor_id, a.state.value, spec_index[id(a.spec)], NONE if kind is None else kind_index[id(kind)],
             a.snapshot_ref, NONE if worker is None else worker_index[id(worker)],
             NONE if lease is None else lease_index[id(lease)], a.node, a.version, a.last_seq, a.placements,
         ))
@@ -351,35 +344,30 @@ def _restore(state: State) -> Projection:
     p.seq = state.seq
     p.events = state.events
 
-    compats: list[Compat] = []
-    for sandbox_class, version in state.compats:
-        key = compat_key(sandbox_class, version)
-        if key in p._compats:
-            raise ValueError(f"compat key {key} appears twice")
-        compat = p._compats[key] = Compat(key, version)
-        compats.append(compat)
-    runtimes = [p._runtime(sandbox_class, runtime) for sandbox_class, runtime in state.runtimes]
-    stamps = [p.stamp(runtime) for runtime in state.stamps]
-    resources = [p._res(r) for r in state.resources]
-    maps = [p._sel(dict(pairs)) for pairs in state.maps]
-    text = p._str
+    interned = p.intern
+    compats: list[Compat] = [interned.add_compat(sandbox_class, version) for sandbox_class, version in state.compats]
+    runtimes = [interned.runtime(sandbox_class, runtime) for sandbox_class, runtime in state.runtimes]
+    stamps = [interned.stamp(runtime) for runtime in state.stamps]
+    resources = [interned.resources(r) for r in state.resources]
+    maps = [interned.selectors(dict(pairs)) for pairs in state.maps]
+    text = interned.text
 
-    specs = [p.spec(text(cls), text(template), resources[r], maps[m], min_fidelity)
+    specs = [interned.spec(text(cls), text(template), resources[r], maps[m], min_fidelity)
              for cls, template, r, m, min_fidelity in state.specs]
-    kinds = [p.snapshot_kind(text(template), fidelity, _at(stamps, stamp), borrowed, prefixed, local, node)
+    kinds = [interned.snapshot_kind(text(template), fidelity, _at(stamps, stamp), borrowed, prefixed, local, node)
              for template, fidelity, stamp, borrowed, prefixed, local, node in state.kinds]
-    leases = [p.lease(resources[booked], stamps[pin]) for booked, pin in state.leases]
+    leases = [interned.lease(resources[booked], stamps[pin]) for booked, pin in state.leases]
 
     workers: list[Worker] = []
     for i, row in enumerate(state.workers):
-        w = Worker(row.worker_id, p._ref)
+        w = Worker(row.worker_id)
         w.node = text(row.node)
         w.cpu_millis = row.cpu_millis
         w.memory_mib = row.memory_mib
         w.labels = maps[row.labels]
-        w.state = _WORKER_STATES[row.state]
+        w.state = WorkerState(row.state)
         w.classes = {
-            text(name): p._entry(runtimes[default], tuple(runtimes[r] for r in restorable))
+            text(name): interned.entry(runtimes[default], tuple(runtimes[r] for r in restorable))
             for name, default, restorable in row.classes
         }
         w.booked_cpu = row.booked_cpu
@@ -415,7 +403,7 @@ def _restore(state: State) -> Projection:
         p.classes[index.sandbox_class] = index
 
     actors = p.actors
-    suffix = p.suffix
+    suffix = interned.suffix
     for row in state.actors:
         kind = _at(kinds, row.snapshot)
         ref = row.snapshot_ref
@@ -426,7 +414,7 @@ def _restore(state: State) -> Projection:
         if (worker is None) != (lease is None):
             raise ValueError(f"actor {row.actor_id} has a worker and no lease, or the reverse")
         a = Actor(
-            row.actor_id, _ACTOR_STATES[row.state], specs[row.spec], kind, ref,
+            row.actor_id, ActorState(row.state), specs[row.spec], kind, ref,
             None if row.node is None else text(row.node), row.version, row.last_seq, row.placements,
         )
         if worker is not None:

@@ -37,11 +37,11 @@ a tier that more room could fill is refused with FAILED_PRECONDITION naming the 
   by that architecture).
 
 The first tier with a feasible worker wins. A worker is feasible when it passes the
-pipeline of named checks, in this order, each of which names what it rejects:
-`class not registered`, `drained`, `selector mismatch`, `not on pinned node`,
-`runtime mismatch`, `architecture mismatch`, `insufficient cpu`, `insufficient memory`
-(rule 6). Room is capacity minus the 64 MiB worker reserve minus what is booked; an
-actor books its resources plus the chosen runtime's overhead. Selectors are the
+pipeline of named checks of `services.scheduler.feasibility` (rule 6): `class not
+registered`, `drained`, `selector mismatch`, `not on pinned node`, `runtime mismatch`,
+`architecture mismatch`, `insufficient cpu`, `insufficient memory`. Room is capacity
+minus the 64 MiB worker reserve minus what is booked; an actor books its resources
+plus the chosen runtime's overhead. Selectors are the
 actor's and the request's together; the request may add keys, never change one
 (INVALID_ARGUMENT, field `selectors.<key>`).
 
@@ -61,63 +61,44 @@ workers.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from events.compat import compat_key, describe_key
 from events.errors import ContractError, exhausted, invalid, not_found, precondition
 from events.schema import (
     Action,
-    ClassFragmentation,
     CompatVersion,
     ErrorCode,
     Explanation,
     Fallback,
     FallbackReason,
     Fidelity,
-    Fragmentation,
     Placement,
     PlacedFidelity,
     Refusal,
     Rejection,
     Resources,
-    Room,
-    RuntimeFragmentation,
 )
-from services.scheduler.projection import (
+from services.scheduler.feasibility import NO_PENDING, Ask, Pending
+from services.scheduler.projection import Projection
+from services.scheduler.records import (
     EDGE_DEFAULT,
     EDGE_RESTORABLE,
     MEMORY,
     OWN_DEFAULT,
     OWN_RESTORABLE,
     PAUSED,
-    REGISTERED,
     RUNNING,
     STOPPED,
-    WORKER_RESERVE_MIB,
     Actor,
     Compat,
-    Projection,
     Runtime,
     Worker,
     stable_hash,
 )
 
-# Tentative bookings a replica has in flight: worker id -> (cpu millis, memory MiB).
-Pending = Mapping[str, tuple[int, int]]
-NO_PENDING: Pending = {}
-
 PROBES = 8  # random draws before walking the tier
 EXPLAIN_REJECTED_LIMIT = 1000  # workers listed by name in an explanation (counts cover all)
-
-# Reasons, in pipeline order.
-CLASS_NOT_REGISTERED = "class not registered"
-DRAINED = "drained"
-SELECTOR_MISMATCH = "selector mismatch"
-NOT_ON_PINNED_NODE = "not on pinned node"
-RUNTIME_MISMATCH = "runtime mismatch"
-ARCHITECTURE_MISMATCH = "architecture mismatch"
-INSUFFICIENT_CPU = "insufficient cpu"
-INSUFFICIENT_MEMORY = "insufficient memory"
 
 _FIDELITY = {
     Fidelity.MEMORY: PlacedFidelity.MEMORY,
@@ -126,143 +107,6 @@ _FIDELITY = {
 }
 # The floor's order (rule 4a): lower is better.
 _RANK = {PlacedFidelity.MEMORY: 0, PlacedFidelity.VOLUMES: 1, PlacedFidelity.ROOTFS: 2, PlacedFidelity.NONE: 3}
-
-
-# --- the ask: what a tier requires of a worker ----------------------------------------------
-
-
-class Ask:
-    """The requirements one tier puts on a worker: `compat` set means a memory restore,
-    `arch` the architecture its class default must have, `node` the node it must be on."""
-
-    __slots__ = ("sandbox_class", "cpu", "memory_mib", "selectors", "node", "compat", "arch")
-
-    def __init__(
-        self,
-        sandbox_class: str,
-        cpu: int,
-        memory_mib: int,
-        selectors: tuple[tuple[str, str], ...],
-        node: str | None,
-        compat: Compat | None,
-        arch: str | None = None,
-    ):
-        self.sandbox_class = sandbox_class
-        self.cpu = cpu
-        self.memory_mib = memory_mib
-        self.selectors = selectors
-        self.node = node
-        self.compat = compat
-        self.arch = arch
-
-    def runtime(self, worker: Worker) -> Runtime | None:
-        """The runtime the actor would run under on `worker` (None: the worker cannot)."""
-        entry = worker.classes.get(self.sandbox_class)
-        if entry is None:
-            return None
-        if self.compat is None:
-            return entry.default
-        match = entry.match(self.compat)
-        return match[1] if match is not None else None
-
-    def need_mib(self, runtime: Runtime) -> int:
-        return self.memory_mib + runtime.overhead_mib(self.memory_mib)
-
-    def fit(self, worker: Worker, pending: Pending) -> tuple[Runtime, int] | None:
-        """All checks at once (the fast path of `reasons`): (runtime, memory to book) or None."""
-        entry = worker.classes.get(self.sandbox_class)
-        if entry is None or worker.state is not REGISTERED:
-            return None
-        if self.node is not None and worker.node != self.node:
-            return None
-        if self.selectors:
-            labels = worker.labels
-            for key, value in self.selectors:
-                if labels.get(key) != value:
-                    return None
-        if self.compat is None:
-            runtime = entry.default
-            if self.arch is not None and runtime.compat.arch != self.arch:
-                return None
-        else:
-            match = entry.accepts.get(self.compat)
-            if match is None:
-                return None
-            runtime = match[1]
-        need = self.memory_mib + runtime.overhead_mib(self.memory_mib)
-        room_cpu = worker.cpu_millis - worker.booked_cpu
-        room_mem = worker.memory_mib - WORKER_RESERVE_MIB - worker.booked_mem
-        if pending:
-            held = pending.get(worker.worker_id)
-            if held is not None:
-                room_cpu -= held[0]
-                room_mem -= held[1]
-        if room_cpu < self.cpu or room_mem < need:
-            return None
-        return runtime, need
-
-    def reasons(self, worker: Worker, pending: Pending) -> list[str]:
-        """The named pipeline: the first failing feasibility check, else the resource checks."""
-        for check in FEASIBILITY:
-            reason = check(self, worker)
-            if reason is not None:
-                return [reason]
-        return [r for check in FIT for r in (check(self, worker, pending),) if r is not None]
-
-
-def _room(worker: Worker, pending: Pending) -> tuple[int, int]:
-    held = pending.get(worker.worker_id, (0, 0)) if pending else (0, 0)
-    return worker.room_cpu - held[0], worker.room_mem - held[1]
-
-
-# The checks, each a small named function returning its reason or None.
-
-
-def check_class(ask: Ask, worker: Worker) -> str | None:
-    return None if ask.sandbox_class in worker.classes else CLASS_NOT_REGISTERED
-
-
-def check_state(ask: Ask, worker: Worker) -> str | None:
-    return None if worker.state is REGISTERED else DRAINED
-
-
-def check_selectors(ask: Ask, worker: Worker) -> str | None:
-    labels = worker.labels
-    return None if all(labels.get(k) == v for k, v in ask.selectors) else SELECTOR_MISMATCH
-
-
-def check_node(ask: Ask, worker: Worker) -> str | None:
-    return None if ask.node is None or worker.node == ask.node else NOT_ON_PINNED_NODE
-
-
-def check_runtime(ask: Ask, worker: Worker) -> str | None:
-    return None if ask.runtime(worker) is not None else RUNTIME_MISMATCH
-
-
-def check_architecture(ask: Ask, worker: Worker) -> str | None:
-    if ask.arch is None or ask.compat is not None:
-        return None
-    return None if worker.classes[ask.sandbox_class].arch == ask.arch else ARCHITECTURE_MISMATCH
-
-
-def check_cpu(ask: Ask, worker: Worker, pending: Pending) -> str | None:
-    return None if _room(worker, pending)[0] >= ask.cpu else INSUFFICIENT_CPU
-
-
-def check_memory(ask: Ask, worker: Worker, pending: Pending) -> str | None:
-    runtime = ask.runtime(worker)
-    return None if _room(worker, pending)[1] >= ask.need_mib(runtime) else INSUFFICIENT_MEMORY
-
-
-FEASIBILITY: tuple[Callable[[Ask, Worker], str | None], ...] = (
-    check_class,
-    check_state,
-    check_selectors,
-    check_node,
-    check_runtime,
-    check_architecture,
-)
-FIT: tuple[Callable[[Ask, Worker, Pending], str | None], ...] = (check_cpu, check_memory)
 
 
 # --- the plan ---------------------------------------------------------------------------------
@@ -725,53 +569,3 @@ def decide_by_scan(
         if choice is not None:
             return placement(actor, tier, choice)
     raise exhausted(_exhausted_message(projection, the_plan, pending))
-
-
-# --- fragmentation ---------------------------------------------------------------------------------------------
-
-
-def fragmentation(projection: Projection, sandbox_class: str | None = None) -> Fragmentation:
-    """Per class and runtime version: live workers running it as default, able to restore
-    it (a restorable runtime), or accepting it only through a compatibility edge, their
-    free room, and the counted memory snapshots stamped with it; per class the
-    `stranded_snapshots` (CONTRACT section 3: counted memory snapshots no registered,
-    undrained worker could restore at MEMORY; a LOCAL one only by a worker on its node)
-    and the `lost_local_snapshots` (waiting actors whose LOCAL latest snapshot is on a
-    node with no registered worker of the class).
-    """
-    classes = []
-    names = sorted(projection.classes) if sandbox_class is None else [sandbox_class]
-    for name in names:
-        index = projection.classes.get(name)
-        if index is None:
-            continue
-        compats = {c for table in index.members for c in table} | set(index.external_memory)
-        compats |= {c for _, c in index.local_memory}
-        runtimes = []
-        for compat in sorted(compats, key=lambda c: c.key):
-            seen: set[str] = set()
-            free_cpu = free_mem = 0
-            for table in index.members:
-                for worker in table.get(compat, ()):
-                    if worker.live and worker.worker_id not in seen:
-                        seen.add(worker.worker_id)
-                        free_cpu += max(worker.room_cpu, 0)
-                        free_mem += max(worker.room_mem, 0)
-            live = index.live
-            runtimes.append(
-                RuntimeFragmentation(
-                    version=compat.version,
-                    workers_default=live[OWN_DEFAULT].get(compat, 0),
-                    workers_restorable=live[OWN_RESTORABLE].get(compat, 0),
-                    workers_compatible=live[EDGE_DEFAULT].get(compat, 0) + live[EDGE_RESTORABLE].get(compat, 0),
-                    free=Room(cpu_millis=free_cpu, memory_mib=free_mem),
-                    snapshots_memory=index.memory_snapshots(compat),
-                )
-            )
-        classes.append(
-            ClassFragmentation(
-                sandbox_class=name, workers=index.live_count(), runtimes=runtimes, stranded_snapshots=index.stranded(),
-                lost_local_snapshots=index.lost_local(),
-            )
-        )
-    return Fragmentation(classes=classes)

@@ -22,16 +22,8 @@ from __future__ import annotations
 from events.compat import compat_key
 from events.errors import not_found
 from events.schema import Room, RuntimeForecast, SnapshotCounts, StrandedActor, WhatIf, WhatIfAnswer
-from services.scheduler.projection import (
-    MEMORY,
-    PAUSED,
-    SUSPENDED,
-    ClassEntry,
-    ClassIndex,
-    Compat,
-    Projection,
-    Worker,
-)
+from services.scheduler.projection import Projection
+from services.scheduler.records import MEMORY, PAUSED, SUSPENDED, ClassEntry, ClassIndex, Compat, Worker
 
 
 def accepts(entry: ClassEntry, compat: Compat, dropped: frozenset[Compat]) -> bool:
@@ -117,7 +109,7 @@ def whatif(projection: Projection, query: WhatIf) -> WhatIfAnswer:
     index = projection.classes.get(name)
     if index is None:
         raise not_found(f"no worker has registered the sandbox class {name!r}", "sandbox_class")
-    dropped = frozenset(c for c in (projection.compat_of_key(compat_key(name, v)) for v in query.drop_runtimes)
+    dropped = frozenset(c for c in (projection.intern.compat_of_key(compat_key(name, v)) for v in query.drop_runtimes)
                         if c is not None)
     scenario = Scenario(index, dropped, frozenset(query.drain_workers))
     after, stranded_after = _after(index, scenario)

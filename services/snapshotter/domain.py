@@ -19,12 +19,10 @@ States and transitions (CONTRACT section 3)::
 
 Anything else is FAILED_PRECONDITION and records nothing.
 
-The stamp (`Snapshot.sandbox_runtime`) follows one idea: a snapshot says the runtime
-its memory image was produced under. While an actor runs, that is the pin on its
-assignment (`ActorPlaced.sandbox_runtime`), which the scheduler chose when it
-placed the actor; it is never read from the worker's current default, because a
-rolling upgrade moves a worker's default to v2 while the actors already running on
-it still run v1. Every copy or move of a snapshot keeps its stamp.
+The stamp (`Snapshot.sandbox_runtime`) is the runtime the snapshot's memory image was
+produced under; its rules, one pure function each, are in `services.snapshotter.stamping`.
+Who is placed where (for releases when a worker is removed) is folded by
+`services.snapshotter.placements`.
 
 Tags (project addition). A tag is its own small aggregate, `tag.<tag>`, whose
 history lives on `<prefix>.ev.tag.<tag>` and holds `TagRecorded` events; the latest
@@ -66,12 +64,7 @@ Where CONTRACT.md is silent, this is what the snapshotter does:
 
 from __future__ import annotations
 
-import enum
-import hashlib
-from dataclasses import dataclass
 from datetime import datetime
-
-import msgspec
 
 from events.aggregate import WireAggregate
 from events.errors import already_exists, not_found, precondition
@@ -80,7 +73,6 @@ from events.schema import (
     ActorPlaced,
     ActorReleased,
     ActorReverted,
-    ActorRuntime,
     ActorStopped,
     CreateActor,
     Event,
@@ -92,145 +84,19 @@ from events.schema import (
     SnapshotTaken,
     TagRecorded,
     TemplateChanged,
-    WorkerRegistered,
-    WorkerRemoved,
+)
+from events.states import WAITING, ActorState
+from services.snapshotter.stamping import (
+    default_snapshot_id,
+    initial_snapshot,
+    paused_snapshot,
+    promoted_snapshot,
+    suspended_snapshot,
+    tagged_copy,
 )
 
-MAX_ID = 128  # ids are at most 128 characters (ID_PATTERN)
-
-
-class ActorState(enum.Enum):
-    CREATED = "CREATED"
-    RUNNING = "RUNNING"
-    PAUSED = "PAUSED"
-    SUSPENDED = "SUSPENDED"
-    STOPPED = "STOPPED"
-
-
 # States from which the scheduler may place (resume) an actor.
-RESUMABLE = (ActorState.CREATED, ActorState.PAUSED, ActorState.SUSPENDED)
-
-
-# --- the stamping rules -------------------------------------------------------------
-
-
-def stamp_from_pin(assignment: ActorPlaced) -> ActorRuntime:
-    """The stamp of a snapshot taken from a running actor: its assignment's pin.
-
-    The pin is what the actor actually runs under: the runtime entry that matched
-    its memory snapshot on a warm boot, or the worker's class default on a cold
-    boot or a downgraded restore, fixed when it was placed. The worker's current
-    default is never consulted: after a rolling upgrade it may be v2 while this
-    actor still runs v1, and a v1 image stamped v2 would be restored on a worker
-    that cannot load it.
-    """
-    return assignment.sandbox_runtime
-
-
-def default_snapshot_id(actor_id: str, version: int) -> str:
-    """The id of a snapshot taken without one: `<actor_id>-v<version>`.
-
-    `version` is the actor's version at the event that records the snapshot, so
-    the id is deterministic (a replay or a second replica deciding the same step
-    derives the same id) and unique within the actor. Ids near the 128-char limit
-    are shortened with a digest of the full actor id, so they stay unique.
-    """
-    suffix = f"-v{version}"
-    if len(actor_id) + len(suffix) <= MAX_ID:
-        return actor_id + suffix
-    digest = hashlib.sha256(actor_id.encode()).hexdigest()[:12]
-    return f"{actor_id[: MAX_ID - len(suffix) - len(digest) - 1]}-{digest}{suffix}"
-
-
-def paused_snapshot(
-    actor_id: str, snapshot_id: str, template_uid: str, assignment: ActorPlaced,
-    borrowed: bool, at: datetime,
-) -> Snapshot:
-    """pause: a LOCAL MEMORY snapshot on the assigned node, stamped from the assignment's pin."""
-    return Snapshot(
-        snapshot_id=snapshot_id,
-        actor_id=actor_id,
-        template_uid=template_uid,
-        fidelity=Fidelity.MEMORY,
-        location=Location.LOCAL,
-        node=assignment.node,
-        uri=None,
-        sandbox_runtime=stamp_from_pin(assignment),
-        borrowed=borrowed,
-        taken_at=at,
-    )
-
-
-def suspended_snapshot(
-    actor_id: str, snapshot_id: str, template_uid: str, assignment: ActorPlaced,
-    fidelity: Fidelity, uri: str | None, at: datetime,
-) -> Snapshot:
-    """suspend from RUNNING: an EXTERNAL snapshot of the requested fidelity, stamped from the pin.
-
-    A VOLUMES or ROOTFS snapshot is stamped too, for the record. It is the actor's
-    own durable copy, so it is never `borrowed`.
-    """
-    return Snapshot(
-        snapshot_id=snapshot_id,
-        actor_id=actor_id,
-        template_uid=template_uid,
-        fidelity=fidelity,
-        location=Location.EXTERNAL,
-        node=None,
-        uri=uri,
-        sandbox_runtime=stamp_from_pin(assignment),
-        borrowed=False,
-        taken_at=at,
-    )
-
-
-def promoted_snapshot(
-    local: Snapshot, snapshot_id: str | None, fidelity: Fidelity, uri: str | None
-) -> Snapshot:
-    """suspend from PAUSED: the local snapshot uploaded as EXTERNAL, keeping its stamp.
-
-    The actor holds no assignment any more (pause released it), so there is no pin
-    to read: the stamp is the one the pause recorded, which is the pin the actor
-    ran under. The image is the one taken at pause, so `taken_at` is kept too, and
-    so is the id unless the caller names the uploaded copy. The node is cleared:
-    the snapshot no longer lives on one machine. It is now the actor's own
-    durable copy, so it is not `borrowed`.
-    """
-    return msgspec.structs.replace(
-        local,
-        snapshot_id=snapshot_id or local.snapshot_id,
-        fidelity=fidelity,
-        location=Location.EXTERNAL,
-        node=None,
-        uri=uri,
-        borrowed=False,
-    )
-
-
-def tagged_copy(latest: Snapshot) -> Snapshot:
-    """tag: the tag names a copy of the actor's latest snapshot, stamp (and all else) unchanged.
-
-    The copy keeps the snapshot's id: it names the same image, and a worker asked
-    to restore it looks it up by that id.
-    """
-    return latest
-
-
-def initial_snapshot(
-    actor_id: str, tagged: Snapshot | None, golden: Snapshot | None
-) -> Snapshot | None:
-    """create: the new actor's first snapshot, from a tag or a golden snapshot, keeping its stamp.
-
-    The copy becomes the new actor's (`actor_id`); id, image, template, fidelity
-    and stamp are the source's. A golden snapshot is `borrowed: true`: the actor
-    holds no durable volumes of its own until its first suspend. A tag's copy
-    keeps the `borrowed` flag of the snapshot the tag names.
-    """
-    if golden is not None:
-        return msgspec.structs.replace(golden, actor_id=actor_id, borrowed=True)
-    if tagged is not None:
-        return msgspec.structs.replace(tagged, actor_id=actor_id)
-    return None
+RESUMABLE = tuple(WAITING)
 
 
 # --- the Actor aggregate ---------------------------------------------------------------
@@ -558,60 +424,3 @@ class Tag(WireAggregate):
 
     def when_TagRecorded(self, e: TagRecorded) -> None:
         self.snapshot = e.snapshot
-
-
-# --- who is placed where: the fold the worker-removal process follows -----------------
-
-
-@dataclass(frozen=True)
-class Release:
-    """A placement to end because its worker was removed."""
-
-    actor_id: str
-    worker_id: str
-    placed_version: int  # the actor version of the ActorPlaced that made the placement
-
-
-class PlacementFold:
-    """Which actor is placed on which worker, folded from the log in stream order.
-
-    `apply` returns the placements that must be released because of the event:
-    every placement on a worker when it is removed, and a placement made on a
-    worker that was already removed (a scheduler that had not yet seen the
-    removal). A later `WorkerRegistered` of the same id makes it a live worker again.
-    """
-
-    def __init__(self) -> None:
-        self.on_worker: dict[str, dict[str, int]] = {}  # worker_id -> {actor_id: placed_version}
-        self.worker_of: dict[str, str] = {}  # actor_id -> worker_id
-        self.removed: set[str] = set()
-
-    def placed_on(self, worker_id: str) -> dict[str, int]:
-        return dict(self.on_worker.get(worker_id, {}))
-
-    def apply(self, originator_version: int, e: Event) -> list[Release]:
-        if isinstance(e, ActorPlaced):
-            self._forget(e.actor_id)
-            if e.worker_id in self.removed:
-                return [Release(e.actor_id, e.worker_id, originator_version)]
-            self.on_worker.setdefault(e.worker_id, {})[e.actor_id] = originator_version
-            self.worker_of[e.actor_id] = e.worker_id
-        elif isinstance(e, (ActorReleased, ActorStopped)):
-            self._forget(e.actor_id)
-        elif isinstance(e, WorkerRemoved):
-            self.removed.add(e.worker_id)
-            placed = self.on_worker.pop(e.worker_id, {})
-            for actor_id in placed:
-                del self.worker_of[actor_id]
-            return [Release(a, e.worker_id, v) for a, v in sorted(placed.items())]
-        elif isinstance(e, WorkerRegistered):
-            self.removed.discard(e.worker_id)
-        return []
-
-    def _forget(self, actor_id: str) -> None:
-        worker_id = self.worker_of.pop(actor_id, None)
-        if worker_id is not None:
-            actors = self.on_worker[worker_id]
-            del actors[actor_id]
-            if not actors:
-                del self.on_worker[worker_id]

@@ -64,7 +64,8 @@ from events.schema import (
 from events.subjects import check_prefix
 from services.common import EndpointSpec, add_endpoints, run_command, store_env
 from services.locks import KeyedLock
-from services.snapshotter.domain import Actor, PlacementFold, Release, Tag
+from services.snapshotter.domain import Actor, Tag
+from services.snapshotter.placements import PlacementFold, Release
 
 log = logging.getLogger("warmboot.snapshotter")
 

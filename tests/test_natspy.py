@@ -1,6 +1,8 @@
-"""The shared header parser (events.headers) reads every block as its line-by-line
-byte parser does, and as nats-py does for the names NATS clients write; its table of
-lines seen changes nothing but the speed."""
+"""The nats-py workarounds (events.natspy): the lean header parser reads every block as
+its line-by-line byte parser does, and as nats-py does for the names NATS clients write
+(its table of lines seen changes nothing but the speed); it is installed on a connection
+the one way the project installs it, and a nats-py that renames the private parser
+fails here, loudly, instead of leaving replays silently slower."""
 
 from __future__ import annotations
 
@@ -8,8 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from nats.aio.client import Client
 
-from events import headers
-from events.headers import _parse_bytes, parse_header_lines
+import pytest
+
+from events import natspy as headers
+from events.natspy import NATS_PARSER, _parse_bytes, ack_positions, parse_header_block, parse_header_lines, use_lean_headers
 
 SAMPLES = [
     b"Nats-Msg-Id: worker.w-1:1\r\nWarmboot-Topic: WorkerDrained\r\nWarmboot-Version: 1\r\n",
@@ -58,3 +62,27 @@ def test_the_table_of_lines_stays_bounded_and_is_only_a_cache():
     for raw in blocks:
         assert parse_header_lines(raw) == _parse_bytes(raw)
         assert len(headers._lines) <= headers._LINES_KEPT
+
+
+def test_nats_py_still_has_the_parser_this_module_replaces():
+    # If this fails, a new nats-py renamed or removed its private header parser: teach
+    # events/natspy.py the new name (replays would otherwise run at nats-py's own speed).
+    assert callable(getattr(Client, NATS_PARSER, None))
+    assert Client._parse_header_lines(SAMPLES[0]) == parse_header_lines(SAMPLES[0])
+
+
+def test_the_lean_parser_is_installed_on_a_connection_and_refuses_a_changed_nats_py(monkeypatch):
+    nc = Client()
+    use_lean_headers(nc)
+    assert getattr(nc, NATS_PARSER) is parse_header_lines
+    assert Client._parse_header_lines is not parse_header_lines  # the class is left as it is
+    monkeypatch.delattr(Client, NATS_PARSER)
+    with pytest.raises(RuntimeError, match="natspy"):
+        use_lean_headers(Client())
+
+
+def test_a_stream_msg_get_block_and_an_ack_subject_are_read_alike_everywhere():
+    assert parse_header_block(b"NATS/1.0\r\nA: 1\r\nA: 2\r\n\r\n") == {"A": "2"}  # the last wins, as nats-py
+    assert parse_header_block(b"") == {}
+    assert ack_positions("$JS.ACK.S.C.1.42.7.1700000000.3") == (42, 3)
+    assert ack_positions("$JS.ACK.dom.acc.S.C.1.42.7.1700000000.3.rnd") == (42, 3)

@@ -1,0 +1,440 @@
+"""The committer of one scheduler replica: the ledger of bookings in flight and the group commit.
+
+A resume is `submit`ted as a `Job`; the committer decides it on the freshest fold right
+before it appends, in rounds: every resume queued since the last round is decided on
+the current projection and all of them are appended as one atomic batch through the
+event store's recorder. A file-backed atomic batch costs a few ms whatever its size
+(the server makes it durable before answering), so grouping is what lets one replica
+commit thousands of placements per second (Nomad's plan queue and plan applier do
+the same job: one applier, re-checking against the latest state).
+
+Committing a placement (CONTRACT placement rule 8): two events, `ActorPlaced` on
+`actor.<actor id>` then `WorkerBooked` on `booking.<worker id>`, each guarded by the
+last stream sequence the decision saw for that subject. Another replica that booked
+the same worker or wrote on the same actor, or the registry that changed the worker
+(its `WorkerFenced` moves the booking subject too), makes the append fail. The order
+matters: a fold delivers a batch one message at a time and a decision may run between
+two of them; with the placement first, a worker's booking sequence never moves ahead
+of the capacity it accounts for, so a decision made in between expects an old
+sequence and loses, instead of booking room already taken. If a batch is refused,
+the committer folds up to the stream's end, sends the placements whose two subjects
+have not moved into the next round unchanged, and fails the others with
+IntegrityError: their resumes decide again.
+
+Within a replica nothing races: decisions count the bookings in flight (`pending`,
+appended or not, until the fold has them), a round holds at most one placement per
+worker, and a placement on a worker this replica booked in an earlier round that is
+not folded yet expects the sequence that round wrote.
+
+Idempotency is decided here too, where the write happens: before it decides a job
+that carries a request id, the committer looks for a placement carrying that id, in
+the actor's recent placements and among those the fold met while the job waited
+(`placed`, the projection's listener); it answers that placement (`Answered`)
+instead of placing the actor again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+from contextlib import asynccontextmanager, suppress
+from types import MappingProxyType
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
+
+import msgspec
+from eventsourcing.persistence import IntegrityError
+
+from events.aggregate import WireApplication, now
+from events.errors import ContractError, unavailable
+from events.schema import ActorPlaced, Placement, WorkerBooked
+from services.scheduler.decide import decide
+from services.scheduler.fold import Fold
+from services.scheduler.records import request_hash
+
+log = logging.getLogger("warmboot.scheduler")
+
+MAX_GROUP = 400  # placements per append: 800 messages, under the server's 1,000 per atomic batch
+
+
+def placed_event(placement: Placement, request_id: str | None) -> ActorPlaced:
+    """The ActorPlaced that records `placement` (the one conversion of a decision into its event)."""
+    return ActorPlaced(at=now(), request_id=request_id, **msgspec.structs.asdict(placement))
+
+
+class Hold:
+    """One booking this replica is committing (or has committed but not folded yet)."""
+
+    __slots__ = ("worker_id", "actor_id", "cpu", "mem", "expected", "written", "last_seq", "settled", "released")
+
+    def __init__(self, worker_id: str, actor_id: str, cpu: int, mem: int):
+        self.worker_id = worker_id
+        self.actor_id = actor_id
+        self.cpu = cpu
+        self.mem = mem
+        self.expected: tuple[int, int] | None = None  # (version, seq) of booking.<id> its commit expected
+        self.written: tuple[int, int] | None = None  # (version, seq) of the WorkerBooked it wrote
+        self.last_seq = 0  # the WorkerBooked's sequence: the fold has the booking once past it
+        self.settled = False  # its append succeeded or failed
+        self.released = False  # no longer counted in flight
+
+
+class Job:
+    """A resume waiting for the committer to decide and commit it."""
+
+    __slots__ = ("actor_id", "selectors", "request_id", "request", "result")
+
+    def __init__(self, actor_id: str, selectors: Any, request_id: str | None, result: asyncio.Future[Any]):
+        self.actor_id = actor_id
+        self.selectors = selectors
+        self.request_id = request_id
+        self.request = request_hash(request_id) if request_id is not None else None
+        self.result = result  # (Placement, seq), Answered, or the error
+
+    @property
+    def key(self) -> tuple[str, int] | None:
+        return (self.actor_id, self.request) if self.request is not None else None
+
+
+class Answered:
+    """A job whose request the log already answers: its placement is the ActorPlaced at `seq`."""
+
+    __slots__ = ("seq",)
+
+    def __init__(self, seq: int):
+        self.seq = seq
+
+
+class Commit:
+    """A decided placement waiting for the group commit."""
+
+    __slots__ = ("placement", "request_id", "hold", "booking", "actor", "after", "result")
+
+    def __init__(
+        self,
+        placement: Placement,
+        request_id: str | None,
+        hold: Hold,
+        booking: tuple[int, int],
+        actor: tuple[int, int],
+        after: Hold | None,
+        result: asyncio.Future[Any],
+    ):
+        self.placement = placement
+        self.request_id = request_id
+        self.hold = hold
+        self.booking = booking  # (version, seq) of booking.<worker> the decision saw
+        self.actor = actor  # (version, seq) of actor.<id> the decision saw
+        self.after = after  # this replica's previous booking of the same worker, if unfolded then
+        self.result = result  # (Placement, sequence of its WorkerBooked), or the error
+
+
+class Committer:
+    """Decides and appends the resumes submitted to it, in groups (see the module docstring)."""
+
+    def __init__(self, fold: Fold, last_seq: Callable[[], Awaitable[int]], *, catch_up_s: float,
+                 max_group: int = MAX_GROUP):
+        self.fold = fold
+        self.last_seq = last_seq  # the stream's last sequence now (to catch up after a refused group)
+        self.catch_up_s = catch_up_s
+        self.max_group = max(1, min(max_group, MAX_GROUP))
+        self._group_limit = self.max_group  # halved after a refused append, doubled after a taken one
+        self.store: WireApplication | None = None
+        self.groups = 0  # appends made (a group of placements each)
+        self._pending: dict[str, tuple[int, int]] = {}  # worker id -> in-flight (cpu, mem), for decide
+        self.pending: Mapping[str, tuple[int, int]] = MappingProxyType(self._pending)
+        self._refusals: dict = {}  # refusal messages of decide, valid until the fold or _pending changes
+        self._chain: dict[str, Hold] = {}  # worker id -> the latest hold on it
+        self._unfolded: list[tuple[int, int, Hold]] = []  # appended holds, by the seq of their WorkerBooked
+        self._unfolded_actors: dict[str, int] = {}  # actor id -> seq of a placement not folded yet
+        # idempotency of jobs in flight: (actor id, request hash) -> jobs waiting, and -> the
+        # sequence of a placement carrying that request the fold met meanwhile
+        self._awaiting: dict[tuple[str, int], int] = {}
+        self._answered: dict[tuple[str, int], int] = {}
+        self._jobs: list[Job] = []  # resumes to decide
+        self._ready: list[Commit] = []  # decided placements to append again after a refused group
+        self._wake = asyncio.Event()
+        self._may_commit = asyncio.Event()  # cleared while `commits_held`
+        self._may_commit.set()
+        self._arrival: asyncio.Future[None] | None = None  # `until_queued` waits on it
+        self._task: asyncio.Task[None] | None = None
+        self._tie = itertools.count()
+        fold.listeners.append(self._folded)
+
+    @property
+    def projection(self):
+        return self.fold.projection
+
+    def start(self, store: WireApplication) -> None:
+        self.store = store
+        self._task = asyncio.create_task(self._commit_groups(), name="scheduler-committer")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        stopping = unavailable("this scheduler replica is stopping; try again")
+        self._fail(self._ready, stopping)
+        for job in self._jobs:
+            if not job.result.done():
+                job.result.set_exception(stopping)
+        self._jobs, self._ready = [], []
+
+    @property
+    def settled(self) -> bool:
+        """Nothing in flight: no booking counted as pending, none appended and not folded yet."""
+        return not (self._pending or self._chain or self._unfolded or self._unfolded_actors or self._jobs
+                    or self._ready)
+
+    def unfolded(self, actor_id: str) -> int | None:
+        """The sequence of this replica's placement of the actor that the fold has not reached yet."""
+        return self._unfolded_actors.get(actor_id)
+
+    async def submit(self, job: "Job") -> Any:
+        """Queue `job` and wait for its outcome: (Placement, seq), `Answered`, or the error raised
+        (IntegrityError: it lost a race, decide again on fresh state)."""
+        key = job.key
+        if key is not None:
+            self._awaiting[key] = self._awaiting.get(key, 0) + 1
+        self._jobs.append(job)
+        self._wake.set()
+        if self._arrival is not None and not self._arrival.done():
+            self._arrival.set_result(None)
+        try:
+            return await asyncio.shield(job.result)
+        finally:
+            if key is not None:
+                self._forget(key)
+
+    @asynccontextmanager
+    async def commits_held(self) -> AsyncIterator[None]:
+        """While held, the committer decides and appends nothing; resumes queue up, as they
+        do when a replica stalls (a leader election). On release it decides them as usual."""
+        self._may_commit.clear()
+        try:
+            yield
+        finally:
+            self._may_commit.set()
+            self._wake.set()
+
+    async def until_queued(self, jobs: int) -> None:
+        """Return once at least `jobs` resumes wait for the committer."""
+        while len(self._jobs) < jobs:
+            self._arrival = asyncio.get_running_loop().create_future()
+            await self._arrival
+
+    def placed(self, actor_id: str, request: int, seq: int) -> None:
+        """The fold met a placement carrying a request id: a job of that request still waiting
+        here is answered by it, whichever replica wrote it (listener of the projection)."""
+        key = (actor_id, request)
+        if key in self._awaiting:
+            self._answered[key] = seq
+
+    def _forget(self, key: tuple[str, int]) -> None:
+        n = self._awaiting.get(key, 0) - 1
+        if n > 0:
+            self._awaiting[key] = n
+        else:
+            self._awaiting.pop(key, None)
+            self._answered.pop(key, None)
+
+    async def _commit_groups(self) -> None:
+        """The committer: decide what is queued, then one append for all of it, and again.
+
+        Decisions are made here, right before the append, on the freshest fold: the
+        shorter the time between deciding and committing, the fewer commits lose a race
+        against another replica. An atomic append costs about the same for one placement
+        as for hundreds (the server makes each batch durable before it answers), so every
+        resume that arrived while one append was in flight shares the next. A group holds
+        at most one placement per worker (the OCC guard is per subject); a resume that
+        lands on a worker already in the group is decided again in the next one, which
+        then expects the booking sequence this group wrote.
+        """
+        while True:
+            await self._wake.wait()
+            await self._may_commit.wait()
+            self._wake.clear()
+            while self._ready or self._jobs:
+                workers = {item.hold.worker_id for item in self._ready}
+                group = self._ready[: self._group_limit]
+                self._ready = self._ready[self._group_limit:]
+                jobs, self._jobs, deferred = self._jobs, [], []
+                p = self.projection
+                for job in jobs:
+                    if job.result.done():  # its caller went away
+                        continue
+                    if len(group) >= self._group_limit:
+                        deferred.append(job)
+                        continue
+                    answered = self._answered_by_log(job)
+                    if answered:  # its request was placed meanwhile (a retry, another replica)
+                        job.result.set_result(Answered(answered))
+                        continue
+                    try:
+                        placement = decide(p, job.actor_id, job.selectors, p.seq, self.pending, self._refusals)
+                    except ContractError as error:
+                        job.result.set_exception(error)
+                        continue
+                    except Exception as error:  # a bug: this request fails, the committer goes on
+                        log.exception("deciding the placement of %s failed", job.actor_id)
+                        job.result.set_exception(error)
+                        continue
+                    worker_id = placement.worker_id
+                    if worker_id in workers:
+                        deferred.append(job)
+                        continue
+                    workers.add(worker_id)
+                    group.append(self.prepare(placement, job))
+                self._jobs[:0] = deferred
+                if not group:
+                    continue
+                try:
+                    await self.append(group)
+                except asyncio.CancelledError:
+                    self._fail(group, unavailable("this scheduler replica is stopping; try again"))
+                    raise
+                except Exception as error:  # the store failed: every placement of the group fails with it
+                    log.warning("appending %d placements failed: %s", len(group), error)
+                    self._fail(group, error)
+
+    def _answered_by_log(self, job: Job) -> int:
+        """The ActorPlaced that already carries the job's request id, if the fold has met one."""
+        if job.request is None:
+            return 0
+        found = self._answered.get(job.key, 0)
+        if found:
+            return found
+        actor = self.projection.actors.get(job.actor_id)
+        return actor.placed_by(job.request) if actor is not None else 0
+
+    def prepare(self, placement: Placement, job: "Job") -> Commit:
+        """A decided placement: its booking counts as in flight from now on, and it carries
+        the expectations of the state it was decided on."""
+        p = self.projection
+        worker_id = placement.worker_id
+        hold = Hold(worker_id, placement.actor_id, placement.booked.cpu_millis, placement.booked.memory_mib)
+        self._hold(hold)
+        after = self._chain.get(worker_id)
+        self._chain[worker_id] = hold
+        return Commit(
+            placement, job.request_id, hold, p.booking_expectation(worker_id), p.actor_expectation(placement.actor_id),
+            after, job.result,
+        )
+
+    async def append(self, group: list[Commit]) -> None:
+        """One atomic append of the group's placements (each with its booking marker), guarded
+        by the expectations each was prepared with; on a refusal, `_sort_out`."""
+        store = self.store
+        stored = []
+        expected: dict[str, int] = {}
+        for item in group:
+            booking = item.booking
+            if item.after is not None:  # our own earlier booking of this worker went first
+                known = item.after.written or item.after.expected
+                if known is not None and known[1] > booking[1]:
+                    booking = known
+                item.after = None
+                item.booking = booking
+            item.hold.expected = booking
+            placement = item.placement
+            worker_id, actor_id = placement.worker_id, placement.actor_id
+            booked = WorkerBooked(at=now(), worker_id=worker_id, actor_id=actor_id, request_id=item.request_id)
+            placed = placed_event(placement, item.request_id)
+            booking_id, placed_id = f"booking.{worker_id}", f"actor.{actor_id}"
+            # ActorPlaced first: a fold that has read only part of the batch has then counted
+            # the booking before the booking subject's sequence moves, never the reverse.
+            stored.append(store.stored_event(placed_id, item.actor[0] + 1, placed))
+            stored.append(store.stored_event(booking_id, booking[0] + 1, booked))
+            expected[booking_id] = booking[1]
+            expected[placed_id] = item.actor[1]
+        self.groups += 1
+        try:
+            seqs = await asyncio.to_thread(store.recorder.insert_events, stored, expected_last_seqs=expected)
+        except IntegrityError as error:
+            await self._sort_out(group, error)
+            return
+        self._group_limit = min(self.max_group, self._group_limit * 2)
+        applied = self.fold.applied
+        for i, item in enumerate(group):
+            hold = item.hold
+            hold.written = (hold.expected[0] + 1, seqs[2 * i + 1])
+            hold.last_seq = seqs[2 * i + 1]
+            hold.settled = True
+            if applied >= hold.last_seq:
+                self._unhold(hold)
+            else:
+                heapq.heappush(self._unfolded, (hold.last_seq, next(self._tie), hold))
+                self._unfolded_actors[hold.actor_id] = hold.last_seq
+            if not item.result.done():
+                item.result.set_result((item.placement, hold.last_seq))
+
+    async def _sort_out(self, group: list[Commit], error: IntegrityError) -> None:
+        """A group was refused: fold what the log holds now, fail the placements whose
+        subjects moved on (they are decided again) and queue the others again unchanged.
+
+        Under contention (replicas booking the same workers) smaller groups lose less
+        to one stale placement, so the next groups are at most half this one's size.
+        """
+        self._group_limit = max(1, len(group) // 2)
+        try:
+            last = await self.last_seq()
+            await self.fold.wait(last, self.catch_up_s)
+        except Exception:
+            self._fail(group, error)
+            return
+        p = self.projection
+        stale = [
+            item for item in group
+            if p.booking_expectation(item.hold.worker_id) != item.hold.expected
+            or p.actor_expectation(item.placement.actor_id) != item.actor
+        ]
+        if not stale:  # refused for a reason the expectations do not show: let each decide again
+            stale = group
+        self._fail(stale, IntegrityError(str(error)))
+        kept = [item for item in group if item not in stale and not item.result.done()]
+        for item in kept:
+            item.booking = item.hold.expected
+        self._ready[:0] = kept
+        if kept:
+            self._wake.set()
+
+    def _fail(self, items: list[Commit], error: BaseException) -> None:
+        for item in items:
+            item.hold.settled = True
+            self._unhold(item.hold)
+            if not item.result.done():
+                item.result.set_exception(error)
+
+    def _hold(self, hold: Hold) -> None:
+        self._refusals.clear()
+        cpu, mem = self._pending.get(hold.worker_id, (0, 0))
+        self._pending[hold.worker_id] = (cpu + hold.cpu, mem + hold.mem)
+
+    def _unhold(self, hold: Hold) -> None:
+        if hold.released:
+            return
+        hold.released = True
+        self._refusals.clear()
+        cpu, mem = self._pending[hold.worker_id]
+        cpu, mem = cpu - hold.cpu, mem - hold.mem
+        if cpu or mem:
+            self._pending[hold.worker_id] = (cpu, mem)
+        else:
+            del self._pending[hold.worker_id]
+        if self._chain.get(hold.worker_id) is hold:
+            del self._chain[hold.worker_id]
+
+    def _folded(self, seq: int) -> None:
+        """After each message folded: bookings now in the projection leave the in-flight set."""
+        if self._refusals:
+            self._refusals.clear()
+        unfolded = self._unfolded
+        while unfolded and unfolded[0][0] <= seq:
+            hold = heapq.heappop(unfolded)[2]
+            self._unhold(hold)
+            if self._unfolded_actors.get(hold.actor_id) == hold.last_seq:
+                del self._unfolded_actors[hold.actor_id]
+

@@ -1,0 +1,131 @@
+"""Feasibility: what a tier of a decision requires of a worker, and the one judgement of it.
+
+`Ask.judge(worker, pending)` runs the checks of CONTRACT placement rule 6 (and 4, 5) in
+pipeline order, the way Nomad's feasibility checkers do, and says which one rejects the
+worker, or that it fits, with the runtime the actor would run under and the memory it
+would book:
+
+1. `class not registered`  the worker does not register the actor's class
+2. `drained`               it is drained (a removed worker is not in the projection)
+3. `selector mismatch`     a selector (the actor's and the request's) is not among its labels
+4. `not on pinned node`    the tier is restricted to a node (a LOCAL image) and it is elsewhere
+5. `runtime mismatch`      a memory tier: none of its runtimes accepts the stamp
+6. `architecture mismatch` a tier without memory of a stamped snapshot: its class default is
+                           of another architecture than the stamp
+7. `insufficient cpu`, `insufficient memory`: its room (capacity minus the 64 MiB reserve
+                           minus what is booked and what this replica has in flight) is short;
+                           both may apply.
+
+`fit` is the fast path decisions take (a worker fits or not); `reasons` names the
+rejection for explain and refusal messages. Both are the one judgement.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from services.scheduler.records import REGISTERED, WORKER_RESERVE_MIB, Compat, Runtime, Worker
+
+# Tentative bookings a replica has in flight: worker id -> (cpu millis, memory MiB).
+Pending = Mapping[str, tuple[int, int]]
+NO_PENDING: Pending = {}
+
+# Reasons, in pipeline order.
+CLASS_NOT_REGISTERED = "class not registered"
+DRAINED = "drained"
+SELECTOR_MISMATCH = "selector mismatch"
+NOT_ON_PINNED_NODE = "not on pinned node"
+RUNTIME_MISMATCH = "runtime mismatch"
+ARCHITECTURE_MISMATCH = "architecture mismatch"
+INSUFFICIENT_CPU = "insufficient cpu"
+INSUFFICIENT_MEMORY = "insufficient memory"
+REASONS = (CLASS_NOT_REGISTERED, DRAINED, SELECTOR_MISMATCH, NOT_ON_PINNED_NODE, RUNTIME_MISMATCH,
+           ARCHITECTURE_MISMATCH, INSUFFICIENT_CPU, INSUFFICIENT_MEMORY)
+# A verdict is 0 (fits), the 1-based position of the failing feasibility check, or the
+# resource checks that failed as bits (both may).
+FITS = 0
+SHORT_CPU, SHORT_MEMORY = 1 << 8, 1 << 9
+
+
+class Ask:
+    """The requirements one tier puts on a worker: `compat` set means a memory restore,
+    `arch` the architecture its class default must have, `node` the node it must be on."""
+
+    __slots__ = ("sandbox_class", "cpu", "memory_mib", "selectors", "node", "compat", "arch")
+
+    def __init__(
+        self,
+        sandbox_class: str,
+        cpu: int,
+        memory_mib: int,
+        selectors: tuple[tuple[str, str], ...],
+        node: str | None,
+        compat: Compat | None,
+        arch: str | None = None,
+    ):
+        self.sandbox_class = sandbox_class
+        self.cpu = cpu
+        self.memory_mib = memory_mib
+        self.selectors = selectors
+        self.node = node
+        self.compat = compat
+        self.arch = arch
+
+    def judge(self, worker: Worker, pending: Pending) -> tuple[int, Runtime | None, int]:
+        """(verdict, runtime, memory to book): the checks in pipeline order (module docstring)."""
+        entry = worker.classes.get(self.sandbox_class)
+        if entry is None:
+            return 1, None, 0
+        if worker.state is not REGISTERED:
+            return 2, None, 0
+        if self.selectors:
+            labels = worker.labels
+            for key, value in self.selectors:
+                if labels.get(key) != value:
+                    return 3, None, 0
+        if self.node is not None and worker.node != self.node:
+            return 4, None, 0
+        if self.compat is None:
+            runtime = entry.default
+            if self.arch is not None and runtime.compat.arch != self.arch:
+                return 6, None, 0
+        else:
+            match = entry.accepts.get(self.compat)
+            if match is None:
+                return 5, None, 0
+            runtime = match[1]
+        need = self.memory_mib + runtime.overhead_mib(self.memory_mib)
+        room_cpu = worker.cpu_millis - worker.booked_cpu
+        room_mem = worker.memory_mib - WORKER_RESERVE_MIB - worker.booked_mem
+        if pending:
+            held = pending.get(worker.worker_id)
+            if held is not None:
+                room_cpu -= held[0]
+                room_mem -= held[1]
+        verdict = (SHORT_CPU if room_cpu < self.cpu else 0) | (SHORT_MEMORY if room_mem < need else 0)
+        return verdict, runtime, need
+
+    def fit(self, worker: Worker, pending: Pending) -> tuple[Runtime, int] | None:
+        """(runtime, memory to book) if the worker passes every check, else None."""
+        verdict, runtime, need = self.judge(worker, pending)
+        return (runtime, need) if verdict == FITS else None  # type: ignore[return-value]
+
+    def reasons(self, worker: Worker, pending: Pending) -> list[str]:
+        """Why the worker is passed over: the first failing feasibility check, or every
+        failing resource check; empty when it fits."""
+        verdict = self.judge(worker, pending)[0]
+        if verdict == FITS:
+            return []
+        if verdict < SHORT_CPU:
+            return [REASONS[verdict - 1]]
+        return [r for bit, r in ((SHORT_CPU, INSUFFICIENT_CPU), (SHORT_MEMORY, INSUFFICIENT_MEMORY)) if verdict & bit]
+
+    def runtime(self, worker: Worker) -> Runtime | None:
+        """The runtime the actor would run under on `worker` (None: the worker cannot)."""
+        entry = worker.classes.get(self.sandbox_class)
+        if entry is None:
+            return None
+        if self.compat is None:
+            return entry.default
+        match = entry.match(self.compat)
+        return match[1] if match is not None else None

@@ -1,0 +1,479 @@
+"""The records the scheduler's projection is made of (pure data, no I/O).
+
+Memory is kept small on purpose, because a projection holds every actor of a
+deployment (about 300 bytes each, as `bench/recovery.py` measures it):
+
+- one actor is one msgspec Struct that the garbage collector does not track (no
+  reference cycle passes through it), 16 bytes of header and 8 per field; an actor
+  with an assignment is an `Assigned` (two fields more), the other actors do not pay
+  for them;
+- what many actors have alike is interned (`services.scheduler.interner`) and referred
+  to: compat keys, stamps, runtimes, templates, resources, selector maps, and the
+  combinations an actor refers to as one (`Spec`: what it asks for; `SnapshotKind`:
+  what decisions read of its latest snapshot, where it lives included; `Lease`: what
+  it books while running);
+- a snapshot id that starts with the actor's id (the snapshotter's default is
+  `<actor id>-v<version>`) is kept as the interned rest;
+- a worker counts the actors booked on it and keeps the OCC expectation of its
+  `booking.<id>` subject.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from math import ceil
+from typing import Any, ClassVar, Iterator, Mapping
+
+from msgspec import Struct
+
+from events.compat import CompatKey, describe_key
+from events.schema import ActorRuntime, CompatVersion, Fidelity, Resources, WorkerRuntime
+from events.states import ActorState, WorkerState
+
+# Memory every worker keeps out of what it offers to actors (CONTRACT placement rule 6).
+WORKER_RESERVE_MIB = 64
+
+# The states (events.states), by the names decisions read them with. A removed worker
+# leaves the projection; registering it again starts afresh.
+REGISTERED, DRAINED = WorkerState.REGISTERED, WorkerState.DRAINED
+CREATED, RUNNING, PAUSED = ActorState.CREATED, ActorState.RUNNING, ActorState.PAUSED
+SUSPENDED, STOPPED = ActorState.SUSPENDED, ActorState.STOPPED
+
+MEMORY = Fidelity.MEMORY
+_EMPTY: Mapping[str, str] = {}
+
+# Distinct snapshot-id suffixes interned at most: past that, a suffix is kept per actor
+# (user-chosen ids may all differ; the snapshotter's own are `-v<version>`, few).
+SUFFIXES_INTERNED = 1 << 16
+
+
+def stable_hash(text: str) -> int:
+    """A 64-bit hash that is the same in every process (str's hash() is salted per process)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+# Roles in which a worker's runtime accepts a stamp, in the order placement rule 2 (v1.1)
+# prefers them: the runtime's own version as the class default, as a restorable runtime,
+# then a compatibility edge (`compatible_versions`) of the default, of a restorable.
+OWN_DEFAULT, OWN_RESTORABLE, EDGE_DEFAULT, EDGE_RESTORABLE = 0, 1, 2, 3
+ROLES = (OWN_DEFAULT, OWN_RESTORABLE, EDGE_DEFAULT, EDGE_RESTORABLE)
+ROLE_NAMES = ("default", "restorable", "edge of default", "edge of restorable")
+ARCHITECTURE = "architecture"
+
+
+class Compat:
+    """One interned compat key: (class, schema version, sorted attributes), its version,
+    and its `architecture` attribute (None if it has none)."""
+
+    __slots__ = ("key", "sandbox_class", "version", "arch")
+
+    def __init__(self, key: CompatKey, version: CompatVersion):
+        self.key = key
+        self.sandbox_class = key[0]
+        self.version = version
+        self.arch = next((v for k, v in key[2] if k == ARCHITECTURE), None)
+
+    def __repr__(self) -> str:
+        return f"Compat({describe_key(self.key)})"
+
+
+class Stamp:
+    """An interned ActorRuntime (a snapshot's stamp or an assignment's pin) and its compat key."""
+
+    __slots__ = ("runtime", "compat")
+
+    def __init__(self, runtime: ActorRuntime, compat: Compat):
+        self.runtime = runtime
+        self.compat = compat
+
+
+class Runtime:
+    """An interned worker runtime of one class: its compat key, overhead, the pin it gives,
+    and the compat keys of its compatible versions (the one-way edges it accepts)."""
+
+    __slots__ = ("compat", "name", "fixed_mib", "per_gib_mib", "pin", "edges")
+
+    def __init__(self, compat: Compat, runtime: WorkerRuntime, edges: tuple[Compat, ...] = ()):
+        self.compat = compat
+        self.name = runtime.name
+        overhead = runtime.actor_overhead
+        self.fixed_mib = overhead.fixed_mib if overhead else 0
+        self.per_gib_mib = overhead.per_gib_mib if overhead else 0
+        # The pin carries the runtime's own version with the class: what the actor runs under.
+        self.pin = ActorRuntime(sandbox_class=compat.sandbox_class, name=runtime.name, version=runtime.version)
+        self.edges = edges
+
+    def overhead_mib(self, memory_mib: int) -> int:
+        """`fixed_mib + per_gib_mib * ceil(memory_mib / 1024)` (CONTRACT placement rule 6)."""
+        if self.per_gib_mib:
+            return self.fixed_mib + self.per_gib_mib * ceil(memory_mib / 1024)
+        return self.fixed_mib
+
+
+class ClassEntry:
+    """What one worker runs for one sandbox class (interned: workers configured alike share one).
+
+    `accepts` maps every compat key a memory snapshot may carry to restore here to the
+    best role in which a runtime of the entry accepts it and that runtime."""
+
+    __slots__ = ("default", "restorable", "accepts")
+
+    def __init__(self, default: Runtime, restorable: tuple[Runtime, ...]):
+        self.default = default
+        self.restorable = restorable
+        accepts: dict[Compat, tuple[int, Runtime]] = {}
+        for role, runtime in ((OWN_DEFAULT, default), *((OWN_RESTORABLE, r) for r in restorable)):
+            accepts.setdefault(runtime.compat, (role, runtime))
+        for edge in default.edges:
+            accepts.setdefault(edge, (EDGE_DEFAULT, default))
+        for runtime in restorable:
+            for edge in runtime.edges:
+                accepts.setdefault(edge, (EDGE_RESTORABLE, runtime))
+        self.accepts = accepts
+
+    def match(self, compat: Compat) -> tuple[int, Runtime] | None:
+        """(role, runtime) that can restore a memory snapshot of `compat` here, or None."""
+        return self.accepts.get(compat)
+
+    @property
+    def arch(self) -> str | None:
+        """The architecture of the class default: what a restore without memory runs on."""
+        return self.default.compat.arch
+
+
+class Worker:
+    __slots__ = (
+        "worker_id",
+        "node",
+        "cpu_millis",
+        "memory_mib",
+        "labels",
+        "state",
+        "classes",  # {sandbox_class: ClassEntry}
+        "booked_cpu",
+        "booked_mem",
+        "holding",  # how many actors hold bookings on this worker (`Projection.booked_on` names them)
+        # optimistic concurrency on `booking.<worker id>`
+        "booking_version",
+        "booking_seq",
+    )
+
+    def __init__(self, worker_id: str):
+        self.worker_id = worker_id
+        self.node = ""
+        self.cpu_millis = 0
+        self.memory_mib = 0
+        self.labels: Mapping[str, str] = _EMPTY
+        self.state = REGISTERED
+        self.classes: dict[str, ClassEntry] = {}
+        self.booked_cpu = 0
+        self.booked_mem = 0
+        self.holding = 0
+        self.booking_version = 0
+        self.booking_seq = 0
+
+    @property
+    def live(self) -> bool:
+        """Takes new placements (registered and not drained)."""
+        return self.state is REGISTERED
+
+    @property
+    def room_cpu(self) -> int:
+        return self.cpu_millis - self.booked_cpu
+
+    @property
+    def room_mem(self) -> int:
+        return self.memory_mib - WORKER_RESERVE_MIB - self.booked_mem
+
+    def book(self, booked: Resources) -> None:
+        self.booked_cpu += booked.cpu_millis
+        self.booked_mem += booked.memory_mib
+        self.holding += 1
+
+    def unbook(self, booked: Resources) -> None:
+        self.booked_cpu -= booked.cpu_millis
+        self.booked_mem -= booked.memory_mib
+        self.holding -= 1
+
+    def __repr__(self) -> str:
+        return f"Worker({self.worker_id} on {self.node}, {self.state}, room {self.room_cpu}m/{self.room_mem}MiB)"
+
+
+class IndexedSet:
+    """Workers in a stable order with O(1) add, remove and access by position.
+
+    Removal moves the last member into the hole, so the order is a function of the
+    sequence of operations alone: every replica that folds the same log gets the same
+    order, which keeps sampling by position deterministic.
+    """
+
+    __slots__ = ("items", "pos")
+
+    def __init__(self) -> None:
+        self.items: list[Worker] = []
+        self.pos: dict[str, int] = {}
+
+    def add(self, worker: Worker) -> None:
+        if worker.worker_id not in self.pos:
+            self.pos[worker.worker_id] = len(self.items)
+            self.items.append(worker)
+
+    def discard(self, worker: Worker) -> None:
+        i = self.pos.pop(worker.worker_id, None)
+        if i is None:
+            return
+        last = self.items.pop()
+        if last is not worker:
+            self.items[i] = last
+            self.pos[last.worker_id] = i
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __iter__(self) -> Iterator[Worker]:
+        return iter(self.items)
+
+    def __contains__(self, worker: Worker) -> bool:
+        return worker.worker_id in self.pos
+
+
+class ClassIndex:
+    """Per sandbox class: its workers, the indices decisions look things up in, and the
+    counts fragmentation reads.
+
+    - `members[role][compat]`: the workers accepting `compat` in that role (each worker in
+      its best role only), `live[role][compat]` how many of them are live;
+    - `by_node[node]`, `by_arch[architecture]`: the workers on a node, and by the
+      architecture of their class default (a restore without memory keeps the stamp's);
+    - `live_on_node[(node, compat)]`: live workers on a node accepting `compat` in any role;
+    - what counts as stranded (CONTRACT section 3): the latest MEMORY snapshots of
+      SUSPENDED and PAUSED actors of their current template, EXTERNAL ones per compat
+      key (`external_memory`), LOCAL ones per node and key (`local_memory`);
+    - `local_waiting[node]`: waiting actors whose latest snapshot is LOCAL on `node`
+      (lost when no worker of the class is registered there).
+    """
+
+    __slots__ = ("sandbox_class", "workers", "members", "live", "by_node", "by_arch", "live_on_node",
+                 "external_memory", "local_memory", "local_waiting")
+
+    def __init__(self, sandbox_class: str):
+        self.sandbox_class = sandbox_class
+        self.workers = IndexedSet()  # registered (drained included) workers of the class
+        self.members: tuple[dict[Compat, IndexedSet], ...] = tuple({} for _ in ROLES)
+        self.live: tuple[dict[Compat, int], ...] = tuple({} for _ in ROLES)
+        self.by_node: dict[str, IndexedSet] = {}
+        self.by_arch: dict[str | None, IndexedSet] = {}
+        self.live_on_node: dict[tuple[str, Compat], int] = {}
+        self.external_memory: dict[Compat, int] = {}
+        self.local_memory: dict[tuple[str, Compat], int] = {}
+        self.local_waiting: dict[str, int] = {}
+
+    @property
+    def default(self) -> dict[Compat, IndexedSet]:
+        return self.members[OWN_DEFAULT]
+
+    @property
+    def restorable(self) -> dict[Compat, IndexedSet]:
+        return self.members[OWN_RESTORABLE]
+
+    def accepting(self, compat: Compat) -> int:
+        """Live workers of the class that can restore a memory snapshot of `compat`, in any role."""
+        return sum(live.get(compat, 0) for live in self.live)
+
+    def stranded(self) -> int:
+        """Counted memory snapshots that no registered, undrained worker could restore at MEMORY
+        (a LOCAL one: no such worker on its node)."""
+        external = sum(n for compat, n in self.external_memory.items() if not self.accepting(compat))
+        local = sum(n for key, n in self.local_memory.items() if not self.live_on_node.get(key))
+        return external + local
+
+    def memory_snapshots(self, compat: Compat) -> int:
+        """Counted memory snapshots stamped `compat`, EXTERNAL and LOCAL."""
+        local = sum(n for (_, c), n in self.local_memory.items() if c is compat) if self.local_memory else 0
+        return self.external_memory.get(compat, 0) + local
+
+    def lost_local(self) -> int:
+        """Waiting actors whose LOCAL latest snapshot is on a node with no registered worker of the class."""
+        return sum(n for node, n in self.local_waiting.items() if node not in self.by_node)
+
+    def live_count(self) -> int:
+        return sum(1 for w in self.workers if w.live)
+
+
+def bump_count(counts: dict[Compat, int], compat: Compat, delta: int) -> None:
+    n = counts.get(compat, 0) + delta
+    if n:
+        counts[compat] = n
+    else:
+        counts.pop(compat, None)
+
+
+# --- actors -----------------------------------------------------------------------------------------
+
+
+class Spec:
+    """What an actor asks for (interned: actors created alike share one)."""
+
+    __slots__ = ("sandbox_class", "template_uid", "resources", "selectors", "min_fidelity")
+
+    def __init__(self, sandbox_class: str, template_uid: str, resources: Resources, selectors: Mapping[str, str],
+                 min_fidelity: Fidelity):
+        self.sandbox_class = sandbox_class
+        self.template_uid = template_uid
+        self.resources = resources
+        self.selectors = selectors
+        self.min_fidelity = min_fidelity
+
+
+class SnapshotKind:
+    """What decisions read of an actor's latest snapshot (interned): template, fidelity,
+    stamp, borrowed, where it lives (`local`, and the `node` of a LOCAL image: None if it
+    did not say), and whether its id is the actor's id followed by the suffix the actor
+    keeps (`Actor.snapshot_ref`)."""
+
+    __slots__ = ("template_uid", "fidelity", "stamp", "borrowed", "prefixed", "local", "node")
+
+    def __init__(self, template_uid: str, fidelity: Fidelity, stamp: Stamp | None, borrowed: bool, prefixed: bool,
+                 local: bool = False, node: str | None = None):
+        self.template_uid = template_uid
+        self.fidelity = fidelity
+        self.stamp = stamp
+        self.borrowed = borrowed
+        self.prefixed = prefixed
+        self.local = local
+        self.node = node
+
+
+class Lease:
+    """What a running actor holds on its worker (interned): the resources booked and the pin."""
+
+    __slots__ = ("booked", "pin")
+
+    def __init__(self, booked: Resources, pin: Stamp):
+        self.booked = booked
+        self.pin = pin
+
+
+class Actor(Struct, gc=False, eq=False):
+    """One actor without an assignment; one with an assignment is an `Assigned`.
+
+    A Struct untracked by the garbage collector (it is in no reference cycle): 16 bytes
+    of header and 8 per field, the most numerous record of the fold. Its record is
+    replaced when it gets or loses an assignment: hold on to it only while nothing folds.
+    """
+
+    actor_id: str  # the very string that keys `Projection.actors`
+    state: str
+    spec: Spec
+    snapshot: SnapshotKind | None = None  # the latest snapshot, None before the first
+    snapshot_ref: str | None = None  # its id, or (`snapshot.prefixed`) the rest after the actor's id
+    node: str | None = None  # node of the assignment while RUNNING; the pinned node while PAUSED
+    # optimistic concurrency on `actor.<id>`
+    version: int = 0
+    last_seq: int = 0
+    # idempotency: the placements of this life that carried a request_id, newest first, at
+    # most RECENT_PLACEMENTS, packed as (64-bit hash of the request id, stream sequence)
+    placements: bytes | None = None
+
+    worker: ClassVar[Worker | None] = None
+    lease: ClassVar[Lease | None] = None
+
+    # what the actor asks for
+    @property
+    def sandbox_class(self) -> str:
+        return self.spec.sandbox_class
+
+    @property
+    def template_uid(self) -> str:
+        return self.spec.template_uid
+
+    @property
+    def resources(self) -> Resources:
+        return self.spec.resources
+
+    @property
+    def selectors(self) -> Mapping[str, str]:
+        return self.spec.selectors
+
+    @property
+    def min_fidelity(self) -> Fidelity:
+        return self.spec.min_fidelity
+
+    # its latest snapshot
+    @property
+    def snapshot_id(self) -> str | None:
+        kind = self.snapshot
+        if kind is not None and kind.prefixed:
+            return self.actor_id + self.snapshot_ref
+        return self.snapshot_ref
+
+    @property
+    def snap_stamp(self) -> Stamp | None:
+        return self.snapshot.stamp if self.snapshot is not None else None
+
+    def placed_by(self, request: int) -> int:
+        """The stream sequence of this life's placement that carried the request id whose
+        `request_hash` is `request`, if it is among the recent ones; else 0."""
+        packed = self.placements
+        if packed:
+            for h, seq in _PLACEMENT.iter_unpack(packed):
+                if h == request:
+                    return seq
+        return 0
+
+    @property
+    def placements_known(self) -> int:
+        return len(self.placements) // _PLACEMENT.size if self.placements else 0
+
+    # its assignment
+    @property
+    def booked(self) -> Resources | None:
+        return self.lease.booked if self.lease is not None else None
+
+    @property
+    def pin(self) -> Stamp | None:
+        return self.lease.pin if self.lease is not None else None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.actor_id}, {self.state}, {self.spec.sandbox_class})"
+
+
+class Assigned(Actor):
+    """An actor with an assignment: RUNNING (or made SUSPENDED by a PROMOTE without a release)."""
+
+    worker: Worker | None = None  # the Worker record booked (its record, even if it has since been removed)
+    lease: Lease | None = None
+
+
+ACTOR_FIELDS = len(Actor.__struct_fields__)
+
+# Recent placements an actor keeps for idempotent retries (see Actor.placements).
+RECENT_PLACEMENTS = 4
+_PLACEMENT = struct.Struct("<Qq")
+
+
+def request_hash(request_id: str) -> int:
+    """The 64-bit hash an actor keeps of a placement's request id (the same in every process)."""
+    return stable_hash(request_id)
+
+
+def with_placement(packed: bytes | None, request: int, seq: int) -> bytes:
+    """`packed` with (request, seq) in front, keeping at most RECENT_PLACEMENTS."""
+    entry = _PLACEMENT.pack(request, seq)
+    if not packed:
+        return entry
+    return (entry + packed)[: RECENT_PLACEMENTS * _PLACEMENT.size]
+
+
+def set_member(table: dict[Any, IndexedSet], key: Any, worker: Worker, delta: int) -> None:
+    """Add the worker to (delta > 0) or remove it from the member set `table[key]`."""
+    members = table.get(key)
+    if delta > 0:
+        if members is None:
+            members = table[key] = IndexedSet()
+        members.add(worker)
+    elif members is not None:
+        members.discard(worker)
+        if not members:
+            del table[key]

@@ -1,0 +1,61 @@
+"""Who is placed where: the fold the worker-removal process follows (pure, no I/O)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from events.schema import ActorPlaced, ActorReleased, ActorStopped, Event, WorkerRegistered, WorkerRemoved
+
+
+@dataclass(frozen=True)
+class Release:
+    """A placement to end because its worker was removed."""
+
+    actor_id: str
+    worker_id: str
+    placed_version: int  # the actor version of the ActorPlaced that made the placement
+
+
+class PlacementFold:
+    """Which actor is placed on which worker, folded from the log in stream order.
+
+    `apply` returns the placements that must be released because of the event:
+    every placement on a worker when it is removed, and a placement made on a
+    worker that was already removed (a scheduler that had not yet seen the
+    removal). A later `WorkerRegistered` of the same id makes it a live worker again.
+    """
+
+    def __init__(self) -> None:
+        self.on_worker: dict[str, dict[str, int]] = {}  # worker_id -> {actor_id: placed_version}
+        self.worker_of: dict[str, str] = {}  # actor_id -> worker_id
+        self.removed: set[str] = set()
+
+    def placed_on(self, worker_id: str) -> dict[str, int]:
+        return dict(self.on_worker.get(worker_id, {}))
+
+    def apply(self, originator_version: int, e: Event) -> list[Release]:
+        if isinstance(e, ActorPlaced):
+            self._forget(e.actor_id)
+            if e.worker_id in self.removed:
+                return [Release(e.actor_id, e.worker_id, originator_version)]
+            self.on_worker.setdefault(e.worker_id, {})[e.actor_id] = originator_version
+            self.worker_of[e.actor_id] = e.worker_id
+        elif isinstance(e, (ActorReleased, ActorStopped)):
+            self._forget(e.actor_id)
+        elif isinstance(e, WorkerRemoved):
+            self.removed.add(e.worker_id)
+            placed = self.on_worker.pop(e.worker_id, {})
+            for actor_id in placed:
+                del self.worker_of[actor_id]
+            return [Release(a, e.worker_id, v) for a, v in sorted(placed.items())]
+        elif isinstance(e, WorkerRegistered):
+            self.removed.discard(e.worker_id)
+        return []
+
+    def _forget(self, actor_id: str) -> None:
+        worker_id = self.worker_of.pop(actor_id, None)
+        if worker_id is not None:
+            actors = self.on_worker[worker_id]
+            del actors[actor_id]
+            if not actors:
+                del self.on_worker[worker_id]
