@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 from typing import Any, Awaitable, Callable
 
 import click
@@ -10,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from events.compat import compat_key, describe_key
-from events.errors import ContractError
+from events.errors import ContractError, unavailable
 from events.natsauth import redact_url
 from events.subjects import DEFAULT_PREFIX, stream_name
 from warmboot.runner import connect
@@ -22,14 +23,27 @@ prefix_option = click.option("--prefix", default=DEFAULT_PREFIX, show_default=Tr
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 
 
+class Failed(click.ClickException):
+    """A contract error as every command prints it: `error: CODE field: message` on stderr, exit 1."""
+
+    def __init__(self, error: ContractError):
+        where = f" {error.field}" if error.field else ""
+        super().__init__(f"{error.code.value}{where}: {error.message}")
+        self.error = error
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"error: {self.message}", err=True)
+
+
 def ask(nats_url: str, work: Callable[[Any], Awaitable[Any]]) -> Any:
-    """Connect, run `work(nc)`, close; contract errors and connection failures become CLI errors."""
+    """Connect, run `work(nc)`, close; contract errors and connection failures become CLI errors
+    (`Failed`: `error: CODE field: message`, exit 1)."""
 
     async def run() -> Any:
         try:
             nc = await asyncio.wait_for(connect(nats_url, "warmboot-cli"), 5)
         except (OSError, asyncio.TimeoutError) as e:
-            raise click.ClickException(f"cannot reach NATS at {redact_url(nats_url)}: {e}") from None
+            raise unavailable(f"cannot reach NATS at {redact_url(nats_url)}: {e or type(e).__name__}") from None
         try:
             return await work(nc)
         finally:
@@ -38,7 +52,7 @@ def ask(nats_url: str, work: Callable[[Any], Awaitable[Any]]) -> Any:
     try:
         return asyncio.run(run())
     except ContractError as e:
-        raise click.ClickException(f"{e.code.value}: {e.message}" + (f" (field {e.field})" if e.field else ""))
+        raise Failed(e) from None
 
 
 def version_text(version: Any) -> str:
@@ -59,7 +73,8 @@ async def replay(nc: Any, prefix: str, sink: Any, show_progress: bool) -> Any:
 
     target = await last_seq(nc, prefix)
     progress = Progress(TextColumn("replaying"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        console=Console(stderr=True), disable=not show_progress, transient=True)
+                        console=Console(stderr=True), transient=True,
+                        disable=not (show_progress and sys.stderr.isatty()))  # no stray line in a pipe
     with progress:
         task = progress.add_task("", total=target)
         sink.on_position = lambda seq: progress.update(task, completed=seq)

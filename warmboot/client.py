@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import uuid
 from typing import Any, TypeVar
 
@@ -39,8 +40,9 @@ import nats.errors
 from nats.aio.client import Client as NATS
 
 from events.codec import decode_reply, encode
-from events.errors import ContractError, unavailable
+from events.errors import ContractError, invalid, unavailable
 from events.schema import (
+    ID_PATTERN,
     Assignment,
     Base,
     CreateActor,
@@ -72,6 +74,7 @@ from events.schema import (
 from events.subjects import DEFAULT_PREFIX, check_prefix, service_subject
 
 T = TypeVar("T")
+_ID = re.compile(ID_PATTERN)
 
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_ATTEMPTS = 6
@@ -133,6 +136,10 @@ class Client:
         """Send `body` to `<prefix>.<service>.<verb>[.<entity>]` and decode the reply as
         `reply_type`, retrying what the contract says is safe to retry (the body, and so
         its request_id, unchanged); remember the reply's `seq`."""
+        if entity is not None and not _ID.match(entity):
+            # a subject token is what an id is for: a dot or a space would change the subject
+            raise invalid(f"{entity!r} is not an id: 1 to 128 letters, digits, '_' or '-', the first a letter or digit",
+                          "worker_id" if service == "registry" else "actor_id")
         subject = service_subject(self.prefix, service, verb, entity)
         data = encode(body)
         delay = FIRST_BACKOFF_S
