@@ -22,10 +22,11 @@ from warmboot.cmd_foundation import probe, schema  # noqa: E402
 
 main.add_command(probe)
 main.add_command(schema)
-from warmboot.cmd_views import explain, fragmentation, workers  # noqa: E402
+from warmboot.cmd_views import explain, fragmentation, whatif, workers  # noqa: E402
 
 main.add_command(explain)
 main.add_command(fragmentation)
+main.add_command(whatif)
 main.add_command(workers)
 from warmboot.cmd_registry import agent  # noqa: E402
 

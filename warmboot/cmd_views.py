@@ -1,11 +1,13 @@
-"""Operator views: `warmboot workers`, `warmboot fragmentation`, `warmboot explain`.
+"""Operator views: `warmboot workers`, `warmboot fragmentation`, `warmboot explain`, `warmboot whatif`.
 
 Plain aligned columns for people (warmboot.render), `-o wide` for every column and
 the full runtime attributes, `-o json` (or `--json`) for machines. A runtime is shown
 by its label (events.runtime_id: its name, `name@3f9a1c` when the name is shared, or
 `rt-3f9a1c`), the same in every view: each view labels runtimes against the runtimes
-of the registered workers. explain and fragmentation ask the scheduler's endpoints
-(the answers a resume would get) and fold only the workers' histories for the names;
+of the registered workers. explain, fragmentation and whatif ask the scheduler's
+endpoints through `warmboot.client` (the answers a resume would get) and fold only the
+workers' histories for the names (whatif also reads the runtimes it is given back from
+them: a label, an `rt-` id or a name);
 workers folds the whole log with the scheduler's own projection (warmboot.audit.Sink),
 so it shows exactly what the scheduler sees.
 """
@@ -19,12 +21,14 @@ import click
 import msgspec
 
 from events.codec import decode_event, to_builtins
+from events.compat import compat_key
 from events.jetstream import VERSION_HEADER
-from events.runtime_id import Runtimes, short_id
-from events.schema import CompatVersion, Explanation, ExplainResume, Fragmentation, FragmentationQuery, Placement
-from events.subjects import event_subject, service_subject, stream_name
-from services.common import call
+from events.runtime_id import PREFIX as ID_PREFIX
+from events.runtime_id import Runtimes, UnknownRuntime, short_id
+from events.schema import CompatVersion, Explanation, Fragmentation, Placement, WhatIf, WhatIfAnswer
+from events.subjects import event_subject, stream_name
 from warmboot.cli_common import ask, nats_option, prefix_option, version_text
+from warmboot.client import Client
 from warmboot.render import Column, render_fields, render_table, terminal_width
 
 # --- what every view shares -----------------------------------------------------------------------
@@ -65,8 +69,13 @@ def runtimes_of(projection: Any) -> Runtimes:
 
 
 async def fleet_runtimes(nc: Any, prefix: str) -> Runtimes:
-    """The runtimes of the registered workers: their histories alone (`<prefix>.ev.worker.>`),
-    folded with the scheduler's projection, a small part of the log."""
+    """The runtimes of the registered workers (see `fleet`)."""
+    return runtimes_of(await fleet(nc, prefix))
+
+
+async def fleet(nc: Any, prefix: str) -> Any:
+    """The registered workers: their histories alone (`<prefix>.ev.worker.>`), folded with the
+    scheduler's projection, a small part of the log (no actor, no booking)."""
     from services.scheduler.projection import Projection
 
     js = nc.jetstream()
@@ -86,7 +95,7 @@ async def fleet_runtimes(nc: Any, prefix: str) -> Runtimes:
                 projection.apply(msg.metadata.sequence.stream, decode_event(msg.data), int(version) if version else None)
         finally:
             await sub.unsubscribe()
-    return runtimes_of(projection)
+    return projection
 
 
 def mib(value: int) -> str:
@@ -157,11 +166,10 @@ def explain(actor_id: str, selectors: tuple[str, ...], nats_url: str, prefix: st
         sel = dict(s.split("=", 1) for s in selectors) or None
     except ValueError:
         raise click.BadParameter("selectors are KEY=VALUE", param_hint="--selector") from None
-    subject = service_subject(prefix, "scheduler", "explain", actor_id)
     mode = output_mode(output, as_json)
 
     async def work(nc: Any) -> tuple[Explanation, Runtimes | None]:
-        answer = await call(nc, subject, ExplainResume(selectors=sel), Explanation)
+        answer = await Client(nc, prefix).explain(actor_id, sel)
         return answer, (None if mode == "json" else await fleet_runtimes(nc, prefix))
 
     answer, runtimes = ask(nats_url, work)
@@ -219,12 +227,10 @@ def fragmentation(sandbox_class: str | None, nats_url: str, prefix: str, output:
     """Per sandbox class: workers, stranded and lost local snapshots; per runtime: the workers
     running it (DEFAULT), able to restore it (RESTORABLE) or accepting it through a compatible
     version (EDGE), their free room, and the memory snapshots stamped with it (SNAPSHOTS)."""
-    subject = service_subject(prefix, "scheduler", "fragmentation")
-    query = FragmentationQuery(sandbox_class=sandbox_class)
     mode = output_mode(output, as_json)
 
     async def work(nc: Any) -> tuple[Fragmentation, Runtimes | None]:
-        answer = await call(nc, subject, query, Fragmentation)
+        answer = await Client(nc, prefix).fragmentation(sandbox_class)
         return answer, (None if mode == "json" else await fleet_runtimes(nc, prefix))
 
     answer, runtimes = ask(nats_url, work)
@@ -313,3 +319,141 @@ def workers(sandbox_class: str | None, nats_url: str, prefix: str, output: str |
         return
     width = terminal_width()
     echo_table(render_workers(rows, width, mode == "wide"), width)
+
+
+# --- whatif ---------------------------------------------------------------------------------------------
+
+
+def resolve_drops(runtimes: Runtimes, texts: tuple[str, ...], sandbox_class: str) -> list[CompatVersion]:
+    """The versions `--drop-runtime` names: a label or an `rt-` id names one runtime, a name every
+    runtime of the class that carries it (one release on several CPU generations). An unknown
+    runtime, or an id several runtimes share, is an error naming the option."""
+    versions: dict[Any, CompatVersion] = {}
+    for text in texts:
+        try:
+            if text.startswith(ID_PREFIX) or "@" in text:
+                found = [runtimes.resolve_one(text, sandbox_class)]
+            else:
+                found = runtimes.resolve(text, sandbox_class)
+        except UnknownRuntime as e:
+            raise click.BadParameter(str(e), param_hint="'--drop-runtime'") from None
+        for known in found:
+            versions.setdefault(known.key, known.version)
+    return list(versions.values())
+
+
+def check_drains(projection: Any, workers: tuple[str, ...], sandbox_class: str) -> None:
+    """Every `--drain` names a registered worker of the class: a typo must not forecast nothing."""
+    for worker_id in workers:
+        worker = projection.workers.get(worker_id)
+        if worker is None or sandbox_class not in worker.classes:
+            raise click.BadParameter(f"no registered worker {worker_id!r} of class {sandbox_class}",
+                                     param_hint="'--drain'")
+
+
+COUNT_COLUMNS = [
+    Column("SNAPSHOTS", lambda r: r[0]),
+    Column("STRANDED", lambda r: str(r[1].stranded_snapshots), right=True),
+    Column("MEMORY RESTORABLE", lambda r: str(r[1].memory_restorable_snapshots), right=True),
+]
+
+
+def forecast_columns(sandbox_class: str, runtimes: Runtimes, dropped: set) -> list[Column]:
+    """Columns of RuntimeForecast rows: before and after, side by side (CPU gives way first, then labels)."""
+
+    def key(r: Any) -> Any:
+        return compat_key(sandbox_class, r.version)
+
+    return [
+        Column("RUNTIME", lambda r: runtimes.label(sandbox_class, r.version), drop=1,
+               narrow=Column("RUNTIME", lambda r: short_id(key(r)), about="as ids")),
+        Column("DROPPED", lambda r: "yes" if key(r) in dropped else "-"),
+        Column("WORKERS", lambda r: str(r.workers_before), right=True),
+        Column("WORKERS AFTER", lambda r: str(r.workers_after), right=True),
+        Column("MEM FREE", lambda r: mib(r.free_before.memory_mib), right=True),
+        Column("MEM FREE AFTER", lambda r: mib(r.free_after.memory_mib), right=True),
+        Column("CPU FREE", lambda r: millis(r.free_before.cpu_millis), right=True, drop=2),
+        Column("CPU FREE AFTER", lambda r: millis(r.free_after.cpu_millis), right=True, drop=3),
+        Column("ID", lambda r: short_id(key(r)), wide=True),
+        Column("ATTRIBUTES", lambda r: version_text(r.version), wide=True),
+    ]
+
+
+def stranded_columns(runtimes: Runtimes) -> list[Column]:
+    return [
+        Column("NEWLY STRANDED", lambda s: s.actor_id),
+        Column("STAMP", lambda s: runtimes.label(s.stamp.sandbox_class, s.stamp.version, s.stamp.name), drop=1,
+               narrow=Column("STAMP", lambda s: short_id(compat_key(s.stamp.sandbox_class, s.stamp.version)),
+                             about="as ids")),
+        Column("STAMP ID", lambda s: short_id(compat_key(s.stamp.sandbox_class, s.stamp.version)), wide=True),
+    ]
+
+
+def render_whatif(query: WhatIf, answer: WhatIfAnswer, runtimes: Runtimes, width: int | None,
+                  wide: bool = False) -> str:
+    """The forecast: what the query supposes, the snapshot counts before and after, per runtime
+    the workers and free room before and after, and the actors it would strand."""
+    cls = query.sandbox_class
+    dropped = {compat_key(cls, v) for v in query.drop_runtimes}
+    fields = [
+        ("CLASS", cls),
+        ("DROP", ", ".join(runtimes.label(cls, v) for v in query.drop_runtimes) or "-"),
+        ("DRAIN", ", ".join(query.drain_workers) or "-"),
+    ]
+    parts = [render_fields(fields, None if wide else width)]
+    parts.append(render_table(COUNT_COLUMNS, [("before", answer.before), ("after", answer.after)], width, wide).text)
+    notes = []
+    if answer.runtimes:
+        table = render_table(forecast_columns(cls, runtimes, dropped), answer.runtimes, width, wide)
+        parts.append(table.text)
+        notes.append(table.footnote(width))
+    newly = answer.after.stranded_snapshots - answer.before.stranded_snapshots  # a drop or drain only takes away
+    if answer.newly_stranded:
+        table = render_table(stranded_columns(runtimes), answer.newly_stranded, width, wide)
+        parts.append(table.text)
+        notes.append(table.footnote(width))
+    if newly > len(answer.newly_stranded):
+        notes.append(f"({newly} snapshots newly stranded, {len(answer.newly_stranded)} actors listed; "
+                     f"--limit N lists more)")
+    text = "\n\n".join(parts)
+    notes = [n for n in notes if n]
+    return text + ("\n" + "\n".join(dict.fromkeys(notes)) if notes else "")
+
+
+@click.command()
+@click.option("--class", "sandbox_class", required=True, help="The sandbox class to forecast.")
+@click.option("--drop-runtime", "drop", multiple=True, metavar="RUNTIME",
+              help="As if every worker of the class stopped offering this runtime (as default, restorable "
+                   "or compatible version). A label as the views print it (gvisor-v1, gvisor-v1@3f9a1c), "
+                   "an id (rt-3f9a1c), or a name: every runtime of the class that carries it. Repeatable.")
+@click.option("--drain", "drain", multiple=True, metavar="WORKER",
+              help="As if this worker were drained. Repeatable.")
+@click.option("--limit", type=click.IntRange(0, 10_000), default=100, show_default=True,
+              help="Newly stranded actors listed at most.")
+@nats_option
+@prefix_option
+@output_option
+def whatif(sandbox_class: str, drop: tuple[str, ...], drain: tuple[str, ...], limit: int, nats_url: str,
+           prefix: str, output: str | None, as_json: bool) -> None:
+    """Before a step of a rolling upgrade: what dropping runtimes and draining workers would do
+    (scheduler.whatif; writes nothing).
+
+    Prints the stranded and memory-restorable snapshots before and after, per runtime the
+    workers that accept it and their free room before and after, and the actors that would
+    be newly stranded. Example: warmboot whatif --class gvisor --drop-runtime gvisor-v1
+    """
+    mode = output_mode(output, as_json)
+
+    async def work(nc: Any) -> tuple[WhatIf, WhatIfAnswer, Runtimes]:
+        projection = await fleet(nc, prefix)
+        runtimes = runtimes_of(projection)
+        query = WhatIf(sandbox_class=sandbox_class, drop_runtimes=tuple(resolve_drops(runtimes, drop, sandbox_class)),
+                       drain_workers=drain, limit=limit)
+        check_drains(projection, drain, sandbox_class)
+        return query, await Client(nc, prefix).whatif(query), runtimes
+
+    query, answer, runtimes = ask(nats_url, work)
+    if mode == "json":
+        echo_json(to_builtins(answer))
+        return
+    click.echo(render_whatif(query, answer, runtimes, terminal_width(), mode == "wide"))

@@ -1,0 +1,122 @@
+"""`warmboot whatif` against the real services: runtimes named as a person types them, the
+forecast as the endpoint gives it, a table that fits a terminal, and errors naming the option."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from events.codec import to_builtins
+from events.compat import compat_key
+from events.runtime_id import short_id
+from events.schema import WhatIf
+from tests.factories import actor, last_seq
+from tests.test_views import WIDTHS, assert_fits_whole, fleet, folded, possible_cells, runtime
+from warmboot.cli import main
+from warmboot.client import Client
+from warmboot.cmd_views import COUNT_COLUMNS, forecast_columns, runtimes_of, stranded_columns
+
+GENERATIONS = (0, 1, 2)
+
+
+def cli(*args: str, width: int | None = None):
+    env = {"COLUMNS": str(width)} if width else {}
+    return asyncio.to_thread(CliRunner().invoke, main, list(args), env=env)
+
+
+@pytest.fixture
+async def fleet_on_bus(stack, nc, prefix, nats_url):
+    """test_views' fleet (one runtime name on three CPU generations) and gvisor actors suspended
+    from memory, stamped with the default runtime (runsc-2024.11) of the worker they ran on."""
+    wb = Client(nc, prefix)
+    for registration in fleet():
+        await wb.register(registration)
+    for i in range(12):
+        await wb.create(actor(f"a-{i:04d}", cpu=250, mem=256))
+        await wb.resume(f"a-{i:04d}")
+        await wb.suspend(f"a-{i:04d}", uri=f"s3://snapshots/a-{i:04d}")
+
+    async def run(*args: str, width: int | None = None):
+        return await cli("whatif", *args, "--nats", nats_url, "--prefix", prefix, width=width)
+
+    return run, wb
+
+
+def release(name: str) -> list:
+    return [runtime("gvisor", g, name).version for g in GENERATIONS]
+
+
+async def test_a_name_drops_every_runtime_that_carries_it_and_json_is_the_endpoints_answer(fleet_on_bus, nc, prefix):
+    run, wb = fleet_on_bus
+    before = await last_seq(nc, prefix)
+    shown = await run("--class", "gvisor", "--drop-runtime", "runsc-2024.11", "--json")
+    assert shown.exit_code == 0, shown.output
+    expected = await wb.whatif(WhatIf(sandbox_class="gvisor", drop_runtimes=tuple(release("2024.11"))))
+    answer = json.loads(shown.output)
+    assert answer == to_builtins(expected)
+    assert answer["before"]["stranded_snapshots"] == 0
+    assert answer["after"]["stranded_snapshots"] == 12 == len(answer["newly_stranded"])  # every image was 2024.11
+    assert await last_seq(nc, prefix) == before  # writes nothing
+
+
+async def test_ids_and_labels_name_one_runtime(fleet_on_bus):
+    run, wb = fleet_on_bus
+    one = release("2024.11")[0]
+    rt_id = short_id(compat_key("gvisor", one))
+    by_id = json.loads((await run("--class", "gvisor", "--drop-runtime", rt_id, "-o", "json")).output)
+    by_label = json.loads((await run("--class", "gvisor", "--drop-runtime", f"runsc-2024.11@{rt_id[3:]}",
+                                     "--json")).output)
+    assert by_id == by_label
+    assert by_id == to_builtins(await wb.whatif(WhatIf(sandbox_class="gvisor", drop_runtimes=(one,))))
+    dropped = [r for r in by_id["runtimes"] if r["workers_after"] == 0 and r["workers_before"] > 0]
+    assert [r["version"] for r in dropped] == [to_builtins(one)]
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+async def test_the_table_fits_without_a_cut_cell(fleet_on_bus, width):
+    run, wb = fleet_on_bus
+    shown = await run("--class", "gvisor", "--drop-runtime", "runsc-2024.11", "--drain", "w-gv-0000", width=width)
+    assert shown.exit_code == 0, shown.output
+    query = WhatIf(sandbox_class="gvisor", drop_runtimes=tuple(release("2024.11")), drain_workers=("w-gv-0000",))
+    answer = await wb.whatif(query)
+    runtimes = runtimes_of(folded(fleet()))
+    dropped = {compat_key("gvisor", v) for v in query.drop_runtimes}
+    allowed = (possible_cells(COUNT_COLUMNS, [("before", answer.before), ("after", answer.after)])
+               | possible_cells(forecast_columns("gvisor", runtimes, dropped), answer.runtimes)
+               | possible_cells(stranded_columns(runtimes), answer.newly_stranded)
+               | {"CLASS", "DROP", "DRAIN", "gvisor", "w-gv-0000"}
+               | {w.rstrip(",") for v in query.drop_runtimes for w in [runtimes.label("gvisor", v)]})
+    assert_fits_whole(shown.output, width, allowed | {w + "," for w in allowed})
+    lines = shown.output.splitlines()
+    after = next(line for line in lines if line.startswith("after "))
+    assert after.split()[1:] == [str(answer.after.stranded_snapshots), str(answer.after.memory_restorable_snapshots)]
+    assert sum(1 for line in lines if line.startswith("a-0")) == len(answer.newly_stranded) == 12
+    wide = await run("--class", "gvisor", "--drop-runtime", "runsc-2024.11", "-o", "wide", width=width)
+    assert "ATTRIBUTES" in wide.output and "cpu_features=" in wide.output
+
+
+async def test_unknown_runtimes_and_workers_are_errors_naming_the_option(fleet_on_bus, nc, prefix):
+    run, _ = fleet_on_bus
+    before = await last_seq(nc, prefix)
+    unknown = await run("--class", "gvisor", "--drop-runtime", "runsc-1999")
+    assert unknown.exit_code == 2
+    assert "'--drop-runtime'" in unknown.output and "no runtime of class gvisor is named 'runsc-1999'" in unknown.output
+    other_class = await run("--class", "microvm", "--drop-runtime", "runsc-2024.11")
+    assert other_class.exit_code == 2 and "no runtime of class microvm" in other_class.output
+    bad_id = await run("--class", "gvisor", "--drop-runtime", "rt-000000")
+    assert bad_id.exit_code == 2 and "'--drop-runtime'" in bad_id.output
+    typo = await run("--class", "gvisor", "--drain", "w-gv-9999")
+    assert typo.exit_code == 2 and "'--drain'" in typo.output and "w-gv-9999" in typo.output
+    no_class = await run("--class", "nope")
+    assert no_class.exit_code == 1 and no_class.stderr.startswith("error: NOT_FOUND sandbox_class: ")
+    assert await last_seq(nc, prefix) == before
+
+
+def test_help_says_how_to_name_a_runtime():
+    shown = CliRunner().invoke(main, ["whatif", "--help"])
+    assert shown.exit_code == 0
+    text = " ".join(shown.output.split())
+    assert "--drop-runtime" in text and "--drain" in text and "rt-3f9a1c" in text and "writes nothing" in text
