@@ -28,6 +28,10 @@ main.add_command(explain)
 main.add_command(fragmentation)
 main.add_command(whatif)
 main.add_command(workers)
+from warmboot.cmd_lifecycle import actor, worker  # noqa: E402
+
+main.add_command(actor)
+main.add_command(worker)
 from warmboot.cmd_registry import agent  # noqa: E402
 
 main.add_command(agent)

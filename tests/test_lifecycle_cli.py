@@ -1,0 +1,224 @@
+"""`warmboot actor ...` and `warmboot worker ...` against the real services on the bus.
+
+What an operator would check: each command does what its reply says (the log holds the
+event at the reply's `seq`), `show` tells the state the log folds to, `--json` is the
+contract's reply, and a refused command prints `error: CODE field: message`, exits 1
+and writes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import pytest
+from click.testing import CliRunner
+
+from events.schema import (
+    ActorCreated,
+    ActorPlaced,
+    ActorReleased,
+    ActorStopped,
+    SnapshotTaken,
+)
+from tests.factories import actor, last_seq, read_log, runtime, version, wait_for, worker
+from warmboot.cli import main
+from warmboot.client import Client
+
+V1, V2 = version("v1"), version("v2")
+
+
+def cli(*args: str, width: int = 100):
+    return asyncio.to_thread(CliRunner().invoke, main, list(args), env={"COLUMNS": str(width)})
+
+
+@pytest.fixture
+async def bus(stack, nc, prefix, nats_url):
+    """Running services, two workers (one with an edge to v1), and a `run(*args)` of the CLI on them."""
+    wb = Client(nc, prefix)
+    await wb.register(worker("w-old", runtime(V1, name="runsc-v1"), node="node-old"))
+    await wb.register(worker("w-new", runtime(V2, name="runsc-v2", compatible=(V1,)), node="node-new"))
+
+    async def run(*args: str, width: int = 100):
+        return await cli(*args, "--nats", nats_url, "--prefix", prefix, width=width)
+
+    return run, wb
+
+
+def fields(text: str) -> dict[str, str]:
+    """`KEY  value` lines (the key and its value apart by two spaces or more) as {key: value}."""
+    out = {}
+    for line in text.splitlines():
+        parts = re.split(r"\s{2,}", line.strip(), maxsplit=1)
+        if len(parts) == 2 and parts[0].isupper() and not line.startswith(" "):
+            out[parts[0]] = parts[1]
+    return out
+
+
+async def wrote(nc, prefix: str, seq: int) -> list:
+    """The events the request whose reply gave `seq` wrote: `seq` is the last of them (CONTRACT
+    section 1), and they carry its request id."""
+    log = await read_log(nc, prefix)
+    last = dict(log)[seq]
+    return [e for s, e in log if s <= seq and e.request_id == last.request_id]
+
+
+def kinds(events: list) -> list[str]:
+    return [type(e).__name__ for e in events]
+
+
+async def test_an_actor_lives_through_the_cli_and_every_reply_is_in_the_log(bus, nc, prefix):
+    run, _ = bus
+    created = await run("actor", "create", "a-1", "--class", "gvisor", "--template", "t1", "--cpu", "500",
+                        "--memory", "1024", "--json")
+    assert created.exit_code == 0, created.output
+    seq = json.loads(created.output)["seq"]
+    assert kinds(await wrote(nc, prefix, seq)) == ["ActorCreated"]
+
+    shown = await run("actor", "show", "a-1", "--json")
+    view = json.loads(shown.output)
+    assert (view["state"], view["snapshot"], view["worker_id"]) == ("CREATED", None, None)
+
+    resumed = await run("actor", "resume", "a-1")
+    assert resumed.exit_code == 0, resumed.output
+    placed = fields(resumed.output)
+    assert placed["DECISION"] == "RUN (cold boot)" and placed["WORKER"] in ("w-old", "w-new")
+    assert placed["RUNTIME"] in ("runsc-v1", "runsc-v2")  # the pin by its label, as the views show it
+    (event, _) = await wrote(nc, prefix, int(placed["SEQ"]))  # ActorPlaced and its booking marker
+    assert isinstance(event, ActorPlaced) and event.worker_id == placed["WORKER"]
+
+    paused = await run("actor", "pause", "a-1")
+    assert paused.exit_code == 0, paused.output
+    node = "node-old" if placed["WORKER"] == "w-old" else "node-new"
+    assert paused.output.startswith(f"actor/a-1 paused: snapshot a-1-v3, MEMORY, LOCAL on {node}, "
+                                    f"stamp {placed['RUNTIME']} (seq ")
+    view = json.loads((await run("actor", "show", "a-1", "-o", "json")).output)
+    assert (view["state"], view["snapshot"]["location"], view["snapshot"]["node"]) == ("PAUSED", "LOCAL", node)
+    assert view["snapshot"]["stamp"]["label"] == placed["RUNTIME"]
+    text = (await run("actor", "show", "a-1")).output
+    assert fields(text)["STATE"] == "PAUSED" and fields(text)["STAMP"] == placed["RUNTIME"]
+
+    promoted = await run("actor", "suspend", "a-1", "--uri", "s3://bucket/a-1", "--json")
+    snap = json.loads(promoted.output)["snapshot"]
+    assert (snap["location"], snap["uri"]) == ("EXTERNAL", "s3://bucket/a-1")
+    (event,) = await wrote(nc, prefix, json.loads(promoted.output)["seq"])
+    assert isinstance(event, SnapshotTaken) and event.origin.value == "PROMOTE"
+
+    tagged = await run("actor", "tag", "a-1", "golden-1")
+    assert tagged.exit_code == 0 and tagged.output.startswith("actor/a-1 tagged golden-1: snapshot a-1-v3")
+
+    templated = await run("actor", "update-template", "a-1", "t2", "--json")
+    assert kinds(await wrote(nc, prefix, json.loads(templated.output)["seq"])) == ["TemplateChanged"]
+    again = json.loads((await run("actor", "resume", "a-1", "--json")).output)
+    assert again["fallback"]["reason"] == "TEMPLATE_CHANGED"  # the memory is of the old template
+
+    stopped = await run("actor", "stop", "a-1")
+    assert stopped.exit_code == 0 and stopped.output.startswith("actor/a-1 stopped (seq ")
+    history = [type(e) for _, e in await read_log(nc, prefix, f"{prefix}.ev.actor.a-1")]
+    assert history[-2:] == [ActorReleased, ActorStopped]
+    assert json.loads((await run("actor", "show", "a-1", "--json")).output)["state"] == "STOPPED"
+
+
+async def test_a_restore_through_a_compatible_version_shows_what_matched(bus):
+    run, wb = bus
+    await run("worker", "drain", "w-new")
+    await run("actor", "create", "a-2", "--class", "gvisor", "--template", "t1", "--cpu", "100", "--memory", "256")
+    await run("actor", "resume", "a-2")  # on w-old, the only live worker: pinned to v1
+    suspended = await run("actor", "suspend", "a-2", "--uri", "s3://a-2")
+    assert suspended.output.startswith("actor/a-2 suspended: snapshot a-2-v3, MEMORY, EXTERNAL s3://a-2, "
+                                       "stamp runsc-v1 (seq ")
+    await run("worker", "drain", "w-old")
+    await wb.register(worker("w-edge", runtime(V2, name="runsc-v2", compatible=(V1,)), node="node-edge"))
+    placed = fields((await run("actor", "resume", "a-2")).output)
+    assert (placed["DECISION"], placed["WORKER"]) == ("RESTORE at MEMORY", "w-edge")
+    assert (placed["RUNTIME"], placed["MATCHED"]) == ("runsc-v2", "runsc-v1")  # pinned v2, through its edge to v1
+
+
+async def test_errors_name_code_and_field_exit_1_and_write_nothing(bus, nc, prefix):
+    run, _ = bus
+    before = await last_seq(nc, prefix)
+    cases = [
+        (("actor", "create", "a-9", "--class", "gvisor", "--template", "t1", "--cpu", "0", "--memory", "256"),
+         "error: INVALID_ARGUMENT resources.cpu_millis: "),
+        (("actor", "pause", "nobody"), "error: NOT_FOUND "),
+        (("actor", "pause", "a.b"), "error: INVALID_ARGUMENT actor_id: 'a.b' is not an id"),
+        (("actor", "show", "nobody"), "error: NOT_FOUND actor_id: no actor 'nobody'"),
+        (("worker", "drain", "w x"), "error: INVALID_ARGUMENT worker_id: 'w x' is not an id"),
+        (("worker", "show", "nobody"), "error: NOT_FOUND worker_id: no registered worker 'nobody'"),
+    ]
+    for args, expected in cases:
+        result = await run(*args)
+        assert result.exit_code == 1, (args, result.output)
+        assert result.stderr.startswith(expected), (args, result.stderr)
+        assert result.stdout == ""
+    assert await last_seq(nc, prefix) == before
+    await run("actor", "create", "a-9", "--class", "gvisor", "--template", "t1", "--cpu", "100", "--memory", "256")
+    refused = await run("actor", "pause", "a-9", "--json")  # CREATED, not RUNNING
+    assert refused.exit_code == 1 and refused.stderr.startswith("error: FAILED_PRECONDITION")
+
+
+async def test_the_same_request_id_is_the_same_request(bus, nc, prefix):
+    run, _ = bus
+    args = ("actor", "create", "a-5", "--class", "gvisor", "--template", "t1", "--cpu", "100", "--memory", "256",
+            "--request-id", "op-17", "--json")
+    first, second = await run(*args), await run(*args)
+    assert json.loads(first.output) == json.loads(second.output)
+    created = [e for _, e in await read_log(nc, prefix) if isinstance(e, ActorCreated) and e.actor_id == "a-5"]
+    assert len(created) == 1
+
+
+async def test_revert_gives_up_an_image_whose_node_is_gone(bus, nc, prefix):
+    run, wb = bus
+    await wb.drain("w-new")
+    await run("actor", "create", "a-6", "--class", "gvisor", "--template", "t1", "--cpu", "100", "--memory", "256")
+    await run("actor", "resume", "a-6")  # on w-old, the only live worker
+    await run("actor", "pause", "a-6")
+    removed = await run("worker", "remove", "w-old", "--reason", "decommissioned")
+    assert removed.exit_code == 0 and removed.output.startswith("worker/w-old removed (seq ")
+    assert kinds(await wrote(nc, prefix, int(removed.output.split()[-1].rstrip(")")))) == ["WorkerRemoved"]
+    stuck = await run("actor", "resume", "a-6")
+    assert stuck.exit_code == 1
+    assert stuck.stderr.startswith("error: FAILED_PRECONDITION") and "node-old" in stuck.stderr
+    assert "revert" in stuck.stderr
+    reverted = await run("actor", "revert", "a-6", "--reason", "node gone")
+    assert reverted.exit_code == 0, reverted.output
+    assert reverted.output.startswith("actor/a-6 reverted to no snapshot: it will cold-boot (seq ")
+    seq = int(reverted.output.split()[-1].rstrip(")"))
+    assert kinds(await wrote(nc, prefix, seq)) == ["ActorReverted"]
+    view = json.loads((await run("actor", "show", "a-6", "--json")).output)
+    assert (view["state"], view["snapshot"]) == ("SUSPENDED", None)
+
+
+async def test_worker_show_drain_and_remove(bus, nc, prefix):
+    run, wb = bus
+    for i in range(3):
+        await wb.create(actor(f"b-{i}", cpu=100, mem=256))
+    await wb.drain("w-old")  # all three land on w-new
+    for i in range(3):
+        await wb.resume(f"b-{i}")
+    view = json.loads((await run("worker", "show", "w-new", "--json")).output)
+    assert (view["node"], view["state"]) == ("node-new", "REGISTERED")
+    assert [a["actor_id"] for a in view["actors"]] == ["b-0", "b-1", "b-2"]
+    assert all(a["pin"] == "runsc-v2" for a in view["actors"])
+    (row,) = view["classes"]
+    assert (row["runtime"], row["compatible"]) == ("runsc-v2", ["runsc-v1"])
+    listed = json.loads((await run("workers", "--json")).output)
+    assert next(r for r in listed if r["worker_id"] == "w-new")["free"] == view["free"] == row["free"]
+    text = (await run("worker", "show", "w-new", width=80)).output
+    shown = fields(text)
+    assert shown["STATE"] == "REGISTERED" and shown["GVISOR COMPATIBLE"] == "runsc-v1"
+    assert all(f"b-{i}" in text for i in range(3)) and max(len(line) for line in text.splitlines()) <= 80
+
+    drained = await run("worker", "drain", "w-new", "--reason", "kernel update", "--json")
+    assert kinds(await wrote(nc, prefix, json.loads(drained.output)["seq"])) == ["WorkerDrained"]
+    assert json.loads((await run("worker", "show", "w-new", "--json")).output)["state"] == "DRAINED"
+    removed = await run("worker", "remove", "w-new", "--json")
+    assert removed.exit_code == 0
+    gone = await run("worker", "show", "w-new")
+    assert gone.exit_code == 1 and gone.stderr.startswith("error: NOT_FOUND worker_id: ")
+    # the snapshotter releases its actors: SUSPENDED, back to their latest snapshot (none here)
+    await wait_for(nc, prefix, lambda e: isinstance(e, ActorReleased) and e.actor_id == "b-2"
+                   and e.reason.value == "WORKER_REMOVED")
+    view = json.loads((await run("actor", "show", "b-2", "--json")).output)
+    assert (view["state"], view["worker_id"]) == ("SUSPENDED", None)

@@ -1,0 +1,457 @@
+"""Lifecycle and worker commands: `warmboot actor ...` and `warmboot worker ...`.
+
+Each mutating command is one call of `warmboot.client.Client` (request id generated
+unless `--request-id` is given, so running the same command again with the same id
+is the same request; UNAVAILABLE and time-outs retried), printed as one line for
+people or, with `--json`, as the reply's JSON. A contract error is printed as
+`error: CODE field: message` on stderr with exit status 1 (warmboot.cli_common.Failed).
+
+The `show` commands read the log, not a service:
+- `actor show` reads the actor's own history (`<prefix>.ev.actor.<id>`) and folds it with
+  the scheduler's projection: state, spec, latest snapshot and its stamp, assignment;
+  the worker histories are folded too, for the runtime labels.
+- `worker show` folds the whole log with the scheduler's projection, as `warmboot workers`
+  does (a worker's free room and actors are in the actors' placements): what the
+  scheduler sees of that worker.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import click
+import msgspec
+
+from events.codec import decode_reply, to_builtins
+from events.errors import not_found
+from events.runtime_id import Runtimes, short_id
+from events.schema import ActorRuntime, CompatVersion, CreateActor, Fidelity, Resources, Snapshot
+from events.subjects import event_subject
+from warmboot.cli_common import ask, nats_option, prefix_option, read_subject, replay, version_text
+from warmboot.client import Client
+from warmboot.cmd_views import (
+    decision_fields,
+    echo_json,
+    fleet_runtimes,
+    millis,
+    mib,
+    output_mode,
+    output_option,
+    runtimes_of,
+    worker_rows,
+)
+from warmboot.render import Column, render_fields, render_table, terminal_width
+
+json_flag = click.option("--json", "as_json", is_flag=True, help="Print the reply as JSON.")
+request_id_option = click.option("--request-id", default=None,
+                                 help="Idempotency key: the same command with the same id is the same request "
+                                      "(default: a new one).")
+
+
+def selectors_of(pairs: tuple[str, ...]) -> dict[str, str]:
+    try:
+        return dict(pair.split("=", 1) for pair in pairs)
+    except ValueError:
+        raise click.BadParameter("selectors are KEY=VALUE", param_hint="'--selector'") from None
+
+
+def run(nats_url: str, prefix: str, labelled: bool, call: Callable[[Client], Any]) -> tuple[Any, Runtimes | None]:
+    """One request through the client; with `labelled`, also the fleet's runtimes (for labels)."""
+
+    async def work(nc: Any) -> tuple[Any, Runtimes | None]:
+        reply = await call(Client(nc, prefix))
+        return reply, (await fleet_runtimes(nc, prefix) if labelled else None)
+
+    return ask(nats_url, work)
+
+
+def stamp_label(stamp: ActorRuntime | None, runtimes: Runtimes) -> str:
+    if stamp is None:
+        return "unstamped"
+    return runtimes.label(stamp.sandbox_class, stamp.version, stamp.name)
+
+
+def snapshot_text(snap: Snapshot, runtimes: Runtimes) -> str:
+    where = f"LOCAL on {snap.node}" if snap.location.value == "LOCAL" else "EXTERNAL" + (f" {snap.uri}" if snap.uri else "")
+    borrowed = ", borrowed" if snap.borrowed else ""
+    return (f"snapshot {snap.snapshot_id}, {snap.fidelity.value}, {where}{borrowed}, "
+            f"stamp {stamp_label(snap.sandbox_runtime, runtimes)}")
+
+
+def done(kind: str, entity: str, what: str, seq: int) -> str:
+    return f"{kind}/{entity} {what} (seq {seq})"
+
+
+# --- actor ---------------------------------------------------------------------------------------
+
+
+@click.group()
+def actor() -> None:
+    """Create, pause, suspend, resume, tag, revert, re-template, stop and show actors."""
+
+
+@actor.command("create")
+@click.argument("actor_id")
+@click.option("--class", "sandbox_class", required=True, help="Sandbox class, e.g. gvisor.")
+@click.option("--template", "template_uid", required=True, help="Template uid the actor starts from.")
+@click.option("--cpu", "cpu_millis", type=int, required=True, help="CPU, whole millicores.")
+@click.option("--memory", "memory_mib", type=int, required=True, help="Memory, whole MiB.")
+@click.option("--selector", "selectors", multiple=True, metavar="KEY=VALUE", help="Worker label to require.")
+@click.option("--min-fidelity", type=click.Choice([f.value for f in Fidelity]), default=Fidelity.ROOTFS.value,
+              show_default=True, help="No restore below this fidelity.")
+@click.option("--source-tag", default=None, help="Start from the snapshot this tag names.")
+@click.option("--golden-snapshot", "golden", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              default=None, help="Start from this Snapshot (a JSON file): EXTERNAL, with a uri.")
+@request_id_option
+@nats_option
+@prefix_option
+@json_flag
+def create_cmd(actor_id: str, sandbox_class: str, template_uid: str, cpu_millis: int, memory_mib: int,
+               selectors: tuple[str, ...], min_fidelity: str, source_tag: str | None, golden: Path | None,
+               request_id: str | None, nats_url: str, prefix: str, as_json: bool) -> None:
+    """Create ACTOR_ID (snapshotter.create)."""
+    golden_snapshot = None
+    if golden is not None:
+        try:  # decoded by the schema, as the service will: a bad file names its field
+            golden_snapshot = decode_reply(Snapshot, golden.read_bytes())
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:
+            raise click.BadParameter(f"{golden}: {e}", param_hint="'--golden-snapshot'") from None
+    body = CreateActor(actor_id=actor_id, sandbox_class=sandbox_class, template_uid=template_uid,
+                       resources=Resources(cpu_millis=cpu_millis, memory_mib=memory_mib),
+                       selectors=selectors_of(selectors), min_fidelity=Fidelity(min_fidelity),
+                       source_tag=source_tag, golden_snapshot=golden_snapshot, request_id=request_id)
+    reply, _ = run(nats_url, prefix, False, lambda wb: wb.create(body))
+    echo(reply, as_json, lambda: done("actor", actor_id, "created", reply.seq))
+
+
+def echo(reply: Any, as_json: bool, text: Callable[[], str]) -> None:
+    if as_json:
+        echo_json(to_builtins(reply))
+    else:
+        click.echo(text())
+
+
+@actor.command("pause")
+@click.argument("actor_id")
+@click.option("--snapshot-id", default=None, help="Id of the LOCAL memory snapshot (default: <actor>-v<n>).")
+@request_id_option
+@nats_option
+@prefix_option
+@json_flag
+def pause_cmd(actor_id: str, snapshot_id: str | None, request_id: str | None, nats_url: str, prefix: str,
+              as_json: bool) -> None:
+    """Pause a RUNNING actor: a LOCAL memory snapshot on its node, stamped with its pin."""
+    reply, runtimes = run(nats_url, prefix, not as_json, lambda wb: wb.pause(actor_id, snapshot_id, request_id))
+    echo(reply, as_json, lambda: done("actor", actor_id, "paused: " + snapshot_text(reply.snapshot, runtimes),
+                                      reply.seq))
+
+
+@actor.command("suspend")
+@click.argument("actor_id")
+@click.option("--fidelity", type=click.Choice([f.value for f in Fidelity]), default=Fidelity.MEMORY.value,
+              show_default=True, help="What the EXTERNAL snapshot can restore.")
+@click.option("--uri", default=None, help="Where the snapshot is stored.")
+@click.option("--snapshot-id", default=None, help="Id of the snapshot (default: <actor>-v<n>).")
+@request_id_option
+@nats_option
+@prefix_option
+@json_flag
+def suspend_cmd(actor_id: str, fidelity: str, uri: str | None, snapshot_id: str | None, request_id: str | None,
+                nats_url: str, prefix: str, as_json: bool) -> None:
+    """Suspend an actor: RUNNING -> an EXTERNAL snapshot stamped with its pin; PAUSED -> its
+    LOCAL snapshot promoted to EXTERNAL (it may then move)."""
+    reply, runtimes = run(nats_url, prefix, not as_json,
+                          lambda wb: wb.suspend(actor_id, Fidelity(fidelity), uri, snapshot_id, request_id))
+    echo(reply, as_json, lambda: done("actor", actor_id, "suspended: " + snapshot_text(reply.snapshot, runtimes),
+                                      reply.seq))
+
+
+@actor.command("resume")
+@click.argument("actor_id")
+@click.option("--selector", "selectors", multiple=True, metavar="KEY=VALUE",
+              help="Extra worker label to require (narrows the actor's own selectors).")
+@request_id_option
+@nats_option
+@prefix_option
+@json_flag
+def resume_cmd(actor_id: str, selectors: tuple[str, ...], request_id: str | None, nats_url: str, prefix: str,
+               as_json: bool) -> None:
+    """Place ACTOR_ID on a worker (scheduler.resume): where, at which fidelity, pinned to which runtime."""
+    sel = selectors_of(selectors) or None
+    reply, runtimes = run(nats_url, prefix, not as_json, lambda wb: wb.resume(actor_id, sel, request_id))
+    if as_json:
+        echo_json(to_builtins(reply))
+        return
+    fields = [("ACTOR", actor_id), *decision_fields(reply, runtimes, False), ("SEQ", str(reply.seq))]
+    click.echo(render_fields(fields, terminal_width()))
+
+
+@actor.command("tag")
+@click.argument("actor_id")
+@click.argument("tag")
+@request_id_option
+@nats_option
+@prefix_option
+@json_flag
+def tag_cmd(actor_id: str, tag: str, request_id: str | None, nats_url: str, prefix: str, as_json: bool) -> None:
+    """Tag the actor's latest snapshot (EXTERNAL only) so that other actors can be created from it."""
+    reply, runtimes = run(nats_url, prefix, not as_json, lambda wb: wb.tag(actor_id, tag, request_id))
+    echo(reply, as_json, lambda: done("actor", actor_id, f"tagged {tag}: " + snapshot_text(reply.snapshot, runtimes),
+                                      reply.seq))
+
+
+@actor.command("revert")
+@click.argument("actor_id")
+@click.option("--reason", default=None, help="Recorded on ActorReverted.")
+@request_id_option
+@nats_option
+@prefix_option
+@json_flag
+def revert_cmd(actor_id: str, reason: str | None, request_id: str | None, nats_url: str, prefix: str,
+               as_json: bool) -> None:
+    """Give up the actor's LOCAL image and go back to its latest EXTERNAL snapshot (or to none:
+    it will cold-boot). What runs since that snapshot is lost."""
+    reply, runtimes = run(nats_url, prefix, not as_json, lambda wb: wb.revert(actor_id, reason, request_id))
+
+    def text() -> str:
+        back = snapshot_text(reply.snapshot, runtimes) if reply.snapshot else "no snapshot: it will cold-boot"
+        return done("actor", actor_id, f"reverted to {back}", reply.seq)
+
+    echo(reply, as_json, text)
+
+
+@actor.command("update-template")
+@click.argument("actor_id")
+@click.argument("template_uid")
+@request_id_option
+@nats_option
+@prefix_option
+@json_flag
+def update_template_cmd(actor_id: str, template_uid: str, request_id: str | None, nats_url: str, prefix: str,
+                        as_json: bool) -> None:
+    """Move ACTOR_ID to another template: its memory snapshots of the old one restore without memory."""
+    reply, _ = run(nats_url, prefix, False, lambda wb: wb.update_template(actor_id, template_uid, request_id))
+    echo(reply, as_json, lambda: done("actor", actor_id, f"template {template_uid}", reply.seq))
+
+
+@actor.command("stop")
+@click.argument("actor_id")
+@request_id_option
+@nats_option
+@prefix_option
+@json_flag
+def stop_cmd(actor_id: str, request_id: str | None, nats_url: str, prefix: str, as_json: bool) -> None:
+    """Stop ACTOR_ID (released from its worker if placed). A create of the same id starts a new life."""
+    reply, _ = run(nats_url, prefix, False, lambda wb: wb.stop(actor_id, request_id))
+    echo(reply, as_json, lambda: done("actor", actor_id, "stopped", reply.seq))
+
+
+def actor_view(actor_id: str, projection: Any, runtimes: Runtimes) -> dict:
+    """What the projection folded of one actor's history, as JSON values (labels beside the versions)."""
+    a = projection.actors.get(actor_id)
+    if a is None:
+        raise not_found(f"no actor {actor_id!r}", "actor_id")
+
+    def runtime(stamp: Any) -> dict | None:
+        if stamp is None:
+            return None
+        r = stamp.runtime
+        return {"label": runtimes.label(r.sandbox_class, r.version, r.name), "id": short_id(stamp.compat.key),
+                **to_builtins(r)}
+
+    kind = a.snapshot
+    snapshot = None if kind is None else {
+        "snapshot_id": a.snapshot_id, "template_uid": kind.template_uid, "fidelity": kind.fidelity.value,
+        "location": "LOCAL" if kind.local else "EXTERNAL", "node": kind.node, "borrowed": kind.borrowed,
+        "stamp": runtime(kind.stamp),
+    }
+    worker = a.worker
+    return to_builtins({
+        "actor_id": actor_id, "state": a.state, "sandbox_class": a.sandbox_class, "template_uid": a.template_uid,
+        "resources": a.resources, "selectors": dict(a.selectors), "min_fidelity": a.min_fidelity,
+        "snapshot": snapshot, "worker_id": worker.worker_id if worker is not None else None, "node": a.node,
+        "pin": runtime(a.pin), "booked": a.booked, "events": projection.events, "last_seq": a.last_seq,
+    })
+
+
+def actor_fields(view: dict, wide: bool) -> list[tuple[str, str]]:
+    res = view["resources"]
+    fields = [
+        ("ACTOR", view["actor_id"]),
+        ("STATE", view["state"]),
+        ("CLASS", view["sandbox_class"]),
+        ("TEMPLATE", view["template_uid"]),
+        ("RESOURCES", f"{millis(res['cpu_millis'])} cpu, {mib(res['memory_mib'])} memory"),
+        ("SELECTORS", ", ".join(f"{k}={v}" for k, v in sorted(view["selectors"].items())) or "-"),
+        ("MIN FIDELITY", view["min_fidelity"]),
+    ]
+    snap = view["snapshot"]
+    if snap is None:
+        fields.append(("SNAPSHOT", "none (a resume cold-boots)"))
+    else:
+        where = f"LOCAL on {snap['node']}" if snap["location"] == "LOCAL" else "EXTERNAL"
+        fields.append(("SNAPSHOT", f"{snap['snapshot_id']}, {snap['fidelity']}, {where}"
+                                   + (", borrowed" if snap["borrowed"] else "")))
+        if snap["template_uid"] != view["template_uid"]:
+            fields.append(("SNAPSHOT OF", f"template {snap['template_uid']} (its memory is unusable)"))
+        stamp = snap["stamp"]
+        fields.append(("STAMP", stamp["label"] if stamp else "unstamped"))
+        if wide and stamp:
+            fields.append(("STAMP ID", stamp["id"]))
+    if view["worker_id"]:
+        fields.append(("WORKER", view["worker_id"]))
+    if view["node"]:
+        fields.append(("NODE", view["node"]))
+    if view["pin"]:
+        fields.append(("PIN", view["pin"]["label"]))
+        if wide:
+            fields.append(("PIN ID", view["pin"]["id"]))
+    if view["booked"]:
+        b = view["booked"]
+        fields.append(("BOOKED", f"{millis(b['cpu_millis'])} cpu, {mib(b['memory_mib'])} memory"))
+    fields.append(("HISTORY", f"{view['events']} events, the last at sequence {view['last_seq']}"))
+    return fields
+
+
+@actor.command("show")
+@click.argument("actor_id")
+@nats_option
+@prefix_option
+@output_option
+def show_actor_cmd(actor_id: str, nats_url: str, prefix: str, output: str | None, as_json: bool) -> None:
+    """ACTOR_ID's state, latest snapshot and its stamp, and assignment, folded from its own history
+    (`<prefix>.ev.actor.<id>`) with the scheduler's projection."""
+    from services.scheduler.projection import Projection
+
+    async def work(nc: Any) -> dict:
+        records = await read_subject(nc, prefix, event_subject(prefix, "actor", actor_id))
+        projection = Projection()
+        for seq, event in records:
+            projection.apply(seq, event)
+        return actor_view(actor_id, projection, await fleet_runtimes(nc, prefix))
+
+    view = ask(nats_url, work)
+    mode = output_mode(output, as_json)
+    if mode == "json":
+        echo_json(view)
+        return
+    click.echo(render_fields(actor_fields(view, mode == "wide"), None if mode == "wide" else terminal_width()))
+
+
+# --- worker --------------------------------------------------------------------------------------
+
+
+@click.group()
+def worker() -> None:
+    """Drain, remove and show workers."""
+
+
+@worker.command("drain")
+@click.argument("worker_id")
+@click.option("--reason", default=None, help="Recorded on WorkerDrained.")
+@request_id_option
+@nats_option
+@prefix_option
+@json_flag
+def drain_cmd(worker_id: str, reason: str | None, request_id: str | None, nats_url: str, prefix: str,
+              as_json: bool) -> None:
+    """Drain WORKER_ID: it takes no new placements and keeps what it runs."""
+    reply, _ = run(nats_url, prefix, False, lambda wb: wb.drain(worker_id, reason, request_id))
+    echo(reply, as_json, lambda: done("worker", worker_id, "drained", reply.seq))
+
+
+@worker.command("remove")
+@click.argument("worker_id")
+@click.option("--reason", default=None, help="Recorded on WorkerRemoved.")
+@request_id_option
+@nats_option
+@prefix_option
+@json_flag
+def remove_cmd(worker_id: str, reason: str | None, request_id: str | None, nats_url: str, prefix: str,
+               as_json: bool) -> None:
+    """Remove WORKER_ID: its RUNNING actors are released (SUSPENDED, back to their latest snapshot)."""
+    reply, _ = run(nats_url, prefix, False, lambda wb: wb.remove(worker_id, reason, request_id))
+    echo(reply, as_json, lambda: done("worker", worker_id, "removed", reply.seq))
+
+
+def worker_view(worker_id: str, projection: Any) -> dict:
+    """One worker as the scheduler's projection has it: its rows of `warmboot workers` (one per
+    class), its labels, compatible versions and booked actors, as JSON values."""
+    w = projection.workers.get(worker_id)
+    if w is None:
+        raise not_found(f"no registered worker {worker_id!r}", "worker_id")
+    runtimes = runtimes_of(projection)
+    rows = [r for r in worker_rows(projection, runtimes) if r["worker_id"] == worker_id]
+    for row in rows:
+        entry = w.classes[row["sandbox_class"]]
+        row["compatible"] = sorted({runtimes.label(row["sandbox_class"], e.version)
+                                    for r in (entry.default, *entry.restorable) for e in r.edges})
+    actors = []
+    for actor_id in sorted(projection.booked_on(w)):
+        a = projection.actors[actor_id]
+        pin = a.pin.runtime
+        actors.append({"actor_id": actor_id, "state": a.state, "booked": to_builtins(a.booked),
+                       "pin": runtimes.label(pin.sandbox_class, pin.version, pin.name)})
+    return to_builtins({"worker_id": worker_id, "node": w.node, "state": w.state, "labels": dict(w.labels),
+                        "capacity": {"cpu_millis": w.cpu_millis, "memory_mib": w.memory_mib},
+                        "free": {"cpu_millis": w.room_cpu, "memory_mib": w.room_mem},
+                        "classes": rows, "actors": actors})
+
+
+ACTOR_COLUMNS = [
+    Column("ACTOR", lambda a: a["actor_id"]),
+    Column("STATE", lambda a: a["state"]),
+    Column("CPU", lambda a: millis(a["booked"]["cpu_millis"]), right=True),
+    Column("MEM", lambda a: mib(a["booked"]["memory_mib"]), right=True),
+    Column("PIN", lambda a: a["pin"]),
+]
+
+
+def render_worker(view: dict, width: int | None, wide: bool = False) -> str:
+    cap, free = view["capacity"], view["free"]
+    fields = [
+        ("WORKER", view["worker_id"]),
+        ("NODE", view["node"]),
+        ("STATE", view["state"]),
+        ("LABELS", ", ".join(f"{k}={v}" for k, v in sorted(view["labels"].items())) or "-"),
+        ("CAPACITY", f"{millis(cap['cpu_millis'])} cpu, {mib(cap['memory_mib'])} memory"),
+        ("FREE", f"{millis(free['cpu_millis'])} cpu, {mib(free['memory_mib'])} memory"),
+    ]
+    for row in view["classes"]:
+        cls = row["sandbox_class"]
+        fields.append((f"{cls.upper()} DEFAULT", row["runtime"] + (f" ({row['runtime_id']})" if wide else "")))
+        fields.append((f"{cls.upper()} RESTORABLE", ", ".join(row["restorable"]) or "-"))
+        fields.append((f"{cls.upper()} COMPATIBLE", ", ".join(row["compatible"]) or "-"))
+        if wide:
+            fields.append((f"{cls.upper()} ATTRIBUTES",
+                           version_text(msgspec.convert(row["default_runtime"], CompatVersion))))
+    text = render_fields(fields, None if wide else width)
+    if not view["actors"]:
+        return text + "\n\nno actors booked"
+    table = render_table(ACTOR_COLUMNS, view["actors"], width, wide)
+    return text + "\n\n" + table.text
+
+
+@worker.command("show")
+@click.argument("worker_id")
+@nats_option
+@prefix_option
+@output_option
+def show_worker_cmd(worker_id: str, nats_url: str, prefix: str, output: str | None, as_json: bool) -> None:
+    """WORKER_ID's node, state, labels, capacity and free room, runtimes per class (default,
+    restorable, compatible versions) and the actors booked on it. Folds the whole log with the
+    scheduler's projection, as `warmboot workers` does."""
+    from warmboot.audit import Sink
+
+    mode = output_mode(output, as_json)
+
+    async def work(nc: Any) -> dict:
+        sink = await replay(nc, prefix, Sink(), mode != "json")
+        return worker_view(worker_id, sink.projection)
+
+    view = ask(nats_url, work)
+    if mode == "json":
+        echo_json(view)
+        return
+    click.echo(render_worker(view, terminal_width(), mode == "wide"))
