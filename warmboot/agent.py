@@ -5,7 +5,9 @@ file (see examples/agent.toml) that declares the worker's capacity, labels and,
 per sandbox class, the default runtime and the restorable runtimes. A runtime is a
 probe profile (`gvisor` or `microvm`: which CPU attributes `events.probe` reads
 from this machine) plus literal attributes (the runtime's asset digests), or
-literal attributes alone; with its informational name and actor overhead.
+literal attributes alone; with its informational name, actor overhead and the
+versions it is compatible with (`compatible_versions`, one-way edges: each given
+the same way, probed or literal).
 
 The agent then:
 - registers (`<prefix>.registry.register.<worker_id>`), and heartbeats at a third
@@ -57,8 +59,8 @@ from events.schema import (
     RegisterWorker,
     SeqReply,
 )
-from events.subjects import DEFAULT_PREFIX, check_prefix, service_subject
-from services.common import call
+from events.subjects import DEFAULT_PREFIX, check_prefix
+from warmboot.client import Client
 
 log = logging.getLogger("warmboot.agent")
 
@@ -75,14 +77,22 @@ class ConfigError(ValueError):
 # --- the configuration file -----------------------------------------------------------
 
 
-class RuntimeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """One runtime of a sandbox class, as the TOML file declares it."""
+class VersionConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A CompatVersion as the TOML file declares it: probed (`profile`) plus literal attributes,
+    or literal attributes alone (another machine's, copied from its `--print-registration`)."""
 
-    name: str | None = None
     profile: str | None = None  # probe this machine's CPU with this profile
     schema_version: str = SCHEMA_VERSION
     attributes: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+class RuntimeConfig(VersionConfig, kw_only=True, forbid_unknown_fields=True):
+    """One runtime of a sandbox class, as the TOML file declares it."""
+
+    name: str | None = None
     actor_overhead: ActorOverhead | None = None
+    # one-way edges (CONTRACT v1.1): this runtime also restores snapshots stamped with these
+    compatible_versions: list[VersionConfig] = msgspec.field(default_factory=list)
 
 
 class ClassConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -130,7 +140,7 @@ def _where(text: str) -> str:
     return f"{path.rstrip('`').lstrip('.')}: {message}"
 
 
-def _version(runtime: RuntimeConfig, path: str, probe: ProbeSettings) -> dict[str, Any]:
+def _version(runtime: VersionConfig, path: str, probe: ProbeSettings) -> dict[str, Any]:
     if runtime.profile is None:
         attributes = sorted(runtime.attributes.items())
         return {
@@ -162,6 +172,9 @@ def _runtime(runtime: RuntimeConfig, path: str, probe: ProbeSettings) -> dict[st
         body["name"] = runtime.name
     if runtime.actor_overhead is not None:
         body["actor_overhead"] = to_builtins(runtime.actor_overhead)
+    if runtime.compatible_versions:
+        body["compatible_versions"] = [_version(v, f"{path}.compatible_versions[{k}]", probe)
+                                       for k, v in enumerate(runtime.compatible_versions)]
     return body
 
 
@@ -244,9 +257,6 @@ class Agent:
         self._reconnected = asyncio.Event()
         self._last_error: str | None = None
 
-    def subject(self, verb: str) -> str:
-        return service_subject(self.prefix, "registry", verb, self.worker_id)
-
     # --- configuration -------------------------------------------------------------------
 
     def _read_config(self) -> RegisterWorker | None:
@@ -320,10 +330,13 @@ class Agent:
 
     async def _request(self, verb: str, body: Any, reply_type: type, stop: asyncio.Event | None):
         """A request, retried while the registry is unreachable (UNAVAILABLE) unless stopped."""
+        # One attempt per call of the client (warmboot.client: the one way a request is made);
+        # the agent's own loop retries, without bound until stopped, as a worker in service must.
+        client = Client(self.nc, self.prefix, timeout=REQUEST_TIMEOUT_S, attempts=1)
         delay = RETRY_MIN_S
         while True:
             try:
-                return await call(self.nc, self.subject(verb), body, reply_type, timeout=REQUEST_TIMEOUT_S)
+                return await client.request("registry", verb, self.worker_id, body, reply_type)
             except ContractError as e:
                 if e.code != ErrorCode.UNAVAILABLE or stop is None:
                     raise

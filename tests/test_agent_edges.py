@@ -1,0 +1,103 @@
+"""The agent's `compatible_versions` (one-way edges, CONTRACT v1.1): declared per runtime in
+its TOML file, validated like everything else (a bad entry names its field), registered,
+and used by the scheduler."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from events.schema import Attribute, CompatVersion, RuntimeChanged, WorkerRegistered
+from tests.factories import actor, golden
+from tests.registry_helpers import PROBE, agent_config, wait_event
+from tests.test_agent import probed, running_agent
+from warmboot.agent import ConfigError, load_registration
+from warmboot.client import Client
+
+ROOT = Path(__file__).parent.parent
+OLD_CPU = "5f1d0c3b2a994e17"  # the previous generation's cpu_features
+
+
+def literal(asset: str, cpu_features: str = OLD_CPU) -> str:
+    return (f'schema_version = "v1"\nattributes = {{ architecture = "amd64", cpu_features = "{cpu_features}", '
+            f'gvisor_asset_hash = "{asset}" }}\n')
+
+
+def with_edges(text: str, *edges: str, where: str = "default_runtime") -> str:
+    """`text` (agent_config's) with these edge tables under its first class's `where` runtime."""
+    block = "".join(f"\n[[sandbox_classes.{where}.compatible_versions]]\n{edge}" for edge in edges)
+    return text + block
+
+
+def old_version(asset: str) -> CompatVersion:
+    pairs = {"architecture": "amd64", "cpu_features": OLD_CPU, "gvisor_asset_hash": asset}
+    return CompatVersion(schema_version="v1", attributes=tuple(Attribute(key=k, value=v) for k, v in pairs.items()))
+
+
+def test_the_example_declares_an_edge_to_the_previous_cpu_generation():
+    registration = load_registration(ROOT / "examples" / "agent.toml", "w-17", "node-a", PROBE)
+    gvisor = next(c for c in registration.sandbox_classes if c.sandbox_class == "gvisor")
+    (edge,) = gvisor.default_runtime.compatible_versions
+    attrs = {a.key: a.value for a in edge.attributes}
+    own = {a.key: a.value for a in gvisor.default_runtime.version.attributes}
+    assert attrs["cpu_features"] == OLD_CPU != own["cpu_features"]  # another CPU, the same release
+    assert attrs["gvisor_asset_hash"] == own["gvisor_asset_hash"]
+
+
+def test_edges_load_probed_or_literal(tmp_path):
+    path = tmp_path / "agent.toml"
+    text = with_edges(agent_config("v2", ("v1",)), literal("v2"), 'profile = "gvisor"\n'
+                      'attributes = { gvisor_asset_hash = "v0" }\n')
+    path.write_text(with_edges(text, literal("v1"), where="restorable_runtimes"))
+    entry = load_registration(path, "w-a", "node-a", PROBE).sandbox_classes[0]
+    assert set(entry.default_runtime.compatible_versions) == {old_version("v2"), probed("v0")}
+    assert entry.restorable_runtimes[0].compatible_versions == (old_version("v1"),)
+
+
+@pytest.mark.parametrize(
+    "edges, where, field",
+    [
+        ((literal("v1").replace("schema_version", "schema_verison"),), "default_runtime",
+         "sandbox_classes[0].default_runtime.compatible_versions[0]: Object contains unknown field `schema_verison`"),
+        (('profile = "qemu"\n',), "default_runtime", "sandbox_classes[0].default_runtime.compatible_versions[0].profile"),
+        (('profile = "gvisor"\nattributes = { gvisor_asset_hash = "v1" }\n',), "default_runtime",
+         "sandbox_classes[0].default_runtime.compatible_versions[0]"),  # equal to the runtime's own version
+        ((literal("v0"), literal("v0")), "default_runtime", "sandbox_classes[0].default_runtime.compatible_versions[1]"),
+        (('schema_version = "v1"\nattributes = { gvisor_asset_hash = "v0" }\n',), "restorable_runtimes",
+         "sandbox_classes[0].restorable_runtimes[0].compatible_versions[0].attributes"),  # v1 needs architecture
+        (('attributes = { architecture = "amd64", cpu_features = "" }\n',), "default_runtime",
+         "sandbox_classes[0].default_runtime.compatible_versions[0].attributes"),
+    ],
+    ids=["unknown-key", "profile", "equals-own-version", "duplicate", "no-architecture", "empty-value"],
+)
+def test_a_bad_edge_names_its_field(tmp_path, edges, where, field):
+    path = tmp_path / "agent.toml"
+    path.write_text(with_edges(agent_config("v1", ("v0",)), *edges, where=where))
+    with pytest.raises(ConfigError) as error:
+        load_registration(path, "w-a", "node-a", PROBE)
+    assert field in str(error.value)
+
+
+async def test_an_agent_registers_its_edge_and_the_scheduler_restores_through_it(stack, nats_url, nc, prefix,
+                                                                                tmp_path):
+    """A v1 image taken on the previous CPU generation restores from memory on this worker's v1
+    through its edge; dropping the edge from the file is a runtime change."""
+    wb = Client(nc, prefix)
+    path = tmp_path / "agent.toml"
+    path.write_text(with_edges(agent_config("v1"), literal("v1")))
+    async with running_agent(nats_url, prefix, path):
+        seq, registered = await wait_event(nc, prefix, "w-a", WorkerRegistered)
+        assert registered.sandbox_classes[0].default_runtime.compatible_versions == (old_version("v1"),)
+        await wb.create(actor("a", golden_snapshot=golden(old_version("v1"))))
+        placed = await wb.resume("a", min_seq=seq)
+        assert (placed.worker_id, placed.fidelity.value, placed.matched_version) == ("w-a", "MEMORY",
+                                                                                   old_version("v1"))
+        assert placed.sandbox_runtime.version == probed("v1")  # pinned to this worker's own version
+        frag = (await wb.fragmentation("gvisor")).classes[0]
+        old = next(r for r in frag.runtimes if r.version == old_version("v1"))
+        assert (old.workers_default, old.workers_compatible) == (0, 1)
+
+        path.write_text(agent_config("v1"))  # the edge withdrawn
+        _, changed = await wait_event(nc, prefix, "w-a", RuntimeChanged, after=seq)
+        assert changed.sandbox_classes[0].default_runtime.compatible_versions == ()
