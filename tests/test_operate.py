@@ -57,7 +57,12 @@ def check_demo_summary(rows: dict[str, str]) -> None:
     assert int(rows["fallbacks NO_COMPATIBLE_WORKER"]) > 0
     assert int(rows["stranded snapshots during upgrade (v1 restorable)"]) == 0
     assert int(rows["stranded snapshots after v1 dropped"]) > 0
+    # whatif asked before the drop forecast what fragmentation counted after it
+    assert rows["stranded snapshots after v1 dropped, forecast by whatif"] == rows["stranded snapshots after v1 dropped"]
+    assert rows["whatif forecast agrees with the drop"] == "yes"
     assert int(rows["stranded snapshots after the actors moved"]) == 0
+    # the newest CPU generation restored the retired oldest one's images through its compatible version
+    assert int(rows["restores through a compatible version"]) > 0
 
 
 def test_up_runs_the_demo_and_twice_in_a_row(tmp_path):
@@ -68,6 +73,7 @@ def test_up_runs_the_demo_and_twice_in_a_row(tmp_path):
     first = subprocess.run(args, capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "200"})
     assert first.returncode == 0, first.stderr[-2000:]
     assert "new store" in first.stdout and "NATS     nats://127.0.0.1:" in first.stdout
+    assert "what-if before dropping v1" in first.stdout and "MEMORY RESTORABLE" in first.stdout  # the forecast
     check_demo_summary(table_rows(first.stdout))
     second = subprocess.run(args, capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "200"})
     assert second.returncode == 0, second.stderr[-2000:]
@@ -151,11 +157,14 @@ async def test_views_json_agree_with_the_endpoints(demo, nats_url, nc):
     listed = await cli("workers", "--json", "--nats", nats_url, "--prefix", prefix)
     assert listed.exit_code == 0, listed.output
     rows = json.loads(listed.output)
-    for cls in frag.classes:
-        assert sum(1 for r in rows if r["sandbox_class"] == cls.sandbox_class) == cls.workers
+    for cls in frag.classes:  # fragmentation counts the workers that take placements
+        assert sum(1 for r in rows if r["sandbox_class"] == cls.sandbox_class and r["state"] == "REGISTERED") \
+            == cls.workers
         free = sum(r["free"]["memory_mib"] for r in rows
                    if r["sandbox_class"] == cls.sandbox_class and r["state"] == "REGISTERED")
         assert free == sum(rt.free.memory_mib for rt in cls.runtimes if rt.workers_default)
+    # the demo retired (drained) its oldest CPU generation
+    assert {r["worker_id"][4] for r in rows if r["state"] == "DRAINED"} == {"0"}
 
 
 async def test_verify_names_the_sequence_of_a_forged_overbooking(demo, nats_url, nc):

@@ -1,12 +1,18 @@
 """The demo behind `make up`: a simulated fleet driven through the real bus.
 
-Everything goes through the public subjects of CONTRACT.md, as real workers and
-lifecycle callers would: about 60 workers in two sandbox classes on three CPU
-generations register and heartbeat; a few hundred actors are created, resumed,
-paused, suspended and resumed again; in the middle, a rolling upgrade makes v2 the
-default with v1 restorable, and later drops v1. The summary counts what the
-scheduler answered: placements by action and fidelity, fallbacks by reason,
-stranded snapshots before, during and after the upgrade, and resumes/s.
+Everything goes through the public subjects of CONTRACT.md with `warmboot.client`, as
+real workers and lifecycle callers would: about 60 workers in two sandbox classes on
+four CPU generations register and heartbeat; a few hundred actors are created,
+resumed, paused, suspended and resumed again (and a few more created during the upgrade). The newest generation's runtimes list
+the oldest generation's version of the same release in `compatible_versions` (a one-way
+edge: its snapshots resume on the newer CPU, not back), and the oldest machines are
+retired (drained) early on, so their actors' memory images restore through that edge.
+In the middle, a rolling upgrade makes v2 the default with v1 restorable; before v1 is
+dropped, the demo asks `scheduler.whatif` what the drop will strand, prints the
+forecast, makes the drop and checks the forecast against what fragmentation then
+counts. The summary counts what the scheduler answered: placements by action and
+fidelity, restores through a compatible version, fallbacks by reason, stranded
+snapshots before, during and after the upgrade (forecast beside measured), resumes/s.
 """
 
 from __future__ import annotations
@@ -24,46 +30,39 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from events.errors import ContractError
+from events.runtime_id import Runtimes
 from events.schema import (
     ActorOverhead,
     Assignment,
     Attribute,
     CompatVersion,
     CreateActor,
-    ErrorCode,
     Fidelity,
-    Fragmentation,
-    FragmentationQuery,
-    Heartbeat,
-    HeartbeatReply,
-    PauseActor,
-    RegisterReply,
     RegisterWorker,
     Resources,
-    ResumeActor,
-    SeqReply,
-    SnapshotReply,
-    SuspendActor,
+    WhatIf,
     WorkerRuntime,
     WorkerSandboxClass,
 )
-from events.subjects import service_subject
-from services.common import call
+from warmboot.client import Client
 from warmboot.runner import connect
 
 CLASSES = ("gvisor", "microvm")
-# Three CPU generations, as the probe would report them (distinct attributes per generation).
+# Four CPU generations, as the probe would report them (distinct attributes per generation),
+# oldest first. The newest (3) restores the oldest's (0) snapshots of the same release.
 GENERATIONS = {
     "gvisor": [
         {"architecture": "amd64", "cpu_features": f"{h:016x}"}
-        for h in (0x0AC853DF914E2CA0, 0x5F1D0C3B2A994E17, 0x9E3779B97F4A7C15)
+        for h in (0x0AC853DF914E2CA0, 0x5F1D0C3B2A994E17, 0x9E3779B97F4A7C15, 0x3C6EF372FE94F82B)
     ],
     "microvm": [
         {"architecture": "amd64", "cpu_vendor": "GenuineIntel", "cpu_model": "6/106"},
         {"architecture": "amd64", "cpu_vendor": "GenuineIntel", "cpu_model": "6/143"},
         {"architecture": "amd64", "cpu_vendor": "AuthenticAMD", "cpu_model": "25/17"},
+        {"architecture": "amd64", "cpu_vendor": "GenuineIntel", "cpu_model": "6/207"},
     ],
 }
+OLDEST, NEWEST = 0, 3
 ASSET_KEY = {"gvisor": "gvisor_asset_hash", "microvm": "kernel_digest"}
 
 
@@ -87,26 +86,43 @@ class Worker:
 @dataclass
 class Tally:
     placements: Counter = field(default_factory=Counter)  # (action, fidelity)
+    edge_restores: int = 0  # MEMORY restores whose stamp matched a compatible version, not the pin's own
     fallbacks: Counter = field(default_factory=Counter)  # reason
     refusals: Counter = field(default_factory=Counter)  # error code
     stranded: dict[str, int] = field(default_factory=dict)  # phase -> count
+    forecast_stranded: int | None = None  # whatif's stranded count after the v1 drop, before it was made
     resumes: int = 0
     resume_seconds: float = 0.0  # summed latency
     resume_wall: float = 0.0  # wall time of the resume phases
-    retries: int = 0  # requests answered UNAVAILABLE and sent again
+    retries: int = 0  # requests answered UNAVAILABLE (or not at all) and sent again
+
+    @property
+    def forecast_agrees(self) -> bool:
+        return self.forecast_stranded == self.stranded.get("after v1 dropped")
+
+
+def version(sandbox_class: str, generation: int, release: str) -> CompatVersion:
+    attrs = dict(GENERATIONS[sandbox_class][generation])
+    attrs[ASSET_KEY[sandbox_class]] = f"sha256-{sandbox_class}-{release}"
+    return CompatVersion(schema_version="v1",
+                         attributes=tuple(Attribute(key=k, value=v) for k, v in sorted(attrs.items())))
 
 
 def runtime(sandbox_class: str, generation: int, release: str) -> WorkerRuntime:
-    attrs = dict(GENERATIONS[sandbox_class][generation])
-    attrs[ASSET_KEY[sandbox_class]] = f"sha256-{sandbox_class}-{release}"
+    """The release on one CPU generation; on the newest, it also restores the oldest's snapshots."""
+    edges = (version(sandbox_class, OLDEST, release),) if generation == NEWEST else ()
     return WorkerRuntime(
         name=f"{sandbox_class}-{release}",
-        version=CompatVersion(
-            schema_version="v1",
-            attributes=tuple(Attribute(key=k, value=v) for k, v in sorted(attrs.items())),
-        ),
+        version=version(sandbox_class, generation, release),
         actor_overhead=ActorOverhead(fixed_mib=32, per_gib_mib=8),
+        compatible_versions=edges,
     )
+
+
+def known_runtimes() -> Runtimes:
+    """Every runtime the demo's fleet can offer, with its name: the labels the views would print."""
+    return Runtimes((cls, runtime(cls, g, r).version, runtime(cls, g, r).name)
+                    for cls in CLASSES for g in range(len(GENERATIONS[cls])) for r in ("v1", "v2"))
 
 
 def fleet(cfg: DemoConfig, rng: random.Random) -> list[Worker]:
@@ -114,7 +130,7 @@ def fleet(cfg: DemoConfig, rng: random.Random) -> list[Worker]:
     for i in range(cfg.workers):
         sandbox_class = CLASSES[i % 2]
         # Generations are uneven (the newest is scarce), so some restores must fall back.
-        generation = (0, 0, 0, 1, 1, 2)[(i // 2) % 6]
+        generation = (OLDEST, OLDEST, NEWEST, 1, 1, 2)[(i // 2) % 6]
         capacity = Resources(cpu_millis=rng.choice((8000, 16000)), memory_mib=rng.choice((8192, 16384)))
         workers.append(Worker(f"w-{sandbox_class[:2]}{generation}-{i:03d}", sandbox_class, generation, capacity))
     return workers
@@ -122,36 +138,20 @@ def fleet(cfg: DemoConfig, rng: random.Random) -> list[Worker]:
 
 class Demo:
     def __init__(self, nc: Any, prefix: str, cfg: DemoConfig):
-        self.nc = nc
-        self.prefix = prefix
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
         self.tally = Tally()
         self.workers = fleet(cfg, self.rng)
-        self.releases: dict[str, tuple[str, ...]] = {}  # worker -> (default, *restorable) releases
+        # One client for the whole demo: request ids, retries of UNAVAILABLE, and read-your-writes
+        # (every read and resume waits for the demo's own last write) are its business.
+        self.wb = Client(nc, prefix, timeout=cfg.timeout, attempts=8)
         self.gate = asyncio.Semaphore(cfg.concurrency)
-        self.seqs: dict[str, int] = {}  # actor -> seq of its last write: the next resume's min_seq
-        self.steps: dict[str, int] = {}
+        self.where: dict[str, str] = {}  # actor -> the worker of its last placement
+        self.oldest = [w for w in self.workers if w.generation == OLDEST]
 
-    def subject(self, service: str, verb: str, entity: str | None = None) -> str:
-        return service_subject(self.prefix, service, verb, entity)
-
-    async def request(self, service: str, verb: str, entity: str | None, body: Any, reply: type) -> Any:
-        """One request, retried with the same body (and request_id) while it is UNAVAILABLE,
-        as a careful client does: a retry gets the first answer, never a second write."""
-        for attempt in range(8):
-            try:
-                async with self.gate:
-                    return await call(self.nc, self.subject(service, verb, entity), body, reply, self.cfg.timeout)
-            except ContractError as e:
-                if e.code is not ErrorCode.UNAVAILABLE or attempt == 7:
-                    raise
-                self.tally.retries += 1
-                await asyncio.sleep(0.1 * (attempt + 1))  # client back-off
-
-    def request_id(self, actor_id: str, verb: str) -> str:
-        self.steps[actor_id] = self.steps.get(actor_id, 0) + 1
-        return f"demo-{actor_id}-{verb}-{self.steps[actor_id]}"
+    async def call(self, request: Awaitable[Any]) -> Any:
+        async with self.gate:
+            return await request
 
     async def register(self, worker: Worker, releases: tuple[str, ...]) -> None:
         default, *restorable = releases
@@ -167,8 +167,7 @@ class Demo:
             labels={"generation": f"g{worker.generation}", "zone": f"z{hash(worker.worker_id) % 3}"},
             sandbox_classes=(entry,),
         )
-        await self.request("registry", "register", worker.worker_id, body, RegisterReply)
-        self.releases[worker.worker_id] = releases
+        await self.call(self.wb.register(body))
 
     async def heartbeats(self) -> None:
         """Keep every simulated worker alive, as its agent would."""
@@ -176,32 +175,32 @@ class Demo:
         while True:
             for worker in self.workers:
                 with suppress(ContractError):
-                    reply = await self.request("registry", "heartbeat", worker.worker_id, Heartbeat(), HeartbeatReply)
+                    reply = await self.call(self.wb.heartbeat(worker.worker_id))
                     interval = max(0.5, reply.ttl_s / 3)
             await asyncio.sleep(interval)  # a heartbeat period, not synchronisation
 
     async def resume(self, actor_id: str) -> Assignment | None:
         started = time.perf_counter()
         try:
-            body = ResumeActor(min_seq=self.seqs.get(actor_id), request_id=self.request_id(actor_id, "resume"))
-            assignment = await self.request("scheduler", "resume", actor_id, body, Assignment)
+            assignment = await self.call(self.wb.resume(actor_id))
         except ContractError as e:
             self.tally.refusals[e.code.value] += 1
             return None
         finally:
             self.tally.resumes += 1
             self.tally.resume_seconds += time.perf_counter() - started
-        self.seqs[actor_id] = assignment.seq
+        self.where[actor_id] = assignment.worker_id
         self.tally.placements[(assignment.action.value, assignment.fidelity.value)] += 1
+        matched = assignment.matched_version
+        if matched is not None and matched != assignment.sandbox_runtime.version:
+            self.tally.edge_restores += 1
         if assignment.fallback:
             self.tally.fallbacks[assignment.fallback.reason.value] += 1
         return assignment
 
     async def pause(self, actor_id: str) -> bool:
         try:
-            body = PauseActor(request_id=self.request_id(actor_id, "pause"))
-            reply = await self.request("snapshotter", "pause", actor_id, body, SnapshotReply)
-            self.seqs[actor_id] = reply.seq
+            await self.call(self.wb.pause(actor_id))
             return True
         except ContractError as e:
             self.tally.refusals[e.code.value] += 1
@@ -209,9 +208,7 @@ class Demo:
 
     async def suspend(self, actor_id: str, fidelity: Fidelity = Fidelity.MEMORY) -> bool:
         try:
-            body = SuspendActor(fidelity=fidelity, request_id=self.request_id(actor_id, "suspend"))
-            reply = await self.request("snapshotter", "suspend", actor_id, body, SnapshotReply)
-            self.seqs[actor_id] = reply.seq
+            await self.call(self.wb.suspend(actor_id, fidelity))
             return True
         except ContractError as e:
             self.tally.refusals[e.code.value] += 1
@@ -223,8 +220,27 @@ class Demo:
         self.tally.resume_wall += time.perf_counter() - started
 
     async def stranded(self) -> int:
-        frag = await self.request("scheduler", "fragmentation", None, FragmentationQuery(), Fragmentation)
+        frag = await self.call(self.wb.fragmentation())
         return sum(c.stranded_snapshots for c in frag.classes)
+
+    async def forecast_drop(self, release: str, console: Console) -> int:
+        """Ask whatif, per class, what dropping `release` everywhere would strand; print it; the total."""
+        from warmboot.cmd_views import render_whatif
+
+        runtimes = known_runtimes()
+        total = 0
+        console.print(f"[bold]what-if[/] before dropping {release} (scheduler.whatif, writes nothing):")
+        for cls in CLASSES:
+            # the name stands for the release on every CPU generation, as on the command line
+            console.print(f"$ warmboot whatif --class {cls} --drop-runtime {cls}-{release} --limit 3",
+                          markup=False, highlight=False)
+            drop = tuple(version(cls, g, release) for g in range(len(GENERATIONS[cls])))
+            query = WhatIf(sandbox_class=cls, drop_runtimes=drop, limit=3)
+            answer = await self.call(self.wb.whatif(query))
+            total += answer.after.stranded_snapshots
+            console.print(render_whatif(query, answer, runtimes, console.width), markup=False, highlight=False)
+            console.print()
+        return total
 
 
 async def each(items: list[Any], step: Callable[[Any], Awaitable[Any]], advance: Callable[[], None]) -> list[Any]:
@@ -242,18 +258,21 @@ async def run_demo(nats_url: str, prefix: str, cfg: DemoConfig, console: Console
     demo = Demo(nc, prefix, cfg)
     actors = [f"a-{i:04d}" for i in range(cfg.actors)]
     classes = {a: CLASSES[i % 2] for i, a in enumerate(actors)}
+    newcomers = [f"b-{i:04d}" for i in range(max(2, cfg.actors // 5))]  # created during the upgrade
+    classes.update({a: CLASSES[i % 2] for i, a in enumerate(newcomers)})
     # Phases and their step counts, for one progress bar over the whole run.
     phases = [
         ("register the fleet (v1)", len(demo.workers)),
         ("create actors", len(actors)),
         ("cold-start resumes", len(actors)),
         ("pause / suspend", len(actors)),
+        ("retire the oldest CPU generation", len(demo.oldest) + len(actors)),
         ("memory restores", len(actors)),
         ("pause again", len(actors)),
         ("upgrade: v2 default, v1 restorable", len(demo.workers)),
-        ("resume during the upgrade", len(actors)),
-        ("pause on v1 and v2", len(actors)),
-        ("drop v1", len(demo.workers)),
+        ("resume during the upgrade", len(actors) + 2 * len(newcomers)),
+        ("pause on v1 and v2", len(actors) + len(newcomers)),
+        ("whatif, then drop v1", len(demo.workers)),
         ("move stranded actors", len(actors)),
         ("settle", len(actors)),
     ]
@@ -285,11 +304,9 @@ async def run_demo(nats_url: str, prefix: str, cfg: DemoConfig, console: Console
                     template_uid="tmpl-1",
                     resources=Resources(cpu_millis=rng.choice((250, 500, 1000)),
                                         memory_mib=rng.choice((256, 512, 1024))),
-                    request_id=demo.request_id(actor_id, "create"),
                 )
                 with suppress(ContractError):
-                    reply = await demo.request("snapshotter", "create", actor_id, body, SeqReply)
-                    demo.seqs[actor_id] = reply.seq
+                    await demo.call(demo.wb.create(body))
 
             await each(actors, create, advance)
             await demo.resume_all(actors, phase())
@@ -304,7 +321,22 @@ async def run_demo(nats_url: str, prefix: str, cfg: DemoConfig, console: Console
                     await demo.suspend(actor_id)
 
             await each(actors, snapshot, phase())
-            await demo.resume_all([a for a in actors if plan[a] != "run"], phase())
+
+            # Retire the oldest CPU generation: its workers are drained (they keep what runs on
+            # them) and the images paused there are promoted, so that they may move. They resume
+            # from memory on the newest generation, through its compatible version.
+            advance = phase()
+            await each(demo.oldest, lambda w: demo.call(demo.wb.drain(w.worker_id, "retired")), advance)
+            retired = {w.worker_id for w in demo.oldest}
+            stuck = [a for a in actors if plan[a] == "pause" and demo.where.get(a) in retired]
+            await each(stuck, demo.suspend, advance)
+            progress.advance(task, len(actors) - len(stuck))
+
+            # The paused images first, on their nodes; then the rest, wherever they fit (the
+            # retired generation's through the edge): nothing takes the room a paused one needs.
+            advance = phase()
+            await demo.resume_all([a for a in actors if plan[a] == "pause" and a not in stuck], advance)
+            await demo.resume_all([a for a in actors if plan[a] == "suspend" or a in stuck], advance)
             progress.advance(task, sum(1 for a in actors if plan[a] == "run"))
             # Everyone but the runners pauses again: their latest snapshots are v1 memory images.
             await each(actors, lambda a: demo.pause(a) if plan[a] != "run" else asyncio.sleep(0), phase())
@@ -312,14 +344,21 @@ async def run_demo(nats_url: str, prefix: str, cfg: DemoConfig, console: Console
 
             await each(demo.workers, lambda w: demo.register(w, ("v2", "v1")), phase())
             demo.tally.stranded["during upgrade (v1 restorable)"] = await demo.stranded()
-            # Half of the paused actors come back during the upgrade: still on v1 images.
+            # Half of the paused actors come back during the upgrade: still on v1 images. New
+            # actors cold-start on v2, the default now: their images are v2.
             back = [a for i, a in enumerate(actors) if plan[a] != "run" and i % 2 == 0]
-            await demo.resume_all(back, phase())
+            advance = phase()
+            await demo.resume_all(back, advance)
+            await each(newcomers, create, advance)
+            await demo.resume_all(newcomers, advance)
             progress.advance(task, len(actors) - len(back))
-            await each(back, demo.pause, phase())
+            await each(back + newcomers, demo.pause, phase())
             progress.advance(task, len(actors) - len(back))
 
-            await each(demo.workers, lambda w: demo.register(w, ("v2",)), phase())
+            # Before dropping v1: what will it strand? (whatif writes nothing.) Then drop it and count.
+            advance = phase()
+            demo.tally.forecast_stranded = await demo.forecast_drop("v1", console)
+            await each(demo.workers, lambda w: demo.register(w, ("v2",)), advance)
             demo.tally.stranded["after v1 dropped"] = await demo.stranded()
 
             # Stranded actors move: a paused one is promoted (suspend) so it may leave its node,
@@ -338,9 +377,16 @@ async def run_demo(nats_url: str, prefix: str, cfg: DemoConfig, console: Console
             beat.cancel()
             with suppress(asyncio.CancelledError):
                 await beat
+        demo.tally.retries = demo.wb.retries
         await nc.close()
     console.print(summary(demo.tally))
-    return demo.tally
+    tally = demo.tally
+    if tally.forecast_agrees:
+        console.print(f"whatif's forecast of the v1 drop ({tally.forecast_stranded} stranded) is what the drop did")
+    else:
+        console.print(f"[red]whatif forecast {tally.forecast_stranded} stranded snapshots after the v1 drop; "
+                      f"fragmentation counted {tally.stranded.get('after v1 dropped')}[/]")
+    return tally
 
 
 def summary(tally: Tally) -> Table:
@@ -353,10 +399,14 @@ def summary(tally: Tally) -> Table:
         table.add_row(f"fallbacks {reason}", str(n))
     for code, n in sorted(tally.refusals.items()):
         table.add_row(f"refused {code}", str(n))
+    table.add_row("restores through a compatible version", str(tally.edge_restores))
     for phase, n in tally.stranded.items():
         table.add_row(f"stranded snapshots {phase}", str(n))
+        if phase == "after v1 dropped":
+            table.add_row("stranded snapshots after v1 dropped, forecast by whatif", str(tally.forecast_stranded))
+            table.add_row("whatif forecast agrees with the drop", "yes" if tally.forecast_agrees else "NO")
     table.add_row("resumes", str(tally.resumes))
-    table.add_row("requests retried after UNAVAILABLE", str(tally.retries))
+    table.add_row("requests retried after UNAVAILABLE or a time-out", str(tally.retries))
     rate = tally.resumes / tally.resume_wall if tally.resume_wall else 0.0
     table.add_row("resumes/s (wall time of the resume phases)", f"{rate:.0f}")
     table.add_row("resume latency (mean ms)", f"{1000 * tally.resume_seconds / max(1, tally.resumes):.1f}")
