@@ -210,6 +210,11 @@ def fold_all(events: list[Event]) -> Projection:
 # --- what a projection holds, independently of the codec --------------------------------------------------
 
 
+# Fields that only memoise (versions decisions key their remembered refusals on, the sets
+# a worker is in): a restored projection starts them afresh, which changes no answer.
+DERIVED = {"version", "sets"}
+
+
 def walk(p: Projection) -> dict[str, Any]:
     """Every field of every object, orders kept, references by identity: equal walks are equal projections.
 
@@ -217,7 +222,7 @@ def walk(p: Projection) -> dict[str, Any]:
     the projection and forgotten by the codec shows up here as a difference.
     """
     assert set(vars(p)) == {"seq", "events", "workers", "classes", "actors", "bookings", "subjects", "intern",
-                            "recreated", "placed_listener", "_dispatch"}, \
+                            "recreated", "placed_listener", "registry_version", "_dispatch"}, \
         "a new Projection field: teach the checkpoint codec about it"
     registered = {id(w) for w in p.workers.values()}
     others: dict[int, int] = {}  # unregistered worker records, numbered by first sight
@@ -241,7 +246,7 @@ def walk(p: Projection) -> dict[str, Any]:
         if isinstance(v, records_module.IndexedSet):
             assert v.pos == {w.worker_id: i for i, w in enumerate(v.items)}
             return [value(w) for w in v.items]
-        if isinstance(v, (set, frozenset, frozenset)):
+        if isinstance(v, (set, frozenset)):
             return sorted(v)
         if isinstance(v, dict):
             return [(value(k), value(x)) for k, x in v.items()]
@@ -253,7 +258,8 @@ def walk(p: Projection) -> dict[str, Any]:
 
     def obj(o: Any) -> dict[str, Any]:
         names = getattr(type(o), "__struct_fields__", None) or type(o).__slots__  # a Struct: its fields, inherited too
-        return {"class": type(o).__name__, **{name: value(getattr(o, name)) for name in names}}
+        return {"class": type(o).__name__,
+                **{name: value(getattr(o, name)) for name in names if name not in DERIVED}}
 
     return {
         "seq": p.seq,

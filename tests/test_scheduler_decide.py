@@ -900,3 +900,56 @@ def test_snapshot_ids_read_back_whole_however_they_are_kept(monkeypatch):
     log.actor("e")
     log.snapshot("e", fidelity=Fidelity.VOLUMES, snapshot_id="e-v8")
     assert log.p.actors["e"].snapshot_id == "e-v8" and log.p.intern.sizes()["suffixes"] == full
+
+
+# --- remembered refusals are exactly fresh ones ------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=st.lists(st.tuples(st.sampled_from(["resume", "release", "drain", "register", "cut", "hold", "unhold"]),
+                                st.integers(0, 7)), min_size=5, max_size=60))
+def test_a_remembered_refusal_is_what_a_fresh_decision_says_after_any_change(steps):
+    """Decide with and without the memo of refusals along random changes of the fleet (bookings,
+    releases, drains, registrations, capacity cuts, bookings in flight): the same outcome,
+    the same message, every time."""
+    log = Log()
+    for i in range(4):
+        log.worker(f"w{i}", runtime(V2), (runtime(V1),) if i % 2 else (), mem=2000)  # room for one actor
+    for j in range(8):
+        log.actor(f"a{j}", mem=1024, min_fidelity=Fidelity.MEMORY if j % 3 == 0 else Fidelity.ROOTFS)
+        log.snapshot(f"a{j}", stamped=V1 if j % 2 else V2)
+    memo: dict = {}
+    pending: dict[str, tuple[int, int]] = {}
+
+    def outcome(refusals):
+        try:
+            return decide(log.p, actor, None, log.p.seq, pending, refusals)
+        except ContractError as error:
+            return (error.code, error.message)
+
+    for verb, n in steps:
+        actor, worker = f"a{n}", f"w{n % 4}"
+        state = log.p.actors[actor].state
+        if verb == "resume" and state is not RUNNING:
+            fresh, remembered = outcome(None), outcome(memo)
+            assert remembered == fresh
+            if not isinstance(fresh, tuple):
+                log.place(fresh)
+        elif verb == "release" and state is RUNNING:
+            log.release(actor, log.p.actors[actor].worker.worker_id, ReleaseReason.SUSPENDED)
+        elif verb == "drain" and worker in log.p.workers:
+            log.drain(worker)
+        elif verb == "register":
+            log.worker(f"w{n % 4}", runtime(V1), mem=2000 + 256 * n)
+        elif verb == "cut" and worker in log.p.workers:
+            log.add(WorkerUpdated(at=AT, worker_id=worker, node=log.p.workers[worker].node,
+                                  capacity=Resources(cpu_millis=4000, memory_mib=1500), labels={}))
+        elif verb == "hold" and worker in log.p.workers:  # a booking in flight, as the committer counts it
+            pending[worker] = (100, 1024)
+            log.p.workers[worker].touch()
+        elif verb == "unhold" and pending.pop(worker, None) is not None and worker in log.p.workers:
+            log.p.workers[worker].touch()
+        for a in (f"a{k}" for k in range(8)):  # every actor waiting, after every step
+            if log.p.actors[a].state is not RUNNING:
+                actor = a
+                assert outcome(memo) == outcome(None)

@@ -384,7 +384,9 @@ def _restore(state: State) -> Projection:
     def members(indices: Iterable[int]) -> IndexedSet:
         s = IndexedSet()
         for i in indices:
-            s.add(workers[i])
+            worker = workers[i]
+            s.add(worker)
+            worker.sets.append(s)  # its room's changes move the set's version (Worker.touch)
         return s
 
     for row in state.classes:

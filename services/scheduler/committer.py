@@ -144,7 +144,7 @@ class Committer:
         self.groups = 0  # appends made (a group of placements each)
         self._pending: dict[str, tuple[int, int]] = {}  # worker id -> in-flight (cpu, mem), for decide
         self.pending: Mapping[str, tuple[int, int]] = MappingProxyType(self._pending)
-        self._refusals: dict = {}  # refusal messages of decide, valid until the fold or _pending changes
+        self._refusals: dict = {}  # refusals decide remembers, with the versions they depend on
         self._chain: dict[str, Hold] = {}  # worker id -> the latest hold on it
         self._unfolded: list[tuple[int, int, Hold]] = []  # appended holds, by the seq of their WorkerBooked
         self._unfolded_actors: dict[str, int] = {}  # actor id -> seq of a placement not folded yet
@@ -409,15 +409,15 @@ class Committer:
                 item.result.set_exception(error)
 
     def _hold(self, hold: Hold) -> None:
-        self._refusals.clear()
         cpu, mem = self._pending.get(hold.worker_id, (0, 0))
         self._pending[hold.worker_id] = (cpu + hold.cpu, mem + hold.mem)
+        self._touch(hold.worker_id)
 
     def _unhold(self, hold: Hold) -> None:
         if hold.released:
             return
         hold.released = True
-        self._refusals.clear()
+        self._touch(hold.worker_id)
         cpu, mem = self._pending[hold.worker_id]
         cpu, mem = cpu - hold.cpu, mem - hold.mem
         if cpu or mem:
@@ -427,10 +427,14 @@ class Committer:
         if self._chain.get(hold.worker_id) is hold:
             del self._chain[hold.worker_id]
 
+    def _touch(self, worker_id: str) -> None:
+        """Its room in flight changed: remembered refusals that counted it no longer hold."""
+        worker = self.projection.workers.get(worker_id)
+        if worker is not None:
+            worker.touch()
+
     def _folded(self, seq: int) -> None:
         """After each message folded: bookings now in the projection leave the in-flight set."""
-        if self._refusals:
-            self._refusals.clear()
         unfolded = self._unfolded
         while unfolded and unfolded[0][0] <= seq:
             hold = heapq.heappop(unfolded)[2]

@@ -92,6 +92,7 @@ from services.scheduler.records import (
     STOPPED,
     Actor,
     Compat,
+    IndexedSet,
     Runtime,
     Worker,
     stable_hash,
@@ -146,14 +147,16 @@ class Tier:
 
 
 class Plan:
-    __slots__ = ("actor", "tiers", "primary", "refusal", "memory_wanted")
+    __slots__ = ("actor", "tiers", "primary", "refusal", "memory_wanted", "sources")
 
-    def __init__(self, actor: Actor, tiers: list[Tier], primary: Ask, refusal: str, memory_wanted: bool):
+    def __init__(self, actor: Actor, tiers: list[Tier], primary: Ask, refusal: str, memory_wanted: bool,
+                 sources: tuple[IndexedSet | None, ...] = ()):
         self.actor = actor
         self.tiers = tiers
         self.primary = primary  # the ask explain reports reasons against
         self.refusal = refusal  # why there is no further tier, for the RESOURCE_EXHAUSTED message
         self.memory_wanted = memory_wanted
+        self.sources = sources  # the member sets the tiers were drawn from (their versions key a refusal)
 
 
 def resolve(projection: Projection, actor_id: str) -> Actor:
@@ -217,19 +220,22 @@ def plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | No
                 f"is registered; it restores only there. To give the image up, revert the actor "
                 f"(snapshotter revert): it then resumes from its latest EXTERNAL snapshot, or cold-boots"
             )
-        everyone: Sequence[Worker] = on_node.items
+        base: IndexedSet | None = on_node
     else:
-        everyone = index.workers.items if index is not None else ()
+        base = index.workers if index is not None else None
+    everyone: Sequence[Worker] = base.items if base is not None else ()
 
     def ask(compat: Compat | None, arch: str | None = None) -> Ask:
         return Ask(cls, res.cpu_millis, res.memory_mib, sel, node, compat, arch)
 
-    def without_memory(arch: str | None) -> Sequence[Worker]:
+    def without_memory(arch: str | None) -> IndexedSet | None:
         """Candidates of a tier without memory: on the node, or of the stamp's architecture."""
         if arch is None or node is not None or index is None:
-            return everyone
-        found = index.by_arch.get(arch)
-        return found.items if found is not None else ()
+            return base
+        return index.by_arch.get(arch)
+
+    def items(source: IndexedSet | None) -> Sequence[Worker]:
+        return source.items if source is not None else ()
 
     tiers: list[Tier] = []
     if snapshot is None:  # rule 1: cold start on the class default
@@ -241,7 +247,7 @@ def plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | No
                 "snapshot) or with a lower min_fidelity"
             )
         tiers.append(Tier("cold start", any_ask, everyone, Action.RUN, PlacedFidelity.NONE, None, None))
-        return Plan(actor, tiers, any_ask, "no worker of the class fits", False)
+        return Plan(actor, tiers, any_ask, "no worker of the class fits", False, (base,))
 
     stamp = snapshot.stamp
     arch = stamp.compat.arch if stamp is not None else None
@@ -254,8 +260,9 @@ def plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | No
                 f"{floor.value}"
             )
         restore = ask(None, arch)
-        tiers.append(Tier("restore", restore, without_memory(arch), Action.RESTORE, fidelity, None, None))
-        return Plan(actor, tiers, restore, _no_worker(arch, node), False)
+        source = without_memory(arch)
+        tiers.append(Tier("restore", restore, items(source), Action.RESTORE, fidelity, None, None))
+        return Plan(actor, tiers, restore, _no_worker(arch, node), False, (source,))
 
     lost = cause = None
     if snapshot.template_uid != spec.template_uid:
@@ -266,21 +273,24 @@ def plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | No
         lost = FallbackReason.SNAPSHOT_NOT_MEMORY
         cause = "its snapshot's stamp is missing or of another class, so no runtime can be matched to it"
     if lost is not None:  # rule 3: memory in the snapshot that cannot be used
-        tier = _without_memory(ask(None, arch), without_memory(arch), lost, borrowed)
+        source = without_memory(arch)
+        tier = _without_memory(ask(None, arch), items(source), lost, borrowed)
         if _below_floor(tier, floor, borrowed):
             raise precondition(f"actor {aid} cannot be restored at its min_fidelity {floor.value}: {cause}")
         tiers.append(tier)
-        return Plan(actor, tiers, tier.ask, _no_worker(arch, node), False)
+        return Plan(actor, tiers, tier.ask, _no_worker(arch, node), False, (source,))
 
     # rule 2: a memory restore on a worker that accepts the stamp, in the order of preference
     compat = stamp.compat
     mem_ask = ask(compat)
+    sources: list[IndexedSet | None] = [base] if node is not None else []
     for role, name in MEMORY_TIERS:
         if node is not None:  # the node's workers of that role (few)
             members: Sequence[Worker] = [w for w in everyone if _role(w, cls, compat) == role]
         else:
             found = index.members[role].get(compat) if index is not None else None
-            members = found.items if found else ()
+            sources.append(found)
+            members = items(found)
         tiers.append(Tier(name, mem_ask, members, Action.RESTORE, PlacedFidelity.MEMORY, None, role))
     if node is not None:  # rule 5: never relaxed
         refusal = (f"its memory image is LOCAL on node {node}: it restores only on a compatible worker there"
@@ -289,14 +299,15 @@ def plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | No
     elif floor is Fidelity.MEMORY:  # rule 4's exception (4a: more room could help)
         refusal = "no compatible worker has room and min_fidelity is MEMORY"
     else:  # rule 4: fall back rather than fail, keeping the stamp's architecture
-        fallback = _without_memory(ask(None, arch), without_memory(arch), FallbackReason.NO_COMPATIBLE_WORKER,
-                                   borrowed)
+        source = without_memory(arch)
+        fallback = _without_memory(ask(None, arch), items(source), FallbackReason.NO_COMPATIBLE_WORKER, borrowed)
         if _below_floor(fallback, floor, borrowed):
             refusal = f"no compatible worker has room, and a fallback is below min_fidelity {floor.value}"
         else:
             tiers.append(fallback)
+            sources.append(source)
             refusal = _no_worker(arch, None)
-    return Plan(actor, tiers, mem_ask, refusal, True)
+    return Plan(actor, tiers, mem_ask, refusal, True, tuple(sources))
 
 
 def _role(worker: Worker, sandbox_class: str, compat: Compat) -> int | None:
@@ -432,31 +443,49 @@ def decide(
     """The placement a resume gets from the log folded to `position`; raises ContractError.
 
     A refusal's message counts every worker's reason, which costs a pass over the
-    fleet; `refusals`, if given, keeps those messages by requirement so that refusals
-    of alike resumes reuse one. The caller must empty it whenever the projection or
-    `pending` changes: the messages are then exactly what each refusal would compute.
+    fleet. `refusals`, if given, remembers each refusal by what was asked, with the
+    versions of everything it depended on: the fleet's registry state and the member
+    sets the plan's tiers were drawn from, whose versions move with every member that
+    comes or goes and every change of a member's room, bookings in flight included
+    (`IndexedSet.version`, `Worker.touch`). While none moved, the same ask is refused
+    again with the same message at once, without walking the tiers: exactly what a
+    fresh refusal would compute, in microseconds instead of a pass over the fleet.
     """
     actor = resolve(projection, actor_id)
     the_plan = plan(projection, actor, selectors)
+    if refusals is not None:
+        key, versions = _refusal_key(projection, the_plan)
+        known = refusals.get(key)
+        if known is not None and known[0] == versions:
+            raise exhausted(known[1])
     draw = Draw(seed(actor_id, position))
     for tier in the_plan.tiers:
         choice = choose(tier.ask, tier.members, draw, pending)
         if choice is not None:
             return placement(actor, tier, choice)
-    raise exhausted(_exhausted_message(projection, the_plan, pending, refusals))
+    message = _exhausted_message(projection, the_plan, pending)
+    if refusals is not None:
+        if len(refusals) >= REFUSALS_KEPT:
+            refusals.clear()
+        refusals[key] = (versions, message)
+    raise exhausted(message)
 
 
-def _exhausted_message(projection: Projection, the_plan: Plan, pending: Pending, refusals: dict | None = None) -> str:
+REFUSALS_KEPT = 4096  # distinct asks remembered at once
+
+
+def _refusal_key(projection: Projection, the_plan: Plan) -> tuple[tuple, tuple[int, ...]]:
+    """What a refusal is remembered by, and the versions of what it depended on."""
     ask = the_plan.primary
     key = (ask.sandbox_class, ask.cpu, ask.memory_mib, ask.selectors, ask.node, ask.compat, ask.arch,
-           the_plan.refusal)
-    if refusals is not None and key in refusals:
-        return refusals[key]
-    total, candidates, counts = _tally(projection.workers.values(), ask, pending, None)
-    message = f"{summary(candidates, total, counts)}; {the_plan.refusal}"
-    if refusals is not None:
-        refusals[key] = message
-    return message
+           the_plan.refusal, len(the_plan.tiers))
+    versions = (projection.registry_version, *(s.version if s is not None else -1 for s in the_plan.sources))
+    return key, versions
+
+
+def _exhausted_message(projection: Projection, the_plan: Plan, pending: Pending) -> str:
+    total, candidates, counts = _tally(projection.workers.values(), the_plan.primary, pending, None)
+    return f"{summary(candidates, total, counts)}; {the_plan.refusal}"
 
 
 def _tally(

@@ -90,6 +90,7 @@ class Projection:
         # actor id -> sequence of the ActorCreated that began its current life, for actors
         # created more than once (few): an answer recorded before it is of an earlier life
         self.recreated: dict[str, int] = {}
+        self.registry_version = 0  # moves with every event of a worker's history (see decide's refusals)
         # called with (actor id, request hash, seq) for each placement folded that carries a
         # request id: what a replica needs to answer a retry that is still waiting to be decided
         self.placed_listener: Callable[[str, int, int], None] | None = None
@@ -137,6 +138,8 @@ class Projection:
             return
         if handler is not None:
             handler(event, seq)
+            if event.KIND == "worker":
+                self.registry_version += 1  # what decisions found of the fleet may no longer hold
         elif kind is TagRecorded:
             self._other_subject(f"tag.{event.tag}", seq, version)
         elif event.KIND == "booking":  # a marker of a kind this fold does not know: its sequence still guards
@@ -186,9 +189,13 @@ class Projection:
             set_member(index.by_node, node, worker, delta)
             set_member(index.by_arch, entry.arch, worker, delta)
             if delta > 0:
-                index.workers.add(worker)
+                if worker not in index.workers:
+                    index.workers.add(worker)
+                    worker.sets.append(index.workers)
             else:
                 index.workers.discard(worker)
+                if index.workers in worker.sets:
+                    worker.sets.remove(index.workers)
             for compat, (role, _) in entry.accepts.items():
                 set_member(index.members[role], compat, worker, delta)
                 if live:

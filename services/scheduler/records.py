@@ -154,6 +154,7 @@ class Worker:
         "booked_cpu",
         "booked_mem",
         "holding",  # how many actors hold bookings on this worker (`Projection.booked_on` names them)
+        "sets",  # the member sets of the class indices this worker is in (their versions move with its room)
         # optimistic concurrency on `booking.<worker id>`
         "booking_version",
         "booking_seq",
@@ -170,6 +171,7 @@ class Worker:
         self.booked_cpu = 0
         self.booked_mem = 0
         self.holding = 0
+        self.sets: list[IndexedSet] = []
         self.booking_version = 0
         self.booking_seq = 0
 
@@ -190,11 +192,19 @@ class Worker:
         self.booked_cpu += booked.cpu_millis
         self.booked_mem += booked.memory_mib
         self.holding += 1
+        self.touch()
 
     def unbook(self, booked: Resources) -> None:
         self.booked_cpu -= booked.cpu_millis
         self.booked_mem -= booked.memory_mib
         self.holding -= 1
+        self.touch()
+
+    def touch(self) -> None:
+        """Its room changed (a booking, a capacity change, bookings in flight): what decisions
+        found of the sets it is in may no longer hold."""
+        for members in self.sets:
+            members.version += 1
 
     def __repr__(self) -> str:
         return f"Worker({self.worker_id} on {self.node}, {self.state}, room {self.room_cpu}m/{self.room_mem}MiB)"
@@ -208,25 +218,33 @@ class IndexedSet:
     order, which keeps sampling by position deterministic.
     """
 
-    __slots__ = ("items", "pos")
+    __slots__ = ("items", "pos", "version")
 
     def __init__(self) -> None:
         self.items: list[Worker] = []
         self.pos: dict[str, int] = {}
+        # moves whenever a member comes or goes or its room changes: what a decision
+        # found of this set stays true while it stays (a refusal's message is memoised on it)
+        self.version = 0
 
     def add(self, worker: Worker) -> None:
         if worker.worker_id not in self.pos:
             self.pos[worker.worker_id] = len(self.items)
             self.items.append(worker)
+            self.version += 1
 
     def discard(self, worker: Worker) -> None:
         i = self.pos.pop(worker.worker_id, None)
         if i is None:
             return
+        self.version += 1
         last = self.items.pop()
         if last is not worker:
             self.items[i] = last
             self.pos[last.worker_id] = i
+
+    def __getitem__(self, i: int) -> Worker:
+        return self.items[i]
 
     def __len__(self) -> int:
         return len(self.items)
@@ -467,13 +485,18 @@ def with_placement(packed: bytes | None, request: int, seq: int) -> bytes:
 
 
 def set_member(table: dict[Any, IndexedSet], key: Any, worker: Worker, delta: int) -> None:
-    """Add the worker to (delta > 0) or remove it from the member set `table[key]`."""
+    """Add the worker to (delta > 0) or remove it from the member set `table[key]`; the
+    worker keeps the sets it is in (`Worker.sets`)."""
     members = table.get(key)
     if delta > 0:
         if members is None:
             members = table[key] = IndexedSet()
-        members.add(worker)
+        if worker not in members:
+            members.add(worker)
+            worker.sets.append(members)
     elif members is not None:
         members.discard(worker)
+        if members in worker.sets:
+            worker.sets.remove(members)
         if not members:
             del table[key]
