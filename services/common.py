@@ -410,11 +410,12 @@ class ReplyCache:
             return None
         return entry.value or None
 
-    def remember(self, key: str, reply: Base) -> None:
+    def remember(self, key: str, reply: Base | bytes) -> None:
         """Store `reply` under `key` in the background (at most MAX_CACHE_WRITES at once)."""
         if self.kv is None or len(self._writes) >= MAX_CACHE_WRITES:
             return
-        task = asyncio.get_running_loop().create_task(self._put(key, encode(reply)))
+        data = reply if isinstance(reply, bytes) else encode(reply)
+        task = asyncio.get_running_loop().create_task(self._put(key, data))
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
 

@@ -90,3 +90,21 @@ async def test_duplicates_in_flight_on_two_replicas_place_once(stalled, nc, pref
     assert await asyncio.gather(*stale) == answered
     for a in actors:
         assert len(await placements(nc, prefix, f"r-{a}")) == 1
+
+
+async def test_a_late_retry_after_many_placements_is_answered_from_the_reply_cache(stack, nc, prefix):
+    """The actor's recent placements hold the last few; an older one's answer is kept in the
+    reply cache when it is pushed out, so a retry that comes later still gets it."""
+    wb = Client(nc, prefix)
+    await wb.register(worker("w", V1, cpu=64000, mem=65536))
+    await wb.create(actor("a"))
+    first = await wb.resume("a", request_id="R")
+    await wb.suspend("a", uri="s3://a/0")
+    for i in range(RECENT_PLACEMENTS + 1):
+        await wb.resume("a", request_id=f"later-{i}")
+        await wb.suspend("a", uri=f"s3://a/{i + 1}")
+    scheduler = stack.services[-1]
+    await scheduler.replies.flush()  # the cache is written in the background
+    before = len(await placements(nc, prefix, "R"))
+    assert await wb.resume("a", request_id="R") == first  # not a new placement of a suspended actor
+    assert before == len(await placements(nc, prefix, "R")) == 1

@@ -51,7 +51,7 @@ from events.errors import ContractError, unavailable
 from events.schema import ActorPlaced, Placement, WorkerBooked
 from services.scheduler.decide import decide
 from services.scheduler.fold import Fold
-from services.scheduler.records import request_hash
+from services.scheduler.records import oldest_placement, request_hash
 
 log = logging.getLogger("warmboot.scheduler")
 
@@ -109,7 +109,7 @@ class Answered:
 class Commit:
     """A decided placement waiting for the group commit."""
 
-    __slots__ = ("placement", "request_id", "hold", "booking", "actor", "after", "result")
+    __slots__ = ("placement", "request_id", "hold", "booking", "actor", "after", "result", "evicts")
 
     def __init__(
         self,
@@ -120,6 +120,7 @@ class Commit:
         actor: tuple[int, int],
         after: Hold | None,
         result: asyncio.Future[Any],
+        evicts: tuple[int, int] | None = None,
     ):
         self.placement = placement
         self.request_id = request_id
@@ -128,14 +129,18 @@ class Commit:
         self.actor = actor  # (version, seq) of actor.<id> the decision saw
         self.after = after  # this replica's previous booking of the same worker, if unfolded then
         self.result = result  # (Placement, sequence of its WorkerBooked), or the error
+        self.evicts = evicts  # (request hash, seq) this placement pushes out of the actor's recent ones
 
 
 class Committer:
     """Decides and appends the resumes submitted to it, in groups (see the module docstring)."""
 
     def __init__(self, fold: Fold, last_seq: Callable[[], Awaitable[int]], *, catch_up_s: float,
-                 max_group: int = MAX_GROUP):
+                 max_group: int = MAX_GROUP, on_evicted: Callable[[str, int, int], None] | None = None):
         self.fold = fold
+        # told (actor id, request hash, seq) when a committed placement pushes an older one out of
+        # the actor's recent placements: the service keeps it where a late retry still finds it
+        self.on_evicted = on_evicted
         self.last_seq = last_seq  # the stream's last sequence now (to catch up after a refused group)
         self.catch_up_s = catch_up_s
         self.max_group = max(1, min(max_group, MAX_GROUP))
@@ -319,9 +324,11 @@ class Committer:
         self._hold(hold)
         after = self._chain.get(worker_id)
         self._chain[worker_id] = hold
+        actor = p.actors.get(placement.actor_id)
+        evicts = oldest_placement(actor.placements) if actor is not None and job.request is not None else None
         return Commit(
             placement, job.request_id, hold, p.booking_expectation(worker_id), p.actor_expectation(placement.actor_id),
-            after, job.result,
+            after, job.result, evicts,
         )
 
     async def append(self, group: list[Commit]) -> None:
@@ -368,6 +375,8 @@ class Committer:
             else:
                 heapq.heappush(self._unfolded, (hold.last_seq, next(self._tie), hold))
                 self._unfolded_actors[hold.actor_id] = hold.last_seq
+            if item.evicts is not None and self.on_evicted is not None:
+                self.on_evicted(item.placement.actor_id, *item.evicts)
             if not item.result.done():
                 item.result.set_result((item.placement, hold.last_seq))
 

@@ -476,6 +476,13 @@ def request_hash(request_id: str) -> int:
     return stable_hash(request_id)
 
 
+def oldest_placement(packed: bytes | None) -> tuple[int, int] | None:
+    """The (request hash, seq) the next placement will push out of a full `packed`, if any."""
+    if not packed or len(packed) < RECENT_PLACEMENTS * _PLACEMENT.size:
+        return None
+    return _PLACEMENT.unpack_from(packed, (RECENT_PLACEMENTS - 1) * _PLACEMENT.size)
+
+
 def with_placement(packed: bytes | None, request: int, seq: int) -> bytes:
     """`packed` with (request, seq) in front, keeping at most RECENT_PLACEMENTS."""
     entry = _PLACEMENT.pack(request, seq)

@@ -19,7 +19,6 @@ import logging
 from contextlib import suppress
 from typing import Any
 
-import msgspec
 from eventsourcing.persistence import IntegrityError, OperationalError
 from nats.aio.client import Client as NATS
 from prometheus_client import Counter, Gauge
@@ -136,7 +135,8 @@ class SchedulerService:
         self.commit_attempts = commit_attempts
         self.catch_up_s = catch_up_s
         self.fold = Fold(nc, prefix, Projection())
-        self.committer = Committer(self.fold, self._last_seq, catch_up_s=catch_up_s, max_group=max_group)
+        self.committer = Committer(self.fold, self._last_seq, catch_up_s=catch_up_s, max_group=max_group,
+                                   on_evicted=self._evicted)
         self.fold.projection.placed_listener = self.committer.placed
         # Projection checkpoints (services.scheduler.checkpoint): start from the newest, save every
         # `checkpoint_every` events or `checkpoint_interval_s` seconds; None or 0: always replay the log.
@@ -222,7 +222,9 @@ class SchedulerService:
         and again by the committer right before it decides, and by any placement carrying
         the id that the fold meets while the job waits, so a retry, or a stale attempt that
         a stalled committer decides late, never places twice. Only when the actor has more
-        placements than it keeps, the shared reply cache answers for older ones.
+        placements than it keeps, the shared reply cache answers for older ones (written when a
+        placement of the actor pushes one out of that memory, so a request id costs nothing more
+        while the actor's recent placements still hold its answer).
         """
         await self.fold.wait(request.min_seq, self.catch_up_s)
         rid = request.request_id
@@ -240,9 +242,9 @@ class SchedulerService:
                     if seq:
                         return await self._recorded(seq)
                     if attempt == 0 and actor is not None and actor.placements_known >= RECENT_PLACEMENTS:
-                        cached = await self._cached(actor_id, rid)
-                        if cached is not None:
-                            return cached
+                        seq = await self._cached(actor_id, job.request)
+                        if seq:
+                            return await self._recorded(seq)
                 try:
                     result = await self.committer.submit(job)
                 except IntegrityError as error:
@@ -260,10 +262,7 @@ class SchedulerService:
                 self.commits += 1
                 if self.metrics:
                     self._count(placement)
-                assignment = assignment_of(placement, seq)
-                if rid is not None:
-                    self.replies.remember(self.replies.key(f"resume.{actor_id}", rid), assignment)
-                return assignment
+                return assignment_of(placement, seq)
         raise unavailable(
             f"placing actor {actor_id} lost {self.commit_attempts} concurrent-commit races in a row; try again"
         )
@@ -283,13 +282,20 @@ class SchedulerService:
 
     # --- answers from the log ---
 
-    async def _cached(self, actor_id: str, request_id: str) -> Assignment | None:
-        """The reply cache's answer to a request id, if it is of the actor's current life."""
-        data = await self.replies.get(self.replies.key(f"resume.{actor_id}", request_id))
-        if data is None:
-            return None
-        assignment = msgspec.json.decode(data, type=Assignment)
-        return assignment if assignment.seq > self.projection.life_started(actor_id) else None
+    @staticmethod
+    def _cache_key(actor_id: str, request: int) -> str:
+        return f"resume.{actor_id}.{request:016x}"
+
+    def _evicted(self, actor_id: str, request: int, seq: int) -> None:
+        """An older placement of the actor left its recent ones: keep where it is in the reply cache."""
+        self.replies.remember(self._cache_key(actor_id, request), str(seq).encode())
+
+    async def _cached(self, actor_id: str, request: int) -> int:
+        """The sequence of the ActorPlaced the reply cache has for a request id, if it is of the
+        actor's current life; else 0."""
+        data = await self.replies.get(self._cache_key(actor_id, request))
+        seq = int(data) if data and data.isdigit() else 0
+        return seq if seq > self.projection.life_started(actor_id) else 0
 
     async def _recorded(self, seq: int) -> Assignment:
         """The assignment an earlier request recorded with the ActorPlaced at `seq` (a retry
