@@ -12,13 +12,22 @@ Side by side, in one run:
 (b) committed resumes/s end to end over NATS: a client keeps a window of resume
     requests in flight against 1, then 3 scheduler replicas (separate processes, each
     its own fold and commits), every resume of a different actor; and the share of
-    commits that lost an optimistic-concurrency race.
+    commits that lost an optimistic-concurrency race. The load generator sends raw
+    requests, not through `warmboot.client`, so that what is timed is the scheduler.
 (c) replay: the fold of a large log from sequence 1 (decode + apply) against the raw
     nats-py read rate of the same stream through the same kind of ordered consumer.
     The log is written through the event store, in atomic appends of 400 events as
     the services write them, so each message carries the headers the store gives it
     (message id, topic, version, batch id and sequence, expected subject sequence):
     parsing them is most of what a read costs.
+(d) compatibility edges: the decision at 10k workers in a fleet where a third of the 50
+    versions are nobody's default or restorable runtime, reachable only as a compatible
+    version (of a default on some workers, of a restorable runtime on others), against
+    the decision in the fleet of (a) without edges, same stamps, timed in alternating
+    rounds: `edge_decision_ratio` (goal: at most 1.5).
+(e) what-if: `scheduler.whatif`'s pure function on 10k workers and 100k actors (three in
+    four suspended with a memory snapshot), a drop of one runtime version:
+    `whatif_ms_10k`, p50 (goal: under 200 ms).
 
 With `--json` the last line is one JSON object with the figures.
 """
@@ -126,7 +135,8 @@ def placed_event(actor_id: str, worker_id: str, mem: int) -> ActorPlaced:
 # --- (a) decisions ---------------------------------------------------------------------------------------
 
 
-def build_fleet(n_workers: int, n_actors: int, rng: random.Random) -> tuple[Projection, list[str], list[str]]:
+def build_fleet(n_workers: int, n_actors: int, rng: random.Random,
+                make_worker=worker_event) -> tuple[Projection, list[str], list[str]]:
     p = Projection()
     seq = 0
 
@@ -136,7 +146,7 @@ def build_fleet(n_workers: int, n_actors: int, rng: random.Random) -> tuple[Proj
         p.apply(seq, event)
 
     for i in range(n_workers):
-        apply(worker_event(i))
+        apply(make_worker(i))
         filler = f"fill-{i}"
         apply(actor_event(filler, mem=2048))
         apply(placed_event(filler, f"w{i:05d}", int((65536 - WORKER_RESERVE_MIB) * rng.random() * 0.9)))
@@ -186,6 +196,90 @@ def bench_decisions(quick: bool) -> dict[str, float]:
               f"index {p50_scan / p50_idx:7.1f}x faster  [fold of {p.events} events in {build_s:.1f}s]",
               flush=True)
     return out
+
+
+# --- (d) compatibility edges --------------------------------------------------------------------------------
+
+# A third of the versions are reachable only through an edge; the others are defaults and restorables.
+EDGE_ONLY = [v for v in range(VERSIONS) if v % 3 == 2]
+OWN = [v for v in range(VERSIONS) if v % 3 != 2]
+
+
+def edge_worker_event(i: int, *, mem: int = 65536, cpu: int = 64000) -> WorkerRegistered:
+    """Like `worker_event` (a default and the two restorable versions before it), the versions
+    drawn from OWN; the default lists one EDGE_ONLY version as compatible, the first restorable
+    another, so each EDGE_ONLY version is accepted by about as many workers as an OWN one."""
+    k, e = i % len(OWN), i % len(EDGE_ONLY)
+    own = [VERSION_LIST[OWN[(k - j) % len(OWN)]] for j in (0, 1, 2)]
+    overhead = ActorOverhead(fixed_mib=64, per_gib_mib=8) if i % 2 else None
+    entry = WorkerSandboxClass(
+        sandbox_class=CLS,
+        default_runtime=WorkerRuntime(version=own[0], name=f"runsc-{OWN[k]}", actor_overhead=overhead,
+                                      compatible_versions=(VERSION_LIST[EDGE_ONLY[e]],)),
+        restorable_runtimes=(
+            WorkerRuntime(version=own[1], compatible_versions=(VERSION_LIST[EDGE_ONLY[(e - 1) % len(EDGE_ONLY)]],)),
+            WorkerRuntime(version=own[2]),
+        ),
+    )
+    return WorkerRegistered(at=AT, worker_id=f"w{i:05d}", node=f"node-{i // 4:05d}",
+                            capacity=Resources(cpu_millis=cpu, memory_mib=mem), labels={"zone": f"z{i % 3}"},
+                            sandbox_classes=(entry,))
+
+
+def bench_edges(quick: bool) -> dict[str, float]:
+    """Decision p50 at 10k workers with a third of the versions reachable only through an edge,
+    over the same without edges (same seeds, so the same stamps), in alternating rounds."""
+    workers, rounds, per_round = 10_000, 5, 400 if quick else 1000
+    plain, memory, _ = build_fleet(workers, 2000, random.Random(11))
+    edged, memory_e, _ = build_fleet(workers, 2000, random.Random(11), edge_worker_event)
+    assert memory == memory_e
+    stamp_of = {a: edged.actors[a].snapshot.stamp.compat.version for a in memory}
+    edge_only = [a for a in memory if stamp_of[a] in {VERSION_LIST[v] for v in EDGE_ONLY}]
+    rng_a, rng_b, rng_c = random.Random(5), random.Random(5), random.Random(6)
+    without, with_edges, through = [], [], []
+    for _ in range(rounds):  # alternate, so that a noisy moment of the machine weighs on both
+        without += time_decisions(decide, plain, memory, per_round, rng_a)
+        with_edges += time_decisions(decide, edged, memory, per_round, rng_b)
+        through += time_decisions(decide, edged, edge_only, per_round // 3, rng_c)
+    p50_without, p50_with = statistics.median(without), statistics.median(with_edges)
+    placed = decide(edged, edge_only[0], None, edged.seq)
+    assert placed.matched_version is not None and placed.matched_version != placed.sandbox_runtime.version, placed
+    print(f"(d) 10k workers, {len(EDGE_ONLY)} of {VERSIONS} versions only through an edge: decision p50 "
+          f"{p50_with:.1f} us, without edges {p50_without:.1f} us: ratio {p50_with / p50_without:.2f}; "
+          f"a stamp reachable only through an edge: p50 {statistics.median(through):.1f} us", flush=True)
+    return {
+        "decide_p50_us_10k_edges": round(p50_with, 1),
+        "decide_p50_us_10k_no_edges": round(p50_without, 1),
+        "decide_p50_us_10k_through_edge": round(statistics.median(through), 1),
+        "edge_decision_ratio": round(p50_with / p50_without, 2),
+    }
+
+
+# --- (e) whatif ------------------------------------------------------------------------------------------------------
+
+
+def bench_whatif(quick: bool) -> dict[str, float]:
+    """whatif's pure function (what the endpoint runs) on 10k workers and 100k actors, dropping
+    one runtime version at a time."""
+    from events.schema import WhatIf
+    from services.scheduler.whatif import whatif
+
+    rng = random.Random(13)
+    t0 = time.perf_counter()
+    p, memory, _ = build_fleet(10_000, 100_000, rng)
+    build_s = time.perf_counter() - t0
+    samples, stranded = [], []
+    for v in rng.sample(range(VERSIONS), 7 if quick else 21):
+        query = WhatIf(sandbox_class=CLS, drop_runtimes=(VERSION_LIST[v],))
+        t = time.perf_counter()
+        answer = whatif(p, query)
+        samples.append((time.perf_counter() - t) * 1000)
+        stranded.append(answer.after.stranded_snapshots - answer.before.stranded_snapshots)
+    p50 = statistics.median(samples)
+    print(f"(e) whatif, 10k workers, {len(p.actors) - 10_000} actors ({len(memory)} memory snapshots), drop of one "
+          f"runtime: p50 {p50:.1f} ms, max {max(samples):.1f} ms (newly stranded per drop: median "
+          f"{statistics.median(stranded):.0f})  [fold of {p.events} events in {build_s:.1f}s]", flush=True)
+    return {"whatif_ms_10k": round(p50, 1), "whatif_ms_10k_max": round(max(samples), 1)}
 
 
 # --- log writing (b, c) ---------------------------------------------------------------------------------------
@@ -280,6 +374,9 @@ async def bench_resumes(
             nonlocal placed, refused
             while queue:
                 j = queue.pop()
+                # Raw requests, not warmboot.client: the figure is the scheduler's, and the client's
+                # per-call work (a body copy for the request id, the min_seq of read-your-writes,
+                # decoding every reply into an Assignment) would run on the same two cores.
                 body = encode(ResumeActor(request_id=f"r-{j}" if request_ids else None))
                 t = time.perf_counter()
                 msg = await nc.request(service_subject(prefix, "scheduler", "resume", f"a{j:06d}"), body, timeout=30)
@@ -473,6 +570,8 @@ def main() -> None:
     args = parser.parse_args()
     t0 = time.perf_counter()
     results = bench_decisions(args.quick)
+    results.update(bench_edges(args.quick))
+    results.update(bench_whatif(args.quick))
     results.update(asyncio.run(bench_bus(args.quick)))
     results["quick"] = args.quick
     results["elapsed_s"] = round(time.perf_counter() - t0, 1)
