@@ -15,6 +15,7 @@ import re
 import pytest
 from click.testing import CliRunner
 
+from events.codec import to_builtins
 from events.schema import (
     ActorCreated,
     ActorPlaced,
@@ -22,7 +23,7 @@ from events.schema import (
     ActorStopped,
     SnapshotTaken,
 )
-from tests.factories import actor, last_seq, read_log, runtime, version, wait_for, worker
+from tests.factories import actor, golden, last_seq, read_log, runtime, version, wait_for, worker
 from warmboot.cli import main
 from warmboot.client import Client
 
@@ -222,3 +223,20 @@ async def test_worker_show_drain_and_remove(bus, nc, prefix):
                    and e.reason.value == "WORKER_REMOVED")
     view = json.loads((await run("actor", "show", "b-2", "--json")).output)
     assert (view["state"], view["worker_id"]) == ("SUSPENDED", None)
+
+
+async def test_create_from_a_golden_snapshot_file(bus, tmp_path):
+    run, _ = bus
+    path = tmp_path / "golden.json"
+    path.write_text(json.dumps(to_builtins(golden(V1))))
+    created = await run("actor", "create", "g-1", "--class", "gvisor", "--template", "t1", "--cpu", "100",
+                        "--memory", "256", "--golden-snapshot", str(path))
+    assert created.exit_code == 0, created.output
+    view = json.loads((await run("actor", "show", "g-1", "--json")).output)
+    assert (view["snapshot"]["snapshot_id"], view["snapshot"]["borrowed"]) == ("golden-1", True)
+    placed = fields((await run("actor", "resume", "g-1")).output)
+    assert (placed["DECISION"], placed["MATCHED"]) == ("RESTORE at MEMORY", "runsc-v1")
+    path.write_text(json.dumps({**to_builtins(golden(V1)), "fidelity": "WARM"}))
+    bad = await run("actor", "create", "g-2", "--class", "gvisor", "--template", "t1", "--cpu", "100",
+                    "--memory", "256", "--golden-snapshot", str(path))
+    assert bad.exit_code == 2 and "'--golden-snapshot'" in bad.output and "$.fidelity" in bad.output
