@@ -54,6 +54,11 @@ def decode_request(type_: type[T], data: bytes, *, path_prefix: str = "") -> T:
         raise invalid(f"body of {len(data)} bytes exceeds the limit of {MAX_BODY}")
     if not data.strip():
         data = b"{}"
+    if not data.isascii():  # msgspec would skip an unknown field's text unchecked: UTF-8 everywhere
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise invalid(f"body is not valid JSON: invalid UTF-8 at byte {e.start}") from None
     try:
         value = decoder(type_).decode(data)
     except msgspec.ValidationError as e:

@@ -189,3 +189,10 @@ async def test_services_still_serve_after_the_abuse(stack, nc, prefix):
     for data in HAND_WRITTEN:
         await refused(nc, subject_of(prefix, "snapshotter", "create", True), data)
     await still_serving(nc, prefix)
+
+
+async def test_invalid_utf8_is_refused_even_in_a_field_nobody_reads(stack, nc, prefix):
+    """msgspec skips unknown fields without reading their text; the edge checks the whole body."""
+    for service, verb, per_entity in ENDPOINTS:
+        reply = await refused(nc, subject_of(prefix, service, verb, per_entity), b'{"not_a_field": "\xff"}')
+        assert reply.error.code == ErrorCode.INVALID_ARGUMENT and "UTF-8" in reply.error.message
