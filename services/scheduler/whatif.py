@@ -23,7 +23,16 @@ from events.compat import compat_key
 from events.errors import not_found
 from events.schema import Room, RuntimeForecast, SnapshotCounts, StrandedActor, WhatIf, WhatIfAnswer
 from services.scheduler.projection import Projection
-from services.scheduler.records import MEMORY, PAUSED, SUSPENDED, ClassEntry, ClassIndex, Compat, Worker
+from services.scheduler.records import (
+    MEMORY,
+    PAUSED,
+    SUSPENDED,
+    WORKER_RESERVE_MIB,
+    ClassEntry,
+    ClassIndex,
+    Compat,
+    Worker,
+)
 
 
 def accepts(entry: ClassEntry, compat: Compat, dropped: frozenset[Compat]) -> bool:
@@ -37,29 +46,48 @@ def accepts(entry: ClassEntry, compat: Compat, dropped: frozenset[Compat]) -> bo
 
 
 class Scenario:
-    """Who accepts what, as if `dropped` were dropped and `drained` drained (memoised per key)."""
+    """Who accepts what before, and as if `dropped` were dropped and `drained` drained
+    (memoised per compat key: each is computed once per answer)."""
 
     def __init__(self, index: ClassIndex, dropped: frozenset[Compat], drained: frozenset[str]):
         self.index = index
         self.dropped = dropped
         self.drained = drained
-        self._acceptors: dict[Compat, list[Worker]] = {}
+        self._before: dict[Compat, list[Worker]] = {}
+        self._after: dict[Compat, list[Worker]] = {}
+        self._touched: dict[int, bool] = {}  # id(class entry) -> whether it has a dropped runtime
+
+    def before(self, compat: Compat) -> list[Worker]:
+        """Live workers that accept `compat` now (each is in the member set of its best role only)."""
+        found = self._before.get(compat)
+        if found is None:
+            found = [w for table in self.index.members for w in table.get(compat, ()) if w.live]
+            self._before[compat] = found
+        return found
 
     def acceptors(self, compat: Compat) -> list[Worker]:
-        """Live workers that would still accept `compat` (each once)."""
-        found = self._acceptors.get(compat)
+        """Live workers that would still accept `compat`."""
+        found = self._after.get(compat)
         if found is None:
-            found, seen = [], set()
-            name = self.index.sandbox_class
-            for table in self.index.members:
-                for worker in table.get(compat, ()):
-                    wid = worker.worker_id
-                    if wid in seen or not worker.live or wid in self.drained:
+            before = self.before(compat)
+            if compat in self.dropped:
+                found = []
+            elif not self.dropped and not self.drained:
+                found = before
+            else:
+                name, drained, touched = self.index.sandbox_class, self.drained, self._touched
+                found = []
+                for worker in before:
+                    if worker.worker_id in drained:
                         continue
-                    seen.add(wid)
-                    if accepts(worker.classes[name], compat, self.dropped):
+                    entry = worker.classes[name]
+                    hit = touched.get(id(entry))
+                    if hit is None:
+                        hit = touched[id(entry)] = any(r.compat in self.dropped
+                                                       for r in (entry.default, *entry.restorable))
+                    if not hit or accepts(entry, compat, self.dropped):
                         found.append(worker)
-            self._acceptors[compat] = found
+            self._after[compat] = found
         return found
 
     def on_node(self, node: str, compat: Compat) -> bool:
@@ -98,9 +126,16 @@ def _was_stranded(index: ClassIndex, key) -> bool:
     return not index.accepting(key)
 
 
-def _room(workers) -> Room:
-    return Room(cpu_millis=sum(max(w.room_cpu, 0) for w in workers),
-                memory_mib=sum(max(w.room_mem, 0) for w in workers))
+def _room(workers: list[Worker]) -> Room:
+    cpu = mem = 0
+    for w in workers:
+        free = w.cpu_millis - w.booked_cpu
+        if free > 0:
+            cpu += free
+        free = w.memory_mib - WORKER_RESERVE_MIB - w.booked_mem
+        if free > 0:
+            mem += free
+    return Room(cpu_millis=cpu, memory_mib=mem)
 
 
 def whatif(projection: Projection, query: WhatIf) -> WhatIfAnswer:
@@ -135,10 +170,10 @@ def whatif(projection: Projection, query: WhatIf) -> WhatIfAnswer:
     compats = {c for table in index.members for c in table} | set(index.external_memory)
     compats |= {c for _, c in index.local_memory} | dropped
     runtimes = []
-    baseline = Scenario(index, frozenset(), frozenset())
     for compat in sorted(compats, key=lambda c: c.key):
-        before = baseline.acceptors(compat)
-        now = scenario.acceptors(compat)
+        before, now = scenario.before(compat), scenario.acceptors(compat)
+        free_before = _room(before)
+        free_after = free_before if now is before else _room(now)
         runtimes.append(RuntimeForecast(version=compat.version, workers_before=len(before), workers_after=len(now),
-                                        free_before=_room(before), free_after=_room(now)))
+                                        free_before=free_before, free_after=free_after))
     return WhatIfAnswer(before=_before(index), after=after, newly_stranded=newly_stranded, runtimes=runtimes)
