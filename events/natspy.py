@@ -19,14 +19,23 @@ replay of the log, or says less than needed, the gap is closed here and nowhere 
 - `ack_positions`: the stream sequence and the number pending, from the reply subject
   of a JetStream push delivery (`$JS.ACK...`), without building nats-py's metadata
   object per message.
+- `Replies`: many requests in flight over one wildcard inbox, each answered into a
+  future. nats-py's `request` arms a timer (`wait_for`) and draws a NUID per call,
+  and `publish_async` a timer per call on its semaphore; at thousands of requests a
+  second that is a good part of what a request costs. Here one task checks deadlines.
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import re
+from contextlib import suppress
 from typing import Any
 
+import nats.errors
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 
 NATS_PARSER = "_parse_header_lines"  # the private name nats-py calls on every message with headers
 
@@ -108,3 +117,72 @@ def ack_positions(reply: str) -> tuple[int, int]:
     if len(tokens) == 9:
         return int(tokens[5]), int(tokens[8])
     return int(tokens[7]), int(tokens[10])
+
+
+class Replies:
+    """Requests over one wildcard inbox (`<inbox>.<n>`), their replies matched by token.
+
+    `request` returns the reply message, or raises nats-py's own errors:
+    `NoRespondersError` (a 503 status: nobody listens on the subject) and
+    `TimeoutError` (no reply within `timeout`, checked every `timeout / 4` at most).
+    """
+
+    def __init__(self, nc: Client, timeout: float = 5.0):
+        self.nc = nc
+        self.timeout = timeout
+        self._pending: dict[str, tuple[asyncio.Future[Msg], float]] = {}
+        self._tokens = itertools.count(1)
+        self._inbox = ""
+        self._sub: Any = None
+        self._watch: asyncio.Task[None] | None = None
+
+    async def start(self) -> "Replies":
+        self._inbox = self.nc.new_inbox() + "."
+        self._sub = await self.nc.subscribe(self._inbox + "*", cb=self._on_reply)
+        self._watch = asyncio.create_task(self._expire(), name="replies-deadlines")
+        return self
+
+    async def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            with suppress(asyncio.CancelledError):
+                await self._watch
+            self._watch = None
+        if self._sub is not None:
+            with suppress(Exception):
+                await self._sub.unsubscribe()
+            self._sub = None
+        for future, _ in self._pending.values():
+            if not future.done():
+                future.set_exception(nats.errors.ConnectionClosedError())
+                future.exception()
+        self._pending.clear()
+
+    async def request(self, subject: str, payload: bytes, headers: dict[str, str] | None = None) -> Msg:
+        token = str(next(self._tokens))
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Msg] = loop.create_future()
+        self._pending[token] = (future, loop.time() + self.timeout)
+        try:
+            await self.nc.publish(subject, payload, reply=self._inbox + token, headers=headers)
+            return await future
+        finally:
+            self._pending.pop(token, None)
+
+    async def _on_reply(self, msg: Msg) -> None:
+        entry = self._pending.get(msg.subject[len(self._inbox):])
+        if entry is None or entry[0].done():
+            return  # too late: its request timed out
+        if not msg.data and msg.headers and msg.headers.get("Status") == "503":
+            entry[0].set_exception(nats.errors.NoRespondersError())
+        else:
+            entry[0].set_result(msg)
+
+    async def _expire(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(min(0.25, self.timeout / 4))
+            moment = loop.time()
+            for future, deadline in list(self._pending.values()):
+                if deadline < moment and not future.done():
+                    future.set_exception(nats.errors.TimeoutError())

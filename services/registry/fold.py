@@ -17,7 +17,9 @@ everything up to L, (2) the first worker event after what the fold accounts for;
 none (or one past L) means the fold is complete up to L, else the round waits until
 the fold has delivered that event and asks (2) again. Calls to `current()` made
 while a round is under way join the next round, so one round (one or two API
-requests) serves every heartbeat that arrived meanwhile.
+requests) serves every heartbeat that arrived meanwhile; rounds start at most every
+`ROUND_GAP_S` while calls keep coming, so that a round serves many (a lone call is
+served at once).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from services.registry.roster import Roster
 log = logging.getLogger("warmboot.registry")
 
 WORKER_KIND = "worker"
+ROUND_GAP_S = 0.002  # under load a round costs about what 3 heartbeats do: make each serve many
 
 
 class _ApiError(msgspec.Struct):
@@ -99,7 +102,7 @@ class RosterFold:
             self.filter, stream=self.stream, cb=self._on_msg, ordered_consumer=True, idle_heartbeat=2.0,
         )
         try:
-            await asyncio.wait_for(self._settle(), timeout)
+            await self._settle(asyncio.get_running_loop().time() + timeout)
         except asyncio.TimeoutError:
             raise unavailable(f"the registry could not fold the workers' events within {timeout:g}s "
                               f"(it holds up to sequence {self.complete})") from None
@@ -119,6 +122,8 @@ class RosterFold:
     # --- folding ------------------------------------------------------------------------
 
     async def _on_msg(self, msg: Msg) -> None:
+        if not msg.reply:
+            return
         seq = ack_positions(msg.reply)[0]
         if seq <= self.roster.seq:  # redelivered: an ordered consumer reset before its first message
             return
@@ -153,12 +158,14 @@ class RosterFold:
         await waiter
 
     async def _rounds(self) -> None:
+        loop = asyncio.get_running_loop()
         try:
             while self._waiters:
+                started = loop.time()
                 waiters, self._waiters = self._waiters, []
                 self.rounds += 1
                 try:
-                    await asyncio.wait_for(self._settle(), self.barrier_timeout)
+                    await self._settle(started + self.barrier_timeout)
                 except asyncio.TimeoutError:
                     self._fail(waiters, unavailable(
                         f"this registry replica's fold of worker events is not current within "
@@ -167,10 +174,15 @@ class RosterFold:
                     self._fail(waiters, error)
                 except (nats.errors.Error, OSError) as error:
                     self._fail(waiters, unavailable(f"the event log is unavailable: {error!r}"))
+                except Exception as error:  # a bug, or an answer not understood: the log answers instead
+                    log.warning("the roster's barrier failed; heartbeats are answered from the log", exc_info=True)
+                    self._fail(waiters, unavailable(f"the registry's roster could not be brought current: {error!r}"))
                 else:
                     for waiter in waiters:
                         if not waiter.done():
                             waiter.set_result(None)
+                if self._waiters:
+                    await asyncio.sleep(started + ROUND_GAP_S - loop.time())
         finally:
             self._round = None
 
@@ -181,35 +193,42 @@ class RosterFold:
                 waiter.set_exception(error)
                 waiter.exception()  # retrieved: a caller that gave up leaves no warning
 
-    async def _settle(self) -> None:
-        last = await self._last_seq()
+    async def _settle(self, deadline: float) -> None:
+        """Bring `complete` up to the stream's last sequence as of now (TimeoutError past `deadline`)."""
+        loop = asyncio.get_running_loop()
+        last = await self._last_seq(deadline - loop.time())
         while self.complete < last:
-            seq = await self._next_worker_event(self.complete + 1)
+            seq = await self._next_worker_event(self.complete + 1, deadline - loop.time())
             if seq is None or seq > last:
                 self.complete = max(self.complete, last)
                 return
             if self.complete < seq:  # not folded yet: it is on its way to the callback
-                want = self._want = (seq, asyncio.get_running_loop().create_future())
+                want = self._want = (seq, loop.create_future())
                 try:
-                    await want[1]
+                    await asyncio.wait_for(want[1], deadline - loop.time())
                 finally:
                     self._want = None
 
-    async def _api(self, verb: str, body: bytes) -> bytes:
-        msg = await self.nc.request(f"$JS.API.STREAM.{verb}.{self.stream}", body, timeout=self.barrier_timeout)
+    async def _api(self, verb: str, body: bytes, timeout: float) -> bytes:
+        if timeout <= 0:
+            raise asyncio.TimeoutError
+        try:
+            msg = await self.nc.request(f"$JS.API.STREAM.{verb}.{self.stream}", body, timeout=timeout)
+        except nats.errors.TimeoutError:
+            raise asyncio.TimeoutError from None
         return msg.data
 
-    async def _last_seq(self) -> int:
-        info = _info_decoder.decode(await self._api("INFO", b""))
+    async def _last_seq(self, timeout: float) -> int:
+        info = _info_decoder.decode(await self._api("INFO", b"", timeout))
         if info.error is not None or info.state is None:
             raise unavailable(f"the event log {self.stream} is unavailable: "
                               f"{info.error.description if info.error else 'no state'}")
         return info.state.last_seq
 
-    async def _next_worker_event(self, start: int) -> int | None:
+    async def _next_worker_event(self, start: int, timeout: float) -> int | None:
         """The sequence of the first worker event at or after `start`, as the stream leader has it."""
         body = msgspec.json.encode({"seq": start, "next_by_subj": self.filter})
-        got = _get_decoder.decode(await self._api("MSG.GET", body))
+        got = _get_decoder.decode(await self._api("MSG.GET", body, timeout))
         if got.error is not None:
             if got.error.err_code == ERR_NO_MESSAGE_FOUND or got.error.code == 404:
                 return None

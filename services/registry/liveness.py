@@ -11,10 +11,10 @@ aggregate decides on fresh state.
 
 A beat returns once the server has stored the put (its ack), so the `ttl_s` a
 heartbeat answers counts from a put that is in the bucket. Puts are pipelined:
-`Acks` publishes each with a reply subject under one wildcard inbox and matches
-the acks as they come back, so any number are in flight and each costs one publish
-and one small ack decode (nats-py's `publish` is a request with its own timer and
-JSON parse; its `publish_async` puts a timer on a semaphore per call).
+`Acks` publishes each with a reply subject under one wildcard inbox
+(`events.natspy.Replies`) and matches the acks as they come back, so any number are
+in flight and each costs one publish and one small ack decode (nats-py's `publish`
+is a request with its own timer and a JSON parse into a dataclass).
 
 The sweeper's consumer delivers every message of the bucket, each heartbeat's put
 among them (the server writes a marker on the key's own subject, so no filter tells
@@ -27,7 +27,6 @@ costs a task and a timer per message, and its time-outs can swallow a cancellati
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
 import math
@@ -35,6 +34,7 @@ from contextlib import suppress
 from typing import Awaitable, Callable
 
 import msgspec
+import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, KeyValueConfig, StorageType
@@ -43,6 +43,7 @@ from nats.js.errors import NotFoundError
 from events.aggregate import now
 from events.codec import encode
 from events.errors import unavailable
+from events.natspy import Replies
 from events.subjects import bucket_name
 
 log = logging.getLogger("warmboot.registry")
@@ -73,80 +74,35 @@ _ack_decoder = msgspec.json.Decoder(_PubAck)
 
 
 class Acks:
-    """JetStream publishes whose acks come back on one wildcard inbox: many in flight at once.
+    """JetStream publishes whose acks come back on one wildcard inbox (`Replies`): many in flight.
 
     `publish` returns the stream sequence the server stored the message at, or raises
-    UNAVAILABLE (no stream, an error from the server, no ack within `timeout`).
+    UNAVAILABLE (no stream listens, the server refused it, no ack within `timeout`).
     """
 
     def __init__(self, nc: NATS, timeout: float = ACK_TIMEOUT_S):
-        self.nc = nc
-        self.timeout = timeout
-        self._pending: dict[str, tuple[asyncio.Future[int], float]] = {}
-        self._tokens = itertools.count(1)
-        self._inbox = ""
-        self._sub = None
-        self._watch: asyncio.Task[None] | None = None
+        self.replies = Replies(nc, timeout)
 
     async def start(self) -> None:
-        self._inbox = self.nc.new_inbox() + "."
-        self._sub = await self.nc.subscribe(self._inbox + "*", cb=self._on_ack)
-        self._watch = asyncio.create_task(self._expire(), name="heartbeat-acks")
+        await self.replies.start()
 
     async def stop(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
-            with suppress(asyncio.CancelledError):
-                await self._watch
-            self._watch = None
-        if self._sub is not None:
-            with suppress(Exception):
-                await self._sub.unsubscribe()
-            self._sub = None
-        for future, _ in self._pending.values():
-            if not future.done():
-                future.set_exception(unavailable("the registry is stopping"))
-                future.exception()
-        self._pending.clear()
+        await self.replies.stop()
 
     async def publish(self, subject: str, payload: bytes, headers: dict[str, str]) -> int:
-        token = str(next(self._tokens))
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[int] = loop.create_future()
-        self._pending[token] = (future, loop.time() + self.timeout)
         try:
-            await self.nc.publish(subject, payload, reply=self._inbox + token, headers=headers)
-            return await future
-        finally:
-            self._pending.pop(token, None)
-
-    async def _on_ack(self, msg: Msg) -> None:
-        entry = self._pending.get(msg.subject[len(self._inbox):])
-        if entry is None or entry[0].done():
-            return  # too late: its publish timed out
-        future = entry[0]
-        if not msg.data:  # a status message: 503, no stream listens on the subject
-            status = (msg.headers or {}).get("Status", "")
-            future.set_exception(unavailable(f"no JetStream stream stored the heartbeat (status {status})"))
-            return
+            msg = await self.replies.request(subject, payload, headers)
+        except nats.errors.NoRespondersError:
+            raise unavailable("no JetStream stream stored the heartbeat (no responders)") from None
+        except nats.errors.TimeoutError:
+            raise unavailable(f"the heartbeat bucket did not answer within {self.replies.timeout:g}s") from None
         try:
             ack = _ack_decoder.decode(msg.data)
         except msgspec.DecodeError:
-            future.set_exception(unavailable(f"the heartbeat bucket answered {msg.data[:200]!r}"))
-            return
+            raise unavailable(f"the heartbeat bucket answered {msg.data[:200]!r}") from None
         if ack.error is not None:
-            future.set_exception(unavailable(f"the heartbeat bucket refused the put: {ack.error.description}"))
-        else:
-            future.set_result(ack.seq)
-
-    async def _expire(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(min(0.25, self.timeout / 4))
-            moment = loop.time()
-            for future, deadline in list(self._pending.values()):
-                if deadline < moment and not future.done():
-                    future.set_exception(unavailable(f"the heartbeat bucket did not answer within {self.timeout:g}s"))
+            raise unavailable(f"the heartbeat bucket refused the put: {ack.error.description}")
+        return ack.seq
 
 
 class Sweeper:
