@@ -54,6 +54,7 @@ sys.path.insert(0, str(ROOT))
 import nats  # noqa: E402
 
 from events.codec import encode  # noqa: E402
+from events.errors import ContractError  # noqa: E402
 from events.jetstream import MSG_ID_HEADER, TOPIC_HEADER, VERSION_HEADER  # noqa: E402
 from events.schema import (  # noqa: E402
     Action,
@@ -113,10 +114,10 @@ def worker_event(i: int, *, mem: int = 65536, cpu: int = 64000) -> WorkerRegiste
                             sandbox_classes=(entry,))
 
 
-def actor_event(actor_id: str, mem: int = 1024) -> ActorCreated:
+def actor_event(actor_id: str, mem: int = 1024, min_fidelity: Fidelity = Fidelity.ROOTFS) -> ActorCreated:
     return ActorCreated(at=AT, actor_id=actor_id, sandbox_class=CLS, template_uid="tmpl-1",
                         resources=Resources(cpu_millis=250, memory_mib=mem), selectors={},
-                        min_fidelity=Fidelity.ROOTFS)
+                        min_fidelity=min_fidelity)
 
 
 def snapshot_event(actor_id: str, v: int, origin=SnapshotOrigin.SUSPEND) -> SnapshotTaken:
@@ -191,6 +192,8 @@ def bench_decisions(quick: bool) -> dict[str, float]:
         out[f"decide_cold_p50_us_{label}"] = round(statistics.median(idx_cold), 1)
         out[f"scan_p50_us_{label}"] = round(p50_scan, 1)
         out[f"index_vs_scan_{label}"] = round(p50_scan / p50_idx, 1)
+        if workers == 10_000:
+            out.update(bench_refusals(p, rng, p50_idx))
         print(f"(a) {workers:>6} workers, {VERSIONS} versions: index p50 {p50_idx:8.1f} us "
               f"(cold start {statistics.median(idx_cold):.1f} us), scan p50 {p50_scan:10.1f} us, "
               f"index {p50_scan / p50_idx:7.1f}x faster  [fold of {p.events} events in {build_s:.1f}s]",
@@ -253,6 +256,45 @@ def bench_edges(quick: bool) -> dict[str, float]:
         "decide_p50_us_10k_through_edge": round(statistics.median(through), 1),
         "edge_decision_ratio": round(p50_with / p50_without, 2),
     }
+
+
+def bench_refusals(p: Projection, rng: random.Random, feasible_p50_us: float) -> dict[str, float]:
+    """Refused resumes on the same fleet: actors whose min_fidelity is MEMORY and who need more
+    memory than any worker has free, so that every compatible worker is full. Decided as the
+    committer decides them (with its memo of refusals, which stays valid while nothing they
+    depended on moves), and once each without it (a fresh refusal: a pass over the fleet)."""
+    seq = p.seq
+    refused = []
+    for j in range(400):
+        actor_id = f"r{j:04d}"
+        seq += 1
+        p.apply(seq, actor_event(actor_id, mem=70_000, min_fidelity=Fidelity.MEMORY))
+        seq += 1
+        p.apply(seq, snapshot_event(actor_id, rng.randrange(VERSIONS)))
+        refused.append(actor_id)
+    memo: dict = {}
+    samples, fresh = [], []
+    for n in range(4000):
+        actor_id = rng.choice(refused)
+        t = time.perf_counter_ns()
+        try:
+            decide(p, actor_id, None, p.seq + n, {}, memo)
+        except ContractError:
+            pass
+        samples.append((time.perf_counter_ns() - t) / 1000)
+    for actor_id in refused[:40]:
+        t = time.perf_counter_ns()
+        try:
+            decide(p, actor_id, None, p.seq)
+        except ContractError:
+            pass
+        fresh.append((time.perf_counter_ns() - t) / 1000)
+    p50 = statistics.median(samples)
+    print(f"(a) 10k workers, refused (every compatible worker full): p50 {p50:.1f} us "
+          f"({p50 / feasible_p50_us:.1f}x a feasible decision); a fresh refusal (first of its kind) p50 "
+          f"{statistics.median(fresh) / 1000:.1f} ms", flush=True)
+    return {"refusal_p50_us_10k": round(p50, 1), "refusal_vs_feasible_10k": round(p50 / feasible_p50_us, 2),
+            "refusal_fresh_p50_ms_10k": round(statistics.median(fresh) / 1000, 2)}
 
 
 # --- (e) whatif ------------------------------------------------------------------------------------------------------
@@ -390,9 +432,13 @@ async def bench_resumes(
                 else:
                     placed += 1
 
+        # CPU of every scheduler process over the load, from each one's own rusage (prometheus-client's
+        # process collector reads /proc/self/stat): what the replicas cost per committed placement
+        cpu0 = sum(scrape(port, "process_cpu_seconds_total") for port in ports)
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(window)))
         elapsed = time.perf_counter() - t0
+        cpu = sum(scrape(port, "process_cpu_seconds_total") for port in ports) - cpu0
         commits = sum(scrape(port, "warmboot_placements_total") for port in ports)
         conflicts = sum(scrape(port, "warmboot_scheduler_commit_conflicts_total") for port in ports)
     finally:
@@ -408,6 +454,7 @@ async def bench_resumes(
         "refused": refused,
         "errors": errors,
         "commit_conflict_rate": round(conflicts / max(commits + conflicts, 1), 4),
+        "cpu_ms_per_placement": round(cpu * 1000 / max(placed, 1), 3),
         "latency_p50_ms": round(latencies[len(latencies) // 2] * 1000, 2),
         "latency_p99_ms": round(latencies[int(len(latencies) * 0.99)] * 1000, 2),
     }
@@ -512,6 +559,7 @@ async def bench_replay(nats_url: str, total: int) -> dict[str, float]:
     return {
         "replay_events_per_s": round(max(fold_rates)),
         "raw_read_events_per_s": round(max(raw_rates)),
+        "replay_vs_raw": round(max(fold_rates) / max(raw_rates), 3),
         "decode_apply_events_per_s": round(apply_rate),
         "replay_events": last,
         "log_write_events_per_s": round(last / write_s),
@@ -538,7 +586,7 @@ async def bench_bus(quick: bool) -> dict[str, float]:
         show("1 replica,  1000 workers", one)
         three = await bench_resumes(server.url, 3, actors, window, request_ids=False)
         show("3 replicas, 1000 workers", three)
-        with_ids = await bench_resumes(server.url, 1, actors // 2, window, request_ids=True)
+        with_ids = await bench_resumes(server.url, 1, actors, window, request_ids=True)
         show("1 replica,  1000 workers, every resume with a request_id", with_ids)
         contended = await bench_resumes(server.url, 3, actors // 2, window, request_ids=False, workers=100)
         show("3 replicas,  100 workers (contended)", contended)
@@ -549,6 +597,10 @@ async def bench_bus(quick: bool) -> dict[str, float]:
             "commit_conflict_rate": three["commit_conflict_rate"],
             "commit_conflict_rate_1_replica": one["commit_conflict_rate"],
             "resumes_per_s_with_request_id": with_ids["resumes_per_s"],
+            "request_id_ratio": round(with_ids["resumes_per_s"] / one["resumes_per_s"], 3),
+            "cpu_ms_per_placement_1_replica": one["cpu_ms_per_placement"],
+            "cpu_ms_per_placement_3_replicas": three["cpu_ms_per_placement"],
+            "replica_cpu_ratio_3v1": round(three["cpu_ms_per_placement"] / one["cpu_ms_per_placement"], 3),
             "resumes_per_s_3_replicas_100_workers": contended["resumes_per_s"],
             "commit_conflict_rate_3_replicas_100_workers": contended["commit_conflict_rate"],
         })

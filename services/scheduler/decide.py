@@ -177,7 +177,7 @@ def merged_selectors(actor: Actor, selectors: Mapping[str, str] | None) -> tuple
     key, never change the value of one the actor selects on (INVALID_ARGUMENT)."""
     own = actor.spec.selectors
     if not selectors:
-        return tuple(own.items())
+        return actor.spec.selector_pairs
     merged = dict(own)
     for key, value in selectors.items():
         have = own.get(key)
@@ -189,6 +189,11 @@ def merged_selectors(actor: Actor, selectors: Mapping[str, str] | None) -> tuple
             )
         merged[key] = value
     return tuple(sorted(merged.items()))
+
+
+def items(source: IndexedSet | None) -> Sequence[Worker]:
+    """The members of a set the index may not have (no worker in it yet)."""
+    return source.items if source is not None else ()
 
 
 def _below(fidelity: PlacedFidelity, floor: Fidelity) -> bool:
@@ -224,18 +229,16 @@ def plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | No
     else:
         base = index.workers if index is not None else None
     everyone: Sequence[Worker] = base.items if base is not None else ()
+    cpu, mem = res.cpu_millis, res.memory_mib
 
     def ask(compat: Compat | None, arch: str | None = None) -> Ask:
-        return Ask(cls, res.cpu_millis, res.memory_mib, sel, node, compat, arch)
+        return Ask(cls, cpu, mem, sel, node, compat, arch)
 
     def without_memory(arch: str | None) -> IndexedSet | None:
         """Candidates of a tier without memory: on the node, or of the stamp's architecture."""
         if arch is None or node is not None or index is None:
             return base
         return index.by_arch.get(arch)
-
-    def items(source: IndexedSet | None) -> Sequence[Worker]:
-        return source.items if source is not None else ()
 
     tiers: list[Tier] = []
     if snapshot is None:  # rule 1: cold start on the class default
@@ -291,7 +294,8 @@ def plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | No
             found = index.members[role].get(compat) if index is not None else None
             sources.append(found)
             members = items(found)
-        tiers.append(Tier(name, mem_ask, members, Action.RESTORE, PlacedFidelity.MEMORY, None, role))
+        if members:  # a role no worker accepts the stamp in is no tier (most stamps have no edges)
+            tiers.append(Tier(name, mem_ask, members, Action.RESTORE, PlacedFidelity.MEMORY, None, role))
     if node is not None:  # rule 5: never relaxed
         refusal = (f"its memory image is LOCAL on node {node}: it restores only on a compatible worker there"
                    if actor.state is not PAUSED else
@@ -330,13 +334,24 @@ def _below_floor(tier: Tier, floor: Fidelity, borrowed: bool) -> bool:
     return _below(tier.fidelity, floor)
 
 
+# Every fallback a placement can carry, made once: (reason, borrowed) -> (action, fidelity, Fallback, tier name)
+_FALLBACKS = {
+    (reason, borrowed): (
+        Action.RUN if borrowed else Action.RESTORE,
+        PlacedFidelity.NONE if borrowed else PlacedFidelity.VOLUMES,
+        Fallback(reason=reason, from_fidelity=PlacedFidelity.MEMORY,
+                 to_fidelity=PlacedFidelity.NONE if borrowed else PlacedFidelity.VOLUMES),
+        f"fallback {reason.value}",
+    )
+    for reason in FallbackReason for borrowed in (False, True)
+}
+
+
 def _without_memory(ask: Ask, members: Sequence[Worker], reason: FallbackReason, borrowed: bool) -> Tier:
-    if borrowed:  # a golden snapshot: no volumes of the actor's own to restore
-        to, action = PlacedFidelity.NONE, Action.RUN
-    else:
-        to, action = PlacedFidelity.VOLUMES, Action.RESTORE
-    fallback = Fallback(reason=reason, from_fidelity=PlacedFidelity.MEMORY, to_fidelity=to)
-    return Tier(f"fallback {reason.value}", ask, members, action, to, fallback, None)
+    """A tier that gives the memory up: VOLUMES, or RUN/NONE for a borrowed (golden) snapshot,
+    which holds no volumes of the actor's own."""
+    action, to, fallback, name = _FALLBACKS[reason, borrowed]
+    return Tier(name, ask, members, action, to, fallback, None)
 
 
 # --- choosing ----------------------------------------------------------------------------------

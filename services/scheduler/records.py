@@ -333,7 +333,7 @@ def bump_count(counts: dict[Compat, int], compat: Compat, delta: int) -> None:
 class Spec:
     """What an actor asks for (interned: actors created alike share one)."""
 
-    __slots__ = ("sandbox_class", "template_uid", "resources", "selectors", "min_fidelity")
+    __slots__ = ("sandbox_class", "template_uid", "resources", "selectors", "min_fidelity", "selector_pairs")
 
     def __init__(self, sandbox_class: str, template_uid: str, resources: Resources, selectors: Mapping[str, str],
                  min_fidelity: Fidelity):
@@ -342,6 +342,7 @@ class Spec:
         self.resources = resources
         self.selectors = selectors
         self.min_fidelity = min_fidelity
+        self.selector_pairs = tuple(sorted(selectors.items()))  # as the feasibility checks read them
 
 
 class SnapshotKind:
