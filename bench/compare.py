@@ -1,0 +1,95 @@
+"""Side by side against an earlier commit: the same workload from two trees, alternated.
+
+    python bench/compare.py --base REV [--rounds 3] [--actors 3000] [--json]
+
+The machine is shared and noisy, so absolute rates wander; what a change costs is
+the ratio of this tree's figure to the base's, measured in one run with the two
+alternating (base, head, base, head, ...), each on a fresh nats-server. The base is
+checked out with `git worktree` into a temporary directory (removed afterwards) and
+run with this tree's virtual environment.
+
+Workloads (each `bench/scheduler.py`'s `bench_resumes`, in both trees):
+- `resumes_per_s`: committed resumes/s, 1 scheduler replica, 1,000 workers;
+- `resumes_per_s_with_request_id`: the same, every resume with a request id.
+
+The last line with `--json` is one JSON object: per workload the base's and this
+tree's medians and `<workload>_ratio` (this tree / base).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+RUN = r"""
+import asyncio, json, sys, tempfile
+sys.path.insert(0, ".")
+from warmboot.natsserver import NatsServer
+from bench.scheduler import bench_resumes
+
+async def main(actors, window):
+    with tempfile.TemporaryDirectory() as d:
+        server = NatsServer(d)
+        server.start()
+        try:
+            plain = await bench_resumes(server.url, 1, actors, window, request_ids=False)
+            with_ids = await bench_resumes(server.url, 1, actors, window, request_ids=True)
+        finally:
+            server.stop()
+    print(json.dumps({"resumes_per_s": plain["resumes_per_s"],
+                      "resumes_per_s_with_request_id": with_ids["resumes_per_s"]}))
+
+asyncio.run(main(int(sys.argv[1]), int(sys.argv[2])))
+"""
+
+
+def run(tree: Path, actors: int, window: int) -> dict[str, float]:
+    out = subprocess.run([sys.executable, "-c", RUN, str(actors), str(window)], cwd=tree, check=True,
+                         capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", required=True, help="the commit to compare with (e.g. HEAD~3)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--actors", type=int, default=3000)
+    parser.add_argument("--window", type=int, default=128)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    rev = subprocess.run(["git", "rev-parse", "--short", args.base], cwd=ROOT, check=True, capture_output=True,
+                         text=True).stdout.strip()
+    with tempfile.TemporaryDirectory() as tmp:
+        base = Path(tmp) / "base"
+        subprocess.run(["git", "worktree", "add", "--detach", str(base), rev], cwd=ROOT, check=True,
+                       capture_output=True)
+        try:
+            figures: dict[str, dict[str, list[float]]] = {"base": {}, "head": {}}
+            for r in range(args.rounds):
+                for name, tree in (("base", base), ("head", ROOT)):
+                    got = run(tree, args.actors, args.window)
+                    for key, value in got.items():
+                        figures[name].setdefault(key, []).append(value)
+                    print(f"round {r + 1} {name:4} ({rev if name == 'base' else 'this tree'}): "
+                          + ", ".join(f"{k} {v:,.0f}" for k, v in got.items()), flush=True)
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT, capture_output=True)
+    result: dict[str, object] = {"base": rev, "rounds": args.rounds}
+    for key in figures["head"]:
+        b, h = statistics.median(figures["base"][key]), statistics.median(figures["head"][key])
+        result[f"{key}_base"], result[f"{key}_head"] = round(b), round(h)
+        result[f"{key}_ratio"] = round(h / b, 3)
+        print(f"{key}: base {b:,.0f}, this tree {h:,.0f}: ratio {h / b:.2f}")
+    if args.json:
+        print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
