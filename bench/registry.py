@@ -39,7 +39,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TICK = os.sysconf("SC_CLK_TCK")
-TTL_S = 120.0  # long enough that no worker is lost between its registration and its beats
+TTL_S = 1800.0  # long enough that no worker is lost between its registration and its beats
 
 
 # --- the serving processes ------------------------------------------------------------------------
@@ -49,7 +49,7 @@ def serve(kind: str, nats_url: str, prefix: str) -> None:
     """A registry replica, or an echo service, in this process: prints READY, runs until stdin closes.
 
     `echo` is a plain nats.micro service; `wrapped` answers what a heartbeat does,
-    `{"ttl_s": 120.0}`, through the services' shared endpoint machinery
+    `{"ttl_s": 1800.0}`, through the services' shared endpoint machinery
     (`services.common.add_endpoints`: validation at the edge, a task per request,
     contract errors, stats), and does nothing else."""
     import nats
@@ -228,12 +228,12 @@ async def bench(nats_url: str, server_pid: int, args: argparse.Namespace) -> dic
             show("echo (no-op nats.micro)", run, "requests")
             best["echo"] = max(best.get("echo", run), run, key=lambda r: r.rate)
             run = await drive(replies, wrapped_requests, window, {"wrapped": wrapped.proc.pid, **client},
-                              check=lambda data: data == b'{"ttl_s":120.0}')
+                              check=lambda data: data == b'{"ttl_s":1800.0}')
             show("no-op through services.common", run, "requests")
             best["wrapped"] = max(best.get("wrapped", run), run, key=lambda r: r.rate)
             for label, replica in replicas.items():
                 run = await drive(replies, beats[label], window, {"registry": replica.proc.pid, **client},
-                                  check=lambda data: data == b'{"ttl_s":120.0}')
+                                  check=lambda data: data == b'{"ttl_s":1800.0}')
                 show(f"{label}: heartbeat", run, "heartbeats")
                 best[label] = max(best.get(label, run), run, key=lambda r: r.rate)
     finally:

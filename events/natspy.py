@@ -125,6 +125,9 @@ class Replies:
     `request` returns the reply message, or raises nats-py's own errors:
     `NoRespondersError` (a 503 status: nobody listens on the subject) and
     `TimeoutError` (no reply within `timeout`, checked every `timeout / 4` at most).
+    `send` publishes the request and gives back the future of its reply, for a
+    caller with something else to wait for meanwhile (a future nobody awaits in the
+    end leaves no "exception never retrieved" warning).
     """
 
     def __init__(self, nc: Client, timeout: float = 5.0):
@@ -159,18 +162,23 @@ class Replies:
         self._pending.clear()
 
     async def request(self, subject: str, payload: bytes, headers: dict[str, str] | None = None) -> Msg:
+        return await (await self.send(subject, payload, headers))
+
+    async def send(self, subject: str, payload: bytes, headers: dict[str, str] | None = None) -> asyncio.Future[Msg]:
         token = str(next(self._tokens))
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Msg] = loop.create_future()
-        self._pending[token] = (future, loop.time() + self.timeout)
+        future.add_done_callback(_retrieved)
+        self._pending[token] = (future, loop.time() + self.timeout)  # until answered or expired
         try:
             await self.nc.publish(subject, payload, reply=self._inbox + token, headers=headers)
-            return await future
-        finally:
+        except BaseException:
             self._pending.pop(token, None)
+            raise
+        return future
 
     async def _on_reply(self, msg: Msg) -> None:
-        entry = self._pending.get(msg.subject[len(self._inbox):])
+        entry = self._pending.pop(msg.subject[len(self._inbox):], None)
         if entry is None or entry[0].done():
             return  # too late: its request timed out
         if not msg.data and msg.headers and msg.headers.get("Status") == "503":
@@ -183,6 +191,13 @@ class Replies:
         while True:
             await asyncio.sleep(min(0.25, self.timeout / 4))
             moment = loop.time()
-            for future, deadline in list(self._pending.values()):
-                if deadline < moment and not future.done():
+            late = [token for token, (_, deadline) in self._pending.items() if deadline < moment]
+            for token in late:
+                future = self._pending.pop(token)[0]
+                if not future.done():
                     future.set_exception(nats.errors.TimeoutError())
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()

@@ -129,3 +129,29 @@ async def test_a_heartbeat_answers_once_its_put_is_stored(nats_url, nc, prefix):
         reply, headers = await raw_request(nc, prefix, "heartbeat", "w-1", {})
         assert reply["error"]["code"] == "UNAVAILABLE", reply
         assert headers["Nats-Service-Error-Code"] == "503"
+
+
+async def test_replies_match_answers_and_give_up_on_silence(nc, prefix):
+    """The request multiplexer the heartbeat acks ride on: answers reach their own caller,
+    nobody listening is NoResponders, silence is a time-out, and it serves on after one."""
+    import nats.errors
+
+    from events.natspy import Replies
+
+    async def echo(msg) -> None:
+        if msg.data != b"quiet":
+            await nc.publish(msg.reply, b"re:" + msg.data)
+
+    sub = await nc.subscribe(f"{prefix}.echo", cb=echo)
+    replies = await Replies(nc, timeout=0.3).start()
+    try:
+        answers = await asyncio.gather(*(replies.request(f"{prefix}.echo", str(n).encode()) for n in range(50)))
+        assert [a.data for a in answers] == [f"re:{n}".encode() for n in range(50)]
+        with pytest.raises(nats.errors.NoRespondersError):
+            await replies.request(f"{prefix}.nobody", b"x")
+        with pytest.raises(nats.errors.TimeoutError):
+            await replies.request(f"{prefix}.echo", b"quiet")
+        assert (await replies.request(f"{prefix}.echo", b"after")).data == b"re:after"
+    finally:
+        await replies.stop()
+        await sub.unsubscribe()

@@ -94,6 +94,7 @@ class RosterFold:
         self._waiters: list[asyncio.Future[None]] = []  # calls of current() for the next round
         self._round: asyncio.Task[None] | None = None
         self._want: tuple[int, asyncio.Future[None]] | None = None  # the round waits for this sequence
+        self._stopping = False
 
     async def start(self, timeout: float) -> None:
         """Read the workers' events from the first; return once every one stored so far is folded."""
@@ -108,6 +109,7 @@ class RosterFold:
                               f"(it holds up to sequence {self.complete})") from None
 
     async def stop(self) -> None:
+        self._stopping = True  # also ends a round loop whose cancellation a time-out swallowed
         sub, self._sub = self._sub, None
         if sub is not None:
             with suppress(Exception):
@@ -160,7 +162,7 @@ class RosterFold:
     async def _rounds(self) -> None:
         loop = asyncio.get_running_loop()
         try:
-            while self._waiters:
+            while self._waiters and not self._stopping:
                 started = loop.time()
                 waiters, self._waiters = self._waiters, []
                 self.rounds += 1

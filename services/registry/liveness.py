@@ -97,12 +97,12 @@ class Acks:
         except nats.errors.TimeoutError:
             raise unavailable(f"the heartbeat bucket did not answer within {self.replies.timeout:g}s") from None
         try:
-            ack = _ack_decoder.decode(msg.data)
+            reply = _ack_decoder.decode(msg.data)
         except msgspec.DecodeError:
             raise unavailable(f"the heartbeat bucket answered {msg.data[:200]!r}") from None
-        if ack.error is not None:
-            raise unavailable(f"the heartbeat bucket refused the put: {ack.error.description}")
-        return ack.seq
+        if reply.error is not None:
+            raise unavailable(f"the heartbeat bucket refused the put: {reply.error.description}")
+        return reply.seq
 
 
 class Sweeper:
@@ -129,6 +129,7 @@ class Sweeper:
         self._credit = 0
         self._ended: asyncio.Event | None = None
         self._status = ""  # how the server ended the last pull request
+        self._stopping = False
         self._markers: asyncio.Queue[Msg] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -145,6 +146,7 @@ class Sweeper:
                        asyncio.create_task(self._handle_markers(), name=f"{self.stream}-sweep")]
 
     async def stop(self) -> None:
+        self._stopping = True  # also ends a loop whose cancellation a time-out swallowed
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -158,7 +160,7 @@ class Sweeper:
 
     async def _pull(self) -> None:
         backoff = 0.1
-        while True:
+        while not self._stopping:
             self._ended.clear()
             self._credit, self._status = PULL_BATCH, ""
             try:

@@ -283,6 +283,7 @@ class RegistryService:
         # (whichever replica wrote it): a worker removed a moment ago is seen removed.
         # One the roster does not have is looked up in its history: the log says
         # NOT_FOUND (or that it registered meanwhile). So does a barrier not to be had.
+        # Nothing is put before the answer is known: a refusal writes nothing.
         try:
             await self.fold.current()
             alive = self.roster.alive(worker_id)
