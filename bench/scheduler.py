@@ -81,7 +81,8 @@ from events.schema import (  # noqa: E402
     WorkerSandboxClass,
 )
 from events.subjects import service_subject, stream_name  # noqa: E402
-from services.scheduler.decide import decide, decide_by_scan  # noqa: E402
+from services.scheduler.decide import decide  # noqa: E402
+from services.scheduler.explain import decide_by_scan  # noqa: E402
 from services.scheduler.projection import Projection  # noqa: E402
 from services.scheduler.records import WORKER_RESERVE_MIB  # noqa: E402
 

@@ -69,7 +69,8 @@ from services.scheduler.checkpoint_codec import (
     export_state,
     restore_state,
 )
-from services.scheduler.decide import decide, explain
+from services.scheduler.decide import decide
+from services.scheduler.explain import explain
 from services.scheduler.fragmentation import fragmentation
 from services.scheduler.projection import Projection
 from services.scheduler.fold import Fold

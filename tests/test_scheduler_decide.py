@@ -46,15 +46,8 @@ from events.schema import (
     WorkerSandboxClass,
     WorkerUpdated,
 )
-from services.scheduler.decide import (
-    Draw,
-    choose,
-    decide,
-    decide_by_scan,
-    explain,
-    plan,
-    summary,
-)
+from services.scheduler.decide import Draw, choose, decide, plan, summary
+from services.scheduler.explain import decide_by_scan, explain
 from services.scheduler.fragmentation import fragmentation
 from services.scheduler.projection import Projection
 from services.scheduler.records import (

@@ -61,21 +61,17 @@ workers.
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Iterator, Mapping, Sequence
 
-from events.compat import compat_key, describe_key
-from events.errors import ContractError, exhausted, invalid, not_found, precondition
+from events.errors import exhausted, invalid, not_found, precondition
 from events.schema import (
     Action,
     CompatVersion,
-    ErrorCode,
-    Explanation,
     Fallback,
     FallbackReason,
     Fidelity,
     Placement,
     PlacedFidelity,
-    Refusal,
     Rejection,
     Resources,
 )
@@ -289,7 +285,7 @@ def plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | No
     sources: list[IndexedSet | None] = [base] if node is not None else []
     for role, name in MEMORY_TIERS:
         if node is not None:  # the node's workers of that role (few)
-            members: Sequence[Worker] = [w for w in everyone if _role(w, cls, compat) == role]
+            members: Sequence[Worker] = [w for w in everyone if role_of(w, cls, compat) == role]
         else:
             found = index.members[role].get(compat) if index is not None else None
             sources.append(found)
@@ -314,7 +310,7 @@ def plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | No
     return Plan(actor, tiers, mem_ask, refusal, True, tuple(sources))
 
 
-def _role(worker: Worker, sandbox_class: str, compat: Compat) -> int | None:
+def role_of(worker: Worker, sandbox_class: str, compat: Compat) -> int | None:
     entry = worker.classes.get(sandbox_class)
     match = entry.match(compat) if entry is not None else None
     return match[0] if match is not None else None
@@ -389,24 +385,23 @@ def _better(a: Choice, b: Choice) -> Choice:
     return b if free_b > free_a else a
 
 
+def _positions(n: int, draw: Draw) -> Iterator[int]:
+    """Where `choose` looks: PROBES random draws, then the whole list from a drawn offset."""
+    for _ in range(min(PROBES, n)):
+        yield draw.below(n)
+    start = draw.below(n)
+    for i in range(n):
+        yield (start + i) % n
+
+
 def choose(ask: Ask, members: Sequence[Worker], draw: Draw, pending: Pending) -> Choice | None:
+    """Power of two choices among the tier's feasible members (module docstring)."""
     n = len(members)
     if n == 0:
         return None
     first: Choice | None = None
-    for _ in range(min(PROBES, n)):
-        worker = members[draw.below(n)]
-        if first is not None and worker is first[0]:
-            continue
-        fit = ask.fit(worker, pending)
-        if fit is not None:
-            if first is None:
-                first = (worker, fit[0], fit[1])
-            else:
-                return _better(first, (worker, fit[0], fit[1]))
-    start = draw.below(n)
-    for i in range(n):
-        worker = members[(start + i) % n]
+    for i in _positions(n, draw):
+        worker = members[i]
         if first is not None and worker is first[0]:
             continue
         fit = ask.fit(worker, pending)
@@ -478,7 +473,7 @@ def decide(
         choice = choose(tier.ask, tier.members, draw, pending)
         if choice is not None:
             return placement(actor, tier, choice)
-    message = _exhausted_message(projection, the_plan, pending)
+    message = exhausted_message(projection, the_plan, pending)
     if refusals is not None:
         if len(refusals) >= REFUSALS_KEPT:
             refusals.clear()
@@ -498,12 +493,12 @@ def _refusal_key(projection: Projection, the_plan: Plan) -> tuple[tuple, tuple[i
     return key, versions
 
 
-def _exhausted_message(projection: Projection, the_plan: Plan, pending: Pending) -> str:
-    total, candidates, counts = _tally(projection.workers.values(), the_plan.primary, pending, None)
+def exhausted_message(projection: Projection, the_plan: Plan, pending: Pending) -> str:
+    total, candidates, counts = tally(projection.workers.values(), the_plan.primary, pending, None)
     return f"{summary(candidates, total, counts)}; {the_plan.refusal}"
 
 
-def _tally(
+def tally(
     workers: Iterable[Worker], ask: Ask, pending: Pending, rejected: list[Rejection] | None
 ) -> tuple[int, int, dict[str, int]]:
     total = candidates = 0
@@ -528,88 +523,3 @@ def summary(candidates: int, total: int, counts: Mapping[str, int]) -> str:
         ordered = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
         text += ": " + ", ".join(f"{n} {reason}" for reason, n in ordered)
     return text
-
-
-# --- explain -----------------------------------------------------------------------------------------
-
-
-def explain(
-    projection: Projection,
-    actor_id: str,
-    selectors: Mapping[str, str] | None,
-    position: int,
-    pending: Pending = NO_PENDING,
-) -> Explanation:
-    """What a resume would get now and why every other worker was passed over; writes nothing.
-
-    A resume that would be refused is a successful explanation with `refusal` set (never
-    a top-level `error`, which means the explain request itself failed: an unknown actor,
-    a selector that conflicts with the actor's). Reasons and counts are against the
-    actor's first requirement (a memory restore on a compatible worker when its snapshot
-    allows one; otherwise any worker of its class), over every registered worker. Each
-    rejected worker carries the first feasibility check it fails or, past those, every
-    resource check it fails.
-    """
-    try:
-        actor = resolve(projection, actor_id)
-        the_plan = plan(projection, actor, selectors)
-    except ContractError as error:
-        if error.code in (ErrorCode.NOT_FOUND, ErrorCode.INVALID_ARGUMENT):
-            raise
-        return Explanation(refusal=Refusal(code=error.code, message=error.message), candidates=0, rejected=[],
-                           counts={}, message=error.message)
-    rejected: list[Rejection] = []
-    total, candidates, counts = _tally(projection.workers.values(), the_plan.primary, pending, rejected)
-    text = summary(candidates, total, counts)
-    try:
-        decision = decide(projection, actor_id, selectors, position, pending)
-    except ContractError as error:
-        return Explanation(
-            refusal=Refusal(code=error.code, message=error.message), candidates=candidates, rejected=rejected,
-            counts=counts, message=f"{text}; {the_plan.refusal}",
-        )
-    outcome = f"{decision.action.value} {decision.fidelity.value} on {decision.worker_id}"
-    matched = decision.matched_version
-    if matched is not None and compat_key("", matched) != compat_key("", decision.sandbox_runtime.version):
-        outcome += f" (restorable through compatible version {describe_key(compat_key('', matched)).strip()})"
-    if decision.fallback is not None:
-        outcome += f" (fallback {decision.fallback.reason.value})"
-    return Explanation(
-        decision=decision, candidates=candidates, rejected=rejected, counts=counts, message=f"{text}; {outcome}"
-    )
-
-
-# --- the reference scan ----------------------------------------------------------------------------------
-
-
-def decide_by_scan(
-    projection: Projection,
-    actor_id: str,
-    selectors: Mapping[str, str] | None,
-    position: int,
-    pending: Pending = NO_PENDING,
-) -> Placement:
-    """The same rule as `decide`, without the index: every worker of the fleet is run
-    through the named pipeline and sorted into the plan's tiers.
-
-    It is the yardstick of `bench/scheduler.py` and the oracle of the tests: it
-    finds the same tier and a worker the index would deem feasible, though the member
-    order (fleet order here, index order there) can make the two choices differ.
-    """
-    actor = resolve(projection, actor_id)
-    the_plan = plan(projection, actor, selectors)
-    draw = Draw(seed(actor_id, position))
-    for tier in the_plan.tiers:
-        ask = tier.ask
-        keep = []
-        for worker in projection.workers.values():
-            fit = ask.fit(worker, pending)
-            if fit is None:
-                continue
-            if tier.role is not None and _role(worker, ask.sandbox_class, ask.compat) != tier.role:
-                continue  # a memory tier: only workers accepting the stamp in its role
-            keep.append(worker)
-        choice = choose(ask, keep, draw, pending)
-        if choice is not None:
-            return placement(actor, tier, choice)
-    raise exhausted(_exhausted_message(projection, the_plan, pending))

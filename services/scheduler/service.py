@@ -44,7 +44,7 @@ from services.common import EndpointSpec, ReplyCache, add_endpoints, store_env, 
 from services.locks import KeyedLock
 from services.scheduler.checkpoint import DEFAULT_INTERVAL_S, Checkpoints
 from services.scheduler.committer import MAX_GROUP, Answered, Committer, Job
-from services.scheduler.decide import explain
+from services.scheduler.explain import explain
 from services.scheduler.fragmentation import fragmentation
 from services.scheduler.fold import Fold
 from services.scheduler.projection import Projection

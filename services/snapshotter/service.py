@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 from datetime import datetime
 from functools import partial
@@ -62,7 +61,7 @@ from events.schema import (
     UpdateTemplate,
 )
 from events.subjects import check_prefix
-from services.common import EndpointSpec, add_endpoints, run_command, store_env
+from services.common import EndpointSpec, add_endpoints, run_command, store_env, stream_replicas
 from services.locks import KeyedLock
 from services.snapshotter.domain import Actor, Tag
 from services.snapshotter.placements import PlacementFold, Release
@@ -307,9 +306,7 @@ class SnapshotterService:
         self.nc = nc
         self.nats_url = nats_url
         self.prefix = check_prefix(prefix)
-        if store_replicas is None:  # `warmboot serve --replicas` sets it in the environment
-            store_replicas = int(os.environ.get("WARMBOOT_STREAM_REPLICAS", "1"))
-        self.env = env if env is not None else store_env(nats_url, prefix, store_replicas)
+        self.env = env if env is not None else store_env(nats_url, prefix, store_replicas or stream_replicas())
         self.follow = follow
         self._actors = KeyedLock()  # requests about one actor, one at a time in this replica
         self.app: SnapshotterApplication | None = None
