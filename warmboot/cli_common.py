@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import sys
 from typing import Any, Awaitable, Callable
 
@@ -13,7 +14,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from events.compat import compat_key, describe_key
 from events.errors import ContractError, unavailable
 from events.natsauth import redact_url
-from events.subjects import DEFAULT_PREFIX, stream_name
+from events.schema import ID_PATTERN
+from events.subjects import DEFAULT_PREFIX, check_prefix, stream_name
 from warmboot.runner import connect
 
 nats_option = click.option("--nats", "nats_url", default="nats://127.0.0.1:4222", show_default=True,
@@ -21,6 +23,26 @@ nats_option = click.option("--nats", "nats_url", default="nats://127.0.0.1:4222"
 prefix_option = click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="WARMBOOT_PREFIX",
                              help="Subject prefix of the deployment.")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+
+
+_ID = re.compile(ID_PATTERN)
+
+
+def check_id(ctx: click.Context | None, param: click.Parameter | None, value):
+    """click callback: every value is an id (one NATS subject token)."""
+    values = value if isinstance(value, tuple) else (value,)
+    for v in values:
+        if v is not None and not _ID.match(v):
+            raise click.BadParameter(f"{v!r} must match {ID_PATTERN} (one NATS subject token)")
+    return value
+
+
+def check_prefix_option(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """click callback: a valid subject prefix."""
+    try:
+        return check_prefix(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
 
 
 class Failed(click.ClickException):

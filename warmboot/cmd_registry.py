@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import signal
 from pathlib import Path
 
@@ -14,27 +13,14 @@ import click
 from events.codec import encode
 from events.errors import ContractError
 from events.probe import ARCHITECTURES, DEFAULT_CPUINFO
-from events.schema import ID_PATTERN
 from events.natsauth import NKEY_SEED_ENV
-from events.subjects import DEFAULT_PREFIX, check_prefix
+from events.subjects import DEFAULT_PREFIX
+from warmboot.cli_common import check_id, check_prefix_option
 from warmboot.agent import Agent, ConfigError, ProbeSettings, load_registration
 
-_ID = re.compile(ID_PATTERN)
 
 
-def _check_id(ctx: click.Context, param: click.Parameter, value):
-    values = value if isinstance(value, tuple) else (value,)
-    for v in values:
-        if v is not None and not _ID.match(v):
-            raise click.BadParameter(f"{v!r} must match {ID_PATTERN} (one NATS subject token)")
-    return value
 
-
-def _check_prefix(ctx: click.Context, param: click.Parameter, value: str) -> str:
-    try:
-        return check_prefix(value)
-    except ValueError as e:
-        raise click.BadParameter(str(e)) from None
 
 
 # --- warmboot agent -------------------------------------------------------------------------
@@ -45,12 +31,12 @@ def _check_prefix(ctx: click.Context, param: click.Parameter, value: str) -> str
               help="NATS server URL; credentials as nats://USER:PASSWORD@HOST:PORT.")
 @click.option("--nkey-seed", type=click.Path(exists=True, dir_okay=False), default=None, envvar=NKEY_SEED_ENV,
               help="Sign in with the nkey seed in this file (warmboot nats-config --auth nkey).")
-@click.option("--worker-id", required=True, callback=_check_id, help="This worker's id (one subject token).")
-@click.option("--node", required=True, callback=_check_id, help="The node (machine) this worker runs on.")
+@click.option("--worker-id", required=True, callback=check_id, help="This worker's id (one subject token).")
+@click.option("--node", required=True, callback=check_id, help="The node (machine) this worker runs on.")
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="TOML file: capacity, labels, sandbox classes (see examples/agent.toml). Watched for edits.")
 @click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="WARMBOOT_PREFIX",
-              callback=_check_prefix, help="Subject prefix of the deployment.")
+              callback=check_prefix_option, help="Subject prefix of the deployment.")
 @click.option("--drain-on-exit", is_flag=True, help="Drain the worker on SIGTERM/SIGINT before stopping.")
 @click.option("--watch-interval", "watch_interval_s", type=click.FloatRange(min=0.05), default=1.0,
               show_default=True, help="Seconds between checks of the config file for edits.")

@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
 import click
 
-from events.schema import ID_PATTERN
-from events.subjects import DEFAULT_PREFIX, bucket_name, check_prefix, events_filter, services_inbox, stream_name
+from events.subjects import DEFAULT_PREFIX, bucket_name, events_filter, services_inbox, stream_name
+from warmboot.cli_common import check_id, check_prefix_option
 
-_ID = re.compile(ID_PATTERN)
 SERVICES = ("registry", "snapshotter", "scheduler")
 AUTH_MODES = ("password", "bcrypt", "nkey")
 BCRYPT_ROUNDS = 11  # nats-server's own default (`nats server passwd`)
@@ -255,19 +253,8 @@ def _write_private(path: Path, text: str) -> None:
     os.chmod(path, 0o600)  # an existing file keeps its mode through O_CREAT: set it
 
 
-def _check_id(ctx: click.Context | None, param: click.Parameter | None, value):
-    values = value if isinstance(value, tuple) else (value,)
-    for v in values:
-        if v is not None and not _ID.match(v):
-            raise click.BadParameter(f"{v!r} must match {ID_PATTERN} (one NATS subject token)")
-    return value
 
 
-def _check_prefix(ctx: click.Context, param: click.Parameter, value: str) -> str:
-    try:
-        return check_prefix(value)
-    except ValueError as e:
-        raise click.BadParameter(str(e)) from None
 
 
 def _read_secrets(path: Path | None) -> dict[str, str]:
@@ -289,16 +276,16 @@ def _usable_seed(seed: str) -> bool:
 
 @click.command("nats-config")
 @click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="WARMBOOT_PREFIX",
-              callback=_check_prefix, help="Subject prefix of the deployment.")
-@click.option("--services-user", default="warmboot-services", show_default=True, callback=_check_id,
+              callback=check_prefix_option, help="Subject prefix of the deployment.")
+@click.option("--services-user", default="warmboot-services", show_default=True, callback=check_id,
               help="User the services connect as.")
-@click.option("--worker", "workers", multiple=True, callback=_check_id, metavar="WORKER_ID",
+@click.option("--worker", "workers", multiple=True, callback=check_id, metavar="WORKER_ID",
               help="A worker's user, named after its id; repeatable.")
 @click.option("--workers-file", type=click.File("r"), default=None,
               help="File with one worker id per line (blank lines and # comments skipped).")
-@click.option("--operator", "operators", multiple=True, callback=_check_id, metavar="NAME",
+@click.option("--operator", "operators", multiple=True, callback=check_id, metavar="NAME",
               help="An operator's user (read the log, explain, fragmentation, whatif); repeatable.")
-@click.option("--client", "clients", multiple=True, callback=_check_id, metavar="NAME",
+@click.option("--client", "clients", multiple=True, callback=check_id, metavar="NAME",
               help="A client's user (calls the snapshotter and the scheduler; inbox _INBOX.NAME); repeatable.")
 @click.option("--auth", type=click.Choice(AUTH_MODES), default="password", show_default=True,
               help="password: clear passwords in the configuration; bcrypt: their bcrypt hashes; "
@@ -337,7 +324,7 @@ def nats_config(
         for line in workers_file:
             line = line.split("#", 1)[0].strip()
             if line:
-                _check_id(None, None, line)
+                check_id(None, None, line)
                 worker_ids.append(line)
     worker_ids = list(dict.fromkeys(worker_ids))
     users = [services_user, *operators, *clients, *worker_ids]
