@@ -359,7 +359,7 @@ def projection_memory(workers: int, actors: int) -> dict:
     n_actors = len(p.actors)
     states: dict[str, int] = {}
     for a in p.actors.values():
-        states[a.state] = states.get(a.state, 0) + 1
+        states[a.state.value] = states.get(a.state.value, 0) + 1
     where = [(f"{Path(s.traceback[0].filename).name}:{s.traceback[0].lineno}", round(s.size_diff / n_actors, 1))
              for s in sites[:6]]
 
