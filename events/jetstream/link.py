@@ -1,0 +1,308 @@
+"""The connection: one NATS connection on one event-loop thread per (URL, credentials).
+
+The eventsourcing library is synchronous and nats-py is asyncio. A `Link` runs one
+event loop in a daemon thread with one connection on it, shared by every factory and
+recorder of the process that connects with the same `ConnectOptions` (`acquire`,
+`release`), reconnecting forever after a server restart. Recorders hand it coroutines
+(`Link.call`) and wait for their result; a call from the loop's own thread is an error.
+It also routes the replies of batched direct gets, which nats-py has no call for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import itertools
+import json
+import logging
+import os
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats.errors
+from eventsourcing.persistence import OperationalError, ProgrammingError
+from eventsourcing.utils import Environment
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.nuid import NUID
+
+from events.jetstream import errors
+from events.jetstream.lastseen import LastSeen
+from events.jetstream.layout import status_of
+from events.natsauth import NKEY_SEED_ENV, nkey_options, redact_url
+from events.natspy import use_lean_headers
+
+log = logging.getLogger("warmboot.jetstream")
+
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+_CLOSING = (asyncio.TimeoutError, nats.errors.Error, OSError)  # what closing a connection may raise
+
+
+@dataclass(frozen=True)
+class ConnectOptions:
+    """Where and as whom to connect: the key of the shared connections."""
+
+    url: str = field(repr=False)  # may hold user:password: shown as `where`
+    creds: str | None = None
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+    token: str | None = field(default=None, repr=False)
+    nkey_seed: str | None = None  # path of an nkey seed file
+    inbox_prefix: str | None = None
+
+    @classmethod
+    def from_env(cls, env: Environment) -> "ConnectOptions":
+        return cls(
+            url=env.get("NATS_URL") or DEFAULT_NATS_URL,
+            creds=env.get("NATS_CREDS") or None,
+            user=env.get("NATS_USER") or None,
+            password=env.get("NATS_PASSWORD") or None,
+            token=env.get("NATS_TOKEN") or None,
+            nkey_seed=env.get(NKEY_SEED_ENV) or None,
+            inbox_prefix=env.get("NATS_INBOX_PREFIX") or None,
+        )
+
+    @property
+    def where(self) -> str:
+        """The URL(s) without any user:password in them, for messages and logs."""
+        return redact_url(self.url)
+
+    def __repr__(self) -> str:
+        return f"ConnectOptions(where={self.where!r}, creds={self.creds!r}, user={self.user!r})"
+
+    def connect_kwargs(self) -> dict[str, Any]:
+        # NATS_URL may list a cluster's members, comma-separated (as `--nats` does).
+        kwargs: dict[str, Any] = {"servers": [u.strip() for u in self.url.split(",") if u.strip()]}
+        kwargs.update(nkey_options(self.nkey_seed))
+        if self.inbox_prefix:
+            kwargs["inbox_prefix"] = self.inbox_prefix
+        if self.creds:
+            kwargs["user_credentials"] = self.creds
+        if self.user:
+            kwargs["user"] = self.user
+            kwargs["password"] = self.password or ""
+        if self.token:
+            kwargs["token"] = self.token
+        return kwargs
+
+
+class _Collector:
+    """Gathers the replies of one batched direct get until the end-of-batch status."""
+
+    __slots__ = ("msgs", "done")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.msgs: list[Msg] = []
+        self.done: asyncio.Future[int] = loop.create_future()
+
+    def feed(self, msg: Msg) -> None:
+        status = status_of(msg)
+        if status is None:
+            self.msgs.append(msg)
+        elif self.done.done():
+            return
+        elif status == "204":  # end of batch; Nats-Num-Pending says how many more match
+            self.done.set_result(int(msg.headers.get("Nats-Num-Pending", "0")))
+        elif status == "404":  # nothing (more) matches
+            self.done.set_result(0)
+        else:
+            self.done.set_exception(errors.direct_get_refused(status))
+
+
+class Link:
+    """One NATS connection on one event-loop thread, shared by all users of the same options."""
+
+    def __init__(self, options: ConnectOptions):
+        self.options = options
+        self.pid = os.getpid()
+        self.refs = 0
+        self.closed = False
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._run_loop, name="warmboot-jetstream", daemon=True)
+        self.nc: NATS | None = None
+        self.connecting: asyncio.Lock | None = None
+        self.last_error: BaseException | None = None
+        self.subscriptions: "weakref.WeakSet[Any]" = weakref.WeakSet()  # stopped at shutdown
+        self.inbox = ""
+        self.collectors: dict[str, _Collector] = {}
+        self.tokens = itertools.count()
+        self.nuid = NUID()
+        self.ready_streams: set[str] = set()
+        self.last_seen = LastSeen()
+        self.waiting: set[concurrent.futures.Future[Any]] = set()
+        self.waiting_lock = threading.Lock()
+        self.thread.start()
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+        # Stopped by shutdown(): let the client's leftover tasks end before the loop closes.
+        tasks = asyncio.all_tasks(self.loop)
+        for task in tasks:
+            task.cancel()
+        self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+        self.loop.close()
+        with self.waiting_lock:  # calls submitted as the loop stopped never ran: release their callers
+            for future in self.waiting:
+                future.cancel()
+
+    def call(self, coro: Any) -> Any:
+        """Run `coro` on the link's loop and wait for it (coroutines bound their own time)."""
+        if threading.current_thread() is self.thread:
+            coro.close()
+            raise ProgrammingError("a JetStream recorder was called from its own event loop")
+        if self.closed:
+            coro.close()
+            raise ProgrammingError("the JetStream connection of this recorder is closed")
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        with self.waiting_lock:
+            self.waiting.add(future)
+        try:
+            return future.result()
+        except concurrent.futures.CancelledError:
+            raise OperationalError("the JetStream connection was closed during the call") from None
+        finally:
+            with self.waiting_lock:
+                self.waiting.discard(future)
+
+    def unsubscribe(self, subscription: Any) -> None:
+        """Stop a nats-py subscription in the background (nothing to do once the link is closed)."""
+        if not self.closed:
+            asyncio.run_coroutine_threadsafe(_unsubscribe(subscription), self.loop)
+
+    async def connect(self, timeout: float) -> None:
+        if self.connecting is None:
+            self.connecting = asyncio.Lock()
+        async with self.connecting:
+            if self.nc is None:
+                await self._connect(timeout)
+
+    async def _connect(self, timeout: float) -> None:
+
+        async def on_error(error: Exception) -> None:
+            # The server's word (e.g. an authorization violation) says more than the reset after it.
+            if not (isinstance(error, OSError) and self.last_error is not None):
+                self.last_error = error
+            log.debug("nats: %r", error)
+
+        async def on_disconnected() -> None:
+            log.info("disconnected from %s; reconnecting", self.options.where)
+
+        async def on_reconnected() -> None:
+            log.info("reconnected to %s", self.options.where)
+
+        nc = NATS()
+        use_lean_headers(nc)  # replays are bound by header parsing (events.natspy)
+        try:
+            await asyncio.wait_for(
+                nc.connect(
+                    **self.options.connect_kwargs(),
+                    name="warmboot-eventstore",
+                    allow_reconnect=True,
+                    max_reconnect_attempts=-1,  # forever: the store outlives server restarts
+                    reconnect_time_wait=0.25,
+                    connect_timeout=2,
+                    ping_interval=10,
+                    max_outstanding_pings=3,
+                    error_cb=on_error,
+                    disconnected_cb=on_disconnected,
+                    reconnected_cb=on_reconnected,
+                ),
+                timeout,
+            )
+        except asyncio.TimeoutError:
+            try:  # stop its reconnect loop: the next call starts afresh
+                await asyncio.wait_for(nc.close(), 2)
+            except _CLOSING:
+                pass
+            raise errors.unreachable(self.options.where, timeout, self.last_error) from None
+        self.inbox = nc.new_inbox()
+        await nc.subscribe(f"{self.inbox}.*", cb=self._route)
+        self.nc = nc
+
+    async def _route(self, msg: Msg) -> None:
+        collector = self.collectors.get(msg.subject[len(self.inbox) + 1 :])
+        if collector is not None:
+            collector.feed(msg)
+
+    async def direct_batch(self, stream: str, request: dict[str, Any], timeout: float) -> tuple[list[Msg], int]:
+        """One batched direct get: the messages, and how many more match after them."""
+        token = str(next(self.tokens))
+        collector = _Collector(asyncio.get_running_loop())
+        self.collectors[token] = collector
+        try:
+            await self.nc.publish(
+                f"$JS.API.DIRECT.GET.{stream}", json.dumps(request).encode(), reply=f"{self.inbox}.{token}"
+            )
+            pending = await asyncio.wait_for(collector.done, timeout)
+        finally:
+            del self.collectors[token]
+        return collector.msgs, pending
+
+    async def close(self) -> None:
+        if self.nc is not None and not self.nc.is_closed:
+            try:
+                await asyncio.wait_for(self.nc.close(), 5)
+            except _CLOSING as error:
+                log.debug("closing the connection to %s: %r", self.options.where, error)
+
+    def shutdown(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for subscription in list(self.subscriptions):
+            subscription.stop()
+        if self.thread.is_alive() and threading.current_thread() is not self.thread:
+            try:
+                asyncio.run_coroutine_threadsafe(self.close(), self.loop).result(10)
+            except (concurrent.futures.TimeoutError, RuntimeError):
+                pass
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+
+
+async def _unsubscribe(subscription: Any) -> None:
+    try:
+        await subscription.unsubscribe()
+    except nats.errors.Error:
+        pass  # gone with its connection: nothing left to stop
+
+
+_links: dict[ConnectOptions, Link] = {}
+_links_lock = threading.Lock()
+
+
+def acquire(options: ConnectOptions) -> Link:
+    """The process's link for `options` (made on first use); `release` it when done."""
+    with _links_lock:
+        link = _links.get(options)
+        if link is not None and link.pid != os.getpid():
+            link = None  # inherited through fork: its thread did not come along
+        if link is None or link.closed:
+            link = Link(options)
+            _links[options] = link
+        link.refs += 1
+        return link
+
+
+def release(link: Link) -> None:
+    with _links_lock:
+        link.refs -= 1
+        if link.refs > 0:
+            return
+        if _links.get(link.options) is link:
+            del _links[link.options]
+    link.shutdown()
+
+
+@atexit.register
+def _close_all() -> None:
+    with _links_lock:
+        links = [link for link in _links.values() if link.pid == os.getpid()]
+        _links.clear()
+    for link in links:
+        link.shutdown()

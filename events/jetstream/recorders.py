@@ -1,0 +1,304 @@
+"""The eventsourcing library's recorders on a `Stream`, and the subscription.
+
+As in the library's own sqlite.py and postgres.py, a recorder turns the library's calls
+into calls on the datastore (here the stream protocol, run on the link's loop) and the
+rows it gets back into the library's records; retries, catching up with a replica and
+what the server's errors mean are the stream's and errors.py's business, not theirs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+from uuid import UUID
+
+from eventsourcing.persistence import (
+    AggregateRecorder,
+    ApplicationRecorder,
+    Notification,
+    ProcessRecorder,
+    ProgrammingError,
+    StoredEvent,
+    Subscription,
+    Tracking,
+    TrackingRecorder,
+)
+from nats.aio.msg import Msg
+from nats.js.api import ConsumerConfig, DeliverPolicy
+
+from events.jetstream.lastseen import Last
+from events.jetstream.layout import (
+    MAX_BATCH_MESSAGES,
+    SEQUENCE_HEADER,
+    SUBJECT_HEADER,
+    TOPIC_HEADER,
+    TRACKING_HEADER,
+    VERSION_HEADER,
+    SequencedStoredEvent,
+    event_headers,
+    notification_from_message,
+    originator_subject,
+    sequence_of,
+    topic_of,
+    tracking_message,
+    tracking_subject,
+    version_of,
+)
+from events.jetstream.link import Link
+from events.jetstream.batch import Batch, Out
+from events.jetstream.stream import Stored, Stream
+from events.natspy import ack_positions
+
+SUBSCRIPTION_BUFFER = 10_000
+IDLE_HEARTBEAT = 1.0  # an ordered consumer is recreated after two missed heartbeats
+
+
+class JetStreamRecorder:
+    """What every JetStream recorder has: a stream on a shared link and a subject namespace."""
+
+    def __init__(self, stream: Stream, prefix: str, namespace: str):
+        self.stream = stream
+        self.prefix = prefix
+        self.namespace = namespace
+
+    @property
+    def link(self) -> Link:
+        return self.stream.link
+
+    def _add_tracking(self, batch: Batch, tracking: Tracking) -> None:
+        subject = tracking_subject(self.prefix, tracking.application_name)
+        body, headers = tracking_message(tracking.application_name, tracking.notification_id)
+        batch.add(Out(subject, body, headers, tracking.notification_id, False), TRACKING_HEADER)
+
+
+class JetStreamAggregateRecorder(JetStreamRecorder, AggregateRecorder):
+    """Events (or snapshots) of aggregates, one subject per aggregate."""
+
+    def insert_events(self, stored_events: Sequence[StoredEvent], **kwargs: Any) -> Sequence[int] | None:
+        self._insert(stored_events, **kwargs)
+        return None
+
+    def _insert(
+        self,
+        stored_events: Sequence[StoredEvent],
+        *,
+        expected_last_seqs: Mapping[UUID | str, int] | None = None,
+        tracking: Tracking | None = None,
+        **_: Any,
+    ) -> list[int]:
+        batch = self._batch(stored_events, expected_last_seqs, tracking)
+        if not batch.outs:
+            return []
+        seqs = self.link.call(self.stream.append(batch))
+        return [seq for seq, out in zip(seqs, batch.outs) if out.is_event]
+
+    def _batch(
+        self,
+        stored_events: Sequence[StoredEvent],
+        expected_last_seqs: Mapping[UUID | str, int] | None,
+        tracking: Tracking | None,
+    ) -> Batch:
+        batch = Batch()
+        for event in stored_events:
+            subject = originator_subject(self.namespace, event.originator_id)
+            batch.add(Out(subject, event.state, event_headers(event), event.originator_version, True), VERSION_HEADER)
+        if tracking is not None:
+            self._add_tracking(batch, tracking)
+        for originator_id, seq in (expected_last_seqs or {}).items():
+            guard = batch.guards.get(originator_subject(self.namespace, originator_id))
+            if guard is None:
+                raise ProgrammingError(
+                    f"expected_last_seqs names {originator_id!r}, which has no event in this call"
+                )
+            guard.expected = int(seq)
+            guard.given = True
+        if len(batch.outs) > MAX_BATCH_MESSAGES:
+            raise ProgrammingError(
+                f"{len(batch.outs)} messages in one call: an atomic append holds at most {MAX_BATCH_MESSAGES}"
+            )
+        return batch
+
+    def select_events(
+        self,
+        originator_id: UUID | str,
+        *,
+        gt: int | None = None,
+        lte: int | None = None,
+        desc: bool = False,
+        limit: int | None = None,
+    ) -> Sequence[StoredEvent]:
+        subject = originator_subject(self.namespace, originator_id)
+        if desc and limit == 1 and lte is None:
+            msgs = self.link.call(self._last(subject))
+        else:
+            msgs = self.link.call(self._all(subject, gt))
+        events = []
+        for msg in msgs:
+            version = version_of(msg.headers)
+            if (gt is not None and version <= gt) or (lte is not None and version > lte):
+                continue
+            topic = topic_of(msg.headers, msg.data)
+            events.append(SequencedStoredEvent(originator_id, version, topic, msg.data, sequence_of(msg)))
+        if desc:
+            events.reverse()
+        if limit is not None:
+            events = events[:limit]
+        return events
+
+    async def _last(self, subject: str) -> list[Msg] | list[Stored]:
+        msg = await self.stream.last(subject)
+        if msg is None:
+            self.link.last_seen.put(subject, Last(0, None))
+            return []
+        self.link.last_seen.put(subject, Last(sequence_of(msg), version_of(msg.headers)))
+        return [msg]
+
+    async def _all(self, subject: str, gt: int | None) -> list[Msg] | list[Stored]:
+        start = 1
+        known = self.link.last_seen.get(subject)
+        if gt is not None and known is not None and known.position is not None and known.position <= gt:
+            start = known.seq + 1  # everything up to there is at or below `gt`
+        msgs = await self.stream.subject_from(subject, start)
+        if msgs:
+            last = msgs[-1]
+            self.link.last_seen.put(subject, Last(sequence_of(last), version_of(last.headers)))
+        elif start == 1:
+            self.link.last_seen.put(subject, Last(0, None))
+        return msgs
+
+
+class JetStreamApplicationRecorder(JetStreamAggregateRecorder, ApplicationRecorder):
+    """Events of an application; notification ids are stream sequences."""
+
+    def insert_events(self, stored_events: Sequence[StoredEvent], **kwargs: Any) -> Sequence[int] | None:
+        return self._insert(stored_events, **{k: v for k, v in kwargs.items() if k != "tracking"})
+
+    def select_notifications(
+        self,
+        start: int | None,
+        limit: int,
+        stop: int | None = None,
+        topics: Sequence[str] = (),
+        *,
+        inclusive_of_start: bool = True,
+    ) -> Sequence[Notification]:
+        first = 1 if start is None else (start if inclusive_of_start else start + 1)
+        if limit <= 0 or (stop is not None and stop < first):
+            return []
+        wanted = set(topics)
+        keep = (lambda msg: msg.headers.get(TOPIC_HEADER) in wanted) if wanted else None
+        msgs = self.link.call(
+            self.stream.read(f"{self.namespace}.>", first, stop=stop, limit=limit, keep=keep)
+        )
+        return [self._notification(msg) for msg in msgs]
+
+    def _notification(self, msg: Msg) -> Notification:
+        headers = msg.headers
+        # per message of a replay: the sequence read inline (sequence_of), as in notification_from_message
+        return notification_from_message(
+            self.prefix, int(headers[SEQUENCE_HEADER]), headers[SUBJECT_HEADER], headers, msg.data
+        )
+
+    def max_notification_id(self) -> int | None:
+        msg = self.link.call(self.stream.last_direct(f"{self.namespace}.>"))
+        return sequence_of(msg) if msg is not None else None
+
+    def subscribe(self, gt: int | None = None, topics: Sequence[str] = ()) -> "JetStreamSubscription":
+        return JetStreamSubscription(self, gt=gt, topics=topics)
+
+
+class JetStreamTrackingRecorder(JetStreamRecorder, TrackingRecorder):
+    """Tracking records on `<prefix>.tracking.<application>`: the last one is the position."""
+
+    def insert_tracking(self, tracking: Tracking) -> None:
+        batch = Batch()
+        self._add_tracking(batch, tracking)
+        self.link.call(self.stream.append(batch))
+
+    def max_tracking_id(self, application_name: str) -> int | None:
+        msg = self.link.call(self.stream.last(tracking_subject(self.prefix, application_name)))
+        if msg is None:
+            return None
+        return int(msg.headers[TRACKING_HEADER])
+
+
+class JetStreamProcessRecorder(JetStreamTrackingRecorder, JetStreamApplicationRecorder, ProcessRecorder):
+    """Events and the tracking record of the step that caused them, in one atomic batch."""
+
+    def insert_events(self, stored_events: Sequence[StoredEvent], **kwargs: Any) -> Sequence[int] | None:
+        return self._insert(stored_events, **kwargs)
+
+
+# --- subscriptions ----------------------------------------------------------------------------
+
+_STOP = object()
+
+
+class JetStreamSubscription(Subscription[JetStreamApplicationRecorder]):
+    """Recorded events after `gt`, then new ones as they are appended (an ordered consumer)."""
+
+    def __init__(self, recorder: JetStreamApplicationRecorder, gt: int | None = None, topics: Sequence[str] = ()):
+        super().__init__(recorder=recorder, gt=gt, topics=topics)
+        self._wanted = set(topics)
+        self._buffer: queue.Queue[Any] = queue.Queue(maxsize=SUBSCRIPTION_BUFFER)
+        self._consumer: Any = None
+        self._lock = threading.Lock()
+        self._consumer = recorder.link.call(self._start(gt))
+        recorder.link.subscriptions.add(self)
+
+    async def _start(self, gt: int | None) -> Any:
+        recorder = self._recorder
+        buffer = self._buffer
+
+        async def deliver(msg: Msg) -> None:
+            item = (msg.reply, msg.subject, msg.headers, msg.data)
+            while not self._has_been_stopped:
+                try:
+                    buffer.put_nowait(item)
+                    return
+                except queue.Full:  # the reader is behind: hold the consumer (flow control)
+                    await asyncio.sleep(0.005)
+
+        config = ConsumerConfig(
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE if gt else DeliverPolicy.ALL,
+            opt_start_seq=gt + 1 if gt else None,
+        )
+        js = recorder.link.nc.jetstream()
+        return await js.subscribe(
+            f"{recorder.namespace}.>",
+            stream=recorder.stream.name,
+            cb=deliver,
+            ordered_consumer=True,
+            idle_heartbeat=IDLE_HEARTBEAT,
+            config=config,
+        )
+
+    def __next__(self) -> Notification:
+        while True:
+            if self._has_been_stopped:
+                raise StopIteration
+            item = self._buffer.get()
+            if item is _STOP or self._has_been_stopped:
+                raise StopIteration
+            reply, subject, headers, data = item
+            notification = notification_from_message(self._recorder.prefix, ack_positions(reply)[0], subject, headers, data)
+            if self._wanted and notification.topic not in self._wanted:
+                continue
+            self._last_notification_id = notification.id
+            return notification
+
+    def stop(self) -> None:
+        with self._lock:
+            if self._has_been_stopped:
+                return
+            super().stop()
+        try:
+            self._buffer.put_nowait(_STOP)
+        except queue.Full:
+            pass  # __next__ checks the flag first
+        consumer, self._consumer = self._consumer, None
+        if consumer is not None:
+            self._recorder.link.unsubscribe(consumer)
