@@ -282,7 +282,8 @@ def main() -> None:
         return
     sys.path.insert(0, str(ROOT))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer heartbeat rounds; about a minute on 2 cores")
+    parser.add_argument("--quick", action="store_true",
+                        help="2 heartbeats per worker instead of 5 (registering the workers takes as long)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     parser.add_argument("--workers", type=int, default=10_000, help="registered workers (default 10000)")
     parser.add_argument("--window", type=int, default=256, help="requests in flight (default 256)")
