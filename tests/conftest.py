@@ -6,6 +6,7 @@ and `prefix` (a new subject prefix, so tests never see each other's streams).
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from pathlib import Path
 
@@ -51,6 +52,37 @@ async def stack(nats_server, prefix):
 
     async with AsyncExitStack() as exits:
         yield await start_services(exits, list(SERVICES), nats_server.url, prefix)
+
+
+@pytest.fixture
+async def writer(nats_url, prefix):
+    """`tests.factories.Writer` on the test's prefix: events appended straight into the stream."""
+    from tests.factories import Writer
+
+    log = await asyncio.to_thread(Writer, nats_url, prefix)
+    yield log
+    await asyncio.to_thread(log.close)
+
+
+@pytest.fixture
+async def replicas(nats_url, prefix):
+    """`await replicas(**options)` starts a scheduler replica on a connection of its own (options
+    are SchedulerService's); all are stopped at the end."""
+    from services.scheduler.service import SchedulerService
+
+    started: list[tuple[SchedulerService, nats.NATS]] = []
+
+    async def start(**options) -> SchedulerService:
+        client = await nats.connect(nats_url)
+        service = SchedulerService(client, nats_url=nats_url, prefix=prefix, **options)
+        await service.start()
+        started.append((service, client))
+        return service
+
+    yield start
+    for service, client in started:
+        await service.stop()
+        await client.close()
 
 
 # --- the traffic check (tests/traffic_tap.py) ---------------------------------------------------------

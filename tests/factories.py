@@ -1,79 +1,123 @@
-"""Typed bodies and log readers the bus tests share (and bench/ too): one definition each.
+"""Typed bodies, events and log helpers the tests share (and bench/ too): one definition each.
 
 Bodies are the schema's Structs (`events.schema`), so a test says what a caller sends
-in the contract's own terms; `warmboot.client.Client` sends them.
+in the contract's own terms; `warmboot.client.Client` sends them. Events are what the
+services write, for tests that build a log themselves: folded without a bus (`Log`,
+`fold`) or appended straight into the stream (`Writer`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterable
 from datetime import datetime, timezone
-from typing import Any, Callable
+from types import EllipsisType
+from typing import Any, Callable, Protocol, TypeVar
 
+import msgspec
 from nats.aio.client import Client as NATS
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
+from events.aggregate import WireApplication
 from events.codec import decode_event
 from events.schema import (
+    Action,
+    ActorCreated,
     ActorOverhead,
+    ActorPlaced,
+    ActorReleased,
     ActorRuntime,
     Attribute,
     CompatVersion,
     CreateActor,
     Event,
+    Fallback,
     Fidelity,
     Location,
+    PlacedFidelity,
     RegisterWorker,
+    ReleaseReason,
     Resources,
     Snapshot,
+    SnapshotOrigin,
+    SnapshotTaken,
+    WorkerBooked,
+    WorkerDrained,
+    WorkerRegistered,
     WorkerRuntime,
     WorkerSandboxClass,
 )
 from events.subjects import stream_name
+from services.common import store_env
+from services.scheduler.committer import placed_event
+from services.scheduler.decide import decide
+from services.scheduler.explain import explain
+from services.scheduler.projection import Projection
 
 CLASS = "gvisor"
 AT = datetime(2026, 12, 1, tzinfo=timezone.utc)
 
 
 def version(build: str, arch: str = "amd64", schema: str = "v1", **extra: str) -> CompatVersion:
-    """A runtime version told apart by `build` (its asset digest) and `arch`."""
+    """A runtime version told apart by `build` (its asset digest) and `arch`; attributes sorted
+    by key, as the registry stores them."""
     pairs = {"architecture": arch, "gvisor_asset_hash": build, **extra}
-    return CompatVersion(schema_version=schema, attributes=tuple(Attribute(key=k, value=v) for k, v in pairs.items()))
+    return CompatVersion(schema_version=schema,
+                         attributes=tuple(Attribute(key=k, value=v) for k, v in sorted(pairs.items())))
 
 
-def runtime(v: CompatVersion, name: str | None = None, overhead: int = 0,
-            compatible: tuple[CompatVersion, ...] = ()) -> WorkerRuntime:
-    return WorkerRuntime(version=v, name=name, actor_overhead=ActorOverhead(fixed_mib=overhead, per_gib_mib=0),
-                         compatible_versions=compatible)
+def runtime(v: CompatVersion, name: str | None = None, overhead: int | None = 0,
+            compatible: tuple[CompatVersion, ...] = (), *, per_gib: int = 0) -> WorkerRuntime:
+    """`overhead` is the fixed MiB per actor (`per_gib` the MiB per GiB booked); None: the
+    runtime states no overhead at all (the schema's default)."""
+    cost = None if overhead is None else ActorOverhead(fixed_mib=overhead, per_gib_mib=per_gib)
+    return WorkerRuntime(version=v, name=name, actor_overhead=cost, compatible_versions=compatible)
 
 
-def stamp(v: CompatVersion, sandbox_class: str = CLASS) -> ActorRuntime:
-    return ActorRuntime(sandbox_class=sandbox_class, version=v)
+def stamp(v: CompatVersion, sandbox_class: str = CLASS, name: str | None = None) -> ActorRuntime:
+    return ActorRuntime(sandbox_class=sandbox_class, name=name, version=v)
+
+
+def entry(default: CompatVersion | WorkerRuntime, restorable: tuple = (), sandbox_class: str = CLASS
+          ) -> WorkerSandboxClass:
+    """One class a worker runs; a bare version is a runtime of it with no overhead."""
+    def rt(r: CompatVersion | WorkerRuntime) -> WorkerRuntime:
+        return r if isinstance(r, WorkerRuntime) else runtime(r)
+
+    return WorkerSandboxClass(sandbox_class=sandbox_class, default_runtime=rt(default),
+                              restorable_runtimes=tuple(rt(r) for r in restorable))
 
 
 def worker(worker_id: str, default: CompatVersion | WorkerRuntime, restorable: tuple = (), *, node: str | None = None,
            cpu: int = 4000, mem: int = 4096, labels: dict[str, str] | None = None, sandbox_class: str = CLASS,
            request_id: str | None = None) -> RegisterWorker:
-    def rt(r: CompatVersion | WorkerRuntime) -> WorkerRuntime:
-        return r if isinstance(r, WorkerRuntime) else runtime(r)
-
     return RegisterWorker(
         worker_id=worker_id, node=node or f"node-{worker_id}",
         capacity=Resources(cpu_millis=cpu, memory_mib=mem), labels=labels or {},
-        sandbox_classes=(WorkerSandboxClass(sandbox_class=sandbox_class, default_runtime=rt(default),
-                                            restorable_runtimes=tuple(rt(r) for r in restorable)),),
-        request_id=request_id,
+        sandbox_classes=(entry(default, restorable, sandbox_class),), request_id=request_id,
     )
+
+
+def snapshot(actor_id: str, v: CompatVersion | ActorRuntime | None, *, snapshot_id: str | None = None,
+             fidelity: Fidelity = Fidelity.MEMORY, node: str | None = None, location: Location | None = None,
+             uri: str | None = None, template: str = "t1", borrowed: bool = False, sandbox_class: str = CLASS,
+             taken_at: datetime = AT) -> Snapshot:
+    """A snapshot of `actor_id` stamped `v` (None: unstamped); LOCAL to `node` when one is named,
+    else EXTERNAL, unless `location` says otherwise."""
+    return Snapshot(snapshot_id=snapshot_id or f"{actor_id}-s", actor_id=actor_id, template_uid=template,
+                    fidelity=fidelity, location=location or (Location.LOCAL if node else Location.EXTERNAL),
+                    node=node, uri=uri, borrowed=borrowed, taken_at=taken_at,
+                    sandbox_runtime=v if isinstance(v, ActorRuntime) or v is None else stamp(v, sandbox_class))
 
 
 def golden(v: CompatVersion, *, snapshot_id: str = "golden-1", template: str = "t1",
            fidelity: Fidelity = Fidelity.MEMORY, sandbox_class: str = CLASS, **fields: Any) -> Snapshot:
     """An EXTERNAL golden snapshot stamped `v`."""
-    return Snapshot(snapshot_id=snapshot_id, actor_id="golden", template_uid=template, fidelity=fidelity,
-                    location=Location.EXTERNAL, uri=f"s3://golden/{snapshot_id}",
-                    sandbox_runtime=stamp(v, sandbox_class), taken_at=AT, **fields)
+    made = snapshot("golden", v, snapshot_id=snapshot_id, fidelity=fidelity, location=Location.EXTERNAL,
+                    uri=f"s3://golden/{snapshot_id}", template=template, sandbox_class=sandbox_class)
+    return msgspec.structs.replace(made, **fields) if fields else made
 
 
 def actor(actor_id: str, *, cpu: int = 500, mem: int = 1024, template: str = "t1",
@@ -84,6 +128,147 @@ def actor(actor_id: str, *, cpu: int = 500, mem: int = 1024, template: str = "t1
                        resources=Resources(cpu_millis=cpu, memory_mib=mem), selectors=selectors or {},
                        min_fidelity=min_fidelity, golden_snapshot=golden_snapshot, source_tag=source_tag,
                        request_id=request_id)
+
+
+# --- events, as the services write them ---------------------------------------------------------
+
+
+def registered(worker_id: str, *classes: WorkerSandboxClass, node: str | None = None, cpu: int = 4000,
+               mem: int = 4096, labels: dict[str, str] | None = None, at: datetime = AT) -> WorkerRegistered:
+    """A registration as the registry records it (`entry(...)` per class)."""
+    return WorkerRegistered(at=at, worker_id=worker_id, node=node or f"node-{worker_id}",
+                            capacity=Resources(cpu_millis=cpu, memory_mib=mem), labels=labels or {},
+                            sandbox_classes=classes)
+
+
+def created(actor_id: str, *, cpu: int = 500, mem: int = 1024, template: str = "t1",
+            min_fidelity: Fidelity = Fidelity.ROOTFS, selectors: dict[str, str] | None = None,
+            snapshot: Snapshot | None = None, sandbox_class: str = CLASS, at: datetime = AT) -> ActorCreated:
+    return ActorCreated(at=at, actor_id=actor_id, sandbox_class=sandbox_class, template_uid=template,
+                        resources=Resources(cpu_millis=cpu, memory_mib=mem), selectors=selectors or {},
+                        min_fidelity=min_fidelity, snapshot=snapshot)
+
+
+def taken(snapshot: Snapshot, origin: SnapshotOrigin = SnapshotOrigin.SUSPEND, at: datetime = AT) -> SnapshotTaken:
+    """The snapshotter's record of `snapshot`, on its actor."""
+    return SnapshotTaken(at=at, actor_id=snapshot.actor_id, snapshot=snapshot, origin=origin)
+
+
+def placed(actor_id: str, worker_id: str, pin: CompatVersion | ActorRuntime, *, node: str | None = None,
+           action: Action = Action.RUN, fidelity: PlacedFidelity = PlacedFidelity.NONE, cpu: int = 500,
+           mem: int = 1024, snapshot_id: str | None = None, fallback: Fallback | None = None,
+           request_id: str | None = None, sandbox_class: str = CLASS, at: datetime = AT) -> ActorPlaced:
+    """A placement written as the scheduler writes it (a decision's own: `committer.placed_event`)."""
+    return ActorPlaced(at=at, actor_id=actor_id, worker_id=worker_id, node=node or f"node-{worker_id}",
+                       action=action, fidelity=fidelity,
+                       sandbox_runtime=pin if isinstance(pin, ActorRuntime) else stamp(pin, sandbox_class),
+                       snapshot_id=snapshot_id, fallback=fallback, booked=Resources(cpu_millis=cpu, memory_mib=mem),
+                       request_id=request_id)
+
+
+def booked(worker_id: str, actor_id: str, request_id: str | None = None, at: datetime = AT) -> WorkerBooked:
+    return WorkerBooked(at=at, worker_id=worker_id, actor_id=actor_id, request_id=request_id)
+
+
+def released(actor_id: str, worker_id: str, reason: ReleaseReason = ReleaseReason.SUSPENDED,
+             at: datetime = AT) -> ActorReleased:
+    return ActorReleased(at=at, actor_id=actor_id, worker_id=worker_id, reason=reason)
+
+
+class Folds(Protocol):
+    def apply(self, seq: int, event: Event) -> Any: ...
+
+
+F = TypeVar("F", bound=Folds)
+
+
+def fold(events: Iterable[Event], into: F) -> F:
+    """`into` (a Projection, an audit Sink) with `events` folded at sequences 1, 2, ..."""
+    for seq, event in enumerate(events, start=1):
+        into.apply(seq, event)
+    return into
+
+
+class Log:
+    """A log in the making, without a bus: each event gets the next sequence and is folded
+    into the scheduler's Projection at once. A worker that names no runtime runs `default`,
+    a snapshot that names no stamp is stamped with it; workers are roomy (8 GiB) unless told."""
+
+    def __init__(self, default: CompatVersion = version("1")) -> None:
+        self.default = default
+        self.events: list[Event] = []
+        self.p = Projection()
+
+    def add(self, event: Event) -> int:
+        self.events.append(event)
+        seq = len(self.events)
+        self.p.apply(seq, event)
+        return seq
+
+    def replay(self, upto: int | None = None) -> Projection:
+        """A fresh projection of the first `upto` events (all of them by default)."""
+        return fold(self.events[:upto], Projection())
+
+    def worker(self, worker_id: str, default: WorkerRuntime | None = None, restorable: tuple[WorkerRuntime, ...] = (),
+               *, node: str | None = None, cpu: int = 4000, mem: int = 8192, labels: dict[str, str] | None = None,
+               sandbox_class: str = CLASS) -> int:
+        classes = entry(default or runtime(self.default), restorable, sandbox_class)
+        return self.add(registered(worker_id, classes, node=node, cpu=cpu, mem=mem, labels=labels))
+
+    def drain(self, worker_id: str) -> int:
+        return self.add(WorkerDrained(at=AT, worker_id=worker_id, reason="maintenance"))
+
+    def actor(self, actor_id: str, **fields: Any) -> int:
+        """`created(actor_id, **fields)`."""
+        return self.add(created(actor_id, **fields))
+
+    def snapshot(self, actor_id: str, *, stamped: CompatVersion | None | EllipsisType = ...,
+                 origin: SnapshotOrigin = SnapshotOrigin.SUSPEND, snapshot_id: str | None = None,
+                 **fields: Any) -> int:
+        """A snapshot taken (`snapshot(...)`'s fields), LOCAL when paused; `stamped=None`: unstamped."""
+        made = snapshot(actor_id, self.default if stamped is ... else stamped,
+                        snapshot_id=snapshot_id or f"{actor_id}-s{len(self.events)}",
+                        location=Location.LOCAL if origin is SnapshotOrigin.PAUSE else Location.EXTERNAL, **fields)
+        return self.add(taken(made, origin))
+
+    def place(self, placement, request_id: str | None = None) -> int:
+        """What the scheduler commits: ActorPlaced, then WorkerBooked, in one atomic append."""
+        self.add(placed_event(placement, request_id))
+        return self.add(booked(placement.worker_id, placement.actor_id, request_id))
+
+    def release(self, actor_id: str, worker_id: str, reason: ReleaseReason) -> int:
+        return self.add(released(actor_id, worker_id, reason))
+
+    def decide(self, actor_id: str, selectors=None, position=None):
+        return decide(self.p, actor_id, selectors, self.p.seq if position is None else position)
+
+    def explain(self, actor_id: str, selectors=None):
+        return explain(self.p, actor_id, selectors, self.p.seq)
+
+
+class Writer:
+    """Appends events straight into the stream through the event store, as another service, or a
+    buggy or hostile writer, would: each subject's next version is read from the store, the
+    events of one `write` go in one atomic append. Blocking (run it in a thread)."""
+
+    def __init__(self, nats_url: str, prefix: str):
+        self.app = WireApplication(store_env(nats_url, prefix))
+
+    def write(self, *events: Event) -> int:
+        """The stream sequence of the last event written."""
+        stored = []
+        versions: dict[str, int] = {}
+        for event in events:
+            subject = f"{event.KIND}.{event.entity_id}"
+            if subject not in versions:
+                last = self.app.recorder.select_events(subject, desc=True, limit=1)
+                versions[subject] = last[0].originator_version if last else 0
+            versions[subject] += 1
+            stored.append(self.app.stored_event(subject, versions[subject], event))
+        return self.app.recorder.insert_events(stored)[-1]
+
+    def close(self) -> None:
+        self.app.close()
 
 
 # --- the log ---------------------------------------------------------------------------------
@@ -97,25 +282,31 @@ async def last_seq(nc: NATS, prefix: str) -> int:
         return 0
 
 
-async def read_log(nc: NATS, prefix: str, subject: str | None = None) -> list[tuple[int, Event]]:
-    """Every event of the stream (or of one subject), in stream order, with its sequence;
-    messages that are not events (tracking records) are left out."""
+async def read_entries(nc: NATS, prefix: str, subject: str | None = None) -> list[tuple[int, str, Event]]:
+    """Every event of the stream (or of one subject) as (sequence, subject, event), in stream
+    order, decoded with the Structs alone; messages that are not events (tracking records)
+    are left out."""
     js = nc.jetstream()
     end = await last_seq(nc, prefix)
     if not end:
         return []
     sub = await js.subscribe(subject or f"{prefix}.>", stream=stream_name(prefix), ordered_consumer=True)
-    out: list[tuple[int, Event]] = []
+    out: list[tuple[int, str, Event]] = []
     try:
         while True:
             msg = await sub.next_msg(timeout=10)
             seq = msg.metadata.sequence.stream
             if msg.subject.startswith(f"{prefix}.ev."):
-                out.append((seq, decode_event(msg.data)))
+                out.append((seq, msg.subject, decode_event(msg.data)))
             if seq >= end or (subject and msg.metadata.num_pending == 0):
                 return out
     finally:
         await sub.unsubscribe()
+
+
+async def read_log(nc: NATS, prefix: str, subject: str | None = None) -> list[tuple[int, Event]]:
+    """`read_entries` without the subjects: (sequence, event)."""
+    return [(seq, event) for seq, _, event in await read_entries(nc, prefix, subject)]
 
 
 async def wait_for(nc: NATS, prefix: str, found: Callable[[Event], bool], *, after: int = 0,
