@@ -13,7 +13,6 @@ import asyncio
 import signal
 import subprocess
 import sys
-from datetime import datetime, timezone
 
 import nats
 import pytest
@@ -21,18 +20,14 @@ from prometheus_client import REGISTRY
 
 from eventsourcing.persistence import IntegrityError
 
-from events.aggregate import WireApplication
 from events.codec import decode_event, encode
 from events.errors import ContractError
 from events.schema import (
     Action,
-    ActorCreated,
-    ActorOverhead,
     ActorPlaced,
     ActorReleased,
     ActorRuntime,
     Assignment,
-    Attribute,
     CompatVersion,
     ErrorCode,
     Event,
@@ -53,97 +48,33 @@ from events.schema import (
     WorkerBooked,
     WorkerDrained,
     WorkerRegistered,
-    WorkerRuntime,
-    WorkerSandboxClass,
 )
 from events.subjects import service_subject, stream_name
-from services.common import ReplyCache, call, store_env
+from services.common import ReplyCache, call
 from services.scheduler.records import WORKER_RESERVE_MIB
 from services.scheduler.decide import decide
 from services.scheduler.committer import Job
-from services.scheduler.service import SchedulerService
-
-AT = datetime(2026, 11, 30, tzinfo=timezone.utc)
-CLS = "gvisor"
-
-
-def version(build: str) -> CompatVersion:
-    return CompatVersion(schema_version="v1", attributes=(
-        Attribute(key="architecture", value="amd64"), Attribute(key="gvisor_asset_hash", value=build),
-    ))
-
+from tests.factories import (
+    AT,
+    CLASS as CLS,
+    booked,
+    created,
+    entry,
+    last_seq,
+    read_log,
+    registered,
+    released,
+    runtime,
+    snapshot,
+    taken,
+    version,
+)
 
 V1, V2 = version("1"), version("2")
 
 
-class Store:
-    """Writes the other services' events straight into the log (the store looks up each subject's last)."""
-
-    def __init__(self, nats_url: str, prefix: str):
-        self.app = WireApplication(store_env(nats_url, prefix))
-
-    def write(self, *events: Event) -> int:
-        stored = []
-        versions: dict[str, int] = {}
-        for event in events:
-            aggregate_id = f"{event.KIND}.{event.entity_id}"
-            if aggregate_id not in versions:
-                last = self.app.recorder.select_events(aggregate_id, desc=True, limit=1)
-                versions[aggregate_id] = last[0].originator_version if last else 0
-            versions[aggregate_id] += 1
-            stored.append(self.app.stored_event(aggregate_id, versions[aggregate_id], event))
-        return self.app.recorder.insert_events(stored)[-1]
-
-    def close(self) -> None:
-        self.app.close()
-
-
-def register(worker_id: str, default: CompatVersion = V1, restorable=(), *, cpu=4000, mem=4096, node=None, overhead=0,
-             labels=None):
-    runtime = WorkerRuntime(version=default, actor_overhead=ActorOverhead(fixed_mib=overhead))
-    entry = WorkerSandboxClass(sandbox_class=CLS, default_runtime=runtime,
-                               restorable_runtimes=tuple(WorkerRuntime(version=v) for v in restorable))
-    return WorkerRegistered(at=AT, worker_id=worker_id, node=node or f"node-{worker_id}",
-                            capacity=Resources(cpu_millis=cpu, memory_mib=mem), labels=labels or {},
-                            sandbox_classes=(entry,))
-
-
-def create(actor_id: str, *, cpu=500, mem=1024, min_fidelity=Fidelity.ROOTFS, selectors=None):
-    return ActorCreated(at=AT, actor_id=actor_id, sandbox_class=CLS, template_uid="t1",
-                        resources=Resources(cpu_millis=cpu, memory_mib=mem), selectors=selectors or {},
-                        min_fidelity=min_fidelity)
-
-
-def suspended(actor_id: str, stamped: CompatVersion, fidelity=Fidelity.MEMORY):
-    snap = Snapshot(snapshot_id=f"{actor_id}-snap", actor_id=actor_id, template_uid="t1", fidelity=fidelity,
-                    location=Location.EXTERNAL, sandbox_runtime=ActorRuntime(sandbox_class=CLS, version=stamped),
-                    taken_at=AT)
-    return SnapshotTaken(at=AT, actor_id=actor_id, snapshot=snap, origin=SnapshotOrigin.SUSPEND)
-
-
-@pytest.fixture
-async def store(nats_url, prefix):
-    s = await asyncio.to_thread(Store, nats_url, prefix)
-    yield s
-    await asyncio.to_thread(s.close)
-
-
-@pytest.fixture
-async def replicas(nats_url, prefix):
-    """Start scheduler replicas on their own connections; all are stopped at the end."""
-    started: list[tuple[SchedulerService, nats.NATS]] = []
-
-    async def start(**options) -> SchedulerService:
-        nc = await nats.connect(nats_url)
-        service = SchedulerService(nc, nats_url=nats_url, prefix=prefix, **options)
-        await service.start()
-        started.append((service, nc))
-        return service
-
-    yield start
-    for service, nc in started:
-        await service.stop()
-        await nc.close()
+def suspended(actor_id: str, stamped: CompatVersion, fidelity=Fidelity.MEMORY) -> SnapshotTaken:
+    return taken(snapshot(actor_id, stamped, snapshot_id=f"{actor_id}-snap", fidelity=fidelity))
 
 
 def subject(prefix: str, verb: str, actor_id: str | None = None) -> str:
@@ -154,31 +85,6 @@ async def resume(nc, prefix, actor_id, timeout=10.0, **fields) -> Assignment:
     return await call(nc, subject(prefix, "resume", actor_id), ResumeActor(**fields), Assignment, timeout=timeout)
 
 
-async def read_log(nc, prefix) -> list[tuple[int, Event]]:
-    """Every event of the stream, in order, decoded with the Structs alone."""
-    js = nc.jetstream()
-    last = (await js.stream_info(stream_name(prefix))).state.last_seq
-    events: list[tuple[int, Event]] = []
-    done = asyncio.get_running_loop().create_future()
-
-    async def collect(msg):
-        seq = msg.metadata.sequence.stream
-        if msg.subject.startswith(f"{prefix}.ev."):
-            events.append((seq, decode_event(msg.data)))
-        if seq >= last and not done.done():
-            done.set_result(None)
-
-    sub = await js.subscribe(f"{prefix}.>", stream=stream_name(prefix), cb=collect, ordered_consumer=True)
-    if last:
-        await asyncio.wait_for(done, 30)
-    await sub.unsubscribe()
-    return events
-
-
-async def last_seq(nc, prefix) -> int:
-    return (await nc.jetstream().stream_info(stream_name(prefix))).state.last_seq
-
-
 def metric(name: str, **labels) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
 
@@ -186,10 +92,10 @@ def metric(name: str, **labels) -> float:
 # --- resume, explain, fragmentation --------------------------------------------------------------------
 
 
-async def test_resume_places_commits_and_answers_over_nats(nc, prefix, store, replicas):
-    await asyncio.to_thread(store.write, register("old", V1), register("new", V2, overhead=32))
-    await asyncio.to_thread(store.write, create("a"), suspended("a", V1))
-    await asyncio.to_thread(store.write, create("cold"))
+async def test_resume_places_commits_and_answers_over_nats(nc, prefix, writer, replicas):
+    await asyncio.to_thread(writer.write, registered("old", entry(V1)), registered("new", entry(runtime(V2, overhead=32))))
+    await asyncio.to_thread(writer.write, created("a"), suspended("a", V1))
+    await asyncio.to_thread(writer.write, created("cold"))
     service = await replicas()
     placed_before = metric("warmboot_placements_total", sandbox_class=CLS, action="RESTORE", fidelity="MEMORY")
 
@@ -224,10 +130,10 @@ async def test_resume_places_commits_and_answers_over_nats(nc, prefix, store, re
     assert metric("warmboot_scheduler_fold_seq") == service.projection.seq >= cold.seq
 
 
-async def test_fallback_is_committed_and_counted(nc, prefix, store, replicas):
-    await asyncio.to_thread(store.write, register("full", V1, mem=512), register("new", V2))
-    await asyncio.to_thread(store.write, create("a"), suspended("a", V1))
-    await asyncio.to_thread(store.write, create("strict", min_fidelity=Fidelity.MEMORY), suspended("strict", V1))
+async def test_fallback_is_committed_and_counted(nc, prefix, writer, replicas):
+    await asyncio.to_thread(writer.write, registered("full", entry(V1), mem=512), registered("new", entry(V2)))
+    await asyncio.to_thread(writer.write, created("a"), suspended("a", V1))
+    await asyncio.to_thread(writer.write, created("strict", min_fidelity=Fidelity.MEMORY), suspended("strict", V1))
     await replicas()
     before = metric("warmboot_resume_fallbacks_total", sandbox_class=CLS, reason="NO_COMPATIBLE_WORKER")
     a = await resume(nc, prefix, "a")
@@ -241,10 +147,10 @@ async def test_fallback_is_committed_and_counted(nc, prefix, store, replicas):
     assert "insufficient memory" in strict.value.message
 
 
-async def test_explain_names_reasons_and_writes_nothing(nc, prefix, store, replicas):
-    await asyncio.to_thread(store.write, register("new", V2), register("full", V1, mem=512))
-    await asyncio.to_thread(store.write, register("drained", V1), WorkerDrained(at=AT, worker_id="drained"))
-    await asyncio.to_thread(store.write, create("a"), suspended("a", V1))
+async def test_explain_names_reasons_and_writes_nothing(nc, prefix, writer, replicas):
+    await asyncio.to_thread(writer.write, registered("new", entry(V2)), registered("full", entry(V1), mem=512))
+    await asyncio.to_thread(writer.write, registered("drained", entry(V1)), WorkerDrained(at=AT, worker_id="drained"))
+    await asyncio.to_thread(writer.write, created("a"), suspended("a", V1))
     await replicas()
     before = await last_seq(nc, prefix)
     why = await call(nc, subject(prefix, "explain", "a"), ExplainResume(min_seq=before), Explanation)
@@ -258,22 +164,22 @@ async def test_explain_names_reasons_and_writes_nothing(nc, prefix, store, repli
     assert await last_seq(nc, prefix) == before
 
 
-async def test_min_seq_beyond_the_log_is_unavailable_after_the_deadline(nc, prefix, store, replicas):
-    await asyncio.to_thread(store.write, register("w", V1), create("a"))
+async def test_min_seq_beyond_the_log_is_unavailable_after_the_deadline(nc, prefix, writer, replicas):
+    await asyncio.to_thread(writer.write, registered("w", entry(V1)), created("a"))
     await replicas(catch_up_s=0.3)
     with pytest.raises(ContractError) as behind:
         await resume(nc, prefix, "a", min_seq=10_000)
     assert behind.value.code is ErrorCode.UNAVAILABLE
 
 
-async def test_a_replica_sees_events_written_after_it_started(nc, prefix, store, replicas):
+async def test_a_replica_sees_events_written_after_it_started(nc, prefix, writer, replicas):
     await replicas()
-    seq = await asyncio.to_thread(store.write, register("w", V1))
-    seq = await asyncio.to_thread(store.write, create("a"), suspended("a", V1))
+    seq = await asyncio.to_thread(writer.write, registered("w", entry(V1)))
+    seq = await asyncio.to_thread(writer.write, created("a"), suspended("a", V1))
     a = await resume(nc, prefix, "a", min_seq=seq)
     assert a.worker_id == "w" and a.fidelity is PlacedFidelity.MEMORY
     seq = await asyncio.to_thread(
-        store.write, ActorReleased(at=AT, actor_id="a", worker_id="w", reason=ReleaseReason.SUSPENDED)
+        writer.write, released("a", "w", ReleaseReason.SUSPENDED)
     )
     again = await resume(nc, prefix, "a", min_seq=seq)
     assert again.worker_id == "w" and again.seq > a.seq
@@ -282,9 +188,9 @@ async def test_a_replica_sees_events_written_after_it_started(nc, prefix, store,
 # --- group commits ------------------------------------------------------------------------------------
 
 
-async def test_concurrent_resumes_share_appends(nc, prefix, store, replicas):
-    await asyncio.to_thread(store.write, *[register(f"w{i}", V1) for i in range(10)])
-    await asyncio.to_thread(store.write, *[create(f"a{j:02d}", cpu=100, mem=256) for j in range(60)])
+async def test_concurrent_resumes_share_appends(nc, prefix, writer, replicas):
+    await asyncio.to_thread(writer.write, *[registered(f"w{i}", entry(V1)) for i in range(10)])
+    await asyncio.to_thread(writer.write, *[created(f"a{j:02d}", cpu=100, mem=256) for j in range(60)])
     service = await replicas()
     placed = await asyncio.gather(*(resume(nc, prefix, f"a{j:02d}") for j in range(60)))
     assert service.commits == 60 and service.committer.groups < 60
@@ -292,9 +198,9 @@ async def test_concurrent_resumes_share_appends(nc, prefix, store, replicas):
     assert len({a.seq for a in placed}) == 60
 
 
-async def test_a_refused_group_keeps_the_placements_that_are_still_valid(nc, prefix, store, replicas):
-    await asyncio.to_thread(store.write, register("w1", labels={"slot": "1"}), register("w2", labels={"slot": "2"}))
-    await asyncio.to_thread(store.write, create("x", selectors={"slot": "1"}), create("y", selectors={"slot": "2"}))
+async def test_a_refused_group_keeps_the_placements_that_are_still_valid(nc, prefix, writer, replicas):
+    await asyncio.to_thread(writer.write, registered("w1", entry(V1), labels={"slot": "1"}), registered("w2", entry(V1), labels={"slot": "2"}))
+    await asyncio.to_thread(writer.write, created("x", selectors={"slot": "1"}), created("y", selectors={"slot": "2"}))
     service = await replicas()
     p = service.projection
     on_w1, on_w2 = decide(p, "x", None, p.seq), decide(p, "y", None, p.seq)
@@ -302,7 +208,7 @@ async def test_a_refused_group_keeps_the_placements_that_are_still_valid(nc, pre
     x, y = (service.committer.prepare(placed, Job(placed.actor_id, None, None, loop.create_future()))
             for placed in (on_w1, on_w2))
     # another replica books w2 after y was decided
-    seq = await asyncio.to_thread(store.write, WorkerBooked(at=AT, worker_id="w2", actor_id="elsewhere"))
+    seq = await asyncio.to_thread(writer.write, booked("w2", "elsewhere"))
     await service.fold.wait(seq, 5)
     await service.committer.append([x, y])
     with pytest.raises(IntegrityError):
@@ -317,9 +223,9 @@ async def test_a_refused_group_keeps_the_placements_that_are_still_valid(nc, pre
 # --- idempotency ----------------------------------------------------------------------------------------
 
 
-async def test_a_lost_reply_retried_with_its_request_id_gives_one_placement(nc, prefix, store, replicas):
-    await asyncio.to_thread(store.write, *[register(f"w{i}", V1) for i in range(4)])
-    await asyncio.to_thread(store.write, create("a"), create("b"))
+async def test_a_lost_reply_retried_with_its_request_id_gives_one_placement(nc, prefix, writer, replicas):
+    await asyncio.to_thread(writer.write, *[registered(f"w{i}", entry(V1)) for i in range(4)])
+    await asyncio.to_thread(writer.write, created("a"), created("b"))
     first = await replicas()
     second = await replicas()
 
@@ -390,18 +296,18 @@ def check_log(events: list[tuple[int, Event]]) -> dict[str, int]:
     return placements
 
 
-async def test_three_replicas_and_200_concurrent_resumes_never_overbook(nc, nats_url, prefix, store, replicas):
+async def test_three_replicas_and_200_concurrent_resumes_never_overbook(nc, nats_url, prefix, writer, replicas):
     # 12 workers with room for 8 actors of 448 MiB each (4 on the V1 workers' restorable path): 96 slots.
-    workers = [register(f"w{i:02d}", [V1, V2][i % 2], (V1,) if i % 2 else (), mem=8 * 448 + WORKER_RESERVE_MIB, cpu=8000)
+    workers = [registered(f"w{i:02d}", entry([V1, V2][i % 2], (V1,) if i % 2 else ()), mem=8 * 448 + WORKER_RESERVE_MIB, cpu=8000)
                for i in range(12)]
-    await asyncio.to_thread(store.write, *workers)
+    await asyncio.to_thread(writer.write, *workers)
     actors = []
     for j in range(200):
-        actors.append(create(f"a{j:03d}", cpu=500, mem=448))
+        actors.append(created(f"a{j:03d}", cpu=500, mem=448))
         if j % 3 == 0:
             actors.append(suspended(f"a{j:03d}", [V1, V2][j % 2]))
     for k in range(0, len(actors), 100):
-        await asyncio.to_thread(store.write, *actors[k:k + 100])
+        await asyncio.to_thread(writer.write, *actors[k:k + 100])
     services = [await replicas() for _ in range(3)]
 
     clients = [await nats.connect(nats_url) for _ in range(4)]
@@ -439,9 +345,9 @@ async def test_three_replicas_and_200_concurrent_resumes_never_overbook(nc, nats
         assert s.committer.settled and not s.committer.pending
 
 
-async def test_a_replica_stopped_mid_load_is_rebuilt_from_the_log_and_serves(nc, prefix, store, replicas):
-    await asyncio.to_thread(store.write, *[register(f"w{i}", V1, mem=16 * 256 + WORKER_RESERVE_MIB) for i in range(6)])
-    await asyncio.to_thread(store.write, *[create(f"a{j:02d}", cpu=100, mem=256) for j in range(90)])
+async def test_a_replica_stopped_mid_load_is_rebuilt_from_the_log_and_serves(nc, prefix, writer, replicas):
+    await asyncio.to_thread(writer.write, *[registered(f"w{i}", entry(V1), mem=16 * 256 + WORKER_RESERVE_MIB) for i in range(6)])
+    await asyncio.to_thread(writer.write, *[created(f"a{j:02d}", cpu=100, mem=256) for j in range(90)])
     survivor = await replicas()
     doomed = await replicas()
 
@@ -491,9 +397,9 @@ class ReplicaProcess:
         self.proc.wait()
 
 
-async def test_a_replica_killed_mid_load_is_rebuilt_from_the_log_and_serves(nc, nats_url, prefix, store, replicas):
-    await asyncio.to_thread(store.write, *[register(f"w{i}", V1, mem=16 * 256 + WORKER_RESERVE_MIB) for i in range(6)])
-    await asyncio.to_thread(store.write, *[create(f"a{j:02d}", cpu=100, mem=256) for j in range(90)])
+async def test_a_replica_killed_mid_load_is_rebuilt_from_the_log_and_serves(nc, nats_url, prefix, writer, replicas):
+    await asyncio.to_thread(writer.write, *[registered(f"w{i}", entry(V1), mem=16 * 256 + WORKER_RESERVE_MIB) for i in range(6)])
+    await asyncio.to_thread(writer.write, *[created(f"a{j:02d}", cpu=100, mem=256) for j in range(90)])
     survivor = await replicas()
     doomed = ReplicaProcess(nats_url, prefix)
     reborn = None
@@ -561,7 +467,7 @@ def test_the_folds_reader_gives_the_events_decode_event_gives_and_refuses_what_i
     unstamped = SnapshotTaken(at=AT, actor_id="a", origin=SnapshotOrigin.SUSPEND, snapshot=Snapshot(
         snapshot_id="a-v3", actor_id="a", template_uid="t1", fidelity=Fidelity.VOLUMES, location=Location.EXTERNAL,
         taken_at=AT))
-    events = [register("w1"), create("a"), placed, suspended("a", V2), unstamped, suspended("b", V1), placed]
+    events = [registered("w1", entry(V1)), created("a"), placed, suspended("a", V2), unstamped, suspended("b", V1), placed]
     reader = EventReader()
     for event in events * 2:  # the second time from the reader's table of stamps
         read = reader.decode(encode(event))
