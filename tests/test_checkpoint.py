@@ -14,48 +14,29 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from datetime import datetime, timezone
 from typing import Any
 
 import msgspec
-import nats
 import pytest
 
-from events.aggregate import WireApplication
 from events.errors import ContractError
 from events.schema import ErrorCode, Fragmentation, FragmentationQuery
 from events.schema import (
-    ActorCreated,
-    ActorOverhead,
-    ActorPlaced,
-    ActorReleased,
-    ActorRuntime,
     ActorStopped,
-    Action,
-    Attribute,
-    CompatVersion,
     Event,
     Fidelity,
-    Location,
-    PlacedFidelity,
     ReleaseReason,
     Resources,
     RuntimeChanged,
-    Snapshot,
     SnapshotOrigin,
-    SnapshotTaken,
     TagRecorded,
     TemplateChanged,
-    WorkerBooked,
     WorkerDrained,
-    WorkerRegistered,
     WorkerRemoved,
-    WorkerRuntime,
-    WorkerSandboxClass,
     WorkerUpdated,
 )
 from events.subjects import stream_name
-from services.common import call, store_env
+from services.common import call
 from events.states import ActorState, WorkerState
 from services.scheduler import records as records_module
 from services.scheduler import checkpoint as checkpoint_module
@@ -74,138 +55,90 @@ from services.scheduler.explain import explain
 from services.scheduler.fragmentation import fragmentation
 from services.scheduler.projection import Projection
 from services.scheduler.fold import Fold
-from services.scheduler.service import SchedulerService
+from tests.factories import (
+    AT,
+    Writer,
+    booked,
+    created,
+    entry,
+    fold,
+    placed,
+    registered,
+    released,
+    runtime,
+    snapshot,
+    taken,
+    version,
+)
 from warmboot.audit import summary
 
-AT = datetime(2026, 11, 30, tzinfo=timezone.utc)
-GV, MV = "gvisor", "microvm"
-
-
-def version(build: str, arch: str = "amd64") -> CompatVersion:
-    return CompatVersion(schema_version="v1", attributes=(
-        Attribute(key="architecture", value=arch), Attribute(key="gvisor_asset_hash", value=build),
-    ))
-
-
+MV = "microvm"
 V1, V2, V3, V9 = version("1"), version("2"), version("3"), version("9")
-
-
-def runtime(v: CompatVersion, overhead: int = 0, name: str | None = None) -> WorkerRuntime:
-    return WorkerRuntime(version=v, name=name, actor_overhead=ActorOverhead(fixed_mib=overhead, per_gib_mib=4) if overhead else None)
-
-
-def entry(cls: str, default: WorkerRuntime, *restorable: WorkerRuntime) -> WorkerSandboxClass:
-    return WorkerSandboxClass(sandbox_class=cls, default_runtime=default, restorable_runtimes=restorable)
-
-
-def register(worker_id: str, *classes: WorkerSandboxClass, mem=8192, cpu=8000, node=None, labels=None):
-    return WorkerRegistered(at=AT, worker_id=worker_id, node=node or f"node-{worker_id}",
-                            capacity=Resources(cpu_millis=cpu, memory_mib=mem), labels=labels or {},
-                            sandbox_classes=classes or (entry(GV, runtime(V1)),))
-
-
-def create(actor_id: str, cls=GV, *, mem=1024, selectors=None, min_fidelity=Fidelity.ROOTFS, snapshot=None):
-    return ActorCreated(at=AT, actor_id=actor_id, sandbox_class=cls, template_uid="t1",
-                        resources=Resources(cpu_millis=500, memory_mib=mem), selectors=selectors or {},
-                        min_fidelity=min_fidelity, snapshot=snapshot)
-
-
-def snap(actor_id: str, stamp: CompatVersion | None, *, fidelity=Fidelity.MEMORY, node=None, cls=GV,
-         template="t1", borrowed=False, n=1) -> Snapshot:
-    return Snapshot(snapshot_id=f"{actor_id}-s{n}", actor_id=actor_id, template_uid=template, fidelity=fidelity,
-                    location=Location.LOCAL if node else Location.EXTERNAL, node=node,
-                    sandbox_runtime=ActorRuntime(sandbox_class=cls, version=stamp) if stamp else None,
-                    borrowed=borrowed, taken_at=AT)
-
-
-def taken(actor_id: str, origin: SnapshotOrigin, snapshot: Snapshot) -> SnapshotTaken:
-    return SnapshotTaken(at=AT, actor_id=actor_id, snapshot=snapshot, origin=origin)
-
-
-def placed(actor_id: str, worker_id: str, pin: CompatVersion, *, mem=1024, cls=GV, request_id=None) -> list[Event]:
-    return [
-        ActorPlaced(at=AT, actor_id=actor_id, worker_id=worker_id, node=f"node-{worker_id}", action=Action.RUN,
-                    fidelity=PlacedFidelity.NONE, sandbox_runtime=ActorRuntime(sandbox_class=cls, version=pin),
-                    booked=Resources(cpu_millis=500, memory_mib=mem), request_id=request_id),
-        WorkerBooked(at=AT, worker_id=worker_id, actor_id=actor_id, request_id=request_id),
-    ]
-
-
-def released(actor_id: str, worker_id: str, reason: ReleaseReason) -> ActorReleased:
-    return ActorReleased(at=AT, actor_id=actor_id, worker_id=worker_id, reason=reason)
+K1 = version("k1", "arm64")
+ROOMY = {"cpu": 8000, "mem": 8192}  # the mix's workers, unless it says otherwise
 
 
 def event_mix() -> list[Event]:
     """Workers with restorable runtimes and overheads, drained, removed, upgraded, updated;
     actors in every state; bookings; a tag; events of actors never created."""
     events: list[Event] = [
-        register("w1", entry(GV, runtime(V1, 64, "runsc-1"), runtime(V2, 32)), labels={"zone": "a"}),
-        register("w2", entry(GV, runtime(V2), runtime(V1)), labels={"zone": "b"}),
-        register("w3", entry(GV, runtime(V1)), entry(MV, runtime(version("k1", "arm64")))),
-        register("w4", entry(GV, runtime(V1), runtime(V3))),
-        register("w5", entry(GV, runtime(V1))),
-        register("w6", entry(GV, runtime(V3), runtime(V2), runtime(V1)), mem=4096),
-        register("w7", entry(MV, runtime(version("k1", "arm64"))), node="node-w3"),
+        registered("w1", entry(runtime(V1, "runsc-1", 64, per_gib=4), (runtime(V2, overhead=32, per_gib=4),)),
+                   labels={"zone": "a"}, **ROOMY),
+        registered("w2", entry(V2, (V1,)), labels={"zone": "b"}, **ROOMY),
+        registered("w3", entry(V1), entry(K1, sandbox_class=MV), **ROOMY),
+        registered("w4", entry(V1, (V3,)), **ROOMY),
+        registered("w5", entry(V1), **ROOMY),
+        registered("w6", entry(V3, (V2, V1)), cpu=8000, mem=4096),
+        registered("w7", entry(K1, sandbox_class=MV), node="node-w3", **ROOMY),
         WorkerDrained(at=AT, worker_id="w3", reason="maintenance"),
-        RuntimeChanged(at=AT, worker_id="w5", sandbox_classes=(entry(GV, runtime(V3), runtime(V1)),),
-                       previous=(entry(GV, runtime(V1)),)),
+        RuntimeChanged(at=AT, worker_id="w5", sandbox_classes=(entry(V3, (V1,)),), previous=(entry(V1),)),
         WorkerUpdated(at=AT, worker_id="w6", node="node-w6b", capacity=Resources(cpu_millis=6000, memory_mib=6144),
                       labels={"zone": "c", "disk": "ssd"}),
-        create("cold"),
-        create("golden", snapshot=snap("golden", V2, borrowed=True)),
-        create("strict", min_fidelity=Fidelity.MEMORY, selectors={"zone": "a"}),
-        create("micro", MV, mem=512),
-        TagRecorded(at=AT, tag="base", snapshot=snap("golden", V2)),
+        created("cold"),
+        created("golden", snapshot=snapshot("golden", V2, borrowed=True)),
+        created("strict", min_fidelity=Fidelity.MEMORY, selectors={"zone": "a"}),
+        created("micro", sandbox_class=MV, mem=512),
+        TagRecorded(at=AT, tag="base", snapshot=snapshot("golden", V2)),
         TemplateChanged(at=AT, actor_id="ghost", template_uid="t9"),  # an actor never created
     ]
     for i, worker in enumerate(["w1", "w2", "w4", "w4", "w5", "w6", "w1", "w2"]):
         actor = f"a{i}"
-        events.append(create(actor, mem=512 + 256 * i))
-        events.extend(placed(actor, worker, V1 if worker != "w2" else V2, mem=600 + 256 * i, request_id=f"r-{i}"))
+        events.append(created(actor, mem=512 + 256 * i))
+        events += [placed(actor, worker, V1 if worker != "w2" else V2, mem=600 + 256 * i, request_id=f"r-{i}"),
+                   booked(worker, actor, f"r-{i}")]
     events += [
         # a0 paused on w1, a1 suspended from RUNNING, a2 paused then promoted, a6 stopped
-        taken("a0", SnapshotOrigin.PAUSE, snap("a0", V1, node="node-w1")),
+        taken(snapshot("a0", V1, node="node-w1"), SnapshotOrigin.PAUSE),
         released("a0", "w1", ReleaseReason.PAUSED),
-        taken("a1", SnapshotOrigin.SUSPEND, snap("a1", V2)),
+        taken(snapshot("a1", V2), SnapshotOrigin.SUSPEND),
         released("a1", "w2", ReleaseReason.SUSPENDED),
-        taken("a2", SnapshotOrigin.PAUSE, snap("a2", V1, node="node-w4")),
+        taken(snapshot("a2", V1, node="node-w4"), SnapshotOrigin.PAUSE),
         released("a2", "w4", ReleaseReason.PAUSED),
-        taken("a2", SnapshotOrigin.PROMOTE, snap("a2", V1, n=2)),
+        taken(snapshot("a2", V1, snapshot_id="a2-s2"), SnapshotOrigin.PROMOTE),
         ActorStopped(at=AT, actor_id="a6"),
         # w4 goes away with a3 still booked on it; one more placement lands there after
         WorkerRemoved(at=AT, worker_id="w4", reason="LOST"),
-        create("late"),
-        *placed("late", "w4", V1),
+        created("late"),
+        placed("late", "w4", V1), booked("w4", "late"),
         # a4 suspended with a VOLUMES snapshot, a5 suspended then its template changed
-        taken("a4", SnapshotOrigin.SUSPEND, snap("a4", V1, fidelity=Fidelity.VOLUMES)),
+        taken(snapshot("a4", V1, fidelity=Fidelity.VOLUMES), SnapshotOrigin.SUSPEND),
         released("a4", "w5", ReleaseReason.SUSPENDED),
-        taken("a5", SnapshotOrigin.SUSPEND, snap("a5", V1)),
+        taken(snapshot("a5", V1), SnapshotOrigin.SUSPEND),
         released("a5", "w6", ReleaseReason.SUSPENDED),
         TemplateChanged(at=AT, actor_id="a5", template_uid="t2"),
-        taken("a1", SnapshotOrigin.TAG, snap("a1", V2)),
+        taken(snapshot("a1", V2), SnapshotOrigin.TAG),
         # a stranded memory snapshot (V9: nobody restores it) and one of a removed worker's runtime
-        create("stranded"),
-        taken("stranded", SnapshotOrigin.SUSPEND, snap("stranded", V9)),
-        create("no-stamp"),
-        taken("no-stamp", SnapshotOrigin.SUSPEND, snap("no-stamp", None)),
+        created("stranded"),
+        taken(snapshot("stranded", V9), SnapshotOrigin.SUSPEND),
+        created("no-stamp"),
+        taken(snapshot("no-stamp", None), SnapshotOrigin.SUSPEND),
         # a7 released because its worker went away, then w4 registered again afresh
         released("a3", "w4", ReleaseReason.WORKER_REMOVED),
-        register("w4", entry(GV, runtime(V2))),
-        create("cold"),  # created again: the fold takes the new content
-        WorkerBooked(at=AT, worker_id="w9", actor_id="nobody"),  # a booking marker alone
+        registered("w4", entry(V2), **ROOMY),
+        created("cold"),  # created again: the fold takes the new content
+        booked("w9", "nobody"),  # a booking marker alone
     ]
     return events
-
-
-def subject_of(event: Event) -> str:
-    return f"{event.KIND}.{event.entity_id}"
-
-
-def fold_all(events: list[Event]) -> Projection:
-    p = Projection()
-    for seq, event in enumerate(events, start=1):
-        p.apply(seq, event)
-    return p
 
 
 # --- what a projection holds, independently of the codec --------------------------------------------------
@@ -312,7 +245,7 @@ def assert_same(restored: Projection, replayed: Projection) -> None:
 
 
 def test_the_mix_reaches_every_state():
-    p = fold_all(event_mix())
+    p = fold(event_mix(), Projection())
     states = {a.state.value for a in p.actors.values()}
     assert states == {"CREATED", "RUNNING", "PAUSED", "SUSPENDED", "STOPPED"}
     assert {w.state.value for w in p.workers.values()} == {"REGISTERED", "DRAINED"}
@@ -327,7 +260,7 @@ def test_the_mix_reaches_every_state():
 def test_restore_equals_the_projection_at_every_position_and_folds_on_identically():
     events = event_mix()
     for k in range(len(events) + 1):
-        p = fold_all(events[:k])
+        p = fold(events[:k], Projection())
         restored = restore_state(export_state(p))
         assert walk(restored) == walk(p), f"after {k} events"
         for seq, event in enumerate(events[k:], start=k + 1):  # both go on folding the rest of the log
@@ -338,7 +271,7 @@ def test_restore_equals_the_projection_at_every_position_and_folds_on_identicall
 
 
 def test_bytes_round_trip_and_what_is_refused():
-    p = fold_all(event_mix())
+    p = fold(event_mix(), Projection())
     data = encode_checkpoint(export_state(p), stream="S", stream_created="c")
     envelope, restored = decode_checkpoint(data)
     assert (envelope.format, envelope.seq, envelope.events, envelope.stream) == (FORMAT, p.seq, p.events, "S")
@@ -368,49 +301,6 @@ def test_bytes_round_trip_and_what_is_refused():
 # --- over the bus -----------------------------------------------------------------------------------------------
 
 
-class Log:
-    """Writes events into the stream through the event store, as the other services do."""
-
-    def __init__(self, nats_url: str, prefix: str):
-        self.app = WireApplication(store_env(nats_url, prefix))
-        self.versions: dict[str, int] = {}
-
-    def write(self, *events: Event) -> int:
-        stored = []
-        for event in events:
-            subject = subject_of(event)
-            self.versions[subject] = self.versions.get(subject, 0) + 1
-            stored.append(self.app.stored_event(subject, self.versions[subject], event))
-        return self.app.recorder.insert_events(stored)[-1]
-
-    def close(self) -> None:
-        self.app.close()
-
-
-@pytest.fixture
-async def log_(nats_url, prefix):
-    log = await asyncio.to_thread(Log, nats_url, prefix)
-    yield log
-    await asyncio.to_thread(log.close)
-
-
-@pytest.fixture
-async def replicas(nats_url, prefix):
-    started: list[tuple[SchedulerService, nats.NATS]] = []
-
-    async def start(**options) -> SchedulerService:
-        nc = await nats.connect(nats_url)
-        service = SchedulerService(nc, nats_url=nats_url, prefix=prefix, metrics=False, **options)
-        await service.start()
-        started.append((service, nc))
-        return service
-
-    yield start
-    for service, nc in started:
-        await service.stop()
-        await nc.close()
-
-
 async def replay(nc, prefix) -> Projection:
     """The projection a full replay of the stream gives (the scheduler's own fold, from sequence 1)."""
     fold = Fold(nc, prefix, Projection())
@@ -420,17 +310,17 @@ async def replay(nc, prefix) -> Projection:
     return fold.projection
 
 
-async def write_mix(log_: Log) -> int:
+async def write_mix(writer: Writer) -> int:
     events = event_mix()
     seq = 0
     for i in range(0, len(events), 10):  # several appends, like several services writing
-        seq = await asyncio.to_thread(log_.write, *events[i:i + 10])
+        seq = await asyncio.to_thread(writer.write, *events[i:i + 10])
     return seq
 
 
-async def test_a_checkpoint_through_the_object_store_restores_the_full_replay(nc, prefix, log_, replicas):
-    last = await write_mix(log_)
-    service = await replicas(checkpoint_every=10**9, checkpoint_interval_s=0)
+async def test_a_checkpoint_through_the_object_store_restores_the_full_replay(nc, prefix, writer, replicas):
+    last = await write_mix(writer)
+    service = await replicas(metrics=False, checkpoint_every=10**9, checkpoint_interval_s=0)
     assert service.checkpoints.restored_seq == 0 and service.projection.seq == last
     name = await service.checkpoints.save(service.projection)
     created = (await nc.jetstream().stream_info(stream_name(prefix))).created.isoformat()
@@ -444,17 +334,17 @@ async def test_a_checkpoint_through_the_object_store_restores_the_full_replay(nc
     assert_same(service.projection, full)
 
 
-async def test_a_new_replica_folds_only_the_tail_after_the_newest_checkpoint(nc, prefix, log_, replicas):
-    start = await write_mix(log_)
+async def test_a_new_replica_folds_only_the_tail_after_the_newest_checkpoint(nc, prefix, writer, replicas):
+    start = await write_mix(writer)
     # left over from an earlier incarnation of the stream: neither newer than ours nor kept
     stale = object_name(10**9, incarnation_of("2001-01-01"), "stale")
     await (await Checkpoints(nc, prefix).open()).store.put(stale, b"left over")
     # saves on its own: at once (it replayed more than 25 events), then every 25 events folded
-    first = await replicas(checkpoint_every=25, checkpoint_interval_s=0)
+    first = await replicas(metrics=False, checkpoint_every=25, checkpoint_interval_s=0)
     await first.checkpoints.wait_saved(start, 20)
-    batch = await asyncio.to_thread(log_.write, *[create(f"b{i}") for i in range(30)])
+    batch = await asyncio.to_thread(writer.write, *[created(f"b{i}") for i in range(30)])
     await first.checkpoints.wait_saved(batch - 5, 20)
-    batch = await asyncio.to_thread(log_.write, *[create(f"c{i}") for i in range(30)])
+    batch = await asyncio.to_thread(writer.write, *[created(f"c{i}") for i in range(30)])
     await first.checkpoints.wait_saved(batch - 10, 20)
     await first.stop()  # lets a save in progress finish
     assert first.checkpoints.saves == 3
@@ -462,10 +352,11 @@ async def test_a_new_replica_folds_only_the_tail_after_the_newest_checkpoint(nc,
     assert len(stored) == 2 and stale not in [n for _, _, n in stored], "older checkpoints are pruned"
     newest = stored[0][0]
     assert newest == first.checkpoints.stored_seq
-    tail = [create("t1"), *placed("t1", "w1", V1), create("t2"), taken("t2", SnapshotOrigin.SUSPEND, snap("t2", V2))]
-    last = await asyncio.to_thread(log_.write, *tail)
+    tail = [created("t1"), placed("t1", "w1", V1), booked("w1", "t1"), created("t2"),
+            taken(snapshot("t2", V2), SnapshotOrigin.SUSPEND)]
+    last = await asyncio.to_thread(writer.write, *tail)
 
-    second = await replicas(checkpoint_every=10**9, checkpoint_interval_s=0)
+    second = await replicas(metrics=False, checkpoint_every=10**9, checkpoint_interval_s=0)
     full = await replay(nc, prefix)
     folded = second.projection.events - second.checkpoints.restored_events
     after_checkpoint = full.events - (await replay_until(nc, prefix, newest)).events
@@ -477,13 +368,13 @@ async def test_a_new_replica_folds_only_the_tail_after_the_newest_checkpoint(nc,
     assert frag == fragmentation(full)
 
 
-async def test_the_time_trigger_saves_what_was_folded_since_the_last_save(nc, prefix, log_, replicas):
-    last = await write_mix(log_)
-    service = await replicas(checkpoint_every=10**9, checkpoint_interval_s=0.2)
+async def test_the_time_trigger_saves_what_was_folded_since_the_last_save(nc, prefix, writer, replicas):
+    last = await write_mix(writer)
+    service = await replicas(metrics=False, checkpoint_every=10**9, checkpoint_interval_s=0.2)
     await service.checkpoints.wait_saved(last, 10)
     saves = service.checkpoints.saves
     assert saves == 1
-    more = await asyncio.to_thread(log_.write, create("later"))
+    more = await asyncio.to_thread(writer.write, created("later"))
     await service.checkpoints.wait_saved(more, 10)
     assert service.checkpoints.saves == saves + 1
     stored = await service.checkpoints.list()
@@ -501,9 +392,9 @@ async def replay_until(nc, prefix, seq: int) -> Projection:
 
 
 async def test_unusable_checkpoints_are_named_in_a_warning_and_the_log_is_replayed(
-    nc, prefix, log_, replicas, caplog
+    nc, prefix, writer, replicas, caplog
 ):
-    last = await write_mix(log_)
+    last = await write_mix(writer)
     writer = await Checkpoints(nc, prefix).open()
     full = await replay(nc, prefix)
     good = await writer.save(await replay_until(nc, prefix, last - 3))  # older than the unusable ones
@@ -527,7 +418,7 @@ async def test_unusable_checkpoints_are_named_in_a_warning_and_the_log_is_replay
         await writer.store.put(name, data)
     caplog.set_level(logging.WARNING, logger="warmboot.scheduler.checkpoint")
 
-    fallback = await replicas(checkpoint_every=10**9, checkpoint_interval_s=0)
+    fallback = await replicas(metrics=False, checkpoint_every=10**9, checkpoint_interval_s=0)
     warned = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
     for name in bad:
         assert f"checkpoint {name} ignored" in warned
@@ -539,17 +430,17 @@ async def test_unusable_checkpoints_are_named_in_a_warning_and_the_log_is_replay
 
     await writer.store.delete(good)  # only unusable ones are left: a full replay
     caplog.clear()
-    replayed = await replicas(checkpoint_every=10**9, checkpoint_interval_s=0)
+    replayed = await replicas(metrics=False, checkpoint_every=10**9, checkpoint_interval_s=0)
     assert replayed.checkpoints.restored_seq == 0 and replayed.projection.events == full.events
     assert sum("ignored" in r.getMessage() for r in caplog.records) == len(bad)
     assert_same(replayed.projection, full)
 
 
 async def test_a_capture_holds_the_fold_and_the_checkpoint_is_the_projection_at_its_sequence(
-    nc, prefix, log_, replicas, monkeypatch
+    nc, prefix, writer, replicas, monkeypatch
 ):
-    await write_mix(log_)
-    service = await replicas(checkpoint_every=10**9, checkpoint_interval_s=0)
+    await write_mix(writer)
+    service = await replicas(metrics=False, checkpoint_every=10**9, checkpoint_interval_s=0)
     started, go = threading.Event(), threading.Event()
     seen: list[int] = []
 
@@ -563,7 +454,7 @@ async def test_a_capture_holds_the_fold_and_the_checkpoint_is_the_projection_at_
     monkeypatch.setattr(checkpoint_module, "export_state", slow_export)
     saving = asyncio.create_task(service.checkpoints.save(service.projection))
     await asyncio.to_thread(started.wait, 10)
-    last = await asyncio.to_thread(log_.write, *[create(f"x{i}") for i in range(300)])
+    last = await asyncio.to_thread(writer.write, *[created(f"x{i}") for i in range(300)])
     await service.nc.flush()
     with pytest.raises(ContractError):  # the fold waits while the capture copies
         await service.fold.wait(last, 0.5)
@@ -577,13 +468,13 @@ async def test_a_capture_holds_the_fold_and_the_checkpoint_is_the_projection_at_
     assert_same(service.projection, await replay(nc, prefix))
 
 
-async def test_a_checkpoint_bucket_that_cannot_be_made_does_not_stop_a_replica(nc, prefix, log_, replicas, caplog):
-    last = await write_mix(log_)
+async def test_a_checkpoint_bucket_that_cannot_be_made_does_not_stop_a_replica(nc, prefix, writer, replicas, caplog):
+    last = await write_mix(writer)
     bucket = f"{prefix.upper()}_CHECKPOINTS"
     # another stream already holds the object store's subjects: the bucket cannot be created
     await nc.jetstream().add_stream(name=f"SQUAT_{prefix.upper()}", subjects=[f"$O.{bucket}.>"])
     caplog.set_level(logging.WARNING, logger="warmboot.scheduler.checkpoint")
-    service = await replicas(checkpoint_every=10, checkpoint_interval_s=0)
+    service = await replicas(metrics=False, checkpoint_every=10, checkpoint_interval_s=0)
     assert f"checkpoint bucket {bucket} unavailable" in caplog.text
     assert service.projection.seq == last and service.checkpoints.restored_seq == 0
     assert_same(service.projection, await replay(nc, prefix))
