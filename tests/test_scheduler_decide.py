@@ -7,8 +7,6 @@ fragmentation and stranded counts.
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -17,37 +15,27 @@ from events.codec import to_builtins
 from events.errors import ContractError
 from events.schema import (
     Action,
-    ActorCreated,
-    ActorOverhead,
     ActorPlaced,
-    ActorReleased,
     ActorRuntime,
     ActorStopped,
-    Attribute,
     CompatVersion,
     ErrorCode,
-    Event,
     FallbackReason,
     Fidelity,
-    Location,
     PlacedFidelity,
     ReleaseReason,
     Resources,
     RuntimeChanged,
-    Snapshot,
     SnapshotOrigin,
-    SnapshotTaken,
     TemplateChanged,
     WorkerBooked,
     WorkerDrained,
-    WorkerRegistered,
     WorkerRemoved,
-    WorkerRuntime,
     WorkerSandboxClass,
     WorkerUpdated,
 )
 from services.scheduler.decide import Draw, choose, decide, plan, summary
-from services.scheduler.explain import decide_by_scan, explain
+from services.scheduler.explain import decide_by_scan
 from services.scheduler.fragmentation import fragmentation
 from services.scheduler.projection import Projection
 from services.scheduler.records import (
@@ -59,125 +47,10 @@ from services.scheduler.records import (
     WORKER_RESERVE_MIB,
     request_hash,
 )
-
-AT = datetime(2026, 11, 30, tzinfo=timezone.utc)
-CLS = "gvisor"
-
-
-def version(build: str, arch: str = "amd64") -> CompatVersion:
-    attrs = {"architecture": arch, "gvisor_asset_hash": build}
-    return CompatVersion(schema_version="v1", attributes=tuple(Attribute(key=k, value=v) for k, v in sorted(attrs.items())))
-
+from services.scheduler.committer import placed_event
+from tests.factories import AT, CLASS as CLS, Log, runtime, snapshot, stamp, version
 
 V1, V2, V3 = version("1"), version("2"), version("3")
-
-
-def runtime(v: CompatVersion, name: str | None = None, fixed: int = 0, per_gib: int = 0) -> WorkerRuntime:
-    return WorkerRuntime(version=v, name=name, actor_overhead=ActorOverhead(fixed_mib=fixed, per_gib_mib=per_gib))
-
-
-def stamp(v: CompatVersion, cls: str = CLS) -> ActorRuntime:
-    return ActorRuntime(sandbox_class=cls, version=v)
-
-
-class Log:
-    """A log in the making: each event gets the next sequence and is folded at once."""
-
-    def __init__(self) -> None:
-        self.events: list[Event] = []
-        self.p = Projection()
-
-    def add(self, event: Event) -> int:
-        self.events.append(event)
-        seq = len(self.events)
-        self.p.apply(seq, event)
-        return seq
-
-    def replay(self, upto: int | None = None) -> Projection:
-        fresh = Projection()
-        for seq, event in enumerate(self.events[:upto], start=1):
-            fresh.apply(seq, event)
-        return fresh
-
-    # --- workers ---
-
-    def worker(
-        self,
-        worker_id: str,
-        default: WorkerRuntime = None,
-        restorable: tuple[WorkerRuntime, ...] = (),
-        *,
-        node: str | None = None,
-        cpu: int = 4000,
-        mem: int = 8192,
-        labels: dict[str, str] | None = None,
-        cls: str = CLS,
-    ) -> int:
-        entry = WorkerSandboxClass(sandbox_class=cls, default_runtime=default or runtime(V1), restorable_runtimes=restorable)
-        return self.add(WorkerRegistered(
-            at=AT, worker_id=worker_id, node=node or f"node-{worker_id}",
-            capacity=Resources(cpu_millis=cpu, memory_mib=mem), labels=labels or {}, sandbox_classes=(entry,),
-        ))
-
-    def drain(self, worker_id: str) -> int:
-        return self.add(WorkerDrained(at=AT, worker_id=worker_id, reason="maintenance"))
-
-    # --- actors ---
-
-    def actor(
-        self, actor_id: str, *, cpu: int = 500, mem: int = 1024, template: str = "t1",
-        selectors: dict[str, str] | None = None, min_fidelity: Fidelity = Fidelity.ROOTFS,
-        snapshot: Snapshot | None = None,
-    ) -> int:
-        return self.add(ActorCreated(
-            at=AT, actor_id=actor_id, sandbox_class=CLS, template_uid=template,
-            resources=Resources(cpu_millis=cpu, memory_mib=mem), selectors=selectors or {},
-            min_fidelity=min_fidelity, snapshot=snapshot,
-        ))
-
-    def snapshot(
-        self, actor_id: str, *, fidelity: Fidelity = Fidelity.MEMORY, stamped: CompatVersion | None = V1,
-        template: str = "t1", origin: SnapshotOrigin = SnapshotOrigin.SUSPEND, node: str | None = None,
-        borrowed: bool = False, snapshot_id: str | None = None,
-    ) -> int:
-        snap = make_snapshot(actor_id, fidelity=fidelity, stamped=stamped, template=template, node=node,
-                             borrowed=borrowed, snapshot_id=snapshot_id or f"{actor_id}-s{len(self.events)}",
-                             location=Location.LOCAL if origin is SnapshotOrigin.PAUSE else Location.EXTERNAL)
-        return self.add(SnapshotTaken(at=AT, actor_id=actor_id, snapshot=snap, origin=origin))
-
-    def place(self, placement, request_id: str | None = None) -> int:
-        """What the scheduler commits: ActorPlaced, then WorkerBooked, in one atomic append."""
-        self.add(placed_event(placement, request_id))
-        return self.add(WorkerBooked(at=AT, worker_id=placement.worker_id, actor_id=placement.actor_id,
-                                     request_id=request_id))
-
-    def release(self, actor_id: str, worker_id: str, reason: ReleaseReason) -> int:
-        return self.add(ActorReleased(at=AT, actor_id=actor_id, worker_id=worker_id, reason=reason))
-
-    def decide(self, actor_id: str, selectors=None, position=None):
-        return decide(self.p, actor_id, selectors, self.p.seq if position is None else position)
-
-    def explain(self, actor_id: str, selectors=None):
-        return explain(self.p, actor_id, selectors, self.p.seq)
-
-
-def placed_event(placement, request_id: str | None = None) -> ActorPlaced:
-    return ActorPlaced(
-        at=AT, actor_id=placement.actor_id, worker_id=placement.worker_id, node=placement.node,
-        action=placement.action, fidelity=placement.fidelity, sandbox_runtime=placement.sandbox_runtime,
-        snapshot_id=placement.snapshot_id, fallback=placement.fallback, booked=placement.booked,
-        request_id=request_id,
-    )
-
-
-def make_snapshot(
-    actor_id: str, *, fidelity=Fidelity.MEMORY, stamped=V1, template="t1", node=None, borrowed=False,
-    snapshot_id="s1", location=Location.EXTERNAL,
-) -> Snapshot:
-    return Snapshot(
-        snapshot_id=snapshot_id, actor_id=actor_id, template_uid=template, fidelity=fidelity, location=location,
-        node=node, sandbox_runtime=stamp(stamped) if stamped is not None else None, borrowed=borrowed, taken_at=AT,
-    )
 
 
 def refused(log: Log, actor_id: str, code: ErrorCode, selectors=None) -> ContractError:
@@ -192,7 +65,7 @@ def refused(log: Log, actor_id: str, code: ErrorCode, selectors=None) -> Contrac
 
 def test_cold_start_runs_on_the_class_default_with_its_overhead():
     log = Log()
-    log.worker("w1", runtime(V2, name="runsc-2", fixed=100, per_gib=8), (runtime(V1),))
+    log.worker("w1", runtime(V2, name="runsc-2", overhead=100, per_gib=8), (runtime(V1),))
     log.actor("a", cpu=250, mem=1025)
     placed = log.decide("a")
     assert placed.action is Action.RUN and placed.fidelity is PlacedFidelity.NONE
@@ -217,7 +90,7 @@ def test_unknown_running_and_stopped_actors_are_refused():
 
 def test_no_worker_of_the_class_is_resource_exhausted():
     log = Log()
-    log.worker("other", cls="microvm")
+    log.worker("other", sandbox_class="microvm")
     log.actor("a")
     error = refused(log, "a", ErrorCode.RESOURCE_EXHAUSTED)
     assert error.message.startswith("0/1 workers available: 1 class not registered")
@@ -242,7 +115,7 @@ def test_memory_restore_on_the_worker_whose_default_matches_pins_that_entry():
 
 def test_memory_restore_on_a_restorable_runtime_pins_the_restorable_entry_and_books_its_overhead():
     log = Log()
-    log.worker("upgraded", runtime(V2, name="runsc-2", fixed=10), (runtime(V3), runtime(V1, name="runsc-1", fixed=200)))
+    log.worker("upgraded", runtime(V2, name="runsc-2", overhead=10), (runtime(V3), runtime(V1, name="runsc-1", overhead=200)))
     log.worker("elsewhere", runtime(V3))
     log.actor("a", mem=2048)
     log.snapshot("a", stamped=V1)
@@ -326,7 +199,7 @@ def test_memory_snapshot_without_a_stamp_cannot_use_its_memory():
 def test_full_compatible_fleet_falls_back_to_volumes_on_the_new_workers_default():
     log = Log()
     log.worker("compatible", runtime(V1), mem=512)
-    log.worker("new", runtime(V2, name="runsc-2", fixed=64))
+    log.worker("new", runtime(V2, name="runsc-2", overhead=64))
     log.actor("a", mem=1024)
     log.snapshot("a", stamped=V1, snapshot_id="mem-1")
     placed = log.decide("a")
@@ -365,7 +238,7 @@ def test_borrowed_golden_snapshot_falls_back_to_a_cold_run():
     log = Log()
     log.worker("compatible", runtime(V1), mem=512)
     log.worker("new", runtime(V2, name="runsc-2"))
-    golden = make_snapshot("a", stamped=V1, borrowed=True, snapshot_id="golden")
+    golden = snapshot("a", V1, borrowed=True, snapshot_id="golden")
     log.actor("a", snapshot=golden)
     placed = log.decide("a")
     assert placed.worker_id == "new" and placed.action is Action.RUN and placed.fidelity is PlacedFidelity.NONE
@@ -378,7 +251,7 @@ def test_borrowed_golden_snapshot_falls_back_to_a_cold_run():
 def test_borrowed_golden_snapshot_restores_memory_where_it_can():
     log = Log()
     log.worker("compatible", runtime(V1))
-    log.actor("a", snapshot=make_snapshot("a", stamped=V1, borrowed=True, snapshot_id="golden"))
+    log.actor("a", snapshot=snapshot("a", V1, borrowed=True, snapshot_id="golden"))
     placed = log.decide("a")
     assert placed.fidelity is PlacedFidelity.MEMORY and placed.snapshot_id == "golden"
 
@@ -473,14 +346,14 @@ def test_removed_workers_leave_the_fleet():
 
 def test_a_worker_with_no_registered_class_is_never_chosen():
     log = Log()
-    log.worker("micro", cls="microvm", mem=65536)
+    log.worker("micro", sandbox_class="microvm", mem=65536)
     log.worker("g", mem=4096)
     log.actor("a")
     assert {log.decide("a", position=n).worker_id for n in range(40)} == {"g"}
 
 
 def test_the_64_mib_reserve_and_the_overhead_are_booked_exactly():
-    overhead = runtime(V1, fixed=128, per_gib=8)
+    overhead = runtime(V1, overhead=128, per_gib=8)
     need = 2048 + 128 + 8 * 2
     log = Log()
     log.worker("exact", overhead, mem=need + WORKER_RESERVE_MIB, cpu=500)
@@ -601,13 +474,13 @@ def test_the_index_agrees_with_the_scan_of_every_worker(workers, snap, stamped, 
     log = Log()
     for i, (default, restorable, units, drained, z, cls) in enumerate(workers):
         restorable = tuple(runtime(v) for v in restorable if v != default)
-        log.worker(f"w{i}", runtime(default, fixed=32), restorable, mem=units * 512 + WORKER_RESERVE_MIB,
-                   labels={"zone": z}, cls=cls)
+        log.worker(f"w{i}", runtime(default, overhead=32), restorable, mem=units * 512 + WORKER_RESERVE_MIB,
+                   labels={"zone": z}, sandbox_class=cls)
         if drained:
             log.drain(f"w{i}")
     golden = None
     if snap == "borrowed":
-        golden = make_snapshot("a", stamped=stamped, borrowed=True)
+        golden = snapshot("a", stamped, borrowed=True, snapshot_id="s1")
     log.actor("a", mem=mem * 400, min_fidelity=Fidelity.MEMORY if min_memory else Fidelity.ROOTFS, snapshot=golden)
     if snap in ("memory", "old-template"):
         log.snapshot("a", stamped=stamped, template="t0" if snap == "old-template" else "t1")
@@ -716,7 +589,7 @@ def test_half_a_commit_never_shows_a_booking_sequence_ahead_of_its_capacity():
     log.actor("b", mem=1024)
     placed = log.decide("a")
     before = log.p.booking_expectation("w1")
-    log.add(placed_event(placed))  # the first half of the append
+    log.add(placed_event(placed, None))  # the first half of the append
     assert log.p.booking_expectation("w1") == before
     assert log.p.workers["w1"].room_mem == 0
     refused(log, "b", ErrorCode.RESOURCE_EXHAUSTED)
