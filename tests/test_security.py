@@ -369,7 +369,8 @@ async def test_the_services_user_cannot_publish_onto_a_request_subject(deploymen
     before = await last_seq(d.svc.nc)
     for subject in (sub("registry", "drain", "w-2"), sub("registry", "register", "w-9"),
                     sub("snapshotter", "stop", "a-1"), sub("scheduler", "resume", "a-1"),
-                    sub("scheduler", "fragmentation"), f"{secured_inbox()}.forged"):
+                    sub("scheduler", "fragmentation"), f"{secured_inbox()}.forged",
+                    f"$JS.API.CONSUMER.DELETE.{STREAM}.any"):
         await d.svc.nc.publish(subject, b"{}")
         await d.svc.violation(subject)
     assert await last_seq(d.svc.nc) == before
@@ -448,6 +449,7 @@ async def test_no_permission_violation_but_the_ones_the_tests_provoked(deploymen
     d = deployment
     await call(d.w_1.nc, sub("registry", "heartbeat", "w-1"), Heartbeat(), HeartbeatReply)
     provoked = {sub("registry", "drain", "w-2"), sub("registry", "register", "w-9"), sub("snapshotter", "stop", "a-1"),
-                sub("scheduler", "resume", "a-1"), sub("scheduler", "fragmentation"), f"{secured_inbox()}.forged"}
+                sub("scheduler", "resume", "a-1"), sub("scheduler", "fragmentation"), f"{secured_inbox()}.forged",
+                f"$JS.API.CONSUMER.DELETE.{STREAM}.any"}
     svc = [line for line in d.secured.violations() if "user:svc" in line]
     assert {line.rsplit('Subject "', 1)[1].rstrip('"') for line in svc} <= provoked, svc

@@ -86,7 +86,7 @@ def services_api(prefix: str) -> list[str]:
         f"STREAM.CREATE.{events}", f"STREAM.UPDATE.{events}", f"STREAM.INFO.{events}",
         f"STREAM.MSG.GET.{events}", f"DIRECT.GET.{events}", f"DIRECT.GET.{events}.>",
         f"CONSUMER.CREATE.{events}", f"CONSUMER.CREATE.{events}.>", f"CONSUMER.INFO.{events}.*",
-        f"CONSUMER.MSG.NEXT.{events}.*", f"CONSUMER.DELETE.{events}.*",
+        f"CONSUMER.MSG.NEXT.{events}.*",
         # heartbeats: the registry's puts and reads, its durable sweeper of expiry markers
         f"STREAM.CREATE.{heartbeats}", f"STREAM.INFO.{heartbeats}", f"STREAM.MSG.GET.{heartbeats}",
         f"DIRECT.GET.{heartbeats}.>", f"CONSUMER.CREATE.{heartbeats}.>", f"CONSUMER.DURABLE.CREATE.{heartbeats}.*",
