@@ -115,7 +115,8 @@ def test_memory_restore_on_the_worker_whose_default_matches_pins_that_entry():
 
 def test_memory_restore_on_a_restorable_runtime_pins_the_restorable_entry_and_books_its_overhead():
     log = Log()
-    log.worker("upgraded", runtime(V2, name="runsc-2", overhead=10), (runtime(V3), runtime(V1, name="runsc-1", overhead=200)))
+    log.worker("upgraded", runtime(V2, name="runsc-2", overhead=10),
+               (runtime(V3), runtime(V1, name="runsc-1", overhead=200)))
     log.worker("elsewhere", runtime(V3))
     log.actor("a", mem=2048)
     log.snapshot("a", stamped=V1)

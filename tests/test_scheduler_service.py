@@ -93,7 +93,8 @@ def metric(name: str, **labels) -> float:
 
 
 async def test_resume_places_commits_and_answers_over_nats(nc, prefix, writer, replicas):
-    await asyncio.to_thread(writer.write, registered("old", entry(V1)), registered("new", entry(runtime(V2, overhead=32))))
+    await asyncio.to_thread(writer.write, registered("old", entry(V1)),
+                            registered("new", entry(runtime(V2, overhead=32))))
     await asyncio.to_thread(writer.write, created("a"), suspended("a", V1))
     await asyncio.to_thread(writer.write, created("cold"))
     service = await replicas()
@@ -199,7 +200,8 @@ async def test_concurrent_resumes_share_appends(nc, prefix, writer, replicas):
 
 
 async def test_a_refused_group_keeps_the_placements_that_are_still_valid(nc, prefix, writer, replicas):
-    await asyncio.to_thread(writer.write, registered("w1", entry(V1), labels={"slot": "1"}), registered("w2", entry(V1), labels={"slot": "2"}))
+    await asyncio.to_thread(writer.write, registered("w1", entry(V1), labels={"slot": "1"}),
+                            registered("w2", entry(V1), labels={"slot": "2"}))
     await asyncio.to_thread(writer.write, created("x", selectors={"slot": "1"}), created("y", selectors={"slot": "2"}))
     service = await replicas()
     p = service.projection
@@ -298,7 +300,8 @@ def check_log(events: list[tuple[int, Event]]) -> dict[str, int]:
 
 async def test_three_replicas_and_200_concurrent_resumes_never_overbook(nc, nats_url, prefix, writer, replicas):
     # 12 workers with room for 8 actors of 448 MiB each (4 on the V1 workers' restorable path): 96 slots.
-    workers = [registered(f"w{i:02d}", entry([V1, V2][i % 2], (V1,) if i % 2 else ()), mem=8 * 448 + WORKER_RESERVE_MIB, cpu=8000)
+    workers = [registered(f"w{i:02d}", entry([V1, V2][i % 2], (V1,) if i % 2 else ()),
+                          mem=8 * 448 + WORKER_RESERVE_MIB, cpu=8000)
                for i in range(12)]
     await asyncio.to_thread(writer.write, *workers)
     actors = []
@@ -346,7 +349,8 @@ async def test_three_replicas_and_200_concurrent_resumes_never_overbook(nc, nats
 
 
 async def test_a_replica_stopped_mid_load_is_rebuilt_from_the_log_and_serves(nc, prefix, writer, replicas):
-    await asyncio.to_thread(writer.write, *[registered(f"w{i}", entry(V1), mem=16 * 256 + WORKER_RESERVE_MIB) for i in range(6)])
+    workers = [registered(f"w{i}", entry(V1), mem=16 * 256 + WORKER_RESERVE_MIB) for i in range(6)]
+    await asyncio.to_thread(writer.write, *workers)
     await asyncio.to_thread(writer.write, *[created(f"a{j:02d}", cpu=100, mem=256) for j in range(90)])
     survivor = await replicas()
     doomed = await replicas()
@@ -398,7 +402,8 @@ class ReplicaProcess:
 
 
 async def test_a_replica_killed_mid_load_is_rebuilt_from_the_log_and_serves(nc, nats_url, prefix, writer, replicas):
-    await asyncio.to_thread(writer.write, *[registered(f"w{i}", entry(V1), mem=16 * 256 + WORKER_RESERVE_MIB) for i in range(6)])
+    workers = [registered(f"w{i}", entry(V1), mem=16 * 256 + WORKER_RESERVE_MIB) for i in range(6)]
+    await asyncio.to_thread(writer.write, *workers)
     await asyncio.to_thread(writer.write, *[created(f"a{j:02d}", cpu=100, mem=256) for j in range(90)])
     survivor = await replicas()
     doomed = ReplicaProcess(nats_url, prefix)
@@ -467,7 +472,8 @@ def test_the_folds_reader_gives_the_events_decode_event_gives_and_refuses_what_i
     unstamped = SnapshotTaken(at=AT, actor_id="a", origin=SnapshotOrigin.SUSPEND, snapshot=Snapshot(
         snapshot_id="a-v3", actor_id="a", template_uid="t1", fidelity=Fidelity.VOLUMES, location=Location.EXTERNAL,
         taken_at=AT))
-    events = [registered("w1", entry(V1)), created("a"), placed, suspended("a", V2), unstamped, suspended("b", V1), placed]
+    events = [registered("w1", entry(V1)), created("a"), placed, suspended("a", V2), unstamped, suspended("b", V1),
+              placed]
     reader = EventReader()
     for event in events * 2:  # the second time from the reader's table of stamps
         read = reader.decode(encode(event))
