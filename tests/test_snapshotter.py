@@ -24,11 +24,8 @@ from events.schema import (
     ActorReleased,
     ActorRuntime,
     ActorStopped,
-    Attribute,
     CompatVersion,
-    CreateActor,
     ErrorCode,
-    Event,
     Fidelity,
     Location,
     PauseActor,
@@ -39,7 +36,6 @@ from events.schema import (
     RemoveWorker,
     Resources,
     SeqReply,
-    Snapshot,
     SnapshotOrigin,
     SnapshotReply,
     SnapshotTaken,
@@ -50,34 +46,20 @@ from events.schema import (
     TemplateChanged,
     UpdateTemplate,
     WorkerRemoved,
-    WorkerRuntime,
-    WorkerSandboxClass,
 )
 from events.subjects import service_subject, stream_name
 from services.common import call, run_command, store_env
 from services.registry.service import RegistryService
 from services.snapshotter.domain import Actor
 from services.snapshotter.service import SnapshotterService
+from tests.factories import actor, last_seq, read_entries, runtime, snapshot, stamp, version, worker
 
 CLASS = "gvisor"
 STORE = os.environ.get("WARMBOOT_TEST_STORE", "events.jetstream")
 
 
-def version(asset: str) -> CompatVersion:
-    return CompatVersion(
-        schema_version="v1",
-        attributes=(Attribute(key="architecture", value="amd64"), Attribute(key="gvisor_asset_hash", value=asset)),
-    )
-
-
 V1, V2 = version("aaaa1111"), version("bbbb2222")
-
-
-def pin(v: CompatVersion, name: str) -> ActorRuntime:
-    return ActorRuntime(sandbox_class=CLASS, name=name, version=v)
-
-
-PIN_V1, PIN_V2 = pin(V1, "runsc-1"), pin(V2, "runsc-2")
+PIN_V1, PIN_V2 = stamp(V1, name="runsc-1"), stamp(V2, name="runsc-2")
 
 
 def env_for(nats_url: str, prefix: str) -> dict[str, str]:
@@ -138,8 +120,7 @@ def subject(prefix: str, verb: str, actor_id: str) -> str:
 
 
 async def create(nc, prefix: str, actor_id: str, **fields) -> SeqReply:
-    body = CreateActor(actor_id=actor_id, sandbox_class=CLASS, template_uid="tpl-1",
-                       resources=Resources(cpu_millis=250, memory_mib=256), **fields)
+    body = actor(actor_id, cpu=250, mem=256, template="tpl-1", **fields)
     return await call(nc, subject(prefix, "create", actor_id), body, SeqReply)
 
 
@@ -162,37 +143,9 @@ async def refused(awaitable) -> ContractError:
     return excinfo.value
 
 
-async def last_seq(nc, prefix: str) -> int:
-    return (await nc.jetstream().stream_info(stream_name(prefix))).state.last_seq
-
-
-async def read_log(nc, prefix: str) -> list[tuple[int, str, Event]]:
-    """Every event in the stream, as a client that knows only the contract reads it.
-
-    A raw JetStream ordered consumer on `<prefix>.ev.>`; bodies decoded with
-    `events.codec` alone (no eventsourcing library), until nothing is pending.
-    """
-    sub = await nc.jetstream().subscribe(f"{prefix}.ev.>", ordered_consumer=True)
-    events: list[tuple[int, str, Event]] = []
-    try:
-        while True:
-            msg = await sub.next_msg(timeout=5)
-            events.append((msg.metadata.sequence.stream, msg.subject, decode_event(msg.data)))
-            if msg.metadata.num_pending == 0:
-                return events
-    finally:
-        await sub.unsubscribe()
-
-
 def registration(worker_id: str, node: str, default: CompatVersion, restorable: tuple[CompatVersion, ...] = ()):
-    return RegisterWorker(
-        worker_id=worker_id, node=node, capacity=Resources(cpu_millis=8000, memory_mib=16384),
-        sandbox_classes=(WorkerSandboxClass(
-            sandbox_class=CLASS,
-            default_runtime=WorkerRuntime(version=default, name="runsc-default"),
-            restorable_runtimes=tuple(WorkerRuntime(version=v) for v in restorable),
-        ),),
-    )
+    return worker(worker_id, runtime(default, "runsc-default", overhead=None),
+                  tuple(runtime(v, overhead=None) for v in restorable), node=node, cpu=8000, mem=16384)
 
 
 async def register(nc, prefix: str, reg: RegisterWorker) -> RegisterReply:
@@ -228,7 +181,7 @@ async def test_rolling_upgrade_pause_stamps_the_pin_and_promotion_keeps_it(
     await placer.place("fresh", "w-1", "node-1", PIN_V2)
     assert (await pause(nc, prefix, "fresh")).snapshot.sandbox_runtime == PIN_V2
 
-    log = [(s, e) for s, _, e in await read_log(nc, prefix) if getattr(e, "actor_id", None) == "old"]
+    log = [(s, e) for s, _, e in await read_entries(nc, prefix) if getattr(e, "actor_id", None) == "old"]
     taken = [e for _, e in log if isinstance(e, SnapshotTaken)]
     assert [t.origin for t in taken] == [SnapshotOrigin.PAUSE, SnapshotOrigin.PROMOTE]
     assert all(t.snapshot.sandbox_runtime == PIN_V1 for t in taken)
@@ -247,7 +200,7 @@ async def test_suspend_from_running_is_external_stamped_from_the_pin_and_release
     assert (s.snapshot_id, s.location, s.fidelity, s.uri, s.node) == (
         "snap-1", Location.EXTERNAL, Fidelity.VOLUMES, "s3://b/1", None)
     assert s.sandbox_runtime == PIN_V2  # stamped also when the snapshot has no memory
-    events = [e for _, _, e in await read_log(nc, prefix)]
+    events = [e for _, _, e in await read_entries(nc, prefix)]
     assert isinstance(events[-1], ActorReleased) and events[-1].reason is ReleaseReason.SUSPENDED
     assert reply.seq == await last_seq(nc, prefix)
 
@@ -260,7 +213,7 @@ async def test_tag_and_create_from_tag_keep_the_stamp(snapshotter, placer, nc, p
     assert tagged.snapshot == suspended  # a copy: same image, same stamp
 
     made = await create(nc, prefix, "copy", source_tag="golden-path")
-    log = await read_log(nc, prefix)
+    log = await read_entries(nc, prefix)
     tag_events = [e for _, subj, e in log if subj == f"{prefix}.ev.tag.golden-path"]
     assert tag_events == [TagRecorded(tag="golden-path", snapshot=suspended, at=tag_events[0].at)]
     copy_events = [(s, e) for s, _, e in log if getattr(e, "actor_id", None) == "copy"]
@@ -278,13 +231,10 @@ async def test_tag_and_create_from_tag_keep_the_stamp(snapshotter, placer, nc, p
 
 
 async def test_create_from_golden_keeps_the_stamp_and_is_borrowed(snapshotter, nc, prefix):
-    golden = Snapshot(
-        snapshot_id="gold-1", actor_id="template-actor", template_uid="tpl-1", fidelity=Fidelity.MEMORY,
-        location=Location.EXTERNAL, uri="s3://golden/1", sandbox_runtime=PIN_V2,
-        taken_at=datetime(2026, 1, 1, tzinfo=timezone.utc),
-    )
+    golden = snapshot("template-actor", PIN_V2, snapshot_id="gold-1", template="tpl-1", uri="s3://golden/1",
+                      taken_at=datetime(2026, 1, 1, tzinfo=timezone.utc))
     await create(nc, prefix, "g-1", golden_snapshot=golden)
-    (_, _, created), (_, _, taken) = (await read_log(nc, prefix))[:2]
+    (_, _, created), (_, _, taken) = (await read_entries(nc, prefix))[:2]
     assert created.snapshot.borrowed is True and created.snapshot.sandbox_runtime == PIN_V2
     assert taken.origin is SnapshotOrigin.CREATE and taken.snapshot == created.snapshot
     assert msgspec.structs.replace(created.snapshot, actor_id="template-actor", borrowed=False) == golden
@@ -334,9 +284,8 @@ async def test_unknown_actors_are_not_found(snapshotter, nc, prefix):
         call(nc, subject(prefix, "stop", "ghost"), StopActor(), SeqReply),
     ):
         assert (await refused(attempt)).code is ErrorCode.NOT_FOUND
-    mismatch = await refused(call(nc, subject(prefix, "create", "other"), CreateActor(
-        actor_id="ghost", sandbox_class=CLASS, template_uid="t", resources=Resources(cpu_millis=1, memory_mib=1)),
-        SeqReply))
+    mismatch = await refused(call(nc, subject(prefix, "create", "other"), actor("ghost", cpu=1, mem=1, template="t"),
+                                  SeqReply))
     assert (mismatch.code, mismatch.field) == (ErrorCode.INVALID_ARGUMENT, "actor_id")
     assert await last_seq(nc, prefix) == before
 
@@ -353,7 +302,7 @@ async def test_update_template_and_stop(snapshotter, placer, nc, prefix):
     assert changed.seq == await last_seq(nc, prefix)
     await placer.place("a-1", "w-3", "node-3", PIN_V1)
     stopped = await call(nc, subject(prefix, "stop", "a-1"), StopActor(), SeqReply)
-    tail = [e for _, _, e in await read_log(nc, prefix)][-4:]
+    tail = [e for _, _, e in await read_entries(nc, prefix)][-4:]
     assert isinstance(tail[0], TemplateChanged) and tail[0].template_uid == "tpl-2"
     assert isinstance(tail[1], ActorPlaced)
     assert isinstance(tail[2], ActorReleased) and (tail[2].worker_id, tail[2].reason) == ("w-3", ReleaseReason.STOPPED)
@@ -377,7 +326,7 @@ async def test_request_id_retry_returns_the_first_answer_and_writes_one_event(sn
     # Concurrent duplicates: one answer, one write.
     replies = await asyncio.gather(*(suspend(nc, prefix, "a-1", uri="s3://x", request_id="susp-1") for _ in range(4)))
     assert all(r == replies[0] for r in replies)
-    log = [e for _, _, e in await read_log(nc, prefix)]
+    log = [e for _, _, e in await read_entries(nc, prefix)]
     assert sum(isinstance(e, SnapshotTaken) and e.request_id == "susp-1" for e in log) == 1
     assert sum(isinstance(e, SnapshotTaken) and e.request_id == "pause-1" for e in log) == 1
 
@@ -433,7 +382,7 @@ async def test_a_removed_workers_actors_are_released_once_with_two_replicas(
         settled = max(seq for seq, _ in releases)
         assert await snapshotter.wait_followed(settled) and await second.wait_followed(settled)
 
-        log = await read_log(nc, prefix)
+        log = await read_entries(nc, prefix)
         removal = [e for _, _, e in log if isinstance(e, ActorReleased) and e.reason is ReleaseReason.WORKER_REMOVED]
         assert sorted(e.actor_id for e in removal) == ["a-1", "a-2"]  # each exactly once
         assert all(e.worker_id == "w-1" for e in removal)
@@ -501,7 +450,7 @@ async def test_concurrent_pauses_on_two_replicas_one_wins_the_other_re_reads(
             lost = [o for o in outcomes if isinstance(o, ContractError)]
             assert len(won) == 1 and len(lost) == 3, outcomes
             assert all(e.code is ErrorCode.FAILED_PRECONDITION for e in lost)  # re-read: PAUSED now
-        log = [e for _, _, e in await read_log(nc, prefix)]
+        log = [e for _, _, e in await read_entries(nc, prefix)]
         assert sum(isinstance(e, SnapshotTaken) for e in log) == 3
         assert sum(isinstance(e, ActorReleased) for e in log) == 3
     finally:
@@ -516,7 +465,7 @@ async def test_a_placement_racing_a_stop_never_leaves_a_stopped_actor_placed(sna
     except ContractError as error:  # the stop won: a stopped actor is not placed
         assert error.code is ErrorCode.FAILED_PRECONDITION
     await stop
-    log = [e for _, _, e in await read_log(nc, prefix)]
+    log = [e for _, _, e in await read_entries(nc, prefix)]
     assert isinstance(log[-1], ActorStopped)
     if any(isinstance(e, ActorPlaced) for e in log):  # the placement won: the stop released it
         assert isinstance(log[-2], ActorReleased) and log[-2].reason is ReleaseReason.STOPPED
