@@ -9,51 +9,33 @@ import pytest
 
 from events.errors import ContractError
 from events.schema import (
-    Action,
     ActorCreated,
     ActorPlaced,
     ActorReleased,
     ActorRuntime,
     ActorStopped,
-    Attribute,
-    CompatVersion,
     CreateActor,
     ErrorCode,
     Fidelity,
     Location,
-    PlacedFidelity,
     ReleaseReason,
-    Resources,
     Snapshot,
     SnapshotOrigin,
     SnapshotTaken,
     TagRecorded,
     TemplateChanged,
-    WorkerRegistered,
     WorkerRemoved,
 )
 from events.states import ActorState
 from services.snapshotter.domain import Actor, Tag
 from services.snapshotter.placements import PlacementFold, Release
 from services.snapshotter.stamping import default_snapshot_id, initial_snapshot, stamp_from_pin
+from tests import factories
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
-CLASS = "gvisor"
 
 
-def runtime(version: str) -> ActorRuntime:
-    return ActorRuntime(
-        sandbox_class=CLASS,
-        name=f"runsc-{version}",
-        version=CompatVersion(
-            schema_version="v1",
-            attributes=(Attribute(key="architecture", value="amd64"),
-                        Attribute(key="gvisor_asset_hash", value=version)),
-        ),
-    )
-
-
-V1, V2 = runtime("v1"), runtime("v2")
+V1, V2 = (factories.stamp(factories.version(build), name=f"runsc-{build}") for build in ("v1", "v2"))
 
 
 def at(seconds: int = 0) -> datetime:
@@ -61,18 +43,11 @@ def at(seconds: int = 0) -> datetime:
 
 
 def create_request(actor_id: str = "a-1", **kw) -> CreateActor:
-    return CreateActor(
-        actor_id=actor_id, sandbox_class=CLASS, template_uid="tpl-1",
-        resources=Resources(cpu_millis=500, memory_mib=512), **kw,
-    )
+    return factories.actor(actor_id, cpu=500, mem=512, template="tpl-1", **kw)
 
 
 def placed(actor: Actor, worker_id: str = "w-1", node: str = "n-1", pin: ActorRuntime = V1) -> ActorPlaced:
-    return ActorPlaced(
-        actor_id=actor.entity_id, worker_id=worker_id, node=node, action=Action.RUN,
-        fidelity=PlacedFidelity.NONE, sandbox_runtime=pin,
-        booked=Resources(cpu_millis=500, memory_mib=512), at=at(1),
-    )
+    return factories.placed(actor.entity_id, worker_id, pin, node=node, cpu=500, mem=512, at=at(1))
 
 
 def created(actor_id: str = "a-1", **kw) -> Actor:
@@ -96,11 +71,8 @@ def code_of(excinfo) -> ErrorCode:
 
 
 def golden(stamp: ActorRuntime | None = V1) -> Snapshot:
-    return Snapshot(
-        snapshot_id="golden-7", actor_id="template-actor", template_uid="tpl-1",
-        fidelity=Fidelity.MEMORY, location=Location.EXTERNAL, uri="s3://golden/7",
-        sandbox_runtime=stamp, taken_at=at(-100),
-    )
+    return factories.snapshot("template-actor", stamp, snapshot_id="golden-7", template="tpl-1", uri="s3://golden/7",
+                              taken_at=at(-100))
 
 
 # --- stamping rules ---------------------------------------------------------------
@@ -377,10 +349,7 @@ def test_fold_releases_a_placement_on_an_already_removed_worker_until_it_registe
     fold.apply(1, worker_removed("w-1"))
     a = running("a")
     assert fold.apply(2, placed(a, worker_id="w-1")) == [Release("a", "w-1", 2)]
-    registered = WorkerRegistered(
-        worker_id="w-1", node="n-1", capacity=Resources(cpu_millis=1000, memory_mib=1024),
-        labels={}, sandbox_classes=(), at=at(20),
-    )
+    registered = factories.registered("w-1", node="n-1", cpu=1000, mem=1024, at=at(20))
     fold.apply(2, registered)
     assert fold.apply(4, placed(a, worker_id="w-1")) == []
     assert fold.placed_on("w-1") == {"a": 4}
