@@ -33,8 +33,6 @@ from services.snapshotter.stamping import default_snapshot_id, initial_snapshot,
 from tests import factories
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
-
-
 V1, V2 = (factories.stamp(factories.version(build), name=f"runsc-{build}") for build in ("v1", "v2"))
 
 
