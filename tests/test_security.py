@@ -26,8 +26,6 @@ from nats.js.api import ConsumerConfig
 from events.codec import decode_event, encode
 from events.errors import ContractError
 from events.schema import (
-    Attribute,
-    CompatVersion,
     CreateActor,
     DrainWorker,
     ExplainResume,
@@ -54,6 +52,7 @@ from events.schema import (
 )
 from events.subjects import bucket_name, event_subject, service_subject, stream_name
 from services.common import call
+from tests.factories import last_seq
 from tests.registry_helpers import CPUINFO, PROBE, agent_config, registration, wait_event
 from tests.secured_helpers import WARMBOOT, Secured, Serve
 from warmboot.agent import Agent
@@ -85,10 +84,6 @@ def metric(text: str, name: str, **labels: str) -> float:
     return 0.0
 
 
-async def last_seq(nc) -> int:
-    return (await nc.jetstream().stream_info(STREAM)).state.last_seq
-
-
 async def history(nc, kind: str, entity: str) -> list[int]:
     """Stream sequences of the messages on one entity's subject."""
     js, subject, seqs = nc.jetstream(), event_subject(PREFIX, kind, entity), []
@@ -103,12 +98,6 @@ async def history(nc, kind: str, entity: str) -> list[int]:
 async def heartbeat_entry(nc, worker_id: str) -> int:
     msg = await nc.jetstream().get_msg(f"KV_{HEARTBEATS}", subject=f"$KV.{HEARTBEATS}.{worker_id}")
     return msg.seq
-
-
-def version(asset: str) -> CompatVersion:
-    return CompatVersion(schema_version="v1", attributes=(Attribute(key="architecture", value="amd64"),
-                                                          Attribute(key="cpu_features", value="0ac853df914e2ca0"),
-                                                          Attribute(key="gvisor_asset_hash", value=asset)))
 
 
 def create_body(actor_id: str, **fields) -> CreateActor:
@@ -190,8 +179,8 @@ async def test_every_flow_runs_under_least_privilege_with_no_violation(tmp_path)
         serves.append(Serve(*serve_args(secured, "--ttl", "15", *checkpoints)))
         await asyncio.to_thread(serves[1].start)
         assert "restored the projection from checkpoint" in serves[1].output
-        explained = await call(ops.nc, sub("scheduler", "explain", "a-1"), ExplainResume(min_seq=await last_seq(svc.nc)),
-                               Explanation)
+        explained = await call(ops.nc, sub("scheduler", "explain", "a-1"),
+                               ExplainResume(min_seq=await last_seq(svc.nc, PREFIX)), Explanation)
         assert explained.candidates == 1
         assert await call(nc, sub("scheduler", "resume", "a-1"), ResumeActor(), Assignment)
 
@@ -275,7 +264,7 @@ class State:
     async def of(cls, d: Deployment) -> "State":
         state = cls()
         nc = d.svc.nc
-        state.last = await last_seq(nc)
+        state.last = await last_seq(nc, PREFIX)
         state.w2 = await history(nc, "worker", "w-2")
         state.a1 = await history(nc, "actor", "a-1")
         state.kv_w2 = await heartbeat_entry(nc, "w-2")
@@ -366,14 +355,14 @@ def secured_inbox() -> str:
 
 async def test_the_services_user_cannot_publish_onto_a_request_subject(deployment):
     d = deployment
-    before = await last_seq(d.svc.nc)
+    before = await last_seq(d.svc.nc, PREFIX)
     for subject in (sub("registry", "drain", "w-2"), sub("registry", "register", "w-9"),
                     sub("snapshotter", "stop", "a-1"), sub("scheduler", "resume", "a-1"),
                     sub("scheduler", "fragmentation"), f"{secured_inbox()}.forged",
                     f"$JS.API.CONSUMER.DELETE.{STREAM}.any"):
         await d.svc.nc.publish(subject, b"{}")
         await d.svc.violation(subject)
-    assert await last_seq(d.svc.nc) == before
+    assert await last_seq(d.svc.nc, PREFIX) == before
 
 
 async def test_an_operator_cannot_delete_consumers_nor_read_the_services_inboxes(deployment):
