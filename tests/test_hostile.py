@@ -11,8 +11,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from events.schema import (
-    Attribute,
-    CompatVersion,
     ErrorCode,
     ErrorReply,
     Explanation,
@@ -20,12 +18,10 @@ from events.schema import (
     HeartbeatReply,
     RegisterReply,
     RegisterWorker,
-    Resources,
-    WorkerRuntime,
-    WorkerSandboxClass,
 )
-from events.subjects import service_subject, stream_name
+from events.subjects import service_subject
 from services.common import call
+from tests.factories import last_seq, version, worker
 
 ENDPOINTS = [
     ("registry", "register", True),
@@ -85,14 +81,6 @@ field_names = st.sampled_from(
 objects = st.dictionaries(field_names, json_values, max_size=6)
 
 
-async def last_seq(nc, prefix: str) -> int:
-    try:
-        info = await nc.jetstream().stream_info(stream_name(prefix))
-    except Exception:
-        return 0
-    return info.state.last_seq
-
-
 async def refused(nc, subject: str, data: bytes) -> ErrorReply:
     msg = await nc.request(subject, data, timeout=10)
     return check_refusal(msg, subject, data)
@@ -116,13 +104,7 @@ def subject_of(prefix: str, service: str, verb: str, per_entity: bool, entity: s
 
 
 def valid_registration(worker_id: str) -> RegisterWorker:
-    version = CompatVersion(schema_version="v1", attributes=(Attribute(key="architecture", value="amd64"),))
-    return RegisterWorker(
-        worker_id=worker_id,
-        node="node-1",
-        capacity=Resources(cpu_millis=4000, memory_mib=8192),
-        sandbox_classes=(WorkerSandboxClass(sandbox_class="gvisor", default_runtime=WorkerRuntime(version=version)),),
-    )
+    return worker(worker_id, version("1"), node="node-1", mem=8192)
 
 
 async def still_serving(nc, prefix: str) -> None:
