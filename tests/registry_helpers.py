@@ -18,6 +18,7 @@ from events.codec import decode_event, encode
 from events.schema import Event
 from events.subjects import event_subject, service_subject, stream_name
 from services.registry.service import RegistryService
+from tests.factories import last_seq  # noqa: F401 (the registry tests import it from here)
 from warmboot.agent import ProbeSettings
 
 CPUINFO = Path(__file__).parent / "cpuinfo" / "intel-xeon-8480.txt"
@@ -74,13 +75,6 @@ async def raw_request(nc: NATS, prefix: str, verb: str, worker_id: str, body: An
     data = body if isinstance(body, bytes) else encode(body)
     msg = await nc.request(service_subject(prefix, "registry", verb, worker_id), data, timeout=timeout)
     return msgspec.json.decode(msg.data), (msg.headers or {})
-
-
-async def last_seq(nc: NATS, prefix: str) -> int:
-    try:
-        return (await nc.jetstream().stream_info(stream_name(prefix))).state.last_seq
-    except NotFoundError:
-        return 0
 
 
 async def worker_events(nc: NATS, prefix: str, worker_id: str) -> list[tuple[int, Event]]:
