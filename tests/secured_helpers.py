@@ -103,52 +103,69 @@ def _seed() -> str:
     return new_nkey_seed()
 
 
-class Serve:
-    """`warmboot serve ARGS` as a child process; its whole output (stdout and stderr) kept."""
+class Child:
+    """A warmboot command as a child process; its whole output (stdout and stderr) kept, line
+    by line, and awaitable: `start` returns when a line matches `ready`, `line` when a line
+    with that start has been printed (or the process ended without it)."""
 
-    SERVING = re.compile(r"^serving (.+) on (\S+) \(prefix (\S+)\)")
-
-    def __init__(self, *args: str, env: dict[str, str] | None = None):
-        self.args = [WARMBOOT, "serve", *args]
+    def __init__(self, args: list[str], ready: re.Pattern[str], env: dict[str, str] | None = None):
+        self.args = args
+        self.ready = ready
         self.env = {**os.environ, **(env or {})}
         self.lines: list[str] = []
         self.process: subprocess.Popen[str] | None = None
-        self._ready = threading.Event()
+        self._changed = threading.Condition()
+        self._ended = False
         self._serving = False
 
-    def start(self, timeout: float = 60.0) -> "Serve":
+    def start(self, timeout: float = 60.0) -> "Child":
         self.process = subprocess.Popen(
             self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env,
             preexec_fn=functools.partial(_die_with_parent, os.getpid()),
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        if not self._ready.wait(timeout) or not self._serving:
+        with self._changed:
+            self._changed.wait_for(lambda: self._serving or self._ended, timeout)
+        if not self._serving:
             self.stop()
-            raise AssertionError("warmboot serve did not start:\n" + self.output)
+            raise AssertionError(f"{' '.join(self.args[:2])} did not start:\n" + self.output)
         return self
 
     def _read(self) -> None:
         assert self.process and self.process.stdout
         for line in self.process.stdout:
-            self.lines.append(line.rstrip("\n"))
-            if self.SERVING.match(line):
-                self._serving = True
-                self._ready.set()
-        self._ready.set()
+            with self._changed:
+                self.lines.append(line.rstrip("\n"))
+                self._serving = self._serving or bool(self.ready.match(line))
+                self._changed.notify_all()
+        with self._changed:
+            self._ended = True
+            self._changed.notify_all()
 
     @property
     def output(self) -> str:
         return "\n".join(self.lines)
 
-    def line(self, start: str) -> str:
-        return next(line for line in self.lines if line.startswith(start))
+    def line(self, start: str, timeout: float = 30.0) -> str:
+        """The first line that starts with `start`, once printed (a line printed after the
+        ready line may not have been read yet when `start` returns)."""
+        def found() -> str | None:
+            return next((line for line in self.lines if line.startswith(start)), None)
 
-    def stop(self, timeout: float = 30.0) -> int:
+        with self._changed:
+            self._changed.wait_for(lambda: found() is not None or self._ended, timeout)
+            line = found()
+        if line is None:
+            raise AssertionError(f"no line starting {start!r} in:\n{self.output}")
+        return line
+
+    def signal(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        """Send `sig`, wait for the process and its whole output; its exit code."""
         if self.process is None:
             return 0
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+            self.process.send_signal(sig)
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -156,3 +173,15 @@ class Serve:
                 self.process.wait()
         self._reader.join(10)  # the whole output, to its last line
         return self.process.returncode
+
+    def stop(self, timeout: float = 30.0) -> int:
+        return self.signal(signal.SIGTERM, timeout)
+
+
+class Serve(Child):
+    """`warmboot serve ARGS` as a child process, ready once it says what it serves."""
+
+    SERVING = re.compile(r"^serving (.+) on (\S+) \(prefix (\S+)\)")
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None):
+        super().__init__([WARMBOOT, "serve", *args], self.SERVING, env)

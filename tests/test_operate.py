@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import uuid
@@ -79,6 +80,44 @@ def test_up_runs_the_demo_and_twice_in_a_row(tmp_path):
     assert second.returncode == 0, second.stderr[-2000:]
     assert "resetting the store" in second.stdout
     check_demo_summary(table_rows(second.stdout))
+
+
+async def test_up_keeps_the_demo_fleet_heartbeating_while_it_serves(tmp_path):
+    """After the demo's summary `up` serves on, and the demo's workers stay registered: a put in
+    the heartbeat bucket after "serving" (not an expiry marker), the views list every worker,
+    and Ctrl-C stops it cleanly."""
+    import nats
+    from nats.js.api import DeliverPolicy
+
+    from events.subjects import DEFAULT_PREFIX, bucket_name
+    from tests.secured_helpers import WARMBOOT, Child
+
+    up = Child([WARMBOOT, "up", "--demo", "--port", "0", "--metrics-port", "0", "--store", str(tmp_path / "store"),
+                "--workers", str(SMALL.workers), "--actors", str(SMALL.actors)],
+               re.compile(r"^serving; Ctrl-C stops"), env={"COLUMNS": "200"})
+    up.start(timeout=300)
+    try:
+        url = up.line("NATS     ").split()[1]
+        assert "workers keep heartbeating: try warmboot workers --nats " + url in up.output
+        nc = await nats.connect(url)
+        try:
+            bucket = bucket_name(DEFAULT_PREFIX, "heartbeats")
+            beats = await nc.jetstream().subscribe(f"$KV.{bucket}.>", ordered_consumer=True,
+                                                   deliver_policy=DeliverPolicy.NEW)
+            while True:  # the first heartbeat stored after the demo ended
+                msg = await beats.next_msg(timeout=60)
+                if not (msg.headers or {}).get("Nats-Marker-Reason") and not (msg.headers or {}).get("KV-Operation"):
+                    break
+            await beats.unsubscribe()
+        finally:
+            await nc.close()
+        listed = await cli("workers", "--nats", url, "--json")
+        assert listed.exit_code == 0, listed.output
+        assert len({row["worker_id"] for row in json.loads(listed.output)}) == SMALL.workers
+    finally:
+        code = up.signal(signal.SIGINT)
+    assert code == 0, up.output[-2000:]
+    assert up.lines[-1] == "stopping" or "stopping" in up.lines[-3:], up.output[-2000:]
 
 
 @pytest.fixture(scope="module")

@@ -67,11 +67,19 @@ def up(port: int, store: Path, prefix: str, metrics_port: int, demo: bool, exit_
             if demo:
                 from warmboot.demo import DemoConfig, run_demo
 
-                await run_demo(server.url, prefix, DemoConfig(workers=workers, actors=actors), console)
+                config = DemoConfig(workers=workers, actors=actors)
                 if exit_after_demo:
+                    await run_demo(server.url, prefix, config, console)
                     return
-            console.print("serving; Ctrl-C stops")
-            await until_signal()
+
+                async def serve_on() -> None:
+                    console.print("serving; Ctrl-C stops")
+                    await until_signal()
+
+                await run_demo(server.url, prefix, config, console, hold=serve_on)
+            else:
+                console.print("serving; Ctrl-C stops")
+                await until_signal()
             console.print("stopping")
 
     try:

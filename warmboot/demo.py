@@ -253,7 +253,11 @@ async def each(items: list[Any], step: Callable[[Any], Awaitable[Any]], advance:
     return await asyncio.gather(*(one(item) for item in items))
 
 
-async def run_demo(nats_url: str, prefix: str, cfg: DemoConfig, console: Console) -> Tally:
+async def run_demo(nats_url: str, prefix: str, cfg: DemoConfig, console: Console,
+                   hold: Callable[[], Awaitable[None]] | None = None) -> Tally:
+    """Drive the simulated fleet through every phase and print the summary. With `hold`, the
+    fleet keeps heartbeating after the summary until `hold` returns (`warmboot up` serving on),
+    so that `warmboot workers`, `fragmentation` and `explain` show the fleet the demo left."""
     nc = await connect(nats_url, "warmboot-demo")
     demo = Demo(nc, prefix, cfg)
     actors = [f"a-{i:04d}" for i in range(cfg.actors)]
@@ -372,21 +376,28 @@ async def run_demo(nats_url: str, prefix: str, cfg: DemoConfig, console: Console
             await each(actors, move, phase())
             await each(actors, lambda a: demo.pause(a) if plan[a] != "run" else asyncio.sleep(0), phase())
             demo.tally.stranded["after the actors moved"] = await demo.stranded()
+        demo.tally.retries = demo.wb.retries
+        report(demo.tally, console)
+        if hold is not None:
+            console.print(f"the demo's {len(demo.workers)} workers keep heartbeating: try "
+                          f"warmboot workers --nats {nats_url}")
+            await hold()
     finally:
         if beat:
             beat.cancel()
             with suppress(asyncio.CancelledError):
                 await beat
-        demo.tally.retries = demo.wb.retries
         await nc.close()
-    console.print(summary(demo.tally))
-    tally = demo.tally
+    return demo.tally
+
+
+def report(tally: Tally, console: Console) -> None:
+    console.print(summary(tally))
     if tally.forecast_agrees:
         console.print(f"whatif's forecast of the v1 drop ({tally.forecast_stranded} stranded) is what the drop did")
     else:
         console.print(f"[red]whatif forecast {tally.forecast_stranded} stranded snapshots after the v1 drop; "
                       f"fragmentation counted {tally.stranded.get('after v1 dropped')}[/]")
-    return tally
 
 
 def summary(tally: Tally) -> Table:
