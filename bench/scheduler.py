@@ -45,7 +45,6 @@ import sys
 import tempfile
 import time
 import urllib.request
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,81 +56,58 @@ from events.codec import encode  # noqa: E402
 from events.errors import ContractError  # noqa: E402
 from events.jetstream import MSG_ID_HEADER, TOPIC_HEADER, VERSION_HEADER  # noqa: E402
 from events.schema import (  # noqa: E402
-    Action,
     ActorCreated,
-    ActorOverhead,
     ActorPlaced,
-    ActorReleased,
-    ActorRuntime,
-    Attribute,
-    CompatVersion,
     Event,
     Fidelity,
-    Location,
-    PlacedFidelity,
     ReleaseReason,
-    Resources,
     ResumeActor,
-    Snapshot,
     SnapshotOrigin,
     SnapshotTaken,
-    WorkerBooked,
     WorkerRegistered,
-    WorkerRuntime,
-    WorkerSandboxClass,
 )
 from events.subjects import service_subject, stream_name  # noqa: E402
 from services.scheduler.decide import decide  # noqa: E402
 from services.scheduler.explain import decide_by_scan  # noqa: E402
 from services.scheduler.projection import Projection  # noqa: E402
 from services.scheduler.records import WORKER_RESERVE_MIB  # noqa: E402
+from tests.factories import (  # noqa: E402
+    CLASS as CLS,
+    booked,
+    created,
+    entry,
+    placed,
+    registered,
+    released,
+    runtime,
+    snapshot,
+    taken,
+    version,
+)
 
-AT = datetime(2026, 11, 30, tzinfo=timezone.utc)
-CLS = "gvisor"
 VERSIONS = 50
-
-
-def version(i: int) -> CompatVersion:
-    return CompatVersion(schema_version="v1", attributes=(
-        Attribute(key="architecture", value="amd64"),
-        Attribute(key="cpu_features", value=f"{0x0ac853df914e2ca0 ^ (i % 7):016x}"),
-        Attribute(key="gvisor_asset_hash", value=f"sha256-{i:04d}"),
-    ))
-
-
-VERSION_LIST = [version(i) for i in range(VERSIONS)]
+VERSION_LIST = [version(f"sha256-{i:04d}", cpu_features=f"{0x0ac853df914e2ca0 ^ (i % 7):016x}")
+                for i in range(VERSIONS)]
 
 
 def worker_event(i: int, *, mem: int = 65536, cpu: int = 64000) -> WorkerRegistered:
     v = i % VERSIONS
-    overhead = ActorOverhead(fixed_mib=64, per_gib_mib=8) if i % 2 else None
-    entry = WorkerSandboxClass(
-        sandbox_class=CLS,
-        default_runtime=WorkerRuntime(version=VERSION_LIST[v], name=f"runsc-{v}", actor_overhead=overhead),
-        restorable_runtimes=tuple(WorkerRuntime(version=VERSION_LIST[(v - k) % VERSIONS]) for k in (1, 2)),
-    )
-    return WorkerRegistered(at=AT, worker_id=f"w{i:05d}", node=f"node-{i // 4:05d}",
-                            capacity=Resources(cpu_millis=cpu, memory_mib=mem), labels={"zone": f"z{i % 3}"},
-                            sandbox_classes=(entry,))
+    default = runtime(VERSION_LIST[v], f"runsc-{v}", 64 if i % 2 else None, per_gib=8)
+    restorable = tuple(runtime(VERSION_LIST[(v - k) % VERSIONS], overhead=None) for k in (1, 2))
+    return registered(f"w{i:05d}", entry(default, restorable), node=f"node-{i // 4:05d}", cpu=cpu, mem=mem,
+                      labels={"zone": f"z{i % 3}"})
 
 
 def actor_event(actor_id: str, mem: int = 1024, min_fidelity: Fidelity = Fidelity.ROOTFS) -> ActorCreated:
-    return ActorCreated(at=AT, actor_id=actor_id, sandbox_class=CLS, template_uid="tmpl-1",
-                        resources=Resources(cpu_millis=250, memory_mib=mem), selectors={},
-                        min_fidelity=min_fidelity)
+    return created(actor_id, cpu=250, mem=mem, template="tmpl-1", min_fidelity=min_fidelity)
 
 
 def snapshot_event(actor_id: str, v: int, origin=SnapshotOrigin.SUSPEND) -> SnapshotTaken:
-    snap = Snapshot(snapshot_id=f"{actor_id}-s", actor_id=actor_id, template_uid="tmpl-1", fidelity=Fidelity.MEMORY,
-                    location=Location.EXTERNAL, sandbox_runtime=ActorRuntime(sandbox_class=CLS, version=VERSION_LIST[v]),
-                    taken_at=AT)
-    return SnapshotTaken(at=AT, actor_id=actor_id, snapshot=snap, origin=origin)
+    return taken(snapshot(actor_id, VERSION_LIST[v], template="tmpl-1"), origin)
 
 
 def placed_event(actor_id: str, worker_id: str, mem: int) -> ActorPlaced:
-    return ActorPlaced(at=AT, actor_id=actor_id, worker_id=worker_id, node="n", action=Action.RUN,
-                       fidelity=PlacedFidelity.NONE, sandbox_runtime=ActorRuntime(sandbox_class=CLS, version=VERSION_LIST[0]),
-                       booked=Resources(cpu_millis=250, memory_mib=mem))
+    return placed(actor_id, worker_id, VERSION_LIST[0], node="n", cpu=250, mem=mem)
 
 
 # --- (a) decisions ---------------------------------------------------------------------------------------
@@ -215,19 +191,11 @@ def edge_worker_event(i: int, *, mem: int = 65536, cpu: int = 64000) -> WorkerRe
     another, so each EDGE_ONLY version is accepted by about as many workers as an OWN one."""
     k, e = i % len(OWN), i % len(EDGE_ONLY)
     own = [VERSION_LIST[OWN[(k - j) % len(OWN)]] for j in (0, 1, 2)]
-    overhead = ActorOverhead(fixed_mib=64, per_gib_mib=8) if i % 2 else None
-    entry = WorkerSandboxClass(
-        sandbox_class=CLS,
-        default_runtime=WorkerRuntime(version=own[0], name=f"runsc-{OWN[k]}", actor_overhead=overhead,
-                                      compatible_versions=(VERSION_LIST[EDGE_ONLY[e]],)),
-        restorable_runtimes=(
-            WorkerRuntime(version=own[1], compatible_versions=(VERSION_LIST[EDGE_ONLY[(e - 1) % len(EDGE_ONLY)]],)),
-            WorkerRuntime(version=own[2]),
-        ),
-    )
-    return WorkerRegistered(at=AT, worker_id=f"w{i:05d}", node=f"node-{i // 4:05d}",
-                            capacity=Resources(cpu_millis=cpu, memory_mib=mem), labels={"zone": f"z{i % 3}"},
-                            sandbox_classes=(entry,))
+    default = runtime(own[0], f"runsc-{OWN[k]}", 64 if i % 2 else None, (VERSION_LIST[EDGE_ONLY[e]],), per_gib=8)
+    restorable = (runtime(own[1], None, None, (VERSION_LIST[EDGE_ONLY[(e - 1) % len(EDGE_ONLY)]],)),
+                  runtime(own[2], overhead=None))
+    return registered(f"w{i:05d}", entry(default, restorable), node=f"node-{i // 4:05d}", cpu=cpu, mem=mem,
+                      labels={"zone": f"z{i % 3}"})
 
 
 def bench_edges(quick: bool) -> dict[str, float]:
@@ -472,10 +440,10 @@ def replay_log(total: int, rng: random.Random) -> list[Event]:
         actor_id = f"r{j:07d}"
         worker_id = f"w{rng.randrange(2000):05d}"
         events.append(actor_event(actor_id, mem=1024))
-        events.append(WorkerBooked(at=AT, worker_id=worker_id, actor_id=actor_id))
+        events.append(booked(worker_id, actor_id))
         events.append(placed_event(actor_id, worker_id, 1024))
         events.append(snapshot_event(actor_id, rng.randrange(VERSIONS)))
-        events.append(ActorReleased(at=AT, actor_id=actor_id, worker_id=worker_id, reason=ReleaseReason.SUSPENDED))
+        events.append(released(actor_id, worker_id, ReleaseReason.SUSPENDED))
         j += 1
     return events[:total]
 
