@@ -44,7 +44,6 @@ import sys
 import tempfile
 import time
 import tracemalloc
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,58 +55,44 @@ from events.codec import encode  # noqa: E402
 from events.jetstream import MSG_ID_HEADER, TOPIC_HEADER, VERSION_HEADER  # noqa: E402
 from events.schema import (  # noqa: E402
     Action,
-    ActorCreated,
-    ActorOverhead,
-    ActorPlaced,
-    ActorReleased,
-    ActorRuntime,
     ActorStopped,
-    Attribute,
-    CompatVersion,
     Event,
     Fidelity,
     FragmentationQuery,
-    Location,
     PlacedFidelity,
     ReleaseReason,
-    Resources,
     RuntimeChanged,
-    Snapshot,
     SnapshotOrigin,
-    SnapshotTaken,
-    WorkerBooked,
     WorkerDrained,
     WorkerRegistered,
     WorkerRemoved,
-    WorkerRuntime,
     WorkerSandboxClass,
 )
 from events.subjects import service_subject  # noqa: E402
+from tests.factories import (  # noqa: E402
+    AT,
+    booked,
+    created,
+    entry,
+    placed,
+    registered,
+    released,
+    runtime,
+    snapshot,
+    stamp,
+    taken,
+    version,
+)
 
-AT = datetime(2026, 11, 30, tzinfo=timezone.utc)
-CLS = "gvisor"
 VERSIONS = 20
 WORKERS = 2000
-
-
-def version(i: int) -> CompatVersion:
-    return CompatVersion(schema_version="v1", attributes=(
-        Attribute(key="architecture", value="amd64"),
-        Attribute(key="cpu_features", value=f"{0x5eed0000c0ffee00 + i % 3:016x}"),
-        Attribute(key="gvisor_asset_hash", value=f"sha256-{i:04d}"),
-    ))
-
-
-VERSION_LIST = [version(i) for i in range(VERSIONS + 8)]
+VERSION_LIST = [version(f"sha256-{i:04d}", cpu_features=f"{0x5eed0000c0ffee00 + i % 3:016x}")
+                for i in range(VERSIONS + 8)]
 
 
 def class_entry(v: int) -> WorkerSandboxClass:
-    return WorkerSandboxClass(
-        sandbox_class=CLS,
-        default_runtime=WorkerRuntime(version=VERSION_LIST[v], name=f"runsc-{v}",
-                                      actor_overhead=ActorOverhead(fixed_mib=32, per_gib_mib=8)),
-        restorable_runtimes=tuple(WorkerRuntime(version=VERSION_LIST[v - k]) for k in (1, 2) if v - k >= 0),
-    )
+    return entry(runtime(VERSION_LIST[v], f"runsc-{v}", 32, per_gib=8),
+                 tuple(runtime(VERSION_LIST[v - k], overhead=None) for k in (1, 2) if v - k >= 0))
 
 
 class Deployment:
@@ -131,9 +116,8 @@ class Deployment:
         self.workers[worker_id] = v
         self.node[worker_id] = f"node-{i // 2:06d}"
         self.live.append(worker_id)
-        return WorkerRegistered(at=AT, worker_id=worker_id, node=self.node[worker_id],
-                                capacity=Resources(cpu_millis=64000, memory_mib=262144),
-                                labels={"zone": f"z{i % 3}", "pool": "general"}, sandbox_classes=(class_entry(v),))
+        return registered(worker_id, class_entry(v), node=self.node[worker_id], cpu=64000, mem=262144,
+                          labels={"zone": f"z{i % 3}", "pool": "general"})
 
     def worker_event(self) -> list[Event]:
         """Now and then: an upgrade, a drain or a removal (replaced by a new worker)."""
@@ -161,10 +145,8 @@ class Deployment:
             self.actors[actor_id] = ["CREATED", None, None, 0]
             self.active.append(actor_id)
             mem = rng.choice((256, 512, 1024, 2048, 4096))
-            return [ActorCreated(at=AT, actor_id=actor_id, sandbox_class=CLS, template_uid=f"tmpl-{rng.randrange(50)}",
-                                 resources=Resources(cpu_millis=250, memory_mib=mem),
-                                 selectors={"pool": "general"} if rng.random() < 0.3 else {},
-                                 min_fidelity=Fidelity.ROOTFS)]
+            return [created(actor_id, cpu=250, mem=mem, template=f"tmpl-{rng.randrange(50)}",  # draws in this order
+                            selectors={"pool": "general"} if rng.random() < 0.3 else {})]
         i = rng.randrange(len(self.active))
         actor_id = self.active[i]
         record = self.actors[actor_id]
@@ -176,13 +158,11 @@ class Deployment:
             record[:] = ["RUNNING", worker_id, v, n]
             request_id = f"req-{actor_id}-{n}" if rng.random() < 0.5 else None
             return [
-                ActorPlaced(at=AT, actor_id=actor_id, worker_id=worker_id, node=self.node[worker_id],
-                            action=Action.RESTORE if state != "CREATED" else Action.RUN,
-                            fidelity=PlacedFidelity.MEMORY if state != "CREATED" else PlacedFidelity.NONE,
-                            sandbox_runtime=ActorRuntime(sandbox_class=CLS, name=f"runsc-{v}", version=VERSION_LIST[v]),
-                            snapshot_id=f"{actor_id}-s{n}" if n else None,
-                            booked=Resources(cpu_millis=250, memory_mib=1024 + 40), request_id=request_id),
-                WorkerBooked(at=AT, worker_id=worker_id, actor_id=actor_id, request_id=request_id),
+                placed(actor_id, worker_id, stamp(VERSION_LIST[v], name=f"runsc-{v}"), node=self.node[worker_id],
+                       action=Action.RESTORE if state != "CREATED" else Action.RUN,
+                       fidelity=PlacedFidelity.MEMORY if state != "CREATED" else PlacedFidelity.NONE,
+                       snapshot_id=f"{actor_id}-s{n}" if n else None, cpu=250, mem=1024 + 40, request_id=request_id),
+                booked(worker_id, actor_id, request_id),
             ]
         r = rng.random()
         if r < 0.1:
@@ -192,20 +172,14 @@ class Deployment:
             return [ActorStopped(at=AT, actor_id=actor_id)]
         pause = r < 0.55
         n += 1
-        stamp = ActorRuntime(sandbox_class=CLS, name=f"runsc-{pin}", version=VERSION_LIST[pin])
-        snapshot = Snapshot(
-            snapshot_id=f"{actor_id}-s{n}", actor_id=actor_id, template_uid="tmpl-0",
-            fidelity=Fidelity.MEMORY if pause or r < 0.9 else Fidelity.VOLUMES,
-            location=Location.LOCAL if pause else Location.EXTERNAL,
-            node=self.node[worker_id] if pause else None,
-            uri=None if pause else f"s3://snapshots/{actor_id}/{n}", sandbox_runtime=stamp, taken_at=AT,
-        )
+        image = snapshot(actor_id, stamp(VERSION_LIST[pin], name=f"runsc-{pin}"), snapshot_id=f"{actor_id}-s{n}",
+                         template="tmpl-0", fidelity=Fidelity.MEMORY if pause or r < 0.9 else Fidelity.VOLUMES,
+                         node=self.node[worker_id] if pause else None,
+                         uri=None if pause else f"s3://snapshots/{actor_id}/{n}")
         record[:] = ["PAUSED" if pause else "SUSPENDED", worker_id, pin, n]
         return [
-            SnapshotTaken(at=AT, actor_id=actor_id, snapshot=snapshot,
-                          origin=SnapshotOrigin.PAUSE if pause else SnapshotOrigin.SUSPEND),
-            ActorReleased(at=AT, actor_id=actor_id, worker_id=worker_id,
-                          reason=ReleaseReason.PAUSED if pause else ReleaseReason.SUSPENDED),
+            taken(image, SnapshotOrigin.PAUSE if pause else SnapshotOrigin.SUSPEND),
+            released(actor_id, worker_id, ReleaseReason.PAUSED if pause else ReleaseReason.SUSPENDED),
         ]
 
     def events(self, total: int) -> list[Event]:
