@@ -15,6 +15,7 @@ from pathlib import Path
 
 import click
 
+from events.jetstream.layout import LEADER_ELECTED_ADVISORY
 from events.subjects import DEFAULT_PREFIX, bucket_name, events_filter, services_inbox, stream_name
 from warmboot.cli_common import check_id, check_prefix_option
 
@@ -109,7 +110,8 @@ def services_api(prefix: str) -> list[str]:
 def services_permissions(prefix: str) -> dict:
     """Publish only into the services' own streams and buckets (through the JetStream API
     and onto their subjects) and onto inboxes; never onto any service's request subject.
-    Subscribe where they serve, to discovery, and to their own inboxes."""
+    Subscribe where they serve, to discovery, to their own inboxes, and to the log's leader
+    elections (the event store resends an append the old leader will not answer)."""
     p = prefix
     publish = [
         events_filter(p),  # <prefix>.ev.>: events, booking markers, whatever the log gains
@@ -123,7 +125,8 @@ def services_permissions(prefix: str) -> dict:
     return {
         "publish": {"allow": publish, "deny": [f"{services_inbox(p)}.>"]},
         "subscribe": {
-            "allow": [*(f"{p}.{service}.>" for service in SERVICES), "$SRV.>", f"{services_inbox(p)}.>"],
+            "allow": [*(f"{p}.{service}.>" for service in SERVICES), "$SRV.>", f"{services_inbox(p)}.>",
+                      f"{LEADER_ELECTED_ADVISORY}.{stream_name(p)}"],
         },
     }
 

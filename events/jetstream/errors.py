@@ -43,10 +43,17 @@ ERR_CLUSTER_NO_PEERS = 10005
 CONFLICT_CODES = {ERR_WRONG_LAST_SEQUENCE, ERR_BATCH_WRONG_LAST_SEQUENCE, ERR_BATCH_DUPLICATE_MSG_ID}
 TRANSIENT_CODES = {ERR_BATCH_INCOMPLETE, ERR_CLUSTER_NOT_AVAILABLE, ERR_CLUSTER_NOT_LEADER, ERR_BATCH_TOO_MANY_INFLIGHT}
 
+
+class LeaderElected(Exception):
+    """The stream elected a new leader while a request waited for its answer: the leader it
+    went to died or stepped down, and will not answer."""
+
+
 # Nobody took the request: nothing was done.
 NOT_DELIVERED: tuple[type[BaseException], ...] = (nats.errors.NoRespondersError,)
 # No answer came: the request may or may not have been carried out.
 UNANSWERED: tuple[type[BaseException], ...] = (
+    LeaderElected,
     nats.errors.TimeoutError,
     asyncio.TimeoutError,
     nats.errors.ConnectionReconnectingError,

@@ -29,6 +29,9 @@ BATCH_SEQ_HEADER = "Nats-Batch-Sequence"
 BATCH_COMMIT_HEADER = "Nats-Batch-Commit"
 SEQUENCE_HEADER = "Nats-Sequence"  # of a direct-get answer (and of a leader read, shaped alike)
 SUBJECT_HEADER = "Nats-Subject"
+# JetStream's advisory that a stream has a new leader, `<this>.<stream name>` (nats-server's
+# JSAdvisoryStreamLeaderElectedPre)
+LEADER_ELECTED_ADVISORY = "$JS.EVENT.ADVISORY.STREAM.LEADER_ELECTED"
 
 EVENTS_PURPOSE = "events"
 SNAPSHOTS_PURPOSE = "snapshots"

@@ -31,7 +31,7 @@ from nats.nuid import NUID
 
 from events.jetstream import errors
 from events.jetstream.lastseen import LastSeen
-from events.jetstream.layout import status_of
+from events.jetstream.layout import LEADER_ELECTED_ADVISORY, status_of
 from events.natsauth import NKEY_SEED_ENV, nkey_options, redact_url
 from events.natspy import use_lean_headers
 
@@ -131,6 +131,8 @@ class Link:
         self.tokens = itertools.count()
         self.nuid = NUID()
         self.ready_streams: set[str] = set()
+        self.watched: set[str] = set()  # streams whose leader elections this link hears of
+        self.elections: dict[str, asyncio.Future[None]] = {}  # stream -> resolved at its next election
         self.last_seen = LastSeen()
         self.waiting: set[concurrent.futures.Future[Any]] = set()
         self.waiting_lock = threading.Lock()
@@ -228,6 +230,31 @@ class Link:
         collector = self.collectors.get(msg.subject[len(self.inbox) + 1 :])
         if collector is not None:
             collector.feed(msg)
+
+    async def watch_elections(self, stream: str) -> None:
+        """Hear of the stream's leader elections (JetStream's advisory): a request that went to
+        a leader that died is never answered, and the election says so seconds before the
+        request's time-out would. Without the permission to hear it, time-outs still say it."""
+        if stream in self.watched:
+            return
+        self.watched.add(stream)
+
+        async def elected(_: Msg) -> None:
+            future = self.elections.pop(stream, None)
+            if future is not None and not future.done():
+                future.set_result(None)
+
+        try:
+            await self.nc.subscribe(f"{LEADER_ELECTED_ADVISORY}.{stream}", cb=elected)
+        except nats.errors.Error as error:
+            log.debug("not hearing of the leader elections of %s: %r", stream, error)
+
+    def next_election(self, stream: str) -> asyncio.Future[None]:
+        """A future of the link's loop, resolved when `stream` next elects a leader."""
+        future = self.elections.get(stream)
+        if future is None:
+            future = self.elections[stream] = self.loop.create_future()
+        return future
 
     async def direct_batch(self, stream: str, request: dict[str, Any], timeout: float) -> tuple[list[Msg], int]:
         """One batched direct get: the messages, and how many more match after them."""

@@ -6,7 +6,9 @@
   `StoreUnavailableError`; any other failure is `errors.library_error`. An attempt that
   changed its plan (an append that found new expectations) raises `Again`: tried again
   at once. When nobody answers for a stream, or the server says it is not found, the
-  stream is asked whether it exists (and made again if it may be).
+  stream is asked whether it exists (and made again if it may be): when nobody answers,
+  in the background (mostly a leader election, during which nobody answers that either).
+  A pause ends early when the stream elects a leader: the next attempt can be answered.
 - `catch_up(must_see, from_replica, from_leader)`: on a replicated stream a direct get
   may be answered by a replica behind this process's own writes; such a read is asked
   again a few times, then made through the stream leader.
@@ -52,6 +54,7 @@ class Retry:
         self.delay = 0.05
         self.stream = stream
         self.asked = False  # whether the stream was asked if it exists because nobody answered
+        self.check: asyncio.Future[None] | None = None  # that question, until its answer is seen
         self.also = also  # err_codes also worth waiting out (creating a stream: no peers yet)
 
     @property
@@ -80,12 +83,27 @@ class Retry:
                 await self.stream.check_exists()  # made again (then nothing is in it), or an error
             elif isinstance(error, nats.errors.NoRespondersError) and not self.asked:
                 self.asked = True  # once: nobody answering is mostly a leader election
-                await self.stream.check_exists()
+                self.check = self.stream.check_soon()
         if self.loop.time() + self.delay > self.deadline:
             raise errors.unavailable(self.what, self.budget, error) from error
         log.debug("%s: retrying after %r", self.what, error)
-        await asyncio.sleep(self.delay)
+        await self._pause()
         self.delay = min(self.delay * 2, 1.0)
+
+    async def _pause(self) -> None:
+        """Sleep `delay`, or less: until the stream elects a leader, or until the check of
+        whether it exists ends, raising what it found (a stream gone that may not be made again)."""
+        if self.stream is None:
+            await asyncio.sleep(self.delay)
+            return
+        wake = [self.stream.link.next_election(self.stream.name)]
+        if self.check is not None:
+            wake.append(self.check)
+        await asyncio.wait(wake, timeout=self.delay)
+        check = self.check
+        if check is not None and check.done():
+            self.check = None
+            check.result()
 
 
 async def catch_up(

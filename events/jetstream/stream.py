@@ -20,6 +20,7 @@ import base64
 import json
 import logging
 from dataclasses import dataclass
+from collections.abc import Awaitable
 from typing import Any, Callable
 
 from eventsourcing.persistence import IntegrityError, OperationalError
@@ -73,6 +74,7 @@ class Stream:
         self.budget = budget
         self.per_subject_limit = per_subject_limit
         self.create = True  # whether a missing stream may be created (CREATE_TABLE)
+        self._check: asyncio.Future[None] | None = None  # `check_exists` in the background (check_soon)
 
     # -- setup
 
@@ -101,6 +103,7 @@ class Stream:
         self.create = create
         link = self.link
         await link.connect(self.budget)
+        await link.watch_elections(self.name)
         if not create or self.name in link.ready_streams:
             return
         # No peers for the replicas yet: a cluster still forming, or a member restarting.
@@ -110,7 +113,7 @@ class Stream:
 
     async def _api(self, subject: str, payload: dict[str, Any] | None, timeout: float) -> dict[str, Any]:
         body = json.dumps(payload).encode() if payload is not None else b""
-        reply = await self.link.nc.request(f"$JS.API.{subject}", body, timeout=timeout)
+        reply = await self._answer(self.link.nc.request(f"$JS.API.{subject}", body, timeout=timeout))
         data = json.loads(reply.data)
         if "error" in data:
             raise ServerError.from_reply(data)
@@ -139,6 +142,31 @@ class Stream:
         if merged != current:
             log.info("updating stream %s to what the event store needs", self.name)
             await self._api(f"STREAM.UPDATE.{self.name}", merged, timeout)
+
+    async def _answer(self, request: Awaitable[Msg]) -> Msg:
+        """The reply to `request` (one to the stream leader), or `errors.LeaderElected` if the
+        stream elects a new leader first: an append is then unanswered and sent again, to the
+        new leader, at once instead of after its time-out (a resent batch that had been stored
+        is recognised by `_landed`)."""
+        elected = self.link.next_election(self.name)
+        task = asyncio.ensure_future(request)
+        try:
+            await asyncio.wait((task, elected), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            task.cancel()
+            raise
+        if task.done():
+            return task.result()
+        task.cancel()
+        raise errors.LeaderElected(f"stream {self.name} elected a new leader before answering")
+
+    def check_soon(self) -> asyncio.Future[None]:
+        """`check_exists` in the background, one at a time: during a leader election nobody
+        answers it for its whole time-out, while the operation that asked goes on trying."""
+        if self._check is None or self._check.done():
+            self._check = asyncio.ensure_future(self.check_exists())
+            self._check.add_done_callback(_retrieved)
+        return self._check
 
     async def check_exists(self) -> None:
         """Nobody answers for the stream: if it does not exist, create it again or say so."""
@@ -426,7 +454,8 @@ class Stream:
             return headers
 
         if len(outs) == 1:
-            reply = await nc.request(outs[0].subject, outs[0].data, timeout=timeout, headers=headers_of(0, outs[0]))
+            reply = await self._answer(
+                nc.request(outs[0].subject, outs[0].data, timeout=timeout, headers=headers_of(0, outs[0])))
         else:
             batch_id = self.link.nuid.next().decode()
             for index, out in enumerate(outs[:-1]):
@@ -439,9 +468,15 @@ class Stream:
             headers[BATCH_ID_HEADER] = batch_id
             headers[BATCH_SEQ_HEADER] = str(len(outs))
             headers[BATCH_COMMIT_HEADER] = "1"
-            reply = await nc.request(outs[last].subject, outs[last].data, timeout=timeout, headers=headers)
+            reply = await self._answer(nc.request(outs[last].subject, outs[last].data, timeout=timeout, headers=headers))
         ack = json.loads(reply.data)
         refusal = errors.ack_refusal(ack, len(outs))
         if refusal is not None:
             raise refusal
         return int(ack["seq"])
+
+
+def _retrieved(future: asyncio.Future[None]) -> None:
+    """A background check's error is raised to whoever waits on it (`Retry`); nobody may."""
+    if not future.cancelled():
+        future.exception()
