@@ -23,9 +23,9 @@ and from the clients (when each resume was answered):
   stream stored after the kill;
 - the stall: from the kill (`stall_after_kill_s`), and from the election
   (`stall_after_election_s`), until placements are back at half the earlier rate: the
-  start of the first 250 ms bucket that has placements and from which every 1 s window
-  of the next 3 s holds at least half the earlier rate (a burst of the backlog followed
-  by another gap does not end a stall); the figures are good to 250 ms;
+  start of the first 250 ms bucket that has placements and from which every 2 s window
+  starting in the next 3 s holds at least half the earlier rate (a burst of the backlog
+  followed by another gap does not end a stall); the figures are good to 250 ms;
 - what clients saw: requests sent again (`retries`), UNAVAILABLE answered by a service,
   time-outs (no reply within the client's 5 s), no responders, requests given up, and
   the slowest resume (first send to answer, retries included).
@@ -64,6 +64,7 @@ sys.path.insert(0, os.environ.get("FAILOVER_SERVICES_TREE") or str(ROOT))
 import nats  # noqa: E402
 
 from events.errors import ContractError  # noqa: E402
+from events.jetstream import MSG_ID_HEADER, TOPIC_HEADER  # noqa: E402
 from events.schema import (  # noqa: E402
     Attribute,
     CompatVersion,
@@ -80,7 +81,8 @@ from warmboot.client import Client  # noqa: E402
 from warmboot.natsserver import NatsCluster, NatsServerError, wait_jetstream  # noqa: E402
 
 BUCKET_S = 0.25
-SUSTAINED_S = 3.0  # the rate must hold this long for a stall to be over
+SUSTAINED_S = 3.0  # how long the rate must hold for a stall to be over,
+WINDOW_S = 2.0  # in windows this long (a committer's group is up to one placement per worker)
 BEFORE_S = 10.0  # the rate before a kill is measured over this window
 AFTER_S = 10.0  # the rate after the stall, over this window
 HEARTBEAT_EVERY_S = 5.0
@@ -155,20 +157,15 @@ class Tracer:
         return True
 
     def _wrap_store(self) -> None:
-        import events.jetstream as store
+        try:  # the event store as a package (events/jetstream/)
+            from events.jetstream.retry import Retry as retry_cls
+            from events.jetstream.stream import Stream as stream_cls
+        except ImportError:  # an older checkout: one module
+            import events.jetstream as store
 
-        stream_cls = getattr(store, "_Stream", None)
-        retry_cls = getattr(store, "_Retry", None)
-        if stream_cls is None:  # the store as a package: the stream in one of its modules
-            for module in ("events.jetstream.stream", "events.jetstream.streams", "events.jetstream.append"):
-                try:
-                    mod = __import__(module, fromlist=["_Stream"])
-                except ImportError:
-                    continue
-                stream_cls = stream_cls or getattr(mod, "_Stream", None)
-                retry_cls = retry_cls or getattr(mod, "_Retry", None)
+            stream_cls, retry_cls = getattr(store, "_Stream", None), getattr(store, "_Retry", None)
         if stream_cls is None:
-            self.note("untraced", name="events.jetstream._Stream")
+            self.note("untraced", name="events.jetstream's stream")
             return
 
         def send_before(stream, batch, timeout):
@@ -247,6 +244,17 @@ class Tracer:
             self.note("append", started=started, size=len(group), outcome="ok")
 
         committer.append = append
+        recorder = scheduler.store.recorder
+        insert = recorder.insert_events
+
+        def inserted(*args, **kwargs):  # on the thread the committer's append runs on
+            started = time.time()
+            try:
+                return insert(*args, **kwargs)
+            finally:
+                self.note("insert", started=started, size=len(args[0]) // 2)
+
+        recorder.insert_events = inserted
         asyncio.get_running_loop().create_task(self._sample())
 
     async def _sample(self) -> None:
@@ -370,21 +378,30 @@ async def wait_current(js, stream: str, replicas: int, limit: float = 60.0) -> N
     raise RuntimeError(f"stream {stream} did not get all {replicas} replicas current within {limit:g}s")
 
 
-async def read_log(nc, prefix: str) -> tuple[list[float], list[float]]:
-    """(store times of every ActorPlaced, store times of every message), from the stream."""
+async def read_log(nc, prefix: str) -> tuple[list[float], list[float], list[str]]:
+    """From the stream: the store times of every ActorPlaced and of every message, and the
+    message ids stored more than once (an append doubled: there must be none)."""
     js = nc.jetstream()
     stream = stream_name(prefix)
     last = (await js.stream_info(stream)).state.last_seq
     placed: list[float] = []
     every: list[float] = []
+    ids: set[str] = set()
+    doubled: list[str] = []
     done = asyncio.get_running_loop().create_future()
 
     async def on_msg(msg) -> None:
         meta = msg.metadata
         t = meta.timestamp.timestamp()
         every.append(t)
-        if msg.headers and msg.headers.get("Warmboot-Topic") == "ActorPlaced":
+        headers = msg.headers or {}
+        if headers.get(TOPIC_HEADER) == "ActorPlaced":
             placed.append(t)
+        msg_id = headers.get(MSG_ID_HEADER)
+        if msg_id is not None:
+            if msg_id in ids:
+                doubled.append(msg_id)
+            ids.add(msg_id)
         if meta.sequence.stream >= last and not done.done():
             done.set_result(None)
 
@@ -393,7 +410,7 @@ async def read_log(nc, prefix: str) -> tuple[list[float], list[float]]:
     await sub.unsubscribe()
     placed.sort()
     every.sort()
-    return placed, every
+    return placed, every, doubled
 
 
 # --- figures -------------------------------------------------------------------------------------------------------------
@@ -404,15 +421,15 @@ def count_in(times: list[float], start: float, end: float) -> int:
 
 
 def stall_end(times: list[float], kill: float, rate_before: float, limit: float) -> float | None:
-    """Start of the first 250 ms bucket from the kill from which placements hold at least half
-    the earlier rate, in every 1 s window of the next `SUSTAINED_S` (a burst of the backlog
-    followed by another gap is not the end of the stall)."""
-    need = 0.5 * rate_before  # per 1 s window
+    """Start of the first 250 ms bucket from the kill that has placements and from which they
+    hold at least half the earlier rate in every `WINDOW_S` window starting in the next
+    `SUSTAINED_S` (a burst of the backlog followed by another gap does not end a stall)."""
+    need = 0.5 * rate_before * WINDOW_S
     steps = int(SUSTAINED_S / BUCKET_S)
     b = kill
     while b < kill + limit:
         if count_in(times, b, b + BUCKET_S) and all(
-                count_in(times, b + i * BUCKET_S, b + i * BUCKET_S + 1.0) >= need for i in range(steps + 1)):
+                count_in(times, b + i * BUCKET_S, b + i * BUCKET_S + WINDOW_S) >= need for i in range(steps + 1)):
             return b
         b += BUCKET_S
     return None
@@ -485,6 +502,9 @@ def what_waited(trace: Path, kill: float, elected: float | None, end: float | No
         if t < kill or started > stop:
             continue
         took = t - started
+        if what == "insert" and took < 0.3:
+            quiet += 1
+            continue
         if what in ("send", "append", "landed?") and rec.get("outcome") == "ok" and took < 0.3:
             if started >= kill and what not in first_ok:
                 first_ok[what] = started
@@ -617,7 +637,7 @@ async def load_and_kill(args, cluster: NatsCluster, prefix: str, stream: str, tr
                 await asyncio.sleep(BEFORE_S + 2.0)  # the window before the next kill, all three up
         stop.set()
         await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 120)
-        placed, every = await read_log(watch, prefix)
+        placed, every, doubled = await read_log(watch, prefix)
     finally:
         stop.set()
         for task in tasks:
@@ -641,7 +661,10 @@ async def load_and_kill(args, cluster: NatsCluster, prefix: str, stream: str, tr
             end = kill + f["stall_after_kill_s"] if f["stall_after_kill_s"] is not None else None
             print("  what the services did (times from the kill):")
             print("\n".join(what_waited(trace, kill, elected, end)))
-    results: dict = {"kills": len(per_kill), "workers": args.workers, "actors": args.actors, "per_kill": per_kill}
+    print(f"\n{len(every)} messages in the log, {len(placed)} placements; "
+          f"{len(doubled)} message ids stored twice{': ' + ', '.join(doubled[:5]) if doubled else ''}")
+    results: dict = {"kills": len(per_kill), "workers": args.workers, "actors": args.actors, "per_kill": per_kill,
+                     "doubled_appends": len(doubled)}
     for key in ("stall_after_kill_s", "stall_after_election_s", "elected_after_kill_s", "placements_per_s_before",
                 "placements_per_s_after", "client_stall_after_kill_s", "slowest_resume_s"):
         values = [f[key] for f in per_kill if f[key] is not None]
