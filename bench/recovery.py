@@ -52,7 +52,6 @@ sys.path.insert(0, str(ROOT))
 import nats  # noqa: E402
 
 from events.codec import encode  # noqa: E402
-from events.jetstream import MSG_ID_HEADER, TOPIC_HEADER, VERSION_HEADER  # noqa: E402
 from events.schema import (  # noqa: E402
     Action,
     ActorStopped,
@@ -71,6 +70,9 @@ from events.schema import (  # noqa: E402
 from events.subjects import service_subject  # noqa: E402
 from tests.factories import (  # noqa: E402
     AT,
+    ensure_stream,
+    publish_events,
+    stored_message,
     booked,
     created,
     entry,
@@ -193,30 +195,6 @@ class Deployment:
         return out[:total]
 
 
-# --- the log ---------------------------------------------------------------------------------------------------
-
-
-async def ensure_stream(nats_url: str, prefix: str) -> None:
-    """The stream, created by the event store module (its factory), as the services create it."""
-    from events.aggregate import WireApplication
-    from services.common import store_env
-
-    app = await asyncio.to_thread(WireApplication, store_env(nats_url, prefix))
-    await asyncio.to_thread(app.close)
-
-
-async def publish(nc, prefix: str, events: list[Event], versions: dict[str, int]) -> None:
-    js = nc.jetstream(publish_async_max_pending=4000)
-    for event in events:
-        aggregate_id = f"{event.KIND}.{event.entity_id}"
-        v = versions[aggregate_id] = versions.get(aggregate_id, 0) + 1
-        await js.publish_async(
-            f"{prefix}.ev.{aggregate_id}", encode(event),
-            headers={MSG_ID_HEADER: f"{aggregate_id}:{v}", TOPIC_HEADER: type(event).__name__, VERSION_HEADER: str(v)},
-        )
-    await js.publish_async_completed()
-
-
 # --- a replica in its own process ----------------------------------------------------------------------------------
 
 
@@ -293,12 +271,7 @@ def projection_memory(workers: int, actors: int) -> dict:
     versions: dict[str, int] = {}
 
     def message(event: Event) -> tuple[str, dict[str, str], bytes]:
-        """What the stream holds: subject, the headers the store writes, body."""
-        aggregate_id = f"{event.KIND}.{event.entity_id}"
-        v = versions[aggregate_id] = versions.get(aggregate_id, 0) + 1
-        return (f"{prefix}.ev.{aggregate_id}",
-                {MSG_ID_HEADER: f"{aggregate_id}:{v}", TOPIC_HEADER: type(event).__name__, VERSION_HEADER: str(v)},
-                encode(event))
+        return stored_message(prefix, event, versions)
 
     deployment = Deployment(random.Random(11), workers)
     worker_messages = [message(deployment.register()) for _ in range(workers)]
@@ -381,7 +354,7 @@ async def bench(total: int, tail: int) -> dict:
         nc = await nats.connect(url)
         versions: dict[str, int] = {}
         t = time.perf_counter()
-        await publish(nc, prefix, log, versions)
+        await publish_events(nc, prefix, log, versions)
         written = time.perf_counter() - t
         print(f"log: {total:,} events ({deployment.next_actor:,} actors, {deployment.next_worker:,} workers) "
               f"generated in {generated:.1f} s, written in {written:.1f} s ({total / written:,.0f}/s)", flush=True)
@@ -396,7 +369,7 @@ async def bench(total: int, tail: int) -> dict:
         print(f"checkpoint saved: {saver['checkpoint_bytes'] / 1e6:.1f} MB, fold held {saver['capture_s']:.2f} s for "
               f"the copy, stored {saver['save_s']:.2f} s after start() returned", flush=True)
 
-        await publish(nc, prefix, deployment.events(tail), versions)  # the same deployment, going on
+        await publish_events(nc, prefix, deployment.events(tail), versions)  # the same deployment, going on
         await nc.close()
 
         cp_s, cp = await time_to_answer(url, prefix, DEFAULT_EVERY_EVENTS)

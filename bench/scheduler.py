@@ -54,7 +54,6 @@ import nats  # noqa: E402
 
 from events.codec import encode  # noqa: E402
 from events.errors import ContractError  # noqa: E402
-from events.jetstream import MSG_ID_HEADER, TOPIC_HEADER, VERSION_HEADER  # noqa: E402
 from events.schema import (  # noqa: E402
     ActorCreated,
     ActorPlaced,
@@ -73,6 +72,8 @@ from services.scheduler.projection import Projection  # noqa: E402
 from services.scheduler.records import WORKER_RESERVE_MIB  # noqa: E402
 from tests.factories import (  # noqa: E402
     CLASS as CLS,
+    ensure_stream,
+    publish_events,
     booked,
     created,
     entry,
@@ -294,28 +295,6 @@ def bench_whatif(quick: bool) -> dict[str, float]:
 
 
 # --- log writing (b, c) ---------------------------------------------------------------------------------------
-
-
-async def publish_events(nc, prefix: str, events: list[Event], versions: dict[str, int]) -> None:
-    """Bulk-load events as the event store stores them (body, topic, version, msg id headers)."""
-    js = nc.jetstream(publish_async_max_pending=4000)
-    for event in events:
-        aggregate_id = f"{event.KIND}.{event.entity_id}"
-        v = versions[aggregate_id] = versions.get(aggregate_id, 0) + 1
-        await js.publish_async(
-            f"{prefix}.ev.{aggregate_id}", encode(event),
-            headers={MSG_ID_HEADER: f"{aggregate_id}:{v}", TOPIC_HEADER: type(event).__name__, VERSION_HEADER: str(v)},
-        )
-    await js.publish_async_completed()
-
-
-async def ensure_stream(nats_url: str, prefix: str) -> None:
-    """Create the stream exactly as the event store does (through its factory)."""
-    from events.aggregate import WireApplication
-    from services.common import store_env
-
-    app = await asyncio.to_thread(WireApplication, store_env(nats_url, prefix))
-    await asyncio.to_thread(app.close)
 
 
 # --- (b) committed resumes ------------------------------------------------------------------------------------
