@@ -206,9 +206,18 @@ class Log:
         self.p.apply(seq, event)
         return seq
 
-    def replay(self, upto: int | None = None) -> Projection:
-        """A fresh projection of the first `upto` events (all of them by default)."""
-        return fold(self.events[:upto], Projection())
+    def replay(self, upto: int | None = None, *, markers: bool = False) -> Projection:
+        """A fresh projection of the first `upto` events (all of them by default); with `markers`,
+        each WorkerBooked is folded as the fold reads it from its subject (a booking marker)."""
+        if not markers:
+            return fold(self.events[:upto], Projection())
+        p = Projection()
+        for seq, event in enumerate(self.events[:upto], start=1):
+            if isinstance(event, WorkerBooked):
+                p.booking_marker(seq, event.worker_id)
+            else:
+                p.apply(seq, event)
+        return p
 
     def worker(self, worker_id: str, default: WorkerRuntime | None = None, restorable: tuple[WorkerRuntime, ...] = (),
                *, node: str | None = None, cpu: int = 4000, mem: int = 8192, labels: dict[str, str] | None = None,

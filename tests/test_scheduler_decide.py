@@ -37,7 +37,6 @@ from events.schema import (
 from services.scheduler.decide import Draw, choose, decide, plan, summary
 from services.scheduler.explain import decide_by_scan
 from services.scheduler.fragmentation import fragmentation
-from services.scheduler.projection import Projection
 from services.scheduler.records import (
     CREATED,
     PAUSED,
@@ -674,12 +673,7 @@ def test_a_booking_marker_folded_from_its_subject_is_the_event_folded():
     log.worker("w1")
     log.actor("a")
     log.place(log.decide("a"))
-    by_subject = Projection()
-    for seq, event in enumerate(log.events, start=1):
-        if isinstance(event, WorkerBooked):
-            by_subject.booking_marker(seq, event.worker_id)
-        else:
-            by_subject.apply(seq, event)
+    by_subject = log.replay(markers=True)
     assert by_subject.bookings == log.p.bookings and by_subject.seq == log.p.seq
     assert by_subject.events == log.p.events
 
@@ -716,12 +710,7 @@ def test_a_workers_booking_expectation_outlives_its_removal_and_follows_a_new_re
     assert log.p.booking_expectation("w1") == (3, seq)
     log.worker("w1")  # registered again afresh: its subject's history goes on
     assert log.p.booking_expectation("w1") == (3, seq)
-    by_markers = Projection()
-    for n, event in enumerate(log.events, start=1):
-        if isinstance(event, WorkerBooked):
-            by_markers.booking_marker(n, event.worker_id)
-        else:
-            by_markers.apply(n, event)
+    by_markers = log.replay(markers=True)
     assert by_markers.booking_expectation("w1") == log.p.booking_expectation("w1")
     assert log.replay().booking_expectation("w1") == log.p.booking_expectation("w1")
 
