@@ -102,9 +102,9 @@ class Verifier:
                                  f"restored on {wid} pinned to {pin}, which {wid} does not offer for it")
         elif entry.default.compat.key != pin:
             return Violation(seq, RUNTIME_GONE, f"{aid} pinned to {pin}; {wid}'s default is {entry.default.compat.key}")
-        if kind is not None and kind.local and event.action is Action.RESTORE and event.node != kind.node:
+        if kind is not None and kind.local and event.action is Action.RESTORE and event.node != actor.image_node:
             return Violation(seq, LOCAL_OFF_NODE,
-                             f"{aid}'s latest snapshot is LOCAL on node {kind.node}; restored on {wid} on {event.node}")
+                             f"{aid}'s latest snapshot is LOCAL on node {actor.image_node}; restored on {wid} on {event.node}")
         without_memory = event.fallback is not None or (
             event.action is Action.RESTORE and event.fidelity is not PlacedFidelity.MEMORY)
         if without_memory and stamp is not None and stamp.compat.arch is not None \

@@ -263,7 +263,7 @@ def actor_view(actor_id: str, projection: Any, runtimes: Runtimes) -> dict:
     kind = a.snapshot
     snapshot = None if kind is None else {
         "snapshot_id": a.snapshot_id, "template_uid": kind.template_uid, "fidelity": kind.fidelity.value,
-        "location": "LOCAL" if kind.local else "EXTERNAL", "node": kind.node, "borrowed": kind.borrowed,
+        "location": "LOCAL" if kind.local else "EXTERNAL", "node": a.image_node, "borrowed": kind.borrowed,
         "stamp": runtime(kind.stamp),
     }
     worker = a.worker

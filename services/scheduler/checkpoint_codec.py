@@ -58,7 +58,7 @@ from services.scheduler.records import (
 )
 
 # Bump on any change of what State holds or how it maps onto the projection.
-FORMAT = 3
+FORMAT = 4
 
 
 NONE = -1  # "no reference" in an index field
@@ -122,6 +122,7 @@ class ActorRow(Struct, array_like=True, gc=False):
     version: int
     last_seq: int
     placements: bytes | None
+    image_node: str | None
 
 
 class ClassRow(Struct, array_like=True, gc=False):
@@ -149,7 +150,7 @@ class State(Struct):
     maps: list[list[tuple[str, str]]]  # interned label and selector maps, sorted pairs
     specs: list[tuple[str, str, int, int, Fidelity]]  # (class, template, resources, selectors, min_fidelity)
     # (template, fidelity, stamp or NONE, borrowed, prefixed, local, node)
-    kinds: list[tuple[str, Fidelity, int, bool, bool, bool, str | None]]
+    kinds: list[tuple[str, Fidelity, int, bool, bool, bool]]
     leases: list[tuple[int, int]]  # (booked: index into resources, pin: index into stamps)
     registered: int  # workers[:registered] are the registered ones, in the projection's order
     workers: list[WorkerRow]
@@ -245,7 +246,7 @@ def _export(p: Projection) -> State:
              for s in interned.specs]
     kind_index = {id(k): i for i, k in enumerate(interned.kinds)}
     kinds = [(k.template_uid, k.fidelity, NONE if k.stamp is None else stamp_index[id(k.stamp)], k.borrowed,
-              k.prefixed, k.local, k.node) for k in interned.kinds]
+              k.prefixed, k.local) for k in interned.kinds]
     lease_index = {id(lease): i for i, lease in enumerate(interned.leases)}
     leases = [(resource_of(lease.booked), stamp_index[id(lease.pin)]) for lease in interned.leases]
 
@@ -298,6 +299,7 @@ def _export(p: Projection) -> State:
             a.actor_id, a.state.value, spec_index[id(a.spec)], NONE if kind is None else kind_index[id(kind)],
             a.snapshot_ref, NONE if worker is None else worker_index[id(worker)],
             NONE if lease is None else lease_index[id(lease)], a.node, a.version, a.last_seq, a.placements,
+            a.image_node,
         ))
 
     return State(
@@ -354,8 +356,8 @@ def _restore(state: State) -> Projection:
 
     specs = [interned.spec(text(cls), text(template), resources[r], maps[m], min_fidelity)
              for cls, template, r, m, min_fidelity in state.specs]
-    kinds = [interned.snapshot_kind(text(template), fidelity, _at(stamps, stamp), borrowed, prefixed, local, node)
-             for template, fidelity, stamp, borrowed, prefixed, local, node in state.kinds]
+    kinds = [interned.snapshot_kind(text(template), fidelity, _at(stamps, stamp), borrowed, prefixed, local)
+             for template, fidelity, stamp, borrowed, prefixed, local in state.kinds]
     leases = [interned.lease(resources[booked], stamps[pin]) for booked, pin in state.leases]
 
     workers: list[Worker] = []
@@ -418,6 +420,7 @@ def _restore(state: State) -> Projection:
         a = Actor(
             row.actor_id, ActorState(row.state), specs[row.spec], kind, ref,
             None if row.node is None else text(row.node), row.version, row.last_seq, row.placements,
+            None if row.image_node is None else text(row.image_node),
         )
         if worker is not None:
             a = Assigned(*astuple(a), worker, lease)

@@ -209,7 +209,7 @@ def plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | No
     # Rule 5: a LOCAL image restores only on its node (a PAUSED actor's image is LOCAL).
     node = None
     if snapshot is not None and snapshot.local:
-        node = snapshot.node or ""
+        node = actor.image_node or ""
     elif actor.state is PAUSED:
         node = actor.node or ""
     if node is not None:

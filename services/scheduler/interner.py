@@ -154,12 +154,12 @@ class Interner:
         return found
 
     def snapshot_kind(self, template_uid: str, fidelity: Fidelity, stamp: Stamp | None, borrowed: bool,
-                      prefixed: bool, local: bool = False, node: str | None = None) -> SnapshotKind:
-        key = (template_uid, fidelity, stamp, borrowed, prefixed, local, node)
+                      prefixed: bool, local: bool = False) -> SnapshotKind:
+        template_uid = self.text(template_uid)  # the key holds the interned text, not an event's copy
+        key = (template_uid, fidelity, stamp, borrowed, prefixed, local)
         found = self._kinds.get(key)
         if found is None:
-            found = self._kinds[key] = SnapshotKind(self.text(template_uid), fidelity, stamp, borrowed, prefixed,
-                                                    local, None if node is None else self.text(node))
+            found = self._kinds[key] = SnapshotKind(template_uid, fidelity, stamp, borrowed, prefixed, local)
         return found
 
     def lease(self, booked: Resources, pin: Stamp) -> Lease:

@@ -290,13 +290,13 @@ class Projection:
             return
         state = actor.state
         if kind.local and state in WAITING:
-            bump_count(self.class_index(actor.spec.sandbox_class).local_waiting, kind.node or "", delta)
+            bump_count(self.class_index(actor.spec.sandbox_class).local_waiting, actor.image_node or "", delta)
         if kind.fidelity is MEMORY and kind.stamp is not None and (state is SUSPENDED or state is PAUSED) \
                 and kind.template_uid == actor.spec.template_uid:
             index = self.class_index(actor.spec.sandbox_class)
             compat = kind.stamp.compat
             if kind.local:
-                bump_count(index.local_memory, (kind.node or "", compat), delta)
+                bump_count(index.local_memory, (actor.image_node or "", compat), delta)
             else:
                 bump_count(index.external_memory, compat, delta)
 
@@ -304,15 +304,17 @@ class Projection:
         """The actor's latest snapshot is now `snapshot` (None: it has none); a LOCAL one that
         names no node is on `node`, if given."""
         if snapshot is None:
-            actor.snapshot = actor.snapshot_ref = None
+            actor.snapshot = actor.snapshot_ref = actor.image_node = None
             return
         prefixed, actor.snapshot_ref = self.intern.snapshot_ref(actor.actor_id, snapshot.snapshot_id)
         runtime = snapshot.sandbox_runtime
         local = snapshot.location is Location.LOCAL
         actor.snapshot = self.intern.snapshot_kind(
             snapshot.template_uid, snapshot.fidelity, self.intern.stamp(runtime) if runtime is not None else None,
-            snapshot.borrowed, prefixed, local, (snapshot.node or node) if local else None,
+            snapshot.borrowed, prefixed, local,
         )
+        image_node = (snapshot.node or node) if local else None
+        actor.image_node = None if image_node is None else self.intern.text(image_node)
 
     def _release(self, actor: Actor) -> Actor:
         """Give up the actor's assignment, if it has one; its record from now on."""
@@ -362,7 +364,7 @@ class Projection:
         # a LOCAL image that names no node is on the node the actor runs on
         self._set_snapshot(actor, snapshot, actor.node if actor.state is RUNNING else None)
         if origin is SnapshotOrigin.PAUSE:
-            node = actor.snapshot.node or actor.node
+            node = actor.image_node or actor.node
             actor = self._release(actor)
             actor.state = PAUSED
             actor.node = node

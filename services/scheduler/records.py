@@ -347,21 +347,20 @@ class Spec:
 
 class SnapshotKind:
     """What decisions read of an actor's latest snapshot (interned): template, fidelity,
-    stamp, borrowed, where it lives (`local`, and the `node` of a LOCAL image: None if it
-    did not say), and whether its id is the actor's id followed by the suffix the actor
-    keeps (`Actor.snapshot_ref`)."""
+    stamp, borrowed, whether it is a LOCAL image (its node is the actor's, `Actor.image_node`:
+    kept per actor, a kind per node would make most kinds one actor's), and whether its id
+    is the actor's id followed by the suffix the actor keeps (`Actor.snapshot_ref`)."""
 
-    __slots__ = ("template_uid", "fidelity", "stamp", "borrowed", "prefixed", "local", "node")
+    __slots__ = ("template_uid", "fidelity", "stamp", "borrowed", "prefixed", "local")
 
     def __init__(self, template_uid: str, fidelity: Fidelity, stamp: Stamp | None, borrowed: bool, prefixed: bool,
-                 local: bool = False, node: str | None = None):
+                 local: bool = False):
         self.template_uid = template_uid
         self.fidelity = fidelity
         self.stamp = stamp
         self.borrowed = borrowed
         self.prefixed = prefixed
         self.local = local
-        self.node = node
 
 
 class Lease:
@@ -394,6 +393,9 @@ class Actor(Struct, gc=False, eq=False):
     # idempotency: the placements of this life that carried a request_id, newest first, at
     # most RECENT_PLACEMENTS, packed as (64-bit hash of the request id, stream sequence)
     placements: bytes | None = None
+    # the node of the latest snapshot when it is a LOCAL image (None: not LOCAL, or a LOCAL
+    # image that named no node, taken while the actor ran nowhere)
+    image_node: str | None = None
 
     worker: ClassVar[Worker | None] = None
     lease: ClassVar[Lease | None] = None

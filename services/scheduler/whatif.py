@@ -161,7 +161,7 @@ def whatif(projection: Projection, query: WhatIf) -> WhatIfAnswer:
                 continue
             if actor.spec.sandbox_class != name or kind.template_uid != actor.spec.template_uid:
                 continue
-            key = (kind.node or "", kind.stamp.compat) if kind.local else kind.stamp.compat
+            key = (actor.image_node or "", kind.stamp.compat) if kind.local else kind.stamp.compat
             if key in wanted:
                 newly_stranded.append(StrandedActor(actor_id=actor.actor_id, stamp=kind.stamp.runtime))
                 if len(newly_stranded) >= query.limit:
