@@ -153,6 +153,8 @@ class RosterFold:
         UNAVAILABLE if the stream leader cannot be asked, or the fold does not get
         there within `barrier_timeout`.
         """
+        if self._stopping:  # no round will run again
+            raise unavailable("the registry is stopping")
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         if self._round is None:
@@ -161,6 +163,7 @@ class RosterFold:
 
     async def _rounds(self) -> None:
         loop = asyncio.get_running_loop()
+        waiters: list[asyncio.Future[None]] = []
         try:
             while self._waiters and not self._stopping:
                 started = loop.time()
@@ -187,6 +190,8 @@ class RosterFold:
                     await asyncio.sleep(started + ROUND_GAP_S - loop.time())
         finally:
             self._round = None
+            # Cancelled mid-round (stop): this round's heartbeats are answered, not left waiting.
+            self._fail(waiters, unavailable("the registry is stopping"))
 
     @staticmethod
     def _fail(waiters: list[asyncio.Future[None]], error: Exception) -> None:

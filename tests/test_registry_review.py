@@ -1,0 +1,74 @@
+"""The registry's heartbeat path at its edges: stopping with work in flight, the roster's
+memory, and an expiry swept while the worker registers.
+
+Each test runs over the session's nats-server and fails on the behaviour it names
+(a hang shows as a bound running out, never as a sleep).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tracemalloc
+
+import msgspec
+import nats.errors
+import pytest
+
+from events.errors import ContractError
+from events.schema import ErrorCode, RegisterWorker
+from events.subjects import stream_name
+from events.natspy import Replies
+from services.registry.liveness import Liveness
+from tests.registry_helpers import registration, running_registry
+
+BOUND_S = 10.0  # how long a call that should return at once may take before the test fails
+
+
+def body(worker_id: str) -> RegisterWorker:
+    return msgspec.convert(registration(worker_id), RegisterWorker)
+
+
+async def refused(call) -> ContractError:
+    with pytest.raises(ContractError) as caught:
+        await finished(call)
+    return caught.value
+
+
+async def finished(call, bound: float = BOUND_S):
+    """What `call` returns, failing the test if it has not finished within `bound`. It is not
+    cancelled at the bound (as `asyncio.wait_for` would), so a call that swallows a
+    cancellation cannot pass for one that returned."""
+    task = asyncio.ensure_future(call)
+    done, _ = await asyncio.wait({task}, timeout=bound)
+    if not done:
+        task.cancel()
+        pytest.fail(f"still waiting after {bound:g}s: {task!r}")
+    return task.result()
+
+
+# --- stopping with work in flight -----------------------------------------------------------
+
+
+async def test_stopping_the_fold_ends_the_heartbeats_waiting_on_its_barrier(nats_url, nc, prefix):
+    async with running_registry(nats_url, prefix) as one, running_registry(nats_url, prefix) as two:
+        one.fold.barrier_timeout = 120.0  # longer than the test: only the stop can end the round
+        await one.fold._sub.unsubscribe()  # one's fold hears of no worker event from now on...
+        await two.register("w-1", body("w-1"))  # ...so its next round waits for this one
+        asked = asyncio.Event()
+
+        async def tap(msg) -> None:
+            asked.set()
+
+        # The round is under way (its waiters taken) once it asks the leader for that event.
+        sub = await nc.subscribe(f"$JS.API.STREAM.MSG.GET.{stream_name(prefix)}", cb=tap)
+        await nc.flush()
+        waiting = asyncio.create_task(one.fold.current())
+        await asyncio.wait_for(asked.wait(), BOUND_S)
+        await sub.unsubscribe()
+
+        await finished(one.fold.stop())
+        error = await refused(waiting)
+        assert error.code == ErrorCode.UNAVAILABLE and "stopping" in error.message
+        # and a call after the stop is refused at once, not left waiting for a round that never runs
+        error = await refused(one.fold.current())
+        assert error.code == ErrorCode.UNAVAILABLE
