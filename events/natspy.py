@@ -127,7 +127,8 @@ class Replies:
     `TimeoutError` (no reply within `timeout`, checked every `timeout / 4` at most).
     `send` publishes the request and gives back the future of its reply, for a
     caller with something else to wait for meanwhile (a future nobody awaits in the
-    end leaves no "exception never retrieved" warning).
+    end leaves no "exception never retrieved" warning). Before `start` and after
+    `stop` both raise `ConnectionClosedError`: no reply could arrive, nor expire.
     """
 
     def __init__(self, nc: Client, timeout: float = 5.0):
@@ -146,15 +147,15 @@ class Replies:
         return self
 
     async def stop(self) -> None:
+        sub, self._sub = self._sub, None  # first: no request is sent from here on
         if self._watch is not None:
             self._watch.cancel()
             with suppress(asyncio.CancelledError):
                 await self._watch
             self._watch = None
-        if self._sub is not None:
+        if sub is not None:
             with suppress(Exception):
-                await self._sub.unsubscribe()
-            self._sub = None
+                await sub.unsubscribe()
         for future, _ in self._pending.values():
             if not future.done():
                 future.set_exception(nats.errors.ConnectionClosedError())
@@ -165,6 +166,8 @@ class Replies:
         return await (await self.send(subject, payload, headers))
 
     async def send(self, subject: str, payload: bytes, headers: dict[str, str] | None = None) -> asyncio.Future[Msg]:
+        if self._sub is None:
+            raise nats.errors.ConnectionClosedError()
         token = str(next(self._tokens))
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Msg] = loop.create_future()

@@ -72,3 +72,21 @@ async def test_stopping_the_fold_ends_the_heartbeats_waiting_on_its_barrier(nats
         # and a call after the stop is refused at once, not left waiting for a round that never runs
         error = await refused(one.fold.current())
         assert error.code == ErrorCode.UNAVAILABLE
+
+
+async def test_replies_refuse_requests_once_stopped(nc, prefix):
+    async def echo(msg) -> None:
+        await nc.publish(msg.reply, b"re:" + msg.data)
+
+    sub = await nc.subscribe(f"{prefix}.echo", cb=echo)
+    replies = await Replies(nc, timeout=0.5).start()
+    try:
+        assert (await replies.request(f"{prefix}.echo", b"x")).data == b"re:x"
+    finally:
+        await replies.stop()
+    try:
+        # its inbox is gone and nothing checks deadlines any more: an answer could never arrive
+        with pytest.raises(nats.errors.ConnectionClosedError):
+            await finished(replies.request(f"{prefix}.echo", b"late"))
+    finally:
+        await sub.unsubscribe()
