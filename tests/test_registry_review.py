@@ -90,3 +90,22 @@ async def test_replies_refuse_requests_once_stopped(nc, prefix):
             await finished(replies.request(f"{prefix}.echo", b"late"))
     finally:
         await sub.unsubscribe()
+
+
+async def test_the_sweeper_stops_even_when_a_removal_swallows_its_cancellation(nc, prefix):
+    entered = asyncio.Event()
+
+    async def on_expired(worker_id: str) -> None:
+        entered.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            pass  # what asyncio.wait_for (Python 3.11) does when its future completes as it is cancelled
+
+    liveness = Liveness(nc, prefix, ttl_s=1, on_expired=on_expired)
+    await liveness.start()
+    try:
+        await liveness.beat("w-1")
+        await asyncio.wait_for(entered.wait(), 30.0)  # the server expired the put; its marker was swept
+    finally:
+        await finished(liveness.stop())

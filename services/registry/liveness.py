@@ -196,7 +196,7 @@ class Sweeper:
                 await self.nc.publish(msg.reply, b"+ACK")
 
     async def _handle_markers(self) -> None:
-        while True:
+        while not self._stopping:  # also ends when on_marker swallowed the cancellation of stop()
             msg = await self._markers.get()
             worker_id = msg.subject.rsplit(".", 1)[-1]
             try:
