@@ -150,8 +150,7 @@ class Replies:
         sub, self._sub = self._sub, None  # first: no request is sent from here on
         if self._watch is not None:
             self._watch.cancel()
-            with suppress(asyncio.CancelledError):
-                await self._watch
+            await asyncio.wait([self._watch])  # waited for, not awaited: a cancellation of this stop stays ours
             self._watch = None
         if sub is not None:
             with suppress(Exception):

@@ -109,3 +109,30 @@ async def test_the_sweeper_stops_even_when_a_removal_swallows_its_cancellation(n
         await asyncio.wait_for(entered.wait(), 30.0)  # the server expired the put; its marker was swept
     finally:
         await finished(liveness.stop())
+
+
+async def test_stopping_the_sweeper_can_itself_be_cancelled(nc, prefix):
+    entered, swallowed, release = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def on_expired(worker_id: str) -> None:
+        entered.set()
+        while not release.is_set():  # a removal that will not be cancelled: stop() waits for it
+            try:
+                await release.wait()
+            except asyncio.CancelledError:
+                swallowed.set()
+
+    liveness = Liveness(nc, prefix, ttl_s=1, on_expired=on_expired)
+    await liveness.start()
+    try:
+        await liveness.beat("w-1")
+        await asyncio.wait_for(entered.wait(), 30.0)
+        stopping = asyncio.create_task(liveness.stop())
+        await asyncio.wait_for(swallowed.wait(), BOUND_S)  # stop() has cancelled the sweep and waits
+        stopping.cancel()  # whoever stops the registry gives up waiting
+        release.set()
+        await asyncio.wait({stopping}, timeout=BOUND_S)
+        assert stopping.cancelled()  # the stop was cancelled, not finished as if nothing happened
+    finally:
+        release.set()
+        await finished(liveness.stop())

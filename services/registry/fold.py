@@ -116,8 +116,7 @@ class RosterFold:
                 await sub.unsubscribe()
         if self._round is not None:
             self._round.cancel()
-            with suppress(asyncio.CancelledError):
-                await self._round
+            await asyncio.wait([self._round])  # waited for, not awaited: a cancellation of this stop stays ours
         self._fail(self._waiters, unavailable("the registry is stopping"))
         self._waiters = []
 

@@ -149,9 +149,8 @@ class Sweeper:
         self._stopping = True  # also ends a loop whose cancellation a time-out swallowed
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with suppress(asyncio.CancelledError):
-                await task
+        if self._tasks:  # waited for, not awaited: a cancellation of this stop stays ours
+            await asyncio.wait(self._tasks)
         self._tasks = []
         if self._sub is not None:
             with suppress(Exception):
