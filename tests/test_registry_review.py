@@ -19,6 +19,7 @@ from events.schema import ErrorCode, RegisterWorker
 from events.subjects import stream_name
 from events.natspy import Replies
 from services.registry.liveness import Liveness
+from services.registry.roster import Roster
 from tests.registry_helpers import registration, running_registry
 
 BOUND_S = 10.0  # how long a call that should return at once may take before the test fails
@@ -136,3 +137,25 @@ async def test_stopping_the_sweeper_can_itself_be_cancelled(nc, prefix):
     finally:
         release.set()
         await finished(liveness.stop())
+
+
+# --- the roster's memory ----------------------------------------------------------------------
+
+
+def test_the_roster_keeps_nothing_of_removed_workers():
+    """Workers come and go (an autoscaled fleet, a fresh id per boot): the roster holds the
+    registered ones only, however many lives it has folded."""
+    roster = Roster()
+    roster.apply(1, "w-kept", "WorkerRegistered")
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for n in range(20_000):
+            worker_id = f"w-{n}"
+            roster.apply(2 * n + 2, worker_id, "WorkerRegistered")
+            roster.apply(2 * n + 3, worker_id, "WorkerRemoved")
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert list(roster.registered()) == ["w-kept"] and roster.seq == 40_001
+    assert held < 100_000, f"{held} bytes held for 20000 removed workers"  # about 100 bytes each before
