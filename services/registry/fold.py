@@ -110,6 +110,8 @@ class RosterFold:
 
     async def stop(self) -> None:
         self._stopping = True  # also ends a round loop whose cancellation a time-out swallowed
+        if self._want is not None:  # a round waiting for an event that will not come now
+            self._want[1].cancel()
         sub, self._sub = self._sub, None
         if sub is not None:
             with suppress(Exception):
@@ -209,6 +211,8 @@ class RosterFold:
                 self.complete = max(self.complete, last)
                 return
             if self.complete < seq:  # not folded yet: it is on its way to the callback
+                if self._stopping:  # and will not come; stop() cancelled us, but a time-out swallowed it
+                    raise unavailable("the registry is stopping")
                 want = self._want = (seq, loop.create_future())
                 try:
                     await asyncio.wait_for(want[1], deadline - loop.time())
