@@ -15,12 +15,12 @@ import nats.errors
 import pytest
 
 from events.errors import ContractError
-from events.schema import ErrorCode, RegisterWorker
-from events.subjects import stream_name
+from events.schema import ErrorCode, Heartbeat, RegisterWorker, WorkerRemoved
+from events.subjects import bucket_name, stream_name
 from events.natspy import Replies
 from services.registry.liveness import Liveness
 from services.registry.roster import Roster
-from tests.registry_helpers import registration, running_registry
+from tests.registry_helpers import registration, running_registry, worker_events
 
 BOUND_S = 10.0  # how long a call that should return at once may take before the test fails
 
@@ -159,3 +159,50 @@ def test_the_roster_keeps_nothing_of_removed_workers():
         tracemalloc.stop()
     assert list(roster.registered()) == ["w-kept"] and roster.seq == 40_001
     assert held < 100_000, f"{held} bytes held for 20000 removed workers"  # about 100 bytes each before
+
+
+# --- an expiry swept while the worker registers ----------------------------------------------------
+
+
+async def expiry_marker(nc, prefix: str, worker_id: str) -> None:
+    """Return once the server has expired the worker's heartbeat (its MaxAge marker is stored)."""
+    bucket = bucket_name(prefix, "heartbeats")
+    sub = await nc.jetstream().subscribe(f"$KV.{bucket}.{worker_id}", stream=f"KV_{bucket}", ordered_consumer=True)
+    try:
+        while (msg := await sub.next_msg(timeout=30.0)).headers is None or \
+                msg.headers.get("Nats-Marker-Reason") != "MaxAge":
+            pass
+    finally:
+        await sub.unsubscribe()
+
+
+async def test_an_expiry_swept_while_the_worker_registers_leaves_it_registered(nats_url, nc, prefix):
+    """docs/registry.md: a registration beats before it is decided, so that an expiry being swept
+    at that moment cannot remove the worker it is registering."""
+    async with running_registry(nats_url, prefix, ttl_s=1) as one:
+        await one.liveness.sweeper.stop()  # the test hands the expiry to the sweep, at the moment it picks
+        await one.register("w-1", body("w-1"))
+        await expiry_marker(nc, prefix, "w-1")
+        state = one.liveness.state
+        assert await state("w-1") == "expired"
+
+        read, go = asyncio.Event(), asyncio.Event()
+
+        async def state_then_wait(worker_id: str) -> str:  # the sweep's read of the bucket, held
+            seen = await state(worker_id)
+            read.set()
+            await go.wait()
+            return seen
+
+        one.liveness.state = state_then_wait
+        sweep = asyncio.create_task(one._expired("w-1"))
+        await finished(read.wait())  # the sweep has read the marker...
+        registering = asyncio.create_task(one.register("w-1", body("w-1")))  # ...as the worker comes back
+        go.set()
+        await finished(sweep)
+        reply = await finished(registering)
+
+        # Whatever the sweep did, the registration answered last: the worker is registered.
+        events = await worker_events(nc, prefix, "w-1")
+        assert not isinstance(events[-1][1], WorkerRemoved), (reply, [type(e).__name__ for _, e in events])
+        assert (await finished(one.heartbeat("w-1", Heartbeat()))).ttl_s == 1.0

@@ -316,10 +316,12 @@ class RegistryService:
     # --- liveness -------------------------------------------------------------------------
 
     async def _expired(self, worker_id: str) -> None:
-        # A heartbeat (or a new registration) that came after the marker wins.
-        if await self.liveness.state(worker_id) == "beating":
-            return
+        # A heartbeat (or a new registration) that came after the marker wins. Read under the
+        # worker's lock: a registration here beats before it decides, so either its beat is
+        # seen, or the removal is written before it decides (and it registers anew).
         async with self._workers(worker_id):
+            if await self.liveness.state(worker_id) == "beating":
+                return
             decided = await run_command(lambda: self.store.lose(worker_id, now()))
         if decided.wrote:
             LOST_WORKERS.inc()
