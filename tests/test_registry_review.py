@@ -15,12 +15,13 @@ import nats.errors
 import pytest
 
 from events.errors import ContractError
+from events.jetstream import TOPIC_HEADER, VERSION_HEADER
 from events.schema import ErrorCode, Heartbeat, RegisterWorker, WorkerRemoved
 from events.subjects import bucket_name, stream_name
 from events.natspy import Replies
 from services.registry.liveness import Liveness
 from services.registry.roster import Roster
-from tests.registry_helpers import registration, running_registry, worker_events
+from tests.registry_helpers import raw_request, registration, running_registry, worker_events
 
 BOUND_S = 10.0  # how long a call that should return at once may take before the test fails
 
@@ -206,3 +207,25 @@ async def test_an_expiry_swept_while_the_worker_registers_leaves_it_registered(n
         events = await worker_events(nc, prefix, "w-1")
         assert not isinstance(events[-1][1], WorkerRemoved), (reply, [type(e).__name__ for _, e in events])
         assert (await finished(one.heartbeat("w-1", Heartbeat()))).ttl_s == 1.0
+
+
+# --- an event the roster does not know -----------------------------------------------------------
+
+
+async def test_a_worker_event_of_an_unknown_type_is_not_vouched_for_by_the_roster(nats_url, nc, prefix):
+    """The project may add events (CONTRACT section 1): a newer registry's event on a worker's
+    subject, which may end its life, leaves a replica that cannot read it unable to say the
+    worker is registered. Its heartbeat is answered by the worker's history, not `ttl_s`."""
+    async with running_registry(nats_url, prefix) as one:
+        await one.register("w-1", body("w-1"))
+        await one.register("w-2", body("w-2"))
+        ack = await nc.jetstream().publish(
+            f"{prefix}.ev.worker.w-1",
+            msgspec.json.encode({"type": "WorkerRetired", "worker_id": "w-1", "at": "2026-12-01T10:00:00Z"}),
+            stream=stream_name(prefix),
+            headers={TOPIC_HEADER: "WorkerRetired", VERSION_HEADER: "2"},
+        )
+        assert (await finished(one.heartbeat("w-2", Heartbeat()))).ttl_s == 15.0  # the barrier passed ack.seq
+        assert one.fold.complete >= ack.seq
+        reply, _ = await raw_request(nc, prefix, "heartbeat", "w-1", {})
+        assert "error" in reply, reply  # whatever the history says, it does not say "registered"

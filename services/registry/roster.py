@@ -9,15 +9,21 @@ behind: the roster grows with the fleet, not with every worker id it ever saw.
 
 What an event does is read from its type alone (the store's topic header, else the
 body's `type`): a registration starts a life, a removal ends it, every other worker
-event (RuntimeChanged, WorkerUpdated, WorkerDrained) leaves it as it is.
+event (RuntimeChanged, WorkerUpdated, WorkerDrained) leaves it as it is. A type this
+replica does not know (a newer registry's event, which may end a life, or a message
+that is no event) leaves the roster unable to vouch for the worker: it drops it, and
+the worker's history answers for it from then on.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+from events.schema import WorkerEvent
+
 STARTS_LIFE = "WorkerRegistered"
 ENDS_LIFE = "WorkerRemoved"
+KNOWN = frozenset(cls.__name__ for cls in WorkerEvent.__subclasses__())  # the events of a worker's history
 
 
 class Roster:
@@ -32,7 +38,7 @@ class Roster:
 
     def apply(self, seq: int, worker_id: str, event_type: str) -> None:
         """Fold the worker event `event_type` stored at `seq` (sequences only grow)."""
-        if event_type == ENDS_LIFE:
+        if event_type == ENDS_LIFE or event_type not in KNOWN:
             self._alive.pop(worker_id, None)
         elif event_type == STARTS_LIFE or worker_id in self._alive:
             self._alive[worker_id] = seq
