@@ -1,5 +1,6 @@
 """The registry's heartbeat path at its edges: stopping with work in flight, the roster's
-memory, and an expiry swept while the worker registers.
+memory, an expiry swept while the worker registers, an event the roster does not know,
+and a lost worker asked through each replica.
 
 Each test runs over the session's nats-server and fails on the behaviour it names
 (a hang shows as a bound running out, never as a sleep).
@@ -16,12 +17,19 @@ import pytest
 
 from events.errors import ContractError
 from events.jetstream import TOPIC_HEADER, VERSION_HEADER
-from events.schema import ErrorCode, Heartbeat, RegisterWorker, WorkerRemoved
+from events.schema import ErrorCode, Heartbeat, RegisterWorker, WorkerRegistered, WorkerRemoved
 from events.subjects import bucket_name, stream_name
 from events.natspy import Replies
 from services.registry.liveness import Liveness
 from services.registry.roster import Roster
-from tests.registry_helpers import raw_request, registration, running_registry, worker_events
+from tests.registry_helpers import (
+    last_seq,
+    raw_request,
+    registration,
+    running_registry,
+    wait_event,
+    worker_events,
+)
 
 BOUND_S = 10.0  # how long a call that should return at once may take before the test fails
 
@@ -229,3 +237,26 @@ async def test_a_worker_event_of_an_unknown_type_is_not_vouched_for_by_the_roste
         assert one.fold.complete >= ack.seq
         reply, _ = await raw_request(nc, prefix, "heartbeat", "w-1", {})
         assert "error" in reply, reply  # whatever the history says, it does not say "registered"
+
+
+# --- removed, lost, and back: through each replica ---------------------------------------------------
+
+
+async def test_a_lost_worker_is_not_found_through_every_replica_and_beats_again_once_back(nats_url, nc, prefix):
+    async with running_registry(nats_url, prefix, ttl_s=1) as one, running_registry(nats_url, prefix, ttl_s=1) as two:
+        start = await last_seq(nc, prefix)
+        await two.register("w-1", body("w-1"))  # a registration is a heartbeat: its clock runs from here
+        await wait_event(nc, prefix, "w-1", WorkerRemoved, after=start)
+        kv = f"KV_{bucket_name(prefix, 'heartbeats')}"
+        puts = (await nc.jetstream().stream_info(kv)).state.last_seq
+        for replica in (one, two):
+            error = await refused(replica.heartbeat("w-1", Heartbeat()))
+            assert error.code == ErrorCode.NOT_FOUND and error.message == "worker 'w-1' was removed (LOST)"
+            error = await refused(replica.heartbeat("w-never", Heartbeat()))
+            assert error.code == ErrorCode.NOT_FOUND and error.message == "worker 'w-never' is not registered"
+        assert (await nc.jetstream().stream_info(kv)).state.last_seq == puts  # a refusal puts nothing
+        assert [type(e) for _, e in await worker_events(nc, prefix, "w-1")] == [WorkerRegistered, WorkerRemoved]
+
+        await one.register("w-1", body("w-1"))  # back: a new life
+        for replica in (one, two):
+            assert (await finished(replica.heartbeat("w-1", Heartbeat()))).ttl_s == 1.0
