@@ -19,16 +19,21 @@ and from the clients (when each resume was answered):
 - placements per 250 ms around the kill, and the rate in the 10 s before it
   (`placements_per_s_before`) and in the 10 s after the stall (`placements_per_s_after`);
 - when the new stream leader was elected (stream info's cluster leader, polled every
-  50 ms from a connection of the bench's own), and the first message of any kind the
-  stream stored after the kill;
+  50 ms from a connection of the bench's own, or the new leader's advisory if it came
+  first), and the first message of any kind the stream stored after the kill;
 - the stall: from the kill (`stall_after_kill_s`), and from the election
   (`stall_after_election_s`), until placements are back at half the earlier rate: the
   start of the first 250 ms bucket that has placements and from which every 2 s window
   starting in the next 3 s holds at least half the earlier rate (a burst of the backlog
-  followed by another gap does not end a stall); the figures are good to 250 ms;
+  followed by another gap does not end a stall), or half the rate the two nodes left
+  settle at in the last 10 s of the window if that is lower (the load slows down as
+  histories grow); the figures are good to 250 ms. Also the first placement after the
+  kill (`first_placement_after_kill_s`);
 - what clients saw: requests sent again (`retries`), UNAVAILABLE answered by a service,
   time-outs (no reply within the client's 5 s), no responders, requests given up, and
-  the slowest resume (first send to answer, retries included).
+  the slowest resume (first send to answer, retries included);
+- and, over the whole log, the message ids stored more than once (`doubled_appends`:
+  an append stored twice; there must be none).
 
 With `--trace`, the services' process also writes what the committer, the fold and
 the event store do (every append and every attempt of it with its outcome, the
@@ -446,7 +451,11 @@ def buckets(times: list[float], start: float, end: float) -> list[int]:
 def figures_of(kill: float, elected: float | None, placed: list[float], every: list[float], seen: Seen,
                observe_s: float) -> dict:
     before = count_in(placed, kill - BEFORE_S, kill) / BEFORE_S
-    end = stall_end(placed, kill, before, observe_s)
+    # what the two nodes left settle at, at the end of the window: when that is less than the
+    # rate before (the load slows down as histories grow), the stall ends at half of it
+    settled = count_in(placed, kill + observe_s - AFTER_S, kill + observe_s) / AFTER_S
+    end = stall_end(placed, kill, min(before, settled), observe_s)
+    first_placement = bisect.bisect_right(placed, kill)
     answered_before = count_in(seen.resumes, kill - BEFORE_S, kill) / BEFORE_S
     client_end = stall_end(seen.resumes, kill, answered_before, observe_s)
     after = count_in(placed, end, end + AFTER_S) / min(AFTER_S, kill + observe_s - end) if end else 0.0
@@ -460,6 +469,9 @@ def figures_of(kill: float, elected: float | None, placed: list[float], every: l
     return {
         "placements_per_s_before": round(before, 1),
         "placements_per_s_after": round(after, 1),
+        "placements_per_s_settled": round(settled, 1),
+        "first_placement_after_kill_s": round(placed[first_placement] - kill, 2) if first_placement < len(placed)
+        else None,
         "elected_after_kill_s": round(elected - kill, 2) if elected else None,
         "first_write_after_kill_s": round(first_write - kill, 2) if first_write else None,
         "stall_after_kill_s": round(end - kill, 2) if end else None,
@@ -650,8 +662,9 @@ async def load_and_kill(args, cluster: NatsCluster, prefix: str, stream: str, tr
         f["killed"] = leader
         per_kill.append(f)
         print(f"\nkill {k + 1} ({leader}): placements {f['placements_per_s_before']}/s before, "
-              f"{f['placements_per_s_after']}/s after; leader elected {f['elected_after_kill_s']} s after the kill, "
-              f"first write {f['first_write_after_kill_s']} s; stall {f['stall_after_kill_s']} s from the kill, "
+              f"{f['placements_per_s_after']}/s after (settling at {f['placements_per_s_settled']}/s); leader "
+              f"elected {f['elected_after_kill_s']} s after the kill, first write {f['first_write_after_kill_s']} s, "
+              f"first placement {f['first_placement_after_kill_s']} s; stall {f['stall_after_kill_s']} s from the kill, "
               f"{f['stall_after_election_s']} s from the election (clients: {f['client_stall_after_kill_s']} s)")
         print(f"  clients: {f['retries']} retries ({f['unavailable_answered']} UNAVAILABLE answered, "
               f"{f['timeouts']} time-outs, {f['no_responders']} no responders), gave up {f['gave_up'] or 0}, "
@@ -666,7 +679,8 @@ async def load_and_kill(args, cluster: NatsCluster, prefix: str, stream: str, tr
     results: dict = {"kills": len(per_kill), "workers": args.workers, "actors": args.actors, "per_kill": per_kill,
                      "doubled_appends": len(doubled)}
     for key in ("stall_after_kill_s", "stall_after_election_s", "elected_after_kill_s", "placements_per_s_before",
-                "placements_per_s_after", "client_stall_after_kill_s", "slowest_resume_s"):
+                "placements_per_s_after", "placements_per_s_settled", "first_placement_after_kill_s",
+                "client_stall_after_kill_s", "slowest_resume_s"):
         values = [f[key] for f in per_kill if f[key] is not None]
         results[key] = round(statistics.median(values), 2) if values else None
         results[f"{key}_max"] = max(values) if values else None
