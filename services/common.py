@@ -434,6 +434,22 @@ class ReplyCache:
 MAX_CACHE_WRITES = 4096
 
 
+async def stored_at(js: Any, stream: str, seq: int) -> Msg:
+    """The message stored at `seq`, known to be in the stream (a reply's sequence, the
+    log's or the reply cache's word for it). A direct get is answered by any replica, and
+    one that has not caught up yet says "no message"; so that answer is asked again of the
+    stream leader. When the leader does not have it either, or nobody answers, the log is
+    not readable now: UNAVAILABLE (retry), never INTERNAL."""
+    try:
+        return await js.get_msg(stream, seq=seq, direct=True)
+    except NotFoundError:
+        pass  # a replica behind the leader answered
+    try:
+        return await js.get_msg(stream, seq=seq)  # STREAM.MSG.GET: answered by the leader
+    except NotFoundError:
+        raise unavailable(f"message {seq} of {stream} is not readable yet; try again") from None
+
+
 def stream_replicas() -> int:
     """Replicas of the streams and buckets a service creates: WARMBOOT_STREAM_REPLICAS, else 1."""
     return int(os.environ.get("WARMBOOT_STREAM_REPLICAS") or 1)

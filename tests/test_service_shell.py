@@ -22,6 +22,7 @@ from events.schema import (
     Assignment,
     CreateActor,
     DrainWorker,
+    ErrorCode,
     Heartbeat,
     HeartbeatReply,
     RegisterReply,
@@ -344,3 +345,19 @@ def test_an_offending_subject_is_logged_once_and_the_log_is_bounded(caplog):
                                                      "reason": "not_inbox"}) == 8
     assert guard.allowed("_INBOX.w-1.abc") and guard.allowed("_INBOX.xyz")
     assert not guard.allowed("_INBOX._gp.abc") and not guard.allowed("gp.registry.drain.w-2")
+
+
+async def test_a_message_known_to_be_stored_is_read_or_the_read_is_unavailable(nc, prefix, writer):
+    """stored_at, the read of a retry's recorded placement: the message at a sequence the log
+    or the reply cache gave, or UNAVAILABLE (retry) when no server has it (a lagging replica's
+    "no message" is asked again of the leader), never an error a client gives up on."""
+    from events.codec import decode_event
+    from services.common import stored_at
+    from tests.factories import registered
+
+    seq = await asyncio.to_thread(writer.write, registered("w-1"))
+    js = nc.jetstream()
+    assert decode_event((await stored_at(js, stream_name(prefix), seq)).data).worker_id == "w-1"
+    with pytest.raises(ContractError) as refused:
+        await stored_at(js, stream_name(prefix), seq + 1)
+    assert refused.value.code is ErrorCode.UNAVAILABLE and f"message {seq + 1}" in refused.value.message

@@ -19,13 +19,14 @@ import logging
 from contextlib import suppress
 from typing import Any
 
+import msgspec
 from eventsourcing.persistence import IntegrityError, OperationalError
 from nats.aio.client import Client as NATS
 from prometheus_client import Counter, Gauge
 
 from events.aggregate import WireApplication
 from events.codec import decode_event, decoder
-from events.errors import unavailable
+from events.errors import ContractError, unavailable
 from events.schema import (
     ActorPlaced,
     Assignment,
@@ -40,7 +41,7 @@ from events.schema import (
     WorkerBooked,
 )
 from events.subjects import check_prefix, event_subject, stream_name
-from services.common import EndpointSpec, ReplyCache, add_endpoints, store_env, stream_replicas
+from services.common import EndpointSpec, ReplyCache, add_endpoints, store_env, stored_at, stream_replicas
 from services.locks import KeyedLock
 from services.scheduler.checkpoint import DEFAULT_INTERVAL_S, Checkpoints
 from services.scheduler.committer import MAX_GROUP, Answered, Committer, Job
@@ -301,9 +302,11 @@ class SchedulerService:
         """The assignment an earlier request recorded with the ActorPlaced at `seq` (a retry
         after a lost reply); its `seq` is that of the WorkerBooked written with it, right after."""
         js = self.nc.jetstream()
-        placed = decoder(ActorPlaced).decode((await js.get_msg(self.stream, seq=seq, direct=True)).data)
-        with suppress(Exception):  # written by something else than this scheduler: no booking marker
-            booked = decode_event((await js.get_msg(self.stream, seq=seq + 1, direct=True)).data)
+        placed = decoder(ActorPlaced).decode((await stored_at(js, self.stream, seq)).data)
+        # the booking marker written in the same atomic batch (none if something else than a
+        # scheduler wrote the placement): stored with it, so readable wherever it is
+        with suppress(ContractError, msgspec.DecodeError):
+            booked = decode_event((await stored_at(js, self.stream, seq + 1)).data)
             if isinstance(booked, WorkerBooked) and booked.actor_id == placed.actor_id:
                 seq += 1
         return assignment_of(placed, seq)
