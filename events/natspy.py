@@ -19,6 +19,8 @@ replay of the log, or says less than needed, the gap is closed here and nowhere 
 - `ack_positions`: the stream sequence and the number pending, from the reply subject
   of a JetStream push delivery (`$JS.ACK...`), without building nats-py's metadata
   object per message.
+- `ORDERED_IDLE_HEARTBEAT_S`: the idle heartbeat of every ordered consumer (nats-py
+  re-creates one only after two missed heartbeats).
 - `Replies`: many requests in flight over one wildcard inbox, each answered into a
   future. nats-py's `request` arms a timer (`wait_for`) and draws a NUID per call,
   and `publish_async` a timer per call on its semaphore; at thousands of requests a
@@ -36,6 +38,12 @@ from typing import Any
 import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+
+# nats-py re-creates an ordered consumer (from the message after the last one received) when
+# two heartbeats in a row are missed, and tries again every two heartbeats until it works: a
+# consumer lost with its server (a stream leader killed) comes back within 1 to 2 s of a new
+# one being possible. An idle stream costs each ordered consumer two messages a second.
+ORDERED_IDLE_HEARTBEAT_S = 0.5
 
 NATS_PARSER = "_parse_header_lines"  # the private name nats-py calls on every message with headers
 

@@ -50,10 +50,9 @@ from events.jetstream.layout import (
 from events.jetstream.link import Link
 from events.jetstream.batch import Batch, Out
 from events.jetstream.stream import Stored, Stream
-from events.natspy import ack_positions
+from events.natspy import ORDERED_IDLE_HEARTBEAT_S, ack_positions
 
 SUBSCRIPTION_BUFFER = 10_000
-IDLE_HEARTBEAT = 1.0  # an ordered consumer is recreated after two missed heartbeats
 
 
 class JetStreamRecorder:
@@ -272,7 +271,7 @@ class JetStreamSubscription(Subscription[JetStreamApplicationRecorder]):
             stream=recorder.stream.name,
             cb=deliver,
             ordered_consumer=True,
-            idle_heartbeat=IDLE_HEARTBEAT,
+            idle_heartbeat=ORDERED_IDLE_HEARTBEAT_S,
             config=config,
         )
 

@@ -37,7 +37,7 @@ from nats.aio.msg import Msg
 from events.codec import decode_event
 from events.errors import ContractError, unavailable
 from events.jetstream import ERR_NO_MESSAGE_FOUND, TOPIC_HEADER
-from events.natspy import ack_positions, use_lean_headers
+from events.natspy import ORDERED_IDLE_HEARTBEAT_S, ack_positions, use_lean_headers
 from events.subjects import event_subject, stream_name
 from services.registry.roster import Roster
 
@@ -100,7 +100,8 @@ class RosterFold:
         """Read the workers' events from the first; return once every one stored so far is folded."""
         use_lean_headers(self.nc)
         self._sub = await self.nc.jetstream().subscribe(
-            self.filter, stream=self.stream, cb=self._on_msg, ordered_consumer=True, idle_heartbeat=2.0,
+            self.filter, stream=self.stream, cb=self._on_msg, ordered_consumer=True,
+            idle_heartbeat=ORDERED_IDLE_HEARTBEAT_S,
         )
         try:
             await self._settle(asyncio.get_running_loop().time() + timeout)

@@ -29,7 +29,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from events.errors import unavailable
 from events.jetstream import TOPIC_HEADER, VERSION_HEADER
-from events.natspy import ack_positions, use_lean_headers
+from events.natspy import ORDERED_IDLE_HEARTBEAT_S, ack_positions, use_lean_headers
 from events.schema import EVENT_TYPES, ActorPlaced, ActorRuntime, AnyEvent, Snapshot, SnapshotTaken, WorkerBooked
 from events.subjects import stream_name
 from services.scheduler.projection import Projection
@@ -56,11 +56,6 @@ _read_decoder = msgspec.json.Decoder(Union[tuple(_READ_TYPES.get(t, t) for t in 
 _runtime_decoder = msgspec.json.Decoder(ActorRuntime)
 _optional_runtime_decoder = msgspec.json.Decoder(ActorRuntime | None)
 RUNTIMES_KEPT = 4096
-# nats-py re-creates an ordered consumer (from the message after the last one received) when
-# two heartbeats in a row are missed, and tries again every two heartbeats until it works: a
-# consumer lost with its server (a leader killed) comes back within 1 to 2 s of a new one
-# being possible. An idle stream costs the fold two heartbeat messages a second.
-IDLE_HEARTBEAT_S = 0.5
 
 
 class EventReader:
@@ -143,7 +138,7 @@ class Fold:
                      "config": ConsumerConfig(opt_start_seq=self.projection.seq + 1)}
         self._sub = await js.subscribe(
             f"{self.prefix}.>", stream=self.stream, cb=self._on_msg, ordered_consumer=True,
-            idle_heartbeat=IDLE_HEARTBEAT_S,
+            idle_heartbeat=ORDERED_IDLE_HEARTBEAT_S,
             **start,
         )
         await self.wait(target, timeout)
