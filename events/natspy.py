@@ -16,6 +16,7 @@ replay of the log, or says less than needed, the gap is closed here and nowhere 
   slower, and tests/test_natspy.py pins the parser against nats-py's own.
 - `parse_header_block`: the headers of a `STREAM.MSG.GET` answer (a `NATS/1.0` block,
   base64 in the JSON), read by the same rule.
+- `ApiError`: the error of a JetStream API answer read as raw JSON.
 - `ack_positions`: the stream sequence and the number pending, from the reply subject
   of a JetStream push delivery (`$JS.ACK...`), without building nats-py's metadata
   object per message.
@@ -35,6 +36,7 @@ import re
 from contextlib import suppress
 from typing import Any
 
+import msgspec
 import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -125,6 +127,15 @@ def ack_positions(reply: str) -> tuple[int, int]:
     if len(tokens) == 9:
         return int(tokens[5]), int(tokens[8])
     return int(tokens[7]), int(tokens[10])
+
+
+class ApiError(msgspec.Struct):
+    """The `error` of a JetStream API answer, for readers of the raw JSON (which skip the
+    objects nats-py builds per answer)."""
+
+    code: int = 0
+    err_code: int = 0
+    description: str = ""
 
 
 class Replies:

@@ -37,7 +37,7 @@ from nats.aio.msg import Msg
 from events.codec import decode_event
 from events.errors import ContractError, unavailable
 from events.jetstream import ERR_NO_MESSAGE_FOUND, TOPIC_HEADER
-from events.natspy import ORDERED_IDLE_HEARTBEAT_S, ack_positions, use_lean_headers
+from events.natspy import ORDERED_IDLE_HEARTBEAT_S, ApiError, ack_positions, use_lean_headers
 from events.subjects import event_subject, stream_name
 from services.registry.roster import Roster
 
@@ -47,19 +47,13 @@ WORKER_KIND = "worker"
 ROUND_GAP_S = 0.002  # under load a round costs about what 3 heartbeats do: make each serve many
 
 
-class _ApiError(msgspec.Struct):
-    code: int = 0
-    err_code: int = 0
-    description: str = ""
-
-
 class _State(msgspec.Struct):
     last_seq: int = 0
 
 
 class _StreamInfo(msgspec.Struct):
     state: _State | None = None
-    error: _ApiError | None = None
+    error: ApiError | None = None
 
 
 class _Stored(msgspec.Struct):
@@ -68,7 +62,7 @@ class _Stored(msgspec.Struct):
 
 class _MsgGet(msgspec.Struct):
     message: _Stored | None = None
-    error: _ApiError | None = None
+    error: ApiError | None = None
 
 
 _info_decoder = msgspec.json.Decoder(_StreamInfo)

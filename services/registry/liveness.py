@@ -43,7 +43,7 @@ from nats.js.errors import NotFoundError
 from events.aggregate import now
 from events.codec import encode
 from events.errors import unavailable
-from events.natspy import Replies
+from events.natspy import ApiError, Replies
 from events.subjects import bucket_name
 
 log = logging.getLogger("warmboot.registry")
@@ -59,15 +59,9 @@ PULL_BATCH = 1024  # messages one pull request of the sweeper asks for
 PULL_EXPIRES_S = 5.0  # how long the server holds a pull request that is not filled
 
 
-class _ApiError(msgspec.Struct):
-    code: int = 0
-    err_code: int = 0
-    description: str = ""
-
-
 class _PubAck(msgspec.Struct):
     seq: int = 0
-    error: _ApiError | None = None
+    error: ApiError | None = None
 
 
 _ack_decoder = msgspec.json.Decoder(_PubAck)
