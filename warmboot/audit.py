@@ -18,6 +18,7 @@ from events.schema import (
     Action,
     ActorPlaced,
     Event,
+    Fidelity,
     PlacedFidelity,
     RuntimeChanged,
     SnapshotOrigin,
@@ -25,7 +26,7 @@ from events.schema import (
 )
 from services.scheduler.fragmentation import fragmentation
 from services.scheduler.projection import Projection
-from services.scheduler.records import RUNNING
+from services.scheduler.records import MEMORY, RUNNING, STOPPED, Actor
 
 # The rules `audit verify` checks at each ActorPlaced (names as they appear in its report).
 UNKNOWN_ACTOR = "placement of an unknown actor"
@@ -36,6 +37,15 @@ RUNTIME_GONE = "placement on a runtime the worker does not offer"
 SELECTOR_UNMET = "placement on a worker that does not meet the actor's selectors"
 LOCAL_OFF_NODE = "restore of a LOCAL snapshot off its node"
 ACROSS_ARCHITECTURES = "restore without memory across architectures"
+PLACED_STOPPED = "placement of a stopped actor"
+NODE_MISMATCH = "placement names another node than its worker's"
+NOT_IN_SNAPSHOT = "restore of what the latest snapshot does not hold"
+BELOW_FLOOR = "placement below the actor's min_fidelity"
+UNDER_BOOKED = "placement books less than the actor needs"
+
+# The floor's order (CONTRACT rule 4a): lower is better.
+_RANK = {PlacedFidelity.MEMORY: 0, PlacedFidelity.VOLUMES: 1, PlacedFidelity.ROOTFS: 2, PlacedFidelity.NONE: 3}
+_HOLDS = {Fidelity.MEMORY: 0, Fidelity.VOLUMES: 1, Fidelity.ROOTFS: 2}
 
 
 @dataclass(frozen=True)
@@ -75,9 +85,14 @@ class Verifier:
             return Violation(seq, UNKNOWN_ACTOR, aid)
         if actor.state is RUNNING:
             return Violation(seq, PLACED_TWICE, f"{aid} already runs on {actor.worker.worker_id if actor.worker else '?'}")
+        if actor.state is STOPPED:
+            return Violation(seq, PLACED_STOPPED, aid)
         worker = self.projection.workers.get(wid)
         if worker is None or not worker.live:
             return Violation(seq, NOT_TAKING, f"{wid} is {'drained' if worker else 'not registered'}")
+        if event.node != worker.node:  # the node a LOCAL image is judged by is the worker's, not what the event says
+            return Violation(seq, NODE_MISMATCH,
+                             f"{aid} placed on {wid} naming node {event.node}; {wid} is on {worker.node}")
         if event.booked.cpu_millis > worker.room_cpu or event.booked.memory_mib > worker.room_mem:
             return Violation(
                 seq, PAST_ROOM,
@@ -94,23 +109,66 @@ class Verifier:
         stamp = kind.stamp if kind is not None else None
         if entry is None:
             return Violation(seq, RUNTIME_GONE, f"{wid} does not register class {actor.spec.sandbox_class}")
+        held = self._not_held(actor, event)
+        if held is not None:
+            return Violation(seq, NOT_IN_SNAPSHOT, held)
+        floor = actor.spec.min_fidelity
+        owns_nothing = kind is None or kind.borrowed  # rule 4a: may RUN unless the floor is MEMORY
+        if (event.fidelity is PlacedFidelity.NONE and (not owns_nothing or floor is Fidelity.MEMORY)) or (
+                event.fidelity is not PlacedFidelity.NONE and _RANK[event.fidelity] > _HOLDS[floor]):
+            return Violation(seq, BELOW_FLOOR,
+                             f"{aid} placed at {event.fidelity.value}, its min_fidelity is {floor.value}")
         if event.fidelity is PlacedFidelity.MEMORY:
             match = entry.match(stamp.compat) if stamp is not None else None
             if match is None or match[1].compat.key != pin:
                 return Violation(seq, RUNTIME_GONE,
                                  f"{aid}'s memory image ({stamp_key(stamp.runtime) if stamp else 'unstamped'}) "
                                  f"restored on {wid} pinned to {pin}, which {wid} does not offer for it")
+            runtime = match[1]
         elif entry.default.compat.key != pin:
             return Violation(seq, RUNTIME_GONE, f"{aid} pinned to {pin}; {wid}'s default is {entry.default.compat.key}")
-        if kind is not None and kind.local and event.action is Action.RESTORE and event.node != actor.image_node:
+        else:
+            runtime = entry.default
+        want = actor.spec.resources
+        need = want.memory_mib + runtime.overhead_mib(want.memory_mib)
+        if event.booked.cpu_millis < want.cpu_millis or event.booked.memory_mib < need:
+            return Violation(seq, UNDER_BOOKED,
+                             f"{aid} needs {want.cpu_millis}m / {need} MiB under {pin}; it booked "
+                             f"{event.booked.cpu_millis}m / {event.booked.memory_mib} MiB")
+        if kind is not None and kind.local and event.action is Action.RESTORE and worker.node != actor.image_node:
             return Violation(seq, LOCAL_OFF_NODE,
-                             f"{aid}'s latest snapshot is LOCAL on node {actor.image_node}; restored on {wid} on {event.node}")
+                             f"{aid}'s latest snapshot is LOCAL on node {actor.image_node}; "
+                             f"restored on {wid} on {worker.node}")
         without_memory = event.fallback is not None or (
             event.action is Action.RESTORE and event.fidelity is not PlacedFidelity.MEMORY)
         if without_memory and stamp is not None and stamp.compat.arch is not None \
                 and entry.default.compat.arch != stamp.compat.arch:
             return Violation(seq, ACROSS_ARCHITECTURES,
                              f"{aid}'s snapshot is {stamp.compat.arch}; {wid}'s default is {entry.default.compat.arch}")
+        return None
+
+    @staticmethod
+    def _not_held(actor: Actor, event: ActorPlaced) -> str | None:
+        """Why the placement restores what the actor's latest snapshot does not hold (rules 1 to 3):
+        memory only from a MEMORY image of the actor's current template stamped for its class,
+        volumes only from a MEMORY or VOLUMES one, a restore only of the latest snapshot; None if it does."""
+        aid, kind = event.actor_id, actor.snapshot
+        if event.action is Action.RUN:
+            return None if event.fidelity is PlacedFidelity.NONE else f"{aid} RUN at {event.fidelity.value}"
+        if kind is None:
+            return f"{aid} has no snapshot to restore"
+        if event.snapshot_id != actor.snapshot_id:
+            return f"{aid} restored {event.snapshot_id}; its latest snapshot is {actor.snapshot_id}"
+        if event.fidelity is PlacedFidelity.NONE:
+            return f"{aid} RESTORE at NONE"
+        if _RANK[event.fidelity] < _HOLDS[kind.fidelity]:
+            return f"{aid} restored at {event.fidelity.value} from a {kind.fidelity.value} snapshot"
+        if event.fidelity is PlacedFidelity.MEMORY and kind.fidelity is MEMORY:
+            if kind.template_uid != actor.spec.template_uid:
+                return (f"{aid}'s memory image is of template {kind.template_uid}, "
+                        f"the actor's is {actor.spec.template_uid}")
+            if kind.stamp is None or kind.stamp.compat.sandbox_class != actor.spec.sandbox_class:
+                return f"{aid}'s memory image is unstamped or stamped for another class"
         return None
 
     def _stamp(self, seq: int, event: SnapshotTaken) -> Violation | None:
