@@ -1,6 +1,6 @@
 """An adversarial review of placement (CONTRACT v1.1: no resume is ever sent where its image
-cannot load): what `audit verify` must name, and random lifecycles through the real
-aggregates whose every decision the audit judges.
+cannot load): what `audit verify` must name, a worker event the scheduler cannot read, and
+random lifecycles through the real aggregates whose every decision the audit judges.
 
 Each hole found is here as it was reproduced; the property test at the end is what the
 review checked and found holding (rules 1 to 6 and the edges, on the pure fold).
@@ -8,7 +8,9 @@ review checked and found holding (rules 1 to 6 and the edges, on the pure fold).
 
 from __future__ import annotations
 
+import asyncio
 import random
+from typing import ClassVar
 
 import pytest
 
@@ -17,6 +19,8 @@ from events.schema import (
     Action,
     ActorStopped,
     CreateActor,
+    Event,
+    ErrorCode,
     Fidelity,
     PlacedFidelity,
     RegisterWorker,
@@ -25,6 +29,7 @@ from events.schema import (
     SnapshotOrigin,
     TemplateChanged,
     WorkerBooked,
+    WorkerFenced,
 )
 from services.registry.domain import Worker as RegistryWorker
 from services.scheduler.checkpoint_codec import export_state, restore_state
@@ -38,6 +43,7 @@ from tests.factories import (
     entry,
     fold,
     golden,
+    last_seq,
     placed,
     registered,
     released,
@@ -46,9 +52,13 @@ from tests.factories import (
     taken,
     version,
 )
+from tests.factories import actor as new_actor
+from tests.factories import worker as registration
 from tests.test_checkpoint import walk
 from warmboot import audit
 from warmboot.audit import Sink
+from warmboot.cli_common import replay
+from warmboot.client import Client
 
 V1, V2 = version("v1"), version("v2")
 SMALL = {"cpu": 100, "mem": 512}
@@ -128,6 +138,46 @@ def test_what_the_rules_allow_at_their_edges_is_no_violation():
                    placed("a", "w1", V2, node="n1", **SMALL)]) is None
     # the memory image of the current template on its node: a restore
     assert verify([*PAUSED_ON_N1, memory("a", "w1", "n1")]) is None
+
+
+# --- a worker event the scheduler cannot read --------------------------------------------------
+
+
+class WorkerCordoned(Event, kw_only=True):
+    """An event a newer registry might add to a worker's history (the contract allows new events).
+    Not a WorkerEvent subclass: this process's registry would take it for one of its own."""
+
+    worker_id: str
+    KIND: ClassVar[str] = "worker"
+
+    @property
+    def entity_id(self) -> str:
+        return self.worker_id
+
+
+@pytest.fixture
+async def wb(stack, nc, prefix):
+    return Client(nc, prefix)
+
+
+async def test_a_worker_event_the_scheduler_cannot_read_stops_its_placements(wb, nc, prefix, writer):
+    """A newer registry writes an event this scheduler does not know (it may drain the worker or
+    drop the runtime an image needs), with its fence on the booking subject as every worker change
+    has. The fold skipped it and folded the fence, so its next placement there expected the very
+    sequence the fence left and committed, on the worker's old state."""
+    await wb.register(registration("w1", V1, node="n1"))
+    await wb.create(new_actor("a", golden_snapshot=golden(V1)))
+    seq = await asyncio.to_thread(writer.write, WorkerCordoned(at=AT, worker_id="w1"),
+                                  WorkerFenced(at=AT, worker_id="w1", event="WorkerCordoned"))
+    with pytest.raises(ContractError) as refused:
+        await wb.resume("a", min_seq=seq)
+    assert refused.value.code is ErrorCode.RESOURCE_EXHAUSTED and "1 drained" in refused.value.message
+    assert await last_seq(nc, prefix) == seq  # nothing written
+
+    await wb.register(registration("w2", V1, node="n1"))  # a worker it can read takes the actor
+    assert (await wb.resume("a")).worker_id == "w2"
+    sink = await replay(nc, prefix, Sink(verify=True), False)  # `audit verify`: the scheduler's own fold
+    assert sink.violation is None and not sink.projection.workers["w1"].live
 
 
 # --- what the review found holding: random lifecycles, every decision audited ----------------------

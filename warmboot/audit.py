@@ -236,6 +236,12 @@ class Sink:
             self.projection.booking_marker(seq, worker_id, version)
         self.skip(seq)
 
+    def worker_unread(self, seq: int, worker_id: str) -> None:
+        """A message of a worker's history the fold cannot read: as the scheduler's projection takes it."""
+        if not self._beyond(seq, None) and self.violation is None:
+            self.projection.worker_unread(seq, worker_id)
+        self.skip(seq)
+
     def skip(self, seq: int) -> None:
         self._beyond(seq, None)
         if self.stopped_at is None:

@@ -30,7 +30,8 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from events.errors import unavailable
 from events.jetstream import TOPIC_HEADER, VERSION_HEADER
 from events.natspy import ORDERED_IDLE_HEARTBEAT_S, ack_positions, use_lean_headers
-from events.schema import EVENT_TYPES, ActorPlaced, ActorRuntime, AnyEvent, Snapshot, SnapshotTaken, WorkerBooked
+from events.schema import (EVENT_TYPES, ActorPlaced, ActorRuntime, AnyEvent, Snapshot, SnapshotTaken, WorkerBooked,
+                           WorkerEvent)
 from events.subjects import stream_name
 from services.scheduler.projection import Projection
 
@@ -113,6 +114,7 @@ class Fold:
         self.stream = stream_name(prefix)
         self.events_prefix = f"{prefix}.ev."
         self.booking_prefix = f"{prefix}.ev.{WorkerBooked.KIND}."
+        self.worker_prefix = f"{prefix}.ev.{WorkerEvent.KIND}."
         self.projection = projection
         self.listeners: list[Callable[[int], None]] = []
         self.behind = 0  # messages the server had not delivered yet at the last one folded
@@ -198,13 +200,23 @@ class Fold:
             except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
                 self.errors += 1
                 log.warning("message %d on %s is not an event this scheduler reads; skipped", seq, subject)
-                projection.skip(seq)
+                self._unread(seq, subject)
             except Exception:  # a bug in the fold: keep folding, loudly
                 self.errors += 1
                 log.exception("folding message %d on %s failed", seq, subject)
-                projection.skip(seq)
+                self._unread(seq, subject)
         else:
-            projection.skip(seq)
+            self._unread(seq, subject)
+
+    def _unread(self, seq: int, subject: str) -> None:
+        """A message not folded. On a worker's history (a newer registry's event type, or a body
+        this fold cannot read) it may have drained the worker or dropped the runtime a placement
+        would match, and the registry's fence beside it moves the booking subject the fold does
+        read: the worker takes no placement from this replica until its next life."""
+        if subject.startswith(self.worker_prefix):
+            self.projection.worker_unread(seq, subject[len(self.worker_prefix):])
+        else:
+            self.projection.skip(seq)
 
     async def wait(self, seq: int | None, timeout: float) -> None:
         """Return once the fold has applied `seq`; UNAVAILABLE if it does not within `timeout`."""

@@ -168,6 +168,17 @@ class Projection:
         if seq > self.seq:
             self.seq = seq
 
+    def worker_unread(self, seq: int, worker_id: str) -> None:
+        """A message of the worker's history this fold cannot read (`Fold._unread`): whatever it
+        changed, the worker now counts as drained here (no new placement; it keeps its bookings)
+        until a registration starts its next life."""
+        self.skip(seq)
+        worker = self.workers.get(worker_id)
+        if worker is not None:
+            self._set_live(worker, False)
+            worker.state = DRAINED
+        self.registry_version += 1
+
     def _other_subject(self, aggregate_id: str, seq: int, version: int | None) -> None:
         previous = self.subjects.get(aggregate_id)
         self.subjects[aggregate_id] = (version or (previous[0] + 1 if previous else 1), seq)
