@@ -41,6 +41,8 @@ import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from events.tasks import cancel_and_wait
+
 # nats-py re-creates an ordered consumer (from the message after the last one received) when
 # two heartbeats in a row are missed, and tries again every two heartbeats until it works: a
 # consumer lost with its server (a stream leader killed) comes back within 1 to 2 s of a new
@@ -168,8 +170,7 @@ class Replies:
     async def stop(self) -> None:
         sub, self._sub = self._sub, None  # first: no request is sent from here on
         if self._watch is not None:
-            self._watch.cancel()
-            await asyncio.wait([self._watch])  # waited for, not awaited: a cancellation of this stop stays ours
+            await cancel_and_wait(self._watch)
             self._watch = None
         if sub is not None:
             with suppress(Exception):

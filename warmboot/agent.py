@@ -47,6 +47,7 @@ from nats.aio.client import Client as NATS
 
 from events.codec import decode_request, encode, to_builtins
 from events.errors import ContractError
+from events.tasks import cancel_and_wait
 from events.natsauth import nkey_options, nkey_seed_path
 from events.probe import DEFAULT_CPUINFO, PROFILES, SCHEMA_VERSION, ProbeError, probe_host
 from events.schema import (
@@ -398,10 +399,7 @@ class Agent:
             if serving.done():
                 serving.result()
         finally:
-            stopping.cancel()
-            serving.cancel()
-            with suppress(asyncio.CancelledError):
-                await serving
+            await cancel_and_wait(stopping, serving)
             if self.drain_on_exit and self.sent_registration and not self.nc.is_closed:
                 reply = await self.drain("agent stopped")
                 if reply is not None:

@@ -30,6 +30,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from events.errors import ContractError
+from events.tasks import cancel_and_wait
 from events.runtime_id import Runtimes
 from events.schema import (
     ActorOverhead,
@@ -383,10 +384,7 @@ async def run_demo(nats_url: str, prefix: str, cfg: DemoConfig, console: Console
                           f"warmboot workers --nats {nats_url}")
             await hold()
     finally:
-        if beat:
-            beat.cancel()
-            with suppress(asyncio.CancelledError):
-                await beat
+        await cancel_and_wait(beat)
         await nc.close()
     return demo.tally
 

@@ -39,6 +39,7 @@ from events.errors import ContractError, unavailable
 from events.jetstream import ERR_NO_MESSAGE_FOUND, TOPIC_HEADER
 from events.natspy import ORDERED_IDLE_HEARTBEAT_S, ApiError, ack_positions, use_lean_headers
 from events.subjects import event_subject, stream_name
+from events.tasks import cancel_and_wait
 from services.registry.roster import Roster
 
 log = logging.getLogger("warmboot.registry")
@@ -111,9 +112,7 @@ class RosterFold:
         if sub is not None:
             with suppress(Exception):
                 await sub.unsubscribe()
-        if self._round is not None:
-            self._round.cancel()
-            await asyncio.wait([self._round])  # waited for, not awaited: a cancellation of this stop stays ours
+        await cancel_and_wait(self._round)
         self._fail(self._waiters, unavailable("the registry is stopping"))
         self._waiters = []
 

@@ -45,6 +45,7 @@ from events.codec import encode
 from events.errors import unavailable
 from events.natspy import ApiError, Replies
 from events.subjects import bucket_name
+from events.tasks import cancel_and_wait
 
 log = logging.getLogger("warmboot.registry")
 
@@ -141,10 +142,7 @@ class Sweeper:
 
     async def stop(self) -> None:
         self._stopping = True  # also ends a loop whose cancellation a time-out swallowed
-        for task in self._tasks:
-            task.cancel()
-        if self._tasks:  # waited for, not awaited: a cancellation of this stop stays ours
-            await asyncio.wait(self._tasks)
+        await cancel_and_wait(*self._tasks)
         self._tasks = []
         if self._sub is not None:
             with suppress(Exception):

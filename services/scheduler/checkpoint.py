@@ -45,6 +45,7 @@ from nats.js.api import ObjectMeta, ObjectStoreConfig, StorageType
 from nats.js.errors import BadRequestError, NotFoundError, ObjectNotFoundError
 
 from events.subjects import bucket_name, stream_name
+from events.tasks import cancel_and_wait
 from services.common import stream_replicas
 from services.scheduler.checkpoint_codec import (
     CheckpointRejected,
@@ -324,11 +325,4 @@ class Checkpoints:
         if self._busy():  # let a save in progress finish, rather than leave chunks without their object
             with suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(self._saving), CLOSE_WAIT_S)
-        if task is not None:
-            task.cancel()
-            with suppress(asyncio.CancelledError):
-                await task
-        if self._saving is not None and not self._saving.done():
-            self._saving.cancel()
-            with suppress(BaseException):
-                await self._saving
+        await cancel_and_wait(task, self._saving)

@@ -39,7 +39,7 @@ import asyncio
 import heapq
 import itertools
 import logging
-from contextlib import asynccontextmanager, suppress
+from contextlib import asynccontextmanager
 from types import MappingProxyType
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
@@ -49,6 +49,7 @@ from eventsourcing.persistence import IntegrityError
 from events.aggregate import WireApplication, now
 from events.errors import ContractError, unavailable
 from events.schema import ActorPlaced, Placement, WorkerBooked
+from events.tasks import cancel_and_wait
 from services.scheduler.decide import decide
 from services.scheduler.fold import Fold
 from services.scheduler.records import oldest_placement, request_hash
@@ -176,11 +177,8 @@ class Committer:
         self._task = asyncio.create_task(self._commit_groups(), name="scheduler-committer")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        task, self._task = self._task, None
+        await cancel_and_wait(task)
         stopping = unavailable("this scheduler replica is stopping; try again")
         self._fail(self._ready, stopping)
         for job in self._jobs:

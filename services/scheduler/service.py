@@ -27,6 +27,7 @@ from prometheus_client import Counter, Gauge
 from events.aggregate import WireApplication
 from events.codec import decode_event, decoder
 from events.errors import ContractError, unavailable
+from events.tasks import cancel_and_wait
 from events.schema import (
     ActorPlaced,
     Assignment,
@@ -198,11 +199,8 @@ class SchedulerService:
             with suppress(Exception):
                 await self.service.stop(drain_s=self.catch_up_s + 5)
             self.service = None
-        if self._gauges is not None:
-            self._gauges.cancel()
-            with suppress(asyncio.CancelledError):
-                await self._gauges
-            self._gauges = None
+        gauges, self._gauges = self._gauges, None
+        await cancel_and_wait(gauges)
         await self.committer.stop()
         if self.checkpoints is not None:
             await self.checkpoints.close()
