@@ -42,6 +42,10 @@ async def bus(stack, nc, prefix, nats_url):
     await wb.register(worker("w-new", runtime(V2, name="runsc-v2", compatible=(V1,)), node="node-new"))
 
     async def run(*args: str, width: int = 100):
+        if args[:2] == ("actor", "resume") and "--min-seq" not in args:
+            # read-your-writes across commands, as a user chains them: the scheduler answers from state
+            # that has every write before this command (its fold may lag the log under load)
+            args = (*args, "--min-seq", str(await last_seq(nc, prefix)))
         return await cli(*args, "--nats", nats_url, "--prefix", prefix, width=width)
 
     return run, wb
@@ -240,3 +244,19 @@ async def test_create_from_a_golden_snapshot_file(bus, tmp_path):
     bad = await run("actor", "create", "g-2", "--class", "gvisor", "--template", "t1", "--cpu", "100",
                     "--memory", "256", "--golden-snapshot", str(path))
     assert bad.exit_code == 2 and "'--golden-snapshot'" in bad.output and "$.fidelity" in bad.output
+
+
+async def test_min_seq_chains_commands_and_is_checked(bus, nc, prefix):
+    """`--min-seq` (resume, explain, fragmentation, whatif): answered from state that includes the
+    seq an earlier command printed; a value that is no sequence is refused before anything is sent."""
+    run, _ = bus
+    created = json.loads((await run("actor", "create", "a-9", "--class", "gvisor", "--template", "t1", "--cpu",
+                                    "100", "--memory", "256", "--json")).output)
+    why = await run("explain", "a-9", "--min-seq", str(created["seq"]), "-o", "json")
+    assert why.exit_code == 0, why.output
+    assert json.loads(why.output)["decision"]["action"] == "RUN"
+    before = await last_seq(nc, prefix)
+    for command in (("actor", "resume", "a-9"), ("explain", "a-9"), ("fragmentation",), ("whatif", "--class", "gvisor")):
+        bad = await run(*command, "--min-seq", "0")
+        assert bad.exit_code == 2 and "--min-seq" in bad.output, (command, bad.output)
+    assert await last_seq(nc, prefix) == before  # nothing written

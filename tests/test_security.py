@@ -134,9 +134,10 @@ async def test_every_flow_runs_under_least_privilege_with_no_violation(tmp_path)
 
         # the snapshotter and the scheduler, driven by a client
         await call(nc, sub("snapshotter", "create", "a-1"), create_body("a-1", request_id="c-1"), SeqReply)
-        await call(nc, sub("snapshotter", "create", "a-2"), create_body("a-2"), SeqReply)
-        placed = await call(nc, sub("scheduler", "resume", "a-1"), ResumeActor(request_id="r-1"), Assignment)
-        again = await call(nc, sub("scheduler", "resume", "a-1"), ResumeActor(request_id="r-1"), Assignment)
+        created = await call(nc, sub("snapshotter", "create", "a-2"), create_body("a-2"), SeqReply)
+        resume = ResumeActor(request_id="r-1", min_seq=created.seq)  # read-your-writes: the fold has both creates
+        placed = await call(nc, sub("scheduler", "resume", "a-1"), resume, Assignment)
+        again = await call(nc, sub("scheduler", "resume", "a-1"), resume, Assignment)
         assert again == placed  # a repeated request is answered, not placed again
         await call(nc, sub("snapshotter", "pause", "a-1"), PauseActor(request_id="p-1"), SnapshotReply)
         await call(nc, sub("scheduler", "resume", "a-1"), ResumeActor(min_seq=placed.seq), Assignment)
@@ -144,8 +145,9 @@ async def test_every_flow_runs_under_least_privilege_with_no_violation(tmp_path)
                    SnapshotReply)
         await call(nc, sub("snapshotter", "tag", "a-1"), TagSnapshot(tag="gold"), SnapshotReply)
         await call(nc, sub("snapshotter", "create", "a-3"), create_body("a-3", source_tag="gold"), SeqReply)
-        await call(nc, sub("snapshotter", "update-template", "a-2"), UpdateTemplate(template_uid="tpl-2"), SeqReply)
-        on_worker = await call(nc, sub("scheduler", "resume", "a-2"), ResumeActor(), Assignment)
+        changed = await call(nc, sub("snapshotter", "update-template", "a-2"), UpdateTemplate(template_uid="tpl-2"),
+                             SeqReply)
+        on_worker = await call(nc, sub("scheduler", "resume", "a-2"), ResumeActor(min_seq=changed.seq), Assignment)
         await call(nc, sub("snapshotter", "stop", "a-3"), StopActor(), SeqReply)
         await call(nc, sub("scheduler", "fragmentation"), FragmentationQuery(), Fragmentation)
 

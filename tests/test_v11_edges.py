@@ -196,7 +196,8 @@ async def test_reordering_runtimes_or_null_overhead_is_no_change(wb, nc, prefix)
 async def test_explain_of_a_refused_resume_is_a_successful_reply(wb, nc, prefix):
     await wb.register(worker("w", V2))
     await wb.create(actor("a", min_fidelity=Fidelity.MEMORY, golden_snapshot=golden(V1)))
-    msg = await nc.request(service_subject(prefix, "scheduler", "explain", "a"), b"{}", timeout=5)
+    body = b'{"min_seq": %d}' % wb.seq  # read-your-writes, as the client itself would ask
+    msg = await nc.request(service_subject(prefix, "scheduler", "explain", "a"), body, timeout=5)
     body = json.loads(msg.data)
     assert "error" not in body and body["decision"] is None
     assert body["refusal"]["code"] == "RESOURCE_EXHAUSTED"

@@ -44,6 +44,7 @@ from events.subjects import service_subject
 from services.common import call
 from services.scheduler.fragmentation import fragmentation
 from services.scheduler.projection import Projection
+from tests.factories import last_seq
 from warmboot.cli import main
 from warmboot.cmd_views import (
     CLASS_COLUMNS,
@@ -237,14 +238,19 @@ async def operated(nats_server):
         for i in range(6):
             actor = f"a-{i:04d}"
             cls = ("gvisor", "microvm")[i % 2]
-            await call(nc, service_subject(prefix, "snapshotter", "create", actor),
-                       CreateActor(actor_id=actor, sandbox_class=cls, template_uid="tpl-2026-01",
-                                   resources=Resources(cpu_millis=500, memory_mib=1024)), SeqReply)
-            placed = await call(nc, service_subject(prefix, "scheduler", "resume", actor), ResumeActor(), Assignment)
+            created = await call(nc, service_subject(prefix, "snapshotter", "create", actor),
+                                 CreateActor(actor_id=actor, sandbox_class=cls, template_uid="tpl-2026-01",
+                                             resources=Resources(cpu_millis=500, memory_mib=1024)), SeqReply)
+            # read-your-writes: the scheduler's fold may not have the create yet (NOT_FOUND, seen under load)
+            placed = await call(nc, service_subject(prefix, "scheduler", "resume", actor),
+                                ResumeActor(min_seq=created.seq), Assignment)
             if i % 2:
                 await call(nc, service_subject(prefix, "snapshotter", "pause", actor),
                            PauseActor(), SnapshotReply)
             assert placed.worker_id
+        # the views read the scheduler without min_seq: its fold has every write above before the tests run
+        await call(nc, service_subject(prefix, "scheduler", "fragmentation"),
+                   FragmentationQuery(min_seq=await last_seq(nc, prefix)), Fragmentation)
         yield prefix, nc
 
 

@@ -23,6 +23,10 @@ nats_option = click.option("--nats", "nats_url", default="nats://127.0.0.1:4222"
 prefix_option = click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="WARMBOOT_PREFIX",
                              help="Subject prefix of the deployment.")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+min_seq_option = click.option(
+    "--min-seq", "min_seq", type=click.IntRange(min=1), default=None, metavar="SEQ",
+    help="Answered from the scheduler's state once it includes stream sequence SEQ (the seq an earlier "
+         "command printed): read-your-writes across commands; UNAVAILABLE if no replica has it in time.")
 
 
 _ID = re.compile(ID_PATTERN)

@@ -28,7 +28,7 @@ from events.errors import not_found
 from events.runtime_id import Runtimes, short_id
 from events.schema import ActorRuntime, CompatVersion, CreateActor, Fidelity, Resources, Snapshot
 from events.subjects import event_subject
-from warmboot.cli_common import ask, nats_option, prefix_option, read_subject, replay, version_text
+from warmboot.cli_common import ask, min_seq_option, nats_option, prefix_option, read_subject, replay, version_text
 from warmboot.client import Client
 from warmboot.cmd_views import (
     decision_fields,
@@ -172,14 +172,15 @@ def suspend_cmd(actor_id: str, fidelity: str, uri: str | None, snapshot_id: str 
 @click.option("--selector", "selectors", multiple=True, metavar="KEY=VALUE",
               help="Extra worker label to require (narrows the actor's own selectors).")
 @request_id_option
+@min_seq_option
 @nats_option
 @prefix_option
 @json_flag
-def resume_cmd(actor_id: str, selectors: tuple[str, ...], request_id: str | None, nats_url: str, prefix: str,
-               as_json: bool) -> None:
+def resume_cmd(actor_id: str, selectors: tuple[str, ...], request_id: str | None, min_seq: int | None,
+               nats_url: str, prefix: str, as_json: bool) -> None:
     """Place ACTOR_ID on a worker (scheduler.resume): where, at which fidelity, pinned to which runtime."""
     sel = selectors_of(selectors) or None
-    reply, runtimes = run(nats_url, prefix, not as_json, lambda wb: wb.resume(actor_id, sel, request_id))
+    reply, runtimes = run(nats_url, prefix, not as_json, lambda wb: wb.resume(actor_id, sel, request_id, min_seq))
     if as_json:
         echo_json(to_builtins(reply))
         return

@@ -27,7 +27,7 @@ from events.runtime_id import PREFIX as ID_PREFIX
 from events.runtime_id import Runtimes, UnknownRuntime, short_id
 from events.schema import CompatVersion, Explanation, Fragmentation, Placement, WhatIf, WhatIfAnswer
 from events.subjects import event_subject, stream_name
-from warmboot.cli_common import ask, nats_option, prefix_option, version_text
+from warmboot.cli_common import ask, min_seq_option, nats_option, prefix_option, version_text
 from warmboot.client import Client
 from warmboot.render import Column, render_fields, render_table, terminal_width
 
@@ -156,11 +156,12 @@ def render_explanation(actor_id: str, answer: Explanation, runtimes: Runtimes, w
 @click.command()
 @click.argument("actor_id")
 @click.option("--selector", "selectors", multiple=True, metavar="KEY=VALUE", help="Extra label selector.")
+@min_seq_option
 @nats_option
 @prefix_option
 @output_option
-def explain(actor_id: str, selectors: tuple[str, ...], nats_url: str, prefix: str, output: str | None,
-            as_json: bool) -> None:
+def explain(actor_id: str, selectors: tuple[str, ...], min_seq: int | None, nats_url: str, prefix: str,
+            output: str | None, as_json: bool) -> None:
     """Why a resume of ACTOR_ID would land where it would (writes nothing)."""
     try:
         sel = dict(s.split("=", 1) for s in selectors) or None
@@ -169,7 +170,7 @@ def explain(actor_id: str, selectors: tuple[str, ...], nats_url: str, prefix: st
     mode = output_mode(output, as_json)
 
     async def work(nc: Any) -> tuple[Explanation, Runtimes | None]:
-        answer = await Client(nc, prefix).explain(actor_id, sel)
+        answer = await Client(nc, prefix).explain(actor_id, sel, min_seq)
         return answer, (None if mode == "json" else await fleet_runtimes(nc, prefix))
 
     answer, runtimes = ask(nats_url, work)
@@ -220,17 +221,19 @@ def render_fragmentation(answer: Fragmentation, runtimes: Runtimes, width: int |
 
 @click.command()
 @click.option("--class", "sandbox_class", default=None, help="Only this sandbox class.")
+@min_seq_option
 @nats_option
 @prefix_option
 @output_option
-def fragmentation(sandbox_class: str | None, nats_url: str, prefix: str, output: str | None, as_json: bool) -> None:
+def fragmentation(sandbox_class: str | None, min_seq: int | None, nats_url: str, prefix: str, output: str | None,
+                  as_json: bool) -> None:
     """Per sandbox class: workers, stranded and lost local snapshots; per runtime: the workers
     running it (DEFAULT), able to restore it (RESTORABLE) or accepting it through a compatible
     version (EDGE), their free room, and the memory snapshots stamped with it (SNAPSHOTS)."""
     mode = output_mode(output, as_json)
 
     async def work(nc: Any) -> tuple[Fragmentation, Runtimes | None]:
-        answer = await Client(nc, prefix).fragmentation(sandbox_class)
+        answer = await Client(nc, prefix).fragmentation(sandbox_class, min_seq)
         return answer, (None if mode == "json" else await fleet_runtimes(nc, prefix))
 
     answer, runtimes = ask(nats_url, work)
@@ -430,11 +433,12 @@ def render_whatif(query: WhatIf, answer: WhatIfAnswer, runtimes: Runtimes, width
               help="As if this worker were drained. Repeatable.")
 @click.option("--limit", type=click.IntRange(0, 10_000), default=100, show_default=True,
               help="Newly stranded actors listed at most.")
+@min_seq_option
 @nats_option
 @prefix_option
 @output_option
-def whatif(sandbox_class: str, drop: tuple[str, ...], drain: tuple[str, ...], limit: int, nats_url: str,
-           prefix: str, output: str | None, as_json: bool) -> None:
+def whatif(sandbox_class: str, drop: tuple[str, ...], drain: tuple[str, ...], limit: int, min_seq: int | None,
+           nats_url: str, prefix: str, output: str | None, as_json: bool) -> None:
     """Before a step of a rolling upgrade: what dropping runtimes and draining workers would do
     (scheduler.whatif; writes nothing).
 
@@ -448,7 +452,8 @@ def whatif(sandbox_class: str, drop: tuple[str, ...], drain: tuple[str, ...], li
         projection = await fleet(nc, prefix)
         runtimes = runtimes_of(projection)
         query = WhatIf(sandbox_class=sandbox_class, drop_runtimes=tuple(resolve_drops(runtimes, drop, sandbox_class)),
-                       drain_workers=drain, limit=limit)
+                       drain_workers=drain, limit=limit,
+                       min_seq=min_seq or projection.seq or None)  # at least the fleet this command resolved against
         check_drains(projection, drain, sandbox_class)
         return query, await Client(nc, prefix).whatif(query), runtimes
 
