@@ -18,6 +18,8 @@ Side by side, in one run, on one nats-server (file storage, as in production):
     warm server). Each process's CPU time is read from /proc, so the run also says
     what a heartbeat costs the registry, the server and the client.
 
+The registry process tunes its collector as `warmboot serve` does (`services.common.tune_gc`,
+when the checkout has it); the echo and the no-op run as plain Python processes.
 Every reply is checked: a refused heartbeat or registration fails the run.
 `--before DIR` also runs (b) and (c) against the registry of another checkout (say a
 `git worktree` of an earlier commit) in the same run, on the same server, its
@@ -81,6 +83,10 @@ def serve(kind: str, nats_url: str, prefix: str) -> None:
             service = await add_service(nc, name="bench-echo", version="1.0.0", queue_group="bench-echo")
             await service.add_endpoint(name="beat", subject=f"{prefix}.echo.beat.*", handler=echo)
             await nc.flush()
+        if kind == "registry":  # as `warmboot serve` does (an older checkout has no tune_gc); echo and
+            import services.common  # the no-op through services.common run as plain Python processes
+
+            getattr(services.common, "tune_gc", lambda: None)()
         print("READY", flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
         await service.stop()

@@ -302,7 +302,7 @@ def bench_whatif(quick: bool) -> dict[str, float]:
 
 def run_replica(nats_url: str, prefix: str) -> None:
     """A scheduler replica in its own process: prints `READY <metrics port>`, runs until stdin closes."""
-    from services.common import start_metrics
+    from services.common import start_metrics, tune_gc
     from services.scheduler.service import SchedulerService
 
     async def main() -> None:
@@ -310,6 +310,7 @@ def run_replica(nats_url: str, prefix: str) -> None:
         service = SchedulerService(nc, nats_url=nats_url, prefix=prefix)
         await service.start()
         port = start_metrics(0)
+        tune_gc()  # as `warmboot serve`
         print(f"READY {port}", flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
         await service.stop()

@@ -11,7 +11,7 @@ import click
 
 from events.natsauth import NKEY_SEED_ENV
 from events.subjects import DEFAULT_PREFIX
-from services.common import ALL_INTERFACES
+from services.common import ALL_INTERFACES, tune_gc
 from services.scheduler.checkpoint import DEFAULT_EVERY_EVENTS, DEFAULT_INTERVAL_S
 from warmboot.runner import SERVICES, start_services, until_signal
 
@@ -60,6 +60,7 @@ def serve(service: str, nats_url: str, nkey_seed: str | None, prefix: str, metri
                  "scheduler": {"checkpoint_every": checkpoint_every, "checkpoint_interval_s": checkpoint_interval_s}},
                 metrics_host=metrics_host,
             )
+            tune_gc()
             click.echo(f"serving {', '.join(names)} on {running.where} (prefix {prefix})")
             if running.metrics_url:
                 click.echo(f"metrics on {running.metrics_url}")

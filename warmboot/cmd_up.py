@@ -12,6 +12,7 @@ import click
 from rich.console import Console
 
 from events.subjects import DEFAULT_PREFIX, stream_name
+from services.common import tune_gc
 from services.scheduler.checkpoint import DEFAULT_EVERY_EVENTS, DEFAULT_INTERVAL_S
 from warmboot.natsserver import NatsServer, NatsServerError
 from warmboot.runner import SERVICES, start_services, until_signal
@@ -60,6 +61,7 @@ def up(port: int, store: Path, prefix: str, metrics_port: int, demo: bool, exit_
             checkpoints = {"checkpoint_every": DEFAULT_EVERY_EVENTS, "checkpoint_interval_s": DEFAULT_INTERVAL_S}
             running = await start_services(stack, list(SERVICES), server.url, prefix, metrics_port,
                                            {"scheduler": checkpoints})
+            tune_gc()
             console.print(f"NATS     {server.url}  (JetStream stream {stream_name(prefix)} in {store})")
             console.print(f"services {', '.join(f'warmboot-{n}' for n in running.names)}")
             if running.metrics_url:
