@@ -83,7 +83,7 @@ from events.schema import (  # noqa: E402
 )
 from events.subjects import stream_name  # noqa: E402
 from warmboot.client import Client  # noqa: E402
-from warmboot.natsserver import NatsCluster, NatsServerError, wait_jetstream  # noqa: E402
+from warmboot.natsserver import NatsCluster, NatsServerError, wait_jetstream, wait_stream_current  # noqa: E402
 
 BUCKET_S = 0.25
 SUSTAINED_S = 3.0  # how long the rate must hold for a stall to be over,
@@ -368,21 +368,6 @@ async def elected_after(js, stream: str, killed: str, limit: float) -> float | N
     return None
 
 
-async def wait_current(js, stream: str, replicas: int, limit: float = 60.0) -> None:
-    """Until the stream has a leader and every other replica is current (a node back in the cluster)."""
-    deadline = time.time() + limit
-    while time.time() < deadline:
-        try:
-            info = await js.stream_info(stream)
-            peers = info.cluster.replicas or []
-            if info.cluster.leader and len(peers) == replicas - 1 and all(p.current and not p.offline for p in peers):
-                return
-        except Exception:
-            pass
-        await asyncio.sleep(0.2)
-    raise RuntimeError(f"stream {stream} did not get all {replicas} replicas current within {limit:g}s")
-
-
 async def read_log(nc, prefix: str) -> tuple[list[float], list[float], list[str]]:
     """From the stream: the store times of every ActorPlaced and of every message, and the
     message ids stored more than once (an append doubled: there must be none)."""
@@ -644,7 +629,7 @@ async def load_and_kill(args, cluster: NatsCluster, prefix: str, stream: str, tr
                 await stopping
             node.spawn()
             await asyncio.to_thread(node.wait_ready)
-            await wait_current(js, stream, 3)
+            await wait_stream_current(js, stream, 3)
             if k + 1 < args.kills:
                 await asyncio.sleep(BEFORE_S + 2.0)  # the window before the next kill, all three up
         stop.set()

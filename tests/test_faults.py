@@ -45,7 +45,7 @@ from events.subjects import service_subject, stream_name
 from services.common import call
 from warmboot.audit import Sink
 from warmboot.cli_common import read_subject, replay
-from warmboot.natsserver import NatsCluster, NatsServer, wait_jetstream
+from warmboot.natsserver import NatsCluster, NatsServer, wait_jetstream, wait_stream_current
 from warmboot.runner import SERVICES, connect, start_services
 
 RETRYABLE = {ErrorCode.UNAVAILABLE}
@@ -192,6 +192,9 @@ async def test_stream_leader_killed_under_load(tmp_path, monkeypatch):
             await asyncio.gather(*(load.cycle(a, 99) for a in actors))
             new_leader = (await nc.jetstream().stream_info(stream_name(prefix))).cluster.leader
             assert new_leader != killed[0].name or killed[0].running
+            # the verdict reads the log message by message: once the node back in the cluster has
+            # caught up (until then a read may be answered 503, "JetStream temporarily unavailable")
+            await wait_stream_current(nc.jetstream(), stream_name(prefix), 3)
             await check_log(nc, load)
 
 

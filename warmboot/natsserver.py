@@ -300,3 +300,23 @@ async def wait_jetstream(servers: str | list[str], timeout: float = 30.0) -> Non
                 await asyncio.sleep(0.1)  # polling a condition with a deadline, not a fixed wait
     finally:
         await nc.close()
+
+
+async def wait_stream_current(js, stream: str, replicas: int, timeout: float = 60.0) -> None:
+    """Return once `stream` has a leader and each of its other `replicas - 1` replicas is online
+    and current: a node back in the cluster has caught up, and reads of the stream are answered."""
+    import asyncio
+
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        try:
+            cluster = (await js.stream_info(stream)).cluster
+            peers = (cluster.replicas or []) if cluster else []
+            if (cluster and cluster.leader and len(peers) == replicas - 1
+                    and all(p.current and not p.offline for p in peers)):
+                return
+        except Exception:
+            pass  # no leader yet, or the meta group is electing: ask again
+        if asyncio.get_running_loop().time() > deadline:
+            raise NatsServerError(f"stream {stream} did not get all {replicas} replicas current within {timeout}s")
+        await asyncio.sleep(0.2)  # polling a condition with a deadline, not a fixed wait
