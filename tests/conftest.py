@@ -45,13 +45,17 @@ async def nc(nats_server):
 
 @pytest.fixture
 async def stack(nats_server, prefix):
-    """Every warmboot service, started in this process against the session server on a fresh prefix."""
+    """Every warmboot service, started in this process against the session server on a fresh prefix.
+
+    The workers these tests register do not heartbeat: the registry's TTL is SILENT_TTL_S."""
     from contextlib import AsyncExitStack
 
+    from tests.factories import SILENT_TTL_S
     from warmboot.runner import SERVICES, start_services
 
     async with AsyncExitStack() as exits:
-        yield await start_services(exits, list(SERVICES), nats_server.url, prefix)
+        yield await start_services(exits, list(SERVICES), nats_server.url, prefix,
+                                   options={"registry": {"ttl_s": SILENT_TTL_S}})
 
 
 @pytest.fixture

@@ -59,6 +59,10 @@ from services.scheduler.projection import Projection
 
 CLASS = "gvisor"
 AT = datetime(2026, 12, 1, tzinfo=timezone.utc)
+# The registry's heartbeat TTL where the workers a test registers do not heartbeat: longer than
+# any test. With the default 15 s, a test slowed by a busy machine lost its workers as LOST mid-way
+# (one loaded full run of ten). Liveness has its own tests, with short TTLs.
+SILENT_TTL_S = 600.0
 
 
 def version(build: str, arch: str = "amd64", schema: str = "v1", **extra: str) -> CompatVersion:

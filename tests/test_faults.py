@@ -43,6 +43,7 @@ from events.schema import (
 )
 from events.subjects import service_subject, stream_name
 from services.common import call
+from tests.factories import SILENT_TTL_S
 from warmboot.audit import Sink
 from warmboot.cli_common import read_subject, replay
 from warmboot.natsserver import NatsCluster, NatsServer, wait_jetstream, wait_stream_current
@@ -168,7 +169,8 @@ async def test_stream_leader_killed_under_load(tmp_path, monkeypatch):
         await wait_jetstream(cluster.url)
         async with AsyncExitStack() as exits:
             await start_services(exits, list(SERVICES), cluster.url, prefix,
-                                 options={"scheduler": {"metrics": False}, "registry": {"store_replicas": 3}})
+                                 options={"scheduler": {"metrics": False},
+                                          "registry": {"store_replicas": 3, "ttl_s": SILENT_TTL_S}})
             nc = await connect(cluster.url, "fault-client")
             exits.push_async_callback(nc.close)
             load = Load(nc, prefix)
@@ -205,7 +207,8 @@ async def test_single_server_restarted_mid_load(tmp_path):
     server.start()
     try:
         async with AsyncExitStack() as exits:
-            await start_services(exits, list(SERVICES), server.url, prefix, options={"scheduler": {"metrics": False}})
+            await start_services(exits, list(SERVICES), server.url, prefix,
+                                 options={"scheduler": {"metrics": False}, "registry": {"ttl_s": SILENT_TTL_S}})
             nc = await connect(server.url, "fault-client")
             exits.push_async_callback(nc.close)
             load = Load(nc, prefix)
@@ -239,7 +242,8 @@ async def wait_serving(proc: subprocess.Popen) -> None:
 @pytest.mark.timeout(300)
 async def test_scheduler_killed_mid_commit_places_each_request_once(nats_server, prefix, nc):
     async with AsyncExitStack() as exits:
-        await start_services(exits, ["registry", "snapshotter"], nats_server.url, prefix)
+        await start_services(exits, ["registry", "snapshotter"], nats_server.url, prefix,
+                             options={"registry": {"ttl_s": SILENT_TTL_S}})
         load = Load(nc, prefix)
         for i in range(3):
             await load.register(f"w-{i}")

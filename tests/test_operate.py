@@ -34,6 +34,7 @@ from events.schema import (
 from events.subjects import event_subject, service_subject
 from services.common import call
 from services.scheduler.records import PAUSED
+from tests.factories import SILENT_TTL_S
 from warmboot.audit import summary
 from warmboot.cli import main
 from warmboot.demo import DemoConfig, run_demo
@@ -125,8 +126,9 @@ async def demo(nats_server):
     """The demo, in-process, on its own prefix; the services keep running for the checks."""
     prefix = "t" + uuid.uuid4().hex[:12]
     async with AsyncExitStack() as exits:
-        running = await start_services(exits, list(SERVICES), nats_server.url, prefix,
-                                       options={"scheduler": {"metrics": False}})
+        running = await start_services(exits, list(SERVICES), nats_server.url, prefix,  # the demo's fleet stops
+                                       options={"scheduler": {"metrics": False},   # beating when it ends
+                                                "registry": {"ttl_s": SILENT_TTL_S}})
         tally = await run_demo(nats_server.url, prefix, SMALL, Console(file=open("/dev/null", "w")))
         yield running, prefix, tally
 

@@ -32,6 +32,7 @@ from events.schema import (
 )
 from events.subjects import event_subject, service_subject, stream_name
 from services.common import EndpointSpec, ReplyCache, add_endpoints, call, is_outage
+from tests.factories import SILENT_TTL_S
 from tests.registry_helpers import registration
 from warmboot.natsserver import NatsCluster, wait_jetstream
 from warmboot.runner import SERVICES, start_services
@@ -241,7 +242,8 @@ async def test_a_store_that_does_not_answer_is_unavailable_for_every_service(tmp
             monkeypatch.setenv("WARMBOOT_STREAM_REPLICAS", "3")  # the services' streams on all three nodes
 
             # services and the client stay on the node that survives
-            await start_services(stack, list(SERVICES), survivor.url, prefix, options={"scheduler": {"catch_up_s": 2.0}})
+            await start_services(stack, list(SERVICES), survivor.url, prefix,
+                                 options={"scheduler": {"catch_up_s": 2.0}, "registry": {"ttl_s": SILENT_TTL_S}})
             nc = await nats.connect(survivor.url)
             stack.push_async_callback(nc.close)
             await call(nc, service_subject(prefix, "registry", "register", "w-1"), registration("w-1"), RegisterReply)

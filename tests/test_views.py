@@ -44,7 +44,7 @@ from events.subjects import service_subject
 from services.common import call
 from services.scheduler.fragmentation import fragmentation
 from services.scheduler.projection import Projection
-from tests.factories import last_seq
+from tests.factories import SILENT_TTL_S, last_seq
 from warmboot.cli import main
 from warmboot.cmd_views import (
     CLASS_COLUMNS,
@@ -228,7 +228,8 @@ async def operated(nats_server):
     """Real services on their own prefix; the fleet registered, actors created, resumed and paused."""
     prefix = "t" + __import__("uuid").uuid4().hex[:12]
     async with AsyncExitStack() as exits:
-        await start_services(exits, list(SERVICES), nats_server.url, prefix, options={"scheduler": {"metrics": False}})
+        await start_services(exits, list(SERVICES), nats_server.url, prefix,
+                             options={"scheduler": {"metrics": False}, "registry": {"ttl_s": SILENT_TTL_S}})
         import nats
 
         nc = await nats.connect(nats_server.url)
