@@ -14,17 +14,18 @@ async def test_a_stop_given_up_on_is_not_reported_as_finished():
     """A task that swallows its first cancellation (as asyncio.wait_for of Python 3.11 may, when
     its future completes as it is cancelled) keeps running; the caller's time-out around the
     stop must end the caller with that time-out, not return as if the stop had finished."""
-    release = asyncio.Event()
+    started, release = asyncio.Event(), asyncio.Event()
 
     async def stubborn() -> None:
         try:
-            await asyncio.sleep(3600)
+            started.set()
+            await asyncio.Event().wait()
         except asyncio.CancelledError:
             pass  # swallowed
         await release.wait()
 
     task = asyncio.create_task(stubborn())
-    await asyncio.sleep(0)  # the task is in its sleep
+    await started.wait()  # the task is in its first wait
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(cancel_and_wait(task), 0.2)
     assert not task.done()
@@ -34,14 +35,18 @@ async def test_a_stop_given_up_on_is_not_reported_as_finished():
 
 
 async def test_cancelled_tasks_end_and_errors_are_logged_not_raised(caplog):
+    started = asyncio.Event()
+
     async def forever() -> None:
+        started.set()
         await asyncio.Event().wait()
 
     async def failing() -> None:
         raise RuntimeError("boom")
 
     a, b = asyncio.create_task(forever()), asyncio.create_task(failing())
-    await asyncio.sleep(0)
+    await started.wait()
+    await asyncio.wait([b])  # it has failed before the stop
     with caplog.at_level(logging.ERROR, logger="warmboot"):
         await cancel_and_wait(a, None, b)
     assert a.cancelled() and b.done()

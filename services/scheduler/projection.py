@@ -173,10 +173,7 @@ class Projection:
         changed, the worker now counts as drained here (no new placement; it keeps its bookings)
         until a registration starts its next life."""
         self.skip(seq)
-        worker = self.workers.get(worker_id)
-        if worker is not None:
-            self._set_live(worker, False)
-            worker.state = DRAINED
+        self._drain(worker_id)
         self.registry_version += 1
 
     def _other_subject(self, aggregate_id: str, seq: int, version: int | None) -> None:
@@ -274,11 +271,13 @@ class Projection:
         worker.labels = self.intern.selectors(event.labels)
 
     def _worker_drained(self, event: WorkerDrained, seq: int) -> None:
-        worker = self.workers.get(event.worker_id)
-        if worker is None:
-            return
-        self._set_live(worker, False)
-        worker.state = DRAINED
+        self._drain(event.worker_id)
+
+    def _drain(self, worker_id: str) -> None:
+        worker = self.workers.get(worker_id)
+        if worker is not None:
+            self._set_live(worker, False)
+            worker.state = DRAINED
 
     def _worker_removed(self, event: WorkerRemoved, seq: int) -> None:
         worker = self.workers.pop(event.worker_id, None)
