@@ -10,7 +10,10 @@ run with this tree's virtual environment.
 
 Workloads (each `bench/scheduler.py`'s `bench_resumes`, in both trees):
 - `resumes_per_s`: committed resumes/s, 1 scheduler replica, 1,000 workers;
-- `resumes_per_s_with_request_id`: the same, every resume with a request id.
+- `resumes_per_s_with_request_id`: the same, every resume with a request id;
+- `cpu_ms_per_placement_1_replica`, `cpu_ms_per_placement_3_replicas` and their
+  quotient `replica_cpu_ratio_3v1` (per round): the CPU of all scheduler processes per
+  committed placement, from their own rusage, with 1 and with 3 replicas.
 
 The last line with `--json` is one JSON object: per workload the base's and this
 tree's medians and `<workload>_ratio` (this tree / base).
@@ -41,10 +44,14 @@ async def main(actors, window):
         try:
             plain = await bench_resumes(server.url, 1, actors, window, request_ids=False)
             with_ids = await bench_resumes(server.url, 1, actors, window, request_ids=True)
+            three = await bench_resumes(server.url, 3, actors, window, request_ids=False)
         finally:
             server.stop()
     print(json.dumps({"resumes_per_s": plain["resumes_per_s"],
-                      "resumes_per_s_with_request_id": with_ids["resumes_per_s"]}))
+                      "resumes_per_s_with_request_id": with_ids["resumes_per_s"],
+                      "cpu_ms_per_placement_1_replica": plain["cpu_ms_per_placement"],
+                      "cpu_ms_per_placement_3_replicas": three["cpu_ms_per_placement"],
+                      "replica_cpu_ratio_3v1": three["cpu_ms_per_placement"] / plain["cpu_ms_per_placement"]}))
 
 asyncio.run(main(int(sys.argv[1]), int(sys.argv[2])))
 """
@@ -78,15 +85,15 @@ def main() -> None:
                     for key, value in got.items():
                         figures[name].setdefault(key, []).append(value)
                     print(f"round {r + 1} {name:4} ({rev if name == 'base' else 'this tree'}): "
-                          + ", ".join(f"{k} {v:,.0f}" for k, v in got.items()), flush=True)
+                          + ", ".join(f"{k} {v:,.3g}" for k, v in got.items()), flush=True)
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT, capture_output=True)
     result: dict[str, object] = {"base": rev, "rounds": args.rounds}
     for key in figures["head"]:
         b, h = statistics.median(figures["base"][key]), statistics.median(figures["head"][key])
-        result[f"{key}_base"], result[f"{key}_head"] = round(b), round(h)
+        result[f"{key}_base"], result[f"{key}_head"] = round(b, 3), round(h, 3)
         result[f"{key}_ratio"] = round(h / b, 3)
-        print(f"{key}: base {b:,.0f}, this tree {h:,.0f}: ratio {h / b:.2f}")
+        print(f"{key}: base {b:,.3g}, this tree {h:,.3g}: ratio {h / b:.2f}")
     if args.json:
         print(json.dumps(result))
 

@@ -9,8 +9,9 @@ failures are worth another attempt within the operation's budget (`retry.Retry`)
 - nobody answered, no answer in time, a 503 or 429, a leader election, an incomplete
   batch (`retryable`): another attempt; past the budget, `StoreUnavailableError` (an
   `OperationalError`);
-- a subject that moved on (`ServerError.conflict`): `IntegrityError`, once the append
-  protocol has looked again and found it a real conflict;
+- a subject that moved on (`ServerError.conflict`): `IntegrityError`, at once when the
+  caller gave every expected sequence, else once the append protocol has looked again
+  and found it a real conflict;
 - a message larger than the server's max_payload: `DataError`;
 - any other refusal: `OperationalError`.
 

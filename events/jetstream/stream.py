@@ -4,8 +4,9 @@ optimistic concurrency, and reading (direct gets, leader reads). Coroutines on a
 Appending (`Stream.append`): every subject of a batch carries, on its first message,
 the stream sequence its writer expects as the subject's last (`Guard.expected`), given
 by the caller, remembered (`LastSeen`) or looked up. A refusal because a subject moved
-on is looked at again through the stream leader: a conflict (`IntegrityError`) if the
-position is taken, a new plan and another attempt if not. A batch whose reply was lost
+on is a conflict (`IntegrityError`) at once when the caller gave every expectation;
+otherwise it is looked at again through the stream leader: a conflict if a given
+expectation or the position is taken, a new plan and another attempt if not. A batch whose reply was lost
 may have been stored: when it is sent again and refused, it is recognised as ours by
 its message ids and contents (`Stream._landed`).
 
@@ -396,8 +397,19 @@ class Stream:
             )
 
     async def _replan(self, batch: Batch, said: ServerError) -> None:
-        """After a rejected append: raise IntegrityError, or update expectations to try again."""
+        """After a rejected append: raise IntegrityError, or update expectations to try again.
+
+        When the caller gave every expectation (`expected_last_seqs` for every subject, as the
+        scheduler's group commit does), the refusal itself says one of them no longer holds:
+        IntegrityError at once, and the caller, who knows what it decided on, looks again.
+        Asking the leader for each subject would only say which one, at a read per subject
+        of the batch (with three scheduler replicas, most of what a lost race cost them)."""
         guards = list(batch.guards.values())
+        if all(guard.given for guard in guards):
+            raise IntegrityError(
+                f"appending to {self.name}: {said.description or 'refused'}; "
+                "a last sequence the caller expected has moved on"
+            )
         found = await asyncio.gather(*(self.last_from_leader(guard.subject) for guard in guards))
         changed = False
         for guard, current in zip(guards, found):
