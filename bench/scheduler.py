@@ -465,6 +465,14 @@ async def bench_replay(nats_url: str, total: int) -> dict[str, float]:
     js = nc.jetstream()
     last = (await js.stream_info(stream_name(prefix))).state.last_seq
 
+    # The raw read has a connection of its own, with the lean header parser the fold's has
+    # (the fold installs its direct delivery on its own connection, `nc`).
+    from events.natspy import use_lean_headers
+
+    raw_nc = await nats.connect(nats_url)
+    use_lean_headers(raw_nc)
+    raw_js = raw_nc.jetstream()
+
     async def raw() -> float:
         done = asyncio.get_running_loop().create_future()
         count = 0
@@ -476,7 +484,7 @@ async def bench_replay(nats_url: str, total: int) -> dict[str, float]:
                 done.set_result(None)
 
         t0 = time.perf_counter()
-        sub = await js.subscribe(f"{prefix}.>", stream=stream_name(prefix), cb=cb, ordered_consumer=True)
+        sub = await raw_js.subscribe(f"{prefix}.>", stream=stream_name(prefix), cb=cb, ordered_consumer=True)
         await done
         elapsed = time.perf_counter() - t0
         await sub.unsubscribe()
@@ -504,6 +512,7 @@ async def bench_replay(nats_url: str, total: int) -> dict[str, float]:
     for seq, body in enumerate(bodies, start=1):
         p.apply(seq, decode_event(body))
     apply_rate = len(bodies) / (time.perf_counter() - t0)
+    await raw_nc.close()
     await nc.close()
     return {
         "replay_events_per_s": round(max(fold_rates)),

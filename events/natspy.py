@@ -22,6 +22,15 @@ replay of the log, or says less than needed, the gap is closed here and nowhere 
   object per message.
 - `ORDERED_IDLE_HEARTBEAT_S`: the idle heartbeat of every ordered consumer (nats-py
   re-creates one only after two missed heartbeats).
+- `deliver_directly`: the data messages of one ordered push consumer handed from
+  nats-py's parser straight to a synchronous handler, without the message object, the
+  subscription's queue and its task that nats-py's own path costs per message (a
+  replay, and every scheduler replica's fold of every placement). It keeps nats-py's
+  bookkeeping of the ordered consumer exactly as nats-py would (tests/test_natspy.py
+  compares the two), and leaves nats-py everything else: status messages (idle
+  heartbeats, flow control), a delivery out of order (nats-py resets the consumer),
+  a subject in another format, and every message while the caller says it is not
+  ready (its own callback then gets them, in order).
 - `Replies`: many requests in flight over one wildcard inbox, each answered into a
   future. nats-py's `request` arms a timer (`wait_for`) and draws a NUID per call,
   and `publish_async` a timer per call on its semaphore; at thousands of requests a
@@ -32,9 +41,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import re
 from contextlib import suppress
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 import nats.errors
@@ -50,6 +60,9 @@ from events.tasks import cancel_and_wait
 ORDERED_IDLE_HEARTBEAT_S = 0.5
 
 NATS_PARSER = "_parse_header_lines"  # the private name nats-py calls on every message with headers
+NATS_DISPATCH = "_process_msg"  # the private coroutine nats-py's parser hands every message to
+
+log = logging.getLogger("warmboot.natspy")
 
 _HEADER_NAME = re.compile(rb"^[\x21-\x7e]+$")  # printable ASCII, no white space
 _WHITESPACE = " \t\n\r\x0b\x0c"  # what bytes.strip() strips
@@ -112,6 +125,91 @@ def use_lean_headers(nc: Any) -> None:
         )
     if getattr(nc, NATS_PARSER, None) is not parse_header_lines:
         setattr(nc, NATS_PARSER, parse_header_lines)
+
+
+# A handler of direct deliveries: (stream sequence, messages pending, subject, headers, body).
+DirectHandler = Callable[[int, int, str, "dict[str, str] | None", bytes], None]
+
+_ACK_PREFIX = b"$JS.ACK."
+_HEADER_LINE = b"NATS/1.0\r\n"  # a block of headers without a status (a status has a space after 1.0)
+
+
+class _Direct:
+    """One subscription delivered directly (see `deliver_directly`)."""
+
+    __slots__ = ("sub", "handler", "ready", "stats")
+
+    def __init__(self, sub: Any, handler: DirectHandler, ready: Callable[[], bool], stats: dict[str, int]):
+        self.sub = sub
+        self.handler = handler
+        self.ready = ready
+        self.stats = stats
+
+    def take(self, subject: bytes, reply: bytes, data: bytes, headers: bytes | None) -> bool:
+        """Hand a data message to the handler, doing what nats-py's `_process_msg` does for one
+        of an ordered consumer; False (nothing done) for anything nats-py must see itself."""
+        if not reply.startswith(_ACK_PREFIX) or (headers is not None and not headers.startswith(_HEADER_LINE)):
+            return False
+        tokens = reply.split(b".")
+        sub = self.sub
+        jsi = sub._jsi
+        # the 9-token form only: the one whose positions nats-py's ordered consumer reads
+        if len(tokens) != 9 or jsi is None or not self.ready():
+            return False
+        dseq = int(tokens[6])
+        if dseq != jsi._dseq:  # out of order: nats-py re-creates the consumer
+            return False
+        seq = int(tokens[5])
+        stats = self.stats
+        stats["in_msgs"] += 1
+        stats["in_bytes"] += len(data)
+        sub._received += 1
+        jsi._active = True
+        jsi._dseq = dseq + 1
+        jsi._sseq = seq
+        jsi.track_sequences(reply.decode())
+        parsed = parse_header_lines(headers[len(_HEADER_LINE):]) if headers is not None else None
+        try:
+            self.handler(seq, int(tokens[8]), subject.decode(), parsed or None, data)
+        except Exception:  # as nats-py reports an exception of a subscription's callback: not fatal
+            log.exception("handling message %d on %s failed", seq, subject)
+        return True
+
+
+def deliver_directly(nc: Any, psub: Any, handler: DirectHandler, ready: Callable[[], bool]) -> Callable[[], None]:
+    """Hand the data messages of `psub` (an ordered push subscription of `nc`, made with a
+    callback) to `handler` from nats-py's parser, while `ready()`; returns the undo.
+
+    The handler runs synchronously in the connection's read loop: it must not block. When
+    `ready()` is false, a message takes nats-py's path to the subscription's callback, so
+    the caller keeps the order by answering false while its callback holds messages (any
+    in its queue or in hand). Header blocks are parsed with `parse_header_lines`."""
+    original = getattr(nc, NATS_DISPATCH, None)
+    if not callable(original):
+        raise RuntimeError(
+            f"nats-py no longer has Client.{NATS_DISPATCH}: events/natspy.py must be taught the new name "
+            "(or direct delivery dropped)"
+        )
+    inner = psub._sub
+    routes: dict[int, _Direct] | None = getattr(nc, "_warmboot_direct", None)
+    if routes is None:
+        routes = {}
+        subs = nc._subs
+
+        async def dispatch(sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes | None) -> None:
+            sub = subs.get(sid)
+            route = routes.get(id(sub)) if sub is not None else None
+            if route is None or not route.take(subject, reply, data, headers):
+                await original(sid, subject, reply, data, headers)
+
+        nc._warmboot_direct = routes
+        setattr(nc, NATS_DISPATCH, dispatch)
+    routes[id(inner)] = _Direct(inner, handler, ready, nc.stats)
+
+    def undo() -> None:
+        routes.pop(id(inner), None)
+
+    return undo
 
 
 def parse_header_block(raw: bytes) -> dict[str, str]:

@@ -1,12 +1,15 @@
 """The scheduler's fold: the projection kept current from the event stream.
 
 An ordered push consumer on the whole stream delivers every message from the
-projection's position into a callback (the fastest way nats-py reads a stream),
-which decodes the body with msgspec straight into its event Struct (`EventReader`)
-and folds it; booking markers are folded from their subject alone, and messages that
-are not events (the tracking records of process applications) only advance the
-position. A replay is bound by nats-py's work per message, most of it parsing
-headers: the fold's connection parses them with the lean parser (`events.natspy`).
+projection's position, and each is decoded with msgspec straight into its event
+Struct (`EventReader`) and folded; booking markers are folded from their subject
+alone, and messages that are not events (the tracking records of process
+applications) only advance the position. A replay, and every replica's fold of every
+placement, is bound by nats-py's work per message: the fold's connection parses
+headers with the lean parser, and its data messages are handed from nats-py's parser
+straight to the fold (`events.natspy.deliver_directly`). While a checkpoint has the
+fold paused they take nats-py's path to the subscription's callback instead, which
+folds them in order once the pause ends; direct delivery resumes when none is left.
 `wait(seq)` lets a request be answered from state that includes `seq` (`min_seq`),
 or UNAVAILABLE after a deadline.
 """
@@ -29,7 +32,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from events.errors import unavailable
 from events.jetstream import TOPIC_HEADER, VERSION_HEADER
-from events.natspy import ORDERED_IDLE_HEARTBEAT_S, ack_positions, use_lean_headers
+from events.natspy import ORDERED_IDLE_HEARTBEAT_S, ack_positions, deliver_directly, use_lean_headers
 from events.schema import (EVENT_TYPES, ActorPlaced, ActorRuntime, AnyEvent, Snapshot, SnapshotTaken, WorkerBooked,
                            WorkerEvent)
 from events.subjects import stream_name
@@ -122,6 +125,8 @@ class Fold:
         self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
         self._tie = itertools.count()
         self._sub: Any = None
+        self._undo_direct: Callable[[], None] | None = None
+        self._in_callback = 0  # messages nats-py's path has handed to `_on_msg` and it has not folded yet
         self._read = EventReader().decode
         self._paused: asyncio.Future[None] | None = None
 
@@ -143,9 +148,13 @@ class Fold:
             idle_heartbeat=ORDERED_IDLE_HEARTBEAT_S,
             **start,
         )
+        self._undo_direct = deliver_directly(self.nc, self._sub, self._folded, self._direct_ready)
         await self.wait(target, timeout)
 
     async def stop(self) -> None:
+        if self._undo_direct is not None:
+            self._undo_direct()
+            self._undo_direct = None
         sub, self._sub = self._sub, None
         if sub is not None:
             with suppress(Exception):
@@ -167,13 +176,29 @@ class Fold:
             self._paused = None
             gate.set_result(None)
 
+    def _direct_ready(self) -> bool:
+        """Direct delivery keeps the order only when nats-py's path holds nothing: no pause,
+        no message in the subscription's queue or in `_on_msg`."""
+        sub = self._sub
+        return (self._paused is None and not self._in_callback and sub is not None
+                and sub._sub._pending_queue.empty())
+
     async def _on_msg(self, msg: Msg) -> None:
-        while self._paused is not None:
-            await asyncio.shield(self._paused)
-        seq, behind = ack_positions(msg.reply)
+        """nats-py's path: messages that arrived during a pause, or that direct delivery left to nats-py."""
+        self._in_callback += 1
+        try:
+            while self._paused is not None:
+                await asyncio.shield(self._paused)
+            seq, behind = ack_positions(msg.reply)
+            self._folded(seq, behind, msg.subject, msg.headers, msg.data)
+        finally:
+            self._in_callback -= 1
+
+    def _folded(self, seq: int, behind: int, subject: str, headers: dict[str, str] | None, data: bytes) -> None:
+        """One message delivered, by either path: folded, then the waiters and listeners told."""
         if seq <= self.projection.seq:  # redelivered: an ordered consumer reset before its first message
             return
-        self.fold_message(seq, msg.subject, msg.headers, msg.data)
+        self.fold_message(seq, subject, headers, data)
         self.behind = behind
         waiters = self._waiters
         while waiters and waiters[0][0] <= seq:

@@ -1,0 +1,159 @@
+"""The scheduler's fold reads its stream through `events.natspy.deliver_directly`: data
+messages are handed from nats-py's parser straight to the fold, everything else takes
+nats-py's own path. On a real server: the bookkeeping of the ordered consumer is what
+nats-py's path leaves, a pause hands messages to nats-py's path and nothing is folded
+out of order or twice, a consumer lost on the server is re-created by nats-py and the
+fold carries on from where it was, and a backlog large enough for flow control is read
+to its end."""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats
+import pytest
+from nats.aio.client import Client
+
+from events.natspy import NATS_DISPATCH, ORDERED_IDLE_HEARTBEAT_S, ack_positions, deliver_directly, use_lean_headers
+from events.subjects import stream_name
+from services.scheduler.fold import Fold
+from services.scheduler.projection import Projection
+from tests.factories import created, ensure_stream, last_seq, publish_events
+
+
+async def load(nc, prefix: str, first: int, count: int, versions: dict[str, int]) -> int:
+    """`count` ActorCreated events (actors a<first>...), published; the stream's last sequence."""
+    await publish_events(nc, prefix, [created(f"a{i}") for i in range(first, first + count)], versions)
+    return await last_seq(nc, prefix)
+
+
+def jsi_state(psub) -> tuple:
+    inner = psub._sub
+    jsi = inner._jsi
+    return jsi._dseq, jsi._sseq, jsi._fciseq, inner._received
+
+
+async def test_direct_delivery_leaves_the_bookkeeping_nats_py_s_own_path_leaves(nats_url, prefix, nc):
+    await ensure_stream(nats_url, prefix)
+    versions: dict[str, int] = {}
+    end = await load(nc, prefix, 0, 300, versions)
+    stream = stream_name(prefix)
+    seen: dict[str, list] = {"nats-py": [], "direct": []}
+    done = {name: asyncio.get_running_loop().create_future() for name in seen}
+    conns, subs = [], {}
+    try:
+        for name in seen:
+            conn = await nats.connect(nats_url)
+            use_lean_headers(conn)
+            conns.append(conn)
+
+            async def cb(msg, name=name) -> None:  # nats-py's path
+                seq, pending = ack_positions(msg.reply)
+                seen[name].append((seq, pending, msg.subject, msg.headers, msg.data))
+                if seq == end:
+                    done[name].set_result(None)
+
+            def handler(seq, pending, subject, headers, data, name=name) -> None:  # direct
+                seen[name].append((seq, pending, subject, headers, data))
+                if seq == end:
+                    done[name].set_result(None)
+
+            psub = await conn.jetstream().subscribe(f"{prefix}.>", stream=stream, cb=cb, ordered_consumer=True,
+                                                    idle_heartbeat=ORDERED_IDLE_HEARTBEAT_S)
+            subs[name] = psub
+            if name == "direct":
+                deliver_directly(conn, psub, handler, lambda psub=psub: psub._sub._pending_queue.empty())
+        await asyncio.wait_for(asyncio.gather(*done.values()), 30)
+        assert [m[0] for m in seen["direct"]] == list(range(1, end + 1))
+        assert seen["direct"] == seen["nats-py"]  # the same messages, headers and positions, either way
+        assert jsi_state(subs["direct"]) == jsi_state(subs["nats-py"]) == (end + 1, end, end, end)
+    finally:
+        for conn in conns:
+            await conn.close()
+
+
+async def test_a_paused_fold_takes_nats_py_s_path_and_folds_everything_once_in_order(nats_url, prefix, nc):
+    await ensure_stream(nats_url, prefix)
+    versions: dict[str, int] = {}
+    first = await load(nc, prefix, 0, 50, versions)
+    conn = await nats.connect(nats_url)
+    fold = Fold(conn, prefix, Projection())
+    order: list[int] = []
+    fold.listeners.append(order.append)
+    callbacks = 0
+    on_msg = fold._on_msg
+
+    async def counted(msg) -> None:
+        nonlocal callbacks
+        callbacks += 1
+        await on_msg(msg)
+
+    fold._on_msg = counted  # the callback the subscription is made with
+    try:
+        await fold.start(30)
+        assert fold.applied == first
+        async with fold.paused():
+            during = await load(nc, prefix, 50, 200, versions)
+            while fold._sub._sub._received < during:
+                await asyncio.sleep(0.01)  # a poll with the wait below as its deadline
+            assert fold.applied == first and not fold._direct_ready()
+            # more keeps arriving while the pause ends: direct delivery must wait for nats-py's
+            # path to hand over everything it holds
+            more = asyncio.create_task(publish_events(nc, prefix, [created(f"a{i}") for i in range(250, 650)],
+                                                      versions))
+            while fold._sub._sub._received < during + 20:
+                await asyncio.sleep(0)
+        assert not fold._direct_ready()  # the pause is over, but nats-py's path still holds messages
+        await more
+        after = await last_seq(nc, prefix)
+        await fold.wait(after, 30)
+        assert order == list(range(1, after + 1))  # each once, in stream order, across both paths
+        assert fold.projection.events == after and len(fold.projection.actors) == 650
+        assert fold._direct_ready()
+        assert callbacks >= during - first  # what arrived during the pause went through nats-py's path
+    finally:
+        await fold.stop()
+        await conn.close()
+
+
+async def test_a_consumer_lost_on_the_server_is_made_again_and_the_fold_carries_on(nats_url, prefix, nc):
+    await ensure_stream(nats_url, prefix)
+    versions: dict[str, int] = {}
+    first = await load(nc, prefix, 0, 100, versions)
+    conn = await nats.connect(nats_url)
+    fold = Fold(conn, prefix, Projection())
+    order: list[int] = []
+    fold.listeners.append(order.append)
+    try:
+        await fold.start(30)
+        lost = fold._sub._consumer
+        await nc.jetstream().delete_consumer(stream_name(prefix), lost)
+        end = await load(nc, prefix, 100, 100, versions)
+        await fold.wait(end, 30)  # nats-py misses two idle heartbeats and makes the consumer again
+        assert fold._sub._consumer != lost
+        assert order == list(range(1, end + 1))
+        assert fold.projection.events == end
+    finally:
+        await fold.stop()
+        await conn.close()
+
+
+async def test_a_backlog_past_the_flow_control_window_is_read_to_its_end(nats_url, prefix, nc):
+    await ensure_stream(nats_url, prefix)
+    end = await load(nc, prefix, 0, 20_000, {})
+    conn = await nats.connect(nats_url)
+    fold = Fold(conn, prefix, Projection())
+    try:
+        await fold.start(120)
+        assert fold.applied == end and fold.projection.events == end
+        assert conn.stats["in_msgs"] >= end  # direct deliveries are counted as nats-py counts its own
+    finally:
+        await fold.stop()
+        await conn.close()
+
+
+def test_direct_delivery_refuses_a_nats_py_without_the_dispatch_it_replaces(monkeypatch):
+    assert callable(getattr(Client, NATS_DISPATCH, None))
+    monkeypatch.delattr(Client, NATS_DISPATCH)
+    with pytest.raises(RuntimeError, match="natspy"):
+        deliver_directly(Client(), None, lambda *a: None, lambda: True)
