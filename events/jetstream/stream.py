@@ -407,8 +407,8 @@ class Stream:
         guards = list(batch.guards.values())
         if all(guard.given for guard in guards):
             raise IntegrityError(
-                f"appending to {self.name}: {said.description or 'refused'}; "
-                "a last sequence the caller expected has moved on"
+                f"appending to {self.name} was refused ({said.description or 'a conflict'}): a subject "
+                "of the batch has moved on from the last sequence the caller expected"
             )
         found = await asyncio.gather(*(self.last_from_leader(guard.subject) for guard in guards))
         changed = False
