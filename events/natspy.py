@@ -91,6 +91,23 @@ def parse_header_lines(raw: bytes) -> dict[str, str]:
     return headers
 
 
+def header_value(raw: bytes, name: str, encoded: bytes | None = None) -> str | None:
+    """`parse_header_lines(raw).get(name)`, without parsing the other lines when the last
+    line that names it is in the usual form (`Name:` at the start of a line); `encoded`
+    is `name.encode()`, for callers that look the same name up often."""
+    key = encoded if encoded is not None else name.encode()
+    at = raw.rfind(key)  # any line whose name strips to `name` holds these bytes: the last is at or after it
+    if at < 0:
+        return None
+    end = at + len(key)
+    if (at == 0 or (at >= 2 and raw[at - 2:at] == b"\r\n")) and raw[end:end + 1] == b":":
+        eol = raw.find(b"\r\n", end)
+        value = raw[end + 1:] if eol < 0 else raw[end + 1:eol]
+        if value.isascii():
+            return value.decode("ascii").strip(_WHITESPACE)
+    return parse_header_lines(raw).get(name)  # another form: the full parser says
+
+
 def _parse_line(line: str) -> tuple[str, str] | tuple[()]:
     """One ASCII line, as `_parse_bytes` reads it."""
     name, sep, value = line.partition(":")
@@ -137,13 +154,15 @@ _HEADER_LINE = b"NATS/1.0\r\n"  # a block of headers without a status (a status 
 class _Direct:
     """One subscription delivered directly (see `deliver_directly`)."""
 
-    __slots__ = ("sub", "handler", "ready", "stats")
+    __slots__ = ("sub", "handler", "ready", "stats", "wanted")
 
-    def __init__(self, sub: Any, handler: DirectHandler, ready: Callable[[], bool], stats: dict[str, int]):
+    def __init__(self, sub: Any, handler: DirectHandler, ready: Callable[[], bool], stats: dict[str, int],
+                 wanted: tuple[str, ...]):
         self.sub = sub
         self.handler = handler
         self.ready = ready
         self.stats = stats
+        self.wanted = tuple((name, name.encode()) for name in wanted)
 
     def take(self, subject: bytes, reply: bytes, data: bytes, headers: bytes | None) -> bool:
         """Hand a data message to the handler, doing what nats-py's `_process_msg` does for one
@@ -168,7 +187,17 @@ class _Direct:
         jsi._dseq = dseq + 1
         jsi._sseq = seq
         jsi.track_sequences(reply.decode())
-        parsed = parse_header_lines(headers[len(_HEADER_LINE):]) if headers is not None else None
+        parsed: dict[str, str] | None = None
+        if headers is not None:
+            block = headers[len(_HEADER_LINE):]
+            if self.wanted:
+                parsed = {}
+                for name, encoded in self.wanted:
+                    value = header_value(block, name, encoded)
+                    if value is not None:
+                        parsed[name] = value
+            if not parsed:  # none of the wanted ones: whether there are any others counts
+                parsed = parse_header_lines(block)
         try:
             self.handler(seq, int(tokens[8]), subject.decode(), parsed or None, data)
         except Exception:  # as nats-py reports an exception of a subscription's callback: not fatal
@@ -176,14 +205,18 @@ class _Direct:
         return True
 
 
-def deliver_directly(nc: Any, psub: Any, handler: DirectHandler, ready: Callable[[], bool]) -> Callable[[], None]:
+def deliver_directly(nc: Any, psub: Any, handler: DirectHandler, ready: Callable[[], bool],
+                     wanted: tuple[str, ...] = ()) -> Callable[[], None]:
     """Hand the data messages of `psub` (an ordered push subscription of `nc`, made with a
     callback) to `handler` from nats-py's parser, while `ready()`; returns the undo.
 
     The handler runs synchronously in the connection's read loop: it must not block. When
     `ready()` is false, a message takes nats-py's path to the subscription's callback, so
     the caller keeps the order by answering false while its callback holds messages (any
-    in its queue or in hand). Header blocks are parsed with `parse_header_lines`."""
+    in its queue or in hand). Header blocks are parsed with `parse_header_lines`; with
+    `wanted`, the handler gets only those headers (`header_value`), or all of them when
+    none of those is there: the same to a reader that looks at no other name and at
+    whether there are headers at all."""
     original = getattr(nc, NATS_DISPATCH, None)
     if not callable(original):
         raise RuntimeError(
@@ -204,7 +237,7 @@ def deliver_directly(nc: Any, psub: Any, handler: DirectHandler, ready: Callable
 
         nc._warmboot_direct = routes
         setattr(nc, NATS_DISPATCH, dispatch)
-    routes[id(inner)] = _Direct(inner, handler, ready, nc.stats)
+    routes[id(inner)] = _Direct(inner, handler, ready, nc.stats, wanted)
 
     def undo() -> None:
         routes.pop(id(inner), None)

@@ -126,11 +126,13 @@ async def test_a_consumer_lost_on_the_server_is_made_again_and_the_fold_carries_
     fold.listeners.append(order.append)
     try:
         await fold.start(30)
-        lost = fold._sub._consumer
-        await nc.jetstream().delete_consumer(stream_name(prefix), lost)
+        jsm = nc.jsm()
+        [lost] = await jsm.consumers_info(stream_name(prefix))
+        await jsm.delete_consumer(stream_name(prefix), lost.name)
         end = await load(nc, prefix, 100, 100, versions)
         await fold.wait(end, 30)  # nats-py misses two idle heartbeats and makes the consumer again
-        assert fold._sub._consumer != lost
+        [made] = await jsm.consumers_info(stream_name(prefix))
+        assert made.created > lost.created and made.delivered.stream_seq == end  # made again, read to the end
         assert order == list(range(1, end + 1))
         assert fold.projection.events == end
     finally:

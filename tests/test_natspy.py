@@ -13,7 +13,8 @@ from nats.aio.client import Client
 import pytest
 
 from events import natspy as headers
-from events.natspy import NATS_PARSER, _parse_bytes, ack_positions, parse_header_block, parse_header_lines, use_lean_headers
+from events.natspy import (NATS_PARSER, _parse_bytes, ack_positions, header_value, parse_header_block, parse_header_lines,
+                           use_lean_headers)
 
 SAMPLES = [
     b"Nats-Msg-Id: worker.w-1:1\r\nWarmboot-Topic: WorkerDrained\r\nWarmboot-Version: 1\r\n",
@@ -55,6 +56,32 @@ def test_any_block_reads_as_the_byte_parser_reads_it(raw):
 @given(_WELL_FORMED)
 def test_blocks_of_tokens_read_as_nats_py_reads_them(raw):
     assert parse_header_lines(raw) == Client._parse_header_lines(raw)
+
+
+# blocks made of header names and the bytes around them that make a line read otherwise
+_PIECES = st.sampled_from(["Warmboot-Topic", "X-Warmboot-Topic", "Warmboot-Topics", "warmboot-topic", ":", ": ",
+                           " ", "\t", "\x0b", "\r\n", "\n", "\r", "a", "7", "\u00e9", "\x01"])
+_NAMED_BLOCK = st.lists(_PIECES, max_size=24).map(lambda pieces: "".join(pieces).encode())
+
+
+@settings(max_examples=3000, deadline=None)
+@given(_NAMED_BLOCK, st.sampled_from(["Warmboot-Topic", "a", "X-Warmboot-Topic"]))
+def test_one_header_s_value_is_the_one_the_full_parser_gives(raw, name):
+    assert header_value(raw, name) == parse_header_lines(raw).get(name) == _parse_bytes(raw).get(name)
+
+
+@given(_BLOCK | _WELL_FORMED, st.sampled_from(["a", "Z", "a-", "A"]))
+def test_one_header_s_value_is_the_full_parser_s_for_any_block(raw, name):
+    assert header_value(raw, name) == parse_header_lines(raw).get(name)
+
+
+def test_one_header_s_value_from_the_blocks_the_store_writes():
+    raw = (b"Nats-Msg-Id: actor.a1:3\r\nWarmboot-Topic: ActorPlaced\r\nWarmboot-Version: 3\r\n"
+           b"Nats-Expected-Last-Subject-Sequence: 52\r\nNats-Batch-Id: mo9H\r\nNats-Batch-Sequence: 5\r\n\r\n")
+    assert header_value(raw, "Warmboot-Topic") == "ActorPlaced"
+    assert header_value(raw, "Warmboot-Version", b"Warmboot-Version") == "3"
+    assert header_value(raw, "Nats-Batch-Commit") is None
+    assert header_value(b"Warmboot-Topic: A\r\n Warmboot-Topic : B\r\n", "Warmboot-Topic") == "B"  # the last wins
 
 
 def test_the_table_of_lines_stays_bounded_and_is_only_a_cache():

@@ -148,7 +148,8 @@ class Fold:
             idle_heartbeat=ORDERED_IDLE_HEARTBEAT_S,
             **start,
         )
-        self._undo_direct = deliver_directly(self.nc, self._sub, self._folded, self._direct_ready)
+        self._undo_direct = deliver_directly(self.nc, self._sub, self._folded, self._direct_ready,
+                                             wanted=(TOPIC_HEADER, VERSION_HEADER))  # all fold_message reads
         await self.wait(target, timeout)
 
     async def stop(self) -> None:
