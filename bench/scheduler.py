@@ -15,7 +15,8 @@ Side by side, in one run:
     commits that lost an optimistic-concurrency race. The load generator sends raw
     requests, not through `warmboot.client`, so that what is timed is the scheduler.
 (c) replay: the fold of a large log from sequence 1 (decode + apply) against the raw
-    nats-py read rate of the same stream through the same kind of ordered consumer.
+    nats-py read rate of the same stream through the same kind of ordered consumer
+    (a no-op callback, on a connection of its own with the lean header parser).
     The log is written through the event store, in atomic appends of 400 events as
     the services write them, so each message carries the headers the store gives it
     (message id, topic, version, batch id and sequence, expected subject sequence):
