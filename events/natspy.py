@@ -26,7 +26,7 @@ replay of the log, or says less than needed, the gap is closed here and nowhere 
   nats-py's parser straight to a synchronous handler, without the message object, the
   subscription's queue and its task that nats-py's own path costs per message (a
   replay, and every scheduler replica's fold of every placement). It keeps nats-py's
-  bookkeeping of the ordered consumer exactly as nats-py would (tests/test_natspy.py
+  bookkeeping of the ordered consumer exactly as nats-py would (tests/test_fold_delivery.py
   compares the two), and leaves nats-py everything else: status messages (idle
   heartbeats, flow control), a delivery out of order (nats-py resets the consumer),
   a subject in another format, and every message while the caller says it is not
@@ -227,10 +227,9 @@ def deliver_directly(nc: Any, psub: Any, handler: DirectHandler, ready: Callable
     routes: dict[int, _Direct] | None = getattr(nc, "_warmboot_direct", None)
     if routes is None:
         routes = {}
-        subs = nc._subs
 
         async def dispatch(sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes | None) -> None:
-            sub = subs.get(sid)
+            sub = nc._subs.get(sid)
             route = routes.get(id(sub)) if sub is not None else None
             if route is None or not route.take(subject, reply, data, headers):
                 await original(sid, subject, reply, data, headers)

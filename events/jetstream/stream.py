@@ -6,9 +6,9 @@ the stream sequence its writer expects as the subject's last (`Guard.expected`),
 by the caller, remembered (`LastSeen`) or looked up. A refusal because a subject moved
 on is a conflict (`IntegrityError`) at once when the caller gave every expectation;
 otherwise it is looked at again through the stream leader: a conflict if a given
-expectation or the position is taken, a new plan and another attempt if not. A batch whose reply was lost
-may have been stored: when it is sent again and refused, it is recognised as ours by
-its message ids and contents (`Stream._landed`).
+expectation or the position is taken, a new plan and another attempt if not. A batch
+whose reply was lost may have been stored: when it is sent again and refused, it is
+recognised as ours by its message ids and contents (`Stream._landed`).
 
 Reading: a direct get may be answered by a replica that is behind this process's own
 writes; `last` and `subject_from` ask again, then read through the leader (`catch_up`).
