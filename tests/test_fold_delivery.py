@@ -27,6 +27,27 @@ async def load(nc, prefix: str, first: int, count: int, versions: dict[str, int]
     return await last_seq(nc, prefix)
 
 
+async def until(condition, what: str, timeout: float = 30.0) -> None:
+    """Poll `condition` (a counter nats-py keeps, which no event announces) until true, or fail."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"not within {timeout:g}s: {what}"
+        await asyncio.sleep(0.001)
+
+
+async def fold_of(nats_url: str, nc, prefix: str, count: int):
+    """A stream of `count` events and a Fold on a connection of its own, not started; the
+    sequences it folds are appended to `order`."""
+    await ensure_stream(nats_url, prefix)
+    versions: dict[str, int] = {}
+    first = await load(nc, prefix, 0, count, versions)
+    conn = await nats.connect(nats_url)
+    fold = Fold(conn, prefix, Projection())
+    order: list[int] = []
+    fold.listeners.append(order.append)
+    return conn, fold, order, versions, first
+
+
 def jsi_state(psub) -> tuple:
     inner = psub._sub
     jsi = inner._jsi
@@ -73,13 +94,7 @@ async def test_direct_delivery_leaves_the_bookkeeping_nats_py_s_own_path_leaves(
 
 
 async def test_a_paused_fold_takes_nats_py_s_path_and_folds_everything_once_in_order(nats_url, prefix, nc):
-    await ensure_stream(nats_url, prefix)
-    versions: dict[str, int] = {}
-    first = await load(nc, prefix, 0, 50, versions)
-    conn = await nats.connect(nats_url)
-    fold = Fold(conn, prefix, Projection())
-    order: list[int] = []
-    fold.listeners.append(order.append)
+    conn, fold, order, versions, first = await fold_of(nats_url, nc, prefix, 50)
     callbacks = 0
     on_msg = fold._on_msg
 
@@ -94,15 +109,13 @@ async def test_a_paused_fold_takes_nats_py_s_path_and_folds_everything_once_in_o
         assert fold.applied == first
         async with fold.paused():
             during = await load(nc, prefix, 50, 200, versions)
-            while fold._sub._sub._received < during:
-                await asyncio.sleep(0.01)  # a poll with the wait below as its deadline
+            await until(lambda: fold._sub._sub._received >= during, "the paused fold's connection got the load")
             assert fold.applied == first and not fold._direct_ready()
             # more keeps arriving while the pause ends: direct delivery must wait for nats-py's
             # path to hand over everything it holds
             more = asyncio.create_task(publish_events(nc, prefix, [created(f"a{i}") for i in range(250, 650)],
                                                       versions))
-            while fold._sub._sub._received < during + 20:
-                await asyncio.sleep(0)
+            await until(lambda: fold._sub._sub._received >= during + 20, "more arrived during the pause")
         assert not fold._direct_ready()  # the pause is over, but nats-py's path still holds messages
         await more
         after = await last_seq(nc, prefix)
@@ -117,13 +130,7 @@ async def test_a_paused_fold_takes_nats_py_s_path_and_folds_everything_once_in_o
 
 
 async def test_a_consumer_lost_on_the_server_is_made_again_and_the_fold_carries_on(nats_url, prefix, nc):
-    await ensure_stream(nats_url, prefix)
-    versions: dict[str, int] = {}
-    first = await load(nc, prefix, 0, 100, versions)
-    conn = await nats.connect(nats_url)
-    fold = Fold(conn, prefix, Projection())
-    order: list[int] = []
-    fold.listeners.append(order.append)
+    conn, fold, order, versions, first = await fold_of(nats_url, nc, prefix, 100)
     try:
         await fold.start(30)
         jsm = nc.jsm()
