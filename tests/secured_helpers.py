@@ -168,14 +168,31 @@ class Child:
             self.process.send_signal(sig)
             try:
                 self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
+            except subprocess.TimeoutExpired:  # stuck: what it waits on goes into the output, then kill
+                self.dump(timeout=10)
                 self.process.kill()
                 self.process.wait()
+                print(f"{' '.join(self.args[:2])} did not end within {timeout:g}s of signal {sig}; killed. Its output:\n"
+                      + self.output, flush=True)
         self._reader.join(10)  # the whole output, to its last line
         return self.process.returncode
 
     def stop(self, timeout: float = 30.0) -> int:
         return self.signal(signal.SIGTERM, timeout)
+
+    def dump(self, timeout: float = 10.0) -> bool:
+        """Have a running `warmboot serve|up` print every task's stack (`warmboot.runner.dump_tasks`)
+        into its output; whether the dump ended within `timeout`."""
+        from warmboot.runner import DUMP_HEADER, DUMP_SIGNAL
+
+        if self.process is None or self.process.poll() is not None:
+            return False
+        with self._changed:
+            seen = len(self.lines)
+        self.process.send_signal(DUMP_SIGNAL)
+        with self._changed:
+            return self._changed.wait_for(
+                lambda: self._ended or any(line.startswith(f"{DUMP_HEADER}: end") for line in self.lines[seen:]), timeout)
 
 
 class Serve(Child):

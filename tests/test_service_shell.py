@@ -312,6 +312,10 @@ async def test_serve_serves_metrics_on_every_interface_and_up_on_loopback(nats_u
     serve = Serve("registry", "--nats", nats_url, "--prefix", prefix, "--metrics-port", "0")
     await asyncio.to_thread(serve.start)
     try:
+        # SIGUSR1: every task's stack into the output (what a process that does not stop waits on); it serves on
+        assert await asyncio.to_thread(serve.dump)
+        dumped = serve.output[serve.output.index("--- warmboot: every task and thread"):]
+        assert "task " in dumped and "Current thread" in dumped and "until_signal" in dumped
         url = serve.line("metrics on ").split()[-1]
         assert url.startswith(f"http://{socket.gethostname()}:") and url.endswith("/metrics")
         port = int(url.rsplit(":", 1)[1].split("/")[0])
@@ -320,7 +324,7 @@ async def test_serve_serves_metrics_on_every_interface_and_up_on_loopback(nats_u
                                        .read().decode())
         assert "warmboot_registry_registrations_total" in text
     finally:
-        await asyncio.to_thread(serve.stop)
+        assert await asyncio.to_thread(serve.stop) == 0
 
     async with AsyncExitStack() as stack:  # what `warmboot up` starts: the default host
         running = await start_services(stack, ["registry"], nats_url, prefix, metrics_port=0)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import importlib
 import logging
 import signal
+import sys
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
@@ -98,10 +100,29 @@ async def start_services(
     return running
 
 
+DUMP_SIGNAL = signal.SIGUSR1
+DUMP_HEADER = "--- warmboot: every task and thread"
+
+
+def dump_tasks() -> None:
+    """Print the stack of every asyncio task and every thread to stderr: what a process
+    that does not stop, or does not answer, is waiting on."""
+    tasks = asyncio.all_tasks()
+    print(f"{DUMP_HEADER} ({len(tasks)} tasks) ---", file=sys.stderr)
+    for task in sorted(tasks, key=lambda t: t.get_name()):
+        print(f"task {task.get_name()}:", file=sys.stderr)
+        task.print_stack(file=sys.stderr)
+    sys.stderr.flush()
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    print(f"{DUMP_HEADER}: end ---", file=sys.stderr, flush=True)
+
+
 async def until_signal() -> None:
-    """Return on SIGINT or SIGTERM."""
+    """Return on SIGINT or SIGTERM. From here on, until the loop closes (through the
+    shutdown too), SIGUSR1 prints every task's and thread's stack (`dump_tasks`)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    loop.add_signal_handler(DUMP_SIGNAL, dump_tasks)
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
