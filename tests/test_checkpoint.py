@@ -381,6 +381,33 @@ async def test_the_time_trigger_saves_what_was_folded_since_the_last_save(nc, pr
     assert [seq for seq, _, _ in stored] == [more, last]
 
 
+async def test_a_stop_ends_the_saver_when_a_request_swallowed_its_cancellation(nc, prefix, writer, replicas):
+    """On Python 3.11 `asyncio.wait_for` (every nats-py request) returns its result instead of
+    raising when the reply and the cancellation arrive together. A saver cancelled that way
+    in the middle of a trigger must still end, or the replica's stop waits for it for ever."""
+    await write_mix(writer)
+    service = await replicas(metrics=False, checkpoint_every=5, checkpoint_interval_s=0)
+    checkpoints = service.checkpoints
+    await checkpoints.wait_saved(service.projection.seq, 20)  # the save at start, done
+    asked, release = asyncio.Event(), asyncio.Event()
+    identity = checkpoints._stream_identity
+
+    async def swallowing() -> tuple[str, int]:
+        asked.set()
+        try:
+            await release.wait()  # the stop's cancellation lands here
+        except asyncio.CancelledError:
+            pass  # ... and is lost, as wait_for loses it
+        return await identity()
+
+    checkpoints._stream_identity = swallowing
+    await asyncio.to_thread(writer.write, *[created(f"s{i}") for i in range(10)])  # the next trigger
+    await asyncio.wait_for(asked.wait(), 20)
+    saves = checkpoints.saves
+    await asyncio.wait_for(service.stop(), 30)  # it hung here: the saver waited for a trigger for ever
+    assert checkpoints.saves == saves  # and a closed saver starts no new save
+
+
 async def replay_until(nc, prefix, seq: int) -> Projection:
     from warmboot.audit import Sink
 

@@ -21,7 +21,7 @@ from prometheus_client import REGISTRY
 from eventsourcing.persistence import IntegrityError
 
 from events.codec import decode_event, encode
-from events.errors import ContractError
+from events.errors import ContractError, unavailable
 from events.schema import (
     Action,
     ActorPlaced,
@@ -220,6 +220,32 @@ async def test_a_refused_group_keeps_the_placements_that_are_still_valid(nc, pre
     events = dict(await read_log(nc, prefix))
     assert isinstance(events[x_seq], WorkerBooked) and events[x_seq - 1].actor_id == "x"
     assert [e.actor_id for e in events.values() if isinstance(e, ActorPlaced)] == ["x"]
+
+
+async def test_a_stop_ends_the_committer_when_a_request_swallowed_its_cancellation(nc, prefix, writer, replicas):
+    """On Python 3.11 `asyncio.wait_for` (every nats-py request, Fold.wait) returns its result
+    instead of raising when it completes as its task is cancelled. A committer cancelled that
+    way in the middle of an append must still end, or the replica's stop waits for ever."""
+    await asyncio.to_thread(writer.write, registered("w1", entry(V1)), created("x"))
+    service = await replicas()
+    committer = service.committer
+    appending = asyncio.Event()
+
+    async def swallowing(group) -> None:
+        appending.set()
+        try:
+            await asyncio.Event().wait()  # the stop's cancellation lands here
+        except asyncio.CancelledError:
+            pass  # ... and is lost, as wait_for loses it
+        committer._fail(group, unavailable("the append was cut short"))
+
+    committer.append = swallowing
+    pending = asyncio.create_task(resume(nc, prefix, "x"))
+    await asyncio.wait_for(appending.wait(), 10)
+    await asyncio.wait_for(committer.stop(), 10)  # it hung here: the loop waited for the next resume
+    with pytest.raises(ContractError) as refused:
+        await pending
+    assert refused.value.code is ErrorCode.UNAVAILABLE
 
 
 # --- idempotency ----------------------------------------------------------------------------------------

@@ -148,6 +148,9 @@ class Demo:
         self.wb = Client(nc, prefix, timeout=cfg.timeout, attempts=8)
         self.gate = asyncio.Semaphore(cfg.concurrency)
         self.where: dict[str, str] = {}  # actor -> the worker of its last placement
+        # ends `heartbeats` also when a request's time-out swallowed its cancellation (Python
+        # 3.11's asyncio.wait_for can, when the reply and the cancellation come together)
+        self.stopping = False
         self.oldest = [w for w in self.workers if w.generation == OLDEST]
 
     async def call(self, request: Awaitable[Any]) -> Any:
@@ -173,7 +176,7 @@ class Demo:
     async def heartbeats(self) -> None:
         """Keep every simulated worker alive, as its agent would."""
         interval = 3.0
-        while True:
+        while not self.stopping:
             for worker in self.workers:
                 with suppress(ContractError):
                     reply = await self.call(self.wb.heartbeat(worker.worker_id))
@@ -384,6 +387,7 @@ async def run_demo(nats_url: str, prefix: str, cfg: DemoConfig, console: Console
                           f"warmboot workers --nats {nats_url}")
             await hold()
     finally:
+        demo.stopping = True
         await cancel_and_wait(beat)
         await nc.close()
     return demo.tally

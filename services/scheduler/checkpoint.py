@@ -128,6 +128,7 @@ class Checkpoints:
         self.last_size = 0
         self.load_timings: dict[str, float] = {}  # of the checkpoint restored: read_s, decode_s, bytes
         self._due = asyncio.Event()
+        self._closing = False  # ends the saver's loop also when a time-out swallowed close()'s cancellation
         self._task: asyncio.Task[None] | None = None
         self._saving: asyncio.Task[str | None] | None = None
         self._saved = asyncio.Condition()
@@ -288,10 +289,15 @@ class Checkpoints:
         self.folded(fold.projection.events, fold.behind)  # a long replay at start: save it right away
 
     async def _run(self, fold: Any) -> None:
-        while True:
+        # The loop checks `_closing`, not only its cancellation: on Python 3.11 a request's
+        # time-out (`asyncio.wait_for`) that completes as the task is cancelled can swallow the
+        # cancellation, and the loop would then wait on `_due` for ever (a stop that hung).
+        while not self._closing:
             with suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._due.wait(), self.interval_s if self.interval_s > 0 else None)
             self._due.clear()
+            if self._closing:
+                return
             projection = fold.projection
             fresh = projection.events - self.saved_events
             if fresh <= 0:
@@ -312,6 +318,8 @@ class Checkpoints:
                     self.skipped += 1
                     self.saved_seq, self.saved_events, self.saved_at = newest, projection.events, time.monotonic()
                     continue
+                if self._closing:  # closed meanwhile: no new save
+                    return
                 self._saving = asyncio.create_task(self.save(projection))
                 await asyncio.shield(self._saving)
             except asyncio.CancelledError:
@@ -321,6 +329,8 @@ class Checkpoints:
                 log.warning("saving a checkpoint failed (%s: %s); trying again later", type(error).__name__, error)
 
     async def close(self) -> None:
+        self._closing = True
+        self._due.set()  # a saver waiting for its next trigger ends now
         task, self._task = self._task, None
         if self._busy():  # let a save in progress finish, rather than leave chunks without their object
             with suppress(Exception):

@@ -161,6 +161,9 @@ class Committer:
         self._jobs: list[Job] = []  # resumes to decide
         self._ready: list[Commit] = []  # decided placements to append again after a refused group
         self._wake = asyncio.Event()
+        # ends the loop also when a request's time-out swallowed stop()'s cancellation (Python
+        # 3.11's asyncio.wait_for, inside every nats-py request and Fold.wait, can)
+        self._stopping = False
         self._may_commit = asyncio.Event()  # cleared while `commits_held`
         self._may_commit.set()
         self._arrival: asyncio.Future[None] | None = None  # `until_queued` waits on it
@@ -177,6 +180,9 @@ class Committer:
         self._task = asyncio.create_task(self._commit_groups(), name="scheduler-committer")
 
     async def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._may_commit.set()
         task, self._task = self._task, None
         await cancel_and_wait(task)
         stopping = unavailable("this scheduler replica is stopping; try again")
@@ -256,11 +262,11 @@ class Committer:
         lands on a worker already in the group is decided again in the next one, which
         then expects the booking sequence this group wrote.
         """
-        while True:
+        while not self._stopping:
             await self._wake.wait()
             await self._may_commit.wait()
             self._wake.clear()
-            while self._ready or self._jobs:
+            while (self._ready or self._jobs) and not self._stopping:
                 workers = {item.hold.worker_id for item in self._ready}
                 group = self._ready[: self._group_limit]
                 self._ready = self._ready[self._group_limit:]
