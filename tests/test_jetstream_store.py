@@ -453,7 +453,7 @@ def test_a_refusal_of_expectations_all_given_is_a_conflict_without_reading_every
         ledger, tally = Ledger("w-1"), Tally("a-1")
         ledger.book("a-1")
         tally.drain("placed")
-        app.save(tally, ledger, expected_last_seqs={"ledger.w-1": 0, "tally.a-1": 0})
+        booking_seq = app.save(tally, ledger, expected_last_seqs={"ledger.w-1": 0, "tally.a-1": 0})[-1].notification.id
         link = app.recorder.link
 
         async def watch():
@@ -474,7 +474,7 @@ def test_a_refusal_of_expectations_all_given_is_a_conflict_without_reading_every
         # the position the refused save wanted is still free: decided again on the current view, it commits
         ledger = app.repository.get("ledger.w-1")
         ledger.book("a-2")
-        app.save(ledger, expected_last_seqs={"ledger.w-1": before})
+        app.save(ledger, expected_last_seqs={"ledger.w-1": booking_seq})
         assert app.repository.get("ledger.w-1").actors == ["a-1", "a-2"]
     finally:
         app.close()
