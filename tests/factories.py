@@ -314,6 +314,23 @@ async def publish_events(nc: NATS, prefix: str, events: Iterable[Event], version
     await js.publish_async_completed()
 
 
+async def ordered_subscription(js: Any, subject: str, stream: str, deadline_s: float = 60.0) -> Any:
+    """An ordered consumer on `subject`, made once the cluster makes one: right after a stream
+    leader is killed, on a loaded machine, a CONSUMER.CREATE can go unanswered (nats-py's 5 s
+    time-out) until the cluster has settled. For a test's verdict, which reads the log after a
+    failover; the services' own consumers are re-made by nats-py."""
+    import nats.errors
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + deadline_s
+    while True:
+        try:
+            return await js.subscribe(subject, stream=stream, ordered_consumer=True)
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
+            if loop.time() > deadline:
+                raise
+
+
 async def last_seq(nc: NATS, prefix: str) -> int:
     """The stream's last sequence (0 before the first event)."""
     try:

@@ -26,6 +26,7 @@ from events.jetstream.layout import LEADER_ELECTED_ADVISORY
 from events.schema import (Attribute, CompatVersion, CreateActor, ErrorCode, Fidelity, RegisterWorker, Resources,
                            WorkerRuntime, WorkerSandboxClass)
 from events.subjects import stream_name
+from tests.factories import ordered_subscription
 from warmboot.client import Client
 from warmboot.natsserver import NatsCluster, wait_jetstream
 from warmboot.runner import SERVICES, connect, start_services
@@ -145,7 +146,7 @@ async def read_log(nc, stream: str, t: float) -> tuple[float, list[str]]:
     stream holds more than once (an append stored twice)."""
     js = nc.jetstream()
     last = (await js.stream_info(stream)).state.last_seq
-    sub = await js.subscribe(">", stream=stream, ordered_consumer=True)
+    sub = await ordered_subscription(js, ">", stream)  # the cluster may still be settling after the kill
     first, ids, doubled = None, set(), []
     try:
         while True:

@@ -43,7 +43,7 @@ from events.schema import (
 )
 from events.subjects import service_subject, stream_name
 from services.common import call
-from tests.factories import SILENT_TTL_S
+from tests.factories import SILENT_TTL_S, ordered_subscription
 from warmboot.audit import Sink
 from warmboot.cli_common import read_subject, replay
 from warmboot.natsserver import NatsCluster, NatsServer, wait_jetstream, wait_stream_current
@@ -197,6 +197,8 @@ async def test_stream_leader_killed_under_load(tmp_path, monkeypatch):
             # the verdict reads the log message by message: once the node back in the cluster has
             # caught up (until then a read may be answered 503, "JetStream temporarily unavailable")
             await wait_stream_current(nc.jetstream(), stream_name(prefix), 3)
+            # and once it makes consumers again (the verdict reads subjects through ordered consumers)
+            await (await ordered_subscription(nc.jetstream(), f"{prefix}.>", stream_name(prefix))).unsubscribe()
             await check_log(nc, load)
 
 
