@@ -63,6 +63,7 @@ class Load:
     acked: dict[int, str] = field(default_factory=dict)  # seq -> subject it must be on
     unavailable: int = 0
     placements: dict[str, list[Assignment]] = field(default_factory=dict)
+    answered: asyncio.Event = field(default_factory=asyncio.Event)  # set by each acknowledged write
 
     async def ask(self, service: str, verb: str, entity: str, body, reply_type, *, attempts: int = 60):
         """One request; retried with the same body (and request_id) while the answer is UNAVAILABLE."""
@@ -79,6 +80,7 @@ class Load:
 
     def ack(self, seq: int, kind: str, entity: str) -> None:
         self.acked[seq] = f"{self.prefix}.ev.{kind}.{entity}"
+        self.answered.set()
 
     async def register(self, worker_id: str) -> None:
         body = RegisterWorker(
@@ -147,8 +149,9 @@ async def run_load(load: Load, actors: list[str], rounds: int, fault) -> None:
     """`rounds` of cycles over every actor, with `fault()` injected halfway, while cycles are in flight."""
     for r in range(rounds):
         if r == rounds // 2:
+            load.answered.clear()
             cycles = asyncio.gather(*(load.cycle(a, r) for a in actors))
-            await asyncio.sleep(0)  # let the cycles send their first requests
+            await asyncio.wait_for(load.answered.wait(), 60)  # the round's first answer: its cycles are under way
             await fault()
             await cycles
             continue
