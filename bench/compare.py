@@ -1,6 +1,6 @@
 """Side by side against an earlier commit: the same workload from two trees, alternated.
 
-    python bench/compare.py --base REV [--rounds 3] [--actors 3000] [--json]
+    python bench/compare.py --base REV [--rounds 3] [--actors 3000] [--rate 800] [--json]
 
 The machine is shared and noisy, so absolute rates wander; what a change costs is
 the ratio of this tree's figure to the base's, measured in one run with the two
@@ -11,9 +11,13 @@ run with this tree's virtual environment.
 Workloads (each `bench/scheduler.py`'s `bench_resumes`, in both trees):
 - `resumes_per_s`: committed resumes/s, 1 scheduler replica, 1,000 workers;
 - `resumes_per_s_with_request_id`: the same, every resume with a request id;
-- `cpu_ms_per_placement_1_replica`, `cpu_ms_per_placement_3_replicas` and their
-  quotient `replica_cpu_ratio_3v1` (per round): the CPU of all scheduler processes per
-  committed placement, from their own rusage, with 1 and with 3 replicas.
+- `cpu_ms_per_placement_1_replica_saturated`, `cpu_ms_per_placement_3_replicas_saturated`
+  and their quotient `replica_cpu_ratio_3v1_saturated` (per round): the CPU of all
+  scheduler processes per committed placement, from their own rusage, with 1 and with 3
+  replicas, each with the same window in flight (closed loop);
+- `cpu_ms_per_placement_1_replica`, `cpu_ms_per_placement_3_replicas` and
+  `replica_cpu_ratio_3v1`: the same at the same offered load, `--rate` resumes/s (open
+  loop; measured only in trees whose `bench_resumes` takes a `rate`, 2026-12 on).
 
 The last line with `--json` is one JSON object: per workload the base's and this
 tree's medians and `<workload>_ratio` (this tree / base).
@@ -32,12 +36,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 RUN = r"""
-import asyncio, json, sys, tempfile
+import asyncio, inspect, json, sys, tempfile
 sys.path.insert(0, ".")
 from warmboot.natsserver import NatsServer
 from bench.scheduler import bench_resumes
 
-async def main(actors, window):
+async def main(actors, window, rate):
     with tempfile.TemporaryDirectory() as d:
         server = NatsServer(d)
         server.start()
@@ -45,20 +49,27 @@ async def main(actors, window):
             plain = await bench_resumes(server.url, 1, actors, window, request_ids=False)
             with_ids = await bench_resumes(server.url, 1, actors, window, request_ids=True)
             three = await bench_resumes(server.url, 3, actors, window, request_ids=False)
+            out = {"resumes_per_s": plain["resumes_per_s"],
+                   "resumes_per_s_with_request_id": with_ids["resumes_per_s"],
+                   "cpu_ms_per_placement_1_replica_saturated": plain["cpu_ms_per_placement"],
+                   "cpu_ms_per_placement_3_replicas_saturated": three["cpu_ms_per_placement"],
+                   "replica_cpu_ratio_3v1_saturated": three["cpu_ms_per_placement"] / plain["cpu_ms_per_placement"]}
+            if "rate" in inspect.signature(bench_resumes).parameters:  # trees since the open-loop load
+                paced = [await bench_resumes(server.url, n, actors, window, request_ids=False, rate=rate, label="c")
+                         for n in (1, 3)]
+                out.update({"cpu_ms_per_placement_1_replica": paced[0]["cpu_ms_per_placement"],
+                            "cpu_ms_per_placement_3_replicas": paced[1]["cpu_ms_per_placement"],
+                            "replica_cpu_ratio_3v1": paced[1]["cpu_ms_per_placement"] / paced[0]["cpu_ms_per_placement"]})
         finally:
             server.stop()
-    print(json.dumps({"resumes_per_s": plain["resumes_per_s"],
-                      "resumes_per_s_with_request_id": with_ids["resumes_per_s"],
-                      "cpu_ms_per_placement_1_replica": plain["cpu_ms_per_placement"],
-                      "cpu_ms_per_placement_3_replicas": three["cpu_ms_per_placement"],
-                      "replica_cpu_ratio_3v1": three["cpu_ms_per_placement"] / plain["cpu_ms_per_placement"]}))
+    print(json.dumps(out))
 
-asyncio.run(main(int(sys.argv[1]), int(sys.argv[2])))
+asyncio.run(main(int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])))
 """
 
 
-def run(tree: Path, actors: int, window: int) -> dict[str, float]:
-    out = subprocess.run([sys.executable, "-c", RUN, str(actors), str(window)], cwd=tree, check=True,
+def run(tree: Path, actors: int, window: int, rate: float) -> dict[str, float]:
+    out = subprocess.run([sys.executable, "-c", RUN, str(actors), str(window), str(rate)], cwd=tree, check=True,
                          capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -69,6 +80,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--actors", type=int, default=3000)
     parser.add_argument("--window", type=int, default=128)
+    parser.add_argument("--rate", type=float, default=800.0,
+                        help="resumes/s offered to 1 and to 3 replicas for replica_cpu_ratio_3v1 (open loop)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     rev = subprocess.run(["git", "rev-parse", "--short", args.base], cwd=ROOT, check=True, capture_output=True,
@@ -81,7 +94,7 @@ def main() -> None:
             figures: dict[str, dict[str, list[float]]] = {"base": {}, "head": {}}
             for r in range(args.rounds):
                 for name, tree in (("base", base), ("head", ROOT)):
-                    got = run(tree, args.actors, args.window)
+                    got = run(tree, args.actors, args.window, args.rate)
                     for key, value in got.items():
                         figures[name].setdefault(key, []).append(value)
                     print(f"round {r + 1} {name:4} ({rev if name == 'base' else 'this tree'}): "
@@ -90,6 +103,9 @@ def main() -> None:
             subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT, capture_output=True)
     result: dict[str, object] = {"base": rev, "rounds": args.rounds}
     for key in figures["head"]:
+        if key not in figures["base"]:  # a figure the base's bench cannot measure
+            print(f"{key}: this tree {statistics.median(figures['head'][key]):,.3g} (not measured on the base)")
+            continue
         b, h = statistics.median(figures["base"][key]), statistics.median(figures["head"][key])
         result[f"{key}_base"], result[f"{key}_head"] = round(b, 3), round(h, 3)
         result[f"{key}_ratio"] = round(h / b, 3)

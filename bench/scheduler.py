@@ -14,6 +14,11 @@ Side by side, in one run:
     its own fold and commits), every resume of a different actor; and the share of
     commits that lost an optimistic-concurrency race. The load generator sends raw
     requests, not through `warmboot.client`, so that what is timed is the scheduler.
+    What a replica costs (`replica_cpu_ratio_3v1`, goal at most 1.5): the CPU of all
+    scheduler processes (their own rusage) per committed placement with 3 replicas over
+    that with 1, at the same offered load (open loop, two thirds of the rate 3 replicas
+    sustain closed-loop; `replica_cpu_rate_per_s`), alternated over two rounds; beside it
+    the same quotient for the closed-loop runs (`replica_cpu_ratio_3v1_saturated`).
 (c) replay: the fold of a large log from sequence 1 (decode + apply) against the raw
     nats-py read rate of the same stream through the same kind of ordered consumer
     (a no-op callback, on a connection of its own with the lean header parser).
@@ -332,9 +337,17 @@ def scrape(port: int, name: str) -> float:
 
 
 async def bench_resumes(
-    nats_url: str, replicas: int, actors: int, window: int, request_ids: bool, workers: int = 1000
+    nats_url: str, replicas: int, actors: int, window: int, request_ids: bool, workers: int = 1000,
+    rate: float | None = None, label: str = "",
 ) -> dict[str, float]:
-    prefix = f"bench{replicas}{'r' if request_ids else ''}w{workers}p{os.getpid() % 1000}"
+    """Committed resumes against `replicas` scheduler processes, `window` in flight.
+
+    Closed loop by default: each of the `window` senders asks again as soon as it is
+    answered, so the rate is whatever the replicas sustain. With `rate`, open loop: the
+    k-th resume is sent at k / `rate` seconds (still at most `window` in flight), the same
+    offered load for any number of replicas. `label` keeps runs on one server apart."""
+    paced = f"f{rate:.0f}" if rate else ""
+    prefix = f"bench{replicas}{'r' if request_ids else ''}w{workers}{paced}{label}p{os.getpid() % 1000}"
     await ensure_stream(nats_url, prefix)
     nc = await nats.connect(nats_url)
     per_worker = actors // workers + 2  # room for every actor: the figure is commits, not refusals
@@ -362,10 +375,17 @@ async def bench_resumes(
         queue = list(range(actors))
         latencies: list[float] = []
 
+        sent = 0
+
         async def worker() -> None:
-            nonlocal placed, refused
+            nonlocal placed, refused, sent
             while queue:
                 j = queue.pop()
+                if rate is not None:  # open loop: the k-th resume is due at t0 + k / rate
+                    due = t0 + sent / rate
+                    sent += 1
+                    if (wait := due - time.perf_counter()) > 0:
+                        await asyncio.sleep(wait)  # pacing the load generator, not a synchronisation
                 # Raw requests, not warmboot.client: the figure is the scheduler's, and the client's
                 # per-call work (a body copy for the request id, the min_seq of read-your-writes,
                 # decoding every reply into an Assignment) would run on the same two cores.
@@ -501,7 +521,7 @@ async def bench_replay(nats_url: str, total: int) -> dict[str, float]:
         return last / elapsed
 
     raw_rates, fold_rates = [], []
-    for _ in range(2):  # alternate, keep the best of each: both read the same warm stream
+    for _ in range(3):  # alternate, keep the best of each: both read the same warm stream
         raw_rates.append(await raw())
         fold_rates.append(await fold())
     # the fold without the bus: decode + apply of the same bodies from memory
@@ -549,6 +569,23 @@ async def bench_bus(quick: bool) -> dict[str, float]:
         show("1 replica,  1000 workers, every resume with a request_id", with_ids)
         contended = await bench_resumes(server.url, 3, actors // 2, window, request_ids=False, workers=100)
         show("3 replicas,  100 workers (contended)", contended)
+        # What a replica costs, at the same offered load for 1 and 3 replicas: two thirds of
+        # what three sustained above, so that neither saturates these cores (alternated, 2 rounds).
+        # The closed-loop runs above offer the same window instead; there one replica runs at
+        # about twice the rate of three, and three replicas, nats-server and the load generator
+        # oversubscribe two cores, which a replica on a core of its own would not see.
+        rate = max(100.0, round(three["resumes_per_s"] * 2 / 3, -1))
+        paced: dict[int, list[dict[str, float]]] = {1: [], 3: []}
+        for round_ in range(2):
+            for n in (1, 3):
+                paced[n].append(await bench_resumes(server.url, n, actors, window, request_ids=False,
+                                                    rate=rate, label=f"r{round_}"))
+        cpu_1, cpu_3 = (statistics.mean(r["cpu_ms_per_placement"] for r in paced[n]) for n in (1, 3))
+        held = min(r["resumes_per_s"] for n in (1, 3) for r in paced[n]) >= 0.95 * rate
+        print(f"(b) same offered load, {rate:.0f} resumes/s{'' if held else ' (NOT held: a run fell behind)'}: "
+              f"CPU per placement 1 replica {cpu_1:.3f} ms, 3 replicas {cpu_3:.3f} ms: 3v1 {cpu_3 / cpu_1:.2f} "
+              f"(same window instead: {three['cpu_ms_per_placement'] / one['cpu_ms_per_placement']:.2f})",
+              flush=True)
         out.update({
             "resumes_per_s": one["resumes_per_s"],
             "resume_latency_p50_ms": one["latency_p50_ms"],
@@ -557,9 +594,14 @@ async def bench_bus(quick: bool) -> dict[str, float]:
             "commit_conflict_rate_1_replica": one["commit_conflict_rate"],
             "resumes_per_s_with_request_id": with_ids["resumes_per_s"],
             "request_id_ratio": round(with_ids["resumes_per_s"] / one["resumes_per_s"], 3),
-            "cpu_ms_per_placement_1_replica": one["cpu_ms_per_placement"],
-            "cpu_ms_per_placement_3_replicas": three["cpu_ms_per_placement"],
-            "replica_cpu_ratio_3v1": round(three["cpu_ms_per_placement"] / one["cpu_ms_per_placement"], 3),
+            "replica_cpu_rate_per_s": rate,
+            "replica_cpu_rate_held": held,
+            "cpu_ms_per_placement_1_replica": round(cpu_1, 3),
+            "cpu_ms_per_placement_3_replicas": round(cpu_3, 3),
+            "replica_cpu_ratio_3v1": round(cpu_3 / cpu_1, 3),
+            "cpu_ms_per_placement_1_replica_saturated": one["cpu_ms_per_placement"],
+            "cpu_ms_per_placement_3_replicas_saturated": three["cpu_ms_per_placement"],
+            "replica_cpu_ratio_3v1_saturated": round(three["cpu_ms_per_placement"] / one["cpu_ms_per_placement"], 3),
             "resumes_per_s_3_replicas_100_workers": contended["resumes_per_s"],
             "commit_conflict_rate_3_replicas_100_workers": contended["commit_conflict_rate"],
         })
