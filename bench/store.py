@@ -1,6 +1,6 @@
 """Event-store bench: events.jetstream against the library's SQLite module, side by side.
 
-    .venv/bin/python bench/store.py [--singles N] [--batches N] [--threads N] [--url nats://...]
+    .venv/bin/python bench/store.py [--singles N] [--batches N] [--threads N] [--url nats://...] [--json]
 
 One run measures, on the same workload (WorkerDrained events as WireMapper stores
 them, one subject per aggregate):
@@ -12,13 +12,17 @@ them, one subject per aggregate):
 
 and prints the ratios. Without --url it starts its own nats-server on a temporary
 store (file storage, as in production); SQLite writes a file in the same place.
-The default run takes well under two minutes on a 2-core machine.
+The default run takes well under two minutes on a 2-core machine. With --json the
+last line is one JSON object: each rate as `<store>_<workload>_per_s` (store
+`jetstream` or `sqlite`), and the ratios the report prints.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import json
 import sys
 import tempfile
 import threading
@@ -206,12 +210,36 @@ def report(js: Rates, sq: Rates, args: argparse.Namespace) -> None:
           f"sqlite {ratio(sq.batch, sq.single).strip()}")
 
 
+def figures(js: Rates, sq: Rates) -> dict[str, float | int | None]:
+    """The `--json` object: every rate of both stores, and the ratios `report` prints."""
+    out: dict[str, float | int | None] = {"events": js.events}
+    for store, rates in (("jetstream", js), ("sqlite", sq)):
+        for field in dataclasses.fields(Rates):
+            value = getattr(rates, field.name)
+            if field.name != "events" and value is not None:
+                out[f"{store}_{field.name}_per_s"] = round(value)
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 3) if a and b else None
+
+    out.update({
+        "replay_select_vs_raw": ratio(js.replay_select, js.raw),
+        "replay_subscribe_vs_raw": ratio(js.replay_subscribe, js.raw),
+        "jetstream_batch_vs_single": ratio(js.batch, js.single),
+        "sqlite_batch_vs_single": ratio(sq.batch, sq.single),
+        **{f"{name}_vs_sqlite": ratio(getattr(js, name), getattr(sq, name))
+           for name in ("single", "threaded", "batch", "replay_select")},
+    })
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", help="an existing nats-server (default: start one)")
     parser.add_argument("--singles", type=int, default=3000, help="single-event appends (default 3000)")
     parser.add_argument("--batches", type=int, default=1500, help="appends of 10 events (default 1500)")
     parser.add_argument("--threads", type=int, default=4, help="threads for the threaded appends")
+    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="warmboot-bench-") as tmp:
@@ -229,6 +257,8 @@ def main() -> None:
             sq = bench_sqlite(directory, args)
             report(js, sq, args)
             print(f"\n(run took {time.perf_counter() - started:.0f}s, {threading.active_count()} threads left)")
+            if args.json:
+                print(json.dumps(figures(js, sq)), flush=True)
         finally:
             if server is not None:
                 server.stop()
