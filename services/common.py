@@ -380,9 +380,11 @@ class ReplyCache:
     It is the long memory of idempotency only: services answer a repeated request
     from the entity's history first (every event carries the `request_id` that caused
     it), and look here only for what the history they keep no longer holds (the
-    scheduler keeps an actor's last few placements). An entry is written after the
-    reply is decided, without holding the reply back; one lost with a crash is answered
-    by the history while it still holds it.
+    scheduler keeps an actor's last few placements). An entry is written before the
+    write that makes the kept history forget it (the scheduler's: before the placement
+    that pushes an older one out of the actor's recent ones), so a crash between the
+    two loses nothing: at worst the entry is there and the placement is not, and the
+    entry only says what the log already holds.
     """
 
     def __init__(self, nc: NATS, prefix: str, ttl_s: float = 3600.0):
@@ -390,7 +392,6 @@ class ReplyCache:
         self.bucket = bucket_name(prefix, "replies")
         self.ttl_s = ttl_s
         self.kv = None
-        self._writes: set[asyncio.Task[None]] = set()
 
     async def start(self) -> "ReplyCache":
         js = self.nc.jetstream()
@@ -411,28 +412,15 @@ class ReplyCache:
             return None
         return entry.value or None
 
-    def remember(self, key: str, reply: Base | bytes) -> None:
-        """Store `reply` under `key` in the background (at most MAX_CACHE_WRITES at once)."""
-        if self.kv is None or len(self._writes) >= MAX_CACHE_WRITES:
-            return
-        data = reply if isinstance(reply, bytes) else encode(reply)
-        task = asyncio.get_running_loop().create_task(self._put(key, data))
-        self._writes.add(task)
-        task.add_done_callback(self._writes.discard)
-
-    async def _put(self, key: str, data: bytes) -> None:
+    async def put(self, key: str, data: bytes) -> None:
+        """Store `data` under `key`; returns once the bucket has it, else raises UNAVAILABLE."""
+        if self.kv is None:
+            raise unavailable("the reply cache is not open")
         try:
             await self.kv.put(key, data)
-        except Exception:  # the history still answers a retry while it holds the answer
-            log.warning("could not cache the reply to request %s", key, exc_info=True)
-
-    async def flush(self) -> None:
-        """Wait for the cache writes in flight (a replica stopping)."""
-        if self._writes:
-            await asyncio.wait(list(self._writes), timeout=5.0)
-
-
-MAX_CACHE_WRITES = 4096
+        except Exception as error:
+            raise unavailable(f"the reply cache did not take an entry ({type(error).__name__}: {error}); "
+                              "try again") from None
 
 
 async def stored_at(js: Any, stream: str, seq: int) -> Msg:

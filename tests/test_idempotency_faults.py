@@ -10,11 +10,12 @@ again. Made deterministic by holding the replica's committer (`commits_held`).
 from __future__ import annotations
 
 import asyncio
-from contextlib import AsyncExitStack
+from contextlib import AsyncExitStack, suppress
 
 import pytest
 
-from events.schema import ActorPlaced, ResumeActor
+from events.errors import ContractError
+from events.schema import ActorPlaced, ErrorCode, ResumeActor
 from services.scheduler.records import RECENT_PLACEMENTS
 from services.scheduler.service import SchedulerService
 from tests.factories import actor, last_seq, read_log, version, worker
@@ -103,8 +104,81 @@ async def test_a_late_retry_after_many_placements_is_answered_from_the_reply_cac
     for i in range(RECENT_PLACEMENTS + 1):
         await wb.resume("a", request_id=f"later-{i}")
         await wb.suspend("a", uri=f"s3://a/{i + 1}")
-    scheduler = stack.services[-1]
-    await scheduler.replies.flush()  # the cache is written in the background
     before = len(await placements(nc, prefix, "R"))
     assert await wb.resume("a", request_id="R") == first  # not a new placement of a suspended actor
     assert before == len(await placements(nc, prefix, "R")) == 1
+
+
+async def test_an_answer_pushed_out_is_kept_before_the_placement_that_pushes_it(stalled, nc, prefix):
+    """A replica that dies between committing the placement that pushes an older answer out
+    of the actor's recent ones and keeping that answer in the reply cache must not lose it:
+    the answer is kept first. The replica's cache writes hang until it "crashes" (the write is
+    then lost); a late retry of the oldest request, through the other replica, still gets its
+    first answer and writes nothing."""
+    wb = Client(nc, prefix)
+    await wb.register(worker("w", V1, cpu=64000, mem=65536))
+    await wb.create(actor("a"))
+    first = await wb.resume("a", request_id="R")
+    await wb.suspend("a", uri="s3://a/0")
+    for i in range(RECENT_PLACEMENTS - 1):  # R and these fill the actor's recent placements
+        await wb.resume("a", request_id=f"later-{i}")
+        await wb.suspend("a", uri=f"s3://a/{i + 1}")
+    await stalled.fold.wait(await last_seq(nc, prefix), 10)
+
+    writing, crashed = asyncio.Event(), asyncio.Event()
+    kept: list[str] = []
+
+    async def hanging_put(key, value):
+        kept.append(key)
+        writing.set()
+        await crashed.wait()
+        raise ConnectionResetError("the replica died before its cache write landed")
+
+    stalled.replies.kv.put = hanging_put
+    pushing = asyncio.create_task(stalled.resume("a", ResumeActor(request_id="pushes-R-out")))
+    await asyncio.wait_for(writing.wait(), 10)
+    logged = await placements(nc, prefix, "pushes-R-out")
+    crashed.set()
+    with suppress(ContractError):  # the placement fails with the write: it was not appended
+        await asyncio.wait_for(pushing, 10)
+    assert len(kept) == 1  # the write of R's answer, and only it
+
+    await wb.resume("a", request_id="pushes-R-out")  # the client retries it, through the other replica
+    await wb.suspend("a", uri="s3://a/last")
+    before = len(await read_log(nc, prefix))
+    assert await wb.resume("a", request_id="R") == first  # not a new placement of a suspended actor
+    assert len(await read_log(nc, prefix)) == before  # and nothing written
+    assert logged == [], "the placement that pushes R out was written before R's answer was kept"
+    assert len(await placements(nc, prefix, "pushes-R-out")) == 1
+
+
+async def test_a_reply_cache_that_refuses_fails_only_the_placement_that_needed_it(stalled, nc, prefix):
+    """One group: a placement that pushes an older answer out, and placements that push nothing
+    out. The bucket refuses the older answer: that placement fails UNAVAILABLE and is not
+    written; the others of its group are."""
+    wb = Client(nc, prefix)
+    for a in "abc":  # a worker each (a group books a worker once), chosen by label
+        await wb.register(worker(f"w-{a}", V1, cpu=64000, mem=65536, labels={"for": a}))
+        await wb.create(actor(a))
+    for i in range(RECENT_PLACEMENTS):
+        await wb.resume("a", request_id=f"early-{i}", selectors={"for": "a"})
+        await wb.suspend("a", uri=f"s3://a/{i}")
+    await stalled.fold.wait(await last_seq(nc, prefix), 10)
+
+    async def refusing_put(key, value):
+        raise ConnectionResetError("the bucket's leader is gone")
+
+    stalled.replies.kv.put = refusing_put
+    async with stalled.committer.commits_held():
+        resumes = {a: asyncio.create_task(stalled.resume(a, ResumeActor(request_id=f"now-{a}", selectors={"for": a})))
+                   for a in "abc"}
+        await stalled.committer.until_queued(3)
+    groups = stalled.committer.groups
+    with pytest.raises(ContractError) as refused:
+        await asyncio.wait_for(resumes["a"], 10)
+    assert refused.value.code is ErrorCode.UNAVAILABLE and "reply cache" in str(refused.value)
+    placed_b, placed_c = await asyncio.gather(resumes["b"], resumes["c"])
+    assert stalled.committer.groups == groups + 1  # one group: b and c appended, a taken out of it
+    assert await placements(nc, prefix, "now-a") == []
+    assert [s for s, _ in await placements(nc, prefix, "now-b")] == [placed_b.seq - 1]
+    assert [s for s, _ in await placements(nc, prefix, "now-c")] == [placed_c.seq - 1]

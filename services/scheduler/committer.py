@@ -137,10 +137,11 @@ class Committer:
     """Decides and appends the resumes submitted to it, in groups (see the module docstring)."""
 
     def __init__(self, fold: Fold, last_seq: Callable[[], Awaitable[int]], *, catch_up_s: float,
-                 max_group: int = MAX_GROUP, on_evicted: Callable[[str, int, int], None] | None = None):
+                 max_group: int = MAX_GROUP, on_evicted: Callable[[str, int, int], Awaitable[None]] | None = None):
         self.fold = fold
-        # told (actor id, request hash, seq) when a committed placement pushes an older one out of
-        # the actor's recent placements: the service keeps it where a late retry still finds it
+        # awaited with (actor id, request hash, seq) before a placement that pushes an older one out
+        # of the actor's recent placements is appended: the service keeps the older one where a late
+        # retry still finds it. If it raises, that placement fails with its error (and is not written).
         self.on_evicted = on_evicted
         self.last_seq = last_seq  # the stream's last sequence now (to catch up after a refused group)
         self.catch_up_s = catch_up_s
@@ -337,7 +338,12 @@ class Committer:
 
     async def append(self, group: list[Commit]) -> None:
         """One atomic append of the group's placements (each with its booking marker), guarded
-        by the expectations each was prepared with; on a refusal, `_sort_out`."""
+        by the expectations each was prepared with; on a refusal, `_sort_out`. The placements
+        that push an older one out of their actor's recent ones are appended only once
+        `on_evicted` has kept the older one (a crash in between loses no answer)."""
+        group = await self._keep_evicted(group)
+        if not group:
+            return
         store = self.store
         stored = []
         expected: dict[str, int] = {}
@@ -379,10 +385,29 @@ class Committer:
             else:
                 heapq.heappush(self._unfolded, (hold.last_seq, next(self._tie), hold))
                 self._unfolded_actors[hold.actor_id] = hold.last_seq
-            if item.evicts is not None and self.on_evicted is not None:
-                self.on_evicted(item.placement.actor_id, *item.evicts)
             if not item.result.done():
                 item.result.set_result((item.placement, hold.last_seq))
+
+    async def _keep_evicted(self, group: list[Commit]) -> list[Commit]:
+        """The group without the placements whose evicted answer could not be kept (failed).
+
+        The answer kept is true whether or not the placement is then written: the older
+        placement is in the log, of the actor's current life."""
+        evicting = [item for item in group if item.evicts is not None]
+        if not evicting or self.on_evicted is None:
+            return group
+        kept = await asyncio.gather(*(self.on_evicted(item.placement.actor_id, *item.evicts) for item in evicting),
+                                    return_exceptions=True)
+        for outcome in kept:
+            if isinstance(outcome, BaseException) and not isinstance(outcome, Exception):
+                raise outcome  # a cancellation: the caller fails the whole group
+        failed = {id(item): error for item, error in zip(evicting, kept) if isinstance(error, Exception)}
+        if not failed:
+            return group
+        for item in evicting:
+            if id(item) in failed:
+                self._fail([item], failed[id(item)])
+        return [item for item in group if id(item) not in failed]
 
     async def _sort_out(self, group: list[Commit], error: IntegrityError) -> None:
         """A group was refused: fold what the log holds now, fail the placements whose

@@ -204,7 +204,6 @@ class SchedulerService:
         await self.committer.stop()
         if self.checkpoints is not None:
             await self.checkpoints.close()
-        await self.replies.flush()
         await self.fold.stop()
         if self.store is not None:
             store, self.store = self.store, None
@@ -285,9 +284,10 @@ class SchedulerService:
     def _cache_key(actor_id: str, request: int) -> str:
         return f"resume.{actor_id}.{request:016x}"
 
-    def _evicted(self, actor_id: str, request: int, seq: int) -> None:
-        """An older placement of the actor left its recent ones: keep where it is in the reply cache."""
-        self.replies.remember(self._cache_key(actor_id, request), str(seq).encode())
+    async def _evicted(self, actor_id: str, request: int, seq: int) -> None:
+        """An older placement of the actor is about to leave its recent ones: keep where it is in
+        the reply cache first (the committer appends the placement that evicts it only then)."""
+        await self.replies.put(self._cache_key(actor_id, request), str(seq).encode())
 
     async def _cached(self, actor_id: str, request: int) -> int:
         """The sequence of the ActorPlaced the reply cache has for a request id, if it is of the
