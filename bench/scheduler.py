@@ -14,6 +14,9 @@ Side by side, in one run:
     its own fold and commits), every resume of a different actor; and the share of
     commits that lost an optimistic-concurrency race. The load generator sends raw
     requests, not through `warmboot.client`, so that what is timed is the scheduler.
+    With request ids (`request_id_ratio`), and with request ids on actors placed 4 times
+    before (`request_id_evicting_ratio`: each resume's id is then looked up in the reply
+    cache, and its placement first keeps the oldest answer there), against none.
     What a replica costs (`replica_cpu_ratio_3v1`, goal at most 1.5): the CPU of all
     scheduler processes (their own rusage) per committed placement with 3 replicas over
     that with 1, at the same offered load (open loop, two thirds of the rate 3 replicas
@@ -75,7 +78,7 @@ from events.subjects import service_subject, stream_name  # noqa: E402
 from services.scheduler.decide import decide  # noqa: E402
 from services.scheduler.explain import decide_by_scan  # noqa: E402
 from services.scheduler.projection import Projection  # noqa: E402
-from services.scheduler.records import WORKER_RESERVE_MIB  # noqa: E402
+from services.scheduler.records import RECENT_PLACEMENTS, WORKER_RESERVE_MIB  # noqa: E402
 from tests.factories import (  # noqa: E402
     CLASS as CLS,
     ensure_stream,
@@ -113,8 +116,8 @@ def snapshot_event(actor_id: str, v: int, origin=SnapshotOrigin.SUSPEND) -> Snap
     return taken(snapshot(actor_id, VERSION_LIST[v], template="tmpl-1"), origin)
 
 
-def placed_event(actor_id: str, worker_id: str, mem: int) -> ActorPlaced:
-    return placed(actor_id, worker_id, VERSION_LIST[0], node="n", cpu=250, mem=mem)
+def placed_event(actor_id: str, worker_id: str, mem: int, request_id: str | None = None) -> ActorPlaced:
+    return placed(actor_id, worker_id, VERSION_LIST[0], node="n", cpu=250, mem=mem, request_id=request_id)
 
 
 # --- (a) decisions ---------------------------------------------------------------------------------------
@@ -338,25 +341,35 @@ def scrape(port: int, name: str) -> float:
 
 async def bench_resumes(
     nats_url: str, replicas: int, actors: int, window: int, request_ids: bool, workers: int = 1000,
-    rate: float | None = None, label: str = "",
+    rate: float | None = None, label: str = "", history: int = 0,
 ) -> dict[str, float]:
     """Committed resumes against `replicas` scheduler processes, `window` in flight.
 
     Closed loop by default: each of the `window` senders asks again as soon as it is
     answered, so the rate is whatever the replicas sustain. With `rate`, open loop: the
     k-th resume is sent at k / `rate` seconds (still at most `window` in flight), the same
-    offered load for any number of replicas. `label` keeps runs on one server apart."""
+    offered load for any number of replicas. `label` keeps runs on one server apart. With
+    `history`, each actor has been placed (with a request id) and suspended that many times
+    before: from RECENT_PLACEMENTS on, every resume with a request id pushes an older answer
+    out of the actor's recent ones, into the reply cache."""
     paced = f"f{rate:.0f}" if rate else ""
-    prefix = f"bench{replicas}{'r' if request_ids else ''}w{workers}{paced}{label}p{os.getpid() % 1000}"
+    prefix = (f"bench{replicas}{'r' if request_ids else ''}w{workers}{paced}{f'h{history}' if history else ''}"
+              f"{label}p{os.getpid() % 1000}")
     await ensure_stream(nats_url, prefix)
     nc = await nats.connect(nats_url)
     per_worker = actors // workers + 2  # room for every actor: the figure is commits, not refusals
     events: list[Event] = [worker_event(i, mem=per_worker * 1200 + 4096, cpu=per_worker * 300 + 1000)
                            for i in range(workers)]
     for j in range(actors):
-        events.append(actor_event(f"a{j:06d}", mem=1024))
+        actor_id = f"a{j:06d}"
+        events.append(actor_event(actor_id, mem=1024))
+        for k in range(history):
+            worker_id = f"w{(j + k) % workers:05d}"
+            events.append(placed_event(actor_id, worker_id, 1024, request_id=f"h{k}-{j}"))
+            events.append(booked(worker_id, actor_id, request_id=f"h{k}-{j}"))
+            events.append(released(actor_id, worker_id, ReleaseReason.SUSPENDED))
         if j % 3 == 0:
-            events.append(snapshot_event(f"a{j:06d}", (j * 7) % VERSIONS))
+            events.append(snapshot_event(actor_id, (j * 7) % VERSIONS))
     await publish_events(nc, prefix, events, {})
     procs = []
     ports = []
@@ -567,6 +580,10 @@ async def bench_bus(quick: bool) -> dict[str, float]:
         show("3 replicas, 1000 workers", three)
         with_ids = await bench_resumes(server.url, 1, actors, window, request_ids=True)
         show("1 replica,  1000 workers, every resume with a request_id", with_ids)
+        # every actor placed RECENT_PLACEMENTS times before: each resume's id is looked up in the
+        # reply cache, and its placement keeps the oldest answer there before it is appended
+        evicting = await bench_resumes(server.url, 1, actors, window, request_ids=True, history=RECENT_PLACEMENTS)
+        show(f"1 replica,  1000 workers, request_id, actors placed {RECENT_PLACEMENTS} times before", evicting)
         contended = await bench_resumes(server.url, 3, actors // 2, window, request_ids=False, workers=100)
         show("3 replicas,  100 workers (contended)", contended)
         # What a replica costs, at the same offered load for 1 and 3 replicas: two thirds of
@@ -594,6 +611,8 @@ async def bench_bus(quick: bool) -> dict[str, float]:
             "commit_conflict_rate_1_replica": one["commit_conflict_rate"],
             "resumes_per_s_with_request_id": with_ids["resumes_per_s"],
             "request_id_ratio": round(with_ids["resumes_per_s"] / one["resumes_per_s"], 3),
+            "resumes_per_s_request_id_evicting": evicting["resumes_per_s"],
+            "request_id_evicting_ratio": round(evicting["resumes_per_s"] / one["resumes_per_s"], 3),
             "replica_cpu_rate_per_s": rate,
             "replica_cpu_rate_held": held,
             "cpu_ms_per_placement_1_replica": round(cpu_1, 3),
