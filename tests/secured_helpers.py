@@ -190,9 +190,13 @@ class Child:
         with self._changed:
             seen = len(self.lines)
         self.process.send_signal(DUMP_SIGNAL)
+
+        def dumped() -> bool:
+            return any(line.startswith(f"{DUMP_HEADER}: end") for line in self.lines[seen:])
+
         with self._changed:
-            return self._changed.wait_for(
-                lambda: self._ended or any(line.startswith(f"{DUMP_HEADER}: end") for line in self.lines[seen:]), timeout)
+            self._changed.wait_for(lambda: self._ended or dumped(), timeout)
+            return dumped()  # not a process that ended instead (the signal's default action)
 
 
 class Serve(Child):

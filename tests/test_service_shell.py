@@ -7,6 +7,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import re
+import signal
 from contextlib import AsyncExitStack
 
 import nats
@@ -35,7 +38,7 @@ from services.common import EndpointSpec, ReplyCache, add_endpoints, call, is_ou
 from tests.factories import SILENT_TTL_S
 from tests.registry_helpers import registration
 from warmboot.natsserver import NatsCluster, wait_jetstream
-from warmboot.runner import SERVICES, start_services
+from warmboot.runner import DUMP_HEADER, SERVICES, start_services, stop_signals
 
 # --- which errors are outages (pure) ------------------------------------------------------------
 
@@ -303,6 +306,18 @@ def listening_on(port: int) -> set[str]:
     return found
 
 
+async def test_stop_signals_handle_a_dump_and_a_stop_from_the_moment_they_are_entered(capfd):
+    """`warmboot serve|up` enter `stop_signals` before they say they serve: a SIGUSR1 or a stop
+    sent as soon as that line is read meets the handlers, not the default action (the SIGUSR1
+    of test_serve_serves_metrics... once ended `warmboot serve` with -10, before this order)."""
+    with stop_signals() as stop:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGINT)
+        await asyncio.wait_for(stop.wait(), 10)
+    assert f"{DUMP_HEADER}: end" in capfd.readouterr().err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's own again
+
+
 async def test_serve_serves_metrics_on_every_interface_and_up_on_loopback(nats_url, prefix):
     import socket
     import urllib.request
@@ -315,7 +330,8 @@ async def test_serve_serves_metrics_on_every_interface_and_up_on_loopback(nats_u
         # SIGUSR1: every task's stack into the output (what a process that does not stop waits on); it serves on
         assert await asyncio.to_thread(serve.dump)
         dumped = serve.output[serve.output.index("--- warmboot: every task and thread"):]
-        assert "task " in dumped and "Current thread" in dumped and "until_signal" in dumped
+        assert "task " in dumped and "Current thread" in dumped
+        assert re.search(r'cmd_serve\.py", line \d+, in run', dumped)  # the main task, waiting for a signal
         url = serve.line("metrics on ").split()[-1]
         assert url.startswith(f"http://{socket.gethostname()}:") and url.endswith("/metrics")
         port = int(url.rsplit(":", 1)[1].split("/")[0])

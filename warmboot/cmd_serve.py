@@ -13,7 +13,7 @@ from events.natsauth import NKEY_SEED_ENV
 from events.subjects import DEFAULT_PREFIX
 from services.common import ALL_INTERFACES, tune_gc
 from services.scheduler.checkpoint import DEFAULT_EVERY_EVENTS, DEFAULT_INTERVAL_S
-from warmboot.runner import SERVICES, start_services, until_signal
+from warmboot.runner import SERVICES, start_services, stop_signals
 
 
 @click.command()
@@ -54,17 +54,19 @@ def serve(service: str, nats_url: str, nkey_seed: str | None, prefix: str, metri
 
     async def run() -> None:
         async with AsyncExitStack() as stack:
-            running = await start_services(
-                stack, names, nats_url, prefix, metrics_port,
-                {"registry": {"ttl_s": ttl_s},
-                 "scheduler": {"checkpoint_every": checkpoint_every, "checkpoint_interval_s": checkpoint_interval_s}},
-                metrics_host=metrics_host,
-            )
-            tune_gc()
-            click.echo(f"serving {', '.join(names)} on {running.where} (prefix {prefix})")
-            if running.metrics_url:
-                click.echo(f"metrics on {running.metrics_url}")
-            await until_signal()
+            with stop_signals() as stop:  # before anything is served: see stop_signals
+                running = await start_services(
+                    stack, names, nats_url, prefix, metrics_port,
+                    {"registry": {"ttl_s": ttl_s},
+                     "scheduler": {"checkpoint_every": checkpoint_every,
+                                   "checkpoint_interval_s": checkpoint_interval_s}},
+                    metrics_host=metrics_host,
+                )
+                tune_gc()
+                click.echo(f"serving {', '.join(names)} on {running.where} (prefix {prefix})")
+                if running.metrics_url:
+                    click.echo(f"metrics on {running.metrics_url}")
+                await stop.wait()
             click.echo("stopping")
 
     try:

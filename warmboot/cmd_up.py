@@ -15,7 +15,7 @@ from events.subjects import DEFAULT_PREFIX, stream_name
 from services.common import tune_gc
 from services.scheduler.checkpoint import DEFAULT_EVERY_EVENTS, DEFAULT_INTERVAL_S
 from warmboot.natsserver import NatsServer, NatsServerError
-from warmboot.runner import SERVICES, start_services, until_signal
+from warmboot.runner import SERVICES, start_services, stop_signals
 
 console = Console()
 
@@ -66,6 +66,12 @@ def up(port: int, store: Path, prefix: str, metrics_port: int, demo: bool, exit_
             console.print(f"services {', '.join(f'warmboot-{n}' for n in running.names)}")
             if running.metrics_url:
                 console.print(f"metrics  {running.metrics_url}")
+
+            async def serve_on() -> None:
+                with stop_signals() as stop:  # before the line that says so: see stop_signals
+                    console.print("serving; Ctrl-C stops")
+                    await stop.wait()
+
             if demo:
                 from warmboot.demo import DemoConfig, run_demo
 
@@ -73,15 +79,9 @@ def up(port: int, store: Path, prefix: str, metrics_port: int, demo: bool, exit_
                 if exit_after_demo:
                     await run_demo(server.url, prefix, config, console)
                     return
-
-                async def serve_on() -> None:
-                    console.print("serving; Ctrl-C stops")
-                    await until_signal()
-
                 await run_demo(server.url, prefix, config, console, hold=serve_on)
             else:
-                console.print("serving; Ctrl-C stops")
-                await until_signal()
+                await serve_on()
             console.print("stopping")
 
     try:

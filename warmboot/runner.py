@@ -8,9 +8,9 @@ import importlib
 import logging
 import signal
 import sys
-from contextlib import AsyncExitStack
+from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import nats
 
@@ -117,16 +117,23 @@ def dump_tasks() -> None:
     print(f"{DUMP_HEADER}: end ---", file=sys.stderr, flush=True)
 
 
-async def until_signal() -> None:
-    """Return on SIGINT or SIGTERM. From here on, until the loop closes (through the
-    shutdown too), SIGUSR1 prints every task's and thread's stack (`dump_tasks`)."""
+@contextmanager
+def stop_signals() -> Iterator[asyncio.Event]:
+    """On the running loop, from here on: SIGINT or SIGTERM sets the event yielded (a graceful
+    stop), and SIGUSR1 prints every task's and thread's stack (`dump_tasks`) until the loop
+    closes, through the shutdown too. SIGINT and SIGTERM get Python's defaults back when the
+    block ends (during the shutdown a second Ctrl-C raises KeyboardInterrupt).
+
+    Enter it before the services start, and so before the process says it serves: a signal
+    sent as soon as that line is read (a supervisor's stop, a test's dump) is then handled,
+    not met by the default action of SIGUSR1 or SIGTERM, which is to end the process."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(DUMP_SIGNAL, dump_tasks)
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        await stop.wait()
+        yield stop
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
