@@ -109,6 +109,33 @@ async def test_a_late_retry_after_many_placements_is_answered_from_the_reply_cac
     assert before == len(await placements(nc, prefix, "R")) == 1
 
 
+async def test_a_new_request_id_costs_no_read_of_the_reply_cache_however_often_the_actor_was_placed(
+        stack, nc, prefix):
+    """Only an id that a placement of this life may have pushed out of the actor's recent ones
+    is looked up in the reply cache (`Actor.may_have_pushed_out`); the others are new."""
+    wb = Client(nc, prefix)
+    await wb.register(worker("w", V1, cpu=64000, mem=65536))
+    await wb.create(actor("a"))
+    scheduler = stack.services[-1]
+    reads: list[str] = []
+    get = scheduler.replies.get
+
+    async def counted(key):
+        reads.append(key)
+        return await get(key)
+
+    scheduler.replies.get = counted
+    answers = []
+    for i in range(3 * RECENT_PLACEMENTS):
+        answers.append(await wb.resume("a", request_id=f"r-{i}"))
+        await wb.suspend("a", uri=f"s3://a/{i}")
+    assert reads == []  # every one of them new
+    assert await wb.resume("a", request_id="r-0") == answers[0]  # pushed out long ago: the cache answers
+    assert len(reads) == 1
+    assert await wb.resume("a", request_id=f"r-{3 * RECENT_PLACEMENTS - 1}") == answers[-1]  # a recent one
+    assert len(reads) == 1
+
+
 async def test_an_answer_pushed_out_is_kept_before_the_placement_that_pushes_it(stalled, nc, prefix):
     """A replica that dies between committing the placement that pushes an older answer out
     of the actor's recent ones and keeping that answer in the reply cache must not lose it:

@@ -50,7 +50,6 @@ from services.scheduler.explain import explain
 from services.scheduler.fragmentation import fragmentation
 from services.scheduler.fold import Fold
 from services.scheduler.projection import Projection
-from services.scheduler.records import RECENT_PLACEMENTS
 from services.scheduler.whatif import whatif
 
 log = logging.getLogger("warmboot.scheduler")
@@ -219,10 +218,10 @@ class SchedulerService:
         log: by the actor's recent placements of this life (`Actor.placed_by`), checked here
         and again by the committer right before it decides, and by any placement carrying
         the id that the fold meets while the job waits, so a retry, or a stale attempt that
-        a stalled committer decides late, never places twice. Only when the actor has more
-        placements than it keeps, the shared reply cache answers for older ones (written when a
-        placement of the actor pushes one out of that memory, so a request id costs nothing more
-        while the actor's recent placements still hold its answer).
+        a stalled committer decides late, never places twice. For an id a placement of this
+        life may have pushed out of that memory (`Actor.may_have_pushed_out`), the shared reply
+        cache answers (written before the placement that pushes one out is appended); a new id
+        costs no read of it, however often the actor was placed.
         """
         await self.fold.wait(request.min_seq, self.catch_up_s)
         rid = request.request_id
@@ -239,7 +238,7 @@ class SchedulerService:
                     seq = actor.placed_by(job.request) if actor is not None else 0
                     if seq:
                         return await self._recorded(seq)
-                    if attempt == 0 and actor is not None and actor.placements_known >= RECENT_PLACEMENTS:
+                    if attempt == 0 and actor is not None and actor.may_have_pushed_out(job.request):
                         seq = await self._cached(actor_id, job.request)
                         if seq:
                             return await self._recorded(seq)
