@@ -307,9 +307,10 @@ def listening_on(port: int) -> set[str]:
 
 
 async def test_stop_signals_handle_a_dump_and_a_stop_from_the_moment_they_are_entered(capfd):
-    """`warmboot serve|up` enter `stop_signals` before they say they serve: a SIGUSR1 or a stop
-    sent as soon as that line is read meets the handlers, not the default action (the SIGUSR1
-    of test_serve_serves_metrics... once ended `warmboot serve` with -10, before this order)."""
+    """`warmboot serve|up` dump on SIGUSR1 from their start, and enter `stop_signals` before they
+    say they serve: a SIGUSR1 or a stop sent as soon as that line is read meets the handlers,
+    not the default action (the SIGUSR1 of test_serve_serves_metrics... once ended `warmboot
+    serve` with -10, when the handlers came after that line)."""
     with stop_signals() as stop:
         os.kill(os.getpid(), signal.SIGUSR1)
         os.kill(os.getpid(), signal.SIGINT)

@@ -13,7 +13,7 @@ from events.natsauth import NKEY_SEED_ENV
 from events.subjects import DEFAULT_PREFIX
 from services.common import ALL_INTERFACES, tune_gc
 from services.scheduler.checkpoint import DEFAULT_EVERY_EVENTS, DEFAULT_INTERVAL_S
-from warmboot.runner import SERVICES, start_services, stop_signals
+from warmboot.runner import SERVICES, dump_on_signal, start_services, stop_signals
 
 
 @click.command()
@@ -54,15 +54,15 @@ def serve(service: str, nats_url: str, nkey_seed: str | None, prefix: str, metri
 
     async def run() -> None:
         async with AsyncExitStack() as stack:
-            with stop_signals() as stop:  # before anything is served: see stop_signals
-                running = await start_services(
-                    stack, names, nats_url, prefix, metrics_port,
-                    {"registry": {"ttl_s": ttl_s},
-                     "scheduler": {"checkpoint_every": checkpoint_every,
-                                   "checkpoint_interval_s": checkpoint_interval_s}},
-                    metrics_host=metrics_host,
-                )
-                tune_gc()
+            dump_on_signal()
+            running = await start_services(
+                stack, names, nats_url, prefix, metrics_port,
+                {"registry": {"ttl_s": ttl_s},
+                 "scheduler": {"checkpoint_every": checkpoint_every, "checkpoint_interval_s": checkpoint_interval_s}},
+                metrics_host=metrics_host,
+            )
+            tune_gc()
+            with stop_signals() as stop:  # before the line that says it serves: see stop_signals
                 click.echo(f"serving {', '.join(names)} on {running.where} (prefix {prefix})")
                 if running.metrics_url:
                     click.echo(f"metrics on {running.metrics_url}")

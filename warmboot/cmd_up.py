@@ -15,7 +15,7 @@ from events.subjects import DEFAULT_PREFIX, stream_name
 from services.common import tune_gc
 from services.scheduler.checkpoint import DEFAULT_EVERY_EVENTS, DEFAULT_INTERVAL_S
 from warmboot.natsserver import NatsServer, NatsServerError
-from warmboot.runner import SERVICES, start_services, stop_signals
+from warmboot.runner import SERVICES, dump_on_signal, start_services, stop_signals
 
 console = Console()
 
@@ -56,6 +56,7 @@ def up(port: int, store: Path, prefix: str, metrics_port: int, demo: bool, exit_
         raise click.ClickException(f"{e}\n(is another warmboot or NATS on port {port}? try --port 0)") from None
 
     async def run() -> None:
+        dump_on_signal()
         async with AsyncExitStack() as stack:
             # The same scheduler checkpoints as `warmboot serve` by default: a restart replays the tail only.
             checkpoints = {"checkpoint_every": DEFAULT_EVERY_EVENTS, "checkpoint_interval_s": DEFAULT_INTERVAL_S}

@@ -117,19 +117,25 @@ def dump_tasks() -> None:
     print(f"{DUMP_HEADER}: end ---", file=sys.stderr, flush=True)
 
 
+def dump_on_signal() -> None:
+    """From here on, until the running loop closes (through the shutdown too), SIGUSR1 prints
+    every task's and thread's stack (`dump_tasks`): call it first, so that a start that hangs
+    can be asked where (its default action would end the process)."""
+    asyncio.get_running_loop().add_signal_handler(DUMP_SIGNAL, dump_tasks)
+
+
 @contextmanager
 def stop_signals() -> Iterator[asyncio.Event]:
-    """On the running loop, from here on: SIGINT or SIGTERM sets the event yielded (a graceful
-    stop), and SIGUSR1 prints every task's and thread's stack (`dump_tasks`) until the loop
-    closes, through the shutdown too. SIGINT and SIGTERM get Python's defaults back when the
-    block ends (during the shutdown a second Ctrl-C raises KeyboardInterrupt).
+    """While in the block, SIGINT or SIGTERM sets the event yielded (a graceful stop); they get
+    Python's defaults back when it ends (during the shutdown a second Ctrl-C raises
+    KeyboardInterrupt). SIGUSR1 dumps the stacks (`dump_on_signal`).
 
-    Enter it before the services start, and so before the process says it serves: a signal
-    sent as soon as that line is read (a supervisor's stop, a test's dump) is then handled,
-    not met by the default action of SIGUSR1 or SIGTERM, which is to end the process."""
+    Enter it once the services have started and before the process says it serves: a stop
+    sent as soon as that line is read (a supervisor, a test) is then handled, not met by the
+    default action, and a Ctrl-C during a long start (a replay) still interrupts it."""
+    dump_on_signal()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    loop.add_signal_handler(DUMP_SIGNAL, dump_tasks)
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
