@@ -27,12 +27,34 @@ async def load(nc, prefix: str, first: int, count: int, versions: dict[str, int]
     return await last_seq(nc, prefix)
 
 
-async def until(condition, what: str, timeout: float = 30.0) -> None:
-    """Poll `condition` (a counter nats-py keeps, which no event announces) until true, or fail."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, f"not within {timeout:g}s: {what}"
-        await asyncio.sleep(0.001)
+class Arrivals:
+    """Announces the messages a connection's subscription has received, by either path: it
+    wraps the connection's dispatch (`NATS_DISPATCH`, direct delivery's hook included), after
+    which nats-py has counted the message in the subscription's `_received`."""
+
+    def __init__(self, conn, psub):
+        self.sub = psub._sub
+        self.waiters: list[tuple[int, asyncio.Future[None]]] = []
+        dispatch = getattr(conn, NATS_DISPATCH)
+
+        async def counted(*args) -> None:
+            await dispatch(*args)
+            for n, waiter in self.waiters:
+                if self.sub._received >= n and not waiter.done():
+                    waiter.set_result(None)
+
+        setattr(conn, NATS_DISPATCH, counted)
+
+    async def reach(self, n: int, what: str, timeout: float = 30.0) -> None:
+        """Return once the subscription has received `n` messages, or fail."""
+        if self.sub._received >= n:
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self.waiters.append((n, waiter))
+        try:
+            await asyncio.wait_for(waiter, timeout)
+        except asyncio.TimeoutError:
+            raise AssertionError(f"not within {timeout:g}s: {what} ({self.sub._received} of {n})") from None
 
 
 async def fold_of(nats_url: str, nc, prefix: str, count: int):
@@ -107,15 +129,16 @@ async def test_a_paused_fold_takes_nats_py_s_path_and_folds_everything_once_in_o
     try:
         await fold.start(30)
         assert fold.applied == first
+        arrivals = Arrivals(conn, fold._sub)
         async with fold.paused():
             during = await load(nc, prefix, 50, 200, versions)
-            await until(lambda: fold._sub._sub._received >= during, "the paused fold's connection got the load")
+            await arrivals.reach(during, "the paused fold's connection got the load")
             assert fold.applied == first and not fold._direct_ready()
             # more keeps arriving while the pause ends: direct delivery must wait for nats-py's
             # path to hand over everything it holds
             more = asyncio.create_task(publish_events(nc, prefix, [created(f"a{i}") for i in range(250, 650)],
                                                       versions))
-            await until(lambda: fold._sub._sub._received >= during + 20, "more arrived during the pause")
+            await arrivals.reach(during + 20, "more arrived during the pause")
         assert not fold._direct_ready()  # the pause is over, but nats-py's path still holds messages
         await more
         after = await last_seq(nc, prefix)
