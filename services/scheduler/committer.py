@@ -401,13 +401,12 @@ class Committer:
         for outcome in kept:
             if isinstance(outcome, BaseException) and not isinstance(outcome, Exception):
                 raise outcome  # a cancellation: the caller fails the whole group
-        failed = {id(item): error for item, error in zip(evicting, kept) if isinstance(error, Exception)}
-        if not failed:
-            return group
-        for item in evicting:
-            if id(item) in failed:
-                self._fail([item], failed[id(item)])
-        return [item for item in group if id(item) not in failed]
+        failed = set()
+        for item, outcome in zip(evicting, kept):
+            if isinstance(outcome, Exception):
+                self._fail([item], outcome)
+                failed.add(id(item))
+        return [item for item in group if id(item) not in failed] if failed else group
 
     async def _sort_out(self, group: list[Commit], error: IntegrityError) -> None:
         """A group was refused: fold what the log holds now, fail the placements whose
