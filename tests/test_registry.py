@@ -351,6 +351,37 @@ async def test_drain_and_remove(registry, nc, prefix):
     assert await last_seq(nc, prefix) == before
 
 
+async def test_a_removal_whose_heartbeat_cannot_be_dropped_is_still_answered(nats_url, nc, prefix):
+    """The removal is written before the heartbeat is dropped: a bucket that fails then must not
+    turn a done removal into UNAVAILABLE. The heartbeat expires by itself; its expiry writes nothing."""
+    async with running_registry(nats_url, prefix, ttl_s=1) as registry:
+        await register(nc, prefix, registration("w-1"))
+
+        async def bucket_down(worker_id: str) -> None:
+            raise ConnectionError("the heartbeat bucket is down")
+
+        registry.liveness.forget = bucket_down
+        swept = asyncio.get_running_loop().create_future()
+        on_marker = registry.liveness.sweeper.on_marker
+
+        async def marker(worker_id: str) -> None:
+            await on_marker(worker_id)
+            if worker_id == "w-1" and not swept.done():
+                swept.set_result(None)
+
+        registry.liveness.sweeper.on_marker = marker
+        removed, _ = await raw_request(nc, prefix, "remove", "w-1", {"reason": "decommissioned"})
+        events = await worker_events(nc, prefix, "w-1")
+        assert removed == {"seq": events[-1][0]}
+        assert isinstance(events[-1][1], WorkerRemoved) and events[-1][1].reason == "decommissioned"
+        reply, _ = await raw_request(nc, prefix, "heartbeat", "w-1", {})
+        assert reply["error"]["code"] == "NOT_FOUND"
+
+        await asyncio.wait_for(swept, 30)  # the heartbeat left in the bucket expired and was swept
+        events = await worker_events(nc, prefix, "w-1")
+        assert [type(e) for _, e in events] == [WorkerRegistered, WorkerRemoved]  # no LOST after it
+
+
 async def test_request_id_retry_returns_the_first_answer(registry, nc, prefix):
     body = registration("w-1", request_id="reg-1")
     first = await register(nc, prefix, body)

@@ -234,7 +234,7 @@ def nats_auth_config(
         user(services_user, services_permissions(prefix)),
     ]
     if clients:
-        lines.append(f"    # clients: the snapshotter and the scheduler, replies on _INBOX.<own name>.>")
+        lines.append("    # clients: the snapshotter and the scheduler, replies on _INBOX.<own name>.>")
     lines += [user(name, client_permissions(prefix, name)) for name in clients]
     if operators:
         lines.append(f"    # operators: read the log ({events_filter(prefix)}), call explain, fragmentation, whatif")

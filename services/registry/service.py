@@ -303,8 +303,19 @@ class RegistryService:
         async with self._workers(worker_id):
             decided = await run_command(lambda: self.store.remove(worker_id, request, now()))
             if decided.wrote:
-                await self.liveness.forget(worker_id)
+                await self._forget(worker_id)
             return SeqReply(seq=await self._seq(worker_id, decided))
+
+    async def _forget(self, worker_id: str) -> None:
+        """Drop a removed worker's heartbeat. The removal is written whatever happens here, so a
+        failure is not the caller's: the heartbeat then expires by itself within the TTL, and its
+        expiry finds the worker removed and writes nothing (`_expired`); a heartbeat meanwhile is
+        NOT_FOUND (the roster has the removal)."""
+        try:
+            await self.liveness.forget(worker_id)
+        except Exception as error:
+            log.warning("worker %s is removed; its heartbeat could not be dropped (%s: %s), it expires "
+                        "by itself within %ss", worker_id, type(error).__name__, error, self.ttl_s)
 
     async def _seq(self, worker_id: str, decided: Decided) -> int:
         if decided.seq is not None:
