@@ -20,6 +20,7 @@ from events.codec import decode_event
 from events.schema import (
     RegisterOutcome,
     RegisterWorker,
+    RemoveWorker,
     RuntimeChanged,
     WorkerDrained,
     WorkerRegistered,
@@ -357,7 +358,7 @@ async def test_a_removal_whose_heartbeat_cannot_be_dropped_is_still_answered(nat
     async with running_registry(nats_url, prefix, ttl_s=1) as registry:
         await register(nc, prefix, registration("w-1"))
 
-        async def bucket_down(worker_id: str) -> None:
+        async def bucket_down(worker_id: str, last_entry: int) -> bool:
             raise ConnectionError("the heartbeat bucket is down")
 
         registry.liveness.forget = bucket_down
@@ -448,6 +449,35 @@ async def test_silent_worker_removed_as_lost_exactly_once_with_two_replicas(nats
         assert reply["error"]["code"] == "NOT_FOUND"
         # a worker that comes back registers anew
         assert (await register(nc, prefix, registration("w-silent")))["outcome"] == "REGISTERED"
+
+
+async def test_a_registration_between_a_removal_and_its_tombstone_is_still_lost_within_the_ttl(nats_url, nc, prefix):
+    """Replica A writes a removal; before A drops the heartbeat, the worker registers again through
+    replica B (which beats first). A tombstone over B's beat would leave the new life with no clock
+    (an expiring tombstone leaves no marker): a worker that then goes silent would never be LOST."""
+    async with running_registry(nats_url, prefix, ttl_s=1) as a, running_registry(nats_url, prefix, ttl_s=1) as b:
+        await register(nc, prefix, registration("w-1"))
+        registered = asyncio.Event()
+        forget = a.liveness.forget
+
+        async def after_the_registration(worker_id: str, last_entry: int) -> bool:
+            await registered.wait()
+            return await forget(worker_id, last_entry)
+
+        a.liveness.forget = after_the_registration
+        start = await last_seq(nc, prefix)
+        removal = asyncio.create_task(a.remove("w-1", RemoveWorker(reason="reprovisioned")))
+        await wait_event(nc, prefix, "w-1", WorkerRemoved, after=start)
+        again = await b.register("w-1", msgspec.convert(registration("w-1"), RegisterWorker))
+        assert again.outcome is RegisterOutcome.REGISTERED
+        registered.set()
+        await removal
+        assert await a.liveness.state("w-1") == "beating"  # B's beat: no tombstone was put over it
+        # the worker never beats again: LOST once its TTL has passed since B's beat
+        _, lost = await wait_event(nc, prefix, "w-1", WorkerRemoved, after=again.seq)
+        assert lost.reason == "LOST"
+        events = await worker_events(nc, prefix, "w-1")
+        assert [type(e) for _, e in events] == [WorkerRegistered, WorkerRemoved, WorkerRegistered, WorkerRemoved]
 
 
 async def test_both_replicas_expiring_at_once_write_one_removal(nats_url, nc, prefix):

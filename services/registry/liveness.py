@@ -35,6 +35,7 @@ from typing import Awaitable, Callable
 
 import msgspec
 import nats.errors
+import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, KeyValueConfig, StorageType
@@ -43,6 +44,7 @@ from nats.js.errors import NotFoundError
 from events.aggregate import now
 from events.codec import encode
 from events.errors import unavailable
+from events.jetstream.errors import ERR_WRONG_LAST_SEQUENCE
 from events.natspy import ApiError, Replies
 from events.subjects import bucket_name
 from events.tasks import cancel_and_wait
@@ -265,13 +267,33 @@ class Liveness:
         value = encode({"at": now(), "ttl_s": self.ttl_s})
         await self.acks.publish(self.subject(worker_id), value, self.ttl_header)
 
-    async def forget(self, worker_id: str) -> None:
-        """Drop a removed worker's heartbeat, leaving a tombstone that expires by itself."""
-        await self.js.publish(
-            self.subject(worker_id),
-            b"",
-            headers={"KV-Operation": "PURGE", "Nats-Rollup": "sub", "Nats-TTL": f"{int(MARKER_TTL_S)}s"},
-        )
+    async def last_entry(self, worker_id: str) -> int:
+        """The bucket's sequence of the worker's last heartbeat entry, 0 if it has none."""
+        try:
+            return (await self.js.get_msg(self.stream, subject=self.subject(worker_id))).seq
+        except NotFoundError:
+            return 0
+
+    async def forget(self, worker_id: str, last_entry: int) -> bool:
+        """Drop a removed worker's heartbeat, leaving a tombstone that expires by itself, only if
+        `last_entry` (read before the removal was written) is still the key's last entry; False
+        when something was put since. That put is a heartbeat that raced the removal, or the
+        beat of a registration of the worker's next life through another replica: a tombstone
+        over it would leave the new life with no clock (an expiring tombstone leaves no marker),
+        never found LOST. Left in place, it expires within the TTL and is swept: a removed worker
+        is found removed (nothing written), a new life that has not beaten since is LOST."""
+        try:
+            await self.js.publish(
+                self.subject(worker_id),
+                b"",
+                headers={"KV-Operation": "PURGE", "Nats-Rollup": "sub", "Nats-TTL": f"{int(MARKER_TTL_S)}s",
+                         "Nats-Expected-Last-Subject-Sequence": str(last_entry)},
+            )
+        except nats.js.errors.APIError as error:
+            if error.err_code == ERR_WRONG_LAST_SEQUENCE:
+                return False
+            raise
+        return True
 
     async def state(self, worker_id: str) -> str:
         """`beating`, `expired` (the server's marker is the last entry) or `absent`."""

@@ -301,18 +301,25 @@ class RegistryService:
 
     async def remove(self, worker_id: str, request: RemoveWorker) -> SeqReply:
         async with self._workers(worker_id):
+            try:  # before the removal: its heartbeat is dropped only if nothing was put after this
+                last_entry: int | None = await self.liveness.last_entry(worker_id)
+            except Exception as error:
+                last_entry = None
+                log.warning("reading the heartbeat of worker %s failed (%s: %s); if removed, it is left to "
+                            "expire", worker_id, type(error).__name__, error)
             decided = await run_command(lambda: self.store.remove(worker_id, request, now()))
-            if decided.wrote:
-                await self._forget(worker_id)
+            if decided.wrote and last_entry is not None:
+                await self._forget(worker_id, last_entry)
             return SeqReply(seq=await self._seq(worker_id, decided))
 
-    async def _forget(self, worker_id: str) -> None:
-        """Drop a removed worker's heartbeat. The removal is written whatever happens here, so a
-        failure is not the caller's: the heartbeat then expires by itself within the TTL, and its
-        expiry finds the worker removed and writes nothing (`_expired`); a heartbeat meanwhile is
-        NOT_FOUND (the roster has the removal)."""
+    async def _forget(self, worker_id: str, last_entry: int) -> None:
+        """Drop a removed worker's heartbeat (`Liveness.forget`). The removal is written whatever
+        happens here, so a failure is not the caller's: the heartbeat then expires by itself within
+        the TTL, and its expiry finds the worker removed and writes nothing (`_expired`); a
+        heartbeat meanwhile is NOT_FOUND (the roster has the removal)."""
         try:
-            await self.liveness.forget(worker_id)
+            if not await self.liveness.forget(worker_id, last_entry):
+                log.info("worker %s is removed; a heartbeat put since is left to expire", worker_id)
         except Exception as error:
             log.warning("worker %s is removed; its heartbeat could not be dropped (%s: %s), it expires "
                         "by itself within %ss", worker_id, type(error).__name__, error, self.ttl_s)
