@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -296,6 +297,29 @@ def test_bytes_round_trip_and_what_is_refused():
         if what in ("unknown format version 2", "another version of the scheduler's fold",
                     "does not match its digest", "corrupt body"):
             assert what.replace(" 2", f" {FORMAT + 1}") in str(why.value)
+
+
+def test_the_fold_digest_covers_every_source_a_fold_depends_on(tmp_path, monkeypatch):
+    """A checkpoint indexed by compatibility keys an older `events/compat.py` computed could match a
+    stamp to a runtime that no longer accepts it: a change of any source the fold's result depends
+    on must refuse old checkpoints (a full replay), as a change of the projection's does."""
+    from events import compat, schema
+    from services.scheduler import checkpoint_codec, fold as fold_module, interner, projection
+
+    before = checkpoint_codec._fold_digest()
+    codec_source = Path(checkpoint_codec.__file__).read_bytes()
+    for module in (compat, schema, fold_module, projection, records_module, interner):
+        changed = tmp_path / f"{module.__name__}.py"
+        changed.write_bytes(Path(module.__file__).read_bytes() + b"\n# changed\n")
+        with monkeypatch.context() as m:
+            if module is fold_module:  # found beside the codec, not through the module
+                (tmp_path / "checkpoint_codec.py").write_bytes(codec_source)
+                (tmp_path / "fold.py").write_bytes(changed.read_bytes())
+                m.setattr(checkpoint_codec, "__file__", str(tmp_path / "checkpoint_codec.py"))
+            else:
+                m.setattr(module, "__file__", str(changed))
+            assert checkpoint_codec._fold_digest() != before, module.__name__
+    assert checkpoint_codec._fold_digest() == before
 
 
 # --- over the bus -----------------------------------------------------------------------------------------------

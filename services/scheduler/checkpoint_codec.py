@@ -37,6 +37,8 @@ import msgspec
 from msgspec import Struct
 from msgspec.structs import astuple
 
+from events import compat as compat_module
+from events import schema as schema_module
 from events.schema import ActorRuntime, CompatVersion, Fidelity, Resources, WorkerRuntime
 from events.states import ActorState, WorkerState
 from services.scheduler import interner as interner_module
@@ -69,13 +71,19 @@ def _fold_digest() -> str:
 
     A checkpoint is a cache of a fold; if the fold's code changes (a new field, a fixed
     rule), an old checkpoint could differ from what a replay of the same log gives now.
-    So the digest covers the sources of the fold and of this codec; where the sources
-    are not readable, the attribute layout of the projection's classes stands in.
+    So the digest covers the sources of the fold and of this codec: the projection and
+    its records, the reading of messages (`fold.py`), the event types it decodes
+    (`events/schema.py`) and the compatibility keys its indices are built on
+    (`events/compat.py`: a checkpoint indexed by old keys could match a stamp to a runtime
+    that no longer accepts it). Where the sources are not readable, the attribute layout
+    of the projection's classes stands in.
     """
     h = hashlib.blake2b(digest_size=12)
     h.update(str(FORMAT).encode())
     try:
-        for path in (records_module.__file__, interner_module.__file__, projection_module.__file__, __file__):
+        sources = (records_module.__file__, interner_module.__file__, projection_module.__file__,
+                   Path(__file__).with_name("fold.py"), schema_module.__file__, compat_module.__file__, __file__)
+        for path in sources:
             h.update(Path(path).read_bytes())
     except (OSError, TypeError):
         for cls in (Worker, Actor, Assigned, ClassIndex, ClassEntry, IndexedSet, Compat, Spec, SnapshotKind, Lease):
