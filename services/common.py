@@ -106,7 +106,10 @@ class EndpointSpec:
 class ReplyGuard:
     """Decides whether a request's reply subject may be answered; counts and logs the rest.
 
-    `allowed(reply)` is the hot path: two prefix tests, no regex, no await.
+    `allowed(reply)` is the hot path: two prefix tests and two character tests, no regex,
+    no await. A reply subject with a wildcard (`*` or `>`) is refused: an inbox has none,
+    and `_INBOX.w-2.>` as a reply would reach every subscription of w-2's inbox that
+    matches it by a wildcard of its own.
     """
 
     MAX_LOGGED = 1024  # offending subjects remembered (each logged once); then one last line
@@ -118,10 +121,18 @@ class ReplyGuard:
         self._logged: set[str] = set()
 
     def allowed(self, reply: str) -> bool:
-        return reply.startswith(self.prefixes) and not reply.startswith(self.own)
+        return (reply.startswith(self.prefixes) and not reply.startswith(self.own)
+                and "*" not in reply and ">" not in reply)
 
     def drop(self, endpoint: str, subject: str, reply: str) -> None:
-        reason = "no_reply" if not reply else ("services_inbox" if reply.startswith(self.own) else "not_inbox")
+        if not reply:
+            reason = "no_reply"
+        elif reply.startswith(self.own):
+            reason = "services_inbox"
+        elif reply.startswith(self.prefixes):
+            reason = "wildcard"
+        else:
+            reason = "not_inbox"
         DROPPED.labels(self.service, endpoint, reason).inc()
         key = reply or subject
         if key in self._logged:

@@ -308,6 +308,29 @@ async def test_a_workers_request_with_a_reply_subject_that_is_no_inbox_changes_n
     assert await State.of(d) == before
 
 
+async def test_a_reply_subject_with_a_wildcard_is_not_answered(deployment):
+    """`_INBOX.w-2.>` is an inbox prefix, but as a reply it would reach every subscription of w-2's
+    that matches through a wildcard of its own: w-1 must not be able to answer into w-2's inbox."""
+    d = deployment
+    received: list[str] = []
+
+    async def seen(msg) -> None:
+        received.append(msg.subject)
+
+    spy = await d.w_2.nc.subscribe("_INBOX.w-2.>", cb=seen)
+    await d.w_2.nc.flush()
+    dropped = d.dropped("registry", "heartbeat", "wildcard")
+    replies = ("_INBOX.w-2.>", "_INBOX.w-2.*.*", "_INBOX.w-2.*", "_INBOX.>", "_INBOX.*.>")
+    for reply in replies:
+        await d.w_1.nc.publish(sub("registry", "heartbeat", "w-1"), encode(Heartbeat()), reply=reply)
+    # served in order on one subscription: once w-1's next heartbeat is answered, those were handled
+    assert await call(d.w_1.nc, sub("registry", "heartbeat", "w-1"), Heartbeat(), HeartbeatReply)
+    own = await d.w_2.nc.request(sub("registry", "heartbeat", "w-2"), encode(Heartbeat()), timeout=10)
+    await spy.unsubscribe()
+    assert received == [own.subject]  # w-2's own answer, and none of those meant for w-1
+    assert d.dropped("registry", "heartbeat", "wildcard") == dropped + len(replies)
+
+
 @pytest.mark.parametrize("verb", ["PING", "INFO", "STATS"])
 async def test_discovery_requests_with_a_reply_subject_that_is_no_inbox_change_nothing(deployment, verb):
     d = deployment
