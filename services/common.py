@@ -63,8 +63,11 @@ Handler = Callable[[str | None, Any], Awaitable[Base]]
 
 # Reply subjects a request may name (CONTRACT section 1, "Replies"). A client with a
 # custom inbox prefix of its own is served once its prefix is added here (and the
-# services' user may publish there: `warmboot nats-config`).
-REPLY_PREFIXES: tuple[str, ...] = ("_INBOX.",)
+# services' user may publish there: `warmboot nats-config`). `_R_.` is the reply subject
+# nats-server gives a request that came through another account's service import (an
+# operator's, whose own reply subject is an inbox in its account: docs/security.md); it
+# is routed back only while that request is open, under a random token.
+REPLY_PREFIXES: tuple[str, ...] = ("_INBOX.", "_R_.")
 
 DROPPED = Counter(
     "warmboot_requests_dropped_total",

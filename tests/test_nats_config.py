@@ -24,10 +24,12 @@ from tests.registry_helpers import PROBE, agent_config, last_seq, registration, 
 from tests.secured_helpers import Secured, Serve
 from warmboot.agent import Agent
 from warmboot.cli import main
+from warmboot.cli_common import log_messages
 from warmboot.natsserver import NatsServer
 from warmboot.runner import start_services
 
 PREFIX = "authz"
+HEARTBEATS = f"KV_{PREFIX.upper()}_HEARTBEATS"
 
 
 @pytest.fixture(scope="module")
@@ -96,16 +98,33 @@ async def test_an_operator_reads_the_log_and_queries_but_writes_nothing(secured)
         subject = service_subject(PREFIX, "registry", "register", "w-2")
         await worker.nc.request(subject, json.dumps(registration("w-2")).encode(), timeout=10)
         before = await last_seq(admin.nc, PREFIX)
+        beats = (await admin.nc.jetstream().stream_info(HEARTBEATS)).state.last_seq
 
         js = ops.nc.jetstream()
         info = await js.stream_info(stream_name(PREFIX))
         assert info.state.last_seq == before
         last = await js.get_last_msg(stream_name(PREFIX), event_subject(PREFIX, "worker", "w-2"))
         assert decode_event(last.data).worker_id == "w-2"
-        sub = await js.subscribe(f"{PREFIX}.ev.>", ordered_consumer=True, stream=stream_name(PREFIX))
-        first = await sub.next_msg(timeout=10)
-        assert first.metadata.sequence.stream >= 1
-        await sub.unsubscribe()
+        # the whole log, by batched direct gets (what `warmboot audit`, `log` and `fleet` read with)
+        read = [(seq, subject) async for seq, subject, _, _ in log_messages(ops.nc, PREFIX)]
+        assert [seq for seq, _ in read] == list(range(1, before + 1))
+        assert event_subject(PREFIX, "worker", "w-2") in {subject for _, subject in read}
+
+        # JetStream answers onto the reply subject it is given, with its account's rights: an
+        # operator's request names one of the log's subjects, or the heartbeat bucket's, and
+        # what it gets stays in the operators' account (nothing lands in the log, nor the bucket)
+        for api in ("$JS.API.INFO", f"$JS.API.STREAM.INFO.{stream_name(PREFIX)}"):
+            for target in (event_subject(PREFIX, "worker", "w-2"), f"$KV.{PREFIX.upper()}_HEARTBEATS.w-2"):
+                await ops.nc.publish(api, b"", reply=target)
+        await ops.nc.publish(f"$JS.API.DIRECT.GET.{stream_name(PREFIX)}", json.dumps({"seq": 1}).encode(),
+                             reply=event_subject(PREFIX, "copy", "x"))
+        # and it creates no consumer (whose deliveries it could point at the log)
+        for subject in (f"$JS.API.CONSUMER.CREATE.{stream_name(PREFIX)}",
+                        f"$JS.API.CONSUMER.CREATE.{stream_name(PREFIX)}.c.{PREFIX}.ev.>"):
+            await ops.nc.publish(subject, b"{}")
+            await ops.violation(subject)
+        await ops.nc.flush()
+        assert await ops.nc.jetstream().stream_info(stream_name(PREFIX))  # the answers above were sent
 
         # explain and fragmentation may be called (no scheduler runs here: no responders)
         with pytest.raises(nats.errors.NoRespondersError):
@@ -120,6 +139,7 @@ async def test_an_operator_reads_the_log_and_queries_but_writes_nothing(secured)
             await ops.violation(subject)
         await ops.nc.flush()
         assert await last_seq(admin.nc, PREFIX) == before
+        assert (await admin.nc.jetstream().stream_info(HEARTBEATS)).state.last_seq == beats
     finally:
         for client in (ops, worker, admin):
             await client.close()
@@ -229,13 +249,18 @@ async def test_nkeys_one_pair_per_user_seeds_private_and_only_public_keys_config
         agent = Agent(server.url, "w-1", "node-a", path, prefix="hx", probe=PROBE, nkey_seed=str(seeds / "w-1.nk"))
         stop = asyncio.Event()
         task = asyncio.create_task(agent.run(stop))
+        svc = await nats.connect(server.url, nkeys_seed=str(seeds / "svc.nk"), inbox_prefix="_INBOX._hx")
         ops = await nats.connect(server.url, nkeys_seed=str(seeds / "ops.nk"))
         try:
-            await wait_event(ops, "hx", "w-1", WorkerRegistered)
+            seq, _ = await wait_event(svc, "hx", "w-1", WorkerRegistered)
+            # the operator's key reads it (by direct gets, from its own account)
+            read = [(s, decode_event(data)) async for s, _, _, data in log_messages(ops, "hx", stop=seq)]
+            assert isinstance(read[-1][1], WorkerRegistered) and read[-1][0] == seq
         finally:
             stop.set()
             await asyncio.wait_for(task, 15)
             await ops.close()
+            await svc.close()
     finally:
         await asyncio.to_thread(serve.stop)
         server.stop()

@@ -21,7 +21,6 @@ import urllib.request
 
 import nats.errors
 import pytest
-from nats.js.api import ConsumerConfig
 
 from events.codec import decode_event, encode
 from events.errors import ContractError
@@ -55,6 +54,7 @@ from services.common import call
 from tests.factories import last_seq
 from tests.registry_helpers import CPUINFO, PROBE, agent_config, registration, wait_event
 from tests.secured_helpers import WARMBOOT, Secured, Serve
+from warmboot.cli_common import log_messages
 from warmboot.agent import Agent
 
 PREFIX = "sec"
@@ -154,10 +154,8 @@ async def test_every_flow_runs_under_least_privilege_with_no_violation(tmp_path)
         # an operator reads: explain, fragmentation, the log, service discovery
         await call(ops.nc, sub("scheduler", "explain", "a-1"), ExplainResume(), Explanation)
         await call(ops.nc, sub("scheduler", "fragmentation"), FragmentationQuery(), Fragmentation)
-        log = await ops.nc.jetstream().subscribe(f"{PREFIX}.ev.>", stream=STREAM, ordered_consumer=True)
-        first = await log.next_msg(timeout=10)
-        assert decode_event(first.data) is not None
-        await log.unsubscribe()
+        read = [decode_event(data) async for _, _, _, data in log_messages(ops.nc, PREFIX, stop=changed.seq)]
+        assert len(read) == changed.seq  # by batched direct gets, from the operators' own account
         stats = await ops.nc.request("$SRV.STATS.warmboot-scheduler", b"", timeout=10)
         assert json.loads(stats.data)["name"] == "warmboot-scheduler"
 
@@ -333,17 +331,21 @@ async def test_a_reply_subject_with_a_wildcard_is_not_answered(deployment):
 
 @pytest.mark.parametrize("verb", ["PING", "INFO", "STATS"])
 async def test_discovery_requests_with_a_reply_subject_that_is_no_inbox_change_nothing(deployment, verb):
+    """A client (of the deployment's account, where the targets are) asks with those reply subjects.
+    An operator's request crosses from its own account with a reply subject the server makes, and
+    is answered into the operator's account, where none of the targets is (`test_an_operator_...`)."""
     d = deployment
     before = await State.of(d)
     dropped = [d.dropped(s, f"$SRV.{verb}", "not_inbox") for s in ("registry", "snapshotter", "scheduler")]
     for target in TARGETS.values():
+        await d.orch.nc.publish(f"$SRV.{verb}", b"", reply=target)
         await d.ops.nc.publish(f"$SRV.{verb}", b"", reply=target)
-    await d.ops.nc.publish(f"$SRV.{verb}", b"")  # no reply subject at all
+    await d.orch.nc.publish(f"$SRV.{verb}", b"")  # no reply subject at all
 
     # each of the three services answers the next discovery request on the same subject
-    inbox = d.ops.nc.new_inbox()
-    answers = await d.ops.nc.subscribe(inbox, max_msgs=3)
-    await d.ops.nc.publish(f"$SRV.{verb}", b"", reply=inbox)
+    inbox = d.orch.nc.new_inbox()
+    answers = await d.orch.nc.subscribe(inbox, max_msgs=3)
+    await d.orch.nc.publish(f"$SRV.{verb}", b"", reply=inbox)
     names = sorted([json.loads((await answers.next_msg(timeout=10)).data)["name"] for _ in range(3)])
     assert names == ["warmboot-registry", "warmboot-scheduler", "warmboot-snapshotter"]
     after = [d.dropped(s, f"$SRV.{verb}", "not_inbox") for s in ("registry", "snapshotter", "scheduler")]
@@ -392,35 +394,38 @@ async def test_the_services_user_cannot_publish_onto_a_request_subject(deploymen
 
 async def test_an_operator_cannot_delete_consumers_nor_read_the_services_inboxes(deployment):
     d = deployment
-    js = d.ops.nc.jetstream()
-    # its own consumer: it may read with it, not delete it (a name prefix cannot be pinned)
-    mine = await js.pull_subscribe(f"{PREFIX}.ev.>", stream=STREAM, config=ConsumerConfig(inactive_threshold=30.0))
-    assert await mine.fetch(1, timeout=10)
-    name = (await mine.consumer_info()).name
-    for victim in (f"{STREAM}.{name}", f"KV_{HEARTBEATS}.registry-sweeper"):
-        subject = f"$JS.API.CONSUMER.DELETE.{victim}"
+    # no consumer of its own (its deliveries could be pointed at the log), and none of anyone else's
+    for subject in (f"$JS.API.CONSUMER.CREATE.{STREAM}", f"$JS.API.CONSUMER.CREATE.{STREAM}.mine.{PREFIX}.ev.>",
+                    f"$JS.API.CONSUMER.DELETE.{STREAM}.any", f"$JS.API.CONSUMER.DELETE.KV_{HEARTBEATS}.registry-sweeper"):
         await d.ops.nc.publish(subject, b"")
         await d.ops.violation(subject)
     assert (await d.svc.nc.jetstream().consumer_info(f"KV_{HEARTBEATS}", "registry-sweeper")).name
 
-    # replies to workers reach an operator's _INBOX.> (it is trusted with them), the services' do not
+    # its account holds only its own inboxes: no reply meant for a worker or the services reaches it
     seen: list[str] = []
-    marker = asyncio.get_running_loop().create_future()
+    arrived = asyncio.Event()
 
     async def on_msg(msg):
         seen.append(msg.subject)
-        if msg.subject == "_INBOX.marker" and not marker.done():
-            marker.set_result(None)
+        arrived.set()
 
     spy = await d.ops.nc.subscribe("_INBOX.>", cb=on_msg)
     await d.ops.nc.flush()
     await d.svc.nc.jetstream().stream_info(STREAM)  # its reply goes to the services' inbox
     await call(d.w_1.nc, sub("registry", "heartbeat", "w-1"), Heartbeat(), HeartbeatReply)
-    await d.svc.nc.publish("_INBOX.marker", b"")  # sent after both replies were received
-    await asyncio.wait_for(marker, 10)
+    await d.svc.nc.publish("_INBOX.marker", b"")  # an inbox subject of the deployment's account
+    await d.svc.nc.flush()
+    # its own request, after all of the above: its reply is the first thing its inboxes get
+    mine = await d.ops.nc.request("$SRV.PING.warmboot-registry", b"", timeout=10)
+
+    async def spied() -> None:
+        while mine.subject not in seen:
+            arrived.clear()
+            await arrived.wait()
+
+    await asyncio.wait_for(spied(), 10)
     await spy.unsubscribe()
-    assert any(s.startswith("_INBOX.w-1.") for s in seen), seen
-    assert not [s for s in seen if s.startswith(secured_inbox())], seen
+    assert seen == [mine.subject], seen
 
 
 async def test_the_agent_works_with_worker_credentials_and_no_output_holds_a_password(deployment, tmp_path):

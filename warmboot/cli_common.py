@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import re
 import sys
-from typing import Any, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import click
 from rich.console import Console
@@ -92,9 +92,45 @@ async def last_seq(nc: Any, prefix: str) -> int:
         raise click.ClickException(f"no event stream {stream_name(prefix)}: {e}") from None
 
 
+# Messages one batched direct get asks for, and how long one may take (the server answers a
+# batch of 1,000 in milliseconds; the bound only ends a read of a server that went away).
+READ_PAGE = 1000
+READ_TIMEOUT_S = 30.0
+
+
+async def log_messages(nc: Any, prefix: str, filter_subject: str | None = None,
+                       stop: int | None = None) -> AsyncIterator[tuple[int, str, dict[str, str], bytes]]:
+    """The stream's messages on `filter_subject` (all of them by default) up to `stop`, as
+    (sequence, subject, headers, body), in order, by batched direct gets: the only way an
+    operator's credential may read the log (no consumer: docs/security.md, Operators)."""
+    from events.jetstream.layout import SEQUENCE_HEADER, SUBJECT_HEADER
+    from events.jetstream.link import direct_batch
+
+    stream = stream_name(prefix)
+    seq = 1
+    while stop is None or seq <= stop:
+        request: dict[str, Any] = {"seq": seq, "batch": READ_PAGE}
+        if filter_subject is not None:
+            request["next_by_subj"] = filter_subject
+        try:
+            page, pending = await direct_batch(nc, stream, request, READ_TIMEOUT_S)
+        except Exception as e:
+            raise click.ClickException(f"reading the event stream {stream} from sequence {seq} failed: "
+                                       f"{type(e).__name__}: {e}") from None
+        for msg in page:
+            headers = msg.headers or {}
+            msg_seq = int(headers[SEQUENCE_HEADER])
+            if stop is not None and msg_seq > stop:
+                return
+            yield msg_seq, headers.get(SUBJECT_HEADER, ""), headers, msg.data
+            seq = msg_seq + 1
+        if not page or pending == 0:
+            return
+
+
 async def replay(nc: Any, prefix: str, sink: Any, show_progress: bool) -> Any:
-    """Fold the whole stream (as it is now) into `sink` with the scheduler's own Fold,
-    with a progress bar on stderr."""
+    """Fold the whole stream (as it is now) into `sink` with the scheduler's own reading of
+    each message (`Fold.fold_message`), with a progress bar on stderr."""
     from services.scheduler.fold import Fold
 
     target = await last_seq(nc, prefix)
@@ -105,10 +141,8 @@ async def replay(nc: Any, prefix: str, sink: Any, show_progress: bool) -> Any:
         task = progress.add_task("", total=target)
         sink.on_position = lambda seq: progress.update(task, completed=seq)
         fold = Fold(nc, prefix, sink)
-        try:
-            await fold.start(timeout=max(60.0, target / 5000))
-        finally:
-            await fold.stop()
+        async for seq, subject, headers, data in log_messages(nc, prefix, stop=target):
+            fold.fold_message(seq, subject, headers, data)
     return sink
 
 
@@ -116,20 +150,5 @@ async def read_subject(nc: Any, prefix: str, subject: str) -> list[tuple[int, An
     """Every event on one subject of the stream, as (stream sequence, event), in order."""
     from events.codec import decode_event
 
-    js = nc.jetstream()
-    stream = stream_name(prefix)
-    try:
-        info = await js.stream_info(stream, subjects_filter=subject)
-    except Exception as e:
-        raise click.ClickException(f"no event stream {stream}: {e}") from None
-    count = (info.state.subjects or {}).get(subject, 0)
-    records: list[tuple[int, Any]] = []
-    if count:
-        sub = await js.subscribe(subject, stream=stream, ordered_consumer=True)
-        try:
-            while len(records) < count:
-                msg = await sub.next_msg(timeout=10)
-                records.append((msg.metadata.sequence.stream, decode_event(msg.data)))
-        finally:
-            await sub.unsubscribe()
-    return records
+    target = await last_seq(nc, prefix)
+    return [(seq, decode_event(data)) async for seq, _, _, data in log_messages(nc, prefix, subject, target)]

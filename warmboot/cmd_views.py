@@ -26,8 +26,8 @@ from events.jetstream import VERSION_HEADER
 from events.runtime_id import PREFIX as ID_PREFIX
 from events.runtime_id import Runtimes, UnknownRuntime, short_id
 from events.schema import CompatVersion, Explanation, Fragmentation, Placement, WhatIf, WhatIfAnswer
-from events.subjects import event_subject, stream_name
-from warmboot.cli_common import ask, min_seq_option, nats_option, prefix_option, version_text
+from events.subjects import event_subject
+from warmboot.cli_common import ask, last_seq, log_messages, min_seq_option, nats_option, prefix_option, version_text
 from warmboot.client import Client
 from warmboot.render import Column, render_fields, render_table, terminal_width
 
@@ -78,23 +78,11 @@ async def fleet(nc: Any, prefix: str) -> Any:
     scheduler's projection, a small part of the log (no actor, no booking)."""
     from services.scheduler.projection import Projection
 
-    js = nc.jetstream()
-    subject = event_subject(prefix, "worker", ">")
-    try:
-        info = await js.stream_info(stream_name(prefix), subjects_filter=subject)
-    except Exception as e:
-        raise click.ClickException(f"no event stream {stream_name(prefix)}: {e}") from None
-    count = sum((info.state.subjects or {}).values())
     projection = Projection()
-    if count:
-        sub = await js.subscribe(subject, stream=stream_name(prefix), ordered_consumer=True)
-        try:
-            for _ in range(count):
-                msg = await sub.next_msg(timeout=10)
-                version = (msg.headers or {}).get(VERSION_HEADER)
-                projection.apply(msg.metadata.sequence.stream, decode_event(msg.data), int(version) if version else None)
-        finally:
-            await sub.unsubscribe()
+    target = await last_seq(nc, prefix)
+    async for seq, _, headers, data in log_messages(nc, prefix, event_subject(prefix, "worker", ">"), target):
+        version = headers.get(VERSION_HEADER)
+        projection.apply(seq, decode_event(data), int(version) if version else None)
     return projection
 
 

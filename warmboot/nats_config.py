@@ -45,31 +45,42 @@ def client_permissions(prefix: str, name: str) -> dict:
 
 
 def operator_permissions(prefix: str) -> dict:
-    """Read the event log (its own consumers), call the scheduler's read-only queries,
-    discover services; write nothing, delete nothing, read no service's inbox."""
-    stream = stream_name(prefix)
+    """In the operators' own account (`accounts`): call what it imports from the deployment's
+    (read the log by direct gets, the scheduler's read-only queries, service discovery) and
+    hear the answers on its own inboxes. JetStream answers a request onto its reply subject
+    with its account's rights, so a credential with any JetStream API right in the log's own
+    account could have an answer, or a consumer's deliveries, stored in the log: an operator
+    has none there, and no consumer anywhere."""
     return {
-        "publish": {
-            "allow": [
-                f"{prefix}.scheduler.explain.*",
-                f"{prefix}.scheduler.fragmentation",
-                f"{prefix}.scheduler.whatif",
-                "$SRV.>",
-                "$JS.API.INFO",
-                f"$JS.API.STREAM.INFO.{stream}",
-                f"$JS.API.STREAM.MSG.GET.{stream}",
-                f"$JS.API.DIRECT.GET.{stream}",
-                f"$JS.API.DIRECT.GET.{stream}.>",
-                f"$JS.API.CONSUMER.CREATE.{stream}",
-                f"$JS.API.CONSUMER.CREATE.{stream}.>",
-                f"$JS.API.CONSUMER.INFO.{stream}.*",
-                f"$JS.API.CONSUMER.MSG.NEXT.{stream}.*",
-                f"$JS.ACK.{stream}.>",
-                f"$JS.FC.{stream}.>",
-            ]
-        },
-        "subscribe": {"allow": ["_INBOX.>"], "deny": [f"{services_inbox(prefix)}.>"]},
+        "publish": {"allow": [subject for subject, _ in operator_imports(prefix)]},
+        "subscribe": {"allow": ["_INBOX.>"]},
     }
+
+
+def operator_imports(prefix: str) -> list[tuple[str, bool]]:
+    """What the operators' account imports from the deployment's: (subject, many answers).
+
+    Each is a service import: the request crosses into the deployment's account with a reply
+    subject the server makes (`_R_.`), and its answers come back to the caller's inbox in the
+    operators' account, out of reach of every stream."""
+    stream = stream_name(prefix)
+    return [
+        (f"{prefix}.scheduler.explain.*", False),
+        (f"{prefix}.scheduler.fragmentation", False),
+        (f"{prefix}.scheduler.whatif", False),
+        ("$SRV.>", True),  # every service answers discovery
+        ("$JS.API.INFO", False),
+        (f"$JS.API.STREAM.INFO.{stream}", False),
+        (f"$JS.API.STREAM.MSG.GET.{stream}", False),
+        (f"$JS.API.DIRECT.GET.{stream}", True),  # a batch is many messages and an end-of-batch status
+        (f"$JS.API.DIRECT.GET.{stream}.>", False),
+    ]
+
+
+def account_names(prefix: str) -> tuple[str, str]:
+    """The deployment's account (the log, the services, clients, workers) and the operators'."""
+    base = prefix.upper().replace("-", "_")
+    return base, f"{base}_OPERATORS"
 
 
 def services_api(prefix: str) -> list[str]:
@@ -121,6 +132,7 @@ def services_permissions(prefix: str) -> dict:
         f"$O.{bucket_name(p, 'checkpoints')}.>",
         *services_api(p),
         "_INBOX.>",  # replies (the endpoints answer only inboxes)
+        "_R_.>",  # replies to an operator's call, through its account's import (the server's reply subject)
     ]
     return {
         "publish": {"allow": publish, "deny": [f"{services_inbox(p)}.>"]},
@@ -212,7 +224,9 @@ def nats_auth_config(
     clients: list[str] | None = None,
     ids: dict[str, Identity] | None = None,
 ) -> str:
-    """The `authorization` block of a nats-server configuration, users per role.
+    """The `accounts` block of a nats-server configuration: the deployment's account (its
+    JetStream, the services, clients and workers, one user each) and the operators' (no
+    JetStream; what it may call of the deployment's, imported).
 
     Users are given by `ids` (any auth mode), or by clear `passwords`.
     """
@@ -220,29 +234,51 @@ def nats_auth_config(
     if ids is None:
         ids = identities("password", passwords or {})
     held = "nkey public keys" if any(i.nkey for i in ids.values()) else "passwords (or their hashes)"
+    deployment, operators_account = account_names(prefix)
+    imports = operator_imports(prefix)
 
     def user(name: str, perms: dict) -> str:
-        return f"    {{ {ids[name].fields()}, permissions: {_permissions(perms)} }}"
+        return f"      {{ {ids[name].fields()}, permissions: {_permissions(perms)} }}"
 
     lines = [
         f"# warmboot users for the subject prefix {prefix!r}, written by `warmboot nats-config`.",
         "# Include this file from the nats-server configuration:  include \"warmboot-auth.conf\"",
         f"# It holds {held}: keep it readable by the server's user only.",
-        "authorization {",
-        "  users: [",
-        "    # services (registry, snapshotter, scheduler): their own streams and buckets, inboxes",
+        "accounts {",
+        f"  {deployment}: {{",
+        "    jetstream: enabled",
+        "    users: [",
+        "      # services (registry, snapshotter, scheduler): their own streams and buckets, inboxes",
         user(services_user, services_permissions(prefix)),
     ]
     if clients:
-        lines.append("    # clients: the snapshotter and the scheduler, replies on _INBOX.<own name>.>")
+        lines.append("      # clients: the snapshotter and the scheduler, replies on _INBOX.<own name>.>")
     lines += [user(name, client_permissions(prefix, name)) for name in clients]
-    if operators:
-        lines.append(f"    # operators: read the log ({events_filter(prefix)}), call explain, fragmentation, whatif")
-    lines += [user(name, operator_permissions(prefix)) for name in operators]
     if workers:
-        lines.append(f"    # workers: {prefix}.registry.*.<own id> only, replies on _INBOX.<own id>.>")
+        lines.append(f"      # workers: {prefix}.registry.*.<own id> only, replies on _INBOX.<own id>.>")
     lines += [user(worker_id, worker_permissions(prefix, worker_id)) for worker_id in workers]
-    lines += ["  ]", "}"]
+    lines += [
+        "    ]",
+        "    # what the operators' account may call (docs/security.md, Operators)",
+        "    exports: [",
+        *(f"      {{ service: {_q(subject)}, accounts: [{_q(operators_account)}]"
+          + (", response: stream }" if many else " }") for subject, many in imports),
+        "    ]",
+        "  }",
+        f"  {operators_account}: {{",
+        "    users: [",
+    ]
+    if operators:
+        lines.append(f"      # operators: read the log ({events_filter(prefix)}), call explain, fragmentation, whatif")
+    lines += [user(name, operator_permissions(prefix)) for name in operators]
+    lines += [
+        "    ]",
+        "    imports: [",
+        *(f"      {{ service: {{ account: {_q(deployment)}, subject: {_q(subject)} }} }}" for subject, _ in imports),
+        "    ]",
+        "  }",
+        "}",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -313,14 +349,15 @@ def nats_config(
     seeds_dir: Path | None,
     out_path: Path | None,
 ) -> None:
-    """Write a nats-server `authorization` block with one user per role.
+    """Write a nats-server `accounts` block with one user per role.
 
     The services may publish only into their own streams and buckets and onto
     inboxes, never onto a request subject. Each worker may publish only
     PREFIX.registry.*.ITS_ID (register, heartbeat, drain, remove itself) and
     receive replies on _INBOX.ITS_ID.> (the agent's inbox prefix). Clients call
-    the snapshotter and the scheduler. Operators may read the event log and call
-    the scheduler's read-only queries. See docs/security.md.
+    the snapshotter and the scheduler. Operators, in an account of their own, may
+    read the event log by direct gets and call the scheduler's read-only queries.
+    See docs/security.md.
     """
     worker_ids = list(workers)
     if workers_file is not None:

@@ -89,6 +89,25 @@ class ConnectOptions:
         return kwargs
 
 
+async def direct_batch(nc: NATS, stream: str, request: dict[str, Any], timeout: float) -> tuple[list[Msg], int]:
+    """One batched direct get on any connection (answers on an inbox of its own): the
+    messages, and how many more match after them. For a reader without a `Link` (the
+    operator commands, which may read the log only this way: docs/security.md)."""
+    collector = _Collector(asyncio.get_running_loop())
+
+    async def feed(msg: Msg) -> None:
+        collector.feed(msg)
+
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox, cb=feed)
+    try:
+        await nc.publish(f"$JS.API.DIRECT.GET.{stream}", json.dumps(request).encode(), reply=inbox)
+        pending = await asyncio.wait_for(collector.done, timeout)
+    finally:
+        await sub.unsubscribe()
+    return collector.msgs, pending
+
+
 class _Collector:
     """Gathers the replies of one batched direct get until the end-of-batch status."""
 
