@@ -92,22 +92,28 @@ async def last_seq(nc: Any, prefix: str) -> int:
         raise click.ClickException(f"no event stream {stream_name(prefix)}: {e}") from None
 
 
-# Messages one batched direct get asks for, and how long one may take (the server answers a
-# batch of 1,000 in milliseconds; the bound only ends a read of a server that went away).
-READ_PAGE = 1000
+# How long one batched direct get may take (the server answers a page in milliseconds; the
+# bound only ends a read of a server that went away), and how often a read that ended before
+# the position it was asked to reach is asked again.
 READ_TIMEOUT_S = 30.0
+READ_ATTEMPTS = 10
 
 
 async def log_messages(nc: Any, prefix: str, filter_subject: str | None = None,
                        stop: int | None = None) -> AsyncIterator[tuple[int, str, dict[str, str], bytes]]:
     """The stream's messages on `filter_subject` (all of them by default) up to `stop`, as
     (sequence, subject, headers, body), in order, by batched direct gets: the only way an
-    operator's credential may read the log (no consumer: docs/security.md, Operators)."""
+    operator's credential may read the log (no consumer: docs/security.md, Operators).
+
+    Any replica of the stream answers a direct get, and one that lags ends its batch early:
+    a read that ends before `stop` asks again (up to READ_ATTEMPTS times) from where it is."""
     from events.jetstream.layout import SEQUENCE_HEADER, SUBJECT_HEADER
     from events.jetstream.link import direct_batch
+    from events.jetstream.stream import READ_PAGE
 
     stream = stream_name(prefix)
     seq = 1
+    short = 0
     while stop is None or seq <= stop:
         request: dict[str, Any] = {"seq": seq, "batch": READ_PAGE}
         if filter_subject is not None:
@@ -124,8 +130,29 @@ async def log_messages(nc: Any, prefix: str, filter_subject: str | None = None,
                 return
             yield msg_seq, headers.get(SUBJECT_HEADER, ""), headers, msg.data
             seq = msg_seq + 1
-        if not page or pending == 0:
+        if page and pending:
+            continue
+        if stop is None or seq > stop or not await _more_at_leader(nc, stream, seq, stop, filter_subject):
             return
+        short += 1  # a replica behind the leader ended the batch early
+        if short >= READ_ATTEMPTS:
+            raise click.ClickException(f"the event stream {stream}'s replicas served messages up to {seq - 1}, "
+                                       f"its leader has more up to {stop}; try again")
+        await asyncio.sleep(0.1 * short)  # a back-off between attempts, not a wait for an event
+
+
+async def _more_at_leader(nc: Any, stream: str, seq: int, stop: int, filter_subject: str | None) -> bool:
+    """Whether the stream leader has a message on `filter_subject` from `seq` up to `stop`."""
+    import nats.js.errors
+
+    try:
+        found = await nc.jetstream().get_msg(stream, seq=seq, subject=filter_subject or ">", next=True)
+    except nats.js.errors.NotFoundError:
+        return False
+    except Exception as e:
+        raise click.ClickException(f"reading the event stream {stream} at sequence {seq} failed: "
+                                   f"{type(e).__name__}: {e}") from None
+    return found.seq <= stop
 
 
 async def replay(nc: Any, prefix: str, sink: Any, show_progress: bool) -> Any:
