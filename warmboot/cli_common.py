@@ -110,7 +110,9 @@ async def log_messages(nc: Any, prefix: str, filter_subject: str | None = None,
     from events.jetstream.layout import SEQUENCE_HEADER, SUBJECT_HEADER
     from events.jetstream.link import direct_batch
     from events.jetstream.stream import READ_PAGE
+    from events.natspy import use_lean_headers
 
+    use_lean_headers(nc)  # each answer carries its message's headers and the direct get's own
     stream = stream_name(prefix)
     seq = 1
     short = 0
