@@ -17,6 +17,7 @@ import pytest
 from events.errors import ContractError
 from events.schema import (
     Action,
+    ActorEvent,
     ActorStopped,
     CreateActor,
     Event,
@@ -178,6 +179,32 @@ async def test_a_worker_event_the_scheduler_cannot_read_stops_its_placements(wb,
     assert (await wb.resume("a")).worker_id == "w2"
     sink = await replay(nc, prefix, Sink(verify=True), False)  # `audit verify`: the scheduler's own fold
     assert sink.violation is None and not sink.projection.workers["w1"].live
+
+
+class ActorPlacedV2(ActorEvent, kw_only=True):
+    """A placement event a newer scheduler might write instead of ActorPlaced (with its booking
+    marker right after it, in the same atomic append, as every placement has)."""
+
+    worker_id: str
+    memory_mib: int
+
+
+async def test_a_placement_the_scheduler_cannot_read_stops_its_placements_on_that_worker(wb, nc, prefix, writer):
+    """The fold skipped the placement and folded its booking marker: the worker's room, as this
+    replica counted it, did not have what that placement booked, and the next resume booked the
+    worker past its capacity."""
+    await wb.register(registration("w1", V1, node="n1", mem=4096))
+    await wb.create(new_actor("big", golden_snapshot=golden(V1)))
+    await wb.create(new_actor("a", golden_snapshot=golden(V1)))
+    seq = await asyncio.to_thread(writer.write, ActorPlacedV2(at=AT, actor_id="big", worker_id="w1", memory_mib=4000),
+                                  WorkerBooked(at=AT, worker_id="w1", actor_id="big"))
+    with pytest.raises(ContractError) as refused:
+        await wb.resume("a", min_seq=seq)
+    assert refused.value.code is ErrorCode.RESOURCE_EXHAUSTED and "1 drained" in refused.value.message
+    assert await last_seq(nc, prefix) == seq  # nothing written
+
+    await wb.register(registration("w2", V1, node="n1"))  # a worker whose room it knows takes the actor
+    assert (await wb.resume("a")).worker_id == "w2"
 
 
 # --- what the review found holding: random lifecycles, every decision audited ----------------------

@@ -118,6 +118,8 @@ class Fold:
         self.events_prefix = f"{prefix}.ev."
         self.booking_prefix = f"{prefix}.ev.{WorkerBooked.KIND}."
         self.worker_prefix = f"{prefix}.ev.{WorkerEvent.KIND}."
+        self.actor_prefix = f"{prefix}.ev.actor."
+        self._unread_on_actor = 0  # the sequence of the last message of an actor's history not folded
         self.projection = projection
         self.listeners: list[Callable[[int], None]] = []
         self.behind = 0  # messages the server had not delivered yet at the last one folded
@@ -217,7 +219,12 @@ class Fold:
             # a placement's WorkerBooked or the registry's WorkerFenced: the subject says all
             # the fold needs of a booking marker, so there is no body to decode
             version = headers.get(VERSION_HEADER)
-            projection.booking_marker(seq, subject[len(self.booking_prefix):], int(version) if version else None)
+            worker_id = subject[len(self.booking_prefix):]
+            projection.booking_marker(seq, worker_id, int(version) if version else None)
+            if self._unread_on_actor == seq - 1:
+                # the marker of a placement this fold could not read (a newer scheduler's, written
+                # right before it in the same atomic append): what it booked is not counted here
+                projection.booking_unread(worker_id)
         elif topic in EVENT_TYPES or (topic is None and subject.startswith(self.events_prefix)):
             try:
                 event = self._read(data)
@@ -238,10 +245,14 @@ class Fold:
         """A message not folded. On a worker's history (a newer registry's event type, or a body
         this fold cannot read) it may have drained the worker or dropped the runtime a placement
         would match, and the registry's fence beside it moves the booking subject the fold does
-        read: the worker takes no placement from this replica until its next life."""
+        read: the worker takes no placement from this replica until its next life. One on an actor's
+        history right before a booking marker was a placement: the worker it booked counts as
+        drained as well (its room here is too large by what that placement booked)."""
         if subject.startswith(self.worker_prefix):
             self.projection.worker_unread(seq, subject[len(self.worker_prefix):])
         else:
+            if subject.startswith(self.actor_prefix):
+                self._unread_on_actor = seq
             self.projection.skip(seq)
 
     async def wait(self, seq: int | None, timeout: float) -> None:

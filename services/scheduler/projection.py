@@ -176,6 +176,13 @@ class Projection:
         self._drain(worker_id)
         self.registry_version += 1
 
+    def booking_unread(self, worker_id: str) -> None:
+        """The booking marker just folded belongs to a placement this fold could not read
+        (`Fold._unread`): the room it booked is unknown here, so the worker counts as drained
+        (no new placement; it keeps its bookings) until a registration starts its next life."""
+        self._drain(worker_id)
+        self.registry_version += 1
+
     def _other_subject(self, aggregate_id: str, seq: int, version: int | None) -> None:
         previous = self.subjects.get(aggregate_id)
         self.subjects[aggregate_id] = (version or (previous[0] + 1 if previous else 1), seq)
