@@ -444,6 +444,53 @@ def test_expected_last_seqs_guards_a_second_subject(nats_url, prefix):
         app.close()
 
 
+def test_a_fence_commits_only_while_a_subject_the_call_does_not_write_is_where_it_was(nats_url, prefix):
+    """`fences={originator: seq}`: the append commits only if that subject's last sequence is still
+    `seq` (Nats-Expected-Last-Subject-Sequence-Subject, on a message without an expectation of its
+    own); a subject that moved is a conflict, and nothing of the call is written."""
+    app = app_on(nats_url, prefix)
+    try:
+        ledger = Ledger("w-1")
+        ledger.book("a-0")
+        fenced_at = app.save(ledger)[-1].notification.id
+        tally = Tally("a-1")
+        tally.drain("one")
+        tally.drain("two")  # a second message: the first carries the tally's own expectation
+        assert [r.notification.id for r in app.save(tally, fences={"ledger.w-1": fenced_at})] == [2, 3]
+
+        ledger = app.repository.get("ledger.w-1")
+        ledger.book("a-9")  # the fenced subject moves on
+        app.save(ledger)
+        before = app.recorder.max_notification_id()
+        tally = app.repository.get("tally.a-1")
+        tally.drain("three")
+        tally.drain("four")
+        with pytest.raises(IntegrityError, match=f"fenced at last sequence {fenced_at}, now {before}"):
+            app.save(tally, fences={"ledger.w-1": fenced_at})
+        assert app.recorder.max_notification_id() == before
+        assert app.repository.get("tally.a-1").reasons == ["one", "two"]
+        # the current position commits; an empty subject is fenced at 0 (a fence per free message)
+        tally = app.repository.get("tally.a-1")
+        for reason in ("three", "four", "five"):
+            tally.drain(reason)
+        app.save(tally, fences={"ledger.w-1": before, "ledger.w-never": 0})
+        assert app.repository.get("tally.a-1").reasons == ["one", "two", "three", "four", "five"]
+
+        # a call with no message free to carry a fence, or that writes the fenced subject: refused
+        tally = app.repository.get("tally.a-1")
+        tally.drain("six")
+        with pytest.raises(ProgrammingError, match="no message of this call can carry a fence on"):
+            app.save(tally, fences={"ledger.w-1": before})
+        tally = app.repository.get("tally.a-1")  # the refused save took the pending event with it
+        tally.drain("six")
+        tally.drain("seven")
+        with pytest.raises(ProgrammingError, match="is written by this call"):
+            app.save(tally, fences={"tally.a-1": 0})
+        assert app.recorder.max_notification_id() == before + 3
+    finally:
+        app.close()
+
+
 def test_a_refusal_of_expectations_all_given_is_a_conflict_without_reading_every_subject(nats_url, prefix):
     """The scheduler's group commit gives the expected last sequence of every subject it
     writes: a refusal is IntegrityError at once, with no read of each subject from the

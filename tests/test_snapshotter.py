@@ -8,13 +8,15 @@ registered, upgraded and removed through the registry's endpoints.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import threading
 from datetime import datetime, timezone
 
 import msgspec
 import pytest
 
-from events.aggregate import WireApplication, now
+from events.aggregate import Recorded, WireApplication, now
 from events.codec import decode_event
 from events.errors import ContractError
 from events.schema import (
@@ -45,6 +47,7 @@ from events.schema import (
     TagSnapshot,
     TemplateChanged,
     UpdateTemplate,
+    WorkerFenced,
     WorkerRemoved,
 )
 from events.subjects import service_subject, stream_name
@@ -416,6 +419,80 @@ async def test_a_restarted_replica_does_not_release_again(registry, placer, nats
         assert again.process.released == 0 and await last_seq(nc, prefix) == before
     finally:
         await again.stop()
+
+
+@contextlib.contextmanager
+def releases_held(service: SnapshotterService):
+    """The service's worker-removal process stops at the first WorkerRemoved until the block ends:
+    a removal is in the log and its releases are not yet (the window a pause may fall into)."""
+    hold = threading.Event()
+    process = service.process
+    folded = process.process_event
+
+    def held(domain_event, tracking):
+        if isinstance(domain_event, Recorded) and isinstance(domain_event.body, WorkerRemoved):
+            hold.wait(60)
+        folded(domain_event, tracking)
+
+    process.process_event = held
+    try:
+        yield
+    finally:
+        hold.set()
+
+
+async def placed_then_removed_pending_release(snapshotter, nc, prefix, placer) -> int:
+    await register(nc, prefix, registration("w-1", "node-1", V1))
+    await create(nc, prefix, "a-1")
+    return await placer.place("a-1", "w-1", "node-1", PIN_V1)
+
+
+async def test_an_actor_whose_worker_was_removed_is_neither_paused_nor_suspended_there(
+    snapshotter, registry, placer, nc, prefix
+):
+    """A removed worker's RUNNING actors are released, SUSPENDED from their latest snapshot. A
+    pause or a suspend that the snapshotter decides after the removal but before the release must
+    not record an image of that worker (a LOCAL one would send the actor's next resume to its node)."""
+    with releases_held(snapshotter):
+        await placed_then_removed_pending_release(snapshotter, nc, prefix, placer)
+        removed = await call(nc, service_subject(prefix, "registry", "remove", "w-1"), RemoveWorker(), SeqReply)
+        before = await last_seq(nc, prefix)  # the removal and its fence
+        for attempt in (pause(nc, prefix, "a-1"), suspend(nc, prefix, "a-1", uri="s3://x/a-1")):
+            with pytest.raises(ContractError) as refused:
+                await attempt
+            assert refused.value.code is ErrorCode.FAILED_PRECONDITION
+            assert f"the worker was removed (sequence {removed.seq})" in refused.value.message
+        assert await last_seq(nc, prefix) == before  # nothing written
+    ((_, release),) = await released_by_removal(nc, prefix, count=1)
+    assert release.actor_id == "a-1" and release.worker_id == "w-1"
+
+
+async def test_a_removal_landing_between_the_read_and_the_append_of_a_pause_wins(
+    snapshotter, registry, placer, writer, nc, prefix
+):
+    """The pause read the worker's history (alive), then the removal was appended, then the pause's
+    append: its fence on the worker's history refuses it, and the decision taken again refuses."""
+    with releases_held(snapshotter):
+        await placed_then_removed_pending_release(snapshotter, nc, prefix, placer)
+        fence = snapshotter.placement_fence
+        reads: list[int] = []
+
+        def removed_meanwhile(actor, verb):
+            answer = fence(actor, verb)
+            reads.append(answer["worker.w-1"])
+            if len(reads) == 1:  # as the registry writes a removal: the event and its fence
+                writer.write(WorkerRemoved(at=now(), worker_id="w-1", reason="gone"),
+                             WorkerFenced(at=now(), worker_id="w-1", event="WorkerRemoved"))
+            return answer
+
+        snapshotter.placement_fence = removed_meanwhile
+        with pytest.raises(ContractError) as refused:
+            await pause(nc, prefix, "a-1")
+        assert refused.value.code is ErrorCode.FAILED_PRECONDITION and "the worker was removed" in refused.value.message
+        assert len(reads) == 1  # the second decision found the removal and fenced nothing
+        log = await read_entries(nc, prefix)
+        assert not [e for _, _, e in log if isinstance(e, SnapshotTaken)]
+        assert isinstance(log[-1][2], WorkerFenced)  # the removal was the last write
 
 
 async def released_by_removal(nc, prefix: str, count: int) -> list[tuple[int, ActorReleased]]:

@@ -369,3 +369,15 @@ def test_create_from_a_tag_of_another_class_is_failed_precondition():
         actor.create(request, snapshot, at(3))
     assert code_of(e) is ErrorCode.FAILED_PRECONDITION and e.value.field == "source_tag"
     assert actor.pending_events == []
+
+
+def test_a_placement_ended_at_the_first_removal_of_its_worker_after_it():
+    from services.snapshotter.placements import removed_since
+
+    history = [(3, "WorkerRegistered"), (5, "RuntimeChanged"), (7, "WorkerRemoved"), (9, "WorkerRegistered"),
+               (12, "WorkerRemoved")]
+    assert removed_since(history, 4) == 7  # re-registered since: the placement still ended at 7
+    assert removed_since(history, 7) == 12  # placed after the first removal: ended at the second
+    assert removed_since(history, 8) == 12
+    assert removed_since(history, 12) == 0
+    assert removed_since([], 0) == 0

@@ -74,6 +74,13 @@ arguments of ``Application.save`` down to the recorder, so::
 commits the actor's events and the booking marker atomically, and only if the
 booking subject's last message is still sequence 1234 (otherwise IntegrityError,
 nothing written). Every originator named there must have an event in the call.
+A subject the call writes nothing to is fenced instead: ``fences={originator_id:
+stream sequence}`` commits only while that subject's last sequence is still the one
+given (IntegrityError otherwise, nothing written). Each fence rides on a message of
+the call that has no expectation of its own (one that is not the first of its
+subject), as ``Nats-Expected-Last-Subject-Sequence-Subject``; a call with too few
+such messages is refused (ProgrammingError). The snapshotter fences a pause on the
+history of the worker the actor is placed on.
 
 Reading. ``select_events`` and ``select_notifications`` use batched direct gets
 (one request answers up to `READ_PAGE` messages); ``subscribe`` uses an ordered

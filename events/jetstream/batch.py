@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from eventsourcing.persistence import IntegrityError
+from eventsourcing.persistence import IntegrityError, ProgrammingError
 
 
 @dataclass
@@ -37,10 +37,31 @@ class Guard:
 
 @dataclass
 class Batch:
-    """The messages of one atomic append, and the guard of each subject they touch."""
+    """The messages of one atomic append, the guard of each subject they touch, and its fences:
+    expected last sequences of subjects it writes nothing to (`fence`)."""
 
     outs: list[Out] = field(default_factory=list)
     guards: dict[str, Guard] = field(default_factory=dict)
+    fences: dict[str, int] = field(default_factory=dict)  # subject -> its expected last sequence
+    fence_at: dict[int, str] = field(default_factory=dict)  # message index -> the subject it fences
+
+    def fence(self, subject: str, seq: int) -> None:
+        """Commit only if `subject`'s last sequence is still `seq` (a subject of none of the batch's
+        messages). Carried by a message that has no expectation of its own (one that is not the
+        first of its subject), with `Nats-Expected-Last-Subject-Sequence-Subject`; the last such."""
+        if subject in self.guards:
+            raise ProgrammingError(f"{subject} is written by this call: expect its last sequence, do not fence it")
+        if subject in self.fences:
+            raise ProgrammingError(f"{subject} is fenced twice in one call")
+        firsts = {guard.first_index for guard in self.guards.values()}
+        free = [i for i in range(len(self.outs) - 1, -1, -1) if i not in firsts and i not in self.fence_at]
+        if not free:
+            raise ProgrammingError(
+                f"no message of this call can carry a fence on {subject}: each message that is not the first of "
+                "its subject carries one"
+            )
+        self.fences[subject] = seq
+        self.fence_at[free[0]] = subject
 
     def add(self, out: Out, position_header: str) -> None:
         index = len(self.outs)

@@ -24,6 +24,7 @@ ID_TYPE_HEADER = "Warmboot-Id-Type"  # "uuid" when the originator id is a UUID
 TRACKING_HEADER = "Warmboot-Tracking"  # on a tracking record: the notification id processed
 MSG_ID_HEADER = "Nats-Msg-Id"
 EXPECTED_SUBJECT_SEQ_HEADER = "Nats-Expected-Last-Subject-Sequence"
+EXPECTED_SUBJECT_SEQ_SUBJECT_HEADER = "Nats-Expected-Last-Subject-Sequence-Subject"  # a fence's subject
 BATCH_ID_HEADER = "Nats-Batch-Id"
 BATCH_SEQ_HEADER = "Nats-Batch-Sequence"
 BATCH_COMMIT_HEADER = "Nats-Batch-Commit"

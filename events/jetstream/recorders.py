@@ -85,10 +85,13 @@ class JetStreamAggregateRecorder(JetStreamRecorder, AggregateRecorder):
         stored_events: Sequence[StoredEvent],
         *,
         expected_last_seqs: Mapping[UUID | str, int] | None = None,
+        fences: Mapping[UUID | str, int] | None = None,
         tracking: Tracking | None = None,
         **_: Any,
     ) -> list[int]:
         batch = self._batch(stored_events, expected_last_seqs, tracking)
+        for originator_id, seq in (fences or {}).items():
+            batch.fence(originator_subject(self.namespace, originator_id), int(seq))
         if not batch.outs:
             return []
         seqs = self.link.call(self.stream.append(batch))

@@ -37,6 +37,7 @@ from events.jetstream.layout import (
     BATCH_SEQ_HEADER,
     DUPLICATE_WINDOW_NS,
     EXPECTED_SUBJECT_SEQ_HEADER,
+    EXPECTED_SUBJECT_SEQ_SUBJECT_HEADER,
     MSG_ID_HEADER,
     SEQUENCE_HEADER,
     SUBJECT_HEADER,
@@ -404,6 +405,13 @@ class Stream:
         IntegrityError at once, and the caller, who knows what it decided on, looks again.
         Asking the leader for each subject would only say which one, at a read per subject
         of the batch (with three scheduler replicas, most of what a lost race cost them)."""
+        if batch.fences:  # the caller's word, like a given expectation: a fence that moved is a conflict
+            subjects = list(batch.fences)
+            found = await asyncio.gather(*(self.last_from_leader(subject) for subject in subjects))
+            for subject, current in zip(subjects, found):
+                now = sequence_of(current) if current is not None else 0
+                if now != batch.fences[subject]:
+                    raise IntegrityError(f"{subject}: fenced at last sequence {batch.fences[subject]}, now {now}")
         guards = list(batch.guards.values())
         if all(guard.given for guard in guards):
             raise IntegrityError(
@@ -463,6 +471,10 @@ class Stream:
             expected = expectations.get(index)
             if expected is not None:
                 headers[EXPECTED_SUBJECT_SEQ_HEADER] = str(expected)
+            fenced = batch.fence_at.get(index)
+            if fenced is not None:
+                headers[EXPECTED_SUBJECT_SEQ_HEADER] = str(batch.fences[fenced])
+                headers[EXPECTED_SUBJECT_SEQ_SUBJECT_HEADER] = fenced
             return headers
 
         if len(outs) == 1:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from events.schema import ActorPlaced, ActorReleased, ActorStopped, Event, WorkerRegistered, WorkerRemoved
 
@@ -59,3 +60,13 @@ class PlacementFold:
             del actors[actor_id]
             if not actors:
                 del self.on_worker[worker_id]
+
+
+def removed_since(history: Sequence[tuple[int, str]], placed_seq: int) -> int:
+    """The sequence of the first `WorkerRemoved` of a worker's `history` ((sequence, topic) of
+    each of its events) after `placed_seq`, 0 if none: a placement made at `placed_seq` ended
+    there (the worker-removal process releases it), whatever the worker did next."""
+    for seq, topic in history:
+        if seq > placed_seq and topic == WorkerRemoved.__name__:
+            return seq
+    return 0

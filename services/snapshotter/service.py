@@ -42,8 +42,8 @@ from eventsourcing.projection import ApplicationSubscription, EventSourcedProjec
 from nats.aio.client import Client as NATS
 from prometheus_client import Counter
 
-from events.aggregate import Recorded, WireAggregate, WireApplication, now
-from events.errors import invalid, not_found, unavailable
+from events.aggregate import Recorded, WireAggregate, WireApplication, aggregate_id, now
+from events.errors import invalid, not_found, precondition, unavailable
 from events.schema import (
     ActorReleased,
     ActorReverted,
@@ -59,12 +59,14 @@ from events.schema import (
     SuspendActor,
     TagSnapshot,
     UpdateTemplate,
+    WorkerEvent,
+    WorkerRemoved,
 )
 from events.subjects import check_prefix
 from services.common import EndpointSpec, add_endpoints, run_command, store_env, stream_replicas
 from services.locks import KeyedLock
 from services.snapshotter.domain import Actor, Tag
-from services.snapshotter.placements import PlacementFold, Release
+from services.snapshotter.placements import PlacementFold, Release, removed_since
 
 log = logging.getLogger("warmboot.snapshotter")
 
@@ -408,8 +410,9 @@ class SnapshotterService:
         found = answer_from_history(actor, "pause", req.request_id)
         if found is not None:
             return found
+        fence = self.placement_fence(actor, "paused")
         snapshot = actor.pause(req.snapshot_id, req.request_id, now())
-        return SnapshotReply(snapshot=snapshot, seq=self.save(actor))
+        return SnapshotReply(snapshot=snapshot, seq=self.save(actor, fences=fence))
 
     async def suspend(self, actor_id: str, req: SuspendActor) -> SnapshotReply:
         return await self.answer(actor_id, partial(self.decide_suspend, actor_id, req))
@@ -419,8 +422,9 @@ class SnapshotterService:
         found = answer_from_history(actor, "suspend", req.request_id)
         if found is not None:
             return found
+        fence = self.placement_fence(actor, "suspended") if actor.assignment is not None else None
         snapshot = actor.suspend(req.snapshot_id, req.uri, req.fidelity, req.request_id, now())
-        return SnapshotReply(snapshot=snapshot, seq=self.save(actor))
+        return SnapshotReply(snapshot=snapshot, seq=self.save(actor, fences=fence))
 
     async def tag(self, actor_id: str, req: TagSnapshot) -> SnapshotReply:
         return await self.answer(actor_id, partial(self.decide_tag, actor_id, req))
@@ -470,7 +474,40 @@ class SnapshotterService:
         back = actor.revert(req.reason, req.request_id, now())
         return RevertReply(snapshot=back, seq=self.save(actor))
 
-    def save(self, *aggregates: WireAggregate) -> int:
-        """Save what the aggregates recorded (one atomic append); the sequence of the last event."""
+    def placement_fence(self, actor: Actor, verb: str) -> dict[str, int] | None:
+        """For a pause or a suspend of a RUNNING actor, which says its image was taken on the worker
+        it is placed on: FAILED_PRECONDITION if that worker was removed since (its actors are
+        released, SUSPENDED from their latest snapshot: CONTRACT section 4), else the fence that
+        commits the snapshot only if the worker's history has not moved since it was read here (a
+        removal landing meanwhile fails the append, and the retry finds it). None for an actor
+        that is not placed (the domain refuses it)."""
+        held = actor.assignment
+        if held is None:
+            return None
         assert self.app is not None
+        worker = aggregate_id(WorkerEvent.KIND, held.worker_id)
+        last = self.app.recorder.select_events(worker, desc=True, limit=1)
+        if not last:
+            return None  # no history to fence (another writer's placement): nothing says it ended
+        placed_seq = actor.seq_at(actor.assignment_version)
+        last_seq_ = last[0].seq
+        removal = 0
+        if last[0].topic == WorkerRemoved.__name__ and (not placed_seq or last_seq_ > placed_seq):
+            removal = last_seq_
+        elif placed_seq and last_seq_ > placed_seq:  # the worker changed since: was one of those a removal?
+            removal = removed_since([(e.seq, e.topic) for e in self.app.recorder.select_events(worker)], placed_seq)
+        if removal:
+            raise precondition(
+                f"actor {actor.entity_id!r} cannot be {verb} on worker {held.worker_id!r}: the worker was removed "
+                f"(sequence {removal}) after the actor was placed there, and its actors are released, SUSPENDED "
+                "from their latest snapshot"
+            )
+        return {worker: last_seq_}
+
+    def save(self, *aggregates: WireAggregate, fences: dict[str, int] | None = None) -> int:
+        """Save what the aggregates recorded (one atomic append); the sequence of the last event.
+        With `fences`, only if each of those subjects is still at its sequence (else IntegrityError)."""
+        assert self.app is not None
+        if fences:
+            return last_seq(self.app.save(*aggregates, fences=fences))
         return last_seq(self.app.save(*aggregates))
