@@ -410,6 +410,9 @@ class Stream:
             found = await asyncio.gather(*(self.last_from_leader(subject) for subject in subjects))
             for subject, current in zip(subjects, found):
                 now = sequence_of(current) if current is not None else 0
+                # remembered: the caller's next read of that subject is no older (`last`)
+                self.link.last_seen.put(subject, Last(now, version_of(current.headers) if current is not None else None),
+                                        authoritative=True)
                 if now != batch.fences[subject]:
                     raise IntegrityError(f"{subject}: fenced at last sequence {batch.fences[subject]}, now {now}")
         guards = list(batch.guards.values())
