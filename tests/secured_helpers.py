@@ -51,7 +51,7 @@ class Client:
 
 
 class Secured:
-    """A nats-server with the generated authorization block for one prefix.
+    """A nats-server with the generated `accounts` block for one prefix.
 
     `passwords` are random per run, so that a test can grep output for them.
     """
