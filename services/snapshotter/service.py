@@ -422,7 +422,7 @@ class SnapshotterService:
         found = answer_from_history(actor, "suspend", req.request_id)
         if found is not None:
             return found
-        fence = self.placement_fence(actor, "suspended") if actor.assignment is not None else None
+        fence = self.placement_fence(actor, "suspended")  # None from PAUSED: the image is on its node
         snapshot = actor.suspend(req.snapshot_id, req.uri, req.fidelity, req.request_id, now())
         return SnapshotReply(snapshot=snapshot, seq=self.save(actor, fences=fence))
 
