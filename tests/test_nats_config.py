@@ -105,7 +105,7 @@ async def test_an_operator_reads_the_log_and_queries_but_writes_nothing(secured)
         assert info.state.last_seq == before
         last = await js.get_last_msg(stream_name(PREFIX), event_subject(PREFIX, "worker", "w-2"))
         assert decode_event(last.data).worker_id == "w-2"
-        # the whole log, by batched direct gets (what `warmboot audit`, `log` and `fleet` read with)
+        # the whole log, by batched direct gets (what `warmboot audit`, `workers` and `whatif` read with)
         read = [(seq, subject) async for seq, subject, _, _ in log_messages(ops.nc, PREFIX)]
         assert [seq for seq, _ in read] == list(range(1, before + 1))
         assert event_subject(PREFIX, "worker", "w-2") in {subject for _, subject in read}
