@@ -111,6 +111,7 @@ class Model:
         self.actors: dict[str, SnapActor] = {}
         self.booked: dict[str, tuple[str, int, int]] = {}  # actor -> (worker, cpu, mem) while RUNNING
         self.placements = PlacementFold()
+        self.created: dict[str, CreateActor] = {}  # each actor's creation request, in its current life
         self.decisions = 0
         self.refusals = 0
         self.fallbacks = 0
@@ -168,17 +169,17 @@ class Model:
         self.emit_worker(w)
 
     def drain(self, wid: str) -> None:
-        w = self.workers.get(wid)
-        if w is None or not w.alive:
-            return
-        w.drain("x", self.at())
-        self.emit_worker(w)
+        self.change(wid, RegWorker.drain)
 
     def remove(self, wid: str) -> None:
+        self.change(wid, RegWorker.remove)
+
+    def change(self, wid: str, verb) -> None:
+        """A drain or a removal of a registered worker (nothing for one that is not)."""
         w = self.workers.get(wid)
         if w is None or not w.alive:
             return
-        w.remove("x", self.at())
+        verb(w, "x", self.at())
         self.emit_worker(w)
 
     def create(self, aid: str) -> None:
@@ -197,6 +198,7 @@ class Model:
                           min_fidelity=rng.choice([Fidelity.ROOTFS, Fidelity.ROOTFS, Fidelity.VOLUMES, Fidelity.MEMORY]),
                           golden_snapshot=g)
         a.create(check_request(CreateActor, req), None, self.at())
+        self.created[aid] = req  # its selectors and resources, which the snapshotter's aggregate does not keep
         self.emit_actor(a)
 
     def lifecycle(self, aid: str) -> None:
@@ -239,7 +241,7 @@ class Model:
         floor = a.min_fidelity
         rank = {PlacedFidelity.MEMORY: 0, PlacedFidelity.VOLUMES: 1, PlacedFidelity.ROOTFS: 2, PlacedFidelity.NONE: 3}
         floor_rank = {Fidelity.MEMORY: 0, Fidelity.VOLUMES: 1, Fidelity.ROOTFS: 2}[floor]
-        sel = dict(a_selectors(self.log, aid))
+        sel = dict(self.created[aid].selectors)
         if selectors:
             sel.update(selectors)
         node = None
@@ -264,7 +266,7 @@ class Model:
             if r is None:
                 return None
             cpu, mem = self.room(w.entity_id)
-            want = a_resources(self.log, aid)
+            want = self.created[aid].resources
             if cpu < want.cpu_millis or mem < want.memory_mib + overhead(r, want.memory_mib):
                 return None
             return r
@@ -397,14 +399,6 @@ class Model:
             self.lifecycle(rng.choice(ACTORS))
         else:
             self.resume(rng.choice(ACTORS))
-
-
-def a_selectors(log: Log, aid: str):
-    return log.p.actors[aid].spec.selectors.items() if aid in log.p.actors else ()
-
-
-def a_resources(log: Log, aid: str) -> Resources:
-    return log.p.actors[aid].spec.resources
 
 
 @pytest.mark.parametrize("seed", range(60))
