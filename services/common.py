@@ -437,6 +437,14 @@ class ReplyCache:
                               "try again") from None
 
 
+async def last_seq_on(js: Any, stream: str, subject: str) -> int:
+    """The stream sequence of the last message on `subject` (as the stream leader has it), 0 if none."""
+    try:
+        return (await js.get_msg(stream, subject=subject)).seq
+    except NotFoundError:
+        return 0
+
+
 async def stored_at(js: Any, stream: str, seq: int) -> Msg:
     """The message stored at `seq`, known to be in the stream (a reply's sequence, the
     log's or the reply cache's word for it). A direct get is answered by any replica, and

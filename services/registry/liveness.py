@@ -48,6 +48,7 @@ from events.jetstream.errors import ERR_WRONG_LAST_SEQUENCE
 from events.natspy import ApiError, Replies
 from events.subjects import bucket_name
 from events.tasks import cancel_and_wait
+from services.common import last_seq_on
 
 log = logging.getLogger("warmboot.registry")
 
@@ -269,10 +270,7 @@ class Liveness:
 
     async def last_entry(self, worker_id: str) -> int:
         """The bucket's sequence of the worker's last heartbeat entry, 0 if it has none."""
-        try:
-            return (await self.js.get_msg(self.stream, subject=self.subject(worker_id))).seq
-        except NotFoundError:
-            return 0
+        return await last_seq_on(self.js, self.stream, self.subject(worker_id))
 
     async def forget(self, worker_id: str, last_entry: int) -> bool:
         """Drop a removed worker's heartbeat, leaving a tombstone that expires by itself, only if

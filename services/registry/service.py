@@ -54,7 +54,7 @@ from events.schema import (
     WorkerFenced,
 )
 from events.subjects import check_prefix, event_subject, stream_name
-from services.common import EndpointSpec, add_endpoints, run_command, store_env, stream_replicas
+from services.common import EndpointSpec, add_endpoints, last_seq_on, run_command, store_env, stream_replicas
 from services.locks import KeyedLock
 from services.registry.domain import Worker, register_outcome
 from services.registry.fold import RosterFold
@@ -182,10 +182,7 @@ class EventPositions:
 
     async def last_seq(self, worker_id: str) -> int:
         """The sequence of the worker's last event (0 if it has none)."""
-        try:
-            return (await self.js.get_msg(self.stream, subject=self.subject(worker_id))).seq
-        except NotFoundError:
-            return 0
+        return await last_seq_on(self.js, self.stream, self.subject(worker_id))
 
     async def seq_of(self, worker_id: str, version: int) -> int:
         """The sequence of the worker's event `version`: the version-th message on its subject."""
