@@ -51,7 +51,7 @@ import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from events.tasks import cancel_and_wait
+from events.tasks import cancel_and_wait, retrieved
 
 # nats-py re-creates an ordered consumer (from the message after the last one received) when
 # two heartbeats in a row are missed, and tries again every two heartbeats until it works: a
@@ -320,7 +320,7 @@ class Replies:
         token = str(next(self._tokens))
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Msg] = loop.create_future()
-        future.add_done_callback(_retrieved)
+        future.add_done_callback(retrieved)
         self._pending[token] = (future, loop.time() + self.timeout)  # until answered or expired
         try:
             await self.nc.publish(subject, payload, reply=self._inbox + token, headers=headers)
@@ -348,8 +348,3 @@ class Replies:
                 future = self._pending.pop(token)[0]
                 if not future.done():
                     future.set_exception(nats.errors.TimeoutError())
-
-
-def _retrieved(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled():
-        future.exception()

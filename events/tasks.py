@@ -16,6 +16,13 @@ import logging
 log = logging.getLogger("warmboot")
 
 
+def retrieved(future: asyncio.Future) -> None:
+    """A done-callback: the future's exception counts as retrieved (no "exception was never
+    retrieved" warning when nobody may be left to await it); whoever awaits it still gets it."""
+    if not future.cancelled():
+        future.exception()
+
+
 async def cancel_and_wait(*tasks: asyncio.Future | None) -> None:
     """Cancel each of `tasks` (None ones skipped) and return once all have ended."""
     pending = [task for task in tasks if task is not None]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from eventsourcing.application import AggregateNotFoundError
-from eventsourcing.persistence import IntegrityError, ProgrammingError, StoredEvent
+from eventsourcing.persistence import IntegrityError, OperationalError, ProgrammingError, StoredEvent
 from eventsourcing.utils import Environment
 
 from events.aggregate import WireAggregate, WireApplication
@@ -27,6 +27,7 @@ from events.jetstream import (
     JetStreamFactory,
     StoreUnavailableError,
 )
+from events.jetstream.link import ConnectOptions, Link
 from events.schema import (
     ActorStopped,
     Attribute,
@@ -549,6 +550,79 @@ def test_a_retried_batch_is_stored_once(nats_url, prefix):
         assert recorder.max_notification_id() == first[-1]
     finally:
         factory.close()
+
+
+async def test_an_append_awaited_from_the_caller_s_loop_is_the_threaded_append(nats_url, prefix):
+    """`insert_events_async` (the scheduler's group commit): the same atomic append under the
+    same guards as `insert_events`, awaited from the caller's loop through `Link.submit`; a
+    caller cancelled meanwhile leaves its append to land, as a thread's call would."""
+    factory = JetStreamFactory(Environment(env=store_env(nats_url, prefix)))
+    try:
+        recorder = factory.application_recorder()
+        body = encode(WorkerDrained(at=AT, worker_id="s-1", reason="x"))
+
+        def events(version: int) -> list[StoredEvent]:
+            return [StoredEvent("tally.s-1", version, "WorkerDrained", body),
+                    StoredEvent("ledger.s-1", version, "WorkerDrained", body)]
+
+        first = await recorder.insert_events_async(events(1), expected_last_seqs={"tally.s-1": 0, "ledger.s-1": 0})
+        assert len(first) == 2
+        stored = await asyncio.to_thread(recorder.select_notifications, None, 100)
+        assert [(n.id, n.originator_id, n.originator_version) for n in stored] == [
+            (first[0], "tally.s-1", 1), (first[1], "ledger.s-1", 1)]
+
+        # a guard that no longer holds: a conflict, and nothing of the call written
+        with pytest.raises(IntegrityError):
+            await recorder.insert_events_async(events(2), expected_last_seqs={"tally.s-1": 0, "ledger.s-1": first[1]})
+        assert await asyncio.to_thread(recorder.max_notification_id) == first[1]
+
+        # the caller gives up once its append is handed over: the append still lands, once
+        task = asyncio.create_task(recorder.insert_events_async(
+            events(2), expected_last_seqs={"tally.s-1": first[0], "ledger.s-1": first[1]}))
+        await asyncio.sleep(0)  # one step of the task: its append is handed to the link's loop
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # appends reach the link's loop in order: this one commits only after the one given up on
+        third = await recorder.insert_events_async(
+            events(3), expected_last_seqs={"tally.s-1": first[1] + 1, "ledger.s-1": first[1] + 2})
+        assert third == [first[1] + 3, first[1] + 4]
+        stored = await asyncio.to_thread(recorder.select_notifications, None, 100)
+        assert [n.originator_version for n in stored] == [1, 1, 2, 2, 3, 3]
+    finally:
+        await asyncio.to_thread(factory.close)
+    with pytest.raises(ProgrammingError, match="closed"):
+        await recorder.insert_events_async(events(4))
+
+
+async def test_a_call_awaited_from_another_loop_fails_as_a_thread_s_when_the_link_shuts_down(nats_url):
+    """`Link.submit` of a call still running when the link shuts down: OperationalError, as
+    `Link.call` raises to a thread; and a call from the link's own loop is refused."""
+    link = Link(ConnectOptions(url=nats_url))
+    try:
+        started = threading.Event()
+
+        async def forever() -> None:
+            started.set()
+            await asyncio.get_running_loop().create_future()
+
+        waiting = asyncio.create_task(link.submit(forever()))
+        assert await asyncio.to_thread(started.wait, 10)
+        await asyncio.to_thread(link.shutdown)
+        with pytest.raises(OperationalError, match="closed during the call"):
+            await waiting
+
+        own = Link(ConnectOptions(url=nats_url))
+        try:
+            async def from_inside():
+                return await own.submit(asyncio.sleep(0))
+
+            with pytest.raises(ProgrammingError, match="its own event loop"):
+                await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(from_inside(), own.loop))
+        finally:
+            await asyncio.to_thread(own.shutdown)
+    finally:
+        await asyncio.to_thread(link.shutdown)
 
 
 async def test_the_server_refuses_a_resent_atomic_batch(nats_url, prefix, nc):

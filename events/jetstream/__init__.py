@@ -96,7 +96,10 @@ Threads. The library is synchronous and nats-py is asyncio: the store runs one
 event-loop thread and one connection per (URL, credentials) in the process,
 shared by every factory and recorder that uses them, reconnecting forever after
 a server restart. Calling a recorder from that loop's own thread is an error;
-asyncio code calls recorders through a thread (``asyncio.to_thread``).
+asyncio code calls recorders through a thread (``asyncio.to_thread``), except the
+one append on a hot path: ``insert_events_async`` (the scheduler's group commit)
+is the same append awaited from the caller's loop (``Link.submit``), without an
+executor thread's round trip.
 
 The package, layer by layer (as the library's sqlite.py and postgres.py separate
 the datastore from the recorders), each module using only those above it:

@@ -89,13 +89,38 @@ class JetStreamAggregateRecorder(JetStreamRecorder, AggregateRecorder):
         tracking: Tracking | None = None,
         **_: Any,
     ) -> list[int]:
-        batch = self._batch(stored_events, expected_last_seqs, tracking)
-        for originator_id, seq in (fences or {}).items():
-            batch.fence(originator_subject(self.namespace, originator_id), int(seq))
+        batch = self._fenced(stored_events, expected_last_seqs, fences, tracking)
         if not batch.outs:
             return []
         seqs = self.link.call(self.stream.append(batch))
         return [seq for seq, out in zip(seqs, batch.outs) if out.is_event]
+
+    async def insert_events_async(
+        self,
+        stored_events: Sequence[StoredEvent],
+        *,
+        expected_last_seqs: Mapping[UUID | str, int] | None = None,
+        fences: Mapping[UUID | str, int] | None = None,
+    ) -> list[int]:
+        """`insert_events` for asyncio code: the same append, awaited (`Link.submit`) from
+        the caller's loop instead of through a thread of its own."""
+        batch = self._fenced(stored_events, expected_last_seqs, fences, None)
+        if not batch.outs:
+            return []
+        seqs = await self.link.submit(self.stream.append(batch))
+        return [seq for seq, out in zip(seqs, batch.outs) if out.is_event]
+
+    def _fenced(
+        self,
+        stored_events: Sequence[StoredEvent],
+        expected_last_seqs: Mapping[UUID | str, int] | None,
+        fences: Mapping[UUID | str, int] | None,
+        tracking: Tracking | None,
+    ) -> Batch:
+        batch = self._batch(stored_events, expected_last_seqs, tracking)
+        for originator_id, seq in (fences or {}).items():
+            batch.fence(originator_subject(self.namespace, originator_id), int(seq))
+        return batch
 
     def _batch(
         self,

@@ -49,6 +49,7 @@ from events.jetstream.layout import (
 from events.jetstream.link import Link
 from events.jetstream.retry import REQUEST_TIMEOUT, Again, Retry, catch_up
 from events.natspy import parse_header_block
+from events.tasks import retrieved
 
 log = logging.getLogger("warmboot.jetstream")
 
@@ -167,7 +168,7 @@ class Stream:
         answers it for its whole time-out, while the operation that asked goes on trying."""
         if self._check is None or self._check.done():
             self._check = asyncio.ensure_future(self.check_exists())
-            self._check.add_done_callback(_retrieved)
+            self._check.add_done_callback(retrieved)  # raised to whoever waits on it (`Retry`); nobody may
         return self._check
 
     async def check_exists(self) -> None:
@@ -501,9 +502,3 @@ class Stream:
         if refusal is not None:
             raise refusal
         return int(ack["seq"])
-
-
-def _retrieved(future: asyncio.Future[None]) -> None:
-    """A background check's error is raised to whoever waits on it (`Retry`); nobody may."""
-    if not future.cancelled():
-        future.exception()

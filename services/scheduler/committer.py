@@ -369,7 +369,7 @@ class Committer:
             expected[placed_id] = item.actor[1]
         self.groups += 1
         try:
-            seqs = await asyncio.to_thread(store.recorder.insert_events, stored, expected_last_seqs=expected)
+            seqs = await store.recorder.insert_events_async(stored, expected_last_seqs=expected)
         except IntegrityError as error:
             await self._sort_out(group, error)
             return
