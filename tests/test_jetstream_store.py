@@ -27,7 +27,7 @@ from events.jetstream import (
     JetStreamFactory,
     StoreUnavailableError,
 )
-from events.jetstream.link import ConnectOptions, Link
+from events.jetstream.link import ConnectOptions, Link, links_on
 from events.schema import (
     ActorStopped,
     Attribute,
@@ -597,7 +597,7 @@ async def test_an_append_awaited_from_the_caller_s_loop_is_the_threaded_append(n
 
 async def test_a_call_awaited_from_another_loop_fails_as_a_thread_s_when_the_link_shuts_down(nats_url):
     """`Link.submit` of a call still running when the link shuts down: OperationalError, as
-    `Link.call` raises to a thread; and a call from the link's own loop is refused."""
+    `Link.call` raises to a thread."""
     link = Link(ConnectOptions(url=nats_url))
     try:
         started = threading.Event()
@@ -611,18 +611,33 @@ async def test_a_call_awaited_from_another_loop_fails_as_a_thread_s_when_the_lin
         await asyncio.to_thread(link.shutdown)
         with pytest.raises(OperationalError, match="closed during the call"):
             await waiting
-
-        own = Link(ConnectOptions(url=nats_url))
-        try:
-            async def from_inside():
-                return await own.submit(asyncio.sleep(0))
-
-            with pytest.raises(ProgrammingError, match="its own event loop"):
-                await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(from_inside(), own.loop))
-        finally:
-            await asyncio.to_thread(own.shutdown)
     finally:
         await asyncio.to_thread(link.shutdown)
+
+
+async def test_a_store_on_the_caller_s_loop_appends_there_and_serves_threads_as_before(nats_url, prefix):
+    """`links_on(loop)`: the store made inside runs its link on `loop`, with no thread of its own;
+    `insert_events_async` from that loop is awaited right there, a synchronous call from a thread
+    is served as before, one from the loop itself is refused (it would block the loop), and a
+    store made outside keeps the process's threaded link."""
+    loop = asyncio.get_running_loop()
+    with links_on(loop):
+        factory = await asyncio.to_thread(JetStreamFactory, Environment(env=store_env(nats_url, prefix)))
+    apart = await asyncio.to_thread(JetStreamFactory, Environment(env=store_env(nats_url, prefix)))
+    try:
+        recorder = await asyncio.to_thread(factory.application_recorder)
+        assert recorder.link.loop is loop and recorder.link.thread is None
+        assert (await asyncio.to_thread(apart.application_recorder)).link is not recorder.link
+        body = encode(WorkerDrained(at=AT, worker_id="h-1", reason="x"))
+        seqs = await recorder.insert_events_async([StoredEvent("tally.h-1", 1, "WorkerDrained", body)],
+                                                  expected_last_seqs={"tally.h-1": 0})
+        assert await asyncio.to_thread(recorder.max_notification_id) == seqs[-1]
+        with pytest.raises(ProgrammingError, match="its own event loop"):
+            recorder.max_notification_id()
+    finally:
+        await asyncio.to_thread(factory.close)
+        await asyncio.to_thread(apart.close)
+    assert recorder.link.closed and recorder.link.nc.is_closed
 
 
 async def test_the_server_refuses_a_resent_atomic_batch(nats_url, prefix, nc):

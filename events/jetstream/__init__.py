@@ -98,8 +98,9 @@ shared by every factory and recorder that uses them, reconnecting forever after
 a server restart. Calling a recorder from that loop's own thread is an error;
 asyncio code calls recorders through a thread (``asyncio.to_thread``), except the
 one append on a hot path: ``insert_events_async`` (the scheduler's group commit)
-is the same append awaited from the caller's loop (``Link.submit``), without an
-executor thread's round trip.
+is the same append awaited from the caller's loop (``Link.submit``). The scheduler
+also makes its store with ``links_on(its loop)``: that store's link runs on the
+scheduler's own loop, so its appends cross no thread at all.
 
 The package, layer by layer (as the library's sqlite.py and postgres.py separate
 the datastore from the recorders), each module using only those above it:

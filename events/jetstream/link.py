@@ -6,6 +6,12 @@ recorder of the process that connects with the same `ConnectOptions` (`acquire`,
 `release`), reconnecting forever after a server restart. Recorders hand it coroutines
 (`Link.call`) and wait for their result; a call from the loop's own thread is an error.
 It also routes the replies of batched direct gets, which nats-py has no call for.
+
+An asyncio service whose store is on its hot path may have its links run on its own
+loop instead (`links_on(loop)` around the store's construction): no thread of the
+link's own, and `Link.submit` from that loop awaits the call right there, with no
+hand-over between threads. Its synchronous calls must then come from other threads
+(`asyncio.to_thread`), as they already must from asyncio code.
 """
 
 from __future__ import annotations
@@ -19,9 +25,10 @@ import logging
 import os
 import threading
 import weakref
-from contextlib import suppress
+from contextlib import contextmanager, suppress
+from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import nats.errors
 from eventsourcing.persistence import OperationalError, ProgrammingError
@@ -35,6 +42,7 @@ from events.jetstream.lastseen import LastSeen
 from events.jetstream.layout import LEADER_ELECTED_ADVISORY, status_of
 from events.natsauth import NKEY_SEED_ENV, nkey_options, redact_url
 from events.natspy import use_lean_headers
+from events.tasks import retrieved
 
 log = logging.getLogger("warmboot.jetstream")
 
@@ -133,15 +141,18 @@ class _Collector:
 
 
 class Link:
-    """One NATS connection on one event-loop thread, shared by all users of the same options."""
+    """One NATS connection on one event-loop thread, shared by all users of the same options;
+    or, given `loop`, on that loop (a running loop of its caller's) without a thread."""
 
-    def __init__(self, options: ConnectOptions):
+    def __init__(self, options: ConnectOptions, loop: asyncio.AbstractEventLoop | None = None):
         self.options = options
+        self.key = (options, loop)  # its place among the process's links (`acquire`)
         self.pid = os.getpid()
         self.refs = 0
         self.closed = False
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self._run_loop, name="warmboot-jetstream", daemon=True)
+        self.loop = loop or asyncio.new_event_loop()
+        self.thread = None if loop is not None else threading.Thread(
+            target=self._run_loop, name="warmboot-jetstream", daemon=True)
         self.nc: NATS | None = None
         self.connecting: asyncio.Lock | None = None
         self.last_error: BaseException | None = None
@@ -156,7 +167,8 @@ class Link:
         self.last_seen = LastSeen()
         self.waiting: set[concurrent.futures.Future[Any]] = set()
         self.waiting_lock = threading.Lock()
-        self.thread.start()
+        if self.thread is not None:
+            self.thread.start()
 
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -172,12 +184,20 @@ class Link:
             for future in self.waiting:
                 future.cancel()
 
+    def _on_own_loop(self) -> bool:
+        if self.thread is not None:
+            return threading.current_thread() is self.thread
+        try:
+            return asyncio.get_running_loop() is self.loop
+        except RuntimeError:  # no loop runs in this thread
+            return False
+
     def call(self, coro: Any) -> Any:
         """Run `coro` on the link's loop and wait for it (coroutines bound their own time)."""
-        if threading.current_thread() is self.thread:
+        if self._on_own_loop():
             coro.close()
             raise ProgrammingError("a JetStream recorder was called from its own event loop")
-        if self.closed:
+        if self.closed or self.loop.is_closed():
             coro.close()
             raise ProgrammingError("the JetStream connection of this recorder is closed")
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
@@ -192,20 +212,22 @@ class Link:
                 self.waiting.discard(future)
 
     async def submit(self, coro: Any) -> Any:
-        """`call` for asyncio code on another loop: `coro` runs on the link's loop, and the
-        caller's loop awaits its outcome, with no thread of the caller's own blocked on it
-        (an executor thread's round trip costs CPU on every call).
+        """`call` for asyncio code: awaited right here on the link's own loop; from another
+        loop, `coro` runs on the link's and the caller's loop awaits its outcome, with no
+        thread of the caller's own blocked on it (an executor thread's round trip costs CPU
+        on every call).
 
-        As with `call` from a thread, a caller cancelled meanwhile does not cancel `coro`
-        (nothing here cancels it): an append it started still lands, or fails, as a retry
-        of the caller's will find out."""
+        Either way a caller cancelled meanwhile does not cancel `coro`, as with `call` from
+        a thread: an append it started still lands, or fails, as a retry of the caller's
+        will find out."""
         if self.closed:
             coro.close()
             raise ProgrammingError("the JetStream connection of this recorder is closed")
         loop = asyncio.get_running_loop()
         if loop is self.loop:
-            coro.close()
-            raise ProgrammingError("a JetStream recorder was called from its own event loop")
+            task = loop.create_task(coro)
+            task.add_done_callback(retrieved)  # its caller may be gone (cancelled) when it ends
+            return await asyncio.shield(task)  # the call runs to its end, as on another loop
         answer: asyncio.Future[Any] = loop.create_future()
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
         with self.waiting_lock:
@@ -332,6 +354,9 @@ class Link:
         self.closed = True
         for subscription in list(self.subscriptions):
             subscription.stop()
+        if self.thread is None:  # on its caller's loop, which goes on
+            self._close_on_loop()
+            return
         if self.thread.is_alive() and threading.current_thread() is not self.thread:
             try:
                 asyncio.run_coroutine_threadsafe(self.close(), self.loop).result(10)
@@ -341,6 +366,21 @@ class Link:
             self.thread.join(10)
 
 
+    def _close_on_loop(self) -> None:
+        """Close the connection of a link on its caller's loop: in the background when called
+        from that loop, else waited for (nothing to do once the loop is closed)."""
+        if self._on_own_loop():
+            task = self.loop.create_task(self.close())
+            _closing.add(task)
+            task.add_done_callback(_closing.discard)
+        elif not self.loop.is_closed():
+            with suppress(concurrent.futures.TimeoutError, RuntimeError):
+                asyncio.run_coroutine_threadsafe(self.close(), self.loop).result(10)
+
+
+_closing: set[asyncio.Task[None]] = set()  # closes in the background, kept until they end
+
+
 async def _unsubscribe(subscription: Any) -> None:
     try:
         await subscription.unsubscribe()
@@ -348,19 +388,32 @@ async def _unsubscribe(subscription: Any) -> None:
         pass  # gone with its connection: nothing left to stop
 
 
-_links: dict[ConnectOptions, Link] = {}
+_links: dict[tuple[ConnectOptions, asyncio.AbstractEventLoop | None], Link] = {}
 _links_lock = threading.Lock()
+_home_loop: ContextVar[asyncio.AbstractEventLoop | None] = ContextVar("warmboot_link_loop", default=None)
+
+
+@contextmanager
+def links_on(loop: asyncio.AbstractEventLoop) -> Iterator[None]:
+    """Links acquired inside, in this context or a copy of it (what `asyncio.to_thread` runs
+    in), run on `loop`, one per `ConnectOptions`, apart from the process's threaded ones."""
+    token = _home_loop.set(loop)
+    try:
+        yield
+    finally:
+        _home_loop.reset(token)
 
 
 def acquire(options: ConnectOptions) -> Link:
     """The process's link for `options` (made on first use); `release` it when done."""
+    key = (options, _home_loop.get())
     with _links_lock:
-        link = _links.get(options)
+        link = _links.get(key)
         if link is not None and link.pid != os.getpid():
             link = None  # inherited through fork: its thread did not come along
         if link is None or link.closed:
-            link = Link(options)
-            _links[options] = link
+            link = Link(options, key[1])
+            _links[key] = link
         link.refs += 1
         return link
 
@@ -370,8 +423,8 @@ def release(link: Link) -> None:
         link.refs -= 1
         if link.refs > 0:
             return
-        if _links.get(link.options) is link:
-            del _links[link.options]
+        if _links.get(link.key) is link:
+            del _links[link.key]
     link.shutdown()
 
 

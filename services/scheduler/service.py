@@ -27,6 +27,7 @@ from prometheus_client import Counter, Gauge
 from events.aggregate import WireApplication
 from events.codec import decode_event, decoder
 from events.errors import ContractError, unavailable
+from events.jetstream.link import links_on
 from events.tasks import cancel_and_wait
 from events.schema import (
     ActorPlaced,
@@ -162,7 +163,10 @@ class SchedulerService:
     # --- life cycle ---
 
     async def start(self) -> "SchedulerService":
-        self.store = await asyncio.to_thread(WireApplication, self.env)  # creates the stream if need be
+        # The store's link runs on this loop: the committer's appends are awaited here, not
+        # handed to a thread (`events.jetstream.link.links_on`); this store is used for nothing else.
+        with links_on(asyncio.get_running_loop()):
+            self.store = await asyncio.to_thread(WireApplication, self.env)  # creates the stream if need be
         if self.checkpoints is not None:
             restored = await (await self.checkpoints.open()).load()
             if restored is not None:  # the fold goes on from its position
