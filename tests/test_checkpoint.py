@@ -157,7 +157,7 @@ def walk(p: Projection) -> dict[str, Any]:
     the projection and forgotten by the codec shows up here as a difference.
     """
     assert set(vars(p)) == {"seq", "events", "workers", "classes", "actors", "bookings", "subjects", "intern",
-                            "recreated", "placed_listener", "registry_version", "_dispatch"}, \
+                            "recreated", "placed_listener", "registry_version", "unread_actor_seq", "_dispatch"}, \
         "a new Projection field: teach the checkpoint codec about it"
     registered = {id(w) for w in p.workers.values()}
     others: dict[int, int] = {}  # unregistered worker records, numbered by first sight
@@ -205,6 +205,7 @@ def walk(p: Projection) -> dict[str, Any]:
         "bookings": list(p.bookings.items()),
         "subjects": list(p.subjects.items()),
         "recreated": list(p.recreated.items()),
+        "unread_actor_seq": p.unread_actor_seq,
         "compats": [value(c) for c in p.intern.compats],
         # sharing: one object per distinct stamp, resources and label/selector map
         "distinct": (
@@ -269,6 +270,29 @@ def test_restore_equals_the_projection_at_every_position_and_folds_on_identicall
             p.apply(seq, event)
         assert walk(restored) == walk(p), f"restored after {k} events, then folded the rest"
     assert_same(restore_state(export_state(p)), p)
+
+
+def test_a_checkpoint_between_an_unread_placement_and_its_booking_marker_keeps_the_worker_drained():
+    """A placement this fold cannot read (a newer scheduler's), then its booking marker: the
+    worker counts as drained, its room here being too large by what the placement booked. A
+    checkpoint taken between the two messages of that atomic append must carry what the fold
+    knew, or a replica restored from it would book the worker past its room."""
+    def folded_until_the_unread_placement() -> Fold:
+        f = Fold(None, "t", fold([registered("w1", entry(V1), mem=8192), created("a1")], Projection()))
+        f.fold_message(3, "t.ev.actor.big", {"Warmboot-Topic": "ActorPlacedV2", "Warmboot-Version": "2"},
+                       b'{"type":"ActorPlacedV2","actor_id":"big","worker_id":"w1","memory_mib":8000}')
+        return f
+
+    def marker(f: Fold) -> Projection:
+        f.fold_message(4, "t.ev.booking.w1", {"Warmboot-Topic": "WorkerBooked", "Warmboot-Version": "1"}, b"{}")
+        return f.projection
+
+    replayed = marker(folded_until_the_unread_placement())
+    assert replayed.workers["w1"].state is WorkerState.DRAINED
+    restored = restore_state(export_state(folded_until_the_unread_placement().projection))
+    assert restored.unread_actor_seq == 3
+    assert_same(marker(Fold(None, "t", restored)), replayed)
+    assert answers(replayed)["decide"]["a1"][0] is ErrorCode.RESOURCE_EXHAUSTED
 
 
 def test_bytes_round_trip_and_what_is_refused():

@@ -167,6 +167,7 @@ class State(Struct):
     bookings: list[tuple[str, int, int]]  # (worker id, version, last seq) of booking.<id>
     subjects: list[tuple[str, int, int]]
     recreated: list[tuple[str, int]]  # (actor id, seq of the ActorCreated of its current life)
+    unread_actor_seq: int = 0  # the last message of an actor's history the fold could not read
 
 
 class Envelope(Struct):
@@ -328,6 +329,7 @@ def _export(p: Projection) -> State:
         bookings=[(k, v, s) for k, (v, s) in p.bookings.items()],
         subjects=[(k, v, s) for k, (v, s) in p.subjects.items()],
         recreated=list(p.recreated.items()),
+        unread_actor_seq=p.unread_actor_seq,
     )
 
 
@@ -439,6 +441,7 @@ def _restore(state: State) -> Projection:
     p.bookings = {worker_id: (version, seq) for worker_id, version, seq in state.bookings}
     p.subjects = {subject: (version, seq) for subject, version, seq in state.subjects}
     p.recreated = dict(state.recreated)
+    p.unread_actor_seq = state.unread_actor_seq
     return p
 
 

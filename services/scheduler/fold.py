@@ -119,7 +119,6 @@ class Fold:
         self.booking_prefix = f"{prefix}.ev.{WorkerBooked.KIND}."
         self.worker_prefix = f"{prefix}.ev.{WorkerEvent.KIND}."
         self.actor_prefix = f"{prefix}.ev.actor."
-        self._unread_on_actor = 0  # the sequence of the last message of an actor's history not folded
         self.projection = projection
         self.listeners: list[Callable[[int], None]] = []
         self.behind = 0  # messages the server had not delivered yet at the last one folded
@@ -221,7 +220,7 @@ class Fold:
             version = headers.get(VERSION_HEADER)
             worker_id = subject[len(self.booking_prefix):]
             projection.booking_marker(seq, worker_id, int(version) if version else None)
-            if self._unread_on_actor == seq - 1:
+            if projection.unread_actor_seq == seq - 1:
                 # the marker of a placement this fold could not read (a newer scheduler's, written
                 # right before it in the same atomic append): what it booked is not counted here
                 projection.booking_unread(worker_id)
@@ -252,7 +251,7 @@ class Fold:
             self.projection.worker_unread(seq, subject[len(self.worker_prefix):])
         else:
             if subject.startswith(self.actor_prefix):
-                self._unread_on_actor = seq
+                self.projection.unread_actor_seq = seq
             self.projection.skip(seq)
 
     async def wait(self, seq: int | None, timeout: float) -> None:

@@ -91,6 +91,9 @@ class Projection:
         # created more than once (few): an answer recorded before it is of an earlier life
         self.recreated: dict[str, int] = {}
         self.registry_version = 0  # moves with every event of a worker's history (see decide's refusals)
+        # the sequence of the last message of an actor's history the fold could not read: a
+        # booking marker right after it is that placement's (`Fold.fold_message`)
+        self.unread_actor_seq = 0
         # called with (actor id, request hash, seq) for each placement folded that carries a
         # request id: what a replica needs to answer a retry that is still waiting to be decided
         self.placed_listener: Callable[[str, int, int], None] | None = None
