@@ -365,7 +365,6 @@ class Link:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(10)
 
-
     def _close_on_loop(self) -> None:
         """Close the connection of a link on its caller's loop: in the background when called
         from that loop, else waited for (nothing to do once the loop is closed)."""
