@@ -202,14 +202,17 @@ async def test_concurrent_resumes_share_appends(nc, prefix, writer, replicas):
 async def test_the_commits_append_on_the_replica_s_own_loop_and_a_stop_closes_that_connection(
         nc, prefix, writer, replicas):
     """The replica's store runs its connection on the replica's loop (`links_on`): a group commit's
-    append crosses no thread; the replica's stop closes that connection with the store."""
+    append crosses no thread; the replica's stop releases that connection with the store (closed
+    once no other store of the loop holds it)."""
     await asyncio.to_thread(writer.write, registered("w1", entry(V1)), created("a1"))
     service = await replicas()
     link = service.store.recorder.link
     assert link.loop is asyncio.get_running_loop() and link.thread is None
     assert (await resume(nc, prefix, "a1")).worker_id == "w1"
+    held = link.refs  # other replicas on this loop with the same options share the link
     await service.stop()
-    assert link.closed and link.nc.is_closed
+    assert link.refs == held - 1
+    assert link.closed == (link.refs == 0) and link.nc.is_closed == link.closed
 
 
 async def test_a_refused_group_keeps_the_placements_that_are_still_valid(nc, prefix, writer, replicas):
