@@ -199,7 +199,7 @@ async def test_concurrent_resumes_share_appends(nc, prefix, writer, replicas):
     assert len({a.seq for a in placed}) == 60
 
 
-async def test_the_commits_append_on_the_replica_s_own_loop_and_a_stop_closes_that_connection(
+async def test_the_commits_append_on_the_replica_s_own_loop_and_a_stop_releases_that_connection(
         nc, prefix, writer, replicas):
     """The replica's store runs its connection on the replica's loop (`links_on`): a group commit's
     append crosses no thread; the replica's stop releases that connection with the store (closed
