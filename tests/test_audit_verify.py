@@ -25,6 +25,8 @@ from events.schema import (
     WorkerUpdated,
 )
 from tests.factories import AT, created, entry, fold, placed, registered, released, snapshot, taken, version
+from events.states import WorkerState
+from services.scheduler.fold import Fold
 from warmboot import audit
 from warmboot.audit import Sink
 from warmboot.cli import main
@@ -44,6 +46,23 @@ def verify(events: list[Event]) -> audit.Violation | None:
 
 def worker_on(worker_id: str, v, node: str = "n1") -> WorkerRegistered:
     return registered(worker_id, entry(v), node=node, labels=ZONE_A)
+
+
+def test_a_replay_takes_a_placement_it_cannot_read_as_the_scheduler_does():
+    """`audit` replays through the scheduler's own fold into a Sink: a booking marker right after a
+    placement the fold cannot read (a newer scheduler's) drains the worker there too, and a marker
+    after a readable event folds as any other."""
+    sink = Sink(verify=True)
+    fold_into = Fold(None, "t", sink)
+    for seq, event in enumerate([worker_on("w1", V1), created("a1")], start=1):
+        sink.apply(seq, event)
+    fold_into.fold_message(3, "t.ev.booking.w1", {"Warmboot-Topic": "WorkerBooked", "Warmboot-Version": "1"}, b"{}")
+    assert sink.projection.workers["w1"].state is WorkerState.REGISTERED
+    fold_into.fold_message(4, "t.ev.actor.big", {"Warmboot-Topic": "ActorPlacedV2", "Warmboot-Version": "2"},
+                           b'{"type":"ActorPlacedV2","actor_id":"big","worker_id":"w1","memory_mib":8000}')
+    fold_into.fold_message(5, "t.ev.booking.w1", {"Warmboot-Topic": "WorkerBooked", "Warmboot-Version": "2"}, b"{}")
+    assert sink.projection.workers["w1"].state is WorkerState.DRAINED
+    assert sink.seq == 5 and sink.violation is None
 
 
 def test_a_clean_log_has_no_violation():

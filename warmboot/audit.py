@@ -195,7 +195,8 @@ class Verifier:
 class Sink:
     """What `Fold` folds into: a projection, bounded by a sequence or a time, optionally verified.
 
-    It offers the methods `Fold` calls on a Projection (apply, booking_marker, skip, seq).
+    It offers what `Fold` uses of a Projection (apply, booking_marker, worker_unread,
+    booking_unread, skip, seq, unread_actor_seq).
     """
 
     def __init__(self, until_seq: int | None = None, until_time: datetime | None = None, verify: bool = False,
@@ -241,6 +242,21 @@ class Sink:
         if not self._beyond(seq, None) and self.violation is None:
             self.projection.worker_unread(seq, worker_id)
         self.skip(seq)
+
+    @property
+    def unread_actor_seq(self) -> int:
+        """The last message of an actor's history the fold could not read (`Fold.fold_message`)."""
+        return self.projection.unread_actor_seq
+
+    @unread_actor_seq.setter
+    def unread_actor_seq(self, seq: int) -> None:
+        self.projection.unread_actor_seq = seq
+
+    def booking_unread(self, worker_id: str) -> None:
+        """The booking marker just folded is a placement's the fold could not read: as the
+        scheduler's projection takes it (the worker drained)."""
+        if self.stopped_at is None and self.violation is None:
+            self.projection.booking_unread(worker_id)
 
     def skip(self, seq: int) -> None:
         self._beyond(seq, None)
