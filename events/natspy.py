@@ -91,21 +91,30 @@ def parse_header_lines(raw: bytes) -> dict[str, str]:
     return headers
 
 
+def header_values(raw: bytes, wanted: tuple[tuple[str, bytes], ...]) -> dict[str, str]:
+    """The headers of `wanted`, (name, name.encode()) pairs, that `raw` has, as
+    `parse_header_lines(raw)` gives them, without parsing the other lines when the last
+    line naming each is in the usual form (`Name:` at the start of a line)."""
+    found: dict[str, str] = {}
+    for name, key in wanted:
+        at = raw.rfind(key)  # any line whose name strips to `name` holds these bytes: the last is at or after it
+        if at < 0:
+            continue
+        end = at + len(key)
+        if (at == 0 or raw[at - 2:at] == b"\r\n") and raw[end:end + 1] == b":":
+            eol = raw.find(b"\r\n", end)
+            value = raw[end + 1:] if eol < 0 else raw[end + 1:eol]
+            if value.isascii():
+                found[name] = value.decode().strip(_WHITESPACE)
+                continue
+        full = parse_header_lines(raw)  # another form: the full parser says, for every name
+        return {n: full[n] for n, _ in wanted if n in full}
+    return found
+
+
 def header_value(raw: bytes, name: str, encoded: bytes | None = None) -> str | None:
-    """`parse_header_lines(raw).get(name)`, without parsing the other lines when the last
-    line that names it is in the usual form (`Name:` at the start of a line); `encoded`
-    is `name.encode()`, for callers that look the same name up often."""
-    key = encoded if encoded is not None else name.encode()
-    at = raw.rfind(key)  # any line whose name strips to `name` holds these bytes: the last is at or after it
-    if at < 0:
-        return None
-    end = at + len(key)
-    if (at == 0 or (at >= 2 and raw[at - 2:at] == b"\r\n")) and raw[end:end + 1] == b":":
-        eol = raw.find(b"\r\n", end)
-        value = raw[end + 1:] if eol < 0 else raw[end + 1:eol]
-        if value.isascii():
-            return value.decode("ascii").strip(_WHITESPACE)
-    return parse_header_lines(raw).get(name)  # another form: the full parser says
+    """`parse_header_lines(raw).get(name)`, by `header_values`; `encoded` is `name.encode()`."""
+    return header_values(raw, ((name, encoded if encoded is not None else name.encode()),)).get(name)
 
 
 def _parse_line(line: str) -> tuple[str, str] | tuple[()]:
@@ -162,7 +171,7 @@ class _Direct:
         self.handler = handler
         self.ready = ready
         self.stats = stats
-        self.wanted = tuple((name, name.encode()) for name in wanted)
+        self.wanted = tuple((name, name.encode()) for name in wanted)  # as header_values takes them
 
     def take(self, subject: bytes, reply: bytes, data: bytes, headers: bytes | None) -> bool:
         """Hand a data message to the handler, doing what nats-py's `_process_msg` does for one
@@ -191,11 +200,7 @@ class _Direct:
         if headers is not None:
             block = headers[len(_HEADER_LINE):]
             if self.wanted:
-                parsed = {}
-                for name, encoded in self.wanted:
-                    value = header_value(block, name, encoded)
-                    if value is not None:
-                        parsed[name] = value
+                parsed = header_values(block, self.wanted)
             if not parsed:  # none of the wanted ones: whether there are any others counts
                 parsed = parse_header_lines(block)
         try:
@@ -214,7 +219,7 @@ def deliver_directly(nc: Any, psub: Any, handler: DirectHandler, ready: Callable
     `ready()` is false, a message takes nats-py's path to the subscription's callback, so
     the caller keeps the order by answering false while its callback holds messages (any
     in its queue or in hand). Header blocks are parsed with `parse_header_lines`; with
-    `wanted`, the handler gets only those headers (`header_value`), or all of them when
+    `wanted`, the handler gets only those headers (`header_values`), or all of them when
     none of those is there: the same to a reader that looks at no other name and at
     whether there are headers at all."""
     original = getattr(nc, NATS_DISPATCH, None)

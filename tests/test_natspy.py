@@ -13,7 +13,7 @@ from nats.aio.client import Client
 import pytest
 
 from events import natspy as headers
-from events.natspy import (NATS_PARSER, _parse_bytes, ack_positions, header_value, parse_header_block, parse_header_lines,
+from events.natspy import (NATS_PARSER, _parse_bytes, ack_positions, header_value, header_values, parse_header_block, parse_header_lines,
                            use_lean_headers)
 
 SAMPLES = [
@@ -68,6 +68,14 @@ _NAMED_BLOCK = st.lists(_PIECES, max_size=24).map(lambda pieces: "".join(pieces)
 @given(_NAMED_BLOCK, st.sampled_from(["Warmboot-Topic", "a", "X-Warmboot-Topic"]))
 def test_one_header_s_value_is_the_one_the_full_parser_gives(raw, name):
     assert header_value(raw, name) == parse_header_lines(raw).get(name) == _parse_bytes(raw).get(name)
+
+
+@settings(max_examples=3000, deadline=None)
+@given(_NAMED_BLOCK, st.lists(st.sampled_from(["Warmboot-Topic", "a", "X-Warmboot-Topic", "Warmboot-Topics"]),
+                              min_size=1, max_size=3, unique=True))
+def test_several_headers_values_are_the_ones_the_full_parser_gives(raw, names):
+    full = parse_header_lines(raw)
+    assert header_values(raw, tuple((n, n.encode()) for n in names)) == {n: full[n] for n in names if n in full}
 
 
 @given(_BLOCK | _WELL_FORMED, st.sampled_from(["a", "Z", "a-", "A"]))
