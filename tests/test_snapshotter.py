@@ -19,6 +19,7 @@ import pytest
 from events.aggregate import Recorded, WireApplication, now
 from events.codec import decode_event
 from events.errors import ContractError
+from events.jetstream.layout import sequence_of
 from events.schema import (
     Action,
     ActorCreated,
@@ -274,6 +275,43 @@ async def test_illegal_transitions_are_failed_precondition_and_write_nothing(sna
     ):
         assert (await refused(attempt)).code is ErrorCode.FAILED_PRECONDITION
     assert await last_seq(nc, prefix) == stopped
+
+
+async def test_a_refusal_read_behind_another_process_s_placement_is_decided_again_on_the_leader_s_word(
+        snapshotter, nats_server, nc, prefix, monkeypatch):
+    """Any replica of the stream answers a direct get, and one may not have applied the latest
+    append yet. A pause right after a placement another process wrote (the scheduler's), read
+    that way, saw an actor that does not run and was refused FAILED_PRECONDITION. The snapshotter
+    now asks the stream leader before it refuses on the actor's state, and decides again on what
+    the leader has. A single server has no replica to lag: the lagging replica is played by the
+    snapshotter's own direct reads, cut before the placement (the leader's reads are left alone),
+    and the placement is written on a connection of its own, as from another process."""
+    elsewhere = await asyncio.to_thread(
+        WireApplication, {**env_for(nats_server.url, prefix), "NATS_INBOX_PREFIX": "_INBOX_elsewhere"})
+    try:
+        await create(nc, prefix, "a-1")
+        placed = await Placer(elsewhere).place("a-1", "w-1", "node-1", PIN_V1)
+        stream = snapshotter.app.recorder.stream
+        read = stream.read
+        left_out: list[int] = []
+
+        async def behind(subject: str, start: int, *args, **kwargs):
+            msgs = await read(subject, start, *args, **kwargs)
+            kept = [m for m in msgs if sequence_of(m) < placed]
+            left_out.append(len(msgs) - len(kept))
+            return kept
+
+        monkeypatch.setattr(stream, "read", behind)
+        paused = await pause(nc, prefix, "a-1")
+        assert paused.seq > placed and paused.snapshot.node == "node-1"
+        assert any(left_out)  # the replica's answer did lack the placement
+        # a refusal the leader confirms stands, and writes nothing
+        before = await last_seq(nc, prefix)
+        assert (await refused(pause(nc, prefix, "a-1"))).code is ErrorCode.FAILED_PRECONDITION  # PAUSED
+        assert (await refused(pause(nc, prefix, "ghost"))).code is ErrorCode.NOT_FOUND
+        assert await last_seq(nc, prefix) == before
+    finally:
+        await asyncio.to_thread(elsewhere.close)
 
 
 async def test_unknown_actors_are_not_found(snapshotter, nc, prefix):

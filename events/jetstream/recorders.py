@@ -175,6 +175,23 @@ class JetStreamAggregateRecorder(JetStreamRecorder, AggregateRecorder):
             events = events[:limit]
         return events
 
+    def newer_at_leader(self, originator_id: UUID | str) -> bool:
+        """Whether the stream leader has a message on the originator's subject past the last one
+        this process read or wrote there. If so, that is remembered as the leader's word, so that
+        the next read of the subject reaches it (a replica behind it is read again, then the
+        leader). For a decision that refused on what it read: the read may have been a lagging
+        replica's, behind another process's append."""
+        return self.link.call(self._newer_at_leader(originator_subject(self.namespace, originator_id)))
+
+    async def _newer_at_leader(self, subject: str) -> bool:
+        known = self.link.last_seen.get(subject)
+        stored = await self.stream.last_from_leader(subject)
+        seq = sequence_of(stored) if stored is not None else 0
+        if seq <= (known.seq if known is not None else 0):
+            return False
+        self.link.last_seen.put(subject, Last(seq, version_of(stored.headers)), authoritative=True)
+        return True
+
     async def _last(self, subject: str) -> list[Msg] | list[Stored]:
         msg = await self.stream.last(subject)
         if msg is None:
