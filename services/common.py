@@ -502,11 +502,24 @@ def store_env(nats_url: str, prefix: str, replicas: int | None = None) -> dict[s
     return env
 
 
-async def run_command(command: Callable[[], T], attempts: int = 8) -> T:
+# What a command refuses on its entity's state, which a read behind the stream leader can show
+# wrongly (`run_command`'s `recheck`).
+STATE_REFUSALS = frozenset({ErrorCode.FAILED_PRECONDITION, ErrorCode.NOT_FOUND, ErrorCode.ALREADY_EXISTS})
+
+
+async def run_command(command: Callable[[], T], attempts: int = 8, *,
+                      recheck: Callable[[], bool] | None = None) -> T:
     """Run a load-decide-save `command` off the event loop, again on a lost OCC race.
 
     `command` must re-read what it decides on each time (the repository does), so
     a retry decides on fresh state. After `attempts` lost races: UNAVAILABLE.
+
+    A refusal on the entity's state (STATE_REFUSALS) may have been decided on a read that a
+    lagging replica of the stream answered, behind another process's append: with `recheck`
+    (run off the loop: whether the stream leader has the entity's history past what was read,
+    `recorder.newer_at_leader`), such a refusal is answered only once the leader has nothing
+    more, and is otherwise decided again, once, on the leader's history. An accepted command
+    needs no such check: its append expects the subject where it read it.
     """
     from eventsourcing.persistence import IntegrityError
 
@@ -517,6 +530,12 @@ async def run_command(command: Callable[[], T], attempts: int = 8) -> T:
             # Writers that lost to each other should not meet again at once: a short,
             # growing, random pause spreads them (0-2 ms, then 0-4, 0-8 ... at most 0-64).
             await asyncio.sleep(random.random() * 0.002 * (1 << min(attempt, 5)))
+        except ContractError as refusal:
+            if recheck is None or refusal.code not in STATE_REFUSALS or not await asyncio.to_thread(recheck):
+                raise
+            log.info("refused on a read behind the stream leader (%s: %s); deciding again", refusal.code.value,
+                     refusal.message)
+            return await run_command(command, attempts)
     raise unavailable(f"lost {attempts} concurrent-write races in a row; try again")
 
 

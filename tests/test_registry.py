@@ -29,7 +29,9 @@ from events.schema import (
 )
 from events.subjects import bucket_name, stream_name
 from services.registry.domain import Worker, canonical_classes
-from services.registry.service import SWEEPER
+from events.jetstream.layout import sequence_of
+from services.common import store_env
+from services.registry.service import SWEEPER, RegistryStore
 from tests.registry_helpers import (
     attrs,
     last_seq,
@@ -247,6 +249,36 @@ async def test_unknown_fields_are_ignored_and_unknown_schema_versions_accepted(v
 
 
 # --- the rolling upgrade ----------------------------------------------------------------------------
+
+
+async def test_a_refusal_read_behind_another_replica_s_registration_is_decided_again(
+        registry, nats_url, nc, prefix, monkeypatch):
+    """A drain right after a registration that another registry replica wrote, read from a
+    replica of the stream that has not applied it yet, found no such worker: NOT_FOUND, though
+    the log has it. The registry now asks the stream leader before it refuses on the worker's
+    state. The lagging replica is played by this registry's own direct reads, cut before the
+    registration; the other replica is a store on a connection of its own, as in another process."""
+    elsewhere = await asyncio.to_thread(
+        RegistryStore, {**store_env(nats_url, prefix), "NATS_INBOX_PREFIX": "_INBOX_elsewhere"})
+    try:
+        body = msgspec.convert(registration("w-late"), RegisterWorker)
+        registered = (await asyncio.to_thread(elsewhere.register, body, AT)).seq
+        stream = registry.store.recorder.stream
+        read = stream.read
+
+        async def behind(subject: str, start: int, *args, **kwargs):
+            return [m for m in await read(subject, start, *args, **kwargs) if sequence_of(m) < registered]
+
+        monkeypatch.setattr(stream, "read", behind)
+        reply, _ = await raw_request(nc, prefix, "drain", "w-late", {"reason": "upgrade"})
+        assert "error" not in reply and reply["seq"] > registered, reply
+        events = [type(e).__name__ for _, e in await worker_events(nc, prefix, "w-late")]
+        assert events == ["WorkerRegistered", "WorkerDrained"]
+        # a worker the leader does not have either stays NOT_FOUND
+        reply, _ = await raw_request(nc, prefix, "drain", "w-never", {"reason": "x"})
+        assert reply["error"]["code"] == "NOT_FOUND"
+    finally:
+        await asyncio.to_thread(elsewhere.close)
 
 
 async def test_rolling_upgrade_sequence(registry, nc, prefix):

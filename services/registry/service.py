@@ -32,7 +32,8 @@ import asyncio
 import logging
 from contextlib import suppress
 from datetime import datetime
-from typing import TypeVar
+from functools import partial
+from typing import Callable, TypeVar
 
 import msgspec
 from eventsourcing.application import AggregateNotFoundError
@@ -271,9 +272,14 @@ class RegistryService:
             # A registration is also a heartbeat. Beating first means an expiry being
             # swept right now finds the worker beating and leaves it registered.
             await self.liveness.beat(worker_id)
-            decided = await run_command(lambda: self.store.register(request, now()))
+            decided = await run_command(lambda: self.store.register(request, now()), recheck=self._recheck(request.worker_id))
             REGISTRATIONS.labels(decided.outcome.value).inc()
             return RegisterReply(outcome=decided.outcome, seq=await self._seq(worker_id, decided))
+
+    def _recheck(self, worker_id: str) -> Callable[[], bool]:
+        """`run_command`'s recheck of a refusal on the worker's state: whether the stream leader
+        has the worker's history past what was read (another replica's write a moment ago)."""
+        return partial(self.store.recorder.newer_at_leader, Worker.create_id(worker_id))
 
     async def heartbeat(self, worker_id: str, request: Heartbeat) -> HeartbeatReply:
         # From the roster, once it holds every worker event stored before this request
@@ -293,7 +299,7 @@ class RegistryService:
 
     async def drain(self, worker_id: str, request: DrainWorker) -> SeqReply:
         async with self._workers(worker_id):
-            decided = await run_command(lambda: self.store.drain(worker_id, request, now()))
+            decided = await run_command(lambda: self.store.drain(worker_id, request, now()), recheck=self._recheck(worker_id))
             return SeqReply(seq=await self._seq(worker_id, decided))
 
     async def remove(self, worker_id: str, request: RemoveWorker) -> SeqReply:
@@ -304,7 +310,7 @@ class RegistryService:
                 last_entry = None
                 log.warning("reading the heartbeat of worker %s failed (%s: %s); if removed, it is left to "
                             "expire", worker_id, type(error).__name__, error)
-            decided = await run_command(lambda: self.store.remove(worker_id, request, now()))
+            decided = await run_command(lambda: self.store.remove(worker_id, request, now()), recheck=self._recheck(worker_id))
             if decided.wrote and last_entry is not None:
                 await self._forget(worker_id, last_entry)
             return SeqReply(seq=await self._seq(worker_id, decided))

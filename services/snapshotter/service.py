@@ -43,10 +43,9 @@ from nats.aio.client import Client as NATS
 from prometheus_client import Counter
 
 from events.aggregate import Recorded, WireAggregate, WireApplication, aggregate_id, now
-from events.errors import ContractError, invalid, not_found, precondition, unavailable
+from events.errors import invalid, not_found, precondition, unavailable
 from events.schema import (
     ActorReleased,
-    ErrorCode,
     ActorReverted,
     Base,
     CreateActor,
@@ -70,9 +69,6 @@ from services.snapshotter.domain import Actor, Tag
 from services.snapshotter.placements import PlacementFold, Release, removed_since
 
 log = logging.getLogger("warmboot.snapshotter")
-
-# What a command refuses on the actor's state, which a read behind the stream leader can show wrongly.
-STATE_REFUSALS = frozenset({ErrorCode.FAILED_PRECONDITION, ErrorCode.NOT_FOUND, ErrorCode.ALREADY_EXISTS})
 
 SERVICE = "snapshotter"
 
@@ -368,25 +364,14 @@ class SnapshotterService:
     # --- endpoint plumbing ---
 
     async def answer(self, actor_id: str, decide: Callable[[], Base]) -> Any:
-        """Run one load-decide-save of `actor_id`, alone among this replica's requests about it.
-
-        A refusal on the actor's state may have been decided on a read that a lagging replica of
-        the stream answered, behind an append of another process's (the scheduler's placement a
-        moment ago): before it is answered, the stream leader is asked whether the actor's
-        history goes further, and if it does the command is decided again on that history. An
-        accepted command needs no such check: its append expects the subject where it read it."""
+        """Run one load-decide-save of `actor_id`, alone among this replica's requests about it; a
+        refusal on the actor's state is answered once the stream leader confirms what was read
+        (`run_command`'s recheck: the read may have been a lagging replica's, behind the
+        scheduler's placement a moment ago)."""
+        assert self.app is not None
+        recorder = self.app.recorder
         async with self._actors(actor_id):
-            try:
-                return await run_command(decide)
-            except ContractError as refusal:
-                if refusal.code not in STATE_REFUSALS:
-                    raise
-                assert self.app is not None
-                if not await asyncio.to_thread(self.app.recorder.newer_at_leader, Actor.create_id(actor_id)):
-                    raise
-                log.info("actor %s: refused on a read behind the stream leader (%s); deciding again", actor_id,
-                         refusal.code.value)
-            return await run_command(decide)
+            return await run_command(decide, recheck=partial(recorder.newer_at_leader, Actor.create_id(actor_id)))
 
     def load_actor(self, actor_id: str, *, must_exist: bool = True) -> Actor:
         assert self.app is not None
