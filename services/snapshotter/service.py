@@ -8,7 +8,9 @@ the event store, asks them to decide, saves what they recorded and answers.
   `warmboot-snapshotter`, so any number of replicas serve them. Each command runs
   load-decide-save off the event loop and decides again on fresh state when it
   loses an optimistic-concurrency race (with the scheduler placing the same actor,
-  or another replica). A refused command saves nothing.
+  or another replica). A refused command saves nothing; a refusal on the actor's
+  state is answered once the stream leader confirms what was read (a lagging
+  replica may not have the scheduler's placement yet: `run_command`'s recheck).
 - `seq` in a reply is the stream sequence of the last event the request wrote
   (tag saves the tag's event first and the actor's last, so it is the actor's),
   or, when the request wrote nothing, of the event that already holds that state.
