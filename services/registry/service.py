@@ -272,7 +272,8 @@ class RegistryService:
             # A registration is also a heartbeat. Beating first means an expiry being
             # swept right now finds the worker beating and leaves it registered.
             await self.liveness.beat(worker_id)
-            decided = await run_command(lambda: self.store.register(request, now()), recheck=self._recheck(request.worker_id))
+            decided = await run_command(lambda: self.store.register(request, now()),
+                                        recheck=self._recheck(request.worker_id))
             REGISTRATIONS.labels(decided.outcome.value).inc()
             return RegisterReply(outcome=decided.outcome, seq=await self._seq(worker_id, decided))
 
@@ -299,7 +300,8 @@ class RegistryService:
 
     async def drain(self, worker_id: str, request: DrainWorker) -> SeqReply:
         async with self._workers(worker_id):
-            decided = await run_command(lambda: self.store.drain(worker_id, request, now()), recheck=self._recheck(worker_id))
+            decided = await run_command(lambda: self.store.drain(worker_id, request, now()),
+                                        recheck=self._recheck(worker_id))
             return SeqReply(seq=await self._seq(worker_id, decided))
 
     async def remove(self, worker_id: str, request: RemoveWorker) -> SeqReply:
@@ -310,7 +312,8 @@ class RegistryService:
                 last_entry = None
                 log.warning("reading the heartbeat of worker %s failed (%s: %s); if removed, it is left to "
                             "expire", worker_id, type(error).__name__, error)
-            decided = await run_command(lambda: self.store.remove(worker_id, request, now()), recheck=self._recheck(worker_id))
+            decided = await run_command(lambda: self.store.remove(worker_id, request, now()),
+                                        recheck=self._recheck(worker_id))
             if decided.wrote and last_entry is not None:
                 await self._forget(worker_id, last_entry)
             return SeqReply(seq=await self._seq(worker_id, decided))
