@@ -314,6 +314,41 @@ async def test_a_refusal_read_behind_another_process_s_placement_is_decided_agai
         await asyncio.to_thread(elsewhere.close)
 
 
+async def test_a_create_from_a_tag_read_behind_another_process_s_tag_is_decided_again(
+        snapshotter, placer, nats_server, nc, prefix, monkeypatch):
+    """The same for what a create reads besides the actor: a tag recorded a moment ago by another
+    process, read from a replica behind it, named nothing (NOT_FOUND, field source_tag); the tag's
+    history is confirmed by the stream leader as well before the create is refused."""
+    from services.snapshotter.domain import Tag
+
+    elsewhere = await asyncio.to_thread(
+        WireApplication, {**env_for(nats_server.url, prefix), "NATS_INBOX_PREFIX": "_INBOX_elsewhere"})
+    try:
+        await create(nc, prefix, "a-1")
+        await placer.place("a-1", "w-1", "node-1", PIN_V1)
+        await suspend(nc, prefix, "a-1", uri="s3://golden")
+
+        def tag_elsewhere() -> int:
+            source, gold = elsewhere.repository.get(Actor.create_id("a-1")), Tag("gold")
+            source.tag(gold, None, now())
+            return elsewhere.save(gold, source)[0].notification.id
+
+        tagged = await asyncio.to_thread(tag_elsewhere)
+        stream = snapshotter.app.recorder.stream
+        read = stream.read
+
+        async def behind(subject: str, start: int, *args, **kwargs):
+            return [m for m in await read(subject, start, *args, **kwargs) if sequence_of(m) < tagged]
+
+        monkeypatch.setattr(stream, "read", behind)
+        made = await create(nc, prefix, "a-2", source_tag="gold")
+        assert made.seq > tagged
+        missing = await refused(create(nc, prefix, "a-3", source_tag="never"))
+        assert (missing.code, missing.field) == (ErrorCode.NOT_FOUND, "source_tag")
+    finally:
+        await asyncio.to_thread(elsewhere.close)
+
+
 async def test_unknown_actors_are_not_found(snapshotter, nc, prefix):
     await create(nc, prefix, "exists")  # the stream exists; nothing else does
     before = await last_seq(nc, prefix)

@@ -365,15 +365,20 @@ class SnapshotterService:
 
     # --- endpoint plumbing ---
 
-    async def answer(self, actor_id: str, decide: Callable[[], Base]) -> Any:
+    async def answer(self, actor_id: str, decide: Callable[[], Base], also: tuple[str, ...] = ()) -> Any:
         """Run one load-decide-save of `actor_id`, alone among this replica's requests about it; a
-        refusal on the actor's state is answered once the stream leader confirms what was read
-        (`run_command`'s recheck: the read may have been a lagging replica's, behind the
-        scheduler's placement a moment ago)."""
+        refusal on the actor's state is answered once the stream leader confirms what was read of
+        the actor, and of the aggregates `also` names (`run_command`'s recheck: the read may have
+        been a lagging replica's, behind the scheduler's placement a moment ago)."""
         assert self.app is not None
         recorder = self.app.recorder
+        read = (Actor.create_id(actor_id), *also)
+
+        def recheck() -> bool:
+            return any([recorder.newer_at_leader(aggregate) for aggregate in read])  # each one remembered
+
         async with self._actors(actor_id):
-            return await run_command(decide, recheck=partial(recorder.newer_at_leader, Actor.create_id(actor_id)))
+            return await run_command(decide, recheck=recheck)
 
     def load_actor(self, actor_id: str, *, must_exist: bool = True) -> Actor:
         assert self.app is not None
@@ -398,7 +403,8 @@ class SnapshotterService:
     async def create(self, actor_id: str, req: CreateActor) -> SeqReply:
         if req.actor_id != actor_id:
             raise invalid(f"actor_id {req.actor_id!r} differs from the subject's {actor_id!r}", "actor_id")
-        return await self.answer(actor_id, partial(self.decide_create, actor_id, req))
+        tag = (Tag.create_id(req.source_tag),) if req.source_tag is not None else ()  # a create reads it too
+        return await self.answer(actor_id, partial(self.decide_create, actor_id, req), also=tag)
 
     def decide_create(self, actor_id: str, req: CreateActor) -> Base:
         actor = self.load_actor(actor_id, must_exist=False)
