@@ -48,6 +48,7 @@ log = logging.getLogger("warmboot.jetstream")
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 _CLOSING = (asyncio.TimeoutError, nats.errors.Error, OSError)  # what closing a connection may raise
+CLOSED_DURING_CALL = "the JetStream connection was closed during the call"  # a call the shutdown cancelled
 
 
 @dataclass(frozen=True)
@@ -206,7 +207,7 @@ class Link:
         try:
             return future.result()
         except concurrent.futures.CancelledError:
-            raise OperationalError("the JetStream connection was closed during the call") from None
+            raise OperationalError(CLOSED_DURING_CALL) from None
         finally:
             with self.waiting_lock:
                 self.waiting.discard(future)
@@ -442,7 +443,7 @@ def _hand_over(done: concurrent.futures.Future[Any], answer: asyncio.Future[Any]
     if answer.done():  # its caller was cancelled, and the answer with it
         return
     if done.cancelled():
-        answer.set_exception(OperationalError("the JetStream connection was closed during the call"))
+        answer.set_exception(OperationalError(CLOSED_DURING_CALL))
     elif done.exception() is not None:
         answer.set_exception(done.exception())
     else:

@@ -92,8 +92,7 @@ class JetStreamAggregateRecorder(JetStreamRecorder, AggregateRecorder):
         batch = self._fenced(stored_events, expected_last_seqs, fences, tracking)
         if not batch.outs:
             return []
-        seqs = self.link.call(self.stream.append(batch))
-        return [seq for seq, out in zip(seqs, batch.outs) if out.is_event]
+        return _event_seqs(batch, self.link.call(self.stream.append(batch)))
 
     async def insert_events_async(
         self,
@@ -107,8 +106,7 @@ class JetStreamAggregateRecorder(JetStreamRecorder, AggregateRecorder):
         batch = self._fenced(stored_events, expected_last_seqs, fences, None)
         if not batch.outs:
             return []
-        seqs = await self.link.submit(self.stream.append(batch))
-        return [seq for seq, out in zip(seqs, batch.outs) if out.is_event]
+        return _event_seqs(batch, await self.link.submit(self.stream.append(batch)))
 
     def _fenced(
         self,
@@ -346,3 +344,8 @@ class JetStreamSubscription(Subscription[JetStreamApplicationRecorder]):
         consumer, self._consumer = self._consumer, None
         if consumer is not None:
             self._recorder.link.unsubscribe(consumer)
+
+
+def _event_seqs(batch: Batch, seqs: list[int]) -> list[int]:
+    """The stream sequences of the batch's events (its tracking records left out)."""
+    return [seq for seq, out in zip(seqs, batch.outs) if out.is_event]
