@@ -30,6 +30,7 @@ from events.schema import (
 from events.subjects import bucket_name, stream_name
 from services.registry.domain import Worker, canonical_classes
 from events.jetstream.layout import sequence_of
+from events.errors import unavailable
 from services.common import store_env
 from services.registry.service import SWEEPER, RegistryStore
 from tests.registry_helpers import (
@@ -277,6 +278,38 @@ async def test_a_refusal_read_behind_another_replica_s_registration_is_decided_a
         # a worker the leader does not have either stays NOT_FOUND
         reply, _ = await raw_request(nc, prefix, "drain", "w-never", {"reason": "x"})
         assert reply["error"]["code"] == "NOT_FOUND"
+    finally:
+        await asyncio.to_thread(elsewhere.close)
+
+
+async def test_a_heartbeat_looked_up_behind_another_replica_s_registration_is_not_refused(
+        registry, nats_url, nc, prefix, monkeypatch):
+    """A heartbeat the roster cannot answer (its barrier not to be had) is looked up in the
+    worker's history; read from a replica of the stream behind another registry replica's
+    registration, that said NOT_FOUND, and the agent registered again. Now the stream leader
+    is asked first. Lagging replica and other process played as in the test above."""
+    elsewhere = await asyncio.to_thread(
+        RegistryStore, {**store_env(nats_url, prefix), "NATS_INBOX_PREFIX": "_INBOX_elsewhere"})
+    try:
+        body = msgspec.convert(registration("w-beat"), RegisterWorker)
+        registered = (await asyncio.to_thread(elsewhere.register, body, AT)).seq
+        stream = registry.store.recorder.stream
+        read = stream.read
+
+        async def behind(subject: str, start: int, *args, **kwargs):
+            return [m for m in await read(subject, start, *args, **kwargs) if sequence_of(m) < registered]
+
+        async def no_barrier() -> None:
+            raise unavailable("the roster's barrier is not to be had")
+
+        monkeypatch.setattr(stream, "read", behind)
+        monkeypatch.setattr(registry.fold, "current", no_barrier)
+        reply, _ = await raw_request(nc, prefix, "heartbeat", "w-beat", {})
+        assert reply == {"ttl_s": registry.ttl_s}, reply
+        # a worker the leader does not have either stays NOT_FOUND, and nothing is put for it
+        reply, _ = await raw_request(nc, prefix, "heartbeat", "w-never", {})
+        assert reply["error"]["code"] == "NOT_FOUND"
+        assert await registry.liveness.last_entry("w-never") == 0
     finally:
         await asyncio.to_thread(elsewhere.close)
 

@@ -287,6 +287,8 @@ class RegistryService:
         # (whichever replica wrote it): a worker removed a moment ago is seen removed.
         # One the roster does not have is looked up in its history: the log says
         # NOT_FOUND (or that it registered meanwhile). So does a barrier not to be had.
+        # That read may come from a replica of the stream behind the leader, so a NOT_FOUND
+        # is rechecked at the leader as a command's refusal is (`run_command`).
         # Nothing is put before the answer is known: a refusal writes nothing.
         try:
             await self.fold.current()
@@ -294,7 +296,7 @@ class RegistryService:
         except ContractError:
             alive = False
         if not alive:
-            await asyncio.to_thread(self.store.require_alive, worker_id)
+            await run_command(lambda: self.store.require_alive(worker_id), recheck=self._recheck(worker_id))
         await self.liveness.beat(worker_id)
         return HeartbeatReply(ttl_s=self.ttl_s)
 
