@@ -21,7 +21,10 @@ Side by side, in one run:
     scheduler processes (their own rusage) per committed placement with 3 replicas over
     that with 1, at the same offered load (open loop, two thirds of the rate 3 replicas
     sustain closed-loop; `replica_cpu_rate_per_s`), alternated over two rounds; beside it
-    the same quotient for the closed-loop runs (`replica_cpu_ratio_3v1_saturated`).
+    the same quotient for the closed-loop runs (`replica_cpu_ratio_3v1_saturated`), and
+    how many placements each append carried with 1 and 3 replicas (`placements_per_append_*`,
+    from `warmboot_scheduler_commit_group_placements`): what splitting the load costs the
+    group commit.
 (c) replay: the fold of a large log from sequence 1 (decode + apply) against the raw
     nats-py read rate of the same stream through the same kind of ordered consumer
     (a no-op callback, on a connection of its own with the lean header parser).
@@ -418,12 +421,14 @@ async def bench_resumes(
         # CPU of every scheduler process over the load, from each one's own rusage (prometheus-client's
         # process collector reads /proc/self/stat): what the replicas cost per committed placement
         cpu0 = sum(scrape(port, "process_cpu_seconds_total") for port in ports)
+        appends0 = sum(scrape(port, "warmboot_scheduler_commit_group_placements_count") for port in ports)
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(window)))
         elapsed = time.perf_counter() - t0
         cpu = sum(scrape(port, "process_cpu_seconds_total") for port in ports) - cpu0
         commits = sum(scrape(port, "warmboot_placements_total") for port in ports)
         conflicts = sum(scrape(port, "warmboot_scheduler_commit_conflicts_total") for port in ports)
+        appends = sum(scrape(port, "warmboot_scheduler_commit_group_placements_count") for port in ports) - appends0
     finally:
         for proc in procs:
             proc.stdin.close()
@@ -438,6 +443,7 @@ async def bench_resumes(
         "errors": errors,
         "commit_conflict_rate": round(conflicts / max(commits + conflicts, 1), 4),
         "cpu_ms_per_placement": round(cpu * 1000 / max(placed, 1), 3),
+        "placements_per_append": round(placed / max(appends, 1), 2),  # all replicas' appends, refused ones too
         "latency_p50_ms": round(latencies[len(latencies) // 2] * 1000, 2),
         "latency_p99_ms": round(latencies[int(len(latencies) * 0.99)] * 1000, 2),
     }
@@ -598,10 +604,12 @@ async def bench_bus(quick: bool) -> dict[str, float]:
                 paced[n].append(await bench_resumes(server.url, n, actors, window, request_ids=False,
                                                     rate=rate, label=f"r{round_}"))
         cpu_1, cpu_3 = (statistics.mean(r["cpu_ms_per_placement"] for r in paced[n]) for n in (1, 3))
+        grouped_1, grouped_3 = (statistics.mean(r["placements_per_append"] for r in paced[n]) for n in (1, 3))
         held = min(r["resumes_per_s"] for n in (1, 3) for r in paced[n]) >= 0.95 * rate
         print(f"(b) same offered load, {rate:.0f} resumes/s{'' if held else ' (NOT held: a run fell behind)'}: "
               f"CPU per placement 1 replica {cpu_1:.3f} ms, 3 replicas {cpu_3:.3f} ms: 3v1 {cpu_3 / cpu_1:.2f} "
-              f"(same window instead: {three['cpu_ms_per_placement'] / one['cpu_ms_per_placement']:.2f})",
+              f"(same window instead: {three['cpu_ms_per_placement'] / one['cpu_ms_per_placement']:.2f}); "
+              f"placements per append 1 replica {grouped_1:.2f}, 3 replicas {grouped_3:.2f}",
               flush=True)
         out.update({
             "resumes_per_s": one["resumes_per_s"],
@@ -618,6 +626,8 @@ async def bench_bus(quick: bool) -> dict[str, float]:
             "cpu_ms_per_placement_1_replica": round(cpu_1, 3),
             "cpu_ms_per_placement_3_replicas": round(cpu_3, 3),
             "replica_cpu_ratio_3v1": round(cpu_3 / cpu_1, 3),
+            "placements_per_append_1_replica": round(grouped_1, 2),
+            "placements_per_append_3_replicas": round(grouped_3, 2),
             "cpu_ms_per_placement_1_replica_saturated": one["cpu_ms_per_placement"],
             "cpu_ms_per_placement_3_replicas_saturated": three["cpu_ms_per_placement"],
             "replica_cpu_ratio_3v1_saturated": round(three["cpu_ms_per_placement"] / one["cpu_ms_per_placement"], 3),

@@ -193,8 +193,12 @@ async def test_concurrent_resumes_share_appends(nc, prefix, writer, replicas):
     await asyncio.to_thread(writer.write, *[registered(f"w{i}", entry(V1)) for i in range(10)])
     await asyncio.to_thread(writer.write, *[created(f"a{j:02d}", cpu=100, mem=256) for j in range(60)])
     service = await replicas()
+    appends, appended = (metric(f"warmboot_scheduler_commit_group_placements_{n}") for n in ("count", "sum"))
     placed = await asyncio.gather(*(resume(nc, prefix, f"a{j:02d}") for j in range(60)))
     assert service.commits == 60 and service.committer.groups < 60
+    # what an operator reads of it: appends made, and the placements they carried (none refused here)
+    assert metric("warmboot_scheduler_commit_group_placements_count") - appends == service.committer.groups
+    assert metric("warmboot_scheduler_commit_group_placements_sum") - appended == 60
     assert sum(check_log(await read_log(nc, prefix)).values()) == 60
     assert len({a.seq for a in placed}) == 60
 

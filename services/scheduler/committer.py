@@ -137,8 +137,10 @@ class Committer:
     """Decides and appends the resumes submitted to it, in groups (see the module docstring)."""
 
     def __init__(self, fold: Fold, last_seq: Callable[[], Awaitable[int]], *, catch_up_s: float,
-                 max_group: int = MAX_GROUP, on_evicted: Callable[[str, int, int], Awaitable[None]] | None = None):
+                 max_group: int = MAX_GROUP, on_evicted: Callable[[str, int, int], Awaitable[None]] | None = None,
+                 on_append: Callable[[int], None] | None = None):
         self.fold = fold
+        self.on_append = on_append  # called with the placements of each append made, taken or refused
         # awaited with (actor id, request hash, seq) before a placement that pushes an older one out
         # of the actor's recent placements is appended: the service keeps the older one where a late
         # retry still finds it. If it raises, that placement fails with its error (and is not written).
@@ -368,6 +370,8 @@ class Committer:
             expected[booking_id] = booking[1]
             expected[placed_id] = item.actor[1]
         self.groups += 1
+        if self.on_append is not None:
+            self.on_append(len(group))
         try:
             seqs = await store.recorder.insert_events_async(stored, expected_last_seqs=expected)
         except IntegrityError as error:

@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 from eventsourcing.persistence import IntegrityError, OperationalError
 from nats.aio.client import Client as NATS
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
 from events.aggregate import WireApplication
 from events.codec import decode_event, decoder
@@ -73,6 +73,11 @@ FALLBACKS = Counter(
 COMMIT_CONFLICTS = Counter(
     "warmboot_scheduler_commit_conflicts_total",
     "Placement commits refused because the worker's bookings or the actor's history moved on",
+)
+COMMIT_GROUP = Histogram(
+    "warmboot_scheduler_commit_group_placements",
+    "Placements per atomic append of the group commit (refused appends included)",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 400),
 )
 WORKERS = Gauge(
     "warmboot_scheduler_workers", "Registered, undrained workers per sandbox class and runtime version",
@@ -138,7 +143,7 @@ class SchedulerService:
         self.catch_up_s = catch_up_s
         self.fold = Fold(nc, prefix, Projection())
         self.committer = Committer(self.fold, self._last_seq, catch_up_s=catch_up_s, max_group=max_group,
-                                   on_evicted=self._evicted)
+                                   on_evicted=self._evicted, on_append=COMMIT_GROUP.observe if metrics else None)
         self.fold.projection.placed_listener = self.committer.placed
         # Projection checkpoints (services.scheduler.checkpoint): start from the newest, save every
         # `checkpoint_every` events or `checkpoint_interval_s` seconds; None or 0: always replay the log.
