@@ -31,7 +31,10 @@ Side by side, in one run:
     The log is written through the event store, in atomic appends of 400 events as
     the services write them, so each message carries the headers the store gives it
     (message id, topic, version, batch id and sequence, expected subject sequence):
-    parsing them is most of what a read costs.
+    parsing them is most of what a read costs. Beside the rates (`replay_vs_raw`), the
+    same quotient from this process's CPU per event (`replay_vs_raw_cpu`,
+    `replay_cpu_us_per_event`, `raw_read_cpu_us_per_event`): the readers' own work,
+    not nats-server's nor how the shared cores were handed out meanwhile.
 (d) compatibility edges: the decision at 10k workers in a fleet where a third of the 50
     versions are nobody's default or restorable runtime, reachable only as a compatible
     version (of a default on some workers, of a restorable runtime on others), against
@@ -513,7 +516,7 @@ async def bench_replay(nats_url: str, total: int) -> dict[str, float]:
     use_lean_headers(raw_nc)
     raw_js = raw_nc.jetstream()
 
-    async def raw() -> float:
+    async def raw() -> tuple[float, float]:
         done = asyncio.get_running_loop().create_future()
         count = 0
 
@@ -523,26 +526,30 @@ async def bench_replay(nats_url: str, total: int) -> dict[str, float]:
             if count >= last and not done.done():
                 done.set_result(None)
 
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         sub = await raw_js.subscribe(f"{prefix}.>", stream=stream_name(prefix), cb=cb, ordered_consumer=True)
         await done
-        elapsed = time.perf_counter() - t0
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
         await sub.unsubscribe()
-        return last / elapsed
+        return last / elapsed, cpu / last
 
-    async def fold() -> float:
+    async def fold() -> tuple[float, float]:
         f = Fold(nc, prefix, Projection())
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         await f.start(600)
-        elapsed = time.perf_counter() - t0
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
         await f.stop()
         assert f.projection.events == last, (f.projection.events, last)
-        return last / elapsed
+        return last / elapsed, cpu / last
 
-    raw_rates, fold_rates = [], []
+    raw_runs, fold_runs = [], []
     for _ in range(3):  # alternate, keep the best of each: both read the same warm stream
-        raw_rates.append(await raw())
-        fold_rates.append(await fold())
+        raw_runs.append(await raw())
+        fold_runs.append(await fold())
+    raw_rates, fold_rates = [r for r, _ in raw_runs], [r for r, _ in fold_runs]
+    # the same quotient from this process's CPU per event (the reader's own work, not
+    # nats-server's, nor how the machine shared its cores meanwhile): steadier on a shared machine
+    raw_cpu, fold_cpu = min(c for _, c in raw_runs), min(c for _, c in fold_runs)
     # the fold without the bus: decode + apply of the same bodies from memory
     bodies = [encode(e) for e in events]
     from events.codec import decode_event
@@ -558,6 +565,9 @@ async def bench_replay(nats_url: str, total: int) -> dict[str, float]:
         "replay_events_per_s": round(max(fold_rates)),
         "raw_read_events_per_s": round(max(raw_rates)),
         "replay_vs_raw": round(max(fold_rates) / max(raw_rates), 3),
+        "replay_vs_raw_cpu": round(raw_cpu / fold_cpu, 3),
+        "replay_cpu_us_per_event": round(fold_cpu * 1e6, 2),
+        "raw_read_cpu_us_per_event": round(raw_cpu * 1e6, 2),
         "decode_apply_events_per_s": round(apply_rate),
         "replay_events": last,
         "log_write_events_per_s": round(last / write_s),
@@ -637,7 +647,9 @@ async def bench_bus(quick: bool) -> dict[str, float]:
         replay = await bench_replay(server.url, 200_000 if quick else 1_000_000)
         print(f"(c) replay of {replay['replay_events']} events: fold {replay['replay_events_per_s']:,} events/s, "
               f"raw nats-py read {replay['raw_read_events_per_s']:,} msgs/s "
-              f"(decode+apply alone {replay['decode_apply_events_per_s']:,}/s)", flush=True)
+              f"(decode+apply alone {replay['decode_apply_events_per_s']:,}/s); CPU per event "
+              f"{replay['replay_cpu_us_per_event']} against {replay['raw_read_cpu_us_per_event']} us: "
+              f"{replay['replay_vs_raw_cpu']} by CPU", flush=True)
         out.update(replay)
     return out
 
