@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import copy
 import uuid
+from contextlib import asynccontextmanager
 from datetime import datetime, timezone
+from typing import AsyncIterator
 
 import msgspec
 import nats
@@ -252,17 +254,16 @@ async def test_unknown_fields_are_ignored_and_unknown_schema_versions_accepted(v
 # --- the rolling upgrade ----------------------------------------------------------------------------
 
 
-async def test_a_refusal_read_behind_another_replica_s_registration_is_decided_again(
-        registry, nats_url, nc, prefix, monkeypatch):
-    """A drain right after a registration that another registry replica wrote, read from a
-    replica of the stream that has not applied it yet, found no such worker: NOT_FOUND, though
-    the log has it. The registry now asks the stream leader before it refuses on the worker's
-    state. The lagging replica is played by this registry's own direct reads, cut before the
-    registration; the other replica is a store on a connection of its own, as in another process."""
+@asynccontextmanager
+async def registered_behind(registry, nats_url, prefix, monkeypatch, worker_id: str) -> AsyncIterator[int]:
+    """`worker_id` registered by another registry replica (a store on a connection of its own,
+    as in another process), while this registry's own direct reads are cut before that
+    registration: they play a replica of the stream that has not applied it yet (the
+    leader's reads are left alone). Yields the registration's sequence."""
     elsewhere = await asyncio.to_thread(
         RegistryStore, {**store_env(nats_url, prefix), "NATS_INBOX_PREFIX": "_INBOX_elsewhere"})
     try:
-        body = msgspec.convert(registration("w-late"), RegisterWorker)
+        body = msgspec.convert(registration(worker_id), RegisterWorker)
         registered = (await asyncio.to_thread(elsewhere.register, body, AT)).seq
         stream = registry.store.recorder.stream
         read = stream.read
@@ -271,6 +272,18 @@ async def test_a_refusal_read_behind_another_replica_s_registration_is_decided_a
             return [m for m in await read(subject, start, *args, **kwargs) if sequence_of(m) < registered]
 
         monkeypatch.setattr(stream, "read", behind)
+        yield registered
+    finally:
+        await asyncio.to_thread(elsewhere.close)
+
+
+async def test_a_refusal_read_behind_another_replica_s_registration_is_decided_again(
+        registry, nats_url, nc, prefix, monkeypatch):
+    """A drain right after a registration that another registry replica wrote, read from a
+    replica of the stream that has not applied it yet, found no such worker: NOT_FOUND, though
+    the log has it. The registry now asks the stream leader before it refuses on the worker's
+    state."""
+    async with registered_behind(registry, nats_url, prefix, monkeypatch, "w-late") as registered:
         reply, _ = await raw_request(nc, prefix, "drain", "w-late", {"reason": "upgrade"})
         assert "error" not in reply and reply["seq"] > registered, reply
         events = [type(e).__name__ for _, e in await worker_events(nc, prefix, "w-late")]
@@ -278,8 +291,6 @@ async def test_a_refusal_read_behind_another_replica_s_registration_is_decided_a
         # a worker the leader does not have either stays NOT_FOUND
         reply, _ = await raw_request(nc, prefix, "drain", "w-never", {"reason": "x"})
         assert reply["error"]["code"] == "NOT_FOUND"
-    finally:
-        await asyncio.to_thread(elsewhere.close)
 
 
 async def test_a_heartbeat_looked_up_behind_another_replica_s_registration_is_not_refused(
@@ -287,22 +298,12 @@ async def test_a_heartbeat_looked_up_behind_another_replica_s_registration_is_no
     """A heartbeat the roster cannot answer (its barrier not to be had) is looked up in the
     worker's history; read from a replica of the stream behind another registry replica's
     registration, that said NOT_FOUND, and the agent registered again. Now the stream leader
-    is asked first. Lagging replica and other process played as in the test above."""
-    elsewhere = await asyncio.to_thread(
-        RegistryStore, {**store_env(nats_url, prefix), "NATS_INBOX_PREFIX": "_INBOX_elsewhere"})
-    try:
-        body = msgspec.convert(registration("w-beat"), RegisterWorker)
-        registered = (await asyncio.to_thread(elsewhere.register, body, AT)).seq
-        stream = registry.store.recorder.stream
-        read = stream.read
+    is asked first."""
 
-        async def behind(subject: str, start: int, *args, **kwargs):
-            return [m for m in await read(subject, start, *args, **kwargs) if sequence_of(m) < registered]
+    async def no_barrier() -> None:
+        raise unavailable("the roster's barrier is not to be had")
 
-        async def no_barrier() -> None:
-            raise unavailable("the roster's barrier is not to be had")
-
-        monkeypatch.setattr(stream, "read", behind)
+    async with registered_behind(registry, nats_url, prefix, monkeypatch, "w-beat"):
         monkeypatch.setattr(registry.fold, "current", no_barrier)
         reply, _ = await raw_request(nc, prefix, "heartbeat", "w-beat", {})
         assert reply == {"ttl_s": registry.ttl_s}, reply
@@ -310,8 +311,6 @@ async def test_a_heartbeat_looked_up_behind_another_replica_s_registration_is_no
         reply, _ = await raw_request(nc, prefix, "heartbeat", "w-never", {})
         assert reply["error"]["code"] == "NOT_FOUND"
         assert await registry.liveness.last_entry("w-never") == 0
-    finally:
-        await asyncio.to_thread(elsewhere.close)
 
 
 async def test_rolling_upgrade_sequence(registry, nc, prefix):
