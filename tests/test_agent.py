@@ -16,8 +16,9 @@ import nats
 import pytest
 
 from events.compat import same_version
+from events.errors import ContractError
 from events.probe import probe_version
-from events.schema import RuntimeChanged, WorkerDrained, WorkerRegistered, WorkerRemoved
+from events.schema import ErrorCode, RuntimeChanged, WorkerDrained, WorkerRegistered, WorkerRemoved
 from tests.registry_helpers import CPUINFO, PROBE, agent_config as config, raw_request, running_registry, wait_event
 from warmboot.agent import Agent, ConfigError, load_registration, parse_config
 from warmboot.natsserver import NatsServer
@@ -115,6 +116,23 @@ async def test_agent_registers_follows_the_rolling_upgrade_and_comes_back(nats_u
         seq, _ = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq)
         _, again = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=seq)
         assert again.sandbox_classes == changed.sandbox_classes
+
+
+async def test_a_registration_refused_at_start_is_raised_once_and_not_logged_again(nats_url, prefix, tmp_path,
+                                                                                    caplog):
+    """The registry refusing the first registration ends the agent with that error (the
+    command prints it); the stop that follows does not log it a second time with a traceback."""
+    path = tmp_path / "agent.toml"
+    path.write_text(config("v1"))
+    agent = Agent(nats_url, "w-refused", "node-a", path, prefix=prefix, probe=PROBE)
+
+    async def refused(registration, stop):
+        raise ContractError(ErrorCode.FAILED_PRECONDITION, "refused for the test")
+
+    agent.register = refused
+    with pytest.raises(ContractError, match="refused for the test"):
+        await asyncio.wait_for(agent.run(asyncio.Event()), 15)
+    assert not [r for r in caplog.records if r.exc_info is not None], [r.getMessage() for r in caplog.records]
 
 
 async def test_agent_survives_a_nats_restart(tmp_path, prefix):

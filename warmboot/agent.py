@@ -397,9 +397,9 @@ class Agent:
         try:
             await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
             if serving.done():
-                serving.result()
+                serving.result()  # its error is the caller's (the CLI says it), not logged here too
         finally:
-            await cancel_and_wait(stopping, serving)
+            await cancel_and_wait(stopping, None if serving.done() else serving)
             if self.drain_on_exit and self.sent_registration and not self.nc.is_closed:
                 reply = await self.drain("agent stopped")
                 if reply is not None:
