@@ -509,7 +509,8 @@ STATE_REFUSALS = frozenset({ErrorCode.FAILED_PRECONDITION, ErrorCode.NOT_FOUND, 
 
 async def run_command(command: Callable[[], T], attempts: int = 8, *,
                       recheck: Callable[[], bool] | None = None) -> T:
-    """Run a load-decide-save `command` off the event loop, again on a lost OCC race.
+    """Run a load-decide-save `command` (or a read that may refuse, such as the registry's
+    lookup of a worker for a heartbeat) off the event loop, again on a lost OCC race.
 
     `command` must re-read what it decides on each time (the repository does), so
     a retry decides on fresh state. After `attempts` lost races: UNAVAILABLE.

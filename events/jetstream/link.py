@@ -193,14 +193,18 @@ class Link:
         except RuntimeError:  # no loop runs in this thread
             return False
 
+    def _refuse_if_closed(self, coro: Any) -> None:
+        """What `call` and `submit` do with a call once the link (or the loop it runs on) is closed."""
+        if self.closed or self.loop.is_closed():
+            coro.close()
+            raise ProgrammingError("the JetStream connection of this recorder is closed")
+
     def call(self, coro: Any) -> Any:
         """Run `coro` on the link's loop and wait for it (coroutines bound their own time)."""
         if self._on_own_loop():
             coro.close()
             raise ProgrammingError("a JetStream recorder was called from its own event loop")
-        if self.closed or self.loop.is_closed():
-            coro.close()
-            raise ProgrammingError("the JetStream connection of this recorder is closed")
+        self._refuse_if_closed(coro)
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
         with self.waiting_lock:
             self.waiting.add(future)
@@ -221,9 +225,7 @@ class Link:
         Either way a caller cancelled meanwhile does not cancel `coro`, as with `call` from
         a thread: an append it started still lands, or fails, as a retry of the caller's
         will find out."""
-        if self.closed:
-            coro.close()
-            raise ProgrammingError("the JetStream connection of this recorder is closed")
+        self._refuse_if_closed(coro)
         loop = asyncio.get_running_loop()
         if loop is self.loop:
             task = loop.create_task(coro)
