@@ -23,14 +23,18 @@ replay of the log, or says less than needed, the gap is closed here and nowhere 
 - `ORDERED_IDLE_HEARTBEAT_S`: the idle heartbeat of every ordered consumer (nats-py
   re-creates one only after two missed heartbeats).
 - `deliver_directly`: the data messages of one ordered push consumer handed from
-  nats-py's parser straight to a synchronous handler, without the message object, the
+  the connection's read loop straight to a synchronous handler, without nats-py's
+  protocol parser (a regular expression per message), the message object, the
   subscription's queue and its task that nats-py's own path costs per message (a
-  replay, and every scheduler replica's fold of every placement). It keeps nats-py's
-  bookkeeping of the ordered consumer exactly as nats-py would (tests/test_fold_delivery.py
-  compares the two), and leaves nats-py everything else: status messages (idle
-  heartbeats, flow control), a delivery out of order (nats-py resets the consumer),
-  a subject in another format, and every message while the caller says it is not
-  ready (its own callback then gets them, in order).
+  replay, and every scheduler replica's fold of every placement). Its frame reader
+  (`_Frames`) reads each chunk the read loop got frame by frame ahead of nats-py's
+  parser: a data message of a subscription delivered directly goes to the handler,
+  every other frame, whole, to nats-py's parser. It keeps nats-py's bookkeeping of the
+  ordered consumer exactly as nats-py would (tests/test_fold_delivery.py compares the
+  two), and leaves nats-py everything else: status messages (idle heartbeats, flow
+  control), a delivery out of order (nats-py resets the consumer), a subject in another
+  format, and every message while the caller says it is not ready (its own callback
+  then gets them, in order). It can measure the CPU the deliveries cost (`on_cpu`).
 - `Replies`: many requests in flight over one wildcard inbox, each answered into a
   future. nats-py's `request` arms a timer (`wait_for`) and draws a NUID per call,
   and `publish_async` a timer per call on its semaphore; at thousands of requests a
@@ -43,6 +47,7 @@ import asyncio
 import itertools
 import logging
 import re
+import time
 from contextlib import suppress
 from typing import Any, Callable
 
@@ -50,6 +55,7 @@ import msgspec
 import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.protocol import parser as nats_parser
 
 from events.tasks import cancel_and_wait, retrieved
 
@@ -60,7 +66,7 @@ from events.tasks import cancel_and_wait, retrieved
 ORDERED_IDLE_HEARTBEAT_S = 0.5
 
 NATS_PARSER = "_parse_header_lines"  # the private name nats-py calls on every message with headers
-NATS_DISPATCH = "_process_msg"  # the private coroutine nats-py's parser hands every message to
+NATS_PROTOCOL = "_ps"  # the private attribute of a connection holding its protocol parser (`Parser`)
 
 log = logging.getLogger("warmboot.natspy")
 
@@ -158,20 +164,24 @@ DirectHandler = Callable[[int, int, str, "dict[str, str] | None", bytes], None]
 
 _ACK_PREFIX = b"$JS.ACK."
 _HEADER_LINE = b"NATS/1.0\r\n"  # a block of headers without a status (a status has a space after 1.0)
+_CRLF = b"\r\n"
+_HMSG = b"HMSG "
+_MSG = b"MSG "
 
 
 class _Direct:
     """One subscription delivered directly (see `deliver_directly`)."""
 
-    __slots__ = ("sub", "handler", "ready", "stats", "wanted")
+    __slots__ = ("sub", "handler", "ready", "stats", "wanted", "on_cpu")
 
     def __init__(self, sub: Any, handler: DirectHandler, ready: Callable[[], bool], stats: dict[str, int],
-                 wanted: tuple[str, ...]):
+                 wanted: tuple[str, ...], on_cpu: Callable[[float], None] | None = None):
         self.sub = sub
         self.handler = handler
         self.ready = ready
         self.stats = stats
         self.wanted = tuple((name, name.encode()) for name in wanted)  # as header_values takes them
+        self.on_cpu = on_cpu  # told the thread CPU of each run of its deliveries, if measured
 
     def take(self, subject: bytes, reply: bytes, data: bytes, headers: bytes | None) -> bool:
         """Hand a data message to the handler, doing what nats-py's `_process_msg` does for one
@@ -210,10 +220,129 @@ class _Direct:
         return True
 
 
+class _Frames:
+    """The frame reader of one connection: what its read loop hands nats-py's parser, read
+    frame by frame ahead of it.
+
+    A data message (`HMSG`) of a subscription delivered directly is handed to its `_Direct`;
+    every other frame (a message of another subscription, a status message, PING, PONG,
+    INFO, +OK, -ERR, or a data message the `_Direct` declines) is handed whole, in order, to
+    nats-py's own parser, which then does with it what it always does. A frame split across
+    reads waits for its end. So nats-py's parser only ever gets whole frames, and is
+    between frames whenever this reader reads; the one exception is the moment of
+    installing, when nats-py may be inside a frame: it gets exactly the rest of that frame
+    first. nats-py resets its parser on a reconnect: so does this reader (a frame begun on
+    the old socket never ends).
+    """
+
+    __slots__ = ("nc", "ps", "routes", "pieces", "have", "need")
+
+    def __init__(self, nc: Any, routes: dict[int, _Direct]):
+        self.nc = nc
+        self.ps = getattr(nc, NATS_PROTOCOL)
+        self.routes = routes
+        self.pieces: list[bytes] = []  # the beginning of a frame whose end has not been read yet
+        self.have = 0  # bytes in `pieces`
+        self.need = 0  # bytes the frame begun in `pieces` has, once its control line is read
+
+    def reset(self) -> None:
+        self.pieces, self.have, self.need = [], 0, 0
+        nats_parser.Parser.reset(self.ps)
+
+    async def parse(self, data: bytes = b"") -> None:
+        ps = self.ps
+        inner = nats_parser.Parser.parse
+        if self.pieces:
+            self.pieces.append(data)
+            self.have += len(data)
+            if self.have < self.need:  # a large frame still arriving: joined once, when whole
+                return
+            data = b"".join(self.pieces)
+            self.pieces, self.have, self.need = [], 0, 0
+        else:
+            if ps.state != nats_parser.AWAITING_CONTROL_LINE:  # installed while nats-py was inside a payload
+                rest_of_frame = ps.needed + nats_parser.CRLF_SIZE - len(ps.buf)
+                await inner(ps, data[:rest_of_frame])
+                data = data[rest_of_frame:]
+                if ps.state != nats_parser.AWAITING_CONTROL_LINE:
+                    return
+            if ps.buf:  # installed while nats-py had the beginning of a control line
+                data = bytes(ps.buf) + data
+                ps.buf.clear()
+        n = len(data)
+        pos = 0
+        subs, routes, clock = self.nc._subs, self.routes, time.thread_time
+        run: Callable[[float], None] | None = None  # told the CPU of the deliveries since `started`
+        started = 0.0
+        while pos < n:
+            eol = data.find(_CRLF, pos)
+            if eol < 0:
+                break
+            if data.startswith(_HMSG, pos):
+                args = data[pos + 5:eol].split()
+                if len(args) == 5:
+                    subject, sid, reply, header_size, size = args
+                elif len(args) == 4:
+                    subject, sid, header_size, size = args
+                    reply = b""
+                if len(args) not in (4, 5) or not (size.isdigit() and header_size.isdigit() and sid.isdigit()):
+                    frame_end = n  # not a frame this reader reads: nats-py says what it is
+                else:
+                    body = eol + 2
+                    frame_end = body + int(size) + 2
+                    if frame_end > n:
+                        break
+                    sub = subs.get(int(sid))
+                    route = routes.get(id(sub)) if sub is not None else None
+                    if route is not None:
+                        if route.on_cpu is not run:  # a measured route's run of deliveries begins or ends
+                            if run is not None:
+                                run(clock() - started)
+                            run = route.on_cpu
+                            if run is not None:
+                                started = clock()
+                        middle = body + int(header_size)
+                        if route.take(subject, reply, data[middle:frame_end - 2],
+                                      data[body:middle] if middle > body else None):
+                            pos = frame_end
+                            continue
+            elif data.startswith(_MSG, pos):
+                args = data[pos + 4:eol].split()
+                frame_end = eol + 2 + int(args[-1]) + 2 if args and args[-1].isdigit() else n
+                if frame_end > n:
+                    break
+            else:  # PING, PONG, INFO, +OK, -ERR: one line
+                frame_end = eol + 2
+            if run is not None:
+                run(clock() - started)
+                run = None
+            await inner(ps, data[pos:frame_end])
+            pos = frame_end
+        if run is not None:
+            run(clock() - started)
+        if pos < n:
+            rest = data[pos:]
+            self.pieces, self.have = [rest], len(rest)
+            self.need = frame_end - pos if eol >= 0 else 0  # a whole control line tells the frame's size
+
+
+class DirectDelivery:
+    """What `deliver_directly` installed for one subscription; `close()` ends it (its messages
+    take nats-py's path again)."""
+
+    def __init__(self, routes: dict[int, _Direct], route: _Direct):
+        self._routes = routes
+        self._route = route
+
+    def close(self) -> None:
+        if self._routes.get(id(self._route.sub)) is self._route:
+            del self._routes[id(self._route.sub)]
+
+
 def deliver_directly(nc: Any, psub: Any, handler: DirectHandler, ready: Callable[[], bool],
-                     wanted: tuple[str, ...] = ()) -> Callable[[], None]:
+                     wanted: tuple[str, ...] = (), on_cpu: Callable[[float], None] | None = None) -> DirectDelivery:
     """Hand the data messages of `psub` (an ordered push subscription of `nc`, made with a
-    callback) to `handler` from nats-py's parser, while `ready()`; returns the undo.
+    callback) to `handler` from the connection's read loop, while `ready()`.
 
     The handler runs synchronously in the connection's read loop: it must not block. When
     `ready()` is false, a message takes nats-py's path to the subscription's callback, so
@@ -221,32 +350,27 @@ def deliver_directly(nc: Any, psub: Any, handler: DirectHandler, ready: Callable
     in its queue or in hand). Header blocks are parsed with `parse_header_lines`; with
     `wanted`, the handler gets only those headers (`header_values`), or all of them when
     none of those is there: the same to a reader that looks at no other name and at
-    whether there are headers at all."""
-    original = getattr(nc, NATS_DISPATCH, None)
-    if not callable(original):
+    whether there are headers at all. With `on_cpu`, the deliveries are measured: it is
+    told the thread CPU of each run of consecutive deliveries of the subscription (two
+    clock reads per run, not per message), the reading of each message and the handler's
+    work; not the wake-ups of the loop that brought them."""
+    ps = getattr(nc, NATS_PROTOCOL, None)
+    if not isinstance(ps, nats_parser.Parser) or not all(
+            hasattr(ps, name) for name in ("buf", "state", "needed")) or not all(
+            hasattr(nats_parser, name) for name in ("AWAITING_CONTROL_LINE", "CRLF_SIZE")):
         raise RuntimeError(
-            f"nats-py no longer has Client.{NATS_DISPATCH}: events/natspy.py must be taught the new name "
-            "(or direct delivery dropped)"
+            f"nats-py no longer has a protocol parser at Client.{NATS_PROTOCOL} as events/natspy.py "
+            "reads it (buf, state, needed): teach `_Frames` the new one (or drop direct delivery)"
         )
-    inner = psub._sub
-    routes: dict[int, _Direct] | None = getattr(nc, "_warmboot_direct", None)
-    if routes is None:
-        routes = {}
-
-        async def dispatch(sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes | None) -> None:
-            sub = nc._subs.get(sid)
-            route = routes.get(id(sub)) if sub is not None else None
-            if route is None or not route.take(subject, reply, data, headers):
-                await original(sid, subject, reply, data, headers)
-
-        nc._warmboot_direct = routes
-        setattr(nc, NATS_DISPATCH, dispatch)
-    routes[id(inner)] = _Direct(inner, handler, ready, nc.stats, wanted)
-
-    def undo() -> None:
-        routes.pop(id(inner), None)
-
-    return undo
+    frames: _Frames | None = getattr(nc, "_warmboot_frames", None)
+    if frames is None:
+        frames = _Frames(nc, {})
+        nc._warmboot_frames = frames
+        ps.parse = frames.parse  # the read loop's `self._ps.parse(chunk)` and reconnect's `reset()`
+        ps.reset = frames.reset
+    route = _Direct(psub._sub, handler, ready, nc.stats, wanted, on_cpu)
+    frames.routes[id(psub._sub)] = route
+    return DirectDelivery(frames.routes, route)
 
 
 def parse_header_block(raw: bytes) -> dict[str, str]:

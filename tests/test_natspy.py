@@ -121,3 +121,145 @@ def test_a_stream_msg_get_block_and_an_ack_subject_are_read_alike_everywhere():
     assert parse_header_block(b"") == {}
     assert ack_positions("$JS.ACK.S.C.1.42.7.1700000000.3") == (42, 3)
     assert ack_positions("$JS.ACK.dom.acc.S.C.1.42.7.1700000000.3.rnd") == (42, 3)
+
+
+# --- the frame reader of direct delivery (`_Frames`) against nats-py's own parser ---------------
+
+class _Recorder:
+    """A connection as nats-py's parser sees one: what each frame made it do, in order."""
+
+    def __init__(self, routed_sid: int | None):
+        from nats.protocol.parser import Parser
+
+        self.log: list[tuple] = []
+        self._subs = {1: object(), 2: object()}
+        self.routed = self._subs[routed_sid] if routed_sid is not None else None
+        self._ps = Parser(self)
+
+    async def _process_msg(self, sid, subject, reply, data, headers):
+        self.log.append(("msg", sid, subject, reply, data, headers))
+
+    async def _process_ping(self):
+        self.log.append(("ping",))
+
+    async def _process_pong(self):
+        self.log.append(("pong",))
+
+    async def _process_info(self, info):
+        self.log.append(("info", info))
+
+    async def _process_err(self, err):
+        self.log.append(("err", err))
+
+
+class _Route:
+    """Takes the messages of its subscription whose reply is a JetStream ack subject."""
+
+    on_cpu = None
+
+    def __init__(self, log: list):
+        self.log = log
+
+    def take(self, subject, reply, data, headers) -> bool:
+        if not reply.startswith(b"$JS.ACK."):
+            return False
+        self.log.append(("direct", subject, reply, data, headers))
+        return True
+
+
+_PAYLOAD = st.binary(max_size=40) | st.sampled_from([b"", b"\r\n", b"HMSG a 1 2 3\r\n", b"PING\r\n"])
+_HEADERS = st.sampled_from([b"NATS/1.0\r\nA: b\r\n\r\n", b"NATS/1.0 100 Idle Heartbeat\r\n\r\n",
+                            b"NATS/1.0\r\n\r\n"])
+_FRAME = st.one_of(
+    st.tuples(st.just("HMSG"), st.sampled_from([1, 2]), st.sampled_from([b"", b"$JS.ACK.S.C.1.2.3.4.0", b"_INBOX.x"]),
+              _HEADERS, _PAYLOAD),
+    st.tuples(st.just("MSG"), st.sampled_from([1, 2]), st.sampled_from([b"", b"_INBOX.y"]), st.none(), _PAYLOAD),
+    st.sampled_from([("PING",), ("PONG",), ("+OK",), ("INFO",)]),
+)
+
+
+def _wire(frame: tuple) -> bytes:
+    kind = frame[0]
+    if kind == "HMSG":
+        _, sid, reply, head, payload = frame
+        middle = f" {reply.decode()}" if reply else ""
+        return (f"HMSG t.s{sid} {sid}{middle} {len(head)} {len(head) + len(payload)}\r\n".encode()
+                + head + payload + b"\r\n")
+    if kind == "MSG":
+        _, sid, reply, _, payload = frame
+        middle = f" {reply.decode()}" if reply else ""
+        return f"MSG t.s{sid} {sid}{middle} {len(payload)}\r\n".encode() + payload + b"\r\n"
+    if kind == "INFO":
+        return b'INFO {"server_id":"x","max_payload":1048576}\r\n'
+    return kind.encode() + b"\r\n"
+
+
+@settings(max_examples=1500, deadline=None)
+@given(st.lists(_FRAME, max_size=12), st.sampled_from([1, 2, None]), st.lists(st.integers(0, 400), max_size=8),
+       st.integers(0, 400))
+def test_the_frame_reader_does_what_nats_py_s_parser_does_frame_by_frame(frames, routed, cuts, installed_at):
+    """Whatever the chunks a connection's reads cut the wire into, and whenever the reader is
+    installed (nats-py inside a frame included): every frame leads to what nats-py's own
+    parser does with it, in the same order, except that the data messages the route takes
+    are handed to it instead of to nats-py's dispatch. A message whose control line nats-py
+    had read before the install is finished by nats-py, and dispatched as nats-py does."""
+    import asyncio
+
+    from events.natspy import _Frames
+
+    pieces = [_wire(f) for f in frames]
+    wire = b"".join(pieces)
+    at = min(installed_at, len(wire))
+    begun = []  # for each message frame: whether nats-py had read its control line at the install
+    offset = 0
+    for frame, piece in zip(frames, pieces):
+        if frame[0] in ("HMSG", "MSG"):
+            begun.append(offset + piece.index(b"\r\n") + 2 <= at)
+        offset += len(piece)
+
+    async def run() -> tuple[list, list]:
+        expected_conn = _Recorder(routed)
+        expected_route = _Route(expected_conn.log)
+        ordinal = iter(begun)
+
+        async def dispatch(sid, subject, reply, data, headers, conn=expected_conn):
+            sub = conn._subs.get(sid)
+            if (next(ordinal) or sub is None or sub is not conn.routed
+                    or not expected_route.take(subject, reply, data, headers)):
+                await _Recorder._process_msg(conn, sid, subject, reply, data, headers)
+
+        expected_conn._process_msg = dispatch
+        await expected_conn._ps.parse(wire)
+
+        conn = _Recorder(routed)
+        await conn._ps.parse(wire[:at])  # nats-py alone, up to the install
+        frames_reader = _Frames(conn, {id(conn.routed): _Route(conn.log)} if conn.routed is not None else {})
+        conn._ps.parse = frames_reader.parse
+        points = sorted({at, len(wire), *(min(at + c, len(wire)) for c in cuts)})
+        for a, b in zip(points, points[1:]):
+            await conn._ps.parse(wire[a:b])
+        return expected_conn.log, conn.log
+
+    expected, actual = asyncio.run(run())
+    assert actual == expected
+
+
+def test_the_frame_reader_joins_a_large_frame_once_it_is_whole():
+    import asyncio
+
+    from events.natspy import _Frames
+
+    payload = bytes(range(256)) * 400  # 100 kB, read in 1 kB chunks
+    wire = _wire(("HMSG", 1, b"$JS.ACK.S.C.1.2.3.4.0", b"NATS/1.0\r\n\r\n", payload)) + b"PING\r\n"
+
+    async def run() -> list:
+        conn = _Recorder(1)
+        reader = _Frames(conn, {id(conn.routed): _Route(conn.log)})
+        for i in range(0, len(wire), 1000):
+            await reader.parse(wire[i:i + 1000])
+            if i + 1000 < len(wire) - 20:
+                assert conn.log == [] and len(reader.pieces) == i // 1000 + 1  # kept as read, not joined
+        return conn.log
+
+    log = asyncio.run(run())
+    assert log == [("direct", b"t.s1", b"$JS.ACK.S.C.1.2.3.4.0", payload, b"NATS/1.0\r\n\r\n"), ("ping",)]

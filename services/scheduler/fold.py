@@ -5,9 +5,10 @@ projection's position, and each is decoded with msgspec straight into its event
 Struct (`EventReader`) and folded; booking markers are folded from their subject
 alone, and messages that are not events (the tracking records of process
 applications) only advance the position. A replay, and every replica's fold of every
-placement, is bound by nats-py's work per message: the fold's connection parses
-headers with the lean parser, and its data messages are handed from nats-py's parser
-straight to the fold (`events.natspy.deliver_directly`). While a checkpoint has the
+placement, is bound by the work per message: the fold's connection parses headers with
+the lean parser, and its data messages are handed from the connection's read loop
+straight to the fold, read ahead of nats-py's protocol parser
+(`events.natspy.deliver_directly`). While a checkpoint has the
 fold paused they take nats-py's path to the subscription's callback instead, which
 folds them in order once the pause ends; direct delivery resumes when none is left.
 `wait(seq)` lets a request be answered from state that includes `seq` (`min_seq`),
@@ -32,7 +33,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from events.errors import unavailable
 from events.jetstream import TOPIC_HEADER, VERSION_HEADER
-from events.natspy import ORDERED_IDLE_HEARTBEAT_S, ack_positions, deliver_directly, use_lean_headers
+from events.natspy import ORDERED_IDLE_HEARTBEAT_S, DirectDelivery, ack_positions, deliver_directly, use_lean_headers
 from events.schema import (EVENT_TYPES, ActorPlaced, ActorRuntime, AnyEvent, Snapshot, SnapshotTaken, WorkerBooked,
                            WorkerEvent)
 from events.subjects import stream_name
@@ -108,10 +109,14 @@ class Fold:
 
     `listeners` are called with the sequence of each message right after it is folded
     (the committer's ledger of bookings in flight, the checkpoint saver's trigger);
-    `paused()` stops folding while a checkpoint copies the projection.
+    `paused()` stops folding while a checkpoint copies the projection. `on_cpu`, if given,
+    is told the thread CPU of the fold's direct deliveries as they happen (reading each
+    message and folding it; not the wake-ups that brought them, nor the messages folded
+    through nats-py's path during a pause).
     """
 
-    def __init__(self, nc: NATS, prefix: str, projection: Projection):
+    def __init__(self, nc: NATS, prefix: str, projection: Projection, *,
+                 on_cpu: Callable[[float], None] | None = None):
         self.nc = nc
         self.prefix = prefix
         self.stream = stream_name(prefix)
@@ -126,7 +131,8 @@ class Fold:
         self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
         self._tie = itertools.count()
         self._sub: Any = None
-        self._undo_direct: Callable[[], None] | None = None
+        self.on_cpu = on_cpu
+        self._direct: DirectDelivery | None = None
         self._in_callback = 0  # messages nats-py's path has handed to `_on_msg` and it has not folded yet
         self._read = EventReader().decode
         self._paused: asyncio.Future[None] | None = None
@@ -149,14 +155,15 @@ class Fold:
             idle_heartbeat=ORDERED_IDLE_HEARTBEAT_S,
             **start,
         )
-        self._undo_direct = deliver_directly(self.nc, self._sub, self._folded, self._direct_ready,
-                                             wanted=(TOPIC_HEADER, VERSION_HEADER))  # all fold_message reads
+        self._direct = deliver_directly(self.nc, self._sub, self._folded, self._direct_ready,
+                                        wanted=(TOPIC_HEADER, VERSION_HEADER),  # all fold_message reads
+                                        on_cpu=self.on_cpu)
         await self.wait(target, timeout)
 
     async def stop(self) -> None:
-        if self._undo_direct is not None:
-            self._undo_direct()
-            self._undo_direct = None
+        if self._direct is not None:
+            self._direct.close()
+            self._direct = None
         sub, self._sub = self._sub, None
         if sub is not None:
             with suppress(Exception):
