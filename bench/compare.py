@@ -1,6 +1,6 @@
 """Side by side against an earlier commit: the same workload from two trees, alternated.
 
-    python bench/compare.py --base REV [--rounds 3] [--actors 3000] [--rate 800] [--json]
+    python bench/compare.py --base REV [--rounds 3] [--actors 3000] [--rate 800] [--replay N] [--json]
 
 The machine is shared and noisy, so absolute rates wander; what a change costs is
 the ratio of this tree's figure to the base's, measured in one run with the two
@@ -17,7 +17,11 @@ Workloads (each `bench/scheduler.py`'s `bench_resumes`, in both trees):
   replicas, each with the same window in flight (closed loop);
 - `cpu_ms_per_placement_1_replica`, `cpu_ms_per_placement_3_replicas` and
   `replica_cpu_ratio_3v1`: the same at the same offered load, `--rate` resumes/s (open
-  loop; measured only in trees whose `bench_resumes` takes a `rate`, 2026-12 on).
+  loop; measured only in trees whose `bench_resumes` takes a `rate`, 2026-12 on);
+- with `--replay N`, `bench/scheduler.py`'s `bench_replay` of an N-event log:
+  `replay_events_per_s`, `replay_cpu_us_per_event` (the fold's CPU per event in its
+  process) and `replay_vs_raw`, `replay_vs_raw_cpu` (against a raw nats-py read of the
+  same stream in the same run).
 
 The last line with `--json` is one JSON object: per workload the base's and this
 tree's medians and `<workload>_ratio` (this tree / base).
@@ -41,19 +45,28 @@ sys.path.insert(0, ".")
 from warmboot.natsserver import NatsServer
 from bench.scheduler import bench_resumes
 
-async def main(actors, window, rate):
+async def main(actors, window, rate, replay):
     with tempfile.TemporaryDirectory() as d:
         server = NatsServer(d)
         server.start()
         try:
+            out = {}
+            if replay:
+                from bench.scheduler import bench_replay
+                got = await bench_replay(server.url, replay)
+                out.update({k: got[k] for k in ("replay_events_per_s", "replay_cpu_us_per_event", "replay_vs_raw",
+                                                 "replay_vs_raw_cpu") if k in got})
+            if not actors:
+                print(json.dumps(out))
+                return
             plain = await bench_resumes(server.url, 1, actors, window, request_ids=False)
             with_ids = await bench_resumes(server.url, 1, actors, window, request_ids=True)
             three = await bench_resumes(server.url, 3, actors, window, request_ids=False)
-            out = {"resumes_per_s": plain["resumes_per_s"],
+            out.update({"resumes_per_s": plain["resumes_per_s"],
                    "resumes_per_s_with_request_id": with_ids["resumes_per_s"],
                    "cpu_ms_per_placement_1_replica_saturated": plain["cpu_ms_per_placement"],
                    "cpu_ms_per_placement_3_replicas_saturated": three["cpu_ms_per_placement"],
-                   "replica_cpu_ratio_3v1_saturated": three["cpu_ms_per_placement"] / plain["cpu_ms_per_placement"]}
+                   "replica_cpu_ratio_3v1_saturated": three["cpu_ms_per_placement"] / plain["cpu_ms_per_placement"]})
             if "rate" in inspect.signature(bench_resumes).parameters:  # trees since the open-loop load
                 paced = [await bench_resumes(server.url, n, actors, window, request_ids=False, rate=rate, label="c")
                          for n in (1, 3)]
@@ -64,13 +77,13 @@ async def main(actors, window, rate):
             server.stop()
     print(json.dumps(out))
 
-asyncio.run(main(int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])))
+asyncio.run(main(int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])))
 """
 
 
-def run(tree: Path, actors: int, window: int, rate: float) -> dict[str, float]:
-    out = subprocess.run([sys.executable, "-c", RUN, str(actors), str(window), str(rate)], cwd=tree, check=True,
-                         capture_output=True, text=True)
+def run(tree: Path, actors: int, window: int, rate: float, replay: int) -> dict[str, float]:
+    out = subprocess.run([sys.executable, "-c", RUN, str(actors), str(window), str(rate), str(replay)], cwd=tree,
+                         check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -78,10 +91,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", required=True, help="the commit to compare with (e.g. HEAD~3)")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--actors", type=int, default=3000)
+    parser.add_argument("--actors", type=int, default=3000, help="actors resumed per run (0: only the replay)")
     parser.add_argument("--window", type=int, default=128)
     parser.add_argument("--rate", type=float, default=800.0,
                         help="resumes/s offered to 1 and to 3 replicas for replica_cpu_ratio_3v1 (open loop)")
+    parser.add_argument("--replay", type=int, default=0, metavar="N",
+                        help="also replay an N-event log in each round (the fold against a raw read)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     rev = subprocess.run(["git", "rev-parse", "--short", args.base], cwd=ROOT, check=True, capture_output=True,
@@ -94,7 +109,7 @@ def main() -> None:
             figures: dict[str, dict[str, list[float]]] = {"base": {}, "head": {}}
             for r in range(args.rounds):
                 for name, tree in (("base", base), ("head", ROOT)):
-                    got = run(tree, args.actors, args.window, args.rate)
+                    got = run(tree, args.actors, args.window, args.rate, args.replay)
                     for key, value in got.items():
                         figures[name].setdefault(key, []).append(value)
                     print(f"round {r + 1} {name:4} ({rev if name == 'base' else 'this tree'}): "

@@ -24,7 +24,11 @@ Side by side, in one run:
     the same quotient for the closed-loop runs (`replica_cpu_ratio_3v1_saturated`), and
     how many placements each append carried with 1 and 3 replicas (`placements_per_append_*`,
     from `warmboot_scheduler_commit_group_placements`): what splitting the load costs the
-    group commit.
+    group commit. That CPU split in two, from the replicas' own
+    `warmboot_scheduler_fold_cpu_seconds_total`: folding (`fold_cpu_us_per_event_*`, per
+    event each replica folds) and the rest, serving and committing
+    (`serving_cpu_ms_per_placement_*`), whose quotient `replica_serving_cpu_ratio_3v1` is
+    what `replica_cpu_ratio_3v1` would be if folding cost nothing.
 (c) replay: the fold of a large log from sequence 1 (decode + apply) against the raw
     nats-py read rate of the same stream through the same kind of ordered consumer
     (a no-op callback, on a connection of its own with the lean header parser).
@@ -424,11 +428,13 @@ async def bench_resumes(
         # CPU of every scheduler process over the load, from each one's own rusage (prometheus-client's
         # process collector reads /proc/self/stat): what the replicas cost per committed placement
         cpu0 = sum(scrape(port, "process_cpu_seconds_total") for port in ports)
+        fold0 = sum(scrape(port, "warmboot_scheduler_fold_cpu_seconds_total") for port in ports)
         appends0 = sum(scrape(port, "warmboot_scheduler_commit_group_placements_count") for port in ports)
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(window)))
         elapsed = time.perf_counter() - t0
         cpu = sum(scrape(port, "process_cpu_seconds_total") for port in ports) - cpu0
+        fold_cpu = sum(scrape(port, "warmboot_scheduler_fold_cpu_seconds_total") for port in ports) - fold0
         commits = sum(scrape(port, "warmboot_placements_total") for port in ports)
         conflicts = sum(scrape(port, "warmboot_scheduler_commit_conflicts_total") for port in ports)
         appends = sum(scrape(port, "warmboot_scheduler_commit_group_placements_count") for port in ports) - appends0
@@ -446,6 +452,11 @@ async def bench_resumes(
         "errors": errors,
         "commit_conflict_rate": round(conflicts / max(commits + conflicts, 1), 4),
         "cpu_ms_per_placement": round(cpu * 1000 / max(placed, 1), 3),
+        # the part of it the replicas' folds measured themselves (every replica folds each
+        # placement's two events), and the rest: serving the resumes and committing them
+        "fold_cpu_ms_per_placement": round(fold_cpu * 1000 / max(placed, 1), 3),
+        "fold_cpu_us_per_event": round(fold_cpu * 1e6 / max(2 * placed * replicas, 1), 2),
+        "serving_cpu_ms_per_placement": round((cpu - fold_cpu) * 1000 / max(placed, 1), 3),
         "placements_per_append": round(placed / max(appends, 1), 2),  # all replicas' appends, refused ones too
         "latency_p50_ms": round(latencies[len(latencies) // 2] * 1000, 2),
         "latency_p99_ms": round(latencies[int(len(latencies) * 0.99)] * 1000, 2),
@@ -614,6 +625,8 @@ async def bench_bus(quick: bool) -> dict[str, float]:
                 paced[n].append(await bench_resumes(server.url, n, actors, window, request_ids=False,
                                                     rate=rate, label=f"r{round_}"))
         cpu_1, cpu_3 = (statistics.mean(r["cpu_ms_per_placement"] for r in paced[n]) for n in (1, 3))
+        fold_1, fold_3 = (statistics.mean(r["fold_cpu_us_per_event"] for r in paced[n]) for n in (1, 3))
+        serving_1, serving_3 = (statistics.mean(r["serving_cpu_ms_per_placement"] for r in paced[n]) for n in (1, 3))
         grouped_1, grouped_3 = (statistics.mean(r["placements_per_append"] for r in paced[n]) for n in (1, 3))
         held = min(r["resumes_per_s"] for n in (1, 3) for r in paced[n]) >= 0.95 * rate
         print(f"(b) same offered load, {rate:.0f} resumes/s{'' if held else ' (NOT held: a run fell behind)'}: "
@@ -621,6 +634,9 @@ async def bench_bus(quick: bool) -> dict[str, float]:
               f"(same window instead: {three['cpu_ms_per_placement'] / one['cpu_ms_per_placement']:.2f}); "
               f"placements per append 1 replica {grouped_1:.2f}, 3 replicas {grouped_3:.2f}",
               flush=True)
+        print(f"(b) of which folding, as the folds measure it: {fold_1:.1f} us an event with 1 replica, "
+              f"{fold_3:.1f} us with 3; the rest (serving and committing) {serving_1:.3f} ms a placement with 1, "
+              f"{serving_3:.3f} ms with 3: 3v1 {serving_3 / serving_1:.2f} without the folds", flush=True)
         out.update({
             "resumes_per_s": one["resumes_per_s"],
             "resume_latency_p50_ms": one["latency_p50_ms"],
@@ -636,6 +652,11 @@ async def bench_bus(quick: bool) -> dict[str, float]:
             "cpu_ms_per_placement_1_replica": round(cpu_1, 3),
             "cpu_ms_per_placement_3_replicas": round(cpu_3, 3),
             "replica_cpu_ratio_3v1": round(cpu_3 / cpu_1, 3),
+            "fold_cpu_us_per_event_1_replica": round(fold_1, 2),
+            "fold_cpu_us_per_event_3_replicas": round(fold_3, 2),
+            "serving_cpu_ms_per_placement_1_replica": round(serving_1, 3),
+            "serving_cpu_ms_per_placement_3_replicas": round(serving_3, 3),
+            "replica_serving_cpu_ratio_3v1": round(serving_3 / serving_1, 3),
             "placements_per_append_1_replica": round(grouped_1, 2),
             "placements_per_append_3_replicas": round(grouped_3, 2),
             "cpu_ms_per_placement_1_replica_saturated": one["cpu_ms_per_placement"],
