@@ -224,8 +224,8 @@ class _Frames:
     """The frame reader of one connection: what its read loop hands nats-py's parser, read
     frame by frame ahead of it.
 
-    A data message (`HMSG`) of a subscription delivered directly is handed to its `_Direct`;
-    every other frame (a message of another subscription, a status message, PING, PONG,
+    A message (`HMSG`, or `MSG` when it has no headers) of a subscription delivered directly
+    is handed to its `_Direct`; every other frame (a message of another subscription, a status message, PING, PONG,
     INFO, +OK, -ERR, or a data message the `_Direct` declines) is handed whole, in order, to
     nats-py's own parser, which then does with it what it always does. A frame split across
     reads waits for its end. So nats-py's parser only ever gets whole frames, and is
@@ -278,14 +278,17 @@ class _Frames:
             eol = data.find(_CRLF, pos)
             if eol < 0:
                 break
-            if data.startswith(_HMSG, pos):
-                args = data[pos + 5:eol].split()
-                if len(args) == 5:
-                    subject, sid, reply, header_size, size = args
-                elif len(args) == 4:
-                    subject, sid, header_size, size = args
-                    reply = b""
-                if len(args) not in (4, 5) or not (size.isdigit() and header_size.isdigit() and sid.isdigit()):
+            with_headers = data.startswith(_HMSG, pos)
+            if with_headers or data.startswith(_MSG, pos):
+                # HMSG <subject> <sid> [reply] <header size> <size>, MSG <subject> <sid> [reply] <size>
+                args = data[pos + (5 if with_headers else 4):eol].split()
+                count = len(args) - with_headers
+                if count == 3 or count == 4:
+                    subject, sid, size = args[0], args[1], args[-1]
+                    reply = args[2] if count == 4 else b""
+                    header_size = args[-2] if with_headers else b"0"
+                if not (count == 3 or count == 4) or not (size.isdigit() and header_size.isdigit()
+                                                          and sid.isdigit()):
                     frame_end = n  # not a frame this reader reads: nats-py says what it is
                 else:
                     body = eol + 2
@@ -306,11 +309,6 @@ class _Frames:
                                       data[body:middle] if middle > body else None):
                             pos = frame_end
                             continue
-            elif data.startswith(_MSG, pos):
-                args = data[pos + 4:eol].split()
-                frame_end = eol + 2 + int(args[-1]) + 2 if args and args[-1].isdigit() else n
-                if frame_end > n:
-                    break
             else:  # PING, PONG, INFO, +OK, -ERR: one line
                 frame_end = eol + 2
             if run is not None:

@@ -173,7 +173,8 @@ _HEADERS = st.sampled_from([b"NATS/1.0\r\nA: b\r\n\r\n", b"NATS/1.0 100 Idle Hea
 _FRAME = st.one_of(
     st.tuples(st.just("HMSG"), st.sampled_from([1, 2]), st.sampled_from([b"", b"$JS.ACK.S.C.1.2.3.4.0", b"_INBOX.x"]),
               _HEADERS, _PAYLOAD),
-    st.tuples(st.just("MSG"), st.sampled_from([1, 2]), st.sampled_from([b"", b"_INBOX.y"]), st.none(), _PAYLOAD),
+    st.tuples(st.just("MSG"), st.sampled_from([1, 2]), st.sampled_from([b"", b"_INBOX.y", b"$JS.ACK.S.C.1.2.3.4.0"]),
+              st.none(), _PAYLOAD),
     st.sampled_from([("PING",), ("PONG",), ("+OK",), ("INFO",)]),
 )
 
@@ -263,3 +264,26 @@ def test_the_frame_reader_joins_a_large_frame_once_it_is_whole():
 
     log = asyncio.run(run())
     assert log == [("direct", b"t.s1", b"$JS.ACK.S.C.1.2.3.4.0", payload, b"NATS/1.0\r\n\r\n"), ("ping",)]
+
+
+def test_the_frame_reader_forgets_a_frame_begun_before_a_reconnect():
+    """nats-py resets its parser when it reconnects (`Client._ps.reset()`): a frame whose
+    beginning came on the old socket never ends, and what the new socket brings is read
+    from its first byte."""
+    import asyncio
+
+    from events.natspy import _Frames
+
+    first = _wire(("HMSG", 1, b"$JS.ACK.S.C.1.2.3.4.0", b"NATS/1.0\r\n\r\n", b"x" * 100))
+    second = _wire(("HMSG", 1, b"$JS.ACK.S.C.1.3.4.5.0", b"NATS/1.0\r\n\r\n", b"y"))
+
+    async def run() -> list:
+        conn = _Recorder(1)
+        reader = _Frames(conn, {id(conn.routed): _Route(conn.log)})
+        conn._ps.parse, conn._ps.reset = reader.parse, reader.reset  # as deliver_directly installs it
+        await conn._ps.parse(first[:60])
+        conn._ps.reset()
+        await conn._ps.parse(b"INFO {}\r\n" + second)
+        return conn.log
+
+    assert asyncio.run(run()) == [("info", {}), ("direct", b"t.s1", b"$JS.ACK.S.C.1.3.4.5.0", b"y", b"NATS/1.0\r\n\r\n")]
