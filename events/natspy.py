@@ -225,9 +225,10 @@ class _Frames:
     frame by frame ahead of it.
 
     A message (`HMSG`, or `MSG` when it has no headers) of a subscription delivered directly
-    is handed to its `_Direct`; every other frame (a message of another subscription, a status message, PING, PONG,
-    INFO, +OK, -ERR, or a data message the `_Direct` declines) is handed whole, in order, to
-    nats-py's own parser, which then does with it what it always does. A frame split across
+    is handed to its `_Direct`; every other frame (a message of another subscription, a
+    status message, PING, PONG, INFO, +OK, -ERR, or a message the `_Direct` declines) is
+    handed whole, in order, to nats-py's own parser, which then does with it what it
+    always does. A frame split across
     reads waits for its end. So nats-py's parser only ever gets whole frames, and is
     between frames whenever this reader reads; the one exception is the moment of
     installing, when nats-py may be inside a frame: it gets exactly the rest of that frame

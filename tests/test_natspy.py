@@ -286,4 +286,5 @@ def test_the_frame_reader_forgets_a_frame_begun_before_a_reconnect():
         await conn._ps.parse(b"INFO {}\r\n" + second)
         return conn.log
 
-    assert asyncio.run(run()) == [("info", {}), ("direct", b"t.s1", b"$JS.ACK.S.C.1.3.4.5.0", b"y", b"NATS/1.0\r\n\r\n")]
+    assert asyncio.run(run()) == [("info", {}),
+                                  ("direct", b"t.s1", b"$JS.ACK.S.C.1.3.4.5.0", b"y", b"NATS/1.0\r\n\r\n")]
