@@ -8,14 +8,21 @@ One definition for the services, the event store, the agent and the CLI:
   (`warmboot nats-config --auth nkey` writes one per user); `nkey_options` turns
   it into nats-py's connect options. nats-py reads the file again for each
   signature, so the seed is not kept in the process's memory between connects.
+- `inbox_prefix`: the inbox prefix a command connects with. A user of `warmboot
+  nats-config` hears replies only under its own `_INBOX.<name>.` (an operator too:
+  its account is shared with the other operators), so a URL that names a user gives
+  that prefix; `INBOX_PREFIX_ENV` names one explicitly (an nkey user's URL names none).
 """
 
 from __future__ import annotations
 
 import os
 import re
+from urllib.parse import unquote, urlsplit
 
 NKEY_SEED_ENV = "NATS_NKEY_SEED"
+INBOX_PREFIX_ENV = "NATS_INBOX_PREFIX"
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")  # a user name that is one subject token (every nats-config user)
 
 # Everything up to the last '@' before the host, per member of a list (greedy, so a
 # password with an unencoded '@' is removed whole), with or without a scheme.
@@ -35,3 +42,19 @@ def nkey_seed_path(explicit: str | None = None) -> str | None:
 def nkey_options(seed_path: str | None) -> dict[str, str]:
     """nats-py connect options for an nkey seed file (none without one)."""
     return {"nkeys_seed": seed_path} if seed_path else {}
+
+
+def inbox_prefix(url: str, explicit: str | None = None) -> str | None:
+    """The inbox prefix to connect with: `explicit`, else $NATS_INBOX_PREFIX, else
+    `_INBOX.<user>` for the first member of `url` that names a user who is one subject token;
+    None (nats-py's own random `_INBOX.<nuid>`) when there is none of these."""
+    chosen = explicit or os.environ.get(INBOX_PREFIX_ENV)
+    if chosen:
+        return chosen
+    for member in url.split(","):
+        member = member.strip()
+        user = urlsplit(member if "//" in member else f"nats://{member}").username
+        if user:
+            user = unquote(user)
+            return f"_INBOX.{user}" if _TOKEN.match(user) else None
+    return None

@@ -60,7 +60,6 @@ class Secured:
                  clients=(), auth: str = "password"):
         self.prefix = prefix
         self.services = services
-        self.operators = set(operators)
         users = [services, *operators, *clients, *workers]
         self.secrets = {u: (secrets.token_urlsafe(18) if auth != "nkey" else _seed()) for u in users}
         ids: dict[str, Identity] = identities(auth, self.secrets)
@@ -80,16 +79,14 @@ class Secured:
             return self.server.url
         return f"nats://{user}:{self.secrets[user]}@{self.server.host}:{self.server.port}"
 
-    def inbox(self, user: str) -> str | None:
-        """The inbox prefix a user's connection must use to hear its replies (operators: any)."""
+    def inbox(self, user: str) -> str:
+        """The inbox prefix a user's connection must use to hear its replies."""
         if user == self.services:
             return services_inbox(self.prefix)
-        return None if user in self.operators else f"_INBOX.{user}"
+        return f"_INBOX.{user}"
 
     async def connect(self, user: str, **options) -> Client:
-        inbox = self.inbox(user)
-        if inbox is not None:
-            options.setdefault("inbox_prefix", inbox)
+        options.setdefault("inbox_prefix", self.inbox(user))
         return await Client().connect(self.url(user), **options)
 
     def violations(self) -> list[str]:

@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from events.codec import decode_event
-from events.natsauth import NKEY_SEED_ENV, redact_url
+from events.natsauth import INBOX_PREFIX_ENV, NKEY_SEED_ENV, inbox_prefix, redact_url
 from events.schema import RuntimeChanged, WorkerRegistered
 from events.subjects import event_subject, service_subject, stream_name
 from tests.registry_helpers import PROBE, agent_config, last_seq, registration, wait_event
@@ -250,12 +250,19 @@ async def test_nkeys_one_pair_per_user_seeds_private_and_only_public_keys_config
         stop = asyncio.Event()
         task = asyncio.create_task(agent.run(stop))
         svc = await nats.connect(server.url, nkeys_seed=str(seeds / "svc.nk"), inbox_prefix="_INBOX._hx")
-        ops = await nats.connect(server.url, nkeys_seed=str(seeds / "ops.nk"))
+        ops = await nats.connect(server.url, nkeys_seed=str(seeds / "ops.nk"), inbox_prefix="_INBOX.ops")
         try:
             seq, _ = await wait_event(svc, "hx", "w-1", WorkerRegistered)
             # the operator's key reads it (by direct gets, from its own account)
             read = [(s, decode_event(data)) async for s, _, _, data in log_messages(ops, "hx", stop=seq)]
             assert isinstance(read[-1][1], WorkerRegistered) and read[-1][0] == seq
+            # and so does the CLI with the operator's seed: an nkey user's URL names no user, so
+            # its inbox prefix is given
+            shown = await asyncio.to_thread(
+                CliRunner().invoke, main, ["workers", "--nats", server.url, "--prefix", "hx", "-o", "json"],
+                env={NKEY_SEED_ENV: str(seeds / "ops.nk"), INBOX_PREFIX_ENV: "_INBOX.ops"})
+            assert shown.exit_code == 0, shown.output
+            assert [row["worker_id"] for row in json.loads(shown.output)] == ["w-1"]
         finally:
             stop.set()
             await asyncio.wait_for(task, 15)
@@ -265,6 +272,56 @@ async def test_nkeys_one_pair_per_user_seeds_private_and_only_public_keys_config
         await asyncio.to_thread(serve.stop)
         server.stop()
     assert not [seed for seed in kept.values() if seed in serve.output]
+
+
+async def test_an_operator_hears_only_its_own_replies_and_the_cli_connects_with_its_inbox(tmp_path):
+    """Operators share their account: each hears only under its own `_INBOX.<name>.`, so none
+    can learn the subjects another's answers go to (and aim its own requests' answers there:
+    a reply subject is not checked against the sender's rights). The CLI takes the prefix
+    from the user its URL names."""
+    server = Secured(tmp_path / "nats", "opx", workers=("w-1",), operators=("alice", "bob")).start()
+    try:
+        async with AsyncExitStack() as stack:
+            await start_services(stack, ["registry"], server.url("svc"), "opx")
+            worker = await server.connect("w-1")
+            alice = await server.connect("alice")
+            bob = await server.connect("bob")
+            stack.push_async_callback(worker.close)
+            stack.push_async_callback(alice.close)
+            stack.push_async_callback(bob.close)
+            await worker.nc.request(service_subject("opx", "registry", "register", "w-1"),
+                                    json.dumps(registration("w-1")).encode(), timeout=10)
+            for subject in ("_INBOX.>", "_INBOX.bob.>", "_INBOX.*.*"):
+                await alice.nc.subscribe(subject)
+                await alice.violation(subject)
+            info = await bob.nc.request(f"$JS.API.STREAM.INFO.{stream_name('opx')}", b"", timeout=10)
+            assert info.subject.startswith("_INBOX.bob.") and json.loads(info.data)["state"]["messages"] >= 1
+
+            shown = await asyncio.to_thread(CliRunner().invoke, main,
+                                            ["workers", "--nats", server.url("alice"), "--prefix", "opx", "-o", "json"],
+                                            env={INBOX_PREFIX_ENV: ""})
+            assert shown.exit_code == 0, shown.output
+            assert [row["worker_id"] for row in json.loads(shown.output)] == ["w-1"]
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("url, env, prefix", [
+    ("nats://alice:s3cret@h:4222", None, "_INBOX.alice"),
+    ("nats://h1:4222,nats://orch:pw@h2:4222", None, "_INBOX.orch"),  # the first member that names a user
+    ("alice:s3cret@h:4222", None, "_INBOX.alice"),
+    ("nats://w%2D1:pw@h:4222", None, "_INBOX.w-1"),
+    ("nats://h:4222", None, None),  # no user: nats-py's own random inbox
+    ("nats://a.b:pw@h:4222", None, None),  # not one subject token: no prefix made of it
+    ("nats://alice:s3cret@h:4222", "_INBOX.mine", "_INBOX.mine"),  # $NATS_INBOX_PREFIX says
+])
+def test_the_inbox_prefix_a_command_connects_with(url, env, prefix, monkeypatch):
+    if env is None:
+        monkeypatch.delenv(INBOX_PREFIX_ENV, raising=False)
+    else:
+        monkeypatch.setenv(INBOX_PREFIX_ENV, env)
+    assert inbox_prefix(url) == prefix
+    assert inbox_prefix(url, "_INBOX.given") == "_INBOX.given"
 
 
 @pytest.mark.parametrize("url, shown", [

@@ -401,7 +401,10 @@ async def test_an_operator_cannot_delete_consumers_nor_read_the_services_inboxes
         await d.ops.violation(subject)
     assert (await d.svc.nc.jetstream().consumer_info(f"KV_{HEARTBEATS}", "registry-sweeper")).name
 
-    # its account holds only its own inboxes: no reply meant for a worker or the services reaches it
+    # its account holds only operators' inboxes, and it hears only under its own prefix: no reply
+    # meant for a worker or the services reaches it
+    await d.ops.nc.subscribe("_INBOX.>")
+    await d.ops.violation("_INBOX.>")
     seen: list[str] = []
     arrived = asyncio.Event()
 
@@ -409,7 +412,7 @@ async def test_an_operator_cannot_delete_consumers_nor_read_the_services_inboxes
         seen.append(msg.subject)
         arrived.set()
 
-    spy = await d.ops.nc.subscribe("_INBOX.>", cb=on_msg)
+    spy = await d.ops.nc.subscribe("_INBOX.ops.>", cb=on_msg)
     await d.ops.nc.flush()
     await d.svc.nc.jetstream().stream_info(STREAM)  # its reply goes to the services' inbox
     await call(d.w_1.nc, sub("registry", "heartbeat", "w-1"), Heartbeat(), HeartbeatReply)

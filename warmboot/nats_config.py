@@ -44,16 +44,19 @@ def client_permissions(prefix: str, name: str) -> dict:
     }
 
 
-def operator_permissions(prefix: str) -> dict:
+def operator_permissions(prefix: str, name: str) -> dict:
     """In the operators' own account (`accounts`): call what it imports from the deployment's
     (read the log by direct gets, the scheduler's read-only queries, service discovery) and
-    hear the answers on its own inboxes. JetStream answers a request onto its reply subject
-    with its account's rights, so a credential with any JetStream API right in the log's own
-    account could have an answer, or a consumer's deliveries, stored in the log: an operator
-    has none there, and no consumer anywhere."""
+    hear the answers on its own inbox prefix, as a client's: the operators share their
+    account, and one that heard another's inboxes would learn the subjects to aim its own
+    requests' answers at (a reply subject is not checked against the sender's rights).
+    JetStream answers a request onto its reply subject with its account's rights, so a
+    credential with any JetStream API right in the log's own account could have an answer,
+    or a consumer's deliveries, stored in the log: an operator has none there, and no
+    consumer anywhere."""
     return {
         "publish": {"allow": [subject for subject, _ in operator_imports(prefix)]},
-        "subscribe": {"allow": ["_INBOX.>"]},
+        "subscribe": {"allow": [f"_INBOX.{name}.>"]},
     }
 
 
@@ -269,8 +272,9 @@ def nats_auth_config(
         "    users: [",
     ]
     if operators:
-        lines.append(f"      # operators: read the log ({events_filter(prefix)}), call explain, fragmentation, whatif")
-    lines += [user(name, operator_permissions(prefix)) for name in operators]
+        lines.append(f"      # operators: read the log ({events_filter(prefix)}), call explain, fragmentation, whatif; "
+                     "replies on _INBOX.<own name>.>")
+    lines += [user(name, operator_permissions(prefix, name)) for name in operators]
     lines += [
         "    ]",
         "    imports: [",

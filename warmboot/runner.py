@@ -14,7 +14,7 @@ from typing import Any, Iterator
 
 import nats
 
-from events.natsauth import nkey_options, nkey_seed_path, redact_url
+from events.natsauth import inbox_prefix as chosen_inbox_prefix, nkey_options, nkey_seed_path, redact_url
 from events.subjects import check_prefix, services_inbox
 from services.common import LOOPBACK, metrics_url, start_metrics
 
@@ -57,11 +57,13 @@ async def connect(url: str, name: str, *, inbox_prefix: str | None = None, nkey_
     """A client that keeps reconnecting while the server restarts.
 
     Signs in with the nkey seed file `nkey_seed` or $NATS_NKEY_SEED when there is one,
-    besides any user:password in `url`.
+    besides any user:password in `url`. Its inbox prefix is `inbox_prefix`, else
+    $NATS_INBOX_PREFIX, else `_INBOX.<user>` when `url` names a user (`events.natsauth.inbox_prefix`).
     """
     options: dict[str, Any] = nkey_options(nkey_seed_path(nkey_seed))
-    if inbox_prefix:
-        options["inbox_prefix"] = inbox_prefix
+    inbox = chosen_inbox_prefix(url, inbox_prefix)
+    if inbox:
+        options["inbox_prefix"] = inbox
     return await nats.connect(
         servers=url.split(","),
         name=name,
