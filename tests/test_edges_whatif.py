@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from events.errors import ContractError
-from events.schema import Action, CompatVersion, ErrorCode, PlacedFidelity, RegisterOutcome, WhatIf
+from events.schema import Action, CompatVersion, ErrorCode, Fidelity, PlacedFidelity, RegisterOutcome, WhatIf
 from tests.factories import CLASS, actor, golden, last_seq, runtime, version, worker
 from warmboot.client import Client
 
@@ -54,6 +56,38 @@ async def test_a_workers_own_version_is_preferred_over_an_edge(wb, nc, prefix):
     assert (late.worker_id, late.matched_version, late.sandbox_runtime.version) == ("edge", V1, V2)
     why = await wb.explain("a0")
     assert "RUNNING" in why.refusal.message
+
+
+async def test_a_worker_whose_own_version_has_no_room_restores_through_its_defaults_edge(wb, nc, prefix):
+    """Rule 2 prefers a worker's own version to an edge when both are available: when its
+    restorable runtime of the stamp's version cannot fit the actor (its overhead), its default,
+    which lists that version as compatible, still restores the image from memory (rule 4:
+    memory is given up only when no compatible worker has room). The audit of the log agrees."""
+    from click.testing import CliRunner
+
+    from warmboot.cli import main
+
+    v1_costly = runtime(V1, name="gvisor-1", overhead=3000)  # booking 1024 + 3000 MiB: no room in 2048
+    await wb.register(worker("w", EDGE, (v1_costly,), mem=2048))
+    await wb.create(actor("a", mem=1024, golden_snapshot=golden(V1)))
+    await wb.create(actor("floor", mem=512, min_fidelity=Fidelity.MEMORY, golden_snapshot=golden(V1)))
+    placed = await wb.resume("a")
+    assert (placed.worker_id, placed.fidelity, placed.fallback) == ("w", PlacedFidelity.MEMORY, None)
+    assert placed.sandbox_runtime.version == V2 and placed.matched_version == V1  # through the edge
+    assert placed.booked.memory_mib == 1024  # the default's overhead (none), not the restorable's
+    floor = await wb.resume("floor")  # min_fidelity MEMORY: placed, not refused as "no room"
+    assert (floor.fidelity, floor.matched_version) == (PlacedFidelity.MEMORY, V1)
+    audited = await asyncio.to_thread(CliRunner().invoke, main, ["audit", "verify", "--nats",
+                                                                 wb.nc.connected_url.geturl(), "--prefix", prefix])
+    assert audited.exit_code == 0, audited.output
+
+
+async def test_the_own_version_is_chosen_when_it_has_room_beside_an_edge_of_the_default(wb):
+    await wb.register(worker("w", EDGE, (runtime(V1, name="gvisor-1", overhead=100),), mem=8192))
+    await wb.create(actor("a", mem=1024, golden_snapshot=golden(V1)))
+    placed = await wb.resume("a")
+    assert placed.sandbox_runtime.version == V1 and placed.matched_version == V1
+    assert placed.booked.memory_mib == 1124
 
 
 async def test_edge_validation_names_the_field_and_writes_nothing(wb, nc, prefix):

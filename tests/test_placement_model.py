@@ -81,16 +81,15 @@ def shuffled(v: CompatVersion, rng: random.Random) -> CompatVersion:
 # --- the independent model of the contract ---------------------------------------------------------
 
 
-def accepts(entry, stamp_version: CompatVersion):
-    """(role, runtime) of the worker class entry that accepts the stamp, best role first (rule 2)."""
+def accepting(entry, stamp_version: CompatVersion) -> list:
+    """Every (role, runtime) of the worker class entry that accepts the stamp, best role first
+    (rule 2): own version as default (0) or restorable (1), then an edge of the default (2) or
+    of a restorable (3). A worker whose first one has no room for the actor (its overhead) may
+    still restore the image through the next (docs/contract.md, rule 2)."""
     rts = [(0, entry.default_runtime)] + [(1, r) for r in entry.restorable_runtimes]
-    for role, r in rts:
-        if same_version(r.version, stamp_version):
-            return role, r
-    for role, r in rts:
-        if any(same_version(v, stamp_version) for v in r.compatible_versions):
-            return role + 2, r
-    return None
+    found = [(role, r) for role, r in rts if same_version(r.version, stamp_version)]
+    found += [(role + 2, r) for role, r in rts if any(same_version(v, stamp_version) for v in r.compatible_versions)]
+    return found
 
 
 def overhead(r, mem: int) -> int:
@@ -147,7 +146,7 @@ class Model:
     def random_runtime(self, own: CompatVersion):
         rng = self.rng
         edges = tuple(shuffled(v, rng) for v in POOL if not same_version(v, own) and rng.random() < 0.2)
-        return runtime(shuffled(own, rng), overhead=rng.choice([0, 0, 16, 64]), compatible=edges,
+        return runtime(shuffled(own, rng), overhead=rng.choice([0, 0, 16, 64, 600]), compatible=edges,
                        per_gib=rng.choice([0, 0, 8]))
 
     def random_registration(self, wid: str, keep_node: str | None) -> RegisterWorker:
@@ -262,20 +261,18 @@ class Model:
             if node is not None and w.node != node:
                 return None
             e = next(e for e in w.sandbox_classes if e.sandbox_class == CLASS)
-            r = need_of(e)
-            if r is None:
-                return None
             cpu, mem = self.room(w.entity_id)
             want = self.created[aid].resources
-            if cpu < want.cpu_millis or mem < want.memory_mib + overhead(r, want.memory_mib):
+            if cpu < want.cpu_millis:
                 return None
-            return r
+            # the runtimes the tier may run the actor under here: any with room will do
+            return next((r for r in need_of(e) if mem >= want.memory_mib + overhead(r, want.memory_mib)), None)
 
         def default_of_arch(arch):
             def need(e):
                 if arch is not None and arch_of(e.default_runtime.version) != arch:
-                    return None
-                return e.default_runtime
+                    return []
+                return [e.default_runtime]
             return need
 
         def tier(need):
@@ -303,8 +300,7 @@ class Model:
             else:
                 for role in range(4):
                     def need(e, role=role):
-                        m = accepts(e, stamp.version)
-                        return m[1] if m is not None and m[0] == role else None
+                        return [r for rl, r in accepting(e, stamp.version) if rl == role]
                     tiers.append((PlacedFidelity.MEMORY, tier(need)))
                 if node is None and floor is not Fidelity.MEMORY and not below_without:
                     tiers.append((without, tier(default_of_arch(arch))))
@@ -328,9 +324,8 @@ class Model:
         if p.fidelity is PlacedFidelity.MEMORY:
             assert s is not None and s.fidelity is Fidelity.MEMORY and s.template_uid == a.template_uid, (p, s)
             assert s.sandbox_runtime is not None and s.sandbox_runtime.sandbox_class == CLASS
-            m = accepts(e, s.sandbox_runtime.version)
-            assert m is not None, (p, s, e)
-            assert same_version(p.sandbox_runtime.version, m[1].version), (p, m)
+            ms = accepting(e, s.sandbox_runtime.version)
+            assert any(same_version(p.sandbox_runtime.version, r.version) for _, r in ms), (p, ms)
         else:
             assert same_version(p.sandbox_runtime.version, e.default_runtime.version), (p, e)
             if s is not None and s.sandbox_runtime is not None:

@@ -119,12 +119,14 @@ class Verifier:
             return Violation(seq, BELOW_FLOOR,
                              f"{aid} placed at {event.fidelity.value}, its min_fidelity is {floor.value}")
         if event.fidelity is PlacedFidelity.MEMORY:
-            match = entry.match(stamp.compat) if stamp is not None else None
-            if match is None or match[1].compat.key != pin:
+            # any runtime of the worker that accepts the stamp (rule 2 prefers one; another with
+            # room is just as loadable), and the pin must be that runtime's own version
+            matches = entry.accepting.get(stamp.compat, ()) if stamp is not None else ()
+            runtime = next((r for _, r in matches if r.compat.key == pin), None)
+            if runtime is None:
                 return Violation(seq, RUNTIME_GONE,
                                  f"{aid}'s memory image ({stamp_key(stamp.runtime) if stamp else 'unstamped'}) "
                                  f"restored on {wid} pinned to {pin}, which {wid} does not offer for it")
-            runtime = match[1]
         elif entry.default.compat.key != pin:
             return Violation(seq, RUNTIME_GONE, f"{aid} pinned to {pin}; {wid}'s default is {entry.default.compat.key}")
         else:

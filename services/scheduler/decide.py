@@ -284,8 +284,8 @@ def plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | No
     mem_ask = ask(compat)
     sources: list[IndexedSet | None] = [base] if node is not None else []
     for role, name in MEMORY_TIERS:
-        if node is not None:  # the node's workers of that role (few)
-            members: Sequence[Worker] = [w for w in everyone if role_of(w, cls, compat) == role]
+        if node is not None:  # the node's workers accepting the stamp in that role (few)
+            members: Sequence[Worker] = [w for w in everyone if accepts_in(w, cls, compat, role)]
         else:
             found = index.members[role].get(compat) if index is not None else None
             sources.append(found)
@@ -310,10 +310,11 @@ def plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | No
     return Plan(actor, tiers, mem_ask, refusal, True, tuple(sources))
 
 
-def role_of(worker: Worker, sandbox_class: str, compat: Compat) -> int | None:
+def accepts_in(worker: Worker, sandbox_class: str, compat: Compat, role: int) -> bool:
+    """Whether a runtime of the worker accepts a memory snapshot of `compat` in `role`."""
     entry = worker.classes.get(sandbox_class)
-    match = entry.match(compat) if entry is not None else None
-    return match[0] if match is not None else None
+    roles = entry.roles.get(compat) if entry is not None else None
+    return roles is not None and role in roles
 
 
 def _no_worker(arch: str | None, node: str | None) -> str:
@@ -394,8 +395,9 @@ def _positions(n: int, draw: Draw) -> Iterator[int]:
         yield (start + i) % n
 
 
-def choose(ask: Ask, members: Sequence[Worker], draw: Draw, pending: Pending) -> Choice | None:
-    """Power of two choices among the tier's feasible members (module docstring)."""
+def choose(ask: Ask, members: Sequence[Worker], draw: Draw, pending: Pending, role: int | None = None) -> Choice | None:
+    """Power of two choices among the tier's feasible members (module docstring); a memory
+    tier's `role` says which of a worker's runtimes may restore the stamp."""
     n = len(members)
     if n == 0:
         return None
@@ -404,7 +406,7 @@ def choose(ask: Ask, members: Sequence[Worker], draw: Draw, pending: Pending) ->
         worker = members[i]
         if first is not None and worker is first[0]:
             continue
-        fit = ask.fit(worker, pending)
+        fit = ask.fit(worker, pending, role)
         if fit is not None:
             if first is None:
                 first = (worker, fit[0], fit[1])
@@ -470,7 +472,7 @@ def decide(
             raise exhausted(known[1])
     draw = Draw(seed(actor_id, position))
     for tier in the_plan.tiers:
-        choice = choose(tier.ask, tier.members, draw, pending)
+        choice = choose(tier.ask, tier.members, draw, pending, tier.role)
         if choice is not None:
             return placement(actor, tier, choice)
     message = exhausted_message(projection, the_plan, pending)

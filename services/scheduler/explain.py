@@ -12,7 +12,6 @@ from events.schema import ErrorCode, Explanation, Placement, Refusal, Rejection
 from services.scheduler.decide import (
     Draw,
     exhausted_message,
-    role_of,
     choose,
     decide,
     placement,
@@ -98,13 +97,9 @@ def decide_by_scan(
         ask = tier.ask
         keep = []
         for worker in projection.workers.values():
-            fit = ask.fit(worker, pending)
-            if fit is None:
-                continue
-            if tier.role is not None and role_of(worker, ask.sandbox_class, ask.compat) != tier.role:
-                continue  # a memory tier: only workers accepting the stamp in its role
-            keep.append(worker)
-        choice = choose(ask, keep, draw, pending)
+            if ask.fit(worker, pending, tier.role) is not None:  # a memory tier: a runtime in its role
+                keep.append(worker)
+        choice = choose(ask, keep, draw, pending, tier.role)
         if choice is not None:
             return placement(actor, tier, choice)
     raise exhausted(exhausted_message(projection, the_plan, pending))

@@ -9,12 +9,16 @@ would book:
 2. `drained`               it is drained (a removed worker is not in the projection)
 3. `selector mismatch`     a selector (the actor's and the request's) is not among its labels
 4. `not on pinned node`    the tier is restricted to a node (a LOCAL image) and it is elsewhere
-5. `runtime mismatch`      a memory tier: none of its runtimes accepts the stamp
+5. `runtime mismatch`      a memory tier: none of its runtimes accepts the stamp (in the
+                           tier's role, when the tier has one)
 6. `architecture mismatch` a tier without memory of a stamped snapshot: its class default is
                            of another architecture than the stamp
 7. `insufficient cpu`, `insufficient memory`: its room (capacity minus the 64 MiB reserve
                            minus what is booked and what this replica has in flight) is short;
-                           both may apply.
+                           both may apply. The memory an actor books depends on the runtime
+                           (its overhead): where several runtimes of the worker accept the
+                           stamp, the first in rule 2's order that has room is the one, and
+                           memory is short only if none has.
 
 `fit` is the fast path decisions take (a worker fits or not); `reasons` names the
 rejection for explain and refusal messages. Both are the one judgement.
@@ -71,8 +75,10 @@ class Ask:
         self.compat = compat
         self.arch = arch
 
-    def judge(self, worker: Worker, pending: Pending) -> tuple[int, Runtime | None, int]:
-        """(verdict, runtime, memory to book): the checks in pipeline order (module docstring)."""
+    def judge(self, worker: Worker, pending: Pending, role: int | None = None) -> tuple[int, Runtime | None, int]:
+        """(verdict, runtime, memory to book): the checks in pipeline order (module docstring).
+        A memory restore considers the runtimes that accept the stamp in `role` only, or in
+        any role (None)."""
         entry = worker.classes.get(self.sandbox_class)
         if entry is None:
             return 1, None, 0
@@ -89,12 +95,16 @@ class Ask:
             runtime = entry.default
             if self.arch is not None and runtime.compat.arch != self.arch:
                 return 6, None, 0
+            matches: tuple[tuple[int, Runtime], ...] = ((0, runtime),)
         else:
-            match = entry.accepts.get(self.compat)
-            if match is None:
+            matches = entry.accepting.get(self.compat)  # type: ignore[assignment]
+            if matches is None:
                 return 5, None, 0
-            runtime = match[1]
-        need = self.memory_mib + runtime.overhead_mib(self.memory_mib)
+            if role is not None:
+                matches = tuple(m for m in matches if m[0] == role) if len(matches) > 1 else (
+                    matches if matches[0][0] == role else ())
+                if not matches:
+                    return 5, None, 0
         room_cpu = worker.cpu_millis - worker.booked_cpu
         room_mem = worker.memory_mib - WORKER_RESERVE_MIB - worker.booked_mem
         if pending:
@@ -102,12 +112,19 @@ class Ask:
             if held is not None:
                 room_cpu -= held[0]
                 room_mem -= held[1]
-        verdict = (SHORT_CPU if room_cpu < self.cpu else 0) | (SHORT_MEMORY if room_mem < need else 0)
-        return verdict, runtime, need
+        short_cpu = SHORT_CPU if room_cpu < self.cpu else 0
+        first: tuple[Runtime, int] | None = None
+        for _, runtime in matches:
+            need = self.memory_mib + runtime.overhead_mib(self.memory_mib)
+            if room_mem >= need:
+                return short_cpu, runtime, need
+            if first is None:
+                first = (runtime, need)
+        return short_cpu | SHORT_MEMORY, first[0], first[1]  # type: ignore[index]
 
-    def fit(self, worker: Worker, pending: Pending) -> tuple[Runtime, int] | None:
+    def fit(self, worker: Worker, pending: Pending, role: int | None = None) -> tuple[Runtime, int] | None:
         """(runtime, memory to book) if the worker passes every check, else None."""
-        verdict, runtime, need = self.judge(worker, pending)
+        verdict, runtime, need = self.judge(worker, pending, role)
         return (runtime, need) if verdict == FITS else None  # type: ignore[return-value]
 
     def reasons(self, worker: Worker, pending: Pending) -> list[str]:
@@ -119,13 +136,3 @@ class Ask:
         if verdict < SHORT_CPU:
             return [REASONS[verdict - 1]]
         return [r for bit, r in ((SHORT_CPU, INSUFFICIENT_CPU), (SHORT_MEMORY, INSUFFICIENT_MEMORY)) if verdict & bit]
-
-    def runtime(self, worker: Worker) -> Runtime | None:
-        """The runtime the actor would run under on `worker` (None: the worker cannot)."""
-        entry = worker.classes.get(self.sandbox_class)
-        if entry is None:
-            return None
-        if self.compat is None:
-            return entry.default
-        match = entry.match(self.compat)
-        return match[1] if match is not None else None

@@ -214,10 +214,11 @@ class Projection:
                 index.workers.discard(worker)
                 if index.workers in worker.sets:
                     worker.sets.remove(index.workers)
-            for compat, (role, _) in entry.accepts.items():
-                set_member(index.members[role], compat, worker, delta)
+            for compat, roles in entry.roles.items():
+                for role in roles:
+                    set_member(index.members[role], compat, worker, delta)
                 if live:
-                    bump_count(index.live[role], compat, delta)
+                    bump_count(index.live[roles[0]], compat, delta)
                     bump_count(index.live_on_node, (node, compat), delta)
 
     def _set_live(self, worker: Worker, live: bool) -> None:

@@ -114,27 +114,32 @@ class Runtime:
 class ClassEntry:
     """What one worker runs for one sandbox class (interned: workers configured alike share one).
 
-    `accepts` maps every compat key a memory snapshot may carry to restore here to the
-    best role in which a runtime of the entry accepts it and that runtime."""
+    `accepting` maps every compat key a memory snapshot may carry to restore here to every
+    (role, runtime) of the entry that accepts it, in the order placement rule 2 prefers them
+    (by role, then the entry's order of its restorable runtimes). Most keys have one; a key
+    has several when, say, a restorable runtime's own version is also an edge of the
+    default: if the first has no room for an actor (its overhead), the next may. `accepts`
+    is the first of each, `roles` the distinct roles of each, in that order."""
 
-    __slots__ = ("default", "restorable", "accepts")
+    __slots__ = ("default", "restorable", "accepting", "accepts", "roles")
 
     def __init__(self, default: Runtime, restorable: tuple[Runtime, ...]):
         self.default = default
         self.restorable = restorable
-        accepts: dict[Compat, tuple[int, Runtime]] = {}
+        accepting: dict[Compat, list[tuple[int, Runtime]]] = {}
         for role, runtime in ((OWN_DEFAULT, default), *((OWN_RESTORABLE, r) for r in restorable)):
-            accepts.setdefault(runtime.compat, (role, runtime))
+            accepting.setdefault(runtime.compat, []).append((role, runtime))
         for edge in default.edges:
-            accepts.setdefault(edge, (EDGE_DEFAULT, default))
+            accepting.setdefault(edge, []).append((EDGE_DEFAULT, default))
         for runtime in restorable:
             for edge in runtime.edges:
-                accepts.setdefault(edge, (EDGE_RESTORABLE, runtime))
-        self.accepts = accepts
-
-    def match(self, compat: Compat) -> tuple[int, Runtime] | None:
-        """(role, runtime) that can restore a memory snapshot of `compat` here, or None."""
-        return self.accepts.get(compat)
+                accepting.setdefault(edge, []).append((EDGE_RESTORABLE, runtime))
+        self.accepting: dict[Compat, tuple[tuple[int, Runtime], ...]] = {
+            compat: tuple(matches) for compat, matches in accepting.items()}
+        self.accepts: dict[Compat, tuple[int, Runtime]] = {
+            compat: matches[0] for compat, matches in self.accepting.items()}
+        self.roles: dict[Compat, tuple[int, ...]] = {
+            compat: tuple(dict.fromkeys(role for role, _ in matches)) for compat, matches in self.accepting.items()}
 
     @property
     def arch(self) -> str | None:
@@ -260,8 +265,9 @@ class ClassIndex:
     """Per sandbox class: its workers, the indices decisions look things up in, and the
     counts fragmentation reads.
 
-    - `members[role][compat]`: the workers accepting `compat` in that role (each worker in
-      its best role only), `live[role][compat]` how many of them are live;
+    - `members[role][compat]`: the workers accepting `compat` in that role (a worker in every
+      role it accepts `compat` in: `ClassEntry.accepting`); `live[role][compat]` how many
+      live workers accept `compat` best in that role (each worker counted once per key);
     - `by_node[node]`, `by_arch[architecture]`: the workers on a node, and by the
       architecture of their class default (a restore without memory keeps the stamp's);
     - `live_on_node[(node, compat)]`: live workers on a node accepting `compat` in any role;

@@ -58,11 +58,12 @@ class Scenario:
         self._touched: dict[int, bool] = {}  # id(class entry) -> whether it has a dropped runtime
 
     def before(self, compat: Compat) -> list[Worker]:
-        """Live workers that accept `compat` now (each is in the member set of its best role only)."""
+        """Live workers that accept `compat` now, each once (a worker is in the member set of
+        every role it accepts `compat` in)."""
         found = self._before.get(compat)
         if found is None:
-            found = [w for table in self.index.members for w in table.get(compat, ()) if w.live]
-            self._before[compat] = found
+            unique = {w.worker_id: w for table in self.index.members for w in table.get(compat, ()) if w.live}
+            found = self._before[compat] = list(unique.values())
         return found
 
     def acceptors(self, compat: Compat) -> list[Worker]:
