@@ -51,6 +51,19 @@ FITS = 0
 SHORT_CPU, SHORT_MEMORY = 1 << 8, 1 << 9
 
 
+def _room(worker: Worker, pending: Pending) -> tuple[int, int]:
+    """(cpu millis, memory MiB) the worker has left: capacity minus the reserve, what is booked
+    and what this replica has in flight there."""
+    room_cpu = worker.cpu_millis - worker.booked_cpu
+    room_mem = worker.memory_mib - WORKER_RESERVE_MIB - worker.booked_mem
+    if pending:
+        held = pending.get(worker.worker_id)
+        if held is not None:
+            room_cpu -= held[0]
+            room_mem -= held[1]
+    return room_cpu, room_mem
+
+
 class Ask:
     """The requirements one tier puts on a worker: `compat` set means a memory restore,
     `arch` the architecture its class default must have, `node` the node it must be on."""
@@ -95,32 +108,26 @@ class Ask:
             runtime = entry.default
             if self.arch is not None and runtime.compat.arch != self.arch:
                 return 6, None, 0
-            matches: tuple[tuple[int, Runtime], ...] = ((0, runtime),)
-        else:
-            matches = entry.accepting.get(self.compat)  # type: ignore[assignment]
-            if matches is None:
+            room_cpu, room_mem = _room(worker, pending)
+            need = self.memory_mib + runtime.overhead_mib(self.memory_mib)
+            verdict = (SHORT_CPU if room_cpu < self.cpu else 0) | (SHORT_MEMORY if room_mem < need else 0)
+            return verdict, runtime, need
+        matches = entry.accepting.get(self.compat)
+        if matches is None:
+            return 5, None, 0
+        if role is not None:
+            matches = tuple(m for m in matches if m[0] == role) if len(matches) > 1 else (
+                matches if matches[0][0] == role else ())
+            if not matches:
                 return 5, None, 0
-            if role is not None:
-                matches = tuple(m for m in matches if m[0] == role) if len(matches) > 1 else (
-                    matches if matches[0][0] == role else ())
-                if not matches:
-                    return 5, None, 0
-        room_cpu = worker.cpu_millis - worker.booked_cpu
-        room_mem = worker.memory_mib - WORKER_RESERVE_MIB - worker.booked_mem
-        if pending:
-            held = pending.get(worker.worker_id)
-            if held is not None:
-                room_cpu -= held[0]
-                room_mem -= held[1]
+        room_cpu, room_mem = _room(worker, pending)
         short_cpu = SHORT_CPU if room_cpu < self.cpu else 0
-        first: tuple[Runtime, int] | None = None
-        for _, runtime in matches:
+        for _, runtime in matches:  # one, but for a stamp that several of the worker's runtimes accept
             need = self.memory_mib + runtime.overhead_mib(self.memory_mib)
             if room_mem >= need:
                 return short_cpu, runtime, need
-            if first is None:
-                first = (runtime, need)
-        return short_cpu | SHORT_MEMORY, first[0], first[1]  # type: ignore[index]
+        runtime = matches[0][1]
+        return short_cpu | SHORT_MEMORY, runtime, self.memory_mib + runtime.overhead_mib(self.memory_mib)
 
     def fit(self, worker: Worker, pending: Pending, role: int | None = None) -> tuple[Runtime, int] | None:
         """(runtime, memory to book) if the worker passes every check, else None."""
