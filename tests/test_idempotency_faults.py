@@ -209,3 +209,63 @@ async def test_a_reply_cache_that_refuses_fails_only_the_placement_that_needed_i
     assert await placements(nc, prefix, "now-a") == []
     assert [s for s, _ in await placements(nc, prefix, "now-b")] == [placed_b.seq - 1]
     assert [s for s, _ in await placements(nc, prefix, "now-c")] == [placed_c.seq - 1]
+
+
+async def test_a_late_retry_at_a_replica_behind_the_pushing_out_is_answered_not_placed_again(stalled, nc, prefix):
+    """A replica folds nothing while R is placed elsewhere and then pushed out of the actor's
+    recent placements by later ones. The retry of R reaches it: decided first on its stale
+    view, it loses the race; caught up, R is in neither the recent placements nor the view
+    it checked the reply cache on. The committer sends it back to be checked again (the
+    filter of pushed-out ids now holds R), and the reply cache answers: one placement of R."""
+    wb = Client(nc, prefix)
+    await wb.register(worker("w", V1, cpu=64000, mem=65536))
+    created = await wb.create(actor("a"))
+    await stalled.fold.wait(await last_seq(nc, prefix), 10)
+    lost_a_race = asyncio.Event()
+    last_seq_of_stream = stalled.committer.last_seq
+
+    async def sorting_out() -> int:  # the committer reads the stream's end after a refused append
+        lost_a_race.set()
+        return await last_seq_of_stream()
+
+    stalled.committer.last_seq = sorting_out
+    async with stalled.fold.paused():  # it lags: folds nothing meanwhile
+        first = await wb.resume("a", request_id="R")
+        await wb.suspend("a", uri="s3://a/0")
+        for i in range(RECENT_PLACEMENTS):  # later requests push R out of the recent placements
+            await wb.resume("a", request_id=f"L{i}")
+            await wb.suspend("a", uri=f"s3://a/{i + 1}")
+        retry = asyncio.create_task(stalled.resume("a", ResumeActor(request_id="R", min_seq=created.seq)))
+        await asyncio.wait_for(lost_a_race.wait(), 10)  # its first decision, on the stale view, lost
+    answer = await asyncio.wait_for(retry, 20)
+    assert answer == first
+    assert [s for s, _ in await placements(nc, prefix, "R")] == [first.seq - 1]
+
+
+async def test_a_replica_behind_a_new_life_does_not_answer_the_last_lifes_placement(stalled, nc, prefix):
+    """Request ids are scoped to one life. A resume R of the actor's new life reaches a replica
+    that has not folded the stop and the new creation yet (the caller sent no min_seq): it
+    must not answer with the last life's placement of R, but catch up and place the actor."""
+    wb = Client(nc, prefix)
+    await wb.register(worker("w", V1, cpu=64000, mem=65536))
+    await wb.create(actor("a"))
+    old = await wb.resume("a", request_id="R")
+    await stalled.fold.wait(await last_seq(nc, prefix), 10)
+    catching_up = asyncio.Event()
+    fold_wait = stalled.fold.wait
+
+    async def wait(seq, timeout):
+        if seq and seq > stalled.fold.applied:
+            catching_up.set()
+        await fold_wait(seq, timeout)
+
+    stalled.fold.wait = wait
+    async with stalled.fold.paused():
+        await wb.stop("a")
+        created = await wb.create(actor("a"))  # the next life
+        answer = asyncio.create_task(stalled.resume("a", ResumeActor(request_id="R")))
+        await asyncio.wait_for(catching_up.wait(), 10)  # it found R in its stale view: it catches up first
+        assert not answer.done()
+    placed = await asyncio.wait_for(answer, 20)
+    assert placed.seq > created.seq and placed != old
+    assert len(await placements(nc, prefix, "R")) == 2  # one per life

@@ -167,6 +167,20 @@ async def test_a_request_id_reused_for_another_verb_is_one_rule_in_every_service
     assert (error.code, error.field) == (ErrorCode.FAILED_PRECONDITION, "request_id")
 
 
+async def test_a_pause_whose_id_a_resume_reused_is_still_answered_with_its_own_write(wb, nc, prefix):
+    """The scheduler does not refuse a resume whose id a pause used (docs/contract.md); the
+    ActorPlaced it records with that id is not the pause's answer: a retry of the pause gets
+    the first answer, the seq of its own snapshot's write, and writes nothing."""
+    await wb.register(worker("w", V1))
+    await wb.create(actor("a"))
+    await wb.resume("a", request_id="r-0")
+    first = await wb.pause("a", request_id="p-1")
+    await wb.resume("a", request_id="p-1")
+    before = await last_seq(nc, prefix)
+    assert await wb.pause("a", request_id="p-1") == first
+    assert await last_seq(nc, prefix) == before
+
+
 # --- registrations are compared normalised ----------------------------------------------------------------
 
 

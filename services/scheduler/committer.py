@@ -30,7 +30,10 @@ Idempotency is decided here too, where the write happens: before it decides a jo
 that carries a request id, the committer looks for a placement carrying that id, in
 the actor's recent placements and among those the fold met while the job waited
 (`placed`, the projection's listener); it answers that placement (`Answered`)
-instead of placing the actor again.
+instead of placing the actor again. If the id may have been pushed out of the recent
+placements since the job's caller checked them and the reply cache (a late retry on a
+replica that folded the pushing out meanwhile), the job goes back to its caller to be
+checked again (`RECHECK`) rather than decided.
 """
 
 from __future__ import annotations
@@ -84,14 +87,17 @@ class Hold:
 class Job:
     """A resume waiting for the committer to decide and commit it."""
 
-    __slots__ = ("actor_id", "selectors", "request_id", "request", "result")
+    __slots__ = ("actor_id", "selectors", "request_id", "request", "result", "checked")
 
     def __init__(self, actor_id: str, selectors: Any, request_id: str | None, result: asyncio.Future[Any]):
         self.actor_id = actor_id
         self.selectors = selectors
         self.request_id = request_id
         self.request = request_hash(request_id) if request_id is not None else None
-        self.result = result  # (Placement, seq), Answered, or the error
+        self.result = result  # (Placement, seq), Answered, RECHECK, or the error
+        # the actor's recent placements (and filter of those pushed out) its request id was
+        # checked against, the reply cache included where the filter said so (SchedulerService.resume)
+        self.checked: bytes | None = None
 
     @property
     def key(self) -> tuple[str, int] | None:
@@ -105,6 +111,11 @@ class Answered:
 
     def __init__(self, seq: int):
         self.seq = seq
+
+
+# A job's outcome when its request id may have been pushed out of the actor's recent placements
+# after its caller checked them (and the reply cache): its caller checks again, then resubmits.
+RECHECK = object()
 
 
 class Commit:
@@ -283,7 +294,7 @@ class Committer:
                         continue
                     answered = self._answered_by_log(job)
                     if answered:  # its request was placed meanwhile (a retry, another replica)
-                        job.result.set_result(Answered(answered))
+                        job.result.set_result(Answered(answered) if answered is not RECHECK else RECHECK)
                         continue
                     try:
                         placement = decide(p, job.actor_id, job.selectors, p.seq, self.pending, self._refusals)
@@ -312,15 +323,24 @@ class Committer:
                     log.warning("appending %d placements failed: %s", len(group), error)
                     self._fail(group, error)
 
-    def _answered_by_log(self, job: Job) -> int:
-        """The ActorPlaced that already carries the job's request id, if the fold has met one."""
+    def _answered_by_log(self, job: Job) -> Any:
+        """The ActorPlaced that already carries the job's request id, if the fold has met one;
+        RECHECK if the id may have been pushed out of the actor's recent placements since the
+        job's caller checked them (only the reply cache would know it then); else 0."""
         if job.request is None:
             return 0
         found = self._answered.get(job.key, 0)
         if found:
             return found
         actor = self.projection.actors.get(job.actor_id)
-        return actor.placed_by(job.request) if actor is not None else 0
+        if actor is None:
+            return 0
+        found = actor.placed_by(job.request)
+        if found:
+            return found
+        if actor.placements != job.checked and actor.may_have_pushed_out(job.request):
+            return RECHECK
+        return 0
 
     def prepare(self, placement: Placement, job: "Job") -> Commit:
         """A decided placement: its booking counts as in flight from now on, and it carries

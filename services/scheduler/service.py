@@ -43,10 +43,11 @@ from events.schema import (
     WorkerBooked,
 )
 from events.subjects import check_prefix, event_subject, stream_name
-from services.common import EndpointSpec, ReplyCache, add_endpoints, store_env, stored_at, stream_replicas
+from services.common import (EndpointSpec, ReplyCache, add_endpoints, last_seq_on, store_env, stored_at,
+                             stream_replicas)
 from services.locks import KeyedLock
 from services.scheduler.checkpoint import DEFAULT_INTERVAL_S, Checkpoints
-from services.scheduler.committer import MAX_GROUP, Answered, Committer, Job
+from services.scheduler.committer import MAX_GROUP, RECHECK, Answered, Committer, Job
 from services.scheduler.explain import explain
 from services.scheduler.fragmentation import fragmentation
 from services.scheduler.fold import Fold
@@ -235,40 +236,51 @@ class SchedulerService:
         a stalled committer decides late, never places twice. For an id a placement of this
         life may have pushed out of that memory (`Actor.may_have_pushed_out`), the shared reply
         cache answers (written before the placement that pushes one out is appended); a new id
-        costs no read of it, however often the actor was placed.
+        costs no read of it, however often the actor was placed. If the committer finds the id
+        may have been pushed out after these checks (the fold moved on meanwhile), the job
+        comes back (`RECHECK`) and is checked again. An answer from the log is given only once
+        this replica's fold has the actor's history as the stream leader has it (`_current`):
+        a replica behind a stop and a new creation does not answer a request id of the actor's
+        last life.
         """
         await self.fold.wait(request.min_seq, self.catch_up_s)
         rid = request.request_id
         async with self._actors(actor_id):
-            for attempt in range(self.commit_attempts):
+            for _ in range(self.commit_attempts):
                 if self._stopping:
                     raise unavailable("this scheduler replica is stopping; try again")
                 unfolded = self.committer.unfolded(actor_id)
                 if unfolded is not None:  # our own last placement of it: decide on state that has it
                     await self.fold.wait(unfolded, self.catch_up_s)
                 job = Job(actor_id, request.selectors, rid, asyncio.get_running_loop().create_future())
+                seq = 0
                 if job.request is not None:
                     actor = self.projection.actors.get(actor_id)
-                    seq = actor.placed_by(job.request) if actor is not None else 0
-                    if seq:
-                        return await self._recorded(seq)
-                    if attempt == 0 and actor is not None and actor.may_have_pushed_out(job.request):
-                        seq = await self._cached(actor_id, job.request)
-                        if seq:
-                            return await self._recorded(seq)
-                try:
-                    result = await self.committer.submit(job)
-                except IntegrityError as error:
-                    self.conflicts += 1
-                    if self.metrics:
-                        COMMIT_CONFLICTS.inc()
-                    log.debug("placement of %s lost a race: %s", actor_id, error)
-                    await self._catch_up(actor_id)
-                    continue
-                except OperationalError as error:
-                    raise unavailable(f"the event store did not take the placement: {error}") from None
-                if isinstance(result, Answered):
-                    return await self._recorded(result.seq)
+                    if actor is not None:
+                        job.checked = actor.placements  # what the checks below cover (the committer's RECHECK)
+                        seq = actor.placed_by(job.request)
+                        if not seq and actor.may_have_pushed_out(job.request):
+                            seq = await self._cached(actor_id, job.request)
+                if not seq:
+                    try:
+                        result = await self.committer.submit(job)
+                    except IntegrityError as error:
+                        self.conflicts += 1
+                        if self.metrics:
+                            COMMIT_CONFLICTS.inc()
+                        log.debug("placement of %s lost a race: %s", actor_id, error)
+                        await self._catch_up(actor_id)
+                        continue
+                    except OperationalError as error:
+                        raise unavailable(f"the event store did not take the placement: {error}") from None
+                    if result is RECHECK:  # its id may have been pushed out meanwhile: check again
+                        continue
+                    if isinstance(result, Answered):
+                        seq = result.seq
+                if seq:  # the log answers the request id; from this life, as the stream leader has it
+                    if not await self._current(actor_id):
+                        continue
+                    return await self._recorded(seq)
                 placement, seq = result
                 self.commits += 1
                 if self.metrics:
@@ -321,6 +333,21 @@ class SchedulerService:
             if isinstance(booked, WorkerBooked) and booked.actor_id == placed.actor_id:
                 seq += 1
         return assignment_of(placed, seq)
+
+    async def _current(self, actor_id: str) -> bool:
+        """Whether this replica's fold has the actor's history as the stream leader has it, so
+        that an answer from the log is of the actor's current life (request ids are scoped to
+        one); if not, it waits until the fold has it and says False (the request is checked
+        again). One read at the leader, made only for a request the log answers."""
+        try:
+            leader = await last_seq_on(self.nc.jetstream(), self.stream, event_subject(self.prefix, "actor", actor_id))
+        except Exception as error:  # no leader to ask right now: retry later, with the same request id
+            raise unavailable(f"the event log's leader did not answer ({type(error).__name__}); try again") from None
+        actor = self.projection.actors.get(actor_id)
+        if actor is not None and actor.last_seq >= leader:
+            return True
+        await self.fold.wait(leader, self.catch_up_s)
+        return False
 
     async def _catch_up(self, actor_id: str) -> None:
         """After a lost race: wait until the fold has what the actor's subject holds now

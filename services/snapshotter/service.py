@@ -47,6 +47,7 @@ from prometheus_client import Counter
 from events.aggregate import Recorded, WireAggregate, WireApplication, aggregate_id, now
 from events.errors import invalid, not_found, precondition, unavailable
 from events.schema import (
+    ActorPlaced,
     ActorReleased,
     ActorReverted,
     Base,
@@ -99,8 +100,11 @@ def recorded_seq(actor: Actor, version: int) -> int:
 
 
 def answer_from_history(actor: Actor, verb: str, request_id: str | None) -> Base | None:
-    """The answer to a repeated request, rebuilt from the events it recorded in this life, if any."""
-    versions = actor.answered(verb, request_id)
+    """The answer to a repeated request, rebuilt from the events it recorded in this life, if any.
+
+    Only the snapshotter's own events count: a resume that reused the id (the scheduler does
+    not refuse one) recorded an ActorPlaced with it, which is not this request's answer."""
+    versions = [v for v in actor.answered(verb, request_id) if not isinstance(actor.history[v - 1], ActorPlaced)]
     if not versions:
         return None
     first = actor.history[versions[0] - 1]
