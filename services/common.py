@@ -36,6 +36,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, TypeVar
 
+import msgspec
 import nats
 import nats.errors
 import nats.js.errors
@@ -426,6 +427,19 @@ class ReplyCache:
             return None
         return entry.value or None
 
+    async def get_at_leader(self, key: str) -> bytes | None:
+        """`get`, as the bucket's stream leader has it (a direct get may be answered by a
+        replica that has not caught up with a put a moment ago)."""
+        if self.kv is None:
+            raise unavailable("the reply cache is not open")
+        try:
+            msg = await self.nc.jetstream().get_msg(f"KV_{self.bucket}", subject=f"$KV.{self.bucket}.{key}")
+        except NotFoundError:
+            return None
+        if msg.headers and msg.headers.get("KV-Operation") in ("DEL", "PURGE"):
+            return None
+        return msg.data or None
+
     async def put(self, key: str, data: bytes) -> None:
         """Store `data` under `key`; returns once the bucket has it, else raises UNAVAILABLE."""
         if self.kv is None:
@@ -435,6 +449,84 @@ class ReplyCache:
         except Exception as error:
             raise unavailable(f"the reply cache did not take an entry ({type(error).__name__}: {error}); "
                               "try again") from None
+
+
+class Kept(msgspec.Struct, frozen=True):
+    """The answer of a request that wrote nothing, as `NoWriteAnswers` keeps it: the verb, the
+    version of the entity's history it stood on, and the reply's JSON."""
+
+    verb: str
+    version: int
+    reply: msgspec.Raw
+
+
+class NoWriteAnswers:
+    """The first answers of requests that wrote nothing: a registration that changed nothing
+    (UNCHANGED), a drain of a drained worker, an update to the template an actor has.
+
+    A repeated request is answered from the entity's history, where its events name it
+    (`WireAggregate.prior`); one that wrote nothing left no event to answer from, so its
+    retry, or a copy a stalled replica decides late, would be decided again on whatever
+    the entity is by then (a registration's stale copy undoing a later runtime change).
+    So its answer is kept in the reply bucket, under the entity and the request id, before
+    it is given, and looked up, as the stream leader has it, before a request with an id
+    the history does not answer is decided: after the entity was read, so a change the
+    entity shows came after the kept answer was there to be read. It is honoured within
+    the entity's current life only (`Kept.version`), and for the verb it was kept for
+    (another verb reusing the id is refused, as `prior` refuses one). Called from a
+    command's thread (`run_command`): it waits for the service's own event loop, which
+    does the reads and writes on the service's connection.
+    """
+
+    def __init__(self, replies: ReplyCache, scope: str, loop: asyncio.AbstractEventLoop, timeout: float = 5.0):
+        self.replies = replies
+        self.scope = scope  # e.g. "registry": the service whose entities these are
+        self.loop = loop
+        self.timeout = timeout
+
+    def _key(self, entity_id: str, request_id: str) -> str:
+        return self.replies.key(f"{self.scope}.{entity_id}", request_id)
+
+    def _run(self, coroutine: Awaitable[T]) -> T:
+        try:
+            return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(self.timeout)
+        except ContractError:
+            raise
+        except Exception as error:
+            raise unavailable(f"the reply cache did not answer ({type(error).__name__}: {error}); try again") from None
+
+    def recall(self, aggregate: Any, verb: str, request_id: str | None, reply_type: type[T],
+               new_life: bool = False) -> tuple[T, int] | None:
+        """The kept answer (reply, version) of an earlier `verb` request with `request_id` in the
+        aggregate's current life, if any (none when this request starts a `new_life`);
+        FAILED_PRECONDITION if one was kept for another verb."""
+        if request_id is None or new_life or not aggregate.version:  # no history: it answered nothing
+            return None
+        data = self._run(self.replies.get_at_leader(self._key(aggregate.entity_id, request_id)))
+        if not data:
+            return None
+        try:
+            kept = msgspec.json.decode(data, type=Kept)
+        except msgspec.DecodeError:
+            return None
+        if not aggregate.life_start <= kept.version <= aggregate.version:
+            return None  # an earlier life's (request ids are scoped to one)
+        if kept.verb != verb:
+            raise ContractError(
+                ErrorCode.FAILED_PRECONDITION,
+                f"request_id {request_id!r} was already used for another request on {aggregate.KIND} "
+                f"{aggregate.entity_id!r} (a {kept.verb} that changed nothing)",
+                "request_id",
+            )
+        return msgspec.json.decode(kept.reply, type=reply_type), kept.version
+
+    def keep(self, aggregate: Any, verb: str, request_id: str | None, reply: Base) -> None:
+        """Keep the answer of a request that wrote nothing, before it is given (UNAVAILABLE if the
+        bucket does not take it: the request wrote nothing, so its retry is safe)."""
+        if request_id is None:
+            return
+        data = encode(Kept(verb=verb, version=aggregate.version, reply=msgspec.Raw(encode(reply))))
+        self._run(self.replies.put(self._key(aggregate.entity_id, request_id), data))
 
 
 async def last_seq_on(js: Any, stream: str, subject: str) -> int:

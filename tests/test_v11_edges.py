@@ -181,6 +181,35 @@ async def test_a_pause_whose_id_a_resume_reused_is_still_answered_with_its_own_w
     assert await last_seq(nc, prefix) == before
 
 
+async def test_a_request_that_wrote_nothing_is_answered_again_after_a_later_change(wb, nc, prefix):
+    """A registration that changed nothing (UNCHANGED) and an update to the template an actor
+    has write no event; repeated after a later change (a retry after a lost reply, or a copy
+    a stalled replica decides late), each gets its first answer and writes nothing, instead
+    of being decided again and undoing the change."""
+    await wb.register(worker("w", V1, request_id="r-1"))
+    first = await wb.register(worker("w", V1, request_id="r-2"))
+    assert first.outcome is RegisterOutcome.UNCHANGED
+    await wb.register(worker("w", V2, cpu=8000, request_id="r-3"))  # the runtime and the capacity change
+    await wb.create(actor("a", template="t1"))
+    kept = await wb.update_template("a", "t1", request_id="u-1")  # already t1
+    await wb.update_template("a", "t2", request_id="u-2")
+    before = await last_seq(nc, prefix)
+    assert await wb.register(worker("w", V1, request_id="r-2")) == first
+    assert await wb.update_template("a", "t1", request_id="u-1") == kept
+    assert await last_seq(nc, prefix) == before
+    # the same ids for other verbs name those requests: refused
+    error = await refused(nc, prefix, wb.drain("w", request_id="r-2"))
+    assert (error.code, error.field) == (ErrorCode.FAILED_PRECONDITION, "request_id")
+    # a drain of a drained worker: its retry after the removal gets the first answer too
+    await wb.drain("w", request_id="d-1")
+    noop = await wb.drain("w", request_id="d-2")
+    await wb.remove("w", request_id="x-1")
+    assert await wb.drain("w", request_id="d-2") == noop
+    # a new life: an id kept in the last one is a new request
+    again = await wb.register(worker("w", V1, request_id="r-2"))
+    assert again.outcome is RegisterOutcome.REGISTERED and again.seq > before
+
+
 # --- registrations are compared normalised ----------------------------------------------------------------
 
 

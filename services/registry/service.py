@@ -20,7 +20,9 @@ Replies carry `seq`: the stream sequence of the last event of the worker's histo
 the request wrote (the registry's fence on the booking subject follows it in the
 same append). A request that writes nothing (`UNCHANGED`, draining a drained worker)
 answers the sequence of the worker's last event, which includes everything it was
-answered from. A repeated `request_id` is answered from the worker's history, where
+answered from; with a request id, that answer is kept in the reply bucket before it is
+given (`services.common.NoWriteAnswers`), so its retry, or a copy a stalled replica
+decides late, gets it too instead of being decided again on a later state. A repeated `request_id` is answered from the worker's history, where
 every event names the request that caused it (scoped to the worker's current life:
 `events.aggregate.WireAggregate.prior`), so the answer is decided where the write
 happens, also after a lost reply or a crash between commit and reply.
@@ -55,7 +57,8 @@ from events.schema import (
     WorkerFenced,
 )
 from events.subjects import check_prefix, event_subject, stream_name
-from services.common import EndpointSpec, add_endpoints, last_seq_on, run_command, store_env, stream_replicas
+from services.common import (EndpointSpec, NoWriteAnswers, ReplyCache, add_endpoints, last_seq_on, run_command,
+                             store_env, stream_replicas)
 from services.locks import KeyedLock
 from services.registry.domain import Worker, register_outcome
 from services.registry.fold import RosterFold
@@ -95,9 +98,14 @@ class Decided(msgspec.Struct, frozen=True):
 
 
 class RegistryStore(WireApplication):
-    """The Worker repository on the event store: one load-decide-save per command."""
+    """The Worker repository on the event store: one load-decide-save per command.
+
+    A command that writes nothing for a request with an id (a registration UNCHANGED, a
+    drain of a drained worker) keeps its answer in `no_writes`, set by the service, and
+    every command whose id the worker's history does not answer looks there first."""
 
     name = "registry"
+    no_writes: NoWriteAnswers | None = None
 
     def load(self, worker_id: str) -> Worker:
         try:
@@ -105,7 +113,8 @@ class RegistryStore(WireApplication):
         except AggregateNotFoundError:
             return Worker(worker_id)
 
-    def _commit(self, worker: Worker, outcome: RegisterOutcome | None = None) -> Decided:
+    def _commit(self, worker: Worker, outcome: RegisterOutcome | None = None, verb: str | None = None,
+                request_id: str | None = None) -> Decided:
         """Save what `worker` recorded, fenced (CONTRACT placement rule 8).
 
         Every append to a worker's history carries, in the same atomic batch and after
@@ -116,7 +125,14 @@ class RegistryStore(WireApplication):
         between makes the save lose (IntegrityError) and `run_command` try again.
         """
         if not worker.pending_events:
-            return Decided(outcome=outcome, seq=worker.seq_at(worker.version) or None, version=worker.version)
+            seq = worker.seq_at(worker.version)
+            if request_id is not None and self.no_writes is not None and verb is not None:
+                if not seq:  # the event store names every event's position; one that does not cannot answer
+                    raise unavailable(f"the event store did not say where worker {worker.entity_id!r}'s "
+                                      f"event {worker.version} is")
+                reply = RegisterReply(outcome=outcome, seq=seq) if verb == "register" else SeqReply(seq=seq)
+                self.no_writes.keep(worker, verb, request_id, reply)
+            return Decided(outcome=outcome, seq=seq or None, version=worker.version)
         last_type = type(worker.pending_events[-1].body).__name__
         recordings = self.save(worker, self._fence(worker.entity_id, last_type))
         seq = recordings[-2].notification.id  # the worker's last event; the fence follows it
@@ -133,27 +149,47 @@ class RegistryStore(WireApplication):
         last = versions[-1]
         return Decided(outcome=outcome, seq=worker.seq_at(last) or None, version=last, replay=True)
 
+    def _kept(self, worker: Worker, verb: str, request_id: str | None) -> Decided | None:
+        """The answer an earlier request with this id kept because it wrote nothing (`no_writes`)."""
+        if self.no_writes is None:
+            return None
+        kept = self.no_writes.recall(worker, verb, request_id, RegisterReply if verb == "register" else SeqReply,
+                                     new_life=verb == "register" and not worker.alive)
+        if kept is None:
+            return None
+        reply, version = kept
+        return Decided(outcome=getattr(reply, "outcome", None), seq=reply.seq, version=version, replay=True)
+
     def register(self, request: RegisterWorker, at: datetime) -> Decided:
         worker = self.load(request.worker_id)
         earlier = worker.answered("register", request.request_id)
         if earlier:
             return self._replay(worker, earlier, register_outcome(worker.events_at(earlier)))
+        kept = self._kept(worker, "register", request.request_id)
+        if kept is not None:
+            return kept
         outcome = worker.register(request, at)
-        return self._commit(worker, outcome)
+        return self._commit(worker, outcome, "register", request.request_id)
 
     def drain(self, worker_id: str, request: DrainWorker, at: datetime) -> Decided:
         worker = self.load(worker_id)
         earlier = worker.answered("drain", request.request_id)
         if earlier:
             return self._replay(worker, earlier)
+        kept = self._kept(worker, "drain", request.request_id)
+        if kept is not None:
+            return kept
         worker.drain(request.reason, at, request.request_id)
-        return self._commit(worker)
+        return self._commit(worker, None, "drain", request.request_id)
 
     def remove(self, worker_id: str, request: RemoveWorker, at: datetime) -> Decided:
         worker = self.load(worker_id)
         earlier = worker.answered("remove", request.request_id)
         if earlier:
             return self._replay(worker, earlier)
+        kept = self._kept(worker, "remove", request.request_id)
+        if kept is not None:
+            return kept
         worker.remove(request.reason, at, request.request_id)
         return self._commit(worker)
 
@@ -226,10 +262,13 @@ class RegistryService:
         self.liveness = Liveness(
             nc, prefix, ttl_s, self._expired, store_replicas if store_replicas is not None else stream_replicas()
         )
+        self.replies: ReplyCache | None = None
         self.service = None
 
     async def start(self) -> "RegistryService":
         self.store = await asyncio.to_thread(RegistryStore, self.env)  # makes the stream if need be
+        self.replies = await ReplyCache(self.nc, self.prefix).start()
+        self.store.no_writes = NoWriteAnswers(self.replies, SERVICE, asyncio.get_running_loop())
         await self.fold.start(FOLD_START_S)
         await self.liveness.start()
         await self.reconcile()

@@ -66,7 +66,8 @@ from events.schema import (
     WorkerRemoved,
 )
 from events.subjects import check_prefix
-from services.common import EndpointSpec, add_endpoints, run_command, store_env, stream_replicas
+from services.common import (EndpointSpec, NoWriteAnswers, ReplyCache, add_endpoints, run_command, store_env,
+                             stream_replicas)
 from services.locks import KeyedLock
 from services.snapshotter.domain import Actor, Tag
 from services.snapshotter.placements import PlacementFold, Release, removed_since
@@ -317,6 +318,7 @@ class SnapshotterService:
         self.env = env if env is not None else store_env(nats_url, prefix, store_replicas or stream_replicas())
         self.follow = follow
         self._actors = KeyedLock()  # requests about one actor, one at a time in this replica
+        self.no_writes: NoWriteAnswers | None = None  # answers of requests that wrote nothing (update-template)
         self.app: SnapshotterApplication | None = None
         self.process: WorkerRemovalProcess | None = None
         self.micro = None
@@ -331,6 +333,8 @@ class SnapshotterService:
 
     async def _start(self) -> None:
         self.app = await asyncio.to_thread(SnapshotterApplication, self.env)
+        self.no_writes = NoWriteAnswers(await ReplyCache(self.nc, self.prefix).start(), SERVICE,
+                                        asyncio.get_running_loop())
         if self.follow:
             self.process = await asyncio.to_thread(WorkerRemovalProcess, self.env)
             self.process.follow()
@@ -464,9 +468,16 @@ class SnapshotterService:
         found = answer_from_history(actor, "update-template", req.request_id)
         if found is not None:
             return found
+        kept = self.no_writes.recall(actor, "update-template", req.request_id, SeqReply) if self.no_writes else None
+        if kept is not None:
+            return kept[0]
         if not actor.change_template(req.template_uid, req.request_id, now()):
-            # Already that template: the event that set it is the answer.
-            return SeqReply(seq=recorded_seq(actor, actor.template_version))
+            # Already that template: the event that set it is the answer, kept as this request's
+            # (it wrote nothing its retry could be answered from)
+            reply = SeqReply(seq=recorded_seq(actor, actor.template_version))
+            if self.no_writes is not None:
+                self.no_writes.keep(actor, "update-template", req.request_id, reply)
+            return reply
         return SeqReply(seq=self.save(actor))
 
     async def stop_actor(self, actor_id: str, req: StopActor) -> SeqReply:
