@@ -44,7 +44,7 @@ from eventsourcing.persistence import OperationalError
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.api import KeyValueConfig, StorageType
-from nats.js.errors import KeyNotFoundError, NotFoundError
+from nats.js.errors import NotFoundError
 from nats.micro import ServiceConfig
 from nats.micro.request import Request
 from nats.micro.service import Endpoint, EndpointConfig, Service
@@ -421,15 +421,9 @@ class ReplyCache:
         return f"{scope}.{hashlib.sha256(request_id.encode()).hexdigest()[:40]}"
 
     async def get(self, key: str) -> bytes | None:
-        try:
-            entry = await self.kv.get(key)
-        except (KeyNotFoundError, NotFoundError):
-            return None
-        return entry.value or None
-
-    async def get_at_leader(self, key: str) -> bytes | None:
-        """`get`, as the bucket's stream leader has it (a direct get may be answered by a
-        replica that has not caught up with a put a moment ago)."""
+        """The entry under `key`, as the bucket's stream leader has it: an entry is read where
+        its absence would be decided on (a retry placed or decided again), and a direct get
+        may be answered by a replica that has not caught up with a put a moment ago."""
         if self.kv is None:
             raise unavailable("the reply cache is not open")
         try:
@@ -502,7 +496,7 @@ class NoWriteAnswers:
         FAILED_PRECONDITION if one was kept for another verb."""
         if request_id is None or new_life or not aggregate.version:  # no history: it answered nothing
             return None
-        data = self._run(self.replies.get_at_leader(self._key(aggregate.entity_id, request_id)))
+        data = self._run(self.replies.get(self._key(aggregate.entity_id, request_id)))
         if not data:
             return None
         try:
