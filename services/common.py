@@ -483,6 +483,13 @@ class NoWriteAnswers:
 
     def _run(self, coroutine: Awaitable[T]) -> T:
         try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self.loop:  # it would wait for itself
+            coroutine.close()  # type: ignore[attr-defined]
+            raise RuntimeError("NoWriteAnswers is called from a command's thread (run_command), not from its loop")
+        try:
             return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(self.timeout)
         except ContractError:
             raise

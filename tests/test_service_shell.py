@@ -386,3 +386,20 @@ async def test_a_message_known_to_be_stored_is_read_or_the_read_is_unavailable(n
     with pytest.raises(ContractError) as refused:
         await stored_at(js, stream_name(prefix), seq + 1)
     assert refused.value.code is ErrorCode.UNAVAILABLE and f"message {seq + 1}" in refused.value.message
+
+
+async def test_the_answers_of_requests_that_wrote_nothing_are_read_from_a_commands_thread_only(nc, prefix):
+    """`NoWriteAnswers` waits for the service's loop: called on that loop it would wait for
+    itself, so it refuses at once instead."""
+    import asyncio
+
+    from services.common import NoWriteAnswers, ReplyCache
+
+    answers = NoWriteAnswers(await ReplyCache(nc, prefix).start(), "registry", asyncio.get_running_loop())
+
+    class Entity:
+        KIND, entity_id, version, life_start = "worker", "w", 1, 1
+
+    with pytest.raises(RuntimeError, match="thread"):
+        answers.recall(Entity(), "register", "r-1", dict)
+    assert await asyncio.to_thread(answers.recall, Entity(), "register", "r-1", dict) is None  # nothing kept
