@@ -11,17 +11,22 @@ the same way, probed or literal).
 
 The agent then:
 - registers (`<prefix>.registry.register.<worker_id>`), and heartbeats at a third
-  of the TTL the registry answers;
-- re-registers when the file's content changes, so an operator rolls out v2 by
-  making it the default and moving v1 into `restorable_runtimes`; an edit the
-  agent cannot use (bad TOML, a rule broken) is logged and the last good
-  registration stays in force;
+  of the TTL the registry answers; while the registry does not answer, it asks
+  again more often as the TTL of its last stored beat runs out, so that it is
+  heard as soon as the registry is back;
+- re-registers when the file's content changes, or what the probe reads of this
+  machine (a CPU that changed under it), so an operator rolls out v2 by making it
+  the default and moving v1 into `restorable_runtimes`; an edit the agent cannot
+  use (bad TOML, a rule broken) is logged and the last good registration stays in
+  force, and so does one the registry refuses (a change of class);
 - re-registers after the connection comes back (a NATS restart), and when a
-  heartbeat answers NOT_FOUND (the worker was removed, e.g. as LOST): a worker
-  whose agent runs is a worker in service;
+  heartbeat answers NOT_FOUND (the worker was removed, e.g. as LOST): with what the
+  file and the probe say now (a change of class the registry refused is taken up
+  by that new life); a worker whose agent runs is a worker in service;
 - on SIGTERM/SIGINT drains the worker first if asked (`--drain-on-exit`), then
-  stops. A drained worker stays drained when its agent comes back before the
-  registry's TTL; once removed as LOST it registers anew, undrained.
+  stops; if its registration was still on its way, the drain waits for it (up to
+  the drain's 5 s). A drained worker stays drained when its agent comes back before
+  the registry's TTL; once removed as LOST it registers anew, undrained.
 
 Requests use the inbox prefix `_INBOX.<worker_id>` so that, with the
 configuration of `warmboot nats-config`, a worker's credentials can receive
@@ -253,32 +258,48 @@ class Agent:
         self.nc: NATS | None = None
         self.registration: RegisterWorker | None = None  # the one in force
         self.registered: RegisterReply | None = None  # the registry's last answer to it
+        self.desired: RegisterWorker | None = None  # what the file and the probe said when last read
         self.sent_registration = False  # the registry may know this worker (a reply may be in flight)
-        self._file_digest: bytes | None = None
+        self.registering = False  # a registration is on its way (sent, not answered)
+        self.beat_at: float | None = None  # monotonic time a beat the registry stored was sent
+        self._read: tuple | None = None  # (the file's digest, what the probe read) when last read
         self._reconnected = asyncio.Event()
         self._last_error: str | None = None
 
     # --- configuration -------------------------------------------------------------------
 
     def _read_config(self) -> RegisterWorker | None:
-        """The registration of the file as it is now; None if its content did not change.
+        """The registration of the file on this machine as they are now; None if neither the
+        file's content nor what the probe reads of the machine changed since the last read.
 
         The file is small and read whole each time: an mtime can miss an edit made
-        within its granularity, a content digest cannot.
+        within its granularity, a content digest cannot. The probe is read each time too
+        (a CPU can change under a running machine: a virtual machine moved to another host).
         """
         try:
             data = self.config_path.read_bytes()
         except OSError as e:
             raise ConfigError(f"{self.config_path}: cannot read: {e}") from None
-        digest = hashlib.sha256(data).digest()
-        if digest == self._file_digest:
+        read = (hashlib.sha256(data).digest(), self._probed())
+        if read == self._read:
             return None
-        self._file_digest = digest
+        self._read = read
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as e:
             raise ConfigError(f"{self.config_path}: not UTF-8: {e}") from None
-        return build_registration(parse_config(text, str(self.config_path)), self.worker_id, self.node, self.probe)
+        registration = build_registration(parse_config(text, str(self.config_path)), self.worker_id, self.node,
+                                          self.probe)
+        self.desired = registration
+        return registration
+
+    def _probed(self) -> tuple:
+        """What the probe reads of this machine for each profile (or why it cannot)."""
+        try:
+            return tuple(probe_host(profile, cpuinfo_path=self.probe.cpuinfo_path, architecture=self.probe.architecture)
+                         for profile in PROFILES)
+        except ProbeError as e:
+            return (str(e),)
 
     # --- talking to the registry -----------------------------------------------------------
 
@@ -299,7 +320,7 @@ class Agent:
         while True:
             connecting = asyncio.ensure_future(
                 nats.connect(
-                    self.nats_url,
+                    servers=[url.strip() for url in self.nats_url.split(",")],  # a cluster: its members
                     name=f"warmboot-agent-{self.worker_id}",
                     inbox_prefix=self.inbox_prefix,
                     max_reconnect_attempts=-1,  # also retries the first connection
@@ -324,22 +345,30 @@ class Agent:
                 log.warning("cannot connect to NATS: %s; retrying in %.1fs", e, delay)
                 if await _wait(stop, delay):
                     raise asyncio.CancelledError from None
-                delay = min(delay * 2, RETRY_MAX_S)
+                delay = next_delay(delay)
                 continue
             self._last_error = None
             return nc
 
-    async def _request(self, verb: str, body: Any, reply_type: type, stop: asyncio.Event | None):
-        """A request, retried while the registry is unreachable (UNAVAILABLE) unless stopped."""
+    async def _request(self, verb: str, body: Any, reply_type: type, stop: asyncio.Event | None,
+                       also_retry: tuple[ErrorCode, ...] = ()):
+        """A request, retried while the registry is unreachable (UNAVAILABLE, or `also_retry`)
+        unless stopped; one that beats (a heartbeat, a registration) records when it was sent
+        (`beat_at`), and its retries come closer together as that beat's TTL runs out."""
         # One attempt per call of the client (warmboot.client: the one way a request is made);
         # the agent's own loop retries, without bound until stopped, as a worker in service must.
         client = Client(self.nc, self.prefix, timeout=REQUEST_TIMEOUT_S, attempts=1)
+        beats = verb in ("heartbeat", "register")
         delay = RETRY_MIN_S
         while True:
+            sent = time.monotonic()
             try:
-                return await client.request("registry", verb, self.worker_id, body, reply_type)
+                reply = await client.request("registry", verb, self.worker_id, body, reply_type)
+                if beats:
+                    self.beat_at = sent
+                return reply
             except ContractError as e:
-                if e.code != ErrorCode.UNAVAILABLE or stop is None:
+                if (e.code != ErrorCode.UNAVAILABLE and e.code not in also_retry) or stop is None:
                     raise
                 log.warning("%s: %s; retrying in %.1fs", verb, e.message, delay)
             except Exception as e:  # connection closed or reconnecting
@@ -348,13 +377,19 @@ class Agent:
                 log.warning("%s: %s; retrying in %.1fs", verb, e, delay)
             if await _wait(stop, delay):
                 raise asyncio.CancelledError
-            delay = min(delay * 2, RETRY_MAX_S)
+            left = self.beat_at + self.ttl_s - time.monotonic() if beats and self.beat_at is not None else None
+            delay = next_delay(delay, left)
 
     async def register(self, registration: RegisterWorker, stop: asyncio.Event) -> RegisterReply:
         """Register `registration` (one request_id across retries), then heartbeat to learn the TTL."""
         body = msgspec.structs.replace(registration, request_id=f"agent-{uuid.uuid4().hex}")
-        self.sent_registration = True
-        reply = await self._request("register", body, RegisterReply, stop)
+        self.sent_registration = self.registering = True
+        try:
+            reply = await self._request("register", body, RegisterReply, stop)
+        except ContractError:
+            self.registering = False  # refused: nothing on its way
+            raise
+        self.registering = False
         self.registration, self.registered = registration, reply
         log.info("registered %s: %s (seq %d)", self.worker_id, reply.outcome.value, reply.seq)
         await self.heartbeat(stop)
@@ -367,16 +402,19 @@ class Agent:
             if e.code != ErrorCode.NOT_FOUND or self.registration is None:
                 raise
             log.warning("the registry no longer knows %s (%s); registering again", self.worker_id, e.message)
-            await self.register(self.registration, stop)
+            # with what the file and the probe say now: a new life takes up a change the last one refused
+            await self.register(self.desired or self.registration, stop)
             return
         self.ttl_s = reply.ttl_s
 
     async def drain(self, reason: str, timeout_s: float = 5.0) -> SeqReply | None:
-        """Best effort at exit: a drain retried for at most `timeout_s`."""
+        """Best effort at exit: a drain retried for at most `timeout_s`; also while the worker is
+        not found, if a registration was on its way (another replica may store it after)."""
         give_up = asyncio.Event()
         body = DrainWorker(reason=reason, request_id=f"agent-{uuid.uuid4().hex}")
+        waiting = (ErrorCode.NOT_FOUND,) if self.registering else ()
         try:
-            return await asyncio.wait_for(self._request("drain", body, SeqReply, give_up), timeout_s)
+            return await asyncio.wait_for(self._request("drain", body, SeqReply, give_up, waiting), timeout_s)
         except (asyncio.TimeoutError, asyncio.CancelledError, ContractError) as e:
             log.warning("could not drain %s: %s", self.worker_id, e)
             return None
@@ -442,6 +480,17 @@ class Agent:
             await self.register(registration, stop)
         except ContractError as e:
             log.error("the registry refused the edit of %s, keeping the registration in force: %s", self.config_path, e)
+
+
+def next_delay(previous: float, left: float | None = None) -> float:
+    """The wait before the next attempt of a request the registry did not answer: twice the
+    last, at most RETRY_MAX_S; and while the TTL of the worker's last stored beat has `left`
+    seconds to run, at most a third of them (at least RETRY_MIN_S), so that attempts come
+    closer together as it runs out and one lands soon after the registry is back."""
+    delay = min(previous * 2, RETRY_MAX_S)
+    if left is not None and left > 0:
+        delay = min(delay, max(RETRY_MIN_S, left / 3))
+    return delay
 
 
 async def _wait(event: asyncio.Event, timeout: float) -> bool:

@@ -1,0 +1,189 @@
+"""The agent when things go wrong around it (found by a review of the agent and liveness):
+the registry away for a while, a change the registry refused followed by a new life, a
+CPU that changes under a running agent, a drain on exit that races the agent's own
+registration across two registry replicas, and a cluster's comma-separated URL. On a real
+nats-server with real registry replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from events.compat import same_version
+from events.errors import ContractError
+from events.probe import probe_version
+from events.schema import ErrorCode, RuntimeChanged, WorkerDrained, WorkerRegistered, WorkerRemoved
+from events.subjects import bucket_name, service_subject
+from tests.registry_helpers import CPUINFO, PROBE, agent_config, raw_request, running_registry, wait_event, worker_events
+from tests.test_agent import running_agent
+from warmboot.agent import RETRY_MAX_S, RETRY_MIN_S, Agent, ProbeSettings, next_delay
+
+AMD = Path(__file__).parent / "cpuinfo" / "amd-epyc-7r13.txt"
+
+MICROVM = """
+[[sandbox_classes]]
+sandbox_class = "microvm"
+
+[sandbox_classes.default_runtime]
+name = "fc-1"
+attributes = { architecture = "amd64", cpu_vendor = "GenuineIntel", cpu_model = "6/143", kernel_digest = "k1", rootfs_digest = "r1" }
+"""
+
+
+def assets(entry) -> tuple[str | None, list[str | None]]:
+    def asset(runtime):
+        return {a.key: a.value for a in runtime.version.attributes}.get("gvisor_asset_hash")
+    return asset(entry.default_runtime), [asset(r) for r in entry.restorable_runtimes]
+
+
+# --- retries while the registry is away ----------------------------------------------------------
+
+
+def test_retries_come_closer_together_as_the_last_beats_ttl_runs_out():
+    # with time to spare: doubling up to the cap, as before
+    assert [next_delay(d, 60.0) for d in (0.2, 0.4, 3.2, 5.0)] == [0.4, 0.8, 5.0, 5.0]
+    assert next_delay(4.0) == RETRY_MAX_S  # no beat stored yet: no TTL to watch
+    # a third of what is left, never below the floor
+    assert next_delay(3.2, 3.9) == pytest.approx(1.3)
+    assert next_delay(5.0, 0.3) == RETRY_MIN_S
+    # past the TTL the worker is LOST anyway (it registers anew when back): no rush
+    assert next_delay(5.0, -1.0) == RETRY_MAX_S
+
+
+async def test_a_registry_away_for_less_than_the_ttl_does_not_get_a_live_agent_removed(nats_url, nc, prefix, tmp_path):
+    """TTL 9 s, a beat every 3 s. The only registry replica goes away just before a beat is
+    due and comes back 4 s later, with 2 s of the TTL of the last stored beat left. Doubling
+    to a 5 s cap, the agent's next attempts would have been 3.2 s and then 5 s apart, the
+    last one after the expiry; they come closer together as the TTL runs out, and one lands
+    in time: the worker, whose agent ran all along, is not removed."""
+    ttl = 9.0
+    path = tmp_path / "agent.toml"
+    path.write_text(agent_config("v1"))
+    stored: asyncio.Queue[float] = asyncio.Queue()
+
+    async def put(msg) -> None:  # each beat the bucket stores, when it is stored
+        stored.put_nowait(time.monotonic())
+
+    sub = await nc.subscribe(f"$KV.{bucket_name(prefix, 'heartbeats')}.w-a", cb=put)
+    try:
+        async with running_agent(nats_url, prefix, path):
+            async with running_registry(nats_url, prefix, ttl_s=ttl):
+                await wait_event(nc, prefix, "w-a", WorkerRegistered)
+                await stored.get()  # the registration's beat
+                await stored.get()  # the heartbeat that tells the agent the TTL
+                beat = await asyncio.wait_for(stored.get(), ttl)  # a regular beat, a third of the TTL later
+                # away from just before the next one is due (pacing the outage, not a synchronisation)
+                await asyncio.sleep(beat + ttl / 3 - 0.3 - time.monotonic())
+            await asyncio.sleep(beat + ttl - 2.0 - time.monotonic())  # back with 2 s of the TTL left
+            async with running_registry(nats_url, prefix, ttl_s=ttl):
+                back = await asyncio.wait_for(stored.get(), 2.5)
+                assert back < beat + ttl  # heard before the expiry
+                await raw_request(nc, prefix, "heartbeat", "w-a", {})  # registered (not NOT_FOUND) after it
+        assert not [e for _, e in await worker_events(nc, prefix, "w-a") if isinstance(e, WorkerRemoved)]
+    finally:
+        await sub.unsubscribe()
+
+
+# --- the file and the machine as they are now ------------------------------------------------------
+
+
+async def test_a_new_life_registers_what_the_file_says_now_after_a_refused_change_of_class(nats_url, nc, prefix,
+                                                                                          tmp_path):
+    """The file drops restorable v1 and adds a class in one edit: the registry refuses it (a
+    worker does not change class; remove it and register it anew). The operator removes the
+    worker; the agent's new life registers the file as it is now, not the registration the
+    last life had in force (which would advertise v1, dropped from the file, for ever)."""
+    path = tmp_path / "agent.toml"
+    path.write_text(agent_config("v2", ("v1",)))
+    async with running_registry(nats_url, prefix), running_agent(nats_url, prefix, path) as agent:
+        seq, registered = await wait_event(nc, prefix, "w-a", WorkerRegistered)
+        assert assets(registered.sandbox_classes[0]) == ("v2", ["v1"])
+        refused = asyncio.get_running_loop().create_future()
+        register = agent.register
+
+        async def watched(registration, stop):
+            try:
+                return await register(registration, stop)
+            except ContractError as error:
+                if not refused.done():
+                    refused.set_result(error)
+                raise
+
+        agent.register = watched
+        path.write_text(agent_config("v2") + MICROVM)
+        error = await asyncio.wait_for(refused, 10)
+        assert error.code is ErrorCode.FAILED_PRECONDITION  # a change of class
+        await raw_request(nc, prefix, "remove", "w-a", {"reason": "class change"})
+        seq, _ = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq)
+        seq, again = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=seq)
+        classes = {c.sandbox_class: c for c in again.sandbox_classes}
+        assert set(classes) == {"gvisor", "microvm"} and assets(classes["gvisor"]) == ("v2", [])
+
+
+async def test_a_cpu_that_changes_under_a_running_agent_is_probed_and_registered(nats_url, nc, prefix, tmp_path):
+    """What the probe reads of the machine is part of the registration: the machine moves to
+    another CPU (a virtual machine migrated) and the agent registers the runtimes it probes
+    now, without being told (its cpu_features would otherwise be a value it made up)."""
+    cpuinfo = tmp_path / "cpuinfo"
+    shutil.copy(CPUINFO, cpuinfo)
+    path = tmp_path / "agent.toml"
+    path.write_text(agent_config("v1"))
+    agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05,
+                  probe=ProbeSettings(cpuinfo_path=cpuinfo, architecture="amd64"))
+    stop = asyncio.Event()
+    async with running_registry(nats_url, prefix):
+        task = asyncio.create_task(agent.run(stop))
+        try:
+            seq, registered = await wait_event(nc, prefix, "w-a", WorkerRegistered)
+            shutil.copy(AMD, cpuinfo)
+            here = probe_version(AMD.read_text(), "amd64", "gvisor", {"gvisor_asset_hash": "v1"})
+            assert not same_version(here, registered.sandbox_classes[0].default_runtime.version)
+            _, changed = await wait_event(nc, prefix, "w-a", RuntimeChanged, after=seq)
+            assert same_version(changed.sandbox_classes[0].default_runtime.version, here)
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 15)
+
+
+# --- stopping, and a cluster ------------------------------------------------------------------------
+
+
+async def test_a_drain_on_exit_waits_for_the_registration_still_on_its_way(nats_url, nc, prefix, tmp_path):
+    """Two registry replicas. The agent is stopped right after its registration went out: the
+    drain may reach the replica that has not stored the registration yet (NOT_FOUND). It asks
+    again until the registration is there, then drains: the worker is never left registered,
+    undrained and placeable with no agent behind it."""
+    path = tmp_path / "agent.toml"
+    path.write_text(agent_config("v1"))
+    async with running_registry(nats_url, prefix, ttl_s=60), running_registry(nats_url, prefix, ttl_s=60):
+        for i in range(12):
+            worker_id = f"w-d{i}"
+            sent = asyncio.Event()
+
+            async def on_register(msg, sent=sent) -> None:
+                sent.set()
+
+            spy = await nc.subscribe(service_subject(prefix, "registry", "register", worker_id), cb=on_register)
+            await nc.flush()
+            agent = Agent(nats_url, worker_id, "node-a", path, prefix=prefix, drain_on_exit=True, probe=PROBE)
+            stop = asyncio.Event()
+            task = asyncio.create_task(agent.run(stop))
+            await asyncio.wait_for(sent.wait(), 10)  # the registration is on the bus
+            stop.set()
+            await asyncio.wait_for(task, 20)
+            await spy.unsubscribe()
+            seq, _ = await wait_event(nc, prefix, worker_id, WorkerRegistered)
+            kinds = [type(e) for _, e in await worker_events(nc, prefix, worker_id)]
+            assert kinds[-1] is WorkerDrained, (worker_id, kinds)
+
+
+async def test_the_agent_takes_a_clusters_comma_separated_url(nats_url, nc, prefix, tmp_path):
+    path = tmp_path / "agent.toml"
+    path.write_text(agent_config("v1"))
+    members = f"{nats_url},{nats_url}"  # a cluster's members, as `warmboot serve --nats` takes them
+    async with running_registry(nats_url, prefix), running_agent(members, prefix, path):
+        await wait_event(nc, prefix, "w-a", WorkerRegistered, timeout=10)
