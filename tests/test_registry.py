@@ -544,6 +544,32 @@ async def test_a_registration_between_a_removal_and_its_tombstone_is_still_lost_
         assert [type(e) for _, e in events] == [WorkerRegistered, WorkerRemoved, WorkerRegistered, WorkerRemoved]
 
 
+async def test_a_replica_stopping_hands_back_the_expiries_it_holds(nats_url, nc, prefix):
+    """Two replicas share the sweep. One is stopped (a rolling restart) while it holds expiry
+    markers it has not handled: it hands them back, and the other replica removes those
+    workers now, not once the consumer's ack wait (30 s) has passed."""
+    workers = [f"w-{i:02d}" for i in range(40)]
+    async with running_registry(nats_url, prefix, ttl_s=1) as keeps:
+        async with running_registry(nats_url, prefix, ttl_s=1) as stops:
+            held = asyncio.Event()
+
+            async def holding(worker_id: str) -> None:  # takes markers, handles none of them
+                held.set()
+                await asyncio.Event().wait()
+
+            stops.liveness.sweeper.on_marker = holding
+            start = await last_seq(nc, prefix)
+            await asyncio.gather(*(register(nc, prefix, registration(w)) for w in workers))
+            await asyncio.wait_for(held.wait(), 20)  # the stopping replica holds at least one marker
+        stopped = asyncio.get_running_loop().time()
+        removed = await asyncio.gather(*(wait_event(nc, prefix, w, WorkerRemoved, after=start, timeout=15)
+                                         for w in workers))
+        assert {e.reason for _, e in removed} == {"LOST"}
+        assert asyncio.get_running_loop().time() - stopped < 15  # well within the 30 s ack wait
+    for w in workers:  # each once
+        assert [type(e) for _, e in await worker_events(nc, prefix, w)] == [WorkerRegistered, WorkerRemoved]
+
+
 async def test_both_replicas_expiring_at_once_write_one_removal(nats_url, nc, prefix):
     async with running_registry(nats_url, prefix) as one, running_registry(nats_url, prefix) as two:
         await register(nc, prefix, registration("w-1"))

@@ -111,7 +111,9 @@ class Sweeper:
     message that is not an expiry marker is acknowledged at once; a marker is queued
     for `on_marker(worker_id)`, then acknowledged, or handed back (nak) to be
     redelivered a second later if that failed. A replica that dies before the ack
-    leaves the marker to another.
+    leaves the marker to another (after the consumer's ack wait); one that stops hands
+    back at once the markers it has not handled (nak), so that another replica removes
+    those workers within their TTL, not an ack wait later.
     """
 
     def __init__(self, nc: NATS, stream: str, config: ConsumerConfig,
@@ -129,6 +131,7 @@ class Sweeper:
         self._status = ""  # how the server ended the last pull request
         self._stopping = False
         self._markers: asyncio.Queue[Msg] = asyncio.Queue()
+        self._in_hand: Msg | None = None  # the marker `on_marker` is handling
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -145,12 +148,21 @@ class Sweeper:
 
     async def stop(self) -> None:
         self._stopping = True  # also ends a loop whose cancellation a time-out swallowed
-        await cancel_and_wait(*self._tasks)
-        self._tasks = []
-        if self._sub is not None:
+        if self._sub is not None:  # first: no more deliveries (the server drops a pull nobody hears)
             with suppress(Exception):
                 await self._sub.unsubscribe()
             self._sub = None
+        await cancel_and_wait(*self._tasks)
+        self._tasks = []
+        held = [self._in_hand] if self._in_hand is not None else []
+        self._in_hand = None
+        while not self._markers.empty():
+            held.append(self._markers.get_nowait())
+        for msg in held:  # to another replica now (if one was removed here already, it finds it removed)
+            with suppress(Exception):
+                await msg.nak()
+        if held:
+            log.info("heartbeat sweep stopped: %d expiry markers handed back to the other replicas", len(held))
 
     async def _pull(self) -> None:
         backoff = 0.1
@@ -191,17 +203,19 @@ class Sweeper:
 
     async def _handle_markers(self) -> None:
         while not self._stopping:  # also ends when on_marker swallowed the cancellation of stop()
-            msg = await self._markers.get()
+            msg = self._in_hand = await self._markers.get()
             worker_id = msg.subject.rsplit(".", 1)[-1]
             try:
                 await self.on_marker(worker_id)
             except asyncio.CancelledError:
-                raise
+                raise  # `stop` hands it back
             except Exception:
                 log.warning("could not remove lost worker %s; redelivering", worker_id, exc_info=True)
+                self._in_hand = None
                 with suppress(Exception):
                     await msg.nak(delay=1.0)
                 continue
+            self._in_hand = None
             with suppress(Exception):
                 await msg.ack()
 
