@@ -132,7 +132,7 @@ async def test_a_cpu_that_changes_under_a_running_agent_is_probed_and_registered
     shutil.copy(CPUINFO, cpuinfo)
     path = tmp_path / "agent.toml"
     path.write_text(agent_config("v1"))
-    agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05,
+    agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe_interval_s=0.05,
                   probe=ProbeSettings(cpuinfo_path=cpuinfo, architecture="amd64"))
     stop = asyncio.Event()
     async with running_registry(nats_url, prefix):

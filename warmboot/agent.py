@@ -15,7 +15,7 @@ The agent then:
   again more often as the TTL of its last stored beat runs out, so that it is
   heard as soon as the registry is back;
 - re-registers when the file's content changes, or what the probe reads of this
-  machine (a CPU that changed under it), so an operator rolls out v2 by making it
+  machine (read again every 10 s: a CPU that changed under it), so an operator rolls out v2 by making it
   the default and moving v1 into `restorable_runtimes`; an edit the agent cannot
   use (bad TOML, a rule broken) is logged and the last good registration stays in
   force, and so does one the registry refuses (a change of class);
@@ -54,7 +54,8 @@ from events.codec import decode_request, encode, to_builtins
 from events.errors import ContractError
 from events.tasks import cancel_and_wait
 from events.natsauth import nkey_options, nkey_seed_path
-from events.probe import DEFAULT_CPUINFO, PROFILES, SCHEMA_VERSION, ProbeError, probe_host
+from events.probe import (DEFAULT_CPUINFO, PROFILES, SCHEMA_VERSION, ProbeError, host_architecture, probe_host,
+                          probe_version, read_cpuinfo)
 from events.schema import (
     ActorOverhead,
     DrainWorker,
@@ -72,6 +73,7 @@ log = logging.getLogger("warmboot.agent")
 
 DEFAULT_TTL_S = 15.0  # until the registry says otherwise
 HEARTBEATS_PER_TTL = 3
+PROBE_INTERVAL_S = 10.0  # how often the agent reads what the probe reports of the machine again
 RETRY_MIN_S, RETRY_MAX_S = 0.2, 5.0
 REQUEST_TIMEOUT_S = 5.0
 
@@ -241,6 +243,7 @@ class Agent:
         drain_on_exit: bool = False,
         watch_interval_s: float = 1.0,
         probe: ProbeSettings = ProbeSettings(),
+        probe_interval_s: float = PROBE_INTERVAL_S,
         inbox_prefix: str | None = None,
         nkey_seed: str | None = None,
     ):
@@ -253,6 +256,8 @@ class Agent:
         self.drain_on_exit = drain_on_exit
         self.watch_interval_s = watch_interval_s
         self.probe = probe
+        self.probe_interval_s = probe_interval_s
+        self._probe_read: tuple[float, tuple] | None = None  # (when, what) the probe last reported
         self.inbox_prefix = inbox_prefix or f"_INBOX.{worker_id}"
         self.ttl_s = DEFAULT_TTL_S
         self.nc: NATS | None = None
@@ -273,8 +278,9 @@ class Agent:
         file's content nor what the probe reads of the machine changed since the last read.
 
         The file is small and read whole each time: an mtime can miss an edit made
-        within its granularity, a content digest cannot. The probe is read each time too
-        (a CPU can change under a running machine: a virtual machine moved to another host).
+        within its granularity, a content digest cannot. What the probe reports is read
+        again now and then (`_probed`): a CPU can change under a running machine (a virtual
+        machine moved to another host).
         """
         try:
             data = self.config_path.read_bytes()
@@ -294,12 +300,19 @@ class Agent:
         return registration
 
     def _probed(self) -> tuple:
-        """What the probe reads of this machine for each profile (or why it cannot)."""
+        """What the probe reads of this machine for each profile (or why it cannot), read again
+        every `probe_interval_s` (reading /proc/cpuinfo is not free on a machine of many cores)."""
+        now = time.monotonic()
+        if self._probe_read is not None and now - self._probe_read[0] < self.probe_interval_s:
+            return self._probe_read[1]
         try:
-            return tuple(probe_host(profile, cpuinfo_path=self.probe.cpuinfo_path, architecture=self.probe.architecture)
-                         for profile in PROFILES)
+            text = read_cpuinfo(self.probe.cpuinfo_path)
+            arch = self.probe.architecture if self.probe.architecture is not None else host_architecture()
+            probed: tuple = tuple(probe_version(text, arch, profile) for profile in PROFILES)
         except ProbeError as e:
-            return (str(e),)
+            probed = (str(e),)
+        self._probe_read = (now, probed)
+        return probed
 
     # --- talking to the registry -----------------------------------------------------------
 
