@@ -35,6 +35,11 @@ replay of the log, or says less than needed, the gap is closed here and nowhere 
   control), a delivery out of order (nats-py resets the consumer), a subject in another
   format, and every message while the caller says it is not ready (its own callback
   then gets them, in order). It can measure the CPU the deliveries cost (`on_cpu`).
+- `flush_in_order`: a flush whose PONG says the server has every command sent before
+  it. nats-py's `flush` writes its PING straight to the socket, ahead of the commands
+  its flusher task has not written yet (the SUB of a subscription just made): a
+  service that flushed after subscribing could still answer "no responders" to a
+  request sent right after its start.
 - `Replies`: many requests in flight over one wildcard inbox, each answered into a
   future. nats-py's `request` arms a timer (`wait_for`) and draws a NUID per call,
   and `publish_async` a timer per call on its semaphore; at thousands of requests a
@@ -67,6 +72,7 @@ ORDERED_IDLE_HEARTBEAT_S = 0.5
 
 NATS_PARSER = "_parse_header_lines"  # the private name nats-py calls on every message with headers
 NATS_PROTOCOL = "_ps"  # the private attribute of a connection holding its protocol parser (`Parser`)
+NATS_PENDING = "_flush_pending"  # the private coroutine that has nats-py's flusher task write what it holds
 
 log = logging.getLogger("warmboot.natspy")
 
@@ -301,7 +307,7 @@ class _Frames:
                     if route is not None:
                         if route.on_cpu is not run:  # a measured route's run of deliveries begins or ends
                             if run is not None:
-                                run(clock() - started)
+                                _tell(run, clock() - started)
                             run = route.on_cpu
                             if run is not None:
                                 started = clock()
@@ -313,16 +319,25 @@ class _Frames:
             else:  # PING, PONG, INFO, +OK, -ERR: one line
                 frame_end = eol + 2
             if run is not None:
-                run(clock() - started)
+                _tell(run, clock() - started)
                 run = None
             await inner(ps, data[pos:frame_end])
             pos = frame_end
         if run is not None:
-            run(clock() - started)
+            _tell(run, clock() - started)
         if pos < n:
             rest = data[pos:]
             self.pieces, self.have = [rest], len(rest)
             self.need = frame_end - pos if eol >= 0 else 0  # a whole control line tells the frame's size
+
+
+def _tell(on_cpu: Callable[[float], None], seconds: float) -> None:
+    """Tell a measured route the CPU of a run of its deliveries: never an error in the read loop
+    (one there would make nats-py drop the connection and reconnect)."""
+    try:
+        on_cpu(max(seconds, 0.0))
+    except Exception:
+        log.exception("telling the CPU of direct deliveries failed")
 
 
 class DirectDelivery:
@@ -370,6 +385,20 @@ def deliver_directly(nc: Any, psub: Any, handler: DirectHandler, ready: Callable
     route = _Direct(psub._sub, handler, ready, nc.stats, wanted, on_cpu)
     frames.routes[id(psub._sub)] = route
     return DirectDelivery(frames.routes, route)
+
+
+async def flush_in_order(nc: Any, timeout: float = 10.0) -> None:
+    """`nc.flush()` once every command nats-py holds is written: then the PONG says the server
+    has them all (nats-py's flush writes its PING ahead of the commands its flusher task
+    has not written yet, such as the SUB of a subscription just made)."""
+    write_pending = getattr(nc, NATS_PENDING, None)
+    if not callable(write_pending):
+        raise RuntimeError(
+            f"nats-py no longer has Client.{NATS_PENDING}: events/natspy.py must be taught how to have its "
+            "pending commands written before a flush"
+        )
+    await write_pending(force_flush=True)
+    await nc.flush(timeout)
 
 
 def parse_header_block(raw: bytes) -> dict[str, str]:

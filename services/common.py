@@ -52,6 +52,7 @@ from prometheus_client import Counter
 
 from events.codec import decode_reply, decode_request, encode
 from events.errors import ContractError, invalid, unavailable
+from events.natspy import flush_in_order
 from events.schema import ID_PATTERN, Base, ErrorCode
 from events.subjects import bucket_name, service_subject, services_inbox
 
@@ -382,7 +383,7 @@ async def add_endpoints(
         subject = service_subject(prefix, service, spec.verb, "*" if spec.per_entity else None)
         await svc.add_endpoint(name=spec.verb, subject=subject, handler=wrap(spec, service),
                                metadata=spec.metadata())
-    await nc.flush()  # the server has the subscriptions: requests sent after this are served
+    await flush_in_order(nc)  # the server has the subscriptions: requests sent after this are served
     return svc
 
 

@@ -15,6 +15,7 @@ import pytest
 
 from events.compat import same_version
 from events.errors import ContractError
+from events.natspy import flush_in_order
 from events.probe import probe_version
 from events.schema import ErrorCode, RuntimeChanged, WorkerDrained, WorkerRegistered, WorkerRemoved
 from events.subjects import bucket_name, service_subject
@@ -69,6 +70,7 @@ async def test_a_registry_away_for_less_than_the_ttl_does_not_get_a_live_agent_r
         stored.put_nowait(time.monotonic())
 
     sub = await nc.subscribe(f"$KV.{bucket_name(prefix, 'heartbeats')}.w-a", cb=put)
+    await flush_in_order(nc)
     try:
         async with running_agent(nats_url, prefix, path):
             async with running_registry(nats_url, prefix, ttl_s=ttl):
@@ -168,7 +170,7 @@ async def test_a_drain_on_exit_waits_for_the_registration_still_on_its_way(nats_
                 sent.set()
 
             spy = await nc.subscribe(service_subject(prefix, "registry", "register", worker_id), cb=on_register)
-            await nc.flush()
+            await flush_in_order(nc)  # the server has the spy before the agent registers
             agent = Agent(nats_url, worker_id, "node-a", path, prefix=prefix, drain_on_exit=True, probe=PROBE)
             stop = asyncio.Event()
             task = asyncio.create_task(agent.run(stop))

@@ -28,6 +28,7 @@ from events.jetstream import (
     StoreUnavailableError,
 )
 from events.jetstream.link import ConnectOptions, Link, links_on
+from events.natspy import flush_in_order
 from events.schema import (
     ActorStopped,
     Attribute,
@@ -514,7 +515,7 @@ def test_a_refusal_of_expectations_all_given_is_a_conflict_without_reading_every
         subs = link.call(watch())
         with pytest.raises(IntegrityError):
             app.save(tally, ledger, expected_last_seqs={"ledger.w-1": 0, "tally.a-2": 0})
-        link.call(link.nc.flush())  # every request the save published has reached the subscriptions
+        link.call(flush_in_order(link.nc))  # every request the save published has reached the subscriptions
         assert [sub.pending_msgs for sub in subs] == [0, 0]
         assert app.recorder.max_notification_id() == before  # nothing written
         with pytest.raises(AggregateNotFoundError):

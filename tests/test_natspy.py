@@ -288,3 +288,57 @@ def test_the_frame_reader_forgets_a_frame_begun_before_a_reconnect():
 
     assert asyncio.run(run()) == [("info", {}),
                                   ("direct", b"t.s1", b"$JS.ACK.S.C.1.3.4.5.0", b"y", b"NATS/1.0\r\n\r\n")]
+
+
+async def test_a_flush_in_order_says_the_server_has_the_subscriptions_made_before_it(nats_url):
+    """nats-py's flush writes its PING straight to the socket, ahead of the SUB of a subscription
+    its flusher task has not written yet: the PONG then says nothing of that subscription (a
+    service flushed after subscribing, and a request sent right after could find no responders).
+    `flush_in_order` has the pending commands written first."""
+    import nats
+
+    from events.natspy import flush_in_order
+
+    nc = await nats.connect(nats_url)
+    try:
+        written: list[bytes] = []
+        transport = nc._transport
+        write, writelines = transport.write, transport.writelines
+
+        def recorded_write(data):
+            written.append(bytes(data))
+            return write(data)
+
+        def recorded_writelines(lines):
+            written.extend(bytes(line) for line in lines)
+            return writelines(lines)
+
+        transport.write, transport.writelines = recorded_write, recorded_writelines
+
+        def order(subject: bytes) -> tuple[int, int]:
+            sub = next(i for i, data in enumerate(written) if data.startswith(b"SUB " + subject))
+            ping = next(i for i, data in enumerate(written) if data == b"PING\r\n")
+            return sub, ping
+
+        await nc.subscribe("t.plain")
+        await nc.flush()
+        sub, ping = order(b"t.plain")
+        assert ping < sub  # nats-py's own flush: the PING went first (if this fails, nats-py changed)
+        written.clear()
+        await nc.subscribe("t.ordered")
+        await flush_in_order(nc)
+        sub, ping = order(b"t.ordered")
+        assert sub < ping
+    finally:
+        await nc.close()
+
+
+def test_a_flush_in_order_refuses_a_nats_py_without_what_it_relies_on(monkeypatch):
+    import asyncio
+
+    from events.natspy import NATS_PENDING, flush_in_order
+
+    assert callable(getattr(Client, NATS_PENDING, None))
+    monkeypatch.delattr(Client, NATS_PENDING)
+    with pytest.raises(RuntimeError, match="natspy"):
+        asyncio.run(flush_in_order(Client()))

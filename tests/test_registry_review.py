@@ -19,7 +19,7 @@ from events.errors import ContractError
 from events.jetstream import TOPIC_HEADER, VERSION_HEADER
 from events.schema import ErrorCode, Heartbeat, RegisterWorker, WorkerRegistered, WorkerRemoved
 from events.subjects import bucket_name, stream_name
-from events.natspy import Replies
+from events.natspy import Replies, flush_in_order
 from services.registry.liveness import Liveness
 from services.registry.roster import Roster
 from tests.registry_helpers import (
@@ -71,7 +71,7 @@ async def test_stopping_the_fold_ends_the_heartbeats_waiting_on_its_barrier(nats
 
         # The round is under way (its waiters taken) once it asks the leader for that event.
         sub = await nc.subscribe(f"$JS.API.STREAM.MSG.GET.{stream_name(prefix)}", cb=tap)
-        await nc.flush()
+        await flush_in_order(nc)
         waiting = asyncio.create_task(one.fold.current())
         await asyncio.wait_for(asked.wait(), BOUND_S)
         await sub.unsubscribe()

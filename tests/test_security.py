@@ -50,6 +50,7 @@ from events.schema import (
     WorkerRegistered,
 )
 from events.subjects import bucket_name, event_subject, service_subject, stream_name
+from events.natspy import flush_in_order
 from services.common import call
 from tests.factories import last_seq
 from tests.registry_helpers import CPUINFO, PROBE, agent_config, registration, wait_event
@@ -316,7 +317,7 @@ async def test_a_reply_subject_with_a_wildcard_is_not_answered(deployment):
         received.append(msg.subject)
 
     spy = await d.w_2.nc.subscribe("_INBOX.w-2.>", cb=seen)
-    await d.w_2.nc.flush()
+    await flush_in_order(d.w_2.nc)
     dropped = d.dropped("registry", "heartbeat", "wildcard")
     replies = ("_INBOX.w-2.>", "_INBOX.w-2.*.*", "_INBOX.w-2.*", "_INBOX.>", "_INBOX.*.>")
     for reply in replies:
@@ -413,11 +414,11 @@ async def test_an_operator_cannot_delete_consumers_nor_read_the_services_inboxes
         arrived.set()
 
     spy = await d.ops.nc.subscribe("_INBOX.ops.>", cb=on_msg)
-    await d.ops.nc.flush()
+    await flush_in_order(d.ops.nc)
     await d.svc.nc.jetstream().stream_info(STREAM)  # its reply goes to the services' inbox
     await call(d.w_1.nc, sub("registry", "heartbeat", "w-1"), Heartbeat(), HeartbeatReply)
     await d.svc.nc.publish("_INBOX.marker", b"")  # an inbox subject of the deployment's account
-    await d.svc.nc.flush()
+    await flush_in_order(d.svc.nc)
     # its own request, after all of the above: its reply is the first thing its inboxes get
     mine = await d.ops.nc.request("$SRV.PING.warmboot-registry", b"", timeout=10)
 

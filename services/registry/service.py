@@ -45,6 +45,7 @@ from prometheus_client import Counter
 
 from events.aggregate import Recorded, WireApplication, now
 from events.errors import ContractError, invalid, unavailable
+from events.natspy import flush_in_order
 from events.schema import (
     DrainWorker,
     Heartbeat,
@@ -284,7 +285,7 @@ class RegistryService:
                 EndpointSpec("remove", RemoveWorker, self.remove),
             ],
         )
-        await self.nc.flush()  # the server has our subscriptions: we serve when start() returns
+        await flush_in_order(self.nc)  # the server has our subscriptions: we serve when start() returns
         return self
 
     async def stop(self) -> None:
