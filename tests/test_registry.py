@@ -549,7 +549,7 @@ async def test_a_replica_stopping_hands_back_the_expiries_it_holds(nats_url, nc,
     markers it has not handled: it hands them back, and the other replica removes those
     workers now, not once the consumer's ack wait (30 s) has passed."""
     workers = [f"w-{i:02d}" for i in range(40)]
-    async with running_registry(nats_url, prefix, ttl_s=1) as keeps:
+    async with running_registry(nats_url, prefix, ttl_s=1):  # the replica that keeps sweeping
         async with running_registry(nats_url, prefix, ttl_s=1) as stops:
             held = asyncio.Event()
 
