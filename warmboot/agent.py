@@ -15,10 +15,11 @@ The agent then:
   again more often as the TTL of its last stored beat runs out, so that it is
   heard as soon as the registry is back;
 - re-registers when the file's content changes, or what the probe reads of this
-  machine (read again every 10 s: a CPU that changed under it), so an operator rolls out v2 by making it
-  the default and moving v1 into `restorable_runtimes`; an edit the agent cannot
-  use (bad TOML, a rule broken) is logged and the last good registration stays in
-  force, and so does one the registry refuses (a change of class);
+  machine (read again every 10 s: a CPU that changed under it), so an operator
+  rolls out v2 by making it the default and moving v1 into `restorable_runtimes`;
+  an edit the agent cannot use (bad TOML, a rule broken) is logged and the last
+  good registration stays in force, and so does one the registry refuses (a change
+  of class);
 - re-registers after the connection comes back (a NATS restart), and when a
   heartbeat answers NOT_FOUND (the worker was removed, e.g. as LOST): with what the
   file and the probe say now (a change of class the registry refused is taken up
