@@ -21,7 +21,7 @@ from eventsourcing.application import Application
 from eventsourcing.persistence import Mapper, StoredEvent
 
 from events.codec import decoder, encode
-from events.errors import precondition
+from events.errors import ContractError, precondition
 from events.schema import EVENT_TYPES, Event
 
 AGGREGATE_KINDS: dict[str, type["WireAggregate"]] = {}
@@ -98,6 +98,9 @@ class WireAggregate:
     KIND: ClassVar[str]
     # verb -> whether an event is what a request of that verb records first
     VERB_FIRST: ClassVar[dict[str, Callable[[Event], bool]]] = {}
+    # the verb whose request starts a new life of an entity that is not alive (register, create)
+    LIFE_VERB: ClassVar[str | None] = None
+    alive: bool = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -142,22 +145,27 @@ class WireAggregate:
         """Whether `body` begins a new life of the entity (request ids are scoped to one)."""
         return False
 
-    def prior(self, verb: str, request_id: str | None, *, new_life: bool = False) -> list[int]:
+    def request_starts_life(self, verb: str) -> bool:
+        """Whether a request of `verb` starts a new life (then no earlier request answers it)."""
+        return verb == self.LIFE_VERB and not self.alive
+
+    def reused(self, request_id: str, what: str) -> ContractError:
+        """The refusal of a request whose id an earlier request of another verb used (`what` it did)."""
+        return precondition(f"request_id {request_id!r} was already used for another request on "
+                            f"{self.KIND} {self.entity_id!r} ({what})", "request_id")
+
+    def prior(self, verb: str, request_id: str | None) -> list[int]:
         """Versions of the events an earlier `verb` request with `request_id` recorded in
-        this life, oldest first; empty if none (or `new_life`: the request starts one).
+        this life, oldest first; empty if none (or if this request starts a new life).
         Raises FAILED_PRECONDITION if the id recorded another verb's events."""
-        if request_id is None or new_life:
+        if request_id is None or self.request_starts_life(verb):
             return []
         start = self.life_start
         versions = [v for v in self.request_versions.get(request_id, ()) if v >= start]
         if versions:
             first = self.history[versions[0] - 1]
             if not self.VERB_FIRST[verb](first):
-                raise precondition(
-                    f"request_id {request_id!r} was already used for another request on "
-                    f"{self.KIND} {self.entity_id!r} (it recorded {type(first).__name__})",
-                    "request_id",
-                )
+                raise self.reused(request_id, f"it recorded {type(first).__name__}")
         return versions
 
     def events_at(self, versions: list[int]) -> list[Event]:

@@ -468,7 +468,7 @@ class NoWriteAnswers:
     the history does not answer is decided: after the entity was read, so a change the
     entity shows came after the kept answer was there to be read. It is honoured within
     the entity's current life only (`Kept.version`), and for the verb it was kept for
-    (another verb reusing the id is refused, as `prior` refuses one). Called from a
+    (another verb reusing the id is refused, as `WireAggregate.prior` refuses one). Called from a
     command's thread (`run_command`): it waits for the service's own event loop, which
     does the reads and writes on the service's connection.
     """
@@ -497,13 +497,12 @@ class NoWriteAnswers:
         except Exception as error:
             raise unavailable(f"the reply cache did not answer ({type(error).__name__}: {error}); try again") from None
 
-    def recall(self, aggregate: Any, verb: str, request_id: str | None, reply_type: type[T],
-               new_life: bool = False) -> tuple[T, int] | None:
+    def recall(self, aggregate: Any, verb: str, request_id: str | None, reply_type: type[T]) -> tuple[T, int] | None:
         """The kept answer (reply, version) of an earlier `verb` request with `request_id` in the
-        aggregate's current life, if any (none when this request starts a `new_life`);
+        aggregate's current life, if any (none when this request starts a new one);
         FAILED_PRECONDITION if one was kept for another verb."""
-        if request_id is None or new_life or not aggregate.version:  # no history: it answered nothing
-            return None
+        if request_id is None or not aggregate.version or aggregate.request_starts_life(verb):
+            return None  # no history has answered anything, and a new life is answered by none
         data = self._run(self.replies.get(self._key(aggregate.entity_id, request_id)))
         if not data:
             return None
@@ -514,12 +513,7 @@ class NoWriteAnswers:
         if not aggregate.life_start <= kept.version <= aggregate.version:
             return None  # an earlier life's (request ids are scoped to one)
         if kept.verb != verb:
-            raise ContractError(
-                ErrorCode.FAILED_PRECONDITION,
-                f"request_id {request_id!r} was already used for another request on {aggregate.KIND} "
-                f"{aggregate.entity_id!r} (a {kept.verb} that changed nothing)",
-                "request_id",
-            )
+            raise aggregate.reused(request_id, f"a {kept.verb} that changed nothing")
         return msgspec.json.decode(kept.reply, type=reply_type), kept.version
 
     def keep(self, aggregate: Any, verb: str, request_id: str | None, reply: Base) -> None:

@@ -400,6 +400,9 @@ async def test_the_answers_of_requests_that_wrote_nothing_are_read_from_a_comman
     class Entity:
         KIND, entity_id, version, life_start = "worker", "w", 1, 1
 
+        def request_starts_life(self, verb: str) -> bool:
+            return False
+
     with pytest.raises(RuntimeError, match="thread"):
         answers.recall(Entity(), "register", "r-1", dict)
     assert await asyncio.to_thread(answers.recall, Entity(), "register", "r-1", dict) is None  # nothing kept

@@ -105,6 +105,7 @@ class Worker(WireAggregate):
     """One worker's history (`worker.<worker_id>`): registrations, drains, removals."""
 
     KIND = "worker"
+    LIFE_VERB = "register"  # a registration of a removed (or never registered) worker starts a life
     VERB_FIRST = {
         "register": lambda e: isinstance(e, (WorkerRegistered, RuntimeChanged, WorkerUpdated)),
         "drain": lambda e: isinstance(e, WorkerDrained),
@@ -201,11 +202,6 @@ class Worker(WireAggregate):
             if self.lives:
                 raise not_found(f"worker {self.entity_id!r} was removed ({self.removed_reason or 'no reason'})")
             raise not_found(f"worker {self.entity_id!r} is not registered")
-
-    def answered(self, verb: str, request_id: str | None) -> list[int]:
-        """Versions of the events an earlier `verb` request with this request_id wrote in
-        this life (`WireAggregate.prior`); a registration of a removed worker starts a new one."""
-        return self.prior(verb, request_id, new_life=verb == "register" and not self.alive)
 
     def _check_same_classes(self, classes: tuple[WorkerSandboxClass, ...]) -> None:
         have, want = _names(self.sandbox_classes), _names(classes)

@@ -154,8 +154,7 @@ class RegistryStore(WireApplication):
         """The answer an earlier request with this id kept because it wrote nothing (`no_writes`)."""
         if self.no_writes is None:
             return None
-        kept = self.no_writes.recall(worker, verb, request_id, RegisterReply if verb == "register" else SeqReply,
-                                     new_life=verb == "register" and not worker.alive)
+        kept = self.no_writes.recall(worker, verb, request_id, RegisterReply if verb == "register" else SeqReply)
         if kept is None:
             return None
         reply, version = kept
@@ -163,7 +162,7 @@ class RegistryStore(WireApplication):
 
     def register(self, request: RegisterWorker, at: datetime) -> Decided:
         worker = self.load(request.worker_id)
-        earlier = worker.answered("register", request.request_id)
+        earlier = worker.prior("register", request.request_id)
         if earlier:
             return self._replay(worker, earlier, register_outcome(worker.events_at(earlier)))
         kept = self._kept(worker, "register", request.request_id)
@@ -174,7 +173,7 @@ class RegistryStore(WireApplication):
 
     def drain(self, worker_id: str, request: DrainWorker, at: datetime) -> Decided:
         worker = self.load(worker_id)
-        earlier = worker.answered("drain", request.request_id)
+        earlier = worker.prior("drain", request.request_id)
         if earlier:
             return self._replay(worker, earlier)
         kept = self._kept(worker, "drain", request.request_id)
@@ -185,7 +184,7 @@ class RegistryStore(WireApplication):
 
     def remove(self, worker_id: str, request: RemoveWorker, at: datetime) -> Decided:
         worker = self.load(worker_id)
-        earlier = worker.answered("remove", request.request_id)
+        earlier = worker.prior("remove", request.request_id)
         if earlier:
             return self._replay(worker, earlier)
         kept = self._kept(worker, "remove", request.request_id)

@@ -110,6 +110,7 @@ class Actor(WireAggregate):
     """One actor's history `actor.<actor_id>`: written by the snapshotter and the scheduler."""
 
     KIND = "actor"
+    LIFE_VERB = "create"  # a create of an absent or stopped actor starts a life
     VERB_FIRST = {
         "create": lambda e: isinstance(e, ActorCreated),
         "pause": _taken(SnapshotOrigin.PAUSE),
@@ -161,11 +162,6 @@ class Actor(WireAggregate):
     def alive(self) -> bool:
         """Created and not stopped since: a create now would not start a new life."""
         return self.state is not None and self.state is not ActorState.STOPPED
-
-    def answered(self, verb: str, request_id: str | None) -> list[int]:
-        """Versions an earlier `verb` request with this id recorded in this life
-        (`WireAggregate.prior`); a create of an absent or stopped actor starts a new one."""
-        return self.prior(verb, request_id, new_life=verb == "create" and not self.alive)
 
     def starts_life(self, body: Event) -> bool:
         return isinstance(body, ActorCreated)

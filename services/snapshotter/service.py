@@ -105,7 +105,7 @@ def answer_from_history(actor: Actor, verb: str, request_id: str | None) -> Base
 
     Only the snapshotter's own events count: a resume that reused the id (the scheduler does
     not refuse one) recorded an ActorPlaced with it, which is not this request's answer."""
-    versions = [v for v in actor.answered(verb, request_id) if not isinstance(actor.history[v - 1], ActorPlaced)]
+    versions = [v for v in actor.prior(verb, request_id) if not isinstance(actor.history[v - 1], ActorPlaced)]
     if not versions:
         return None
     first = actor.history[versions[0] - 1]
