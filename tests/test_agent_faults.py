@@ -56,8 +56,8 @@ def test_retries_come_closer_together_as_the_last_beats_ttl_runs_out():
 
 
 async def test_a_registry_away_for_less_than_the_ttl_does_not_get_a_live_agent_removed(nats_url, nc, prefix, tmp_path):
-    """TTL 9 s, a beat every 3 s. The only registry replica goes away just before a beat is
-    due and comes back 4 s later, with 2 s of the TTL of the last stored beat left. Doubling
+    """TTL 9 s, a beat every 3 s. The only registry replica goes away right after a beat
+    and comes back 7 s later, with 2 s of the TTL of that beat left. Doubling
     to a 5 s cap, the agent's next attempts would have been 3.2 s and then 5 s apart, the
     last one after the expiry; they come closer together as the TTL runs out, and one lands
     in time: the worker, whose agent ran all along, is not removed."""
@@ -78,9 +78,9 @@ async def test_a_registry_away_for_less_than_the_ttl_does_not_get_a_live_agent_r
                 await stored.get()  # the registration's beat
                 await stored.get()  # the heartbeat that tells the agent the TTL
                 beat = await asyncio.wait_for(stored.get(), ttl)  # a regular beat, a third of the TTL later
-                # away from just before the next one is due (pacing the outage, not a synchronisation)
-                await asyncio.sleep(beat + ttl / 3 - 0.3 - time.monotonic())
-            await asyncio.sleep(beat + ttl - 2.0 - time.monotonic())  # back with 2 s of the TTL left
+            # away from right after it until 2 s of its TTL are left: the outage is measured against the
+            # TTL, a clock, so it is paced by one (no event stands for "2 s before the expiry")
+            await asyncio.sleep(beat + ttl - 2.0 - time.monotonic())
             async with running_registry(nats_url, prefix, ttl_s=ttl):
                 back = await asyncio.wait_for(stored.get(), 2.5)
                 assert back < beat + ttl  # heard before the expiry
