@@ -19,7 +19,8 @@ from events.natspy import flush_in_order
 from events.probe import probe_version
 from events.schema import ErrorCode, RuntimeChanged, WorkerDrained, WorkerRegistered, WorkerRemoved
 from events.subjects import bucket_name, service_subject
-from tests.registry_helpers import CPUINFO, PROBE, agent_config, raw_request, running_registry, wait_event, worker_events
+from tests.registry_helpers import (CPUINFO, PROBE, agent_config, raw_request, running_registry, wait_event,
+                                    worker_events)
 from tests.test_agent import running_agent
 from warmboot.agent import RETRY_MAX_S, RETRY_MIN_S, Agent, ProbeSettings, next_delay
 

@@ -1,10 +1,10 @@
 """The scheduler's fold reads its stream through `events.natspy.deliver_directly`: data
 messages are handed from the connection's read loop straight to the fold (its frame
 reader reads ahead of nats-py's parser), everything else takes nats-py's own path. On a
-real server: the bookkeeping of the ordered consumer is what nats-py's path leaves, a pause hands messages to nats-py's path and nothing is folded
-out of order or twice, a consumer lost on the server is re-created by nats-py and the
-fold carries on from where it was, and a backlog large enough for flow control is read
-to its end."""
+real server: the bookkeeping of the ordered consumer is what nats-py's path leaves, a
+pause hands messages to nats-py's path and nothing is folded out of order or twice, a
+consumer lost on the server is re-created by nats-py and the fold carries on from where
+it was, and a backlog large enough for flow control is read to its end."""
 
 from __future__ import annotations
 

@@ -22,8 +22,9 @@ same append). A request that writes nothing (`UNCHANGED`, draining a drained wor
 answers the sequence of the worker's last event, which includes everything it was
 answered from; with a request id, that answer is kept in the reply bucket before it is
 given (`services.common.NoWriteAnswers`), so its retry, or a copy a stalled replica
-decides late, gets it too instead of being decided again on a later state. A repeated `request_id` is answered from the worker's history, where
-every event names the request that caused it (scoped to the worker's current life:
+decides late, gets it too instead of being decided again on a later state. A repeated
+`request_id` is answered from the worker's history, where every event names the
+request that caused it (scoped to the worker's current life:
 `events.aggregate.WireAggregate.prior`), so the answer is decided where the write
 happens, also after a lost reply or a crash between commit and reply.
 """
