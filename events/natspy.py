@@ -35,6 +35,10 @@ replay of the log, or says less than needed, the gap is closed here and nowhere 
   control), a delivery out of order (nats-py resets the consumer), a subject in another
   format, and every message while the caller says it is not ready (its own callback
   then gets them, in order). It can measure the CPU the deliveries cost (`on_cpu`).
+- `deliver_core`: the same for a core NATS subscription whose messages are handled
+  each on its own (the services' request endpoints, `Replies`' inbox): its messages go
+  from the read loop to a synchronous callback, as the `Msg` nats-py would have built,
+  without the parser's regular expression, the subscription's queue and its task.
 - `flush_in_order`: a flush whose PONG says the server has every command sent before
   it. nats-py's `flush` writes its PING straight to the socket, ahead of the commands
   its flusher task has not written yet (the SUB of a subscription just made): a
@@ -43,7 +47,8 @@ replay of the log, or says less than needed, the gap is closed here and nowhere 
 - `Replies`: many requests in flight over one wildcard inbox, each answered into a
   future. nats-py's `request` arms a timer (`wait_for`) and draws a NUID per call,
   and `publish_async` a timer per call on its semaphore; at thousands of requests a
-  second that is a good part of what a request costs. Here one task checks deadlines.
+  second that is a good part of what a request costs. Here one task checks deadlines,
+  and the replies are delivered directly (`deliver_core`).
 """
 
 from __future__ import annotations
@@ -226,6 +231,42 @@ class _Direct:
         return True
 
 
+class _Core:
+    """One core NATS subscription delivered directly (see `deliver_core`)."""
+
+    __slots__ = ("nc", "sub", "on_msg", "ready", "on_cpu")
+
+    def __init__(self, nc: Any, sub: Any, on_msg: Callable[[Msg], None], ready: Callable[[], bool]):
+        self.nc = nc
+        self.sub = sub
+        self.on_msg = on_msg
+        self.ready = ready
+        self.on_cpu = None  # not measured
+
+    def take(self, subject: bytes, reply: bytes, data: bytes, headers: bytes | None) -> bool:
+        """Hand a message to `on_msg` as nats-py's `_process_msg` would hand it to the
+        subscription's callback; False (nothing done) for anything nats-py must see itself."""
+        if headers is not None and not headers.startswith(_HEADER_LINE):  # a status
+            return False
+        sub = self.sub
+        if sub._jsi is not None or sub._future is not None or sub._max_msgs > 0 or not self.ready():
+            return False
+        nc = self.nc
+        stats = nc.stats
+        stats["in_msgs"] += 1
+        stats["in_bytes"] += len(data)
+        sub._received += 1
+        # nats-py reads the lines after `NATS/1.0\r\n` (an empty block gives {}, not None)
+        parsed = parse_header_lines(headers[len(_HEADER_LINE):]) if headers is not None else None
+        msg = nc.msg_class(subject=subject.decode(), reply=reply.decode(), data=data, headers=parsed,
+                           _client=nc, _sid=sub._id)
+        try:
+            self.on_msg(msg)
+        except Exception:  # as nats-py reports an exception of a subscription's callback: not fatal
+            log.exception("handling a message on %s failed", subject)
+        return True
+
+
 class _Frames:
     """The frame reader of one connection: what its read loop hands nats-py's parser, read
     frame by frame ahead of it.
@@ -244,13 +285,18 @@ class _Frames:
 
     __slots__ = ("nc", "ps", "routes", "pieces", "have", "need")
 
-    def __init__(self, nc: Any, routes: dict[int, _Direct]):
+    def __init__(self, nc: Any, routes: dict[int, "_Direct | _Core"]):
         self.nc = nc
         self.ps = getattr(nc, NATS_PROTOCOL)
         self.routes = routes
         self.pieces: list[bytes] = []  # the beginning of a frame whose end has not been read yet
         self.have = 0  # bytes in `pieces`
         self.need = 0  # bytes the frame begun in `pieces` has, once its control line is read
+
+    def route(self, route: "_Direct | _Core") -> DirectDelivery:
+        """Hand `route` the messages of its subscription from now on."""
+        self.routes[id(route.sub)] = route
+        return DirectDelivery(self.routes, route)
 
     def reset(self) -> None:
         self.pieces, self.have, self.need = [], 0, 0
@@ -341,10 +387,10 @@ def _tell(on_cpu: Callable[[float], None], seconds: float) -> None:
 
 
 class DirectDelivery:
-    """What `deliver_directly` installed for one subscription; `close()` ends it (its messages
-    take nats-py's path again)."""
+    """What `deliver_directly` or `deliver_core` installed for one subscription; `close()` ends it
+    (its messages take nats-py's path again)."""
 
-    def __init__(self, routes: dict[int, _Direct], route: _Direct):
+    def __init__(self, routes: dict[int, "_Direct | _Core"], route: "_Direct | _Core"):
         self._routes = routes
         self._route = route
 
@@ -368,6 +414,36 @@ def deliver_directly(nc: Any, psub: Any, handler: DirectHandler, ready: Callable
     told the thread CPU of each run of consecutive deliveries of the subscription (two
     clock reads per run, not per message), the reading of each message and the handler's
     work; not the wake-ups of the loop that brought them."""
+    frames = _frames(nc)
+    return frames.route(_Direct(psub._sub, handler, ready, nc.stats, wanted, on_cpu))
+
+
+def deliver_core(nc: Any, sub: Any, on_msg: Callable[[Msg], None],
+                 ready: Callable[[], bool] = lambda: True) -> DirectDelivery:
+    """Hand the messages of `sub` (a core NATS subscription of `nc`, made with a callback) to
+    `on_msg` from the connection's read loop, while `ready()`, instead of to the subscription's
+    queue and task.
+
+    `on_msg` gets the message nats-py would have handed the callback (the same `Msg`, the
+    same headers), and runs synchronously in the connection's read loop: it must not block
+    (a task it starts is its own). nats-py's own path still takes every status message
+    (a 503 "no responders", say), and every message while `ready()` is false: the
+    subscription's callback must handle those, in the same way. So this is for a
+    subscription whose callback does not depend on the order of its messages (each request,
+    or each reply, handled on its own). nats-py's subscription counters are kept as it
+    keeps them; a subscription of a request (`_future`), of JetStream, or with a limit of
+    messages is left to nats-py altogether."""
+    missing = [name for name in ("_jsi", "_future", "_max_msgs", "_received", "_id") if not hasattr(sub, name)]
+    if missing or not isinstance(getattr(nc, "stats", None), dict):
+        raise RuntimeError(
+            f"nats-py's Subscription no longer has {', '.join(missing) or 'its connection stats'} as "
+            "events/natspy.py reads them: teach `_Core` the new ones (or drop direct delivery)"
+        )
+    return _frames(nc).route(_Core(nc, sub, on_msg, ready))
+
+
+def _frames(nc: Any) -> _Frames:
+    """The connection's frame reader, installed on its first route."""
     ps = getattr(nc, NATS_PROTOCOL, None)
     if not isinstance(ps, nats_parser.Parser) or not all(
             hasattr(ps, name) for name in ("buf", "state", "needed")) or not all(
@@ -382,9 +458,7 @@ def deliver_directly(nc: Any, psub: Any, handler: DirectHandler, ready: Callable
         nc._warmboot_frames = frames
         ps.parse = frames.parse  # the read loop's `self._ps.parse(chunk)` and reconnect's `reset()`
         ps.reset = frames.reset
-    route = _Direct(psub._sub, handler, ready, nc.stats, wanted, on_cpu)
-    frames.routes[id(psub._sub)] = route
-    return DirectDelivery(frames.routes, route)
+    return frames
 
 
 async def flush_in_order(nc: Any, timeout: float = 10.0) -> None:
@@ -446,16 +520,21 @@ class Replies:
         self._tokens = itertools.count(1)
         self._inbox = ""
         self._sub: Any = None
+        self._direct: DirectDelivery | None = None
         self._watch: asyncio.Task[None] | None = None
 
     async def start(self) -> "Replies":
         self._inbox = self.nc.new_inbox() + "."
         self._sub = await self.nc.subscribe(self._inbox + "*", cb=self._on_reply)
+        self._direct = deliver_core(self.nc, self._sub, self._reply)
         self._watch = asyncio.create_task(self._expire(), name="replies-deadlines")
         return self
 
     async def stop(self) -> None:
         sub, self._sub = self._sub, None  # first: no request is sent from here on
+        if self._direct is not None:
+            self._direct.close()
+            self._direct = None
         if self._watch is not None:
             await cancel_and_wait(self._watch)
             self._watch = None
@@ -486,7 +565,10 @@ class Replies:
             raise
         return future
 
-    async def _on_reply(self, msg: Msg) -> None:
+    async def _on_reply(self, msg: Msg) -> None:  # a status (503), or a reply while direct delivery was not installed
+        self._reply(msg)
+
+    def _reply(self, msg: Msg) -> None:
         entry = self._pending.pop(msg.subject[len(self._inbox):], None)
         if entry is None or entry[0].done():
             return  # too late: its request timed out

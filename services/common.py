@@ -25,6 +25,8 @@ A service handler is `async (entity_id, request) -> reply Struct`; it raises
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import gc
 import hashlib
 import logging
@@ -52,7 +54,7 @@ from prometheus_client import Counter
 
 from events.codec import decode_reply, decode_request, encode
 from events.errors import ContractError, invalid, unavailable
-from events.natspy import flush_in_order
+from events.natspy import DirectDelivery, deliver_core, flush_in_order
 from events.schema import ID_PATTERN, Base, ErrorCode
 from events.subjects import bucket_name, service_subject, services_inbox
 
@@ -271,15 +273,41 @@ class ConcurrentEndpoint(Endpoint):
     def __init__(self, service: "MicroService", config: EndpointConfig):
         super().__init__(service, config)
         self._micro = service
+        self._direct: DirectDelivery | None = None
+
+    async def _start(self) -> None:
+        await super()._start()
+        # While a slot is free, a request goes from the connection's read loop straight to
+        # its task (`deliver_core`); when none is, nats-py's path holds it in the
+        # subscription's queue, and `_handle_request` waits for a slot.
+        self._direct = deliver_core(self._service._client, self._subscription, self._admit,
+                                    ready=self._micro.slots.free_now)
+
+    async def _stop(self) -> None:
+        if self._direct is not None:
+            self._direct.close()
+            self._direct = None
+        await super()._stop()
+
+    def _allowed(self, msg: Msg) -> bool:
+        reply = msg.reply
+        if reply and self._micro.guard.allowed(reply):
+            return True
+        self._micro.guard.drop(self._name, msg.subject, reply)
+        return False
+
+    def _admit(self, msg: Msg) -> None:
+        """A request delivered directly, so while a slot is free: it takes the slot now."""
+        if self._allowed(msg):
+            if not self._micro.slots.take_now():
+                raise RuntimeError("a request was delivered directly with no slot free")  # logged, dropped
+            self._micro.track(asyncio.create_task(self._serve(Request(msg), time.perf_counter_ns())))
 
     async def _handle_request(self, msg: Msg) -> None:
-        reply = msg.reply
-        if not (reply and self._micro.guard.allowed(reply)):
-            self._micro.guard.drop(self._name, msg.subject, reply)
-            return
-        start = time.perf_counter_ns()
-        await self._micro.slots.acquire()
-        self._micro.track(asyncio.create_task(self._serve(Request(msg), start)))
+        if self._allowed(msg):
+            start = time.perf_counter_ns()
+            await self._micro.slots.take()
+            self._micro.track(asyncio.create_task(self._serve(Request(msg), start)))
 
     async def _serve(self, request: Request, start: int) -> None:
         error = None
@@ -299,6 +327,49 @@ class ConcurrentEndpoint(Endpoint):
         self._average_processing_time = self._processing_time // self._num_requests
 
 
+class Slots:
+    """At most `size` holders at once. `take_now` takes a free slot without waiting (False when
+    none is free, or someone waits for one); `take` waits its turn, first come first served;
+    `give` hands a slot to the first waiter, or frees it. (`asyncio.Semaphore` has no taking
+    without an await, which a request delivered from the read loop needs.)"""
+
+    def __init__(self, size: int):
+        self.free = size
+        self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    def free_now(self) -> bool:
+        return self.free > 0 and not self._waiting
+
+    def take_now(self) -> bool:
+        if self.free_now():
+            self.free -= 1
+            return True
+        return False
+
+    async def take(self) -> None:
+        if self.take_now():
+            return
+        turn = asyncio.get_running_loop().create_future()
+        self._waiting.append(turn)
+        try:
+            await turn
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():
+                self.give()  # handed a slot as it was cancelled: to the next
+            else:
+                with contextlib.suppress(ValueError):
+                    self._waiting.remove(turn)
+            raise
+
+    def give(self) -> None:
+        while self._waiting:
+            turn = self._waiting.popleft()
+            if not turn.done():
+                turn.set_result(None)
+                return
+        self.free += 1
+
+
 class MicroService(Service):
     """A nats.micro service whose endpoints answer requests concurrently and only to inboxes.
 
@@ -310,7 +381,7 @@ class MicroService(Service):
                  guard: ReplyGuard | None = None):
         super().__init__(nc, config)
         self.guard = guard or ReplyGuard(config.name, (config.metadata or {}).get("prefix", ""))
-        self.slots = asyncio.Semaphore(max_concurrent)
+        self.slots = Slots(max_concurrent)
         self._tasks: set[asyncio.Task[None]] = set()
 
     def track(self, task: asyncio.Task[None]) -> None:
@@ -319,7 +390,7 @@ class MicroService(Service):
 
     def _finished(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
-        self.slots.release()
+        self.slots.give()
 
     async def add_endpoint(self, config: EndpointConfig | None = None, **kwargs: Any) -> None:
         config = EndpointConfig(**kwargs) if config is None else config

@@ -6,6 +6,8 @@ fails here, loudly, instead of leaving replays silently slower."""
 
 from __future__ import annotations
 
+import asyncio
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from nats.aio.client import Client
@@ -288,6 +290,107 @@ def test_the_frame_reader_forgets_a_frame_begun_before_a_reconnect():
 
     assert asyncio.run(run()) == [("info", {}),
                                   ("direct", b"t.s1", b"$JS.ACK.S.C.1.3.4.5.0", b"y", b"NATS/1.0\r\n\r\n")]
+
+
+# --- direct delivery of a core subscription (`deliver_core`) on a real server -------------------
+
+_CORE_MESSAGES = [  # subject, reply, headers, body
+    ("t.core.a", "", None, b""),
+    ("t.core.b", "_INBOX.x.1", None, b"{}"),
+    ("t.core.c", "_INBOX.x.2", {"A": "b"}, b"one"),
+    ("t.core.d", "", {"Nats-TTL": "15s", "KV-Operation": "PURGE", "x": " padded "}, b"\r\nMSG t 1 2\r\n"),
+    ("t.core.e", "r", {"Z": ""}, bytes(range(256)) * 300),  # 75 kB: more than one read
+    ("t.core.f", "_INBOX.x.3", None, b"last"),
+]
+
+
+def _seen(msg) -> tuple:
+    return msg.subject, msg.reply, msg.data, msg.headers, msg.sid
+
+
+async def test_core_delivery_hands_over_what_nats_py_would_and_leaves_it_the_rest(nats_url):
+    """A subscription delivered directly gets, from the read loop, the messages nats-py's path
+    gives a plain subscription of the same subject on another connection (the same subject,
+    reply, body and headers, in the same order), and the connection's and subscription's
+    counters move as nats-py moves them. While it is not ready, and for a status message
+    (a 503 for a request nobody serves), the subscription's own callback gets them; after
+    `close()` too."""
+    import nats
+
+    from events.natspy import deliver_core, flush_in_order
+
+    sender, plain, direct = [await nats.connect(nats_url) for _ in range(3)]
+    try:
+        plain_seen, direct_seen, callback_seen = [], [], []
+        counts = {"plain": asyncio.Event(), "direct": asyncio.Event(), "callback": asyncio.Event()}
+
+        def note(into: list, name: str, msg) -> None:
+            into.append(_seen(msg))
+            if msg.data == b"last" or msg.headers and msg.headers.get("Status"):
+                counts[name].set()
+
+        async def on_plain(msg):
+            note(plain_seen, "plain", msg)
+
+        async def on_callback(msg):
+            note(callback_seen, "callback", msg)
+
+        ready = True
+        plain_sub = await plain.subscribe("t.core.>", cb=on_plain)
+        direct_sub = await direct.subscribe("t.core.>", cb=on_callback)
+        delivery = deliver_core(direct, direct_sub, lambda msg: note(direct_seen, "direct", msg), lambda: ready)
+        await flush_in_order(plain)
+        await flush_in_order(direct)
+
+        async def send_all() -> None:
+            for name in counts.values():
+                name.clear()
+            for subject, reply, headers, body in _CORE_MESSAGES:
+                await sender.publish(subject, body, reply=reply, headers=headers)
+            await sender.flush()
+
+        await send_all()
+        await asyncio.wait_for(asyncio.gather(counts["plain"].wait(), counts["direct"].wait()), 10)
+        assert [m[:4] for m in direct_seen] == [m[:4] for m in plain_seen]
+        assert [m[:3] for m in direct_seen] == [(s, r, b) for s, r, _, b in _CORE_MESSAGES]
+        assert [m[3] for m in direct_seen][2:4] == [{"A": "b"}, {"Nats-TTL": "15s", "KV-Operation": "PURGE", "x": "padded"}]
+        assert callback_seen == [] and {m[4] for m in direct_seen} == {direct_sub._id}
+        assert direct_sub._received == plain_sub._received == len(_CORE_MESSAGES)
+        assert (direct.stats["in_msgs"], direct.stats["in_bytes"]) == (plain.stats["in_msgs"], plain.stats["in_bytes"])
+
+        ready = False  # nats-py's path: the callback
+        plain_seen.clear(), direct_seen.clear()
+        await send_all()
+        await asyncio.wait_for(asyncio.gather(counts["plain"].wait(), counts["callback"].wait()), 10)
+        assert direct_seen == [] and [m[:4] for m in callback_seen] == [m[:4] for m in plain_seen]
+
+        ready = True  # a status is nats-py's whatever `ready` says
+        callback_seen.clear()
+        counts["callback"].clear()
+        await direct.publish("t.nobody.serves.this", b"?", reply="t.core.status")  # the reply comes back as a 503
+        await asyncio.wait_for(counts["callback"].wait(), 10)
+        [(subject, _, data, headers, _)] = callback_seen
+        assert subject == "t.core.status" and data == b"" and headers["Status"] == "503"
+        assert direct_seen == []
+
+        delivery.close()
+        callback_seen.clear()
+        await send_all()
+        await asyncio.wait_for(counts["callback"].wait(), 10)
+        assert direct_seen == [] and len(callback_seen) == len(_CORE_MESSAGES)
+    finally:
+        for nc in (sender, plain, direct):
+            await nc.close()
+
+
+def test_core_delivery_refuses_a_nats_py_without_what_it_relies_on():
+    from events.natspy import deliver_core
+
+    class OldSubscription:  # no `_jsi`, `_future`, ...
+        _id = 1
+
+    with pytest.raises(RuntimeError, match="natspy"):
+        deliver_core(Client(), OldSubscription(), lambda msg: None)
 
 
 async def test_a_flush_in_order_says_the_server_has_the_subscriptions_made_before_it(nats_url):

@@ -131,6 +131,29 @@ async def test_a_heartbeat_answers_once_its_put_is_stored(nats_url, nc, prefix):
         assert headers["Nats-Service-Error-Code"] == "503"
 
 
+async def test_the_sweep_acknowledges_every_heartbeat_put(nats_url, nc, prefix):
+    """The sweep's consumer gets every put of the bucket (only the server's expiry markers
+    matter to it): the others are acked from the read loop's deliveries, a task per read,
+    so nothing waits for the ack wait to be redelivered."""
+    from services.registry.liveness import SWEEPER
+
+    async with running_registry(nats_url, prefix) as one:
+        workers = [f"w-{n}" for n in range(40)]
+        for worker_id in workers:
+            await one.register(worker_id, body(worker_id))
+        await asyncio.gather(*(one.heartbeat(w, Heartbeat()) for w in workers * 5))
+        js = nc.jetstream()
+        stream = f"KV_{bucket_name(prefix, 'heartbeats')}"
+        last = (await js.stream_info(stream)).state.last_seq
+        for _ in range(200):  # the acks are on their way: read the consumer's ack floor until it gets there
+            info = await js.consumer_info(stream, SWEEPER)
+            if info.ack_floor.stream_seq >= last:
+                break
+            await asyncio.sleep(0.05)
+        assert info.ack_floor.stream_seq == last and info.num_ack_pending == 0 and info.num_redelivered == 0
+        assert info.delivered.stream_seq == last
+
+
 async def test_replies_match_answers_and_give_up_on_silence(nc, prefix):
     """The request multiplexer the heartbeat acks ride on: answers reach their own caller,
     nobody listening is NoResponders, silence is a time-out, and it serves on after one."""

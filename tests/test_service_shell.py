@@ -406,3 +406,86 @@ async def test_the_answers_of_requests_that_wrote_nothing_are_read_from_a_comman
     with pytest.raises(RuntimeError, match="thread"):
         answers.recall(Entity(), "register", "r-1", dict)
     assert await asyncio.to_thread(answers.recall, Entity(), "register", "r-1", dict) is None  # nothing kept
+
+
+# --- at most `max_concurrent` requests served at once (`Slots`, direct delivery) -----------------
+
+
+async def test_slots_are_taken_at_once_while_free_and_then_in_turn():
+    from services.common import Slots
+
+    slots = Slots(2)
+    assert slots.take_now() and slots.take_now()
+    assert not slots.free_now() and not slots.take_now()
+    order: list[str] = []
+
+    async def wait(name: str) -> None:
+        await slots.take()
+        order.append(name)
+
+    first, second = asyncio.create_task(wait("first")), asyncio.create_task(wait("second"))
+    await asyncio.sleep(0)  # both queued behind the two holders (one task step each)
+    assert order == [] and not slots.free_now()
+    slots.give()
+    await first
+    assert order == ["first"] and not second.done() and not slots.take_now()  # nobody jumps the queue
+    slots.give()
+    await second
+    assert order == ["first", "second"] and slots.free == 0
+    slots.give(), slots.give()
+    assert slots.free == 2 and slots.free_now()
+
+
+async def test_a_waiter_cancelled_takes_no_slot_and_one_cancelled_as_it_was_handed_one_passes_it_on():
+    from services.common import Slots
+
+    slots = Slots(1)
+    assert slots.take_now()
+    gone = asyncio.create_task(slots.take())
+    handed = asyncio.create_task(slots.take())
+    last = asyncio.create_task(slots.take())
+    await asyncio.sleep(0)
+    gone.cancel()
+    await asyncio.gather(gone, return_exceptions=True)
+    slots.give()  # to `handed`, skipping the cancelled one
+    handed.cancel()  # cancelled before it ran: the slot it was handed goes to `last`
+    await asyncio.gather(handed, return_exceptions=True)
+    await asyncio.wait_for(last, 5)
+    assert slots.free == 0
+    slots.give()
+    assert slots.free == 1
+
+
+async def test_a_service_serves_at_most_max_concurrent_requests_at_once_and_answers_them_all(nc, prefix):
+    """Requests come from the connection's read loop straight to their tasks while a slot is
+    free, and wait in the subscription's queue when none is: 200 requests at once to a
+    service allowed 5 are served 5 at a time, every one answered once."""
+    running, most, served = 0, 0, []
+    gate, full = asyncio.Event(), asyncio.Event()
+
+    async def answer(entity_id: str, request: Heartbeat) -> HeartbeatReply:
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        if running == 5:
+            full.set()
+        await gate.wait()
+        running -= 1
+        served.append(entity_id)
+        return HeartbeatReply(ttl_s=1.0)
+
+    micro = await add_endpoints(nc, prefix, "narrow", "five at a time", [EndpointSpec("answer", Heartbeat, answer)],
+                                max_concurrent=5)
+    try:
+        requests = [asyncio.ensure_future(nc.request(service_subject(prefix, "narrow", "answer", f"w-{i}"), b"{}",
+                                                     timeout=30)) for i in range(200)]
+        await asyncio.wait_for(full.wait(), 30)  # the first five take the slots; the rest wait for them
+        assert micro.slots.free == 0
+        gate.set()
+        replies = await asyncio.gather(*requests)
+    finally:
+        await micro.stop()
+    assert most == 5
+    assert [json.loads(r.data) for r in replies] == [{"ttl_s": 1.0}] * 200
+    assert sorted(served) == sorted(f"w-{i}" for i in range(200))
+    assert micro.slots.free == 5

@@ -45,7 +45,7 @@ from events.aggregate import now
 from events.codec import encode
 from events.errors import unavailable
 from events.jetstream.errors import ERR_WRONG_LAST_SEQUENCE
-from events.natspy import ApiError, Replies
+from events.natspy import ApiError, DirectDelivery, Replies, deliver_core
 from events.subjects import bucket_name
 from events.tasks import cancel_and_wait
 from services.common import last_seq_on
@@ -108,7 +108,9 @@ class Sweeper:
 
     One pull request of `PULL_BATCH` messages is outstanding at a time; when it is
     filled, or the server ends it (408: expired, 409, 404), the next one goes out. A
-    message that is not an expiry marker is acknowledged at once; a marker is queued
+    message that is not an expiry marker is acknowledged right away (delivered from the
+    connection's read loop, `events.natspy.deliver_core`; one task acks what one read of
+    the socket brought); a marker is queued
     for `on_marker(worker_id)`, then acknowledged, or handed back (nak) to be
     redelivered a second later if that failed. A replica that dies before the ack
     leaves the marker to another (after the consumer's ack wait); one that stops hands
@@ -126,6 +128,9 @@ class Sweeper:
         self._request = json.dumps({"batch": PULL_BATCH, "expires": int(PULL_EXPIRES_S * 1e9)}).encode()
         self._inbox = ""
         self._sub = None
+        self._direct: DirectDelivery | None = None
+        self._to_ack: list[str] = []  # reply subjects of deliveries that are not markers, acked by `_acking`
+        self._acking: asyncio.Task[None] | None = None
         self._credit = 0
         self._ended: asyncio.Event | None = None
         self._status = ""  # how the server ended the last pull request
@@ -143,17 +148,24 @@ class Sweeper:
         self._inbox = self.nc.new_inbox()
         self._ended = asyncio.Event()
         self._sub = await self.nc.subscribe(self._inbox, cb=self._on_msg)
+        self._direct = deliver_core(self.nc, self._sub, self._delivered)
         self._tasks = [asyncio.create_task(self._pull(), name=f"{self.stream}-sweep-pull"),
                        asyncio.create_task(self._handle_markers(), name=f"{self.stream}-sweep")]
 
     async def stop(self) -> None:
         self._stopping = True  # also ends a loop whose cancellation a time-out swallowed
+        if self._direct is not None:
+            self._direct.close()
+            self._direct = None
         if self._sub is not None:  # first: no more deliveries (the server drops a pull nobody hears)
             with suppress(Exception):
                 await self._sub.unsubscribe()
             self._sub = None
         await cancel_and_wait(*self._tasks)
         self._tasks = []
+        if self._acking is not None:  # the acks of what was delivered (else redelivered, and acked, elsewhere)
+            with suppress(Exception):
+                await self._acking
         held = [self._in_hand] if self._in_hand is not None else []
         self._in_hand = None
         while not self._markers.empty():
@@ -184,7 +196,10 @@ class Sweeper:
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 2.0)
 
-    async def _on_msg(self, msg: Msg) -> None:
+    async def _on_msg(self, msg: Msg) -> None:  # a status, or a delivery while not delivered directly
+        self._delivered(msg)
+
+    def _delivered(self, msg: Msg) -> None:
         headers = msg.headers
         if not msg.reply:  # a status: 100 (a heartbeat) keeps the request; 404, 408, 409, 503 end it
             status = headers.get("Status", "") if headers else ""
@@ -197,9 +212,20 @@ class Sweeper:
             self._ended.set()
         if headers and headers.get(MARKER_REASON) == "MaxAge":
             self._markers.put_nowait(msg)
-        else:
-            with suppress(Exception):
-                await self.nc.publish(msg.reply, b"+ACK")
+        else:  # every heartbeat put: acked by one task for all that one read of the socket brought
+            self._to_ack.append(msg.reply)
+            if self._acking is None:
+                self._acking = asyncio.create_task(self._ack(), name=f"{self.stream}-sweep-acks")
+
+    async def _ack(self) -> None:
+        try:
+            while self._to_ack:
+                replies, self._to_ack = self._to_ack, []
+                for reply in replies:
+                    with suppress(Exception):
+                        await self.nc.publish(reply, b"+ACK")
+        finally:
+            self._acking = None
 
     async def _handle_markers(self) -> None:
         while not self._stopping:  # also ends when on_marker swallowed the cancellation of stop()
