@@ -39,6 +39,12 @@ replay of the log, or says less than needed, the gap is closed here and nowhere 
   each on its own (the services' request endpoints, `Replies`' inbox): its messages go
   from the read loop to a synchronous callback, as the `Msg` nats-py would have built,
   without the parser's regular expression, the subscription's queue and its task.
+- `guard_reads`: nats-py decodes each message's subject, reply subject and status line
+  strictly, and an error there ends the connection's read loop for good, the connection
+  still up: one request with a reply subject that is not UTF-8, from any client allowed
+  to send one, silenced a service replica, which the server went on sending its share of
+  the requests. The frame reader drops such a message instead (and logs it); the
+  services', the agent's and the client's connections read through it.
 - `flush_in_order`: a flush whose PONG says the server has every command sent before
   it. nats-py's `flush` writes its PING straight to the socket, ahead of the commands
   its flusher task has not written yet (the SUB of a subscription just made): a
@@ -267,6 +273,23 @@ class _Core:
         return True
 
 
+DROPS_TOLD_EVERY_S = 60.0  # a connection logs the messages it drops at most this often
+
+
+def _stops_nats_py(subject: bytes, reply: bytes, headers: bytes | None) -> bool:
+    """Whether nats-py could not read this message: `_process_msg` decodes the subject and the
+    reply as UTF-8, and a status line's code and description too, and an error there ends
+    the connection's read loop for good (nats-py logs "encountered error" and reads nothing
+    more; the connection stays up, so the server goes on sending it its share of a queue
+    group's requests). Any client allowed to publish a request can send such a message."""
+    try:
+        subject.decode()
+        reply.decode()
+    except UnicodeDecodeError:
+        return True
+    return headers is not None and not headers.startswith(_HEADER_LINE) and not headers.isascii()
+
+
 class _Frames:
     """The frame reader of one connection: what its read loop hands nats-py's parser, read
     frame by frame ahead of it.
@@ -275,15 +298,16 @@ class _Frames:
     is handed to its `_Direct`; every other frame (a message of another subscription, a
     status message, PING, PONG, INFO, +OK, -ERR, or a message the `_Direct` declines) is
     handed whole, in order, to nats-py's own parser, which then does with it what it
-    always does. A frame split across
+    always does (consecutive ones in one call). A frame split across
     reads waits for its end. So nats-py's parser only ever gets whole frames, and is
     between frames whenever this reader reads; the one exception is the moment of
     installing, when nats-py may be inside a frame: it gets exactly the rest of that frame
     first. nats-py resets its parser on a reconnect: so does this reader (a frame begun on
-    the old socket never ends).
+    the old socket never ends). A message nats-py could not read (`_stops_nats_py`: one
+    would end its read loop) is dropped, whatever its subscription, and logged.
     """
 
-    __slots__ = ("nc", "ps", "routes", "pieces", "have", "need")
+    __slots__ = ("nc", "ps", "routes", "pieces", "have", "need", "dropped", "_told")
 
     def __init__(self, nc: Any, routes: dict[int, "_Direct | _Core"]):
         self.nc = nc
@@ -292,6 +316,17 @@ class _Frames:
         self.pieces: list[bytes] = []  # the beginning of a frame whose end has not been read yet
         self.have = 0  # bytes in `pieces`
         self.need = 0  # bytes the frame begun in `pieces` has, once its control line is read
+        self.dropped = 0  # messages nats-py could not have read (`_stops_nats_py`)
+        self._told = -DROPS_TOLD_EVERY_S
+
+    def _drop(self, subject: bytes, reply: bytes) -> None:
+        self.dropped += 1
+        moment = time.monotonic()
+        if moment - self._told >= DROPS_TOLD_EVERY_S:
+            self._told = moment
+            log.warning("dropped a message nats-py could not read (subject %r, reply %r): a subject or reply "
+                        "that is not UTF-8, or a status line that is not ASCII; %d so far on this connection",
+                        subject[:200], reply[:200], self.dropped)
 
     def route(self, route: "_Direct | _Core") -> DirectDelivery:
         """Hand `route` the messages of its subscription from now on."""
@@ -324,6 +359,7 @@ class _Frames:
                 ps.buf.clear()
         n = len(data)
         pos = 0
+        passed = 0  # data[passed:pos]: whole frames for nats-py's parser, handed over together
         subs, routes, clock = self.nc._subs, self.routes, time.thread_time
         run: Callable[[float], None] | None = None  # told the CPU of the deliveries since `started`
         started = 0.0
@@ -348,8 +384,23 @@ class _Frames:
                     frame_end = body + int(size) + 2
                     if frame_end > n:
                         break
+                    if not (subject.isascii() and reply.isascii()) or (
+                            with_headers and not data.startswith(_HEADER_LINE, body)):  # rare: look closer
+                        middle = body + int(header_size)
+                        if _stops_nats_py(subject, reply, data[body:middle] if with_headers else None):
+                            if passed < pos:
+                                await inner(ps, data[passed:pos])
+                            self._drop(subject, reply)
+                            pos = passed = frame_end
+                            continue
                     sub = subs.get(int(sid))
                     route = routes.get(id(sub)) if sub is not None else None
+                    if route is not None and passed < pos:
+                        # nats-py reads the frames before this one first: they may change its subscriptions
+                        await inner(ps, data[passed:pos])
+                        passed = pos
+                        sub = subs.get(int(sid))
+                        route = routes.get(id(sub)) if sub is not None else None
                     if route is not None:
                         if route.on_cpu is not run:  # a measured route's run of deliveries begins or ends
                             if run is not None:
@@ -360,17 +411,18 @@ class _Frames:
                         middle = body + int(header_size)
                         if route.take(subject, reply, data[middle:frame_end - 2],
                                       data[body:middle] if middle > body else None):
-                            pos = frame_end
+                            pos = passed = frame_end
                             continue
             else:  # PING, PONG, INFO, +OK, -ERR: one line
                 frame_end = eol + 2
-            if run is not None:
+            if run is not None:  # a frame for nats-py ends a run of deliveries
                 _tell(run, clock() - started)
                 run = None
-            await inner(ps, data[pos:frame_end])
             pos = frame_end
         if run is not None:
             _tell(run, clock() - started)
+        if passed < pos:
+            await inner(ps, data[passed:pos])
         if pos < n:
             rest = data[pos:]
             self.pieces, self.have = [rest], len(rest)
@@ -442,8 +494,18 @@ def deliver_core(nc: Any, sub: Any, on_msg: Callable[[Msg], None],
     return _frames(nc).route(_Core(nc, sub, on_msg, ready))
 
 
+def guard_reads(nc: Any) -> None:
+    """Have the connection `nc` read its frames through the frame reader (`_Frames`), routes or
+    not: a message nats-py could not read is dropped there instead of ending the connection's
+    read loop. The services' connection (requests come from any worker and client), the
+    agent's and the client's call it once connected. The event store's does not: under the
+    generated permissions only the server and the services publish onto its inboxes, and a
+    replay would pay about a microsecond a message for it."""
+    _frames(nc)
+
+
 def _frames(nc: Any) -> _Frames:
-    """The connection's frame reader, installed on its first route."""
+    """The connection's frame reader, installed on its first route or by `guard_reads`."""
     ps = getattr(nc, NATS_PROTOCOL, None)
     if not isinstance(ps, nats_parser.Parser) or not all(
             hasattr(ps, name) for name in ("buf", "state", "needed")) or not all(

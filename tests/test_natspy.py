@@ -393,6 +393,46 @@ def test_core_delivery_refuses_a_nats_py_without_what_it_relies_on():
         deliver_core(Client(), OldSubscription(), lambda msg: None)
 
 
+def test_the_frame_reader_drops_what_nats_py_could_not_read_and_only_that():
+    """nats-py decodes a message's subject, reply and status line strictly, and an error there
+    ends its read loop for good: such a message is dropped (whatever its subscription), and
+    every other frame, UTF-8 that is not ASCII included, reaches nats-py as before."""
+    import asyncio
+
+    from events.natspy import _Frames
+
+    def hmsg(head: bytes, reply: bytes = b"_INBOX.x") -> bytes:
+        return b"HMSG t.s1 1 %s %d %d\r\n%s{}\r\n" % (reply, len(head), len(head) + 2, head)
+
+    wire = [
+        b"MSG t.s1 1 _INBOX.ok 2\r\n{}\r\n",
+        b"MSG t.s1 1 _INBOX.\xff\xfe 2\r\n{}\r\n",  # a reply that is not UTF-8
+        b"MSG t.\xff 2 _INBOX.x 2\r\n{}\r\n",  # a subject that is not UTF-8
+        hmsg(b"NATS/1.0 503 \xff\xfe\r\n\r\n"),  # a status line that is not ASCII
+        hmsg(b"NATS/1.0 \xc3\xa9\r\n\r\n"),  # not ASCII: nats-py cuts a status line by byte counts
+        b"MSG t.\xc3\xa9 2 _INBOX.\xc3\xa9 2\r\n{}\r\n",  # UTF-8: nats-py reads it
+        hmsg(b"NATS/1.0 503\r\n\r\n", b""),  # a status nats-py reads
+        hmsg(b"NATS/1.0\r\nX: \xff\r\n\r\n"),  # a header value nats-py reads with a replacement
+        b"PING\r\n",
+    ]
+
+    async def run() -> tuple[list, int]:
+        conn = _Recorder(1)
+        reader = _Frames(conn, {id(conn.routed): _Route(conn.log)})
+        await reader.parse(b"".join(wire))
+        return conn.log, reader.dropped
+
+    log, dropped = asyncio.run(run())
+    assert dropped == 4
+    assert [entry[:4] for entry in log] == [
+        ("msg", 1, b"t.s1", b"_INBOX.ok"),
+        ("msg", 2, b"t.\xc3\xa9", b"_INBOX.\xc3\xa9"),
+        ("msg", 1, b"t.s1", b""),
+        ("msg", 1, b"t.s1", b"_INBOX.x"),
+        ("ping",),
+    ]
+
+
 async def test_a_flush_in_order_says_the_server_has_the_subscriptions_made_before_it(nats_url):
     """nats-py's flush writes its PING straight to the socket, ahead of the SUB of a subscription
     its flusher task has not written yet: the PONG then says nothing of that subscription (a

@@ -476,3 +476,41 @@ async def test_no_permission_violation_but_the_ones_the_tests_provoked(deploymen
                 f"$JS.API.CONSUMER.DELETE.{STREAM}.any"}
     svc = [line for line in d.secured.violations() if "user:svc" in line]
     assert {line.rsplit('Subject "', 1)[1].rstrip('"') for line in svc} <= provoked, svc
+
+
+def _hpub(subject: bytes, reply: bytes, head: bytes, body: bytes) -> bytes:
+    return b"HPUB %s %s %d %d\r\n%s%s\r\n" % (subject, reply, len(head), len(head) + len(body), head, body)
+
+
+# What a client's own connection can send, written raw (nats-py would not build these): each one
+# ended the read loop of the services' connection (nats-py decodes subjects, reply subjects and
+# status lines strictly), which then stayed connected and took its share of every request.
+HOSTILE_FRAMES = {
+    "w-1: a reply subject that is not UTF-8": ("w-1", lambda: b"PUB %s _INBOX.w-1.\xff\xfe 2\r\n{}\r\n" % (
+        sub("registry", "heartbeat", "w-1").encode())),
+    "w-1: a status line that is not ASCII": ("w-1", lambda: _hpub(
+        sub("registry", "heartbeat", "w-1").encode(), b"_INBOX.w-1.x", b"NATS/1.0 503 \xff\xfe\r\n\r\n", b"{}")),
+    "orch: a subject that is not UTF-8": ("orch", lambda: b"PUB %s _INBOX.orch.x 2\r\n{}\r\n" % (
+        sub("scheduler", "explain", "a-1").encode() + b"\xff\xfe")),
+}
+
+
+@pytest.mark.parametrize("attack", list(HOSTILE_FRAMES))
+async def test_a_message_nats_py_cannot_read_silences_no_service(deployment, attack):
+    d = deployment
+    before = await State.of(d)
+    user, frame = HOSTILE_FRAMES[attack]
+    nc = d.conns[user].nc
+    await flush_in_order(nc)
+    for _ in range(3):
+        nc._transport.write(frame())  # after everything this connection sent, before what it sends next
+    # the same connection's next requests reach the services after the attack: they are answered
+    if user == "orch":
+        await call(nc, sub("scheduler", "explain", "a-1"), ExplainResume(min_seq=before.last), Explanation, timeout=10)
+    assert await call(d.w_1.nc, sub("registry", "heartbeat", "w-1"), Heartbeat(), HeartbeatReply, timeout=10)
+    with pytest.raises(ContractError) as refused:
+        await call(d.orch.nc, sub("snapshotter", "pause", "a-1"), PauseActor(), SnapshotReply, timeout=10)
+    assert refused.value.code.value == "FAILED_PRECONDITION"
+    await call(d.ops.nc, sub("scheduler", "explain", "a-1"), ExplainResume(min_seq=before.last), Explanation,
+               timeout=10)
+    assert await State.of(d) == before

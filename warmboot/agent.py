@@ -55,6 +55,7 @@ from events.codec import decode_request, encode, to_builtins
 from events.errors import ContractError
 from events.tasks import cancel_and_wait
 from events.natsauth import nkey_options, nkey_seed_path
+from events.natspy import guard_reads
 from events.probe import (DEFAULT_CPUINFO, PROFILES, SCHEMA_VERSION, ProbeError, host_architecture, probe_host,
                           probe_version, read_cpuinfo)
 from events.schema import (
@@ -362,6 +363,7 @@ class Agent:
                 delay = next_delay(delay)
                 continue
             self._last_error = None
+            guard_reads(nc)  # a message nats-py cannot read is dropped, not the end of its read loop
             return nc
 
     async def _request(self, verb: str, body: Any, reply_type: type, stop: asyncio.Event | None,

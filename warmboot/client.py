@@ -41,6 +41,7 @@ from nats.aio.client import Client as NATS
 
 from events.codec import decode_reply, encode
 from events.errors import ContractError, invalid, unavailable
+from events.natspy import guard_reads
 from events.schema import (
     ID_PATTERN,
     Assignment,
@@ -116,6 +117,7 @@ class Client:
         urls = servers.split(",") if isinstance(servers, str) else servers
         nc = await nats.connect(servers=urls, max_reconnect_attempts=-1, reconnect_time_wait=0.25,
                                 **{"name": "warmboot-client", **connect})
+        guard_reads(nc)  # a message nats-py cannot read is dropped, not the end of its read loop
         client = cls(nc, prefix, **options)
         client._owned = True
         return client

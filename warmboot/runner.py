@@ -15,6 +15,7 @@ from typing import Any, Iterator
 import nats
 
 from events.natsauth import inbox_prefix as chosen_inbox_prefix, nkey_options, nkey_seed_path, redact_url
+from events.natspy import guard_reads
 from events.subjects import check_prefix, services_inbox
 from services.common import LOOPBACK, metrics_url, start_metrics
 
@@ -64,7 +65,7 @@ async def connect(url: str, name: str, *, inbox_prefix: str | None = None, nkey_
     inbox = chosen_inbox_prefix(url, inbox_prefix)
     if inbox:
         options["inbox_prefix"] = inbox
-    return await nats.connect(
+    nc = await nats.connect(
         servers=url.split(","),
         name=name,
         max_reconnect_attempts=-1,
@@ -72,6 +73,8 @@ async def connect(url: str, name: str, *, inbox_prefix: str | None = None, nkey_
         allow_reconnect=True,
         **options,
     )
+    guard_reads(nc)  # a message nats-py cannot read is dropped, not the end of its read loop
+    return nc
 
 
 async def start_services(
