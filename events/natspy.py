@@ -278,16 +278,19 @@ DROPS_TOLD_EVERY_S = 60.0  # a connection logs the messages it drops at most thi
 
 def _stops_nats_py(subject: bytes, reply: bytes, headers: bytes | None) -> bool:
     """Whether nats-py could not read this message: `_process_msg` decodes the subject and the
-    reply as UTF-8, and a status line's code and description too, and an error there ends
-    the connection's read loop for good (nats-py logs "encountered error" and reads nothing
-    more; the connection stays up, so the server goes on sending it its share of a queue
-    group's requests). Any client allowed to publish a request can send such a message."""
+    reply as UTF-8, and a status line's code and description too, and reads the byte after
+    `NATS/1.0` of a header block that has one; an error there ends the connection's read
+    loop for good (nats-py logs "encountered error" and reads nothing more; the connection
+    stays up, so the server goes on sending it its share of a queue group's requests). Any
+    client allowed to publish a request can send such a message."""
     try:
         subject.decode()
         reply.decode()
     except UnicodeDecodeError:
         return True
-    return headers is not None and not headers.startswith(_HEADER_LINE) and not headers.isascii()
+    if not headers or headers.startswith(_HEADER_LINE):  # none (nats-py skips an empty block), or no status
+        return False
+    return len(headers) <= len(_HEADER_LINE) - 2 or not headers.isascii()
 
 
 class _Frames:
@@ -295,8 +298,9 @@ class _Frames:
     frame by frame ahead of it.
 
     A message (`HMSG`, or `MSG` when it has no headers) of a subscription delivered directly
-    is handed to its `_Direct`; every other frame (a message of another subscription, a
-    status message, PING, PONG, INFO, +OK, -ERR, or a message the `_Direct` declines) is
+    is handed to its route (`_Direct`, `_Core`); every other frame (a message of another
+    subscription, a status message, PING, PONG, INFO, +OK, -ERR, or a message the route
+    declines) is
     handed whole, in order, to nats-py's own parser, which then does with it what it
     always does (consecutive ones in one call). A frame split across
     reads waits for its end. So nats-py's parser only ever gets whole frames, and is
@@ -325,7 +329,8 @@ class _Frames:
         if moment - self._told >= DROPS_TOLD_EVERY_S:
             self._told = moment
             log.warning("dropped a message nats-py could not read (subject %r, reply %r): a subject or reply "
-                        "that is not UTF-8, or a status line that is not ASCII; %d so far on this connection",
+                        "that is not UTF-8, or a header block's first line that is not ASCII or ends at "
+                        "NATS/1.0; %d so far on this connection",
                         subject[:200], reply[:200], self.dropped)
 
     def route(self, route: "_Direct | _Core") -> DirectDelivery:

@@ -410,9 +410,11 @@ def test_the_frame_reader_drops_what_nats_py_could_not_read_and_only_that():
         b"MSG t.\xff 2 _INBOX.x 2\r\n{}\r\n",  # a subject that is not UTF-8
         hmsg(b"NATS/1.0 503 \xff\xfe\r\n\r\n"),  # a status line that is not ASCII
         hmsg(b"NATS/1.0 \xc3\xa9\r\n\r\n"),  # not ASCII: nats-py cuts a status line by byte counts
+        hmsg(b"NATS/1.0"),  # nats-py reads the byte after it: IndexError
         b"MSG t.\xc3\xa9 2 _INBOX.\xc3\xa9 2\r\n{}\r\n",  # UTF-8: nats-py reads it
         hmsg(b"NATS/1.0 503\r\n\r\n", b""),  # a status nats-py reads
         hmsg(b"NATS/1.0\r\nX: \xff\r\n\r\n"),  # a header value nats-py reads with a replacement
+        hmsg(b"", b"_INBOX.empty"),  # an empty block: nats-py reads no headers
         b"PING\r\n",
     ]
 
@@ -423,14 +425,40 @@ def test_the_frame_reader_drops_what_nats_py_could_not_read_and_only_that():
         return conn.log, reader.dropped
 
     log, dropped = asyncio.run(run())
-    assert dropped == 4
+    assert dropped == 5
     assert [entry[:4] for entry in log] == [
         ("msg", 1, b"t.s1", b"_INBOX.ok"),
         ("msg", 2, b"t.\xc3\xa9", b"_INBOX.\xc3\xa9"),
         ("msg", 1, b"t.s1", b""),
         ("msg", 1, b"t.s1", b"_INBOX.x"),
+        ("msg", 1, b"t.s1", b"_INBOX.empty"),
         ("ping",),
     ]
+
+
+_TOKEN_BYTES = st.binary(min_size=1, max_size=12).filter(lambda b: not any(c in b for c in b" \t\r\n"))
+
+
+@settings(max_examples=3000, deadline=None)
+@given(_TOKEN_BYTES, st.one_of(st.just(b""), _TOKEN_BYTES),
+       st.one_of(st.none(), st.binary(max_size=24).map(lambda rest: b"NATS/1.0" + rest), st.binary(max_size=16)))
+def test_nats_py_reads_every_message_the_frame_reader_lets_through(subject, reply, head):
+    """Whatever bytes a publisher puts in a subject, a reply subject or a header block: either
+    the frame reader drops the message, or nats-py's own reading of it (its header block,
+    then the message it builds) raises nothing, so its read loop goes on."""
+    import asyncio
+
+    from events.natspy import _stops_nats_py
+
+    if _stops_nats_py(subject, reply, head):
+        return
+    client = Client()
+
+    async def read() -> None:
+        headers = await client._process_headers(head)
+        client._build_message(1, subject, reply, b"{}", headers)
+
+    asyncio.run(read())
 
 
 async def test_a_flush_in_order_says_the_server_has_the_subscriptions_made_before_it(nats_url):

@@ -490,6 +490,8 @@ HOSTILE_FRAMES = {
         sub("registry", "heartbeat", "w-1").encode())),
     "w-1: a status line that is not ASCII": ("w-1", lambda: _hpub(
         sub("registry", "heartbeat", "w-1").encode(), b"_INBOX.w-1.x", b"NATS/1.0 503 \xff\xfe\r\n\r\n", b"{}")),
+    "w-1: a header block that ends at NATS/1.0": ("w-1", lambda: _hpub(
+        sub("registry", "heartbeat", "w-1").encode(), b"_INBOX.w-1.x", b"NATS/1.0", b"{}")),
     "orch: a subject that is not UTF-8": ("orch", lambda: b"PUB %s _INBOX.orch.x 2\r\n{}\r\n" % (
         sub("scheduler", "explain", "a-1").encode() + b"\xff\xfe")),
 }
