@@ -461,6 +461,29 @@ async def add_endpoints(
 # --- idempotency ------------------------------------------------------------------
 
 
+START_WITHIN_S = 60.0  # how long a service's start waits for JetStream to answer its bucket and consumer calls
+
+
+async def until_answered(call: Callable[[], Awaitable[T]], what: str, within: float = START_WITHIN_S) -> T:
+    """`call()`, a JetStream API request made at a service's start (a bucket, a consumer), made
+    again while JetStream cannot answer it (`is_outage`: a cluster that has just formed, a
+    meta leader election, a time-out), after 0.1 s, doubling up to 2 s; past `within`, the
+    last failure. The calls it makes are idempotent: a bucket or a consumer that the lost
+    answer had created is created again with the same configuration, which is no change."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    pause = 0.1
+    while True:
+        try:
+            return await call()
+        except Exception as error:
+            if not is_outage(error) or loop.time() + pause > deadline:
+                raise
+            log.info("%s: JetStream did not answer (%s); asking again in %.1fs", what, type(error).__name__, pause)
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, 2.0)
+
+
 class ReplyCache:
     """The first answer to each `request_id`, shared by every replica (JetStream KV).
 
@@ -482,10 +505,9 @@ class ReplyCache:
 
     async def start(self) -> "ReplyCache":
         js = self.nc.jetstream()
-        self.kv = await js.create_key_value(
-            KeyValueConfig(bucket=self.bucket, ttl=self.ttl_s, storage=StorageType.FILE, history=1,
-                           replicas=stream_replicas())
-        )
+        config = KeyValueConfig(bucket=self.bucket, ttl=self.ttl_s, storage=StorageType.FILE, history=1,
+                                replicas=stream_replicas())
+        self.kv = await until_answered(lambda: js.create_key_value(config), f"the bucket {self.bucket}")
         return self
 
     @staticmethod

@@ -489,3 +489,73 @@ async def test_a_service_serves_at_most_max_concurrent_requests_at_once_and_answ
     assert [json.loads(r.data) for r in replies] == [{"ttl_s": 1.0}] * 200
     assert sorted(served) == sorted(f"w-{i}" for i in range(200))
     assert micro.slots.free == 5
+
+
+# --- a service's buckets at start, while JetStream cannot answer yet --------------------------------
+
+
+async def test_until_answered_asks_again_through_outages_only_and_gives_up_after_its_time():
+    from services.common import until_answered
+
+    answers = iter([nats.errors.TimeoutError(), nats.js.errors.ServiceUnavailableError(code=503), "made"])
+
+    async def flaky() -> str:
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    assert await until_answered(flaky, "a bucket") == "made"
+
+    async def refused() -> None:
+        raise nats.js.errors.BadRequestError(code=400, description="a configuration the server refuses")
+
+    with pytest.raises(nats.js.errors.BadRequestError):  # the server answered: not asked again
+        await until_answered(refused, "a bucket")
+    calls = 0
+
+    async def silent() -> None:
+        nonlocal calls
+        calls += 1
+        raise nats.errors.TimeoutError()
+
+    with pytest.raises(nats.errors.TimeoutError):
+        await until_answered(silent, "a bucket", within=0.5)
+    assert 2 <= calls <= 4  # after 0.1, 0.2 (and 0.4 s, if within the time): then the last failure
+
+
+@pytest.mark.timeout(240)
+async def test_a_bucket_made_while_the_cluster_forms_is_made_once_it_can_answer(tmp_path, prefix, caplog):
+    """A service started on a cluster whose members are not all up yet (no JetStream meta
+    leader: nobody answers the bucket's creation) waits for it instead of failing its start."""
+    cluster = NatsCluster(tmp_path, 3)
+    first, *others = cluster.nodes
+    asked = asyncio.Event()
+
+    class Asked(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "JetStream did not answer" in record.getMessage():
+                asked.set()
+
+    handler = Asked()
+    logging.getLogger("warmboot.service").addHandler(handler)
+    caplog.set_level(logging.INFO, logger="warmboot.service")
+    try:
+        await asyncio.to_thread(first.start)
+        nc = await nats.connect(first.url)
+        try:
+            opening = asyncio.ensure_future(ReplyCache(nc, prefix).start())
+            await asyncio.wait_for(asyncio.shield(asked.wait()), 60)  # one attempt went unanswered
+            assert not opening.done()
+            for node in others:
+                node.spawn()
+            for node in others:
+                await asyncio.to_thread(node.wait_ready, 30)
+            cache = await asyncio.wait_for(opening, 120)
+            await cache.put("k", b"v")
+            assert await cache.get("k") == b"v"
+        finally:
+            await nc.close()
+    finally:
+        logging.getLogger("warmboot.service").removeHandler(handler)
+        await asyncio.to_thread(cluster.stop)

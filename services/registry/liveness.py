@@ -48,7 +48,7 @@ from events.jetstream.errors import ERR_WRONG_LAST_SEQUENCE
 from events.natspy import ApiError, DirectDelivery, Replies, deliver_core
 from events.subjects import bucket_name
 from events.tasks import cancel_and_wait
-from services.common import last_seq_on
+from services.common import last_seq_on, until_answered
 
 log = logging.getLogger("warmboot.registry")
 
@@ -141,10 +141,14 @@ class Sweeper:
 
     async def start(self) -> None:
         js = self.nc.jetstream()
-        try:
-            await js.consumer_info(self.stream, self.config.durable_name)
-        except NotFoundError:
-            await js.add_consumer(self.stream, config=self.config)
+
+        async def consumer() -> None:
+            try:
+                await js.consumer_info(self.stream, self.config.durable_name)
+            except NotFoundError:
+                await js.add_consumer(self.stream, config=self.config)
+
+        await until_answered(consumer, f"the consumer {self.config.durable_name}")
         self._inbox = self.nc.new_inbox()
         self._ended = asyncio.Event()
         self._sub = await self.nc.subscribe(self._inbox, cb=self._on_msg)
@@ -286,16 +290,15 @@ class Liveness:
         return f"$KV.{self.bucket}.{worker_id}"
 
     async def start(self) -> None:
-        await self.js.create_key_value(
-            KeyValueConfig(
-                bucket=self.bucket,
-                description="warmboot worker heartbeats: one key per worker, expiring after the registry's TTL",
-                history=1,
-                storage=StorageType.FILE,
-                limit_marker_ttl=MARKER_TTL_S,
-                replicas=self.replicas,
-            )
+        config = KeyValueConfig(
+            bucket=self.bucket,
+            description="warmboot worker heartbeats: one key per worker, expiring after the registry's TTL",
+            history=1,
+            storage=StorageType.FILE,
+            limit_marker_ttl=MARKER_TTL_S,
+            replicas=self.replicas,
         )
+        await until_answered(lambda: self.js.create_key_value(config), f"the bucket {self.bucket}")
         await self.acks.start()
         await self.sweeper.start()
 
