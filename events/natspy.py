@@ -262,8 +262,8 @@ class _Core:
         stats["in_msgs"] += 1
         stats["in_bytes"] += len(data)
         sub._received += 1
-        # nats-py reads the lines after `NATS/1.0\r\n` (an empty block gives {}, not None)
-        parsed = parse_header_lines(headers[len(_HEADER_LINE):]) if headers is not None else None
+        # nats-py reads the lines after `NATS/1.0\r\n`, and gives None for no header at all
+        parsed = (parse_header_lines(headers[len(_HEADER_LINE):]) or None) if headers is not None else None
         msg = nc.msg_class(subject=subject.decode(), reply=reply.decode(), data=data, headers=parsed,
                            _client=nc, _sid=sub._id)
         try:
@@ -274,6 +274,11 @@ class _Core:
 
 
 DROPS_TOLD_EVERY_S = 60.0  # a connection logs the messages it drops at most this often
+# Bytes nats-py's parser splits a MSG line on (`\s`) and nats-server does not (space and tab):
+# in a subject or a reply subject, nats-py misreads the line (a protocol error and a
+# reconnect, or the message handed to another subscription of the connection, under a sid
+# the publisher wrote). Any client allowed a wildcard in a subject it publishes can send one.
+_ODD_SPACE = (b"\r", b"\x0b", b"\x0c")
 
 
 def _stops_nats_py(subject: bytes, reply: bytes, headers: bytes | None) -> bool:
@@ -311,7 +316,7 @@ class _Frames:
     would end its read loop) is dropped, whatever its subscription, and logged.
     """
 
-    __slots__ = ("nc", "ps", "routes", "pieces", "have", "need", "dropped", "_told")
+    __slots__ = ("nc", "ps", "routes", "pieces", "have", "need", "dropped", "resets", "_told")
 
     def __init__(self, nc: Any, routes: dict[int, "_Direct | _Core"]):
         self.nc = nc
@@ -320,18 +325,18 @@ class _Frames:
         self.pieces: list[bytes] = []  # the beginning of a frame whose end has not been read yet
         self.have = 0  # bytes in `pieces`
         self.need = 0  # bytes the frame begun in `pieces` has, once its control line is read
-        self.dropped = 0  # messages nats-py could not have read (`_stops_nats_py`)
+        self.dropped = 0  # messages nats-py could not have read (`_stops_nats_py`, `_ODD_SPACE`)
+        self.resets = 0  # nats-py's resets of its parser (a reconnect)
         self._told = -DROPS_TOLD_EVERY_S
 
-    def _drop(self, subject: bytes, reply: bytes) -> None:
+    def _drop(self, line: bytes) -> None:
         self.dropped += 1
         moment = time.monotonic()
         if moment - self._told >= DROPS_TOLD_EVERY_S:
             self._told = moment
-            log.warning("dropped a message nats-py could not read (subject %r, reply %r): a subject or reply "
-                        "that is not UTF-8, or a header block's first line that is not ASCII or ends at "
-                        "NATS/1.0; %d so far on this connection",
-                        subject[:200], reply[:200], self.dropped)
+            log.warning("dropped a message nats-py could not read (%r): a subject or reply subject that is not "
+                        "UTF-8 or holds a byte nats-py splits on, or a header block's first line that is not "
+                        "ASCII or ends at NATS/1.0; %d so far on this connection", line[:300], self.dropped)
 
     def route(self, route: "_Direct | _Core") -> DirectDelivery:
         """Hand `route` the messages of its subscription from now on."""
@@ -340,11 +345,13 @@ class _Frames:
 
     def reset(self) -> None:
         self.pieces, self.have, self.need = [], 0, 0
+        self.resets += 1
         nats_parser.Parser.reset(self.ps)
 
     async def parse(self, data: bytes = b"") -> None:
         ps = self.ps
         inner = nats_parser.Parser.parse
+        resets = self.resets  # a reset while nats-py reads (a reconnect): the rest of `data` is the old socket's
         if self.pieces:
             self.pieces.append(data)
             self.have += len(data)
@@ -357,7 +364,7 @@ class _Frames:
                 rest_of_frame = ps.needed + nats_parser.CRLF_SIZE - len(ps.buf)
                 await inner(ps, data[:rest_of_frame])
                 data = data[rest_of_frame:]
-                if ps.state != nats_parser.AWAITING_CONTROL_LINE:
+                if ps.state != nats_parser.AWAITING_CONTROL_LINE or self.resets != resets:
                     return
             if ps.buf:  # installed while nats-py had the beginning of a control line
                 data = bytes(ps.buf) + data
@@ -375,27 +382,45 @@ class _Frames:
             with_headers = data.startswith(_HMSG, pos)
             if with_headers or data.startswith(_MSG, pos):
                 # HMSG <subject> <sid> [reply] <header size> <size>, MSG <subject> <sid> [reply] <size>
-                args = data[pos + (5 if with_headers else 4):eol].split()
+                line = data[pos + (5 if with_headers else 4):eol]
+                args = line.split()
                 count = len(args) - with_headers
                 if count == 3 or count == 4:
                     subject, sid, size = args[0], args[1], args[-1]
                     reply = args[2] if count == 4 else b""
                     header_size = args[-2] if with_headers else b"0"
-                if not (count == 3 or count == 4) or not (size.isdigit() and header_size.isdigit()
-                                                          and sid.isdigit()):
+                if _ODD_SPACE[0] in line or _ODD_SPACE[1] in line or _ODD_SPACE[2] in line:
+                    # nats-py splits the line there, the server did not: a subject or reply holds it
+                    if not (len(args) >= 3 and args[-1].isdigit() and (not with_headers or args[-2].isdigit())):
+                        frame_end = n  # not a frame this reader reads: nats-py says what it is
+                    else:
+                        frame_end = eol + 2 + int(args[-1]) + 2
+                        if frame_end > n:
+                            break
+                        if passed < pos:
+                            await inner(ps, data[passed:pos])
+                            if self.resets != resets:
+                                return
+                        self._drop(data[pos:eol])
+                        pos = passed = frame_end
+                        continue
+                elif not (count == 3 or count == 4) or not (size.isdigit() and header_size.isdigit()
+                                                            and sid.isdigit()):
                     frame_end = n  # not a frame this reader reads: nats-py says what it is
                 else:
                     body = eol + 2
+                    middle = body + int(header_size)
                     frame_end = body + int(size) + 2
                     if frame_end > n:
                         break
                     if not (subject.isascii() and reply.isascii()) or (
-                            with_headers and not data.startswith(_HEADER_LINE, body)):  # rare: look closer
-                        middle = body + int(header_size)
+                            with_headers and not data.startswith(_HEADER_LINE, body, middle)):  # rare: look closer
                         if _stops_nats_py(subject, reply, data[body:middle] if with_headers else None):
                             if passed < pos:
                                 await inner(ps, data[passed:pos])
-                            self._drop(subject, reply)
+                                if self.resets != resets:
+                                    return
+                            self._drop(data[pos:eol])
                             pos = passed = frame_end
                             continue
                     sub = subs.get(int(sid))
@@ -403,6 +428,8 @@ class _Frames:
                     if route is not None and passed < pos:
                         # nats-py reads the frames before this one first: they may change its subscriptions
                         await inner(ps, data[passed:pos])
+                        if self.resets != resets:
+                            return
                         passed = pos
                         sub = subs.get(int(sid))
                         route = routes.get(id(sub)) if sub is not None else None
@@ -413,7 +440,6 @@ class _Frames:
                             run = route.on_cpu
                             if run is not None:
                                 started = clock()
-                        middle = body + int(header_size)
                         if route.take(subject, reply, data[middle:frame_end - 2],
                                       data[body:middle] if middle > body else None):
                             pos = passed = frame_end
@@ -428,6 +454,8 @@ class _Frames:
             _tell(run, clock() - started)
         if passed < pos:
             await inner(ps, data[passed:pos])
+            if self.resets != resets:
+                return
         if pos < n:
             rest = data[pos:]
             self.pieces, self.have = [rest], len(rest)

@@ -464,12 +464,27 @@ async def add_endpoints(
 START_WITHIN_S = 60.0  # how long a service's start waits for JetStream to answer its bucket and consumer calls
 
 
+_UNANSWERED = (nats.errors.TimeoutError, asyncio.TimeoutError, nats.errors.NoRespondersError,
+               nats.errors.ConnectionReconnectingError, nats.js.errors.NoStreamResponseError)
+
+
+def _unanswered(error: BaseException) -> bool:
+    """JetStream did not answer (a time-out, nobody listening, the connection between two
+    servers), or answered that it cannot yet (a 5xx: no meta leader, no quorum)."""
+    if isinstance(error, nats.js.errors.APIError):
+        code = getattr(error, "code", None)
+        return code is not None and code >= 500
+    return isinstance(error, _UNANSWERED)
+
+
 async def until_answered(call: Callable[[], Awaitable[T]], what: str, within: float = START_WITHIN_S) -> T:
     """`call()`, a JetStream API request made at a service's start (a bucket, a consumer), made
-    again while JetStream cannot answer it (`is_outage`: a cluster that has just formed, a
+    again while JetStream cannot answer it (`_unanswered`: a cluster that has just formed, a
     meta leader election, a time-out), after 0.1 s, doubling up to 2 s; past `within`, the
-    last failure. The calls it makes are idempotent: a bucket or a consumer that the lost
-    answer had created is created again with the same configuration, which is no change."""
+    last failure. Any other failure (a configuration the server refuses, a connection closed
+    for good) is raised at once. The calls it makes are idempotent: a bucket or a consumer
+    that the lost answer had created is created again with the same configuration, which
+    is no change."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + within
     pause = 0.1
@@ -477,7 +492,7 @@ async def until_answered(call: Callable[[], Awaitable[T]], what: str, within: fl
         try:
             return await call()
         except Exception as error:
-            if not is_outage(error) or loop.time() + pause > deadline:
+            if not _unanswered(error) or loop.time() + pause > deadline:
                 raise
             log.info("%s: JetStream did not answer (%s); asking again in %.1fs", what, type(error).__name__, pause)
         await asyncio.sleep(pause)

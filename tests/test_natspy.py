@@ -185,13 +185,13 @@ def _wire(frame: tuple) -> bytes:
     kind = frame[0]
     if kind == "HMSG":
         _, sid, reply, head, payload = frame
-        middle = f" {reply.decode()}" if reply else ""
-        return (f"HMSG t.s{sid} {sid}{middle} {len(head)} {len(head) + len(payload)}\r\n".encode()
+        middle = b" " + reply if reply else b""
+        return (b"HMSG t.s%d %d%s %d %d\r\n" % (sid, sid, middle, len(head), len(head) + len(payload))
                 + head + payload + b"\r\n")
     if kind == "MSG":
         _, sid, reply, _, payload = frame
-        middle = f" {reply.decode()}" if reply else ""
-        return f"MSG t.s{sid} {sid}{middle} {len(payload)}\r\n".encode() + payload + b"\r\n"
+        middle = b" " + reply if reply else b""
+        return b"MSG t.s%d %d%s %d\r\n" % (sid, sid, middle, len(payload)) + payload + b"\r\n"
     if kind == "INFO":
         return b'INFO {"server_id":"x","max_payload":1048576}\r\n'
     return kind.encode() + b"\r\n"
@@ -245,6 +245,131 @@ def test_the_frame_reader_does_what_nats_py_s_parser_does_frame_by_frame(frames,
 
     expected, actual = asyncio.run(run())
     assert actual == expected
+
+
+class _StatefulModel:
+    """A connection whose routed subscription A (sid 1) is measured and takes a message only
+    while nats-py's queue of A is empty (as the fold's `_direct_ready`); nats-py's handling of
+    earlier frames changes that state: a message of A's queued by nats-py, a PONG drains the
+    queue (the callback caught up), a PING closes the route, a message on sid 2 with reply
+    RESET moves A to sid 3 (an ordered consumer's reset). With every frame handed to nats-py
+    before the next is routed, the log is the same however frames are batched."""
+
+    def __init__(self):
+        from nats.protocol.parser import Parser
+
+        self.a = object()
+        self._subs = {1: self.a, 2: object()}
+        self.queue: list = []
+        self.log: list = []
+        self._ps = Parser(self)
+        model = self
+
+        class Route:
+            sub = self.a
+
+            def on_cpu(self, seconds):
+                model.log.append(("cpu",))
+
+            def take(self, subject, reply, data, headers):
+                if not reply.startswith(b"$JS.ACK.") or model.queue or (
+                        headers is not None and not headers.startswith(b"NATS/1.0\r\n")):
+                    return False
+                model.log.append(("direct", subject, reply, data, headers))
+                return True
+
+        self.route = Route()
+        self.routes = {id(self.a): self.route}
+
+    async def _process_msg(self, sid, subject, reply, data, headers):
+        self.log.append(("msg", sid, subject, reply, data, headers))
+        if self._subs.get(sid) is self.a:
+            self.queue.append(data)
+        if sid == 2 and reply == b"RESET" and 1 in self._subs:
+            self._subs[3] = self._subs.pop(1)
+
+    async def _process_ping(self):
+        self.log.append(("ping",))
+        self.routes.pop(id(self.a), None)
+
+    async def _process_pong(self):
+        self.log.append(("pong",))
+        self.queue.clear()
+
+    async def _process_info(self, info):
+        self.log.append(("info",))
+
+    async def _process_err(self, err):
+        self.log.append(("err",))
+
+
+_ACK = b"$JS.ACK.S.C.1.2.3.4.0"
+_STATEFUL_FRAME = st.one_of(
+    st.tuples(st.just("MSG"), st.sampled_from([1, 2]), st.sampled_from([_ACK, b"_INBOX.y", b"RESET"]),
+              st.none(), st.binary(max_size=6)),
+    st.tuples(st.just("HMSG"), st.sampled_from([1, 2]), st.sampled_from([_ACK, b""]),
+              st.sampled_from([b"NATS/1.0\r\nA: b\r\n\r\n", b"NATS/1.0 100 Idle\r\n\r\n"]), st.binary(max_size=6)),
+    st.just(("MSG", 1, b"_INBOX.\xff", None, b"x")),  # dropped
+    st.sampled_from([("PING",), ("PONG",), ("+OK",)]),
+)
+
+
+@settings(max_examples=1500, deadline=None)
+@given(st.lists(_STATEFUL_FRAME, max_size=14), st.lists(st.integers(0, 300), max_size=5))
+def test_frames_handed_to_nats_py_together_change_nothing_a_stateful_route_sees(frames, cuts):
+    """The frame reader hands consecutive frames for nats-py to it in one call, and whatever
+    precedes a routed frame before routing it: against nats-py's parser frame by frame, with
+    a route whose answer depends on what nats-py did with the frames before, the log is the
+    same, and no work of nats-py's falls inside a measured run of deliveries."""
+    import asyncio
+
+    import events.natspy as natspy
+    from events.natspy import _Frames, _stops_nats_py
+
+    wire = b"".join(_wire(f) for f in frames)
+
+    async def frame_by_frame() -> list:
+        model = _StatefulModel()
+
+        async def dispatch(sid, subject, reply, data, headers):
+            if _stops_nats_py(subject, reply, headers):
+                return
+            sub = model._subs.get(sid)
+            route = model.routes.get(id(sub)) if sub is not None else None
+            if route is None or not route.take(subject, reply, data, headers):
+                await _StatefulModel._process_msg(model, sid, subject, reply, data, headers)
+
+        model._process_msg = dispatch
+        await model._ps.parse(wire)
+        return model.log
+
+    async def batched() -> list:
+        model = _StatefulModel()
+        thread_time = natspy.time.thread_time
+
+        def clock() -> float:  # each read of the clock starts or ends a measured run
+            model.log.append(("clock",))
+            return thread_time()
+
+        natspy.time.thread_time = clock  # the module's `time` is the stdlib's: put back below
+        try:
+            reader = _Frames(model, model.routes)
+            points = sorted({0, len(wire), *(min(c, len(wire)) for c in cuts)})
+            for a, b in zip(points, points[1:]):
+                await reader.parse(wire[a:b])
+        finally:
+            natspy.time.thread_time = thread_time
+        return model.log
+
+    expected = asyncio.run(frame_by_frame())
+    got = asyncio.run(batched())
+    assert [e for e in got if e[0] not in ("clock", "cpu")] == [e for e in expected if e[0] != "cpu"]
+    measuring = False
+    for entry in got:
+        if entry[0] == "clock":
+            measuring = not measuring
+        elif entry[0] in ("msg", "ping", "pong", "info", "err"):
+            assert not measuring, got
 
 
 def test_the_frame_reader_joins_a_large_frame_once_it_is_whole():
@@ -304,6 +429,10 @@ _CORE_MESSAGES = [  # subject, reply, headers, body
 ]
 
 
+_EMPTY_BLOCK = b"HPUB t.core.g _INBOX.x.4 12 14\r\nNATS/1.0\r\n\r\n{}\r\n"
+_SENT = [*_CORE_MESSAGES[:-1], ("t.core.g", "_INBOX.x.4", None, b"{}"), _CORE_MESSAGES[-1]]
+
+
 def _seen(msg) -> tuple:
     return msg.subject, msg.reply, msg.data, msg.headers, msg.sid
 
@@ -345,17 +474,22 @@ async def test_core_delivery_hands_over_what_nats_py_would_and_leaves_it_the_res
         async def send_all() -> None:
             for name in counts.values():
                 name.clear()
-            for subject, reply, headers, body in _CORE_MESSAGES:
+            for subject, reply, headers, body in _CORE_MESSAGES[:-1]:
                 await sender.publish(subject, body, reply=reply, headers=headers)
+            await flush_in_order(sender)
+            sender._transport.write(_EMPTY_BLOCK)  # nats-py never sends one; nats-py reads it as no headers
+            subject, reply, headers, body = _CORE_MESSAGES[-1]
+            await sender.publish(subject, body, reply=reply, headers=headers)
             await sender.flush()
 
         await send_all()
         await asyncio.wait_for(asyncio.gather(counts["plain"].wait(), counts["direct"].wait()), 10)
         assert [m[:4] for m in direct_seen] == [m[:4] for m in plain_seen]
-        assert [m[:3] for m in direct_seen] == [(s, r, b) for s, r, _, b in _CORE_MESSAGES]
+        assert [m[:3] for m in direct_seen] == [(s, r, b) for s, r, _, b in _SENT]
         assert [m[3] for m in direct_seen][2:4] == [{"A": "b"}, {"Nats-TTL": "15s", "KV-Operation": "PURGE", "x": "padded"}]
+        assert direct_seen[-2][3] is None  # the empty block
         assert callback_seen == [] and {m[4] for m in direct_seen} == {direct_sub._id}
-        assert direct_sub._received == plain_sub._received == len(_CORE_MESSAGES)
+        assert direct_sub._received == plain_sub._received == len(_SENT)
         assert (direct.stats["in_msgs"], direct.stats["in_bytes"]) == (plain.stats["in_msgs"], plain.stats["in_bytes"])
 
         ready = False  # nats-py's path: the callback
@@ -377,7 +511,7 @@ async def test_core_delivery_hands_over_what_nats_py_would_and_leaves_it_the_res
         callback_seen.clear()
         await send_all()
         await asyncio.wait_for(counts["callback"].wait(), 10)
-        assert direct_seen == [] and len(callback_seen) == len(_CORE_MESSAGES)
+        assert direct_seen == [] and len(callback_seen) == len(_SENT)
     finally:
         for nc in (sender, plain, direct):
             await nc.close()
@@ -401,8 +535,8 @@ def test_the_frame_reader_drops_what_nats_py_could_not_read_and_only_that():
 
     from events.natspy import _Frames
 
-    def hmsg(head: bytes, reply: bytes = b"_INBOX.x") -> bytes:
-        return b"HMSG t.s1 1 %s %d %d\r\n%s{}\r\n" % (reply, len(head), len(head) + 2, head)
+    def hmsg(head: bytes, reply: bytes = b"_INBOX.x", body: bytes = b"{}") -> bytes:
+        return b"HMSG t.s1 1 %s %d %d\r\n%s%s\r\n" % (reply, len(head), len(head) + len(body), head, body)
 
     wire = [
         b"MSG t.s1 1 _INBOX.ok 2\r\n{}\r\n",
@@ -411,6 +545,10 @@ def test_the_frame_reader_drops_what_nats_py_could_not_read_and_only_that():
         hmsg(b"NATS/1.0 503 \xff\xfe\r\n\r\n"),  # a status line that is not ASCII
         hmsg(b"NATS/1.0 \xc3\xa9\r\n\r\n"),  # not ASCII: nats-py cuts a status line by byte counts
         hmsg(b"NATS/1.0"),  # nats-py reads the byte after it: IndexError
+        hmsg(b"NATS/1.0", body=b"\r\n{}"),  # the same, the body going on as a header line would
+        b"MSG t.a\x0b1 1 2\r\n{}\r\n",  # bytes nats-py splits on and the server does not:
+        b"MSG t.a\x0c1 1 _INBOX.x 2\r\n{}\r\n",  # read by nats-py as another sid, or a protocol
+        b"HMSG t.s1 1 _INBOX.a\rb 12 14\r\nNATS/1.0\r\n\r\n{}\r\n",  # error and a reconnect
         b"MSG t.\xc3\xa9 2 _INBOX.\xc3\xa9 2\r\n{}\r\n",  # UTF-8: nats-py reads it
         hmsg(b"NATS/1.0 503\r\n\r\n", b""),  # a status nats-py reads
         hmsg(b"NATS/1.0\r\nX: \xff\r\n\r\n"),  # a header value nats-py reads with a replacement
@@ -425,7 +563,7 @@ def test_the_frame_reader_drops_what_nats_py_could_not_read_and_only_that():
         return conn.log, reader.dropped
 
     log, dropped = asyncio.run(run())
-    assert dropped == 5
+    assert dropped == 9
     assert [entry[:4] for entry in log] == [
         ("msg", 1, b"t.s1", b"_INBOX.ok"),
         ("msg", 2, b"t.\xc3\xa9", b"_INBOX.\xc3\xa9"),
@@ -434,6 +572,33 @@ def test_the_frame_reader_drops_what_nats_py_could_not_read_and_only_that():
         ("msg", 1, b"t.s1", b"_INBOX.empty"),
         ("ping",),
     ]
+
+
+def test_a_reset_while_nats_py_reads_leaves_the_rest_of_the_old_socket_s_chunk_unread():
+    """nats-py resets its parser from inside a parse (an `-ERR` that makes it reconnect): what
+    is left of the chunk came from the old socket, and is neither routed nor kept as the
+    beginning of a frame for the new socket to finish."""
+    import asyncio
+
+    from events.natspy import _Frames
+
+    async def run() -> list:
+        conn = _Recorder(1)
+        reader = _Frames(conn, {id(conn.routed): _Route(conn.log)})
+        conn._ps.parse, conn._ps.reset = reader.parse, reader.reset
+
+        async def err(message):  # as Client._process_err -> _process_op_err -> _ps.reset()
+            conn.log.append(("err", message))
+            conn._ps.reset()
+
+        conn._process_err = err
+        routed = _wire(("HMSG", 1, b"$JS.ACK.S.C.1.2.3.4.0", b"NATS/1.0\r\n\r\n", b"old"))
+        partial = _wire(("MSG", 2, b"_INBOX.y", None, b"z" * 50))[:30]
+        await conn._ps.parse(b"-ERR 'Stale Connection'\r\n" + routed + partial)
+        await conn._ps.parse(b"PING\r\n")  # the new socket
+        return conn.log
+
+    assert asyncio.run(run()) == [("err", "'stale connection'"), ("ping",)]
 
 
 _TOKEN_BYTES = st.binary(min_size=1, max_size=12).filter(lambda b: not any(c in b for c in b" \t\r\n"))

@@ -512,6 +512,17 @@ async def test_until_answered_asks_again_through_outages_only_and_gives_up_after
 
     with pytest.raises(nats.js.errors.BadRequestError):  # the server answered: not asked again
         await until_answered(refused, "a bucket")
+    for failure in (nats.js.errors.KeyValueLimitMarkerTTLNotSupportedError(), nats.errors.ConnectionClosedError()):
+        asked = 0
+
+        async def failing() -> None:
+            nonlocal asked
+            asked += 1
+            raise failure
+
+        with pytest.raises(type(failure)):  # a server too old for the bucket, a connection closed for good
+            await until_answered(failing, "a bucket")
+        assert asked == 1
     calls = 0
 
     async def silent() -> None:
