@@ -8,8 +8,9 @@ replay of the log, or says less than needed, the gap is closed here and nowhere 
   `Client._parse_header_lines` (last of duplicate names wins, values stripped and
   decoded as UTF-8 with replacement, names that are not printable ASCII without white
   space skipped) faster: an ASCII block (all the store writes) is decoded once and
-  each line is parsed once per distinct line, from a bounded table (most lines recur
-  from message to message: the topic, the version, the batch id). `use_lean_headers(nc)`
+  each line is parsed once per distinct line, from a bounded table of short lines (most
+  lines recur from message to message: the topic, the version, the batch id; a long one
+  is a publisher's choice, and is parsed each time rather than kept). `use_lean_headers(nc)`
   installs it on a connection, the only way it is installed (the event store's link
   and the scheduler's fold both call it). nats-py's parser is a private static method:
   if a new nats-py renames it, `use_lean_headers` raises instead of silently running
@@ -91,6 +92,7 @@ log = logging.getLogger("warmboot.natspy")
 _HEADER_NAME = re.compile(rb"^[\x21-\x7e]+$")  # printable ASCII, no white space
 _WHITESPACE = " \t\n\r\x0b\x0c"  # what bytes.strip() strips
 _LINES_KEPT = 4096
+_LINE_KEPT_CHARS = 256  # a longer line is parsed each time, not kept (a publisher chooses its lines)
 
 # line -> (name, value), or () for a line that gives no header
 _lines: dict[str, tuple[str, str] | tuple[()]] = {}
@@ -107,9 +109,10 @@ def parse_header_lines(raw: bytes) -> dict[str, str]:
         pair = seen(line)
         if pair is None:
             pair = _parse_line(line)
-            if len(_lines) >= _LINES_KEPT:
-                _lines.clear()
-            _lines[line] = pair
+            if len(line) <= _LINE_KEPT_CHARS:
+                if len(_lines) >= _LINES_KEPT:
+                    _lines.clear()
+                _lines[line] = pair
         if pair:
             headers[pair[0]] = pair[1]
     return headers
@@ -275,6 +278,7 @@ class _Core:
 
 
 DROPS_TOLD_EVERY_S = 60.0  # a connection logs the messages it drops at most this often
+_ANY_SIZE = 1 << 62
 # Bytes nats-py's parser splits a MSG line on (`\s`) and nats-server does not (space and tab):
 # in a subject or a reply subject, nats-py misreads the line (a protocol error and a
 # reconnect, or the message handed to another subscription of the connection, under a sid
@@ -317,7 +321,7 @@ class _Frames:
     would end its read loop) is dropped, whatever its subscription, and logged.
     """
 
-    __slots__ = ("nc", "ps", "routes", "pieces", "have", "need", "dropped", "resets", "_told")
+    __slots__ = ("nc", "ps", "routes", "pieces", "have", "need", "dropped", "resets", "max_header_bytes", "_told")
 
     def __init__(self, nc: Any, routes: dict[int, "_Direct | _Core"]):
         self.nc = nc
@@ -328,6 +332,7 @@ class _Frames:
         self.need = 0  # bytes the frame begun in `pieces` has, once its control line is read
         self.dropped = 0  # messages nats-py could not have read (`_stops_nats_py`, `_ODD_SPACE`)
         self.resets = 0  # nats-py's resets of its parser (a reconnect)
+        self.max_header_bytes = _ANY_SIZE  # a message with a larger header block is dropped (`guard_reads`)
         self._told = -DROPS_TOLD_EVERY_S
 
     def _drop(self, line: bytes) -> None:
@@ -336,8 +341,9 @@ class _Frames:
         if moment - self._told >= DROPS_TOLD_EVERY_S:
             self._told = moment
             log.warning("dropped a message nats-py could not read (%r): a subject or reply subject that is not "
-                        "UTF-8 or holds a byte nats-py splits on, or a header block's first line that is not "
-                        "ASCII or ends at NATS/1.0; %d so far on this connection", line[:300], self.dropped)
+                        "UTF-8 or holds a byte nats-py splits on, a header block's first line that is not "
+                        "ASCII or ends at NATS/1.0, or a header block over %d bytes; %d so far on this "
+                        "connection", line[:300], self.max_header_bytes, self.dropped)
 
     def route(self, route: "_Direct | _Core") -> DirectDelivery:
         """Hand `route` the messages of its subscription from now on."""
@@ -414,9 +420,11 @@ class _Frames:
                     frame_end = body + int(size) + 2
                     if frame_end > n:
                         break
-                    if not (subject.isascii() and reply.isascii()) or (
-                            with_headers and not data.startswith(_HEADER_LINE, body, middle)):  # rare: look closer
-                        if _stops_nats_py(subject, reply, data[body:middle] if with_headers else None):
+                    if not (subject.isascii() and reply.isascii()) or (with_headers and (
+                            middle - body > self.max_header_bytes
+                            or not data.startswith(_HEADER_LINE, body, middle))):  # rare: look closer
+                        if middle - body > self.max_header_bytes or _stops_nats_py(
+                                subject, reply, data[body:middle] if with_headers else None):
                             if passed < pos:
                                 await inner(ps, data[passed:pos])
                                 if self.resets != resets:
@@ -528,14 +536,17 @@ def deliver_core(nc: Any, sub: Any, on_msg: Callable[[Msg], None],
     return _frames(nc).route(_Core(nc, sub, on_msg, ready))
 
 
-def guard_reads(nc: Any) -> None:
+def guard_reads(nc: Any, max_header_bytes: int | None = None) -> None:
     """Have the connection `nc` read its frames through the frame reader (`_Frames`), routes or
     not: a message nats-py could not read is dropped there instead of ending the connection's
-    read loop. The services' connection (requests come from any worker and client), the
+    read loop; with `max_header_bytes`, so is a message whose header block is larger (before
+    anything parses it: the services' requests, `services.common.add_endpoints`). The services' connection (requests come from any worker and client), the
     agent's and the client's call it once connected. The event store's does not: under the
     generated permissions only the server and the services publish onto its inboxes, and a
     replay would pay about a microsecond a message for it."""
-    _frames(nc)
+    frames = _frames(nc)
+    if max_header_bytes is not None:
+        frames.max_header_bytes = max_header_bytes
 
 
 def _frames(nc: Any) -> _Frames:

@@ -54,7 +54,7 @@ from prometheus_client import Counter
 
 from events.codec import decode_reply, decode_request, encode
 from events.errors import ContractError, invalid, unavailable
-from events.natspy import DirectDelivery, deliver_core, flush_in_order
+from events.natspy import DirectDelivery, deliver_core, flush_in_order, guard_reads
 from events.schema import ID_PATTERN, Base, ErrorCode
 from events.subjects import bucket_name, service_subject, services_inbox
 
@@ -258,6 +258,10 @@ class _OutageLog:
 # --- the micro service ------------------------------------------------------------------
 
 MAX_CONCURRENT_REQUESTS = 256
+# A message with a larger header block is dropped where the services' connection reads it,
+# before anything parses it (the contract's requests need none; the log's events carry < 1 kB):
+# a worker's 1 MB header blocks held the read loop for 0.1 s each.
+MAX_HEADER_BYTES = 16 * 1024
 
 
 class ConcurrentEndpoint(Endpoint):
@@ -401,7 +405,11 @@ class MicroService(Service):
         await endpoint._start()
         self._endpoints.append(endpoint)
 
-    # nats.micro's discovery handlers answer any reply subject too: the same check.
+    # nats.micro's discovery handlers answer any reply subject too: the same check. They answer
+    # with `msg.respond`, which sends the request's own headers back: a caller's header block
+    # as large as the server allows made the answer larger than that, and the server then cut
+    # the services' connection (nats-py closes it for good on that error); a header name nats-py
+    # will not send logged a traceback per request. So they answer with no headers.
     async def _handle_ping_request(self, msg: Msg) -> None:
         if self._answerable(msg, "$SRV.PING"):
             await super()._handle_ping_request(msg)
@@ -417,6 +425,7 @@ class MicroService(Service):
     def _answerable(self, msg: Msg, endpoint: str) -> bool:
         reply = msg.reply
         if reply and self.guard.allowed(reply):
+            msg.headers = None  # not echoed in the answer
             return True
         self.guard.drop(endpoint, msg.subject, reply)
         return False
@@ -436,6 +445,7 @@ async def add_endpoints(
     Its metadata names the deployment's subject prefix (`prefix`); each endpoint's,
     its request and reply schema (`request`, `reply`: names in `warmboot schema`).
     """
+    guard_reads(nc, max_header_bytes=MAX_HEADER_BYTES)
     name = f"warmboot-{service}"
     svc = MicroService(
         nc,

@@ -101,6 +101,16 @@ def test_the_table_of_lines_stays_bounded_and_is_only_a_cache():
         assert len(headers._lines) <= headers._LINES_KEPT
 
 
+def test_a_long_header_line_is_read_but_not_kept():
+    """A publisher chooses its header lines: 200 distinct lines of 100 kB each would have kept
+    40 MB in the table (and 4,096 of 1 MB, 8 GB) for as long as the process ran."""
+    headers._lines.clear()
+    for i in range(200):
+        raw = f"X-{i}: {'v' * 100_000}\r\nWarmboot-Topic: ActorCreated\r\n\r\n".encode()
+        assert parse_header_lines(raw) == _parse_bytes(raw)
+    assert set(headers._lines) == {"Warmboot-Topic: ActorCreated", ""}
+
+
 def test_nats_py_still_has_the_parser_this_module_replaces():
     # If this fails, a new nats-py renamed or removed its private header parser: teach
     # events/natspy.py the new name (replays would otherwise run at nats-py's own speed).
@@ -572,6 +582,28 @@ def test_the_frame_reader_drops_what_nats_py_could_not_read_and_only_that():
         ("msg", 1, b"t.s1", b"_INBOX.empty"),
         ("ping",),
     ]
+
+
+def test_a_header_block_over_the_connection_s_limit_is_dropped_before_anything_parses_it():
+    import asyncio
+
+    from events.natspy import _Frames
+
+    def hmsg(head: bytes) -> bytes:
+        return b"HMSG t.s1 1 _INBOX.x %d %d\r\n%s{}\r\n" % (len(head), len(head) + 2, head)
+
+    small = b"NATS/1.0\r\nX: " + b"a" * 40 + b"\r\n\r\n"
+    large = b"NATS/1.0\r\nX: " + b"a" * 80 + b"\r\n\r\n"
+
+    async def run() -> tuple[list, int]:
+        conn = _Recorder(1)
+        reader = _Frames(conn, {id(conn.routed): _Route(conn.log)})
+        reader.max_header_bytes = 64  # as `guard_reads(nc, max_header_bytes=64)` sets it
+        await reader.parse(hmsg(small) + hmsg(large) + b"PING\r\n")
+        return conn.log, reader.dropped
+
+    log, dropped = asyncio.run(run())
+    assert dropped == 1 and [entry[0] for entry in log] == ["msg", "ping"] and log[0][5] == small
 
 
 def test_a_reset_while_nats_py_reads_leaves_the_rest_of_the_old_socket_s_chunk_unread():

@@ -516,3 +516,31 @@ async def test_a_message_nats_py_cannot_read_silences_no_service(deployment, att
     await call(d.ops.nc, sub("scheduler", "explain", "a-1"), ExplainResume(min_seq=before.last), Explanation,
                timeout=10)
     assert await State.of(d) == before
+
+
+async def test_discovery_answers_no_request_headers_and_a_big_header_block_is_dropped_unread(deployment):
+    """nats.micro's discovery handlers answered with the request's own headers: a client's header
+    block as large as the server allows made the answer larger than that, and the server cut
+    the services' connection (a process serving one service: closed for good). Discovery now
+    answers without them, and a message whose header block is over 16 KiB is dropped where
+    the services read it, before anything parses it."""
+    d = deployment
+    nc = d.orch.nc
+    info = await nc.request("$SRV.INFO.warmboot-registry", b"", headers={"X-Padding": "a" * 8000}, timeout=10)
+    assert json.loads(info.data)["name"] == "warmboot-registry" and not info.headers
+
+    heard: list[bytes] = []
+
+    async def answered(msg) -> None:
+        heard.append(msg.data)
+
+    inbox = nc.new_inbox()
+    spy = await nc.subscribe(inbox, cb=answered)
+    await nc.publish("$SRV.INFO", b"", reply=inbox, headers={"X-Padding": "a" * (nc.max_payload - 200)})
+    await flush_in_order(nc)
+    d.serve.line("dropped a message nats-py could not read", anywhere=True)  # every service's connection
+    assert await call(d.w_1.nc, sub("registry", "heartbeat", "w-1"), Heartbeat(), HeartbeatReply, timeout=10)
+    await call(nc, sub("scheduler", "explain", "a-1"), ExplainResume(), Explanation, timeout=10)
+    await spy.unsubscribe()
+    assert heard == []  # no answer to the padded one
+    assert "Maximum Payload Violation" not in "\n".join(d.secured.server.log)
