@@ -173,6 +173,23 @@ async def test_min_seq_beyond_the_log_is_unavailable_after_the_deadline(nc, pref
     assert behind.value.code is ErrorCode.UNAVAILABLE
 
 
+async def test_min_seq_past_the_end_of_the_log_is_unavailable_without_holding_a_slot_for_the_deadline(
+        nc, prefix, writer, replicas):
+    """Nothing will bring a sequence past the end of the log: 600 explains asking for one are
+    answered UNAVAILABLE long before the replica's 60 s deadline, while a resume goes on."""
+    await asyncio.to_thread(writer.write, registered("w", entry(V1)), created("a"))
+    await replicas(catch_up_s=60)
+    end = await last_seq(nc, prefix)
+    asked = [asyncio.ensure_future(call(nc, subject(prefix, "explain", "a"), ExplainResume(min_seq=2**53),
+                                        Explanation, timeout=20)) for _ in range(600)]
+    placed = await resume(nc, prefix, "a", min_seq=end)
+    answers = await asyncio.gather(*asked, return_exceptions=True)
+    assert placed.worker_id == "w"
+    assert {type(a) for a in answers} == {ContractError}
+    assert {a.code for a in answers} == {ErrorCode.UNAVAILABLE}
+    assert all("past the end of the log" in a.message for a in answers)  # its last: `end`, or the resume's
+
+
 async def test_a_replica_sees_events_written_after_it_started(nc, prefix, writer, replicas):
     await replicas()
     seq = await asyncio.to_thread(writer.write, registered("w", entry(V1)))

@@ -18,8 +18,9 @@ or UNAVAILABLE after a deadline.
 from __future__ import annotations
 
 import asyncio
-import heapq
+import bisect
 import itertools
+import math
 import logging
 from contextlib import asynccontextmanager, suppress
 from typing import Any, AsyncIterator, Callable, Union
@@ -37,6 +38,7 @@ from events.natspy import ORDERED_IDLE_HEARTBEAT_S, DirectDelivery, ack_position
 from events.schema import (EVENT_TYPES, ActorPlaced, ActorRuntime, AnyEvent, Snapshot, SnapshotTaken, WorkerBooked,
                            WorkerEvent)
 from events.subjects import stream_name
+from events.tasks import retrieved
 from services.scheduler.projection import Projection
 
 log = logging.getLogger("warmboot.scheduler")
@@ -61,6 +63,7 @@ _read_decoder = msgspec.json.Decoder(Union[tuple(_READ_TYPES.get(t, t) for t in 
 _runtime_decoder = msgspec.json.Decoder(ActorRuntime)
 _optional_runtime_decoder = msgspec.json.Decoder(ActorRuntime | None)
 RUNTIMES_KEPT = 4096
+PAST_END_GRACE_S = 0.25  # a min_seq not folded after this long is checked against the end of the log
 
 
 class EventReader:
@@ -128,8 +131,9 @@ class Fold:
         self.listeners: list[Callable[[int], None]] = []
         self.behind = 0  # messages the server had not delivered yet at the last one folded
         self.errors = 0
-        self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []  # sorted: (seq, tie, waiter)
         self._tie = itertools.count()
+        self._end: asyncio.Future[Any] | None = None  # the stream's info, being asked for (`_stream_end`)
         self._sub: Any = None
         self.on_cpu = on_cpu
         self._direct: DirectDelivery | None = None
@@ -210,10 +214,12 @@ class Fold:
         self.fold_message(seq, subject, headers, data)
         self.behind = behind
         waiters = self._waiters
-        while waiters and waiters[0][0] <= seq:
-            waiter = heapq.heappop(waiters)[2]
-            if not waiter.done():
-                waiter.set_result(None)
+        if waiters and waiters[0][0] <= seq:
+            reached = bisect.bisect_right(waiters, (seq, math.inf))
+            ready, waiters[:reached] = waiters[:reached], []
+            for _, _, waiter in ready:
+                if not waiter.done():
+                    waiter.set_result(None)
         for listener in self.listeners:
             listener(seq)
 
@@ -262,19 +268,48 @@ class Fold:
             self.projection.skip(seq)
 
     async def wait(self, seq: int | None, timeout: float) -> None:
-        """Return once the fold has applied `seq`; UNAVAILABLE if it does not within `timeout`."""
+        """Return once the fold has applied `seq`; UNAVAILABLE if it does not within `timeout`.
+
+        A `seq` past what the server had when it last delivered, still not folded after
+        `PAST_END_GRACE_S`, is checked against the stream's last sequence (one question for
+        every waiter that asks meanwhile): for one past the end of the log there is nothing
+        to wait for, and it is UNAVAILABLE then, not after the whole `timeout` of holding a
+        request's slot (a seq a caller was given is in the log before it reaches the caller)."""
         if not seq or self.projection.seq >= seq:
             return
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        waiter: asyncio.Future[None] = loop.create_future()
         entry = (seq, next(self._tie), waiter)
-        heapq.heappush(self._waiters, entry)
+        waiters = self._waiters
+        bisect.insort(waiters, entry)
         try:
-            await asyncio.wait_for(waiter, timeout)
+            if seq > self.projection.seq + self.behind:
+                await asyncio.wait({waiter}, timeout=min(PAST_END_GRACE_S, timeout))
+                if not waiter.done():
+                    end = await self._stream_end(deadline - loop.time())
+                    if end is not None and seq > end:
+                        raise unavailable(f"sequence {seq} is past the end of the log (its last is {end}): "
+                                          "nothing to wait for")
+            await asyncio.wait_for(waiter, max(deadline - loop.time(), 0.0))
         except asyncio.TimeoutError:
-            with suppress(ValueError):
-                self._waiters.remove(entry)
-                heapq.heapify(self._waiters)
             raise unavailable(
                 f"this scheduler replica has folded the log up to sequence {self.projection.seq}, "
                 f"not {seq}, within {timeout:g}s; try again"
             ) from None
+        finally:
+            at = bisect.bisect_left(waiters, entry[:2])
+            if at < len(waiters) and waiters[at] is entry:
+                del waiters[at]
+
+    async def _stream_end(self, within: float) -> int | None:
+        """The stream's last sequence (None if it is not known within `within`); one question
+        shared by every caller while it is asked."""
+        if self._end is None or self._end.done():
+            self._end = asyncio.ensure_future(self.nc.jetstream().stream_info(self.stream))
+            self._end.add_done_callback(retrieved)
+        try:
+            info = await asyncio.wait_for(asyncio.shield(self._end), max(within, 0.0))
+        except Exception:  # not known: the wait goes on as before
+            return None
+        return info.state.last_seq
