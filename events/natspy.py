@@ -396,23 +396,14 @@ class _Frames:
                     subject, sid, size = args[0], args[1], args[-1]
                     reply = args[2] if count == 4 else b""
                     header_size = args[-2] if with_headers else b"0"
-                if _ODD_SPACE[0] in line or _ODD_SPACE[1] in line or _ODD_SPACE[2] in line:
-                    # nats-py splits the line there, the server did not: a subject or reply holds it
-                    if not (len(args) >= 3 and args[-1].isdigit() and (not with_headers or args[-2].isdigit())):
-                        frame_end = n  # not a frame this reader reads: nats-py says what it is
-                    else:
-                        frame_end = eol + 2 + int(args[-1]) + 2
-                        if frame_end > n:
-                            break
-                        if passed < pos:
-                            await inner(ps, data[passed:pos])
-                            if self.resets != resets:
-                                return
-                        self._drop(data[pos:eol])
-                        pos = passed = frame_end
-                        continue
-                elif not (count == 3 or count == 4) or not (size.isdigit() and header_size.isdigit()
-                                                            and sid.isdigit()):
+                # a byte nats-py splits the line on and the server did not: a subject or reply holds it
+                odd = _ODD_SPACE[0] in line or _ODD_SPACE[1] in line or _ODD_SPACE[2] in line
+                if odd:  # the sizes are the last arguments either way
+                    count, size = 0, args[-1] if args else b""
+                    header_size = args[-2] if with_headers and len(args) > 1 else b"0"
+                    sid = b"0"
+                if not (odd or count == 3 or count == 4) or not (size.isdigit() and header_size.isdigit()
+                                                                 and sid.isdigit()):
                     frame_end = n  # not a frame this reader reads: nats-py says what it is
                 else:
                     body = eol + 2
@@ -420,10 +411,10 @@ class _Frames:
                     frame_end = body + int(size) + 2
                     if frame_end > n:
                         break
-                    if not (subject.isascii() and reply.isascii()) or (with_headers and (
+                    if odd or not (subject.isascii() and reply.isascii()) or (with_headers and (
                             middle - body > self.max_header_bytes
                             or not data.startswith(_HEADER_LINE, body, middle))):  # rare: look closer
-                        if middle - body > self.max_header_bytes or _stops_nats_py(
+                        if odd or middle - body > self.max_header_bytes or _stops_nats_py(
                                 subject, reply, data[body:middle] if with_headers else None):
                             if passed < pos:
                                 await inner(ps, data[passed:pos])
