@@ -286,6 +286,10 @@ _ANY_SIZE = 1 << 62
 _ODD_SPACE = (b"\r", b"\x0b", b"\x0c")
 
 
+def _odd_space(line: bytes) -> bool:
+    return any(byte in line for byte in _ODD_SPACE)
+
+
 def _stops_nats_py(subject: bytes, reply: bytes, headers: bytes | None) -> bool:
     """Whether nats-py could not read this message: `_process_msg` decodes the subject and the
     reply as UTF-8, and a status line's code and description too, and reads the byte after
@@ -379,7 +383,7 @@ class _Frames:
         n = len(data)
         pos = 0
         passed = 0  # data[passed:pos]: whole frames for nats-py's parser, handed over together
-        subs, routes, clock = self.nc._subs, self.routes, time.thread_time
+        subs, routes, clock, cap = self.nc._subs, self.routes, time.thread_time, self.max_header_bytes
         run: Callable[[float], None] | None = None  # told the CPU of the deliveries since `started`
         started = 0.0
         while pos < n:
@@ -397,7 +401,8 @@ class _Frames:
                     reply = args[2] if count == 4 else b""
                     header_size = args[-2] if with_headers else b"0"
                 # a byte nats-py splits the line on and the server did not: a subject or reply holds it
-                odd = _ODD_SPACE[0] in line or _ODD_SPACE[1] in line or _ODD_SPACE[2] in line
+                # (the server puts one space between arguments: only another count is looked into)
+                odd = len(args) != line.count(b" ") + 1 and _odd_space(line)
                 if odd:  # the sizes are the last arguments either way
                     count, size = 0, args[-1] if args else b""
                     header_size = args[-2] if with_headers and len(args) > 1 else b"0"
@@ -412,9 +417,9 @@ class _Frames:
                     if frame_end > n:
                         break
                     if odd or not (subject.isascii() and reply.isascii()) or (with_headers and (
-                            middle - body > self.max_header_bytes
+                            middle - body > cap
                             or not data.startswith(_HEADER_LINE, body, middle))):  # rare: look closer
-                        if odd or middle - body > self.max_header_bytes or _stops_nats_py(
+                        if odd or middle - body > cap or _stops_nats_py(
                                 subject, reply, data[body:middle] if with_headers else None):
                             if passed < pos:
                                 await inner(ps, data[passed:pos])
