@@ -20,8 +20,8 @@ from __future__ import annotations
 import asyncio
 import bisect
 import itertools
-import math
 import logging
+import math
 from contextlib import asynccontextmanager, suppress
 from typing import Any, AsyncIterator, Callable, Union
 
