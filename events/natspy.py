@@ -401,8 +401,8 @@ class _Frames:
                     reply = args[2] if count == 4 else b""
                     header_size = args[-2] if with_headers else b"0"
                 # a byte nats-py splits the line on and the server did not: a subject or reply holds it
-                # (the server puts one space between arguments: only another count is looked into)
-                odd = len(args) != line.count(b" ") + 1 and _odd_space(line)
+                # (the server puts one space between arguments: only another line is looked into)
+                odd = b" ".join(args) != line and _odd_space(line)
                 if odd:  # the sizes are the last arguments either way
                     count, size = 0, args[-1] if args else b""
                     header_size = args[-2] if with_headers and len(args) > 1 else b"0"

@@ -15,6 +15,7 @@ import nats
 import pytest
 from nats.aio.client import Client
 
+from events.errors import ContractError
 from events.natspy import NATS_PROTOCOL, ORDERED_IDLE_HEARTBEAT_S, ack_positions, deliver_directly, use_lean_headers
 from events.subjects import stream_name
 from services.scheduler.fold import Fold
@@ -202,3 +203,49 @@ def test_direct_delivery_refuses_a_nats_py_without_the_parser_it_reads_ahead_of(
     monkeypatch.delattr(nats_parser, "AWAITING_CONTROL_LINE")
     with pytest.raises(RuntimeError, match="natspy"):
         deliver_directly(client, None, lambda *a: None, lambda: True)
+
+
+class _HeldStreamInfo:
+    """A JetStream context whose `stream_info` is read at the server when asked, and handed
+    back only once the test releases it (a busy read loop, a JetStream API queue)."""
+
+    def __init__(self, js, asked: list[asyncio.Event], release: asyncio.Event):
+        self._js, self._asked, self._release = js, asked, release
+
+    async def stream_info(self, name):
+        info = await self._js.stream_info(name)
+        next(event for event in self._asked if not event.is_set()).set()
+        await self._release.wait()
+        return info
+
+    def __getattr__(self, name):
+        return getattr(self._js, name)
+
+
+async def test_a_seq_written_after_the_log_s_end_was_asked_is_not_past_the_end(nc, prefix, writer):
+    """A wait for a sequence past what the fold knows asks the stream's last sequence; a wait
+    that comes later, for a sequence written meanwhile, must not take that answer (it was read
+    before the sequence existed): it asks again, and is answered once the fold has it."""
+    from tests.factories import entry, registered, version
+
+    await asyncio.to_thread(writer.write, registered("w", entry(version("1"))))
+    fold = Fold(nc, prefix, Projection())
+    await fold.start(10)
+    asked, release = [asyncio.Event(), asyncio.Event()], asyncio.Event()
+    real = nc.jetstream
+    nc.jetstream = lambda *a, **k: _HeldStreamInfo(real(*a, **k), asked, release)
+    try:
+        far = asyncio.ensure_future(fold.wait(2**53, 30))
+        await asyncio.wait_for(asked[0].wait(), 10)  # its question is out, its answer held
+        async with fold.paused():  # the fold folds nothing meanwhile (a checkpoint's copy, say)
+            seq = await asyncio.to_thread(writer.write, created("a"))  # in the log
+            mine = asyncio.ensure_future(fold.wait(seq, 30))
+            await asyncio.wait_for(asked[1].wait(), 10)  # a question of its own, not the one out
+            release.set()
+            with pytest.raises(ContractError, match="past the end of the log"):
+                await far
+        await asyncio.wait_for(mine, 10)
+        assert fold.projection.seq >= seq and fold._waiters == []
+    finally:
+        nc.jetstream = real
+        await fold.stop()

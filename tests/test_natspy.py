@@ -559,6 +559,8 @@ def test_the_frame_reader_drops_what_nats_py_could_not_read_and_only_that():
         b"MSG t.a\x0b1 1 2\r\n{}\r\n",  # bytes nats-py splits on and the server does not:
         b"MSG t.a\x0c1 1 _INBOX.x 2\r\n{}\r\n",  # read by nats-py as another sid, or a protocol
         b"HMSG t.s1 1 _INBOX.a\rb 12 14\r\nNATS/1.0\r\n\r\n{}\r\n",  # error and a reconnect
+        b"MSG t.a\x0b2 1 \x0c 2\r\n{}\r\n",  # one more argument and one fewer: as many as spaces,
+        b"HMSG t.a\x0bb 1 \x0c 12 14\r\nNATS/1.0\r\n\r\n{}\r\n",  # read as sid 2, or an error
         b"MSG t.\xc3\xa9 2 _INBOX.\xc3\xa9 2\r\n{}\r\n",  # UTF-8: nats-py reads it
         hmsg(b"NATS/1.0 503\r\n\r\n", b""),  # a status nats-py reads
         hmsg(b"NATS/1.0\r\nX: \xff\r\n\r\n"),  # a header value nats-py reads with a replacement
@@ -573,7 +575,7 @@ def test_the_frame_reader_drops_what_nats_py_could_not_read_and_only_that():
         return conn.log, reader.dropped
 
     log, dropped = asyncio.run(run())
-    assert dropped == 9
+    assert dropped == 11
     assert [entry[:4] for entry in log] == [
         ("msg", 1, b"t.s1", b"_INBOX.ok"),
         ("msg", 2, b"t.\xc3\xa9", b"_INBOX.\xc3\xa9"),

@@ -133,7 +133,7 @@ class Fold:
         self.errors = 0
         self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []  # sorted: (seq, tie, waiter)
         self._tie = itertools.count()
-        self._end: asyncio.Future[Any] | None = None  # the stream's info, being asked for (`_stream_end`)
+        self._end: tuple[float, asyncio.Future[Any]] | None = None  # when asked, the stream's info (`_stream_end`)
         self._sub: Any = None
         self.on_cpu = on_cpu
         self._direct: DirectDelivery | None = None
@@ -278,7 +278,8 @@ class Fold:
         if not seq or self.projection.seq >= seq:
             return
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
+        registered = loop.time()
+        deadline = registered + timeout
         waiter: asyncio.Future[None] = loop.create_future()
         entry = (seq, next(self._tie), waiter)
         waiters = self._waiters
@@ -287,8 +288,8 @@ class Fold:
             if seq > self.projection.seq + self.behind:
                 await asyncio.wait({waiter}, timeout=min(PAST_END_GRACE_S, timeout))
                 if not waiter.done():
-                    end = await self._stream_end(deadline - loop.time())
-                    if end is not None and seq > end:
+                    end = await self._stream_end(registered, deadline - loop.time())
+                    if end is not None and seq > end and not waiter.done():
                         raise unavailable(f"sequence {seq} is past the end of the log (its last is {end}): "
                                           "nothing to wait for")
             await asyncio.wait_for(waiter, max(deadline - loop.time(), 0.0))
@@ -302,14 +303,16 @@ class Fold:
             if at < len(waiters) and waiters[at] is entry:
                 del waiters[at]
 
-    async def _stream_end(self, within: float) -> int | None:
-        """The stream's last sequence (None if it is not known within `within`); one question
-        shared by every caller while it is asked."""
-        if self._end is None or self._end.done():
-            self._end = asyncio.ensure_future(self.nc.jetstream().stream_info(self.stream))
-            self._end.add_done_callback(retrieved)
+    async def _stream_end(self, since: float, within: float) -> int | None:
+        """The stream's last sequence as the leader answers a question asked at `since` or later
+        (None if it is not known within `within`): one question shared by every caller while it
+        is asked, but never one asked before a caller came (it may not have its `seq` yet)."""
+        loop = asyncio.get_running_loop()
+        if self._end is None or self._end[1].done() or self._end[0] < since:
+            self._end = (loop.time(), asyncio.ensure_future(self.nc.jetstream().stream_info(self.stream)))
+            self._end[1].add_done_callback(retrieved)
         try:
-            info = await asyncio.wait_for(asyncio.shield(self._end), max(within, 0.0))
+            info = await asyncio.wait_for(asyncio.shield(self._end[1]), max(within, 0.0))
         except Exception:  # not known: the wait goes on as before
             return None
         return info.state.last_seq
