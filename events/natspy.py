@@ -279,7 +279,8 @@ class _Core:
 
 DROPS_TOLD_EVERY_S = 60.0  # a connection logs the messages it drops at most this often
 _ANY_SIZE = 1 << 62
-# Bytes nats-py's parser splits a MSG line on (`\s`) and nats-server does not (space and tab):
+# Bytes nats-py's parser splits a MSG line on (`\s`) and nats-server does not (it splits on space,
+# tab, CR and LF: a lone CR is here only in case another server lets one through):
 # in a subject or a reply subject, nats-py misreads the line (a protocol error and a
 # reconnect, or the message handed to another subscription of the connection, under a sid
 # the publisher wrote). Any client allowed a wildcard in a subject it publishes can send one.
