@@ -45,8 +45,9 @@ replay of the log, or says less than needed, the gap is closed here and nowhere 
   still up: one request with a reply subject that is not UTF-8, from any client allowed
   to send one, silenced a service replica, which the server went on sending its share of
   the requests. nats-py also splits a message's line on bytes the server does not split
-  it on (`_ODD_SPACE`), and so reads such a message under another sid, or reconnects. The frame reader drops such a message instead (and logs it); the
-  services', the agent's and the client's connections read through it.
+  it on (`_ODD_SPACE`), and so reads such a message under another sid, or reconnects.
+  The frame reader drops such a message instead (and logs it); the services', the
+  agent's and the client's connections read through it.
 - `flush_in_order`: a flush whose PONG says the server has every command sent before
   it. nats-py's `flush` writes its PING straight to the socket, ahead of the commands
   its flusher task has not written yet (the SUB of a subscription just made): a
