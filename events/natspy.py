@@ -39,7 +39,8 @@ replay of the log, or says less than needed, the gap is closed here and nowhere 
 - `deliver_core`: the same for a core NATS subscription whose messages are handled
   each on its own (the services' request endpoints, `Replies`' inbox): its messages go
   from the read loop to a synchronous callback, as the `Msg` nats-py would have built,
-  without the parser's regular expression, the subscription's queue and its task.
+  without the parser's regular expression, the subscription's queue and its task
+  (`subscribe_core` makes such a subscription with the one callback for both paths).
 - `guard_reads`: nats-py decodes each message's subject, reply subject and status line
   strictly, and an error there ends the connection's read loop for good, the connection
   still up: one request with a reply subject that is not UTF-8, from any client allowed
@@ -547,6 +548,18 @@ def guard_reads(nc: Any, max_header_bytes: int | None = None) -> None:
         frames.max_header_bytes = max_header_bytes
 
 
+async def subscribe_core(nc: Any, subject: str, on_msg: Callable[[Msg], None]) -> tuple[Any, DirectDelivery]:
+    """Subscribe the synchronous `on_msg` to `subject`: delivered directly (`deliver_core`),
+    and through nats-py's callback for what nats-py keeps to itself (a status: a 503, say).
+    For a subscription whose messages are each handled on their own, at once."""
+
+    async def callback(msg: Msg) -> None:
+        on_msg(msg)
+
+    sub = await nc.subscribe(subject, cb=callback)
+    return sub, deliver_core(nc, sub, on_msg)
+
+
 def _frames(nc: Any) -> _Frames:
     """The connection's frame reader, installed on its first route or by `guard_reads`."""
     ps = getattr(nc, NATS_PROTOCOL, None)
@@ -630,8 +643,7 @@ class Replies:
 
     async def start(self) -> "Replies":
         self._inbox = self.nc.new_inbox() + "."
-        self._sub = await self.nc.subscribe(self._inbox + "*", cb=self._on_reply)
-        self._direct = deliver_core(self.nc, self._sub, self._reply)
+        self._sub, self._direct = await subscribe_core(self.nc, self._inbox + "*", self._reply)
         self._watch = asyncio.create_task(self._expire(), name="replies-deadlines")
         return self
 
@@ -669,9 +681,6 @@ class Replies:
             self._pending.pop(token, None)
             raise
         return future
-
-    async def _on_reply(self, msg: Msg) -> None:  # a status (503), or a reply while direct delivery was not installed
-        self._reply(msg)
 
     def _reply(self, msg: Msg) -> None:
         entry = self._pending.pop(msg.subject[len(self._inbox):], None)

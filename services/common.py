@@ -293,22 +293,15 @@ class ConcurrentEndpoint(Endpoint):
             self._direct = None
         await super()._stop()
 
-    def _allowed(self, msg: Msg) -> bool:
-        reply = msg.reply
-        if reply and self._micro.guard.allowed(reply):
-            return True
-        self._micro.guard.drop(self._name, msg.subject, reply)
-        return False
-
     def _admit(self, msg: Msg) -> None:
         """A request delivered directly, so while a slot is free: it takes the slot now."""
-        if self._allowed(msg):
+        if self._micro.admits(msg, self._name):
             if not self._micro.slots.take_now():
                 raise RuntimeError("a request was delivered directly with no slot free")  # logged, dropped
             self._micro.track(asyncio.create_task(self._serve(Request(msg), time.perf_counter_ns())))
 
     async def _handle_request(self, msg: Msg) -> None:
-        if self._allowed(msg):
+        if self._micro.admits(msg, self._name):
             start = time.perf_counter_ns()
             await self._micro.slots.take()
             self._micro.track(asyncio.create_task(self._serve(Request(msg), start)))
@@ -422,13 +415,20 @@ class MicroService(Service):
         if self._answerable(msg, "$SRV.STATS"):
             await super()._handle_stats_request(msg)
 
-    def _answerable(self, msg: Msg, endpoint: str) -> bool:
+    def admits(self, msg: Msg, endpoint: str) -> bool:
+        """Whether `msg` may be served: its reply subject is one the services answer
+        (`ReplyGuard`); otherwise it is dropped, counted and logged."""
         reply = msg.reply
         if reply and self.guard.allowed(reply):
-            msg.headers = None  # not echoed in the answer
             return True
         self.guard.drop(endpoint, msg.subject, reply)
         return False
+
+    def _answerable(self, msg: Msg, endpoint: str) -> bool:
+        if not self.admits(msg, endpoint):
+            return False
+        msg.headers = None  # not echoed in the answer
+        return True
 
     async def stop(self, drain_s: float = 10.0) -> None:
         await super().stop()

@@ -45,7 +45,7 @@ from events.aggregate import now
 from events.codec import encode
 from events.errors import unavailable
 from events.jetstream.errors import ERR_WRONG_LAST_SEQUENCE
-from events.natspy import ApiError, DirectDelivery, Replies, deliver_core
+from events.natspy import ApiError, DirectDelivery, Replies, subscribe_core
 from events.subjects import bucket_name
 from events.tasks import cancel_and_wait
 from services.common import last_seq_on, until_answered
@@ -109,7 +109,7 @@ class Sweeper:
     One pull request of `PULL_BATCH` messages is outstanding at a time; when it is
     filled, or the server ends it (408: expired, 409, 404), the next one goes out. A
     message that is not an expiry marker is acknowledged right away (delivered from the
-    connection's read loop, `events.natspy.deliver_core`; one task acks what one read of
+    connection's read loop, `events.natspy.subscribe_core`; one task acks what one read of
     the socket brought); a marker is queued
     for `on_marker(worker_id)`, then acknowledged, or handed back (nak) to be
     redelivered a second later if that failed. A replica that dies before the ack
@@ -151,8 +151,7 @@ class Sweeper:
         await until_answered(consumer, f"the consumer {self.config.durable_name}")
         self._inbox = self.nc.new_inbox()
         self._ended = asyncio.Event()
-        self._sub = await self.nc.subscribe(self._inbox, cb=self._on_msg)
-        self._direct = deliver_core(self.nc, self._sub, self._delivered)
+        self._sub, self._direct = await subscribe_core(self.nc, self._inbox, self._delivered)
         self._tasks = [asyncio.create_task(self._pull(), name=f"{self.stream}-sweep-pull"),
                        asyncio.create_task(self._handle_markers(), name=f"{self.stream}-sweep")]
 
@@ -199,9 +198,6 @@ class Sweeper:
             log.debug("heartbeat sweep: the pull ended with %s; asking again in %.1fs", self._status, backoff)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 2.0)
-
-    async def _on_msg(self, msg: Msg) -> None:  # a status, or a delivery while not delivered directly
-        self._delivered(msg)
 
     def _delivered(self, msg: Msg) -> None:
         headers = msg.headers
