@@ -134,24 +134,42 @@ async def test_a_heartbeat_answers_once_its_put_is_stored(nats_url, nc, prefix):
 async def test_the_sweep_acknowledges_every_heartbeat_put(nats_url, nc, prefix):
     """The sweep's consumer gets every put of the bucket (only the server's expiry markers
     matter to it): the others are acked from the read loop's deliveries, a task per read,
-    so nothing waits for the ack wait to be redelivered."""
+    so nothing waits for the ack wait to be redelivered. The acks are read on the bus, in
+    the order they are sent: once the last put's is there, every delivery before it was
+    acked (a put its key's next put replaced before it was delivered is never delivered)."""
+    from events.natspy import flush_in_order
     from services.registry.liveness import SWEEPER
 
+    stream = f"KV_{bucket_name(prefix, 'heartbeats')}"
+    acked: list[tuple[int, int]] = []  # (stream sequence, delivery sequence) of each ack
+    last_put = 0
+    last_acked = asyncio.Event()
+
+    async def ack(msg) -> None:
+        tokens = msg.subject.split(".")  # $JS.ACK.<stream>.<consumer>.<n>.<stream seq>.<delivery seq>...
+        acked.append((int(tokens[5]), int(tokens[6])))
+        if acked[-1][0] == last_put:
+            last_acked.set()
+
+    spy = await nc.subscribe(f"$JS.ACK.{stream}.{SWEEPER}.>", cb=ack)
+    await flush_in_order(nc)
     async with running_registry(nats_url, prefix) as one:
         workers = [f"w-{n}" for n in range(40)]
         for worker_id in workers:
             await one.register(worker_id, body(worker_id))
         await asyncio.gather(*(one.heartbeat(w, Heartbeat()) for w in workers * 5))
         js = nc.jetstream()
-        stream = f"KV_{bucket_name(prefix, 'heartbeats')}"
-        last = (await js.stream_info(stream)).state.last_seq
-        for _ in range(200):  # the acks are on their way: read the consumer's ack floor until it gets there
-            info = await js.consumer_info(stream, SWEEPER)
-            if info.ack_floor.stream_seq >= last:
-                break
-            await asyncio.sleep(0.05)
-        assert info.ack_floor.stream_seq == last and info.num_ack_pending == 0 and info.num_redelivered == 0
-        assert info.delivered.stream_seq == last
+        last_put = (await js.stream_info(stream)).state.last_seq
+        if any(seq == last_put for seq, _ in acked):
+            last_acked.set()
+        await asyncio.wait_for(last_acked.wait(), 30)
+        deliveries = [delivery for _, delivery in acked]
+        assert deliveries == list(range(1, len(deliveries) + 1))  # each delivery acked, once, in order
+        assert len(deliveries) >= len(workers)  # at least each key's last put
+        info = await js.consumer_info(stream, SWEEPER)
+        assert (info.delivered.consumer_seq, info.delivered.stream_seq) == (len(deliveries), last_put)
+        assert info.num_redelivered == 0
+    await spy.unsubscribe()
 
 
 async def test_replies_match_answers_and_give_up_on_silence(nc, prefix):
