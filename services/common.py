@@ -277,6 +277,7 @@ class ConcurrentEndpoint(Endpoint):
     def __init__(self, service: "MicroService", config: EndpointConfig):
         super().__init__(service, config)
         self._micro = service
+        self.slots = service.endpoint_slots[config.name] = Slots(service.max_concurrent)  # its own (see MicroService)
         self._direct: DirectDelivery | None = None
 
     async def _start(self) -> None:
@@ -285,7 +286,7 @@ class ConcurrentEndpoint(Endpoint):
         # its task (`deliver_core`); when none is, nats-py's path holds it in the
         # subscription's queue, and `_handle_request` waits for a slot.
         self._direct = deliver_core(self._service._client, self._subscription, self._admit,
-                                    ready=self._micro.slots.free_now)
+                                    ready=self.slots.free_now)
 
     async def _stop(self) -> None:
         if self._direct is not None:
@@ -296,15 +297,15 @@ class ConcurrentEndpoint(Endpoint):
     def _admit(self, msg: Msg) -> None:
         """A request delivered directly, so while a slot is free: it takes the slot now."""
         if self._micro.admits(msg, self._name):
-            if not self._micro.slots.take_now():
+            if not self.slots.take_now():
                 raise RuntimeError("a request was delivered directly with no slot free")  # logged, dropped
-            self._micro.track(asyncio.create_task(self._serve(Request(msg), time.perf_counter_ns())))
+            self._micro.track(asyncio.create_task(self._serve(Request(msg), time.perf_counter_ns())), self.slots)
 
     async def _handle_request(self, msg: Msg) -> None:
         if self._micro.admits(msg, self._name):
             start = time.perf_counter_ns()
-            await self._micro.slots.take()
-            self._micro.track(asyncio.create_task(self._serve(Request(msg), start)))
+            await self.slots.take()
+            self._micro.track(asyncio.create_task(self._serve(Request(msg), start)), self.slots)
 
     async def _serve(self, request: Request, start: int) -> None:
         error = None
@@ -370,24 +371,29 @@ class Slots:
 class MicroService(Service):
     """A nats.micro service whose endpoints answer requests concurrently and only to inboxes.
 
-    At most `max_concurrent` requests are served at once; past that the endpoints'
-    subscriptions wait. `stop` lets the ones in flight finish.
+    At most `max_concurrent` requests of each endpoint are served at once; past that the
+    endpoint's subscription waits. Each endpoint has slots of its own, so that a backlog of
+    one kind of request never holds up another: a storm of registrations (every agent of a
+    fleet registering again when NATS comes back) takes nothing from the heartbeats that
+    keep those workers alive. `stop` lets the ones in flight finish.
     """
 
     def __init__(self, nc: NATS, config: ServiceConfig, max_concurrent: int = MAX_CONCURRENT_REQUESTS,
                  guard: ReplyGuard | None = None):
         super().__init__(nc, config)
         self.guard = guard or ReplyGuard(config.name, (config.metadata or {}).get("prefix", ""))
-        self.slots = Slots(max_concurrent)
+        self.max_concurrent = max_concurrent
+        self.endpoint_slots: dict[str, Slots] = {}  # by endpoint name
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def track(self, task: asyncio.Task[None]) -> None:
+    def track(self, task: asyncio.Task[None], slots: Slots) -> None:
+        """Keep `task` (a request being served) until it ends; then its slot goes back to `slots`."""
         self._tasks.add(task)
-        task.add_done_callback(self._finished)
+        task.add_done_callback(lambda done: self._finished(done, slots))
 
-    def _finished(self, task: asyncio.Task[None]) -> None:
+    def _finished(self, task: asyncio.Task[None], slots: Slots) -> None:
         self._tasks.discard(task)
-        self.slots.give()
+        slots.give()
 
     async def add_endpoint(self, config: EndpointConfig | None = None, **kwargs: Any) -> None:
         config = EndpointConfig(**kwargs) if config is None else config

@@ -480,7 +480,7 @@ async def test_a_service_serves_at_most_max_concurrent_requests_at_once_and_answ
         requests = [asyncio.ensure_future(nc.request(service_subject(prefix, "narrow", "answer", f"w-{i}"), b"{}",
                                                      timeout=30)) for i in range(200)]
         await asyncio.wait_for(full.wait(), 30)  # the first five take the slots; the rest wait for them
-        assert micro.slots.free == 0
+        assert micro.endpoint_slots["answer"].free == 0
         gate.set()
         replies = await asyncio.gather(*requests)
     finally:
@@ -488,7 +488,44 @@ async def test_a_service_serves_at_most_max_concurrent_requests_at_once_and_answ
     assert most == 5
     assert [json.loads(r.data) for r in replies] == [{"ttl_s": 1.0}] * 200
     assert sorted(served) == sorted(f"w-{i}" for i in range(200))
-    assert micro.slots.free == 5
+    assert micro.endpoint_slots["answer"].free == 5
+
+
+async def test_a_backlog_on_one_endpoint_does_not_hold_up_another(nc, prefix):
+    """Each endpoint has slots of its own: with every slot of `slow` held and 40 more of its
+    requests waiting (a storm of registrations), each of 20 requests to `quick` (heartbeats)
+    is answered while `slow` still holds them all. Shared slots would have made them wait."""
+    gate, full = asyncio.Event(), asyncio.Event()
+    running = 0
+
+    async def slow(entity_id: str, request: Heartbeat) -> HeartbeatReply:
+        nonlocal running
+        running += 1
+        if running == 4:
+            full.set()
+        await gate.wait()
+        return HeartbeatReply(ttl_s=2.0)
+
+    async def quick(entity_id: str, request: Heartbeat) -> HeartbeatReply:
+        return HeartbeatReply(ttl_s=1.0)
+
+    micro = await add_endpoints(nc, prefix, "split", "a slow endpoint and a quick one",
+                                [EndpointSpec("slow", Heartbeat, slow), EndpointSpec("quick", Heartbeat, quick)],
+                                max_concurrent=4)
+    try:
+        held = [asyncio.ensure_future(nc.request(service_subject(prefix, "split", "slow", f"w-{i}"), b"{}",
+                                                 timeout=30)) for i in range(44)]
+        await asyncio.wait_for(full.wait(), 30)
+        for i in range(20):
+            reply = await nc.request(service_subject(prefix, "split", "quick", f"w-{i}"), b"{}", timeout=10)
+            assert json.loads(reply.data) == {"ttl_s": 1.0}
+        assert micro.endpoint_slots["slow"].free == 0 and not any(r.done() for r in held)
+        gate.set()
+        assert [json.loads(r.data) for r in await asyncio.gather(*held)] == [{"ttl_s": 2.0}] * 44
+    finally:
+        gate.set()
+        await micro.stop()
+    assert micro.endpoint_slots["slow"].free == 4 and micro.endpoint_slots["quick"].free == 4
 
 
 # --- a service's buckets at start, while JetStream cannot answer yet --------------------------------
