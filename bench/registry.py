@@ -15,7 +15,13 @@ Side by side, in one run, on one nats-server (file storage, as in production):
 (c) heartbeats: every registered worker beats, round after round, `--window` in
     flight (`heartbeats_per_s`, p50/p99), and the ratio to (a) (`heartbeat_vs_echo`).
     Echo and heartbeats alternate twice; the best of each counts (both read the same
-    warm server). Each process's CPU time is read from /proc, so the run also says
+    warm server).
+(d) a re-registration storm: every worker registers again, all at once and unchanged,
+    each with a request id of its own, as agents do when their connection comes back
+    after a NATS restart (`reregister_per_s`, `storm_register_p99_ms`), while the workers
+    go on beating at a fleet's rate, one heartbeat per worker every 5 s, open loop
+    (`storm_heartbeat_p99_ms`, `storm_heartbeat_max_ms`: a heartbeat queued behind the
+    storm for a TTL would lose its worker). Each process's CPU time is read from /proc, so the run also says
     what a heartbeat costs the registry, the server and the client.
 
 The registry process tunes its collector as `warmboot serve` does (`services.common.tune_gc`,
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import subprocess
@@ -128,6 +135,13 @@ def cpu_seconds(pid: int) -> float:
 # --- the client -----------------------------------------------------------------------------------
 
 
+def pct_ms(latencies: list[float], q: float) -> float:
+    """The `q` quantile of sorted `latencies` (seconds), in ms; 0 when there are none."""
+    if not latencies:
+        return 0.0
+    return latencies[min(len(latencies) - 1, int(len(latencies) * q))] * 1000
+
+
 class Run:
     def __init__(self, count: int, elapsed: float, latencies: list[float], cpu: dict[str, float]):
         self.count = count
@@ -140,7 +154,7 @@ class Run:
         return self.count / self.elapsed
 
     def pct_ms(self, q: float) -> float:
-        return self.latencies[min(len(self.latencies) - 1, int(len(self.latencies) * q))] * 1000
+        return pct_ms(self.latencies, q)
 
     def cpu_us(self, name: str) -> float:
         return self.cpu[name] / self.count * 1e6
@@ -174,7 +188,7 @@ async def drive(replies, requests: list[tuple[str, bytes]], window: int, pids: d
     return Run(len(requests), elapsed, latencies, cpu)
 
 
-def registration(worker_id: str) -> bytes:
+def registration(worker_id: str, request_id: str | None = None) -> bytes:
     from events.codec import encode
     from events.schema import (Attribute, CompatVersion, RegisterWorker, Resources, WorkerRuntime,
                                WorkerSandboxClass)
@@ -187,7 +201,54 @@ def registration(worker_id: str) -> bytes:
         worker_id=worker_id, node=f"node-{worker_id}", capacity=Resources(cpu_millis=64000, memory_mib=65536),
         labels={"zone": "a"},
         sandbox_classes=(WorkerSandboxClass(sandbox_class="gvisor", default_runtime=WorkerRuntime(version=version)),),
+        request_id=request_id,
     ))
+
+
+BEAT_EVERY_S = 5.0  # an agent's heartbeat interval at the default TTL (15 s / 3)
+
+
+async def storm(replies, registrations: list[tuple[str, bytes]], beats: list[tuple[str, bytes]],
+                pids: dict[str, int]) -> tuple[Run, list[float]]:
+    """Every registration sent at once while the workers go on beating, open loop, at the rate
+    a fleet of that size beats (one heartbeat per worker every `BEAT_EVERY_S`); the storm's
+    run, and the latencies of the heartbeats sent while it lasted (each must be answered)."""
+    done = False
+    latencies: list[float] = []
+    refused: list[bytes] = []
+    in_flight: set[asyncio.Task[None]] = set()
+
+    async def beat(subject: str, body: bytes) -> None:
+        t = time.perf_counter()
+        msg = await replies.request(subject, body)
+        if not done:
+            latencies.append(time.perf_counter() - t)
+        if not msg.data.startswith(b'{"ttl_s"'):
+            refused.append(msg.data)
+
+    async def offer() -> None:
+        rate = len(registrations) / BEAT_EVERY_S
+        t0 = time.perf_counter()
+        for k, (subject, body) in enumerate(itertools.cycle(beats)):
+            if done:
+                return
+            delay = t0 + k / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            task = asyncio.create_task(beat(subject, body))
+            in_flight.add(task)
+            task.add_done_callback(in_flight.discard)
+
+    offering = asyncio.create_task(offer())
+    try:
+        run = await drive(replies, registrations, len(registrations), pids)
+    finally:
+        done = True
+        await offering
+        await asyncio.gather(*in_flight)
+    if refused:
+        raise RuntimeError(f"{len(refused)} heartbeats during the storm were refused; the first: {refused[0][:300]!r}")
+    return run, sorted(latencies)
 
 
 def show(label: str, run: Run, unit: str, cpu: str = "") -> None:
@@ -221,6 +282,7 @@ async def bench(nats_url: str, server_pid: int, args: argparse.Namespace) -> dic
              * args.rounds for label in codes}
     registered: dict[str, Run] = {}
     best: dict[str, Run] = {}
+    storms: dict[str, tuple[Run, list[float]]] = {}
     try:
         for label, replica in replicas.items():
             prefix = f"{tag}{label[0]}"
@@ -242,6 +304,14 @@ async def bench(nats_url: str, server_pid: int, args: argparse.Namespace) -> dic
                                   check=lambda data: data == b'{"ttl_s":1800.0}')
                 show(f"{label}: heartbeat", run, "heartbeats")
                 best[label] = max(best.get(label, run), run, key=lambda r: r.rate)
+        for label, replica in replicas.items():
+            prefix = f"{tag}{label[0]}"
+            storms[label] = run, during = await storm(
+                replies, [(service_subject(prefix, "registry", "register", w), registration(w, f"storm-{w}"))
+                          for w in workers], beats[label], {"registry": replica.proc.pid, **client})
+            show(f"{label}: re-register, all at once", run, "registrations")
+            print(f"{'':<34}{len(during):>9,} heartbeats meanwhile: p99 {pct_ms(during, 0.99):.1f} ms, "
+                  f"max {pct_ms(during, 1.0):.1f} ms", flush=True)
     finally:
         for replica in replicas.values():
             await replica.stop()
@@ -266,6 +336,10 @@ async def bench(nats_url: str, server_pid: int, args: argparse.Namespace) -> dic
             "register_per_s": round(reg.rate),
             "register_p99_ms": round(reg.pct_ms(0.99), 2),
             "heartbeat_cpu_us": {name: round(beat.cpu_us(name), 1) for name in beat.cpu},
+            "reregister_per_s": round(storms[label][0].rate),
+            "storm_register_p99_ms": round(storms[label][0].pct_ms(0.99), 1),
+            "storm_heartbeat_p99_ms": round(pct_ms(storms[label][1], 0.99), 1),
+            "storm_heartbeat_max_ms": round(pct_ms(storms[label][1], 1.0), 1),
         }
         out.update(figures if label == "now" else {f"{label}_{key}": value for key, value in figures.items()})
     print(f"\n{args.workers:,} workers, {window} in flight, best of two; echo {out['echo_per_s']:,} requests/s; "
@@ -274,8 +348,9 @@ async def bench(nats_url: str, server_pid: int, args: argparse.Namespace) -> dic
     for label in codes:
         key = "" if label == "now" else f"{label}_"
         print(f"{label:>7}: {out[key + 'heartbeats_per_s']:,} heartbeats/s (p99 {out[key + 'heartbeat_p99_ms']} ms) "
-              f"= {out[key + 'heartbeat_vs_echo']:.3f} of echo; {out[key + 'register_per_s']:,} registrations/s",
-              flush=True)
+              f"= {out[key + 'heartbeat_vs_echo']:.3f} of echo; {out[key + 'register_per_s']:,} registrations/s; "
+              f"a storm: {out[key + 'reregister_per_s']:,} re-registrations/s, heartbeats meanwhile p99 "
+              f"{out[key + 'storm_heartbeat_p99_ms']} ms", flush=True)
     if args.before:
         out["heartbeats_now_vs_before"] = round(out["heartbeats_per_s"] / out["before_heartbeats_per_s"], 2)
         print(f"now / before: {out['heartbeats_now_vs_before']}x heartbeats/s", flush=True)

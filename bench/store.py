@@ -6,7 +6,8 @@ One run measures, on the same workload (WorkerDrained events as WireMapper store
 them, one subject per aggregate):
 
 - appends/s with one event per call (sequential, and from several threads),
-- appends/s with a batch of 10 events per call (one atomic batch on JetStream),
+- appends/s with a batch of 10 events per call (one atomic batch on JetStream), and what
+  such a call takes against a call of one event (`jetstream_batch_call_vs_single_call`),
 - replay events/s through the module (select_notifications pages; subscribe),
 - the raw nats-py ordered-consumer read rate of the same stream (the ceiling),
 
@@ -208,6 +209,9 @@ def report(js: Rates, sq: Rates, args: argparse.Namespace) -> None:
           f"subscribe {ratio(js.replay_subscribe, js.raw).strip()}")
     print(f"batch of 10 / single append (events/s): jetstream {ratio(js.batch, js.single).strip()}, "
           f"sqlite {ratio(sq.batch, sq.single).strip()}")
+    print(f"time of a call of 10 / a call of 1: jetstream {ratio(10 * js.single, js.batch).strip()}, "
+          f"sqlite {ratio(10 * sq.single, sq.batch).strip()} (on a stream of one replica in file "
+          f"storage, nats-server stages each atomic batch in a file store of its own)")
 
 
 def figures(js: Rates, sq: Rates) -> dict[str, float | int | None]:
@@ -227,6 +231,7 @@ def figures(js: Rates, sq: Rates) -> dict[str, float | int | None]:
         "replay_subscribe_vs_raw": ratio(js.replay_subscribe, js.raw),
         "jetstream_batch_vs_single": ratio(js.batch, js.single),
         "sqlite_batch_vs_single": ratio(sq.batch, sq.single),
+        "jetstream_batch_call_vs_single_call": ratio(10 * js.single, js.batch),
         **{f"{name}_vs_sqlite": ratio(getattr(js, name), getattr(sq, name))
            for name in ("single", "threaded", "batch", "replay_select")},
     })
