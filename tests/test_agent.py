@@ -154,6 +154,121 @@ async def test_agent_survives_a_nats_restart(tmp_path, prefix):
         server.stop()
 
 
+async def test_after_a_nats_restart_the_agent_heartbeats_while_its_registration_waits(tmp_path, prefix):
+    """When a fleet comes back from a NATS restart, every agent registers again and the
+    registry takes tens of seconds to answer them all. An agent must go on beating
+    meanwhile: here its registration is held at the registry for more than a TTL, and the
+    worker is still alive (an agent that waited for the answer before beating again would
+    have had it removed as LOST). The TTL, 6 s, leaves room for the restart itself."""
+    from services.registry.service import RegistryService
+
+    server = NatsServer(tmp_path / "nats").start()
+    client = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
+    registry_nc = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
+    registry = RegistryService(registry_nc, nats_url=server.url, prefix=prefix, ttl_s=6)
+    hold, held, release, answered, beaten = False, asyncio.Event(), asyncio.Event(), asyncio.Event(), asyncio.Event()
+    beats_while_held = 0
+    register, heartbeat = registry.register, registry.heartbeat
+
+    async def held_register(worker_id, request):
+        if not hold:
+            return await register(worker_id, request)
+        held.set()
+        await release.wait()
+        reply = await register(worker_id, request)
+        answered.set()
+        return reply
+
+    async def counted_heartbeat(worker_id, request):
+        nonlocal beats_while_held
+        reply = await heartbeat(worker_id, request)
+        if held.is_set() and not release.is_set() and worker_id == "w-a":
+            beats_while_held += 1
+            if beats_while_held == 4:  # a beat every TTL / 3 = 2 s: more than a TTL of them
+                beaten.set()
+        return reply
+
+    registry.register, registry.heartbeat = held_register, counted_heartbeat
+    await registry.start()
+    try:
+        path = tmp_path / "agent.toml"
+        path.write_text(config("v1"))
+        async with running_agent(server.url, prefix, path) as agent:
+            await wait_event(client, prefix, "w-a", WorkerRegistered)
+            hold = True
+            await asyncio.to_thread(server.restart)  # same port, same store directory
+            await asyncio.wait_for(held.wait(), 30)  # the agent's registration again, held
+            await asyncio.wait_for(beaten.wait(), 30)  # the agent beats while its registration waits
+            assert agent.registering  # still on its way, a TTL on
+            reply, _ = await raw_request(client, prefix, "heartbeat", "w-a", {})
+            assert reply == {"ttl_s": 6.0}, reply  # not NOT_FOUND: never removed as LOST
+            release.set()
+            await asyncio.wait_for(answered.wait(), 30)
+            reply, _ = await raw_request(client, prefix, "heartbeat", "w-a", {})
+            assert reply == {"ttl_s": 6.0}, reply
+    finally:
+        release.set()
+        await registry.stop()
+        await registry_nc.close()
+        await client.close()
+        server.stop()
+
+
+async def test_a_registration_edited_while_the_one_before_waits_is_decided_after_it(tmp_path, prefix):
+    """Registrations are sent one after the other: the file edited to v2 while the
+    re-registration after a NATS restart (still v1) is held at the registry is sent once
+    that one is answered. Sent beside it, v2 would be decided first and the held v1 after
+    it, leaving the registry with runtimes the worker no longer runs."""
+    from services.registry.service import RegistryService
+
+    server = NatsServer(tmp_path / "nats").start()
+    client = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
+    registry_nc = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
+    registry = RegistryService(registry_nc, nats_url=server.url, prefix=prefix, ttl_s=15)
+    hold, release, v2_after_release = False, asyncio.Event(), asyncio.Event()
+    held_v1 = 0
+    two_held = asyncio.Event()
+    register = registry.register
+
+    def is_v1(request) -> bool:
+        return same_version(request.sandbox_classes[0].default_runtime.version, probed("v1"))
+
+    async def held_register(worker_id, request):
+        nonlocal held_v1
+        if hold and is_v1(request):
+            held_v1 += 1
+            if held_v1 == 2:  # its first attempt timed out at the agent, which asked again
+                two_held.set()
+            await release.wait()
+        reply = await register(worker_id, request)
+        if not is_v1(request) and release.is_set():
+            v2_after_release.set()
+        return reply
+
+    registry.register = held_register
+    await registry.start()
+    try:
+        path = tmp_path / "agent.toml"
+        path.write_text(config("v1"))
+        async with running_agent(server.url, prefix, path) as agent:
+            await wait_event(client, prefix, "w-a", WorkerRegistered)
+            hold = True
+            await asyncio.to_thread(server.restart)
+            path.write_text(config("v2", ("v1",)))  # read by the agent's watch every 0.05 s
+            await asyncio.wait_for(two_held.wait(), 60)
+            release.set()
+            await asyncio.wait_for(v2_after_release.wait(), 30)
+        worker = await asyncio.to_thread(registry.store.load, "w-a")  # its history, as the registry decides on it
+        [entry] = worker.sandbox_classes
+        assert same_version(entry.default_runtime.version, probed("v2"))
+    finally:
+        release.set()
+        await registry.stop()
+        await registry_nc.close()
+        await client.close()
+        server.stop()
+
+
 async def test_agent_command_drains_on_sigterm(nats_url, nc, prefix, tmp_path):
     path = tmp_path / "agent.toml"
     path.write_text(config("v1"))

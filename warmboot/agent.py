@@ -20,10 +20,13 @@ The agent then:
   an edit the agent cannot use (bad TOML, a rule broken) is logged and the last
   good registration stays in force, and so does one the registry refuses (a change
   of class);
-- re-registers after the connection comes back (a NATS restart), and when a
-  heartbeat answers NOT_FOUND (the worker was removed, e.g. as LOST): with what the
-  file and the probe say now (a change of class the registry refused is taken up
-  by that new life); a worker whose agent runs is a worker in service;
+- after the connection comes back (a NATS restart) heartbeats at once, and
+  re-registers beside its heartbeats, not holding them on it (a fleet re-registering
+  at once keeps the registry busy for tens of seconds; its heartbeats are answered
+  meanwhile); re-registers when a heartbeat answers NOT_FOUND (the worker was
+  removed, e.g. as LOST): with what the file and the probe say now (a change of
+  class the registry refused is taken up by that new life); a worker whose agent
+  runs is a worker in service; registrations are sent one after the other;
 - on SIGTERM/SIGINT drains the worker first if asked (`--drain-on-exit`), then
   stops; if its registration was still on its way, the drain waits for it (up to
   the drain's 5 s). A drained worker stays drained when its agent comes back before
@@ -271,6 +274,8 @@ class Agent:
         self.beat_at: float | None = None  # monotonic time a beat the registry stored was sent
         self._read: tuple | None = None  # (the file's digest, what the probe read) when last read
         self._reconnected = asyncio.Event()
+        self._one_registration = asyncio.Lock()  # registrations are sent one after the other
+        self._registering_again: asyncio.Task[None] | None = None  # after a reconnect, beside the heartbeats
         self._last_error: str | None = None
 
     # --- configuration -------------------------------------------------------------------
@@ -396,20 +401,42 @@ class Agent:
             left = self.beat_at + self.ttl_s - time.monotonic() if beats and self.beat_at is not None else None
             delay = next_delay(delay, left)
 
-    async def register(self, registration: RegisterWorker, stop: asyncio.Event) -> RegisterReply:
-        """Register `registration` (one request_id across retries), then heartbeat to learn the TTL."""
-        body = msgspec.structs.replace(registration, request_id=f"agent-{uuid.uuid4().hex}")
-        self.sent_registration = self.registering = True
-        try:
-            reply = await self._request("register", body, RegisterReply, stop)
-        except ContractError:
-            self.registering = False  # refused: nothing on its way
-            raise
-        self.registering = False
-        self.registration, self.registered = registration, reply
+    async def register(self, registration: RegisterWorker | None, stop: asyncio.Event) -> RegisterReply:
+        """Register `registration` (one request_id across retries), then heartbeat to learn the TTL.
+
+        One at a time: a registration is sent once the one before it is answered, so an older
+        one is never decided after a newer one (a retry of the older one carries its request
+        id, which the registry answers without writing again). None registers the
+        registration in force when its turn comes."""
+        async with self._one_registration:
+            registration = registration if registration is not None else self.registration
+            assert registration is not None
+            body = msgspec.structs.replace(registration, request_id=f"agent-{uuid.uuid4().hex}")
+            self.sent_registration = self.registering = True
+            try:
+                reply = await self._request("register", body, RegisterReply, stop)
+            except ContractError:
+                self.registering = False  # refused: nothing on its way
+                raise
+            self.registering = False
+            self.registration, self.registered = registration, reply
         log.info("registered %s: %s (seq %d)", self.worker_id, reply.outcome.value, reply.seq)
         await self.heartbeat(stop)
         return reply
+
+    def _register_again(self, stop: asyncio.Event) -> None:
+        """After a reconnect, the registration in force again (it re-sends what the worker runs,
+        should the server have lost a write), in a task of its own; one at a time."""
+        if self._registering_again is not None and not self._registering_again.done():
+            return  # still on its way: it asks again through reconnects by itself
+
+        async def again() -> None:
+            try:
+                await self.register(None, stop)
+            except ContractError as e:  # the registry refused it: said, and the agent keeps serving
+                log.error("%s", e)
+
+        self._registering_again = asyncio.create_task(again(), name=f"agent-{self.worker_id}-register-again")
 
     async def heartbeat(self, stop: asyncio.Event) -> None:
         try:
@@ -462,6 +489,13 @@ class Agent:
                 await self.nc.close()
 
     async def _serve(self, registration: RegisterWorker, stop: asyncio.Event) -> None:
+        try:
+            await self._beat_and_watch(registration, stop)
+        finally:
+            if self._registering_again is not None:
+                await cancel_and_wait(self._registering_again)
+
+    async def _beat_and_watch(self, registration: RegisterWorker, stop: asyncio.Event) -> None:
         await self.register(registration, stop)
         next_beat = time.monotonic() + self.ttl_s / HEARTBEATS_PER_TTL
         next_watch = time.monotonic() + self.watch_interval_s
@@ -471,8 +505,13 @@ class Agent:
                 return
             try:
                 if self._reconnected.is_set():
+                    # A heartbeat at once (the worker's TTL runs again from now), and beside it the
+                    # registration in force again, in a task of its own that the heartbeats do not
+                    # wait for: when a whole fleet comes back at once, the registry takes tens of
+                    # seconds to answer every registration.
                     self._reconnected.clear()
-                    await self.register(self.registration, stop)
+                    self._register_again(stop)
+                    await self.heartbeat(stop)
                     next_beat = time.monotonic() + self.ttl_s / HEARTBEATS_PER_TTL
                 if time.monotonic() >= next_watch:
                     await self._sync_config(stop)
