@@ -214,6 +214,75 @@ async def test_after_a_nats_restart_the_agent_heartbeats_while_its_registration_
         server.stop()
 
 
+async def test_a_worker_removed_while_its_registration_waits_comes_back_and_keeps_beating(tmp_path, prefix):
+    """A heartbeat answered NOT_FOUND while the registration after a reconnect waits at the
+    registry (the worker was removed meanwhile: by an operator, or as LOST after a long
+    outage) sends no second registration behind it: the one on its way brings the worker
+    back, and the agent goes on beating while the rest of the fleet's registrations are
+    answered. A second one, held like the rest, would have stopped its heartbeats and had
+    the new life removed as LOST."""
+    from services.registry.service import RegistryService
+
+    server = NatsServer(tmp_path / "nats").start()
+    client = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
+    registry_nc = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
+    registry = RegistryService(registry_nc, nats_url=server.url, prefix=prefix, ttl_s=6)
+    hold, first_id = False, None
+    first_held, release_first, release_rest, not_found, beaten = (asyncio.Event() for _ in range(5))
+    beats_after = 0
+    register, heartbeat = registry.register, registry.heartbeat
+
+    async def held_register(worker_id, request):
+        nonlocal first_id
+        if hold:
+            first_id = first_id or request.request_id
+            if request.request_id == first_id:  # the registration after the reconnect, and its retries
+                first_held.set()
+                await release_first.wait()
+            else:  # any other: the rest of the fleet's storm, still being answered
+                await release_rest.wait()
+        return await register(worker_id, request)
+
+    async def counted_heartbeat(worker_id, request):
+        nonlocal beats_after
+        try:
+            reply = await heartbeat(worker_id, request)
+        except ContractError as e:
+            if e.code == ErrorCode.NOT_FOUND:
+                not_found.set()
+            raise
+        if release_first.is_set() and worker_id == "w-a":
+            beats_after += 1
+            if beats_after == 4:  # a beat every TTL / 3 = 2 s: more than a TTL of them
+                beaten.set()
+        return reply
+
+    registry.register, registry.heartbeat = held_register, counted_heartbeat
+    await registry.start()
+    try:
+        path = tmp_path / "agent.toml"
+        path.write_text(config("v1"))
+        async with running_agent(server.url, prefix, path):
+            await wait_event(client, prefix, "w-a", WorkerRegistered)
+            hold = True
+            await asyncio.to_thread(server.restart)
+            await asyncio.wait_for(first_held.wait(), 30)
+            reply, _ = await raw_request(client, prefix, "remove", "w-a", {"reason": "test"})
+            await asyncio.wait_for(not_found.wait(), 30)  # the agent's next beat hears it
+            release_first.set()  # the registration on its way is decided: a new life
+            await wait_event(client, prefix, "w-a", WorkerRegistered, after=reply["seq"])
+            await asyncio.wait_for(beaten.wait(), 30)  # the new life beats on while the rest waits
+            reply, _ = await raw_request(client, prefix, "heartbeat", "w-a", {})
+            assert reply == {"ttl_s": 6.0}, reply  # alive: not removed as LOST again
+    finally:
+        release_first.set()
+        release_rest.set()
+        await registry.stop()
+        await registry_nc.close()
+        await client.close()
+        server.stop()
+
+
 async def test_a_registration_edited_while_the_one_before_waits_is_decided_after_it(tmp_path, prefix):
     """Registrations are sent one after the other: the file edited to v2 while the
     re-registration after a NATS restart (still v1) is held at the registry is sent once
@@ -227,7 +296,7 @@ async def test_a_registration_edited_while_the_one_before_waits_is_decided_after
     registry = RegistryService(registry_nc, nats_url=server.url, prefix=prefix, ttl_s=15)
     hold, release, v2_after_release = False, asyncio.Event(), asyncio.Event()
     held_v1 = 0
-    two_held = asyncio.Event()
+    one_held, two_held = asyncio.Event(), asyncio.Event()
     register = registry.register
 
     def is_v1(request) -> bool:
@@ -237,6 +306,7 @@ async def test_a_registration_edited_while_the_one_before_waits_is_decided_after
         nonlocal held_v1
         if hold and is_v1(request):
             held_v1 += 1
+            one_held.set()
             if held_v1 == 2:  # its first attempt timed out at the agent, which asked again
                 two_held.set()
             await release.wait()
@@ -254,6 +324,7 @@ async def test_a_registration_edited_while_the_one_before_waits_is_decided_after
             await wait_event(client, prefix, "w-a", WorkerRegistered)
             hold = True
             await asyncio.to_thread(server.restart)
+            await asyncio.wait_for(one_held.wait(), 30)  # the registration after the reconnect, v1, held
             path.write_text(config("v2", ("v1",)))  # read by the agent's watch every 0.05 s
             await asyncio.wait_for(two_held.wait(), 60)
             release.set()

@@ -444,6 +444,13 @@ class Agent:
         except ContractError as e:
             if e.code != ErrorCode.NOT_FOUND or self.registration is None:
                 raise
+            if self._one_registration.locked():
+                # A registration is on its way (the one after a reconnect): decided, it starts the
+                # worker's new life, and its own heartbeat after it registers anew if that is still
+                # NOT_FOUND. Another one queued behind it would hold this loop, heartbeats included.
+                log.info("the registry no longer knows %s (%s); the registration on its way brings it back",
+                         self.worker_id, e.message)
+                return
             log.warning("the registry no longer knows %s (%s); registering again", self.worker_id, e.message)
             # with what the file and the probe say now: a new life takes up a change the last one refused
             await self.register(self.desired or self.registration, stop)
