@@ -154,64 +154,96 @@ async def test_agent_survives_a_nats_restart(tmp_path, prefix):
         server.stop()
 
 
+@asynccontextmanager
+async def registry_to_restart(tmp_path: Path, prefix: str, ttl_s: float, register=None, heartbeat=None):
+    """A nats-server of the test's own (to restart), a client connection to it, and a registry
+    replica whose register and heartbeat endpoints, if given, are `register(its own)` and
+    `heartbeat(its own)`: the real service, with a gate or a count around it."""
+    from services.registry.service import RegistryService
+
+    server = NatsServer(tmp_path / "nats").start()
+    client = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
+    registry_nc = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
+    registry = RegistryService(registry_nc, nats_url=server.url, prefix=prefix, ttl_s=ttl_s)
+    if register is not None:
+        registry.register = register(registry.register)
+    if heartbeat is not None:
+        registry.heartbeat = heartbeat(registry.heartbeat)
+    await registry.start()
+    try:
+        yield server, client, registry
+    finally:
+        await registry.stop()
+        await registry_nc.close()
+        await client.close()
+        server.stop()
+
+
+class Beats:
+    """A heartbeat endpoint wrapper for `registry_to_restart`: `enough` is set once `count`
+    heartbeats of `worker_id` were answered while `counting()`, `not_found` at a NOT_FOUND."""
+
+    def __init__(self, worker_id: str, counting, count: int):
+        self.worker_id, self.counting, self.count = worker_id, counting, count
+        self.answered = 0
+        self.enough, self.not_found = asyncio.Event(), asyncio.Event()
+
+    def __call__(self, heartbeat):
+        async def counted(worker_id, request):
+            try:
+                reply = await heartbeat(worker_id, request)
+            except ContractError as e:
+                if e.code == ErrorCode.NOT_FOUND:
+                    self.not_found.set()
+                raise
+            if worker_id == self.worker_id and self.counting():
+                self.answered += 1
+                if self.answered == self.count:
+                    self.enough.set()
+            return reply
+        return counted
+
+
 async def test_after_a_nats_restart_the_agent_heartbeats_while_its_registration_waits(tmp_path, prefix):
     """When a fleet comes back from a NATS restart, every agent registers again and the
     registry takes tens of seconds to answer them all. An agent must go on beating
     meanwhile: here its registration is held at the registry for more than a TTL, and the
     worker is still alive (an agent that waited for the answer before beating again would
     have had it removed as LOST). The TTL, 6 s, leaves room for the restart itself."""
-    from services.registry.service import RegistryService
+    hold, held, release, answered = False, asyncio.Event(), asyncio.Event(), asyncio.Event()
+    # a beat every TTL / 3 = 2 s: 4 of them while the registration is held are more than a TTL
+    beats = Beats("w-a", lambda: held.is_set() and not release.is_set(), 4)
 
-    server = NatsServer(tmp_path / "nats").start()
-    client = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
-    registry_nc = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
-    registry = RegistryService(registry_nc, nats_url=server.url, prefix=prefix, ttl_s=6)
-    hold, held, release, answered, beaten = False, asyncio.Event(), asyncio.Event(), asyncio.Event(), asyncio.Event()
-    beats_while_held = 0
-    register, heartbeat = registry.register, registry.heartbeat
+    def held_register(register):
+        async def gated(worker_id, request):
+            if not hold:
+                return await register(worker_id, request)
+            held.set()
+            await release.wait()
+            reply = await register(worker_id, request)
+            answered.set()
+            return reply
+        return gated
 
-    async def held_register(worker_id, request):
-        if not hold:
-            return await register(worker_id, request)
-        held.set()
-        await release.wait()
-        reply = await register(worker_id, request)
-        answered.set()
-        return reply
-
-    async def counted_heartbeat(worker_id, request):
-        nonlocal beats_while_held
-        reply = await heartbeat(worker_id, request)
-        if held.is_set() and not release.is_set() and worker_id == "w-a":
-            beats_while_held += 1
-            if beats_while_held == 4:  # a beat every TTL / 3 = 2 s: more than a TTL of them
-                beaten.set()
-        return reply
-
-    registry.register, registry.heartbeat = held_register, counted_heartbeat
-    await registry.start()
-    try:
-        path = tmp_path / "agent.toml"
-        path.write_text(config("v1"))
-        async with running_agent(server.url, prefix, path) as agent:
-            await wait_event(client, prefix, "w-a", WorkerRegistered)
-            hold = True
-            await asyncio.to_thread(server.restart)  # same port, same store directory
-            await asyncio.wait_for(held.wait(), 30)  # the agent's registration again, held
-            await asyncio.wait_for(beaten.wait(), 30)  # the agent beats while its registration waits
-            assert agent.registering  # still on its way, a TTL on
-            reply, _ = await raw_request(client, prefix, "heartbeat", "w-a", {})
-            assert reply == {"ttl_s": 6.0}, reply  # not NOT_FOUND: never removed as LOST
+    path = tmp_path / "agent.toml"
+    path.write_text(config("v1"))
+    async with registry_to_restart(tmp_path, prefix, 6, held_register, beats) as (server, client, _):
+        try:
+            async with running_agent(server.url, prefix, path) as agent:
+                await wait_event(client, prefix, "w-a", WorkerRegistered)
+                hold = True
+                await asyncio.to_thread(server.restart)  # same port, same store directory
+                await asyncio.wait_for(held.wait(), 30)  # the agent's registration again, held
+                await asyncio.wait_for(beats.enough.wait(), 30)  # the agent beats while its registration waits
+                assert agent.registering  # still on its way, a TTL on
+                reply, _ = await raw_request(client, prefix, "heartbeat", "w-a", {})
+                assert reply == {"ttl_s": 6.0}, reply  # not NOT_FOUND: never removed as LOST
+                release.set()
+                await asyncio.wait_for(answered.wait(), 30)
+                reply, _ = await raw_request(client, prefix, "heartbeat", "w-a", {})
+                assert reply == {"ttl_s": 6.0}, reply
+        finally:
             release.set()
-            await asyncio.wait_for(answered.wait(), 30)
-            reply, _ = await raw_request(client, prefix, "heartbeat", "w-a", {})
-            assert reply == {"ttl_s": 6.0}, reply
-    finally:
-        release.set()
-        await registry.stop()
-        await registry_nc.close()
-        await client.close()
-        server.stop()
 
 
 async def test_a_worker_removed_while_its_registration_waits_comes_back_and_keeps_beating(tmp_path, prefix):
@@ -221,66 +253,42 @@ async def test_a_worker_removed_while_its_registration_waits_comes_back_and_keep
     back, and the agent goes on beating while the rest of the fleet's registrations are
     answered. A second one, held like the rest, would have stopped its heartbeats and had
     the new life removed as LOST."""
-    from services.registry.service import RegistryService
-
-    server = NatsServer(tmp_path / "nats").start()
-    client = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
-    registry_nc = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
-    registry = RegistryService(registry_nc, nats_url=server.url, prefix=prefix, ttl_s=6)
     hold, first_id = False, None
-    first_held, release_first, release_rest, not_found, beaten = (asyncio.Event() for _ in range(5))
-    beats_after = 0
-    register, heartbeat = registry.register, registry.heartbeat
+    first_held, release_first, release_rest = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    beats = Beats("w-a", release_first.is_set, 4)  # a beat every TTL / 3 = 2 s: 4 are more than a TTL
 
-    async def held_register(worker_id, request):
-        nonlocal first_id
-        if hold:
-            first_id = first_id or request.request_id
-            if request.request_id == first_id:  # the registration after the reconnect, and its retries
-                first_held.set()
-                await release_first.wait()
-            else:  # any other: the rest of the fleet's storm, still being answered
-                await release_rest.wait()
-        return await register(worker_id, request)
+    def held_register(register):
+        async def gated(worker_id, request):
+            nonlocal first_id
+            if hold:
+                first_id = first_id or request.request_id
+                if request.request_id == first_id:  # the registration after the reconnect, and its retries
+                    first_held.set()
+                    await release_first.wait()
+                else:  # any other: the rest of the fleet's storm, still being answered
+                    await release_rest.wait()
+            return await register(worker_id, request)
+        return gated
 
-    async def counted_heartbeat(worker_id, request):
-        nonlocal beats_after
+    path = tmp_path / "agent.toml"
+    path.write_text(config("v1"))
+    async with registry_to_restart(tmp_path, prefix, 6, held_register, beats) as (server, client, _):
         try:
-            reply = await heartbeat(worker_id, request)
-        except ContractError as e:
-            if e.code == ErrorCode.NOT_FOUND:
-                not_found.set()
-            raise
-        if release_first.is_set() and worker_id == "w-a":
-            beats_after += 1
-            if beats_after == 4:  # a beat every TTL / 3 = 2 s: more than a TTL of them
-                beaten.set()
-        return reply
-
-    registry.register, registry.heartbeat = held_register, counted_heartbeat
-    await registry.start()
-    try:
-        path = tmp_path / "agent.toml"
-        path.write_text(config("v1"))
-        async with running_agent(server.url, prefix, path):
-            await wait_event(client, prefix, "w-a", WorkerRegistered)
-            hold = True
-            await asyncio.to_thread(server.restart)
-            await asyncio.wait_for(first_held.wait(), 30)
-            reply, _ = await raw_request(client, prefix, "remove", "w-a", {"reason": "test"})
-            await asyncio.wait_for(not_found.wait(), 30)  # the agent's next beat hears it
-            release_first.set()  # the registration on its way is decided: a new life
-            await wait_event(client, prefix, "w-a", WorkerRegistered, after=reply["seq"])
-            await asyncio.wait_for(beaten.wait(), 30)  # the new life beats on while the rest waits
-            reply, _ = await raw_request(client, prefix, "heartbeat", "w-a", {})
-            assert reply == {"ttl_s": 6.0}, reply  # alive: not removed as LOST again
-    finally:
-        release_first.set()
-        release_rest.set()
-        await registry.stop()
-        await registry_nc.close()
-        await client.close()
-        server.stop()
+            async with running_agent(server.url, prefix, path):
+                await wait_event(client, prefix, "w-a", WorkerRegistered)
+                hold = True
+                await asyncio.to_thread(server.restart)
+                await asyncio.wait_for(first_held.wait(), 30)
+                reply, _ = await raw_request(client, prefix, "remove", "w-a", {"reason": "test"})
+                await asyncio.wait_for(beats.not_found.wait(), 30)  # the agent's next beat hears it
+                release_first.set()  # the registration on its way is decided: a new life
+                await wait_event(client, prefix, "w-a", WorkerRegistered, after=reply["seq"])
+                await asyncio.wait_for(beats.enough.wait(), 30)  # the new life beats on while the rest waits
+                reply, _ = await raw_request(client, prefix, "heartbeat", "w-a", {})
+                assert reply == {"ttl_s": 6.0}, reply  # alive: not removed as LOST again
+        finally:
+            release_first.set()
+            release_rest.set()
 
 
 async def test_a_registration_edited_while_the_one_before_waits_is_decided_after_it(tmp_path, prefix):
@@ -288,56 +296,46 @@ async def test_a_registration_edited_while_the_one_before_waits_is_decided_after
     re-registration after a NATS restart (still v1) is held at the registry is sent once
     that one is answered. Sent beside it, v2 would be decided first and the held v1 after
     it, leaving the registry with runtimes the worker no longer runs."""
-    from services.registry.service import RegistryService
-
-    server = NatsServer(tmp_path / "nats").start()
-    client = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
-    registry_nc = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
-    registry = RegistryService(registry_nc, nats_url=server.url, prefix=prefix, ttl_s=15)
     hold, release, v2_after_release = False, asyncio.Event(), asyncio.Event()
     held_v1 = 0
     one_held, two_held = asyncio.Event(), asyncio.Event()
-    register = registry.register
 
     def is_v1(request) -> bool:
         return same_version(request.sandbox_classes[0].default_runtime.version, probed("v1"))
 
-    async def held_register(worker_id, request):
-        nonlocal held_v1
-        if hold and is_v1(request):
-            held_v1 += 1
-            one_held.set()
-            if held_v1 == 2:  # its first attempt timed out at the agent, which asked again
-                two_held.set()
-            await release.wait()
-        reply = await register(worker_id, request)
-        if not is_v1(request) and release.is_set():
-            v2_after_release.set()
-        return reply
+    def held_register(register):
+        async def gated(worker_id, request):
+            nonlocal held_v1
+            if hold and is_v1(request):
+                held_v1 += 1
+                one_held.set()
+                if held_v1 == 2:  # its first attempt timed out at the agent, which asked again
+                    two_held.set()
+                await release.wait()
+            reply = await register(worker_id, request)
+            if not is_v1(request) and release.is_set():
+                v2_after_release.set()
+            return reply
+        return gated
 
-    registry.register = held_register
-    await registry.start()
-    try:
-        path = tmp_path / "agent.toml"
-        path.write_text(config("v1"))
-        async with running_agent(server.url, prefix, path) as agent:
-            await wait_event(client, prefix, "w-a", WorkerRegistered)
-            hold = True
-            await asyncio.to_thread(server.restart)
-            await asyncio.wait_for(one_held.wait(), 30)  # the registration after the reconnect, v1, held
-            path.write_text(config("v2", ("v1",)))  # read by the agent's watch every 0.05 s
-            await asyncio.wait_for(two_held.wait(), 60)
+    path = tmp_path / "agent.toml"
+    path.write_text(config("v1"))
+    async with registry_to_restart(tmp_path, prefix, 15, held_register) as (server, client, registry):
+        try:
+            async with running_agent(server.url, prefix, path):
+                await wait_event(client, prefix, "w-a", WorkerRegistered)
+                hold = True
+                await asyncio.to_thread(server.restart)
+                await asyncio.wait_for(one_held.wait(), 30)  # the registration after the reconnect, v1, held
+                path.write_text(config("v2", ("v1",)))  # read by the agent's watch every 0.05 s
+                await asyncio.wait_for(two_held.wait(), 60)
+                release.set()
+                await asyncio.wait_for(v2_after_release.wait(), 30)
+            worker = await asyncio.to_thread(registry.store.load, "w-a")  # its history, as the registry decides on it
+            [entry] = worker.sandbox_classes
+            assert same_version(entry.default_runtime.version, probed("v2"))
+        finally:
             release.set()
-            await asyncio.wait_for(v2_after_release.wait(), 30)
-        worker = await asyncio.to_thread(registry.store.load, "w-a")  # its history, as the registry decides on it
-        [entry] = worker.sandbox_classes
-        assert same_version(entry.default_runtime.version, probed("v2"))
-    finally:
-        release.set()
-        await registry.stop()
-        await registry_nc.close()
-        await client.close()
-        server.stop()
 
 
 async def test_agent_command_drains_on_sigterm(nats_url, nc, prefix, tmp_path):
