@@ -84,7 +84,8 @@ async def test_a_broken_edit_keeps_the_registration_in_force(tmp_path):
     agent = Agent("nats://127.0.0.1:1", "w-a", "node-a", path, probe=PROBE)
     agent.registration = agent._read_config()
     path.write_text(config("v2").replace("[capacity]", "[capacity"))
-    await agent._sync_config(asyncio.Event())  # logs the error, sends nothing
+    agent._sync_config(asyncio.Event())  # logs the error, sends nothing
+    assert not agent._background  # no registration started
     assert agent.registration.sandbox_classes[0].default_runtime.name == "gvisor-v1"
     assert parse_config(config("v2")).sandbox_classes[0].default_runtime.name == "gvisor-v2"
 
@@ -295,10 +296,14 @@ async def test_a_registration_edited_while_the_one_before_waits_is_decided_after
     """Registrations are sent one after the other: the file edited to v2 while the
     re-registration after a NATS restart (still v1) is held at the registry is sent once
     that one is answered. Sent beside it, v2 would be decided first and the held v1 after
-    it, leaving the registry with runtimes the worker no longer runs."""
-    hold, release, v2_after_release = False, asyncio.Event(), asyncio.Event()
+    it, leaving the registry with runtimes the worker no longer runs. And the edit's
+    registration, waiting its turn, does not hold up the heartbeats (a rollout that edits
+    every agent's file at once is a storm too)."""
+    hold, edited, release, v2_after_release = False, False, asyncio.Event(), asyncio.Event()
     held_v1 = 0
     one_held, two_held = asyncio.Event(), asyncio.Event()
+    # a beat every TTL / 3 = 2 s: 4 of them while the edit waits its turn are more than a TTL
+    beats = Beats("w-a", lambda: edited and not release.is_set(), 4)
 
     def is_v1(request) -> bool:
         return same_version(request.sandbox_classes[0].default_runtime.version, probed("v1"))
@@ -320,7 +325,7 @@ async def test_a_registration_edited_while_the_one_before_waits_is_decided_after
 
     path = tmp_path / "agent.toml"
     path.write_text(config("v1"))
-    async with registry_to_restart(tmp_path, prefix, 15, held_register) as (server, client, registry):
+    async with registry_to_restart(tmp_path, prefix, 6, held_register, beats) as (server, client, registry):
         try:
             async with running_agent(server.url, prefix, path):
                 await wait_event(client, prefix, "w-a", WorkerRegistered)
@@ -328,7 +333,9 @@ async def test_a_registration_edited_while_the_one_before_waits_is_decided_after
                 await asyncio.to_thread(server.restart)
                 await asyncio.wait_for(one_held.wait(), 30)  # the registration after the reconnect, v1, held
                 path.write_text(config("v2", ("v1",)))  # read by the agent's watch every 0.05 s
+                edited = True
                 await asyncio.wait_for(two_held.wait(), 60)
+                await asyncio.wait_for(beats.enough.wait(), 30)  # beating while v1 is held and v2 waits
                 release.set()
                 await asyncio.wait_for(v2_after_release.wait(), 30)
             worker = await asyncio.to_thread(registry.store.load, "w-a")  # its history, as the registry decides on it

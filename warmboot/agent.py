@@ -26,7 +26,8 @@ The agent then:
   meanwhile); re-registers when a heartbeat answers NOT_FOUND (the worker was
   removed, e.g. as LOST): with what the file and the probe say now (a change of
   class the registry refused is taken up by that new life); a worker whose agent
-  runs is a worker in service; registrations are sent one after the other;
+  runs is a worker in service; registrations are sent one after the other, and
+  after the first none holds up the heartbeats (nor does an edit);
 - on SIGTERM/SIGINT drains the worker first if asked (`--drain-on-exit`), then
   stops; if its registration was still on its way, the drain waits for it (up to
   the drain's 5 s). A drained worker stays drained when its agent comes back before
@@ -275,7 +276,9 @@ class Agent:
         self._read: tuple | None = None  # (the file's digest, what the probe read) when last read
         self._reconnected = asyncio.Event()
         self._one_registration = asyncio.Lock()  # registrations are sent one after the other
+        self._queued: RegisterWorker | None = None  # the last edit handed to a registration (sent or waiting)
         self._registering_again: asyncio.Task[None] | None = None  # after a reconnect, beside the heartbeats
+        self._background: set[asyncio.Task[None]] = set()  # registrations the heartbeats do not wait for
         self._last_error: str | None = None
 
     # --- configuration -------------------------------------------------------------------
@@ -426,17 +429,27 @@ class Agent:
 
     def _register_again(self, stop: asyncio.Event) -> None:
         """After a reconnect, the registration in force again (it re-sends what the worker runs,
-        should the server have lost a write), in a task of its own; one at a time."""
+        should the server have lost a write), beside the heartbeats; one at a time."""
         if self._registering_again is not None and not self._registering_again.done():
             return  # still on its way: it asks again through reconnects by itself
+        self._registering_again = self._beside_heartbeats(None, "", stop)
 
-        async def again() -> None:
+    def _beside_heartbeats(self, registration: RegisterWorker | None, refused: str,
+                           stop: asyncio.Event) -> asyncio.Task[None]:
+        """`register(registration)` in a task of its own, which the heartbeats do not wait for
+        (a fleet's registrations at once keep the registry busy for longer than a TTL); a
+        refusal is logged after `refused` and the agent keeps serving."""
+
+        async def registering() -> None:
             try:
-                await self.register(None, stop)
-            except ContractError as e:  # the registry refused it: said, and the agent keeps serving
-                log.error("%s", e)
+                await self.register(registration, stop)
+            except ContractError as e:
+                log.error("%s%s", refused, e)
 
-        self._registering_again = asyncio.create_task(again(), name=f"agent-{self.worker_id}-register-again")
+        task = asyncio.create_task(registering(), name=f"agent-{self.worker_id}-register")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
 
     async def heartbeat(self, stop: asyncio.Event) -> None:
         try:
@@ -499,8 +512,8 @@ class Agent:
         try:
             await self._beat_and_watch(registration, stop)
         finally:
-            if self._registering_again is not None:
-                await cancel_and_wait(self._registering_again)
+            if self._background:
+                await cancel_and_wait(*self._background)
 
     async def _beat_and_watch(self, registration: RegisterWorker, stop: asyncio.Event) -> None:
         await self.register(registration, stop)
@@ -521,7 +534,7 @@ class Agent:
                     await self.heartbeat(stop)
                     next_beat = time.monotonic() + self.ttl_s / HEARTBEATS_PER_TTL
                 if time.monotonic() >= next_watch:
-                    await self._sync_config(stop)
+                    self._sync_config(stop)
                     next_watch = time.monotonic() + self.watch_interval_s
                 if time.monotonic() >= next_beat:
                     await self.heartbeat(stop)
@@ -530,18 +543,19 @@ class Agent:
                 log.error("%s", e)
                 next_beat = time.monotonic() + RETRY_MAX_S
 
-    async def _sync_config(self, stop: asyncio.Event) -> None:
+    def _sync_config(self, stop: asyncio.Event) -> None:
+        """An edit of the file (or a change of what the probe reads) registered beside the
+        heartbeats: a fleet's agents edited at once (a rollout) register at once."""
         try:
             registration = self._read_config()
         except ConfigError as e:
             log.error("ignoring the edit of %s, keeping the registration in force: %s", self.config_path, e)
             return
-        if registration is None or registration == self.registration:
+        if registration is None or registration == (self._queued or self.registration):
             return
-        try:
-            await self.register(registration, stop)
-        except ContractError as e:
-            log.error("the registry refused the edit of %s, keeping the registration in force: %s", self.config_path, e)
+        self._queued = registration
+        self._beside_heartbeats(registration, f"the registry refused the edit of {self.config_path}, "
+                                              "keeping the registration in force: ", stop)
 
 
 def next_delay(previous: float, left: float | None = None) -> float:
