@@ -345,6 +345,115 @@ async def test_a_registration_edited_while_the_one_before_waits_is_decided_after
             release.set()
 
 
+class Gate:
+    """A register endpoint wrapper for `registry_to_restart`: registrations that `holds(request)`
+    wait for `release` (`arrived` is set by the first); every one that arrives is kept in
+    `requests`, and `refused` is set at the first refusal."""
+
+    def __init__(self, holds):
+        self.holds = holds
+        self.requests: list = []
+        self.arrived, self.release, self.refused = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    def __call__(self, register):
+        async def gated(worker_id, request):
+            self.requests.append(request)
+            if not self.release.is_set() and self.holds(request):
+                self.arrived.set()
+                await self.release.wait()
+            try:
+                return await register(worker_id, request)
+            except ContractError:
+                self.refused.set()
+                raise
+        return gated
+
+
+def classes_of(registration) -> set[str]:
+    return {c.sandbox_class for c in registration.sandbox_classes}
+
+
+def default_of(registration) -> str:
+    return registration.sandbox_classes[0].default_runtime.name
+
+
+def reads_of(agent: Agent) -> asyncio.Queue:
+    """What the agent reads of its file from now on (each new read), in order."""
+    reads: asyncio.Queue = asyncio.Queue()
+    read = agent._read_config
+
+    def watched():
+        registration = read()
+        if registration is not None:
+            reads.put_nowait(registration)
+        return registration
+
+    agent._read_config = watched
+    return reads
+
+
+async def test_an_edit_read_while_a_registration_waits_is_sent_only_if_still_the_files(tmp_path, prefix):
+    """The file edited to v2 (its registration held at the registry), then to v2 and a microvm
+    class by mistake, then back to v2 at once: only what the file says when the edit's turn
+    comes is sent. A read the file has moved on from is never registered: in a new life
+    (the worker removed meanwhile) it would have made the registry believe the worker runs
+    microvm for the whole of that life."""
+    from tests.test_agent_faults import MICROVM
+
+    gate = Gate(lambda r: default_of(r) == "gvisor-v2" and classes_of(r) == {"gvisor"})
+    path = tmp_path / "agent.toml"
+    path.write_text(config("v1"))
+    async with registry_to_restart(tmp_path, prefix, 6, gate) as (server, client, registry):
+        try:
+            async with running_agent(server.url, prefix, path) as agent:
+                await wait_event(client, prefix, "w-a", WorkerRegistered)
+                reads = reads_of(agent)
+                path.write_text(config("v2", ("v1",)))
+                await asyncio.wait_for(gate.arrived.wait(), 10)  # the v2 edit, held
+                path.write_text(config("v2", ("v1",)) + MICROVM)  # a mistake...
+                while "microvm" not in classes_of(await asyncio.wait_for(reads.get(), 10)):
+                    pass
+                path.write_text(config("v2", ("v1",)))  # ...undone at once
+                while "microvm" in classes_of(await asyncio.wait_for(reads.get(), 10)):
+                    pass
+                gate.release.set()
+                await asyncio.wait_for(asyncio.gather(*list(agent._background)), 30)  # every registration done
+                assert [(default_of(r), classes_of(r)) for r in gate.requests[1:]] == [("gvisor-v2", {"gvisor"})] * (
+                    len(gate.requests) - 1)  # the microvm read never sent (the held v2 may be asked again)
+            worker = await asyncio.to_thread(registry.store.load, "w-a")
+            assert classes_of(worker) == {"gvisor"} and default_of(worker) == "gvisor-v2"
+        finally:
+            gate.release.set()
+
+
+async def test_a_new_life_after_a_reconnect_takes_up_the_change_of_class_the_last_one_was_refused(tmp_path, prefix):
+    """A change of class is refused (a worker does not change class). NATS restarts, and while
+    the registration after the reconnect waits at the registry, the worker is removed: the new
+    life registers what the file says, the new class included, not the registration the last
+    life had in force."""
+    from tests.test_agent_faults import MICROVM
+
+    gate = Gate(lambda r: False)
+    path = tmp_path / "agent.toml"
+    path.write_text(config("v1"))
+    async with registry_to_restart(tmp_path, prefix, 6, gate) as (server, client, _):
+        try:
+            async with running_agent(server.url, prefix, path) as agent:
+                await wait_event(client, prefix, "w-a", WorkerRegistered)
+                path.write_text(config("v1") + MICROVM)
+                await asyncio.wait_for(gate.refused.wait(), 10)  # a change of class: refused
+                await asyncio.wait_for(asyncio.gather(*list(agent._background)), 30)
+                gate.holds = lambda r: True  # the next registration, whichever, waits
+                await asyncio.to_thread(server.restart)
+                await asyncio.wait_for(gate.arrived.wait(), 30)
+                reply, _ = await raw_request(client, prefix, "remove", "w-a", {"reason": "class change"})
+                gate.release.set()
+                _, again = await wait_event(client, prefix, "w-a", WorkerRegistered, after=reply["seq"])
+                assert classes_of(again) == {"gvisor", "microvm"}
+        finally:
+            gate.release.set()
+
+
 async def test_agent_command_drains_on_sigterm(nats_url, nc, prefix, tmp_path):
     path = tmp_path / "agent.toml"
     path.write_text(config("v1"))

@@ -26,8 +26,9 @@ The agent then:
   meanwhile); re-registers when a heartbeat answers NOT_FOUND (the worker was
   removed, e.g. as LOST): with what the file and the probe say now (a change of
   class the registry refused is taken up by that new life); a worker whose agent
-  runs is a worker in service; registrations are sent one after the other, and
-  after the first none holds up the heartbeats (nor does an edit);
+  runs is a worker in service; registrations are sent one after the other, after
+  the first none holds up the heartbeats (nor does an edit's), and each sends what
+  the file and the probe say when its turn comes (docs/registry.md, "The agent");
 - on SIGTERM/SIGINT drains the worker first if asked (`--drain-on-exit`), then
   stops; if its registration was still on its way, the drain waits for it (up to
   the drain's 5 s). A drained worker stays drained when its agent comes back before
@@ -41,6 +42,7 @@ replies to its own requests and no one else's.
 from __future__ import annotations
 
 import asyncio
+import enum
 import hashlib
 import logging
 import time
@@ -74,6 +76,16 @@ from events.schema import (
 )
 from events.subjects import DEFAULT_PREFIX, check_prefix
 from warmboot.client import Client
+
+
+class Latest(enum.Enum):
+    """What `Agent.register` sends when its turn comes, chosen from what the file and the probe say then."""
+
+    EDIT = "edit"  # an edit of the file, or a change of what the probe reads
+    AGAIN = "again"  # after a reconnect, or a NOT_FOUND
+
+
+EDIT, AGAIN = Latest.EDIT, Latest.AGAIN
 
 log = logging.getLogger("warmboot.agent")
 
@@ -276,8 +288,9 @@ class Agent:
         self._read: tuple | None = None  # (the file's digest, what the probe read) when last read
         self._reconnected = asyncio.Event()
         self._one_registration = asyncio.Lock()  # registrations are sent one after the other
-        self._queued: RegisterWorker | None = None  # the last edit handed to a registration (sent or waiting)
-        self._registering_again: asyncio.Task[None] | None = None  # after a reconnect, beside the heartbeats
+        self._edited: RegisterWorker | None = None  # the last edit sent
+        self._edit_waiting = False  # a register(EDIT) waits its turn
+        self._again_waiting = False  # a register(AGAIN) waits its turn
         self._background: set[asyncio.Task[None]] = set()  # registrations the heartbeats do not wait for
         self._last_error: str | None = None
 
@@ -404,38 +417,70 @@ class Agent:
             left = self.beat_at + self.ttl_s - time.monotonic() if beats and self.beat_at is not None else None
             delay = next_delay(delay, left)
 
-    async def register(self, registration: RegisterWorker | None, stop: asyncio.Event) -> RegisterReply:
+    async def register(self, registration: RegisterWorker | Latest, stop: asyncio.Event) -> RegisterReply | None:
         """Register `registration` (one request_id across retries), then heartbeat to learn the TTL.
 
         One at a time: a registration is sent once the one before it is answered, so an older
         one is never decided after a newer one (a retry of the older one carries its request
-        id, which the registry answers without writing again). None registers the
-        registration in force when its turn comes."""
+        id, which the registry answers without writing again). `EDIT` and `AGAIN` choose what
+        to send when their turn comes, from what the file and the probe say then (`desired`):
+        - `EDIT` (an edit, or a change of what the probe reads): `desired`, unless it is the
+          registration in force or the last edit sent; reads made while it waited are not
+          sent one by one, only the last; None when there was nothing to send;
+        - `AGAIN` (after a reconnect, or a NOT_FOUND): `desired` if it differs from the
+          registration in force (a new life takes up a change of class the last one was
+          refused), else, or when the registry refuses it (the worker is still alive), the
+          registration in force (re-sent, should the server have lost a write).
+        """
         async with self._one_registration:
-            registration = registration if registration is not None else self.registration
-            assert registration is not None
-            body = msgspec.structs.replace(registration, request_id=f"agent-{uuid.uuid4().hex}")
-            self.sent_registration = self.registering = True
-            try:
-                reply = await self._request("register", body, RegisterReply, stop)
-            except ContractError:
-                self.registering = False  # refused: nothing on its way
-                raise
-            self.registering = False
-            self.registration, self.registered = registration, reply
+            if registration is EDIT:
+                self._edit_waiting = False
+                wanted = self.desired
+                if wanted is None or wanted == self.registration or wanted == self._edited:
+                    return None  # in force already, or sent already (and refused: not asked again)
+                self._edited = wanted
+                reply = await self._send(wanted, stop)
+            elif registration is AGAIN:
+                self._again_waiting = False
+                reply = None
+                if self.desired is not None and self.desired != self.registration:
+                    try:
+                        reply = await self._send(self.desired, stop)
+                    except ContractError as e:
+                        if e.code != ErrorCode.FAILED_PRECONDITION:
+                            raise
+                        log.warning("the registry refused what %s says now (%s); registering the registration "
+                                    "in force again", self.config_path, e.message)
+                if reply is None:
+                    assert self.registration is not None  # AGAIN comes after the first registration
+                    reply = await self._send(self.registration, stop)
+            else:
+                reply = await self._send(registration, stop)
         log.info("registered %s: %s (seq %d)", self.worker_id, reply.outcome.value, reply.seq)
         await self.heartbeat(stop)
         return reply
 
-    def _register_again(self, stop: asyncio.Event) -> None:
-        """After a reconnect, the registration in force again (it re-sends what the worker runs,
-        should the server have lost a write), beside the heartbeats; one at a time."""
-        if self._registering_again is not None and not self._registering_again.done():
-            return  # still on its way: it asks again through reconnects by itself
-        self._registering_again = self._beside_heartbeats(None, "", stop)
+    async def _send(self, registration: RegisterWorker, stop: asyncio.Event) -> RegisterReply:
+        """One registration, sent until answered; the caller holds `_one_registration`."""
+        body = msgspec.structs.replace(registration, request_id=f"agent-{uuid.uuid4().hex}")
+        self.sent_registration = self.registering = True
+        try:
+            reply = await self._request("register", body, RegisterReply, stop)
+        except ContractError:
+            self.registering = False  # refused: nothing on its way
+            raise
+        self.registering = False
+        self.registration, self.registered = registration, reply
+        return reply
 
-    def _beside_heartbeats(self, registration: RegisterWorker | None, refused: str,
-                           stop: asyncio.Event) -> asyncio.Task[None]:
+    def _register_again(self, stop: asyncio.Event) -> None:
+        """`register(AGAIN)` beside the heartbeats, unless one already waits its turn (it will
+        be decided after whatever asked for this one)."""
+        if not self._again_waiting:
+            self._again_waiting = True
+            self._beside_heartbeats(AGAIN, "", stop)
+
+    def _beside_heartbeats(self, registration: Latest, refused: str, stop: asyncio.Event) -> None:
         """`register(registration)` in a task of its own, which the heartbeats do not wait for
         (a fleet's registrations at once keep the registry busy for longer than a TTL); a
         refusal is logged after `refused` and the agent keeps serving."""
@@ -449,7 +494,6 @@ class Agent:
         task = asyncio.create_task(registering(), name=f"agent-{self.worker_id}-register")
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-        return task
 
     async def heartbeat(self, stop: asyncio.Event) -> None:
         try:
@@ -457,16 +501,11 @@ class Agent:
         except ContractError as e:
             if e.code != ErrorCode.NOT_FOUND or self.registration is None:
                 raise
-            if self._one_registration.locked():
-                # A registration is on its way (the one after a reconnect): decided, it starts the
-                # worker's new life, and its own heartbeat after it registers anew if that is still
-                # NOT_FOUND. Another one queued behind it would hold this loop, heartbeats included.
-                log.info("the registry no longer knows %s (%s); the registration on its way brings it back",
-                         self.worker_id, e.message)
-                return
+            # Registered anew beside the heartbeats (with what the file and the probe say then: a
+            # new life takes up a change the last one was refused), behind any registration on its
+            # way: one waiting here would hold this loop, heartbeats included.
             log.warning("the registry no longer knows %s (%s); registering again", self.worker_id, e.message)
-            # with what the file and the probe say now: a new life takes up a change the last one refused
-            await self.register(self.desired or self.registration, stop)
+            self._register_again(stop)
             return
         self.ttl_s = reply.ttl_s
 
@@ -551,11 +590,13 @@ class Agent:
         except ConfigError as e:
             log.error("ignoring the edit of %s, keeping the registration in force: %s", self.config_path, e)
             return
-        if registration is None or registration == (self._queued or self.registration):
+        if registration is None or self._edit_waiting:
+            return  # nothing new, or the edit waiting its turn will send what is read last
+        if registration == self.registration and not self._one_registration.locked():
             return
-        self._queued = registration
-        self._beside_heartbeats(registration, f"the registry refused the edit of {self.config_path}, "
-                                              "keeping the registration in force: ", stop)
+        self._edit_waiting = True
+        self._beside_heartbeats(EDIT, f"the registry refused the edit of {self.config_path}, "
+                                      "keeping the registration in force: ", stop)
 
 
 def next_delay(previous: float, left: float | None = None) -> float:
