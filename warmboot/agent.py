@@ -94,6 +94,11 @@ HEARTBEATS_PER_TTL = 3
 PROBE_INTERVAL_S = 10.0  # how often the agent reads what the probe reports of the machine again
 RETRY_MIN_S, RETRY_MAX_S = 0.2, 5.0
 REQUEST_TIMEOUT_S = 5.0
+# A registration beside the heartbeats waits this long for its answer before it is sent
+# again: nothing waits for it, and when a fleet registers at once (a NATS restart, a
+# rollout) the registry takes tens of seconds to answer them all; a repeat every 5 s
+# would cost it as much as each first answer.
+BACKGROUND_REGISTER_TIMEOUT_S = 30.0
 
 
 class ConfigError(ValueError):
@@ -388,13 +393,13 @@ class Agent:
             return nc
 
     async def _request(self, verb: str, body: Any, reply_type: type, stop: asyncio.Event | None,
-                       also_retry: tuple[ErrorCode, ...] = ()):
+                       also_retry: tuple[ErrorCode, ...] = (), timeout: float = REQUEST_TIMEOUT_S):
         """A request, retried while the registry is unreachable (UNAVAILABLE, or `also_retry`)
         unless stopped; one that beats (a heartbeat, a registration) records when it was sent
         (`beat_at`), and its retries come closer together as that beat's TTL runs out."""
         # One attempt per call of the client (warmboot.client: the one way a request is made);
         # the agent's own loop retries, without bound until stopped, as a worker in service must.
-        client = Client(self.nc, self.prefix, timeout=REQUEST_TIMEOUT_S, attempts=1)
+        client = Client(self.nc, self.prefix, timeout=timeout, attempts=1)
         beats = verb in ("heartbeat", "register")
         delay = RETRY_MIN_S
         while True:
@@ -439,13 +444,13 @@ class Agent:
                 if wanted is None or wanted == self.registration or wanted == self._edited:
                     return None  # in force already, or sent already (and refused: not asked again)
                 self._edited = wanted
-                reply = await self._send(wanted, stop)
+                reply = await self._send(wanted, stop, BACKGROUND_REGISTER_TIMEOUT_S)
             elif registration is AGAIN:
                 self._again_waiting = False
                 reply = None
                 if self.desired is not None and self.desired != self.registration:
                     try:
-                        reply = await self._send(self.desired, stop)
+                        reply = await self._send(self.desired, stop, BACKGROUND_REGISTER_TIMEOUT_S)
                     except ContractError as e:
                         if e.code != ErrorCode.FAILED_PRECONDITION:
                             raise
@@ -453,19 +458,21 @@ class Agent:
                                     "in force again", self.config_path, e.message)
                 if reply is None:
                     assert self.registration is not None  # AGAIN comes after the first registration
-                    reply = await self._send(self.registration, stop)
+                    reply = await self._send(self.registration, stop, BACKGROUND_REGISTER_TIMEOUT_S)
             else:
                 reply = await self._send(registration, stop)
         log.info("registered %s: %s (seq %d)", self.worker_id, reply.outcome.value, reply.seq)
         await self.heartbeat(stop)
         return reply
 
-    async def _send(self, registration: RegisterWorker, stop: asyncio.Event) -> RegisterReply:
-        """One registration, sent until answered; the caller holds `_one_registration`."""
+    async def _send(self, registration: RegisterWorker, stop: asyncio.Event,
+                    timeout: float = REQUEST_TIMEOUT_S) -> RegisterReply:
+        """One registration, sent until answered (again after `timeout` without an answer);
+        the caller holds `_one_registration`."""
         body = msgspec.structs.replace(registration, request_id=f"agent-{uuid.uuid4().hex}")
         self.sent_registration = self.registering = True
         try:
-            reply = await self._request("register", body, RegisterReply, stop)
+            reply = await self._request("register", body, RegisterReply, stop, timeout=timeout)
         except ContractError:
             self.registering = False  # refused: nothing on its way
             raise
