@@ -156,10 +156,12 @@ async def test_agent_survives_a_nats_restart(tmp_path, prefix):
 
 
 @asynccontextmanager
-async def registry_to_restart(tmp_path: Path, prefix: str, ttl_s: float, register=None, heartbeat=None):
-    """A nats-server of the test's own (to restart), a client connection to it, and a registry
+async def agent_registered(tmp_path: Path, prefix: str, ttl_s: float, register=None, heartbeat=None):
+    """A nats-server of the test's own (to restart), a client connection to it, a registry
     replica whose register and heartbeat endpoints, if given, are `register(its own)` and
-    `heartbeat(its own)`: the real service, with a gate or a count around it."""
+    `heartbeat(its own)` (the real service, with a gate or a count around it), and an agent
+    of w-a whose file says v1: (server, client, registry, agent, the file's path), once the
+    agent's first registration is stored."""
     from services.registry.service import RegistryService
 
     server = NatsServer(tmp_path / "nats").start()
@@ -172,7 +174,11 @@ async def registry_to_restart(tmp_path: Path, prefix: str, ttl_s: float, registe
         registry.heartbeat = heartbeat(registry.heartbeat)
     await registry.start()
     try:
-        yield server, client, registry
+        path = tmp_path / "agent.toml"
+        path.write_text(config("v1"))
+        async with running_agent(server.url, prefix, path) as agent:
+            await wait_event(client, prefix, "w-a", WorkerRegistered)
+            yield server, client, registry, agent, path
     finally:
         await registry.stop()
         await registry_nc.close()
@@ -181,7 +187,7 @@ async def registry_to_restart(tmp_path: Path, prefix: str, ttl_s: float, registe
 
 
 class Beats:
-    """A heartbeat endpoint wrapper for `registry_to_restart`: `enough` is set once `count`
+    """A heartbeat endpoint wrapper for `agent_registered`: `enough` is set once `count`
     heartbeats of `worker_id` were answered while `counting()`, `not_found` at a NOT_FOUND."""
 
     def __init__(self, worker_id: str, counting, count: int):
@@ -231,24 +237,20 @@ async def test_after_a_nats_restart_the_agent_heartbeats_while_its_registration_
             return reply
         return gated
 
-    path = tmp_path / "agent.toml"
-    path.write_text(config("v1"))
-    async with registry_to_restart(tmp_path, prefix, 6, held_register, beats) as (server, client, _):
+    async with agent_registered(tmp_path, prefix, 6, held_register, beats) as (server, client, registry, agent, path):
         try:
-            async with running_agent(server.url, prefix, path) as agent:
-                await wait_event(client, prefix, "w-a", WorkerRegistered)
-                hold = True
-                await asyncio.to_thread(server.restart)  # same port, same store directory
-                await asyncio.wait_for(held.wait(), 30)  # the agent's registration again, held
-                await asyncio.wait_for(beats.enough.wait(), 30)  # the agent beats while its registration waits
-                assert agent.registering  # still on its way, a TTL on
-                assert arrivals == 1  # 8 s on, not asked again
-                reply, _ = await raw_request(client, prefix, "heartbeat", "w-a", {})
-                assert reply == {"ttl_s": 6.0}, reply  # not NOT_FOUND: never removed as LOST
-                release.set()
-                await asyncio.wait_for(answered.wait(), 30)
-                reply, _ = await raw_request(client, prefix, "heartbeat", "w-a", {})
-                assert reply == {"ttl_s": 6.0}, reply
+            hold = True
+            await asyncio.to_thread(server.restart)  # same port, same store directory
+            await asyncio.wait_for(held.wait(), 30)  # the agent's registration again, held
+            await asyncio.wait_for(beats.enough.wait(), 30)  # the agent beats while its registration waits
+            assert agent.registering  # still on its way, a TTL on
+            assert arrivals == 1  # 8 s on, not asked again
+            reply, _ = await raw_request(client, prefix, "heartbeat", "w-a", {})
+            assert reply == {"ttl_s": 6.0}, reply  # not NOT_FOUND: never removed as LOST
+            release.set()
+            await asyncio.wait_for(answered.wait(), 30)
+            reply, _ = await raw_request(client, prefix, "heartbeat", "w-a", {})
+            assert reply == {"ttl_s": 6.0}, reply
         finally:
             release.set()
 
@@ -277,22 +279,18 @@ async def test_a_worker_removed_while_its_registration_waits_comes_back_and_keep
             return await register(worker_id, request)
         return gated
 
-    path = tmp_path / "agent.toml"
-    path.write_text(config("v1"))
-    async with registry_to_restart(tmp_path, prefix, 6, held_register, beats) as (server, client, _):
+    async with agent_registered(tmp_path, prefix, 6, held_register, beats) as (server, client, registry, agent, path):
         try:
-            async with running_agent(server.url, prefix, path):
-                await wait_event(client, prefix, "w-a", WorkerRegistered)
-                hold = True
-                await asyncio.to_thread(server.restart)
-                await asyncio.wait_for(first_held.wait(), 30)
-                reply, _ = await raw_request(client, prefix, "remove", "w-a", {"reason": "test"})
-                await asyncio.wait_for(beats.not_found.wait(), 30)  # the agent's next beat hears it
-                release_first.set()  # the registration on its way is decided: a new life
-                await wait_event(client, prefix, "w-a", WorkerRegistered, after=reply["seq"])
-                await asyncio.wait_for(beats.enough.wait(), 30)  # the new life beats on while the rest waits
-                reply, _ = await raw_request(client, prefix, "heartbeat", "w-a", {})
-                assert reply == {"ttl_s": 6.0}, reply  # alive: not removed as LOST again
+            hold = True
+            await asyncio.to_thread(server.restart)
+            await asyncio.wait_for(first_held.wait(), 30)
+            reply, _ = await raw_request(client, prefix, "remove", "w-a", {"reason": "test"})
+            await asyncio.wait_for(beats.not_found.wait(), 30)  # the agent's next beat hears it
+            release_first.set()  # the registration on its way is decided: a new life
+            await wait_event(client, prefix, "w-a", WorkerRegistered, after=reply["seq"])
+            await asyncio.wait_for(beats.enough.wait(), 30)  # the new life beats on while the rest waits
+            reply, _ = await raw_request(client, prefix, "heartbeat", "w-a", {})
+            assert reply == {"ttl_s": 6.0}, reply  # alive: not removed as LOST again
         finally:
             release_first.set()
             release_rest.set()
@@ -324,21 +322,17 @@ async def test_a_registration_edited_while_the_one_before_waits_is_decided_after
             return reply
         return gated
 
-    path = tmp_path / "agent.toml"
-    path.write_text(config("v1"))
-    async with registry_to_restart(tmp_path, prefix, 6, held_register, beats) as (server, client, registry):
+    async with agent_registered(tmp_path, prefix, 6, held_register, beats) as (server, client, registry, agent, path):
         try:
-            async with running_agent(server.url, prefix, path):
-                await wait_event(client, prefix, "w-a", WorkerRegistered)
-                hold = True
-                await asyncio.to_thread(server.restart)
-                await asyncio.wait_for(one_held.wait(), 30)  # the registration after the reconnect, v1, held
-                path.write_text(config("v2", ("v1",)))  # read by the agent's watch every 0.05 s
-                edited = True
-                # 4 beats, 8 s: long enough for a v2 sent beside the held v1 to be decided before it
-                await asyncio.wait_for(beats.enough.wait(), 30)  # beating while v1 is held and v2 waits
-                release.set()
-                await asyncio.wait_for(v2_after_release.wait(), 30)
+            hold = True
+            await asyncio.to_thread(server.restart)
+            await asyncio.wait_for(one_held.wait(), 30)  # the registration after the reconnect, v1, held
+            path.write_text(config("v2", ("v1",)))  # read by the agent's watch every 0.05 s
+            edited = True
+            # 4 beats, 8 s: long enough for a v2 sent beside the held v1 to be decided before it
+            await asyncio.wait_for(beats.enough.wait(), 30)  # beating while v1 is held and v2 waits
+            release.set()
+            await asyncio.wait_for(v2_after_release.wait(), 30)
             worker = await asyncio.to_thread(registry.store.load, "w-a")  # its history, as the registry decides on it
             [entry] = worker.sandbox_classes
             assert same_version(entry.default_runtime.version, probed("v2"))
@@ -347,7 +341,7 @@ async def test_a_registration_edited_while_the_one_before_waits_is_decided_after
 
 
 class Gate:
-    """A register endpoint wrapper for `registry_to_restart`: registrations that `holds(request)`
+    """A register endpoint wrapper for `agent_registered`: registrations that `holds(request)`
     wait for `release` (`arrived` is set by the first); every one that arrives is kept in
     `requests`, and `refused` is set at the first refusal."""
 
@@ -402,25 +396,21 @@ async def test_an_edit_read_while_a_registration_waits_is_sent_only_if_still_the
     from tests.test_agent_faults import MICROVM
 
     gate = Gate(lambda r: default_of(r) == "gvisor-v2" and classes_of(r) == {"gvisor"})
-    path = tmp_path / "agent.toml"
-    path.write_text(config("v1"))
-    async with registry_to_restart(tmp_path, prefix, 6, gate) as (server, client, registry):
+    async with agent_registered(tmp_path, prefix, 6, gate) as (server, client, registry, agent, path):
         try:
-            async with running_agent(server.url, prefix, path) as agent:
-                await wait_event(client, prefix, "w-a", WorkerRegistered)
-                reads = reads_of(agent)
-                path.write_text(config("v2", ("v1",)))
-                await asyncio.wait_for(gate.arrived.wait(), 10)  # the v2 edit, held
-                path.write_text(config("v2", ("v1",)) + MICROVM)  # a mistake...
-                while "microvm" not in classes_of(await asyncio.wait_for(reads.get(), 10)):
-                    pass
-                path.write_text(config("v2", ("v1",)))  # ...undone at once
-                while "microvm" in classes_of(await asyncio.wait_for(reads.get(), 10)):
-                    pass
-                gate.release.set()
-                await asyncio.wait_for(asyncio.gather(*list(agent._background)), 30)  # every registration done
-                assert [(default_of(r), classes_of(r)) for r in gate.requests[1:]] == [("gvisor-v2", {"gvisor"})] * (
-                    len(gate.requests) - 1)  # the microvm read never sent (the held v2 may be asked again)
+            reads = reads_of(agent)
+            path.write_text(config("v2", ("v1",)))
+            await asyncio.wait_for(gate.arrived.wait(), 10)  # the v2 edit, held
+            path.write_text(config("v2", ("v1",)) + MICROVM)  # a mistake...
+            while "microvm" not in classes_of(await asyncio.wait_for(reads.get(), 10)):
+                pass
+            path.write_text(config("v2", ("v1",)))  # ...undone at once
+            while "microvm" in classes_of(await asyncio.wait_for(reads.get(), 10)):
+                pass
+            gate.release.set()
+            await asyncio.wait_for(asyncio.gather(*list(agent._background)), 30)  # every registration done
+            assert [(default_of(r), classes_of(r)) for r in gate.requests[1:]] == [("gvisor-v2", {"gvisor"})] * (
+                len(gate.requests) - 1)  # the microvm read never sent (the held v2 may be asked again)
             worker = await asyncio.to_thread(registry.store.load, "w-a")
             assert classes_of(worker) == {"gvisor"} and default_of(worker) == "gvisor-v2"
         finally:
@@ -435,22 +425,18 @@ async def test_a_new_life_after_a_reconnect_takes_up_the_change_of_class_the_las
     from tests.test_agent_faults import MICROVM
 
     gate = Gate(lambda r: False)
-    path = tmp_path / "agent.toml"
-    path.write_text(config("v1"))
-    async with registry_to_restart(tmp_path, prefix, 6, gate) as (server, client, _):
+    async with agent_registered(tmp_path, prefix, 6, gate) as (server, client, registry, agent, path):
         try:
-            async with running_agent(server.url, prefix, path) as agent:
-                await wait_event(client, prefix, "w-a", WorkerRegistered)
-                path.write_text(config("v1") + MICROVM)
-                await asyncio.wait_for(gate.refused.wait(), 10)  # a change of class: refused
-                await asyncio.wait_for(asyncio.gather(*list(agent._background)), 30)
-                gate.holds = lambda r: True  # the next registration, whichever, waits
-                await asyncio.to_thread(server.restart)
-                await asyncio.wait_for(gate.arrived.wait(), 30)
-                reply, _ = await raw_request(client, prefix, "remove", "w-a", {"reason": "class change"})
-                gate.release.set()
-                _, again = await wait_event(client, prefix, "w-a", WorkerRegistered, after=reply["seq"])
-                assert classes_of(again) == {"gvisor", "microvm"}
+            path.write_text(config("v1") + MICROVM)
+            await asyncio.wait_for(gate.refused.wait(), 10)  # a change of class: refused
+            await asyncio.wait_for(asyncio.gather(*list(agent._background)), 30)
+            gate.holds = lambda r: True  # the next registration, whichever, waits
+            await asyncio.to_thread(server.restart)
+            await asyncio.wait_for(gate.arrived.wait(), 30)
+            reply, _ = await raw_request(client, prefix, "remove", "w-a", {"reason": "class change"})
+            gate.release.set()
+            _, again = await wait_event(client, prefix, "w-a", WorkerRegistered, after=reply["seq"])
+            assert classes_of(again) == {"gvisor", "microvm"}
         finally:
             gate.release.set()
 
