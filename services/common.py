@@ -299,13 +299,22 @@ class ConcurrentEndpoint(Endpoint):
         if self._micro.admits(msg, self._name):
             if not self.slots.take_now():
                 raise RuntimeError("a request was delivered directly with no slot free")  # logged, dropped
-            self._micro.track(asyncio.create_task(self._serve(Request(msg), time.perf_counter_ns())), self.slots)
+            self._spawn(msg, time.perf_counter_ns())
 
     async def _handle_request(self, msg: Msg) -> None:
         if self._micro.admits(msg, self._name):
             start = time.perf_counter_ns()
             await self.slots.take()
-            self._micro.track(asyncio.create_task(self._serve(Request(msg), start)), self.slots)
+            self._spawn(msg, start)
+
+    def _spawn(self, msg: Msg, start: int) -> None:
+        """Serve `msg` (its slot taken) in a task of its own; the slot is given back when it ends."""
+        task = asyncio.create_task(self._serve(Request(msg), start))
+        task.add_done_callback(self._give_back)
+        self._micro.track(task)
+
+    def _give_back(self, task: asyncio.Task[None]) -> None:
+        self.slots.give()
 
     async def _serve(self, request: Request, start: int) -> None:
         error = None
@@ -386,14 +395,10 @@ class MicroService(Service):
         self.endpoint_slots: dict[str, Slots] = {}  # by endpoint name
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def track(self, task: asyncio.Task[None], slots: Slots) -> None:
-        """Keep `task` (a request being served) until it ends; then its slot goes back to `slots`."""
+    def track(self, task: asyncio.Task[None]) -> None:
+        """Keep `task` (a request being served) until it ends, for `stop` to wait for."""
         self._tasks.add(task)
-        task.add_done_callback(lambda done: self._finished(done, slots))
-
-    def _finished(self, task: asyncio.Task[None], slots: Slots) -> None:
-        self._tasks.discard(task)
-        slots.give()
+        task.add_done_callback(self._tasks.discard)
 
     async def add_endpoint(self, config: EndpointConfig | None = None, **kwargs: Any) -> None:
         config = EndpointConfig(**kwargs) if config is None else config
