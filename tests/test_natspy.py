@@ -712,3 +712,107 @@ def test_a_flush_in_order_refuses_a_nats_py_without_what_it_relies_on(monkeypatc
     monkeypatch.delattr(Client, NATS_PENDING)
     with pytest.raises(RuntimeError, match="natspy"):
         asyncio.run(flush_in_order(Client()))
+
+
+# (subject, reply, headers, payload): what the services publish, and the awkward cases of nats-py's rules
+_PUBLISHED = [
+    ("t.pub.a", "", None, b"plain"),
+    ("t.pub.b", "_INBOX.x.7", None, b""),
+    ("t.pub.c", "_INBOX.x.8", {"Nats-TTL": "15s", "  Spaced ": "  v  ", "Line": "a\r\nb"}, b'{"at":1}'),
+    ("t.pub.d", "", {"": "skipped", "K": "", "V": "caf\u00e9"}, b"x" * 3000),
+    ("$JS.ACK.KV_T.sweeper.1.5.5.1733.0", "", None, b"+ACK"),
+]
+
+
+async def test_publish_sends_what_nats_py_s_publish_sends(nats_url):
+    """`events.natspy.publish`, with the block `header_block` encoded, writes the header block
+    nats-py's `publish` writes for the same headers, and the server delivers the same message
+    (subject, reply, body, headers) from either, in the order they were sent."""
+    import nats
+
+    from events.natspy import flush_in_order, header_block, publish
+
+    receiver, sender = await nats.connect(nats_url), await nats.connect(nats_url)
+    try:
+        commands: list[bytes] = []
+        send_command = sender._send_command
+
+        async def recorded(cmd, priority=False):
+            commands.append(bytes(cmd))
+            await send_command(cmd, priority)
+
+        sender._send_command = recorded
+        for subject, reply, head, body in _PUBLISHED:
+            commands.clear()
+            await sender.publish(subject, body, reply=reply, headers=head)
+            [command] = commands
+            if head is not None:
+                line, _, rest = command.partition(b"\r\n")
+                assert rest[:int(line.split()[-2])] == header_block(head)
+        sender._send_command = send_command
+
+        got: list[tuple] = []
+        done = asyncio.Event()
+
+        async def on_msg(msg):
+            got.append((msg.subject, msg.reply, msg.data, msg.headers))
+            if len(got) == 2 * len(_PUBLISHED):
+                done.set()
+
+        await receiver.subscribe("t.pub.*", cb=on_msg)
+        await receiver.subscribe("$JS.ACK.KV_T.>", cb=on_msg)
+        await flush_in_order(receiver)
+        for subject, reply, head, body in _PUBLISHED:
+            await sender.publish(subject, body, reply=reply, headers=head)
+            await publish(sender, subject, body, reply, header_block(head) if head is not None else b"")
+        await sender.flush()
+        await asyncio.wait_for(done.wait(), 10)
+        assert got[0::2] == got[1::2]
+        assert [m[:3] for m in got[0::2]] == [(s, r, b) for s, r, _, b in _PUBLISHED]
+        assert got[4][3] == {"Nats-TTL": "15s", "Spaced": "v", "Line": "a  b"}
+    finally:
+        await sender.close()
+        await receiver.close()
+
+
+async def test_publish_refuses_what_nats_py_s_publish_refuses_and_buffers_nothing(nats_url):
+    """A subject or reply with white space would add a protocol command of the caller's making:
+    refused, as nats-py refuses it, and nothing is buffered; so are a header name nats-py refuses,
+    a payload past the server's limit, and a closed connection."""
+    import nats
+    import nats.errors
+
+    from events.natspy import header_block, publish
+
+    nc = await nats.connect(nats_url)
+    try:
+        for subject, reply in [("t.a b", ""), ("t.a\r\nPUB t.x 1", ""), ("", ""), ("t.ok", "_INBOX.x\r\nUNSUB 1"),
+                               ("t.ok", "_INBOX.x 1"), ("t.a\tb", "")]:
+            before = (list(nc._pending), nc._pending_data_size)
+            with pytest.raises(nats.errors.BadSubjectError):
+                await nc.publish(subject, b"x", reply=reply)
+            with pytest.raises(nats.errors.BadSubjectError):
+                await publish(nc, subject, b"x", reply)
+            assert (nc._pending, nc._pending_data_size) == before
+        for name in ["Bad Name", "Col:on", "Nl\r\nX"]:
+            with pytest.raises(nats.errors.BadHeaderError):
+                await nc.publish("t.ok", b"x", headers={name: "v"})
+            with pytest.raises(nats.errors.BadHeaderError):
+                header_block({name: "v"})
+        with pytest.raises(nats.errors.MaxPayloadError):
+            await publish(nc, "t.ok", b"x" * (nc.max_payload + 1))
+        await nc.close()
+        with pytest.raises(nats.errors.ConnectionClosedError):
+            await publish(nc, "t.ok", b"x")
+    finally:
+        await nc.close()
+
+
+def test_publish_refuses_a_nats_py_without_what_it_relies_on():
+    from events.natspy import publish
+
+    class Old:  # a connection with no outgoing buffer where `publish` writes
+        is_closed = is_draining_pubs = False
+
+    with pytest.raises(RuntimeError, match="natspy"):
+        asyncio.run(publish(Old(), "t.ok", b"x"))

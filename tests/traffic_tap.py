@@ -8,8 +8,9 @@ that is not running would find a responder and time out instead of failing at on
 ephemeral push consumer whose client left would still see interest on its inbox). So:
 
 - Requests and replies are seen where nats.micro answers them, in this process: `install`
-  wraps `nats.micro.request.Request.respond` (every endpoint reply and error reply goes
-  through it; the real method still sends) and records which request and reply type each
+  wraps `nats.micro.request.Request.respond` and the services' `services.common.ServiceRequest.
+  respond` (every endpoint reply and error reply goes through one of them; the real method
+  still sends) and records which request and reply type each
   endpoint declares in its metadata (the same `{"request": ..., "reply": ...}` that
   `$SRV.INFO` shows). Services run in other processes (`warmboot up` in a subprocess) are
   not seen.
@@ -97,21 +98,28 @@ class TrafficTap:
         from nats.micro.request import Request
         from nats.micro.service import Endpoint
 
+        from services.common import ServiceRequest
+
         tap = self
-        init, respond = Endpoint.__init__, Request.respond
+        init, respond, service_respond = Endpoint.__init__, Request.respond, ServiceRequest.respond
 
         def endpoint_init(endpoint: Any, service: Any, config: Any) -> None:
             init(endpoint, service, config)
             meta = config.metadata or {}
             tap._endpoints[endpoint._subject] = (meta.get("request"), meta.get("reply"))
 
-        async def spied_respond(request: Any, data: bytes = b"", headers: Any = None) -> None:
-            tap.record(request.subject, request.data, data)
-            await respond(request, data, headers)
+        def spied(answer: Any) -> Any:
+            async def spied_respond(request: Any, data: bytes = b"", headers: Any = None) -> None:
+                tap.record(request.subject, request.data, data)
+                await answer(request, data, headers)
+            return spied_respond
 
-        self._undo = [(Endpoint, "__init__", init), (Request, "respond", respond)]
+        # the services' endpoints answer through ServiceRequest.respond (which never calls Request's)
+        self._undo = [(Endpoint, "__init__", init), (Request, "respond", respond),
+                      (ServiceRequest, "respond", service_respond)]
         Endpoint.__init__ = endpoint_init
-        Request.respond = spied_respond
+        Request.respond = spied(respond)
+        ServiceRequest.respond = spied(service_respond)
 
     def uninstall(self) -> None:
         for owner, name, original in reversed(self._undo):

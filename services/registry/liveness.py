@@ -45,7 +45,7 @@ from events.aggregate import now
 from events.codec import encode
 from events.errors import unavailable
 from events.jetstream.errors import ERR_WRONG_LAST_SEQUENCE
-from events.natspy import ApiError, DirectDelivery, Replies, subscribe_core
+from events.natspy import ApiError, DirectDelivery, Replies, header_block, publish, subscribe_core
 from events.subjects import bucket_name
 from events.tasks import cancel_and_wait
 from services.common import last_seq_on, until_answered
@@ -87,7 +87,7 @@ class Acks:
     async def stop(self) -> None:
         await self.replies.stop()
 
-    async def publish(self, subject: str, payload: bytes, headers: dict[str, str]) -> int:
+    async def publish(self, subject: str, payload: bytes, headers: bytes) -> int:
         try:
             msg = await self.replies.request(subject, payload, headers)
         except nats.errors.NoRespondersError:
@@ -223,7 +223,7 @@ class Sweeper:
                 replies, self._to_ack = self._to_ack, []
                 for reply in replies:
                     with suppress(Exception):
-                        await self.nc.publish(reply, b"+ACK")
+                        await publish(self.nc, reply, b"+ACK")
         finally:
             self._acking = None
 
@@ -270,6 +270,7 @@ class Liveness:
         self.replicas = replicas
         # The server counts TTLs in whole seconds; round up so a worker never expires early.
         self.ttl_header = {"Nats-TTL": f"{max(1, math.ceil(ttl_s))}s"}
+        self._ttl_block = header_block(self.ttl_header)  # what each beat sends, encoded once
         self.acks = Acks(nc)
         self.sweeper = Sweeper(nc, self.stream, ConsumerConfig(
             durable_name=SWEEPER,
@@ -305,7 +306,7 @@ class Liveness:
     async def beat(self, worker_id: str) -> None:
         """Put the worker's heartbeat; returns once the server has stored it."""
         value = encode({"at": now(), "ttl_s": self.ttl_s})
-        await self.acks.publish(self.subject(worker_id), value, self.ttl_header)
+        await self.acks.publish(self.subject(worker_id), value, self._ttl_block)
 
     async def last_entry(self, worker_id: str) -> int:
         """The bucket's sequence of the worker's last heartbeat entry, 0 if it has none."""
