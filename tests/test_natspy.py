@@ -720,7 +720,7 @@ _PUBLISHED = [
     ("t.pub.b", "_INBOX.x.7", None, b""),
     ("t.pub.c", "_INBOX.x.8", {"Nats-TTL": "15s", "  Spaced ": "  v  ", "Line": "a\r\nb"}, b'{"at":1}'),
     ("t.pub.d", "", {"": "skipped", "K": "", "V": "caf\u00e9"}, b"x" * 3000),
-    ("$JS.ACK.KV_T.sweeper.1.5.5.1733.0", "", None, b"+ACK"),
+    ("t.pub.$JS.ACK.KV_T.sweeper.1.5.5.1733.0", "", None, b"+ACK"),  # a sweep's ack, under the test's subjects
 ]
 
 
@@ -750,6 +750,7 @@ async def test_publish_sends_what_nats_py_s_publish_sends(nats_url):
                 line, _, rest = command.partition(b"\r\n")
                 assert rest[:int(line.split()[-2])] == header_block(head)
         sender._send_command = send_command
+        await flush_in_order(sender)  # at the server before the receiver subscribes: not received
 
         got: list[tuple] = []
         done = asyncio.Event()
@@ -759,8 +760,7 @@ async def test_publish_sends_what_nats_py_s_publish_sends(nats_url):
             if len(got) == 2 * len(_PUBLISHED):
                 done.set()
 
-        await receiver.subscribe("t.pub.*", cb=on_msg)
-        await receiver.subscribe("$JS.ACK.KV_T.>", cb=on_msg)
+        await receiver.subscribe("t.pub.>", cb=on_msg)  # one subscription: its messages come in order
         await flush_in_order(receiver)
         for subject, reply, head, body in _PUBLISHED:
             await sender.publish(subject, body, reply=reply, headers=head)
