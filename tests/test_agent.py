@@ -441,6 +441,36 @@ async def test_a_new_life_after_a_reconnect_takes_up_the_change_of_class_the_las
             gate.release.set()
 
 
+async def test_a_new_life_begun_by_the_registration_in_force_is_ended_for_the_file_s(tmp_path, prefix):
+    """A change of class is refused. NATS restarts: the file's registration is refused again (the
+    worker is alive), and the registration in force is sent again in its place. The worker is
+    removed while that one waits at the registry, so it begins a new life with the classes of
+    the last one, which the file no longer lists (a scheduler would send that worker resumes of
+    a class it dropped). The agent ends that life and begins one with what the file says."""
+    from tests.test_agent_faults import MICROVM
+
+    gate = Gate(lambda r: False)
+    async with agent_registered(tmp_path, prefix, 6, gate) as (server, client, registry, agent, path):
+        try:
+            path.write_text(config("v1") + MICROVM)
+            await asyncio.wait_for(gate.refused.wait(), 10)  # a change of class: refused
+            await asyncio.wait_for(asyncio.gather(*list(agent._background)), 30)
+            gate.refused.clear()
+            gate.holds = lambda r: gate.refused.is_set() and classes_of(r) == {"gvisor"}  # the one in force, re-sent
+            await asyncio.to_thread(server.restart)
+            await asyncio.wait_for(gate.arrived.wait(), 30)
+            removed, _ = await raw_request(client, prefix, "remove", "w-a", {"reason": "class change"})
+            gate.release.set()
+            seq, stale = await wait_event(client, prefix, "w-a", WorkerRegistered, after=removed["seq"])
+            assert classes_of(stale) == {"gvisor"}  # the race this test makes: a life with the old classes
+            ended, gone = await wait_event(client, prefix, "w-a", WorkerRemoved, after=seq)
+            _, again = await wait_event(client, prefix, "w-a", WorkerRegistered, after=ended)
+            assert classes_of(again) == {"gvisor", "microvm"}
+            assert "file" in gone.reason
+        finally:
+            gate.release.set()
+
+
 async def test_agent_command_drains_on_sigterm(nats_url, nc, prefix, tmp_path):
     path = tmp_path / "agent.toml"
     path.write_text(config("v1"))

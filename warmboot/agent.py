@@ -70,8 +70,10 @@ from events.schema import (
     ErrorCode,
     Heartbeat,
     HeartbeatReply,
+    RegisterOutcome,
     RegisterReply,
     RegisterWorker,
+    RemoveWorker,
     SeqReply,
 )
 from events.subjects import DEFAULT_PREFIX, check_prefix
@@ -435,7 +437,10 @@ class Agent:
         - `AGAIN` (after a reconnect, or a NOT_FOUND): `desired` if it differs from the
           registration in force (a new life takes up a change of class the last one was
           refused), else, or when the registry refuses it (the worker is still alive), the
-          registration in force (re-sent, should the server have lost a write).
+          registration in force (re-sent, should the server have lost a write). If that one
+          begins a new life all the same (the worker was removed in between), the new life has
+          classes the file no longer lists: it is ended, and one begun with `desired`
+          (`_life_of_the_file`).
         """
         async with self._one_registration:
             if registration is EDIT:
@@ -448,22 +453,44 @@ class Agent:
             elif registration is AGAIN:
                 self._again_waiting = False
                 reply = None
+                refused = False
                 if self.desired is not None and self.desired != self.registration:
                     try:
                         reply = await self._send(self.desired, stop, BACKGROUND_REGISTER_TIMEOUT_S)
                     except ContractError as e:
                         if e.code != ErrorCode.FAILED_PRECONDITION:
                             raise
+                        refused = True
                         log.warning("the registry refused what %s says now (%s); registering the registration "
                                     "in force again", self.config_path, e.message)
                 if reply is None:
                     assert self.registration is not None  # AGAIN comes after the first registration
                     reply = await self._send(self.registration, stop, BACKGROUND_REGISTER_TIMEOUT_S)
+                    if (refused and reply.outcome is RegisterOutcome.REGISTERED and self.desired is not None
+                            and self.desired != self.registration):
+                        reply = await self._life_of_the_file(stop)
             else:
                 reply = await self._send(registration, stop)
         log.info("registered %s: %s (seq %d)", self.worker_id, reply.outcome.value, reply.seq)
         await self.heartbeat(stop)
         return reply
+
+    async def _life_of_the_file(self, stop: asyncio.Event) -> RegisterReply:
+        """The registration in force, re-sent because the registry refused what the file says,
+        began a new life: the worker was removed between the two (by a caller, or as LOST). A
+        new life takes what the file says, and this one has the classes of the last, which the
+        file may have dropped (a scheduler would send it resumes of a class it no longer runs):
+        it is ended, and one begun with what the file says. The caller holds `_one_registration`."""
+        log.warning("%s began a new life with the classes of its last one, not those %s lists; removing it "
+                    "and registering again", self.worker_id, self.config_path)
+        body = RemoveWorker(reason="the agent registers anew with the classes its file lists",
+                            request_id=f"agent-{uuid.uuid4().hex}")
+        try:
+            await self._request("remove", body, SeqReply, stop)
+        except ContractError as e:
+            if e.code != ErrorCode.NOT_FOUND:  # removed again meanwhile: as good
+                raise
+        return await self._send(self.desired, stop, BACKGROUND_REGISTER_TIMEOUT_S)
 
     async def _send(self, registration: RegisterWorker, stop: asyncio.Event,
                     timeout: float = REQUEST_TIMEOUT_S) -> RegisterReply:
