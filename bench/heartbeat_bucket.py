@@ -1,0 +1,125 @@
+"""What a heartbeat's put costs nats-server, and how much of it is the sweep.
+
+    python bench/heartbeat_bucket.py [--puts N] [--workers N] [--window N] [--rounds N] [--json]
+
+Each heartbeat puts the worker's key in the bucket `<PREFIX>_HEARTBEATS` with a per-message
+TTL, and the registry replicas' shared consumer (`registry-sweeper`) is delivered every
+put, to be acknowledged, because an expiry marker comes on the key's own subject
+(`services.registry.liveness`). This bench drives the registry's own `Liveness.beat`
+(`--window` puts in flight over `--workers` keys) in this process, on a nats-server of
+its own (file storage, as in production), two ways, alternated over `--rounds` rounds on
+fresh buckets:
+
+- `with_sweep`: `Liveness` as the registry starts it, the sweeper pulling and acking;
+- `without_sweep`: the same bucket with no sweeper (a measurement only: without it no
+  worker is ever found `LOST`).
+
+It prints the server's CPU per put (from /proc) and this process's (the puts, their acks,
+and with the sweep its deliveries and acks), each the median over the rounds, and the
+sweep's share of the server's (`sweep_share_of_server`). With `--json` the last line is
+one JSON object with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from registry import cpu_seconds  # noqa: E402  (bench/registry.py: CPU of a process from /proc)
+
+
+async def one_round(url: str, server_pid: int, prefix: str, sweep: bool, args: argparse.Namespace) -> dict:
+    import nats
+
+    from services.registry.liveness import Liveness
+
+    async def never(worker_id: str) -> None:  # no key outlives its TTL here
+        raise AssertionError(f"worker {worker_id} expired during the bench")
+
+    nc = await nats.connect(url)
+    liveness = Liveness(nc, prefix, ttl_s=1800.0, on_expired=never)
+    if not sweep:
+        async def no_sweeper() -> None:
+            return None
+        liveness.sweeper.start = no_sweeper  # type: ignore[method-assign]
+        liveness.sweeper.stop = no_sweeper  # type: ignore[method-assign]
+    await liveness.start()
+    workers = [f"w{i:05d}" for i in range(args.workers)]
+    pending = iter(range(args.puts))
+
+    async def lane() -> None:
+        for i in pending:
+            await liveness.beat(workers[i % len(workers)])
+
+    try:
+        server0, own0, t0 = cpu_seconds(server_pid), cpu_seconds(os.getpid()), time.perf_counter()
+        await asyncio.gather(*(lane() for _ in range(args.window)))
+        if sweep:  # the sweep's acks of this round's deliveries, before the CPU is read
+            while liveness.sweeper._to_ack or liveness.sweeper._acking is not None:
+                await asyncio.sleep(0.01)
+            await nc.flush()
+        elapsed = time.perf_counter() - t0
+        server, own = cpu_seconds(server_pid) - server0, cpu_seconds(os.getpid()) - own0
+    finally:
+        await liveness.stop()
+        await nc.close()
+    return {"puts_per_s": args.puts / elapsed, "server_us_per_put": server / args.puts * 1e6,
+            "client_us_per_put": own / args.puts * 1e6}
+
+
+async def bench(url: str, server_pid: int, args: argparse.Namespace) -> dict:
+    runs: dict[str, list[dict]] = {"with_sweep": [], "without_sweep": []}
+    for r in range(args.rounds):
+        for label in runs:
+            run = await one_round(url, server_pid, f"hb{r}{label[:2]}", label == "with_sweep", args)
+            runs[label].append(run)
+            print(f"round {r + 1} {label:<14} {run['puts_per_s']:>9,.0f} puts/s   server {run['server_us_per_put']:5.1f} "
+                  f"us/put   this process {run['client_us_per_put']:5.1f} us/put", flush=True)
+    out: dict = {}
+    for label, rounds in runs.items():
+        for key in ("puts_per_s", "server_us_per_put", "client_us_per_put"):
+            out[f"{key}_{label}"] = round(statistics.median(run[key] for run in rounds), 1)
+    out["sweep_share_of_server"] = round(
+        1 - out["server_us_per_put_without_sweep"] / out["server_us_per_put_with_sweep"], 2)
+    out["sweep_client_us_per_put"] = round(
+        out["client_us_per_put_with_sweep"] - out["client_us_per_put_without_sweep"], 1)
+    print(f"\nserver CPU per put: {out['server_us_per_put_with_sweep']} us with the sweep, "
+          f"{out['server_us_per_put_without_sweep']} us without: the sweep is {out['sweep_share_of_server']:.0%} of it; "
+          f"in the registry's process the sweep costs {out['sweep_client_us_per_put']} us per put", flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--puts", type=int, default=60_000, help="puts per round and way (default 60000)")
+    parser.add_argument("--workers", type=int, default=4_000, help="keys the puts cycle over (default 4000)")
+    parser.add_argument("--window", type=int, default=256, help="puts in flight (default 256)")
+    parser.add_argument("--rounds", type=int, default=2, help="alternated rounds (default 2)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    args = parser.parse_args()
+    for name in ("puts", "workers", "window", "rounds"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1")
+
+    from warmboot.natsserver import NatsServer
+
+    with tempfile.TemporaryDirectory(prefix="warmboot-bench-") as tmp, NatsServer(tmp) as server:
+        results = asyncio.run(bench(server.url, server.process.pid, args))
+    results.update(puts=args.puts, workers=args.workers, window=args.window, rounds=args.rounds)
+    if args.json:
+        print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
