@@ -93,9 +93,11 @@ async def worker_events(nc: NATS, prefix: str, worker_id: str) -> list[tuple[int
 
 
 async def wait_event(
-    nc: NATS, prefix: str, worker_id: str, event_type: type, *, after: int = 0, timeout: float = 20.0
+    nc: NATS, prefix: str, worker_id: str, event_type: type | tuple[type, ...], *, after: int = 0,
+    timeout: float = 20.0
 ) -> tuple[int, Event]:
-    """The first event of `event_type` on the worker's subject with a sequence above `after`.
+    """The first event of `event_type` (a type, or a tuple of types) on the worker's subject with
+    a sequence above `after`.
 
     Reads the stream with an ordered consumer: returns as soon as the event is
     stored; `timeout` only bounds a failure.
@@ -103,16 +105,17 @@ async def wait_event(
     js = nc.jetstream()
     subject = event_subject(prefix, "worker", worker_id)
     deadline = time.monotonic() + timeout
+    wanted = " or ".join(t.__name__ for t in event_type) if isinstance(event_type, tuple) else event_type.__name__
     sub = await js.subscribe(subject, ordered_consumer=True, stream=stream_name(prefix))
     try:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise AssertionError(f"no {event_type.__name__} for {worker_id} within {timeout}s")
+                raise AssertionError(f"no {wanted} for {worker_id} within {timeout}s")
             try:
                 msg = await sub.next_msg(timeout=remaining)
             except (asyncio.TimeoutError, nats.errors.TimeoutError):
-                raise AssertionError(f"no {event_type.__name__} for {worker_id} within {timeout}s") from None
+                raise AssertionError(f"no {wanted} for {worker_id} within {timeout}s") from None
             event = decode_event(msg.data)
             if msg.metadata.sequence.stream > after and isinstance(event, event_type):
                 return msg.metadata.sequence.stream, event

@@ -471,6 +471,36 @@ async def test_a_new_life_begun_by_the_registration_in_force_is_ended_for_the_fi
             gate.release.set()
 
 
+async def test_a_new_life_begun_by_the_registration_in_force_stays_when_the_file_keeps_its_classes(tmp_path, prefix):
+    """As above, but while the registration in force waits at the registry the file is edited
+    back to its classes, with a new runtime: the new life has the file's classes, so it stays,
+    and the edit is a runtime change on it (nothing removed by the agent)."""
+    from tests.test_agent_faults import MICROVM
+
+    gate = Gate(lambda r: False)
+    async with agent_registered(tmp_path, prefix, 6, gate) as (server, client, registry, agent, path):
+        try:
+            path.write_text(config("v1") + MICROVM)
+            await asyncio.wait_for(gate.refused.wait(), 10)  # a change of class: refused
+            await asyncio.wait_for(asyncio.gather(*list(agent._background)), 30)
+            gate.refused.clear()
+            gate.holds = lambda r: gate.refused.is_set() and classes_of(r) == {"gvisor"}  # the one in force, re-sent
+            await asyncio.to_thread(server.restart)
+            await asyncio.wait_for(gate.arrived.wait(), 30)
+            removed, _ = await raw_request(client, prefix, "remove", "w-a", {"reason": "operator"})
+            reads = reads_of(agent)
+            path.write_text(config("v2", ("v1",)))  # gvisor only again, at v2
+            read = await asyncio.wait_for(reads.get(), 10)
+            assert classes_of(read) == {"gvisor"} and default_of(read) == "gvisor-v2"
+            gate.release.set()
+            seq, stale = await wait_event(client, prefix, "w-a", WorkerRegistered, after=removed["seq"])
+            assert classes_of(stale) == {"gvisor"} and default_of(stale) == "gvisor-v1"
+            _, then = await wait_event(client, prefix, "w-a", (RuntimeChanged, WorkerRemoved), after=seq)
+            assert isinstance(then, RuntimeChanged) and then.sandbox_classes[0].default_runtime.name == "gvisor-v2"
+        finally:
+            gate.release.set()
+
+
 async def test_agent_command_drains_on_sigterm(nats_url, nc, prefix, tmp_path):
     path = tmp_path / "agent.toml"
     path.write_text(config("v1"))

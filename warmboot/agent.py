@@ -80,6 +80,10 @@ from events.subjects import DEFAULT_PREFIX, check_prefix
 from warmboot.client import Client
 
 
+def _classes(registration: RegisterWorker) -> set[str]:
+    return {entry.sandbox_class for entry in registration.sandbox_classes}
+
+
 class Latest(enum.Enum):
     """What `Agent.register` sends when its turn comes, chosen from what the file and the probe say then."""
 
@@ -467,7 +471,7 @@ class Agent:
                     assert self.registration is not None  # AGAIN comes after the first registration
                     reply = await self._send(self.registration, stop, BACKGROUND_REGISTER_TIMEOUT_S)
                     if (refused and reply.outcome is RegisterOutcome.REGISTERED and self.desired is not None
-                            and self.desired != self.registration):
+                            and _classes(self.desired) != _classes(self.registration)):
                         reply = await self._life_of_the_file(stop)
             else:
                 reply = await self._send(registration, stop)
@@ -480,13 +484,17 @@ class Agent:
         began a new life: the worker was removed between the two (by a caller, or as LOST). A
         new life takes what the file says, and this one has the classes of the last, which the
         file may have dropped (a scheduler would send it resumes of a class it no longer runs):
-        it is ended, and one begun with what the file says. The caller holds `_one_registration`."""
+        it is ended, and one begun with what the file says. Only when the file's classes differ
+        from this life's: any other difference is a registration on the live worker (an edit's,
+        after this one). The caller holds `_one_registration`. The removal waits as long as a
+        registration beside the heartbeats does before it is asked again: a repeat decided after
+        the new registration would end the new life too (request ids count within one life)."""
         log.warning("%s began a new life with the classes of its last one, not those %s lists; removing it "
                     "and registering again", self.worker_id, self.config_path)
         body = RemoveWorker(reason="the agent registers anew with the classes its file lists",
                             request_id=f"agent-{uuid.uuid4().hex}")
         try:
-            await self._request("remove", body, SeqReply, stop)
+            await self._request("remove", body, SeqReply, stop, timeout=BACKGROUND_REGISTER_TIMEOUT_S)
         except ContractError as e:
             if e.code != ErrorCode.NOT_FOUND:  # removed again meanwhile: as good
                 raise
