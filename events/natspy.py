@@ -733,15 +733,20 @@ class Replies:
         self._pending.clear()
 
     async def request(self, subject: str, payload: bytes, headers: bytes = b"") -> Msg:
-        return await (await self.send(subject, payload, headers))
+        # Awaited here: its outcome is retrieved, or the future cancelled with the caller.
+        return await (await self._sent(subject, payload, headers))
 
     async def send(self, subject: str, payload: bytes, headers: bytes = b"") -> asyncio.Future[Msg]:
+        future = await self._sent(subject, payload, headers)
+        future.add_done_callback(retrieved)
+        return future
+
+    async def _sent(self, subject: str, payload: bytes, headers: bytes) -> asyncio.Future[Msg]:
         if self._sub is None:
             raise nats.errors.ConnectionClosedError()
         token = str(next(self._tokens))
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Msg] = loop.create_future()
-        future.add_done_callback(retrieved)
         self._pending[token] = (future, loop.time() + self.timeout)  # until answered or expired
         try:
             await publish(self.nc, subject, payload, self._inbox + token, headers)

@@ -322,10 +322,9 @@ class ConcurrentEndpoint(Endpoint):
     def _spawn(self, msg: Msg, start: int) -> None:
         """Serve `msg` (its slot taken) in a task of its own; the slot is given back when it ends."""
         task = asyncio.create_task(self._serve(ServiceRequest(msg), start))
-        task.add_done_callback(self._give_back)
-        self._micro.track(task)
+        self._micro.track(task, self._give_back)
 
-    def _give_back(self, task: asyncio.Task[None]) -> None:
+    def _give_back(self) -> None:
         self.slots.give()
 
     async def _serve(self, request: Request, start: int) -> None:
@@ -407,10 +406,16 @@ class MicroService(Service):
         self.endpoint_slots: dict[str, Slots] = {}  # by endpoint name
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def track(self, task: asyncio.Task[None]) -> None:
-        """Keep `task` (a request being served) until it ends, for `stop` to wait for."""
+    def track(self, task: asyncio.Task[None], then: Callable[[], None]) -> None:
+        """Keep `task` (a request being served) until it ends, for `stop` to wait for; `then()`
+        when it ends (one done-callback for both: each is a step of the loop per request)."""
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+
+        def ended(task: asyncio.Task[None]) -> None:
+            self._tasks.discard(task)
+            then()
+
+        task.add_done_callback(ended)
 
     async def add_endpoint(self, config: EndpointConfig | None = None, **kwargs: Any) -> None:
         config = EndpointConfig(**kwargs) if config is None else config

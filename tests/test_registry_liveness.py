@@ -193,6 +193,23 @@ async def test_replies_match_answers_and_give_up_on_silence(nc, prefix):
         with pytest.raises(nats.errors.TimeoutError):
             await replies.request(f"{prefix}.echo", b"quiet")
         assert (await replies.request(f"{prefix}.echo", b"after")).data == b"re:after"
+
+        # A caller cancelled while it waits (a time-out of its own) leaves nothing behind: no
+        # "exception was never retrieved" when its request expires, and no entry kept.
+        import gc
+
+        loop = asyncio.get_running_loop()
+        unretrieved: list[dict] = []
+        loop.set_exception_handler(lambda _, context: unretrieved.append(context))
+        try:
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(replies.request(f"{prefix}.echo", b"quiet"), 0.05)
+            with pytest.raises(nats.errors.TimeoutError):  # by its end the first has expired too
+                await replies.request(f"{prefix}.echo", b"quiet")
+            gc.collect()
+            assert unretrieved == [] and replies._pending == {}
+        finally:
+            loop.set_exception_handler(None)
     finally:
         await replies.stop()
         await sub.unsubscribe()
