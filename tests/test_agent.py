@@ -441,12 +441,12 @@ async def test_a_new_life_after_a_reconnect_takes_up_the_change_of_class_the_las
             gate.release.set()
 
 
-async def test_a_new_life_begun_by_the_registration_in_force_is_ended_for_the_file_s(tmp_path, prefix):
-    """A change of class is refused. NATS restarts: the file's registration is refused again (the
-    worker is alive), and the registration in force is sent again in its place. The worker is
-    removed while that one waits at the registry, so it begins a new life with the classes of
-    the last one, which the file no longer lists (a scheduler would send that worker resumes of
-    a class it dropped). The agent ends that life and begins one with what the file says."""
+@asynccontextmanager
+async def in_force_held(tmp_path, prefix):
+    """An agent whose change of class the registry refused (a worker does not change class); then
+    NATS restarts, the file's registration is refused again (the worker is alive), and the
+    registration in force, sent again in its place, is held at the registry. Yields (client,
+    agent, path, gate): `gate.release` lets it through."""
     from tests.test_agent_faults import MICROVM
 
     gate = Gate(lambda r: False)
@@ -459,46 +459,42 @@ async def test_a_new_life_begun_by_the_registration_in_force_is_ended_for_the_fi
             gate.holds = lambda r: gate.refused.is_set() and classes_of(r) == {"gvisor"}  # the one in force, re-sent
             await asyncio.to_thread(server.restart)
             await asyncio.wait_for(gate.arrived.wait(), 30)
-            removed, _ = await raw_request(client, prefix, "remove", "w-a", {"reason": "class change"})
-            gate.release.set()
-            seq, stale = await wait_event(client, prefix, "w-a", WorkerRegistered, after=removed["seq"])
-            assert classes_of(stale) == {"gvisor"}  # the race this test makes: a life with the old classes
-            ended, gone = await wait_event(client, prefix, "w-a", WorkerRemoved, after=seq)
-            _, again = await wait_event(client, prefix, "w-a", WorkerRegistered, after=ended)
-            assert classes_of(again) == {"gvisor", "microvm"}
-            assert "file" in gone.reason
+            yield client, agent, path, gate
         finally:
             gate.release.set()
+
+
+async def test_a_new_life_begun_by_the_registration_in_force_is_ended_for_the_file_s(tmp_path, prefix):
+    """The worker is removed while the registration in force waits at the registry (`in_force_held`),
+    so it begins a new life with the classes of the last one, which the file no longer lists (a
+    scheduler would send that worker resumes of a class it dropped). The agent ends that life
+    and begins one with what the file says."""
+    async with in_force_held(tmp_path, prefix) as (client, agent, path, gate):
+        removed, _ = await raw_request(client, prefix, "remove", "w-a", {"reason": "class change"})
+        gate.release.set()
+        seq, stale = await wait_event(client, prefix, "w-a", WorkerRegistered, after=removed["seq"])
+        assert classes_of(stale) == {"gvisor"}  # the race this test makes: a life with the old classes
+        ended, gone = await wait_event(client, prefix, "w-a", WorkerRemoved, after=seq)
+        _, again = await wait_event(client, prefix, "w-a", WorkerRegistered, after=ended)
+        assert classes_of(again) == {"gvisor", "microvm"}
+        assert "file" in gone.reason
 
 
 async def test_a_new_life_begun_by_the_registration_in_force_stays_when_the_file_keeps_its_classes(tmp_path, prefix):
-    """As above, but while the registration in force waits at the registry the file is edited
-    back to its classes, with a new runtime: the new life has the file's classes, so it stays,
-    and the edit is a runtime change on it (nothing removed by the agent)."""
-    from tests.test_agent_faults import MICROVM
-
-    gate = Gate(lambda r: False)
-    async with agent_registered(tmp_path, prefix, 6, gate) as (server, client, registry, agent, path):
-        try:
-            path.write_text(config("v1") + MICROVM)
-            await asyncio.wait_for(gate.refused.wait(), 10)  # a change of class: refused
-            await asyncio.wait_for(asyncio.gather(*list(agent._background)), 30)
-            gate.refused.clear()
-            gate.holds = lambda r: gate.refused.is_set() and classes_of(r) == {"gvisor"}  # the one in force, re-sent
-            await asyncio.to_thread(server.restart)
-            await asyncio.wait_for(gate.arrived.wait(), 30)
-            removed, _ = await raw_request(client, prefix, "remove", "w-a", {"reason": "operator"})
-            reads = reads_of(agent)
-            path.write_text(config("v2", ("v1",)))  # gvisor only again, at v2
-            read = await asyncio.wait_for(reads.get(), 10)
-            assert classes_of(read) == {"gvisor"} and default_of(read) == "gvisor-v2"
-            gate.release.set()
-            seq, stale = await wait_event(client, prefix, "w-a", WorkerRegistered, after=removed["seq"])
-            assert classes_of(stale) == {"gvisor"} and default_of(stale) == "gvisor-v1"
-            _, then = await wait_event(client, prefix, "w-a", (RuntimeChanged, WorkerRemoved), after=seq)
-            assert isinstance(then, RuntimeChanged) and then.sandbox_classes[0].default_runtime.name == "gvisor-v2"
-        finally:
-            gate.release.set()
+    """As above, but while the registration in force waits the file is edited back to its
+    classes, with a new runtime: the new life has the file's classes, so it stays, and the edit
+    is a runtime change on it (nothing removed by the agent)."""
+    async with in_force_held(tmp_path, prefix) as (client, agent, path, gate):
+        removed, _ = await raw_request(client, prefix, "remove", "w-a", {"reason": "operator"})
+        reads = reads_of(agent)
+        path.write_text(config("v2", ("v1",)))  # gvisor only again, at v2
+        read = await asyncio.wait_for(reads.get(), 10)
+        assert classes_of(read) == {"gvisor"} and default_of(read) == "gvisor-v2"
+        gate.release.set()
+        seq, stale = await wait_event(client, prefix, "w-a", WorkerRegistered, after=removed["seq"])
+        assert classes_of(stale) == {"gvisor"} and default_of(stale) == "gvisor-v1"
+        _, then = await wait_event(client, prefix, "w-a", (RuntimeChanged, WorkerRemoved), after=seq)
+        assert isinstance(then, RuntimeChanged) and then.sandbox_classes[0].default_runtime.name == "gvisor-v2"
 
 
 async def test_agent_command_drains_on_sigterm(nats_url, nc, prefix, tmp_path):
