@@ -417,36 +417,11 @@ async def test_an_edit_read_while_a_registration_waits_is_sent_only_if_still_the
             gate.release.set()
 
 
-async def test_a_new_life_after_a_reconnect_takes_up_the_change_of_class_the_last_one_was_refused(tmp_path, prefix):
-    """A change of class is refused (a worker does not change class). NATS restarts, and while
-    the registration after the reconnect waits at the registry, the worker is removed: the new
-    life registers what the file says, the new class included, not the registration the last
-    life had in force."""
-    from tests.test_agent_faults import MICROVM
-
-    gate = Gate(lambda r: False)
-    async with agent_registered(tmp_path, prefix, 6, gate) as (server, client, registry, agent, path):
-        try:
-            path.write_text(config("v1") + MICROVM)
-            await asyncio.wait_for(gate.refused.wait(), 10)  # a change of class: refused
-            await asyncio.wait_for(asyncio.gather(*list(agent._background)), 30)
-            gate.holds = lambda r: True  # the next registration, whichever, waits
-            await asyncio.to_thread(server.restart)
-            await asyncio.wait_for(gate.arrived.wait(), 30)
-            reply, _ = await raw_request(client, prefix, "remove", "w-a", {"reason": "class change"})
-            gate.release.set()
-            _, again = await wait_event(client, prefix, "w-a", WorkerRegistered, after=reply["seq"])
-            assert classes_of(again) == {"gvisor", "microvm"}
-        finally:
-            gate.release.set()
-
-
 @asynccontextmanager
-async def in_force_held(tmp_path, prefix):
-    """An agent whose change of class the registry refused (a worker does not change class); then
-    NATS restarts, the file's registration is refused again (the worker is alive), and the
-    registration in force, sent again in its place, is held at the registry. Yields (client,
-    agent, path, gate): `gate.release` lets it through."""
+async def held_after_a_refused_class_change(tmp_path, prefix, holds):
+    """An agent whose change of class the registry refused (a worker does not change class);
+    then NATS restarts and the first registration after it that `holds(gate, request)` is held
+    at the registry. Yields (client, agent, path, gate): `gate.release` lets it through."""
     from tests.test_agent_faults import MICROVM
 
     gate = Gate(lambda r: False)
@@ -456,7 +431,7 @@ async def in_force_held(tmp_path, prefix):
             await asyncio.wait_for(gate.refused.wait(), 10)  # a change of class: refused
             await asyncio.wait_for(asyncio.gather(*list(agent._background)), 30)
             gate.refused.clear()
-            gate.holds = lambda r: gate.refused.is_set() and classes_of(r) == {"gvisor"}  # the one in force, re-sent
+            gate.holds = lambda r: holds(gate, r)
             await asyncio.to_thread(server.restart)
             await asyncio.wait_for(gate.arrived.wait(), 30)
             yield client, agent, path, gate
@@ -464,12 +439,30 @@ async def in_force_held(tmp_path, prefix):
             gate.release.set()
 
 
+def in_force(gate: Gate, request) -> bool:
+    """The registration in force, sent again after the file's was refused (the worker is alive)."""
+    return gate.refused.is_set() and classes_of(request) == {"gvisor"}
+
+
+async def test_a_new_life_after_a_reconnect_takes_up_the_change_of_class_the_last_one_was_refused(tmp_path, prefix):
+    """A change of class is refused (a worker does not change class). NATS restarts, and while
+    the registration after the reconnect waits at the registry, the worker is removed: the new
+    life registers what the file says, the new class included, not the registration the last
+    life had in force."""
+    first = lambda gate, r: True  # noqa: E731  (the first registration after the restart, whichever)
+    async with held_after_a_refused_class_change(tmp_path, prefix, first) as (client, agent, path, gate):
+        reply, _ = await raw_request(client, prefix, "remove", "w-a", {"reason": "class change"})
+        gate.release.set()
+        _, again = await wait_event(client, prefix, "w-a", WorkerRegistered, after=reply["seq"])
+        assert classes_of(again) == {"gvisor", "microvm"}
+
+
 async def test_a_new_life_begun_by_the_registration_in_force_is_ended_for_the_file_s(tmp_path, prefix):
-    """The worker is removed while the registration in force waits at the registry (`in_force_held`),
+    """The worker is removed while the registration in force waits at the registry,
     so it begins a new life with the classes of the last one, which the file no longer lists (a
     scheduler would send that worker resumes of a class it dropped). The agent ends that life
     and begins one with what the file says."""
-    async with in_force_held(tmp_path, prefix) as (client, agent, path, gate):
+    async with held_after_a_refused_class_change(tmp_path, prefix, in_force) as (client, agent, path, gate):
         removed, _ = await raw_request(client, prefix, "remove", "w-a", {"reason": "class change"})
         gate.release.set()
         seq, stale = await wait_event(client, prefix, "w-a", WorkerRegistered, after=removed["seq"])
@@ -484,7 +477,7 @@ async def test_a_new_life_begun_by_the_registration_in_force_stays_when_the_file
     """As above, but while the registration in force waits the file is edited back to its
     classes, with a new runtime: the new life has the file's classes, so it stays, and the edit
     is a runtime change on it (nothing removed by the agent)."""
-    async with in_force_held(tmp_path, prefix) as (client, agent, path, gate):
+    async with held_after_a_refused_class_change(tmp_path, prefix, in_force) as (client, agent, path, gate):
         removed, _ = await raw_request(client, prefix, "remove", "w-a", {"reason": "operator"})
         reads = reads_of(agent)
         path.write_text(config("v2", ("v1",)))  # gvisor only again, at v2
