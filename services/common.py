@@ -36,13 +36,14 @@ import re
 import time
 import typing
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Awaitable, Callable, TypeVar
 
 import msgspec
 import nats
 import nats.errors
 import nats.js.errors
-from eventsourcing.persistence import OperationalError
+from eventsourcing.persistence import IntegrityError, OperationalError
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.api import KeyValueConfig, StorageType
@@ -614,9 +615,10 @@ class NoWriteAnswers:
     the history does not answer is decided: after the entity was read, so a change the
     entity shows came after the kept answer was there to be read. It is honoured within
     the entity's current life only (`Kept.version`), and for the verb it was kept for
-    (another verb reusing the id is refused, as `WireAggregate.prior` refuses one). Called from a
-    command's thread (`run_command`): it waits for the service's own event loop, which
-    does the reads and writes on the service's connection.
+    (another verb reusing the id is refused, as `WireAggregate.prior` refuses one). A command
+    on the service's loop (`run_command_async`) awaits `recall_async` and `keep_async`; one on
+    a thread of its own (`run_command`) calls `recall` and `keep`, which wait for the service's
+    loop to run those: either way the reads and writes are on the service's connection.
     """
 
     def __init__(self, replies: ReplyCache, scope: str, loop: asyncio.AbstractEventLoop, timeout: float = 5.0):
@@ -637,19 +639,37 @@ class NoWriteAnswers:
             coroutine.close()  # type: ignore[attr-defined]
             raise RuntimeError("NoWriteAnswers is called from a command's thread (run_command), not from its loop")
         try:
-            return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(self.timeout)
+            return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(self.timeout + 1.0)  # its own first
+        except ContractError:
+            raise
+        except Exception as error:
+            raise unavailable(f"the reply cache did not answer ({type(error).__name__}: {error}); try again") from None
+
+    async def _answered(self, coroutine: Awaitable[T]) -> T:
+        """A read or write of the reply cache, on the service's loop: UNAVAILABLE if it fails."""
+        try:
+            return await asyncio.wait_for(coroutine, self.timeout)
         except ContractError:
             raise
         except Exception as error:
             raise unavailable(f"the reply cache did not answer ({type(error).__name__}: {error}); try again") from None
 
     def recall(self, aggregate: Any, verb: str, request_id: str | None, reply_type: type[T]) -> tuple[T, int] | None:
+        """`recall_async`, from a command's thread."""
+        return self._run(self.recall_async(aggregate, verb, request_id, reply_type))
+
+    def keep(self, aggregate: Any, verb: str, request_id: str | None, reply: Base) -> None:
+        """`keep_async`, from a command's thread."""
+        self._run(self.keep_async(aggregate, verb, request_id, reply))
+
+    async def recall_async(self, aggregate: Any, verb: str, request_id: str | None,
+                           reply_type: type[T]) -> tuple[T, int] | None:
         """The kept answer (reply, version) of an earlier `verb` request with `request_id` in the
         aggregate's current life, if any (none when this request starts a new one);
         FAILED_PRECONDITION if one was kept for another verb."""
         if request_id is None or not aggregate.version or aggregate.request_starts_life(verb):
             return None  # no history has answered anything, and a new life is answered by none
-        data = self._run(self.replies.get(self._key(aggregate.entity_id, request_id)))
+        data = await self._answered(self.replies.get(self._key(aggregate.entity_id, request_id)))
         if not data:
             return None
         try:
@@ -662,13 +682,13 @@ class NoWriteAnswers:
             raise aggregate.reused(request_id, f"a {kept.verb} that changed nothing")
         return msgspec.json.decode(kept.reply, type=reply_type), kept.version
 
-    def keep(self, aggregate: Any, verb: str, request_id: str | None, reply: Base) -> None:
+    async def keep_async(self, aggregate: Any, verb: str, request_id: str | None, reply: Base) -> None:
         """Keep the answer of a request that wrote nothing, before it is given (UNAVAILABLE if the
         bucket does not take it: the request wrote nothing, so its retry is safe)."""
         if request_id is None:
             return
         data = encode(Kept(verb=verb, version=aggregate.version, reply=msgspec.Raw(encode(reply))))
-        self._run(self.replies.put(self._key(aggregate.entity_id, request_id), data))
+        await self._answered(self.replies.put(self._key(aggregate.entity_id, request_id), data))
 
 
 async def last_seq_on(js: Any, stream: str, subject: str) -> int:
@@ -756,21 +776,34 @@ async def run_command(command: Callable[[], T], attempts: int = 8, *,
     more, and is otherwise decided again, once, on the leader's history. An accepted command
     needs no such check: its append expects the subject where it read it.
     """
-    from eventsourcing.persistence import IntegrityError
+    return await _retried(partial(asyncio.to_thread, command), attempts,
+                          None if recheck is None else partial(asyncio.to_thread, recheck))
 
-    for attempt in range(attempts):
+
+async def run_command_async(command: Callable[[], Awaitable[T]], attempts: int = 8, *,
+                            recheck: Callable[[], Awaitable[bool]] | None = None) -> T:
+    """`run_command` for a command that runs on the event loop (its reads and its append
+    awaited there, as the registry's are: `recorder.select_events_async`,
+    `insert_events_async`), with a `recheck` awaited there too (`newer_at_leader_async`).
+    The same retries, the same recheck of a refusal."""
+    return await _retried(command, attempts, recheck)
+
+
+async def _retried(attempt: Callable[[], Awaitable[T]], attempts: int,
+                   recheck: Callable[[], Awaitable[bool]] | None) -> T:
+    for tried in range(attempts):
         try:
-            return await asyncio.to_thread(command)
+            return await attempt()
         except IntegrityError:
             # Writers that lost to each other should not meet again at once: a short,
             # growing, random pause spreads them (0-2 ms, then 0-4, 0-8 ... at most 0-64).
-            await asyncio.sleep(random.random() * 0.002 * (1 << min(attempt, 5)))
+            await asyncio.sleep(random.random() * 0.002 * (1 << min(tried, 5)))
         except ContractError as refusal:
-            if recheck is None or refusal.code not in STATE_REFUSALS or not await asyncio.to_thread(recheck):
+            if recheck is None or refusal.code not in STATE_REFUSALS or not await recheck():
                 raise
             log.info("refused on a read behind the stream leader (%s: %s); deciding again", refusal.code.value,
                      refusal.message)
-            return await run_command(command, attempts)
+            return await _retried(attempt, attempts, None)
     raise unavailable(f"lost {attempts} concurrent-write races in a row; try again")
 
 

@@ -333,7 +333,7 @@ async def test_a_registration_edited_while_the_one_before_waits_is_decided_after
             await asyncio.wait_for(beats.enough.wait(), 30)  # beating while v1 is held and v2 waits
             release.set()
             await asyncio.wait_for(v2_after_release.wait(), 30)
-            worker = await asyncio.to_thread(registry.store.load, "w-a")  # its history, as the registry decides on it
+            worker = await registry.store.load("w-a")  # its history, as the registry decides on it
             [entry] = worker.sandbox_classes
             assert same_version(entry.default_runtime.version, probed("v2"))
         finally:
@@ -411,7 +411,7 @@ async def test_an_edit_read_while_a_registration_waits_is_sent_only_if_still_the
             await asyncio.wait_for(asyncio.gather(*list(agent._background)), 30)  # every registration done
             assert [(default_of(r), classes_of(r)) for r in gate.requests[1:]] == [("gvisor-v2", {"gvisor"})] * (
                 len(gate.requests) - 1)  # the microvm read never sent (the held v2 may be asked again)
-            worker = await asyncio.to_thread(registry.store.load, "w-a")
+            worker = await registry.store.load("w-a")
             assert classes_of(worker) == {"gvisor"} and default_of(worker) == "gvisor-v2"
         finally:
             gate.release.set()

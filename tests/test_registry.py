@@ -264,7 +264,7 @@ async def registered_behind(registry, nats_url, prefix, monkeypatch, worker_id: 
         RegistryStore, {**store_env(nats_url, prefix), "NATS_INBOX_PREFIX": "_INBOX_elsewhere"})
     try:
         body = msgspec.convert(registration(worker_id), RegisterWorker)
-        registered = (await asyncio.to_thread(elsewhere.register, body, AT)).seq
+        registered = (await elsewhere.register(body, AT)).seq  # its own connection, on its own thread
         stream = registry.store.recorder.stream
         read = stream.read
 

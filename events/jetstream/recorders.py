@@ -155,11 +155,39 @@ class JetStreamAggregateRecorder(JetStreamRecorder, AggregateRecorder):
         desc: bool = False,
         limit: int | None = None,
     ) -> Sequence[StoredEvent]:
-        subject = originator_subject(self.namespace, originator_id)
+        msgs = self.link.call(self._read(originator_subject(self.namespace, originator_id), gt, lte, desc, limit))
+        return self._selected(originator_id, msgs, gt, lte, desc, limit)
+
+    async def select_events_async(
+        self,
+        originator_id: UUID | str,
+        *,
+        gt: int | None = None,
+        lte: int | None = None,
+        desc: bool = False,
+        limit: int | None = None,
+    ) -> Sequence[StoredEvent]:
+        """`select_events` for asyncio code: the same read, awaited (`Link.submit`) from the
+        caller's loop instead of through a thread of its own."""
+        msgs = await self.link.submit(self._read(originator_subject(self.namespace, originator_id), gt, lte, desc,
+                                                 limit))
+        return self._selected(originator_id, msgs, gt, lte, desc, limit)
+
+    def _read(self, subject: str, gt: int | None, lte: int | None, desc: bool, limit: int | None) -> Any:
+        """The coroutine that reads what `select_events` selects from."""
         if desc and limit == 1 and lte is None:
-            msgs = self.link.call(self._last(subject))
-        else:
-            msgs = self.link.call(self._all(subject, gt))
+            return self._last(subject)
+        return self._all(subject, gt)
+
+    @staticmethod
+    def _selected(
+        originator_id: UUID | str,
+        msgs: list[Msg] | list[Stored],
+        gt: int | None,
+        lte: int | None,
+        desc: bool,
+        limit: int | None,
+    ) -> Sequence[StoredEvent]:
         events = []
         for msg in msgs:
             version = version_of(msg.headers)
@@ -180,6 +208,10 @@ class JetStreamAggregateRecorder(JetStreamRecorder, AggregateRecorder):
         leader). For a decision that refused on what it read: the read may have been a lagging
         replica's, behind another process's append."""
         return self.link.call(self._newer_at_leader(originator_subject(self.namespace, originator_id)))
+
+    async def newer_at_leader_async(self, originator_id: UUID | str) -> bool:
+        """`newer_at_leader` for asyncio code (`Link.submit`)."""
+        return await self.link.submit(self._newer_at_leader(originator_subject(self.namespace, originator_id)))
 
     async def _newer_at_leader(self, subject: str) -> bool:
         known = self.link.last_seen.get(subject)

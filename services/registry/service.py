@@ -3,9 +3,9 @@
 What it decides is in `services.registry.domain`. Here:
 
 - `RegistryStore`: the eventsourcing application over the JetStream event store
-  (`store_env`). Each command loads a Worker, decides, saves; `run_command` runs it
-  off the event loop and again on a lost optimistic-concurrency race, so any number
-  of replicas may serve the same worker.
+  (`store_env`). Each command loads a Worker, decides, saves, on the service's event loop
+  (the store's connection runs there); `run_command_async` runs it again on a lost
+  optimistic-concurrency race, so any number of replicas may serve the same worker.
 - `Liveness` (`services.registry.liveness`): heartbeats are not events. Each one is a
   put of the worker's key in the JetStream key-value bucket `<PREFIX>_HEARTBEATS` with
   a per-message TTL; the server expires it and the replicas sweep its marker once.
@@ -36,16 +36,17 @@ import logging
 from contextlib import suppress
 from datetime import datetime
 from functools import partial
-from typing import Callable, TypeVar
+from typing import Awaitable, Callable, TypeVar
 
 import msgspec
-from eventsourcing.application import AggregateNotFoundError
+from eventsourcing.application import ProcessingEvent, project_aggregate
 from nats.aio.client import Client as NATS
 from nats.js.errors import NotFoundError
 from prometheus_client import Counter
 
 from events.aggregate import Recorded, WireApplication, now
 from events.errors import ContractError, invalid, unavailable
+from events.jetstream.link import links_on
 from events.natspy import flush_in_order
 from events.schema import (
     DrainWorker,
@@ -59,7 +60,7 @@ from events.schema import (
     WorkerFenced,
 )
 from events.subjects import check_prefix, event_subject, stream_name
-from services.common import (EndpointSpec, NoWriteAnswers, ReplyCache, add_endpoints, last_seq_on, run_command,
+from services.common import (EndpointSpec, NoWriteAnswers, ReplyCache, add_endpoints, last_seq_on, run_command_async,
                              store_env, stream_replicas)
 from services.locks import KeyedLock
 from services.registry.domain import Worker, register_outcome
@@ -102,6 +103,12 @@ class Decided(msgspec.Struct, frozen=True):
 class RegistryStore(WireApplication):
     """The Worker repository on the event store: one load-decide-save per command.
 
+    Its commands are coroutines: the worker's history is read, and its events appended, through
+    the recorder's asyncio calls (`select_events_async`, `insert_events_async`), on the loop the
+    service awaits them on, which runs the store's connection too (`events.jetstream.link.
+    links_on`): a command crosses no thread. (Awaited from another loop, each read and append
+    goes over to the connection's loop and back, as a test's second store does.)
+
     A command that writes nothing for a request with an id (a registration UNCHANGED, a
     drain of a drained worker) keeps its answer in `no_writes`, set by the service, and
     every command whose id the worker's history does not answer looks there first."""
@@ -109,14 +116,15 @@ class RegistryStore(WireApplication):
     name = "registry"
     no_writes: NoWriteAnswers | None = None
 
-    def load(self, worker_id: str) -> Worker:
-        try:
-            return self.repository.get(Worker.create_id(worker_id))
-        except AggregateNotFoundError:
+    async def load(self, worker_id: str) -> Worker:
+        """The worker as its history makes it (a new one if it has none), as `repository.get` would."""
+        stored = await self.recorder.select_events_async(Worker.create_id(worker_id))
+        if not stored:
             return Worker(worker_id)
+        return project_aggregate(None, map(self.mapper.to_domain_event, stored))
 
-    def _commit(self, worker: Worker, outcome: RegisterOutcome | None = None, verb: str | None = None,
-                request_id: str | None = None) -> Decided:
+    async def _commit(self, worker: Worker, outcome: RegisterOutcome | None = None, verb: str | None = None,
+                      request_id: str | None = None) -> Decided:
         """Save what `worker` recorded, fenced (CONTRACT placement rule 8).
 
         Every append to a worker's history carries, in the same atomic batch and after
@@ -124,7 +132,7 @@ class RegistryStore(WireApplication):
         only if that subject has not moved since its decision, so no placement decided
         on the worker's earlier state can commit after this change. The fence expects
         the booking subject's last sequence as read here; a placement that lands in
-        between makes the save lose (IntegrityError) and `run_command` try again.
+        between makes the save lose (IntegrityError) and `run_command_async` try again.
         """
         if not worker.pending_events:
             seq = worker.seq_at(worker.version)
@@ -133,16 +141,18 @@ class RegistryStore(WireApplication):
                     raise unavailable(f"the event store did not say where worker {worker.entity_id!r}'s "
                                       f"event {worker.version} is")
                 reply = RegisterReply(outcome=outcome, seq=seq) if verb == "register" else SeqReply(seq=seq)
-                self.no_writes.keep(worker, verb, request_id, reply)
+                await self.no_writes.keep_async(worker, verb, request_id, reply)
             return Decided(outcome=outcome, seq=seq or None, version=worker.version)
         last_type = type(worker.pending_events[-1].body).__name__
-        recordings = self.save(worker, self._fence(worker.entity_id, last_type))
-        seq = recordings[-2].notification.id  # the worker's last event; the fence follows it
-        return Decided(outcome=outcome, seq=seq, version=worker.version, wrote=True)
+        fence = await self._fence(worker.entity_id, last_type)
+        processing: ProcessingEvent[str] = ProcessingEvent()  # what `save` collects, in its order
+        processing.collect_events(worker, fence)
+        seqs = await self.recorder.insert_events_async([self.mapper.to_stored_event(e) for e in processing.events])
+        return Decided(outcome=outcome, seq=seqs[-2], version=worker.version, wrote=True)  # the fence follows it
 
-    def _fence(self, worker_id: str, event: str) -> Recorded:
+    async def _fence(self, worker_id: str, event: str) -> Recorded:
         booking_id = WorkerFenced.KIND + "." + worker_id
-        last = self.recorder.select_events(booking_id, desc=True, limit=1)
+        last = await self.recorder.select_events_async(booking_id, desc=True, limit=1)
         version = last[0].originator_version + 1 if last else 1
         return Recorded(booking_id, version, WorkerFenced(at=now(), worker_id=worker_id, event=event))
 
@@ -151,56 +161,57 @@ class RegistryStore(WireApplication):
         last = versions[-1]
         return Decided(outcome=outcome, seq=worker.seq_at(last) or None, version=last, replay=True)
 
-    def _kept(self, worker: Worker, verb: str, request_id: str | None) -> Decided | None:
+    async def _kept(self, worker: Worker, verb: str, request_id: str | None) -> Decided | None:
         """The answer an earlier request with this id kept because it wrote nothing (`no_writes`)."""
         if self.no_writes is None:
             return None
-        kept = self.no_writes.recall(worker, verb, request_id, RegisterReply if verb == "register" else SeqReply)
+        kept = await self.no_writes.recall_async(worker, verb, request_id,
+                                                 RegisterReply if verb == "register" else SeqReply)
         if kept is None:
             return None
         reply, version = kept
         return Decided(outcome=getattr(reply, "outcome", None), seq=reply.seq, version=version, replay=True)
 
-    def register(self, request: RegisterWorker, at: datetime) -> Decided:
-        worker = self.load(request.worker_id)
+    async def register(self, request: RegisterWorker, at: datetime) -> Decided:
+        worker = await self.load(request.worker_id)
         earlier = worker.prior("register", request.request_id)
         if earlier:
             return self._replay(worker, earlier, register_outcome(worker.events_at(earlier)))
-        kept = self._kept(worker, "register", request.request_id)
+        kept = await self._kept(worker, "register", request.request_id)
         if kept is not None:
             return kept
         outcome = worker.register(request, at)
-        return self._commit(worker, outcome, "register", request.request_id)
+        return await self._commit(worker, outcome, "register", request.request_id)
 
-    def drain(self, worker_id: str, request: DrainWorker, at: datetime) -> Decided:
-        worker = self.load(worker_id)
+    async def drain(self, worker_id: str, request: DrainWorker, at: datetime) -> Decided:
+        worker = await self.load(worker_id)
         earlier = worker.prior("drain", request.request_id)
         if earlier:
             return self._replay(worker, earlier)
-        kept = self._kept(worker, "drain", request.request_id)
+        kept = await self._kept(worker, "drain", request.request_id)
         if kept is not None:
             return kept
         worker.drain(request.reason, at, request.request_id)
-        return self._commit(worker, None, "drain", request.request_id)
+        return await self._commit(worker, None, "drain", request.request_id)
 
-    def remove(self, worker_id: str, request: RemoveWorker, at: datetime) -> Decided:
-        worker = self.load(worker_id)
+    async def remove(self, worker_id: str, request: RemoveWorker, at: datetime) -> Decided:
+        worker = await self.load(worker_id)
         earlier = worker.prior("remove", request.request_id)
         if earlier:
             return self._replay(worker, earlier)
-        kept = self._kept(worker, "remove", request.request_id)
+        kept = await self._kept(worker, "remove", request.request_id)
         if kept is not None:
             return kept
         worker.remove(request.reason, at, request.request_id)
-        return self._commit(worker)
+        return await self._commit(worker)
 
-    def lose(self, worker_id: str, at: datetime) -> Decided:
-        worker = self.load(worker_id)
+    async def lose(self, worker_id: str, at: datetime) -> Decided:
+        worker = await self.load(worker_id)
         worker.lose(at)
-        return self._commit(worker)
+        return await self._commit(worker)
 
-    def require_alive(self, worker_id: str) -> None:
-        self.load(worker_id).require_alive()
+    async def require_alive(self, worker_id: str) -> None:
+        (await self.load(worker_id)).require_alive()
 
 
 class EventPositions:
@@ -267,7 +278,10 @@ class RegistryService:
         self.service = None
 
     async def start(self) -> "RegistryService":
-        self.store = await asyncio.to_thread(RegistryStore, self.env)  # makes the stream if need be
+        # The store's connection runs on this loop (`links_on`): the commands' reads and appends are
+        # awaited here, with no thread of the store's own and none for the commands.
+        with links_on(asyncio.get_running_loop()):
+            self.store = await asyncio.to_thread(RegistryStore, self.env)  # makes the stream if need be
         self.replies = await ReplyCache(self.nc, self.prefix).start()
         self.store.no_writes = NoWriteAnswers(self.replies, SERVICE, asyncio.get_running_loop())
         await self.fold.start(FOLD_START_S)
@@ -312,15 +326,15 @@ class RegistryService:
             # A registration is also a heartbeat. Beating first means an expiry being
             # swept right now finds the worker beating and leaves it registered.
             await self.liveness.beat(worker_id)
-            decided = await run_command(lambda: self.store.register(request, now()),
+            decided = await run_command_async(lambda: self.store.register(request, now()),
                                         recheck=self._recheck(request.worker_id))
             REGISTRATIONS.labels(decided.outcome.value).inc()
             return RegisterReply(outcome=decided.outcome, seq=await self._seq(worker_id, decided))
 
-    def _recheck(self, worker_id: str) -> Callable[[], bool]:
-        """`run_command`'s recheck of a refusal on the worker's state: whether the stream leader
+    def _recheck(self, worker_id: str) -> Callable[[], Awaitable[bool]]:
+        """`run_command_async`'s recheck of a refusal on the worker's state: whether the stream leader
         has the worker's history past what was read (another replica's write a moment ago)."""
-        return partial(self.store.recorder.newer_at_leader, Worker.create_id(worker_id))
+        return partial(self.store.recorder.newer_at_leader_async, Worker.create_id(worker_id))
 
     async def heartbeat(self, worker_id: str, request: Heartbeat) -> HeartbeatReply:
         # From the roster, once it holds every worker event stored before this request
@@ -328,7 +342,7 @@ class RegistryService:
         # One the roster does not have is looked up in its history: the log says
         # NOT_FOUND (or that it registered meanwhile). So does a barrier not to be had.
         # That read may come from a replica of the stream behind the leader, so a NOT_FOUND
-        # is rechecked at the leader as a command's refusal is (`run_command`).
+        # is rechecked at the leader as a command's refusal is (`run_command_async`).
         # Nothing is put before the answer is known: a refusal writes nothing.
         try:
             await self.fold.current()
@@ -336,13 +350,13 @@ class RegistryService:
         except ContractError:
             alive = False
         if not alive:
-            await run_command(lambda: self.store.require_alive(worker_id), recheck=self._recheck(worker_id))
+            await run_command_async(lambda: self.store.require_alive(worker_id), recheck=self._recheck(worker_id))
         await self.liveness.beat(worker_id)
         return HeartbeatReply(ttl_s=self.ttl_s)
 
     async def drain(self, worker_id: str, request: DrainWorker) -> SeqReply:
         async with self._workers(worker_id):
-            decided = await run_command(lambda: self.store.drain(worker_id, request, now()),
+            decided = await run_command_async(lambda: self.store.drain(worker_id, request, now()),
                                         recheck=self._recheck(worker_id))
             return SeqReply(seq=await self._seq(worker_id, decided))
 
@@ -354,7 +368,7 @@ class RegistryService:
                 last_entry = None
                 log.warning("reading the heartbeat of worker %s failed (%s: %s); if removed, it is left to "
                             "expire", worker_id, type(error).__name__, error)
-            decided = await run_command(lambda: self.store.remove(worker_id, request, now()),
+            decided = await run_command_async(lambda: self.store.remove(worker_id, request, now()),
                                         recheck=self._recheck(worker_id))
             if decided.wrote and last_entry is not None:
                 await self._forget(worker_id, last_entry)
@@ -388,7 +402,7 @@ class RegistryService:
         async with self._workers(worker_id):
             if await self.liveness.state(worker_id) == "beating":
                 return
-            decided = await run_command(lambda: self.store.lose(worker_id, now()))
+            decided = await run_command_async(lambda: self.store.lose(worker_id, now()))
         if decided.wrote:
             LOST_WORKERS.inc()
             log.info("worker %s removed as LOST after %ss without a heartbeat", worker_id, self.ttl_s)
