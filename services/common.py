@@ -655,20 +655,28 @@ class NoWriteAnswers:
             raise unavailable(f"the reply cache did not answer ({type(error).__name__}: {error}); try again") from None
 
     def recall(self, aggregate: Any, verb: str, request_id: str | None, reply_type: type[T]) -> tuple[T, int] | None:
-        """`recall_async`, from a command's thread."""
+        """`recall_async`, from a command's thread (which waits for the loop only to read)."""
+        if self._nothing_kept(aggregate, verb, request_id):
+            return None
         return self._run(self.recall_async(aggregate, verb, request_id, reply_type))
 
     def keep(self, aggregate: Any, verb: str, request_id: str | None, reply: Base) -> None:
-        """`keep_async`, from a command's thread."""
-        self._run(self.keep_async(aggregate, verb, request_id, reply))
+        """`keep_async`, from a command's thread (which waits for the loop only to write)."""
+        if request_id is not None:
+            self._run(self.keep_async(aggregate, verb, request_id, reply))
+
+    @staticmethod
+    def _nothing_kept(aggregate: Any, verb: str, request_id: str | None) -> bool:
+        # no history has answered anything, and a new life is answered by none
+        return request_id is None or not aggregate.version or aggregate.request_starts_life(verb)
 
     async def recall_async(self, aggregate: Any, verb: str, request_id: str | None,
                            reply_type: type[T]) -> tuple[T, int] | None:
         """The kept answer (reply, version) of an earlier `verb` request with `request_id` in the
         aggregate's current life, if any (none when this request starts a new one);
         FAILED_PRECONDITION if one was kept for another verb."""
-        if request_id is None or not aggregate.version or aggregate.request_starts_life(verb):
-            return None  # no history has answered anything, and a new life is answered by none
+        if self._nothing_kept(aggregate, verb, request_id):
+            return None
         data = await self._answered(self.replies.get(self._key(aggregate.entity_id, request_id)))
         if not data:
             return None
