@@ -602,6 +602,10 @@ class Kept(msgspec.Struct, frozen=True):
     reply: msgspec.Raw
 
 
+def _unanswered(error: Exception) -> ContractError:
+    return unavailable(f"the reply cache did not answer ({type(error).__name__}: {error}); try again")
+
+
 class NoWriteAnswers:
     """The first answers of requests that wrote nothing: a registration that changed nothing
     (UNCHANGED), a drain of a drained worker, an update to the template an actor has.
@@ -643,7 +647,7 @@ class NoWriteAnswers:
         except ContractError:
             raise
         except Exception as error:
-            raise unavailable(f"the reply cache did not answer ({type(error).__name__}: {error}); try again") from None
+            raise _unanswered(error) from None
 
     async def _answered(self, coroutine: Awaitable[T]) -> T:
         """A read or write of the reply cache, on the service's loop: UNAVAILABLE if it fails."""
@@ -652,7 +656,7 @@ class NoWriteAnswers:
         except ContractError:
             raise
         except Exception as error:
-            raise unavailable(f"the reply cache did not answer ({type(error).__name__}: {error}); try again") from None
+            raise _unanswered(error) from None
 
     def recall(self, aggregate: Any, verb: str, request_id: str | None, reply_type: type[T]) -> tuple[T, int] | None:
         """`recall_async`, from a command's thread (which waits for the loop only to read)."""
