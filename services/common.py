@@ -602,7 +602,7 @@ class Kept(msgspec.Struct, frozen=True):
     reply: msgspec.Raw
 
 
-def _unanswered(error: Exception) -> ContractError:
+def _cache_failed(error: Exception) -> ContractError:
     return unavailable(f"the reply cache did not answer ({type(error).__name__}: {error}); try again")
 
 
@@ -647,7 +647,7 @@ class NoWriteAnswers:
         except ContractError:
             raise
         except Exception as error:
-            raise _unanswered(error) from None
+            raise _cache_failed(error) from None
 
     async def _answered(self, coroutine: Awaitable[T]) -> T:
         """A read or write of the reply cache, on the service's loop: UNAVAILABLE if it fails."""
@@ -656,7 +656,7 @@ class NoWriteAnswers:
         except ContractError:
             raise
         except Exception as error:
-            raise _unanswered(error) from None
+            raise _cache_failed(error) from None
 
     def recall(self, aggregate: Any, verb: str, request_id: str | None, reply_type: type[T]) -> tuple[T, int] | None:
         """`recall_async`, from a command's thread (which waits for the loop only to read)."""
