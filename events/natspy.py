@@ -82,7 +82,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.protocol import parser as nats_parser
 
-from events.tasks import cancel_and_wait, retrieved
+from events.tasks import cancel_and_wait
 
 # nats-py re-creates an ordered consumer (from the message after the last one received) when
 # two heartbeats in a row are missed, and tries again every two heartbeats until it works: a
@@ -693,10 +693,9 @@ class Replies:
     `request` returns the reply message, or raises nats-py's own errors:
     `NoRespondersError` (a 503 status: nobody listens on the subject) and
     `TimeoutError` (no reply within `timeout`, checked every `timeout / 4` at most).
-    `send` publishes the request and gives back the future of its reply, for a
-    caller with something else to wait for meanwhile (a future nobody awaits in the
-    end leaves no "exception never retrieved" warning). Before `start` and after
-    `stop` both raise `ConnectionClosedError`: no reply could arrive, nor expire.
+    A caller cancelled while it waits cancels its reply's future (nothing is left to
+    retrieve). Before `start` and after `stop` it raises `ConnectionClosedError`: no
+    reply could arrive, nor expire.
     """
 
     def __init__(self, nc: Client, timeout: float = 5.0):
@@ -733,15 +732,6 @@ class Replies:
         self._pending.clear()
 
     async def request(self, subject: str, payload: bytes, headers: bytes = b"") -> Msg:
-        # Awaited here: its outcome is retrieved, or the future cancelled with the caller.
-        return await (await self._sent(subject, payload, headers))
-
-    async def send(self, subject: str, payload: bytes, headers: bytes = b"") -> asyncio.Future[Msg]:
-        future = await self._sent(subject, payload, headers)
-        future.add_done_callback(retrieved)
-        return future
-
-    async def _sent(self, subject: str, payload: bytes, headers: bytes) -> asyncio.Future[Msg]:
         if self._sub is None:
             raise nats.errors.ConnectionClosedError()
         token = str(next(self._tokens))
@@ -753,7 +743,7 @@ class Replies:
         except BaseException:
             self._pending.pop(token, None)
             raise
-        return future
+        return await future  # its outcome retrieved here, or the future cancelled with the caller
 
     def _reply(self, msg: Msg) -> None:
         entry = self._pending.pop(msg.subject[len(self._inbox):], None)
