@@ -180,7 +180,10 @@ class NatsServer:
                     break
                 data += chunk
         if not data.startswith(b"INFO "):
-            raise NatsServerError(f"unexpected greeting from nats-server: {data[:80]!r}")
+            tail = "\n".join(list(self.log)[-20:])
+            state = "running" if self.running else f"exited ({self.process.returncode if self.process else None})"
+            raise NatsServerError(f"unexpected greeting from nats-server {self.name} on {self.host}:{self.port} "
+                                  f"({state}): {data[:80]!r}; its log:\n{tail}")
         info = json.loads(data[5:])
         if not info.get("jetstream"):
             raise NatsServerError("nats-server is up but JetStream is not enabled")
