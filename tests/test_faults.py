@@ -38,6 +38,8 @@ from events.schema import (
     SeqReply,
     SnapshotReply,
     SuspendActor,
+    WorkerFenced,
+    WorkerRegistered,
     WorkerRuntime,
     WorkerSandboxClass,
 )
@@ -228,6 +230,41 @@ async def test_single_server_restarted_mid_load(tmp_path):
 
             await run_load(load, actors, 4, restart)
             await check_log(nc, load)
+    finally:
+        server.stop()
+
+
+@pytest.mark.timeout(300)
+async def test_single_server_restarted_mid_registration_storm(tmp_path):
+    """Registrations go out grouped (several workers' changes in one atomic batch): a restart while
+    they are in flight loses none and doubles none. Each client retries UNAVAILABLE with its
+    request id; afterwards every worker has one registration and one fence, and every answer
+    names the registration the log holds."""
+    prefix = "t" + uuid.uuid4().hex[:10]
+    server = NatsServer(tmp_path)
+    server.start()
+    try:
+        async with AsyncExitStack() as exits:
+            await start_services(exits, ["registry"], server.url, prefix, options={"registry": {"ttl_s": SILENT_TTL_S}})
+            nc = await connect(server.url, "fault-client")
+            exits.push_async_callback(nc.close)
+            load = Load(nc, prefix)
+            workers = [f"w-{i:03d}" for i in range(300)]
+            storm = asyncio.gather(*(load.register(w) for w in workers))
+            await asyncio.wait_for(load.answered.wait(), 60)
+            in_flight = len(workers) - len(load.acked)
+            await asyncio.to_thread(server.stop)
+            await start_again(server)
+            await storm
+            assert in_flight > 0  # the restart came while registrations were under way
+            assert sorted(load.acked.values()) == sorted(f"{prefix}.ev.worker.{w}" for w in workers)
+            js = nc.jetstream()
+            for seq in load.acked:
+                assert isinstance(decode_event((await js.get_msg(stream_name(prefix), seq)).data), WorkerRegistered)
+            for w in workers:
+                for kind, wanted in (("worker", WorkerRegistered), ("booking", WorkerFenced)):
+                    history = await read_subject(nc, prefix, f"{prefix}.ev.{kind}.{w}")
+                    assert [type(e) for _, e in history] == [wanted], (w, kind, history)
     finally:
         server.stop()
 

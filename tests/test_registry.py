@@ -25,6 +25,7 @@ from events.schema import (
     RemoveWorker,
     RuntimeChanged,
     WorkerDrained,
+    WorkerFenced,
     WorkerRegistered,
     WorkerRemoved,
     WorkerUpdated,
@@ -34,7 +35,8 @@ from services.registry.domain import Worker, canonical_classes
 from events.jetstream.layout import sequence_of
 from events.errors import unavailable
 from services.common import store_env
-from services.registry.service import SWEEPER, RegistryStore
+from services.registry.service import COMMIT_GROUP, SWEEPER, RegistryStore
+from tests.factories import read_log
 from tests.registry_helpers import (
     attrs,
     last_seq,
@@ -610,3 +612,27 @@ async def test_two_replicas_writing_one_worker_concurrently_lose_nothing(nats_ur
         assert len(events) == 13  # each registration won its own version
         assert sorted(r["seq"] for r in replies) == [seq for seq, _ in events[1:]]
         assert sorted(e.capacity.cpu_millis for _, e in events[1:]) == [1000 + i for i in range(12)]
+
+
+async def test_registrations_at_once_are_appended_together_each_with_its_fence_after_it(registry, nc, prefix):
+    """A fleet registering at once: the commands' appends go out grouped (`events.jetstream.grouped`:
+    one atomic batch costs a one-replica file stream's server milliseconds), and each worker still
+    gets what it would alone: REGISTERED at its own event, its fence on its booking subject right
+    after it in the same batch, nothing twice."""
+    def appends() -> tuple[float, float]:  # (batches, commands in them) observed so far
+        samples = {s.name: s.value for s in COMMIT_GROUP.collect()[0].samples}
+        return samples["warmboot_registry_commit_group_writes_count"], samples["warmboot_registry_commit_group_writes_sum"]
+
+    names = [f"g-{i}" for i in range(150)]
+    batches, commands = appends()
+    replies = await asyncio.gather(*(register(nc, prefix, registration(name)) for name in names))
+    batches, commands = appends()[0] - batches, appends()[1] - commands
+    assert commands == len(names)
+    assert batches < len(names)  # some went out together
+    log = dict(await read_log(nc, prefix))
+    for name, reply in zip(names, replies):
+        assert reply["outcome"] == "REGISTERED"
+        assert isinstance(log[reply["seq"]], WorkerRegistered) and log[reply["seq"]].worker_id == name
+        fence = log[reply["seq"] + 1]
+        assert isinstance(fence, WorkerFenced) and fence.worker_id == name and fence.event == "WorkerRegistered"
+    assert sorted(type(e).__name__ for e in log.values()) == ["WorkerFenced"] * 150 + ["WorkerRegistered"] * 150
