@@ -8,12 +8,13 @@ import asyncio
 from datetime import datetime, timezone
 from pathlib import Path
 
+import nats.errors
 import pytest
 from eventsourcing.persistence import IntegrityError, OperationalError, StoredEvent
 from eventsourcing.utils import Environment
 
 from events.codec import encode
-from events.jetstream import JetStreamFactory
+from events.jetstream import JetStreamFactory, StoreUnavailableError
 from events.jetstream.grouped import GroupedAppends
 from events.jetstream.link import links_on
 from events.schema import WorkerDrained
@@ -22,6 +23,7 @@ from warmboot.natsserver import NatsServer
 
 AT = datetime(2026, 1, 1, tzinfo=timezone.utc)
 BODY = encode(WorkerDrained(at=AT, worker_id="g", reason="x"))
+THEIRS = encode(WorkerDrained(at=AT, worker_id="g", reason="another writer's"))
 
 
 def change(entity: str, version: int = 1) -> list[StoredEvent]:
@@ -68,10 +70,13 @@ async def test_a_batch_holds_at_most_max_messages_and_the_rest_goes_next(recorde
 
 async def test_a_member_that_lost_its_race_fails_alone_and_the_others_are_stored(nats_url, prefix, recorder):
     """`c` was written meanwhile by another process (this one's store does not know it): the
-    grouped batch is refused as a whole, then each is tried alone; only `c` is a conflict."""
+    grouped batch is refused as a whole, then each is tried alone; only `c` is a conflict.
+    (Their events differ from `c`'s: a copy of a member's very events, byte for byte, is taken
+    as the member's own, stored by an attempt whose reply was lost.)"""
     other = await asyncio.to_thread(JetStreamFactory, Environment(env=store_env(nats_url, prefix)))
     try:
-        theirs = await asyncio.to_thread(other.application_recorder().insert_events, change("c"))
+        their_change = [StoredEvent(e.originator_id, e.originator_version, e.topic, THEIRS) for e in change("c")]
+        theirs = await asyncio.to_thread(other.application_recorder().insert_events, their_change)
     finally:
         await asyncio.to_thread(other.close)
     groups: list[int] = []
@@ -131,13 +136,78 @@ async def test_an_unavailable_store_fails_every_member_once_not_each_again(tmp_p
         await asyncio.to_thread(server.stop)
 
 
-async def test_closed_appends_refuse_new_ones_and_cancel_the_waiting(recorder):
+async def test_closed_appends_answer_the_waiting_unavailable_and_refuse_new_ones(recorder):
     appends = GroupedAppends(recorder.insert_events_async)
     waiting = [asyncio.create_task(appends.insert(change(f"w{i}"))) for i in range(3)]
     await asyncio.sleep(0)
     await appends.close()
     for task in waiting:
-        with pytest.raises(asyncio.CancelledError):
+        with pytest.raises(StoreUnavailableError, match="same request id"):
             await task
-    with pytest.raises(OperationalError, match="closed"):
+    with pytest.raises(StoreUnavailableError, match="closed"):
         await appends.insert(change("late"))
+
+
+async def test_a_member_of_a_stored_batch_whose_reply_was_lost_gets_its_sequences(nats_url, prefix, recorder):
+    """The grouped batch is stored but its reply lost; before the resend, another process appends
+    to `b`'s second history. The resend is refused (b's history moved on) and each member is tried
+    again alone, as possibly stored: `a` finds its copy in the log and gets its sequences, as it
+    would have alone; `b` is a conflict, as it would have been alone; nothing is stored twice."""
+    real, sent = recorder.stream._send, []
+
+    async def send(batch, timeout):
+        seq = await real(batch, timeout)
+        sent.append(len(batch.outs))
+        if len(sent) == 1:
+            other = await asyncio.to_thread(JetStreamFactory, Environment(env=store_env(nats_url, prefix)))
+            try:
+                await asyncio.to_thread(other.application_recorder().insert_events,
+                                        [StoredEvent("ledger.b", 2, "WorkerDrained", BODY)])
+            finally:
+                await asyncio.to_thread(other.close)
+            raise nats.errors.TimeoutError  # stored, and the caller does not know it
+        return seq
+
+    recorder.stream._send = send
+    groups: list[int] = []
+    appends = GroupedAppends(recorder.insert_events_async, on_group=groups.append)
+    a, b = await asyncio.gather(appends.insert(change("a")), appends.insert(change("b")), return_exceptions=True)
+    assert groups == [2, 1, 1] and sent[0] == 4
+    log = await stored(recorder)
+    assert [log[seq] for seq in a] == [("tally.a", 1), ("ledger.a", 1)]
+    assert isinstance(b, IntegrityError)
+    assert sorted(log.values()) == sorted([("tally.a", 1), ("ledger.a", 1), ("tally.b", 1), ("ledger.b", 1),
+                                           ("ledger.b", 2)])
+
+
+async def test_an_unavailable_store_fails_the_calls_queued_behind_the_group_at_once():
+    """Not one more time-out per group: the calls queued while the store failed are answered with
+    the group's error, without an append of their own."""
+    calls = []
+
+    async def insert(events, retried=False):
+        calls.append(len(events))
+        raise StoreUnavailableError("JetStream unavailable for 30s")
+
+    appends = GroupedAppends(insert)
+    results = await asyncio.gather(*(appends.insert(change(f"q{i}")) for i in range(401)), return_exceptions=True)
+    assert calls == [256]  # one group of 128 changes; the 273 others failed with it
+    assert all(isinstance(r, StoreUnavailableError) for r in results)
+    assert len({id(r) for r in results}) == len(results)  # each caller its own exception
+
+
+async def test_a_sender_that_fails_on_its_own_leaves_no_caller_waiting_and_the_next_call_goes_out():
+    failures = [asyncio.CancelledError()]  # e.g. an inner task cancelled under the append, the sender not
+
+    async def insert(events, retried=False):
+        if failures:
+            raise failures.pop()
+        return list(range(len(events)))
+
+    def metric(size: int) -> None:
+        raise RuntimeError("a broken metric is not the appends' failure")
+
+    appends = GroupedAppends(insert, on_group=metric)
+    results = await asyncio.gather(*(appends.insert(change(f"s{i}")) for i in range(3)), return_exceptions=True)
+    assert all(isinstance(r, StoreUnavailableError) for r in results), results
+    assert await appends.insert(change("next")) == [0, 1]

@@ -12,18 +12,25 @@ there this only saves the batches' fixed cost.
 
 `GroupedAppends.insert(events)` is the recorder's `insert_events_async(events)` for callers
 whose appends never touch the same history at once (the registry's commands hold their
-worker's lock): the first call goes out alone, and the calls that come while an append is
-in flight go out next, together, as one batch (at most `max_messages` messages, no
-history twice). Each caller gets the stream sequences of its own events. What a caller
-can rely on does not change: its events are stored whole or not at all, each history
-only if no one else appended to it since it was read. A grouped batch the server refuses
-as a whole for a reason that may be one member's (a history that moved on, a message
-id already stored, a message too large) is tried again member by member, so each gets
-its own answer and no member pays for another's conflict; an unavailable store fails
-them all, as it would have failed each.
+worker's lock). One append is in flight at a time: a call that finds none goes out with
+whatever was queued in the same step of the loop, and the calls that come while it is in
+flight go out next, together, as one batch (at most `max_messages` messages, no history
+twice). Each caller gets the stream sequences of its own events. What a caller can rely on
+does not change: its events are stored whole or not at all, each history only if no one
+else appended to it since it was read, and never twice. A grouped batch the server refuses
+as a whole for a reason that may be one member's (a history that moved on, a message id
+already stored, a message too large, an id that cannot be a subject) is tried again member
+by member, each as possibly stored already (the refused batch may be a resend of one that
+was stored, its reply lost: a member's copy found in the log is its own, not a conflict),
+so each gets its own answer and no member pays for another's conflict. An unavailable
+store fails the group and every call queued behind it at once, as each would have failed
+on its own: they are not made to wait one more time-out per group.
 
 A caller cancelled before its events go out is left out of the batch (nothing written),
 as a cancelled `insert_events_async` would be; once they are out, they may be stored.
+`close()` (the service stopping) answers every caller still waiting UNAVAILABLE (`Store
+UnavailableError`): what was in flight may have been stored, and a retry with the same
+request id is answered from the log.
 """
 
 from __future__ import annotations
@@ -32,8 +39,9 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
+from contextlib import suppress
 
-from eventsourcing.persistence import DataError, IntegrityError, OperationalError, StoredEvent
+from eventsourcing.persistence import DataError, IntegrityError, OperationalError, ProgrammingError, StoredEvent
 
 from events.jetstream.errors import StoreUnavailableError
 from events.tasks import cancel_and_wait
@@ -42,7 +50,7 @@ log = logging.getLogger("warmboot.events")
 
 MAX_GROUP_MESSAGES = 256  # well under nats-server's 1,000 messages per batch
 
-Insert = Callable[[Sequence[StoredEvent]], Awaitable[list[int]]]
+Insert = Callable[..., Awaitable[list[int]]]  # the recorder's insert_events_async(events, *, retried=False)
 
 
 class _Append:
@@ -58,7 +66,17 @@ def _each_again(error: BaseException) -> bool:
     """Whether a grouped batch refused with `error` may have been refused for one member's sake."""
     if isinstance(error, StoreUnavailableError):
         return False  # the store, not a member: trying each again would wait that long again, each
-    return isinstance(error, (IntegrityError, DataError, OperationalError))
+    return isinstance(error, (IntegrityError, DataError, OperationalError, ProgrammingError))
+
+
+def _copy(error: BaseException) -> BaseException:
+    """One exception per caller (a shared one would gather every caller's traceback)."""
+    try:
+        copy = type(error)(*error.args)
+    except Exception:
+        return error
+    copy.__cause__ = error.__cause__
+    return copy
 
 
 class GroupedAppends:
@@ -89,12 +107,12 @@ class GroupedAppends:
         return await append.result  # a cancelled caller cancels its future: left out if not yet sent
 
     async def close(self) -> None:
-        """No more appends; one in flight is abandoned (its callers are cancelled: it may be stored)."""
+        """No more appends; the callers still waiting are answered UNAVAILABLE (what was in flight
+        may have been stored)."""
         self._closed = True
         await cancel_and_wait(self._sender)
         self._sender = None
-        while self._pending:
-            self._pending.popleft().result.cancel()
+        self._fail_pending(_stopping())
 
     async def _send(self) -> None:
         group: list[_Append] = []
@@ -104,10 +122,26 @@ class GroupedAppends:
                 if group:
                     await self._append(group)
                 group = []
+        except BaseException as error:  # close(), or a failure of the sender's own: nobody is left waiting
+            stopping = isinstance(error, asyncio.CancelledError)
+            if not stopping:
+                log.error("grouped appends: the sender failed; its callers get the error", exc_info=True)
+            for append in group:
+                _settle(append, error=_stopping() if stopping else _copy(error))
+            self._fail_pending(_stopping() if stopping else error)
+            if stopping:
+                raise
         finally:
             self._sender = None
-            for append in group:  # cancelled mid-append (close): its callers learn nothing more
-                append.result.cancel()
+
+    def _fail_pending(self, error: BaseException) -> None:
+        while self._pending:
+            _settle(self._pending.popleft(), error=_copy(error))
+
+    def _group_sent(self, size: int) -> None:
+        if self._on_group is not None:
+            with suppress(Exception):  # a metric: never the appends' failure
+                self._on_group(size)
 
     def _take(self) -> list[_Append]:
         """The next group: pending appends in order, while none touches a history taken already
@@ -129,8 +163,7 @@ class GroupedAppends:
         return group
 
     async def _append(self, group: list[_Append]) -> None:
-        if self._on_group is not None:
-            self._on_group(len(group))
+        self._group_sent(len(group))
         if len(group) == 1:
             await self._alone(group[0])
             return
@@ -139,14 +172,15 @@ class GroupedAppends:
         except Exception as error:
             if not _each_again(error):
                 for append in group:
-                    _settle(append, error=error)
+                    _settle(append, error=_copy(error))
+                if isinstance(error, StoreUnavailableError):  # those queued meanwhile would only wait as long
+                    self._fail_pending(error)
                 return
             log.debug("a grouped append of %d histories was refused (%r); each is tried alone", len(group), error)
             again = [append for append in group if not append.result.done()]  # not for a caller gone
-            if self._on_group is not None:
-                for _ in again:
-                    self._on_group(1)
-            await asyncio.gather(*(self._alone(append) for append in again))
+            for _ in again:
+                self._group_sent(1)
+            await asyncio.gather(*(self._alone(append, retried=True) for append in again))
             return
         start = 0
         for append in group:
@@ -154,13 +188,18 @@ class GroupedAppends:
             _settle(append, seqs[start:end])
             start = end
 
-    async def _alone(self, append: _Append) -> None:
+    async def _alone(self, append: _Append, retried: bool = False) -> None:
         try:
-            seqs = await self._insert(append.events)
+            seqs = await self._insert(append.events, retried=retried)
         except Exception as error:
             _settle(append, error=error)
         else:
             _settle(append, seqs)
+
+
+def _stopping() -> StoreUnavailableError:
+    return StoreUnavailableError("the store's appends were interrupted (the service is stopping); an append "
+                                 "that had gone out may have been stored: ask again with the same request id")
 
 
 def _settle(append: _Append, seqs: list[int] | None = None, *, error: BaseException | None = None) -> None:

@@ -100,13 +100,19 @@ class JetStreamAggregateRecorder(JetStreamRecorder, AggregateRecorder):
         *,
         expected_last_seqs: Mapping[UUID | str, int] | None = None,
         fences: Mapping[UUID | str, int] | None = None,
+        retried: bool = False,
     ) -> list[int]:
         """`insert_events` for asyncio code: the same append, awaited (`Link.submit`) from
-        the caller's loop instead of through a thread of its own."""
+        the caller's loop instead of through a thread of its own.
+
+        `retried`: these very events may have been stored already (they went out before, and
+        what came back does not say they were not: `events.jetstream.grouped` after a refused
+        batch that held them). A copy found stored is then recognised as this call's, by its
+        message ids and contents, and its sequences returned; it is not a conflict."""
         batch = self._fenced(stored_events, expected_last_seqs, fences, None)
         if not batch.outs:
             return []
-        return _event_seqs(batch, await self.link.submit(self.stream.append(batch)))
+        return _event_seqs(batch, await self.link.submit(self.stream.append(batch, retried=retried)))
 
     def _fenced(
         self,
