@@ -118,6 +118,9 @@ the datastore from the recorders), each module using only those above it:
                    expectations, direct gets and leader reads
 ``recorders``      the library's recorders and the subscription on a stream
 ``factory``        ``JetStreamFactory``: settings, streams, recorders
+``grouped``        ``GroupedAppends``: concurrent ``insert_events_async`` calls of
+                   unrelated histories as one atomic batch (the registry's; on a
+                   one-replica file stream each batch costs the server milliseconds)
 =================  ==============================================================
 """
 
