@@ -32,6 +32,11 @@ def change(entity: str, version: int = 1) -> list[StoredEvent]:
             StoredEvent(f"ledger.{entity}", version, "WorkerDrained", BODY)]
 
 
+def two_events(entity: str) -> list[StoredEvent]:
+    """What a snapshotter command appends: two events of the actor's (the second carries a fence)."""
+    return [StoredEvent(f"tally.{entity}", 1, "WorkerDrained", BODY), StoredEvent(f"tally.{entity}", 2, "WorkerDrained", BODY)]
+
+
 @pytest.fixture
 async def recorder(nats_url, prefix):
     with links_on(asyncio.get_running_loop()):
@@ -185,7 +190,7 @@ async def test_an_unavailable_store_fails_the_calls_queued_behind_the_group_at_o
     the group's error, without an append of their own."""
     calls = []
 
-    async def insert(events, retried=False):
+    async def insert(events, fences=None, retried=False):
         calls.append(len(events))
         raise StoreUnavailableError("JetStream unavailable for 30s")
 
@@ -199,7 +204,7 @@ async def test_an_unavailable_store_fails_the_calls_queued_behind_the_group_at_o
 async def test_a_sender_that_fails_on_its_own_leaves_no_caller_waiting_and_the_next_call_goes_out():
     failures = [asyncio.CancelledError()]  # e.g. an inner task cancelled under the append, the sender not
 
-    async def insert(events, retried=False):
+    async def insert(events, fences=None, retried=False):
         if failures:
             raise failures.pop()
         return list(range(len(events)))
@@ -211,3 +216,41 @@ async def test_a_sender_that_fails_on_its_own_leaves_no_caller_waiting_and_the_n
     results = await asyncio.gather(*(appends.insert(change(f"s{i}")) for i in range(3)), return_exceptions=True)
     assert all(isinstance(r, StoreUnavailableError) for r in results), results
     assert await appends.insert(change("next")) == [0, 1]
+
+
+async def test_a_recorder_groups_its_appends_with_their_fences_and_one_history_fenced_twice_only_alike(recorder):
+    """`recorder.group_appends()`: the library's calls (`insert_events_async`, and `insert_events`
+    from threads) of more than one event go out grouped, each with its fences (a single event is a
+    plain publish, cheaper alone than any atomic batch). Two that fence one history at the same
+    sequence share a batch (one fence is both); one that expects another sequence there waits for
+    the next batch, which the server refuses, and is refused alone, since that history moved on."""
+    [placed] = await recorder.insert_events_async([StoredEvent("worker.f", 1, "WorkerDrained", BODY)])
+    groups: list[int] = []
+    recorder.group_appends(on_group=groups.append)
+    try:
+        fenced = {"worker.f": placed}
+        results = await asyncio.gather(
+            *(recorder.insert_events_async(two_events(f"k{i}"), fences=fenced) for i in range(3)),
+            recorder.insert_events_async(two_events("stale"), fences={"worker.f": placed - 1}),
+            recorder.insert_events_async(change("free")),
+            return_exceptions=True)
+        assert groups == [3, 2, 1, 1]  # the stale fence's batch refused, then each of its two alone
+        assert isinstance(results[3], IntegrityError) and "fenced" in str(results[3])
+        log = await stored(recorder)
+        for i, got in enumerate(results[:3]):
+            assert [log[seq] for seq in got] == [(f"tally.k{i}", 1), (f"tally.k{i}", 2)]
+        assert [log[seq] for seq in results[4]] == [("tally.free", 1), ("ledger.free", 1)]
+        assert len(log) == 1 + 8  # nothing of the refused one
+        from_threads = await asyncio.gather(*(asyncio.to_thread(recorder.insert_events, two_events(f"t{i}"),
+                                                                fences=fenced) for i in range(4)))
+        log = await stored(recorder)
+        for i, got in enumerate(from_threads):
+            assert [log[seq] for seq in got] == [(f"tally.t{i}", 1), (f"tally.t{i}", 2)]
+        assert sum(groups) == 3 + 2 + 1 + 1 + 4
+        singles = await asyncio.gather(*(recorder.insert_events_async([StoredEvent(f"one.s{i}", 1, "WorkerDrained", BODY)])
+                                         for i in range(3)))
+        assert sum(groups) == 11 and len({seq for [seq] in singles}) == 3  # one event: a plain publish, not grouped
+    finally:
+        await recorder.ungroup_appends()
+    assert recorder.grouped is None
+    assert await recorder.insert_events_async(change("after")) != []

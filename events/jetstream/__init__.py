@@ -116,11 +116,11 @@ the datastore from the recorders), each module using only those above it:
 ``batch``          what one atomic append is made of (messages, per-subject guards)
 ``stream``         the stream protocol: creation, atomic appends under per-subject
                    expectations, direct gets and leader reads
+``grouped``        ``GroupedAppends``: concurrent appends of unrelated histories as
+                   one atomic batch (``recorder.group_appends()``; on a one-replica
+                   file stream each batch costs the server milliseconds)
 ``recorders``      the library's recorders and the subscription on a stream
 ``factory``        ``JetStreamFactory``: settings, streams, recorders
-``grouped``        ``GroupedAppends``: concurrent ``insert_events_async`` calls of
-                   unrelated histories as one atomic batch (the registry's; on a
-                   one-replica file stream each batch costs the server milliseconds)
 =================  ==============================================================
 """
 

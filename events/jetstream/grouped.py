@@ -10,12 +10,19 @@ placement rule 8) as a batch of its own is bound by it: 93 first registrations/s
 in flight, the server's CPU 7 ms each. A replicated stream stages batches in memory, so
 there this only saves the batches' fixed cost.
 
-`GroupedAppends.insert(events)` is the recorder's `insert_events_async(events)` for callers
-whose appends never touch the same history at once (the registry's commands hold their
-worker's lock). One append is in flight at a time: a call that finds none goes out with
-whatever was queued in the same step of the loop, and the calls that come while it is in
-flight go out next, together, as one batch (at most `max_messages` messages, no history
-twice). Each caller gets the stream sequences of its own events. What a caller can rely on
+A recorder uses it once told to (`recorder.group_appends()`, the registry's and the
+snapshotter's, whose commands hold their entity's lock, so that their appends in flight at
+once never touch one history): each call of `insert_events`/`insert_events_async` of more
+than one event, with fences or none but no tracking record or expected sequences, becomes
+`GroupedAppends.insert(events, fences=...)`; a single event stays a plain publish, which
+costs the server less alone than any batch. One append is in flight at a time: a call that
+finds none goes out with whatever was queued in the same step of the loop, and the calls
+that come while it is in flight go out next, together, as one batch (at most
+`max_messages` messages, no history written twice, none both written and fenced, a history
+fenced by two only at one sequence, then by one fence). Commands on executor threads
+gain less: a batch can only hold what the threads have in flight (the snapshotter's: asyncio's
+default executor, six threads on two cores).
+Each caller gets the stream sequences of its own events. What a caller can rely on
 does not change: its events are stored whole or not at all, each history only if no one
 else appended to it since it was read, and never twice. A grouped batch the server refuses
 as a whole for a reason that may be one member's (a history that moved on, a message id
@@ -38,8 +45,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import suppress
+from typing import Any
 
 from eventsourcing.persistence import DataError, IntegrityError, OperationalError, ProgrammingError, StoredEvent
 
@@ -50,16 +58,45 @@ log = logging.getLogger("warmboot.events")
 
 MAX_GROUP_MESSAGES = 256  # well under nats-server's 1,000 messages per batch
 
-Insert = Callable[..., Awaitable[list[int]]]  # the recorder's insert_events_async(events, *, retried=False)
+Insert = Callable[..., Awaitable[list[int]]]  # (events, *, fences=None, retried=False): one atomic append
 
 
 class _Append:
-    __slots__ = ("events", "originators", "result")
+    __slots__ = ("events", "fences", "originators", "result")
 
-    def __init__(self, events: list[StoredEvent], result: asyncio.Future[list[int]]):
+    def __init__(self, events: list[StoredEvent], fences: Mapping[Any, int] | None,
+                 result: asyncio.Future[list[int]]):
         self.events = events
+        self.fences = dict(fences or {})  # originator id -> the last sequence its subject must still have
         self.originators = {event.originator_id for event in events}
         self.result = result
+
+
+class _Group:
+    """The appends of one batch: no history written twice, none both written and fenced, one
+    expectation per fenced history (two equal fences are one)."""
+
+    def __init__(self) -> None:
+        self.appends: list[_Append] = []
+        self.written: set[Any] = set()
+        self.fences: dict[Any, int] = {}
+        self.messages = 0
+
+    def admits(self, append: _Append, max_messages: int) -> bool:
+        if not self.appends:
+            return True  # the first goes, whatever its size
+        if self.messages + len(append.events) > max_messages:
+            return False
+        if append.originators & self.written or append.originators & self.fences.keys():
+            return False
+        return all(fenced not in self.written and self.fences.get(fenced, seq) == seq
+                   for fenced, seq in append.fences.items())
+
+    def add(self, append: _Append) -> None:
+        self.appends.append(append)
+        self.written |= append.originators
+        self.fences.update(append.fences)
+        self.messages += len(append.events)
 
 
 def _each_again(error: BaseException) -> bool:
@@ -94,13 +131,14 @@ class GroupedAppends:
         self._sender: asyncio.Task[None] | None = None
         self._closed = False
 
-    async def insert(self, events: Sequence[StoredEvent]) -> list[int]:
-        """Append `events` (histories no other call in flight appends to); their stream sequences."""
+    async def insert(self, events: Sequence[StoredEvent], *, fences: Mapping[Any, int] | None = None) -> list[int]:
+        """Append `events` (histories no other call in flight appends to), only if each history
+        `fences` names still ends at its sequence; their stream sequences."""
         if self._closed:
             raise StoreUnavailableError("the store's appends are closed (the service is stopping)")
         if not events:
             return []
-        append = _Append(list(events), asyncio.get_running_loop().create_future())
+        append = _Append(list(events), fences, asyncio.get_running_loop().create_future())
         self._pending.append(append)
         if self._sender is None:
             self._sender = asyncio.create_task(self._send(), name="grouped-appends")
@@ -115,18 +153,18 @@ class GroupedAppends:
         self._fail_pending(_stopping())
 
     async def _send(self) -> None:
-        group: list[_Append] = []
+        group = _Group()
         try:
             while self._pending:
                 group = self._take()
-                if group:
+                if group.appends:
                     await self._append(group)
-                group = []
+                group = _Group()
         except BaseException as error:  # close(), or a failure of the sender's own: nobody is left waiting
             stopping = isinstance(error, asyncio.CancelledError)
             if not stopping:
                 log.error("grouped appends: the sender failed; its callers get the error", exc_info=True)
-            for append in group:
+            for append in group.appends:
                 _settle(append, error=_stopping() if stopping else _copy(error))
             self._fail_pending(_stopping() if stopping else error)
             if stopping:
@@ -143,32 +181,28 @@ class GroupedAppends:
             with suppress(Exception):  # a metric: never the appends' failure
                 self._on_group(size)
 
-    def _take(self) -> list[_Append]:
-        """The next group: pending appends in order, while none touches a history taken already
-        and the messages fit (the first one always goes, whatever its size)."""
-        group: list[_Append] = []
-        taken: set = set()
-        messages = 0
+    def _take(self) -> _Group:
+        """The next group: pending appends in order, as long as each fits (`_Group.admits`)."""
+        group = _Group()
         while self._pending:
             append = self._pending[0]
             if append.result.done():  # its caller was cancelled before it went out
                 self._pending.popleft()
                 continue
-            if group and (append.originators & taken or messages + len(append.events) > self.max_messages):
+            if not group.admits(append, self.max_messages):
                 break
-            self._pending.popleft()
-            group.append(append)
-            taken |= append.originators
-            messages += len(append.events)
+            group.add(self._pending.popleft())
         return group
 
-    async def _append(self, group: list[_Append]) -> None:
+    async def _append(self, batch: _Group) -> None:
+        group = batch.appends
         self._group_sent(len(group))
         if len(group) == 1:
             await self._alone(group[0])
             return
         try:
-            seqs = await self._insert([event for append in group for event in append.events])
+            seqs = await self._insert([event for append in group for event in append.events],
+                                      fences=batch.fences or None)
         except Exception as error:
             if not _each_again(error):
                 for append in group:
@@ -190,7 +224,7 @@ class GroupedAppends:
 
     async def _alone(self, append: _Append, retried: bool = False) -> None:
         try:
-            seqs = await self._insert(append.events, retried=retried)
+            seqs = await self._insert(append.events, fences=append.fences or None, retried=retried)
         except Exception as error:
             _settle(append, error=error)
         else:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 from uuid import UUID
 
@@ -29,6 +29,7 @@ from eventsourcing.persistence import (
 from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
+from events.jetstream.grouped import GroupedAppends
 from events.jetstream.lastseen import Last
 from events.jetstream.layout import (
     MAX_BATCH_MESSAGES,
@@ -76,6 +77,24 @@ class JetStreamRecorder:
 class JetStreamAggregateRecorder(JetStreamRecorder, AggregateRecorder):
     """Events (or snapshots) of aggregates, one subject per aggregate."""
 
+    grouped: GroupedAppends | None = None  # `group_appends`: appends gathered into shared batches
+
+    def group_appends(self, on_group: Callable[[int], None] | None = None) -> None:
+        """From now on, an append of more than one event that carries no tracking record and no expected
+        sequences goes out with the others in flight, as one atomic batch (`events.jetstream.grouped`;
+        fences go along; a single event is a plain publish, cheaper alone).
+        Only for callers whose appends in flight at once never touch one history (a lock per
+        entity): a one-replica file stream costs the server milliseconds per batch. `on_group(n)`
+        is told the number of appends of each batch sent. `ungroup_appends` ends it."""
+        if self.grouped is None:
+            self.grouped = GroupedAppends(self._append_now, on_group=on_group)
+
+    async def ungroup_appends(self) -> None:
+        """Appends go out one by one again; those waiting in a group are answered UNAVAILABLE."""
+        grouped, self.grouped = self.grouped, None
+        if grouped is not None:
+            await self.link.submit(grouped.close())
+
     def insert_events(self, stored_events: Sequence[StoredEvent], **kwargs: Any) -> Sequence[int] | None:
         self._insert(stored_events, **kwargs)
         return None
@@ -89,10 +108,9 @@ class JetStreamAggregateRecorder(JetStreamRecorder, AggregateRecorder):
         tracking: Tracking | None = None,
         **_: Any,
     ) -> list[int]:
-        batch = self._fenced(stored_events, expected_last_seqs, fences, tracking)
-        if not batch.outs:
+        if not stored_events and tracking is None:
             return []
-        return _event_seqs(batch, self.link.call(self.stream.append(batch)))
+        return self.link.call(self._append(stored_events, expected_last_seqs, fences, tracking))
 
     async def insert_events_async(
         self,
@@ -107,12 +125,43 @@ class JetStreamAggregateRecorder(JetStreamRecorder, AggregateRecorder):
 
         `retried`: these very events may have been stored already (they went out before, and
         what came back does not say they were not: `events.jetstream.grouped` after a refused
-        batch that held them). A copy found stored is then recognised as this call's, by its
-        message ids and contents, and its sequences returned; it is not a conflict."""
-        batch = self._fenced(stored_events, expected_last_seqs, fences, None)
+        batch that held them). A copy found stored, byte for byte these events, is then taken
+        as this call's and its sequences returned; it is not a conflict."""
+        if not stored_events:
+            return []
+        return await self.link.submit(self._append(stored_events, expected_last_seqs, fences, None, retried))
+
+    async def _append(
+        self,
+        stored_events: Sequence[StoredEvent],
+        expected_last_seqs: Mapping[UUID | str, int] | None,
+        fences: Mapping[UUID | str, int] | None,
+        tracking: Tracking | None,
+        retried: bool = False,
+    ) -> list[int]:
+        """One call's append, on the link's loop: grouped with others when it can be (`group_appends`),
+        which pays only for what would be an atomic batch alone: a single message is a plain publish."""
+        grouped = self.grouped
+        if grouped is not None and len(stored_events) > 1 and tracking is None and not expected_last_seqs \
+                and not retried:
+            return await grouped.insert(stored_events, fences=fences)
+        return await self._append_now(stored_events, expected_last_seqs=expected_last_seqs, fences=fences,
+                                      tracking=tracking, retried=retried)
+
+    async def _append_now(
+        self,
+        stored_events: Sequence[StoredEvent],
+        *,
+        expected_last_seqs: Mapping[UUID | str, int] | None = None,
+        fences: Mapping[UUID | str, int] | None = None,
+        tracking: Tracking | None = None,
+        retried: bool = False,
+    ) -> list[int]:
+        """One atomic append of these events (and fences, and tracking record), on the link's loop."""
+        batch = self._fenced(stored_events, expected_last_seqs, fences, tracking)
         if not batch.outs:
             return []
-        return _event_seqs(batch, await self.link.submit(self.stream.append(batch, retried=retried)))
+        return _event_seqs(batch, await self.stream.append(batch, retried=retried))
 
     def _fenced(
         self,

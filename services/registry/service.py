@@ -46,7 +46,6 @@ from prometheus_client import Counter, Histogram
 
 from events.aggregate import Recorded, WireApplication, now
 from events.errors import ContractError, invalid, unavailable
-from events.jetstream.grouped import GroupedAppends
 from events.jetstream.link import links_on
 from events.natspy import flush_in_order
 from events.schema import (
@@ -121,7 +120,6 @@ class RegistryStore(WireApplication):
 
     name = "registry"
     no_writes: NoWriteAnswers | None = None
-    appends: GroupedAppends | None = None  # the service's: commands' appends grouped into atomic batches
 
     async def load(self, worker_id: str) -> Worker:
         """The worker as its history makes it (a new one if it has none), as `repository.get` would."""
@@ -154,9 +152,7 @@ class RegistryStore(WireApplication):
         fence = await self._fence(worker.entity_id, last_type)
         processing: ProcessingEvent[str] = ProcessingEvent()  # what `save` collects, in its order
         processing.collect_events(worker, fence)
-        stored = [self.mapper.to_stored_event(e) for e in processing.events]
-        seqs = await (self.appends.insert(stored) if self.appends is not None
-                      else self.recorder.insert_events_async(stored))
+        seqs = await self.recorder.insert_events_async([self.mapper.to_stored_event(e) for e in processing.events])
         return Decided(outcome=outcome, seq=seqs[-2], version=worker.version, wrote=True)  # the fence follows it
 
     async def _fence(self, worker_id: str, event: str) -> Recorded:
@@ -293,9 +289,9 @@ class RegistryService:
             self.store = await asyncio.to_thread(RegistryStore, self.env)  # makes the stream if need be
         self.replies = await ReplyCache(self.nc, self.prefix).start()
         self.store.no_writes = NoWriteAnswers(self.replies, SERVICE, asyncio.get_running_loop())
-        # Commands for different workers append together while one append is in flight: each
-        # atomic batch costs a one-replica file stream's server milliseconds (events.jetstream.grouped).
-        self.store.appends = GroupedAppends(self.store.recorder.insert_events_async, on_group=COMMIT_GROUP.observe)
+        # Commands for different workers append together while one append is in flight (each holds its
+        # worker's lock): an atomic batch costs a one-replica file stream's server milliseconds.
+        self.store.recorder.group_appends(on_group=COMMIT_GROUP.observe)
         await self.fold.start(FOLD_START_S)
         await self.liveness.start()
         await self.reconcile()
@@ -322,8 +318,7 @@ class RegistryService:
         await self.liveness.stop()
         await self.fold.stop()
         if self.store is not None:
-            if self.store.appends is not None:
-                await self.store.appends.close()
+            await self.store.recorder.ungroup_appends()
             await asyncio.to_thread(self.store.close)
             self.store = None
 
