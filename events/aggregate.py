@@ -17,7 +17,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any, Callable, ClassVar
 
-from eventsourcing.application import Application
+from eventsourcing.application import Application, ProcessingEvent, project_aggregate
 from eventsourcing.persistence import Mapper, StoredEvent
 
 from events.codec import decoder, encode
@@ -211,3 +211,23 @@ class WireApplication(Application[str]):
     def stored_event(self, originator_id: str, version: int, body: Event) -> StoredEvent:
         """The stored form of one event, for writers that commit without loading an aggregate."""
         return self.mapper.to_stored_event(Recorded(originator_id, version, body))
+
+    # asyncio code's load and save (the registry's and the snapshotter's commands, on their service's
+    # loop): the recorder's `select_events_async` and `insert_events_async`, awaited with no thread.
+    # What `repository.get` and `save` do besides is nothing here: no snapshots, no cache, no hooks.
+
+    async def get_async(self, aggregate_id: str) -> Any | None:
+        """`repository.get(aggregate_id)` awaited: the aggregate its history makes (each event with
+        its stream sequence), None when it has no event."""
+        stored = await self.recorder.select_events_async(aggregate_id)
+        if not stored:
+            return None
+        return project_aggregate(None, map(self.mapper.to_domain_event, stored))
+
+    async def save_async(self, *items: Any, fences: dict[str, int] | None = None) -> tuple[list[Any], list[int]]:
+        """`save(*items, fences=...)` awaited: one atomic append of what the aggregates recorded (and
+        the events given as such), in that order; the events and the stream sequence of each."""
+        processing: ProcessingEvent[str] = ProcessingEvent()
+        processing.collect_events(*items)
+        stored = [self.mapper.to_stored_event(event) for event in processing.events]
+        return processing.events, await self.recorder.insert_events_async(stored, fences=fences)

@@ -550,12 +550,12 @@ async def test_a_removal_landing_between_the_read_and_the_append_of_a_pause_wins
         fence = snapshotter.placement_fence
         reads: list[int] = []
 
-        def removed_meanwhile(actor, verb):
-            answer = fence(actor, verb)
+        async def removed_meanwhile(actor, verb):
+            answer = await fence(actor, verb)
             reads.append(answer["worker.w-1"])
             if len(reads) == 1:  # as the registry writes a removal: the event and its fence
-                writer.write(WorkerRemoved(at=now(), worker_id="w-1", reason="gone"),
-                             WorkerFenced(at=now(), worker_id="w-1", event="WorkerRemoved"))
+                await asyncio.to_thread(writer.write, WorkerRemoved(at=now(), worker_id="w-1", reason="gone"),
+                                        WorkerFenced(at=now(), worker_id="w-1", event="WorkerRemoved"))
             return answer
 
         snapshotter.placement_fence = removed_meanwhile

@@ -39,7 +39,6 @@ from functools import partial
 from typing import Awaitable, Callable, TypeVar
 
 import msgspec
-from eventsourcing.application import ProcessingEvent, project_aggregate
 from nats.aio.client import Client as NATS
 from nats.js.errors import NotFoundError
 from prometheus_client import Counter, Histogram
@@ -123,10 +122,8 @@ class RegistryStore(WireApplication):
 
     async def load(self, worker_id: str) -> Worker:
         """The worker as its history makes it (a new one if it has none), as `repository.get` would."""
-        stored = await self.recorder.select_events_async(Worker.create_id(worker_id))
-        if not stored:
-            return Worker(worker_id)
-        return project_aggregate(None, map(self.mapper.to_domain_event, stored))
+        worker = await self.get_async(Worker.create_id(worker_id))
+        return worker if worker is not None else Worker(worker_id)
 
     async def _commit(self, worker: Worker, outcome: RegisterOutcome | None = None, verb: str | None = None,
                       request_id: str | None = None) -> Decided:
@@ -150,9 +147,7 @@ class RegistryStore(WireApplication):
             return Decided(outcome=outcome, seq=seq or None, version=worker.version)
         last_type = type(worker.pending_events[-1].body).__name__
         fence = await self._fence(worker.entity_id, last_type)
-        processing: ProcessingEvent[str] = ProcessingEvent()  # what `save` collects, in its order
-        processing.collect_events(worker, fence)
-        seqs = await self.recorder.insert_events_async([self.mapper.to_stored_event(e) for e in processing.events])
+        _, seqs = await self.save_async(worker, fence)
         return Decided(outcome=outcome, seq=seqs[-2], version=worker.version, wrote=True)  # the fence follows it
 
     async def _fence(self, worker_id: str, event: str) -> Recorded:

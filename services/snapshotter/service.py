@@ -6,11 +6,12 @@ the event store, asks them to decide, saves what they recorded and answers.
 - Endpoints (CONTRACT section 3): `<prefix>.snapshotter.<verb>.<actor_id>` for
   create, pause, suspend, tag, update-template and stop, in the queue group
   `warmboot-snapshotter`, so any number of replicas serve them. Each command runs
-  load-decide-save off the event loop and decides again on fresh state when it
-  loses an optimistic-concurrency race (with the scheduler placing the same actor,
+  load-decide-save on the service's event loop (its reads and its append awaited there,
+  on the store's connection, which runs on that loop too) and decides again on fresh
+  state when it loses an optimistic-concurrency race (with the scheduler placing the same actor,
   or another replica). A refused command saves nothing; a refusal on the actor's
   state is answered once the stream leader confirms what was read (a lagging
-  replica may not have the scheduler's placement yet: `run_command`'s recheck).
+  replica may not have the scheduler's placement yet: `run_command_async`'s recheck).
 - `seq` in a reply is the stream sequence of the last event the request wrote
   (tag saves the tag's event first and the actor's last, so it is the actor's),
   or, when the request wrote nothing, of the event that already holds that state.
@@ -36,7 +37,7 @@ import logging
 import threading
 from datetime import datetime
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from eventsourcing.application import AggregateNotFoundError, ProcessingEvent
 from eventsourcing.persistence import IntegrityError, Tracking
@@ -45,6 +46,7 @@ from nats.aio.client import Client as NATS
 from prometheus_client import Counter, Histogram
 
 from events.aggregate import Recorded, WireAggregate, WireApplication, aggregate_id, now
+from events.jetstream.link import links_on
 from events.errors import invalid, not_found, precondition, unavailable
 from events.schema import (
     ActorPlaced,
@@ -66,7 +68,7 @@ from events.schema import (
     WorkerRemoved,
 )
 from events.subjects import check_prefix
-from services.common import (EndpointSpec, NoWriteAnswers, ReplyCache, add_endpoints, run_command, store_env,
+from services.common import (EndpointSpec, NoWriteAnswers, ReplyCache, add_endpoints, run_command_async, store_env,
                              stream_replicas)
 from services.locks import KeyedLock
 from services.snapshotter.domain import Actor, Tag
@@ -125,22 +127,17 @@ def answer_from_history(actor: Actor, verb: str, request_id: str | None) -> Base
     return reply(recorded_seq(actor, versions[-1]))
 
 
-def counted(recordings: list[Any]) -> list[Any]:
-    """`recordings`, after counting the snapshots and releases among them."""
-    for recording in recordings:
-        body = getattr(recording.domain_event, "body", None)
+def counted(events: list[Any]) -> list[Any]:
+    """`events` (domain events just saved), after counting the snapshots and releases among them."""
+    for event in events:
+        body = getattr(event, "body", None)
         if isinstance(body, SnapshotTaken):
             stamp = body.snapshot.sandbox_runtime
             SNAPSHOTS.labels(stamp.sandbox_class if stamp else "", body.origin.value,
                              body.snapshot.fidelity.value).inc()
         elif isinstance(body, ActorReleased):
             RELEASES.labels(body.reason.value).inc()
-    return recordings
-
-
-def last_seq(recordings: list[Any]) -> int:
-    """The stream sequence of the last event saved."""
-    return counted(recordings)[-1].notification.id
+    return events
 
 
 # --- the worker-removal process ------------------------------------------------------------
@@ -204,7 +201,7 @@ class WorkerRemovalProcess(EventSourcedProjection[str], WireApplication):
                     processing.collect_events(actor)
                     count += 1
             try:
-                counted(self._record(processing))
+                counted([recording.domain_event for recording in self._record(processing)])
             except IntegrityError:
                 self.conflicts += 1  # another writer got there first: look again
                 continue
@@ -337,7 +334,11 @@ class SnapshotterService:
         return self
 
     async def _start(self) -> None:
-        self.app = await asyncio.to_thread(SnapshotterApplication, self.env)
+        # The store's connection runs on this loop (`links_on`): the commands' reads and appends are
+        # awaited here, with no thread of the store's own and none for the commands. The worker-removal
+        # process, a thread of the library's, keeps a connection of its own (made outside).
+        with links_on(asyncio.get_running_loop()):
+            self.app = await asyncio.to_thread(SnapshotterApplication, self.env)
         # Commands for different actors append together while one append is in flight (each holds its
         # actor's lock): an atomic batch costs a one-replica file stream's server milliseconds.
         self.app.recorder.group_appends(on_group=COMMIT_GROUP.observe)
@@ -382,40 +383,40 @@ class SnapshotterService:
 
     # --- endpoint plumbing ---
 
-    async def answer(self, actor_id: str, decide: Callable[[], Base], also: tuple[str, ...] = ()) -> Any:
+    async def answer(self, actor_id: str, decide: Callable[[], Awaitable[Base]], also: tuple[str, ...] = ()) -> Any:
         """Run one load-decide-save of `actor_id`, alone among this replica's requests about it; a
         refusal on the actor's state is answered once the stream leader confirms what was read of
-        the actor, and of the aggregates `also` names (`run_command`'s recheck: the read may have
-        been a lagging replica's, behind the scheduler's placement a moment ago)."""
+        the actor, and of the aggregates `also` names (`run_command_async`'s recheck: the read may
+        have been a lagging replica's, behind the scheduler's placement a moment ago)."""
         assert self.app is not None
         recorder = self.app.recorder
         read = (Actor.create_id(actor_id), *also)
 
-        def recheck() -> bool:
-            return any([recorder.newer_at_leader(aggregate) for aggregate in read])  # each one remembered
+        async def recheck() -> bool:
+            found = [await recorder.newer_at_leader_async(aggregate) for aggregate in read]  # each one remembered
+            return any(found)
 
         async with self._actors(actor_id):
-            return await run_command(decide, recheck=recheck)
+            return await run_command_async(decide, recheck=recheck)
 
-    def load_actor(self, actor_id: str, *, must_exist: bool = True) -> Actor:
+    async def load_actor(self, actor_id: str, *, must_exist: bool = True) -> Actor:
         assert self.app is not None
-        try:
-            return self.app.repository.get(Actor.create_id(actor_id))
-        except AggregateNotFoundError:
-            if must_exist:
-                raise not_found(f"actor {actor_id!r} does not exist", "actor_id") from None
-            return Actor(actor_id)
+        actor = await self.app.get_async(Actor.create_id(actor_id))
+        if actor is not None:
+            return actor
+        if must_exist:
+            raise not_found(f"actor {actor_id!r} does not exist", "actor_id")
+        return Actor(actor_id)
 
-    def load_tag(self, tag: str) -> Tag:
+    async def load_tag(self, tag: str) -> Tag:
         assert self.app is not None
-        try:
-            return self.app.repository.get(Tag.create_id(tag))
-        except AggregateNotFoundError:
-            return Tag(tag)
+        found = await self.app.get_async(Tag.create_id(tag))
+        return found if found is not None else Tag(tag)
 
     # --- endpoints ---
     # Each one: load the actor, answer a repeated request from its history, else decide
-    # and save; all of it again on a lost optimistic-concurrency race (`answer`).
+    # and save; all of it again on a lost optimistic-concurrency race (`answer`). Every read
+    # and the append are awaited on this loop, which runs the store's connection (`links_on`).
 
     async def create(self, actor_id: str, req: CreateActor) -> SeqReply:
         if req.actor_id != actor_id:
@@ -423,61 +424,62 @@ class SnapshotterService:
         tag = (Tag.create_id(req.source_tag),) if req.source_tag is not None else ()  # a create reads it too
         return await self.answer(actor_id, partial(self.decide_create, actor_id, req), also=tag)
 
-    def decide_create(self, actor_id: str, req: CreateActor) -> Base:
-        actor = self.load_actor(actor_id, must_exist=False)
+    async def decide_create(self, actor_id: str, req: CreateActor) -> Base:
+        actor = await self.load_actor(actor_id, must_exist=False)
         found = answer_from_history(actor, "create", req.request_id)
         if found is not None:
             return found
-        tagged = self.load_tag(req.source_tag).snapshot if req.source_tag is not None else None
+        tagged = (await self.load_tag(req.source_tag)).snapshot if req.source_tag is not None else None
         actor.create(req, tagged, now())
-        return SeqReply(seq=self.save(actor))
+        return SeqReply(seq=await self.save(actor))
 
     async def pause(self, actor_id: str, req: PauseActor) -> SnapshotReply:
         return await self.answer(actor_id, partial(self.decide_pause, actor_id, req))
 
-    def decide_pause(self, actor_id: str, req: PauseActor) -> Base:
-        actor = self.load_actor(actor_id)
+    async def decide_pause(self, actor_id: str, req: PauseActor) -> Base:
+        actor = await self.load_actor(actor_id)
         found = answer_from_history(actor, "pause", req.request_id)
         if found is not None:
             return found
-        fence = self.placement_fence(actor, "paused")
+        fence = await self.placement_fence(actor, "paused")
         snapshot = actor.pause(req.snapshot_id, req.request_id, now())
-        return SnapshotReply(snapshot=snapshot, seq=self.save(actor, fences=fence))
+        return SnapshotReply(snapshot=snapshot, seq=await self.save(actor, fences=fence))
 
     async def suspend(self, actor_id: str, req: SuspendActor) -> SnapshotReply:
         return await self.answer(actor_id, partial(self.decide_suspend, actor_id, req))
 
-    def decide_suspend(self, actor_id: str, req: SuspendActor) -> Base:
-        actor = self.load_actor(actor_id)
+    async def decide_suspend(self, actor_id: str, req: SuspendActor) -> Base:
+        actor = await self.load_actor(actor_id)
         found = answer_from_history(actor, "suspend", req.request_id)
         if found is not None:
             return found
-        fence = self.placement_fence(actor, "suspended")  # None from PAUSED: the image is on its node
+        fence = await self.placement_fence(actor, "suspended")  # None from PAUSED: the image is on its node
         snapshot = actor.suspend(req.snapshot_id, req.uri, req.fidelity, req.request_id, now())
-        return SnapshotReply(snapshot=snapshot, seq=self.save(actor, fences=fence))
+        return SnapshotReply(snapshot=snapshot, seq=await self.save(actor, fences=fence))
 
     async def tag(self, actor_id: str, req: TagSnapshot) -> SnapshotReply:
         return await self.answer(actor_id, partial(self.decide_tag, actor_id, req))
 
-    def decide_tag(self, actor_id: str, req: TagSnapshot) -> Base:
-        actor = self.load_actor(actor_id)
+    async def decide_tag(self, actor_id: str, req: TagSnapshot) -> Base:
+        actor = await self.load_actor(actor_id)
         found = answer_from_history(actor, "tag", req.request_id)
         if found is not None:
             return found
-        tag = self.load_tag(req.tag)
+        tag = await self.load_tag(req.tag)
         snapshot = actor.tag(tag, req.request_id, now())
         # The tag's event first, the actor's last: the reply's seq is the actor's event.
-        return SnapshotReply(snapshot=snapshot, seq=self.save(tag, actor))
+        return SnapshotReply(snapshot=snapshot, seq=await self.save(tag, actor))
 
     async def update_template(self, actor_id: str, req: UpdateTemplate) -> SeqReply:
         return await self.answer(actor_id, partial(self.decide_update_template, actor_id, req))
 
-    def decide_update_template(self, actor_id: str, req: UpdateTemplate) -> Base:
-        actor = self.load_actor(actor_id)
+    async def decide_update_template(self, actor_id: str, req: UpdateTemplate) -> Base:
+        actor = await self.load_actor(actor_id)
         found = answer_from_history(actor, "update-template", req.request_id)
         if found is not None:
             return found
-        kept = self.no_writes.recall(actor, "update-template", req.request_id, SeqReply) if self.no_writes else None
+        kept = await self.no_writes.recall_async(actor, "update-template", req.request_id, SeqReply) \
+            if self.no_writes else None
         if kept is not None:
             return kept[0]
         if not actor.change_template(req.template_uid, req.request_id, now()):
@@ -485,33 +487,33 @@ class SnapshotterService:
             # (it wrote nothing its retry could be answered from)
             reply = SeqReply(seq=recorded_seq(actor, actor.template_version))
             if self.no_writes is not None:
-                self.no_writes.keep(actor, "update-template", req.request_id, reply)
+                await self.no_writes.keep_async(actor, "update-template", req.request_id, reply)
             return reply
-        return SeqReply(seq=self.save(actor))
+        return SeqReply(seq=await self.save(actor))
 
     async def stop_actor(self, actor_id: str, req: StopActor) -> SeqReply:
         return await self.answer(actor_id, partial(self.decide_stop, actor_id, req))
 
-    def decide_stop(self, actor_id: str, req: StopActor) -> Base:
-        actor = self.load_actor(actor_id)
+    async def decide_stop(self, actor_id: str, req: StopActor) -> Base:
+        actor = await self.load_actor(actor_id)
         found = answer_from_history(actor, "stop", req.request_id)
         if found is not None:
             return found
         actor.stop(req.request_id, now())
-        return SeqReply(seq=self.save(actor))
+        return SeqReply(seq=await self.save(actor))
 
     async def revert(self, actor_id: str, req: RevertActor) -> RevertReply:
         return await self.answer(actor_id, partial(self.decide_revert, actor_id, req))
 
-    def decide_revert(self, actor_id: str, req: RevertActor) -> Base:
-        actor = self.load_actor(actor_id)
+    async def decide_revert(self, actor_id: str, req: RevertActor) -> Base:
+        actor = await self.load_actor(actor_id)
         found = answer_from_history(actor, "revert", req.request_id)
         if found is not None:
             return found
         back = actor.revert(req.reason, req.request_id, now())
-        return RevertReply(snapshot=back, seq=self.save(actor))
+        return RevertReply(snapshot=back, seq=await self.save(actor))
 
-    def placement_fence(self, actor: Actor, verb: str) -> dict[str, int] | None:
+    async def placement_fence(self, actor: Actor, verb: str) -> dict[str, int] | None:
         """For a pause or a suspend of a RUNNING actor, which says its image was taken on the worker
         it is placed on: FAILED_PRECONDITION if that worker was removed since (its actors are
         released, SUSPENDED from their latest snapshot: CONTRACT section 4), else the fence that
@@ -523,7 +525,7 @@ class SnapshotterService:
             return None
         assert self.app is not None
         worker = aggregate_id(WorkerEvent.KIND, held.worker_id)
-        last = self.app.recorder.select_events(worker, desc=True, limit=1)
+        last = await self.app.recorder.select_events_async(worker, desc=True, limit=1)
         if not last:
             return None  # no history to fence (another writer's placement): nothing says it ended
         placed_seq = actor.seq_at(actor.assignment_version)
@@ -532,7 +534,8 @@ class SnapshotterService:
         if last[0].topic == WorkerRemoved.__name__ and (not placed_seq or last_seq_ > placed_seq):
             removal = last_seq_
         elif placed_seq and last_seq_ > placed_seq:  # the worker changed since: was one of those a removal?
-            removal = removed_since([(e.seq, e.topic) for e in self.app.recorder.select_events(worker)], placed_seq)
+            history = await self.app.recorder.select_events_async(worker)
+            removal = removed_since([(e.seq, e.topic) for e in history], placed_seq)
         if removal:
             raise precondition(
                 f"actor {actor.entity_id!r} cannot be {verb} on worker {held.worker_id!r}: the worker was removed "
@@ -541,10 +544,10 @@ class SnapshotterService:
             )
         return {worker: last_seq_}
 
-    def save(self, *aggregates: WireAggregate, fences: dict[str, int] | None = None) -> int:
+    async def save(self, *aggregates: WireAggregate, fences: dict[str, int] | None = None) -> int:
         """Save what the aggregates recorded (one atomic append); the sequence of the last event.
         With `fences`, only if each of those subjects is still at its sequence (else IntegrityError)."""
         assert self.app is not None
-        if fences:
-            return last_seq(self.app.save(*aggregates, fences=fences))
-        return last_seq(self.app.save(*aggregates))
+        events, seqs = await self.app.save_async(*aggregates, fences=fences)
+        counted(events)
+        return seqs[-1]
