@@ -254,3 +254,25 @@ async def test_a_recorder_groups_its_appends_with_their_fences_and_one_history_f
         await recorder.ungroup_appends()
     assert recorder.grouped is None
     assert await recorder.insert_events_async(change("after")) != []
+
+
+async def test_a_batch_refused_before_anything_was_stored_checks_each_member_as_a_first_attempt(
+        nats_url, prefix, recorder):
+    """Members are tried again as possibly stored only when the grouped batch may have been (a
+    resend after a lost reply). Here it cannot have been: another process wrote `c`'s very
+    events, byte for byte, and the server refused the grouped batch. `c` is a conflict, as
+    alone, not taken for its own copy; were it taken, a rival's version would be answered as
+    this caller's."""
+    other = await asyncio.to_thread(JetStreamFactory, Environment(env=store_env(nats_url, prefix)))
+    try:
+        theirs = await asyncio.to_thread(other.application_recorder().insert_events, change("c"))
+    finally:
+        await asyncio.to_thread(other.close)
+    groups: list[int] = []
+    appends = GroupedAppends(recorder.insert_events_async, on_group=groups.append)
+    a, c = await asyncio.gather(appends.insert(change("a")), appends.insert(change("c")), return_exceptions=True)
+    assert groups == [2, 1, 1]
+    assert isinstance(c, IntegrityError), c
+    log = await stored(recorder)
+    assert [log[seq] for seq in a] == [("tally.a", 1), ("ledger.a", 1)]
+    assert sorted(log) == sorted(theirs + a)

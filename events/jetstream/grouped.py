@@ -19,17 +19,20 @@ costs the server less alone than any batch. One append is in flight at a time: a
 finds none goes out with whatever was queued in the same step of the loop, and the calls
 that come while it is in flight go out next, together, as one batch (at most
 `max_messages` messages, no history written twice, none both written and fenced, a history
-fenced by two only at one sequence, then by one fence). Commands on executor threads
-gain less: a batch can only hold what the threads have in flight (the snapshotter's: asyncio's
-default executor, six threads on two cores).
+fenced by two only at one sequence, then by one fence). Commands on executor threads would
+gain less: a batch can only hold what the threads have in flight (asyncio's default executor
+has six on two cores); the registry's and the snapshotter's run on their service's loop.
+The callers' locks are what keeps two appends of one history apart: the snapshotter's
+tag commands, which write the tag's history beside their actor's, hold the tag's lock too.
 Each caller gets the stream sequences of its own events. What a caller can rely on
 does not change: its events are stored whole or not at all, each history only if no one
 else appended to it since it was read, and never twice. A grouped batch the server refuses
 as a whole for a reason that may be one member's (a history that moved on, a message id
 already stored, a message too large, an id that cannot be a subject) is tried again member
-by member, each as possibly stored already (the refused batch may be a resend of one that
-was stored, its reply lost: a member's copy found in the log is its own, not a conflict),
-so each gets its own answer and no member pays for another's conflict. An unavailable
+by member, so each gets its own answer and no member pays for another's conflict: as a
+first attempt when nothing of the batch can have been stored, as possibly stored already when
+the refused batch was a resend of one whose reply was lost (a member's copy found in the log,
+byte for byte its events, is then its own, not a conflict). An unavailable
 store fails the group and every call queued behind it at once, as each would have failed
 on its own: they are not made to wait one more time-out per group.
 
@@ -214,7 +217,12 @@ class GroupedAppends:
             again = [append for append in group if not append.result.done()]  # not for a caller gone
             for _ in again:
                 self._group_sent(1)
-            await asyncio.gather(*(self._alone(append, retried=True) for append in again))
+            # As possibly stored only if the batch may have been (it went out and its answer was lost,
+            # `Stream.append`'s `maybe_stored`): a member's copy found in the log is then its own. One
+            # refused before it was sent, or by the server each time, stored nothing: each is checked
+            # as a first attempt, its versions verified (a rival's copy of them is a conflict).
+            maybe_stored = bool(getattr(error, "maybe_stored", False))
+            await asyncio.gather(*(self._alone(append, retried=maybe_stored) for append in again))
             return
         start = 0
         for append in group:

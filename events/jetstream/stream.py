@@ -315,8 +315,10 @@ class Stream:
 
         `retried` says an earlier attempt of this very batch may have been stored
         (its reply was lost): then a duplicate is recognised as ours, not a conflict.
+        An error raised says, as `maybe_stored`, whether an attempt of the batch may have
+        been stored all the same (one went out and no answer came back); False when none
+        can have been (refused before it was sent, or by the server each time it asked).
         """
-        await self._expect(batch, verify=not retried)
         uncertain = retried
         replans = 0
 
@@ -341,7 +343,12 @@ class Stream:
             self._remember(batch, first_seq)
             return list(range(first_seq, last_seq + 1))
 
-        return await Retry(f"appending to {self.name}", self.budget, self).run(attempt)
+        try:
+            await self._expect(batch, verify=not retried)
+            return await Retry(f"appending to {self.name}", self.budget, self).run(attempt)
+        except Exception as error:
+            error.maybe_stored = uncertain  # type: ignore[attr-defined]
+            raise
 
     async def _expect(self, batch: Batch, verify: bool = True) -> None:
         """Fill in each guard's expected last sequence: given, remembered or looked up.
