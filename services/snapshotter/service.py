@@ -320,6 +320,10 @@ class SnapshotterService:
         self.env = env if env is not None else store_env(nats_url, prefix, store_replicas or stream_replicas())
         self.follow = follow
         self._actors = KeyedLock()  # requests about one actor, one at a time in this replica
+        # Tags of one tag name too (a tag writes the tag's history beside its actor's): racing on the
+        # same version they would mostly lose, and two appends of one history must never be in flight
+        # at once through the grouped appends (events.jetstream.grouped). Taken after the actor's.
+        self._tags = KeyedLock()
         self.no_writes: NoWriteAnswers | None = None  # answers of requests that wrote nothing (update-template)
         self.app: SnapshotterApplication | None = None
         self.process: WorkerRemovalProcess | None = None
@@ -465,10 +469,11 @@ class SnapshotterService:
         found = answer_from_history(actor, "tag", req.request_id)
         if found is not None:
             return found
-        tag = await self.load_tag(req.tag)
-        snapshot = actor.tag(tag, req.request_id, now())
-        # The tag's event first, the actor's last: the reply's seq is the actor's event.
-        return SnapshotReply(snapshot=snapshot, seq=await self.save(tag, actor))
+        async with self._tags(req.tag):
+            tag = await self.load_tag(req.tag)
+            snapshot = actor.tag(tag, req.request_id, now())
+            # The tag's event first, the actor's last: the reply's seq is the actor's event.
+            return SnapshotReply(snapshot=snapshot, seq=await self.save(tag, actor))
 
     async def update_template(self, actor_id: str, req: UpdateTemplate) -> SeqReply:
         return await self.answer(actor_id, partial(self.decide_update_template, actor_id, req))
