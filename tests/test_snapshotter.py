@@ -651,3 +651,35 @@ async def test_many_actors_tagging_one_tag_at_once_are_all_answered_each_version
     recorded = [(seq, e) for seq, _, e in await read_entries(nc, prefix) if isinstance(e, TagRecorded)]
     assert len(recorded) == len(actors)  # one version each, none twice
     assert sorted(e.snapshot.snapshot_id for _, e in recorded) == sorted(r.snapshot.snapshot_id for r in replies)
+
+
+async def test_a_removal_releases_an_actor_whose_read_comes_from_a_replica_behind_its_placement(
+        snapshotter, registry, nats_server, nc, prefix, monkeypatch):
+    """The worker-removal process learns the placement from the stream (through its leader) and
+    reads the actor by direct gets, which a replica of the stream behind that placement may
+    answer. That read made the placement look ended, so the release was skipped and the position
+    tracked as done: the actor stayed RUNNING on a removed worker. A single server has no replica
+    to lag; the lagging replica is played by the process's direct reads, cut before the placement
+    (its reads through the leader are left alone), and the placement is written on a connection
+    of its own, as by the scheduler's process. It now asks the leader, and releases."""
+    elsewhere = await asyncio.to_thread(
+        WireApplication, {**env_for(nats_server.url, prefix), "NATS_INBOX_PREFIX": "_INBOX_elsewhere"})
+    try:
+        placed = await placed_then_removed_pending_release(snapshotter, nc, prefix, Placer(elsewhere))
+    finally:
+        await asyncio.to_thread(elsewhere.close)
+    stream = snapshotter.process.recorder.stream
+    read = stream.read
+    left_out: list[int] = []
+
+    async def behind(subject: str, start: int, *args, **kwargs):
+        msgs = await read(subject, start, *args, **kwargs)
+        kept = [m for m in msgs if not (subject.endswith(".actor.a-1") and sequence_of(m) >= placed)]
+        left_out.append(len(msgs) - len(kept))
+        return kept
+
+    monkeypatch.setattr(stream, "read", behind)
+    await call(nc, service_subject(prefix, "registry", "remove", "w-1"), RemoveWorker(), SeqReply)
+    ((_, release),) = await released_by_removal(nc, prefix, count=1)
+    assert release.actor_id == "a-1" and release.worker_id == "w-1"
+    assert any(left_out)  # the replica's answer did lack the placement

@@ -193,9 +193,8 @@ class WorkerRemovalProcess(EventSourcedProjection[str], WireApplication):
             processing = ProcessingEvent[str](tracking=tracking)
             count = 0
             for release in releases:
-                try:
-                    actor: Actor = self.repository.get(Actor.create_id(release.actor_id))
-                except AggregateNotFoundError:
+                actor = self._read_past(release.actor_id, release.placed_version)
+                if actor is None:
                     continue
                 if actor.release_from_removed_worker(release.worker_id, release.placed_version, at):
                     processing.collect_events(actor)
@@ -211,6 +210,22 @@ class WorkerRemovalProcess(EventSourcedProjection[str], WireApplication):
                          count, releases[0].worker_id, tracking.notification_id)
             return
         raise RuntimeError(f"could not settle the releases at position {tracking.notification_id}")
+
+    def _read_past(self, actor_id: str, placed_version: int) -> Actor | None:
+        """The actor, read up to at least the placement the fold saw (`placed_version`). The fold
+        follows the stream through its leader, the actor is read by direct gets, which a replica
+        of the stream behind that placement may answer: without it the placement would look ended
+        already, and the release be skipped for good (the position tracked as done). So a read
+        short of it asks the leader (`newer_at_leader`: the next read then reaches it)."""
+        aggregate = Actor.create_id(actor_id)
+        for _ in range(2):
+            try:
+                actor: Actor | None = self.repository.get(aggregate)
+            except AggregateNotFoundError:
+                actor = None
+            if (actor is not None and actor.version >= placed_version) or not self.recorder.newer_at_leader(aggregate):
+                return actor
+        return actor
 
     # --- the follower thread ---
 
