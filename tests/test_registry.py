@@ -614,19 +614,21 @@ async def test_two_replicas_writing_one_worker_concurrently_lose_nothing(nats_ur
         assert sorted(e.capacity.cpu_millis for _, e in events[1:]) == [1000 + i for i in range(12)]
 
 
+def commit_groups() -> tuple[float, float]:
+    """(atomic appends, commands in them) the registry's grouped appends have counted so far."""
+    samples = {s.name: s.value for s in COMMIT_GROUP.collect()[0].samples}
+    return samples["warmboot_registry_commit_group_writes_count"], samples["warmboot_registry_commit_group_writes_sum"]
+
+
 async def test_registrations_at_once_are_appended_together_each_with_its_fence_after_it(registry, nc, prefix):
     """A fleet registering at once: the commands' appends go out grouped (`events.jetstream.grouped`:
     one atomic batch costs a one-replica file stream's server milliseconds), and each worker still
     gets what it would alone: REGISTERED at its own event, its fence on its booking subject right
     after it in the same batch, nothing twice."""
-    def appends() -> tuple[float, float]:  # (batches, commands in them) observed so far
-        samples = {s.name: s.value for s in COMMIT_GROUP.collect()[0].samples}
-        return samples["warmboot_registry_commit_group_writes_count"], samples["warmboot_registry_commit_group_writes_sum"]
-
     names = [f"g-{i}" for i in range(150)]
-    batches, commands = appends()
+    batches, commands = commit_groups()
     replies = await asyncio.gather(*(register(nc, prefix, registration(name)) for name in names))
-    batches, commands = appends()[0] - batches, appends()[1] - commands
+    batches, commands = commit_groups()[0] - batches, commit_groups()[1] - commands
     assert commands == len(names)
     assert batches < len(names)  # some went out together
     log = dict(await read_log(nc, prefix))
@@ -636,3 +638,21 @@ async def test_registrations_at_once_are_appended_together_each_with_its_fence_a
         fence = log[reply["seq"] + 1]
         assert isinstance(fence, WorkerFenced) and fence.worker_id == name and fence.event == "WorkerRegistered"
     assert sorted(type(e).__name__ for e in log.values()) == ["WorkerFenced"] * 150 + ["WorkerRegistered"] * 150
+
+
+async def test_workers_lost_together_are_removed_together_each_once(nats_url, nc, prefix):
+    """A rack goes dark: its workers' expiry markers come in a burst. They are handled at once
+    (`liveness.MARKER_LANES`), so their removals share atomic appends instead of taking turns;
+    each worker is removed LOST exactly once."""
+    workers = [f"r-{i:02d}" for i in range(60)]
+    async with running_registry(nats_url, prefix, ttl_s=1):
+        start = await last_seq(nc, prefix)
+        await asyncio.gather(*(register(nc, prefix, registration(w)) for w in workers))
+        batches, commands = commit_groups()
+        removed = await asyncio.gather(*(wait_event(nc, prefix, w, WorkerRemoved, after=start, timeout=30)
+                                         for w in workers))
+        lost_batches, lost_commands = commit_groups()[0] - batches, commit_groups()[1] - commands
+    assert {e.reason for _, e in removed} == {"LOST"}
+    assert lost_commands == len(workers) and lost_batches < len(workers)  # some removals shared an append
+    for w in workers:
+        assert [type(e) for _, e in await worker_events(nc, prefix, w)] == [WorkerRegistered, WorkerRemoved]

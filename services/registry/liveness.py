@@ -20,7 +20,7 @@ The sweeper's consumer delivers every message of the bucket, each heartbeat's pu
 among them (the server writes a marker on the key's own subject, so no filter tells
 the two apart), and each must be acknowledged. `Sweeper` reads it with one pull
 request of many messages at a time into a callback, acknowledges a put there, and
-hands markers to one task that removes their workers in turn (nats-py's `fetch`
+hands markers to `MARKER_LANES` tasks that remove their workers (nats-py's `fetch`
 costs a task and a timer per message, and its time-outs can swallow a cancellation).
 """
 
@@ -61,6 +61,9 @@ MARKER_REASON = "Nats-Marker-Reason"
 ACK_TIMEOUT_S = 5.0
 PULL_BATCH = 1024  # messages one pull request of the sweeper asks for
 PULL_EXPIRES_S = 5.0  # how long the server holds a pull request that is not filled
+# Expiry markers handled at once: a rack's workers lost together are removed together, their
+# writes sharing atomic appends (events.jetstream.grouped), not one after the other.
+MARKER_LANES = 32
 
 
 class _PubAck(msgspec.Struct):
@@ -111,7 +114,8 @@ class Sweeper:
     message that is not an expiry marker is acknowledged right away (delivered from the
     connection's read loop, `events.natspy.subscribe_core`; one task acks what one read of
     the socket brought); a marker is queued
-    for `on_marker(worker_id)`, then acknowledged, or handed back (nak) to be
+    for `on_marker(worker_id)` (`MARKER_LANES` of them at once: the removals of workers lost
+    together share their appends), then acknowledged, or handed back (nak) to be
     redelivered a second later if that failed. A replica that dies before the ack
     leaves the marker to another (after the consumer's ack wait); one that stops hands
     back at once the markers it has not handled (nak), so that another replica removes
@@ -136,7 +140,7 @@ class Sweeper:
         self._status = ""  # how the server ended the last pull request
         self._stopping = False
         self._markers: asyncio.Queue[Msg] = asyncio.Queue()
-        self._in_hand: Msg | None = None  # the marker `on_marker` is handling
+        self._in_hand: dict[int, Msg] = {}  # the markers `on_marker` is handling, by id (a Msg is not hashable)
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -153,7 +157,8 @@ class Sweeper:
         self._ended = asyncio.Event()
         self._sub, self._direct = await subscribe_core(self.nc, self._inbox, self._delivered)
         self._tasks = [asyncio.create_task(self._pull(), name=f"{self.stream}-sweep-pull"),
-                       asyncio.create_task(self._handle_markers(), name=f"{self.stream}-sweep")]
+                       *(asyncio.create_task(self._handle_markers(), name=f"{self.stream}-sweep-{lane}")
+                         for lane in range(MARKER_LANES))]
 
     async def stop(self) -> None:
         self._stopping = True  # also ends a loop whose cancellation a time-out swallowed
@@ -169,8 +174,8 @@ class Sweeper:
         if self._acking is not None:  # the acks of what was delivered (else redelivered, and acked, elsewhere)
             with suppress(Exception):
                 await self._acking
-        held = [self._in_hand] if self._in_hand is not None else []
-        self._in_hand = None
+        held = list(self._in_hand.values())
+        self._in_hand.clear()
         while not self._markers.empty():
             held.append(self._markers.get_nowait())
         for msg in held:  # to another replica now (if one was removed here already, it finds it removed)
@@ -228,8 +233,10 @@ class Sweeper:
             self._acking = None
 
     async def _handle_markers(self) -> None:
+        """One of `MARKER_LANES`: takes the next marker, removes its worker, acknowledges it."""
         while not self._stopping:  # also ends when on_marker swallowed the cancellation of stop()
-            msg = self._in_hand = await self._markers.get()
+            msg = await self._markers.get()
+            self._in_hand[id(msg)] = msg
             worker_id = msg.subject.rsplit(".", 1)[-1]
             try:
                 await self.on_marker(worker_id)
@@ -237,11 +244,11 @@ class Sweeper:
                 raise  # `stop` hands it back
             except Exception:
                 log.warning("could not remove lost worker %s; redelivering", worker_id, exc_info=True)
-                self._in_hand = None
+                self._in_hand.pop(id(msg), None)
                 with suppress(Exception):
                     await msg.nak(delay=1.0)
                 continue
-            self._in_hand = None
+            self._in_hand.pop(id(msg), None)
             with suppress(Exception):
                 await msg.ack()
 
