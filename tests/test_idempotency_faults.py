@@ -269,3 +269,32 @@ async def test_a_replica_behind_a_new_life_does_not_answer_the_last_lifes_placem
     placed = await asyncio.wait_for(answer, 20)
     assert placed.seq > created.seq and placed != old
     assert len(await placements(nc, prefix, "R")) == 2  # one per life
+
+
+async def test_a_refusal_decided_on_a_fold_behind_the_actor_s_history_is_decided_again(stack, nc, prefix, monkeypatch):
+    """A client that does not pass `min_seq` resumes an actor it has just suspended, through a
+    replica whose fold has not folded the suspend yet (after a failover its consumer starts
+    again; here its fold is paused). The fold says RUNNING: before, that refusal was the answer
+    (FAILED_PRECONDITION, as in a leader-kill run of test_faults). Now it is checked against the
+    stream leader first, and the resume waits for the fold and places the actor."""
+    scheduler = stack.services[-1]
+    wb = Client(nc, prefix)
+    await wb.register(worker("w0", V1))
+    await wb.create(actor("a"))
+    await wb.resume("a")
+    waiting = asyncio.Event()
+    wait = scheduler.fold.wait
+
+    async def noted(seq: int | None, timeout: float) -> None:
+        if seq is not None and seq > scheduler.projection.seq:  # the resume waits for what the fold has not folded
+            waiting.set()
+        await wait(seq, timeout)
+
+    async with scheduler.fold.paused():
+        suspended = await wb.suspend("a", uri="s3://a/0")
+        monkeypatch.setattr(scheduler.fold, "wait", noted)
+        resume = asyncio.create_task(Client(nc, prefix, read_your_writes=False).resume("a"))
+        await asyncio.wait({resume, asyncio.create_task(waiting.wait())}, return_when=asyncio.FIRST_COMPLETED)
+        assert not resume.done(), resume.exception()  # not refused on the fold's RUNNING: it waits
+    placed = await resume
+    assert placed.actor_id == "a" and placed.seq > suspended.seq

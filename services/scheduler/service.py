@@ -43,7 +43,7 @@ from events.schema import (
     WorkerBooked,
 )
 from events.subjects import check_prefix, event_subject, stream_name
-from services.common import (EndpointSpec, ReplyCache, add_endpoints, last_seq_on, store_env, stored_at,
+from services.common import (STATE_REFUSALS, EndpointSpec, ReplyCache, add_endpoints, last_seq_on, store_env, stored_at,
                              stream_replicas)
 from services.locks import KeyedLock
 from services.scheduler.checkpoint import DEFAULT_INTERVAL_S, Checkpoints
@@ -273,6 +273,16 @@ class SchedulerService:
                         continue
                     except OperationalError as error:
                         raise unavailable(f"the event store did not take the placement: {error}") from None
+                    except ContractError as refusal:
+                        # A refusal on the actor's state (RUNNING, STOPPED, not found) may come from a fold
+                        # behind the log, as after a failover while its consumer starts again: answered
+                        # once the stream leader has nothing more of the actor (`_current`, one read),
+                        # decided again otherwise, as the registry and the snapshotter do (`run_command`).
+                        if refusal.code not in STATE_REFUSALS or await self._current(actor_id):
+                            raise
+                        log.info("refused on a fold behind the log (%s: %s); deciding again", refusal.code.value,
+                                 refusal.message)
+                        continue
                     if result is RECHECK:  # its id may have been pushed out meanwhile: check again
                         continue
                     if isinstance(result, Answered):
@@ -338,13 +348,14 @@ class SchedulerService:
         """Whether this replica's fold has the actor's history as the stream leader has it, so
         that an answer from the log is of the actor's current life (request ids are scoped to
         one); if not, it waits until the fold has it and says False (the request is checked
-        again). One read at the leader, made only for a request the log answers."""
+        again). One read at the leader, made only for a request the log answers or a refusal on
+        the actor's state."""
         try:
             leader = await last_seq_on(self.nc.jetstream(), self.stream, event_subject(self.prefix, "actor", actor_id))
         except Exception as error:  # no leader to ask right now: retry later, with the same request id
             raise unavailable(f"the event log's leader did not answer ({type(error).__name__}); try again") from None
         actor = self.projection.actors.get(actor_id)
-        if actor is not None and actor.last_seq >= leader:
+        if (actor.last_seq if actor is not None else 0) >= leader:  # no history anywhere is current too
             return True
         await self.fold.wait(leader, self.catch_up_s)
         return False
