@@ -108,7 +108,7 @@ class JetStreamAggregateRecorder(JetStreamRecorder, AggregateRecorder):
         tracking: Tracking | None = None,
         **_: Any,
     ) -> list[int]:
-        if not stored_events and tracking is None:
+        if not stored_events and tracking is None and not fences:  # nothing to send (fences alone: refused)
             return []
         return self.link.call(self._append(stored_events, expected_last_seqs, fences, tracking))
 
@@ -127,7 +127,7 @@ class JetStreamAggregateRecorder(JetStreamRecorder, AggregateRecorder):
         what came back does not say they were not: `events.jetstream.grouped` after a refused
         batch that held them). A copy found stored, byte for byte these events, is then taken
         as this call's and its sequences returned; it is not a conflict."""
-        if not stored_events:
+        if not stored_events and not fences:  # nothing to send (fences alone: refused)
             return []
         return await self.link.submit(self._append(stored_events, expected_last_seqs, fences, None, retried))
 
