@@ -91,17 +91,12 @@ def bodies(prefix: str, phase: str, actors: list[str], tag: str) -> list[tuple[s
 
 
 async def register_workers(replies, prefix: str) -> None:
-    from bench.registry import drive
-    from events.codec import encode
-    from events.schema import (Attribute, CompatVersion, RegisterWorker, Resources, WorkerRuntime,
-                               WorkerSandboxClass)
+    """`WORKERS` workers, registered as `bench/registry.py` registers its own."""
+    from bench.registry import drive, registration
     from events.subjects import service_subject
 
-    version = CompatVersion(schema_version="v1", attributes=(Attribute(key="architecture", value="amd64"),))
-    requests = [(service_subject(prefix, "registry", "register", f"w{i}"), encode(RegisterWorker(
-        worker_id=f"w{i}", node=f"n{i}", capacity=Resources(cpu_millis=10**7, memory_mib=10**7),
-        sandbox_classes=(WorkerSandboxClass(sandbox_class="gvisor", default_runtime=WorkerRuntime(version=version)),),
-        request_id=f"reg-w{i}"))) for i in range(WORKERS)]
+    requests = [(service_subject(prefix, "registry", "register", f"w{i}"), registration(f"w{i}", f"reg-w{i}"))
+                for i in range(WORKERS)]
     await drive(replies, requests, 64, {})
 
 
