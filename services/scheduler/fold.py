@@ -133,7 +133,10 @@ class Fold:
         self.errors = 0
         self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []  # sorted: (seq, tie, waiter)
         self._tie = itertools.count()
-        self._end: tuple[float, asyncio.Future[Any]] | None = None  # when asked, the stream's info (`_stream_end`)
+        # The stream's info as last asked (`_stream_end`): the question's number, and its answer. A
+        # number, not the loop's clock: uvloop's clock stands still within a millisecond.
+        self._end: tuple[int, asyncio.Future[Any]] | None = None
+        self._asked = 0  # questions asked so far
         self._sub: Any = None
         self.on_cpu = on_cpu
         self._direct: DirectDelivery | None = None
@@ -278,8 +281,8 @@ class Fold:
         if not seq or self.projection.seq >= seq:
             return
         loop = asyncio.get_running_loop()
-        registered = loop.time()
-        deadline = registered + timeout
+        asked = self._asked  # only a question asked after this one came can answer it
+        deadline = loop.time() + timeout
         waiter: asyncio.Future[None] = loop.create_future()
         entry = (seq, next(self._tie), waiter)
         waiters = self._waiters
@@ -288,7 +291,7 @@ class Fold:
             if seq > self.projection.seq + self.behind:
                 await asyncio.wait({waiter}, timeout=min(PAST_END_GRACE_S, timeout))
                 if not waiter.done():
-                    end = await self._stream_end(registered, deadline - loop.time())
+                    end = await self._stream_end(asked, deadline - loop.time())
                     if end is not None and seq > end and not waiter.done():
                         raise unavailable(f"sequence {seq} is past the end of the log (its last is {end}): "
                                           "nothing to wait for")
@@ -303,13 +306,13 @@ class Fold:
             if at < len(waiters) and waiters[at] is entry:
                 del waiters[at]
 
-    async def _stream_end(self, since: float, within: float) -> int | None:
-        """The stream's last sequence as the leader answers a question asked at `since` or later
+    async def _stream_end(self, since: int, within: float) -> int | None:
+        """The stream's last sequence as the leader answers a question asked after the `since`-th
         (None if it is not known within `within`): one question shared by every caller while it
         is asked, but never one asked before a caller came (it may not have its `seq` yet)."""
-        loop = asyncio.get_running_loop()
-        if self._end is None or self._end[1].done() or self._end[0] < since:
-            self._end = (loop.time(), asyncio.ensure_future(self.nc.jetstream().stream_info(self.stream)))
+        if self._end is None or self._end[1].done() or self._end[0] <= since:
+            self._asked += 1
+            self._end = (self._asked, asyncio.ensure_future(self.nc.jetstream().stream_info(self.stream)))
             self._end[1].add_done_callback(retrieved)
         try:
             info = await asyncio.wait_for(asyncio.shield(self._end[1]), max(within, 0.0))
