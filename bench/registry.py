@@ -25,7 +25,9 @@ Side by side, in one run, on one nats-server (file storage, as in production):
     what a heartbeat costs the registry, the server and the client.
 
 The registry process tunes its collector as `warmboot serve` does (`services.common.tune_gc`,
-when the checkout has it); the echo and the no-op run as plain Python processes.
+when the checkout has it); the echo and the no-op run as plain Python processes. All of them
+run on the event loop `warmboot serve` runs on (`services.common.run_serving`: uvloop, unless
+WARMBOOT_EVENT_LOOP=asyncio; a checkout without it, asyncio's).
 Every reply is checked: a refused heartbeat or registration fails the run.
 `--before DIR` also runs (b) and (c) against the registry of another checkout (say a
 `git worktree` of an earlier commit) in the same run, on the same server, its
@@ -99,7 +101,11 @@ def serve(kind: str, nats_url: str, prefix: str) -> None:
         await service.stop()
         await nc.close()
 
-    asyncio.run(main())
+    # Every kind on the loop `warmboot serve` runs on, the echo too (an older checkout has no
+    # run_serving: asyncio's loop).
+    import services.common
+
+    getattr(services.common, "run_serving", lambda run: asyncio.run(run()))(main)
 
 
 class Served:

@@ -335,7 +335,9 @@ def run_replica(nats_url: str, prefix: str) -> None:
         await service.stop()
         await nc.close()
 
-    asyncio.run(main())
+    import services.common  # on the loop `warmboot serve` runs on (an older checkout: asyncio's)
+
+    getattr(services.common, "run_serving", lambda run: asyncio.run(run()))(main)
 
 
 def scrape(port: int, name: str) -> float:

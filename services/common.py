@@ -749,6 +749,44 @@ def tune_gc() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
+# The event loop a serving process runs on (`run_serving`): uvloop, libuv's loop, unless the
+# environment says WARMBOOT_EVENT_LOOP=asyncio. What a wake-up of the loop costs is most of what
+# a small request costs a service (docs/scaling.md, "The event loop"), and uvloop's is smaller.
+EVENT_LOOP_ENV = "WARMBOOT_EVENT_LOOP"
+EVENT_LOOPS = ("uvloop", "asyncio")
+
+
+def serving_loop(choice: str | None = None) -> tuple[str, Callable[[], asyncio.AbstractEventLoop]]:
+    """The event loop `run_serving` runs on: its name, and the factory that makes one.
+
+    `choice` (else WARMBOOT_EVENT_LOOP) names it: `uvloop`, the default, or `asyncio`; any other
+    value is a ValueError naming the variable. uvloop not installed (a platform without its
+    wheels): asyncio's loop, unless uvloop was asked for by name."""
+    named = choice if choice is not None else os.environ.get(EVENT_LOOP_ENV, "")
+    if named not in ("", *EVENT_LOOPS):
+        raise ValueError(f"{EVENT_LOOP_ENV}={named!r}: expected one of {', '.join(EVENT_LOOPS)}")
+    if named != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            if named:
+                raise ValueError(f"{EVENT_LOOP_ENV}=uvloop, but uvloop is not installed") from None
+        else:
+            return "uvloop", uvloop.new_event_loop
+    return "asyncio", asyncio.new_event_loop
+
+
+def run_serving(main: Callable[[], Awaitable[T]], loop: str | None = None) -> T:
+    """`asyncio.run(main())` on the serving event loop (`serving_loop(loop)`): what `warmboot
+    serve`, `warmboot up` and the benches' serving processes run on. Threads that make loops of
+    their own (the event store's link for synchronous callers) keep asyncio's. Unlike
+    `asyncio.run`, the loop is not made the thread's current loop outside `main`."""
+    name, factory = serving_loop(loop)  # a bad choice is refused before anything starts
+    log.info("event loop: %s", name)
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(main())
+
+
 def stream_replicas() -> int:
     """Replicas of the streams and buckets a service creates: WARMBOOT_STREAM_REPLICAS, else 1."""
     return int(os.environ.get("WARMBOOT_STREAM_REPLICAS") or 1)

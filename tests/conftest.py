@@ -13,9 +13,17 @@ from pathlib import Path
 import nats
 import pytest
 
+from services.common import serving_loop
 from warmboot.natsserver import NatsServer
 
 TESTS = Path(__file__).parent
+
+
+def pytest_asyncio_loop_factories(config, item):
+    """The tests' event loop is the one the services run on (`services.common.run_serving`):
+    uvloop, or asyncio's own with WARMBOOT_EVENT_LOOP=asyncio."""
+    name, factory = serving_loop()
+    return {name: factory}
 
 
 @pytest.fixture(scope="session")

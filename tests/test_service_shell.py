@@ -34,7 +34,16 @@ from events.schema import (
     SeqReply,
 )
 from events.subjects import event_subject, service_subject, stream_name
-from services.common import EndpointSpec, ReplyCache, add_endpoints, call, is_outage
+from services.common import (
+    EVENT_LOOP_ENV,
+    EndpointSpec,
+    ReplyCache,
+    add_endpoints,
+    call,
+    is_outage,
+    run_serving,
+    serving_loop,
+)
 from tests.factories import SILENT_TTL_S
 from tests.registry_helpers import registration
 from warmboot.natsserver import NatsCluster, wait_jetstream
@@ -347,6 +356,72 @@ async def test_serve_serves_metrics_on_every_interface_and_up_on_loopback(nats_u
         running = await start_services(stack, ["registry"], nats_url, prefix, metrics_port=0)
         assert running.metrics_url == f"http://127.0.0.1:{running.metrics_port}/metrics"
         assert listening_on(running.metrics_port) == {"0100007F"}  # 127.0.0.1
+
+
+def test_the_serving_loop_is_uvloop_unless_asyncio_is_named(monkeypatch):
+    import uvloop
+
+    monkeypatch.delenv(EVENT_LOOP_ENV, raising=False)
+    assert serving_loop() == ("uvloop", uvloop.new_event_loop)
+    assert serving_loop("asyncio") == ("asyncio", asyncio.new_event_loop)
+    monkeypatch.setenv(EVENT_LOOP_ENV, "asyncio")
+    assert serving_loop()[0] == "asyncio"
+    assert serving_loop("uvloop")[0] == "uvloop"  # the command's option over the environment
+    monkeypatch.setenv(EVENT_LOOP_ENV, "trio")
+    with pytest.raises(ValueError, match=r"^WARMBOOT_EVENT_LOOP='trio': expected one of uvloop, asyncio$"):
+        serving_loop()
+
+
+def test_run_serving_runs_main_on_the_named_loop_and_nothing_on_a_bad_name():
+    import uvloop
+
+    async def running() -> tuple[type, bool]:
+        return type(asyncio.get_running_loop()), asyncio.get_running_loop().is_running()
+
+    assert run_serving(running, "uvloop") == (uvloop.Loop, True)
+    kind, _ = run_serving(running, "asyncio")
+    assert issubclass(kind, asyncio.BaseEventLoop) and not issubclass(kind, uvloop.Loop)
+    started = []
+
+    async def main() -> None:
+        started.append(True)
+
+    with pytest.raises(ValueError, match="'epoll'"):
+        run_serving(main, "epoll")
+    assert started == []  # refused before main was even made a coroutine
+
+
+def test_serve_and_up_refuse_an_event_loop_they_do_not_know_naming_the_option():
+    from click.testing import CliRunner
+
+    from warmboot.cli import main
+
+    for command in (["serve", "registry"], ["up"]):
+        result = CliRunner().invoke(main, [*command, "--event-loop", "epoll"])
+        assert result.exit_code == 2, result.output
+        assert "Invalid value for '--event-loop': 'epoll' is not one of 'uvloop', 'asyncio'." in result.output
+        result = CliRunner().invoke(main, command, env={EVENT_LOOP_ENV: "epoll"})
+        assert result.exit_code == 2 and "'--event-loop'" in result.output, result.output
+
+
+@pytest.mark.parametrize("loop", ["asyncio", None])
+async def test_serve_runs_on_the_loop_named_and_says_which(nats_url, prefix, loop):
+    from tests.secured_helpers import Serve
+
+    env = {EVENT_LOOP_ENV: loop} if loop else {}
+    serve = Serve("registry", "--nats", nats_url, "--prefix", prefix, env=env)
+    if not loop:
+        serve.env.pop(EVENT_LOOP_ENV, None)
+    await asyncio.to_thread(serve.start)
+    try:
+        assert await asyncio.to_thread(serve.line, f"event loop: {loop or 'uvloop'}", anywhere=True)
+        async with await nats.connect(nats_url) as client:
+            with pytest.raises(ContractError) as refused:  # it answers: an unknown worker's heartbeat
+                await call(client, service_subject(prefix, "registry", "heartbeat", "w-unknown"), Heartbeat(),
+                           HeartbeatReply)
+        assert refused.value.code is ErrorCode.NOT_FOUND
+    finally:
+        assert await asyncio.to_thread(serve.stop) == 0
 
 
 def test_an_offending_subject_is_logged_once_and_the_log_is_bounded(caplog):

@@ -16,12 +16,17 @@ from events.errors import ContractError, unavailable
 from events.natsauth import redact_url
 from events.schema import ID_PATTERN
 from events.subjects import DEFAULT_PREFIX, check_prefix, stream_name
+from services.common import EVENT_LOOP_ENV, EVENT_LOOPS
 from warmboot.runner import connect
 
 nats_option = click.option("--nats", "nats_url", default="nats://127.0.0.1:4222", show_default=True,
                            envvar="NATS_URL", help="NATS server URL(s), comma-separated.")
 prefix_option = click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="WARMBOOT_PREFIX",
                              help="Subject prefix of the deployment.")
+event_loop_option = click.option(
+    "--event-loop", type=click.Choice(EVENT_LOOPS), default=None, envvar=EVENT_LOOP_ENV,
+    help="The services' event loop: uvloop (the default where it is installed: less CPU per request), "
+         "or asyncio's own.")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 min_seq_option = click.option(
     "--min-seq", "min_seq", type=click.IntRange(min=1), default=None, metavar="SEQ",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 from contextlib import AsyncExitStack
@@ -11,7 +10,8 @@ import click
 
 from events.natsauth import NKEY_SEED_ENV
 from events.subjects import DEFAULT_PREFIX
-from services.common import ALL_INTERFACES, tune_gc
+from services.common import ALL_INTERFACES, run_serving, tune_gc
+from warmboot.cli_common import event_loop_option
 from services.scheduler.checkpoint import DEFAULT_EVERY_EVENTS, DEFAULT_INTERVAL_S
 from warmboot.runner import SERVICES, dump_on_signal, start_services, stop_signals
 
@@ -38,9 +38,10 @@ from warmboot.runner import SERVICES, dump_on_signal, start_services, stop_signa
 @click.option("--checkpoint-interval", "checkpoint_interval_s", type=click.FloatRange(min=0),
               default=DEFAULT_INTERVAL_S, show_default=True,
               help="Scheduler: also save one after this many seconds if anything was folded (0: off).")
+@event_loop_option
 def serve(service: str, nats_url: str, nkey_seed: str | None, prefix: str, metrics_port: int | None,
           metrics_host: str, ttl_s: float, replicas: int | None, checkpoint_every: int,
-          checkpoint_interval_s: float) -> None:
+          checkpoint_interval_s: float, event_loop: str | None) -> None:
     """Run SERVICE (registry, snapshotter, scheduler, or all) until SIGINT/SIGTERM.
 
     NATS URLs may be a comma-separated list (the members of a cluster).
@@ -70,6 +71,6 @@ def serve(service: str, nats_url: str, nkey_seed: str | None, prefix: str, metri
             click.echo("stopping")
 
     try:
-        asyncio.run(run())
+        run_serving(run, event_loop)
     except OSError as e:
         raise click.ClickException(str(e)) from None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import shutil
 from contextlib import AsyncExitStack
@@ -12,8 +11,9 @@ import click
 from rich.console import Console
 
 from events.subjects import DEFAULT_PREFIX, stream_name
-from services.common import tune_gc
+from services.common import run_serving, tune_gc
 from services.scheduler.checkpoint import DEFAULT_EVERY_EVENTS, DEFAULT_INTERVAL_S
+from warmboot.cli_common import event_loop_option
 from warmboot.natsserver import NatsServer, NatsServerError
 from warmboot.runner import SERVICES, dump_on_signal, start_services, stop_signals
 
@@ -34,8 +34,9 @@ console = Console()
               help="Wipe the store first (default: reset with --demo, reuse without).")
 @click.option("--workers", type=int, default=60, show_default=True, help="Demo: simulated workers.")
 @click.option("--actors", type=int, default=300, show_default=True, help="Demo: simulated actors.")
+@event_loop_option
 def up(port: int, store: Path, prefix: str, metrics_port: int, demo: bool, exit_after_demo: bool,
-       reset: bool | None, workers: int, actors: int) -> None:
+       reset: bool | None, workers: int, actors: int, event_loop: str | None) -> None:
     """Start NATS (JetStream in STORE) and every service in this process; optionally run the demo."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if reset is None:
@@ -86,6 +87,6 @@ def up(port: int, store: Path, prefix: str, metrics_port: int, demo: bool, exit_
             console.print("stopping")
 
     try:
-        asyncio.run(run())
+        run_serving(run, event_loop)
     finally:
         server.stop()
