@@ -521,9 +521,10 @@ async def until_answered(call: Callable[[], Awaitable[T]], what: str, within: fl
     again while JetStream cannot answer it (`_unanswered`: a cluster that has just formed, a
     meta leader election, a time-out), after 0.1 s, doubling up to 2 s; past `within`, the
     last failure. Any other failure (a configuration the server refuses, a connection closed
-    for good) is raised at once. The calls it makes are idempotent: a bucket or a consumer
-    that the lost answer had created is created again with the same configuration, which
-    is no change."""
+    for good) is raised at once. The calls it makes are idempotent: a bucket or a durable
+    consumer that the lost answer had created is created again with the same configuration,
+    which is no change; an ordered consumer (the folds') is made anew, and the one a lost
+    answer made, which nobody listens to, is deleted by the server once it is inactive."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + within
     pause = 0.1

@@ -1,4 +1,5 @@
-"""Placements come back soon after a new stream leader is elected (issue 14, item 4).
+"""Placements come back soon after a new stream leader is elected (issue 14, item 4), and a
+replica started while its stream has no leader starts once it has one.
 
 A 3-node cluster, every service (streams and buckets R3), actors cycling resume ->
 suspend through `warmboot.client`; the stream leader is killed with SIGKILL. The
@@ -164,3 +165,66 @@ async def read_log(nc, stream: str, t: float) -> tuple[float, list[str]]:
                 return first, doubled
     finally:
         await sub.unsubscribe()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("fold", ["scheduler", "roster"])
+async def test_a_fold_started_while_its_stream_has_no_leader_folds_once_it_has_one(tmp_path, monkeypatch, caplog,
+                                                                                  fold):
+    """A replica started during a failover (here two of the stream's three members down: no
+    leader, no meta leader) asks for the stream and its fold's consumer again while JetStream
+    cannot answer, instead of failing its start, and folds the whole log once it can."""
+    import logging
+
+    import nats
+
+    from services.registry.fold import RosterFold
+    from services.registry.roster import Roster
+    from services.scheduler.fold import Fold
+    from services.scheduler.projection import Projection
+    from tests.factories import Writer, entry, registered, version
+
+    monkeypatch.setenv("WARMBOOT_STREAM_REPLICAS", "3")
+    prefix = "t" + uuid.uuid4().hex[:10]
+    asked = asyncio.Event()
+
+    class Asked(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "JetStream did not answer" in record.getMessage():
+                asked.set()
+
+    handler = Asked()
+    logging.getLogger("warmboot.service").addHandler(handler)
+    caplog.set_level(logging.INFO, logger="warmboot.service")
+    try:
+        with NatsCluster(tmp_path) as cluster:
+            await wait_jetstream(cluster.url)
+            writer = await asyncio.to_thread(Writer, cluster.url, prefix)  # the stream, R3
+            try:
+                seq = await asyncio.to_thread(writer.write, registered("w-1", entry(version("1"))))
+            finally:
+                await asyncio.to_thread(writer.close)
+            first, *others = cluster.nodes
+            for node in others:
+                await asyncio.to_thread(node.stop)
+            nc = await nats.connect(first.url)
+            try:
+                folding = (Fold(nc, prefix, Projection()) if fold == "scheduler"
+                           else RosterFold(nc, prefix, Roster()))
+                starting = asyncio.ensure_future(folding.start(120))
+                await asyncio.wait_for(asyncio.shield(asked.wait()), 60)  # an attempt went unanswered
+                assert not starting.done()
+                for node in others:
+                    node.spawn()
+                for node in others:
+                    await asyncio.to_thread(node.wait_ready, 30)
+                await asyncio.wait_for(starting, 150)
+                if fold == "scheduler":
+                    assert folding.projection.seq >= seq and "w-1" in folding.projection.workers
+                else:
+                    assert folding.roster.alive("w-1")
+                await folding.stop()
+            finally:
+                await nc.close()
+    finally:
+        logging.getLogger("warmboot.service").removeHandler(handler)

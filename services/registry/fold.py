@@ -37,9 +37,11 @@ from nats.aio.msg import Msg
 from events.codec import decode_event
 from events.errors import ContractError, unavailable
 from events.jetstream import ERR_NO_MESSAGE_FOUND, TOPIC_HEADER
+from events.jetstream.retry import REQUEST_TIMEOUT
 from events.natspy import ORDERED_IDLE_HEARTBEAT_S, ApiError, ack_positions, use_lean_headers
 from events.subjects import event_subject, stream_name
 from events.tasks import cancel_and_wait
+from services.common import until_answered
 from services.registry.roster import Roster
 
 log = logging.getLogger("warmboot.registry")
@@ -94,10 +96,11 @@ class RosterFold:
     async def start(self, timeout: float) -> None:
         """Read the workers' events from the first; return once every one stored so far is folded."""
         use_lean_headers(self.nc)
-        self._sub = await self.nc.jetstream().subscribe(
-            self.filter, stream=self.stream, cb=self._on_msg, ordered_consumer=True,
-            idle_heartbeat=ORDERED_IDLE_HEARTBEAT_S,
-        )
+        js = self.nc.jetstream()
+        self._sub = await until_answered(  # asked again while JetStream cannot answer (a leader election)
+            lambda: js.subscribe(self.filter, stream=self.stream, cb=self._on_msg, ordered_consumer=True,
+                                 idle_heartbeat=ORDERED_IDLE_HEARTBEAT_S),
+            f"the roster's consumer on {self.stream}")
         try:
             await self._settle(asyncio.get_running_loop().time() + timeout)
         except asyncio.TimeoutError:
@@ -213,17 +216,33 @@ class RosterFold:
                 finally:
                     self._want = None
 
-    async def _api(self, verb: str, body: bytes, timeout: float) -> bytes:
-        if timeout <= 0:
-            raise asyncio.TimeoutError
-        try:
-            msg = await self.nc.request(f"$JS.API.STREAM.{verb}.{self.stream}", body, timeout=timeout)
-        except nats.errors.TimeoutError:
-            raise asyncio.TimeoutError from None
-        return msg.data
+    async def _api(self, verb: str, body: bytes, decoder: msgspec.json.Decoder, timeout: float) -> Any:
+        """One stream API request, decoded; asked again within `timeout` while JetStream cannot
+        answer it: a request lost in a leader election (no answer within `REQUEST_TIMEOUT`: at
+        once), nobody listening or a 5xx (no leader yet: after a pause, doubling). Past
+        `timeout`, TimeoutError. One request used to wait the whole `timeout`: at the start
+        (two minutes), a STREAM.INFO lost while the cluster elected its leaders failed it."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        pause = 0.05
+        while (left := deadline - loop.time()) > 0:
+            try:
+                msg = await self.nc.request(f"$JS.API.STREAM.{verb}.{self.stream}", body,
+                                            timeout=min(left, REQUEST_TIMEOUT))
+            except nats.errors.TimeoutError:
+                continue
+            except nats.errors.NoRespondersError:
+                pass
+            else:
+                answer = decoder.decode(msg.data)
+                if answer.error is None or answer.error.code < 500:
+                    return answer
+            await asyncio.sleep(min(pause, max(deadline - loop.time(), 0.0)))  # a back-off, not a wait for a condition
+            pause = min(pause * 2, 1.0)
+        raise asyncio.TimeoutError
 
     async def _last_seq(self, timeout: float) -> int:
-        info = _info_decoder.decode(await self._api("INFO", b"", timeout))
+        info = await self._api("INFO", b"", _info_decoder, timeout)
         if info.error is not None or info.state is None:
             raise unavailable(f"the event log {self.stream} is unavailable: "
                               f"{info.error.description if info.error else 'no state'}")
@@ -232,7 +251,7 @@ class RosterFold:
     async def _next_worker_event(self, start: int, timeout: float) -> int | None:
         """The sequence of the first worker event at or after `start`, as the stream leader has it."""
         body = msgspec.json.encode({"seq": start, "next_by_subj": self.filter})
-        got = _get_decoder.decode(await self._api("MSG.GET", body, timeout))
+        got = await self._api("MSG.GET", body, _get_decoder, timeout)
         if got.error is not None:
             if got.error.err_code == ERR_NO_MESSAGE_FOUND or got.error.code == 404:
                 return None

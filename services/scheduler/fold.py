@@ -39,6 +39,7 @@ from events.schema import (EVENT_TYPES, ActorPlaced, ActorRuntime, AnyEvent, Sna
                            WorkerEvent)
 from events.subjects import stream_name
 from events.tasks import retrieved
+from services.common import until_answered
 from services.scheduler.projection import Projection
 
 log = logging.getLogger("warmboot.scheduler")
@@ -152,16 +153,18 @@ class Fold:
         """Read from the message after the projection's position (1, or a restored checkpoint's + 1)."""
         use_lean_headers(self.nc)
         js = self.nc.jetstream()
-        target = (await js.stream_info(self.stream)).state.last_seq
-        start = {}
-        if self.projection.seq:
-            start = {"deliver_policy": DeliverPolicy.BY_START_SEQUENCE,
-                     "config": ConsumerConfig(opt_start_seq=self.projection.seq + 1)}
-        self._sub = await js.subscribe(
-            f"{self.prefix}.>", stream=self.stream, cb=self._on_msg, ordered_consumer=True,
-            idle_heartbeat=ORDERED_IDLE_HEARTBEAT_S,
-            **start,
-        )
+        # Both asked again while JetStream cannot answer (a replica started during a leader election).
+        target = (await until_answered(lambda: js.stream_info(self.stream), f"the stream {self.stream}")).state.last_seq
+
+        def subscribe() -> Any:
+            start = {}  # made anew for each attempt: nats-py writes the deliver subject into the config
+            if self.projection.seq:
+                start = {"deliver_policy": DeliverPolicy.BY_START_SEQUENCE,
+                         "config": ConsumerConfig(opt_start_seq=self.projection.seq + 1)}
+            return js.subscribe(f"{self.prefix}.>", stream=self.stream, cb=self._on_msg, ordered_consumer=True,
+                                idle_heartbeat=ORDERED_IDLE_HEARTBEAT_S, **start)
+
+        self._sub = await until_answered(subscribe, f"the fold's consumer on {self.stream}")
         self._direct = deliver_directly(self.nc, self._sub, self._folded, self._direct_ready,
                                         wanted=(TOPIC_HEADER, VERSION_HEADER),  # all fold_message reads
                                         on_cpu=self.on_cpu)
