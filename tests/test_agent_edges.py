@@ -68,8 +68,14 @@ def test_edges_load_probed_or_literal(tmp_path):
          "sandbox_classes[0].restorable_runtimes[0].compatible_versions[0].attributes"),  # v1 needs architecture
         (('attributes = { architecture = "amd64", cpu_features = "" }\n',), "default_runtime",
          "sandbox_classes[0].default_runtime.compatible_versions[0].attributes"),
+        (('attributes = { architecture = "x86_64", gvisor_asset_hash = "v0" }\n',), "default_runtime",
+         "sandbox_classes[0].default_runtime.compatible_versions[0].attributes.architecture: 'x86_64' is the "
+         "machine's name for it; schema v1 names it 'amd64', as the probe reports it"),
+        (('attributes = { architecture = "AArch64", gvisor_asset_hash = "v0" }\n',), "restorable_runtimes",
+         "sandbox_classes[0].restorable_runtimes[0].compatible_versions[0].attributes.architecture: 'AArch64'"),
     ],
-    ids=["unknown-key", "profile", "equals-own-version", "duplicate", "no-architecture", "empty-value"],
+    ids=["unknown-key", "profile", "equals-own-version", "duplicate", "no-architecture", "empty-value",
+         "machine-name", "machine-name-any-case"],
 )
 def test_a_bad_edge_names_its_field(tmp_path, edges, where, field):
     path = tmp_path / "agent.toml"

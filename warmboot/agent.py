@@ -62,8 +62,8 @@ from events.errors import ContractError
 from events.tasks import cancel_and_wait
 from events.natsauth import nkey_options, nkey_seed_path
 from events.natspy import guard_reads
-from events.probe import (DEFAULT_CPUINFO, PROFILES, SCHEMA_VERSION, ProbeError, host_architecture, probe_host,
-                          probe_version, read_cpuinfo)
+from events.probe import (DEFAULT_CPUINFO, MACHINE_TO_ARCH, PROFILES, SCHEMA_VERSION, ProbeError, host_architecture,
+                          probe_host, probe_version, read_cpuinfo)
 from events.schema import (
     ActorOverhead,
     DrainWorker,
@@ -179,6 +179,12 @@ def _where(text: str) -> str:
 
 def _version(runtime: VersionConfig, path: str, probe: ProbeSettings) -> dict[str, Any]:
     if runtime.profile is None:
+        arch = runtime.attributes.get("architecture")
+        named = MACHINE_TO_ARCH.get(arch.lower()) if arch is not None else None
+        if runtime.schema_version == SCHEMA_VERSION and named is not None and named != arch:
+            # `uname -m`'s name: no probed runtime (Go's naming) would ever equal this version
+            raise ConfigError(f"{path}.attributes.architecture: {arch!r} is the machine's name for it; "
+                              f"schema {SCHEMA_VERSION} names it {named!r}, as the probe reports it")
         attributes = sorted(runtime.attributes.items())
         return {
             "schema_version": runtime.schema_version,
