@@ -51,7 +51,7 @@ from events.schema import (
     WorkerFenced,
     WorkerRemoved,
 )
-from events.subjects import service_subject, stream_name
+from events.subjects import service_subject, services_inbox, stream_name
 from services.common import call, run_command, store_env
 from services.registry.service import RegistryService
 from services.snapshotter.domain import Actor
@@ -81,6 +81,27 @@ async def snapshotter(nats_server, prefix, nc):
     await service.start()
     yield service
     await service.stop()
+
+
+@contextlib.asynccontextmanager
+async def another_replica(snapshotter: SnapshotterService, nats_url: str, prefix: str, **options):
+    """A second snapshotter replica as another process runs one: a connection of its own to serve
+    on, and an event-store link of its own (another inbox prefix: other connect options), so its
+    own cache of each subject's last sequence. A losing append is then refused by the server,
+    not caught by a cache the two replicas share."""
+    import nats
+
+    client = await nats.connect(nats_url)
+    env = env_for(nats_url, prefix)
+    env["NATS_INBOX_PREFIX"] = f"{services_inbox(prefix)}.replica2"
+    service = SnapshotterService(client, nats_url=nats_url, prefix=prefix, env=env, **options)
+    try:
+        await service.start()
+        assert service.app.recorder.link is not snapshotter.app.recorder.link
+        yield service
+    finally:
+        await service.stop()
+        await client.close()
 
 
 @pytest.fixture
@@ -438,9 +459,7 @@ async def test_raw_subscriber_reads_the_stamp_as_the_contract_says(snapshotter, 
 async def test_a_removed_workers_actors_are_released_once_with_two_replicas(
     snapshotter, registry, placer, nats_server, nc, prefix
 ):
-    second = SnapshotterService(nc, nats_url=nats_server.url, prefix=prefix, env=env_for(nats_server.url, prefix))
-    await second.start()
-    try:
+    async with another_replica(snapshotter, nats_server.url, prefix) as second:
         await register(nc, prefix, registration("w-1", "node-1", V1))
         for actor_id in ("a-1", "a-2", "a-3"):
             await create(nc, prefix, actor_id)
@@ -469,8 +488,6 @@ async def test_a_removed_workers_actors_are_released_once_with_two_replicas(
         # Released actors are suspended: they can be placed again, and paused there.
         await placer.place("a-2", "w-2", "node-2", PIN_V1)
         assert (await pause(nc, prefix, "a-2")).snapshot.node == "node-2"
-    finally:
-        await second.stop()
 
 
 async def test_a_restarted_replica_does_not_release_again(registry, placer, nats_server, nc, prefix):
@@ -587,24 +604,27 @@ async def released_by_removal(nc, prefix: str, count: int) -> list[tuple[int, Ac
 async def test_concurrent_pauses_on_two_replicas_one_wins_the_other_re_reads(
     snapshotter, placer, nats_server, nc, prefix
 ):
-    second = await SnapshotterService(nc, nats_url=nats_server.url, prefix=prefix,
-                                      env=env_for(nats_server.url, prefix), follow=False).start()
-    try:
-        for round_ in range(3):
+    """Eight pauses of one actor at once, shared by two replicas that share nothing but the
+    server, five rounds: one pause wins each round, the others are refused on the state they
+    read again (PAUSED), and the log holds one snapshot and one release per round."""
+    rounds = 5
+    async with another_replica(snapshotter, nats_server.url, prefix, follow=False) as second:
+        for round_ in range(rounds):
             actor_id = f"a-{round_}"
             await create(nc, prefix, actor_id)
             await placer.place(actor_id, "w-1", "node-1", PIN_V1)
-            outcomes = await asyncio.gather(*(pause(nc, prefix, actor_id) for _ in range(4)),
+            outcomes = await asyncio.gather(*(pause(nc, prefix, actor_id) for _ in range(8)),
                                             return_exceptions=True)
             won = [o for o in outcomes if isinstance(o, SnapshotReply)]
             lost = [o for o in outcomes if isinstance(o, ContractError)]
-            assert len(won) == 1 and len(lost) == 3, outcomes
+            assert len(won) == 1 and len(lost) == 7, outcomes
             assert all(e.code is ErrorCode.FAILED_PRECONDITION for e in lost)  # re-read: PAUSED now
+        served = [next(e.num_requests for e in replica.micro.stats().endpoints if e.name == "pause")
+                  for replica in (snapshotter, second)]
+        assert sum(served) == 8 * rounds and min(served) > 0, served  # both replicas took part
         log = [e for _, _, e in await read_entries(nc, prefix)]
-        assert sum(isinstance(e, SnapshotTaken) for e in log) == 3
-        assert sum(isinstance(e, ActorReleased) for e in log) == 3
-    finally:
-        await second.stop()
+        assert sum(isinstance(e, SnapshotTaken) for e in log) == rounds
+        assert sum(isinstance(e, ActorReleased) for e in log) == rounds
 
 
 async def test_a_placement_racing_a_stop_never_leaves_a_stopped_actor_placed(snapshotter, placer, nc, prefix):
