@@ -365,7 +365,7 @@ class SnapshotterService:
                                         asyncio.get_running_loop())
         if self.follow:
             self.process = await asyncio.to_thread(WorkerRemovalProcess, self.env)
-            self.process.follow()
+            await asyncio.to_thread(self.process.follow)  # its subscription is made on its own link: not on this loop
         self.micro = await add_endpoints(
             self.nc, self.prefix, SERVICE,
             "Actor lifecycle steps that take, promote and tag snapshots, stamped with their runtime",
