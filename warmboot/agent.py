@@ -177,14 +177,33 @@ def _where(text: str) -> str:
     return f"{path.rstrip('`').lstrip('.')}: {message}"
 
 
-def _version(runtime: VersionConfig, path: str, probe: ProbeSettings) -> dict[str, Any]:
+def _architecture_named_otherwise(runtime: VersionConfig, path: str, stamps: bool) -> None:
+    """A literal version of schema v1 whose `architecture` is not spelled as the probe spells it
+    (`x86_64`, `AMD64`): it never equals a probed version. As the version a worker stamps new
+    snapshots with (`stamps`, a default runtime's own) it is refused; as a version it restores
+    (a restorable runtime, a compatible version) it is taken with a warning, since snapshots
+    stamped with it before may exist and be worth restoring."""
+    arch = runtime.attributes.get("architecture")
+    named = MACHINE_TO_ARCH.get(arch.lower()) if arch is not None else None
+    if runtime.schema_version != SCHEMA_VERSION or named is None or named == arch:
+        return
+    detail = (f"{arch!r}: schema {SCHEMA_VERSION} spells it {named!r}" if arch.lower() == named
+              else f"{arch!r} is the machine's name; schema {SCHEMA_VERSION} names it {named!r}")
+    problem = (f"{path}.attributes.architecture: {detail}, as the probe reports it, so this version never "
+               f"equals a probed one")
+    if stamps:
+        raise ConfigError(problem)
+    if problem not in _WARNED:  # once per process: the file is read again every watch interval
+        _WARNED.add(problem)
+        log.warning("%s; kept, to restore snapshots stamped with it", problem)
+
+
+_WARNED: set[str] = set()
+
+
+def _version(runtime: VersionConfig, path: str, probe: ProbeSettings, stamps: bool = False) -> dict[str, Any]:
     if runtime.profile is None:
-        arch = runtime.attributes.get("architecture")
-        named = MACHINE_TO_ARCH.get(arch.lower()) if arch is not None else None
-        if runtime.schema_version == SCHEMA_VERSION and named is not None and named != arch:
-            # `uname -m`'s name: no probed runtime (Go's naming) would ever equal this version
-            raise ConfigError(f"{path}.attributes.architecture: {arch!r} is the machine's name for it; "
-                              f"schema {SCHEMA_VERSION} names it {named!r}, as the probe reports it")
+        _architecture_named_otherwise(runtime, path, stamps)
         attributes = sorted(runtime.attributes.items())
         return {
             "schema_version": runtime.schema_version,
@@ -209,8 +228,8 @@ def _version(runtime: VersionConfig, path: str, probe: ProbeSettings) -> dict[st
     return to_builtins(version)
 
 
-def _runtime(runtime: RuntimeConfig, path: str, probe: ProbeSettings) -> dict[str, Any]:
-    body: dict[str, Any] = {"version": _version(runtime, path, probe)}
+def _runtime(runtime: RuntimeConfig, path: str, probe: ProbeSettings, stamps: bool = False) -> dict[str, Any]:
+    body: dict[str, Any] = {"version": _version(runtime, path, probe, stamps)}
     if runtime.name is not None:
         body["name"] = runtime.name
     if runtime.actor_overhead is not None:
@@ -232,7 +251,7 @@ def build_registration(
         classes.append(
             {
                 "sandbox_class": entry.sandbox_class,
-                "default_runtime": _runtime(entry.default_runtime, f"{path}.default_runtime", probe),
+                "default_runtime": _runtime(entry.default_runtime, f"{path}.default_runtime", probe, stamps=True),
                 "restorable_runtimes": [
                     _runtime(r, f"{path}.restorable_runtimes[{j}]", probe)
                     for j, r in enumerate(entry.restorable_runtimes)
