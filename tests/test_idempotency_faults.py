@@ -298,3 +298,43 @@ async def test_a_refusal_decided_on_a_fold_behind_the_actor_s_history_is_decided
         assert not resume.done(), resume.exception()  # not refused on the fold's RUNNING: it waits
     placed = await resume
     assert placed.actor_id == "a" and placed.seq > suspended.seq
+
+
+@pytest.mark.parametrize("created_first", [True, False], ids=["created", "suspended"])
+async def test_a_refusal_is_decided_again_when_the_fold_catches_up_while_the_leader_is_asked(
+        stack, nc, prefix, monkeypatch, created_first):
+    """As above, but the fold folds what it lacked while the stream leader's answer is on its way,
+    the window a loaded CI run hit (NOT_FOUND for an actor just created, in test_faults' leader
+    kill). The refusal was decided on the fold's state before that, so it is decided again: the
+    check compares the leader's answer with what the fold had when the refusal was decided, not
+    with what it has once the answer is in."""
+    import services.scheduler.service as service_module
+
+    scheduler = stack.services[-1]
+    wb = Client(nc, prefix)
+    await wb.register(worker("w0", V1))
+    if not created_first:
+        await wb.create(actor("a"))
+        await wb.resume("a")
+    pause = scheduler.fold.paused()
+    await pause.__aenter__()
+    try:
+        written = await (wb.create(actor("a")) if created_first else wb.suspend("a", uri="s3://a/0"))
+    except BaseException:
+        await pause.__aexit__(None, None, None)
+        raise
+    asked: list[int] = []
+    real = service_module.last_seq_on
+
+    async def answered_once_the_fold_caught_up(js, stream: str, subject: str) -> int:
+        seq = await real(js, stream, subject)
+        if not asked:  # the refusal's check: the fold goes on, and has the actor before the answer is read
+            await pause.__aexit__(None, None, None)
+            await scheduler.fold.wait(seq, 10)
+        asked.append(seq)
+        return seq
+
+    monkeypatch.setattr(service_module, "last_seq_on", answered_once_the_fold_caught_up)
+    placed = await Client(nc, prefix, read_your_writes=False).resume("a")
+    assert asked[0] == written.seq  # refused on the fold's state, checked at the leader
+    assert placed.actor_id == "a" and placed.seq > written.seq

@@ -254,8 +254,11 @@ class SchedulerService:
                     await self.fold.wait(unfolded, self.catch_up_s)
                 job = Job(actor_id, request.selectors, rid, asyncio.get_running_loop().create_future())
                 seq = 0
+                actor = self.projection.actors.get(actor_id)
+                # What this replica's fold has of the actor now: a decision or an answer taken from here
+                # on is taken on this much of its history, or more (the fold only moves forward).
+                seen = actor.last_seq if actor is not None else 0
                 if job.request is not None:
-                    actor = self.projection.actors.get(actor_id)
                     if actor is not None:
                         job.checked = actor.placements  # what the checks below cover (the committer's RECHECK)
                         seq = actor.placed_by(job.request)
@@ -278,7 +281,7 @@ class SchedulerService:
                         # behind the log, as after a failover while its consumer starts again: answered
                         # once the stream leader has nothing more of the actor (`_current`, one read),
                         # decided again otherwise, as the registry and the snapshotter do (`run_command`).
-                        if refusal.code not in STATE_REFUSALS or await self._current(actor_id):
+                        if refusal.code not in STATE_REFUSALS or await self._current(actor_id, seen):
                             raise
                         log.info("refused on a fold behind the log (%s: %s); deciding again", refusal.code.value,
                                  refusal.message)
@@ -288,7 +291,7 @@ class SchedulerService:
                     if isinstance(result, Answered):
                         seq = result.seq
                 if seq:  # the log answers the request id; from this life, as the stream leader has it
-                    if not await self._current(actor_id):
+                    if not await self._current(actor_id, seen):
                         continue
                     return await self._recorded(seq)
                 placement, seq = result
@@ -344,18 +347,21 @@ class SchedulerService:
                 seq += 1
         return assignment_of(placed, seq)
 
-    async def _current(self, actor_id: str) -> bool:
-        """Whether this replica's fold has the actor's history as the stream leader has it, so
-        that an answer from the log is of the actor's current life (request ids are scoped to
-        one); if not, it waits until the fold has it and says False (the request is checked
-        again). One read at the leader, made only for a request the log answers or a refusal on
-        the actor's state."""
+    async def _current(self, actor_id: str, seen: int) -> bool:
+        """Whether `seen`, the actor's last sequence in this replica's fold when an answer from the
+        log or a refusal on the actor's state was taken, is its history as the stream leader has
+        it, so that the answer is of the actor's current life (request ids are scoped to one) and
+        the refusal is not one of a fold behind; if not, it waits until the fold has it and says
+        False (the request is decided again). One read at the leader, made only for those two.
+
+        Compared with `seen`, not with what the fold has once the leader has answered: the fold
+        goes on meanwhile, and a fold that caught up during the read would pass off a refusal
+        decided before it (a loaded CI run: NOT_FOUND for an actor just created)."""
         try:
             leader = await last_seq_on(self.nc.jetstream(), self.stream, event_subject(self.prefix, "actor", actor_id))
         except Exception as error:  # no leader to ask right now: retry later, with the same request id
             raise unavailable(f"the event log's leader did not answer ({type(error).__name__}); try again") from None
-        actor = self.projection.actors.get(actor_id)
-        if (actor.last_seq if actor is not None else 0) >= leader:  # no history anywhere is current too
+        if seen >= leader:  # no history anywhere is current too
             return True
         await self.fold.wait(leader, self.catch_up_s)
         return False
