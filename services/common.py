@@ -812,37 +812,44 @@ def store_env(nats_url: str, prefix: str, replicas: int | None = None) -> dict[s
 STATE_REFUSALS = frozenset({ErrorCode.FAILED_PRECONDITION, ErrorCode.NOT_FOUND, ErrorCode.ALREADY_EXISTS})
 
 
-async def run_command(command: Callable[[], T], attempts: int = 8, *,
-                      recheck: Callable[[], bool] | None = None) -> T:
+# `run_command_async`'s recheck of a refusal: called before each decision, it notes what this
+# process has read of the entities the decision reads (`recorder.seen`), and returns the check
+# to await if the decision refuses on their state: whether the stream leader has their history
+# past that (`recorder.newer_at_leader_async(aggregate, since)`).
+Recheck = Callable[[], Callable[[], Awaitable[bool]]]
+
+
+async def run_command(command: Callable[[], T], attempts: int = 8) -> T:
+    """Run a load-decide-save `command` off the event loop, again on a lost OCC race.
+
+    `command` must re-read what it decides on each time (the repository does), so
+    a retry decides on fresh state. After `attempts` lost races: UNAVAILABLE."""
+    return await _retried(partial(asyncio.to_thread, command), attempts, None)
+
+
+async def run_command_async(command: Callable[[], Awaitable[T]], attempts: int = 8, *,
+                            recheck: Recheck | None = None) -> T:
     """Run a load-decide-save `command` (or a read that may refuse, such as the registry's
-    lookup of a worker for a heartbeat) off the event loop, again on a lost OCC race.
+    lookup of a worker for a heartbeat) on the event loop (its reads and its append awaited
+    there: `recorder.select_events_async`, `insert_events_async`), again on a lost OCC race.
 
     `command` must re-read what it decides on each time (the repository does), so
     a retry decides on fresh state. After `attempts` lost races: UNAVAILABLE.
 
     A refusal on the entity's state (STATE_REFUSALS) may have been decided on a read that a
     lagging replica of the stream answered, behind another process's append: with `recheck`
-    (run off the loop: whether the stream leader has the entity's history past what was read,
-    `recorder.newer_at_leader`), such a refusal is answered only once the leader has nothing
-    more, and is otherwise decided again, once, on the leader's history. An accepted command
-    needs no such check: its append expects the subject where it read it.
-    """
-    return await _retried(partial(asyncio.to_thread, command), attempts,
-                          None if recheck is None else partial(asyncio.to_thread, recheck))
-
-
-async def run_command_async(command: Callable[[], Awaitable[T]], attempts: int = 8, *,
-                            recheck: Callable[[], Awaitable[bool]] | None = None) -> T:
-    """`run_command` for a command that runs on the event loop (its reads and its append
-    awaited there, as the registry's are: `recorder.select_events_async`,
-    `insert_events_async`), with a `recheck` awaited there too (`newer_at_leader_async`).
-    The same retries, the same recheck of a refusal."""
+    (`Recheck`), such a refusal is answered only once the leader has nothing past what this
+    process had read of the entity before the decision, and is otherwise decided again, once,
+    on the leader's history. Not past what it has read by the time of the check: another
+    command's read meanwhile (the snapshotter's fence reads a worker's history outside the
+    registry's lock on it) is not what the decision saw. An accepted command needs no such
+    check: its append expects the subject where it read it."""
     return await _retried(command, attempts, recheck)
 
 
-async def _retried(attempt: Callable[[], Awaitable[T]], attempts: int,
-                   recheck: Callable[[], Awaitable[bool]] | None) -> T:
+async def _retried(attempt: Callable[[], Awaitable[T]], attempts: int, recheck: Recheck | None) -> T:
     for tried in range(attempts):
+        check = recheck() if recheck is not None else None  # before the decision reads anything
         try:
             return await attempt()
         except IntegrityError:
@@ -850,7 +857,7 @@ async def _retried(attempt: Callable[[], Awaitable[T]], attempts: int,
             # growing, random pause spreads them (0-2 ms, then 0-4, 0-8 ... at most 0-64).
             await asyncio.sleep(random.random() * 0.002 * (1 << min(tried, 5)))
         except ContractError as refusal:
-            if recheck is None or refusal.code not in STATE_REFUSALS or not await recheck():
+            if check is None or refusal.code not in STATE_REFUSALS or not await check():
                 raise
             log.info("refused on a read behind the stream leader (%s: %s); deciding again", refusal.code.value,
                      refusal.message)

@@ -17,6 +17,7 @@ from nats.js.errors import NotFoundError
 from events.codec import decode_event, encode
 from events.schema import Event
 from events.subjects import event_subject, service_subject, stream_name
+from services.common import store_env
 from services.registry.service import RegistryService
 from tests.factories import last_seq  # noqa: F401 (the registry tests import it from here)
 from warmboot.agent import ProbeSettings
@@ -124,10 +125,16 @@ async def wait_event(
 
 
 @asynccontextmanager
-async def running_registry(nats_url: str, prefix: str, ttl_s: float = 15.0):
-    """A registry replica with its own connection, on the JetStream event store."""
+async def running_registry(nats_url: str, prefix: str, ttl_s: float = 15.0, own_link: bool = False):
+    """A registry replica with its own connection, on the JetStream event store; with `own_link`,
+    an event-store connection of its own too (another inbox prefix), as another process has, so
+    that nothing this process read or wrote is known to it."""
     nc = await nats.connect(nats_url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
-    service = RegistryService(nc, nats_url=nats_url, prefix=prefix, ttl_s=ttl_s)
+    env = None
+    if own_link:
+        env = store_env(nats_url, prefix)
+        env["NATS_INBOX_PREFIX"] = f"{env['NATS_INBOX_PREFIX']}.own-link"
+    service = RegistryService(nc, nats_url=nats_url, prefix=prefix, ttl_s=ttl_s, env=env)
     await service.start()
     try:
         yield service

@@ -260,3 +260,45 @@ async def test_a_lost_worker_is_not_found_through_every_replica_and_beats_again_
         await one.register("w-1", body("w-1"))  # back: a new life
         for replica in (one, two):
             assert (await finished(replica.heartbeat("w-1", Heartbeat()))).ttl_s == 1.0
+
+
+# --- a refusal's recheck at the stream leader -----------------------------------------------------
+
+
+async def test_a_refusal_is_checked_against_what_its_decision_read_not_what_was_read_since(nats_url, prefix):
+    """A refusal on a worker's state (here NOT_FOUND) decided on a read behind another process's
+    registration is decided again, also when this process has read the worker's history in
+    between (the snapshotter's fence reads it outside the registry's lock on the worker, in
+    `warmboot serve all`). The check used to compare the leader with everything this process had
+    read by then, so that read made the stale refusal pass for current."""
+    from events.errors import not_found
+    from services.common import run_command_async
+    from services.registry.domain import Worker
+
+    async with running_registry(nats_url, prefix) as elsewhere, \
+            running_registry(nats_url, prefix, own_link=True) as here:
+        await elsewhere.register("w-1", body("w-1"))  # another process's write: `here` has read nothing of it
+        recorder, aggregate = here.store.recorder, Worker.create_id("w-1")
+        assert recorder.seen(aggregate) == 0
+        decisions: list[str] = []
+
+        async def decide() -> str:
+            if not decisions:  # decided on a read behind that registration (a lagging replica's)...
+                await recorder.select_events_async(aggregate)  # ...while another command read the worker
+                decisions.append("refused")
+                raise not_found("worker w-1 is not registered")
+            decisions.append("decided again")
+            return "registered"
+
+        assert await finished(run_command_async(decide, recheck=here._recheck("w-1"))) == "registered"
+        assert decisions == ["refused", "decided again"]
+        assert recorder.seen(aggregate) > 0
+
+        # A refusal decided on everything the leader has is answered, after one check.
+        async def refuse() -> str:
+            decisions.append("refused again")
+            raise not_found("worker w-1 is not registered")
+
+        error = await refused(run_command_async(refuse, recheck=here._recheck("w-1")))
+        assert error.code is ErrorCode.NOT_FOUND and decisions[-1:] == ["refused again"]
+        assert decisions.count("refused again") == 1

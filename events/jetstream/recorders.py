@@ -256,23 +256,36 @@ class JetStreamAggregateRecorder(JetStreamRecorder, AggregateRecorder):
             events = events[:limit]
         return events
 
-    def newer_at_leader(self, originator_id: UUID | str) -> bool:
-        """Whether the stream leader has a message on the originator's subject past the last one
-        this process read or wrote there. If so, that is remembered as the leader's word, so that
-        the next read of the subject reaches it (a replica behind it is read again, then the
-        leader). For a decision that refused on what it read: the read may have been a lagging
-        replica's, behind another process's append."""
-        return self.link.call(self._newer_at_leader(originator_subject(self.namespace, originator_id)))
+    def seen(self, originator_id: UUID | str) -> int:
+        """The stream sequence of the last message on the originator's subject that this process
+        read or wrote, 0 if none is known. A read of the subject made after this returns at least
+        that message (a replica behind it is asked again, then the leader), so it is a floor
+        of what a decision that reads the subject afterwards decides on."""
+        known = self.link.last_seen.get(originator_subject(self.namespace, originator_id))
+        return known.seq if known is not None else 0
 
-    async def newer_at_leader_async(self, originator_id: UUID | str) -> bool:
+    def newer_at_leader(self, originator_id: UUID | str, since: int | None = None) -> bool:
+        """Whether the stream leader has a message on the originator's subject past `since` (by
+        default, past the last one this process read or wrote there). If so, that is remembered
+        as the leader's word, so that the next read of the subject reaches it (a replica behind
+        it is read again, then the leader). For a decision that refused on what it read: the
+        read may have been a lagging replica's, behind another process's append. Such a
+        decision passes `seen()` as it was before it read: what this process has read since
+        (another command's read of the subject) is not what the decision saw."""
+        return self.link.call(self._newer_at_leader(originator_subject(self.namespace, originator_id), since))
+
+    async def newer_at_leader_async(self, originator_id: UUID | str, since: int | None = None) -> bool:
         """`newer_at_leader` for asyncio code (`Link.submit`)."""
-        return await self.link.submit(self._newer_at_leader(originator_subject(self.namespace, originator_id)))
+        return await self.link.submit(self._newer_at_leader(originator_subject(self.namespace, originator_id),
+                                                            since))
 
-    async def _newer_at_leader(self, subject: str) -> bool:
-        known = self.link.last_seen.get(subject)
+    async def _newer_at_leader(self, subject: str, since: int | None) -> bool:
+        if since is None:
+            known = self.link.last_seen.get(subject)
+            since = known.seq if known is not None else 0
         stored = await self.stream.last_from_leader(subject)
         seq = sequence_of(stored) if stored is not None else 0
-        if seq <= (known.seq if known is not None else 0):
+        if seq <= since:
             return False
         self.link.last_seen.put(subject, Last(seq, version_of(stored.headers)), authoritative=True)
         return True

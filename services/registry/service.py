@@ -36,7 +36,7 @@ import logging
 from contextlib import suppress
 from datetime import datetime
 from functools import partial
-from typing import Awaitable, Callable, TypeVar
+from typing import TypeVar
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -59,8 +59,8 @@ from events.schema import (
     WorkerFenced,
 )
 from events.subjects import check_prefix, event_subject, stream_name
-from services.common import (EndpointSpec, NoWriteAnswers, ReplyCache, add_endpoints, last_seq_on, run_command_async,
-                             store_env, stream_replicas)
+from services.common import (EndpointSpec, NoWriteAnswers, Recheck, ReplyCache, add_endpoints, last_seq_on,
+                             run_command_async, store_env, stream_replicas)
 from services.locks import KeyedLock
 from services.registry.domain import Worker, register_outcome
 from services.registry.fold import RosterFold
@@ -335,10 +335,12 @@ class RegistryService:
             REGISTRATIONS.labels(decided.outcome.value).inc()
             return RegisterReply(outcome=decided.outcome, seq=await self._seq(worker_id, decided))
 
-    def _recheck(self, worker_id: str) -> Callable[[], Awaitable[bool]]:
+    def _recheck(self, worker_id: str) -> Recheck:
         """`run_command_async`'s recheck of a refusal on the worker's state: whether the stream leader
-        has the worker's history past what was read (another replica's write a moment ago)."""
-        return partial(self.store.recorder.newer_at_leader_async, Worker.create_id(worker_id))
+        has the worker's history past what this process had read of it before the decision
+        (another replica's write a moment ago)."""
+        recorder, aggregate = self.store.recorder, Worker.create_id(worker_id)
+        return lambda: partial(recorder.newer_at_leader_async, aggregate, recorder.seen(aggregate))
 
     async def heartbeat(self, worker_id: str, request: Heartbeat) -> HeartbeatReply:
         # From the roster, once it holds every worker event stored before this request

@@ -411,9 +411,15 @@ class SnapshotterService:
         recorder = self.app.recorder
         read = (Actor.create_id(actor_id), *also)
 
-        async def recheck() -> bool:
-            found = [await recorder.newer_at_leader_async(aggregate) for aggregate in read]  # each one remembered
-            return any(found)
+        def recheck() -> Callable[[], Awaitable[bool]]:  # before a decision: what this process has read of them
+            seen = [(aggregate, recorder.seen(aggregate)) for aggregate in read]
+
+            async def newer() -> bool:
+                found = [await recorder.newer_at_leader_async(aggregate, since)  # each one remembered
+                         for aggregate, since in seen]
+                return any(found)
+
+            return newer
 
         async with self._actors(actor_id):
             return await run_command_async(decide, recheck=recheck)
