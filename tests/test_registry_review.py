@@ -302,3 +302,52 @@ async def test_a_refusal_is_checked_against_what_its_decision_read_not_what_was_
         error = await refused(run_command_async(refuse, recheck=here._recheck("w-1")))
         assert error.code is ErrorCode.NOT_FOUND and decisions[-1:] == ["refused again"]
         assert decisions.count("refused again") == 1
+
+
+# --- the fold's stream requests, asked again (pure retry logic: a scripted connection) ---------------
+
+
+class _Scripted:
+    """A connection whose requests get the scripted outcomes in turn: an exception, or a body."""
+
+    def __init__(self, *outcomes):
+        self.outcomes = list(outcomes)
+        self.timeouts: list[float] = []
+
+    async def request(self, subject: str, body: bytes, timeout: float):
+        from types import SimpleNamespace
+
+        self.timeouts.append(timeout)
+        outcome = self.outcomes.pop(0)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return SimpleNamespace(data=outcome)
+
+
+UNAVAILABLE_503 = b'{"error":{"code":503,"err_code":10008,"description":"JetStream system temporarily unavailable"}}'
+INFO_7 = b'{"state":{"last_seq":7}}'
+
+
+async def test_the_fold_asks_again_after_a_lost_request_and_at_its_start_through_an_outage():
+    from events.jetstream.retry import REQUEST_TIMEOUT
+    from services.registry.fold import RosterFold
+
+    # At the start (patient): a lost request, nobody listening, a 5xx, then the answer.
+    nc = _Scripted(nats.errors.TimeoutError(), nats.errors.NoRespondersError(), UNAVAILABLE_503, INFO_7)
+    fold = RosterFold(nc, "p", Roster())
+    assert await finished(fold._last_seq(60.0, patient=True)) == 7
+    assert len(nc.timeouts) == 4 and all(t <= REQUEST_TIMEOUT for t in nc.timeouts)
+
+    # In a barrier round (2 s, less than one request's time): an outage is the round's failure at once.
+    nc = _Scripted(nats.errors.NoRespondersError())
+    with pytest.raises(nats.errors.NoRespondersError):
+        await finished(RosterFold(nc, "p", Roster())._last_seq(2.0))
+    nc = _Scripted(UNAVAILABLE_503)
+    error = await refused(RosterFold(nc, "p", Roster())._last_seq(2.0))
+    assert error.code is ErrorCode.UNAVAILABLE and "temporarily unavailable" in error.message
+
+    # A request that had all the time left is the last, as a round's: no burst of attempts at the deadline.
+    nc = _Scripted(nats.errors.TimeoutError(), INFO_7)
+    with pytest.raises(asyncio.TimeoutError):
+        await finished(RosterFold(nc, "p", Roster())._last_seq(0.5, patient=True))
+    assert nc.timeouts == [pytest.approx(0.5, abs=0.05)] and nc.outcomes == [INFO_7]

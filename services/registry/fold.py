@@ -102,7 +102,7 @@ class RosterFold:
                                  idle_heartbeat=ORDERED_IDLE_HEARTBEAT_S),
             f"the roster's consumer on {self.stream}")
         try:
-            await self._settle(asyncio.get_running_loop().time() + timeout)
+            await self._settle(asyncio.get_running_loop().time() + timeout, patient=True)
         except asyncio.TimeoutError:
             raise unavailable(f"the registry could not fold the workers' events within {timeout:g}s "
                               f"(it holds up to sequence {self.complete})") from None
@@ -198,12 +198,12 @@ class RosterFold:
                 waiter.set_exception(error)
                 waiter.exception()  # retrieved: a caller that gave up leaves no warning
 
-    async def _settle(self, deadline: float) -> None:
+    async def _settle(self, deadline: float, patient: bool = False) -> None:
         """Bring `complete` up to the stream's last sequence as of now (TimeoutError past `deadline`)."""
         loop = asyncio.get_running_loop()
-        last = await self._last_seq(deadline - loop.time())
+        last = await self._last_seq(deadline - loop.time(), patient)
         while self.complete < last:
-            seq = await self._next_worker_event(self.complete + 1, deadline - loop.time())
+            seq = await self._next_worker_event(self.complete + 1, deadline - loop.time(), patient)
             if seq is None or seq > last:
                 self.complete = max(self.complete, last)
                 return
@@ -216,42 +216,48 @@ class RosterFold:
                 finally:
                     self._want = None
 
-    async def _api(self, verb: str, body: bytes, decoder: msgspec.json.Decoder, timeout: float) -> Any:
-        """One stream API request, decoded; asked again within `timeout` while JetStream cannot
-        answer it: a request lost in a leader election (no answer within `REQUEST_TIMEOUT`: at
-        once), nobody listening or a 5xx (no leader yet: after a pause, doubling). Past
-        `timeout`, TimeoutError. One request used to wait the whole `timeout`: at the start
-        (two minutes), a STREAM.INFO lost while the cluster elected its leaders failed it."""
+    async def _api(self, verb: str, body: bytes, decoder: msgspec.json.Decoder, timeout: float,
+                   patient: bool = False) -> Any:
+        """One stream API request, decoded; asked again within `timeout` if it was lost (no
+        answer within `REQUEST_TIMEOUT`, as in a leader election), and, when `patient` (the
+        start), also while nobody listens or the answer is a 5xx (no leader yet: after a pause,
+        doubling). Past `timeout`, TimeoutError. A barrier round is not patient: an outage
+        fails it at once, and its heartbeats are looked up in the log instead. One request used
+        to wait the whole `timeout`: at the start (two minutes), a STREAM.INFO lost while the
+        cluster elected its leaders failed it."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         pause = 0.05
         while (left := deadline - loop.time()) > 0:
+            attempt = min(left, REQUEST_TIMEOUT)
             try:
-                msg = await self.nc.request(f"$JS.API.STREAM.{verb}.{self.stream}", body,
-                                            timeout=min(left, REQUEST_TIMEOUT))
+                msg = await self.nc.request(f"$JS.API.STREAM.{verb}.{self.stream}", body, timeout=attempt)
             except nats.errors.TimeoutError:
+                if attempt >= left:  # it had all the time there was (uvloop's timers round it to a millisecond)
+                    break
                 continue
             except nats.errors.NoRespondersError:
-                pass
+                if not patient:
+                    raise
             else:
                 answer = decoder.decode(msg.data)
-                if answer.error is None or answer.error.code < 500:
+                if not patient or answer.error is None or answer.error.code < 500:
                     return answer
             await asyncio.sleep(min(pause, max(deadline - loop.time(), 0.0)))  # a back-off, not a wait for a condition
             pause = min(pause * 2, 1.0)
         raise asyncio.TimeoutError
 
-    async def _last_seq(self, timeout: float) -> int:
-        info = await self._api("INFO", b"", _info_decoder, timeout)
+    async def _last_seq(self, timeout: float, patient: bool = False) -> int:
+        info = await self._api("INFO", b"", _info_decoder, timeout, patient)
         if info.error is not None or info.state is None:
             raise unavailable(f"the event log {self.stream} is unavailable: "
                               f"{info.error.description if info.error else 'no state'}")
         return info.state.last_seq
 
-    async def _next_worker_event(self, start: int, timeout: float) -> int | None:
+    async def _next_worker_event(self, start: int, timeout: float, patient: bool = False) -> int | None:
         """The sequence of the first worker event at or after `start`, as the stream leader has it."""
         body = msgspec.json.encode({"seq": start, "next_by_subj": self.filter})
-        got = await self._api("MSG.GET", body, _get_decoder, timeout)
+        got = await self._api("MSG.GET", body, _get_decoder, timeout, patient)
         if got.error is not None:
             if got.error.err_code == ERR_NO_MESSAGE_FOUND or got.error.code == 404:
                 return None

@@ -237,8 +237,11 @@ class WorkerRemovalProcess(EventSourcedProjection[str], WireApplication):
         its own name: no other follower's positions mix with its own.
         """
         self._subscribe(None)
-        self._thread = threading.Thread(target=self._run, name=f"{self.name}-follower", daemon=True)
-        self._thread.start()
+        with self._lock:  # not started once stop() has begun (it may run meanwhile, from another thread)
+            if self._stopping.is_set():
+                return
+            self._thread = threading.Thread(target=self._run, name=f"{self.name}-follower", daemon=True)
+            self._thread.start()
 
     def _subscribe(self, gt: int | None) -> ApplicationSubscription[str]:
         with self._lock:
@@ -303,8 +306,9 @@ class WorkerRemovalProcess(EventSourcedProjection[str], WireApplication):
         with self._lock:
             if self._subscription is not None:
                 self._subscription.stop()
-        if self._thread is not None:
-            self._thread.join()
+            thread = self._thread  # started, or never to be: follow() checks `_stopping` under the lock
+        if thread is not None:
+            thread.join()
         self.close()
 
 
