@@ -15,6 +15,7 @@ from events.errors import ContractError
 from events.probe import ARCHITECTURES, DEFAULT_CPUINFO
 from events.natsauth import NKEY_SEED_ENV
 from events.subjects import DEFAULT_PREFIX
+from services.common import run_serving, serving_loop
 from warmboot.cli_common import check_id, check_prefix_option
 from warmboot.agent import Agent, ConfigError, ProbeSettings, load_registration
 
@@ -101,7 +102,11 @@ def agent(
         await the_agent.run(stop)
 
     try:
-        asyncio.run(run())
+        serving_loop()  # WARMBOOT_EVENT_LOOP names a loop
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    try:
+        run_serving(run)  # on the loop the services run on, and the tests
     except (ConfigError, ContractError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"agent {worker_id} stopped")
