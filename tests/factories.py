@@ -9,8 +9,10 @@ services write, for tests that build a log themselves: folded without a bus (`Lo
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from types import EllipsisType
 from typing import Any, Callable, Protocol, TypeVar
@@ -389,3 +391,40 @@ async def wait_for(nc: NATS, prefix: str, found: Callable[[Event], bool], *, aft
                 return msg.metadata.sequence.stream, event
     finally:
         await sub.unsubscribe()
+
+
+@contextmanager
+def unanswered_noted(caplog: Any) -> Iterator[asyncio.Event]:
+    """An event set once `services.common.until_answered` logs that JetStream did not answer
+    a start's request (one attempt went unanswered, and it asks again)."""
+    asked = asyncio.Event()
+
+    class Asked(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "JetStream did not answer" in record.getMessage():
+                asked.set()
+
+    handler = Asked()
+    logging.getLogger("warmboot.service").addHandler(handler)
+    caplog.set_level(logging.INFO, logger="warmboot.service")
+    try:
+        yield asked
+    finally:
+        logging.getLogger("warmboot.service").removeHandler(handler)
+
+
+async def started_once_members_are_back(starting: Any, asked: asyncio.Event, members: Iterable[Any],
+                                        within: float) -> Any:
+    """What the start `starting` (a coroutine that asks JetStream again while it cannot answer)
+    returns, run while cluster `members` are down: once one of its attempts went unanswered
+    (`asked`, from `unanswered_noted`; the start is still waiting then), the members are
+    started again, and the start must then end within `within` seconds."""
+    task = asyncio.ensure_future(starting)
+    await asyncio.wait_for(asyncio.shield(asked.wait()), 60)
+    assert not task.done(), "the start did not wait for JetStream"
+    members = list(members)
+    for node in members:
+        node.spawn()
+    for node in members:
+        await asyncio.to_thread(node.wait_ready, 30)
+    return await asyncio.wait_for(task, within)

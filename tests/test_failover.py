@@ -174,29 +174,17 @@ async def test_a_fold_started_while_its_stream_has_no_leader_folds_once_it_has_o
     """A replica started during a failover (here two of the stream's three members down: no
     leader, no meta leader) asks for the stream and its fold's consumer again while JetStream
     cannot answer, instead of failing its start, and folds the whole log once it can."""
-    import logging
-
     import nats
 
     from services.registry.fold import RosterFold
     from services.registry.roster import Roster
     from services.scheduler.fold import Fold
     from services.scheduler.projection import Projection
-    from tests.factories import Writer, entry, registered, version
+    from tests.factories import Writer, entry, registered, started_once_members_are_back, unanswered_noted, version
 
     monkeypatch.setenv("WARMBOOT_STREAM_REPLICAS", "3")
     prefix = "t" + uuid.uuid4().hex[:10]
-    asked = asyncio.Event()
-
-    class Asked(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if "JetStream did not answer" in record.getMessage():
-                asked.set()
-
-    handler = Asked()
-    logging.getLogger("warmboot.service").addHandler(handler)
-    caplog.set_level(logging.INFO, logger="warmboot.service")
-    try:
+    with unanswered_noted(caplog) as asked:
         with NatsCluster(tmp_path) as cluster:
             await wait_jetstream(cluster.url)
             writer = await asyncio.to_thread(Writer, cluster.url, prefix)  # the stream, R3
@@ -211,14 +199,7 @@ async def test_a_fold_started_while_its_stream_has_no_leader_folds_once_it_has_o
             try:
                 folding = (Fold(nc, prefix, Projection()) if fold == "scheduler"
                            else RosterFold(nc, prefix, Roster()))
-                starting = asyncio.ensure_future(folding.start(120))
-                await asyncio.wait_for(asyncio.shield(asked.wait()), 60)  # an attempt went unanswered
-                assert not starting.done()
-                for node in others:
-                    node.spawn()
-                for node in others:
-                    await asyncio.to_thread(node.wait_ready, 30)
-                await asyncio.wait_for(starting, 150)
+                await started_once_members_are_back(folding.start(120), asked, others, 150)
                 if fold == "scheduler":
                     assert folding.projection.seq >= seq and "w-1" in folding.projection.workers
                 else:
@@ -226,5 +207,3 @@ async def test_a_fold_started_while_its_stream_has_no_leader_folds_once_it_has_o
                 await folding.stop()
             finally:
                 await nc.close()
-    finally:
-        logging.getLogger("warmboot.service").removeHandler(handler)

@@ -44,7 +44,7 @@ from services.common import (
     run_serving,
     serving_loop,
 )
-from tests.factories import SILENT_TTL_S
+from tests.factories import SILENT_TTL_S, started_once_members_are_back, unanswered_noted
 from tests.registry_helpers import registration
 from warmboot.natsserver import NatsCluster, wait_jetstream
 from warmboot.runner import DUMP_HEADER, SERVICES, start_services, stop_signals
@@ -653,32 +653,15 @@ async def test_a_bucket_made_while_the_cluster_forms_is_made_once_it_can_answer(
     leader: nobody answers the bucket's creation) waits for it instead of failing its start."""
     cluster = NatsCluster(tmp_path, 3)
     first, *others = cluster.nodes
-    asked = asyncio.Event()
-
-    class Asked(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if "JetStream did not answer" in record.getMessage():
-                asked.set()
-
-    handler = Asked()
-    logging.getLogger("warmboot.service").addHandler(handler)
-    caplog.set_level(logging.INFO, logger="warmboot.service")
-    try:
-        await asyncio.to_thread(first.start)
-        nc = await nats.connect(first.url)
+    with unanswered_noted(caplog) as asked:
         try:
-            opening = asyncio.ensure_future(ReplyCache(nc, prefix).start())
-            await asyncio.wait_for(asyncio.shield(asked.wait()), 60)  # one attempt went unanswered
-            assert not opening.done()
-            for node in others:
-                node.spawn()
-            for node in others:
-                await asyncio.to_thread(node.wait_ready, 30)
-            cache = await asyncio.wait_for(opening, 120)
-            await cache.put("k", b"v")
-            assert await cache.get("k") == b"v"
+            await asyncio.to_thread(first.start)
+            nc = await nats.connect(first.url)
+            try:
+                cache = await started_once_members_are_back(ReplyCache(nc, prefix).start(), asked, others, 120)
+                await cache.put("k", b"v")
+                assert await cache.get("k") == b"v"
+            finally:
+                await nc.close()
         finally:
-            await nc.close()
-    finally:
-        logging.getLogger("warmboot.service").removeHandler(handler)
-        await asyncio.to_thread(cluster.stop)
+            await asyncio.to_thread(cluster.stop)
