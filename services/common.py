@@ -808,7 +808,7 @@ def store_env(nats_url: str, prefix: str, replicas: int | None = None) -> dict[s
 
 
 # What a command refuses on its entity's state, which a read behind the stream leader can show
-# wrongly (`run_command`'s `recheck`).
+# wrongly (`run_command_async`'s `recheck`).
 STATE_REFUSALS = frozenset({ErrorCode.FAILED_PRECONDITION, ErrorCode.NOT_FOUND, ErrorCode.ALREADY_EXISTS})
 
 

@@ -419,12 +419,19 @@ async def started_once_members_are_back(starting: Any, asked: asyncio.Event, mem
     returns, run while cluster `members` are down: once one of its attempts went unanswered
     (`asked`, from `unanswered_noted`; the start is still waiting then), the members are
     started again, and the start must then end within `within` seconds."""
-    task = asyncio.ensure_future(starting)
-    await asyncio.wait_for(asyncio.shield(asked.wait()), 60)
-    assert not task.done(), "the start did not wait for JetStream"
-    members = list(members)
-    for node in members:
-        node.spawn()
-    for node in members:
-        await asyncio.to_thread(node.wait_ready, 30)
-    return await asyncio.wait_for(task, within)
+    task, noted = asyncio.ensure_future(starting), asyncio.ensure_future(asked.wait())
+    try:
+        await asyncio.wait({task, noted}, timeout=60, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():  # it ended without waiting for JetStream: its own error says why
+            raise AssertionError(f"the start did not wait for JetStream: it ended with {task.result()!r}")
+        assert asked.is_set(), "no attempt of the start went unanswered within 60 s"
+        members = list(members)
+        for node in members:
+            node.spawn()
+        for node in members:
+            await asyncio.to_thread(node.wait_ready, 30)
+        return await asyncio.wait_for(task, within)
+    finally:
+        for pending in (task, noted):
+            if not pending.done():
+                pending.cancel()

@@ -318,23 +318,30 @@ async def test_a_refusal_is_decided_again_when_the_fold_catches_up_while_the_lea
         await wb.resume("a")
     pause = scheduler.fold.paused()
     await pause.__aenter__()
-    try:
-        written = await (wb.create(actor("a")) if created_first else wb.suspend("a", uri="s3://a/0"))
-    except BaseException:
-        await pause.__aexit__(None, None, None)
-        raise
+    paused = True
+
+    async def go_on() -> None:
+        nonlocal paused
+        if paused:
+            paused = False
+            await pause.__aexit__(None, None, None)
+
     asked: list[int] = []
     real = service_module.last_seq_on
 
     async def answered_once_the_fold_caught_up(js, stream: str, subject: str) -> int:
         seq = await real(js, stream, subject)
         if not asked:  # the refusal's check: the fold goes on, and has the actor before the answer is read
-            await pause.__aexit__(None, None, None)
+            await go_on()
             await scheduler.fold.wait(seq, 10)
         asked.append(seq)
         return seq
 
-    monkeypatch.setattr(service_module, "last_seq_on", answered_once_the_fold_caught_up)
-    placed = await Client(nc, prefix, read_your_writes=False).resume("a")
+    try:
+        written = await (wb.create(actor("a")) if created_first else wb.suspend("a", uri="s3://a/0"))
+        monkeypatch.setattr(service_module, "last_seq_on", answered_once_the_fold_caught_up)
+        placed = await Client(nc, prefix, read_your_writes=False).resume("a")
+    finally:
+        await go_on()  # whatever failed, the fold is not left paused
     assert asked[0] == written.seq  # refused on the fold's state, checked at the leader
     assert placed.actor_id == "a" and placed.seq > written.seq

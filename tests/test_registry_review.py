@@ -351,3 +351,28 @@ async def test_the_fold_asks_again_after_a_lost_request_and_at_its_start_through
     with pytest.raises(asyncio.TimeoutError):
         await finished(RosterFold(nc, "p", Roster())._last_seq(0.5, patient=True))
     assert nc.timeouts == [pytest.approx(0.5, abs=0.05)] and nc.outcomes == [INFO_7]
+
+
+async def test_a_check_at_the_leader_never_lowers_what_later_reads_must_reach(nats_url, prefix):
+    """The leader's answer to a refusal's check is remembered only if it is news: it never
+    lowers what this process knows of the subject (an append of its own stored meanwhile is
+    newer), which is the floor of every later decision's read. And a floor this process has
+    forgotten since (the stream made anew, the entry pushed out) is not trusted."""
+    from events.jetstream.lastseen import Last
+    from events.jetstream.layout import originator_subject
+    from services.registry.domain import Worker
+
+    async with running_registry(nats_url, prefix) as elsewhere, \
+            running_registry(nats_url, prefix, own_link=True) as here:
+        stored = await elsewhere.register("w-1", body("w-1"))
+        recorder, aggregate = here.store.recorder, Worker.create_id("w-1")
+        subject = originator_subject(recorder.namespace, aggregate)
+        ahead = stored.seq + 1_000  # as if this process had just appended there, past the leader's answer
+        recorder.link.last_seen.put(subject, Last(ahead, None))
+        assert await recorder.newer_at_leader_async(aggregate, 0) is True  # news to a decision that read nothing
+        assert recorder.seen(aggregate) == ahead  # and what later reads must reach stays where it was
+
+        recorder.link.last_seen.forget([subject])  # forgotten: a decision's floor of `stored.seq` is not trusted
+        assert await recorder.newer_at_leader_async(aggregate, stored.seq) is True
+        assert recorder.seen(aggregate) == stored.seq
+        assert await recorder.newer_at_leader_async(aggregate, stored.seq) is False  # known again: current

@@ -280,14 +280,18 @@ class JetStreamAggregateRecorder(JetStreamRecorder, AggregateRecorder):
                                                             since))
 
     async def _newer_at_leader(self, subject: str, since: int | None) -> bool:
-        if since is None:
-            known = self.link.last_seen.get(subject)
-            since = known.seq if known is not None else 0
+        known = self.link.last_seen.get(subject)
+        now = known.seq if known is not None else 0
+        # `since` is a floor of what a decision read only while this process still knows that
+        # much of the subject (forgotten: its stream made anew, or pushed out of `last_seen`)
+        since = now if since is None else min(since, now)
         stored = await self.stream.last_from_leader(subject)
         seq = sequence_of(stored) if stored is not None else 0
         if seq <= since:
             return False
-        self.link.last_seen.put(subject, Last(seq, version_of(stored.headers)), authoritative=True)
+        # Not authoritative: an append of this process's own stored meanwhile is newer than this
+        # answer, and what later reads must reach (another decision's floor) is not lowered.
+        self.link.last_seen.put(subject, Last(seq, version_of(stored.headers)))
         return True
 
     async def _last(self, subject: str) -> list[Msg] | list[Stored]:

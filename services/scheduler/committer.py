@@ -87,7 +87,7 @@ class Hold:
 class Job:
     """A resume waiting for the committer to decide and commit it."""
 
-    __slots__ = ("actor_id", "selectors", "request_id", "request", "result", "checked")
+    __slots__ = ("actor_id", "selectors", "request_id", "request", "result", "checked", "seen")
 
     def __init__(self, actor_id: str, selectors: Any, request_id: str | None, result: asyncio.Future[Any]):
         self.actor_id = actor_id
@@ -98,6 +98,9 @@ class Job:
         # the actor's recent placements (and filter of those pushed out) its request id was
         # checked against, the reply cache included where the filter said so (SchedulerService.resume)
         self.checked: bytes | None = None
+        # the actor's last sequence in the fold when the committer answered or refused it: what
+        # the answer or the refusal was taken on (SchedulerService._current checks it at the leader)
+        self.seen: int | None = None
 
     @property
     def key(self) -> tuple[str, int] | None:
@@ -292,6 +295,8 @@ class Committer:
                     if len(group) >= self._group_limit:
                         deferred.append(job)
                         continue
+                    actor = p.actors.get(job.actor_id)
+                    job.seen = actor.last_seq if actor is not None else 0
                     answered = self._answered_by_log(job)
                     if answered:  # its request was placed meanwhile (a retry, another replica)
                         job.result.set_result(Answered(answered) if answered is not RECHECK else RECHECK)

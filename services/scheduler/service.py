@@ -255,8 +255,9 @@ class SchedulerService:
                 job = Job(actor_id, request.selectors, rid, asyncio.get_running_loop().create_future())
                 seq = 0
                 actor = self.projection.actors.get(actor_id)
-                # What this replica's fold has of the actor now: a decision or an answer taken from here
-                # on is taken on this much of its history, or more (the fold only moves forward).
+                # What this replica's fold has of the actor now: an answer taken from here on is taken on
+                # this much of its history, or more (the fold only moves forward). The committer notes
+                # what it answered or refused on exactly (`job.seen`).
                 seen = actor.last_seq if actor is not None else 0
                 if job.request is not None:
                     if actor is not None:
@@ -267,6 +268,7 @@ class SchedulerService:
                 if not seq:
                     try:
                         result = await self.committer.submit(job)
+                        seen = job.seen if job.seen is not None else seen
                     except IntegrityError as error:
                         self.conflicts += 1
                         if self.metrics:
@@ -279,8 +281,11 @@ class SchedulerService:
                     except ContractError as refusal:
                         # A refusal on the actor's state (RUNNING, STOPPED, not found) may come from a fold
                         # behind the log, as after a failover while its consumer starts again: answered
-                        # once the stream leader has nothing more of the actor (`_current`, one read),
-                        # decided again otherwise, as the registry and the snapshotter do (`run_command`).
+                        # once the stream leader has nothing past what it was decided on (`_current`, one
+                        # read), decided again otherwise, as the registry and the snapshotter do
+                        # (`run_command_async`).
+                        if job.seen is not None:
+                            seen = job.seen
                         if refusal.code not in STATE_REFUSALS or await self._current(actor_id, seen):
                             raise
                         log.info("refused on a fold behind the log (%s: %s); deciding again", refusal.code.value,
