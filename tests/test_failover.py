@@ -15,6 +15,7 @@ is stored twice.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from contextlib import AsyncExitStack
@@ -24,12 +25,13 @@ import pytest
 from events.errors import ContractError
 from events.jetstream import MSG_ID_HEADER, TOPIC_HEADER
 from events.jetstream.layout import LEADER_ELECTED_ADVISORY
+from events.natspy import flush_in_order
 from events.schema import (Attribute, CompatVersion, CreateActor, ErrorCode, Fidelity, RegisterWorker, Resources,
                            WorkerRuntime, WorkerSandboxClass)
 from events.subjects import stream_name
 from tests.factories import ordered_subscription
 from warmboot.client import Client
-from warmboot.natsserver import NatsCluster, wait_jetstream
+from warmboot.natsserver import NatsCluster, wait_jetstream, wait_stream_current
 from warmboot.runner import SERVICES, connect, start_services
 
 AFTER_ELECTION_BOUND_S = 10.0
@@ -73,21 +75,6 @@ async def cycle(wb: Client, actor_id: str, answers: Answers, stop: asyncio.Event
                 running = not running
 
 
-async def leader_other_than(js, stream: str, other: str | None) -> str:
-    """The stream's leader as stream info names it, once it is not `other` (polled: during an
-    election nobody answers, and a busy machine may answer late)."""
-    deadline = time.time() + 60
-    while True:
-        try:
-            leader = (await js.stream_info(stream)).cluster.leader
-        except Exception:  # no leader answers during the election
-            leader = None
-        if leader is not None and leader != other:
-            return leader
-        assert time.time() < deadline, f"no stream leader other than {other} within 60 s"
-        await asyncio.sleep(0.05)  # polling a condition with a deadline, not a fixed wait
-
-
 @pytest.mark.timeout(300)
 async def test_placements_resume_within_seconds_of_a_new_stream_leader(tmp_path, monkeypatch):
     monkeypatch.setenv("WARMBOOT_STREAM_REPLICAS", "3")
@@ -115,18 +102,20 @@ async def test_placements_resume_within_seconds_of_a_new_stream_leader(tmp_path,
             loops = [asyncio.create_task(cycle(Client(nc, prefix), a, answers, stop)) for a in actors]
             try:
                 await asyncio.wait_for(answers.reached(lambda: answers.count() >= 3 * len(actors)), 120)
-                js = nc.jetstream(timeout=0.5)
-                leader = await leader_other_than(js, stream, None)
-                heard: list[float] = []  # the new leader's advisory: the election's time, unlike the poll's
+                await wait_stream_current(nc.jetstream(), stream, 3)
+                leader = (await nc.jetstream().stream_info(stream)).cluster.leader
+                elections: asyncio.Queue[tuple[float, str]] = asyncio.Queue()  # (when heard, the leader it names)
 
-                async def on_elected(_) -> None:
-                    heard.append(time.time())
+                async def on_elected(msg) -> None:
+                    elections.put_nowait((time.time(), json.loads(msg.data).get("leader", "")))
 
                 await nc.subscribe(f"{LEADER_ELECTED_ADVISORY}.{stream}", cb=on_elected)
+                await flush_in_order(nc)
                 killed_at = time.time()
                 cluster.node(leader).kill()
-                elected = await leader_other_than(js, stream, leader)
-                elected_at = min([time.time(), *heard])
+                elected_at, elected = await asyncio.wait_for(elections.get(), 60)
+                while elected in ("", leader):  # an advisory of an earlier election, if any: the next one
+                    elected_at, elected = await asyncio.wait_for(elections.get(), 60)
                 # every actor's client goes on: each has a resume answered after the election
                 await asyncio.wait_for(answers.reached(
                     lambda: all(answers.at.get(a, [0.0])[-1] > elected_at for a in actors)), 120)
