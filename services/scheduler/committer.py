@@ -297,7 +297,7 @@ class Committer:
                         continue
                     actor = p.actors.get(job.actor_id)
                     job.seen = actor.last_seq if actor is not None else 0
-                    answered = self._answered_by_log(job)
+                    answered = self._answered_by_log(job, actor)
                     if answered:  # its request was placed meanwhile (a retry, another replica)
                         job.result.set_result(Answered(answered) if answered is not RECHECK else RECHECK)
                         continue
@@ -328,16 +328,16 @@ class Committer:
                     log.warning("appending %d placements failed: %s", len(group), error)
                     self._fail(group, error)
 
-    def _answered_by_log(self, job: Job) -> Any:
-        """The ActorPlaced that already carries the job's request id, if the fold has met one;
-        RECHECK if the id may have been pushed out of the actor's recent placements since the
-        job's caller checked them (only the reply cache would know it then); else 0."""
+    def _answered_by_log(self, job: Job, actor: Any) -> Any:
+        """The ActorPlaced that already carries the job's request id, if the fold has met one
+        (`actor`: the job's actor in the projection, or None); RECHECK if the id may have been
+        pushed out of the actor's recent placements since the job's caller checked them (only
+        the reply cache would know it then); else 0."""
         if job.request is None:
             return 0
         found = self._answered.get(job.key, 0)
         if found:
             return found
-        actor = self.projection.actors.get(job.actor_id)
         if actor is None:
             return 0
         found = actor.placed_by(job.request)
