@@ -157,7 +157,8 @@ def walk(p: Projection) -> dict[str, Any]:
     the projection and forgotten by the codec shows up here as a difference.
     """
     assert set(vars(p)) == {"seq", "events", "workers", "classes", "actors", "bookings", "subjects", "intern",
-                            "recreated", "placed_listener", "registry_version", "unread_actor_seq", "_dispatch"}, \
+                            "recreated", "placed_listener", "registry_version", "unread_actor_seq", "unread_actors",
+                            "_dispatch"}, \
         "a new Projection field: teach the checkpoint codec about it"
     registered = {id(w) for w in p.workers.values()}
     others: dict[int, int] = {}  # unregistered worker records, numbered by first sight
@@ -206,6 +207,7 @@ def walk(p: Projection) -> dict[str, Any]:
         "subjects": list(p.subjects.items()),
         "recreated": list(p.recreated.items()),
         "unread_actor_seq": p.unread_actor_seq,
+        "unread_actors": list(p.unread_actors.items()),
         "compats": [value(c) for c in p.intern.compats],
         # sharing: one object per distinct stamp, resources and label/selector map
         "distinct": (
@@ -290,7 +292,7 @@ def test_a_checkpoint_between_an_unread_placement_and_its_booking_marker_keeps_t
     replayed = marker(folded_until_the_unread_placement())
     assert replayed.workers["w1"].state is WorkerState.DRAINED
     restored = restore_state(export_state(folded_until_the_unread_placement().projection))
-    assert restored.unread_actor_seq == 3
+    assert restored.unread_actor_seq == 3 and restored.unread_actors == {"big": 3}
     assert_same(marker(Fold(None, "t", restored)), replayed)
     assert answers(replayed)["decide"]["a1"][0] is ErrorCode.RESOURCE_EXHAUSTED
 

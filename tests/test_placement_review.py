@@ -207,6 +207,47 @@ async def test_a_placement_the_scheduler_cannot_read_stops_its_placements_on_tha
     assert (await wb.resume("a")).worker_id == "w2"
 
 
+class SnapshotTakenV2(ActorEvent, kw_only=True):
+    """A snapshot event a newer snapshotter might write: a new image of the actor, described in a
+    way this scheduler does not read."""
+
+    snapshot_id: str
+    stamp: str
+
+
+async def test_an_actor_event_the_scheduler_cannot_read_stops_its_placements_until_its_next_life(
+        wb, nc, prefix, writer):
+    """A newer snapshotter records a new snapshot of the actor in an event this scheduler does not
+    know, then a tag copies one of its snapshots (an event it reads). The fold skipped the first
+    and folded the second, so its record of the actor looked current by sequence, and the next
+    resume committed a restore of the golden image, not of the newer snapshot. The unread event
+    alone had each resume decided again eight times, ending UNAVAILABLE as "lost 8
+    concurrent-commit races"."""
+    once = Client(nc, prefix, attempts=1)  # the answer itself, not the client's retries of it
+    await wb.register(registration("w1", V1, node="n1"))
+    await wb.create(new_actor("a", golden_snapshot=golden(V1)))
+    unread = await asyncio.to_thread(writer.write, SnapshotTakenV2(at=AT, actor_id="a", snapshot_id="a-2",
+                                                                    stamp="gvisor/2027"))
+    for step in ("alone", "then an event it reads"):
+        if step != "alone":
+            seq = await asyncio.to_thread(writer.write, taken(snapshot("a", V1, snapshot_id="a-1"),
+                                                              SnapshotOrigin.TAG))
+        else:
+            seq = unread
+        with pytest.raises(ContractError) as refused:
+            await once.resume("a", min_seq=seq)
+        assert refused.value.code is ErrorCode.UNAVAILABLE, step
+        assert f"message {unread}" in refused.value.message and "cannot read" in refused.value.message, step
+        assert await last_seq(nc, prefix) == seq, step  # nothing written
+        explanation = await once.explain("a", min_seq=seq)
+        assert explanation.decision is None and explanation.refusal.code is ErrorCode.UNAVAILABLE, step
+
+    # its next life, which this scheduler reads from its creation on, is placed
+    seq = await asyncio.to_thread(writer.write, ActorStopped(at=AT, actor_id="a"),
+                                  created("a", snapshot=golden(V1)))
+    assert (await once.resume("a", min_seq=seq)).worker_id == "w1"
+
+
 # --- what the review found holding: random lifecycles, every decision audited ----------------------
 
 

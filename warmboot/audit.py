@@ -198,7 +198,7 @@ class Sink:
     """What `Fold` folds into: a projection, bounded by a sequence or a time, optionally verified.
 
     It offers what `Fold` uses of a Projection (apply, booking_marker, worker_unread,
-    booking_unread, skip, seq, unread_actor_seq).
+    actor_unread, booking_unread, skip, seq, unread_actor_seq).
     """
 
     def __init__(self, until_seq: int | None = None, until_time: datetime | None = None, verify: bool = False,
@@ -245,14 +245,16 @@ class Sink:
             self.projection.worker_unread(seq, worker_id)
         self.skip(seq)
 
+    def actor_unread(self, seq: int, actor_id: str) -> None:
+        """A message of an actor's history the fold cannot read: as the scheduler's projection takes it."""
+        if not self._beyond(seq, None) and self.violation is None:
+            self.projection.actor_unread(seq, actor_id)
+        self.skip(seq)
+
     @property
     def unread_actor_seq(self) -> int:
         """The last message of an actor's history the fold could not read (`Fold.fold_message`)."""
         return self.projection.unread_actor_seq
-
-    @unread_actor_seq.setter
-    def unread_actor_seq(self, seq: int) -> None:
-        self.projection.unread_actor_seq = seq
 
     def booking_unread(self, worker_id: str) -> None:
         """The booking marker just folded is a placement's the fold could not read: as the

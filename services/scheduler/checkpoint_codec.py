@@ -168,6 +168,7 @@ class State(Struct):
     subjects: list[tuple[str, int, int]]
     recreated: list[tuple[str, int]]  # (actor id, seq of the ActorCreated of its current life)
     unread_actor_seq: int = 0  # the last message of an actor's history the fold could not read
+    unread_actors: list[tuple[str, int]] = []  # (actor id, seq) of Projection.unread_actors
 
 
 class Envelope(Struct):
@@ -330,6 +331,7 @@ def _export(p: Projection) -> State:
         subjects=[(k, v, s) for k, (v, s) in p.subjects.items()],
         recreated=list(p.recreated.items()),
         unread_actor_seq=p.unread_actor_seq,
+        unread_actors=list(p.unread_actors.items()),
     )
 
 
@@ -442,6 +444,7 @@ def _restore(state: State) -> Projection:
     p.subjects = {subject: (version, seq) for subject, version, seq in state.subjects}
     p.recreated = dict(state.recreated)
     p.unread_actor_seq = state.unread_actor_seq
+    p.unread_actors = dict(state.unread_actors)
     return p
 
 

@@ -296,7 +296,7 @@ class Committer:
                         deferred.append(job)
                         continue
                     actor = p.actors.get(job.actor_id)
-                    job.seen = actor.last_seq if actor is not None else 0
+                    job.seen = p.actor_seq(job.actor_id)
                     answered = self._answered_by_log(job, actor)
                     if answered:  # its request was placed meanwhile (a retry, another replica)
                         job.result.set_result(Answered(answered) if answered is not RECHECK else RECHECK)

@@ -63,7 +63,7 @@ from __future__ import annotations
 
 from typing import Iterable, Iterator, Mapping, Sequence
 
-from events.errors import exhausted, invalid, not_found, precondition
+from events.errors import exhausted, invalid, not_found, precondition, unavailable
 from events.schema import (
     Action,
     CompatVersion,
@@ -157,6 +157,13 @@ class Plan:
 
 def resolve(projection: Projection, actor_id: str) -> Actor:
     """The actor a resume is about, or the contract error that refuses it."""
+    unread = projection.unread_actors.get(actor_id) if projection.unread_actors else None
+    if unread is not None:  # what that message changed (a newer snapshot, its stamp) is unknown here
+        raise unavailable(
+            f"actor {actor_id}'s history holds message {unread}, which this scheduler cannot read (an "
+            f"event of a newer version, or a body this version refuses): this replica does not place "
+            f"the actor until its next life; a scheduler that reads the message can"
+        )
     actor = projection.actors.get(actor_id)
     if actor is None:
         raise not_found(f"actor {actor_id} not found")

@@ -268,9 +268,9 @@ class Fold:
         drained as well (its room here is too large by what that placement booked)."""
         if subject.startswith(self.worker_prefix):
             self.projection.worker_unread(seq, subject[len(self.worker_prefix):])
+        elif subject.startswith(self.actor_prefix):
+            self.projection.actor_unread(seq, subject[len(self.actor_prefix):])
         else:
-            if subject.startswith(self.actor_prefix):
-                self.projection.unread_actor_seq = seq
             self.projection.skip(seq)
 
     async def wait(self, seq: int | None, timeout: float) -> None:

@@ -94,6 +94,10 @@ class Projection:
         # the sequence of the last message of an actor's history the fold could not read: a
         # booking marker right after it is that placement's (`Fold.fold_message`)
         self.unread_actor_seq = 0
+        # actor id -> the last message of its current life the fold could not read (a newer
+        # version's event, or a body this version refuses): what it changed is unknown here,
+        # so the actor is not placed from this fold (`decide.resolve`) until its next life
+        self.unread_actors: dict[str, int] = {}
         # called with (actor id, request hash, seq) for each placement folded that carries a
         # request id: what a replica needs to answer a retry that is still waiting to be decided
         self.placed_listener: Callable[[str, int, int], None] | None = None
@@ -170,6 +174,27 @@ class Projection:
         """A message that is not an event (e.g. a tracking record) still advances the position."""
         if seq > self.seq:
             self.seq = seq
+
+    def actor_unread(self, seq: int, actor_id: str) -> None:
+        """A message of the actor's history this fold cannot read (`Fold._unread`): it may have
+        changed what a resume restores (a newer snapshot, its stamp), so the actor is not placed
+        from this fold until a creation this fold reads starts its next life. A booking marker
+        right after it was a placement's (`booking_unread`)."""
+        self.skip(seq)
+        self.unread_actor_seq = seq
+        self.unread_actors[actor_id] = seq
+
+    def actor_seq(self, actor_id: str) -> int:
+        """The last message of the actor's history this fold has met, read or not (0 if none): what
+        a decision about the actor was taken on, to compare with the stream leader's."""
+        actor = self.actors.get(actor_id)
+        if actor is not None:
+            seq = actor.last_seq
+        else:
+            seq = self.subjects[f"actor.{actor_id}"][1] if self.subjects and f"actor.{actor_id}" in self.subjects else 0
+        if self.unread_actors:
+            seq = max(seq, self.unread_actors.get(actor_id, 0))
+        return seq
 
     def worker_unread(self, seq: int, worker_id: str) -> None:
         """A message of the worker's history this fold cannot read (`Fold._unread`): whatever it
@@ -357,6 +382,8 @@ class Projection:
     def _actor_created(self, event: ActorCreated, seq: int) -> Actor:
         spec = self.intern.spec(event.sandbox_class, event.template_uid, self.intern.resources(event.resources),
                          self.intern.selectors(event.selectors), event.min_fidelity)
+        if self.unread_actors:  # a life this fold reads from its start
+            self.unread_actors.pop(event.actor_id, None)
         actor = self.actors.get(event.actor_id)
         if actor is None:
             actor = self.actors[event.actor_id] = Actor(event.actor_id, CREATED, spec)

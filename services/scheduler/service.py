@@ -258,7 +258,7 @@ class SchedulerService:
                 # What this replica's fold has of the actor now: an answer taken from here on is taken on
                 # this much of its history, or more (the fold only moves forward). The committer notes
                 # what it answered or refused on exactly (`job.seen`).
-                seen = actor.last_seq if actor is not None else 0
+                seen = self.projection.actor_seq(actor_id)
                 if job.request is not None:
                     if actor is not None:
                         job.checked = actor.placements  # what the checks below cover (the committer's RECHECK)
