@@ -300,6 +300,39 @@ async def test_a_refusal_decided_on_a_fold_behind_the_actor_s_history_is_decided
     assert placed.actor_id == "a" and placed.seq > suspended.seq
 
 
+async def test_selectors_of_the_actor_s_last_life_do_not_refuse_a_resume_of_its_next(stack, nc, prefix, monkeypatch):
+    """The actor's selectors are its life's: a resume may add selectors, never change one
+    (INVALID_ARGUMENT). Stopped and created anew without them, the actor is resumed with one its
+    last life had otherwise, through a replica whose fold has not folded the new life. The
+    conflict was the answer, from the last life's selectors; now the refusal is checked at the
+    stream leader as one on the actor's state is, and the resume waits for the fold."""
+    scheduler = stack.services[-1]
+    wb = Client(nc, prefix)
+    await wb.register(worker("w-a", V1, labels={"zone": "a"}))
+    await wb.register(worker("w-b", V1, labels={"zone": "b"}))
+    await wb.create(actor("a", selectors={"zone": "a"}))
+    with pytest.raises(ContractError) as refused:  # the rule itself, on a fold that is current
+        await wb.resume("a", selectors={"zone": "b"})
+    assert refused.value.code is ErrorCode.INVALID_ARGUMENT and refused.value.field == "selectors.zone"
+    waiting = asyncio.Event()
+    wait = scheduler.fold.wait
+
+    async def noted(seq: int | None, timeout: float) -> None:
+        if seq is not None and seq > scheduler.projection.seq:  # the resume waits for what the fold has not folded
+            waiting.set()
+        await wait(seq, timeout)
+
+    async with scheduler.fold.paused():
+        await wb.stop("a")
+        created = await wb.create(actor("a"))  # its next life selects nothing
+        monkeypatch.setattr(scheduler.fold, "wait", noted)
+        resume = asyncio.create_task(Client(nc, prefix, read_your_writes=False).resume("a", selectors={"zone": "b"}))
+        await asyncio.wait({resume, asyncio.create_task(waiting.wait())}, return_when=asyncio.FIRST_COMPLETED)
+        assert not resume.done(), resume.exception()  # not refused on the last life's selectors: it waits
+    placed = await resume
+    assert placed.worker_id == "w-b" and placed.seq > created.seq
+
+
 @pytest.mark.parametrize("created_first", [True, False], ids=["created", "suspended"])
 async def test_a_refusal_is_decided_again_when_the_fold_catches_up_while_the_leader_is_asked(
         stack, nc, prefix, monkeypatch, created_first):

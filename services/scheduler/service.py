@@ -32,6 +32,7 @@ from events.tasks import cancel_and_wait
 from events.schema import (
     ActorPlaced,
     Assignment,
+    ErrorCode,
     Explanation,
     ExplainResume,
     Fragmentation,
@@ -61,6 +62,11 @@ DEFAULT_COMMIT_ATTEMPTS = 8
 DEFAULT_CATCH_UP_S = 5.0  # how long a request waits for the fold (min_seq, after a lost race)
 GAUGE_INTERVAL_S = 2.0
 MAX_CONCURRENT_REQUESTS = 4096  # requests handled at once by one replica
+# What a resume is refused on the actor's state, which a fold behind the log can show wrongly
+# (`SchedulerService._current`): its life (NOT_FOUND, RUNNING, STOPPED), its snapshot against its
+# min_fidelity, and the selectors of its life a request may not change (INVALID_ARGUMENT; the
+# request's own form is refused at the edge, before any decision).
+ACTOR_REFUSALS = STATE_REFUSALS | {ErrorCode.INVALID_ARGUMENT}
 
 # --- metrics (prometheus-client default registry; defined once per process) -----------------------
 
@@ -279,14 +285,14 @@ class SchedulerService:
                     except OperationalError as error:
                         raise unavailable(f"the event store did not take the placement: {error}") from None
                     except ContractError as refusal:
-                        # A refusal on the actor's state (RUNNING, STOPPED, not found) may come from a fold
+                        # A refusal on the actor's state (RUNNING, STOPPED, not found, ...) may come from a fold
                         # behind the log, as after a failover while its consumer starts again: answered
                         # once the stream leader has nothing past what it was decided on (`_current`, one
                         # read), decided again otherwise, as the registry and the snapshotter do
                         # (`run_command_async`).
                         if job.seen is not None:
                             seen = job.seen
-                        if refusal.code not in STATE_REFUSALS or await self._current(actor_id, seen):
+                        if refusal.code not in ACTOR_REFUSALS or await self._current(actor_id, seen):
                             raise
                         log.info("refused on a fold behind the log (%s: %s); deciding again", refusal.code.value,
                                  refusal.message)
