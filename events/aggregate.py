@@ -17,11 +17,13 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any, Callable, ClassVar
 
+import msgspec
 from eventsourcing.application import Application, ProcessingEvent, project_aggregate
 from eventsourcing.persistence import Mapper, StoredEvent
+from eventsourcing.utils import TopicError
 
 from events.codec import decoder, encode
-from events.errors import ContractError, precondition
+from events.errors import ContractError, precondition, unavailable
 from events.schema import EVENT_TYPES, Event
 
 AGGREGATE_KINDS: dict[str, type["WireAggregate"]] = {}
@@ -194,12 +196,32 @@ class WireMapper(Mapper):
         return super().to_stored_event(domain_event)
 
     def to_domain_event(self, stored_event: StoredEvent) -> Any:
-        event_type = EVENT_TYPES.get(stored_event.topic)
+        """The stored event as a `Recorded` (or the library's own event); UNAVAILABLE, naming the
+        event, when this version cannot read it: a newer version's event type, or a body this
+        version refuses. Nothing is decided on a history read in part, and a retry may reach a
+        service of the version that wrote it."""
+        topic = stored_event.topic
+        event_type = EVENT_TYPES.get(topic)
         if event_type is not None:
-            body = decoder(event_type).decode(stored_event.state)
+            try:
+                body = decoder(event_type).decode(stored_event.state)
+            except (msgspec.DecodeError, msgspec.ValidationError) as error:
+                raise unreadable(stored_event, f"its body does not read as {topic}: {error}") from None
             return Recorded(str(stored_event.originator_id), stored_event.originator_version, body,
                             getattr(stored_event, "seq", 0))
-        return super().to_domain_event(stored_event)
+        try:
+            return super().to_domain_event(stored_event)
+        except TopicError:
+            raise unreadable(stored_event, f"its type {topic!r} is not one this version knows") from None
+
+
+def unreadable(stored_event: StoredEvent, why: str) -> ContractError:
+    """The UNAVAILABLE of a history that holds an event this version cannot read."""
+    seq = getattr(stored_event, "seq", 0)
+    at = f" at stream sequence {seq}" if seq else ""
+    return unavailable(f"the history of {stored_event.originator_id} holds an event this service cannot read "
+                       f"(its version {stored_event.originator_version}{at}): {why}; a service of the version "
+                       f"that wrote it can")
 
 
 class WireApplication(Application[str]):

@@ -236,7 +236,10 @@ async def test_a_worker_event_of_an_unknown_type_is_not_vouched_for_by_the_roste
         assert (await finished(one.heartbeat("w-2", Heartbeat()))).ttl_s == 15.0  # the barrier passed ack.seq
         assert one.fold.complete >= ack.seq
         reply, _ = await raw_request(nc, prefix, "heartbeat", "w-1", {})
-        assert "error" in reply, reply  # whatever the history says, it does not say "registered"
+        # whatever the history says, it does not say "registered"; nor can this replica read it
+        assert reply["error"]["code"] == "UNAVAILABLE", reply
+        assert (f"worker.w-1 holds an event this service cannot read (its version 2 at stream sequence {ack.seq}): "
+                f"its type 'WorkerRetired' is not one this version knows") in reply["error"]["message"], reply
 
 
 # --- removed, lost, and back: through each replica ---------------------------------------------------

@@ -51,6 +51,7 @@ from events.schema import (
     WorkerFenced,
     WorkerRemoved,
 )
+from events.jetstream import TOPIC_HEADER, VERSION_HEADER
 from events.subjects import service_subject, services_inbox, stream_name
 from services.common import call, run_command, store_env
 from services.registry.service import RegistryService
@@ -385,6 +386,57 @@ async def test_unknown_actors_are_not_found(snapshotter, nc, prefix):
                                   SeqReply))
     assert (mismatch.code, mismatch.field) == (ErrorCode.INVALID_ARGUMENT, "actor_id")
     assert await last_seq(nc, prefix) == before
+
+
+async def test_an_actor_whose_history_this_version_cannot_read_is_unavailable_and_nothing_is_written(
+        snapshotter, placer, nc, prefix):
+    """A newer version's event on the actor's subject (the contract may add events), or a body this
+    version refuses: every command on the actor is UNAVAILABLE (a retry may reach a service of the
+    version that wrote it), naming the event, and writes nothing. It was INTERNAL, naming nothing."""
+    js = nc.jetstream()
+    await create(nc, prefix, "a-1")
+    await placer.place("a-1", "w-1", "node-1", PIN_V1)
+    await create(nc, prefix, "a-2")
+    unknown = await js.publish(
+        f"{prefix}.ev.actor.a-1", b'{"type":"ActorMigrated","actor_id":"a-1","at":"2026-12-01T10:00:00Z"}',
+        stream=stream_name(prefix), headers={TOPIC_HEADER: "ActorMigrated", VERSION_HEADER: "3"})
+    unknown_first = await js.publish(  # one a create finds: the history is there, whatever it says
+        f"{prefix}.ev.actor.a-3", b'{"type":"ActorSpawned","actor_id":"a-3","at":"2026-12-01T10:00:00Z"}',
+        stream=stream_name(prefix), headers={TOPIC_HEADER: "ActorSpawned", VERSION_HEADER: "1"})
+    why = {"a-1": f"(its version 3 at stream sequence {unknown.seq}): its type 'ActorMigrated' is not one this "
+                  f"version knows",
+           "a-3": f"(its version 1 at stream sequence {unknown_first.seq}): its type 'ActorSpawned' is not one this "
+                  f"version knows"}
+    for actor_id, cause in why.items():
+        for attempt in (
+            pause(nc, prefix, actor_id),
+            suspend(nc, prefix, actor_id, uri="s3://x"),
+            tag(nc, prefix, actor_id, "t"),
+            call(nc, subject(prefix, "update-template", actor_id), UpdateTemplate(template_uid="t-2"), SeqReply),
+            call(nc, subject(prefix, "stop", actor_id), StopActor(), SeqReply),
+            create(nc, prefix, actor_id),
+        ):
+            error = await refused(attempt)
+            assert error.code is ErrorCode.UNAVAILABLE, error
+            assert f"the history of actor.{actor_id} holds an event this service cannot read {cause}" in error.message
+    assert await last_seq(nc, prefix) == unknown_first.seq
+
+
+def test_a_body_this_version_refuses_is_named_where_the_history_is_read():
+    """The same for an event of a known type whose body this version refuses (a field it does not
+    have yet): the store's mapper is the one place a history is read into events."""
+    from eventsourcing.persistence import JSONTranscoder, StoredEvent
+
+    from events.aggregate import WireMapper
+
+    stored = StoredEvent(originator_id="actor.a-2", originator_version=2, topic="SnapshotTaken",
+                         state=b'{"type":"SnapshotTaken","actor_id":"a-2","at":"2026-12-01T10:00:00Z"}')
+    with pytest.raises(ContractError) as refused_read:
+        WireMapper(transcoder=JSONTranscoder()).to_domain_event(stored)
+    assert refused_read.value.code is ErrorCode.UNAVAILABLE
+    assert refused_read.value.message == (
+        "the history of actor.a-2 holds an event this service cannot read (its version 2): its body does not read "
+        "as SnapshotTaken: Object missing required field `snapshot`; a service of the version that wrote it can")
 
 
 # --- update-template and stop ------------------------------------------------------------------
