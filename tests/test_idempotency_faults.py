@@ -282,6 +282,14 @@ async def test_a_refusal_decided_on_a_fold_behind_the_actor_s_history_is_decided
     await wb.register(worker("w0", V1))
     await wb.create(actor("a"))
     await wb.resume("a")
+    suspended, placed = await resumed_behind(scheduler, nc, prefix, monkeypatch, lambda: wb.suspend("a", uri="s3://a/0"))
+    assert placed.actor_id == "a" and placed.seq > suspended.seq
+
+
+async def resumed_behind(scheduler: SchedulerService, nc, prefix: str, monkeypatch, write, **resume) -> tuple:
+    """`write()` while the replica's fold is paused, then a resume of actor "a" through it by a
+    client that passes no `min_seq` (`resume`: its other arguments); asserts that the resume waits
+    for the fold rather than being answered on what the fold has. (write's answer, the placement)."""
     waiting = asyncio.Event()
     wait = scheduler.fold.wait
 
@@ -291,13 +299,12 @@ async def test_a_refusal_decided_on_a_fold_behind_the_actor_s_history_is_decided
         await wait(seq, timeout)
 
     async with scheduler.fold.paused():
-        suspended = await wb.suspend("a", uri="s3://a/0")
+        written = await write()
         monkeypatch.setattr(scheduler.fold, "wait", noted)
-        resume = asyncio.create_task(Client(nc, prefix, read_your_writes=False).resume("a"))
-        await asyncio.wait({resume, asyncio.create_task(waiting.wait())}, return_when=asyncio.FIRST_COMPLETED)
-        assert not resume.done(), resume.exception()  # not refused on the fold's RUNNING: it waits
-    placed = await resume
-    assert placed.actor_id == "a" and placed.seq > suspended.seq
+        resuming = asyncio.create_task(Client(nc, prefix, read_your_writes=False).resume("a", **resume))
+        await asyncio.wait({resuming, asyncio.create_task(waiting.wait())}, return_when=asyncio.FIRST_COMPLETED)
+        assert not resuming.done(), resuming.exception()  # not refused on what the fold has: it waits
+    return written, await resuming
 
 
 async def test_selectors_of_the_actor_s_last_life_do_not_refuse_a_resume_of_its_next(stack, nc, prefix, monkeypatch):
@@ -314,23 +321,39 @@ async def test_selectors_of_the_actor_s_last_life_do_not_refuse_a_resume_of_its_
     with pytest.raises(ContractError) as refused:  # the rule itself, on a fold that is current
         await wb.resume("a", selectors={"zone": "b"})
     assert refused.value.code is ErrorCode.INVALID_ARGUMENT and refused.value.field == "selectors.zone"
-    waiting = asyncio.Event()
-    wait = scheduler.fold.wait
 
-    async def noted(seq: int | None, timeout: float) -> None:
-        if seq is not None and seq > scheduler.projection.seq:  # the resume waits for what the fold has not folded
-            waiting.set()
-        await wait(seq, timeout)
-
-    async with scheduler.fold.paused():
+    async def next_life():
         await wb.stop("a")
-        created = await wb.create(actor("a"))  # its next life selects nothing
-        monkeypatch.setattr(scheduler.fold, "wait", noted)
-        resume = asyncio.create_task(Client(nc, prefix, read_your_writes=False).resume("a", selectors={"zone": "b"}))
-        await asyncio.wait({resume, asyncio.create_task(waiting.wait())}, return_when=asyncio.FIRST_COMPLETED)
-        assert not resume.done(), resume.exception()  # not refused on the last life's selectors: it waits
-    placed = await resume
+        return await wb.create(actor("a"))  # it selects nothing
+
+    created, placed = await resumed_behind(scheduler, nc, prefix, monkeypatch, next_life, selectors={"zone": "b"})
     assert placed.worker_id == "w-b" and placed.seq > created.seq
+
+
+async def test_a_message_of_the_last_life_the_fold_cannot_read_does_not_refuse_the_next(
+        stack, nc, prefix, monkeypatch, writer):
+    """An actor whose life holds a message this scheduler cannot read is not placed by it
+    (UNAVAILABLE) until its next life. A replica whose fold has not folded that next life yet
+    gave that refusal; it is one on the actor's state, so it is checked at the stream leader
+    first, and the resume waits for the fold and places the actor."""
+    from events.schema import ActorStopped
+    from tests.factories import AT, created
+    from tests.test_placement_review import SnapshotTakenV2
+
+    scheduler = stack.services[-1]
+    wb = Client(nc, prefix)
+    await wb.register(worker("w0", V1))
+    await wb.create(actor("a"))
+    unread = await asyncio.to_thread(writer.write, SnapshotTakenV2(at=AT, actor_id="a", snapshot_id="a-2", stamp="x"))
+    with pytest.raises(ContractError) as refused:
+        await Client(nc, prefix, attempts=1).resume("a", min_seq=unread)
+    assert refused.value.code is ErrorCode.UNAVAILABLE and f"message {unread}" in refused.value.message
+
+    async def next_life() -> int:
+        return await asyncio.to_thread(writer.write, ActorStopped(at=AT, actor_id="a"), created("a"))
+
+    created_at, placed = await resumed_behind(scheduler, nc, prefix, monkeypatch, next_life)
+    assert placed.worker_id == "w0" and placed.seq > created_at
 
 
 @pytest.mark.parametrize("created_first", [True, False], ids=["created", "suspended"])

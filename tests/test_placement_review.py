@@ -14,7 +14,9 @@ from typing import ClassVar
 
 import pytest
 
+from events.codec import encode
 from events.errors import ContractError
+from events.jetstream import TOPIC_HEADER, VERSION_HEADER
 from events.schema import (
     Action,
     ActorEvent,
@@ -36,6 +38,7 @@ from services.registry.domain import Worker as RegistryWorker
 from services.scheduler.checkpoint_codec import export_state, restore_state
 from services.scheduler.committer import placed_event
 from services.scheduler.decide import decide
+from services.scheduler.fold import Fold
 from services.scheduler.projection import Projection
 from services.snapshotter.domain import Actor as SnapshotterActor
 from tests.factories import (
@@ -246,6 +249,48 @@ async def test_an_actor_event_the_scheduler_cannot_read_stops_its_placements_unt
     seq = await asyncio.to_thread(writer.write, ActorStopped(at=AT, actor_id="a"),
                                   created("a", snapshot=golden(V1)))
     assert (await once.resume("a", min_seq=seq)).worker_id == "w1"
+
+
+class ActorCreatedV2(ActorEvent, kw_only=True):
+    """A creation a newer snapshotter might write: the actor's next life, in a form this scheduler
+    does not read."""
+
+    sandbox_class: str
+
+
+async def test_a_request_id_is_not_answered_from_a_life_an_unread_creation_ended(wb, nc, prefix, writer):
+    """Placed with request id R, stopped, and created anew in a form this scheduler cannot read:
+    the fold's record of the actor is still its last life's, R among its placements. A resume of
+    the new life with R was answered with the last life's placement (the check at the leader
+    passed: the fold had met every message of the actor's subject, read or not). The new life is
+    not this replica's to answer or place."""
+    once = Client(nc, prefix, attempts=1)
+    await wb.register(registration("w1", V1, node="n1"))
+    await wb.create(new_actor("a", golden_snapshot=golden(V1)))
+    first = await wb.resume("a", request_id="R")
+    await wb.stop("a")
+    unread = await asyncio.to_thread(writer.write, ActorCreatedV2(at=AT, actor_id="a", sandbox_class="gvisor"))
+    with pytest.raises(ContractError) as refused:
+        await once.resume("a", request_id="R", min_seq=unread)
+    assert refused.value.code is ErrorCode.UNAVAILABLE and f"message {unread}" in refused.value.message
+    assert await last_seq(nc, prefix) == unread  # nothing written
+    assert first.seq < unread
+
+
+def test_a_readable_placement_of_an_actor_whose_creation_was_not_read_drains_its_worker():
+    """A newer snapshotter's creation this fold cannot read, then a newer scheduler's placement of
+    that actor in a form it reads, with its booking marker: with no record of the actor the fold
+    counted nothing of what the placement booked, and the next decision booked the worker past its
+    room. Now the marker drains the worker, as that of a placement it cannot read does."""
+    f = Fold(None, "t", fold([registered("w1", entry(V1), mem=4096), created("a")], Projection()))
+    f.fold_message(3, "t.ev.actor.big", {TOPIC_HEADER: "ActorCreatedV2", VERSION_HEADER: "1"},
+                   b'{"type":"ActorCreatedV2","actor_id":"big","sandbox_class":"gvisor","at":"2026-12-01T10:00:00Z"}')
+    f.fold_message(4, "t.ev.actor.big", {TOPIC_HEADER: "ActorPlaced", VERSION_HEADER: "2"},
+                   encode(placed("big", "w1", V1, mem=4000)))
+    f.fold_message(5, "t.ev.booking.w1", {TOPIC_HEADER: "WorkerBooked", VERSION_HEADER: "1"}, b"{}")
+    with pytest.raises(ContractError) as refused:
+        decide(f.projection, "a", None, f.projection.seq)
+    assert refused.value.code is ErrorCode.RESOURCE_EXHAUSTED and "1 drained" in refused.value.message
 
 
 # --- what the review found holding: random lifecycles, every decision audited ----------------------

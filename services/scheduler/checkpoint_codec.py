@@ -60,7 +60,7 @@ from services.scheduler.records import (
 )
 
 # Bump on any change of what State holds or how it maps onto the projection.
-FORMAT = 4
+FORMAT = 5
 
 
 NONE = -1  # "no reference" in an index field

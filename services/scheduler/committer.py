@@ -335,15 +335,12 @@ class Committer:
         the reply cache would know it then); else 0."""
         if job.request is None:
             return 0
-        found = self._answered.get(job.key, 0)
+        found = self._answered.get(job.key, 0) or (actor.placed_by(job.request) if actor is not None else 0)
         if found:
-            return found
-        if actor is None:
-            return 0
-        found = actor.placed_by(job.request)
-        if found:
-            return found
-        if actor.placements != job.checked and actor.may_have_pushed_out(job.request):
+            # not one from before a message of the actor's history this fold cannot read (it may have
+            # begun the next life): then the decision refuses the actor (`decide.resolve`)
+            return found if self.projection.answerable(job.actor_id, found) else 0
+        if actor is not None and actor.placements != job.checked and actor.may_have_pushed_out(job.request):
             return RECHECK
         return 0
 

@@ -137,6 +137,11 @@ class Projection:
             actor = self.actors.get(event.actor_id)
             if actor is None and kind is not ActorCreated:
                 self._other_subject(f"actor.{event.actor_id}", seq, version)
+                if isinstance(event, ActorPlaced):
+                    # a placement of an actor this fold has no record of (its creation unread): what
+                    # it booked is not counted here, so its booking marker drains the worker, as that
+                    # of a placement this fold cannot read does (`Fold.fold_message`)
+                    self.unread_actor_seq = seq
                 return
             if handler is not None:
                 actor = handler(event, seq)  # an actor's handler gives its record as it is now
@@ -195,6 +200,12 @@ class Projection:
         if self.unread_actors:
             seq = max(seq, self.unread_actors.get(actor_id, 0))
         return seq
+
+    def answerable(self, actor_id: str, seq: int) -> bool:
+        """Whether the actor's placement at `seq`, found for a request id, may answer it: not if
+        it comes before a message of the actor's history this fold cannot read (that message may
+        have begun the actor's next life, to which the placement does not belong)."""
+        return not self.unread_actors or seq > self.unread_actors.get(actor_id, 0)
 
     def worker_unread(self, seq: int, worker_id: str) -> None:
         """A message of the worker's history this fold cannot read (`Fold._unread`): whatever it

@@ -49,6 +49,7 @@ from services.common import (STATE_REFUSALS, EndpointSpec, ReplyCache, add_endpo
 from services.locks import KeyedLock
 from services.scheduler.checkpoint import DEFAULT_INTERVAL_S, Checkpoints
 from services.scheduler.committer import MAX_GROUP, RECHECK, Answered, Committer, Job
+from services.scheduler.decide import UnreadHistory
 from services.scheduler.explain import explain
 from services.scheduler.fragmentation import fragmentation
 from services.scheduler.fold import Fold
@@ -271,6 +272,8 @@ class SchedulerService:
                         seq = actor.placed_by(job.request)
                         if not seq and actor.may_have_pushed_out(job.request):
                             seq = await self._cached(actor_id, job.request)
+                        if seq and not self.projection.answerable(actor_id, seq):
+                            seq = 0  # before a message this fold cannot read: the committer's decision refuses
                 if not seq:
                     try:
                         result = await self.committer.submit(job)
@@ -292,7 +295,8 @@ class SchedulerService:
                         # (`run_command_async`).
                         if job.seen is not None:
                             seen = job.seen
-                        if refusal.code not in ACTOR_REFUSALS or await self._current(actor_id, seen):
+                        if not (refusal.code in ACTOR_REFUSALS or isinstance(refusal, UnreadHistory)) or \
+                                await self._current(actor_id, seen):
                             raise
                         log.info("refused on a fold behind the log (%s: %s); deciding again", refusal.code.value,
                                  refusal.message)
