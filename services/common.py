@@ -340,10 +340,18 @@ class ConcurrentEndpoint(Endpoint):
         self._num_requests += 1
         if error is not None:
             self._num_errors += 1
-            self._last_error = (f"{error.status}:{error.code.value}: {error.message}"
-                                if isinstance(error, ContractError) else repr(error))[:512]
+            self._last_error = last_error(error)
         self._processing_time += time.perf_counter_ns() - start
         self._average_processing_time = self._processing_time // self._num_requests
+
+
+def last_error(error: BaseException) -> str:
+    """What `$SRV.STATS` shows of an endpoint's last error: `<status>:<CODE>`, and the field a
+    refusal names. Never its message: that quotes the caller's request (ids, nodes, tags), and
+    STATS answers anyone allowed on `$SRV.>` (every client and operator), not the caller."""
+    if isinstance(error, ContractError):
+        return f"{error.status}:{error.code.value}" + (f" at {error.field}" if error.field else "")
+    return type(error).__name__
 
 
 class Slots:
