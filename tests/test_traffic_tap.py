@@ -56,3 +56,24 @@ async def test_the_check_judges_what_is_answered_and_appended(tmp_path):
     assert (failure.what, failure.name, failure.subject) == ("event", "ActorStopped", "tp.ev.actor.a-1")
     assert ("$.actor_id", "'a 1' does not match '^[A-Za-z0-9][A-Za-z0-9_-]{0,127}(?!\\\\n)$'") in failure.errors
     assert "TRAFFIC CHECK FAILED" in tap.report() and not tally.broken
+
+
+async def test_the_check_reads_back_every_event_stream_however_many_the_server_lists(tmp_path):
+    """The server lists 256 streams a page. A whole run's session server holds more, the buckets'
+    streams (`KV_...`) listed first: the check read back none of the event streams, and judged no
+    event of a whole run while reporting nothing amiss."""
+    server = NatsServer(tmp_path / "nats").start()
+    tap = TrafficTap()
+    try:
+        nc = await nats.connect(server.url)
+        js = nc.jetstream()
+        for i in range(300):  # listed before the event streams, as the buckets' are
+            await js.add_stream(name=f"KV_B{i:03d}", subjects=[f"$KV.B{i:03d}.>"])
+        await js.add_stream(name="TP_EVENTS", subjects=["tp.ev.>"])
+        await js.publish("tp.ev.actor.a-1", b'{"type":"ActorStopped","actor_id":"a 1"}',
+                         headers={TOPIC_HEADER: "ActorStopped"})  # invalid on purpose: the check must find it
+        await nc.close()
+        tally = await asyncio.to_thread(tap.finish, server.url)
+    finally:
+        server.stop()
+    assert (tally.streams, tally.checked["event"], tally.invalid) == (1, 1, 1), tap.report()

@@ -192,11 +192,17 @@ class TrafficTap:
         nc = await nats.connect(url, name="traffic-check", max_reconnect_attempts=2)
         try:
             js = nc.jetstream()
-            for info in await js.streams_info():
-                subjects = [s for s in info.config.subjects or [] if s.endswith(".ev.>")]
-                if info.config.name.endswith("_EVENTS") and subjects and info.state.messages:
-                    self.tally.streams += 1
-                    await self._read_stream(js, info.config.name, subjects[0])
+            offset = 0
+            while True:  # the server lists 256 streams a page, and a session makes more (the buckets' among them)
+                page = await js.streams_info(offset=offset)
+                if not page:
+                    break
+                offset += len(page)
+                for info in page:
+                    subjects = [s for s in info.config.subjects or [] if s.endswith(".ev.>")]
+                    if info.config.name.endswith("_EVENTS") and subjects and info.state.messages:
+                        self.tally.streams += 1
+                        await self._read_stream(js, info.config.name, subjects[0])
         finally:
             await nc.close()
 
