@@ -453,6 +453,7 @@ class Committer:
             item for item in group
             if p.booking_expectation(item.hold.worker_id) != item.hold.expected
             or p.actor_expectation(item.placement.actor_id) != item.actor
+            or p.actor_seq(item.placement.actor_id) != item.actor[1]  # moved by a message the fold cannot read
         ]
         if not stale:  # refused for a reason the expectations do not show: let each decide again
             stale = group
