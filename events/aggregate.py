@@ -14,6 +14,7 @@ which dispatches on the event type to a `when_<EventType>` method.
 
 from __future__ import annotations
 
+import logging
 from datetime import datetime, timezone
 from typing import Any, Callable, ClassVar
 
@@ -25,6 +26,8 @@ from eventsourcing.utils import TopicError
 from events.codec import decoder, encode
 from events.errors import ContractError, precondition, unavailable
 from events.schema import EVENT_TYPES, Event
+
+log = logging.getLogger("warmboot.events")
 
 AGGREGATE_KINDS: dict[str, type["WireAggregate"]] = {}
 
@@ -199,7 +202,7 @@ class WireMapper(Mapper):
         """The stored event as a `Recorded` (or the library's own event); UNAVAILABLE, naming the
         event, when this version cannot read it: a newer version's event type, or a body this
         version refuses. Nothing is decided on a history read in part, and a retry may reach a
-        service of the version that wrote it."""
+        service of a version that reads it."""
         topic = stored_event.topic
         event_type = EVENT_TYPES.get(topic)
         if event_type is not None:
@@ -211,17 +214,29 @@ class WireMapper(Mapper):
                             getattr(stored_event, "seq", 0))
         try:
             return super().to_domain_event(stored_event)
-        except TopicError:
+        except (TopicError, ValueError):  # no such type; no type at all ("": not a module name)
             raise unreadable(stored_event, f"its type {topic!r} is not one this version knows") from None
 
 
+_LOGGED_UNREADABLE: set[tuple[str, int]] = set()  # events already logged, so a retry loop logs each once
+_MAX_LOGGED = 4096
+
+
 def unreadable(stored_event: StoredEvent, why: str) -> ContractError:
-    """The UNAVAILABLE of a history that holds an event this version cannot read."""
+    """The UNAVAILABLE of a history that holds an event this version cannot read, logged once per
+    event (the caller's answer goes to the caller, and STATS shows only its code)."""
     seq = getattr(stored_event, "seq", 0)
     at = f" at stream sequence {seq}" if seq else ""
-    return unavailable(f"the history of {stored_event.originator_id} holds an event this service cannot read "
-                       f"(its version {stored_event.originator_version}{at}): {why}; a service of the version "
-                       f"that wrote it can")
+    message = (f"the history of {stored_event.originator_id} holds an event this service cannot read (its "
+               f"version {stored_event.originator_version}{at}): {why}; the services and the log are of "
+               f"different versions of warmboot")
+    key = (str(stored_event.originator_id), stored_event.originator_version)
+    if key not in _LOGGED_UNREADABLE:
+        if len(_LOGGED_UNREADABLE) >= _MAX_LOGGED:
+            _LOGGED_UNREADABLE.clear()
+        _LOGGED_UNREADABLE.add(key)
+        log.warning("%s", message)
+    return unavailable(message)
 
 
 class WireApplication(Application[str]):

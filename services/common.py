@@ -346,11 +346,11 @@ class ConcurrentEndpoint(Endpoint):
 
 
 def last_error(error: BaseException) -> str:
-    """What `$SRV.STATS` shows of an endpoint's last error: `<status>:<CODE>`, and the field a
-    refusal names. Never its message: that quotes the caller's request (ids, nodes, tags), and
-    STATS answers anyone allowed on `$SRV.>` (every client and operator), not the caller."""
+    """What `$SRV.STATS` shows of an endpoint's last error: `<status>:<CODE>`. Never its message
+    nor its field: they quote the caller's request (ids, nodes, tags, a selector's key), and STATS
+    answers anyone allowed on `$SRV.>` (every client and operator), not the caller."""
     if isinstance(error, ContractError):
-        return f"{error.status}:{error.code.value}" + (f" at {error.field}" if error.field else "")
+        return f"{error.status}:{error.code.value}"
     return type(error).__name__
 
 

@@ -293,6 +293,25 @@ def test_a_readable_placement_of_an_actor_whose_creation_was_not_read_drains_its
     assert refused.value.code is ErrorCode.RESOURCE_EXHAUSTED and "1 drained" in refused.value.message
 
 
+def test_the_life_after_one_whose_creation_was_not_read_starts_where_its_creation_is():
+    """A life whose creation this fold cannot read (it keeps no record of the actor), placed with a
+    request id by a newer scheduler, stopped; then a creation it reads. The fold made a first
+    record of the actor there, so its life seemed to have begun with the log: an answer recorded
+    in the reply cache for the last life's request id counted as this life's."""
+    f = Fold(None, "t", fold([registered("w1", entry(V1))], Projection()))
+    f.fold_message(2, "t.ev.actor.a", {TOPIC_HEADER: "ActorCreatedV2", VERSION_HEADER: "1"},
+                   b'{"type":"ActorCreatedV2","actor_id":"a","sandbox_class":"gvisor","at":"2026-12-01T10:00:00Z"}')
+    f.fold_message(3, "t.ev.actor.a", {TOPIC_HEADER: "ActorPlaced", VERSION_HEADER: "2"},
+                   encode(placed("a", "w1", V1, request_id="R")))
+    f.fold_message(4, "t.ev.booking.w1", {TOPIC_HEADER: "WorkerBooked", VERSION_HEADER: "1"}, b"{}")
+    f.fold_message(5, "t.ev.actor.a", {TOPIC_HEADER: "ActorStopped", VERSION_HEADER: "3"},
+                   encode(ActorStopped(at=AT, actor_id="a")))
+    f.fold_message(6, "t.ev.actor.a", {TOPIC_HEADER: "ActorCreated", VERSION_HEADER: "4"}, encode(created("a")))
+    p = f.projection
+    assert p.life_started("a") == 6 and not p.unread_actors
+    assert p.actor_seq("a") == 6 and p.actor_expectation("a") == (4, 6)
+
+
 # --- what the review found holding: random lifecycles, every decision audited ----------------------
 
 

@@ -393,14 +393,18 @@ class Projection:
     def _actor_created(self, event: ActorCreated, seq: int) -> Actor:
         spec = self.intern.spec(event.sandbox_class, event.template_uid, self.intern.resources(event.resources),
                          self.intern.selectors(event.selectors), event.min_fidelity)
-        if self.unread_actors:  # a life this fold reads from its start
-            self.unread_actors.pop(event.actor_id, None)
+        # a life this fold reads from its start
+        unread = self.unread_actors.pop(event.actor_id, None) if self.unread_actors else None
         actor = self.actors.get(event.actor_id)
         if actor is None:
             actor = self.actors[event.actor_id] = Actor(event.actor_id, CREATED, spec)
             previous = self.subjects.pop(f"actor.{event.actor_id}", None) if self.subjects else None
             if previous is not None:
                 actor.version, actor.last_seq = previous
+            if previous is not None or unread is not None:
+                # its subject held messages before: of a life whose creation this fold did not read.
+                # An answer recorded before this creation is of that life (`life_started`).
+                self.recreated[actor.actor_id] = seq
         else:  # created anew after a stop: a new life, nothing of the last one carries over
             self._count(actor, -1)
             actor = self._release(actor)
