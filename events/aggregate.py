@@ -24,8 +24,8 @@ from eventsourcing.persistence import Mapper, StoredEvent
 from eventsourcing.utils import TopicError
 
 from events.codec import decoder, encode
-from events.errors import ContractError, precondition, unavailable
-from events.schema import EVENT_TYPES, Event
+from events.errors import ContractError, precondition
+from events.schema import EVENT_TYPES, ErrorCode, Event
 
 log = logging.getLogger("warmboot.events")
 
@@ -218,11 +218,17 @@ class WireMapper(Mapper):
             raise unreadable(stored_event, f"its type {topic!r} is not one this version knows") from None
 
 
+class UnreadableHistory(ContractError):
+    """UNAVAILABLE: an entity's history holds an event this version cannot read (`unreadable`).
+    A refusal of that entity only: work about other entities goes on (the registry's start-up
+    reconciliation, say)."""
+
+
 _LOGGED_UNREADABLE: set[tuple[str, int]] = set()  # events already logged, so a retry loop logs each once
 _MAX_LOGGED = 4096
 
 
-def unreadable(stored_event: StoredEvent, why: str) -> ContractError:
+def unreadable(stored_event: StoredEvent, why: str) -> UnreadableHistory:
     """The UNAVAILABLE of a history that holds an event this version cannot read, logged once per
     event (the caller's answer goes to the caller, and STATS shows only its code)."""
     seq = getattr(stored_event, "seq", 0)
@@ -236,7 +242,7 @@ def unreadable(stored_event: StoredEvent, why: str) -> ContractError:
             _LOGGED_UNREADABLE.clear()
         _LOGGED_UNREADABLE.add(key)
         log.warning("%s", message)
-    return unavailable(message)
+    return UnreadableHistory(ErrorCode.UNAVAILABLE, message)
 
 
 class WireApplication(Application[str]):

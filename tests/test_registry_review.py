@@ -9,6 +9,7 @@ Each test runs over the session's nats-server and fails on the behaviour it name
 from __future__ import annotations
 
 import asyncio
+import logging
 import tracemalloc
 
 import msgspec
@@ -379,3 +380,44 @@ async def test_a_check_at_the_leader_never_lowers_what_later_reads_must_reach(na
         assert await recorder.newer_at_leader_async(aggregate, stored.seq) is True
         assert recorder.seen(aggregate) == stored.seq
         assert await recorder.newer_at_leader_async(aggregate, stored.seq) is False  # known again: current
+
+
+# --- an event of another version at start ------------------------------------------------------------
+
+
+async def test_a_start_reconciles_every_worker_but_one_whose_history_it_cannot_read(tmp_path, prefix, caplog):
+    """Both workers' heartbeats expired while no registry ran (after a rollback, say), and one's
+    history holds an event of a known type whose body this version refuses. The start-up
+    reconciliation raised out of its task group for that worker: no replica of this version could
+    start. Now that worker is logged and left (its expiry marker stays with the sweep), and the
+    others are reconciled. On a server of its own: the session's traffic check would judge the
+    refused body."""
+    from warmboot.natsserver import NatsServer
+
+    server = NatsServer(tmp_path / "nats").start()
+    try:
+        nc = await nats.connect(server.url)
+        async with running_registry(server.url, prefix, ttl_s=1) as one:
+            await one.register("w-1", body("w-1"))
+            await one.register("w-2", body("w-2"))
+        js = nc.jetstream()
+        kv = f"KV_{bucket_name(prefix, 'heartbeats')}"
+        markers = await js.subscribe(f"$KV.{bucket_name(prefix, 'heartbeats')}.>", stream=kv, ordered_consumer=True)
+        expired: set[str] = set()
+        while expired != {"w-1", "w-2"}:  # the server's expiry markers, written while no registry runs
+            msg = await markers.next_msg(timeout=30)
+            if (msg.headers or {}).get("Nats-Marker-Reason") == "MaxAge":
+                expired.add(msg.subject.rsplit(".", 1)[1])
+        await markers.unsubscribe()
+        refused = await js.publish(f"{prefix}.ev.worker.w-1", b'{"type":"WorkerDrained","worker_id":"w-1"}',
+                                   stream=stream_name(prefix), headers={TOPIC_HEADER: "WorkerDrained", VERSION_HEADER: "2"})
+        with caplog.at_level(logging.WARNING, logger="warmboot.registry"):
+            async with running_registry(server.url, prefix, ttl_s=1):
+                _, removed = await wait_event(nc, prefix, "w-2", WorkerRemoved, after=refused.seq)
+        assert removed.reason == "LOST"
+        last = await js.get_last_msg(stream_name(prefix), f"{prefix}.ev.worker.w-1")
+        assert last.seq == refused.seq  # nothing written for it
+        assert any("w-1" in r.getMessage() and "reconcil" in r.getMessage() for r in caplog.records), caplog.text
+        await nc.close()
+    finally:
+        server.stop()

@@ -43,7 +43,7 @@ from nats.aio.client import Client as NATS
 from nats.js.errors import NotFoundError
 from prometheus_client import Counter, Histogram
 
-from events.aggregate import Recorded, WireApplication, now
+from events.aggregate import Recorded, UnreadableHistory, WireApplication, now
 from events.errors import ContractError, invalid, unavailable
 from events.jetstream.link import links_on
 from events.natspy import flush_in_order
@@ -429,7 +429,11 @@ class RegistryService:
                 if state == "absent":
                     await self.liveness.start_clock(worker_id)
                 elif state == "expired":
-                    await self._expired(worker_id)
+                    try:
+                        await self._expired(worker_id)
+                    except UnreadableHistory:  # logged where it was read; the others are reconciled all the same
+                        log.warning("worker %s is not reconciled: its history holds an event this registry cannot "
+                                    "read; its expiry stays with the sweep", worker_id)
 
         async with asyncio.TaskGroup() as lanes:
             for _ in range(RECONCILE_LANES):
