@@ -224,7 +224,7 @@ class UnreadableHistory(ContractError):
     reconciliation, say)."""
 
 
-_LOGGED_UNREADABLE: set[tuple[str, int]] = set()  # events already logged, so a retry loop logs each once
+_LOGGED_UNREADABLE: set[tuple[str, int, int]] = set()  # events already logged, so a retry loop logs each once
 _MAX_LOGGED = 4096
 
 
@@ -236,7 +236,7 @@ def unreadable(stored_event: StoredEvent, why: str) -> UnreadableHistory:
     message = (f"the history of {stored_event.originator_id} holds an event this service cannot read (its "
                f"version {stored_event.originator_version}{at}): {why}; the services and the log are of "
                f"different versions of warmboot")
-    key = (str(stored_event.originator_id), stored_event.originator_version)
+    key = (str(stored_event.originator_id), stored_event.originator_version, seq)
     if key not in _LOGGED_UNREADABLE:
         if len(_LOGGED_UNREADABLE) >= _MAX_LOGGED:
             _LOGGED_UNREADABLE.clear()

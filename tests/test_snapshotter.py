@@ -433,9 +433,9 @@ def test_a_body_this_version_refuses_is_named_where_the_history_is_read(caplog):
     from events.aggregate import WireMapper
 
     mapper = WireMapper(transcoder=JSONTranscoder())
-    refused_body = StoredEvent(originator_id="actor.a-2", originator_version=2, topic="SnapshotTaken",
-                               state=b'{"type":"SnapshotTaken","actor_id":"a-2","at":"2026-12-01T10:00:00Z"}')
-    untyped = StoredEvent(originator_id="actor.a-2", originator_version=3, topic="", state=b'{"seq":4}')
+    refused_body = StoredEvent(originator_id="actor.mapped-here", originator_version=2, topic="SnapshotTaken",
+                               state=b'{"type":"SnapshotTaken","actor_id":"mapped-here","at":"2026-12-01T10:00:00Z"}')
+    untyped = StoredEvent(originator_id="actor.mapped-here", originator_version=3, topic="", state=b'{"seq":4}')
     expected = {
         refused_body: "its body does not read as SnapshotTaken: Object missing required field `snapshot`",
         untyped: "its type '' is not one this version knows",
@@ -447,11 +447,11 @@ def test_a_body_this_version_refuses_is_named_where_the_history_is_read(caplog):
                     mapper.to_domain_event(stored)
                 assert refused_read.value.code is ErrorCode.UNAVAILABLE
                 assert refused_read.value.message == (
-                    f"the history of actor.a-2 holds an event this service cannot read (its version "
+                    f"the history of actor.mapped-here holds an event this service cannot read (its version "
                     f"{stored.originator_version}): {why}; the services and the log are of different versions "
                     f"of warmboot")
     assert [r.getMessage() for r in caplog.records if r.name == "warmboot.events"] == [
-        f"the history of actor.a-2 holds an event this service cannot read (its version {stored.originator_version}): "
+        f"the history of actor.mapped-here holds an event this service cannot read (its version {stored.originator_version}): "
         f"{why}; the services and the log are of different versions of warmboot" for stored, why in expected.items()]
 
 
