@@ -45,7 +45,7 @@ from eventsourcing.projection import ApplicationSubscription, EventSourcedProjec
 from nats.aio.client import Client as NATS
 from prometheus_client import Counter, Histogram
 
-from events.aggregate import Recorded, UnreadableHistory, WireAggregate, WireApplication, aggregate_id, now
+from events.aggregate import Recorded, WireAggregate, WireApplication, aggregate_id, now
 from events.jetstream.link import links_on
 from events.errors import invalid, not_found, precondition, unavailable
 from events.schema import (
@@ -190,30 +190,15 @@ class WorkerRemovalProcess(EventSourcedProjection[str], WireApplication):
         for _ in range(self.ATTEMPTS):
             if self.recorder.has_tracking_id(tracking.application_name, tracking.notification_id):
                 return
-            count, unread = 0, []
-            actors = []
+            processing = ProcessingEvent[str](tracking=tracking)
+            count = 0
             for release in releases:
-                try:
-                    actor = self._read_past(release.actor_id, release.placed_version)
-                except UnreadableHistory:  # logged where it was read
-                    unread.append(release.actor_id)
-                    continue
+                actor = self._read_past(release.actor_id, release.placed_version)
                 if actor is None:
                     continue
                 if actor.release_from_removed_worker(release.worker_id, release.placed_version, at):
-                    actors.append(actor)
+                    processing.collect_events(actor)
                     count += 1
-            # An actor whose history this version cannot read is left, and so is the position's tracking
-            # record: the others are released now, and a start of a version that reads it (every start
-            # acts on the positions not tracked) releases it then; the later removals go on meanwhile.
-            processing = ProcessingEvent[str](tracking=None if unread else tracking)
-            processing.collect_events(*actors)
-            if unread:
-                log.warning("position %d: actor(s) %s of removed worker %s not released: their history holds an "
-                            "event this version cannot read; the position is left untracked", tracking.notification_id,
-                            ", ".join(unread), releases[0].worker_id)
-                if not actors:
-                    return
             try:
                 counted([recording.domain_event for recording in self._record(processing)])
             except IntegrityError:
