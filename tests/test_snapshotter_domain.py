@@ -360,6 +360,25 @@ def test_fold_forgets_stopped_actors():
     assert fold.apply(1, worker_removed("w-1")) == []
 
 
+def test_fold_holds_each_removed_placement_until_the_log_ends_it():
+    """`unreleased`: what the worker-removal process must still release (its release may be left,
+    the actor's history unreadable); it ends with a release, a stop, or a placement anew."""
+    fold = PlacementFold()
+    for actor_id in ("a", "b", "c"):
+        fold.apply(2, placed(running(actor_id), worker_id="w-1"))
+    fold.apply(1, worker_removed("w-1"))
+    assert {k: v[0] for k, v in fold.unreleased.items()} == {
+        "a": Release("a", "w-1", 2), "b": Release("b", "w-1", 2), "c": Release("c", "w-1", 2)}
+    assert fold.unreleased["a"][1] == at(10)  # the removal's time: every replica releases alike
+    fold.apply(3, ActorReleased(actor_id="a", worker_id="w-1", reason=ReleaseReason.WORKER_REMOVED, at=at(10)))
+    fold.apply(3, ActorStopped(actor_id="b", at=at(11)))
+    assert set(fold.unreleased) == {"c"}
+    fold.apply(4, placed(running("d"), worker_id="w-1"))  # on the removed worker: to release too
+    assert set(fold.unreleased) == {"c", "d"}
+    fold.apply(3, placed(running("c"), worker_id="w-2"))  # placed anew elsewhere: its old placement ended
+    assert set(fold.unreleased) == {"d"}
+
+
 def test_create_from_a_tag_of_another_class_is_failed_precondition():
     source = running("src", pin=V1)
     snapshot = source.suspend(None, "s3://x", Fidelity.MEMORY, None, at(2))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Sequence
 
 from events.schema import ActorPlaced, ActorReleased, ActorStopped, Event, WorkerRegistered, WorkerRemoved
@@ -30,6 +31,9 @@ class PlacementFold:
         self.on_worker: dict[str, dict[str, int]] = {}  # worker_id -> {actor_id: placed_version}
         self.worker_of: dict[str, str] = {}  # actor_id -> worker_id
         self.removed: set[str] = set()
+        # actor_id -> (release, the time of the event that called for it): placements on removed
+        # workers whose end the log does not hold yet (a release, a stop, or a placement anew)
+        self.unreleased: dict[str, tuple[Release, datetime]] = {}
 
     def placed_on(self, worker_id: str) -> dict[str, int]:
         return dict(self.on_worker.get(worker_id, {}))
@@ -38,7 +42,9 @@ class PlacementFold:
         if isinstance(e, ActorPlaced):
             self._forget(e.actor_id)
             if e.worker_id in self.removed:
-                return [Release(e.actor_id, e.worker_id, originator_version)]
+                release = Release(e.actor_id, e.worker_id, originator_version)
+                self.unreleased[e.actor_id] = (release, e.at)
+                return [release]
             self.on_worker.setdefault(e.worker_id, {})[e.actor_id] = originator_version
             self.worker_of[e.actor_id] = e.worker_id
         elif isinstance(e, (ActorReleased, ActorStopped)):
@@ -48,12 +54,17 @@ class PlacementFold:
             placed = self.on_worker.pop(e.worker_id, {})
             for actor_id in placed:
                 del self.worker_of[actor_id]
-            return [Release(a, e.worker_id, v) for a, v in sorted(placed.items())]
+            releases = [Release(a, e.worker_id, v) for a, v in sorted(placed.items())]
+            for release in releases:
+                self.unreleased[release.actor_id] = (release, e.at)
+            return releases
         elif isinstance(e, WorkerRegistered):
             self.removed.discard(e.worker_id)
         return []
 
     def _forget(self, actor_id: str) -> None:
+        if self.unreleased:
+            self.unreleased.pop(actor_id, None)
         worker_id = self.worker_of.pop(actor_id, None)
         if worker_id is not None:
             actors = self.on_worker[worker_id]

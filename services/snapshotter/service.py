@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from datetime import datetime
 from functools import partial
 from typing import Any, Awaitable, Callable
@@ -45,7 +46,7 @@ from eventsourcing.projection import ApplicationSubscription, EventSourcedProjec
 from nats.aio.client import Client as NATS
 from prometheus_client import Counter, Histogram
 
-from events.aggregate import Recorded, WireAggregate, WireApplication, aggregate_id, now
+from events.aggregate import Recorded, UnreadableHistory, WireAggregate, WireApplication, aggregate_id, now
 from events.jetstream.link import links_on
 from events.errors import invalid, not_found, precondition, unavailable
 from events.schema import (
@@ -146,6 +147,9 @@ def counted(events: list[Any]) -> list[Any]:
 class WorkerRemovalProcess(EventSourcedProjection[str], WireApplication):
     """Releases, exactly once, every actor placed on a worker that is removed.
 
+    A release it cannot make now (the actor's history holds an event this version cannot read)
+    does not hold up the others: it is kept in `left` and tried again (`_release_left`).
+
     The library's event-sourced projection: a process recorder writes the releases
     and the tracking record of the position that caused them atomically. The
     placement fold is rebuilt from the start of the log each time the process
@@ -156,6 +160,7 @@ class WorkerRemovalProcess(EventSourcedProjection[str], WireApplication):
     name = "SnapshotterWorkerRemovals"
     topics = ("WorkerRegistered", "WorkerRemoved", "ActorPlaced", "ActorReleased", "ActorStopped")
     ATTEMPTS = 16
+    LEFT_RETRY_S = (1.0, 60.0)  # first and longest pause between tries of the releases left (`left`)
 
     def __init__(self, env: dict[str, str] | None = None) -> None:
         super().__init__(env)
@@ -169,14 +174,38 @@ class WorkerRemovalProcess(EventSourcedProjection[str], WireApplication):
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None  # the last failure of the subscription
+        # Releases this version could not make (the actor's history holds an event it cannot read),
+        # by actor: tried again as the log moves, with a growing pause, until made or moot. A
+        # position is tracked as a high-water mark, so they are not left to a start to redo: a
+        # start takes them up from the fold (`PlacementFold.unreleased`) once it has caught up.
+        self.left: dict[str, tuple[Release, datetime]] = {}
+        self._catch_up_end: int | None = None  # the log's end when following began
+        self._left_delay = self.LEFT_RETRY_S[0]
+        self._left_next = 0.0
 
     # --- processing (runs on the follower thread) ---
 
     def process_event(self, domain_event: Any, tracking: Tracking) -> None:
-        if isinstance(domain_event, Recorded):
-            releases = self.fold.apply(domain_event.originator_version, domain_event.body)
-            if releases:
-                self.release(releases, tracking, domain_event.body.at)
+        self._act(*self._folded(domain_event), tracking)
+
+    def _folded(self, domain_event: Any) -> tuple[list[Release], datetime | None]:
+        """Fold one event (once: the fold is not idempotent, a removal hands out its placements once);
+        the releases it calls for and the time of the event."""
+        if not isinstance(domain_event, Recorded):
+            return [], None
+        return self.fold.apply(domain_event.originator_version, domain_event.body), domain_event.body.at
+
+    def _act(self, releases: list[Release], at: datetime | None, tracking: Tracking) -> None:
+        """What a folded event calls for: its releases, those left earlier; then the position moves."""
+        if releases:
+            self.release(releases, tracking, at)
+        if self._catch_up_end is not None and tracking.notification_id >= self._catch_up_end:
+            # caught up with the log as it was at the start: a placement on a removed worker the fold
+            # still holds was never released (one of its actor's events unreadable by the version then)
+            self._catch_up_end = None
+            self.left.update(self.fold.unreleased)
+        if self.left and time.monotonic() >= self._left_next:
+            self._release_left()
         with self._moved:
             self.position = tracking.notification_id
             self._moved.notify_all()
@@ -193,7 +222,11 @@ class WorkerRemovalProcess(EventSourcedProjection[str], WireApplication):
             processing = ProcessingEvent[str](tracking=tracking)
             count = 0
             for release in releases:
-                actor = self._read_past(release.actor_id, release.placed_version)
+                try:
+                    actor = self._read_past(release.actor_id, release.placed_version)
+                except UnreadableHistory:  # logged where it was read; the others are released now
+                    self.left[release.actor_id] = (release, at)
+                    continue
                 if actor is None:
                     continue
                 if actor.release_from_removed_worker(release.worker_id, release.placed_version, at):
@@ -210,6 +243,38 @@ class WorkerRemovalProcess(EventSourcedProjection[str], WireApplication):
                          count, releases[0].worker_id, tracking.notification_id)
             return
         raise RuntimeError(f"could not settle the releases at position {tracking.notification_id}")
+
+    def _release_left(self) -> None:
+        """Try again the releases in `left`: each is made, found moot (the log has the placement's end,
+        the actor is gone or released), or left for the next try, a longer pause away."""
+        for actor_id, (release, at) in list(self.left.items()):
+            if self.fold.unreleased.get(actor_id, (None,))[0] != release:  # ended in the log since
+                del self.left[actor_id]
+                continue
+            try:
+                actor = self._read_past(actor_id, release.placed_version)
+            except UnreadableHistory:
+                continue
+            if actor is None or not actor.release_from_removed_worker(release.worker_id, release.placed_version, at):
+                del self.left[actor_id]
+                continue
+            processing = ProcessingEvent[str]()
+            processing.collect_events(actor)
+            try:
+                counted([recording.domain_event for recording in self._record(processing)])
+            except IntegrityError:
+                self.conflicts += 1  # another writer's event on the actor: read again next time
+                continue
+            self.released += 1
+            del self.left[actor_id]
+            log.info("released actor %s of removed worker %s (left earlier)", actor_id, release.worker_id)
+        if self.left:
+            log.warning("%d release(s) of actors on removed workers wait for histories this version can read: %s",
+                        len(self.left), ", ".join(sorted(self.left)[:10]))
+            self._left_next = time.monotonic() + self._left_delay
+            self._left_delay = min(self._left_delay * 2, self.LEFT_RETRY_S[1])
+        else:
+            self._left_delay = self.LEFT_RETRY_S[0]
 
     def _read_past(self, actor_id: str, placed_version: int) -> Actor | None:
         """The actor, read up to at least the placement the fold saw (`placed_version`). The fold
@@ -236,6 +301,7 @@ class WorkerRemovalProcess(EventSourcedProjection[str], WireApplication):
         process reads it through its own recorder, and its tracking records carry
         its own name: no other follower's positions mix with its own.
         """
+        self._catch_up_end = self.recorder.max_notification_id() or 0
         self._subscribe(None)
         with self._lock:  # not started once stop() has begun (it may run meanwhile, from another thread)
             if self._stopping.is_set():
@@ -279,11 +345,13 @@ class WorkerRemovalProcess(EventSourcedProjection[str], WireApplication):
                 self._moved.notify_all()
 
     def _process_until_done(self, domain_event: Any, tracking: Tracking) -> None:
-        """Process one event; on a store failure, back off and try the same event again."""
+        """Process one event; on a store failure, back off and act on it again (folded once: a
+        removal folded again would hand out no placement, and its releases would be lost)."""
+        releases, at = self._folded(domain_event)
         delay = 0.1
         while True:
             try:
-                self.process_event(domain_event, tracking)
+                self._act(releases, at, tracking)
                 return
             except Exception:
                 if self._stopping.is_set():
