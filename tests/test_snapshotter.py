@@ -648,9 +648,9 @@ async def test_a_restarted_replica_does_not_release_again(registry, placer, nats
 
 @contextlib.contextmanager
 def releases_held(service: SnapshotterService):
-    """The service's worker-removal process stops before the releases of the first WorkerRemoved
-    until the block ends: a removal is in the log and its releases are not yet (the window a pause
-    may fall into)."""
+    """The service's worker-removal process stops before making any release (a WorkerRemoved's, or
+    an ActorPlaced's on a removed worker) until the block ends: a removal is in the log and its
+    releases are not yet (the window a pause may fall into)."""
     hold = threading.Event()
     process = service.process
     act = process._act
