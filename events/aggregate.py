@@ -24,7 +24,7 @@ from eventsourcing.persistence import Mapper, StoredEvent
 from eventsourcing.utils import TopicError
 
 from events.codec import decoder, encode
-from events.errors import ContractError, precondition
+from events.errors import ContractError, UnreadableHistory, precondition
 from events.schema import EVENT_TYPES, ErrorCode, Event
 
 log = logging.getLogger("warmboot.events")
@@ -216,12 +216,6 @@ class WireMapper(Mapper):
             return super().to_domain_event(stored_event)
         except (TopicError, ValueError):  # no such type; no type at all ("": not a module name)
             raise unreadable(stored_event, f"its type {topic!r} is not one this version knows") from None
-
-
-class UnreadableHistory(ContractError):
-    """UNAVAILABLE: an entity's history holds an event this version cannot read (`unreadable`).
-    A refusal of that entity only: work about other entities goes on (the registry's start-up
-    reconciliation, say)."""
 
 
 _LOGGED_UNREADABLE: set[tuple[str, int, int]] = set()  # events already logged, so a retry loop logs each once

@@ -39,6 +39,14 @@ class ContractError(Exception):
     def from_detail(cls, detail: ErrorDetail) -> "ContractError":
         return cls(detail.code, detail.message, detail.field)
 
+
+class UnreadableHistory(ContractError):
+    """UNAVAILABLE: an entity's history holds an event this version cannot read (a type of another
+    version, or a body it refuses; `events.aggregate.unreadable`, the scheduler's `decide.resolve`).
+    A refusal of that entity only: work about other entities goes on (the registry's start-up
+    reconciliation, the snapshotter's worker-removal process), and the scheduler checks it at the
+    stream leader as a refusal on the actor's state."""
+
     def __repr__(self) -> str:
         where = f" at {self.field}" if self.field else ""
         return f"ContractError({self.code.value}{where}: {self.message})"

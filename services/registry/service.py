@@ -43,8 +43,8 @@ from nats.aio.client import Client as NATS
 from nats.js.errors import NotFoundError
 from prometheus_client import Counter, Histogram
 
-from events.aggregate import Recorded, UnreadableHistory, WireApplication, now
-from events.errors import ContractError, invalid, unavailable
+from events.aggregate import Recorded, WireApplication, now
+from events.errors import ContractError, UnreadableHistory, invalid, unavailable
 from events.jetstream.link import links_on
 from events.natspy import flush_in_order
 from events.schema import (

@@ -63,7 +63,7 @@ from __future__ import annotations
 
 from typing import Iterable, Iterator, Mapping, Sequence
 
-from events.errors import ContractError, exhausted, invalid, not_found, precondition
+from events.errors import UnreadableHistory, exhausted, invalid, not_found, precondition
 from events.schema import (
     Action,
     CompatVersion,
@@ -156,23 +156,16 @@ class Plan:
         self.sources = sources  # the member sets the tiers were drawn from (their versions key a refusal)
 
 
-class UnreadHistory(ContractError):
-    """UNAVAILABLE: the actor's current life holds a message this fold cannot read. A refusal on
-    the actor's state, so one a fold behind the log can give wrongly (the leader may have the
-    actor's next life already): the scheduler checks it at the stream leader as it does those."""
-
-    def __init__(self, actor_id: str, seq: int):
-        super().__init__(ErrorCode.UNAVAILABLE, (
-            f"actor {actor_id}'s history holds message {seq}, which this scheduler cannot read (an event "
-            f"of a newer version, or a body this version refuses): this replica does not place the actor "
-            f"until its next life; a scheduler that reads the message can"))
-
-
 def resolve(projection: Projection, actor_id: str) -> Actor:
     """The actor a resume is about, or the contract error that refuses it."""
     unread = projection.unread_actors.get(actor_id) if projection.unread_actors else None
     if unread is not None:  # what that message changed (a newer snapshot, its stamp) is unknown here
-        raise UnreadHistory(actor_id, unread)
+        # a refusal on the actor's state, which a fold behind the log can give wrongly (the leader may
+        # have the actor's next life already): the scheduler checks it at the stream leader
+        raise UnreadableHistory(ErrorCode.UNAVAILABLE, (
+            f"actor {actor_id}'s history holds message {unread}, which this scheduler cannot read (an event "
+            f"of another version, or a body this version refuses): this replica does not place the actor "
+            f"until its next life; a scheduler that reads the message can"))
     actor = projection.actors.get(actor_id)
     if actor is None:
         raise not_found(f"actor {actor_id} not found")

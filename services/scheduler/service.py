@@ -26,7 +26,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from events.aggregate import WireApplication
 from events.codec import decode_event, decoder
-from events.errors import ContractError, unavailable
+from events.errors import ContractError, UnreadableHistory, unavailable
 from events.jetstream.link import links_on
 from events.tasks import cancel_and_wait
 from events.schema import (
@@ -49,7 +49,6 @@ from services.common import (STATE_REFUSALS, EndpointSpec, ReplyCache, add_endpo
 from services.locks import KeyedLock
 from services.scheduler.checkpoint import DEFAULT_INTERVAL_S, Checkpoints
 from services.scheduler.committer import MAX_GROUP, RECHECK, Answered, Committer, Job
-from services.scheduler.decide import UnreadHistory
 from services.scheduler.explain import explain
 from services.scheduler.fragmentation import fragmentation
 from services.scheduler.fold import Fold
@@ -295,7 +294,7 @@ class SchedulerService:
                         # (`run_command_async`).
                         if job.seen is not None:
                             seen = job.seen
-                        if not (refusal.code in ACTOR_REFUSALS or isinstance(refusal, UnreadHistory)) or \
+                        if not (refusal.code in ACTOR_REFUSALS or isinstance(refusal, UnreadableHistory)) or \
                                 await self._current(actor_id, seen):
                             raise
                         log.info("refused on a fold behind the log (%s: %s); deciding again", refusal.code.value,

@@ -46,9 +46,9 @@ from eventsourcing.projection import ApplicationSubscription, EventSourcedProjec
 from nats.aio.client import Client as NATS
 from prometheus_client import Counter, Histogram
 
-from events.aggregate import Recorded, UnreadableHistory, WireAggregate, WireApplication, aggregate_id, now
+from events.aggregate import Recorded, WireAggregate, WireApplication, aggregate_id, now
 from events.jetstream.link import links_on
-from events.errors import invalid, not_found, precondition, unavailable
+from events.errors import UnreadableHistory, invalid, not_found, precondition, unavailable
 from events.schema import (
     ActorPlaced,
     ActorReleased,
