@@ -192,14 +192,8 @@ class Projection:
     def actor_seq(self, actor_id: str) -> int:
         """The last message of the actor's history this fold has met, read or not (0 if none): what
         a decision about the actor was taken on, to compare with the stream leader's."""
-        actor = self.actors.get(actor_id)
-        if actor is not None:
-            seq = actor.last_seq
-        else:
-            seq = self.subjects[f"actor.{actor_id}"][1] if self.subjects and f"actor.{actor_id}" in self.subjects else 0
-        if self.unread_actors:
-            seq = max(seq, self.unread_actors.get(actor_id, 0))
-        return seq
+        seq = self.actor_expectation(actor_id)[1]  # the last message folded (or kept of an unknown actor)
+        return max(seq, self.unread_actors.get(actor_id, 0)) if self.unread_actors else seq
 
     def answerable(self, actor_id: str, seq: int) -> bool:
         """Whether the actor's placement at `seq`, found for a request id, may answer it: not if

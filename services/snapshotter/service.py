@@ -223,17 +223,15 @@ class WorkerRemovalProcess(EventSourcedProjection[str], WireApplication):
             count = 0
             for release in releases:
                 try:
-                    actor = self._read_past(release.actor_id, release.placed_version)
+                    actor = self._released(release, at)
                 except UnreadableHistory:  # logged where it was read; the others are released now
                     self.left[release.actor_id] = (release, at)
                     continue
-                if actor is None:
-                    continue
-                if actor.release_from_removed_worker(release.worker_id, release.placed_version, at):
+                if actor is not None:
                     processing.collect_events(actor)
                     count += 1
             try:
-                counted([recording.domain_event for recording in self._record(processing)])
+                self._append(processing)
             except IntegrityError:
                 self.conflicts += 1  # another writer got there first: look again
                 continue
@@ -252,16 +250,16 @@ class WorkerRemovalProcess(EventSourcedProjection[str], WireApplication):
                 del self.left[actor_id]
                 continue
             try:
-                actor = self._read_past(actor_id, release.placed_version)
+                actor = self._released(release, at)
             except UnreadableHistory:
                 continue
-            if actor is None or not actor.release_from_removed_worker(release.worker_id, release.placed_version, at):
+            if actor is None:
                 del self.left[actor_id]
                 continue
             processing = ProcessingEvent[str]()
             processing.collect_events(actor)
             try:
-                counted([recording.domain_event for recording in self._record(processing)])
+                self._append(processing)
             except IntegrityError:
                 self.conflicts += 1  # another writer's event on the actor: read again next time
                 continue
@@ -275,6 +273,18 @@ class WorkerRemovalProcess(EventSourcedProjection[str], WireApplication):
             self._left_delay = min(self._left_delay * 2, self.LEFT_RETRY_S[1])
         else:
             self._left_delay = self.LEFT_RETRY_S[0]
+
+    def _released(self, release: Release, at: datetime) -> Actor | None:
+        """The actor with `release` recorded on it, or None when that is moot (the actor gone, the
+        placement ended); UnreadableHistory when this version cannot read the actor's history."""
+        actor = self._read_past(release.actor_id, release.placed_version)
+        if actor is None or not actor.release_from_removed_worker(release.worker_id, release.placed_version, at):
+            return None
+        return actor
+
+    def _append(self, processing: ProcessingEvent[str]) -> None:
+        """One atomic append of what `processing` collected (and its tracking record, if any), counted."""
+        counted([recording.domain_event for recording in self._record(processing)])
 
     def _read_past(self, actor_id: str, placed_version: int) -> Actor | None:
         """The actor, read up to at least the placement the fold saw (`placed_version`). The fold
