@@ -12,6 +12,7 @@ message of the log straight into its Struct.
 from __future__ import annotations
 
 import enum
+import re
 from datetime import datetime
 from typing import Annotated, ClassVar, Union
 
@@ -24,6 +25,7 @@ from msgspec import Meta, Struct, field
 # pass as an id. The lookahead closes that and still means the same to ECMA-262
 # regex engines reading the published JSON Schema.
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}(?!\n)$"
+ID_RE = re.compile(ID_PATTERN)  # an id checked outside a Struct (a subject token, a file's entry)
 CLASS_PATTERN = r"^[a-z][a-z0-9-]{0,62}(?!\n)$"
 SCHEMA_VERSION_PATTERN = r"^v[1-9][0-9]{0,3}(?!\n)$"
 ATTR_KEY_PATTERN = r"^[a-z][a-z0-9_]{0,127}(?!\n)$"

@@ -32,7 +32,6 @@ import hashlib
 import logging
 import os
 import random
-import re
 import time
 import typing
 from dataclasses import dataclass
@@ -56,12 +55,11 @@ from prometheus_client import Counter
 from events.codec import decode_reply, decode_request, encode
 from events.errors import ContractError, invalid, unavailable
 from events.natspy import DirectDelivery, deliver_core, flush_in_order, guard_reads, header_block, publish
-from events.schema import ID_PATTERN, Base, ErrorCode
+from events.schema import ID_RE, Base, ErrorCode
 from events.subjects import bucket_name, service_subject, services_inbox
 
 log = logging.getLogger("warmboot.service")
 T = TypeVar("T")
-_ID = re.compile(ID_PATTERN)
 
 VERSION = "1.0.0"
 Handler = Callable[[str | None, Any], Awaitable[Base]]
@@ -211,7 +209,7 @@ def wrap(spec: EndpointSpec, service: str) -> Callable[[Request], Awaitable[Cont
             entity_id = None
             if spec.per_entity:
                 entity_id = request.subject.rsplit(".", 1)[-1]
-                if not _ID.match(entity_id):
+                if not ID_RE.match(entity_id):
                     raise invalid(f"subject token {entity_id!r} is not a valid id", "subject")
             body = decode_request(spec.request_type, request.data)
             data = encode(await spec.handler(entity_id, body))

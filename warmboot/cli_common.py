@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import re
 import sys
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -14,7 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from events.compat import compat_key, describe_key
 from events.errors import ContractError, unavailable
 from events.natsauth import redact_url
-from events.schema import ID_PATTERN
+from events.schema import ID_PATTERN, ID_RE
 from events.subjects import DEFAULT_PREFIX, check_prefix, stream_name
 from services.common import EVENT_LOOP_ENV, EVENT_LOOPS
 from warmboot.runner import connect
@@ -34,14 +33,13 @@ min_seq_option = click.option(
          "command printed): read-your-writes across commands; UNAVAILABLE if no replica has it in time.")
 
 
-_ID = re.compile(ID_PATTERN)
 
 
 def check_id(ctx: click.Context | None, param: click.Parameter | None, value):
     """click callback: every value is an id (one NATS subject token)."""
     values = value if isinstance(value, tuple) else (value,)
     for v in values:
-        if v is not None and not _ID.match(v):
+        if v is not None and not ID_RE.match(v):
             raise click.BadParameter(f"{v!r} must match {ID_PATTERN} (one NATS subject token)")
     return value
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import re
 import uuid
 from typing import Any, TypeVar
 
@@ -43,7 +42,7 @@ from events.codec import decode_reply, encode
 from events.errors import ContractError, invalid, unavailable
 from events.natspy import guard_reads
 from events.schema import (
-    ID_PATTERN,
+    ID_RE,
     Assignment,
     Base,
     CreateActor,
@@ -75,7 +74,6 @@ from events.schema import (
 from events.subjects import DEFAULT_PREFIX, check_prefix, service_subject
 
 T = TypeVar("T")
-_ID = re.compile(ID_PATTERN)
 
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_ATTEMPTS = 6
@@ -138,7 +136,7 @@ class Client:
         """Send `body` to `<prefix>.<service>.<verb>[.<entity>]` and decode the reply as
         `reply_type`, retrying what the contract says is safe to retry (the body, and so
         its request_id, unchanged); remember the reply's `seq`."""
-        if entity is not None and not _ID.match(entity):
+        if entity is not None and not ID_RE.match(entity):
             # a subject token is what an id is for: a dot or a space would change the subject
             raise invalid(f"{entity!r} is not an id: 1 to 128 letters, digits, '_' or '-', the first a letter or digit",
                           "worker_id" if service == "registry" else "actor_id")

@@ -11,6 +11,7 @@ import click
 from events.natsauth import NKEY_SEED_ENV
 from events.subjects import DEFAULT_PREFIX
 from services.common import ALL_INTERFACES, run_serving, tune_gc
+from services.registry.nodes import load_nodes
 from warmboot.cli_common import event_loop_option
 from services.scheduler.checkpoint import DEFAULT_EVERY_EVENTS, DEFAULT_INTERVAL_S
 from warmboot.runner import SERVICES, dump_on_signal, start_services, stop_signals
@@ -30,6 +31,10 @@ from warmboot.runner import SERVICES, dump_on_signal, start_services, stop_signa
               help="Interface the metrics are served on (all by default, for a Prometheus on another host).")
 @click.option("--ttl", "ttl_s", type=float, default=15.0, show_default=True,
               help="Registry: seconds of silence after which a worker is removed as LOST.")
+@click.option("--worker-nodes", "worker_nodes_path", type=click.Path(dir_okay=False), default=None,
+              envvar="WARMBOOT_WORKER_NODES",
+              help="Registry: JSON file of worker id -> node (`nats-config --worker ID@NODE --worker-nodes FILE`); "
+                   "a worker may then register only on its own node, and only if listed (docs/security.md).")
 @click.option("--replicas", type=click.IntRange(1, 5), default=None, envvar="WARMBOOT_STREAM_REPLICAS",
               help="Replica count of the event stream when this process creates it (3 on a cluster).")
 @click.option("--checkpoint-every", type=click.IntRange(min=0), default=DEFAULT_EVERY_EVENTS, show_default=True,
@@ -40,12 +45,18 @@ from warmboot.runner import SERVICES, dump_on_signal, start_services, stop_signa
               help="Scheduler: also save one after this many seconds if anything was folded (0: off).")
 @event_loop_option
 def serve(service: str, nats_url: str, nkey_seed: str | None, prefix: str, metrics_port: int | None,
-          metrics_host: str, ttl_s: float, replicas: int | None, checkpoint_every: int,
+          metrics_host: str, ttl_s: float, worker_nodes_path: str | None, replicas: int | None, checkpoint_every: int,
           checkpoint_interval_s: float, event_loop: str | None) -> None:
     """Run SERVICE (registry, snapshotter, scheduler, or all) until SIGINT/SIGTERM.
 
     NATS URLs may be a comma-separated list (the members of a cluster).
     """
+    registry: dict = {"ttl_s": ttl_s}
+    if worker_nodes_path is not None and service in ("registry", "all"):  # the registry's alone, as --ttl
+        try:
+            registry["worker_nodes"] = load_nodes(worker_nodes_path)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--worker-nodes") from None
     if replicas is not None:
         os.environ["WARMBOOT_STREAM_REPLICAS"] = str(replicas)
     if nkey_seed is not None:  # the services' connection and their event store sign with it
@@ -58,13 +69,16 @@ def serve(service: str, nats_url: str, nkey_seed: str | None, prefix: str, metri
             dump_on_signal()
             running = await start_services(
                 stack, names, nats_url, prefix, metrics_port,
-                {"registry": {"ttl_s": ttl_s},
+                {"registry": registry,
                  "scheduler": {"checkpoint_every": checkpoint_every, "checkpoint_interval_s": checkpoint_interval_s}},
                 metrics_host=metrics_host,
             )
             tune_gc()
             with stop_signals() as stop:  # before the line that says it serves: see stop_signals
                 click.echo(f"serving {', '.join(names)} on {running.where} (prefix {prefix})")
+                if "worker_nodes" in registry:
+                    click.echo(f"workers bound to their nodes by {worker_nodes_path}: "
+                               f"{len(registry['worker_nodes'])} worker(s)")
                 if running.metrics_url:
                     click.echo(f"metrics on {running.metrics_url}")
                 await stop.wait()

@@ -17,6 +17,8 @@ import click
 
 from events.jetstream.layout import LEADER_ELECTED_ADVISORY
 from events.subjects import DEFAULT_PREFIX, bucket_name, events_filter, services_inbox, stream_name
+from events.schema import ID_PATTERN, ID_RE
+from services.registry.nodes import encode_nodes
 from warmboot.cli_common import check_id, check_prefix_option
 
 SERVICES = ("registry", "snapshotter", "scheduler")
@@ -300,6 +302,24 @@ def _write_private(path: Path, text: str) -> None:
 
 
 
+def _worker_nodes(entries: list[tuple[str, str]]) -> dict[str, str | None]:
+    """worker id -> its node (None if not given), from `WORKER_ID[@NODE]` entries, each with where
+    it was given; a bad id, or one worker given two nodes, is a usage error naming where."""
+    nodes: dict[str, str | None] = {}
+    for where, entry in entries:
+        worker_id, _, node = entry.partition("@")
+        for value in (worker_id, node) if node or "@" in entry else (worker_id,):
+            if not ID_RE.match(value):
+                raise click.BadParameter(f"{where}: {value!r} must match {ID_PATTERN} (one NATS subject token)",
+                                         param_hint="--worker")
+        known = nodes.get(worker_id)
+        if known is not None and node and known != node:
+            raise click.BadParameter(f"{where}: worker {worker_id!r} is given two nodes, {known!r} and {node!r}",
+                                     param_hint="--worker")
+        nodes[worker_id] = node or known
+    return nodes
+
+
 def _read_secrets(path: Path | None) -> dict[str, str]:
     if path is None or not path.exists():
         return {}
@@ -322,10 +342,14 @@ def _usable_seed(seed: str) -> bool:
               callback=check_prefix_option, help="Subject prefix of the deployment.")
 @click.option("--services-user", default="warmboot-services", show_default=True, callback=check_id,
               help="User the services connect as.")
-@click.option("--worker", "workers", multiple=True, callback=check_id, metavar="WORKER_ID",
-              help="A worker's user, named after its id; repeatable.")
+@click.option("--worker", "workers", multiple=True, metavar="WORKER_ID[@NODE]",
+              help="A worker's user, named after its id, and the node it runs on (for --worker-nodes); repeatable.")
 @click.option("--workers-file", type=click.File("r"), default=None,
-              help="File with one worker id per line (blank lines and # comments skipped).")
+              help="File with one WORKER_ID[@NODE] per line (blank lines and # comments skipped).")
+@click.option("--worker-nodes", "worker_nodes_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write the node each worker is bound to (every worker given as ID@NODE) to this JSON "
+                   "file, for `warmboot serve registry --worker-nodes`: a worker's credential then registers "
+                   "only on its own node.")
 @click.option("--operator", "operators", multiple=True, callback=check_id, metavar="NAME",
               help="An operator's user (read the log, explain, fragmentation, whatif); repeatable.")
 @click.option("--client", "clients", multiple=True, callback=check_id, metavar="NAME",
@@ -346,6 +370,7 @@ def nats_config(
     services_user: str,
     workers: tuple[str, ...],
     workers_file,
+    worker_nodes_path: Path | None,
     operators: tuple[str, ...],
     clients: tuple[str, ...],
     auth: str,
@@ -363,14 +388,21 @@ def nats_config(
     read the event log by direct gets and call the scheduler's read-only queries.
     See docs/security.md.
     """
-    worker_ids = list(workers)
+    entries = [(f"--worker {w}", w) for w in workers]
     if workers_file is not None:
-        for line in workers_file:
+        for number, line in enumerate(workers_file, 1):
             line = line.split("#", 1)[0].strip()
             if line:
-                check_id(None, None, line)
-                worker_ids.append(line)
-    worker_ids = list(dict.fromkeys(worker_ids))
+                entries.append((f"{workers_file.name}:{number}", line))
+    nodes = _worker_nodes(entries)
+    worker_ids = list(nodes)
+    if worker_nodes_path is None and any(nodes.values()):
+        raise click.UsageError("a worker given as ID@NODE is bound to its node only through --worker-nodes FILE "
+                               "(which `warmboot serve registry --worker-nodes` reads)")
+    unbound = [w for w, node in nodes.items() if node is None]
+    if worker_nodes_path is not None and unbound:
+        raise click.UsageError(f"--worker-nodes binds every worker to its node: give {', '.join(unbound)} "
+                               "as ID@NODE")
     users = [services_user, *operators, *clients, *worker_ids]
     clashes = sorted({u for u in users if users.count(u) > 1})
     if clashes:
@@ -400,6 +432,9 @@ def nats_config(
         seeds_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         for u, seed in secrets_of.items():
             _write_private(seeds_dir / f"{u}.nk", seed + "\n")
+    if worker_nodes_path is not None:
+        worker_nodes_path.write_bytes(encode_nodes(nodes))  # no secret in it
+        click.echo(f"wrote {worker_nodes_path}: the nodes of {len(nodes)} worker(s)", err=True)
     if out_path is None:
         click.echo(text, nl=False)
     else:

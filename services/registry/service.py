@@ -14,7 +14,9 @@ What it decides is in `services.registry.domain`. Here:
   from it behind the fold's barrier (every worker event stored before the heartbeat
   is folded), so it loads no history; only a worker the roster does not have is
   looked up in the log before the answer is NOT_FOUND.
-- `RegistryService`: the four endpoints of CONTRACT section 3 (Registry).
+- `RegistryService`: the four endpoints of CONTRACT section 3 (Registry). Given the
+  deployment's binding of workers to nodes (`services.registry.nodes`), a registration
+  on any other node is refused before anything is written.
 
 Replies carry `seq`: the stream sequence of the last event of the worker's history
 the request wrote (the registry's fence on the booking subject follows it in the
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 from contextlib import suppress
 from datetime import datetime
 from functools import partial
@@ -65,6 +68,7 @@ from services.locks import KeyedLock
 from services.registry.domain import Worker, register_outcome
 from services.registry.fold import RosterFold
 from services.registry.liveness import SWEEPER, Liveness  # noqa: F401 (SWEEPER: the sweeper's name, for callers)
+from services.registry.nodes import check_node
 from services.registry.roster import Roster
 
 log = logging.getLogger("warmboot.registry")
@@ -257,12 +261,14 @@ class RegistryService:
         ttl_s: float = DEFAULT_TTL_S,
         store_replicas: int | None = None,
         env: dict[str, str] | None = None,
+        worker_nodes: Mapping[str, str] | None = None,
     ):
         if ttl_s < 1:
             raise ValueError(f"ttl_s must be at least 1 second (heartbeat TTLs are whole seconds), not {ttl_s}")
         self.nc = nc
         self.prefix = check_prefix(prefix)
         self.ttl_s = ttl_s
+        self.worker_nodes = worker_nodes  # the node each worker may claim (`services.registry.nodes`); None: any
         self.env = env if env is not None else store_env(nats_url, prefix, store_replicas)
         self.store: RegistryStore | None = None
         # Requests about one worker are decided one at a time in this replica; request ids
@@ -325,6 +331,7 @@ class RegistryService:
                 f"worker_id {request.worker_id!r} does not match the subject's worker {worker_id!r}",
                 "worker_id",
             )
+        check_node(self.worker_nodes, worker_id, request.node)  # before the beat: a refusal writes nothing
 
         async with self._workers(worker_id):
             # A registration is also a heartbeat. Beating first means an expiry being

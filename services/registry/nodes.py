@@ -1,0 +1,67 @@
+"""Which node each worker may claim: the deployment binds each worker id (so each worker's
+credential, `warmboot nats-config`) to one node. Pure: parsing, writing and checking, no I/O
+but reading the file.
+
+A node names what a machine has: the PAUSED actors and LOCAL images of node-a restore on
+any worker of node-a (CONTRACT rule 5). A registration's `node` is the worker's own claim,
+so without a binding a worker's credential could claim another machine's node and be sent
+resumes whose images are on that machine's disk. With one (`warmboot serve registry
+--worker-nodes FILE`), the registry refuses a registration whose node is not the one its
+worker is bound to, and one of a worker the file does not list, before anything is written.
+
+The file is a JSON object of worker id -> node, both ids (CONTRACT section 2), as
+`warmboot nats-config --worker ID@NODE --worker-nodes FILE` writes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import msgspec
+
+from events.errors import precondition
+from events.schema import ID_PATTERN, ID_RE
+
+_decoder = msgspec.json.Decoder(dict[str, str])
+
+
+def parse_nodes(data: bytes, source: str) -> dict[str, str]:
+    """The binding in `data`; ValueError naming `source` and what is wrong (the entry, if one is)."""
+    try:
+        nodes = _decoder.decode(data)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"{source}: not a JSON object of worker id -> node: {e}") from None
+    except msgspec.DecodeError as e:
+        raise ValueError(f"{source}: not JSON: {e}") from None
+    for worker_id, node in nodes.items():
+        for what, value in (("worker id", worker_id), (f"node of worker {worker_id!r}", node)):
+            if not ID_RE.match(value):
+                raise ValueError(f"{source}: the {what} {value!r} is not an id (it must match {ID_PATTERN})")
+    return nodes
+
+
+def load_nodes(path: str | Path) -> dict[str, str]:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise ValueError(f"{path}: {e.strerror or e}") from None
+    return parse_nodes(data, str(path))
+
+
+def encode_nodes(nodes: Mapping[str, str]) -> bytes:
+    """The file's text: sorted by worker id, one entry per line."""
+    return msgspec.json.format(msgspec.json.encode(dict(sorted(nodes.items()))), indent=2) + b"\n"
+
+
+def check_node(nodes: Mapping[str, str] | None, worker_id: str, node: str) -> None:
+    """FAILED_PRECONDITION unless `nodes` lets `worker_id` register on `node` (no binding: any node)."""
+    if nodes is None:
+        return
+    bound = nodes.get(worker_id)
+    if bound is None:
+        raise precondition(f"worker {worker_id!r} is bound to no node: the registry's --worker-nodes file does not "
+                           "list it, so it may not register", "worker_id")
+    if bound != node:
+        raise precondition(f"worker {worker_id!r} is bound to node {bound!r} (the registry's --worker-nodes file); "
+                           f"it may not register on node {node!r}", "node")
