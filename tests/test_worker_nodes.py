@@ -86,6 +86,7 @@ def test_nats_config_writes_the_binding_and_refuses_an_incomplete_one(tmp_path):
         (["--worker", "w-1@node-a", "--worker", "w-1@node-b"], "worker 'w-1' is given two nodes"),
         (["--worker", "w-1@node.a"], "'node.a' must match"),
         (["--worker", "w-1@"], "'' must match"),
+        ([], "with no worker"),
     ]):
         out = tmp_path / f"refused-{case}"
         out.mkdir()
@@ -95,6 +96,23 @@ def test_nats_config_writes_the_binding_and_refuses_an_incomplete_one(tmp_path):
         assert not list(out.iterdir())  # nothing written
     without = runner.invoke(main, ["nats-config", "--worker", "w-1@node-a"])
     assert without.exit_code == 2 and "only through --worker-nodes" in without.output
+
+    # output paths are checked before any is written: no secrets left behind by a run that failed
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    for args, says in [
+        (["--worker-nodes", str(fresh / "missing" / "nodes.json")], "is not a directory"),
+        (["--worker-nodes", str(fresh / "same"), "--out", str(fresh / "same")], "name the same file"),
+    ]:
+        refused = runner.invoke(main, ["nats-config", "--worker", "w-1@node-a", "--secrets", str(fresh / "s.json"),
+                                       *args])
+        assert refused.exit_code == 2 and says in refused.output, refused.output
+        assert not list(fresh.iterdir())
+    bad_line = tmp_path / "bad.txt"
+    bad_line.write_text("w-1@node-a\nw-2@node b\n")
+    refused = runner.invoke(main, ["nats-config", "--workers-file", str(bad_line), "--worker-nodes",
+                                   str(fresh / "n.json")])
+    assert refused.exit_code == 2 and f"{bad_line}:2" in refused.output and not list(fresh.iterdir())
 
 
 def test_serve_refuses_a_bad_binding_file_before_it_connects(tmp_path):
@@ -110,62 +128,130 @@ def test_serve_refuses_a_bad_binding_file_before_it_connects(tmp_path):
 # --- on the bus ----------------------------------------------------------------------------------
 
 
-async def test_a_worker_credential_registers_only_on_the_node_it_is_bound_to(tmp_path):
-    nodes = tmp_path / "nodes.json"
-    made = CliRunner().invoke(main, ["nats-config", "--prefix", PREFIX, "--worker", "w-1@node-a",
-                                     "--worker", "w-2@node-b", "--worker-nodes", str(nodes)])
+class Bus:
+    """A nats-server secured by the generated configuration, workers w-1 to w-3, and requests
+    made with each worker's own credential."""
+
+    def __init__(self, tmp_path):
+        self.secured = Secured(tmp_path / "nats", PREFIX, workers=("w-1", "w-2", "w-3")).start()
+        self.serves: list[Serve] = []
+        self.connections = []
+
+    def serve(self, *more: str, env: dict[str, str] | None = None) -> Serve:
+        serve = Serve("registry", "--nats", self.secured.url("svc"), "--prefix", PREFIX, "--ttl", "60", *more, env=env)
+        self.serves.append(serve)
+        return serve.start()
+
+    async def connect(self) -> None:
+        for user in ("svc", "w-1", "w-2", "w-3"):
+            self.connections.append(await self.secured.connect(user))
+        self.admin = self.connections[0]
+        self.workers = dict(zip(("w-1", "w-2", "w-3"), self.connections[1:]))
+
+    async def register(self, user: str, node: str) -> dict:
+        subject = service_subject(PREFIX, "registry", "register", user)
+        reply = await self.workers[user].nc.request(subject, json.dumps(registration(user, node=node)).encode(),
+                                                    timeout=10)
+        return json.loads(reply.data)
+
+    async def written(self) -> tuple[int, int]:
+        """The event log's last sequence and the heartbeat bucket's."""
+        info = await self.admin.nc.jetstream().stream_info(f"KV_{bucket_name(PREFIX, 'heartbeats')}")
+        return await last_seq(self.admin.nc, PREFIX), info.state.last_seq
+
+    async def binding_revision(self) -> int:
+        return (await self.admin.nc.jetstream().stream_info(f"KV_{bucket_name(PREFIX, 'settings')}")).state.last_seq
+
+    async def close(self) -> None:
+        for connection in self.connections:
+            await connection.close()
+        for serve in self.serves:
+            await asyncio.to_thread(serve.stop)
+        self.secured.stop()
+
+
+def binding_file(tmp_path, name: str, *workers: str) -> str:
+    path = tmp_path / name
+    made = CliRunner().invoke(main, ["nats-config", "--prefix", PREFIX, *(f"--worker={w}" for w in workers),
+                                     "--worker-nodes", str(path)])
     assert made.exit_code == 0, made.output
-    secured = Secured(tmp_path / "nats", PREFIX, workers=("w-1", "w-2", "w-3")).start()
-    serve = Serve("registry", "--nats", secured.url("svc"), "--prefix", PREFIX, "--worker-nodes", str(nodes))
-    connections = []
+    return str(path)
+
+
+async def test_a_worker_credential_registers_only_on_the_node_it_is_bound_to(tmp_path):
+    bus = Bus(tmp_path)
     try:
-        await asyncio.to_thread(serve.start)
-        assert serve.line("workers bound to their nodes").endswith(": 2 worker(s)")
-        admin = await secured.connect("svc")
-        connections.append(admin)
-        workers = {}
-        for user in ("w-1", "w-2", "w-3"):
-            workers[user] = await secured.connect(user)
-            connections.append(workers[user])
-        heartbeats = f"KV_{bucket_name(PREFIX, 'heartbeats')}"
-
-        async def register(user: str, node: str) -> dict:
-            subject = service_subject(PREFIX, "registry", "register", user)
-            reply = await workers[user].nc.request(subject, json.dumps(registration(user, node=node)).encode(),
-                                                   timeout=10)
-            return json.loads(reply.data)
-
-        async def written() -> tuple[int, int]:
-            """The event log's last sequence and the heartbeat bucket's."""
-            info = await admin.nc.jetstream().stream_info(heartbeats)
-            return await last_seq(admin.nc, PREFIX), info.state.last_seq
-
-        first = await register("w-1", "node-a")
+        serve = await asyncio.to_thread(bus.serve, "--worker-nodes",
+                                        binding_file(tmp_path, "nodes.json", "w-1@node-a", "w-2@node-b"))
+        assert serve.line("workers bound to their nodes") == "workers bound to their nodes: 2 worker(s)"
+        await bus.connect()
+        first = await bus.register("w-1", "node-a")
         assert first["outcome"] == "REGISTERED"
-        before = await written()
+        before = await bus.written()
 
         # w-2's own credential, claiming w-1's node: the registry refuses it, and writes nothing
         # (no event, and no heartbeat: the worker is not alive anywhere)
-        claim = await register("w-2", "node-a")
+        claim = await bus.register("w-2", "node-a")
         assert claim["error"]["code"] == "FAILED_PRECONDITION" and claim["error"]["field"] == "node"
         assert "'node-b'" in claim["error"]["message"]
         # a worker the file does not list registers nowhere
-        unlisted = await register("w-3", "node-c")
+        unlisted = await bus.register("w-3", "node-c")
         assert unlisted["error"]["code"] == "FAILED_PRECONDITION" and unlisted["error"]["field"] == "worker_id"
         # a registered worker does not move to another's node either (a WorkerUpdated refused)
-        moved = await register("w-1", "node-b")
+        moved = await bus.register("w-1", "node-b")
         assert moved["error"]["field"] == "node"
-        assert await written() == before
+        assert await bus.written() == before
 
-        own = await register("w-2", "node-b")
+        own = await bus.register("w-2", "node-b")
         assert own["outcome"] == "REGISTERED"
         registered = [(event.worker_id, event.node) async for _, _, _, data in log_messages(
-                          admin.nc, PREFIX, event_subject(PREFIX, "worker", "*"), stop=await last_seq(admin.nc, PREFIX))
+                          bus.admin.nc, PREFIX, event_subject(PREFIX, "worker", "*"),
+                          stop=await last_seq(bus.admin.nc, PREFIX))
                       if isinstance(event := decode_event(data), WorkerRegistered)]
         assert registered == [("w-1", "node-a"), ("w-2", "node-b")]
-        assert not secured.violations()
+        assert not bus.secured.violations()
     finally:
-        for connection in connections:
-            await connection.close()
-        await asyncio.to_thread(serve.stop)
-        secured.stop()
+        await bus.close()
+
+
+async def test_every_replica_enforces_the_binding_one_of_them_set_and_follows_its_changes(tmp_path):
+    """A replica started without --worker-nodes does not let registrations through: it reads
+    the binding the others share, and follows it as replicas started with another file, or
+    with `none`, change it."""
+    bus = Bus(tmp_path)
+    try:
+        first = await asyncio.to_thread(bus.serve, "--worker-nodes",
+                                        binding_file(tmp_path, "one.json", "w-1@node-a", "w-2@node-b"))
+        await bus.connect()
+        assert (await bus.register("w-1", "node-a"))["outcome"] == "REGISTERED"
+        await asyncio.to_thread(first.stop)
+
+        # started without the option (a forgotten flag, an empty WARMBOOT_WORKER_NODES), and the
+        # only replica serving: it enforces what the first one set
+        plain = await asyncio.to_thread(bus.serve, env={"WARMBOOT_WORKER_NODES": ""})
+        assert plain.line("workers bound to their nodes") == "workers bound to their nodes: 2 worker(s)"
+        before = await bus.written()
+        assert (await bus.register("w-2", "node-a"))["error"]["field"] == "node"
+        assert (await bus.register("w-3", "node-a"))["error"]["field"] == "worker_id"
+        assert await bus.written() == before
+
+        # another replica starts with another file: the plain one follows it
+        other = await asyncio.to_thread(bus.serve, "--worker-nodes",
+                                        binding_file(tmp_path, "two.json", "w-1@node-a", "w-2@node-c"))
+        revision = await bus.binding_revision()
+        await asyncio.to_thread(plain.line, f"workers bound to their nodes: 2 worker(s) (revision {revision})",
+                                anywhere=True)
+        await asyncio.to_thread(other.stop)
+        assert (await bus.register("w-2", "node-b"))["error"]["message"].count("'node-c'") == 1
+        assert (await bus.register("w-2", "node-c"))["outcome"] == "REGISTERED"
+
+        # only `none` removes it: then any node, through the plain replica too
+        off = await asyncio.to_thread(bus.serve, "--worker-nodes", "none")
+        assert off.line("workers are not bound").endswith("any worker may register on any node")
+        revision = await bus.binding_revision()
+        await asyncio.to_thread(plain.line, f"workers are not bound to nodes (revision {revision})", anywhere=True)
+        await asyncio.to_thread(off.stop)
+        assert (await bus.register("w-3", "node-a"))["outcome"] == "REGISTERED"
+        assert not bus.secured.violations()
+    finally:
+        await bus.close()

@@ -33,8 +33,6 @@ min_seq_option = click.option(
          "command printed): read-your-writes across commands; UNAVAILABLE if no replica has it in time.")
 
 
-
-
 def check_id(ctx: click.Context | None, param: click.Parameter | None, value):
     """click callback: every value is an id (one NATS subject token)."""
     values = value if isinstance(value, tuple) else (value,)

@@ -11,10 +11,18 @@ import click
 from events.natsauth import NKEY_SEED_ENV
 from events.subjects import DEFAULT_PREFIX
 from services.common import ALL_INTERFACES, run_serving, tune_gc
+from services.registry.binding import UNBIND
 from services.registry.nodes import load_nodes
 from warmboot.cli_common import event_loop_option
 from services.scheduler.checkpoint import DEFAULT_EVERY_EVENTS, DEFAULT_INTERVAL_S
 from warmboot.runner import SERVICES, dump_on_signal, start_services, stop_signals
+
+
+def binding_line(nodes: dict[str, str] | None) -> str:
+    """What `serve` says of the binding it serves with (another replica's, maybe)."""
+    if nodes is None:
+        return "workers are not bound to nodes: any worker may register on any node"
+    return f"workers bound to their nodes: {len(nodes)} worker(s)"
 
 
 @click.command()
@@ -33,8 +41,9 @@ from warmboot.runner import SERVICES, dump_on_signal, start_services, stop_signa
               help="Registry: seconds of silence after which a worker is removed as LOST.")
 @click.option("--worker-nodes", "worker_nodes_path", type=click.Path(dir_okay=False), default=None,
               envvar="WARMBOOT_WORKER_NODES",
-              help="Registry: JSON file of worker id -> node (`nats-config --worker ID@NODE --worker-nodes FILE`); "
-                   "a worker may then register only on its own node, and only if listed (docs/security.md).")
+              help="Registry: JSON file of worker id -> node (`nats-config --worker ID@NODE --worker-nodes FILE`): "
+                   "every registry replica, with this option or without, then lets a worker register only on its "
+                   "own node, and only if listed; `none` removes the binding (docs/security.md).")
 @click.option("--replicas", type=click.IntRange(1, 5), default=None, envvar="WARMBOOT_STREAM_REPLICAS",
               help="Replica count of the event stream when this process creates it (3 on a cluster).")
 @click.option("--checkpoint-every", type=click.IntRange(min=0), default=DEFAULT_EVERY_EVENTS, show_default=True,
@@ -52,7 +61,9 @@ def serve(service: str, nats_url: str, nkey_seed: str | None, prefix: str, metri
     NATS URLs may be a comma-separated list (the members of a cluster).
     """
     registry: dict = {"ttl_s": ttl_s}
-    if worker_nodes_path is not None and service in ("registry", "all"):  # the registry's alone, as --ttl
+    if worker_nodes_path == UNBIND:
+        registry["worker_nodes"] = UNBIND
+    elif worker_nodes_path is not None and service in ("registry", "all"):  # the registry's alone, as --ttl
         try:
             registry["worker_nodes"] = load_nodes(worker_nodes_path)
         except ValueError as e:
@@ -76,9 +87,8 @@ def serve(service: str, nats_url: str, nkey_seed: str | None, prefix: str, metri
             tune_gc()
             with stop_signals() as stop:  # before the line that says it serves: see stop_signals
                 click.echo(f"serving {', '.join(names)} on {running.where} (prefix {prefix})")
-                if "worker_nodes" in registry:
-                    click.echo(f"workers bound to their nodes by {worker_nodes_path}: "
-                               f"{len(registry['worker_nodes'])} worker(s)")
+                if "registry" in names:
+                    click.echo(binding_line(running.services[names.index("registry")].binding.nodes))
                 if running.metrics_url:
                     click.echo(f"metrics on {running.metrics_url}")
                 await stop.wait()

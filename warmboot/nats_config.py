@@ -96,6 +96,7 @@ def services_api(prefix: str) -> list[str]:
     heartbeats = f"KV_{bucket_name(prefix, 'heartbeats')}"
     replies = f"KV_{bucket_name(prefix, 'replies')}"
     checkpoints = f"OBJ_{bucket_name(prefix, 'checkpoints')}"
+    settings = f"KV_{bucket_name(prefix, 'settings')}"
     calls = [
         "INFO",
         "STREAM.NAMES",
@@ -115,11 +116,15 @@ def services_api(prefix: str) -> list[str]:
         f"STREAM.CREATE.{checkpoints}", f"STREAM.INFO.{checkpoints}", f"STREAM.MSG.GET.{checkpoints}",
         f"DIRECT.GET.{checkpoints}.>", f"STREAM.PURGE.{checkpoints}",
         f"CONSUMER.CREATE.{checkpoints}", f"CONSUMER.CREATE.{checkpoints}.>",
+        # deployment settings (the registry's binding of workers to nodes): puts, deletes, reads, followed
+        f"STREAM.CREATE.{settings}", f"STREAM.INFO.{settings}", f"STREAM.MSG.GET.{settings}",
+        f"DIRECT.GET.{settings}.>", f"CONSUMER.CREATE.{settings}", f"CONSUMER.CREATE.{settings}.>",
     ]
     return [f"$JS.API.{call}" for call in calls] + [
         f"$JS.ACK.{heartbeats}.>",  # the sweeper acknowledges (or naks) each marker
         f"$JS.FC.{events}.>",  # flow control of the ordered consumers on the log
         f"$JS.FC.{checkpoints}.>",  # and of those that read a checkpoint's chunks
+        f"$JS.FC.{settings}.>",  # and of the one that follows the settings
     ]
 
 
@@ -135,6 +140,7 @@ def services_permissions(prefix: str) -> dict:
         f"$KV.{bucket_name(p, 'heartbeats')}.>",
         f"$KV.{bucket_name(p, 'replies')}.>",
         f"$O.{bucket_name(p, 'checkpoints')}.>",
+        f"$KV.{bucket_name(p, 'settings')}.>",
         *services_api(p),
         "_INBOX.>",  # replies (the endpoints answer only inboxes)
         "_R_.>",  # replies to an operator's call, through its account's import (the server's reply subject)
@@ -399,6 +405,8 @@ def nats_config(
     if worker_nodes_path is None and any(nodes.values()):
         raise click.UsageError("a worker given as ID@NODE is bound to its node only through --worker-nodes FILE "
                                "(which `warmboot serve registry --worker-nodes` reads)")
+    if worker_nodes_path is not None and not nodes:
+        raise click.UsageError("--worker-nodes with no worker would let no worker register: give them as ID@NODE")
     unbound = [w for w, node in nodes.items() if node is None]
     if worker_nodes_path is not None and unbound:
         raise click.UsageError(f"--worker-nodes binds every worker to its node: give {', '.join(unbound)} "
@@ -412,6 +420,17 @@ def nats_config(
 
     if auth == "nkey" and secrets_path is None and seeds_dir is None:
         raise click.UsageError("--auth nkey needs --secrets or --seeds-dir: a seed nobody keeps signs nothing")
+
+    outputs = {"--secrets": secrets_path, "--out": out_path, "--worker-nodes": worker_nodes_path}
+    written: dict[Path, str] = {}
+    for option, path in outputs.items():  # checked before anything is written
+        if path is None:
+            continue
+        if not path.parent.is_dir():
+            raise click.BadParameter(f"{path.parent} is not a directory", param_hint=option)
+        other = written.setdefault(path.resolve(), option)
+        if other != option:
+            raise click.UsageError(f"{option} and {other} name the same file, {path}")
 
     kept = _read_secrets(secrets_path)
     if seeds_dir is not None:  # seeds handed out earlier are kept too

@@ -15,8 +15,9 @@ What it decides is in `services.registry.domain`. Here:
   is folded), so it loads no history; only a worker the roster does not have is
   looked up in the log before the answer is NOT_FOUND.
 - `RegistryService`: the four endpoints of CONTRACT section 3 (Registry). Given the
-  deployment's binding of workers to nodes (`services.registry.nodes`), a registration
-  on any other node is refused before anything is written.
+  deployment's binding of workers to nodes (`services.registry.nodes`, shared by the
+  replicas: `services.registry.binding`), a registration on any other node is refused
+  before anything is written.
 
 Replies carry `seq`: the stream sequence of the last event of the worker's history
 the request wrote (the registry's fence on the booking subject follows it in the
@@ -68,6 +69,7 @@ from services.locks import KeyedLock
 from services.registry.domain import Worker, register_outcome
 from services.registry.fold import RosterFold
 from services.registry.liveness import SWEEPER, Liveness  # noqa: F401 (SWEEPER: the sweeper's name, for callers)
+from services.registry.binding import SharedBinding
 from services.registry.nodes import check_node
 from services.registry.roster import Roster
 
@@ -261,14 +263,17 @@ class RegistryService:
         ttl_s: float = DEFAULT_TTL_S,
         store_replicas: int | None = None,
         env: dict[str, str] | None = None,
-        worker_nodes: Mapping[str, str] | None = None,
+        worker_nodes: Mapping[str, str] | str | None = None,
     ):
         if ttl_s < 1:
             raise ValueError(f"ttl_s must be at least 1 second (heartbeat TTLs are whole seconds), not {ttl_s}")
         self.nc = nc
         self.prefix = check_prefix(prefix)
         self.ttl_s = ttl_s
-        self.worker_nodes = worker_nodes  # the node each worker may claim (`services.registry.nodes`); None: any
+        # The node each worker may claim (`services.registry.nodes`), shared by the replicas: set from
+        # `worker_nodes` at start (a binding, or `binding.UNBIND`), else as another replica set it.
+        self.worker_nodes = worker_nodes
+        self.binding = SharedBinding(nc, prefix, store_replicas)
         self.env = env if env is not None else store_env(nats_url, prefix, store_replicas)
         self.store: RegistryStore | None = None
         # Requests about one worker are decided one at a time in this replica; request ids
@@ -290,6 +295,7 @@ class RegistryService:
             self.store = await asyncio.to_thread(RegistryStore, self.env)  # makes the stream if need be
         self.replies = await ReplyCache(self.nc, self.prefix).start()
         self.store.no_writes = NoWriteAnswers(self.replies, SERVICE, asyncio.get_running_loop())
+        await self.binding.start(self.worker_nodes)
         # Commands for different workers append together while one append is in flight (each holds its
         # worker's lock): an atomic batch costs a one-replica file stream's server milliseconds.
         self.store.recorder.group_appends(on_group=COMMIT_GROUP.observe)
@@ -317,6 +323,7 @@ class RegistryService:
                 await self.service.stop()
             self.service = None
         await self.liveness.stop()
+        await self.binding.stop()
         await self.fold.stop()
         if self.store is not None:
             await self.store.recorder.ungroup_appends()
@@ -331,7 +338,7 @@ class RegistryService:
                 f"worker_id {request.worker_id!r} does not match the subject's worker {worker_id!r}",
                 "worker_id",
             )
-        check_node(self.worker_nodes, worker_id, request.node)  # before the beat: a refusal writes nothing
+        check_node(self.binding.nodes, worker_id, request.node)  # before the beat: a refusal writes nothing
 
         async with self._workers(worker_id):
             # A registration is also a heartbeat. Beating first means an expiry being

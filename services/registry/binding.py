@@ -1,0 +1,118 @@
+"""The deployment's binding of workers to nodes, shared by every registry replica.
+
+The binding (`services.registry.nodes`) lives in the key `worker-nodes` of the bucket
+`<PREFIX>_SETTINGS`, not in each replica's flags: a replica started without
+`--worker-nodes` enforces the binding another replica set, so one forgotten flag (or an
+empty `WARMBOOT_WORKER_NODES`) does not let every Nth registration through unchecked.
+
+- A replica started with a file writes it to the key when it differs from what the key
+  holds (the file given last wins; the bucket keeps the last 16 versions: `nats kv
+  history`); one started with `none` deletes the key: the binding is off, any worker may
+  register on any node. Only those two ever change it.
+- Every replica reads the key before it serves, then follows it (an ordered consumer on
+  the key's subject): a change reaches the others within a round trip, and a registration
+  decided in between is judged on the binding as the replica had it.
+- A value that is not a binding (written by hand, a newer version's) binds every worker to
+  no node: registrations are refused, fail closed, until a replica writes a good one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from contextlib import suppress
+from typing import Any
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js.api import DeliverPolicy, KeyValueConfig, StorageType
+from nats.js.errors import NotFoundError
+
+from events.natspy import ORDERED_IDLE_HEARTBEAT_S
+from events.subjects import bucket_name
+from services.common import stream_replicas, until_answered
+from services.registry.nodes import encode_nodes, parse_nodes
+
+log = logging.getLogger("warmboot.registry")
+
+KEY = "worker-nodes"
+HISTORY = 16  # versions of the binding the bucket keeps
+UNBIND = "none"  # `--worker-nodes none`: delete the binding
+_DELETED = ("DEL", "PURGE")
+
+
+class SharedBinding:
+    """`nodes`: the binding as this replica has it (None: no binding, any node)."""
+
+    def __init__(self, nc: NATS, prefix: str, replicas: int | None = None):
+        self.nc = nc
+        self.bucket = bucket_name(prefix, "settings")
+        self.stream = f"KV_{self.bucket}"
+        self.subject = f"$KV.{self.bucket}.{KEY}"
+        self.replicas = replicas if replicas is not None else stream_replicas()
+        self.nodes: dict[str, str] | None = None
+        self.revision = 0  # the bucket's sequence of the value `nodes` came from
+        self._sub: Any = None
+
+    async def start(self, given: Mapping[str, str] | str | None = None) -> None:
+        """Set the binding to `given` (a binding, or UNBIND), unless None; then read and follow it."""
+        js = self.nc.jetstream()
+        config = KeyValueConfig(bucket=self.bucket, history=HISTORY, storage=StorageType.FILE,
+                                replicas=self.replicas, description="warmboot deployment settings")
+        kv = await until_answered(lambda: js.create_key_value(config), f"the bucket {self.bucket}")
+        current = await self._read()
+        if given == UNBIND:
+            if current[1] is not None:
+                await kv.delete(KEY)
+                log.warning("the binding of workers to nodes is removed: any worker may register on any node")
+        elif given is not None:
+            text = encode_nodes(given)
+            if current[1] != text:
+                await kv.put(KEY, text)
+                log.info("the binding of workers to nodes is set: %d worker(s)", len(given))
+
+        def subscribe() -> Any:  # from the key's last value: a change made after the read below is not missed
+            return js.subscribe(self.subject, stream=self.stream, cb=self._on_msg, ordered_consumer=True,
+                                idle_heartbeat=ORDERED_IDLE_HEARTBEAT_S, deliver_policy=DeliverPolicy.LAST_PER_SUBJECT)
+
+        self._sub = await until_answered(subscribe, f"the consumer on {self.subject}")
+        self._apply(*(await self._read()))
+
+    async def stop(self) -> None:
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            with suppress(Exception):
+                await sub.unsubscribe()
+
+    async def _read(self) -> tuple[int, bytes | None]:
+        """The key's last entry at the bucket's leader: (its sequence, its value; None if deleted or absent)."""
+        try:
+            msg = await until_answered(lambda: self.nc.jetstream().get_msg(self.stream, subject=self.subject),
+                                       f"the key {KEY} of {self.bucket}")
+        except NotFoundError:
+            return 0, None
+        deleted = msg.headers and msg.headers.get("KV-Operation") in _DELETED
+        return msg.seq, None if deleted else msg.data
+
+    async def _on_msg(self, msg: Msg) -> None:
+        deleted = msg.headers and msg.headers.get("KV-Operation") in _DELETED
+        self._apply(msg.metadata.sequence.stream, None if deleted else msg.data)
+
+    def _apply(self, revision: int, value: bytes | None) -> None:
+        if revision < self.revision or (revision == self.revision and revision):
+            return  # older than what this replica has (the read and the consumer both deliver the last)
+        self.revision = revision
+        if value is None:
+            nodes = None
+        else:
+            try:
+                nodes = parse_nodes(value, f"the key {KEY} of the bucket {self.bucket} (revision {revision})")
+            except ValueError as e:
+                log.error("%s; every registration is refused until a registry writes a binding", e)
+                nodes = {}
+        if nodes != self.nodes:
+            self.nodes = nodes
+            if nodes is None:
+                log.info("workers are not bound to nodes (revision %d)", revision)
+            else:
+                log.info("workers bound to their nodes: %d worker(s) (revision %d)", len(nodes), revision)
