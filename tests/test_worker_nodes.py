@@ -20,8 +20,9 @@ from events.errors import ContractError
 from events.schema import ErrorCode, WorkerRegistered
 from events.subjects import bucket_name, event_subject, service_subject
 from services.registry.nodes import check_node, encode_nodes, load_nodes, parse_nodes
-from tests.registry_helpers import last_seq, registration
+from tests.registry_helpers import PROBE, agent_config, last_seq, registration
 from tests.secured_helpers import Secured, Serve
+from warmboot.agent import Agent
 from warmboot.cli import main
 from warmboot.cli_common import log_messages
 
@@ -209,6 +210,14 @@ async def test_a_worker_credential_registers_only_on_the_node_it_is_bound_to(tmp
                           stop=await last_seq(bus.admin.nc, PREFIX))
                       if isinstance(event := decode_event(data), WorkerRegistered)]
         assert registered == [("w-1", "node-a"), ("w-2", "node-b")]
+
+        # the agent, started on another worker's node, stops at once and says why
+        config = tmp_path / "agent.toml"
+        config.write_text(agent_config("v1"))
+        agent = Agent(bus.secured.url("w-2"), "w-2", "node-a", config, prefix=PREFIX, probe=PROBE)
+        with pytest.raises(ContractError) as refused:
+            await asyncio.wait_for(agent.run(asyncio.Event()), 30)
+        assert refused.value.field == "node" and "bound to node 'node-b'" in refused.value.message
         assert not bus.secured.violations()
     finally:
         await bus.close()

@@ -6,8 +6,9 @@ A node names what a machine has: the PAUSED actors and LOCAL images of node-a re
 any worker of node-a (CONTRACT rule 5). A registration's `node` is the worker's own claim,
 so without a binding a worker's credential could claim another machine's node and be sent
 resumes whose images are on that machine's disk. With one (`warmboot serve registry
---worker-nodes FILE`), the registry refuses a registration whose node is not the one its
-worker is bound to, and one of a worker the file does not list, before anything is written.
+--worker-nodes FILE`, shared by the replicas: `services.registry.binding`), the registry
+refuses a registration whose node is not the one its worker is bound to, and one of a
+worker the binding does not list, before anything is written.
 
 The file is a JSON object of worker id -> node, both ids (CONTRACT section 2), as
 `warmboot nats-config --worker ID@NODE --worker-nodes FILE` writes it.
@@ -60,8 +61,8 @@ def check_node(nodes: Mapping[str, str] | None, worker_id: str, node: str) -> No
         return
     bound = nodes.get(worker_id)
     if bound is None:
-        raise precondition(f"worker {worker_id!r} is bound to no node: the registry's --worker-nodes file does not "
-                           "list it, so it may not register", "worker_id")
+        raise precondition(f"worker {worker_id!r} is bound to no node: the deployment's binding of workers to nodes "
+                           "(`serve registry --worker-nodes`) does not list it, so it may not register", "worker_id")
     if bound != node:
-        raise precondition(f"worker {worker_id!r} is bound to node {bound!r} (the registry's --worker-nodes file); "
-                           f"it may not register on node {node!r}", "node")
+        raise precondition(f"worker {worker_id!r} is bound to node {bound!r} by the deployment's binding of workers "
+                           f"to nodes (`serve registry --worker-nodes`); it may not register on node {node!r}", "node")
