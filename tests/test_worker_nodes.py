@@ -161,7 +161,9 @@ class Bus:
         return await last_seq(self.admin.nc, PREFIX), info.state.last_seq
 
     async def binding_revision(self) -> int:
-        return (await self.admin.nc.jetstream().stream_info(f"KV_{bucket_name(PREFIX, 'settings')}")).state.last_seq
+        """The sequence of the binding's last entry (a deletion too), read as the services may."""
+        bucket = bucket_name(PREFIX, "settings")
+        return (await self.admin.nc.jetstream().get_msg(f"KV_{bucket}", subject=f"$KV.{bucket}.worker-nodes")).seq
 
     async def close(self) -> None:
         for connection in self.connections:
@@ -247,12 +249,24 @@ async def test_every_replica_enforces_the_binding_one_of_them_set_and_follows_it
         # another replica starts with another file: the plain one follows it
         other = await asyncio.to_thread(bus.serve, "--worker-nodes",
                                         binding_file(tmp_path, "two.json", "w-1@node-a", "w-2@node-c"))
+        # the file given last wins, and its replica says what it undid (a stale file would show)
+        replaced = await asyncio.to_thread(other.line, "is replaced by this replica's file", anywhere=True)
+        assert replaced.endswith("1 moved (w-2 node-b -> node-c)")
         revision = await bus.binding_revision()
         await asyncio.to_thread(plain.line, f"workers bound to their nodes: 2 worker(s) (revision {revision})",
                                 anywhere=True)
         await asyncio.to_thread(other.stop)
         assert (await bus.register("w-2", "node-b"))["error"]["message"].count("'node-c'") == 1
         assert (await bus.register("w-2", "node-c"))["outcome"] == "REGISTERED"
+
+        # a value that is no binding (written by hand) binds every worker to no node: fail closed
+        bucket = bucket_name(PREFIX, "settings")
+        await bus.admin.nc.jetstream().publish(f"$KV.{bucket}.worker-nodes", b"w-1 node-a")
+        revision = await bus.binding_revision()
+        await asyncio.to_thread(plain.line, f"workers bound to their nodes: 0 worker(s) (revision {revision})",
+                                anywhere=True)
+        assert "every registration is refused" in plain.line("not JSON", anywhere=True)
+        assert (await bus.register("w-1", "node-a"))["error"]["field"] == "worker_id"
 
         # only `none` removes it: then any node, through the plain replica too
         off = await asyncio.to_thread(bus.serve, "--worker-nodes", "none")

@@ -116,9 +116,8 @@ def services_api(prefix: str) -> list[str]:
         f"STREAM.CREATE.{checkpoints}", f"STREAM.INFO.{checkpoints}", f"STREAM.MSG.GET.{checkpoints}",
         f"DIRECT.GET.{checkpoints}.>", f"STREAM.PURGE.{checkpoints}",
         f"CONSUMER.CREATE.{checkpoints}", f"CONSUMER.CREATE.{checkpoints}.>",
-        # deployment settings (the registry's binding of workers to nodes): puts, deletes, reads, followed
-        f"STREAM.CREATE.{settings}", f"STREAM.INFO.{settings}", f"STREAM.MSG.GET.{settings}",
-        f"DIRECT.GET.{settings}.>", f"CONSUMER.CREATE.{settings}", f"CONSUMER.CREATE.{settings}.>",
+        # deployment settings (the registry's binding of workers to nodes): created, read at the leader, followed
+        f"STREAM.CREATE.{settings}", f"STREAM.MSG.GET.{settings}", f"CONSUMER.CREATE.{settings}",
     ]
     return [f"$JS.API.{call}" for call in calls] + [
         f"$JS.ACK.{heartbeats}.>",  # the sweeper acknowledges (or naks) each marker

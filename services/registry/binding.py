@@ -6,14 +6,21 @@ The binding (`services.registry.nodes`) lives in the key `worker-nodes` of the b
 empty `WARMBOOT_WORKER_NODES`) does not let every Nth registration through unchecked.
 
 - A replica started with a file writes it to the key when it differs from what the key
-  holds (the file given last wins; the bucket keeps the last 16 versions: `nats kv
-  history`); one started with `none` deletes the key: the binding is off, any worker may
-  register on any node. Only those two ever change it.
-- Every replica reads the key before it serves, then follows it (an ordered consumer on
-  the key's subject): a change reaches the others within a round trip, and a registration
-  decided in between is judged on the binding as the replica had it.
+  holds: the file given last wins, and a replica that replaces a binding logs a warning
+  saying which workers it moved, added and dropped (a stale file on a restarted host
+  shows there). One started with `none` deletes the key: the binding is off, any worker
+  may register on any node. Of warmboot's commands only those two change it. The bucket
+  keeps the key's last 16 entries, deletions included (`nats kv history`).
+- Every replica reads the key at the stream leader before it serves, then follows it (an
+  ordered consumer on the key's subject): a change reaches the others as soon as the
+  server delivers it (after a lost connection, once the consumer is made again), and a
+  registration decided in between is judged on the binding as its replica had it.
 - A value that is not a binding (written by hand, a newer version's) binds every worker to
   no node: registrations are refused, fail closed, until a replica writes a good one.
+- Not covered: the bucket deleted, or JetStream restored from a backup, while replicas run.
+  A replica that starts then finds no binding; one that was running keeps the revision it
+  had and ignores the new bucket's lower ones. Restart every replica, with the file, after
+  either.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from nats.js.errors import NotFoundError
 from events.natspy import ORDERED_IDLE_HEARTBEAT_S
 from events.subjects import bucket_name
 from services.common import stream_replicas, until_answered
-from services.registry.nodes import encode_nodes, parse_nodes
+from services.registry.nodes import describe_change, encode_nodes, parse_nodes
 
 log = logging.getLogger("warmboot.registry")
 
@@ -60,16 +67,21 @@ class SharedBinding:
         config = KeyValueConfig(bucket=self.bucket, history=HISTORY, storage=StorageType.FILE,
                                 replicas=self.replicas, description="warmboot deployment settings")
         kv = await until_answered(lambda: js.create_key_value(config), f"the bucket {self.bucket}")
-        current = await self._read()
+        revision, value = await self._read()
         if given == UNBIND:
-            if current[1] is not None:
-                await kv.delete(KEY)
-                log.warning("the binding of workers to nodes is removed: any worker may register on any node")
+            if value is not None:
+                await until_answered(lambda: kv.delete(KEY), f"the deletion of {KEY} in {self.bucket}")
+                log.warning("the binding of workers to nodes (revision %d) is removed: any worker may register on "
+                            "any node", revision)
         elif given is not None:
             text = encode_nodes(given)
-            if current[1] != text:
-                await kv.put(KEY, text)
-                log.info("the binding of workers to nodes is set: %d worker(s)", len(given))
+            if value != text:
+                await until_answered(lambda: kv.put(KEY, text), f"the put of {KEY} in {self.bucket}")
+                if value is None:
+                    log.info("the binding of workers to nodes is set: %d worker(s)", len(given))
+                else:  # a file given last wins: say what it undid, in case it was a stale one
+                    log.warning("the binding of workers to nodes (revision %d) is replaced by this replica's "
+                                "file: %s", revision, describe_change(self._parsed(revision, value), dict(given)))
 
         def subscribe() -> Any:  # from the key's last value: a change made after the read below is not missed
             return js.subscribe(self.subject, stream=self.stream, cb=self._on_msg, ordered_consumer=True,
@@ -98,18 +110,19 @@ class SharedBinding:
         deleted = msg.headers and msg.headers.get("KV-Operation") in _DELETED
         self._apply(msg.metadata.sequence.stream, None if deleted else msg.data)
 
+    def _parsed(self, revision: int, value: bytes) -> dict[str, str]:
+        """The binding in a value of the key; a value that is none binds every worker to no node."""
+        try:
+            return parse_nodes(value, f"the key {KEY} of the bucket {self.bucket} (revision {revision})")
+        except ValueError as e:
+            log.error("%s; every registration is refused until a registry writes a binding", e)
+            return {}
+
     def _apply(self, revision: int, value: bytes | None) -> None:
         if revision < self.revision or (revision == self.revision and revision):
             return  # older than what this replica has (the read and the consumer both deliver the last)
         self.revision = revision
-        if value is None:
-            nodes = None
-        else:
-            try:
-                nodes = parse_nodes(value, f"the key {KEY} of the bucket {self.bucket} (revision {revision})")
-            except ValueError as e:
-                log.error("%s; every registration is refused until a registry writes a binding", e)
-                nodes = {}
+        nodes = None if value is None else self._parsed(revision, value)
         if nodes != self.nodes:
             self.nodes = nodes
             if nodes is None:

@@ -55,6 +55,20 @@ def encode_nodes(nodes: Mapping[str, str]) -> bytes:
     return msgspec.json.format(msgspec.json.encode(dict(sorted(nodes.items()))), indent=2) + b"\n"
 
 
+def describe_change(old: Mapping[str, str], new: Mapping[str, str], shown: int = 5) -> str:
+    """What a new binding changes of an old one, for a log line: moved, added and dropped workers."""
+    def listed(what: str, items: list[str]) -> str:
+        more = f", and {len(items) - shown} more" if len(items) > shown else ""
+        return f"{len(items)} {what} ({', '.join(items[:shown])}{more})"
+
+    moved = [f"{w} {old[w]} -> {new[w]}" for w in sorted(old.keys() & new.keys()) if old[w] != new[w]]
+    added = sorted(new.keys() - old.keys())
+    dropped = sorted(old.keys() - new.keys())
+    parts = [listed(what, items) for what, items in (("moved", moved), ("added", added), ("dropped", dropped))
+             if items]
+    return "; ".join(parts) or "the same workers on the same nodes"
+
+
 def check_node(nodes: Mapping[str, str] | None, worker_id: str, node: str) -> None:
     """FAILED_PRECONDITION unless `nodes` lets `worker_id` register on `node` (no binding: any node)."""
     if nodes is None:
