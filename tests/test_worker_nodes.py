@@ -19,7 +19,8 @@ from events.codec import decode_event
 from events.errors import ContractError
 from events.schema import ErrorCode, WorkerRegistered
 from events.subjects import bucket_name, event_subject, service_subject
-from services.registry.nodes import check_node, encode_nodes, load_nodes, parse_nodes
+from services.registry.nodes import check_node, check_registered, encode_nodes, load_nodes, parse_nodes
+from services.registry.roster import Roster
 from tests.registry_helpers import PROBE, agent_config, last_seq, registration
 from tests.secured_helpers import Secured, Serve
 from warmboot.agent import Agent
@@ -43,6 +44,34 @@ def test_a_binding_lets_each_worker_register_on_its_own_node_only():
     with pytest.raises(ContractError) as unlisted:
         check_node(nodes, "w-2", "node-a")
     assert (unlisted.value.code, unlisted.value.field) == (ErrorCode.FAILED_PRECONDITION, "worker_id")
+
+
+def test_a_worker_registered_on_a_node_its_binding_does_not_give_it_is_refused_its_heartbeats():
+    nodes = {"w-1": "node-a"}
+    check_registered(nodes, "w-1", "node-a")
+    check_registered(None, "w-1", "node-z")  # no binding
+    check_registered(nodes, "w-1", None)  # a node the roster did not read: not judged
+    for worker_id, node, field in (("w-1", "node-b", "node"), ("w-2", "node-a", "worker_id")):
+        with pytest.raises(ContractError) as refused:
+            check_registered(nodes, worker_id, node)
+        assert (refused.value.code, refused.value.field) == (ErrorCode.FAILED_PRECONDITION, field)
+        assert f"registered on node {node!r}" in refused.value.message and "LOST" in refused.value.message
+
+
+def test_the_roster_keeps_the_node_of_each_worker_in_a_life():
+    roster = Roster()
+    roster.apply(1, "w-1", "WorkerRegistered", "node-a")
+    roster.apply(2, "w-1", "RuntimeChanged")
+    assert roster.node("w-1") == "node-a"
+    roster.apply(3, "w-1", "WorkerUpdated", "node-b")
+    assert roster.node("w-1") == "node-b"
+    roster.apply(4, "w-1", "WorkerUpdated", None)  # a body whose node could not be read: not known
+    assert roster.node("w-1") is None and roster.alive("w-1")
+    roster.apply(5, "w-1", "WorkerUpdated", "node-c")
+    roster.apply(6, "w-1", "WorkerRemoved")
+    assert roster.node("w-1") is None and not roster.alive("w-1")
+    roster.apply(7, "w-2", "WorkerUpdated", "node-d")  # not in a life: nothing kept
+    assert roster.node("w-2") is None
 
 
 @pytest.mark.parametrize("text, says", [
@@ -148,6 +177,10 @@ class Bus:
             self.connections.append(await self.secured.connect(user))
         self.admin = self.connections[0]
         self.workers = dict(zip(("w-1", "w-2", "w-3"), self.connections[1:]))
+
+    async def heartbeat(self, user: str) -> dict:
+        subject = service_subject(PREFIX, "registry", "heartbeat", user)
+        return json.loads((await self.workers[user].nc.request(subject, b"{}", timeout=10)).data)
 
     async def register(self, user: str, node: str) -> dict:
         subject = service_subject(PREFIX, "registry", "register", user)
@@ -275,6 +308,40 @@ async def test_every_replica_enforces_the_binding_one_of_them_set_and_follows_it
         await asyncio.to_thread(plain.line, f"workers are not bound to nodes (revision {revision})", anywhere=True)
         await asyncio.to_thread(off.stop)
         assert (await bus.register("w-3", "node-a"))["outcome"] == "REGISTERED"
+        assert not bus.secured.violations()
+    finally:
+        await bus.close()
+
+
+async def test_a_worker_registered_on_another_node_before_the_binding_is_refused_its_heartbeats(tmp_path):
+    """A registration made before the binding stays in the log; the worker's heartbeats are
+    refused from the moment its registry has the binding (nothing put), so it ends as LOST
+    unless it registers on its own node."""
+    bus = Bus(tmp_path)
+    try:
+        plain = await asyncio.to_thread(bus.serve)
+        assert plain.line("workers are not bound").endswith("any worker may register on any node")
+        await bus.connect()
+        assert (await bus.register("w-2", "node-a"))["outcome"] == "REGISTERED"  # w-1's node, unbound
+        assert "ttl_s" in await bus.heartbeat("w-2")
+
+        bound = await asyncio.to_thread(bus.serve, "--worker-nodes",
+                                        binding_file(tmp_path, "nodes.json", "w-1@node-a", "w-2@node-b"))
+        revision = await bus.binding_revision()
+        await asyncio.to_thread(plain.line, f"workers bound to their nodes: 2 worker(s) (revision {revision})",
+                                anywhere=True)
+        before = await bus.written()
+        for _ in range(8):  # whichever replica answers
+            refused = await bus.heartbeat("w-2")
+            assert refused["error"]["code"] == "FAILED_PRECONDITION" and refused["error"]["field"] == "node"
+            assert "registered on node 'node-a'" in refused["error"]["message"]
+        assert await bus.written() == before  # no heartbeat put: its clock runs out
+
+        # registered on its own node (an update of the same life), it beats again
+        assert (await bus.register("w-2", "node-b"))["outcome"] == "UPDATED"
+        for _ in range(8):
+            assert "ttl_s" in await bus.heartbeat("w-2")
+        await asyncio.to_thread(bound.stop)
         assert not bus.secured.violations()
     finally:
         await bus.close()

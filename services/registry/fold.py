@@ -3,8 +3,8 @@
 `RosterFold` reads the workers' subjects (`<prefix>.ev.worker.*`, not the whole log:
 a start replays worker events only) with an ordered push consumer into a callback,
 the fastest way nats-py reads a stream, and folds each event's type and sequence
-into a `Roster` (`services.registry.roster`). No body is decoded: the event store's
-topic header names the type.
+into a `Roster` (`services.registry.roster`). The event store's topic header names the
+type; of the bodies, only a registration's and an update's are read, for their node.
 
 `current()` is the barrier a heartbeat is answered behind: it returns once the fold
 holds every worker event that was stored before the call, written by this replica
@@ -42,7 +42,7 @@ from events.natspy import ORDERED_IDLE_HEARTBEAT_S, ApiError, ack_positions, use
 from events.subjects import event_subject, stream_name
 from events.tasks import cancel_and_wait
 from services.common import until_answered
-from services.registry.roster import Roster
+from services.registry.roster import NAMES_NODE, Roster
 
 log = logging.getLogger("warmboot.registry")
 
@@ -68,6 +68,12 @@ class _MsgGet(msgspec.Struct):
     error: ApiError | None = None
 
 
+class _NodeOf(msgspec.Struct):
+    """The one field of a registration's or an update's body the roster keeps."""
+    node: str | None = None
+
+
+_node_decoder = msgspec.json.Decoder(_NodeOf)
 _info_decoder = msgspec.json.Decoder(_StreamInfo)
 _get_decoder = msgspec.json.Decoder(_MsgGet)
 
@@ -136,7 +142,14 @@ class RosterFold:
                 self.errors += 1
                 log.warning("message %d on %s is not a worker event; skipped", seq, msg.subject)
                 event_type = ""
-        self.roster.apply(seq, msg.subject[len(self.subject_prefix):], event_type)
+        node = None
+        if event_type in NAMES_NODE:
+            try:
+                node = _node_decoder.decode(msg.data).node
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                self.errors += 1
+                log.warning("message %d on %s: no node read from its body", seq, msg.subject)
+        self.roster.apply(seq, msg.subject[len(self.subject_prefix):], event_type, node)
         if seq > self.complete:
             self.complete = seq
         want = self._want

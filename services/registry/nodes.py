@@ -69,6 +69,22 @@ def describe_change(old: Mapping[str, str], new: Mapping[str, str], shown: int =
     return "; ".join(parts) or "the same workers on the same nodes"
 
 
+def check_registered(nodes: Mapping[str, str] | None, worker_id: str, node: str | None) -> None:
+    """FAILED_PRECONDITION if `worker_id`, registered on `node`, is not bound to it by `nodes`: a
+    worker that registered before the binding (or before a change of it) is refused its
+    heartbeats, and so ends as LOST, unless it registers on its own node. A node not known
+    (None: not read from the log) is not judged."""
+    if nodes is None or node is None:
+        return
+    bound = nodes.get(worker_id)
+    if bound == node:
+        return
+    where = f"binds it to node {bound!r}" if bound is not None else "does not list it"
+    raise precondition(f"worker {worker_id!r} is registered on node {node!r}, and the deployment's binding of "
+                       f"workers to nodes {where}: its heartbeats are refused, so it ends as LOST, unless it "
+                       "registers on its own node", "node" if bound is not None else "worker_id")
+
+
 def check_node(nodes: Mapping[str, str] | None, worker_id: str, node: str) -> None:
     """FAILED_PRECONDITION unless `nodes` lets `worker_id` register on `node` (no binding: any node)."""
     if nodes is None:

@@ -70,7 +70,7 @@ from services.registry.domain import Worker, register_outcome
 from services.registry.fold import RosterFold
 from services.registry.liveness import SWEEPER, Liveness  # noqa: F401 (SWEEPER: the sweeper's name, for callers)
 from services.registry.binding import SharedBinding
-from services.registry.nodes import check_node
+from services.registry.nodes import check_node, check_registered
 from services.registry.roster import Roster
 
 log = logging.getLogger("warmboot.registry")
@@ -371,6 +371,8 @@ class RegistryService:
             alive = False
         if not alive:
             await run_command_async(lambda: self.store.require_alive(worker_id), recheck=self._recheck(worker_id))
+        else:  # registered on a node the binding gives another (it registered before): no beat
+            check_registered(self.binding.nodes, worker_id, self.roster.node(worker_id))
         await self.liveness.beat(worker_id)
         return HeartbeatReply(ttl_s=self.ttl_s)
 
