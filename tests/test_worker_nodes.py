@@ -300,6 +300,8 @@ async def test_every_replica_enforces_the_binding_one_of_them_set_and_follows_it
                                 anywhere=True)
         assert "every registration is refused" in plain.line("not JSON", anywhere=True)
         assert (await bus.register("w-1", "node-a"))["error"]["field"] == "worker_id"
+        # ... but the workers registered are not judged on it: whom it binds where is not known
+        assert "ttl_s" in await bus.heartbeat("w-1") and "ttl_s" in await bus.heartbeat("w-2")
 
         # only `none` removes it: then any node, through the plain replica too
         off = await asyncio.to_thread(bus.serve, "--worker-nodes", "none")

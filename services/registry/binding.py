@@ -16,7 +16,9 @@ empty `WARMBOOT_WORKER_NODES`) does not let every Nth registration through unche
   server delivers it (after a lost connection, once the consumer is made again), and a
   registration decided in between is judged on the binding as its replica had it.
 - A value that is not a binding (written by hand, a newer version's) binds every worker to
-  no node: registrations are refused, fail closed, until a replica writes a good one.
+  no node: registrations are refused, fail closed, until a replica writes a good one. The
+  heartbeats of registered workers are not judged meanwhile (`judged_nodes`): whom such a
+  value binds where is not known, and judging them would end the whole fleet as LOST.
 - Not covered: the bucket deleted, or JetStream restored from a backup, while replicas run.
   A replica that starts then finds no binding; one that was running keeps the revision it
   had and ignores the new bucket's lower ones. Restart every replica, with the file, after
@@ -58,6 +60,7 @@ class SharedBinding:
         self.subject = f"$KV.{self.bucket}.{KEY}"
         self.replicas = replicas if replicas is not None else stream_replicas()
         self.nodes: dict[str, str] | None = None
+        self.readable = True  # False while the key holds a value that is no binding (`nodes` is then {})
         self.revision = 0  # the bucket's sequence of the value `nodes` came from
         self._sub: Any = None
 
@@ -81,7 +84,7 @@ class SharedBinding:
                     log.info("the binding of workers to nodes is set: %d worker(s)", len(given))
                 else:  # a file given last wins: say what it undid, in case it was a stale one
                     log.warning("the binding of workers to nodes (revision %d) is replaced by this replica's "
-                                "file: %s", revision, describe_change(self._parsed(revision, value), dict(given)))
+                                "file: %s", revision, describe_change(self._parsed(revision, value) or {}, dict(given)))
 
         def subscribe() -> Any:  # from the key's last value: a change made after the read below is not missed
             return js.subscribe(self.subject, stream=self.stream, cb=self._on_msg, ordered_consumer=True,
@@ -110,22 +113,34 @@ class SharedBinding:
         deleted = msg.headers and msg.headers.get("KV-Operation") in _DELETED
         self._apply(msg.metadata.sequence.stream, None if deleted else msg.data)
 
-    def _parsed(self, revision: int, value: bytes) -> dict[str, str]:
-        """The binding in a value of the key; a value that is none binds every worker to no node."""
+    @property
+    def judged_nodes(self) -> dict[str, str] | None:
+        """The binding the registered workers' heartbeats are judged on: none while the key holds a
+        value that is no binding. That refuses registrations, but must not end every live worker
+        as LOST: whom it binds where is not known."""
+        return self.nodes if self.readable else None
+
+    def _parsed(self, revision: int, value: bytes) -> dict[str, str] | None:
+        """The binding in a value of the key; None (logged) for a value that is no binding."""
         try:
             return parse_nodes(value, f"the key {KEY} of the bucket {self.bucket} (revision {revision})")
         except ValueError as e:
-            log.error("%s; every registration is refused until a registry writes a binding", e)
-            return {}
+            log.error("%s; every registration is refused until a registry writes a binding (the heartbeats of "
+                      "registered workers are not judged meanwhile)", e)
+            return None
 
     def _apply(self, revision: int, value: bytes | None) -> None:
         if revision < self.revision or (revision == self.revision and revision):
             return  # older than what this replica has (the read and the consumer both deliver the last)
         self.revision = revision
         nodes = None if value is None else self._parsed(revision, value)
+        self.readable = value is None or nodes is not None
+        if nodes is None and value is not None:
+            nodes = {}  # no worker may register
         if nodes != self.nodes:
             self.nodes = nodes
             if nodes is None:
                 log.info("workers are not bound to nodes (revision %d)", revision)
             else:
                 log.info("workers bound to their nodes: %d worker(s) (revision %d)", len(nodes), revision)
+

@@ -8,7 +8,7 @@ registration's and an update's body); nothing else of a worker's history, so tha
 heartbeat reads a dict entry or two instead of loading the worker's events. A removed worker leaves nothing
 behind: the roster grows with the fleet, not with every worker id it ever saw.
 
-What an event does is read from its type alone (the store's topic header, else the
+What an event does to a life is read from its type alone (the store's topic header, else the
 body's `type`): a registration starts a life, a removal ends it, every other worker
 event (RuntimeChanged, WorkerUpdated, WorkerDrained) leaves it as it is. A type this
 replica does not know (a newer registry's event, which may end a life, or a message

@@ -216,8 +216,11 @@ class RegistryStore(WireApplication):
         worker.lose(at)
         return await self._commit(worker)
 
-    async def require_alive(self, worker_id: str) -> None:
-        (await self.load(worker_id)).require_alive()
+    async def require_alive(self, worker_id: str) -> str:
+        """NOT_FOUND unless the worker is in a life; the node it registered on."""
+        worker = await self.load(worker_id)
+        worker.require_alive()
+        return worker.node
 
 
 class EventPositions:
@@ -370,9 +373,12 @@ class RegistryService:
         except ContractError:
             alive = False
         if not alive:
-            await run_command_async(lambda: self.store.require_alive(worker_id), recheck=self._recheck(worker_id))
-        else:  # registered on a node the binding gives another (it registered before): no beat
-            check_registered(self.binding.nodes, worker_id, self.roster.node(worker_id))
+            node = await run_command_async(lambda: self.store.require_alive(worker_id),
+                                           recheck=self._recheck(worker_id))
+        else:
+            node = self.roster.node(worker_id)
+        # registered on a node the binding gives another (it registered before the binding): no beat
+        check_registered(self.binding.judged_nodes, worker_id, node)
         await self.liveness.beat(worker_id)
         return HeartbeatReply(ttl_s=self.ttl_s)
 
