@@ -17,11 +17,11 @@ from click.testing import CliRunner
 
 from events.codec import decode_event
 from events.errors import ContractError
-from events.schema import ErrorCode, WorkerRegistered
+from events.schema import ErrorCode, WorkerRegistered, WorkerRemoved
 from events.subjects import bucket_name, event_subject, service_subject
 from services.registry.nodes import check_node, check_registered, encode_nodes, load_nodes, parse_nodes
 from services.registry.roster import Roster
-from tests.registry_helpers import PROBE, agent_config, last_seq, registration
+from tests.registry_helpers import PROBE, agent_config, last_seq, registration, wait_event
 from tests.secured_helpers import Secured, Serve
 from warmboot.agent import Agent
 from warmboot.cli import main
@@ -315,35 +315,42 @@ async def test_every_replica_enforces_the_binding_one_of_them_set_and_follows_it
         await bus.close()
 
 
-async def test_a_worker_registered_on_another_node_before_the_binding_is_refused_its_heartbeats(tmp_path):
-    """A registration made before the binding stays in the log; the worker's heartbeats are
-    refused from the moment its registry has the binding (nothing put), so it ends as LOST
-    unless it registers on its own node."""
+async def test_a_worker_registered_on_another_node_before_the_binding_is_removed_when_the_binding_comes(tmp_path):
+    """A registration made before the binding stays in the log: when a binding that does not give
+    the worker its node reaches the registry replicas, one of them removes it at once (once, whichever
+    replicas see it), not a TTL later; registered on its own node, it starts a new life."""
     bus = Bus(tmp_path)
     try:
         plain = await asyncio.to_thread(bus.serve)
         assert plain.line("workers are not bound").endswith("any worker may register on any node")
         await bus.connect()
+        assert (await bus.register("w-1", "node-a"))["outcome"] == "REGISTERED"
         assert (await bus.register("w-2", "node-a"))["outcome"] == "REGISTERED"  # w-1's node, unbound
         assert "ttl_s" in await bus.heartbeat("w-2")
+        registered = await last_seq(bus.admin.nc, PREFIX)
 
         bound = await asyncio.to_thread(bus.serve, "--worker-nodes",
                                         binding_file(tmp_path, "nodes.json", "w-1@node-a", "w-2@node-b"))
-        revision = await bus.binding_revision()
-        await asyncio.to_thread(plain.line, f"workers bound to their nodes: 2 worker(s) (revision {revision})",
-                                anywhere=True)
-        before = await bus.written()
-        for _ in range(8):  # whichever replica answers
-            refused = await bus.heartbeat("w-2")
-            assert refused["error"]["code"] == "FAILED_PRECONDITION" and refused["error"]["field"] == "node"
-            assert "registered on node 'node-a'" in refused["error"]["message"]
-        assert await bus.written() == before  # no heartbeat put: its clock runs out
+        seq, removal = await wait_event(bus.admin.nc, PREFIX, "w-2", WorkerRemoved, after=registered)
+        assert removal.reason == ("registered on node node-a, which the deployment's binding of workers to nodes "
+                                  "does not give it")
+        refused = await bus.heartbeat("w-2")
+        assert refused["error"]["code"] == "NOT_FOUND"
+        assert "ttl_s" in await bus.heartbeat("w-1")  # bound to the node it is on: left alone
 
-        # registered on its own node (an update of the same life), it beats again
-        assert (await bus.register("w-2", "node-b"))["outcome"] == "UPDATED"
-        for _ in range(8):
-            assert "ttl_s" in await bus.heartbeat("w-2")
+        # registered on its own node, a new life; and the removal was written once, by one replica
+        assert (await bus.register("w-2", "node-b"))["outcome"] == "REGISTERED"
+        assert "ttl_s" in await bus.heartbeat("w-2")
         await asyncio.to_thread(bound.stop)
+        removals = [s async for s, _, _, data in log_messages(bus.admin.nc, PREFIX, event_subject(PREFIX, "worker", "*"),
+                                                               stop=await last_seq(bus.admin.nc, PREFIX))
+                    if isinstance(decode_event(data), WorkerRemoved)]
+        assert removals == [seq]
+        said = "worker w-2 removed: registered on node node-a"
+        line = next((line for line in bound.lines if said in line), None)  # all of it read: it has stopped
+        if line is None:  # then the other replica removed it
+            line = await asyncio.to_thread(plain.line, said, anywhere=True)
+        assert line.endswith("(it is bound to node node-b)")
         assert not bus.secured.violations()
     finally:
         await bus.close()

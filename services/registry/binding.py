@@ -28,7 +28,7 @@ empty `WARMBOOT_WORKER_NODES`) does not let every Nth registration through unche
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import suppress
 from typing import Any
 
@@ -61,6 +61,7 @@ class SharedBinding:
         self.replicas = replicas if replicas is not None else stream_replicas()
         self.nodes: dict[str, str] | None = None
         self.readable = True  # False while the key holds a value that is no binding (`nodes` is then {})
+        self.on_change: Callable[[], None] | None = None  # told when `judged_nodes` changes
         self.revision = 0  # the bucket's sequence of the value `nodes` came from
         self._sub: Any = None
 
@@ -133,6 +134,7 @@ class SharedBinding:
         if revision < self.revision or (revision == self.revision and revision):
             return  # older than what this replica has (the read and the consumer both deliver the last)
         self.revision = revision
+        judged = self.judged_nodes
         nodes = None if value is None else self._parsed(revision, value)
         self.readable = value is None or nodes is not None
         if nodes is None and value is not None:
@@ -143,4 +145,6 @@ class SharedBinding:
                 log.info("workers are not bound to nodes (revision %d)", revision)
             else:
                 log.info("workers bound to their nodes: %d worker(s) (revision %d)", len(nodes), revision)
+        if self.judged_nodes != judged and self.on_change is not None:
+            self.on_change()
 

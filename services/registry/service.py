@@ -51,6 +51,7 @@ from events.aggregate import Recorded, WireApplication, now
 from events.errors import ContractError, UnreadableHistory, invalid, unavailable
 from events.jetstream.link import links_on
 from events.natspy import flush_in_order
+from events.tasks import cancel_and_wait
 from events.schema import (
     DrainWorker,
     Heartbeat,
@@ -85,6 +86,8 @@ REGISTRATIONS = Counter(
     "warmboot_registry_registrations_total", "Registrations answered, by outcome", ["outcome"]
 )
 LOST_WORKERS = Counter("warmboot_registry_workers_lost_total", "Workers removed as LOST by this replica")
+UNBOUND_REMOVALS = Counter("warmboot_registry_workers_unbound_removed_total",
+                           "Workers this replica removed for being registered on a node the binding does not give them")
 COMMIT_GROUP = Histogram(
     "warmboot_registry_commit_group_writes",
     "Commands whose writes went out in one atomic append (a refused group counted, then each of its members alone)",
@@ -277,6 +280,9 @@ class RegistryService:
         # `worker_nodes` at start (a binding, or `binding.UNBIND`), else as another replica set it.
         self.worker_nodes = worker_nodes
         self.binding = SharedBinding(nc, prefix, store_replicas)
+        self._binding_moved = asyncio.Event()  # set when the binding changes: `_remove_unbound` runs again
+        self.binding.on_change = self._binding_moved.set
+        self._unbound: asyncio.Task[None] | None = None
         self.env = env if env is not None else store_env(nats_url, prefix, store_replicas)
         self.store: RegistryStore | None = None
         # Requests about one worker are decided one at a time in this replica; request ids
@@ -305,6 +311,8 @@ class RegistryService:
         await self.fold.start(FOLD_START_S)
         await self.liveness.start()
         await self.reconcile()
+        self._binding_moved.set()  # the workers registered before this start, judged once
+        self._unbound = asyncio.create_task(self._remove_unbound(), name="registry-unbound-workers")
         self.service = await add_endpoints(
             self.nc,
             self.prefix,
@@ -325,6 +333,8 @@ class RegistryService:
             with suppress(Exception):
                 await self.service.stop()
             self.service = None
+        await cancel_and_wait(self._unbound)
+        self._unbound = None
         await self.liveness.stop()
         await self.binding.stop()
         await self.fold.stop()
@@ -390,17 +400,21 @@ class RegistryService:
 
     async def remove(self, worker_id: str, request: RemoveWorker) -> SeqReply:
         async with self._workers(worker_id):
-            try:  # before the removal: its heartbeat is dropped only if nothing was put after this
-                last_entry: int | None = await self.liveness.last_entry(worker_id)
-            except Exception as error:
-                last_entry = None
-                log.warning("reading the heartbeat of worker %s failed (%s: %s); if removed, it is left to "
-                            "expire", worker_id, type(error).__name__, error)
-            decided = await run_command_async(lambda: self.store.remove(worker_id, request, now()),
-                                        recheck=self._recheck(worker_id))
-            if decided.wrote and last_entry is not None:
-                await self._forget(worker_id, last_entry)
-            return SeqReply(seq=await self._seq(worker_id, decided))
+            return await self._remove(worker_id, request)
+
+    async def _remove(self, worker_id: str, request: RemoveWorker) -> SeqReply:
+        """The removal of `worker_id`, its heartbeat dropped; the caller holds the worker's lock."""
+        try:  # before the removal: its heartbeat is dropped only if nothing was put after this
+            last_entry: int | None = await self.liveness.last_entry(worker_id)
+        except Exception as error:
+            last_entry = None
+            log.warning("reading the heartbeat of worker %s failed (%s: %s); if removed, it is left to "
+                        "expire", worker_id, type(error).__name__, error)
+        decided = await run_command_async(lambda: self.store.remove(worker_id, request, now()),
+                                          recheck=self._recheck(worker_id))
+        if decided.wrote and last_entry is not None:
+            await self._forget(worker_id, last_entry)
+        return SeqReply(seq=await self._seq(worker_id, decided))
 
     async def _forget(self, worker_id: str, last_entry: int) -> None:
         """Drop a removed worker's heartbeat (`Liveness.forget`). The removal is written whatever
@@ -420,6 +434,53 @@ class RegistryService:
         if decided.replay:
             return await self.positions.seq_of(worker_id, decided.version)
         return await self.positions.last_seq(worker_id)
+
+    # --- the binding of workers to nodes ---------------------------------------------------
+
+    async def _remove_unbound(self) -> None:
+        """Each time the binding this replica judges by changes (and once at start): every worker
+        registered on a node it does not give it is removed at once, not left to beat until its
+        heartbeats' refusal ends it as LOST a TTL later (meanwhile resumes could be placed on it).
+        Every replica does it; a worker another one removed first is found removed."""
+        while True:
+            await self._binding_moved.wait()
+            self._binding_moved.clear()
+            nodes = self.binding.judged_nodes
+            if nodes is None:
+                continue
+            for worker_id in self.roster.registered():
+                try:
+                    check_registered(nodes, worker_id, self.roster.node(worker_id))
+                except ContractError:
+                    await self._remove_if_unbound(worker_id)
+
+    async def _remove_if_unbound(self, worker_id: str) -> None:
+        """Remove `worker_id` if, with every worker event stored so far folded, it is still registered
+        on a node the binding does not give it (it may have registered on its own since)."""
+        try:
+            async with self._workers(worker_id):
+                await self.fold.current()
+                node = self.roster.node(worker_id)
+                nodes = self.binding.judged_nodes
+                try:
+                    check_registered(nodes, worker_id, node)
+                    return
+                except ContractError:
+                    pass
+                if not self.roster.alive(worker_id):
+                    return
+                # at most 256 characters (CONTRACT: a reason), whatever the node's id
+                reason = f"registered on node {node}, which the deployment's binding of workers to nodes does not give it"
+                await self._remove(worker_id, RemoveWorker(reason=reason))
+            UNBOUND_REMOVALS.inc()
+            bound = nodes.get(worker_id) if nodes is not None else None
+            log.warning("worker %s removed: %s (%s)", worker_id, reason,
+                        f"it is bound to node {bound}" if bound else "the binding does not list it")
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # a NOT_FOUND (removed meanwhile), an outage: its heartbeats are refused
+            log.warning("worker %s, registered on a node its binding does not give it, was not removed (%s); its "
+                        "heartbeats are refused, so it ends as LOST", worker_id, error)
 
     # --- liveness -------------------------------------------------------------------------
 
