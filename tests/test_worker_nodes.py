@@ -11,15 +11,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+from datetime import datetime, timezone
+
+import msgspec
 
 import pytest
 from click.testing import CliRunner
 
 from events.codec import decode_event
 from events.errors import ContractError
-from events.schema import ErrorCode, WorkerRegistered, WorkerRemoved
+from events.schema import ErrorCode, RegisterWorker, WorkerRegistered, WorkerRemoved
 from events.subjects import bucket_name, event_subject, service_subject
-from services.registry.nodes import check_node, check_registered, encode_nodes, load_nodes, parse_nodes
+from services.registry.domain import Worker
+from services.registry.nodes import (check_node, check_registered, encode_nodes, load_nodes, parse_nodes,
+                                     unbound_reason)
 from services.registry.roster import Roster
 from tests.registry_helpers import PROBE, agent_config, last_seq, registration, wait_event
 from tests.secured_helpers import Secured, Serve
@@ -56,6 +61,23 @@ def test_a_worker_registered_on_a_node_its_binding_does_not_give_it_is_refused_i
             check_registered(nodes, worker_id, node)
         assert (refused.value.code, refused.value.field) == (ErrorCode.FAILED_PRECONDITION, field)
         assert f"registered on node {node!r}" in refused.value.message and "LOST" in refused.value.message
+
+
+def test_the_worker_decides_its_removal_for_its_binding_on_the_node_its_history_names():
+    at = datetime(2026, 12, 3, tzinfo=timezone.utc)
+    worker = Worker("w-2")
+    worker.register(msgspec.convert(registration("w-2", node="node-a"), RegisterWorker), at)
+    worker.collect_events()
+    assert not worker.remove_unbound({"w-2": "node-a"}, at)  # its own node: nothing recorded
+    worker.register(msgspec.convert(registration("w-2", node="node-b"), RegisterWorker), at)  # moved
+    worker.collect_events()
+    assert not worker.remove_unbound({"w-2": "node-b"}, at) and not worker.collect_events()
+    assert worker.remove_unbound({"w-2": "node-a"}, at)
+    [removed] = [e.body for e in worker.collect_events()]
+    assert isinstance(removed, WorkerRemoved) and removed.reason == unbound_reason("node-b")
+    assert not worker.remove_unbound({}, at)  # removed already: once per life
+    long_node = "n" * 128
+    assert len(unbound_reason(long_node)) <= 256 and long_node in unbound_reason(long_node)
 
 
 def test_the_roster_keeps_the_node_of_each_worker_in_a_life():
@@ -149,7 +171,10 @@ def test_serve_refuses_a_bad_binding_file_before_it_connects(tmp_path):
     bad = tmp_path / "nodes.json"
     bad.write_text('{"w-1": "node a"}')
     # no server listens there: the file is refused first
-    for args in (["registry", "--worker-nodes", str(bad)], ["all", "--worker-nodes", str(tmp_path / "none.json")]):
+    empty = tmp_path / "empty.json"
+    empty.write_text("{}")
+    for args in (["registry", "--worker-nodes", str(bad)], ["all", "--worker-nodes", str(tmp_path / "none.json")],
+                 ["registry", "--worker-nodes", str(empty)]):
         result = CliRunner().invoke(main, ["serve", *args, "--nats", "nats://127.0.0.1:1"])
         assert result.exit_code == 2, result.output
         assert "--worker-nodes" in result.output and args[2] in result.output
@@ -317,40 +342,42 @@ async def test_every_replica_enforces_the_binding_one_of_them_set_and_follows_it
 
 async def test_a_worker_registered_on_another_node_before_the_binding_is_removed_when_the_binding_comes(tmp_path):
     """A registration made before the binding stays in the log: when a binding that does not give
-    the worker its node reaches the registry replicas, one of them removes it at once (once, whichever
-    replicas see it), not a TTL later; registered on its own node, it starts a new life."""
+    the worker its node reaches the registry replicas, they remove it at once (once, whichever
+    replicas look), not a TTL later; registered on its own node, it starts a new life."""
     bus = Bus(tmp_path)
     try:
-        plain = await asyncio.to_thread(bus.serve)
-        assert plain.line("workers are not bound").endswith("any worker may register on any node")
+        # two replicas with no binding of their own: the removal comes from their following the key
+        plains = [await asyncio.to_thread(bus.serve) for _ in range(2)]
         await bus.connect()
         assert (await bus.register("w-1", "node-a"))["outcome"] == "REGISTERED"
         assert (await bus.register("w-2", "node-a"))["outcome"] == "REGISTERED"  # w-1's node, unbound
         assert "ttl_s" in await bus.heartbeat("w-2")
         registered = await last_seq(bus.admin.nc, PREFIX)
 
-        bound = await asyncio.to_thread(bus.serve, "--worker-nodes",
-                                        binding_file(tmp_path, "nodes.json", "w-1@node-a", "w-2@node-b"))
+        # the binding as a replica started with it writes it (`warmboot serve registry --worker-nodes`)
+        bucket = bucket_name(PREFIX, "settings")
+        await bus.admin.nc.jetstream().publish(f"$KV.{bucket}.worker-nodes",
+                                               encode_nodes({"w-1": "node-a", "w-2": "node-b"}))
         seq, removal = await wait_event(bus.admin.nc, PREFIX, "w-2", WorkerRemoved, after=registered)
         assert removal.reason == ("registered on node node-a, which the deployment's binding of workers to nodes "
                                   "does not give it")
-        refused = await bus.heartbeat("w-2")
-        assert refused["error"]["code"] == "NOT_FOUND"
+        # the replica that wrote it says so (the other decided on the history, found it removed, wrote nothing)
+        said = "worker w-2 removed: registered on node node-a (it is bound to node node-b)"
+        told = [asyncio.ensure_future(asyncio.to_thread(p.line, said, 30, True)) for p in plains]
+        done, _ = await asyncio.wait(told, return_when=asyncio.FIRST_COMPLETED)
+        for waiting in told:
+            waiting.cancel()  # the other's thread ends with its process
+        assert said in done.pop().result()
+        assert (await bus.heartbeat("w-2"))["error"]["code"] == "NOT_FOUND"
         assert "ttl_s" in await bus.heartbeat("w-1")  # bound to the node it is on: left alone
 
-        # registered on its own node, a new life; and the removal was written once, by one replica
+        # registered on its own node, a new life; and the removal was written once
         assert (await bus.register("w-2", "node-b"))["outcome"] == "REGISTERED"
         assert "ttl_s" in await bus.heartbeat("w-2")
-        await asyncio.to_thread(bound.stop)
         removals = [s async for s, _, _, data in log_messages(bus.admin.nc, PREFIX, event_subject(PREFIX, "worker", "*"),
                                                                stop=await last_seq(bus.admin.nc, PREFIX))
                     if isinstance(decode_event(data), WorkerRemoved)]
         assert removals == [seq]
-        said = "worker w-2 removed: registered on node node-a"
-        line = next((line for line in bound.lines if said in line), None)  # all of it read: it has stopped
-        if line is None:  # then the other replica removed it
-            line = await asyncio.to_thread(plain.line, said, anywhere=True)
-        assert line.endswith("(it is bound to node node-b)")
         assert not bus.secured.violations()
     finally:
         await bus.close()

@@ -33,11 +33,13 @@ Rules (CONTRACT sections 2 and 3, Registry):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import datetime
 
 from events.aggregate import WireAggregate
 from events.compat import canonical_version, compat_key
 from events.errors import not_found, precondition
+from services.registry.nodes import unbound_reason
 from events.schema import (
     ActorOverhead,
     Event,
@@ -184,6 +186,16 @@ class Worker(WireAggregate):
     def remove(self, reason: str | None, at: datetime, request_id: str | None = None) -> None:
         self.require_alive()
         self.record(WorkerRemoved(at=at, request_id=request_id, worker_id=self.entity_id, reason=reason))
+
+    def remove_unbound(self, nodes: Mapping[str, str], at: datetime) -> bool:
+        """Remove the worker if it is in a life on a node `nodes` (the deployment's binding of workers
+        to nodes) does not give it; False, nothing recorded, otherwise. Decided on the history's
+        node: a move to its own node stored a moment before is seen, and of two replicas deciding
+        it, the loser decides again on the fresh state and writes nothing (as `lose`)."""
+        if not self.alive or nodes.get(self.entity_id) == self.node:
+            return False
+        self.record(WorkerRemoved(at=at, worker_id=self.entity_id, reason=unbound_reason(self.node)))
+        return True
 
     def lose(self, at: datetime) -> bool:
         """Remove the worker as LOST (its heartbeats stopped); False if it is not alive.

@@ -55,6 +55,15 @@ def encode_nodes(nodes: Mapping[str, str]) -> bytes:
     return msgspec.json.format(msgspec.json.encode(dict(sorted(nodes.items()))), indent=2) + b"\n"
 
 
+UNBOUND_REASON = "registered on node {node}, which the deployment's binding of workers to nodes does not give it"
+
+
+def unbound_reason(node: str) -> str:
+    """The reason of the removal of a worker registered on a node its binding does not give it: at
+    most 256 characters (a contract reason), the node an id of at most 128."""
+    return UNBOUND_REASON.format(node=node)[:256]
+
+
 def describe_change(old: Mapping[str, str], new: Mapping[str, str], shown: int = 5) -> str:
     """What a new binding changes of an old one, for a log line: moved, added and dropped workers."""
     def listed(what: str, items: list[str]) -> str:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from contextlib import suppress
 from datetime import datetime
 from functools import partial
@@ -214,6 +214,11 @@ class RegistryStore(WireApplication):
         worker.remove(request.reason, at, request.request_id)
         return await self._commit(worker)
 
+    async def remove_unbound(self, worker_id: str, nodes: Mapping[str, str], at: datetime) -> Decided:
+        worker = await self.load(worker_id)
+        worker.remove_unbound(nodes, at)
+        return await self._commit(worker)
+
     async def lose(self, worker_id: str, at: datetime) -> Decided:
         worker = await self.load(worker_id)
         worker.lose(at)
@@ -311,8 +316,6 @@ class RegistryService:
         await self.fold.start(FOLD_START_S)
         await self.liveness.start()
         await self.reconcile()
-        self._binding_moved.set()  # the workers registered before this start, judged once
-        self._unbound = asyncio.create_task(self._remove_unbound(), name="registry-unbound-workers")
         self.service = await add_endpoints(
             self.nc,
             self.prefix,
@@ -325,6 +328,8 @@ class RegistryService:
                 EndpointSpec("remove", RemoveWorker, self.remove),
             ],
         )
+        self._binding_moved.set()  # the workers registered before this start, judged once
+        self._unbound = asyncio.create_task(self._remove_unbound(), name="registry-unbound-workers")
         await flush_in_order(self.nc)  # the server has our subscriptions: we serve when start() returns
         return self
 
@@ -360,6 +365,9 @@ class RegistryService:
             decided = await run_command_async(lambda: self.store.register(request, now()),
                                         recheck=self._recheck(request.worker_id))
             REGISTRATIONS.labels(decided.outcome.value).inc()
+            judged = self.binding.judged_nodes
+            if judged is not None and judged.get(worker_id) != request.node:
+                self._binding_moved.set()  # decided on a binding that changed since: removed at once
             return RegisterReply(outcome=decided.outcome, seq=await self._seq(worker_id, decided))
 
     def _recheck(self, worker_id: str) -> Recheck:
@@ -400,21 +408,22 @@ class RegistryService:
 
     async def remove(self, worker_id: str, request: RemoveWorker) -> SeqReply:
         async with self._workers(worker_id):
-            return await self._remove(worker_id, request)
+            decided = await self._remove(worker_id, lambda: self.store.remove(worker_id, request, now()))
+            return SeqReply(seq=await self._seq(worker_id, decided))
 
-    async def _remove(self, worker_id: str, request: RemoveWorker) -> SeqReply:
-        """The removal of `worker_id`, its heartbeat dropped; the caller holds the worker's lock."""
+    async def _remove(self, worker_id: str, command: Callable[[], Awaitable[Decided]]) -> Decided:
+        """A removal of `worker_id` (`command`, run as `run_command_async` runs it), its heartbeat dropped
+        if it wrote; the caller holds the worker's lock."""
         try:  # before the removal: its heartbeat is dropped only if nothing was put after this
             last_entry: int | None = await self.liveness.last_entry(worker_id)
         except Exception as error:
             last_entry = None
             log.warning("reading the heartbeat of worker %s failed (%s: %s); if removed, it is left to "
                         "expire", worker_id, type(error).__name__, error)
-        decided = await run_command_async(lambda: self.store.remove(worker_id, request, now()),
-                                          recheck=self._recheck(worker_id))
+        decided = await run_command_async(command, recheck=self._recheck(worker_id))
         if decided.wrote and last_entry is not None:
             await self._forget(worker_id, last_entry)
-        return SeqReply(seq=await self._seq(worker_id, decided))
+        return decided
 
     async def _forget(self, worker_id: str, last_entry: int) -> None:
         """Drop a removed worker's heartbeat (`Liveness.forget`). The removal is written whatever
@@ -438,49 +447,50 @@ class RegistryService:
     # --- the binding of workers to nodes ---------------------------------------------------
 
     async def _remove_unbound(self) -> None:
-        """Each time the binding this replica judges by changes (and once at start): every worker
-        registered on a node it does not give it is removed at once, not left to beat until its
-        heartbeats' refusal ends it as LOST a TTL later (meanwhile resumes could be placed on it).
-        Every replica does it; a worker another one removed first is found removed."""
+        """Each time the binding this replica judges by changes, once at start, and after a
+        registration decided on a binding that changed meanwhile: every worker registered on a node
+        the binding does not give it is removed at once, not left to beat until its heartbeats'
+        refusal ends it as LOST a TTL later (meanwhile resumes could be placed on it). Every replica
+        looks; the decision is the Worker's, on its history (`Worker.remove_unbound`), so a worker
+        another replica removed, or that moved to its own node, is left as it is."""
         while True:
             await self._binding_moved.wait()
             self._binding_moved.clear()
-            nodes = self.binding.judged_nodes
-            if nodes is None:
-                continue
-            for worker_id in self.roster.registered():
-                try:
-                    check_registered(nodes, worker_id, self.roster.node(worker_id))
-                except ContractError:
-                    await self._remove_if_unbound(worker_id)
+            try:
+                nodes = self.binding.judged_nodes
+                if nodes is None:
+                    continue
+                with suppress(ContractError):  # every worker event stored so far, if the barrier can be had
+                    await self.fold.current()
+                for worker_id in self.roster.registered():
+                    node = self.roster.node(worker_id)
+                    if node not in (None, nodes.get(worker_id)):
+                        await self._remove_if_unbound(worker_id, node)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug: say so, and keep the task for the next change
+                log.exception("removing the workers registered on nodes the binding does not give them failed")
 
-    async def _remove_if_unbound(self, worker_id: str) -> None:
-        """Remove `worker_id` if, with every worker event stored so far folded, it is still registered
-        on a node the binding does not give it (it may have registered on its own since)."""
+    async def _remove_if_unbound(self, worker_id: str, node: str) -> None:
+        """Remove `worker_id`, found on `node`, if its history says it is still registered on a node
+        the binding does not give it."""
         try:
             async with self._workers(worker_id):
-                await self.fold.current()
-                node = self.roster.node(worker_id)
                 nodes = self.binding.judged_nodes
-                try:
-                    check_registered(nodes, worker_id, node)
+                if nodes is None:
                     return
-                except ContractError:
-                    pass
-                if not self.roster.alive(worker_id):
-                    return
-                # at most 256 characters (CONTRACT: a reason), whatever the node's id
-                reason = f"registered on node {node}, which the deployment's binding of workers to nodes does not give it"
-                await self._remove(worker_id, RemoveWorker(reason=reason))
-            UNBOUND_REMOVALS.inc()
-            bound = nodes.get(worker_id) if nodes is not None else None
-            log.warning("worker %s removed: %s (%s)", worker_id, reason,
-                        f"it is bound to node {bound}" if bound else "the binding does not list it")
+                decided = await self._remove(worker_id, lambda: self.store.remove_unbound(worker_id, nodes, now()))
         except asyncio.CancelledError:
             raise
-        except Exception as error:  # a NOT_FOUND (removed meanwhile), an outage: its heartbeats are refused
-            log.warning("worker %s, registered on a node its binding does not give it, was not removed (%s); its "
-                        "heartbeats are refused, so it ends as LOST", worker_id, error)
+        except Exception as error:  # an outage: its heartbeats are refused, so it ends as LOST
+            log.warning("worker %s, registered on a node its binding does not give it, was not removed (%s: %s); "
+                        "its heartbeats are refused, so it ends as LOST", worker_id, type(error).__name__, error)
+            return
+        if decided.wrote:
+            UNBOUND_REMOVALS.inc()
+            bound = nodes.get(worker_id)
+            log.warning("worker %s removed: registered on node %s (%s)", worker_id, node,
+                        f"it is bound to node {bound}" if bound else "the binding does not list it")
 
     # --- liveness -------------------------------------------------------------------------
 
