@@ -14,7 +14,7 @@ import json
 from datetime import datetime, timezone
 
 import msgspec
-
+import nats
 import pytest
 from click.testing import CliRunner
 
@@ -22,11 +22,12 @@ from events.codec import decode_event
 from events.errors import ContractError
 from events.schema import ErrorCode, RegisterWorker, WorkerRegistered, WorkerRemoved
 from events.subjects import bucket_name, event_subject, service_subject
+from events.tasks import cancel_and_wait
 from services.registry.domain import Worker
 from services.registry.nodes import (check_node, check_registered, encode_nodes, load_nodes, parse_nodes,
                                      unbound_reason)
 from services.registry.roster import Roster
-from tests.registry_helpers import PROBE, agent_config, last_seq, registration, wait_event
+from tests.registry_helpers import PROBE, agent_config, last_seq, registration, running_registry, wait_event
 from tests.secured_helpers import Secured, Serve
 from warmboot.agent import Agent
 from warmboot.cli import main
@@ -381,3 +382,35 @@ async def test_a_worker_registered_on_another_node_before_the_binding_is_removed
         assert not bus.secured.violations()
     finally:
         await bus.close()
+
+
+async def test_should_the_removal_fail_a_worker_on_another_node_is_refused_its_heartbeats(nats_server, prefix):
+    """The second line: a worker registered on a node the binding does not give it, and not removed
+    (the look that removes it failed; here, it is stopped), is refused its heartbeats, nothing put,
+    so its clock runs out and it ends as LOST; registered on its own node, it beats again."""
+    async with running_registry(nats_server.url, prefix) as registry:
+        nc = await nats.connect(nats_server.url)
+        js = nc.jetstream()
+        heartbeats = f"KV_{bucket_name(prefix, 'heartbeats')}"
+
+        async def call(verb: str, body: dict) -> dict:
+            subject = service_subject(prefix, "registry", verb, "w-2")
+            return json.loads((await nc.request(subject, json.dumps(body).encode(), timeout=10)).data)
+
+        try:
+            assert (await call("register", registration("w-2", node="node-a")))["outcome"] == "REGISTERED"
+            await cancel_and_wait(registry._unbound)  # as if every removal failed
+            registry._binding_moved.clear()  # set at start, if the look had not run yet
+            await js.publish(f"$KV.{bucket_name(prefix, 'settings')}.worker-nodes",
+                             encode_nodes({"w-1": "node-a", "w-2": "node-b"}))
+            await asyncio.wait_for(registry._binding_moved.wait(), 10)  # this replica has the binding
+            put = (await js.stream_info(heartbeats)).state.last_seq
+            for _ in range(4):
+                refused = await call("heartbeat", {})
+                assert refused["error"]["code"] == "FAILED_PRECONDITION" and refused["error"]["field"] == "node"
+                assert "registered on node 'node-a'" in refused["error"]["message"]
+            assert (await js.stream_info(heartbeats)).state.last_seq == put  # nothing put: the clock runs out
+            assert (await call("register", registration("w-2", node="node-b")))["outcome"] == "UPDATED"
+            assert "ttl_s" in await call("heartbeat", {})
+        finally:
+            await nc.close()

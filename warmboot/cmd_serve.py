@@ -43,7 +43,9 @@ def binding_line(nodes: dict[str, str] | None) -> str:
               envvar="WARMBOOT_WORKER_NODES",
               help="Registry: JSON file of worker id -> node (`nats-config --worker ID@NODE --worker-nodes FILE`): "
                    "every registry replica, with this option or without, then lets a worker register only on its "
-                   "own node, and only if listed; `none` removes the binding (docs/security.md).")
+                   "own node, and only if listed, and removes one registered elsewhere; `none` removes the binding. "
+                   "Give it to the one replica that changes the binding: the file given last wins "
+                   "(docs/security.md).")
 @click.option("--replicas", type=click.IntRange(1, 5), default=None, envvar="WARMBOOT_STREAM_REPLICAS",
               help="Replica count of the event stream when this process creates it (3 on a cluster).")
 @click.option("--checkpoint-every", type=click.IntRange(min=0), default=DEFAULT_EVERY_EVENTS, show_default=True,

@@ -51,7 +51,6 @@ from events.aggregate import Recorded, WireApplication, now
 from events.errors import ContractError, UnreadableHistory, invalid, unavailable
 from events.jetstream.link import links_on
 from events.natspy import flush_in_order
-from events.tasks import cancel_and_wait
 from events.schema import (
     DrainWorker,
     Heartbeat,
@@ -64,13 +63,14 @@ from events.schema import (
     WorkerFenced,
 )
 from events.subjects import check_prefix, event_subject, stream_name
+from events.tasks import cancel_and_wait
 from services.common import (EndpointSpec, NoWriteAnswers, Recheck, ReplyCache, add_endpoints, last_seq_on,
                              run_command_async, store_env, stream_replicas)
 from services.locks import KeyedLock
+from services.registry.binding import SharedBinding
 from services.registry.domain import Worker, register_outcome
 from services.registry.fold import RosterFold
 from services.registry.liveness import SWEEPER, Liveness  # noqa: F401 (SWEEPER: the sweeper's name, for callers)
-from services.registry.binding import SharedBinding
 from services.registry.nodes import check_node, check_registered
 from services.registry.roster import Roster
 
