@@ -390,13 +390,13 @@ class RegistryService:
             alive = self.roster.alive(worker_id)
         except ContractError:
             alive = False
+        node = None
         if not alive:
             node = await run_command_async(lambda: self.store.require_alive(worker_id),
                                            recheck=self._recheck(worker_id))
-        else:
-            node = self.roster.node(worker_id)
-        # registered on a node the binding gives another (it registered before the binding): no beat
-        check_registered(self.binding.judged_nodes, worker_id, node)
+        judged = self.binding.judged_nodes
+        if judged is not None:  # registered on a node the binding gives another (it registered before): no beat
+            check_registered(judged, worker_id, self.roster.node(worker_id) if alive else node)
         await self.liveness.beat(worker_id)
         return HeartbeatReply(ttl_s=self.ttl_s)
 
