@@ -12,17 +12,10 @@ from events.natsauth import NKEY_SEED_ENV
 from events.subjects import DEFAULT_PREFIX
 from services.common import ALL_INTERFACES, run_serving, tune_gc
 from services.registry.binding import UNBIND
-from services.registry.nodes import load_nodes
+from services.registry.nodes import describe, load_nodes
 from warmboot.cli_common import event_loop_option
 from services.scheduler.checkpoint import DEFAULT_EVERY_EVENTS, DEFAULT_INTERVAL_S
 from warmboot.runner import SERVICES, dump_on_signal, start_services, stop_signals
-
-
-def binding_line(nodes: dict[str, str] | None) -> str:
-    """What `serve` says of the binding it serves with (another replica's, maybe)."""
-    if nodes is None:
-        return "workers are not bound to nodes: any worker may register on any node"
-    return f"workers bound to their nodes: {len(nodes)} worker(s)"
 
 
 @click.command()
@@ -94,7 +87,8 @@ def serve(service: str, nats_url: str, nkey_seed: str | None, prefix: str, metri
             with stop_signals() as stop:  # before the line that says it serves: see stop_signals
                 click.echo(f"serving {', '.join(names)} on {running.where} (prefix {prefix})")
                 if "registry" in names:
-                    click.echo(binding_line(running.services[names.index("registry")].binding.nodes))
+                    # the binding it serves with (another replica's, maybe)
+                    click.echo(describe(running.services[names.index("registry")].binding.nodes))
                 if running.metrics_url:
                     click.echo(f"metrics on {running.metrics_url}")
                 await stop.wait()

@@ -40,7 +40,7 @@ from nats.js.errors import NotFoundError
 from events.natspy import ORDERED_IDLE_HEARTBEAT_S
 from events.subjects import bucket_name
 from services.common import stream_replicas, until_answered
-from services.registry.nodes import describe_change, encode_nodes, parse_nodes
+from services.registry.nodes import describe, describe_change, encode_nodes, parse_nodes
 
 log = logging.getLogger("warmboot.registry")
 
@@ -59,8 +59,11 @@ class SharedBinding:
         self.stream = f"KV_{self.bucket}"
         self.subject = f"$KV.{self.bucket}.{KEY}"
         self.replicas = replicas if replicas is not None else stream_replicas()
-        self.nodes: dict[str, str] | None = None
-        self.readable = True  # False while the key holds a value that is no binding (`nodes` is then {})
+        self.nodes: dict[str, str] | None = None  # what registrations are judged on ({} for a value that is none)
+        # What the registered workers are judged on: None while the key holds a value that is no binding.
+        # That refuses registrations, but must not end every live worker as LOST: whom it binds where is
+        # not known.
+        self.judged_nodes: dict[str, str] | None = None
         self.on_change: Callable[[], None] | None = None  # told when `judged_nodes` changes
         self.revision = 0  # the bucket's sequence of the value `nodes` came from
         self._sub: Any = None
@@ -114,13 +117,6 @@ class SharedBinding:
         deleted = msg.headers and msg.headers.get("KV-Operation") in _DELETED
         self._apply(msg.metadata.sequence.stream, None if deleted else msg.data)
 
-    @property
-    def judged_nodes(self) -> dict[str, str] | None:
-        """The binding the registered workers' heartbeats are judged on: none while the key holds a
-        value that is no binding. That refuses registrations, but must not end every live worker
-        as LOST: whom it binds where is not known."""
-        return self.nodes if self.readable else None
-
     def _parsed(self, revision: int, value: bytes) -> dict[str, str] | None:
         """The binding in a value of the key; None (logged) for a value that is no binding."""
         try:
@@ -134,17 +130,13 @@ class SharedBinding:
         if revision < self.revision or (revision == self.revision and revision):
             return  # older than what this replica has (the read and the consumer both deliver the last)
         self.revision = revision
-        judged = self.judged_nodes
-        nodes = None if value is None else self._parsed(revision, value)
-        self.readable = value is None or nodes is not None
-        if nodes is None and value is not None:
-            nodes = {}  # no worker may register
+        parsed = None if value is None else self._parsed(revision, value)
+        nodes = {} if value is not None and parsed is None else parsed  # a value that is none: no worker registers
         if nodes != self.nodes:
             self.nodes = nodes
-            if nodes is None:
-                log.info("workers are not bound to nodes (revision %d)", revision)
-            else:
-                log.info("workers bound to their nodes: %d worker(s) (revision %d)", len(nodes), revision)
-        if self.judged_nodes != judged and self.on_change is not None:
-            self.on_change()
+            log.info("%s (revision %d)", describe(nodes), revision)
+        if parsed != self.judged_nodes:
+            self.judged_nodes = parsed
+            if self.on_change is not None:
+                self.on_change()
 

@@ -39,7 +39,6 @@ from datetime import datetime
 from events.aggregate import WireAggregate
 from events.compat import canonical_version, compat_key
 from events.errors import not_found, precondition
-from services.registry.nodes import unbound_reason
 from events.schema import (
     ActorOverhead,
     Event,
@@ -55,6 +54,7 @@ from events.schema import (
     WorkerSandboxClass,
     WorkerUpdated,
 )
+from services.registry.nodes import allows, unbound_reason
 
 LOST = "LOST"
 
@@ -192,7 +192,7 @@ class Worker(WireAggregate):
         to nodes) does not give it; False, nothing recorded, otherwise. Decided on the history's
         node: a move to its own node stored a moment before is seen, and of two replicas deciding
         it, the loser decides again on the fresh state and writes nothing (as `lose`)."""
-        if not self.alive or nodes.get(self.entity_id) == self.node:
+        if not self.alive or allows(nodes, self.entity_id, self.node):
             return False
         self.record(WorkerRemoved(at=at, worker_id=self.entity_id, reason=unbound_reason(self.node)))
         return True

@@ -55,6 +55,18 @@ def encode_nodes(nodes: Mapping[str, str]) -> bytes:
     return msgspec.json.format(msgspec.json.encode(dict(sorted(nodes.items()))), indent=2) + b"\n"
 
 
+def allows(nodes: Mapping[str, str] | None, worker_id: str, node: str | None) -> bool:
+    """Whether `nodes` lets `worker_id` be on `node` (no binding: any node)."""
+    return nodes is None or nodes.get(worker_id) == node
+
+
+def describe(nodes: Mapping[str, str] | None) -> str:
+    """A binding in words, as the registry logs it and `serve` prints it."""
+    if nodes is None:
+        return "workers are not bound to nodes: any worker may register on any node"
+    return f"workers bound to their nodes: {len(nodes)} worker(s)"
+
+
 UNBOUND_REASON = "registered on node {node}, which the deployment's binding of workers to nodes does not give it"
 
 
@@ -83,11 +95,9 @@ def check_registered(nodes: Mapping[str, str] | None, worker_id: str, node: str 
     worker that registered before the binding (or before a change of it) is refused its
     heartbeats, and so ends as LOST, unless it registers on its own node. A node not known
     (None: not read from the log) is not judged."""
-    if nodes is None or node is None:
+    if node is None or allows(nodes, worker_id, node):
         return
     bound = nodes.get(worker_id)
-    if bound == node:
-        return
     where = f"binds it to node {bound!r}" if bound is not None else "does not list it"
     raise precondition(f"worker {worker_id!r} is registered on node {node!r}, and the deployment's binding of "
                        f"workers to nodes {where}: its heartbeats are refused, so it ends as LOST, unless it "
@@ -96,12 +106,11 @@ def check_registered(nodes: Mapping[str, str] | None, worker_id: str, node: str 
 
 def check_node(nodes: Mapping[str, str] | None, worker_id: str, node: str) -> None:
     """FAILED_PRECONDITION unless `nodes` lets `worker_id` register on `node` (no binding: any node)."""
-    if nodes is None:
+    if allows(nodes, worker_id, node):
         return
     bound = nodes.get(worker_id)
     if bound is None:
         raise precondition(f"worker {worker_id!r} is bound to no node: the deployment's binding of workers to nodes "
                            "(`serve registry --worker-nodes`) does not list it, so it may not register", "worker_id")
-    if bound != node:
-        raise precondition(f"worker {worker_id!r} is bound to node {bound!r} by the deployment's binding of workers "
-                           f"to nodes (`serve registry --worker-nodes`); it may not register on node {node!r}", "node")
+    raise precondition(f"worker {worker_id!r} is bound to node {bound!r} by the deployment's binding of workers "
+                       f"to nodes (`serve registry --worker-nodes`); it may not register on node {node!r}", "node")

@@ -71,7 +71,7 @@ from services.registry.binding import SharedBinding
 from services.registry.domain import Worker, register_outcome
 from services.registry.fold import RosterFold
 from services.registry.liveness import SWEEPER, Liveness  # noqa: F401 (SWEEPER: the sweeper's name, for callers)
-from services.registry.nodes import check_node, check_registered
+from services.registry.nodes import allows, check_node, check_registered
 from services.registry.roster import Roster
 
 log = logging.getLogger("warmboot.registry")
@@ -365,8 +365,7 @@ class RegistryService:
             decided = await run_command_async(lambda: self.store.register(request, now()),
                                         recheck=self._recheck(request.worker_id))
             REGISTRATIONS.labels(decided.outcome.value).inc()
-            judged = self.binding.judged_nodes
-            if judged is not None and judged.get(worker_id) != request.node:
+            if not allows(self.binding.judged_nodes, worker_id, request.node):
                 self._binding_moved.set()  # decided on a binding that changed since: removed at once
             return RegisterReply(outcome=decided.outcome, seq=await self._seq(worker_id, decided))
 
@@ -464,7 +463,7 @@ class RegistryService:
                     await self.fold.current()
                 for worker_id in self.roster.registered():
                     node = self.roster.node(worker_id)
-                    if node not in (None, nodes.get(worker_id)):
+                    if node is not None and not allows(nodes, worker_id, node):
                         await self._remove_if_unbound(worker_id, node)
             except asyncio.CancelledError:
                 raise
