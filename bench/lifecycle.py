@@ -51,7 +51,7 @@ class Services:
         for name in SERVICES:
             proc = subprocess.Popen(
                 [sys.executable, "-c", "from warmboot.cli import main; main()", "serve", name,
-                 "--nats", self.nats_url, "--prefix", self.prefix, "--ttl", "3600"],
+                 "--nats", self.nats_url, "--prefix", self.prefix, *(["--ttl", "3600"] if name == "registry" else [])],
                 cwd=self.code, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
             self.procs[name] = proc
             line = await asyncio.to_thread(proc.stdout.readline)

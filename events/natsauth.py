@@ -2,6 +2,9 @@
 
 One definition for the services, the event store, the agent and the CLI:
 
+- `check_url`: a URL (or a comma-separated list) nats-py can connect to, or a ValueError
+  naming the member and what is wrong with it (nats-py's own says only "invalid connect
+  url option", as a traceback, or, for a host that does not resolve, retries forever).
 - `redact_url`: a URL (or a comma-separated list of them) as it may appear in a log
   line, a repr or an error message: without the `user:password@` of any member.
 - `NKEY_SEED_ENV`: the environment variable that names a file holding an nkey seed
@@ -27,6 +30,30 @@ _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")  # a user name that is one subjec
 # Everything up to the last '@' before the host, per member of a list (greedy, so a
 # password with an unencoded '@' is removed whole), with or without a scheme.
 _USERINFO = re.compile(r"(^|,|//)[^/,]*@")
+
+
+NATS_SCHEMES = ("nats", "tls", "ws", "wss")  # what nats-py connects to
+
+
+def check_url(url: str) -> str:
+    """`url` itself when each comma-separated member is a URL nats-py connects to (a bare
+    `host:port` is `nats://host:port`, as nats-py reads it); else ValueError naming the member
+    (redacted) and what is wrong with it."""
+    members = [member.strip() for member in url.split(",")]
+    for member in members:
+        if not member:
+            raise ValueError(f"{redact_url(url)!r} has an empty member: give URLs separated by single commas")
+        split = urlsplit(member if "//" in member else f"nats://{member}")
+        shown = redact_url(member)
+        if split.scheme not in NATS_SCHEMES:
+            raise ValueError(f"{shown!r}: the scheme must be one of {', '.join(NATS_SCHEMES)}, not {split.scheme!r}")
+        try:
+            split.port
+        except ValueError:
+            raise ValueError(f"{shown!r}: the port must be a number from 0 to 65535") from None
+        if not split.hostname:
+            raise ValueError(f"{shown!r} names no host")
+    return url
 
 
 def redact_url(url: str) -> str:

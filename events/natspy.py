@@ -41,6 +41,9 @@ replay of the log, or says less than needed, the gap is closed here and nowhere 
   from the read loop to a synchronous callback, as the `Msg` nats-py would have built,
   without the parser's regular expression, the subscription's queue and its task
   (`subscribe_core` makes such a subscription with the one callback for both paths).
+- `ErrorsOnce`: an `error_cb` (its `report`). nats-py's default logs each error with its traceback, so a
+  process waiting for its server printed a screenful every half second; this logs each
+  error once while it repeats, in one line, and keeps the last for a caller that gives up.
 - `guard_reads`: nats-py decodes each message's subject, reply subject and status line
   strictly, and an error there ends the connection's read loop for good, the connection
   still up: one request with a reply subject that is not UTF-8, from any client allowed
@@ -538,6 +541,30 @@ def deliver_core(nc: Any, sub: Any, on_msg: Callable[[Msg], None],
             "events/natspy.py reads them: teach `_Core` the new ones (or drop direct delivery)"
         )
     return _frames(nc).route(_Core(nc, sub, on_msg, ready))
+
+
+class ErrorsOnce:
+    """nats-py's `error_cb`: each error logged to `logger` (None: not logged) once while it
+    repeats, one line; the last kept (`last`) for a caller that gives up waiting."""
+
+    def __init__(self, logger: logging.Logger | None = log) -> None:
+        self.logger = logger
+        self.last: Exception | None = None
+
+    async def report(self, error: Exception) -> None:
+        """The callback itself (nats-py takes only coroutine functions)."""
+        if self.logger is not None and (self.last is None or describe_error(error) != describe_error(self.last)):
+            self.logger.warning("NATS: %s", describe_error(error))
+        self.last = error
+
+    def reset(self) -> None:
+        """Connected again: the next error is news."""
+        self.last = None
+
+
+def describe_error(error: BaseException) -> str:
+    """An error as one line: its text, or its type when it has none (a time-out)."""
+    return str(error) or type(error).__name__
 
 
 def guard_reads(nc: Any, max_header_bytes: int | None = None) -> None:

@@ -103,6 +103,7 @@ def test_the_roster_keeps_the_node_of_each_worker_in_a_life():
     (b'{"w-1": "node-a"', "not JSON"),
     (b'{"w.1": "node-a"}', "the worker id 'w.1' is not an id"),
     (b'{"w-1": "node a"}', "the node of worker 'w-1' 'node a' is not an id"),
+    (b'{"w-1": "node-a", "w-2": "node-b", "w-1": "node-c"}', "the worker id 'w-1' is given more than once"),
 ])
 def test_a_bad_binding_file_is_refused_naming_the_file_and_the_entry(text, says):
     with pytest.raises(ValueError) as refused:
@@ -179,6 +180,29 @@ def test_serve_refuses_a_bad_binding_file_before_it_connects(tmp_path):
         result = CliRunner().invoke(main, ["serve", *args, "--nats", "nats://127.0.0.1:1"])
         assert result.exit_code == 2, result.output
         assert "--worker-nodes" in result.output and args[2] in result.output
+
+
+def test_serve_refuses_an_option_of_a_service_it_does_not_run(tmp_path):
+    nodes = tmp_path / "nodes.json"
+    nodes.write_bytes(encode_nodes({"w-1": "node-a"}))
+    for args, flag, owner in ((["scheduler", "--worker-nodes", str(nodes)], "--worker-nodes", "registry"),
+                              (["snapshotter", "--ttl", "30"], "--ttl", "registry"),
+                              (["registry", "--checkpoint-every", "10"], "--checkpoint-every", "scheduler")):
+        result = CliRunner().invoke(main, ["serve", *args, "--nats", "nats://127.0.0.1:1"])
+        assert result.exit_code == 2, result.output
+        assert f"{flag} is the {owner}'s option" in result.output and f"serve {args[0]}" in result.output
+
+
+def test_serve_ignores_an_option_of_another_service_from_the_environment_every_service_shares(
+        tmp_path, nats_server, prefix):
+    nodes = tmp_path / "nodes.json"
+    nodes.write_text("not a binding")  # the registry would refuse it: the scheduler does not read it
+    serve = Serve("scheduler", "--nats", nats_server.url, "--prefix", prefix,
+                  env={"WARMBOOT_WORKER_NODES": str(nodes)})
+    try:
+        assert serve.start().line("serving scheduler")
+    finally:
+        serve.stop()
 
 
 # --- on the bus ----------------------------------------------------------------------------------

@@ -61,7 +61,7 @@ from events.codec import decode_request, encode, to_builtins
 from events.errors import ContractError
 from events.tasks import cancel_and_wait
 from events.natsauth import nkey_options, nkey_seed_path
-from events.natspy import guard_reads
+from events.natspy import ErrorsOnce, guard_reads
 from events.probe import (DEFAULT_CPUINFO, MACHINE_TO_ARCH, PROFILES, SCHEMA_VERSION, ProbeError, host_architecture,
                           probe_host, probe_version, read_cpuinfo)
 from events.schema import (
@@ -328,7 +328,7 @@ class Agent:
         self._edit_waiting = False  # a register(EDIT) waits its turn
         self._again_waiting = False  # a register(AGAIN) waits its turn
         self._background: set[asyncio.Task[None]] = set()  # registrations the heartbeats do not wait for
-        self._last_error: str | None = None
+        self._errors = ErrorsOnce(log)  # the connection's errors, logged once each while they repeat
 
     # --- configuration -------------------------------------------------------------------
 
@@ -380,13 +380,8 @@ class Agent:
 
         async def reconnected() -> None:
             log.info("reconnected to NATS")
-            self._last_error = None
+            self._errors.reset()
             self._reconnected.set()
-
-        async def error(e: Exception) -> None:
-            if str(e) != self._last_error:  # once per distinct error, not once per retry
-                self._last_error = str(e)
-                log.warning("NATS: %s", e)
 
         delay = RETRY_MIN_S
         while True:
@@ -398,7 +393,7 @@ class Agent:
                     max_reconnect_attempts=-1,  # also retries the first connection
                     reconnect_time_wait=0.5,
                     reconnected_cb=reconnected,
-                    error_cb=error,
+                    error_cb=self._errors.report,
                     connect_timeout=2,
                     **nkey_options(self.nkey_seed),
                 )
@@ -419,7 +414,7 @@ class Agent:
                     raise asyncio.CancelledError from None
                 delay = next_delay(delay)
                 continue
-            self._last_error = None
+            self._errors.reset()
             guard_reads(nc)  # a message nats-py cannot read is dropped, not the end of its read loop
             return nc
 

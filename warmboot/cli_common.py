@@ -7,19 +7,32 @@ import sys
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import click
+import nats.errors
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from events.compat import compat_key, describe_key
 from events.errors import ContractError, unavailable
-from events.natsauth import redact_url
+from events.natsauth import check_url, redact_url
+from events.natspy import ErrorsOnce, describe_error
 from events.schema import ID_PATTERN, ID_RE
 from events.subjects import DEFAULT_PREFIX, check_prefix, stream_name
 from services.common import EVENT_LOOP_ENV, EVENT_LOOPS
 from warmboot.runner import connect
 
+CONNECT_TIMEOUT_S = 5.0  # how long a one-shot command waits for its server
+
+
+def check_nats_option(ctx: click.Context | None, param: click.Parameter | None, value: str) -> str:
+    """A --nats value nats-py connects to (`events.natsauth.check_url`), or a usage error naming it."""
+    try:
+        return check_url(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
 nats_option = click.option("--nats", "nats_url", default="nats://127.0.0.1:4222", show_default=True,
-                           envvar="NATS_URL", help="NATS server URL(s), comma-separated.")
+                           envvar="NATS_URL", callback=check_nats_option, help="NATS server URL(s), comma-separated.")
 prefix_option = click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="WARMBOOT_PREFIX",
                              help="Subject prefix of the deployment.")
 event_loop_option = click.option(
@@ -67,10 +80,12 @@ def ask(nats_url: str, work: Callable[[Any], Awaitable[Any]]) -> Any:
     (`Failed`: `error: CODE field: message`, exit 1)."""
 
     async def run() -> Any:
+        errors = ErrorsOnce(None)  # not logged: the last one is the error the command ends with
         try:
-            nc = await asyncio.wait_for(connect(nats_url, "warmboot-cli"), 5)
-        except (OSError, asyncio.TimeoutError) as e:
-            raise unavailable(f"cannot reach NATS at {redact_url(nats_url)}: {e or type(e).__name__}") from None
+            nc = await asyncio.wait_for(connect(nats_url, "warmboot-cli", errors=errors), CONNECT_TIMEOUT_S)
+        except (OSError, asyncio.TimeoutError, nats.errors.Error) as e:
+            raise unavailable(f"cannot reach NATS at {redact_url(nats_url)} within {CONNECT_TIMEOUT_S:g} s: "
+                              f"{describe_error(errors.last or e)}") from None
         try:
             return await work(nc)
         finally:

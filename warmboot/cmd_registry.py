@@ -16,7 +16,7 @@ from events.probe import ARCHITECTURES, DEFAULT_CPUINFO
 from events.natsauth import NKEY_SEED_ENV
 from events.subjects import DEFAULT_PREFIX
 from services.common import run_serving, serving_loop
-from warmboot.cli_common import check_id, check_prefix_option
+from warmboot.cli_common import check_id, check_nats_option, check_prefix_option
 from warmboot.agent import Agent, ConfigError, ProbeSettings, load_registration
 
 
@@ -29,6 +29,7 @@ from warmboot.agent import Agent, ConfigError, ProbeSettings, load_registration
 
 @click.command("agent")
 @click.option("--nats", "nats_url", default="nats://127.0.0.1:4222", show_default=True, envvar="NATS_URL",
+              callback=check_nats_option,
               help="NATS server URL; credentials as nats://USER:PASSWORD@HOST:PORT.")
 @click.option("--nkey-seed", type=click.Path(exists=True, dir_okay=False), default=None, envvar=NKEY_SEED_ENV,
               help="Sign in with the nkey seed in this file (warmboot nats-config --auth nkey).")

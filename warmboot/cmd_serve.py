@@ -7,20 +7,33 @@ import os
 from contextlib import AsyncExitStack
 
 import click
+from click.core import ParameterSource
 
 from events.natsauth import NKEY_SEED_ENV
 from events.subjects import DEFAULT_PREFIX
 from services.common import ALL_INTERFACES, run_serving, tune_gc
 from services.registry.binding import UNBIND
 from services.registry.nodes import describe, load_nodes
-from warmboot.cli_common import event_loop_option
+from warmboot.cli_common import check_nats_option, event_loop_option
 from services.scheduler.checkpoint import DEFAULT_EVERY_EVENTS, DEFAULT_INTERVAL_S
 from warmboot.runner import SERVICES, dump_on_signal, start_services, stop_signals
+
+
+# Options only one service reads, by parameter: (that service, the option). Given on the command
+# line to a `serve` that does not run that service, they are refused rather than ignored; from the
+# environment (shared by every service of a deployment) they are ignored where not read.
+SERVICE_OPTIONS = {
+    "ttl_s": ("registry", "--ttl"),
+    "worker_nodes_path": ("registry", "--worker-nodes"),
+    "checkpoint_every": ("scheduler", "--checkpoint-every"),
+    "checkpoint_interval_s": ("scheduler", "--checkpoint-interval"),
+}
 
 
 @click.command()
 @click.argument("service", type=click.Choice([*SERVICES, "all"]))
 @click.option("--nats", "nats_url", default="nats://127.0.0.1:4222", show_default=True,
+              callback=check_nats_option,
               envvar="NATS_URL", help="NATS server URL(s); credentials as nats://USER:PASSWORD@HOST:PORT.")
 @click.option("--nkey-seed", type=click.Path(exists=True, dir_okay=False), default=None, envvar=NKEY_SEED_ENV,
               help="Sign in with the nkey seed in this file (warmboot nats-config --auth nkey).")
@@ -55,10 +68,15 @@ def serve(service: str, nats_url: str, nkey_seed: str | None, prefix: str, metri
 
     NATS URLs may be a comma-separated list (the members of a cluster).
     """
+    names = list(SERVICES) if service == "all" else [service]
+    ctx = click.get_current_context()
+    for param, (owner, flag) in SERVICE_OPTIONS.items():
+        if owner not in names and ctx.get_parameter_source(param) is ParameterSource.COMMANDLINE:
+            raise click.UsageError(f"{flag} is the {owner}'s option: `serve {service}` does not run the {owner}")
     registry: dict = {"ttl_s": ttl_s}
     if worker_nodes_path == UNBIND:
         registry["worker_nodes"] = UNBIND
-    elif worker_nodes_path is not None and service in ("registry", "all"):  # the registry's alone, as --ttl
+    elif worker_nodes_path is not None and "registry" in names:
         try:
             registry["worker_nodes"] = load_nodes(worker_nodes_path)
         except ValueError as e:
@@ -72,7 +90,6 @@ def serve(service: str, nats_url: str, nkey_seed: str | None, prefix: str, metri
     if nkey_seed is not None:  # the services' connection and their event store sign with it
         os.environ[NKEY_SEED_ENV] = os.path.abspath(nkey_seed)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    names = list(SERVICES) if service == "all" else [service]
 
     async def run() -> None:
         async with AsyncExitStack() as stack:

@@ -16,8 +16,10 @@ The file is a JSON object of worker id -> node, both ids (CONTRACT section 2), a
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -39,7 +41,26 @@ def parse_nodes(data: bytes, source: str) -> dict[str, str]:
         for what, value in (("worker id", worker_id), (f"node of worker {worker_id!r}", node)):
             if not ID_RE.match(value):
                 raise ValueError(f"{source}: the {what} {value!r} is not an id (it must match {ID_PATTERN})")
+    _refuse_repeated_ids(data, source)
     return nodes
+
+
+def _refuse_repeated_ids(data: bytes, source: str) -> None:
+    """A worker id given twice (a hand edit): JSON decoding keeps the last, so one of two nodes
+    would be dropped without a word."""
+    counts: dict[str, int] = {}
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        for key, _ in items:
+            counts[key] = counts.get(key, 0) + 1
+        return dict(items)
+
+    json.loads(data, object_pairs_hook=pairs)  # valid JSON: msgspec decoded it
+    repeated = sorted(key for key, n in counts.items() if n > 1)
+    if repeated:
+        raise ValueError(f"{source}: the worker id {repeated[0]!r} is given more than once"
+                         + (f" (and {len(repeated) - 1} more id(s))" if len(repeated) > 1 else "")
+                         + ": which node binds it?")
 
 
 def load_nodes(path: str | Path) -> dict[str, str]:

@@ -1,0 +1,97 @@
+"""What a command says about its NATS URL and its server: a URL nats-py cannot connect to is
+refused before anything runs, naming --nats; a server that does not answer ends a one-shot
+command with one line naming it, and a service waiting for its server logs each error once,
+not a traceback per attempt (nats-py's default)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+import pytest
+from click.testing import CliRunner
+
+from events.natsauth import check_url
+from events.natspy import ErrorsOnce
+from tests.secured_helpers import Serve
+from warmboot.cli import main
+from warmboot.natsserver import NatsServer, free_port
+
+
+@pytest.mark.parametrize("url", ["nats://127.0.0.1:4222", "127.0.0.1:4222", "tls://h", "ws://h:80",
+                                 "nats://svc:secret@h:1,nats://h2:2"])
+def test_a_url_nats_py_connects_to_is_taken_as_it_is(url):
+    assert check_url(url) == url
+
+
+@pytest.mark.parametrize("url, says", [
+    ("nats://127.0.0.1:notaport", "'nats://127.0.0.1:notaport': the port must be a number"),
+    ("nats://h:99999", "the port must be a number from 0 to 65535"),
+    ("http://h:4222", "the scheme must be one of nats, tls, ws, wss, not 'http'"),
+    ("nats://", "'nats://' names no host"),
+    ("nats://a:1,,nats://b:2", "has an empty member"),
+    ("nats://svc:secret@h:x", "'nats://h:x': the port"),  # the password is not shown
+])
+def test_a_url_nats_py_cannot_connect_to_is_refused_naming_the_member(url, says):
+    with pytest.raises(ValueError) as refused:
+        check_url(url)
+    assert says in str(refused.value) and "secret" not in str(refused.value)
+
+
+@pytest.mark.parametrize("command", [["workers"], ["serve", "scheduler"],
+                                     ["agent", "--worker-id", "w-1", "--node", "n-1", "--config", "x.toml"]])
+def test_every_command_refuses_a_bad_nats_url_before_it_runs(command):
+    result = CliRunner().invoke(main, [*command, "--nats", "nats://127.0.0.1:notaport"])
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for '--nats'" in result.output and "the port must be a number" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_a_command_whose_server_does_not_answer_ends_with_one_line_naming_it():
+    closed = f"nats://127.0.0.1:{free_port()}"  # nothing listens there
+    result = CliRunner().invoke(main, ["workers", "--nats", closed])
+    assert result.exit_code == 1
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1, result.output  # no traceback per attempt
+    assert lines[0].startswith(f"error: UNAVAILABLE: cannot reach NATS at {closed} within 5 s: ")
+    assert lines[0].split("within 5 s: ")[1], "the reason is named"
+
+
+def test_an_error_is_logged_once_while_it_repeats_and_again_after_a_reconnect(caplog):
+    errors = ErrorsOnce(logging.getLogger("test.nats"))
+    refused, reset = ConnectionRefusedError(111, "Connection refused"), ConnectionResetError(104, "reset")
+
+    async def report(*seen):
+        for error in seen:
+            await errors.report(error)
+
+    with caplog.at_level(logging.WARNING, logger="test.nats"):
+        asyncio.run(report(refused, refused, refused, reset, reset, TimeoutError()))
+        errors.reset()  # connected again: the same error is news
+        asyncio.run(report(TimeoutError()))
+    assert [r.getMessage() for r in caplog.records] == [
+        "NATS: [Errno 111] Connection refused", "NATS: [Errno 104] reset", "NATS: TimeoutError", "NATS: TimeoutError"]
+    assert all(r.exc_info is None for r in caplog.records)  # one line each, no traceback
+    assert isinstance(errors.last, TimeoutError)
+    silent = ErrorsOnce(None)
+    asyncio.run(silent.report(refused))
+    assert silent.last is refused
+
+
+def test_a_service_waits_for_its_server_saying_so_once_and_serves_when_it_comes(tmp_path, prefix):
+    port = free_port()
+    serve = Serve("scheduler", "--nats", f"nats://127.0.0.1:{port}", "--prefix", prefix)
+    started = threading.Thread(target=serve.start, daemon=True)
+    started.start()
+    server = NatsServer(tmp_path / "nats", port=port)
+    try:
+        serve.line("NATS: ", anywhere=True)  # it has tried, and said why it waits
+        server.start()
+        started.join(60)
+        assert serve.line("serving scheduler")
+    finally:
+        serve.stop()
+        server.stop()
+    # nats-py's own callback logs "encountered error" with a traceback, every half second
+    assert "Traceback" not in serve.output and "encountered error" not in serve.output, serve.output
