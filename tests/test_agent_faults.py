@@ -22,7 +22,8 @@ from events.subjects import bucket_name, service_subject
 from tests.registry_helpers import (CPUINFO, PROBE, agent_config, raw_request, running_registry, wait_event,
                                     worker_events)
 from tests.test_agent import running_agent
-from warmboot.agent import RETRY_MAX_S, RETRY_MIN_S, Agent, ProbeSettings, next_delay
+from warmboot.agent import (AGAIN, RETRY_MAX_S, RETRY_MIN_S, Agent, ConfigError, ProbeSettings, load_registration,
+                            next_delay)
 
 AMD = Path(__file__).parent / "cpuinfo" / "amd-epyc-7r13.txt"
 
@@ -147,6 +148,159 @@ async def test_a_cpu_that_changes_under_a_running_agent_is_probed_and_registered
             assert not same_version(here, registered.sandbox_classes[0].default_runtime.version)
             _, changed = await wait_event(nc, prefix, "w-a", RuntimeChanged, after=seq)
             assert same_version(changed.sandbox_classes[0].default_runtime.version, here)
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 15)
+
+
+@pytest.mark.parametrize("profile, cpuinfo, missing", [
+    ("gvisor", None, "cpu_features"),  # no cpuinfo at all: the probe reports the architecture alone
+    ("microvm", "x86-model-no-family.txt", "cpu_model"),
+])
+def test_a_probed_runtime_the_probe_cannot_fully_read_is_not_registered(tmp_path, profile, cpuinfo, missing):
+    """The probe omits a key it cannot read (CONTRACT section 2). Registered so, the runtime would
+    equal that of every machine whose probe read as little, whatever its CPU: the agent refuses it,
+    naming the key, and the operator gives the attributes literally."""
+    path = tmp_path / "agent.toml"
+    path.write_text(f"""
+[capacity]
+cpu_millis = 1000
+memory_mib = 1024
+
+[[sandbox_classes]]
+sandbox_class = "c"
+
+[sandbox_classes.default_runtime]
+profile = "{profile}"
+attributes = {{ asset_digest = "a1" }}
+""")
+    machine = Path(__file__).parent / "cpuinfo" / cpuinfo if cpuinfo else tmp_path / "none"
+    with pytest.raises(ConfigError) as refused:
+        load_registration(path, "w-a", "node-a", ProbeSettings(cpuinfo_path=machine, architecture="amd64"))
+    assert str(refused.value).startswith(f"sandbox_classes[0].default_runtime: the {profile} probe cannot read "
+                                         f"{missing} from {machine}")
+
+
+class Watched:
+    """An agent on a cpuinfo file of its own (the machine, as the probe reads it), read again at
+    every watch; what its reads and registrations raise is handed to the test as it happens."""
+
+    def __init__(self, nats_url, prefix, tmp_path, config: str):
+        self.cpuinfo = tmp_path / "cpuinfo"
+        shutil.copy(CPUINFO, self.cpuinfo)
+        self.path = tmp_path / "agent.toml"
+        self.path.write_text(config)
+        self.agent = Agent(nats_url, "w-a", "node-a", self.path, prefix=prefix, watch_interval_s=0.05,
+                           probe_interval_s=0.05, probe=ProbeSettings(cpuinfo_path=self.cpuinfo, architecture="amd64"))
+        self.raised: asyncio.Queue[Exception] = asyncio.Queue()
+        self.returned: dict[str, asyncio.Event] = {}
+        self.sent: list[str] = []  # the verbs of the requests the agent made
+        for name in ("_read_config", "register", "_withdraw", "_request"):
+            self._watch(name)
+
+    def _watch(self, name):
+        call = getattr(self.agent, name)
+        returned = self.returned[name] = asyncio.Event()
+        if asyncio.iscoroutinefunction(call):
+            async def watched(*args, **kwargs):
+                if name == "_request":
+                    self.sent.append(args[0])
+                try:
+                    result = await call(*args, **kwargs)
+                except Exception as error:
+                    self.raised.put_nowait(error)
+                    raise
+                returned.set()
+                return result
+        else:
+            def watched(*args):
+                try:
+                    return call(*args)
+                except Exception as error:
+                    self.raised.put_nowait(error)
+                    raise
+        setattr(self.agent, name, watched)
+
+    async def next_raised(self, says: str) -> Exception:
+        while True:
+            error = await asyncio.wait_for(self.raised.get(), 10)
+            if says in str(error):
+                return error
+
+
+def amd(asset: str = "v1"):
+    return probe_version(AMD.read_text(), "amd64", "gvisor", {"gvisor_asset_hash": asset})
+
+
+async def test_a_cpu_that_changes_while_the_file_is_unusable_is_registered_with_the_last_good_file(
+        nats_url, nc, prefix, tmp_path):
+    """An edit the agent cannot use keeps the registration in force, but not the CPU in it: the
+    machine moves to another CPU meanwhile, and the agent registers the registration in force
+    made on the machine as it is now (else images of the old CPU would be sent to it, and crash)."""
+    watched = Watched(nats_url, prefix, tmp_path, agent_config("v1"))
+    stop = asyncio.Event()
+    async with running_registry(nats_url, prefix):
+        task = asyncio.create_task(watched.agent.run(stop))
+        try:
+            seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
+            watched.path.write_text("capacity = [")  # not TOML
+            await watched.next_raised("not valid TOML")
+            shutil.copy(AMD, watched.cpuinfo)
+            seq, changed = await wait_event(nc, prefix, "w-a", RuntimeChanged, after=seq)
+            assert same_version(changed.sandbox_classes[0].default_runtime.version, amd())
+            assert assets(changed.sandbox_classes[0]) == ("v1", [])  # the last good file's runtimes
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 15)
+
+
+async def test_a_cpu_that_changes_with_an_edit_the_registry_refuses_is_registered_without_the_edit(
+        nats_url, nc, prefix, tmp_path):
+    """The file adds a class (the registry refuses a change of class to a live worker) and the
+    machine moves to another CPU: the refused edit does not keep the old CPU in force; the
+    registration in force is registered again on the CPU the machine has now."""
+    watched = Watched(nats_url, prefix, tmp_path, agent_config("v1"))
+    stop = asyncio.Event()
+    async with running_registry(nats_url, prefix):
+        task = asyncio.create_task(watched.agent.run(stop))
+        try:
+            seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
+            watched.path.write_text(agent_config("v1") + MICROVM)
+            refused = await watched.next_raised("class")
+            assert isinstance(refused, ContractError) and refused.code is ErrorCode.FAILED_PRECONDITION
+            shutil.copy(AMD, watched.cpuinfo)
+            seq, changed = await wait_event(nc, prefix, "w-a", RuntimeChanged, after=seq)
+            assert [c.sandbox_class for c in changed.sandbox_classes] == ["gvisor"]
+            assert same_version(changed.sandbox_classes[0].default_runtime.version, amd())
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 15)
+
+
+async def test_a_machine_the_probe_can_no_longer_read_is_removed_until_it_can(nats_url, nc, prefix, tmp_path):
+    """The probe cannot read the machine any more: no registration of the CPU it has can be made,
+    so the worker is removed (not left registered with a CPU it may no longer have) and beats no
+    more; once the probe reads it again, on another CPU, the agent registers a new life with it."""
+    watched = Watched(nats_url, prefix, tmp_path, agent_config("v1"))
+    stop = asyncio.Event()
+    async with running_registry(nats_url, prefix):
+        task = asyncio.create_task(watched.agent.run(stop))
+        try:
+            seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
+            watched.cpuinfo.unlink()
+            seq, removed = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq)
+            assert removed.reason.startswith("its agent cannot register the CPU its machine has now: ")
+            assert "cannot read cpu_features" in removed.reason
+            await asyncio.wait_for(watched.returned["_withdraw"].wait(), 10)
+            # removed on purpose: neither a heartbeat nor a registration after a reconnect goes out
+            watched.sent.clear()
+            await watched.agent.heartbeat(stop)
+            assert await watched.agent.register(AGAIN, stop) is None
+            assert watched.sent == []
+            shutil.copy(AMD, watched.cpuinfo)
+            seq, again = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=seq)
+            # the first registration after the removal: none was made while the probe could not read
+            assert same_version(again.sandbox_classes[0].default_runtime.version, amd())
         finally:
             stop.set()
             await asyncio.wait_for(task, 15)

@@ -19,7 +19,10 @@ The agent then:
   rolls out v2 by making it the default and moving v1 into `restorable_runtimes`;
   an edit the agent cannot use (bad TOML, a rule broken) is logged and the last
   good registration stays in force, and so does one the registry refuses (a change
-  of class);
+  of class), but not the CPU in it: that registration is sent again made on the
+  machine as it is now (`RESTAMP`), or, should that be impossible or refused, the
+  worker is removed until it can be (`_withdraw`); a probed runtime is registered
+  only with every key its profile probes;
 - after the connection comes back (a NATS restart) heartbeats at once, and
   re-registers beside its heartbeats, not holding them on it (a fleet re-registering
   at once keeps the registry busy for tens of seconds; its heartbeats are answered
@@ -89,9 +92,15 @@ class Latest(enum.Enum):
 
     EDIT = "edit"  # an edit of the file, or a change of what the probe reads
     AGAIN = "again"  # after a reconnect, or a NOT_FOUND
+    RESTAMP = "restamp"  # the registration in force, made again on the CPU the machine has now
 
 
-EDIT, AGAIN = Latest.EDIT, Latest.AGAIN
+EDIT, AGAIN, RESTAMP = Latest.EDIT, Latest.AGAIN, Latest.RESTAMP
+
+# What a registration was made of: the file's configuration, and what the probe read of the
+# machine then (`Agent._probed`). A registration is sent as its configuration makes it on the
+# machine as it is when it is sent (`Agent._send`).
+MadeOf = tuple["AgentConfig", tuple]
 
 log = logging.getLogger("warmboot.agent")
 
@@ -225,6 +234,13 @@ def _version(runtime: VersionConfig, path: str, probe: ProbeSettings, stamps: bo
         )
     except ProbeError as e:
         raise ConfigError(f"{path}: {e}") from None
+    missing = [key for key in PROFILES[runtime.profile] if key not in {a.key for a in version.attributes}]
+    if missing:
+        # The probe omits what it cannot read (CONTRACT section 2); registered so, this runtime would
+        # equal that of any machine whose probe read as little, whatever its CPU, and memory images
+        # would cross CPUs (docs/contract.md, "A probe that cannot read a key").
+        raise ConfigError(f"{path}: the {runtime.profile} probe cannot read {', '.join(missing)} from "
+                          f"{probe.cpuinfo_path}: give this runtime's attributes literally, or fix the probe")
     return to_builtins(version)
 
 
@@ -316,8 +332,11 @@ class Agent:
         self.ttl_s = DEFAULT_TTL_S
         self.nc: NATS | None = None
         self.registration: RegisterWorker | None = None  # the one in force
+        self._in_force_of: MadeOf | None = None  # what the registration in force was made of
         self.registered: RegisterReply | None = None  # the registry's last answer to it
         self.desired: RegisterWorker | None = None  # what the file and the probe said when last read
+        self._desired_of: MadeOf | None = None
+        self.withdrawn = False  # removed by this agent: no registration of the CPU it has now could be made
         self.sent_registration = False  # the registry may know this worker (a reply may be in flight)
         self.registering = False  # a registration is on its way (sent, not answered)
         self.beat_at: float | None = None  # monotonic time a beat the registry stored was sent
@@ -327,6 +346,7 @@ class Agent:
         self._edited: RegisterWorker | None = None  # the last edit sent
         self._edit_waiting = False  # a register(EDIT) waits its turn
         self._again_waiting = False  # a register(AGAIN) waits its turn
+        self._restamp_waiting = False  # a register(RESTAMP) waits its turn
         self._background: set[asyncio.Task[None]] = set()  # registrations the heartbeats do not wait for
         self._errors = ErrorsOnce(log)  # the connection's errors, logged once each while they repeat
 
@@ -353,9 +373,9 @@ class Agent:
             text = data.decode("utf-8")
         except UnicodeDecodeError as e:
             raise ConfigError(f"{self.config_path}: not UTF-8: {e}") from None
-        registration = build_registration(parse_config(text, str(self.config_path)), self.worker_id, self.node,
-                                          self.probe)
-        self.desired = registration
+        config = parse_config(text, str(self.config_path))
+        registration = build_registration(config, self.worker_id, self.node, self.probe)
+        self.desired, self._desired_of = registration, (config, read[1])
         return registration
 
     def _probed(self) -> tuple:
@@ -464,23 +484,44 @@ class Agent:
           registration in force (re-sent, should the server have lost a write). If that one
           begins a new life all the same (the worker was removed in between), the new life has
           classes the file no longer lists: it is ended, and one begun with `desired`
-          (`_life_of_the_file`).
+          (`_life_of_the_file`);
+        - `RESTAMP` (the CPU changed under the registration in force, and no edit says so: the
+          file is unusable, or the registry refused it): the registration in force, made again
+          on the machine as it is now. Should that be impossible (the probe cannot read the
+          machine) or refused, the worker is removed (`_withdraw`): a worker never stays
+          registered with a CPU its machine no longer has, where images of that CPU would be
+          sent to it and crash.
+        Whatever is sent is made on the machine as it is then (`_send`).
         """
         async with self._one_registration:
-            if registration is EDIT:
+            if registration is RESTAMP:
+                self._restamp_waiting = False
+                if not self._cpu_changed_under_registration():
+                    return None  # made again meanwhile
+                assert self.registration is not None and self._in_force_of is not None
+                try:
+                    reply = await self._send(self.registration, self._in_force_of, stop,
+                                             BACKGROUND_REGISTER_TIMEOUT_S)
+                except (ConfigError, ContractError) as e:
+                    await self._withdraw(str(e), stop)
+                    return None
+            elif self.withdrawn and registration is AGAIN:
+                return None  # nothing in force to register again: an edit or a change of the machine will
+            elif registration is EDIT:
                 self._edit_waiting = False
                 wanted = self.desired
                 if wanted is None or wanted == self.registration or wanted == self._edited:
                     return None  # in force already, or sent already (and refused: not asked again)
                 self._edited = wanted
-                reply = await self._send(wanted, stop, BACKGROUND_REGISTER_TIMEOUT_S)
+                reply = await self._send(wanted, self._desired_of, stop, BACKGROUND_REGISTER_TIMEOUT_S)
             elif registration is AGAIN:
                 self._again_waiting = False
                 reply = None
                 refused = False
                 if self.desired is not None and self.desired != self.registration:
                     try:
-                        reply = await self._send(self.desired, stop, BACKGROUND_REGISTER_TIMEOUT_S)
+                        reply = await self._send(self.desired, self._desired_of, stop,
+                                                 BACKGROUND_REGISTER_TIMEOUT_S)
                     except ContractError as e:
                         if e.code != ErrorCode.FAILED_PRECONDITION:
                             raise
@@ -488,13 +529,15 @@ class Agent:
                         log.warning("the registry refused what %s says now (%s); registering the registration "
                                     "in force again", self.config_path, e.message)
                 if reply is None:
-                    assert self.registration is not None  # AGAIN comes after the first registration
-                    reply = await self._send(self.registration, stop, BACKGROUND_REGISTER_TIMEOUT_S)
+                    assert self.registration is not None and self._in_force_of is not None  # after the first one
+                    reply = await self._send(self.registration, self._in_force_of, stop,
+                                             BACKGROUND_REGISTER_TIMEOUT_S)
                     if (refused and reply.outcome is RegisterOutcome.REGISTERED and self.desired is not None
                             and _classes(self.desired) != _classes(self.registration)):
                         reply = await self._life_of_the_file(stop)
             else:
-                reply = await self._send(registration, stop)
+                assert registration == self.desired and self._desired_of is not None  # read at the start
+                reply = await self._send(registration, self._desired_of, stop)
         log.info("registered %s: %s (seq %d)", self.worker_id, reply.outcome.value, reply.seq)
         await self.heartbeat(stop)
         return reply
@@ -518,12 +561,20 @@ class Agent:
         except ContractError as e:
             if e.code != ErrorCode.NOT_FOUND:  # removed again meanwhile: as good
                 raise
-        return await self._send(self.desired, stop, BACKGROUND_REGISTER_TIMEOUT_S)
+        assert self.desired is not None and self._desired_of is not None
+        return await self._send(self.desired, self._desired_of, stop, BACKGROUND_REGISTER_TIMEOUT_S)
 
-    async def _send(self, registration: RegisterWorker, stop: asyncio.Event,
+    async def _send(self, registration: RegisterWorker, made_of: MadeOf, stop: asyncio.Event,
                     timeout: float = REQUEST_TIMEOUT_S) -> RegisterReply:
         """One registration, sent until answered (again after `timeout` without an answer);
-        the caller holds `_one_registration`."""
+        the caller holds `_one_registration`. `made_of` is what it was made of: if the probe
+        reads the machine otherwise now, the same configuration is made again on the machine
+        as it is (ConfigError if it cannot be: the probe cannot read it), so no registration
+        this agent sends claims a CPU the machine no longer has."""
+        config, probed = made_of
+        now = self._probed()
+        if probed != now:
+            registration, made_of = build_registration(config, self.worker_id, self.node, self.probe), (config, now)
         body = msgspec.structs.replace(registration, request_id=f"agent-{uuid.uuid4().hex}")
         self.sent_registration = self.registering = True
         try:
@@ -532,8 +583,31 @@ class Agent:
             self.registering = False  # refused: nothing on its way
             raise
         self.registering = False
-        self.registration, self.registered = registration, reply
+        self.registration, self._in_force_of, self.registered = registration, made_of, reply
+        self.withdrawn = False
         return reply
+
+    def _cpu_changed_under_registration(self) -> bool:
+        """Whether the probe reads the machine otherwise than when the registration in force was made."""
+        return self._in_force_of is not None and self._in_force_of[1] != self._probed()
+
+    async def _withdraw(self, why: str, stop: asyncio.Event) -> None:
+        """Remove the worker: its registration claims a CPU the machine no longer has, and `why` says
+        why none of the CPU it has now can be made or was taken. Until an edit of the file or a change
+        of the machine makes one the registry takes (a new life), the agent sends no heartbeat. The
+        caller holds `_one_registration`."""
+        log.error("%s is registered with a CPU this machine no longer has, and no registration of the one it "
+                  "has now can be made (%s): removing the worker until one can", self.worker_id, why)
+        body = RemoveWorker(reason=f"its agent cannot register the CPU its machine has now: {why}"[:256],
+                            request_id=f"agent-{uuid.uuid4().hex}")
+        try:
+            await self._request("remove", body, SeqReply, stop, timeout=BACKGROUND_REGISTER_TIMEOUT_S)
+        except ContractError as e:
+            if e.code != ErrorCode.NOT_FOUND:  # removed already: as good
+                raise
+        self.registration = self._in_force_of = None
+        self.withdrawn = True
+        self._edited = None  # an edit refused to the last life may be what a new life takes
 
     def _register_again(self, stop: asyncio.Event) -> None:
         """`register(AGAIN)` beside the heartbeats, unless one already waits its turn (it will
@@ -550,7 +624,7 @@ class Agent:
         async def registering() -> None:
             try:
                 await self.register(registration, stop)
-            except ContractError as e:
+            except (ContractError, ConfigError) as e:  # ConfigError: the probe cannot read the machine now
                 log.error("%s%s", refused, e)
 
         task = asyncio.create_task(registering(), name=f"agent-{self.worker_id}-register")
@@ -558,6 +632,8 @@ class Agent:
         task.add_done_callback(self._background.discard)
 
     async def heartbeat(self, stop: asyncio.Event) -> None:
+        if self.withdrawn:
+            return  # removed on purpose: a beat would be NOT_FOUND, and register again what is wrong
         try:
             reply = await self._request("heartbeat", Heartbeat(), HeartbeatReply, stop)
         except ContractError as e:
@@ -636,6 +712,7 @@ class Agent:
                     next_beat = time.monotonic() + self.ttl_s / HEARTBEATS_PER_TTL
                 if time.monotonic() >= next_watch:
                     self._sync_config(stop)
+                    self._keep_cpu_true(stop)
                     next_watch = time.monotonic() + self.watch_interval_s
                 if time.monotonic() >= next_beat:
                     await self.heartbeat(stop)
@@ -643,6 +720,16 @@ class Agent:
             except ContractError as e:  # the registry refused something: say so, keep serving
                 log.error("%s", e)
                 next_beat = time.monotonic() + RETRY_MAX_S
+
+    def _keep_cpu_true(self, stop: asyncio.Event) -> None:
+        """The registration in force made again on the machine as it is now (`RESTAMP`), when the
+        probe reads it otherwise and nothing on its way says so (an edit waiting, or any
+        registration being sent: each is made on the machine as it is then); looked at again
+        at the next watch if something was."""
+        if (self._cpu_changed_under_registration() and not self._edit_waiting and not self._restamp_waiting
+                and not self._one_registration.locked()):
+            self._restamp_waiting = True
+            self._beside_heartbeats(RESTAMP, "", stop)
 
     def _sync_config(self, stop: asyncio.Event) -> None:
         """An edit of the file (or a change of what the probe reads) registered beside the
