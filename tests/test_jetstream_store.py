@@ -677,6 +677,25 @@ def test_two_prefixes_side_by_side(nats_url):
             app.close()
 
 
+def test_prefixes_that_name_the_same_stream_are_refused_not_merged(nats_url):
+    """`team-a` and `team_a` name one stream and the same buckets (names fold '-' into '_'): the
+    second deployment's store refuses the stream of the first, naming its subjects, and writes
+    nothing, instead of adding its subjects to it (one log, one liveness for both)."""
+    base = new_prefix()
+    first = app_on(nats_url, f"{base}-a")
+    try:
+        tally = Tally("w-1")
+        tally.drain("first")
+        first.save(tally)
+        with pytest.raises(OperationalError) as refused:
+            app_on(nats_url, f"{base}_a")
+        assert f"holds the subjects {base}-a.ev.>" in str(refused.value)
+        assert f"another prefix than {base}_a" in str(refused.value)
+        assert [n.id for n in first.recorder.select_notifications(None, 10)] == [1]  # its log alone
+    finally:
+        first.close()
+
+
 def test_ids_keep_their_type_and_name_their_subject(nats_url, prefix):
     factory = JetStreamFactory(Environment(env=store_env(nats_url, prefix)))
     try:

@@ -137,6 +137,7 @@ class Stream:
                 raise
             # "in use" and "not found" at once: a cluster between two states; ask again
             raise ServerError(503, errors.ERR_CLUSTER_NOT_AVAILABLE, f"stream {self.name} is settling") from None
+        self._refuse_foreign(current.get("subjects") or [])
         merged = dict(current)
         merged["subjects"] = sorted(set(current.get("subjects") or []) | set(self.subjects))
         merged["allow_atomic"] = True
@@ -145,6 +146,20 @@ class Stream:
         if merged != current:
             log.info("updating stream %s to what the event store needs", self.name)
             await self._api(f"STREAM.UPDATE.{self.name}", merged, timeout)
+
+    def _refuse_foreign(self, subjects: list[str]) -> None:
+        """An existing stream of this name with subjects under another first token belongs to
+        another deployment: stream and bucket names fold '-' into '_' (`events.subjects`), so
+        prefixes `team-a` and `team_a` name the same stream, and merging their subjects would
+        have the two share one log, its buckets and their workers' liveness."""
+        ours = {subject.split(".", 1)[0] for subject in self.subjects}
+        foreign = sorted(subject for subject in subjects if subject.split(".", 1)[0] not in ours)
+        if foreign:
+            raise OperationalError(
+                f"stream {self.name} holds the subjects {', '.join(foreign)} of another deployment: prefixes "
+                f"that differ only in '-' and '_' name the same stream and buckets; give this deployment "
+                f"another prefix than {', '.join(sorted(ours))}"
+            )
 
     async def _answer(self, request: Awaitable[Msg]) -> Msg:
         """The reply to `request` (one to the stream leader), or `errors.LeaderElected` if the
