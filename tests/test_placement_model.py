@@ -290,8 +290,10 @@ class Model:
             below_without = (floor is Fidelity.MEMORY) if s.borrowed else rank[without] > floor_rank
             if s.fidelity is not Fidelity.MEMORY:
                 f = PlacedFidelity(s.fidelity.value)
-                if rank[f] > floor_rank:
-                    return ("refuse", ErrorCode.FAILED_PRECONDITION)
+                if rank[f] > floor_rank:  # below the floor: a borrowed snapshot may RUN (rule 4a)
+                    if not s.borrowed or floor is Fidelity.MEMORY:
+                        return ("refuse", ErrorCode.FAILED_PRECONDITION)
+                    f = PlacedFidelity.NONE
                 tiers.append((f, tier(default_of_arch(arch))))
             elif s.template_uid != a.template_uid or stamp is None or stamp.sandbox_class != CLASS:
                 if below_without:

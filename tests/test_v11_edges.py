@@ -14,6 +14,7 @@ import pytest
 from events.codec import encode
 from events.errors import ContractError
 from events.schema import (
+    Action,
     ActorCreated,
     ActorOverhead,
     ErrorCode,
@@ -84,6 +85,10 @@ async def test_min_fidelity_volumes_is_kept_by_every_rule(wb, nc, prefix):
     await wb.create(actor("g", min_fidelity=Fidelity.VOLUMES, golden_snapshot=golden(V1)))
     placed = await wb.resume("g")
     assert (placed.fidelity, placed.fallback.to_fidelity) == (PlacedFidelity.NONE, PlacedFidelity.NONE)
+    # so does one of ROOTFS only (found by a review: refused, though the audit and the memory case agree)
+    await wb.create(actor("gr", min_fidelity=Fidelity.VOLUMES, golden_snapshot=golden(V1, fidelity=Fidelity.ROOTFS)))
+    placed = await wb.resume("gr")
+    assert (placed.action, placed.fidelity, placed.fallback) == (Action.RUN, PlacedFidelity.NONE, None)
     # an actor with no snapshot may always RUN below its floor, unless that floor is MEMORY
     await wb.create(actor("new", min_fidelity=Fidelity.VOLUMES))
     assert (await wb.resume("new")).fidelity is PlacedFidelity.NONE

@@ -262,14 +262,20 @@ def plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | No
     borrowed = snapshot.borrowed
     if snapshot.fidelity is not MEMORY:  # rule 3: volumes or rootfs, nothing given up
         fidelity = _FIDELITY[snapshot.fidelity]
-        if _below(fidelity, floor):
+        restore = ask(None, arch)
+        source = without_memory(arch)
+        if not _below(fidelity, floor):
+            tiers.append(Tier("restore", restore, items(source), Action.RESTORE, fidelity, None, None))
+        elif borrowed and floor is not Fidelity.MEMORY:
+            # rule 4a: a borrowed (golden) snapshot holds nothing of the actor's own, which may RUN
+            # whatever its floor but MEMORY, as a borrowed memory image it cannot use does
+            tiers.append(Tier("cold start (a borrowed snapshot below min_fidelity)", restore, items(source),
+                              Action.RUN, PlacedFidelity.NONE, None, None))
+        else:
             raise precondition(
                 f"actor {aid}'s latest snapshot holds {fidelity.value} only, below its min_fidelity "
                 f"{floor.value}"
             )
-        restore = ask(None, arch)
-        source = without_memory(arch)
-        tiers.append(Tier("restore", restore, items(source), Action.RESTORE, fidelity, None, None))
         return Plan(actor, tiers, restore, _no_worker(arch, node), False, (source,))
 
     lost = cause = None
