@@ -181,6 +181,45 @@ attributes = {{ asset_digest = "a1" }}
                                          f"{missing} from {machine}")
 
 
+async def test_a_heartbeat_refused_right_after_a_registration_does_not_stop_the_agent(nats_url, nc, prefix, tmp_path):
+    """Registered by one registry replica, the heartbeat that follows refused by another that has
+    not yet seen what the first has (a new binding of workers to nodes): the registration stands,
+    and the agent, at its start too, goes on beating instead of stopping with that refusal."""
+    path = tmp_path / "agent.toml"
+    path.write_text(agent_config("v1"))
+    agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe=PROBE)
+    beat = agent.heartbeat
+    refusals = []
+
+    async def refused_once(stop):
+        if not refusals:
+            refusals.append(ContractError(ErrorCode.FAILED_PRECONDITION, "not this replica's binding", "node"))
+            raise refusals[0]
+        await beat(stop)
+
+    agent.heartbeat = refused_once
+    agent.ttl_s = 1.5  # what the refused beat would have told it: the loop beats every 0.5 s
+    stored: asyncio.Queue[bytes] = asyncio.Queue()
+
+    async def put(msg) -> None:
+        stored.put_nowait(msg.data)
+
+    sub = await nc.subscribe(f"$KV.{bucket_name(prefix, 'heartbeats')}.w-a", cb=put)
+    await flush_in_order(nc)
+    stop = asyncio.Event()
+    async with running_registry(nats_url, prefix, ttl_s=1.5):
+        task = asyncio.create_task(agent.run(stop))
+        try:
+            await wait_event(nc, prefix, "w-a", WorkerRegistered)
+            await asyncio.wait_for(stored.get(), 10)  # the registration's own beat
+            await asyncio.wait_for(stored.get(), 10)  # a heartbeat of the loop, after the refused one
+            assert refusals and not task.done()
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 15)
+            await sub.unsubscribe()
+
+
 class Watched:
     """An agent on a cpuinfo file of its own (the machine, as the probe reads it), read again at
     every watch; what its reads and registrations raise is handed to the test as it happens."""

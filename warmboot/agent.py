@@ -539,7 +539,14 @@ class Agent:
                 assert registration == self.desired and self._desired_of is not None  # read at the start
                 reply = await self._send(registration, self._desired_of, stop)
         log.info("registered %s: %s (seq %d)", self.worker_id, reply.outcome.value, reply.seq)
-        await self.heartbeat(stop)
+        try:
+            await self.heartbeat(stop)  # learns the TTL
+        except ContractError as e:
+            # The registration stands; a heartbeat refused (by a replica that has not yet seen what
+            # the one that took it has: a binding of workers to nodes) is the heartbeats' concern,
+            # which carry on, not this registration's refusal, nor a reason to stop at the start.
+            log.warning("the heartbeat after registering %s was refused (%s); the heartbeats carry on",
+                        self.worker_id, e)
         return reply
 
     async def _life_of_the_file(self, stop: asyncio.Event) -> RegisterReply:
