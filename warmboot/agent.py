@@ -66,8 +66,9 @@ from events.tasks import cancel_and_wait
 from events.natsauth import nkey_options, nkey_seed_path
 from events.natspy import ErrorsOnce, guard_reads
 from events.probe import (DEFAULT_CPUINFO, MACHINE_TO_ARCH, PROFILES, SCHEMA_VERSION, ProbeError, host_architecture,
-                          probe_host, probe_version, read_cpuinfo)
+                          probe_version, read_cpuinfo)
 from events.schema import (
+    CompatVersion,
     ActorOverhead,
     DrainWorker,
     ErrorCode,
@@ -165,6 +166,40 @@ class ProbeSettings:
     cpuinfo_path: Path = DEFAULT_CPUINFO
     architecture: str | None = None  # None: this machine's
 
+    def read(self) -> "MachineRead":
+        """The machine, read once: every runtime made of it is of the same reading."""
+        try:
+            text = read_cpuinfo(self.cpuinfo_path)
+            arch = self.architecture if self.architecture is not None else host_architecture()
+        except ProbeError as e:
+            return MachineRead(self, None, None, str(e))
+        return MachineRead(self, text, arch, None)
+
+
+@dataclass(frozen=True)
+class MachineRead:
+    """What one read of the machine gave (`ProbeSettings.read`): the cpuinfo text and the
+    architecture, or why they could not be read."""
+
+    settings: ProbeSettings
+    text: str | None  # None: no cpuinfo file
+    architecture: str | None
+    error: str | None
+
+    def version(self, profile: str, extra: dict[str, str]) -> CompatVersion:
+        """`probe_version` of this reading (ProbeError if the machine could not be read)."""
+        if self.error is not None or self.architecture is None:
+            raise ProbeError(self.error or "no architecture")
+        return probe_version(self.text, self.architecture, profile, extra)
+
+    def reading(self) -> tuple:
+        """What this read says of the machine for each profile, or why it cannot: two reads
+        that say the same of it are equal."""
+        try:
+            return tuple(self.version(profile, {}) for profile in PROFILES)
+        except ProbeError as e:
+            return (str(e),)
+
 
 def parse_config(text: str, source: str = "config") -> AgentConfig:
     """TOML text -> AgentConfig; unknown keys are errors (a typo must not pass silently)."""
@@ -210,7 +245,7 @@ def _architecture_named_otherwise(runtime: VersionConfig, path: str, stamps: boo
 _WARNED: set[str] = set()
 
 
-def _version(runtime: VersionConfig, path: str, probe: ProbeSettings, stamps: bool = False) -> dict[str, Any]:
+def _version(runtime: VersionConfig, path: str, probe: MachineRead, stamps: bool = False) -> dict[str, Any]:
     if runtime.profile is None:
         _architecture_named_otherwise(runtime, path, stamps)
         attributes = sorted(runtime.attributes.items())
@@ -226,12 +261,7 @@ def _version(runtime: VersionConfig, path: str, probe: ProbeSettings, stamps: bo
             f"not {runtime.schema_version!r}; give the attributes literally for another schema"
         )
     try:
-        version = probe_host(
-            runtime.profile,
-            runtime.attributes,
-            cpuinfo_path=probe.cpuinfo_path,
-            architecture=probe.architecture,
-        )
+        version = probe.version(runtime.profile, runtime.attributes)
     except ProbeError as e:
         raise ConfigError(f"{path}: {e}") from None
     missing = [key for key in PROFILES[runtime.profile] if key not in {a.key for a in version.attributes}]
@@ -240,11 +270,11 @@ def _version(runtime: VersionConfig, path: str, probe: ProbeSettings, stamps: bo
         # equal that of any machine whose probe read as little, whatever its CPU, and memory images
         # would cross CPUs (docs/contract.md, "A probe that cannot read a key").
         raise ConfigError(f"{path}: the {runtime.profile} probe cannot read {', '.join(missing)} from "
-                          f"{probe.cpuinfo_path}: give this runtime's attributes literally, or fix the probe")
+                          f"{probe.settings.cpuinfo_path}: give this runtime's attributes literally, or fix the probe")
     return to_builtins(version)
 
 
-def _runtime(runtime: RuntimeConfig, path: str, probe: ProbeSettings, stamps: bool = False) -> dict[str, Any]:
+def _runtime(runtime: RuntimeConfig, path: str, probe: MachineRead, stamps: bool = False) -> dict[str, Any]:
     body: dict[str, Any] = {"version": _version(runtime, path, probe, stamps)}
     if runtime.name is not None:
         body["name"] = runtime.name
@@ -257,10 +287,13 @@ def _runtime(runtime: RuntimeConfig, path: str, probe: ProbeSettings, stamps: bo
 
 
 def build_registration(
-    config: AgentConfig, worker_id: str, node: str, probe: ProbeSettings = ProbeSettings()
+    config: AgentConfig, worker_id: str, node: str, probe: ProbeSettings | MachineRead = ProbeSettings()
 ) -> RegisterWorker:
-    """The RegisterWorker this configuration makes on this machine, checked by the
-    registry's own rules (so a bad edit is caught here, with the field's path)."""
+    """The RegisterWorker this configuration makes on this machine (read once, or as `probe`
+    read it), checked by the registry's own rules (so a bad edit is caught here, with the
+    field's path)."""
+    if isinstance(probe, ProbeSettings):
+        probe = probe.read()
     classes = []
     for i, entry in enumerate(config.sandbox_classes):
         path = f"sandbox_classes[{i}]"
@@ -327,7 +360,9 @@ class Agent:
         self.watch_interval_s = watch_interval_s
         self.probe = probe
         self.probe_interval_s = probe_interval_s
-        self._probe_read: tuple[float, tuple] | None = None  # (when, what) the probe last reported
+        self._probe_read: tuple[float, MachineRead, tuple] | None = None  # (when, the read, its reading)
+        self._restamp_read_at: float | None = None  # the read of the machine the last RESTAMP was asked on
+        self._unreadable_at: float | None = None  # the read on which the probe last failed a RESTAMP
         self.inbox_prefix = inbox_prefix or f"_INBOX.{worker_id}"
         self.ttl_s = DEFAULT_TTL_S
         self.nc: NATS | None = None
@@ -347,6 +382,8 @@ class Agent:
         self._edit_waiting = False  # a register(EDIT) waits its turn
         self._again_waiting = False  # a register(AGAIN) waits its turn
         self._restamp_waiting = False  # a register(RESTAMP) waits its turn
+        self._beat_soon = False  # a heartbeat was refused before the TTL was learnt: beat again soon
+        self.edited = False  # whether the last read of the file found it edited (else the machine changed)
         self._background: set[asyncio.Task[None]] = set()  # registrations the heartbeats do not wait for
         self._errors = ErrorsOnce(log)  # the connection's errors, logged once each while they repeat
 
@@ -365,33 +402,30 @@ class Agent:
             data = self.config_path.read_bytes()
         except OSError as e:
             raise ConfigError(f"{self.config_path}: cannot read: {e}") from None
-        read = (hashlib.sha256(data).digest(), self._probed())
+        _, machine, reading = self._machine()
+        read = (hashlib.sha256(data).digest(), reading)
         if read == self._read:
             return None
+        self.edited = self._read is None or read[0] != self._read[0]
         self._read = read
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as e:
             raise ConfigError(f"{self.config_path}: not UTF-8: {e}") from None
         config = parse_config(text, str(self.config_path))
-        registration = build_registration(config, self.worker_id, self.node, self.probe)
-        self.desired, self._desired_of = registration, (config, read[1])
+        registration = build_registration(config, self.worker_id, self.node, machine)
+        self.desired, self._desired_of = registration, (config, reading)
         return registration
 
-    def _probed(self) -> tuple:
-        """What the probe reads of this machine for each profile (or why it cannot), read again
-        every `probe_interval_s` (reading /proc/cpuinfo is not free on a machine of many cores)."""
+    def _machine(self) -> tuple[float, MachineRead, tuple]:
+        """The machine as last read (when, the read, what it says: `MachineRead.reading`), read
+        again every `probe_interval_s` (reading /proc/cpuinfo is not free on a machine of many
+        cores). A registration is made of one read, and known by its reading."""
         now = time.monotonic()
-        if self._probe_read is not None and now - self._probe_read[0] < self.probe_interval_s:
-            return self._probe_read[1]
-        try:
-            text = read_cpuinfo(self.probe.cpuinfo_path)
-            arch = self.probe.architecture if self.probe.architecture is not None else host_architecture()
-            probed: tuple = tuple(probe_version(text, arch, profile) for profile in PROFILES)
-        except ProbeError as e:
-            probed = (str(e),)
-        self._probe_read = (now, probed)
-        return probed
+        if self._probe_read is None or now - self._probe_read[0] >= self.probe_interval_s:
+            machine = self.probe.read()
+            self._probe_read = (now, machine, machine.reading())
+        return self._probe_read
 
     # --- talking to the registry -----------------------------------------------------------
 
@@ -496,21 +530,16 @@ class Agent:
         async with self._one_registration:
             if registration is RESTAMP:
                 self._restamp_waiting = False
-                if not self._cpu_changed_under_registration():
-                    return None  # made again meanwhile
-                assert self.registration is not None and self._in_force_of is not None
-                try:
-                    reply = await self._send(self.registration, self._in_force_of, stop,
-                                             BACKGROUND_REGISTER_TIMEOUT_S)
-                except (ConfigError, ContractError) as e:
-                    await self._withdraw(str(e), stop)
+                reply = await self._restamp(stop)
+                if reply is None:
                     return None
             elif self.withdrawn and registration is AGAIN:
-                return None  # nothing in force to register again: an edit or a change of the machine will
+                self._again_waiting = False
+                return None  # removed on purpose: the next read of the machine tries again (RESTAMP)
             elif registration is EDIT:
                 self._edit_waiting = False
                 wanted = self.desired
-                if wanted is None or wanted == self.registration or wanted == self._edited:
+                if wanted is None or (wanted == self.registration and not self.withdrawn) or wanted == self._edited:
                     return None  # in force already, or sent already (and refused: not asked again)
                 self._edited = wanted
                 reply = await self._send(wanted, self._desired_of, stop, BACKGROUND_REGISTER_TIMEOUT_S)
@@ -544,9 +573,41 @@ class Agent:
         except ContractError as e:
             # The registration stands; a heartbeat refused (by a replica that has not yet seen what
             # the one that took it has: a binding of workers to nodes) is the heartbeats' concern,
-            # which carry on, not this registration's refusal, nor a reason to stop at the start.
+            # which carry on, soon (the TTL is not learnt yet), not this registration's refusal,
+            # nor a reason to stop at the start.
             log.warning("the heartbeat after registering %s was refused (%s); the heartbeats carry on",
                         self.worker_id, e)
+            self._beat_soon = True
+        return reply
+
+    async def _restamp(self, stop: asyncio.Event) -> RegisterReply | None:
+        """`register(RESTAMP)`: the registration in force, made on the machine as the probe reads it
+        now (`_send`). If that cannot be made (the probe cannot read a key: ConfigError) on two reads
+        of the machine in a row, or the registry refuses it, the worker is removed (`_withdraw`).
+        A removed worker is tried again at each read of the machine, and begins a new life once the
+        registration is made and taken. None when nothing was registered."""
+        if not self.withdrawn and not self._cpu_changed_under_registration():
+            return None  # made again meanwhile
+        assert self.registration is not None and self._in_force_of is not None
+        read_at = self._machine()[0]
+        try:
+            reply = await self._send(self.registration, self._in_force_of, stop, BACKGROUND_REGISTER_TIMEOUT_S)
+        except ConfigError as e:
+            if self.withdrawn:
+                return None
+            if self._unreadable_at is None:  # a first failed read could be a passing one: the next decides
+                self._unreadable_at = read_at
+                log.warning("%s: the probe cannot read this machine (%s); reading it again in %gs",
+                            self.worker_id, e, self.probe_interval_s)
+                return None
+            await self._withdraw(str(e), stop)
+            return None
+        except ContractError as e:
+            if self.withdrawn:
+                log.warning("%s stays removed: the registry refused its registration (%s)", self.worker_id, e)
+                return None
+            await self._withdraw(f"the registry refused it: {e.message}", stop)
+            return None
         return reply
 
     async def _life_of_the_file(self, stop: asyncio.Event) -> RegisterReply:
@@ -578,10 +639,10 @@ class Agent:
         reads the machine otherwise now, the same configuration is made again on the machine
         as it is (ConfigError if it cannot be: the probe cannot read it), so no registration
         this agent sends claims a CPU the machine no longer has."""
-        config, probed = made_of
-        now = self._probed()
-        if probed != now:
-            registration, made_of = build_registration(config, self.worker_id, self.node, self.probe), (config, now)
+        config, reading = made_of
+        _, machine, now = self._machine()
+        if reading != now:
+            registration, made_of = build_registration(config, self.worker_id, self.node, machine), (config, now)
         body = msgspec.structs.replace(registration, request_id=f"agent-{uuid.uuid4().hex}")
         self.sent_registration = self.registering = True
         try:
@@ -592,17 +653,19 @@ class Agent:
         self.registering = False
         self.registration, self._in_force_of, self.registered = registration, made_of, reply
         self.withdrawn = False
+        self._unreadable_at = None
         return reply
 
     def _cpu_changed_under_registration(self) -> bool:
         """Whether the probe reads the machine otherwise than when the registration in force was made."""
-        return self._in_force_of is not None and self._in_force_of[1] != self._probed()
+        return self._in_force_of is not None and self._in_force_of[1] != self._machine()[2]
 
     async def _withdraw(self, why: str, stop: asyncio.Event) -> None:
         """Remove the worker: its registration claims a CPU the machine no longer has, and `why` says
-        why none of the CPU it has now can be made or was taken. Until an edit of the file or a change
-        of the machine makes one the registry takes (a new life), the agent sends no heartbeat. The
-        caller holds `_one_registration`."""
+        why none of the CPU it has now can be made or was taken. The agent then sends no heartbeat,
+        and tries again at each read of the machine (`RESTAMP`, from the registration it had, and
+        from an edit of the file) until a registration is taken: a new life. The caller holds
+        `_one_registration`."""
         log.error("%s is registered with a CPU this machine no longer has, and no registration of the one it "
                   "has now can be made (%s): removing the worker until one can", self.worker_id, why)
         body = RemoveWorker(reason=f"its agent cannot register the CPU its machine has now: {why}"[:256],
@@ -612,8 +675,8 @@ class Agent:
         except ContractError as e:
             if e.code != ErrorCode.NOT_FOUND:  # removed already: as good
                 raise
-        self.registration = self._in_force_of = None
-        self.withdrawn = True
+        self.withdrawn = True  # `registration` and what it was made of are kept, to be made again
+        self._unreadable_at = None
         self._edited = None  # an edit refused to the last life may be what a new life takes
 
     def _register_again(self, stop: asyncio.Event) -> None:
@@ -685,7 +748,7 @@ class Agent:
                 serving.result()  # its error is the caller's (the CLI says it), not logged here too
         finally:
             await cancel_and_wait(stopping, None if serving.done() else serving)
-            if self.drain_on_exit and self.sent_registration and not self.nc.is_closed:
+            if self.drain_on_exit and self.sent_registration and not self.withdrawn and not self.nc.is_closed:
                 reply = await self.drain("agent stopped")
                 if reply is not None:
                     log.info("drained %s (seq %d)", self.worker_id, reply.seq)
@@ -707,6 +770,9 @@ class Agent:
             await _wait_any((stop, self._reconnected), min(next_beat, next_watch) - time.monotonic())
             if stop.is_set():
                 return
+            if self._beat_soon:  # a heartbeat refused before the TTL was learnt: the next one soon
+                self._beat_soon = False
+                next_beat = min(next_beat, time.monotonic() + RETRY_MIN_S)
             try:
                 if self._reconnected.is_set():
                     # A heartbeat at once (the worker's TTL runs again from now), and beside it the
@@ -731,12 +797,17 @@ class Agent:
     def _keep_cpu_true(self, stop: asyncio.Event) -> None:
         """The registration in force made again on the machine as it is now (`RESTAMP`), when the
         probe reads it otherwise and nothing on its way says so (an edit waiting, or any
-        registration being sent: each is made on the machine as it is then); looked at again
-        at the next watch if something was."""
-        if (self._cpu_changed_under_registration() and not self._edit_waiting and not self._restamp_waiting
-                and not self._one_registration.locked()):
-            self._restamp_waiting = True
-            self._beside_heartbeats(RESTAMP, "", stop)
+        registration being sent: each is made on the machine as it is then), or when the worker
+        was removed for want of one (`withdrawn`); at most once per read of the machine, and
+        looked at again at the next watch if something was on its way."""
+        read_at = self._machine()[0]
+        if read_at == self._restamp_read_at or not (self.withdrawn or self._cpu_changed_under_registration()):
+            return
+        if self._edit_waiting or self._restamp_waiting or self._one_registration.locked():
+            return
+        self._restamp_read_at = read_at
+        self._restamp_waiting = True
+        self._beside_heartbeats(RESTAMP, "", stop)
 
     def _sync_config(self, stop: asyncio.Event) -> None:
         """An edit of the file (or a change of what the probe reads) registered beside the
@@ -744,7 +815,11 @@ class Agent:
         try:
             registration = self._read_config()
         except ConfigError as e:
-            log.error("ignoring the edit of %s, keeping the registration in force: %s", self.config_path, e)
+            if self.edited:
+                log.error("ignoring the edit of %s, keeping the registration in force: %s", self.config_path, e)
+            else:
+                log.error("what the probe reads of this machine changed, and %s makes no registration of it: %s",
+                          self.config_path, e)
             return
         if registration is None or self._edit_waiting:
             return  # nothing new, or the edit waiting its turn will send what is read last
