@@ -509,6 +509,7 @@ def decode_checkpoint(data: bytes) -> tuple[Envelope, Projection]:
         if (state.seq, state.events) != (envelope.seq, envelope.events):
             raise ValueError("body and envelope disagree on the position")
         projection = restore_state(state)
+        projection.stream_created = envelope.stream_created  # a fold of the stream the envelope names
     except CheckpointRejected:
         raise
     except Exception as error:  # any inconsistency at all: the log is still there to replay
