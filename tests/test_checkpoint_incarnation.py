@@ -5,14 +5,17 @@ that outlived the deletion holds a projection of a log that is gone. Its checkpo
 must not pass for the new stream's (they are labelled with the incarnation the
 projection is a fold of, and a save for a stream made again is refused), and the
 replica itself stops rather than fold the new stream from its old position. On a real
-nats-server; every wait is on a log line or a future, never a sleep.
+nats-server; every wait is on a log line, a future or a process's end, never a sleep.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import re
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -168,3 +171,25 @@ async def test_a_save_for_a_stream_made_again_is_refused(nc, nats_url, prefix, r
     assert unlabelled is None and await second.checkpoints.list() == stored
     assert "does not say which incarnation" in caplog.text
 
+
+async def test_serve_ends_with_a_failure_status_when_its_stream_is_made_again(nc, nats_url, prefix):
+    """As deployed: `warmboot serve scheduler` logs the one line and exits with status 1."""
+    from tests.secured_helpers import Serve
+
+    await write(nats_url, prefix, OLD)
+    # this checkout's code, wherever the installed `warmboot` points (a git worktree shares the venv)
+    here = str(Path(__file__).resolve().parents[1])
+    serve = Serve("scheduler", "--nats", nats_url, "--prefix", prefix,
+                  env={"PYTHONPATH": os.pathsep.join(filter(None, (here, os.environ.get("PYTHONPATH"))))})
+    await asyncio.to_thread(serve.start)
+    try:
+        old, new = await made_again(nc, nats_url, prefix)
+        line = await asyncio.to_thread(serve.line, STOPPING, STOPS_WITHIN_S, True)
+        assert re.search(r" ERROR warmboot\.scheduler: " + re.escape(replaced(prefix, new, old) + STOPPING) + "$",
+                         line), line
+        ended = await asyncio.to_thread(serve.process.wait, 30)
+    finally:
+        code = await asyncio.to_thread(serve.stop)
+    assert ended == code == 1, serve.output
+    assert sum(STOPPING in text for text in serve.lines) == 1, serve.output  # one line says why
+    assert "stopping" in serve.lines[serve.lines.index(line):], serve.output  # then it stopped its services

@@ -13,7 +13,8 @@ most `commit_attempts` times, then answers UNAVAILABLE.
 A replica whose event stream is deleted and made again while it runs holds a projection
 of a log that is gone: its fold gives up (`Fold.give_up`, within about 2 s of the
 deletion), and the replica stops serving: one error line, every request UNAVAILABLE,
-and `failed` done with the reason. Started again, it folds the new stream.
+and `failed` done with the reason, which ends `warmboot serve` with exit status 1
+(`warmboot.runner.until_stopped`). Started again, it folds the new stream.
 """
 
 from __future__ import annotations
@@ -178,7 +179,7 @@ class SchedulerService:
         self._gauge_labels: set[tuple[str, ...]] = set()
         self._stopping = False
         # Done, with the reason, once this replica cannot serve any more (its fold gave up: the stream
-        # was made again); whoever runs it then stops it. Made by start().
+        # was made again); whoever runs it then stops it (`warmboot.runner.until_stopped`). Made by start().
         self.failed: asyncio.Future[str] | None = None
         self.fold.on_stale.append(self._stale)
 
