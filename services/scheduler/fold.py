@@ -23,7 +23,10 @@ are held until the stream's info says which stream the new consumer reads; if it
 not the projection's (`replaced_by`), or whenever a stream info asked for another
 reason says so, the fold gives up (`give_up`): it folds nothing more, every wait is
 UNAVAILABLE, and its owner is told (`on_stale`; the scheduler stops). No message of
-another incarnation is ever folded.
+another incarnation is folded into a projection that serves: a re-made consumer's are
+held until the check, and at the start (not paused, a replay's speed) those folded before
+the check are thrown away with the fold, which raises StreamReplaced. What the replica
+decides between the deletion and the check is not covered (docs/operations.md).
 """
 
 from __future__ import annotations
