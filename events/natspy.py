@@ -36,6 +36,11 @@ replay of the log, or says less than needed, the gap is closed here and nowhere 
   control), a delivery out of order (nats-py resets the consumer), a subject in another
   format, and every message while the caller says it is not ready (its own callback
   then gets them, in order). It can measure the CPU the deliveries cost (`on_cpu`).
+- `guard_recreation`: nats-py re-creates an ordered consumer on its own (missed heartbeats,
+  a delivery out of order), from the stream sequence after the last one received, on
+  whatever stream has the name then: one deleted and made again included. The caller
+  gets to run that re-creation itself (a fold holds its messages, then checks which
+  stream its consumer is now on).
 - `deliver_core`: the same for a core NATS subscription whose messages are handled
   each on its own (the services' request endpoints, `Replies`' inbox): its messages go
   from the read loop to a synchronous callback, as the `Msg` nats-py would have built,
@@ -77,7 +82,7 @@ import logging
 import re
 import time
 from contextlib import suppress
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import msgspec
 import nats.errors
@@ -517,6 +522,32 @@ def deliver_directly(nc: Any, psub: Any, handler: DirectHandler, ready: Callable
     work; not the wake-ups of the loop that brought them."""
     frames = _frames(nc)
     return frames.route(_Direct(psub._sub, handler, ready, nc.stats, wanted, on_cpu))
+
+
+def guard_recreation(psub: Any, guard: Callable[[Callable[[], Awaitable[None]]], Awaitable[None]]) -> None:
+    """From now on, where nats-py would re-create the consumer of `psub` (an ordered push
+    subscription), it runs `guard(recreate)` instead, in the task nats-py starts for it;
+    `recreate()` is nats-py's own re-creation (one consumer request, from the sequence after
+    the last message received, to the new deliver subject; a failure goes to the connection's
+    error callback, and nats-py tries again after two more missed heartbeats). A guard may
+    call it, or not (then no consumer is made this time), and may hold the caller's messages
+    while it does (the new consumer's messages arrive once the request is answered).
+
+    nats-py resets the subscription (a new deliver subject) before that task starts, and
+    every reset starts one: a guard still running when the next reset comes may leave the
+    next one undone (its `recreate()`, called later, uses the newest deliver subject)."""
+    jsi = getattr(psub, "_sub", None) and psub._sub._jsi
+    recreate = getattr(jsi, "recreate_consumer", None)
+    if recreate is None or not getattr(jsi, "_ordered", False):
+        raise RuntimeError(
+            "nats-py's ordered consumer no longer re-creates itself through _JSI.recreate_consumer as "
+            "events/natspy.py expects: teach `guard_recreation` the new way"
+        )
+
+    async def guarded() -> None:
+        await guard(recreate)
+
+    jsi.recreate_consumer = guarded
 
 
 def deliver_core(nc: Any, sub: Any, on_msg: Callable[[Msg], None],

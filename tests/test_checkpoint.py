@@ -156,9 +156,9 @@ def walk(p: Projection) -> dict[str, Any]:
     It reads the classes' `__slots__` rather than a list of names, so a field added to
     the projection and forgotten by the codec shows up here as a difference.
     """
-    assert set(vars(p)) == {"seq", "events", "workers", "classes", "actors", "bookings", "subjects", "intern",
-                            "recreated", "placed_listener", "registry_version", "unread_actor_seq", "unread_actors",
-                            "_dispatch"}, \
+    assert set(vars(p)) == {"seq", "events", "stream_created", "workers", "classes", "actors", "bookings", "subjects",
+                            "intern", "recreated", "placed_listener", "registry_version", "unread_actor_seq",
+                            "unread_actors", "_dispatch"}, \
         "a new Projection field: teach the checkpoint codec about it"
     registered = {id(w) for w in p.workers.values()}
     others: dict[int, int] = {}  # unregistered worker records, numbered by first sight
@@ -200,6 +200,7 @@ def walk(p: Projection) -> dict[str, Any]:
     return {
         "seq": p.seq,
         "events": p.events,
+        "stream_created": p.stream_created,  # the envelope's, restored
         "workers": [(k, obj(w)) for k, w in p.workers.items()],
         "classes": [(k, obj(c)) for k, c in p.classes.items()],
         "actors": [(k, obj(a)) for k, a in p.actors.items()],
@@ -299,6 +300,7 @@ def test_a_checkpoint_between_an_unread_placement_and_its_booking_marker_keeps_t
 
 def test_bytes_round_trip_and_what_is_refused():
     p = fold(event_mix(), Projection())
+    p.stream_created = "c"  # a fold of the stream created at "c": so is what its checkpoint restores
     data = encode_checkpoint(export_state(p), stream="S", stream_created="c")
     envelope, restored = decode_checkpoint(data)
     assert (envelope.format, envelope.seq, envelope.events, envelope.stream) == (FORMAT, p.seq, p.events, "S")
@@ -329,12 +331,13 @@ def test_the_fold_digest_covers_every_source_a_fold_depends_on(tmp_path, monkeyp
     """A checkpoint indexed by compatibility keys an older `events/compat.py` computed could match a
     stamp to a runtime that no longer accepts it: a change of any source the fold's result depends
     on must refuse old checkpoints (a full replay), as a change of the projection's does."""
-    from events import compat, schema
+    from events import compat, natspy, schema, states
+    from events.jetstream import layout
     from services.scheduler import checkpoint_codec, fold as fold_module, interner, projection
 
     before = checkpoint_codec._fold_digest()
     codec_source = Path(checkpoint_codec.__file__).read_bytes()
-    for module in (compat, schema, fold_module, projection, records_module, interner):
+    for module in (compat, schema, states, layout, natspy, fold_module, projection, records_module, interner):
         changed = tmp_path / f"{module.__name__}.py"
         changed.write_bytes(Path(module.__file__).read_bytes() + b"\n# changed\n")
         with monkeypatch.context() as m:
@@ -465,6 +468,7 @@ async def replay_until(nc, prefix, seq: int) -> Projection:
     fold = Fold(nc, prefix, sink)  # type: ignore[arg-type]
     await fold.start(30)
     await fold.stop()
+    sink.projection.stream_created = sink.stream_created  # the fold labels what it folds into: the sink
     return sink.projection
 
 

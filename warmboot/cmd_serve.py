@@ -16,7 +16,7 @@ from services.registry.binding import UNBIND
 from services.registry.nodes import describe, load_nodes
 from warmboot.cli_common import check_nats_option, event_loop_option
 from services.scheduler.checkpoint import DEFAULT_EVERY_EVENTS, DEFAULT_INTERVAL_S
-from warmboot.runner import SERVICES, dump_on_signal, start_services, stop_signals
+from warmboot.runner import SERVICES, dump_on_signal, start_services, stop_signals, until_stopped
 
 
 # Options only one service reads, by parameter: (that service, the option). Given on the command
@@ -91,7 +91,7 @@ def serve(service: str, nats_url: str, nkey_seed: str | None, prefix: str, metri
         os.environ[NKEY_SEED_ENV] = os.path.abspath(nkey_seed)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    async def run() -> None:
+    async def run() -> str | None:
         async with AsyncExitStack() as stack:
             dump_on_signal()
             running = await start_services(
@@ -108,10 +108,13 @@ def serve(service: str, nats_url: str, nkey_seed: str | None, prefix: str, metri
                     click.echo(describe(running.services[names.index("registry")].binding.nodes))
                 if running.metrics_url:
                     click.echo(f"metrics on {running.metrics_url}")
-                await stop.wait()
+                failed = await until_stopped(stop, running)
             click.echo("stopping")
+        return failed
 
     try:
-        run_serving(run, event_loop)
+        failed = run_serving(run, event_loop)
     except OSError as e:
         raise click.ClickException(str(e)) from None
+    if failed is not None:  # a service could not go on (it logged why): a supervisor sees a failure
+        raise SystemExit(1)

@@ -15,7 +15,7 @@ from services.common import run_serving, tune_gc
 from services.scheduler.checkpoint import DEFAULT_EVERY_EVENTS, DEFAULT_INTERVAL_S
 from warmboot.cli_common import event_loop_option
 from warmboot.natsserver import NatsServer, NatsServerError
-from warmboot.runner import SERVICES, dump_on_signal, start_services, stop_signals
+from warmboot.runner import SERVICES, dump_on_signal, start_services, stop_signals, until_stopped
 
 console = Console()
 
@@ -56,6 +56,8 @@ def up(port: int, store: Path, prefix: str, metrics_port: int, demo: bool, exit_
     except NatsServerError as e:
         raise click.ClickException(f"{e}\n(is another warmboot or NATS on port {port}? try --port 0)") from None
 
+    failed: list[str] = []  # a service that could not go on (it logged why)
+
     async def run() -> None:
         dump_on_signal()
         async with AsyncExitStack() as stack:
@@ -72,7 +74,8 @@ def up(port: int, store: Path, prefix: str, metrics_port: int, demo: bool, exit_
             async def serve_on() -> None:
                 with stop_signals() as stop:  # before the line that says so: see stop_signals
                     console.print("serving; Ctrl-C stops")
-                    await stop.wait()
+                    if (why := await until_stopped(stop, running)) is not None:
+                        failed.append(why)
 
             if demo:
                 from warmboot.demo import DemoConfig, run_demo
@@ -90,3 +93,5 @@ def up(port: int, store: Path, prefix: str, metrics_port: int, demo: bool, exit_
         run_serving(run, event_loop)
     finally:
         server.stop()
+    if failed:
+        raise SystemExit(1)

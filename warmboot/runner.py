@@ -21,7 +21,8 @@ from services.common import LOOPBACK, metrics_url, start_metrics
 
 log = logging.getLogger("warmboot")
 
-# name -> "module:Class"; each class takes (nc, *, nats_url, prefix) and has async start()/stop().
+# name -> "module:Class"; each class takes (nc, *, nats_url, prefix) and has async start()/stop(), and
+# may have `failed`: a future done, with the reason, once the service cannot serve any more (`until_stopped`).
 SERVICES: dict[str, str] = {
     "registry": "services.registry.service:RegistryService",
     "snapshotter": "services.snapshotter.service:SnapshotterService",
@@ -113,6 +114,20 @@ async def start_services(
         running.services.append(service)
         log.info("%s serving on %s (prefix %s)", name, running.where, prefix)
     return running
+
+
+async def until_stopped(stop: asyncio.Event, running: Running) -> str | None:
+    """Wait for `stop` (a stop signal, `stop_signals`) or for a service of `running` to fail (its
+    `failed` future done: the scheduler whose event stream was made again); the failure's reason,
+    or None for a stop. The caller stops the services either way, and ends with a failure status
+    after a failure (the service has logged why)."""
+    failures = [f for service in running.services if (f := getattr(service, "failed", None)) is not None]
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait([stopped, *failures], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    return next((f.result() for f in failures if f.done() and not f.cancelled()), None)
 
 
 DUMP_SIGNAL = signal.SIGUSR1

@@ -27,6 +27,14 @@ incarnation is a digest of the stream's creation time, so one left over from a
 deleted stream is never taken for a recent one); two replicas saving at the same
 sequence never write the same object. After each save the `keep` newest of the
 current incarnation are kept and every other checkpoint is deleted.
+
+Incarnation: a checkpoint is labelled (its name and its envelope) with the incarnation
+the projection is a fold of (`Projection.stream_created`: from the checkpoint it was
+restored from, or from the stream as the fold started from sequence 1), never with the
+stream as it is when saving. A replica whose stream was deleted and made again while it
+ran still holds a projection of the old log: its save is refused (an error logged,
+nothing saved, nothing deleted) and its fold gives up (`Fold.give_up`: the scheduler
+stops), so the new incarnation's checkpoints are neither replaced nor pruned by it.
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ from services.scheduler.checkpoint_codec import (
     encode_checkpoint,
     export_state,
 )
+from services.scheduler.fold import replaced_by, stream_identity
 from services.scheduler.projection import Projection
 
 log = logging.getLogger("warmboot.scheduler.checkpoint")
@@ -172,9 +181,20 @@ class Checkpoints:
         return buffer.getvalue()
 
     async def _stream_identity(self) -> tuple[str, int]:
-        info = await self.nc.jetstream().stream_info(self.stream)
-        created = info.created.isoformat() if info.created is not None else ""
-        return created, info.state.last_seq
+        return stream_identity(await self.nc.jetstream().stream_info(self.stream))
+
+    async def _replaced(self, projection: Projection) -> str | None:
+        """Why the stream, as it is now, is not the log `projection` is a fold of (it was made again
+        since); None if it is. If not, an error is logged, and the fold followed gives up when
+        `projection` is its own."""
+        created, _ = await self._stream_identity()
+        why = replaced_by(self.stream, projection.stream_created, created)
+        if why is not None:
+            log.error("checkpoint not saved: %s", why)
+            fold = self._fold
+            if fold is not None and fold.projection is projection:
+                fold.give_up(why)
+        return why
 
     # --- loading ---
 
@@ -229,23 +249,27 @@ class Checkpoints:
         if events - self.saved_events >= self.every_events and behind <= CAUGHT_UP:
             self._due.set()
 
-    async def save(self, projection: Projection) -> str:
-        """Capture `projection` now and store it; the object's name."""
+    async def save(self, projection: Projection) -> str | None:
+        """Capture `projection` now and store it, labelled with the incarnation of the stream it is a
+        fold of; the object's name. None if the stream is another incarnation now (`_replaced`):
+        then nothing is saved, and nothing deleted."""
         if self.store is None:
             await self._open()
+        folded = projection.stream_created
+        if await self._replaced(projection) is not None:
+            return None
         fold = self._fold
         async with self._capture, (fold.paused() if fold is not None else nullcontext()):
             t0 = time.perf_counter()
             state = await asyncio.to_thread(export_state, projection)
             self.last_capture_s = time.perf_counter() - t0
         self.saved_seq, self.saved_events, self.saved_at = state.seq, state.events, time.monotonic()
-        created, _ = await self._stream_identity()
         data = await asyncio.to_thread(
-            encode_checkpoint, state, stream=self.stream, stream_created=created, compress=self.compress
+            encode_checkpoint, state, stream=self.stream, stream_created=folded, compress=self.compress
         )
         seq, events = state.seq, state.events
         del state  # the copy can be large: keep only its bytes through the upload
-        incarnation = incarnation_of(created)
+        incarnation = incarnation_of(folded)
         name = object_name(seq, incarnation, self.token)
         await self.store.put(name, data, meta=ObjectMeta(name=name, description=f"projection at sequence {seq}"))
         self.saves += 1
@@ -256,7 +280,10 @@ class Checkpoints:
             self.stored_seq = max(self.stored_seq, seq)
             self._saved.notify_all()
         try:
-            await self._prune(incarnation)
+            # Asked again: a stream made again during the upload must not lose its checkpoints to this
+            # one (which is labelled with the old incarnation, and ignored by every load).
+            if await self._replaced(projection) is None:
+                await self._prune(incarnation)
         except Exception as error:  # the next save prunes again
             log.warning("deleting old checkpoints failed (%s: %s)", type(error).__name__, error)
         return name
@@ -296,7 +323,7 @@ class Checkpoints:
             with suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._due.wait(), self.interval_s if self.interval_s > 0 else None)
             self._due.clear()
-            if self._closing:
+            if self._closing or fold.stale is not None:  # a fold given up has nothing more to save
                 return
             projection = fold.projection
             fresh = projection.events - self.saved_events
@@ -312,7 +339,9 @@ class Checkpoints:
                 # Another replica's checkpoint may make this one pointless: on the count
                 # trigger, one within half the interval; on the time trigger, one as new.
                 slack = self.every_events // 2 if by_count else 0
-                incarnation = incarnation_of((await self._stream_identity())[0])
+                if await self._replaced(projection) is not None:  # the fold gave up: no more saves
+                    continue
+                incarnation = incarnation_of(projection.stream_created)
                 newest = max((seq for seq, written_for, _ in await self.list() if written_for == incarnation), default=0)
                 if newest >= projection.seq - slack:
                     self.skipped += 1

@@ -38,7 +38,10 @@ from msgspec import Struct
 from msgspec.structs import astuple
 
 from events import compat as compat_module
+from events import natspy as natspy_module
 from events import schema as schema_module
+from events import states as states_module
+from events.jetstream import layout as layout_module
 from events.schema import ActorRuntime, CompatVersion, Fidelity, Resources, WorkerRuntime
 from events.states import ActorState, WorkerState
 from services.scheduler import interner as interner_module
@@ -72,8 +75,10 @@ def _fold_digest() -> str:
     A checkpoint is a cache of a fold; if the fold's code changes (a new field, a fixed
     rule), an old checkpoint could differ from what a replay of the same log gives now.
     So the digest covers the sources of the fold and of this codec: the projection and
-    its records, the reading of messages (`fold.py`), the event types it decodes
-    (`events/schema.py`) and the compatibility keys its indices are built on
+    its records, the reading of messages (`fold.py`; the header names it reads, defined in
+    `events/jetstream/layout.py`; the header parsing and delivery positions of
+    `events/natspy.py`), the event types it decodes (`events/schema.py`), the states it
+    folds them into (`events/states.py`) and the compatibility keys its indices are built on
     (`events/compat.py`: a checkpoint indexed by old keys could match a stamp to a runtime
     that no longer accepts it). Where the sources are not readable, the attribute layout
     of the projection's classes stands in.
@@ -82,7 +87,8 @@ def _fold_digest() -> str:
     h.update(str(FORMAT).encode())
     try:
         sources = (records_module.__file__, interner_module.__file__, projection_module.__file__,
-                   Path(__file__).with_name("fold.py"), schema_module.__file__, compat_module.__file__, __file__)
+                   Path(__file__).with_name("fold.py"), schema_module.__file__, states_module.__file__,
+                   layout_module.__file__, natspy_module.__file__, compat_module.__file__, __file__)
         for path in sources:
             h.update(Path(path).read_bytes())
     except (OSError, TypeError):
@@ -503,6 +509,7 @@ def decode_checkpoint(data: bytes) -> tuple[Envelope, Projection]:
         if (state.seq, state.events) != (envelope.seq, envelope.events):
             raise ValueError("body and envelope disagree on the position")
         projection = restore_state(state)
+        projection.stream_created = envelope.stream_created  # a fold of the stream the envelope names
     except CheckpointRejected:
         raise
     except Exception as error:  # any inconsistency at all: the log is still there to replay

@@ -187,6 +187,7 @@ class Committer:
         self._task: asyncio.Task[None] | None = None
         self._tie = itertools.count()
         fold.listeners.append(self._folded)
+        fold.on_stale.append(self._fold_gave_up)
 
     @property
     def projection(self):
@@ -202,11 +203,21 @@ class Committer:
         self._may_commit.set()
         task, self._task = self._task, None
         await cancel_and_wait(task)
-        stopping = unavailable("this scheduler replica is stopping; try again")
-        self._fail(self._ready, stopping)
+        self._fail_queued(unavailable("this scheduler replica is stopping; try again"))
+
+    def _fold_gave_up(self, why: str) -> None:
+        """The fold gave up (its stream is another incarnation than the projection's): nothing more is
+        decided on the projection; what waits fails (an append in flight, decided before, ends as it ends)."""
+        self._stopping = True
+        self._wake.set()
+        self._may_commit.set()
+        self._fail_queued(self.fold.stale_error())
+
+    def _fail_queued(self, error: BaseException) -> None:
+        self._fail(self._ready, error)
         for job in self._jobs:
             if not job.result.done():
-                job.result.set_exception(stopping)
+                job.result.set_exception(error)
         self._jobs, self._ready = [], []
 
     @property
@@ -222,6 +233,8 @@ class Committer:
     async def submit(self, job: "Job") -> Any:
         """Queue `job` and wait for its outcome: (Placement, seq), `Answered`, or the error raised
         (IntegrityError: it lost a race, decide again on fresh state)."""
+        if self.fold.stale is not None:
+            raise self.fold.stale_error()
         key = job.key
         if key is not None:
             self._awaiting[key] = self._awaiting.get(key, 0) + 1

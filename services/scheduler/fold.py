@@ -13,6 +13,20 @@ fold paused they take nats-py's path to the subscription's callback instead, whi
 folds them in order once the pause ends; direct delivery resumes when none is left.
 `wait(seq)` lets a request be answered from state that includes `seq` (`min_seq`),
 or UNAVAILABLE after a deadline.
+
+A projection is a fold of one incarnation of the stream (`Projection.stream_created`):
+a stream deleted and made again is another log, whose sequences start over. nats-py
+re-creates the ordered consumer of a deleted stream (two missed idle heartbeats: 1 to
+2 s) from the sequence after the last one read, on whatever stream has the name by then.
+So each re-creation is run by the fold (`events.natspy.guard_recreation`): its messages
+are held until the stream's info says which stream the new consumer reads; if it is
+not the projection's (`replaced_by`), or whenever a stream info asked for another
+reason says so, the fold gives up (`give_up`): it folds nothing more, every wait is
+UNAVAILABLE, and its owner is told (`on_stale`; the scheduler stops). No message of
+another incarnation is folded into a projection that serves: a re-made consumer's are
+held until the check, and at the start (not paused, a replay's speed) those folded before
+the check are thrown away with the fold, which raises StreamReplaced. What the replica
+decides between the deletion and the check is not covered (docs/operations.md).
 """
 
 from __future__ import annotations
@@ -23,7 +37,7 @@ import itertools
 import logging
 import math
 from contextlib import asynccontextmanager, suppress
-from typing import Any, AsyncIterator, Callable, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Union
 
 import msgspec
 from msgspec import Raw
@@ -31,14 +45,16 @@ from msgspec.structs import force_setattr
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
 
 from events.errors import unavailable
 from events.jetstream import TOPIC_HEADER, VERSION_HEADER
-from events.natspy import ORDERED_IDLE_HEARTBEAT_S, DirectDelivery, ack_positions, deliver_directly, use_lean_headers
+from events.natspy import (ORDERED_IDLE_HEARTBEAT_S, DirectDelivery, ack_positions, deliver_directly, describe_error,
+                           guard_recreation, use_lean_headers)
 from events.schema import (EVENT_TYPES, ActorPlaced, ActorRuntime, AnyEvent, Snapshot, SnapshotTaken, WorkerBooked,
                            WorkerEvent)
 from events.subjects import stream_name
-from events.tasks import retrieved
+from events.tasks import cancel_and_wait, retrieved
 from services.common import until_answered
 from services.scheduler.projection import Projection
 
@@ -65,6 +81,27 @@ _runtime_decoder = msgspec.json.Decoder(ActorRuntime)
 _optional_runtime_decoder = msgspec.json.Decoder(ActorRuntime | None)
 RUNTIMES_KEPT = 4096
 PAST_END_GRACE_S = 0.25  # a min_seq not folded after this long is checked against the end of the log
+STREAM_GONE_RETRY_S = 0.5  # a re-made consumer's stream not found: asked again after this long
+
+
+def stream_identity(info: Any) -> tuple[str, int]:
+    """(creation time, last sequence) of the stream whose info (nats-py's StreamInfo) this is:
+    the creation time names its incarnation (`Projection.stream_created`)."""
+    return (info.created.isoformat() if info.created is not None else ""), info.state.last_seq
+
+
+def replaced_by(stream: str, folded: str | None, created: str) -> str | None:
+    """Why the stream `stream`, created at `created` as it is now, is not the log a projection of
+    the incarnation `folded` is a fold of (`Projection.stream_created`); None if it is."""
+    if folded is None:
+        return f"the projection does not say which incarnation of the event stream {stream} it is a fold of"
+    if created != folded:
+        return f"the event stream {stream} was made again (created {created}, the projection's {folded})"
+    return None
+
+
+class StreamReplaced(Exception):
+    """The fold gave up as it started (`Fold.give_up`): the reason."""
 
 
 class EventReader:
@@ -116,7 +153,8 @@ class Fold:
     `paused()` stops folding while a checkpoint copies the projection. `on_cpu`, if given,
     is told the thread CPU of the fold's direct deliveries as they happen (reading each
     message and folding it; not the wake-ups that brought them, nor the messages folded
-    through nats-py's path during a pause).
+    through nats-py's path during a pause). `on_stale` are called once, with the reason,
+    if the fold gives up (`give_up`: the stream is another incarnation than the projection's).
     """
 
     def __init__(self, nc: NATS, prefix: str, projection: Projection, *,
@@ -144,17 +182,27 @@ class Fold:
         self._in_callback = 0  # messages nats-py's path has handed to `_on_msg` and it has not folded yet
         self._read = EventReader().decode
         self._paused: asyncio.Future[None] | None = None
+        # Why the fold gave up (`give_up`), or None: it folds nothing more, and every wait fails.
+        self.stale: str | None = None
+        self.on_stale: list[Callable[[str], None]] = []
+        self._guard: asyncio.Task[Any] | None = None  # nats-py's task re-making the consumer, while it checks
 
     @property
     def applied(self) -> int:
         return self.projection.seq
 
     async def start(self, timeout: float) -> None:
-        """Read from the message after the projection's position (1, or a restored checkpoint's + 1)."""
+        """Read from the message after the projection's position (1, or a restored checkpoint's + 1).
+
+        A projection at sequence 0 becomes a fold of the stream as it is before the consumer
+        is made; the stream, asked again once the consumer is made, must still be the
+        projection's incarnation, else the fold gives up and StreamReplaced is raised."""
         use_lean_headers(self.nc)
         js = self.nc.jetstream()
-        # Both asked again while JetStream cannot answer (a replica started during a leader election).
-        target = (await until_answered(lambda: js.stream_info(self.stream), f"the stream {self.stream}")).state.last_seq
+        # All asked again while JetStream cannot answer (a replica started during a leader election).
+        info = await until_answered(lambda: js.stream_info(self.stream), f"the stream {self.stream}")
+        if not self.projection.seq:
+            self.projection.stream_created = stream_identity(info)[0]
 
         def subscribe() -> Any:
             start = {}  # made anew for each attempt: nats-py writes the deliver subject into the config
@@ -168,9 +216,20 @@ class Fold:
         self._direct = deliver_directly(self.nc, self._sub, self._folded, self._direct_ready,
                                         wanted=(TOPIC_HEADER, VERSION_HEADER),  # all fold_message reads
                                         on_cpu=self.on_cpu)
+        guard_recreation(self._sub, self._recreate)
+        # Asked once the consumer is made: the stream it reads is this one, or the fold gives up. Not
+        # paused meanwhile (a replay would take nats-py's slower path): what it folded until then is
+        # thrown away with it, for no request is answered from a fold that has not started.
+        target = self.check_stream(
+            await until_answered(lambda: js.stream_info(self.stream), f"the stream {self.stream}"))
+        if self.stale is not None:
+            raise StreamReplaced(self.stale)
         await self.wait(target, timeout)
 
     async def stop(self) -> None:
+        guard, self._guard = self._guard, None
+        if guard is not None and guard is not asyncio.current_task():
+            await cancel_and_wait(guard)
         if self._direct is not None:
             self._direct.close()
             self._direct = None
@@ -182,6 +241,79 @@ class Fold:
             if not waiter.done():
                 waiter.set_exception(unavailable("the scheduler is stopping"))
         self._waiters.clear()
+
+    # --- which stream ---
+
+    def check_stream(self, info: Any) -> int:
+        """The last sequence of the stream whose info this is (asked just now); if it is not the
+        incarnation the projection is a fold of, the fold gives up first (`give_up`)."""
+        created, last_seq = stream_identity(info)
+        why = replaced_by(self.stream, self.projection.stream_created, created)
+        if why is not None:
+            self.give_up(why)
+        return last_seq
+
+    def give_up(self, why: str) -> None:
+        """The stream is not the log the projection is a fold of (`replaced_by`, or the fold could not
+        tell): fold nothing more, fail every wait (UNAVAILABLE, now and from now on), and tell
+        `on_stale`. Once; the subscription stays until `stop`."""
+        if self.stale is not None:
+            return
+        self.stale = why
+        if self._direct is not None:  # what arrives now takes nats-py's path, and `_on_msg` drops it
+            self._direct.close()
+            self._direct = None
+        error = self.stale_error()
+        for _, _, waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_exception(error)
+        self._waiters.clear()
+        for callback in self.on_stale:
+            try:
+                callback(why)
+            except Exception:
+                log.exception("telling that the fold gave up failed")
+
+    def stale_error(self) -> Exception:
+        """What a request gets from a fold given up (UNAVAILABLE: another replica may answer)."""
+        return unavailable(f"this scheduler replica stopped folding the log ({self.stale}); try another replica")
+
+    async def _recreate(self, recreate: Callable[[], Awaitable[None]]) -> None:
+        """nats-py re-makes the fold's consumer (`events.natspy.guard_recreation`): missed heartbeats
+        (a stream leader lost; the stream deleted, and maybe made again by now) or a delivery out of
+        order. It is made from the sequence after the last one read, on the stream that has the name
+        now; so its messages are held (the fold paused) until the stream's info, asked once it is
+        made, says which incarnation that is: the projection's, and the fold goes on; another, and
+        the fold gives up, having folded none of it. The info is asked until it answers, through an
+        election and through a time without the stream (deleted, not made again yet), while the
+        consumer's messages wait. One check at a time: a reset meanwhile is left to the next one."""
+        if self.stale is not None or self._guard is not None:
+            return
+        self._guard = asyncio.current_task()
+        try:
+            async with self.paused():
+                await recreate()
+                try:
+                    info = await self._stream_info()
+                except Exception as error:  # a connection closed for good: what it reads is not known
+                    self.give_up(f"which stream the fold's consumer on {self.stream} reads could not be asked "
+                                 f"({describe_error(error)})")
+                else:
+                    self.check_stream(info)
+        finally:
+            if self._guard is asyncio.current_task():
+                self._guard = None
+
+    async def _stream_info(self) -> Any:
+        """The stream's info, asked until it answers: again while JetStream cannot (`until_answered`),
+        and while the stream does not exist (its next incarnation will answer)."""
+        js = self.nc.jetstream()
+        while True:
+            try:
+                return await until_answered(lambda: js.stream_info(self.stream), f"the stream {self.stream}",
+                                            math.inf)
+            except NotFoundError:
+                await asyncio.sleep(STREAM_GONE_RETRY_S)
 
     @asynccontextmanager
     async def paused(self) -> AsyncIterator[None]:
@@ -208,6 +340,8 @@ class Fold:
         try:
             while self._paused is not None:
                 await asyncio.shield(self._paused)
+            if self.stale is not None:  # given up while it waited: not of the projection's stream, maybe
+                return
             seq, behind = ack_positions(msg.reply)
             self._folded(seq, behind, msg.subject, msg.headers, msg.data)
         finally:
@@ -281,6 +415,8 @@ class Fold:
         every waiter that asks meanwhile): for one past the end of the log there is nothing
         to wait for, and it is UNAVAILABLE then, not after the whole `timeout` of holding a
         request's slot (a seq a caller was given is in the log before it reaches the caller)."""
+        if self.stale is not None:
+            raise self.stale_error()
         if not seq or self.projection.seq >= seq:
             return
         loop = asyncio.get_running_loop()
@@ -321,4 +457,4 @@ class Fold:
             info = await asyncio.wait_for(asyncio.shield(self._end[1]), max(within, 0.0))
         except Exception:  # not known: the wait goes on as before
             return None
-        return info.state.last_seq
+        return self.check_stream(info)

@@ -80,6 +80,11 @@ class Projection:
     def __init__(self) -> None:
         self.seq = 0
         self.events = 0
+        # The creation time of the stream this is a fold of (`stream_identity`): its incarnation. A
+        # stream deleted and made again (the event store makes it again) is another log whose
+        # sequences start over, and this projection is of none of it. Set by the fold that starts
+        # it from sequence 1, or from the checkpoint it is restored from; None until then.
+        self.stream_created: str | None = None
         self.workers: dict[str, Worker] = {}
         self.classes: dict[str, ClassIndex] = {}
         self.actors: dict[str, Actor] = {}

@@ -9,6 +9,12 @@ queue group, so any number of replicas serve. A resume waits for `min_seq`, is
 answered from the log if its request id already placed the actor, else is submitted
 to the committer; one that loses a commit race is decided again on fresh state, at
 most `commit_attempts` times, then answers UNAVAILABLE.
+
+A replica whose event stream is deleted and made again while it runs holds a projection
+of a log that is gone: its fold gives up (`Fold.give_up`, within about 2 s of the
+deletion), and the replica stops serving: one error line, every request UNAVAILABLE,
+and `failed` done with the reason, which ends `warmboot serve` with exit status 1
+(`warmboot.runner.until_stopped`). Started again, it folds the new stream.
 """
 
 from __future__ import annotations
@@ -172,6 +178,10 @@ class SchedulerService:
         self._gauges: asyncio.Task[None] | None = None
         self._gauge_labels: set[tuple[str, ...]] = set()
         self._stopping = False
+        # Done, with the reason, once this replica cannot serve any more (its fold gave up: the stream
+        # was made again); whoever runs it then stops it (`warmboot.runner.until_stopped`). Made by start().
+        self.failed: asyncio.Future[str] | None = None
+        self.fold.on_stale.append(self._stale)
 
     @property
     def projection(self) -> Projection:
@@ -180,6 +190,7 @@ class SchedulerService:
     # --- life cycle ---
 
     async def start(self) -> "SchedulerService":
+        self.failed = asyncio.get_running_loop().create_future()
         # The store's link runs on this loop: the committer's appends are awaited here, not
         # handed to a thread (`events.jetstream.link.links_on`); this store is used for nothing else.
         with links_on(asyncio.get_running_loop()):
@@ -230,7 +241,14 @@ class SchedulerService:
             await asyncio.to_thread(store.close)
 
     async def _last_seq(self) -> int:
-        return (await self.nc.jetstream().stream_info(self.stream)).state.last_seq
+        return self.fold.check_stream(await self.nc.jetstream().stream_info(self.stream))
+
+    def _stale(self, why: str) -> None:
+        """The fold gave up: its projection is of another incarnation of the stream. Serve nothing more."""
+        log.error("%s: stopping; start the replica again to fold the new stream", why)
+        self._stopping = True
+        if self.failed is not None and not self.failed.done():
+            self.failed.set_result(why)
 
     # --- endpoints ---
 

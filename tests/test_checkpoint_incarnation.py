@@ -1,0 +1,195 @@
+"""A scheduler replica whose event stream is deleted and made again while it runs.
+
+The event store makes a deleted stream again; its sequences start over, and a replica
+that outlived the deletion holds a projection of a log that is gone. Its checkpoints
+must not pass for the new stream's (they are labelled with the incarnation the
+projection is a fold of, and a save for a stream made again is refused), and the
+replica itself stops rather than fold the new stream from its old position. On a real
+nats-server; every wait is on a log line, a future or a process's end, never a sleep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from events.errors import ContractError
+from events.schema import Assignment, ErrorCode, Fidelity, ResumeActor, WorkerFenced
+from events.subjects import stream_name
+from services.common import call, service_subject
+from services.scheduler.checkpoint import Checkpoints, incarnation_of
+from services.scheduler.decide import decide
+from services.scheduler.fold import Fold
+from services.scheduler.projection import Projection
+from tests.factories import AT, Writer, created, entry, registered, snapshot, taken, version
+
+V1, V2 = version("1"), version("2")
+STOPS_WITHIN_S = 20.0  # nats-py re-makes the consumer of a deleted stream within about 2 s
+STOPPING = ": stopping; start the replica again to fold the new stream"
+
+
+def fence(worker_id: str) -> WorkerFenced:
+    return WorkerFenced(at=AT, worker_id=worker_id, event="WorkerRegistered")
+
+
+# The old stream: w1 restores V2 snapshots, and a1 waits with a V2 snapshot (a MEMORY restore on w1).
+OLD = (registered("w1", entry(V1, (V2,))), fence("w1"), created("a1"), taken(snapshot("a1", V2)))
+# The same bootstrap written again into the new stream, but w1 runs V1 only now: it cannot load a1's
+# image, and two more actors (sequences past the old stream's end).
+NEW = (registered("w1", entry(V1)), fence("w1"), created("a1"), taken(snapshot("a1", V2)), created("b1"),
+       created("b2"))
+
+
+async def write(nats_url: str, prefix: str, events: tuple) -> int:
+    writer = await asyncio.to_thread(Writer, nats_url, prefix)  # makes the stream if it is not there
+    try:
+        return await asyncio.to_thread(writer.write, *events)
+    finally:
+        await asyncio.to_thread(writer.close)
+
+
+async def created_at(nc, prefix: str) -> str:
+    return (await nc.jetstream().stream_info(stream_name(prefix))).created.isoformat()
+
+
+async def made_again(nc, nats_url: str, prefix: str) -> tuple[str, str]:
+    """Delete the stream and write the bootstrap again (NEW): (old, new) creation times."""
+    old = await created_at(nc, prefix)
+    await nc.jetstream().delete_stream(stream_name(prefix))
+    await write(nats_url, prefix, NEW)
+    new = await created_at(nc, prefix)
+    assert new != old
+    return old, new
+
+
+async def replay(nc, prefix: str) -> Projection:
+    fold = Fold(nc, prefix, Projection())
+    await fold.start(30)
+    await fold.stop()
+    return fold.projection
+
+
+@contextmanager
+def logged(logger: str, text: str) -> Iterator[asyncio.Event]:
+    """An event set once `logger` logs a message holding `text`."""
+    seen = asyncio.Event()
+
+    class Seen(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if text in record.getMessage():
+                seen.set()
+
+    handler = Seen()
+    logging.getLogger(logger).addHandler(handler)
+    try:
+        yield seen
+    finally:
+        logging.getLogger(logger).removeHandler(handler)
+
+
+def replaced(prefix: str, new: str, old: str) -> str:
+    return f"the event stream {stream_name(prefix)} was made again (created {new}, the projection's {old})"
+
+
+async def test_a_replica_that_outlived_its_stream_leaves_no_checkpoint_a_new_replica_would_load(
+        nc, nats_url, prefix, replicas):
+    """The review's reproduction: the old replica's save (what its time trigger does) after the
+    stream was made again used to label its old projection with the new stream's creation time,
+    and a replica started afterwards loaded it and committed a MEMORY restore of a1 on w1, which
+    the new log registers without V2."""
+    last = await write(nats_url, prefix, OLD)
+    first = await replicas(metrics=False, checkpoint_every=10**9, checkpoint_interval_s=0)
+    assert first.projection.seq == last
+    old, new = await made_again(nc, nats_url, prefix)
+
+    saved = await first.checkpoints.save(first.projection)  # what its time trigger does
+    await first.stop()  # as the process that runs it does once it fails (the save told it: see below)
+
+    full = await replay(nc, prefix)
+    expected = decide(full, "a1", None, full.seq)
+    assert expected.fidelity is not Fidelity.MEMORY
+    second = await replicas(metrics=False, checkpoint_every=10**9, checkpoint_interval_s=0)
+    assigned = await call(nc, service_subject(prefix, "scheduler", "resume", "a1"), ResumeActor(), Assignment,
+                          timeout=10)
+    assert (assigned.worker_id, assigned.fidelity) == ("w1", expected.fidelity), "a MEMORY restore w1 cannot load"
+    assert second.checkpoints.restored_seq == 0 and second.projection.stream_created == new
+    now = incarnation_of(new)
+    assert saved is None and not [name for _, written_for, name in await first.checkpoints.list()
+                                  if written_for == now], "a checkpoint of the old log labelled with the new stream"
+    assert first.failed.done() and first.failed.result() == replaced(prefix, new, old)
+
+
+async def test_a_running_replica_stops_when_its_stream_is_made_again(nc, nats_url, prefix, replicas, caplog):
+    """No checkpoint at all (none is saved): nats-py re-makes the fold's consumer of the deleted stream,
+    on the new one, from the old position; the fold holds what it delivers, sees another incarnation
+    and gives up, having folded none of it, and the replica answers nothing more."""
+    last = await write(nats_url, prefix, OLD)
+    first = await replicas(metrics=False, checkpoint_every=10**9, checkpoint_interval_s=0)
+    caplog.set_level(logging.ERROR, logger="warmboot.scheduler")
+    with logged("warmboot.scheduler", STOPPING) as stopping:
+        old, new = await made_again(nc, nats_url, prefix)
+        await asyncio.wait_for(stopping.wait(), STOPS_WITHIN_S)
+
+    why = replaced(prefix, new, old)
+    assert [r.getMessage() for r in caplog.records if STOPPING in r.getMessage()] == [why + STOPPING]
+    assert first.failed.done() and first.failed.result() == why
+    # nothing of the new stream was folded into the old projection
+    assert first.projection.seq == last and set(first.projection.actors) == {"a1"}
+    assert first.projection.workers["w1"].classes["gvisor"].restorable, "w1 as the old stream registered it"
+    with pytest.raises(ContractError) as refused:
+        await call(nc, service_subject(prefix, "scheduler", "resume", "a1"), ResumeActor(), Assignment, timeout=10)
+    assert refused.value.code is ErrorCode.UNAVAILABLE and why in refused.value.message
+
+
+async def test_a_save_for_a_stream_made_again_is_refused(nc, nats_url, prefix, replicas, caplog):
+    """Nothing saved and nothing deleted: the new stream's own checkpoint, stored by a replica of
+    it, stays as it is."""
+    await write(nats_url, prefix, OLD)
+    first = await replicas(metrics=False, checkpoint_every=10**9, checkpoint_interval_s=0)
+    old, new = await made_again(nc, nats_url, prefix)
+    second = await replicas(metrics=False, checkpoint_every=10**9, checkpoint_interval_s=0)
+    genuine = await second.checkpoints.save(second.projection)
+    assert genuine is not None and incarnation_of(new) in genuine
+    stored = await second.checkpoints.list()
+
+    caplog.set_level(logging.ERROR, logger="warmboot.scheduler.checkpoint")
+    assert await first.checkpoints.save(first.projection) is None
+    assert await second.checkpoints.list() == stored
+    assert f"checkpoint not saved: {replaced(prefix, new, old)}" in [r.getMessage() for r in caplog.records]
+    assert first.failed.done() and not second.failed.done()
+
+    # a projection that does not say which stream it is a fold of is not saved either
+    caplog.clear()
+    unlabelled = await (await Checkpoints(nc, prefix).open()).save(Projection())
+    assert unlabelled is None and await second.checkpoints.list() == stored
+    assert "does not say which incarnation" in caplog.text
+
+
+async def test_serve_ends_with_a_failure_status_when_its_stream_is_made_again(nc, nats_url, prefix):
+    """As deployed: `warmboot serve scheduler` logs the one line and exits with status 1."""
+    from tests.secured_helpers import Serve
+
+    await write(nats_url, prefix, OLD)
+    # this checkout's code, wherever the installed `warmboot` points (a git worktree shares the venv)
+    here = str(Path(__file__).resolve().parents[1])
+    serve = Serve("scheduler", "--nats", nats_url, "--prefix", prefix,
+                  env={"PYTHONPATH": os.pathsep.join(filter(None, (here, os.environ.get("PYTHONPATH"))))})
+    await asyncio.to_thread(serve.start)
+    try:
+        old, new = await made_again(nc, nats_url, prefix)
+        line = await asyncio.to_thread(serve.line, STOPPING, STOPS_WITHIN_S, True)
+        assert re.search(r" ERROR warmboot\.scheduler: " + re.escape(replaced(prefix, new, old) + STOPPING) + "$",
+                         line), line
+        ended = await asyncio.to_thread(serve.process.wait, 30)
+    finally:
+        code = await asyncio.to_thread(serve.stop)
+    assert ended == code == 1, serve.output
+    assert sum(STOPPING in text for text in serve.lines) == 1, serve.output  # one line says why
+    assert "stopping" in serve.lines[serve.lines.index(line):], serve.output  # then it stopped its services
