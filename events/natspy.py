@@ -576,16 +576,18 @@ def deliver_core(nc: Any, sub: Any, on_msg: Callable[[Msg], None],
 
 class ErrorsOnce:
     """nats-py's `error_cb`: each error logged to `logger` (None: not logged) once while it
-    repeats, one line; the last kept (`last`) for a caller that gives up waiting."""
+    repeats, one line naming `where` (the server, as a log may show it); the last kept (`last`)
+    for a caller that gives up waiting."""
 
-    def __init__(self, logger: logging.Logger | None = log) -> None:
+    def __init__(self, logger: logging.Logger | None = log, where: str = "") -> None:
         self.logger = logger
+        self.where = f"NATS at {where}" if where else "NATS"
         self.last: Exception | None = None
 
     async def report(self, error: Exception) -> None:
         """The callback itself (nats-py takes only coroutine functions)."""
         if self.logger is not None and (self.last is None or describe_error(error) != describe_error(self.last)):
-            self.logger.warning("NATS: %s", describe_error(error))
+            self.logger.warning("%s: %s", self.where, describe_error(error))
         self.last = error
 
     def reset(self) -> None:

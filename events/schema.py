@@ -26,6 +26,7 @@ from msgspec import Meta, Struct, field
 # regex engines reading the published JSON Schema.
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}(?!\n)$"
 ID_RE = re.compile(ID_PATTERN)  # an id checked outside a Struct (a subject token, a file's entry)
+ID_WORDS = "1 to 128 letters, digits, '_' or '-', the first a letter or digit"  # ID_PATTERN, as errors say it
 CLASS_PATTERN = r"^[a-z][a-z0-9-]{0,62}(?!\n)$"
 SCHEMA_VERSION_PATTERN = r"^v[1-9][0-9]{0,3}(?!\n)$"
 ATTR_KEY_PATTERN = r"^[a-z][a-z0-9_]{0,127}(?!\n)$"

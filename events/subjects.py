@@ -10,7 +10,8 @@ PREFIX_PATTERN = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 
 def check_prefix(prefix: str) -> str:
     if not PREFIX_PATTERN.match(prefix):
-        raise ValueError(f"prefix {prefix!r} must match {PREFIX_PATTERN.pattern}")
+        raise ValueError(f"prefix {prefix!r} must be 1 to 32 lower-case letters, digits, '_' or '-', the first a "
+                         f"letter ({PREFIX_PATTERN.pattern})")
     return prefix
 
 

@@ -904,7 +904,11 @@ def start_metrics(port: int | None, host: str = LOOPBACK) -> int | None:
         return None
     from prometheus_client import start_http_server
 
-    server, _thread = start_http_server(port, addr=host)
+    try:
+        server, _thread = start_http_server(port, addr=host)
+    except OSError as e:  # said as what it is: the caller's option, not a traceback of the http server
+        raise OSError(e.errno, f"cannot serve metrics on {host}:{port}: {e.strerror or e}"
+                               + ("; try another port, or 0 for any free one" if port else "")) from None
     return server.server_port
 
 

@@ -526,7 +526,7 @@ def test_agent_command_prints_the_registration(tmp_path):
     assert result.exit_code == 0, result.output
     assert '"gvisor_asset_hash"' in result.output and '"cpu_features"' in result.output
     bad = CliRunner().invoke(main, ["agent", "--worker-id", "bad id", "--node", "n", "--config", str(path)])
-    assert bad.exit_code == 2 and "one NATS subject token" in bad.output
+    assert bad.exit_code == 2 and "is not an id: 1 to 128 letters" in bad.output
 
 
 async def test_agent_stops_promptly_while_nats_is_unreachable(tmp_path):

@@ -59,7 +59,7 @@ def test_a_command_whose_server_does_not_answer_ends_with_one_line_naming_it():
 
 
 def test_an_error_is_logged_once_while_it_repeats_and_again_after_a_reconnect(caplog):
-    errors = ErrorsOnce(logging.getLogger("test.nats"))
+    errors = ErrorsOnce(logging.getLogger("test.nats"), "nats://h:1")
     refused, reset = ConnectionRefusedError(111, "Connection refused"), ConnectionResetError(104, "reset")
 
     async def report(*seen):
@@ -71,7 +71,8 @@ def test_an_error_is_logged_once_while_it_repeats_and_again_after_a_reconnect(ca
         errors.reset()  # connected again: the same error is news
         asyncio.run(report(TimeoutError()))
     assert [r.getMessage() for r in caplog.records] == [
-        "NATS: [Errno 111] Connection refused", "NATS: [Errno 104] reset", "NATS: TimeoutError", "NATS: TimeoutError"]
+        "NATS at nats://h:1: [Errno 111] Connection refused", "NATS at nats://h:1: [Errno 104] reset",
+        "NATS at nats://h:1: TimeoutError", "NATS at nats://h:1: TimeoutError"]
     assert all(r.exc_info is None for r in caplog.records)  # one line each, no traceback
     assert isinstance(errors.last, TimeoutError)
     silent = ErrorsOnce(None)
@@ -86,7 +87,7 @@ def test_a_service_waits_for_its_server_saying_so_once_and_serves_when_it_comes(
     started.start()
     server = NatsServer(tmp_path / "nats", port=port)
     try:
-        serve.line("NATS: ", anywhere=True)  # it has tried, and said why it waits
+        serve.line(f"NATS at nats://127.0.0.1:{port}: ", anywhere=True)  # it has tried, and said why it waits
         server.start()
         started.join(60)
         assert serve.line("serving scheduler")
@@ -95,3 +96,48 @@ def test_a_service_waits_for_its_server_saying_so_once_and_serves_when_it_comes(
         server.stop()
     # nats-py's own callback logs "encountered error" with a traceback, every half second
     assert "Traceback" not in serve.output and "encountered error" not in serve.output, serve.output
+
+
+# --- more of what a first user runs into (a review that used the CLI as a new user would) ----------
+
+
+def test_up_refuses_a_bad_prefix_and_port_before_it_starts_anything(tmp_path):
+    store = tmp_path / "store"
+    for args, says in ((["--prefix", "bad prefix"], "Invalid value for '--prefix'"),
+                       (["--port", "70000"], "Invalid value for '--port'")):
+        result = CliRunner().invoke(main, ["up", "--store", str(store), *args])
+        assert result.exit_code == 2 and says in result.output, result.output
+    assert not store.exists()  # nothing started, nothing written
+
+
+def test_a_metrics_port_taken_is_one_line_naming_it(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(main, ["up", "--port", "0", "--metrics-port", str(port),
+                                           "--store", str(tmp_path / "store")])
+    assert result.exit_code == 1, result.output
+    assert f"Error: [Errno 98] cannot serve metrics on 127.0.0.1:{port}: Address already in use" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_nats_config_bcrypt_without_secrets_is_refused_writing_nothing(tmp_path):
+    out = tmp_path / "auth.conf"
+    result = CliRunner().invoke(main, ["nats-config", "--auth", "bcrypt", "--worker", "w-1", "--out", str(out)])
+    assert result.exit_code == 2 and "--auth bcrypt needs --secrets FILE" in result.output
+    assert not out.exists()
+
+
+def test_schema_check_of_a_missing_file_names_it(tmp_path):
+    result = CliRunner().invoke(main, ["schema", "--check", str(tmp_path / "none.json"), "--as", "CreateActor"])
+    assert result.exit_code == 2 and "does not exist" in result.output and "Traceback" not in result.output
+
+
+def test_ids_and_prefixes_are_refused_in_words():
+    result = CliRunner().invoke(main, ["nats-config", "--worker", "bad id"])
+    assert result.exit_code == 2 and "'bad id' is not an id: 1 to 128 letters, digits" in result.output
+    result = CliRunner().invoke(main, ["workers", "--prefix", "Bad"])
+    assert result.exit_code == 2 and "must be 1 to 32 lower-case letters" in result.output

@@ -289,6 +289,13 @@ async def test_fragmentation_command_fits_and_labels_like_workers(operated, nats
     assert sum(rt.snapshots_memory for _, rt in rows) == 3  # the paused actors' images
 
 
+async def test_a_class_filter_that_matches_nothing_says_so_not_that_nothing_is_registered(operated, nats_url):
+    prefix, _ = operated
+    for command in ("workers", "fragmentation"):
+        shown = await cli(command, "--class", "nope", "--nats", nats_url, "--prefix", prefix)
+        assert (shown.exit_code, shown.output) == (0, "no worker registers the sandbox class nope\n")
+
+
 async def test_explain_command_fits_and_shows_the_pin_by_its_label(operated, nats_url):
     prefix, nc = operated
     why = await call(nc, service_subject(prefix, "scheduler", "explain", "a-0001"), ExplainResume(), Explanation)

@@ -63,7 +63,7 @@ from nats.aio.client import Client as NATS
 from events.codec import decode_request, encode, to_builtins
 from events.errors import ContractError
 from events.tasks import cancel_and_wait
-from events.natsauth import nkey_options, nkey_seed_path
+from events.natsauth import nkey_options, nkey_seed_path, redact_url
 from events.natspy import ErrorsOnce, guard_reads
 from events.probe import (DEFAULT_CPUINFO, MACHINE_TO_ARCH, PROFILES, SCHEMA_VERSION, ProbeError, host_architecture,
                           probe_version, read_cpuinfo)
@@ -385,7 +385,7 @@ class Agent:
         self._beat_soon = False  # a heartbeat was refused before the TTL was learnt: beat again soon
         self.edited = False  # whether the last read of the file found it edited (else the machine changed)
         self._background: set[asyncio.Task[None]] = set()  # registrations the heartbeats do not wait for
-        self._errors = ErrorsOnce(log)  # the connection's errors, logged once each while they repeat
+        self._errors = ErrorsOnce(log, redact_url(nats_url))  # the connection's errors, once each while they repeat
 
     # --- configuration -------------------------------------------------------------------
 

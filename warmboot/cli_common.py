@@ -15,7 +15,7 @@ from events.compat import compat_key, describe_key
 from events.errors import ContractError, unavailable
 from events.natsauth import check_url, redact_url
 from events.natspy import ErrorsOnce, describe_error
-from events.schema import ID_PATTERN, ID_RE
+from events.schema import ID_RE, ID_WORDS
 from events.subjects import DEFAULT_PREFIX, check_prefix, stream_name
 from services.common import EVENT_LOOP_ENV, EVENT_LOOPS
 from warmboot.runner import connect
@@ -33,8 +33,6 @@ def check_nats_option(ctx: click.Context | None, param: click.Parameter | None, 
 
 nats_option = click.option("--nats", "nats_url", default="nats://127.0.0.1:4222", show_default=True,
                            envvar="NATS_URL", callback=check_nats_option, help="NATS server URL(s), comma-separated.")
-prefix_option = click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="WARMBOOT_PREFIX",
-                             help="Subject prefix of the deployment.")
 event_loop_option = click.option(
     "--event-loop", type=click.Choice(EVENT_LOOPS), default=None, envvar=EVENT_LOOP_ENV,
     help="The services' event loop: uvloop (the default where it is installed: less CPU per request), "
@@ -51,7 +49,7 @@ def check_id(ctx: click.Context | None, param: click.Parameter | None, value):
     values = value if isinstance(value, tuple) else (value,)
     for v in values:
         if v is not None and not ID_RE.match(v):
-            raise click.BadParameter(f"{v!r} must match {ID_PATTERN} (one NATS subject token)")
+            raise click.BadParameter(f"{v!r} is not an id: {ID_WORDS}")
     return value
 
 
@@ -61,6 +59,10 @@ def check_prefix_option(ctx: click.Context, param: click.Parameter, value: str) 
         return check_prefix(value)
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
+
+
+prefix_option = click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="WARMBOOT_PREFIX",
+                             callback=check_prefix_option, help="Subject prefix of the deployment.")
 
 
 class Failed(click.ClickException):

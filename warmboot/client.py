@@ -43,6 +43,7 @@ from events.errors import ContractError, invalid, unavailable
 from events.natspy import guard_reads
 from events.schema import (
     ID_RE,
+    ID_WORDS,
     Assignment,
     Base,
     CreateActor,
@@ -138,7 +139,7 @@ class Client:
         its request_id, unchanged); remember the reply's `seq`."""
         if entity is not None and not ID_RE.match(entity):
             # a subject token is what an id is for: a dot or a space would change the subject
-            raise invalid(f"{entity!r} is not an id: 1 to 128 letters, digits, '_' or '-', the first a letter or digit",
+            raise invalid(f"{entity!r} is not an id: {ID_WORDS}",
                           "worker_id" if service == "registry" else "actor_id")
         subject = service_subject(self.prefix, service, verb, entity)
         data = encode(body)

@@ -60,7 +60,7 @@ def probe(profile: str, cpuinfo_path: Path, arch: str | None, attrs: tuple[str, 
 
 
 @click.command("schema")
-@click.option("--check", "body_path", type=click.Path(dir_okay=False, path_type=Path, allow_dash=True),
+@click.option("--check", "body_path", type=click.Path(exists=True, dir_okay=False, path_type=Path, allow_dash=True),
               default=None, metavar="BODY.json", help="Validate this body (- for standard input) instead of printing.")
 @click.option("--as", "name", default=None, metavar="NAME",
               help="The body's type: a request, reply or event name, or AnyRequest, AnyReply, AnyEvent.")

@@ -14,7 +14,7 @@ from events.subjects import DEFAULT_PREFIX
 from services.common import ALL_INTERFACES, run_serving, tune_gc
 from services.registry.binding import UNBIND
 from services.registry.nodes import describe, load_nodes
-from warmboot.cli_common import check_nats_option, event_loop_option
+from warmboot.cli_common import check_nats_option, check_prefix_option, event_loop_option
 from services.scheduler.checkpoint import DEFAULT_EVERY_EVENTS, DEFAULT_INTERVAL_S
 from warmboot.runner import SERVICES, dump_on_signal, start_services, stop_signals, until_stopped
 
@@ -38,7 +38,7 @@ SERVICE_OPTIONS = {
 @click.option("--nkey-seed", type=click.Path(exists=True, dir_okay=False), default=None, envvar=NKEY_SEED_ENV,
               help="Sign in with the nkey seed in this file (warmboot nats-config --auth nkey).")
 @click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="WARMBOOT_PREFIX",
-              help="Subject prefix of the deployment.")
+              callback=check_prefix_option, help="Subject prefix of the deployment.")
 @click.option("--metrics-port", type=int, default=None,
               help="Serve Prometheus metrics on this port (0: any free port).")
 @click.option("--metrics-host", default=ALL_INTERFACES, show_default=True,

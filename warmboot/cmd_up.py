@@ -13,7 +13,7 @@ from rich.console import Console
 from events.subjects import DEFAULT_PREFIX, stream_name
 from services.common import run_serving, tune_gc
 from services.scheduler.checkpoint import DEFAULT_EVERY_EVENTS, DEFAULT_INTERVAL_S
-from warmboot.cli_common import event_loop_option
+from warmboot.cli_common import check_prefix_option, event_loop_option
 from warmboot.natsserver import NatsServer, NatsServerError
 from warmboot.runner import SERVICES, dump_on_signal, start_services, stop_signals, until_stopped
 
@@ -21,11 +21,12 @@ console = Console()
 
 
 @click.command()
-@click.option("--port", type=int, default=4222, show_default=True, help="NATS client port (0: any free port).")
+@click.option("--port", type=click.IntRange(0, 65535), default=4222, show_default=True, help="NATS client port (0: any free port).")
 @click.option("--store", type=click.Path(file_okay=False, path_type=Path), default=Path(".warmboot"),
               show_default=True, help="JetStream store directory.")
-@click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, help="Subject prefix.")
-@click.option("--metrics-port", type=int, default=9464, show_default=True,
+@click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="WARMBOOT_PREFIX",
+              callback=check_prefix_option, help="Subject prefix.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=9464, show_default=True,
               help="Prometheus metrics port (0: any free port).")
 @click.option("--demo/--no-demo", default=False, show_default=True,
               help="Drive a simulated fleet through the real bus and print a summary.")
@@ -54,7 +55,8 @@ def up(port: int, store: Path, prefix: str, metrics_port: int, demo: bool, exit_
     try:
         server.start()
     except NatsServerError as e:
-        raise click.ClickException(f"{e}\n(is another warmboot or NATS on port {port}? try --port 0)") from None
+        hint = f"\n(is another warmboot or NATS on port {port}? try --port 0)" if "in use" in str(e) else ""
+        raise click.ClickException(f"{e}{hint}") from None
 
     failed: list[str] = []  # a service that could not go on (it logged why)
 
@@ -91,6 +93,8 @@ def up(port: int, store: Path, prefix: str, metrics_port: int, demo: bool, exit_
 
     try:
         run_serving(run, event_loop)
+    except OSError as e:  # a port taken (metrics), a store that cannot be written
+        raise click.ClickException(str(e)) from None
     finally:
         server.stop()
     if failed:

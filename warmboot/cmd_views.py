@@ -196,9 +196,11 @@ def runtime_columns(runtimes: Runtimes) -> list[Column]:
     ]
 
 
-def render_fragmentation(answer: Fragmentation, runtimes: Runtimes, width: int | None, wide: bool = False) -> str:
+def render_fragmentation(answer: Fragmentation, runtimes: Runtimes, width: int | None, wide: bool = False,
+                         sandbox_class: str | None = None) -> str:
     if not answer.classes:
-        return "no sandbox classes registered"
+        return (f"no worker registers the sandbox class {sandbox_class}" if sandbox_class is not None
+                else "no sandbox classes registered")
     classes = render_table(CLASS_COLUMNS, answer.classes, width, wide)
     rows = [(c.sandbox_class, rt) for c in answer.classes for rt in c.runtimes]
     table = render_table(runtime_columns(runtimes), rows, width, wide)
@@ -228,7 +230,7 @@ def fragmentation(sandbox_class: str | None, min_seq: int | None, nats_url: str,
     if mode == "json":
         echo_json(to_builtins(answer))
         return
-    click.echo(render_fragmentation(answer, runtimes, terminal_width(), mode == "wide"))
+    click.echo(render_fragmentation(answer, runtimes, terminal_width(), mode == "wide", sandbox_class))
 
 
 # --- workers ------------------------------------------------------------------------------------------
@@ -306,7 +308,8 @@ def workers(sandbox_class: str | None, nats_url: str, prefix: str, output: str |
         echo_json(rows)
         return
     if not rows:
-        click.echo("no workers registered")
+        click.echo(f"no worker registers the sandbox class {sandbox_class}" if sandbox_class is not None
+                   else "no workers registered")
         return
     width = terminal_width()
     echo_table(render_workers(rows, width, mode == "wide"), width)

@@ -17,7 +17,7 @@ import click
 
 from events.jetstream.layout import LEADER_ELECTED_ADVISORY
 from events.subjects import DEFAULT_PREFIX, bucket_name, events_filter, services_inbox, stream_name
-from events.schema import ID_PATTERN, ID_RE
+from events.schema import ID_RE, ID_WORDS
 from services.registry.nodes import encode_nodes
 from warmboot.cli_common import check_id, check_prefix_option
 
@@ -315,7 +315,7 @@ def _worker_nodes(entries: list[tuple[str, str]]) -> dict[str, str | None]:
         worker_id, _, node = entry.partition("@")
         for value in (worker_id, node) if node or "@" in entry else (worker_id,):
             if not ID_RE.match(value):
-                raise click.BadParameter(f"{where}: {value!r} must match {ID_PATTERN} (one NATS subject token)",
+                raise click.BadParameter(f"{where}: {value!r} is not an id: {ID_WORDS}",
                                          param_hint="--worker")
         known = nodes.get(worker_id)
         if known is not None and node and known != node:
@@ -419,6 +419,9 @@ def nats_config(
 
     if auth == "nkey" and secrets_path is None and seeds_dir is None:
         raise click.UsageError("--auth nkey needs --secrets or --seeds-dir: a seed nobody keeps signs nothing")
+    if auth == "bcrypt" and secrets_path is None:
+        raise click.UsageError("--auth bcrypt needs --secrets FILE: the block holds only hashes, and a password "
+                               "nobody keeps signs nobody in")
 
     outputs = {"--secrets": secrets_path, "--out": out_path, "--worker-nodes": worker_nodes_path}
     written: dict[Path, str] = {}

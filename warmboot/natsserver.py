@@ -154,7 +154,10 @@ class NatsServer:
         # The log can end (the process exiting, e.g. its port taken) a moment before
         # the exit is visible to poll(): only the ready line itself means ready.
         if not self._ready.wait(timeout) or not self._ready_logged or not self.running:
-            tail = "\n".join(list(self.log)[-20:])
+            lines = list(self.log)
+            # its fatal and error lines say why; the whole tail (a banner of 20 lines) only when none does
+            said = [line for line in lines if "[FTL]" in line or "[ERR]" in line]
+            tail = "\n".join(said[-5:] or lines[-20:])
             why = "exited before it was ready" if self._ready.is_set() else f"was not ready within {timeout}s"
             self.stop()
             raise NatsServerError(f"nats-server {why}:\n{tail}")

@@ -69,7 +69,7 @@ async def connect(url: str, name: str, *, inbox_prefix: str | None = None, nkey_
     if inbox:
         options["inbox_prefix"] = inbox
     if errors is None:
-        errors = ErrorsOnce(log)
+        errors = ErrorsOnce(log, redact_url(url))
 
     async def reconnected() -> None:
         errors.reset()

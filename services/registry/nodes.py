@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 
 from events.errors import precondition
-from events.schema import ID_PATTERN, ID_RE
+from events.schema import ID_RE, ID_WORDS
 
 _decoder = msgspec.json.Decoder(dict[str, str])
 
@@ -40,7 +40,7 @@ def parse_nodes(data: bytes, source: str) -> dict[str, str]:
     for worker_id, node in nodes.items():
         for what, value in (("worker id", worker_id), (f"node of worker {worker_id!r}", node)):
             if not ID_RE.match(value):
-                raise ValueError(f"{source}: the {what} {value!r} is not an id (it must match {ID_PATTERN})")
+                raise ValueError(f"{source}: the {what} {value!r} is not an id: {ID_WORDS}")
     _refuse_repeated_ids(data, source)
     return nodes
 
