@@ -545,6 +545,76 @@ async def until_answered(call: Callable[[], Awaitable[T]], what: str, within: fl
         pause = min(pause * 2, 2.0)
 
 
+# --- the incarnation of the event stream --------------------------------------------------------
+
+INCARNATION_CHECK_S = 5.0  # how often a service's StreamWatch asks which stream has the name
+
+
+def stream_identity(info: Any) -> tuple[str, int]:
+    """(creation time, last sequence) of the stream whose info (nats-py's StreamInfo) this is:
+    the creation time names its incarnation (`Projection.stream_created`)."""
+    return (info.created.isoformat() if info.created is not None else ""), info.state.last_seq
+
+
+def replaced_by(stream: str, folded: str | None, created: str) -> str | None:
+    """Why the stream `stream`, created at `created` as it is now, is not the log a process read as
+    the incarnation created at `folded` (a projection's `Projection.stream_created`, a service's
+    `StreamWatch.created`); None if it is."""
+    if folded is None:
+        return f"the projection does not say which incarnation of the event stream {stream} it is a fold of"
+    if created != folded:
+        return f"the event stream {stream} was made again (created {created}; this process read the one created {folded})"
+    return None
+
+
+class StreamWatch:
+    """Fails a service whose event stream is deleted and made again while it runs (`failed`, done
+    with the reason; `warmboot.runner.until_stopped` then stops the process, status 1): what the
+    service folded of the log (the registry's roster, the snapshotter's placements and positions)
+    is of a log that no longer exists, and sequences start over in the new one. The stream's info
+    is asked every `every` seconds (a stream that does not exist, or a JetStream that does not
+    answer, is asked again at the next look); the scheduler's fold also notices at its consumer's
+    re-creation (`services.scheduler.fold`)."""
+
+    def __init__(self, nc: NATS, stream: str, every: float = INCARNATION_CHECK_S) -> None:
+        self.nc, self.stream, self.every = nc, stream, every
+        self.created: str | None = None
+        self.failed: asyncio.Future[str] | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> "StreamWatch":
+        """The incarnation of now is the service's (call it right after the service's store has made
+        or found the stream)."""
+        self.failed = asyncio.get_running_loop().create_future()
+        info = await until_answered(lambda: self.nc.jetstream().stream_info(self.stream), f"the stream {self.stream}")
+        self.created = stream_identity(info)[0]
+        self._task = asyncio.create_task(self._watch(), name=f"stream-watch-{self.stream}")
+        return self
+
+    async def _watch(self) -> None:
+        assert self.failed is not None
+        while True:
+            await asyncio.sleep(self.every)  # a period: nothing tells a process that a stream was deleted
+            try:
+                info = await self.nc.jetstream().stream_info(self.stream)
+            except Exception as error:  # gone and not made again yet, an election, an outage: next look
+                log.debug("the stream %s could not be looked at (%s)", self.stream, type(error).__name__)
+                continue
+            why = replaced_by(self.stream, self.created, stream_identity(info)[0])
+            if why is not None:
+                log.error("%s: stopping; start the service again to read the new stream", why)
+                if not self.failed.done():
+                    self.failed.set_result(why)
+                return
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
 class ReplyCache:
     """The first answer to each `request_id`, shared by every replica (JetStream KV).
 

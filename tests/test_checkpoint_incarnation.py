@@ -95,7 +95,7 @@ def logged(logger: str, text: str) -> Iterator[asyncio.Event]:
 
 
 def replaced(prefix: str, new: str, old: str) -> str:
-    return f"the event stream {stream_name(prefix)} was made again (created {new}, the projection's {old})"
+    return f"the event stream {stream_name(prefix)} was made again (created {new}; this process read the one created {old})"
 
 
 async def test_a_replica_that_outlived_its_stream_leaves_no_checkpoint_a_new_replica_would_load(
@@ -193,3 +193,24 @@ async def test_serve_ends_with_a_failure_status_when_its_stream_is_made_again(nc
     assert ended == code == 1, serve.output
     assert sum(STOPPING in text for text in serve.lines) == 1, serve.output  # one line says why
     assert "stopping" in serve.lines[serve.lines.index(line):], serve.output  # then it stopped its services
+
+
+async def test_a_registry_and_a_snapshotter_stop_when_their_stream_is_made_again(nc, nats_url, prefix):
+    """Their roster, placements and worker-removal position are of the old log: each fails with
+    the reason (and `warmboot serve` stops them, status 1, as for the scheduler above)."""
+    from services.registry.service import RegistryService
+    from services.snapshotter.service import SnapshotterService
+
+    await write(nats_url, prefix, OLD)
+    registry = RegistryService(nc, nats_url=nats_url, prefix=prefix)
+    snapshotter = SnapshotterService(nc, nats_url=nats_url, prefix=prefix)
+    for service in (registry, snapshotter):
+        service.watch.every = 0.1  # its look at the stream, every 5 s in service
+        await service.start()
+    try:
+        old, new = await made_again(nc, nats_url, prefix)
+        for service in (registry, snapshotter):
+            assert await asyncio.wait_for(service.failed, 30) == replaced(prefix, new, old)
+    finally:
+        for service in (snapshotter, registry):
+            await service.stop()

@@ -64,8 +64,8 @@ from events.schema import (
 )
 from events.subjects import check_prefix, event_subject, stream_name
 from events.tasks import cancel_and_wait
-from services.common import (EndpointSpec, NoWriteAnswers, Recheck, ReplyCache, add_endpoints, last_seq_on,
-                             run_command_async, store_env, stream_replicas)
+from services.common import (EndpointSpec, NoWriteAnswers, Recheck, ReplyCache, StreamWatch, add_endpoints,
+                             last_seq_on, run_command_async, store_env, stream_replicas)
 from services.locks import KeyedLock
 from services.registry.binding import SharedBinding
 from services.registry.domain import Worker, register_outcome
@@ -301,12 +301,20 @@ class RegistryService:
         )
         self.replies: ReplyCache | None = None
         self.service = None
+        self.watch = StreamWatch(nc, stream_name(prefix))  # the roster is of one incarnation of the stream
+
+    @property
+    def failed(self) -> asyncio.Future[str] | None:
+        """Done, with the reason, once the event stream was made again under this replica
+        (`services.common.StreamWatch`): whoever runs it then stops it."""
+        return self.watch.failed
 
     async def start(self) -> "RegistryService":
         # The store's connection runs on this loop (`links_on`): the commands' reads and appends are
         # awaited here, with no thread of the store's own and none for the commands.
         with links_on(asyncio.get_running_loop()):
             self.store = await asyncio.to_thread(RegistryStore, self.env)  # makes the stream if need be
+        await self.watch.start()
         self.replies = await ReplyCache(self.nc, self.prefix).start()
         self.store.no_writes = NoWriteAnswers(self.replies, SERVICE, asyncio.get_running_loop())
         await self.binding.start(self.worker_nodes)
@@ -340,6 +348,7 @@ class RegistryService:
             self.service = None
         await cancel_and_wait(self._unbound)
         self._unbound = None
+        await self.watch.stop()
         await self.liveness.stop()
         await self.binding.stop()
         await self.fold.stop()

@@ -54,14 +54,13 @@ from nats.js.errors import BadRequestError, NotFoundError, ObjectNotFoundError
 
 from events.subjects import bucket_name, stream_name
 from events.tasks import cancel_and_wait
-from services.common import stream_replicas
+from services.common import replaced_by, stream_identity, stream_replicas
 from services.scheduler.checkpoint_codec import (
     CheckpointRejected,
     decode_checkpoint,
     encode_checkpoint,
     export_state,
 )
-from services.scheduler.fold import replaced_by, stream_identity
 from services.scheduler.projection import Projection
 
 log = logging.getLogger("warmboot.scheduler.checkpoint")

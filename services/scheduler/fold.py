@@ -55,7 +55,7 @@ from events.schema import (EVENT_TYPES, ActorPlaced, ActorRuntime, AnyEvent, Sna
                            WorkerEvent)
 from events.subjects import stream_name
 from events.tasks import cancel_and_wait, retrieved
-from services.common import until_answered
+from services.common import replaced_by, stream_identity, until_answered
 from services.scheduler.projection import Projection
 
 log = logging.getLogger("warmboot.scheduler")
@@ -82,22 +82,6 @@ _optional_runtime_decoder = msgspec.json.Decoder(ActorRuntime | None)
 RUNTIMES_KEPT = 4096
 PAST_END_GRACE_S = 0.25  # a min_seq not folded after this long is checked against the end of the log
 STREAM_GONE_RETRY_S = 0.5  # a re-made consumer's stream not found: asked again after this long
-
-
-def stream_identity(info: Any) -> tuple[str, int]:
-    """(creation time, last sequence) of the stream whose info (nats-py's StreamInfo) this is:
-    the creation time names its incarnation (`Projection.stream_created`)."""
-    return (info.created.isoformat() if info.created is not None else ""), info.state.last_seq
-
-
-def replaced_by(stream: str, folded: str | None, created: str) -> str | None:
-    """Why the stream `stream`, created at `created` as it is now, is not the log a projection of
-    the incarnation `folded` is a fold of (`Projection.stream_created`); None if it is."""
-    if folded is None:
-        return f"the projection does not say which incarnation of the event stream {stream} it is a fold of"
-    if created != folded:
-        return f"the event stream {stream} was made again (created {created}, the projection's {folded})"
-    return None
 
 
 class StreamReplaced(Exception):

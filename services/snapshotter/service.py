@@ -68,9 +68,9 @@ from events.schema import (
     WorkerEvent,
     WorkerRemoved,
 )
-from events.subjects import check_prefix
-from services.common import (EndpointSpec, NoWriteAnswers, ReplyCache, add_endpoints, run_command_async, store_env,
-                             stream_replicas)
+from events.subjects import check_prefix, stream_name
+from services.common import (EndpointSpec, NoWriteAnswers, ReplyCache, StreamWatch, add_endpoints, run_command_async,
+                             store_env, stream_replicas)
 from services.locks import KeyedLock
 from services.snapshotter.domain import Actor, Tag
 from services.snapshotter.placements import PlacementFold, Release, removed_since
@@ -425,6 +425,14 @@ class SnapshotterService:
         self.app: SnapshotterApplication | None = None
         self.process: WorkerRemovalProcess | None = None
         self.micro = None
+        # the worker-removal process's placements and position are of one incarnation of the stream
+        self.watch = StreamWatch(nc, stream_name(prefix)) if follow else None
+
+    @property
+    def failed(self) -> asyncio.Future[str] | None:
+        """Done, with the reason, once the event stream was made again under this replica's
+        worker-removal process (`services.common.StreamWatch`): whoever runs it then stops it."""
+        return self.watch.failed if self.watch is not None else None
 
     async def start(self) -> "SnapshotterService":
         try:
@@ -445,7 +453,8 @@ class SnapshotterService:
         self.app.recorder.group_appends(on_group=COMMIT_GROUP.observe)
         self.no_writes = NoWriteAnswers(await ReplyCache(self.nc, self.prefix).start(), SERVICE,
                                         asyncio.get_running_loop())
-        if self.follow:
+        if self.watch is not None:
+            await self.watch.start()
             self.process = await asyncio.to_thread(WorkerRemovalProcess, self.env)
             await asyncio.to_thread(self.process.follow)  # its subscription is made on its own link: not on this loop
         self.micro = await add_endpoints(
@@ -469,6 +478,8 @@ class SnapshotterService:
                 await micro.stop()
             except Exception:  # the connection is already closed: nothing left to unsubscribe
                 log.debug("stopping the micro service failed", exc_info=True)
+        if self.watch is not None:
+            await self.watch.stop()
         if self.process is not None:
             await asyncio.to_thread(self.process.stop)
             self.process = None
