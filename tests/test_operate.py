@@ -165,6 +165,12 @@ async def test_replay_until_a_time_stops_there(demo, nats_url):
                        "--prefix", prefix)
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["events"] == 0
+    # ISO 8601 as people write it: a Z, an offset, a bare date; anything else named
+    for when in ("2000-01-01T00:00:00Z", "2000-01-01T01:00:00+01:00", "2000-01-01"):
+        result = await cli("audit", "replay", "--until-time", when, "--json", "--nats", nats_url, "--prefix", prefix)
+        assert result.exit_code == 0 and json.loads(result.output)["events"] == 0, (when, result.output)
+    result = await cli("audit", "replay", "--until-time", "yesterday", "--nats", nats_url, "--prefix", prefix)
+    assert result.exit_code == 2 and "'yesterday' is not an ISO 8601 time" in result.output
 
 
 async def test_actor_timeline_shows_stamps_pins_and_fallbacks(demo, nats_url):
@@ -181,6 +187,13 @@ async def test_actor_timeline_shows_stamps_pins_and_fallbacks(demo, nats_url):
     assert [r["seq"] for r in rows] == sorted(r["seq"] for r in rows)
     missing = await cli("audit", "actor", "nobody", "--nats", nats_url, "--prefix", prefix)
     assert missing.exit_code != 0 and "no events" in missing.output
+    # the table, as the other views: plain aligned columns, runtimes by their short label
+    table = await cli("audit", "actor", "a-0000", "--nats", nats_url, "--prefix", prefix)
+    assert table.exit_code == 0, table.output
+    lines = table.output.splitlines()
+    assert lines[0].split() == ["SEQ", "AT", "EVENT", "WORKER", "FIDELITY", "FALLBACK", "RUNTIME"]
+    assert len(lines) == 1 + len(rows) and not set("┃│━─┏") & set(table.output)
+    assert "architecture=" not in table.output and any(" pin " in f" {line} " for line in lines)
 
 
 async def test_views_json_agree_with_the_endpoints(demo, nats_url, nc):

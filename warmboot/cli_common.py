@@ -32,9 +32,9 @@ def check_nats_option(ctx: click.Context | None, param: click.Parameter | None, 
 
 
 nats_option = click.option("--nats", "nats_url", default="nats://127.0.0.1:4222", show_default=True,
-                           envvar="NATS_URL", callback=check_nats_option, help="NATS server URL(s), comma-separated.")
+                           envvar="NATS_URL", show_envvar=True, callback=check_nats_option, help="NATS server URL(s), comma-separated.")
 event_loop_option = click.option(
-    "--event-loop", type=click.Choice(EVENT_LOOPS), default=None, envvar=EVENT_LOOP_ENV,
+    "--event-loop", type=click.Choice(EVENT_LOOPS), default=None, envvar=EVENT_LOOP_ENV, show_envvar=True,
     help="The services' event loop: uvloop (the default where it is installed: less CPU per request), "
          "or asyncio's own.")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
@@ -61,7 +61,7 @@ def check_prefix_option(ctx: click.Context, param: click.Parameter, value: str) 
         raise click.BadParameter(str(e)) from None
 
 
-prefix_option = click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="WARMBOOT_PREFIX",
+prefix_option = click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="WARMBOOT_PREFIX", show_envvar=True,
                              callback=check_prefix_option, help="Subject prefix of the deployment.")
 
 

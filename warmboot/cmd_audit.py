@@ -6,15 +6,25 @@ import json
 from datetime import datetime, timezone
 
 import click
-from rich.console import Console
-from rich.table import Table
 
 from events.schema import ActorPlaced, SnapshotTaken
 from events.subjects import event_subject
 from warmboot.audit import Sink, summary
 from warmboot.cli_common import ask, json_option, nats_option, prefix_option, read_subject, replay, version_text
+from warmboot.render import Column, render_fields, render_table, terminal_width
 
-console = Console()
+
+def utc_time(value: str | None) -> datetime | None:
+    """An ISO 8601 time or date as an aware UTC datetime (UTC when it names no offset); a usage
+    error naming the option otherwise."""
+    if value is None:
+        return None
+    try:
+        when = datetime.fromisoformat(value)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not an ISO 8601 time (e.g. 2026-12-03T10:00:00Z)",
+                                 param_hint="'--until-time'") from None
+    return when.replace(tzinfo=timezone.utc) if when.tzinfo is None else when.astimezone(timezone.utc)
 
 
 @click.group()
@@ -24,8 +34,9 @@ def audit() -> None:
 
 @audit.command("replay")
 @click.option("--until", "until_seq", type=click.IntRange(min=1), default=None, help="Last sequence to fold.")
-@click.option("--until-time", type=click.DateTime(formats=["%Y-%m-%dT%H:%M:%S", "%Y-%m-%dT%H:%M:%S.%f"]),
-              default=None, help="Fold events up to this UTC time (YYYY-MM-DDTHH:MM:SS).")
+@click.option("--until-time", callback=lambda ctx, param, value: utc_time(value), default=None, metavar="TIME",
+              help="Fold events up to this time: ISO 8601 (2026-12-03T10:00:00Z, +01:00, a bare date), UTC "
+                   "unless it names an offset.")
 @nats_option
 @prefix_option
 @json_option
@@ -34,22 +45,17 @@ def replay_cmd(until_seq: int | None, until_time: datetime | None, nats_url: str
     """Rebuild the scheduler's projection at a point of the log and print its summary."""
     if until_seq is not None and until_time is not None:
         raise click.UsageError("give --until or --until-time, not both")
-    bound = until_time.replace(tzinfo=timezone.utc) if until_time else None
+    bound = until_time
     sink = ask(nats_url, lambda nc: replay(nc, prefix, Sink(until_seq, bound), not as_json))
     result = summary(sink.projection)
     if as_json:
         click.echo(json.dumps(result, indent=2))
         return
-    console.print(f"folded {result['events']} events up to sequence {result['seq']}")
-    table = Table(title="projection")
-    table.add_column("what")
-    table.add_column("count", justify="right")
-    for state, n in result["workers"].items():
-        table.add_row(f"workers {state}", str(n))
-    for state, n in result["actors"].items():
-        table.add_row(f"actors {state}", str(n))
-    table.add_row("stranded memory snapshots", str(result["stranded_snapshots"]))
-    console.print(table)
+    click.echo(f"folded {result['events']} events up to sequence {result['seq']}")
+    pairs = [(f"workers {state}", str(n)) for state, n in result["workers"].items()]
+    pairs += [(f"actors {state}", str(n)) for state, n in result["actors"].items()]
+    pairs.append(("stranded memory snapshots", str(result["stranded_snapshots"])))
+    click.echo(render_fields(pairs))
 
 
 @audit.command("verify")
@@ -72,21 +78,50 @@ def verify_cmd(nats_url: str, prefix: str) -> None:
 def actor_cmd(actor_id: str, nats_url: str, prefix: str, as_json: bool) -> None:
     """Print ACTOR_ID's timeline: every event with stamp, pin, fidelity, fallback and worker."""
 
+    from warmboot.cmd_views import fleet_runtimes
+
     subject = event_subject(prefix, "actor", actor_id)
-    records = ask(nats_url, lambda nc: read_subject(nc, prefix, subject))
+
+    async def work(nc):
+        records = await read_subject(nc, prefix, subject)
+        return records, (None if as_json or not records else await fleet_runtimes(nc, prefix))
+
+    records, runtimes = ask(nats_url, work)
     if not records:
         raise click.ClickException(f"no events for actor {actor_id}")
     rows = [timeline_row(seq, event) for seq, event in records]
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
-    table = Table(title=f"actor {actor_id}")
-    for col in ("seq", "at", "event", "worker", "fidelity", "fallback", "stamp / pin"):
-        table.add_column(col)
-    for row in rows:
-        table.add_row(str(row["seq"]), row["at"], row["event"], row["worker"] or "", row["fidelity"] or "",
-                      row["fallback"] or "", row["runtime"] or "")
-    console.print(table)
+    width = terminal_width()
+    shown = [(row, _runtime_label(event, runtimes)) for row, (_, event) in zip(rows, records)]
+    rendered = render_table(TIMELINE_COLUMNS, shown, width)
+    click.echo(rendered.text)
+    if note := rendered.footnote(width):
+        click.echo(note)
+
+
+def _runtime_label(event, runtimes) -> str:
+    """The stamp or pin of a timeline's event by its short label (as `workers` and `explain` show
+    runtimes: `name`, `name@3f9a1c` or `rt-3f9a1c`)."""
+    if isinstance(event, ActorPlaced):
+        runtime, kind = event.sandbox_runtime, "pin"
+    elif isinstance(event, SnapshotTaken) and event.snapshot.sandbox_runtime is not None:
+        runtime, kind = event.snapshot.sandbox_runtime, "stamp"
+    else:
+        return ""
+    return f"{kind} {runtimes.label(runtime.sandbox_class, runtime.version, runtime.name)}"
+
+
+TIMELINE_COLUMNS = [
+    Column("SEQ", lambda r: str(r[0]["seq"]), right=True),
+    Column("AT", lambda r: r[0]["at"][:19], drop=3),  # to the second: the log is in order
+    Column("EVENT", lambda r: r[0]["event"]),
+    Column("WORKER", lambda r: r[0]["worker"] or ""),
+    Column("FIDELITY", lambda r: r[0]["fidelity"] or "", drop=2),
+    Column("FALLBACK", lambda r: r[0]["fallback"] or "", drop=1),
+    Column("RUNTIME", lambda r: r[1]),
+]
 
 
 def timeline_row(seq: int, event) -> dict:

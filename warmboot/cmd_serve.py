@@ -34,10 +34,10 @@ SERVICE_OPTIONS = {
 @click.argument("service", type=click.Choice([*SERVICES, "all"]))
 @click.option("--nats", "nats_url", default="nats://127.0.0.1:4222", show_default=True,
               callback=check_nats_option,
-              envvar="NATS_URL", help="NATS server URL(s); credentials as nats://USER:PASSWORD@HOST:PORT.")
-@click.option("--nkey-seed", type=click.Path(exists=True, dir_okay=False), default=None, envvar=NKEY_SEED_ENV,
+              envvar="NATS_URL", show_envvar=True, help="NATS server URL(s); credentials as nats://USER:PASSWORD@HOST:PORT.")
+@click.option("--nkey-seed", type=click.Path(exists=True, dir_okay=False), default=None, envvar=NKEY_SEED_ENV, show_envvar=True,
               help="Sign in with the nkey seed in this file (warmboot nats-config --auth nkey).")
-@click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="WARMBOOT_PREFIX",
+@click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="WARMBOOT_PREFIX", show_envvar=True,
               callback=check_prefix_option, help="Subject prefix of the deployment.")
 @click.option("--metrics-port", type=int, default=None,
               help="Serve Prometheus metrics on this port (0: any free port).")
@@ -46,13 +46,13 @@ SERVICE_OPTIONS = {
 @click.option("--ttl", "ttl_s", type=float, default=15.0, show_default=True,
               help="Registry: seconds of silence after which a worker is removed as LOST.")
 @click.option("--worker-nodes", "worker_nodes_path", type=click.Path(dir_okay=False), default=None,
-              envvar="WARMBOOT_WORKER_NODES",
+              envvar="WARMBOOT_WORKER_NODES", show_envvar=True,
               help="Registry: JSON file of worker id -> node (`nats-config --worker ID@NODE --worker-nodes FILE`): "
                    "every registry replica, with this option or without, then lets a worker register only on its "
                    "own node, and only if listed, and removes one registered elsewhere; `none` removes the binding. "
                    "Give it to the one replica that changes the binding: the file given last wins "
                    "(docs/security.md).")
-@click.option("--replicas", type=click.IntRange(1, 5), default=None, envvar="WARMBOOT_STREAM_REPLICAS",
+@click.option("--replicas", type=click.IntRange(1, 5), default=None, envvar="WARMBOOT_STREAM_REPLICAS", show_envvar=True,
               help="Replica count of the event stream when this process creates it (3 on a cluster).")
 @click.option("--checkpoint-every", type=click.IntRange(min=0), default=DEFAULT_EVERY_EVENTS, show_default=True,
               help="Scheduler: save a projection checkpoint every N events folded (0: no checkpoints, "

@@ -343,7 +343,7 @@ def _usable_seed(seed: str) -> bool:
 
 
 @click.command("nats-config")
-@click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="WARMBOOT_PREFIX",
+@click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="WARMBOOT_PREFIX", show_envvar=True,
               callback=check_prefix_option, help="Subject prefix of the deployment.")
 @click.option("--services-user", default="warmboot-services", show_default=True, callback=check_id,
               help="User the services connect as.")
