@@ -195,8 +195,9 @@ def use_lean_headers(nc: Any) -> None:
         setattr(nc, NATS_PARSER, parse_header_lines)
 
 
-# A handler of direct deliveries: (stream sequence, messages pending, subject, headers, body).
-DirectHandler = Callable[[int, int, str, "dict[str, str] | None", bytes], None]
+# A handler of direct deliveries: (stream sequence, messages pending, subject, headers, body, the
+# message's stream time in nanoseconds as the reply subject spells it: `ack_time` reads it).
+DirectHandler = Callable[[int, int, str, "dict[str, str] | None", bytes, bytes], None]
 
 _ACK_PREFIX = b"$JS.ACK."
 _HEADER_LINE = b"NATS/1.0\r\n"  # a block of headers without a status (a status has a space after 1.0)
@@ -250,7 +251,7 @@ class _Direct:
             if not parsed:  # none of the wanted ones: whether there are any others counts
                 parsed = parse_header_lines(block)
         try:
-            self.handler(seq, int(tokens[8]), subject.decode(), parsed or None, data)
+            self.handler(seq, int(tokens[8]), subject.decode(), parsed or None, data, tokens[7])
         except Exception:  # as nats-py reports an exception of a subscription's callback: not fatal
             log.exception("handling message %d on %s failed", seq, subject)
         return True
@@ -586,13 +587,21 @@ class ErrorsOnce:
 
     async def report(self, error: Exception) -> None:
         """The callback itself (nats-py takes only coroutine functions)."""
-        if self.logger is not None and (self.last is None or describe_error(error) != describe_error(self.last)):
+        if self.logger is not None and (self.last is None or _kind(error) != _kind(self.last)):
             self.logger.warning("%s: %s", self.where, describe_error(error))
         self.last = error
 
     def reset(self) -> None:
         """Connected again: the next error is news."""
         self.last = None
+
+
+def _kind(error: BaseException) -> tuple:
+    """What makes two errors the same one for `ErrorsOnce`: an OSError's type and errno (the
+    members of a cluster each refuse in their own words, naming their own address), else the text."""
+    if isinstance(error, OSError) and error.errno is not None:
+        return type(error), error.errno
+    return type(error), describe_error(error)
 
 
 def describe_error(error: BaseException) -> str:
@@ -736,6 +745,13 @@ def ack_positions(reply: str) -> tuple[int, int]:
     if len(tokens) == 9:
         return int(tokens[5]), int(tokens[8])
     return int(tokens[7]), int(tokens[10])
+
+
+def ack_time(reply: str | bytes) -> int:
+    """The stream time (nanoseconds since the epoch) of a JetStream delivery, from its reply
+    subject (see `ack_positions`); a direct handler's last argument spells it as bytes."""
+    tokens = reply.split(b"." if isinstance(reply, bytes) else ".")
+    return int(tokens[7] if len(tokens) == 9 else tokens[9])
 
 
 class ApiError(msgspec.Struct):

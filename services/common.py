@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import datetime
 import gc
 import hashlib
 import logging
@@ -567,18 +568,49 @@ def replaced_by(stream: str, folded: str | None, created: str) -> str | None:
     return None
 
 
+_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
+_NO_MESSAGE = 10037  # JetStream's "no message found" (the stream is there)
+
+
+def micros(when: datetime.datetime) -> int:
+    """A stream time as nats-py reads it (to the microsecond), in microseconds since the epoch."""
+    return (when - _EPOCH) // datetime.timedelta(microseconds=1)
+
+
+async def continuity(nc: NATS, stream: str, seq: int, at_us: int) -> str | None:
+    """Why the message at `seq` of `stream` is not the one a process read there, stored at `at_us`
+    (microseconds since the epoch); None if it is, or if that cannot be told (`seq` or `at_us` 0).
+    A log restored from a copy of the server's store, or rolled back, keeps the stream's creation
+    time (`stream_identity`): what tells it is that the message at a sequence read before is
+    another one now (stored at another time), or none. Read through the stream leader."""
+    if not seq or not at_us:
+        return None
+    try:
+        message = await nc.jetstream().get_msg(stream, seq)
+    except NotFoundError as error:
+        if getattr(error, "err_code", None) != _NO_MESSAGE:
+            raise  # the stream itself is not there: the caller asks again
+        return f"the event stream {stream} has no message at sequence {seq}, which this process read: restored or rolled back"
+    if message.time is None or micros(message.time) != at_us:
+        return (f"the event stream {stream} holds another message at sequence {seq} than this process read "
+                f"(stored {message.time.isoformat() if message.time else '?'}): restored or rolled back")
+    return None
+
+
 class StreamWatch:
-    """Fails a service whose event stream is deleted and made again while it runs (`failed`, done
-    with the reason; `warmboot.runner.until_stopped` then stops the process, status 1): what the
-    service folded of the log (the registry's roster, the snapshotter's placements and positions)
-    is of a log that no longer exists, and sequences start over in the new one. The stream's info
-    is asked every `every` seconds (a stream that does not exist, or a JetStream that does not
-    answer, is asked again at the next look); the scheduler's fold also notices at its consumer's
-    re-creation (`services.scheduler.fold`)."""
+    """Fails a service whose event stream is deleted and made again, or restored or rolled back,
+    while it runs (`failed`, done with the reason; `warmboot.runner.until_stopped` then stops the
+    process, status 1): what the service folded of the log (the registry's roster, the
+    snapshotter's placements and positions) is of a log that no longer exists. Every `every`
+    seconds it asks the stream's info (its creation time: `replaced_by`) and whether the last
+    message it saw at the previous look is still there, stored when it was (`continuity`); a
+    stream that does not exist, or a JetStream that does not answer, is asked again at the next
+    look. The scheduler's fold also looks at its consumer's re-creation (`services.scheduler.fold`)."""
 
     def __init__(self, nc: NATS, stream: str, every: float = INCARNATION_CHECK_S) -> None:
         self.nc, self.stream, self.every = nc, stream, every
         self.created: str | None = None
+        self.mark: tuple[int, int] = (0, 0)  # (sequence, stored at, µs) of the last message seen
         self.failed: asyncio.Future[str] | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -588,8 +620,21 @@ class StreamWatch:
         self.failed = asyncio.get_running_loop().create_future()
         info = await until_answered(lambda: self.nc.jetstream().stream_info(self.stream), f"the stream {self.stream}")
         self.created = stream_identity(info)[0]
+        self.mark = await until_answered(lambda: self._last(info.state.last_seq), f"the stream {self.stream}")
         self._task = asyncio.create_task(self._watch(), name=f"stream-watch-{self.stream}")
         return self
+
+    async def _last(self, seq: int) -> tuple[int, int]:
+        """(seq, its stored time in µs) of the message at `seq`, the stream's last; (0, 0) for none."""
+        if not seq:
+            return 0, 0
+        try:
+            message = await self.nc.jetstream().get_msg(self.stream, seq)
+        except NotFoundError as error:
+            if getattr(error, "err_code", None) == _NO_MESSAGE:
+                return 0, 0  # removed meanwhile: nothing to hold on to this time
+            raise
+        return seq, micros(message.time) if message.time is not None else 0
 
     async def _watch(self) -> None:
         assert self.failed is not None
@@ -600,7 +645,14 @@ class StreamWatch:
             except Exception as error:  # gone and not made again yet, an election, an outage: next look
                 log.debug("the stream %s could not be looked at (%s)", self.stream, type(error).__name__)
                 continue
-            why = replaced_by(self.stream, self.created, stream_identity(info)[0])
+            try:
+                why = (replaced_by(self.stream, self.created, stream_identity(info)[0])
+                       or await continuity(self.nc, self.stream, *self.mark))
+                if why is None:
+                    self.mark = await self._last(info.state.last_seq)
+            except Exception as error:
+                log.debug("the stream %s could not be looked at (%s)", self.stream, type(error).__name__)
+                continue
             if why is not None:
                 log.error("%s: stopping; start the service again to read the new stream", why)
                 if not self.failed.done():

@@ -156,8 +156,8 @@ def walk(p: Projection) -> dict[str, Any]:
     It reads the classes' `__slots__` rather than a list of names, so a field added to
     the projection and forgotten by the codec shows up here as a difference.
     """
-    assert set(vars(p)) == {"seq", "events", "stream_created", "workers", "classes", "actors", "bookings", "subjects",
-                            "intern", "recreated", "placed_listener", "registry_version", "unread_actor_seq",
+    assert set(vars(p)) == {"seq", "events", "stream_created", "seq_time", "workers", "classes", "actors", "bookings",
+                            "subjects", "intern", "recreated", "placed_listener", "registry_version", "unread_actor_seq",
                             "unread_actors", "_dispatch"}, \
         "a new Projection field: teach the checkpoint codec about it"
     registered = {id(w) for w in p.workers.values()}

@@ -214,3 +214,57 @@ async def test_a_registry_and_a_snapshotter_stop_when_their_stream_is_made_again
     finally:
         for service in (snapshotter, registry):
             await service.stop()
+
+
+async def test_replicas_stop_when_their_stream_is_restored_from_a_copy_of_the_store(tmp_path, prefix):
+    """The store directory copied while the server was stopped (docs/operations.md, Backup and
+    restore), and put back under running replicas: the stream keeps its creation time, but its
+    messages after the copy are gone and new ones take their sequences (a review: the scheduler
+    folded on from its old position and committed a MEMORY restore w1 cannot load). The message
+    at the position each replica read is another now, or none: the scheduler's fold (at its
+    consumer's re-creation) and the registry's watch stop their replica."""
+    import shutil
+
+    import nats
+
+    from services.registry.service import RegistryService
+    from services.scheduler.service import SchedulerService
+    from warmboot.natsserver import NatsServer
+
+    store = tmp_path / "nats"
+    server = NatsServer(store).start()
+    url = server.url
+    connections = []
+    try:
+        await write(url, prefix, OLD[:2])  # w1 registered (V1 alone), its fence: the copy is of this
+        server.stop()
+        shutil.copytree(store, tmp_path / "copy")
+        server.start()
+        await write(url, prefix, (registered("w1", entry(V1, (V2,))), fence("w1"), *OLD[2:]))  # a1's V2 image
+        for _ in range(2):
+            connections.append(await nats.connect(url, max_reconnect_attempts=-1, reconnect_time_wait=0.2))
+        scheduler = SchedulerService(connections[0], nats_url=url, prefix=prefix, metrics=False)
+        registry = RegistryService(connections[1], nats_url=url, prefix=prefix)
+        registry.watch.every = 0.1  # its look at the stream, every 5 s in service
+        await scheduler.start()
+        await registry.start()
+        created = scheduler.projection.stream_created
+        server.stop()
+        shutil.rmtree(store)
+        shutil.copytree(tmp_path / "copy", store)
+        server.start()
+        await write(url, prefix, NEW)  # the restored log goes on: its own messages at the old sequences
+        nc = connections[0]
+        assert (await nc.jetstream().stream_info(stream_name(prefix))).created.isoformat() == created
+        for service in (scheduler, registry):
+            why = await asyncio.wait_for(service.failed, 30)
+            assert why.startswith(f"the event stream {stream_name(prefix)} ") and why.endswith("restored or rolled back")
+        with pytest.raises(ContractError) as refused:  # what the scheduler's clients get from now on
+            await call(nc, service_subject(prefix, "scheduler", "resume", "a1"), ResumeActor(), Assignment, timeout=10)
+        assert refused.value.code is ErrorCode.UNAVAILABLE
+        await registry.stop()
+        await scheduler.stop()
+    finally:
+        for connection in connections:
+            await connection.close()
+        server.stop()

@@ -61,13 +61,14 @@ def test_a_command_whose_server_does_not_answer_ends_with_one_line_naming_it():
 def test_an_error_is_logged_once_while_it_repeats_and_again_after_a_reconnect(caplog):
     errors = ErrorsOnce(logging.getLogger("test.nats"), "nats://h:1")
     refused, reset = ConnectionRefusedError(111, "Connection refused"), ConnectionResetError(104, "reset")
+    other = ConnectionRefusedError(111, "Connect call failed ('127.0.0.1', 2)")  # another member of a cluster
 
     async def report(*seen):
         for error in seen:
             await errors.report(error)
 
     with caplog.at_level(logging.WARNING, logger="test.nats"):
-        asyncio.run(report(refused, refused, refused, reset, reset, TimeoutError()))
+        asyncio.run(report(refused, other, refused, reset, reset, TimeoutError()))
         errors.reset()  # connected again: the same error is news
         asyncio.run(report(TimeoutError()))
     assert [r.getMessage() for r in caplog.records] == [

@@ -16,7 +16,8 @@ import pytest
 from nats.aio.client import Client
 
 from events.errors import ContractError
-from events.natspy import NATS_PROTOCOL, ORDERED_IDLE_HEARTBEAT_S, ack_positions, deliver_directly, use_lean_headers
+from events.natspy import (NATS_PROTOCOL, ORDERED_IDLE_HEARTBEAT_S, ack_positions, ack_time, deliver_directly,
+                           use_lean_headers)
 from events.subjects import stream_name
 from services.scheduler.fold import Fold
 from services.scheduler.projection import Projection
@@ -96,12 +97,12 @@ async def test_direct_delivery_leaves_the_bookkeeping_nats_py_s_own_path_leaves(
 
             async def cb(msg, name=name) -> None:  # nats-py's path
                 seq, pending = ack_positions(msg.reply)
-                seen[name].append((seq, pending, msg.subject, msg.headers, msg.data))
+                seen[name].append((seq, pending, msg.subject, msg.headers, msg.data, ack_time(msg.reply)))
                 if seq == end:
                     done[name].set_result(None)
 
-            def handler(seq, pending, subject, headers, data, name=name) -> None:  # direct
-                seen[name].append((seq, pending, subject, headers, data))
+            def handler(seq, pending, subject, headers, data, stamp, name=name) -> None:  # direct
+                seen[name].append((seq, pending, subject, headers, data, int(stamp)))
                 if seq == end:
                     done[name].set_result(None)
 

@@ -54,7 +54,7 @@ from nats.js.errors import BadRequestError, NotFoundError, ObjectNotFoundError
 
 from events.subjects import bucket_name, stream_name
 from events.tasks import cancel_and_wait
-from services.common import replaced_by, stream_identity, stream_replicas
+from services.common import continuity, replaced_by, stream_identity, stream_replicas
 from services.scheduler.checkpoint_codec import (
     CheckpointRejected,
     decode_checkpoint,
@@ -229,6 +229,9 @@ class Checkpoints:
                     )
                 if envelope.seq > last_seq:
                     raise CheckpointRejected(f"it covers sequence {envelope.seq}, the stream ends at {last_seq}")
+                rolled = await continuity(self.nc, self.stream, envelope.seq, envelope.seq_time // 1000)
+                if rolled is not None:
+                    raise CheckpointRejected(rolled)
             except CheckpointRejected as why:
                 log.warning("checkpoint %s ignored: %s", name, why)
                 continue
@@ -262,9 +265,17 @@ class Checkpoints:
             t0 = time.perf_counter()
             state = await asyncio.to_thread(export_state, projection)
             self.last_capture_s = time.perf_counter() - t0
+            seq_time = int(projection.seq_time) if projection.seq_time else 0  # of the message at state.seq
+        rolled = await continuity(self.nc, self.stream, state.seq, seq_time // 1000)
+        if rolled is not None:  # a log restored from a copy under this replica: nothing saved, nothing deleted
+            log.error("checkpoint not saved: %s", rolled)
+            if fold is not None and fold.projection is projection:
+                fold.give_up(rolled)
+            return None
         self.saved_seq, self.saved_events, self.saved_at = state.seq, state.events, time.monotonic()
         data = await asyncio.to_thread(
-            encode_checkpoint, state, stream=self.stream, stream_created=folded, compress=self.compress
+            encode_checkpoint, state, stream=self.stream, stream_created=folded, seq_time=seq_time,
+            compress=self.compress
         )
         seq, events = state.seq, state.events
         del state  # the copy can be large: keep only its bytes through the upload

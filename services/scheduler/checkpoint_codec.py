@@ -63,7 +63,7 @@ from services.scheduler.records import (
 )
 
 # Bump on any change of what State holds or how it maps onto the projection.
-FORMAT = 5
+FORMAT = 6
 
 
 NONE = -1  # "no reference" in an index field
@@ -186,6 +186,7 @@ class Envelope(Struct):
     events: int
     stream: str  # the stream's name and creation time: this incarnation of the log
     stream_created: str
+    seq_time: int  # the stream time (ns) of the message at `seq` as folded: `services.common.continuity`
     digest: str  # blake2b of `body`
     compression: str  # "zlib" or "none"
     body: bytes  # msgpack of State
@@ -466,13 +467,14 @@ def _digest(body: bytes) -> str:
     return hashlib.blake2b(body, digest_size=16).hexdigest()
 
 
-def encode_checkpoint(state: State, *, stream: str, stream_created: str, compress: bool = True) -> bytes:
+def encode_checkpoint(state: State, *, stream: str, stream_created: str, seq_time: int = 0,
+                      compress: bool = True) -> bytes:
     body = _encoder.encode(state)
     if compress:
         body = zlib.compress(body, 1)
     return _encoder.encode(Envelope(
         format=FORMAT, fold=FOLD_DIGEST, seq=state.seq, events=state.events, stream=stream,
-        stream_created=stream_created, digest=_digest(body), compression="zlib" if compress else "none", body=body,
+        stream_created=stream_created, seq_time=seq_time, digest=_digest(body), compression="zlib" if compress else "none", body=body,
     ))
 
 
@@ -510,6 +512,7 @@ def decode_checkpoint(data: bytes) -> tuple[Envelope, Projection]:
             raise ValueError("body and envelope disagree on the position")
         projection = restore_state(state)
         projection.stream_created = envelope.stream_created  # a fold of the stream the envelope names
+        projection.seq_time = envelope.seq_time
     except CheckpointRejected:
         raise
     except Exception as error:  # any inconsistency at all: the log is still there to replay

@@ -49,13 +49,13 @@ from nats.js.errors import NotFoundError
 
 from events.errors import unavailable
 from events.jetstream import TOPIC_HEADER, VERSION_HEADER
-from events.natspy import (ORDERED_IDLE_HEARTBEAT_S, DirectDelivery, ack_positions, deliver_directly, describe_error,
-                           guard_recreation, use_lean_headers)
+from events.natspy import (ORDERED_IDLE_HEARTBEAT_S, DirectDelivery, ack_positions, ack_time, deliver_directly,
+                           describe_error, guard_recreation, use_lean_headers)
 from events.schema import (EVENT_TYPES, ActorPlaced, ActorRuntime, AnyEvent, Snapshot, SnapshotTaken, WorkerBooked,
                            WorkerEvent)
 from events.subjects import stream_name
 from events.tasks import cancel_and_wait, retrieved
-from services.common import replaced_by, stream_identity, until_answered
+from services.common import continuity, replaced_by, stream_identity, until_answered
 from services.scheduler.projection import Projection
 
 log = logging.getLogger("warmboot.scheduler")
@@ -284,9 +284,20 @@ class Fold:
                                  f"({describe_error(error)})")
                 else:
                     self.check_stream(info)
+                    if self.stale is None:
+                        # the same creation time, yet maybe not the log folded: one restored from a copy
+                        why = await until_answered(self.continuity, f"the stream {self.stream}", math.inf)
+                        if why is not None:
+                            self.give_up(why)
         finally:
             if self._guard is asyncio.current_task():
                 self._guard = None
+
+    async def continuity(self) -> str | None:
+        """Why the message at the projection's position is not the one folded there
+        (`services.common.continuity`: a log restored from a copy, or rolled back); None if it is."""
+        stamp = self.projection.seq_time
+        return await continuity(self.nc, self.stream, self.projection.seq, int(stamp) // 1000 if stamp else 0)
 
     async def _stream_info(self) -> Any:
         """The stream's info, asked until it answers: again while JetStream cannot (`until_answered`),
@@ -327,15 +338,17 @@ class Fold:
             if self.stale is not None:  # given up while it waited: not of the projection's stream, maybe
                 return
             seq, behind = ack_positions(msg.reply)
-            self._folded(seq, behind, msg.subject, msg.headers, msg.data)
+            self._folded(seq, behind, msg.subject, msg.headers, msg.data, ack_time(msg.reply))
         finally:
             self._in_callback -= 1
 
-    def _folded(self, seq: int, behind: int, subject: str, headers: dict[str, str] | None, data: bytes) -> None:
+    def _folded(self, seq: int, behind: int, subject: str, headers: dict[str, str] | None, data: bytes,
+                stamp: int | bytes = 0) -> None:
         """One message delivered, by either path: folded, then the waiters and listeners told."""
         if seq <= self.projection.seq:  # redelivered: an ordered consumer reset before its first message
             return
         self.fold_message(seq, subject, headers, data)
+        self.projection.seq_time = stamp
         self.behind = behind
         waiters = self._waiters
         if waiters and waiters[0][0] <= seq:

@@ -85,6 +85,10 @@ class Projection:
         # sequences start over, and this projection is of none of it. Set by the fold that starts
         # it from sequence 1, or from the checkpoint it is restored from; None until then.
         self.stream_created: str | None = None
+        # The stream time of the message at `seq` as it was delivered (nanoseconds, or the delivery's
+        # token of them; 0: not known): with `seq`, which message the fold reached. A log restored from
+        # a copy keeps its creation time, and a message of its own at that sequence has another time.
+        self.seq_time: int | bytes | str = 0
         self.workers: dict[str, Worker] = {}
         self.classes: dict[str, ClassIndex] = {}
         self.actors: dict[str, Actor] = {}
