@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+from contextlib import asynccontextmanager
 import time
 from pathlib import Path
 
@@ -230,6 +231,7 @@ class Watched:
         shutil.copy(CPUINFO, self.cpuinfo)
         self.path = tmp_path / "agent.toml"
         self.path.write_text(config)
+        self.nats_url, self.prefix = nats_url, prefix
         self.agent = Agent(nats_url, "w-a", "node-a", self.path, prefix=prefix, watch_interval_s=0.05,
                            probe_interval_s=0.05, probe=ProbeSettings(cpuinfo_path=self.cpuinfo, architecture="amd64"))
         self.raised: asyncio.Queue[Exception] = asyncio.Queue()
@@ -261,6 +263,18 @@ class Watched:
                     raise
         setattr(self.agent, name, watched)
 
+    @asynccontextmanager
+    async def running(self):
+        """A registry replica and this agent, running; the agent's stop event."""
+        stop = asyncio.Event()
+        async with running_registry(self.nats_url, self.prefix):
+            task = asyncio.create_task(self.agent.run(stop))
+            try:
+                yield stop
+            finally:
+                stop.set()
+                await asyncio.wait_for(task, 15)
+
     async def next_raised(self, says: str) -> Exception:
         while True:
             error = await asyncio.wait_for(self.raised.get(), 10)
@@ -278,20 +292,14 @@ async def test_a_cpu_that_changes_while_the_file_is_unusable_is_registered_with_
     machine moves to another CPU meanwhile, and the agent registers the registration in force
     made on the machine as it is now (else images of the old CPU would be sent to it, and crash)."""
     watched = Watched(nats_url, prefix, tmp_path, agent_config("v1"))
-    stop = asyncio.Event()
-    async with running_registry(nats_url, prefix):
-        task = asyncio.create_task(watched.agent.run(stop))
-        try:
-            seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
-            watched.path.write_text("capacity = [")  # not TOML
-            await watched.next_raised("not valid TOML")
-            shutil.copy(AMD, watched.cpuinfo)
-            seq, changed = await wait_event(nc, prefix, "w-a", RuntimeChanged, after=seq)
-            assert same_version(changed.sandbox_classes[0].default_runtime.version, amd())
-            assert assets(changed.sandbox_classes[0]) == ("v1", [])  # the last good file's runtimes
-        finally:
-            stop.set()
-            await asyncio.wait_for(task, 15)
+    async with watched.running():
+        seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
+        watched.path.write_text("capacity = [")  # not TOML
+        await watched.next_raised("not valid TOML")
+        shutil.copy(AMD, watched.cpuinfo)
+        seq, changed = await wait_event(nc, prefix, "w-a", RuntimeChanged, after=seq)
+        assert same_version(changed.sandbox_classes[0].default_runtime.version, amd())
+        assert assets(changed.sandbox_classes[0]) == ("v1", [])  # the last good file's runtimes
 
 
 async def test_a_cpu_that_changes_with_an_edit_the_registry_refuses_is_registered_without_the_edit(
@@ -300,21 +308,15 @@ async def test_a_cpu_that_changes_with_an_edit_the_registry_refuses_is_registere
     machine moves to another CPU: the refused edit does not keep the old CPU in force; the
     registration in force is registered again on the CPU the machine has now."""
     watched = Watched(nats_url, prefix, tmp_path, agent_config("v1"))
-    stop = asyncio.Event()
-    async with running_registry(nats_url, prefix):
-        task = asyncio.create_task(watched.agent.run(stop))
-        try:
-            seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
-            watched.path.write_text(agent_config("v1") + MICROVM)
-            refused = await watched.next_raised("class")
-            assert isinstance(refused, ContractError) and refused.code is ErrorCode.FAILED_PRECONDITION
-            shutil.copy(AMD, watched.cpuinfo)
-            seq, changed = await wait_event(nc, prefix, "w-a", RuntimeChanged, after=seq)
-            assert [c.sandbox_class for c in changed.sandbox_classes] == ["gvisor"]
-            assert same_version(changed.sandbox_classes[0].default_runtime.version, amd())
-        finally:
-            stop.set()
-            await asyncio.wait_for(task, 15)
+    async with watched.running():
+        seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
+        watched.path.write_text(agent_config("v1") + MICROVM)
+        refused = await watched.next_raised("class")
+        assert isinstance(refused, ContractError) and refused.code is ErrorCode.FAILED_PRECONDITION
+        shutil.copy(AMD, watched.cpuinfo)
+        seq, changed = await wait_event(nc, prefix, "w-a", RuntimeChanged, after=seq)
+        assert [c.sandbox_class for c in changed.sandbox_classes] == ["gvisor"]
+        assert same_version(changed.sandbox_classes[0].default_runtime.version, amd())
 
 
 async def test_a_machine_the_probe_can_no_longer_read_is_removed_until_it_can(nats_url, nc, prefix, tmp_path):
@@ -322,28 +324,22 @@ async def test_a_machine_the_probe_can_no_longer_read_is_removed_until_it_can(na
     so the worker is removed (not left registered with a CPU it may no longer have) and beats no
     more; once the probe reads it again, on another CPU, the agent registers a new life with it."""
     watched = Watched(nats_url, prefix, tmp_path, agent_config("v1"))
-    stop = asyncio.Event()
-    async with running_registry(nats_url, prefix):
-        task = asyncio.create_task(watched.agent.run(stop))
-        try:
-            seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
-            watched.cpuinfo.unlink()
-            seq, removed = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq)
-            assert removed.reason.startswith("its agent cannot register the CPU its machine has now: ")
-            assert "cannot read cpu_features" in removed.reason
-            await asyncio.wait_for(watched.returned["_withdraw"].wait(), 10)
-            # removed on purpose: neither a heartbeat nor a registration after a reconnect goes out
-            watched.sent.clear()
-            await watched.agent.heartbeat(stop)
-            assert await watched.agent.register(AGAIN, stop) is None
-            assert watched.sent == []
-            shutil.copy(AMD, watched.cpuinfo)
-            seq, again = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=seq)
-            # the first registration after the removal: none was made while the probe could not read
-            assert same_version(again.sandbox_classes[0].default_runtime.version, amd())
-        finally:
-            stop.set()
-            await asyncio.wait_for(task, 15)
+    async with watched.running() as stop:
+        seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
+        watched.cpuinfo.unlink()
+        seq, removed = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq)
+        assert removed.reason.startswith("its agent cannot register the CPU its machine has now: ")
+        assert "cannot read cpu_features" in removed.reason
+        await asyncio.wait_for(watched.returned["_withdraw"].wait(), 10)
+        # removed on purpose: neither a heartbeat nor a registration after a reconnect goes out
+        watched.sent.clear()
+        await watched.agent.heartbeat(stop)
+        assert await watched.agent.register(AGAIN, stop) is None
+        assert watched.sent == []
+        shutil.copy(AMD, watched.cpuinfo)
+        seq, again = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=seq)
+        # the first registration after the removal: none was made while the probe could not read
+        assert same_version(again.sandbox_classes[0].default_runtime.version, amd())
 
 
 def test_a_registration_is_made_of_one_read_of_the_machine(tmp_path):
@@ -369,24 +365,18 @@ async def test_a_worker_removed_for_want_of_a_registration_comes_back_after_a_re
     new life, and a removal of that life is followed by a registration as always."""
     watched = Watched(nats_url, prefix, tmp_path, agent_config("v1"))
     agent = watched.agent
-    stop = asyncio.Event()
-    async with running_registry(nats_url, prefix):
-        task = asyncio.create_task(agent.run(stop))
-        try:
-            seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
-            watched.cpuinfo.unlink()
-            seq, _ = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq)
-            await asyncio.wait_for(watched.returned["_withdraw"].wait(), 10)
-            agent._register_again(stop)  # what a reconnect and a NOT_FOUND ask for
-            await asyncio.gather(*agent._background)
-            shutil.copy(AMD, watched.cpuinfo)
-            seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=seq)
-            await raw_request(nc, prefix, "remove", "w-a", {"reason": "operator"})
-            seq, _ = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq)
-            await wait_event(nc, prefix, "w-a", WorkerRegistered, after=seq)  # its heartbeat's NOT_FOUND
-        finally:
-            stop.set()
-            await asyncio.wait_for(task, 15)
+    async with watched.running() as stop:
+        seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
+        watched.cpuinfo.unlink()
+        seq, _ = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq)
+        await asyncio.wait_for(watched.returned["_withdraw"].wait(), 10)
+        agent._register_again(stop)  # what a reconnect and a NOT_FOUND ask for
+        await asyncio.gather(*agent._background)
+        shutil.copy(AMD, watched.cpuinfo)
+        seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=seq)
+        await raw_request(nc, prefix, "remove", "w-a", {"reason": "operator"})
+        seq, _ = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq)
+        await wait_event(nc, prefix, "w-a", WorkerRegistered, after=seq)  # its heartbeat's NOT_FOUND
 
 
 async def test_a_worker_removed_while_its_file_is_unusable_comes_back_with_its_last_registration(
@@ -395,22 +385,16 @@ async def test_a_worker_removed_while_its_file_is_unusable_comes_back_with_its_l
     machine reads again (the same CPU): the registration it had is made again, a new life, though
     the file still makes none."""
     watched = Watched(nats_url, prefix, tmp_path, agent_config("v1"))
-    stop = asyncio.Event()
-    async with running_registry(nats_url, prefix):
-        task = asyncio.create_task(watched.agent.run(stop))
-        try:
-            seq, registered = await wait_event(nc, prefix, "w-a", WorkerRegistered)
-            saved = watched.cpuinfo.read_bytes()
-            watched.path.write_text("capacity = [")
-            await watched.next_raised("not valid TOML")
-            watched.cpuinfo.unlink()
-            seq, _ = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq)
-            watched.cpuinfo.write_bytes(saved)
-            seq, again = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=seq)
-            assert again.sandbox_classes == registered.sandbox_classes
-        finally:
-            stop.set()
-            await asyncio.wait_for(task, 15)
+    async with watched.running():
+        seq, registered = await wait_event(nc, prefix, "w-a", WorkerRegistered)
+        saved = watched.cpuinfo.read_bytes()
+        watched.path.write_text("capacity = [")
+        await watched.next_raised("not valid TOML")
+        watched.cpuinfo.unlink()
+        seq, _ = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq)
+        watched.cpuinfo.write_bytes(saved)
+        seq, again = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=seq)
+        assert again.sandbox_classes == registered.sandbox_classes
 
 
 async def test_one_read_the_probe_cannot_make_does_not_remove_the_worker(nats_url, nc, prefix, tmp_path):
@@ -429,26 +413,20 @@ async def test_one_read_the_probe_cannot_make_does_not_remove_the_worker(nats_ur
     agent = watched.agent
     agent.probe = Counted(cpuinfo_path=watched.cpuinfo, architecture="amd64")
     agent.probe_interval_s = 1.0  # time to put the file back between two reads
-    stop = asyncio.Event()
-    async with running_registry(nats_url, prefix):
-        task = asyncio.create_task(agent.run(stop))
-        try:
-            seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
-            await raw_request(nc, prefix, "drain", "w-a", {"reason": "maintenance"})
-            seq, _ = await wait_event(nc, prefix, "w-a", WorkerDrained, after=seq)
-            saved = watched.cpuinfo.read_bytes()
-            while not reads.empty():
-                reads.get_nowait()
-            watched.returned["_restamp"].clear()
-            watched.cpuinfo.write_bytes(b"")  # read as a machine without flags: cpu_features unreadable
-            await asyncio.wait_for(watched.returned["_restamp"].wait(), 10)  # made again on that read: failed
-            watched.cpuinfo.write_bytes(saved)
-            await asyncio.wait_for(reads.get(), 10)  # the next read: the machine as registered
-            await asyncio.wait_for(reads.get(), 10)  # and one more, past any decision on the one before
-            assert not [e for _, e in await worker_events(nc, prefix, "w-a") if isinstance(e, WorkerRemoved)]
-        finally:
-            stop.set()
-            await asyncio.wait_for(task, 15)
+    async with watched.running():
+        seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
+        await raw_request(nc, prefix, "drain", "w-a", {"reason": "maintenance"})
+        seq, _ = await wait_event(nc, prefix, "w-a", WorkerDrained, after=seq)
+        saved = watched.cpuinfo.read_bytes()
+        while not reads.empty():
+            reads.get_nowait()
+        watched.returned["_restamp"].clear()
+        watched.cpuinfo.write_bytes(b"")  # read as a machine without flags: cpu_features unreadable
+        await asyncio.wait_for(watched.returned["_restamp"].wait(), 10)  # made again on that read: failed
+        watched.cpuinfo.write_bytes(saved)
+        await asyncio.wait_for(reads.get(), 10)  # the next read: the machine as registered
+        await asyncio.wait_for(reads.get(), 10)  # and one more, past any decision on the one before
+        assert not [e for _, e in await worker_events(nc, prefix, "w-a") if isinstance(e, WorkerRemoved)]
 
 
 # --- stopping, and a cluster ------------------------------------------------------------------------
