@@ -142,3 +142,19 @@ def test_ids_and_prefixes_are_refused_in_words():
     assert result.exit_code == 2 and "'bad id' is not an id: 1 to 128 letters, digits" in result.output
     result = CliRunner().invoke(main, ["workers", "--prefix", "Bad"])
     assert result.exit_code == 2 and "must be 1 to 32 lower-case letters" in result.output
+
+
+@pytest.mark.parametrize("args, as_json", [([], False), (["--json"], True), (["-o", "json"], True),
+                                           (["-o", "json", "--json"], True), (["--json", "-o", "json"], True)])
+def test_json_is_asked_for_either_way_in_any_order(args, as_json):
+    import click
+
+    from warmboot.cli_common import json_option
+
+    @click.command()
+    @json_option
+    def command(as_json: bool) -> None:
+        click.echo(repr(as_json))
+
+    result = CliRunner().invoke(command, args)
+    assert (result.exit_code, result.output) == (0, f"{as_json!r}\n")

@@ -113,7 +113,7 @@ async def test_an_actor_lives_through_the_cli_and_every_reply_is_in_the_log(bus,
     tagged = await run("actor", "tag", "a-1", "golden-1")
     assert tagged.exit_code == 0 and tagged.output.startswith("actor/a-1 tagged golden-1: snapshot a-1-v3")
 
-    templated = await run("actor", "update-template", "a-1", "t2", "--json")
+    templated = await run("actor", "update-template", "a-1", "t2", "-o", "json")  # as the views spell it
     assert kinds(await wrote(nc, prefix, json.loads(templated.output)["seq"])) == ["TemplateChanged"]
     again = json.loads((await run("actor", "resume", "a-1", "--json")).output)
     assert again["fallback"]["reason"] == "TEMPLATE_CHANGED"  # the memory is of the old template

@@ -37,7 +37,20 @@ event_loop_option = click.option(
     "--event-loop", type=click.Choice(EVENT_LOOPS), default=None, envvar=EVENT_LOOP_ENV, show_envvar=True,
     help="The services' event loop: uvloop (the default where it is installed: less CPU per request), "
          "or asyncio's own.")
-json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def json_option(command: Callable) -> Callable:
+    """`--json`, and `-o json` as the views spell it (`cmd_views.output_option`): one flag, `as_json`."""
+
+    def keep(ctx: click.Context, param: click.Parameter, value: bool) -> bool:
+        return value or ctx.params.get("as_json", False)  # -o json may have come first
+
+    def output(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+        if value == "json":
+            ctx.params["as_json"] = True
+
+    command = click.option("--json", "as_json", is_flag=True, callback=keep,
+                           help="Print JSON instead of text (the same as -o json).")(command)
+    return click.option("-o", "--output", type=click.Choice(["json"]), expose_value=False, callback=output,
+                        help="json: print JSON instead of text.")(command)
 min_seq_option = click.option(
     "--min-seq", "min_seq", type=click.IntRange(min=1), default=None, metavar="SEQ",
     help="Answered from the scheduler's state once it includes stream sequence SEQ (the seq an earlier "

@@ -3,7 +3,7 @@
 Each mutating command is one call of `warmboot.client.Client` (request id generated
 unless `--request-id` is given, so running the same command again with the same id
 is the same request; UNAVAILABLE and time-outs retried), printed as one line for
-people or, with `--json`, as the reply's JSON. A contract error is printed as
+people or, with `--json` (or `-o json`), as the reply's JSON. A contract error is printed as
 `error: CODE field: message` on stderr with exit status 1 (warmboot.cli_common.Failed).
 
 The `show` commands read the log, not a service:
@@ -28,7 +28,7 @@ from events.errors import not_found
 from events.runtime_id import Runtimes, short_id
 from events.schema import ActorRuntime, CompatVersion, CreateActor, Fidelity, Resources, Snapshot
 from events.subjects import event_subject
-from warmboot.cli_common import ask, min_seq_option, nats_option, prefix_option, read_subject, replay, version_text
+from warmboot.cli_common import ask, json_option, min_seq_option, nats_option, prefix_option, read_subject, replay, version_text
 from warmboot.client import Client
 from warmboot.cmd_views import (
     decision_fields,
@@ -43,7 +43,6 @@ from warmboot.cmd_views import (
 )
 from warmboot.render import Column, render_fields, render_table, terminal_width
 
-json_flag = click.option("--json", "as_json", is_flag=True, help="Print the reply as JSON.")
 request_id_option = click.option("--request-id", default=None,
                                  help="Idempotency key: the same command with the same id is the same request "
                                       "(default: a new one).")
@@ -106,7 +105,7 @@ def actor() -> None:
 @request_id_option
 @nats_option
 @prefix_option
-@json_flag
+@json_option
 def create_cmd(actor_id: str, sandbox_class: str, template_uid: str, cpu_millis: int, memory_mib: int,
                selectors: tuple[str, ...], min_fidelity: str, source_tag: str | None, golden: Path | None,
                request_id: str | None, nats_url: str, prefix: str, as_json: bool) -> None:
@@ -138,7 +137,7 @@ def echo(reply: Any, as_json: bool, text: Callable[[], str]) -> None:
 @request_id_option
 @nats_option
 @prefix_option
-@json_flag
+@json_option
 def pause_cmd(actor_id: str, snapshot_id: str | None, request_id: str | None, nats_url: str, prefix: str,
               as_json: bool) -> None:
     """Pause a RUNNING actor: a LOCAL memory snapshot on its node, stamped with its pin."""
@@ -156,7 +155,7 @@ def pause_cmd(actor_id: str, snapshot_id: str | None, request_id: str | None, na
 @request_id_option
 @nats_option
 @prefix_option
-@json_flag
+@json_option
 def suspend_cmd(actor_id: str, fidelity: str, uri: str | None, snapshot_id: str | None, request_id: str | None,
                 nats_url: str, prefix: str, as_json: bool) -> None:
     """Suspend an actor: RUNNING -> an EXTERNAL snapshot stamped with its pin; PAUSED -> its
@@ -175,7 +174,7 @@ def suspend_cmd(actor_id: str, fidelity: str, uri: str | None, snapshot_id: str 
 @min_seq_option
 @nats_option
 @prefix_option
-@json_flag
+@json_option
 def resume_cmd(actor_id: str, selectors: tuple[str, ...], request_id: str | None, min_seq: int | None,
                nats_url: str, prefix: str, as_json: bool) -> None:
     """Place ACTOR_ID on a worker (scheduler.resume): where, at which fidelity, pinned to which runtime."""
@@ -194,7 +193,7 @@ def resume_cmd(actor_id: str, selectors: tuple[str, ...], request_id: str | None
 @request_id_option
 @nats_option
 @prefix_option
-@json_flag
+@json_option
 def tag_cmd(actor_id: str, tag: str, request_id: str | None, nats_url: str, prefix: str, as_json: bool) -> None:
     """Tag the actor's latest snapshot (EXTERNAL only) so that other actors can be created from it."""
     reply, runtimes = run(nats_url, prefix, not as_json, lambda wb: wb.tag(actor_id, tag, request_id))
@@ -208,7 +207,7 @@ def tag_cmd(actor_id: str, tag: str, request_id: str | None, nats_url: str, pref
 @request_id_option
 @nats_option
 @prefix_option
-@json_flag
+@json_option
 def revert_cmd(actor_id: str, reason: str | None, request_id: str | None, nats_url: str, prefix: str,
                as_json: bool) -> None:
     """Give up the actor's LOCAL image and go back to its latest EXTERNAL snapshot (or to none:
@@ -228,7 +227,7 @@ def revert_cmd(actor_id: str, reason: str | None, request_id: str | None, nats_u
 @request_id_option
 @nats_option
 @prefix_option
-@json_flag
+@json_option
 def update_template_cmd(actor_id: str, template_uid: str, request_id: str | None, nats_url: str, prefix: str,
                         as_json: bool) -> None:
     """Move ACTOR_ID to another template: its memory snapshots of the old one restore without memory."""
@@ -241,7 +240,7 @@ def update_template_cmd(actor_id: str, template_uid: str, request_id: str | None
 @request_id_option
 @nats_option
 @prefix_option
-@json_flag
+@json_option
 def stop_cmd(actor_id: str, request_id: str | None, nats_url: str, prefix: str, as_json: bool) -> None:
     """Stop ACTOR_ID (released from its worker if placed). A create of the same id starts a new life."""
     reply, _ = run(nats_url, prefix, False, lambda wb: wb.stop(actor_id, request_id))
@@ -354,7 +353,7 @@ def worker() -> None:
 @request_id_option
 @nats_option
 @prefix_option
-@json_flag
+@json_option
 def drain_cmd(worker_id: str, reason: str | None, request_id: str | None, nats_url: str, prefix: str,
               as_json: bool) -> None:
     """Drain WORKER_ID: it takes no new placements and keeps what it runs."""
@@ -368,7 +367,7 @@ def drain_cmd(worker_id: str, reason: str | None, request_id: str | None, nats_u
 @request_id_option
 @nats_option
 @prefix_option
-@json_flag
+@json_option
 def remove_cmd(worker_id: str, reason: str | None, request_id: str | None, nats_url: str, prefix: str,
                as_json: bool) -> None:
     """Remove WORKER_ID: its RUNNING actors are released (SUSPENDED, back to their latest snapshot)."""
