@@ -314,3 +314,12 @@ async def test_explain_command_fits_and_shows_the_pin_by_its_label(operated, nat
         assert json.loads(out.output)["decision"]["worker_id"] == why.decision.worker_id
     wide = await cli("explain", "a-0001", "-o", "wide", "--nats", nats_url, "--prefix", prefix, width=80)
     assert "ATTRIBUTES" in wide.output and "cpu_" in wide.output
+    # the workers passed over, by id, at most --limit of them; the rest counted
+    assert len(why.rejected) >= 2
+    passed = sorted(r.worker_id for r in why.rejected)
+    limited = await cli("explain", "a-0001", "--limit", "1", "--nats", nats_url, "--prefix", prefix, width=200)
+    table = limited.output.strip().split("\n\n")[1].splitlines()
+    assert table[1].split()[0] == passed[0] and len(table) == 3
+    assert table[2] == f"({len(passed) - 1} more worker(s) passed over: --limit 0 lists them all)"
+    every = await cli("explain", "a-0001", "--limit", "0", "--nats", nats_url, "--prefix", prefix, width=200)
+    assert [line.split()[0] for line in every.output.strip().split("\n\n")[1].splitlines()[1:]] == passed

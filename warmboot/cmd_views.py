@@ -128,7 +128,9 @@ REJECTED_COLUMNS = [
 
 
 def render_explanation(actor_id: str, answer: Explanation, runtimes: Runtimes, width: int | None,
-                       wide: bool = False) -> str:
+                       wide: bool = False, limit: int = 0) -> str:
+    """The explanation as fields, and the workers passed over by worker id, at most `limit` of them
+    (0: all); SUMMARY counts them all."""
     fields = [("ACTOR", actor_id), ("SUMMARY", answer.message or f"{answer.candidates} candidates")]
     if answer.decision is not None:
         fields += decision_fields(answer.decision, runtimes, wide)
@@ -136,19 +138,24 @@ def render_explanation(actor_id: str, answer: Explanation, runtimes: Runtimes, w
         fields.append(("REFUSED", f"{answer.refusal.code.value}: {answer.refusal.message}"))
     parts = [render_fields(fields, None if wide else width)]
     if answer.rejected:
-        rendered = render_table(REJECTED_COLUMNS, answer.rejected, width, wide)
-        parts.append(rendered.text)
+        rejected = sorted(answer.rejected, key=lambda r: r.worker_id)
+        shown = rejected[:limit] if limit else rejected
+        rendered = render_table(REJECTED_COLUMNS, shown, width, wide)
+        more = len(rejected) - len(shown)
+        parts.append(rendered.text + (f"\n({more} more worker(s) passed over: --limit 0 lists them all)" if more else ""))
     return "\n\n".join(parts)
 
 
 @click.command()
 @click.argument("actor_id")
 @click.option("--selector", "selectors", multiple=True, metavar="KEY=VALUE", help="Extra label selector.")
+@click.option("--limit", type=click.IntRange(min=0), default=20, show_default=True,
+              help="List at most N of the workers passed over, by id (0: all; -o json gives all).")
 @min_seq_option
 @nats_option
 @prefix_option
 @output_option
-def explain(actor_id: str, selectors: tuple[str, ...], min_seq: int | None, nats_url: str, prefix: str,
+def explain(actor_id: str, selectors: tuple[str, ...], limit: int, min_seq: int | None, nats_url: str, prefix: str,
             output: str | None, as_json: bool) -> None:
     """Why a resume of ACTOR_ID would land where it would (writes nothing)."""
     try:
@@ -165,7 +172,7 @@ def explain(actor_id: str, selectors: tuple[str, ...], min_seq: int | None, nats
     if mode == "json":
         echo_json(to_builtins(answer))
         return
-    click.echo(render_explanation(actor_id, answer, runtimes, terminal_width(), mode == "wide"))
+    click.echo(render_explanation(actor_id, answer, runtimes, terminal_width(), mode == "wide", limit))
 
 
 # --- fragmentation ------------------------------------------------------------------------------------
