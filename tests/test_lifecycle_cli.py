@@ -260,3 +260,26 @@ async def test_min_seq_chains_commands_and_is_checked(bus, nc, prefix):
         bad = await run(*command, "--min-seq", "0")
         assert bad.exit_code == 2 and "--min-seq" in bad.output, (command, bad.output)
     assert await last_seq(nc, prefix) == before  # nothing written
+
+
+async def test_actor_list_shows_every_actor_and_filters(bus):
+    run, _ = bus
+    for actor_id in ("a-2", "a-1"):
+        made = await run("actor", "create", actor_id, "--class", "gvisor", "--template", "t1", "--cpu", "500",
+                         "--memory", "1024")
+        assert made.exit_code == 0, made.output
+    placed = fields((await run("actor", "resume", "a-1")).output)
+    await run("actor", "pause", "a-1")
+    listed = await run("actor", "list")
+    assert listed.exit_code == 0, listed.output
+    lines = listed.output.splitlines()
+    assert lines[0].split() == ["ACTOR", "STATE", "CLASS", "WORKER", "SNAPSHOT", "STAMP"]
+    rows = {line.split()[0]: line.split()[1:] for line in lines[1:]}
+    assert list(rows) == ["a-1", "a-2"]  # by id
+    assert rows["a-1"] == ["PAUSED", "gvisor", "-", "MEMORY", "LOCAL", placed["RUNTIME"]]
+    assert rows["a-2"] == ["CREATED", "gvisor", "-", "-", "-"]
+    as_json = json.loads((await run("actor", "list", "-o", "json", "--state", "PAUSED")).output)
+    assert [v["actor_id"] for v in as_json] == ["a-1"] and as_json[0]["snapshot"]["fidelity"] == "MEMORY"
+    assert (await run("actor", "list", "--class", "microvm")).output == "no actor matches\n"
+    bad = await run("actor", "list", "--state", "GONE")
+    assert bad.exit_code == 2 and "Invalid value for '--state'" in bad.output

@@ -27,6 +27,7 @@ from events.codec import decode_reply, to_builtins
 from events.errors import not_found
 from events.runtime_id import Runtimes, short_id
 from events.schema import ActorRuntime, CompatVersion, CreateActor, Fidelity, Resources, Snapshot
+from events.states import ActorState
 from events.subjects import event_subject
 from warmboot.cli_common import ask, json_option, min_seq_option, nats_option, prefix_option, read_subject, replay, version_text
 from warmboot.client import Client
@@ -337,6 +338,63 @@ def show_actor_cmd(actor_id: str, nats_url: str, prefix: str, output: str | None
         echo_json(view)
         return
     click.echo(render_fields(actor_fields(view, mode == "wide"), None if mode == "wide" else terminal_width()))
+
+
+def _snapshot_cell(view: dict) -> str:
+    snap = view["snapshot"]
+    if snap is None:
+        return "-"
+    return f"{snap['fidelity']} {'LOCAL' if snap['location'] == 'LOCAL' else 'EXT'}" + (" borrowed" if snap["borrowed"] else "")
+
+
+ACTOR_LIST_COLUMNS = [
+    Column("ACTOR", lambda v: v["actor_id"]),
+    Column("STATE", lambda v: v["state"]),
+    Column("CLASS", lambda v: v["sandbox_class"], drop=2),
+    Column("WORKER", lambda v: v["worker_id"] or "-"),
+    Column("SNAPSHOT", lambda v: _snapshot_cell(v), drop=1),
+    Column("STAMP", lambda v: v["snapshot"]["stamp"]["label"] if v["snapshot"] and v["snapshot"]["stamp"] else "-",
+           drop=3),
+    Column("TEMPLATE", lambda v: v["template_uid"], wide=True),
+    Column("NODE", lambda v: v["node"] or "-", wide=True),
+    Column("PIN", lambda v: v["pin"]["label"] if v["pin"] else "-", wide=True),
+    Column("LAST SEQ", lambda v: str(v["last_seq"]), right=True, wide=True),
+]
+
+
+@actor.command("list")
+@click.option("--class", "sandbox_class", default=None, help="Only actors of this sandbox class.")
+@click.option("--state", type=click.Choice([s.value for s in ActorState]), default=None, help="Only actors in this state.")
+@click.option("--worker", "worker_id", default=None, help="Only actors placed on this worker.")
+@nats_option
+@prefix_option
+@output_option
+def list_actors_cmd(sandbox_class: str | None, state: str | None, worker_id: str | None, nats_url: str, prefix: str,
+                    output: str | None, as_json: bool) -> None:
+    """The actors of the log (stopped ones included), by id: state, worker, latest snapshot and its
+    stamp. Folds the log with the scheduler's projection, as `workers` does."""
+    from warmboot.audit import Sink
+
+    mode = output_mode(output, as_json)
+    sink = ask(nats_url, lambda nc: replay(nc, prefix, Sink(), mode != "json"))
+    projection = sink.projection
+    runtimes = runtimes_of(projection)
+    views = [actor_view(aid, projection, runtimes) for aid in sorted(projection.actors)]
+    for view in views:
+        del view["events"]  # the whole log's count here, not the actor's (`actor show` has it)
+    views = [v for v in views if sandbox_class in (None, v["sandbox_class"]) and state in (None, v["state"])
+             and worker_id in (None, v["worker_id"])]
+    if mode == "json":
+        echo_json(views)
+        return
+    if not views:
+        click.echo("no actor matches" if (sandbox_class or state or worker_id) else "no actors")
+        return
+    width = terminal_width()
+    rendered = render_table(ACTOR_LIST_COLUMNS, views, width, mode == "wide")
+    click.echo(rendered.text)
+    if note := rendered.footnote(width):
+        click.echo(note)
 
 
 # --- worker --------------------------------------------------------------------------------------
