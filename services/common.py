@@ -585,12 +585,17 @@ async def continuity(nc: NATS, stream: str, seq: int, at_us: int) -> str | None:
     another one now (stored at another time), or none. Read through the stream leader."""
     if not seq or not at_us:
         return None
+    js = nc.jetstream()
     try:
-        message = await nc.jetstream().get_msg(stream, seq)
+        message = await js.get_msg(stream, seq)
     except NotFoundError as error:
         if getattr(error, "err_code", None) != _NO_MESSAGE:
             raise  # the stream itself is not there: the caller asks again
-        return f"the event stream {stream} has no message at sequence {seq}, which this process read: restored or rolled back"
+        last = (await js.stream_info(stream)).state.last_seq
+        if last >= seq:
+            return None  # a hole (an operator deleted that message: docs/contract.md), not another log
+        return (f"the event stream {stream} ends at sequence {last}, before sequence {seq}, which this process "
+                f"read: restored or rolled back")
     if message.time is None or micros(message.time) != at_us:
         return (f"the event stream {stream} holds another message at sequence {seq} than this process read "
                 f"(stored {message.time.isoformat() if message.time else '?'}): restored or rolled back")
@@ -607,10 +612,14 @@ class StreamWatch:
     stream that does not exist, or a JetStream that does not answer, is asked again at the next
     look. The scheduler's fold also looks at its consumer's re-creation (`services.scheduler.fold`)."""
 
-    def __init__(self, nc: NATS, stream: str, every: float = INCARNATION_CHECK_S) -> None:
+    def __init__(self, nc: NATS, stream: str, every: float = INCARNATION_CHECK_S,
+                 read: Callable[[], tuple[int, int]] | None = None) -> None:
         self.nc, self.stream, self.every = nc, stream, every
         self.created: str | None = None
-        self.mark: tuple[int, int] = (0, 0)  # (sequence, stored at, µs) of the last message seen
+        self.mark: tuple[int, int] = (0, 0)  # (sequence, stored at, µs) of the stream's last message, last look
+        # The service's own mark, if it has one (the registry's roster fold: the last message it folded),
+        # checked too: a copy put back between two looks may still hold the watch's mark, not that one.
+        self.read = read
         self.failed: asyncio.Future[str] | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -641,16 +650,8 @@ class StreamWatch:
         while True:
             await asyncio.sleep(self.every)  # a period: nothing tells a process that a stream was deleted
             try:
-                info = await self.nc.jetstream().stream_info(self.stream)
+                why = await self.look()
             except Exception as error:  # gone and not made again yet, an election, an outage: next look
-                log.debug("the stream %s could not be looked at (%s)", self.stream, type(error).__name__)
-                continue
-            try:
-                why = (replaced_by(self.stream, self.created, stream_identity(info)[0])
-                       or await continuity(self.nc, self.stream, *self.mark))
-                if why is None:
-                    self.mark = await self._last(info.state.last_seq)
-            except Exception as error:
                 log.debug("the stream %s could not be looked at (%s)", self.stream, type(error).__name__)
                 continue
             if why is not None:
@@ -658,6 +659,17 @@ class StreamWatch:
                 if not self.failed.done():
                     self.failed.set_result(why)
                 return
+
+    async def look(self) -> str | None:
+        """One look: why the stream is not the log the service read (None if it is: then the
+        stream's last message is the next look's mark). Raises what asking raised."""
+        info = await self.nc.jetstream().stream_info(self.stream)
+        why = (replaced_by(self.stream, self.created, stream_identity(info)[0])
+               or await continuity(self.nc, self.stream, *self.mark)
+               or (await continuity(self.nc, self.stream, *self.read()) if self.read is not None else None))
+        if why is None:
+            self.mark = await self._last(info.state.last_seq)
+        return why
 
     async def stop(self) -> None:
         task, self._task = self._task, None

@@ -268,3 +268,82 @@ async def test_replicas_stop_when_their_stream_is_restored_from_a_copy_of_the_st
         for connection in connections:
             await connection.close()
         server.stop()
+
+
+async def test_a_message_an_operator_deleted_is_a_hole_not_another_log(nc, nats_url, prefix, replicas):
+    """docs/contract.md lets an operator delete an event no version can read. The stream still
+    ends where it did: no replica takes the missing message for a restored log."""
+    from services.registry.service import RegistryService
+
+    last = await write(nats_url, prefix, OLD)
+    registry = RegistryService(nc, nats_url=nats_url, prefix=prefix)
+    registry.watch.every = 3600  # looked at by the test alone
+    await registry.start()
+    scheduler = await replicas(metrics=False, checkpoint_every=10**9, checkpoint_interval_s=0)
+    try:
+        assert await registry.watch.look() is None and registry.watch.mark[0] == last
+        assert scheduler.projection.seq == last
+        await nc.jetstream().delete_msg(stream_name(prefix), last)  # `nats stream rmm`
+        assert await registry.watch.look() is None
+        assert await scheduler.checkpoints.save(scheduler.projection) is not None and not scheduler.failed.done()
+    finally:
+        await registry.stop()
+
+
+async def test_a_checkpoint_whose_message_cannot_be_asked_is_ignored_not_a_failed_start(
+        nc, nats_url, prefix, replicas, monkeypatch):
+    import nats.js.manager
+
+    await write(nats_url, prefix, OLD)
+    first = await replicas(metrics=False, checkpoint_every=10**9, checkpoint_interval_s=0)
+    assert await first.checkpoints.save(first.projection) is not None
+    await first.stop()
+    real = nats.js.manager.JetStreamManager.get_msg
+
+    async def failing(self, stream, *args, **kwargs):
+        if stream == stream_name(prefix):
+            raise RuntimeError("the server said something else")
+        return await real(self, stream, *args, **kwargs)
+
+    monkeypatch.setattr(nats.js.manager.JetStreamManager, "get_msg", failing)
+    second = await replicas(metrics=False, checkpoint_every=10**9, checkpoint_interval_s=0)
+    assert second.checkpoints.restored_seq == 0 and second.projection.seq == first.projection.seq  # replayed
+
+
+async def test_the_registry_tells_a_copy_put_back_between_two_looks_by_what_its_roster_read(tmp_path, prefix):
+    """A copy taken before the watch's last look still holds that look's mark; what the roster folded
+    after it is not in the copy. The watch checks the roster's own mark too."""
+    import shutil
+
+    import nats
+
+    from services.common import until_answered
+    from services.registry.service import RegistryService
+    from warmboot.natsserver import NatsServer
+
+    store = tmp_path / "nats"
+    server = NatsServer(store).start()
+    url = server.url
+    await write(url, prefix, OLD[:2])
+    server.stop()
+    shutil.copytree(store, tmp_path / "copy")
+    server.start()
+    nc = await nats.connect(url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+    registry = RegistryService(nc, nats_url=url, prefix=prefix)
+    registry.watch.every = 3600  # looked at by the test alone
+    try:
+        await registry.start()
+        assert await registry.watch.look() is None and registry.watch.mark[0] == 2
+        await write(url, prefix, (registered("w1", entry(V1, (V2,))), fence("w1")))  # 3, 4: not in the copy
+        await registry.fold.current()
+        assert registry.fold.mark[0] == 3  # the registration (its fence is on another subject)
+        server.stop()
+        shutil.rmtree(store)
+        shutil.copytree(tmp_path / "copy", store)
+        server.start()
+        why = await until_answered(registry.watch.look, "the stream")
+        assert why is not None and why.endswith("restored or rolled back"), why
+    finally:
+        await registry.stop()
+        await nc.close()
+        server.stop()

@@ -38,7 +38,7 @@ from events.codec import decode_event
 from events.errors import ContractError, unavailable
 from events.jetstream import ERR_NO_MESSAGE_FOUND, TOPIC_HEADER
 from events.jetstream.retry import REQUEST_TIMEOUT
-from events.natspy import ORDERED_IDLE_HEARTBEAT_S, ApiError, ack_positions, use_lean_headers
+from events.natspy import ORDERED_IDLE_HEARTBEAT_S, ApiError, ack_positions, ack_time, use_lean_headers
 from events.subjects import event_subject, stream_name
 from events.tasks import cancel_and_wait
 from services.common import until_answered
@@ -93,6 +93,9 @@ class RosterFold:
         self.complete = 0
         self.errors = 0
         self.rounds = 0
+        # (sequence, stored at in µs) of the last message folded: which log the roster is of
+        # (`services.common.StreamWatch` checks that message is still there)
+        self.mark: tuple[int, int] = (0, 0)
         self._sub: Any = None
         self._waiters: list[asyncio.Future[None]] = []  # calls of current() for the next round
         self._round: asyncio.Task[None] | None = None
@@ -150,6 +153,7 @@ class RosterFold:
                 self.errors += 1
                 log.warning("message %d on %s: no node read from its body", seq, msg.subject)
         self.roster.apply(seq, msg.subject[len(self.subject_prefix):], event_type, node)
+        self.mark = (seq, ack_time(msg.reply) // 1000)
         if seq > self.complete:
             self.complete = seq
         want = self._want

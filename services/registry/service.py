@@ -301,7 +301,8 @@ class RegistryService:
         )
         self.replies: ReplyCache | None = None
         self.service = None
-        self.watch = StreamWatch(nc, stream_name(prefix))  # the roster is of one incarnation of the stream
+        # the roster is of one incarnation of the stream, and of the messages the fold read from it
+        self.watch = StreamWatch(nc, stream_name(prefix), read=lambda: self.fold.mark)
 
     @property
     def failed(self) -> asyncio.Future[str] | None:

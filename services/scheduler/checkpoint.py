@@ -52,9 +52,10 @@ from nats.aio.client import Client as NATS
 from nats.js.api import ObjectMeta, ObjectStoreConfig, StorageType
 from nats.js.errors import BadRequestError, NotFoundError, ObjectNotFoundError
 
+from events.natspy import describe_error
 from events.subjects import bucket_name, stream_name
 from events.tasks import cancel_and_wait
-from services.common import continuity, replaced_by, stream_identity, stream_replicas
+from services.common import continuity, replaced_by, stream_identity, stream_replicas, until_answered
 from services.scheduler.checkpoint_codec import (
     CheckpointRejected,
     decode_checkpoint,
@@ -229,7 +230,13 @@ class Checkpoints:
                     )
                 if envelope.seq > last_seq:
                     raise CheckpointRejected(f"it covers sequence {envelope.seq}, the stream ends at {last_seq}")
-                rolled = await continuity(self.nc, self.stream, envelope.seq, envelope.seq_time // 1000)
+                try:
+                    rolled = await until_answered(
+                        lambda: continuity(self.nc, self.stream, envelope.seq, envelope.seq_time // 1000),
+                        f"the stream {self.stream}", LOAD_TIMEOUT_S)
+                except Exception as error:  # what is at its sequence is not known: replay instead
+                    raise CheckpointRejected(f"whether the message at sequence {envelope.seq} is the one it "
+                                             f"folded could not be asked ({describe_error(error)})") from None
                 if rolled is not None:
                     raise CheckpointRejected(rolled)
             except CheckpointRejected as why:

@@ -286,7 +286,11 @@ class Fold:
                     self.check_stream(info)
                     if self.stale is None:
                         # the same creation time, yet maybe not the log folded: one restored from a copy
-                        why = await until_answered(self.continuity, f"the stream {self.stream}", math.inf)
+                        try:
+                            why = await until_answered(self.continuity, f"the stream {self.stream}", math.inf)
+                        except Exception as error:  # the stream gone again, the connection closed: not known
+                            why = (f"whether the event stream {self.stream} still holds the message the fold "
+                                   f"read last could not be asked ({describe_error(error)})")
                         if why is not None:
                             self.give_up(why)
         finally:
