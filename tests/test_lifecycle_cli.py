@@ -281,5 +281,11 @@ async def test_actor_list_shows_every_actor_and_filters(bus):
     as_json = json.loads((await run("actor", "list", "-o", "json", "--state", "PAUSED")).output)
     assert [v["actor_id"] for v in as_json] == ["a-1"] and as_json[0]["snapshot"]["fidelity"] == "MEMORY"
     assert (await run("actor", "list", "--class", "microvm")).output == "no actor matches\n"
+    assert json.loads((await run("actor", "list", "--class", "microvm", "--json")).output) == []
+    on = json.loads((await run("actor", "list", "--worker", placed["WORKER"], "--state", "running", "-o", "json")).output)
+    assert on == []  # paused since: no longer on the worker (and the state is taken in any case)
+    wide = (await run("actor", "list", "-o", "wide", width=200)).output.splitlines()
+    assert wide[0].split() == ["ACTOR", "STATE", "CLASS", "WORKER", "SNAPSHOT", "STAMP", "TEMPLATE", "NODE", "PIN",
+                               "LAST", "SEQ"]
     bad = await run("actor", "list", "--state", "GONE")
     assert bad.exit_code == 2 and "Invalid value for '--state'" in bad.output

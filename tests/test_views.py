@@ -320,6 +320,6 @@ async def test_explain_command_fits_and_shows_the_pin_by_its_label(operated, nat
     limited = await cli("explain", "a-0001", "--limit", "1", "--nats", nats_url, "--prefix", prefix, width=200)
     table = limited.output.strip().split("\n\n")[1].splitlines()
     assert table[1].split()[0] == passed[0] and len(table) == 3
-    assert table[2] == f"({len(passed) - 1} more worker(s) passed over: --limit 0 lists them all)"
+    assert table[2] == f"({len(passed) - 1} more worker(s) passed over: --limit 0 lists them)"
     every = await cli("explain", "a-0001", "--limit", "0", "--nats", nats_url, "--prefix", prefix, width=200)
     assert [line.split()[0] for line in every.output.strip().split("\n\n")[1].splitlines()[1:]] == passed

@@ -353,7 +353,7 @@ ACTOR_LIST_COLUMNS = [
     Column("CLASS", lambda v: v["sandbox_class"], drop=2),
     Column("WORKER", lambda v: v["worker_id"] or "-"),
     Column("SNAPSHOT", lambda v: _snapshot_cell(v), drop=1),
-    Column("STAMP", lambda v: v["snapshot"]["stamp"]["label"] if v["snapshot"] and v["snapshot"]["stamp"] else "-",
+    Column("STAMP", lambda v: "-" if v["snapshot"] is None else (v["snapshot"]["stamp"] or {}).get("label", "unstamped"),
            drop=3),
     Column("TEMPLATE", lambda v: v["template_uid"], wide=True),
     Column("NODE", lambda v: v["node"] or "-", wide=True),
@@ -364,7 +364,8 @@ ACTOR_LIST_COLUMNS = [
 
 @actor.command("list")
 @click.option("--class", "sandbox_class", default=None, help="Only actors of this sandbox class.")
-@click.option("--state", type=click.Choice([s.value for s in ActorState]), default=None, help="Only actors in this state.")
+@click.option("--state", type=click.Choice([s.value for s in ActorState], case_sensitive=False), default=None,
+              help="Only actors in this state.")
 @click.option("--worker", "worker_id", default=None, help="Only actors placed on this worker.")
 @nats_option
 @prefix_option

@@ -142,7 +142,7 @@ def render_explanation(actor_id: str, answer: Explanation, runtimes: Runtimes, w
         shown = rejected[:limit] if limit else rejected
         rendered = render_table(REJECTED_COLUMNS, shown, width, wide)
         more = len(rejected) - len(shown)
-        parts.append(rendered.text + (f"\n({more} more worker(s) passed over: --limit 0 lists them all)" if more else ""))
+        parts.append(rendered.text + (f"\n({more} more worker(s) passed over: --limit 0 lists them)" if more else ""))
     return "\n\n".join(parts)
 
 
@@ -150,7 +150,8 @@ def render_explanation(actor_id: str, answer: Explanation, runtimes: Runtimes, w
 @click.argument("actor_id")
 @click.option("--selector", "selectors", multiple=True, metavar="KEY=VALUE", help="Extra label selector.")
 @click.option("--limit", type=click.IntRange(min=0), default=20, show_default=True,
-              help="List at most N of the workers passed over, by id (0: all; -o json gives all).")
+              help="List at most N of the workers passed over, by id (0: all the scheduler names, at most "
+                   "1,000 of them; SUMMARY counts every one).")
 @min_seq_option
 @nats_option
 @prefix_option
