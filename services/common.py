@@ -616,7 +616,7 @@ class StreamWatch:
                  read: Callable[[], tuple[int, int]] | None = None) -> None:
         self.nc, self.stream, self.every = nc, stream, every
         self.created: str | None = None
-        self.mark: tuple[int, int] = (0, 0)  # (sequence, stored at, µs) of the stream's last message, last look
+        self.mark: tuple[int, int] = (0, 0)  # (sequence, stored at in µs) of the stream's last message at the last look
         # The service's own mark, if it has one (the registry's roster fold: the last message it folded),
         # checked too: a copy put back between two looks may still hold the watch's mark, not that one.
         self.read = read

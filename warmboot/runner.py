@@ -118,7 +118,7 @@ async def start_services(
 
 async def until_stopped(stop: asyncio.Event, running: Running) -> str | None:
     """Wait for `stop` (a stop signal, `stop_signals`) or for a service of `running` to fail (its
-    `failed` future done: the scheduler whose event stream was made again); the failure's reason,
+    `failed` future done: a service whose event stream was made again or restored); the failure's reason,
     or None for a stop. The caller stops the services either way, and ends with a failure status
     after a failure (the service has logged why)."""
     failures = [f for service in running.services if (f := getattr(service, "failed", None)) is not None]
