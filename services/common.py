@@ -564,7 +564,8 @@ def replaced_by(stream: str, folded: str | None, created: str) -> str | None:
     if folded is None:
         return f"the projection does not say which incarnation of the event stream {stream} it is a fold of"
     if created != folded:
-        return f"the event stream {stream} was made again (created {created}; this process read the one created {folded})"
+        return (f"the event stream {stream} was made again (created {created}; this process read the one "
+                f"created {folded})")
     return None
 
 
@@ -616,7 +617,7 @@ class StreamWatch:
                  read: Callable[[], tuple[int, int]] | None = None) -> None:
         self.nc, self.stream, self.every = nc, stream, every
         self.created: str | None = None
-        self.mark: tuple[int, int] = (0, 0)  # (sequence, stored at in µs) of the stream's last message at the last look
+        self.mark: tuple[int, int] = (0, 0)  # (sequence, stored at in µs) of the last message at the last look
         # The service's own mark, if it has one (the registry's roster fold: the last message it folded),
         # checked too: a copy put back between two looks may still hold the watch's mark, not that one.
         self.read = read

@@ -32,7 +32,8 @@ def check_nats_option(ctx: click.Context | None, param: click.Parameter | None, 
 
 
 nats_option = click.option("--nats", "nats_url", default="nats://127.0.0.1:4222", show_default=True,
-                           envvar="NATS_URL", show_envvar=True, callback=check_nats_option, help="NATS server URL(s), comma-separated.")
+                           envvar="NATS_URL", show_envvar=True, callback=check_nats_option,
+                           help="NATS server URL(s), comma-separated.")
 event_loop_option = click.option(
     "--event-loop", type=click.Choice(EVENT_LOOPS), default=None, envvar=EVENT_LOOP_ENV, show_envvar=True,
     help="The services' event loop: uvloop (the default where it is installed: less CPU per request), "
@@ -74,8 +75,8 @@ def check_prefix_option(ctx: click.Context, param: click.Parameter, value: str) 
         raise click.BadParameter(str(e)) from None
 
 
-prefix_option = click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="WARMBOOT_PREFIX", show_envvar=True,
-                             callback=check_prefix_option, help="Subject prefix of the deployment.")
+prefix_option = click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="WARMBOOT_PREFIX",
+                             show_envvar=True, callback=check_prefix_option, help="Subject prefix of the deployment.")
 
 
 class Failed(click.ClickException):

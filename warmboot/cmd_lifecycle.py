@@ -29,7 +29,8 @@ from events.runtime_id import Runtimes, short_id
 from events.schema import ActorRuntime, CompatVersion, CreateActor, Fidelity, Resources, Snapshot
 from events.states import ActorState
 from events.subjects import event_subject
-from warmboot.cli_common import ask, json_option, min_seq_option, nats_option, prefix_option, read_subject, replay, version_text
+from warmboot.cli_common import (ask, json_option, min_seq_option, nats_option, prefix_option, read_subject, replay,
+                                 version_text)
 from warmboot.client import Client
 from warmboot.cmd_views import (
     decision_fields,
@@ -344,7 +345,8 @@ def _snapshot_cell(view: dict) -> str:
     snap = view["snapshot"]
     if snap is None:
         return "-"
-    return f"{snap['fidelity']} {'LOCAL' if snap['location'] == 'LOCAL' else 'EXT'}" + (" borrowed" if snap["borrowed"] else "")
+    where = "LOCAL" if snap["location"] == "LOCAL" else "EXT"
+    return f"{snap['fidelity']} {where}" + (" borrowed" if snap["borrowed"] else "")
 
 
 ACTOR_LIST_COLUMNS = [
@@ -353,8 +355,8 @@ ACTOR_LIST_COLUMNS = [
     Column("CLASS", lambda v: v["sandbox_class"], drop=2),
     Column("WORKER", lambda v: v["worker_id"] or "-"),
     Column("SNAPSHOT", lambda v: _snapshot_cell(v), drop=1),
-    Column("STAMP", lambda v: "-" if v["snapshot"] is None else (v["snapshot"]["stamp"] or {}).get("label", "unstamped"),
-           drop=3),
+    Column("STAMP", lambda v: "-" if v["snapshot"] is None
+           else (v["snapshot"]["stamp"] or {}).get("label", "unstamped"), drop=3),
     Column("TEMPLATE", lambda v: v["template_uid"], wide=True),
     Column("NODE", lambda v: v["node"] or "-", wide=True),
     Column("PIN", lambda v: v["pin"]["label"] if v["pin"] else "-", wide=True),

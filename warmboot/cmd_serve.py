@@ -34,9 +34,10 @@ SERVICE_OPTIONS = {
 @click.argument("service", type=click.Choice([*SERVICES, "all"]))
 @click.option("--nats", "nats_url", default="nats://127.0.0.1:4222", show_default=True,
               callback=check_nats_option,
-              envvar="NATS_URL", show_envvar=True, help="NATS server URL(s); credentials as nats://USER:PASSWORD@HOST:PORT.")
-@click.option("--nkey-seed", type=click.Path(exists=True, dir_okay=False), default=None, envvar=NKEY_SEED_ENV, show_envvar=True,
-              help="Sign in with the nkey seed in this file (warmboot nats-config --auth nkey).")
+              envvar="NATS_URL", show_envvar=True,
+              help="NATS server URL(s); credentials as nats://USER:PASSWORD@HOST:PORT.")
+@click.option("--nkey-seed", type=click.Path(exists=True, dir_okay=False), default=None, envvar=NKEY_SEED_ENV,
+              show_envvar=True, help="Sign in with the nkey seed in this file (warmboot nats-config --auth nkey).")
 @click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="WARMBOOT_PREFIX", show_envvar=True,
               callback=check_prefix_option, help="Subject prefix of the deployment.")
 @click.option("--metrics-port", type=int, default=None,
@@ -52,8 +53,8 @@ SERVICE_OPTIONS = {
                    "own node, and only if listed, and removes one registered elsewhere; `none` removes the binding. "
                    "Give it to the one replica that changes the binding: the file given last wins "
                    "(docs/security.md).")
-@click.option("--replicas", type=click.IntRange(1, 5), default=None, envvar="WARMBOOT_STREAM_REPLICAS", show_envvar=True,
-              help="Replica count of the event stream when this process creates it (3 on a cluster).")
+@click.option("--replicas", type=click.IntRange(1, 5), default=None, envvar="WARMBOOT_STREAM_REPLICAS",
+              show_envvar=True, help="Replica count of the event stream when this process creates it (3 on a cluster).")
 @click.option("--checkpoint-every", type=click.IntRange(min=0), default=DEFAULT_EVERY_EVENTS, show_default=True,
               help="Scheduler: save a projection checkpoint every N events folded (0: no checkpoints, "
                    "a new replica replays the whole log).")

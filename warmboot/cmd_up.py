@@ -21,7 +21,8 @@ console = Console(soft_wrap=True)  # a line piped is not cut at 80 columns (the 
 
 
 @click.command()
-@click.option("--port", type=click.IntRange(0, 65535), default=4222, show_default=True, help="NATS client port (0: any free port).")
+@click.option("--port", type=click.IntRange(0, 65535), default=4222, show_default=True,
+              help="NATS client port (0: any free port).")
 @click.option("--store", type=click.Path(file_okay=False, path_type=Path), default=Path(".warmboot"),
               show_default=True, help="JetStream store directory.")
 @click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="WARMBOOT_PREFIX", show_envvar=True,

@@ -474,7 +474,8 @@ def encode_checkpoint(state: State, *, stream: str, stream_created: str, seq_tim
         body = zlib.compress(body, 1)
     return _encoder.encode(Envelope(
         format=FORMAT, fold=FOLD_DIGEST, seq=state.seq, events=state.events, stream=stream,
-        stream_created=stream_created, seq_time=seq_time, digest=_digest(body), compression="zlib" if compress else "none", body=body,
+        stream_created=stream_created, seq_time=seq_time, digest=_digest(body),
+        compression="zlib" if compress else "none", body=body,
     ))
 
 
