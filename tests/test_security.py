@@ -330,6 +330,21 @@ async def test_a_reply_subject_with_a_wildcard_is_not_answered(deployment):
     assert d.dropped("registry", "heartbeat", "wildcard") == dropped + len(replies)
 
 
+async def test_a_client_cannot_name_a_reply_subject_of_the_servers_own(deployment):
+    """`_R_.` is the reply prefix nats-server makes for an operator's request through its account's
+    import, and the services answer it as they answer inboxes (`services.common.REPLY_PREFIXES`):
+    no client may name one. The server refuses such a publish itself, and no service hears it."""
+    d = deployment
+    before = await State.of(d)
+    dropped = d.dropped("registry", "heartbeat", "not_inbox")
+    await d.w_1.nc.publish(sub("registry", "heartbeat", "w-1"), encode(Heartbeat()), reply="_R_.abc.def")
+    assert "publish with reply" in (await d.w_1.violation("_R_.abc.def")).lower()
+    # served in order on one subscription: once w-1's next heartbeat is answered, that one was not heard
+    assert await call(d.w_1.nc, sub("registry", "heartbeat", "w-1"), Heartbeat(), HeartbeatReply)
+    assert d.dropped("registry", "heartbeat", "not_inbox") == dropped
+    assert await State.of(d) == before
+
+
 @pytest.mark.parametrize("verb", ["PING", "INFO", "STATS"])
 async def test_discovery_requests_with_a_reply_subject_that_is_no_inbox_change_nothing(deployment, verb):
     """A client (of the deployment's account, where the targets are) asks with those reply subjects.
