@@ -146,7 +146,9 @@ async def test_errors_name_code_and_field_exit_1_and_write_nothing(bus, nc, pref
     cases = [
         (("actor", "create", "a-9", "--class", "gvisor", "--template", "t1", "--cpu", "0", "--memory", "256"),
          "error: INVALID_ARGUMENT resources.cpu_millis: "),
-        (("actor", "pause", "nobody"), "error: NOT_FOUND "),
+        (("actor", "pause", "nobody"), "error: NOT_FOUND actor_id: "),
+        (("actor", "resume", "nobody"), "error: NOT_FOUND actor_id: actor nobody not found"),
+        (("worker", "drain", "nobody"), "error: NOT_FOUND worker_id: worker 'nobody' is not registered"),
         (("actor", "pause", "a.b"), "error: INVALID_ARGUMENT actor_id: 'a.b' is not an id"),
         (("actor", "show", "nobody"), "error: NOT_FOUND actor_id: no actor 'nobody'"),
         (("worker", "drain", "w x"), "error: INVALID_ARGUMENT worker_id: 'w x' is not an id"),

@@ -212,8 +212,9 @@ class Worker(WireAggregate):
     def require_alive(self) -> None:
         if not self.alive:
             if self.lives:
-                raise not_found(f"worker {self.entity_id!r} was removed ({self.removed_reason or 'no reason'})")
-            raise not_found(f"worker {self.entity_id!r} is not registered")
+                raise not_found(f"worker {self.entity_id!r} was removed ({self.removed_reason or 'no reason'})",
+                                "worker_id")
+            raise not_found(f"worker {self.entity_id!r} is not registered", "worker_id")
 
     def _check_same_classes(self, classes: tuple[WorkerSandboxClass, ...]) -> None:
         have, want = _names(self.sandbox_classes), _names(classes)

@@ -168,7 +168,7 @@ def resolve(projection: Projection, actor_id: str) -> Actor:
             f"until its next life; a scheduler that reads the message can"))
     actor = projection.actors.get(actor_id)
     if actor is None:
-        raise not_found(f"actor {actor_id} not found")
+        raise not_found(f"actor {actor_id} not found", "actor_id")
     if actor.state is RUNNING:
         where = f" on worker {actor.worker.worker_id}" if actor.worker is not None else ""
         raise precondition(f"actor {actor_id} is RUNNING{where}; it must be paused or suspended first")
