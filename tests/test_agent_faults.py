@@ -427,6 +427,16 @@ async def test_one_read_the_probe_cannot_make_does_not_remove_the_worker(nats_ur
         await asyncio.wait_for(reads.get(), 10)  # the next read: the machine as registered
         await asyncio.wait_for(reads.get(), 10)  # and one more, past any decision on the one before
         assert not [e for _, e in await worker_events(nc, prefix, "w-a") if isinstance(e, WorkerRemoved)]
+        # a passing failure long after the first is a first one again, not the second in a row
+        while not reads.empty():
+            reads.get_nowait()
+        watched.returned["_restamp"].clear()
+        watched.cpuinfo.write_bytes(b"")
+        await asyncio.wait_for(watched.returned["_restamp"].wait(), 10)
+        watched.cpuinfo.write_bytes(saved)
+        await asyncio.wait_for(reads.get(), 10)
+        await asyncio.wait_for(reads.get(), 10)
+        assert not [e for _, e in await worker_events(nc, prefix, "w-a") if isinstance(e, WorkerRemoved)]
 
 
 # --- stopping, and a cluster ------------------------------------------------------------------------

@@ -801,7 +801,10 @@ class Agent:
         was removed for want of one (`withdrawn`); at most once per read of the machine, and
         looked at again at the next watch if something was on its way."""
         read_at = self._machine()[0]
-        if read_at == self._restamp_read_at or not (self.withdrawn or self._cpu_changed_under_registration()):
+        if not self.withdrawn and not self._cpu_changed_under_registration():
+            self._unreadable_at = None  # the machine reads as registered: a failed read before was passing
+            return
+        if read_at == self._restamp_read_at:
             return
         if self._edit_waiting or self._restamp_waiting or self._one_registration.locked():
             return
