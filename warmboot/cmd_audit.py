@@ -78,7 +78,7 @@ def verify_cmd(nats_url: str, prefix: str) -> None:
 def actor_cmd(actor_id: str, nats_url: str, prefix: str, as_json: bool) -> None:
     """Print ACTOR_ID's timeline: every event with stamp, pin, fidelity, fallback and worker."""
 
-    from warmboot.cmd_views import fleet_runtimes
+    from warmboot.cmd_views import echo_table, fleet_runtimes
 
     subject = event_subject(prefix, "actor", actor_id)
 
@@ -95,10 +95,7 @@ def actor_cmd(actor_id: str, nats_url: str, prefix: str, as_json: bool) -> None:
         return
     width = terminal_width()
     shown = [(row, _runtime_label(event, runtimes)) for row, (_, event) in zip(rows, records)]
-    rendered = render_table(TIMELINE_COLUMNS, shown, width)
-    click.echo(rendered.text)
-    if note := rendered.footnote(width):
-        click.echo(note)
+    echo_table(render_table(TIMELINE_COLUMNS, shown, width), width)
 
 
 def _runtime_label(event, runtimes) -> str:

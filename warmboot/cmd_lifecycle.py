@@ -35,6 +35,7 @@ from warmboot.client import Client
 from warmboot.cmd_views import (
     decision_fields,
     echo_json,
+    echo_table,
     fleet_runtimes,
     millis,
     mib,
@@ -394,10 +395,7 @@ def list_actors_cmd(sandbox_class: str | None, state: str | None, worker_id: str
         click.echo("no actor matches" if (sandbox_class or state or worker_id) else "no actors")
         return
     width = terminal_width()
-    rendered = render_table(ACTOR_LIST_COLUMNS, views, width, mode == "wide")
-    click.echo(rendered.text)
-    if note := rendered.footnote(width):
-        click.echo(note)
+    echo_table(render_table(ACTOR_LIST_COLUMNS, views, width, mode == "wide"), width)
 
 
 # --- worker --------------------------------------------------------------------------------------

@@ -183,12 +183,15 @@ class Checkpoints:
     async def _stream_identity(self) -> tuple[str, int]:
         return stream_identity(await self.nc.jetstream().stream_info(self.stream))
 
-    async def _replaced(self, projection: Projection) -> str | None:
+    async def _replaced(self, projection: Projection, at: tuple[int, int] | None = None) -> str | None:
         """Why the stream, as it is now, is not the log `projection` is a fold of (it was made again
-        since); None if it is. If not, an error is logged, and the fold followed gives up when
-        `projection` is its own."""
+        since; with `at`, the (sequence, stored at in µs) of the message a capture of it reached, or
+        restored from a copy or rolled back since: `continuity`); None if it is. If not, an error is
+        logged, and the fold followed gives up when `projection` is its own."""
         created, _ = await self._stream_identity()
         why = replaced_by(self.stream, projection.stream_created, created)
+        if why is None and at is not None:
+            why = await continuity(self.nc, self.stream, *at)
         if why is not None:
             log.error("checkpoint not saved: %s", why)
             fold = self._fold
@@ -260,24 +263,18 @@ class Checkpoints:
 
     async def save(self, projection: Projection) -> str | None:
         """Capture `projection` now and store it, labelled with the incarnation of the stream it is a
-        fold of; the object's name. None if the stream is another incarnation now (`_replaced`):
+        fold of; the object's name. None if the stream is not the log the capture is of (`_replaced`):
         then nothing is saved, and nothing deleted."""
         if self.store is None:
             await self._open()
         folded = projection.stream_created
-        if await self._replaced(projection) is not None:
-            return None
         fold = self._fold
         async with self._capture, (fold.paused() if fold is not None else nullcontext()):
             t0 = time.perf_counter()
             state = await asyncio.to_thread(export_state, projection)
             self.last_capture_s = time.perf_counter() - t0
             seq_time = int(projection.seq_time) if projection.seq_time else 0  # of the message at state.seq
-        rolled = await continuity(self.nc, self.stream, state.seq, seq_time // 1000)
-        if rolled is not None:  # a log restored from a copy under this replica: nothing saved, nothing deleted
-            log.error("checkpoint not saved: %s", rolled)
-            if fold is not None and fold.projection is projection:
-                fold.give_up(rolled)
+        if await self._replaced(projection, (state.seq, seq_time // 1000)) is not None:
             return None
         self.saved_seq, self.saved_events, self.saved_at = state.seq, state.events, time.monotonic()
         data = await asyncio.to_thread(
