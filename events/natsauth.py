@@ -27,9 +27,8 @@ NKEY_SEED_ENV = "NATS_NKEY_SEED"
 INBOX_PREFIX_ENV = "NATS_INBOX_PREFIX"
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")  # a user name that is one subject token (every nats-config user)
 
-# Everything up to the last '@' before the host, per member of a list (greedy, so a
-# password with an unencoded '@' is removed whole), with or without a scheme.
-_USERINFO = re.compile(r"(^|,|//)[^/,]*@")
+# A member's scheme, when it has one; the rest of the member is `user:password@host:port`.
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)(.*)$", re.DOTALL)
 
 
 NATS_SCHEMES = ("nats", "tls", "ws", "wss")  # what nats-py connects to
@@ -45,8 +44,14 @@ def check_url(url: str) -> str:
             raise ValueError(f"{redact_url(url)!r} has an empty member: give URLs separated by single commas")
         split = urlsplit(member if "//" in member else f"nats://{member}")
         shown = redact_url(member)
-        if split.scheme not in NATS_SCHEMES:
-            raise ValueError(f"{shown!r}: the scheme must be one of {', '.join(NATS_SCHEMES)}, not {split.scheme!r}")
+        scheme = _SCHEME.match(member)
+        written = scheme.group(1)[:-3] if scheme else split.scheme
+        if written not in NATS_SCHEMES:  # nats-py reads `NATS://h` as a host named NATS
+            case = " (in lower case)" if written.lower() in NATS_SCHEMES else ""
+            raise ValueError(f"{shown!r}: the scheme must be one of {', '.join(NATS_SCHEMES)}{case}, not {written!r}")
+        if any(c in _userinfo(member) for c in "/?#"):
+            raise ValueError(f"{shown!r}: the user or password holds '/', '?' or '#', which end a URL's "
+                             "user part: write them percent-encoded (%2F, %3F, %23)")
         try:
             split.port
         except ValueError:
@@ -57,8 +62,21 @@ def check_url(url: str) -> str:
 
 
 def redact_url(url: str) -> str:
-    """`nats://svc:secret@h:4222,nats://svc:secret@h2` -> `nats://h:4222,nats://h2`."""
-    return _USERINFO.sub(r"\1", url)
+    """`nats://svc:secret@h:4222,nats://svc:secret@h2` -> `nats://h:4222,nats://h2`: each
+    member without everything up to its last '@', so a password holding an unencoded '@',
+    '/', '?' or '#' is removed whole."""
+    shown = []
+    for member in url.split(","):
+        scheme = _SCHEME.match(member)
+        head, rest = (scheme.group(1), scheme.group(2)) if scheme else ("", member)
+        shown.append(head + rest.rpartition("@")[2])
+    return ",".join(shown)
+
+
+def _userinfo(member: str) -> str:
+    """The `user:password` of one member of a URL list, as written ('' when it names none)."""
+    scheme = _SCHEME.match(member)
+    return (scheme.group(2) if scheme else member).rpartition("@")[0]
 
 
 def nkey_seed_path(explicit: str | None = None) -> str | None:

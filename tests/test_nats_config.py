@@ -328,6 +328,8 @@ def test_the_inbox_prefix_a_command_connects_with(url, env, prefix, monkeypatch)
     ("nats://svc:s3cret@h:4222", "nats://h:4222"),
     ("nats://svc:s3cret@h1:4222,nats://svc:s3cret@h2:4222", "nats://h1:4222,nats://h2:4222"),
     ("nats://svc:p@ss@h:4222", "nats://h:4222"),  # an unencoded '@' in the password
+    ("nats://svc:p/ss@h:4222", "nats://h:4222"),  # an unencoded '/' (check_url refuses it, naming it redacted)
+    ("nats://svc:p#s?s@h:4222,svc:x/y@h2:1", "nats://h:4222,h2:1"),
     ("svc:s3cret@h:4222", "h:4222"),
     ("tls://token@h:4222", "tls://h:4222"),
     ("nats://h:4222", "nats://h:4222"),

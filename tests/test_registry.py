@@ -35,7 +35,8 @@ from services.registry.domain import Worker, canonical_classes
 from events.jetstream.layout import sequence_of
 from events.errors import unavailable
 from services.common import store_env
-from services.registry.service import COMMIT_GROUP, SWEEPER, RegistryStore
+from services.registry.liveness import SWEEPER
+from services.registry.service import COMMIT_GROUP, RegistryStore
 from tests.factories import read_log
 from tests.registry_helpers import (
     attrs,

@@ -22,14 +22,13 @@ from events.schema import (
     ActorReverted,
     ErrorCode,
     FallbackReason,
-    Fidelity,
     Location,
     PlacedFidelity,
     ReleaseReason,
     WorkerRemoved,
 )
 from services.scheduler.service import SchedulerService
-from tests.factories import CLASS, actor, golden, last_seq, read_log, runtime, version, wait_for, worker
+from tests.factories import CLASS, actor, golden, last_seq, read_log, version, wait_for, worker
 from warmboot.audit import Sink
 from warmboot.client import Client
 from warmboot.runner import SERVICES, connect, start_services

@@ -70,7 +70,7 @@ from services.locks import KeyedLock
 from services.registry.binding import SharedBinding
 from services.registry.domain import Worker, register_outcome
 from services.registry.fold import RosterFold
-from services.registry.liveness import SWEEPER, Liveness  # noqa: F401 (SWEEPER: the sweeper's name, for callers)
+from services.registry.liveness import Liveness
 from services.registry.nodes import allows, check_node, check_registered
 from services.registry.roster import Roster
 
