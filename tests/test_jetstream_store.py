@@ -847,3 +847,16 @@ def test_an_originator_id_and_its_subject_map_both_ways():
         assert originator_of("p.ev", subject, headers) == originator_id
 
     round_trip()
+
+
+def test_a_server_that_drops_allow_atomic_is_refused_naming_its_version():
+    """nats-server before 2.12 does not know `allow_atomic` and answers the stream's config without
+    it; it would then store a batch's messages one by one (a placement without its fence). The
+    store refuses such a stream, naming the server's version and the one it needs."""
+    from events.jetstream.stream import MIN_SERVER, refuse_without_atomic
+
+    refuse_without_atomic("W_EVENTS", {"name": "W_EVENTS", "allow_atomic": True}, "2.15.1")  # kept: taken
+    with pytest.raises(OperationalError) as refused:
+        refuse_without_atomic("W_EVENTS", {"name": "W_EVENTS"}, "2.11.4")
+    assert str(refused.value) == (f"stream W_EVENTS does not allow atomic batches on nats-server 2.11.4: warmboot's "
+                                  f"appends are JetStream atomic batches, which need nats-server {MIN_SERVER} or later")

@@ -125,7 +125,8 @@ class Stream:
     async def _create_or_update(self, timeout: float) -> None:
         wanted = self.config()
         try:
-            await self._api(f"STREAM.CREATE.{self.name}", wanted, timeout)
+            made = await self._api(f"STREAM.CREATE.{self.name}", wanted, timeout)
+            refuse_without_atomic(self.name, made.get("config") or {}, self._server_version())
             return
         except ServerError as said:
             if said.err_code != errors.ERR_STREAM_NAME_IN_USE:
@@ -145,7 +146,11 @@ class Stream:
         merged["duplicate_window"] = max(int(current.get("duplicate_window") or 0), DUPLICATE_WINDOW_NS)
         if merged != current:
             log.info("updating stream %s to what the event store needs", self.name)
-            await self._api(f"STREAM.UPDATE.{self.name}", merged, timeout)
+            current = (await self._api(f"STREAM.UPDATE.{self.name}", merged, timeout)).get("config") or {}
+        refuse_without_atomic(self.name, current, self._server_version())
+
+    def _server_version(self) -> str:
+        return str((getattr(self.link.nc, "_server_info", None) or {}).get("version") or "of unknown version")
 
     def _refuse_foreign(self, subjects: list[str]) -> None:
         """An existing stream of this name with subjects under another first token belongs to
@@ -524,3 +529,17 @@ class Stream:
         if refusal is not None:
             raise refusal
         return int(ack["seq"])
+
+
+MIN_SERVER = "2.12"  # the first nats-server with atomic batch publish (`allow_atomic`)
+
+
+def refuse_without_atomic(stream: str, config: dict[str, Any], server: str) -> None:
+    """OperationalError unless the stream's config, as the server answered it, keeps `allow_atomic`.
+    A server older than MIN_SERVER drops the field it does not know, and then stores the messages
+    of a "batch" one by one: a placement's events without the booking marker that fences it
+    (CONTRACT placement rule 8), a worker's edit half written. Nothing is appended to such a stream."""
+    if not config.get("allow_atomic"):
+        raise OperationalError(
+            f"stream {stream} does not allow atomic batches on nats-server {server}: warmboot's appends are "
+            f"JetStream atomic batches, which need nats-server {MIN_SERVER} or later")
