@@ -12,6 +12,27 @@ from events.schema import ActorRuntime, Attribute, CompatVersion, WorkerRuntime,
 # (sandbox_class, schema_version, ((key, value), ...) sorted by key)
 CompatKey = tuple[str, str, tuple[tuple[str, str], ...]]
 
+ARCHITECTURE = "architecture"  # the attribute schema v1 requires
+# `uname -m` / platform.machine() -> Go's GOARCH naming (the probe's, and schema v1's)
+MACHINE_TO_ARCH = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}
+
+
+def architecture(version: CompatVersion) -> str | None:
+    """The `architecture` attribute of `version` in Go's naming (`x86_64` reads as `amd64`), None
+    when it has none."""
+    value = next((a.value for a in version.attributes if a.key == ARCHITECTURE), None)
+    return None if value is None else MACHINE_TO_ARCH.get(value.lower(), value)
+
+
+def other_architecture(version: CompatVersion, of: CompatVersion) -> tuple[str, str] | None:
+    """(`version`'s architecture, `of`'s) when both name one and they differ; else None. A memory
+    image never restores on another architecture, so a worker's runtime of one architecture
+    cannot restore, nor accept through an edge, a version of another (docs/contract.md)."""
+    mine, theirs = architecture(version), architecture(of)
+    if mine is None or theirs is None or mine == theirs:
+        return None
+    return mine, theirs
+
 
 def sorted_attributes(attributes: tuple[Attribute, ...]) -> tuple[Attribute, ...]:
     return tuple(sorted(attributes, key=lambda a: a.key))

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import msgspec
 
+from events.compat import MACHINE_TO_ARCH
 from events.schema import ATTR_KEY_PATTERN, CompatVersion
 
 SCHEMA_VERSION = "v1"
@@ -45,8 +46,6 @@ PROFILES: dict[str, tuple[str, ...]] = {
     "microvm": ("architecture", "cpu_vendor", "cpu_model"),
 }
 ARCHITECTURES = ("amd64", "arm64")
-# `uname -m` / platform.machine() -> Go's GOARCH naming
-MACHINE_TO_ARCH = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}
 DEFAULT_CPUINFO = Path("/proc/cpuinfo")
 # /proc/cpuinfo of a 512-core machine is well under 2 MiB; anything far bigger is not one
 MAX_CPUINFO_BYTES = 16 << 20

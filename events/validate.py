@@ -24,7 +24,7 @@ from typing import Any, Callable
 import msgspec
 import msgspec.inspect as mi
 
-from events.compat import compat_key
+from events.compat import compat_key, other_architecture
 from events.errors import invalid
 from events.schema import (
     CompatVersion,
@@ -180,6 +180,25 @@ def check_class_entry(entry: WorkerSandboxClass, path: str) -> None:
         if key in seen:
             raise invalid(f"restorable runtime equals {seen[key]} by version", f"{rpath}.version")
         seen[key] = f"restorable_runtimes[{i}]"
+    check_one_architecture(entry, path)
+
+
+def check_one_architecture(entry: WorkerSandboxClass, path: str) -> None:
+    """Every version a class entry restores (its restorable runtimes, every compatible version) is
+    of its default runtime's architecture, when both name one: the worker runs on one machine, and
+    a memory image never restores on another architecture (docs/contract.md)."""
+    default = entry.default_runtime.version
+    runtimes = [(f"{path}.default_runtime", entry.default_runtime),
+                *((f"{path}.restorable_runtimes[{i}]", r) for i, r in enumerate(entry.restorable_runtimes))]
+    for rpath, runtime in runtimes:
+        versions = [(f"{rpath}.compatible_versions[{i}]", v) for i, v in enumerate(runtime.compatible_versions)]
+        if runtime is not entry.default_runtime:
+            versions.insert(0, (f"{rpath}.version", runtime.version))
+        for vpath, version in versions:
+            differ = other_architecture(version, default)
+            if differ is not None:
+                raise invalid(f"architecture {differ[0]!r} is not the default runtime's {differ[1]!r}: a memory "
+                              f"image never restores on another architecture", f"{vpath}.attributes")
 
 
 def check_register(req: RegisterWorker, path: str = "") -> RegisterWorker:

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 import msgspec.inspect as mi
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from events import schema as s
@@ -133,10 +133,26 @@ def worker_runtimes(draw) -> s.WorkerRuntime:
     )
 
 
+def on_machine(version: s.CompatVersion, arch: str | None) -> s.CompatVersion:
+    """`version` with its `architecture` (if it names one) set to `arch` (if there is one)."""
+    if arch is None:
+        return version
+    attrs = tuple(s.Attribute(key=a.key, value=arch) if a.key == "architecture" else a for a in version.attributes)
+    return msgspec.structs.replace(version, attributes=attrs)
+
+
 @st.composite
 def worker_sandbox_classes(draw) -> s.WorkerSandboxClass:
-    """The default and the restorable runtimes all differ by version."""
+    """The default and the restorable runtimes all differ by version, and every version the entry
+    names is of its default's architecture (one machine)."""
     runtimes = draw(st.lists(worker_runtimes(), min_size=1, max_size=3, unique_by=lambda r: compat_key("", r.version)))
+    arch = next((a.value for a in runtimes[0].version.attributes if a.key == "architecture"), None)
+    runtimes = [msgspec.structs.replace(r, version=on_machine(r.version, arch),
+                                        compatible_versions=tuple(on_machine(v, arch) for v in r.compatible_versions))
+                for r in runtimes]
+    for r in runtimes:  # set to one architecture, two versions may have become one
+        assume(len({compat_key("", v) for v in (r.version, *r.compatible_versions)}) == 1 + len(r.compatible_versions))
+    assume(len({compat_key("", r.version) for r in runtimes}) == len(runtimes))
     return s.WorkerSandboxClass(
         sandbox_class=draw(of_class),
         default_runtime=runtimes[0],

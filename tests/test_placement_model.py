@@ -71,6 +71,12 @@ def arch_of(v: CompatVersion) -> str | None:
     return next((a.value for a in v.attributes if a.key == "architecture"), None)
 
 
+def loadable(machine: CompatVersion) -> list[CompatVersion]:
+    """The versions of POOL a worker whose default is `machine` may restore: of its architecture,
+    or naming none."""
+    return [v for v in POOL if arch_of(v) is None or arch_of(machine) is None or arch_of(v) == arch_of(machine)]
+
+
 def shuffled(v: CompatVersion, rng: random.Random) -> CompatVersion:
     """The same version with its attributes in another order (order carries no meaning)."""
     attrs = list(v.attributes)
@@ -143,22 +149,25 @@ class Model:
 
     # --- random requests, as valid callers send them --------------------------------------------
 
-    def random_runtime(self, own: CompatVersion):
+    def random_runtime(self, own: CompatVersion, machine: CompatVersion):
+        """A runtime of version `own` on a worker whose default is `machine`: its edges are of the
+        machine's architecture (the registry refuses others)."""
         rng = self.rng
-        edges = tuple(shuffled(v, rng) for v in POOL if not same_version(v, own) and rng.random() < 0.2)
+        edges = tuple(shuffled(v, rng) for v in loadable(machine) if not same_version(v, own) and rng.random() < 0.2)
         return runtime(shuffled(own, rng), overhead=rng.choice([0, 0, 16, 64, 600]), compatible=edges,
                        per_gib=rng.choice([0, 0, 8]))
 
     def random_registration(self, wid: str, keep_node: str | None) -> RegisterWorker:
         rng = self.rng
         default = rng.choice(POOL)
-        restorable = tuple(self.random_runtime(v) for v in POOL if not same_version(v, default) and rng.random() < 0.35)
+        restorable = tuple(self.random_runtime(v, default) for v in loadable(default)
+                           if not same_version(v, default) and rng.random() < 0.35)
         node = keep_node if keep_node is not None and rng.random() < 0.8 else rng.choice(NODES)
         return RegisterWorker(
             worker_id=wid, node=node,
             capacity=Resources(cpu_millis=4000, memory_mib=rng.choice([700, 1300, 2400])),
             labels={"zone": rng.choice(["a", "b"])},
-            sandbox_classes=(entry(self.random_runtime(default), restorable),),
+            sandbox_classes=(entry(self.random_runtime(default, default), restorable),),
         )
 
     def register(self, wid: str) -> None:

@@ -219,6 +219,31 @@ def test_no_compatible_worker_at_all_falls_back_too():
     assert log.decide("a").fallback.reason is FallbackReason.NO_COMPATIBLE_WORKER
 
 
+def test_a_logged_version_of_another_architecture_restores_no_memory_image():
+    """The registry refuses a restorable runtime or a compatible version of another architecture
+    than the class default's (events.validate.check_one_architecture); one a log holds from before
+    is not indexed: an amd64 image never goes to an arm64 worker, through a restorable runtime or
+    an edge, and falls back within its own architecture instead."""
+    arm = version("9", arch="arm64")
+    for how in ("restorable", "edge of default", "edge of restorable"):
+        log = Log()
+        if how == "restorable":
+            log.worker("arm", runtime(arm), (runtime(V1),))
+        elif how == "edge of default":
+            log.worker("arm", runtime(arm, compatible=(V1,)))
+        else:
+            log.worker("arm", runtime(arm), (runtime(version("8", arch="arm64"), compatible=(V1,)),))
+        log.worker("amd", runtime(V2, name="runsc-2"))
+        log.actor("a")
+        log.snapshot("a", stamped=V1, snapshot_id="mem-1")
+        placed = log.decide("a")
+        assert placed.worker_id == "amd" and placed.fidelity is PlacedFidelity.VOLUMES, (how, placed)
+        assert placed.fallback.reason is FallbackReason.NO_COMPATIBLE_WORKER
+        log.add(WorkerRemoved(at=AT, worker_id="amd", reason="gone"))
+        error = refused(log, "a", ErrorCode.RESOURCE_EXHAUSTED)
+        assert "0/1 workers available" in error.message, (how, error.message)
+
+
 def test_min_fidelity_memory_refuses_to_fall_back():
     log = Log()
     log.worker("compatible", runtime(V1), mem=512)

@@ -326,7 +326,34 @@ def test_v1_requires_architecture():
 
 def test_architecture_may_be_anywhere_in_the_list():
     path = "sandbox_classes[0].default_runtime.version.attributes"
-    accept(RegisterWorker, edit(register(), path, [attr("cpu_features", "x"), attr("z", "1"), attr("architecture", "arm64")]))
+    accept(RegisterWorker, edit(register(), path, [attr("cpu_features", "x"), attr("z", "1"), attr("architecture", "amd64")]))
+
+
+@pytest.mark.parametrize("path", [
+    "sandbox_classes[0].restorable_runtimes[2].version",
+    "sandbox_classes[0].default_runtime.compatible_versions[0]",
+    "sandbox_classes[0].restorable_runtimes[1].compatible_versions[0]",
+])
+def test_a_version_of_another_architecture_than_the_default_is_refused_naming_it(path):
+    """A worker runs on one machine: a restorable runtime or a compatible version of another
+    architecture than its default runtime's would send it memory images it cannot load."""
+    body = register()
+    default = body["sandbox_classes"][0]["default_runtime"]
+    default["compatible_versions"] = [version("e0")]
+    body["sandbox_classes"][0]["restorable_runtimes"][1]["compatible_versions"] = [version("e1")]
+    accept(RegisterWorker, body)  # all amd64
+    reject(RegisterWorker, edit(body, path, version("x", arch="arm64")), f"{path}.attributes",
+           "architecture 'arm64' is not the default runtime's 'amd64': a memory image never restores on "
+           "another architecture")
+
+
+def test_an_architecture_spelled_as_the_machine_names_it_is_the_same_one():
+    """`x86_64` is amd64 (the agent keeps such a literal restorable version, warning, for snapshots
+    stamped with it); a version that names no architecture (another schema) is not compared."""
+    body = register()
+    body["sandbox_classes"][0]["restorable_runtimes"][0]["version"] = version("x", arch="x86_64")
+    body["sandbox_classes"][0]["restorable_runtimes"][1]["version"] = version("y", schema="v2", arch=None)
+    accept(RegisterWorker, body)
 
 
 def test_attribute_missing_key_or_value_named():
@@ -376,7 +403,9 @@ def test_restorable_equality_ignores_attribute_order_name_and_overhead():
 def test_restorable_differing_in_schema_version_or_one_key_is_distinct():
     accept(RegisterWorker, edit(register(), "sandbox_classes[0].restorable_runtimes[0]", runtime("d0", schema="v2")))
     accept(RegisterWorker, edit(register(), "sandbox_classes[0].restorable_runtimes[0]", runtime("d0", extra=[("kernel_digest", "k")])))
-    accept(RegisterWorker, edit(register(), "sandbox_classes[0].restorable_runtimes[0]", runtime("d0", arch="arm64")))
+    # differing in the architecture alone is distinct too, and refused for that reason (one machine)
+    reject(RegisterWorker, edit(register(), "sandbox_classes[0].restorable_runtimes[0]", runtime("d0", arch="arm64")),
+           "sandbox_classes[0].restorable_runtimes[0].version.attributes", "another architecture")
 
 
 def test_same_runtime_in_two_classes_is_fine():

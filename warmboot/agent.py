@@ -65,7 +65,8 @@ from events.errors import ContractError
 from events.tasks import cancel_and_wait
 from events.natsauth import nkey_options, nkey_seed_path, redact_url
 from events.natspy import ErrorsOnce, guard_reads
-from events.probe import (DEFAULT_CPUINFO, MACHINE_TO_ARCH, PROFILES, SCHEMA_VERSION, ProbeError, host_architecture,
+from events.compat import MACHINE_TO_ARCH
+from events.probe import (DEFAULT_CPUINFO, PROFILES, SCHEMA_VERSION, ProbeError, host_architecture,
                           probe_version, read_cpuinfo)
 from events.schema import (
     CompatVersion,

@@ -27,7 +27,7 @@ from typing import Any, ClassVar, Iterator, Mapping
 
 from msgspec import Struct
 
-from events.compat import CompatKey, describe_key
+from events.compat import CompatKey, describe_key, other_architecture
 from events.schema import ActorRuntime, CompatVersion, Fidelity, Resources, WorkerRuntime
 from events.states import ActorState, WorkerState
 
@@ -126,14 +126,18 @@ class ClassEntry:
     def __init__(self, default: Runtime, restorable: tuple[Runtime, ...]):
         self.default = default
         self.restorable = restorable
+        # Only what the default's architecture can load: the registry refuses a version of
+        # another (`events.validate.check_one_architecture`); one a log holds from before is not
+        # indexed, so no memory image is sent across architectures.
+        machine = default.compat.version
+        loads = [r for r in restorable if other_architecture(r.compat.version, machine) is None]
         accepting: dict[Compat, list[tuple[int, Runtime]]] = {}
-        for role, runtime in ((OWN_DEFAULT, default), *((OWN_RESTORABLE, r) for r in restorable)):
+        for role, runtime in ((OWN_DEFAULT, default), *((OWN_RESTORABLE, r) for r in loads)):
             accepting.setdefault(runtime.compat, []).append((role, runtime))
-        for edge in default.edges:
-            accepting.setdefault(edge, []).append((EDGE_DEFAULT, default))
-        for runtime in restorable:
+        for role, runtime in ((EDGE_DEFAULT, default), *((EDGE_RESTORABLE, r) for r in loads)):
             for edge in runtime.edges:
-                accepting.setdefault(edge, []).append((EDGE_RESTORABLE, runtime))
+                if other_architecture(edge.version, machine) is None:
+                    accepting.setdefault(edge, []).append((role, runtime))
         self.accepting: dict[Compat, tuple[tuple[int, Runtime], ...]] = {
             compat: tuple(matches) for compat, matches in accepting.items()}
         self.accepts: dict[Compat, tuple[int, Runtime]] = {
