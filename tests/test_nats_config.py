@@ -346,3 +346,42 @@ def test_no_repr_holds_a_password():
     running = Running("nats://svc:s3cret@h:4222", "wb", ["registry"], None)
     for text in (repr(options), options.where, repr(running), running.where):
         assert "s3cret" not in text and "other-secret" not in text
+
+
+def test_no_deployment_account_is_another_deployments_operators_account():
+    """`x`'s operators' account and `x-operators`' (or `x_operators`') deployment account had one
+    name; merged into one `accounts` block, as docs/security.md says to host two deployments, the
+    operators of `x` sat in the account holding the other deployment's JetStream."""
+    from warmboot.nats_config import account_names
+
+    prefixes = ["x", "x-operators", "x_operators", "operators", "x-operators-operators", "team-a"]
+    deployments = {account_names(p)[0] for p in prefixes} - {account_names("team_a")[0]}
+    operators = {account_names(p)[1] for p in prefixes}
+    assert not deployments & operators
+    assert len(operators) == len({p.replace("-", "_") for p in prefixes})
+
+
+async def test_two_deployments_merged_into_one_accounts_block_each_keep_their_users(tmp_path):
+    """The blocks of `x` and `x-operators`, merged by hand into one `accounts` block, as
+    docs/security.md says: the server takes it, and every user of both signs in to its own
+    account (before, `x`'s operator was refused: the second entry of one name replaced the first)."""
+    from warmboot.nats_config import identities, nats_auth_config
+
+    secrets_ = {"svc": "s1", "alice": "p1", "w-1": "p2", "svc2": "s3", "bob": "p3", "w-2": "p4"}
+    ids = identities("password", secrets_)
+    blocks = [nats_auth_config("x", "svc", ["w-1"], ["alice"], ids=ids),
+              nats_auth_config("x-operators", "svc2", ["w-2"], ["bob"], ids=ids)]
+
+    def entries(block: str) -> str:  # what is inside `accounts { ... }`
+        inside = block[block.index("accounts {") + len("accounts {"):]
+        return inside[:inside.rindex("}")]
+
+    server = NatsServer(tmp_path / "nats", extra_config="accounts {" + "".join(map(entries, blocks)) + "}\n")
+    server.start()
+    try:
+        for user, secret in secrets_.items():
+            nc = await nats.connect(f"nats://{user}:{secret}@{server.host}:{server.port}", inbox_prefix=f"_INBOX.{user}",
+                                    allow_reconnect=False, max_reconnect_attempts=0)
+            await nc.close()
+    finally:
+        server.stop()

@@ -83,9 +83,13 @@ def operator_imports(prefix: str) -> list[tuple[str, bool]]:
 
 
 def account_names(prefix: str) -> tuple[str, str]:
-    """The deployment's account (the log, the services, clients, workers) and the operators'."""
+    """The deployment's account (the log, the services, clients, workers) and the operators'.
+    The deployment's has no `-` (`team-a` -> `TEAM_A`) and the operators' always has one
+    (`TEAM_A-OPERATORS`), so no deployment's account is another's operators' account when their
+    blocks are merged on one server (with `_OPERATORS`, prefix `x`'s operators were prefix
+    `x-operators`' deployment account, its JetStream included)."""
     base = prefix.upper().replace("-", "_")
-    return base, f"{base}_OPERATORS"
+    return base, f"{base}-OPERATORS"
 
 
 def services_api(prefix: str) -> list[str]:
@@ -255,7 +259,7 @@ def nats_auth_config(
         "# Include this file from the nats-server configuration:  include \"warmboot-auth.conf\"",
         f"# It holds {held}: keep it readable by the server's user only.",
         "accounts {",
-        f"  {deployment}: {{",
+        f"  {_q(deployment)}: {{",
         "    jetstream: enabled",
         "    users: [",
         "      # services (registry, snapshotter, scheduler): their own streams and buckets, inboxes",
@@ -275,7 +279,7 @@ def nats_auth_config(
           + (", response: stream }" if many else " }") for subject, many in imports),
         "    ]",
         "  }",
-        f"  {operators_account}: {{",
+        f"  {_q(operators_account)}: {{",
         "    users: [",
     ]
     if operators:
