@@ -113,10 +113,12 @@ class EndpointSpec:
 class ReplyGuard:
     """Decides whether a request's reply subject may be answered; counts and logs the rest.
 
-    `allowed(reply)` is the hot path: two prefix tests and two character tests, no regex,
+    `allowed(reply)` is the hot path: two prefix tests and four substring tests, no regex,
     no await. A reply subject with a wildcard (`*` or `>`) is refused: an inbox has none,
     and `_INBOX.w-2.>` as a reply would reach every subscription of w-2's inbox that
-    matches it by a wildcard of its own.
+    matches it by a wildcard of its own. So is one with an empty token (`_INBOX..x`,
+    `_INBOX.w-1.`): no subject, so the server refuses the answer, and a worker sending them
+    would have the services' user commit permission violations at will, each logged.
     """
 
     MAX_LOGGED = 1024  # offending subjects remembered (each logged once); then one last line
@@ -129,7 +131,7 @@ class ReplyGuard:
 
     def allowed(self, reply: str) -> bool:
         return (reply.startswith(self.prefixes) and not reply.startswith(self.own)
-                and "*" not in reply and ">" not in reply)
+                and "*" not in reply and ">" not in reply and ".." not in reply and reply[-1] != ".")
 
     def drop(self, endpoint: str, subject: str, reply: str) -> None:
         if not reply:
@@ -137,7 +139,7 @@ class ReplyGuard:
         elif reply.startswith(self.own):
             reason = "services_inbox"
         elif reply.startswith(self.prefixes):
-            reason = "wildcard"
+            reason = "wildcard" if "*" in reply or ">" in reply else "empty_token"
         else:
             reason = "not_inbox"
         DROPPED.labels(self.service, endpoint, reason).inc()

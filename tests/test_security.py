@@ -330,6 +330,23 @@ async def test_a_reply_subject_with_a_wildcard_is_not_answered(deployment):
     assert d.dropped("registry", "heartbeat", "wildcard") == dropped + len(replies)
 
 
+async def test_a_reply_subject_with_an_empty_token_is_not_answered(deployment):
+    """`_INBOX..x`, `_INBOX.`, `_INBOX.w-1.` start like an inbox but are no subject: answering them
+    made the services' user commit a permission violation per request, each logged, at a worker's
+    will (the sign docs/security.md gives of a misconfiguration). Dropped, counted, and the server
+    logs no violation of the services' user."""
+    d = deployment
+    violations = len(d.secured.violations())
+    dropped = d.dropped("registry", "heartbeat", "empty_token")
+    replies = ("_INBOX..x", "_INBOX.", "_INBOX.w-1.", "_INBOX.w-1..a", "_INBOX.w-1.a.")
+    for reply in replies:
+        await d.w_1.nc.publish(sub("registry", "heartbeat", "w-1"), encode(Heartbeat()), reply=reply)
+    # served in order on one subscription: once w-1's next heartbeat is answered, those were handled
+    assert await call(d.w_1.nc, sub("registry", "heartbeat", "w-1"), Heartbeat(), HeartbeatReply)
+    assert d.dropped("registry", "heartbeat", "empty_token") == dropped + len(replies)
+    assert len(d.secured.violations()) == violations, d.secured.violations()[violations:]
+
+
 async def test_a_client_cannot_name_a_reply_subject_of_the_servers_own(deployment):
     """`_R_.` is the reply prefix nats-server makes for an operator's request through its account's
     import, and the services answer it as they answer inboxes (`services.common.REPLY_PREFIXES`):
