@@ -400,3 +400,22 @@ def test_a_placement_ended_at_the_first_removal_of_its_worker_after_it():
     assert removed_since(history, 8) == 12
     assert removed_since(history, 12) == 0
     assert removed_since([], 0) == 0
+
+
+def test_a_snapshot_id_names_one_image_and_the_default_steps_aside_for_a_callers():
+    """One id, one image (a worker finds an image by its id): an id any snapshot of the actor had
+    is refused for another (FAILED_PRECONDITION, field snapshot_id); a promote keeps its own; a
+    default id a caller took is stepped past, within the id's 128 characters."""
+    actor = running()
+    actor.pause("p-1", None, at(1))
+    actor.place(placed(actor))
+    with pytest.raises(ContractError) as refused:
+        actor.pause("p-1", None, at(2))
+    assert (code_of(refused), refused.value.field) == (ErrorCode.FAILED_PRECONDITION, "snapshot_id")
+    nxt = default_snapshot_id("a-1", actor.version + 1 + 2 + 1)  # after a pause (2 events) and a placement
+    actor.pause(nxt, None, at(3))
+    actor.place(placed(actor))
+    assert actor.pause(None, None, at(4)).snapshot_id == f"{nxt}-1"
+    assert actor.suspend(None, "s3://x", Fidelity.MEMORY, None, at(5)).snapshot_id == f"{nxt}-1"  # promoted: kept
+    long_id = "a" * 128
+    assert len(default_snapshot_id(long_id, 1234, 7)) <= 128 and default_snapshot_id(long_id, 1234, 7).endswith("-v1234-7")

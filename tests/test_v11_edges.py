@@ -267,3 +267,54 @@ async def test_a_golden_snapshots_time_is_normalised_to_utc_or_refused(wb, nc, p
     error = json.loads(msg.data)["error"]
     assert (error["code"], error["field"]) == ("INVALID_ARGUMENT", "golden_snapshot.taken_at")
     assert await last_seq(nc, prefix) == before
+
+
+# --- where an image lives: one node, one id ---------------------------------------------------------
+
+
+async def test_a_pause_on_a_worker_that_registered_on_another_node_since_is_refused(wb, nc, prefix):
+    """A worker may change its node within a life (CONTRACT: WorkerUpdated). A pause records its
+    LOCAL image on the assignment's node: after w-a reported node n-b, that image would be said to
+    be on n-a, and the resume sent to w-x on n-a, which has no such image. Refused, nothing
+    written; a suspend (EXTERNAL) is taken; back on n-a, a pause is taken again."""
+    await wb.register(worker("w-a", V1, node="n-a"))
+    await wb.register(worker("w-x", V1, node="n-a"))
+    await wb.create(actor("a"))
+    await wb.drain("w-x")
+    assert (await wb.resume("a")).worker_id == "w-a"
+    moved = await wb.register(worker("w-a", V1, node="n-b"))
+    assert moved.outcome is RegisterOutcome.UPDATED
+    error = await refused(nc, prefix, wb.pause("a"))
+    assert error.code is ErrorCode.FAILED_PRECONDITION
+    assert ("placed on node 'n-a', and the worker registered on node 'n-b' since (sequence "
+            f"{moved.seq})") in error.message and "suspend it instead" in error.message
+    # back where it was placed: the image is on its node again
+    await wb.register(worker("w-a", V1, node="n-a"))
+    paused = (await wb.pause("a")).snapshot
+    assert paused.node == "n-a"
+    await wb.resume("a")
+    await wb.register(worker("w-a", V1, node="n-c"))
+    suspended = (await wb.suspend("a", uri="s3://a/1")).snapshot
+    assert suspended.location.value == "EXTERNAL" and suspended.node is None
+
+
+async def test_a_snapshot_id_names_one_image_of_an_actor(wb, nc, prefix):
+    """A worker finds an image by its id (an Assignment names nothing else). The review's path: an
+    EXTERNAL `img` stamped V1, then a LOCAL `img` stamped V2, a revert, and the resume named `img`
+    to a V1 worker on the node whose disk held the V2 one. A second image under an id the actor has
+    used is refused (field snapshot_id), nothing written; a promote keeps its image's id."""
+    await wb.register(worker("w1", V1, node="n-a"))
+    await wb.create(actor("a"))
+    await wb.resume("a")
+    await wb.suspend("a", uri="s3://a/img", snapshot_id="img")
+    await wb.resume("a")
+    error = await refused(nc, prefix, wb.pause("a", snapshot_id="img"))
+    assert (error.code, error.field) == (ErrorCode.FAILED_PRECONDITION, "snapshot_id")
+    assert "snapshot_id 'img' already names another snapshot of actor 'a'" in error.message
+    error = await refused(nc, prefix, wb.suspend("a", uri="s3://a/img2", snapshot_id="img"))
+    assert error.field == "snapshot_id"
+    paused = (await wb.pause("a", snapshot_id="p-1")).snapshot
+    error = await refused(nc, prefix, wb.suspend("a", uri="s3://a/x", snapshot_id="img"))  # promote renamed
+    assert error.field == "snapshot_id"
+    promoted = (await wb.suspend("a", uri="s3://a/p-1", snapshot_id="p-1")).snapshot  # its own id: kept
+    assert promoted.snapshot_id == paused.snapshot_id == "p-1"

@@ -138,6 +138,7 @@ class Actor(WireAggregate):
         self.node_pin: str | None = None  # PAUSED: the node that holds the local snapshot
         self.borrows_volumes = False  # created from a golden snapshot, not suspended since
         self.latest_external: Snapshot | None = None  # what a revert goes back to
+        self.snapshot_ids: set[str] = set()  # of every snapshot it ever had, each life (`next_snapshot_id`)
 
     # --- guards ---
 
@@ -155,8 +156,24 @@ class Actor(WireAggregate):
         self.require(verb, ActorState.CREATED, ActorState.RUNNING, ActorState.PAUSED,
                      ActorState.SUSPENDED)
 
-    def next_snapshot_id(self, requested: str | None) -> str:
-        return requested or default_snapshot_id(self.entity_id, self.version + 1)
+    def next_snapshot_id(self, requested: str | None, same_image: str | None = None) -> str:
+        """The id of a new image: `requested`, unless it names another snapshot this actor had
+        (FAILED_PRECONDITION, field `snapshot_id`); else `<actor_id>-v<version>`, or, should a
+        caller have taken that one, the first `...-<n>` free. A worker finds an image by its id
+        (an Assignment names nothing else), so one id names one image: an id reused after a
+        revert named both an EXTERNAL image and a LOCAL one of another stamp. `same_image`: the id
+        of the image this one is (a promote keeps it), which is not a reuse."""
+        if requested is not None:
+            if requested != same_image and requested in self.snapshot_ids:
+                raise precondition(
+                    f"snapshot_id {requested!r} already names another snapshot of actor {self.entity_id!r}: "
+                    "a worker finds an image by its id, so one id names one image; give a new one, or none",
+                    "snapshot_id")
+            return requested
+        step = 0
+        while (made := default_snapshot_id(self.entity_id, self.version + 1, step)) in self.snapshot_ids:
+            step += 1
+        return made
 
     @property
     def alive(self) -> bool:
@@ -239,7 +256,8 @@ class Actor(WireAggregate):
         if self.state is ActorState.PAUSED:
             local = self.latest_snapshot
             assert local is not None  # PAUSED always has its local snapshot
-            snapshot = promoted_snapshot(local, snapshot_id, fidelity, uri)
+            snapshot = promoted_snapshot(local, self.next_snapshot_id(snapshot_id, same_image=local.snapshot_id)
+                                         if snapshot_id is not None else None, fidelity, uri)
             self.record(SnapshotTaken(
                 actor_id=self.entity_id, snapshot=snapshot, origin=SnapshotOrigin.PROMOTE,
                 at=at, request_id=request_id,
@@ -360,6 +378,7 @@ class Actor(WireAggregate):
         self.node_pin = None
 
     def when_SnapshotTaken(self, e: SnapshotTaken) -> None:
+        self.snapshot_ids.add(e.snapshot.snapshot_id)
         if e.origin is SnapshotOrigin.TAG:  # a copy under a tag: the actor's own latest is unchanged
             return
         self.latest_snapshot = e.snapshot

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Sequence
 
-from events.schema import ActorPlaced, ActorReleased, ActorStopped, Event, WorkerRegistered, WorkerRemoved
+from events.codec import decoder
+from events.schema import ActorPlaced, ActorReleased, ActorStopped, Event, WorkerRegistered, WorkerRemoved, WorkerUpdated
 
 
 @dataclass(frozen=True)
@@ -81,3 +82,14 @@ def removed_since(history: Sequence[tuple[int, str]], placed_seq: int) -> int:
         if seq > placed_seq and topic == WorkerRemoved.__name__:
             return seq
     return 0
+
+
+def node_since(history: Sequence[tuple[int, str, bytes]], placed_seq: int) -> tuple[int, str] | None:
+    """(sequence, node) of the last `WorkerUpdated` of a worker's `history` ((sequence, topic, body)
+    of each of its events) after `placed_seq`, None if none: the node the worker has reported since
+    a placement made at `placed_seq` (which may be the one it was placed on again)."""
+    found = None
+    for seq, topic, body in history:
+        if seq > placed_seq and topic == WorkerUpdated.__name__:
+            found = (seq, decoder(WorkerUpdated).decode(body).node)
+    return found

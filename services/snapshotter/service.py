@@ -73,7 +73,7 @@ from services.common import (EndpointSpec, NoWriteAnswers, ReplyCache, StreamWat
                              store_env, stream_replicas)
 from services.locks import KeyedLock
 from services.snapshotter.domain import Actor, Tag
-from services.snapshotter.placements import PlacementFold, Release, removed_since
+from services.snapshotter.placements import PlacementFold, Release, node_since, removed_since
 
 log = logging.getLogger("warmboot.snapshotter")
 
@@ -635,7 +635,8 @@ class SnapshotterService:
     async def placement_fence(self, actor: Actor, verb: str) -> dict[str, int] | None:
         """For a pause or a suspend of a RUNNING actor, which says its image was taken on the worker
         it is placed on: FAILED_PRECONDITION if that worker was removed since (its actors are
-        released, SUSPENDED from their latest snapshot: CONTRACT section 4), else the fence that
+        released, SUSPENDED from their latest snapshot: CONTRACT section 4), or, for a pause, if it
+        has registered on another node than the assignment's since (`node_since`), else the fence that
         commits the snapshot only if the worker's history has not moved since it was read here (a
         removal landing meanwhile fails the append, and the retry finds it). None for an actor
         that is not placed (the domain refuses it)."""
@@ -649,17 +650,28 @@ class SnapshotterService:
             return None  # no history to fence (another writer's placement): nothing says it ended
         placed_seq = actor.seq_at(actor.assignment_version)
         last_seq_ = last[0].seq
-        removal = 0
+        removal, moved = 0, None
         if last[0].topic == WorkerRemoved.__name__ and (not placed_seq or last_seq_ > placed_seq):
             removal = last_seq_
-        elif placed_seq and last_seq_ > placed_seq:  # the worker changed since: was one of those a removal?
+        elif placed_seq and last_seq_ > placed_seq:  # the worker changed since: a removal? another node?
             history = await self.app.recorder.select_events_async(worker)
             removal = removed_since([(e.seq, e.topic) for e in history], placed_seq)
+            if verb == "paused":
+                moved = node_since([(e.seq, e.topic, e.state) for e in history], placed_seq)
         if removal:
             raise precondition(
                 f"actor {actor.entity_id!r} cannot be {verb} on worker {held.worker_id!r}: the worker was removed "
                 f"(sequence {removal}) after the actor was placed there, and its actors are released, SUSPENDED "
                 "from their latest snapshot"
+            )
+        if moved is not None and moved[1] != held.node:
+            # A pause records its image on the node of the assignment (CONTRACT): a worker that has
+            # reported another node since would keep it where the log says it is not.
+            raise precondition(
+                f"actor {actor.entity_id!r} cannot be paused on worker {held.worker_id!r}: the actor was placed "
+                f"on node {held.node!r}, and the worker registered on node {moved[1]!r} since (sequence "
+                f"{moved[0]}), so its local image would be recorded on a node its worker is not on; suspend it "
+                "instead (an EXTERNAL image restores on any node)"
             )
         return {worker: last_seq_}
 

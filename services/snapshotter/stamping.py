@@ -33,15 +33,16 @@ def stamp_from_pin(assignment: ActorPlaced) -> ActorRuntime:
     return assignment.sandbox_runtime
 
 
-def default_snapshot_id(actor_id: str, version: int) -> str:
-    """The id of a snapshot taken without one: `<actor_id>-v<version>`.
+def default_snapshot_id(actor_id: str, version: int, step: int = 0) -> str:
+    """The id of a snapshot taken without one: `<actor_id>-v<version>` (`...-<step>` after it when a
+    caller has given that id to another of the actor's snapshots: `Actor.next_snapshot_id`).
 
     `version` is the actor's version at the event that records the snapshot, so
     the id is deterministic (a replay or a second replica deciding the same step
     derives the same id) and unique within the actor. Ids near the 128-char limit
     are shortened with a digest of the full actor id, so they stay unique.
     """
-    suffix = f"-v{version}"
+    suffix = f"-v{version}" + (f"-{step}" if step else "")
     if len(actor_id) + len(suffix) <= MAX_ID:
         return actor_id + suffix
     digest = hashlib.sha256(actor_id.encode()).hexdigest()[:12]
