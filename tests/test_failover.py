@@ -196,3 +196,58 @@ async def test_a_fold_started_while_its_stream_has_no_leader_folds_once_it_has_o
                 await folding.stop()
             finally:
                 await nc.close()
+
+
+@pytest.mark.timeout(300)
+async def test_a_request_on_two_replicas_at_once_is_answered_alike_on_a_replicated_stream(tmp_path, monkeypatch):
+    """A client's retry reaches another scheduler replica while its first attempt is being
+    committed: both append the same actor version at once. On a replicated stream the leader
+    refuses the second proposal of a message id in flight (err_code 10158, "duplicate message id
+    is in process"), which failed the loser's whole group as UNAVAILABLE (the review's run: 20 of
+    120). Waited out, it is the conflict it is: both answers are the first placement, one
+    ActorPlaced per request, no UNAVAILABLE. Three rounds, 60 actors, two replicas on two nodes."""
+    from collections import Counter
+
+    from events.schema import ActorPlaced, ResumeActor
+    from services.scheduler.service import SchedulerService
+    from tests.factories import SILENT_TTL_S, actor, read_log, version, worker
+
+    monkeypatch.setenv("WARMBOOT_STREAM_REPLICAS", "3")
+    prefix = "t" + uuid.uuid4().hex[:10]
+    v1 = version("v1")
+    with NatsCluster(tmp_path) as cluster:
+        await wait_jetstream(cluster.url)
+        async with AsyncExitStack() as exits:
+            running = await start_services(exits, list(SERVICES), cluster.urls[0], prefix,
+                                           options={"scheduler": {"metrics": False},
+                                                    "registry": {"store_replicas": 3, "ttl_s": SILENT_TTL_S}})
+            first = running.services[-1]
+            other_nc = await connect(cluster.urls[1], "replica-b")
+            exits.push_async_callback(other_nc.close)
+            second = await SchedulerService(other_nc, nats_url=cluster.urls[1], prefix=prefix, metrics=False).start()
+            exits.push_async_callback(second.stop)
+            nc = await connect(cluster.url, "client")
+            exits.push_async_callback(nc.close)
+            wb = Client(nc, prefix)
+            for i in range(4):
+                await wb.register(worker(f"w{i}", v1, cpu=64000, mem=65536))
+            actors = [f"a{i:02d}" for i in range(60)]
+            for a in actors:
+                await wb.create(actor(a, cpu=100, mem=128))
+            outcomes: Counter = Counter()
+            for round_ in range(3):
+                async def one(replica, actor_id):
+                    try:
+                        return await replica.resume(actor_id, ResumeActor(request_id=f"r{round_}-{actor_id}"))
+                    except ContractError as error:
+                        return error.code
+
+                answers = await asyncio.gather(*(one(replica, a) for a in actors for replica in (first, second)))
+                for a, pair in zip(actors, (answers[i:i + 2] for i in range(0, len(answers), 2))):
+                    outcomes.update(type(x).__name__ if not isinstance(x, ErrorCode) else x.value for x in pair)
+                    assert pair[0] == pair[1], (a, pair)  # the retry's answer is the first one's
+                for a in actors:
+                    await wb.suspend(a, fidelity=Fidelity.MEMORY, uri=f"s3://x/{a}-{round_}")
+            assert outcomes == Counter({"Assignment": 2 * 3 * len(actors)}), outcomes
+            placed = Counter(e.request_id for _, e in await read_log(nc, prefix) if isinstance(e, ActorPlaced))
+            assert set(placed.values()) == {1} and len(placed) == 3 * len(actors)

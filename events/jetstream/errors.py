@@ -7,8 +7,8 @@ failures are worth another attempt within the operation's budget (`retry.Retry`)
 `library_error` says what every other one is to the library:
 
 - nobody answered, no answer in time, a 503 or 429, a leader election, an incomplete
-  batch (`retryable`): another attempt; past the budget, `StoreUnavailableError` (an
-  `OperationalError`);
+  batch, a message id another proposal is storing right now (`retryable`): another
+  attempt; past the budget, `StoreUnavailableError` (an `OperationalError`);
 - a subject that moved on (`ServerError.conflict`): `IntegrityError`, at once when the
   caller gave every expected sequence, else once the append protocol has looked again
   and found it a real conflict;
@@ -41,8 +41,13 @@ ERR_STREAM_NAME_IN_USE = 10058
 ERR_NO_MESSAGE_FOUND = 10037
 ERR_STREAM_NOT_FOUND = 10059
 ERR_CLUSTER_NO_PEERS = 10005
+# A replicated stream's leader refuses a message whose id another proposal, not applied yet, carries
+# (two writers of one subject and version at once, or a resend racing its first attempt). Waited out:
+# the next attempt finds that message stored, a conflict judged as any other (`Stream.append`).
+ERR_DUPLICATE_IN_PROCESS = 10158
 CONFLICT_CODES = {ERR_WRONG_LAST_SEQUENCE, ERR_BATCH_WRONG_LAST_SEQUENCE, ERR_BATCH_DUPLICATE_MSG_ID}
-TRANSIENT_CODES = {ERR_BATCH_INCOMPLETE, ERR_CLUSTER_NOT_AVAILABLE, ERR_CLUSTER_NOT_LEADER, ERR_BATCH_TOO_MANY_INFLIGHT}
+TRANSIENT_CODES = {ERR_BATCH_INCOMPLETE, ERR_CLUSTER_NOT_AVAILABLE, ERR_CLUSTER_NOT_LEADER, ERR_BATCH_TOO_MANY_INFLIGHT,
+                   ERR_DUPLICATE_IN_PROCESS}
 
 
 class LeaderElected(Exception):
