@@ -55,7 +55,8 @@ from prometheus_client import Counter
 
 from events.codec import decode_reply, decode_request, encode
 from events.errors import ContractError, invalid, unavailable
-from events.natspy import DirectDelivery, deliver_core, flush_in_order, guard_reads, header_block, publish
+from events.natspy import (DirectDelivery, deliver_core, describe_error, flush_in_order, guard_reads, header_block,
+                           publish)
 from events.schema import ID_RE, Base, ErrorCode
 from events.subjects import bucket_name, service_subject, services_inbox
 
@@ -720,8 +721,11 @@ class ReplyCache:
             raise unavailable("the reply cache is not open")
         try:
             msg = await self.nc.jetstream().get_msg(f"KV_{self.bucket}", subject=f"$KV.{self.bucket}.{key}")
-        except NotFoundError:
-            return None
+        except NotFoundError as error:
+            if getattr(error, "err_code", None) == _NO_MESSAGE:
+                return None
+            # no bucket (deleted, being made again): nothing says the request was not answered
+            raise unavailable(f"the reply cache cannot be read ({describe_error(error)}); try again") from None
         if msg.headers and msg.headers.get("KV-Operation") in ("DEL", "PURGE"):
             return None
         return msg.data or None

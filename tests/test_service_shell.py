@@ -670,3 +670,22 @@ async def test_a_bucket_made_while_the_cluster_forms_is_made_once_it_can_answer(
                 await nc.close()
         finally:
             await asyncio.to_thread(cluster.stop)
+
+
+async def test_a_reply_cache_without_its_bucket_is_unavailable_not_empty(nc, prefix):
+    """An entry that is not there is None: the request was not answered before. A bucket that is
+    not there (deleted, being made again) says nothing of that: UNAVAILABLE, so a late retry is
+    not decided again as if it were new (it could be placed twice)."""
+    from events.errors import ContractError
+    from events.schema import ErrorCode
+    from services.common import ReplyCache
+
+    cache = await ReplyCache(nc, prefix).start()
+    key = cache.key("resume.a-1", "r-1")
+    assert await cache.get(key) is None
+    await cache.put(key, b"answer")
+    assert await cache.get(key) == b"answer"
+    await nc.jetstream().delete_stream(f"KV_{cache.bucket}")
+    with pytest.raises(ContractError) as refused:
+        await cache.get(key)
+    assert refused.value.code is ErrorCode.UNAVAILABLE and "the reply cache cannot be read" in refused.value.message
