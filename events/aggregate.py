@@ -14,7 +14,11 @@ which dispatches on the event type to a `when_<EventType>` method.
 
 from __future__ import annotations
 
+import copy
+import enum
 import logging
+import os
+from collections import OrderedDict
 from datetime import datetime, timezone
 from typing import Any, Callable, ClassVar
 
@@ -30,6 +34,7 @@ from events.schema import EVENT_TYPES, ErrorCode, Event
 log = logging.getLogger("warmboot.events")
 
 AGGREGATE_KINDS: dict[str, type["WireAggregate"]] = {}
+_CONTAINERS = (list, dict, set)
 
 
 def now() -> datetime:
@@ -120,7 +125,7 @@ class WireAggregate:
         self.history: list[Event] = []  # bodies applied, oldest first (request_id look-ups)
         self.seqs: list[int] = []  # stream sequence of each version (0 until it is stored)
         self.life_start = 1  # version of the first event of the current life
-        self.request_versions: dict[str, list[int]] = {}  # request_id -> versions it recorded
+        self.request_versions: dict[str, tuple[int, ...]] = {}  # request_id -> versions it recorded
 
     @classmethod
     def create_id(cls, entity_id: str) -> str:
@@ -143,8 +148,8 @@ class WireAggregate:
             self.life_start = version
         getattr(self, f"when_{type(body).__name__}")(body)
         self.history.append(body)
-        if body.request_id is not None:
-            self.request_versions.setdefault(body.request_id, []).append(version)
+        if body.request_id is not None:  # a tuple, so that `fork` copies the dict alone
+            self.request_versions[body.request_id] = self.request_versions.get(body.request_id, ()) + (version,)
 
     def starts_life(self, body: Event) -> bool:
         """Whether `body` begins a new life of the entity (request ids are scoped to one)."""
@@ -172,6 +177,16 @@ class WireAggregate:
             if not self.VERB_FIRST[verb](first):
                 raise self.reused(request_id, f"it recorded {type(first).__name__}")
         return versions
+
+    def fork(self) -> "WireAggregate":
+        """A copy that shares nothing mutable with this one: what the cache hands a command, which
+        may record events on it and fail. The state of an aggregate is immutable values (the wire
+        Structs are frozen) and containers of them, one level deep (`check_forkable`)."""
+        twin = copy.copy(self)
+        for name, value in vars(twin).items():
+            if type(value) in _CONTAINERS:
+                setattr(twin, name, value.copy())
+        return twin
 
     def events_at(self, versions: list[int]) -> list[Event]:
         return [self.history[v - 1] for v in versions]
@@ -239,8 +254,87 @@ def unreadable(stored_event: StoredEvent, why: str) -> UnreadableHistory:
     return UnreadableHistory(ErrorCode.UNAVAILABLE, message)
 
 
+def check_forkable(aggregate: "WireAggregate") -> None:
+    """AssertionError unless `fork` copies all of `aggregate`'s mutable state: every attribute
+    is an immutable value or a list, dict or set of immutable values (tests call it on every kind)."""
+    def immutable(value: Any) -> bool:
+        if isinstance(value, (tuple, frozenset)):
+            return all(immutable(v) for v in value)
+        return value is None or isinstance(value, (str, int, float, bool, datetime, enum.Enum, msgspec.Struct)) and (
+            not isinstance(value, msgspec.Struct) or value.__struct_config__.frozen)
+
+    for name, value in vars(aggregate).items():
+        if type(value) in _CONTAINERS:
+            items = list(value.items()) if isinstance(value, dict) else list(value)
+            assert all(immutable(v) for v in items), f"{type(aggregate).__name__}.{name} holds mutable values"
+        else:
+            assert immutable(value), f"{type(aggregate).__name__}.{name} is mutable: {type(value).__name__}"
+
+
+CACHE_ENV = "WARMBOOT_AGGREGATE_CACHE_EVENTS"
+CACHE_EVENTS = 100_000  # events held by a service's cache of aggregates, all aggregates together
+
+
+class AggregateCache:
+    """The aggregates a service last read or saved, each as the log held it up to its version,
+    so a command reads only the events after it: without it, a command on an actor read the
+    actor's whole history, and its cost grew with every resume (about 23 µs an event here:
+    half a second for an actor of 20,000 events). Least recently used first out, within a
+    budget of events (each cached aggregate counts its version): a long history costs memory.
+
+    Only states the log holds are put here (one just read, one just saved), never a command's
+    aggregate while it decides: `WireApplication.get_async` hands out forks. An entry behind the
+    log (another replica's write, the scheduler's placement) is brought up to date by reading
+    the events after it, as a first read would have read them; an older entry put after a newer
+    one only costs a longer read."""
+
+    def __init__(self, budget_events: int):
+        self.budget = budget_events
+        self.held = 0
+        self.entries: OrderedDict[str, WireAggregate] = OrderedDict()
+        self.hits = self.misses = 0
+
+    def get(self, aggregate_id: str) -> "WireAggregate | None":
+        found = self.entries.get(aggregate_id)
+        if found is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self.entries.move_to_end(aggregate_id)
+        return found
+
+    def put(self, aggregate: "WireAggregate") -> None:
+        """Keep a fork of `aggregate`, whose state the log holds up to its version."""
+        if aggregate.version > self.budget or (aggregate.seqs and not aggregate.seqs[-1]):
+            self.drop(aggregate.id)  # too long to keep, or a position not known: not kept
+            return
+        self.drop(aggregate.id)
+        self.entries[aggregate.id] = aggregate.fork()
+        self.held += aggregate.version
+        while self.held > self.budget:
+            _, out = self.entries.popitem(last=False)
+            self.held -= out.version
+
+    def drop(self, aggregate_id: str) -> None:
+        out = self.entries.pop(aggregate_id, None)
+        if out is not None:
+            self.held -= out.version
+
+
 class WireApplication(Application[str]):
-    """An eventsourcing Application whose aggregates are WireAggregates."""
+    """An eventsourcing Application whose aggregates are WireAggregates.
+
+    `CACHE_AGGREGATES`: whether `get_async` and `save_async` keep an `AggregateCache` (its
+    budget from $WARMBOOT_AGGREGATE_CACHE_EVENTS, default CACHE_EVENTS; 0: none)."""
+
+    CACHE_AGGREGATES = False
+    cache: AggregateCache | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        if self.CACHE_AGGREGATES:
+            budget = int(os.environ.get(CACHE_ENV) or CACHE_EVENTS)
+            self.cache = AggregateCache(budget) if budget > 0 else None
 
     def construct_mapper(self) -> Mapper:
         return WireMapper(transcoder=self.construct_transcoder())
@@ -255,11 +349,21 @@ class WireApplication(Application[str]):
 
     async def get_async(self, aggregate_id: str) -> Any | None:
         """`repository.get(aggregate_id)` awaited: the aggregate its history makes (each event with
-        its stream sequence), None when it has no event."""
-        stored = await self.recorder.select_events_async(aggregate_id)
-        if not stored:
-            return None
-        return project_aggregate(None, map(self.mapper.to_domain_event, stored))
+        its stream sequence), None when it has no event. With a cache, a fork of the one kept,
+        brought up to the log by the events after it."""
+        cached = self.cache.get(aggregate_id) if self.cache is not None else None
+        if cached is None:
+            stored = await self.recorder.select_events_async(aggregate_id)
+            if not stored:
+                return None
+            aggregate = project_aggregate(None, map(self.mapper.to_domain_event, stored))
+        else:
+            stored = await self.recorder.select_events_async(aggregate_id, gt=cached.version,
+                                                             after_seq=cached.seqs[-1])
+            aggregate = project_aggregate(cached.fork(), map(self.mapper.to_domain_event, stored))
+        if self.cache is not None and (cached is None or stored):
+            self.cache.put(aggregate)
+        return aggregate
 
     async def save_async(self, *items: Any, fences: dict[str, int] | None = None) -> tuple[list[Any], list[int]]:
         """`save(*items, fences=...)` awaited: one atomic append of what the aggregates recorded (and
@@ -267,4 +371,24 @@ class WireApplication(Application[str]):
         processing: ProcessingEvent[str] = ProcessingEvent()
         processing.collect_events(*items)
         stored = [self.mapper.to_stored_event(event) for event in processing.events]
-        return processing.events, await self.recorder.insert_events_async(stored, fences=fences)
+        seqs = await self.recorder.insert_events_async(stored, fences=fences)
+        if self.cache is not None:
+            self._saved(items, processing.events, seqs)
+        return processing.events, seqs
+
+    def _saved(self, items: tuple[Any, ...], events: list[Any], seqs: Any) -> None:
+        """The saved aggregates, now at the versions the log holds, into the cache (each event's
+        position filled in); any other subject the append wrote is dropped from it."""
+        at = dict(zip(((e.originator_id, e.originator_version) for e in events), seqs or ()))
+        saved = set()
+        for item in items:
+            if isinstance(item, WireAggregate):
+                version = item.version
+                while version and not item.seqs[version - 1]:  # the versions just saved, from the last
+                    item.seqs[version - 1] = at.get((item.id, version), 0)
+                    version -= 1
+                self.cache.put(item)  # type: ignore[union-attr]
+                saved.add(item.id)
+        for event in events:
+            if event.originator_id not in saved:
+                self.cache.drop(event.originator_id)  # type: ignore[union-attr]

@@ -221,11 +221,16 @@ class JetStreamAggregateRecorder(JetStreamRecorder, AggregateRecorder):
         lte: int | None = None,
         desc: bool = False,
         limit: int | None = None,
+        after_seq: int = 0,
     ) -> Sequence[StoredEvent]:
         """`select_events` for asyncio code: the same read, awaited (`Link.submit`) from the
-        caller's loop instead of through a thread of its own."""
-        msgs = await self.link.submit(self._read(originator_subject(self.namespace, originator_id), gt, lte, desc,
-                                                 limit))
+        caller's loop instead of through a thread of its own. `after_seq` (with `gt`): the stream
+        sequence of the event at version `gt`, as the caller read it (an aggregate it holds):
+        the read starts after it, whatever else this process has read of the subject since."""
+        subject = originator_subject(self.namespace, originator_id)
+        read = self._all(subject, gt, after_seq) if after_seq and gt is not None and not desc and lte is None \
+            else self._read(subject, gt, lte, desc, limit)
+        msgs = await self.link.submit(read)
         return self._selected(originator_id, msgs, gt, lte, desc, limit)
 
     def _read(self, subject: str, gt: int | None, lte: int | None, desc: bool, limit: int | None) -> Any:
@@ -302,11 +307,11 @@ class JetStreamAggregateRecorder(JetStreamRecorder, AggregateRecorder):
         self.link.last_seen.put(subject, Last(sequence_of(msg), version_of(msg.headers)))
         return [msg]
 
-    async def _all(self, subject: str, gt: int | None) -> list[Msg] | list[Stored]:
-        start = 1
+    async def _all(self, subject: str, gt: int | None, after_seq: int = 0) -> list[Msg] | list[Stored]:
+        start = after_seq + 1 if after_seq else 1  # the caller's word: the event at `gt` is there
         known = self.link.last_seen.get(subject)
         if gt is not None and known is not None and known.position is not None and known.position <= gt:
-            start = known.seq + 1  # everything up to there is at or below `gt`
+            start = max(start, known.seq + 1)  # everything up to there is at or below `gt`
         msgs = await self.stream.subject_from(subject, start)
         if msgs:
             last = msgs[-1]

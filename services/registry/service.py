@@ -128,6 +128,7 @@ class RegistryStore(WireApplication):
 
     name = "registry"
     no_writes: NoWriteAnswers | None = None
+    CACHE_AGGREGATES = True  # a command reads only the events after the worker it last read or saved
 
     async def load(self, worker_id: str) -> Worker:
         """The worker as its history makes it (a new one if it has none), as `repository.get` would."""

@@ -95,6 +95,7 @@ class SnapshotterApplication(WireApplication):
     """The event-sourced application the endpoints load actors and tags from and save to."""
 
     name = "Snapshotter"
+    CACHE_AGGREGATES = True  # a command reads only the events after the actor it last read or saved
 
 
 # --- answers recorded in the history ---------------------------------------------------
