@@ -20,7 +20,7 @@ import pytest
 
 from events.aggregate import AggregateCache, WireAggregate, check_forkable
 from events.errors import ContractError
-from events.schema import Fidelity, PauseActor, ResumeActor, StopActor, SuspendActor, TagSnapshot, UpdateTemplate
+from events.schema import Fidelity, PauseActor, StopActor, SuspendActor, TagSnapshot, UpdateTemplate
 from services.registry.domain import Worker
 from services.snapshotter.domain import Actor, Tag
 from tests.factories import actor, version, worker

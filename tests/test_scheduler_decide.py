@@ -244,6 +244,21 @@ def test_a_logged_version_of_another_architecture_restores_no_memory_image():
         assert "0/1 workers available" in error.message, (how, error.message)
 
 
+def test_an_architecture_spelled_as_the_machine_names_it_falls_back_within_it():
+    """Rule 4 keeps the stamp's architecture, read as the registry reads it: `x86_64` is amd64
+    (events.compat.architecture). A snapshot stamped `x86_64` falls back on an amd64 worker; it
+    was refused, the architecture compared as written (found by review)."""
+    log = Log()
+    log.worker("amd", runtime(V2))
+    log.worker("arm", runtime(version("9", arch="arm64")))
+    log.actor("a")
+    log.snapshot("a", stamped=version("old", arch="x86_64"), snapshot_id="mem-1")
+    placed = log.decide("a")
+    assert placed.worker_id == "amd" and placed.fidelity is PlacedFidelity.VOLUMES
+    log.add(WorkerRemoved(at=AT, worker_id="amd", reason="gone"))
+    assert "no worker of the class with architecture amd64 fits" in refused(log, "a", ErrorCode.RESOURCE_EXHAUSTED).message
+
+
 def test_min_fidelity_memory_refuses_to_fall_back():
     log = Log()
     log.worker("compatible", runtime(V1), mem=512)

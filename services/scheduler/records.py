@@ -27,7 +27,7 @@ from typing import Any, ClassVar, Iterator, Mapping
 
 from msgspec import Struct
 
-from events.compat import CompatKey, describe_key, other_architecture
+from events.compat import CompatKey, architecture, describe_key, other_architecture
 from events.schema import ActorRuntime, CompatVersion, Fidelity, Resources, WorkerRuntime
 from events.states import ActorState, WorkerState
 
@@ -59,7 +59,6 @@ def stable_hash(text: str) -> int:
 OWN_DEFAULT, OWN_RESTORABLE, EDGE_DEFAULT, EDGE_RESTORABLE = 0, 1, 2, 3
 ROLES = (OWN_DEFAULT, OWN_RESTORABLE, EDGE_DEFAULT, EDGE_RESTORABLE)
 ROLE_NAMES = ("default", "restorable", "edge of default", "edge of restorable")
-ARCHITECTURE = "architecture"
 
 
 class Compat:
@@ -72,7 +71,7 @@ class Compat:
         self.key = key
         self.sandbox_class = key[0]
         self.version = version
-        self.arch = next((v for k, v in key[2] if k == ARCHITECTURE), None)
+        self.arch = architecture(version)  # in Go's naming: `x86_64` is amd64, as the registry reads it
 
     def __repr__(self) -> str:
         return f"Compat({describe_key(self.key)})"
