@@ -291,3 +291,19 @@ async def test_actor_list_shows_every_actor_and_filters(bus):
                                "LAST", "SEQ"]
     bad = await run("actor", "list", "--state", "GONE")
     assert bad.exit_code == 2 and "Invalid value for '--state'" in bad.output
+
+
+async def test_create_of_a_class_no_worker_runs_warns_and_creates(bus, nc, prefix):
+    """A mistyped class is accepted (the contract lets an actor wait for its class's workers), and
+    its resume refused later as `class not registered`: the command says so at once, on stderr,
+    naming the classes the fleet runs; the reply, `--json` included, is unchanged."""
+    run, _ = bus
+    result = await run("actor", "create", "a-typo", "--class", "gvsor", "--template", "t1", "--cpu", "100",
+                       "--memory", "64", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["seq"] == await last_seq(nc, prefix)
+    assert result.stderr.strip() == ("warning: no registered worker runs the sandbox class 'gvsor' (the fleet runs: "
+                                     "gvisor); resuming a-typo is refused until one does")
+    known = await run("actor", "create", "a-ok", "--class", "gvisor", "--template", "t1", "--cpu", "100",
+                      "--memory", "64")
+    assert known.exit_code == 0 and not known.stderr, known.output

@@ -17,14 +17,16 @@ The `show` commands read the log, not a service:
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any, Callable
 
 import click
 import msgspec
+import nats.errors
 
 from events.codec import decode_reply, to_builtins
-from events.errors import not_found
+from events.errors import ContractError, not_found
 from events.runtime_id import Runtimes, short_id
 from events.schema import ActorRuntime, CompatVersion, CreateActor, Fidelity, Resources, Snapshot
 from events.states import ActorState
@@ -123,8 +125,22 @@ def create_cmd(actor_id: str, sandbox_class: str, template_uid: str, cpu_millis:
                        resources=Resources(cpu_millis=cpu_millis, memory_mib=memory_mib),
                        selectors=selectors_of(selectors), min_fidelity=Fidelity(min_fidelity),
                        source_tag=source_tag, golden_snapshot=golden_snapshot, request_id=request_id)
-    reply, _ = run(nats_url, prefix, False, lambda wb: wb.create(body))
+
+    async def work(nc: Any) -> tuple[Any, list[str] | None]:
+        wb = Client(nc, prefix)
+        reply = await wb.create(body)
+        try:  # which classes the fleet runs, for a warning: a mistyped class is accepted, and refused at resume
+            classes = [c.sandbox_class for c in (await wb.fragmentation()).classes if c.workers]
+        except (ContractError, OSError, asyncio.TimeoutError, nats.errors.Error):
+            classes = None  # no scheduler answering: nothing to say
+        return reply, classes
+
+    reply, classes = ask(nats_url, work)
     echo(reply, as_json, lambda: done("actor", actor_id, "created", reply.seq))
+    if classes is not None and sandbox_class not in classes:
+        click.echo(f"warning: no registered worker runs the sandbox class {sandbox_class!r} "
+                   f"(the fleet runs: {', '.join(sorted(classes)) or 'none'}); resuming {actor_id} is refused "
+                   "until one does", err=True)
 
 
 def echo(reply: Any, as_json: bool, text: Callable[[], str]) -> None:
