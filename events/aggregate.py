@@ -24,7 +24,7 @@ from typing import Any, Callable, ClassVar
 
 import msgspec
 from eventsourcing.application import Application, ProcessingEvent, project_aggregate
-from eventsourcing.persistence import Mapper, StoredEvent
+from eventsourcing.persistence import IntegrityError, Mapper, StoredEvent
 from eventsourcing.utils import TopicError
 
 from events.codec import decoder, encode
@@ -352,16 +352,24 @@ class WireApplication(Application[str]):
         its stream sequence), None when it has no event. With a cache, a fork of the one kept,
         brought up to the log by the events after it."""
         cached = self.cache.get(aggregate_id) if self.cache is not None else None
-        if cached is None:
-            stored = await self.recorder.select_events_async(aggregate_id)
-            if not stored:
-                return None
-            aggregate = project_aggregate(None, map(self.mapper.to_domain_event, stored))
-        else:
-            stored = await self.recorder.select_events_async(aggregate_id, gt=cached.version,
-                                                             after_seq=cached.seqs[-1])
-            aggregate = project_aggregate(cached.fork(), map(self.mapper.to_domain_event, stored))
-        if self.cache is not None and (cached is None or stored):
+        if cached is not None:
+            # Read from the cached state's last event on: it must still be there, at its sequence (a
+            # stream made again, rolled back, or whose last message an operator deleted, holds
+            # another history: the cached state is dropped, and the whole history read instead).
+            last_seq = cached.seqs[-1]
+            stored = await self.recorder.select_events_async(aggregate_id, gt=cached.version - 1,
+                                                             after_seq=last_seq - 1)
+            if stored and stored[0].originator_version == cached.version and getattr(stored[0], "seq", 0) == last_seq:
+                aggregate = project_aggregate(cached.fork(), map(self.mapper.to_domain_event, stored[1:]))
+                if len(stored) > 1:
+                    self.cache.put(aggregate)  # type: ignore[union-attr]
+                return aggregate
+            self.cache.drop(aggregate_id)  # type: ignore[union-attr]
+        stored = await self.recorder.select_events_async(aggregate_id)
+        if not stored:
+            return None
+        aggregate = project_aggregate(None, map(self.mapper.to_domain_event, stored))
+        if self.cache is not None:
             self.cache.put(aggregate)
         return aggregate
 
@@ -371,7 +379,13 @@ class WireApplication(Application[str]):
         processing: ProcessingEvent[str] = ProcessingEvent()
         processing.collect_events(*items)
         stored = [self.mapper.to_stored_event(event) for event in processing.events]
-        seqs = await self.recorder.insert_events_async(stored, fences=fences)
+        try:
+            seqs = await self.recorder.insert_events_async(stored, fences=fences)
+        except IntegrityError:
+            if self.cache is not None:  # the command runs again: on its entities' whole histories
+                for event in processing.events:
+                    self.cache.drop(event.originator_id)
+            raise
         if self.cache is not None:
             self._saved(items, processing.events, seqs)
         return processing.events, seqs

@@ -7,6 +7,8 @@ value for value. `name` and `actor_overhead` never take part.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from events.schema import ActorRuntime, Attribute, CompatVersion, WorkerRuntime, WorkerSandboxClass
 
 # (sandbox_class, schema_version, ((key, value), ...) sorted by key)
@@ -24,14 +26,19 @@ def architecture(version: CompatVersion) -> str | None:
     return None if value is None else MACHINE_TO_ARCH.get(value.lower(), value)
 
 
-def other_architecture(version: CompatVersion, of: CompatVersion) -> tuple[str, str] | None:
-    """(`version`'s architecture, `of`'s) when both name one and they differ; else None. A memory
-    image never restores on another architecture, so a worker's runtime of one architecture
-    cannot restore, nor accept through an edge, a version of another (docs/contract.md)."""
-    mine, theirs = architecture(version), architecture(of)
-    if mine is None or theirs is None or mine == theirs:
-        return None
-    return mine, theirs
+def machine_architecture(versions: Iterable[CompatVersion]) -> str | None:
+    """The architecture of the machine a class entry runs on: the first one its versions name,
+    its default runtime's first (a default of another schema may name none)."""
+    return next((arch for arch in map(architecture, versions) if arch is not None), None)
+
+
+def other_architecture(version: CompatVersion, machine: str | None) -> str | None:
+    """`version`'s architecture when it names one and it is not `machine`'s (`machine_architecture`);
+    else None. A memory image never restores on another architecture, so a worker's runtime of one
+    architecture cannot restore, nor accept through an edge, a version of another
+    (docs/contract.md)."""
+    mine = architecture(version)
+    return mine if mine is not None and machine is not None and mine != machine else None
 
 
 def sorted_attributes(attributes: tuple[Attribute, ...]) -> tuple[Attribute, ...]:

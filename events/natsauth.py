@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import re
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
 
 NKEY_SEED_ENV = "NATS_NKEY_SEED"
 INBOX_PREFIX_ENV = "NATS_INBOX_PREFIX"
@@ -50,8 +50,10 @@ def check_url(url: str) -> str:
             case = " (in lower case)" if written.lower() in NATS_SCHEMES else ""
             raise ValueError(f"{shown!r}: the scheme must be one of {', '.join(NATS_SCHEMES)}{case}, not {written!r}")
         if any(c in _userinfo(member) for c in "/?#"):
-            raise ValueError(f"{shown!r}: the user or password holds '/', '?' or '#', which end a URL's "
-                             "user part: write them percent-encoded (%2F, %3F, %23)")
+            # nats-py sends a URL's user and password as written, %-escapes included: no encoding helps
+            raise ValueError(f"{shown!r}: the user or password holds '/', '?' or '#', which end a URL's user "
+                             "part, and nats-py does not decode %-escapes: use a password without them (`warmboot "
+                             f"nats-config` writes letters, digits, '-' and '_'), or an nkey seed (${NKEY_SEED_ENV})")
         try:
             split.port
         except ValueError:
@@ -99,7 +101,6 @@ def inbox_prefix(url: str, explicit: str | None = None) -> str | None:
     for member in url.split(","):
         member = member.strip()
         user = urlsplit(member if "//" in member else f"nats://{member}").username
-        if user:
-            user = unquote(user)
+        if user:  # as nats-py sends it: written, not %-decoded
             return f"_INBOX.{user}" if _TOKEN.match(user) else None
     return None

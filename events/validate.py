@@ -24,7 +24,7 @@ from typing import Any, Callable
 import msgspec
 import msgspec.inspect as mi
 
-from events.compat import compat_key, other_architecture
+from events.compat import compat_key, machine_architecture, other_architecture
 from events.errors import invalid
 from events.schema import (
     CompatVersion,
@@ -184,21 +184,23 @@ def check_class_entry(entry: WorkerSandboxClass, path: str) -> None:
 
 
 def check_one_architecture(entry: WorkerSandboxClass, path: str) -> None:
-    """Every version a class entry restores (its restorable runtimes, every compatible version) is
-    of its default runtime's architecture, when both name one: the worker runs on one machine, and
-    a memory image never restores on another architecture (docs/contract.md)."""
-    default = entry.default_runtime.version
+    """Every version a class entry restores (its restorable runtimes, every compatible version)
+    names the architecture of its machine (`machine_architecture`: its default runtime's, or, when
+    that names none, the first named) or none: the worker runs on one machine, and a memory image
+    never restores on another architecture (docs/contract.md)."""
     runtimes = [(f"{path}.default_runtime", entry.default_runtime),
                 *((f"{path}.restorable_runtimes[{i}]", r) for i, r in enumerate(entry.restorable_runtimes))]
+    versions = []
     for rpath, runtime in runtimes:
-        versions = [(f"{rpath}.compatible_versions[{i}]", v) for i, v in enumerate(runtime.compatible_versions)]
         if runtime is not entry.default_runtime:
-            versions.insert(0, (f"{rpath}.version", runtime.version))
-        for vpath, version in versions:
-            differ = other_architecture(version, default)
-            if differ is not None:
-                raise invalid(f"architecture {differ[0]!r} is not the default runtime's {differ[1]!r}: a memory "
-                              f"image never restores on another architecture", f"{vpath}.attributes")
+            versions.append((f"{rpath}.version", runtime.version))
+        versions += [(f"{rpath}.compatible_versions[{i}]", v) for i, v in enumerate(runtime.compatible_versions)]
+    machine = machine_architecture([entry.default_runtime.version, *(v for _, v in versions)])
+    for vpath, version in versions:
+        differ = other_architecture(version, machine)
+        if differ is not None:
+            raise invalid(f"architecture {differ!r} is not the machine's {machine!r} (its default runtime's, or the "
+                          f"first named): a memory image never restores on another architecture", f"{vpath}.attributes")
 
 
 def check_register(req: RegisterWorker, path: str = "") -> RegisterWorker:

@@ -146,7 +146,9 @@ def worker_sandbox_classes(draw) -> s.WorkerSandboxClass:
     """The default and the restorable runtimes all differ by version, and every version the entry
     names is of its default's architecture (one machine)."""
     runtimes = draw(st.lists(worker_runtimes(), min_size=1, max_size=3, unique_by=lambda r: compat_key("", r.version)))
-    arch = next((a.value for a in runtimes[0].version.attributes if a.key == "architecture"), None)
+    named = [a.value for r in runtimes for v in (r.version, *r.compatible_versions) for a in v.attributes
+             if a.key == "architecture"]
+    arch = named[0] if named else None  # the default's, or the first named (events.compat.machine_architecture)
     runtimes = [msgspec.structs.replace(r, version=on_machine(r.version, arch),
                                         compatible_versions=tuple(on_machine(v, arch) for v in r.compatible_versions))
                 for r in runtimes]

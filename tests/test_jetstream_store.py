@@ -860,3 +860,25 @@ def test_a_server_that_drops_allow_atomic_is_refused_naming_its_version():
         refuse_without_atomic("W_EVENTS", {"name": "W_EVENTS"}, "2.11.4")
     assert str(refused.value) == (f"stream W_EVENTS does not allow atomic batches on nats-server 2.11.4: warmboot's "
                                   f"appends are JetStream atomic batches, which need nats-server {MIN_SERVER} or later")
+
+
+def test_the_store_judges_the_config_the_server_answered(nats_url, monkeypatch):
+    """At its start the store hands `refuse_without_atomic` the config the server answered (made,
+    or brought up to date) and the server's version: what a 2.11 server would answer without
+    `allow_atomic` is what it would refuse."""
+    from events.jetstream import stream as stream_module
+
+    judged: list[tuple[str, dict, str]] = []
+    real = stream_module.refuse_without_atomic
+
+    def spy(name, config, server):
+        judged.append((name, config, server))
+        real(name, config, server)
+
+    monkeypatch.setattr(stream_module, "refuse_without_atomic", spy)
+    prefix = new_prefix()
+    app_on(nats_url, prefix).close()  # makes the stream
+    app_on(nats_url, prefix).close()  # finds it
+    assert [name for name, _, _ in judged] == [stream_name(prefix)] * 2
+    assert all(config.get("allow_atomic") is True and config["name"] == stream_name(prefix) for _, config, _ in judged)
+    assert all(server.count(".") == 2 for _, _, server in judged), judged  # e.g. 2.15.1

@@ -310,7 +310,7 @@ async def test_an_operator_hears_only_its_own_replies_and_the_cli_connects_with_
     ("nats://alice:s3cret@h:4222", None, "_INBOX.alice"),
     ("nats://h1:4222,nats://orch:pw@h2:4222", None, "_INBOX.orch"),  # the first member that names a user
     ("alice:s3cret@h:4222", None, "_INBOX.alice"),
-    ("nats://w%2D1:pw@h:4222", None, "_INBOX.w-1"),
+    ("nats://w%2D1:pw@h:4222", None, None),  # nats-py sends the user as written, not %-decoded
     ("nats://h:4222", None, None),  # no user: nats-py's own random inbox
     ("nats://a.b:pw@h:4222", None, None),  # not one subject token: no prefix made of it
     ("nats://alice:s3cret@h:4222", "_INBOX.mine", "_INBOX.mine"),  # $NATS_INBOX_PREFIX says

@@ -71,10 +71,10 @@ def arch_of(v: CompatVersion) -> str | None:
     return next((a.value for a in v.attributes if a.key == "architecture"), None)
 
 
-def loadable(machine: CompatVersion) -> list[CompatVersion]:
-    """The versions of POOL a worker whose default is `machine` may restore: of its architecture,
-    or naming none."""
-    return [v for v in POOL if arch_of(v) is None or arch_of(machine) is None or arch_of(v) == arch_of(machine)]
+def loadable(arch: str) -> list[CompatVersion]:
+    """The versions of POOL a worker on an `arch` machine may restore: of its architecture, or
+    naming none (the registry refuses others)."""
+    return [v for v in POOL if arch_of(v) in (None, arch)]
 
 
 def shuffled(v: CompatVersion, rng: random.Random) -> CompatVersion:
@@ -149,25 +149,26 @@ class Model:
 
     # --- random requests, as valid callers send them --------------------------------------------
 
-    def random_runtime(self, own: CompatVersion, machine: CompatVersion):
-        """A runtime of version `own` on a worker whose default is `machine`: its edges are of the
+    def random_runtime(self, own: CompatVersion, arch: str):
+        """A runtime of version `own` on a worker on an `arch` machine: its edges are of the
         machine's architecture (the registry refuses others)."""
         rng = self.rng
-        edges = tuple(shuffled(v, rng) for v in loadable(machine) if not same_version(v, own) and rng.random() < 0.2)
+        edges = tuple(shuffled(v, rng) for v in loadable(arch) if not same_version(v, own) and rng.random() < 0.2)
         return runtime(shuffled(own, rng), overhead=rng.choice([0, 0, 16, 64, 600]), compatible=edges,
                        per_gib=rng.choice([0, 0, 8]))
 
     def random_registration(self, wid: str, keep_node: str | None) -> RegisterWorker:
         rng = self.rng
         default = rng.choice(POOL)
-        restorable = tuple(self.random_runtime(v, default) for v in loadable(default)
+        arch = arch_of(default) or rng.choice(["amd64", "arm64"])  # a default naming none: a machine all the same
+        restorable = tuple(self.random_runtime(v, arch) for v in loadable(arch)
                            if not same_version(v, default) and rng.random() < 0.35)
         node = keep_node if keep_node is not None and rng.random() < 0.8 else rng.choice(NODES)
         return RegisterWorker(
             worker_id=wid, node=node,
             capacity=Resources(cpu_millis=4000, memory_mib=rng.choice([700, 1300, 2400])),
             labels={"zone": rng.choice(["a", "b"])},
-            sandbox_classes=(entry(self.random_runtime(default, default), restorable),),
+            sandbox_classes=(entry(self.random_runtime(default, arch), restorable),),
         )
 
     def register(self, wid: str) -> None:

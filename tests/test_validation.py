@@ -343,8 +343,20 @@ def test_a_version_of_another_architecture_than_the_default_is_refused_naming_it
     body["sandbox_classes"][0]["restorable_runtimes"][1]["compatible_versions"] = [version("e1")]
     accept(RegisterWorker, body)  # all amd64
     reject(RegisterWorker, edit(body, path, version("x", arch="arm64")), f"{path}.attributes",
-           "architecture 'arm64' is not the default runtime's 'amd64': a memory image never restores on "
-           "another architecture")
+           "architecture 'arm64' is not the machine's 'amd64' (its default runtime's, or the first named): a "
+           "memory image never restores on another architecture")
+
+
+def test_a_default_that_names_no_architecture_still_has_one_machine():
+    """A default of another schema may name no architecture: the first version that names one is
+    the machine's, and one naming another is refused (the review's entry: restorable runtimes of
+    amd64 and of arm64 under a v2 default, accepted)."""
+    body = register()
+    body["sandbox_classes"][0]["default_runtime"]["version"] = version("d", schema="v2", arch=None)
+    accept(RegisterWorker, body)  # its restorable runtimes: all amd64
+    path = "sandbox_classes[0].restorable_runtimes[3].version"
+    reject(RegisterWorker, edit(body, path, version("x", arch="arm64")), f"{path}.attributes",
+           "architecture 'arm64' is not the machine's 'amd64'")
 
 
 def test_an_architecture_spelled_as_the_machine_names_it_is_the_same_one():

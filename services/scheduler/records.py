@@ -27,7 +27,7 @@ from typing import Any, ClassVar, Iterator, Mapping
 
 from msgspec import Struct
 
-from events.compat import CompatKey, architecture, describe_key, other_architecture
+from events.compat import CompatKey, architecture, describe_key, machine_architecture, other_architecture
 from events.schema import ActorRuntime, CompatVersion, Fidelity, Resources, WorkerRuntime
 from events.states import ActorState, WorkerState
 
@@ -128,7 +128,8 @@ class ClassEntry:
         # Only what the default's architecture can load: the registry refuses a version of
         # another (`events.validate.check_one_architecture`); one a log holds from before is not
         # indexed, so no memory image is sent across architectures.
-        machine = default.compat.version
+        machine = machine_architecture([default.compat.version, *(e.version for e in default.edges),
+                                        *(v for r in restorable for v in (r.compat.version, *(e.version for e in r.edges)))])
         loads = [r for r in restorable if other_architecture(r.compat.version, machine) is None]
         accepting: dict[Compat, list[tuple[int, Runtime]]] = {}
         for role, runtime in ((OWN_DEFAULT, default), *((OWN_RESTORABLE, r) for r in loads)):

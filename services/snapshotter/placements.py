@@ -84,12 +84,14 @@ def removed_since(history: Sequence[tuple[int, str]], placed_seq: int) -> int:
     return 0
 
 
-def node_since(history: Sequence[tuple[int, str, bytes]], placed_seq: int) -> tuple[int, str] | None:
-    """(sequence, node) of the last `WorkerUpdated` of a worker's `history` ((sequence, topic, body)
-    of each of its events) after `placed_seq`, None if none: the node the worker has reported since
-    a placement made at `placed_seq` (which may be the one it was placed on again)."""
-    found = None
+def node_since(history: Sequence[tuple[int, str, bytes]], placed_seq: int, node: str) -> tuple[int, str] | None:
+    """(sequence, node) of the first `WorkerUpdated` of a worker's `history` ((sequence, topic, body)
+    of each of its events) after `placed_seq` that names another node than `node`, None if none: a
+    worker placed on `node` at `placed_seq` that has reported another since (even if back now:
+    what ran there may not have come back with it)."""
     for seq, topic, body in history:
         if seq > placed_seq and topic == WorkerUpdated.__name__:
-            found = (seq, decoder(WorkerUpdated).decode(body).node)
-    return found
+            moved = decoder(WorkerUpdated).decode(body).node
+            if moved != node:
+                return seq, moved
+    return None

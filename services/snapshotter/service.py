@@ -658,14 +658,14 @@ class SnapshotterService:
             history = await self.app.recorder.select_events_async(worker)
             removal = removed_since([(e.seq, e.topic) for e in history], placed_seq)
             if verb == "paused":
-                moved = node_since([(e.seq, e.topic, e.state) for e in history], placed_seq)
+                moved = node_since([(e.seq, e.topic, e.state) for e in history], placed_seq, held.node)
         if removal:
             raise precondition(
                 f"actor {actor.entity_id!r} cannot be {verb} on worker {held.worker_id!r}: the worker was removed "
                 f"(sequence {removal}) after the actor was placed there, and its actors are released, SUSPENDED "
                 "from their latest snapshot"
             )
-        if moved is not None and moved[1] != held.node:
+        if moved is not None:
             # A pause records its image on the node of the assignment (CONTRACT): a worker that has
             # reported another node since would keep it where the log says it is not.
             raise precondition(
