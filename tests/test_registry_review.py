@@ -421,3 +421,50 @@ async def test_a_start_reconciles_every_worker_but_one_whose_history_it_cannot_r
         await nc.close()
     finally:
         server.stop()
+
+
+async def test_a_registration_anew_racing_a_removal_on_another_replica_keeps_its_clock(nats_url, nc, prefix):
+    """Replica B beats for a registration, replica A removes the worker (reading B's beat as the
+    key's last entry) and puts its tombstone over it, and B's registration is then decided on the
+    removed worker: a new life. Its one beat was wiped: the worker was never found LOST, resumes
+    placed on a worker gone (the review's run: 108 of 150 such lives). B beats again once the new
+    life is written: the silent worker is removed LOST within its TTL."""
+    from events.schema import RegisterOutcome, RemoveWorker
+
+    async with running_registry(nats_url, prefix, ttl_s=1) as a, running_registry(nats_url, prefix, ttl_s=1) as b:
+        reply, _ = await raw_request(nc, prefix, "register", "w-1", registration("w-1"))
+        assert reply["outcome"] == "REGISTERED"
+        beaten, go = asyncio.Event(), asyncio.Event()
+        beat = b.liveness.beat
+
+        async def beat_then_wait(worker_id: str) -> None:  # B's first beat, then its decision held
+            await beat(worker_id)
+            if not beaten.is_set():
+                beaten.set()
+                await go.wait()
+
+        b.liveness.beat = beat_then_wait
+        registering = asyncio.create_task(b.register("w-1", msgspec.convert(registration("w-1"), RegisterWorker)))
+        await finished(beaten.wait())
+        removed = await a.remove("w-1", RemoveWorker(reason="operator"))
+        assert await a.liveness.state("w-1") == "absent"  # A's tombstone over B's beat
+        go.set()
+        again = await finished(registering)
+        assert again.outcome is RegisterOutcome.REGISTERED and again.seq > removed.seq
+        assert await a.liveness.state("w-1") == "beating"  # the new life's clock runs
+        _, lost = await wait_event(nc, prefix, "w-1", WorkerRemoved, after=again.seq)
+        assert lost.reason == "LOST"
+
+
+async def test_a_replica_starting_gives_a_clock_to_a_registered_worker_under_a_tombstone(nats_url, nc, prefix):
+    """A registered worker whose heartbeat key ends in a tombstone (a removal's purge that won a race
+    with its next life) has no clock. A replica's start gives every registered worker without one a
+    clock; it expected an empty key, so the put was refused over the tombstone, silently."""
+    async with running_registry(nats_url, prefix, ttl_s=300) as a:
+        reply, _ = await raw_request(nc, prefix, "register", "w-1", registration("w-1"))
+        assert await a.liveness.forget("w-1", await a.liveness.last_entry("w-1"))  # the tombstone, alone
+        assert await a.liveness.state("w-1") == "absent" and await a.liveness.last_entry("w-1") > 0
+    async with running_registry(nats_url, prefix, ttl_s=1) as b:
+        assert await b.liveness.state("w-1") == "beating"  # reconciled at its start
+        _, lost = await wait_event(nc, prefix, "w-1", WorkerRemoved, after=reply["seq"])
+        assert lost.reason == "LOST"

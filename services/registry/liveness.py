@@ -342,19 +342,25 @@ class Liveness:
 
     async def state(self, worker_id: str) -> str:
         """`beating`, `expired` (the server's marker is the last entry) or `absent`."""
+        return (await self.entry(worker_id))[0]
+
+    async def entry(self, worker_id: str) -> tuple[str, int]:
+        """`state`, and the bucket's sequence of the key's last entry (0: none)."""
         try:
             msg = await self.js.get_msg(self.stream, subject=self.subject(worker_id))
         except NotFoundError:
-            return "absent"
+            return "absent", 0
         headers = msg.headers or {}
         if headers.get(MARKER_REASON) == "MaxAge":
-            return "expired"
+            return "expired", msg.seq
         if MARKER_REASON in headers or "KV-Operation" in headers:
-            return "absent"
-        return "beating"
+            return "absent", msg.seq
+        return "beating", msg.seq
 
-    async def start_clock(self, worker_id: str) -> None:
-        """A heartbeat on behalf of a worker that has none, unless one arrives first."""
-        headers = {**self.ttl_header, "Nats-Expected-Last-Subject-Sequence": "0"}
+    async def start_clock(self, worker_id: str, after: int = 0) -> None:
+        """A heartbeat on behalf of a worker that has none, unless one arrives first: only if the
+        key's last entry is still `after` (0: none; a tombstone's sequence: its removal's purge,
+        which a put must follow, or the clock of a worker registered anew past it never starts)."""
+        headers = {**self.ttl_header, "Nats-Expected-Last-Subject-Sequence": str(after)}
         with suppress(Exception):
             await self.js.publish(self.subject(worker_id), encode({"at": now(), "ttl_s": self.ttl_s}), headers=headers)

@@ -375,6 +375,12 @@ class RegistryService:
             await self.liveness.beat(worker_id)
             decided = await run_command_async(lambda: self.store.register(request, now()),
                                         recheck=self._recheck(request.worker_id))
+            if decided.outcome is RegisterOutcome.REGISTERED:
+                # A new life beats again once it is written: a removal through another replica
+                # that read the beat above as the key's last entry may have put its tombstone
+                # over it since (`Liveness.forget`), and a life with no entry is never found LOST.
+                # This beat follows the tombstone, or moves the last entry so the purge is refused.
+                await self.liveness.beat(worker_id)
             REGISTRATIONS.labels(decided.outcome.value).inc()
             if not allows(self.binding.judged_nodes, worker_id, request.node):
                 self._binding_moved.set()  # decided on a binding that changed since: removed at once
@@ -528,9 +534,9 @@ class RegistryService:
 
         async def lane() -> None:
             for worker_id in pending:
-                state = await self.liveness.state(worker_id)
+                state, seq = await self.liveness.entry(worker_id)
                 if state == "absent":
-                    await self.liveness.start_clock(worker_id)
+                    await self.liveness.start_clock(worker_id, seq)
                 elif state == "expired":
                     try:
                         await self._expired(worker_id)
