@@ -110,6 +110,9 @@ class WireAggregate:
     VERB_FIRST: ClassVar[dict[str, Callable[[Event], bool]]] = {}
     # the verb whose request starts a new life of an entity that is not alive (register, create)
     LIFE_VERB: ClassVar[str | None] = None
+    # verbs whose request, with an id an earlier life used, is refused in a later one (unless it
+    # starts a life): a copy of it delivered late would be decided anew on the later life
+    REFUSED_FROM_AN_EARLIER_LIFE: ClassVar[frozenset[str]] = frozenset()
     alive: bool = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -171,12 +174,27 @@ class WireAggregate:
         if request_id is None or self.request_starts_life(verb):
             return []
         start = self.life_start
-        versions = [v for v in self.request_versions.get(request_id, ()) if v >= start]
+        recorded = self.request_versions.get(request_id, ())
+        versions = [v for v in recorded if v >= start]
         if versions:
             first = self.history[versions[0] - 1]
             if not self.VERB_FIRST[verb](first):
                 raise self.reused(request_id, f"it recorded {type(first).__name__}")
+        elif recorded:
+            self.refuse_from_an_earlier_life(verb, request_id)
         return versions
+
+    def refuse_from_an_earlier_life(self, verb: str, request_id: str) -> None:
+        """FAILED_PRECONDITION (field request_id) for a `verb` of REFUSED_FROM_AN_EARLIER_LIFE whose id
+        an earlier life of the entity used, and which does not start a life. A registration's copy
+        that a stalled replica decides late, after the worker was removed and registered anew,
+        brought the earlier life's runtimes back onto the new one (a CPU its machine no longer
+        has): the id says it was made for another life (docs/contract.md)."""
+        if verb in self.REFUSED_FROM_AN_EARLIER_LIFE and not self.request_starts_life(verb):
+            raise precondition(
+                f"request_id {request_id!r} was used in an earlier life of {self.KIND} {self.entity_id!r}: a "
+                f"{verb} made for that life (a copy delivered late?) is not applied to this one; send it with a "
+                "new request_id", "request_id")
 
     def fork(self) -> "WireAggregate":
         """A copy that shares nothing mutable with this one: what the cache hands a command, which

@@ -836,8 +836,11 @@ class NoWriteAnswers:
             kept = msgspec.json.decode(data, type=Kept)
         except msgspec.DecodeError:
             return None
-        if not aggregate.life_start <= kept.version <= aggregate.version:
-            return None  # an earlier life's (request ids are scoped to one)
+        if kept.version < aggregate.life_start:  # an earlier life's (request ids are scoped to one)
+            aggregate.refuse_from_an_earlier_life(verb, request_id)
+            return None
+        if kept.version > aggregate.version:
+            return None
         if kept.verb != verb:
             raise aggregate.reused(request_id, f"a {kept.verb} that changed nothing")
         return msgspec.json.decode(kept.reply, type=reply_type), kept.version

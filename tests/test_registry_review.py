@@ -468,3 +468,51 @@ async def test_a_replica_starting_gives_a_clock_to_a_registered_worker_under_a_t
         assert await b.liveness.state("w-1") == "beating"  # reconciled at its start
         _, lost = await wait_event(nc, prefix, "w-1", WorkerRemoved, after=reply["seq"])
         assert lost.reason == "LOST"
+
+
+@pytest.mark.parametrize("first_answer", ["REGISTERED", "UNCHANGED"])
+async def test_a_registration_of_an_earlier_life_decided_late_is_refused(nats_url, nc, prefix, first_answer):
+    """A replica stalls on a copy of registration R1 (the agent's first send; its retry was answered
+    elsewhere). Meanwhile the machine's CPU changes: the worker is removed and registered anew with
+    R2. The late copy was a new request of the new life: RuntimeChanged back to R1's CPU, which the
+    machine no longer has (the review's run). Its id was used in the earlier life (recorded in its
+    history, or, for a registration that changed nothing, in the reply cache): refused, field
+    request_id, nothing written; the worker keeps R2."""
+    from events.schema import RegisterOutcome, RemoveWorker
+    from tests.registry_helpers import runtime
+
+    def reg(asset: str, rid: str) -> RegisterWorker:
+        return msgspec.convert(registration("w-1", default=runtime(asset), request_id=rid), RegisterWorker)
+
+    async with running_registry(nats_url, prefix) as a, running_registry(nats_url, prefix) as stalled:
+        r1 = reg("cpu-x", "agent-1")
+        if first_answer == "REGISTERED":
+            assert (await a.register("w-1", r1)).outcome is RegisterOutcome.REGISTERED
+        else:  # life 1 began with another id; R1 said the same again: kept in the reply cache
+            await a.register("w-1", reg("cpu-x", "agent-0"))
+            assert (await a.register("w-1", r1)).outcome is RegisterOutcome.UNCHANGED
+        go, held = asyncio.Event(), asyncio.Event()
+        decide = stalled.store.register
+
+        async def held_back(request, at):
+            held.set()
+            await go.wait()
+            return await decide(request, at)
+
+        stalled.store.register = held_back
+        late = asyncio.create_task(stalled.register("w-1", r1))
+        await finished(held.wait())
+        await a.remove("w-1", RemoveWorker(reason="its CPU changed"))
+        second = await a.register("w-1", reg("cpu-y", "agent-2"))
+        assert second.outcome is RegisterOutcome.REGISTERED
+        before = await last_seq(nc, prefix)
+        go.set()
+        with pytest.raises(ContractError) as refused:
+            await finished(late)
+        assert (refused.value.code, refused.value.field) == (ErrorCode.FAILED_PRECONDITION, "request_id")
+        assert "was used in an earlier life of worker 'w-1'" in refused.value.message
+        assert await last_seq(nc, prefix) == before
+        worker = await a.store.load("w-1")
+        attrs = {x.key: x.value for x in worker.sandbox_classes[0].default_runtime.version.attributes}
+        assert attrs["gvisor_asset_hash"] == "cpu-y"
+        assert (await a.register("w-1", reg("cpu-y", "agent-2"))).outcome is RegisterOutcome.REGISTERED  # its own: answered

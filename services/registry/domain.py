@@ -108,6 +108,7 @@ class Worker(WireAggregate):
 
     KIND = "worker"
     LIFE_VERB = "register"  # a registration of a removed (or never registered) worker starts a life
+    REFUSED_FROM_AN_EARLIER_LIFE = frozenset({"register"})  # an earlier life's runtimes, brought back late
     VERB_FIRST = {
         "register": lambda e: isinstance(e, (WorkerRegistered, RuntimeChanged, WorkerUpdated)),
         "drain": lambda e: isinstance(e, WorkerDrained),
