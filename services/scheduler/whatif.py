@@ -39,7 +39,7 @@ def accepts(entry: ClassEntry, compat: Compat, dropped: frozenset[Compat]) -> bo
     """Whether a runtime of `entry` that is not dropped can restore a memory snapshot of `compat`."""
     if compat in dropped:
         return False
-    for runtime in (entry.default, *entry.restorable):
+    for runtime in entry.loadable:  # as the index has them (of the machine's architecture)
         if runtime.compat not in dropped and (runtime.compat is compat or compat in runtime.edges):
             return True
     return False
