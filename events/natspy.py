@@ -321,7 +321,20 @@ def _stops_nats_py(subject: bytes, reply: bytes, headers: bytes | None) -> bool:
         return True
     if not headers or headers.startswith(_HEADER_LINE):  # none (nats-py skips an empty block), or no status
         return False
-    return len(headers) <= len(_HEADER_LINE) - 2 or not headers.isascii()
+    version = len(_HEADER_LINE) - 2  # `NATS/1.0`, or any 8 bytes: nats-py reads what follows them
+    if len(headers) <= version:
+        return True  # nats-py reads the byte after them: there is none
+    if headers[version] != 0x20:
+        return False  # no status line: the lines after the first are read with errors replaced
+    line = headers[version + 1:]  # a status line, as `_process_headers` reads it: code, then description
+    description = line[4:len(line) - 4]
+    end = description.find(_CRLF)
+    try:
+        line[:3].strip().decode()
+        (description[:end] if end > 0 else description).decode()
+    except UnicodeDecodeError:
+        return True
+    return False
 
 
 class _Frames:
@@ -436,7 +449,11 @@ class _Frames:
                     if odd or not (subject.isascii() and reply.isascii()) or (with_headers and (
                             middle - body > cap
                             or not data.startswith(_HEADER_LINE, body, middle))):  # rare: look closer
-                        if odd or middle - body > cap or _stops_nats_py(
+                        if middle - body > cap and isinstance(routes.get(id(subs.get(int(sid)))), _Direct):
+                            cap_here = _ANY_SIZE  # a fold's: nats-py reads it, and a drop would stall the fold
+                        else:
+                            cap_here = cap
+                        if odd or middle - body > cap_here or _stops_nats_py(
                                 subject, reply, data[body:middle] if with_headers else None):
                             if passed < pos:
                                 await inner(ps, data[passed:pos])

@@ -250,3 +250,39 @@ async def test_a_seq_written_after_the_log_s_end_was_asked_is_not_past_the_end(n
     finally:
         nc.jetstream = real
         await fold.stop()
+
+
+@pytest.mark.parametrize("headers", [
+    {"X-Pad": "a" * 20000},  # over the services' 16 KiB cap (`MAX_HEADER_BYTES`), which guards their connection
+    b"NATS/1.1\r\nX: \xc3\xa9\r\n\r\n",  # not `NATS/1.0`: nats-py reads the lines after it, errors replaced
+])
+async def test_a_message_nats_py_reads_is_folded_past_not_dropped(nats_url, nc, prefix, headers):
+    """The frame reader drops a message nats-py could not read (it would end the connection's read
+    loop), and one with a header block over the services' cap. On the fold's ordered consumer a
+    dropped message is a gap: the consumer is made again at it, and it is dropped again, for ever,
+    in every replica (the review's run: the fold stuck at sequence 5 of 9, 26 resets). Such a
+    message nats-py reads (a big header block, a block whose first line is not NATS/1.0) is folded
+    past: the fold reaches the stream's end, on a connection guarded as the services' is."""
+    from events.natspy import flush_in_order, guard_reads, publish
+    from services.common import MAX_HEADER_BYTES
+
+    await ensure_stream(nats_url, prefix)
+    versions: dict[str, int] = {}
+    await publish_events(nc, prefix, [created(f"a{i}") for i in range(5)], versions)
+    conn = await nats.connect(nats_url)
+    guard_reads(conn, max_header_bytes=MAX_HEADER_BYTES)  # as `add_endpoints` guards the scheduler's connection
+    fold = Fold(conn, prefix, Projection())
+    await fold.start(30)
+    try:
+        if isinstance(headers, bytes):
+            await publish(nc, f"{prefix}.ev.misc.x", b"{}", headers=headers)
+        else:
+            await nc.publish(f"{prefix}.ev.misc.x", b"{}", headers=headers)
+        await flush_in_order(nc)
+        await publish_events(nc, prefix, [created(f"b{i}") for i in range(3)], versions)
+        end = await last_seq(nc, prefix)
+        await fold.wait(end, 10)
+        assert fold.applied == end and conn._warmboot_frames.dropped == 0
+    finally:
+        await fold.stop()
+        await conn.close()

@@ -540,7 +540,8 @@ def test_core_delivery_refuses_a_nats_py_without_what_it_relies_on():
 def test_the_frame_reader_drops_what_nats_py_could_not_read_and_only_that():
     """nats-py decodes a message's subject, reply and status line strictly, and an error there
     ends its read loop for good: such a message is dropped (whatever its subscription), and
-    every other frame, UTF-8 that is not ASCII included, reaches nats-py as before."""
+    every other frame, UTF-8 that is not ASCII included, reaches nats-py as before: a drop of
+    a message nats-py reads would stall a fold for good (a gap its ordered consumer restarts at)."""
     import asyncio
 
     from events.natspy import _Frames
@@ -553,7 +554,7 @@ def test_the_frame_reader_drops_what_nats_py_could_not_read_and_only_that():
         b"MSG t.s1 1 _INBOX.\xff\xfe 2\r\n{}\r\n",  # a reply that is not UTF-8
         b"MSG t.\xff 2 _INBOX.x 2\r\n{}\r\n",  # a subject that is not UTF-8
         hmsg(b"NATS/1.0 503 \xff\xfe\r\n\r\n"),  # a status line that is not ASCII
-        hmsg(b"NATS/1.0 \xc3\xa9\r\n\r\n"),  # not ASCII: nats-py cuts a status line by byte counts
+        hmsg(b"NATS/1.0 ab\xc3\xa9\r\n\r\n"),  # nats-py cuts a status line by byte counts: "ab\xc3"
         hmsg(b"NATS/1.0"),  # nats-py reads the byte after it: IndexError
         hmsg(b"NATS/1.0", body=b"\r\n{}"),  # the same, the body going on as a header line would
         b"MSG t.a\x0b1 1 2\r\n{}\r\n",  # bytes nats-py splits on and the server does not:
@@ -565,6 +566,8 @@ def test_the_frame_reader_drops_what_nats_py_could_not_read_and_only_that():
         hmsg(b"NATS/1.0 503\r\n\r\n", b""),  # a status nats-py reads
         hmsg(b"NATS/1.0\r\nX: \xff\r\n\r\n"),  # a header value nats-py reads with a replacement
         hmsg(b"", b"_INBOX.empty"),  # an empty block: nats-py reads no headers
+        hmsg(b"NATS/1.0 \xc3\xa9\r\n\r\n", b"_INBOX.status"),  # UTF-8 whole in the code's 3 bytes: read
+        hmsg(b"NATS/1.1\r\nX: \xc3\xa9\r\n\r\n", b"_INBOX.v11"),  # no status: the lines after the first, read
         b"PING\r\n",
     ]
 
@@ -582,6 +585,8 @@ def test_the_frame_reader_drops_what_nats_py_could_not_read_and_only_that():
         ("msg", 1, b"t.s1", b""),
         ("msg", 1, b"t.s1", b"_INBOX.x"),
         ("msg", 1, b"t.s1", b"_INBOX.empty"),
+        ("msg", 1, b"t.s1", b"_INBOX.status"),
+        ("msg", 1, b"t.s1", b"_INBOX.v11"),
         ("ping",),
     ]
 
