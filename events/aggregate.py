@@ -371,13 +371,15 @@ class WireApplication(Application[str]):
         brought up to the log by the events after it."""
         cached = self.cache.get(aggregate_id) if self.cache is not None else None
         if cached is not None:
-            # Read from the cached state's last event on: it must still be there, at its sequence (a
-            # stream made again, rolled back, or whose last message an operator deleted, holds
-            # another history: the cached state is dropped, and the whole history read instead).
+            # Read from the cached state's last event on: it must still be there, at its sequence, the
+            # same event (a stream made again, rolled back, or whose last message an operator deleted,
+            # holds another history, maybe at the same sequences: the cached state is dropped, and
+            # the whole history read instead).
             last_seq = cached.seqs[-1]
             stored = await self.recorder.select_events_async(aggregate_id, gt=cached.version - 1,
                                                              after_seq=last_seq - 1)
-            if stored and stored[0].originator_version == cached.version and getattr(stored[0], "seq", 0) == last_seq:
+            if (stored and stored[0].originator_version == cached.version and getattr(stored[0], "seq", 0) == last_seq
+                    and self.mapper.to_domain_event(stored[0]).body == cached.history[-1]):
                 aggregate = project_aggregate(cached.fork(), map(self.mapper.to_domain_event, stored[1:]))
                 if len(stored) > 1:
                     self.cache.put(aggregate)  # type: ignore[union-attr]

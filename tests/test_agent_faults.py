@@ -7,6 +7,8 @@ nats-server with real registry replicas."""
 from __future__ import annotations
 
 import asyncio
+import datetime
+import json
 import shutil
 from contextlib import asynccontextmanager
 import time
@@ -192,8 +194,11 @@ async def test_a_heartbeat_refused_right_after_a_registration_does_not_stop_the_
     beat = agent.heartbeat
     refusals = []
 
+    refused_at: list[datetime.datetime] = []
+
     async def refused_once(stop):
         if not refusals:
+            refused_at.append(datetime.datetime.now(datetime.timezone.utc))
             refusals.append(ContractError(ErrorCode.FAILED_PRECONDITION, "not this replica's binding", "node"))
             raise refusals[0]
         await beat(stop)
@@ -211,12 +216,11 @@ async def test_a_heartbeat_refused_right_after_a_registration_does_not_stop_the_
         task = asyncio.create_task(agent.run(stop))
         try:
             await wait_event(nc, prefix, "w-a", WorkerRegistered)
-            await asyncio.wait_for(stored.get(), 10)  # the registration's own beat (a new life beats twice)
-            while not refusals:  # the loop's first heartbeat, refused, puts nothing
-                await asyncio.wait_for(stored.get(), 10)
-            while not stored.empty():  # what was put before the refusal was seen here
-                stored.get_nowait()
-            await asyncio.wait_for(stored.get(), 10)  # a heartbeat of the loop, after the refused one
+            # a heartbeat of the loop, put after the refused one (the registration's own beats come before)
+            while True:
+                at = put_at(await asyncio.wait_for(stored.get(), 10))
+                if refused_at and at > refused_at[0]:
+                    break
             assert refusals and not task.done()
             # soon: the TTL (1.5 s) not learnt, the loop did not wait a third of the default 15 s
             assert not [e for _, e in await worker_events(nc, prefix, "w-a") if isinstance(e, WorkerRemoved)]
@@ -224,6 +228,11 @@ async def test_a_heartbeat_refused_right_after_a_registration_does_not_stop_the_
             stop.set()
             await asyncio.wait_for(task, 15)
             await sub.unsubscribe()
+
+
+def put_at(value: bytes) -> datetime.datetime:
+    """When the registry put a heartbeat entry (its value's `at`)."""
+    return datetime.datetime.fromisoformat(json.loads(value)["at"].replace("Z", "+00:00"))
 
 
 class Watched:
@@ -481,3 +490,37 @@ async def test_the_agent_takes_a_clusters_comma_separated_url(nats_url, nc, pref
     members = f"{nats_url},{nats_url}"  # a cluster's members, as `warmboot serve --nats` takes them
     async with running_registry(nats_url, prefix), running_agent(members, prefix, path):
         await wait_event(nc, prefix, "w-a", WorkerRegistered, timeout=10)
+
+
+async def test_a_registration_refused_for_an_earlier_lifes_id_is_sent_again_with_a_new_one(nats_url, nc, prefix,
+                                                                                          tmp_path):
+    """The registry refuses a registration whose id an earlier life of the worker used (a retry
+    whose id crossed a removal and a life begun since by a stale copy: docs/contract.md). The
+    registration is the machine as it is now: the agent sends it again, once, with a new id, and
+    the worker is registered with it (it kept the stale life's content before: the edit, not
+    asked again, was lost)."""
+    path = tmp_path / "agent.toml"
+    path.write_text(agent_config("v1"))
+    agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe=PROBE)
+    request = agent._request
+    ids: list[str] = []
+
+    async def refused_once(verb, body, *args, **kwargs):
+        if verb == "register":
+            ids.append(body.request_id)
+            if len(ids) == 1:
+                raise ContractError(ErrorCode.FAILED_PRECONDITION, "request_id ... was used in an earlier life",
+                                    "request_id")
+        return await request(verb, body, *args, **kwargs)
+
+    agent._request = refused_once
+    stop = asyncio.Event()
+    async with running_registry(nats_url, prefix):
+        task = asyncio.create_task(agent.run(stop))
+        try:
+            _, registered = await wait_event(nc, prefix, "w-a", WorkerRegistered)
+            assert len(ids) == 2 and ids[0] != ids[1] and registered.request_id == ids[1]
+            assert not task.done()
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 15)

@@ -260,3 +260,32 @@ async def test_registry_commands_decide_on_what_a_whole_read_gives(stack, nats_s
                     if got is not None:
                         assert state(got) == state(whole), (step, aggregate_id)
         assert answered > 80
+
+
+async def test_another_event_at_the_same_sequence_is_not_taken_for_the_cached_one(nats_server, nc, prefix):
+    """The stream made again, its history landing at the same sequences: replica A holds w1
+    registered with cpu-x at version 1, sequence 1; B registers w1 anew with cpu-y, at version 1,
+    sequence 1. The check of sequence and version passed, and A decided on cpu-x (the review's
+    run: a cpu-x registration answered UNCHANGED while placement sent it cpu-y images). The event
+    itself is compared: A reads the log whole, and decides on cpu-y."""
+    from events.subjects import stream_name
+
+    js = nc.jetstream()
+    async with AsyncExitStack() as exits:
+        a, b = [(await start_services(exits, ["registry"], nats_server.url, prefix,
+                                      options={"registry": {"ttl_s": 3600}})).services[0] for _ in range(2)]
+        wid = Worker.create_id("w1")
+        await a.register("w1", worker("w1", version("cpu-x"), request_id="r1"))
+        cached = a.store.cache.entries[wid]
+        info = await js.stream_info(stream_name(prefix))
+        await js.delete_stream(stream_name(prefix))
+        await js.add_stream(info.config)
+        for _ in range(cached.seqs[-1] - 1):  # the same layout: what came before w1's registration
+            await js.publish(f"{prefix}.ev.filler.x", b"{}")
+        await b.register("w1", worker("w1", version("cpu-y"), request_id="r2"))
+        whole = await whole_read(b.store, wid)
+        assert (whole.version, whole.seqs) == (cached.version, cached.seqs)  # the same place, another event
+        got = await a.store.get_async(wid)
+        assert state(got) == state(whole)
+        attrs = {x.key: x.value for x in got.sandbox_classes[0].default_runtime.version.attributes}
+        assert attrs["gvisor_asset_hash"] == "cpu-y"

@@ -173,3 +173,18 @@ async def test_whatif_counts_an_edge_as_restorable_and_a_drain_as_gone(wb, nc, p
     with pytest.raises(ContractError) as unknown:
         await wb.whatif(WhatIf(sandbox_class="nope"))
     assert (unknown.value.code, unknown.value.field) == (ErrorCode.NOT_FOUND, "sandbox_class")
+
+
+def test_whatif_takes_what_the_index_takes_an_edge_of_another_architecture_none():
+    """A log from before the registry refused it may hold an arm64 edge on an amd64 default:
+    placement does not index it, and whatif does not count it as restoring (found by review)."""
+    from events.compat import compat_key
+    from services.scheduler.records import ClassEntry, Compat, Runtime
+    from services.scheduler.whatif import accepts
+    from tests.factories import runtime, version
+
+    amd, arm = version("d", "amd64"), version("e", "arm64")
+    c_amd, c_arm = Compat(compat_key("gvisor", amd), amd), Compat(compat_key("gvisor", arm), arm)
+    entry = ClassEntry(Runtime(c_amd, runtime(amd), edges=(c_arm,)), ())
+    assert c_arm not in entry.accepting and not accepts(entry, c_arm, frozenset())
+    assert accepts(entry, c_amd, frozenset()) and not accepts(entry, c_amd, frozenset({c_amd}))

@@ -644,10 +644,21 @@ class Agent:
         _, machine, now = self._machine()
         if reading != now:
             registration, made_of = build_registration(config, self.worker_id, self.node, machine), (config, now)
-        body = msgspec.structs.replace(registration, request_id=f"agent-{uuid.uuid4().hex}")
         self.sent_registration = self.registering = True
         try:
-            reply = await self._request("register", body, RegisterReply, stop, timeout=timeout)
+            for attempt in (1, 2):
+                body = msgspec.structs.replace(registration, request_id=f"agent-{uuid.uuid4().hex}")
+                try:
+                    reply = await self._request("register", body, RegisterReply, stop, timeout=timeout)
+                    break
+                except ContractError as e:
+                    if attempt == 2 or (e.code, e.field) != (ErrorCode.FAILED_PRECONDITION, "request_id"):
+                        raise
+                    # Its id crossed a life of the worker while it was sent again (a removal, and a life
+                    # begun since, by a stale copy of an earlier registration): the registry refuses an
+                    # earlier life's id (docs/contract.md). It is the machine as it is now: sent anew.
+                    log.warning("registration of %s refused (%s); sending it again with a new request id",
+                                self.worker_id, e.message)
         except ContractError:
             self.registering = False  # refused: nothing on its way
             raise

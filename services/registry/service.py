@@ -375,15 +375,17 @@ class RegistryService:
             await self.liveness.beat(worker_id)
             decided = await run_command_async(lambda: self.store.register(request, now()),
                                         recheck=self._recheck(request.worker_id))
+            REGISTRATIONS.labels(decided.outcome.value).inc()
+            if not allows(self.binding.judged_nodes, worker_id, request.node):
+                self._binding_moved.set()  # decided on a binding that changed since: removed at once
             if decided.outcome is RegisterOutcome.REGISTERED:
                 # A new life beats again once it is written: a removal through another replica
                 # that read the beat above as the key's last entry may have put its tombstone
                 # over it since (`Liveness.forget`), and a life with no entry is never found LOST.
                 # This beat follows the tombstone, or moves the last entry so the purge is refused.
+                # If it fails, the answer is UNAVAILABLE: the caller's retry (the same request id)
+                # is answered from the history, and beats again.
                 await self.liveness.beat(worker_id)
-            REGISTRATIONS.labels(decided.outcome.value).inc()
-            if not allows(self.binding.judged_nodes, worker_id, request.node):
-                self._binding_moved.set()  # decided on a binding that changed since: removed at once
             return RegisterReply(outcome=decided.outcome, seq=await self._seq(worker_id, decided))
 
     def _recheck(self, worker_id: str) -> Recheck:

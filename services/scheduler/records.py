@@ -120,7 +120,7 @@ class ClassEntry:
     default: if the first has no room for an actor (its overhead), the next may. `accepts`
     is the first of each, `roles` the distinct roles of each, in that order."""
 
-    __slots__ = ("default", "restorable", "loadable", "accepting", "accepts", "roles")
+    __slots__ = ("default", "restorable", "accepting", "accepts", "roles")
 
     def __init__(self, default: Runtime, restorable: tuple[Runtime, ...]):
         self.default = default
@@ -131,7 +131,6 @@ class ClassEntry:
         machine = machine_architecture([default.compat.version, *(e.version for e in default.edges),
                                         *(v for r in restorable for v in (r.compat.version, *(e.version for e in r.edges)))])
         loads = [r for r in restorable if other_architecture(r.compat.version, machine) is None]
-        self.loadable = (default, *loads)  # the runtimes indexed: what whatif may take away
         accepting: dict[Compat, list[tuple[int, Runtime]]] = {}
         for role, runtime in ((OWN_DEFAULT, default), *((OWN_RESTORABLE, r) for r in loads)):
             accepting.setdefault(runtime.compat, []).append((role, runtime))

@@ -39,10 +39,8 @@ def accepts(entry: ClassEntry, compat: Compat, dropped: frozenset[Compat]) -> bo
     """Whether a runtime of `entry` that is not dropped can restore a memory snapshot of `compat`."""
     if compat in dropped:
         return False
-    for runtime in entry.loadable:  # as the index has them (of the machine's architecture)
-        if runtime.compat not in dropped and (runtime.compat is compat or compat in runtime.edges):
-            return True
-    return False
+    # as the index has them: of the machine's architecture, edges included (`ClassEntry.accepting`)
+    return any(runtime.compat not in dropped for _, runtime in entry.accepting.get(compat, ()))
 
 
 class Scenario:
