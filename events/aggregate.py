@@ -15,7 +15,6 @@ which dispatches on the event type to a `when_<EventType>` method.
 from __future__ import annotations
 
 import copy
-import enum
 import logging
 import os
 from collections import OrderedDict
@@ -34,7 +33,7 @@ from events.schema import EVENT_TYPES, ErrorCode, Event
 log = logging.getLogger("warmboot.events")
 
 AGGREGATE_KINDS: dict[str, type["WireAggregate"]] = {}
-_CONTAINERS = (list, dict, set)
+FORKED_CONTAINERS = (list, dict, set)  # what `WireAggregate.fork` copies, one level deep
 
 
 def now() -> datetime:
@@ -199,10 +198,10 @@ class WireAggregate:
     def fork(self) -> "WireAggregate":
         """A copy that shares nothing mutable with this one: what the cache hands a command, which
         may record events on it and fail. The state of an aggregate is immutable values (the wire
-        Structs are frozen) and containers of them, one level deep (`check_forkable`)."""
+        Structs are frozen) and containers of them, one level deep (tests/test_aggregate_cache.py checks every kind)."""
         twin = copy.copy(self)
         for name, value in vars(twin).items():
-            if type(value) in _CONTAINERS:
+            if type(value) in FORKED_CONTAINERS:
                 setattr(twin, name, value.copy())
         return twin
 
@@ -270,23 +269,6 @@ def unreadable(stored_event: StoredEvent, why: str) -> UnreadableHistory:
         _LOGGED_UNREADABLE.add(key)
         log.warning("%s", message)
     return UnreadableHistory(ErrorCode.UNAVAILABLE, message)
-
-
-def check_forkable(aggregate: "WireAggregate") -> None:
-    """AssertionError unless `fork` copies all of `aggregate`'s mutable state: every attribute
-    is an immutable value or a list, dict or set of immutable values (tests call it on every kind)."""
-    def immutable(value: Any) -> bool:
-        if isinstance(value, (tuple, frozenset)):
-            return all(immutable(v) for v in value)
-        return value is None or isinstance(value, (str, int, float, bool, datetime, enum.Enum, msgspec.Struct)) and (
-            not isinstance(value, msgspec.Struct) or value.__struct_config__.frozen)
-
-    for name, value in vars(aggregate).items():
-        if type(value) in _CONTAINERS:
-            items = list(value.items()) if isinstance(value, dict) else list(value)
-            assert all(immutable(v) for v in items), f"{type(aggregate).__name__}.{name} holds mutable values"
-        else:
-            assert immutable(value), f"{type(aggregate).__name__}.{name} is mutable: {type(value).__name__}"
 
 
 CACHE_ENV = "WARMBOOT_AGGREGATE_CACHE_EVENTS"

@@ -49,7 +49,7 @@ def check_url(url: str) -> str:
         if written not in NATS_SCHEMES:  # nats-py reads `NATS://h` as a host named NATS
             case = " (in lower case)" if written.lower() in NATS_SCHEMES else ""
             raise ValueError(f"{shown!r}: the scheme must be one of {', '.join(NATS_SCHEMES)}{case}, not {written!r}")
-        if any(c in _userinfo(member) for c in "/?#"):
+        if any(c in _parts(member)[1] for c in "/?#"):
             # nats-py sends a URL's user and password as written, %-escapes included: no encoding helps
             raise ValueError(f"{shown!r}: the user or password holds '/', '?' or '#', which end a URL's user "
                              "part, and nats-py does not decode %-escapes: use a password without them (`warmboot "
@@ -67,18 +67,16 @@ def redact_url(url: str) -> str:
     """`nats://svc:secret@h:4222,nats://svc:secret@h2` -> `nats://h:4222,nats://h2`: each
     member without everything up to its last '@', so a password holding an unencoded '@',
     '/', '?' or '#' is removed whole."""
-    shown = []
-    for member in url.split(","):
-        scheme = _SCHEME.match(member)
-        head, rest = (scheme.group(1), scheme.group(2)) if scheme else ("", member)
-        shown.append(head + rest.rpartition("@")[2])
-    return ",".join(shown)
+    return ",".join(head + host for head, _, host in map(_parts, url.split(",")))
 
 
-def _userinfo(member: str) -> str:
-    """The `user:password` of one member of a URL list, as written ('' when it names none)."""
+def _parts(member: str) -> tuple[str, str, str]:
+    """One member of a URL list, as written: (`scheme://` or '', `user:password` or '', the rest
+    after its last '@')."""
     scheme = _SCHEME.match(member)
-    return (scheme.group(2) if scheme else member).rpartition("@")[0]
+    head, rest = (scheme.group(1), scheme.group(2)) if scheme else ("", member)
+    userinfo, _, host = rest.rpartition("@")
+    return head, userinfo, host
 
 
 def nkey_seed_path(explicit: str | None = None) -> str | None:

@@ -13,12 +13,16 @@ a whole read of the log makes.
 from __future__ import annotations
 
 import asyncio
+import enum
 import random
 from contextlib import AsyncExitStack
+from datetime import datetime
+from typing import Any
 
+import msgspec
 import pytest
 
-from events.aggregate import AggregateCache, WireAggregate, check_forkable
+from events.aggregate import FORKED_CONTAINERS, AggregateCache, WireAggregate
 from events.errors import ContractError
 from events.schema import Fidelity, PauseActor, StopActor, SuspendActor, TagSnapshot, UpdateTemplate
 from services.registry.domain import Worker
@@ -28,6 +32,23 @@ from warmboot.client import Client
 from warmboot.runner import start_services
 
 V1 = version("v1")
+
+
+def check_forkable(aggregate: WireAggregate) -> None:
+    """AssertionError unless `fork` copies all of `aggregate`'s mutable state: every attribute
+    is an immutable value or a list, dict or set of immutable values (checked on every kind, below)."""
+    def immutable(value: Any) -> bool:
+        if isinstance(value, (tuple, frozenset)):
+            return all(immutable(v) for v in value)
+        return value is None or isinstance(value, (str, int, float, bool, datetime, enum.Enum, msgspec.Struct)) and (
+            not isinstance(value, msgspec.Struct) or value.__struct_config__.frozen)
+
+    for name, value in vars(aggregate).items():
+        if type(value) in FORKED_CONTAINERS:
+            items = list(value.items()) if isinstance(value, dict) else list(value)
+            assert all(immutable(v) for v in items), f"{type(aggregate).__name__}.{name} holds mutable values"
+        else:
+            assert immutable(value), f"{type(aggregate).__name__}.{name} is mutable: {type(value).__name__}"
 
 
 def state(aggregate: WireAggregate) -> dict:
