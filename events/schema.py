@@ -56,6 +56,10 @@ Labels = Annotated[dict[LabelKey, LabelValue], Meta(max_length=64)]
 NonNegative = Annotated[int, Meta(ge=0, le=MAX_INT)]
 Positive = Annotated[int, Meta(gt=0, le=MAX_INT)]
 Seq = Annotated[int, Meta(ge=0)]
+# A registration's revision (project addition, docs/contract.md): a number its sender never
+# lowers for a worker, across its own restarts (warmboot's agent: its clock in ms); at most 2^53 - 1,
+# an integer every JSON reader keeps exactly.
+Revision = Annotated[int, Meta(ge=0, le=(1 << 53) - 1)]
 # RFC 3339 with a zone (CONTRACT section 1); a caller's other offset is normalised to UTC
 # at the edge (events.validate), so every time in the log is UTC.
 Time = Annotated[datetime, Meta(tz=True)]
@@ -235,6 +239,9 @@ class RegisterWorker(Base, kw_only=True):
     labels: Labels = field(default_factory=dict)
     sandbox_classes: Annotated[tuple[WorkerSandboxClass, ...], Meta(min_length=1, max_length=8)]
     request_id: RequestId | None = None
+    # Project addition: a registration whose revision is lower than one the worker's history
+    # holds (any life) is refused: a copy of an older one, decided late (docs/contract.md).
+    revision: Revision | None = None
 
 
 class RegisterReply(Base, kw_only=True):
@@ -490,17 +497,20 @@ class WorkerRegistered(WorkerEvent, kw_only=True):
     capacity: Resources
     labels: Labels
     sandbox_classes: tuple[WorkerSandboxClass, ...]
+    revision: Revision | None = None  # the registration's (project addition)
 
 
 class RuntimeChanged(WorkerEvent, kw_only=True):
     sandbox_classes: tuple[WorkerSandboxClass, ...]
     previous: tuple[WorkerSandboxClass, ...]
+    revision: Revision | None = None
 
 
 class WorkerUpdated(WorkerEvent, kw_only=True):
     node: Id
     capacity: Resources
     labels: Labels
+    revision: Revision | None = None
 
 
 class WorkerDrained(WorkerEvent, kw_only=True):

@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from events.compat import same_version
@@ -521,6 +522,38 @@ async def test_a_registration_refused_for_an_earlier_lifes_id_is_sent_again_with
             _, registered = await wait_event(nc, prefix, "w-a", WorkerRegistered)
             assert len(ids) == 2 and ids[0] != ids[1] and registered.request_id == ids[1]
             assert not task.done()
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 15)
+
+
+async def test_a_restarted_agent_goes_on_above_its_last_revision_and_an_older_copy_is_refused(nats_url, nc, prefix,
+                                                                                              tmp_path):
+    """Each registration carries a revision read off the agent's clock (docs/contract.md), so a new
+    process of the agent registers above its last. Its clock may run behind the one that wrote that
+    last revision (set back between the two processes): the registry refuses its registration, and the
+    agent goes on above the revision the refusal names. Its first registration writes its revision
+    even though nothing else changed (UPDATED), so a copy of the first process's registration that
+    a replica decides late is refused, and the worker keeps what the new process registered."""
+    path = tmp_path / "agent.toml"
+    path.write_text(agent_config("v1"))
+    async with running_registry(nats_url, prefix):
+        async with running_agent(nats_url, prefix, path) as first:
+            seq, registered = await wait_event(nc, prefix, "w-a", WorkerRegistered)
+            assert registered.revision == first._revision > 0
+        old = msgspec.structs.replace(first._revised, request_id="agent-late-copy", revision=first._revision)
+        path.write_text(agent_config("v2"))
+        second = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe=PROBE)
+        second.clock_ms = lambda: registered.revision - 60_000  # a minute behind the first process's
+        stop = asyncio.Event()
+        task = asyncio.create_task(second.run(stop))
+        try:
+            _, changed = await wait_event(nc, prefix, "w-a", RuntimeChanged, after=seq)
+            assert changed.revision == registered.revision + 1
+            reply, _ = await raw_request(nc, prefix, "register", "w-a", msgspec.to_builtins(old))
+            assert reply["error"]["field"] == "revision", reply
+            kinds = [type(e) for _, e in await worker_events(nc, prefix, "w-a")]
+            assert kinds == [WorkerRegistered, RuntimeChanged], kinds
         finally:
             stop.set()
             await asyncio.wait_for(task, 15)

@@ -11,7 +11,7 @@ import asyncio
 import copy
 import uuid
 from contextlib import asynccontextmanager
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import AsyncIterator
 
 import msgspec
@@ -20,6 +20,7 @@ import pytest
 
 from events.codec import decode_event
 from events.schema import (
+    ErrorCode,
     RegisterOutcome,
     RegisterWorker,
     RemoveWorker,
@@ -31,9 +32,9 @@ from events.schema import (
     WorkerUpdated,
 )
 from events.subjects import bucket_name, stream_name
-from services.registry.domain import Worker, canonical_classes
+from services.registry.domain import REVISION_AHEAD_MS, Worker, canonical_classes
 from events.jetstream.layout import sequence_of
-from events.errors import unavailable
+from events.errors import ContractError, latest_revision, unavailable
 from services.common import store_env
 from services.registry.liveness import SWEEPER
 from services.registry.service import COMMIT_GROUP, RegistryStore
@@ -110,6 +111,57 @@ def test_domain_lives_drain_and_lost():
     ])
     assert decide(worker, two_classes) is RegisterOutcome.REGISTERED  # a new life, new classes
     assert not worker.drained and worker.lives == 2
+
+
+def test_domain_a_lower_revision_is_refused_in_any_life_and_a_higher_one_is_written():
+    """Revisions order a sender's registrations (docs/contract.md): one lower than the history's
+    highest is refused, in this life or a later one; the same revision with the same content is
+    no change; a higher one with the same content is written (WorkerUpdated), so that the next
+    older copy is refused on the history alone; none is not checked."""
+    worker = Worker("w-1")
+    assert decide(worker, registration("w-1", revision=100)) is RegisterOutcome.REGISTERED
+    assert [e.body.revision for e in worker.collect_events()] == [100]
+    assert decide(worker, registration("w-1", revision=100)) is RegisterOutcome.UNCHANGED
+    assert worker.collect_events() == []
+    assert decide(worker, registration("w-1", revision=200)) is RegisterOutcome.UPDATED
+    [updated] = [e.body for e in worker.collect_events()]
+    assert isinstance(updated, WorkerUpdated) and updated.revision == 200
+    assert (updated.node, updated.capacity, updated.labels) == (worker.node, worker.capacity, worker.labels)
+    for refused in (registration("w-1", default=runtime("v0"), revision=150), registration("w-1", revision=199)):
+        with pytest.raises(ContractError) as e:
+            decide(worker, refused)
+        assert (e.value.code, e.value.field) == (ErrorCode.FAILED_PRECONDITION, "revision")
+        assert latest_revision(e.value) == 200 and worker.pending_events == []
+    body = registration("w-1", default=runtime("v2"), revision=300)
+    assert decide(worker, body) is RegisterOutcome.RUNTIME_CHANGED
+    [changed] = [e.body for e in worker.collect_events()]
+    assert isinstance(changed, RuntimeChanged) and changed.revision == 300
+    assert worker.lose(AT) is True
+    with pytest.raises(ContractError) as e:  # the next life too: an older copy does not begin it
+        decide(worker, registration("w-1", revision=250))
+    assert latest_revision(e.value) == 300 and not worker.alive
+    assert decide(worker, registration("w-1")) is RegisterOutcome.REGISTERED  # none: not checked
+    assert worker.revision == 300
+
+
+def test_domain_a_revision_out_of_a_successors_reach_is_refused():
+    """The highest revision is kept across lives: one credential sending the largest there is would
+    leave every later registration of its worker refused. One more than a year ahead of the clock
+    (in ms) is INVALID_ARGUMENT, nothing written; at the bound it is taken, and a sender refused
+    after it goes on one above the highest the refusal names, which is within the bound then."""
+    at_ms = int(AT.timestamp() * 1000)
+    worker = Worker("w-1")
+    with pytest.raises(ContractError) as e:
+        decide(worker, registration("w-1", revision=at_ms + REVISION_AHEAD_MS + 1))
+    assert (e.value.code, e.value.field) == (ErrorCode.INVALID_ARGUMENT, "revision") and worker.pending_events == []
+    assert decide(worker, registration("w-1", revision=at_ms + REVISION_AHEAD_MS)) is RegisterOutcome.REGISTERED
+    assert worker.lose(AT) is True
+    later = AT + timedelta(seconds=1)
+    with pytest.raises(ContractError) as e:  # a successor's clock
+        worker.register(msgspec.convert(registration("w-1", revision=at_ms + 1000), RegisterWorker), later)
+    above = latest_revision(e.value) + 1
+    assert worker.register(msgspec.convert(registration("w-1", revision=above), RegisterWorker), later) \
+        is RegisterOutcome.REGISTERED
 
 
 # --- validation through the endpoint ----------------------------------------------------------

@@ -516,3 +516,62 @@ async def test_a_registration_of_an_earlier_life_decided_late_is_refused(nats_ur
         attrs = {x.key: x.value for x in worker.sandbox_classes[0].default_runtime.version.attributes}
         assert attrs["gvisor_asset_hash"] == "cpu-y"
         assert (await a.register("w-1", reg("cpu-y", "agent-2"))).outcome is RegisterOutcome.REGISTERED  # its own: answered
+
+
+@pytest.mark.parametrize("then", ["unchanged", "changed", "removed"])
+async def test_an_older_registration_decided_late_is_refused_by_its_revision(nats_url, nc, prefix, then):
+    """A replica stalls on registration R1 (CPU x, revision 100) and decides it after a newer one.
+    - unchanged: R1 was an edit its agent never saw answered; the agent restarted (a rolling
+      upgrade) and its new process registered what the registry already had (CPU y). That wrote
+      nothing, so R1 was then applied: RuntimeChanged to a CPU the machine no longer has.
+    - changed: the new process registered CPU z; R1, a new id, was applied over it.
+    - removed: R1 was answered (its retry, elsewhere), then R2 (CPU y) changed it, and the worker
+      was removed: R1's copy started the next life with CPU x (an earlier life's id may start a life).
+    Each time R1 is older than what the history holds: refused, field revision, nothing written,
+    and the worker keeps CPU y (or z)."""
+    from events.schema import RegisterOutcome, RemoveWorker
+    from tests.registry_helpers import runtime
+
+    def reg(asset: str, rid: str, revision: int) -> RegisterWorker:
+        return msgspec.convert(registration("w-1", default=runtime(asset), request_id=rid, revision=revision),
+                               RegisterWorker)
+
+    async with running_registry(nats_url, prefix) as a, running_registry(nats_url, prefix) as stalled:
+        r1 = reg("cpu-x", "agent-p1-2", 100)
+        if then == "removed":
+            assert (await a.register("w-1", r1)).outcome is RegisterOutcome.REGISTERED
+        else:
+            await a.register("w-1", reg("cpu-y", "agent-p1-1", 50))
+        go, held = asyncio.Event(), asyncio.Event()
+        decide = stalled.store.register
+
+        async def held_back(request, at):
+            held.set()
+            await go.wait()
+            return await decide(request, at)
+
+        stalled.store.register = held_back
+        late = asyncio.create_task(stalled.register("w-1", r1))
+        await finished(held.wait())
+        if then == "unchanged":
+            newer = await a.register("w-1", reg("cpu-y", "agent-p2-1", 200))
+            assert newer.outcome is RegisterOutcome.UPDATED  # the revision is written
+            kept = "cpu-y"
+        elif then == "changed":
+            newer = await a.register("w-1", reg("cpu-z", "agent-p2-1", 200))
+            assert newer.outcome is RegisterOutcome.RUNTIME_CHANGED
+            kept = "cpu-z"
+        else:
+            assert (await a.register("w-1", reg("cpu-y", "agent-p1-3", 200))).outcome is RegisterOutcome.RUNTIME_CHANGED
+            await a.remove("w-1", RemoveWorker(reason="LOST"))
+            kept = "cpu-y"
+        before = await last_seq(nc, prefix)
+        go.set()
+        with pytest.raises(ContractError) as refused:
+            await finished(late)
+        assert (refused.value.code, refused.value.field) == (ErrorCode.FAILED_PRECONDITION, "revision")
+        assert "revision 100 is lower than 200" in refused.value.message
+        assert await last_seq(nc, prefix) == before
+        worker = await a.store.load("w-1")
+        attrs = {x.key: x.value for x in worker.sandbox_classes[0].default_runtime.version.attributes}
+        assert attrs["gvisor_asset_hash"] == kept and worker.revision == 200

@@ -61,7 +61,7 @@ import nats
 from nats.aio.client import Client as NATS
 
 from events.codec import decode_request, encode, to_builtins
-from events.errors import ContractError
+from events.errors import ContractError, latest_revision
 from events.tasks import cancel_and_wait
 from events.natsauth import nkey_options, nkey_seed_path, redact_url
 from events.natspy import ErrorsOnce, guard_reads
@@ -386,6 +386,11 @@ class Agent:
         self._beat_soon = False  # a heartbeat was refused before the TTL was learnt: beat again soon
         self.edited = False  # whether the last read of the file found it edited (else the machine changed)
         self._background: set[asyncio.Task[None]] = set()  # registrations the heartbeats do not wait for
+        # Every registration carries a revision (docs/contract.md): the same for the same content, higher
+        # for other content, read off this clock (ms), so that a later process of this agent goes on above.
+        self.clock_ms = lambda: time.time_ns() // 1_000_000
+        self._revision = 0
+        self._revised: RegisterWorker | None = None  # the content `_revision` was given to
         self._errors = ErrorsOnce(log, redact_url(nats_url))  # the connection's errors, once each while they repeat
 
     # --- configuration -------------------------------------------------------------------
@@ -508,7 +513,9 @@ class Agent:
 
         One at a time: a registration is sent once the one before it is answered, so an older
         one is never decided after a newer one (a retry of the older one carries its request
-        id, which the registry answers without writing again). `EDIT` and `AGAIN` choose what
+        id, which the registry answers without writing again; a copy of it decided late, even
+        from an earlier process of this agent or after a removal, carries a lower revision,
+        which the registry refuses: `_revision_of`). `EDIT` and `AGAIN` choose what
         to send when their turn comes, from what the file and the probe say then (`desired`):
         - `EDIT` (an edit, or a change of what the probe reads): `desired`, unless it is the
           registration in force or the last edit sent; reads made while it waited are not
@@ -646,19 +653,28 @@ class Agent:
             registration, made_of = build_registration(config, self.worker_id, self.node, machine), (config, now)
         self.sent_registration = self.registering = True
         try:
-            for attempt in (1, 2):
-                body = msgspec.structs.replace(registration, request_id=f"agent-{uuid.uuid4().hex}")
+            sent_again: set[str] = set()
+            while True:
+                body = msgspec.structs.replace(registration, request_id=f"agent-{uuid.uuid4().hex}",
+                                               revision=self._revision_of(registration))
                 try:
                     reply = await self._request("register", body, RegisterReply, stop, timeout=timeout)
                     break
                 except ContractError as e:
-                    if attempt == 2 or (e.code, e.field) != (ErrorCode.FAILED_PRECONDITION, "request_id"):
+                    if (e.code != ErrorCode.FAILED_PRECONDITION or e.field not in ("request_id", "revision")
+                            or e.field in sent_again):
                         raise
-                    # Its id crossed a life of the worker while it was sent again (a removal, and a life
-                    # begun since, by a stale copy of an earlier registration): the registry refuses an
-                    # earlier life's id (docs/contract.md). It is the machine as it is now: sent anew.
-                    log.warning("registration of %s refused (%s); sending it again with a new request id",
-                                self.worker_id, e.message)
+                    sent_again.add(e.field)
+                    # It is the machine as it is now: sent anew, once for each of two reasons.
+                    # - request_id: its id crossed a life of the worker while it was sent again (a removal,
+                    #   and a life begun since, by a stale copy of an earlier registration): the registry
+                    #   refuses an earlier life's id (docs/contract.md). A new id is made above.
+                    # - revision: the worker's history holds a higher one, from an earlier process of this
+                    #   agent on a clock ahead of this one's: this one goes on above it.
+                    if e.field == "revision":
+                        self._revision = max(self._revision, latest_revision(e) or 0) + 1
+                    log.warning("registration of %s refused (%s); sending it again with a new %s",
+                                self.worker_id, e.message, e.field.replace("_", " "))
         except ContractError:
             self.registering = False  # refused: nothing on its way
             raise
@@ -667,6 +683,16 @@ class Agent:
         self.withdrawn = False
         self._unreadable_at = None
         return reply
+
+    def _revision_of(self, registration: RegisterWorker) -> int:
+        """The revision `registration` is sent with: the last one given, if to the same content (a
+        registration sent again, as after a reconnect, is no newer and writes nothing); else one
+        above it and not below this agent's clock, so that a registration this agent sends after
+        another is never older, in this process or a later one (a restart; docs/contract.md)."""
+        if registration != self._revised:
+            self._revision = max(self._revision + 1, self.clock_ms())
+            self._revised = registration
+        return self._revision
 
     def _cpu_changed_under_registration(self) -> bool:
         """Whether the probe reads the machine otherwise than when the registration in force was made."""

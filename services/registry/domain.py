@@ -29,6 +29,19 @@ Rules (CONTRACT sections 2 and 3, Registry):
   are NOT_FOUND; so is a heartbeat.
 - Request ids are scoped to one life (`WireAggregate.prior`): a registration of a
   removed worker with a request id of its previous life registers it anew.
+- Revisions (project addition, docs/contract.md): a registration may carry `revision`, a
+  number its sender never lowers (warmboot's agent: its clock in ms when it made the
+  content, across its restarts). One lower than the highest the worker's history holds,
+  in any life, is FAILED_PRECONDITION (field `revision`, nothing written): a copy of an
+  older registration that a stalled replica decides after a newer one, or after the
+  worker was removed, would put back runtimes the machine no longer has. So that every
+  revision answered is in the history, a higher revision with the same content writes
+  `WorkerUpdated` (same node, capacity and labels; outcome `UPDATED`) instead of nothing:
+  once per content an agent makes, never in a storm of unchanged re-registrations.
+  Without a revision nothing is checked (a sender that does not order its registrations).
+  A revision more than a year ahead of the registry's clock in ms is INVALID_ARGUMENT
+  (`REVISION_AHEAD_MS`): the highest is kept across lives, and one credential must not be
+  able to put it out of its successors' reach.
 """
 
 from __future__ import annotations
@@ -38,7 +51,7 @@ from datetime import datetime
 
 from events.aggregate import WireAggregate
 from events.compat import canonical_version, compat_key
-from events.errors import not_found, precondition
+from events.errors import invalid, not_found, precondition, revision_refused
 from events.schema import (
     ActorOverhead,
     Event,
@@ -57,6 +70,12 @@ from events.schema import (
 from services.registry.nodes import allows, unbound_reason
 
 LOST = "LOST"
+# How far a registration's revision may run ahead of the registry's clock (in ms, the agent's
+# unit). The highest revision is kept across lives, so without a bound one credential could
+# send the largest and leave every later registration of its worker refused for good; with it,
+# a sender refused goes on one above the highest (the refusal names it), which is then within
+# the bound.
+REVISION_AHEAD_MS = 366 * 24 * 3600 * 1000
 
 NO_OVERHEAD = ActorOverhead(fixed_mib=0, per_gib_mib=0)
 
@@ -125,12 +144,20 @@ class Worker(WireAggregate):
         self.sandbox_classes: tuple[WorkerSandboxClass, ...] = ()
         self.drained = False
         self.removed_reason: str | None = None
+        self.revision: int | None = None  # the highest a registration of any life recorded
 
     # --- decisions ------------------------------------------------------------------
 
     def register(self, request: RegisterWorker, at: datetime) -> RegisterOutcome:
         classes = canonical_classes(request.sandbox_classes)
-        rid = request.request_id
+        rid, revision = request.request_id, request.revision
+        if revision is not None:
+            if revision > at.timestamp() * 1000 + REVISION_AHEAD_MS:
+                raise invalid(f"revision {revision} is more than a year ahead of the registry's clock in "
+                              "milliseconds (a sender never goes below the revision it last sent; it need "
+                              "not jump ahead)", "revision")
+            if self.revision is not None and revision < self.revision:
+                raise revision_refused(self.entity_id, revision, self.revision)
         if not self.alive:
             self.record(
                 WorkerRegistered(
@@ -141,6 +168,7 @@ class Worker(WireAggregate):
                     capacity=request.capacity,
                     labels=dict(request.labels),
                     sandbox_classes=classes,
+                    revision=revision,
                 )
             )
             return RegisterOutcome.REGISTERED
@@ -151,6 +179,9 @@ class Worker(WireAggregate):
             self.capacity,
             self.labels,
         )
+        # A higher revision is written even with the same content: the next copy of an older
+        # registration is then refused on the history alone.
+        updated = updated or (revision is not None and revision != self.revision and not runtime_changed)
         if runtime_changed:
             self.record(
                 RuntimeChanged(
@@ -159,6 +190,7 @@ class Worker(WireAggregate):
                     worker_id=self.entity_id,
                     sandbox_classes=classes,
                     previous=self.sandbox_classes,
+                    revision=revision,
                 )
             )
         if updated:
@@ -170,6 +202,7 @@ class Worker(WireAggregate):
                     node=request.node,
                     capacity=request.capacity,
                     labels=dict(request.labels),
+                    revision=revision,
                 )
             )
         if runtime_changed:
@@ -240,7 +273,12 @@ class Worker(WireAggregate):
     def starts_life(self, body: Event) -> bool:
         return isinstance(body, WorkerRegistered) and not self.alive
 
+    def _revised(self, revision: int | None) -> None:
+        if revision is not None and (self.revision is None or revision > self.revision):
+            self.revision = revision
+
     def when_WorkerRegistered(self, event: WorkerRegistered) -> None:
+        self._revised(event.revision)
         self.alive = True
         self.lives += 1
         self.drained = False
@@ -249,9 +287,11 @@ class Worker(WireAggregate):
         self.sandbox_classes = canonical_classes(event.sandbox_classes)
 
     def when_RuntimeChanged(self, event: RuntimeChanged) -> None:
+        self._revised(event.revision)
         self.sandbox_classes = canonical_classes(event.sandbox_classes)
 
     def when_WorkerUpdated(self, event: WorkerUpdated) -> None:
+        self._revised(event.revision)
         self.node, self.capacity, self.labels = event.node, event.capacity, dict(event.labels)
 
     def when_WorkerDrained(self, event: WorkerDrained) -> None:
