@@ -79,6 +79,11 @@ def _parts(member: str) -> tuple[str, str, str]:
     return head, userinfo, host
 
 
+def carries_secret(url: str) -> bool:
+    """Whether a member of `url` carries a secret: `user:password@` or a token (`token@`)."""
+    return any(_parts(member.strip())[1] for member in url.split(","))
+
+
 def nkey_seed_path(explicit: str | None = None) -> str | None:
     """The nkey seed file to sign with: `explicit`, else $NATS_NKEY_SEED, else none."""
     return explicit or os.environ.get(NKEY_SEED_ENV) or None

@@ -14,6 +14,7 @@ from click.testing import CliRunner
 
 from events.natsauth import check_url
 from events.natspy import ErrorsOnce
+from tests.registry_helpers import CPUINFO, agent_config
 from tests.secured_helpers import Serve
 from warmboot.cli import main
 from warmboot.natsserver import NatsServer, free_port
@@ -49,6 +50,29 @@ def test_every_command_refuses_a_bad_nats_url_before_it_runs(command):
     assert result.exit_code == 2, result.output
     assert "Invalid value for '--nats'" in result.output and "the port must be a number" in result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("url, where, warned", [
+    ("nats://svc:secret@127.0.0.1:{port}", "argv", True),
+    ("nats://127.0.0.1:1,nats://s3cr3t-token@127.0.0.1:{port}", "argv", True),  # a token, in any member
+    ("nats://svc:secret@127.0.0.1:{port}", "env", False),  # NATS_URL: not in the process list
+    ("nats://127.0.0.1:{port}", "argv", False),
+])
+def test_a_password_on_the_command_line_is_warned_of(tmp_path, url, where, warned):
+    """Any user of the machine reads a process's arguments (ps): a password or token in --nats is
+    warned of (on stderr, naming $NATS_URL and --nkey-seed), and never shown; the command runs."""
+    url = url.format(port=free_port())
+    config = tmp_path / "agent.toml"
+    config.write_text(agent_config("v1"))
+    command = ["agent", "--worker-id", "w-1", "--node", "n-1", "--config", str(config), "--print-registration",
+               "--cpuinfo", str(CPUINFO), "--arch", "amd64"]
+    args, env = (command + ["--nats", url], {}) if where == "argv" else (command, {"NATS_URL": url})
+    result = CliRunner().invoke(main, args, env=env)
+    assert result.exit_code == 0, result.output
+    assert ("warning: --nats carries a password (or token)" in result.output) is warned, result.output
+    if warned:
+        assert "$NATS_URL" in result.output and "--nkey-seed" in result.output
+    assert "secret" not in result.output and "s3cr3t" not in result.output
 
 
 def test_a_command_whose_server_does_not_answer_ends_with_one_line_naming_it():

@@ -7,13 +7,14 @@ import sys
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import click
+from click.core import ParameterSource
 import nats.errors
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from events.compat import compat_key, describe_key
 from events.errors import ContractError, unavailable
-from events.natsauth import check_url, redact_url
+from events.natsauth import carries_secret, check_url, redact_url
 from events.natspy import ErrorsOnce, describe_error
 from events.schema import ID_RE, ID_WORDS
 from events.subjects import DEFAULT_PREFIX, check_prefix, stream_name
@@ -24,11 +25,18 @@ CONNECT_TIMEOUT_S = 5.0  # how long a one-shot command waits for its server
 
 
 def check_nats_option(ctx: click.Context | None, param: click.Parameter | None, value: str) -> str:
-    """A --nats value nats-py connects to (`events.natsauth.check_url`), or a usage error naming it."""
+    """A --nats value nats-py connects to (`events.natsauth.check_url`), or a usage error naming it.
+    A password or token given on the command line is warned of: any user of the machine reads a
+    process's arguments (ps, /proc/<pid>/cmdline), and could sign in as its owner."""
     try:
-        return check_url(value)
+        url = check_url(value)
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
+    if (ctx is not None and param is not None and param.name is not None and carries_secret(url)
+            and ctx.get_parameter_source(param.name) is ParameterSource.COMMANDLINE):
+        click.echo("warning: --nats carries a password (or token), which every user of this machine can read in "
+                   "its process list: give the URL in $NATS_URL instead, or sign in with --nkey-seed", err=True)
+    return url
 
 
 nats_option = click.option("--nats", "nats_url", default="nats://127.0.0.1:4222", show_default=True,

@@ -30,7 +30,7 @@ from warmboot.agent import Agent, ConfigError, ProbeSettings, load_registration
 @click.command("agent")
 @click.option("--nats", "nats_url", default="nats://127.0.0.1:4222", show_default=True, envvar="NATS_URL",
               show_envvar=True, callback=check_nats_option,
-              help="NATS server URL; credentials as nats://USER:PASSWORD@HOST:PORT.")
+              help="NATS server URL; credentials as nats://USER:PASSWORD@HOST:PORT, best given in $NATS_URL (a process's arguments are visible to every user).")
 @click.option("--nkey-seed", type=click.Path(exists=True, dir_okay=False), default=None, envvar=NKEY_SEED_ENV,
               show_envvar=True, help="Sign in with the nkey seed in this file (warmboot nats-config --auth nkey).")
 @click.option("--worker-id", required=True, callback=check_id, help="This worker's id (one subject token).")

@@ -35,7 +35,7 @@ SERVICE_OPTIONS = {
 @click.option("--nats", "nats_url", default="nats://127.0.0.1:4222", show_default=True,
               callback=check_nats_option,
               envvar="NATS_URL", show_envvar=True,
-              help="NATS server URL(s); credentials as nats://USER:PASSWORD@HOST:PORT.")
+              help="NATS server URL(s); credentials as nats://USER:PASSWORD@HOST:PORT, best given in $NATS_URL (a process's arguments are visible to every user).")
 @click.option("--nkey-seed", type=click.Path(exists=True, dir_okay=False), default=None, envvar=NKEY_SEED_ENV,
               show_envvar=True, help="Sign in with the nkey seed in this file (warmboot nats-config --auth nkey).")
 @click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="WARMBOOT_PREFIX", show_envvar=True,
