@@ -52,7 +52,7 @@ def test_example_config_makes_a_valid_registration():
     gvisor = classes["gvisor"]
     keys = {a.key for a in gvisor.default_runtime.version.attributes}
     assert keys == {"architecture", "cpu_features", "gvisor_asset_hash"}
-    assert [r.name for r in gvisor.restorable_runtimes] == ["gvisor-2026-09", "gvisor-2026-08"]
+    assert [r.name for r in gvisor.restorable_runtimes] == ["gvisor-2026-09"]
     microvm = {a.key for a in classes["microvm"].default_runtime.version.attributes}
     assert {"architecture", "cpu_vendor", "cpu_model", "kernel_digest", "rootfs_digest"} == microvm
 

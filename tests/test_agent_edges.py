@@ -112,6 +112,67 @@ def test_an_architecture_spelled_otherwise_is_refused_for_new_stamps_and_warned_
     assert len([r for r in caplog.records if "AMD64" in r.getMessage()]) == 1
 
 
+def literal_runtime(cpu_features: str, masked: bool = False, architecture: str = "amd64") -> str:
+    """agent_config's default runtime (gvisor, asset v1), given literally with these CPU attributes."""
+    text = agent_config("v1").replace(
+        'profile = "gvisor"\nattributes = { gvisor_asset_hash = "v1" }',
+        f'attributes = {{ architecture = "{architecture}", cpu_features = "{cpu_features}", '
+        f'gvisor_asset_hash = "v1" }}' + ("\ncpu_masked = true" if masked else ""), 1)
+    assert text != agent_config("v1")
+    return text
+
+
+def test_a_literal_runtime_naming_another_cpu_is_refused_unless_masked(tmp_path):
+    """A default or restorable runtime is run as its version both ways: an actor restored under it
+    keeps it, and its next snapshot, taken here, is stamped with it and sent to machines of the CPU
+    it names. Literal CPU attributes other than this machine's are refused, naming the field and
+    the way out (`cpu_masked` if the runtime runs actors on that CPU's features, or an edge); this
+    machine's own, copied from --print-registration, are taken; an edge may name any CPU. The
+    architecture is never masked."""
+    path = tmp_path / "agent.toml"
+    mine = {a.key: a.value for a in probed("v1").attributes}["cpu_features"]
+    path.write_text(literal_runtime(OLD_CPU))
+    with pytest.raises(ConfigError) as error:
+        load_registration(path, "w-a", "node-a", PROBE)
+    assert str(error.value).startswith(f"sandbox_classes[0].default_runtime.attributes.cpu_features: '{OLD_CPU}' "
+                                       f"is not this machine's ('{mine}', as the gvisor probe reads it)")
+    assert "cpu_masked = true" in str(error.value) and "compatible_versions" in str(error.value)
+    path.write_text(literal_runtime(OLD_CPU, masked=True))
+    entry = load_registration(path, "w-a", "node-a", PROBE).sandbox_classes[0]
+    assert {a.key: a.value for a in entry.default_runtime.version.attributes}["cpu_features"] == OLD_CPU
+    path.write_text(literal_runtime(mine))  # this machine's reading, written out
+    assert load_registration(path, "w-a", "node-a", PROBE).sandbox_classes[0].default_runtime.version == probed("v1")
+    path.write_text(literal_runtime(mine, masked=True, architecture="arm64"))
+    with pytest.raises(ConfigError) as error:
+        load_registration(path, "w-a", "node-a", PROBE)
+    assert "attributes.architecture: 'arm64' is not this machine's ('amd64'" in str(error.value)
+    assert "never crosses architectures" in str(error.value)
+
+    restorable = f'name = "old"\n{literal("v0")}'
+    path.write_text(agent_config("v1") + f"\n[[sandbox_classes.restorable_runtimes]]\n{restorable}")
+    with pytest.raises(ConfigError) as error:
+        load_registration(path, "w-a", "node-a", PROBE)
+    assert "sandbox_classes[0].restorable_runtimes[0].attributes.cpu_features" in str(error.value)
+    path.write_text(with_edges(agent_config("v1"), literal("v0")))  # an edge: one way, any CPU
+    assert load_registration(path, "w-a", "node-a", PROBE).sandbox_classes[0].default_runtime.compatible_versions
+
+    path.write_text(agent_config("v1").replace('profile = "gvisor"', 'profile = "gvisor"\ncpu_masked = true', 1))
+    with pytest.raises(ConfigError) as error:  # a probed runtime's CPU is this machine's: nothing to mask
+        load_registration(path, "w-a", "node-a", PROBE)
+    assert str(error.value).startswith("sandbox_classes[0].default_runtime.cpu_masked:")
+
+
+def test_a_literal_runtime_is_taken_when_the_probe_cannot_read_the_machine(tmp_path):
+    """Where the probe reads nothing (no cpuinfo), a literal version is the way to register: not checked."""
+    from warmboot.agent import ProbeSettings
+
+    path = tmp_path / "agent.toml"
+    path.write_text(literal_runtime(OLD_CPU))
+    nowhere = ProbeSettings(cpuinfo_path=tmp_path / "no-cpuinfo", architecture="amd64")
+    entry = load_registration(path, "w-a", "node-a", nowhere).sandbox_classes[0]
+    assert {a.key: a.value for a in entry.default_runtime.version.attributes}["cpu_features"] == OLD_CPU
+
+
 async def test_an_agent_registers_its_edge_and_the_scheduler_restores_through_it(stack, nats_url, nc, prefix,
                                                                                 tmp_path):
     """A v1 image taken on the previous CPU generation restores from memory on this worker's v1

@@ -138,6 +138,9 @@ class RuntimeConfig(VersionConfig, kw_only=True, forbid_unknown_fields=True):
     """One runtime of a sandbox class, as the TOML file declares it."""
 
     name: str | None = None
+    # Literal attributes naming another CPU than this machine's are refused for a runtime the
+    # worker runs actors as (`_cpu_named_otherwise`), unless the runtime masks the CPU to them.
+    cpu_masked: bool = False
     actor_overhead: ActorOverhead | None = None
     # one-way edges (CONTRACT v1.1): this runtime also restores snapshots stamped with these
     compatible_versions: list[VersionConfig] = msgspec.field(default_factory=list)
@@ -246,9 +249,43 @@ def _architecture_named_otherwise(runtime: VersionConfig, path: str, stamps: boo
 _WARNED: set[str] = set()
 
 
+def _cpu_named_otherwise(runtime: RuntimeConfig, path: str, probe: MachineRead) -> None:
+    """A literal version (schema v1) of a default or restorable runtime that names every key a probe
+    profile reads, one of them otherwise than the probe reads this machine: ConfigError. The worker
+    runs actors as such a version, both ways: a snapshot stamped with it is restored here, and the
+    actor's next snapshot is stamped with it again, to be restored on machines of the CPU it names.
+    Only a runtime that runs actors on that CPU's features (masking its own: `cpu_masked`) may say
+    so; another CPU's snapshots restored one way are a compatible version. The architecture is never
+    masked. Not checked when the probe cannot read the machine (a literal version is then the way)."""
+    if runtime.schema_version != SCHEMA_VERSION:
+        return
+    for profile, keys in PROFILES.items():
+        if not all(key in runtime.attributes for key in keys):
+            continue
+        try:
+            mine = {a.key: a.value for a in probe.version(profile, {}).attributes}
+        except ProbeError:
+            return
+        for key in keys:
+            named = runtime.attributes[key]
+            if key not in mine or named == mine[key] or (key == "architecture" and MACHINE_TO_ARCH.get(
+                    named.lower()) == mine[key]) or (runtime.cpu_masked and key != "architecture"):
+                continue
+            raise ConfigError(
+                f"{path}.attributes.{key}: {named!r} is not this machine's ({mine[key]!r}, as the {profile} probe "
+                "reads it). Actors restored under a default or restorable runtime run as its version and their "
+                "next snapshots are stamped with it, to be restored on machines of the CPU it names: "
+                + ("a memory image never crosses architectures" if key == "architecture" else
+                   "declare one only if this runtime runs actors on that CPU's features (then say "
+                   "`cpu_masked = true`); to restore snapshots of another CPU here, one way, list its version "
+                   "under the runtime's `compatible_versions`"))
+
+
 def _version(runtime: VersionConfig, path: str, probe: MachineRead, stamps: bool = False) -> dict[str, Any]:
     if runtime.profile is None:
         _architecture_named_otherwise(runtime, path, stamps)
+        if isinstance(runtime, RuntimeConfig):
+            _cpu_named_otherwise(runtime, path, probe)
         attributes = sorted(runtime.attributes.items())
         return {
             "schema_version": runtime.schema_version,
@@ -276,6 +313,9 @@ def _version(runtime: VersionConfig, path: str, probe: MachineRead, stamps: bool
 
 
 def _runtime(runtime: RuntimeConfig, path: str, probe: MachineRead, stamps: bool = False) -> dict[str, Any]:
+    if runtime.cpu_masked and runtime.profile is not None:
+        raise ConfigError(f"{path}.cpu_masked: says literal CPU attributes are masked; this runtime is probed "
+                          f"({runtime.profile!r}), so its CPU is this machine's")
     body: dict[str, Any] = {"version": _version(runtime, path, probe, stamps)}
     if runtime.name is not None:
         body["name"] = runtime.name
