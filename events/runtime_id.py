@@ -6,7 +6,8 @@ first 6 hex digits of the SHA-256 of the key written as compact JSON,
 (class, schema version, attributes sorted by key; UTF-8, no spaces), so that a
 client in any language computes the same id.
 
-A runtime's *label* is its `name` when it has one and that name tells it apart,
+A runtime's *label* is its `name` when it has one and that name tells it apart
+(among the fleet's runtimes, and not itself written like a label: `rt-...`, `x@...`),
 else the short id: a worker's runtime name is informational and often shared by
 runtimes that are not compatible (one release on three CPU generations), so a name
 that several compat keys carry is shown as ``name@3f9a1c`` (its short id's digits),
@@ -37,6 +38,12 @@ def short_id(key: CompatKey) -> str:
     return PREFIX + hashlib.sha256(text.encode()).hexdigest()[:DIGITS]
 
 
+def readable_alone(name: str) -> bool:
+    """Whether a runtime name may stand alone as a label: not if it reads as another label
+    (`rt-...`, `name@digits`), which a worker could choose to pass for another runtime."""
+    return "@" not in name and not name.startswith(PREFIX)
+
+
 class UnknownRuntime(LookupError):
     """A runtime named on input that is none of the known ones, or stands for several."""
 
@@ -51,9 +58,12 @@ class Known:
 class Runtimes:
     """The runtimes a view knows, by compat key, with the names workers give them."""
 
-    def __init__(self, entries: Iterable[tuple[str, CompatVersion, str | None]] = ()):
+    def __init__(self, entries: Iterable[tuple[str, CompatVersion, str | None]] = (), *, complete: bool = True):
         self.known: dict[CompatKey, Known] = {}
         self._by_name: dict[str, set[CompatKey]] = {}
+        # Whether `entries` are every runtime a name could be shared with (the fleet's): if not (the
+        # fleet could not be read), a name alone tells nothing apart, and every label carries digits.
+        self.complete = complete
         for sandbox_class, version, name in entries:
             self.add(sandbox_class, version, name)
 
@@ -75,7 +85,7 @@ class Runtimes:
         if not names:
             return short_id(key)
         chosen = name or min(names)
-        if len(names) == 1 and self._by_name.get(chosen, {key}) == {key}:
+        if self.complete and len(names) == 1 and self._by_name.get(chosen, {key}) == {key} and readable_alone(chosen):
             return chosen
         return f"{chosen}@{short_id(key)[len(PREFIX):]}"
 

@@ -498,6 +498,32 @@ async def test_the_agent_works_with_worker_credentials_and_no_output_holds_a_pas
             assert secret not in text and secret[::-1] not in text, f"{user}'s password in the {name} output"
 
 
+async def test_a_clients_commands_print_their_answer_though_it_cannot_read_the_log(deployment):
+    """A client's credentials may drive actors but not read the log (the runtime names the text
+    labels with). The command's answer is printed all the same (it said `error: no event stream`
+    after the resume was placed, and a retry was refused as RUNNING), its runtimes by their ids,
+    and stderr says why."""
+    from click.testing import CliRunner
+
+    from warmboot.cli import main
+
+    env = {"NATS_URL": deployment.secured.url("orch"), "WARMBOOT_PREFIX": PREFIX}
+    for args, says in ((["actor", "resume", "a-2"], "DECISION"), (["explain", "a-1"], "SUMMARY")):
+        result = await asyncio.to_thread(CliRunner().invoke, main, args, env=env)
+        assert result.exit_code == 0, (args, result.output)
+        assert says in result.stdout and "rt-" in result.stdout, result.stdout
+        assert "note: runtimes are shown by their ids" in result.stderr, result.stderr
+        assert deployment.secured.secrets["orch"] not in result.output
+    history = [decode_event(m.data) async for m in _history_messages(deployment, "actor", "a-2")]
+    assert [type(e).__name__ for e in history][-1] == "ActorPlaced"  # placed once: no retry was needed
+
+
+async def _history_messages(d, kind: str, entity: str):
+    js = d.svc.nc.jetstream()
+    for seq in await history(d.svc.nc, kind, entity):
+        yield await js.get_msg(STREAM, seq=seq)
+
+
 async def test_no_permission_violation_but_the_ones_the_tests_provoked(deployment):
     """Run last: over all the attacks above, the services' user was refused only where a
     test published as it on purpose (the request subjects and its own inbox)."""

@@ -158,6 +158,26 @@ def test_labels_tell_runtimes_apart_and_read_back():
         runtimes.resolve("runsc-2024.05", sandbox_class="microvm")
 
 
+def test_a_name_written_like_a_label_never_passes_for_another_runtime():
+    """A worker names its runtime freely: one named like another runtime's label (`name@digits`,
+    `rt-...`) is shown with its own digits, so a view never shows two runtimes alike (found by a
+    review: a runtime named 'gvisor-v2@cf49e0' read as the real one in `workers`). Without the fleet
+    (`complete=False`: the log could not be read) no name stands alone."""
+    real, other = runtime("gvisor", 0, "2024.11"), runtime("gvisor", 1, "2024.11")
+    real_digits = short_id(compat_key("gvisor", real.version))[3:]
+    other_digits = short_id(compat_key("gvisor", other.version))[3:]
+    fake_name = f"runsc-2024.11@{real_digits}"
+    runtimes = Runtimes([("gvisor", real.version, "runsc-2024.11"), ("gvisor", other.version, fake_name)])
+    assert runtimes.label("gvisor", other.version) == f"{fake_name}@{other_digits}"
+    assert runtimes.resolve_one(f"{fake_name}@{other_digits}").version == other.version
+    assert runtimes.resolve_one(f"runsc-2024.11@{real_digits}").version == real.version
+    spoof = Runtimes([("gvisor", other.version, "rt-" + real_digits)])
+    assert spoof.label("gvisor", other.version) == f"rt-{real_digits}@{other_digits}"
+    unknown = Runtimes(complete=False)
+    assert unknown.label("gvisor", real.version, "runsc-2024.11") == f"runsc-2024.11@{real_digits}"
+    assert unknown.label("gvisor", real.version) == f"rt-{real_digits}"
+
+
 # --- the renderers -------------------------------------------------------------------------------------
 
 

@@ -129,7 +129,9 @@ async def last_seq(nc: Any, prefix: str) -> int:
     try:
         return (await nc.jetstream().stream_info(stream_name(prefix))).state.last_seq
     except Exception as e:
-        raise click.ClickException(f"no event stream {stream_name(prefix)}: {e}") from None
+        raise click.ClickException(f"cannot read the event stream {stream_name(prefix)} ({describe_error(e)}): is "
+                                   f"--prefix {prefix} the deployment's, and may these credentials read its log? "
+                                   "(a client's may not: docs/security.md)") from None
 
 
 # How long one batched direct get may take (the server answers a page in milliseconds; the

@@ -43,6 +43,7 @@ from warmboot.cmd_views import (
     mib,
     output_mode,
     output_option,
+    runtime_labels,
     runtimes_of,
     worker_rows,
 )
@@ -65,7 +66,7 @@ def run(nats_url: str, prefix: str, labelled: bool, call: Callable[[Client], Any
 
     async def work(nc: Any) -> tuple[Any, Runtimes | None]:
         reply = await call(Client(nc, prefix))
-        return reply, (await fleet_runtimes(nc, prefix) if labelled else None)
+        return reply, (await runtime_labels(nc, prefix) if labelled else None)
 
     return ask(nats_url, work)
 

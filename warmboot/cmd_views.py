@@ -14,14 +14,18 @@ so it shows exactly what the scheduler sees.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any, Callable
 
 import click
 import msgspec
+import nats.errors
 
 from events.codec import decode_event, to_builtins
 from events.compat import compat_key
+from events.errors import ContractError
+from events.natspy import describe_error
 from events.jetstream import VERSION_HEADER
 from events.runtime_id import PREFIX as ID_PREFIX
 from events.runtime_id import Runtimes, UnknownRuntime, short_id
@@ -71,6 +75,23 @@ def runtimes_of(projection: Any) -> Runtimes:
 async def fleet_runtimes(nc: Any, prefix: str) -> Runtimes:
     """The runtimes of the registered workers (see `fleet`)."""
     return runtimes_of(await fleet(nc, prefix))
+
+
+LABELS_TIMEOUT_S = 2.0  # what a command's text waits for the fleet's runtime names
+
+
+async def runtime_labels(nc: Any, prefix: str) -> Runtimes:
+    """The fleet's runtimes, to label those a reply names (`fleet_runtimes`). A reply is printed
+    all the same when the log cannot be read (a client's credentials may not read it:
+    docs/security.md), within LABELS_TIMEOUT_S: then every label carries its runtime's digits
+    (`Runtimes(complete=False)`), and stderr says why once."""
+    try:
+        return await asyncio.wait_for(fleet_runtimes(nc, prefix), LABELS_TIMEOUT_S)
+    except (click.ClickException, ContractError, nats.errors.Error, asyncio.TimeoutError) as e:
+        why = e.message if isinstance(e, (click.ClickException, ContractError)) else describe_error(e)
+        click.echo(f"note: runtimes are shown by their ids: the event log could not be read for their names "
+                   f"({why})", err=True)
+        return Runtimes(complete=False)
 
 
 async def fleet(nc: Any, prefix: str) -> Any:
@@ -167,7 +188,7 @@ def explain(actor_id: str, selectors: tuple[str, ...], limit: int, min_seq: int 
 
     async def work(nc: Any) -> tuple[Explanation, Runtimes | None]:
         answer = await Client(nc, prefix).explain(actor_id, sel, min_seq)
-        return answer, (None if mode == "json" else await fleet_runtimes(nc, prefix))
+        return answer, (None if mode == "json" else await runtime_labels(nc, prefix))
 
     answer, runtimes = ask(nats_url, work)
     if mode == "json":
@@ -232,7 +253,7 @@ def fragmentation(sandbox_class: str | None, min_seq: int | None, nats_url: str,
 
     async def work(nc: Any) -> tuple[Fragmentation, Runtimes | None]:
         answer = await Client(nc, prefix).fragmentation(sandbox_class, min_seq)
-        return answer, (None if mode == "json" else await fleet_runtimes(nc, prefix))
+        return answer, (None if mode == "json" else await runtime_labels(nc, prefix))
 
     answer, runtimes = ask(nats_url, work)
     if mode == "json":
