@@ -85,6 +85,24 @@ def test_a_command_whose_server_does_not_answer_ends_with_one_line_naming_it():
     assert lines[0].split("within 5 s: ")[1], "the reason is named"
 
 
+async def test_the_client_library_gives_up_on_a_server_that_does_not_answer_naming_it(caplog):
+    """`Client.connect` to a closed port: UNAVAILABLE naming the server within its bound (it
+    waited for ever, printing nats-py's traceback every 0.25 s), the error logged once."""
+    from events.errors import ContractError
+    from events.schema import ErrorCode
+    from warmboot.client import Client
+
+    closed = f"nats://svc:secret@127.0.0.1:{free_port()}"
+    caplog.set_level(logging.WARNING)
+    with pytest.raises(ContractError) as refused:
+        await Client.connect(closed, connect_timeout=1.0)
+    assert refused.value.code is ErrorCode.UNAVAILABLE
+    assert refused.value.message.startswith(f"cannot reach NATS at nats://127.0.0.1:{closed.rsplit(':', 1)[1]} "
+                                            "within 1 s: ")
+    logged = [r.getMessage() for r in caplog.records]
+    assert len(logged) == 1 and "Traceback" not in caplog.text and "secret" not in caplog.text, logged
+
+
 def test_an_error_is_logged_once_while_it_repeats_and_again_after_a_reconnect(caplog):
     errors = ErrorsOnce(logging.getLogger("test.nats"), "nats://h:1")
     refused, reset = ConnectionRefusedError(111, "Connection refused"), ConnectionResetError(104, "reset")

@@ -518,6 +518,17 @@ async def test_a_clients_commands_print_their_answer_though_it_cannot_read_the_l
     assert [type(e).__name__ for e in history][-1] == "ActorPlaced"  # placed once: no retry was needed
 
 
+async def test_the_client_library_signs_in_with_a_clients_url_alone(deployment):
+    """`Client.connect` with a client's URL hears its replies where the permissions let it
+    (`_INBOX.<user>.`), as the CLI does: with nats-py's own inbox it was refused its subscription,
+    and every request ended UNAVAILABLE after its retries."""
+    from warmboot.client import Client
+
+    async with await Client.connect(deployment.secured.url("orch"), PREFIX, timeout=5, attempts=1) as wb:
+        answer = await wb.fragmentation("gvisor")
+        assert [c.sandbox_class for c in answer.classes] == ["gvisor"]
+
+
 async def _history_messages(d, kind: str, entity: str):
     js = d.svc.nc.jetstream()
     for seq in await history(d.svc.nc, kind, entity):

@@ -8,20 +8,18 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 import click
 from click.core import ParameterSource
-import nats.errors
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from events.compat import compat_key, describe_key
-from events.errors import ContractError, unavailable
-from events.natsauth import carries_secret, check_url, redact_url
-from events.natspy import ErrorsOnce, describe_error
+from events.errors import ContractError
+from events.natsauth import carries_secret, check_url
+from events.natspy import describe_error
 from events.schema import ID_RE, ID_WORDS
 from events.subjects import DEFAULT_PREFIX, check_prefix, stream_name
 from services.common import EVENT_LOOP_ENV, EVENT_LOOPS
-from warmboot.runner import connect
+from warmboot.connection import connect_within
 
-CONNECT_TIMEOUT_S = 5.0  # how long a one-shot command waits for its server
 
 
 def check_nats_option(ctx: click.Context | None, param: click.Parameter | None, value: str) -> str:
@@ -104,12 +102,7 @@ def ask(nats_url: str, work: Callable[[Any], Awaitable[Any]]) -> Any:
     (`Failed`: `error: CODE field: message`, exit 1)."""
 
     async def run() -> Any:
-        errors = ErrorsOnce(None)  # not logged: the last one is the error the command ends with
-        try:
-            nc = await asyncio.wait_for(connect(nats_url, "warmboot-cli", errors=errors), CONNECT_TIMEOUT_S)
-        except (OSError, asyncio.TimeoutError, nats.errors.Error) as e:
-            raise unavailable(f"cannot reach NATS at {redact_url(nats_url)} within {CONNECT_TIMEOUT_S:g} s: "
-                              f"{describe_error(errors.last or e)}") from None
+        nc = await connect_within(nats_url, "warmboot-cli")
         try:
             return await work(nc)
         finally:

@@ -29,6 +29,7 @@ The client does not own a connection it is given; `Client.connect` makes one it 
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import uuid
 from typing import Any, TypeVar
@@ -40,7 +41,8 @@ from nats.aio.client import Client as NATS
 
 from events.codec import decode_reply, encode
 from events.errors import ContractError, invalid, unavailable
-from events.natspy import guard_reads
+from events.natsauth import redact_url
+from events.natspy import ErrorsOnce
 from events.schema import (
     ID_RE,
     ID_WORDS,
@@ -73,8 +75,10 @@ from events.schema import (
     WhatIfAnswer,
 )
 from events.subjects import DEFAULT_PREFIX, check_prefix, service_subject
+from warmboot.connection import CONNECT_TIMEOUT_S, connect_within
 
 T = TypeVar("T")
+log = logging.getLogger("warmboot.client")
 
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_ATTEMPTS = 6
@@ -108,15 +112,22 @@ class Client:
         self._owned = False
 
     @classmethod
-    async def connect(cls, servers: str | list[str], prefix: str = DEFAULT_PREFIX, **options: Any) -> "Client":
-        """A client with a connection of its own (closed by `close`); `options` go to the Client,
-        except the nats.connect keywords `user_credentials`, `nkeys_seed`, `inbox_prefix` and `name`."""
-        connect = {k: options.pop(k) for k in ("user_credentials", "nkeys_seed", "inbox_prefix", "name")
-                   if k in options}
-        urls = servers.split(",") if isinstance(servers, str) else servers
-        nc = await nats.connect(servers=urls, max_reconnect_attempts=-1, reconnect_time_wait=0.25,
-                                **{"name": "warmboot-client", **connect})
-        guard_reads(nc)  # a message nats-py cannot read is dropped, not the end of its read loop
+    async def connect(cls, servers: str | list[str], prefix: str = DEFAULT_PREFIX, *,
+                      connect_timeout: float = CONNECT_TIMEOUT_S, **options: Any) -> "Client":
+        """A client with a connection of its own (closed by `close`), made as the CLI's
+        (`warmboot.connection.connect`): signed in with the URL's user and password, or the nkey
+        seed `nkeys_seed` (else $NATS_NKEY_SEED); listening for replies under `inbox_prefix`, else
+        $NATS_INBOX_PREFIX, else `_INBOX.<user>` for a URL that names one, which is where the
+        permissions of `warmboot nats-config` let a user hear them; each connection error logged
+        once while it repeats. A server that does not answer within `connect_timeout` seconds is
+        UNAVAILABLE (ContractError), naming it; after that the connection reconnects for as long
+        as it lives. `options` go to the Client, except the nats.connect keywords
+        `user_credentials`, `nkeys_seed`, `inbox_prefix` and `name`."""
+        connect = {k: options.pop(k) for k in ("user_credentials", "inbox_prefix", "name") if k in options}
+        nkey_seed = options.pop("nkeys_seed", None)
+        url = servers if isinstance(servers, str) else ",".join(servers)
+        nc = await connect_within(url, connect.pop("name", "warmboot-client"), connect_timeout, nkey_seed=nkey_seed,
+                                  errors=ErrorsOnce(log, redact_url(url)), reconnect_time_wait=0.25, **connect)
         client = cls(nc, prefix, **options)
         client._owned = True
         return client

@@ -46,7 +46,7 @@ from events.schema import (
     WorkerSandboxClass,
 )
 from warmboot.client import Client
-from warmboot.runner import connect
+from warmboot.connection import connect
 
 CLASSES = ("gvisor", "microvm")
 # Four CPU generations, as the probe would report them (distinct attributes per generation),

@@ -12,12 +12,10 @@ from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-import nats
-
-from events.natsauth import inbox_prefix as chosen_inbox_prefix, nkey_options, nkey_seed_path, redact_url
-from events.natspy import ErrorsOnce, guard_reads
+from events.natsauth import redact_url
 from events.subjects import check_prefix, services_inbox
 from services.common import LOOPBACK, metrics_url, start_metrics
+from warmboot.connection import connect
 
 log = logging.getLogger("warmboot")
 
@@ -53,39 +51,6 @@ class Running:
     @property
     def metrics_url(self) -> str | None:
         return metrics_url(self.metrics_host, self.metrics_port) if self.metrics_port else None
-
-
-async def connect(url: str, name: str, *, inbox_prefix: str | None = None, nkey_seed: str | None = None,
-                  errors: ErrorsOnce | None = None) -> nats.NATS:
-    """A client that keeps reconnecting while the server restarts (and waits for it at the
-    start); its errors go to `errors` (default: logged once each while they repeat).
-
-    Signs in with the nkey seed file `nkey_seed` or $NATS_NKEY_SEED when there is one,
-    besides any user:password in `url`. Its inbox prefix is `inbox_prefix`, else
-    $NATS_INBOX_PREFIX, else `_INBOX.<user>` when `url` names a user (`events.natsauth.inbox_prefix`).
-    """
-    options: dict[str, Any] = nkey_options(nkey_seed_path(nkey_seed))
-    inbox = chosen_inbox_prefix(url, inbox_prefix)
-    if inbox:
-        options["inbox_prefix"] = inbox
-    if errors is None:
-        errors = ErrorsOnce(log, redact_url(url))
-
-    async def reconnected() -> None:
-        errors.reset()
-
-    nc = await nats.connect(
-        servers=url.split(","),
-        name=name,
-        max_reconnect_attempts=-1,
-        reconnect_time_wait=0.5,
-        allow_reconnect=True,
-        error_cb=errors.report,
-        reconnected_cb=reconnected,
-        **options,
-    )
-    guard_reads(nc)  # a message nats-py cannot read is dropped, not the end of its read loop
-    return nc
 
 
 async def start_services(
