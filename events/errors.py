@@ -69,12 +69,14 @@ def precondition(message: str, field: str | None = None) -> ContractError:
 # A registration older than one the worker's history holds (services.registry.domain): the
 # refusal names the latest revision, which the sender reads back (`latest_revision`) to go on
 # above it when its own clock runs behind the one that wrote it.
-_REVISION_REFUSAL = "revision {given} is lower than {latest}, the latest registered for worker {worker_id!r}"
+_REVISION_REFUSAL = "revision {given} is not above {latest}, the latest registered for worker {worker_id!r}"
 
 
 def revision_refused(worker_id: str, given: int, latest: int) -> ContractError:
+    """A registration whose revision is below the worker's latest, or equal to it with other content."""
+    other = " (registered with other content)" if given == latest else ""
     return precondition(
-        _REVISION_REFUSAL.format(given=given, latest=latest, worker_id=worker_id)
+        _REVISION_REFUSAL.format(given=given, latest=latest, worker_id=worker_id) + other
         + ": a copy of an older registration, decided late, is not applied over a newer one; a sender "
         "that means it sends it with a higher revision", "revision")
 
@@ -83,7 +85,7 @@ def latest_revision(error: ContractError) -> int | None:
     """The latest revision a `revision_refused` error names; None for any other error."""
     if (error.code, error.field) != (ErrorCode.FAILED_PRECONDITION, "revision"):
         return None
-    head, sep, tail = error.message.partition(" is lower than ")
+    head, sep, tail = error.message.partition(" is not above ")
     latest, sep2, _ = tail.partition(",")
     return int(latest) if sep and sep2 and latest.isdigit() and head.startswith("revision ") else None
 

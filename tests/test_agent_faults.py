@@ -16,16 +16,21 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from click.testing import CliRunner
 
 from events.compat import same_version
 from events.errors import ContractError
 from events.natspy import flush_in_order
 from events.probe import probe_version
-from events.schema import ErrorCode, RuntimeChanged, WorkerDrained, WorkerRegistered, WorkerRemoved
+from events.aggregate import now
+from events.schema import (ErrorCode, RuntimeChanged, WorkerDrained, WorkerRegistered, WorkerRemoved,
+                           WorkerUpdated)
 from events.subjects import bucket_name, service_subject
+from services.common import run_command_async
 from tests.registry_helpers import (CPUINFO, PROBE, agent_config, raw_request, running_registry, wait_event,
                                     worker_events)
 from tests.test_agent import running_agent
+from warmboot.cli import main
 from warmboot.agent import (AGAIN, RETRY_MAX_S, RETRY_MIN_S, Agent, ConfigError, ProbeSettings, load_registration,
                             next_delay)
 
@@ -557,3 +562,146 @@ async def test_a_restarted_agent_goes_on_above_its_last_revision_and_an_older_co
         finally:
             stop.set()
             await asyncio.wait_for(task, 15)
+
+
+async def test_a_reconnect_with_an_edit_the_registry_refuses_writes_nothing(nats_url, nc, prefix, tmp_path):
+    """After a reconnect the agent sends what its file says (an edit the registry refuses: a class
+    added) and then the registration in force again. That one keeps the revision it was answered
+    with: UNCHANGED, nothing written, at every reconnect (a review found a WorkerUpdated written at
+    each: a fleet's NATS restart would have written two events a worker and moved every fence)."""
+    path = tmp_path / "agent.toml"
+    path.write_text(agent_config("v1"))
+    async with running_registry(nats_url, prefix):
+        agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe=PROBE)
+        request = agent._request
+        answered: asyncio.Queue = asyncio.Queue()
+
+        async def spied(verb, body, *args, **kwargs):
+            try:
+                reply = await request(verb, body, *args, **kwargs)
+            except ContractError as e:
+                if verb == "register":
+                    answered.put_nowait((body.revision, e.field))
+                raise
+            if verb == "register":
+                answered.put_nowait((body.revision, reply.outcome.value))
+            return reply
+
+        agent._request = spied
+        stop = asyncio.Event()
+        task = asyncio.create_task(agent.run(stop))
+        try:
+            first, outcome = await asyncio.wait_for(answered.get(), 20)
+            assert outcome == "REGISTERED"
+            path.write_text(agent_config("v1") + MICROVM)
+            edit, refused = await asyncio.wait_for(answered.get(), 20)
+            assert refused == "sandbox_classes" and edit > first
+            before = await worker_events(nc, prefix, "w-a")
+            for _ in range(3):  # three reconnects, as after NATS restarts
+                agent._reconnected.set()
+                assert await asyncio.wait_for(answered.get(), 20) == (edit, "sandbox_classes")
+                assert await asyncio.wait_for(answered.get(), 20) == (first, "UNCHANGED")
+            assert await worker_events(nc, prefix, "w-a") == before
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 15)
+
+
+@pytest.mark.parametrize("how", ["tie", "clock_back"])
+async def test_an_unanswered_edit_of_the_last_process_is_not_applied_over_the_next_ones(nats_url, nc, prefix,
+                                                                                      tmp_path, how):
+    """P1's edit (made on an Intel CPU) is held by a stalled replica, never answered: P1 stops (a
+    rolling upgrade). P2, the next process, on the same worker now on an AMD CPU, registers. Then the
+    held edit is decided: refused, the worker keeps the AMD CPU (found by a review, both ways):
+    - tie: the history's highest revision was ahead of the clock (a process before ran a minute
+      ahead), so P1 and P2 each went on at the history's highest + 1: the same revision, refused
+      now since its content is another;
+    - clock_back: P1's clock ran a minute ahead of P2's, so its edit's revision was above P2's; with
+      a state file (`--state-file`), P2 starts above anything P1 sent."""
+    path = tmp_path / "agent.toml"
+    path.write_text(agent_config("v1"))
+    cpuinfo = tmp_path / "cpuinfo"
+    shutil.copy(CPUINFO, cpuinfo)  # Intel
+    probe = ProbeSettings(cpuinfo_path=cpuinfo, architecture="amd64")
+    state = tmp_path / "revision" if how == "clock_back" else None
+
+    def real() -> int:
+        return time.time_ns() // 1_000_000
+
+    def agent(clock) -> Agent:
+        made = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe=probe,
+                     state_file=state)
+        made.clock_ms = clock
+        return made
+
+    async def run_until(process: Agent, event_type, after: int):
+        stop = asyncio.Event()
+        task = asyncio.create_task(process.run(stop))
+        try:
+            return await wait_event(nc, prefix, "w-a", event_type, after=after)
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 15)
+
+    def cpu(event) -> str:
+        return {a.key: a.value for a in event.sandbox_classes[0].default_runtime.version.attributes}["cpu_features"]
+
+    async with running_registry(nats_url, prefix) as a, running_registry(nats_url, prefix) as stalled:
+        if how == "tie":
+            seq, _ = await run_until(agent(lambda: real() + 60_000), WorkerRegistered, 0)
+            p1 = agent(real)  # refused, goes on at the history's highest + 1
+            seq, _ = await run_until(p1, WorkerUpdated, seq)
+        else:
+            p1 = agent(lambda: real() + 60_000)
+            seq, _ = await run_until(p1, WorkerRegistered, 0)
+        edit_path = tmp_path / "edit.toml"
+        edit_path.write_text(agent_config("v2"))
+        edit = load_registration(edit_path, "w-a", "node-a", probe)
+        body = msgspec.structs.replace(edit, request_id="agent-p1-edit", revision=p1._revision_of(edit))
+        go, held = asyncio.Event(), asyncio.Event()
+
+        async def decided_late():  # the stalled replica's decision, as its endpoint makes it
+            held.set()
+            await go.wait()
+            return await run_command_async(lambda: stalled.store.register(body, now()),
+                                           recheck=stalled._recheck("w-a"))
+
+        late = asyncio.create_task(decided_late())
+        await asyncio.wait_for(held.wait(), 10)
+        path.write_text(agent_config("v2"))
+        shutil.copy(AMD, cpuinfo)  # the machine moved while the agent was upgraded
+        seq, changed = await run_until(agent(real), RuntimeChanged, seq)
+        go.set()
+        with pytest.raises(ContractError) as refused:
+            await asyncio.wait_for(late, 10)
+        assert refused.value.field == "revision", refused.value
+        worker = await a.store.load("w-a")
+        assert cpu(worker) == cpu(changed) != {a.key: a.value for a in edit.sandbox_classes[0].default_runtime
+                                                .version.attributes}["cpu_features"]
+
+
+def test_the_state_file_keeps_the_last_revision_and_refuses_what_it_cannot_read(tmp_path):
+    from warmboot.agent import RevisionFile
+
+    kept = RevisionFile(tmp_path / "revision")
+    assert kept.read() == 0  # none yet: the clock decides
+    kept.write(1796297683133)
+    assert RevisionFile(tmp_path / "revision").read() == 1796297683133
+    agent = Agent("nats://127.0.0.1:4222", "w-a", "node-a", tmp_path / "agent.toml", state_file=tmp_path / "revision")
+    agent.clock_ms = lambda: 5  # a clock far behind: the next revision is above the kept one, and kept
+    assert agent._revision_of(load_registration_of(tmp_path)) == 1796297683134 == kept.read()
+    (tmp_path / "revision").write_text("twelve\n")
+    with pytest.raises(ConfigError, match="holds no revision"):
+        kept.read()
+    result = CliRunner().invoke(main, ["agent", "--worker-id", "w-a", "--node", "node-a", "--config",
+                                       str(tmp_path / "agent.toml"), "--state-file", str(tmp_path / "revision")])
+    assert result.exit_code == 1 and "state file" in result.output and "holds no revision" in result.output
+    unwritable = RevisionFile(tmp_path / "no-such-dir" / "revision")
+    with pytest.raises(ConfigError, match="cannot keep revision 7"):
+        unwritable.write(7)
+
+
+def load_registration_of(tmp_path: Path):
+    path = tmp_path / "agent.toml"
+    path.write_text(agent_config("v1"))
+    return load_registration(path, "w-a", "node-a", PROBE)

@@ -127,7 +127,9 @@ def test_domain_a_lower_revision_is_refused_in_any_life_and_a_higher_one_is_writ
     [updated] = [e.body for e in worker.collect_events()]
     assert isinstance(updated, WorkerUpdated) and updated.revision == 200
     assert (updated.node, updated.capacity, updated.labels) == (worker.node, worker.capacity, worker.labels)
-    for refused in (registration("w-1", default=runtime("v0"), revision=150), registration("w-1", revision=199)):
+    assert decide(worker, registration("w-1", revision=200)) is RegisterOutcome.UNCHANGED  # the same, again
+    for refused in (registration("w-1", default=runtime("v0"), revision=150), registration("w-1", revision=199),
+                    registration("w-1", default=runtime("v0"), revision=200)):  # equal, other content: another one
         with pytest.raises(ContractError) as e:
             decide(worker, refused)
         assert (e.value.code, e.value.field) == (ErrorCode.FAILED_PRECONDITION, "revision")

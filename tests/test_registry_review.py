@@ -570,7 +570,7 @@ async def test_an_older_registration_decided_late_is_refused_by_its_revision(nat
         with pytest.raises(ContractError) as refused:
             await finished(late)
         assert (refused.value.code, refused.value.field) == (ErrorCode.FAILED_PRECONDITION, "revision")
-        assert "revision 100 is lower than 200" in refused.value.message
+        assert "revision 100 is not above 200" in refused.value.message
         assert await last_seq(nc, prefix) == before
         worker = await a.store.load("w-1")
         attrs = {x.key: x.value for x in worker.sandbox_classes[0].default_runtime.version.attributes}

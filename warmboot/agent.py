@@ -48,6 +48,7 @@ import asyncio
 import enum
 import hashlib
 import logging
+import os
 import time
 import tomllib
 import uuid
@@ -370,6 +371,50 @@ def load_registration(path: Path, worker_id: str, node: str, probe: ProbeSetting
     return build_registration(parse_config(text, str(path)), worker_id, node, probe)
 
 
+class RevisionFile:
+    """The last revision an agent made for its worker, kept on disk across its processes.
+
+    A revision read off the clock orders an agent's registrations only while its clock never
+    goes back: a process whose clock ran ahead (stepped back by NTP before the next one starts)
+    could leave an edit in flight, unanswered, with a revision above the next process's, and a
+    stalled replica deciding it late would apply it. Written (and synced) before the revision is
+    sent, this file makes the next process start above anything an earlier one sent."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def read(self) -> int:
+        """The revision kept (0 if the file does not exist yet); ConfigError if it cannot be read."""
+        try:
+            text = self.path.read_text(encoding="ascii").strip()
+        except FileNotFoundError:
+            return 0
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"state file {self.path}: cannot read: {e}") from None
+        if not text.isdigit():
+            raise ConfigError(f"state file {self.path}: holds no revision (a whole number), but {text[:40]!r}; "
+                              "remove it to start from the clock")
+        return int(text)
+
+    def write(self, revision: int) -> None:
+        """Replace the kept revision, durably (written, synced, renamed over): ConfigError if it cannot be."""
+        temporary = self.path.with_name(self.path.name + ".tmp")
+        try:
+            with open(temporary, "w", encoding="ascii") as f:
+                f.write(f"{revision}\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(temporary, self.path)
+            directory = os.open(self.path.parent, os.O_RDONLY)
+            try:
+                os.fsync(directory)
+            finally:
+                os.close(directory)
+        except OSError as e:
+            raise ConfigError(f"state file {self.path}: cannot keep revision {revision} there: {e}; no "
+                              "registration is sent with a revision it does not keep") from None
+
+
 # --- the agent ----------------------------------------------------------------------------
 
 
@@ -390,6 +435,7 @@ class Agent:
         probe_interval_s: float = PROBE_INTERVAL_S,
         inbox_prefix: str | None = None,
         nkey_seed: str | None = None,
+        state_file: str | Path | None = None,
     ):
         self.nats_url = nats_url
         self.nkey_seed = nkey_seed_path(nkey_seed)  # a seed file, or $NATS_NKEY_SEED
@@ -429,8 +475,12 @@ class Agent:
         # Every registration carries a revision (docs/contract.md): the same for the same content, higher
         # for other content, read off this clock (ms), so that a later process of this agent goes on above.
         self.clock_ms = lambda: time.time_ns() // 1_000_000
-        self._revision = 0
+        # With a state file, the last revision made is kept there before it is sent, and a later
+        # process goes on above it, whatever the clocks say (`RevisionFile`).
+        self.state = RevisionFile(Path(state_file)) if state_file is not None else None
+        self._revision = self.state.read() if self.state is not None else 0
         self._revised: RegisterWorker | None = None  # the content `_revision` was given to
+        self._in_force_revision: int | None = None  # the revision the registration in force was answered with
         self._errors = ErrorsOnce(log, redact_url(nats_url))  # the connection's errors, once each while they repeat
 
     # --- configuration -------------------------------------------------------------------
@@ -699,6 +749,7 @@ class Agent:
                                                revision=self._revision_of(registration))
                 try:
                     reply = await self._request("register", body, RegisterReply, stop, timeout=timeout)
+                    self._in_force_revision = body.revision
                     break
                 except ContractError as e:
                     if (e.code != ErrorCode.FAILED_PRECONDITION or e.field not in ("request_id", "revision")
@@ -712,11 +763,12 @@ class Agent:
                     # - revision: the worker's history holds a higher one, from an earlier process of this
                     #   agent on a clock ahead of this one's: this one goes on above it.
                     if e.field == "revision":
-                        self._revision = max(self._revision, latest_revision(e) or 0) + 1
+                        self._in_force_revision = None  # a higher one is recorded: go on above it
+                        self._revise(max(self._revision, latest_revision(e) or 0) + 1)
                     log.warning("registration of %s refused (%s); sending it again with a new %s",
                                 self.worker_id, e.message, e.field.replace("_", " "))
-        except ContractError:
-            self.registering = False  # refused: nothing on its way
+        except (ContractError, ConfigError):
+            self.registering = False  # refused, or not sent (its revision could not be kept): nothing on its way
             raise
         self.registering = False
         self.registration, self._in_force_of, self.registered = registration, made_of, reply
@@ -729,10 +781,20 @@ class Agent:
         registration sent again, as after a reconnect, is no newer and writes nothing); else one
         above it and not below this agent's clock, so that a registration this agent sends after
         another is never older, in this process or a later one (a restart; docs/contract.md)."""
+        if registration != self._revised and registration == self.registration and self._in_force_revision is not None:
+            # the registration in force, sent again after another the registry refused (a reconnect's
+            # AGAIN): it is no newer than when it was answered, and writes nothing
+            return self._in_force_revision
         if registration != self._revised:
-            self._revision = max(self._revision + 1, self.clock_ms())
+            self._revise(max(self._revision + 1, self.clock_ms()))
             self._revised = registration
         return self._revision
+
+    def _revise(self, revision: int) -> None:
+        """Make `revision` the last one, kept in the state file (if any) before anything carries it."""
+        if self.state is not None:
+            self.state.write(revision)
+        self._revision = revision
 
     def _cpu_changed_under_registration(self) -> bool:
         """Whether the probe reads the machine otherwise than when the registration in force was made."""

@@ -46,6 +46,11 @@ from warmboot.agent import Agent, ConfigError, ProbeSettings, load_registration
               show_default=True, help="cpuinfo file the probe reads.")
 @click.option("--arch", type=click.Choice(ARCHITECTURES), default=None,
               help="Architecture the probe reports [default: this machine's].")
+@click.option("--state-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              envvar="WARMBOOT_AGENT_STATE", show_envvar=True,
+              help="File the agent keeps its last registration revision in (written before it is sent), so that "
+                   "its next process registers above anything this one sent, whatever the clock does "
+                   "(docs/registry.md). Without it, revisions come from the clock alone.")
 @click.option("--print-registration", is_flag=True,
               help="Print the registration the config makes on this machine, as JSON, and exit.")
 @click.option("-v", "--verbose", is_flag=True, help="Log at DEBUG level.")
@@ -60,6 +65,7 @@ def agent(
     watch_interval_s: float,
     cpuinfo_path: Path,
     arch: str | None,
+    state_file: Path | None,
     print_registration: bool,
     verbose: bool,
 ) -> None:
@@ -83,17 +89,21 @@ def agent(
         click.echo(json.dumps(json.loads(encode(registration)), indent=2))
         return
 
-    the_agent = Agent(
-        nats_url,
-        worker_id,
-        node,
-        config_path,
-        prefix=prefix,
-        drain_on_exit=drain_on_exit,
-        watch_interval_s=watch_interval_s,
-        probe=probe,
-        nkey_seed=nkey_seed,
-    )
+    try:
+        the_agent = Agent(
+            nats_url,
+            worker_id,
+            node,
+            config_path,
+            prefix=prefix,
+            drain_on_exit=drain_on_exit,
+            watch_interval_s=watch_interval_s,
+            probe=probe,
+            nkey_seed=nkey_seed,
+            state_file=state_file,
+        )
+    except ConfigError as e:  # the state file cannot be read
+        raise click.ClickException(str(e)) from None
 
     async def run() -> None:
         stop = asyncio.Event()

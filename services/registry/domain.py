@@ -32,7 +32,8 @@ Rules (CONTRACT sections 2 and 3, Registry):
 - Revisions (project addition, docs/contract.md): a registration may carry `revision`, a
   number its sender never lowers (warmboot's agent: its clock in ms when it made the
   content, across its restarts). One lower than the highest the worker's history holds,
-  in any life, is FAILED_PRECONDITION (field `revision`, nothing written): a copy of an
+  in any life, or equal to it with other content, is FAILED_PRECONDITION (field
+  `revision`, nothing written): a copy of an
   older registration that a stalled replica decides after a newer one, or after the
   worker was removed, would put back runtimes the machine no longer has. So that every
   revision answered is in the history, a higher revision with the same content writes
@@ -145,6 +146,7 @@ class Worker(WireAggregate):
         self.drained = False
         self.removed_reason: str | None = None
         self.revision: int | None = None  # the highest a registration of any life recorded
+        self.revised_content: tuple | None = None  # what the worker was once `revision` was recorded
 
     # --- decisions ------------------------------------------------------------------
 
@@ -156,7 +158,8 @@ class Worker(WireAggregate):
                 raise invalid(f"revision {revision} is more than a year ahead of the registry's clock in "
                               "milliseconds (a sender never goes below the revision it last sent; it need "
                               "not jump ahead)", "revision")
-            if self.revision is not None and revision < self.revision:
+            if self.revision is not None and (revision < self.revision or (
+                    revision == self.revision and self._content_of(request, classes) != self.revised_content)):
                 raise revision_refused(self.entity_id, revision, self.revision)
         if not self.alive:
             self.record(
@@ -273,26 +276,36 @@ class Worker(WireAggregate):
     def starts_life(self, body: Event) -> bool:
         return isinstance(body, WorkerRegistered) and not self.alive
 
+    @staticmethod
+    def _content_of(request: RegisterWorker, classes: tuple[WorkerSandboxClass, ...]) -> tuple:
+        return request.node, request.capacity, tuple(sorted(request.labels.items())), classes
+
+    def _content(self) -> tuple:
+        return self.node, self.capacity, tuple(sorted(self.labels.items())), self.sandbox_classes
+
     def _revised(self, revision: int | None) -> None:
-        if revision is not None and (self.revision is None or revision > self.revision):
+        """After an event's fields are applied: the highest revision, and what it registered (an
+        equal revision with other content is another registration, and refused)."""
+        if revision is not None and (self.revision is None or revision >= self.revision):
             self.revision = revision
+            self.revised_content = self._content()
 
     def when_WorkerRegistered(self, event: WorkerRegistered) -> None:
-        self._revised(event.revision)
         self.alive = True
         self.lives += 1
         self.drained = False
         self.removed_reason = None
         self.node, self.capacity, self.labels = event.node, event.capacity, dict(event.labels)
         self.sandbox_classes = canonical_classes(event.sandbox_classes)
+        self._revised(event.revision)
 
     def when_RuntimeChanged(self, event: RuntimeChanged) -> None:
-        self._revised(event.revision)
         self.sandbox_classes = canonical_classes(event.sandbox_classes)
+        self._revised(event.revision)
 
     def when_WorkerUpdated(self, event: WorkerUpdated) -> None:
-        self._revised(event.revision)
         self.node, self.capacity, self.labels = event.node, event.capacity, dict(event.labels)
+        self._revised(event.revision)
 
     def when_WorkerDrained(self, event: WorkerDrained) -> None:
         self.drained = True
