@@ -156,6 +156,21 @@ def test_up_refuses_a_bad_prefix_and_port_before_it_starts_anything(tmp_path):
     assert not store.exists()  # nothing started, nothing written
 
 
+@pytest.mark.parametrize("args, says", [
+    (["--ttl", "0"], "Invalid value for '--ttl': 0 is not a number of seconds of at least 1"),
+    (["--ttl", "0.5"], "Invalid value for '--ttl': 0.5 is not"),
+    (["--ttl", "-3"], "Invalid value for '--ttl'"),
+    (["--ttl", "nan"], "Invalid value for '--ttl': nan is not"),
+    (["--metrics-port", "99999"], "Invalid value for '--metrics-port': 99999 is not in the range 0<=x<=65535"),
+])
+def test_serve_refuses_a_bad_value_before_it_connects(args, says):
+    """Named as a usage error before anything runs (they were tracebacks, and only once NATS answered)."""
+    closed = f"nats://127.0.0.1:{free_port()}"
+    result = CliRunner().invoke(main, ["serve", "registry", "--nats", closed, *args])
+    assert result.exit_code == 2, result.output
+    assert says in result.output and "Traceback" not in result.output
+
+
 def test_a_metrics_port_taken_is_one_line_naming_it(tmp_path):
     import socket
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 from contextlib import AsyncExitStack
 
@@ -30,6 +31,13 @@ SERVICE_OPTIONS = {
 }
 
 
+def check_ttl(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    """click callback: a TTL the registry takes (a finite number of seconds, at least 1)."""
+    if not math.isfinite(value) or value < 1:
+        raise click.BadParameter(f"{value:g} is not a number of seconds of at least 1")
+    return value
+
+
 @click.command()
 @click.argument("service", type=click.Choice([*SERVICES, "all"]))
 @click.option("--nats", "nats_url", default="nats://127.0.0.1:4222", show_default=True,
@@ -40,12 +48,13 @@ SERVICE_OPTIONS = {
               show_envvar=True, help="Sign in with the nkey seed in this file (warmboot nats-config --auth nkey).")
 @click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="WARMBOOT_PREFIX", show_envvar=True,
               callback=check_prefix_option, help="Subject prefix of the deployment.")
-@click.option("--metrics-port", type=int, default=None,
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
               help="Serve Prometheus metrics on this port (0: any free port).")
 @click.option("--metrics-host", default=ALL_INTERFACES, show_default=True,
               help="Interface the metrics are served on (all by default, for a Prometheus on another host).")
-@click.option("--ttl", "ttl_s", type=float, default=15.0, show_default=True,
-              help="Registry: seconds of silence after which a worker is removed as LOST.")
+@click.option("--ttl", "ttl_s", type=float, default=15.0, show_default=True, callback=check_ttl,
+              help="Registry: seconds of silence after which a worker is removed as LOST (at least 1; "
+                   "heartbeat TTLs are whole seconds, so a fraction is rounded up).")
 @click.option("--worker-nodes", "worker_nodes_path", type=click.Path(dir_okay=False), default=None,
               envvar="WARMBOOT_WORKER_NODES", show_envvar=True,
               help="Registry: JSON file of worker id -> node (`nats-config --worker ID@NODE --worker-nodes FILE`): "
