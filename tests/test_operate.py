@@ -83,6 +83,15 @@ def test_up_runs_the_demo_and_twice_in_a_row(tmp_path):
     check_demo_summary(table_rows(second.stdout))
 
 
+def test_the_demos_closing_hint_names_its_prefix():
+    """The command the demo suggests shows its fleet: with `up --prefix x` it names the prefix (it
+    did not, and the views said there was no stream WARMBOOT_EVENTS; found by a review)."""
+    from warmboot.demo import views_command
+
+    assert views_command("nats://127.0.0.1:4222", "warmboot") == "warmboot workers --nats nats://127.0.0.1:4222"
+    assert views_command("nats://u:pw@h:1", "revcli") == "warmboot workers --nats nats://h:1 --prefix revcli"
+
+
 async def test_up_keeps_the_demo_fleet_heartbeating_while_it_serves(tmp_path):
     """After the demo's summary `up` serves on, and the demo's workers stay registered: a put in
     the heartbeat bucket after "serving" (not an expiry marker), the views list every worker,

@@ -30,6 +30,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from events.errors import ContractError
+from events.natsauth import redact_url
 from events.tasks import cancel_and_wait
 from events.runtime_id import Runtimes
 from events.schema import (
@@ -45,6 +46,7 @@ from events.schema import (
     WorkerRuntime,
     WorkerSandboxClass,
 )
+from events.subjects import DEFAULT_PREFIX
 from warmboot.client import Client
 from warmboot.connection import connect
 
@@ -257,6 +259,12 @@ async def each(items: list[Any], step: Callable[[Any], Awaitable[Any]], advance:
     return await asyncio.gather(*(one(item) for item in items))
 
 
+def views_command(nats_url: str, prefix: str) -> str:
+    """The command that shows the demo's fleet: its server (redacted), and its prefix unless the default."""
+    with_prefix = "" if prefix == DEFAULT_PREFIX else f" --prefix {prefix}"
+    return f"warmboot workers --nats {redact_url(nats_url)}{with_prefix}"
+
+
 async def run_demo(nats_url: str, prefix: str, cfg: DemoConfig, console: Console,
                    hold: Callable[[], Awaitable[None]] | None = None) -> Tally:
     """Drive the simulated fleet through every phase and print the summary. With `hold`, the
@@ -383,8 +391,7 @@ async def run_demo(nats_url: str, prefix: str, cfg: DemoConfig, console: Console
         demo.tally.retries = demo.wb.retries
         report(demo.tally, console)
         if hold is not None:
-            console.print(f"the demo's {len(demo.workers)} workers keep heartbeating: try "
-                          f"warmboot workers --nats {nats_url}")
+            console.print(f"the demo's {len(demo.workers)} workers keep heartbeating: try {views_command(nats_url, prefix)}")
             await hold()
     finally:
         demo.stopping = True
