@@ -22,6 +22,8 @@ from eventsourcing.persistence import IntegrityError
 
 from events.codec import decode_event, encode
 from events.errors import ContractError, unavailable
+from events.compat import compat_key
+from events.runtime_id import short_id
 from events.schema import (
     Action,
     ActorPlaced,
@@ -127,7 +129,9 @@ async def test_resume_places_commits_and_answers_over_nats(nc, prefix, writer, r
 
     service.refresh_gauges()
     label = "v1 architecture=amd64,gvisor_asset_hash=2"
-    assert metric("warmboot_scheduler_workers", sandbox_class=CLS, runtime=label, role="default") == 1
+    runtime_id = short_id(compat_key(CLS, V2))  # the id the views print (`rt-...`)
+    assert metric("warmboot_scheduler_workers", sandbox_class=CLS, runtime=label, runtime_id=runtime_id,
+                  role="default") == 1
     assert metric("warmboot_scheduler_fold_seq") == service.projection.seq >= cold.seq
 
 

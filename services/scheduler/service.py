@@ -35,6 +35,7 @@ from events.codec import decode_event, decoder
 from events.errors import ContractError, UnreadableHistory, unavailable
 from events.jetstream.link import links_on
 from events.tasks import cancel_and_wait
+from events.runtime_id import short_id
 from events.schema import (
     ActorPlaced,
     Assignment,
@@ -94,7 +95,7 @@ COMMIT_GROUP = Histogram(
 )
 WORKERS = Gauge(
     "warmboot_scheduler_workers", "Registered, undrained workers per sandbox class and runtime version",
-    ["sandbox_class", "runtime", "role"],
+    ["sandbox_class", "runtime", "runtime_id", "role"],
 )
 STRANDED = Gauge(
     "warmboot_scheduler_stranded_snapshots",
@@ -423,7 +424,7 @@ class SchedulerService:
         for name, index in p.classes.items():
             for role, counts in zip(GAUGE_ROLES, index.live):
                 for compat, n in counts.items():
-                    labels = (name, runtime_label(compat.key), role)
+                    labels = (name, runtime_label(compat.key), short_id(compat.key), role)
                     WORKERS.labels(*labels).set(n)
                     seen.add(labels)
             STRANDED.labels(name).set(index.stranded())
