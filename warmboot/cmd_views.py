@@ -366,12 +366,14 @@ def resolve_drops(runtimes: Runtimes, texts: tuple[str, ...], sandbox_class: str
 
 
 def check_drains(projection: Any, workers: tuple[str, ...], sandbox_class: str) -> None:
-    """Every `--drain` names a registered worker of the class: a typo must not forecast nothing."""
-    for worker_id in workers:
-        worker = projection.workers.get(worker_id)
-        if worker is None or sandbox_class not in worker.classes:
-            raise click.BadParameter(f"no registered worker {worker_id!r} of class {sandbox_class}",
-                                     param_hint="'--drain'")
+    """Every `--drain` names a registered worker of the class (`services.scheduler.whatif.check_drains`,
+    as the endpoint checks it), said before the question is sent."""
+    from services.scheduler.whatif import check_drains as refused
+
+    try:
+        refused(projection, sandbox_class, workers)
+    except ContractError as e:
+        raise click.BadParameter(e.message, param_hint="'--drain'") from None
 
 
 COUNT_COLUMNS = [

@@ -137,12 +137,22 @@ def _room(workers: list[Worker]) -> Room:
     return Room(cpu_millis=cpu, memory_mib=mem)
 
 
+def check_drains(projection: Projection, sandbox_class: str, workers: tuple[str, ...] | list[str]) -> None:
+    """NOT_FOUND (field `drain_workers[i]`) unless every worker to drain is a registered worker of
+    the class: a typo must not forecast nothing (docs/contract.md)."""
+    for i, worker_id in enumerate(workers):
+        worker = projection.workers.get(worker_id)
+        if worker is None or sandbox_class not in worker.classes:
+            raise not_found(f"no registered worker {worker_id!r} of class {sandbox_class}", f"drain_workers[{i}]")
+
+
 def whatif(projection: Projection, query: WhatIf) -> WhatIfAnswer:
     """The forecast of `query` on the log folded into `projection` (CONTRACT `scheduler.whatif`)."""
     name = query.sandbox_class
     index = projection.classes.get(name)
     if index is None:
         raise not_found(f"no worker has registered the sandbox class {name!r}", "sandbox_class")
+    check_drains(projection, name, query.drain_workers)
     dropped = frozenset(c for c in (projection.intern.compat_of_key(compat_key(name, v)) for v in query.drop_runtimes)
                         if c is not None)
     scenario = Scenario(index, dropped, frozenset(query.drain_workers))
