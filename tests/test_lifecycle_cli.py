@@ -231,6 +231,26 @@ async def test_worker_show_drain_and_remove(bus, nc, prefix):
     assert (view["state"], view["worker_id"]) == ("SUSPENDED", None)
 
 
+async def test_worker_show_lists_the_local_images_on_its_node(bus, nc, prefix):
+    """A paused actor's image is LOCAL on its node and resumes only there: `worker show` lists it
+    beside the booked actors (it said "no actors booked" alone, the check a user makes before a
+    drain; found by a review). Its stamp is shown by its label."""
+    run, wb = bus
+    await wb.drain("w-old")
+    await wb.create(actor("p-1", cpu=100, mem=256))
+    await wb.resume("p-1")  # on w-new
+    paused = await wb.pause("p-1")
+    view = json.loads((await run("worker", "show", "w-new", "--json")).output)
+    assert view["actors"] == []
+    assert view["local_images"] == [{"actor_id": "p-1", "state": "PAUSED", "snapshot_id": paused.snapshot.snapshot_id,
+                                     "fidelity": "MEMORY", "stamp": "runsc-v2"}]
+    text = (await run("worker", "show", "w-new", width=80)).output
+    assert "no actors booked" in text and "local images on node-new (those actors resume only on this node):" in text
+    assert re.search(r"^p-1\s+PAUSED\s+\S+\s+MEMORY\s+runsc-v2$", text, re.M), text
+    other = (await run("worker", "show", "w-old")).output
+    assert "no local images on node-old" in other
+
+
 async def test_create_from_a_golden_snapshot_file(bus, tmp_path):
     run, _ = bus
     path = tmp_path / "golden.json"

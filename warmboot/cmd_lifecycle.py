@@ -49,6 +49,8 @@ from warmboot.cmd_views import (
 )
 from warmboot.render import Column, render_fields, render_table, terminal_width
 
+RUNNING, STOPPED = ActorState.RUNNING, ActorState.STOPPED
+
 request_id_option = click.option("--request-id", default=None,
                                  help="Idempotency key: the same command with the same id is the same request "
                                       "(default: a new one).")
@@ -469,10 +471,23 @@ def worker_view(worker_id: str, projection: Any) -> dict:
         pin = a.pin.runtime
         actors.append({"actor_id": actor_id, "state": a.state, "booked": to_builtins(a.booked),
                        "pin": runtimes.label(pin.sandbox_class, pin.version, pin.name)})
+    # Waiting actors whose latest image is LOCAL on this worker's node, of a class it runs: they
+    # resume only on that node (CONTRACT rule 5), so draining or removing the node's last worker of
+    # the class strands them (docs/operations.md: suspend them first).
+    local = []
+    for actor_id, a in projection.actors.items():
+        kind = a.snapshot
+        if (kind is None or not kind.local or a.image_node != w.node or a.state in (RUNNING, STOPPED)
+                or a.sandbox_class not in w.classes):
+            continue
+        stamp = kind.stamp.runtime if kind.stamp is not None else None
+        local.append({"actor_id": actor_id, "state": a.state, "snapshot_id": a.snapshot_id,
+                      "fidelity": kind.fidelity.value, "stamp": stamp_label(stamp, runtimes)})
+    local.sort(key=lambda entry: entry["actor_id"])
     return to_builtins({"worker_id": worker_id, "node": w.node, "state": w.state, "labels": dict(w.labels),
                         "capacity": {"cpu_millis": w.cpu_millis, "memory_mib": w.memory_mib},
                         "free": {"cpu_millis": w.room_cpu, "memory_mib": w.room_mem},
-                        "classes": rows, "actors": actors})
+                        "classes": rows, "actors": actors, "local_images": local})
 
 
 ACTOR_COLUMNS = [
@@ -481,6 +496,15 @@ ACTOR_COLUMNS = [
     Column("CPU", lambda a: millis(a["booked"]["cpu_millis"]), right=True),
     Column("MEM", lambda a: mib(a["booked"]["memory_mib"]), right=True),
     Column("PIN", lambda a: a["pin"]),
+]
+
+
+LOCAL_COLUMNS = [
+    Column("ACTOR", lambda a: a["actor_id"]),
+    Column("STATE", lambda a: a["state"]),
+    Column("SNAPSHOT", lambda a: a["snapshot_id"] or "-"),
+    Column("FIDELITY", lambda a: a["fidelity"]),
+    Column("STAMP", lambda a: a["stamp"]),
 ]
 
 
@@ -503,10 +527,12 @@ def render_worker(view: dict, width: int | None, wide: bool = False) -> str:
             fields.append((f"{cls.upper()} ATTRIBUTES",
                            version_text(msgspec.convert(row["default_runtime"], CompatVersion))))
     text = render_fields(fields, None if wide else width)
-    if not view["actors"]:
-        return text + "\n\nno actors booked"
-    table = render_table(ACTOR_COLUMNS, view["actors"], width, wide)
-    return text + "\n\n" + table.text
+    booked = render_table(ACTOR_COLUMNS, view["actors"], width, wide).text if view["actors"] else "no actors booked"
+    where = f"local images on {view['node']}"
+    local = (f"{where} (those actors resume only on this node):\n"
+             + render_table(LOCAL_COLUMNS, view["local_images"], width, wide).text
+             if view["local_images"] else f"no {where}")
+    return text + "\n\n" + booked + "\n\n" + local
 
 
 @worker.command("show")
@@ -516,7 +542,8 @@ def render_worker(view: dict, width: int | None, wide: bool = False) -> str:
 @output_option
 def show_worker_cmd(worker_id: str, nats_url: str, prefix: str, output: str | None, as_json: bool) -> None:
     """WORKER_ID's node, state, labels, capacity and free room, runtimes per class (default,
-    restorable, compatible versions) and the actors booked on it. Folds the whole log with the
+    restorable, compatible versions), the actors booked on it, and the waiting actors whose LOCAL
+    image is on its node (they resume only there: suspend them before draining its last worker). Folds the whole log with the
     scheduler's projection, as `warmboot workers` does."""
     from warmboot.audit import Sink
 
