@@ -529,6 +529,24 @@ async def test_the_client_library_signs_in_with_a_clients_url_alone(deployment):
         assert [c.sandbox_class for c in answer.classes] == ["gvisor"]
 
 
+async def test_an_agent_with_another_workers_credentials_stops_saying_so(deployment, tmp_path):
+    """w-1's credentials running the agent of w-2: NATS refuses every publish (and the inbox). The
+    agent ends at once with the reason (it asked again for ever, a timeout each time), and nothing
+    of w-2's changes."""
+    from warmboot.agent import ConfigError
+
+    before = await State.of(deployment)
+    path = tmp_path / "agent.toml"
+    path.write_text(agent_config("v1"))
+    agent = Agent(deployment.secured.url("w-1"), "w-2", "node-b", path, prefix=PREFIX, probe=PROBE)
+    with pytest.raises(ConfigError) as refused:
+        await asyncio.wait_for(agent.run(asyncio.Event()), 30)
+    assert "NATS refuses this agent: nats: permissions violation" in str(refused.value)
+    assert "Are the credentials those of worker 'w-2'" in str(refused.value)
+    assert deployment.secured.secrets["w-1"] not in str(refused.value)
+    assert await State.of(deployment) == before
+
+
 async def _history_messages(d, kind: str, entity: str):
     js = d.svc.nc.jetstream()
     for seq in await history(d.svc.nc, kind, entity):

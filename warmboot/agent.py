@@ -65,7 +65,7 @@ from events.codec import decode_request, encode, to_builtins
 from events.errors import ContractError, latest_revision
 from events.tasks import cancel_and_wait
 from events.natsauth import nkey_options, nkey_seed_path, redact_url
-from events.natspy import ErrorsOnce, guard_reads
+from events.natspy import ErrorsOnce, describe_error, guard_reads
 from events.compat import MACHINE_TO_ARCH
 from events.probe import (DEFAULT_CPUINFO, PROFILES, SCHEMA_VERSION, ProbeError, host_architecture,
                           probe_version, read_cpuinfo)
@@ -588,15 +588,27 @@ class Agent:
             except ContractError as e:
                 if (e.code != ErrorCode.UNAVAILABLE and e.code not in also_retry) or stop is None:
                     raise
+                self._check_not_denied()
                 log.warning("%s: %s; retrying in %.1fs", verb, e.message, delay)
             except Exception as e:  # connection closed or reconnecting
                 if stop is None:
                     raise
+                self._check_not_denied()
                 log.warning("%s: %s; retrying in %.1fs", verb, e, delay)
             if await _wait(stop, delay):
                 raise asyncio.CancelledError
             left = self.beat_at + self.ttl_s - time.monotonic() if beats and self.beat_at is not None else None
             delay = next_delay(delay, left)
+
+    def _check_not_denied(self) -> None:
+        """Before the first registration is answered, a permissions violation NATS reported on this
+        connection ends the agent (ConfigError): its credentials are not this worker's (another
+        worker's, or a client's), and asking again would only be refused again, for ever."""
+        last = self._errors.last
+        if self.registered is None and last is not None and "permissions violation" in describe_error(last).lower():
+            raise ConfigError(f"NATS refuses this agent: {describe_error(last)}. Are the credentials those of "
+                              f"worker {self.worker_id!r} (--worker-id; the user in --nats or $NATS_URL, or "
+                              "--nkey-seed)?")
 
     async def register(self, registration: RegisterWorker | Latest, stop: asyncio.Event) -> RegisterReply | None:
         """Register `registration` (one request_id across retries), then heartbeat to learn the TTL.
