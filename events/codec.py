@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from events.errors import ContractError, invalid
-from events.schema import AnyEvent, ErrorReply, Event
+from events.schema import PATTERN_WORDS, AnyEvent, ErrorReply, Event
 from events.validate import check_request
 
 T = TypeVar("T")
@@ -27,6 +27,9 @@ MAX_BODY = 1 << 20  # bigger bodies are refused before decoding
 # msgspec ends its message with ` - at `$.a[0].b``, or ` - at `key` in `$.labels`` for a map key
 _AT = re.compile(r" - at (?P<key>`key` in )?`\$(?P<path>[^`]*)`$")
 _MISSING = re.compile(r"missing required field `(?P<name>[^`]+)`")
+# msgspec says a pattern as "`str` matching regex '<the pattern's repr>'"
+_PATTERN = re.compile(r"`str` matching regex (?P<regex>'.*')")
+_WORDS_BY_REPR = {repr(pattern): words for pattern, words in PATTERN_WORDS.items()}
 
 
 @lru_cache(maxsize=None)
@@ -40,6 +43,11 @@ def field_path(error: msgspec.ValidationError) -> tuple[str, str | None]:
     match = _AT.search(text)
     path = match.group("path").lstrip(".") if match else ""
     message = text[: match.start()] if match else text
+    pattern = _PATTERN.search(message)
+    if pattern:  # the pattern in words (`events.schema.PATTERN_WORDS`)
+        words = _WORDS_BY_REPR.get(pattern.group("regex"))
+        if words is not None:
+            message = message[: pattern.start()] + words + message[pattern.end():]
     if match and match.group("key"):
         message = f"{message} (in a key)"
     missing = _MISSING.search(message)

@@ -38,6 +38,16 @@ ATTR_KEY_PATTERN = r"^[a-z][a-z0-9_]{0,127}(?!\n)$"
 PRINTABLE_PATTERN = r"^[^\x00-\x1f\x7f-\x9f]*(?!\n)$"
 PRINTABLE = {"printable": True}
 LABEL_KEY_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9._/-]{0,251}[A-Za-z0-9])?(?!\n)$"
+# Each pattern as an error says it (`events.codec.field_path`), not as a regular expression.
+PATTERN_WORDS = {
+    ID_PATTERN: f"an id: {ID_WORDS}",
+    CLASS_PATTERN: "a sandbox class: 1 to 63 lower-case letters, digits or '-', the first a letter",
+    SCHEMA_VERSION_PATTERN: "a schema version: 'v' and a number from 1 to 9999, such as v1",
+    ATTR_KEY_PATTERN: "an attribute key: 1 to 128 lower-case letters, digits or '_', the first a letter",
+    PRINTABLE_PATTERN: "printable text (no control characters)",
+    LABEL_KEY_PATTERN: "a label key: 1 to 253 letters, digits, '.', '_', '/' or '-', the first and last a "
+                       "letter or digit",
+}
 
 MAX_INT = 1 << 40  # MiB and millicores: far above any machine, far below overflow
 

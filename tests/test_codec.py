@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import enum
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import msgspec.inspect as mi
@@ -23,6 +23,7 @@ from events.codec import decode_event, decode_reply, decode_request, encode
 from events.jsonschema import SENT_SUFFIX, UNIONS, json_schema
 from events.compat import compat_key, matches
 from events.errors import ContractError
+from events.schema import PATTERN_WORDS
 
 SETTINGS = settings(
     max_examples=50,
@@ -354,3 +355,14 @@ def test_compat_key_differs_with_class_or_schema_version(version, first, second,
 def test_compat_key_survives_the_wire(version):
     decoded = msgspec.json.decode(encode(version), type=s.CompatVersion)
     assert compat_key("gvisor", decoded) == compat_key("gvisor", version)
+
+
+@pytest.mark.parametrize("pattern", list(PATTERN_WORDS))
+def test_every_pattern_is_said_in_words_not_as_a_regular_expression(pattern):
+    """A field refused for its pattern is told what it must be (a review found `'^[A-Za-z0-9]...(?!\\n)$'`)."""
+    body = msgspec.defstruct("Body", [("field", Annotated[str, msgspec.Meta(pattern=pattern)])])
+    with pytest.raises(ContractError) as refused:
+        decode_request(body, b'{"field": "\\u0001 not it \\u0001"}')
+    assert refused.value.field == "field"
+    assert refused.value.message == f"Expected {PATTERN_WORDS[pattern]}"
+    assert "regex" not in refused.value.message
