@@ -202,6 +202,11 @@ def test_ids_and_prefixes_are_refused_in_words():
     assert result.exit_code == 2 and "'bad id' is not an id: 1 to 128 letters, digits" in result.output
     result = CliRunner().invoke(main, ["workers", "--prefix", "Bad"])
     assert result.exit_code == 2 and "must be 1 to 32 lower-case letters" in result.output
+    for command in (["audit", "actor", "a b"], ["actor", "show", "a b"], ["worker", "show", "x y"]):
+        result = CliRunner().invoke(main, command)  # refused before it connects (a review found them looked up)
+        assert result.exit_code == 2 and "is not an id: 1 to 128 letters" in result.output, (command, result.output)
+    result = CliRunner().invoke(main, ["actor", "list", "--state", "bogus"])
+    assert result.exit_code == 2 and "'bogus' is not one of CREATED, RUNNING, PAUSED, SUSPENDED, STOPPED" in result.output
 
 
 @pytest.mark.parametrize("args, as_json", [([], False), (["--json"], True), (["-o", "json"], True),

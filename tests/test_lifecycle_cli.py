@@ -251,6 +251,14 @@ async def test_worker_show_lists_the_local_images_on_its_node(bus, nc, prefix):
     assert "no local images on node-old" in other
 
 
+async def test_audit_of_an_actor_without_events_is_not_found_as_every_command_says_it(bus):
+    run, _ = bus
+    result = await run("audit", "actor", "nobody")
+    assert result.exit_code == 1 and result.stderr.startswith("error: NOT_FOUND actor_id: no events for actor 'nobody'")
+    listed = await run("actor", "list", "--state", "created")  # any case, as the views print it
+    assert listed.exit_code == 0, listed.output
+
+
 async def test_create_from_a_golden_snapshot_file(bus, tmp_path):
     run, _ = bus
     path = tmp_path / "golden.json"

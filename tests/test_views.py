@@ -178,6 +178,21 @@ def test_a_name_written_like_a_label_never_passes_for_another_runtime():
     assert unknown.label("gvisor", real.version) == f"rt-{real_digits}"
 
 
+def test_fragmentation_rows_come_in_the_order_of_their_labels():
+    """Rows by class, then label, whatever order the reply gives them in (they followed none)."""
+    from events.schema import ClassFragmentation, Fragmentation, Room, RuntimeFragmentation
+
+    named = [runtime("gvisor", g, release) for g, release in ((0, "2024.11"), (1, "2024.05"), (2, "2025.01"))]
+    runtimes = Runtimes([("gvisor", r.version, r.name) for r in named])
+    rows = [RuntimeFragmentation(version=r.version, workers_default=1, workers_restorable=0,
+                                 free=Room(cpu_millis=0, memory_mib=0), snapshots_memory=0) for r in named]
+    answer = Fragmentation(classes=[ClassFragmentation(sandbox_class="gvisor", workers=3, runtimes=rows,
+                                                       stranded_snapshots=0)])
+    text = render_fragmentation(answer, runtimes, None)
+    shown = [line.split()[1] for line in text.split("\n\n", 1)[1].splitlines()[1:]]
+    assert shown == ["runsc-2024.05", "runsc-2024.11", "runsc-2025.01"], text
+
+
 # --- the renderers -------------------------------------------------------------------------------------
 
 

@@ -7,10 +7,12 @@ from datetime import datetime, timezone
 
 import click
 
+from events.errors import not_found
 from events.schema import ActorPlaced, SnapshotTaken
 from events.subjects import event_subject
 from warmboot.audit import Sink, summary
-from warmboot.cli_common import ask, json_option, nats_option, prefix_option, read_subject, replay, version_text
+from warmboot.cli_common import (Failed, ask, check_id, json_option, nats_option, prefix_option, read_subject, replay,
+                                 version_text)
 from warmboot.render import Column, render_fields, render_table, terminal_width
 
 
@@ -55,6 +57,7 @@ def replay_cmd(until_seq: int | None, until_time: datetime | None, nats_url: str
     pairs = [(f"workers {state}", str(n)) for state, n in result["workers"].items()]
     pairs += [(f"actors {state}", str(n)) for state, n in result["actors"].items()]
     pairs.append(("stranded memory snapshots", str(result["stranded_snapshots"])))
+    pairs.append(("local snapshots on nodes without a worker of the class", str(result["lost_local_snapshots"])))
     click.echo(render_fields(pairs))
 
 
@@ -71,7 +74,7 @@ def verify_cmd(nats_url: str, prefix: str) -> None:
 
 
 @audit.command("actor")
-@click.argument("actor_id")
+@click.argument("actor_id", callback=check_id)
 @nats_option
 @prefix_option
 @json_option
@@ -88,7 +91,7 @@ def actor_cmd(actor_id: str, nats_url: str, prefix: str, as_json: bool) -> None:
 
     records, runtimes = ask(nats_url, work)
     if not records:
-        raise click.ClickException(f"no events for actor {actor_id}")
+        raise Failed(not_found(f"no events for actor {actor_id!r}", "actor_id"))
     rows = [timeline_row(seq, event) for seq, event in records]
     if as_json:
         click.echo(json.dumps(rows, indent=2))

@@ -31,8 +31,8 @@ from events.runtime_id import Runtimes, short_id
 from events.schema import ActorRuntime, CompatVersion, CreateActor, Fidelity, Resources, Snapshot
 from events.states import ActorState
 from events.subjects import event_subject
-from warmboot.cli_common import (ask, json_option, min_seq_option, nats_option, prefix_option, read_subject, replay,
-                                 version_text)
+from warmboot.cli_common import (ask, check_id, json_option, min_seq_option, nats_option, prefix_option, read_subject,
+                                 replay, version_text)
 from warmboot.client import Client
 from warmboot.cmd_views import (
     decision_fields,
@@ -50,6 +50,16 @@ from warmboot.cmd_views import (
 from warmboot.render import Column, render_fields, render_table, terminal_width
 
 RUNNING, STOPPED = ActorState.RUNNING, ActorState.STOPPED
+
+
+def one_state(value: str | None) -> str | None:
+    """--state in any case, as the views print it (upper case), or a usage error listing them so."""
+    if value is None:
+        return None
+    states = [s.value for s in ActorState]
+    if value.upper() not in states:
+        raise click.BadParameter(f"{value!r} is not one of {', '.join(states)}")
+    return value.upper()
 
 request_id_option = click.option("--request-id", default=None,
                                  help="Idempotency key: the same command with the same id is the same request "
@@ -337,7 +347,7 @@ def actor_fields(view: dict, wide: bool) -> list[tuple[str, str]]:
 
 
 @actor.command("show")
-@click.argument("actor_id")
+@click.argument("actor_id", callback=check_id)
 @nats_option
 @prefix_option
 @output_option
@@ -386,8 +396,9 @@ ACTOR_LIST_COLUMNS = [
 
 @actor.command("list")
 @click.option("--class", "sandbox_class", default=None, help="Only actors of this sandbox class.")
-@click.option("--state", type=click.Choice([s.value for s in ActorState], case_sensitive=False), default=None,
-              help="Only actors in this state.")
+@click.option("--state", default=None, callback=lambda ctx, param, value: one_state(value),
+              metavar="[" + "|".join(s.value for s in ActorState) + "]",
+              help="Only actors in this state (in any case).")
 @click.option("--worker", "worker_id", default=None, help="Only actors placed on this worker.")
 @nats_option
 @prefix_option
@@ -536,7 +547,7 @@ def render_worker(view: dict, width: int | None, wide: bool = False) -> str:
 
 
 @worker.command("show")
-@click.argument("worker_id")
+@click.argument("worker_id", callback=check_id)
 @nats_option
 @prefix_option
 @output_option

@@ -225,13 +225,19 @@ def runtime_columns(runtimes: Runtimes) -> list[Column]:
     ]
 
 
+def by_label(runtimes: Runtimes, sandbox_class: str, version: CompatVersion) -> tuple[str, str, str]:
+    """A runtime row's place in a table: by class, then label (its id between equal labels)."""
+    return sandbox_class, runtimes.label(sandbox_class, version), short_id(compat_key(sandbox_class, version))
+
+
 def render_fragmentation(answer: Fragmentation, runtimes: Runtimes, width: int | None, wide: bool = False,
                          sandbox_class: str | None = None) -> str:
     if not answer.classes:
         return (f"no worker registers the sandbox class {sandbox_class}" if sandbox_class is not None
                 else "no sandbox classes registered")
     classes = render_table(CLASS_COLUMNS, answer.classes, width, wide)
-    rows = [(c.sandbox_class, rt) for c in answer.classes for rt in c.runtimes]
+    rows = sorted(((c.sandbox_class, rt) for c in answer.classes for rt in c.runtimes),
+                  key=lambda row: by_label(runtimes, row[0], row[1].version))
     table = render_table(runtime_columns(runtimes), rows, width, wide)
     text = classes.text + "\n\n" + table.text
     note = table.footnote(width)
@@ -429,7 +435,8 @@ def render_whatif(query: WhatIf, answer: WhatIfAnswer, runtimes: Runtimes, width
     parts.append(render_table(COUNT_COLUMNS, [("before", answer.before), ("after", answer.after)], width, wide).text)
     notes = []
     if answer.runtimes:
-        table = render_table(forecast_columns(cls, runtimes, dropped), answer.runtimes, width, wide)
+        rows = sorted(answer.runtimes, key=lambda r: by_label(runtimes, cls, r.version))
+        table = render_table(forecast_columns(cls, runtimes, dropped), rows, width, wide)
         parts.append(table.text)
         notes.append(table.footnote(width))
     newly = answer.after.stranded_snapshots - answer.before.stranded_snapshots  # a drop or drain only takes away
