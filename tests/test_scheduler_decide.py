@@ -849,3 +849,25 @@ def test_a_remembered_refusal_is_what_a_fresh_decision_says_after_any_change(ste
             if log.p.actors[a].state is not RUNNING:
                 actor = a
                 assert outcome(memo) == outcome(None)
+
+
+def test_explain_names_the_workers_that_came_furthest_through_the_checks(monkeypatch):
+    """Of many workers passed over, the explanation names at most EXPLAIN_REJECTED_LIMIT: those that
+    came furthest (full before a runtime mismatch before another class), wherever they are in the
+    log, then by id; the counts cover all (a review found the first 20 of another class listed)."""
+    from types import SimpleNamespace
+
+    from services.scheduler import decide as d
+
+    monkeypatch.setattr(d, "EXPLAIN_REJECTED_LIMIT", 3)
+    verdicts = {"w-a": ["class not registered"], "w-b": ["class not registered"], "w-c": ["runtime mismatch"],
+                "w-d": ["insufficient cpu", "insufficient memory"], "w-e": ["drained"], "w-f": [],
+                "w-g": ["insufficient memory"], "w-h": ["runtime mismatch"]}
+    ask = SimpleNamespace(reasons=lambda worker, pending: verdicts[worker.worker_id])
+    workers = [SimpleNamespace(worker_id=w) for w in verdicts]
+    rejected: list = []
+    total, candidates, counts = d.tally(workers, ask, d.NO_PENDING, rejected)
+    assert (total, candidates) == (8, 1) and counts["class not registered"] == 2 and counts["runtime mismatch"] == 2
+    assert [(r.worker_id, r.reasons) for r in rejected] == [
+        ("w-d", ["insufficient cpu", "insufficient memory"]), ("w-g", ["insufficient memory"]),
+        ("w-c", ["runtime mismatch"])]  # w-h, as far as w-c, comes later in the log

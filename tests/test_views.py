@@ -46,6 +46,7 @@ from services.scheduler.fragmentation import fragmentation
 from services.scheduler.projection import Projection
 from tests.factories import SILENT_TTL_S, last_seq
 from warmboot.cli import main
+from services.scheduler.feasibility import REASONS
 from warmboot.cmd_views import (
     CLASS_COLUMNS,
     REJECTED_COLUMNS,
@@ -349,9 +350,14 @@ async def test_explain_command_fits_and_shows_the_pin_by_its_label(operated, nat
         assert json.loads(out.output)["decision"]["worker_id"] == why.decision.worker_id
     wide = await cli("explain", "a-0001", "-o", "wide", "--nats", nats_url, "--prefix", prefix, width=80)
     assert "ATTRIBUTES" in wide.output and "cpu_" in wide.output
-    # the workers passed over, by id, at most --limit of them; the rest counted
+    # the workers passed over, those that came furthest through the checks first (a worker of the
+    # actor's class before one of another class), then by id; at most --limit of them, the rest counted
     assert len(why.rejected) >= 2
-    passed = sorted(r.worker_id for r in why.rejected)
+    furthest = [max(REASONS.index(reason) for reason in r.reasons) for r in why.rejected]
+    assert furthest == sorted(furthest, reverse=True) and furthest[0] > REASONS.index("class not registered")
+    assert all(a.worker_id < b.worker_id for a, b, fa, fb in zip(why.rejected, why.rejected[1:], furthest,
+                                                               furthest[1:]) if fa == fb)
+    passed = [r.worker_id for r in why.rejected]
     limited = await cli("explain", "a-0001", "--limit", "1", "--nats", nats_url, "--prefix", prefix, width=200)
     table = limited.output.strip().split("\n\n")[1].splitlines()
     assert table[1].split()[0] == passed[0] and len(table) == 3

@@ -150,8 +150,9 @@ REJECTED_COLUMNS = [
 
 def render_explanation(actor_id: str, answer: Explanation, runtimes: Runtimes, width: int | None,
                        wide: bool = False, limit: int = 0) -> str:
-    """The explanation as fields, and the workers passed over by worker id, at most `limit` of them
-    (0: all); SUMMARY counts them all."""
+    """The explanation as fields, and the workers passed over in the scheduler's order (those that
+    came furthest through the checks first, then by id), at most `limit` of them (0: all); SUMMARY
+    counts them all."""
     fields = [("ACTOR", actor_id), ("SUMMARY", answer.message or f"{answer.candidates} candidates")]
     if answer.decision is not None:
         fields += decision_fields(answer.decision, runtimes, wide)
@@ -159,7 +160,7 @@ def render_explanation(actor_id: str, answer: Explanation, runtimes: Runtimes, w
         fields.append(("REFUSED", f"{answer.refusal.code.value}: {answer.refusal.message}"))
     parts = [render_fields(fields, None if wide else width)]
     if answer.rejected:
-        rejected = sorted(answer.rejected, key=lambda r: r.worker_id)
+        rejected = answer.rejected
         shown = rejected[:limit] if limit else rejected
         rendered = render_table(REJECTED_COLUMNS, shown, width, wide)
         more = len(rejected) - len(shown)

@@ -61,6 +61,7 @@ workers.
 
 from __future__ import annotations
 
+import heapq
 from typing import Iterable, Iterator, Mapping, Sequence
 
 from events.errors import UnreadableHistory, exhausted, invalid, not_found, precondition
@@ -76,7 +77,7 @@ from events.schema import (
     Rejection,
     Resources,
 )
-from services.scheduler.feasibility import NO_PENDING, Ask, Pending
+from services.scheduler.feasibility import NO_PENDING, REASONS, Ask, Pending
 from services.scheduler.projection import Projection
 from services.scheduler.records import (
     EDGE_DEFAULT,
@@ -518,8 +519,12 @@ def exhausted_message(projection: Projection, the_plan: Plan, pending: Pending) 
 def tally(
     workers: Iterable[Worker], ask: Ask, pending: Pending, rejected: list[Rejection] | None
 ) -> tuple[int, int, dict[str, int]]:
+    """Workers in all, candidates, and the count of each reason; with `rejected`, the workers passed
+    over that came furthest through the checks (a full one before a drained one before one of
+    another class), at most EXPLAIN_REJECTED_LIMIT of them, in that order and then by id."""
     total = candidates = 0
     counts: dict[str, int] = {}
+    kept: list[tuple[int, int, str, tuple[str, ...]]] = []  # a heap, the least far through on top
     for worker in workers:
         total += 1
         reasons = ask.reasons(worker, pending)
@@ -528,9 +533,24 @@ def tally(
             continue
         for reason in reasons:
             counts[reason] = counts.get(reason, 0) + 1
-        if rejected is not None and len(rejected) < EXPLAIN_REJECTED_LIMIT:
-            rejected.append(Rejection(worker_id=worker.worker_id, reasons=reasons))
+        if rejected is not None:
+            entry = (_how_far(reasons), -total, worker.worker_id, reasons)  # of equals, the first in the log kept
+            if len(kept) < EXPLAIN_REJECTED_LIMIT:
+                heapq.heappush(kept, entry)
+            elif entry > kept[0]:
+                heapq.heapreplace(kept, entry)
+    if rejected is not None:
+        kept.sort(key=lambda e: (-e[0], e[2]))
+        rejected.extend(Rejection(worker_id=worker_id, reasons=reasons) for _, _, worker_id, reasons in kept)
     return total, candidates, counts
+
+
+_PIPELINE = {reason: i for i, reason in enumerate(REASONS)}
+
+
+def _how_far(reasons: Sequence[str]) -> int:
+    """How far through the checks a worker passed over came: the furthest of its reasons."""
+    return max(_PIPELINE.get(reason, -1) for reason in reasons)
 
 
 def summary(candidates: int, total: int, counts: Mapping[str, int]) -> str:
