@@ -470,6 +470,23 @@ async def test_a_replica_starting_gives_a_clock_to_a_registered_worker_under_a_t
         assert lost.reason == "LOST"
 
 
+async def registration_held(stalled, request: RegisterWorker) -> tuple[asyncio.Task, asyncio.Event]:
+    """`request` sent to the registry replica `stalled`, whose decision of it waits until the event
+    returned is set (a replica that stalled on it): the task answers it then."""
+    go, held = asyncio.Event(), asyncio.Event()
+    decide = stalled.store.register
+
+    async def held_back(held_request, at):
+        held.set()
+        await go.wait()
+        return await decide(held_request, at)
+
+    stalled.store.register = held_back
+    late = asyncio.create_task(stalled.register(request.worker_id, request))
+    await finished(held.wait())
+    return late, go
+
+
 @pytest.mark.parametrize("first_answer", ["REGISTERED", "UNCHANGED"])
 async def test_a_registration_of_an_earlier_life_decided_late_is_refused(nats_url, nc, prefix, first_answer):
     """A replica stalls on a copy of registration R1 (the agent's first send; its retry was answered
@@ -491,17 +508,7 @@ async def test_a_registration_of_an_earlier_life_decided_late_is_refused(nats_ur
         else:  # life 1 began with another id; R1 said the same again: kept in the reply cache
             await a.register("w-1", reg("cpu-x", "agent-0"))
             assert (await a.register("w-1", r1)).outcome is RegisterOutcome.UNCHANGED
-        go, held = asyncio.Event(), asyncio.Event()
-        decide = stalled.store.register
-
-        async def held_back(request, at):
-            held.set()
-            await go.wait()
-            return await decide(request, at)
-
-        stalled.store.register = held_back
-        late = asyncio.create_task(stalled.register("w-1", r1))
-        await finished(held.wait())
+        late, go = await registration_held(stalled, r1)
         await a.remove("w-1", RemoveWorker(reason="its CPU changed"))
         second = await a.register("w-1", reg("cpu-y", "agent-2"))
         assert second.outcome is RegisterOutcome.REGISTERED
@@ -542,17 +549,7 @@ async def test_an_older_registration_decided_late_is_refused_by_its_revision(nat
             assert (await a.register("w-1", r1)).outcome is RegisterOutcome.REGISTERED
         else:
             await a.register("w-1", reg("cpu-y", "agent-p1-1", 50))
-        go, held = asyncio.Event(), asyncio.Event()
-        decide = stalled.store.register
-
-        async def held_back(request, at):
-            held.set()
-            await go.wait()
-            return await decide(request, at)
-
-        stalled.store.register = held_back
-        late = asyncio.create_task(stalled.register("w-1", r1))
-        await finished(held.wait())
+        late, go = await registration_held(stalled, r1)
         if then == "unchanged":
             newer = await a.register("w-1", reg("cpu-y", "agent-p2-1", 200))
             assert newer.outcome is RegisterOutcome.UPDATED  # the revision is written
