@@ -593,24 +593,61 @@ def deliver_core(nc: Any, sub: Any, on_msg: Callable[[Msg], None],
 
 
 class ErrorsOnce:
-    """nats-py's `error_cb`: each error logged to `logger` (None: not logged) once while it
-    repeats, one line naming `where` (the server, as a log may show it); the last kept (`last`)
-    for a caller that gives up waiting."""
+    """nats-py's `error_cb`: each kind of error logged to `logger` (None: not logged) once until
+    the connection is made again (two that alternate, such as a refused sign-in and the reset that
+    follows it, are two lines, not one per attempt), one line naming `where` (the server, as a log
+    may show it); the last kept (`last`) for a caller that gives up waiting, and the first refused
+    sign-in (`refusal`, `refused`), which waiting will not change."""
+
+    MAX_KINDS = 64  # kinds remembered at once; past it they are news again
 
     def __init__(self, logger: logging.Logger | None = log, where: str = "") -> None:
         self.logger = logger
         self.where = f"NATS at {where}" if where else "NATS"
         self.last: Exception | None = None
+        self.refusal: Exception | None = None
+        self._seen: set[tuple] = set()
+        self._refused: asyncio.Event | None = None
 
     async def report(self, error: Exception) -> None:
         """The callback itself (nats-py takes only coroutine functions)."""
-        if self.logger is not None and (self.last is None or _kind(error) != _kind(self.last)):
-            self.logger.warning("%s: %s", self.where, describe_error(error))
+        kind = _kind(error)
+        if kind not in self._seen:
+            if len(self._seen) >= self.MAX_KINDS:
+                self._seen.clear()
+            self._seen.add(kind)
+            if self.logger is not None:
+                self.logger.warning("%s: %s", self.where, describe_error(error))
         self.last = error
+        if self.refusal is None and refuses_sign_in(error):
+            self.refusal = error
+            if self._refused is not None:
+                self._refused.set()
+
+    async def refused(self) -> Exception:
+        """The first refused sign-in, once there is one."""
+        if self.refusal is None:
+            if self._refused is None:
+                self._refused = asyncio.Event()
+            await self._refused.wait()
+        assert self.refusal is not None
+        return self.refusal
 
     def reset(self) -> None:
         """Connected again: the next error is news."""
-        self.last = None
+        self.last = self.refusal = None
+        self._seen.clear()
+        if self._refused is not None:
+            self._refused.clear()
+
+
+def refuses_sign_in(error: BaseException) -> bool:
+    """Whether nats-py's `error` is the server refusing the credentials (which no retry changes)."""
+    if isinstance(error, nats.errors.AuthorizationError):
+        return True
+    text = describe_error(error).lower()
+    return any(words in text for words in ("authorization violation", "authentication expired",
+                                           "authentication revoked"))
 
 
 def _kind(error: BaseException) -> tuple:

@@ -9,6 +9,7 @@ import asyncio
 import logging
 import threading
 
+import nats.errors
 import pytest
 from click.testing import CliRunner
 
@@ -124,6 +125,19 @@ def test_an_error_is_logged_once_while_it_repeats_and_again_after_a_reconnect(ca
     silent = ErrorsOnce(None)
     asyncio.run(silent.report(refused))
     assert silent.last is refused
+    caplog.clear()
+    alternating = ErrorsOnce(logging.getLogger("test.nats"), "nats://h:1")
+    denied = nats.errors.Error("nats: 'Authorization Violation'")  # and the reset that follows it, again and again
+    with caplog.at_level(logging.WARNING, logger="test.nats"):
+        asyncio.run(report_all(alternating, denied, reset, denied, reset, denied))
+    assert [r.getMessage() for r in caplog.records] == [
+        "NATS at nats://h:1: nats: 'Authorization Violation'", "NATS at nats://h:1: [Errno 104] reset"]
+    assert alternating.refusal is denied and alternating.last is denied
+
+
+async def report_all(errors: ErrorsOnce, *seen: Exception) -> None:
+    for error in seen:
+        await errors.report(error)
 
 
 def test_a_service_waits_for_its_server_saying_so_once_and_serves_when_it_comes(tmp_path, prefix):

@@ -262,7 +262,7 @@ async def test_nkeys_one_pair_per_user_seeds_private_and_only_public_keys_config
                 CliRunner().invoke, main, ["workers", "--nats", server.url, "--prefix", "hx", "-o", "json"],
                 env={NKEY_SEED_ENV: str(seeds / "ops.nk"), INBOX_PREFIX_ENV: "_INBOX.ops"})
             assert shown.exit_code == 0, shown.output
-            assert [row["worker_id"] for row in json.loads(shown.output)] == ["w-1"]
+            assert [row["worker_id"] for row in json.loads(shown.stdout)] == ["w-1"]
         finally:
             stop.set()
             await asyncio.wait_for(task, 15)
@@ -301,7 +301,7 @@ async def test_an_operator_hears_only_its_own_replies_and_the_cli_connects_with_
                                             ["workers", "--nats", server.url("alice"), "--prefix", "opx", "-o", "json"],
                                             env={INBOX_PREFIX_ENV: ""})
             assert shown.exit_code == 0, shown.output
-            assert [row["worker_id"] for row in json.loads(shown.output)] == ["w-1"]
+            assert [row["worker_id"] for row in json.loads(shown.stdout)] == ["w-1"]
     finally:
         server.stop()
 

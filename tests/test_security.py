@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import urllib.request
 
 import nats.errors
@@ -25,6 +26,7 @@ import pytest
 from events.codec import decode_event, encode
 from events.errors import ContractError
 from events.schema import (
+    ErrorCode,
     CreateActor,
     DrainWorker,
     ExplainResume,
@@ -513,6 +515,7 @@ async def test_a_clients_commands_print_their_answer_though_it_cannot_read_the_l
         assert result.exit_code == 0, (args, result.output)
         assert says in result.stdout and "rt-" in result.stdout, result.stdout
         assert "note: runtimes are shown by their ids" in result.stderr, result.stderr
+        assert "may these credentials read its log?" in result.stderr, result.stderr  # why, in words
         assert deployment.secured.secrets["orch"] not in result.output
     history = [decode_event(m.data) async for m in _history_messages(deployment, "actor", "a-2")]
     assert [type(e).__name__ for e in history][-1] == "ActorPlaced"  # placed once: no retry was needed
@@ -545,6 +548,30 @@ async def test_an_agent_with_another_workers_credentials_stops_saying_so(deploym
     assert "Are the credentials those of worker 'w-2'" in str(refused.value)
     assert deployment.secured.secrets["w-1"] not in str(refused.value)
     assert await State.of(deployment) == before
+
+
+async def test_a_wrong_password_is_said_at_once_and_not_retried(deployment, tmp_path):
+    """The server refuses the sign-in: the client and the CLI say so at once, as FAILED_PRECONDITION
+    (not retried), naming the server but not the password; it took the whole timeout and came back
+    as UNAVAILABLE, "cannot reach NATS", sometimes naming only the reset that follows the refusal."""
+    from warmboot.client import Client
+
+    url = deployment.secured.url("orch").replace(deployment.secured.secrets["orch"], "not-the-password")
+    started = time.monotonic()
+    with pytest.raises(ContractError) as refused:
+        await Client.connect(url, PREFIX, connect_timeout=20)
+    assert time.monotonic() - started < 10
+    assert refused.value.code is ErrorCode.FAILED_PRECONDITION
+    assert "refuses the sign-in" in refused.value.message and "not-the-password" not in refused.value.message
+    with pytest.raises(ContractError) as no_seed:
+        await Client.connect(deployment.secured.url(), PREFIX, nkeys_seed=str(tmp_path / "none.nk"))
+    assert no_seed.value.code is ErrorCode.FAILED_PRECONDITION and "no nkey seed file" in no_seed.value.message
+    from click.testing import CliRunner
+
+    from warmboot.cli import main
+    shown = await asyncio.to_thread(CliRunner().invoke, main, ["workers", "--prefix", PREFIX], env={"NATS_URL": url})
+    assert shown.exit_code == 1 and "error: FAILED_PRECONDITION: NATS at " in shown.stderr, shown.output
+    assert "refuses the sign-in" in shown.stderr and "not-the-password" not in shown.output
 
 
 async def _history_messages(d, kind: str, entity: str):

@@ -364,3 +364,25 @@ async def test_explain_command_fits_and_shows_the_pin_by_its_label(operated, nat
     assert table[2] == f"({len(passed) - 1} more worker(s) passed over: --limit 0 lists them)"
     every = await cli("explain", "a-0001", "--limit", "0", "--nats", nats_url, "--prefix", prefix, width=200)
     assert [line.split()[0] for line in every.output.strip().split("\n\n")[1].splitlines()[1:]] == passed
+
+
+async def test_the_names_of_a_large_fleet_are_read_however_long_that_takes(monkeypatch):
+    """Only the stream's first answer is bounded (a client's credentials get none); the fleet's read
+    that follows is not: at 50,000 workers it takes seconds, and the names gave way to ids with a
+    note that the log could not be read (found by a review)."""
+    from warmboot import cmd_views
+
+    async def stream_answers(nc, prefix, timeout=5.0):
+        assert timeout == cmd_views.LABELS_TIMEOUT_S
+        return 7
+
+    async def slow_fleet(nc, prefix, target=None):
+        assert target == 7
+        await asyncio.sleep(cmd_views.LABELS_TIMEOUT_S * 5)  # a long read (simulated), well past the bound
+        return folded(fleet())
+
+    monkeypatch.setattr(cmd_views, "LABELS_TIMEOUT_S", 0.02)
+    monkeypatch.setattr(cmd_views, "last_seq", stream_answers)
+    monkeypatch.setattr(cmd_views, "fleet", slow_fleet)
+    labels = await cmd_views.runtime_labels(None, "x")
+    assert labels.complete and labels.known == runtimes_of(folded(fleet())).known

@@ -118,9 +118,11 @@ def version_text(version: Any) -> str:
     return describe_key(compat_key("", version)).strip()
 
 
-async def last_seq(nc: Any, prefix: str) -> int:
+async def last_seq(nc: Any, prefix: str, timeout: float = 5.0) -> int:
+    """The event stream's last sequence, or a ClickException naming the stream, the prefix and the
+    credentials (a client's may not ask: NATS then answers nothing, and the wait is `timeout`)."""
     try:
-        return (await nc.jetstream().stream_info(stream_name(prefix))).state.last_seq
+        return (await nc.jetstream(timeout=timeout).stream_info(stream_name(prefix))).state.last_seq
     except Exception as e:
         raise click.ClickException(f"cannot read the event stream {stream_name(prefix)} ({describe_error(e)}): is "
                                    f"--prefix {prefix} the deployment's, and may these credentials read its log? "

@@ -14,7 +14,6 @@ so it shows exactly what the scheduler sees.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any, Callable
 
@@ -77,30 +76,33 @@ async def fleet_runtimes(nc: Any, prefix: str) -> Runtimes:
     return runtimes_of(await fleet(nc, prefix))
 
 
-LABELS_TIMEOUT_S = 2.0  # what a command's text waits for the fleet's runtime names
+LABELS_TIMEOUT_S = 2.0  # how long a command's text waits for the stream to say it may be read
 
 
 async def runtime_labels(nc: Any, prefix: str) -> Runtimes:
     """The fleet's runtimes, to label those a reply names (`fleet_runtimes`). A reply is printed
     all the same when the log cannot be read (a client's credentials may not read it:
-    docs/security.md), within LABELS_TIMEOUT_S: then every label carries its runtime's digits
-    (`Runtimes(complete=False)`), and stderr says why once."""
+    docs/security.md; NATS then answers nothing, so the stream's question waits LABELS_TIMEOUT_S):
+    then every label carries its runtime's digits (`Runtimes(complete=False)`), and stderr says
+    why. Once the stream has answered, the fleet is read whole, however long that takes."""
     try:
-        return await asyncio.wait_for(fleet_runtimes(nc, prefix), LABELS_TIMEOUT_S)
-    except (click.ClickException, ContractError, nats.errors.Error, asyncio.TimeoutError) as e:
+        target = await last_seq(nc, prefix, LABELS_TIMEOUT_S)
+        return runtimes_of(await fleet(nc, prefix, target))
+    except (click.ClickException, ContractError, nats.errors.Error) as e:
         why = e.message if isinstance(e, (click.ClickException, ContractError)) else describe_error(e)
-        click.echo(f"note: runtimes are shown by their ids: the event log could not be read for their names "
-                   f"({why})", err=True)
+        click.echo(f"note: runtimes are shown by their ids, not their names: {why}", err=True)
         return Runtimes(complete=False)
 
 
-async def fleet(nc: Any, prefix: str) -> Any:
-    """The registered workers: their histories alone (`<prefix>.ev.worker.>`), folded with the
-    scheduler's projection, a small part of the log (no actor, no booking)."""
+async def fleet(nc: Any, prefix: str, target: int | None = None) -> Any:
+    """The registered workers: their histories alone (`<prefix>.ev.worker.>`) up to `target` (the
+    stream's last sequence by default), folded with the scheduler's projection, a small part of the
+    log (no actor, no booking)."""
     from services.scheduler.projection import Projection
 
     projection = Projection()
-    target = await last_seq(nc, prefix)
+    if target is None:
+        target = await last_seq(nc, prefix)
     async for seq, _, headers, data in log_messages(nc, prefix, event_subject(prefix, "worker", ">"), target):
         version = headers.get(VERSION_HEADER)
         projection.apply(seq, decode_event(data), int(version) if version else None)

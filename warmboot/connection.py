@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Any
 
 import nats
 import nats.errors
 
-from events.errors import unavailable
+from events.errors import precondition, unavailable
 from events.natsauth import inbox_prefix as chosen_inbox_prefix, nkey_options, nkey_seed_path, redact_url
 from events.natspy import ErrorsOnce, describe_error, guard_reads
+from events.tasks import cancel_and_wait
 
 log = logging.getLogger("warmboot")
 
@@ -62,12 +64,30 @@ async def connect(url: str, name: str, *, inbox_prefix: str | None = None, nkey_
 
 
 async def connect_within(url: str, name: str, timeout_s: float = CONNECT_TIMEOUT_S, *,
-                         errors: ErrorsOnce | None = None, **options: Any) -> nats.NATS:
-    """`connect`, or UNAVAILABLE naming the server (redacted) and its last error if it does not
-    answer within `timeout_s`."""
+                         errors: ErrorsOnce | None = None, nkey_seed: str | None = None,
+                         **options: Any) -> nats.NATS:
+    """`connect`, or a ContractError naming the server (redacted): FAILED_PRECONDITION at once when
+    the server refuses the credentials (no retry changes that: `ErrorsOnce.refused`) or the nkey
+    seed file does not exist, UNAVAILABLE with its last error if it does not answer within
+    `timeout_s`."""
+    where = redact_url(url)
+    seed = nkey_seed_path(nkey_seed)
+    if seed is not None and not os.path.isfile(seed):
+        raise precondition(f"no nkey seed file {seed!r} to sign in to NATS at {where} with")
     errors = errors if errors is not None else ErrorsOnce(None)  # the last one is in the refusal
+    connecting = asyncio.ensure_future(connect(url, name, errors=errors, nkey_seed=seed, **options))
+    refused = asyncio.ensure_future(errors.refused())
     try:
-        return await asyncio.wait_for(connect(url, name, errors=errors, **options), timeout_s)
-    except (OSError, asyncio.TimeoutError, nats.errors.Error) as e:
-        raise unavailable(f"cannot reach NATS at {redact_url(url)} within {timeout_s:g} s: "
-                          f"{describe_error(errors.last or e)}") from None
+        await asyncio.wait((connecting, refused), timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        if connecting.done():
+            try:
+                return connecting.result()
+            except (OSError, nats.errors.Error) as e:
+                raise unavailable(f"cannot reach NATS at {where}: {describe_error(errors.last or e)}") from None
+        if refused.done():
+            raise precondition(f"NATS at {where} refuses the sign-in: {describe_error(refused.result())} (check "
+                               "the user and password or token in the URL, or the nkey seed)")
+        raise unavailable(f"cannot reach NATS at {where} within {timeout_s:g} s: "
+                          f"{describe_error(errors.last or asyncio.TimeoutError())}")
+    finally:
+        await cancel_and_wait(refused, None if connecting.done() else connecting)

@@ -521,7 +521,8 @@ def tally(
 ) -> tuple[int, int, dict[str, int]]:
     """Workers in all, candidates, and the count of each reason; with `rejected`, the workers passed
     over that came furthest through the checks (a full one before a drained one before one of
-    another class), at most EXPLAIN_REJECTED_LIMIT of them, in that order and then by id."""
+    another class; of those as far, the first in the log), at most EXPLAIN_REJECTED_LIMIT of them,
+    listed in that order and then by id."""
     total = candidates = 0
     counts: dict[str, int] = {}
     kept: list[tuple[int, int, str, tuple[str, ...]]] = []  # a heap, the least far through on top
@@ -534,23 +535,18 @@ def tally(
         for reason in reasons:
             counts[reason] = counts.get(reason, 0) + 1
         if rejected is not None:
-            entry = (_how_far(reasons), -total, worker.worker_id, reasons)  # of equals, the first in the log kept
+            how_far = _PIPELINE.get(reasons[-1], -1)  # reasons come in the checks' order: the last is the furthest
             if len(kept) < EXPLAIN_REJECTED_LIMIT:
-                heapq.heappush(kept, entry)
-            elif entry > kept[0]:
-                heapq.heapreplace(kept, entry)
+                heapq.heappush(kept, (how_far, -total, worker.worker_id, reasons))
+            elif how_far > kept[0][0]:  # of equals, the first in the log is kept
+                heapq.heapreplace(kept, (how_far, -total, worker.worker_id, reasons))
     if rejected is not None:
         kept.sort(key=lambda e: (-e[0], e[2]))
         rejected.extend(Rejection(worker_id=worker_id, reasons=reasons) for _, _, worker_id, reasons in kept)
     return total, candidates, counts
 
 
-_PIPELINE = {reason: i for i, reason in enumerate(REASONS)}
-
-
-def _how_far(reasons: Sequence[str]) -> int:
-    """How far through the checks a worker passed over came: the furthest of its reasons."""
-    return max(_PIPELINE.get(reason, -1) for reason in reasons)
+_PIPELINE = {reason: i for i, reason in enumerate(REASONS)}  # how far through the checks a reason comes
 
 
 def summary(candidates: int, total: int, counts: Mapping[str, int]) -> str:
