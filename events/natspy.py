@@ -596,8 +596,9 @@ class ErrorsOnce:
     """nats-py's `error_cb`: each kind of error logged to `logger` (None: not logged) once until
     the connection is made again (two that alternate, such as a refused sign-in and the reset that
     follows it, are two lines, not one per attempt), one line naming `where` (the server, as a log
-    may show it); the last kept (`last`) for a caller that gives up waiting, and the first refused
-    sign-in (`refusal`, `refused`), which waiting will not change."""
+    may show it); the last kept (`last`) for a caller that gives up waiting, the first refused
+    sign-in (`refusal`, `refused`), which waiting will not change, and the first permissions
+    violation (`denied`), which a later error must not hide."""
 
     MAX_KINDS = 64  # kinds remembered at once; past it they are news again
 
@@ -606,6 +607,7 @@ class ErrorsOnce:
         self.where = f"NATS at {where}" if where else "NATS"
         self.last: Exception | None = None
         self.refusal: Exception | None = None
+        self.denied: Exception | None = None  # the first permissions violation since connected
         self._seen: set[tuple] = set()
         self._refused: asyncio.Event | None = None
 
@@ -619,6 +621,8 @@ class ErrorsOnce:
             if self.logger is not None:
                 self.logger.warning("%s: %s", self.where, describe_error(error))
         self.last = error
+        if self.denied is None and "permissions violation" in describe_error(error).lower():
+            self.denied = error
         if self.refusal is None and refuses_sign_in(error):
             self.refusal = error
             if self._refused is not None:
@@ -635,7 +639,7 @@ class ErrorsOnce:
 
     def reset(self) -> None:
         """Connected again: the next error is news."""
-        self.last = self.refusal = None
+        self.last = self.refusal = self.denied = None
         self._seen.clear()
         if self._refused is not None:
             self._refused.clear()

@@ -69,7 +69,8 @@ Seq = Annotated[int, Meta(ge=0)]
 # A registration's revision (project addition, docs/contract.md): a number its sender never
 # lowers for a worker, across its own restarts (warmboot's agent: its clock in ms); at most 2^53 - 1,
 # an integer every JSON reader keeps exactly.
-Revision = Annotated[int, Meta(ge=0, le=(1 << 53) - 1)]
+MAX_REVISION = (1 << 53) - 1
+Revision = Annotated[int, Meta(ge=0, le=MAX_REVISION)]
 # RFC 3339 with a zone (CONTRACT section 1); a caller's other offset is normalised to UTC
 # at the edge (events.validate), so every time in the log is UTC.
 Time = Annotated[datetime, Meta(tz=True)]

@@ -845,6 +845,10 @@ class NoWriteAnswers:
             raise aggregate.reused(request_id, f"a {kept.verb} that changed nothing")
         return msgspec.json.decode(kept.reply, type=reply_type), kept.version
 
+    async def was_kept_async(self, aggregate: Any, request_id: str) -> bool:
+        """Whether an answer to `request_id` was kept for the aggregate, in any life (at the stream leader)."""
+        return bool(await self._answered(self.replies.get(self._key(aggregate.entity_id, request_id))))
+
     async def keep_async(self, aggregate: Any, verb: str, request_id: str | None, reply: Base) -> None:
         """Keep the answer of a request that wrote nothing, before it is given (UNAVAILABLE if the
         bucket does not take it: the request wrote nothing, so its retry is safe)."""

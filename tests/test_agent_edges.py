@@ -162,6 +162,22 @@ def test_a_literal_runtime_naming_another_cpu_is_refused_unless_masked(tmp_path)
     assert str(error.value).startswith("sandbox_classes[0].default_runtime.cpu_masked:")
 
 
+@pytest.mark.parametrize("attributes", ['architecture = "arm64", gvisor_asset_hash = "v1"',
+                                        'architecture = "arm64", cpu_vendor = "0x41", kernel_digest = "k"'])
+def test_a_literal_runtime_of_another_architecture_is_refused_whatever_else_it_names(tmp_path, attributes):
+    """Not every key of a profile given, the architecture alone is compared (a review found these taken:
+    the registry then held the amd64 worker as arm64, and arm64 images would have been sent to it)."""
+    path = tmp_path / "agent.toml"
+    text = agent_config("v1").replace('profile = "gvisor"\nattributes = { gvisor_asset_hash = "v1" }',
+                                      f"attributes = {{ {attributes} }}\ncpu_masked = true", 1)
+    assert text != agent_config("v1")
+    path.write_text(text)
+    with pytest.raises(ConfigError) as error:
+        load_registration(path, "w-a", "node-a", PROBE)
+    assert str(error.value).startswith("sandbox_classes[0].default_runtime.attributes.architecture: 'arm64' is not "
+                                       "this machine's ('amd64')")
+
+
 def test_a_literal_runtime_is_taken_when_the_probe_cannot_read_the_machine(tmp_path):
     """Where the probe reads nothing (no cpuinfo), a literal version is the way to register: not checked."""
     from warmboot.agent import ProbeSettings

@@ -27,6 +27,7 @@ from events.schema import (ErrorCode, RuntimeChanged, WorkerDrained, WorkerRegis
                            WorkerUpdated)
 from events.subjects import bucket_name, service_subject
 from services.common import run_command_async
+from tests.factories import last_seq
 from tests.registry_helpers import (CPUINFO, PROBE, agent_config, raw_request, running_registry, wait_event,
                                     worker_events)
 from tests.test_agent import running_agent
@@ -683,20 +684,23 @@ async def test_an_unanswered_edit_of_the_last_process_is_not_applied_over_the_ne
 def test_the_state_file_keeps_the_last_revision_and_refuses_what_it_cannot_read(tmp_path):
     from warmboot.agent import RevisionFile
 
-    kept = RevisionFile(tmp_path / "revision")
+    kept = RevisionFile(tmp_path / "revision", "w-a")
     assert kept.read() == 0  # none yet: the clock decides
     kept.write(1796297683133)
-    assert RevisionFile(tmp_path / "revision").read() == 1796297683133
+    assert (tmp_path / "revision").read_text() == "w-a 1796297683133\n"
+    assert RevisionFile(tmp_path / "revision", "w-a").read() == 1796297683133
     agent = Agent("nats://127.0.0.1:4222", "w-a", "node-a", tmp_path / "agent.toml", state_file=tmp_path / "revision")
     agent.clock_ms = lambda: 5  # a clock far behind: the next revision is above the kept one, and kept
     assert agent._revision_of(load_registration_of(tmp_path)) == 1796297683134 == kept.read()
-    (tmp_path / "revision").write_text("twelve\n")
-    with pytest.raises(ConfigError, match="holds no revision"):
-        kept.read()
+    for text, says in (("w-a twelve\n", "holds no revision"), ("w-a " + "9" * 5000 + "\n", "holds no revision"),
+                       (f"w-a {1 << 53}\n", "holds no revision"), ("w-b 17\n", "keeps the revision of worker 'w-b'")):
+        (tmp_path / "revision").write_text(text)
+        with pytest.raises(ConfigError, match=says):
+            kept.read()
     result = CliRunner().invoke(main, ["agent", "--worker-id", "w-a", "--node", "node-a", "--config",
                                        str(tmp_path / "agent.toml"), "--state-file", str(tmp_path / "revision")])
-    assert result.exit_code == 1 and "state file" in result.output and "holds no revision" in result.output
-    unwritable = RevisionFile(tmp_path / "no-such-dir" / "revision")
+    assert result.exit_code == 1 and "state file" in result.output and "not 'w-a'" in result.output
+    unwritable = RevisionFile(tmp_path / "no-such-dir" / "revision", "w-a")
     with pytest.raises(ConfigError, match="cannot keep revision 7"):
         unwritable.write(7)
 
@@ -705,3 +709,84 @@ def load_registration_of(tmp_path: Path):
     path = tmp_path / "agent.toml"
     path.write_text(agent_config("v1"))
     return load_registration(path, "w-a", "node-a", PROBE)
+
+
+def literal_of_this_machine() -> str:
+    """A configuration whose default runtime is written out literally, as --print-registration gives it
+    on the Intel sample."""
+    intel = probe_version(CPUINFO.read_text(), "amd64", "gvisor", {"gvisor_asset_hash": "v1"})
+    attributes = ", ".join(f'{a.key} = "{a.value}"' for a in intel.attributes)
+    return ("[capacity]\ncpu_millis = 4000\nmemory_mib = 8192\n\n[[sandbox_classes]]\nsandbox_class = \"gvisor\"\n\n"
+            f"[sandbox_classes.default_runtime]\nname = \"gvisor-v1\"\nattributes = {{ {attributes} }}\n")
+
+
+async def test_a_late_copy_does_not_bring_back_a_worker_its_agent_removed(nats_url, nc, prefix, tmp_path, caplog):
+    """The machine's CPU changes under a literal runtime that names the old one: the agent removes the
+    worker at once (no registration of the CPU it has can be made; not after another read, as when
+    the probe fails). A copy of its registration, or of the one it sent again after a reconnect
+    (answered UNCHANGED), decided late by a stalled replica, has the revision the history holds and
+    would begin a life with the old CPU (found by a review): refused, nothing written."""
+    import logging
+
+    cpuinfo = tmp_path / "cpuinfo"
+    shutil.copy(CPUINFO, cpuinfo)
+    path = tmp_path / "agent.toml"
+    path.write_text(literal_of_this_machine())
+    agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe_interval_s=0.05,
+                  probe=ProbeSettings(cpuinfo_path=cpuinfo, architecture="amd64"))
+    sent: list = []
+    answered: asyncio.Queue = asyncio.Queue()
+    request = agent._request
+
+    async def spied(verb, body, *args, **kwargs):
+        reply = await request(verb, body, *args, **kwargs)
+        if verb == "register":
+            sent.append(body)
+            answered.put_nowait(reply.outcome.value)
+        return reply
+
+    agent._request = spied
+    stop = asyncio.Event()
+    caplog.set_level(logging.WARNING, logger="warmboot.agent")
+    async with running_registry(nats_url, prefix):
+        task = asyncio.create_task(agent.run(stop))
+        try:
+            assert await asyncio.wait_for(answered.get(), 20) == "REGISTERED"
+            agent._reconnected.set()
+            assert await asyncio.wait_for(answered.get(), 20) == "UNCHANGED"
+            seq = await last_seq(nc, prefix)
+            shutil.copy(AMD, cpuinfo)  # the virtual machine moved to an AMD host
+            _, removed = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq)
+            assert "is not this machine's" in removed.reason
+            assert "cannot read this machine" not in caplog.text  # withdrawn at once, not after another read
+            before = await last_seq(nc, prefix)
+            for copy in sent:  # same request id, same revision, same content
+                reply, _ = await raw_request(nc, prefix, "register", "w-a", msgspec.to_builtins(copy))
+                assert reply["error"]["field"] == "revision", reply
+            assert await last_seq(nc, prefix) == before
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 15)
+
+
+async def test_an_agent_whose_kept_revision_ran_out_of_bounds_comes_back_to_its_clock(nats_url, nc, prefix,
+                                                                                      tmp_path):
+    """A clock that ran more than a year ahead left its revision in the state file; the registry refuses
+    it (INVALID_ARGUMENT) and recorded none. With the clock set right the agent goes back to it
+    (above what the registry holds) and registers; it did not, for good (found by a review)."""
+    path = tmp_path / "agent.toml"
+    path.write_text(agent_config("v1"))
+    state = tmp_path / "revision"
+    far = time.time_ns() // 1_000_000 + 2 * 366 * 24 * 3600 * 1000
+    state.write_text(f"w-a {far}\n")
+    async with running_registry(nats_url, prefix):
+        agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe=PROBE,
+                      state_file=state)
+        stop = asyncio.Event()
+        task = asyncio.create_task(agent.run(stop))
+        try:
+            _, registered = await wait_event(nc, prefix, "w-a", WorkerRegistered)
+            assert registered.revision < far and int(state.read_text().split()[1]) == registered.revision
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 15)

@@ -73,6 +73,7 @@ from events.schema import (
     CompatVersion,
     ActorOverhead,
     DrainWorker,
+    MAX_REVISION,
     ErrorCode,
     Heartbeat,
     HeartbeatReply,
@@ -121,6 +122,15 @@ BACKGROUND_REGISTER_TIMEOUT_S = 30.0
 
 class ConfigError(ValueError):
     """The agent's configuration cannot make a valid registration; says where."""
+
+
+class MachineMismatch(ConfigError):
+    """The machine reads fine, but the file's literal runtime names another CPU than it has: no
+    read of the machine will change that (unlike a probe that failed to read it)."""
+
+
+class StateFileError(ConfigError):
+    """The state file cannot be read or written: no registration goes out with a revision it does not keep."""
 
 
 # --- the configuration file -----------------------------------------------------------
@@ -251,8 +261,9 @@ _WARNED: set[str] = set()
 
 
 def _cpu_named_otherwise(runtime: RuntimeConfig, path: str, probe: MachineRead) -> None:
-    """A literal version (schema v1) of a default or restorable runtime that names every key a probe
-    profile reads, one of them otherwise than the probe reads this machine: ConfigError. The worker
+    """A literal version (schema v1) of a default or restorable runtime that names another architecture
+    than this machine's, or names every key a probe profile reads, one of them otherwise than the
+    probe reads this machine: MachineMismatch. The worker
     runs actors as such a version, both ways: a snapshot stamped with it is restored here, and the
     actor's next snapshot is stamped with it again, to be restored on machines of the CPU it names.
     Only a runtime that runs actors on that CPU's features (masking its own: `cpu_masked`) may say
@@ -260,6 +271,13 @@ def _cpu_named_otherwise(runtime: RuntimeConfig, path: str, probe: MachineRead) 
     masked. Not checked when the probe cannot read the machine (a literal version is then the way)."""
     if runtime.schema_version != SCHEMA_VERSION:
         return
+    named_arch = runtime.attributes.get("architecture")
+    if named_arch is not None and probe.architecture is not None and (
+            MACHINE_TO_ARCH.get(named_arch.lower(), named_arch) != probe.architecture):
+        raise MachineMismatch(
+            f"{path}.attributes.architecture: {named_arch!r} is not this machine's ({probe.architecture!r}): a "
+            "memory image never crosses architectures, and actors restored under this runtime would be stamped "
+            "with it")
     for profile, keys in PROFILES.items():
         if not all(key in runtime.attributes for key in keys):
             continue
@@ -269,17 +287,15 @@ def _cpu_named_otherwise(runtime: RuntimeConfig, path: str, probe: MachineRead) 
             return
         for key in keys:
             named = runtime.attributes[key]
-            if key not in mine or named == mine[key] or (key == "architecture" and MACHINE_TO_ARCH.get(
-                    named.lower()) == mine[key]) or (runtime.cpu_masked and key != "architecture"):
+            if key == "architecture" or key not in mine or named == mine[key] or runtime.cpu_masked:
                 continue
-            raise ConfigError(
+            raise MachineMismatch(
                 f"{path}.attributes.{key}: {named!r} is not this machine's ({mine[key]!r}, as the {profile} probe "
                 "reads it). Actors restored under a default or restorable runtime run as its version and their "
-                "next snapshots are stamped with it, to be restored on machines of the CPU it names: "
-                + ("a memory image never crosses architectures" if key == "architecture" else
-                   "declare one only if this runtime runs actors on that CPU's features (then say "
-                   "`cpu_masked = true`); to restore snapshots of another CPU here, one way, list its version "
-                   "under the runtime's `compatible_versions`"))
+                "next snapshots are stamped with it, to be restored on machines of the CPU it names: declare "
+                "one only if this runtime runs actors on that CPU's features (then say `cpu_masked = true`); "
+                "to restore snapshots of another CPU here, one way, list its version under the runtime's "
+                "`compatible_versions`")
 
 
 def _version(runtime: VersionConfig, path: str, probe: MachineRead, stamps: bool = False) -> dict[str, Any]:
@@ -378,30 +394,36 @@ class RevisionFile:
     goes back: a process whose clock ran ahead (stepped back by NTP before the next one starts)
     could leave an edit in flight, unanswered, with a revision above the next process's, and a
     stalled replica deciding it late would apply it. Written (and synced) before the revision is
-    sent, this file makes the next process start above anything an earlier one sent."""
+    sent, this file makes the next process start above anything an earlier one sent. It names
+    its worker (`<worker_id> <revision>`): a file of another worker's is refused."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, worker_id: str):
         self.path = path
+        self.worker_id = worker_id
 
     def read(self) -> int:
-        """The revision kept (0 if the file does not exist yet); ConfigError if it cannot be read."""
+        """The revision kept (0 if the file does not exist yet); StateFileError if it cannot be read."""
         try:
             text = self.path.read_text(encoding="ascii").strip()
         except FileNotFoundError:
             return 0
         except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"state file {self.path}: cannot read: {e}") from None
-        if not text.isdigit():
-            raise ConfigError(f"state file {self.path}: holds no revision (a whole number), but {text[:40]!r}; "
-                              "remove it to start from the clock")
-        return int(text)
+            raise StateFileError(f"state file {self.path}: cannot read: {e}") from None
+        worker_id, _, number = text.partition(" ")
+        if worker_id != self.worker_id:
+            raise StateFileError(f"state file {self.path}: keeps the revision of worker {worker_id[:128]!r}, not "
+                                 f"{self.worker_id!r}: give each agent a file of its own")
+        if not (number.isdigit() and len(number) <= 16 and int(number) <= MAX_REVISION):
+            raise StateFileError(f"state file {self.path}: holds no revision (a whole number up to {MAX_REVISION}), "
+                                 f"but {number[:40]!r}; remove it to start from the clock")
+        return int(number)
 
     def write(self, revision: int) -> None:
-        """Replace the kept revision, durably (written, synced, renamed over): ConfigError if it cannot be."""
-        temporary = self.path.with_name(self.path.name + ".tmp")
+        """Replace the kept revision, durably (written, synced, renamed over): StateFileError if it cannot be."""
+        temporary = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
         try:
             with open(temporary, "w", encoding="ascii") as f:
-                f.write(f"{revision}\n")
+                f.write(f"{self.worker_id} {revision}\n")
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(temporary, self.path)
@@ -411,8 +433,10 @@ class RevisionFile:
             finally:
                 os.close(directory)
         except OSError as e:
-            raise ConfigError(f"state file {self.path}: cannot keep revision {revision} there: {e}; no "
-                              "registration is sent with a revision it does not keep") from None
+            with suppress(OSError):
+                os.unlink(temporary)
+            raise StateFileError(f"state file {self.path}: cannot keep revision {revision} there: {e}; no "
+                                 "registration is sent with a revision it does not keep") from None
 
 
 # --- the agent ----------------------------------------------------------------------------
@@ -477,7 +501,7 @@ class Agent:
         self.clock_ms = lambda: time.time_ns() // 1_000_000
         # With a state file, the last revision made is kept there before it is sent, and a later
         # process goes on above it, whatever the clocks say (`RevisionFile`).
-        self.state = RevisionFile(Path(state_file)) if state_file is not None else None
+        self.state = RevisionFile(Path(state_file), worker_id) if state_file is not None else None
         self._revision = self.state.read() if self.state is not None else 0
         self._revised: RegisterWorker | None = None  # the content `_revision` was given to
         self._in_force_revision: int | None = None  # the revision the registration in force was answered with
@@ -604,9 +628,9 @@ class Agent:
         """Before the first registration is answered, a permissions violation NATS reported on this
         connection ends the agent (ConfigError): its credentials are not this worker's (another
         worker's, or a client's), and asking again would only be refused again, for ever."""
-        last = self._errors.last
-        if self.registered is None and last is not None and "permissions violation" in describe_error(last).lower():
-            raise ConfigError(f"NATS refuses this agent: {describe_error(last)}. Are the credentials those of "
+        denied = self._errors.denied
+        if self.registered is None and denied is not None:
+            raise ConfigError(f"NATS refuses this agent: {describe_error(denied)}. Are the credentials those of "
                               f"worker {self.worker_id!r} (--worker-id; the user in --nats or $NATS_URL, or "
                               "--nkey-seed)?")
 
@@ -705,6 +729,9 @@ class Agent:
         except ConfigError as e:
             if self.withdrawn:
                 return None
+            if isinstance(e, (MachineMismatch, StateFileError)):  # certain: no later read changes it
+                await self._withdraw(str(e), stop)
+                return None
             if self._unreadable_at is None:  # a first failed read could be a passing one: the next decides
                 self._unreadable_at = read_at
                 log.warning("%s: the probe cannot read this machine (%s); reading it again in %gs",
@@ -739,6 +766,7 @@ class Agent:
         except ContractError as e:
             if e.code != ErrorCode.NOT_FOUND:  # removed again meanwhile: as good
                 raise
+        self._forget_revision()
         assert self.desired is not None and self._desired_of is not None
         return await self._send(self.desired, self._desired_of, stop, BACKGROUND_REGISTER_TIMEOUT_S)
 
@@ -764,6 +792,16 @@ class Agent:
                     self._in_force_revision = body.revision
                     break
                 except ContractError as e:
+                    if (e.code, e.field) == (ErrorCode.INVALID_ARGUMENT, "revision") and "ahead" not in sent_again:
+                        # Out of the registry's bound (this clock ran far ahead, and the revision was kept):
+                        # none was recorded, so this agent goes back to the last one the registry answered, or
+                        # its clock, and tries once more; a clock still that far ahead is refused again.
+                        sent_again.add("ahead")
+                        log.warning("registration of %s refused (%s); sending it again with the clock's revision",
+                                    self.worker_id, e.message)
+                        self._revise(max(self._in_force_revision or 0, self.clock_ms()))
+                        self._revised = registration
+                        continue
                     if (e.code != ErrorCode.FAILED_PRECONDITION or e.field not in ("request_id", "revision")
                             or e.field in sent_again):
                         raise
@@ -802,6 +840,14 @@ class Agent:
             self._revised = registration
         return self._revision
 
+    def _forget_revision(self) -> None:
+        """The worker's life ended (removed, by this agent or as LOST): whatever is sent next, the
+        registration in force included, gets a revision of its own. The registry refuses an equal
+        revision that would begin a life: a copy of the last registration, decided late, must not
+        bring back what ended (docs/contract.md)."""
+        self._revised = None
+        self._in_force_revision = None
+
     def _revise(self, revision: int) -> None:
         """Make `revision` the last one, kept in the state file (if any) before anything carries it."""
         if self.state is not None:
@@ -830,6 +876,7 @@ class Agent:
         self.withdrawn = True  # `registration` and what it was made of are kept, to be made again
         self._unreadable_at = None
         self._edited = None  # an edit refused to the last life may be what a new life takes
+        self._forget_revision()
 
     def _register_again(self, stop: asyncio.Event) -> None:
         """`register(AGAIN)` beside the heartbeats, unless one already waits its turn (it will
@@ -865,6 +912,7 @@ class Agent:
             # new life takes up a change the last one was refused), behind any registration on its
             # way: one waiting here would hold this loop, heartbeats included.
             log.warning("the registry no longer knows %s (%s); registering again", self.worker_id, e.message)
+            self._forget_revision()
             self._register_again(stop)
             return
         self.ttl_s = reply.ttl_s

@@ -32,8 +32,9 @@ Rules (CONTRACT sections 2 and 3, Registry):
 - Revisions (project addition, docs/contract.md): a registration may carry `revision`, a
   number its sender never lowers (warmboot's agent: its clock in ms when it made the
   content, across its restarts). One lower than the highest the worker's history holds,
-  in any life, or equal to it with other content, is FAILED_PRECONDITION (field
-  `revision`, nothing written): a copy of an
+  in any life, or equal to it with other content, or equal and beginning a life under a
+  request id sent before (a late copy), is FAILED_PRECONDITION (field `revision`, nothing
+  written): a copy of an
   older registration that a stalled replica decides after a newer one, or after the
   worker was removed, would put back runtimes the machine no longer has. So that every
   revision answered is in the history, a higher revision with the same content writes
@@ -150,16 +151,20 @@ class Worker(WireAggregate):
 
     # --- decisions ------------------------------------------------------------------
 
-    def register(self, request: RegisterWorker, at: datetime) -> RegisterOutcome:
+    def register(self, request: RegisterWorker, at: datetime, sent_before: bool = False) -> RegisterOutcome:
+        """Decide a registration (the rules in the module's docstring). `sent_before`: its request id
+        was used before, in a life that has ended (the service looks, `_sent_before`)."""
         classes = canonical_classes(request.sandbox_classes)
         rid, revision = request.request_id, request.revision
         if revision is not None:
-            if revision > at.timestamp() * 1000 + REVISION_AHEAD_MS:
-                raise invalid(f"revision {revision} is more than a year ahead of the registry's clock in "
-                              "milliseconds (a sender never goes below the revision it last sent; it need "
-                              "not jump ahead)", "revision")
-            if self.revision is not None and (revision < self.revision or (
-                    revision == self.revision and self._content_of(request, classes) != self.revised_content)):
+            self._check_revision(revision, at)
+            # Equal to the highest: the registration recorded at it, sent again, unless with other content
+            # or, beginning a life, under a request id sent before that life ended: a copy decided late
+            # after the worker was removed (by its agent for want of the CPU it names, or as LOST). An
+            # agent that knows of the removal sends a revision of its own; one that does not (its
+            # registration after a reconnect) sends a new request id, and begins the life.
+            if self.revision is not None and (revision < self.revision or (revision == self.revision and (
+                    self._content_of(request, classes) != self.revised_content or (not self.alive and sent_before)))):
                 raise revision_refused(self.entity_id, revision, self.revision)
         if not self.alive:
             self.record(
@@ -275,6 +280,13 @@ class Worker(WireAggregate):
 
     def starts_life(self, body: Event) -> bool:
         return isinstance(body, WorkerRegistered) and not self.alive
+
+    @staticmethod
+    def _check_revision(revision: int, at: datetime) -> None:
+        if revision > at.timestamp() * 1000 + REVISION_AHEAD_MS:
+            raise invalid(f"revision {revision} is more than a year ahead of the registry's clock in "
+                          "milliseconds (a sender never goes below the revision it last sent; it need "
+                          "not jump ahead)", "revision")
 
     @staticmethod
     def _content_of(request: RegisterWorker, classes: tuple[WorkerSandboxClass, ...]) -> tuple:

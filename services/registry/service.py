@@ -190,8 +190,19 @@ class RegistryStore(WireApplication):
         kept = await self._kept(worker, "register", request.request_id)
         if kept is not None:
             return kept
-        outcome = worker.register(request, at)
+        outcome = worker.register(request, at, sent_before=await self._sent_before(worker, request))
         return await self._commit(worker, outcome, "register", request.request_id)
+
+    async def _sent_before(self, worker: Worker, request: RegisterWorker) -> bool:
+        """Whether a registration that would begin a life at the revision the history holds carries a
+        request id the worker's history, or the kept answers, knew before (`Worker.register`). Read
+        only then: the kept answers cost a read of the bucket."""
+        rid = request.request_id
+        if rid is None or worker.alive or request.revision is None or request.revision != worker.revision:
+            return False
+        if rid in worker.request_versions:
+            return True
+        return self.no_writes is not None and await self.no_writes.was_kept_async(worker, rid)
 
     async def drain(self, worker_id: str, request: DrainWorker, at: datetime) -> Decided:
         worker = await self.load(worker_id)
