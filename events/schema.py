@@ -276,6 +276,9 @@ class DrainWorker(Base, kw_only=True):
 class RemoveWorker(Base, kw_only=True):
     reason: Reason | None = None
     request_id: RequestId | None = None
+    # Project addition: the worker's own agent orders its removal after everything it sent, so that
+    # no copy of a registration it sent, decided late, begins a life again (docs/contract.md).
+    revision: Revision | None = None
 
 
 class SeqReply(Base, kw_only=True):
@@ -530,6 +533,7 @@ class WorkerDrained(WorkerEvent, kw_only=True):
 
 class WorkerRemoved(WorkerEvent, kw_only=True):
     reason: Reason | None = None
+    revision: Revision | None = None  # its agent's, when it removed the worker (project addition)
 
 
 class ActorCreated(ActorEvent, kw_only=True):

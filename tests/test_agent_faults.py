@@ -32,8 +32,8 @@ from tests.registry_helpers import (CPUINFO, PROBE, agent_config, raw_request, r
                                     worker_events)
 from tests.test_agent import running_agent
 from warmboot.cli import main
-from warmboot.agent import (AGAIN, RETRY_MAX_S, RETRY_MIN_S, Agent, ConfigError, ProbeSettings, load_registration,
-                            next_delay)
+from warmboot.agent import (AGAIN, RETRY_MAX_S, RETRY_MIN_S, Agent, ConfigError, ProbeSettings, build_registration,
+                            load_registration, next_delay, parse_config)
 
 AMD = Path(__file__).parent / "cpuinfo" / "amd-epyc-7r13.txt"
 
@@ -787,6 +787,99 @@ async def test_an_agent_whose_kept_revision_ran_out_of_bounds_comes_back_to_its_
         try:
             _, registered = await wait_event(nc, prefix, "w-a", WorkerRegistered)
             assert registered.revision < far and int(state.read_text().split()[1]) == registered.revision
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 15)
+
+
+def spy_registrations(agent: Agent) -> asyncio.Queue:
+    """(outcome or "refused", the refusal's field, the body) of every registration the agent sends, as answered."""
+    answered: asyncio.Queue = asyncio.Queue()
+    request = agent._request
+
+    async def spied(verb, body, *args, **kwargs):
+        try:
+            reply = await request(verb, body, *args, **kwargs)
+        except ContractError as e:
+            if verb == "register":
+                answered.put_nowait(("refused", e.field, body))
+            raise
+        if verb == "register":
+            answered.put_nowait((reply.outcome.value, None, body))
+        return reply
+
+    agent._request = spied
+    return answered
+
+
+async def test_a_late_copy_of_a_refused_edit_does_not_begin_a_life_the_agent_ended(nats_url, nc, prefix, tmp_path):
+    """An edit the registry refused (a class added) records nothing, so its revision is above the
+    history's. A stalled replica still holds a copy. The machine's CPU changes, and the agent removes
+    the worker: the copy, decided then, would begin a life with the old CPU (found by a review). The
+    agent's removal carries a revision above everything it sent: the copy is refused, and then the
+    agent comes back with what its file makes on the new machine."""
+    cpuinfo = tmp_path / "cpuinfo"
+    shutil.copy(CPUINFO, cpuinfo)
+    path = tmp_path / "agent.toml"
+    path.write_text(literal_of_this_machine())
+    agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe_interval_s=0.05,
+                  probe=ProbeSettings(cpuinfo_path=cpuinfo, architecture="amd64"))
+    answered = spy_registrations(agent)
+    stop = asyncio.Event()
+    async with running_registry(nats_url, prefix):
+        task = asyncio.create_task(agent.run(stop))
+        try:
+            assert (await asyncio.wait_for(answered.get(), 20))[0] == "REGISTERED"
+            path.write_text(literal_of_this_machine() + MICROVM)
+            outcome, field, edit = await asyncio.wait_for(answered.get(), 20)
+            assert (outcome, field) == ("refused", "sandbox_classes")
+            seq = await last_seq(nc, prefix)
+            shutil.copy(AMD, cpuinfo)  # the virtual machine moved to an AMD host
+            path.write_text(agent_config("v1") + MICROVM.replace(  # what the machine can make now: probed
+                'attributes = { architecture = "amd64", cpu_vendor = "GenuineIntel", cpu_model = "6/143", ',
+                'profile = "microvm"\nattributes = { '))
+            seq, removed = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq)
+            assert removed.revision is not None and removed.revision > edit.revision
+            reply, _ = await raw_request(nc, prefix, "register", "w-a", msgspec.to_builtins(edit))
+            assert reply["error"]["field"] == "revision", reply
+            # withdrawn, the agent takes up what its file makes on this machine (it waited for an edit)
+            _, again = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=seq)
+            amd = probe_version(AMD.read_text(), "amd64", "gvisor").attributes
+            assert {a.key: a.value for a in again.sandbox_classes[0].default_runtime.version.attributes}[
+                "cpu_features"] == {a.key: a.value for a in amd}["cpu_features"]
+            assert again.revision > removed.revision
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 15)
+
+
+async def test_a_withdrawn_agent_removes_a_life_it_did_not_begin(nats_url, nc, prefix, tmp_path):
+    """The agent removed its worker (the probe could not read the machine). Then a registration it did
+    not make begins a life with other classes (a sender without revisions). When the machine reads
+    again, the agent's registration is refused as a change of class: the life is not this machine's,
+    and the agent removes it. Before, it stayed, and each refused registration beat it alive."""
+    cpuinfo = tmp_path / "cpuinfo"
+    shutil.copy(CPUINFO, cpuinfo)
+    path = tmp_path / "agent.toml"
+    path.write_text(agent_config("v1"))
+    agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe_interval_s=0.1,
+                  probe=ProbeSettings(cpuinfo_path=cpuinfo, architecture="amd64"))
+    answered = spy_registrations(agent)
+    stop = asyncio.Event()
+    async with running_registry(nats_url, prefix):
+        task = asyncio.create_task(agent.run(stop))
+        try:
+            outcome, _, first = await asyncio.wait_for(answered.get(), 20)
+            assert outcome == "REGISTERED"
+            seq = await last_seq(nc, prefix)
+            cpuinfo.unlink()  # the probe cannot read the machine, twice: the worker is removed
+            seq, _ = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq)
+            other = build_registration(parse_config(agent_config("v1") + MICROVM), "w-a", "node-a", PROBE)
+            reply, _ = await raw_request(nc, prefix, "register", "w-a", msgspec.to_builtins(other))
+            assert reply["outcome"] == "REGISTERED", reply
+            shutil.copy(AMD, cpuinfo)  # the machine reads again
+            _, removed = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=reply["seq"])
+            assert "a registration this agent did not make holds it" in removed.reason
         finally:
             stop.set()
             await asyncio.wait_for(task, 15)

@@ -146,6 +146,28 @@ def test_domain_a_lower_revision_is_refused_in_any_life_and_a_higher_one_is_writ
     assert worker.revision == 300
 
 
+def test_domain_an_agents_removal_outranks_everything_it_sent():
+    """A removal with a revision (the worker's own agent's) must be above the history's highest, and is
+    recorded: every registration at or below it, whatever its content, is refused afterwards, so a
+    copy of anything the agent sent before (a refused edit included) cannot begin a life again."""
+    worker = Worker("w-1")
+    decide(worker, registration("w-1", revision=100))
+    worker.collect_events()
+    with pytest.raises(ContractError) as e:
+        worker.remove("mine", AT, revision=100)
+    assert (e.value.code, e.value.field) == (ErrorCode.FAILED_PRECONDITION, "revision") and worker.alive
+    worker.remove("mine", AT, revision=300)
+    [removed] = [e.body for e in worker.collect_events()]
+    assert isinstance(removed, WorkerRemoved) and removed.revision == 300 and worker.revision == 300
+    for late in (registration("w-1", revision=100), registration("w-1", default=runtime("v9"), revision=200),
+                 registration("w-1", revision=300)):
+        with pytest.raises(ContractError):
+            decide(worker, late)
+    assert decide(worker, registration("w-1", revision=301)) is RegisterOutcome.REGISTERED
+    worker.remove(None, AT)  # an operator's: no revision, nothing checked
+    assert decide(worker, registration("w-1", revision=301)) is RegisterOutcome.REGISTERED  # its own, sent again
+
+
 def test_domain_a_revision_out_of_a_successors_reach_is_refused():
     """The highest revision is kept across lives: one credential sending the largest there is would
     leave every later registration of its worker refused. One more than a year ahead of the clock

@@ -741,6 +741,12 @@ class Agent:
             return None
         except ContractError as e:
             if self.withdrawn:
+                if (e.code, e.field) == (ErrorCode.FAILED_PRECONDITION, "sandbox_classes"):
+                    # refused as a change of class: the worker has a life this agent did not begin (a copy
+                    # of something sent before, decided late; or another sender), with classes, and a CPU,
+                    # that are not this machine's as it is: it is removed again
+                    await self._withdraw(f"a registration this agent did not make holds it: {e.message}", stop)
+                    return None
                 log.warning("%s stays removed: the registry refused its registration (%s)", self.worker_id, e)
                 return None
             await self._withdraw(f"the registry refused it: {e.message}", stop)
@@ -759,14 +765,7 @@ class Agent:
         the new registration would end the new life too (request ids count within one life)."""
         log.warning("%s began a new life with the classes of its last one, not those %s lists; removing it "
                     "and registering again", self.worker_id, self.config_path)
-        body = RemoveWorker(reason="the agent registers anew with the classes its file lists",
-                            request_id=f"agent-{uuid.uuid4().hex}")
-        try:
-            await self._request("remove", body, SeqReply, stop, timeout=BACKGROUND_REGISTER_TIMEOUT_S)
-        except ContractError as e:
-            if e.code != ErrorCode.NOT_FOUND:  # removed again meanwhile: as good
-                raise
-        self._forget_revision()
+        await self._remove_self("the agent registers anew with the classes its file lists", stop)
         assert self.desired is not None and self._desired_of is not None
         return await self._send(self.desired, self._desired_of, stop, BACKGROUND_REGISTER_TIMEOUT_S)
 
@@ -840,6 +839,33 @@ class Agent:
             self._revised = registration
         return self._revision
 
+    async def _remove_self(self, reason: str, stop: asyncio.Event) -> None:
+        """Remove this worker (the caller holds `_one_registration`), ordered after everything this
+        agent sent: its revision is above all of them, refused edits included (which the registry did
+        not record), so that a copy of any of them decided late is refused instead of beginning a
+        life again (docs/contract.md). Removed already (NOT_FOUND): as good. Then whatever is sent
+        next gets a revision of its own. Without a state file that can be written, the removal goes
+        without a revision (logged): it still removes."""
+        try:
+            self._revise(max(self._revision + 1, self.clock_ms()))
+            revision: int | None = self._revision
+        except StateFileError as e:
+            log.error("%s; removing %s without a revision", e, self.worker_id)
+            revision = None
+        for attempt in (1, 2):
+            body = RemoveWorker(reason=reason, request_id=f"agent-{uuid.uuid4().hex}", revision=revision)
+            try:
+                await self._request("remove", body, SeqReply, stop, timeout=BACKGROUND_REGISTER_TIMEOUT_S)
+                break
+            except ContractError as e:
+                if e.code == ErrorCode.NOT_FOUND:
+                    break
+                if attempt == 2 or (e.code, e.field) != (ErrorCode.FAILED_PRECONDITION, "revision"):
+                    raise
+                self._revise(max(self._revision, latest_revision(e) or 0) + 1)  # an earlier process's, above
+                revision = self._revision
+        self._forget_revision()
+
     def _forget_revision(self) -> None:
         """The worker's life ended (removed, by this agent or as LOST): whatever is sent next, the
         registration in force included, gets a revision of its own. The registry refuses an equal
@@ -866,17 +892,11 @@ class Agent:
         `_one_registration`."""
         log.error("%s is registered with a CPU this machine no longer has, and no registration of the one it "
                   "has now can be made (%s): removing the worker until one can", self.worker_id, why)
-        body = RemoveWorker(reason=f"its agent cannot register the CPU its machine has now: {why}"[:256],
-                            request_id=f"agent-{uuid.uuid4().hex}")
-        try:
-            await self._request("remove", body, SeqReply, stop, timeout=BACKGROUND_REGISTER_TIMEOUT_S)
-        except ContractError as e:
-            if e.code != ErrorCode.NOT_FOUND:  # removed already: as good
-                raise
+        await self._remove_self(f"its agent cannot register the CPU its machine has now: {why}"[:256], stop)
         self.withdrawn = True  # `registration` and what it was made of are kept, to be made again
         self._unreadable_at = None
         self._edited = None  # an edit refused to the last life may be what a new life takes
-        self._forget_revision()
+        self._read = None  # so is what the file says now: the next watch sends it if it can be made
 
     def _register_again(self, stop: asyncio.Event) -> None:
         """`register(AGAIN)` beside the heartbeats, unless one already waits its turn (it will

@@ -225,9 +225,18 @@ class Worker(WireAggregate):
         self.record(WorkerDrained(at=at, request_id=request_id, worker_id=self.entity_id, reason=reason))
         return True
 
-    def remove(self, reason: str | None, at: datetime, request_id: str | None = None) -> None:
+    def remove(self, reason: str | None, at: datetime, request_id: str | None = None,
+               revision: int | None = None) -> None:
+        """End the worker's life. With a `revision` (its agent's: above every revision it sent,
+        refused ones included), recorded, so that a copy of anything it sent before, decided late,
+        is lower and refused instead of beginning a life the agent ended."""
         self.require_alive()
-        self.record(WorkerRemoved(at=at, request_id=request_id, worker_id=self.entity_id, reason=reason))
+        if revision is not None:
+            self._check_revision(revision, at)
+            if self.revision is not None and revision <= self.revision:
+                raise revision_refused(self.entity_id, revision, self.revision)
+        self.record(WorkerRemoved(at=at, request_id=request_id, worker_id=self.entity_id, reason=reason,
+                                  revision=revision))
 
     def remove_unbound(self, nodes: Mapping[str, str], at: datetime) -> bool:
         """Remove the worker if it is in a life on a node `nodes` (the deployment's binding of workers
@@ -300,7 +309,7 @@ class Worker(WireAggregate):
         equal revision with other content is another registration, and refused)."""
         if revision is not None and (self.revision is None or revision >= self.revision):
             self.revision = revision
-            self.revised_content = self._content()
+            self.revised_content = self._content() if self.alive else None  # a removal registered nothing
 
     def when_WorkerRegistered(self, event: WorkerRegistered) -> None:
         self.alive = True
@@ -326,3 +335,4 @@ class Worker(WireAggregate):
         self.alive = False
         self.drained = False
         self.removed_reason = event.reason or ""
+        self._revised(event.revision)

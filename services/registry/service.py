@@ -223,7 +223,7 @@ class RegistryStore(WireApplication):
         kept = await self._kept(worker, "remove", request.request_id)
         if kept is not None:
             return kept
-        worker.remove(request.reason, at, request.request_id)
+        worker.remove(request.reason, at, request.request_id, request.revision)
         return await self._commit(worker)
 
     async def remove_unbound(self, worker_id: str, nodes: Mapping[str, str], at: datetime) -> Decided:
