@@ -565,6 +565,38 @@ async def test_a_restarted_agent_goes_on_above_its_last_revision_and_an_older_co
             await asyncio.wait_for(task, 15)
 
 
+def spy_registrations(agent: Agent) -> asyncio.Queue:
+    """(outcome or "refused", the refusal's field, the body) of every registration the agent sends, as answered."""
+    answered: asyncio.Queue = asyncio.Queue()
+    request = agent._request
+
+    async def spied(verb, body, *args, **kwargs):
+        try:
+            reply = await request(verb, body, *args, **kwargs)
+        except ContractError as e:
+            if verb == "register":
+                answered.put_nowait(("refused", e.field, body))
+            raise
+        if verb == "register":
+            answered.put_nowait((reply.outcome.value, None, body))
+        return reply
+
+    agent._request = spied
+    return answered
+
+
+def agent_on_a_machine(tmp_path: Path, nats_url: str, prefix: str, config: str,
+                       probe_interval_s: float = 0.05) -> tuple[Agent, Path]:
+    """An agent of `config` on a machine whose cpuinfo (the Intel sample, to be replaced) is its own."""
+    cpuinfo = tmp_path / "cpuinfo"
+    shutil.copy(CPUINFO, cpuinfo)
+    path = tmp_path / "agent.toml"
+    path.write_text(config)
+    agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05,
+                  probe_interval_s=probe_interval_s, probe=ProbeSettings(cpuinfo_path=cpuinfo, architecture="amd64"))
+    return agent, cpuinfo
+
+
 async def test_a_reconnect_with_an_edit_the_registry_refuses_writes_nothing(nats_url, nc, prefix, tmp_path):
     """After a reconnect the agent sends what its file says (an edit the registry refuses: a class
     added) and then the registration in force again. That one keeps the revision it was answered
@@ -574,34 +606,25 @@ async def test_a_reconnect_with_an_edit_the_registry_refuses_writes_nothing(nats
     path.write_text(agent_config("v1"))
     async with running_registry(nats_url, prefix):
         agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe=PROBE)
-        request = agent._request
-        answered: asyncio.Queue = asyncio.Queue()
-
-        async def spied(verb, body, *args, **kwargs):
-            try:
-                reply = await request(verb, body, *args, **kwargs)
-            except ContractError as e:
-                if verb == "register":
-                    answered.put_nowait((body.revision, e.field))
-                raise
-            if verb == "register":
-                answered.put_nowait((body.revision, reply.outcome.value))
-            return reply
-
-        agent._request = spied
+        answered = spy_registrations(agent)
         stop = asyncio.Event()
         task = asyncio.create_task(agent.run(stop))
+
+        async def next_answer() -> tuple:
+            outcome, field, body = await asyncio.wait_for(answered.get(), 20)
+            return body.revision, field or outcome
+
         try:
-            first, outcome = await asyncio.wait_for(answered.get(), 20)
+            first, outcome = await next_answer()
             assert outcome == "REGISTERED"
             path.write_text(agent_config("v1") + MICROVM)
-            edit, refused = await asyncio.wait_for(answered.get(), 20)
+            edit, refused = await next_answer()
             assert refused == "sandbox_classes" and edit > first
             before = await worker_events(nc, prefix, "w-a")
             for _ in range(3):  # three reconnects, as after NATS restarts
                 agent._reconnected.set()
-                assert await asyncio.wait_for(answered.get(), 20) == (edit, "sandbox_classes")
-                assert await asyncio.wait_for(answered.get(), 20) == (first, "UNCHANGED")
+                assert await next_answer() == (edit, "sandbox_classes")
+                assert await next_answer() == (first, "UNCHANGED")
             assert await worker_events(nc, prefix, "w-a") == before
         finally:
             stop.set()
@@ -728,32 +751,21 @@ async def test_a_late_copy_does_not_bring_back_a_worker_its_agent_removed(nats_u
     would begin a life with the old CPU (found by a review): refused, nothing written."""
     import logging
 
-    cpuinfo = tmp_path / "cpuinfo"
-    shutil.copy(CPUINFO, cpuinfo)
-    path = tmp_path / "agent.toml"
-    path.write_text(literal_of_this_machine())
-    agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe_interval_s=0.05,
-                  probe=ProbeSettings(cpuinfo_path=cpuinfo, architecture="amd64"))
-    sent: list = []
-    answered: asyncio.Queue = asyncio.Queue()
-    request = agent._request
-
-    async def spied(verb, body, *args, **kwargs):
-        reply = await request(verb, body, *args, **kwargs)
-        if verb == "register":
-            sent.append(body)
-            answered.put_nowait(reply.outcome.value)
-        return reply
-
-    agent._request = spied
+    agent, cpuinfo = agent_on_a_machine(tmp_path, nats_url, prefix, literal_of_this_machine())
+    answered = spy_registrations(agent)
     stop = asyncio.Event()
     caplog.set_level(logging.WARNING, logger="warmboot.agent")
+    sent = []
     async with running_registry(nats_url, prefix):
         task = asyncio.create_task(agent.run(stop))
         try:
-            assert await asyncio.wait_for(answered.get(), 20) == "REGISTERED"
+            outcome, _, body = await asyncio.wait_for(answered.get(), 20)
+            assert outcome == "REGISTERED"
+            sent.append(body)
             agent._reconnected.set()
-            assert await asyncio.wait_for(answered.get(), 20) == "UNCHANGED"
+            outcome, _, body = await asyncio.wait_for(answered.get(), 20)
+            assert outcome == "UNCHANGED"
+            sent.append(body)
             seq = await last_seq(nc, prefix)
             shutil.copy(AMD, cpuinfo)  # the virtual machine moved to an AMD host
             _, removed = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq)
@@ -792,38 +804,14 @@ async def test_an_agent_whose_kept_revision_ran_out_of_bounds_comes_back_to_its_
             await asyncio.wait_for(task, 15)
 
 
-def spy_registrations(agent: Agent) -> asyncio.Queue:
-    """(outcome or "refused", the refusal's field, the body) of every registration the agent sends, as answered."""
-    answered: asyncio.Queue = asyncio.Queue()
-    request = agent._request
-
-    async def spied(verb, body, *args, **kwargs):
-        try:
-            reply = await request(verb, body, *args, **kwargs)
-        except ContractError as e:
-            if verb == "register":
-                answered.put_nowait(("refused", e.field, body))
-            raise
-        if verb == "register":
-            answered.put_nowait((reply.outcome.value, None, body))
-        return reply
-
-    agent._request = spied
-    return answered
-
-
 async def test_a_late_copy_of_a_refused_edit_does_not_begin_a_life_the_agent_ended(nats_url, nc, prefix, tmp_path):
     """An edit the registry refused (a class added) records nothing, so its revision is above the
     history's. A stalled replica still holds a copy. The machine's CPU changes, and the agent removes
     the worker: the copy, decided then, would begin a life with the old CPU (found by a review). The
     agent's removal carries a revision above everything it sent: the copy is refused, and then the
     agent comes back with what its file makes on the new machine."""
-    cpuinfo = tmp_path / "cpuinfo"
-    shutil.copy(CPUINFO, cpuinfo)
+    agent, cpuinfo = agent_on_a_machine(tmp_path, nats_url, prefix, literal_of_this_machine())
     path = tmp_path / "agent.toml"
-    path.write_text(literal_of_this_machine())
-    agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe_interval_s=0.05,
-                  probe=ProbeSettings(cpuinfo_path=cpuinfo, architecture="amd64"))
     answered = spy_registrations(agent)
     stop = asyncio.Event()
     async with running_registry(nats_url, prefix):
@@ -858,12 +846,7 @@ async def test_a_withdrawn_agent_removes_a_life_it_did_not_begin(nats_url, nc, p
     not make begins a life with other classes (a sender without revisions). When the machine reads
     again, the agent's registration is refused as a change of class: the life is not this machine's,
     and the agent removes it. Before, it stayed, and each refused registration beat it alive."""
-    cpuinfo = tmp_path / "cpuinfo"
-    shutil.copy(CPUINFO, cpuinfo)
-    path = tmp_path / "agent.toml"
-    path.write_text(agent_config("v1"))
-    agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe_interval_s=0.1,
-                  probe=ProbeSettings(cpuinfo_path=cpuinfo, architecture="amd64"))
+    agent, cpuinfo = agent_on_a_machine(tmp_path, nats_url, prefix, agent_config("v1"), probe_interval_s=0.1)
     answered = spy_registrations(agent)
     stop = asyncio.Event()
     async with running_registry(nats_url, prefix):
