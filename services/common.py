@@ -845,9 +845,20 @@ class NoWriteAnswers:
             raise aggregate.reused(request_id, f"a {kept.verb} that changed nothing")
         return msgspec.json.decode(kept.reply, type=reply_type), kept.version
 
-    async def was_kept_async(self, aggregate: Any, request_id: str) -> bool:
-        """Whether an answer to `request_id` was kept for the aggregate, in any life (at the stream leader)."""
-        return bool(await self._answered(self.replies.get(self._key(aggregate.entity_id, request_id))))
+    async def was_answered_async(self, aggregate: Any, request_id: str) -> bool:
+        """Whether `request_id` was answered for the aggregate, in any life, with an answer kept here or a
+        refusal marked (`mark_refused_async`), as the stream leader has them."""
+        for key in (self._key(aggregate.entity_id, request_id), self._refused_key(aggregate.entity_id, request_id)):
+            if await self._answered(self.replies.get(key)):
+                return True
+        return False
+
+    async def mark_refused_async(self, aggregate: Any, request_id: str) -> None:
+        """Mark `request_id` refused for the aggregate (a refusal writes no event: this says it was sent)."""
+        await self._answered(self.replies.put(self._refused_key(aggregate.entity_id, request_id), b"refused"))
+
+    def _refused_key(self, entity_id: str, request_id: str) -> str:
+        return self.replies.key(f"{self.scope}-refused.{entity_id}", request_id)
 
     async def keep_async(self, aggregate: Any, verb: str, request_id: str | None, reply: Base) -> None:
         """Keep the answer of a request that wrote nothing, before it is given (UNAVAILABLE if the

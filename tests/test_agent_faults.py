@@ -866,3 +866,79 @@ async def test_a_withdrawn_agent_removes_a_life_it_did_not_begin(nats_url, nc, p
         finally:
             stop.set()
             await asyncio.wait_for(task, 15)
+
+
+def withdrawals(agent: Agent) -> asyncio.Queue:
+    """The reason of every removal of its worker the agent makes (`_withdraw`), once made."""
+    made: asyncio.Queue = asyncio.Queue()
+    withdraw = agent._withdraw
+
+    async def spied(why, stop):
+        await withdraw(why, stop)
+        made.put_nowait(why)
+
+    agent._withdraw = spied
+    return made
+
+
+async def test_a_refused_edit_decided_after_an_operator_removed_the_worker_is_refused(nats_url, nc, prefix,
+                                                                                    tmp_path):
+    """The agent's edit is refused (a class added) and a stalled replica holds a copy. An operator
+    removes the worker; then the CPU changes and the agent's own removal finds none (NOT_FOUND), so it
+    records nothing. The copy, decided then, began a life with the old CPU (found by a review's fuzz):
+    a refusal is marked in the reply bucket, and a registration that would begin a life under a
+    request id sent before is refused. Then the file, edited to what the machine can make, brings
+    the worker back."""
+    agent, cpuinfo = agent_on_a_machine(tmp_path, nats_url, prefix, literal_of_this_machine())
+    path = tmp_path / "agent.toml"
+    answered, withdrawn = spy_registrations(agent), withdrawals(agent)
+    stop = asyncio.Event()
+    async with running_registry(nats_url, prefix):
+        task = asyncio.create_task(agent.run(stop))
+        try:
+            assert (await asyncio.wait_for(answered.get(), 20))[0] == "REGISTERED"
+            path.write_text(literal_of_this_machine() + MICROVM)
+            outcome, field, edit = await asyncio.wait_for(answered.get(), 20)
+            assert (outcome, field) == ("refused", "sandbox_classes")
+            reply, _ = await raw_request(nc, prefix, "remove", "w-a", {"reason": "an operator's"})
+            shutil.copy(AMD, cpuinfo)  # neither the registration in force nor the file can be made now
+            assert "is not this machine's" in await asyncio.wait_for(withdrawn.get(), 20)
+            before = await last_seq(nc, prefix)
+            late, _ = await raw_request(nc, prefix, "register", "w-a", msgspec.to_builtins(edit))
+            assert late["error"]["field"] == "revision", late
+            assert await last_seq(nc, prefix) == before
+            path.write_text(agent_config("v1"))  # what this machine makes
+            _, again = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=before)
+            amd = {a.key: a.value for a in probe_version(AMD.read_text(), "amd64", "gvisor").attributes}
+            assert {a.key: a.value for a in again.sandbox_classes[0].default_runtime.version.attributes}[
+                "cpu_features"] == amd["cpu_features"]
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 15)
+
+
+async def test_a_withdrawn_agents_edit_refused_by_a_life_it_did_not_begin_removes_that_life(nats_url, nc, prefix,
+                                                                                            tmp_path):
+    """Withdrawn (its literal runtime names the old CPU), the agent's edit to what the machine makes is
+    refused as a change of class: a life it did not begin holds the worker. It removes that life and
+    registers the edit (it kept the refused edit and never sent it again: stuck; found by a review)."""
+    agent, cpuinfo = agent_on_a_machine(tmp_path, nats_url, prefix, literal_of_this_machine())
+    path = tmp_path / "agent.toml"
+    answered, withdrawn = spy_registrations(agent), withdrawals(agent)
+    stop = asyncio.Event()
+    async with running_registry(nats_url, prefix):
+        task = asyncio.create_task(agent.run(stop))
+        try:
+            assert (await asyncio.wait_for(answered.get(), 20))[0] == "REGISTERED"
+            shutil.copy(AMD, cpuinfo)
+            assert "is not this machine's" in await asyncio.wait_for(withdrawn.get(), 20)
+            other = build_registration(parse_config(agent_config("v1") + MICROVM), "w-a", "node-a", PROBE)
+            foreign, _ = await raw_request(nc, prefix, "register", "w-a", msgspec.to_builtins(other))
+            assert foreign["outcome"] == "REGISTERED", foreign
+            path.write_text(agent_config("v1"))  # what this machine makes, of one class
+            assert "a registration this agent did not make holds it" in await asyncio.wait_for(withdrawn.get(), 20)
+            _, again = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=foreign["seq"])
+            assert [c.sandbox_class for c in again.sandbox_classes] == ["gvisor"]
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 15)

@@ -676,7 +676,16 @@ class Agent:
                 if wanted is None or (wanted == self.registration and not self.withdrawn) or wanted == self._edited:
                     return None  # in force already, or sent already (and refused: not asked again)
                 self._edited = wanted
-                reply = await self._send(wanted, self._desired_of, stop, BACKGROUND_REGISTER_TIMEOUT_S)
+                try:
+                    reply = await self._send(wanted, self._desired_of, stop, BACKGROUND_REGISTER_TIMEOUT_S)
+                except ContractError as e:
+                    if not (self.withdrawn and (e.code, e.field) == (ErrorCode.FAILED_PRECONDITION, "sandbox_classes")):
+                        raise
+                    # removed by this agent, yet refused as a change of class: a life it did not begin holds
+                    # the worker (see `_restamp`); it is removed, and the file's registration begins the next
+                    await self._withdraw(f"a registration this agent did not make holds it: {e.message}", stop)
+                    self._edited = wanted
+                    reply = await self._send(wanted, self._desired_of, stop, BACKGROUND_REGISTER_TIMEOUT_S)
             elif registration is AGAIN:
                 self._again_waiting = False
                 reply = None

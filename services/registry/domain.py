@@ -153,18 +153,19 @@ class Worker(WireAggregate):
 
     def register(self, request: RegisterWorker, at: datetime, sent_before: bool = False) -> RegisterOutcome:
         """Decide a registration (the rules in the module's docstring). `sent_before`: its request id
-        was used before, in a life that has ended (the service looks, `_sent_before`)."""
+        was sent before, in a life that has ended (the service looks, `_sent_before`)."""
         classes = canonical_classes(request.sandbox_classes)
         rid, revision = request.request_id, request.revision
         if revision is not None:
             self._check_revision(revision, at)
-            # Equal to the highest: the registration recorded at it, sent again, unless with other content
-            # or, beginning a life, under a request id sent before that life ended: a copy decided late
-            # after the worker was removed (by its agent for want of the CPU it names, or as LOST). An
-            # agent that knows of the removal sends a revision of its own; one that does not (its
-            # registration after a reconnect) sends a new request id, and begins the life.
-            if self.revision is not None and (revision < self.revision or (revision == self.revision and (
-                    self._content_of(request, classes) != self.revised_content or (not self.alive and sent_before)))):
+            # Equal to the highest: the registration recorded at it, sent again, unless with other content.
+            # Beginning a life, at any revision, under a request id sent before that life ended (recorded,
+            # answered without an event, or refused): a copy decided late after the worker was removed (by
+            # its agent for want of the CPU it names, by an operator, or as LOST), refused. An agent sends
+            # every registration under a new id: one that does not know of the removal (its registration
+            # after a reconnect) begins the life.
+            if self.revision is not None and (revision < self.revision or (not self.alive and sent_before) or (
+                    revision == self.revision and self._content_of(request, classes) != self.revised_content)):
                 raise revision_refused(self.entity_id, revision, self.revision)
         if not self.alive:
             self.record(

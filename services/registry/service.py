@@ -53,6 +53,7 @@ from events.jetstream.link import links_on
 from events.natspy import flush_in_order
 from events.schema import (
     DrainWorker,
+    ErrorCode,
     Heartbeat,
     HeartbeatReply,
     RegisterOutcome,
@@ -190,19 +191,27 @@ class RegistryStore(WireApplication):
         kept = await self._kept(worker, "register", request.request_id)
         if kept is not None:
             return kept
-        outcome = worker.register(request, at, sent_before=await self._sent_before(worker, request))
+        try:
+            outcome = worker.register(request, at, sent_before=await self._sent_before(worker, request))
+        except ContractError as refusal:
+            if (refusal.code is ErrorCode.FAILED_PRECONDITION and refusal.field not in ("revision", "request_id")
+                    and request.revision is not None and request.request_id is not None and self.no_writes):
+                # refused on the worker's state (a change of class): a copy decided after the worker's
+                # life ended would be taken, and only this mark says it was sent before (`_sent_before`)
+                await self.no_writes.mark_refused_async(worker, request.request_id)
+            raise
         return await self._commit(worker, outcome, "register", request.request_id)
 
     async def _sent_before(self, worker: Worker, request: RegisterWorker) -> bool:
-        """Whether a registration that would begin a life at the revision the history holds carries a
-        request id the worker's history, or the kept answers, knew before (`Worker.register`). Read
-        only then: the kept answers cost a read of the bucket."""
+        """Whether a registration with a revision that would begin a life carries a request id sent
+        before (`Worker.register`): in the worker's history, or answered without an event (an answer
+        kept, a refusal marked). Read only then: the bucket costs a read or two."""
         rid = request.request_id
-        if rid is None or worker.alive or request.revision is None or request.revision != worker.revision:
+        if rid is None or worker.alive or request.revision is None or worker.revision is None:
             return False
         if rid in worker.request_versions:
             return True
-        return self.no_writes is not None and await self.no_writes.was_kept_async(worker, rid)
+        return self.no_writes is not None and await self.no_writes.was_answered_async(worker, rid)
 
     async def drain(self, worker_id: str, request: DrainWorker, at: datetime) -> Decided:
         worker = await self.load(worker_id)
