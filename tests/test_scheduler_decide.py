@@ -868,6 +868,6 @@ def test_explain_names_the_workers_that_came_furthest_through_the_checks(monkeyp
     rejected: list = []
     total, candidates, counts = d.tally(workers, ask, d.NO_PENDING, rejected)
     assert (total, candidates) == (8, 1) and counts["class not registered"] == 2 and counts["runtime mismatch"] == 2
-    assert [(r.worker_id, r.reasons) for r in rejected] == [
-        ("w-d", ["insufficient cpu", "insufficient memory"]), ("w-g", ["insufficient memory"]),
+    assert [(r.worker_id, r.reasons) for r in rejected] == [  # short of one resource before short of both
+        ("w-g", ["insufficient memory"]), ("w-d", ["insufficient cpu", "insufficient memory"]),
         ("w-c", ["runtime mismatch"])]  # w-h, as far as w-c, comes later in the log

@@ -46,7 +46,7 @@ from services.scheduler.fragmentation import fragmentation
 from services.scheduler.projection import Projection
 from tests.factories import SILENT_TTL_S, last_seq
 from warmboot.cli import main
-from services.scheduler.feasibility import REASONS
+from services.scheduler.decide import _how_far
 from warmboot.cmd_views import (
     CLASS_COLUMNS,
     REJECTED_COLUMNS,
@@ -353,8 +353,8 @@ async def test_explain_command_fits_and_shows_the_pin_by_its_label(operated, nat
     # the workers passed over, those that came furthest through the checks first (a worker of the
     # actor's class before one of another class), then by id; at most --limit of them, the rest counted
     assert len(why.rejected) >= 2
-    furthest = [max(REASONS.index(reason) for reason in r.reasons) for r in why.rejected]
-    assert furthest == sorted(furthest, reverse=True) and furthest[0] > REASONS.index("class not registered")
+    furthest = [_how_far(r.reasons) for r in why.rejected]
+    assert furthest == sorted(furthest, reverse=True) and furthest[0] > _how_far(["class not registered"])
     assert all(a.worker_id < b.worker_id for a, b, fa, fb in zip(why.rejected, why.rejected[1:], furthest,
                                                                furthest[1:]) if fa == fb)
     passed = [r.worker_id for r in why.rejected]

@@ -520,9 +520,9 @@ def tally(
     workers: Iterable[Worker], ask: Ask, pending: Pending, rejected: list[Rejection] | None
 ) -> tuple[int, int, dict[str, int]]:
     """Workers in all, candidates, and the count of each reason; with `rejected`, the workers passed
-    over that came furthest through the checks (a full one before a drained one before one of
-    another class; of those as far, the first in the log), at most EXPLAIN_REJECTED_LIMIT of them,
-    listed in that order and then by id."""
+    over that came furthest through the checks (short of one resource before short of both, before
+    a drained one, before one of another class; of those as far, the first in the log), at most
+    EXPLAIN_REJECTED_LIMIT of them, listed in that order and then by id."""
     total = candidates = 0
     counts: dict[str, int] = {}
     kept: list[tuple[int, int, str, tuple[str, ...]]] = []  # a heap, the least far through on top
@@ -535,7 +535,7 @@ def tally(
         for reason in reasons:
             counts[reason] = counts.get(reason, 0) + 1
         if rejected is not None:
-            how_far = _PIPELINE.get(reasons[-1], -1)  # reasons come in the checks' order: the last is the furthest
+            how_far = _how_far(reasons)
             if len(kept) < EXPLAIN_REJECTED_LIMIT:
                 heapq.heappush(kept, (how_far, -total, worker.worker_id, reasons))
             elif how_far > kept[0][0]:  # of equals, the first in the log is kept
@@ -546,7 +546,20 @@ def tally(
     return total, candidates, counts
 
 
-_PIPELINE = {reason: i for i, reason in enumerate(REASONS)}  # how far through the checks a reason comes
+# How far through the checks a reason comes, in steps of 2: a worker short of room comes furthest,
+# one short of a single resource (CPU or memory) a step further than one short of both.
+_PIPELINE = {reason: 2 * i for i, reason in enumerate(REASONS)}
+_ROOM = 2 * len(REASONS)
+_SHORT = frozenset(REASONS[-2:])  # insufficient cpu, insufficient memory: the resource checks
+
+
+def _how_far(reasons: Sequence[str]) -> int:
+    """How far through the checks a worker passed over came: reasons come in the checks' order (the
+    first failing feasibility check, or every failing resource check)."""
+    last = reasons[-1]
+    if last in _SHORT:
+        return _ROOM - len(reasons)
+    return _PIPELINE.get(last, -1)
 
 
 def summary(candidates: int, total: int, counts: Mapping[str, int]) -> str:
