@@ -73,9 +73,8 @@ _REVISION_REFUSAL = "revision {given} is not above {latest}, the latest register
 
 
 def revision_refused(worker_id: str, given: int, latest: int) -> ContractError:
-    """A registration whose revision is below the worker's latest, or equal to it with other content
-    or for another life."""
-    other = " (registered already, with other content or in an earlier life)" if given == latest else ""
+    """A registration whose revision is below the worker's latest, or equal to it with other content."""
+    other = " (registered already, with other content)" if given == latest else ""
     return precondition(
         _REVISION_REFUSAL.format(given=given, latest=latest, worker_id=worker_id) + other
         + ": a copy of an older registration, decided late, is not applied over a newer one; a sender "

@@ -905,7 +905,8 @@ async def test_a_refused_edit_decided_after_an_operator_removed_the_worker_is_re
             assert "is not this machine's" in await asyncio.wait_for(withdrawn.get(), 20)
             before = await last_seq(nc, prefix)
             late, _ = await raw_request(nc, prefix, "register", "w-a", msgspec.to_builtins(edit))
-            assert late["error"]["field"] == "revision", late
+            assert late["error"]["field"] == "request_id", late
+            assert "was sent before the last life of worker 'w-a' ended" in late["error"]["message"]
             assert await last_seq(nc, prefix) == before
             path.write_text(agent_config("v1"))  # what this machine makes
             _, again = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=before)
@@ -939,6 +940,29 @@ async def test_a_withdrawn_agents_edit_refused_by_a_life_it_did_not_begin_remove
             assert "a registration this agent did not make holds it" in await asyncio.wait_for(withdrawn.get(), 20)
             _, again = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=foreign["seq"])
             assert [c.sandbox_class for c in again.sandbox_classes] == ["gvisor"]
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 15)
+
+
+async def test_a_clock_far_ahead_does_not_keep_the_agent_from_removing_its_worker(nats_url, nc, prefix, tmp_path):
+    """The clock runs more than a year ahead when the machine's CPU changes under a literal runtime:
+    the agent's removal, its revision out of the registry's bound, was refused, and the worker stayed
+    registered with the old CPU, beating, for good (found by a review). It is removed all the same,
+    without a revision."""
+    agent, cpuinfo = agent_on_a_machine(tmp_path, nats_url, prefix, literal_of_this_machine())
+    answered, withdrawn = spy_registrations(agent), withdrawals(agent)
+    stop = asyncio.Event()
+    async with running_registry(nats_url, prefix):
+        task = asyncio.create_task(agent.run(stop))
+        try:
+            assert (await asyncio.wait_for(answered.get(), 20))[0] == "REGISTERED"
+            seq = await last_seq(nc, prefix)
+            agent.clock_ms = lambda: time.time_ns() // 1_000_000 + 2 * 366 * 24 * 3600 * 1000
+            shutil.copy(AMD, cpuinfo)
+            _, removed = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq)
+            assert removed.revision is None and "is not this machine's" in removed.reason
+            assert "is not this machine's" in await asyncio.wait_for(withdrawn.get(), 20)
         finally:
             stop.set()
             await asyncio.wait_for(task, 15)

@@ -237,3 +237,29 @@ def test_json_is_asked_for_either_way_in_any_order(args, as_json):
 
     result = CliRunner().invoke(command, args)
     assert (result.exit_code, result.output) == (0, f"{as_json!r}\n")
+
+
+async def test_a_cluster_member_that_refuses_the_password_does_not_end_the_connection(tmp_path):
+    """One member of the URL refuses the credentials (a password rotated on it first), the next takes
+    them: connected, as nats-py does on its own (the refusal ended the connection at once; found by a
+    review). A single server that refuses is said at once."""
+    from events.errors import ContractError
+    from events.schema import ErrorCode
+    from warmboot.connection import connect_within
+
+    old = NatsServer(tmp_path / "a", extra_config='authorization { user: "alice", password: "old" }')
+    new = NatsServer(tmp_path / "b", extra_config='authorization { user: "alice", password: "new" }')
+    for server in (old, new):
+        server.store_dir.mkdir()
+        server.start()
+    try:
+        url = f"nats://alice:new@127.0.0.1:{old.port},nats://alice:new@127.0.0.1:{new.port}"
+        nc = await connect_within(url, "test", dont_randomize=True)
+        assert nc.connected_url.port == new.port
+        await nc.close()
+        with pytest.raises(ContractError) as refused:
+            await connect_within(f"nats://alice:new@127.0.0.1:{old.port}", "test", 20)
+        assert refused.value.code is ErrorCode.FAILED_PRECONDITION and "refuses the sign-in" in refused.value.message
+    finally:
+        old.stop()
+        new.stop()

@@ -166,6 +166,12 @@ def test_domain_an_agents_removal_outranks_everything_it_sent():
     assert decide(worker, registration("w-1", revision=301)) is RegisterOutcome.REGISTERED
     worker.remove(None, AT)  # an operator's: no revision, nothing checked
     assert decide(worker, registration("w-1", revision=301)) is RegisterOutcome.REGISTERED  # its own, sent again
+    worker.remove(None, AT)
+    late = msgspec.convert(registration("w-1", revision=400, request_id="sent-before"), RegisterWorker)
+    with pytest.raises(ContractError) as e:  # a request id sent before this life ended, whatever its revision
+        worker.register(late, AT, sent_before=True)
+    assert (e.value.code, e.value.field) == (ErrorCode.FAILED_PRECONDITION, "request_id") and not worker.alive
+    assert "sends it with a new request_id" in e.value.message
 
 
 def test_domain_a_revision_out_of_a_successors_reach_is_refused():
@@ -272,7 +278,7 @@ INVALID_REGISTRATIONS = [
 @pytest.fixture(scope="module")
 async def validation_registry(nats_server):
     prefix = "t" + uuid.uuid4().hex[:12]
-    async with running_registry(nats_server.url, prefix) as service:
+    async with running_registry(nats_server.url, prefix):
         client = await nats.connect(nats_server.url)
         # one event in the stream, so "nothing written" is a sequence that stays put
         await register(client, prefix, registration("w-valid"))

@@ -861,7 +861,7 @@ class Agent:
         except StateFileError as e:
             log.error("%s; removing %s without a revision", e, self.worker_id)
             revision = None
-        for attempt in (1, 2):
+        for attempt in (1, 2, 3):
             body = RemoveWorker(reason=reason, request_id=f"agent-{uuid.uuid4().hex}", revision=revision)
             try:
                 await self._request("remove", body, SeqReply, stop, timeout=BACKGROUND_REGISTER_TIMEOUT_S)
@@ -869,10 +869,16 @@ class Agent:
             except ContractError as e:
                 if e.code == ErrorCode.NOT_FOUND:
                     break
-                if attempt == 2 or (e.code, e.field) != (ErrorCode.FAILED_PRECONDITION, "revision"):
+                if attempt == 3 or e.field != "revision" or revision is None:
                     raise
-                self._revise(max(self._revision, latest_revision(e) or 0) + 1)  # an earlier process's, above
-                revision = self._revision
+                if e.code == ErrorCode.FAILED_PRECONDITION:
+                    self._revise(max(self._revision, latest_revision(e) or 0) + 1)  # an earlier process's, above
+                    revision = self._revision
+                else:  # out of the registry's bound (a clock far ahead): removed all the same, without one
+                    log.error("%s; removing %s without a revision", e.message, self.worker_id)
+                    with suppress(StateFileError):
+                        self._revise(max(self._in_force_revision or 0, self.clock_ms()))
+                    revision = None
         self._forget_revision()
 
     def _forget_revision(self) -> None:
@@ -901,7 +907,12 @@ class Agent:
         `_one_registration`."""
         log.error("%s is registered with a CPU this machine no longer has, and no registration of the one it "
                   "has now can be made (%s): removing the worker until one can", self.worker_id, why)
-        await self._remove_self(f"its agent cannot register the CPU its machine has now: {why}"[:256], stop)
+        try:
+            await self._remove_self(f"its agent cannot register the CPU its machine has now: {why}"[:256], stop)
+        except (ContractError, ConfigError):
+            # not removed: withdrawn all the same, so that no heartbeat keeps the worker, and it is LOST
+            self.withdrawn = True
+            raise
         self.withdrawn = True  # `registration` and what it was made of are kept, to be made again
         self._unreadable_at = None
         self._edited = None  # an edit refused to the last life may be what a new life takes

@@ -66,17 +66,19 @@ async def connect(url: str, name: str, *, inbox_prefix: str | None = None, nkey_
 async def connect_within(url: str, name: str, timeout_s: float = CONNECT_TIMEOUT_S, *,
                          errors: ErrorsOnce | None = None, nkey_seed: str | None = None,
                          **options: Any) -> nats.NATS:
-    """`connect`, or a ContractError naming the server (redacted): FAILED_PRECONDITION at once when
-    the server refuses the credentials (no retry changes that: `ErrorsOnce.refused`) or the nkey
-    seed file does not exist, UNAVAILABLE with its last error if it does not answer within
-    `timeout_s`."""
+    """`connect`, or a ContractError naming the server (redacted): FAILED_PRECONDITION when the server
+    refuses the credentials (at once for a URL of one server, no retry changes that:
+    `ErrorsOnce.refused`; for a cluster's members, once `timeout_s` has passed without one taking
+    them, since another member may: a password being rotated) or the nkey seed file does not exist;
+    UNAVAILABLE with its last error if no server answers within `timeout_s`."""
     where = redact_url(url)
     seed = nkey_seed_path(nkey_seed)
     if seed is not None and not os.path.isfile(seed):
         raise precondition(f"no nkey seed file {seed!r} to sign in to NATS at {where} with")
     errors = errors if errors is not None else ErrorsOnce(None)  # the last one is in the refusal
     connecting = asyncio.ensure_future(connect(url, name, errors=errors, nkey_seed=seed, **options))
-    refused = asyncio.ensure_future(errors.refused())
+    one_server = len(url.split(",")) == 1
+    refused = asyncio.ensure_future(errors.refused()) if one_server else asyncio.get_running_loop().create_future()
     try:
         await asyncio.wait((connecting, refused), timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
         if connecting.done():
@@ -84,8 +86,8 @@ async def connect_within(url: str, name: str, timeout_s: float = CONNECT_TIMEOUT
                 return connecting.result()
             except (OSError, nats.errors.Error) as e:
                 raise unavailable(f"cannot reach NATS at {where}: {describe_error(errors.last or e)}") from None
-        if refused.done():
-            raise precondition(f"NATS at {where} refuses the sign-in: {describe_error(refused.result())} (check "
+        if errors.refusal is not None:
+            raise precondition(f"NATS at {where} refuses the sign-in: {describe_error(errors.refusal)} (check "
                                "the user and password or token in the URL, or the nkey seed)")
         raise unavailable(f"cannot reach NATS at {where} within {timeout_s:g} s: "
                           f"{describe_error(errors.last or asyncio.TimeoutError())}")

@@ -164,9 +164,14 @@ class Worker(WireAggregate):
             # its agent for want of the CPU it names, by an operator, or as LOST), refused. An agent sends
             # every registration under a new id: one that does not know of the removal (its registration
             # after a reconnect) begins the life.
-            if self.revision is not None and (revision < self.revision or (not self.alive and sent_before) or (
+            if self.revision is not None and (revision < self.revision or (
                     revision == self.revision and self._content_of(request, classes) != self.revised_content)):
                 raise revision_refused(self.entity_id, revision, self.revision)
+            if not self.alive and sent_before:
+                raise precondition(
+                    f"request_id {rid!r} was sent before the last life of worker {self.entity_id!r} ended: a copy of "
+                    "that registration, decided late, does not begin a life; a sender that means it sends it "
+                    "with a new request_id", "request_id")
         if not self.alive:
             self.record(
                 WorkerRegistered(
