@@ -33,10 +33,17 @@ def probed(asset: str):
 @asynccontextmanager
 async def running_agent(nats_url: str, prefix: str, config_path: Path, worker_id: str = "w-a"):
     agent = Agent(nats_url, worker_id, "node-a", config_path, prefix=prefix, watch_interval_s=0.05, probe=PROBE)
+    async with agent_running(agent):
+        yield agent
+
+
+@asynccontextmanager
+async def agent_running(agent: Agent):
+    """`agent` runs in the block, and is stopped at its end (its run's error raised there)."""
     stop = asyncio.Event()
     task = asyncio.create_task(agent.run(stop))
     try:
-        yield agent
+        yield task
     finally:
         stop.set()
         await asyncio.wait_for(task, 15)

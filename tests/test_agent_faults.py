@@ -30,7 +30,7 @@ from services.common import run_command_async
 from tests.factories import last_seq
 from tests.registry_helpers import (CPUINFO, PROBE, agent_config, raw_request, running_registry, wait_event,
                                     worker_events)
-from tests.test_agent import running_agent
+from tests.test_agent import agent_running, running_agent
 from warmboot.cli import main
 from warmboot.agent import (AGAIN, RETRY_MAX_S, RETRY_MIN_S, Agent, ConfigError, ProbeSettings, build_registration,
                             load_registration, next_delay, parse_config)
@@ -753,32 +753,26 @@ async def test_a_late_copy_does_not_bring_back_a_worker_its_agent_removed(nats_u
 
     agent, cpuinfo = agent_on_a_machine(tmp_path, nats_url, prefix, literal_of_this_machine())
     answered = spy_registrations(agent)
-    stop = asyncio.Event()
     caplog.set_level(logging.WARNING, logger="warmboot.agent")
     sent = []
-    async with running_registry(nats_url, prefix):
-        task = asyncio.create_task(agent.run(stop))
-        try:
-            outcome, _, body = await asyncio.wait_for(answered.get(), 20)
-            assert outcome == "REGISTERED"
-            sent.append(body)
-            agent._reconnected.set()
-            outcome, _, body = await asyncio.wait_for(answered.get(), 20)
-            assert outcome == "UNCHANGED"
-            sent.append(body)
-            seq = await last_seq(nc, prefix)
-            shutil.copy(AMD, cpuinfo)  # the virtual machine moved to an AMD host
-            _, removed = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq)
-            assert "is not this machine's" in removed.reason
-            assert "cannot read this machine" not in caplog.text  # withdrawn at once, not after another read
-            before = await last_seq(nc, prefix)
-            for copy in sent:  # same request id, same revision, same content
-                reply, _ = await raw_request(nc, prefix, "register", "w-a", msgspec.to_builtins(copy))
-                assert reply["error"]["field"] == "revision", reply
-            assert await last_seq(nc, prefix) == before
-        finally:
-            stop.set()
-            await asyncio.wait_for(task, 15)
+    async with running_registry(nats_url, prefix), agent_running(agent):
+        outcome, _, body = await asyncio.wait_for(answered.get(), 20)
+        assert outcome == "REGISTERED"
+        sent.append(body)
+        agent._reconnected.set()
+        outcome, _, body = await asyncio.wait_for(answered.get(), 20)
+        assert outcome == "UNCHANGED"
+        sent.append(body)
+        seq = await last_seq(nc, prefix)
+        shutil.copy(AMD, cpuinfo)  # the virtual machine moved to an AMD host
+        _, removed = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq)
+        assert "is not this machine's" in removed.reason
+        assert "cannot read this machine" not in caplog.text  # withdrawn at once, not after another read
+        before = await last_seq(nc, prefix)
+        for copy in sent:  # same request id, same revision, same content
+            reply, _ = await raw_request(nc, prefix, "register", "w-a", msgspec.to_builtins(copy))
+            assert reply["error"]["field"] == "revision", reply
+        assert await last_seq(nc, prefix) == before
 
 
 async def test_an_agent_whose_kept_revision_ran_out_of_bounds_comes_back_to_its_clock(nats_url, nc, prefix,
@@ -813,32 +807,26 @@ async def test_a_late_copy_of_a_refused_edit_does_not_begin_a_life_the_agent_end
     agent, cpuinfo = agent_on_a_machine(tmp_path, nats_url, prefix, literal_of_this_machine())
     path = tmp_path / "agent.toml"
     answered = spy_registrations(agent)
-    stop = asyncio.Event()
-    async with running_registry(nats_url, prefix):
-        task = asyncio.create_task(agent.run(stop))
-        try:
-            assert (await asyncio.wait_for(answered.get(), 20))[0] == "REGISTERED"
-            path.write_text(literal_of_this_machine() + MICROVM)
-            outcome, field, edit = await asyncio.wait_for(answered.get(), 20)
-            assert (outcome, field) == ("refused", "sandbox_classes")
-            seq = await last_seq(nc, prefix)
-            shutil.copy(AMD, cpuinfo)  # the virtual machine moved to an AMD host
-            path.write_text(agent_config("v1") + MICROVM.replace(  # what the machine can make now: probed
-                'attributes = { architecture = "amd64", cpu_vendor = "GenuineIntel", cpu_model = "6/143", ',
-                'profile = "microvm"\nattributes = { '))
-            seq, removed = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq)
-            assert removed.revision is not None and removed.revision > edit.revision
-            reply, _ = await raw_request(nc, prefix, "register", "w-a", msgspec.to_builtins(edit))
-            assert reply["error"]["field"] == "revision", reply
-            # withdrawn, the agent takes up what its file makes on this machine (it waited for an edit)
-            _, again = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=seq)
-            amd = probe_version(AMD.read_text(), "amd64", "gvisor").attributes
-            assert {a.key: a.value for a in again.sandbox_classes[0].default_runtime.version.attributes}[
-                "cpu_features"] == {a.key: a.value for a in amd}["cpu_features"]
-            assert again.revision > removed.revision
-        finally:
-            stop.set()
-            await asyncio.wait_for(task, 15)
+    async with running_registry(nats_url, prefix), agent_running(agent):
+        assert (await asyncio.wait_for(answered.get(), 20))[0] == "REGISTERED"
+        path.write_text(literal_of_this_machine() + MICROVM)
+        outcome, field, edit = await asyncio.wait_for(answered.get(), 20)
+        assert (outcome, field) == ("refused", "sandbox_classes")
+        seq = await last_seq(nc, prefix)
+        shutil.copy(AMD, cpuinfo)  # the virtual machine moved to an AMD host
+        path.write_text(agent_config("v1") + MICROVM.replace(  # what the machine can make now: probed
+            'attributes = { architecture = "amd64", cpu_vendor = "GenuineIntel", cpu_model = "6/143", ',
+            'profile = "microvm"\nattributes = { '))
+        seq, removed = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq)
+        assert removed.revision is not None and removed.revision > edit.revision
+        reply, _ = await raw_request(nc, prefix, "register", "w-a", msgspec.to_builtins(edit))
+        assert reply["error"]["field"] == "revision", reply
+        # withdrawn, the agent takes up what its file makes on this machine (it waited for an edit)
+        _, again = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=seq)
+        amd = probe_version(AMD.read_text(), "amd64", "gvisor").attributes
+        assert {a.key: a.value for a in again.sandbox_classes[0].default_runtime.version.attributes}[
+            "cpu_features"] == {a.key: a.value for a in amd}["cpu_features"]
+        assert again.revision > removed.revision
 
 
 async def test_a_withdrawn_agent_removes_a_life_it_did_not_begin(nats_url, nc, prefix, tmp_path):
@@ -848,24 +836,18 @@ async def test_a_withdrawn_agent_removes_a_life_it_did_not_begin(nats_url, nc, p
     and the agent removes it. Before, it stayed, and each refused registration beat it alive."""
     agent, cpuinfo = agent_on_a_machine(tmp_path, nats_url, prefix, agent_config("v1"), probe_interval_s=0.1)
     answered = spy_registrations(agent)
-    stop = asyncio.Event()
-    async with running_registry(nats_url, prefix):
-        task = asyncio.create_task(agent.run(stop))
-        try:
-            outcome, _, first = await asyncio.wait_for(answered.get(), 20)
-            assert outcome == "REGISTERED"
-            seq = await last_seq(nc, prefix)
-            cpuinfo.unlink()  # the probe cannot read the machine, twice: the worker is removed
-            seq, _ = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq)
-            other = build_registration(parse_config(agent_config("v1") + MICROVM), "w-a", "node-a", PROBE)
-            reply, _ = await raw_request(nc, prefix, "register", "w-a", msgspec.to_builtins(other))
-            assert reply["outcome"] == "REGISTERED", reply
-            shutil.copy(AMD, cpuinfo)  # the machine reads again
-            _, removed = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=reply["seq"])
-            assert "a registration this agent did not make holds it" in removed.reason
-        finally:
-            stop.set()
-            await asyncio.wait_for(task, 15)
+    async with running_registry(nats_url, prefix), agent_running(agent):
+        outcome, _, first = await asyncio.wait_for(answered.get(), 20)
+        assert outcome == "REGISTERED"
+        seq = await last_seq(nc, prefix)
+        cpuinfo.unlink()  # the probe cannot read the machine, twice: the worker is removed
+        seq, _ = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq)
+        other = build_registration(parse_config(agent_config("v1") + MICROVM), "w-a", "node-a", PROBE)
+        reply, _ = await raw_request(nc, prefix, "register", "w-a", msgspec.to_builtins(other))
+        assert reply["outcome"] == "REGISTERED", reply
+        shutil.copy(AMD, cpuinfo)  # the machine reads again
+        _, removed = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=reply["seq"])
+        assert "a registration this agent did not make holds it" in removed.reason
 
 
 def withdrawals(agent: Agent) -> asyncio.Queue:
@@ -892,30 +874,24 @@ async def test_a_refused_edit_decided_after_an_operator_removed_the_worker_is_re
     agent, cpuinfo = agent_on_a_machine(tmp_path, nats_url, prefix, literal_of_this_machine())
     path = tmp_path / "agent.toml"
     answered, withdrawn = spy_registrations(agent), withdrawals(agent)
-    stop = asyncio.Event()
-    async with running_registry(nats_url, prefix):
-        task = asyncio.create_task(agent.run(stop))
-        try:
-            assert (await asyncio.wait_for(answered.get(), 20))[0] == "REGISTERED"
-            path.write_text(literal_of_this_machine() + MICROVM)
-            outcome, field, edit = await asyncio.wait_for(answered.get(), 20)
-            assert (outcome, field) == ("refused", "sandbox_classes")
-            reply, _ = await raw_request(nc, prefix, "remove", "w-a", {"reason": "an operator's"})
-            shutil.copy(AMD, cpuinfo)  # neither the registration in force nor the file can be made now
-            assert "is not this machine's" in await asyncio.wait_for(withdrawn.get(), 20)
-            before = await last_seq(nc, prefix)
-            late, _ = await raw_request(nc, prefix, "register", "w-a", msgspec.to_builtins(edit))
-            assert late["error"]["field"] == "request_id", late
-            assert "was sent before the last life of worker 'w-a' ended" in late["error"]["message"]
-            assert await last_seq(nc, prefix) == before
-            path.write_text(agent_config("v1"))  # what this machine makes
-            _, again = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=before)
-            amd = {a.key: a.value for a in probe_version(AMD.read_text(), "amd64", "gvisor").attributes}
-            assert {a.key: a.value for a in again.sandbox_classes[0].default_runtime.version.attributes}[
-                "cpu_features"] == amd["cpu_features"]
-        finally:
-            stop.set()
-            await asyncio.wait_for(task, 15)
+    async with running_registry(nats_url, prefix), agent_running(agent):
+        assert (await asyncio.wait_for(answered.get(), 20))[0] == "REGISTERED"
+        path.write_text(literal_of_this_machine() + MICROVM)
+        outcome, field, edit = await asyncio.wait_for(answered.get(), 20)
+        assert (outcome, field) == ("refused", "sandbox_classes")
+        reply, _ = await raw_request(nc, prefix, "remove", "w-a", {"reason": "an operator's"})
+        shutil.copy(AMD, cpuinfo)  # neither the registration in force nor the file can be made now
+        assert "is not this machine's" in await asyncio.wait_for(withdrawn.get(), 20)
+        before = await last_seq(nc, prefix)
+        late, _ = await raw_request(nc, prefix, "register", "w-a", msgspec.to_builtins(edit))
+        assert late["error"]["field"] == "request_id", late
+        assert "was sent before the last life of worker 'w-a' ended" in late["error"]["message"]
+        assert await last_seq(nc, prefix) == before
+        path.write_text(agent_config("v1"))  # what this machine makes
+        _, again = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=before)
+        amd = {a.key: a.value for a in probe_version(AMD.read_text(), "amd64", "gvisor").attributes}
+        assert {a.key: a.value for a in again.sandbox_classes[0].default_runtime.version.attributes}[
+            "cpu_features"] == amd["cpu_features"]
 
 
 async def test_a_withdrawn_agents_edit_refused_by_a_life_it_did_not_begin_removes_that_life(nats_url, nc, prefix,
@@ -926,23 +902,17 @@ async def test_a_withdrawn_agents_edit_refused_by_a_life_it_did_not_begin_remove
     agent, cpuinfo = agent_on_a_machine(tmp_path, nats_url, prefix, literal_of_this_machine())
     path = tmp_path / "agent.toml"
     answered, withdrawn = spy_registrations(agent), withdrawals(agent)
-    stop = asyncio.Event()
-    async with running_registry(nats_url, prefix):
-        task = asyncio.create_task(agent.run(stop))
-        try:
-            assert (await asyncio.wait_for(answered.get(), 20))[0] == "REGISTERED"
-            shutil.copy(AMD, cpuinfo)
-            assert "is not this machine's" in await asyncio.wait_for(withdrawn.get(), 20)
-            other = build_registration(parse_config(agent_config("v1") + MICROVM), "w-a", "node-a", PROBE)
-            foreign, _ = await raw_request(nc, prefix, "register", "w-a", msgspec.to_builtins(other))
-            assert foreign["outcome"] == "REGISTERED", foreign
-            path.write_text(agent_config("v1"))  # what this machine makes, of one class
-            assert "a registration this agent did not make holds it" in await asyncio.wait_for(withdrawn.get(), 20)
-            _, again = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=foreign["seq"])
-            assert [c.sandbox_class for c in again.sandbox_classes] == ["gvisor"]
-        finally:
-            stop.set()
-            await asyncio.wait_for(task, 15)
+    async with running_registry(nats_url, prefix), agent_running(agent):
+        assert (await asyncio.wait_for(answered.get(), 20))[0] == "REGISTERED"
+        shutil.copy(AMD, cpuinfo)
+        assert "is not this machine's" in await asyncio.wait_for(withdrawn.get(), 20)
+        other = build_registration(parse_config(agent_config("v1") + MICROVM), "w-a", "node-a", PROBE)
+        foreign, _ = await raw_request(nc, prefix, "register", "w-a", msgspec.to_builtins(other))
+        assert foreign["outcome"] == "REGISTERED", foreign
+        path.write_text(agent_config("v1"))  # what this machine makes, of one class
+        assert "a registration this agent did not make holds it" in await asyncio.wait_for(withdrawn.get(), 20)
+        _, again = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=foreign["seq"])
+        assert [c.sandbox_class for c in again.sandbox_classes] == ["gvisor"]
 
 
 async def test_a_clock_far_ahead_does_not_keep_the_agent_from_removing_its_worker(nats_url, nc, prefix, tmp_path):
@@ -952,17 +922,11 @@ async def test_a_clock_far_ahead_does_not_keep_the_agent_from_removing_its_worke
     without a revision."""
     agent, cpuinfo = agent_on_a_machine(tmp_path, nats_url, prefix, literal_of_this_machine())
     answered, withdrawn = spy_registrations(agent), withdrawals(agent)
-    stop = asyncio.Event()
-    async with running_registry(nats_url, prefix):
-        task = asyncio.create_task(agent.run(stop))
-        try:
-            assert (await asyncio.wait_for(answered.get(), 20))[0] == "REGISTERED"
-            seq = await last_seq(nc, prefix)
-            agent.clock_ms = lambda: time.time_ns() // 1_000_000 + 2 * 366 * 24 * 3600 * 1000
-            shutil.copy(AMD, cpuinfo)
-            _, removed = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq)
-            assert removed.revision is None and "is not this machine's" in removed.reason
-            assert "is not this machine's" in await asyncio.wait_for(withdrawn.get(), 20)
-        finally:
-            stop.set()
-            await asyncio.wait_for(task, 15)
+    async with running_registry(nats_url, prefix), agent_running(agent):
+        assert (await asyncio.wait_for(answered.get(), 20))[0] == "REGISTERED"
+        seq = await last_seq(nc, prefix)
+        agent.clock_ms = lambda: time.time_ns() // 1_000_000 + 2 * 366 * 24 * 3600 * 1000
+        shutil.copy(AMD, cpuinfo)
+        _, removed = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq)
+        assert removed.revision is None and "is not this machine's" in removed.reason
+        assert "is not this machine's" in await asyncio.wait_for(withdrawn.get(), 20)
