@@ -32,11 +32,13 @@ Rules (CONTRACT sections 2 and 3, Registry):
 - Revisions (project addition, docs/contract.md): a registration may carry `revision`, a
   number its sender never lowers (warmboot's agent: its clock in ms when it made the
   content, across its restarts). One lower than the highest the worker's history holds,
-  in any life, or equal to it with other content, or equal and beginning a life under a
-  request id sent before (a late copy), is FAILED_PRECONDITION (field `revision`, nothing
-  written): a copy of an
-  older registration that a stalled replica decides after a newer one, or after the
-  worker was removed, would put back runtimes the machine no longer has. So that every
+  in any life, or equal to it with other content, is FAILED_PRECONDITION (field `revision`);
+  one beginning a life under a request id sent before that life ended (the service looks:
+  history, kept answers, refusals marked) is FAILED_PRECONDITION (field `request_id`);
+  nothing written: a copy of an older registration that a stalled replica decides after a
+  newer one, or after the worker was removed, would put back runtimes the machine no
+  longer has. A removal may carry a revision too (its agent's: above the highest, then
+  recorded), which orders it after everything the agent sent. So that every
   revision answered is in the history, a higher revision with the same content writes
   `WorkerUpdated` (same node, capacity and labels; outcome `UPDATED`) instead of nothing:
   once per content an agent makes, never in a storm of unchanged re-registrations.
