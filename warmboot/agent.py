@@ -807,7 +807,7 @@ class Agent:
                         sent_again.add("ahead")
                         log.warning("registration of %s refused (%s); sending it again with the clock's revision",
                                     self.worker_id, e.message)
-                        self._revise(max(self._in_force_revision or 0, self.clock_ms()))
+                        self._revise_back()
                         self._revised = registration
                         continue
                     if (e.code != ErrorCode.FAILED_PRECONDITION or e.field not in ("request_id", "revision")
@@ -822,7 +822,7 @@ class Agent:
                     #   agent on a clock ahead of this one's: this one goes on above it.
                     if e.field == "revision":
                         self._in_force_revision = None  # a higher one is recorded: go on above it
-                        self._revise(max(self._revision, latest_revision(e) or 0) + 1)
+                        self._revise_above(e)
                     log.warning("registration of %s refused (%s); sending it again with a new %s",
                                 self.worker_id, e.message, e.field.replace("_", " "))
         except (ContractError, ConfigError):
@@ -839,13 +839,14 @@ class Agent:
         registration sent again, as after a reconnect, is no newer and writes nothing); else one
         above it and not below this agent's clock, so that a registration this agent sends after
         another is never older, in this process or a later one (a restart; docs/contract.md)."""
-        if registration != self._revised and registration == self.registration and self._in_force_revision is not None:
+        if registration == self._revised:
+            return self._revision
+        if registration == self.registration and self._in_force_revision is not None:
             # the registration in force, sent again after another the registry refused (a reconnect's
             # AGAIN): it is no newer than when it was answered, and writes nothing
             return self._in_force_revision
-        if registration != self._revised:
-            self._revise(max(self._revision + 1, self.clock_ms()))
-            self._revised = registration
+        self._revise_next()
+        self._revised = registration
         return self._revision
 
     async def _remove_self(self, reason: str, stop: asyncio.Event) -> None:
@@ -856,7 +857,7 @@ class Agent:
         next gets a revision of its own. Without a state file that can be written, the removal goes
         without a revision (logged): it still removes."""
         try:
-            self._revise(max(self._revision + 1, self.clock_ms()))
+            self._revise_next()
             revision: int | None = self._revision
         except StateFileError as e:
             log.error("%s; removing %s without a revision", e, self.worker_id)
@@ -872,12 +873,12 @@ class Agent:
                 if attempt == 3 or e.field != "revision" or revision is None:
                     raise
                 if e.code == ErrorCode.FAILED_PRECONDITION:
-                    self._revise(max(self._revision, latest_revision(e) or 0) + 1)  # an earlier process's, above
+                    self._revise_above(e)
                     revision = self._revision
                 else:  # out of the registry's bound (a clock far ahead): removed all the same, without one
                     log.error("%s; removing %s without a revision", e.message, self.worker_id)
                     with suppress(StateFileError):
-                        self._revise(max(self._in_force_revision or 0, self.clock_ms()))
+                        self._revise_back()
                     revision = None
         self._forget_revision()
 
@@ -888,6 +889,19 @@ class Agent:
         bring back what ended (docs/contract.md)."""
         self._revised = None
         self._in_force_revision = None
+
+    def _revise_next(self) -> None:
+        """A revision above every one this agent gave, and not below its clock."""
+        self._revise(max(self._revision + 1, self.clock_ms()))
+
+    def _revise_above(self, refusal: ContractError) -> None:
+        """Above the highest a revision refusal names (an earlier process's, on a clock ahead)."""
+        self._revise(max(self._revision, latest_revision(refusal) or 0) + 1)
+
+    def _revise_back(self) -> None:
+        """Back from a revision the registry refused as out of its bound (none was recorded): to the
+        last it answered, or the clock."""
+        self._revise(max(self._in_force_revision or 0, self.clock_ms()))
 
     def _revise(self, revision: int) -> None:
         """Make `revision` the last one, kept in the state file (if any) before anything carries it."""

@@ -195,7 +195,8 @@ class RegistryStore(WireApplication):
             outcome = worker.register(request, at, sent_before=await self._sent_before(worker, request))
         except ContractError as refusal:
             if (refusal.code is ErrorCode.FAILED_PRECONDITION and refusal.field not in ("revision", "request_id")
-                    and request.revision is not None and request.request_id is not None and self.no_writes):
+                    and request.revision is not None and request.request_id is not None
+                    and self.no_writes is not None):
                 # refused on the worker's state (a change of class): a copy decided after the worker's
                 # life ended would be taken, and only this mark says it was sent before (`_sent_before`)
                 await self.no_writes.mark_refused_async(worker, request.request_id)
