@@ -162,6 +162,34 @@ def test_a_literal_runtime_naming_another_cpu_is_refused_unless_masked(tmp_path)
     assert str(error.value).startswith("sandbox_classes[0].default_runtime.cpu_masked:")
 
 
+@pytest.mark.parametrize("attributes, key", [
+    ('architecture = "amd64", cpu_vendor = "AuthenticAMD", kernel_digest = "k"', "cpu_vendor"),
+    ('architecture = "amd64", cpu_model = "25/1", kernel_digest = "k"', "cpu_model"),
+    ('architecture = "amd64", cpu_vendor = "GenuineIntel", cpu_model = "25/1", kernel_digest = "k"', "cpu_model"),
+])
+def test_a_literal_runtime_naming_part_of_a_profile_otherwise_than_this_machine_is_refused(tmp_path, attributes,
+                                                                                           key):
+    """The sample machine is a GenuineIntel 6/143. A runtime naming some of the microvm profile's keys,
+    one of them another CPU's, was taken unchecked (only one naming every key was compared; found by
+    a review): its actors' next snapshots, taken here, were stamped AMD and sent to AMD machines
+    registering the same literal version. Now every key it names is compared; masked, it is taken."""
+    path = tmp_path / "agent.toml"
+    text = agent_config("v1").replace('profile = "gvisor"\nattributes = { gvisor_asset_hash = "v1" }',
+                                      f"attributes = {{ {attributes} }}", 1)
+    assert text != agent_config("v1")
+    path.write_text(text)
+    with pytest.raises(ConfigError) as error:
+        load_registration(path, "w-a", "node-a", PROBE)
+    assert str(error.value).startswith(f"sandbox_classes[0].default_runtime.attributes.{key}: ")
+    assert "as the microvm probe reads it" in str(error.value)
+    path.write_text(text.replace("}\n", "}\ncpu_masked = true\n", 1))
+    load_registration(path, "w-a", "node-a", PROBE)
+    mine = 'attributes = { architecture = "amd64", cpu_vendor = "GenuineIntel", kernel_digest = "k" }'
+    path.write_text(agent_config("v1").replace('profile = "gvisor"\nattributes = { gvisor_asset_hash = "v1" }',
+                                               mine, 1))
+    load_registration(path, "w-a", "node-a", PROBE)  # what it names is this machine's
+
+
 @pytest.mark.parametrize("attributes", ['architecture = "arm64", gvisor_asset_hash = "v1"',
                                         'architecture = "arm64", cpu_vendor = "0x41", kernel_digest = "k"'])
 def test_a_literal_runtime_of_another_architecture_is_refused_whatever_else_it_names(tmp_path, attributes):

@@ -262,13 +262,14 @@ _WARNED: set[str] = set()
 
 def _cpu_named_otherwise(runtime: RuntimeConfig, path: str, probe: MachineRead) -> None:
     """A literal version (schema v1) of a default or restorable runtime that names another architecture
-    than this machine's, or names every key a probe profile reads, one of them otherwise than the
+    than this machine's, or any key a probe profile reads (all of them or some) otherwise than the
     probe reads this machine: MachineMismatch. The worker
     runs actors as such a version, both ways: a snapshot stamped with it is restored here, and the
     actor's next snapshot is stamped with it again, to be restored on machines of the CPU it names.
     Only a runtime that runs actors on that CPU's features (masking its own: `cpu_masked`) may say
     so; another CPU's snapshots restored one way are a compatible version. The architecture is never
-    masked. Not checked when the probe cannot read the machine (a literal version is then the way)."""
+    masked. A profile's keys are not checked when the probe cannot read them all on this machine (a
+    literal version is then the way)."""
     if runtime.schema_version != SCHEMA_VERSION:
         return
     named_arch = runtime.attributes.get("architecture")
@@ -279,15 +280,16 @@ def _cpu_named_otherwise(runtime: RuntimeConfig, path: str, probe: MachineRead) 
             "memory image never crosses architectures, and actors restored under this runtime would be stamped "
             "with it")
     for profile, keys in PROFILES.items():
-        if not all(key in runtime.attributes for key in keys):
+        named_keys = [key for key in keys if key != "architecture" and key in runtime.attributes]
+        if not named_keys or runtime.cpu_masked:
             continue
         try:
             mine = {a.key: a.value for a in probe.version(profile, {}).attributes}
         except ProbeError:
-            return
-        for key in keys:
+            continue  # this profile's keys are not all read here: nothing to compare them with
+        for key in named_keys:
             named = runtime.attributes[key]
-            if key == "architecture" or key not in mine or named == mine[key] or runtime.cpu_masked:
+            if key not in mine or named == mine[key]:
                 continue
             raise MachineMismatch(
                 f"{path}.attributes.{key}: {named!r} is not this machine's ({mine[key]!r}, as the {profile} probe "
