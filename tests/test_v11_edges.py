@@ -319,3 +319,28 @@ async def test_a_snapshot_id_names_one_image_of_an_actor(wb, nc, prefix):
     assert error.field == "snapshot_id"
     promoted = (await wb.suspend("a", uri="s3://a/p-1", snapshot_id="p-1")).snapshot  # its own id: kept
     assert promoted.snapshot_id == paused.snapshot_id == "p-1"
+
+
+async def test_a_snapshot_id_in_the_form_of_another_actors_default_ids_is_refused(wb, nc, prefix):
+    """Ids are not checked across actors, yet the default ones were said never to collide: actor b
+    could suspend as `a-v7`, the id a's seventh version takes by default, and a's resume then named
+    an id that also names b's image (found by a review). An id a caller gives, for a pause, a
+    suspend or a golden snapshot, in the form `<other actor>-v<version>[-<step>]` is refused
+    (INVALID_ARGUMENT, the field named), nothing written; the actor's own form, and forms no
+    default takes (`-v0`, `-v07`), are taken."""
+    await wb.register(worker("w1", V1, node="n-a"))
+    await wb.create(actor("b"))
+    await wb.resume("b")
+    for taken in ("a-v7", "a-v7-1", "x-y-v12"):
+        error = await refused(nc, prefix, wb.suspend("b", uri="s3://b/1", snapshot_id=taken))
+        assert (error.code, error.field) == (ErrorCode.INVALID_ARGUMENT, "snapshot_id")
+        assert f"snapshot_id {taken!r} has the form of the ids the snapshotter gives another actor's" in error.message
+    error = await refused(nc, prefix, wb.pause("b", snapshot_id="a-v7"))
+    assert error.field == "snapshot_id"
+    error = await refused(nc, prefix, wb.create(actor("c", golden_snapshot=golden(V1, snapshot_id="a-v3"))))
+    assert (error.code, error.field) == (ErrorCode.INVALID_ARGUMENT, "golden_snapshot.snapshot_id")
+    assert (await wb.pause("b", snapshot_id="b-v9")).snapshot.snapshot_id == "b-v9"  # its own form
+    assert (await wb.suspend("b", uri="s3://b/2", snapshot_id="a-v0")).snapshot.snapshot_id == "a-v0"
+    await wb.resume("b")
+    assert (await wb.suspend("b", uri="s3://b/3", snapshot_id="release-v07")).snapshot.snapshot_id == "release-v07"
+    await wb.create(actor("c", golden_snapshot=golden(V1, snapshot_id="base-2")))

@@ -67,7 +67,7 @@ from __future__ import annotations
 from datetime import datetime
 
 from events.aggregate import WireAggregate
-from events.errors import already_exists, not_found, precondition
+from events.errors import already_exists, invalid, not_found, precondition
 from events.schema import (
     ActorCreated,
     ActorPlaced,
@@ -87,6 +87,7 @@ from events.schema import (
 )
 from events.states import WAITING, ActorState
 from services.snapshotter.stamping import (
+    anothers_default_id,
     default_snapshot_id,
     initial_snapshot,
     paused_snapshot,
@@ -164,6 +165,8 @@ class Actor(WireAggregate):
         revert named both an EXTERNAL image and a LOCAL one of another stamp. `same_image`: the id
         of the image this one is (a promote keeps it), which is not a reuse."""
         if requested is not None:
+            if requested != same_image:
+                self._not_anothers_default(requested, "snapshot_id")
             if requested != same_image and requested in self.snapshot_ids:
                 raise precondition(
                     f"snapshot_id {requested!r} already names another snapshot of actor {self.entity_id!r}: "
@@ -174,6 +177,15 @@ class Actor(WireAggregate):
         while (made := default_snapshot_id(self.entity_id, self.version + 1, step)) in self.snapshot_ids:
             step += 1
         return made
+
+    def _not_anothers_default(self, snapshot_id: str, field: str) -> None:
+        """INVALID_ARGUMENT if a caller's `snapshot_id` has the form of another actor's default ids
+        (`stamping.anothers_default_id`): default ids would no longer name one image each."""
+        if anothers_default_id(self.entity_id, snapshot_id):
+            raise invalid(
+                f"{field} {snapshot_id!r} has the form of the ids the snapshotter gives another actor's snapshots "
+                "(<actor_id>-v<version>): a worker finds an image by its id, so that actor's resume could load "
+                "this image; give another id, or none", field)
 
     @property
     def alive(self) -> bool:
@@ -199,6 +211,8 @@ class Actor(WireAggregate):
                 f"{tagged.sandbox_runtime.sandbox_class!r}, not {request.sandbox_class!r}",
                 "source_tag",
             )
+        if request.golden_snapshot is not None:
+            self._not_anothers_default(request.golden_snapshot.snapshot_id, "golden_snapshot.snapshot_id")
         snapshot = initial_snapshot(self.entity_id, tagged, request.golden_snapshot)
         self.record(ActorCreated(
             actor_id=self.entity_id,

@@ -11,6 +11,7 @@ rule is one pure function, used by the Actor aggregate (`services.snapshotter.do
 from __future__ import annotations
 
 import hashlib
+import re
 from datetime import datetime
 
 import msgspec
@@ -47,6 +48,20 @@ def default_snapshot_id(actor_id: str, version: int, step: int = 0) -> str:
         return actor_id + suffix
     digest = hashlib.sha256(actor_id.encode()).hexdigest()[:12]
     return f"{actor_id[: MAX_ID - len(suffix) - len(digest) - 1]}-{digest}{suffix}"
+
+
+_DEFAULT_FORM = re.compile(r"-v([1-9][0-9]*)(?:-([1-9][0-9]*))?$")
+
+
+def anothers_default_id(actor_id: str, snapshot_id: str) -> bool:
+    """Whether `snapshot_id`, given by a caller for `actor_id`'s image, has the form of a default id
+    (`<id>-v<version>`, `...-<step>`: `default_snapshot_id`) that is not one of `actor_id`'s own: the
+    actor it names would take it by default. A worker finds an image by its id, so that actor's
+    resume could load this one (another actor's memory, maybe of another stamp)."""
+    form = _DEFAULT_FORM.search(snapshot_id)
+    if form is None:
+        return False
+    return snapshot_id != default_snapshot_id(actor_id, int(form[1]), int(form[2] or 0))
 
 
 def paused_snapshot(
