@@ -67,6 +67,12 @@ replay of the log, or says less than needed, the gap is closed here and nowhere 
   checks the block, and formats the command, for every message (4 to 5 µs with headers
   and a reply against 2, measured). The services answer requests with it, and the registry
   puts heartbeats and acknowledges the sweeper's deliveries with it.
+- `connecting`: a connect (nats-py's `connect`), given up on (its caller cancelled, or its
+  time up), cancelled until it ends. Python 3.11's `asyncio.wait_for`, which nats-py's connect
+  awaits each step with, swallows a cancellation that lands as the step completes (the TCP
+  connection made: CPython gh-86296, fixed in 3.12), and nats-py then goes on connecting,
+  forever with `max_reconnect_attempts=-1`: a Ctrl-C of a command waiting for its server, or
+  a stop of an agent or a service before its server answered, hung for good.
 - `Replies`: many requests in flight over one wildcard inbox, each answered into a
   future. nats-py's `request` arms a timer (`wait_for`) and draws a NUID per call,
   and `publish_async` a timer per call on its semaphore; at thousands of requests a
@@ -82,7 +88,7 @@ import logging
 import re
 import time
 from contextlib import suppress
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, TypeVar
 
 import msgspec
 import nats.errors
@@ -643,6 +649,40 @@ class ErrorsOnce:
         self._seen.clear()
         if self._refused is not None:
             self._refused.clear()
+
+
+CANCEL_AGAIN_S = 0.1  # a connect given up on is cancelled again this often until it ends (`connecting`)
+T = TypeVar("T")
+
+
+async def connecting(connect: Awaitable[T], timeout: float | None = None,
+                     close: Callable[[], Awaitable[Any]] | None = None) -> T:
+    """The result of `connect` (nats-py's `nats.connect(...)` or `Client.connect(...)`), within
+    `timeout` (asyncio.TimeoutError after it). Given up on, by the caller's cancellation or the
+    time-out, it is cancelled, again every `CANCEL_AGAIN_S` until it ends: the first cancellation
+    may be swallowed (Python 3.11's `asyncio.wait_for`, module docstring), and nats-py would go on
+    connecting for good. Should it have connected all the same, the connection is closed: with
+    `close`, or the result's own `close()`."""
+    task = asyncio.ensure_future(connect)
+    try:
+        await asyncio.wait({task}, timeout=timeout)  # a cancellation of the caller is not the task's
+    except asyncio.CancelledError:
+        await _given_up(task, close)
+        raise
+    if not task.done():
+        await _given_up(task, close)
+        raise asyncio.TimeoutError
+    return task.result()
+
+
+async def _given_up(task: asyncio.Future, close: Callable[[], Awaitable[Any]] | None) -> None:
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=CANCEL_AGAIN_S)
+    if task.cancelled() or task.exception() is not None:
+        return
+    with suppress(Exception):
+        await (close() if close is not None else task.result().close())
 
 
 def refuses_sign_in(error: BaseException) -> bool:

@@ -263,3 +263,54 @@ async def test_a_cluster_member_that_refuses_the_password_does_not_end_the_conne
     finally:
         old.stop()
         new.stop()
+
+
+def test_a_ctrl_c_stops_a_command_with_status_130_and_says_so():
+    """A one-shot command stopped by Ctrl-C (SIGINT) while it waits for its server: exit status 130
+    and "interrupted", as shells report it; it was click's "Aborted!" and status 1, which scripts
+    read as the command having failed."""
+    import signal
+    import socket
+    import subprocess
+
+    from tests.secured_helpers import WARMBOOT
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # takes the connection, says nothing
+        listener.settimeout(30)
+        port = listener.getsockname()[1]
+        command = subprocess.Popen([WARMBOOT, "workers", "--nats", f"nats://127.0.0.1:{port}"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            connection, _ = listener.accept()  # the command is waiting for the server's greeting
+            with connection:
+                command.send_signal(signal.SIGINT)
+                _, err = command.communicate(timeout=30)
+        finally:
+            command.kill()
+            command.wait()
+    assert command.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "interrupted" and "Aborted" not in err, err
+
+
+@pytest.mark.parametrize("turns", range(6))
+async def test_a_connect_given_up_on_ends_whenever_it_is_cancelled(turns):
+    """`connect` (every process's) cancelled `turns` turns of the loop after its TCP connection was
+    taken, by a server that says nothing: it ends, and the next connect is not held up. nats-py's
+    connect, cancelled right as a step completed, went on connecting for good (Python 3.11's
+    asyncio.wait_for swallows that cancellation: `events.natspy.connecting`); a Ctrl-C of a command
+    waiting for its server did nothing, and its process never ended."""
+    import socket
+
+    from warmboot.connection import connect
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.setblocking(False)
+        loop = asyncio.get_running_loop()
+        task = asyncio.ensure_future(connect(f"nats://127.0.0.1:{listener.getsockname()[1]}", "test"))
+        connection, _ = await asyncio.wait_for(loop.sock_accept(listener), 10)
+        with connection:
+            for _ in range(turns):
+                await asyncio.sleep(0)  # a turn of the loop: where the cancellation lands
+            task.cancel()
+            done, _ = await asyncio.wait({task}, timeout=10)
+    assert done and task.cancelled(), "the connect went on after it was cancelled"

@@ -65,7 +65,7 @@ from events.codec import decode_request, encode, to_builtins
 from events.errors import ContractError, latest_revision
 from events.tasks import cancel_and_wait
 from events.natsauth import nkey_options, nkey_seed_path, redact_url
-from events.natspy import ErrorsOnce, describe_error, guard_reads
+from events.natspy import ErrorsOnce, connecting, describe_error, guard_reads
 from events.compat import MACHINE_TO_ARCH
 from events.probe import (DEFAULT_CPUINFO, PROFILES, SCHEMA_VERSION, ProbeError, host_architecture,
                           probe_version, read_cpuinfo)
@@ -561,7 +561,7 @@ class Agent:
 
         delay = RETRY_MIN_S
         while True:
-            connecting = asyncio.ensure_future(
+            attempt = asyncio.ensure_future(connecting(
                 nats.connect(
                     servers=[url.strip() for url in self.nats_url.split(",")],  # a cluster: its members
                     name=f"warmboot-agent-{self.worker_id}",
@@ -573,17 +573,18 @@ class Agent:
                     connect_timeout=2,
                     **nkey_options(self.nkey_seed),
                 )
-            )
+            ))
             stopping = asyncio.ensure_future(stop.wait())
-            await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-            stopping.cancel()
-            if not connecting.done():
-                connecting.cancel()
-                with suppress(BaseException):
-                    await connecting
-                raise asyncio.CancelledError
             try:
-                nc = connecting.result()
+                await asyncio.wait({attempt, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            finally:  # stopped, or cancelled: `connecting` ends the attempt, closing what it may have made
+                stopping.cancel()
+                if not attempt.done():
+                    await cancel_and_wait(attempt)
+            if attempt.cancelled():
+                raise asyncio.CancelledError  # stopped before the server answered
+            try:
+                nc = attempt.result()
             except Exception as e:  # refused outright (e.g. bad credentials): try again, slower
                 log.warning("cannot connect to NATS: %s; retrying in %.1fs", e, delay)
                 if await _wait(stop, delay):

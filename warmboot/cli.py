@@ -4,8 +4,23 @@ from __future__ import annotations
 
 import click
 
+INTERRUPTED_EXIT = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+
+class Commands(click.Group):
+    """The command group, whose commands a Ctrl-C stops with "interrupted" and exit status 130, as
+    shells and most tools do (click's own is "Aborted!" and 1, the status of a failed command).
+    `serve`, `up` and `agent` handle SIGINT themselves once they serve (a graceful stop)."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            raise click.exceptions.Exit(INTERRUPTED_EXIT) from None
+
+
+@click.group(cls=Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="warmboot")
 def main() -> None:
     """warmboot: place snapshot resumes on workers whose runtime can load them."""

@@ -21,7 +21,7 @@ import nats.errors
 
 from events.errors import precondition, unavailable
 from events.natsauth import inbox_prefix as chosen_inbox_prefix, nkey_options, nkey_seed_path, redact_url
-from events.natspy import ErrorsOnce, describe_error, guard_reads
+from events.natspy import ErrorsOnce, connecting, describe_error, guard_reads
 from events.tasks import cancel_and_wait
 
 log = logging.getLogger("warmboot")
@@ -49,7 +49,7 @@ async def connect(url: str, name: str, *, inbox_prefix: str | None = None, nkey_
     async def reconnected() -> None:
         errors.reset()
 
-    nc = await nats.connect(
+    nc = await connecting(nats.connect(  # ends when cancelled, even as the TCP connection is made
         servers=url.split(","),
         name=name,
         max_reconnect_attempts=-1,
@@ -58,7 +58,7 @@ async def connect(url: str, name: str, *, inbox_prefix: str | None = None, nkey_
         error_cb=errors.report,
         reconnected_cb=reconnected,
         **options,
-    )
+    ))
     guard_reads(nc)  # a message nats-py cannot read is dropped, not the end of its read loop
     return nc
 

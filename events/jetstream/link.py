@@ -41,7 +41,7 @@ from events.jetstream import errors
 from events.jetstream.lastseen import LastSeen
 from events.jetstream.layout import LEADER_ELECTED_ADVISORY, status_of
 from events.natsauth import NKEY_SEED_ENV, nkey_options, redact_url
-from events.natspy import use_lean_headers
+from events.natspy import connecting, use_lean_headers
 from events.tasks import retrieved
 
 log = logging.getLogger("warmboot.jetstream")
@@ -274,7 +274,7 @@ class Link:
         nc = NATS()
         use_lean_headers(nc)  # replays are bound by header parsing (events.natspy)
         try:
-            await asyncio.wait_for(
+            await connecting(  # ends when cancelled, even as the TCP connection is made
                 nc.connect(
                     **self.options.connect_kwargs(),
                     name="warmboot-eventstore",
@@ -289,6 +289,7 @@ class Link:
                     reconnected_cb=on_reconnected,
                 ),
                 timeout,
+                close=nc.close,
             )
         except asyncio.TimeoutError:
             try:  # stop its reconnect loop: the next call starts afresh
