@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import datetime, timedelta, timezone
 
 import msgspec
@@ -16,6 +17,7 @@ from events.schema import (
     ActorStopped,
     CreateActor,
     ErrorCode,
+    ID_PATTERN,
     Fidelity,
     Location,
     ReleaseReason,
@@ -29,7 +31,7 @@ from events.schema import (
 from events.states import ActorState
 from services.snapshotter.domain import Actor, Tag
 from services.snapshotter.placements import PlacementFold, Release
-from services.snapshotter.stamping import default_snapshot_id, initial_snapshot, stamp_from_pin
+from services.snapshotter.stamping import anothers_default_id, default_snapshot_id, initial_snapshot, stamp_from_pin
 from tests import factories
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
@@ -144,6 +146,26 @@ def test_default_snapshot_id_is_deterministic_unique_per_version_and_a_valid_id(
     snapshot = actor.pause(None, None, at(1))
     assert snapshot.snapshot_id == f"a-1-v{actor.version - 1}"  # the SnapshotTaken's version
 
+
+
+@pytest.mark.parametrize("length", [120, 124, 125, 126, 128])
+def test_no_actors_default_snapshot_id_is_another_actors(length):
+    """A default id that would reach 128 characters is shortened, with a digest of the actor id, to
+    exactly 128. Its stem, `<prefix>-<digest>`, is itself a valid actor id, whose plain default was
+    the same string: two actors' images under one id (found by a review). A plain default is now
+    at most 127 characters; and an id of the stem actor's in that form is another actor's."""
+    long_actor = "L" * length
+    for version in (9, 10, 1234):
+        for step in (0, 2):
+            shortened = default_snapshot_id(long_actor, version, step)
+            assert len(shortened) <= 128 and re.fullmatch(ID_PATTERN, shortened)
+            suffix = shortened[shortened.rindex("-v"):]
+            stem = shortened[: -len(suffix)]
+            if stem == long_actor:
+                continue  # not shortened
+            assert default_snapshot_id(stem, version, step) != shortened
+            assert anothers_default_id(stem, shortened)
+            assert not anothers_default_id(long_actor, shortened)
 
 def test_tag_copies_the_latest_snapshot_with_its_stamp_onto_the_actor_and_the_tag():
     actor = running(pin=V1)

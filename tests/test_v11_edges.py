@@ -344,3 +344,23 @@ async def test_a_snapshot_id_in_the_form_of_another_actors_default_ids_is_refuse
     await wb.resume("b")
     assert (await wb.suspend("b", uri="s3://b/3", snapshot_id="release-v07")).snapshot.snapshot_id == "release-v07"
     await wb.create(actor("c", golden_snapshot=golden(V1, snapshot_id="base-2")))
+
+
+async def test_a_golden_snapshot_naming_an_earlier_lifes_other_image_is_refused(wb, nc, prefix):
+    """One id names one image of an actor, any life: a create anew whose golden snapshot names an
+    id an earlier life gave another image (a LOCAL pause image stamped V2 on n-a, the golden one
+    V1) was taken, and the resume named an id whose image on n-a was of another stamp (found by
+    a review). Refused, FAILED_PRECONDITION, nothing written; a create anew from the same golden
+    image as before is taken."""
+    await wb.register(worker("w2", V2, node="n-a"))
+    base = golden(V2, snapshot_id="base-1")
+    await wb.create(actor("a", golden_snapshot=base))
+    await wb.resume("a")
+    old = (await wb.pause("a")).snapshot
+    await wb.stop("a")
+    error = await refused(nc, prefix, wb.create(actor("a", golden_snapshot=golden(V1, snapshot_id=old.snapshot_id))))
+    assert (error.code, error.field) == (ErrorCode.FAILED_PRECONDITION, "golden_snapshot.snapshot_id")
+    assert "already names another snapshot of actor 'a'" in error.message
+    error = await refused(nc, prefix, wb.create(actor("a", golden_snapshot=golden(V1, snapshot_id="base-1"))))
+    assert error.field == "golden_snapshot.snapshot_id"  # the id of the first life's golden image, another stamp
+    await wb.create(actor("a", golden_snapshot=base))  # the same image again

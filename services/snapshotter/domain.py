@@ -92,6 +92,7 @@ from services.snapshotter.stamping import (
     initial_snapshot,
     paused_snapshot,
     promoted_snapshot,
+    same_image,
     suspended_snapshot,
     tagged_copy,
 )
@@ -139,7 +140,8 @@ class Actor(WireAggregate):
         self.node_pin: str | None = None  # PAUSED: the node that holds the local snapshot
         self.borrows_volumes = False  # created from a golden snapshot, not suspended since
         self.latest_external: Snapshot | None = None  # what a revert goes back to
-        self.snapshot_ids: set[str] = set()  # of every snapshot it ever had, each life (`next_snapshot_id`)
+        # every snapshot it ever had, each life, by id: the last recorded under it (`next_snapshot_id`)
+        self.snapshot_ids: dict[str, Snapshot] = {}
 
     # --- guards ---
 
@@ -211,8 +213,15 @@ class Actor(WireAggregate):
                 f"{tagged.sandbox_runtime.sandbox_class!r}, not {request.sandbox_class!r}",
                 "source_tag",
             )
-        if request.golden_snapshot is not None:
-            self._not_anothers_default(request.golden_snapshot.snapshot_id, "golden_snapshot.snapshot_id")
+        golden = request.golden_snapshot
+        if golden is not None:
+            self._not_anothers_default(golden.snapshot_id, "golden_snapshot.snapshot_id")
+            earlier = self.snapshot_ids.get(golden.snapshot_id)
+            if earlier is not None and not same_image(earlier, golden):
+                raise precondition(
+                    f"golden_snapshot.snapshot_id {golden.snapshot_id!r} already names another snapshot of actor "
+                    f"{self.entity_id!r} (an earlier life's): a worker finds an image by its id, so one id names one "
+                    "image; give a new one", "golden_snapshot.snapshot_id")
         snapshot = initial_snapshot(self.entity_id, tagged, request.golden_snapshot)
         self.record(ActorCreated(
             actor_id=self.entity_id,
@@ -392,7 +401,7 @@ class Actor(WireAggregate):
         self.node_pin = None
 
     def when_SnapshotTaken(self, e: SnapshotTaken) -> None:
-        self.snapshot_ids.add(e.snapshot.snapshot_id)
+        self.snapshot_ids[e.snapshot.snapshot_id] = e.snapshot
         if e.origin is SnapshotOrigin.TAG:  # a copy under a tag: the actor's own latest is unchanged
             return
         self.latest_snapshot = e.snapshot

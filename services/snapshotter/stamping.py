@@ -19,6 +19,7 @@ import msgspec
 from events.schema import ActorPlaced, ActorRuntime, Fidelity, Location, Snapshot
 
 MAX_ID = 128  # ids are at most 128 characters (ID_PATTERN)
+DIGEST_CHARS = 24  # of a shortened default snapshot id (`default_snapshot_id`): 96 bits
 
 
 def stamp_from_pin(assignment: ActorPlaced) -> ActorRuntime:
@@ -40,13 +41,17 @@ def default_snapshot_id(actor_id: str, version: int, step: int = 0) -> str:
 
     `version` is the actor's version at the event that records the snapshot, so
     the id is deterministic (a replay or a second replica deciding the same step
-    derives the same id) and unique within the actor. Ids near the 128-char limit
-    are shortened with a digest of the full actor id, so they stay unique.
+    derives the same id) and unique within the actor. One that would reach the 128-char limit
+    is shortened with a digest of the full actor id to exactly 128 characters, and only such
+    a one has 128: a plain default is at most 127, so no actor's plain default is another's
+    shortened one (the actor id that is a shortened one's stem, `<prefix>-<digest>`, gets a
+    shortened default of its own; found by a review). The digest is 96 bits, so that two actor
+    ids with one digest cannot be searched for.
     """
     suffix = f"-v{version}" + (f"-{step}" if step else "")
-    if len(actor_id) + len(suffix) <= MAX_ID:
+    if len(actor_id) + len(suffix) < MAX_ID:
         return actor_id + suffix
-    digest = hashlib.sha256(actor_id.encode()).hexdigest()[:12]
+    digest = hashlib.sha256(actor_id.encode()).hexdigest()[:DIGEST_CHARS]
     return f"{actor_id[: MAX_ID - len(suffix) - len(digest) - 1]}-{digest}{suffix}"
 
 
@@ -62,6 +67,13 @@ def anothers_default_id(actor_id: str, snapshot_id: str) -> bool:
     if form is None:
         return False
     return snapshot_id != default_snapshot_id(actor_id, int(form[1]), int(form[2] or 0))
+
+
+def same_image(one: Snapshot, other: Snapshot) -> bool:
+    """Whether two snapshots are the same image: all but whose they are, whether borrowed, and when
+    recorded (a golden snapshot an actor is created from again, in a new life)."""
+    return msgspec.structs.replace(one, actor_id=other.actor_id, borrowed=other.borrowed,
+                                   taken_at=other.taken_at) == other
 
 
 def paused_snapshot(
