@@ -59,12 +59,17 @@ def attributes_of(cpu: str, profile: str) -> dict[str, str]:
 
 def config(mode: str, asset: str, microvm: bool, restorable: bool) -> str:
     """The agent's file. `mode`: "probed", or "literal-intel" / "literal-amd" (the runtimes written
-    out as --print-registration gives them on that machine)."""
+    out as --print-registration gives them on that machine), or "partial-intel" / "partial-amd"
+    (gvisor probed, the microvm runtime written out naming only that machine's CPU vendor)."""
 
     def runtime(table: str, name: str, profile: str, extra: dict[str, str]) -> str:
-        if mode == "probed":
+        if mode == "probed" or (mode.startswith("partial-") and profile == "gvisor"):
             attrs = extra
             head = f'name = "{name}"\nprofile = "{profile}"\n'
+        elif mode.startswith("partial-"):
+            read = attributes_of(mode.split("-")[1], profile)
+            attrs = {"architecture": read["architecture"], "cpu_vendor": read["cpu_vendor"], **extra}
+            head = f'name = "{name}"\n'
         else:
             attrs = {**attributes_of(mode.split("-")[1], profile), **extra}
             head = f'name = "{name}"\n'
@@ -176,7 +181,7 @@ class Rig:
         elif step == "edit_restorable":
             self.restorable = not self.restorable
         elif step == "edit_mode":
-            self.mode = rnd.choice(["probed", "literal-intel", "literal-amd"])
+            self.mode = rnd.choice(["probed", "literal-intel", "literal-amd", "partial-intel", "partial-amd"])
         elif step in ("cpu_intel", "cpu_amd"):
             self.cpu = step[4:]
             shutil.copy(CPUS[self.cpu], self.cpuinfo)
