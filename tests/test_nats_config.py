@@ -385,3 +385,35 @@ async def test_two_deployments_merged_into_one_accounts_block_each_keep_their_us
             await nc.close()
     finally:
         server.stop()
+
+
+def test_a_user_left_out_loses_its_seed_and_rotate_gives_a_new_one(tmp_path):
+    """A worker dropped from a run lost its user but kept its seed file, and got the same key back
+    when listed again: a retired (or leaked) key came back to life (found by a review). Its seed is
+    removed now, and `--rotate USER` gives a listed user a new secret, keeping everyone else's; a
+    user to rotate that the run does not list is refused, nothing written."""
+    seeds, conf, secrets = tmp_path / "seeds", tmp_path / "auth.conf", tmp_path / "secrets.json"
+
+    def run(*args: str):
+        return CliRunner().invoke(main, ["nats-config", "--prefix", "hx", "--services-user", "svc", "--auth", "nkey",
+                                         "--seeds-dir", str(seeds), "--secrets", str(secrets), "--out", str(conf),
+                                         *args])
+
+    assert run("--worker", "w-1", "--worker", "w-2").exit_code == 0
+    first = {p.stem: p.read_text() for p in seeds.glob("*.nk")}
+    (seeds / "notes.txt").write_text("kept")  # not a seed
+    left_out = run("--worker", "w-1")
+    assert left_out.exit_code == 0 and "removed the seeds of users no longer listed: w-2" in left_out.output
+    assert sorted(p.name for p in seeds.iterdir()) == ["notes.txt", "svc.nk", "w-1.nk"]
+    assert run("--worker", "w-1", "--worker", "w-2").exit_code == 0
+    assert (seeds / "w-2.nk").read_text() != first["w-2"]
+    assert (seeds / "w-1.nk").read_text() == first["w-1"]
+
+    before = {p.name: p.read_text() for p in tmp_path.rglob("*") if p.is_file()}
+    refused = run("--worker", "w-1", "--worker", "w-2", "--rotate", "w-9")
+    assert refused.exit_code == 2 and "--rotate" in refused.output and "w-9: not a user of this run" in refused.output
+    assert {p.name: p.read_text() for p in tmp_path.rglob("*") if p.is_file()} == before
+    w2 = (seeds / "w-2.nk").read_text()
+    assert run("--worker", "w-1", "--worker", "w-2", "--rotate", "w-1").exit_code == 0
+    assert (seeds / "w-1.nk").read_text() != first["w-1"] and (seeds / "w-2.nk").read_text() == w2
+    assert json.loads(secrets.read_text())["w-1"] == (seeds / "w-1.nk").read_text().strip()

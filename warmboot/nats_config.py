@@ -371,9 +371,12 @@ def _usable_seed(seed: str) -> bool:
                    "kept, new users get new ones, and the file is rewritten (mode 0600).")
 @click.option("--seeds-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="--auth nkey: also write each user's seed to DIR/USER.nk (mode 0600), the file that "
-                   "--nkey-seed / NATS_NKEY_SEED take.")
+                   "--nkey-seed / NATS_NKEY_SEED take; the USER.nk of a user not in this run is removed.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the configuration here (mode 0600) instead of standard output.")
+@click.option("--rotate", "rotated", multiple=True, callback=check_id, metavar="USER",
+              help="Give this user a new secret (password or nkey seed) even if one is kept: its old one "
+                   "signs in no more once the server reloads the configuration; repeatable.")
 def nats_config(
     prefix: str,
     services_user: str,
@@ -386,6 +389,7 @@ def nats_config(
     secrets_path: Path | None,
     seeds_dir: Path | None,
     out_path: Path | None,
+    rotated: tuple[str, ...],
 ) -> None:
     """Write a nats-server `accounts` block with one user per role.
 
@@ -420,6 +424,9 @@ def nats_config(
         raise click.UsageError(f"user names must be unique across roles: {', '.join(clashes)}")
     if seeds_dir is not None and auth != "nkey":
         raise click.UsageError("--seeds-dir goes with --auth nkey")
+    unknown = sorted(set(rotated) - set(users))
+    if unknown:
+        raise click.BadParameter(f"{', '.join(unknown)}: not a user of this run", param_hint="--rotate")
 
     if auth == "nkey" and secrets_path is None and seeds_dir is None:
         raise click.UsageError("--auth nkey needs --secrets or --seeds-dir: a seed nobody keeps signs nothing")
@@ -447,7 +454,7 @@ def nats_config(
     fresh = new_nkey_seed if auth == "nkey" else new_password
     # a password kept from a password run is no seed, and the other way round: make a new one
     usable = _usable_seed if auth == "nkey" else (lambda s: not _usable_seed(s))
-    secrets_of = {u: kept[u] if u in kept and usable(kept[u]) else fresh() for u in users}
+    secrets_of = {u: kept[u] if u in kept and usable(kept[u]) and u not in rotated else fresh() for u in users}
 
     text = nats_auth_config(prefix, services_user, worker_ids, list(operators), clients=list(clients),
                             ids=identities(auth, secrets_of))
@@ -457,6 +464,12 @@ def nats_config(
         seeds_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         for u, seed in secrets_of.items():
             _write_private(seeds_dir / f"{u}.nk", seed + "\n")
+        # a user left out loses its seed too: listed again later, it gets a new one, not the old
+        gone = sorted(path for path in seeds_dir.glob("*.nk") if path.stem not in secrets_of and ID_RE.match(path.stem))
+        for path in gone:
+            path.unlink()
+        if gone:
+            click.echo(f"removed the seeds of users no longer listed: {', '.join(p.stem for p in gone)}", err=True)
     if worker_nodes_path is not None:
         worker_nodes_path.write_bytes(encode_nodes(nodes))  # no secret in it
         click.echo(f"wrote {worker_nodes_path}: the nodes of {len(nodes)} worker(s)", err=True)
