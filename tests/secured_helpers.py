@@ -144,13 +144,13 @@ class Child:
     def output(self) -> str:
         return "\n".join(self.lines)
 
-    def line(self, start: str, timeout: float = 30.0, anywhere: bool = False) -> str:
+    def line(self, start: str, timeout: float = 30.0, anywhere: bool = False, after: int = 0) -> str:
         """The first line that starts with `start` (with `anywhere`, that holds it: a log line
         begins with its time), once printed (a line printed after the ready line may not have
-        been read yet when `start` returns)."""
+        been read yet when `start` returns); with `after`, among the lines after the first `after`."""
         def found() -> str | None:
-            return next((line for line in self.lines if (start in line if anywhere else line.startswith(start))),
-                        None)
+            return next((line for line in self.lines[after:]
+                         if (start in line if anywhere else line.startswith(start))), None)
 
         with self._changed:
             self._changed.wait_for(lambda: found() is not None or self._ended, timeout)

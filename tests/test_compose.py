@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import signal
 from pathlib import Path
 
 import click
@@ -70,18 +71,23 @@ def test_every_service_command_is_a_real_warmboot_command_line(compose):
 
 
 def test_cluster_routes_are_consistent(compose):
+    """Each member runs the one configuration file with its own environment: its name, and routes to
+    every member (its own ignored) on the port they listen on for routes."""
+    services = compose["services"]
     nodes = nats_nodes(compose)
-    names = {flag(args, "--name") for args in nodes.values()}
-    assert names == set(nodes)
-    cluster_names = {flag(args, "--cluster_name") for args in nodes.values()}
-    assert len(cluster_names) == 1
+    assert {services[n]["environment"]["NATS_NAME"] for n in nodes} == set(nodes)
     for node, args in nodes.items():
-        listen_port = flag(args, "--cluster").rsplit(":", 1)[1]
-        routes = flag(args, "--routes").split(",")
-        hosts = {r.split("//")[1].split(":")[0] for r in routes}
-        assert hosts == set(nodes) - {node}, f"{node} must route to every other node"
+        env = services[node]["environment"]
+        assert args == ["-c", "/etc/nats/cluster.conf"]  # nothing a reload would drop
+        listen_port = env["NATS_CLUSTER_LISTEN"].rsplit(":", 1)[1]
+        routes = [env[f"NATS_ROUTE_{i}"] for i in (1, 2, 3)]
+        assert {r.split("//")[1].split(":")[0] for r in routes} == set(nodes), f"{node} must route to every member"
         assert all(r.rsplit(":", 1)[1] == listen_port for r in routes)
-        assert "-js" in args and flag(args, "--store_dir")
+        assert f"{node}:{env['NATS_STORE']}" in services[node]["volumes"]
+    text = (ROOT / "deploy" / "nats-cluster.conf").read_text()
+    for variable in ("NATS_NAME", "NATS_PORT", "NATS_STORE", "NATS_CLUSTER_LISTEN", "NATS_ROUTE_1", "NATS_ROUTE_2",
+                     "NATS_ROUTE_3"):
+        assert f"${variable}" in text, variable
 
 
 def test_services_reach_the_cluster_and_ask_for_three_replicas(compose):
@@ -115,21 +121,44 @@ def test_the_members_include_what_nats_auth_writes_and_the_services_sign_in_with
     has run."""
     services = compose["services"]
     auth = parsed_flags(services["nats-auth"]["command"])
-    assert auth["--auth"] == "nkey" and auth["--out"].startswith("/auth/")
+    assert auth["--auth"] == "nkey"
     include = re.search(r'^include "([^"]+)"', (ROOT / "deploy" / "nats-cluster.conf").read_text(), re.M)
     assert include, "deploy/nats-cluster.conf includes no accounts block"
     for name in nats_nodes(compose):
         config = Path(flag(services[name]["command"], "-c"))
-        assert "auth:/etc/nats/auth:ro" in services[name]["volumes"]
-        assert config.parent / include.group(1) == Path("/etc/nats/auth") / Path(auth["--out"]).relative_to("/auth")
+        volume, inside = mount_of(services[name], config.parent / include.group(1))
+        assert (volume, inside) == mount_of(services["nats-auth"], Path(auth["--out"]))
+        assert not {volume for volume, _ in mounted(services[name]).values()} & {
+            mount_of(services["nats-auth"], Path(auth[option]))[0] for option in ("--seeds-dir", "--secrets")}, \
+            f"{name} mounts a volume with secrets"
         assert services[name]["depends_on"]["nats-auth"]["condition"] == "service_completed_successfully"
-    seed = f"{auth['--seeds-dir']}/{auth.get('--services-user', 'warmboot-services')}.nk"
+    seed = Path(auth["--seeds-dir"]) / f"{auth.get('--services-user', 'warmboot-services')}.nk"
+    secrets_volume = mount_of(services["nats-auth"], Path(auth["--secrets"]))[0]
     for name, args in warmboot_services(compose).items():
-        assert services[name]["environment"]["NATS_NKEY_SEED"] == seed, name
-        assert "auth:/auth:ro" in services[name]["volumes"], name
+        assert mount_of(services[name], Path(services[name]["environment"]["NATS_NKEY_SEED"])) == \
+            mount_of(services["nats-auth"], seed), name
+        assert secrets_volume not in {volume for volume, _ in mounted(services[name]).values()}, name
         assert services[name]["depends_on"]["nats-auth"]["condition"] == "service_completed_successfully", name
         if name.startswith("registry-"):
-            assert flag(args, "--worker-nodes") == auth["--worker-nodes"], name
+            assert mount_of(services[name], Path(flag(args, "--worker-nodes"))) == \
+                mount_of(services["nats-auth"], Path(auth["--worker-nodes"])), name
+
+
+def mounted(service: dict) -> dict[Path, tuple[str, bool]]:
+    """A service's mounts: target -> (source, read-only)."""
+    out = {}
+    for volume in service.get("volumes", []):
+        source, target, *mode = volume.split(":")
+        out[Path(target)] = (source, mode == ["ro"])
+    return out
+
+
+def mount_of(service: dict, path: Path) -> tuple[str, Path]:
+    """(the volume or bind source holding `path` in the service, the path within it)."""
+    for target, (source, _) in sorted(mounted(service).items(), key=lambda m: -len(m[0].parts)):
+        if path == target or target in path.parents:
+            return source, path.relative_to(target)
+    raise AssertionError(f"{path} is on no mount of the service")
 
 
 def service_args(compose: dict, service: str) -> list[str]:
@@ -144,27 +173,34 @@ def parsed_flags(args: list[str]) -> dict[str, str]:
 class Containers:
     """compose's mounts made on this machine: a directory per named volume, and per service a root
     where each mount's target is a link to (a bind-mounted file: a copy of) what it mounts, so that
-    a command line or environment of compose.yaml runs here with its paths moved under that root."""
+    a command line or environment of compose.yaml runs here with its paths moved under that root.
+    `binds` replaces what a bind mount's source names (a file of the test's own)."""
 
-    def __init__(self, compose: dict, tmp: Path):
-        self.compose, self.tmp = compose, tmp
+    def __init__(self, compose: dict, tmp: Path, binds: dict[str, Path] | None = None):
+        self.compose, self.tmp, self.binds = compose, tmp, binds or {}
 
     def root(self, service: str) -> Path:
         root = self.tmp / "containers" / service
-        if root.exists():
-            return root
+        if not root.exists():
+            self.mount(service)
+        return root
+
+    def mount(self, service: str) -> None:
+        """Make (again: a bind-mounted file is copied as it is now) the service's mounts."""
+        root = self.tmp / "containers" / service
         for volume in self.compose["services"][service].get("volumes", []):
             source, target = volume.split(":")[:2]
-            host = (ROOT / source) if source.startswith(".") else (self.tmp / "volumes" / source)
-            if not source.startswith("."):
+            if source.startswith("."):
+                host = self.binds.get(source, ROOT / source)
+            else:
+                host = self.tmp / "volumes" / source
                 host.mkdir(parents=True, exist_ok=True)
             at = root / target.lstrip("/")
             at.parent.mkdir(parents=True, exist_ok=True)
             if host.is_file():
                 shutil.copy(host, at)  # nats-server reads an include relative to the file it was given
-            else:
+            elif not at.is_symlink():
                 at.symlink_to(host, target_is_directory=True)
-        return root
 
     def path(self, service: str, value: str) -> str:
         """`value` with a container path moved under the service's root."""
@@ -173,51 +209,109 @@ class Containers:
     def args(self, service: str) -> list[str]:
         return [self.path(service, a) for a in self.compose["services"][service]["command"]]
 
+    def env(self, service: str, **changed: str) -> dict[str, str]:
+        env = {k: self.path(service, v) for k, v in self.compose["services"][service].get("environment", {}).items()}
+        return {**env, **changed}
+
+    def run_once(self, service: str) -> None:
+        """A one-shot warmboot command of compose (nats-auth), here, with its files as they are now."""
+        self.mount(service)
+        result = CliRunner().invoke(main, self.args(service)[1:])
+        assert result.exit_code == 0, result.output
+
+
+class Members:
+    """compose's NATS members, started here as compose starts them (the image's nats-server with its
+    command line and environment), on loopback ports of their own."""
+
+    def __init__(self, compose: dict, containers: Containers):
+        self.names = sorted(nats_nodes(compose))
+        self.ports = {n: free_port() for n in self.names}
+        cluster = {n: free_port() for n in self.names}
+        routes = {f"NATS_ROUTE_{i}": f"nats://127.0.0.1:{cluster[n]}" for i, n in enumerate(self.names, 1)}
+        self.members = [
+            Child([server_binary(), *containers.args(n)], re.compile(r".*Server is ready"),
+                  env=containers.env(n, NATS_PORT=str(self.ports[n]), NATS_CLUSTER_LISTEN=f"127.0.0.1:{cluster[n]}",
+                                     **routes))
+            for n in self.names]
+        self.url = ",".join(f"nats://127.0.0.1:{self.ports[n]}" for n in self.names)
+
+    def __enter__(self) -> "Members":
+        for member in self.members:
+            member.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for member in self.members:
+            member.stop()
+
+    def reload(self) -> None:
+        """SIGHUP to every member, as the docs say after nats-auth ran again; each says it reloaded."""
+        for member in self.members:
+            seen = len(member.lines)
+            member.process.send_signal(signal.SIGHUP)
+            line = member.line("Reloaded server configuration", anywhere=True, after=seen)
+            assert "[ERR]" not in line
+
+
+async def register(url: str, seeds: str, worker: str, node: str) -> RegisterReply:
+    """`worker` registers on `node`, signed in with its own seed."""
+    nc = await nats.connect(servers=url.split(","), nkeys_seed=f"{seeds}/{worker}.nk", inbox_prefix=f"_INBOX.{worker}",
+                            allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=5)
+    try:
+        return await call(nc, service_subject("warmboot", "registry", "register", worker),
+                          registration(worker, node=node), RegisterReply)
+    finally:
+        await nc.close()
+
 
 async def test_the_deployment_admits_only_its_users(compose, tmp_path):
-    """compose.yaml's nats-auth, then nats-1 (alone: no routes) and registry-1 as written there, on
-    this machine: a connection without credentials is refused; the registry signs in with the
-    services' seed; a worker of deploy/workers.txt registers with its own seed on its node, and on
-    another node is refused. (Before, the members let anyone in with every right: any host that
-    reached :4222 could drain, register or remove any worker, and write the log; found by a review.)"""
-    containers = Containers(compose, tmp_path)
-    made = CliRunner().invoke(main, containers.args("nats-auth")[1:])
-    assert made.exit_code == 0, made.output
-    port = free_port()
-    args = containers.args("nats-1")  # the image's entrypoint is nats-server
-    for cluster_flag in ("--cluster_name", "--cluster", "--routes"):
-        at = args.index(cluster_flag)
-        del args[at:at + 2]
-    server = Child([server_binary(), *args, "-a", "127.0.0.1", "-p", str(port)], re.compile(r".*Server is ready"))
-    server.start()
-    url = f"nats://127.0.0.1:{port}"
-    try:
+    """compose.yaml's nats-auth, its three NATS members and registry-1, as written there, on this
+    machine: a connection without credentials is refused; the registry signs in with the services'
+    seed; a worker of deploy/workers.txt registers with its own seed on its node, and on another
+    node is refused. (Before, the members let anyone in with every right: any host that reached
+    :4222 could drain, register or remove any worker, and write the log; found by a review.) Then
+    the docs' way to add and retire a worker: workers.txt edited, nats-auth run again, the members
+    reloaded (SIGHUP; a member given its name, store or cluster on its command line refused the
+    reload, so a new key never reached it: found by a review), a registry replica restarted."""
+    workers = tmp_path / "workers.txt"
+    shutil.copy(ROOT / "deploy" / "workers.txt", workers)
+    containers = Containers(compose, tmp_path, binds={"./deploy/workers.txt": workers})
+    containers.run_once("nats-auth")
+    seeds = containers.path("nats-auth", parsed_flags(service_args(compose, "nats-auth"))["--seeds-dir"])
+    lines = [line.split("#")[0].strip() for line in workers.read_text().splitlines()]
+    worker, node = next(line for line in lines if line).split("@")
+
+    def registry() -> Serve:
+        args = containers.args("registry-1")[2:]
+        args[args.index("--nats") + 1] = members.url
+        args[args.index("--metrics-port") + 1] = str(free_port())
+        return Serve(*args, env=containers.env("registry-1"))
+
+    with Members(compose, containers) as members:
         with pytest.raises(Exception, match="(?i)authorization"):
-            await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=5)
-        service = compose["services"]["registry-1"]
-        serve_args = containers.args("registry-1")[2:]
-        serve_args[serve_args.index("--nats") + 1] = url
-        serve_args[serve_args.index("--replicas") + 1] = "1"  # one member here
-        serve_args[serve_args.index("--metrics-port") + 1] = str(free_port())
-        env = {k: containers.path("registry-1", v) for k, v in service["environment"].items()}
-        env["WARMBOOT_STREAM_REPLICAS"] = "1"
-        registry = Serve(*serve_args, env=env)
-        registry.start()
+            await nats.connect(servers=members.url.split(","), allow_reconnect=False, max_reconnect_attempts=0,
+                               connect_timeout=5)
+        serving = registry().start(timeout=90)  # the stream at three replicas, once the cluster has formed
         try:
-            lines = (ROOT / "deploy" / "workers.txt").read_text().splitlines()
-            worker, node = next(w for w in (line.split("#")[0].strip() for line in lines) if w).split("@")
-            seeds = containers.path("nats-auth", parsed_flags(service_args(compose, "nats-auth"))["--seeds-dir"])
-            nc = await nats.connect(url, nkeys_seed=f"{seeds}/{worker}.nk", inbox_prefix=f"_INBOX.{worker}")
-            try:
-                subject = service_subject("warmboot", "registry", "register", worker)
-                reply = await call(nc, subject, registration(worker, node=node), RegisterReply)
-                assert reply.outcome.value == "REGISTERED"
-                with pytest.raises(ContractError) as refused:
-                    await call(nc, subject, registration(worker, node=f"{node}-other"), RegisterReply)
-                assert refused.value.field == "node"
-            finally:
-                await nc.close()
+            assert (await register(members.url, seeds, worker, node)).outcome.value == "REGISTERED"
+            with pytest.raises(ContractError) as refused:
+                await register(members.url, seeds, worker, f"{node}-other")
+            assert refused.value.field == "node"
+
+            retired = tmp_path / "retired"
+            retired.mkdir()
+            shutil.copy(Path(seeds, f"{worker}.nk"), retired / f"{worker}.nk")
+            workers.write_text(workers.read_text().replace(f"{worker}@{node}\n", "") + "w-new@node-new\n")
+            containers.run_once("nats-auth")
+            members.reload()
         finally:
-            registry.stop()
-    finally:
-        server.stop()
+            serving.stop()
+        serving = registry().start(timeout=90)  # reads the binding anew
+        try:
+            assert (await register(members.url, seeds, "w-new", "node-new")).outcome.value == "REGISTERED"
+            assert not Path(seeds, f"{worker}.nk").exists()  # retired: its seed is gone, and its key refused
+            with pytest.raises(Exception, match="(?i)authorization"):
+                await register(members.url, str(retired), worker, node)
+        finally:
+            serving.stop()
