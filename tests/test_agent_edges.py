@@ -112,14 +112,19 @@ def test_an_architecture_spelled_otherwise_is_refused_for_new_stamps_and_warned_
     assert len([r for r in caplog.records if "AMD64" in r.getMessage()]) == 1
 
 
-def literal_runtime(cpu_features: str, masked: bool = False, architecture: str = "amd64") -> str:
-    """agent_config's default runtime (gvisor, asset v1), given literally with these CPU attributes."""
-    text = agent_config("v1").replace(
-        'profile = "gvisor"\nattributes = { gvisor_asset_hash = "v1" }',
-        f'attributes = {{ architecture = "{architecture}", cpu_features = "{cpu_features}", '
-        f'gvisor_asset_hash = "v1" }}' + ("\ncpu_masked = true" if masked else ""), 1)
+def literal_default(attributes: str, masked: bool = False) -> str:
+    """agent_config's default runtime (gvisor, asset v1), given literally with `attributes` (TOML
+    `key = "value"` pairs), masked or not."""
+    text = agent_config("v1").replace('profile = "gvisor"\nattributes = { gvisor_asset_hash = "v1" }',
+                                      f"attributes = {{ {attributes} }}" + ("\ncpu_masked = true" if masked else ""), 1)
     assert text != agent_config("v1")
     return text
+
+
+def literal_runtime(cpu_features: str, masked: bool = False, architecture: str = "amd64") -> str:
+    """agent_config's default runtime (gvisor, asset v1), given literally with these CPU attributes."""
+    return literal_default(f'architecture = "{architecture}", cpu_features = "{cpu_features}", '
+                           'gvisor_asset_hash = "v1"', masked)
 
 
 def test_a_literal_runtime_naming_another_cpu_is_refused_unless_masked(tmp_path):
@@ -174,19 +179,14 @@ def test_a_literal_runtime_naming_part_of_a_profile_otherwise_than_this_machine_
     a review): its actors' next snapshots, taken here, were stamped AMD and sent to AMD machines
     registering the same literal version. Now every key it names is compared; masked, it is taken."""
     path = tmp_path / "agent.toml"
-    text = agent_config("v1").replace('profile = "gvisor"\nattributes = { gvisor_asset_hash = "v1" }',
-                                      f"attributes = {{ {attributes} }}", 1)
-    assert text != agent_config("v1")
-    path.write_text(text)
+    path.write_text(literal_default(attributes))
     with pytest.raises(ConfigError) as error:
         load_registration(path, "w-a", "node-a", PROBE)
     assert str(error.value).startswith(f"sandbox_classes[0].default_runtime.attributes.{key}: ")
     assert "as the microvm probe reads it" in str(error.value)
-    path.write_text(text.replace("}\n", "}\ncpu_masked = true\n", 1))
+    path.write_text(literal_default(attributes, masked=True))
     load_registration(path, "w-a", "node-a", PROBE)
-    mine = 'attributes = { architecture = "amd64", cpu_vendor = "GenuineIntel", kernel_digest = "k" }'
-    path.write_text(agent_config("v1").replace('profile = "gvisor"\nattributes = { gvisor_asset_hash = "v1" }',
-                                               mine, 1))
+    path.write_text(literal_default('architecture = "amd64", cpu_vendor = "GenuineIntel", kernel_digest = "k"'))
     load_registration(path, "w-a", "node-a", PROBE)  # what it names is this machine's
 
 
@@ -196,10 +196,7 @@ def test_a_literal_runtime_of_another_architecture_is_refused_whatever_else_it_n
     """Not every key of a profile given, the architecture alone is compared (a review found these taken:
     the registry then held the amd64 worker as arm64, and arm64 images would have been sent to it)."""
     path = tmp_path / "agent.toml"
-    text = agent_config("v1").replace('profile = "gvisor"\nattributes = { gvisor_asset_hash = "v1" }',
-                                      f"attributes = {{ {attributes} }}\ncpu_masked = true", 1)
-    assert text != agent_config("v1")
-    path.write_text(text)
+    path.write_text(literal_default(attributes, masked=True))
     with pytest.raises(ConfigError) as error:
         load_registration(path, "w-a", "node-a", PROBE)
     assert str(error.value).startswith("sandbox_classes[0].default_runtime.attributes.architecture: 'arm64' is not "

@@ -19,6 +19,7 @@ import json
 import time
 import uuid
 from contextlib import AsyncExitStack
+from typing import Any
 
 import pytest
 
@@ -209,8 +210,7 @@ async def test_a_request_on_two_replicas_at_once_is_answered_alike_on_a_replicat
     from collections import Counter
 
     from events.schema import ActorPlaced, ResumeActor
-    from services.scheduler.service import SchedulerService
-    from tests.factories import SILENT_TTL_S, actor, read_log, version, worker
+    from tests.factories import actor, read_log, version, worker
 
     monkeypatch.setenv("WARMBOOT_STREAM_REPLICAS", "3")
     prefix = "t" + uuid.uuid4().hex[:10]
@@ -218,14 +218,8 @@ async def test_a_request_on_two_replicas_at_once_is_answered_alike_on_a_replicat
     with NatsCluster(tmp_path) as cluster:
         await wait_jetstream(cluster.url)
         async with AsyncExitStack() as exits:
-            running = await start_services(exits, list(SERVICES), cluster.urls[0], prefix,
-                                           options={"scheduler": {"metrics": False},
-                                                    "registry": {"store_replicas": 3, "ttl_s": SILENT_TTL_S}})
-            first = running.services[-1]
-            other_nc = await connect(cluster.urls[1], "replica-b")
-            exits.push_async_callback(other_nc.close)
-            second = await SchedulerService(other_nc, nats_url=cluster.urls[1], prefix=prefix, metrics=False).start()
-            exits.push_async_callback(second.stop)
+            first = await every_service(exits, cluster, prefix)
+            second, _ = await scheduler_replica(exits, cluster.urls[1], prefix, "replica-b")
             nc = await connect(cluster.url, "client")
             exits.push_async_callback(nc.close)
             wb = Client(nc, prefix)
@@ -251,3 +245,25 @@ async def test_a_request_on_two_replicas_at_once_is_answered_alike_on_a_replicat
             assert outcomes == Counter({"Assignment": 2 * 3 * len(actors)}), outcomes
             placed = Counter(e.request_id for _, e in await read_log(nc, prefix) if isinstance(e, ActorPlaced))
             assert set(placed.values()) == {1} and len(placed) == 3 * len(actors)
+
+
+async def every_service(exits: AsyncExitStack, cluster: NatsCluster, prefix: str) -> Any:
+    """Every service on the cluster's first member, its streams and buckets at three replicas and
+    workers never LOST during the test; its scheduler replica."""
+    from tests.factories import SILENT_TTL_S
+
+    running = await start_services(exits, list(SERVICES), cluster.urls[0], prefix,
+                                   options={"scheduler": {"metrics": False},
+                                            "registry": {"store_replicas": 3, "ttl_s": SILENT_TTL_S}})
+    return running.services[-1]
+
+
+async def scheduler_replica(exits: AsyncExitStack, url: str, prefix: str, name: str, **options: Any) -> tuple[Any, Any]:
+    """Another scheduler replica, on a connection of its own to `url`: (the replica, its connection)."""
+    from services.scheduler.service import SchedulerService
+
+    nc = await connect(url, name)
+    exits.push_async_callback(nc.close)
+    replica = await SchedulerService(nc, nats_url=url, prefix=prefix, metrics=False, **options).start()
+    exits.push_async_callback(replica.stop)
+    return replica, nc

@@ -34,12 +34,11 @@ from events.natspy import flush_in_order
 from events.schema import (ActorCreated, ActorPlaced, ActorReverted, Action, ErrorCode, Fidelity, PlacedFidelity,
                            RuntimeChanged, SnapshotTaken, WorkerDrained, WorkerRegistered, WorkerRemoved)
 from events.subjects import stream_name
-from services.scheduler.service import SchedulerService
-from tests.factories import SILENT_TTL_S, actor, read_entries, version, worker
-from tests.test_failover import Answers
+from tests.factories import actor, read_entries, version, worker
+from tests.test_failover import Answers, every_service, scheduler_replica
 from warmboot.client import Client
 from warmboot.natsserver import NatsCluster, wait_jetstream, wait_stream_current
-from warmboot.runner import SERVICES, connect, start_services
+from warmboot.runner import connect
 
 V1, V2 = version("1"), version("2")
 ACTORS = 100
@@ -89,21 +88,16 @@ async def test_memory_restores_stay_loadable_through_elections_and_runtime_chang
     with NatsCluster(tmp_path) as cluster:
         await wait_jetstream(cluster.url)
         async with AsyncExitStack() as exits:
-            running = await start_services(exits, list(SERVICES), cluster.urls[0], prefix,
-                                           options={"scheduler": {"metrics": False},
-                                                    "registry": {"store_replicas": 3, "ttl_s": SILENT_TTL_S}})
+            first = await every_service(exits, cluster, prefix)
             replica_connections = []
 
-            async def replica(url: str) -> SchedulerService:
-                rnc = await connect(url, f"replica-{len(replica_connections)}")
+            async def replica(url: str):
+                service, rnc = await scheduler_replica(exits, url, prefix, f"replica-{len(replica_connections)}",
+                                                       checkpoint_every=100, checkpoint_interval_s=1.0)
                 replica_connections.append(rnc)
-                exits.push_async_callback(rnc.close)
-                service = await SchedulerService(rnc, nats_url=url, prefix=prefix, metrics=False, checkpoint_every=100,
-                                                 checkpoint_interval_s=1.0).start()
-                exits.push_async_callback(service.stop)
                 return service
 
-            schedulers = [running.services[-1], await replica(cluster.urls[1]), await replica(cluster.urls[2])]
+            schedulers = [first, await replica(cluster.urls[1]), await replica(cluster.urls[2])]
             nc = await connect(cluster.url, "client")
             exits.push_async_callback(nc.close)
             wb = Client(nc, prefix, attempts=30)
