@@ -117,6 +117,7 @@ class Model:
         self.booked: dict[str, tuple[str, int, int]] = {}  # actor -> (worker, cpu, mem) while RUNNING
         self.placements = PlacementFold()
         self.created: dict[str, CreateActor] = {}  # each actor's creation request, in its current life
+        self.goldens = 0  # golden images made: each has an id of its own (one id names one image)
         self.decisions = 0
         self.refusals = 0
         self.fallbacks = 0
@@ -199,8 +200,9 @@ class Model:
         g = None
         if rng.random() < 0.4:
             stamp = shuffled(rng.choice(POOL), rng) if rng.random() < 0.85 else None  # an unstamped golden too
-            g = golden(stamp, fidelity=rng.choice(list(Fidelity)),
-                       template=rng.choice(["t1", "t1", "t2"]))
+            self.goldens += 1
+            g = golden(stamp, fidelity=rng.choice(list(Fidelity)), template=rng.choice(["t1", "t1", "t2"]),
+                       snapshot_id=f"golden-{self.goldens}")
         req = CreateActor(actor_id=aid, sandbox_class=CLASS, template_uid="t1",
                           resources=Resources(cpu_millis=100, memory_mib=rng.choice([200, 400, 900])),
                           selectors=({"zone": "a"} if rng.random() < 0.15 else {}),
