@@ -67,8 +67,8 @@ replay of the log, or says less than needed, the gap is closed here and nowhere 
   checks the block, and formats the command, for every message (4 to 5 µs with headers
   and a reply against 2, measured). The services answer requests with it, and the registry
   puts heartbeats and acknowledges the sweeper's deliveries with it.
-- `connecting`: a connect (nats-py's `connect`), given up on (its caller cancelled, or its
-  time up), cancelled until it ends. Python 3.11's `asyncio.wait_for`, which nats-py's connect
+- `connecting`: a connect (nats-py's `Client.connect`), given up on (its caller cancelled, or
+  its time up), cancelled until it ends, and its client closed. Python 3.11's `asyncio.wait_for`, which nats-py's connect
   awaits each step with, swallows a cancellation that lands as the step completes (the TCP
   connection made: CPython gh-86296, fixed in 3.12), and nats-py then goes on connecting,
   forever with `max_reconnect_attempts=-1`: a Ctrl-C of a command waiting for its server, or
@@ -88,7 +88,7 @@ import logging
 import re
 import time
 from contextlib import suppress
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, Awaitable, Callable
 
 import msgspec
 import nats.errors
@@ -652,37 +652,64 @@ class ErrorsOnce:
 
 
 CANCEL_AGAIN_S = 0.1  # a connect given up on is cancelled again this often until it ends (`connecting`)
-T = TypeVar("T")
+CLOSE_GIVEN_UP_S = 2.0  # how long the close of a connection given up on may take
 
 
-async def connecting(connect: Awaitable[T], timeout: float | None = None,
-                     close: Callable[[], Awaitable[Any]] | None = None) -> T:
-    """The result of `connect` (nats-py's `nats.connect(...)` or `Client.connect(...)`), within
-    `timeout` (asyncio.TimeoutError after it). Given up on, by the caller's cancellation or the
-    time-out, it is cancelled, again every `CANCEL_AGAIN_S` until it ends: the first cancellation
-    may be swallowed (Python 3.11's `asyncio.wait_for`, module docstring), and nats-py would go on
-    connecting for good. Should it have connected all the same, the connection is closed: with
-    `close`, or the result's own `close()`."""
-    task = asyncio.ensure_future(connect)
+async def connecting(nc: Client, timeout: float | None = None, **options: Any) -> Client:
+    """`nc`, connected (`nc.connect(**options)`) within `timeout` (asyncio.TimeoutError after it).
+    Given up on, by the caller's cancellation or the time-out, the connect is cancelled, again every
+    `CANCEL_AGAIN_S` until it ends, also while the caller is cancelled again meanwhile: the first
+    cancellation may be swallowed (Python 3.11's `asyncio.wait_for`, module docstring), and nats-py
+    would go on connecting for good. Then `nc` is closed, however far it got (a socket opened and
+    waiting for the server's greeting; a connection made as the caller gave up)."""
+    task = asyncio.ensure_future(nc.connect(**options))
     try:
         await asyncio.wait({task}, timeout=timeout)  # a cancellation of the caller is not the task's
     except asyncio.CancelledError:
-        await _given_up(task, close)
+        await _given_up(task, nc)
         raise
     if not task.done():
-        await _given_up(task, close)
+        await _given_up(task, nc)
         raise asyncio.TimeoutError
-    return task.result()
+    if task.exception() is not None:  # refused: the client is nobody's either
+        await close_given_up(nc)
+    task.result()
+    return nc
 
 
-async def _given_up(task: asyncio.Future, close: Callable[[], Awaitable[Any]] | None) -> None:
+async def _given_up(task: asyncio.Future, nc: Client) -> None:
+    """Cancel `task` until it ends, then close `nc`; a cancellation of the caller meanwhile is
+    raised once both are done."""
+    cancelled = False
     while not task.done():
         task.cancel()
-        await asyncio.wait({task}, timeout=CANCEL_AGAIN_S)
-    if task.cancelled() or task.exception() is not None:
+        try:
+            await asyncio.wait({task}, timeout=CANCEL_AGAIN_S)
+        except asyncio.CancelledError:
+            cancelled = True
+    await close_given_up(nc)
+    if cancelled:
+        raise asyncio.CancelledError
+
+
+async def close_given_up(nc: Client | None) -> None:
+    """Close a connection nobody will use, whatever state it is in, within `CLOSE_GIVEN_UP_S`."""
+    if nc is None:
         return
-    with suppress(Exception):
-        await (close() if close is not None else task.result().close())
+    closing = asyncio.ensure_future(nc.close())
+    try:
+        await asyncio.wait({closing}, timeout=CLOSE_GIVEN_UP_S)
+    finally:
+        if not closing.done():
+            closing.cancel()
+        closing.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+
+def taken(attempt: asyncio.Future) -> Any:
+    """The connection a finished `attempt` made, or None (it failed, or was cancelled)."""
+    if attempt.done() and not attempt.cancelled() and attempt.exception() is None:
+        return attempt.result()
+    return None
 
 
 def refuses_sign_in(error: BaseException) -> bool:

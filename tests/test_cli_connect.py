@@ -314,3 +314,108 @@ async def test_a_connect_given_up_on_ends_whenever_it_is_cancelled(turns):
             task.cancel()
             done, _ = await asyncio.wait({task}, timeout=10)
     assert done and task.cancelled(), "the connect went on after it was cancelled"
+
+
+class MadeConnections:
+    """A stand-in for nats-py's client whose connect succeeds after a turn of the loop; every one made
+    is kept, to tell which were closed."""
+
+    made: list["MadeConnections"] = []
+
+    def __init__(self):
+        self.closed = False
+        MadeConnections.made.append(self)
+
+    async def connect(self, **_options):
+        await asyncio.sleep(0)  # a turn of the loop: the connection is made in the next one
+
+    async def close(self):
+        self.closed = True
+
+
+@pytest.mark.parametrize("turns", range(10))
+@pytest.mark.parametrize("who", ["agent", "connect_within"])
+async def test_a_connection_made_as_its_caller_is_cancelled_is_closed(monkeypatch, tmp_path, who, turns):
+    """The caller cancelled `turns` turns of the loop after it asked: whatever connection was made is
+    the caller's (it got it) or closed. One made in the very turn the caller was cancelled was left
+    open, reconnecting for good (found by a review)."""
+    import nats
+
+    import warmboot.agent as agent_module
+    import warmboot.connection as connection_module
+    from tests.registry_helpers import PROBE
+    from warmboot.agent import Agent
+
+    MadeConnections.made.clear()
+    monkeypatch.setattr(nats, "NATS", MadeConnections)
+    monkeypatch.setattr(agent_module, "guard_reads", lambda nc: None)
+    monkeypatch.setattr(connection_module, "guard_reads", lambda nc: None)
+    if who == "agent":
+        asked = Agent("nats://127.0.0.1:1", "w-a", "node-a", tmp_path / "agent.toml", probe=PROBE)._connect(
+            asyncio.Event())
+    else:
+        asked = connection_module.connect_within("nats://127.0.0.1:1,nats://127.0.0.1:2", "test", 5)
+    task = asyncio.ensure_future(asked)
+    for _ in range(turns):
+        await asyncio.sleep(0)
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=10)
+    assert done
+    given = None if task.cancelled() else task.result()
+    assert [c for c in MadeConnections.made if not c.closed and c is not given] == []
+
+
+async def test_a_connect_given_up_on_ends_though_its_caller_is_cancelled_again():
+    """The connect swallows its first cancellation (as Python 3.11's wait_for can), and the caller of
+    `connecting` is cancelled again while it cancels the connect (a second Ctrl-C, a shutdown): the
+    connect is still ended, and its client closed, before the cancellation goes on (it was left
+    connecting for good; found by a review)."""
+    from events.natspy import connecting
+
+    ended = asyncio.Event()
+
+    class Stubborn(MadeConnections):
+        async def connect(self, **_options):
+            try:
+                try:
+                    await asyncio.Event().wait()
+                except asyncio.CancelledError:
+                    pass  # the first cancellation, swallowed
+                await asyncio.Event().wait()
+            finally:
+                ended.set()
+
+    MadeConnections.made.clear()
+    client = Stubborn()
+    task = asyncio.ensure_future(connecting(client))
+    await asyncio.sleep(0)  # the connect under way
+    task.cancel()
+    await asyncio.sleep(0)  # `connecting` is cancelling it
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert ended.is_set() and client.closed
+
+
+@pytest.mark.parametrize("turns", [0, 3, 20])
+async def test_a_connect_given_up_on_closes_its_socket(turns):
+    """A server that takes the TCP connection and says nothing; the connect given up on `turns` turns
+    of the loop later: its socket is closed (the server reads the end), not left open until the
+    garbage collector finds it (found by a review)."""
+    import socket
+
+    from warmboot.connection import connect
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.setblocking(False)
+        loop = asyncio.get_running_loop()
+        task = asyncio.ensure_future(connect(f"nats://127.0.0.1:{listener.getsockname()[1]}", "test"))
+        connection, _ = await asyncio.wait_for(loop.sock_accept(listener), 10)
+        with connection:
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            task.cancel()
+            await asyncio.wait({task}, timeout=10)
+            assert task.cancelled()
+            connection.setblocking(False)
+            assert await asyncio.wait_for(loop.sock_recv(connection, 100), 10) == b"", "the socket is open"

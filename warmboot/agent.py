@@ -65,7 +65,7 @@ from events.codec import decode_request, encode, to_builtins
 from events.errors import ContractError, latest_revision
 from events.tasks import cancel_and_wait
 from events.natsauth import nkey_options, nkey_seed_path, redact_url
-from events.natspy import ErrorsOnce, connecting, describe_error, guard_reads
+from events.natspy import ErrorsOnce, close_given_up, connecting, describe_error, guard_reads, taken
 from events.compat import MACHINE_TO_ARCH
 from events.probe import (DEFAULT_CPUINFO, PROFILES, SCHEMA_VERSION, ProbeError, host_architecture,
                           probe_version, read_cpuinfo)
@@ -561,28 +561,31 @@ class Agent:
 
         delay = RETRY_MIN_S
         while True:
-            attempt = asyncio.ensure_future(connecting(
-                nats.connect(
-                    servers=[url.strip() for url in self.nats_url.split(",")],  # a cluster: its members
-                    name=f"warmboot-agent-{self.worker_id}",
-                    inbox_prefix=self.inbox_prefix,
-                    max_reconnect_attempts=-1,  # also retries the first connection
-                    reconnect_time_wait=0.5,
-                    reconnected_cb=reconnected,
-                    error_cb=self._errors.report,
-                    connect_timeout=2,
-                    **nkey_options(self.nkey_seed),
-                )
+            attempt = asyncio.ensure_future(connecting(  # ends when cancelled, closing what it made
+                nats.NATS(),
+                servers=[url.strip() for url in self.nats_url.split(",")],  # a cluster: its members
+                name=f"warmboot-agent-{self.worker_id}",
+                inbox_prefix=self.inbox_prefix,
+                max_reconnect_attempts=-1,  # also retries the first connection
+                reconnect_time_wait=0.5,
+                reconnected_cb=reconnected,
+                error_cb=self._errors.report,
+                connect_timeout=2,
+                **nkey_options(self.nkey_seed),
             ))
             stopping = asyncio.ensure_future(stop.wait())
             try:
                 await asyncio.wait({attempt, stopping}, return_when=asyncio.FIRST_COMPLETED)
-            finally:  # stopped, or cancelled: `connecting` ends the attempt, closing what it may have made
+            except BaseException:  # cancelled: a connection made meanwhile is nobody's
                 stopping.cancel()
-                if not attempt.done():
-                    await cancel_and_wait(attempt)
-            if attempt.cancelled():
-                raise asyncio.CancelledError  # stopped before the server answered
+                await cancel_and_wait(attempt)
+                await close_given_up(taken(attempt))
+                raise
+            stopping.cancel()
+            if not attempt.done():  # stopped before the server answered
+                await cancel_and_wait(attempt)
+                await close_given_up(taken(attempt))
+                raise asyncio.CancelledError
             try:
                 nc = attempt.result()
             except Exception as e:  # refused outright (e.g. bad credentials): try again, slower

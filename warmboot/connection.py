@@ -21,8 +21,8 @@ import nats.errors
 
 from events.errors import precondition, unavailable
 from events.natsauth import inbox_prefix as chosen_inbox_prefix, nkey_options, nkey_seed_path, redact_url
-from events.natspy import ErrorsOnce, connecting, describe_error, guard_reads
-from events.tasks import cancel_and_wait
+from events.natspy import ErrorsOnce, close_given_up, connecting, describe_error, guard_reads, taken
+from events.tasks import cancel_and_wait, retrieved
 
 log = logging.getLogger("warmboot")
 
@@ -49,7 +49,8 @@ async def connect(url: str, name: str, *, inbox_prefix: str | None = None, nkey_
     async def reconnected() -> None:
         errors.reset()
 
-    nc = await connecting(nats.connect(  # ends when cancelled, even as the TCP connection is made
+    nc = await connecting(  # ends when cancelled, even as the TCP connection is made, and closes
+        nats.NATS(),
         servers=url.split(","),
         name=name,
         max_reconnect_attempts=-1,
@@ -58,7 +59,7 @@ async def connect(url: str, name: str, *, inbox_prefix: str | None = None, nkey_
         error_cb=errors.report,
         reconnected_cb=reconnected,
         **options,
-    ))
+    )
     guard_reads(nc)  # a message nats-py cannot read is dropped, not the end of its read loop
     return nc
 
@@ -81,15 +82,24 @@ async def connect_within(url: str, name: str, timeout_s: float = CONNECT_TIMEOUT
     refused = asyncio.ensure_future(errors.refused()) if one_server else asyncio.get_running_loop().create_future()
     try:
         await asyncio.wait((connecting, refused), timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-        if connecting.done():
-            try:
-                return connecting.result()
-            except (OSError, nats.errors.Error) as e:
-                raise unavailable(f"cannot reach NATS at {where}: {describe_error(errors.last or e)}") from None
-        if errors.refusal is not None:
-            raise precondition(f"NATS at {where} refuses the sign-in: {describe_error(errors.refusal)} (check "
-                               "the user and password or token in the URL, or the nkey seed)")
-        raise unavailable(f"cannot reach NATS at {where} within {timeout_s:g} s: "
-                          f"{describe_error(errors.last or asyncio.TimeoutError())}")
+    except BaseException:  # cancelled: a connection made meanwhile is nobody's
+        refused.cancel()
+        await cancel_and_wait(connecting)
+        await close_given_up(taken(connecting))
+        raise
+    refused.cancel()
+    refused.add_done_callback(retrieved)
+    if connecting.done():  # nothing awaited from here to the return: a cancellation cannot lose it
+        try:
+            return connecting.result()
+        except (OSError, nats.errors.Error) as e:
+            raise unavailable(f"cannot reach NATS at {where}: {describe_error(errors.last or e)}") from None
+    try:
+        await cancel_and_wait(connecting)  # given up on: `connect` closes what it made
     finally:
-        await cancel_and_wait(refused, None if connecting.done() else connecting)
+        await close_given_up(taken(connecting))  # one made at the last moment
+    if errors.refusal is not None:
+        raise precondition(f"NATS at {where} refuses the sign-in: {describe_error(errors.refusal)} (check "
+                           "the user and password or token in the URL, or the nkey seed)")
+    raise unavailable(f"cannot reach NATS at {where} within {timeout_s:g} s: "
+                      f"{describe_error(errors.last or asyncio.TimeoutError())}")

@@ -41,7 +41,7 @@ from events.jetstream import errors
 from events.jetstream.lastseen import LastSeen
 from events.jetstream.layout import LEADER_ELECTED_ADVISORY, status_of
 from events.natsauth import NKEY_SEED_ENV, nkey_options, redact_url
-from events.natspy import connecting, use_lean_headers
+from events.natspy import close_given_up, connecting, use_lean_headers
 from events.tasks import retrieved
 
 log = logging.getLogger("warmboot.jetstream")
@@ -274,31 +274,29 @@ class Link:
         nc = NATS()
         use_lean_headers(nc)  # replays are bound by header parsing (events.natspy)
         try:
-            await connecting(  # ends when cancelled, even as the TCP connection is made
-                nc.connect(
-                    **self.options.connect_kwargs(),
-                    name="warmboot-eventstore",
-                    allow_reconnect=True,
-                    max_reconnect_attempts=-1,  # forever: the store outlives server restarts
-                    reconnect_time_wait=0.25,
-                    connect_timeout=2,
-                    ping_interval=10,
-                    max_outstanding_pings=3,
-                    error_cb=on_error,
-                    disconnected_cb=on_disconnected,
-                    reconnected_cb=on_reconnected,
-                ),
+            await connecting(  # ends when cancelled, even as the TCP connection is made, and closes
+                nc,
                 timeout,
-                close=nc.close,
+                **self.options.connect_kwargs(),
+                name="warmboot-eventstore",
+                allow_reconnect=True,
+                max_reconnect_attempts=-1,  # forever: the store outlives server restarts
+                reconnect_time_wait=0.25,
+                connect_timeout=2,
+                ping_interval=10,
+                max_outstanding_pings=3,
+                error_cb=on_error,
+                disconnected_cb=on_disconnected,
+                reconnected_cb=on_reconnected,
             )
-        except asyncio.TimeoutError:
-            try:  # stop its reconnect loop: the next call starts afresh
-                await asyncio.wait_for(nc.close(), 2)
-            except _CLOSING:
-                pass
+        except asyncio.TimeoutError:  # closed, its reconnect loop stopped: the next call starts afresh
             raise errors.unreachable(self.options.where, timeout, self.last_error) from None
-        self.inbox = nc.new_inbox()
-        await nc.subscribe(f"{self.inbox}.*", cb=self._route)
+        try:
+            self.inbox = nc.new_inbox()
+            await nc.subscribe(f"{self.inbox}.*", cb=self._route)
+        except BaseException:
+            await close_given_up(nc)
+            raise
         self.nc = nc
 
     async def _route(self, msg: Msg) -> None:
