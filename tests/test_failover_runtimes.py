@@ -101,13 +101,6 @@ async def test_memory_restores_stay_loadable_through_elections_and_runtime_chang
             nc = await connect(cluster.url, "client")
             exits.push_async_callback(nc.close)
             wb = Client(nc, prefix, attempts=30)
-            elected: asyncio.Queue[str] = asyncio.Queue()
-
-            async def on_elected(msg) -> None:
-                elected.put_nowait(json.loads(msg.data).get("leader", ""))
-
-            await nc.subscribe(f"{LEADER_ELECTED_ADVISORY}.{stream}", cb=on_elected)
-            await flush_in_order(nc)
             for i in range(WORKERS):
                 await wb.register(worker(f"w{i}", V1, cpu=64000, mem=65536))
             actors = [f"a{i:03d}" for i in range(ACTORS)]
@@ -137,15 +130,28 @@ async def test_memory_restores_stay_loadable_through_elections_and_runtime_chang
                         outcomes[f"registration {error.code.value}"] += 1
 
             async def stepdown() -> None:
-                await nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}", b"", timeout=10)
+                reply = await nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}", b"", timeout=10)
+                assert json.loads(reply.data).get("success"), reply.data
                 outcomes["stepdown"] += 1
 
             async def kill_the_leader() -> None:
                 leader = (await nc.jetstream().stream_info(stream)).cluster.leader
                 node = cluster.node(leader)
-                node.kill()
-                while await asyncio.wait_for(elected.get(), 60) in ("", leader):
-                    pass  # an advisory of an earlier election: the next one
+                # the election heard on a member that stays up
+                watcher = await connect(next(n.url for n in cluster.nodes if n is not node), "watcher")
+                elected: asyncio.Queue[str] = asyncio.Queue()
+
+                async def on_elected(msg) -> None:
+                    elected.put_nowait(json.loads(msg.data).get("leader", ""))
+
+                try:
+                    await watcher.subscribe(f"{LEADER_ELECTED_ADVISORY}.{stream}", cb=on_elected)
+                    await flush_in_order(watcher)
+                    node.kill()
+                    while await asyncio.wait_for(elected.get(), 60) in ("", leader):
+                        pass  # not the election after the kill
+                finally:
+                    await watcher.close()
                 await asyncio.to_thread(node.restart)
                 await wait_stream_current(nc.jetstream(), stream, 3)
                 outcomes["leader killed"] += 1
@@ -177,6 +183,8 @@ async def test_memory_restores_stay_loadable_through_elections_and_runtime_chang
                     await asyncio.gather(*disrupting)  # every disruption happened in the round
                 finally:
                     stop.set()
+                    for task in disrupting:  # a round that failed: not waiting for answers that never come
+                        task.cancel()
                     await asyncio.gather(*churning, *disrupting, return_exceptions=True)
                 for a in actors:  # the next round restores what each was pinned to (or fell back to)
                     try:
@@ -185,9 +193,12 @@ async def test_memory_restores_stay_loadable_through_elections_and_runtime_chang
                         assert error.code is ErrorCode.FAILED_PRECONDITION, error
             counted = Answers()
             late = asyncio.create_task(when(counted, 0.25, stepdown))
-            await asyncio.gather(*(resume(f"r{number}-{a}", a, counted) for number in range(1, len(rounds) + 1)
-                                   for a in actors))
-            await late
+            try:
+                await asyncio.gather(*(resume(f"r{number}-{a}", a, counted) for number in range(1, len(rounds) + 1)
+                                       for a in actors))
+                await late
+            finally:
+                late.cancel()
             print("outcomes", dict(outcomes))
 
             entries = await read_entries(nc, prefix)
@@ -195,6 +206,16 @@ async def test_memory_restores_stay_loadable_through_elections_and_runtime_chang
             assert not bad, "\n".join(bad[:20])
             assert not doubled, doubled[:20]
             assert memory > ACTORS, f"only {memory} MEMORY restores: the rounds did not restore what they took"
+            # the runtimes did change under the placements: restores after a change of their worker
+            changed_at: dict[str, int] = {}
+            after_change = 0
+            for seq, _, event in entries:
+                if isinstance(event, RuntimeChanged):
+                    changed_at[event.worker_id] = seq
+                elif isinstance(event, ActorPlaced) and event.fidelity is PlacedFidelity.MEMORY \
+                        and event.worker_id in changed_at:
+                    after_change += 1
+            assert len(changed_at) == WORKERS and after_change > ACTORS, (changed_at, after_change)
             logged = {e.request_id: (seq, e) for seq, _, e in entries if isinstance(e, ActorPlaced) and e.request_id}
             mismatched = []
             for request_id, got in answers.items():
