@@ -417,3 +417,32 @@ def test_a_user_left_out_loses_its_seed_and_rotate_gives_a_new_one(tmp_path):
     assert run("--worker", "w-1", "--worker", "w-2", "--rotate", "w-1").exit_code == 0
     assert (seeds / "w-1.nk").read_text() != first["w-1"] and (seeds / "w-2.nk").read_text() == w2
     assert json.loads(secrets.read_text())["w-1"] == (seeds / "w-1.nk").read_text().strip()
+
+
+def test_seeds_removed_are_only_files_this_command_made_and_a_bad_seeds_dir_writes_nothing(tmp_path):
+    """Only the seed files of users the secrets file listed are removed, once everything else is
+    written: another deployment's seed in the directory, and a directory named like a seed, stay
+    (a directory there ended a run half-way with a traceback; found by a review). A --seeds-dir that
+    is a file is refused before anything is written."""
+    seeds, conf, secrets = tmp_path / "seeds", tmp_path / "auth.conf", tmp_path / "secrets.json"
+
+    def run(*args: str):
+        return CliRunner().invoke(main, ["nats-config", "--auth", "nkey", "--seeds-dir", str(seeds),
+                                         "--secrets", str(secrets), "--out", str(conf), *args])
+
+    (seeds / "backup.nk").mkdir(parents=True)
+    (seeds / "other-deployment.nk").write_text("SU...")
+    assert run("--worker", "w-1", "--worker", "w-2").exit_code == 0
+    left_out = run("--worker", "w-1")
+    assert left_out.exit_code == 0, left_out.output
+    assert sorted(p.name for p in seeds.iterdir()) == ["backup.nk", "other-deployment.nk", "w-1.nk",
+                                                      "warmboot-services.nk"]
+    assert "removed the seeds of users no longer listed: w-2" in left_out.output
+
+    file = tmp_path / "not-a-dir"
+    file.write_text("x")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    refused = CliRunner().invoke(main, ["nats-config", "--auth", "nkey", "--worker", "w-1", "--seeds-dir", str(file),
+                                        "--secrets", str(tmp_path / "s2.json"), "--out", str(tmp_path / "c2.conf")])
+    assert refused.exit_code == 2 and "--seeds-dir" in refused.output and "is a file" in refused.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == before

@@ -446,6 +446,10 @@ def nats_config(
             raise click.UsageError(f"{option} and {other} name the same file, {path}")
 
     kept = _read_secrets(secrets_path)
+    # the seed files of users this command made before (its secrets file says which; without one,
+    # every USER.nk in the directory) that this run leaves out: removed once the rest is written
+    made_before = set(kept) if secrets_path is not None else (
+        {path.stem for path in seeds_dir.glob("*.nk") if ID_RE.match(path.stem)} if seeds_dir is not None else set())
     if seeds_dir is not None:  # seeds handed out earlier are kept too
         for u in users:
             path = seeds_dir / f"{u}.nk"
@@ -464,12 +468,6 @@ def nats_config(
         seeds_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         for u, seed in secrets_of.items():
             _write_private(seeds_dir / f"{u}.nk", seed + "\n")
-        # a user left out loses its seed too: listed again later, it gets a new one, not the old
-        gone = sorted(path for path in seeds_dir.glob("*.nk") if path.stem not in secrets_of and ID_RE.match(path.stem))
-        for path in gone:
-            path.unlink()
-        if gone:
-            click.echo(f"removed the seeds of users no longer listed: {', '.join(p.stem for p in gone)}", err=True)
     if worker_nodes_path is not None:
         worker_nodes_path.write_bytes(encode_nodes(nodes))  # no secret in it
         click.echo(f"wrote {worker_nodes_path}: the nodes of {len(nodes)} worker(s)", err=True)
@@ -479,3 +477,16 @@ def nats_config(
         _write_private(out_path, text)
         click.echo(f"wrote {out_path}: {len(worker_ids)} worker(s), {len(operators)} operator(s), "
                    f"{len(clients)} client(s), auth {auth}", err=True)
+    if seeds_dir is not None:  # a user left out loses its seed too: listed again later, it gets a new one
+        _remove_seeds(seeds_dir, sorted(made_before - set(secrets_of)))
+
+
+def _remove_seeds(seeds_dir: Path, users: list[str]) -> None:
+    gone = [u for u in users if (seeds_dir / f"{u}.nk").is_file()]
+    for u in gone:
+        try:
+            (seeds_dir / f"{u}.nk").unlink()
+        except OSError as e:
+            raise click.ClickException(f"the seed of {u}, no longer listed, could not be removed: {e}") from None
+    if gone:
+        click.echo(f"removed the seeds of users no longer listed: {', '.join(gone)}", err=True)
