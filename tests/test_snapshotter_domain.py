@@ -167,6 +167,29 @@ def test_no_actors_default_snapshot_id_is_another_actors(length):
             assert anothers_default_id(stem, shortened)
             assert not anothers_default_id(long_actor, shortened)
 
+def test_an_id_the_actors_history_holds_is_its_own_whatever_rule_made_it(monkeypatch):
+    """A log written before the default ids changed holds an actor's plain default of exactly 128
+    characters, which the rule now would give another actor's shortened form: the actor's own image
+    under it is still its own (a create anew from it as a golden image again is taken), and another
+    image under it is refused as a reuse of the id."""
+    actor_id = "L" * 125
+    old_default = actor_id + "-v9"  # as the rule before b5b960f made it
+    assert anothers_default_id(actor_id, old_default)
+    image = factories.golden(V1, snapshot_id=old_default, template="tpl-1")
+    import services.snapshotter.domain as domain
+
+    with monkeypatch.context() as then:  # recorded then, by the code before the rule
+        then.setattr(domain, "anothers_default_id", lambda actor_id, snapshot_id: False)
+        actor = created(actor_id, golden_snapshot=image)
+    actor.stop(None, at(2))
+    actor.collect_events()
+    actor.create(create_request(actor_id, golden_snapshot=image), None, at(3))
+    actor.stop(None, at(4))
+    other = factories.golden(V2, snapshot_id=old_default, template="tpl-1")
+    with pytest.raises(ContractError) as error:
+        actor.create(create_request(actor_id, golden_snapshot=other), None, at(5))
+    assert (error.value.code, error.value.field) == (ErrorCode.FAILED_PRECONDITION, "golden_snapshot.snapshot_id")
+
 def test_tag_copies_the_latest_snapshot_with_its_stamp_onto_the_actor_and_the_tag():
     actor = running(pin=V1)
     snapshot = actor.suspend(None, "s3://x", Fidelity.MEMORY, None, at(2))

@@ -182,8 +182,10 @@ class Actor(WireAggregate):
 
     def _not_anothers_default(self, snapshot_id: str, field: str) -> None:
         """INVALID_ARGUMENT if a caller's `snapshot_id` has the form of another actor's default ids
-        (`stamping.anothers_default_id`): default ids would no longer name one image each."""
-        if anothers_default_id(self.entity_id, snapshot_id):
+        (`stamping.anothers_default_id`): default ids would no longer name one image each. An id this
+        actor's history holds is its own, whatever rule made it (a default of a log written before
+        the rule changed); whether it may name this image is `snapshot_ids`' concern."""
+        if snapshot_id not in self.snapshot_ids and anothers_default_id(self.entity_id, snapshot_id):
             raise invalid(
                 f"{field} {snapshot_id!r} has the form of the ids the snapshotter gives another actor's snapshots "
                 "(<actor_id>-v<version>): a worker finds an image by its id, so that actor's resume could load "
