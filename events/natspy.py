@@ -68,11 +68,12 @@ replay of the log, or says less than needed, the gap is closed here and nowhere 
   and a reply against 2, measured). The services answer requests with it, and the registry
   puts heartbeats and acknowledges the sweeper's deliveries with it.
 - `connecting`: a connect (nats-py's `Client.connect`), given up on (its caller cancelled, or
-  its time up), cancelled until it ends, and its client closed. Python 3.11's `asyncio.wait_for`, which nats-py's connect
-  awaits each step with, swallows a cancellation that lands as the step completes (the TCP
-  connection made: CPython gh-86296, fixed in 3.12), and nats-py then goes on connecting,
-  forever with `max_reconnect_attempts=-1`: a Ctrl-C of a command waiting for its server, or
-  a stop of an agent or a service before its server answered, hung for good.
+  its time up), cancelled until it ends, and its client closed. Python 3.11's
+  `asyncio.wait_for`, which nats-py's connect awaits each step with, swallows a cancellation
+  that lands as the step completes (the TCP connection made: CPython gh-86296, fixed in
+  3.12), and nats-py then goes on connecting, forever with `max_reconnect_attempts=-1`: a
+  Ctrl-C of a command waiting for its server, or a stop of an agent or a service before its
+  server answered, hung for good.
 - `Replies`: many requests in flight over one wildcard inbox, each answered into a
   future. nats-py's `request` arms a timer (`wait_for`) and draws a NUID per call,
   and `publish_async` a timer per call on its semaphore; at thousands of requests a
@@ -96,7 +97,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.protocol import parser as nats_parser
 
-from events.tasks import cancel_and_wait
+from events.tasks import cancel_and_wait, retrieved
 
 # nats-py re-creates an ordered consumer (from the message after the last one received) when
 # two heartbeats in a row are missed, and tries again every two heartbeats until it works: a
@@ -702,7 +703,7 @@ async def close_given_up(nc: Client | None) -> None:
     finally:
         if not closing.done():
             closing.cancel()
-        closing.add_done_callback(lambda f: f.cancelled() or f.exception())
+        closing.add_done_callback(retrieved)
 
 
 def taken(attempt: asyncio.Future) -> Any:

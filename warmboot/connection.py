@@ -22,7 +22,7 @@ import nats.errors
 from events.errors import precondition, unavailable
 from events.natsauth import inbox_prefix as chosen_inbox_prefix, nkey_options, nkey_seed_path, redact_url
 from events.natspy import ErrorsOnce, close_given_up, connecting, describe_error, guard_reads, taken
-from events.tasks import cancel_and_wait, retrieved
+from events.tasks import cancel_and_wait
 
 log = logging.getLogger("warmboot")
 
@@ -77,27 +77,26 @@ async def connect_within(url: str, name: str, timeout_s: float = CONNECT_TIMEOUT
     if seed is not None and not os.path.isfile(seed):
         raise precondition(f"no nkey seed file {seed!r} to sign in to NATS at {where} with")
     errors = errors if errors is not None else ErrorsOnce(None)  # the last one is in the refusal
-    connecting = asyncio.ensure_future(connect(url, name, errors=errors, nkey_seed=seed, **options))
+    attempt = asyncio.ensure_future(connect(url, name, errors=errors, nkey_seed=seed, **options))
     one_server = len(url.split(",")) == 1
     refused = asyncio.ensure_future(errors.refused()) if one_server else asyncio.get_running_loop().create_future()
     try:
-        await asyncio.wait((connecting, refused), timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait((attempt, refused), timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
     except BaseException:  # cancelled: a connection made meanwhile is nobody's
         refused.cancel()
-        await cancel_and_wait(connecting)
-        await close_given_up(taken(connecting))
+        await cancel_and_wait(attempt)
+        await close_given_up(taken(attempt))
         raise
     refused.cancel()
-    refused.add_done_callback(retrieved)
-    if connecting.done():  # nothing awaited from here to the return: a cancellation cannot lose it
+    if attempt.done():  # nothing awaited from here to the return: a cancellation cannot lose it
         try:
-            return connecting.result()
+            return attempt.result()
         except (OSError, nats.errors.Error) as e:
             raise unavailable(f"cannot reach NATS at {where}: {describe_error(errors.last or e)}") from None
     try:
-        await cancel_and_wait(connecting)  # given up on: `connect` closes what it made
+        await cancel_and_wait(attempt)  # given up on: `connect` closes what it made
     finally:
-        await close_given_up(taken(connecting))  # one made at the last moment
+        await close_given_up(taken(attempt))  # one made at the last moment
     if errors.refusal is not None:
         raise precondition(f"NATS at {where} refuses the sign-in: {describe_error(errors.refusal)} (check "
                            "the user and password or token in the URL, or the nkey seed)")
