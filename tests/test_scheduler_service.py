@@ -192,6 +192,7 @@ async def test_min_seq_past_the_end_of_the_log_is_unavailable_without_holding_a_
     assert {type(a) for a in answers} == {ContractError}
     assert {a.code for a in answers} == {ErrorCode.UNAVAILABLE}
     assert all("past the end of the log" in a.message for a in answers)  # its last: `end`, or the resume's
+    assert {a.field for a in answers} == {"min_seq"}
 
 
 async def test_a_replica_sees_events_written_after_it_started(nc, prefix, writer, replicas):

@@ -364,3 +364,17 @@ async def test_a_golden_snapshot_naming_an_earlier_lifes_other_image_is_refused(
     error = await refused(nc, prefix, wb.create(actor("a", golden_snapshot=golden(V1, snapshot_id="base-1"))))
     assert error.field == "golden_snapshot.snapshot_id"  # the id of the first life's golden image, another stamp
     await wb.create(actor("a", golden_snapshot=base))  # the same image again
+
+
+async def test_a_min_seq_past_the_end_of_the_log_is_not_retried_by_the_client(wb, nc, prefix):
+    """Nothing will bring a sequence past the end of the log: the scheduler says so naming `min_seq`,
+    and the client raises it at once instead of asking again with back-off (about 3.6 s of retries
+    before), while a resume whose min_seq is in the log is answered."""
+    await wb.register(worker("w1", V1))
+    await wb.create(actor("a"))
+    before = wb.retries
+    with pytest.raises(ContractError) as error:
+        await wb.explain("a", min_seq=2**53)
+    assert (error.value.code, error.value.field) == (ErrorCode.UNAVAILABLE, "min_seq")
+    assert "past the end of the log" in error.value.message and wb.retries == before
+    assert (await wb.resume("a", min_seq=await last_seq(nc, prefix))).worker_id == "w1"

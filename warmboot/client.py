@@ -19,7 +19,8 @@ What it does so that callers need not:
   the caller gives none, so a retry is the same request.
 - Retries: UNAVAILABLE, a time-out and "no responders" are retried with the same body
   (the same `request_id`), at most `attempts` times, with a growing, jittered pause.
-  Everything else is raised at once.
+  Everything else is raised at once, and so is UNAVAILABLE naming `min_seq` (a sequence
+  past the end of the log: no retry brings it).
 - Errors: every contract error is raised as `events.errors.ContractError`, with its
   `code`, `message` and `field`.
 
@@ -159,8 +160,8 @@ class Client:
             try:
                 reply = await self._once(subject, data, reply_type)
             except ContractError as error:
-                if error.code is not ErrorCode.UNAVAILABLE or attempt == self.attempts - 1:
-                    raise
+                if error.code is not ErrorCode.UNAVAILABLE or error.field == "min_seq" or attempt == self.attempts - 1:
+                    raise  # (a min_seq past the end of the log: no retry brings it)
             else:
                 seq = getattr(reply, "seq", None)
                 if isinstance(seq, int) and seq > self.seq:

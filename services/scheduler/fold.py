@@ -434,7 +434,7 @@ class Fold:
                     end = await self._stream_end(asked, deadline - loop.time())
                     if end is not None and seq > end and not waiter.done():
                         raise unavailable(f"sequence {seq} is past the end of the log (its last is {end}): "
-                                          "nothing to wait for")
+                                          "nothing to wait for", "min_seq")
             await asyncio.wait_for(waiter, max(deadline - loop.time(), 0.0))
         except asyncio.TimeoutError:
             raise unavailable(
