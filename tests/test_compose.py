@@ -246,12 +246,12 @@ class Members:
             member.stop()
 
     def reload(self) -> None:
-        """SIGHUP to every member, as the docs say after nats-auth ran again; each says it reloaded."""
+        """SIGHUP to every member, as the docs say after nats-auth ran again; each says it reloaded (one
+        that refuses the reload says "Failed to reload server configuration" instead, and this fails)."""
         for member in self.members:
             seen = len(member.lines)
             member.process.send_signal(signal.SIGHUP)
-            line = member.line("Reloaded server configuration", anywhere=True, after=seen)
-            assert "[ERR]" not in line
+            member.line("Reloaded server configuration", anywhere=True, after=seen)
 
 
 async def register(url: str, seeds: str, worker: str, node: str) -> RegisterReply:
