@@ -658,19 +658,19 @@ CLOSE_GIVEN_UP_S = 2.0  # how long the close of a connection given up on may tak
 
 async def connecting(nc: Client, timeout: float | None = None, **options: Any) -> Client:
     """`nc`, connected (`nc.connect(**options)`) within `timeout` (asyncio.TimeoutError after it).
-    Given up on, by the caller's cancellation or the time-out, the connect is cancelled, again every
-    `CANCEL_AGAIN_S` until it ends, also while the caller is cancelled again meanwhile: the first
-    cancellation may be swallowed (Python 3.11's `asyncio.wait_for`, module docstring), and nats-py
-    would go on connecting for good. Then `nc` is closed, however far it got (a socket opened and
-    waiting for the server's greeting; a connection made as the caller gave up)."""
+    Given up on, by the caller's cancellation or the time-out, the connect is abandoned
+    (`abandon`): cancelled until it ends, the first cancellation maybe swallowed (Python 3.11's
+    `asyncio.wait_for`, module docstring), and `nc` closed however far it got (a socket opened and
+    waiting for the server's greeting; a connection made as the caller gave up), also while the
+    caller is cancelled again meanwhile. A connect that fails leaves `nc` closed too."""
     task = asyncio.ensure_future(nc.connect(**options))
     try:
         await asyncio.wait({task}, timeout=timeout)  # a cancellation of the caller is not the task's
     except asyncio.CancelledError:
-        await _given_up(task, nc)
+        await abandon(task, nc)
         raise
     if not task.done():
-        await _given_up(task, nc)
+        await abandon(task, nc)
         raise asyncio.TimeoutError
     if task.exception() is not None:  # refused: the client is nobody's either
         await close_given_up(nc)
@@ -678,32 +678,46 @@ async def connecting(nc: Client, timeout: float | None = None, **options: Any) -
     return nc
 
 
-async def _given_up(task: asyncio.Future, nc: Client) -> None:
-    """Cancel `task` until it ends, then close `nc`; a cancellation of the caller meanwhile is
-    raised once both are done."""
+async def abandon(attempt: asyncio.Future, nc: Client | None = None) -> None:
+    """Cancel `attempt` (a connect, or a task whose result is a connection) until it ends, then
+    close `nc`, or the connection the attempt made if it made one (`taken`). A cancellation of
+    the caller meanwhile does not cut either short: it is raised once both are done."""
     cancelled = False
-    while not task.done():
-        task.cancel()
+    while not attempt.done():
+        attempt.cancel()
         try:
-            await asyncio.wait({task}, timeout=CANCEL_AGAIN_S)
+            await asyncio.wait({attempt}, timeout=CANCEL_AGAIN_S)
         except asyncio.CancelledError:
             cancelled = True
-    await close_given_up(nc)
+    try:
+        await close_given_up(nc if nc is not None else taken(attempt))
+    except asyncio.CancelledError:
+        cancelled = True
     if cancelled:
         raise asyncio.CancelledError
 
 
 async def close_given_up(nc: Client | None) -> None:
-    """Close a connection nobody will use, whatever state it is in, within `CLOSE_GIVEN_UP_S`."""
+    """Close a connection nobody will use, whatever state it is in (one that never connected
+    raises in nats-py's close once it is marked closed: retrieved, not raised), within
+    `CLOSE_GIVEN_UP_S`. A cancellation of the caller meanwhile does not cut the close short (nats-py
+    closes the socket a turn after it starts): it is raised once the close has ended or its time
+    is up."""
     if nc is None:
         return
     closing = asyncio.ensure_future(nc.close())
-    try:
-        await asyncio.wait({closing}, timeout=CLOSE_GIVEN_UP_S)
-    finally:
-        if not closing.done():
-            closing.cancel()
-        closing.add_done_callback(retrieved)
+    closing.add_done_callback(retrieved)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + CLOSE_GIVEN_UP_S
+    cancelled = False
+    while not closing.done() and (left := deadline - loop.time()) > 0:
+        try:
+            await asyncio.wait({closing}, timeout=left)
+        except asyncio.CancelledError:
+            cancelled = True
+    closing.cancel()
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 def taken(attempt: asyncio.Future) -> Any:

@@ -333,12 +333,15 @@ class MadeConnections:
         self.closed = True
 
 
+@pytest.mark.parametrize("again", [None, 0, 1, 2])
 @pytest.mark.parametrize("turns", range(10))
 @pytest.mark.parametrize("who", ["agent", "connect_within"])
-async def test_a_connection_made_as_its_caller_is_cancelled_is_closed(monkeypatch, tmp_path, who, turns):
-    """The caller cancelled `turns` turns of the loop after it asked: whatever connection was made is
-    the caller's (it got it) or closed. One made in the very turn the caller was cancelled was left
-    open, reconnecting for good (found by a review)."""
+async def test_a_connection_made_as_its_caller_is_cancelled_is_closed(monkeypatch, tmp_path, who, turns, again):
+    """The caller cancelled `turns` turns of the loop after it asked (and, with `again`, once more that
+    many turns later: a second Ctrl-C, a shutdown): whatever connection was made is the caller's (it
+    got it) or closed by the time the caller has ended. One made in the very turn the caller was
+    cancelled was left open, reconnecting for good, and so was one whose close a second
+    cancellation cut short (found by reviews)."""
     import nats
 
     import warmboot.agent as agent_module
@@ -359,10 +362,46 @@ async def test_a_connection_made_as_its_caller_is_cancelled_is_closed(monkeypatc
     for _ in range(turns):
         await asyncio.sleep(0)
     task.cancel()
+    if again is not None:
+        for _ in range(again):
+            await asyncio.sleep(0)
+        task.cancel()
     done, _ = await asyncio.wait({task}, timeout=10)
     assert done
     given = None if task.cancelled() else task.result()
     assert [c for c in MadeConnections.made if not c.closed and c is not given] == []
+
+
+class SlowToClose(MadeConnections):
+    """A client whose server never answers, and whose close takes turns of the loop, as nats-py's
+    does (it closes the socket a turn after it starts)."""
+
+    async def connect(self, **_options):
+        await asyncio.Event().wait()
+
+    async def close(self):
+        for _ in range(3):
+            await asyncio.sleep(0)
+        self.closed = True
+
+
+@pytest.mark.parametrize("turns", range(6))
+async def test_a_second_cancellation_does_not_cut_the_close_of_a_connect_given_up_on_short(turns):
+    """`connecting` cancelled, then again `turns` turns later, while it closes the client it gave up
+    on: the close is finished before the cancellation goes on (it was cancelled with it, and the
+    socket left open; found by a review)."""
+    from events.natspy import connecting
+
+    client = SlowToClose()
+    task = asyncio.ensure_future(connecting(client))
+    await asyncio.sleep(0)  # the connect under way
+    task.cancel()
+    for _ in range(turns):
+        await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert client.closed
 
 
 async def test_a_connect_given_up_on_ends_though_its_caller_is_cancelled_again():
@@ -412,6 +451,45 @@ async def test_a_connect_given_up_on_closes_its_socket(turns):
         task = asyncio.ensure_future(connect(f"nats://127.0.0.1:{listener.getsockname()[1]}", "test"))
         connection, _ = await asyncio.wait_for(loop.sock_accept(listener), 10)
         with connection:
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            task.cancel()
+            await asyncio.wait({task}, timeout=10)
+            assert task.cancelled()
+            connection.setblocking(False)
+            assert await asyncio.wait_for(loop.sock_recv(connection, 100), 10) == b"", "the socket is open"
+
+
+@pytest.mark.parametrize("turns", range(4))
+async def test_a_socket_given_up_on_is_closed_though_its_caller_is_cancelled_again(monkeypatch, turns):
+    """nats-py's own client and a server that says nothing: `connect` cancelled, then again `turns`
+    turns after the close of the client it gave up on began (0: in that very turn). The socket is
+    closed all the same (the server reads its end): the second cancellation cut nats-py's close
+    short, a turn before it closes the socket (found by a review)."""
+    import socket
+
+    import nats
+
+    from warmboot.connection import connect
+
+    closing = asyncio.Event()
+
+    class Watched(nats.NATS):
+        async def close(self):
+            closing.set()
+            if turns == 0:
+                task.cancel()
+            await super().close()
+
+    monkeypatch.setattr(nats, "NATS", Watched)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.setblocking(False)
+        loop = asyncio.get_running_loop()
+        task = asyncio.ensure_future(connect(f"nats://127.0.0.1:{listener.getsockname()[1]}", "test"))
+        connection, _ = await asyncio.wait_for(loop.sock_accept(listener), 10)
+        with connection:
+            task.cancel()
+            await asyncio.wait_for(closing.wait(), 10)
             for _ in range(turns):
                 await asyncio.sleep(0)
             task.cancel()

@@ -65,7 +65,7 @@ from events.codec import decode_request, encode, to_builtins
 from events.errors import ContractError, latest_revision
 from events.tasks import cancel_and_wait
 from events.natsauth import nkey_options, nkey_seed_path, redact_url
-from events.natspy import ErrorsOnce, close_given_up, connecting, describe_error, guard_reads, taken
+from events.natspy import ErrorsOnce, abandon, connecting, describe_error, guard_reads
 from events.compat import MACHINE_TO_ARCH
 from events.probe import (DEFAULT_CPUINFO, PROFILES, SCHEMA_VERSION, ProbeError, host_architecture,
                           probe_version, read_cpuinfo)
@@ -578,13 +578,11 @@ class Agent:
                 await asyncio.wait({attempt, stopping}, return_when=asyncio.FIRST_COMPLETED)
             except BaseException:  # cancelled: a connection made meanwhile is nobody's
                 stopping.cancel()
-                await cancel_and_wait(attempt)
-                await close_given_up(taken(attempt))
+                await abandon(attempt)
                 raise
             stopping.cancel()
             if not attempt.done():  # stopped before the server answered
-                await cancel_and_wait(attempt)
-                await close_given_up(taken(attempt))
+                await abandon(attempt)
                 raise asyncio.CancelledError
             try:
                 nc = attempt.result()

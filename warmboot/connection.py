@@ -21,8 +21,7 @@ import nats.errors
 
 from events.errors import precondition, unavailable
 from events.natsauth import inbox_prefix as chosen_inbox_prefix, nkey_options, nkey_seed_path, redact_url
-from events.natspy import ErrorsOnce, close_given_up, connecting, describe_error, guard_reads, taken
-from events.tasks import cancel_and_wait
+from events.natspy import ErrorsOnce, abandon, connecting, describe_error, guard_reads
 
 log = logging.getLogger("warmboot")
 
@@ -84,8 +83,7 @@ async def connect_within(url: str, name: str, timeout_s: float = CONNECT_TIMEOUT
         await asyncio.wait((attempt, refused), timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
     except BaseException:  # cancelled: a connection made meanwhile is nobody's
         refused.cancel()
-        await cancel_and_wait(attempt)
-        await close_given_up(taken(attempt))
+        await abandon(attempt)
         raise
     refused.cancel()
     if attempt.done():  # nothing awaited from here to the return: a cancellation cannot lose it
@@ -93,10 +91,7 @@ async def connect_within(url: str, name: str, timeout_s: float = CONNECT_TIMEOUT
             return attempt.result()
         except (OSError, nats.errors.Error) as e:
             raise unavailable(f"cannot reach NATS at {where}: {describe_error(errors.last or e)}") from None
-    try:
-        await cancel_and_wait(attempt)  # given up on: `connect` closes what it made
-    finally:
-        await close_given_up(taken(attempt))  # one made at the last moment
+    await abandon(attempt)  # given up on (`connect` closes what it made), or made at the last moment
     if errors.refusal is not None:
         raise precondition(f"NATS at {where} refuses the sign-in: {describe_error(errors.refusal)} (check "
                            "the user and password or token in the URL, or the nkey seed)")
