@@ -6,6 +6,7 @@ not a traceback per attempt (nats-py's default)."""
 from __future__ import annotations
 
 import asyncio
+from contextlib import asynccontextmanager
 import logging
 import threading
 
@@ -292,28 +293,43 @@ def test_a_ctrl_c_stops_a_command_with_status_130_and_says_so():
     assert err.strip().splitlines()[-1] == "interrupted" and "Aborted" not in err, err
 
 
-@pytest.mark.parametrize("turns", range(6))
-async def test_a_connect_given_up_on_ends_whenever_it_is_cancelled(turns):
-    """`connect` (every process's) cancelled `turns` turns of the loop after its TCP connection was
-    taken, by a server that says nothing: it ends, and the next connect is not held up. nats-py's
-    connect, cancelled right as a step completed, went on connecting for good (Python 3.11's
-    asyncio.wait_for swallows that cancellation: `events.natspy.connecting`); a Ctrl-C of a command
-    waiting for its server did nothing, and its process never ended."""
+@asynccontextmanager
+async def connecting_to_a_silent_server():
+    """`warmboot.connection.connect` (every process's) to a server that takes the TCP connection and
+    says nothing: (the connect's task, the server's end of the connection, non-blocking)."""
     import socket
 
     from warmboot.connection import connect
 
     with socket.create_server(("127.0.0.1", 0)) as listener:
         listener.setblocking(False)
-        loop = asyncio.get_running_loop()
         task = asyncio.ensure_future(connect(f"nats://127.0.0.1:{listener.getsockname()[1]}", "test"))
-        connection, _ = await asyncio.wait_for(loop.sock_accept(listener), 10)
+        connection, _ = await asyncio.wait_for(asyncio.get_running_loop().sock_accept(listener), 10)
         with connection:
-            for _ in range(turns):
-                await asyncio.sleep(0)  # a turn of the loop: where the cancellation lands
-            task.cancel()
-            done, _ = await asyncio.wait({task}, timeout=10)
-    assert done and task.cancelled(), "the connect went on after it was cancelled"
+            connection.setblocking(False)
+            yield task, connection
+
+
+async def read_to_its_end(connection) -> bool:
+    """Whether the client closed its end (the server reads nothing more)."""
+    return await asyncio.wait_for(asyncio.get_running_loop().sock_recv(connection, 100), 10) == b""
+
+
+@pytest.mark.parametrize("turns", [0, 1, 2, 3, 4, 5, 20])
+async def test_a_connect_given_up_on_ends_and_closes_its_socket_whenever_it_is_cancelled(turns):
+    """`connect` cancelled `turns` turns of the loop after the server took its TCP connection: it ends,
+    and its socket is closed (the server reads its end). nats-py's connect, cancelled right as a step
+    completed, went on connecting for good (Python 3.11's asyncio.wait_for swallows that cancellation:
+    `events.natspy.connecting`), so a Ctrl-C of a command waiting for its server did nothing; and a
+    connect given up on mid-handshake left its socket open until the garbage collector came (found by
+    a review)."""
+    async with connecting_to_a_silent_server() as (task, connection):
+        for _ in range(turns):
+            await asyncio.sleep(0)  # a turn of the loop: where the cancellation lands
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=10)
+        assert done and task.cancelled(), "the connect went on after it was cancelled"
+        assert await read_to_its_end(connection), "the socket is open"
 
 
 class MadeConnections:
@@ -436,41 +452,13 @@ async def test_a_connect_given_up_on_ends_though_its_caller_is_cancelled_again()
     assert ended.is_set() and client.closed
 
 
-@pytest.mark.parametrize("turns", [0, 3, 20])
-async def test_a_connect_given_up_on_closes_its_socket(turns):
-    """A server that takes the TCP connection and says nothing; the connect given up on `turns` turns
-    of the loop later: its socket is closed (the server reads the end), not left open until the
-    garbage collector finds it (found by a review)."""
-    import socket
-
-    from warmboot.connection import connect
-
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        listener.setblocking(False)
-        loop = asyncio.get_running_loop()
-        task = asyncio.ensure_future(connect(f"nats://127.0.0.1:{listener.getsockname()[1]}", "test"))
-        connection, _ = await asyncio.wait_for(loop.sock_accept(listener), 10)
-        with connection:
-            for _ in range(turns):
-                await asyncio.sleep(0)
-            task.cancel()
-            await asyncio.wait({task}, timeout=10)
-            assert task.cancelled()
-            connection.setblocking(False)
-            assert await asyncio.wait_for(loop.sock_recv(connection, 100), 10) == b"", "the socket is open"
-
-
 @pytest.mark.parametrize("turns", range(4))
 async def test_a_socket_given_up_on_is_closed_though_its_caller_is_cancelled_again(monkeypatch, turns):
     """nats-py's own client and a server that says nothing: `connect` cancelled, then again `turns`
     turns after the close of the client it gave up on began (0: in that very turn). The socket is
     closed all the same (the server reads its end): the second cancellation cut nats-py's close
     short, a turn before it closes the socket (found by a review)."""
-    import socket
-
     import nats
-
-    from warmboot.connection import connect
 
     closing = asyncio.Event()
 
@@ -482,18 +470,12 @@ async def test_a_socket_given_up_on_is_closed_though_its_caller_is_cancelled_aga
             await super().close()
 
     monkeypatch.setattr(nats, "NATS", Watched)
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        listener.setblocking(False)
-        loop = asyncio.get_running_loop()
-        task = asyncio.ensure_future(connect(f"nats://127.0.0.1:{listener.getsockname()[1]}", "test"))
-        connection, _ = await asyncio.wait_for(loop.sock_accept(listener), 10)
-        with connection:
-            task.cancel()
-            await asyncio.wait_for(closing.wait(), 10)
-            for _ in range(turns):
-                await asyncio.sleep(0)
-            task.cancel()
-            await asyncio.wait({task}, timeout=10)
-            assert task.cancelled()
-            connection.setblocking(False)
-            assert await asyncio.wait_for(loop.sock_recv(connection, 100), 10) == b"", "the socket is open"
+    async with connecting_to_a_silent_server() as (task, connection):
+        task.cancel()
+        await asyncio.wait_for(closing.wait(), 10)
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        task.cancel()
+        await asyncio.wait({task}, timeout=10)
+        assert task.cancelled()
+        assert await read_to_its_end(connection), "the socket is open"
