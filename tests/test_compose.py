@@ -115,10 +115,11 @@ def test_the_cluster_runs_the_nats_server_the_tests_run():
 
 
 def test_the_members_include_what_nats_auth_writes_and_the_services_sign_in_with_it(compose):
-    """nats-auth writes the accounts block, the binding and the seeds to the volume `auth`; every
-    member mounts it where its configuration includes it, every service signs in with the services'
-    seed from it, the registries bind workers to nodes with its file, and nothing starts before it
-    has run."""
+    """nats-auth writes the accounts block, the binding, the seeds and its secrets file, each to a
+    volume of its own; every member mounts the accounts block where its configuration includes it,
+    and neither the seeds nor the secrets file; every service signs in with the services' seed and
+    never mounts the secrets file; the registries bind workers to nodes with nats-auth's binding;
+    and nothing starts before nats-auth has run."""
     services = compose["services"]
     auth = parsed_flags(services["nats-auth"]["command"])
     assert auth["--auth"] == "nkey"
