@@ -479,3 +479,34 @@ async def test_a_socket_given_up_on_is_closed_though_its_caller_is_cancelled_aga
         await asyncio.wait({task}, timeout=10)
         assert task.cancelled()
         assert await read_to_its_end(connection), "the socket is open"
+
+
+@pytest.mark.parametrize("how", ["stopped", "cancelled"])
+async def test_an_agent_waiting_for_its_server_ends_as_it_is_told(tmp_path, how):
+    """An agent whose server does not answer: stopped, its run returns; cancelled, its run ends
+    cancelled (it returned as if stopped, so a caller's cancellation, Ctrl-C's included, was lost:
+    found by a review), and no connection is left trying."""
+    from tests.registry_helpers import PROBE, agent_config
+    from warmboot.agent import Agent
+
+    import socket
+
+    path = tmp_path / "agent.toml"
+    path.write_text(agent_config("v1"))
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # takes connections, says nothing
+        listener.setblocking(False)
+        agent = Agent(f"nats://127.0.0.1:{listener.getsockname()[1]}", "w-a", "node-a", path, probe=PROBE)
+        stop = asyncio.Event()
+        run = asyncio.ensure_future(agent.run(stop))
+        connection, _ = await asyncio.wait_for(asyncio.get_running_loop().sock_accept(listener), 10)
+        with connection:  # the agent waits for the server's greeting
+            connection.setblocking(False)
+            if how == "stopped":
+                stop.set()
+            else:
+                run.cancel()
+            done, _ = await asyncio.wait({run}, timeout=10)
+            assert done and run.cancelled() == (how == "cancelled")
+            if how == "stopped":
+                assert run.result() is None
+            assert await read_to_its_end(connection), "the agent's connection is left open"

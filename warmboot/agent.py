@@ -551,8 +551,9 @@ class Agent:
 
     # --- talking to the registry -----------------------------------------------------------
 
-    async def _connect(self, stop: asyncio.Event) -> NATS:
-        """Connect, waiting for the server as long as it takes; CancelledError once stopped."""
+    async def _connect(self, stop: asyncio.Event) -> NATS | None:
+        """Connect, waiting for the server as long as it takes; None once stopped (a cancellation of
+        the caller stays the caller's)."""
 
         async def reconnected() -> None:
             log.info("reconnected to NATS")
@@ -583,13 +584,13 @@ class Agent:
             stopping.cancel()
             if not attempt.done():  # stopped before the server answered
                 await abandon(attempt)
-                raise asyncio.CancelledError
+                return None
             try:
                 nc = attempt.result()
             except Exception as e:  # refused outright (e.g. bad credentials): try again, slower
                 log.warning("cannot connect to NATS: %s; retrying in %.1fs", e, delay)
                 if await _wait(stop, delay):
-                    raise asyncio.CancelledError from None
+                    return None
                 delay = next_delay(delay)
                 continue
             self._errors.reset()
@@ -994,10 +995,10 @@ class Agent:
         refuses at start raises (ConfigError, ContractError); later ones are logged."""
         registration = self._read_config()
         assert registration is not None
-        try:
-            self.nc = await self._connect(stop)
-        except asyncio.CancelledError:
-            return
+        nc = await self._connect(stop)
+        if nc is None:
+            return  # stopped before the server answered
+        self.nc = nc
         serving = asyncio.create_task(self._serve(registration, stop), name=f"agent-{self.worker_id}")
         stopping = asyncio.create_task(stop.wait())
         try:
