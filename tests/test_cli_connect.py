@@ -392,7 +392,12 @@ class SlowToClose(MadeConnections):
     """A client whose server never answers, and whose close takes turns of the loop, as nats-py's
     does (it closes the socket a turn after it starts)."""
 
+    def __init__(self):
+        super().__init__()
+        self.connecting = asyncio.Event()  # its connect under way
+
     async def connect(self, **_options):
+        self.connecting.set()
         await asyncio.Event().wait()
 
     async def close(self):
@@ -410,7 +415,7 @@ async def test_a_second_cancellation_does_not_cut_the_close_of_a_connect_given_u
 
     client = SlowToClose()
     task = asyncio.ensure_future(connecting(client))
-    await asyncio.sleep(0)  # the connect under way
+    await client.connecting.wait()
     task.cancel()
     for _ in range(turns):
         await asyncio.sleep(0)
@@ -427,15 +432,16 @@ async def test_a_connect_given_up_on_ends_though_its_caller_is_cancelled_again()
     connecting for good; found by a review)."""
     from events.natspy import connecting
 
-    ended = asyncio.Event()
+    started, swallowed, ended = asyncio.Event(), asyncio.Event(), asyncio.Event()
 
     class Stubborn(MadeConnections):
         async def connect(self, **_options):
+            started.set()
             try:
                 try:
                     await asyncio.Event().wait()
                 except asyncio.CancelledError:
-                    pass  # the first cancellation, swallowed
+                    swallowed.set()  # the first cancellation, swallowed
                 await asyncio.Event().wait()
             finally:
                 ended.set()
@@ -443,9 +449,9 @@ async def test_a_connect_given_up_on_ends_though_its_caller_is_cancelled_again()
     MadeConnections.made.clear()
     client = Stubborn()
     task = asyncio.ensure_future(connecting(client))
-    await asyncio.sleep(0)  # the connect under way
+    await started.wait()  # the connect under way
     task.cancel()
-    await asyncio.sleep(0)  # `connecting` is cancelling it
+    await swallowed.wait()  # `connecting` is cancelling it, and goes on
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

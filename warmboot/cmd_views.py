@@ -162,10 +162,9 @@ def render_explanation(actor_id: str, answer: Explanation, runtimes: Runtimes, w
         fields.append(("REFUSED", f"{answer.refusal.code.value}: {answer.refusal.message}"))
     parts = [render_fields(fields, None if wide else width)]
     if answer.rejected:
-        rejected = answer.rejected
-        shown = rejected[:limit] if limit else rejected
+        shown = answer.rejected[:limit] if limit else answer.rejected
         rendered = render_table(REJECTED_COLUMNS, shown, width, wide)
-        more = len(rejected) - len(shown)
+        more = len(answer.rejected) - len(shown)
         parts.append(rendered.text + (f"\n({more} more worker(s) passed over: --limit 0 lists them)" if more else ""))
     return "\n\n".join(parts)
 
