@@ -3,6 +3,7 @@ process behind, also when its parent is killed with SIGKILL."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import select
 import signal
@@ -17,7 +18,7 @@ import nats
 import pytest
 from nats.js.api import StreamConfig
 
-from warmboot.natsserver import NatsServer, NatsServerError, free_port, server_binary
+from warmboot.natsserver import NatsServer, NatsServerError, free_port, server_binary, wait_jetstream
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -131,6 +132,17 @@ def test_a_server_that_cannot_start_is_an_error_not_a_hang(tmp_path, nats_server
     assert "address already in use" in str(caught.value)  # the log's tail says why
     assert time.monotonic() - started < 15  # noticed the exit, did not wait out the timeout
     assert not taken.running
+
+
+async def test_waiting_for_jetstream_on_a_server_that_never_greets_ends_within_its_timeout():
+    """The wait's timeout covers the connect: a port that accepts and says nothing (a server
+    stuck in its start, another program) is an error after the timeout, not a wait for good."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        with pytest.raises(NatsServerError, match="took a connection within 1.0s"):
+            # the outer bound only turns a regression (it waited for good) into a failure, not a hung suite
+            await asyncio.wait_for(wait_jetstream(f"nats://127.0.0.1:{silent.getsockname()[1]}", timeout=1.0), 60)
 
 
 async def test_the_session_server_answers_jetstream(nc, prefix):

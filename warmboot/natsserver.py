@@ -286,16 +286,22 @@ class NatsCluster:
 
 
 async def wait_jetstream(servers: str | list[str], timeout: float = 30.0) -> None:
-    """Return once JetStream answers account info (a cluster has elected its meta leader)."""
+    """Return once JetStream answers account info (a cluster has elected its meta leader);
+    NatsServerError if it has not within `timeout` seconds, the connect included."""
     import asyncio
 
-    import nats
+    from nats.aio.client import Client
+
+    from events.natspy import connecting
 
     servers = servers.split(",") if isinstance(servers, str) else servers
-    nc = await nats.connect(servers=servers, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+    deadline = asyncio.get_running_loop().time() + timeout
+    try:
+        nc = await connecting(Client(), timeout, servers=servers, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+    except asyncio.TimeoutError:
+        raise NatsServerError(f"no server of {', '.join(servers)} took a connection within {timeout}s") from None
     try:
         js = nc.jetstream(timeout=2.0)
-        deadline = asyncio.get_running_loop().time() + timeout
         while True:
             try:
                 await js.account_info()
