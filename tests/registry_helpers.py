@@ -18,6 +18,7 @@ from events.codec import decode_event, encode
 from events.schema import Event
 from events.subjects import event_subject, service_subject, stream_name
 from services.common import store_env
+from services.registry.budget import WriteBudget
 from services.registry.service import RegistryService
 from tests.factories import last_seq  # noqa: F401 (the registry tests import it from here)
 from warmboot.agent import ProbeSettings
@@ -125,16 +126,18 @@ async def wait_event(
 
 
 @asynccontextmanager
-async def running_registry(nats_url: str, prefix: str, ttl_s: float = 15.0, own_link: bool = False):
+async def running_registry(nats_url: str, prefix: str, ttl_s: float = 15.0, own_link: bool = False,
+                           writes: WriteBudget | None = None):
     """A registry replica with its own connection, on the JetStream event store; with `own_link`,
     an event-store connection of its own too (another inbox prefix), as another process has, so
-    that nothing this process read or wrote is known to it."""
+    that nothing this process read or wrote is known to it. `writes`: the workers' write budget
+    (the default's, if not given)."""
     nc = await nats.connect(nats_url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
     env = None
     if own_link:
         env = store_env(nats_url, prefix)
         env["NATS_INBOX_PREFIX"] = f"{env['NATS_INBOX_PREFIX']}.own-link"
-    service = RegistryService(nc, nats_url=nats_url, prefix=prefix, ttl_s=ttl_s, env=env)
+    service = RegistryService(nc, nats_url=nats_url, prefix=prefix, ttl_s=ttl_s, env=env, writes=writes)
     await service.start()
     try:
         yield service

@@ -31,6 +31,7 @@ MUST_WATCH = {
     "warmboot_scheduler_lost_local_snapshots",
     "warmboot_scheduler_commit_conflicts_total",
     "warmboot_placements_total",
+    "warmboot_registry_writes_over_budget_total",
     "warmboot_requests_dropped_total",
 }
 

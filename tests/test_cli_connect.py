@@ -177,6 +177,11 @@ def test_up_refuses_a_bad_prefix_and_port_before_it_starts_anything(tmp_path):
     (["--ttl", "-3"], "Invalid value for '--ttl'"),
     (["--ttl", "nan"], "Invalid value for '--ttl': nan is not"),
     (["--metrics-port", "99999"], "Invalid value for '--metrics-port': 99999 is not in the range 0<=x<=65535"),
+    (["--worker-writes", "-1"], "'--worker-writes' (env var: 'WARMBOOT_WORKER_WRITES'): -1 is not in the range x>=0"),
+    (["--worker-write-interval", "0"], "'--worker-write-interval' (env var: 'WARMBOOT_WORKER_WRITE_INTERVAL'): 0 is "
+                                       "not a positive number of seconds"),
+    (["--worker-write-interval", "inf"], "'WARMBOOT_WORKER_WRITE_INTERVAL'): inf is not a positive number of"),
+    (["--worker-write-interval", "nan"], "'WARMBOOT_WORKER_WRITE_INTERVAL'): nan is not a positive number of"),
 ])
 def test_serve_refuses_a_bad_value_before_it_connects(args, says):
     """Named as a usage error before anything runs (they were tracebacks, and only once NATS answered)."""

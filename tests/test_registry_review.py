@@ -476,10 +476,10 @@ async def registration_held(stalled, request: RegisterWorker) -> tuple[asyncio.T
     go, held = asyncio.Event(), asyncio.Event()
     decide = stalled.store.register
 
-    async def held_back(held_request, at):
+    async def held_back(held_request, at, *paid_with):
         held.set()
         await go.wait()
-        return await decide(held_request, at)
+        return await decide(held_request, at, *paid_with)
 
     stalled.store.register = held_back
     late = asyncio.create_task(stalled.register(request.worker_id, request))

@@ -187,6 +187,8 @@ def test_serve_refuses_an_option_of_a_service_it_does_not_run(tmp_path):
     nodes.write_bytes(encode_nodes({"w-1": "node-a"}))
     for args, flag, owner in ((["scheduler", "--worker-nodes", str(nodes)], "--worker-nodes", "registry"),
                               (["snapshotter", "--ttl", "30"], "--ttl", "registry"),
+                              (["scheduler", "--worker-writes", "5"], "--worker-writes", "registry"),
+                              (["snapshotter", "--worker-write-interval", "1"], "--worker-write-interval", "registry"),
                               (["registry", "--checkpoint-every", "10"], "--checkpoint-every", "scheduler")):
         result = CliRunner().invoke(main, ["serve", *args, "--nats", "nats://127.0.0.1:1"])
         assert result.exit_code == 2, result.output

@@ -112,6 +112,7 @@ DEFAULT_TTL_S = 15.0  # until the registry says otherwise
 HEARTBEATS_PER_TTL = 3
 PROBE_INTERVAL_S = 10.0  # how often the agent reads what the probe reports of the machine again
 RETRY_MIN_S, RETRY_MAX_S = 0.2, 5.0
+_RETRIED = (ErrorCode.UNAVAILABLE, ErrorCode.RESOURCE_EXHAUSTED)  # the registry's "try again": same request id
 REQUEST_TIMEOUT_S = 5.0
 # A registration beside the heartbeats waits this long for its answer before it is sent
 # again: nothing waits for it, and when a fleet registers at once (a NATS restart, a
@@ -599,8 +600,9 @@ class Agent:
 
     async def _request(self, verb: str, body: Any, reply_type: type, stop: asyncio.Event | None,
                        also_retry: tuple[ErrorCode, ...] = (), timeout: float = REQUEST_TIMEOUT_S):
-        """A request, retried while the registry is unreachable (UNAVAILABLE, or `also_retry`)
-        unless stopped; one that beats (a heartbeat, a registration) records when it was sent
+        """A request, retried while the registry is unreachable or busy (UNAVAILABLE; RESOURCE_EXHAUSTED,
+        which the registry answers when the worker's write budget is spent: `services.registry.budget`;
+        or `also_retry`) unless stopped; one that beats (a heartbeat, a registration) records when it was sent
         (`beat_at`), and its retries come closer together as that beat's TTL runs out."""
         # One attempt per call of the client (warmboot.client: the one way a request is made);
         # the agent's own loop retries, without bound until stopped, as a worker in service must.
@@ -615,7 +617,7 @@ class Agent:
                     self.beat_at = sent
                 return reply
             except ContractError as e:
-                if (e.code != ErrorCode.UNAVAILABLE and e.code not in also_retry) or stop is None:
+                if (e.code not in _RETRIED and e.code not in also_retry) or stop is None:
                     raise
                 self._check_not_denied()
                 log.warning("%s: %s; retrying in %.1fs", verb, e.message, delay)

@@ -14,6 +14,7 @@ from events.natsauth import NKEY_SEED_ENV
 from events.subjects import DEFAULT_PREFIX
 from services.common import ALL_INTERFACES, run_serving, tune_gc
 from services.registry.binding import UNBIND
+from services.registry.budget import DEFAULT_BURST, DEFAULT_INTERVAL_S as WRITE_INTERVAL_S, WriteBudget
 from services.registry.nodes import describe, load_nodes
 from warmboot.cli_common import check_nats_option, check_prefix_option, event_loop_option
 from services.scheduler.checkpoint import DEFAULT_EVERY_EVENTS, DEFAULT_INTERVAL_S
@@ -26,6 +27,8 @@ from warmboot.runner import SERVICES, dump_on_signal, start_services, stop_signa
 SERVICE_OPTIONS = {
     "ttl_s": ("registry", "--ttl"),
     "worker_nodes_path": ("registry", "--worker-nodes"),
+    "worker_writes": ("registry", "--worker-writes"),
+    "worker_write_interval_s": ("registry", "--worker-write-interval"),
     "checkpoint_every": ("scheduler", "--checkpoint-every"),
     "checkpoint_interval_s": ("scheduler", "--checkpoint-interval"),
 }
@@ -35,6 +38,13 @@ def check_ttl(ctx: click.Context, param: click.Parameter, value: float) -> float
     """click callback: a TTL the registry takes (a finite number of seconds, at least 1)."""
     if not math.isfinite(value) or value < 1:
         raise click.BadParameter(f"{value:g} is not a number of seconds of at least 1")
+    return value
+
+
+def check_interval(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    """click callback: a positive, finite number of seconds."""
+    if not math.isfinite(value) or value <= 0:
+        raise click.BadParameter(f"{value:g} is not a positive number of seconds")
     return value
 
 
@@ -62,6 +72,14 @@ def check_ttl(ctx: click.Context, param: click.Parameter, value: float) -> float
                    "own node, and only if listed, and removes one registered elsewhere; `none` removes the binding. "
                    "Give it to the one replica that changes the binding: the file given last wins "
                    "(docs/security.md).")
+@click.option("--worker-writes", type=click.IntRange(min=0), default=DEFAULT_BURST, show_default=True,
+              envvar="WARMBOOT_WORKER_WRITES", show_envvar=True,
+              help="Registry: writes the requests about one worker (register, drain, remove) may make at once, "
+                   "in each replica; past them a request that would write is refused RESOURCE_EXHAUSTED, nothing "
+                   "written, until the budget refills (--worker-write-interval). 0: no limit (docs/security.md).")
+@click.option("--worker-write-interval", "worker_write_interval_s", type=float, callback=check_interval,
+              default=WRITE_INTERVAL_S, show_default=True, envvar="WARMBOOT_WORKER_WRITE_INTERVAL", show_envvar=True,
+              help="Registry: seconds in which a worker earns back one write of --worker-writes.")
 @click.option("--replicas", type=click.IntRange(1, 5), default=None, envvar="WARMBOOT_STREAM_REPLICAS",
               show_envvar=True, help="Replica count of the event stream when this process creates it (3 on a cluster).")
 @click.option("--checkpoint-every", type=click.IntRange(min=0), default=DEFAULT_EVERY_EVENTS, show_default=True,
@@ -72,7 +90,8 @@ def check_ttl(ctx: click.Context, param: click.Parameter, value: float) -> float
               help="Scheduler: also save one after this many seconds if anything was folded (0: off).")
 @event_loop_option
 def serve(service: str, nats_url: str, nkey_seed: str | None, prefix: str, metrics_port: int | None,
-          metrics_host: str, ttl_s: float, worker_nodes_path: str | None, replicas: int | None, checkpoint_every: int,
+          metrics_host: str, ttl_s: float, worker_nodes_path: str | None, worker_writes: int,
+          worker_write_interval_s: float, replicas: int | None, checkpoint_every: int,
           checkpoint_interval_s: float, event_loop: str | None) -> None:
     """Run SERVICE (registry, snapshotter, scheduler, or all) until SIGINT/SIGTERM.
 
@@ -83,7 +102,7 @@ def serve(service: str, nats_url: str, nkey_seed: str | None, prefix: str, metri
     for param, (owner, flag) in SERVICE_OPTIONS.items():
         if owner not in names and ctx.get_parameter_source(param) is ParameterSource.COMMANDLINE:
             raise click.UsageError(f"{flag} is the {owner}'s option: `serve {service}` does not run the {owner}")
-    registry: dict = {"ttl_s": ttl_s}
+    registry: dict = {"ttl_s": ttl_s, "writes": WriteBudget(worker_writes, worker_write_interval_s)}
     if worker_nodes_path == UNBIND:
         registry["worker_nodes"] = UNBIND
     elif worker_nodes_path is not None and "registry" in names:

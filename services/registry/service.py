@@ -69,6 +69,7 @@ from services.common import (EndpointSpec, NoWriteAnswers, Recheck, ReplyCache, 
                              last_seq_on, run_command_async, store_env, stream_replicas)
 from services.locks import KeyedLock
 from services.registry.binding import SharedBinding
+from services.registry.budget import FREE, Ticket, WriteBudget
 from services.registry.domain import Worker, register_outcome
 from services.registry.fold import RosterFold
 from services.registry.liveness import Liveness
@@ -89,6 +90,9 @@ REGISTRATIONS = Counter(
 LOST_WORKERS = Counter("warmboot_registry_workers_lost_total", "Workers removed as LOST by this replica")
 UNBOUND_REMOVALS = Counter("warmboot_registry_workers_unbound_removed_total",
                            "Workers this replica removed for being registered on a node the binding does not give them")
+OVER_BUDGET = Counter("warmboot_registry_writes_over_budget_total",
+                      "Requests this replica refused because their worker's write budget was spent "
+                      "(services.registry.budget)")
 COMMIT_GROUP = Histogram(
     "warmboot_registry_commit_group_writes",
     "Commands whose writes went out in one atomic append (a refused group counted, then each of its members alone)",
@@ -137,7 +141,7 @@ class RegistryStore(WireApplication):
         return worker if worker is not None else Worker(worker_id)
 
     async def _commit(self, worker: Worker, outcome: RegisterOutcome | None = None, verb: str | None = None,
-                      request_id: str | None = None) -> Decided:
+                      request_id: str | None = None, ticket: Ticket = FREE) -> Decided:
         """Save what `worker` recorded, fenced (CONTRACT placement rule 8).
 
         Every append to a worker's history carries, in the same atomic batch and after
@@ -146,6 +150,10 @@ class RegistryStore(WireApplication):
         on the worker's earlier state can commit after this change. The fence expects
         the booking subject's last sequence as read here; a placement that lands in
         between makes the save lose (IntegrityError) and `run_command_async` try again.
+
+        Whatever it writes, events or a kept answer, the request pays for with its `ticket`
+        first (`services.registry.budget`): RESOURCE_EXHAUSTED, nothing written, if the worker's
+        budget is spent.
         """
         if not worker.pending_events:
             seq = worker.seq_at(worker.version)
@@ -154,9 +162,11 @@ class RegistryStore(WireApplication):
                     raise unavailable(f"the event store did not say where worker {worker.entity_id!r}'s "
                                       f"event {worker.version} is")
                 reply = RegisterReply(outcome=outcome, seq=seq) if verb == "register" else SeqReply(seq=seq)
+                ticket.take()
                 await self.no_writes.keep_async(worker, verb, request_id, reply)
             return Decided(outcome=outcome, seq=seq or None, version=worker.version)
         last_type = type(worker.pending_events[-1].body).__name__
+        ticket.take()
         fence = await self._fence(worker.entity_id, last_type)
         _, seqs = await self.save_async(worker, fence)
         return Decided(outcome=outcome, seq=seqs[-2], version=worker.version, wrote=True)  # the fence follows it
@@ -183,7 +193,7 @@ class RegistryStore(WireApplication):
         reply, version = kept
         return Decided(outcome=getattr(reply, "outcome", None), seq=reply.seq, version=version, replay=True)
 
-    async def register(self, request: RegisterWorker, at: datetime) -> Decided:
+    async def register(self, request: RegisterWorker, at: datetime, ticket: Ticket = FREE) -> Decided:
         worker = await self.load(request.worker_id)
         earlier = worker.prior("register", request.request_id)
         if earlier:
@@ -199,9 +209,10 @@ class RegistryStore(WireApplication):
                     and self.no_writes is not None):
                 # refused on the worker's state (a change of class): a copy decided after the worker's
                 # life ended would be taken, and only this mark says it was sent before (`_sent_before`)
+                ticket.take()  # out of budget: RESOURCE_EXHAUSTED instead, unmarked (nothing answered it)
                 await self.no_writes.mark_refused_async(worker, request.request_id)
             raise
-        return await self._commit(worker, outcome, "register", request.request_id)
+        return await self._commit(worker, outcome, "register", request.request_id, ticket)
 
     async def _sent_before(self, worker: Worker, request: RegisterWorker) -> bool:
         """Whether a registration with a revision that would begin a life carries a request id sent
@@ -214,7 +225,7 @@ class RegistryStore(WireApplication):
             return True
         return self.no_writes is not None and await self.no_writes.was_answered_async(worker, rid)
 
-    async def drain(self, worker_id: str, request: DrainWorker, at: datetime) -> Decided:
+    async def drain(self, worker_id: str, request: DrainWorker, at: datetime, ticket: Ticket = FREE) -> Decided:
         worker = await self.load(worker_id)
         earlier = worker.prior("drain", request.request_id)
         if earlier:
@@ -223,9 +234,9 @@ class RegistryStore(WireApplication):
         if kept is not None:
             return kept
         worker.drain(request.reason, at, request.request_id)
-        return await self._commit(worker, None, "drain", request.request_id)
+        return await self._commit(worker, None, "drain", request.request_id, ticket)
 
-    async def remove(self, worker_id: str, request: RemoveWorker, at: datetime) -> Decided:
+    async def remove(self, worker_id: str, request: RemoveWorker, at: datetime, ticket: Ticket = FREE) -> Decided:
         worker = await self.load(worker_id)
         earlier = worker.prior("remove", request.request_id)
         if earlier:
@@ -234,7 +245,7 @@ class RegistryStore(WireApplication):
         if kept is not None:
             return kept
         worker.remove(request.reason, at, request.request_id, request.revision)
-        return await self._commit(worker)
+        return await self._commit(worker, ticket=ticket)
 
     async def remove_unbound(self, worker_id: str, nodes: Mapping[str, str], at: datetime) -> Decided:
         worker = await self.load(worker_id)
@@ -297,6 +308,7 @@ class RegistryService:
         store_replicas: int | None = None,
         env: dict[str, str] | None = None,
         worker_nodes: Mapping[str, str] | str | None = None,
+        writes: WriteBudget | None = None,
     ):
         if ttl_s < 1:
             raise ValueError(f"ttl_s must be at least 1 second (heartbeat TTLs are whole seconds), not {ttl_s}")
@@ -309,6 +321,8 @@ class RegistryService:
         self.binding = SharedBinding(nc, prefix, store_replicas)
         self._binding_moved = asyncio.Event()  # set when the binding changes: `_remove_unbound` runs again
         self.binding.on_change = self._binding_moved.set
+        # What the requests about each worker may write (`services.registry.budget`): this replica's.
+        self.writes = writes if writes is not None else WriteBudget()
         self._unbound: asyncio.Task[None] | None = None
         self.env = env if env is not None else store_env(nats_url, prefix, store_replicas)
         self.store: RegistryStore | None = None
@@ -394,8 +408,9 @@ class RegistryService:
             # A registration is also a heartbeat. Beating first means an expiry being
             # swept right now finds the worker beating and leaves it registered.
             await self.liveness.beat(worker_id)
-            decided = await run_command_async(lambda: self.store.register(request, now()),
-                                        recheck=self._recheck(request.worker_id))
+            ticket = self.writes.ticket(worker_id)  # one write, whichever attempt makes it
+            command = lambda: self.store.register(request, now(), ticket)  # noqa: E731
+            decided = await self._paid(worker_id, run_command_async(command, recheck=self._recheck(worker_id)))
             REGISTRATIONS.labels(decided.outcome.value).inc()
             if not allows(self.binding.judged_nodes, worker_id, request.node):
                 self._binding_moved.set()  # decided on a binding that changed since: removed at once
@@ -408,6 +423,19 @@ class RegistryService:
                 # is answered from the history, and beats again.
                 await self.liveness.beat(worker_id)
             return RegisterReply(outcome=decided.outcome, seq=await self._seq(worker_id, decided))
+
+    async def _paid(self, worker_id: str, command: Awaitable[Decided]) -> Decided:
+        """`command`'s decision; a refusal for the worker's write budget counted, and logged once until
+        the worker writes again."""
+        try:
+            return await command
+        except ContractError as error:
+            if error.code is ErrorCode.RESOURCE_EXHAUSTED and error.field == "worker_id":
+                OVER_BUDGET.inc()
+                if self.writes.first_refusal(worker_id):
+                    log.warning("worker %s has spent its write budget: its requests that would write are refused "
+                                "until it refills (%s); said once until it writes again", worker_id, error.message)
+            raise
 
     def _recheck(self, worker_id: str) -> Recheck:
         """`run_command_async`'s recheck of a refusal on the worker's state: whether the stream leader
@@ -441,13 +469,16 @@ class RegistryService:
 
     async def drain(self, worker_id: str, request: DrainWorker) -> SeqReply:
         async with self._workers(worker_id):
-            decided = await run_command_async(lambda: self.store.drain(worker_id, request, now()),
-                                        recheck=self._recheck(worker_id))
+            ticket = self.writes.ticket(worker_id)
+            command = lambda: self.store.drain(worker_id, request, now(), ticket)  # noqa: E731
+            decided = await self._paid(worker_id, run_command_async(command, recheck=self._recheck(worker_id)))
             return SeqReply(seq=await self._seq(worker_id, decided))
 
     async def remove(self, worker_id: str, request: RemoveWorker) -> SeqReply:
         async with self._workers(worker_id):
-            decided = await self._remove(worker_id, lambda: self.store.remove(worker_id, request, now()))
+            ticket = self.writes.ticket(worker_id)
+            command = lambda: self.store.remove(worker_id, request, now(), ticket)  # noqa: E731
+            decided = await self._paid(worker_id, self._remove(worker_id, command))
             return SeqReply(seq=await self._seq(worker_id, decided))
 
     async def _remove(self, worker_id: str, command: Callable[[], Awaitable[Decided]]) -> Decided:

@@ -1,0 +1,129 @@
+"""How much a worker's requests may write: a token bucket per worker id, in one replica. Pure: the
+clock is given, no I/O.
+
+A worker's credential may send `register`, `drain` and `remove` for its own id
+(docs/security.md), and each of them may write: the worker's events (a label flipped back and
+forth appends two a time, and the log never discards), an answer kept in the reply bucket (a
+registration that changed nothing, under a new request id each time), or a refusal's mark. With
+nothing to stop it, one credential could grow the server's storage as fast as it can send. So
+each write a request about a worker makes costs that worker one write of its budget: `burst` at
+once, then one more every `interval_s`. A request that would write past it is refused
+RESOURCE_EXHAUSTED (field `worker_id`), nothing written, and says when to try again; what writes
+nothing is never refused for it (a heartbeat, a repeated request answered from the history or a
+kept answer, a refusal). The registry's own writes (LOST, a removal for the binding's sake) are not
+a worker's request and cost nothing.
+
+The budget is each replica's own (a queue group spreads a worker's requests over the replicas),
+so a worker may write up to `replicas` times as much; what it bounds is the rate, hence the
+storage, one credential can take, not an exact count. A worker an agent runs sends a handful of
+registrations an hour (its start, a reconnect, an edit of its file, a change of its CPU); the
+default, 100 at once and then one every 10 s, leaves it far inside, and bounds one credential to
+about 8,640 writes a day per replica.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from events.errors import exhausted
+
+DEFAULT_BURST = 100
+DEFAULT_INTERVAL_S = 10.0
+_PRUNE_EVERY = 4096  # takes between two sweeps of the workers whose budget is whole again
+
+
+class WriteBudget:
+    """Writes per worker id: at most `burst` at once, one more earned back every `interval_s`.
+    `burst` 0 means no limit. Only workers below a whole budget are kept."""
+
+    def __init__(self, burst: int = DEFAULT_BURST, interval_s: float = DEFAULT_INTERVAL_S,
+                 clock: Callable[[], float] | None = None):
+        if burst < 0:
+            raise ValueError(f"burst must be 0 (no limit) or more, not {burst}")
+        if burst and not (math.isfinite(interval_s) and interval_s > 0):
+            raise ValueError(f"interval_s must be a positive number of seconds, not {interval_s}")
+        self.burst = burst
+        self.interval_s = interval_s
+        if clock is None:
+            import time
+            clock = time.monotonic
+        self.clock = clock
+        self._spent: dict[str, tuple[float, float]] = {}  # worker id -> (writes left, when counted)
+        self._refused: set[str] = set()  # refused since their last write (`first_refusal`)
+        self._takes = 0
+
+    def left(self, worker_id: str) -> float:
+        """The writes `worker_id` may make now (fractions earned back count)."""
+        if not self.burst:
+            return math.inf
+        return self._left_at(worker_id, self.clock())
+
+    def _left_at(self, worker_id: str, at: float) -> float:
+        entry = self._spent.get(worker_id)
+        if entry is None:
+            return float(self.burst)
+        left, counted = entry
+        return min(float(self.burst), left + max(0.0, at - counted) / self.interval_s)
+
+    def take(self, worker_id: str) -> None:
+        """One write for `worker_id`; RESOURCE_EXHAUSTED (field `worker_id`), nothing taken, if it has
+        none left."""
+        if not self.burst:
+            return
+        at = self.clock()
+        left = self._left_at(worker_id, at)
+        if left < 1.0:
+            wait = (1.0 - left) * self.interval_s
+            raise exhausted(
+                f"worker {worker_id!r} has spent its write budget ({self.burst} at once, then one every "
+                f"{self.interval_s:g}s): nothing was written; try again in {wait:.1f}s", "worker_id")
+        self._spent[worker_id] = (left - 1.0, at)
+        self._refused.discard(worker_id)
+        self._takes += 1
+        if self._takes >= _PRUNE_EVERY:
+            self._prune(at)
+
+    def _prune(self, at: float) -> None:
+        """Forget the workers whose budget is whole again: the table holds only recent writers."""
+        self._takes = 0
+        whole = [w for w in self._spent if self._left_at(w, at) >= self.burst]
+        for worker_id in whole:
+            del self._spent[worker_id]
+            self._refused.discard(worker_id)
+
+    def first_refusal(self, worker_id: str) -> bool:
+        """Whether this is `worker_id`'s first refusal since its last write (noted): a flood of
+        refused requests is said once, not once a request."""
+        if worker_id in self._refused:
+            return False
+        self._refused.add(worker_id)
+        return True
+
+    def ticket(self, worker_id: str) -> "Ticket":
+        """What one request about `worker_id` pays with: one write, however often the command runs."""
+        return Ticket(self, worker_id)
+
+    def __len__(self) -> int:
+        return len(self._spent)
+
+
+class Ticket:
+    """One request's write: taken from the budget the first time the request is about to write, and
+    not again when its command runs once more (`run_command_async`, after a lost race)."""
+
+    __slots__ = ("budget", "worker_id", "taken")
+
+    def __init__(self, budget: WriteBudget | None, worker_id: str):
+        self.budget = budget
+        self.worker_id = worker_id
+        self.taken = False
+
+    def take(self) -> None:
+        if self.taken or self.budget is None:
+            return
+        self.budget.take(self.worker_id)  # raises, nothing taken, if none is left
+        self.taken = True
+
+
+FREE = Ticket(None, "")  # the registry's own writes: no worker's request pays for them

@@ -1,0 +1,219 @@
+"""What a worker's requests may write (`services.registry.budget`): the budget's arithmetic on
+its own, then over a real bus: past the budget a request that would write is refused
+RESOURCE_EXHAUSTED and writes nothing, what writes nothing is still answered, two replicas
+under hundreds of concurrent requests write at most their two budgets (read from the log), and
+an agent whose budget is spent registers once it refills instead of ending."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+from prometheus_client import REGISTRY
+
+from events.errors import ContractError
+from events.schema import ErrorCode, WorkerRegistered, WorkerUpdated
+from events.subjects import bucket_name
+from services.registry.budget import FREE, WriteBudget
+from tests.registry_helpers import last_seq, raw_request, registration, running_registry, wait_event, worker_events
+from tests.test_agent import agent_running, config
+from tests.registry_helpers import PROBE
+from warmboot.agent import Agent
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# --- the arithmetic ---------------------------------------------------------------------------
+
+
+def test_a_budget_gives_its_burst_then_one_write_per_interval():
+    clock = Clock()
+    budget = WriteBudget(3, 10.0, clock)
+    for _ in range(3):
+        budget.take("w-1")
+    with pytest.raises(ContractError) as refused:
+        budget.take("w-1")
+    assert refused.value.code is ErrorCode.RESOURCE_EXHAUSTED and refused.value.field == "worker_id"
+    assert "'w-1'" in refused.value.message and "try again in 10.0s" in refused.value.message
+    assert budget.left("w-1") == 0.0  # the refusal took nothing
+    budget.take("w-2")  # each worker has its own
+    clock.now += 4.0
+    with pytest.raises(ContractError, match="try again in 6.0s"):
+        budget.take("w-1")
+    clock.now += 6.0
+    budget.take("w-1")
+    with pytest.raises(ContractError):
+        budget.take("w-1")
+    clock.now += 1_000_000  # refilled, never past the burst
+    assert budget.left("w-1") == 3.0
+
+
+def test_a_flood_of_refusals_is_said_once_until_the_worker_writes_again():
+    clock = Clock()
+    budget = WriteBudget(1, 10.0, clock)
+    budget.take("w-1")
+    assert budget.first_refusal("w-1") and not budget.first_refusal("w-1")
+    assert budget.first_refusal("w-2")
+    clock.now += 10.0
+    budget.take("w-1")
+    assert budget.first_refusal("w-1")
+
+
+def test_a_ticket_pays_once_however_often_its_command_runs():
+    budget = WriteBudget(2, 10.0, Clock())
+    ticket = budget.ticket("w-1")
+    ticket.take()
+    ticket.take()  # the command run again after a lost race
+    assert budget.left("w-1") == 1.0
+    FREE.take()  # the registry's own writes
+    assert not FREE.taken
+
+
+def test_no_limit_and_bad_settings():
+    unlimited = WriteBudget(0, 10.0)
+    for _ in range(10_000):
+        unlimited.take("w-1")
+    assert len(unlimited) == 0
+    for burst, interval in [(-1, 10.0), (1, 0.0), (1, -1.0), (1, float("inf")), (1, float("nan"))]:
+        with pytest.raises(ValueError):
+            WriteBudget(burst, interval)
+
+
+def test_only_workers_below_a_whole_budget_are_kept():
+    clock = Clock()
+    budget = WriteBudget(2, 1.0, clock)
+    for i in range(5000):
+        budget.take(f"w-{i}")
+        clock.now += 0.001
+    # each pass over 4,096 takes forgets those refilled by then: not all 5,000 are held
+    clock.now += 1.0
+    for i in range(5000, 9096):
+        budget.take(f"w-{i}")
+    assert len(budget) < 4200
+
+
+# --- over the bus -------------------------------------------------------------------------------
+
+
+def over_budget() -> float:
+    return REGISTRY.get_sample_value("warmboot_registry_writes_over_budget_total") or 0.0
+
+
+async def replies_held(nc, prefix: str) -> int:
+    return (await nc.jetstream().stream_info(f"KV_{bucket_name(prefix, 'replies')}")).state.messages
+
+
+async def test_past_its_budget_a_worker_s_request_that_would_write_is_refused_and_writes_nothing(
+        nats_url, nc, prefix, caplog):
+    async with running_registry(nats_url, prefix, writes=WriteBudget(3, 3600.0)):
+        answered = []
+        first = await raw_request(nc, prefix, "register", "w-1", registration("w-1", request_id="r-0"))
+        answered.append(("r-0", first[0]))
+        for rid in ("r-1", "r-2"):  # unchanged: each keeps its answer in the reply bucket
+            reply, _ = await raw_request(nc, prefix, "register", "w-1", registration("w-1", request_id=rid))
+            assert reply["outcome"] == "UNCHANGED", reply
+            answered.append((rid, reply))
+        log_end, kept = await last_seq(nc, prefix), await replies_held(nc, prefix)
+        refusals = over_budget()
+
+        for verb, body in [
+            ("register", registration("w-1", request_id="r-3")),  # would keep an answer
+            ("register", registration("w-1", labels={"zone": "b"})),  # would append an update
+            ("drain", {"reason": "flip", "request_id": "d-1"}),
+            ("remove", {"reason": "cycle"}),
+        ]:
+            reply, _ = await raw_request(nc, prefix, verb, "w-1", body)
+            assert reply["error"]["code"] == "RESOURCE_EXHAUSTED" and reply["error"]["field"] == "worker_id", reply
+            assert "try again in" in reply["error"]["message"]
+        assert over_budget() - refusals == 4
+        said = [r.getMessage() for r in caplog.records if "spent its write budget" in r.getMessage()]
+        assert len(said) == 1 and "worker w-1 " in said[0], said  # once, naming the worker
+        assert await last_seq(nc, prefix) == log_end and await replies_held(nc, prefix) == kept
+
+        # what writes nothing is answered all the same: the requests answered, repeated; a heartbeat
+        for rid, reply in answered:
+            again, _ = await raw_request(nc, prefix, "register", "w-1", registration("w-1", request_id=rid))
+            assert again == reply
+        beat, _ = await raw_request(nc, prefix, "heartbeat", "w-1", {})
+        assert beat["ttl_s"] == 15
+        # and another worker has a budget of its own
+        other, _ = await raw_request(nc, prefix, "register", "w-2", registration("w-2"))
+        assert other["outcome"] == "REGISTERED"
+        assert await last_seq(nc, prefix) > log_end
+
+
+async def test_two_replicas_under_hundreds_of_concurrent_writes_write_at_most_their_budgets(nats_url, nc, prefix):
+    """Every request would write (a label of its own): each replica lets its budget's worth through,
+    whichever of the two gets them; every one let through is in the log, answered with its event,
+    and every other one is refused for the budget, none lost and none written twice."""
+    burst = 6
+    async with running_registry(nats_url, prefix, writes=WriteBudget(burst, 3600.0)), \
+            running_registry(nats_url, prefix, own_link=True, writes=WriteBudget(burst, 3600.0)):
+        for round_ in range(3):
+            worker = f"w-{round_}"
+            bodies = [registration(worker, labels={"flip": str(i)}, request_id=f"{worker}-r{i}") for i in range(200)]
+            replies = await asyncio.gather(*(raw_request(nc, prefix, "register", worker, b) for b in bodies))
+            accepted = {b["request_id"]: r for b, (r, _) in zip(bodies, replies) if "error" not in r}
+            refused = [r for r, _ in replies if "error" in r]
+            assert all((r["error"]["code"], r["error"]["field"]) == ("RESOURCE_EXHAUSTED", "worker_id")
+                       for r in refused), refused[:3]
+            assert 1 <= len(accepted) <= 2 * burst and len(accepted) + len(refused) == 200
+
+            written = [(seq, e) for seq, e in await worker_events(nc, prefix, worker)
+                       if isinstance(e, (WorkerRegistered, WorkerUpdated))]
+            assert sorted(e.request_id for _, e in written) == sorted(accepted), "written once each, nothing else"
+            at = {e.request_id: seq for seq, e in written}
+            assert all(reply["seq"] == at[rid] for rid, reply in accepted.items())
+
+
+async def test_an_agent_whose_budget_is_spent_registers_once_it_refills(nats_url, nc, prefix, tmp_path):
+    """The agent's registration refused RESOURCE_EXHAUSTED at its start is sent again (the registry's
+    "try again"), not the end of the agent."""
+    path = tmp_path / "agent.toml"
+    path.write_text(config("v1"))
+    clock = Clock()  # stands still until the test moves it: no write is earned back meanwhile
+    budget = WriteBudget(1, 1.0, clock)
+    refused = asyncio.Event()
+    take = budget.take
+
+    def noting(worker_id: str) -> None:
+        try:
+            take(worker_id)
+        except ContractError:
+            refused.set()
+            raise
+
+    budget.take = noting
+    async with running_registry(nats_url, prefix, writes=budget):
+        # another registration of w-a spends its one write; the agent's, which differs, must wait for the next
+        await raw_request(nc, prefix, "register", "w-a", registration("w-a", labels={"zone": "spent"}))
+        after = await last_seq(nc, prefix)
+        agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe=PROBE)
+        async with agent_running(agent) as task:
+            noted = asyncio.ensure_future(refused.wait())
+            await asyncio.wait({task, noted}, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+            assert refused.is_set() and not task.done(), task
+            clock.now += 3600  # an hour on: the budget is whole again
+            _, updated = await wait_event(nc, prefix, "w-a", WorkerUpdated, after=after)
+            assert updated.labels == {"zone": "a"}
+            assert not task.done()
+
+
+async def test_the_default_budget_lets_an_agent_s_day_through(nats_url, nc, prefix):
+    """The default (100 at once, then one every 10 s) refuses none of a day's ordinary requests:
+    a registration, fifty edits in a burst, a drain and a removal, and a registration again."""
+    async with running_registry(nats_url, prefix):
+        requests = [("register", registration("w-1", request_id=str(uuid.uuid4())))]
+        requests += [("register", registration("w-1", labels={"edit": str(i)})) for i in range(50)]
+        requests += [("drain", {"reason": "maintenance"}), ("remove", {"reason": "retired"}),
+                     ("register", registration("w-1"))]
+        for verb, body in requests:
+            reply, _ = await raw_request(nc, prefix, verb, "w-1", body)
+            assert "error" not in reply, (verb, reply)
