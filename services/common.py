@@ -848,10 +848,14 @@ class NoWriteAnswers:
     async def was_answered_async(self, aggregate: Any, request_id: str) -> bool:
         """Whether `request_id` was answered for the aggregate, in any life, with an answer kept here or a
         refusal marked (`mark_refused_async`), as the stream leader has them."""
-        for key in (self._key(aggregate.entity_id, request_id), self._refused_key(aggregate.entity_id, request_id)):
-            if await self._answered(self.replies.get(key)):
-                return True
-        return False
+        if await self._answered(self.replies.get(self._key(aggregate.entity_id, request_id))):
+            return True
+        return await self.refusal_marked_async(aggregate, request_id)
+
+    async def refusal_marked_async(self, aggregate: Any, request_id: str) -> bool:
+        """Whether `request_id` is marked refused for the aggregate (`mark_refused_async`), as the stream
+        leader has it."""
+        return bool(await self._answered(self.replies.get(self._refused_key(aggregate.entity_id, request_id))))
 
     async def mark_refused_async(self, aggregate: Any, request_id: str) -> None:
         """Mark `request_id` refused for the aggregate (a refusal writes no event: this says it was sent)."""

@@ -247,14 +247,15 @@ async def test_a_request_on_two_replicas_at_once_is_answered_alike_on_a_replicat
             assert set(placed.values()) == {1} and len(placed) == 3 * len(actors)
 
 
-async def every_service(exits: AsyncExitStack, cluster: NatsCluster, prefix: str) -> Any:
+async def every_service(exits: AsyncExitStack, cluster: NatsCluster, prefix: str, **registry: Any) -> Any:
     """Every service on the cluster's first member, its streams and buckets at three replicas and
-    workers never LOST during the test; its scheduler replica."""
+    workers never LOST during the test (`registry`: more of the registry's options); its scheduler
+    replica."""
     from tests.factories import SILENT_TTL_S
 
     running = await start_services(exits, list(SERVICES), cluster.urls[0], prefix,
                                    options={"scheduler": {"metrics": False},
-                                            "registry": {"store_replicas": 3, "ttl_s": SILENT_TTL_S}})
+                                            "registry": {"store_replicas": 3, "ttl_s": SILENT_TTL_S, **registry}})
     return running.services[-1]
 
 

@@ -12,11 +12,14 @@ import uuid
 import pytest
 from prometheus_client import REGISTRY
 
-from events.errors import ContractError
+from eventsourcing.persistence import IntegrityError
+
+from events.errors import ContractError, unavailable
 from events.schema import ErrorCode, WorkerRegistered, WorkerUpdated
 from events.subjects import bucket_name
 from services.registry.budget import FREE, WriteBudget
-from tests.registry_helpers import last_seq, raw_request, registration, running_registry, wait_event, worker_events
+from tests.registry_helpers import (last_seq, raw_request, registration, running_registry, runtime, wait_event,
+                                    worker_events)
 from tests.test_agent import agent_running, config
 from tests.registry_helpers import PROBE
 from warmboot.agent import Agent
@@ -66,14 +69,31 @@ def test_a_flood_of_refusals_is_said_once_until_the_worker_writes_again():
     assert budget.first_refusal("w-1")
 
 
-def test_a_ticket_pays_once_however_often_its_command_runs():
-    budget = WriteBudget(2, 10.0, Clock())
+def test_a_ticket_pays_for_the_writes_made_and_gets_back_a_failed_one():
+    clock = Clock()
+    budget = WriteBudget(2, 10.0, clock)
     ticket = budget.ticket("w-1")
-    ticket.take()
-    ticket.take()  # the command run again after a lost race
+    with pytest.raises(RuntimeError):
+        with ticket.paying():
+            assert budget.left("w-1") == 1.0
+            raise RuntimeError("the append was refused")
+    assert budget.left("w-1") == 2.0  # given back
+    with ticket.paying():  # the command's next run
+        pass
     assert budget.left("w-1") == 1.0
-    FREE.take()  # the registry's own writes
-    assert not FREE.taken
+    clock.now += 5.0  # half a write earned back
+    with pytest.raises(ContractError):
+        with ticket.paying():
+            with ticket.paying():
+                pass
+    assert budget.left("w-1") == 1.5  # the refused inner write took nothing, the outer was given back
+    clock.now += 1_000
+    with pytest.raises(RuntimeError):
+        with ticket.paying():
+            raise RuntimeError
+    assert budget.left("w-1") == 2.0  # never past the burst
+    with FREE.paying():  # no worker's request: nothing to pay
+        pass
 
 
 def test_no_limit_and_bad_settings():
@@ -123,18 +143,12 @@ async def test_past_its_budget_a_worker_s_request_that_would_write_is_refused_an
         log_end, kept = await last_seq(nc, prefix), await replies_held(nc, prefix)
         refusals = over_budget()
 
-        for verb, body in [
-            ("register", registration("w-1", request_id="r-3")),  # would keep an answer
-            ("register", registration("w-1", labels={"zone": "b"})),  # would append an update
-            ("drain", {"reason": "flip", "request_id": "d-1"}),
-            ("remove", {"reason": "cycle"}),
-        ]:
-            reply, _ = await raw_request(nc, prefix, verb, "w-1", body)
+        for body in (registration("w-1", request_id="r-3"),  # would keep an answer
+                     registration("w-1", labels={"zone": "b"})):  # would append an update
+            reply, _ = await raw_request(nc, prefix, "register", "w-1", body)
             assert reply["error"]["code"] == "RESOURCE_EXHAUSTED" and reply["error"]["field"] == "worker_id", reply
             assert "try again in" in reply["error"]["message"]
-        assert over_budget() - refusals == 4
-        said = [r.getMessage() for r in caplog.records if "spent its write budget" in r.getMessage()]
-        assert len(said) == 1 and "worker w-1 " in said[0], said  # once, naming the worker
+        assert over_budget() - refusals == 2
         assert await last_seq(nc, prefix) == log_end and await replies_held(nc, prefix) == kept
 
         # what writes nothing is answered all the same: the requests answered, repeated; a heartbeat
@@ -143,10 +157,79 @@ async def test_past_its_budget_a_worker_s_request_that_would_write_is_refused_an
             assert again == reply
         beat, _ = await raw_request(nc, prefix, "heartbeat", "w-1", {})
         assert beat["ttl_s"] == 15
-        # and another worker has a budget of its own
+        said = [r.getMessage() for r in caplog.records if "spent its write budget" in r.getMessage()]
+        assert len(said) == 1 and "worker w-1 " in said[0], said  # once, naming the worker
+
+        # an operator still drains and removes the worker that spent its budget (once in a life each: free)...
+        drained, _ = await raw_request(nc, prefix, "drain", "w-1", {"reason": "it floods", "request_id": "d-1"})
+        assert "seq" in drained, drained
+        again, _ = await raw_request(nc, prefix, "drain", "w-1", {"reason": "again", "request_id": "d-2"})
+        assert again["error"]["code"] == "RESOURCE_EXHAUSTED", again  # changes nothing, would keep an answer
+        removed, _ = await raw_request(nc, prefix, "remove", "w-1", {"reason": "it floods"})
+        assert "seq" in removed, removed
+        # ...and a new life is a registration, which pays
+        reply, _ = await raw_request(nc, prefix, "register", "w-1", registration("w-1"))
+        assert reply["error"]["code"] == "RESOURCE_EXHAUSTED", reply
+        kinds = [type(e).__name__ for _, e in await worker_events(nc, prefix, "w-1")]
+        assert kinds == ["WorkerRegistered", "WorkerDrained", "WorkerRemoved"], kinds
+        # another worker has a budget of its own
         other, _ = await raw_request(nc, prefix, "register", "w-2", registration("w-2"))
         assert other["outcome"] == "REGISTERED"
-        assert await last_seq(nc, prefix) > log_end
+
+
+async def test_a_refusal_s_mark_pays_once_and_its_repeat_is_refused_as_before(nats_url, nc, prefix):
+    """A registration refused on the worker's state (a change of class) with a revision leaves a mark
+    (it was sent, `_sent_before`): that write pays; the same request again finds its mark and gets the
+    same refusal, not a "try again"; another such request past the budget is refused for it, unmarked."""
+    async with running_registry(nats_url, prefix, writes=WriteBudget(2, 3600.0)):
+        await raw_request(nc, prefix, "register", "w-1", registration("w-1", request_id="r-0", revision=1))
+        adds = registration("w-1", request_id="r-x", revision=2, classes=[
+            {"sandbox_class": "gvisor", "default_runtime": runtime("v1")},
+            {"sandbox_class": "microvm", "default_runtime": runtime("k1")}])
+        for _ in range(3):
+            reply, _ = await raw_request(nc, prefix, "register", "w-1", adds)
+            assert (reply["error"]["code"], reply["error"]["field"]) == ("FAILED_PRECONDITION", "sandbox_classes")
+        kept = await replies_held(nc, prefix)
+        reply, _ = await raw_request(nc, prefix, "register", "w-1", {**adds, "request_id": "r-y", "revision": 3})
+        assert (reply["error"]["code"], reply["error"]["field"]) == ("RESOURCE_EXHAUSTED", "worker_id"), reply
+        assert await replies_held(nc, prefix) == kept
+
+
+async def test_a_write_that_fails_or_loses_a_race_is_given_back(nats_url, nc, prefix):
+    """The request pays for what it wrote: an append that fails (UNAVAILABLE) leaves the budget as it
+    was, so its retry is decided; one that loses a race to another writer is decided again and pays
+    once."""
+    async with running_registry(nats_url, prefix, writes=WriteBudget(3, 3600.0, Clock())) as registry:
+        await raw_request(nc, prefix, "register", "w-1", registration("w-1"))
+        store = registry.store
+        fence, save = store._fence, store.save_async
+        failures = [unavailable("the test's outage")]
+
+        async def failing_once(*args):
+            if failures:
+                raise failures.pop()
+            return await fence(*args)
+
+        store._fence = failing_once
+        flip = registration("w-1", labels={"zone": "b"}, request_id="r-b")
+        reply, _ = await raw_request(nc, prefix, "register", "w-1", flip)
+        assert reply["error"]["code"] == "UNAVAILABLE", reply
+        assert registry.writes.left("w-1") == 2.0
+        reply, _ = await raw_request(nc, prefix, "register", "w-1", flip)  # its retry
+        assert reply["outcome"] == "UPDATED", reply
+        assert registry.writes.left("w-1") == 1.0
+
+        lost = [IntegrityError("the test's lost race")]
+
+        async def losing_once(*args, **kwargs):
+            if lost:
+                raise lost.pop()
+            return await save(*args, **kwargs)
+
+        store.save_async = losing_once
+        reply, _ = await raw_request(nc, prefix, "register", "w-1", registration("w-1", labels={"zone": "c"}))
+        assert reply["outcome"] == "UPDATED" and not lost, reply
+        assert registry.writes.left("w-1") == 0.0  # one write for the request, not two
 
 
 async def test_two_replicas_under_hundreds_of_concurrent_writes_write_at_most_their_budgets(nats_url, nc, prefix):

@@ -74,9 +74,10 @@ def check_interval(ctx: click.Context, param: click.Parameter, value: float) -> 
                    "(docs/security.md).")
 @click.option("--worker-writes", type=click.IntRange(min=0), default=DEFAULT_BURST, show_default=True,
               envvar="WARMBOOT_WORKER_WRITES", show_envvar=True,
-              help="Registry: writes the requests about one worker (register, drain, remove) may make at once, "
-                   "in each replica; past them a request that would write is refused RESOURCE_EXHAUSTED, nothing "
-                   "written, until the budget refills (--worker-write-interval). 0: no limit (docs/security.md).")
+              help="Registry: writes the requests about one worker (a registration, a drain that changes "
+                   "nothing) may make at once, in each replica; past them such a request is refused "
+                   "RESOURCE_EXHAUSTED, nothing written, until the budget refills (--worker-write-interval). "
+                   "0: no limit (docs/security.md).")
 @click.option("--worker-write-interval", "worker_write_interval_s", type=float, callback=check_interval,
               default=WRITE_INTERVAL_S, show_default=True, envvar="WARMBOOT_WORKER_WRITE_INTERVAL", show_envvar=True,
               help="Registry: seconds in which a worker earns back one write of --worker-writes.")

@@ -4,14 +4,20 @@ clock is given, no I/O.
 A worker's credential may send `register`, `drain` and `remove` for its own id
 (docs/security.md), and each of them may write: the worker's events (a label flipped back and
 forth appends two a time, and the log never discards), an answer kept in the reply bucket (a
-registration that changed nothing, under a new request id each time), or a refusal's mark. With
-nothing to stop it, one credential could grow the server's storage as fast as it can send. So
-each write a request about a worker makes costs that worker one write of its budget: `burst` at
-once, then one more every `interval_s`. A request that would write past it is refused
-RESOURCE_EXHAUSTED (field `worker_id`), nothing written, and says when to try again; what writes
-nothing is never refused for it (a heartbeat, a repeated request answered from the history or a
-kept answer, a refusal). The registry's own writes (LOST, a removal for the binding's sake) are not
-a worker's request and cost nothing.
+registration or a drain that changed nothing, under a new request id each time), or a refused
+registration's mark. With nothing to stop it, one credential could grow the server's storage as
+fast as it can send. So each such write costs the worker one write of its budget: `burst` at once,
+then one more every `interval_s`. A request that would write past it is refused
+RESOURCE_EXHAUSTED (field `worker_id`), nothing written, and says when to try again. A write that
+fails is given back (`Ticket.paying`): a request pays only for what it wrote.
+
+Free, so never refused for the budget:
+- what writes nothing: a heartbeat, a request repeated with its id (answered from the history or a
+  kept answer), a refusal whose mark is there already, a change of nothing without a request id;
+- a drain that drains the worker and a removal that ends its life: each happens at most once in a
+  life, and a life begins only with a registration, which pays. So an operator can always drain or
+  remove a worker that floods, and an agent remove its worker at once when its CPU changed;
+- the registry's own writes (LOST, a removal for the binding's sake): no worker's request.
 
 The budget is each replica's own (a queue group spreads a worker's requests over the replicas),
 so a worker may write up to `replicas` times as much; what it bounds is the rate, hence the
@@ -24,7 +30,8 @@ about 8,640 writes a day per replica.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from events.errors import exhausted
 
@@ -100,8 +107,15 @@ class WriteBudget:
         self._refused.add(worker_id)
         return True
 
+    def give_back(self, worker_id: str) -> None:
+        """A write taken for `worker_id` and not made (its append failed)."""
+        if not self.burst:
+            return
+        at = self.clock()
+        self._spent[worker_id] = (min(float(self.burst), self._left_at(worker_id, at) + 1.0), at)
+
     def ticket(self, worker_id: str) -> "Ticket":
-        """What one request about `worker_id` pays with: one write, however often the command runs."""
+        """What one request about `worker_id` pays its write with."""
         return Ticket(self, worker_id)
 
     def __len__(self) -> int:
@@ -109,21 +123,29 @@ class WriteBudget:
 
 
 class Ticket:
-    """One request's write: taken from the budget the first time the request is about to write, and
-    not again when its command runs once more (`run_command_async`, after a lost race)."""
+    """What a request about one worker pays its writes with: each taken from the budget as it is
+    about to be made, and given back if it fails (a lost race: the command's next run takes it
+    again), so a request pays only for the writes it made."""
 
-    __slots__ = ("budget", "worker_id", "taken")
+    __slots__ = ("budget", "worker_id")
 
     def __init__(self, budget: WriteBudget | None, worker_id: str):
         self.budget = budget
         self.worker_id = worker_id
-        self.taken = False
 
-    def take(self) -> None:
-        if self.taken or self.budget is None:
+    @contextmanager
+    def paying(self) -> Iterator[None]:
+        """Around a write: RESOURCE_EXHAUSTED before it if the budget is spent; the write given back
+        if the block raises (the append refused, lost or unanswered)."""
+        if self.budget is None:
+            yield
             return
         self.budget.take(self.worker_id)  # raises, nothing taken, if none is left
-        self.taken = True
+        try:
+            yield
+        except BaseException:
+            self.budget.give_back(self.worker_id)
+            raise
 
 
-FREE = Ticket(None, "")  # the registry's own writes: no worker's request pays for them
+FREE = Ticket(None, "")  # writes no worker's request pays for

@@ -151,9 +151,9 @@ class RegistryStore(WireApplication):
         the booking subject's last sequence as read here; a placement that lands in
         between makes the save lose (IntegrityError) and `run_command_async` try again.
 
-        Whatever it writes, events or a kept answer, the request pays for with its `ticket`
-        first (`services.registry.budget`): RESOURCE_EXHAUSTED, nothing written, if the worker's
-        budget is spent.
+        What it writes, events or a kept answer, the request pays for with its `ticket`
+        (`services.registry.budget`): RESOURCE_EXHAUSTED, nothing written, if the worker's budget
+        is spent; given back if the write fails.
         """
         if not worker.pending_events:
             seq = worker.seq_at(worker.version)
@@ -162,13 +162,13 @@ class RegistryStore(WireApplication):
                     raise unavailable(f"the event store did not say where worker {worker.entity_id!r}'s "
                                       f"event {worker.version} is")
                 reply = RegisterReply(outcome=outcome, seq=seq) if verb == "register" else SeqReply(seq=seq)
-                ticket.take()
-                await self.no_writes.keep_async(worker, verb, request_id, reply)
+                with ticket.paying():
+                    await self.no_writes.keep_async(worker, verb, request_id, reply)
             return Decided(outcome=outcome, seq=seq or None, version=worker.version)
         last_type = type(worker.pending_events[-1].body).__name__
-        ticket.take()
-        fence = await self._fence(worker.entity_id, last_type)
-        _, seqs = await self.save_async(worker, fence)
+        with ticket.paying():
+            fence = await self._fence(worker.entity_id, last_type)
+            _, seqs = await self.save_async(worker, fence)
         return Decided(outcome=outcome, seq=seqs[-2], version=worker.version, wrote=True)  # the fence follows it
 
     async def _fence(self, worker_id: str, event: str) -> Recorded:
@@ -209,8 +209,9 @@ class RegistryStore(WireApplication):
                     and self.no_writes is not None):
                 # refused on the worker's state (a change of class): a copy decided after the worker's
                 # life ended would be taken, and only this mark says it was sent before (`_sent_before`)
-                ticket.take()  # out of budget: RESOURCE_EXHAUSTED instead, unmarked (nothing answered it)
-                await self.no_writes.mark_refused_async(worker, request.request_id)
+                if not await self.no_writes.refusal_marked_async(worker, request.request_id):  # marked: free
+                    with ticket.paying():  # out of budget: RESOURCE_EXHAUSTED instead, unmarked (nothing answered it)
+                        await self.no_writes.mark_refused_async(worker, request.request_id)
             raise
         return await self._commit(worker, outcome, "register", request.request_id, ticket)
 
@@ -233,10 +234,14 @@ class RegistryStore(WireApplication):
         kept = await self._kept(worker, "drain", request.request_id)
         if kept is not None:
             return kept
-        worker.drain(request.reason, at, request.request_id)
-        return await self._commit(worker, None, "drain", request.request_id, ticket)
+        drained = worker.drain(request.reason, at, request.request_id)
+        # draining happens once in a life, which a paid registration began: free; keeping the answer
+        # of a drain that changed nothing is not
+        return await self._commit(worker, None, "drain", request.request_id, FREE if drained else ticket)
 
-    async def remove(self, worker_id: str, request: RemoveWorker, at: datetime, ticket: Ticket = FREE) -> Decided:
+    async def remove(self, worker_id: str, request: RemoveWorker, at: datetime) -> Decided:
+        """Free of the worker's budget (`services.registry.budget`): a removal ends a life, which a paid
+        registration began, and one of a removed worker writes nothing."""
         worker = await self.load(worker_id)
         earlier = worker.prior("remove", request.request_id)
         if earlier:
@@ -245,7 +250,7 @@ class RegistryStore(WireApplication):
         if kept is not None:
             return kept
         worker.remove(request.reason, at, request.request_id, request.revision)
-        return await self._commit(worker, ticket=ticket)
+        return await self._commit(worker)
 
     async def remove_unbound(self, worker_id: str, nodes: Mapping[str, str], at: datetime) -> Decided:
         worker = await self.load(worker_id)
@@ -476,9 +481,7 @@ class RegistryService:
 
     async def remove(self, worker_id: str, request: RemoveWorker) -> SeqReply:
         async with self._workers(worker_id):
-            ticket = self.writes.ticket(worker_id)
-            command = lambda: self.store.remove(worker_id, request, now(), ticket)  # noqa: E731
-            decided = await self._paid(worker_id, self._remove(worker_id, command))
+            decided = await self._remove(worker_id, lambda: self.store.remove(worker_id, request, now()))
             return SeqReply(seq=await self._seq(worker_id, decided))
 
     async def _remove(self, worker_id: str, command: Callable[[], Awaitable[Decided]]) -> Decided:
