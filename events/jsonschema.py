@@ -221,12 +221,25 @@ def json_schema() -> Schema:
 
 
 def body_names() -> dict[str, str]:
-    """Every name a body can be checked as -> its kind (`request`, `reply`, `event`, `union`)."""
-    names = {t.__name__: "request" for t in REQUEST_TYPES}
+    """Every name a body can be checked as -> its kind (`request`, `reply`, `event`, `union`, or
+    `part`: an object inside bodies, such as the `Snapshot` a create's golden snapshot file holds)."""
+    names = {name: "part" for name in part_types()}
+    names.update({t.__name__: "request" for t in REQUEST_TYPES})
     names.update({t.__name__: "reply" for t in REPLY_TYPES})
     names.update({t.__name__: "event" for t in _event_types()})
     names.update({u: "union" for u in UNIONS})
     return names
+
+
+@lru_cache(maxsize=None)
+def part_types() -> dict[str, type]:
+    """The objects inside bodies that the document defines under their own name (as a request may
+    send them): name -> its Struct."""
+    import events.schema as wire
+
+    defined = _document()["$defs"]
+    return {name: t for name, t in vars(wire).items()
+            if name in defined and isinstance(t, type) and issubclass(t, msgspec.Struct)}
 
 
 # --- validating a body (the PyPI `jsonschema` package) ---------------------------------------------

@@ -4,7 +4,7 @@ services accept and send, checked with the PyPI `jsonschema` validator, not warm
 from __future__ import annotations
 
 import json
-from datetime import datetime
+from datetime import datetime, timezone
 
 import msgspec
 import msgspec.inspect as mi
@@ -276,6 +276,24 @@ def test_check_says_when_the_schema_and_the_decoder_disagree(tmp_path):
     assert "invalid ErrorReply\n  $.error: 'field' is a required property" in result.output
     assert "decoder (events.codec): valid ErrorReply" in result.output
     assert "the JSON Schema and the decoder disagree on this body" in result.output
+
+
+def test_check_takes_an_object_inside_bodies_such_as_a_golden_snapshot_file(tmp_path):
+    """`actor create --golden-snapshot FILE` reads a Snapshot: the file can be checked on its own."""
+    golden = tmp_path / "golden.json"
+    golden.write_text('{"snapshot_id": "g-1", "fidelity": "MEMORY", "storage": "EXTERNAL"}')
+    result = CliRunner().invoke(main, ["schema", "--check", str(golden), "--as", "Snapshot"])
+    assert result.exit_code == 1, result.output
+    assert "JSON Schema (jsonschema, 2020-12): invalid Snapshot\n  $: 'actor_id' is a required property" \
+        in result.output
+    assert "decoder (events.codec): invalid Snapshot\n  $.actor_id: Object missing required field" in result.output
+
+    snapshot = s.Snapshot(snapshot_id="g-1", actor_id="a-0", template_uid="t-1", fidelity=s.Fidelity.MEMORY,
+                          location=s.Location.EXTERNAL, uri="s3://golden/g-1",
+                          taken_at=datetime(2026, 12, 3, tzinfo=timezone.utc))
+    golden.write_bytes(encode(snapshot))
+    ok = CliRunner().invoke(main, ["schema", "--check", str(golden), "--as", "Snapshot"])
+    assert ok.exit_code == 0 and ok.output.count(": valid Snapshot") == 2, ok.output
 
 
 def test_check_refuses_an_unknown_name(tmp_path):

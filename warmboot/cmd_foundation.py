@@ -63,7 +63,8 @@ def probe(profile: str, cpuinfo_path: Path, arch: str | None, attrs: tuple[str, 
 @click.option("--check", "body_path", type=click.Path(exists=True, dir_okay=False, path_type=Path, allow_dash=True),
               default=None, metavar="BODY.json", help="Validate this body (- for standard input) instead of printing.")
 @click.option("--as", "name", default=None, metavar="NAME",
-              help="The body's type: a request, reply or event name, or AnyRequest, AnyReply, AnyEvent.")
+              help="The body's type: a request, reply or event name, AnyRequest, AnyReply, AnyEvent, or an "
+                   "object inside bodies (e.g. Snapshot, the file of `actor create --golden-snapshot`).")
 def schema(body_path: Path | None, name: str | None) -> None:
     """Print the JSON Schema (2020-12) of every request, reply and event body.
 

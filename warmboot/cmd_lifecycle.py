@@ -119,7 +119,8 @@ def actor() -> None:
               show_default=True, help="No restore below this fidelity.")
 @click.option("--source-tag", default=None, help="Start from the snapshot this tag names.")
 @click.option("--golden-snapshot", "golden", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              default=None, help="Start from this Snapshot (a JSON file): EXTERNAL, with a uri.")
+              default=None, help="Start from this Snapshot (a JSON file): EXTERNAL, with a uri "
+                                 "(`warmboot schema --check FILE --as Snapshot` checks the file).")
 @request_id_option
 @nats_option
 @prefix_option

@@ -13,10 +13,10 @@ import msgspec
 
 from events.codec import decode_event, decode_request, decoder, field_path
 from events.errors import ContractError
-from events.jsonschema import SchemaUnavailable, body_names, narrow, schema_errors
+from events.jsonschema import SchemaUnavailable, body_names, narrow, part_types, schema_errors
 from events.schema import EVENT_TYPES, REPLY_TYPES, REQUEST_TYPES
 
-TYPES = {t.__name__: t for t in (*REQUEST_TYPES, *REPLY_TYPES, *EVENT_TYPES.values())}
+TYPES = {**part_types(), **{t.__name__: t for t in (*REQUEST_TYPES, *REPLY_TYPES, *EVENT_TYPES.values())}}
 
 
 @dataclass
