@@ -413,7 +413,7 @@ class RegistryService:
             # A registration is also a heartbeat. Beating first means an expiry being
             # swept right now finds the worker beating and leaves it registered.
             await self.liveness.beat(worker_id)
-            ticket = self.writes.ticket(worker_id)  # one write, whichever attempt makes it
+            ticket = self.writes.ticket(worker_id)  # pays for what its attempts write (a failed one is given back)
             command = lambda: self.store.register(request, now(), ticket)  # noqa: E731
             decided = await self._paid(worker_id, run_command_async(command, recheck=self._recheck(worker_id)))
             REGISTRATIONS.labels(decided.outcome.value).inc()
