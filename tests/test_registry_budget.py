@@ -7,6 +7,7 @@ an agent whose budget is spent registers once it refills instead of ending."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 import uuid
 
 import pytest
@@ -15,14 +16,17 @@ from prometheus_client import REGISTRY
 from eventsourcing.persistence import IntegrityError
 
 from events.errors import ContractError, unavailable
-from events.schema import ErrorCode, WorkerRegistered, WorkerUpdated
+from events.compat import same_version
+from events.probe import probe_version
+from events.schema import ErrorCode, WorkerRegistered, WorkerRemoved, WorkerUpdated
 from events.subjects import bucket_name
 from services.registry.budget import FREE, WriteBudget
 from tests.registry_helpers import (last_seq, raw_request, registration, running_registry, runtime, wait_event,
                                     worker_events)
+from tests.registry_helpers import CPUINFO, PROBE, agent_config
 from tests.test_agent import agent_running, config
-from tests.registry_helpers import PROBE
-from warmboot.agent import Agent
+from tests.test_agent_faults import AMD
+from warmboot.agent import Agent, ProbeSettings
 
 
 class Clock:
@@ -300,3 +304,29 @@ async def test_the_default_budget_lets_an_agent_s_day_through(nats_url, nc, pref
         for verb, body in requests:
             reply, _ = await raw_request(nc, prefix, verb, "w-1", body)
             assert "error" not in reply, (verb, reply)
+
+
+async def test_a_worker_whose_cpu_changed_while_its_budget_is_spent_is_removed_not_left_registered(
+        nats_url, nc, prefix, tmp_path):
+    """The machine moves to another CPU while the registry takes none of the worker's registrations
+    (its budget spent): the registration in force claims the old CPU, where its images would be sent.
+    The agent removes the worker at once (a removal is free) instead of waiting with it registered,
+    and registers the CPU it has now, a new life, once the budget refills."""
+    cpuinfo = tmp_path / "cpuinfo"
+    shutil.copy(CPUINFO, cpuinfo)
+    path = tmp_path / "agent.toml"
+    path.write_text(agent_config("v1"))
+    clock = Clock()  # stands still until the test moves it
+    agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe_interval_s=0.05,
+                  probe=ProbeSettings(cpuinfo_path=cpuinfo, architecture="amd64"))
+    async with running_registry(nats_url, prefix, writes=WriteBudget(1, 10.0, clock)):
+        async with agent_running(agent) as task:
+            seq, registered = await wait_event(nc, prefix, "w-a", WorkerRegistered)  # its one write
+            shutil.copy(AMD, cpuinfo)
+            seq, removed = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq)
+            assert "cannot register the CPU its machine has now" in removed.reason and not task.done()
+            clock.now += 10.0  # one write earned back
+            _, again = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=seq)
+            here = probe_version(AMD.read_text(), "amd64", "gvisor", {"gvisor_asset_hash": "v1"})
+            assert same_version(again.sandbox_classes[0].default_runtime.version, here)
+            assert not same_version(registered.sandbox_classes[0].default_runtime.version, here)

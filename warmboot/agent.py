@@ -55,7 +55,7 @@ import uuid
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 import nats
@@ -112,7 +112,6 @@ DEFAULT_TTL_S = 15.0  # until the registry says otherwise
 HEARTBEATS_PER_TTL = 3
 PROBE_INTERVAL_S = 10.0  # how often the agent reads what the probe reports of the machine again
 RETRY_MIN_S, RETRY_MAX_S = 0.2, 5.0
-_RETRIED = (ErrorCode.UNAVAILABLE, ErrorCode.RESOURCE_EXHAUSTED)  # the registry's "try again": same request id
 REQUEST_TIMEOUT_S = 5.0
 # A registration beside the heartbeats waits this long for its answer before it is sent
 # again: nothing waits for it, and when a fleet registers at once (a NATS restart, a
@@ -599,11 +598,13 @@ class Agent:
             return nc
 
     async def _request(self, verb: str, body: Any, reply_type: type, stop: asyncio.Event | None,
-                       also_retry: tuple[ErrorCode, ...] = (), timeout: float = REQUEST_TIMEOUT_S):
-        """A request, retried while the registry is unreachable or busy (UNAVAILABLE; RESOURCE_EXHAUSTED,
-        which the registry answers when the worker's write budget is spent: `services.registry.budget`;
-        or `also_retry`) unless stopped; one that beats (a heartbeat, a registration) records when it was sent
-        (`beat_at`), and its retries come closer together as that beat's TTL runs out."""
+                       also_retry: tuple[ErrorCode, ...] = (), timeout: float = REQUEST_TIMEOUT_S,
+                       wait_while_busy: Callable[[], bool] = lambda: True):
+        """A request, retried while the registry is unreachable (UNAVAILABLE, or `also_retry`) or busy
+        (RESOURCE_EXHAUSTED, which the registry answers when the worker's write budget is spent:
+        `services.registry.budget`; while `wait_while_busy()` says so) unless stopped; one that beats (a
+        heartbeat, a registration) records when it was sent (`beat_at`), and its retries come closer
+        together as that beat's TTL runs out."""
         # One attempt per call of the client (warmboot.client: the one way a request is made);
         # the agent's own loop retries, without bound until stopped, as a worker in service must.
         client = Client(self.nc, self.prefix, timeout=timeout, attempts=1)
@@ -617,7 +618,8 @@ class Agent:
                     self.beat_at = sent
                 return reply
             except ContractError as e:
-                if (e.code not in _RETRIED and e.code not in also_retry) or stop is None:
+                busy = e.code is ErrorCode.RESOURCE_EXHAUSTED and wait_while_busy()
+                if (e.code is not ErrorCode.UNAVAILABLE and e.code not in also_retry and not busy) or stop is None:
                     raise
                 self._check_not_denied()
                 log.warning("%s: %s; retrying in %.1fs", verb, e.message, delay)
@@ -803,10 +805,20 @@ class Agent:
                 body = msgspec.structs.replace(registration, request_id=f"agent-{uuid.uuid4().hex}",
                                                revision=self._revision_of(registration))
                 try:
-                    reply = await self._request("register", body, RegisterReply, stop, timeout=timeout)
+                    reply = await self._request("register", body, RegisterReply, stop, timeout=timeout,
+                                                wait_while_busy=lambda: not self._stale_in_force())
                     self._in_force_revision = body.revision
                     break
                 except ContractError as e:
+                    if e.code is ErrorCode.RESOURCE_EXHAUSTED and self._stale_in_force():
+                        # The registry takes none of this worker's registrations for a while (its write
+                        # budget is spent), and the one in force claims a CPU the machine no longer has:
+                        # the worker is removed meanwhile (a removal is free), not left to its heartbeats
+                        # with that CPU, where images of it would be sent. This registration then begins a
+                        # new life once the registry takes it.
+                        await self._withdraw(f"the registry takes none of its registrations for now: {e.message}",
+                                             stop)
+                        continue
                     if (e.code, e.field) == (ErrorCode.INVALID_ARGUMENT, "revision") and "ahead" not in sent_again:
                         # Out of the registry's bound (this clock ran far ahead, and the revision was kept):
                         # none was recorded, so this agent goes back to the last one the registry answered, or
@@ -919,6 +931,10 @@ class Agent:
     def _cpu_changed_under_registration(self) -> bool:
         """Whether the probe reads the machine otherwise than when the registration in force was made."""
         return self._in_force_of is not None and self._in_force_of[1] != self._machine()[2]
+
+    def _stale_in_force(self) -> bool:
+        """Whether the worker is registered (not withdrawn) with a CPU the machine no longer has."""
+        return not self.withdrawn and self._cpu_changed_under_registration()
 
     async def _withdraw(self, why: str, stop: asyncio.Event) -> None:
         """Remove the worker: its registration claims a CPU the machine no longer has, and `why` says

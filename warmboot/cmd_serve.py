@@ -74,8 +74,8 @@ def check_interval(ctx: click.Context, param: click.Parameter, value: float) -> 
                    "(docs/security.md).")
 @click.option("--worker-writes", type=click.IntRange(min=0), default=DEFAULT_BURST, show_default=True,
               envvar="WARMBOOT_WORKER_WRITES", show_envvar=True,
-              help="Registry: writes the requests about one worker (a registration, a drain that changes "
-                   "nothing) may make at once, in each replica; past them such a request is refused "
+              help="Registry: writes the requests about one worker (a registration, a refused one's mark, a "
+                   "drain that changes nothing) may make at once, in each replica; past them such a request is refused "
                    "RESOURCE_EXHAUSTED, nothing written, until the budget refills (--worker-write-interval). "
                    "0: no limit (docs/security.md).")
 @click.option("--worker-write-interval", "worker_write_interval_s", type=float, callback=check_interval,

@@ -8,8 +8,9 @@ registration or a drain that changed nothing, under a new request id each time),
 registration's mark. With nothing to stop it, one credential could grow the server's storage as
 fast as it can send. So each such write costs the worker one write of its budget: `burst` at once,
 then one more every `interval_s`. A request that would write past it is refused
-RESOURCE_EXHAUSTED (field `worker_id`), nothing written, and says when to try again. A write that
-fails is given back (`Ticket.paying`): a request pays only for what it wrote.
+RESOURCE_EXHAUSTED (field `worker_id`), nothing written (but a registration's heartbeat, put before
+any decision), and says when to try again. A write that fails is given back (`Ticket.paying`), one
+whose acknowledgement was lost too: a request pays only for what it wrote, at most.
 
 Free, so never refused for the budget:
 - what writes nothing: a heartbeat, a request repeated with its id (answered from the history or a
