@@ -37,6 +37,13 @@ def decoder(type_: type[T]) -> msgspec.json.Decoder:
     return msgspec.json.Decoder(type_)
 
 
+def json_path(field_name: str | None) -> str:
+    """A contract `field` (`a[0].b`) as a JSON path (`$.a[0].b`), as a body's file is read."""
+    if not field_name:
+        return "$"
+    return "$" + (field_name if field_name.startswith("[") else "." + field_name)
+
+
 def field_path(error: msgspec.ValidationError) -> tuple[str, str | None]:
     """Split msgspec's message into (message, path): `...- at `$.a[0].b`` -> ("...", "a[0].b")."""
     text = str(error)

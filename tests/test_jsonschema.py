@@ -286,7 +286,8 @@ def test_check_takes_an_object_inside_bodies_such_as_a_golden_snapshot_file(tmp_
     assert result.exit_code == 1, result.output
     assert "JSON Schema (jsonschema, 2020-12): invalid Snapshot\n  $: 'actor_id' is a required property" \
         in result.output
-    assert "decoder (events.codec): invalid Snapshot\n  $.actor_id: Object missing required field" in result.output
+    assert "decoder (events.codec): invalid Snapshot\n  $.actor_id: INVALID_ARGUMENT: Object missing required field" \
+        in result.output
 
     snapshot = s.Snapshot(snapshot_id="g-1", actor_id="a-0", template_uid="t-1", fidelity=s.Fidelity.MEMORY,
                           location=s.Location.EXTERNAL, uri="s3://golden/g-1",
@@ -294,6 +295,14 @@ def test_check_takes_an_object_inside_bodies_such_as_a_golden_snapshot_file(tmp_
     golden.write_bytes(encode(snapshot))
     ok = CliRunner().invoke(main, ["schema", "--check", str(golden), "--as", "Snapshot"])
     assert ok.exit_code == 0 and ok.output.count(": valid Snapshot") == 2, ok.output
+
+    # what JSON Schema cannot say is checked as the service checks it: text must be printable
+    golden.write_bytes(encode(msgspec.structs.replace(snapshot, uri="s3://golden/g-1\u2028")))
+    unprintable = CliRunner().invoke(main, ["schema", "--check", str(golden), "--as", "Snapshot"])
+    assert unprintable.exit_code == 1, unprintable.output
+    assert "decoder (events.codec): invalid Snapshot\n  $.uri: INVALID_ARGUMENT: text must be printable" \
+        in unprintable.output
+    assert "the JSON Schema and the decoder disagree on this body" in unprintable.output
 
 
 def test_check_refuses_an_unknown_name(tmp_path):

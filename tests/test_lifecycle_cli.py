@@ -274,6 +274,14 @@ async def test_create_from_a_golden_snapshot_file(bus, tmp_path):
     bad = await run("actor", "create", "g-2", "--class", "gvisor", "--template", "t1", "--cpu", "100",
                     "--memory", "256", "--golden-snapshot", str(path))
     assert bad.exit_code == 2 and "'--golden-snapshot'" in bad.output and "$.fidelity" in bad.output
+    # checked as the service checks it, before anything is sent: text must be printable
+    path.write_text(json.dumps({**to_builtins(golden(V1)), "uri": "s3://golden/1\u2028"}))
+    unprintable = await run("actor", "create", "g-3", "--class", "gvisor", "--template", "t1", "--cpu", "100",
+                            "--memory", "256", "--golden-snapshot", str(path))
+    assert unprintable.exit_code == 2, unprintable.output
+    assert "at $.uri: text must be printable" in unprintable.output
+    shown = await run("actor", "show", "g-3")
+    assert shown.exit_code == 1 and "NOT_FOUND" in shown.stderr  # nothing was created
 
 
 async def test_min_seq_chains_commands_and_is_checked(bus, nc, prefix):

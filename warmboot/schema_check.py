@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import click
 import msgspec
 
-from events.codec import decode_event, decode_request, decoder, field_path
+from events.codec import decode_event, decode_request, decoder, field_path, json_path
 from events.errors import ContractError
 from events.jsonschema import SchemaUnavailable, body_names, narrow, part_types, schema_errors
 from events.schema import EVENT_TYPES, REPLY_TYPES, REQUEST_TYPES
@@ -53,18 +53,11 @@ class Report:
         return "\n".join(lines)
 
 
-def _json_path(field_name: str | None) -> str:
-    """A contract `field` (`a[0].b`) as a JSON path (`$.a[0].b`)."""
-    if not field_name:
-        return "$"
-    return "$" + (field_name if field_name.startswith("[") else "." + field_name)
-
-
 def decoder_verdict(name: str, data: bytes) -> Verdict:
     verdict = Verdict("decoder (events.codec)")
     kind = body_names()[name]
     try:
-        if kind == "request":
+        if kind in ("request", "part"):  # a part as a request sends it: the service's checks, printable text too
             decode_request(TYPES[name], data)
         elif name == "AnyEvent":
             decode_event(data)
@@ -73,10 +66,10 @@ def decoder_verdict(name: str, data: bytes) -> Verdict:
         else:
             decoder(TYPES[name]).decode(data)
     except ContractError as e:
-        verdict.errors.append((_json_path(e.field), f"{e.code.value}: {e.message}"))
+        verdict.errors.append((json_path(e.field), f"{e.code.value}: {e.message}"))
     except msgspec.ValidationError as e:
         message, path = field_path(e)
-        verdict.errors.append((_json_path(path), message))
+        verdict.errors.append((json_path(path), message))
     except msgspec.DecodeError as e:
         verdict.errors.append(("$", f"not valid JSON: {e}"))
     return verdict
