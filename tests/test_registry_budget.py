@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import uuid
+from pathlib import Path
 
 import pytest
 from prometheus_client import REGISTRY
@@ -18,7 +19,7 @@ from eventsourcing.persistence import IntegrityError
 from events.errors import ContractError, unavailable
 from events.compat import same_version
 from events.probe import probe_version
-from events.schema import ErrorCode, WorkerRegistered, WorkerRemoved, WorkerUpdated
+from events.schema import ErrorCode, RuntimeChanged, WorkerRegistered, WorkerRemoved, WorkerUpdated
 from events.subjects import bucket_name
 from services.registry.budget import FREE, WriteBudget
 from tests.registry_helpers import (last_seq, raw_request, registration, running_registry, runtime, wait_event,
@@ -330,3 +331,133 @@ async def test_a_worker_whose_cpu_changed_while_its_budget_is_spent_is_removed_n
             here = probe_version(AMD.read_text(), "amd64", "gvisor", {"gvisor_asset_hash": "v1"})
             assert same_version(again.sandbox_classes[0].default_runtime.version, here)
             assert not same_version(registered.sandbox_classes[0].default_runtime.version, here)
+
+
+# --- the agent's registrations while its budget is spent and its machine changes ----------------------------------
+
+
+def made_of(registration) -> tuple[str, str]:
+    """(the CPU, the asset) a registration's default runtime was probed on."""
+    version = registration.sandbox_classes[0].default_runtime.version
+    asset = next(a.value for a in version.attributes if a.key == "gvisor_asset_hash")
+    for name, cpuinfo in (("intel", CPUINFO), ("amd", AMD)):
+        if same_version(version, probe_version(cpuinfo.read_text(), "amd64", "gvisor", {"gvisor_asset_hash": asset})):
+            return name, asset
+    return "?", asset
+
+
+class Asked:
+    """The registrations a registry replica decides (refused for the budget or not), awaitable."""
+
+    def __init__(self, registry) -> None:
+        self.seen: list[tuple[str, str]] = []
+        self.changed = asyncio.Event()
+        decide = registry.store.register
+
+        async def noted(request, *more):
+            self.seen.append(made_of(request))
+            self.changed.set()
+            return await decide(request, *more)
+
+        registry.store.register = noted
+
+    async def until(self, wanted: tuple[str, str], after: int = 0, within: float = 30.0) -> int:
+        """The position of the first registration made of `wanted` from position `after` on."""
+        deadline = asyncio.get_running_loop().time() + within
+        while True:
+            for i in range(after, len(self.seen)):
+                if self.seen[i] == wanted:
+                    return i
+            self.changed.clear()
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0 or not await wait_set(self.changed, left):
+                raise AssertionError(f"no registration of {wanted} within {within}s: {self.seen[after:]}")
+
+
+async def wait_set(event: asyncio.Event, timeout: float) -> bool:
+    """Whether `event` is set within `timeout` seconds."""
+    try:
+        await asyncio.wait_for(event.wait(), timeout)
+    except asyncio.TimeoutError:
+        return False
+    return True
+
+
+def a_machine(tmp_path, nats_url: str, prefix: str) -> tuple[Agent, Path, Path]:
+    """An agent of `w-a` whose cpuinfo the test swaps (read again every 0.05 s): (agent, cpuinfo, config)."""
+    cpuinfo = tmp_path / "cpuinfo"
+    shutil.copy(CPUINFO, cpuinfo)
+    path = tmp_path / "agent.toml"
+    path.write_text(agent_config("v1"))
+    agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe_interval_s=0.05,
+                  probe=ProbeSettings(cpuinfo_path=cpuinfo, architecture="amd64"))
+    return agent, cpuinfo, path
+
+
+async def test_a_registration_waiting_for_the_budget_is_made_again_when_the_cpu_changes(nats_url, nc, prefix,
+                                                                                          tmp_path):
+    """An edit waits for the budget; the machine moves to another CPU meanwhile. The edit is made again
+    on the CPU the machine has now (it was sent as first made, and registered a CPU the machine no longer
+    had once the budget refilled: found by a review), and the worker, registered with the old CPU, is
+    removed meanwhile."""
+    agent, cpuinfo, path = a_machine(tmp_path, nats_url, prefix)
+    clock = Clock()
+    async with running_registry(nats_url, prefix, writes=WriteBudget(1, 10.0, clock)) as registry:
+        asked = Asked(registry)
+        async with agent_running(agent) as task:
+            seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)  # its one write
+            path.write_text(agent_config("v2"))
+            await asked.until(("intel", "v2"))  # the edit, refused for the budget, waits
+            shutil.copy(AMD, cpuinfo)
+            seq, _ = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq)
+            clock.now += 10.0
+            _, again = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=seq)
+            assert made_of(again) == ("amd", "v2") and not task.done()
+
+
+async def test_a_cpu_that_changes_back_while_the_worker_is_removed_is_registered_as_it_is(nats_url, nc, prefix,
+                                                                                           tmp_path):
+    agent, cpuinfo, _ = a_machine(tmp_path, nats_url, prefix)
+    clock = Clock()
+    async with running_registry(nats_url, prefix, writes=WriteBudget(1, 10.0, clock)) as registry:
+        asked = Asked(registry)
+        async with agent_running(agent):
+            seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
+            shutil.copy(AMD, cpuinfo)
+            seq, _ = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq)
+            amd = await asked.until(("amd", "v1"))  # removed, it asks with the CPU it has now
+            shutil.copy(CPUINFO, cpuinfo)
+            await asked.until(("intel", "v1"), after=amd + 1)  # and with the CPU it has again
+            clock.now += 10.0
+            _, again = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=seq)
+            assert made_of(again) == ("intel", "v1")
+
+
+async def test_one_failed_read_of_the_machine_while_the_budget_is_spent_removes_nothing(nats_url, nc, prefix,
+                                                                                         tmp_path):
+    """A read of the machine that fails says nothing of its CPU (the agent's RESTAMP waits for a second
+    one): a registration waiting for the budget goes on waiting through it."""
+    agent, cpuinfo, path = a_machine(tmp_path, nats_url, prefix)
+    clock = Clock()
+    judged_unreadable = asyncio.Event()
+    stale = agent._stale_in_force
+
+    def noting() -> bool:  # the agent judging, on a refusal for the budget, whether to wait
+        if agent._machine()[1].text is None:  # on a read that found no cpuinfo
+            judged_unreadable.set()
+        return stale()
+
+    agent._stale_in_force = noting
+    async with running_registry(nats_url, prefix, writes=WriteBudget(1, 10.0, clock)) as registry:
+        asked = Asked(registry)
+        async with agent_running(agent):
+            seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
+            path.write_text(agent_config("v2"))
+            await asked.until(("intel", "v2"))
+            cpuinfo.unlink()
+            await asyncio.wait_for(judged_unreadable.wait(), 30)
+            shutil.copy(CPUINFO, cpuinfo)
+            clock.now += 10.0
+            changed, _ = await wait_event(nc, prefix, "w-a", RuntimeChanged, after=seq)
+            kinds = [type(e).__name__ for s, e in await worker_events(nc, prefix, "w-a") if seq < s <= changed]
+            assert "WorkerRemoved" not in kinds, kinds

@@ -54,6 +54,7 @@ import tomllib
 import uuid
 from contextlib import suppress
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -189,6 +190,10 @@ class ProbeSettings:
         except ProbeError as e:
             return MachineRead(self, None, None, str(e))
         return MachineRead(self, text, arch, None)
+
+
+class Outdated(Exception):
+    """A request retried no longer says what the machine is: made again by its sender."""
 
 
 @dataclass(frozen=True)
@@ -599,10 +604,12 @@ class Agent:
 
     async def _request(self, verb: str, body: Any, reply_type: type, stop: asyncio.Event | None,
                        also_retry: tuple[ErrorCode, ...] = (), timeout: float = REQUEST_TIMEOUT_S,
-                       wait_while_busy: Callable[[], bool] = lambda: True):
+                       wait_while_busy: Callable[[], bool] = lambda: True,
+                       current: Callable[[], bool] = lambda: True):
         """A request, retried while the registry is unreachable (UNAVAILABLE, or `also_retry`) or busy
         (RESOURCE_EXHAUSTED, which the registry answers when the worker's write budget is spent:
-        `services.registry.budget`; while `wait_while_busy()` says so) unless stopped; one that beats (a
+        `services.registry.budget`; while `wait_while_busy()` says so) unless stopped, and while the
+        body is `current()` (else `Outdated`, for the caller to make it again); one that beats (a
         heartbeat, a registration) records when it was sent (`beat_at`), and its retries come closer
         together as that beat's TTL runs out."""
         # One attempt per call of the client (warmboot.client: the one way a request is made);
@@ -611,6 +618,8 @@ class Agent:
         beats = verb in ("heartbeat", "register")
         delay = RETRY_MIN_S
         while True:
+            if not current():
+                raise Outdated(f"the {verb} on its way no longer says what this machine is")
             sent = time.monotonic()
             try:
                 reply = await client.request("registry", verb, self.worker_id, body, reply_type)
@@ -794,21 +803,29 @@ class Agent:
         reads the machine otherwise now, the same configuration is made again on the machine
         as it is (ConfigError if it cannot be: the probe cannot read it), so no registration
         this agent sends claims a CPU the machine no longer has."""
-        config, reading = made_of
-        _, machine, now = self._machine()
-        if reading != now:
-            registration, made_of = build_registration(config, self.worker_id, self.node, machine), (config, now)
         self.sent_registration = self.registering = True
         try:
             sent_again: set[str] = set()
             while True:
+                # Made on the machine as it is, at each send: a registration retried while the registry
+                # does not take it (unreachable, or the worker's write budget spent) is made again, with a
+                # new request id, once the probe reads the machine otherwise (`Outdated`).
+                config, reading = made_of
+                _, machine, now = self._machine()
+                if reading != now:
+                    registration = build_registration(config, self.worker_id, self.node, machine)
+                    made_of = (config, now)
                 body = msgspec.structs.replace(registration, request_id=f"agent-{uuid.uuid4().hex}",
                                                revision=self._revision_of(registration))
                 try:
                     reply = await self._request("register", body, RegisterReply, stop, timeout=timeout,
-                                                wait_while_busy=lambda: not self._stale_in_force())
+                                                wait_while_busy=lambda: not self._stale_in_force(),
+                                                current=partial(self._still_reads, config, now))
                     self._in_force_revision = body.revision
                     break
+                except Outdated as e:
+                    log.warning("registration of %s made again: %s", self.worker_id, e)
+                    continue
                 except ContractError as e:
                     if e.code is ErrorCode.RESOURCE_EXHAUSTED and self._stale_in_force():
                         # The registry takes none of this worker's registrations for a while (its write
@@ -933,8 +950,31 @@ class Agent:
         return self._in_force_of is not None and self._in_force_of[1] != self._machine()[2]
 
     def _stale_in_force(self) -> bool:
-        """Whether the worker is registered (not withdrawn) with a CPU the machine no longer has."""
-        return not self.withdrawn and self._cpu_changed_under_registration()
+        """Whether the worker is registered (not withdrawn) with a CPU the machine no longer has: the probe
+        reads it otherwise, and that read makes the registration in force again, or contradicts it (a
+        read the registration cannot be made of is no proof: `_restamp` waits for a second one)."""
+        if self.withdrawn or self._in_force_of is None:
+            return False
+        config, reading = self._in_force_of
+        return self._read_otherwise(config, reading)
+
+    def _still_reads(self, config: AgentConfig, reading: tuple) -> bool:
+        """Whether a registration made of `config` on the read `reading` still says what the machine is."""
+        return not self._read_otherwise(config, reading)
+
+    def _read_otherwise(self, config: AgentConfig, reading: tuple) -> bool:
+        """Whether the probe now reads the machine otherwise than `reading`, in a way `config` can be
+        made of (or that contradicts what it names literally: `MachineMismatch`)."""
+        _, machine, now = self._machine()
+        if now == reading:
+            return False
+        try:
+            build_registration(config, self.worker_id, self.node, machine)
+        except MachineMismatch:
+            return True
+        except ConfigError:
+            return False
+        return True
 
     async def _withdraw(self, why: str, stop: asyncio.Event) -> None:
         """Remove the worker: its registration claims a CPU the machine no longer has, and `why` says
