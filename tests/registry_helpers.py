@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -21,9 +22,10 @@ from services.common import store_env
 from services.registry.budget import WriteBudget
 from services.registry.service import RegistryService
 from tests.factories import last_seq  # noqa: F401 (the registry tests import it from here)
-from warmboot.agent import ProbeSettings
+from warmboot.agent import Agent, ProbeSettings
 
 CPUINFO = Path(__file__).parent / "cpuinfo" / "intel-xeon-8480.txt"
+AMD = Path(__file__).parent / "cpuinfo" / "amd-epyc-7r13.txt"
 PROBE = ProbeSettings(cpuinfo_path=CPUINFO, architecture="amd64")
 
 
@@ -173,3 +175,15 @@ profile = "gvisor"
 attributes = {{ gvisor_asset_hash = "{asset}" }}
 """
     return text
+
+
+def a_machine(tmp_path: Path, nats_url: str, prefix: str) -> tuple[Agent, Path, Path]:
+    """An agent of `w-a` (one gvisor class, asset v1) on a machine whose cpuinfo the test swaps,
+    read again every 0.05 s (it starts as CPUINFO): (the agent, its cpuinfo, its config file)."""
+    cpuinfo = tmp_path / "cpuinfo"
+    shutil.copy(CPUINFO, cpuinfo)
+    path = tmp_path / "agent.toml"
+    path.write_text(agent_config("v1"))
+    agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe_interval_s=0.05,
+                  probe=ProbeSettings(cpuinfo_path=cpuinfo, architecture="amd64"))
+    return agent, cpuinfo, path

@@ -28,14 +28,13 @@ from events.schema import (ErrorCode, RuntimeChanged, WorkerDrained, WorkerRegis
 from events.subjects import bucket_name, service_subject
 from services.common import run_command_async
 from tests.factories import last_seq
-from tests.registry_helpers import (CPUINFO, PROBE, agent_config, raw_request, running_registry, wait_event,
-                                    worker_events)
+from tests.registry_helpers import (AMD, CPUINFO, PROBE, a_machine, agent_config, raw_request, running_registry,
+                                    wait_event, worker_events)
 from tests.test_agent import agent_running, running_agent
 from warmboot.cli import main
 from warmboot.agent import (AGAIN, RETRY_MAX_S, RETRY_MIN_S, Agent, ConfigError, ProbeSettings, build_registration,
                             load_registration, next_delay, parse_config)
 
-AMD = Path(__file__).parent / "cpuinfo" / "amd-epyc-7r13.txt"
 
 MICROVM = """
 [[sandbox_classes]]
@@ -142,12 +141,7 @@ async def test_a_cpu_that_changes_under_a_running_agent_is_probed_and_registered
     """What the probe reads of the machine is part of the registration: the machine moves to
     another CPU (a virtual machine migrated) and the agent registers the runtimes it probes
     now, without being told (its cpu_features would otherwise be a value it made up)."""
-    cpuinfo = tmp_path / "cpuinfo"
-    shutil.copy(CPUINFO, cpuinfo)
-    path = tmp_path / "agent.toml"
-    path.write_text(agent_config("v1"))
-    agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe_interval_s=0.05,
-                  probe=ProbeSettings(cpuinfo_path=cpuinfo, architecture="amd64"))
+    agent, cpuinfo, _ = a_machine(tmp_path, nats_url, prefix)
     stop = asyncio.Event()
     async with running_registry(nats_url, prefix):
         task = asyncio.create_task(agent.run(stop))

@@ -34,11 +34,10 @@ from events.errors import ContractError
 from events.probe import probe_version
 from events.schema import RuntimeChanged, WorkerRegistered, WorkerRemoved
 from services.registry.domain import canonical_classes
-from tests.registry_helpers import CPUINFO, raw_request, running_registry, worker_events
+from tests.registry_helpers import AMD, CPUINFO, raw_request, running_registry, worker_events
 from tests.test_agent import agent_running
 from warmboot.agent import Agent, ProbeSettings
 
-AMD = Path(__file__).parent / "cpuinfo" / "amd-epyc-7r13.txt"
 CPUS = {"intel": CPUINFO, "amd": AMD}
 WID = "w-a"
 PASSES = 8  # looks at the file and the machine before the agent counts as having acted on everything

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import shutil
 import uuid
-from pathlib import Path
 
 import pytest
 from prometheus_client import REGISTRY
@@ -24,10 +23,9 @@ from events.subjects import bucket_name
 from services.registry.budget import FREE, WriteBudget
 from tests.registry_helpers import (last_seq, raw_request, registration, running_registry, runtime, wait_event,
                                     worker_events)
-from tests.registry_helpers import CPUINFO, PROBE, agent_config
+from tests.registry_helpers import AMD, CPUINFO, PROBE, a_machine, agent_config
 from tests.test_agent import agent_running, config
-from tests.test_agent_faults import AMD
-from warmboot.agent import Agent, ProbeSettings
+from warmboot.agent import Agent
 
 
 class Clock:
@@ -313,13 +311,8 @@ async def test_a_worker_whose_cpu_changed_while_its_budget_is_spent_is_removed_n
     (its budget spent): the registration in force claims the old CPU, where its images would be sent.
     The agent removes the worker at once (a removal is free) instead of waiting with it registered,
     and registers the CPU it has now, a new life, once the budget refills."""
-    cpuinfo = tmp_path / "cpuinfo"
-    shutil.copy(CPUINFO, cpuinfo)
-    path = tmp_path / "agent.toml"
-    path.write_text(agent_config("v1"))
+    agent, cpuinfo, _ = a_machine(tmp_path, nats_url, prefix)
     clock = Clock()  # stands still until the test moves it
-    agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe_interval_s=0.05,
-                  probe=ProbeSettings(cpuinfo_path=cpuinfo, architecture="amd64"))
     async with running_registry(nats_url, prefix, writes=WriteBudget(1, 10.0, clock)):
         async with agent_running(agent) as task:
             seq, registered = await wait_event(nc, prefix, "w-a", WorkerRegistered)  # its one write
@@ -381,17 +374,6 @@ async def wait_set(event: asyncio.Event, timeout: float) -> bool:
     except asyncio.TimeoutError:
         return False
     return True
-
-
-def a_machine(tmp_path, nats_url: str, prefix: str) -> tuple[Agent, Path, Path]:
-    """An agent of `w-a` whose cpuinfo the test swaps (read again every 0.05 s): (agent, cpuinfo, config)."""
-    cpuinfo = tmp_path / "cpuinfo"
-    shutil.copy(CPUINFO, cpuinfo)
-    path = tmp_path / "agent.toml"
-    path.write_text(agent_config("v1"))
-    agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe_interval_s=0.05,
-                  probe=ProbeSettings(cpuinfo_path=cpuinfo, architecture="amd64"))
-    return agent, cpuinfo, path
 
 
 async def test_a_registration_waiting_for_the_budget_is_made_again_when_the_cpu_changes(nats_url, nc, prefix,
