@@ -10,6 +10,7 @@ import asyncio
 import shutil
 import uuid
 
+import msgspec
 import pytest
 from prometheus_client import REGISTRY
 
@@ -422,14 +423,14 @@ async def test_one_failed_read_of_the_machine_while_the_budget_is_spent_removes_
     agent, cpuinfo, path = a_machine(tmp_path, nats_url, prefix)
     clock = Clock()
     judged_unreadable = asyncio.Event()
-    stale = agent._stale_in_force
+    stale = agent._why_stale
 
-    def noting() -> bool:  # the agent judging, on a refusal for the budget, whether to wait
+    def noting() -> str | None:  # the agent judging, on a refusal for the budget, whether to wait
         if agent._machine()[1].text is None:  # on a read that found no cpuinfo
             judged_unreadable.set()
         return stale()
 
-    agent._stale_in_force = noting
+    agent._why_stale = noting
     async with running_registry(nats_url, prefix, writes=WriteBudget(1, 10.0, clock)) as registry:
         asked = Asked(registry)
         async with agent_running(agent):
@@ -443,3 +444,90 @@ async def test_one_failed_read_of_the_machine_while_the_budget_is_spent_removes_
             changed, _ = await wait_event(nc, prefix, "w-a", RuntimeChanged, after=seq)
             kinds = [type(e).__name__ for s, e in await worker_events(nc, prefix, "w-a") if seq < s <= changed]
             assert "WorkerRemoved" not in kinds, kinds
+
+
+async def test_a_registration_made_again_goes_above_the_one_it_replaces(nats_url, nc, prefix, tmp_path):
+    """The machine reads AMD, then Intel again, while the registration of AMD is held by a stalled replica
+    (unanswered). The agent makes the registration in force again, and sends it above the AMD one's
+    revision: that copy, decided late, is refused, and the registry keeps Intel (with the revision in
+    force, the late copy won: found by a review)."""
+    agent, cpuinfo, _ = a_machine(tmp_path, nats_url, prefix)
+    async with running_registry(nats_url, prefix, writes=WriteBudget(0)) as registry:
+        held: list = []
+        amd_held, intel_after = asyncio.Event(), asyncio.Event()
+        decide = registry.store.register
+
+        async def stalled(request, *more):  # a replica that takes the AMD copy and decides it later
+            if made_of(request)[0] == "amd":
+                held.append(request)
+                amd_held.set()
+                raise unavailable("the test's stalled replica")
+            decided = await decide(request, *more)
+            if held:
+                intel_after.set()
+            return decided
+
+        registry.store.register = stalled
+        async with agent_running(agent) as task:
+            seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
+            shutil.copy(AMD, cpuinfo)
+            await asyncio.wait_for(amd_held.wait(), 30)
+            shutil.copy(CPUINFO, cpuinfo)
+            await asyncio.wait_for(intel_after.wait(), 30)  # Intel again, decided
+            registry.store.register = decide
+            reply, _ = await raw_request(nc, prefix, "register", "w-a", msgspec.to_builtins(held[0]))
+            assert (reply["error"]["code"], reply["error"]["field"]) == ("FAILED_PRECONDITION", "revision"), reply
+            changes = [e for _, e in await worker_events(nc, prefix, "w-a") if isinstance(e, RuntimeChanged)]
+            assert all(made_of(e)[0] == "intel" for e in changes) and not task.done()
+
+
+LITERAL = """
+[capacity]
+cpu_millis = 4000
+memory_mib = 8192
+
+[[sandbox_classes]]
+sandbox_class = "gvisor"
+
+[sandbox_classes.default_runtime]
+name = "gvisor-v1"
+attributes = { architecture = "amd64", gvisor_asset_hash = "v1" }
+"""
+
+
+async def test_a_registration_the_new_read_makes_alike_is_not_removed_while_the_budget_is_spent(
+        nats_url, nc, prefix, tmp_path):
+    """A runtime given literally (no CPU keys) registers the same on any CPU: the probe reading another
+    CPU while the budget is spent leaves the worker registered (it was removed: found by a review)."""
+    agent, cpuinfo, path = a_machine(tmp_path, nats_url, prefix)
+    path.write_text(LITERAL)
+    clock = Clock()
+    async with running_registry(nats_url, prefix, writes=WriteBudget(1, 10.0, clock)) as registry:
+        asked = Asked(registry)
+        async with agent_running(agent) as task:
+            seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)  # its one write
+            start = len(asked.seen)
+            shutil.copy(AMD, cpuinfo)  # the agent sends its registration again: refused for the budget
+            first = await asked.until(("?", "v1"), after=start)
+            await asked.until(("?", "v1"), after=first + 1)  # and again: it waited, judged the first refusal
+            kinds = [type(e).__name__ for s, e in await worker_events(nc, prefix, "w-a") if s > seq]
+            assert "WorkerRemoved" not in kinds and not agent.withdrawn and not task.done(), kinds
+
+
+async def test_a_machine_unreadable_while_a_registration_waits_for_the_budget_is_removed_at_the_second_read(
+        nats_url, nc, prefix, tmp_path):
+    """The probe stops reading a key of the machine while an edit waits for the budget: as with no
+    registration on its way, the second read that cannot make the registration in force removes the
+    worker (it stayed registered for as long as the budget was spent: found by a review)."""
+    agent, cpuinfo, path = a_machine(tmp_path, nats_url, prefix)
+    clock = Clock()
+    async with running_registry(nats_url, prefix, writes=WriteBudget(1, 10.0, clock)) as registry:
+        asked = Asked(registry)
+        async with agent_running(agent):
+            seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
+            path.write_text(agent_config("v2"))
+            await asked.until(("intel", "v2"))  # the edit waits for the budget
+            cpuinfo.write_text("".join(line for line in CPUINFO.read_text().splitlines(keepends=True)
+                                       if not line.startswith("flags")))  # cpu_features unreadable for good
+            _, removed = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq)
+            assert "cannot read this machine twice in a row" in removed.reason, removed.reason

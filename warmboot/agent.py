@@ -819,22 +819,26 @@ class Agent:
                                                revision=self._revision_of(registration))
                 try:
                     reply = await self._request("register", body, RegisterReply, stop, timeout=timeout,
-                                                wait_while_busy=lambda: not self._stale_in_force(),
-                                                current=partial(self._still_reads, config, now))
+                                                wait_while_busy=lambda: self._why_stale() is None,
+                                                current=partial(self._still_made, config, now, registration))
                     self._in_force_revision = body.revision
                     break
                 except Outdated as e:
+                    # This one may yet be decided (a copy a stalled registry replica holds): whatever is
+                    # sent next, the registration in force again included, goes above its revision.
+                    self._in_force_revision = None
                     log.warning("registration of %s made again: %s", self.worker_id, e)
                     continue
                 except ContractError as e:
-                    if e.code is ErrorCode.RESOURCE_EXHAUSTED and self._stale_in_force():
+                    why = self._why_stale() if e.code is ErrorCode.RESOURCE_EXHAUSTED else None
+                    if why is not None:
                         # The registry takes none of this worker's registrations for a while (its write
                         # budget is spent), and the one in force claims a CPU the machine no longer has:
                         # the worker is removed meanwhile (a removal is free), not left to its heartbeats
                         # with that CPU, where images of it would be sent. This registration then begins a
                         # new life once the registry takes it.
-                        await self._withdraw(f"the registry takes none of its registrations for now: {e.message}",
-                                             stop)
+                        await self._withdraw(f"{why}, and the registry takes none of its registrations for now "
+                                             f"({e.message})", stop)
                         continue
                     if (e.code, e.field) == (ErrorCode.INVALID_ARGUMENT, "revision") and "ahead" not in sent_again:
                         # Out of the registry's bound (this clock ran far ahead, and the revision was kept):
@@ -949,32 +953,42 @@ class Agent:
         """Whether the probe reads the machine otherwise than when the registration in force was made."""
         return self._in_force_of is not None and self._in_force_of[1] != self._machine()[2]
 
-    def _stale_in_force(self) -> bool:
-        """Whether the worker is registered (not withdrawn) with a CPU the machine no longer has: the probe
-        reads it otherwise, and that read makes the registration in force again, or contradicts it (a
-        read the registration cannot be made of is no proof: `_restamp` waits for a second one)."""
-        if self.withdrawn or self._in_force_of is None:
-            return False
+    def _why_stale(self) -> str | None:
+        """Why the registration in force (the worker registered, not withdrawn) claims a CPU the machine
+        no longer has, or None: made on the machine as the probe reads it now, it differs, or contradicts
+        what it names literally (`MachineMismatch`). A read it cannot be made of says nothing of the CPU
+        (cpuinfo unreadable for a moment): only a second such read in a row does, as for `_restamp`."""
+        if self.withdrawn or self._in_force_of is None or self.registration is None:
+            return None
         config, reading = self._in_force_of
-        return self._read_otherwise(config, reading)
+        read_at, machine, now = self._machine()
+        if now == reading:
+            self._unreadable_at = None
+            return None
+        try:
+            made = build_registration(config, self.worker_id, self.node, machine)
+        except MachineMismatch as e:
+            return str(e)
+        except ConfigError as e:
+            if self._unreadable_at is None or self._unreadable_at == read_at:
+                self._unreadable_at = read_at  # the next read decides
+                return None
+            return f"the probe cannot read this machine twice in a row: {e}"
+        self._unreadable_at = None
+        return None if made == self.registration else "the probe reads another CPU"
 
-    def _still_reads(self, config: AgentConfig, reading: tuple) -> bool:
-        """Whether a registration made of `config` on the read `reading` still says what the machine is."""
-        return not self._read_otherwise(config, reading)
-
-    def _read_otherwise(self, config: AgentConfig, reading: tuple) -> bool:
-        """Whether the probe now reads the machine otherwise than `reading`, in a way `config` can be
-        made of (or that contradicts what it names literally: `MachineMismatch`)."""
+    def _still_made(self, config: AgentConfig, reading: tuple, registration: RegisterWorker) -> bool:
+        """Whether `registration`, made of `config` on the read `reading`, is what `config` makes on the
+        machine as the probe reads it now (or the probe cannot make anything of it this time)."""
         _, machine, now = self._machine()
         if now == reading:
-            return False
-        try:
-            build_registration(config, self.worker_id, self.node, machine)
-        except MachineMismatch:
             return True
-        except ConfigError:
+        try:
+            return build_registration(config, self.worker_id, self.node, machine) == registration
+        except MachineMismatch:
             return False
-        return True
+        except ConfigError:
+            return True
 
     async def _withdraw(self, why: str, stop: asyncio.Event) -> None:
         """Remove the worker: its registration claims a CPU the machine no longer has, and `why` says
