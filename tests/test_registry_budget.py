@@ -531,3 +531,29 @@ async def test_a_machine_unreadable_while_a_registration_waits_for_the_budget_is
                                        if not line.startswith("flags")))  # cpu_features unreadable for good
             _, removed = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq)
             assert "cannot read this machine twice in a row" in removed.reason, removed.reason
+
+
+async def test_a_read_that_failed_while_a_registration_waited_is_one_read_not_two(tmp_path):
+    """The agent's judgement alone (no registry is asked): a read of the machine that made nothing,
+    noted while a registration waited for the budget (`_why_stale`), is the first of two for the
+    RESTAMP asked on that same read next, not the second (the worker was removed after one failed read:
+    found by a review)."""
+    agent, cpuinfo, _ = a_machine(tmp_path, "nats://127.0.0.1:1", "t")
+    agent.probe_interval_s = 3600.0  # one read of the machine throughout
+    agent.registration = agent._read_config()
+    agent._in_force_of = agent._desired_of  # in force: Intel, v1
+    cpuinfo.write_text("".join(line for line in CPUINFO.read_text().splitlines(keepends=True)
+                               if not line.startswith("flags")))
+    agent._probe_read = None  # the next look reads the machine: cpu_features unreadable
+    assert agent._why_stale() is None  # on a refusal for the budget: the first failed read, noted
+    removed: list[str] = []
+
+    async def remove_self(reason: str, stop: asyncio.Event) -> None:
+        removed.append(reason)
+
+    agent._remove_self = remove_self
+    assert await agent._restamp(asyncio.Event()) is None  # the next watch's RESTAMP, on the same read
+    assert removed == [] and not agent.withdrawn
+    agent._probe_read = None  # a second read, failing too
+    assert await agent._restamp(asyncio.Event()) is None
+    assert len(removed) == 1 and agent.withdrawn

@@ -759,7 +759,8 @@ class Agent:
             if isinstance(e, (MachineMismatch, StateFileError)):  # certain: no later read changes it
                 await self._withdraw(str(e), stop)
                 return None
-            if self._unreadable_at is None:  # a first failed read could be a passing one: the next decides
+            if self._unreadable_at is None or self._unreadable_at == read_at:  # a first failed read could be
+                # a passing one: the next decides (`_why_stale` may have noted this one already)
                 self._unreadable_at = read_at
                 log.warning("%s: the probe cannot read this machine (%s); reading it again in %gs",
                             self.worker_id, e, self.probe_interval_s)
