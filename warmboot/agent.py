@@ -810,7 +810,8 @@ class Agent:
             while True:
                 # Made on the machine as it is, at each send: a registration retried while the registry
                 # does not take it (unreachable, or the worker's write budget spent) is made again, with a
-                # new request id, once the probe reads the machine otherwise (`Outdated`).
+                # new request id, once the file makes another registration of the machine as the probe
+                # reads it (`Outdated`, `_still_made`).
                 config, reading = made_of
                 _, machine, now = self._machine()
                 if reading != now:
