@@ -3,7 +3,7 @@ clock is given, no I/O.
 
 A worker's credential may send `register`, `drain` and `remove` for its own id
 (docs/security.md), and each of them may write: the worker's events (a label flipped back and
-forth appends two a time, and the log never discards), an answer kept in the reply bucket (a
+forth appends two each time, and the log never discards), an answer kept in the reply bucket (a
 registration or a drain that changed nothing, under a new request id each time), or a refused
 registration's mark. With nothing to stop it, one credential could grow the server's storage as
 fast as it can send. So each such write costs the worker one write of its budget: `burst` at once,
@@ -31,6 +31,7 @@ about 8,640 writes a day per replica.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -53,10 +54,7 @@ class WriteBudget:
             raise ValueError(f"interval_s must be a positive number of seconds, not {interval_s}")
         self.burst = burst
         self.interval_s = interval_s
-        if clock is None:
-            import time
-            clock = time.monotonic
-        self.clock = clock
+        self.clock = clock if clock is not None else time.monotonic
         self._spent: dict[str, tuple[float, float]] = {}  # worker id -> (writes left, when counted)
         self._refused: set[str] = set()  # refused since their last write (`first_refusal`)
         self._takes = 0
