@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import shutil
 import uuid
+from contextlib import asynccontextmanager
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -313,18 +315,16 @@ async def test_a_worker_whose_cpu_changed_while_its_budget_is_spent_is_removed_n
     The agent removes the worker at once (a removal is free) instead of waiting with it registered,
     and registers the CPU it has now, a new life, once the budget refills."""
     agent, cpuinfo, _ = a_machine(tmp_path, nats_url, prefix)
-    clock = Clock()  # stands still until the test moves it
-    async with running_registry(nats_url, prefix, writes=WriteBudget(1, 10.0, clock)):
-        async with agent_running(agent) as task:
-            seq, registered = await wait_event(nc, prefix, "w-a", WorkerRegistered)  # its one write
-            shutil.copy(AMD, cpuinfo)
-            seq, removed = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq)
-            assert "cannot register the CPU its machine has now" in removed.reason and not task.done()
-            clock.now += 10.0  # one write earned back
-            _, again = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=seq)
-            here = probe_version(AMD.read_text(), "amd64", "gvisor", {"gvisor_asset_hash": "v1"})
-            assert same_version(again.sandbox_classes[0].default_runtime.version, here)
-            assert not same_version(registered.sandbox_classes[0].default_runtime.version, here)
+    async with one_write_budget(nats_url, prefix, agent) as (clock, _, task):
+        seq, registered = await wait_event(nc, prefix, "w-a", WorkerRegistered)  # its one write
+        shutil.copy(AMD, cpuinfo)
+        seq, removed = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq)
+        assert "cannot register the CPU its machine has now" in removed.reason and not task.done()
+        clock.now += 10.0  # one write earned back
+        _, again = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=seq)
+        here = probe_version(AMD.read_text(), "amd64", "gvisor", {"gvisor_asset_hash": "v1"})
+        assert same_version(again.sandbox_classes[0].default_runtime.version, here)
+        assert not same_version(registered.sandbox_classes[0].default_runtime.version, here)
 
 
 # --- the agent's registrations while its budget is spent and its machine changes ----------------------------------
@@ -368,6 +368,24 @@ class Asked:
                 raise AssertionError(f"no registration of {wanted} within {within}s: {self.seen[after:]}")
 
 
+@asynccontextmanager
+async def one_write_budget(nats_url: str, prefix: str, agent: Agent):
+    """`agent` running against a registry replica that gives each worker one write, then one every 10 s
+    of the test's clock (it stands still until the test moves it): (the clock, the registry's decisions,
+    the agent's run)."""
+    clock = Clock()
+    async with running_registry(nats_url, prefix, writes=WriteBudget(1, 10.0, clock)) as registry:
+        asked = Asked(registry)
+        async with agent_running(agent) as task:
+            yield clock, asked, task
+
+
+def without_cpu_features(cpuinfo: Path) -> None:
+    """The machine's cpuinfo without its flags: the probe cannot read `cpu_features` of it."""
+    cpuinfo.write_text("".join(line for line in CPUINFO.read_text().splitlines(keepends=True)
+                               if not line.startswith("flags")))
+
+
 async def wait_set(event: asyncio.Event, timeout: float) -> bool:
     """Whether `event` is set within `timeout` seconds."""
     try:
@@ -384,36 +402,30 @@ async def test_a_registration_waiting_for_the_budget_is_made_again_when_the_cpu_
     had once the budget refilled: found by a review), and the worker, registered with the old CPU, is
     removed meanwhile."""
     agent, cpuinfo, path = a_machine(tmp_path, nats_url, prefix)
-    clock = Clock()
-    async with running_registry(nats_url, prefix, writes=WriteBudget(1, 10.0, clock)) as registry:
-        asked = Asked(registry)
-        async with agent_running(agent) as task:
-            seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)  # its one write
-            path.write_text(agent_config("v2"))
-            await asked.until(("intel", "v2"))  # the edit, refused for the budget, waits
-            shutil.copy(AMD, cpuinfo)
-            seq, _ = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq)
-            clock.now += 10.0
-            _, again = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=seq)
-            assert made_of(again) == ("amd", "v2") and not task.done()
+    async with one_write_budget(nats_url, prefix, agent) as (clock, asked, task):
+        seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)  # its one write
+        path.write_text(agent_config("v2"))
+        await asked.until(("intel", "v2"))  # the edit, refused for the budget, waits
+        shutil.copy(AMD, cpuinfo)
+        seq, _ = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq)
+        clock.now += 10.0
+        _, again = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=seq)
+        assert made_of(again) == ("amd", "v2") and not task.done()
 
 
 async def test_a_cpu_that_changes_back_while_the_worker_is_removed_is_registered_as_it_is(nats_url, nc, prefix,
                                                                                            tmp_path):
     agent, cpuinfo, _ = a_machine(tmp_path, nats_url, prefix)
-    clock = Clock()
-    async with running_registry(nats_url, prefix, writes=WriteBudget(1, 10.0, clock)) as registry:
-        asked = Asked(registry)
-        async with agent_running(agent):
-            seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
-            shutil.copy(AMD, cpuinfo)
-            seq, _ = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq)
-            amd = await asked.until(("amd", "v1"))  # removed, it asks with the CPU it has now
-            shutil.copy(CPUINFO, cpuinfo)
-            await asked.until(("intel", "v1"), after=amd + 1)  # and with the CPU it has again
-            clock.now += 10.0
-            _, again = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=seq)
-            assert made_of(again) == ("intel", "v1")
+    async with one_write_budget(nats_url, prefix, agent) as (clock, asked, _):
+        seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
+        shutil.copy(AMD, cpuinfo)
+        seq, _ = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq)
+        amd = await asked.until(("amd", "v1"))  # removed, it asks with the CPU it has now
+        shutil.copy(CPUINFO, cpuinfo)
+        await asked.until(("intel", "v1"), after=amd + 1)  # and with the CPU it has again
+        clock.now += 10.0
+        _, again = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=seq)
+        assert made_of(again) == ("intel", "v1")
 
 
 async def test_one_failed_read_of_the_machine_while_the_budget_is_spent_removes_nothing(nats_url, nc, prefix,
@@ -421,7 +433,6 @@ async def test_one_failed_read_of_the_machine_while_the_budget_is_spent_removes_
     """A read of the machine that fails says nothing of its CPU (the agent's RESTAMP waits for a second
     one): a registration waiting for the budget goes on waiting through it."""
     agent, cpuinfo, path = a_machine(tmp_path, nats_url, prefix)
-    clock = Clock()
     judged_unreadable = asyncio.Event()
     stale = agent._why_stale
 
@@ -431,19 +442,17 @@ async def test_one_failed_read_of_the_machine_while_the_budget_is_spent_removes_
         return stale()
 
     agent._why_stale = noting
-    async with running_registry(nats_url, prefix, writes=WriteBudget(1, 10.0, clock)) as registry:
-        asked = Asked(registry)
-        async with agent_running(agent):
-            seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
-            path.write_text(agent_config("v2"))
-            await asked.until(("intel", "v2"))
-            cpuinfo.unlink()
-            await asyncio.wait_for(judged_unreadable.wait(), 30)
-            shutil.copy(CPUINFO, cpuinfo)
-            clock.now += 10.0
-            changed, _ = await wait_event(nc, prefix, "w-a", RuntimeChanged, after=seq)
-            kinds = [type(e).__name__ for s, e in await worker_events(nc, prefix, "w-a") if seq < s <= changed]
-            assert "WorkerRemoved" not in kinds, kinds
+    async with one_write_budget(nats_url, prefix, agent) as (clock, asked, _):
+        seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
+        path.write_text(agent_config("v2"))
+        await asked.until(("intel", "v2"))
+        cpuinfo.unlink()
+        await asyncio.wait_for(judged_unreadable.wait(), 30)
+        shutil.copy(CPUINFO, cpuinfo)
+        clock.now += 10.0
+        changed, _ = await wait_event(nc, prefix, "w-a", RuntimeChanged, after=seq)
+        kinds = [type(e).__name__ for s, e in await worker_events(nc, prefix, "w-a") if seq < s <= changed]
+        assert "WorkerRemoved" not in kinds, kinds
 
 
 async def test_a_registration_made_again_goes_above_the_one_it_replaces(nats_url, nc, prefix, tmp_path):
@@ -501,17 +510,14 @@ async def test_a_registration_the_new_read_makes_alike_is_not_removed_while_the_
     CPU while the budget is spent leaves the worker registered (it was removed: found by a review)."""
     agent, cpuinfo, path = a_machine(tmp_path, nats_url, prefix)
     path.write_text(LITERAL)
-    clock = Clock()
-    async with running_registry(nats_url, prefix, writes=WriteBudget(1, 10.0, clock)) as registry:
-        asked = Asked(registry)
-        async with agent_running(agent) as task:
-            seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)  # its one write
-            start = len(asked.seen)
-            shutil.copy(AMD, cpuinfo)  # the agent sends its registration again: refused for the budget
-            first = await asked.until(("?", "v1"), after=start)
-            await asked.until(("?", "v1"), after=first + 1)  # and again: it waited, judged the first refusal
-            kinds = [type(e).__name__ for s, e in await worker_events(nc, prefix, "w-a") if s > seq]
-            assert "WorkerRemoved" not in kinds and not agent.withdrawn and not task.done(), kinds
+    async with one_write_budget(nats_url, prefix, agent) as (_, asked, task):
+        seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)  # its one write
+        start = len(asked.seen)
+        shutil.copy(AMD, cpuinfo)  # the agent sends its registration again: refused for the budget
+        first = await asked.until(("?", "v1"), after=start)
+        await asked.until(("?", "v1"), after=first + 1)  # and again: it waited, judged the first refusal
+        kinds = [type(e).__name__ for s, e in await worker_events(nc, prefix, "w-a") if s > seq]
+        assert "WorkerRemoved" not in kinds and not agent.withdrawn and not task.done(), kinds
 
 
 async def test_a_machine_unreadable_while_a_registration_waits_for_the_budget_is_removed_at_the_second_read(
@@ -520,17 +526,13 @@ async def test_a_machine_unreadable_while_a_registration_waits_for_the_budget_is
     registration on its way, the second read that cannot make the registration in force removes the
     worker (it stayed registered for as long as the budget was spent: found by a review)."""
     agent, cpuinfo, path = a_machine(tmp_path, nats_url, prefix)
-    clock = Clock()
-    async with running_registry(nats_url, prefix, writes=WriteBudget(1, 10.0, clock)) as registry:
-        asked = Asked(registry)
-        async with agent_running(agent):
-            seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
-            path.write_text(agent_config("v2"))
-            await asked.until(("intel", "v2"))  # the edit waits for the budget
-            cpuinfo.write_text("".join(line for line in CPUINFO.read_text().splitlines(keepends=True)
-                                       if not line.startswith("flags")))  # cpu_features unreadable for good
-            _, removed = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq)
-            assert "cannot read this machine twice in a row" in removed.reason, removed.reason
+    async with one_write_budget(nats_url, prefix, agent) as (_, asked, _):
+        seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
+        path.write_text(agent_config("v2"))
+        await asked.until(("intel", "v2"))  # the edit waits for the budget
+        without_cpu_features(cpuinfo)  # for good
+        _, removed = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq)
+        assert "cannot read this machine twice in a row" in removed.reason, removed.reason
 
 
 async def test_a_read_that_failed_while_a_registration_waited_is_one_read_not_two(tmp_path):
@@ -542,8 +544,7 @@ async def test_a_read_that_failed_while_a_registration_waited_is_one_read_not_tw
     agent.probe_interval_s = 3600.0  # one read of the machine throughout
     agent.registration = agent._read_config()
     agent._in_force_of = agent._desired_of  # in force: Intel, v1
-    cpuinfo.write_text("".join(line for line in CPUINFO.read_text().splitlines(keepends=True)
-                               if not line.startswith("flags")))
+    without_cpu_features(cpuinfo)
     agent._probe_read = None  # the next look reads the machine: cpu_features unreadable
     assert agent._why_stale() is None  # on a refusal for the budget: the first failed read, noted
     removed: list[str] = []

@@ -962,35 +962,35 @@ class Agent:
         (cpuinfo unreadable for a moment): only a second such read in a row does, as for `_restamp`."""
         if self.withdrawn or self._in_force_of is None or self.registration is None:
             return None
-        config, reading = self._in_force_of
-        read_at, machine, now = self._machine()
-        if now == reading:
-            self._unreadable_at = None
-            return None
-        try:
-            made = build_registration(config, self.worker_id, self.node, machine)
-        except MachineMismatch as e:
-            return str(e)
-        except ConfigError as e:
+        read_at, made = self._made_now(*self._in_force_of)
+        if isinstance(made, MachineMismatch):
+            return str(made)
+        if isinstance(made, ConfigError):
             if self._unreadable_at is None or self._unreadable_at == read_at:
                 self._unreadable_at = read_at  # the next read decides
                 return None
-            return f"the probe cannot read this machine twice in a row: {e}"
+            return f"the probe cannot read this machine twice in a row: {made}"
         self._unreadable_at = None
-        return None if made == self.registration else "the probe reads another CPU"
+        return None if made is None or made == self.registration else "the probe reads another CPU"
 
     def _still_made(self, config: AgentConfig, reading: tuple, registration: RegisterWorker) -> bool:
         """Whether `registration`, made of `config` on the read `reading`, is what `config` makes on the
         machine as the probe reads it now (or the probe cannot make anything of it this time)."""
-        _, machine, now = self._machine()
+        made = self._made_now(config, reading)[1]
+        if isinstance(made, ConfigError):
+            return not isinstance(made, MachineMismatch)
+        return made is None or made == registration
+
+    def _made_now(self, config: AgentConfig, reading: tuple) -> tuple[float, RegisterWorker | ConfigError | None]:
+        """(when the machine was last read, what `config` makes of that read): None if the read is
+        `reading` still, else the registration, or the ConfigError it cannot be made for."""
+        read_at, machine, now = self._machine()
         if now == reading:
-            return True
+            return read_at, None
         try:
-            return build_registration(config, self.worker_id, self.node, machine) == registration
-        except MachineMismatch:
-            return False
-        except ConfigError:
-            return True
+            return read_at, build_registration(config, self.worker_id, self.node, machine)
+        except ConfigError as e:
+            return read_at, e
 
     async def _withdraw(self, why: str, stop: asyncio.Event) -> None:
         """Remove the worker: its registration claims a CPU the machine no longer has, and `why` says
