@@ -19,7 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 from events.compat import same_version
-from events.errors import ContractError
+from events.errors import ContractError, unavailable
 from events.natspy import flush_in_order
 from events.probe import probe_version
 from events.aggregate import now
@@ -155,6 +155,51 @@ async def test_a_cpu_that_changes_under_a_running_agent_is_probed_and_registered
         finally:
             stop.set()
             await asyncio.wait_for(task, 15)
+
+
+async def stalled(*_) -> None:
+    """A registry store's command that a stalled replica never decides (its reply: UNAVAILABLE)."""
+    raise unavailable("the test's stalled replica")
+
+
+def on_amd(event) -> bool:
+    """Whether a registration's default runtime was probed on the AMD machine."""
+    here = probe_version(AMD.read_text(), "amd64", "gvisor", {"gvisor_asset_hash": "v1"})
+    return same_version(event.sandbox_classes[0].default_runtime.version, here)
+
+
+async def test_a_cpu_that_changes_while_the_registry_takes_no_registration_gets_the_worker_removed(
+        nats_url, nc, prefix, tmp_path):
+    """The registry answers heartbeats and removals, not registrations (a stalled store: UNAVAILABLE),
+    and the machine moves to another CPU: the registration in force claims the old one, where its
+    images would be sent. The agent removes the worker rather than retrying with it registered and
+    beating, and registers the CPU it has now once the registry takes registrations again (before, the
+    worker stayed registered with the old CPU, kept alive by its heartbeats, for as long as the stall
+    lasted: found by a review)."""
+    agent, cpuinfo, _ = a_machine(tmp_path, nats_url, prefix)
+    async with running_registry(nats_url, prefix) as registry, agent_running(agent) as task:
+        seq, registered = await wait_event(nc, prefix, "w-a", WorkerRegistered)
+        decide, registry.store.register = registry.store.register, stalled
+        shutil.copy(AMD, cpuinfo)
+        seq, removed = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq)
+        assert removed.reason.startswith("its agent cannot register the CPU its machine has now: "), removed
+        assert "the registry does not take its register now" in removed.reason, removed
+        registry.store.register = decide
+        _, again = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=seq)
+        assert on_amd(again) and not on_amd(registered) and not task.done()
+
+
+async def test_no_heartbeat_keeps_alive_a_registration_whose_cpu_the_machine_no_longer_has(
+        nats_url, nc, prefix, tmp_path):
+    """As above, and the registry takes no removal either: the heartbeats stop, so the registry removes
+    the worker as LOST within its TTL (before, they kept it registered with the old CPU)."""
+    agent, cpuinfo, _ = a_machine(tmp_path, nats_url, prefix)
+    async with running_registry(nats_url, prefix, ttl_s=2.0) as registry, agent_running(agent) as task:
+        seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
+        registry.store.register = registry.store.remove = stalled
+        shutil.copy(AMD, cpuinfo)
+        seq, removed = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq)
+        assert removed.reason == "LOST" and not task.done(), removed
 
 
 @pytest.mark.parametrize("profile, cpuinfo, missing", [

@@ -196,6 +196,12 @@ class Outdated(Exception):
     """A request retried no longer says what the machine is: made again by its sender."""
 
 
+class Stale(Exception):
+    """A request the registry did not answer is not tried again: the registration in force claims a
+    CPU the machine no longer has (`Agent._why_stale`), and its sender removes the worker meanwhile
+    instead of waiting with it registered."""
+
+
 @dataclass(frozen=True)
 class MachineRead:
     """What one read of the machine gave (`ProbeSettings.read`): the cpuinfo text and the
@@ -604,14 +610,16 @@ class Agent:
 
     async def _request(self, verb: str, body: Any, reply_type: type, stop: asyncio.Event | None,
                        also_retry: tuple[ErrorCode, ...] = (), timeout: float = REQUEST_TIMEOUT_S,
-                       wait_while_busy: Callable[[], bool] = lambda: True,
+                       stale: Callable[[], str | None] = lambda: None,
                        current: Callable[[], bool] = lambda: True):
-        """A request, retried while the registry is unreachable (UNAVAILABLE, or `also_retry`) or busy
-        (RESOURCE_EXHAUSTED, which the registry answers when the worker's write budget is spent:
-        `services.registry.budget`; while `wait_while_busy()` says so) unless stopped, and while the
-        body is `current()` (else `Outdated`, for the caller to make it again); one that beats (a
-        heartbeat, a registration) records when it was sent (`beat_at`), and its retries come closer
-        together as that beat's TTL runs out."""
+        """A request, retried while the registry is unreachable (UNAVAILABLE, a time-out, or
+        `also_retry`) or busy (RESOURCE_EXHAUSTED, which the registry answers when the worker's write
+        budget is spent: `services.registry.budget`) unless stopped; not once `stale()` gives a reason
+        (`Stale`: the registration in force claims a CPU the machine no longer has, for the caller
+        to remove the worker rather than wait), nor once the body is no longer `current()`
+        (`Outdated`, for the caller to make it again). One that beats (a heartbeat, a registration)
+        records when it was sent (`beat_at`), and its retries come closer together as that beat's
+        TTL runs out."""
         # One attempt per call of the client (warmboot.client: the one way a request is made);
         # the agent's own loop retries, without bound until stopped, as a worker in service must.
         client = Client(self.nc, self.prefix, timeout=timeout, attempts=1)
@@ -627,16 +635,19 @@ class Agent:
                     self.beat_at = sent
                 return reply
             except ContractError as e:
-                busy = e.code is ErrorCode.RESOURCE_EXHAUSTED and wait_while_busy()
-                if (e.code is not ErrorCode.UNAVAILABLE and e.code not in also_retry and not busy) or stop is None:
+                retried = e.code in (ErrorCode.UNAVAILABLE, ErrorCode.RESOURCE_EXHAUSTED) or e.code in also_retry
+                if not retried or stop is None:
                     raise
-                self._check_not_denied()
-                log.warning("%s: %s; retrying in %.1fs", verb, e.message, delay)
+                failure = e.message
             except Exception as e:  # connection closed or reconnecting
                 if stop is None:
                     raise
-                self._check_not_denied()
-                log.warning("%s: %s; retrying in %.1fs", verb, e, delay)
+                failure = str(e)
+            self._check_not_denied()
+            why = stale()
+            if why is not None:
+                raise Stale(f"{why}, and the registry does not take its {verb} now ({failure})")
+            log.warning("%s: %s; retrying in %.1fs", verb, failure, delay)
             if await _wait(stop, delay):
                 raise asyncio.CancelledError
             left = self.beat_at + self.ttl_s - time.monotonic() if beats and self.beat_at is not None else None
@@ -821,7 +832,7 @@ class Agent:
                                                revision=self._revision_of(registration))
                 try:
                     reply = await self._request("register", body, RegisterReply, stop, timeout=timeout,
-                                                wait_while_busy=lambda: self._why_stale() is None,
+                                                stale=self._why_stale,
                                                 current=partial(self._still_made, config, now, registration))
                     self._in_force_revision = body.revision
                     break
@@ -831,17 +842,14 @@ class Agent:
                     self._in_force_revision = None
                     log.warning("registration of %s made again: %s", self.worker_id, e)
                     continue
+                except Stale as e:
+                    # The registry does not take this registration (unreachable, stalled, or the worker's
+                    # write budget spent), and the one in force claims a CPU the machine no longer has:
+                    # the worker is removed meanwhile (a removal is free), where images of that CPU would
+                    # be sent. This registration then begins a new life once the registry takes it.
+                    await self._withdraw(str(e), stop)
+                    continue
                 except ContractError as e:
-                    why = self._why_stale() if e.code is ErrorCode.RESOURCE_EXHAUSTED else None
-                    if why is not None:
-                        # The registry takes none of this worker's registrations for a while (its write
-                        # budget is spent), and the one in force claims a CPU the machine no longer has:
-                        # the worker is removed meanwhile (a removal is free), not left to its heartbeats
-                        # with that CPU, where images of it would be sent. This registration then begins a
-                        # new life once the registry takes it.
-                        await self._withdraw(f"{why}, and the registry takes none of its registrations for now "
-                                             f"({e.message})", stop)
-                        continue
                     if (e.code, e.field) == (ErrorCode.INVALID_ARGUMENT, "revision") and "ahead" not in sent_again:
                         # Out of the registry's bound (this clock ran far ahead, and the revision was kept):
                         # none was recorded, so this agent goes back to the last one the registry answered, or
@@ -1034,10 +1042,17 @@ class Agent:
         task.add_done_callback(self._background.discard)
 
     async def heartbeat(self, stop: asyncio.Event) -> None:
-        if self.withdrawn:
-            return  # removed on purpose: a beat would be NOT_FOUND, and register again what is wrong
+        """A beat, unless the worker was removed on purpose (a beat would be NOT_FOUND, and register
+        again what is wrong), or its registration in force claims a CPU the machine no longer has
+        (`_why_stale`): that one is kept alive by no beat while it is made again, or the worker
+        removed (`RESTAMP`); should neither get through, the registry removes it as LOST."""
+        if self.withdrawn or self._not_beating(self._why_stale()):
+            return
         try:
-            reply = await self._request("heartbeat", Heartbeat(), HeartbeatReply, stop)
+            reply = await self._request("heartbeat", Heartbeat(), HeartbeatReply, stop, stale=self._why_stale)
+        except Stale as e:
+            self._not_beating(str(e))
+            return
         except ContractError as e:
             if e.code != ErrorCode.NOT_FOUND or self.registration is None:
                 raise
@@ -1049,6 +1064,13 @@ class Agent:
             self._register_again(stop)
             return
         self.ttl_s = reply.ttl_s
+
+    def _not_beating(self, why: str | None) -> bool:
+        """Whether a beat is held back for `why` (said)."""
+        if why is not None:
+            log.warning("no heartbeat for %s: %s; it is registered again on the machine as it is, or removed",
+                        self.worker_id, why)
+        return why is not None
 
     async def drain(self, reason: str, timeout_s: float = 5.0) -> SeqReply | None:
         """Best effort at exit: a drain retried for at most `timeout_s`; also while the worker is
