@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 import shutil
 import signal
+import socket
 from pathlib import Path
 
 import click
@@ -71,22 +73,31 @@ def test_every_service_command_is_a_real_warmboot_command_line(compose):
 
 
 def test_cluster_routes_are_consistent(compose):
-    """Each member runs the one configuration file with its own environment: its name, and routes to
-    every member (its own ignored) on the port they listen on for routes."""
+    """Each member runs the one configuration file with its own environment (its name), and its
+    `cluster` block includes, from where nats-auth writes them, the routes to every member (its own
+    ignored) on the port they listen on for routes, signed in with the routes' credential."""
     services = compose["services"]
     nodes = nats_nodes(compose)
     assert {services[n]["environment"]["NATS_NAME"] for n in nodes} == set(nodes)
+    auth = parsed_flags(services["nats-auth"]["command"])
+    routes = auth["--routes"].split(",")
+    assert {r.split("//")[1].split(":")[0] for r in routes} == set(nodes), "nats-auth must route to every member"
+    text = (ROOT / "deploy" / "nats-cluster.conf").read_text()
+    cluster = re.search(r"^cluster \{(.*?)^\}", text, re.M | re.S)
+    assert cluster, "deploy/nats-cluster.conf has no cluster block"
+    include = re.search(r'^\s*include "([^"]+)"', cluster.group(1), re.M)
+    assert include and "routes" not in re.sub(r"#.*", "", cluster.group(1)).replace(include.group(0), ""), \
+        "the cluster block's routes are the file nats-auth writes, and only those"
     for node, args in nodes.items():
         env = services[node]["environment"]
         assert args == ["-c", "/etc/nats/cluster.conf"]  # nothing a reload would drop
         listen_port = env["NATS_CLUSTER_LISTEN"].rsplit(":", 1)[1]
-        routes = [env[f"NATS_ROUTE_{i}"] for i in (1, 2, 3)]
-        assert {r.split("//")[1].split(":")[0] for r in routes} == set(nodes), f"{node} must route to every member"
         assert all(r.rsplit(":", 1)[1] == listen_port for r in routes)
         assert f"{node}:{env['NATS_STORE']}" in services[node]["volumes"]
-    text = (ROOT / "deploy" / "nats-cluster.conf").read_text()
-    for variable in ("NATS_NAME", "NATS_PORT", "NATS_STORE", "NATS_CLUSTER_LISTEN", "NATS_ROUTE_1", "NATS_ROUTE_2",
-                     "NATS_ROUTE_3"):
+        config = Path(flag(args, "-c"))
+        assert mount_of(services[node], config.parent / include.group(1)) == \
+            mount_of(services["nats-auth"], Path(auth["--routes-out"])), f"{node} must include the routes written"
+    for variable in ("NATS_NAME", "NATS_PORT", "NATS_STORE", "NATS_CLUSTER_LISTEN"):
         assert f"${variable}" in text, variable
 
 
@@ -214,26 +225,31 @@ class Containers:
         env = {k: self.path(service, v) for k, v in self.compose["services"][service].get("environment", {}).items()}
         return {**env, **changed}
 
-    def run_once(self, service: str) -> None:
-        """A one-shot warmboot command of compose (nats-auth), here, with its files as they are now."""
+    def run_once(self, service: str, **given: str) -> None:
+        """A one-shot warmboot command of compose (nats-auth), here, with its files as they are now;
+        `given`: options given another value (`routes="..."` for --routes)."""
         self.mount(service)
-        result = CliRunner().invoke(main, self.args(service)[1:])
+        args = self.args(service)[1:]
+        for option, value in given.items():
+            args[args.index(f"--{option.replace('_', '-')}") + 1] = value
+        result = CliRunner().invoke(main, args)
         assert result.exit_code == 0, result.output
 
 
 class Members:
     """compose's NATS members, started here as compose starts them (the image's nats-server with its
-    command line and environment), on loopback ports of their own."""
+    command line and environment), on loopback ports of their own: nats-auth is given `routes` for
+    its --routes."""
 
     def __init__(self, compose: dict, containers: Containers):
         self.names = sorted(nats_nodes(compose))
         self.ports = {n: free_port() for n in self.names}
-        cluster = {n: free_port() for n in self.names}
-        routes = {f"NATS_ROUTE_{i}": f"nats://127.0.0.1:{cluster[n]}" for i, n in enumerate(self.names, 1)}
+        self.cluster = {n: free_port() for n in self.names}
+        self.routes = ",".join(f"nats://127.0.0.1:{self.cluster[n]}" for n in self.names)
         self.members = [
             Child([server_binary(), *containers.args(n)], re.compile(r".*Server is ready"),
-                  env=containers.env(n, NATS_PORT=str(self.ports[n]), NATS_CLUSTER_LISTEN=f"127.0.0.1:{cluster[n]}",
-                                     **routes))
+                  env=containers.env(n, NATS_PORT=str(self.ports[n]),
+                                     NATS_CLUSTER_LISTEN=f"127.0.0.1:{self.cluster[n]}"))
             for n in self.names]
         self.url = ",".join(f"nats://127.0.0.1:{self.ports[n]}" for n in self.names)
 
@@ -266,10 +282,24 @@ async def register(url: str, seeds: str, worker: str, node: str) -> RegisterRepl
         await nc.close()
 
 
+def route_without_credentials(port: int) -> bytes:
+    """What a member's cluster port answers a route that signs in with nothing (nats-server's route
+    protocol: its INFO, then our CONNECT and a PING), until it closes the connection or takes the
+    route (a PONG)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b'CONNECT {"verbose":false,"pedantic":false,"name":"intruder","cluster":"warmboot"}\r\nPING\r\n')
+        answer = b""
+        while b"PONG" not in answer and (chunk := s.recv(4096)):
+            answer += chunk
+        return answer
+
+
 async def test_the_deployment_admits_only_its_users(compose, tmp_path):
     """compose.yaml's nats-auth, its three NATS members and registry-1, as written there, on this
-    machine: a connection without credentials is refused; the registry signs in with the services'
-    seed; a worker of deploy/workers.txt registers with its own seed on its node, and on another
+    machine: a connection without credentials is refused, and so is a route (before, any process that
+    reached a member's cluster port joined the cluster, and saw and said everything whatever the
+    users' permissions); the members route to each other signed in; the registry signs in with the
+    services' seed; a worker of deploy/workers.txt registers with its own seed on its node, and on another
     node is refused. (Before, the members let anyone in with every right: any host that reached
     :4222 could drain, register or remove any worker, and write the log; found by a review.) Then
     the docs' way to add and retire a worker: workers.txt edited, nats-auth run again, the members
@@ -278,7 +308,10 @@ async def test_the_deployment_admits_only_its_users(compose, tmp_path):
     workers = tmp_path / "workers.txt"
     shutil.copy(ROOT / "deploy" / "workers.txt", workers)
     containers = Containers(compose, tmp_path, binds={"./deploy/workers.txt": workers})
-    containers.run_once("nats-auth")
+    members = Members(compose, containers)
+    containers.run_once("nats-auth", routes=members.routes)
+    routes_file = Path(containers.path("nats-auth", parsed_flags(service_args(compose, "nats-auth"))["--routes-out"]))
+    routes_written = routes_file.read_text()
     seeds = containers.path("nats-auth", parsed_flags(service_args(compose, "nats-auth"))["--seeds-dir"])
     lines = [line.split("#")[0].strip() for line in workers.read_text().splitlines()]
     worker, node = next(line for line in lines if line).split("@")
@@ -289,10 +322,13 @@ async def test_the_deployment_admits_only_its_users(compose, tmp_path):
         args[args.index("--metrics-port") + 1] = str(free_port())
         return Serve(*args, env=containers.env("registry-1"))
 
-    with Members(compose, containers) as members:
+    with members:
         with pytest.raises(Exception, match="(?i)authorization"):
             await nats.connect(servers=members.url.split(","), allow_reconnect=False, max_reconnect_attempts=0,
                                connect_timeout=5)
+        refused = await asyncio.to_thread(route_without_credentials, members.cluster[members.names[0]])
+        assert b'"auth_required":true' in refused and b"-ERR 'Authorization Violation'" in refused, refused
+        assert b"PONG" not in refused, refused
         serving = registry().start(timeout=90)  # the stream at three replicas, once the cluster has formed
         try:
             assert (await register(members.url, seeds, worker, node)).outcome.value == "REGISTERED"
@@ -304,7 +340,8 @@ async def test_the_deployment_admits_only_its_users(compose, tmp_path):
             retired.mkdir()
             shutil.copy(Path(seeds, f"{worker}.nk"), retired / f"{worker}.nk")
             workers.write_text(workers.read_text().replace(f"{worker}@{node}\n", "") + "w-new@node-new\n")
-            containers.run_once("nats-auth")
+            containers.run_once("nats-auth", routes=members.routes)
+            assert routes_file.read_text() == routes_written  # the routes' password kept: the members reload it
             members.reload()
         finally:
             serving.stop()

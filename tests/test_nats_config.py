@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import stat
 from contextlib import AsyncExitStack
 
@@ -446,3 +447,44 @@ def test_seeds_removed_are_only_files_this_command_made_and_a_bad_seeds_dir_writ
                                         "--secrets", str(tmp_path / "s2.json"), "--out", str(tmp_path / "c2.conf")])
     assert refused.exit_code == 2 and "--seeds-dir" in refused.output and "is a file" in refused.output
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_routes_are_written_signed_in_and_their_password_kept(tmp_path):
+    """`--routes` writes, to `--routes-out` (mode 0600), the credential a route must sign in with and
+    the members' routes signed in with it; a second run keeps the password (every member reloads the
+    same file). Bad routes are refused naming the option, and nothing is written."""
+    out, routes_out = tmp_path / "auth.conf", tmp_path / "routes.conf"
+
+    def run(*args: str):
+        return CliRunner().invoke(main, ["nats-config", "--worker", "w-1", "--out", str(out), *args])
+
+    first = run("--routes", "nats://n1:6222, nats://n2:6222", "--routes-out", str(routes_out))
+    assert first.exit_code == 0, first.output
+    text = routes_out.read_text()
+    password = re.search(r'password: "([^"]+)"', text).group(1)
+    assert len(password) >= 32
+    assert f'"nats://warmboot-routes:{password}@n1:6222"' in text
+    assert f'"nats://warmboot-routes:{password}@n2:6222"' in text
+    assert stat.S_IMODE(routes_out.stat().st_mode) == 0o600
+    assert password not in out.read_text()  # the accounts block holds no route credential
+    again = run("--routes", "nats://n1:6222,nats://n2:6222,nats://n3:6222", "--routes-out", str(routes_out))
+    assert again.exit_code == 0, again.output
+    assert routes_out.read_text().count(f"warmboot-routes:{password}@") == 3
+
+    out.unlink()
+    fresh = tmp_path / "fresh.conf"
+    for args, error in [
+        (("--routes", "nats://n1:6222"), "--routes and --routes-out go together"),
+        (("--routes-out", str(fresh)), "--routes and --routes-out go together"),
+        (("--routes", "nats://u:p@n1:6222", "--routes-out", str(fresh)), "carries credentials"),
+        (("--routes", "http://n1:6222", "--routes-out", str(fresh)), "is not nats://HOST:PORT"),
+        (("--routes", "nats://n1", "--routes-out", str(fresh)), "is not nats://HOST:PORT"),
+        (("--routes", "nats://n1:99999", "--routes-out", str(fresh)), "--routes"),
+        (("--routes", "nats://n1:6222/x", "--routes-out", str(fresh)), "nothing after them"),
+        (("--routes", " , ", "--routes-out", str(fresh)), "no route given"),
+        (("--routes", "nats://n1:6222", "--routes-out", str(tmp_path / "none" / "r.conf")), "is not a directory"),
+        (("--routes", "nats://n1:6222", "--routes-out", str(out)), "name the same file"),
+    ]:
+        refused = run(*args)
+        assert refused.exit_code != 0 and error in refused.output, (args, refused.output)
+        assert not fresh.exists() and not out.exists(), args

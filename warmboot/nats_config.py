@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import click
 
@@ -22,6 +24,7 @@ from services.registry.nodes import encode_nodes
 from warmboot.cli_common import check_id, check_prefix_option
 
 SERVICES = ("registry", "snapshotter", "scheduler")
+ROUTES_USER = "warmboot-routes"  # the one user a cluster member's route signs in as
 AUTH_MODES = ("password", "bcrypt", "nkey")
 BCRYPT_ROUNDS = 11  # nats-server's own default (`nats server passwd`)
 
@@ -297,6 +300,63 @@ def nats_auth_config(
     return "\n".join(lines) + "\n"
 
 
+def route_urls(given: str) -> list[str]:
+    """The cluster members' route URLs (`nats://HOST:PORT` or `nats-route://HOST:PORT`, comma-separated),
+    checked: no credentials of their own (`routes_config` gives them theirs), nothing but a host and a
+    port. A bad one is a BadParameter naming it."""
+    urls = [u.strip() for u in given.split(",") if u.strip()]
+    if not urls:
+        raise click.BadParameter("no route given: one nats://HOST:PORT per cluster member, comma-separated",
+                                 param_hint="--routes")
+    for url in urls:
+        try:
+            parts = urlsplit(url)
+            port = parts.port
+        except ValueError as e:
+            raise click.BadParameter(f"{url!r}: {e}", param_hint="--routes") from None
+        if parts.scheme not in ("nats", "nats-route") or not parts.hostname or port is None:
+            raise click.BadParameter(f"{url!r} is not nats://HOST:PORT (a member's cluster port)",
+                                     param_hint="--routes")
+        if parts.username is not None or parts.password is not None:
+            raise click.BadParameter(f"{url!r} carries credentials: the routes are given theirs "
+                                     f"({ROUTES_USER}), leave them out", param_hint="--routes")
+        if parts.path not in ("", "/") or parts.query or parts.fragment:
+            raise click.BadParameter(f"{url!r}: a route is a host and a port, nothing after them",
+                                     param_hint="--routes")
+    return urls
+
+
+def routes_config(urls: list[str], password: str) -> str:
+    """What a member's `cluster` block includes: the credential a route must sign in with (so that no
+    process that reaches a cluster port joins the cluster, and sees and says everything, bypassing
+    every user's permissions), and the members' routes, signed in with it."""
+    signed = [urlsplit(u)._replace(netloc=f"{ROUTES_USER}:{password}@{urlsplit(u).netloc}").geturl() for u in urls]
+    lines = [
+        "# The cluster's routes and their credential, written by `warmboot nats-config --routes`.",
+        "# Include it inside the members' `cluster` block:  cluster { ... include \"warmboot-routes.conf\" }",
+        "# It holds the routes' password in clear (each member signs its own routes in with it): keep it",
+        "# readable by the server's user only.",
+        f"authorization {{ user: {_q(ROUTES_USER)}, password: {_q(password)}, timeout: 2 }}",
+        "routes: [",
+        *(f"  {_q(url)}" for url in signed),
+        "]",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def kept_route_password(path: Path) -> str | None:
+    """The routes' password of a file `routes_config` wrote before (kept: every member must have the
+    same, and a member reloads the file it has), or None."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise click.ClickException(f"{path}: cannot read the routes' credential kept there: {e}") from None
+    found = re.search(r'^authorization \{ user: "[^"]*", password: "([A-Za-z0-9_-]+)"', text, re.M)
+    return found.group(1) if found else None
+
+
 # --- the command ------------------------------------------------------------------------------
 
 
@@ -374,6 +434,13 @@ def _usable_seed(seed: str) -> bool:
                    "--nkey-seed / NATS_NKEY_SEED take; the USER.nk of a user not in this run is removed.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the configuration here (mode 0600) instead of standard output.")
+@click.option("--routes", "routes", default=None, metavar="URL[,URL...]",
+              help="The cluster members' route URLs (nats://HOST:PORT, each member's cluster port): write, to "
+                   "--routes-out, the credential every route must sign in with and these routes signed in with "
+                   "it, for the members' `cluster` block to include. Its password is kept from the file "
+                   "already there.")
+@click.option("--routes-out", "routes_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Where --routes is written (mode 0600).")
 @click.option("--rotate", "rotated", multiple=True, callback=check_id, metavar="USER",
               help="Give this user a new secret (password or nkey seed) even if one is kept: its old one "
                    "signs in no more once the server reloads the configuration; repeatable.")
@@ -389,6 +456,8 @@ def nats_config(
     secrets_path: Path | None,
     seeds_dir: Path | None,
     out_path: Path | None,
+    routes: str | None,
+    routes_path: Path | None,
     rotated: tuple[str, ...],
 ) -> None:
     """Write a nats-server `accounts` block with one user per role.
@@ -399,6 +468,7 @@ def nats_config(
     receive replies on _INBOX.ITS_ID.> (the agent's inbox prefix). Clients call
     the snapshotter and the scheduler. Operators, in an account of their own, may
     read the event log by direct gets and call the scheduler's read-only queries.
+    With --routes, also the credential a cluster's routes sign in with.
     See docs/security.md.
     """
     entries = [(f"--worker {w}", w) for w in workers]
@@ -434,7 +504,11 @@ def nats_config(
         raise click.UsageError("--auth bcrypt needs --secrets FILE: the block holds only hashes, and a password "
                                "nobody keeps signs nobody in")
 
-    outputs = {"--secrets": secrets_path, "--out": out_path, "--worker-nodes": worker_nodes_path}
+    if (routes is None) != (routes_path is None):
+        raise click.UsageError("--routes and --routes-out go together: the routes are written to that file")
+    urls = route_urls(routes) if routes is not None else []
+    outputs = {"--secrets": secrets_path, "--out": out_path, "--worker-nodes": worker_nodes_path,
+               "--routes-out": routes_path}
     written: dict[Path, str] = {}
     for option, path in outputs.items():  # checked before anything is written
         if path is None:
@@ -462,6 +536,8 @@ def nats_config(
 
     text = nats_auth_config(prefix, services_user, worker_ids, list(operators), clients=list(clients),
                             ids=identities(auth, secrets_of))
+    if routes_path is not None:
+        routes_text = routes_config(urls, kept_route_password(routes_path) or new_password())
     if secrets_path is not None:
         _write_private(secrets_path, json.dumps(secrets_of, indent=2) + "\n")
     if seeds_dir is not None:
@@ -471,6 +547,9 @@ def nats_config(
     if worker_nodes_path is not None:
         worker_nodes_path.write_bytes(encode_nodes(nodes))  # no secret in it
         click.echo(f"wrote {worker_nodes_path}: the nodes of {len(nodes)} worker(s)", err=True)
+    if routes_path is not None:
+        _write_private(routes_path, routes_text)
+        click.echo(f"wrote {routes_path}: {len(urls)} route(s), signed in as {ROUTES_USER}", err=True)
     if out_path is None:
         click.echo(text, nl=False)
     else:
