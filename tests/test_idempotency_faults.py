@@ -356,22 +356,37 @@ async def test_a_message_of_the_last_life_the_fold_cannot_read_does_not_refuse_t
     assert placed.worker_id == "w0" and placed.seq > created_at
 
 
-@pytest.mark.parametrize("created_first", [True, False], ids=["created", "suspended"])
+@pytest.mark.parametrize("created_first, folded_late", [(True, False), (False, False), (False, True)],
+                         ids=["created", "suspended", "suspended-placement-folded-late"])
 async def test_a_refusal_is_decided_again_when_the_fold_catches_up_while_the_leader_is_asked(
-        stack, nc, prefix, monkeypatch, created_first):
+        stack, nc, prefix, monkeypatch, created_first, folded_late):
     """As above, but the fold folds what it lacked while the stream leader's answer is on its way,
     the window a loaded CI run hit (NOT_FOUND for an actor just created, in test_faults' leader
     kill). The refusal was decided on the fold's state before that, so it is decided again: the
     check compares the leader's answer with what the fold had when the refusal was decided, not
-    with what it has once the answer is in."""
+    with what it has once the answer is in.
+
+    The first placement's reply can reach the client before the fold's consumer delivers that
+    placement (the store appends on a connection of its own): a fold paused then would hold the
+    resume in its wait for the replica's own last placement (`Committer.unfolded`), which only the
+    end of the pause, in the leader's answer, could end (`folded_late` makes that order certain).
+    So the fold has the placement before it is paused."""
     import services.scheduler.service as service_module
 
     scheduler = stack.services[-1]
     wb = Client(nc, prefix)
     await wb.register(worker("w0", V1))
     if not created_first:
-        await wb.create(actor("a"))
-        await wb.resume("a")
+        created = await wb.create(actor("a"))
+        if folded_late:
+            await scheduler.fold.wait(created.seq, 10)
+            async with scheduler.fold.paused():
+                first = await wb.resume("a")
+            assert scheduler.committer.unfolded("a") == first.seq  # answered before the fold has it
+        else:
+            first = await wb.resume("a")
+        await scheduler.fold.wait(first.seq, 10)
+        assert scheduler.committer.unfolded("a") is None
     pause = scheduler.fold.paused()
     await pause.__aenter__()
     paused = True
