@@ -2,7 +2,9 @@
 its own, then over a real bus: past the budget a request that would write is refused
 RESOURCE_EXHAUSTED and writes nothing, what writes nothing is still answered, two replicas
 under hundreds of concurrent requests write at most their two budgets (read from the log), and
-an agent whose budget is spent registers once it refills instead of ending."""
+an agent whose budget is spent registers once it refills instead of ending. And how many of one
+worker's requests a replica works on at once: a flood of them is refused past a few, so that it
+does not hold up every other worker's."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from events.probe import probe_version
 from events.schema import ErrorCode, RuntimeChanged, WorkerRegistered, WorkerRemoved, WorkerUpdated
 from events.subjects import bucket_name
 from services.registry.budget import FREE, WriteBudget
+from services.registry.service import IN_FLIGHT_PER_WORKER
 from tests.registry_helpers import (last_seq, raw_request, registration, running_registry, runtime, wait_event,
                                     worker_events)
 from tests.registry_helpers import AMD, CPUINFO, PROBE, a_machine, agent_config
@@ -325,6 +328,75 @@ async def test_a_worker_whose_cpu_changed_while_its_budget_is_spent_is_removed_n
         here = probe_version(AMD.read_text(), "amd64", "gvisor", {"gvisor_asset_hash": "v1"})
         assert same_version(again.sandbox_classes[0].default_runtime.version, here)
         assert not same_version(registered.sandbox_classes[0].default_runtime.version, here)
+
+
+# --- how many of one worker's requests a replica works on at once -----------------------------------------------
+
+
+async def test_a_flood_of_one_worker_s_registrations_does_not_hold_up_another_s(nats_url, nc, prefix):
+    """300 registrations of one worker at once, the first held by its decision: a replica works on
+    IN_FLIGHT_PER_WORKER of them (the first, the others waiting for the worker's lock) and refuses the
+    rest at once, RESOURCE_EXHAUSTED, so another worker's registration is answered while the first is
+    still held (before, the flood held every slot of the endpoint, and it waited behind them). What is
+    written is what was answered, read from the log."""
+    async with running_registry(nats_url, prefix, writes=WriteBudget(0)) as registry:
+        await raw_request(nc, prefix, "register", "w-evil", registration("w-evil"))
+        after = await last_seq(nc, prefix)
+        held, release = asyncio.Event(), asyncio.Event()
+        decide = registry.store.register
+
+        async def holding(request, *more):
+            if request.worker_id == "w-evil":
+                held.set()
+                await release.wait()
+            return await decide(request, *more)
+
+        registry.store.register = holding
+        flood = [asyncio.ensure_future(raw_request(nc, prefix, "register", "w-evil",
+                                                   registration("w-evil", labels={"n": str(i)})))
+                 for i in range(300)]
+        try:
+            await asyncio.wait_for(held.wait(), 10)
+            reply, _ = await raw_request(nc, prefix, "register", "w-good", registration("w-good"), timeout=5)
+            assert reply["outcome"] == "REGISTERED", reply
+        finally:
+            release.set()
+        replies = [r for r, _ in await asyncio.gather(*flood)]
+        refused = [r["error"] for r in replies if "error" in r]
+        assert {(e["code"], e["field"]) for e in refused} == {("RESOURCE_EXHAUSTED", "worker_id")}
+        answered = [r["seq"] for r in replies if "error" not in r]
+        assert len(answered) == IN_FLIGHT_PER_WORKER, len(answered)
+        written = [s for s, e in await worker_events(nc, prefix, "w-evil") if s > after]
+        assert sorted(set(answered)) == written  # each answered registration wrote its change, nothing else
+
+
+async def test_a_flood_of_one_worker_s_heartbeats_does_not_hold_up_another_s(nats_url, nc, prefix):
+    """The same with heartbeats, whose puts are held: another worker's heartbeat is answered meanwhile,
+    and the flood's are refused past IN_FLIGHT_PER_WORKER, RESOURCE_EXHAUSTED."""
+    async with running_registry(nats_url, prefix, writes=WriteBudget(0)) as registry:
+        for worker_id in ("w-evil", "w-good"):
+            await raw_request(nc, prefix, "register", worker_id, registration(worker_id))
+        held, release = asyncio.Event(), asyncio.Event()
+        beat = registry.liveness.beat
+
+        async def holding(worker_id: str) -> None:
+            if worker_id == "w-evil":
+                held.set()
+                await release.wait()
+            await beat(worker_id)
+
+        registry.liveness.beat = holding
+        flood = [asyncio.ensure_future(raw_request(nc, prefix, "heartbeat", "w-evil", {})) for _ in range(300)]
+        try:
+            await asyncio.wait_for(held.wait(), 10)
+            reply, _ = await raw_request(nc, prefix, "heartbeat", "w-good", {}, timeout=5)
+            assert "error" not in reply, reply
+        finally:
+            release.set()
+        replies = [r for r, _ in await asyncio.gather(*flood)]
+        refused = [r["error"] for r in replies if "error" in r]
+        assert {(e["code"], e["field"]) for e in refused} == {("RESOURCE_EXHAUSTED", "worker_id")}
+        assert len(replies) - len(refused) == IN_FLIGHT_PER_WORKER
 
 
 # --- the agent's registrations while its budget is spent and its machine changes ----------------------------------

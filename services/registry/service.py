@@ -39,7 +39,7 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from contextlib import suppress
 from datetime import datetime
-from functools import partial
+from functools import partial, wraps
 from typing import TypeVar
 
 import msgspec
@@ -48,7 +48,7 @@ from nats.js.errors import NotFoundError
 from prometheus_client import Counter, Histogram
 
 from events.aggregate import Recorded, WireApplication, now
-from events.errors import ContractError, UnreadableHistory, invalid, unavailable
+from events.errors import ContractError, UnreadableHistory, exhausted, invalid, unavailable
 from events.jetstream.link import links_on
 from events.natspy import flush_in_order
 from events.schema import (
@@ -67,7 +67,7 @@ from events.subjects import check_prefix, event_subject, stream_name
 from events.tasks import cancel_and_wait
 from services.common import (EndpointSpec, NoWriteAnswers, Recheck, ReplyCache, StreamWatch, add_endpoints,
                              last_seq_on, run_command_async, store_env, stream_replicas)
-from services.locks import KeyedLock
+from services.locks import KeyedCount, KeyedLock
 from services.registry.binding import SharedBinding
 from services.registry.budget import FREE, Ticket, WriteBudget
 from services.registry.domain import Worker, register_outcome
@@ -78,11 +78,16 @@ from services.registry.roster import Roster
 
 log = logging.getLogger("warmboot.registry")
 T = TypeVar("T")
+R = TypeVar("R")
 
 SERVICE = "registry"
 DEFAULT_TTL_S = 15.0
 FOLD_START_S = 120.0  # time to fold every worker event at start
 RECONCILE_LANES = 32  # heartbeat records read at once when reconciling at start
+# Requests about one worker a replica works on at once (in progress, or waiting for the worker's lock):
+# an agent has at most about four (its registration, the heartbeat after it, its loop's heartbeat, a
+# drain at exit), an operator's few more. Past it, RESOURCE_EXHAUSTED at once (`_one_of_few`).
+IN_FLIGHT_PER_WORKER = 8
 
 REGISTRATIONS = Counter(
     "warmboot_registry_registrations_total", "Registrations answered, by outcome", ["outcome"]
@@ -90,6 +95,10 @@ REGISTRATIONS = Counter(
 LOST_WORKERS = Counter("warmboot_registry_workers_lost_total", "Workers removed as LOST by this replica")
 UNBOUND_REMOVALS = Counter("warmboot_registry_workers_unbound_removed_total",
                            "Workers this replica removed for being registered on a node the binding does not give them")
+IN_FLIGHT_REFUSED = Counter(
+    "warmboot_registry_requests_over_in_flight_total",
+    f"Requests this replica refused because it was working on {IN_FLIGHT_PER_WORKER} about the same worker already",
+)
 OVER_BUDGET = Counter("warmboot_registry_writes_over_budget_total",
                       "Requests this replica refused because their worker's write budget was spent "
                       "(services.registry.budget)")
@@ -334,6 +343,8 @@ class RegistryService:
         # Requests about one worker are decided one at a time in this replica; request ids
         # are answered from the worker's history, where the write happens (WireAggregate.prior).
         self._workers = KeyedLock()
+        self._in_flight = KeyedCount(IN_FLIGHT_PER_WORKER)  # the requests about each worker (`_one_of_few`)
+        self._flooding: set[str] = set()  # workers refused for it since they last had none in progress
         self.positions = EventPositions(nc, prefix)
         self.roster = Roster()
         self.fold = RosterFold(nc, prefix, self.roster)
@@ -372,10 +383,10 @@ class RegistryService:
             SERVICE,
             "warmboot worker registry: workers report their runtimes per sandbox class",
             [
-                EndpointSpec("register", RegisterWorker, self.register),
-                EndpointSpec("heartbeat", Heartbeat, self.heartbeat),
-                EndpointSpec("drain", DrainWorker, self.drain),
-                EndpointSpec("remove", RemoveWorker, self.remove),
+                EndpointSpec("register", RegisterWorker, self._one_of_few(self.register)),
+                EndpointSpec("heartbeat", Heartbeat, self._one_of_few(self.heartbeat)),
+                EndpointSpec("drain", DrainWorker, self._one_of_few(self.drain)),
+                EndpointSpec("remove", RemoveWorker, self._one_of_few(self.remove)),
             ],
         )
         self._binding_moved.set()  # the workers registered before this start, judged once
@@ -400,6 +411,33 @@ class RegistryService:
             self.store = None
 
     # --- endpoints ----------------------------------------------------------------------
+
+    def _one_of_few(self, handler: Callable[[str, T], Awaitable[R]]) -> Callable[[str, T], Awaitable[R]]:
+        """`handler`, refused RESOURCE_EXHAUSTED (field `worker_id`, nothing done) while this replica works
+        on IN_FLIGHT_PER_WORKER requests about the same worker already. The requests about one worker wait
+        for its lock, or a heartbeat for its put, each holding one of its endpoint's slots, which the
+        requests about every worker share: without a bound, one credential's flood of requests about its
+        own worker held them all, and every other worker's registrations (or heartbeats) waited behind it."""
+
+        @wraps(handler)
+        async def limited(worker_id: str, request: T) -> R:
+            if not self._in_flight.enter(worker_id):
+                IN_FLIGHT_REFUSED.inc()
+                if worker_id not in self._flooding:  # said once until its requests are all answered
+                    self._flooding.add(worker_id)
+                    log.warning("worker %s has %d requests in progress at this replica: more are refused until "
+                                "they are answered", worker_id, IN_FLIGHT_PER_WORKER)
+                raise exhausted(f"this registry replica is working on {IN_FLIGHT_PER_WORKER} requests about worker "
+                                f"{worker_id!r} already: this one was not taken; try again once one is answered",
+                                "worker_id")
+            try:
+                return await handler(worker_id, request)
+            finally:
+                self._in_flight.leave(worker_id)
+                if worker_id not in self._in_flight:
+                    self._flooding.discard(worker_id)
+
+        return limited
 
     async def register(self, worker_id: str, request: RegisterWorker) -> RegisterReply:
         if request.worker_id != worker_id:
