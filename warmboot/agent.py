@@ -197,9 +197,9 @@ class Outdated(Exception):
 
 
 class Stale(Exception):
-    """A request the registry did not answer is not tried again: the registration in force claims a
-    CPU the machine no longer has (`Agent._why_stale`), and its sender removes the worker meanwhile
-    instead of waiting with it registered."""
+    """A request the registry refused for the worker's write budget is not tried again: the
+    registration in force claims a CPU the machine no longer has (`Agent._why_stale`), and its
+    sender removes the worker meanwhile instead of waiting with it registered."""
 
 
 @dataclass(frozen=True)
@@ -614,12 +614,13 @@ class Agent:
                        current: Callable[[], bool] = lambda: True):
         """A request, retried while the registry is unreachable (UNAVAILABLE, a time-out, or
         `also_retry`) or busy (RESOURCE_EXHAUSTED, which the registry answers when the worker's write
-        budget is spent: `services.registry.budget`) unless stopped; not once `stale()` gives a reason
-        (`Stale`: the registration in force claims a CPU the machine no longer has, for the caller
-        to remove the worker rather than wait), nor once the body is no longer `current()`
-        (`Outdated`, for the caller to make it again). One that beats (a heartbeat, a registration)
-        records when it was sent (`beat_at`), and its retries come closer together as that beat's
-        TTL runs out."""
+        budget is spent, `services.registry.budget`, or it works on a few of the worker's requests
+        already) unless stopped; a busy one not once `stale()` gives a reason (`Stale`: the
+        registration in force claims a CPU the machine no longer has, for the caller to remove the
+        worker rather than wait: the registry certainly did not take it); and none once the body is
+        no longer `current()` (`Outdated`, for the caller to make it again). One that beats (a
+        heartbeat, a registration) records when it was sent (`beat_at`), and its retries come closer
+        together as that beat's TTL runs out."""
         # One attempt per call of the client (warmboot.client: the one way a request is made);
         # the agent's own loop retries, without bound until stopped, as a worker in service must.
         client = Client(self.nc, self.prefix, timeout=timeout, attempts=1)
@@ -635,18 +636,20 @@ class Agent:
                     self.beat_at = sent
                 return reply
             except ContractError as e:
-                retried = e.code in (ErrorCode.UNAVAILABLE, ErrorCode.RESOURCE_EXHAUSTED) or e.code in also_retry
-                if not retried or stop is None:
+                busy = e.code is ErrorCode.RESOURCE_EXHAUSTED
+                if (e.code is not ErrorCode.UNAVAILABLE and e.code not in also_retry and not busy) or stop is None:
                     raise
                 failure = e.message
             except Exception as e:  # connection closed or reconnecting
                 if stop is None:
                     raise
-                failure = str(e)
+                busy, failure = False, str(e)
             self._check_not_denied()
-            why = stale()
+            # Only a refusal: a time-out or UNAVAILABLE may have been taken, its retry (the same request
+            # id) answered from the worker's history; meanwhile no heartbeat keeps a stale CPU (`heartbeat`).
+            why = stale() if busy else None
             if why is not None:
-                raise Stale(f"{why}, and the registry does not take its {verb} now ({failure})")
+                raise Stale(f"{why}, and the registry takes none of its registrations for now ({failure})")
             log.warning("%s: %s; retrying in %.1fs", verb, failure, delay)
             if await _wait(stop, delay):
                 raise asyncio.CancelledError
@@ -843,10 +846,10 @@ class Agent:
                     log.warning("registration of %s made again: %s", self.worker_id, e)
                     continue
                 except Stale as e:
-                    # The registry does not take this registration (unreachable, stalled, or the worker's
-                    # write budget spent), and the one in force claims a CPU the machine no longer has:
-                    # the worker is removed meanwhile (a removal is free), where images of that CPU would
-                    # be sent. This registration then begins a new life once the registry takes it.
+                    # The registry takes none of this worker's registrations for a while (its write budget
+                    # is spent), and the one in force claims a CPU the machine no longer has: the worker is
+                    # removed meanwhile (a removal is free), where images of that CPU would be sent. This
+                    # registration then begins a new life once the registry takes it.
                     await self._withdraw(str(e), stop)
                     continue
                 except ContractError as e:
@@ -1044,14 +1047,16 @@ class Agent:
     async def heartbeat(self, stop: asyncio.Event) -> None:
         """A beat, unless the worker was removed on purpose (a beat would be NOT_FOUND, and register
         again what is wrong), or its registration in force claims a CPU the machine no longer has
-        (`_why_stale`): that one is kept alive by no beat while it is made again, or the worker
-        removed (`RESTAMP`); should neither get through, the registry removes it as LOST."""
+        (`_why_stale`): that one is kept alive by no beat while it is made again (`RESTAMP`, an
+        edit), so should the registry not take that within the TTL (stalled, overloaded, its answer
+        lost), it removes the worker as LOST, and images of that CPU are sent to it no longer."""
         if self.withdrawn or self._not_beating(self._why_stale()):
             return
         try:
-            reply = await self._request("heartbeat", Heartbeat(), HeartbeatReply, stop, stale=self._why_stale)
-        except Stale as e:
-            self._not_beating(str(e))
+            reply = await self._request("heartbeat", Heartbeat(), HeartbeatReply, stop,
+                                        current=lambda: self._why_stale() is None)
+        except Outdated:
+            self._not_beating(self._why_stale() or "the probe reads another CPU")
             return
         except ContractError as e:
             if e.code != ErrorCode.NOT_FOUND or self.registration is None:
