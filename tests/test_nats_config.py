@@ -481,6 +481,9 @@ def test_routes_are_written_signed_in_and_their_password_kept(tmp_path):
         (("--routes", "nats://n1", "--routes-out", str(fresh)), "is not nats://HOST:PORT"),
         (("--routes", "nats://n1:99999", "--routes-out", str(fresh)), "--routes"),
         (("--routes", "nats://n1:6222/x", "--routes-out", str(fresh)), "nothing after them"),
+        (("--routes", "nats://n1:0", "--routes-out", str(fresh)), "is not nats://HOST:PORT"),
+        (("--routes", 'nats://n"1:6222', "--routes-out", str(fresh)), "is not nats://HOST:PORT"),
+        (("--routes", "nats://n1:6222,nats://n1:6222", "--routes-out", str(fresh)), "given twice"),
         (("--routes", " , ", "--routes-out", str(fresh)), "no route given"),
         (("--routes", "nats://n1:6222", "--routes-out", str(tmp_path / "none" / "r.conf")), "is not a directory"),
         (("--routes", "nats://n1:6222", "--routes-out", str(out)), "name the same file"),
@@ -488,3 +491,44 @@ def test_routes_are_written_signed_in_and_their_password_kept(tmp_path):
         refused = run(*args)
         assert refused.exit_code != 0 and error in refused.output, (args, refused.output)
         assert not fresh.exists() and not out.exists(), args
+
+
+def test_a_file_written_again_is_never_left_half_written(tmp_path, monkeypatch):
+    """nats-auth run again (compose: every `up`) writes the files the members include once more; should
+    a write fail half-way (a full disk here), each file is as it was, and the command says which: an
+    empty routes file is a `cluster` block with no authorization, which nats-server 2.15.1 takes on a
+    reload or a restart (any process that reaches a cluster port then joins), an empty accounts block
+    lets anyone in, and the next run, finding no password to keep, would make a new one the members
+    do not have (found by a review)."""
+    import errno
+    import os
+
+    out, routes_out = tmp_path / "auth.conf", tmp_path / "routes.conf"
+    args = ["nats-config", "--worker", "w-1", "--out", str(out), "--routes", "nats://n1:6222,nats://n2:6222",
+            "--routes-out", str(routes_out)]
+    assert CliRunner().invoke(main, args).exit_code == 0
+    before = {path: path.read_text() for path in (out, routes_out)}
+    real_fdopen = os.fdopen
+
+    class Full:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, text):
+            self.f.write(text[: len(text) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fdopen", lambda fd, *a, **k: Full(real_fdopen(fd, *a, **k)))
+    refused = CliRunner().invoke(main, [*args, "--worker", "w-2"])
+    monkeypatch.undo()
+    assert refused.exit_code != 0 and "No space left on device" in refused.output, refused.output
+    assert "as it was" in refused.output
+    assert {path: path.read_text() for path in (out, routes_out)} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["auth.conf", "routes.conf"]  # no leftover
+

@@ -48,7 +48,6 @@ import asyncio
 import enum
 import hashlib
 import logging
-import os
 import time
 import tomllib
 import uuid
@@ -86,6 +85,7 @@ from events.schema import (
 )
 from events.subjects import DEFAULT_PREFIX, check_prefix
 from warmboot.client import Client
+from warmboot.files import write_atomically
 
 
 def _classes(registration: RegisterWorker) -> set[str]:
@@ -433,21 +433,9 @@ class RevisionFile:
 
     def write(self, revision: int) -> None:
         """Replace the kept revision, durably (written, synced, renamed over): StateFileError if it cannot be."""
-        temporary = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
         try:
-            with open(temporary, "w", encoding="ascii") as f:
-                f.write(f"{self.worker_id} {revision}\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(temporary, self.path)
-            directory = os.open(self.path.parent, os.O_RDONLY)
-            try:
-                os.fsync(directory)
-            finally:
-                os.close(directory)
+            write_atomically(self.path, f"{self.worker_id} {revision}\n", encoding="ascii")
         except OSError as e:
-            with suppress(OSError):
-                os.unlink(temporary)
             raise StateFileError(f"state file {self.path}: cannot keep revision {revision} there: {e}; no "
                                  "registration is sent with a revision it does not keep") from None
 

@@ -8,7 +8,6 @@ command only reads and writes the files.
 from __future__ import annotations
 
 import json
-import os
 import re
 import secrets
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from events.subjects import DEFAULT_PREFIX, bucket_name, events_filter, services
 from events.schema import ID_RE, ID_WORDS
 from services.registry.nodes import encode_nodes
 from warmboot.cli_common import check_id, check_prefix_option
+from warmboot.files import write_atomically
 
 SERVICES = ("registry", "snapshotter", "scheduler")
 ROUTES_USER = "warmboot-routes"  # the one user a cluster member's route signs in as
@@ -314,7 +314,9 @@ def route_urls(given: str) -> list[str]:
             port = parts.port
         except ValueError as e:
             raise click.BadParameter(f"{url!r}: {e}", param_hint="--routes") from None
-        if parts.scheme not in ("nats", "nats-route") or not parts.hostname or port is None:
+        if (parts.scheme not in ("nats", "nats-route") or not parts.hostname or not port
+                or not re.fullmatch(r"[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\]",
+                                    parts.netloc.rpartition("@")[2].rpartition(":")[0])):
             raise click.BadParameter(f"{url!r} is not nats://HOST:PORT (a member's cluster port)",
                                      param_hint="--routes")
         if parts.username is not None or parts.password is not None:
@@ -323,6 +325,9 @@ def route_urls(given: str) -> list[str]:
         if parts.path not in ("", "/") or parts.query or parts.fragment:
             raise click.BadParameter(f"{url!r}: a route is a host and a port, nothing after them",
                                      param_hint="--routes")
+    twice = sorted({u for u in urls if urls.count(u) > 1})
+    if twice:
+        raise click.BadParameter(f"{', '.join(twice)} given twice", param_hint="--routes")
     return urls
 
 
@@ -361,10 +366,12 @@ def kept_route_password(path: Path) -> str | None:
 
 
 def _write_private(path: Path, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(path, 0o600)  # an existing file keeps its mode through O_CREAT: set it
+    """`text` to `path`, mode 0600, whole or not at all (`write_atomically`): a member that reloads or
+    restarts on a file half-written would run without its authorization."""
+    try:
+        write_atomically(path, text, 0o600)
+    except OSError as e:
+        raise click.ClickException(f"{path}: cannot write it ({e}); the file there is as it was") from None
 
 
 
