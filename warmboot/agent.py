@@ -1061,8 +1061,8 @@ class Agent:
     def _not_beating(self, why: str | None) -> bool:
         """Whether a beat is held back for `why` (said)."""
         if why is not None:
-            log.warning("no heartbeat for %s: %s; it is registered again on the machine as it is, or removed",
-                        self.worker_id, why)
+            log.warning("no heartbeat for %s: %s; none until it is registered again on the machine as it is "
+                        "(else the registry removes it as LOST)", self.worker_id, why)
         return why is not None
 
     async def drain(self, reason: str, timeout_s: float = 5.0) -> SeqReply | None:
