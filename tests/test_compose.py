@@ -126,10 +126,11 @@ def test_the_cluster_runs_the_nats_server_the_tests_run():
 
 
 def test_the_members_include_what_nats_auth_writes_and_the_services_sign_in_with_it(compose):
-    """nats-auth writes the accounts block, the binding, the seeds and its secrets file, each to a
-    volume of its own; every member mounts the accounts block where its configuration includes it,
-    and neither the seeds nor the secrets file; every service signs in with the services' seed and
-    never mounts the secrets file; the registries bind workers to nodes with nats-auth's binding;
+    """nats-auth writes the accounts block, the binding, the seeds, the services' seed and its secrets
+    file, each to a volume of its own; every member mounts the accounts block where its configuration
+    includes it, and neither the seeds nor the secrets file; every service signs in with the services'
+    seed, mounted alone, and mounts neither the secrets file nor the other users' seeds (before, every
+    service held every worker's seed); the registries bind workers to nodes with nats-auth's binding;
     and nothing starts before nats-auth has run."""
     services = compose["services"]
     auth = parsed_flags(services["nats-auth"]["command"])
@@ -144,12 +145,13 @@ def test_the_members_include_what_nats_auth_writes_and_the_services_sign_in_with
             mount_of(services["nats-auth"], Path(auth[option]))[0] for option in ("--seeds-dir", "--secrets")}, \
             f"{name} mounts a volume with secrets"
         assert services[name]["depends_on"]["nats-auth"]["condition"] == "service_completed_successfully"
-    seed = Path(auth["--seeds-dir"]) / f"{auth.get('--services-user', 'warmboot-services')}.nk"
-    secrets_volume = mount_of(services["nats-auth"], Path(auth["--secrets"]))[0]
+    seed = Path(auth["--services-seed"])
+    private = {mount_of(services["nats-auth"], Path(auth[option]))[0] for option in ("--secrets", "--seeds-dir")}
     for name, args in warmboot_services(compose).items():
         assert mount_of(services[name], Path(services[name]["environment"]["NATS_NKEY_SEED"])) == \
             mount_of(services["nats-auth"], seed), name
-        assert secrets_volume not in {volume for volume, _ in mounted(services[name]).values()}, name
+        # neither the secrets file nor the other users' seeds: a service given a worker's seed could speak as it
+        assert not private & {volume for volume, _ in mounted(services[name]).values()}, name
         assert services[name]["depends_on"]["nats-auth"]["condition"] == "service_completed_successfully", name
         if name.startswith("registry-"):
             assert mount_of(services[name], Path(flag(args, "--worker-nodes"))) == \

@@ -26,6 +26,7 @@ from tests.secured_helpers import Secured, Serve
 from warmboot.agent import Agent
 from warmboot.cli import main
 from warmboot.cli_common import log_messages
+from warmboot.nats_config import nkey_public
 from warmboot.natsserver import NatsServer
 from warmboot.runner import start_services
 
@@ -532,3 +533,22 @@ def test_a_file_written_again_is_never_left_half_written(tmp_path, monkeypatch):
     assert {path: path.read_text() for path in (out, routes_out)} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["auth.conf", "routes.conf"]  # no leftover
 
+
+
+def test_the_services_seed_is_written_alone_for_the_services(tmp_path):
+    """`--services-seed FILE` writes the services user's seed, and only it, so that the services need
+    not mount every user's seed (`--seeds-dir`): it is the seed the accounts block knows the services
+    by, kept across runs, and refused without nkeys."""
+    seeds, alone, out = tmp_path / "seeds", tmp_path / "services.nk", tmp_path / "auth.conf"
+    args = ["nats-config", "--auth", "nkey", "--services-user", "svc", "--worker", "w-1", "--seeds-dir", str(seeds),
+            "--services-seed", str(alone), "--out", str(out)]
+    first = CliRunner().invoke(main, args)
+    assert first.exit_code == 0, first.output
+    assert alone.read_text() == (seeds / "svc.nk").read_text() != (seeds / "w-1.nk").read_text()
+    assert stat.S_IMODE(alone.stat().st_mode) == 0o600
+    assert nkey_public(alone.read_text().strip()) in out.read_text()
+    again = CliRunner().invoke(main, args)
+    assert again.exit_code == 0 and alone.read_text() == (seeds / "svc.nk").read_text(), again.output
+    refused = CliRunner().invoke(main, ["nats-config", "--worker", "w-1", "--services-seed", str(tmp_path / "x.nk")])
+    assert refused.exit_code != 0 and "--services-seed goes with --auth nkey" in refused.output
+    assert not (tmp_path / "x.nk").exists()

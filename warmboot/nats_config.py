@@ -439,6 +439,9 @@ def _usable_seed(seed: str) -> bool:
 @click.option("--seeds-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="--auth nkey: also write each user's seed to DIR/USER.nk (mode 0600), the file that "
                    "--nkey-seed / NATS_NKEY_SEED take; the USER.nk of a user not in this run is removed.")
+@click.option("--services-seed", "services_seed_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="--auth nkey: also write the services user's seed alone to this file (mode 0600), for the "
+                   "services to sign in with, so that they need not be given every user's seed (--seeds-dir).")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the configuration here (mode 0600) instead of standard output.")
 @click.option("--routes", "routes", default=None, metavar="URL[,URL...]",
@@ -462,6 +465,7 @@ def nats_config(
     auth: str,
     secrets_path: Path | None,
     seeds_dir: Path | None,
+    services_seed_path: Path | None,
     out_path: Path | None,
     routes: str | None,
     routes_path: Path | None,
@@ -501,6 +505,8 @@ def nats_config(
         raise click.UsageError(f"user names must be unique across roles: {', '.join(clashes)}")
     if seeds_dir is not None and auth != "nkey":
         raise click.UsageError("--seeds-dir goes with --auth nkey")
+    if services_seed_path is not None and auth != "nkey":
+        raise click.UsageError("--services-seed goes with --auth nkey")
     unknown = sorted(set(rotated) - set(users))
     if unknown:
         raise click.BadParameter(f"{', '.join(unknown)}: not a user of this run", param_hint="--rotate")
@@ -515,7 +521,7 @@ def nats_config(
         raise click.UsageError("--routes and --routes-out go together: the routes are written to that file")
     urls = route_urls(routes) if routes is not None else []
     outputs = {"--secrets": secrets_path, "--out": out_path, "--worker-nodes": worker_nodes_path,
-               "--routes-out": routes_path}
+               "--routes-out": routes_path, "--services-seed": services_seed_path}
     written: dict[Path, str] = {}
     for option, path in outputs.items():  # checked before anything is written
         if path is None:
@@ -551,6 +557,9 @@ def nats_config(
         seeds_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         for u, seed in secrets_of.items():
             _write_private(seeds_dir / f"{u}.nk", seed + "\n")
+    if services_seed_path is not None:
+        _write_private(services_seed_path, secrets_of[services_user] + "\n")
+        click.echo(f"wrote {services_seed_path}: the seed of {services_user}", err=True)
     if worker_nodes_path is not None:
         worker_nodes_path.write_bytes(encode_nodes(nodes))  # no secret in it
         click.echo(f"wrote {worker_nodes_path}: the nodes of {len(nodes)} worker(s)", err=True)
