@@ -10,30 +10,55 @@ half-written is one without its authorization, which nats-server takes.
 from __future__ import annotations
 
 import os
+import tempfile
 from contextlib import suppress
 from pathlib import Path
 
 
 def write_atomically(path: Path, text: str, mode: int | None = None, encoding: str = "utf-8") -> None:
-    """Replace `path` with `text`, durably; with `mode`, the file has that mode from its creation
-    (a secret is never readable by others, not even for a moment). OSError if it cannot be: `path`
-    is then as it was."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    """Replace `path` with `text`, durably. The file keeps the owner, group and mode it had (a
+    nats-server running as its own user reads what it read before); with `mode`, it has that mode,
+    from its creation on (a secret is never readable by others, not even for a moment). A symbolic
+    link is written through: its target is replaced. The temporary file beside it is made anew
+    (O_EXCL, a random name), so nothing planted or left there receives the text. OSError if it
+    cannot be written: `path` is then as it was. The rename is synced where the file system can
+    (some refuse an fsync of a directory): once renamed, the text is in place."""
+    path = Path(os.path.realpath(path))
     try:
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666 if mode is None else mode)
+        before: os.stat_result | None = os.stat(path)
+    except FileNotFoundError:
+        before = None
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # mode 0600
+    try:
         with os.fdopen(fd, "w", encoding=encoding) as f:
             f.write(text)
             f.flush()
+            if before is not None:
+                with suppress(PermissionError):  # another owner than the writer's own: only root can give it
+                    os.fchown(f.fileno(), before.st_uid, before.st_gid)
+            final = mode if mode is not None else (before.st_mode & 0o7777 if before is not None else _default_mode())
+            os.fchmod(f.fileno(), final)
             os.fsync(f.fileno())
-        if mode is not None:
-            os.chmod(temporary, mode)  # a leftover temporary file kept its mode through O_CREAT: set it
-        os.replace(temporary, path)
+        os.replace(name, path)
     except BaseException:
         with suppress(OSError):
-            os.unlink(temporary)
+            os.unlink(name)
         raise
-    directory = os.open(path.parent, os.O_RDONLY)
+    with suppress(OSError):
+        directory = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+
+
+def _default_mode() -> int:
+    """What a file created with open() gets: 0666 less the process's umask (read without changing
+    it where /proc says it)."""
     try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o644
