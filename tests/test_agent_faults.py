@@ -169,24 +169,55 @@ def on_amd(event) -> bool:
     return same_version(event.sandbox_classes[0].default_runtime.version, here)
 
 
-async def test_a_cpu_that_changes_while_the_registry_takes_no_registration_has_the_worker_lost_in_its_ttl(
-        nats_url, nc, prefix, tmp_path):
+@pytest.mark.parametrize("ttl_s, retry_max_s", [(2.0, RETRY_MAX_S), (3.0, 1.0)], ids=["short-ttl", "retries-close"])
+async def test_a_cpu_that_changes_while_the_registry_takes_no_registration_gets_the_worker_removed_in_a_ttl(
+        nats_url, nc, prefix, tmp_path, monkeypatch, ttl_s, retry_max_s):
     """The registry answers heartbeats, not registrations (a stalled store: UNAVAILABLE), and the
     machine moves to another CPU: the registration in force claims the old one, where its images
-    would be sent. The agent sends no heartbeat while it is so, so the registry removes the worker as
-    LOST within its TTL; once the registry takes registrations again, the CPU the machine has now is
-    registered, a new life (before, the heartbeats kept the old CPU registered for as long as the stall
-    lasted: found by a review)."""
+    would be sent. The agent sends no heartbeat while it is so; but the registry beats a worker at each
+    registration it is sent, so the agent's own attempts would keep the old CPU alive (with retries
+    closer together than the TTL, as in production: found by a review). After a TTL of them, the agent
+    removes the worker; once the registry takes registrations again, the CPU the machine has now is
+    registered, a new life (before, the heartbeats kept the old CPU registered for as long as the
+    stall lasted: found by a review)."""
+    import warmboot.agent as agent_module
+
+    monkeypatch.setattr(agent_module, "RETRY_MAX_S", retry_max_s)
     agent, cpuinfo, _ = a_machine(tmp_path, nats_url, prefix)
-    async with running_registry(nats_url, prefix, ttl_s=2.0) as registry, agent_running(agent) as task:
+    async with running_registry(nats_url, prefix, ttl_s=ttl_s) as registry, agent_running(agent) as task:
         seq, registered = await wait_event(nc, prefix, "w-a", WorkerRegistered)
         decide, registry.store.register = registry.store.register, stalled
         shutil.copy(AMD, cpuinfo)
         seq, removed = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq)
-        assert removed.reason == "LOST", removed
+        assert removed.reason.startswith("its agent cannot register the CPU its machine has now: "), removed
+        assert f"has taken none of its registrations for {ttl_s:g}s" in removed.reason, removed
         registry.store.register = decide
         _, again = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=seq)
         assert on_amd(again) and not on_amd(registered) and not task.done()
+
+
+class Logged(logging.Handler):
+    """An event set when the agent logs a warning that holds `words`."""
+
+    def __init__(self, words: str) -> None:
+        super().__init__(logging.WARNING)
+        self.words, self.seen = words, asyncio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.words in record.getMessage():
+            self.seen.set()
+
+
+@asynccontextmanager
+async def agent_logs(words: str):
+    import warmboot.agent as agent_module
+
+    handler = Logged(words)
+    agent_module.log.addHandler(handler)
+    try:
+        yield handler.seen
+    finally:
+        agent_module.log.removeHandler(handler)
 
 
 async def test_a_registration_of_the_new_cpu_answered_after_the_agent_s_time_out_ends_no_life(
@@ -198,40 +229,69 @@ async def test_a_registration_of_the_new_cpu_answered_after_the_agent_s_time_out
     import warmboot.agent as agent_module
 
     monkeypatch.setattr(agent_module, "BACKGROUND_REGISTER_TIMEOUT_S", 1.0)
-    timed_out, answered, beat_after = asyncio.Event(), asyncio.Event(), asyncio.Event()
-
-    class TimeOuts(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if "register: no reply" in record.getMessage():
-                timed_out.set()
-
-    handler = TimeOuts(logging.WARNING)
-    agent_module.log.addHandler(handler)
+    answered, beat_after = asyncio.Event(), asyncio.Event()
     agent, cpuinfo, _ = a_machine(tmp_path, nats_url, prefix)
-    try:
-        async with running_registry(nats_url, prefix) as registry, agent_running(agent) as task:
-            seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
-            decide, beat = registry.store.register, registry.liveness.beat
+    async with agent_logs("register: no reply") as timed_out, running_registry(nats_url, prefix) as registry, \
+            agent_running(agent) as task:
+        seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
+        decide, beat = registry.store.register, registry.liveness.beat
 
-            async def late(request, *more):
-                decided = await decide(request, *more)
-                if on_amd(request) and not answered.is_set():
-                    await asyncio.wait_for(timed_out.wait(), 30)  # decided and written; answered once the agent gave up
-                    answered.set()
-                return decided
+        async def late(request, *more):
+            decided = await decide(request, *more)
+            if on_amd(request) and not answered.is_set():
+                await asyncio.wait_for(timed_out.wait(), 30)  # decided and written; answered once the agent gave up
+                answered.set()
+            return decided
 
-            async def noting(worker_id: str) -> None:
-                await beat(worker_id)
-                if answered.is_set() and worker_id == "w-a" and on_amd(agent.registration):
-                    beat_after.set()
+        async def noting(worker_id: str) -> None:
+            await beat(worker_id)
+            if answered.is_set() and worker_id == "w-a" and on_amd(agent.registration):
+                beat_after.set()
 
-            registry.store.register, registry.liveness.beat = late, noting
-            shutil.copy(AMD, cpuinfo)
-            await asyncio.wait_for(beat_after.wait(), 30)  # the agent has its answer, and beats again
-            kinds = [type(e).__name__ for s, e in await worker_events(nc, prefix, "w-a") if s > seq]
-            assert kinds == ["RuntimeChanged"] and not task.done(), kinds  # no removal, no new life
-    finally:
-        agent_module.log.removeHandler(handler)
+        registry.store.register, registry.liveness.beat = late, noting
+        shutil.copy(AMD, cpuinfo)
+        await asyncio.wait_for(beat_after.wait(), 30)  # the agent has its answer, and beats again
+        kinds = [type(e).__name__ for s, e in await worker_events(nc, prefix, "w-a") if s > seq]
+        assert kinds == ["RuntimeChanged"] and not task.done(), kinds  # no removal, no new life
+
+
+async def test_an_agent_s_own_registrations_piled_up_at_a_slow_replica_end_no_life(nats_url, nc, prefix, tmp_path,
+                                                                                    monkeypatch):
+    """The machine moves to another CPU; the registry works slowly on the agent's registration of it (a
+    store stall shorter than the TTL), and the agent asks again after each time-out with the same request
+    id while the earlier attempts are still worked on (a time-out cancels nothing there), until the
+    replica refuses one for having too many of them at once. That refusal is not one for the budget: the
+    attempts in flight are taken, and the worker is not removed (it was, ending the life that registers
+    the CPU the machine has: found by a review)."""
+    import warmboot.agent as agent_module
+
+    monkeypatch.setattr(agent_module, "BACKGROUND_REGISTER_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(agent_module, "RETRY_MAX_S", 0.3)
+    beat_after = asyncio.Event()
+    agent, cpuinfo, _ = a_machine(tmp_path, nats_url, prefix)
+    async with agent_logs("register requests about worker") as piled, running_registry(nats_url, prefix) as registry, \
+            agent_running(agent) as task:
+        seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
+        release = asyncio.Event()
+        decide, beat = registry.store.register, registry.liveness.beat
+
+        async def slow(request, *more):  # a store stall: the registrations of the new CPU wait
+            if on_amd(request):
+                await release.wait()
+            return await decide(request, *more)
+
+        async def noting(worker_id: str) -> None:
+            await beat(worker_id)
+            if release.is_set() and worker_id == "w-a" and on_amd(agent.registration) and not agent.withdrawn:
+                beat_after.set()
+
+        registry.store.register, registry.liveness.beat = slow, noting
+        shutil.copy(AMD, cpuinfo)
+        await asyncio.wait_for(piled.wait(), 30)  # the agent's own attempts fill the replica's count
+        release.set()  # the stall ends
+        await asyncio.wait_for(beat_after.wait(), 30)
+        kinds = [type(e).__name__ for s, e in await worker_events(nc, prefix, "w-a") if s > seq]
+        assert kinds == ["RuntimeChanged"] and not task.done(), kinds
 
 
 @pytest.mark.parametrize("profile, cpuinfo, missing", [

@@ -94,7 +94,7 @@ def ops(draw):
 RANK = {"MEMORY": 3, "VOLUMES": 2, "ROOTFS": 1, "NONE": 0}
 
 
-def check(pl, w, a):
+def check(pl, w, a, all_workers=None):
     """The oracle: the contract's words (placement rules 1 to 6)."""
     snap = a["snap"]
     assert w is not None and not w["drained"], (pl, w)
@@ -116,12 +116,46 @@ def check(pl, w, a):
                 ok.append(r.version)
         assert any(same(pl.sandbox_runtime.version, v) for v in ok), (pl, ent, st_)
         assert pl.snapshot_id == snap.snapshot_id
+        # v1.1: matched_version is the version that matched the stamp (the pin's own, or the edge)
+        assert pl.matched_version is not None and same(pl.matched_version, st_.version), (pl, st_)
+        # rule 2 (v1.1 order): the worker's own default equal to the stamp, then a restorable, then edges
+        tiers = [[ent.default_runtime.version] if same(ent.default_runtime.version, st_.version) else [],
+                 [r.version for r in ent.restorable_runtimes if same(r.version, st_.version)],
+                 [ent.default_runtime.version] if any(same(e, st_.version)
+                                                      for e in ent.default_runtime.compatible_versions) else [],
+                 [r.version for r in ent.restorable_runtimes if any(same(e, st_.version)
+                                                                    for e in r.compatible_versions)]]
+        best = next(t for t in tiers if t)
+        assert any(same(pl.sandbox_runtime.version, v) for v in best), ("rule 2 order", pl, ent, st_)
+        assert pl.sandbox_runtime.sandbox_class == CLASS
     else:
+        assert pl.matched_version is None, pl
         if snap is not None and snap.sandbox_runtime is not None:
             sa = arch_of(snap.sandbox_runtime.version)
             if sa is not None:
                 assert arch_of(ent.default_runtime.version) == sa, (pl, ent, snap)
         assert same(pl.sandbox_runtime.version, ent.default_runtime.version)
+    if pl.fidelity is PlacedFidelity.NONE:
+        assert pl.action.value == "RUN", pl
+    else:
+        assert pl.action.value == "RESTORE" and snap is not None and pl.snapshot_id == snap.snapshot_id, pl
+    # rule 5: a PAUSED actor restores only from its local image on a compatible worker, never relaxed
+    if a["state"] == "PAUSED" and snap.template_uid == a["template"]:
+        assert pl.fidelity is PlacedFidelity.MEMORY, ("rule 5", pl, snap)
+    # rule 2: room is ample (at most two actors of 1 GiB on 8 GiB workers), so a MEMORY snapshot of the
+    # current template goes to a compatible worker whenever one is registered and undrained (on the image's
+    # node, if LOCAL)
+    if (snap is not None and snap.fidelity is Fidelity.MEMORY and snap.sandbox_runtime is not None
+            and snap.template_uid == a["template"]):
+        def loads(wk):
+            e = wk["classes"][0]
+            return any(same(r.version, snap.sandbox_runtime.version)
+                       or any(same(x, snap.sandbox_runtime.version) for x in r.compatible_versions)
+                       for r in (e.default_runtime, *e.restorable_runtimes))
+        able = [wid for wid, wk in all_workers.items() if not wk["drained"] and loads(wk)
+                and (snap.location is not Location.LOCAL or wk["node"] == snap.node)]
+        if able:
+            assert pl.fidelity is PlacedFidelity.MEMORY, ("rule 2 preference", pl, able)
 
 
 @settings(max_examples=int(os.environ.get("ORACLE_EXAMPLES", "200")), deadline=None,
@@ -190,7 +224,7 @@ def test_no_memory_image_where_it_cannot_load(script):
                 except ContractError as e:
                     raise AssertionError(f"checkpointed projection refused {e}") from e
                 assert pl2 == pl
-                check(pl, workers.get(pl.worker_id), a)
+                check(pl, workers.get(pl.worker_id), a, workers)
                 log.add(placed_event(pl, None))
                 log.add(booked(pl.worker_id, aid))
                 a.update(state="RUNNING", worker=pl.worker_id, pin=pl.sandbox_runtime, node=pl.node,

@@ -244,7 +244,8 @@ async def test_a_write_that_fails_or_loses_a_race_is_given_back(nats_url, nc, pr
 async def test_two_replicas_under_hundreds_of_concurrent_writes_write_at_most_their_budgets(nats_url, nc, prefix):
     """Every request would write (a label of its own): each replica lets its budget's worth through,
     whichever of the two gets them; every one let through is in the log, answered with its event,
-    and every other one is refused for the budget, none lost and none written twice."""
+    and every other one is refused for the budget (or, with 200 at once, for the replica's working on
+    too many of the worker's already: `IN_FLIGHT_PER_WORKER`), none lost and none written twice."""
     burst = 6
     async with running_registry(nats_url, prefix, writes=WriteBudget(burst, 3600.0)), \
             running_registry(nats_url, prefix, own_link=True, writes=WriteBudget(burst, 3600.0)):
@@ -254,8 +255,10 @@ async def test_two_replicas_under_hundreds_of_concurrent_writes_write_at_most_th
             replies = await asyncio.gather(*(raw_request(nc, prefix, "register", worker, b) for b in bodies))
             accepted = {b["request_id"]: r for b, (r, _) in zip(bodies, replies) if "error" not in r}
             refused = [r for r, _ in replies if "error" in r]
-            assert all((r["error"]["code"], r["error"]["field"]) == ("RESOURCE_EXHAUSTED", "worker_id")
+            assert all((r["error"]["code"], r["error"].get("field")) in (("RESOURCE_EXHAUSTED", "worker_id"),
+                                                                         ("RESOURCE_EXHAUSTED", None))
                        for r in refused), refused[:3]
+            assert any(r["error"].get("field") == "worker_id" for r in refused)  # the budget refused some
             assert 1 <= len(accepted) <= 2 * burst and len(accepted) + len(refused) == 200
 
             written = [(seq, e) for seq, e in await worker_events(nc, prefix, worker)
@@ -363,11 +366,47 @@ async def test_a_flood_of_one_worker_s_registrations_does_not_hold_up_another_s(
             release.set()
         replies = [r for r, _ in await asyncio.gather(*flood)]
         refused = [r["error"] for r in replies if "error" in r]
-        assert {(e["code"], e["field"]) for e in refused} == {("RESOURCE_EXHAUSTED", "worker_id")}
+        assert {(e["code"], e.get("field")) for e in refused} == {("RESOURCE_EXHAUSTED", None)}
         answered = [r["seq"] for r in replies if "error" not in r]
         assert len(answered) == IN_FLIGHT_PER_WORKER, len(answered)
         written = [s for s, e in await worker_events(nc, prefix, "w-evil") if s > after]
         assert sorted(set(answered)) == written  # each answered registration wrote its change, nothing else
+
+
+async def test_an_operator_removes_a_worker_whose_credential_floods_its_registrations(nats_url, nc, prefix):
+    """A flood of registrations of one worker keeps IN_FLIGHT_PER_WORKER of them at the replica (one held
+    by its decision, the others waiting for the worker's lock): an operator's removal, sent meanwhile, is
+    taken once the lock is free, not refused with the flood (each endpoint counts its own: found by a
+    review, docs/security.md)."""
+    async with running_registry(nats_url, prefix, writes=WriteBudget(0)) as registry:
+        for worker_id in ("w-evil", "w-good"):
+            await raw_request(nc, prefix, "register", worker_id, registration(worker_id))
+        held, release = asyncio.Event(), asyncio.Event()
+        decide = registry.store.register
+
+        async def holding(request, *more):
+            held.set()
+            await release.wait()
+            return await decide(request, *more)
+
+        registry.store.register = holding
+        flood = [asyncio.ensure_future(raw_request(nc, prefix, "register", "w-evil",
+                                                   registration("w-evil", labels={"n": str(i)})))
+                 for i in range(50)]
+        try:
+            await asyncio.wait_for(held.wait(), 10)
+            removal = asyncio.ensure_future(raw_request(nc, prefix, "remove", "w-evil", {"reason": "it floods"}))
+            # answered after the removal was read (the replica reads its requests in order): the removal
+            # was refused by then, or waits for the worker's lock
+            await raw_request(nc, prefix, "heartbeat", "w-good", {})
+            assert not removal.done() or "error" not in removal.result()[0], removal.result()
+        finally:
+            release.set()
+        await asyncio.gather(*flood)
+        reply, _ = await removal
+        assert "error" not in reply, reply
+        _, removed = await wait_event(nc, prefix, "w-evil", WorkerRemoved)
+        assert removed.reason == "it floods"
 
 
 async def test_a_flood_of_one_worker_s_heartbeats_does_not_hold_up_another_s(nats_url, nc, prefix):
@@ -395,7 +434,7 @@ async def test_a_flood_of_one_worker_s_heartbeats_does_not_hold_up_another_s(nat
             release.set()
         replies = [r for r, _ in await asyncio.gather(*flood)]
         refused = [r["error"] for r in replies if "error" in r]
-        assert {(e["code"], e["field"]) for e in refused} == {("RESOURCE_EXHAUSTED", "worker_id")}
+        assert {(e["code"], e.get("field")) for e in refused} == {("RESOURCE_EXHAUSTED", None)}
         assert len(replies) - len(refused) == IN_FLIGHT_PER_WORKER
 
 

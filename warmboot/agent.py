@@ -197,9 +197,10 @@ class Outdated(Exception):
 
 
 class Stale(Exception):
-    """A request the registry refused for the worker's write budget is not tried again: the
-    registration in force claims a CPU the machine no longer has (`Agent._why_stale`), and its
-    sender removes the worker meanwhile instead of waiting with it registered."""
+    """A registration the registry did not take is not sent again while the worker stays registered:
+    the registration in force claims a CPU the machine no longer has, and the registry refused it for
+    the worker's write budget or has taken none for a TTL (`Agent._wait_no_longer`); its sender removes
+    the worker meanwhile."""
 
 
 @dataclass(frozen=True)
@@ -475,6 +476,7 @@ class Agent:
         self._probe_read: tuple[float, MachineRead, tuple] | None = None  # (when, the read, its reading)
         self._restamp_read_at: float | None = None  # the read of the machine the last RESTAMP was asked on
         self._unreadable_at: float | None = None  # the read on which the probe last failed a RESTAMP
+        self._stale_since: float | None = None  # monotonic time `_why_stale` first gave its present reason
         self.inbox_prefix = inbox_prefix or f"_INBOX.{worker_id}"
         self.ttl_s = DEFAULT_TTL_S
         self.nc: NATS | None = None
@@ -598,14 +600,13 @@ class Agent:
 
     async def _request(self, verb: str, body: Any, reply_type: type, stop: asyncio.Event | None,
                        also_retry: tuple[ErrorCode, ...] = (), timeout: float = REQUEST_TIMEOUT_S,
-                       stale: Callable[[], str | None] = lambda: None,
+                       stale: Callable[[bool], str | None] = lambda refused_for_budget: None,
                        current: Callable[[], bool] = lambda: True):
         """A request, retried while the registry is unreachable (UNAVAILABLE, a time-out, or
         `also_retry`) or busy (RESOURCE_EXHAUSTED, which the registry answers when the worker's write
         budget is spent, `services.registry.budget`, or it works on a few of the worker's requests
-        already) unless stopped; a busy one not once `stale()` gives a reason (`Stale`: the
-        registration in force claims a CPU the machine no longer has, for the caller to remove the
-        worker rather than wait: the registry certainly did not take it); and none once the body is
+        already) unless stopped; not once `stale(refused for the budget)` gives a reason (`Stale`:
+        the caller removes the worker rather than wait, `_wait_no_longer`); and none once the body is
         no longer `current()` (`Outdated`, for the caller to make it again). One that beats (a
         heartbeat, a registration) records when it was sent (`beat_at`), and its retries come closer
         together as that beat's TTL runs out."""
@@ -627,17 +628,15 @@ class Agent:
                 busy = e.code is ErrorCode.RESOURCE_EXHAUSTED
                 if (e.code is not ErrorCode.UNAVAILABLE and e.code not in also_retry and not busy) or stop is None:
                     raise
-                failure = e.message
+                budget, failure = busy and e.field == "worker_id", e.message  # (the other: too many at once)
             except Exception as e:  # connection closed or reconnecting
                 if stop is None:
                     raise
-                busy, failure = False, str(e)
+                budget, failure = False, str(e)
             self._check_not_denied()
-            # Only a refusal: a time-out or UNAVAILABLE may have been taken, its retry (the same request
-            # id) answered from the worker's history; meanwhile no heartbeat keeps a stale CPU (`heartbeat`).
-            why = stale() if busy else None
+            why = stale(budget)
             if why is not None:
-                raise Stale(f"{why}, and the registry takes none of its registrations for now ({failure})")
+                raise Stale(f"{why} ({failure})")
             log.warning("%s: %s; retrying in %.1fs", verb, failure, delay)
             if await _wait(stop, delay):
                 raise asyncio.CancelledError
@@ -823,7 +822,7 @@ class Agent:
                                                revision=self._revision_of(registration))
                 try:
                     reply = await self._request("register", body, RegisterReply, stop, timeout=timeout,
-                                                stale=self._why_stale,
+                                                stale=self._wait_no_longer,
                                                 current=partial(self._still_made, config, now, registration))
                     self._in_force_revision = body.revision
                     break
@@ -835,9 +834,9 @@ class Agent:
                     continue
                 except Stale as e:
                     # The registry takes none of this worker's registrations for a while (its write budget
-                    # is spent), and the one in force claims a CPU the machine no longer has: the worker is
-                    # removed meanwhile (a removal is free), where images of that CPU would be sent. This
-                    # registration then begins a new life once the registry takes it.
+                    # spent), or took none for a TTL, and the one in force claims a CPU the machine no longer
+                    # has: the worker is removed meanwhile (a removal is free), where images of that CPU would
+                    # be sent. This registration then begins a new life once the registry takes it.
                     await self._withdraw(str(e), stop)
                     continue
                 except ContractError as e:
@@ -956,9 +955,38 @@ class Agent:
 
     def _why_stale(self) -> str | None:
         """Why the registration in force (the worker registered, not withdrawn) claims a CPU the machine
-        no longer has, or None: made on the machine as the probe reads it now, it differs, or contradicts
-        what it names literally (`MachineMismatch`). A read it cannot be made of says nothing of the CPU
-        (cpuinfo unreadable for a moment): only a second such read in a row does, as for `_restamp`."""
+        no longer has, or None (`_judge_stale`); noting since when it has (`_stale_since`)."""
+        why = self._judge_stale()
+        if why is None:
+            self._stale_since = None
+        elif self._stale_since is None:
+            self._stale_since = time.monotonic()
+        return why
+
+    def _wait_no_longer(self, refused_for_budget: bool) -> str | None:
+        """Why a registration the registry did not take is not sent again while the worker stays registered,
+        or None: the registration in force claims a CPU the machine no longer has (`_why_stale`), and the
+        registry refused this one for the worker's write budget (it took nothing, and takes nothing for a
+        while), or has taken none for a TTL. Not at once after a time-out or UNAVAILABLE: the registration
+        may have been taken (a late answer), and removing the worker then ends the life it registers, and
+        releases its actors. Not for ever either: the registry beats a worker at each registration it is
+        sent (CONTRACT: a registration counts as a heartbeat), so the attempts themselves would keep the old
+        CPU registered for as long as the registry does not decide them."""
+        why = self._why_stale()
+        if why is None:
+            return None
+        if refused_for_budget:
+            return f"{why}, and the registry takes none of its registrations for now"
+        assert self._stale_since is not None
+        if time.monotonic() - self._stale_since >= self.ttl_s:
+            return f"{why}, and the registry has taken none of its registrations for {self.ttl_s:g}s"
+        return None
+
+    def _judge_stale(self) -> str | None:
+        """Whether the registration in force claims a CPU the machine no longer has: made on the machine as
+        the probe reads it now, it differs, or contradicts what it names literally (`MachineMismatch`). A
+        read it cannot be made of says nothing of the CPU (cpuinfo unreadable for a moment): only a second
+        such read in a row does, as for `_restamp`."""
         if self.withdrawn or self._in_force_of is None or self.registration is None:
             return None
         read_at, made = self._made_now(*self._in_force_of)
@@ -1036,8 +1064,8 @@ class Agent:
         """A beat, unless the worker was removed on purpose (a beat would be NOT_FOUND, and register
         again what is wrong), or its registration in force claims a CPU the machine no longer has
         (`_why_stale`): that one is kept alive by no beat while it is made again (`RESTAMP`, an
-        edit), so should the registry not take that within the TTL (stalled, overloaded, its answer
-        lost), it removes the worker as LOST, and images of that CPU are sent to it no longer."""
+        edit); should the registry take none within a TTL, the agent removes the worker
+        (`_wait_no_longer`), or the registry does, as LOST."""
         if self.withdrawn or self._not_beating(self._why_stale()):
             return
         try:

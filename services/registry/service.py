@@ -84,9 +84,9 @@ SERVICE = "registry"
 DEFAULT_TTL_S = 15.0
 FOLD_START_S = 120.0  # time to fold every worker event at start
 RECONCILE_LANES = 32  # heartbeat records read at once when reconciling at start
-# Requests about one worker a replica works on at once (in progress, or waiting for the worker's lock):
-# an agent has at most about four (its registration, the heartbeat after it, its loop's heartbeat, a
-# drain at exit), an operator's few more. Past it, RESOURCE_EXHAUSTED at once (`_one_of_few`).
+# Requests about one worker a replica works on at once, per endpoint (in progress, or waiting for the
+# worker's lock or a heartbeat's put): an agent sends its registrations one after the other and its
+# heartbeats two at most at once. Past it, RESOURCE_EXHAUSTED at once (`_one_of_few`).
 IN_FLIGHT_PER_WORKER = 8
 
 REGISTRATIONS = Counter(
@@ -97,7 +97,8 @@ UNBOUND_REMOVALS = Counter("warmboot_registry_workers_unbound_removed_total",
                            "Workers this replica removed for being registered on a node the binding does not give them")
 IN_FLIGHT_REFUSED = Counter(
     "warmboot_registry_requests_over_in_flight_total",
-    f"Requests this replica refused because it was working on {IN_FLIGHT_PER_WORKER} about the same worker already",
+    f"Requests this replica refused because it was working on {IN_FLIGHT_PER_WORKER} of the same endpoint "
+    "about the same worker already",
 )
 OVER_BUDGET = Counter("warmboot_registry_writes_over_budget_total",
                       "Requests this replica refused because their worker's write budget was spent "
@@ -343,8 +344,6 @@ class RegistryService:
         # Requests about one worker are decided one at a time in this replica; request ids
         # are answered from the worker's history, where the write happens (WireAggregate.prior).
         self._workers = KeyedLock()
-        self._in_flight = KeyedCount(IN_FLIGHT_PER_WORKER)  # the requests about each worker (`_one_of_few`)
-        self._flooding: set[str] = set()  # workers refused for it since they last had none in progress
         self.positions = EventPositions(nc, prefix)
         self.roster = Roster()
         self.fold = RosterFold(nc, prefix, self.roster)
@@ -413,29 +412,34 @@ class RegistryService:
     # --- endpoints ----------------------------------------------------------------------
 
     def _one_of_few(self, handler: Callable[[str, T], Awaitable[R]]) -> Callable[[str, T], Awaitable[R]]:
-        """`handler`, refused RESOURCE_EXHAUSTED (field `worker_id`, nothing done) while this replica works
-        on IN_FLIGHT_PER_WORKER requests about the same worker already. The requests about one worker wait
-        for its lock, or a heartbeat for its put, each holding one of its endpoint's slots, which the
-        requests about every worker share: without a bound, one credential's flood of requests about its
-        own worker held them all, and every other worker's registrations (or heartbeats) waited behind it."""
+        """`handler`, refused RESOURCE_EXHAUSTED (no field: the request is not at fault; nothing done)
+        while this replica works on IN_FLIGHT_PER_WORKER of the endpoint's requests about the same worker
+        already. The requests about one worker wait for its lock, or a heartbeat for its put, each holding
+        one of the endpoint's slots, which the requests about every worker share: without a bound, one
+        credential's flood of requests about its own worker held them all, and every other worker's
+        registrations (or heartbeats) waited behind it. Each endpoint counts its own, so an operator's
+        removal of a flooding worker is not refused for its registrations."""
+        in_flight = KeyedCount(IN_FLIGHT_PER_WORKER)
+        flooding: set[str] = set()  # workers refused since they last had none of these in progress
+        verb = handler.__name__
 
         @wraps(handler)
         async def limited(worker_id: str, request: T) -> R:
-            if not self._in_flight.enter(worker_id):
+            if not in_flight.enter(worker_id):
                 IN_FLIGHT_REFUSED.inc()
-                if worker_id not in self._flooding:  # said once until its requests are all answered
-                    self._flooding.add(worker_id)
-                    log.warning("worker %s has %d requests in progress at this replica: more are refused until "
-                                "they are answered", worker_id, IN_FLIGHT_PER_WORKER)
-                raise exhausted(f"this registry replica is working on {IN_FLIGHT_PER_WORKER} requests about worker "
-                                f"{worker_id!r} already: this one was not taken; try again once one is answered",
-                                "worker_id")
+                if worker_id not in flooding:  # said once until its requests are all answered
+                    flooding.add(worker_id)
+                    log.warning("worker %s has %d %s requests in progress at this replica: more are refused "
+                                "until they are answered", worker_id, IN_FLIGHT_PER_WORKER, verb)
+                raise exhausted(f"this registry replica is working on {IN_FLIGHT_PER_WORKER} {verb} requests about "
+                                f"worker {worker_id!r} already: this one was not taken; try again once one is "
+                                "answered")
             try:
                 return await handler(worker_id, request)
             finally:
-                self._in_flight.leave(worker_id)
-                if worker_id not in self._in_flight:
-                    self._flooding.discard(worker_id)
+                in_flight.leave(worker_id)
+                if worker_id not in in_flight:
+                    flooding.discard(worker_id)
 
         return limited
 
