@@ -336,6 +336,30 @@ async def test_a_worker_whose_cpu_changed_while_its_budget_is_spent_is_removed_n
 # --- how many of one worker's requests a replica works on at once -----------------------------------------------
 
 
+@asynccontextmanager
+async def a_held_flood(registry, nc, prefix: str, count: int):
+    """`count` registrations of w-evil sent at once to `registry`, the first held by its decision until the
+    block ends: (the flood's replies to come)."""
+    held, release = asyncio.Event(), asyncio.Event()
+    decide = registry.store.register
+
+    async def holding(request, *more):
+        if request.worker_id == "w-evil":
+            held.set()
+            await release.wait()
+        return await decide(request, *more)
+
+    registry.store.register = holding
+    flood = [asyncio.ensure_future(raw_request(nc, prefix, "register", "w-evil",
+                                               registration("w-evil", labels={"n": str(i)})))
+             for i in range(count)]
+    try:
+        await asyncio.wait_for(held.wait(), 10)
+        yield flood
+    finally:
+        release.set()
+
+
 async def test_a_flood_of_one_worker_s_registrations_does_not_hold_up_another_s(nats_url, nc, prefix):
     """300 registrations of one worker at once, the first held by its decision: a replica works on
     IN_FLIGHT_PER_WORKER of them (the first, the others waiting for the worker's lock) and refuses the
@@ -345,25 +369,9 @@ async def test_a_flood_of_one_worker_s_registrations_does_not_hold_up_another_s(
     async with running_registry(nats_url, prefix, writes=WriteBudget(0)) as registry:
         await raw_request(nc, prefix, "register", "w-evil", registration("w-evil"))
         after = await last_seq(nc, prefix)
-        held, release = asyncio.Event(), asyncio.Event()
-        decide = registry.store.register
-
-        async def holding(request, *more):
-            if request.worker_id == "w-evil":
-                held.set()
-                await release.wait()
-            return await decide(request, *more)
-
-        registry.store.register = holding
-        flood = [asyncio.ensure_future(raw_request(nc, prefix, "register", "w-evil",
-                                                   registration("w-evil", labels={"n": str(i)})))
-                 for i in range(300)]
-        try:
-            await asyncio.wait_for(held.wait(), 10)
+        async with a_held_flood(registry, nc, prefix, 300) as flood:
             reply, _ = await raw_request(nc, prefix, "register", "w-good", registration("w-good"), timeout=5)
             assert reply["outcome"] == "REGISTERED", reply
-        finally:
-            release.set()
         replies = [r for r, _ in await asyncio.gather(*flood)]
         refused = [r["error"] for r in replies if "error" in r]
         assert {(e["code"], e.get("field")) for e in refused} == {("RESOURCE_EXHAUSTED", None)}
@@ -381,27 +389,12 @@ async def test_an_operator_removes_a_worker_whose_credential_floods_its_registra
     async with running_registry(nats_url, prefix, writes=WriteBudget(0)) as registry:
         for worker_id in ("w-evil", "w-good"):
             await raw_request(nc, prefix, "register", worker_id, registration(worker_id))
-        held, release = asyncio.Event(), asyncio.Event()
-        decide = registry.store.register
-
-        async def holding(request, *more):
-            held.set()
-            await release.wait()
-            return await decide(request, *more)
-
-        registry.store.register = holding
-        flood = [asyncio.ensure_future(raw_request(nc, prefix, "register", "w-evil",
-                                                   registration("w-evil", labels={"n": str(i)})))
-                 for i in range(50)]
-        try:
-            await asyncio.wait_for(held.wait(), 10)
+        async with a_held_flood(registry, nc, prefix, 50) as flood:
             removal = asyncio.ensure_future(raw_request(nc, prefix, "remove", "w-evil", {"reason": "it floods"}))
             # answered after the removal was read (the replica reads its requests in order): the removal
             # was refused by then, or waits for the worker's lock
             await raw_request(nc, prefix, "heartbeat", "w-good", {})
             assert not removal.done() or "error" not in removal.result()[0], removal.result()
-        finally:
-            release.set()
         await asyncio.gather(*flood)
         reply, _ = await removal
         assert "error" not in reply, reply
