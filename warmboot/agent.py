@@ -110,6 +110,7 @@ MadeOf = tuple["AgentConfig", tuple]
 log = logging.getLogger("warmboot.agent")
 
 DEFAULT_TTL_S = 15.0  # until the registry says otherwise
+MIN_TTL_S = 1.0  # the shortest TTL a registry runs with
 HEARTBEATS_PER_TTL = 3
 PROBE_INTERVAL_S = 10.0  # how often the agent reads what the probe reports of the machine again
 RETRY_MIN_S, RETRY_MAX_S = 0.2, 5.0
@@ -479,6 +480,7 @@ class Agent:
         self._stale_since: float | None = None  # monotonic time `_why_stale` first gave its present reason
         self.inbox_prefix = inbox_prefix or f"_INBOX.{worker_id}"
         self.ttl_s = DEFAULT_TTL_S
+        self._ttl_learnt = False  # ttl_s is the registry's (a heartbeat answered), not the default
         self.nc: NATS | None = None
         self.registration: RegisterWorker | None = None  # the one in force
         self._in_force_of: MadeOf | None = None  # what the registration in force was made of
@@ -600,7 +602,7 @@ class Agent:
 
     async def _request(self, verb: str, body: Any, reply_type: type, stop: asyncio.Event | None,
                        also_retry: tuple[ErrorCode, ...] = (), timeout: float = REQUEST_TIMEOUT_S,
-                       stale: Callable[[bool], str | None] = lambda refused_for_budget: None,
+                       stale: Callable[[bool, int], str | None] = lambda refused_for_budget, failures: None,
                        current: Callable[[], bool] = lambda: True):
         """A request, retried while the registry is unreachable (UNAVAILABLE, a time-out, or
         `also_retry`) or busy (RESOURCE_EXHAUSTED, which the registry answers when the worker's write
@@ -615,6 +617,7 @@ class Agent:
         client = Client(self.nc, self.prefix, timeout=timeout, attempts=1)
         beats = verb in ("heartbeat", "register")
         delay = RETRY_MIN_S
+        failures = 0  # in a row, of this body
         while True:
             if not current():
                 raise Outdated(f"the {verb} on its way no longer says what this machine is")
@@ -634,7 +637,8 @@ class Agent:
                     raise
                 budget, failure = False, str(e)
             self._check_not_denied()
-            why = stale(budget)
+            failures += 1
+            why = stale(budget, failures)
             if why is not None:
                 raise Stale(f"{why} ({failure})")
             log.warning("%s: %s; retrying in %.1fs", verb, failure, delay)
@@ -957,19 +961,22 @@ class Agent:
         """Why the registration in force (the worker registered, not withdrawn) claims a CPU the machine
         no longer has, or None (`_judge_stale`); noting since when it has (`_stale_since`)."""
         why = self._judge_stale()
-        if why is None:
+        undecided = self._unreadable_at is not None and self._unreadable_at == self._machine()[0]
+        if why is None and not undecided:  # (one unreadable read says nothing: the clock runs on)
             self._stale_since = None
         elif self._stale_since is None:
             self._stale_since = time.monotonic()
         return why
 
-    def _wait_no_longer(self, refused_for_budget: bool) -> str | None:
+    def _wait_no_longer(self, refused_for_budget: bool, failures: int = 1) -> str | None:
         """Why a registration the registry did not take is not sent again while the worker stays registered,
         or None: the registration in force claims a CPU the machine no longer has (`_why_stale`), and the
         registry refused this one for the worker's write budget (it took nothing, and takes nothing for a
-        while), or has taken none for a TTL. Not at once after a time-out or UNAVAILABLE: the registration
-        may have been taken (a late answer), and removing the worker then ends the life it registers, and
-        releases its actors. Not for ever either: the registry beats a worker at each registration it is
+        while), or has taken none for a TTL and at least two attempts of it failed in a row. Not at once
+        after a time-out or UNAVAILABLE: the registration may have been taken (a late answer), its retry
+        (the same request id) answered from the history, and removing the worker then ends the life it
+        registers, and releases its actors. Before the registry's TTL is learnt, the shortest it can be
+        (1 s) is waited. Not for ever either: the registry beats a worker at each registration it is
         sent (CONTRACT: a registration counts as a heartbeat), so the attempts themselves would keep the old
         CPU registered for as long as the registry does not decide them."""
         why = self._why_stale()
@@ -978,8 +985,9 @@ class Agent:
         if refused_for_budget:
             return f"{why}, and the registry takes none of its registrations for now"
         assert self._stale_since is not None
-        if time.monotonic() - self._stale_since >= self.ttl_s:
-            return f"{why}, and the registry has taken none of its registrations for {self.ttl_s:g}s"
+        ttl = self.ttl_s if self._ttl_learnt else MIN_TTL_S
+        if failures >= 2 and time.monotonic() - self._stale_since >= ttl:
+            return f"{why}, and the registry has taken none of its registrations for {ttl:g}s"
         return None
 
     def _judge_stale(self) -> str | None:
@@ -1084,7 +1092,7 @@ class Agent:
             self._forget_revision()
             self._register_again(stop)
             return
-        self.ttl_s = reply.ttl_s
+        self.ttl_s, self._ttl_learnt = reply.ttl_s, True
 
     def _not_beating(self, why: str | None) -> bool:
         """Whether a beat is held back for `why` (said)."""
