@@ -1074,23 +1074,33 @@ async def test_a_registration_taken_after_a_time_out_longer_than_the_ttl_ends_no
 
     monkeypatch.setattr(agent_module, "BACKGROUND_REGISTER_TIMEOUT_S", 3.0)  # > the TTL (2 s), as 30 s > 15 s
     agent, cpuinfo, _ = a_machine(tmp_path, nats_url, prefix)
+    learnt, beat_after = asyncio.Event(), asyncio.Event()
+    heartbeat = agent.heartbeat
+
+    async def learning(stop: asyncio.Event) -> None:
+        await heartbeat(stop)
+        if agent._ttl_learnt:
+            learnt.set()
+
+    agent.heartbeat = learning
     async with agent_logs("no reply from") as timed_out, running_registry(nats_url, prefix, ttl_s=2.0) as registry, \
             agent_running(agent) as task:
         seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
-        while agent.ttl_s != 2.0:  # registered, answered, and its heartbeat answered: the TTL learnt
-            await asyncio.sleep(0.05)
+        await asyncio.wait_for(learnt.wait(), 30)  # registered, and its heartbeat answered: the TTL learnt
         beat, switched = registry.liveness.beat, asyncio.Event()
 
         async def queued(worker_id: str) -> None:  # the request waits its turn before the registry beats
             if switched.is_set() and worker_id == "w-a" and not timed_out.is_set():
                 await asyncio.wait_for(timed_out.wait(), 30)
             await beat(worker_id)
+            if timed_out.is_set() and worker_id == "w-a" and on_amd(agent.registration):
+                beat_after.set()
 
         registry.liveness.beat = queued
         shutil.copy(AMD, cpuinfo)
         switched.set()
         await wait_event(nc, prefix, "w-a", RuntimeChanged, after=seq)
-        await asyncio.sleep(6.0)  # the agent's answer, and its heartbeats
+        await asyncio.wait_for(beat_after.wait(), 30)  # the agent has its answer, and beats again
         kinds = [type(e).__name__ for s, e in await worker_events(nc, prefix, "w-a") if s > seq]
         assert kinds == ["RuntimeChanged"] and not task.done(), kinds  # no removal, no new life
 
@@ -1107,21 +1117,21 @@ async def test_a_stale_cpu_is_removed_within_the_registry_s_ttl_before_the_agent
     monkeypatch.setattr(agent_module, "RETRY_MAX_S", 1.0)
     agent, cpuinfo, _ = a_machine(tmp_path, nats_url, prefix)
     async with running_registry(nats_url, prefix, ttl_s=3.0) as registry:
-        beat, beats = registry.liveness.beat, []
+        beat, beats, changed = registry.liveness.beat, [], asyncio.Event()
 
         async def first_heartbeat_lost(worker_id: str) -> None:
             beats.append(worker_id)
             if len(beats) == 3:  # the registration's two beats, then the first heartbeat: the CPU changes
                 registry.store.register = stalled
                 shutil.copy(AMD, cpuinfo)
+                changed.set()
                 raise unavailable("the heartbeat's put was not stored")
             await beat(worker_id)
 
         registry.liveness.beat = first_heartbeat_lost
         async with agent_running(agent):
             seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
-            while len(beats) < 3:
-                await asyncio.sleep(0.05)
+            await asyncio.wait_for(changed.wait(), 30)
             switched = time.monotonic()
             _, removed = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq, timeout=30)
             assert time.monotonic() - switched < 2 * 3.0, (time.monotonic() - switched, removed.reason)
@@ -1137,17 +1147,22 @@ def test_a_stale_episode_is_not_restarted_by_one_unreadable_read(tmp_path):
     agent, cpuinfo, _ = a_machine(tmp_path, "nats://127.0.0.1:1", "warmboot")
     registration = agent._read_config()
     agent.registration, agent._in_force_of = registration, agent._desired_of
-    agent.ttl_s, agent._ttl_learnt = 0.3, True
+    agent.ttl_s, agent._ttl_learnt = 3600.0, True
 
     def read_again() -> None:
-        time.sleep(0.06)  # past the probe interval (0.05 s)
+        agent._probe_read = None  # the next look reads the machine
 
     shutil.copy(AMD, cpuinfo)
     read_again()
     assert agent._wait_no_longer(False, 2) is None  # stale, for less than a TTL
+    since = agent._stale_since
+    assert since is not None
     cpuinfo.unlink()
     read_again()
     agent._wait_no_longer(False, 2)
     shutil.copy(AMD, cpuinfo)
-    time.sleep(0.3)
-    assert agent._wait_no_longer(False, 2) is not None, "stale for more than a TTL, yet the count started again"
+    read_again()
+    agent._wait_no_longer(False, 2)
+    assert agent._stale_since == since, "stale all along, yet the count started again"
+    agent.ttl_s = 0.0
+    assert agent._wait_no_longer(False, 2) is not None
