@@ -18,9 +18,12 @@ What it does so that callers need not:
 - Idempotency: every mutating request carries a `request_id`; one is generated when
   the caller gives none, so a retry is the same request.
 - Retries: UNAVAILABLE, a time-out and "no responders" are retried with the same body
-  (the same `request_id`), at most `attempts` times, with a growing, jittered pause.
-  Everything else is raised at once, and so is UNAVAILABLE naming `min_seq` (a sequence
-  past the end of the log: no retry brings it).
+  (the same `request_id`), at most `attempts` times, with a growing, jittered pause; so is
+  the registry's RESOURCE_EXHAUSTED that names no field (its replica was working on a few
+  requests about the same worker already and took nothing: `_transient`). Everything else
+  is raised at once, and so is UNAVAILABLE naming `min_seq` (a sequence past the end of
+  the log: no retry brings it), and the registry's budget refusal (naming `worker_id`:
+  its wait is seconds, told in its message).
 - Errors: every contract error is raised as `events.errors.ContractError`, with its
   `code`, `message` and `field`.
 
@@ -91,6 +94,19 @@ def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
+def _transient(service: str, error: ContractError) -> bool:
+    """Whether the same request, sent again, may be answered otherwise: UNAVAILABLE (a replica
+    that could not answer now, a time-out, no responders), except one naming `min_seq` (a sequence
+    past the end of the log: no retry brings it); and the registry's refusal of a request about a
+    worker it is working on `IN_FLIGHT_PER_WORKER` requests about already (RESOURCE_EXHAUSTED naming
+    no field: nothing was taken; without a retry, a worker flooding its own `remove` or `drain`
+    would have an operator's refused with its own). The scheduler's RESOURCE_EXHAUSTED (no room)
+    and the registry's budget refusal (naming `worker_id`) are the caller's to judge."""
+    if error.code is ErrorCode.UNAVAILABLE:
+        return error.field != "min_seq"
+    return error.code is ErrorCode.RESOURCE_EXHAUSTED and service == "registry" and error.field is None
+
+
 class Client:
     """warmboot's endpoints as typed methods, over one NATS connection (see the module docstring)."""
 
@@ -109,7 +125,7 @@ class Client:
         self.attempts = max(1, attempts)
         self.read_your_writes = read_your_writes
         self.seq = 0  # the highest stream sequence a reply has given this client
-        self.retries = 0  # requests sent again after UNAVAILABLE or a time-out
+        self.retries = 0  # requests sent again (`_transient`)
         self._owned = False
 
     @classmethod
@@ -160,8 +176,8 @@ class Client:
             try:
                 reply = await self._once(subject, data, reply_type)
             except ContractError as error:
-                if error.code is not ErrorCode.UNAVAILABLE or error.field == "min_seq" or attempt == self.attempts - 1:
-                    raise  # (a min_seq past the end of the log: no retry brings it)
+                if not _transient(service, error) or attempt == self.attempts - 1:
+                    raise
             else:
                 seq = getattr(reply, "seq", None)
                 if isinstance(seq, int) and seq > self.seq:
