@@ -15,10 +15,11 @@ from contextlib import AsyncExitStack, suppress
 import pytest
 
 from events.errors import ContractError
-from events.schema import ActorPlaced, ErrorCode, ResumeActor
+from events.schema import (ActorPlaced, ActorReleased, ErrorCode, FallbackReason, PlacedFidelity, ReleaseReason,
+                           ResumeActor)
 from services.scheduler.records import RECENT_PLACEMENTS
 from services.scheduler.service import SchedulerService
-from tests.factories import actor, last_seq, read_log, version, worker
+from tests.factories import actor, last_seq, read_log, version, wait_for, worker
 from warmboot.client import Client
 from warmboot.runner import connect
 
@@ -416,3 +417,85 @@ async def test_a_refusal_is_decided_again_when_the_fold_catches_up_while_the_lea
         await go_on()  # whatever failed, the fold is not left paused
     assert asked[0] == written.seq  # refused on the fold's state, checked at the leader
     assert placed.actor_id == "a" and placed.seq > written.seq
+
+
+# --- a retry after the placement's worker ended its life (found by an audit) -----------------------------------
+
+V2 = version("v2")  # another runtime asset: its workers cannot load an image stamped V1
+
+
+async def test_a_retry_after_its_worker_came_back_on_another_runtime_is_refused(stack, nc, prefix):
+    """resume R restores a MEMORY image stamped V1 on w, and its reply is lost. w is removed (its
+    machine replaced: the snapshotter releases the actor, SUSPENDED from the same image) and
+    registers again, a new life, on V2 only. Retried, R must not be answered with its first
+    placement: the caller would send the V1 image to w, which cannot load it now. It is refused,
+    FAILED_PRECONDITION naming request_id, nothing written; a new request places the actor where
+    its image can go (before: the first answer, a MEMORY restore on w of the V1 image)."""
+    wb = Client(nc, prefix)
+    await wb.register(worker("w", V1))
+    await wb.create(actor("a"))
+    await wb.resume("a")
+    await wb.suspend("a", uri="s3://a/1")  # a MEMORY image stamped V1
+    first = await wb.resume("a", request_id="R")  # its reply lost, say
+    assert (first.worker_id, first.fidelity) == ("w", PlacedFidelity.MEMORY)
+
+    removed = await wb.remove("w", reason="machine replaced")
+    await wait_for(nc, prefix, lambda e: isinstance(e, ActorReleased) and e.reason is ReleaseReason.WORKER_REMOVED,
+                   after=removed.seq)
+    again = await wb.register(worker("w", V2))
+    before = await last_seq(nc, prefix)
+    with pytest.raises(ContractError) as refused:
+        await wb.resume("a", request_id="R", min_seq=again.seq)
+    assert (refused.value.code, refused.value.field) == (ErrorCode.FAILED_PRECONDITION, "request_id")
+    assert "worker w was removed since, and registered again" in refused.value.message
+    assert await last_seq(nc, prefix) == before  # nothing written
+    placed = await wb.resume("a", request_id="R2")
+    assert (placed.worker_id, placed.fidelity) == ("w", PlacedFidelity.VOLUMES)  # the memory left behind
+    assert placed.fallback is not None and placed.fallback.reason is FallbackReason.NO_COMPATIBLE_WORKER
+
+
+async def test_a_retry_at_a_replica_behind_the_worker_s_removal_waits_for_it(stack, stalled, nc, prefix):
+    """The same before the release is written (the snapshotter down), at a replica whose fold has not
+    read the removal: the actor's own subject has not moved, so only the worker's booking subject,
+    which every registry write fences, says the placement's life ended. The replica waits for its
+    fold to have that subject as the stream leader has it, and refuses (before: it answered the
+    first placement at once, from a fold behind the removal)."""
+    wb = Client(nc, prefix)
+    await wb.register(worker("w", V1))
+    await wb.create(actor("a"))
+    first = await wb.resume("a", request_id="R")
+    snapshotter = next(s for s in stack.services if type(s).__name__ == "SnapshotterService")
+    await snapshotter.stop()  # no release of the removed worker's actors from here on
+    await stalled.fold.wait(await last_seq(nc, prefix), 10)
+    assert stalled.projection.actors["a"].worker.worker_id == first.worker_id
+    wait, waiting = stalled.fold.wait, asyncio.Event()
+
+    async def noted(seq, timeout):
+        if seq and seq > stalled.projection.seq:
+            waiting.set()
+        await wait(seq, timeout)
+
+    stalled.fold.wait = noted
+    async with stalled.fold.paused():
+        await wb.remove("w", reason="machine replaced")
+        await wb.register(worker("w", V2))
+        retry = asyncio.create_task(stalled.resume("a", ResumeActor(request_id="R")))
+        noticed = asyncio.ensure_future(waiting.wait())
+        await asyncio.wait({retry, noticed}, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+        noticed.cancel()
+        assert not retry.done(), retry.result()  # answered from a fold behind the removal
+        assert waiting.is_set()
+    with pytest.raises(ContractError) as refused:
+        await asyncio.wait_for(retry, 10)
+    assert (refused.value.code, refused.value.field) == (ErrorCode.FAILED_PRECONDITION, "request_id")
+
+
+async def test_a_retry_in_the_same_life_of_its_worker_is_answered_with_the_first_placement(stack, nc, prefix):
+    """A registration that changes the worker within its life (its labels) does not end the placements
+    made on it: a retry is answered as before, with the first placement."""
+    wb = Client(nc, prefix)
+    await wb.register(worker("w", V1))
+    await wb.create(actor("a"))
+    first = await wb.resume("a", request_id="R")
+    updated = await wb.register(worker("w", V1, labels={"rack": "r2"}))
+    assert await wb.resume("a", request_id="R", min_seq=updated.seq) == first

@@ -63,7 +63,7 @@ from services.scheduler.records import (
 )
 
 # Bump on any change of what State holds or how it maps onto the projection.
-FORMAT = 6
+FORMAT = 7
 
 
 NONE = -1  # "no reference" in an index field
@@ -122,6 +122,7 @@ class WorkerRow(Struct, array_like=True, gc=False):
     holding: int
     booking_version: int
     booking_seq: int
+    since: int
 
 
 class ActorRow(Struct, array_like=True, gc=False):
@@ -281,7 +282,7 @@ def _export(p: Projection) -> State:
             w.worker_id, w.node, w.cpu_millis, w.memory_mib, map_of(w.labels), w.state.value,
             [(name, runtime_index[id(e.default)], [runtime_index[id(r)] for r in e.restorable])
              for name, e in w.classes.items()],
-            w.booked_cpu, w.booked_mem, w.holding, w.booking_version, w.booking_seq,
+            w.booked_cpu, w.booked_mem, w.holding, w.booking_version, w.booking_seq, w.since,
         )
         for w in workers
     ]
@@ -396,6 +397,7 @@ def _restore(state: State) -> Projection:
         w.holding = row.holding
         w.booking_version = row.booking_version
         w.booking_seq = row.booking_seq
+        w.since = row.since
         workers.append(w)
         if i < state.registered:
             if w.worker_id in p.workers:

@@ -210,6 +210,17 @@ class Projection:
         have begun the actor's next life, to which the placement does not belong)."""
         return not self.unread_actors or seq > self.unread_actors.get(actor_id, 0)
 
+    def life_ended(self, worker_id: str, seq: int) -> str | None:
+        """Why the life of `worker_id` that a placement at `seq` was made in has ended, or None
+        while it goes on. Every write of the registry fences the worker's booking subject, so a
+        fold that has that subject as the stream leader has it knows the worker's current life."""
+        worker = self.workers.get(worker_id)
+        if worker is None:
+            return f"worker {worker_id} was removed since"
+        if worker.since > seq:
+            return f"worker {worker_id} was removed since, and registered again (a new life, at sequence {worker.since})"
+        return None
+
     def worker_unread(self, seq: int, worker_id: str) -> None:
         """A message of the worker's history this fold cannot read (`Fold._unread`): whatever it
         changed, the worker now counts as drained here (no new placement; it keeps its bookings)
@@ -288,6 +299,7 @@ class Projection:
             self._index(worker, -1)
         else:
             worker = self.workers[event.worker_id] = Worker(event.worker_id)
+            worker.since = seq
             previous = self.bookings.pop(event.worker_id, None)  # booked before, under another record
             if previous is not None:
                 worker.booking_version, worker.booking_seq = previous

@@ -167,6 +167,7 @@ class Worker:
         # optimistic concurrency on `booking.<worker id>`
         "booking_version",
         "booking_seq",
+        "since",  # the stream sequence of the WorkerRegistered that began this life (this record)
     )
 
     def __init__(self, worker_id: str):
@@ -183,6 +184,7 @@ class Worker:
         self.sets: list[IndexedSet] = []
         self.booking_version = 0
         self.booking_seq = 0
+        self.since = 0
 
     @property
     def live(self) -> bool:

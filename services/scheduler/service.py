@@ -32,7 +32,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from events.aggregate import WireApplication
 from events.codec import decode_event, decoder
-from events.errors import ContractError, UnreadableHistory, unavailable
+from events.errors import ContractError, UnreadableHistory, precondition, unavailable
 from events.jetstream.link import links_on
 from events.tasks import cancel_and_wait
 from events.runtime_id import short_id
@@ -266,7 +266,7 @@ class SchedulerService:
         comes back (`RECHECK`) and is checked again. An answer from the log is given only once
         this replica's fold has the actor's history as the stream leader has it (`_current`):
         a replica behind a stop and a new creation does not answer a request id of the actor's
-        last life.
+        last life. Nor one whose worker's life has ended since (`_in_the_same_life`).
         """
         await self.fold.wait(request.min_seq, self.catch_up_s)
         rid = request.request_id
@@ -326,7 +326,9 @@ class SchedulerService:
                 if seq:  # the log answers the request id; from this life, as the stream leader has it
                     if not await self._current(actor_id, seen):
                         continue
-                    return await self._recorded(seq)
+                    answer = await self._recorded(seq)
+                    await self._in_the_same_life(answer.worker_id, seq, rid)
+                    return answer
                 placement, seq = result
                 self.commits += 1
                 if self.metrics:
@@ -380,6 +382,30 @@ class SchedulerService:
                 seq += 1
         return assignment_of(placed, seq)
 
+    async def _at_leader(self, kind: str, entity: str) -> int:
+        """The last sequence of the entity's subject as the stream leader has it."""
+        try:
+            return await last_seq_on(self.nc.jetstream(), self.stream, event_subject(self.prefix, kind, entity))
+        except Exception as error:  # no leader to ask right now: retry later, with the same request id
+            raise unavailable(f"the event log's leader did not answer ({type(error).__name__}); try again") from None
+
+    async def _in_the_same_life(self, worker_id: str, seq: int, request_id: str | None) -> None:
+        """FAILED_PRECONDITION, naming `request_id`, if the life of the worker the placement at `seq`
+        was made on has ended since (`Projection.life_ended`): removed, perhaps registered again on
+        runtimes that cannot load the placement's image. The placement ended with that life (the
+        snapshotter releases the actor), and no worker expects its resume: the first answer, given
+        again, would send the image where it may crash (found by an audit). Decided on a fold that
+        has the worker's booking subject as the stream leader has it (every write of the registry
+        fences it, `services.registry`), so a retry that reaches a replica behind the removal is not
+        answered from before it. One read at the leader, made only for an answer from the log."""
+        await self.fold.wait(await self._at_leader(WorkerBooked.KIND, worker_id), self.catch_up_s)
+        ended = self.projection.life_ended(worker_id, seq)
+        if ended is not None:
+            raise precondition(
+                f"the placement request_id {request_id!r} made (sequence {seq}, on worker {worker_id}) has ended: "
+                f"{ended}. Its answer would send a resume no worker expects; resume with a new request_id",
+                "request_id")
+
     async def _current(self, actor_id: str, seen: int) -> bool:
         """Whether `seen`, the actor's last sequence in this replica's fold when an answer from the
         log or a refusal on the actor's state was taken, is its history as the stream leader has
@@ -390,10 +416,7 @@ class SchedulerService:
         Compared with `seen`, not with what the fold has once the leader has answered: the fold
         goes on meanwhile, and a fold that caught up during the read would pass off a refusal
         decided before it (a loaded CI run: NOT_FOUND for an actor just created)."""
-        try:
-            leader = await last_seq_on(self.nc.jetstream(), self.stream, event_subject(self.prefix, "actor", actor_id))
-        except Exception as error:  # no leader to ask right now: retry later, with the same request id
-            raise unavailable(f"the event log's leader did not answer ({type(error).__name__}); try again") from None
+        leader = await self._at_leader("actor", actor_id)
         if seen >= leader:  # no history anywhere is current too
             return True
         await self.fold.wait(leader, self.catch_up_s)
@@ -443,3 +466,4 @@ class SchedulerService:
             except Exception:
                 log.exception("refreshing the scheduler's gauges failed")
             await asyncio.sleep(GAUGE_INTERVAL_S)
+
