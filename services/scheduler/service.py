@@ -466,4 +466,3 @@ class SchedulerService:
             except Exception:
                 log.exception("refreshing the scheduler's gauges failed")
             await asyncio.sleep(GAUGE_INTERVAL_S)
-
