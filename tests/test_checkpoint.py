@@ -158,7 +158,7 @@ def walk(p: Projection) -> dict[str, Any]:
     """
     assert set(vars(p)) == {"seq", "events", "stream_created", "seq_time", "workers", "classes", "actors", "bookings",
                             "subjects", "intern", "recreated", "placed_listener", "registry_version", "unread_actor_seq",
-                            "unread_actors", "_dispatch"}, \
+                            "unread_actors", "unread_workers", "_dispatch"}, \
         "a new Projection field: teach the checkpoint codec about it"
     registered = {id(w) for w in p.workers.values()}
     others: dict[int, int] = {}  # unregistered worker records, numbered by first sight
@@ -209,6 +209,7 @@ def walk(p: Projection) -> dict[str, Any]:
         "recreated": list(p.recreated.items()),
         "unread_actor_seq": p.unread_actor_seq,
         "unread_actors": list(p.unread_actors.items()),
+        "unread_workers": list(p.unread_workers.items()),
         "compats": [value(c) for c in p.intern.compats],
         # sharing: one object per distinct stamp, resources and label/selector map
         "distinct": (
@@ -296,6 +297,19 @@ def test_a_checkpoint_between_an_unread_placement_and_its_booking_marker_keeps_t
     assert restored.unread_actor_seq == 3 and restored.unread_actors == {"big": 3}
     assert_same(marker(Fold(None, "t", restored)), replayed)
     assert answers(replayed)["decide"]["a1"][0] is ErrorCode.RESOURCE_EXHAUSTED
+
+
+def test_a_checkpoint_keeps_the_worker_messages_its_fold_could_not_read():
+    """A worker message this fold cannot read (a newer registry's) may have ended the worker's life: a
+    retry of a placement made before it is not answered from this fold (`Projection.life_unread_since`).
+    A replica restored from a checkpoint taken after it must know that too."""
+    f = Fold(None, "t", fold([registered("w1", entry(V1), mem=8192)], Projection()))
+    f.fold_message(2, "t.ev.worker.w1", {"Warmboot-Topic": "WorkerRetired", "Warmboot-Version": "1"},
+                   b'{"type":"WorkerRetired","worker_id":"w1"}')
+    assert f.projection.life_unread_since("w1", 1) == 2 and f.projection.life_unread_since("w1", 2) == 0
+    restored = restore_state(export_state(f.projection))
+    assert restored.unread_workers == {"w1": 2} and restored.life_unread_since("w1", 1) == 2
+    assert_same(restored, f.projection)
 
 
 def test_bytes_round_trip_and_what_is_refused():

@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import AsyncExitStack, suppress
+from typing import ClassVar
 
 import pytest
 
 from events.errors import ContractError
-from events.schema import (ActorPlaced, ActorReleased, ErrorCode, FallbackReason, PlacedFidelity, ReleaseReason,
-                           ResumeActor)
+from events.schema import (ActorPlaced, ActorReleased, ErrorCode, Event, FallbackReason, PlacedFidelity, ReleaseReason,
+                           ResumeActor, WorkerFenced, WorkerRegistered)
+from services.registry.domain import canonical_classes
 from services.scheduler.records import RECENT_PLACEMENTS
 from services.scheduler.service import SchedulerService
-from tests.factories import actor, last_seq, read_log, version, wait_for, worker
+from tests.factories import AT, actor, last_seq, read_log, runtime, version, wait_for, worker
 from warmboot.client import Client
 from warmboot.runner import connect
 
@@ -499,3 +501,129 @@ async def test_a_retry_in_the_same_life_of_its_worker_is_answered_with_the_first
     first = await wb.resume("a", request_id="R")
     updated = await wb.register(worker("w", V1, labels={"rack": "r2"}))
     assert await wb.resume("a", request_id="R", min_seq=updated.seq) == first
+
+
+async def a_memory_restore(wb: Client, request_id: str = "R"):
+    """w (V1) restores a's MEMORY image stamped V1, for `request_id`: the first answer."""
+    await wb.register(worker("w", V1))
+    await wb.create(actor("a"))
+    await wb.resume("a")
+    await wb.suspend("a", uri="s3://a/1")  # a MEMORY image stamped V1
+    first = await wb.resume("a", request_id=request_id)
+    assert (first.worker_id, first.fidelity) == ("w", PlacedFidelity.MEMORY)
+    return first
+
+
+async def refused(wb: Client, min_seq: int, code: ErrorCode = ErrorCode.FAILED_PRECONDITION) -> ContractError:
+    """The retry of R, refused with `code` (naming request_id when FAILED_PRECONDITION)."""
+    with pytest.raises(ContractError) as caught:
+        await wb.resume("a", request_id="R", min_seq=min_seq)
+    assert caught.value.code is code, caught.value
+    if code is ErrorCode.FAILED_PRECONDITION:
+        assert caught.value.field == "request_id", caught.value
+    return caught.value
+
+
+async def test_a_retry_after_its_worker_dropped_the_runtime_it_pins_is_refused(stack, nc, prefix):
+    """The placement R made is still in force (the actor RUNNING on w), and w registers again in the same
+    life on V2 only (RuntimeChanged). Retried, R would send the V1 image to a worker that cannot load it
+    (before: answered, leaving it to the worker to refuse; docs/contract.md). Refused, naming what keeps
+    the actor on w; nothing written."""
+    wb = Client(nc, prefix)
+    await a_memory_restore(wb)
+    changed = await wb.register(worker("w", V2))
+    assert changed.outcome.value == "RUNTIME_CHANGED"
+    before = await last_seq(nc, prefix)
+    error = await refused(wb, changed.seq)
+    assert "no longer runs the runtime the placement pins" in error.message
+    assert "stays RUNNING on w" in error.message
+    assert await last_seq(nc, prefix) == before
+
+
+async def test_a_retry_after_the_placement_ended_and_its_worker_dropped_the_runtime_is_refused(stack, nc, prefix):
+    """The same after the actor was suspended (the placement ended): refused, the caller told to resume with
+    a new request id, which restores the new image where it loads (found by a review)."""
+    wb = Client(nc, prefix)
+    await a_memory_restore(wb)
+    await wb.suspend("a", uri="s3://a/2")
+    changed = await wb.register(worker("w", V2))
+    error = await refused(wb, changed.seq)
+    assert "Resume with a new request_id" in error.message
+    placed = await wb.resume("a", request_id="R2")
+    assert placed.fidelity is PlacedFidelity.VOLUMES
+
+
+async def test_a_retry_after_its_worker_moved_to_another_node_is_refused(stack, nc, prefix):
+    """A registration that moves the worker to another node (WorkerUpdated, the same life): the placement
+    named the node its image is on, or the machine it ran on; refused."""
+    wb = Client(nc, prefix)
+    await a_memory_restore(wb)
+    moved = await wb.register(worker("w", V1, node="node-elsewhere"))
+    error = await refused(wb, moved.seq)
+    assert "on node node-elsewhere now" in error.message
+
+
+class WorkerRetired(Event, kw_only=True):
+    """A removal a newer registry might write (the contract lets the project add events): it ends the
+    worker's life in a form this scheduler does not read."""
+
+    worker_id: str
+    reason: str | None = None
+    KIND: ClassVar[str] = "worker"
+
+    @property
+    def entity_id(self) -> str:
+        return self.worker_id
+
+
+async def retired(writer) -> int:
+    """w's life ended by a newer registry (with its fence, as every registry write has)."""
+    return await asyncio.to_thread(writer.write, WorkerRetired(at=AT, worker_id="w", reason="machine replaced"),
+                                   WorkerFenced(at=AT, worker_id="w", event="WorkerRetired"))
+
+
+async def test_a_retry_after_an_unread_removal_and_a_new_registration_is_refused(stack, writer, nc, prefix):
+    """A newer registry ends w's life in an event this scheduler cannot read, and w registers again, a new
+    life (the registry writes a WorkerRegistered only to begin one), on V2 only. The fold took the unread
+    event for a drain and the registration for one "without a removal", so the retry of R was answered
+    with its first placement, the V1 image sent to a worker on V2 (found by a review). Each
+    WorkerRegistered now begins a life."""
+    wb = Client(nc, prefix)
+    await a_memory_restore(wb)
+    await retired(writer)
+    anew = worker("w", V2)
+    again = await asyncio.to_thread(
+        writer.write,
+        WorkerRegistered(at=AT, worker_id="w", node=anew.node, capacity=anew.capacity, labels=dict(anew.labels),
+                         sandbox_classes=canonical_classes(anew.sandbox_classes)),
+        WorkerFenced(at=AT, worker_id="w", event="WorkerRegistered"))
+    error = await refused(wb, again)
+    assert "registered again" in error.message
+
+
+async def test_a_retry_after_an_unread_message_of_its_worker_is_left_to_a_replica_that_reads_it(
+        stack, writer, nc, prefix):
+    """A message of w's history after the placement that this scheduler cannot read may have ended w's
+    life: UNAVAILABLE (a replica of a newer version can tell), as for an actor's unread message."""
+    wb = Client(nc, prefix)
+    await a_memory_restore(wb)
+    error = await refused(Client(nc, prefix, attempts=1), await retired(writer), ErrorCode.UNAVAILABLE)
+    assert "cannot read" in error.message
+
+
+async def test_a_retry_after_the_pinned_runtime_stopped_accepting_the_image_s_version_is_refused(stack, nc, prefix):
+    """w's default V2 accepts V1 images through a compatible version (an edge), and R restored a V1 image
+    on w that way. w then registers V2 without the edge (the same life, the same runtime): the runtime R
+    pins still runs there, but no longer loads R's image. Refused."""
+    wb = Client(nc, prefix)
+    await wb.register(worker("w1", V1))
+    await wb.create(actor("a"))
+    await wb.resume("a")
+    await wb.suspend("a", uri="s3://a/1")  # a MEMORY image stamped V1
+    await wb.remove("w1")
+    await wb.register(worker("w", runtime(V2, compatible=(V1,))))
+    first = await wb.resume("a", request_id="R")
+    assert (first.worker_id, first.fidelity, first.matched_version) == ("w", PlacedFidelity.MEMORY, V1)
+    changed = await wb.register(worker("w", runtime(V2)))
+    error = await refused(wb, changed.seq)
+    assert "no longer accepts the image's version" in error.message

@@ -176,6 +176,7 @@ class State(Struct):
     recreated: list[tuple[str, int]]  # (actor id, seq of the ActorCreated of its current life)
     unread_actor_seq: int = 0  # the last message of an actor's history the fold could not read
     unread_actors: list[tuple[str, int]] = []  # (actor id, seq) of Projection.unread_actors
+    unread_workers: list[tuple[str, int]] = []  # (worker id, seq) of Projection.unread_workers
 
 
 class Envelope(Struct):
@@ -340,6 +341,7 @@ def _export(p: Projection) -> State:
         recreated=list(p.recreated.items()),
         unread_actor_seq=p.unread_actor_seq,
         unread_actors=list(p.unread_actors.items()),
+        unread_workers=list(p.unread_workers.items()),
     )
 
 
@@ -454,6 +456,7 @@ def _restore(state: State) -> Projection:
     p.recreated = dict(state.recreated)
     p.unread_actor_seq = state.unread_actor_seq
     p.unread_actors = dict(state.unread_actors)
+    p.unread_workers = dict(state.unread_workers)
     return p
 
 

@@ -22,6 +22,10 @@ would book:
 
 `fit` is the fast path decisions take (a worker fits or not); `reasons` names the
 rejection for explain and refusal messages. Both are the one judgement.
+
+`carries_out` judges a placement made earlier, which a retry of its request id would be
+answered with (not a new decision: room and drains do not count, the placement holds its
+booking): whether the worker, as it is now, still runs what it pins, where it names.
 """
 
 from __future__ import annotations
@@ -143,3 +147,21 @@ class Ask:
         if verdict < SHORT_CPU:
             return [REASONS[verdict - 1]]
         return [r for bit, r in ((SHORT_CPU, INSUFFICIENT_CPU), (SHORT_MEMORY, INSUFFICIENT_MEMORY)) if verdict & bit]
+
+
+def carries_out(worker: Worker, sandbox_class: str, node: str, pin: Compat | None, image: Compat | None) -> str | None:
+    """Why `worker`, as it is now, cannot carry out a placement made on it earlier on `node` under
+    the runtime `pin` (its compat key; None: one no worker of the log ever ran), restoring, at
+    MEMORY, an image of `image` (None for a placement without memory); None if it can. Sending it
+    then would run the actor under another runtime than its pin (which every later snapshot is
+    stamped with), or send the image where it cannot load."""
+    entry = worker.classes.get(sandbox_class)
+    if entry is None:
+        return f"it no longer registers class {sandbox_class}"
+    if worker.node != node:
+        return f"it is on node {worker.node} now, not {node}"
+    if pin is None or not any(r.compat is pin for r in (entry.default, *entry.restorable)):
+        return "it no longer runs the runtime the placement pins"
+    if image is not None and not any(r.compat is pin for _, r in entry.accepting.get(image, ())):
+        return "the runtime the placement pins no longer accepts the image's version"
+    return None

@@ -35,6 +35,8 @@ from events.schema import (
     ActorStopped,
     Event,
     Location,
+    PlacedFidelity,
+    Placement,
     ReleaseReason,
     RuntimeChanged,
     Snapshot,
@@ -50,7 +52,9 @@ from events.schema import (
     WorkerSandboxClass,
     WorkerUpdated,
 )
+from events.compat import compat_key
 from events.states import WAITING
+from services.scheduler.feasibility import carries_out
 from services.scheduler.interner import Interner
 from services.scheduler.records import (
     ACTOR_FIELDS,
@@ -107,6 +111,9 @@ class Projection:
         # version's event, or a body this version refuses): what it changed is unknown here,
         # so the actor is not placed from this fold (`decide.resolve`) until its next life
         self.unread_actors: dict[str, int] = {}
+        # worker id -> the last message of its history the fold could not read: it may have ended
+        # the worker's life (`life_unread_since`)
+        self.unread_workers: dict[str, int] = {}
         # called with (actor id, request hash, seq) for each placement folded that carries a
         # request id: what a replica needs to answer a retry that is still waiting to be decided
         self.placed_listener: Callable[[str, int, int], None] | None = None
@@ -212,8 +219,9 @@ class Projection:
 
     def life_ended(self, worker_id: str, seq: int) -> str | None:
         """Why the life of `worker_id` that a placement at `seq` was made in has ended, or None
-        while it goes on. Every write of the registry fences the worker's booking subject, so a
-        fold that has that subject as the stream leader has it knows the worker's current life."""
+        if, as far as this fold reads, it goes on (`life_unread_since` says whether it reads all).
+        Every write of the registry fences the worker's booking subject, so a fold that has that
+        subject as the stream leader has it has every event of the worker's history."""
         worker = self.workers.get(worker_id)
         if worker is None:
             return f"worker {worker_id} was removed since"
@@ -221,11 +229,35 @@ class Projection:
             return f"worker {worker_id} was removed since, and registered again (a new life, at sequence {worker.since})"
         return None
 
+    def cannot_carry_out(self, placement: Placement) -> str | None:
+        """Why the worker of `placement` (made earlier: an answer from the log), as this fold has it
+        now, cannot carry it out (`feasibility.carries_out`); None if it can, or is not here."""
+        worker = self.workers.get(placement.worker_id)
+        if worker is None:
+            return None  # (`life_ended` says so)
+        pin = placement.sandbox_runtime
+        sandbox_class = pin.sandbox_class
+        compat = self.intern.compat_of_key
+        image = None
+        if placement.fidelity is PlacedFidelity.MEMORY:
+            image = compat(compat_key(sandbox_class, placement.matched_version or pin.version))
+            if image is None:  # a version no worker of the log ran or accepted
+                return "no runtime it runs accepts the image's version"
+        return carries_out(worker, sandbox_class, placement.node, compat(compat_key(sandbox_class, pin.version)), image)
+
+    def life_unread_since(self, worker_id: str, seq: int) -> int:
+        """The last message of the worker's history after `seq` that this fold could not read (0 if
+        none): it may have ended the life a placement at `seq` was made in."""
+        unread = self.unread_workers.get(worker_id, 0) if self.unread_workers else 0
+        return unread if unread > seq else 0
+
     def worker_unread(self, seq: int, worker_id: str) -> None:
         """A message of the worker's history this fold cannot read (`Fold._unread`): whatever it
         changed, the worker now counts as drained here (no new placement; it keeps its bookings)
-        until a registration starts its next life."""
+        until a registration starts its next life; and it may have ended the worker's life
+        (`life_unread_since`)."""
         self.skip(seq)
+        self.unread_workers[worker_id] = seq
         self._drain(worker_id)
         self.registry_version += 1
 
@@ -295,8 +327,12 @@ class Projection:
 
     def _worker_registered(self, event: WorkerRegistered, seq: int) -> None:
         worker = self.workers.get(event.worker_id)
-        if worker is not None:  # registered again without a removal: take the new content
+        if worker is not None:
+            # The registry writes a WorkerRegistered only to begin a life, so the last one ended in a
+            # message this fold could not read: a new life all the same (`since`), on the same record,
+            # whose bookings go on counting until their actors are released (none is overbooked).
             self._index(worker, -1)
+            worker.since = seq
         else:
             worker = self.workers[event.worker_id] = Worker(event.worker_id)
             worker.since = seq

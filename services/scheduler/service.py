@@ -60,6 +60,7 @@ from services.scheduler.explain import explain
 from services.scheduler.fragmentation import fragmentation
 from services.scheduler.fold import Fold
 from services.scheduler.projection import Projection
+from services.scheduler.records import RUNNING
 from services.scheduler.whatif import whatif
 
 log = logging.getLogger("warmboot.scheduler")
@@ -266,7 +267,7 @@ class SchedulerService:
         comes back (`RECHECK`) and is checked again. An answer from the log is given only once
         this replica's fold has the actor's history as the stream leader has it (`_current`):
         a replica behind a stop and a new creation does not answer a request id of the actor's
-        last life. Nor one whose worker's life has ended since (`_in_the_same_life`).
+        last life. Nor one its worker no longer carries out (`_still_answerable`).
         """
         await self.fold.wait(request.min_seq, self.catch_up_s)
         rid = request.request_id
@@ -327,7 +328,7 @@ class SchedulerService:
                     if not await self._current(actor_id, seen):
                         continue
                     answer = await self._recorded(seq)
-                    await self._in_the_same_life(answer.worker_id, seq, rid)
+                    await self._still_answerable(answer, seq, rid)
                     return answer
                 placement, seq = result
                 self.commits += 1
@@ -389,22 +390,48 @@ class SchedulerService:
         except Exception as error:  # no leader to ask right now: retry later, with the same request id
             raise unavailable(f"the event log's leader did not answer ({type(error).__name__}); try again") from None
 
-    async def _in_the_same_life(self, worker_id: str, seq: int, request_id: str | None) -> None:
-        """FAILED_PRECONDITION, naming `request_id`, if the life of the worker the placement at `seq`
-        was made on has ended since (`Projection.life_ended`): removed, perhaps registered again on
-        runtimes that cannot load the placement's image. The placement ended with that life (the
-        snapshotter releases the actor), and no worker expects its resume: the first answer, given
-        again, would send the image where it may crash (found by an audit). Decided on a fold that
-        has the worker's booking subject as the stream leader has it (every write of the registry
-        fences it, `services.registry`), so a retry that reaches a replica behind the removal is not
-        answered from before it. One read at the leader, made only for an answer from the log."""
+    async def _still_answerable(self, answer: Assignment, seq: int, request_id: str | None) -> None:
+        """Refuse the answer from the log `answer` (its ActorPlaced at `seq`) unless its worker, as
+        it is now, still carries it out (found by audits: the first answer, given again, sent a
+        memory image where it could not load):
+        - the worker's life it was made in has ended (removed, perhaps registered again on other
+          runtimes: `Projection.life_ended`): the placement ended with it (the snapshotter releases
+          the actor) and no worker expects its resume. FAILED_PRECONDITION, naming `request_id`;
+        - a message of the worker's history after it that this fold cannot read may have ended that
+          life: UNAVAILABLE, as for an actor's (`decide.resolve`), since a replica that reads it can
+          tell;
+        - the worker no longer registers the class, is on another node, no longer runs the runtime
+          the placement pins, or that runtime no longer accepts the image's version
+          (`feasibility.carries_out`): the resume would run the actor under another runtime than
+          the one every later snapshot is stamped with, or crash loading its image.
+          FAILED_PRECONDITION, naming `request_id`.
+        Decided on a fold that has the worker's booking subject as the stream leader has it (every
+        write of the registry fences it, `services.registry`), so a retry that reaches a replica
+        behind the worker's change is not answered from before it. One read at the leader, made only
+        for an answer from the log."""
+        worker_id = answer.worker_id
         await self.fold.wait(await self._at_leader(WorkerBooked.KIND, worker_id), self.catch_up_s)
-        ended = self.projection.life_ended(worker_id, seq)
+        p = self.projection
+        made = f"the placement request_id {request_id!r} made (sequence {seq}, on worker {worker_id})"
+        ended = p.life_ended(worker_id, seq)
         if ended is not None:
-            raise precondition(
-                f"the placement request_id {request_id!r} made (sequence {seq}, on worker {worker_id}) has ended: "
-                f"{ended}. Its answer would send a resume no worker expects; resume with a new request_id",
-                "request_id")
+            raise precondition(f"{made} has ended: {ended}. Its answer would send a resume no worker expects; "
+                               "resume with a new request_id", "request_id")
+        unread = p.life_unread_since(worker_id, seq)
+        if unread:
+            raise UnreadableHistory(ErrorCode.UNAVAILABLE, (
+                f"worker {worker_id}'s history holds message {unread}, after {made}, which this scheduler cannot "
+                "read: it may have ended the worker's life, so this replica does not answer the request id; a "
+                "scheduler that reads the message can"))
+        cannot = p.cannot_carry_out(answer)
+        if cannot is not None:
+            actor = p.actors.get(answer.actor_id)
+            still = (f" The actor stays RUNNING on {worker_id} in the log until it is released (paused or suspended)."
+                     if actor is not None and actor.state is RUNNING and actor.worker is not None
+                     and actor.worker.worker_id == worker_id
+                     else " Resume with a new request_id.")
+            raise precondition(f"{made} cannot be carried out there now: {cannot}; its answer would send the "
+                               f"resume where it cannot run as placed.{still}", "request_id")
 
     async def _current(self, actor_id: str, seen: int) -> bool:
         """Whether `seen`, the actor's last sequence in this replica's fold when an answer from the
