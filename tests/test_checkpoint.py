@@ -301,14 +301,14 @@ def test_a_checkpoint_between_an_unread_placement_and_its_booking_marker_keeps_t
 
 def test_a_checkpoint_keeps_the_worker_messages_its_fold_could_not_read():
     """A worker message this fold cannot read (a newer registry's) may have ended the worker's life: a
-    retry of a placement made before it is not answered from this fold (`Projection.life_unread_since`).
+    retry of a placement made before it is not answered from this fold (`Projection.life_unread`).
     A replica restored from a checkpoint taken after it must know that too."""
     f = Fold(None, "t", fold([registered("w1", entry(V1), mem=8192)], Projection()))
     f.fold_message(2, "t.ev.worker.w1", {"Warmboot-Topic": "WorkerRetired", "Warmboot-Version": "1"},
                    b'{"type":"WorkerRetired","worker_id":"w1"}')
-    assert f.projection.life_unread_since("w1", 1) == 2 and f.projection.life_unread_since("w1", 2) == 0
+    assert f.projection.life_unread("w1", 1) == 2 and f.projection.life_unread("w1", 2) == 0
     restored = restore_state(export_state(f.projection))
-    assert restored.unread_workers == {"w1": 2} and restored.life_unread_since("w1", 1) == 2
+    assert restored.unread_workers == {"w1": 2} and restored.life_unread("w1", 1) == 2
     assert_same(restored, f.projection)
 
 

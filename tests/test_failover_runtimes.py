@@ -11,9 +11,12 @@ with whatever it was pinned to. At the end every request id is sent again, durin
 
 The verdict is read from the log in stream order: at every `ActorPlaced` restoring MEMORY, the
 worker's runtimes at that point of the log accept the stamp of the actor's latest snapshot
-(`events.compat.matches`); no (actor, request id) is placed twice; and every answer a request id
-got is the one placement the log holds for it. (A review's harness, made event-driven: the
-elections follow the answers, not the clock.)
+(`events.compat.matches`); no (actor, request id) is placed twice; every answer a request id
+got is the one placement the log holds for it; and each request id sent again at the end (the
+runtimes no longer changing) is answered exactly where its worker, as the log ends, still runs
+the runtime its placement pins and (MEMORY) accepts the image's version through it, and refused,
+FAILED_PRECONDITION on `request_id`, where not (docs/contract.md, Idempotency). (A review's
+harness, made event-driven: the elections follow the answers, not the clock.)
 """
 
 from __future__ import annotations
@@ -27,12 +30,13 @@ from contextlib import AsyncExitStack
 
 import pytest
 
-from events.compat import matches
+from events.compat import matches, same_version
 from events.errors import ContractError
 from events.jetstream.layout import LEADER_ELECTED_ADVISORY
 from events.natspy import flush_in_order
-from events.schema import (ActorCreated, ActorPlaced, ActorReverted, Action, ErrorCode, Fidelity, PlacedFidelity,
-                           RuntimeChanged, SnapshotTaken, WorkerDrained, WorkerRegistered, WorkerRemoved)
+from events.schema import (ActorCreated, ActorPlaced, ActorReverted, Action, Assignment, ErrorCode, Fidelity,
+                           PlacedFidelity, RuntimeChanged, SnapshotTaken, WorkerDrained, WorkerRegistered,
+                           WorkerRemoved, WorkerSandboxClass)
 from events.subjects import stream_name
 from tests.factories import actor, read_entries, version, worker
 from services.registry.budget import WriteBudget
@@ -110,16 +114,28 @@ async def test_memory_restores_stay_loadable_through_elections_and_runtime_chang
             await asyncio.gather(*(wb.create(actor(a, cpu=100, mem=128)) for a in actors))
             await asyncio.gather(*(wb.resume(a) for a in actors))
             await asyncio.gather(*(wb.suspend(a, Fidelity.MEMORY, uri=f"s3://x/{a}-0") for a in actors))
+            # Every worker's runtimes change once before the rounds (to V2 that still restores the V1 images),
+            # so that every placement of the rounds comes after a change of its worker, however fast the churn
+            # gets going on a loaded machine (before, a loaded run could count too few: a review).
+            for i in range(WORKERS):
+                changed = await wb.register(worker(f"w{i}", V2, (V1,), cpu=64000, mem=65536))
+                assert changed.outcome.value == "RUNTIME_CHANGED", changed
 
             answers: dict[str, list] = defaultdict(list)
             outcomes: Counter = Counter()
 
-            async def resume(request_id: str, actor_id: str, counted: Answers) -> None:
+            final: dict[str, object] = {}  # request id -> what its resend at the end got (the churn stopped)
+
+            async def resume(request_id: str, actor_id: str, counted: Answers, last: bool = False) -> None:
                 try:
-                    answers[request_id].append(await wb.resume(actor_id, request_id=request_id))
+                    answers[request_id].append(got := await wb.resume(actor_id, request_id=request_id))
                 except ContractError as error:  # no room it fits, or the client's retries spent
-                    answers[request_id].append(error.code)
+                    answers[request_id].append(got := error.code)
                     outcomes[error.code.value] += 1
+                    if last:
+                        got = (error.code, error.field)
+                if last:
+                    final[request_id] = got
                 await counted.note(actor_id)
 
             async def churn(worker_id: str, stop: asyncio.Event) -> None:
@@ -197,8 +213,8 @@ async def test_memory_restores_stay_loadable_through_elections_and_runtime_chang
             counted = Answers()
             late = asyncio.create_task(when(counted, 0.25, stepdown))
             try:
-                await asyncio.gather(*(resume(f"r{number}-{a}", a, counted) for number in range(1, len(rounds) + 1)
-                                       for a in actors))
+                await asyncio.gather(*(resume(f"r{number}-{a}", a, counted, True)
+                                       for number in range(1, len(rounds) + 1) for a in actors))
                 await late
             finally:
                 late.cancel()
@@ -232,5 +248,40 @@ async def test_memory_restores_stay_loadable_through_elections_and_runtime_chang
                         mismatched.append(f"{request_id}: answered {worker_id} {fidelity} at {seq}, the log "
                                           f"{event and (event.worker_id, event.fidelity)} at {at}")
             assert not mismatched, "\n".join(mismatched[:20])
+            # The resends at the end, on runtimes that no longer change: answered with the placement the
+            # log holds where its worker, as the log ends, still runs the pin and (MEMORY) accepts the
+            # image's version through it; refused (FAILED_PRECONDITION, request_id) only where it does not.
+            last_classes = {}
+            for _, _, event in entries:
+                if isinstance(event, (WorkerRegistered, RuntimeChanged)):
+                    last_classes[event.worker_id] = event.sandbox_classes
+
+            def carried_out(event) -> bool:
+                pin = event.sandbox_runtime
+                for e in last_classes[event.worker_id]:
+                    for r in (e.default_runtime, *e.restorable_runtimes):
+                        if matches(pin, WorkerSandboxClass(sandbox_class=e.sandbox_class, default_runtime=r,
+                                                           restorable_runtimes=())) is None:
+                            continue
+                        if event.fidelity is not PlacedFidelity.MEMORY:
+                            return True
+                        image = event.matched_version or pin.version
+                        if any(same_version(image, v) for v in (r.version, *r.compatible_versions)):
+                            return True
+                return False
+
+            wrong = []
+            for request_id, got in final.items():
+                at, event = logged.get(request_id, (None, None))
+                if event is None:
+                    continue  # never placed (no room): nothing to answer from the log
+                if carried_out(event):
+                    if not (isinstance(got, Assignment) or got == ErrorCode.UNAVAILABLE):
+                        wrong.append(f"{request_id}: refused {got} though its worker still carries it out")
+                elif got != (ErrorCode.FAILED_PRECONDITION, "request_id"):
+                    wrong.append(f"{request_id}: got {got} though its worker no longer carries it out")
+            print("final resends", Counter(type(g).__name__ if isinstance(g, Assignment) else str(g)
+                                           for g in final.values()))
+            assert not wrong, "\n".join(wrong[:20])
             gave_up = sum(1 for got in answers.values() if ErrorCode.UNAVAILABLE in got)
             assert gave_up <= len(answers) // 20, f"{gave_up} request ids never answered: {dict(outcomes)}"

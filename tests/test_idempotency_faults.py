@@ -22,6 +22,7 @@ from services.registry.domain import canonical_classes
 from services.scheduler.records import RECENT_PLACEMENTS
 from services.scheduler.service import SchedulerService
 from tests.factories import AT, actor, last_seq, read_log, runtime, version, wait_for, worker
+from tests.factories import booked as booked_event, placed as placed_event
 from warmboot.client import Client
 from warmboot.runner import connect
 
@@ -627,3 +628,35 @@ async def test_a_retry_after_the_pinned_runtime_stopped_accepting_the_image_s_ve
     changed = await wb.register(worker("w", runtime(V2)))
     error = await refused(wb, changed.seq)
     assert "no longer accepts the image's version" in error.message
+
+
+class WorkerRetooled(Event, kw_only=True):
+    """A runtime change a newer registry might write in a form this scheduler does not read (a newer event
+    type; the same holds for a RuntimeChanged whose body this version refuses): w now runs V2."""
+
+    worker_id: str
+    KIND: ClassVar[str] = "worker"
+
+    @property
+    def entity_id(self) -> str:
+        return self.worker_id
+
+
+async def test_a_retry_of_a_placement_made_after_an_unread_change_of_its_worker_is_left_to_a_replica_that_reads_it(
+        stack, writer, nc, prefix):
+    """A newer registry changes w's runtimes to V2 in a message this scheduler cannot read (its fold keeps
+    w's runtimes as V1, and takes no placement on w), and a newer scheduler places a on w under V2, the
+    first answer of R. Retried here, R is judged on runtimes this replica knows are not w's: it must not
+    be refused for good ("resume with a new request_id" / "stays RUNNING") when a replica that reads the
+    message answers it. UNAVAILABLE, as for an unread message after the placement (found by a review: it was
+    FAILED_PRECONDITION, "no longer runs the runtime the placement pins", though w runs exactly that)."""
+    wb = Client(nc, prefix, attempts=1)
+    await wb.register(worker("w", V1))
+    await wb.create(actor("a"))
+    await asyncio.to_thread(writer.write, WorkerRetooled(at=AT, worker_id="w"),
+                            WorkerFenced(at=AT, worker_id="w", event="WorkerRetooled"))
+    first = await asyncio.to_thread(writer.write, placed_event("a", "w", V2, request_id="R"),
+                                    booked_event("w", "a", request_id="R"))
+    with pytest.raises(ContractError) as caught:
+        await wb.resume("a", request_id="R", min_seq=first)
+    assert caught.value.code is ErrorCode.UNAVAILABLE, caught.value

@@ -112,7 +112,7 @@ class Projection:
         # so the actor is not placed from this fold (`decide.resolve`) until its next life
         self.unread_actors: dict[str, int] = {}
         # worker id -> the last message of its history the fold could not read: it may have ended
-        # the worker's life (`life_unread_since`)
+        # the worker's life, or changed what it runs (`life_unread`)
         self.unread_workers: dict[str, int] = {}
         # called with (actor id, request hash, seq) for each placement folded that carries a
         # request id: what a replica needs to answer a retry that is still waiting to be decided
@@ -219,7 +219,7 @@ class Projection:
 
     def life_ended(self, worker_id: str, seq: int) -> str | None:
         """Why the life of `worker_id` that a placement at `seq` was made in has ended, or None
-        if, as far as this fold reads, it goes on (`life_unread_since` says whether it reads all).
+        if, as far as this fold reads, it goes on (`life_unread` says whether it reads all).
         Every write of the registry fences the worker's booking subject, so a fold that has that
         subject as the stream leader has it has every event of the worker's history."""
         worker = self.workers.get(worker_id)
@@ -245,17 +245,19 @@ class Projection:
                 return "no runtime it runs accepts the image's version"
         return carries_out(worker, sandbox_class, placement.node, compat(compat_key(sandbox_class, pin.version)), image)
 
-    def life_unread_since(self, worker_id: str, seq: int) -> int:
-        """The last message of the worker's history after `seq` that this fold could not read (0 if
-        none): it may have ended the life a placement at `seq` was made in."""
+    def life_unread(self, worker_id: str, after: int = 0) -> int:
+        """The last message of the worker's history that this fold could not read, if it came after
+        `after` and in the worker's current life (0 otherwise): after a placement, it may have ended
+        the life the placement was made in; before, what this fold has of the worker may be stale."""
         unread = self.unread_workers.get(worker_id, 0) if self.unread_workers else 0
-        return unread if unread > seq else 0
+        worker = self.workers.get(worker_id)
+        return unread if unread > after and (worker is None or unread > worker.since) else 0
 
     def worker_unread(self, seq: int, worker_id: str) -> None:
         """A message of the worker's history this fold cannot read (`Fold._unread`): whatever it
         changed, the worker now counts as drained here (no new placement; it keeps its bookings)
         until a registration starts its next life; and it may have ended the worker's life
-        (`life_unread_since`)."""
+        (`life_unread`)."""
         self.skip(seq)
         self.unread_workers[worker_id] = seq
         self._drain(worker_id)

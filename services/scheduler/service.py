@@ -399,7 +399,8 @@ class SchedulerService:
           the actor) and no worker expects its resume. FAILED_PRECONDITION, naming `request_id`;
         - a message of the worker's history after it that this fold cannot read may have ended that
           life: UNAVAILABLE, as for an actor's (`decide.resolve`), since a replica that reads it can
-          tell;
+          tell; and so is a refusal below when such a message came earlier in the life (what the
+          fold has of the worker may be stale: found by a review);
         - the worker no longer registers the class, is on another node, no longer runs the runtime
           the placement pins, or that runtime no longer accepts the image's version
           (`feasibility.carries_out`): the resume would run the actor under another runtime than
@@ -417,7 +418,7 @@ class SchedulerService:
         if ended is not None:
             raise precondition(f"{made} has ended: {ended}. Its answer would send a resume no worker expects; "
                                "resume with a new request_id", "request_id")
-        unread = p.life_unread_since(worker_id, seq)
+        unread = p.life_unread(worker_id, seq)
         if unread:
             raise UnreadableHistory(ErrorCode.UNAVAILABLE, (
                 f"worker {worker_id}'s history holds message {unread}, after {made}, which this scheduler cannot "
@@ -425,6 +426,12 @@ class SchedulerService:
                 "scheduler that reads the message can"))
         cannot = p.cannot_carry_out(answer)
         if cannot is not None:
+            unread = p.life_unread(worker_id)
+            if unread:  # what this fold has of the worker may be stale: a refusal for good would be wrong
+                raise UnreadableHistory(ErrorCode.UNAVAILABLE, (
+                    f"worker {worker_id}'s history holds message {unread}, which this scheduler cannot read and which "
+                    f"may have changed what it runs: this replica cannot tell whether {made} can be carried out "
+                    "there; a scheduler that reads the message can"))
             actor = p.actors.get(answer.actor_id)
             still = (f" The actor stays RUNNING on {worker_id} in the log until it is released (paused or suspended)."
                      if actor is not None and actor.state is RUNNING and actor.worker is not None
