@@ -43,6 +43,20 @@ async def stalled(stack, nats_url, prefix):
         yield replica
 
 
+def catching_up(replica: SchedulerService) -> asyncio.Event:
+    """Set once `replica` waits for its fold to reach a sequence it has not applied (it catches up)."""
+    event = asyncio.Event()
+    fold_wait = replica.fold.wait
+
+    async def wait(seq, timeout):
+        if seq and seq > replica.fold.applied:
+            event.set()
+        await fold_wait(seq, timeout)
+
+    replica.fold.wait = wait
+    return event
+
+
 async def placements(nc, prefix, request_id: str) -> list[tuple[int, ActorPlaced]]:
     return [(s, e) for s, e in await read_log(nc, prefix) if isinstance(e, ActorPlaced) and e.request_id == request_id]
 
@@ -255,20 +269,12 @@ async def test_a_replica_behind_a_new_life_does_not_answer_the_last_lifes_placem
     await wb.create(actor("a"))
     old = await wb.resume("a", request_id="R")
     await stalled.fold.wait(await last_seq(nc, prefix), 10)
-    catching_up = asyncio.Event()
-    fold_wait = stalled.fold.wait
-
-    async def wait(seq, timeout):
-        if seq and seq > stalled.fold.applied:
-            catching_up.set()
-        await fold_wait(seq, timeout)
-
-    stalled.fold.wait = wait
+    behind = catching_up(stalled)
     async with stalled.fold.paused():
         await wb.stop("a")
         created = await wb.create(actor("a"))  # the next life
         answer = asyncio.create_task(stalled.resume("a", ResumeActor(request_id="R")))
-        await asyncio.wait_for(catching_up.wait(), 10)  # it found R in its stale view: it catches up first
+        await asyncio.wait_for(behind.wait(), 10)  # it found R in its stale view: it catches up first
         assert not answer.done()
     placed = await asyncio.wait_for(answer, 20)
     assert placed.seq > created.seq and placed != old
@@ -471,14 +477,7 @@ async def test_a_retry_at_a_replica_behind_the_worker_s_removal_waits_for_it(sta
     await snapshotter.stop()  # no release of the removed worker's actors from here on
     await stalled.fold.wait(await last_seq(nc, prefix), 10)
     assert stalled.projection.actors["a"].worker.worker_id == first.worker_id
-    wait, waiting = stalled.fold.wait, asyncio.Event()
-
-    async def noted(seq, timeout):
-        if seq and seq > stalled.projection.seq:
-            waiting.set()
-        await wait(seq, timeout)
-
-    stalled.fold.wait = noted
+    waiting = catching_up(stalled)
     async with stalled.fold.paused():
         await wb.remove("w", reason="machine replaced")
         await wb.register(worker("w", V2))
