@@ -433,7 +433,8 @@ class SchedulerService:
                     f"may have changed what it runs: this replica cannot tell whether {made} can be carried out "
                     "there; a scheduler that reads the message can"))
             actor = p.actors.get(answer.actor_id)
-            still = (f" The actor stays RUNNING on {worker_id} in the log until it is released (paused or suspended)."
+            still = (f" The actor stays RUNNING on {worker_id} in the log until it is released (paused or "
+                     f"suspended, or {worker_id} removed)."
                      if actor is not None and actor.state is RUNNING and actor.worker is not None
                      and actor.worker.worker_id == worker_id
                      else " Resume with a new request_id.")
