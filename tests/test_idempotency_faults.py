@@ -17,7 +17,7 @@ import pytest
 
 from events.errors import ContractError
 from events.schema import (ActorPlaced, ActorReleased, ErrorCode, Event, FallbackReason, PlacedFidelity, ReleaseReason,
-                           ResumeActor, WorkerFenced, WorkerRegistered)
+                           ResumeActor, RuntimeChanged, WorkerFenced, WorkerRegistered)
 from services.registry.domain import canonical_classes
 from services.scheduler.records import RECENT_PLACEMENTS
 from services.scheduler.service import SchedulerService
@@ -659,3 +659,64 @@ async def test_a_retry_of_a_placement_made_after_an_unread_change_of_its_worker_
     with pytest.raises(ContractError) as caught:
         await wb.resume("a", request_id="R", min_seq=first)
     assert caught.value.code is ErrorCode.UNAVAILABLE, caught.value
+
+
+class WorkerEnrolled(Event, kw_only=True):
+    """A registration a newer registry might write in a form this scheduler does not read (a newer event
+    type; or a WorkerRegistered whose body this version refuses): it begins a new life of w."""
+
+    worker_id: str
+    KIND: ClassVar[str] = "worker"
+
+    @property
+    def entity_id(self) -> str:
+        return self.worker_id
+
+
+async def test_a_retry_on_a_worker_whose_current_life_began_unread_is_left_to_a_replica_that_reads_it(
+        stack, writer, nc, prefix):
+    """w is removed (read here), then registers again in a message this scheduler cannot read (a newer
+    registry's), and a newer scheduler places a on w, the first answer of R. This fold has no w at all, but
+    not because w's life ended after the placement: it cannot read the registration that began it. Retried
+    here, R must not be refused for good ("worker w was removed since") when a replica that reads the
+    message answers it: UNAVAILABLE, as for any other unread message of the worker's life."""
+    wb = Client(nc, prefix, attempts=1)
+    await wb.register(worker("w", V1))
+    await wb.create(actor("a"))
+    await wb.remove("w")
+    await asyncio.to_thread(writer.write, WorkerEnrolled(at=AT, worker_id="w"),
+                            WorkerFenced(at=AT, worker_id="w", event="WorkerEnrolled"))
+    first = await asyncio.to_thread(writer.write, placed_event("a", "w", V1, request_id="R"),
+                                    booked_event("w", "a", request_id="R"))
+    with pytest.raises(ContractError) as caught:
+        await wb.resume("a", request_id="R", min_seq=first)
+    assert caught.value.code is ErrorCode.UNAVAILABLE, caught.value
+
+
+async def test_a_refusal_after_an_unread_message_of_the_worker_s_last_life_is_for_good(stack, writer, nc, prefix):
+    """An unread message matters only in the life it came in: w's life ends in a message this scheduler cannot
+    read, w registers again (read here: a new life), R restores a's V1 image there, and w then drops V1 (read
+    here). The retry of R is refused for good, FAILED_PRECONDITION, not left to another replica: nothing this
+    fold cannot read came in w's current life."""
+    wb = Client(nc, prefix, attempts=1)
+    await wb.register(worker("w", V1))
+    await wb.create(actor("a"))
+    await wb.resume("a")
+    await wb.suspend("a", uri="s3://a/1")  # a MEMORY image stamped V1
+    await retired(writer)
+    anew = worker("w", V1)
+    await asyncio.to_thread(
+        writer.write,
+        WorkerRegistered(at=AT, worker_id="w", node=anew.node, capacity=anew.capacity, labels=dict(anew.labels),
+                         sandbox_classes=canonical_classes(anew.sandbox_classes)),
+        WorkerFenced(at=AT, worker_id="w", event="WorkerRegistered"))
+    first = await wb.resume("a", request_id="R")
+    assert (first.worker_id, first.fidelity) == ("w", PlacedFidelity.MEMORY)
+    dropped = worker("w", V2)
+    changed = await asyncio.to_thread(
+        writer.write,
+        RuntimeChanged(at=AT, worker_id="w", sandbox_classes=canonical_classes(dropped.sandbox_classes),
+                       previous=canonical_classes(anew.sandbox_classes)),
+        WorkerFenced(at=AT, worker_id="w", event="RuntimeChanged"))
+    error = await refused(wb, changed)
+    assert "no longer runs the runtime the placement pins" in error.message

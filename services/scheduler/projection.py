@@ -224,6 +224,8 @@ class Projection:
         subject as the stream leader has it has every event of the worker's history."""
         worker = self.workers.get(worker_id)
         if worker is None:
+            if self.unread_workers and worker_id in self.unread_workers:
+                return None  # its life began in a message this fold could not read (`life_unread`)
             return f"worker {worker_id} was removed since"
         if worker.since > seq:
             return f"worker {worker_id} was removed since, and registered again (a new life, at sequence {worker.since})"
@@ -231,10 +233,10 @@ class Projection:
 
     def cannot_carry_out(self, placement: Placement) -> str | None:
         """Why the worker of `placement` (made earlier: an answer from the log), as this fold has it
-        now, cannot carry it out (`feasibility.carries_out`); None if it can, or is not here."""
+        now, cannot carry it out (`feasibility.carries_out`); None if it can."""
         worker = self.workers.get(placement.worker_id)
-        if worker is None:
-            return None  # (`life_ended` says so)
+        if worker is None:  # (removed: `life_ended` says so; else its life began in a message not read here)
+            return "this scheduler has not read the registration that began its life"
         pin = placement.sandbox_runtime
         sandbox_class = pin.sandbox_class
         compat = self.intern.compat_of_key
@@ -247,8 +249,10 @@ class Projection:
 
     def life_unread(self, worker_id: str, after: int = 0) -> int:
         """The last message of the worker's history that this fold could not read, if it came after
-        `after` and in the worker's current life (0 otherwise): after a placement, it may have ended
-        the life the placement was made in; before, what this fold has of the worker may be stale."""
+        `after` and in the worker's current life (0 otherwise; a removal this fold reads forgets the
+        ended life's): after a placement, it may have ended the life the placement was made in;
+        before, what this fold has of the worker may be stale, or all of it unknown (a life begun
+        in such a message)."""
         unread = self.unread_workers.get(worker_id, 0) if self.unread_workers else 0
         worker = self.workers.get(worker_id)
         return unread if unread > after and (worker is None or unread > worker.since) else 0
@@ -380,6 +384,8 @@ class Projection:
             worker.state = DRAINED
 
     def _worker_removed(self, event: WorkerRemoved, seq: int) -> None:
+        if self.unread_workers:  # what the ended life held that this fold could not read no longer matters
+            self.unread_workers.pop(event.worker_id, None)
         worker = self.workers.pop(event.worker_id, None)
         if worker is None:
             return
