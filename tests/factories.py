@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from types import EllipsisType
-from typing import Any, Callable, Protocol, TypeVar
+from typing import Any, Callable, ClassVar, Protocol, TypeVar
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -61,6 +61,20 @@ from services.scheduler.projection import Projection
 
 CLASS = "gvisor"
 AT = datetime(2026, 12, 1, tzinfo=timezone.utc)
+
+
+class NewerWorkerEvent(Event, kw_only=True):
+    """An event a newer registry might add to a worker's history (the contract allows new events), which
+    this version cannot read: a removal, a cordon, a change of runtimes, a registration, as `what` says.
+    Not a WorkerEvent subclass: this process's registry would take it for one of its own."""
+
+    worker_id: str
+    what: str
+    KIND: ClassVar[str] = "worker"
+
+    @property
+    def entity_id(self) -> str:
+        return self.worker_id
 # The registry's heartbeat TTL where the workers a test registers do not heartbeat: longer than
 # any test. With the default 15 s, a test slowed by a busy machine lost its workers as LOST mid-way
 # (one loaded full run of ten). Liveness has its own tests, with short TTLs.

@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import AsyncExitStack, suppress
-from typing import ClassVar
 
 import pytest
 
 from events.errors import ContractError
-from events.schema import (ActorPlaced, ActorReleased, ErrorCode, Event, FallbackReason, PlacedFidelity, ReleaseReason,
+from events.schema import (ActorPlaced, ActorReleased, ErrorCode, FallbackReason, PlacedFidelity, ReleaseReason,
                            ResumeActor, RuntimeChanged, WorkerFenced, WorkerRegistered)
 from services.registry.domain import canonical_classes
 from services.scheduler.records import RECENT_PLACEMENTS
 from services.scheduler.service import SchedulerService
-from tests.factories import AT, actor, last_seq, read_log, runtime, version, wait_for, worker
+from tests.factories import AT, NewerWorkerEvent, actor, last_seq, read_log, runtime, version, wait_for, worker
 from tests.factories import booked as booked_event, placed as placed_event
 from warmboot.client import Client
 from warmboot.runner import connect
@@ -563,23 +562,16 @@ async def test_a_retry_after_its_worker_moved_to_another_node_is_refused(stack, 
     assert "on node node-elsewhere now" in error.message
 
 
-class WorkerRetired(Event, kw_only=True):
-    """A removal a newer registry might write (the contract lets the project add events): it ends the
-    worker's life in a form this scheduler does not read."""
-
-    worker_id: str
-    reason: str | None = None
-    KIND: ClassVar[str] = "worker"
-
-    @property
-    def entity_id(self) -> str:
-        return self.worker_id
+async def unread(writer, what: str) -> int:
+    """`what` happens to w in an event this scheduler cannot read (with its fence, as every registry write
+    has); the stream sequence of the fence."""
+    return await asyncio.to_thread(writer.write, NewerWorkerEvent(at=AT, worker_id="w", what=what),
+                                   WorkerFenced(at=AT, worker_id="w", event="NewerWorkerEvent"))
 
 
 async def retired(writer) -> int:
-    """w's life ended by a newer registry (with its fence, as every registry write has)."""
-    return await asyncio.to_thread(writer.write, WorkerRetired(at=AT, worker_id="w", reason="machine replaced"),
-                                   WorkerFenced(at=AT, worker_id="w", event="WorkerRetired"))
+    """w's life ended by a newer registry."""
+    return await unread(writer, "removed: machine replaced")
 
 
 async def test_a_retry_after_an_unread_removal_and_a_new_registration_is_refused(stack, writer, nc, prefix):
@@ -629,18 +621,6 @@ async def test_a_retry_after_the_pinned_runtime_stopped_accepting_the_image_s_ve
     assert "no longer accepts the image's version" in error.message
 
 
-class WorkerRetooled(Event, kw_only=True):
-    """A runtime change a newer registry might write in a form this scheduler does not read (a newer event
-    type; the same holds for a RuntimeChanged whose body this version refuses): w now runs V2."""
-
-    worker_id: str
-    KIND: ClassVar[str] = "worker"
-
-    @property
-    def entity_id(self) -> str:
-        return self.worker_id
-
-
 async def test_a_retry_of_a_placement_made_after_an_unread_change_of_its_worker_is_left_to_a_replica_that_reads_it(
         stack, writer, nc, prefix):
     """A newer registry changes w's runtimes to V2 in a message this scheduler cannot read (its fold keeps
@@ -652,25 +632,10 @@ async def test_a_retry_of_a_placement_made_after_an_unread_change_of_its_worker_
     wb = Client(nc, prefix, attempts=1)
     await wb.register(worker("w", V1))
     await wb.create(actor("a"))
-    await asyncio.to_thread(writer.write, WorkerRetooled(at=AT, worker_id="w"),
-                            WorkerFenced(at=AT, worker_id="w", event="WorkerRetooled"))
+    await unread(writer, "runtimes changed: V2")  # (the same holds for a RuntimeChanged whose body it refuses)
     first = await asyncio.to_thread(writer.write, placed_event("a", "w", V2, request_id="R"),
                                     booked_event("w", "a", request_id="R"))
-    with pytest.raises(ContractError) as caught:
-        await wb.resume("a", request_id="R", min_seq=first)
-    assert caught.value.code is ErrorCode.UNAVAILABLE, caught.value
-
-
-class WorkerEnrolled(Event, kw_only=True):
-    """A registration a newer registry might write in a form this scheduler does not read (a newer event
-    type; or a WorkerRegistered whose body this version refuses): it begins a new life of w."""
-
-    worker_id: str
-    KIND: ClassVar[str] = "worker"
-
-    @property
-    def entity_id(self) -> str:
-        return self.worker_id
+    await refused(wb, first, ErrorCode.UNAVAILABLE)
 
 
 async def test_a_retry_on_a_worker_whose_current_life_began_unread_is_left_to_a_replica_that_reads_it(
@@ -684,13 +649,10 @@ async def test_a_retry_on_a_worker_whose_current_life_began_unread_is_left_to_a_
     await wb.register(worker("w", V1))
     await wb.create(actor("a"))
     await wb.remove("w")
-    await asyncio.to_thread(writer.write, WorkerEnrolled(at=AT, worker_id="w"),
-                            WorkerFenced(at=AT, worker_id="w", event="WorkerEnrolled"))
+    await unread(writer, "registered: a new life")  # (or a WorkerRegistered whose body it refuses)
     first = await asyncio.to_thread(writer.write, placed_event("a", "w", V1, request_id="R"),
                                     booked_event("w", "a", request_id="R"))
-    with pytest.raises(ContractError) as caught:
-        await wb.resume("a", request_id="R", min_seq=first)
-    assert caught.value.code is ErrorCode.UNAVAILABLE, caught.value
+    await refused(wb, first, ErrorCode.UNAVAILABLE)
 
 
 async def test_a_refusal_after_an_unread_message_of_the_worker_s_last_life_is_for_good(stack, writer, nc, prefix):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-from typing import ClassVar
 
 import pytest
 
@@ -22,7 +21,6 @@ from events.schema import (
     ActorEvent,
     ActorStopped,
     CreateActor,
-    Event,
     ErrorCode,
     Fidelity,
     PlacedFidelity,
@@ -43,6 +41,7 @@ from services.scheduler.projection import Projection
 from services.snapshotter.domain import Actor as SnapshotterActor
 from tests.factories import (
     AT,
+    NewerWorkerEvent,
     created,
     entry,
     fold,
@@ -147,18 +146,6 @@ def test_what_the_rules_allow_at_their_edges_is_no_violation():
 # --- a worker event the scheduler cannot read --------------------------------------------------
 
 
-class WorkerCordoned(Event, kw_only=True):
-    """An event a newer registry might add to a worker's history (the contract allows new events).
-    Not a WorkerEvent subclass: this process's registry would take it for one of its own."""
-
-    worker_id: str
-    KIND: ClassVar[str] = "worker"
-
-    @property
-    def entity_id(self) -> str:
-        return self.worker_id
-
-
 @pytest.fixture
 async def wb(stack, nc, prefix):
     return Client(nc, prefix)
@@ -171,8 +158,8 @@ async def test_a_worker_event_the_scheduler_cannot_read_stops_its_placements(wb,
     sequence the fence left and committed, on the worker's old state."""
     await wb.register(registration("w1", V1, node="n1"))
     await wb.create(new_actor("a", golden_snapshot=golden(V1)))
-    seq = await asyncio.to_thread(writer.write, WorkerCordoned(at=AT, worker_id="w1"),
-                                  WorkerFenced(at=AT, worker_id="w1", event="WorkerCordoned"))
+    seq = await asyncio.to_thread(writer.write, NewerWorkerEvent(at=AT, worker_id="w1", what="cordoned"),
+                                  WorkerFenced(at=AT, worker_id="w1", event="NewerWorkerEvent"))
     with pytest.raises(ContractError) as refused:
         await wb.resume("a", min_seq=seq)
     assert refused.value.code is ErrorCode.RESOURCE_EXHAUSTED and "1 drained" in refused.value.message
