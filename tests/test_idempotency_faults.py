@@ -432,6 +432,27 @@ async def test_a_refusal_is_decided_again_when_the_fold_catches_up_while_the_lea
 V2 = version("v2")  # another runtime asset: its workers cannot load an image stamped V1
 
 
+async def a_memory_restore(wb: Client, request_id: str = "R"):
+    """w (V1) restores a's MEMORY image stamped V1, for `request_id`: the first answer."""
+    await wb.register(worker("w", V1))
+    await wb.create(actor("a"))
+    await wb.resume("a")
+    await wb.suspend("a", uri="s3://a/1")  # a MEMORY image stamped V1
+    first = await wb.resume("a", request_id=request_id)
+    assert (first.worker_id, first.fidelity) == ("w", PlacedFidelity.MEMORY)
+    return first
+
+
+async def refused(wb: Client, min_seq: int, code: ErrorCode = ErrorCode.FAILED_PRECONDITION) -> ContractError:
+    """The retry of R, refused with `code` (naming request_id when FAILED_PRECONDITION)."""
+    with pytest.raises(ContractError) as caught:
+        await wb.resume("a", request_id="R", min_seq=min_seq)
+    assert caught.value.code is code, caught.value
+    if code is ErrorCode.FAILED_PRECONDITION:
+        assert caught.value.field == "request_id", caught.value
+    return caught.value
+
+
 async def test_a_retry_after_its_worker_came_back_on_another_runtime_is_refused(stack, nc, prefix):
     """resume R restores a MEMORY image stamped V1 on w, and its reply is lost. w is removed (its
     machine replaced: the snapshotter releases the actor, SUSPENDED from the same image) and
@@ -440,22 +461,14 @@ async def test_a_retry_after_its_worker_came_back_on_another_runtime_is_refused(
     FAILED_PRECONDITION naming request_id, nothing written; a new request places the actor where
     its image can go (before: the first answer, a MEMORY restore on w of the V1 image)."""
     wb = Client(nc, prefix)
-    await wb.register(worker("w", V1))
-    await wb.create(actor("a"))
-    await wb.resume("a")
-    await wb.suspend("a", uri="s3://a/1")  # a MEMORY image stamped V1
-    first = await wb.resume("a", request_id="R")  # its reply lost, say
-    assert (first.worker_id, first.fidelity) == ("w", PlacedFidelity.MEMORY)
-
+    await a_memory_restore(wb)  # its reply lost, say
     removed = await wb.remove("w", reason="machine replaced")
     await wait_for(nc, prefix, lambda e: isinstance(e, ActorReleased) and e.reason is ReleaseReason.WORKER_REMOVED,
                    after=removed.seq)
     again = await wb.register(worker("w", V2))
     before = await last_seq(nc, prefix)
-    with pytest.raises(ContractError) as refused:
-        await wb.resume("a", request_id="R", min_seq=again.seq)
-    assert (refused.value.code, refused.value.field) == (ErrorCode.FAILED_PRECONDITION, "request_id")
-    assert "worker w was removed since, and registered again" in refused.value.message
+    error = await refused(wb, again.seq)
+    assert "worker w was removed since, and registered again" in error.message
     assert await last_seq(nc, prefix) == before  # nothing written
     placed = await wb.resume("a", request_id="R2")
     assert (placed.worker_id, placed.fidelity) == ("w", PlacedFidelity.VOLUMES)  # the memory left behind
@@ -500,27 +513,6 @@ async def test_a_retry_in_the_same_life_of_its_worker_is_answered_with_the_first
     first = await wb.resume("a", request_id="R")
     updated = await wb.register(worker("w", V1, labels={"rack": "r2"}))
     assert await wb.resume("a", request_id="R", min_seq=updated.seq) == first
-
-
-async def a_memory_restore(wb: Client, request_id: str = "R"):
-    """w (V1) restores a's MEMORY image stamped V1, for `request_id`: the first answer."""
-    await wb.register(worker("w", V1))
-    await wb.create(actor("a"))
-    await wb.resume("a")
-    await wb.suspend("a", uri="s3://a/1")  # a MEMORY image stamped V1
-    first = await wb.resume("a", request_id=request_id)
-    assert (first.worker_id, first.fidelity) == ("w", PlacedFidelity.MEMORY)
-    return first
-
-
-async def refused(wb: Client, min_seq: int, code: ErrorCode = ErrorCode.FAILED_PRECONDITION) -> ContractError:
-    """The retry of R, refused with `code` (naming request_id when FAILED_PRECONDITION)."""
-    with pytest.raises(ContractError) as caught:
-        await wb.resume("a", request_id="R", min_seq=min_seq)
-    assert caught.value.code is code, caught.value
-    if code is ErrorCode.FAILED_PRECONDITION:
-        assert caught.value.field == "request_id", caught.value
-    return caught.value
 
 
 async def test_a_retry_after_its_worker_dropped_the_runtime_it_pins_is_refused(stack, nc, prefix):

@@ -178,6 +178,53 @@ def resolve(projection: Projection, actor_id: str) -> Actor:
     return actor
 
 
+def check_retry(projection: Projection, answer: Placement, seq: int, request_id: str | None) -> None:
+    """Refuse the answer from the log `answer` (its ActorPlaced at `seq`, for a resume's `request_id`
+    sent again) unless its worker, as `projection` has it now, still carries it out (found by audits:
+    the first answer, given again, sent a memory image where it could not load):
+    - the worker's life it was made in has ended (removed, perhaps registered again on other
+      runtimes: `Projection.life_ended`): the placement ended with it (the snapshotter releases the
+      actor) and no worker expects its resume. FAILED_PRECONDITION, naming `request_id`;
+    - a message of the worker's history after it that this fold cannot read may have ended that
+      life: UNAVAILABLE, as for an actor's (`resolve`), since a replica that reads it can tell; and
+      so is a refusal below when such a message came earlier in the life, or began it (what the
+      fold has of the worker may be stale, or missing: found by reviews);
+    - the worker no longer registers the class, is on another node, no longer runs the runtime the
+      placement pins, or that runtime no longer accepts the image's version
+      (`feasibility.carries_out`): the resume would run the actor under another runtime than the
+      one every later snapshot is stamped with, or crash loading its image. FAILED_PRECONDITION,
+      naming `request_id`."""
+    worker_id = answer.worker_id
+    made = f"the placement request_id {request_id!r} made (sequence {seq}, on worker {worker_id})"
+    ended = projection.life_ended(worker_id, seq)
+    if ended is not None:
+        raise precondition(f"{made} has ended: {ended}. Its answer would send a resume no worker expects; "
+                           "resume with a new request_id", "request_id")
+    unread = projection.life_unread(worker_id, seq)
+    if unread:
+        raise UnreadableHistory(ErrorCode.UNAVAILABLE, (
+            f"worker {worker_id}'s history holds message {unread}, after {made}, which this scheduler cannot "
+            "read: it may have ended the worker's life, so this replica does not answer the request id; a "
+            "scheduler that reads the message can"))
+    cannot = projection.cannot_carry_out(answer)
+    if cannot is None:
+        return
+    unread = projection.life_unread(worker_id)
+    if unread:  # what this fold has of the worker may be stale: a refusal for good would be wrong
+        raise UnreadableHistory(ErrorCode.UNAVAILABLE, (
+            f"worker {worker_id}'s history holds message {unread}, which this scheduler cannot read and which "
+            f"may have changed what it runs: this replica cannot tell whether {made} can be carried out "
+            "there; a scheduler that reads the message can"))
+    actor = projection.actors.get(answer.actor_id)
+    still = (f" The actor stays RUNNING on {worker_id} in the log until it is released (paused or "
+             f"suspended, or {worker_id} removed)."
+             if actor is not None and actor.state is RUNNING and actor.worker is not None
+             and actor.worker.worker_id == worker_id
+             else " Resume with a new request_id.")
+    raise precondition(f"{made} cannot be carried out there now: {cannot}; its answer would send the "
+                       f"resume where it cannot run as placed.{still}", "request_id")
+
+
 def merged_selectors(actor: Actor, selectors: Mapping[str, str] | None) -> tuple[tuple[str, str], ...]:
     """The actor's selectors and the request's together (rule 6, v1.1): a request may add a
     key, never change the value of one the actor selects on (INVALID_ARGUMENT)."""

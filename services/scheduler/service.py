@@ -32,7 +32,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from events.aggregate import WireApplication
 from events.codec import decode_event, decoder
-from events.errors import ContractError, UnreadableHistory, precondition, unavailable
+from events.errors import ContractError, UnreadableHistory, unavailable
 from events.jetstream.link import links_on
 from events.tasks import cancel_and_wait
 from events.runtime_id import short_id
@@ -56,11 +56,11 @@ from services.common import (STATE_REFUSALS, EndpointSpec, ReplyCache, add_endpo
 from services.locks import KeyedLock
 from services.scheduler.checkpoint import DEFAULT_INTERVAL_S, Checkpoints
 from services.scheduler.committer import MAX_GROUP, RECHECK, Answered, Committer, Job
+from services.scheduler.decide import check_retry
 from services.scheduler.explain import explain
 from services.scheduler.fragmentation import fragmentation
 from services.scheduler.fold import Fold
 from services.scheduler.projection import Projection
-from services.scheduler.records import RUNNING
 from services.scheduler.whatif import whatif
 
 log = logging.getLogger("warmboot.scheduler")
@@ -392,54 +392,12 @@ class SchedulerService:
 
     async def _still_answerable(self, answer: Assignment, seq: int, request_id: str | None) -> None:
         """Refuse the answer from the log `answer` (its ActorPlaced at `seq`) unless its worker, as
-        it is now, still carries it out (found by audits: the first answer, given again, sent a
-        memory image where it could not load):
-        - the worker's life it was made in has ended (removed, perhaps registered again on other
-          runtimes: `Projection.life_ended`): the placement ended with it (the snapshotter releases
-          the actor) and no worker expects its resume. FAILED_PRECONDITION, naming `request_id`;
-        - a message of the worker's history after it that this fold cannot read may have ended that
-          life: UNAVAILABLE, as for an actor's (`decide.resolve`), since a replica that reads it can
-          tell; and so is a refusal below when such a message came earlier in the life (what the
-          fold has of the worker may be stale: found by a review);
-        - the worker no longer registers the class, is on another node, no longer runs the runtime
-          the placement pins, or that runtime no longer accepts the image's version
-          (`feasibility.carries_out`): the resume would run the actor under another runtime than
-          the one every later snapshot is stamped with, or crash loading its image.
-          FAILED_PRECONDITION, naming `request_id`.
-        Decided on a fold that has the worker's booking subject as the stream leader has it (every
-        write of the registry fences it, `services.registry`), so a retry that reaches a replica
-        behind the worker's change is not answered from before it. One read at the leader, made only
-        for an answer from the log."""
-        worker_id = answer.worker_id
-        await self.fold.wait(await self._at_leader(WorkerBooked.KIND, worker_id), self.catch_up_s)
-        p = self.projection
-        made = f"the placement request_id {request_id!r} made (sequence {seq}, on worker {worker_id})"
-        ended = p.life_ended(worker_id, seq)
-        if ended is not None:
-            raise precondition(f"{made} has ended: {ended}. Its answer would send a resume no worker expects; "
-                               "resume with a new request_id", "request_id")
-        unread = p.life_unread(worker_id, seq)
-        if unread:
-            raise UnreadableHistory(ErrorCode.UNAVAILABLE, (
-                f"worker {worker_id}'s history holds message {unread}, after {made}, which this scheduler cannot "
-                "read: it may have ended the worker's life, so this replica does not answer the request id; a "
-                "scheduler that reads the message can"))
-        cannot = p.cannot_carry_out(answer)
-        if cannot is not None:
-            unread = p.life_unread(worker_id)
-            if unread:  # what this fold has of the worker may be stale: a refusal for good would be wrong
-                raise UnreadableHistory(ErrorCode.UNAVAILABLE, (
-                    f"worker {worker_id}'s history holds message {unread}, which this scheduler cannot read and which "
-                    f"may have changed what it runs: this replica cannot tell whether {made} can be carried out "
-                    "there; a scheduler that reads the message can"))
-            actor = p.actors.get(answer.actor_id)
-            still = (f" The actor stays RUNNING on {worker_id} in the log until it is released (paused or "
-                     f"suspended, or {worker_id} removed)."
-                     if actor is not None and actor.state is RUNNING and actor.worker is not None
-                     and actor.worker.worker_id == worker_id
-                     else " Resume with a new request_id.")
-            raise precondition(f"{made} cannot be carried out there now: {cannot}; its answer would send the "
-                               f"resume where it cannot run as placed.{still}", "request_id")
+        it is now, still carries it out (`decide.check_retry`). Decided on a fold that has the
+        worker's booking subject as the stream leader has it (every write of the registry fences
+        it, `services.registry`), so a retry that reaches a replica behind the worker's change is
+        not answered from before it. One read at the leader, made only for an answer from the log."""
+        await self.fold.wait(await self._at_leader(WorkerBooked.KIND, answer.worker_id), self.catch_up_s)
+        check_retry(self.projection, answer, seq, request_id)
 
     async def _current(self, actor_id: str, seen: int) -> bool:
         """Whether `seen`, the actor's last sequence in this replica's fold when an answer from the
