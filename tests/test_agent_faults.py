@@ -158,6 +158,25 @@ async def test_a_cpu_that_changes_under_a_running_agent_is_probed_and_registered
             await asyncio.wait_for(task, 15)
 
 
+async def test_a_cpu_that_changes_is_read_before_the_next_heartbeat_and_registered_instead_of_beaten(
+        nats_url, nc, prefix, tmp_path):
+    """Every heartbeat reads the machine first: one whose CPU changed sends no beat for the old CPU, and
+    the CPU it has now is registered at once. Here the agent's watch and its periodic reads of the
+    machine never come (an hour apart), so only the heartbeat can see the change. Found by an audit:
+    a heartbeat judged the CPU on a read up to 10 s old, and the old CPU stayed registered and beaten,
+    where the scheduler committed MEMORY restores of its images, until the next read; the worker's
+    next event is now the new CPU's registration, not its removal as LOST."""
+    agent, cpuinfo = agent_on_a_machine(tmp_path, nats_url, prefix, agent_config("v1"), probe_interval_s=3600.0)
+    agent.watch_interval_s = 3600.0
+    async with running_registry(nats_url, prefix, ttl_s=2.0), agent_running(agent):
+        seq, registered = await wait_event(nc, prefix, "w-a", WorkerRegistered)
+        shutil.copy(AMD, cpuinfo)
+        seq, changed = await wait_event(nc, prefix, "w-a", (RuntimeChanged, WorkerRemoved), after=seq)
+        assert isinstance(changed, RuntimeChanged) and on_amd(changed) and not on_amd(registered), changed
+        events = [type(e).__name__ for s, e in await worker_events(nc, prefix, "w-a")]
+        assert events == ["WorkerRegistered", "RuntimeChanged"], events
+
+
 async def stalled(*_) -> None:
     """A registry store's command that a stalled replica never decides (its reply: UNAVAILABLE)."""
     raise unavailable("the test's stalled replica")
@@ -255,6 +274,22 @@ async def test_a_registration_of_the_new_cpu_answered_after_the_agent_s_time_out
         assert kinds == ["RuntimeChanged"] and not task.done(), kinds  # no removal, no new life
 
 
+def ttl_learnt(agent: Agent) -> asyncio.Event:
+    """Set once the agent has the answer of its first heartbeat, and with it the registry's TTL (it
+    counts the shortest there can be until then). A heartbeat reads the machine first, so a CPU that
+    changes before that answer is registered without it."""
+    learnt, request = asyncio.Event(), agent._request
+
+    async def noting(verb, *args, **kwargs):
+        reply = await request(verb, *args, **kwargs)
+        if verb == "heartbeat":
+            learnt.set()
+        return reply
+
+    agent._request = noting
+    return learnt
+
+
 async def test_an_agent_s_own_registrations_piled_up_at_a_slow_replica_end_no_life(nats_url, nc, prefix, tmp_path,
                                                                                     monkeypatch):
     """The machine moves to another CPU; the registry works slowly on the agent's registration of it (a
@@ -269,9 +304,11 @@ async def test_an_agent_s_own_registrations_piled_up_at_a_slow_replica_end_no_li
     monkeypatch.setattr(agent_module, "RETRY_MAX_S", 0.3)
     beat_after = asyncio.Event()
     agent, cpuinfo, _ = a_machine(tmp_path, nats_url, prefix)
+    learnt = ttl_learnt(agent)
     async with agent_logs("register requests about worker") as piled, running_registry(nats_url, prefix) as registry, \
             agent_running(agent) as task:
         seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
+        await asyncio.wait_for(learnt.wait(), 30)  # the stall below is shorter than the TTL the agent counts
         release = asyncio.Event()
         decide, beat = registry.store.register, registry.liveness.beat
 
