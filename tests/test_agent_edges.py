@@ -167,6 +167,32 @@ def test_a_literal_runtime_naming_another_cpu_is_refused_unless_masked(tmp_path)
     assert str(error.value).startswith("sandbox_classes[0].default_runtime.cpu_masked:")
 
 
+def test_a_literal_runtime_naming_no_cpu_key_is_refused_unless_masked(tmp_path):
+    """A literal default or restorable runtime that names only the architecture and its assets has
+    the same version on every machine of that architecture, whatever its CPU: an Intel and an AMD
+    worker so configured looked alike to the scheduler, and the images of one were sent to the other
+    (found by an audit). Refused, naming the field and the ways out; taken when the runtime says it
+    masks the CPU, or names a CPU key (this machine's)."""
+    path = tmp_path / "agent.toml"
+    path.write_text(literal_default('architecture = "amd64", gvisor_asset_hash = "v1"'))
+    with pytest.raises(ConfigError) as error:
+        load_registration(path, "w-a", "node-a", PROBE)
+    assert str(error.value).startswith("sandbox_classes[0].default_runtime.attributes: names none of the CPU's keys "
+                                       "(cpu_features, cpu_model, cpu_vendor)"), error.value
+    assert "profile" in str(error.value) and "cpu_masked = true" in str(error.value)
+    restorable = 'name = "old"\nschema_version = "v1"\nattributes = { architecture = "amd64", gvisor_asset_hash = "v0" }'
+    path.write_text(agent_config("v1") + f"\n[[sandbox_classes.restorable_runtimes]]\n{restorable}")
+    with pytest.raises(ConfigError) as error:
+        load_registration(path, "w-a", "node-a", PROBE)
+    assert str(error.value).startswith("sandbox_classes[0].restorable_runtimes[0].attributes: names none"), error.value
+    path.write_text(literal_default('architecture = "amd64", gvisor_asset_hash = "v1"', masked=True))
+    entry = load_registration(path, "w-a", "node-a", PROBE).sandbox_classes[0]
+    assert {a.key for a in entry.default_runtime.version.attributes} == {"architecture", "gvisor_asset_hash"}
+    mine = {a.key: a.value for a in probed("v1").attributes}["cpu_features"]
+    path.write_text(literal_runtime(mine))
+    assert load_registration(path, "w-a", "node-a", PROBE).sandbox_classes[0].default_runtime.version == probed("v1")
+
+
 @pytest.mark.parametrize("attributes, key", [
     ('architecture = "amd64", cpu_vendor = "AuthenticAMD", kernel_digest = "k"', "cpu_vendor"),
     ('architecture = "amd64", cpu_model = "25/1", kernel_digest = "k"', "cpu_model"),

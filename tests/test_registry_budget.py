@@ -651,13 +651,15 @@ sandbox_class = "gvisor"
 [sandbox_classes.default_runtime]
 name = "gvisor-v1"
 attributes = { architecture = "amd64", gvisor_asset_hash = "v1" }
+cpu_masked = true
 """
 
 
 async def test_a_registration_the_new_read_makes_alike_is_not_removed_while_the_budget_is_spent(
         nats_url, nc, prefix, tmp_path):
-    """A runtime given literally (no CPU keys) registers the same on any CPU: the probe reading another
-    CPU while the budget is spent leaves the worker registered (it was removed: found by a review)."""
+    """A runtime given literally that masks the CPU (no CPU keys) registers the same on any CPU: the probe
+    reading another CPU while the budget is spent leaves the worker registered (it was removed: found by a
+    review)."""
     agent, cpuinfo, path = a_machine(tmp_path, nats_url, prefix)
     path.write_text(LITERAL)
     async with one_write_budget(nats_url, prefix, agent) as (_, asked, task):

@@ -322,10 +322,31 @@ def _cpu_named_otherwise(runtime: RuntimeConfig, path: str, probe: MachineRead) 
                 "`compatible_versions`")
 
 
+CPU_KEYS = tuple(sorted({key for keys in PROFILES.values() for key in keys if key != "architecture"}))
+
+
+def _cpu_unnamed(runtime: RuntimeConfig, path: str) -> None:
+    """A literal version (schema v1) of a default or restorable runtime that names none of the keys a
+    probe profile reads of the CPU: ConfigError, unless the runtime masks the CPU (`cpu_masked`). Such
+    a version equals that of every machine of its architecture and assets, whatever their CPU, so the
+    snapshots of each would be restored on the others (found by an audit: taken on an Intel and an
+    AMD machine alike)."""
+    if runtime.schema_version != SCHEMA_VERSION or runtime.cpu_masked:
+        return
+    if not any(key in runtime.attributes for key in CPU_KEYS):
+        raise ConfigError(
+            f"{path}.attributes: names none of the CPU's keys ({', '.join(CPU_KEYS)}), so its version equals that "
+            "of every machine of its architecture whatever their CPU, and their memory images would be restored "
+            "here: give a `profile` to probe this machine, or copy the keys from this machine's `warmboot agent "
+            "--print-registration`; only a runtime that runs actors on a CPU it masks may leave them out (then "
+            "say `cpu_masked = true`)")
+
+
 def _version(runtime: VersionConfig, path: str, probe: MachineRead, stamps: bool = False) -> dict[str, Any]:
     if runtime.profile is None:
         _architecture_named_otherwise(runtime, path, stamps)
         if isinstance(runtime, RuntimeConfig):
+            _cpu_unnamed(runtime, path)
             _cpu_named_otherwise(runtime, path, probe)
         attributes = sorted(runtime.attributes.items())
         return {
