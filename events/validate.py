@@ -13,6 +13,7 @@ offending field's path, e.g. `sandbox_classes[0].restorable_runtimes[3].version.
 - Class entries: restorable runtimes distinct from the default and from each other;
   compatible versions distinct from the runtime's own version and from each other.
 - Create: a golden snapshot is EXTERNAL with a uri and its time is normalised to UTC.
+- A uri given (a golden snapshot's, a suspend's) is not empty or blank.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from events.schema import (
     Location,
     RegisterWorker,
     Snapshot,
+    SuspendActor,
     WhatIf,
     WorkerRuntime,
     WorkerSandboxClass,
@@ -245,6 +247,7 @@ def check_create(req: CreateActor) -> CreateActor:
         )
     if golden.uri is None:
         raise invalid("a golden snapshot must say where its image is (uri)", "golden_snapshot.uri")
+    check_uri(golden.uri, "golden_snapshot.uri")
     stamp = golden.sandbox_runtime
     if stamp is not None and stamp.sandbox_class != req.sandbox_class:
         raise invalid(
@@ -254,6 +257,18 @@ def check_create(req: CreateActor) -> CreateActor:
         )
     normalised = check_snapshot(golden, "golden_snapshot")
     return req if normalised is golden else msgspec.structs.replace(req, golden_snapshot=normalised)
+
+
+def check_uri(uri: str | None, path: str) -> None:
+    """A uri given is not empty or blank: it says where an image is (found by an audit: a golden
+    snapshot's `""` was taken, as a uri)."""
+    if uri is not None and not uri.strip():
+        raise invalid(f"{path} is {'empty' if not uri else 'blank'}: say where the image is", path)
+
+
+def check_suspend(req: SuspendActor) -> SuspendActor:
+    check_uri(req.uri, "uri")
+    return req
 
 
 def check_whatif(req: WhatIf) -> WhatIf:
@@ -267,6 +282,7 @@ def check_whatif(req: WhatIf) -> WhatIf:
 CHECKS: dict[type, Callable[[Any], Any]] = {
     RegisterWorker: check_register,
     CreateActor: check_create,
+    SuspendActor: check_suspend,
     WhatIf: check_whatif,
 }
 

@@ -366,6 +366,32 @@ async def test_a_golden_snapshot_naming_an_earlier_lifes_other_image_is_refused(
     await wb.create(actor("a", golden_snapshot=base))  # the same image again
 
 
+async def test_a_create_from_a_tag_naming_an_earlier_lifes_other_image_is_refused(wb, nc, prefix):
+    """The same rule for a tag's snapshot, which a create copies with its id (found by an audit): a's
+    first life left a LOCAL `img` stamped V2 on n-a; b (ids are each actor's own) suspends an `img`
+    of its own, stamped V1, and tags it; a created anew from that tag was taken, and its resume named
+    `img` at MEMORY to the V1 worker on n-a, whose disk holds a's V2 `img`. Refused,
+    FAILED_PRECONDITION on `source_tag`, nothing written; a tag of another id is taken."""
+    await wb.register(worker("w2", V2, node="n-a"))
+    await wb.create(actor("a"))
+    await wb.resume("a")
+    old = (await wb.pause("a", snapshot_id="img")).snapshot
+    await wb.stop("a")
+    await wb.drain("w2")
+    await wb.register(worker("w1", V1, node="n-a"))
+    for actor_id, snapshot_id in (("b", "img"), ("c", "img-c")):
+        await wb.create(actor(actor_id))
+        await wb.resume(actor_id)
+        await wb.suspend(actor_id, uri=f"s3://{actor_id}", snapshot_id=snapshot_id)
+        await wb.tag(actor_id, f"t-{actor_id}")
+    error = await refused(nc, prefix, wb.create(actor("a", source_tag="t-b")))
+    assert (error.code, error.field) == (ErrorCode.FAILED_PRECONDITION, "source_tag"), error
+    assert f"snapshot_id {old.snapshot_id!r}" in error.message and "already names another snapshot" in error.message
+    await wb.create(actor("a", source_tag="t-c"))
+    placed = await wb.resume("a")
+    assert (placed.snapshot_id, placed.worker_id, placed.fidelity) == ("img-c", "w1", PlacedFidelity.MEMORY)
+
+
 async def test_a_min_seq_past_the_end_of_the_log_is_not_retried_by_the_client(wb, nc, prefix):
     """Nothing will bring a sequence past the end of the log: the scheduler says so naming `min_seq`,
     and the client raises it at once instead of asking again with back-off (about 3.6 s of retries

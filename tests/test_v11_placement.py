@@ -25,10 +25,12 @@ from events.schema import (
     Location,
     PlacedFidelity,
     ReleaseReason,
+    TagRecorded,
     WorkerRemoved,
 )
+from events.aggregate import now
 from services.scheduler.service import SchedulerService
-from tests.factories import CLASS, actor, golden, last_seq, read_log, version, wait_for, worker
+from tests.factories import CLASS, actor, golden, last_seq, read_log, snapshot, version, wait_for, worker
 from warmboot.audit import Sink
 from warmboot.client import Client
 from warmboot.runner import SERVICES, connect, start_services
@@ -174,9 +176,13 @@ async def test_only_an_external_snapshot_is_tagged_or_golden(wb, nc, prefix):
     local_golden = msgspec.structs.replace(golden(V1), location=Location.LOCAL, node="n-x")
     error = await refused(wb.create(actor("g", golden_snapshot=local_golden)))
     assert (error.code, error.field) == (ErrorCode.INVALID_ARGUMENT, "golden_snapshot.location")
-    no_uri = msgspec.structs.replace(golden(V1), uri=None)
-    error = await refused(wb.create(actor("g", golden_snapshot=no_uri)))
-    assert (error.code, error.field) == (ErrorCode.INVALID_ARGUMENT, "golden_snapshot.uri")
+    for uri in (None, "", " "):  # a blank one says nowhere either (found by an audit: taken)
+        no_uri = msgspec.structs.replace(golden(V1), uri=uri)
+        error = await refused(wb.create(actor("g", golden_snapshot=no_uri)))
+        assert (error.code, error.field) == (ErrorCode.INVALID_ARGUMENT, "golden_snapshot.uri"), uri
+    for uri in ("", "  "):
+        error = await refused(wb.suspend("a", uri=uri))
+        assert (error.code, error.field) == (ErrorCode.INVALID_ARGUMENT, "uri"), uri
     assert await last_seq(nc, prefix) == before
 
     await wb.suspend("a", uri="s3://a")  # promoted to EXTERNAL: now it can be tagged, and created from
@@ -184,6 +190,22 @@ async def test_only_an_external_snapshot_is_tagged_or_golden(wb, nc, prefix):
     await wb.create(actor("b", source_tag="t-ext"))
     placed = await wb.resume("b")
     assert placed.fidelity is PlacedFidelity.MEMORY
+
+
+async def test_a_tag_of_a_local_image_written_before_v1_1_is_not_copied(wb, writer, nc, prefix):
+    """Tags are durable, and before v1.1 a LOCAL snapshot could be tagged: the log may hold a tag of
+    an image on one node's disk. A create from it was taken (found by an audit): the new actor held
+    another actor's LOCAL image on a node with no worker, its resume refused naming `revert`, and
+    revert refused for a CREATED actor, so it could never run. Refused now, FAILED_PRECONDITION on
+    `source_tag`, nothing written."""
+    await wb.register(worker("w", V1, node="n-a"))
+    local = snapshot("src", V1, snapshot_id="src-img", node="n-gone")
+    await asyncio.to_thread(writer.write, TagRecorded(tag="old", snapshot=local, at=now()))
+    before = await last_seq(nc, prefix)
+    error = await refused(wb.create(actor("a", source_tag="old")))
+    assert (error.code, error.field) == (ErrorCode.FAILED_PRECONDITION, "source_tag"), error
+    assert "LOCAL" in error.message and "n-gone" in error.message
+    assert await last_seq(nc, prefix) == before
 
 
 # --- a fallback keeps the stamp's architecture (rule 4) -----------------------------------------------

@@ -191,6 +191,16 @@ class Actor(WireAggregate):
                 "(<actor_id>-v<version>): a worker finds an image by its id, so that actor's resume could load "
                 "this image; give another id, or none", field)
 
+    def _one_image(self, snapshot: Snapshot, what: str, advice: str, field: str) -> None:
+        """FAILED_PRECONDITION if the id of `snapshot`, a create's image, already names another image
+        of this actor (an earlier life's): a worker finds an image by its id, so one id names one image
+        (found by an audit for a golden snapshot, and by another for a tag's)."""
+        earlier = self.snapshot_ids.get(snapshot.snapshot_id)
+        if earlier is not None and not same_image(earlier, snapshot):
+            raise precondition(
+                f"{what} already names another snapshot of actor {self.entity_id!r} (an earlier life's): a worker "
+                f"finds an image by its id, so one id names one image; {advice}", field)
+
     @property
     def alive(self) -> bool:
         """Created and not stopped since: a create now would not start a new life."""
@@ -215,15 +225,19 @@ class Actor(WireAggregate):
                 f"{tagged.sandbox_runtime.sandbox_class!r}, not {request.sandbox_class!r}",
                 "source_tag",
             )
+        if tagged is not None:
+            if tagged.location is not Location.EXTERNAL:  # a tag written before v1.1 may name a LOCAL image
+                raise precondition(
+                    f"tag {request.source_tag!r} names the LOCAL snapshot {tagged.snapshot_id!r} on node "
+                    f"{tagged.node!r} (tagged before v1.1): its image is on that node only, and a tag is for "
+                    "other actors on any node; tag an EXTERNAL snapshot", "source_tag")
+            self._one_image(tagged, f"tag {request.source_tag!r} names snapshot_id {tagged.snapshot_id!r}, which",
+                            "tag another snapshot, or create under another actor_id", "source_tag")
         golden = request.golden_snapshot
         if golden is not None:
             self._not_anothers_default(golden.snapshot_id, "golden_snapshot.snapshot_id")
-            earlier = self.snapshot_ids.get(golden.snapshot_id)
-            if earlier is not None and not same_image(earlier, golden):
-                raise precondition(
-                    f"golden_snapshot.snapshot_id {golden.snapshot_id!r} already names another snapshot of actor "
-                    f"{self.entity_id!r} (an earlier life's): a worker finds an image by its id, so one id names one "
-                    "image; give a new one", "golden_snapshot.snapshot_id")
+            self._one_image(golden, f"golden_snapshot.snapshot_id {golden.snapshot_id!r}", "give a new one",
+                            "golden_snapshot.snapshot_id")
         snapshot = initial_snapshot(self.entity_id, tagged, request.golden_snapshot)
         self.record(ActorCreated(
             actor_id=self.entity_id,
