@@ -54,10 +54,10 @@ from events.schema import (
     WorkerRemoved,
 )
 from events.jetstream import TOPIC_HEADER, VERSION_HEADER
-from events.subjects import service_subject, services_inbox, stream_name
+from events.subjects import event_subject, service_subject, services_inbox, stream_name
 from services.common import call, run_command, store_env
 from services.registry.service import RegistryService
-from services.snapshotter.domain import Actor
+from services.snapshotter.domain import Actor, Tag
 from services.snapshotter.service import SnapshotterService
 from tests.factories import actor, last_seq, read_entries, runtime, snapshot, stamp, version, worker
 
@@ -343,8 +343,6 @@ async def test_a_create_from_a_tag_read_behind_another_process_s_tag_is_decided_
     """The same for what a create reads besides the actor: a tag recorded a moment ago by another
     process, read from a replica behind it, named nothing (NOT_FOUND, field source_tag); the tag's
     history is confirmed by the stream leader as well before the create is refused."""
-    from services.snapshotter.domain import Tag
-
     elsewhere = await asyncio.to_thread(
         WireApplication, {**env_for(nats_server.url, prefix), "NATS_INBOX_PREFIX": "_INBOX_elsewhere"})
     try:
@@ -369,6 +367,46 @@ async def test_a_create_from_a_tag_read_behind_another_process_s_tag_is_decided_
         assert made.seq > tagged
         missing = await refused(create(nc, prefix, "a-3", source_tag="never"))
         assert (missing.code, missing.field) == (ErrorCode.NOT_FOUND, "source_tag")
+    finally:
+        await asyncio.to_thread(elsewhere.close)
+
+
+async def test_a_create_from_a_tag_read_behind_a_retag_copies_what_the_tag_names_now(
+        snapshotter, placer, nats_server, nc, prefix, monkeypatch):
+    """A create copies the tag's snapshot as it read it, and its append expected only the actor's
+    subject: another process moved tag `gold` from a-1's image (V1) to a-2's (V2), and a create whose
+    read of the tag came from a replica behind the move was taken with a-1's image, though its caller
+    had the move's seq (found by an audit). The append now expects the tag's subject where it was
+    read too: refused by the leader, decided again, and the copy is the image the tag names now."""
+    elsewhere = await asyncio.to_thread(
+        WireApplication, {**env_for(nats_server.url, prefix), "NATS_INBOX_PREFIX": "_INBOX_elsewhere"})
+    try:
+        for actor_id, pin in (("a-1", PIN_V1), ("a-2", PIN_V2)):
+            await create(nc, prefix, actor_id)
+            await placer.place(actor_id, "w-1", "node-1", pin)
+            await suspend(nc, prefix, actor_id, uri=f"s3://{actor_id}")
+        first = (await tag(nc, prefix, "a-1", "gold")).snapshot  # read by the snapshotter
+
+        def retag_elsewhere() -> int:
+            source, gold = elsewhere.repository.get(Actor.create_id("a-2")), elsewhere.repository.get(Tag.create_id("gold"))
+            source.tag(gold, None, now())
+            return elsewhere.save(gold, source)[0].notification.id
+
+        moved = await asyncio.to_thread(retag_elsewhere)
+        stream = snapshotter.app.recorder.stream
+        read = stream.read
+
+        async def behind(subject: str, start: int, *args, **kwargs):
+            return [m for m in await read(subject, start, *args, **kwargs) if sequence_of(m) < moved]
+
+        monkeypatch.setattr(stream, "read", behind)
+        made = await create(nc, prefix, "copy", source_tag="gold")
+        monkeypatch.undo()
+        ((seq, created),) = [(s, e) for s, _, e in await read_entries(nc, prefix)
+                             if isinstance(e, ActorCreated) and e.actor_id == "copy"]
+        assert moved < seq <= made.seq
+        assert created.snapshot.sandbox_runtime == PIN_V2 and created.snapshot.snapshot_id != first.snapshot_id, (
+            created.snapshot)
     finally:
         await asyncio.to_thread(elsewhere.close)
 
@@ -691,6 +729,40 @@ async def test_an_actor_whose_worker_was_removed_is_neither_paused_nor_suspended
         assert await last_seq(nc, prefix) == before  # nothing written
     ((_, release),) = await released_by_removal(nc, prefix, count=1)
     assert release.actor_id == "a-1" and release.worker_id == "w-1"
+
+
+async def test_a_pause_whose_read_of_its_worker_finds_nothing_is_fenced_on_the_worker_s_subject(
+    snapshotter, registry, placer, nc, prefix, monkeypatch
+):
+    """A pause reads its worker's last event from any replica of the stream: one behind the worker's
+    whole history answers nothing. The pause then checked no removal and was appended with no fence
+    at all: a LOCAL image recorded on a removed worker, the next resume sent to its node (found by an
+    audit). Now it expects the worker's subject to be empty, as it read it: the leader refuses the
+    append, and the pause decided again on the leader's history is refused. The lagging replica is
+    played by the snapshotter's direct get of the worker's subject answering nothing, and by its link
+    forgetting that subject (this test's registry shares its process; a replica of its own would not
+    have read it)."""
+    with releases_held(snapshotter):
+        await placed_then_removed_pending_release(snapshotter, nc, prefix, placer)
+        removed = await call(nc, service_subject(prefix, "registry", "remove", "w-1"), RemoveWorker(), SeqReply)
+        before = await last_seq(nc, prefix)
+        stream = snapshotter.app.recorder.stream
+        last_direct = stream.last_direct
+        subject = event_subject(prefix, "worker", "w-1")
+        answered_nothing: list[str] = []
+
+        async def behind(asked: str, *args, **kwargs):
+            if asked == subject:
+                answered_nothing.append(asked)
+                return None
+            return await last_direct(asked, *args, **kwargs)
+
+        monkeypatch.setattr(stream, "last_direct", behind)
+        snapshotter.app.recorder.link.last_seen.forget([subject])
+        error = await refused(pause(nc, prefix, "a-1"))
+        assert error.code is ErrorCode.FAILED_PRECONDITION and f"(sequence {removed.seq})" in error.message, error
+        assert answered_nothing  # the replica's answer did lack the worker's history
+        assert await last_seq(nc, prefix) == before  # nothing written
 
 
 async def test_a_removal_landing_between_the_read_and_the_append_of_a_pause_wins(

@@ -548,9 +548,16 @@ class SnapshotterService:
         found = answer_from_history(actor, "create", req.request_id)
         if found is not None:
             return found
-        tagged = (await self.load_tag(req.source_tag)).snapshot if req.source_tag is not None else None
+        tagged, fences = None, None
+        if req.source_tag is not None:
+            tag = await self.load_tag(req.source_tag)
+            tagged = tag.snapshot
+            if tag.version:  # the copy is of the tag as read here: committed only if the tag has not moved
+                # since (found by an audit: read from a stream replica behind a retag, it copied what the
+                # tag named before)
+                fences = {tag.id: tag.seq_at(tag.version)}
         actor.create(req, tagged, now())
-        return SeqReply(seq=await self.save(actor))
+        return SeqReply(seq=await self.save(actor, fences=fences))
 
     async def pause(self, actor_id: str, req: PauseActor) -> SnapshotReply:
         return await self.answer(actor_id, partial(self.decide_pause, actor_id, req))
@@ -648,7 +655,10 @@ class SnapshotterService:
         worker = aggregate_id(WorkerEvent.KIND, held.worker_id)
         last = await self.app.recorder.select_events_async(worker, desc=True, limit=1)
         if not last:
-            return None  # no history to fence (another writer's placement): nothing says it ended
+            # Nothing read of the worker: none (another writer's placement), or a stream replica behind
+            # its whole history answered (found by an audit: no fence then, and a pause recorded a LOCAL
+            # image after the worker's removal). Expected empty: the leader decides.
+            return {worker: 0}
         placed_seq = actor.seq_at(actor.assignment_version)
         last_seq_ = last[0].seq
         removal, moved = 0, None
