@@ -1108,7 +1108,7 @@ class Agent:
             return
         self._machine(fresh=True)  # a beat says the worker is as registered: of the machine as it is now
         if self._not_beating(self._why_stale()):
-            self._keep_cpu_true(stop)  # made again at once, not at the next watch
+            self._look(stop)  # made again at once, not at the next watch
             return
         try:
             reply = await self._request("heartbeat", Heartbeat(), HeartbeatReply, stop,
@@ -1202,8 +1202,7 @@ class Agent:
                     await self.heartbeat(stop)
                     next_beat = time.monotonic() + self.ttl_s / HEARTBEATS_PER_TTL
                 if time.monotonic() >= next_watch:
-                    self._sync_config(stop)
-                    self._keep_cpu_true(stop)
+                    self._look(stop)
                     next_watch = time.monotonic() + self.watch_interval_s
                 if time.monotonic() >= next_beat:
                     await self.heartbeat(stop)
@@ -1211,6 +1210,13 @@ class Agent:
             except ContractError as e:  # the registry refused something: say so, keep serving
                 log.error("%s", e)
                 next_beat = time.monotonic() + RETRY_MAX_S
+
+    def _look(self, stop: asyncio.Event) -> None:
+        """What the watch does, and a heartbeat that reads another CPU: an edit of the file, or a change
+        of what the probe reads, registered beside the heartbeats (`_sync_config`), else the registration
+        in force made again on the machine as it is (`_keep_cpu_true`)."""
+        self._sync_config(stop)
+        self._keep_cpu_true(stop)
 
     def _keep_cpu_true(self, stop: asyncio.Event) -> None:
         """The registration in force made again on the machine as it is now (`RESTAMP`), when the
@@ -1222,6 +1228,7 @@ class Agent:
         read_at, _, reading = self._machine()
         if not self.withdrawn and not self._cpu_changed_under_registration():
             self._unreadable_at = None  # the machine reads as registered: a failed read before was passing
+            self._restamp_asked = None  # and the next change is a new one
             return
         asked = self._restamp_asked
         if asked is not None and (asked[0] == read_at or (asked[1] == reading and read_at - asked[0] < RESTAMP_AGAIN_S)):
