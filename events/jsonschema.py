@@ -46,6 +46,7 @@ from events.schema import (
     ErrorReply,
     Location,
     RegisterWorker,
+    SuspendActor,
     WorkerRuntime,
     WorkerSandboxClass,
 )
@@ -136,6 +137,15 @@ def _unique(*fields: str) -> Callable[[Schema], None]:
     return rule
 
 
+NOT_BLANK = {"type": "string", "pattern": "\\S"}  # a uri given says where: not empty, not only blanks
+
+
+def _suspend_rules(schema: Schema) -> None:
+    uri = dict(schema["properties"]["uri"])
+    default = {"default": uri.pop("default")} if "default" in uri else {}  # annotations stay on the property
+    schema["properties"]["uri"] = {**default, "allOf": [uri, {"anyOf": [{"type": "null"}, NOT_BLANK]}]}
+
+
 def _create_rules(schema: Schema) -> None:
     golden = {"type": "object", "required": ["golden_snapshot"],
               "properties": {"golden_snapshot": {"type": "object"}}}
@@ -143,7 +153,8 @@ def _create_rules(schema: Schema) -> None:
         {"if": golden,
          "then": {"type": "object", "properties": {"golden_snapshot": {
              "type": "object", "required": ["location", "uri"],
-             "properties": {"location": {"const": Location.EXTERNAL.value}, "uri": {"type": "string"}}}}}},
+             "properties": {"location": {"const": Location.EXTERNAL.value}, "node": {"type": "null"},
+                            "uri": NOT_BLANK}}}}},
         {"not": {"type": "object", "required": ["source_tag", "golden_snapshot"],
                  "properties": {"source_tag": {"type": "string"}, "golden_snapshot": {"type": "object"}}}},
     ])
@@ -156,6 +167,7 @@ RULES: dict[str, Callable[[Schema], None]] = {
     WorkerSandboxClass.__name__: _unique("restorable_runtimes"),
     RegisterWorker.__name__: _unique("sandbox_classes"),
     CreateActor.__name__: _create_rules,
+    SuspendActor.__name__: _suspend_rules,
 }
 
 

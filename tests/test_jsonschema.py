@@ -203,10 +203,13 @@ def test_identical_entries_are_refused_where_the_service_refuses_duplicates():
         assert ("$." + path, "has two identical entries") in schema_errors("RegisterWorker", body), path
 
 
-def test_a_golden_snapshot_is_external_with_a_uri_and_not_beside_a_source_tag():
+def test_a_golden_snapshot_is_external_on_no_node_with_a_uri_and_not_beside_a_source_tag():
     cases = [
         create(golden_snapshot=snapshot(location="LOCAL", node="n-1")),
         create(golden_snapshot=snapshot(uri=None)),
+        create(golden_snapshot=snapshot(uri="")),
+        create(golden_snapshot=snapshot(uri=" ")),
+        create(golden_snapshot=snapshot(node="n-1")),
         create(golden_snapshot=snapshot(), source_tag="t-1"),
     ]
     for body in cases:
@@ -214,6 +217,17 @@ def test_a_golden_snapshot_is_external_with_a_uri_and_not_beside_a_source_tag():
             decode_request(s.CreateActor, json.dumps(body).encode())
         assert not valid("CreateActor", body)
     assert valid("CreateActor", create(golden_snapshot=snapshot(), source_tag=None))
+
+
+def test_a_uri_given_to_a_suspend_is_not_blank():
+    for uri in ("", " \t"):
+        body = {"fidelity": "MEMORY", "uri": uri}
+        with pytest.raises(ContractError) as caught:
+            decode_request(s.SuspendActor, json.dumps(body).encode())
+        assert caught.value.field == "uri"
+        assert not valid("SuspendActor", body), uri
+    for uri in ("s3://bucket/k", None):
+        assert valid("SuspendActor", {"fidelity": "MEMORY", "uri": uri})
 
 
 def test_what_the_schema_cannot_say_is_said_in_the_document():

@@ -176,6 +176,9 @@ async def test_only_an_external_snapshot_is_tagged_or_golden(wb, nc, prefix):
     local_golden = msgspec.structs.replace(golden(V1), location=Location.LOCAL, node="n-x")
     error = await refused(wb.create(actor("g", golden_snapshot=local_golden)))
     assert (error.code, error.field) == (ErrorCode.INVALID_ARGUMENT, "golden_snapshot.location")
+    on_a_node = msgspec.structs.replace(golden(V1), node="n-x")  # only a LOCAL image is on a node
+    error = await refused(wb.create(actor("g", golden_snapshot=on_a_node)))
+    assert (error.code, error.field) == (ErrorCode.INVALID_ARGUMENT, "golden_snapshot.node")
     for uri in (None, "", " "):  # a blank one says nowhere either (found by an audit: taken)
         no_uri = msgspec.structs.replace(golden(V1), uri=uri)
         error = await refused(wb.create(actor("g", golden_snapshot=no_uri)))

@@ -153,7 +153,6 @@ ID_FIELDS = [
     (CreateActor, lambda: create(source_tag="t1"), "source_tag"),
     (CreateActor, lambda: create(golden_snapshot=snapshot()), "golden_snapshot.snapshot_id"),
     (CreateActor, lambda: create(golden_snapshot=snapshot()), "golden_snapshot.actor_id"),
-    (CreateActor, lambda: create(golden_snapshot=snapshot(node="n1")), "golden_snapshot.node"),
     (TagSnapshot, lambda: {"tag": "t1"}, "tag"),
     (PauseActor, lambda: {"snapshot_id": "s1"}, "snapshot_id"),
     (SuspendActor, lambda: {"snapshot_id": "s1", "fidelity": "MEMORY"}, "snapshot_id"),
@@ -171,6 +170,14 @@ def test_id_accepted(type_, build, path, good):
 @pytest.mark.parametrize("bad", BAD_IDS)
 def test_id_rejected(type_, build, path, bad):
     reject(type_, edit(build(), path, bad), path)
+
+
+@pytest.mark.parametrize("bad", BAD_IDS)
+def test_a_golden_snapshot_s_node_is_refused_whatever_its_form(bad):
+    """An EXTERNAL image is on no node: a golden snapshot naming one is refused, the field named, a
+    malformed node as such and a well-formed one too."""
+    reject(CreateActor, create(golden_snapshot=snapshot(node=bad)), "golden_snapshot.node")
+    reject(CreateActor, create(golden_snapshot=snapshot(node=GOOD_IDS[3])), "golden_snapshot.node")
 
 
 def test_id_must_be_a_string():
