@@ -173,6 +173,16 @@ def register_workers(draw) -> s.RegisterWorker:
     return msgspec.structs.replace(generic, sandbox_classes=tuple(classes))
 
 
+uris = st.text(printable, min_size=1, max_size=64).filter(str.strip)  # a uri given is not blank
+
+
+@st.composite
+def suspend_actors(draw) -> s.SuspendActor:
+    generic = draw(st.builds(s.SuspendActor, **{
+        f.name: strategy_of(f.type) for f in mi.type_info(s.SuspendActor).fields if f.name != "uri"}))
+    return msgspec.structs.replace(generic, uri=draw(st.none() | uris))
+
+
 @st.composite
 def create_actors(draw) -> s.CreateActor:
     """A source_tag or a golden snapshot (or neither), the golden one stamped in the actor's class."""
@@ -183,9 +193,9 @@ def create_actors(draw) -> s.CreateActor:
     source = draw(st.sampled_from(["none", "tag", "golden"]))
     if source == "tag":
         return msgspec.structs.replace(generic, source_tag=draw(ids))
-    if source == "golden":  # EXTERNAL with a uri (v1.1)
-        golden = msgspec.structs.replace(draw(of(s.Snapshot)), location=s.Location.EXTERNAL,
-                                         uri=draw(st.text(printable, min_size=1, max_size=64)))
+    if source == "golden":  # EXTERNAL, on no node, with a uri (v1.1)
+        golden = msgspec.structs.replace(draw(of(s.Snapshot)), location=s.Location.EXTERNAL, node=None,
+                                         uri=draw(uris))
         if golden.sandbox_runtime is not None:
             stamp = msgspec.structs.replace(golden.sandbox_runtime, sandbox_class=generic.sandbox_class)
             golden = msgspec.structs.replace(golden, sandbox_runtime=stamp)
@@ -199,6 +209,7 @@ OVERRIDES.update({
     s.WorkerSandboxClass: worker_sandbox_classes(),
     s.RegisterWorker: register_workers(),
     s.CreateActor: create_actors(),
+    s.SuspendActor: suspend_actors(),
 })
 
 WIRE_TYPES = [
