@@ -177,13 +177,20 @@ attributes = {{ gvisor_asset_hash = "{asset}" }}
     return text
 
 
+def without_cpu_features(cpuinfo: Path) -> None:
+    """The machine's cpuinfo without its flags: the probe cannot read `cpu_features` of it."""
+    cpuinfo.write_text("".join(line for line in CPUINFO.read_text().splitlines(keepends=True)
+                               if not line.startswith("flags")))
+
+
 def a_machine(tmp_path: Path, nats_url: str, prefix: str) -> tuple[Agent, Path, Path]:
     """An agent of `w-a` (one gvisor class, asset v1) on a machine whose cpuinfo the test swaps,
-    read again every 0.05 s (it starts as CPUINFO): (the agent, its cpuinfo, its config file)."""
+    read again every 0.05 s (it starts as CPUINFO), a read the probe cannot make counting at the second
+    in a row (no grace): (the agent, its cpuinfo, its config file)."""
     cpuinfo = tmp_path / "cpuinfo"
     shutil.copy(CPUINFO, cpuinfo)
     path = tmp_path / "agent.toml"
     path.write_text(agent_config("v1"))
     agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe_interval_s=0.05,
-                  probe=ProbeSettings(cpuinfo_path=cpuinfo, architecture="amd64"))
+                  unreadable_grace_s=0.0, probe=ProbeSettings(cpuinfo_path=cpuinfo, architecture="amd64"))
     return agent, cpuinfo, path

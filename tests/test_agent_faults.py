@@ -30,10 +30,10 @@ from events.subjects import bucket_name, service_subject
 from services.common import run_command_async
 from tests.factories import last_seq
 from tests.registry_helpers import (AMD, CPUINFO, PROBE, a_machine, agent_config, raw_request, running_registry,
-                                    wait_event, worker_events)
+                                    wait_event, without_cpu_features, worker_events)
 from tests.test_agent import agent_running, running_agent
 from warmboot.cli import main
-from warmboot.agent import (AGAIN, RETRY_MAX_S, RETRY_MIN_S, Agent, ConfigError, ProbeSettings, build_registration,
+from warmboot.agent import (AGAIN, RESTAMP, RESTAMP_AGAIN_S, RETRY_MAX_S, RETRY_MIN_S, UNREADABLE_GRACE_S, Agent, ConfigError, ProbeSettings, build_registration,
                             load_registration, next_delay, parse_config)
 
 
@@ -421,7 +421,8 @@ class Watched:
         self.path.write_text(config)
         self.nats_url, self.prefix = nats_url, prefix
         self.agent = Agent(nats_url, "w-a", "node-a", self.path, prefix=prefix, watch_interval_s=0.05,
-                           probe_interval_s=0.05, probe=ProbeSettings(cpuinfo_path=self.cpuinfo, architecture="amd64"))
+                           probe_interval_s=0.05, unreadable_grace_s=0.0,  # a failed read counts at the second
+                           probe=ProbeSettings(cpuinfo_path=self.cpuinfo, architecture="amd64"))
         self.raised: asyncio.Queue[Exception] = asyncio.Queue()
         self.returned: dict[str, asyncio.Event] = {}
         self.sent: list[str] = []  # the verbs of the requests the agent made
@@ -627,6 +628,87 @@ async def test_one_read_the_probe_cannot_make_does_not_remove_the_worker(nats_ur
         assert not [e for _, e in await worker_events(nc, prefix, "w-a") if isinstance(e, WorkerRemoved)]
 
 
+async def test_a_probe_failure_shorter_than_the_grace_removes_nothing_and_the_beats_go_on(
+        nats_url, nc, prefix, tmp_path):
+    """cpuinfo unreadable for a moment, met by several reads (the machine is read every second and
+    before every beat): the heartbeats' reads and the watch's fail, the worker stays registered and
+    beaten. A review found a second of it removed the worker (its actors released) when a heartbeat's
+    read came first. A failure that has lasted the grace (UNREADABLE_GRACE_S; played here by moving
+    its first read back by that much) removes it at the next failed read."""
+    agent, cpuinfo = agent_on_a_machine(tmp_path, nats_url, prefix, agent_config("v1"), probe_interval_s=0.0)
+    agent.watch_interval_s, agent.unreadable_grace_s = 3600.0, UNREADABLE_GRACE_S  # every look reads anew
+    stop = asyncio.Event()
+    learnt = ttl_learnt(agent)
+    async with running_registry(nats_url, prefix) as registry, agent_running(agent):
+        seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
+        await asyncio.wait_for(learnt.wait(), 30)  # its own first beat is in (the next, a third of a TTL on)
+        beat, beats = registry.liveness.beat, []
+
+        async def counted(worker_id: str) -> None:
+            beats.append(worker_id)
+            await beat(worker_id)
+
+        registry.liveness.beat = counted
+        saved = cpuinfo.read_bytes()
+        cpuinfo.write_bytes(b"")  # read as a machine without flags: cpu_features unreadable
+        for _ in range(3):  # a heartbeat's read, then the watch's, three times over: six failed reads
+            await agent.heartbeat(stop)
+            agent._look(stop)
+            await asyncio.gather(*agent._background)
+        assert len(beats) >= 3 and not agent.withdrawn  # (at least: one of its own may have come too)
+        cpuinfo.write_bytes(saved)
+        agent._look(stop)  # the machine reads as registered again: the failure is over
+        await agent.heartbeat(stop)
+        assert agent._unreadable_at is None
+        assert not [e for s, e in await worker_events(nc, prefix, "w-a") if s > seq]
+
+        cpuinfo.write_bytes(b"")
+        before = len(beats)
+        await agent.heartbeat(stop)  # a new failure's first read: passing, beaten
+        assert len(beats) == before + 1
+        agent._unreadable_at -= UNREADABLE_GRACE_S  # that read, as if the grace had run since
+        agent._look(stop)
+        await asyncio.gather(*agent._background)
+        _, removed = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq)
+        assert "the gvisor probe cannot read cpu_features" in removed.reason and agent.withdrawn, removed.reason
+
+
+def test_a_restamp_on_one_reading_is_asked_again_every_ten_seconds_and_a_new_reading_at_once(tmp_path):
+    """The agent's judgement alone: the machine reads another CPU than the one registered. The RESTAMP
+    is asked at once; on the same reading again (one that was not taken) only RESTAMP_AGAIN_S later, as
+    when reads were that far apart; on another reading at once; and once the machine reads as
+    registered, the next change is a new one, asked at once (a review found it held back)."""
+    agent, cpuinfo, _ = a_machine(tmp_path, "nats://127.0.0.1:1", "t")
+    agent.probe_interval_s = 0.0  # every look reads the machine
+    agent.registration = agent._read_config()
+    agent._in_force_of = agent._desired_of  # in force: Intel, v1
+    asked: list[float] = []
+
+    def beside(kind, *_):
+        assert kind is RESTAMP
+        asked.append(agent._restamp_asked[0])
+        agent._restamp_waiting = False  # asked and answered (not taken): nothing on its way
+
+    agent._beside_heartbeats = beside
+    stop = asyncio.Event()
+    shutil.copy(AMD, cpuinfo)
+    agent._keep_cpu_true(stop)
+    agent._keep_cpu_true(stop)  # the same reading, a moment later
+    assert len(asked) == 1
+    agent._restamp_asked = (agent._restamp_asked[0] - RESTAMP_AGAIN_S, agent._restamp_asked[1])
+    agent._keep_cpu_true(stop)  # the same reading, as if RESTAMP_AGAIN_S later
+    assert len(asked) == 2
+    without_cpu_features(cpuinfo)  # another reading
+    agent._keep_cpu_true(stop)
+    assert len(asked) == 3
+    shutil.copy(CPUINFO, cpuinfo)  # as registered: over
+    agent._keep_cpu_true(stop)
+    assert len(asked) == 3 and agent._restamp_asked is None
+    shutil.copy(AMD, cpuinfo)  # AMD again: a new change
+    agent._keep_cpu_true(stop)
+    assert len(asked) == 4
+
+
 # --- stopping, and a cluster ------------------------------------------------------------------------
 
 
@@ -761,7 +843,8 @@ def agent_on_a_machine(tmp_path: Path, nats_url: str, prefix: str, config: str,
     path = tmp_path / "agent.toml"
     path.write_text(config)
     agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05,
-                  probe_interval_s=probe_interval_s, probe=ProbeSettings(cpuinfo_path=cpuinfo, architecture="amd64"))
+                  probe_interval_s=probe_interval_s, unreadable_grace_s=0.0,
+                  probe=ProbeSettings(cpuinfo_path=cpuinfo, architecture="amd64"))
     return agent, cpuinfo
 
 

@@ -124,7 +124,7 @@ class Rig:
         self.asset, self.microvm, self.restorable = "v1", False, False
         self.write()
         self.agent = Agent(nats_url, WID, "node-a", self.path, prefix=prefix, watch_interval_s=3600.0,
-                           probe_interval_s=0.0,
+                           probe_interval_s=0.0, unreadable_grace_s=0.0,
                            probe=ProbeSettings(cpuinfo_path=self.cpuinfo, architecture="amd64"))
         self.sent: list = []  # every distinct registration the agent sent
         self.first_answer = asyncio.Event()  # the agent's first registration answered

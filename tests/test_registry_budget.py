@@ -12,7 +12,6 @@ import asyncio
 import shutil
 import uuid
 from contextlib import asynccontextmanager
-from pathlib import Path
 
 import msgspec
 import nats
@@ -30,7 +29,7 @@ from services.registry.budget import FREE, WriteBudget
 from services.registry.service import IN_FLIGHT_PER_WORKER
 from tests.registry_helpers import (last_seq, raw_request, registration, running_registry, runtime, wait_event,
                                     worker_events)
-from tests.registry_helpers import AMD, CPUINFO, PROBE, a_machine, agent_config
+from tests.registry_helpers import AMD, CPUINFO, PROBE, a_machine, agent_config, without_cpu_features
 from tests.test_agent import agent_running, config
 from warmboot.agent import Agent
 from warmboot.client import Client
@@ -528,12 +527,6 @@ async def one_write_budget(nats_url: str, prefix: str, agent: Agent):
         asked = Asked(registry)
         async with agent_running(agent) as task:
             yield clock, asked, task
-
-
-def without_cpu_features(cpuinfo: Path) -> None:
-    """The machine's cpuinfo without its flags: the probe cannot read `cpu_features` of it."""
-    cpuinfo.write_text("".join(line for line in CPUINFO.read_text().splitlines(keepends=True)
-                               if not line.startswith("flags")))
 
 
 async def wait_set(event: asyncio.Event, timeout: float) -> bool:

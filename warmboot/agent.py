@@ -15,8 +15,9 @@ The agent then:
   again more often as the TTL of its last stored beat runs out, so that it is
   heard as soon as the registry is back;
 - re-registers when the file's content changes, or what the probe reads of this
-  machine (read again every 10 s: a CPU that changed under it), so an operator
-  rolls out v2 by making it the default and moving v1 into `restorable_runtimes`;
+  machine (read again every second and before every heartbeat: a CPU that changed
+  under it), so an operator rolls out v2 by making it the default and moving v1
+  into `restorable_runtimes`;
   an edit the agent cannot use (bad TOML, a rule broken) is logged and the last
   good registration stays in force, and so does one the registry refuses (a change
   of class), but not the CPU in it: that registration is sent again made on the
@@ -118,6 +119,10 @@ HEARTBEATS_PER_TTL = 3
 # CPU there (found by an audit: 10 s until 2026-12-04). A read costs 0.35 ms on 2 cores and about
 # 3 ms (parsing) for 128.
 PROBE_INTERVAL_S = 1.0
+# How long the probe must fail to read the machine (on two reads at least) before the agent takes it
+# for good and removes the worker: a failure shorter than this passes (the machine is read every second
+# now, and a second of unreadable cpuinfo removed the worker and released its actors: found by a review).
+UNREADABLE_GRACE_S = 10.0
 # A registration made again on an unchanged read of the machine (`RESTAMP`, after one that was not
 # taken, or for a worker removed for want of one) is asked again at most this often; a new read asks
 # at once.
@@ -490,6 +495,7 @@ class Agent:
         watch_interval_s: float = 1.0,
         probe: ProbeSettings = ProbeSettings(),
         probe_interval_s: float = PROBE_INTERVAL_S,
+        unreadable_grace_s: float = UNREADABLE_GRACE_S,
         inbox_prefix: str | None = None,
         nkey_seed: str | None = None,
         state_file: str | Path | None = None,
@@ -504,9 +510,10 @@ class Agent:
         self.watch_interval_s = watch_interval_s
         self.probe = probe
         self.probe_interval_s = probe_interval_s
+        self.unreadable_grace_s = unreadable_grace_s
         self._probe_read: tuple[float, MachineRead, tuple] | None = None  # (when, the read, its reading)
         self._restamp_asked: tuple[float, tuple] | None = None  # the read the last RESTAMP was asked on: when, its reading
-        self._unreadable_at: float | None = None  # the read on which the probe last failed a RESTAMP
+        self._unreadable_at: float | None = None  # the first of the reads the probe fails, in a row (`_unreadable`)
         self._stale_since: float | None = None  # monotonic time `_why_stale` first gave its present reason
         self.inbox_prefix = inbox_prefix or f"_INBOX.{worker_id}"
         self.ttl_s = DEFAULT_TTL_S
@@ -722,7 +729,7 @@ class Agent:
                     return None
             elif self.withdrawn and registration is AGAIN:
                 self._again_waiting = False
-                return None  # removed on purpose: the next read of the machine tries again (RESTAMP)
+                return None  # removed on purpose: `_keep_cpu_true` tries again (RESTAMP)
             elif registration is EDIT:
                 self._edit_waiting = False
                 wanted = self.desired
@@ -778,10 +785,11 @@ class Agent:
 
     async def _restamp(self, stop: asyncio.Event) -> RegisterReply | None:
         """`register(RESTAMP)`: the registration in force, made on the machine as the probe reads it
-        now (`_send`). If that cannot be made (the probe cannot read a key: ConfigError) on two reads
-        of the machine in a row, or the registry refuses it, the worker is removed (`_withdraw`).
-        A removed worker is tried again (`_keep_cpu_true`: at a new reading of the machine, or every
-        RESTAMP_AGAIN_S), and begins a new life once the registration is made and taken. None when nothing was registered."""
+        now (`_send`). If that cannot be made (the probe cannot read a key: ConfigError) for the grace
+        (`_unreadable`), or the registry refuses it, the worker is removed (`_withdraw`). A removed
+        worker is tried again (`_keep_cpu_true`: at a new reading of the machine, or every
+        RESTAMP_AGAIN_S), and begins a new life once the registration is made and taken. None when
+        nothing was registered."""
         if not self.withdrawn and not self._cpu_changed_under_registration():
             return None  # made again meanwhile
         assert self.registration is not None and self._in_force_of is not None
@@ -794,11 +802,9 @@ class Agent:
             if isinstance(e, (MachineMismatch, StateFileError)):  # certain: no later read changes it
                 await self._withdraw(str(e), stop)
                 return None
-            if self._unreadable_at is None or self._unreadable_at == read_at:  # a first failed read could be
-                # a passing one: the next decides (`_why_stale` may have noted this one already)
-                self._unreadable_at = read_at
-                log.warning("%s: the probe cannot read this machine (%s); reading it again in %gs",
-                            self.worker_id, e, self.probe_interval_s)
+            if not self._unreadable(read_at):  # a passing failure, so far (`_why_stale` may have noted it already)
+                log.warning("%s: the probe cannot read this machine (%s); the worker is removed if it still cannot "
+                            "%gs after the first such read", self.worker_id, e, self.unreadable_grace_s)
                 return None
             await self._withdraw(str(e), stop)
             return None
@@ -991,8 +997,8 @@ class Agent:
         """Why the registration in force (the worker registered, not withdrawn) claims a CPU the machine
         no longer has, or None (`_judge_stale`); noting since when it has (`_stale_since`)."""
         why = self._judge_stale()
-        undecided = self._unreadable_at is not None and self._unreadable_at == self._machine()[0]
-        if why is None and not undecided:  # (one unreadable read says nothing: the clock runs on)
+        undecided = self._unreadable_at is not None  # (a passing failure says nothing: the clock runs on)
+        if why is None and not undecided:
             self._stale_since = None
         elif self._stale_since is None:
             self._stale_since = time.monotonic()
@@ -1023,20 +1029,29 @@ class Agent:
     def _judge_stale(self) -> str | None:
         """Whether the registration in force claims a CPU the machine no longer has: made on the machine as
         the probe reads it now, it differs, or contradicts what it names literally (`MachineMismatch`). A
-        read it cannot be made of says nothing of the CPU (cpuinfo unreadable for a moment): only a second
-        such read in a row does, as for `_restamp`."""
+        read it cannot be made of says nothing of the CPU (cpuinfo unreadable for a moment): only reads
+        that fail for the grace do (`_unreadable`), as for `_restamp`."""
         if self.withdrawn or self._in_force_of is None or self.registration is None:
             return None
         read_at, made = self._made_now(*self._in_force_of)
         if isinstance(made, MachineMismatch):
             return str(made)
         if isinstance(made, ConfigError):
-            if self._unreadable_at is None or self._unreadable_at == read_at:
-                self._unreadable_at = read_at  # the next read decides
+            if not self._unreadable(read_at):
                 return None
-            return f"the probe cannot read this machine twice in a row: {made}"
+            return f"the probe cannot read this machine twice in a row, for {self.unreadable_grace_s:g}s: {made}"
         self._unreadable_at = None
         return None if made is None or made == self.registration else "the probe reads another CPU"
+
+    def _unreadable(self, read_at: float) -> bool:
+        """A read of the machine the probe cannot make a registration of (made at `read_at`): whether it
+        ends the grace, failing as every read since the first in a row (`_unreadable_at`, noted here) did,
+        on another read than that one and `unreadable_grace_s` after it. A read that can be made ends the
+        row (`_judge_stale`, `_keep_cpu_true`, a registration taken)."""
+        if self._unreadable_at is None:
+            self._unreadable_at = read_at
+            return False
+        return read_at != self._unreadable_at and read_at - self._unreadable_at >= self.unreadable_grace_s
 
     def _still_made(self, config: AgentConfig, reading: tuple, registration: RegisterWorker) -> bool:
         """Whether `registration`, made of `config` on the read `reading`, is what `config` makes on the
@@ -1060,9 +1075,9 @@ class Agent:
     async def _withdraw(self, why: str, stop: asyncio.Event) -> None:
         """Remove the worker: its registration claims a CPU the machine no longer has, and `why` says
         why none of the CPU it has now can be made or was taken. The agent then sends no heartbeat,
-        and tries again at each read of the machine (`RESTAMP`, from the registration it had, and
-        from an edit of the file) until a registration is taken: a new life. The caller holds
-        `_one_registration`."""
+        and tries again (`RESTAMP` at a new reading of the machine or every RESTAMP_AGAIN_S, from the
+        registration it had; and an edit of the file) until a registration is taken: a new life. The
+        caller holds `_one_registration`."""
         log.error("%s is registered with a CPU this machine no longer has, and no registration of the one it "
                   "has now can be made (%s): removing the worker until one can", self.worker_id, why)
         try:
