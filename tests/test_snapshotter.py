@@ -17,6 +17,7 @@ from datetime import datetime, timezone
 
 import msgspec
 import pytest
+from eventsourcing.application import AggregateNotFoundError
 
 from events.aggregate import WireApplication, now
 from events.codec import decode_event
@@ -338,6 +339,30 @@ async def test_a_refusal_read_behind_another_process_s_placement_is_decided_agai
         await asyncio.to_thread(elsewhere.close)
 
 
+def tag_elsewhere(app: WireApplication, actor_id: str, tag_name: str) -> int:
+    """`actor_id`'s latest snapshot tagged `tag_name` by another process (`app`, a connection of its
+    own): the sequence of the tag's event."""
+    source = app.repository.get(Actor.create_id(actor_id))
+    try:
+        gold = app.repository.get(Tag.create_id(tag_name))
+    except AggregateNotFoundError:
+        gold = Tag(tag_name)
+    source.tag(gold, None, now())
+    return app.save(gold, source)[0].notification.id
+
+
+def reads_before(monkeypatch, service: SnapshotterService, seq: int) -> None:
+    """The service's reads of the stream answered as by a replica that has applied nothing from `seq` on
+    (a single server has no replica to lag); the stream leader's reads left alone."""
+    stream = service.app.recorder.stream
+    read = stream.read
+
+    async def behind(subject: str, start: int, *args, **kwargs):
+        return [m for m in await read(subject, start, *args, **kwargs) if sequence_of(m) < seq]
+
+    monkeypatch.setattr(stream, "read", behind)
+
+
 async def test_a_create_from_a_tag_read_behind_another_process_s_tag_is_decided_again(
         snapshotter, placer, nats_server, nc, prefix, monkeypatch):
     """The same for what a create reads besides the actor: a tag recorded a moment ago by another
@@ -350,19 +375,8 @@ async def test_a_create_from_a_tag_read_behind_another_process_s_tag_is_decided_
         await placer.place("a-1", "w-1", "node-1", PIN_V1)
         await suspend(nc, prefix, "a-1", uri="s3://golden")
 
-        def tag_elsewhere() -> int:
-            source, gold = elsewhere.repository.get(Actor.create_id("a-1")), Tag("gold")
-            source.tag(gold, None, now())
-            return elsewhere.save(gold, source)[0].notification.id
-
-        tagged = await asyncio.to_thread(tag_elsewhere)
-        stream = snapshotter.app.recorder.stream
-        read = stream.read
-
-        async def behind(subject: str, start: int, *args, **kwargs):
-            return [m for m in await read(subject, start, *args, **kwargs) if sequence_of(m) < tagged]
-
-        monkeypatch.setattr(stream, "read", behind)
+        tagged = await asyncio.to_thread(tag_elsewhere, elsewhere, "a-1", "gold")
+        reads_before(monkeypatch, snapshotter, tagged)
         made = await create(nc, prefix, "a-2", source_tag="gold")
         assert made.seq > tagged
         missing = await refused(create(nc, prefix, "a-3", source_tag="never"))
@@ -387,19 +401,8 @@ async def test_a_create_from_a_tag_read_behind_a_retag_copies_what_the_tag_names
             await suspend(nc, prefix, actor_id, uri=f"s3://{actor_id}")
         first = (await tag(nc, prefix, "a-1", "gold")).snapshot  # read by the snapshotter
 
-        def retag_elsewhere() -> int:
-            source, gold = elsewhere.repository.get(Actor.create_id("a-2")), elsewhere.repository.get(Tag.create_id("gold"))
-            source.tag(gold, None, now())
-            return elsewhere.save(gold, source)[0].notification.id
-
-        moved = await asyncio.to_thread(retag_elsewhere)
-        stream = snapshotter.app.recorder.stream
-        read = stream.read
-
-        async def behind(subject: str, start: int, *args, **kwargs):
-            return [m for m in await read(subject, start, *args, **kwargs) if sequence_of(m) < moved]
-
-        monkeypatch.setattr(stream, "read", behind)
+        moved = await asyncio.to_thread(tag_elsewhere, elsewhere, "a-2", "gold")
+        reads_before(monkeypatch, snapshotter, moved)
         made = await create(nc, prefix, "copy", source_tag="gold")
         monkeypatch.undo()
         ((seq, created),) = [(s, e) for s, _, e in await read_entries(nc, prefix)
