@@ -77,9 +77,12 @@ def test_up_runs_the_demo_and_twice_in_a_row(tmp_path):
     assert "new store" in first.stdout and "NATS     nats://127.0.0.1:" in first.stdout
     assert "what-if before dropping v1" in first.stdout and "MEMORY RESTORABLE" in first.stdout  # the forecast
     check_demo_summary(table_rows(first.stdout))
-    second = subprocess.run(args, capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "200"})
+    # to a file, with no $COLUMNS: every column of the forecast (it was cut to rich's 80: found by a walkthrough)
+    second = subprocess.run(args, capture_output=True, text=True, timeout=300,
+                            env={k: v for k, v in os.environ.items() if k != "COLUMNS"})
     assert second.returncode == 0, second.stderr[-2000:]
     assert "resetting the store" in second.stdout
+    assert "MEMORY RESTORABLE" in second.stdout and "(to fit" not in second.stdout, second.stdout[-3000:]
     check_demo_summary(table_rows(second.stdout))
 
 

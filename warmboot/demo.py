@@ -232,6 +232,7 @@ class Demo:
     async def forecast_drop(self, release: str, console: Console) -> int:
         """Ask whatif, per class, what dropping `release` everywhere would strand; print it; the total."""
         from warmboot.cmd_views import render_whatif
+        from warmboot.render import terminal_width
 
         runtimes = known_runtimes()
         total = 0
@@ -244,7 +245,8 @@ class Demo:
             query = WhatIf(sandbox_class=cls, drop_runtimes=drop, limit=3)
             answer = await self.call(self.wb.whatif(query))
             total += answer.after.stranded_snapshots
-            console.print(render_whatif(query, answer, runtimes, console.width), markup=False, highlight=False)
+            # as `warmboot whatif` prints it: every column to a pipe or a file (rich's width is 80 then)
+            console.print(render_whatif(query, answer, runtimes, terminal_width()), markup=False, highlight=False)
             console.print()
         return total
 
