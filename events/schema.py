@@ -438,13 +438,16 @@ class Fragmentation(Base, kw_only=True):
     classes: list[ClassFragmentation]
 
 
+WHATIF_LIMIT_MAX = 10_000  # newly stranded actors a forecast lists at most
+
+
 class WhatIf(Base, kw_only=True):
     """v1.1 `scheduler.whatif`: the fleet as if these runtimes were dropped and these workers drained."""
 
     sandbox_class: SandboxClass
     drop_runtimes: Annotated[tuple[CompatVersion, ...], Meta(max_length=64)] = ()
     drain_workers: Annotated[tuple[Id, ...], Meta(max_length=10_000)] = ()
-    limit: Annotated[int, Meta(ge=0, le=10_000)] = 100
+    limit: Annotated[int, Meta(ge=0, le=WHATIF_LIMIT_MAX)] = 100
     min_seq: Seq | None = None
 
 
@@ -456,6 +459,10 @@ class SnapshotCounts(Base, kw_only=True):
 class StrandedActor(Base, kw_only=True):
     actor_id: str
     stamp: ActorRuntime
+    # project addition: where the image is, which says why it is stranded (a LOCAL image restores
+    # only on its node); None from a scheduler that does not say
+    location: Location | None = None
+    node: str | None = None  # a LOCAL image's node
 
 
 class RuntimeForecast(Base, kw_only=True):

@@ -98,6 +98,32 @@ async def test_the_table_fits_without_a_cut_cell(fleet_on_bus, width):
     assert "ATTRIBUTES" in wide.output and "cpu_features=" in wide.output
 
 
+async def test_a_stranded_local_image_says_its_node_and_limit_0_lists_all(fleet_on_bus, nc, prefix):
+    """Draining the workers of a node strands the PAUSED actors whose LOCAL images are there, though
+    their runtime stays elsewhere: the list says where each image is (it listed only the stamp, and a
+    user could not tell why: found by a walkthrough). `--limit 0` lists them all, as explain's does
+    (it listed none)."""
+    run, wb = fleet_on_bus
+    await wb.create(actor("p-0001", cpu=250, mem=256))
+    placed = await wb.resume("p-0001")
+    await wb.pause("p-0001")
+    on_node = [w.worker_id for w in fleet() if w.node == placed.node]
+    drains = [arg for w in on_node for arg in ("--drain", w)]
+    shown = await run("--class", "gvisor", *drains, width=200)
+    assert shown.exit_code == 0, shown.output
+    row = next(line for line in shown.output.splitlines() if line.startswith("p-0001"))
+    assert row.split()[-3:] == ["LOCAL", "on", placed.node], shown.output
+    listed = json.loads((await run("--class", "gvisor", *drains, "--json")).output)["newly_stranded"]
+    assert [(s["actor_id"], s["location"], s["node"]) for s in listed] == [("p-0001", "LOCAL", placed.node)]
+    dropped = json.loads((await run("--class", "gvisor", "--drop-runtime", "runsc-2024.11", "--json")).output)
+    suspended = {(s["location"], s["node"]) for s in dropped["newly_stranded"] if s["actor_id"].startswith("a-")}
+    assert suspended == {("EXTERNAL", None)}  # suspended: their images on no node
+    every = await run("--class", "gvisor", "--drop-runtime", "runsc-2024.11", "--limit", "0", width=200)
+    some = await run("--class", "gvisor", "--drop-runtime", "runsc-2024.11", "--limit", "2", width=200)
+    counted = [sum(1 for line in r.output.splitlines() if line.startswith(("a-0", "p-0"))) for r in (every, some)]
+    assert counted == [len(dropped["newly_stranded"]), 2] and counted[0] >= 12, (every.output, some.output)
+
+
 async def test_unknown_runtimes_and_workers_are_errors_naming_the_option(fleet_on_bus, nc, prefix):
     run, _ = fleet_on_bus
     before = await last_seq(nc, prefix)

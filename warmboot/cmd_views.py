@@ -28,7 +28,8 @@ from events.natspy import describe_error
 from events.jetstream import VERSION_HEADER
 from events.runtime_id import PREFIX as ID_PREFIX
 from events.runtime_id import Runtimes, UnknownRuntime, short_id
-from events.schema import CompatVersion, Explanation, Fragmentation, Placement, WhatIf, WhatIfAnswer
+from events.schema import (WHATIF_LIMIT_MAX, CompatVersion, Explanation, Fragmentation, Location, Placement,
+                           StrandedActor, WhatIf, WhatIfAnswer)
 from events.subjects import event_subject
 from warmboot.cli_common import ask, last_seq, log_messages, min_seq_option, nats_option, prefix_option, version_text
 from warmboot.client import Client
@@ -419,7 +420,16 @@ def stranded_columns(runtimes: Runtimes) -> list[Column]:
                narrow=Column("STAMP", lambda s: short_id(compat_key(s.stamp.sandbox_class, s.stamp.version)),
                              about="as ids")),
         Column("STAMP ID", lambda s: short_id(compat_key(s.stamp.sandbox_class, s.stamp.version)), wide=True),
+        # why it is stranded: a LOCAL image restores only on its node (found by a walkthrough: a drain
+        # listed actors whose runtime stayed, and nothing said their images were on the drained nodes)
+        Column("IMAGE", image_place),
     ]
+
+
+def image_place(stranded: StrandedActor) -> str:
+    if stranded.location is Location.LOCAL:
+        return f"LOCAL on {stranded.node or '?'}"
+    return stranded.location.value if stranded.location is not None else "-"
 
 
 def render_whatif(query: WhatIf, answer: WhatIfAnswer, runtimes: Runtimes, width: int | None,
@@ -462,8 +472,8 @@ def render_whatif(query: WhatIf, answer: WhatIfAnswer, runtimes: Runtimes, width
                    "an id (rt-3f9a1c), or a name: every runtime of the class that carries it. Repeatable.")
 @click.option("--drain", "drain", multiple=True, metavar="WORKER",
               help="As if this worker were drained. Repeatable.")
-@click.option("--limit", type=click.IntRange(0, 10_000), default=100, show_default=True,
-              help="Newly stranded actors listed at most.")
+@click.option("--limit", type=click.IntRange(0, WHATIF_LIMIT_MAX), default=100, show_default=True,
+              help=f"Newly stranded actors listed at most (0: all, up to {WHATIF_LIMIT_MAX:,}, as for explain).")
 @min_seq_option
 @nats_option
 @prefix_option
@@ -483,7 +493,7 @@ def whatif(sandbox_class: str, drop: tuple[str, ...], drain: tuple[str, ...], li
         projection = await fleet(nc, prefix)
         runtimes = runtimes_of(projection)
         query = WhatIf(sandbox_class=sandbox_class, drop_runtimes=tuple(resolve_drops(runtimes, drop, sandbox_class)),
-                       drain_workers=drain, limit=limit,
+                       drain_workers=drain, limit=limit or WHATIF_LIMIT_MAX,
                        min_seq=min_seq or projection.seq or None)  # at least the fleet this command resolved against
         check_drains(projection, drain, sandbox_class)
         return query, await Client(nc, prefix).whatif(query), runtimes

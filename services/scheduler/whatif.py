@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from events.compat import compat_key
 from events.errors import not_found
-from events.schema import Room, RuntimeForecast, SnapshotCounts, StrandedActor, WhatIf, WhatIfAnswer
+from events.schema import Location, Room, RuntimeForecast, SnapshotCounts, StrandedActor, WhatIf, WhatIfAnswer
 from services.scheduler.projection import Projection
 from services.scheduler.records import (
     MEMORY,
@@ -172,7 +172,9 @@ def whatif(projection: Projection, query: WhatIf) -> WhatIfAnswer:
                 continue
             key = (actor.image_node or "", kind.stamp.compat) if kind.local else kind.stamp.compat
             if key in wanted:
-                newly_stranded.append(StrandedActor(actor_id=actor.actor_id, stamp=kind.stamp.runtime))
+                newly_stranded.append(StrandedActor(
+                    actor_id=actor.actor_id, stamp=kind.stamp.runtime, location=Location.LOCAL if kind.local else Location.EXTERNAL,
+                    node=(actor.image_node or None) if kind.local else None))
                 if len(newly_stranded) >= query.limit:
                     break
 
