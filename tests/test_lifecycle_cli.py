@@ -282,6 +282,15 @@ async def test_create_from_a_golden_snapshot_file(bus, tmp_path):
     assert "at $.uri: text must be printable" in unprintable.output
     shown = await run("actor", "show", "g-3")
     assert shown.exit_code == 1 and "NOT_FOUND" in shown.stderr  # nothing was created
+    # memory and no stamp: taken (the contract allows it), and said, since its memory is never restored
+    assert "no sandbox_runtime" not in created.stderr
+    path.write_text(json.dumps({**to_builtins(golden(V1)), "sandbox_runtime": None, "snapshot_id": "golden-4"}))
+    unstamped = await run("actor", "create", "g-4", "--class", "gvisor", "--template", "t1", "--cpu", "100",
+                          "--memory", "256", "--golden-snapshot", str(path))
+    assert unstamped.exit_code == 0, unstamped.output
+    assert "warning: the golden snapshot 'golden-4' holds memory but no sandbox_runtime" in unstamped.stderr
+    placed = fields((await run("actor", "resume", "g-4")).output)
+    assert "SNAPSHOT_NOT_MEMORY" in placed["FALLBACK"], placed
 
 
 async def test_min_seq_chains_commands_and_is_checked(bus, nc, prefix):
