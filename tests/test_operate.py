@@ -208,6 +208,25 @@ async def test_actor_timeline_shows_stamps_pins_and_fallbacks(demo, nats_url):
     assert "architecture=" not in table.output and any(" pin " in f" {line} " for line in lines)
 
 
+def test_a_timeline_tells_apart_the_runtimes_it_names_that_the_fleet_no_longer_runs():
+    """Two CPU generations of one runtime name pin an actor in turn; the fleet then runs neither (the
+    release was dropped). The timeline's labels are told apart among every runtime it names, not only
+    the fleet's (a walkthrough read both pins as one: no runtime of the fleet carried the name)."""
+    from events.compat import compat_key
+    from events.runtime_id import Runtimes, short_id
+    from tests.factories import placed, snapshot, stamp, taken, version
+    from warmboot.cmd_audit import timeline_labels
+
+    old, new = version("gen-1"), version("gen-2")
+    fleet = Runtimes()
+    fleet.add("gvisor", version("gen-3"), "runsc-v2")  # the next release, on a third generation
+    named_old, named_new = stamp(old, name="runsc-v1"), stamp(new, name="runsc-v1")
+    pins = [placed("a", "w-1", named_old), taken(snapshot("a", named_old)), placed("a", "w-2", named_new)]
+    labels = timeline_labels(pins, fleet)
+    digits = [short_id(compat_key("gvisor", v))[3:] for v in (old, new)]
+    assert labels == [f"pin runsc-v1@{digits[0]}", f"stamp runsc-v1@{digits[0]}", f"pin runsc-v1@{digits[1]}"], labels
+
+
 async def test_views_json_agree_with_the_endpoints(demo, nats_url, nc):
     _, prefix, _ = demo
     frag = await call(nc, service_subject(prefix, "scheduler", "fragmentation"), FragmentationQuery(), Fragmentation)

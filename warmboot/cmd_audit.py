@@ -8,7 +8,8 @@ from datetime import datetime, timezone
 import click
 
 from events.errors import not_found
-from events.schema import ActorPlaced, SnapshotTaken
+from events.runtime_id import Runtimes
+from events.schema import ActorPlaced, ActorRuntime, SnapshotTaken
 from events.subjects import event_subject
 from warmboot.audit import Sink, summary
 from warmboot.cli_common import (Failed, ask, check_id, json_option, nats_option, prefix_option, read_subject, replay,
@@ -97,20 +98,36 @@ def actor_cmd(actor_id: str, nats_url: str, prefix: str, as_json: bool) -> None:
         click.echo(json.dumps(rows, indent=2))
         return
     width = terminal_width()
-    shown = [(row, _runtime_label(event, runtimes)) for row, (_, event) in zip(rows, records)]
+    shown = list(zip(rows, timeline_labels([event for _, event in records], runtimes)))
     echo_table(render_table(TIMELINE_COLUMNS, shown, width), width)
 
 
-def _runtime_label(event, runtimes) -> str:
-    """The stamp or pin of a timeline's event by its short label (as `workers` and `explain` show
-    runtimes: `name`, `name@3f9a1c` or `rt-3f9a1c`)."""
+def _stamped(event) -> tuple[str, ActorRuntime] | None:
+    """The pin of a placement, or the stamp of a snapshot, in a timeline's event."""
     if isinstance(event, ActorPlaced):
-        runtime, kind = event.sandbox_runtime, "pin"
-    elif isinstance(event, SnapshotTaken) and event.snapshot.sandbox_runtime is not None:
-        runtime, kind = event.snapshot.sandbox_runtime, "stamp"
-    else:
-        return ""
-    return f"{kind} {runtimes.label(runtime.sandbox_class, runtime.version, runtime.name)}"
+        return "pin", event.sandbox_runtime
+    if isinstance(event, SnapshotTaken) and event.snapshot.sandbox_runtime is not None:
+        return "stamp", event.snapshot.sandbox_runtime
+    return None
+
+
+def timeline_labels(events: list, runtimes: Runtimes) -> list[str]:
+    """The stamp or pin of each event by its short label, as `workers` and `explain` show runtimes
+    (`name`, `name@3f9a1c` or `rt-3f9a1c`), told apart among the fleet's runtimes and every one the
+    timeline names: two runtimes of one name read alike once the fleet runs only one of them (found
+    by a walkthrough: the pins of two CPU generations, the older one dropped, read the same)."""
+    stamped = [_stamped(event) for event in events]
+    for found in stamped:
+        if found is not None:
+            runtimes.add(found[1].sandbox_class, found[1].version, found[1].name)
+    labels = []
+    for found in stamped:
+        if found is None:
+            labels.append("")
+            continue
+        kind, runtime = found
+        labels.append(f"{kind} {runtimes.label(runtime.sandbox_class, runtime.version, runtime.name)}")
+    return labels
 
 
 TIMELINE_COLUMNS = [
