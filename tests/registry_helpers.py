@@ -129,17 +129,19 @@ async def wait_event(
 
 @asynccontextmanager
 async def running_registry(nats_url: str, prefix: str, ttl_s: float = 15.0, own_link: bool = False,
-                           writes: WriteBudget | None = None):
+                           writes: WriteBudget | None = None, reconcile_interval_s: float | None = None):
     """A registry replica with its own connection, on the JetStream event store; with `own_link`,
     an event-store connection of its own too (another inbox prefix), as another process has, so
     that nothing this process read or wrote is known to it. `writes`: the workers' write budget
-    (the default's, if not given)."""
+    (the default's, if not given); `reconcile_interval_s`: how often it reconciles heartbeats while
+    it runs (the default's, if not given)."""
     nc = await nats.connect(nats_url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
     env = None
     if own_link:
         env = store_env(nats_url, prefix)
         env["NATS_INBOX_PREFIX"] = f"{env['NATS_INBOX_PREFIX']}.own-link"
-    service = RegistryService(nc, nats_url=nats_url, prefix=prefix, ttl_s=ttl_s, env=env, writes=writes)
+    more = {} if reconcile_interval_s is None else {"reconcile_interval_s": reconcile_interval_s}
+    service = RegistryService(nc, nats_url=nats_url, prefix=prefix, ttl_s=ttl_s, env=env, writes=writes, **more)
     await service.start()
     try:
         yield service

@@ -10,15 +10,18 @@ through the queue group) right after the other wrote.
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import msgspec
+import nats.errors
 import pytest
 
-from events.errors import ContractError
-from events.schema import ErrorCode, Heartbeat, RegisterWorker, RemoveWorker
+import services.registry.liveness as liveness_module
+from events.errors import ContractError, unavailable
+from events.schema import ErrorCode, Heartbeat, RegisterWorker, RemoveWorker, WorkerRemoved
 from events.subjects import bucket_name
 from services.registry.roster import Roster
-from tests.registry_helpers import raw_request, registration, running_registry
+from tests.registry_helpers import raw_request, registration, running_registry, wait_event
 
 
 def body(worker_id: str) -> RegisterWorker:
@@ -213,3 +216,83 @@ async def test_replies_match_answers_and_give_up_on_silence(nc, prefix):
     finally:
         await replies.stop()
         await sub.unsubscribe()
+
+
+# --- a silent worker is found LOST whatever became of its clock (found by an audit) --------------------------
+
+
+async def test_a_marker_whose_removal_failed_for_its_whole_life_still_ends_the_silent_worker(
+        nats_url, nc, prefix, monkeypatch):
+    """The sweep hands back a marker whose removal fails (the event log unavailable) and is given it
+    again a second later, until the server deletes the marker (MARKER_TTL_S: 300 s, 2 s here). Then the
+    key holds nothing, and no marker would ever come again: the silent worker stayed registered for
+    good. Each replica reconciles while it runs now, so the worker's clock starts again and its next
+    marker removes it. Here every removal fails while the first marker lives."""
+    monkeypatch.setattr(liveness_module, "MARKER_TTL_S", 2.0)  # read as the bucket is made
+    async with running_registry(nats_url, prefix, ttl_s=1, reconcile_interval_s=1.0) as registry:
+        lose, first, refused = registry.store.lose, [], []
+
+        async def unavailable_for_the_first_marker(worker_id, at):
+            _, marker = await registry.liveness.entry(worker_id)
+            first[:] = first or [marker]
+            if marker == first[0]:
+                refused.append(marker)
+                raise unavailable("the event log is unavailable (the test's outage: the first marker's life)")
+            return await lose(worker_id, at)
+
+        registry.store.lose = unavailable_for_the_first_marker
+        reply, _ = await raw_request(nc, prefix, "register", "w-1", registration("w-1"))
+        assert reply["outcome"] == "REGISTERED"
+        _, removed = await wait_event(nc, prefix, "w-1", WorkerRemoved, after=reply["seq"], timeout=30)
+        assert removed.reason == "LOST" and refused, refused
+        _, marker = await registry.liveness.entry("w-1")
+        assert marker != first[0]  # removed on a marker of a clock started again
+
+
+async def test_the_sweep_s_consumer_deleted_is_made_again_and_the_silent_worker_found_lost(nats_url, nc, prefix):
+    """The replicas share one durable consumer of the heartbeat bucket; deleted (by hand, or lost with
+    its group on a cluster) it was never made again, and no silent worker was removed LOST until a
+    replica restarted. A replica's reconciliation makes it again, and finds the marker written while it
+    was gone."""
+    async with running_registry(nats_url, prefix, ttl_s=1, reconcile_interval_s=1.0):
+        stream = f"KV_{bucket_name(prefix, 'heartbeats')}"
+        js = nc.jetstream()
+        await js.delete_consumer(stream, liveness_module.SWEEPER)
+        reply, _ = await raw_request(nc, prefix, "register", "w-1", registration("w-1"))
+        _, removed = await wait_event(nc, prefix, "w-1", WorkerRemoved, after=reply["seq"], timeout=30)
+        assert removed.reason == "LOST"
+        assert (await js.consumer_info(stream, liveness_module.SWEEPER)).config.durable_name == liveness_module.SWEEPER
+
+
+async def test_a_clock_whose_put_failed_at_start_is_started_again(nats_url, nc, prefix, monkeypatch, caplog):
+    """At start a replica starts a clock for a registered worker whose key holds none; that put failing
+    (a time-out in an election of the bucket's leader) was swallowed, and the worker had no clock for
+    good: never found LOST. Only a beat that came first is let go now: the failure is said, and the
+    next round starts the clock."""
+    caplog.set_level(logging.WARNING, logger="warmboot.registry")
+    async with running_registry(nats_url, prefix, ttl_s=300) as first:
+        reply, _ = await raw_request(nc, prefix, "register", "w-1", registration("w-1"))
+        assert await first.liveness.forget("w-1", await first.liveness.last_entry("w-1"))  # no clock now
+    start_clock, failed = liveness_module.Liveness.start_clock, []
+
+    async def lost_in_an_election_once(self, worker_id, after=0):
+        if failed:
+            return await start_clock(self, worker_id, after)
+        failed.append(worker_id)
+        publish = self.js.publish
+
+        async def timed_out(*_, **__):
+            raise nats.errors.TimeoutError  # nothing stored
+
+        self.js.publish = timed_out
+        try:
+            await start_clock(self, worker_id, after)
+        finally:
+            self.js.publish = publish
+
+    monkeypatch.setattr(liveness_module.Liveness, "start_clock", lost_in_an_election_once)
+    async with running_registry(nats_url, prefix, ttl_s=1, reconcile_interval_s=1.0):
+        assert failed == ["w-1"]  # the start's reconciliation
+        assert any(r.getMessage().startswith("worker w-1 is not reconciled (TimeoutError") for r in caplog.records)
+        _, removed = await wait_event(nc, prefix, "w-1", WorkerRemoved, after=reply["seq"], timeout=30)
+        assert removed.reason == "LOST"

@@ -53,9 +53,14 @@ from services.common import last_seq_on, until_answered
 log = logging.getLogger("warmboot.registry")
 
 # How long the server keeps an expiry marker: the registry may be down this long
-# and still remove every worker that went silent meanwhile (start-up reconciliation
-# covers longer outages). Part of the bucket's configuration, so not tied to ttl_s.
+# and still remove every worker that went silent meanwhile (reconciliation, at start and
+# every RECONCILE_INTERVAL_S, covers longer outages). Part of the bucket's configuration,
+# so not tied to ttl_s.
 MARKER_TTL_S = 300.0
+# How often each registry replica reconciles while it runs (`RegistryService.reconcile`): well
+# within a marker's life, so one whose removal kept failing (the event log unavailable) is handled,
+# or its worker's clock started again, before the server deletes it.
+RECONCILE_INTERVAL_S = MARKER_TTL_S / 3
 SWEEPER = "registry-sweeper"
 MARKER_REASON = "Nats-Marker-Reason"
 ACK_TIMEOUT_S = 5.0
@@ -143,16 +148,20 @@ class Sweeper:
         self._in_hand: dict[int, Msg] = {}  # the markers `on_marker` is handling, by id (a Msg is not hashable)
         self._tasks: list[asyncio.Task[None]] = []
 
-    async def start(self) -> None:
+    async def ensure_consumer(self) -> bool:
+        """The shared durable consumer, made if it is not there; True if it was not (deleted by hand, or
+        lost with its group on a cluster: found by an audit, no replica made it again, and no silent
+        worker was found LOST until one restarted)."""
         js = self.nc.jetstream()
+        try:
+            await js.consumer_info(self.stream, self.config.durable_name)
+            return False
+        except NotFoundError:
+            await js.add_consumer(self.stream, config=self.config)
+            return True
 
-        async def consumer() -> None:
-            try:
-                await js.consumer_info(self.stream, self.config.durable_name)
-            except NotFoundError:
-                await js.add_consumer(self.stream, config=self.config)
-
-        await until_answered(consumer, f"the consumer {self.config.durable_name}")
+    async def start(self) -> None:
+        await until_answered(self.ensure_consumer, f"the consumer {self.config.durable_name}")
         self._inbox = self.nc.new_inbox()
         self._ended = asyncio.Event()
         self._sub, self._direct = await subscribe_core(self.nc, self._inbox, self._delivered)
@@ -362,5 +371,10 @@ class Liveness:
         key's last entry is still `after` (0: none; a tombstone's sequence: its removal's purge,
         which a put must follow, or the clock of a worker registered anew past it never starts)."""
         headers = {**self.ttl_header, "Nats-Expected-Last-Subject-Sequence": str(after)}
-        with suppress(Exception):
+        try:
             await self.js.publish(self.subject(worker_id), encode({"at": now(), "ttl_s": self.ttl_s}), headers=headers)
+        except nats.js.errors.APIError as error:
+            if error.err_code != ERR_WRONG_LAST_SEQUENCE:  # (a beat came first: its clock runs)
+                raise
+        # Any other failure is the caller's: a put lost in an election left the worker with no clock, for
+        # good, when it was swallowed here (found by an audit).

@@ -72,7 +72,7 @@ from services.registry.binding import SharedBinding
 from services.registry.budget import FREE, Ticket, WriteBudget
 from services.registry.domain import Worker, register_outcome
 from services.registry.fold import RosterFold
-from services.registry.liveness import Liveness
+from services.registry.liveness import RECONCILE_INTERVAL_S, SWEEPER, Liveness
 from services.registry.nodes import allows, check_node, check_registered
 from services.registry.roster import Roster
 
@@ -324,6 +324,7 @@ class RegistryService:
         env: dict[str, str] | None = None,
         worker_nodes: Mapping[str, str] | str | None = None,
         writes: WriteBudget | None = None,
+        reconcile_interval_s: float = RECONCILE_INTERVAL_S,
     ):
         if ttl_s < 1:
             raise ValueError(f"ttl_s must be at least 1 second (heartbeat TTLs are whole seconds), not {ttl_s}")
@@ -339,6 +340,8 @@ class RegistryService:
         # What the requests about each worker may write (`services.registry.budget`): this replica's.
         self.writes = writes if writes is not None else WriteBudget()
         self._unbound: asyncio.Task[None] | None = None
+        self.reconcile_interval_s = reconcile_interval_s
+        self._reconciling: asyncio.Task[None] | None = None
         self.env = env if env is not None else store_env(nats_url, prefix, store_replicas)
         self.store: RegistryStore | None = None
         # Requests about one worker are decided one at a time in this replica; request ids
@@ -390,6 +393,7 @@ class RegistryService:
         )
         self._binding_moved.set()  # the workers registered before this start, judged once
         self._unbound = asyncio.create_task(self._remove_unbound(), name="registry-unbound-workers")
+        self._reconciling = asyncio.create_task(self._reconcile_now_and_then(), name="registry-reconcile")
         await flush_in_order(self.nc)  # the server has our subscriptions: we serve when start() returns
         return self
 
@@ -398,8 +402,8 @@ class RegistryService:
             with suppress(Exception):
                 await self.service.stop()
             self.service = None
-        await cancel_and_wait(self._unbound)
-        self._unbound = None
+        await cancel_and_wait(self._unbound, self._reconciling)
+        self._unbound = self._reconciling = None
         await self.watch.stop()
         await self.liveness.stop()
         await self.binding.stop()
@@ -622,27 +626,49 @@ class RegistryService:
             log.info("worker %s removed as LOST after %ss without a heartbeat", worker_id, self.ttl_s)
 
     async def reconcile(self) -> None:
-        """At start: every registered worker has a heartbeat clock running, or is swept.
+        """At start, and every `reconcile_interval_s`: every registered worker has a heartbeat clock
+        running, or is swept.
 
-        A worker registered while no replica could record its heartbeat, or whose
-        expiry marker aged out while every replica was down, would otherwise never
-        be found lost. The registered workers are the roster's (folded up to the
-        start); cost: one read of the bucket per registered worker, once per start.
+        A worker registered while no replica could record its heartbeat, whose clock's put was lost,
+        or whose expiry marker aged out unhandled (every replica down, or its removal failing for
+        the marker's whole life: found by an audit) would otherwise never be found lost. The
+        registered workers are the roster's; cost: one read of the bucket per registered worker,
+        per round. A worker that cannot be reconciled now is logged; the next round tries again.
         """
         pending = self.roster.registered()
 
+        async def one(worker_id: str) -> None:
+            state, seq = await self.liveness.entry(worker_id)
+            if state == "absent":
+                await self.liveness.start_clock(worker_id, seq)
+            elif state == "expired":
+                await self._expired(worker_id)
+
         async def lane() -> None:
             for worker_id in pending:
-                state, seq = await self.liveness.entry(worker_id)
-                if state == "absent":
-                    await self.liveness.start_clock(worker_id, seq)
-                elif state == "expired":
-                    try:
-                        await self._expired(worker_id)
-                    except UnreadableHistory:  # logged where it was read; the others are reconciled all the same
-                        log.warning("worker %s is not reconciled: its history holds an event this registry cannot "
-                                    "read; its expiry stays with the sweep", worker_id)
+                try:
+                    await one(worker_id)
+                except UnreadableHistory:  # logged where it was read; the others are reconciled all the same
+                    log.warning("worker %s is not reconciled: its history holds an event this registry cannot "
+                                "read; the next round tries again", worker_id)
+                except Exception as error:
+                    log.warning("worker %s is not reconciled (%s: %s); the next round tries again", worker_id,
+                                type(error).__name__, error)
 
         async with asyncio.TaskGroup() as lanes:
             for _ in range(RECONCILE_LANES):
                 lanes.create_task(lane())
+
+    async def _reconcile_now_and_then(self) -> None:
+        """`reconcile` every `reconcile_interval_s` while this replica runs, the sweep's shared consumer
+        made again first if it is gone (markers written meanwhile were delivered to nobody; the round
+        finds them)."""
+        while True:
+            await asyncio.sleep(self.reconcile_interval_s)  # a period, not a wait for a condition
+            try:
+                if await self.liveness.sweeper.ensure_consumer():
+                    log.warning("the heartbeat sweep's consumer %s was gone; made again", SWEEPER)
+                await self.reconcile()
+            except Exception as error:  # the bucket or the stream unavailable: the next round
+                log.warning("reconciling heartbeats failed (%s: %s); again in %gs", type(error).__name__, error,
+                            self.reconcile_interval_s)
