@@ -296,3 +296,47 @@ async def test_a_clock_whose_put_failed_at_start_is_started_again(nats_url, nc, 
         assert any(r.getMessage().startswith("worker w-1 is not reconciled (TimeoutError") for r in caplog.records)
         _, removed = await wait_event(nc, prefix, "w-1", WorkerRemoved, after=reply["seq"], timeout=30)
         assert removed.reason == "LOST"
+
+
+async def test_a_sweep_consumer_that_cannot_be_asked_about_does_not_stop_the_round(nats_url, nc, prefix, monkeypatch):
+    """The sweep's consumer unanswered (its group without a leader on a cluster: it exists, so it is not
+    made again, and it delivers nothing): the round that finds its markers runs all the same (a review
+    found the failed look skipped every round)."""
+    async with running_registry(nats_url, prefix, ttl_s=1, reconcile_interval_s=1.0) as registry:
+        stream = f"KV_{bucket_name(prefix, 'heartbeats')}"
+        await nc.jetstream().delete_consumer(stream, liveness_module.SWEEPER)  # delivers nothing now
+
+        async def unanswered():
+            raise nats.errors.TimeoutError  # as consumer_info in an election of the consumer's group
+
+        monkeypatch.setattr(registry.liveness.sweeper, "ensure_consumer", unanswered)
+        reply, _ = await raw_request(nc, prefix, "register", "w-1", registration("w-1"))
+        _, removed = await wait_event(nc, prefix, "w-1", WorkerRemoved, after=reply["seq"], timeout=30)
+        assert removed.reason == "LOST"
+
+
+async def test_a_round_the_bucket_does_not_answer_ends_early_and_says_so_once(nats_url, nc, prefix, caplog):
+    """The heartbeat bucket not answering a round's reads: the round ends after RECONCILE_GIVE_UP failures
+    in a row, with one line for the round, not a read of seconds and a line per registered worker (a review:
+    10,000 workers held a start for minutes and logged 10,000 lines)."""
+    from services.registry import service as service_module
+
+    caplog.set_level(logging.WARNING, logger="warmboot.registry")
+    async with running_registry(nats_url, prefix, ttl_s=300) as registry:
+        for i in range(service_module.RECONCILE_GIVE_UP * 2):
+            reply, _ = await raw_request(nc, prefix, "register", f"w-{i}", registration(f"w-{i}"))
+            assert reply["outcome"] == "REGISTERED"
+        reads = []
+
+        async def unanswered(worker_id):
+            reads.append(worker_id)
+            raise nats.errors.TimeoutError
+
+        registry.liveness.entry = unanswered
+        caplog.clear()
+        await registry.reconcile()
+    assert service_module.RECONCILE_GIVE_UP <= len(reads) < service_module.RECONCILE_GIVE_UP * 2
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("is not reconciled (TimeoutError" in line for line in lines) == 1, lines
+    assert any(line.startswith("reconciling heartbeats stopped early") for line in lines), lines
+    assert any(f"{len(reads)} registered workers were not reconciled this round" in line for line in lines), lines

@@ -43,6 +43,7 @@ from functools import partial, wraps
 from typing import TypeVar
 
 import msgspec
+import nats.errors
 from nats.aio.client import Client as NATS
 from nats.js.errors import NotFoundError
 from prometheus_client import Counter, Histogram
@@ -83,7 +84,8 @@ R = TypeVar("R")
 SERVICE = "registry"
 DEFAULT_TTL_S = 15.0
 FOLD_START_S = 120.0  # time to fold every worker event at start
-RECONCILE_LANES = 32  # heartbeat records read at once when reconciling at start
+RECONCILE_LANES = 32  # heartbeat records read at once when reconciling (`RegistryService.reconcile`)
+RECONCILE_GIVE_UP = 64  # failures in a row that end a round early: the heartbeat bucket does not answer
 # Requests about one worker a replica works on at once, per endpoint (in progress, or waiting for the
 # worker's lock or a heartbeat's put): an agent sends its registrations one after the other and its
 # heartbeats two at most at once. Past it, RESOURCE_EXHAUSTED at once (`_one_of_few`).
@@ -636,6 +638,8 @@ class RegistryService:
         per round. A worker that cannot be reconciled now is logged; the next round tries again.
         """
         pending = self.roster.registered()
+        failed: list[str] = []  # the workers not reconciled this round
+        failing = 0  # failures in a row, not counting unreadable histories: the bucket may not answer
 
         async def one(worker_id: str) -> None:
             state, seq = await self.liveness.entry(worker_id)
@@ -645,19 +649,34 @@ class RegistryService:
                 await self._expired(worker_id)
 
         async def lane() -> None:
+            nonlocal failing
             for worker_id in pending:
                 try:
                     await one(worker_id)
+                    failing = 0
                 except UnreadableHistory:  # logged where it was read; the others are reconciled all the same
-                    log.warning("worker %s is not reconciled: its history holds an event this registry cannot "
-                                "read; the next round tries again", worker_id)
+                    failed.append(worker_id)
                 except Exception as error:
-                    log.warning("worker %s is not reconciled (%s: %s); the next round tries again", worker_id,
-                                type(error).__name__, error)
+                    failed.append(worker_id)
+                    failing += 1
+                    if failing == 1:  # the first of a run; then one line for the round, not one per worker
+                        log.warning("worker %s is not reconciled (%s: %s); the next round tries again", worker_id,
+                                    type(error).__name__, error, exc_info=not isinstance(error, (
+                                        ContractError, nats.errors.Error, OSError, asyncio.TimeoutError)))
+                    if failing >= RECONCILE_GIVE_UP:  # the bucket does not answer: not a wait of 5 s per worker
+                        raise unavailable(f"{failing} workers in a row could not be reconciled, the last for "
+                                          f"{type(error).__name__}: {error}") from None
 
-        async with asyncio.TaskGroup() as lanes:
-            for _ in range(RECONCILE_LANES):
-                lanes.create_task(lane())
+        try:
+            async with asyncio.TaskGroup() as lanes:
+                for _ in range(RECONCILE_LANES):
+                    lanes.create_task(lane())
+        except* ContractError as stopped:
+            log.warning("reconciling heartbeats stopped early (%s); the next round tries again",
+                        stopped.exceptions[0].message)
+        if failed:
+            log.warning("%d registered workers were not reconciled this round (%s%s); the next round tries again",
+                        len(failed), ", ".join(failed[:5]), ", ..." if len(failed) > 5 else "")
 
     async def _reconcile_now_and_then(self) -> None:
         """`reconcile` every `reconcile_interval_s` while this replica runs, the sweep's shared consumer
@@ -668,7 +687,10 @@ class RegistryService:
             try:
                 if await self.liveness.sweeper.ensure_consumer():
                     log.warning("the heartbeat sweep's consumer %s was gone; made again", SWEEPER)
+            except Exception as error:  # unanswered (its group without a leader): the round finds its markers
+                log.warning("the heartbeat sweep's consumer %s could not be looked at (%s: %s); reconciling all "
+                            "the same", SWEEPER, type(error).__name__, error)
+            try:
                 await self.reconcile()
-            except Exception as error:  # the bucket or the stream unavailable: the next round
-                log.warning("reconciling heartbeats failed (%s: %s); again in %gs", type(error).__name__, error,
-                            self.reconcile_interval_s)
+            except Exception:  # a bug: logged, and the next round
+                log.exception("reconciling heartbeats failed; again in %gs", self.reconcile_interval_s)
