@@ -16,8 +16,9 @@ there; `warmboot schema` prints it. What it adds to msgspec's own schema:
 - The rules of `events.validate` that JSON Schema can say (`RULES` below): a schema
   version's required attribute keys (`if`/`then` with `contains`); no two identical
   entries in a list that must be unique; at most one entry for each attribute key the
-  contract names; a golden snapshot is EXTERNAL with a uri, and not given together
-  with a source tag. What it cannot say is in `CANNOT_SAY` (and the document's
+  contract names; a golden snapshot is EXTERNAL, on no node, with a uri that is not
+  blank, and not given together with a source tag; a suspend's uri, if given, is not
+  blank. What it cannot say is in `CANNOT_SAY` (and the document's
   `description`): the service checks those after decoding.
 - Nothing non-standard (msgspec's OpenAPI `discriminator` is dropped: the event
   union tells its members apart by the `type` constant each one requires), so a

@@ -171,7 +171,7 @@ def more_answers(p: Projection) -> dict:
                 out[(len(drop), tuple(drain), tuple(map(str, drop)))] = whatif(
                     p, WhatIf(sandbox_class=CLASS, drop_runtimes=tuple(drop), drain_workers=tuple(drain)))
             except ContractError as e:
-                out[(len(drop), tuple(drain))] = (e.code, e.message)
+                out[(len(drop), tuple(drain), tuple(map(str, drop)))] = (e.code, e.message)
     for w in WORKERS:
         out[("life", w)] = (p.life_ended(w, 5), p.life_unread(w), p.life_unread(w, 5))
     for a in ACTORS:

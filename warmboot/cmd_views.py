@@ -458,7 +458,7 @@ def render_whatif(query: WhatIf, answer: WhatIfAnswer, runtimes: Runtimes, width
         notes.append(table.footnote(width))
     if newly > len(answer.newly_stranded):
         notes.append(f"({newly} snapshots newly stranded, {len(answer.newly_stranded)} actors listed; "
-                     f"--limit N lists more)")
+                     f"--limit 0 lists all, up to {WHATIF_LIMIT_MAX:,})")
     text = "\n\n".join(parts)
     notes = [n for n in notes if n]
     return text + ("\n" + "\n".join(dict.fromkeys(notes)) if notes else "")
