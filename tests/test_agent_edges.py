@@ -180,7 +180,8 @@ def test_a_literal_runtime_naming_no_cpu_key_is_refused_unless_masked(tmp_path):
     assert str(error.value).startswith("sandbox_classes[0].default_runtime.attributes: names none of the CPU's keys "
                                        "(cpu_features, cpu_model, cpu_vendor)"), error.value
     assert "profile" in str(error.value) and "cpu_masked = true" in str(error.value)
-    restorable = 'name = "old"\nschema_version = "v1"\nattributes = { architecture = "amd64", gvisor_asset_hash = "v0" }'
+    restorable = ('name = "old"\nschema_version = "v1"\n'
+                  'attributes = { architecture = "amd64", gvisor_asset_hash = "v0" }')
     path.write_text(agent_config("v1") + f"\n[[sandbox_classes.restorable_runtimes]]\n{restorable}")
     with pytest.raises(ConfigError) as error:
         load_registration(path, "w-a", "node-a", PROBE)

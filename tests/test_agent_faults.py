@@ -33,7 +33,8 @@ from tests.registry_helpers import (AMD, CPUINFO, PROBE, a_machine, agent_config
                                     wait_event, without_cpu_features, worker_events)
 from tests.test_agent import agent_running, running_agent
 from warmboot.cli import main
-from warmboot.agent import (AGAIN, RESTAMP, RESTAMP_AGAIN_S, RETRY_MAX_S, RETRY_MIN_S, UNREADABLE_GRACE_S, Agent, ConfigError, ProbeSettings, build_registration,
+from warmboot.agent import (AGAIN, RESTAMP, RESTAMP_AGAIN_S, RETRY_MAX_S, RETRY_MIN_S, UNREADABLE_GRACE_S, Agent,
+                            ConfigError, ProbeSettings, build_registration,
                             load_registration, next_delay, parse_config)
 
 

@@ -117,8 +117,8 @@ def gen(rng: random.Random, n: int) -> list[tuple[str, dict, bytes]]:
         elif r < 0.40:
             put(created(a, mem=rng.choice([256, 1024, 3000]), min_fidelity=rng.choice(list(Fidelity)),
                         selectors=rng.choice([{}, {"zone": "a"}]),
-                        snapshot=rng.choice([None, snapshot(a, rng.choice(VERSIONS), snapshot_id=f"g{rng.randint(0, 3)}",
-                                                            borrowed=True)])))
+                        snapshot=rng.choice([None, snapshot(a, rng.choice(VERSIONS), borrowed=True,
+                                                            snapshot_id=f"g{rng.randint(0, 3)}")])))
         elif r < 0.55:
             v = rng.choice(VERSIONS)
             mem = rng.choice([256, 1024])
@@ -134,7 +134,8 @@ def gen(rng: random.Random, n: int) -> list[tuple[str, dict, bytes]]:
             origin = rng.choice([SnapshotOrigin.PAUSE, SnapshotOrigin.SUSPEND, SnapshotOrigin.PROMOTE,
                                  SnapshotOrigin.TAG])
             local = origin is SnapshotOrigin.PAUSE or rng.random() < 0.2
-            put(taken(snapshot(a, rng.choice(VERSIONS + [None]), snapshot_id=rng.choice([f"{a}-v{rng.randint(1, 3)}", "x"]),
+            snapshot_id = rng.choice([f"{a}-v{rng.randint(1, 3)}", "x"])
+            put(taken(snapshot(a, rng.choice(VERSIONS + [None]), snapshot_id=snapshot_id,
                                fidelity=rng.choice(list(Fidelity)),
                                location=Location.LOCAL if local else Location.EXTERNAL,
                                node=rng.choice([node, None]) if local else None,

@@ -512,7 +512,8 @@ class Agent:
         self.probe_interval_s = probe_interval_s
         self.unreadable_grace_s = unreadable_grace_s
         self._probe_read: tuple[float, MachineRead, tuple] | None = None  # (when, the read, its reading)
-        self._restamp_asked: tuple[float, tuple] | None = None  # the read the last RESTAMP was asked on: when, its reading
+        # the read the last RESTAMP was asked on: when, and its reading
+        self._restamp_asked: tuple[float, tuple] | None = None
         self._unreadable_at: float | None = None  # the first of the reads the probe fails, in a row (`_unreadable`)
         self._stale_since: float | None = None  # monotonic time `_why_stale` first gave its present reason
         self.inbox_prefix = inbox_prefix or f"_INBOX.{worker_id}"
@@ -1246,7 +1247,8 @@ class Agent:
             self._restamp_asked = None  # and the next change is a new one
             return
         asked = self._restamp_asked
-        if asked is not None and (asked[0] == read_at or (asked[1] == reading and read_at - asked[0] < RESTAMP_AGAIN_S)):
+        same_read = asked is not None and asked[0] == read_at
+        if same_read or (asked is not None and asked[1] == reading and read_at - asked[0] < RESTAMP_AGAIN_S):
             return
         if self._edit_waiting or self._restamp_waiting or self._one_registration.locked():
             return

@@ -172,9 +172,9 @@ def whatif(projection: Projection, query: WhatIf) -> WhatIfAnswer:
                 continue
             key = (actor.image_node or "", kind.stamp.compat) if kind.local else kind.stamp.compat
             if key in wanted:
-                newly_stranded.append(StrandedActor(
-                    actor_id=actor.actor_id, stamp=kind.stamp.runtime, location=Location.LOCAL if kind.local else Location.EXTERNAL,
-                    node=(actor.image_node or None) if kind.local else None))
+                where = (Location.LOCAL, actor.image_node or None) if kind.local else (Location.EXTERNAL, None)
+                newly_stranded.append(StrandedActor(actor_id=actor.actor_id, stamp=kind.stamp.runtime,
+                                                    location=where[0], node=where[1]))
                 if len(newly_stranded) >= query.limit:
                     break
 
