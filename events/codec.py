@@ -11,6 +11,7 @@ from functools import lru_cache
 from typing import Any, TypeVar
 
 import msgspec
+import msgspec.inspect
 
 from events.errors import ContractError, invalid
 from events.schema import PATTERN_WORDS, AnyEvent, ErrorReply, Event
@@ -61,6 +62,37 @@ def field_path(error: msgspec.ValidationError) -> tuple[str, str | None]:
     if missing:
         path = f"{path}.{missing.group('name')}" if path else missing.group("name")
     return message, path or None
+
+
+def unknown_fields(type_: Any, value: Any, path: str = "") -> list[str]:
+    """The contract paths (`a[0].b`) of `value`'s object keys that `type_` has no field for.
+
+    The decoders ignore them, as the contract asks of a reader (a newer writer may add fields);
+    a file a person wrote is checked with this too, so a misspelt key is said, not dropped.
+    `value` is the body as `msgspec.json.decode` gives it untyped; a value of the wrong kind is
+    the decoder's to refuse, so it is passed over here."""
+    return _unknown(msgspec.inspect.type_info(type_), value, path)
+
+
+def _unknown(info: Any, value: Any, path: str) -> list[str]:
+    inspect = msgspec.inspect
+    if isinstance(info, inspect.Metadata):
+        return _unknown(info.type, value, path)
+    if isinstance(info, inspect.UnionType):
+        structs = [t for t in info.types if isinstance(t, inspect.StructType)]
+        return _unknown(structs[0], value, path) if len(structs) == 1 else []
+    if isinstance(info, inspect.StructType) and isinstance(value, dict):
+        fields = {f.encode_name: f.type for f in info.fields}
+        found = []
+        for key, item in value.items():
+            where = f"{path}.{key}" if path else key
+            found += [where] if key not in fields and key != info.tag_field else _unknown(fields.get(key), item, where)
+        return found
+    if isinstance(info, (inspect.ListType, inspect.VarTupleType)) and isinstance(value, list):
+        return [p for i, item in enumerate(value) for p in _unknown(info.item_type, item, f"{path}[{i}]")]
+    if isinstance(info, inspect.DictType) and isinstance(value, dict):
+        return [p for key, item in value.items() for p in _unknown(info.value_type, item, f"{path}.{key}")]
+    return []
 
 
 def decode_request(type_: type[T], data: bytes, *, path_prefix: str = "") -> T:

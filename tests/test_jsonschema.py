@@ -319,6 +319,42 @@ def test_check_takes_an_object_inside_bodies_such_as_a_golden_snapshot_file(tmp_
     assert "the JSON Schema and the decoder disagree on this body" in unprintable.output
 
 
+def test_check_names_the_keys_a_reader_would_drop(tmp_path):
+    """A key the type has no field for is not an error (a newer writer may add fields) but is
+    lost: `--check` names it, at any depth, and the verdicts stay what the judges say."""
+    snapshot = s.Snapshot(snapshot_id="g-1", actor_id="a-0", template_uid="t-1", fidelity=s.Fidelity.MEMORY,
+                          location=s.Location.EXTERNAL, uri="s3://golden/g-1",
+                          taken_at=datetime(2026, 12, 3, tzinfo=timezone.utc))
+    body = msgspec.json.decode(encode(snapshot))
+    body["sandbox_runtme"] = {"sandbox_class": "gvisor"}
+    golden = tmp_path / "golden.json"
+    golden.write_bytes(msgspec.json.encode(body))
+    result = CliRunner().invoke(main, ["schema", "--check", str(golden), "--as", "Snapshot"])
+    assert result.exit_code == 0 and result.output.count(": valid Snapshot") == 2, result.output
+    assert "note: Snapshot has no field for these keys, which a reader ignores:\n  $.sandbox_runtme\n" \
+        in result.output
+    clean = tmp_path / "clean.json"
+    clean.write_bytes(encode(snapshot))
+    assert "note:" not in CliRunner().invoke(main, ["schema", "--check", str(clean), "--as", "Snapshot"]).output
+
+
+def test_unknown_fields_are_found_at_every_depth_and_only_there():
+    from events.codec import unknown_fields
+
+    body = {
+        "actor_id": "a-1", "colour": "red",  # top level
+        "resources": {"cpu_millis": 1, "gpus": 2},  # a struct inside
+        "selectors": {"zone": "a"},  # a map's keys are data, not fields
+        "golden_snapshot": {"snapshot_id": "g", "sandbox_runtime": {
+            "sandbox_class": "gvisor", "version": {"schema_version": "v1", "attributes": [
+                {"key": "k", "value": "v"}, {"key": "k", "valeu": "v"}]}}},  # inside an optional, a list
+    }
+    assert unknown_fields(s.CreateActor, body) == [
+        "colour", "resources.gpus", "golden_snapshot.sandbox_runtime.version.attributes[1].valeu"]
+    assert unknown_fields(s.CreateActor, {"resources": 3, "golden_snapshot": None}) == []  # the decoder's to refuse
+    assert unknown_fields(s.CreateActor, {}) == []
+
+
 def test_check_refuses_an_unknown_name(tmp_path):
     body = tmp_path / "b.json"
     body.write_text("{}")

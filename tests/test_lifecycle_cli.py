@@ -282,6 +282,15 @@ async def test_create_from_a_golden_snapshot_file(bus, tmp_path):
     assert "at $.uri: text must be printable" in unprintable.output
     shown = await run("actor", "show", "g-3")
     assert shown.exit_code == 1 and "NOT_FOUND" in shown.stderr  # nothing was created
+    # a misspelt key would be dropped by the service (a reader ignores what it does not know): said, not sent
+    misspelt = to_builtins(golden(V1))
+    misspelt["sandbox_runtime"]["vesion"] = misspelt["sandbox_runtime"].pop("version")
+    path.write_text(json.dumps({**misspelt, "sandbox_runtime": None, "sandbox_runtme": misspelt["sandbox_runtime"]}))
+    dropped = await run("actor", "create", "g-5", "--class", "gvisor", "--template", "t1", "--cpu", "100",
+                        "--memory", "256", "--golden-snapshot", str(path))
+    assert dropped.exit_code == 2 and "'--golden-snapshot'" in dropped.output, dropped.output
+    assert "at $.sandbox_runtme: no such field in a Snapshot" in dropped.output
+    assert (await run("actor", "show", "g-5")).exit_code == 1  # nothing was created
     # memory and no stamp: taken (the contract allows it), and said, since its memory is never restored
     assert "no sandbox_runtime" not in created.stderr
     path.write_text(json.dumps({**to_builtins(golden(V1)), "sandbox_runtime": None, "snapshot_id": "golden-4"}))

@@ -25,7 +25,7 @@ import click
 import msgspec
 import nats.errors
 
-from events.codec import decode_request, json_path, to_builtins
+from events.codec import decode_request, json_path, to_builtins, unknown_fields
 from events.errors import ContractError, not_found
 from events.runtime_id import Runtimes, short_id
 from events.schema import ActorRuntime, CompatVersion, CreateActor, Fidelity, Resources, Snapshot
@@ -132,11 +132,17 @@ def create_cmd(actor_id: str, sandbox_class: str, template_uid: str, cpu_millis:
     """Create ACTOR_ID (snapshotter.create)."""
     golden_snapshot = None
     if golden is not None:
+        data = golden.read_bytes()
         try:  # decoded and checked as the service will: a bad file names its field
-            golden_snapshot = decode_request(Snapshot, golden.read_bytes())
+            golden_snapshot = decode_request(Snapshot, data)
         except ContractError as e:
             raise click.BadParameter(f"{golden} at {json_path(e.field)}: {e.message}",
                                      param_hint="'--golden-snapshot'") from None
+        ignored = unknown_fields(Snapshot, msgspec.json.decode(data))  # a person's file: a misspelt key is said
+        if ignored:
+            raise click.BadParameter(f"{golden} at {', '.join(map(json_path, ignored))}: no such field in a Snapshot "
+                                     "(the service would drop it; `warmboot schema` lists the fields)",
+                                     param_hint="'--golden-snapshot'")
     body = CreateActor(actor_id=actor_id, sandbox_class=sandbox_class, template_uid=template_uid,
                        resources=Resources(cpu_millis=cpu_millis, memory_mib=memory_mib),
                        selectors=selectors_of(selectors), min_fidelity=Fidelity(min_fidelity),

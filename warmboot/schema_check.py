@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import click
 import msgspec
 
-from events.codec import decode_event, decode_request, decoder, field_path, json_path
+from events.codec import decode_event, decode_request, decoder, field_path, json_path, unknown_fields
 from events.errors import ContractError
 from events.jsonschema import SchemaUnavailable, body_names, narrow, part_types, schema_errors
 from events.schema import EVENT_TYPES, REPLY_TYPES, REQUEST_TYPES
@@ -35,6 +35,7 @@ class Report:
     name: str
     schema: Verdict
     decoder: Verdict
+    ignored: list[str] = field(default_factory=list)  # contract paths of keys the type has no field for
 
     @property
     def valid(self) -> bool:
@@ -50,6 +51,9 @@ class Report:
             lines.extend(f"  {path}: {message}" for path, message in verdict.errors)
         if not self.decoder.note and self.schema.valid != self.decoder.valid:
             lines.append("the JSON Schema and the decoder disagree on this body")
+        if self.ignored:  # not an error (a newer writer may add fields), but a misspelt key is lost
+            lines.append(f"note: {self.name} has no field for these keys, which a reader ignores:")
+            lines.extend(f"  {json_path(path)}" for path in self.ignored)
         return "\n".join(lines)
 
 
@@ -97,7 +101,10 @@ def check_body(name: str, data: bytes) -> Report:
     if names[name] == "request" and not data.strip():
         data = b"{}"  # as the services read an empty request
     try:
-        member = narrow(name, msgspec.json.decode(data))  # a union's member, told by the body
+        body = msgspec.json.decode(data)
     except msgspec.DecodeError:
-        member = name
-    return Report(member, schema_verdict(name, data), decoder_verdict(member, data))
+        member, ignored = name, []
+    else:
+        member = narrow(name, body)  # a union's member, told by the body
+        ignored = unknown_fields(TYPES[member], body) if member in TYPES else []
+    return Report(member, schema_verdict(name, data), decoder_verdict(member, data), ignored)
