@@ -15,12 +15,13 @@ from contextlib import AsyncExitStack, suppress
 import pytest
 
 from events.errors import ContractError
-from events.schema import (ActorPlaced, ActorReleased, ErrorCode, FallbackReason, PlacedFidelity, ReleaseReason,
-                           ResumeActor, RuntimeChanged, WorkerFenced, WorkerRegistered)
+from events.schema import (ActorPlaced, ActorReleased, ErrorCode, FallbackReason, Fidelity, PlacedFidelity,
+                           ReleaseReason, ResumeActor, RuntimeChanged, WorkerFenced, WorkerRegistered)
 from services.registry.domain import canonical_classes
 from services.scheduler.records import RECENT_PLACEMENTS
 from services.scheduler.service import SchedulerService
-from tests.factories import AT, NewerWorkerEvent, actor, last_seq, read_log, runtime, version, wait_for, worker
+from tests.factories import (AT, NewerWorkerEvent, actor, golden, last_seq, read_log, runtime, version, wait_for,
+                             worker)
 from tests.factories import booked as booked_event, placed as placed_event
 from warmboot.client import Client
 from warmboot.runner import connect
@@ -674,3 +675,53 @@ async def test_a_refusal_after_an_unread_message_of_the_worker_s_last_life_is_fo
         WorkerFenced(at=AT, worker_id="w", event="RuntimeChanged"))
     error = await refused(wb, changed)
     assert "no longer runs the runtime the placement pins" in error.message
+
+
+async def test_a_last_life_placement_folded_while_the_resume_waits_does_not_answer_the_next_life(
+        stalled, nc, prefix):
+    """Request ids are scoped to one life. A resume R of the actor's new life reaches a replica whose
+    fold has not even folded the last life's placement of R yet (the caller sent no min_seq). Its job
+    waits for the committer (an append in flight, a stall); meanwhile the fold meets the last life's
+    placement of R (the committer's `placed` listener notes it for the waiting job), the stop and the
+    new creation. The job is decided in the new life: it was answered with the last life's
+    placement (`Committer._answered_by_log` did not check the life, as `_cached` does with
+    `life_started`, and `_current` passes, since the fold has caught up by then; an audit, 2026-12-04)."""
+    wb = Client(nc, prefix)
+    await wb.register(worker("w", V1, cpu=64000, mem=65536))
+    await wb.create(actor("a"))
+    await stalled.fold.wait(await last_seq(nc, prefix), 10)
+    async with stalled.committer.commits_held():  # its committer is busy (an append in flight, a stall)
+        async with stalled.fold.paused():  # and its fold lags
+            old = await wb.resume("a", request_id="R")  # the last life's placement of R, by the other replica
+            await wb.stop("a")
+            created = await wb.create(actor("a"))  # the next life
+            answer = asyncio.create_task(stalled.resume("a", ResumeActor(request_id="R")))
+            await asyncio.wait_for(stalled.committer.until_queued(1), 10)
+        await stalled.fold.wait(await last_seq(nc, prefix), 10)  # it catches up while the job waits
+    placed = await asyncio.wait_for(answer, 20)
+    assert placed != old, "the next life's resume R was answered with the last life's placement of R"
+    assert placed.seq > created.seq
+    assert len(await placements(nc, prefix, "R")) == 2  # one per life
+
+
+async def test_a_last_life_cold_boot_does_not_answer_a_next_life_whose_floor_is_memory(stalled, nc, prefix):
+    """The same race with a different body: the last life cold-booted under R (min_fidelity ROOTFS);
+    the next life is created from a golden MEMORY image with min_fidelity MEMORY. Its resume R, at a
+    replica that folds the last life's placement while the job waits, restores the golden image; it
+    was answered RUN/NONE, a placement below the floor of the life it answers (rule 4a)."""
+    wb = Client(nc, prefix)
+    await wb.register(worker("w", V1, cpu=64000, mem=65536))
+    await wb.create(actor("a"))
+    await stalled.fold.wait(await last_seq(nc, prefix), 10)
+    async with stalled.committer.commits_held():
+        async with stalled.fold.paused():
+            old = await wb.resume("a", request_id="R")
+            assert old.fidelity is PlacedFidelity.NONE
+            await wb.stop("a")
+            await wb.create(actor("a", min_fidelity=Fidelity.MEMORY, golden_snapshot=golden(V1)))
+            answer = asyncio.create_task(stalled.resume("a", ResumeActor(request_id="R")))
+            await asyncio.wait_for(stalled.committer.until_queued(1), 10)
+        await stalled.fold.wait(await last_seq(nc, prefix), 10)
+    placed = await asyncio.wait_for(answer, 20)
+    assert placed.fidelity is PlacedFidelity.MEMORY, f"answered {placed.action.value}/{placed.fidelity.value} " \
+        "(the last life's placement) for a life whose min_fidelity is MEMORY"

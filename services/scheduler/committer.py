@@ -348,7 +348,10 @@ class Committer:
         the reply cache would know it then); else 0."""
         if job.request is None:
             return 0
-        found = self._answered.get(job.key, 0) or (actor.placed_by(job.request) if actor is not None else 0)
+        found = self._answered.get(job.key, 0)
+        if found and found <= self.projection.life_started(job.actor_id):
+            found = 0  # of a life before the actor's current one: request ids are scoped to one life
+        found = found or (actor.placed_by(job.request) if actor is not None else 0)
         if found:
             # not one from before a message of the actor's history this fold cannot read (it may have
             # begun the next life): then the decision refuses the actor (`decide.resolve`)
