@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import AsyncExitStack, suppress
+from typing import Any
 
 import pytest
 
@@ -725,3 +726,60 @@ async def test_a_last_life_cold_boot_does_not_answer_a_next_life_whose_floor_is_
     placed = await asyncio.wait_for(answer, 20)
     assert placed.fidelity is PlacedFidelity.MEMORY, f"answered {placed.action.value}/{placed.fidelity.value} " \
         "(the last life's placement) for a life whose min_fidelity is MEMORY"
+
+
+def covering(request_id: str) -> list[str]:
+    """Request ids, none of them `request_id`, that set its three bits of the actor's filter of
+    pushed-out ids between them: pushed out, they make the filter say it may have been too."""
+    from services.scheduler.records import _pushed_out_bits, request_hash
+
+    wanted = _pushed_out_bits(request_hash(request_id))
+    found, i = [], 0
+    while wanted:
+        candidate = f"cover-{i}"
+        bits = _pushed_out_bits(request_hash(candidate))
+        if bits & wanted:
+            found.append(candidate)
+            wanted &= ~bits
+        i += 1
+    return found
+
+
+async def test_a_reply_cache_entry_of_a_stream_made_again_does_not_answer_its_new_log(nats_url, nc, prefix):
+    """The reply cache outlives a stream deleted and made again, whose sequences start over. A
+    resume R pushed out of an actor's recent placements in the old log left R's sequence there;
+    in the new log R is new, but the filter may say it was pushed out (here: ids that cover its
+    bits, pushed out). It is placed anew: it was answered from whatever the new log holds at the
+    old sequence (an audit, 2026-12-04)."""
+    from events.subjects import stream_name
+    from warmboot.runner import SERVICES, start_services
+
+    from tests.factories import SILENT_TTL_S
+
+    async def cycle(wb: Client, request_id: str, n: int) -> Any:
+        placed = await wb.resume("a", request_id=request_id)
+        await wb.suspend("a", uri=f"s3://a/{n}")
+        return placed
+
+    options = {"registry": {"ttl_s": SILENT_TTL_S}}
+    wb = Client(nc, prefix)
+    async with AsyncExitStack() as exits:
+        await start_services(exits, list(SERVICES), nats_url, prefix, options=options)
+        await wb.register(worker("w", V1, cpu=64000, mem=65536))
+        await wb.create(actor("a"))
+        await cycle(wb, "R", 0)
+        for i in range(RECENT_PLACEMENTS):  # R pushed out: its sequence kept in the reply cache
+            await cycle(wb, f"old-{i}", i + 1)
+    await nc.jetstream().delete_stream(stream_name(prefix))
+    async with AsyncExitStack() as exits:
+        await start_services(exits, list(SERVICES), nats_url, prefix, options=options)
+        wb = Client(nc, prefix)  # a new client: the one before waits for sequences of the old log
+        await wb.register(worker("w", V1, cpu=64000, mem=65536))
+        created = await wb.create(actor("a"))
+        cover = covering("R")
+        for n, request_id in enumerate(cover + [f"new-{i}" for i in range(RECENT_PLACEMENTS)]):
+            await cycle(wb, request_id, n)
+        placed = await wb.resume("a", request_id="R")
+        in_log = await placements(nc, prefix, "R")
+        assert [seq for seq, _ in in_log] == [placed.seq - 1], (placed, in_log)  # placed now, with its booking
+        assert placed.seq > created.seq

@@ -54,7 +54,7 @@ from events.subjects import check_prefix, event_subject, stream_name
 from services.common import (STATE_REFUSALS, EndpointSpec, ReplyCache, add_endpoints, last_seq_on, store_env, stored_at,
                              stream_replicas)
 from services.locks import KeyedLock
-from services.scheduler.checkpoint import DEFAULT_INTERVAL_S, Checkpoints
+from services.scheduler.checkpoint import DEFAULT_INTERVAL_S, Checkpoints, incarnation_of
 from services.scheduler.committer import MAX_GROUP, RECHECK, Answered, Committer, Job
 from services.scheduler.decide import check_retry
 from services.scheduler.explain import explain
@@ -354,9 +354,12 @@ class SchedulerService:
 
     # --- answers from the log ---
 
-    @staticmethod
-    def _cache_key(actor_id: str, request: int) -> str:
-        return f"resume.{actor_id}.{request:016x}"
+    def _cache_key(self, actor_id: str, request: int) -> str:
+        """The reply cache's key of a request of the actor, in this incarnation of the stream: the
+        bucket outlives a stream deleted and made again, whose sequences start over, so an entry
+        of the last one would name another event (an audit, 2026-12-04)."""
+        incarnation = incarnation_of(self.projection.stream_created or "")
+        return f"resume.{incarnation}.{actor_id}.{request:016x}"
 
     async def _evicted(self, actor_id: str, request: int, seq: int) -> None:
         """An older placement of the actor is about to leave its recent ones: keep where it is in
