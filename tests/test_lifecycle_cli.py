@@ -145,8 +145,12 @@ async def test_errors_name_code_and_field_exit_1_and_write_nothing(bus, nc, pref
     before = await last_seq(nc, prefix)
     cases = [
         (("actor", "create", "a-9", "--class", "gvisor", "--template", "t1", "--cpu", "0", "--memory", "256"),
-         "error: INVALID_ARGUMENT resources.cpu_millis: "),
-        (("actor", "pause", "nobody"), "error: NOT_FOUND actor_id: "),
+         "error: INVALID_ARGUMENT resources.cpu_millis (--cpu): "),  # the wire's field, and the option that gave it
+        (("actor", "create", "a-9", "--class", "gvisor", "--template", "t1", "--cpu", "10", "--memory", "256",
+          "--selector", "bad key=v"), "error: INVALID_ARGUMENT selectors (--selector): "),
+        (("actor", "create", "a-9", "--class", "Gvisor", "--template", "t1", "--cpu", "10", "--memory", "256"),
+         "error: INVALID_ARGUMENT sandbox_class (--class): "),
+        (("actor", "pause", "nobody"), "error: NOT_FOUND actor_id: "),  # an argument: the field alone
         (("actor", "resume", "nobody"), "error: NOT_FOUND actor_id: actor nobody not found"),
         (("worker", "drain", "nobody"), "error: NOT_FOUND worker_id: worker 'nobody' is not registered"),
         (("actor", "pause", "a.b"), "error: INVALID_ARGUMENT actor_id: 'a.b' is not an id"),
@@ -361,3 +365,4 @@ async def test_create_of_a_class_no_worker_runs_warns_and_creates(bus, nc, prefi
     known = await run("actor", "create", "a-ok", "--class", "gvisor", "--template", "t1", "--cpu", "100",
                       "--memory", "64")
     assert known.exit_code == 0 and not known.stderr, known.output
+

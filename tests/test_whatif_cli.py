@@ -137,7 +137,7 @@ async def test_unknown_runtimes_and_workers_are_errors_naming_the_option(fleet_o
     typo = await run("--class", "gvisor", "--drain", "w-gv-9999")
     assert typo.exit_code == 2 and "'--drain'" in typo.output and "w-gv-9999" in typo.output
     no_class = await run("--class", "nope")
-    assert no_class.exit_code == 1 and no_class.stderr.startswith("error: NOT_FOUND sandbox_class: ")
+    assert no_class.exit_code == 1 and no_class.stderr.startswith("error: NOT_FOUND sandbox_class (--class): ")
     assert await last_seq(nc, prefix) == before
 
 

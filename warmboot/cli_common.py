@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import sys
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -85,11 +86,28 @@ prefix_option = click.option("--prefix", default=DEFAULT_PREFIX, show_default=Tr
                              show_envvar=True, callback=check_prefix_option, help="Subject prefix of the deployment.")
 
 
+def flag_of(field: str | None) -> str | None:
+    """The running command's option that gave a request's `field` (`resources.cpu_millis`:
+    `--cpu`), by the option's parameter name against the field's last name, then its first."""
+    context = click.get_current_context(silent=True)
+    if not field or context is None:
+        return None
+    names = [re.sub(r"\[.*?\]", "", part) for part in field.split(".")]
+    options = {p.name: p for p in context.command.params if isinstance(p, click.Option) and p.opts}
+    for name in (names[-1], names[0]):
+        if name in options:
+            return max(options[name].opts, key=len)  # --min-fidelity, not -m
+    return None
+
+
 class Failed(click.ClickException):
     """A contract error as every command prints it: `error: CODE field: message` on stderr, exit 1."""
 
     def __init__(self, error: ContractError):
         where = f" {error.field}" if error.field else ""
+        flag = flag_of(error.field)
+        if flag:  # the wire's name, and what the user typed
+            where += f" ({flag})"
         super().__init__(f"{error.code.value}{where}: {error.message}")
         self.error = error
 
