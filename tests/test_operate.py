@@ -194,7 +194,13 @@ async def test_actor_timeline_shows_stamps_pins_and_fallbacks(demo, nats_url):
     assert kinds[0] == "ActorCreated"
     assert "ActorPlaced" in kinds and "SnapshotTaken PAUSE" in kinds
     placed = [r for r in rows if r["event"] == "ActorPlaced"]
-    assert all(r["runtime"].startswith("pin ") and r["worker"] for r in placed)
+    assert all(r["runtime_role"] == "pin" and r["worker"] for r in placed)
+    # as the wire has them: the runtime a Struct's fields, the time RFC 3339 in UTC
+    assert {"sandbox_class", "version", "name"} <= set(placed[0]["runtime"])
+    assert placed[0]["runtime"]["version"]["schema_version"].startswith("v")
+    assert all(r["at"].endswith("Z") for r in rows)
+    paused = [r for r in rows if r["event"] == "SnapshotTaken PAUSE"]
+    assert all(r["runtime_role"] == "stamp" and r["runtime"]["sandbox_class"] for r in paused)
     assert any(r["fallback"] == "NO_COMPATIBLE_WORKER" for r in placed)
     assert [r["seq"] for r in rows] == sorted(r["seq"] for r in rows)
     missing = await cli("audit", "actor", "nobody", "--nats", nats_url, "--prefix", prefix)

@@ -7,13 +7,13 @@ from datetime import datetime, timezone
 
 import click
 
+from events.codec import to_builtins
 from events.errors import not_found
 from events.runtime_id import Runtimes
 from events.schema import ActorPlaced, ActorRuntime, SnapshotTaken
 from events.subjects import event_subject
 from warmboot.audit import Sink, summary
-from warmboot.cli_common import (Failed, ask, check_id, json_option, nats_option, prefix_option, read_subject, replay,
-                                 version_text)
+from warmboot.cli_common import Failed, ask, check_id, json_option, nats_option, prefix_option, read_subject, replay
 from warmboot.render import Column, render_fields, render_table, terminal_width
 
 
@@ -142,16 +142,18 @@ TIMELINE_COLUMNS = [
 
 
 def timeline_row(seq: int, event) -> dict:
-    row = {"seq": seq, "at": event.at.isoformat(), "event": type(event).__name__, "worker": None,
-           "fidelity": None, "fallback": None, "runtime": None}
+    """One event of a timeline as `-o json` prints it: times and runtimes as the wire has them
+    (`runtime`: the pin of a placement or the stamp of a snapshot, which `runtime_role` says)."""
+    row = {"seq": seq, "at": to_builtins(event.at), "event": type(event).__name__, "worker": None,
+           "fidelity": None, "fallback": None, "runtime": None, "runtime_role": None}
     if isinstance(event, ActorPlaced):
         row.update(worker=event.worker_id, fidelity=event.fidelity.value,
-                   fallback=event.fallback.reason.value if event.fallback else None,
-                   runtime="pin " + version_text(event.sandbox_runtime.version))
+                   fallback=event.fallback.reason.value if event.fallback else None)
     elif isinstance(event, SnapshotTaken):
-        snap = event.snapshot
-        row.update(event=f"SnapshotTaken {event.origin.value}", fidelity=snap.fidelity.value,
-                   runtime="stamp " + version_text(snap.sandbox_runtime.version) if snap.sandbox_runtime else None)
+        row.update(event=f"SnapshotTaken {event.origin.value}", fidelity=event.snapshot.fidelity.value)
     elif hasattr(event, "worker_id"):
         row["worker"] = event.worker_id
+    stamped = _stamped(event)
+    if stamped is not None:
+        row.update(runtime_role=stamped[0], runtime=to_builtins(stamped[1]))
     return row
