@@ -917,3 +917,40 @@ async def test_a_removal_releases_an_actor_whose_read_comes_from_a_replica_behin
     ((_, release),) = await released_by_removal(nc, prefix, count=1)
     assert release.actor_id == "a-1" and release.worker_id == "w-1"
     assert any(left_out)  # the replica's answer did lack the placement
+
+
+async def test_a_worker_removed_with_more_actors_than_an_atomic_append_holds_releases_them_all(stack, nc, prefix):
+    """The releases of a removed worker's actors, with the position's tracking record, are more
+    messages than one atomic append holds (MAX_BATCH_MESSAGES): they go in parts, and every actor
+    is released once. They were one append, refused for good, and retried for ever: no actor of
+    that worker released, and no removal after it (an audit, 2026-12-04)."""
+    from events.jetstream import MAX_BATCH_MESSAGES
+    from tests.factories import created, placed, publish_events
+
+    actors = MAX_BATCH_MESSAGES  # with the tracking record, one message over
+    from warmboot.client import Client
+
+    wb = Client(nc, prefix)
+    await wb.register(worker("big", V1, cpu=10_000_000, mem=10_000_000))
+    await wb.register(worker("small", V1))
+    loaded = []
+    for i in range(actors):
+        loaded += [created(f"a{i}", cpu=1, mem=1), placed(f"a{i}", "big", V1, cpu=1, mem=1)]
+    loaded += [created("b", cpu=1, mem=1), placed("b", "small", V1, cpu=1, mem=1)]
+    await publish_events(nc, prefix, loaded, {})
+    await wb.remove("big", reason="decommissioned")
+    await wb.remove("small", reason="decommissioned")  # a removal after it is handled too
+    released = await released_by_removal(nc, prefix, actors + 1)
+    assert sorted(e.actor_id for _, e in released) == sorted([f"a{i}" for i in range(actors)] + ["b"])
+
+
+def test_release_parts_fit_an_atomic_append_with_the_tracking_record():
+    from services.snapshotter.service import release_parts
+
+    class Pending:
+        pending_events = [object()]
+
+    ones = [Pending() for _ in range(7)]
+    assert [len(p) for p in release_parts(ones, 3)] == [3, 3, 1]
+    assert [len(p) for p in release_parts(ones, 7)] == [7]
+    assert release_parts([], 3) == [[]]  # nothing to release: the tracking record alone

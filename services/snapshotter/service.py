@@ -47,6 +47,7 @@ from nats.aio.client import Client as NATS
 from prometheus_client import Counter, Histogram
 
 from events.aggregate import Recorded, WireAggregate, WireApplication, aggregate_id, now
+from events.jetstream import MAX_BATCH_MESSAGES
 from events.jetstream.link import links_on
 from events.errors import UnreadableHistory, invalid, not_found, precondition, unavailable
 from events.schema import (
@@ -145,6 +146,21 @@ def counted(events: list[Any]) -> list[Any]:
 # --- the worker-removal process ------------------------------------------------------------
 
 
+
+def release_parts(actors: list[Actor], room: int) -> list[list[Actor]]:
+    """`actors` (each with its release pending) in order, in parts of at most `room` pending
+    events each; one part, maybe empty, when they all fit (it carries the tracking record)."""
+    parts: list[list[Actor]] = [[]]
+    size = 0
+    for actor in actors:
+        events = len(actor.pending_events)
+        if parts[-1] and size + events > room:
+            parts.append([])
+            size = 0
+        parts[-1].append(actor)
+        size += events
+    return parts
+
 class WorkerRemovalProcess(EventSourcedProjection[str], WireApplication):
     """Releases, exactly once, every actor placed on a worker that is removed.
 
@@ -217,11 +233,11 @@ class WorkerRemovalProcess(EventSourcedProjection[str], WireApplication):
         `at` is the time of the event that caused the releases, so every replica
         deciding this step decides the same events.
         """
+        count = 0
         for _ in range(self.ATTEMPTS):
             if self.recorder.has_tracking_id(tracking.application_name, tracking.notification_id):
                 return
-            processing = ProcessingEvent[str](tracking=tracking)
-            count = 0
+            actors = []
             for release in releases:
                 try:
                     actor = self._released(release, at)
@@ -229,14 +245,23 @@ class WorkerRemovalProcess(EventSourcedProjection[str], WireApplication):
                     self.left[release.actor_id] = (release, at)
                     continue
                 if actor is not None:
-                    processing.collect_events(actor)
-                    count += 1
+                    actors.append(actor)
+            # An atomic append holds at most MAX_BATCH_MESSAGES: a worker's releases go in as many
+            # as that takes, the tracking record with the last (an audit: a worker removed with
+            # 1,000 actors was refused for good, and so was every removal after it). One that ended
+            # between them is done again only for the actors it had not released: their placements
+            # have ended (`_released` says None).
+            parts = release_parts(actors, MAX_BATCH_MESSAGES - 1)
             try:
-                self._append(processing)
+                for i, part in enumerate(parts):
+                    processing = ProcessingEvent[str](tracking=tracking if i == len(parts) - 1 else None)
+                    processing.collect_events(*part)
+                    self._append(processing)
+                    count += len(part)
+                    self.released += len(part)
             except IntegrityError:
                 self.conflicts += 1  # another writer got there first: look again
                 continue
-            self.released += count
             if count:
                 log.info("released %d actor(s) of removed worker %s at position %d",
                          count, releases[0].worker_id, tracking.notification_id)
