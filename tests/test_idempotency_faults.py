@@ -783,3 +783,41 @@ async def test_a_reply_cache_entry_of_a_stream_made_again_does_not_answer_its_ne
         in_log = await placements(nc, prefix, "R")
         assert [seq for seq, _ in in_log] == [placed.seq - 1], (placed, in_log)  # placed now, with its booking
         assert placed.seq > created.seq
+
+
+async def test_a_resume_whose_ack_was_lost_is_answered_by_its_placement_after_another_write(stack, nc, prefix):
+    """A resume without a request_id (optional in the contract): its group commit is stored, the
+    ack lost (a time-out, as in a leader election), and before the store's retry looks, the
+    registry drains the worker (a WorkerFenced on the booking subject the placement wrote). The
+    retry finds the batch where it landed and answers with it. It was refused FAILED_PRECONDITION
+    ("RUNNING", by its own placement) while its ActorPlaced and WorkerBooked were in the log: the
+    store knew the batch only as its subjects' last messages (an audit, 2026-12-04)."""
+    import json
+
+    import nats.errors
+
+    from events.codec import encode
+
+    wb = Client(nc, prefix)
+    await wb.register(worker("w", V1, cpu=64000, mem=65536))
+    await wb.create(actor("a"))
+    scheduler = next(s for s in stack.services if isinstance(s, SchedulerService))
+    stream = scheduler.store.recorder.stream
+    real_send = stream._send
+    lost = asyncio.Event()
+
+    async def send(batch, timeout):
+        seq = await real_send(batch, timeout)
+        if not lost.is_set() and any(o.subject.endswith(".ev.actor.a") for o in batch.outs):
+            lost.set()
+            await wb.drain("w", reason="maintenance")  # another writer, before the retry looks
+            raise nats.errors.TimeoutError  # the ack of a stored batch is lost
+        return seq
+
+    stream._send = send
+    reply = await nc.request(f"{prefix}.scheduler.resume.a", encode(ResumeActor()), timeout=30)
+    body = json.loads(reply.data)
+    placed = [(s, e) for s, e in await read_log(nc, prefix) if isinstance(e, ActorPlaced) and e.actor_id == "a"]
+    assert lost.is_set() and len(placed) == 1  # the placement is in the log, once
+    assert "error" not in body, f"refused although its placement was written at {placed[0][0]}: {body}"
+    assert (body["worker_id"], body["seq"]) == ("w", placed[0][0] + 1)  # its answer: the seq of its booking

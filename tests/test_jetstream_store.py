@@ -553,6 +553,38 @@ def test_a_retried_batch_is_stored_once(nats_url, prefix):
         factory.close()
 
 
+def test_a_retried_batch_is_known_as_stored_after_another_writer_wrote_past_it(nats_url, prefix):
+    """A batch stored, its reply lost, and another write on one of its subjects before the retry
+    looks: the retry still finds the batch where it landed, right after the sequences it expected,
+    not only as its subjects' last messages (an audit: a placement, then a drain's fence on its
+    booking subject, was refused although stored)."""
+    import nats.errors
+
+    factory = JetStreamFactory(Environment(env=store_env(nats_url, prefix)))
+    try:
+        recorder = factory.application_recorder()
+        stream = recorder.stream
+        real_send = stream._send
+        other = []
+
+        async def send(batch, timeout):
+            last = await real_send(batch, timeout)
+            if not other:  # stored; another writer moves one of its subjects on; the reply is lost
+                subject = batch.outs[-1].subject
+                other.append((await stream.link.nc.jetstream().publish(subject, b"another writer")).seq)
+                raise nats.errors.TimeoutError
+            return last
+
+        stream._send = send
+        body = encode(WorkerDrained(at=AT, worker_id="r-1", reason="x"))
+        stored = recorder.insert_events([StoredEvent("tally.r-1", 1, "WorkerDrained", body),
+                                         StoredEvent("ledger.r-1", 1, "WorkerDrained", body)])
+        assert other and stored == [other[0] - 2, other[0] - 1]  # the first attempt's, answered by the retry
+        assert [n.id for n in recorder.select_notifications(None, 100)] == stored + other  # stored once
+    finally:
+        factory.close()
+
+
 async def test_an_append_awaited_from_the_caller_s_loop_is_the_threaded_append(nats_url, prefix):
     """`insert_events_async` (the scheduler's group commit): the same atomic append under the
     same guards as `insert_events`, awaited from the caller's loop through `Link.submit`; a

@@ -8,7 +8,8 @@ on is a conflict (`IntegrityError`) at once when the caller gave every expectati
 otherwise it is looked at again through the stream leader: a conflict if a given
 expectation or the position is taken, a new plan and another attempt if not. A batch
 whose reply was lost may have been stored: when it is sent again and refused, it is
-recognised as ours by its message ids and contents (`Stream._landed`).
+recognised as ours by its message ids and contents where it landed, right after the
+sequences it expected, whatever was written after it since (`Stream._landed`).
 
 Reading: a direct get may be answered by a replica that is behind this process's own
 writes; `last` and `subject_from` ask again, then read through the leader (`catch_up`).
@@ -469,22 +470,33 @@ class Stream:
 
     async def _landed(self, batch: Batch) -> list[int] | None:
         """If an earlier attempt of `batch` was stored, the sequences it got; else None."""
-        first_seq = None
-        guards = list(batch.guards.values())
-        found = await asyncio.gather(*(self.last_from_leader(guard.subject) for guard in guards))
-        for guard, current in zip(guards, found):
-            ours = batch.outs[guard.last_index]
-            if current is None:
-                return None
-            if current.headers.get(MSG_ID_HEADER) != ours.headers[MSG_ID_HEADER] or current.data != ours.data:
-                return None
-            start = sequence_of(current) - guard.last_index
-            if first_seq is not None and start != first_seq:
-                return None
-            first_seq = start
+        starts = await asyncio.gather(*(self._landed_at(batch, guard) for guard in batch.guards.values()))
+        if None in starts or len(set(starts)) != 1:
+            return None
+        first_seq = starts[0]
         assert first_seq is not None
         self._remember(batch, first_seq)
         return list(range(first_seq, first_seq + len(batch.outs)))
+
+    async def _landed_at(self, batch: Batch, guard: Guard) -> int | None:
+        """Where `batch` begins if an attempt of it was stored, as `guard`'s subject tells: its
+        message there right after the sequence the attempt expected, whatever was written after it
+        (a drain's fence on a placement's booking subject, between the lost ack and this look: an
+        audit found such a placement refused although stored); else the subject's last message (an
+        attempt stored before a re-plan moved the expectation onto it). None if neither is ours."""
+
+        def ours(found: Stored | None, index: int) -> bool:
+            out = batch.outs[index]
+            return found is not None and found.headers.get(MSG_ID_HEADER) == out.headers[MSG_ID_HEADER] \
+                and found.data == out.data
+
+        if guard.expected is not None:
+            retry = Retry(f"reading {guard.subject} after {guard.expected} through the leader", self.budget, self)
+            after = await self._leader_get({"seq": guard.expected + 1, "next_by_subj": guard.subject}, retry)
+            if ours(after, guard.first_index):
+                return sequence_of(after) - guard.first_index
+        last = await self.last_from_leader(guard.subject)
+        return sequence_of(last) - guard.last_index if ours(last, guard.last_index) else None
 
     def _remember(self, batch: Batch, first_seq: int) -> None:
         for guard in batch.guards.values():
