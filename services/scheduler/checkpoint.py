@@ -46,7 +46,6 @@ import logging
 import time
 import uuid
 from contextlib import nullcontext, suppress
-from functools import lru_cache
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -76,7 +75,6 @@ CLOSE_WAIT_S = 10.0  # a save in progress at stop() may finish within this
 NAME_PREFIX = "projection-"
 
 
-@lru_cache(maxsize=8)  # the scheduler names it in every reply cache key: one stream, one digest
 def incarnation_of(stream_created: str) -> str:
     """A short name for one incarnation of the stream (a stream deleted and made again,
     or restored from a backup, is another one: its sequences start over)."""
