@@ -745,12 +745,15 @@ def covering(request_id: str) -> list[str]:
     return found
 
 
-async def test_a_reply_cache_entry_of_a_stream_made_again_does_not_answer_its_new_log(nats_url, nc, prefix):
+@pytest.mark.parametrize("old_seq", ["within", "past"], ids=["old-seq-within-the-new-log", "old-seq-past-its-end"])
+async def test_a_reply_cache_entry_of_a_stream_made_again_does_not_answer_its_new_log(nats_url, nc, prefix, old_seq):
     """The reply cache outlives a stream deleted and made again, whose sequences start over. A
     resume R pushed out of an actor's recent placements in the old log left R's sequence there;
     in the new log R is new, but the filter may say it was pushed out (here: ids that cover its
     bits, pushed out). It is placed anew: it was answered from whatever the new log holds at the
-    old sequence (an audit, 2026-12-04)."""
+    old sequence (an audit, 2026-12-04); and where the new log does not reach that sequence, it
+    is not refused UNAVAILABLE for as long as the entry lives."""
+    from tests.factories import created as created_event, publish_events
     from events.subjects import stream_name
     from warmboot.runner import SERVICES, start_services
 
@@ -767,6 +770,9 @@ async def test_a_reply_cache_entry_of_a_stream_made_again_does_not_answer_its_ne
         await start_services(exits, list(SERVICES), nats_url, prefix, options=options)
         await wb.register(worker("w", V1, cpu=64000, mem=65536))
         await wb.create(actor("a"))
+        if old_seq == "past":  # R's placement far along the old log
+            await publish_events(nc, prefix, [created_event(f"pad-{i}") for i in range(200)], {})
+            wb = Client(nc, prefix)
         await cycle(wb, "R", 0)
         for i in range(RECENT_PLACEMENTS):  # R pushed out: its sequence kept in the reply cache
             await cycle(wb, f"old-{i}", i + 1)

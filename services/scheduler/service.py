@@ -54,13 +54,14 @@ from events.subjects import check_prefix, event_subject, stream_name
 from services.common import (STATE_REFUSALS, EndpointSpec, ReplyCache, add_endpoints, last_seq_on, store_env, stored_at,
                              stream_replicas)
 from services.locks import KeyedLock
-from services.scheduler.checkpoint import DEFAULT_INTERVAL_S, Checkpoints, incarnation_of
+from services.scheduler.checkpoint import DEFAULT_INTERVAL_S, Checkpoints
 from services.scheduler.committer import MAX_GROUP, RECHECK, Answered, Committer, Job
 from services.scheduler.decide import check_retry
 from services.scheduler.explain import explain
 from services.scheduler.fragmentation import fragmentation
 from services.scheduler.fold import Fold
 from services.scheduler.projection import Projection
+from services.scheduler.records import request_hash
 from services.scheduler.whatif import whatif
 
 log = logging.getLogger("warmboot.scheduler")
@@ -354,12 +355,9 @@ class SchedulerService:
 
     # --- answers from the log ---
 
-    def _cache_key(self, actor_id: str, request: int) -> str:
-        """The reply cache's key of a request of the actor, in this incarnation of the stream: the
-        bucket outlives a stream deleted and made again, whose sequences start over, so an entry
-        of the last one would name another event (an audit, 2026-12-04)."""
-        incarnation = incarnation_of(self.projection.stream_created or "")
-        return f"resume.{incarnation}.{actor_id}.{request:016x}"
+    @staticmethod
+    def _cache_key(actor_id: str, request: int) -> str:
+        return f"resume.{actor_id}.{request:016x}"
 
     async def _evicted(self, actor_id: str, request: int, seq: int) -> None:
         """An older placement of the actor is about to leave its recent ones: keep where it is in
@@ -368,10 +366,37 @@ class SchedulerService:
 
     async def _cached(self, actor_id: str, request: int) -> int:
         """The sequence of the ActorPlaced the reply cache has for a request id, if it is of the
-        actor's current life; else 0."""
+        actor's current life and the log holds there a placement of the actor carrying that id;
+        else 0. The bucket outlives a stream deleted and made again, whose sequences start over:
+        an entry of the last one names another event, or none (an audit, 2026-12-04)."""
         data = await self.replies.get(self._cache_key(actor_id, request))
         seq = int(data) if data and data.isdigit() else 0
-        return seq if seq > self.projection.life_started(actor_id) else 0
+        if seq <= self.projection.life_started(actor_id):
+            return 0
+        placed = await self._placement_at(seq)
+        if placed is None or placed.actor_id != actor_id or placed.request_id is None \
+                or request_hash(placed.request_id) != request:
+            log.warning("the reply cache names sequence %d for a request of actor %s, where the log holds no "
+                        "placement of it carrying that id (a stream made again since?): the request is taken as "
+                        "new", seq, actor_id)
+            return 0
+        return seq
+
+    async def _placement_at(self, seq: int) -> ActorPlaced | None:
+        """The ActorPlaced stored at `seq`; None if the log holds another event there, or ends before."""
+        js = self.nc.jetstream()
+        try:
+            return decoder(ActorPlaced).decode((await stored_at(js, self.stream, seq)).data)
+        except msgspec.DecodeError:  # another event (a ValidationError is one)
+            return None
+        except ContractError:  # not readable now, or not there at all: the leader says which
+            try:
+                last = (await js.stream_info(self.stream)).state.last_seq
+            except Exception:
+                last = None
+            if last is not None and seq > last:
+                return None
+            raise
 
     async def _recorded(self, seq: int) -> Assignment:
         """The assignment an earlier request recorded with the ActorPlaced at `seq` (a retry
