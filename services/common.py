@@ -28,6 +28,7 @@ import asyncio
 import collections
 import contextlib
 import datetime
+import errno
 import gc
 import hashlib
 import logging
@@ -1058,17 +1059,24 @@ async def call(
 
 
 LOOPBACK = "127.0.0.1"
-ALL_INTERFACES = "0.0.0.0"
+ALL_INTERFACES = "::"  # IPv6's and, dual-stack as Linux has it by default, IPv4's too
+IPV4_INTERFACES = "0.0.0.0"  # where a host has no IPv6
 
 
 def start_metrics(port: int | None, host: str = LOOPBACK) -> int | None:
-    """Serve prometheus-client's default registry on `host`:`port` (0: any free port); the port."""
+    """Serve prometheus-client's default registry on `host`:`port` (0: any free port); the port.
+    On every interface (ALL_INTERFACES) of a host without IPv6, on every IPv4 one."""
     if port is None:
         return None
     from prometheus_client import start_http_server
 
     try:
-        server, _thread = start_http_server(port, addr=host)
+        try:
+            server, _thread = start_http_server(port, addr=host)
+        except OSError as e:
+            if host != ALL_INTERFACES or e.errno not in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL):
+                raise
+            server, _thread = start_http_server(port, addr=IPV4_INTERFACES)
     except OSError as e:  # said as what it is: the caller's option, not a traceback of the http server
         raise OSError(e.errno, f"cannot serve metrics on {host}:{port}: {e.strerror or e}"
                                + ("; try another port, or 0 for any free one" if port else "")) from None
@@ -1078,7 +1086,7 @@ def start_metrics(port: int | None, host: str = LOOPBACK) -> int | None:
 def metrics_url(host: str, port: int) -> str:
     """The URL a scraper uses: for a server on every interface, this host's name (no DNS
     look-up: the name as the host knows itself)."""
-    if host in (ALL_INTERFACES, "::", ""):
+    if host in (ALL_INTERFACES, IPV4_INTERFACES, ""):
         import socket
 
         host = socket.gethostname()

@@ -309,13 +309,14 @@ async def test_a_store_that_does_not_answer_is_unavailable_for_every_service(tmp
 
 
 def listening_on(port: int) -> set[str]:
-    """Local addresses (hex, as /proc/net/tcp writes them) of the sockets listening on `port`."""
+    """Local addresses (hex, as /proc/net/tcp and tcp6 write them) of the sockets listening on `port`."""
     found = set()
-    for line in open("/proc/net/tcp").read().splitlines()[1:]:
-        local, state = line.split()[1], line.split()[3]
-        address, _, hex_port = local.partition(":")
-        if int(hex_port, 16) == port and state == "0A":  # LISTEN
-            found.add(address)
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, _, hex_port = local.partition(":")
+            if int(hex_port, 16) == port and state == "0A":  # LISTEN
+                found.add(address)
     return found
 
 
@@ -349,10 +350,11 @@ async def test_serve_serves_metrics_on_every_interface_and_up_on_loopback(nats_u
         url = serve.line("metrics on ").split()[-1]
         assert url.startswith(f"http://{socket.gethostname()}:") and url.endswith("/metrics")
         port = int(url.rsplit(":", 1)[1].split("/")[0])
-        assert listening_on(port) == {"00000000"}  # 0.0.0.0: every interface
-        text = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10)
-                                       .read().decode())
-        assert "warmboot_registry_registrations_total" in text
+        assert listening_on(port) == {"0" * 32}  # "::": every interface, IPv6's and (dual-stack) IPv4's
+        for host in ("127.0.0.1", "[::1]"):  # a scraper reaches it over either
+            text = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10)
+                                           .read().decode())
+            assert "warmboot_registry_registrations_total" in text, host
     finally:
         assert await asyncio.to_thread(serve.stop) == 0
 
@@ -689,3 +691,24 @@ async def test_a_reply_cache_without_its_bucket_is_unavailable_not_empty(nc, pre
     with pytest.raises(ContractError) as refused:
         await cache.get(key)
     assert refused.value.code is ErrorCode.UNAVAILABLE and "the reply cache cannot be read" in refused.value.message
+
+
+def test_metrics_on_every_interface_of_a_host_without_ipv6_are_on_every_ipv4_one(monkeypatch):
+    import errno
+
+    import prometheus_client
+
+    from services.common import ALL_INTERFACES, start_metrics
+
+    real = prometheus_client.start_http_server
+
+    def without_ipv6(port, addr="0.0.0.0", **kwargs):
+        if ":" in addr:  # as a host with IPv6 turned off answers
+            raise OSError(errno.EAFNOSUPPORT, "Address family not supported by protocol")
+        return real(port, addr=addr, **kwargs)
+
+    monkeypatch.setattr(prometheus_client, "start_http_server", without_ipv6)
+    port = start_metrics(0, ALL_INTERFACES)
+    assert listening_on(port) == {"00000000"}  # 0.0.0.0
+    with pytest.raises(OSError, match=r"cannot serve metrics on ::1:0"):  # a host the caller named: said
+        start_metrics(0, "::1")
