@@ -79,8 +79,14 @@ def _unknown(info: Any, value: Any, path: str) -> list[str]:
     if isinstance(info, inspect.Metadata):
         return _unknown(info.type, value, path)
     if isinstance(info, inspect.UnionType):
-        structs = [t for t in info.types if isinstance(t, inspect.StructType)]
-        return _unknown(structs[0], value, path) if len(structs) == 1 else []
+        members = [t for t in info.types if not isinstance(t, inspect.NoneType)]
+        if len(members) == 1:  # an optional value: its type
+            return _unknown(members[0], value, path)
+        structs = [t for t in members if isinstance(t, inspect.StructType)]
+        tagged = isinstance(value, dict) and structs and structs[0].tag_field in value
+        # a tagged union's member is the one its tag names
+        chosen = [t for t in structs if tagged and t.tag == value[t.tag_field]]
+        return _unknown(chosen[0], value, path) if len(chosen) == 1 else []
     if isinstance(info, inspect.StructType) and isinstance(value, dict):
         fields = {f.encode_name: f.type for f in info.fields}
         found = []

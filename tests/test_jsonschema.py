@@ -355,6 +355,34 @@ def test_unknown_fields_are_found_at_every_depth_and_only_there():
     assert unknown_fields(s.CreateActor, {}) == []
 
 
+class _Sub(msgspec.Struct, kw_only=True):
+    a: int
+
+
+class _A(msgspec.Struct, kw_only=True, tag=True):
+    x: int
+
+
+class _B(msgspec.Struct, kw_only=True, tag=True):
+    y: int
+
+
+class _Outer(msgspec.Struct, kw_only=True):
+    subs: list[_Sub] | None = None
+    by_name: dict[str, _Sub] | None = None
+    member: _A | _B | None = None
+
+
+def test_unknown_fields_inside_optional_containers_and_tagged_unions():
+    """Shapes the schema may grow (a review): an optional list or map of Structs, and a tagged
+    union, whose member is the one its tag names."""
+    from events.codec import unknown_fields
+
+    body = {"subs": [{"a": 1, "aa": 2}], "by_name": {"k": {"a": 1, "bb": 2}}, "member": {"type": "_A", "x": 1, "xx": 2}}
+    assert unknown_fields(_Outer, body) == ["subs[0].aa", "by_name.k.bb", "member.xx"]
+    assert unknown_fields(_Outer, {"member": {"type": "nope", "zz": 1}}) == []  # no member: the decoder's to refuse
+
+
 def test_check_refuses_an_unknown_name(tmp_path):
     body = tmp_path / "b.json"
     body.write_text("{}")

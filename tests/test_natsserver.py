@@ -161,6 +161,16 @@ def test_chosen_ports_are_outside_the_range_outgoing_connections_take():
     listening_on(ports.pop()).close()
 
 
+@pytest.mark.parametrize("floor", [1024, 1000])
+def test_a_host_whose_ephemeral_range_starts_low_gets_the_kernel_s_choice(monkeypatch, floor):
+    """net.ipv4.ip_local_port_range tuned to start at 1024 or lower leaves no port below it: the
+    kernel chooses (randrange of an empty range was a ValueError: a review)."""
+    from warmboot import natsserver
+
+    monkeypatch.setattr(natsserver, "_ephemeral_floor", lambda: floor)
+    listening_on(free_port()).close()
+
+
 def test_a_first_start_whose_chosen_port_was_taken_chooses_again(tmp_path):
     server = NatsServer(tmp_path)
     taken = server.port

@@ -86,18 +86,23 @@ prefix_option = click.option("--prefix", default=DEFAULT_PREFIX, show_default=Tr
                              show_envvar=True, callback=check_prefix_option, help="Subject prefix of the deployment.")
 
 
+# A request's fields that an option of another name gives (by its parameter's name); any other
+# field is given by the option named as its first name (`selectors.zone`: `selectors`, --selector).
+OPTION_OF_FIELD = {"resources.cpu_millis": "cpu_millis", "resources.memory_mib": "memory_mib",
+                   "golden_snapshot": "golden"}
+
+
 def flag_of(field: str | None) -> str | None:
     """The running command's option that gave a request's `field` (`resources.cpu_millis`:
-    `--cpu`), by the option's parameter name against the field's last name, then its first."""
+    `--cpu`; `golden_snapshot.uri`: `--golden-snapshot`), if one did."""
     context = click.get_current_context(silent=True)
     if not field or context is None:
         return None
-    names = [re.sub(r"\[.*?\]", "", part) for part in field.split(".")]
+    path = re.sub(r"\[.*?\]", "", field)
+    first = path.split(".")[0]
+    name = OPTION_OF_FIELD.get(path) or OPTION_OF_FIELD.get(first, first)
     options = {p.name: p for p in context.command.params if isinstance(p, click.Option) and p.opts}
-    for name in (names[-1], names[0]):
-        if name in options:
-            return max(options[name].opts, key=len)  # --min-fidelity, not -m
-    return None
+    return max(options[name].opts, key=len) if name in options else None  # --min-fidelity, not -m
 
 
 class Failed(click.ClickException):
