@@ -112,6 +112,7 @@ async def test_an_actor_lives_through_the_cli_and_every_reply_is_in_the_log(bus,
 
     tagged = await run("actor", "tag", "a-1", "golden-1")
     assert tagged.exit_code == 0 and tagged.output.startswith("actor/a-1 tagged golden-1: snapshot a-1-v3")
+    assert "moved" not in tagged.output  # a new tag
 
     templated = await run("actor", "update-template", "a-1", "t2", "-o", "json")  # as the views spell it
     assert kinds(await wrote(nc, prefix, json.loads(templated.output)["seq"])) == ["TemplateChanged"]
@@ -372,3 +373,22 @@ async def test_create_of_a_class_no_worker_runs_warns_and_creates(bus, nc, prefi
                       "--memory", "64")
     assert known.exit_code == 0 and not known.stderr, known.output
 
+
+async def test_a_tag_that_moves_says_what_it_named(bus):
+    """A tag names one snapshot; tagging another actor's with it moves it, which the contract
+    allows and the output says (a walkthrough moved a team's golden tag without knowing)."""
+    run, wb = bus
+    for actor_id in ("a-1", "b-1"):
+        await wb.create(actor(actor_id))
+        await wb.resume(actor_id)
+        await wb.suspend(actor_id, uri=f"s3://bucket/{actor_id}")
+    first = await run("actor", "tag", "a-1", "base")
+    assert first.exit_code == 0 and "moved" not in first.output
+    again = await run("actor", "tag", "a-1", "base")  # the same snapshot again: nothing moved
+    assert again.exit_code == 0 and "moved" not in again.output
+    moved = await run("actor", "tag", "b-1", "base")
+    assert moved.exit_code == 0, moved.output
+    name = first.output.split("snapshot ")[1].split(",")[0]
+    assert moved.output.splitlines()[1] == f"base moved: it named snapshot {name} of actor a-1 before"
+    as_json = await run("actor", "tag", "a-1", "base", "--json")  # -o json: the reply alone
+    assert json.loads(as_json.output)["snapshot"]["actor_id"] == "a-1"

@@ -28,7 +28,7 @@ import nats.errors
 from events.codec import decode_request, json_path, to_builtins, unknown_fields
 from events.errors import ContractError, not_found
 from events.runtime_id import Runtimes, short_id
-from events.schema import ActorRuntime, CompatVersion, CreateActor, Fidelity, Resources, Snapshot
+from events.schema import ActorRuntime, CompatVersion, CreateActor, Fidelity, Resources, Snapshot, TagRecorded
 from events.states import ActorState
 from events.subjects import event_subject
 from warmboot.cli_common import (ask, check_id, json_option, min_seq_option, nats_option, prefix_option, read_subject,
@@ -241,10 +241,28 @@ def resume_cmd(actor_id: str, selectors: tuple[str, ...], request_id: str | None
 @prefix_option
 @json_option
 def tag_cmd(actor_id: str, tag: str, request_id: str | None, nats_url: str, prefix: str, as_json: bool) -> None:
-    """Tag the actor's latest snapshot (EXTERNAL only) so that other actors can be created from it."""
-    reply, runtimes = run(nats_url, prefix, not as_json, lambda wb: wb.tag(actor_id, tag, request_id))
-    echo(reply, as_json, lambda: done("actor", actor_id, f"tagged {tag}: " + snapshot_text(reply.snapshot, runtimes),
-                                      reply.seq))
+    """Tag the actor's latest snapshot (EXTERNAL only) so that other actors can be created from it.
+    A tag that named another snapshot now names this one: the output says which it named."""
+
+    async def work(nc: Any) -> tuple[Any, Runtimes | None, Snapshot | None]:
+        reply = await Client(nc, prefix).tag(actor_id, tag, request_id)
+        if as_json:
+            return reply, None, None
+        named = [(seq, e.snapshot) for seq, e in await read_subject(nc, prefix, event_subject(prefix, "tag", tag))
+                 if isinstance(e, TagRecorded)]
+        ours = [i for i, (seq, snap) in enumerate(named) if seq <= reply.seq and snap == reply.snapshot]
+        before = named[ours[-1] - 1][1] if ours and ours[-1] > 0 else None
+        return reply, await runtime_labels(nc, prefix), before
+
+    reply, runtimes, before = ask(nats_url, work)
+
+    def text() -> str:
+        said = done("actor", actor_id, f"tagged {tag}: " + snapshot_text(reply.snapshot, runtimes), reply.seq)
+        if before is not None and before.snapshot_id != reply.snapshot.snapshot_id:
+            said += f"\n{tag} moved: it named snapshot {before.snapshot_id} of actor {before.actor_id} before"
+        return said
+
+    echo(reply, as_json, text)
 
 
 @actor.command("revert")
