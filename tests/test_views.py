@@ -12,9 +12,11 @@ import json
 from contextlib import AsyncExitStack
 from datetime import datetime, timezone
 
+import msgspec
 import pytest
 from click.testing import CliRunner
 
+from events.codec import to_builtins
 from events.compat import compat_key
 from events.runtime_id import Runtimes, UnknownRuntime, short_id
 from events.schema import (
@@ -214,10 +216,31 @@ def test_workers_fit_without_a_cut_cell(width):
 def test_wide_shows_every_column_and_the_full_attributes():
     rows = worker_rows(folded(fleet()))
     text = render_workers(rows, 80, wide=True).text
-    assert text.splitlines()[0].split()[-4:] == ["MEM", "RUNTIME", "ID", "ATTRIBUTES"]
+    assert text.splitlines()[0].split()[-6:] == ["MEM", "RUNTIME", "ID", "RESUMES", "FROM", "ATTRIBUTES"]
     first = rows[0]
     line = next(line for line in text.splitlines() if line.startswith(first["worker_id"] + " "))
     assert first["node"] in line and first["runtime_id"] in line and "cpu_features=" in line
+
+
+def test_wide_shows_the_versions_a_worker_resumes_through_its_edges():
+    """`compatible_versions` (one-way edges) had no view: `-o wide` lists them by label, as the
+    other runtimes; -o json by version too."""
+    workers = fleet(4)
+    older = runtime("gvisor", 0, "2024.05").version
+    edged = workers[0].sandbox_classes[0]
+    default = msgspec.structs.replace(edged.default_runtime, compatible_versions=(older,))
+    workers[0] = msgspec.structs.replace(workers[0], sandbox_classes=(
+        msgspec.structs.replace(edged, default_runtime=default, restorable_runtimes=()),))
+    projection = folded(workers)
+    runtimes = runtimes_of(projection)
+    rows = {r["worker_id"]: r for r in worker_rows(projection, runtimes)}
+    edge = rows[workers[0].worker_id]
+    assert edge["resumes_from"] == [runtimes.label("gvisor", older)]
+    assert edge["resumes_from_versions"] == [to_builtins(older)]
+    assert rows[workers[1].worker_id]["resumes_from"] == []
+    text = render_workers(list(rows.values()), 80, wide=True).text
+    line = next(line for line in text.splitlines() if line.startswith(workers[0].worker_id + " "))
+    assert runtimes.label("gvisor", older) in line.split()
 
 
 @pytest.mark.parametrize("width", WIDTHS)

@@ -274,6 +274,16 @@ def fragmentation(sandbox_class: str | None, min_seq: int | None, nats_url: str,
 # --- workers ------------------------------------------------------------------------------------------
 
 
+def edges_of(entry: Any) -> list[Any]:
+    """The compat versions an entry's runtimes accept through `compatible_versions`: its default's,
+    then its restorable ones', each once."""
+    seen: dict[Any, Any] = {}
+    for runtime in (entry.default, *entry.restorable):
+        for edge in runtime.edges:
+            seen.setdefault(edge.key, edge)
+    return list(seen.values())
+
+
 def worker_rows(projection: Any, runtimes: Runtimes | None = None) -> list[dict]:
     """One row per (worker, sandbox class), sorted by class, default runtime and worker."""
     runtimes = runtimes or runtimes_of(projection)
@@ -291,6 +301,9 @@ def worker_rows(projection: Any, runtimes: Runtimes | None = None) -> list[dict]
                 "default_runtime": to_builtins(default.compat.version),
                 "restorable": [runtimes.label(sandbox_class, r.compat.version, r.name) for r in entry.restorable],
                 "restorable_runtimes": [to_builtins(r.compat.version) for r in entry.restorable],
+                # the one-way edges: versions whose memory snapshots it also resumes (compatible_versions)
+                "resumes_from": [runtimes.label(sandbox_class, e.version) for e in edges_of(entry)],
+                "resumes_from_versions": [to_builtins(e.version) for e in edges_of(entry)],
                 "capacity": {"cpu_millis": worker.cpu_millis, "memory_mib": worker.memory_mib},
                 "free": {"cpu_millis": worker.room_cpu, "memory_mib": worker.room_mem},
                 "actors": worker.holding,
@@ -314,6 +327,7 @@ WORKER_COLUMNS = [  # `drop`: the highest gives way first when the terminal is n
     Column("CPU", lambda r: millis(r["capacity"]["cpu_millis"]), right=True, wide=True),
     Column("MEM", lambda r: mib(r["capacity"]["memory_mib"]), right=True, wide=True),
     Column("RUNTIME ID", lambda r: r["runtime_id"], wide=True),
+    Column("RESUMES FROM", lambda r: ",".join(r["resumes_from"]) or "-", wide=True),
     Column("ATTRIBUTES", lambda r: version_text(_version(r["default_runtime"])), wide=True),
 ]
 
