@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 
-from events.errors import ContractError
 from events.schema import (
     Action,
     ActorReverted,
@@ -30,6 +29,7 @@ from services.scheduler.whatif import whatif
 from tests.factories import AT, Log, actor, entry, golden, read_log, registered, runtime, taken, version, worker
 from tests.factories import snapshot as snap
 from tests.test_placement_model import VA, _decided_then
+from tests.test_scheduler_decide import refused
 from warmboot.client import Client
 
 V1, V2, V3 = version("v1"), version("v2"), version("v3")
@@ -41,13 +41,6 @@ async def wb(stack, nc, prefix):
 
 
 # --- placement, pure (services/scheduler/decide.py) --------------------------------------------------
-
-
-def refused(log: Log, actor_id: str, code: ErrorCode, selectors=None) -> ContractError:
-    with pytest.raises(ContractError) as caught:
-        log.decide(actor_id, selectors)
-    assert caught.value.code is code, caught.value
-    return caught.value
 
 
 def paused_on(log: Log, actor_id: str, node: str, v, **created) -> None:
@@ -143,18 +136,6 @@ def test_rule6_room_books_resources_plus_the_chosen_runtimes_overhead_with_ceil_
     log2.worker("w", edge, mem=need + 63, cpu=300)
     log2.actor("a", cpu=300, mem=mem, snapshot=golden(V1), min_fidelity=Fidelity.MEMORY)
     refused(log2, "a", ErrorCode.RESOURCE_EXHAUSTED)
-
-
-def test_rule6_a_request_selector_adds_to_the_actors_and_a_conflict_names_the_key():
-    log = Log()
-    log.worker("w1", labels={"zone": "a", "gpu": "no"})
-    log.worker("w2", labels={"zone": "a", "gpu": "yes"})
-    log.worker("w3", labels={"zone": "b", "gpu": "yes"})
-    log.actor("a", selectors={"zone": "a"})
-    assert log.decide("a", {"gpu": "yes"}).worker_id == "w2"
-    assert log.decide("a", {"zone": "a", "gpu": "yes"}).worker_id == "w2"
-    error = refused(log, "a", ErrorCode.INVALID_ARGUMENT, {"zone": "b"})
-    assert error.field == "selectors.zone"
 
 
 def test_rule4a_floor_volumes_with_a_full_compatible_worker_falls_back_at_volumes_not_below():
