@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from contextlib import asynccontextmanager
 import logging
+import os
 import threading
 
 import nats.errors
@@ -169,6 +170,21 @@ def test_up_refuses_a_bad_prefix_and_port_before_it_starts_anything(tmp_path):
         result = CliRunner().invoke(main, ["up", "--store", str(store), *args])
         assert result.exit_code == 2 and says in result.output, result.output
     assert not store.exists()  # nothing started, nothing written
+
+
+def test_up_refuses_a_store_another_server_writes_and_resets_nothing(tmp_path):
+    """Two nats-servers writing one JetStream directory corrupt it, and nats-server does not refuse
+    it: a second `up` on the first one's store (a walkthrough) is refused, before its --reset."""
+    store = tmp_path / "store"
+    running = NatsServer(store.resolve(), name="warmboot").start()  # what `up` starts on it
+    try:
+        kept = sorted(p.name for p in store.iterdir())
+        result = CliRunner().invoke(main, ["up", "--store", str(store), "--port", "0", "--reset"])
+        assert result.exit_code == 1, result.output
+        assert f"the store {store} is in use by another warmboot up (process {os.getpid()})" in result.output
+        assert sorted(p.name for p in store.iterdir()) == kept and running.running  # not reset, still serving
+    finally:
+        running.stop()
 
 
 @pytest.mark.parametrize("args, says", [

@@ -171,6 +171,21 @@ def test_a_host_whose_ephemeral_range_starts_low_gets_the_kernel_s_choice(monkey
     listening_on(free_port()).close()
 
 
+def test_a_store_is_one_server_s_while_it_runs_and_free_once_it_stops(tmp_path):
+    first = NatsServer(tmp_path, name="one").start()
+    try:
+        second = NatsServer(tmp_path, name="one")
+        with pytest.raises(NatsServerError, match=rf"the store {tmp_path / 'one'} is in use by another nats-server "
+                                                  rf"\(started by process {os.getpid()}\)"):
+            second.start()
+        assert not second.running
+        other = NatsServer(tmp_path, name="two").start()  # another store in the same directory: a cluster's way
+        other.stop()
+    finally:
+        first.stop()
+    NatsServer(tmp_path, name="one").start().stop()  # stopped: free
+
+
 def test_a_first_start_whose_chosen_port_was_taken_chooses_again(tmp_path):
     server = NatsServer(tmp_path)
     taken = server.port

@@ -14,7 +14,7 @@ from events.subjects import DEFAULT_PREFIX, stream_name
 from services.common import run_serving, tune_gc
 from services.scheduler.checkpoint import DEFAULT_EVERY_EVENTS, DEFAULT_INTERVAL_S
 from warmboot.cli_common import check_prefix_option, event_loop_option
-from warmboot.natsserver import NatsServer, NatsServerError
+from warmboot.natsserver import NatsServer, NatsServerError, store_holder
 from warmboot.runner import SERVICES, dump_on_signal, start_services, stop_signals, until_stopped
 
 console = Console(soft_wrap=True)  # a line piped is not cut at 80 columns (the commands it suggests)
@@ -43,6 +43,10 @@ def up(port: int, store: Path, prefix: str, metrics_port: int, demo: bool, exit_
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if reset is None:
         reset = demo
+    holder = store_holder(store, "warmboot")
+    if holder is not None:  # before a reset: it would wipe a store a running server writes
+        raise click.ClickException(f"the store {store} is in use by another warmboot up (process {holder}): stop "
+                                   "it, or give another --store")
     if store.exists() and any(store.iterdir()):
         if reset:
             console.print(f"[yellow]resetting the store {store}[/] (the previous log is discarded)")

@@ -9,6 +9,7 @@ The child gets PR_SET_PDEATHSIG, so it dies with its parent even on `kill -9`.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import json
 import os
@@ -22,6 +23,7 @@ import sysconfig
 import threading
 from collections import deque
 from pathlib import Path
+from typing import Any
 
 READY_LINE = "Server is ready"
 ROUTES_LINE = "Listening for route connections on"  # a member's route port is bound after READY_LINE
@@ -32,6 +34,21 @@ PORT_TRIES = 3  # first starts on ports this module chose: a port taken since it
 
 class NatsServerError(RuntimeError):
     pass
+
+
+def store_holder(store_dir: str | Path, name: str) -> str | None:
+    """Who holds the store of the server `name` in `store_dir` (the pid its lock file names, or
+    "?"), None if nobody: a look, for a caller about to change the store (`warmboot up --reset`)."""
+    path = Path(store_dir) / f"{name}.lock"
+    if not path.exists():
+        return None
+    with open(path, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            return handle.read().strip() or "?"
+    return None
 
 
 def server_binary() -> str:
@@ -127,6 +144,28 @@ class NatsServer:
         self._ready_logged = False
         self._reader: threading.Thread | None = None
         self.started = False  # once ready, its ports are its own: a restart keeps them
+        self._lock: Any = None  # the store's lock file, held while the process may run
+
+    def _lock_store(self) -> None:
+        """Hold the store's lock (`<name>.lock` beside it): two servers writing one JetStream
+        directory corrupt it, and nats-server does not refuse it (a walkthrough started a second
+        `warmboot up` on the first one's store)."""
+        if self._lock is not None:
+            return
+        handle = open(self.store_dir / f"{self.name}.lock", "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "?"
+            handle.close()
+            raise NatsServerError(f"the store {self.store_dir / self.name} is in use by another nats-server "
+                                  f"(started by process {holder}): stop it, or give another store") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"{os.getpid()}\n")
+        handle.flush()
+        self._lock = handle
 
     @property
     def url(self) -> str:
@@ -177,16 +216,21 @@ class NatsServer:
         if self.running:
             return
         self.store_dir.mkdir(parents=True, exist_ok=True)
+        self._lock_store()
         self.config_path.write_text(self.config())
         self._ready.clear()
         self._ready_logged = False
-        self.process = subprocess.Popen(
-            [server_binary(), "-c", str(self.config_path)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            preexec_fn=functools.partial(_die_with_parent, os.getpid()),
-        )
+        try:
+            self.process = subprocess.Popen(
+                [server_binary(), "-c", str(self.config_path)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+                preexec_fn=functools.partial(_die_with_parent, os.getpid()),
+            )
+        except BaseException:
+            self.stop()  # no process: the store's lock goes
+            raise
         self._reader = threading.Thread(target=self._read_log, daemon=True, name=f"log-{self.name}")
         self._reader.start()
 
@@ -264,18 +308,20 @@ class NatsServer:
 
     def stop(self, timeout: float = 15.0) -> None:
         """SIGTERM, wait; SIGKILL only if it does not exit in time."""
-        if self.process is None:
-            return
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        if self._reader:
-            self._reader.join(timeout=5)
-        self.process = None
+        if self.process is not None:
+            if self.process.poll() is None:
+                self.process.send_signal(signal.SIGTERM)
+                try:
+                    self.process.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    self.process.kill()
+                    self.process.wait()
+            if self._reader:
+                self._reader.join(timeout=5)
+            self.process = None
+        if self._lock is not None:  # the process is gone (or never started): the store is free
+            self._lock.close()
+            self._lock = None
 
     def kill(self) -> None:
         """SIGKILL, as a crash would: for failure tests."""
