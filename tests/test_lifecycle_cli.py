@@ -164,6 +164,13 @@ async def test_errors_name_code_and_field_exit_1_and_write_nothing(bus, nc, pref
         assert result.exit_code == 1, (args, result.output)
         assert result.stderr.startswith(expected), (args, result.stderr)
         assert result.stdout == ""
+    # a usage error before anything is sent: a selector key given twice would drop one of its values
+    for args in (("actor", "create", "a-9", "--class", "gvisor", "--template", "t1", "--cpu", "10", "--memory", "256"),
+                 ("actor", "resume", "a-9"), ("explain", "a-9")):
+        twice = await run(*args, "--selector", "zone=a", "--selector", "zone=b")
+        assert twice.exit_code == 2 and "'zone' is given twice ('a' and 'b')" in twice.output, (args, twice.output)
+        bare = await run(*args, "--selector", "zone")
+        assert bare.exit_code == 2 and "'zone' is not KEY=VALUE" in bare.output, (args, bare.output)
     assert await last_seq(nc, prefix) == before
     await run("actor", "create", "a-9", "--class", "gvisor", "--template", "t1", "--cpu", "100", "--memory", "256")
     refused = await run("actor", "pause", "a-9", "--json")  # CREATED, not RUNNING

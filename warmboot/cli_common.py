@@ -74,6 +74,21 @@ def check_id(ctx: click.Context | None, param: click.Parameter | None, value):
     return value
 
 
+def selectors_of(pairs: tuple[str, ...]) -> dict[str, str]:
+    """`--selector KEY=VALUE`, repeated, as a map; a key given twice is refused (one would be
+    dropped without a word: a walkthrough's `--selector zone=a --selector zone=b` kept only b)."""
+    selectors: dict[str, str] = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq:
+            raise click.BadParameter(f"{pair!r} is not KEY=VALUE", param_hint="'--selector'")
+        if key in selectors:
+            raise click.BadParameter(f"{key!r} is given twice ({selectors[key]!r} and {value!r}); a worker label "
+                                     "has one value", param_hint="'--selector'")
+        selectors[key] = value
+    return selectors
+
+
 def check_prefix_option(ctx: click.Context, param: click.Parameter, value: str) -> str:
     """click callback: a valid subject prefix."""
     try:

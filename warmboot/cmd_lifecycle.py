@@ -32,7 +32,7 @@ from events.schema import ActorRuntime, CompatVersion, CreateActor, Fidelity, Re
 from events.states import ActorState
 from events.subjects import event_subject
 from warmboot.cli_common import (ask, check_id, json_option, min_seq_option, nats_option, prefix_option, read_subject,
-                                 replay, version_text)
+                                 replay, selectors_of, version_text)
 from warmboot.client import Client
 from warmboot.cmd_views import (
     decision_fields,
@@ -64,13 +64,6 @@ def one_state(value: str | None) -> str | None:
 request_id_option = click.option("--request-id", default=None,
                                  help="Idempotency key: the same command with the same id is the same request "
                                       "(default: a new one).")
-
-
-def selectors_of(pairs: tuple[str, ...]) -> dict[str, str]:
-    try:
-        return dict(pair.split("=", 1) for pair in pairs)
-    except ValueError:
-        raise click.BadParameter("selectors are KEY=VALUE", param_hint="'--selector'") from None
 
 
 def run(nats_url: str, prefix: str, labelled: bool, call: Callable[[Client], Any]) -> tuple[Any, Runtimes | None]:
@@ -114,7 +107,8 @@ def actor() -> None:
 @click.option("--template", "template_uid", required=True, help="Template uid the actor starts from.")
 @click.option("--cpu", "cpu_millis", type=int, required=True, help="CPU, whole millicores.")
 @click.option("--memory", "memory_mib", type=int, required=True, help="Memory, whole MiB.")
-@click.option("--selector", "selectors", multiple=True, metavar="KEY=VALUE", help="Worker label to require.")
+@click.option("--selector", "selectors", multiple=True, metavar="KEY=VALUE",
+              help="Worker label to require. Repeatable, one value per key.")
 @click.option("--min-fidelity", type=click.Choice([f.value for f in Fidelity]), default=Fidelity.ROOTFS.value,
               show_default=True, help="No restore below this fidelity.")
 @click.option("--source-tag", default=None, help="Start from the snapshot this tag names.")

@@ -31,7 +31,8 @@ from events.runtime_id import Runtimes, UnknownRuntime, short_id
 from events.schema import (WHATIF_LIMIT_MAX, CompatVersion, Explanation, Fragmentation, Location, Placement,
                            StrandedActor, WhatIf, WhatIfAnswer)
 from events.subjects import event_subject
-from warmboot.cli_common import ask, last_seq, log_messages, min_seq_option, nats_option, prefix_option, version_text
+from warmboot.cli_common import (ask, last_seq, log_messages, min_seq_option, nats_option, prefix_option, selectors_of,
+                                 version_text)
 from warmboot.client import Client
 from warmboot.render import Column, render_fields, render_table, terminal_width
 
@@ -172,10 +173,11 @@ def render_explanation(actor_id: str, answer: Explanation, runtimes: Runtimes, w
 
 @click.command()
 @click.argument("actor_id")
-@click.option("--selector", "selectors", multiple=True, metavar="KEY=VALUE", help="Extra label selector.")
+@click.option("--selector", "selectors", multiple=True, metavar="KEY=VALUE",
+              help="Extra label selector. Repeatable, one value per key.")
 @click.option("--limit", type=click.IntRange(min=0), default=20, show_default=True,
-              help="List at most N of the workers passed over, by id (0: all the scheduler names, at most "
-                   "1,000 of them; SUMMARY counts every one).")
+              help="List at most N of the workers passed over, those that came furthest through the checks "
+                   "first, then by id (0: all the scheduler names, at most 1,000 of them; SUMMARY counts every one).")
 @min_seq_option
 @nats_option
 @prefix_option
@@ -183,10 +185,7 @@ def render_explanation(actor_id: str, answer: Explanation, runtimes: Runtimes, w
 def explain(actor_id: str, selectors: tuple[str, ...], limit: int, min_seq: int | None, nats_url: str, prefix: str,
             output: str | None, as_json: bool) -> None:
     """Why a resume of ACTOR_ID would land where it would (writes nothing)."""
-    try:
-        sel = dict(s.split("=", 1) for s in selectors) or None
-    except ValueError:
-        raise click.BadParameter("selectors are KEY=VALUE", param_hint="--selector") from None
+    sel = selectors_of(selectors) or None
     mode = output_mode(output, as_json)
 
     async def work(nc: Any) -> tuple[Explanation, Runtimes | None]:
@@ -487,7 +486,7 @@ def render_whatif(query: WhatIf, answer: WhatIfAnswer, runtimes: Runtimes, width
 @click.option("--drain", "drain", multiple=True, metavar="WORKER",
               help="As if this worker were drained. Repeatable.")
 @click.option("--limit", type=click.IntRange(0, WHATIF_LIMIT_MAX), default=100, show_default=True,
-              help=f"Newly stranded actors listed at most (0: all, up to {WHATIF_LIMIT_MAX:,}, as for explain).")
+              help=f"Newly stranded actors listed at most (0: all, up to {WHATIF_LIMIT_MAX:,}).")
 @min_seq_option
 @nats_option
 @prefix_option
