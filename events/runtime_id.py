@@ -89,6 +89,14 @@ class Runtimes:
             return chosen
         return f"{chosen}@{short_id(key)[len(PREFIX):]}"
 
+    def qualified(self, sandbox_class: str, version: CompatVersion, name: str | None = None) -> str:
+        """`name@3f9a1c` (or `rt-3f9a1c` without a name) whatever else is known: for a runtime
+        this set may not hold every namesake of (one the fleet no longer runs)."""
+        key = compat_key(sandbox_class, version)
+        known = self.known.get(key)
+        chosen = name or (min(known.names) if known and known.names else None)
+        return f"{chosen}@{short_id(key)[len(PREFIX):]}" if chosen else short_id(key)
+
     def resolve(self, text: str, sandbox_class: str | None = None) -> list[Known]:
         """The runtimes `text` names: a short id (`rt-3f9a1c`), `name@3f9a1c`, or a name (all that
         carry it); only of `sandbox_class` if given. UnknownRuntime if none."""

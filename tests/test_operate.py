@@ -224,13 +224,26 @@ def test_a_timeline_tells_apart_the_runtimes_it_names_that_the_fleet_no_longer_r
     from warmboot.cmd_audit import timeline_labels
 
     old, new = version("gen-1"), version("gen-2")
-    fleet = Runtimes()
-    fleet.add("gvisor", version("gen-3"), "runsc-v2")  # the next release, on a third generation
+
+    def fleet_of() -> Runtimes:
+        fleet = Runtimes()
+        fleet.add("gvisor", version("gen-3"), "runsc-v2")  # the next release, on a third generation
+        return fleet
+
+    fleet = fleet_of()
     named_old, named_new = stamp(old, name="runsc-v1"), stamp(new, name="runsc-v1")
     pins = [placed("a", "w-1", named_old), taken(snapshot("a", named_old)), placed("a", "w-2", named_new)]
     labels = timeline_labels(pins, fleet)
     digits = [short_id(compat_key("gvisor", v))[3:] for v in (old, new)]
     assert labels == [f"pin runsc-v1@{digits[0]}", f"stamp runsc-v1@{digits[0]}", f"pin runsc-v1@{digits[1]}"], labels
+    # Two actors' timelines, each naming one of them: neither knows of the other's namesake, and
+    # a dropped runtime is qualified all the same, so the two do not read alike (a walkthrough).
+    alone = [timeline_labels([placed(a, "w-1", pin)], fleet_of()) for a, pin in (("a", named_old), ("b", named_new))]
+    assert alone == [[f"pin runsc-v1@{digits[0]}"], [f"pin runsc-v1@{digits[1]}"]], alone
+    # a runtime the fleet runs reads as in the other views: by its name alone when that is unique
+    running = fleet_of()
+    running.add("gvisor", old, "runsc-v1")
+    assert timeline_labels([placed("a", "w-1", named_old)], running) == ["pin runsc-v1"]
 
 
 async def test_views_json_agree_with_the_endpoints(demo, nats_url, nc):

@@ -8,6 +8,7 @@ from datetime import datetime, timezone
 import click
 
 from events.codec import to_builtins
+from events.compat import compat_key
 from events.errors import not_found
 from events.runtime_id import Runtimes
 from events.schema import ActorPlaced, ActorRuntime, SnapshotTaken
@@ -115,7 +116,10 @@ def timeline_labels(events: list, runtimes: Runtimes) -> list[str]:
     """The stamp or pin of each event by its short label, as `workers` and `explain` show runtimes
     (`name`, `name@3f9a1c` or `rt-3f9a1c`), told apart among the fleet's runtimes and every one the
     timeline names: two runtimes of one name read alike once the fleet runs only one of them (found
-    by a walkthrough: the pins of two CPU generations, the older one dropped, read the same)."""
+    by a walkthrough: the pins of two CPU generations, the older one dropped, read the same). One
+    the fleet no longer runs is always `name@3f9a1c`: another actor's timeline may name another
+    runtime of that name, which this one does not know of (a second walkthrough)."""
+    fleet = set(runtimes.known)
     stamped = [_stamped(event) for event in events]
     for found in stamped:
         if found is not None:
@@ -126,7 +130,9 @@ def timeline_labels(events: list, runtimes: Runtimes) -> list[str]:
             labels.append("")
             continue
         kind, runtime = found
-        labels.append(f"{kind} {runtimes.label(runtime.sandbox_class, runtime.version, runtime.name)}")
+        cls, version, name = runtime.sandbox_class, runtime.version, runtime.name
+        label = runtimes.label if compat_key(cls, version) in fleet else runtimes.qualified
+        labels.append(f"{kind} {label(cls, version, name)}")
     return labels
 
 
