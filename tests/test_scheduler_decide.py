@@ -47,7 +47,7 @@ from services.scheduler.records import (
     request_hash,
 )
 from services.scheduler.committer import placed_event
-from tests.factories import AT, CLASS as CLS, Log, runtime, snapshot, stamp, version
+from tests.factories import AT, CLASS as CLS, Log, golden, runtime, snapshot, stamp, version
 
 V1, V2, V3 = version("1"), version("2"), version("3")
 
@@ -92,7 +92,11 @@ def test_no_worker_of_the_class_is_resource_exhausted():
     log.worker("other", sandbox_class="microvm")
     log.actor("a")
     error = refused(log, "a", ErrorCode.RESOURCE_EXHAUSTED)
-    assert error.message.startswith("0/1 workers available: 1 class not registered")
+    assert error.message == "0/1 workers available: 1 class not registered; no worker has registered the sandbox " \
+                            "class 'gvisor'"  # the cause said: not that none of the class fits (a walkthrough)
+    log.actor("m", min_fidelity=Fidelity.MEMORY, snapshot=golden(V1))  # whatever its snapshot and floor
+    assert refused(log, "m", ErrorCode.RESOURCE_EXHAUSTED).message.endswith(
+        "; no worker has registered the sandbox class 'gvisor'")
 
 
 # --- rule 2: memory restore on a compatible worker ------------------------------------------------------------------

@@ -254,6 +254,15 @@ def _below(fidelity: PlacedFidelity, floor: Fidelity) -> bool:
 
 
 def plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | None) -> Plan:
+    """The tiers a resume of `actor` may be placed by, in order, and why it is refused past them."""
+    the_plan = _plan(projection, actor, selectors)
+    cls = actor.spec.sandbox_class
+    if cls not in projection.classes:  # no tier had a worker: the class is the cause, whatever the snapshot
+        the_plan.refusal = f"no worker has registered the sandbox class {cls!r}"
+    return the_plan
+
+
+def _plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | None) -> Plan:
     spec = actor.spec  # what it asks for
     cls = spec.sandbox_class
     index = projection.classes.get(cls)
