@@ -399,3 +399,15 @@ async def test_a_tag_that_moves_says_what_it_named(bus):
     assert moved.output.splitlines()[1] == f"base moved: it named snapshot {name} of actor a-1 before"
     as_json = await run("actor", "tag", "a-1", "base", "--json")  # -o json: the reply alone
     assert json.loads(as_json.output)["snapshot"]["actor_id"] == "a-1"
+
+
+async def test_fidelities_are_read_in_any_case(bus):
+    """As `actor list --state paused` is: `--min-fidelity memory` is MEMORY, not a usage error."""
+    run, _ = bus
+    created = await run("actor", "create", "f-1", "--class", "gvisor", "--template", "t1", "--cpu", "100",
+                        "--memory", "256", "--min-fidelity", "volumes")
+    assert created.exit_code == 0, created.output
+    assert json.loads((await run("actor", "show", "f-1", "--json")).output)["min_fidelity"] == "VOLUMES"
+    wrong = await run("actor", "create", "f-2", "--class", "gvisor", "--template", "t1", "--cpu", "100",
+                      "--memory", "256", "--min-fidelity", "warm")
+    assert wrong.exit_code == 2 and "'--min-fidelity'" in wrong.output

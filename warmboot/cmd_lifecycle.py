@@ -101,6 +101,9 @@ def actor() -> None:
     """Create, pause, suspend, resume, tag, revert, re-template, stop and show actors."""
 
 
+FIDELITIES = click.Choice([f.value for f in Fidelity], case_sensitive=False)  # `memory` as `--state paused` is
+
+
 @actor.command("create")
 @click.argument("actor_id")
 @click.option("--class", "sandbox_class", required=True, help="Sandbox class, e.g. gvisor.")
@@ -109,7 +112,7 @@ def actor() -> None:
 @click.option("--memory", "memory_mib", type=int, required=True, help="Memory, whole MiB.")
 @click.option("--selector", "selectors", multiple=True, metavar="KEY=VALUE",
               help="Worker label to require. Repeatable, one value per key.")
-@click.option("--min-fidelity", type=click.Choice([f.value for f in Fidelity]), default=Fidelity.ROOTFS.value,
+@click.option("--min-fidelity", type=FIDELITIES, default=Fidelity.ROOTFS.value,
               show_default=True, help="No restore below this fidelity.")
 @click.option("--source-tag", default=None, help="Start from the snapshot this tag names.")
 @click.option("--golden-snapshot", "golden", type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -188,7 +191,7 @@ def pause_cmd(actor_id: str, snapshot_id: str | None, request_id: str | None, na
 
 @actor.command("suspend")
 @click.argument("actor_id")
-@click.option("--fidelity", type=click.Choice([f.value for f in Fidelity]), default=Fidelity.MEMORY.value,
+@click.option("--fidelity", type=FIDELITIES, default=Fidelity.MEMORY.value,
               show_default=True, help="What the EXTERNAL snapshot can restore.")
 @click.option("--uri", default=None, help="Where the snapshot is stored.")
 @click.option("--snapshot-id", default=None, help="Id of the snapshot (default: <actor>-v<n>).")
