@@ -138,6 +138,14 @@ async def test_unknown_runtimes_and_workers_are_errors_naming_the_option(fleet_o
     assert typo.exit_code == 2 and "'--drain'" in typo.output and "w-gv-9999" in typo.output
     no_class = await run("--class", "nope")
     assert no_class.exit_code == 1 and no_class.stderr.startswith("error: NOT_FOUND sandbox_class (--class): ")
+    assert "(registered: gvisor, microvm)" in no_class.stderr
+    # a class typo is said as such, whatever else is named: not that the worker or runtime is unknown
+    for named in (("--drain", "w-gv-0000"), ("--drop-runtime", "runsc-2024.11")):
+        typo_class = await run("--class", "gvsor", *named)
+        assert typo_class.exit_code == 1 and typo_class.stderr.startswith(
+            "error: NOT_FOUND sandbox_class (--class): no worker has registered the sandbox class 'gvsor'"), named
+    other = await run("--class", "microvm", "--drain", "w-gv-0000")  # registered, but for another class
+    assert other.exit_code == 2 and "worker 'w-gv-0000' is registered for gvisor, not for class microvm" in other.output
     assert await last_seq(nc, prefix) == before
 
 

@@ -503,7 +503,10 @@ def whatif(sandbox_class: str, drop: tuple[str, ...], drain: tuple[str, ...], li
     mode = output_mode(output, as_json)
 
     async def work(nc: Any) -> tuple[WhatIf, WhatIfAnswer, Runtimes]:
+        from services.scheduler.whatif import check_class
+
         projection = await fleet(nc, prefix)
+        check_class(projection, sandbox_class)  # first: the runtimes and workers named are of the class
         runtimes = runtimes_of(projection)
         query = WhatIf(sandbox_class=sandbox_class, drop_runtimes=tuple(resolve_drops(runtimes, drop, sandbox_class)),
                        drain_workers=drain, limit=limit or WHATIF_LIMIT_MAX,

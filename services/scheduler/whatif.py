@@ -137,21 +137,32 @@ def _room(workers: list[Worker]) -> Room:
     return Room(cpu_millis=cpu, memory_mib=mem)
 
 
+def check_class(projection: Projection, sandbox_class: str) -> None:
+    """NOT_FOUND (field `sandbox_class`) unless a worker has registered the class; the message
+    names those registered (a typo's usual look)."""
+    if sandbox_class not in projection.classes:
+        known = ", ".join(sorted(projection.classes)) or "none"
+        raise not_found(f"no worker has registered the sandbox class {sandbox_class!r} (registered: {known})",
+                        "sandbox_class")
+
+
 def check_drains(projection: Projection, sandbox_class: str, workers: tuple[str, ...] | list[str]) -> None:
     """NOT_FOUND (field `drain_workers[i]`) unless every worker to drain is a registered worker of
-    the class: a typo must not forecast nothing (docs/contract.md)."""
+    the class: a typo must not forecast nothing (docs/contract.md). One of another class is said so."""
     for i, worker_id in enumerate(workers):
         worker = projection.workers.get(worker_id)
-        if worker is None or sandbox_class not in worker.classes:
-            raise not_found(f"no registered worker {worker_id!r} of class {sandbox_class}", f"drain_workers[{i}]")
+        if worker is None:
+            raise not_found(f"no registered worker {worker_id!r}", f"drain_workers[{i}]")
+        if sandbox_class not in worker.classes:
+            raise not_found(f"worker {worker_id!r} is registered for {', '.join(sorted(worker.classes))}, not for "
+                            f"class {sandbox_class}", f"drain_workers[{i}]")
 
 
 def whatif(projection: Projection, query: WhatIf) -> WhatIfAnswer:
     """The forecast of `query` on the log folded into `projection` (CONTRACT `scheduler.whatif`)."""
     name = query.sandbox_class
-    index = projection.classes.get(name)
-    if index is None:
-        raise not_found(f"no worker has registered the sandbox class {name!r}", "sandbox_class")
+    check_class(projection, name)
+    index = projection.classes[name]
     check_drains(projection, name, query.drain_workers)
     dropped = frozenset(c for c in (projection.intern.compat_of_key(compat_key(name, v)) for v in query.drop_runtimes)
                         if c is not None)
