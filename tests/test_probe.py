@@ -320,6 +320,10 @@ def test_cli_missing_cpuinfo_gives_architecture_only(tmp_path):
     result = run("probe", "--profile", "gvisor", "--cpuinfo", str(tmp_path / "nope"), "--arch", "arm64")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout) == {"schema_version": "v1", "attributes": [{"key": "architecture", "value": "arm64"}]}
+    # said on stderr: a mistyped path reads as a machine without CPU attributes (a walkthrough)
+    assert result.stderr.startswith(f"warning: {tmp_path / 'nope'} gave no cpu_features (missing, unreadable")
+    whole = run("probe", "--profile", "microvm", "--cpuinfo", str(SAMPLES / "intel-xeon-8480.txt"), "--arch", "amd64")
+    assert whole.exit_code == 0 and whole.stderr == ""
 
 
 def test_cli_directory_is_an_error(tmp_path):
