@@ -318,6 +318,16 @@ async def test_create_from_a_golden_snapshot_file(bus, tmp_path):
     assert "warning: the golden snapshot 'golden-4' holds memory but no sandbox_runtime" in unstamped.stderr
     placed = fields((await run("actor", "resume", "g-4")).output)
     assert "SNAPSHOT_NOT_MEMORY" in placed["FALLBACK"], placed
+    # another template than the file's: taken (the contract allows it), and said, since it cold-boots
+    path.write_text(json.dumps({**to_builtins(golden(V1)), "snapshot_id": "golden-7"}))
+    other = await run("actor", "create", "g-7", "--class", "gvisor", "--template", "t9", "--cpu", "100",
+                      "--memory", "256", "--golden-snapshot", str(path))
+    assert other.exit_code == 0, other.output
+    assert "warning: the golden snapshot 'golden-7' was taken from template" in other.stderr
+    assert "cold-boots instead of restoring it (TEMPLATE_CHANGED)" in other.stderr
+    placed = fields((await run("actor", "resume", "g-7")).output)
+    assert "TEMPLATE_CHANGED" in placed["FALLBACK"], placed
+    assert "template" not in created.stderr  # the file's own template: nothing said
 
 
 async def test_min_seq_chains_commands_and_is_checked(bus, nc, prefix):

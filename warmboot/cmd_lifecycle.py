@@ -156,7 +156,11 @@ def create_cmd(actor_id: str, sandbox_class: str, template_uid: str, cpu_millis:
 
     reply, classes = ask(nats_url, work)
     echo(reply, as_json, lambda: done("actor", actor_id, "created", reply.seq))
-    if golden_snapshot is not None and golden_snapshot.fidelity is Fidelity.MEMORY \
+    if golden_snapshot is not None and golden_snapshot.template_uid != template_uid:  # taken, as the contract allows
+        click.echo(f"warning: the golden snapshot {golden_snapshot.snapshot_id!r} was taken from template "
+                   f"{golden_snapshot.template_uid!r}, not {template_uid!r}: {actor_id} cold-boots instead of restoring "
+                   "it (TEMPLATE_CHANGED)", err=True)
+    elif golden_snapshot is not None and golden_snapshot.fidelity is Fidelity.MEMORY \
             and golden_snapshot.sandbox_runtime is None:  # taken, as the contract allows; a walkthrough missed it
         click.echo(f"warning: the golden snapshot {golden_snapshot.snapshot_id!r} holds memory but no sandbox_runtime: "
                    f"no worker can restore its memory, so {actor_id} starts without it (SNAPSHOT_NOT_MEMORY)",
