@@ -216,16 +216,17 @@ def test_workers_fit_without_a_cut_cell(width):
 def test_wide_shows_every_column_and_the_full_attributes():
     rows = worker_rows(folded(fleet()))
     text = render_workers(rows, 80, wide=True).text
-    assert text.splitlines()[0].split()[-6:] == ["MEM", "RUNTIME", "ID", "RESUMES", "FROM", "ATTRIBUTES"]
+    assert text.splitlines()[0].split()[-7:] == ["MEM", "RUNTIME", "ID", "RESUMES", "FROM", "LABELS", "ATTRIBUTES"]
     first = rows[0]
     line = next(line for line in text.splitlines() if line.startswith(first["worker_id"] + " "))
     assert first["node"] in line and first["runtime_id"] in line and "cpu_features=" in line
 
 
-def test_wide_shows_the_versions_a_worker_resumes_through_its_edges():
+def test_wide_shows_the_versions_a_worker_resumes_through_its_edges_and_its_labels():
     """`compatible_versions` (one-way edges) had no view: `-o wide` lists them by label, as the
-    other runtimes; -o json by version too."""
+    other runtimes; -o json by version too. And the labels selectors match (a walkthrough)."""
     workers = fleet(4)
+    workers[0] = msgspec.structs.replace(workers[0], labels={"zone": "b", "disk": "ssd"})
     older = runtime("gvisor", 0, "2024.05").version
     edged = workers[0].sandbox_classes[0]
     default = msgspec.structs.replace(edged.default_runtime, compatible_versions=(older,))
@@ -240,7 +241,8 @@ def test_wide_shows_the_versions_a_worker_resumes_through_its_edges():
     assert rows[workers[1].worker_id]["resumes_from"] == []
     text = render_workers(list(rows.values()), 80, wide=True).text
     line = next(line for line in text.splitlines() if line.startswith(workers[0].worker_id + " "))
-    assert runtimes.label("gvisor", older) in line.split()
+    assert runtimes.label("gvisor", older) in line.split() and "disk=ssd,zone=b" in line.split()
+    assert edge["labels"] == {"zone": "b", "disk": "ssd"} and rows[workers[1].worker_id]["labels"] == {}
 
 
 @pytest.mark.parametrize("width", WIDTHS)

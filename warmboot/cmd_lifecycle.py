@@ -478,7 +478,11 @@ def worker() -> None:
 @json_option
 def drain_cmd(worker_id: str, reason: str | None, request_id: str | None, nats_url: str, prefix: str,
               as_json: bool) -> None:
-    """Drain WORKER_ID: it takes no new placements and keeps what it runs."""
+    """Drain WORKER_ID: it takes no new placements and keeps what it runs.
+
+    A drain lasts the worker's life, its agent's restarts included (as a cordoned node stays
+    cordoned): to take placements again, remove it (its RUNNING actors are released) and let
+    its agent register it anew."""
     reply, _ = run(nats_url, prefix, False, lambda wb: wb.drain(worker_id, reason, request_id))
     echo(reply, as_json, lambda: done("worker", worker_id, "drained", reply.seq))
 
@@ -506,9 +510,7 @@ def worker_view(worker_id: str, projection: Any) -> dict:
     runtimes = runtimes_of(projection)
     rows = [r for r in worker_rows(projection, runtimes) if r["worker_id"] == worker_id]
     for row in rows:
-        entry = w.classes[row["sandbox_class"]]
-        row["compatible"] = sorted({runtimes.label(row["sandbox_class"], e.version)
-                                    for r in (entry.default, *entry.restorable) for e in r.edges})
+        row["compatible"] = sorted(row["resumes_from"])
     actors = []
     for actor_id in sorted(projection.booked_on(w)):
         a = projection.actors[actor_id]

@@ -306,6 +306,7 @@ def worker_rows(projection: Any, runtimes: Runtimes | None = None) -> list[dict]
                 "capacity": {"cpu_millis": worker.cpu_millis, "memory_mib": worker.memory_mib},
                 "free": {"cpu_millis": worker.room_cpu, "memory_mib": worker.room_mem},
                 "actors": worker.holding,
+                "labels": dict(worker.labels),
             })
     rows.sort(key=lambda r: (r["sandbox_class"], r["runtime"], r["worker_id"]))
     return rows
@@ -327,6 +328,7 @@ WORKER_COLUMNS = [  # `drop`: the highest gives way first when the terminal is n
     Column("MEM", lambda r: mib(r["capacity"]["memory_mib"]), right=True, wide=True),
     Column("RUNTIME ID", lambda r: r["runtime_id"], wide=True),
     Column("RESUMES FROM", lambda r: ",".join(r["resumes_from"]) or "-", wide=True),
+    Column("LABELS", lambda r: ",".join(f"{k}={v}" for k, v in sorted(r["labels"].items())) or "-", wide=True),
     Column("ATTRIBUTES", lambda r: version_text(_version(r["default_runtime"])), wide=True),
 ]
 
