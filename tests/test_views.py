@@ -357,6 +357,15 @@ async def test_a_class_filter_that_matches_nothing_says_so_not_that_nothing_is_r
         assert (shown.exit_code, shown.output) == (0, "no worker registers the sandbox class nope\n")
 
 
+async def test_a_prefix_no_service_answers_is_named_as_the_likely_cause(operated, nats_url):
+    """As a prefix whose log cannot be read is (`cli_common.last_seq`): a walkthrough's `fragmentation
+    --prefix wrong` said only that no service answers a subject."""
+    shown = await cli("fragmentation", "--nats", nats_url, "--prefix", "wrong")
+    assert shown.exit_code == 1
+    assert shown.stderr == "error: UNAVAILABLE: no service answers wrong.scheduler.fragmentation (is --prefix wrong " \
+                           "the deployment's, and does the service run?)\n"
+
+
 async def test_explain_command_fits_and_shows_the_pin_by_its_label(operated, nats_url):
     prefix, nc = operated
     why = await call(nc, service_subject(prefix, "scheduler", "explain", "a-0001"), ExplainResume(), Explanation)

@@ -128,7 +128,12 @@ class Failed(click.ClickException):
         flag = flag_of(error.field)
         if flag:  # the wire's name, and what the user typed
             where += f" ({flag})"
-        super().__init__(f"{error.code.value}{where}: {error.message}")
+        hint = ""
+        context = click.get_current_context(silent=True)
+        prefix = context.params.get("prefix") if context is not None else None
+        if error.message.startswith("no service answers") and prefix:  # as `last_seq` says it for the log
+            hint = f" (is --prefix {prefix} the deployment's, and does the service run?)"
+        super().__init__(f"{error.code.value}{where}: {error.message}{hint}")
         self.error = error
 
     def show(self, file: Any = None) -> None:
