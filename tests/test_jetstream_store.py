@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import subprocess
 import sys
 import threading
@@ -123,7 +124,8 @@ def own_server(tmp_path):
 # --- restarts -------------------------------------------------------------------------------
 
 
-def test_restart_loses_nothing_and_the_same_app_carries_on(own_server):
+def test_restart_loses_nothing_and_the_same_app_carries_on(own_server, caplog):
+    caplog.set_level(logging.INFO, logger="warmboot.jetstream")
     prefix = new_prefix()
     app = app_on(own_server.url, prefix)
     try:
@@ -165,6 +167,20 @@ def test_restart_loses_nothing_and_the_same_app_carries_on(own_server):
         assert finish(*in_thread(read_eight)) == list(range(1, 9))
     finally:
         app.close()
+    # the restart is said (a close on purpose is not: below)
+    assert any(r.getMessage().startswith("disconnected from ") for r in caplog.records)
+
+
+def test_a_store_closed_on_purpose_says_no_reconnecting(nats_url, caplog):
+    """nats-py reports a close as a disconnection too: a walkthrough read "disconnected ...;
+    reconnecting" after a clean stop of `warmboot serve`."""
+    caplog.set_level(logging.INFO, logger="warmboot.jetstream")
+    app = app_on(nats_url, new_prefix())
+    tally = Tally("t-1")
+    tally.drain("x")
+    app.save(tally)
+    app.close()
+    assert not [r for r in caplog.records if "reconnecting" in r.getMessage()]
 
 
 def test_a_write_issued_while_the_server_is_down_lands_once_it_is_back(own_server):

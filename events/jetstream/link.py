@@ -266,6 +266,8 @@ class Link:
             log.debug("nats: %r", error)
 
         async def on_disconnected() -> None:
+            if self.closed or nc.is_closed:  # closed on purpose (nats-py says it as a disconnection too)
+                return
             log.info("disconnected from %s; reconnecting", self.options.where)
 
         async def on_reconnected() -> None:
