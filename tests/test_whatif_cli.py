@@ -154,3 +154,18 @@ def test_help_says_how_to_name_a_runtime():
     assert shown.exit_code == 0
     text = " ".join(shown.output.split())
     assert "--drop-runtime" in text and "--drain" in text and "rt-3f9a1c" in text and "writes nothing" in text
+
+
+def test_what_the_forecast_supposes_reads_in_the_order_of_its_tables():
+    """DROP in the order of the runtime table (by label), DRAIN by id and once each (a walkthrough)."""
+    from services.scheduler.whatif import whatif
+    from warmboot.cmd_views import render_whatif
+
+    projection = folded(fleet())
+    runtimes = runtimes_of(projection)
+    drops = (runtime("gvisor", 2, "2024.11").version, runtime("gvisor", 0, "2024.05").version)
+    query = WhatIf(sandbox_class="gvisor", drop_runtimes=drops, drain_workers=("w-gv-0004", "w-gv-0000", "w-gv-0004"))
+    text = render_whatif(query, whatif(projection, query), runtimes, 200)
+    fields = {line.split()[0]: line.split(None, 1)[1] for line in text.splitlines()[:3]}
+    labels = [runtimes.label("gvisor", v) for v in drops]
+    assert fields["DROP"].split(", ") == sorted(labels) and fields["DRAIN"] == "w-gv-0000, w-gv-0004"

@@ -455,8 +455,9 @@ def render_whatif(query: WhatIf, answer: WhatIfAnswer, runtimes: Runtimes, width
     dropped = {compat_key(cls, v) for v in query.drop_runtimes}
     fields = [
         ("CLASS", cls),
-        ("DROP", ", ".join(runtimes.label(cls, v) for v in query.drop_runtimes) or "-"),
-        ("DRAIN", ", ".join(query.drain_workers) or "-"),
+        ("DROP", ", ".join(runtimes.label(cls, v)  # in the order of the table below
+                           for v in sorted(query.drop_runtimes, key=lambda v: by_label(runtimes, cls, v))) or "-"),
+        ("DRAIN", ", ".join(sorted(set(query.drain_workers))) or "-"),
     ]
     parts = [render_fields(fields, None if wide else width)]
     parts.append(render_table(COUNT_COLUMNS, [("before", answer.before), ("after", answer.after)], width, wide).text)
@@ -472,7 +473,8 @@ def render_whatif(query: WhatIf, answer: WhatIfAnswer, runtimes: Runtimes, width
         parts.append(table.text)
         notes.append(table.footnote(width))
     if newly > len(answer.newly_stranded):
-        notes.append(f"({newly} snapshots newly stranded, {len(answer.newly_stranded)} actors listed; "
+        listed = len(answer.newly_stranded)
+        notes.append(f"({newly} snapshots newly stranded, {listed} actor{'' if listed == 1 else 's'} listed; "
                      f"--limit 0 lists all, up to {WHATIF_LIMIT_MAX:,})")
     text = "\n\n".join(parts)
     notes = [n for n in notes if n]
