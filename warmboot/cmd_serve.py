@@ -59,7 +59,7 @@ def check_interval(ctx: click.Context, param: click.Parameter, value: float) -> 
 @click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="WARMBOOT_PREFIX", show_envvar=True,
               callback=check_prefix_option, help="Subject prefix of the deployment.")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
-              help="Serve Prometheus metrics on this port (0: any free port).")
+              help="Serve Prometheus metrics on this port (0: any free port)  [default: none, no metrics]")
 @click.option("--metrics-host", default=ALL_INTERFACES, show_default=True,
               help="Interface the metrics are served on (all by default, for a Prometheus on another host).")
 @click.option("--ttl", "ttl_s", type=float, default=15.0, show_default=True, callback=check_ttl,
@@ -82,7 +82,8 @@ def check_interval(ctx: click.Context, param: click.Parameter, value: float) -> 
               default=WRITE_INTERVAL_S, show_default=True, envvar="WARMBOOT_WORKER_WRITE_INTERVAL", show_envvar=True,
               help="Registry: seconds in which a worker earns back one write of --worker-writes.")
 @click.option("--replicas", type=click.IntRange(1, 5), default=None, envvar="WARMBOOT_STREAM_REPLICAS",
-              show_envvar=True, help="Replica count of the event stream when this process creates it (3 on a cluster).")
+              show_envvar=True, help="Replica count of the event stream when this process creates it (3 on a cluster)  "
+                                     "[default: 1]")
 @click.option("--checkpoint-every", type=click.IntRange(min=0), default=DEFAULT_EVERY_EVENTS, show_default=True,
               help="Scheduler: save a projection checkpoint every N events folded (0: no checkpoints, "
                    "a new replica replays the whole log).")
