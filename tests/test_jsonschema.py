@@ -388,3 +388,20 @@ def test_check_refuses_an_unknown_name(tmp_path):
     body.write_text("{}")
     result = CliRunner().invoke(main, ["schema", "--check", str(body), "--as", "Nope"])
     assert result.exit_code == 2 and "'Nope' is not a body type" in result.output
+
+
+def test_the_example_golden_snapshot_is_a_valid_one():
+    """examples/golden-snapshot.json, the file `actor create --golden-snapshot` points to: valid for
+    both judges, no key a Snapshot lacks, and a golden snapshot as the create requires it
+    (EXTERNAL, on no node, with a uri, stamped since it holds memory)."""
+    from pathlib import Path
+
+    from events.codec import decode_request, unknown_fields
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "golden-snapshot.json"
+    result = CliRunner().invoke(main, ["schema", "--check", str(path), "--as", "Snapshot"])
+    assert result.exit_code == 0 and result.output.count(": valid Snapshot") == 2 and "note:" not in result.output
+    snapshot = decode_request(s.Snapshot, path.read_bytes())
+    assert unknown_fields(s.Snapshot, msgspec.json.decode(path.read_bytes())) == []
+    assert (snapshot.location, snapshot.node, snapshot.fidelity) == (s.Location.EXTERNAL, None, s.Fidelity.MEMORY)
+    assert snapshot.uri and snapshot.sandbox_runtime is not None
