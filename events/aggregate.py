@@ -166,12 +166,10 @@ class WireAggregate:
         return precondition(f"request_id {request_id!r} was already used for another request on "
                             f"{self.KIND} {self.entity_id!r} ({what})", "request_id")
 
-    def prior(self, verb: str, request_id: str | None, newer: bool = False) -> list[int]:
+    def prior(self, verb: str, request_id: str | None) -> list[int]:
         """Versions of the events an earlier `verb` request with `request_id` recorded in
         this life, oldest first; empty if none (or if this request starts a new life).
-        Raises FAILED_PRECONDITION if the id recorded another verb's events, or an earlier
-        life's (`refuse_from_an_earlier_life`) unless the request is `newer` than anything
-        that life sent (its sender orders its requests, and this one is past them all)."""
+        Raises FAILED_PRECONDITION if the id recorded another verb's events."""
         if request_id is None or self.request_starts_life(verb):
             return []
         start = self.life_start
@@ -181,7 +179,7 @@ class WireAggregate:
             first = self.history[versions[0] - 1]
             if not self.VERB_FIRST[verb](first):
                 raise self.reused(request_id, f"it recorded {type(first).__name__}")
-        elif recorded and not newer:
+        elif recorded:
             self.refuse_from_an_earlier_life(verb, request_id)
         return versions
 

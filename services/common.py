@@ -824,11 +824,10 @@ class NoWriteAnswers:
         return request_id is None or not aggregate.version or aggregate.request_starts_life(verb)
 
     async def recall_async(self, aggregate: Any, verb: str, request_id: str | None,
-                           reply_type: type[T], newer: bool = False) -> tuple[T, int] | None:
+                           reply_type: type[T]) -> tuple[T, int] | None:
         """The kept answer (reply, version) of an earlier `verb` request with `request_id` in the
         aggregate's current life, if any (none when this request starts a new one);
-        FAILED_PRECONDITION if one was kept for another verb, or in an earlier life unless the
-        request is `newer` (`WireAggregate.prior`)."""
+        FAILED_PRECONDITION if one was kept for another verb."""
         if self._nothing_kept(aggregate, verb, request_id):
             return None
         data = await self._answered(self.replies.get(self._key(aggregate.entity_id, request_id)))
@@ -839,8 +838,7 @@ class NoWriteAnswers:
         except msgspec.DecodeError:
             return None
         if kept.version < aggregate.life_start:  # an earlier life's (request ids are scoped to one)
-            if not newer:
-                aggregate.refuse_from_an_earlier_life(verb, request_id)
+            aggregate.refuse_from_an_earlier_life(verb, request_id)
             return None
         if kept.version > aggregate.version:
             return None

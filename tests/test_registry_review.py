@@ -525,45 +525,6 @@ async def test_a_registration_of_an_earlier_life_decided_late_is_refused(nats_ur
         assert (await a.register("w-1", reg("cpu-y", "agent-2"))).outcome is RegisterOutcome.REGISTERED  # its own: answered
 
 
-@pytest.mark.parametrize("first_answer", ["REGISTERED", "UNCHANGED"])
-async def test_an_earlier_life_s_id_with_a_revision_above_every_one_is_a_new_request(nats_url, nc, prefix,
-                                                                                     first_answer):
-    """CONTRACT section 1 (v1.1): a request id is scoped to one life, so an agent that derives its ids
-    from its configuration can come back, and roll back. Life 1 registers configuration C1 (id cfg-1),
-    the worker is removed, life 2 registers C2 (cfg-2), then C1 again (cfg-1, the rollback). With a
-    revision above every one the history holds it is no earlier life's copy: applied, RuntimeChanged
-    back to C1 (it was refused as one: an audit of the v1.1 rules). Without a revision the registry
-    cannot tell it from a late copy (above): refused."""
-    from events.schema import RegisterOutcome, RemoveWorker, RuntimeChanged
-    from tests.registry_helpers import runtime
-
-    def reg(asset: str, rid: str, revision: int | None) -> RegisterWorker:
-        body = registration("w-1", default=runtime(asset), request_id=rid)
-        return msgspec.convert({**body, "revision": revision}, RegisterWorker)
-
-    async with running_registry(nats_url, prefix) as a:
-        if first_answer == "REGISTERED":
-            assert (await a.register("w-1", reg("cpu-x", "cfg-1", 100))).outcome is RegisterOutcome.REGISTERED
-        else:  # life 1 began with another id; cfg-1 said the same again: kept in the reply cache
-            await a.register("w-1", reg("cpu-x", "cfg-0", 100))
-            assert (await a.register("w-1", reg("cpu-x", "cfg-1", 100))).outcome is RegisterOutcome.UNCHANGED
-        await a.remove("w-1", RemoveWorker(reason="upgraded"))
-        assert (await a.register("w-1", reg("cpu-y", "cfg-2", 200))).outcome is RegisterOutcome.REGISTERED
-        before = await last_seq(nc, prefix)
-        with pytest.raises(ContractError) as refused:  # no revision: maybe a late copy
-            await a.register("w-1", reg("cpu-x", "cfg-1", None))
-        assert (refused.value.code, refused.value.field) == (ErrorCode.FAILED_PRECONDITION, "request_id")
-        assert await last_seq(nc, prefix) == before
-        rolled_back = await a.register("w-1", reg("cpu-x", "cfg-1", 300))
-        assert rolled_back.outcome is RegisterOutcome.RUNTIME_CHANGED
-        from tests.factories import read_log
-
-        changed = [e for _, e in await read_log(nc, prefix) if isinstance(e, RuntimeChanged)]
-        assert len(changed) == 1 and changed[0].request_id == "cfg-1"
-        again = await a.register("w-1", reg("cpu-x", "cfg-1", 300))  # its retry: the first answer
-        assert (again.outcome, again.seq) == (RegisterOutcome.RUNTIME_CHANGED, rolled_back.seq)
-
-
 @pytest.mark.parametrize("then", ["unchanged", "changed", "removed"])
 async def test_an_older_registration_decided_late_is_refused_by_its_revision(nats_url, nc, prefix, then):
     """A replica stalls on registration R1 (CPU x, revision 100) and decides it after a newer one.

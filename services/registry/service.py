@@ -194,12 +194,12 @@ class RegistryStore(WireApplication):
         last = versions[-1]
         return Decided(outcome=outcome, seq=worker.seq_at(last) or None, version=last, replay=True)
 
-    async def _kept(self, worker: Worker, verb: str, request_id: str | None, newer: bool = False) -> Decided | None:
+    async def _kept(self, worker: Worker, verb: str, request_id: str | None) -> Decided | None:
         """The answer an earlier request with this id kept because it wrote nothing (`no_writes`)."""
         if self.no_writes is None:
             return None
         kept = await self.no_writes.recall_async(worker, verb, request_id,
-                                                 RegisterReply if verb == "register" else SeqReply, newer)
+                                                 RegisterReply if verb == "register" else SeqReply)
         if kept is None:
             return None
         reply, version = kept
@@ -207,13 +207,10 @@ class RegistryStore(WireApplication):
 
     async def register(self, request: RegisterWorker, at: datetime, ticket: Ticket = FREE) -> Decided:
         worker = await self.load(request.worker_id)
-        # A revision above every one the worker's history holds, in any life, is no earlier life's copy:
-        # its id, used then (an agent deriving its ids from its configuration, rolled back), is new.
-        newer = request.revision is not None and worker.revision is not None and request.revision > worker.revision
-        earlier = worker.prior("register", request.request_id, newer)
+        earlier = worker.prior("register", request.request_id)
         if earlier:
             return self._replay(worker, earlier, register_outcome(worker.events_at(earlier)))
-        kept = await self._kept(worker, "register", request.request_id, newer)
+        kept = await self._kept(worker, "register", request.request_id)
         if kept is not None:
             return kept
         try:
