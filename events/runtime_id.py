@@ -53,6 +53,7 @@ class Known:
     key: CompatKey
     version: CompatVersion
     names: set[str] = field(default_factory=set)
+    run: bool = False  # a worker runs it (a default or restorable runtime), not only accepts it (an edge)
 
 
 class Runtimes:
@@ -67,9 +68,11 @@ class Runtimes:
         for sandbox_class, version, name in entries:
             self.add(sandbox_class, version, name)
 
-    def add(self, sandbox_class: str, version: CompatVersion, name: str | None = None) -> CompatKey:
+    def add(self, sandbox_class: str, version: CompatVersion, name: str | None = None, *,
+            run: bool = False) -> CompatKey:
         key = compat_key(sandbox_class, version)
         known = self.known.setdefault(key, Known(key, version))
+        known.run = known.run or run
         if name:
             known.names.add(name)
             self._by_name.setdefault(name, set()).add(key)

@@ -421,3 +421,19 @@ async def test_fidelities_are_read_in_any_case(bus):
     wrong = await run("actor", "create", "f-2", "--class", "gvisor", "--template", "t1", "--cpu", "100",
                       "--memory", "256", "--min-fidelity", "warm")
     assert wrong.exit_code == 2 and "'--min-fidelity'" in wrong.output
+
+
+async def test_a_tag_moved_to_another_actor_s_image_of_the_same_id_says_so(bus):
+    """Ids are not checked across actors (docs/contract.md): a-1's and b-1's images may both be
+    `img`. Moving the tag from a-1's to b-1's is a move to another image, said (it compared only
+    snapshot_id: a review)."""
+    run, wb = bus
+    for actor_id in ("a-1", "b-1"):
+        await wb.create(actor(actor_id))
+        await wb.resume(actor_id)
+        await wb.suspend(actor_id, uri=f"s3://bucket/{actor_id}", snapshot_id="img")
+    first = await run("actor", "tag", "a-1", "base")
+    assert first.exit_code == 0 and "moved" not in first.output
+    moved = await run("actor", "tag", "b-1", "base")
+    assert moved.exit_code == 0, moved.output
+    assert "base moved: it named snapshot img of actor a-1 before" in moved.output, moved.output

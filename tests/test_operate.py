@@ -227,7 +227,7 @@ def test_a_timeline_tells_apart_the_runtimes_it_names_that_the_fleet_no_longer_r
 
     def fleet_of() -> Runtimes:
         fleet = Runtimes()
-        fleet.add("gvisor", version("gen-3"), "runsc-v2")  # the next release, on a third generation
+        fleet.add("gvisor", version("gen-3"), "runsc-v2", run=True)  # the next release, on a third generation
         return fleet
 
     fleet = fleet_of()
@@ -242,8 +242,15 @@ def test_a_timeline_tells_apart_the_runtimes_it_names_that_the_fleet_no_longer_r
     assert alone == [[f"pin runsc-v1@{digits[0]}"], [f"pin runsc-v1@{digits[1]}"]], alone
     # a runtime the fleet runs reads as in the other views: by its name alone when that is unique
     running = fleet_of()
-    running.add("gvisor", old, "runsc-v1")
+    running.add("gvisor", old, "runsc-v1", run=True)
     assert timeline_labels([placed("a", "w-1", named_old)], running) == ["pin runsc-v1"]
+    # ones it only accepts through edges (the usual end of a rolling upgrade) are not run: qualified,
+    # so two actors' timelines do not read alike (a review)
+    accepting = fleet_of()
+    accepting.add("gvisor", old)
+    accepting.add("gvisor", new)
+    assert [timeline_labels([placed(a, "w-1", pin)], accepting) for a, pin in (("a", named_old), ("b", named_new))] \
+        == [[f"pin runsc-v1@{digits[0]}"], [f"pin runsc-v1@{digits[1]}"]]
 
 
 async def test_views_json_agree_with_the_endpoints(demo, nats_url, nc):

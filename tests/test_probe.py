@@ -432,3 +432,23 @@ def test_cli_schema_lists_every_event_type():
     attr_key = doc["$defs"]["Attribute"]["properties"]["key"]
     assert attr_key["pattern"].startswith("^[a-z]")
     assert doc["$defs"]["CompatVersion"]["properties"]["attributes"]["maxItems"] == 32
+
+
+def test_probe_warning_when_one_cpu_attribute_is_missing_does_not_say_the_version_names_no_cpu(tmp_path):
+    """The agent (`_cpu_unnamed`) refuses only a version naming none of the CPU keys: a cpuinfo with
+    vendor_id but no family or model gives cpu_vendor, and the warning names what is missing only
+    (it said "names no CPU": a review)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from warmboot.cli import main
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: fpu sse\n\n")
+    result = CliRunner().invoke(main, ["probe", "--profile", "microvm", "--cpuinfo", str(info), "--arch", "amd64"])
+    assert result.exit_code == 0, result.output
+    keys = [a["key"] for a in json.loads(result.stdout)["attributes"]]
+    assert "cpu_vendor" in keys  # it names the CPU's vendor
+    assert "names no CPU" not in result.stderr, result.stderr
+    assert result.stderr.startswith(f"warning: {info} gave no cpu_model (missing, unreadable")

@@ -18,7 +18,8 @@ import pytest
 
 from events.errors import ContractError
 from events.jetstream import TOPIC_HEADER, VERSION_HEADER
-from events.schema import ErrorCode, Heartbeat, RegisterWorker, WorkerRegistered, WorkerRemoved
+from events.schema import (ErrorCode, Heartbeat, RegisterOutcome, RegisterWorker, RemoveWorker, WorkerRegistered,
+                           WorkerRemoved)
 from events.subjects import bucket_name, stream_name
 from events.natspy import Replies, flush_in_order
 from services.registry.liveness import Liveness
@@ -28,6 +29,7 @@ from tests.registry_helpers import (
     raw_request,
     registration,
     running_registry,
+    runtime,
     wait_event,
     worker_events,
 )
@@ -572,3 +574,47 @@ async def test_an_older_registration_decided_late_is_refused_by_its_revision(nat
         worker = await a.store.load("w-1")
         attrs = {x.key: x.value for x in worker.sandbox_classes[0].default_runtime.version.attributes}
         assert attrs["gvisor_asset_hash"] == kept and worker.revision == 200
+
+
+def revised(asset: str, rid: str, revision: int | None) -> RegisterWorker:
+    body = registration("w-1", default=runtime(asset), request_id=rid)
+    return msgspec.convert({**body, "revision": revision}, RegisterWorker)
+
+
+@pytest.mark.parametrize("first_answer", ["REGISTERED", "UNCHANGED"])
+@pytest.mark.parametrize("life2_revision", [None, 120])
+async def test_a_late_copy_whose_revision_the_earlier_life_never_recorded_is_refused(
+        nats_url, nc, prefix, first_answer, life2_revision):
+    """Life 1: an agent deriving ids from its configuration registers cfg-1 (CPU x, revision 100).
+    It restarts and sends cfg-1 again at its new revision 150: a copy stalls on one replica, the
+    retry is answered from life 1 (replay / kept answer), so 150 is never recorded. The worker is
+    removed (its CPU changed) and life 2 is registered by a sender without revisions (or with a
+    lower one). The stalled copy (cfg-1, 150) is then decided: refused, its id an earlier life's.
+    A revision above every recorded one cannot tell a new request from it, since an answered
+    revision need not be recorded (a review refused 107963e, which took it so)."""
+    async with running_registry(nats_url, prefix) as a, running_registry(nats_url, prefix) as stalled:
+        if first_answer == "REGISTERED":
+            first = await a.register("w-1", revised("cpu-x", "cfg-1", 100))
+            assert first.outcome is RegisterOutcome.REGISTERED
+        else:
+            await a.register("w-1", revised("cpu-x", "cfg-0", 100))
+            first = await a.register("w-1", revised("cpu-x", "cfg-1", 100))
+            assert first.outcome is RegisterOutcome.UNCHANGED
+        copy = revised("cpu-x", "cfg-1", 150)
+        late, go = await registration_held(stalled, copy)
+        retry = await a.register("w-1", copy)  # answered from life 1: nothing recorded at 150
+        assert (retry.outcome, retry.seq) == (first.outcome, first.seq)
+        assert (await a.store.load("w-1")).revision == 100
+        await a.remove("w-1", RemoveWorker(reason="its CPU changed"))
+        second = await a.register("w-1", revised("cpu-y", "cfg-2", life2_revision))
+        assert second.outcome is RegisterOutcome.REGISTERED
+        before = await last_seq(nc, prefix)
+        go.set()
+        try:
+            outcome = (await finished(late)).outcome
+        except ContractError as refused:
+            outcome = (refused.code, refused.field)
+        worker = await a.store.load("w-1")
+        attrs = {x.key: x.value for x in worker.sandbox_classes[0].default_runtime.version.attributes}
+        assert (outcome, attrs["gvisor_asset_hash"]) == ((ErrorCode.FAILED_PRECONDITION, "request_id"), "cpu-y")
+        assert await last_seq(nc, prefix) == before

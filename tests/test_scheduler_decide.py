@@ -875,3 +875,19 @@ def test_explain_names_the_workers_that_came_furthest_through_the_checks(monkeyp
     assert [(r.worker_id, r.reasons) for r in rejected] == [  # short of one resource before short of both
         ("w-g", ["insufficient memory"]), ("w-d", ["insufficient cpu", "insufficient memory"]),
         ("w-c", ["runtime mismatch"])]  # w-h, as far as w-c, comes later in the log
+
+
+def test_a_class_whose_every_worker_was_removed_is_refused_as_not_registered():
+    """A class's index outlives its last worker: its workers, not the index, say whether any is left
+    (a review)."""
+    log = Log()
+    log.worker("w1")  # gvisor
+    log.worker("other", sandbox_class="microvm")
+    log.add(WorkerRemoved(at=AT, worker_id="w1", reason="decommissioned"))
+    log.actor("a")
+    with pytest.raises(ContractError) as refused:
+        log.decide("a")
+    assert refused.value.code is ErrorCode.RESOURCE_EXHAUSTED
+    # the same fleet as a log where gvisor was never registered: the same cause
+    assert refused.value.message == ("0/1 workers available: 1 class not registered; no worker has registered "
+                                     "the sandbox class 'gvisor'")

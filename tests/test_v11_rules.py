@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from events.errors import ContractError
 from events.schema import (
     Action,
     ActorReverted,
@@ -24,6 +25,7 @@ from events.schema import (
     TemplateChanged,
     WhatIf,
     WorkerDrained,
+    WorkerRemoved,
 )
 from services.scheduler.whatif import whatif
 from tests.factories import AT, Log, actor, entry, golden, read_log, registered, runtime, taken, version, worker
@@ -258,3 +260,15 @@ async def test_an_earlier_lifes_drain_and_pause_ids_are_new_requests_in_the_next
     assert r2.fidelity is PlacedFidelity.NONE
     p2 = await wb.pause("a", request_id="p-1")
     assert p2.seq > p1.seq and p2.snapshot.snapshot_id != p1.snapshot.snapshot_id
+
+
+def test_whatif_of_a_class_whose_every_worker_was_removed_is_not_found():
+    """As for a resume: a class whose every worker was removed has none registered (a review)."""
+    log = Log()
+    log.worker("w1")
+    log.worker("other", sandbox_class="microvm")
+    log.add(WorkerRemoved(at=AT, worker_id="w1", reason="decommissioned"))
+    with pytest.raises(ContractError) as refused:
+        whatif(log.p, WhatIf(sandbox_class="gvisor"))
+    assert refused.value.code is ErrorCode.NOT_FOUND
+    assert refused.value.message == "no worker has registered the sandbox class 'gvisor' (registered: microvm)"

@@ -117,9 +117,10 @@ def timeline_labels(events: list, runtimes: Runtimes) -> list[str]:
     (`name`, `name@3f9a1c` or `rt-3f9a1c`), told apart among the fleet's runtimes and every one the
     timeline names: two runtimes of one name read alike once the fleet runs only one of them (found
     by a walkthrough: the pins of two CPU generations, the older one dropped, read the same). One
-    the fleet no longer runs is always `name@3f9a1c`: another actor's timeline may name another
-    runtime of that name, which this one does not know of (a second walkthrough)."""
-    fleet = set(runtimes.known)
+    the fleet no longer runs (as a default or restorable runtime; an edge that accepts it is not
+    running it) is always `name@3f9a1c`: another actor's timeline may name another runtime of that
+    name, which this one does not know of (a second walkthrough; a review found the edge case)."""
+    fleet = {key for key, known in runtimes.known.items() if known.run}  # an edge only accepts: not run
     stamped = [_stamped(event) for event in events]
     for found in stamped:
         if found is not None:

@@ -57,11 +57,13 @@ def probe(profile: str, cpuinfo_path: Path, arch: str | None, attrs: tuple[str, 
     except ProbeError as e:
         raise click.ClickException(str(e)) from None
     found = {a.key for a in version.attributes}
-    missing = [key for key in PROFILES[profile] if key not in found]
+    cpu_keys = [key for key in PROFILES[profile] if key != "architecture"]
+    missing = [key for key in cpu_keys if key not in found]
     if missing:  # a mistyped --cpuinfo reads as a machine without CPU attributes: said, not passed off
+        named_none = len(missing) == len(cpu_keys)
         click.echo(f"warning: {cpuinfo_path} gave no {', '.join(missing)} (missing, unreadable, or not a cpuinfo "
-                   "file?): this version names no CPU, and an agent refuses such a runtime unless it is marked "
-                   "cpu_masked", err=True)
+                   "file?)" + (": this version names no CPU, and an agent refuses such a runtime unless it is "
+                               "marked cpu_masked" if named_none else ""), err=True)
     click.echo(encode(version).decode())
 
 

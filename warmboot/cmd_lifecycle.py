@@ -260,7 +260,7 @@ def tag_cmd(actor_id: str, tag: str, request_id: str | None, nats_url: str, pref
 
     def text() -> str:
         said = done("actor", actor_id, f"tagged {tag}: " + snapshot_text(reply.snapshot, runtimes), reply.seq)
-        if before is not None and before.snapshot_id != reply.snapshot.snapshot_id:
+        if before is not None and before != reply.snapshot:  # ids are not unique across actors: the whole of it
             said += f"\n{tag} moved: it named snapshot {before.snapshot_id} of actor {before.actor_id} before"
         return said
 

@@ -67,7 +67,7 @@ def runtimes_of(projection: Any) -> Runtimes:
     for worker in projection.workers.values():
         for sandbox_class, entry in worker.classes.items():
             for runtime in (entry.default, *entry.restorable):
-                runtimes.add(sandbox_class, runtime.compat.version, runtime.name)
+                runtimes.add(sandbox_class, runtime.compat.version, runtime.name, run=True)
                 for edge in getattr(runtime, "edges", ()):
                     runtimes.add(sandbox_class, edge.version)
     return runtimes
