@@ -42,7 +42,11 @@ def store_holder(store_dir: str | Path, name: str) -> str | None:
     path = Path(store_dir) / f"{name}.lock"
     if not path.exists():
         return None
-    with open(path, "a+") as handle:
+    try:
+        handle = open(path, "a+")
+    except OSError:  # not ours to look at: the server's own start says why it cannot use the store
+        return None
+    with handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -152,7 +156,10 @@ class NatsServer:
         `warmboot up` on the first one's store)."""
         if self._lock is not None:
             return
-        handle = open(self.store_dir / f"{self.name}.lock", "a+")
+        try:
+            handle = open(self.store_dir / f"{self.name}.lock", "a+")
+        except OSError as error:
+            raise NatsServerError(f"cannot use the store {self.store_dir}: {error.strerror or error}") from None
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
