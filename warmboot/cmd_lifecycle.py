@@ -117,9 +117,9 @@ FIDELITIES = click.Choice([f.value for f in Fidelity], case_sensitive=False)  # 
 @click.option("--source-tag", default=None, help="Start from the snapshot this tag names.")
 @click.option("--golden-snapshot", "golden", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               default=None, help="Start from this Snapshot (a JSON file): EXTERNAL, on no node, with a uri; "
-                                 "stamped (sandbox_runtime) if its memory is to be restored; examples/golden-snapshot.json is "
-                                 "one. `warmboot schema --check FILE --as Snapshot` checks the file's form; the create "
-                                 "checks the rest.")
+                                 "stamped (sandbox_runtime) if its memory is to be restored; "
+                                 "examples/golden-snapshot.json is one. `warmboot schema --check FILE --as Snapshot` "
+                                 "checks the file's form; the create checks the rest.")
 @request_id_option
 @nats_option
 @prefix_option
@@ -159,8 +159,8 @@ def create_cmd(actor_id: str, sandbox_class: str, template_uid: str, cpu_millis:
     echo(reply, as_json, lambda: done("actor", actor_id, "created", reply.seq))
     if golden_snapshot is not None and golden_snapshot.template_uid != template_uid:  # taken, as the contract allows
         click.echo(f"warning: the golden snapshot {golden_snapshot.snapshot_id!r} was taken from template "
-                   f"{golden_snapshot.template_uid!r}, not {template_uid!r}: {actor_id} cold-boots instead of restoring "
-                   "it (TEMPLATE_CHANGED)", err=True)
+                   f"{golden_snapshot.template_uid!r}, not {template_uid!r}: {actor_id} cold-boots instead of "
+                   "restoring it (TEMPLATE_CHANGED)", err=True)
     elif golden_snapshot is not None and golden_snapshot.fidelity is Fidelity.MEMORY \
             and golden_snapshot.sandbox_runtime is None:  # taken, as the contract allows; a walkthrough missed it
         click.echo(f"warning: the golden snapshot {golden_snapshot.snapshot_id!r} holds memory but no sandbox_runtime: "

@@ -146,7 +146,6 @@ def counted(events: list[Any]) -> list[Any]:
 # --- the worker-removal process ------------------------------------------------------------
 
 
-
 def release_parts(actors: list[Actor], room: int) -> list[list[Actor]]:
     """`actors` (each with its release pending) in order, in parts of at most `room` pending
     events each; one part, maybe empty, when they all fit (it carries the tracking record)."""
@@ -160,6 +159,7 @@ def release_parts(actors: list[Actor], room: int) -> list[list[Actor]]:
         parts[-1].append(actor)
         size += events
     return parts
+
 
 class WorkerRemovalProcess(EventSourcedProjection[str], WireApplication):
     """Releases, exactly once, every actor placed on a worker that is removed.
