@@ -392,6 +392,23 @@ async def test_create_of_a_class_no_worker_runs_warns_and_creates(bus, nc, prefi
     assert known.exit_code == 0 and not known.stderr, known.output
 
 
+async def test_create_with_a_selector_no_worker_matches_warns_and_creates(bus, nc, prefix):
+    """As a mistyped class: a selector no registered worker of the class matches is accepted, and
+    the resume refused later; the command says so at once (a walkthrough)."""
+    run, wb = bus
+    await wb.register(worker("w-zone", V1, labels={"zone": "a", "disk": "ssd"}))
+    create = ("actor", "create", "s-1", "--class", "gvisor", "--template", "t1", "--cpu", "100", "--memory", "64")
+    nowhere = await run(*create, "--selector", "zone=z9", "--selector", "disk=ssd", "--json")
+    assert nowhere.exit_code == 0 and json.loads(nowhere.stdout)["seq"] == await last_seq(nc, prefix)
+    assert nowhere.stderr.strip() == ("warning: no registered worker of class gvisor has the labels disk=ssd, zone=z9; "
+                                      "resuming s-1 is refused until one does (`warmboot workers -o wide` shows their "
+                                      "labels)")
+    somewhere = await run(*create[:2], "s-2", *create[3:], "--selector", "zone=a", "--selector", "disk=ssd")
+    assert somewhere.exit_code == 0 and not somewhere.stderr, somewhere.stderr
+    refused = await run("actor", "resume", "s-1")
+    assert refused.exit_code == 1 and "RESOURCE_EXHAUSTED" in refused.stderr
+
+
 async def test_a_tag_that_moves_says_what_it_named(bus):
     """A tag names one snapshot; tagging another actor's with it moves it, which the contract
     allows and the output says (a walkthrough moved a team's golden tag without knowing)."""

@@ -31,13 +31,15 @@ from events.runtime_id import Runtimes, short_id
 from events.schema import ActorRuntime, CompatVersion, CreateActor, Fidelity, Resources, Snapshot, TagRecorded
 from events.states import ActorState
 from events.subjects import event_subject
-from warmboot.cli_common import (ask, check_id, json_option, min_seq_option, nats_option, prefix_option, read_subject,
-                                 replay, selectors_of, version_text)
+from warmboot.cli_common import (ask, check_id, json_option, last_seq, min_seq_option, nats_option, prefix_option,
+                                 read_subject, replay, selectors_of, version_text)
 from warmboot.client import Client
 from warmboot.cmd_views import (
+    LABELS_TIMEOUT_S,
     decision_fields,
     echo_json,
     echo_table,
+    fleet,
     fleet_runtimes,
     millis,
     mib,
@@ -146,16 +148,24 @@ def create_cmd(actor_id: str, sandbox_class: str, template_uid: str, cpu_millis:
                        selectors=selectors_of(selectors), min_fidelity=Fidelity(min_fidelity),
                        source_tag=source_tag, golden_snapshot=golden_snapshot, request_id=request_id)
 
-    async def work(nc: Any) -> tuple[Any, list[str] | None]:
+    async def work(nc: Any) -> tuple[Any, list[str] | None, bool | None]:
         wb = Client(nc, prefix)
         reply = await wb.create(body)
         try:  # which classes the fleet runs, for a warning: a mistyped class is accepted, and refused at resume
             classes = [c.sandbox_class for c in (await wb.fragmentation()).classes if c.workers]
         except (ContractError, OSError, asyncio.TimeoutError, nats.errors.Error):
             classes = None  # no scheduler answering: nothing to say
-        return reply, classes
+        matched = None  # whether a registered worker of the class has every label selected (None: not known)
+        if body.selectors and classes and sandbox_class in classes:
+            try:  # the fleet's workers, as the views read them; a client that may not read the log says nothing
+                workers = (await fleet(nc, prefix, await last_seq(nc, prefix, LABELS_TIMEOUT_S))).workers.values()
+                matched = any(sandbox_class in w.classes and all(w.labels.get(k) == v for k, v in body.selectors.items())
+                              for w in workers)
+            except (click.ClickException, ContractError, OSError, asyncio.TimeoutError, nats.errors.Error):
+                matched = None
+        return reply, classes, matched
 
-    reply, classes = ask(nats_url, work)
+    reply, classes, matched = ask(nats_url, work)
     echo(reply, as_json, lambda: done("actor", actor_id, "created", reply.seq))
     if golden_snapshot is not None and golden_snapshot.template_uid != template_uid:  # taken, as the contract allows
         click.echo(f"warning: the golden snapshot {golden_snapshot.snapshot_id!r} was taken from template "
@@ -170,6 +180,10 @@ def create_cmd(actor_id: str, sandbox_class: str, template_uid: str, cpu_millis:
         click.echo(f"warning: no registered worker runs the sandbox class {sandbox_class!r} "
                    f"(the fleet runs: {', '.join(sorted(classes)) or 'none'}); resuming {actor_id} is refused "
                    "until one does", err=True)
+    elif matched is False:  # a selector nothing matches: refused at resume, as a mistyped class is
+        wanted = ", ".join(f"{k}={v}" for k, v in sorted(body.selectors.items()))
+        click.echo(f"warning: no registered worker of class {sandbox_class} has the labels {wanted}; resuming "
+                   f"{actor_id} is refused until one does (`warmboot workers -o wide` shows their labels)", err=True)
 
 
 def echo(reply: Any, as_json: bool, text: Callable[[], str]) -> None:
