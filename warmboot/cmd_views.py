@@ -290,6 +290,7 @@ def worker_rows(projection: Any, runtimes: Runtimes | None = None) -> list[dict]
     for worker in projection.workers.values():
         for sandbox_class, entry in worker.classes.items():
             default = entry.default
+            edges = edges_of(entry)
             rows.append({
                 "sandbox_class": sandbox_class,
                 "worker_id": worker.worker_id,
@@ -301,8 +302,8 @@ def worker_rows(projection: Any, runtimes: Runtimes | None = None) -> list[dict]
                 "restorable": [runtimes.label(sandbox_class, r.compat.version, r.name) for r in entry.restorable],
                 "restorable_runtimes": [to_builtins(r.compat.version) for r in entry.restorable],
                 # the one-way edges: versions whose memory snapshots it also resumes (compatible_versions)
-                "resumes_from": [runtimes.label(sandbox_class, e.version) for e in edges_of(entry)],
-                "resumes_from_versions": [to_builtins(e.version) for e in edges_of(entry)],
+                "resumes_from": [runtimes.label(sandbox_class, e.version) for e in edges],
+                "resumes_from_versions": [to_builtins(e.version) for e in edges],
                 "capacity": {"cpu_millis": worker.cpu_millis, "memory_mib": worker.memory_mib},
                 "free": {"cpu_millis": worker.room_cpu, "memory_mib": worker.room_mem},
                 "actors": worker.holding,

@@ -43,16 +43,26 @@ def store_holder(store_dir: str | Path, name: str) -> str | None:
     if not path.exists():
         return None
     try:
-        handle = open(path, "a+")
+        handle, holder = _take_lock(path)
     except OSError:  # not ours to look at: the server's own start says why it cannot use the store
         return None
-    with handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            return handle.read().strip() or "?"
-    return None
+    if handle is not None:
+        handle.close()  # free again
+    return holder
+
+
+def _take_lock(path: Path) -> tuple[Any, str | None]:
+    """(the open lock file, held by this process, None) if nobody held it; else (None, the pid its
+    holder wrote there, or "?"). OSError if it cannot be opened."""
+    handle = open(path, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "?"
+        handle.close()
+        return None, holder
+    return handle, None
 
 
 def server_binary() -> str:
@@ -157,17 +167,12 @@ class NatsServer:
         if self._lock is not None:
             return
         try:
-            handle = open(self.store_dir / f"{self.name}.lock", "a+")
+            handle, holder = _take_lock(self.store_dir / f"{self.name}.lock")
         except OSError as error:
             raise NatsServerError(f"cannot use the store {self.store_dir}: {error.strerror or error}") from None
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "?"
-            handle.close()
+        if handle is None:
             raise NatsServerError(f"the store {self.store_dir / self.name} is in use by another nats-server "
-                                  f"(started by process {holder}): stop it, or give another store") from None
+                                  f"(started by process {holder}): stop it, or give another store")
         handle.seek(0)
         handle.truncate()
         handle.write(f"{os.getpid()}\n")

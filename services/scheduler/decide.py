@@ -257,8 +257,7 @@ def plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | No
     """The tiers a resume of `actor` may be placed by, in order, and why it is refused past them."""
     the_plan = _plan(projection, actor, selectors)
     cls = actor.spec.sandbox_class
-    index = projection.classes.get(cls)  # outlives its last worker: its workers say whether any is left
-    if index is None or not index.workers.items:  # no tier had a worker: the class is the cause
+    if not projection.registered(cls):  # no tier had a worker: the class is the cause
         the_plan.refusal = f"no worker has registered the sandbox class {cls!r}"
     return the_plan
 

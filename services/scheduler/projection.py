@@ -284,6 +284,12 @@ class Projection:
             index = self.classes[sandbox_class] = ClassIndex(sandbox_class)
         return index
 
+    def registered(self, sandbox_class: str) -> bool:
+        """Whether a registered worker (drained or not) runs the class. Not whether the class has an
+        index: one outlives its last worker, and one is made for an actor's class."""
+        index = self.classes.get(sandbox_class)
+        return index is not None and bool(index.workers.items)
+
     # --- workers ------------------------------------------------------------------------
 
     def _index(self, worker: Worker, delta: int) -> None:

@@ -137,19 +137,11 @@ def _room(workers: list[Worker]) -> Room:
     return Room(cpu_millis=cpu, memory_mib=mem)
 
 
-def registered_classes(projection: Projection) -> list[str]:
-    """The classes some registered worker (drained or not) runs, by name. A class's index outlives
-    its last worker (and one is made for an actor's class), so a class the projection has an
-    index of may have none."""
-    return sorted(name for name, index in projection.classes.items() if index.workers.items)
-
-
 def check_class(projection: Projection, sandbox_class: str) -> None:
-    """NOT_FOUND (field `sandbox_class`) unless a registered worker runs the class; the message
-    names those some worker runs (a typo's usual look)."""
-    index = projection.classes.get(sandbox_class)
-    if index is None or not index.workers.items:
-        known = ", ".join(registered_classes(projection)) or "none"
+    """NOT_FOUND (field `sandbox_class`) unless a registered worker runs the class
+    (`Projection.registered`); the message names those some worker runs (a typo's usual look)."""
+    if not projection.registered(sandbox_class):
+        known = ", ".join(sorted(name for name in projection.classes if projection.registered(name))) or "none"
         raise not_found(f"no worker has registered the sandbox class {sandbox_class!r} (registered: {known})",
                         "sandbox_class")
 
