@@ -120,6 +120,16 @@ def test_a_forged_placement_is_named_with_its_sequence(case):
     assert verify(before) is None  # the log up to it is clean
 
 
+def test_verify_help_names_every_rule_it_reports():
+    """`audit verify --help` lists the names a violation is reported with, and every rule a forged
+    log here breaks is one of them (a walkthrough found the help saying only "the invariants")."""
+    shown = CliRunner().invoke(main, ["audit", "verify", "--help"], terminal_width=200)
+    assert shown.exit_code == 0, shown.output
+    rules = [*audit.PLACEMENT_RULES, audit.STAMP_NOT_PIN, audit.CHANGE_UNREGISTERED]
+    assert all(rule in shown.output for rule in rules), shown.output
+    assert {rule for _, _, rule in CASES.values()} <= set(rules)
+
+
 @pytest.mark.parametrize("case", ["drained", "local off its node", "across architectures"])
 async def test_audit_verify_fails_naming_the_rule_on_a_real_stream(nats_url, prefix, writer, case):
     before, forged, rule = CASES[case]

@@ -211,6 +211,7 @@ async def test_actor_timeline_shows_stamps_pins_and_fallbacks(demo, nats_url):
     lines = table.output.splitlines()
     assert lines[0].split() == ["SEQ", "AT", "EVENT", "WORKER", "FIDELITY", "FALLBACK", "RUNTIME"]
     assert len(lines) == 1 + len(rows) and not set("┃│━─┏") & set(table.output)
+    assert lines[1].split()[1] == rows[0]["at"][:19] + "Z"  # to the second, said to be UTC
     assert "architecture=" not in table.output and any(" pin " in f" {line} " for line in lines)
 
 

@@ -28,7 +28,7 @@ from services.scheduler.fragmentation import fragmentation
 from services.scheduler.projection import Projection
 from services.scheduler.records import MEMORY, RUNNING, STOPPED, Actor
 
-# The rules `audit verify` checks at each ActorPlaced (names as they appear in its report).
+# The rules `audit verify` checks (names as they appear in its report): at each ActorPlaced,
 UNKNOWN_ACTOR = "placement of an unknown actor"
 PLACED_TWICE = "actor placed twice without a release"
 NOT_TAKING = "placement on a worker that takes none"
@@ -42,6 +42,12 @@ NODE_MISMATCH = "placement names another node than its worker's"
 NOT_IN_SNAPSHOT = "restore of what the latest snapshot does not hold"
 BELOW_FLOOR = "placement below the actor's min_fidelity"
 UNDER_BOOKED = "placement books less than the actor needs"
+# at each SnapshotTaken and RuntimeChanged,
+STAMP_NOT_PIN = "stamp differs from the actor's pin"
+CHANGE_UNREGISTERED = "RuntimeChanged without a registration"
+PLACEMENT_RULES = (UNKNOWN_ACTOR, PLACED_STOPPED, PLACED_TWICE, NOT_TAKING, PAST_ROOM, RUNTIME_GONE, SELECTOR_UNMET,
+                   LOCAL_OFF_NODE, ACROSS_ARCHITECTURES, NODE_MISMATCH, NOT_IN_SNAPSHOT, BELOW_FLOOR,
+                   UNDER_BOOKED)
 
 # The floor's order (CONTRACT rule 4a): lower is better.
 _RANK = {PlacedFidelity.MEMORY: 0, PlacedFidelity.VOLUMES: 1, PlacedFidelity.ROOTFS: 2, PlacedFidelity.NONE: 3}
@@ -70,7 +76,7 @@ class Verifier:
         if isinstance(event, SnapshotTaken):
             return self._stamp(seq, event)
         if isinstance(event, RuntimeChanged) and event.worker_id not in self.projection.workers:
-            return Violation(seq, "RuntimeChanged without a registration",
+            return Violation(seq, CHANGE_UNREGISTERED,
                              f"worker {event.worker_id} is not registered")
         return None
 
@@ -188,7 +194,7 @@ class Verifier:
         else:
             return None
         if expected is None or stamp_key(stamp) != stamp_key(expected):
-            return Violation(seq, "stamp differs from the actor's pin",
+            return Violation(seq, STAMP_NOT_PIN,
                              f"{event.actor_id} {origin.value} stamped {stamp_key(stamp)}, {what} is "
                              f"{stamp_key(expected) if expected else 'missing'}")
         return None

@@ -13,7 +13,7 @@ from events.errors import not_found
 from events.runtime_id import Runtimes
 from events.schema import ActorPlaced, ActorRuntime, SnapshotTaken
 from events.subjects import event_subject
-from warmboot.audit import Sink, summary
+from warmboot.audit import CHANGE_UNREGISTERED, PLACEMENT_RULES, STAMP_NOT_PIN, Sink, summary
 from warmboot.cli_common import Failed, ask, check_id, json_option, nats_option, prefix_option, read_subject, replay
 from warmboot.render import Column, render_fields, render_table, terminal_width
 
@@ -63,11 +63,14 @@ def replay_cmd(until_seq: int | None, until_time: datetime | None, nats_url: str
     click.echo(render_fields(pairs))
 
 
-@audit.command("verify")
+@audit.command("verify", help="Replay the whole log and check the invariants; exit 1 at the first violation."
+               "\n\nA violation is reported with its sequence and one of these names. At each placement "
+               "(ActorPlaced):\n\n\b\n" + "\n".join(f"- {rule}" for rule in PLACEMENT_RULES) + "\n\n"
+               f"At each snapshot (SnapshotTaken): {STAMP_NOT_PIN}. At each RuntimeChanged: "
+               f"{CHANGE_UNREGISTERED}.")
 @nats_option
 @prefix_option
 def verify_cmd(nats_url: str, prefix: str) -> None:
-    """Replay the whole log and check the invariants; exit 1 at the first violation."""
     sink = ask(nats_url, lambda nc: replay(nc, prefix, Sink(verify=True), True))
     if sink.violation is not None:
         click.echo(f"violation at {sink.violation}", err=True)
@@ -139,7 +142,7 @@ def timeline_labels(events: list, runtimes: Runtimes) -> list[str]:
 
 TIMELINE_COLUMNS = [
     Column("SEQ", lambda r: str(r[0]["seq"]), right=True),
-    Column("AT", lambda r: r[0]["at"][:19], drop=3),  # to the second: the log is in order
+    Column("AT", lambda r: r[0]["at"][:19] + "Z", drop=3),  # to the second (the log is in order), in UTC
     Column("EVENT", lambda r: r[0]["event"]),
     Column("WORKER", lambda r: r[0]["worker"] or ""),
     Column("FIDELITY", lambda r: r[0]["fidelity"] or "", drop=2),

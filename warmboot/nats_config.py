@@ -374,25 +374,26 @@ def _write_private(path: Path, text: str) -> None:
         raise click.ClickException(f"{path}: cannot write it ({e}); the file there is as it was") from None
 
 
-
-
-
-
 def _worker_nodes(entries: list[tuple[str, str]]) -> dict[str, str | None]:
     """worker id -> its node (None if not given), from `WORKER_ID[@NODE]` entries, each with where
-    it was given; a bad id, or one worker given two nodes, is a usage error naming where."""
+    it was given; a bad id, or one worker given twice (a typo of another id, or two nodes), is a
+    usage error naming where."""
     nodes: dict[str, str | None] = {}
+    given_at: dict[str, str] = {}
     for where, entry in entries:
         worker_id, _, node = entry.partition("@")
         for value in (worker_id, node) if node or "@" in entry else (worker_id,):
             if not ID_RE.match(value):
                 raise click.BadParameter(f"{where}: {value!r} is not an id: {ID_WORDS}",
                                          param_hint="--worker")
-        known = nodes.get(worker_id)
-        if known is not None and node and known != node:
-            raise click.BadParameter(f"{where}: worker {worker_id!r} is given two nodes, {known!r} and {node!r}",
+        if worker_id in nodes:
+            known = nodes[worker_id]
+            twice = (f"given two nodes, {known!r} and {node!r}" if known and node and known != node
+                     else "given twice")
+            raise click.BadParameter(f"{where}: worker {worker_id!r} is {twice} (also at {given_at[worker_id]})",
                                      param_hint="--worker")
-        nodes[worker_id] = node or known
+        nodes[worker_id] = node or None
+        given_at[worker_id] = where
     return nodes
 
 
