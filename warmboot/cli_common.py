@@ -14,12 +14,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from events.compat import compat_key, describe_key
 from events.errors import ContractError
-from events.natsauth import carries_secret, check_url
-from events.natspy import describe_error
+from events.natsauth import carries_secret, check_url, redact_url
+from events.natspy import ErrorsOnce, describe_error
 from events.schema import ID_RE, ID_WORDS
 from events.subjects import DEFAULT_PREFIX, check_prefix, stream_name
 from services.common import EVENT_LOOP_ENV, EVENT_LOOPS
-from warmboot.connection import connect_within
+from warmboot.connection import CONNECT_TIMEOUT_S, connect_within
 
 
 
@@ -140,12 +140,28 @@ class Failed(click.ClickException):
         click.echo(f"error: {self.message}", err=True)
 
 
+# A one-shot command waits up to CONNECT_TIMEOUT_S for its server (it may be restarting); past
+# this it says, on standard error, that it is waiting and why.
+WAITING_NOTE_S = 1.0
+
+
 def ask(nats_url: str, work: Callable[[Any], Awaitable[Any]]) -> Any:
     """Connect, run `work(nc)`, close; contract errors and connection failures become CLI errors
-    (`Failed`: `error: CODE field: message`, exit 1)."""
+    (`Failed`: `error: CODE field: message`, exit 1). A server that has not answered within
+    WAITING_NOTE_S is said to be waited for, with the last error, before the wait ends."""
 
     async def run() -> Any:
-        nc = await connect_within(nats_url, "warmboot-cli")
+        errors = ErrorsOnce(None)
+
+        def waiting() -> None:
+            why = describe_error(errors.last) if errors.last is not None else "no answer yet"
+            click.echo(f"waiting up to {CONNECT_TIMEOUT_S:g} s for NATS at {redact_url(nats_url)} ({why})", err=True)
+
+        note = asyncio.get_running_loop().call_later(WAITING_NOTE_S, waiting)
+        try:
+            nc = await connect_within(nats_url, "warmboot-cli", errors=errors)
+        finally:
+            note.cancel()
         try:
             return await work(nc)
         finally:
