@@ -203,13 +203,20 @@ async def test_actor_timeline_shows_stamps_pins_and_fallbacks(demo, nats_url):
     assert all(r["runtime_role"] == "stamp" and r["runtime"]["sandbox_class"] for r in paused)
     assert any(r["fallback"] == "NO_COMPATIBLE_WORKER" for r in placed)
     assert [r["seq"] for r in rows] == sorted(r["seq"] for r in rows)
+    # what else each event says: the template, the snapshots taken and restored, why released
+    assert rows[0]["detail"].startswith("template ")
+    taken_ids = [r["detail"].split()[1] for r in rows if r["event"].startswith("SnapshotTaken")]
+    assert taken_ids and all(r["detail"].startswith("snapshot ") for r in rows if r["event"].startswith("Snap"))
+    restored = [r["detail"].split()[1] for r in placed if r["detail"].startswith("restore ")]
+    assert restored and set(restored) <= set(taken_ids), (restored, taken_ids)
+    assert any(r["detail"] == "paused" for r in rows if r["event"] == "ActorReleased")
     missing = await cli("audit", "actor", "nobody", "--nats", nats_url, "--prefix", prefix)
     assert missing.exit_code != 0 and "no events" in missing.output
     # the table, as the other views: plain aligned columns, runtimes by their short label
     table = await cli("audit", "actor", "a-0000", "--nats", nats_url, "--prefix", prefix)
     assert table.exit_code == 0, table.output
     lines = table.output.splitlines()
-    assert lines[0].split() == ["SEQ", "AT", "EVENT", "WORKER", "FIDELITY", "FALLBACK", "RUNTIME"]
+    assert lines[0].split() == ["SEQ", "AT", "EVENT", "WORKER", "FIDELITY", "FALLBACK", "RUNTIME", "DETAIL"]
     assert len(lines) == 1 + len(rows) and not set("┃│━─┏") & set(table.output)
     assert lines[1].split()[1] == rows[0]["at"][:19] + "Z"  # to the second, said to be UTC
     assert "architecture=" not in table.output and any(" pin " in f" {line} " for line in lines)
@@ -301,3 +308,27 @@ async def test_verify_names_the_sequence_of_a_forged_overbooking(demo, nats_url,
     assert result.exit_code == 1
     assert f"sequence {ack.seq}" in result.output
     assert "booked past its room" in result.output
+
+
+def test_a_timeline_says_what_each_event_names_besides_its_runtime():
+    """The DETAIL of a timeline: the template and golden snapshot of a creation, the snapshot a
+    placement restores (or that it runs without one), the image a revert gives up and where it
+    goes back to (a walkthrough found none of them in the audit trail)."""
+    from events.schema import ActorReverted, TemplateChanged
+    from tests.factories import AT, created, placed, snapshot, version
+    from warmboot.cmd_audit import timeline_detail
+
+    v1 = version("gen-1")
+    golden = snapshot("g", v1, snapshot_id="golden-1", template="t9", borrowed=True)
+    local = snapshot("a", v1, snapshot_id="s-2", node="n1")
+    external = snapshot("a", v1, snapshot_id="s-1", uri="s3://x")
+    assert timeline_detail(created("a", template="t9", snapshot=golden)) == \
+        "template t9, from snapshot golden-1 (EXTERNAL)"
+    assert timeline_detail(TemplateChanged(at=AT, actor_id="a", template_uid="t10")) == "template t10"
+    assert timeline_detail(placed("a", "w1", v1, action=Action.RESTORE, snapshot_id="s-1")) == "restore s-1"
+    assert timeline_detail(placed("a", "w1", v1)) == "cold boot"
+    assert timeline_detail(placed("a", "w1", v1, snapshot_id="golden-1")) == "run (snapshot golden-1 not restored)"
+    assert timeline_detail(ActorReverted(at=AT, actor_id="a", snapshot=external, abandoned=local)) == \
+        "to snapshot s-1 (EXTERNAL), gave up s-2 (LOCAL on n1)"
+    assert timeline_detail(ActorReverted(at=AT, actor_id="a", abandoned=local)) == \
+        "to a cold boot, gave up s-2 (LOCAL on n1)"

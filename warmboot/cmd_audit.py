@@ -11,7 +11,17 @@ from events.codec import to_builtins
 from events.compat import compat_key
 from events.errors import not_found
 from events.runtime_id import Runtimes
-from events.schema import ActorPlaced, ActorRuntime, SnapshotTaken
+from events.schema import (
+    Action,
+    ActorCreated,
+    ActorPlaced,
+    ActorReleased,
+    ActorReverted,
+    ActorRuntime,
+    Snapshot,
+    SnapshotTaken,
+    TemplateChanged,
+)
 from events.subjects import event_subject
 from warmboot.audit import CHANGE_UNREGISTERED, PLACEMENT_RULES, STAMP_NOT_PIN, Sink, summary
 from warmboot.cli_common import Failed, ask, check_id, json_option, nats_option, prefix_option, read_subject, replay
@@ -148,14 +158,42 @@ TIMELINE_COLUMNS = [
     Column("FIDELITY", lambda r: r[0]["fidelity"] or "", drop=2),
     Column("FALLBACK", lambda r: r[0]["fallback"] or "", drop=1),
     Column("RUNTIME", lambda r: r[1]),
+    Column("DETAIL", lambda r: r[0]["detail"] or "", drop=4),
 ]
+
+
+def _where(snapshot: Snapshot) -> str:
+    return f"{snapshot.snapshot_id} ({snapshot.location.value}{' on ' + snapshot.node if snapshot.node else ''})"
+
+
+def timeline_detail(event) -> str | None:
+    """What else an event of a timeline says, in a few words: the snapshots it takes, restores or
+    gives up, the template it names, why it released."""
+    if isinstance(event, ActorCreated):
+        golden = f", from snapshot {_where(event.snapshot)}" if event.snapshot is not None else ""
+        return f"template {event.template_uid}{golden}"
+    if isinstance(event, TemplateChanged):
+        return f"template {event.template_uid}"
+    if isinstance(event, SnapshotTaken):
+        return f"snapshot {_where(event.snapshot)}"
+    if isinstance(event, ActorPlaced):
+        if event.action is Action.RESTORE:
+            return f"restore {event.snapshot_id}"
+        return f"run (snapshot {event.snapshot_id} not restored)" if event.snapshot_id else "cold boot"
+    if isinstance(event, ActorReleased):
+        return event.reason.value.lower().replace("_", " ")
+    if isinstance(event, ActorReverted):
+        to = f"to snapshot {_where(event.snapshot)}" if event.snapshot is not None else "to a cold boot"
+        return f"{to}, gave up {_where(event.abandoned)}"
+    return None
 
 
 def timeline_row(seq: int, event) -> dict:
     """One event of a timeline as `-o json` prints it: times and runtimes as the wire has them
     (`runtime`: the pin of a placement or the stamp of a snapshot, which `runtime_role` says)."""
     row = {"seq": seq, "at": to_builtins(event.at), "event": type(event).__name__, "worker": None,
-           "fidelity": None, "fallback": None, "runtime": None, "runtime_role": None}
+           "fidelity": None, "fallback": None, "runtime": None, "runtime_role": None,
+           "detail": timeline_detail(event)}
     if isinstance(event, ActorPlaced):
         row.update(worker=event.worker_id, fidelity=event.fidelity.value,
                    fallback=event.fallback.reason.value if event.fallback else None)
