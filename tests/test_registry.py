@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 import uuid
 from contextlib import asynccontextmanager
 from datetime import datetime, timedelta, timezone
@@ -449,6 +450,21 @@ async def test_update_and_runtime_change_in_one_request(registry, nc, prefix):
     assert (updated.node, updated.capacity.cpu_millis, updated.labels) == ("node-b", 8000, {"zone": "b"})
     only_labels = await register(nc, prefix, {**body, "labels": {"zone": "c"}})
     assert only_labels["outcome"] == "UPDATED"
+
+
+async def test_a_live_worker_moved_to_another_node_is_logged(registry, nc, prefix, caplog):
+    """A registration that moves a live worker to another node is taken (the contract lets an agent
+    move), and said in the registry's log: two agents started with one worker id take it from
+    each other in turn, and nothing else shows it (a walkthrough found it silent)."""
+    caplog.set_level(logging.WARNING, logger="warmboot.registry")
+    await register(nc, prefix, registration("w-1"))
+    await register(nc, prefix, registration("w-1", labels={"zone": "b"}))  # the same node: not a move
+    assert not [r for r in caplog.records if "moved from node" in r.getMessage()]
+    moved = await register(nc, prefix, registration("w-1", node="node-b"))
+    assert moved["outcome"] == "UPDATED"
+    said = [r.getMessage() for r in caplog.records if "moved from node" in r.getMessage()]
+    assert said == ["worker w-1 moved from node node-a to node node-b while alive: its agent moved, or a second "
+                    "agent runs with this worker id (`serve registry --worker-nodes` binds each worker to its node)"]
 
 
 async def test_class_change_is_refused(registry, nc, prefix):

@@ -213,6 +213,7 @@ class RegistryStore(WireApplication):
         kept = await self._kept(worker, "register", request.request_id)
         if kept is not None:
             return kept
+        moved_from = worker.node if worker.alive and worker.node != request.node else None
         try:
             outcome = worker.register(request, at, sent_before=await self._sent_before(worker, request))
         except ContractError as refusal:
@@ -225,7 +226,12 @@ class RegistryStore(WireApplication):
                     with ticket.paying():  # out of budget: RESOURCE_EXHAUSTED instead, unmarked (nothing answered it)
                         await self.no_writes.mark_refused_async(worker, request.request_id)
             raise
-        return await self._commit(worker, outcome, "register", request.request_id, ticket)
+        decided = await self._commit(worker, outcome, "register", request.request_id, ticket)
+        if moved_from is not None:
+            log.warning("worker %s moved from node %s to node %s while alive: its agent moved, or a second agent "
+                        "runs with this worker id (`serve registry --worker-nodes` binds each worker to its node)",
+                        request.worker_id, moved_from, request.node)
+        return decided
 
     async def _sent_before(self, worker: Worker, request: RegisterWorker) -> bool:
         """Whether a registration with a revision that would begin a life carries a request id sent
