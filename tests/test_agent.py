@@ -7,6 +7,7 @@ the registry forgot it, survives a NATS restart, and drains on SIGTERM.
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import sys
 from contextlib import asynccontextmanager
@@ -95,6 +96,27 @@ async def test_a_broken_edit_keeps_the_registration_in_force(tmp_path):
     assert not agent._background  # no registration started
     assert agent.registration.sandbox_classes[0].default_runtime.name == "gvisor-v1"
     assert parse_config(config("v2")).sandbox_classes[0].default_runtime.name == "gvisor-v2"
+
+
+async def test_a_mended_edit_is_said_even_when_it_changes_nothing(tmp_path, caplog):
+    """A broken edit is logged as an error; the edit that mends it is logged too, also when it
+    puts back the registration in force and so sends nothing (an operator watching the log
+    saw the error and then nothing, a walkthrough's finding)."""
+    caplog.set_level(logging.INFO, logger="warmboot.agent")
+    path = tmp_path / "agent.toml"
+    path.write_text(config("v1"))
+    agent = Agent("nats://127.0.0.1:1", "w-a", "node-a", path, probe=PROBE)
+    agent.registration = agent._read_config()
+    path.write_text(config("v1").replace("[capacity]", "[capacity"))
+    agent._sync_config(asyncio.Event())
+    assert [r.levelno for r in caplog.records if str(path) in r.getMessage()] == [logging.ERROR]
+    path.write_text(config("v1"))  # put back as it was
+    agent._sync_config(asyncio.Event())
+    assert not agent._background  # nothing to send
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert said == [f"{path} reads again without error; it makes the registration in force"]
+    agent._sync_config(asyncio.Event())  # said once
+    assert len([r for r in caplog.records if r.levelno == logging.INFO]) == 1
 
 
 # --- end to end ----------------------------------------------------------------------------------

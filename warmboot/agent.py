@@ -538,6 +538,7 @@ class Agent:
         self._restamp_waiting = False  # a register(RESTAMP) waits its turn
         self._beat_soon = False  # a heartbeat was refused before the TTL was learnt: beat again soon
         self.edited = False  # whether the last read of the file found it edited (else the machine changed)
+        self._config_failed = False  # whether the last read of the file (or the machine) made no registration
         self._background: set[asyncio.Task[None]] = set()  # registrations the heartbeats do not wait for
         # Every registration carries a revision (docs/contract.md): the same for the same content, higher
         # for other content, read off this clock (ms), so that a later process of this agent goes on above.
@@ -1262,14 +1263,21 @@ class Agent:
         try:
             registration = self._read_config()
         except ConfigError as e:
+            self._config_failed = True
             if self.edited:
                 log.error("ignoring the edit of %s, keeping the registration in force: %s", self.config_path, e)
             else:
                 log.error("what the probe reads of this machine changed, and %s makes no registration of it: %s",
                           self.config_path, e)
             return
-        if registration is None or self._edit_waiting:
-            return  # nothing new, or the edit waiting its turn will send what is read last
+        if registration is None:
+            return  # nothing new
+        if self._config_failed:  # the error said, the mend is said too: it may change nothing
+            self._config_failed = False
+            log.info("%s reads again without error%s", self.config_path,
+                     "; it makes the registration in force" if registration == self.registration else "")
+        if self._edit_waiting:
+            return  # the edit waiting its turn will send what is read last
         if registration == self.registration and not self._one_registration.locked():
             return
         self._edit_waiting = True
