@@ -22,6 +22,7 @@ from warmboot.natsserver import (
     NatsCluster,
     NatsServer,
     NatsServerError,
+    StoreInUse,
     _ephemeral_floor,
     free_port,
     server_binary,
@@ -184,6 +185,28 @@ def test_a_store_is_one_server_s_while_it_runs_and_free_once_it_stops(tmp_path):
     finally:
         first.stop()
     NatsServer(tmp_path, name="one").start().stop()  # stopped: free
+
+
+def test_a_store_reset_keeps_its_lock_from_before_the_wipe_until_the_server_stops(tmp_path):
+    """`warmboot up --reset` takes the store's lock before it wipes the store and holds it into the
+    start: a server starting on the store meanwhile is refused (it looked, then wiped: another
+    `up` could start between the two; and the wipe removed the lock file itself, so a second
+    server took a new one beside the held one)."""
+    first = NatsServer(tmp_path, name="warmboot")
+    first.lock_store()
+    try:
+        (tmp_path / "warmboot").mkdir()
+        (tmp_path / "warmboot" / "old-log").write_text("x")
+        (tmp_path / "other-file").write_text("x")
+        first.reset_store()
+        assert [p.name for p in tmp_path.iterdir()] == ["warmboot.lock"]
+        with pytest.raises(StoreInUse) as taken:
+            NatsServer(tmp_path, name="warmboot").start()
+        assert taken.value.holder == str(os.getpid())
+        first.start()  # the lock it holds is its own
+    finally:
+        first.stop()
+    NatsServer(tmp_path, name="warmboot").start().stop()  # stopped: free
 
 
 def test_a_first_start_whose_chosen_port_was_taken_chooses_again(tmp_path):

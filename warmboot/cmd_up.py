@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import shutil
 from contextlib import AsyncExitStack
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from events.subjects import DEFAULT_PREFIX, stream_name
 from services.common import run_serving, tune_gc
 from services.scheduler.checkpoint import DEFAULT_EVERY_EVENTS, DEFAULT_INTERVAL_S
 from warmboot.cli_common import check_prefix_option, event_loop_option
-from warmboot.natsserver import NatsServer, NatsServerError, store_holder
+from warmboot.natsserver import NatsServer, NatsServerError, StoreInUse
 from warmboot.runner import SERVICES, dump_on_signal, start_services, stop_signals, until_stopped
 
 console = Console(soft_wrap=True)  # a line piped is not cut at 80 columns (the commands it suggests)
@@ -43,25 +42,19 @@ def up(port: int, store: Path, prefix: str, metrics_port: int, demo: bool, exit_
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if reset is None:
         reset = demo
-    holder = store_holder(store, "warmboot")
-    if holder is not None:  # before a reset: it would wipe a store a running server writes
-        raise click.ClickException(f"the store {store} is in use by another warmboot up (process {holder}): stop "
-                                   "it, or give another --store")
-    if store.exists() and any(store.iterdir()):
-        if reset:
-            console.print(f"[yellow]resetting the store {store}[/] (the previous log is discarded)")
-            shutil.rmtree(store)
-        else:
-            console.print(f"reusing the store {store} (its log is replayed by the services)")
-    else:
-        console.print(f"new store {store}")
-
     server = NatsServer(store.resolve(), port=port or None, name="warmboot")
-    try:
-        server.start()
+    try:  # held from here until the server stops: no other `up` resets or starts on it meanwhile
+        server.lock_store()
+    except StoreInUse as e:
+        raise click.ClickException(f"the store {store} is in use by another warmboot up (process {e.holder}): "
+                                   "stop it, or give another --store") from None
     except NatsServerError as e:
-        hint = f"\n(is another warmboot or NATS on port {port}? try --port 0)" if "in use" in str(e) else ""
-        raise click.ClickException(f"{e}{hint}") from None
+        raise click.ClickException(str(e)) from None
+    try:
+        _start(server, store, port, reset)
+    except BaseException:
+        server.stop()
+        raise
 
     failed: list[str] = []  # a service that could not go on (it logged why)
 
@@ -104,3 +97,20 @@ def up(port: int, store: Path, prefix: str, metrics_port: int, demo: bool, exit_
         server.stop()
     if failed:
         raise SystemExit(1)
+
+
+def _start(server: NatsServer, store: Path, port: int, reset: bool) -> None:
+    """Start `server` on `store`, whose lock it holds, wiped first if `reset`."""
+    if any(entry != server.lock_path for entry in server.store_dir.iterdir()):
+        if reset:
+            console.print(f"[yellow]resetting the store {store}[/] (the previous log is discarded)")
+            server.reset_store()
+        else:
+            console.print(f"reusing the store {store} (its log is replayed by the services)")
+    else:
+        console.print(f"new store {store}")
+    try:
+        server.start()
+    except NatsServerError as e:
+        hint = f"\n(is another warmboot or NATS on port {port}? try --port 0)" if "in use" in str(e) else ""
+        raise click.ClickException(f"{e}{hint}") from None

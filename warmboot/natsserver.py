@@ -36,19 +36,12 @@ class NatsServerError(RuntimeError):
     pass
 
 
-def store_holder(store_dir: str | Path, name: str) -> str | None:
-    """Who holds the store of the server `name` in `store_dir` (the pid its lock file names, or
-    "?"), None if nobody: a look, for a caller about to change the store (`warmboot up --reset`)."""
-    path = Path(store_dir) / f"{name}.lock"
-    if not path.exists():
-        return None
-    try:
-        handle, holder = _take_lock(path)
-    except OSError:  # not ours to look at: the server's own start says why it cannot use the store
-        return None
-    if handle is not None:
-        handle.close()  # free again
-    return holder
+class StoreInUse(NatsServerError):
+    """The store's lock is held by another process: `holder`, the pid it wrote there (or "?")."""
+
+    def __init__(self, message: str, holder: str) -> None:
+        super().__init__(message)
+        self.holder = holder
 
 
 def _take_lock(path: Path) -> tuple[Any, str | None]:
@@ -160,24 +153,43 @@ class NatsServer:
         self.started = False  # once ready, its ports are its own: a restart keeps them
         self._lock: Any = None  # the store's lock file, held while the process may run
 
-    def _lock_store(self) -> None:
-        """Hold the store's lock (`<name>.lock` beside it): two servers writing one JetStream
-        directory corrupt it, and nats-server does not refuse it (a walkthrough started a second
-        `warmboot up` on the first one's store)."""
+    @property
+    def lock_path(self) -> Path:
+        return self.store_dir / f"{self.name}.lock"
+
+    def lock_store(self) -> None:
+        """Hold the store's lock (`<name>.lock` beside it) until `stop`: two servers writing one
+        JetStream directory corrupt it, and nats-server does not refuse it (a walkthrough started a
+        second `warmboot up` on the first one's store). `start` takes it; a caller about to change
+        the store first (`reset_store`) takes it before. StoreInUse if another process holds it."""
         if self._lock is not None:
             return
         try:
-            handle, holder = _take_lock(self.store_dir / f"{self.name}.lock")
+            self.store_dir.mkdir(parents=True, exist_ok=True)
+            handle, holder = _take_lock(self.lock_path)
         except OSError as error:
             raise NatsServerError(f"cannot use the store {self.store_dir}: {error.strerror or error}") from None
         if handle is None:
-            raise NatsServerError(f"the store {self.store_dir / self.name} is in use by another nats-server "
-                                  f"(started by process {holder}): stop it, or give another store")
+            raise StoreInUse(f"the store {self.store_dir / self.name} is in use by another nats-server "
+                             f"(started by process {holder}): stop it, or give another store", holder)
         handle.seek(0)
         handle.truncate()
         handle.write(f"{os.getpid()}\n")
         handle.flush()
         self._lock = handle
+
+    def reset_store(self) -> None:
+        """Wipe the store directory, all but the lock, held from before the first entry goes until
+        `stop` (`lock_store`): no other server starts on it meanwhile, and none takes a lock file
+        made again beside one still held."""
+        self.lock_store()
+        for entry in self.store_dir.iterdir():
+            if entry == self.lock_path:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
 
     @property
     def url(self) -> str:
@@ -227,8 +239,7 @@ class NatsServer:
         """Start the process without waiting (a cluster spawns all members, then waits)."""
         if self.running:
             return
-        self.store_dir.mkdir(parents=True, exist_ok=True)
-        self._lock_store()
+        self.lock_store()
         self.config_path.write_text(self.config())
         self._ready.clear()
         self._ready_logged = False
