@@ -155,6 +155,8 @@ def test_command_writes_private_files_and_keeps_passwords(tmp_path):
     first = runner.invoke(main, args)
     assert first.exit_code == 0, first.output
     passwords = json.loads(secrets.read_text())
+    assert passwords.pop("_roles") == {"warmboot-services": "services", "ops": "operator", "orch": "client",
+                                       "w-1": "worker"}  # what each secret was made for
     assert set(passwords) == {"warmboot-services", "ops", "orch", "w-1"}
     for path in (conf, secrets):
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
@@ -169,6 +171,15 @@ def test_command_writes_private_files_and_keeps_passwords(tmp_path):
     assert second.exit_code == 0, second.output
     again = json.loads(secrets.read_text())
     assert {k: again[k] for k in passwords} == passwords and "w-2" in again
+
+    # a name listed under another role than its secret was made for gets a new one: a worker's secret,
+    # on the worker's machine, does not become a client's, which may stop any actor (found by an audit)
+    moved = runner.invoke(main, ["--client" if a == "--worker" else a for a in args])
+    assert moved.exit_code == 0, moved.output
+    assert "new secrets for users listed in another role than before: w-1" in moved.output
+    roles = json.loads(secrets.read_text())
+    assert roles["w-1"] != again["w-1"] and roles["_roles"]["w-1"] == "client"
+    assert {k: roles[k] for k in ("ops", "orch")} == {k: again[k] for k in ("ops", "orch")}
 
     clash = runner.invoke(main, ["nats-config", "--worker", "ops", "--operator", "ops"])
     assert clash.exit_code == 2 and "unique" in clash.output
@@ -203,7 +214,9 @@ def nats_config(tmp_path, *more: str) -> tuple[str, dict[str, str]]:
     result = CliRunner().invoke(main, ["nats-config", "--prefix", "hx", "--services-user", "svc", "--worker", "w-1",
                                        "--operator", "ops", "--secrets", str(secrets), "--out", str(conf), *more])
     assert result.exit_code == 0, result.output
-    return conf.read_text(), json.loads(secrets.read_text())
+    kept = json.loads(secrets.read_text())
+    del kept["_roles"]
+    return conf.read_text(), kept
 
 
 async def test_bcrypt_keeps_only_hashes_in_the_configuration(tmp_path):
@@ -406,7 +419,7 @@ def test_a_user_left_out_loses_its_seed_and_rotate_gives_a_new_one(tmp_path):
     (seeds / "notes.txt").write_text("kept")  # not a seed
     left_out = run("--worker", "w-1")
     assert left_out.exit_code == 0 and "removed the seeds of users no longer listed: w-2" in left_out.output
-    assert sorted(p.name for p in seeds.iterdir()) == ["notes.txt", "svc.nk", "w-1.nk"]
+    assert sorted(p.name for p in seeds.iterdir()) == ["_roles.json", "notes.txt", "svc.nk", "w-1.nk"]
     assert run("--worker", "w-1", "--worker", "w-2").exit_code == 0
     assert (seeds / "w-2.nk").read_text() != first["w-2"]
     assert (seeds / "w-1.nk").read_text() == first["w-1"]
@@ -437,7 +450,7 @@ def test_seeds_removed_are_only_files_this_command_made_and_a_bad_seeds_dir_writ
     assert run("--worker", "w-1", "--worker", "w-2").exit_code == 0
     left_out = run("--worker", "w-1")
     assert left_out.exit_code == 0, left_out.output
-    assert sorted(p.name for p in seeds.iterdir()) == ["backup.nk", "other-deployment.nk", "w-1.nk",
+    assert sorted(p.name for p in seeds.iterdir()) == ["_roles.json", "backup.nk", "other-deployment.nk", "w-1.nk",
                                                       "warmboot-services.nk"]
     assert "removed the seeds of users no longer listed: w-2" in left_out.output
 
@@ -552,3 +565,18 @@ def test_the_services_seed_is_written_alone_for_the_services(tmp_path):
     refused = CliRunner().invoke(main, ["nats-config", "--worker", "w-1", "--services-seed", str(tmp_path / "x.nk")])
     assert refused.exit_code != 0 and "--services-seed goes with --auth nkey" in refused.output
     assert not (tmp_path / "x.nk").exists()
+
+
+def test_a_seed_kept_in_a_seeds_dir_is_not_handed_to_another_role(tmp_path):
+    """Without --secrets, the seeds directory keeps the roles: a worker's seed file is not taken up
+    as a client's when the next run lists the name as a client."""
+    seeds = tmp_path / "seeds"
+    base = ["nats-config", "--auth", "nkey", "--seeds-dir", str(seeds), "--operator", "ops"]
+    first = CliRunner().invoke(main, [*base, "--worker", "w-5"])
+    assert first.exit_code == 0, first.output
+    worker_seed, ops_seed = (seeds / "w-5.nk").read_text(), (seeds / "ops.nk").read_text()
+    second = CliRunner().invoke(main, [*base, "--client", "w-5"])
+    assert second.exit_code == 0, second.output
+    assert (seeds / "w-5.nk").read_text() != worker_seed and (seeds / "ops.nk").read_text() == ops_seed
+    assert json.loads((seeds / "_roles.json").read_text())["w-5"] == "client"
+    assert stat.S_IMODE((seeds / "_roles.json").stat().st_mode) == 0o600

@@ -397,13 +397,34 @@ def _worker_nodes(entries: list[tuple[str, str]]) -> dict[str, str | None]:
     return nodes
 
 
-def _read_secrets(path: Path | None) -> dict[str, str]:
+# Beside the secrets (in the --secrets file, and as --seeds-dir's ROLES_FILE), the role each user's
+# secret was made for: a secret is never handed on to another role under the same name. Never a
+# user: an id starts with a letter or a digit.
+ROLES_KEY = "_roles"
+ROLES_FILE = "_roles.json"
+
+
+def _read_secrets(path: Path | None) -> tuple[dict[str, str], dict[str, str]]:
+    """(user -> secret, user -> the role it was made for) of a secrets file; a file written before
+    roles were kept has none."""
+    if path is None or not path.exists():
+        return {}, {}
+    try:
+        data = json.loads(path.read_text())
+        roles = data.pop(ROLES_KEY, None) or {}
+        return {str(k): str(v) for k, v in data.items()}, {str(k): str(v) for k, v in roles.items()}
+    except (OSError, ValueError, AttributeError) as e:
+        raise click.ClickException(f"{path}: not a JSON object of user -> secret: {e}") from None
+
+
+def _read_roles(seeds_dir: Path | None) -> dict[str, str]:
+    path = seeds_dir / ROLES_FILE if seeds_dir is not None else None
     if path is None or not path.exists():
         return {}
     try:
         return {str(k): str(v) for k, v in json.loads(path.read_text()).items()}
     except (OSError, ValueError, AttributeError) as e:
-        raise click.ClickException(f"{path}: not a JSON object of user -> secret: {e}") from None
+        raise click.ClickException(f"{path}: not a JSON object of user -> role: {e}") from None
 
 
 def _usable_seed(seed: str) -> bool:
@@ -533,7 +554,15 @@ def nats_config(
         if other != option:
             raise click.UsageError(f"{option} and {other} name the same file, {path}")
 
-    kept = _read_secrets(secrets_path)
+    kept, kept_roles = _read_secrets(secrets_path)
+    kept_roles = {**_read_roles(seeds_dir), **kept_roles}
+    role_of = {services_user: "services", **{u: "operator" for u in operators}, **{u: "client" for u in clients},
+               **{u: "worker" for u in worker_ids}}
+    # A secret is its holder's: one made for another role (a worker's, on its machine) is not handed
+    # on with this one's rights (found by an audit); the user gets a new one.
+    moved = sorted(u for u in users if kept_roles.get(u, role_of[u]) != role_of[u])
+    for u in moved:
+        kept.pop(u, None)
     # the seed files of users this command made before (its secrets file says which; without one,
     # every USER.nk in the directory) that this run leaves out: removed once the rest is written
     made_before = set(kept) if secrets_path is not None else (
@@ -541,7 +570,7 @@ def nats_config(
     if seeds_dir is not None:  # seeds handed out earlier are kept too
         for u in users:
             path = seeds_dir / f"{u}.nk"
-            if u not in kept and path.is_file():
+            if u not in kept and u not in moved and path.is_file():
                 kept[u] = path.read_text().strip()
     fresh = new_nkey_seed if auth == "nkey" else new_password
     # a password kept from a password run is no seed, and the other way round: make a new one
@@ -553,11 +582,12 @@ def nats_config(
     if routes_path is not None:
         routes_text = routes_config(urls, kept_route_password(routes_path) or new_password())
     if secrets_path is not None:
-        _write_private(secrets_path, json.dumps(secrets_of, indent=2) + "\n")
+        _write_private(secrets_path, json.dumps({**secrets_of, ROLES_KEY: role_of}, indent=2) + "\n")
     if seeds_dir is not None:
         seeds_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         for u, seed in secrets_of.items():
             _write_private(seeds_dir / f"{u}.nk", seed + "\n")
+        _write_private(seeds_dir / ROLES_FILE, json.dumps(role_of, indent=2) + "\n")
     if services_seed_path is not None:
         _write_private(services_seed_path, secrets_of[services_user] + "\n")
         click.echo(f"wrote {services_seed_path}: the seed of {services_user}", err=True)
@@ -575,6 +605,9 @@ def nats_config(
                    f"{len(clients)} client(s), auth {auth}", err=True)
     if seeds_dir is not None:  # a user left out loses its seed too: listed again later, it gets a new one
         _remove_seeds(seeds_dir, sorted(made_before - set(secrets_of)))
+    if moved:
+        click.echo(f"new secrets for users listed in another role than before: {', '.join(moved)} (the old ones "
+                   "sign in no more once the server has this configuration)", err=True)
 
 
 def _remove_seeds(seeds_dir: Path, users: list[str]) -> None:
