@@ -580,6 +580,31 @@ async def _history_messages(d, kind: str, entity: str):
         yield await js.get_msg(STREAM, seq=seq)
 
 
+async def test_a_trace_destination_aims_nothing_where_the_worker_may_not_publish(deployment):
+    """NATS message tracing (`Nats-Trace-Dest`) makes the server publish a trace of the message to a
+    subject the publisher names: a worker naming another's inbox, another's history or a request
+    subject is refused it, and nothing reaches there (found safe by an audit; kept as a guard)."""
+    d = deployment
+    before = await State.of(d)
+    heard: list[str] = []
+
+    async def overhear(msg) -> None:
+        heard.append(msg.subject)
+
+    spy = await d.w_2.nc.subscribe("_INBOX.w-2.>", cb=overhear)
+    await flush_in_order(d.w_2.nc)
+    for dest in ("_INBOX.w-2.trace", event_subject(PREFIX, "worker", "w-2"), sub("registry", "drain", "w-2")):
+        await d.w_1.nc.publish(sub("registry", "heartbeat", "w-1"), encode(Heartbeat()), reply="_INBOX.w-1.x",
+                               headers={"Nats-Trace-Dest": dest})
+    # w-1's next request is answered after the server routed those (one connection, in order), and
+    # w-2's flush comes after anything the server sent it before the answer
+    assert await call(d.w_1.nc, sub("registry", "heartbeat", "w-1"), Heartbeat(), HeartbeatReply)
+    await flush_in_order(d.w_2.nc)
+    await spy.unsubscribe()
+    assert heard == []
+    assert await State.of(d) == before
+
+
 async def test_no_permission_violation_but_the_ones_the_tests_provoked(deployment):
     """Run last: over all the attacks above, the services' user was refused only where a
     test published as it on purpose (the request subjects and its own inbox)."""
