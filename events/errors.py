@@ -62,6 +62,17 @@ def not_found(message: str, field: str | None = None) -> ContractError:
     return ContractError(ErrorCode.NOT_FOUND, message, field)
 
 
+def no_actor(actor_id: str, field: str = "actor_id") -> ContractError:
+    """NOT_FOUND for an actor that does not exist: one wording for every service and command."""
+    return not_found(f"actor {actor_id!r} does not exist", field)
+
+
+def no_worker(worker_id: str, field: str = "worker_id") -> ContractError:
+    """NOT_FOUND for a worker in no life (never registered, or removed and not registered again):
+    one wording for every service and command."""
+    return not_found(f"worker {worker_id!r} is not registered", field)
+
+
 def precondition(message: str, field: str | None = None) -> ContractError:
     return ContractError(ErrorCode.FAILED_PRECONDITION, message, field)
 

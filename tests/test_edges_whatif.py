@@ -176,7 +176,7 @@ async def test_whatif_counts_an_edge_as_restorable_and_a_drain_as_gone(wb, nc, p
     with pytest.raises(ContractError) as typo:  # a worker to drain that is none of the class: not "nothing changes"
         await wb.whatif(WhatIf(sandbox_class=CLASS, drain_workers=("old", "mixd")))
     assert (typo.value.code, typo.value.field) == (ErrorCode.NOT_FOUND, "drain_workers[1]")
-    assert typo.value.message == "no registered worker 'mixd'"
+    assert typo.value.message == "worker 'mixd' is not registered"
     assert unknown.value.message == f"no worker has registered the sandbox class 'nope' (registered: {CLASS})"
 
 

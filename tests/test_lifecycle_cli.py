@@ -151,13 +151,15 @@ async def test_errors_name_code_and_field_exit_1_and_write_nothing(bus, nc, pref
           "--selector", "bad key=v"), "error: INVALID_ARGUMENT selectors (--selector): "),
         (("actor", "create", "a-9", "--class", "Gvisor", "--template", "t1", "--cpu", "10", "--memory", "256"),
          "error: INVALID_ARGUMENT sandbox_class (--class): "),
-        (("actor", "pause", "nobody"), "error: NOT_FOUND actor_id: "),  # an argument: the field alone
-        (("actor", "resume", "nobody"), "error: NOT_FOUND actor_id: actor nobody not found"),
+        # an argument: the field alone; one wording for an actor or a worker that is not there, whichever
+        # service or command says it
+        (("actor", "pause", "nobody"), "error: NOT_FOUND actor_id: actor 'nobody' does not exist"),
+        (("actor", "resume", "nobody"), "error: NOT_FOUND actor_id: actor 'nobody' does not exist"),
         (("worker", "drain", "nobody"), "error: NOT_FOUND worker_id: worker 'nobody' is not registered"),
         (("actor", "pause", "a.b"), "error: INVALID_ARGUMENT actor_id: 'a.b' is not an id"),
-        (("actor", "show", "nobody"), "error: NOT_FOUND actor_id: no actor 'nobody'"),
+        (("actor", "show", "nobody"), "error: NOT_FOUND actor_id: actor 'nobody' does not exist"),
         (("worker", "drain", "w x"), "error: INVALID_ARGUMENT worker_id: 'w x' is not an id"),
-        (("worker", "show", "nobody"), "error: NOT_FOUND worker_id: no registered worker 'nobody'"),
+        (("worker", "show", "nobody"), "error: NOT_FOUND worker_id: worker 'nobody' is not registered"),
     ]
     for args, expected in cases:
         result = await run(*args)

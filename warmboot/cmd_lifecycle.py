@@ -26,7 +26,7 @@ import msgspec
 import nats.errors
 
 from events.codec import decode_request, json_path, to_builtins, unknown_fields
-from events.errors import ContractError, not_found
+from events.errors import ContractError, no_actor, no_worker
 from events.runtime_id import Runtimes, short_id
 from events.schema import ActorRuntime, CompatVersion, CreateActor, Fidelity, Resources, Snapshot, TagRecorded
 from events.states import ActorState
@@ -331,7 +331,7 @@ def actor_view(actor_id: str, projection: Any, runtimes: Runtimes) -> dict:
     """What the projection folded of one actor's history, as JSON values (labels beside the versions)."""
     a = projection.actors.get(actor_id)
     if a is None:
-        raise not_found(f"no actor {actor_id!r}", "actor_id")
+        raise no_actor(actor_id)
 
     def runtime(stamp: Any) -> dict | None:
         if stamp is None:
@@ -521,7 +521,7 @@ def worker_view(worker_id: str, projection: Any) -> dict:
     class), its labels, compatible versions and booked actors, as JSON values."""
     w = projection.workers.get(worker_id)
     if w is None:
-        raise not_found(f"no registered worker {worker_id!r}", "worker_id")
+        raise no_worker(worker_id)
     runtimes = runtimes_of(projection)
     rows = [r for r in worker_rows(projection, runtimes) if r["worker_id"] == worker_id]
     for row in rows:

@@ -55,7 +55,7 @@ from datetime import datetime
 
 from events.aggregate import WireAggregate
 from events.compat import canonical_version, compat_key
-from events.errors import invalid, not_found, precondition, revision_refused
+from events.errors import invalid, no_worker, not_found, precondition, revision_refused
 from events.schema import (
     ActorOverhead,
     Event,
@@ -273,7 +273,7 @@ class Worker(WireAggregate):
             if self.lives:
                 raise not_found(f"worker {self.entity_id!r} was removed ({self.removed_reason or 'no reason'})",
                                 "worker_id")
-            raise not_found(f"worker {self.entity_id!r} is not registered", "worker_id")
+            raise no_worker(self.entity_id)
 
     def _check_same_classes(self, classes: tuple[WorkerSandboxClass, ...]) -> None:
         have, want = _names(self.sandbox_classes), _names(classes)

@@ -64,7 +64,7 @@ from __future__ import annotations
 import heapq
 from typing import Iterable, Iterator, Mapping, Sequence
 
-from events.errors import UnreadableHistory, exhausted, invalid, not_found, precondition
+from events.errors import UnreadableHistory, exhausted, invalid, no_actor, precondition
 from events.schema import (
     Action,
     CompatVersion,
@@ -169,7 +169,7 @@ def resolve(projection: Projection, actor_id: str) -> Actor:
             f"until its next life; a scheduler that reads the message can"))
     actor = projection.actors.get(actor_id)
     if actor is None:
-        raise not_found(f"actor {actor_id} not found", "actor_id")
+        raise no_actor(actor_id)
     if actor.state is RUNNING:
         where = f" on worker {actor.worker.worker_id}" if actor.worker is not None else ""
         raise precondition(f"actor {actor_id} is RUNNING{where}; it must be paused or suspended first")

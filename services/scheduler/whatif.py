@@ -20,7 +20,7 @@ version is accepted by nobody.
 from __future__ import annotations
 
 from events.compat import compat_key
-from events.errors import not_found
+from events.errors import no_worker, not_found
 from events.schema import Location, Room, RuntimeForecast, SnapshotCounts, StrandedActor, WhatIf, WhatIfAnswer
 from services.scheduler.projection import Projection
 from services.scheduler.records import (
@@ -152,7 +152,7 @@ def check_drains(projection: Projection, sandbox_class: str, workers: tuple[str,
     for i, worker_id in enumerate(workers):
         worker = projection.workers.get(worker_id)
         if worker is None:
-            raise not_found(f"no registered worker {worker_id!r}", f"drain_workers[{i}]")
+            raise no_worker(worker_id, f"drain_workers[{i}]")
         if sandbox_class not in worker.classes:
             raise not_found(f"worker {worker_id!r} is registered for {', '.join(sorted(worker.classes))}, not for "
                             f"class {sandbox_class}", f"drain_workers[{i}]")

@@ -67,7 +67,7 @@ from __future__ import annotations
 from datetime import datetime
 
 from events.aggregate import WireAggregate
-from events.errors import already_exists, invalid, not_found, precondition
+from events.errors import already_exists, invalid, no_actor, not_found, precondition
 from events.schema import (
     ActorCreated,
     ActorPlaced,
@@ -147,7 +147,7 @@ class Actor(WireAggregate):
 
     def require(self, verb: str, *states: ActorState) -> None:
         if self.state is None:
-            raise not_found(f"actor {self.entity_id!r} does not exist", "actor_id")
+            raise no_actor(self.entity_id)
         if self.state not in states:
             allowed = " or ".join(s.value for s in states)
             raise precondition(
@@ -360,7 +360,7 @@ class Actor(WireAggregate):
     def revert(self, reason: str | None, request_id: str | None, at: datetime) -> Snapshot | None:
         """Give up the LOCAL latest snapshot: back to the latest EXTERNAL one (or none), SUSPENDED."""
         if self.state is None:
-            raise not_found(f"actor {self.entity_id!r} does not exist", "actor_id")
+            raise no_actor(self.entity_id)
         local = self.latest_snapshot
         if self.state is not ActorState.PAUSED and not (
             self.state is ActorState.SUSPENDED and local is not None and local.location is Location.LOCAL

@@ -49,7 +49,7 @@ from prometheus_client import Counter, Histogram
 from events.aggregate import Recorded, WireAggregate, WireApplication, aggregate_id, now
 from events.jetstream import MAX_BATCH_MESSAGES
 from events.jetstream.link import links_on
-from events.errors import UnreadableHistory, invalid, not_found, precondition, unavailable
+from events.errors import UnreadableHistory, invalid, no_actor, precondition, unavailable
 from events.schema import (
     ActorPlaced,
     ActorReleased,
@@ -549,7 +549,7 @@ class SnapshotterService:
         if actor is not None:
             return actor
         if must_exist:
-            raise not_found(f"actor {actor_id!r} does not exist", "actor_id")
+            raise no_actor(actor_id)
         return Actor(actor_id)
 
     async def load_tag(self, tag: str) -> Tag:
