@@ -989,6 +989,19 @@ STATE_REFUSALS = frozenset({ErrorCode.FAILED_PRECONDITION, ErrorCode.NOT_FOUND, 
 Recheck = Callable[[], Callable[[], Awaitable[bool]]]
 
 
+async def confirm_unchanged(recorder: Any, aggregate: Any, seq: int) -> None:
+    """Before an answer that writes nothing (a registration UNCHANGED, a drain of a drained worker,
+    a template already set): it stands on what was read of `aggregate`, up to stream sequence
+    `seq`, and a read that a replica of the stream answered behind another process's append
+    shows an older state (found by an audit: a worker's runtime changed back, answered
+    UNCHANGED, left the log on the other runtime, and memory images were placed where they
+    cannot load). IntegrityError if the stream leader has the history past `seq`, so that
+    `run_command_async` decides again, on the leader's history (remembered, so the next read
+    reaches it). One read of the leader: such answers are rare (an agent's reconnect)."""
+    if await recorder.newer_at_leader_async(aggregate, seq):
+        raise IntegrityError(f"{aggregate}: the stream leader has its history past {seq}, which was read behind it")
+
+
 async def run_command(command: Callable[[], T], attempts: int = 8) -> T:
     """Run a load-decide-save `command` off the event loop, again on a lost OCC race.
 

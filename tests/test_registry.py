@@ -341,15 +341,16 @@ async def test_unknown_fields_are_ignored_and_unknown_schema_versions_accepted(v
 
 
 @asynccontextmanager
-async def registered_behind(registry, nats_url, prefix, monkeypatch, worker_id: str) -> AsyncIterator[int]:
-    """`worker_id` registered by another registry replica (a store on a connection of its own,
-    as in another process), while this registry's own direct reads are cut before that
-    registration: they play a replica of the stream that has not applied it yet (the
-    leader's reads are left alone). Yields the registration's sequence."""
+async def registered_behind(registry, nats_url, prefix, monkeypatch, worker_id: str,
+                            body: dict | None = None) -> AsyncIterator[int]:
+    """`worker_id` registered (`body`, by default a first registration) by another registry replica
+    (a store on a connection of its own, as in another process), while this registry's own direct
+    reads are cut before that registration: they play a replica of the stream that has not
+    applied it yet (the leader's reads are left alone). Yields the registration's sequence."""
     elsewhere = await asyncio.to_thread(
         RegistryStore, {**store_env(nats_url, prefix), "NATS_INBOX_PREFIX": "_INBOX_elsewhere"})
     try:
-        body = msgspec.convert(registration(worker_id), RegisterWorker)
+        body = msgspec.convert(body or registration(worker_id), RegisterWorker)
         registered = (await elsewhere.register(body, AT)).seq  # its own connection, on its own thread
         stream = registry.store.recorder.stream
         read = stream.read
@@ -377,6 +378,29 @@ async def test_a_refusal_read_behind_another_replica_s_registration_is_decided_a
         # a worker the leader does not have either stays NOT_FOUND
         reply, _ = await raw_request(nc, prefix, "drain", "w-never", {"reason": "x"})
         assert reply["error"]["code"] == "NOT_FOUND"
+
+
+async def test_a_registration_read_behind_another_replica_s_runtime_change_is_not_answered_unchanged(
+        registry, nats_url, nc, prefix, monkeypatch):
+    """A worker registered on V1, changed to V2 through another registry replica, then back to V1
+    through this one, whose read of its history comes from a replica of the stream that has not
+    applied the change: the history it read says V1, so it answered UNCHANGED and wrote nothing,
+    leaving the log on V2 while the worker runs V1, and V2's memory images placed there (an
+    audit's finding). An answer that writes nothing is now given only once the stream leader has
+    nothing past what was read; otherwise it is decided again on the leader's history."""
+    first = await register(nc, prefix, registration("w-flip"))
+    assert first["outcome"] == "REGISTERED"
+    async with registered_behind(registry, nats_url, prefix, monkeypatch, "w-flip",
+                                 registration("w-flip", default=runtime("v2"))) as changed:
+        back = await register(nc, prefix, registration("w-flip"))
+        assert back["outcome"] == "RUNTIME_CHANGED" and back["seq"] > changed, back
+    events = await worker_events(nc, prefix, "w-flip")
+    assert [type(e) for _, e in events] == [WorkerRegistered, RuntimeChanged, RuntimeChanged]
+    [entry] = events[-1][1].sandbox_classes
+    [registered] = events[0][1].sandbox_classes
+    assert entry.default_runtime == registered.default_runtime  # the log ends where the worker is: V1
+    again = await register(nc, prefix, registration("w-flip"))  # a read that is not behind: unchanged
+    assert again == {"outcome": "UNCHANGED", "seq": events[-1][0]}
 
 
 async def test_a_heartbeat_looked_up_behind_another_replica_s_registration_is_not_refused(

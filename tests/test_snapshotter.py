@@ -517,6 +517,35 @@ async def test_update_template_and_stop(snapshotter, placer, nc, prefix):
     assert stopped.seq == await last_seq(nc, prefix)
 
 
+async def test_a_template_read_behind_another_process_s_change_is_not_answered_unchanged(
+        snapshotter, nats_server, nc, prefix, monkeypatch):
+    """A template set back to tpl-1 right after another process changed it to tpl-2, read from a
+    replica of the stream behind that change: the history it read says tpl-1, so it answered with
+    the creation's seq and wrote nothing, the log left on tpl-2 (the registry's UNCHANGED had the
+    same fault: an audit). An answer that writes nothing now stands only once the stream leader
+    has nothing past what was read; otherwise it is decided again on the leader's history."""
+    elsewhere = await asyncio.to_thread(
+        WireApplication, {**env_for(nats_server.url, prefix), "NATS_INBOX_PREFIX": "_INBOX_elsewhere"})
+    try:
+        await create(nc, prefix, "a-1")
+
+        def change_elsewhere() -> int:
+            actor = elsewhere.repository.get(Actor.create_id("a-1"))
+            assert actor.change_template("tpl-2", None, now())
+            return elsewhere.save(actor)[0].notification.id
+
+        changed = await asyncio.to_thread(change_elsewhere)
+        reads_before(monkeypatch, snapshotter, changed)
+        back = await call(nc, subject(prefix, "update-template", "a-1"), UpdateTemplate(template_uid="tpl-1"),
+                          SeqReply)
+        monkeypatch.undo()
+        templates = [(seq, e.template_uid) for seq, _, e in await read_entries(nc, prefix)
+                     if isinstance(e, TemplateChanged)]
+        assert templates == [(changed, "tpl-2"), (back.seq, "tpl-1")], (templates, back)
+    finally:
+        await asyncio.to_thread(elsewhere.close)
+
+
 # --- idempotency --------------------------------------------------------------------------------
 
 

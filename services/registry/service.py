@@ -67,7 +67,7 @@ from events.schema import (
 from events.subjects import check_prefix, event_subject, stream_name
 from events.tasks import cancel_and_wait
 from services.common import (EndpointSpec, NoWriteAnswers, Recheck, ReplyCache, StreamWatch, add_endpoints,
-                             last_seq_on, run_command_async, store_env, stream_replicas)
+                             confirm_unchanged, last_seq_on, run_command_async, store_env, stream_replicas)
 from services.locks import KeyedCount, KeyedLock
 from services.registry.binding import SharedBinding
 from services.registry.budget import FREE, Ticket, WriteBudget
@@ -145,6 +145,10 @@ class RegistryStore(WireApplication):
 
     name = "registry"
     no_writes: NoWriteAnswers | None = None
+    # Before an answer that writes nothing: raises IntegrityError (the command decides again) if the
+    # worker's history was read behind the stream leader; the service sets its roster's check. Without
+    # one, the leader is asked (`services.common.confirm_unchanged`).
+    confirm: Callable[[Worker, int], Awaitable[None]] | None = None
     CACHE_AGGREGATES = True  # a command reads only the events after the worker it last read or saved
 
     async def load(self, worker_id: str) -> Worker:
@@ -169,6 +173,10 @@ class RegistryStore(WireApplication):
         """
         if not worker.pending_events:
             seq = worker.seq_at(worker.version)
+            if verb is not None:  # a request's answer (the sweep's, lose and remove_unbound, decide on their own)
+                read = seq or self.recorder.seen(worker.id)
+                await (self.confirm(worker, read) if self.confirm is not None
+                       else confirm_unchanged(self.recorder, worker.id, read))
             if request_id is not None and self.no_writes is not None and verb is not None:
                 if not seq:  # the event store names every event's position; one that does not cannot answer
                     raise unavailable(f"the event store did not say where worker {worker.entity_id!r}'s "
@@ -380,6 +388,7 @@ class RegistryService:
         await self.watch.start()
         self.replies = await ReplyCache(self.nc, self.prefix).start()
         self.store.no_writes = NoWriteAnswers(self.replies, SERVICE, asyncio.get_running_loop())
+        self.store.confirm = self._confirm_unchanged
         await self.binding.start(self.worker_nodes)
         # Commands for different workers append together while one append is in flight (each holds its
         # worker's lock): an atomic batch costs a one-replica file stream's server milliseconds.
@@ -495,6 +504,22 @@ class RegistryService:
                     log.warning("worker %s has spent its write budget: its requests that would write are refused "
                                 "until it refills (%s); said once until it writes again", worker_id, error.message)
             raise
+
+    async def _confirm_unchanged(self, worker: Worker, seq: int) -> None:
+        """`RegistryStore.confirm` by the roster, brought current (one barrier for every request
+        waiting, as heartbeats have it; a re-registration storm after a NATS restart is all such
+        answers): a worker whose last event in its life is not the one read at `seq` was read
+        behind the stream leader, whose word is then asked for (and remembered, so that the next
+        read reaches it: `confirm_unchanged`). Without a barrier, the leader's word alone."""
+        assert self.store is not None
+        try:
+            await self.fold.current()
+        except ContractError:
+            pass
+        else:
+            if self.roster.last_seq(worker.entity_id) == seq:
+                return
+        await confirm_unchanged(self.store.recorder, worker.id, seq)
 
     def _recheck(self, worker_id: str) -> Recheck:
         """`run_command_async`'s recheck of a refusal on the worker's state: whether the stream leader

@@ -70,8 +70,8 @@ from events.schema import (
     WorkerRemoved,
 )
 from events.subjects import check_prefix, stream_name
-from services.common import (EndpointSpec, NoWriteAnswers, ReplyCache, StreamWatch, add_endpoints, run_command_async,
-                             store_env, stream_replicas)
+from services.common import (EndpointSpec, NoWriteAnswers, ReplyCache, StreamWatch, add_endpoints, confirm_unchanged,
+                             run_command_async, store_env, stream_replicas)
 from services.locks import KeyedLock
 from services.snapshotter.domain import Actor, Tag
 from services.snapshotter.placements import PlacementFold, Release, node_since, removed_since
@@ -635,8 +635,10 @@ class SnapshotterService:
         if kept is not None:
             return kept[0]
         if not actor.change_template(req.template_uid, req.request_id, now()):
-            # Already that template: the event that set it is the answer, kept as this request's
-            # (it wrote nothing its retry could be answered from)
+            # Already that template (as the stream leader has it too): the event that set it is the
+            # answer, kept as this request's (it wrote nothing its retry could be answered from)
+            assert self.app is not None
+            await confirm_unchanged(self.app.recorder, actor.id, recorded_seq(actor, actor.version))
             reply = SeqReply(seq=recorded_seq(actor, actor.template_version))
             if self.no_writes is not None:
                 await self.no_writes.keep_async(actor, "update-template", req.request_id, reply)
