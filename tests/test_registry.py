@@ -423,6 +423,63 @@ async def test_a_heartbeat_looked_up_behind_another_replica_s_registration_is_no
         assert await registry.liveness.last_entry("w-never") == 0
 
 
+async def test_a_drain_read_behind_another_replica_s_new_life_drains_it(registry, nats_url, nc, prefix, monkeypatch):
+    """A worker drained through this registry, then removed and registered again (a new life,
+    undrained) through another replica; an operator's drain here, read from a replica of the
+    stream behind those two, found the worker drained and wrote nothing: the new life stayed
+    undrained. A drain that writes nothing now stands only once the history it read is current."""
+    await register(nc, prefix, registration("w-again"))
+    reply, _ = await raw_request(nc, prefix, "drain", "w-again", {"reason": "first"})
+    assert "error" not in reply, reply
+    elsewhere = await asyncio.to_thread(
+        RegistryStore, {**store_env(nats_url, prefix), "NATS_INBOX_PREFIX": "_INBOX_elsewhere"})
+    try:
+        removed = (await elsewhere.remove("w-again", RemoveWorker(reason="replaced"), AT)).seq
+        again = (await elsewhere.register(msgspec.convert(registration("w-again"), RegisterWorker), AT)).seq
+        assert again > removed
+        stream = registry.store.recorder.stream
+        read = stream.read
+
+        async def behind(subject: str, start: int, *args, **kwargs):
+            return [m for m in await read(subject, start, *args, **kwargs) if sequence_of(m) < removed]
+
+        monkeypatch.setattr(stream, "read", behind)
+        reply, _ = await raw_request(nc, prefix, "drain", "w-again", {"reason": "second"})
+        assert "error" not in reply and reply["seq"] > again, reply
+    finally:
+        await asyncio.to_thread(elsewhere.close)
+    kinds = [type(e).__name__ for _, e in await worker_events(nc, prefix, "w-again")]
+    assert kinds[-3:] == ["WorkerRemoved", "WorkerRegistered", "WorkerDrained"], kinds
+
+
+async def test_a_heartbeat_looked_up_behind_another_replica_s_removal_is_not_answered(
+        registry, nats_url, nc, prefix, monkeypatch):
+    """A heartbeat of a worker the roster, current, has in no life is looked up in the worker's
+    history; read from a replica of the stream behind another registry replica's removal of the
+    worker, that history says it is alive: the heartbeat was answered and its clock put for a
+    worker the log has removed (its actors released), and its agent, told it is registered, did
+    not register again (an audit's finding). Such an answer now stands only once the stream
+    leader has nothing past what was read."""
+    assert (await register(nc, prefix, registration("w-gone")))["outcome"] == "REGISTERED"
+    elsewhere = await asyncio.to_thread(
+        RegistryStore, {**store_env(nats_url, prefix), "NATS_INBOX_PREFIX": "_INBOX_elsewhere"})
+    try:
+        removed = (await elsewhere.remove("w-gone", RemoveWorker(reason="decommissioned"), AT)).seq
+        stream = registry.store.recorder.stream
+        read = stream.read
+
+        async def behind(subject: str, start: int, *args, **kwargs):
+            return [m for m in await read(subject, start, *args, **kwargs) if sequence_of(m) < removed]
+
+        monkeypatch.setattr(stream, "read", behind)
+        before = await registry.liveness.last_entry("w-gone")
+        reply, _ = await raw_request(nc, prefix, "heartbeat", "w-gone", {})
+        assert reply.get("error", {}).get("code") == "NOT_FOUND", reply
+        assert await registry.liveness.last_entry("w-gone") == before  # nothing put for it
+    finally:
+        await asyncio.to_thread(elsewhere.close)
+
+
 async def test_rolling_upgrade_sequence(registry, nc, prefix):
     v1 = registration("w-1", default=runtime("v1", "gvisor-1"))
     first = await register(nc, prefix, v1)

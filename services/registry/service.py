@@ -288,10 +288,15 @@ class RegistryStore(WireApplication):
         worker.lose(at)
         return await self._commit(worker)
 
-    async def require_alive(self, worker_id: str) -> str:
-        """NOT_FOUND unless the worker is in a life; the node it registered on."""
+    async def require_alive(self, worker_id: str, confirm: bool = False) -> str:
+        """NOT_FOUND unless the worker is in a life; the node it registered on. With `confirm`, in
+        a life only as the stream leader has it too (IntegrityError, decided again on the
+        leader's history, if it has more: `confirm_unchanged`)."""
         worker = await self.load(worker_id)
         worker.require_alive()
+        if confirm:
+            read = worker.seq_at(worker.version) or self.recorder.seen(worker.id)
+            await confirm_unchanged(self.recorder, worker.id, read)
         return worker.node
 
 
@@ -534,16 +539,19 @@ class RegistryService:
         # One the roster does not have is looked up in its history: the log says
         # NOT_FOUND (or that it registered meanwhile). So does a barrier not to be had.
         # That read may come from a replica of the stream behind the leader, so a NOT_FOUND
-        # is rechecked at the leader as a command's refusal is (`run_command_async`).
+        # is rechecked at the leader as a command's refusal is (`run_command_async`); and where
+        # the roster, current, says the worker is in no life, so is an answer that it is in one
+        # (a removal through another replica read behind: an audit's finding). With no barrier
+        # to be had (the leader cannot be asked), the read is taken as it is.
         # Nothing is put before the answer is known: a refusal writes nothing.
         try:
             await self.fold.current()
-            alive = self.roster.alive(worker_id)
+            alive, current = self.roster.alive(worker_id), True
         except ContractError:
-            alive = False
+            alive, current = False, False
         node = None
         if not alive:
-            node = await run_command_async(lambda: self.store.require_alive(worker_id),
+            node = await run_command_async(lambda: self.store.require_alive(worker_id, confirm=current),
                                            recheck=self._recheck(worker_id))
         judged = self.binding.judged_nodes
         if judged is not None:  # registered on a node the binding gives another (it registered before): no beat
