@@ -118,6 +118,16 @@ async def test_a_mended_edit_is_said_even_when_it_changes_nothing(tmp_path, capl
     agent._sync_config(asyncio.Event())  # said once
     assert len([r for r in caplog.records if r.levelno == logging.INFO]) == 1
 
+    # a file that cannot be read (moved away), put back as it was: said mended too (a review found
+    # its digest equal to the last good read's, so nothing was new and nothing said)
+    path.rename(tmp_path / "away.toml")
+    agent._sync_config(asyncio.Event())
+    assert [r.levelno for r in caplog.records if "cannot read" in r.getMessage()] == [logging.ERROR]
+    (tmp_path / "away.toml").rename(path)
+    agent._sync_config(asyncio.Event())
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.INFO][1:] == [said[0]]
+    assert not agent._background
+
 
 # --- end to end ----------------------------------------------------------------------------------
 

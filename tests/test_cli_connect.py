@@ -78,12 +78,21 @@ def test_a_password_on_the_command_line_is_warned_of(tmp_path, url, where, warne
     assert "secret" not in result.output and "s3cr3t" not in result.output
 
 
-def test_a_command_whose_server_does_not_answer_ends_with_one_line_naming_it():
+@pytest.mark.parametrize("terminal", [False, True])
+def test_a_command_whose_server_does_not_answer_ends_with_one_line_naming_it(monkeypatch, terminal):
+    """No traceback per attempt: one line naming the server and why. On a terminal, a line after
+    a second says what it waits for and why (a walkthrough sat 5 s before a silent prompt); in a
+    pipe, nothing but the error (a script reading the output is not given progress)."""
+    from warmboot import cli_common
+
+    monkeypatch.setattr(cli_common, "stderr_is_terminal", lambda: terminal)
     closed = f"nats://127.0.0.1:{free_port()}"  # nothing listens there
     result = CliRunner().invoke(main, ["workers", "--nats", closed])
     assert result.exit_code == 1
     lines = result.output.strip().splitlines()
-    # no traceback per attempt: after a second, one line says what it waits for and why, then the error
+    if not terminal:
+        assert len(lines) == 1 and lines[0].startswith(f"error: UNAVAILABLE: cannot reach NATS at {closed} "), lines
+        return
     assert len(lines) == 2, result.output
     assert lines[0].startswith(f"waiting up to 5 s for NATS at {closed} (") and "Connect call failed" in lines[0], lines[0]
     assert lines[1].startswith(f"error: UNAVAILABLE: cannot reach NATS at {closed} within 5 s: ")

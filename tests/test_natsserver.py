@@ -192,20 +192,28 @@ def test_a_store_reset_keeps_its_lock_from_before_the_wipe_until_the_server_stop
     start: a server starting on the store meanwhile is refused (it looked, then wiped: another
     `up` could start between the two; and the wipe removed the lock file itself, so a second
     server took a new one beside the held one)."""
+    sibling = NatsServer(tmp_path, name="n2")  # a cluster's member beside it, its store held
+    sibling.lock_store()
     first = NatsServer(tmp_path, name="warmboot")
     first.lock_store()
     try:
         (tmp_path / "warmboot").mkdir()
         (tmp_path / "warmboot" / "old-log").write_text("x")
-        (tmp_path / "other-file").write_text("x")
+        (tmp_path / "warmboot.conf").write_text("x")
+        (tmp_path / "n2").mkdir()
+        assert first.has_store
         first.reset_store()
-        assert [p.name for p in tmp_path.iterdir()] == ["warmboot.lock"]
+        assert not first.has_store
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["n2", "n2.lock", "warmboot.lock"]  # its own gone
+        with pytest.raises(StoreInUse):
+            NatsServer(tmp_path, name="n2").start()  # the sibling's lock still holds
         with pytest.raises(StoreInUse) as taken:
             NatsServer(tmp_path, name="warmboot").start()
         assert taken.value.holder == str(os.getpid())
         first.start()  # the lock it holds is its own
     finally:
         first.stop()
+        sibling.stop()
     NatsServer(tmp_path, name="warmboot").start().stop()  # stopped: free
 
 

@@ -565,6 +565,7 @@ class Agent:
         try:
             data = self.config_path.read_bytes()
         except OSError as e:
+            self._read = None  # what comes back, even as it was, is read anew (and its mend said)
             raise ConfigError(f"{self.config_path}: cannot read: {e}") from None
         _, machine, reading = self._machine()
         read = (hashlib.sha256(data).digest(), reading)

@@ -141,14 +141,19 @@ class Failed(click.ClickException):
 
 
 # A one-shot command waits up to CONNECT_TIMEOUT_S for its server (it may be restarting); past
-# this it says, on standard error, that it is waiting and why.
+# this it says, on a terminal's standard error, that it is waiting and why.
 WAITING_NOTE_S = 1.0
+
+
+def stderr_is_terminal() -> bool:
+    """Whether progress may be shown: on a terminal, not in a pipe or a log a script reads."""
+    return sys.stderr.isatty()
 
 
 def ask(nats_url: str, work: Callable[[Any], Awaitable[Any]]) -> Any:
     """Connect, run `work(nc)`, close; contract errors and connection failures become CLI errors
     (`Failed`: `error: CODE field: message`, exit 1). A server that has not answered within
-    WAITING_NOTE_S is said to be waited for, with the last error, before the wait ends."""
+    WAITING_NOTE_S is said to be waited for, on a terminal, with the last error."""
 
     async def run() -> Any:
         errors = ErrorsOnce(None)
@@ -157,11 +162,12 @@ def ask(nats_url: str, work: Callable[[Any], Awaitable[Any]]) -> Any:
             why = describe_error(errors.last) if errors.last is not None else "no answer yet"
             click.echo(f"waiting up to {CONNECT_TIMEOUT_S:g} s for NATS at {redact_url(nats_url)} ({why})", err=True)
 
-        note = asyncio.get_running_loop().call_later(WAITING_NOTE_S, waiting)
+        note = asyncio.get_running_loop().call_later(WAITING_NOTE_S, waiting) if stderr_is_terminal() else None
         try:
             nc = await connect_within(nats_url, "warmboot-cli", errors=errors)
         finally:
-            note.cancel()
+            if note is not None:
+                note.cancel()
         try:
             return await work(nc)
         finally:
@@ -261,7 +267,7 @@ async def replay(nc: Any, prefix: str, sink: Any, show_progress: bool) -> Any:
     target = await last_seq(nc, prefix)
     progress = Progress(TextColumn("replaying"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=Console(stderr=True), transient=True,
-                        disable=not (show_progress and sys.stderr.isatty()))  # no stray line in a pipe
+                        disable=not (show_progress and stderr_is_terminal()))  # no stray line in a pipe
     with progress:
         task = progress.add_task("", total=target)
         sink.on_position = lambda seq: progress.update(task, completed=seq)

@@ -101,7 +101,7 @@ def up(port: int, store: Path, prefix: str, metrics_port: int, demo: bool, exit_
 
 def _start(server: NatsServer, store: Path, port: int, reset: bool) -> None:
     """Start `server` on `store`, whose lock it holds, wiped first if `reset`."""
-    if any(entry != server.lock_path for entry in server.store_dir.iterdir()):
+    if server.has_store:
         if reset:
             console.print(f"[yellow]resetting the store {store}[/] (the previous log is discarded)")
             server.reset_store()

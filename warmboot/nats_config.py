@@ -12,6 +12,7 @@ import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import click
@@ -404,27 +405,29 @@ ROLES_KEY = "_roles"
 ROLES_FILE = "_roles.json"
 
 
-def _read_secrets(path: Path | None) -> tuple[dict[str, str], dict[str, str]]:
-    """(user -> secret, user -> the role it was made for) of a secrets file; a file written before
-    roles were kept has none."""
-    if path is None or not path.exists():
-        return {}, {}
-    try:
-        data = json.loads(path.read_text())
-        roles = data.pop(ROLES_KEY, None) or {}
-        return {str(k): str(v) for k, v in data.items()}, {str(k): str(v) for k, v in roles.items()}
-    except (OSError, ValueError, AttributeError) as e:
-        raise click.ClickException(f"{path}: not a JSON object of user -> secret: {e}") from None
-
-
-def _read_roles(seeds_dir: Path | None) -> dict[str, str]:
-    path = seeds_dir / ROLES_FILE if seeds_dir is not None else None
+def _read_map(path: Path | None, what: str) -> dict[str, Any]:
+    """A JSON object of `what` read from `path` ({} if there is none), or a ClickException naming it."""
     if path is None or not path.exists():
         return {}
     try:
-        return {str(k): str(v) for k, v in json.loads(path.read_text()).items()}
+        data = json.loads(path.read_text())
+        return {str(k): v for k, v in data.items()}
     except (OSError, ValueError, AttributeError) as e:
-        raise click.ClickException(f"{path}: not a JSON object of user -> role: {e}") from None
+        raise click.ClickException(f"{path}: not a JSON object of {what}: {e}") from None
+
+
+def _read_secrets(path: Path | None) -> tuple[dict[str, str], dict[str, str]]:
+    """(user -> secret, user -> the role it was made for) of a secrets file; a file written before
+    roles were kept has none."""
+    data = _read_map(path, "user -> secret")
+    roles = data.pop(ROLES_KEY, None)
+    if roles is not None and not isinstance(roles, dict):
+        raise click.ClickException(f"{path}: {ROLES_KEY} is not a JSON object of user -> role")
+    return {k: str(v) for k, v in data.items()}, {str(k): str(v) for k, v in (roles or {}).items()}
+
+
+def _read_roles(seeds_dir: Path | None) -> dict[str, str]:
+    return {k: str(v) for k, v in _read_map(seeds_dir / ROLES_FILE if seeds_dir else None, "user -> role").items()}
 
 
 def _usable_seed(seed: str) -> bool:
@@ -456,8 +459,9 @@ def _usable_seed(seed: str) -> bool:
               help="password: clear passwords in the configuration; bcrypt: their bcrypt hashes; "
                    "nkey: one nkey pair per user, only public keys in the configuration.")
 @click.option("--secrets", "secrets_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="JSON file of user -> password (or nkey seed with --auth nkey): secrets found there are "
-                   "kept, new users get new ones, and the file is rewritten (mode 0600).")
+              help="JSON file of user -> password (or nkey seed with --auth nkey), and _roles: user -> the "
+                   "role each was made for: secrets found there are kept for their role, new users (or a user "
+                   "in another role) get new ones, and the file is rewritten (mode 0600).")
 @click.option("--seeds-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="--auth nkey: also write each user's seed to DIR/USER.nk (mode 0600), the file that "
                    "--nkey-seed / NATS_NKEY_SEED take; the USER.nk of a user not in this run is removed.")

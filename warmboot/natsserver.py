@@ -179,17 +179,23 @@ class NatsServer:
         self._lock = handle
 
     def reset_store(self) -> None:
-        """Wipe the store directory, all but the lock, held from before the first entry goes until
-        `stop` (`lock_store`): no other server starts on it meanwhile, and none takes a lock file
-        made again beside one still held."""
+        """Wipe what this server keeps in the store directory (its JetStream directory and its
+        configuration), with the store's lock held from before until `stop` (`lock_store`): no
+        other server starts on it meanwhile. The lock file stays (a server taking a new one beside
+        it would hold the store too), and so do other servers' files beside it (a cluster's)."""
         self.lock_store()
-        for entry in self.store_dir.iterdir():
-            if entry == self.lock_path:
-                continue
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry)
-            else:
-                entry.unlink()
+        data = self.store_dir / self.name
+        if data.is_dir() and not data.is_symlink():
+            shutil.rmtree(data)
+        elif data.exists() or data.is_symlink():
+            data.unlink()
+        self.config_path.unlink(missing_ok=True)
+
+    @property
+    def has_store(self) -> bool:
+        """Whether this server's JetStream directory holds anything (a log to reuse)."""
+        data = self.store_dir / self.name
+        return data.is_dir() and any(data.iterdir())
 
     @property
     def url(self) -> str:
