@@ -997,7 +997,9 @@ async def confirm_unchanged(recorder: Any, aggregate: Any, seq: int) -> None:
     UNCHANGED, left the log on the other runtime, and memory images were placed where they
     cannot load). IntegrityError if the stream leader has the history past `seq`, so that
     `run_command_async` decides again, on the leader's history (remembered, so the next read
-    reaches it). One read of the leader: such answers are rare (an agent's reconnect)."""
+    reaches it). One read of the leader per answer: the registry, whose storms of unchanged
+    re-registrations are all such answers, asks its roster first (`RegistryService.
+    _confirm_unchanged`) and comes here only when the roster does not say the same."""
     if await recorder.newer_at_leader_async(aggregate, seq):
         raise IntegrityError(f"{aggregate}: the stream leader has its history past {seq}, which was read behind it")
 
