@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import msgspec
+import nats
 import pytest
 from click.testing import CliRunner
 
@@ -1287,3 +1288,68 @@ def test_a_stale_episode_is_not_restarted_by_one_unreadable_read(tmp_path):
     assert agent._stale_since == since, "stale all along, yet the count started again"
     agent.ttl_s = 0.0
     assert agent._wait_no_longer(False, 2) is not None
+
+
+async def until(condition, timeout: float = 20.0) -> None:
+    """Return once `condition()` holds (the agent's own state, looked at every 10 ms)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def default_asset(entry) -> str | None:
+    return {a.key: a.value for a in entry.default_runtime.version.attributes}.get("gvisor_asset_hash")
+
+
+async def test_an_edit_whose_turn_comes_on_an_unreadable_read_is_sent_once_the_machine_reads_again(
+        nats_url, nc, prefix, tmp_path):
+    """An edit waits its turn behind another registration (the registry slow to answer, as in a
+    rollout); when its turn comes the probe cannot read the machine for a moment (well within the
+    grace: the worker stays registered, beating). The edit could not be made, so it was not sent,
+    nor refused; yet the agent had marked it sent (`_edited`), and once the machine read as before,
+    the watch, reading the same file on the same CPU, skipped it for ever: the registry went on
+    advertising default v2, which the file (and so the machine) dropped for v3, and v2's memory
+    images would be sent there (found by an audit). It is now sent once the machine reads again."""
+    from services.registry.service import RegistryService
+
+    hold, held, release = False, asyncio.Event(), asyncio.Event()
+
+    def gated(register):
+        async def held_register(worker_id, request):
+            if hold and not release.is_set():
+                held.set()
+                await release.wait()
+            return await register(worker_id, request)
+        return held_register
+
+    registry_nc = await nats.connect(nats_url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+    registry = RegistryService(registry_nc, nats_url=nats_url, prefix=prefix, ttl_s=15.0)
+    registry.register = gated(registry.register)
+    await registry.start()
+    agent, cpuinfo, path = a_machine(tmp_path, nats_url, prefix)
+    agent.unreadable_grace_s = 60.0  # a passing failure to read the machine: the worker stays registered
+    try:
+        async with agent_running(agent):
+            seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
+            hold = True
+            path.write_text(agent_config("v2", ("v1",)))  # an edit, held at the registry
+            await asyncio.wait_for(held.wait(), 20)
+            path.write_text(agent_config("v3"))  # the next edit waits its turn behind it
+            await until(lambda: agent._edit_waiting and agent.desired is not None
+                        and default_asset(agent.desired.sandbox_classes[0]) == "v3")
+            readable = agent._probe_read[2]
+            without_cpu_features(cpuinfo)  # the probe cannot read cpu_features for a moment
+            await until(lambda: agent._probe_read[2] != readable)
+            release.set()  # the first edit answered: the second's turn, on the unreadable read
+            await until(lambda: not agent._edit_waiting and not agent._one_registration.locked())
+            shutil.copy(CPUINFO, cpuinfo)  # the machine reads as before
+            at, changed = await wait_event(nc, prefix, "w-a", RuntimeChanged, after=seq, timeout=10)
+            assert default_asset(changed.sandbox_classes[0]) == "v2"  # the first edit
+            # v3, the file's, within a few reads of the file (0.05 s apart)
+            at, changed = await wait_event(nc, prefix, "w-a", RuntimeChanged, after=at, timeout=5)
+            assert default_asset(changed.sandbox_classes[0]) == "v3"
+    finally:
+        release.set()
+        await registry.stop()
+        await registry_nc.close()

@@ -740,15 +740,25 @@ class Agent:
                     return None  # in force already, or sent already (and refused: not asked again)
                 self._edited = wanted
                 try:
-                    reply = await self._send(wanted, self._desired_of, stop, BACKGROUND_REGISTER_TIMEOUT_S)
-                except ContractError as e:
-                    if not (self.withdrawn and (e.code, e.field) == (ErrorCode.FAILED_PRECONDITION, "sandbox_classes")):
-                        raise
-                    # removed by this agent, yet refused as a change of class: a life it did not begin holds
-                    # the worker (see `_restamp`); it is removed, and the file's registration begins the next
-                    await self._withdraw(f"a registration this agent did not make holds it: {e.message}", stop)
-                    self._edited = wanted
-                    reply = await self._send(wanted, self._desired_of, stop, BACKGROUND_REGISTER_TIMEOUT_S)
+                    try:
+                        reply = await self._send(wanted, self._desired_of, stop, BACKGROUND_REGISTER_TIMEOUT_S)
+                    except ContractError as e:
+                        if not (self.withdrawn
+                                and (e.code, e.field) == (ErrorCode.FAILED_PRECONDITION, "sandbox_classes")):
+                            raise
+                        # removed by this agent, yet refused as a change of class: a life it did not begin holds
+                        # the worker (see `_restamp`); it is removed, and the file's registration begins the next
+                        await self._withdraw(f"a registration this agent did not make holds it: {e.message}", stop)
+                        self._edited = wanted
+                        reply = await self._send(wanted, self._desired_of, stop, BACKGROUND_REGISTER_TIMEOUT_S)
+                except ConfigError:
+                    # Not sent, so not refused: it could not be made on the machine as the probe read it when
+                    # its turn came (cpuinfo unreadable for a moment), or its revision could not be kept. It is
+                    # not "sent already": the next read of the file makes it again and sends it (else the
+                    # registration in force, which the file no longer makes, stayed for ever).
+                    self._edited = None
+                    self._read = None
+                    raise
             elif registration is AGAIN:
                 self._again_waiting = False
                 reply = None
@@ -1088,6 +1098,8 @@ class Agent:
         except (ContractError, ConfigError):
             # not removed: withdrawn all the same, so that no heartbeat keeps the worker, and it is LOST
             self.withdrawn = True
+            self._edited = None  # and what a later life takes is the file's as it is then, as below
+            self._read = None
             raise
         self.withdrawn = True  # `registration` and what it was made of are kept, to be made again
         self._unreadable_at = None
@@ -1109,7 +1121,9 @@ class Agent:
         async def registering() -> None:
             try:
                 await self.register(registration, stop)
-            except (ContractError, ConfigError) as e:  # ConfigError: the probe cannot read the machine now
+            except ConfigError as e:  # the probe cannot read the machine now: nothing was sent, nothing refused
+                log.error("nothing sent: %s", e)
+            except ContractError as e:
                 log.error("%s%s", refused, e)
 
         task = asyncio.create_task(registering(), name=f"agent-{self.worker_id}-register")
