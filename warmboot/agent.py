@@ -751,13 +751,16 @@ class Agent:
                         await self._withdraw(f"a registration this agent did not make holds it: {e.message}", stop)
                         self._edited = wanted
                         reply = await self._send(wanted, self._desired_of, stop, BACKGROUND_REGISTER_TIMEOUT_S)
-                except ConfigError:
+                except ConfigError as e:
                     # Not sent, so not refused: it could not be made on the machine as the probe read it when
                     # its turn came (cpuinfo unreadable for a moment), or its revision could not be kept. It is
-                    # not "sent already": the next read of the file makes it again and sends it (else the
-                    # registration in force, which the file no longer makes, stayed for ever).
+                    # not "sent already" (else the registration in force, which the file no longer makes,
+                    # stayed for ever): the next read of the file makes it again and sends it; after a state
+                    # file it cannot keep a revision in, the next change of the file or of the machine (not
+                    # every watch: each would fail alike, and say so)
                     self._edited = None
-                    self._read = None
+                    if not isinstance(e, StateFileError):
+                        self._read = None
                     raise
             elif registration is AGAIN:
                 self._again_waiting = False
