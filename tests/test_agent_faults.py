@@ -1291,7 +1291,8 @@ def test_a_stale_episode_is_not_restarted_by_one_unreadable_read(tmp_path):
 
 
 async def until(condition, timeout: float = 20.0) -> None:
-    """Return once `condition()` holds (the agent's own state, looked at every 10 ms)."""
+    """Return once `condition()` holds: the agent's own state, looked at every 10 ms (what the watch
+    read of the file or the machine sets no event to wait on)."""
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, "timed out"
@@ -1342,7 +1343,8 @@ async def test_an_edit_whose_turn_comes_on_an_unreadable_read_is_sent_once_the_m
             without_cpu_features(cpuinfo)  # the probe cannot read cpu_features for a moment
             await until(lambda: agent._probe_read[2] != readable)
             release.set()  # the first edit answered: the second's turn, on the unreadable read
-            await until(lambda: not agent._edit_waiting and not agent._one_registration.locked())
+            await asyncio.wait(set(agent._background), timeout=20)  # both registrations done, sent or not
+            assert not agent._background and not agent._edit_waiting
             shutil.copy(CPUINFO, cpuinfo)  # the machine reads as before
             at, changed = await wait_event(nc, prefix, "w-a", RuntimeChanged, after=seq, timeout=10)
             assert default_asset(changed.sandbox_classes[0]) == "v2"  # the first edit

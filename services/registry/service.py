@@ -174,7 +174,7 @@ class RegistryStore(WireApplication):
         if not worker.pending_events:
             seq = worker.seq_at(worker.version)
             if verb is not None:  # a request's answer (the sweep's, lose and remove_unbound, decide on their own)
-                read = seq or self.recorder.seen(worker.id)
+                read = self._read_up_to(worker)
                 await (self.confirm(worker, read) if self.confirm is not None
                        else confirm_unchanged(self.recorder, worker.id, read))
             if request_id is not None and self.no_writes is not None and verb is not None:
@@ -295,9 +295,13 @@ class RegistryStore(WireApplication):
         worker = await self.load(worker_id)
         worker.require_alive()
         if confirm:
-            read = worker.seq_at(worker.version) or self.recorder.seen(worker.id)
-            await confirm_unchanged(self.recorder, worker.id, read)
+            await confirm_unchanged(self.recorder, worker.id, self._read_up_to(worker))
         return worker.node
+
+    def _read_up_to(self, worker: Worker) -> int:
+        """The stream sequence of the last event of the worker's history as loaded (what this process
+        has read of the subject, should the store not have said)."""
+        return worker.seq_at(worker.version) or self.recorder.seen(worker.id)
 
 
 class EventPositions:
