@@ -318,6 +318,55 @@ async def resumed_behind(scheduler: SchedulerService, nc, prefix: str, monkeypat
     return written, await resuming
 
 
+async def full_for_a_memory_image(wb: Client) -> None:
+    """a holds a MEMORY image stamped V1 whose only compatible worker, w1, is full (b runs there);
+    w2 has room on V2 only: a resume of a now falls back, NO_COMPATIBLE_WORKER, giving up the image."""
+    await wb.register(worker("w1", V1, mem=2048))
+    await wb.create(actor("a", mem=1024))
+    await wb.resume("a")
+    await wb.suspend("a", uri="s3://a/0")  # a MEMORY image stamped V1
+    await wb.create(actor("b", mem=1536))
+    assert (await wb.resume("b")).worker_id == "w1"
+    await wb.register(worker("w2", version("v2")))
+
+
+@pytest.mark.parametrize("room", ["registered", "released"])
+async def test_a_memory_image_is_not_given_up_on_a_fold_behind_room_for_it(stack, nc, prefix, monkeypatch, room):
+    """A compatible worker gets room through another process (a registration at the registry, a
+    suspend at the snapshotter) a moment before the actor's resume reaches a replica whose fold
+    has not read it yet (the caller passes no min_seq). The fold sees no compatible worker with
+    room; the fallback that answer makes throws the memory image away for good, so the replica
+    has its fold catch up with the stream's end first, and restores the image (before: VOLUMES on
+    w2, the image lost, although a compatible worker had room at the leader)."""
+    scheduler = stack.services[-1]
+    wb = Client(nc, prefix)
+    await full_for_a_memory_image(wb)
+    explained = await wb.explain("a")
+    assert explained.decision.fallback.reason is FallbackReason.NO_COMPATIBLE_WORKER  # what the fold says now
+
+    async def room_for_it():
+        if room == "registered":
+            return await wb.register(worker("w3", V1))
+        return await wb.suspend("b", uri="s3://b/0")
+
+    _, placed = await resumed_behind(scheduler, nc, prefix, monkeypatch, room_for_it)
+    assert (placed.fidelity, placed.fallback) == (PlacedFidelity.MEMORY, None)
+    assert placed.worker_id == ("w3" if room == "registered" else "w1")
+    assert [e.worker_id for _, e in await read_log(nc, prefix) if isinstance(e, ActorPlaced) and e.actor_id == "a"] \
+        == ["w1", placed.worker_id]  # nothing placed on w2 before
+
+
+async def test_a_memory_image_is_given_up_once_the_fold_is_current(stack, nc, prefix):
+    """When no compatible worker has room at the leader either, the fallback is made, once."""
+    wb = Client(nc, prefix, read_your_writes=False)
+    await full_for_a_memory_image(wb)
+    before = await last_seq(nc, prefix)
+    placed = await wb.resume("a", request_id="F")
+    assert (placed.worker_id, placed.fidelity) == ("w2", PlacedFidelity.VOLUMES)
+    assert placed.fallback.reason is FallbackReason.NO_COMPATIBLE_WORKER
+    assert [type(e).__name__ for s, e in await read_log(nc, prefix) if s > before] == ["ActorPlaced", "WorkerBooked"]
+
+
 async def test_selectors_of_the_actor_s_last_life_do_not_refuse_a_resume_of_its_next(stack, nc, prefix, monkeypatch):
     """The actor's selectors are its life's: a resume may add selectors, never change one
     (INVALID_ARGUMENT). Stopped and created anew without them, the actor is resumed with one its

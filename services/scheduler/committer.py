@@ -34,6 +34,11 @@ instead of placing the actor again. If the id may have been pushed out of the re
 placements since the job's caller checked them and the reply cache (a late retry on a
 replica that folded the pushing out meanwhile), the job goes back to its caller to be
 checked again (`RECHECK`) rather than decided.
+
+A placement that would discard the actor's memory image for want of a compatible worker
+with room (NO_COMPATIBLE_WORKER) is not made on a fold that may be behind another
+process's registration or release: the job goes back to its caller (`CONFIRM`), which has
+the fold catch up with the stream's end and submits it again.
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ from eventsourcing.persistence import IntegrityError
 
 from events.aggregate import WireApplication, now
 from events.errors import ContractError, unavailable
-from events.schema import ActorPlaced, Placement, WorkerBooked
+from events.schema import ActorPlaced, FallbackReason, Placement, WorkerBooked
 from events.tasks import cancel_and_wait
 from services.scheduler.decide import decide
 from services.scheduler.fold import Fold
@@ -87,20 +92,23 @@ class Hold:
 class Job:
     """A resume waiting for the committer to decide and commit it."""
 
-    __slots__ = ("actor_id", "selectors", "request_id", "request", "result", "checked", "seen")
+    __slots__ = ("actor_id", "selectors", "request_id", "request", "result", "checked", "seen", "confirmed")
 
     def __init__(self, actor_id: str, selectors: Any, request_id: str | None, result: asyncio.Future[Any]):
         self.actor_id = actor_id
         self.selectors = selectors
         self.request_id = request_id
         self.request = request_hash(request_id) if request_id is not None else None
-        self.result = result  # (Placement, seq), Answered, RECHECK, or the error
+        self.result = result  # (Placement, seq), Answered, RECHECK, CONFIRM, or the error
         # the actor's recent placements (and filter of those pushed out) its request id was
         # checked against, the reply cache included where the filter said so (SchedulerService.resume)
         self.checked: bytes | None = None
         # the actor's last sequence in the fold when the committer answered or refused it: what
         # the answer or the refusal was taken on (SchedulerService._current checks it at the leader)
         self.seen: int | None = None
+        # whether its caller has had the fold catch up with the stream's end since the resume came
+        # (`CONFIRM`): only then may it be placed discarding a memory image for want of room
+        self.confirmed = False
 
     @property
     def key(self) -> tuple[str, int] | None:
@@ -119,6 +127,13 @@ class Answered:
 # A job's outcome when its request id may have been pushed out of the actor's recent placements
 # after its caller checked them (and the reply cache): its caller checks again, then resubmits.
 RECHECK = object()
+
+# A job's outcome when it would be placed discarding its memory image, no compatible worker having
+# room (`FallbackReason.NO_COMPATIBLE_WORKER`), on a fold not yet confirmed current: a registration
+# or a release another process wrote a moment ago may give a compatible worker room. The image is
+# lost for good once the fallback is written, so its caller has the fold catch up with the stream's
+# end (`Fold.current`) and resubmits it, `confirmed`; it is decided again there.
+CONFIRM = object()
 
 
 class Commit:
@@ -322,6 +337,10 @@ class Committer:
                     except Exception as error:  # a bug: this request fails, the committer goes on
                         log.exception("deciding the placement of %s failed", job.actor_id)
                         job.result.set_exception(error)
+                        continue
+                    if not job.confirmed and placement.fallback is not None \
+                            and placement.fallback.reason is FallbackReason.NO_COMPATIBLE_WORKER:
+                        job.result.set_result(CONFIRM)
                         continue
                     worker_id = placement.worker_id
                     if worker_id in workers:

@@ -446,6 +446,17 @@ class Fold:
             if at < len(waiters) and waiters[at] is entry:
                 del waiters[at]
 
+    async def current(self, timeout: float) -> None:
+        """Return once the fold has every event the stream held when this was called, as its
+        leader answers (one question shared with the callers that ask meanwhile); UNAVAILABLE if
+        the leader does not answer, or the fold does not get there, within `timeout`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        end = await self._stream_end(self._asked, timeout)
+        if end is None:
+            raise unavailable("the event log's leader did not say where the log ends; try again")
+        await self.wait(end, max(deadline - loop.time(), 0.0))
+
     async def _stream_end(self, since: int, within: float) -> int | None:
         """The stream's last sequence as the leader answers a question asked after the `since`-th
         (None if it is not known within `within`): one question shared by every caller while it

@@ -55,7 +55,7 @@ from services.common import (STATE_REFUSALS, EndpointSpec, ReplyCache, add_endpo
                              stream_replicas)
 from services.locks import KeyedLock
 from services.scheduler.checkpoint import DEFAULT_INTERVAL_S, Checkpoints
-from services.scheduler.committer import MAX_GROUP, RECHECK, Answered, Committer, Job
+from services.scheduler.committer import MAX_GROUP, CONFIRM, RECHECK, Answered, Committer, Job
 from services.scheduler.decide import check_retry
 from services.scheduler.explain import explain
 from services.scheduler.fragmentation import fragmentation
@@ -269,9 +269,15 @@ class SchedulerService:
         this replica's fold has the actor's history as the stream leader has it (`_current`):
         a replica behind a stop and a new creation does not answer a request id of the actor's
         last life. Nor one its worker no longer carries out (`_still_answerable`).
+
+        A placement that would discard the actor's memory image, no compatible worker having room
+        (NO_COMPATIBLE_WORKER), is made only on a fold that has caught up with the stream's end
+        since the resume came (`CONFIRM`): a worker another process registered, or room it freed, a
+        moment ago is seen before the image is given up for good.
         """
         await self.fold.wait(request.min_seq, self.catch_up_s)
         rid = request.request_id
+        confirmed = False  # whether the fold has caught up with the stream's end since (`CONFIRM`)
         async with self._actors(actor_id):
             for _ in range(self.commit_attempts):
                 if self._stopping:
@@ -280,6 +286,7 @@ class SchedulerService:
                 if unfolded is not None:  # our own last placement of it: decide on state that has it
                     await self.fold.wait(unfolded, self.catch_up_s)
                 job = Job(actor_id, request.selectors, rid, asyncio.get_running_loop().create_future())
+                job.confirmed = confirmed
                 seq = 0
                 actor = self.projection.actors.get(actor_id)
                 # What this replica's fold has of the actor now: an answer taken from here on is taken on
@@ -322,6 +329,10 @@ class SchedulerService:
                                  refusal.message)
                         continue
                     if result is RECHECK:  # its id may have been pushed out meanwhile: check again
+                        continue
+                    if result is CONFIRM:  # it would discard its memory image: on a current fold only
+                        await self.fold.current(self.catch_up_s)
+                        confirmed = True
                         continue
                     if isinstance(result, Answered):
                         seq = result.seq
