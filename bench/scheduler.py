@@ -17,6 +17,10 @@ Side by side, in one run:
     With request ids (`request_id_ratio`), and with request ids on actors placed 4 times
     before (`request_id_evicting_ratio`: each resume's id is then looked up in the reply
     cache, and its placement first keeps the oldest answer there), against none.
+    Resumes that each give up a memory image, no worker offering its runtime
+    (`fallback_ratio`, against `resumes_per_s`): such a fallback is written only on a fold
+    caught up with the stream's end, one question to the stream leader shared by the
+    resumes that wait for it meanwhile.
     What a replica costs (`replica_cpu_ratio_3v1`, goal at most 1.5): the CPU of all
     scheduler processes (their own rusage) per committed placement with 3 replicas over
     that with 1, at the same offered load (open loop, two thirds of the rate 3 replicas
@@ -108,6 +112,7 @@ from tests.factories import (  # noqa: E402
 VERSIONS = 50
 VERSION_LIST = [version(f"sha256-{i:04d}", cpu_features=f"{0x0ac853df914e2ca0 ^ (i % 7):016x}")
                 for i in range(VERSIONS)]
+NOWHERE = version("sha256-nowhere", cpu_features="0ac853df914e2ca0")  # a runtime no bench worker offers
 
 
 def worker_event(i: int, *, mem: int = 65536, cpu: int = 64000) -> WorkerRegistered:
@@ -122,8 +127,9 @@ def actor_event(actor_id: str, mem: int = 1024, min_fidelity: Fidelity = Fidelit
     return created(actor_id, cpu=250, mem=mem, template="tmpl-1", min_fidelity=min_fidelity)
 
 
-def snapshot_event(actor_id: str, v: int, origin=SnapshotOrigin.SUSPEND) -> SnapshotTaken:
-    return taken(snapshot(actor_id, VERSION_LIST[v], template="tmpl-1"), origin)
+def snapshot_event(actor_id: str, v: int | None, origin=SnapshotOrigin.SUSPEND) -> SnapshotTaken:
+    """A memory image stamped VERSION_LIST[v], or (None) a runtime no bench worker offers."""
+    return taken(snapshot(actor_id, VERSION_LIST[v] if v is not None else NOWHERE, template="tmpl-1"), origin)
 
 
 def placed_event(actor_id: str, worker_id: str, mem: int, request_id: str | None = None) -> ActorPlaced:
@@ -353,7 +359,7 @@ def scrape(port: int, name: str) -> float:
 
 async def bench_resumes(
     nats_url: str, replicas: int, actors: int, window: int, request_ids: bool, workers: int = 1000,
-    rate: float | None = None, label: str = "", history: int = 0,
+    rate: float | None = None, label: str = "", history: int = 0, fallback: bool = False,
 ) -> dict[str, float]:
     """Committed resumes against `replicas` scheduler processes, `window` in flight.
 
@@ -363,9 +369,12 @@ async def bench_resumes(
     offered load for any number of replicas. `label` keeps runs on one server apart. With
     `history`, each actor has been placed (with a request id) and suspended that many times
     before: from RECENT_PLACEMENTS on, every resume with a request id pushes an older answer
-    out of the actor's recent ones, into the reply cache."""
+    out of the actor's recent ones, into the reply cache. With `fallback`, every actor holds a
+    memory image stamped a runtime no worker offers: every resume gives it up (NO_COMPATIBLE_WORKER),
+    written only on a fold caught up with the stream's end (`Fold.current`)."""
     paced = f"f{rate:.0f}" if rate else ""
     prefix = (f"bench{replicas}{'r' if request_ids else ''}w{workers}{paced}{f'h{history}' if history else ''}"
+              f"{'fb' if fallback else ''}"
               f"{label}p{os.getpid() % 1000}")
     await ensure_stream(nats_url, prefix)
     nc = await nats.connect(nats_url)
@@ -380,7 +389,9 @@ async def bench_resumes(
             events.append(placed_event(actor_id, worker_id, 1024, request_id=f"h{k}-{j}"))
             events.append(booked(worker_id, actor_id, request_id=f"h{k}-{j}"))
             events.append(released(actor_id, worker_id, ReleaseReason.SUSPENDED))
-        if j % 3 == 0:
+        if fallback:
+            events.append(snapshot_event(actor_id, None))
+        elif j % 3 == 0:
             events.append(snapshot_event(actor_id, (j * 7) % VERSIONS))
     await publish_events(nc, prefix, events, {})
     procs = []
@@ -613,6 +624,8 @@ async def bench_bus(quick: bool) -> dict[str, float]:
         # reply cache, and its placement keeps the oldest answer there before it is appended
         evicting = await bench_resumes(server.url, 1, actors, window, request_ids=True, history=RECENT_PLACEMENTS)
         show(f"1 replica,  1000 workers, request_id, actors placed {RECENT_PLACEMENTS} times before", evicting)
+        fallbacks = await bench_resumes(server.url, 1, actors, window, request_ids=False, fallback=True)
+        show("1 replica,  1000 workers, every resume giving up a memory image", fallbacks)
         contended = await bench_resumes(server.url, 3, actors // 2, window, request_ids=False, workers=100)
         show("3 replicas,  100 workers (contended)", contended)
         # What a replica costs, at the same offered load for 1 and 3 replicas: two thirds of
@@ -648,6 +661,8 @@ async def bench_bus(quick: bool) -> dict[str, float]:
             "resumes_per_s_with_request_id": with_ids["resumes_per_s"],
             "request_id_ratio": round(with_ids["resumes_per_s"] / one["resumes_per_s"], 3),
             "resumes_per_s_request_id_evicting": evicting["resumes_per_s"],
+            "resumes_per_s_fallback": fallbacks["resumes_per_s"],
+            "fallback_ratio": round(fallbacks["resumes_per_s"] / one["resumes_per_s"], 3),
             "request_id_evicting_ratio": round(evicting["resumes_per_s"] / one["resumes_per_s"], 3),
             "replica_cpu_rate_per_s": rate,
             "replica_cpu_rate_held": held,

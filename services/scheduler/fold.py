@@ -446,13 +446,20 @@ class Fold:
             if at < len(waiters) and waiters[at] is entry:
                 del waiters[at]
 
-    async def current(self, timeout: float) -> None:
-        """Return once the fold has every event the stream held when this was called, as its
-        leader answers (one question shared with the callers that ask meanwhile); UNAVAILABLE if
-        the leader does not answer, or the fold does not get there, within `timeout`."""
+    @property
+    def asked(self) -> int:
+        """How many questions about the stream's end this fold has asked so far (for `current`)."""
+        return self._asked
+
+    async def current(self, timeout: float, since: int | None = None) -> None:
+        """Return once the fold has every event the stream held at some moment after the
+        `since`-th question about its end was asked (`asked` when the caller's request came; by
+        default, now), as its leader answers: one question shared by every caller it is recent
+        enough for. UNAVAILABLE if the leader does not answer, or the fold does not get there,
+        within `timeout`."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        end = await self._stream_end(self._asked, timeout)
+        end = await self._stream_end(self._asked if since is None else since, timeout)
         if end is None:
             raise unavailable("the event log's leader did not say where the log ends; try again")
         await self.wait(end, max(deadline - loop.time(), 0.0))

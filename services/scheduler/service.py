@@ -277,7 +277,8 @@ class SchedulerService:
         """
         await self.fold.wait(request.min_seq, self.catch_up_s)
         rid = request.request_id
-        confirmed = False  # whether the fold has caught up with the stream's end since (`CONFIRM`)
+        confirmed = False  # whether the fold has caught up with the stream's end since it came (`CONFIRM`)
+        came = self.fold.asked  # a question about the stream's end asked after this answers for it
         async with self._actors(actor_id):
             for _ in range(self.commit_attempts):
                 if self._stopping:
@@ -331,7 +332,7 @@ class SchedulerService:
                     if result is RECHECK:  # its id may have been pushed out meanwhile: check again
                         continue
                     if result is CONFIRM:  # it would discard its memory image: on a current fold only
-                        await self.fold.current(self.catch_up_s)
+                        await self.fold.current(self.catch_up_s, came)
                         confirmed = True
                         continue
                     if isinstance(result, Answered):
