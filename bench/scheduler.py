@@ -451,6 +451,7 @@ async def bench_resumes(
         commits = sum(scrape(port, "warmboot_placements_total") for port in ports)
         conflicts = sum(scrape(port, "warmboot_scheduler_commit_conflicts_total") for port in ports)
         appends = sum(scrape(port, "warmboot_scheduler_commit_group_placements_count") for port in ports) - appends0
+        fallbacks = sum(scrape(port, "warmboot_resume_fallbacks_total") for port in ports)
     finally:
         for proc in procs:
             proc.stdin.close()
@@ -462,6 +463,7 @@ async def bench_resumes(
         "resumes_per_s": round(placed / elapsed, 1),
         "placed": placed,
         "refused": refused,
+        "fallbacks": int(fallbacks),  # placements that fell back (any reason)
         "errors": errors,
         "commit_conflict_rate": round(conflicts / max(commits + conflicts, 1), 4),
         "cpu_ms_per_placement": round(cpu * 1000 / max(placed, 1), 3),
@@ -625,7 +627,8 @@ async def bench_bus(quick: bool) -> dict[str, float]:
         evicting = await bench_resumes(server.url, 1, actors, window, request_ids=True, history=RECENT_PLACEMENTS)
         show(f"1 replica,  1000 workers, request_id, actors placed {RECENT_PLACEMENTS} times before", evicting)
         fallbacks = await bench_resumes(server.url, 1, actors, window, request_ids=False, fallback=True)
-        show("1 replica,  1000 workers, every resume giving up a memory image", fallbacks)
+        show(f"1 replica,  1000 workers, every resume giving up a memory image ({fallbacks['fallbacks']} fell back)",
+             fallbacks)
         contended = await bench_resumes(server.url, 3, actors // 2, window, request_ids=False, workers=100)
         show("3 replicas,  100 workers (contended)", contended)
         # What a replica costs, at the same offered load for 1 and 3 replicas: two thirds of
