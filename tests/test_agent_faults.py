@@ -1355,3 +1355,29 @@ async def test_an_edit_whose_turn_comes_on_an_unreadable_read_is_sent_once_the_m
         release.set()
         await registry.stop()
         await registry_nc.close()
+
+
+async def test_the_registration_in_force_after_a_reconnect_on_an_unreadable_read_is_sent_once_the_machine_reads_again(
+        nats_url, nc, prefix, tmp_path):
+    """After a reconnect the agent sends the registration in force again, should the server have lost a
+    write (the registry would go on advertising a runtime the machine no longer has). When that moment
+    finds the probe unable to read the machine (well within the grace: the worker stays registered,
+    beating), it cannot be made, so it is not sent; nothing asked for it again, and once the machine read
+    as before the watch found nothing new (found by an audit). It is now sent at the next read."""
+    agent, cpuinfo, _ = a_machine(tmp_path, nats_url, prefix)
+    agent.unreadable_grace_s = 60.0  # a passing failure to read the machine: the worker stays registered
+    answered = spy_registrations(agent)
+    async with running_registry(nats_url, prefix), agent_running(agent):
+        outcome, _, first = await asyncio.wait_for(answered.get(), 20)
+        assert outcome == "REGISTERED"
+        readable = agent._probe_read[2]
+        without_cpu_features(cpuinfo)  # the probe cannot read cpu_features for a moment
+        await until(lambda: agent._probe_read[2] != readable)
+        agent._reconnected.set()  # what nats-py's reconnected callback sets
+        # the registration after it, tried and ended: nothing sent
+        await until(lambda: not agent._reconnected.is_set() and not agent._again_waiting and not agent._background)
+        assert answered.empty()
+        shutil.copy(CPUINFO, cpuinfo)  # the machine reads as before
+        outcome, _, again = await asyncio.wait_for(answered.get(), 10)
+        assert outcome == "UNCHANGED"  # the registration in force, sent again, with its revision
+        assert (again.sandbox_classes, again.revision) == (first.sandbox_classes, first.revision)

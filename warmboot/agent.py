@@ -535,6 +535,9 @@ class Agent:
         self._edited: RegisterWorker | None = None  # the last edit sent
         self._edit_waiting = False  # a register(EDIT) waits its turn
         self._again_waiting = False  # a register(AGAIN) waits its turn
+        # when the machine was read for a register(AGAIN) that could not be made of it (so not sent):
+        # the next read asks for it again (`_look`); None if none is owed
+        self._again_unmade: float | None = None
         self._restamp_waiting = False  # a register(RESTAMP) waits its turn
         self._beat_soon = False  # a heartbeat was refused before the TTL was learnt: beat again soon
         self.edited = False  # whether the last read of the file found it edited (else the machine changed)
@@ -764,25 +767,15 @@ class Agent:
                     raise
             elif registration is AGAIN:
                 self._again_waiting = False
-                reply = None
-                refused = False
-                if self.desired is not None and self.desired != self.registration:
-                    try:
-                        reply = await self._send(self.desired, self._desired_of, stop,
-                                                 BACKGROUND_REGISTER_TIMEOUT_S)
-                    except ContractError as e:
-                        if e.code != ErrorCode.FAILED_PRECONDITION:
-                            raise
-                        refused = True
-                        log.warning("the registry refused what %s says now (%s); registering the registration "
-                                    "in force again", self.config_path, e.message)
-                if reply is None:
-                    assert self.registration is not None and self._in_force_of is not None  # after the first one
-                    reply = await self._send(self.registration, self._in_force_of, stop,
-                                             BACKGROUND_REGISTER_TIMEOUT_S)
-                    if (refused and reply.outcome is RegisterOutcome.REGISTERED and self.desired is not None
-                            and _classes(self.desired) != _classes(self.registration)):
-                        reply = await self._life_of_the_file(stop)
+                self._again_unmade = None
+                try:
+                    reply = await self._again(stop)
+                except ConfigError:
+                    # Not sent, so not refused: it could not be made on the machine as the probe read it
+                    # (cpuinfo unreadable for a moment). Owed all the same (the server may have lost a
+                    # write), so the next read of the machine asks for it again (`_look`)
+                    self._again_unmade = self._machine()[0]
+                    raise
             else:
                 assert registration == self.desired and self._desired_of is not None  # read at the start
                 reply = await self._send(registration, self._desired_of, stop)
@@ -797,6 +790,27 @@ class Agent:
             log.warning("the heartbeat after registering %s was refused (%s); the heartbeats carry on",
                         self.worker_id, e)
             self._beat_soon = True
+        return reply
+
+    async def _again(self, stop: asyncio.Event) -> RegisterReply:
+        """`register(AGAIN)`'s registration (see there); the caller holds `_one_registration`."""
+        reply = None
+        refused = False
+        if self.desired is not None and self.desired != self.registration:
+            try:
+                reply = await self._send(self.desired, self._desired_of, stop, BACKGROUND_REGISTER_TIMEOUT_S)
+            except ContractError as e:
+                if e.code != ErrorCode.FAILED_PRECONDITION:
+                    raise
+                refused = True
+                log.warning("the registry refused what %s says now (%s); registering the registration "
+                            "in force again", self.config_path, e.message)
+        if reply is None:
+            assert self.registration is not None and self._in_force_of is not None  # after the first one
+            reply = await self._send(self.registration, self._in_force_of, stop, BACKGROUND_REGISTER_TIMEOUT_S)
+            if (refused and reply.outcome is RegisterOutcome.REGISTERED and self.desired is not None
+                    and _classes(self.desired) != _classes(self.registration)):
+                reply = await self._life_of_the_file(stop)
         return reply
 
     async def _restamp(self, stop: asyncio.Event) -> RegisterReply | None:
@@ -1249,9 +1263,13 @@ class Agent:
     def _look(self, stop: asyncio.Event) -> None:
         """What the watch does, and a heartbeat that reads another CPU: an edit of the file, or a change
         of what the probe reads, registered beside the heartbeats (`_sync_config`), else the registration
-        in force made again on the machine as it is (`_keep_cpu_true`)."""
+        in force made again on the machine as it is (`_keep_cpu_true`); and a registration after a
+        reconnect that could not be made of an earlier read of the machine (`_again_unmade`)."""
         self._sync_config(stop)
         self._keep_cpu_true(stop)
+        if self._again_unmade is not None and self._machine()[0] != self._again_unmade:
+            self._again_unmade = None  # a registration after a reconnect not made then: on this read
+            self._register_again(stop)
 
     def _keep_cpu_true(self, stop: asyncio.Event) -> None:
         """The registration in force made again on the machine as it is now (`RESTAMP`), when the
