@@ -25,7 +25,7 @@ from typing import Any, Callable
 import msgspec
 import msgspec.inspect as mi
 
-from events.compat import compat_key, machine_architecture, other_architecture
+from events.compat import architecture, compat_key, machine_architecture, other_architecture
 from events.errors import invalid
 from events.schema import (
     CompatVersion,
@@ -182,27 +182,38 @@ def check_class_entry(entry: WorkerSandboxClass, path: str) -> None:
         if key in seen:
             raise invalid(f"restorable runtime equals {seen[key]} by version", f"{rpath}.version")
         seen[key] = f"restorable_runtimes[{i}]"
-    check_one_architecture(entry, path)
 
 
-def check_one_architecture(entry: WorkerSandboxClass, path: str) -> None:
-    """Every version a class entry restores (its restorable runtimes, every compatible version)
-    names the architecture of its machine (`machine_architecture`: its default runtime's, or, when
-    that names none, the first named) or none: the worker runs on one machine, and a memory image
-    never restores on another architecture (docs/contract.md)."""
-    runtimes = [(f"{path}.default_runtime", entry.default_runtime),
-                *((f"{path}.restorable_runtimes[{i}]", r) for i, r in enumerate(entry.restorable_runtimes))]
+def _named_versions(req: RegisterWorker, path: str) -> list[tuple[str, CompatVersion]]:
+    """Every version a registration names, with its path: each class entry's default runtime, its
+    restorable runtimes, and the compatible versions of each, in that order."""
     versions = []
-    for rpath, runtime in runtimes:
-        if runtime is not entry.default_runtime:
+    for i, entry in enumerate(req.sandbox_classes):
+        epath = f"{path}sandbox_classes[{i}]"
+        runtimes = [(f"{epath}.default_runtime", entry.default_runtime),
+                    *((f"{epath}.restorable_runtimes[{j}]", r) for j, r in enumerate(entry.restorable_runtimes))]
+        for rpath, runtime in runtimes:
             versions.append((f"{rpath}.version", runtime.version))
-        versions += [(f"{rpath}.compatible_versions[{i}]", v) for i, v in enumerate(runtime.compatible_versions)]
-    machine = machine_architecture([entry.default_runtime.version, *(v for _, v in versions)])
+            versions += [(f"{rpath}.compatible_versions[{k}]", v) for k, v in enumerate(runtime.compatible_versions)]
+    return versions
+
+
+def check_one_machine(req: RegisterWorker, path: str = "") -> None:
+    """Every version a registration names (in any of its classes: runtimes and compatible versions)
+    names the architecture of its machine (`machine_architecture`: the first class's default
+    runtime's, or, when that names none, the first named) or none: a worker runs on one machine
+    whatever its classes, and a memory image never restores on another architecture
+    (docs/contract.md). Checked class by class alone, two classes of two architectures passed, and
+    one of them could only be sent images it cannot load (an audit, 2026-12-04)."""
+    versions = _named_versions(req, path)
+    machine = machine_architecture(v for _, v in versions)
+    named = next((vpath for vpath, v in versions if architecture(v) is not None), "")
     for vpath, version in versions:
         differ = other_architecture(version, machine)
         if differ is not None:
             raise invalid(f"architecture {differ!r} is not the machine's {machine!r} (its default runtime's, or the "
-                          f"first named): a memory image never restores on another architecture", f"{vpath}.attributes")
+                          f"first named: {named}): a memory image never restores on another architecture, and a "
+                          "worker runs on one machine whatever its classes", f"{vpath}.attributes")
 
 
 def check_register(req: RegisterWorker, path: str = "") -> RegisterWorker:
@@ -217,6 +228,7 @@ def check_register(req: RegisterWorker, path: str = "") -> RegisterWorker:
             )
         classes[entry.sandbox_class] = i
         check_class_entry(entry, epath)
+    check_one_machine(req, path)
     return req
 
 

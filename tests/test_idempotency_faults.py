@@ -876,3 +876,57 @@ async def test_a_resume_whose_ack_was_lost_is_answered_by_its_placement_after_an
     assert lost.is_set() and len(placed) == 1  # the placement is in the log, once
     assert "error" not in body, f"refused although its placement was written at {placed[0][0]}: {body}"
     assert (body["worker_id"], body["seq"]) == ("w", placed[0][0] + 1)  # its answer: the seq of its booking
+
+
+@pytest.mark.parametrize("change", ["drop-restorable", "remove-and-register-again", "drop-edge"])
+async def test_a_memory_restore_decided_before_its_worker_stopped_accepting_the_stamp_is_not_committed(
+        stack, stalled, nc, prefix, change):
+    """An audit's probe (found safe, kept as a guard): a replica decides a MEMORY restore of a V1 image
+    on w from a fold that has not read w's change (its restorable V1 dropped; w removed and registered
+    again on V2; the edge that accepted V1 dropped), and appends after the change is in the log. The
+    change's fence on w's booking subject refuses it; decided again on the fresh fold, the resume gives
+    the memory up; and the log, read in stream order, holds no placement its worker could not take."""
+    from warmboot.audit import Sink
+    from warmboot.cli_common import replay
+
+    wb = Client(nc, prefix)
+    V2 = version("v2")
+    await wb.register(worker("w", V1))
+    await wb.create(actor("a"))
+    await wb.resume("a")
+    await wb.suspend("a", uri="s3://a/1")  # a MEMORY image, stamped with what a ran under
+    if change == "drop-restorable":
+        await wb.register(worker("w", V2, (runtime(V1),)))  # V2 that still restores V1
+    elif change == "drop-edge":
+        await wb.register(worker("w", runtime(V2, compatible=(V1,))))  # V2 that accepts V1 through an edge
+    await stalled.fold.wait(await last_seq(nc, prefix), 10)
+    pause = stalled.fold.paused()
+    await pause.__aenter__()
+    decided: list = []
+    append = stalled.committer.append
+
+    async def append_after_the_change(group):
+        decided.append([c.placement for c in group])
+        if len(decided) == 1:
+            if change == "remove-and-register-again":
+                await wb.remove("w", reason="machine replaced")
+                await wb.register(worker("w", V2))
+            elif change == "drop-restorable":
+                await wb.register(worker("w", V2))
+            else:
+                await wb.register(worker("w", V2))  # the edge to V1 gone
+            await pause.__aexit__(None, None, None)
+        await append(group)
+
+    stalled.committer.append = append_after_the_change
+    try:
+        answer = await asyncio.wait_for(stalled.resume("a", ResumeActor(request_id="R")), 30)
+    except ContractError as error:
+        answer = error
+    first = decided[0][0]
+    assert (first.worker_id, first.fidelity) == ("w", PlacedFidelity.MEMORY)  # decided on the old w
+    assert not isinstance(answer, ContractError) or answer.code is not ErrorCode.INTERNAL, answer
+    if not isinstance(answer, ContractError):
+        assert answer.fidelity is not PlacedFidelity.MEMORY, answer
+    sink = await replay(nc, prefix, Sink(verify=True), False)
+    assert sink.violation is None, sink.violation

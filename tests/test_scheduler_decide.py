@@ -225,7 +225,7 @@ def test_no_compatible_worker_at_all_falls_back_too():
 
 def test_a_logged_version_of_another_architecture_restores_no_memory_image():
     """The registry refuses a restorable runtime or a compatible version of another architecture
-    than the class default's (events.validate.check_one_architecture); one a log holds from before
+    than the class default's (events.validate.check_one_machine); one a log holds from before
     is not indexed: an amd64 image never goes to an arm64 worker, through a restorable runtime or
     an edge, and falls back within its own architecture instead."""
     arm = version("9", arch="arm64")

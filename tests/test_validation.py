@@ -350,8 +350,8 @@ def test_a_version_of_another_architecture_than_the_default_is_refused_naming_it
     body["sandbox_classes"][0]["restorable_runtimes"][1]["compatible_versions"] = [version("e1")]
     accept(RegisterWorker, body)  # all amd64
     reject(RegisterWorker, edit(body, path, version("x", arch="arm64")), f"{path}.attributes",
-           "architecture 'arm64' is not the machine's 'amd64' (its default runtime's, or the first named): a "
-           "memory image never restores on another architecture")
+           "architecture 'arm64' is not the machine's 'amd64' (its default runtime's, or the first named: "
+           "sandbox_classes[0].default_runtime.version): a memory image never restores on another architecture")
 
 
 def test_a_default_that_names_no_architecture_still_has_one_machine():
@@ -561,3 +561,20 @@ def test_other_requests_check_their_fields():
 def test_oversized_body_rejected_before_decoding():
     error = reject(DrainWorker, b" " * ((1 << 20) + 1), None)
     assert "exceeds the limit" in error.message
+
+
+def test_two_classes_of_one_worker_name_one_machine_s_architecture():
+    """A worker runs on one machine, whatever its classes: a registration whose second class says
+    arm64 where its first says amd64 (the default, a restorable or an edge) was accepted, each class
+    entry checked alone, and arm64 memory images of the second class were then sent to a machine
+    its first class says is amd64 (or the reverse): one of the two can only get images it cannot
+    load (found by an audit)."""
+    second = class_entry("microvm", restorable=1)
+    body = register(sandbox_classes=[class_entry("gvisor", restorable=1), second])
+    accept(RegisterWorker, body)  # both amd64
+    for path in ("sandbox_classes[1].default_runtime.version",
+                 "sandbox_classes[1].restorable_runtimes[0].version"):
+        arm = edit(body, path, version("k1", arch="arm64"))
+        if path.endswith("default_runtime.version"):  # the whole second class on arm64
+            arm = edit(arm, "sandbox_classes[1].restorable_runtimes[0].version", version("k0", arch="arm64"))
+        reject(RegisterWorker, arm, f"{path}.attributes", "architecture 'arm64' is not the machine's 'amd64'")

@@ -126,7 +126,7 @@ class ClassEntry:
         self.default = default
         self.restorable = restorable
         # Only what the default's architecture can load: the registry refuses a version of
-        # another (`events.validate.check_one_architecture`); one a log holds from before is not
+        # another (`events.validate.check_one_machine`); one a log holds from before is not
         # indexed, so no memory image is sent across architectures.
         machine = machine_architecture([default.compat.version, *(e.version for e in default.edges),
                                         *(v for r in restorable for v in (r.compat.version, *(e.version for e in r.edges)))])
