@@ -983,3 +983,36 @@ def test_release_parts_fit_an_atomic_append_with_the_tracking_record():
     assert [len(p) for p in release_parts(ones, 3)] == [3, 3, 1]
     assert [len(p) for p in release_parts(ones, 7)] == [7]
     assert release_parts([], 3) == [[]]  # nothing to release: the tracking record alone
+
+
+async def test_a_pause_read_behind_a_new_life_of_its_worker_is_stamped_with_the_new_pin(
+        snapshotter, registry, placer, nats_server, nc, prefix, monkeypatch):
+    """A guard from an audit that found it safe: a-1 placed on w-1 under V1; w-1 removed (a-1 released), registered again
+    on node-2 with V2 only, a-1 placed there under V2 by another process. A second replica whose reads
+    lag behind all of it (it sees a-1 RUNNING on w-1@node-1 under V1, w-1 alive) is asked to pause,
+    then the client retries the same request id at the first replica: one pause, stamped V2 on node-2."""
+    await placed_then_removed_pending_release(snapshotter, nc, prefix, placer)
+    stale_from = await last_seq(nc, prefix) + 1
+    async with another_replica(snapshotter, nats_server.url, prefix, follow=False) as lagging:
+        # the lagging replica reads a-1 and w-1 once, while they are current (its cache, its last_seen)
+        await lagging.load_actor("a-1")
+        await lagging.app.recorder.select_events_async("worker.w-1")
+        await call(nc, service_subject(prefix, "registry", "remove", "w-1"), RemoveWorker(), SeqReply)
+        await released_by_removal(nc, prefix, count=1)
+        await register(nc, prefix, registration("w-1", "node-2", V2))
+        await placer.place("a-1", "w-1", "node-2", PIN_V2)
+        reads_before(monkeypatch, lagging, stale_from)
+        stream = lagging.app.recorder.stream
+        last_direct = stream.last_direct
+
+        async def behind(asked, *args, **kwargs):
+            msg = await last_direct(asked, *args, **kwargs)
+            return None if msg is not None and sequence_of(msg) >= stale_from else msg
+
+        monkeypatch.setattr(stream, "last_direct", behind)
+        first = await lagging.pause("a-1", PauseActor(request_id="R"))
+        again = await pause(nc, prefix, "a-1", request_id="R")
+    assert first.snapshot == again.snapshot
+    assert first.snapshot.sandbox_runtime == PIN_V2 and first.snapshot.node == "node-2", first.snapshot
+    taken = [e for _, _, e in await read_entries(nc, prefix) if isinstance(e, SnapshotTaken)]
+    assert len(taken) == 1
