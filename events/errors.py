@@ -54,6 +54,18 @@ class UnreadableHistory(ContractError):
     __str__ = __repr__
 
 
+class NoWorkerOnNode(ContractError):
+    """FAILED_PRECONDITION: an actor's LOCAL image is on a node where no worker of its class is
+    registered (the scheduler's `decide`). A reading of the fleet, and one whose message points at
+    revert, which gives the image up for good: the scheduler answers it only on a fold caught up
+    with the stream's end since the resume came."""
+
+    def __repr__(self) -> str:
+        return f"ContractError({self.code.value}: {self.message})"
+
+    __str__ = __repr__
+
+
 def invalid(message: str, field: str | None = None) -> ContractError:
     return ContractError(ErrorCode.INVALID_ARGUMENT, message, field)
 

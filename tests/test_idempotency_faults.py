@@ -356,6 +356,27 @@ async def test_a_memory_image_is_not_given_up_on_a_fold_behind_room_for_it(stack
         == ["w1", placed.worker_id]  # nothing placed on w2 before
 
 
+async def test_a_local_image_is_not_refused_on_a_fold_behind_a_worker_of_its_node(stack, nc, prefix, monkeypatch):
+    """a is PAUSED on node-1, whose worker was removed (its machine replaced): a resume is refused,
+    FAILED_PRECONDITION, and the refusal says to revert the actor to give the image up. The node's new
+    worker registers through the registry a moment before the resume reaches a replica whose fold has
+    not read it: the refusal was the answer, and a caller following it would have thrown the image away.
+    Now the replica has its fold catch up with the stream's end first, and restores the image there."""
+    scheduler = stack.services[-1]
+    wb = Client(nc, prefix)
+    await wb.register(worker("w1", V1, node="node-1"))
+    await wb.create(actor("a"))
+    await wb.resume("a")
+    await wb.pause("a")  # a LOCAL image on node-1, stamped V1
+    await wb.remove("w1", reason="machine replaced")
+    with pytest.raises(ContractError) as refused:  # no worker on node-1: the refusal, as it stands
+        await wb.resume("a")
+    assert refused.value.code is ErrorCode.FAILED_PRECONDITION and "revert" in refused.value.message
+    _, placed = await resumed_behind(scheduler, nc, prefix, monkeypatch,
+                                     lambda: wb.register(worker("w2", V1, node="node-1")))
+    assert (placed.worker_id, placed.fidelity, placed.node) == ("w2", PlacedFidelity.MEMORY, "node-1")
+
+
 async def test_a_memory_image_is_given_up_once_the_fold_is_current(stack, nc, prefix):
     """When no compatible worker has room at the leader either, the fallback is made, once."""
     wb = Client(nc, prefix, read_your_writes=False)

@@ -64,7 +64,7 @@ from __future__ import annotations
 import heapq
 from typing import Iterable, Iterator, Mapping, Sequence
 
-from events.errors import UnreadableHistory, exhausted, invalid, no_actor, precondition
+from events.errors import NoWorkerOnNode, UnreadableHistory, exhausted, invalid, no_actor, precondition
 from events.schema import (
     Action,
     CompatVersion,
@@ -282,7 +282,8 @@ def _plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | N
         on_node = index.by_node.get(node) if index is not None and node else None
         if not on_node:
             where = f"node {node}" if node else "a node it does not name"
-            raise precondition(
+            raise NoWorkerOnNode(
+                ErrorCode.FAILED_PRECONDITION,
                 f"actor {aid}'s latest snapshot is a LOCAL image on {where}, where no worker of class {cls} "
                 f"is registered; it restores only there. To give the image up, revert the actor "
                 f"(snapshotter revert): it then resumes from its latest EXTERNAL snapshot, or cold-boots"

@@ -32,7 +32,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from events.aggregate import WireApplication
 from events.codec import decode_event, decoder
-from events.errors import ContractError, UnreadableHistory, unavailable
+from events.errors import ContractError, NoWorkerOnNode, UnreadableHistory, unavailable
 from events.jetstream.link import links_on
 from events.tasks import cancel_and_wait
 from events.runtime_id import short_id
@@ -273,7 +273,8 @@ class SchedulerService:
         A placement that would discard the actor's memory image, no compatible worker having room
         (NO_COMPATIBLE_WORKER), is made only on a fold that has caught up with the stream's end
         since the resume came (`CONFIRM`): a worker another process registered, or room it freed, a
-        moment ago is seen before the image is given up for good.
+        moment ago is seen before the image is given up for good. So is a refusal for want of a
+        worker on the node of a LOCAL image (`NoWorkerOnNode`), which points at revert.
         """
         await self.fold.wait(request.min_seq, self.catch_up_s)
         rid = request.request_id
@@ -323,12 +324,18 @@ class SchedulerService:
                         # (`run_command_async`).
                         if job.seen is not None:
                             seen = job.seen
-                        if not (refusal.code in ACTOR_REFUSALS or isinstance(refusal, UnreadableHistory)) or \
-                                await self._current(actor_id, seen):
-                            raise
-                        log.info("refused on a fold behind the log (%s: %s); deciding again", refusal.code.value,
-                                 refusal.message)
-                        continue
+                        if (refusal.code in ACTOR_REFUSALS or isinstance(refusal, UnreadableHistory)) and \
+                                not await self._current(actor_id, seen):
+                            log.info("refused on a fold behind the log (%s: %s); deciding again",
+                                     refusal.code.value, refusal.message)
+                            continue
+                        if isinstance(refusal, NoWorkerOnNode) and not confirmed:
+                            # its fleet's part too (no worker on the image's node), on a current fold only:
+                            # the refusal points at revert, which gives the image up for good
+                            await self.fold.current(self.catch_up_s, came)
+                            confirmed = True
+                            continue
+                        raise
                     if result is RECHECK:  # its id may have been pushed out meanwhile: check again
                         continue
                     if result is CONFIRM:  # it would discard its memory image: on a current fold only
