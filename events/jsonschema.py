@@ -6,13 +6,18 @@ there; `warmboot schema` prints it. What it adds to msgspec's own schema:
 - One document: `$schema`, `$id`, `title`, `description` and `$defs`, nothing else at
   the top. The bodies are listed as the unions `AnyRequest`, `AnyReply` and `AnyEvent`
   (an `anyOf` of `$ref`s); validate a body against `<$id>#/$defs/<type name>`.
-- Required fields as sent: the services send every field of a reply and of an event
-  (msgspec writes defaults and nulls too), so there every property is required. A
-  type that requests and replies share (e.g. `Snapshot`, a request's golden snapshot
-  and a reply's snapshot) is published twice when that makes a difference: as a
-  request may send it, under its name, and as the services send it, `<name>AsSent`.
-  An event written by an earlier version lacks the fields added since; each of those
-  has a `default`, which is what a reader takes for a missing field.
+- Required fields as sent: the services send every field of a reply (msgspec writes
+  defaults and nulls too), so there every property is required. A type that requests
+  and replies share (e.g. `Snapshot`, a request's golden snapshot and a reply's
+  snapshot) is published twice when that makes a difference: as a request may send it,
+  under its name, and as the services send it, `<name>AsSent`.
+- Events as a log may hold them: the services write every field too, but an event
+  written by an earlier version lacks the fields added since, so a field with a
+  `default` is not required (a reader takes the default for a missing one, as
+  warmboot's decoder does). Until 2026-12-04 events required every field, and an
+  older event failed the document its own decoder reads it by (found by a review).
+  `validator(name, events_as_sent=True)` checks events as this version writes them
+  (the test suite's traffic check does).
 - The rules of `events.validate` that JSON Schema can say (`RULES` below): a schema
   version's required attribute keys (`if`/`then` with `contains`); no two identical
   entries in a list that must be unique; at most one entry for each attribute key the
@@ -189,23 +194,33 @@ def _components(types: tuple[type, ...]) -> dict[str, Schema]:
     return defs
 
 
-@lru_cache(maxsize=1)
-def _document() -> Schema:
+@lru_cache(maxsize=2)
+def _document(events_as_sent: bool = False) -> Schema:
+    """The document. Events are published as a log may hold them (a field with a default may be
+    missing: an earlier version did not write it, and a reader takes the default, as warmboot's
+    decoder does); with `events_as_sent`, as this version writes them (every field), for a check
+    of what the services write (tests/traffic_tap.py)."""
     requests, replies, events = REQUEST_TYPES, REPLY_TYPES, _event_types()
     accepted = _components(requests)
-    sent = _as_sent(_components((*replies, *events)))
+    if events_as_sent:
+        read: dict[str, Schema] = {}
+        sent = _as_sent(_components((*replies, *events)))
+    else:
+        read = _components(events)
+        sent = _as_sent(_components(replies))
+    given = {**accepted, **read}  # the same type has the same form in both (msgspec's, as a request may send it)
     # A shared type whose sent form differs, or refers to one that does, gets a name of
     # its own on the sent side.
     rename: dict[str, str] = {}
     while True:
         renamed = copy.deepcopy(sent)
         _refs_to(renamed, rename)
-        more = {n for n, s in renamed.items() if n in accepted and accepted[n] != s} - set(rename)
+        more = {n for n, s in renamed.items() if n in given and given[n] != s} - set(rename)
         if not more:
             break
         rename.update({n: n + SENT_SUFFIX for n in more})
-    defs = {**accepted, **{rename.get(n, n): s for n, s in renamed.items()}}
-    clash = (set(accepted) | set(sent)) & ({*UNIONS} | set(rename.values()))
+    defs = {**given, **{rename.get(n, n): s for n, s in renamed.items()}}
+    clash = (set(given) | set(sent)) & ({*UNIONS} | set(rename.values()))
     if clash:
         raise RuntimeError(f"a type of events.schema is named like a definition the schema adds: {sorted(clash)}")
     _apply_rules(defs)
@@ -221,7 +236,11 @@ def _document() -> Schema:
             f"{', '.join(UNIONS)} list the bodies of each kind. Unknown fields are allowed. "
             f"Types shared by requests and replies are published as a request may send them "
             f"(<name>) and as the services send them (<name>{SENT_SUFFIX}, every field "
-            "required). Not expressed here, checked by the service: " + "; ".join(CANNOT_SAY) + "."
+            "required). " + (
+                "Events as the services write them: every field required. " if events_as_sent else
+                "Events as a log may hold them: a field with a default may be missing (an earlier "
+                "version did not write it; read it as the default). ") +
+            "Not expressed here, checked by the service: " + "; ".join(CANNOT_SAY) + "."
         ),
         "$defs": defs,
     }
@@ -263,22 +282,24 @@ class SchemaUnavailable(RuntimeError):
 
 
 @lru_cache(maxsize=None)
-def validator(name: str) -> Any:
-    """A Draft 2020-12 validator of the definition `name`, checking formats (date-time)."""
+def validator(name: str, events_as_sent: bool = False) -> Any:
+    """A Draft 2020-12 validator of the definition `name`, checking formats (date-time); with
+    `events_as_sent`, of the document whose events require every field (`_document`)."""
     try:
         from jsonschema import Draft202012Validator
     except ImportError:
         raise SchemaUnavailable(
             "checking a body needs the jsonschema package: pip install 'warmboot[schema]'"
         ) from None
-    if name not in _document()["$defs"]:
+    document = _document(events_as_sent)
+    if name not in document["$defs"]:
         raise KeyError(name)
     checker = Draft202012Validator.FORMAT_CHECKER
     if checker.conforms("not a time", "date-time"):  # the checker is silently absent without its package
         raise SchemaUnavailable(
             "checking date-time fields needs the rfc3339-validator package: pip install 'warmboot[schema]'"
         )
-    root = {**json_schema(), "$ref": f"#/$defs/{name}"}
+    root = {**copy.deepcopy(document), "$ref": f"#/$defs/{name}"}
     return Draft202012Validator(root, format_checker=checker)
 
 
@@ -293,14 +314,15 @@ def narrow(name: str, body: Any) -> str:
     return name
 
 
-def schema_errors(name: str, body: Any) -> list[tuple[str, str]]:
-    """(JSON path, message) of each way `body` (decoded JSON) breaks the definition `name`, by path.
+def schema_errors(name: str, body: Any, events_as_sent: bool = False) -> list[tuple[str, str]]:
+    """(JSON path, message) of each way `body` (decoded JSON) breaks the definition `name`, by path
+    (`events_as_sent`: see `validator`).
 
     An error under `anyOf` (a nullable field, a union) is reported by the alternative
     that came closest, so that the path points at the field itself.
     """
     found = set()
-    for error in validator(narrow(name, body)).iter_errors(body):
+    for error in validator(narrow(name, body), events_as_sent).iter_errors(body):
         for leaf in _leaves(error):
             found.add((leaf.json_path, _message(leaf)))
     return sorted(found)

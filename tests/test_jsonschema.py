@@ -15,13 +15,18 @@ from jsonschema import Draft202012Validator
 from events import schema as s
 from events.codec import decode_request, encode, to_builtins
 from events.errors import ContractError
-from events.jsonschema import CANNOT_SAY, SENT_SUFFIX, UNIONS, json_schema, schema_errors
+from events.jsonschema import CANNOT_SAY, SENT_SUFFIX, UNIONS, _document, json_schema, schema_errors
 from events.subjects import service_subject
 from tests.test_validation import attr, create, edit, register, snapshot, version
 from warmboot.cli import main
 
 DOC = json_schema()
 DEFS = DOC["$defs"]
+
+
+def json_schema_of_events_as_sent() -> dict:
+    """The document whose events require every field (what the traffic check judges by)."""
+    return _document(events_as_sent=True)
 EVENTS = tuple(s.AnyEvent.__args__)
 
 # Draft 2020-12's keywords (core, applicator, unevaluated, validation, meta-data, format,
@@ -119,9 +124,19 @@ def test_every_time_field_is_a_date_time():
     assert times >= 14  # `at` of every event and a snapshot's `taken_at`, as the issue counted
 
 
-def test_replies_and_events_require_every_field_they_are_sent_with():
-    for t in (*s.REPLY_TYPES, *EVENTS):
+def test_replies_require_every_field_they_are_sent_with_and_events_those_every_version_wrote():
+    for t in s.REPLY_TYPES:
         body = DEFS[t.__name__]
+        assert body["required"] == list(body["properties"]), t.__name__
+    for t in EVENTS:  # a field with a default may be missing from an earlier version's event
+        body = DEFS[t.__name__]
+        fields = mi.type_info(t).fields
+        assert set(body["required"]) == {"type", *(f.encode_name for f in fields if f.required)}, t.__name__
+        assert all(f.encode_name in body["required"] or "default" in body["properties"][f.encode_name]
+                   for f in fields), t.__name__
+    as_sent = json_schema_of_events_as_sent()["$defs"]
+    for t in EVENTS:  # as this version writes them: every field (the traffic check's judge)
+        body = as_sent[t.__name__]
         assert body["required"] == list(body["properties"]), t.__name__
     assert "field" in DEFS["ErrorDetail"]["required"]
     # a request may leave out what has a default; the same type as sent may not
@@ -280,6 +295,24 @@ def test_check_reports_each_judge_with_json_paths(tmp_path):
     body.write_bytes(encode(s.SeqReply(seq=4)))
     ok = CliRunner().invoke(main, ["schema", "--check", str(body), "--as", "SeqReply"])
     assert ok.exit_code == 0 and ok.output.count(": valid SeqReply") == 2
+
+
+def test_an_event_of_an_earlier_version_is_valid_as_its_decoder_reads_it(tmp_path):
+    """An event written before a field was added lacks it (a v1 ActorPlaced has no matched_version,
+    a WorkerDrained of then no request_id): the decoder reads the default, and the published schema
+    takes it too (it required every field, so `schema --check` said the two disagreed, and a reader
+    in another language validating a log refused its older events: found by a review)."""
+    old = {"type": "WorkerDrained", "at": "2026-11-01T08:00:00Z", "worker_id": "w-1"}
+    assert schema_errors("AnyEvent", old) == []
+    assert msgspec.json.decode(json.dumps(old), type=s.AnyEvent) == s.WorkerDrained(
+        at=datetime(2026, 11, 1, 8, tzinfo=timezone.utc), worker_id="w-1")
+    body = tmp_path / "old.json"
+    body.write_text(json.dumps(old))
+    result = CliRunner().invoke(main, ["schema", "--check", str(body), "--as", "AnyEvent"])
+    assert result.exit_code == 0 and result.output.count(": valid WorkerDrained") == 2, result.output
+    assert schema_errors("AnyEvent", {"type": "WorkerDrained", "at": "2026-11-01T08:00:00Z"}) \
+        == [("$", "'worker_id' is a required property")]  # what every version wrote stays required
+    assert ("$", "'request_id' is a required property") in schema_errors("AnyEvent", old, events_as_sent=True)
 
 
 def test_check_says_when_the_schema_and_the_decoder_disagree(tmp_path):
