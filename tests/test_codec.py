@@ -143,13 +143,14 @@ def on_machine(version: s.CompatVersion, arch: str | None) -> s.CompatVersion:
 
 
 @st.composite
-def worker_sandbox_classes(draw) -> s.WorkerSandboxClass:
+def worker_sandbox_classes(draw, machine: str | None = None) -> s.WorkerSandboxClass:
     """The default and the restorable runtimes all differ by version, and every version the entry
-    names is of its default's architecture (one machine)."""
+    names is of one machine's architecture: `machine`, or (None) its default's."""
     runtimes = draw(st.lists(worker_runtimes(), min_size=1, max_size=3, unique_by=lambda r: compat_key("", r.version)))
     named = [a.value for r in runtimes for v in (r.version, *r.compatible_versions) for a in v.attributes
              if a.key == "architecture"]
-    arch = named[0] if named else None  # the default's, or the first named (events.compat.machine_architecture)
+    # the default's, or the first named (events.compat.machine_architecture)
+    arch = machine if machine is not None else named[0] if named else None
     runtimes = [msgspec.structs.replace(r, version=on_machine(r.version, arch),
                                         compatible_versions=tuple(on_machine(v, arch) for v in r.compatible_versions))
                 for r in runtimes]
@@ -169,7 +170,9 @@ def register_workers(draw) -> s.RegisterWorker:
     generic = draw(st.builds(s.RegisterWorker, **{
         f.name: strategy_of(f.type) for f in mi.type_info(s.RegisterWorker).fields if f.name != "sandbox_classes"
     }, sandbox_classes=st.just(())))
-    classes = draw(st.lists(worker_sandbox_classes(), min_size=1, max_size=3, unique_by=lambda c: c.sandbox_class))
+    machine = draw(st.sampled_from(["amd64", "arm64"]))  # one machine, whatever its classes (check_one_machine)
+    classes = draw(st.lists(worker_sandbox_classes(machine), min_size=1, max_size=3,
+                            unique_by=lambda c: c.sandbox_class))
     return msgspec.structs.replace(generic, sandbox_classes=tuple(classes))
 
 
