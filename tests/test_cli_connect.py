@@ -548,3 +548,29 @@ async def test_an_agent_waiting_for_its_server_ends_as_it_is_told(tmp_path, how)
             if how == "stopped":
                 assert run.result() is None
             assert await read_to_its_end(connection), "the agent's connection is left open"
+
+
+def test_a_one_shot_command_signs_in_with_nkey_seed(tmp_path):
+    """The docs and the --nats warning say a command may sign in with `--nkey-seed FILE` (or
+    `$NATS_NKEY_SEED`): only `serve` and `agent` took it, and every other command said "No such
+    option" (found by a docs review). On a server that signs users in by nkey: without the seed the
+    sign-in is refused at once; with it (option or environment) the command signs in and goes on,
+    here to the stream it is asked for, which this server has not."""
+    from tests.secured_helpers import Secured
+
+    secured = Secured(tmp_path / "store", "hx", operators=("ops",), auth="nkey").start()
+    try:
+        seed = tmp_path / "ops.nk"
+        seed.write_text(secured.secrets["ops"])
+        env = {"NATS_URL": secured.url(), "NATS_INBOX_PREFIX": secured.inbox("ops")}
+        refused = CliRunner().invoke(main, ["workers", "--prefix", "hx"], env=env)
+        assert refused.exit_code == 1 and "refuses the sign-in" in refused.stderr, refused.output
+        for args, more in ((["--nkey-seed", str(seed)], {}), ([], {"NATS_NKEY_SEED": str(seed)})):
+            signed = CliRunner().invoke(main, ["workers", "--prefix", "hx", *args], env={**env, **more})
+            assert signed.exit_code == 1, signed.output
+            assert "cannot read the event stream HX_EVENTS" in signed.stderr, signed.output  # signed in
+            assert "refuses the sign-in" not in signed.stderr
+        missing = CliRunner().invoke(main, ["workers", "--nkey-seed", str(tmp_path / "none.nk")], env=env)
+        assert missing.exit_code == 2 and "Invalid value for '--nkey-seed'" in missing.output, missing.output
+    finally:
+        secured.stop()

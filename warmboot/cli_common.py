@@ -14,7 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from events.compat import compat_key, describe_key
 from events.errors import ContractError
-from events.natsauth import carries_secret, check_url, redact_url
+from events.natsauth import NKEY_SEED_ENV, carries_secret, check_url, redact_url
 from events.natspy import ErrorsOnce, describe_error
 from events.schema import ID_RE, ID_WORDS
 from events.subjects import DEFAULT_PREFIX, check_prefix, stream_name
@@ -38,9 +38,24 @@ def check_nats_option(ctx: click.Context | None, param: click.Parameter | None, 
     return url
 
 
-nats_option = click.option("--nats", "nats_url", default="nats://127.0.0.1:4222", show_default=True,
-                           envvar="NATS_URL", show_envvar=True, callback=check_nats_option,
-                           help="NATS server URL(s), comma-separated.")
+NKEY_SEED_META = "warmboot.nkey_seed"  # where --nkey-seed keeps its file for `ask` (ctx.meta)
+
+
+def _keep_nkey_seed(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    if value is not None:
+        ctx.meta[NKEY_SEED_META] = value
+
+
+def nats_option(command: Callable) -> Callable:
+    """`--nats` and `--nkey-seed` (`$NATS_NKEY_SEED`), as a one-shot command signs in (`ask`)."""
+    command = click.option(
+        "--nkey-seed", type=click.Path(exists=True, dir_okay=False), default=None, envvar=NKEY_SEED_ENV,
+        show_envvar=True, expose_value=False, callback=_keep_nkey_seed,
+        help="Sign in with the nkey seed in this file (warmboot nats-config --auth nkey); give the user's "
+             "inbox prefix in $NATS_INBOX_PREFIX.")(command)
+    return click.option("--nats", "nats_url", default="nats://127.0.0.1:4222", show_default=True,
+                        envvar="NATS_URL", show_envvar=True, callback=check_nats_option,
+                        help="NATS server URL(s), comma-separated.")(command)
 event_loop_option = click.option(
     "--event-loop", type=click.Choice(EVENT_LOOPS), default=None, envvar=EVENT_LOOP_ENV, show_envvar=True,
     help="The services' event loop: uvloop (the default where it is installed: less CPU per request), "
@@ -155,6 +170,9 @@ def ask(nats_url: str, work: Callable[[Any], Awaitable[Any]]) -> Any:
     (`Failed`: `error: CODE field: message`, exit 1). A server that has not answered within
     WAITING_NOTE_S is said to be waited for, on a terminal, with the last error."""
 
+    ctx = click.get_current_context(silent=True)
+    seed = ctx.meta.get(NKEY_SEED_META) if ctx is not None else None  # --nkey-seed (else $NATS_NKEY_SEED)
+
     async def run() -> Any:
         errors = ErrorsOnce(None)
 
@@ -164,7 +182,7 @@ def ask(nats_url: str, work: Callable[[Any], Awaitable[Any]]) -> Any:
 
         note = asyncio.get_running_loop().call_later(WAITING_NOTE_S, waiting) if stderr_is_terminal() else None
         try:
-            nc = await connect_within(nats_url, "warmboot-cli", errors=errors)
+            nc = await connect_within(nats_url, "warmboot-cli", errors=errors, nkey_seed=seed)
         finally:
             if note is not None:
                 note.cancel()
