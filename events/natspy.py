@@ -617,6 +617,7 @@ class ErrorsOnce:
         self.denied: Exception | None = None  # the first permissions violation since connected
         self._seen: set[tuple] = set()
         self._refused: asyncio.Event | None = None
+        self._inbox: tuple[str, asyncio.Future[Exception]] | None = None  # `inbox_refused`
 
     async def report(self, error: Exception) -> None:
         """The callback itself (nats-py takes only coroutine functions)."""
@@ -630,6 +631,10 @@ class ErrorsOnce:
         self.last = error
         if self.denied is None and "permissions violation" in describe_error(error).lower():
             self.denied = error
+        if self._inbox is not None and not self._inbox[1].done() \
+                and describe_error(error).lower().startswith(f'nats: permissions violation for subscription to '
+                                                             f'"{self._inbox[0]}'):
+            self._inbox[1].set_result(error)
         if self.refusal is None and refuses_sign_in(error):
             self.refusal = error
             if self._refused is not None:
@@ -643,6 +648,14 @@ class ErrorsOnce:
             await self._refused.wait()
         assert self.refusal is not None
         return self.refusal
+
+    async def inbox_refused(self, prefix: str) -> Exception:
+        """The server's refusal of a subscription under the inbox prefix `prefix`, once there is one:
+        the connection's requests would hear no reply, each only timing out (a user signed in with
+        an nkey seed and no NATS_INBOX_PREFIX, or another user's prefix)."""
+        if self._inbox is None or self._inbox[0] != prefix.lower():
+            self._inbox = (prefix.lower(), asyncio.get_running_loop().create_future())
+        return await asyncio.shield(self._inbox[1])
 
     def reset(self) -> None:
         """Connected again: the next error is news."""
@@ -742,6 +755,11 @@ def _kind(error: BaseException) -> tuple:
     if isinstance(error, OSError) and error.errno is not None:
         return type(error), error.errno
     return type(error), describe_error(error)
+
+
+def inbox_of(nc: Client) -> str:
+    """The inbox prefix a connection hears its replies under (nats-py keeps it as bytes)."""
+    return bytes(nc._inbox_prefix).decode()
 
 
 def describe_error(error: BaseException) -> str:

@@ -572,5 +572,12 @@ def test_a_one_shot_command_signs_in_with_nkey_seed(tmp_path):
             assert "refuses the sign-in" not in signed.stderr
         missing = CliRunner().invoke(main, ["workers", "--nkey-seed", str(tmp_path / "none.nk")], env=env)
         assert missing.exit_code == 2 and "Invalid value for '--nkey-seed'" in missing.output, missing.output
+        # signed in, but listening for replies where the user may not (no NATS_INBOX_PREFIX): said at
+        # once, with what to do (each request only timed out, about 30 s, then UNAVAILABLE)
+        deaf = CliRunner().invoke(main, ["workers", "--prefix", "hx", "--nkey-seed", str(seed)],
+                                  env={"NATS_URL": secured.url()})
+        assert deaf.exit_code == 1, deaf.output
+        assert "FAILED_PRECONDITION" in deaf.stderr and "does not let this user hear its replies under _INBOX" \
+            in deaf.stderr and "NATS_INBOX_PREFIX=_INBOX.<user>" in deaf.stderr, deaf.stderr
     finally:
         secured.stop()
