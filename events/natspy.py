@@ -649,12 +649,22 @@ class ErrorsOnce:
         assert self.refusal is not None
         return self.refusal
 
-    async def inbox_refused(self, prefix: str) -> Exception:
-        """The server's refusal of a subscription under the inbox prefix `prefix`, once there is one:
-        the connection's requests would hear no reply, each only timing out (a user signed in with
-        an nkey seed and no NATS_INBOX_PREFIX, or another user's prefix)."""
+    def watch_inbox(self, prefix: str) -> None:
+        """Look out for the server's refusal of a subscription under the inbox prefix `prefix` (the
+        connection's: `inbox_of`): its requests would hear no reply, each only timing out (a user
+        signed in with an nkey seed and no NATS_INBOX_PREFIX, or another user's prefix)."""
         if self._inbox is None or self._inbox[0] != prefix.lower():
             self._inbox = (prefix.lower(), asyncio.get_running_loop().create_future())
+
+    @property
+    def inbox_refusal(self) -> Exception | None:
+        """That refusal (`watch_inbox`), if it came."""
+        done = self._inbox is not None and self._inbox[1].done()
+        return self._inbox[1].result() if done else None
+
+    async def inbox_refused(self) -> Exception:
+        """That refusal (`watch_inbox`, called before), once it comes."""
+        assert self._inbox is not None, "watch_inbox first"
         return await asyncio.shield(self._inbox[1])
 
     def reset(self) -> None:

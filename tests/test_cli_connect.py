@@ -581,3 +581,25 @@ def test_a_one_shot_command_signs_in_with_nkey_seed(tmp_path):
             in deaf.stderr and "NATS_INBOX_PREFIX=_INBOX.<user>" in deaf.stderr, deaf.stderr
     finally:
         secured.stop()
+
+
+async def test_the_client_library_says_its_inbox_is_refused_instead_of_retrying(tmp_path):
+    """The same through `Client.connect` with an nkey seed and no inbox prefix: FAILED_PRECONDITION
+    naming the prefix after one request's time-out, not UNAVAILABLE after every attempt's."""
+    from events.errors import ContractError
+    from events.schema import ErrorCode
+    from tests.secured_helpers import Secured
+    from warmboot.client import Client
+
+    secured = Secured(tmp_path / "store", "hx", operators=("ops",), auth="nkey").start()
+    try:
+        seed = tmp_path / "ops.nk"
+        seed.write_text(secured.secrets["ops"])
+        async with await Client.connect(secured.url(), "hx", nkeys_seed=str(seed), timeout=1, attempts=3) as wb:
+            with pytest.raises(ContractError) as refused:
+                await wb.fragmentation()
+        assert refused.value.code is ErrorCode.FAILED_PRECONDITION
+        assert "does not let this user hear its replies under _INBOX" in refused.value.message
+        assert wb.retries == 0
+    finally:
+        secured.stop()

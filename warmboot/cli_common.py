@@ -13,14 +13,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from events.compat import compat_key, describe_key
-from events.errors import ContractError, precondition
+from events.errors import ContractError
 from events.natsauth import NKEY_SEED_ENV, carries_secret, check_url, redact_url
 from events.natspy import ErrorsOnce, describe_error, inbox_of
 from events.schema import ID_RE, ID_WORDS
 from events.subjects import DEFAULT_PREFIX, check_prefix, stream_name
 from events.tasks import cancel_and_wait
 from services.common import EVENT_LOOP_ENV, EVENT_LOOPS
-from warmboot.connection import CONNECT_TIMEOUT_S, connect_within
+from warmboot.connection import CONNECT_TIMEOUT_S, connect_within, inbox_refused
 
 
 
@@ -189,18 +189,16 @@ def ask(nats_url: str, work: Callable[[Any], Awaitable[Any]]) -> Any:
                 note.cancel()
         try:
             # a server that refuses this user its inbox answers every request with silence: said at once
+            errors.watch_inbox(inbox_of(nc))
             working = asyncio.ensure_future(work(nc))
-            refused = asyncio.ensure_future(errors.inbox_refused(inbox_of(nc)))
+            refused = asyncio.ensure_future(errors.inbox_refused())
             try:
                 await asyncio.wait((working, refused), return_when=asyncio.FIRST_COMPLETED)
             finally:
                 refused.cancel()
             if not working.done():
                 await cancel_and_wait(working)
-                raise precondition(
-                    f"NATS at {redact_url(nats_url)} does not let this user hear its replies under "
-                    f"{inbox_of(nc)}. ({describe_error(refused.result())}): with an nkey seed, set "
-                    "NATS_INBOX_PREFIX=_INBOX.<user> (docs/security.md, \"Connecting with the credentials\")")
+                raise inbox_refused(nats_url, nc, refused.result())
             return working.result()
         finally:
             await nc.close()

@@ -36,7 +36,7 @@ import asyncio
 import logging
 import random
 import uuid
-from typing import Any, TypeVar
+from typing import Any, Callable, TypeVar
 
 import msgspec
 import nats
@@ -46,7 +46,7 @@ from nats.aio.client import Client as NATS
 from events.codec import decode_reply, encode
 from events.errors import ContractError, invalid, unavailable
 from events.natsauth import redact_url
-from events.natspy import ErrorsOnce
+from events.natspy import ErrorsOnce, inbox_of
 from events.schema import (
     ID_RE,
     ID_WORDS,
@@ -79,7 +79,7 @@ from events.schema import (
     WhatIfAnswer,
 )
 from events.subjects import DEFAULT_PREFIX, check_prefix, service_subject
-from warmboot.connection import CONNECT_TIMEOUT_S, connect_within
+from warmboot.connection import CONNECT_TIMEOUT_S, connect_within, inbox_refused
 
 T = TypeVar("T")
 log = logging.getLogger("warmboot.client")
@@ -127,6 +127,8 @@ class Client:
         self.seq = 0  # the highest stream sequence a reply has given this client
         self.retries = 0  # requests sent again (`_transient`)
         self._owned = False
+        # the refusal of this connection's inbox, if its server sent one (a client made by `connect`)
+        self._refused: Callable[[], ContractError | None] = lambda: None
 
     @classmethod
     async def connect(cls, servers: str | list[str], prefix: str = DEFAULT_PREFIX, *,
@@ -143,10 +145,18 @@ class Client:
         connect = {k: options.pop(k) for k in ("user_credentials", "inbox_prefix", "name") if k in options}
         nkey_seed = options.pop("nkeys_seed", None)
         url = servers if isinstance(servers, str) else ",".join(servers)
+        errors = ErrorsOnce(log, redact_url(url))
         nc = await connect_within(url, connect.pop("name", "warmboot-client"), connect_timeout, nkey_seed=nkey_seed,
-                                  errors=ErrorsOnce(log, redact_url(url)), reconnect_time_wait=0.25, **connect)
+                                  errors=errors, reconnect_time_wait=0.25, **connect)
+        errors.watch_inbox(inbox_of(nc))
         client = cls(nc, prefix, **options)
         client._owned = True
+
+        def refused() -> ContractError | None:
+            refusal = errors.inbox_refusal
+            return inbox_refused(url, nc, refusal) if refusal is not None else None
+
+        client._refused = refused
         return client
 
     async def close(self) -> None:
@@ -194,6 +204,9 @@ class Client:
         except nats.errors.NoRespondersError:
             raise unavailable(f"no service answers {subject}") from None
         except nats.errors.TimeoutError:
+            refused = self._refused()  # no reply can come: not tried again
+            if refused is not None:
+                raise refused from None
             raise unavailable(f"no reply from {subject} within {self.timeout:g}s") from None
         return decode_reply(reply_type, msg.data)
 

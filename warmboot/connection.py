@@ -19,9 +19,9 @@ from typing import Any
 import nats
 import nats.errors
 
-from events.errors import precondition, unavailable
+from events.errors import ContractError, precondition, unavailable
 from events.natsauth import inbox_prefix as chosen_inbox_prefix, nkey_options, nkey_seed_path, redact_url
-from events.natspy import ErrorsOnce, abandon, connecting, describe_error, guard_reads
+from events.natspy import ErrorsOnce, abandon, connecting, describe_error, guard_reads, inbox_of
 
 log = logging.getLogger("warmboot")
 
@@ -97,3 +97,11 @@ async def connect_within(url: str, name: str, timeout_s: float = CONNECT_TIMEOUT
                            "the user and password or token in the URL, or the nkey seed)")
     raise unavailable(f"cannot reach NATS at {where} within {timeout_s:g} s: "
                       f"{describe_error(errors.last or asyncio.TimeoutError())}")
+
+
+def inbox_refused(url: str, nc: nats.NATS, error: Exception) -> ContractError:
+    """FAILED_PRECONDITION: the server at `url` refuses this connection's user the inbox it hears its
+    replies under (`events.natspy.ErrorsOnce.watch_inbox`), and says what to set."""
+    return precondition(f"NATS at {redact_url(url)} does not let this user hear its replies under "
+                        f"{inbox_of(nc)}. ({describe_error(error)}): with an nkey seed, set "
+                        "NATS_INBOX_PREFIX=_INBOX.<user> (docs/security.md, \"Connecting with the credentials\")")
