@@ -617,7 +617,7 @@ class ErrorsOnce:
         self.denied: Exception | None = None  # the first permissions violation since connected
         self._seen: set[tuple] = set()
         self._refused: asyncio.Event | None = None
-        self._inbox: tuple[str, asyncio.Future[Exception]] | None = None  # `inbox_refused`
+        self._inbox: tuple[str, Exception | None] | None = None  # (prefix watched, its refusal): `watch_inbox`
 
     async def report(self, error: Exception) -> None:
         """The callback itself (nats-py takes only coroutine functions)."""
@@ -631,10 +631,10 @@ class ErrorsOnce:
         self.last = error
         if self.denied is None and "permissions violation" in describe_error(error).lower():
             self.denied = error
-        if self._inbox is not None and not self._inbox[1].done() \
+        if self._inbox is not None and self._inbox[1] is None \
                 and describe_error(error).lower().startswith(f'nats: permissions violation for subscription to '
-                                                             f'"{self._inbox[0]}'):
-            self._inbox[1].set_result(error)
+                                                             f'"{self._inbox[0]}.'):
+            self._inbox = (self._inbox[0], error)
         if self.refusal is None and refuses_sign_in(error):
             self.refusal = error
             if self._refused is not None:
@@ -654,18 +654,12 @@ class ErrorsOnce:
         connection's: `inbox_of`): its requests would hear no reply, each only timing out (a user
         signed in with an nkey seed and no NATS_INBOX_PREFIX, or another user's prefix)."""
         if self._inbox is None or self._inbox[0] != prefix.lower():
-            self._inbox = (prefix.lower(), asyncio.get_running_loop().create_future())
+            self._inbox = (prefix.lower(), None)
 
     @property
     def inbox_refusal(self) -> Exception | None:
         """That refusal (`watch_inbox`), if it came."""
-        done = self._inbox is not None and self._inbox[1].done()
-        return self._inbox[1].result() if done else None
-
-    async def inbox_refused(self) -> Exception:
-        """That refusal (`watch_inbox`, called before), once it comes."""
-        assert self._inbox is not None, "watch_inbox first"
-        return await asyncio.shield(self._inbox[1])
+        return self._inbox[1] if self._inbox is not None else None
 
     def reset(self) -> None:
         """Connected again: the next error is news."""

@@ -578,28 +578,49 @@ def test_a_one_shot_command_signs_in_with_nkey_seed(tmp_path):
                                   env={"NATS_URL": secured.url()})
         assert deaf.exit_code == 1, deaf.output
         assert "FAILED_PRECONDITION" in deaf.stderr and "does not let this user hear its replies under _INBOX" \
-            in deaf.stderr and "NATS_INBOX_PREFIX=_INBOX.<user>" in deaf.stderr, deaf.stderr
+            in deaf.stderr and "_INBOX.<user> (NATS_INBOX_PREFIX" in deaf.stderr, deaf.stderr
     finally:
         secured.stop()
 
 
-async def test_the_client_library_says_its_inbox_is_refused_instead_of_retrying(tmp_path):
-    """The same through `Client.connect` with an nkey seed and no inbox prefix: FAILED_PRECONDITION
-    naming the prefix after one request's time-out, not UNAVAILABLE after every attempt's."""
+async def test_a_user_refused_its_inbox_is_told_before_anything_is_sent(tmp_path):
+    """A client listening where its permissions do not let it (nats-py's own `_INBOX.<nuid>`, as with
+    an nkey seed and no NATS_INBOX_PREFIX): the server refuses that subscription, not its requests, so
+    a create was written and its caller told only that no reply came (and, for a while this session,
+    FAILED_PRECONDITION, as if refused: found by a review). Now the client and the CLI find out before
+    they send anything, FAILED_PRECONDITION naming the prefix, and the log holds no creation."""
+    from contextlib import AsyncExitStack
+
     from events.errors import ContractError
     from events.schema import ErrorCode
+    from tests.factories import last_seq
     from tests.secured_helpers import Secured
     from warmboot.client import Client
+    from warmboot.runner import start_services
 
-    secured = Secured(tmp_path / "store", "hx", operators=("ops",), auth="nkey").start()
+    secured = Secured(tmp_path / "store", "hx", clients=("carol",)).start()
     try:
-        seed = tmp_path / "ops.nk"
-        seed.write_text(secured.secrets["ops"])
-        async with await Client.connect(secured.url(), "hx", nkeys_seed=str(seed), timeout=1, attempts=3) as wb:
+        async with AsyncExitStack() as stack:
+            await start_services(stack, ["snapshotter"], secured.url("svc"), "hx")
+            svc = await secured.connect("svc")
+            stack.push_async_callback(svc.close)
+            before = await last_seq(svc.nc, "hx")
             with pytest.raises(ContractError) as refused:
-                await wb.fragmentation()
-        assert refused.value.code is ErrorCode.FAILED_PRECONDITION
-        assert "does not let this user hear its replies under _INBOX" in refused.value.message
-        assert wb.retries == 0
+                await Client.connect(secured.url("carol"), "hx", inbox_prefix="_INBOX", timeout=2, attempts=3)
+            assert refused.value.code is ErrorCode.FAILED_PRECONDITION
+            assert "does not let this user hear its replies under _INBOX.>" in refused.value.message
+            assert "nothing was sent" in refused.value.message
+            env = {"NATS_URL": secured.url("carol"), "NATS_INBOX_PREFIX": "_INBOX", "WARMBOOT_PREFIX": "hx"}
+            created = await asyncio.to_thread(CliRunner().invoke, main, [
+                "actor", "create", "a-1", "--class", "gvisor", "--template", "t1", "--cpu", "500",
+                "--memory", "1024"], env=env)
+            assert created.exit_code == 1 and "FAILED_PRECONDITION" in created.stderr, created.output
+            assert await last_seq(svc.nc, "hx") == before  # no ActorCreated: nothing was sent
+            env["NATS_INBOX_PREFIX"] = "_INBOX.carol"  # as the message says: then it is created
+            created = await asyncio.to_thread(CliRunner().invoke, main, [
+                "actor", "create", "a-1", "--class", "gvisor", "--template", "t1", "--cpu", "500",
+                "--memory", "1024"], env=env)
+            assert created.exit_code == 0, created.output
+            assert await last_seq(svc.nc, "hx") > before
     finally:
         secured.stop()

@@ -15,12 +15,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from events.compat import compat_key, describe_key
 from events.errors import ContractError
 from events.natsauth import NKEY_SEED_ENV, carries_secret, check_url, redact_url
-from events.natspy import ErrorsOnce, describe_error, inbox_of
+from events.natspy import ErrorsOnce, describe_error
 from events.schema import ID_RE, ID_WORDS
 from events.subjects import DEFAULT_PREFIX, check_prefix, stream_name
-from events.tasks import cancel_and_wait
 from services.common import EVENT_LOOP_ENV, EVENT_LOOPS
-from warmboot.connection import CONNECT_TIMEOUT_S, connect_within, inbox_refused
+from warmboot.connection import CONNECT_TIMEOUT_S, connect_within, hears_replies
 
 
 
@@ -188,18 +187,8 @@ def ask(nats_url: str, work: Callable[[Any], Awaitable[Any]]) -> Any:
             if note is not None:
                 note.cancel()
         try:
-            # a server that refuses this user its inbox answers every request with silence: said at once
-            errors.watch_inbox(inbox_of(nc))
-            working = asyncio.ensure_future(work(nc))
-            refused = asyncio.ensure_future(errors.inbox_refused())
-            try:
-                await asyncio.wait((working, refused), return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                refused.cancel()
-            if not working.done():
-                await cancel_and_wait(working)
-                raise inbox_refused(nats_url, nc, refused.result())
-            return working.result()
+            await hears_replies(nats_url, nc, errors)  # a user refused its inbox: said before anything is sent
+            return await work(nc)
         finally:
             await nc.close()
 

@@ -36,7 +36,7 @@ import asyncio
 import logging
 import random
 import uuid
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 import nats
@@ -46,7 +46,7 @@ from nats.aio.client import Client as NATS
 from events.codec import decode_reply, encode
 from events.errors import ContractError, invalid, unavailable
 from events.natsauth import redact_url
-from events.natspy import ErrorsOnce, inbox_of
+from events.natspy import ErrorsOnce
 from events.schema import (
     ID_RE,
     ID_WORDS,
@@ -79,7 +79,7 @@ from events.schema import (
     WhatIfAnswer,
 )
 from events.subjects import DEFAULT_PREFIX, check_prefix, service_subject
-from warmboot.connection import CONNECT_TIMEOUT_S, connect_within, inbox_refused
+from warmboot.connection import CONNECT_TIMEOUT_S, connect_within, hears_replies
 
 T = TypeVar("T")
 log = logging.getLogger("warmboot.client")
@@ -127,8 +127,6 @@ class Client:
         self.seq = 0  # the highest stream sequence a reply has given this client
         self.retries = 0  # requests sent again (`_transient`)
         self._owned = False
-        # the refusal of this connection's inbox, if its server sent one (a client made by `connect`)
-        self._refused: Callable[[], ContractError | None] = lambda: None
 
     @classmethod
     async def connect(cls, servers: str | list[str], prefix: str = DEFAULT_PREFIX, *,
@@ -139,7 +137,8 @@ class Client:
         $NATS_INBOX_PREFIX, else `_INBOX.<user>` for a URL that names one, which is where the
         permissions of `warmboot nats-config` let a user hear them; each connection error logged
         once while it repeats. A server that does not answer within `connect_timeout` seconds is
-        UNAVAILABLE (ContractError), naming it; after that the connection reconnects for as long
+        UNAVAILABLE (ContractError), naming it; one that refuses the user that inbox prefix,
+        FAILED_PRECONDITION (`warmboot.connection.hears_replies`), before anything is sent; after that the connection reconnects for as long
         as it lives. `options` go to the Client, except the nats.connect keywords
         `user_credentials`, `nkeys_seed`, `inbox_prefix` and `name`."""
         connect = {k: options.pop(k) for k in ("user_credentials", "inbox_prefix", "name") if k in options}
@@ -148,15 +147,13 @@ class Client:
         errors = ErrorsOnce(log, redact_url(url))
         nc = await connect_within(url, connect.pop("name", "warmboot-client"), connect_timeout, nkey_seed=nkey_seed,
                                   errors=errors, reconnect_time_wait=0.25, **connect)
-        errors.watch_inbox(inbox_of(nc))
+        try:
+            await hears_replies(url, nc, errors)  # a user refused its inbox: said before anything is sent
+        except BaseException:
+            await nc.close()
+            raise
         client = cls(nc, prefix, **options)
         client._owned = True
-
-        def refused() -> ContractError | None:
-            refusal = errors.inbox_refusal
-            return inbox_refused(url, nc, refusal) if refusal is not None else None
-
-        client._refused = refused
         return client
 
     async def close(self) -> None:
@@ -204,9 +201,6 @@ class Client:
         except nats.errors.NoRespondersError:
             raise unavailable(f"no service answers {subject}") from None
         except nats.errors.TimeoutError:
-            refused = self._refused()  # no reply can come: not tried again
-            if refused is not None:
-                raise refused from None
             raise unavailable(f"no reply from {subject} within {self.timeout:g}s") from None
         return decode_reply(reply_type, msg.data)
 

@@ -14,14 +14,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from contextlib import suppress
 from typing import Any
 
 import nats
 import nats.errors
+from nats import nuid
 
-from events.errors import ContractError, precondition, unavailable
+from events.errors import precondition, unavailable
 from events.natsauth import inbox_prefix as chosen_inbox_prefix, nkey_options, nkey_seed_path, redact_url
-from events.natspy import ErrorsOnce, abandon, connecting, describe_error, guard_reads, inbox_of
+from events.natspy import ErrorsOnce, abandon, connecting, describe_error, flush_in_order, guard_reads, inbox_of
 
 log = logging.getLogger("warmboot")
 
@@ -99,9 +101,25 @@ async def connect_within(url: str, name: str, timeout_s: float = CONNECT_TIMEOUT
                       f"{describe_error(errors.last or asyncio.TimeoutError())}")
 
 
-def inbox_refused(url: str, nc: nats.NATS, error: Exception) -> ContractError:
-    """FAILED_PRECONDITION: the server at `url` refuses this connection's user the inbox it hears its
-    replies under (`events.natspy.ErrorsOnce.watch_inbox`), and says what to set."""
-    return precondition(f"NATS at {redact_url(url)} does not let this user hear its replies under "
-                        f"{inbox_of(nc)}. ({describe_error(error)}): with an nkey seed, set "
-                        "NATS_INBOX_PREFIX=_INBOX.<user> (docs/security.md, \"Connecting with the credentials\")")
+
+async def hears_replies(url: str, nc: nats.NATS, errors: ErrorsOnce) -> None:
+    """FAILED_PRECONDITION, before any request is sent, if the server at `url` refuses this connection's
+    user a subscription under the inbox prefix it hears its replies under: every request would be
+    carried out unanswered, and a caller told only that it timed out (a user signed in with an nkey
+    seed and no NATS_INBOX_PREFIX, or with another user's prefix). One subscription like the one
+    nats-py makes for its requests, and a flush: nats-py hands the server's refusal, which comes
+    before the flush's answer, to `errors` (`ErrorsOnce.watch_inbox`) as it reads it."""
+    prefix = inbox_of(nc)
+    errors.watch_inbox(prefix)
+    probe = await nc.subscribe(f"{prefix}.{nuid.NUID().next().decode()}.*")
+    try:
+        await flush_in_order(nc)
+    finally:
+        with suppress(Exception):
+            await probe.unsubscribe()
+    refusal = errors.inbox_refusal
+    if refusal is not None:
+        raise precondition(f"NATS at {redact_url(url)} does not let this user hear its replies under {prefix}.> "
+                           f"({describe_error(refusal)}): give the user's own inbox prefix, _INBOX.<user> "
+                           "(NATS_INBOX_PREFIX, or the client's inbox_prefix; docs/security.md, \"Connecting "
+                           "with the credentials\"); nothing was sent")
