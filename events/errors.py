@@ -60,11 +60,6 @@ class NoWorkerOnNode(ContractError):
     revert, which gives the image up for good: the scheduler answers it only on a fold caught up
     with the stream's end since the resume came."""
 
-    def __repr__(self) -> str:
-        return f"ContractError({self.code.value}: {self.message})"
-
-    __str__ = __repr__
-
 
 def invalid(message: str, field: str | None = None) -> ContractError:
     return ContractError(ErrorCode.INVALID_ARGUMENT, message, field)

@@ -207,13 +207,13 @@ def check_one_machine(req: RegisterWorker, path: str = "") -> None:
     one of them could only be sent images it cannot load (an audit, 2026-12-04)."""
     versions = _named_versions(req, path)
     machine = machine_architecture(v for _, v in versions)
-    named = next((vpath for vpath, v in versions if architecture(v) is not None), "")
     for vpath, version in versions:
         differ = other_architecture(version, machine)
         if differ is not None:
-            raise invalid(f"architecture {differ!r} is not the machine's {machine!r} (its default runtime's, or the "
-                          f"first named: {named}): a memory image never restores on another architecture, and a "
-                          "worker runs on one machine whatever its classes", f"{vpath}.attributes")
+            named = next(p for p, v in versions if architecture(v) == machine)
+            raise invalid(f"architecture {differ!r} is not the machine's {machine!r} (its first class's default "
+                          f"runtime's, or the first named: {named}): a memory image never restores on another "
+                          "architecture, and a worker runs on one machine whatever its classes", f"{vpath}.attributes")
 
 
 def check_register(req: RegisterWorker, path: str = "") -> RegisterWorker:

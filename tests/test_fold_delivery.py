@@ -286,3 +286,50 @@ async def test_a_message_nats_py_reads_is_folded_past_not_dropped(nats_url, nc, 
     finally:
         await fold.stop()
         await conn.close()
+
+
+class _NoLeaderFor:
+    """A JetStream context whose first `failures` questions about the stream find no responders
+    (an election), each counted; then the real answer."""
+
+    def __init__(self, js, failures: int, asked: list):
+        self._js, self._failures, self._asked = js, failures, asked
+
+    async def stream_info(self, name):
+        self._asked.append(name)
+        if len(self._asked) <= self._failures:
+            raise nats.errors.NoRespondersError()
+        return await self._js.stream_info(name)
+
+    def __getattr__(self, name):
+        return getattr(self._js, name)
+
+
+@pytest.mark.parametrize("failures", [3, 10**6])
+async def test_the_fold_is_brought_to_the_log_s_end_through_failed_questions_or_says_unavailable(
+        nc, prefix, writer, failures):
+    """`Fold.current` (what a fallback that gives up an image, and a refusal that points at revert,
+    wait for): a question about the log's end that fails at once (no responders during an election)
+    is asked again, a little later each time, until the fold has the end; if the leader never
+    answers, UNAVAILABLE once the time is up, not at the first failure (found by a review)."""
+    from tests.factories import entry, registered, version
+
+    await asyncio.to_thread(writer.write, registered("w", entry(version("1"))))
+    fold = Fold(nc, prefix, Projection())
+    await fold.start(10)
+    asked: list = []
+    real = nc.jetstream
+    try:
+        async with fold.paused():  # written where the fold has not read it yet
+            seq = await asyncio.to_thread(writer.write, created("a"))
+            nc.jetstream = lambda *a, **k: _NoLeaderFor(real(*a, **k), failures, asked)
+        if failures < 10:
+            await fold.current(30)
+            assert fold.projection.seq >= seq and len(asked) == failures + 1
+        else:
+            with pytest.raises(ContractError, match="did not say where the log ends") as refused:
+                await fold.current(1.0)
+            assert refused.value.code.value == "UNAVAILABLE" and len(asked) > 3  # asked again meanwhile
+    finally:
+        nc.jetstream = real
+        await fold.stop()

@@ -377,6 +377,46 @@ async def test_a_local_image_is_not_refused_on_a_fold_behind_a_worker_of_its_nod
     assert (placed.worker_id, placed.fidelity, placed.node) == ("w2", PlacedFidelity.MEMORY, "node-1")
 
 
+async def test_a_fallback_in_a_refused_group_is_decided_again(stack, stalled, nc, prefix):
+    """b and a, both with V1 images, reach the committer together; w1, the only V1 worker, has room
+    for one: b takes it, and a (its fold confirmed current) falls back to w2, giving its image up.
+    The group is refused (w1 changed meanwhile: its capacity raised) and b is decided again. a's
+    fallback was kept and appended as it was, although the room it lacked (b's booking, failed, or
+    w1's new capacity) was there (found by a review). It is decided again too, and restores."""
+    from eventsourcing.persistence import IntegrityError
+
+    from services.scheduler.committer import Job
+
+    wb = Client(nc, prefix)
+    await wb.register(worker("w1", V1, mem=1536))  # room for one actor of 1024 MiB
+    for name in ("a", "b"):
+        await wb.create(actor(name, mem=1024))
+        await wb.resume(name)
+        await wb.suspend(name, uri=f"s3://{name}/0")  # a MEMORY image stamped V1
+    await wb.register(worker("w2", version("v2"), mem=8192))
+    await stalled.fold.wait(await last_seq(nc, prefix), 10)
+    committer = stalled.committer
+    append = committer.append
+
+    async def after_w1_changed(group):
+        committer.append = append
+        await wb.register(worker("w1", V1, mem=4096))  # its fence refuses the group
+        await append(group)
+
+    committer.append = after_w1_changed
+    loop = asyncio.get_running_loop()
+    jobs = {name: Job(name, None, None, loop.create_future()) for name in ("b", "a")}
+    jobs["a"].confirmed = True  # as after its CONFIRM: its fold caught up with the stream's end
+    async with committer.commits_held():
+        tasks = {name: asyncio.create_task(committer.submit(job)) for name, job in jobs.items()}
+        await committer.until_queued(2)
+    with pytest.raises(IntegrityError):  # b, whose worker moved on
+        await asyncio.wait_for(tasks["b"], 20)
+    with pytest.raises(IntegrityError):  # and a: decided again, not its fallback appended
+        await asyncio.wait_for(tasks["a"], 20)
+    assert not [e for _, e in await read_log(nc, prefix) if isinstance(e, ActorPlaced) and e.worker_id == "w2"]
+
+
 async def test_a_memory_image_is_given_up_once_the_fold_is_current(stack, nc, prefix):
     """When no compatible worker has room at the leader either, the fallback is made, once."""
     wb = Client(nc, prefix, read_your_writes=False)

@@ -350,8 +350,9 @@ def test_a_version_of_another_architecture_than_the_default_is_refused_naming_it
     body["sandbox_classes"][0]["restorable_runtimes"][1]["compatible_versions"] = [version("e1")]
     accept(RegisterWorker, body)  # all amd64
     reject(RegisterWorker, edit(body, path, version("x", arch="arm64")), f"{path}.attributes",
-           "architecture 'arm64' is not the machine's 'amd64' (its default runtime's, or the first named: "
-           "sandbox_classes[0].default_runtime.version): a memory image never restores on another architecture")
+           "architecture 'arm64' is not the machine's 'amd64' (its first class's default runtime's, or the first "
+           "named: sandbox_classes[0].default_runtime.version): a memory image never restores on another "
+           "architecture")
 
 
 def test_a_default_that_names_no_architecture_still_has_one_machine():
@@ -578,3 +579,6 @@ def test_two_classes_of_one_worker_name_one_machine_s_architecture():
         if path.endswith("default_runtime.version"):  # the whole second class on arm64
             arm = edit(arm, "sandbox_classes[1].restorable_runtimes[0].version", version("k0", arch="arm64"))
         reject(RegisterWorker, arm, f"{path}.attributes", "architecture 'arm64' is not the machine's 'amd64'")
+    edge = edit(body, "sandbox_classes[1].default_runtime.compatible_versions", [version("e1", arch="arm64")])
+    reject(RegisterWorker, edge, "sandbox_classes[1].default_runtime.compatible_versions[0].attributes",
+           "architecture 'arm64' is not the machine's 'amd64'")

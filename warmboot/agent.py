@@ -535,9 +535,9 @@ class Agent:
         self._edited: RegisterWorker | None = None  # the last edit sent
         self._edit_waiting = False  # a register(EDIT) waits its turn
         self._again_waiting = False  # a register(AGAIN) waits its turn
-        # when the machine was read for a register(AGAIN) that could not be made of it (so not sent):
-        # the next read asks for it again (`_look`); None if none is owed
-        self._again_unmade: float | None = None
+        # what the probe read of the machine for a register(AGAIN) that could not be made of it (so not
+        # sent): a read that says otherwise asks for it again (`_look`); None if none is owed
+        self._again_unmade: tuple | None = None
         self._restamp_waiting = False  # a register(RESTAMP) waits its turn
         self._beat_soon = False  # a heartbeat was refused before the TTL was learnt: beat again soon
         self.edited = False  # whether the last read of the file found it edited (else the machine changed)
@@ -770,11 +770,14 @@ class Agent:
                 self._again_unmade = None
                 try:
                     reply = await self._again(stop)
-                except ConfigError:
+                except ConfigError as e:
                     # Not sent, so not refused: it could not be made on the machine as the probe read it
                     # (cpuinfo unreadable for a moment). Owed all the same (the server may have lost a
-                    # write), so the next read of the machine asks for it again (`_look`)
-                    self._again_unmade = self._machine()[0]
+                    # write), so a read of the machine that says otherwise asks for it again (`_look`).
+                    # Not when no read changes it (the file names another CPU: `_keep_cpu_true` sees to
+                    # that; a state file that cannot keep a revision: an edit's concern)
+                    if not isinstance(e, (MachineMismatch, StateFileError)):
+                        self._again_unmade = self._machine()[2]
                     raise
             else:
                 assert registration == self.desired and self._desired_of is not None  # read at the start
@@ -1267,7 +1270,7 @@ class Agent:
         reconnect that could not be made of an earlier read of the machine (`_again_unmade`)."""
         self._sync_config(stop)
         self._keep_cpu_true(stop)
-        if self._again_unmade is not None and self._machine()[0] != self._again_unmade:
+        if self._again_unmade is not None and self._machine()[2] != self._again_unmade:
             self._again_unmade = None  # a registration after a reconnect not made then: on this read
             self._register_again(stop)
 

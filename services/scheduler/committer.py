@@ -471,7 +471,8 @@ class Committer:
 
     async def _sort_out(self, group: list[Commit], error: IntegrityError) -> None:
         """A group was refused: fold what the log holds now, fail the placements whose
-        subjects moved on (they are decided again) and queue the others again unchanged.
+        subjects moved on, and those that give a memory image up for want of room (they are
+        decided again), and queue the others again unchanged.
 
         Under contention (replicas booking the same workers) smaller groups lose less
         to one stale placement, so the next groups are at most half this one's size.
@@ -492,6 +493,10 @@ class Committer:
         ]
         if not stale:  # refused for a reason the expectations do not show: let each decide again
             stale = group
+        else:  # and a fallback that gives an image up: the room it lacked may be there now (a failed
+            # placement's booking, counted in flight when it was decided, or what the refusal folded)
+            stale += [item for item in group if item not in stale and item.placement.fallback is not None
+                      and item.placement.fallback.reason is FallbackReason.NO_COMPATIBLE_WORKER]
         self._fail(stale, IntegrityError(str(error)))
         kept = [item for item in group if item not in stale and not item.result.done()]
         for item in kept:

@@ -81,6 +81,7 @@ _runtime_decoder = msgspec.json.Decoder(ActorRuntime)
 _optional_runtime_decoder = msgspec.json.Decoder(ActorRuntime | None)
 RUNTIMES_KEPT = 4096
 PAST_END_GRACE_S = 0.25  # a min_seq not folded after this long is checked against the end of the log
+CURRENT_RETRY_S = 0.05  # `Fold.current`: the first pause before a failed question about the log's end is asked again
 STREAM_GONE_RETRY_S = 0.5  # a re-made consumer's stream not found: asked again after this long
 
 
@@ -455,13 +456,18 @@ class Fold:
         """Return once the fold has every event the stream held at some moment after the
         `since`-th question about its end was asked (`asked` when the caller's request came; by
         default, now), as its leader answers: one question shared by every caller it is recent
-        enough for. UNAVAILABLE if the leader does not answer, or the fold does not get there,
+        enough for; a question that fails (an election: no responders) is asked again, a little later
+        each time. UNAVAILABLE if the leader does not answer, or the fold does not get there,
         within `timeout`."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        end = await self._stream_end(self._asked if since is None else since, timeout)
-        if end is None:
-            raise unavailable("the event log's leader did not say where the log ends; try again")
+        since = self._asked if since is None else since
+        pause = CURRENT_RETRY_S
+        while (end := await self._stream_end(since, deadline - loop.time())) is None:
+            if loop.time() + pause >= deadline:
+                raise unavailable("the event log's leader did not say where the log ends; try again")
+            await asyncio.sleep(pause)  # a back-off before asking again, not a synchronisation
+            pause = min(pause * 2, 1.0)
         await self.wait(end, max(deadline - loop.time(), 0.0))
 
     async def _stream_end(self, since: int, within: float) -> int | None:

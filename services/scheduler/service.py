@@ -280,6 +280,7 @@ class SchedulerService:
         rid = request.request_id
         confirmed = False  # whether the fold has caught up with the stream's end since it came (`CONFIRM`)
         came = self.fold.asked  # a question about the stream's end asked after this answers for it
+        races = 0  # of its decisions, those whose commit lost a race (the others were checked again)
         async with self._actors(actor_id):
             for _ in range(self.commit_attempts):
                 if self._stopping:
@@ -308,6 +309,7 @@ class SchedulerService:
                         result = await self.committer.submit(job)
                         seen = job.seen if job.seen is not None else seen
                     except IntegrityError as error:
+                        races += 1
                         self.conflicts += 1
                         if self.metrics:
                             COMMIT_CONFLICTS.inc()
@@ -356,7 +358,8 @@ class SchedulerService:
                     self._count(placement)
                 return assignment_of(placement, seq)
         raise unavailable(
-            f"placing actor {actor_id} lost {self.commit_attempts} concurrent-commit races in a row; try again"
+            f"placing actor {actor_id} was decided {self.commit_attempts} times in a row without an answer ({races} "
+            "lost a concurrent-commit race, the others were checked again on a fresher fold); try again"
         )
 
     async def explain(self, actor_id: str, request: ExplainResume) -> Explanation:
