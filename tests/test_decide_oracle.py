@@ -25,7 +25,7 @@ from events.compat import MACHINE_TO_ARCH, compat_key
 from events.errors import ContractError
 from events.schema import (
     ActorReleased, Attribute, CompatVersion, Fidelity, Location, PlacedFidelity, ReleaseReason,
-    Resources, RuntimeChanged, SnapshotOrigin, TemplateChanged, WorkerDrained, WorkerRemoved, WorkerSandboxClass,
+    Resources, RuntimeChanged, SnapshotOrigin, TemplateChanged, WorkerDrained, WorkerRemoved, WorkerRuntime, WorkerSandboxClass,
     WorkerUpdated,
 )
 from services.registry.domain import canonical_classes
@@ -106,14 +106,20 @@ def entry_of(w: dict, sandbox_class: str) -> WorkerSandboxClass | None:
     return next((c for c in w["classes"] if c.sandbox_class == sandbox_class), None)
 
 
-def on_one_machine(ent: WorkerSandboxClass) -> WorkerSandboxClass:
-    """The entry as a worker on one machine can use it (docs/contract.md: one architecture per class
-    entry, the first its versions name, its default's first): a restorable runtime, or an edge, of
-    another architecture dropped. The registry refuses such an entry; a log written before the rule
-    may hold one, and no memory image may be placed through what is dropped."""
-    versions = [ent.default_runtime.version, *ent.default_runtime.compatible_versions,
-                *(v for r in ent.restorable_runtimes for v in (r.version, *r.compatible_versions))]
-    machine = next((a for a in map(arch_of, versions) if a is not None), None)
+def machine_of(w: dict) -> str | None:
+    """The architecture of the worker's machine (docs/contract.md: one architecture per registration):
+    the first its versions name, class by class, its first class's default's first."""
+    versions = [v for ent in w["classes"] for r in (ent.default_runtime, *ent.restorable_runtimes)
+                for v in (r.version, *r.compatible_versions)]
+    return next((a for a in map(arch_of, versions) if a is not None), None)
+
+
+def restoring(w: dict, ent: WorkerSandboxClass) -> tuple[WorkerRuntime | None, tuple[WorkerRuntime, ...]]:
+    """(default, restorable runtimes) of the entry that may restore a memory image on the worker's
+    machine: a runtime (the default too) or an edge of another architecture dropped. The registry
+    refuses such a registration; a log written before the rule may hold one (two classes of two
+    architectures, or one entry naming two), and no memory image may be placed through what is dropped."""
+    machine = machine_of(w)
 
     def here(v: CompatVersion) -> bool:
         return arch_of(v) is None or machine is None or arch_of(v) == machine
@@ -121,8 +127,8 @@ def on_one_machine(ent: WorkerSandboxClass) -> WorkerSandboxClass:
     def kept(r):
         return msgspec.structs.replace(r, compatible_versions=tuple(filter(here, r.compatible_versions)))
 
-    return msgspec.structs.replace(ent, default_runtime=kept(ent.default_runtime), restorable_runtimes=tuple(
-        kept(r) for r in ent.restorable_runtimes if here(r.version)))
+    default = kept(ent.default_runtime) if here(ent.default_runtime.version) else None
+    return default, tuple(kept(r) for r in ent.restorable_runtimes if here(r.version))
 
 
 def check(pl, w, a, all_workers=None):
@@ -141,7 +147,7 @@ def check(pl, w, a, all_workers=None):
         assert RANK[pl.fidelity.value] >= RANK[a["floor"].value], (pl, a["floor"])
     ent = entry_of(w, cls)
     assert ent is not None, (pl, w, cls)
-    ent = on_one_machine(ent)
+    default, restorable = restoring(w, ent)
     if snap is not None and snap.location is Location.LOCAL:
         assert pl.node == snap.node == w["node"], (pl, snap, w)
     if pl.fidelity is PlacedFidelity.MEMORY:
@@ -149,7 +155,7 @@ def check(pl, w, a, all_workers=None):
         assert st_ is not None and st_.sandbox_class == cls and snap.fidelity is Fidelity.MEMORY
         assert snap.template_uid == a["template"]
         ok = []
-        for r in (ent.default_runtime, *ent.restorable_runtimes):
+        for r in (*([default] if default else []), *restorable):
             if same(r.version, st_.version) or any(same(e, st_.version) for e in r.compatible_versions):
                 ok.append(r.version)
         assert any(same(pl.sandbox_runtime.version, v) for v in ok), (pl, ent, st_)
@@ -157,12 +163,11 @@ def check(pl, w, a, all_workers=None):
         # v1.1: matched_version is the version that matched the stamp (the pin's own, or the edge)
         assert pl.matched_version is not None and same(pl.matched_version, st_.version), (pl, st_)
         # rule 2 (v1.1 order): the worker's own default equal to the stamp, then a restorable, then edges
-        tiers = [[ent.default_runtime.version] if same(ent.default_runtime.version, st_.version) else [],
-                 [r.version for r in ent.restorable_runtimes if same(r.version, st_.version)],
-                 [ent.default_runtime.version] if any(same(e, st_.version)
-                                                      for e in ent.default_runtime.compatible_versions) else [],
-                 [r.version for r in ent.restorable_runtimes if any(same(e, st_.version)
-                                                                    for e in r.compatible_versions)]]
+        tiers = [[default.version] if default and same(default.version, st_.version) else [],
+                 [r.version for r in restorable if same(r.version, st_.version)],
+                 [default.version] if default and any(same(e, st_.version)
+                                                      for e in default.compatible_versions) else [],
+                 [r.version for r in restorable if any(same(e, st_.version) for e in r.compatible_versions)]]
         best = next(t for t in tiers if t)
         assert any(same(pl.sandbox_runtime.version, v) for v in best), ("rule 2 order", pl, ent, st_)
     else:
@@ -186,10 +191,12 @@ def check(pl, w, a, all_workers=None):
             and snap.sandbox_runtime.sandbox_class == cls and snap.template_uid == a["template"]):
         def loads(wk):
             e = entry_of(wk, cls)
-            e = e and on_one_machine(e)
-            return e is not None and any(same(r.version, snap.sandbox_runtime.version)
+            if e is None:
+                return False
+            d, rs = restoring(wk, e)
+            return any(same(r.version, snap.sandbox_runtime.version)
                        or any(same(x, snap.sandbox_runtime.version) for x in r.compatible_versions)
-                       for r in (e.default_runtime, *e.restorable_runtimes))
+                       for r in (*([d] if d else []), *rs))
         able = [wid for wid, wk in all_workers.items() if not wk["drained"] and loads(wk)
                 and all(wk.get("labels", {}).get(k) == v for k, v in wanted.items())
                 and (snap.location is not Location.LOCAL or wk["node"] == snap.node)]

@@ -190,6 +190,6 @@ def test_whatif_takes_what_the_index_takes_an_edge_of_another_architecture_none(
 
     amd, arm = version("d", "amd64"), version("e", "arm64")
     c_amd, c_arm = Compat(compat_key("gvisor", amd), amd), Compat(compat_key("gvisor", arm), arm)
-    entry = ClassEntry(Runtime(c_amd, runtime(amd), edges=(c_arm,)), ())
+    entry = ClassEntry(Runtime(c_amd, runtime(amd), edges=(c_arm,)), (), "amd64")
     assert c_arm not in entry.accepting and not accepts(entry, c_arm, frozenset())
     assert accepts(entry, c_amd, frozenset()) and not accepts(entry, c_amd, frozenset({c_amd}))

@@ -223,6 +223,25 @@ def test_no_compatible_worker_at_all_falls_back_too():
     assert log.decide("a").fallback.reason is FallbackReason.NO_COMPATIBLE_WORKER
 
 
+def test_a_logged_worker_whose_classes_name_two_architectures_restores_no_image_of_the_other():
+    """A worker a log holds from before the registry refused it (`check_one_machine`): gvisor on
+    amd64, its first class (so its machine), and microvm saying arm64. Each class was indexed alone,
+    and an arm64 microvm image was restored on it at MEMORY (found by a review). The scheduler reads
+    the machine off the whole registration now: the image falls back, cold, nothing restored there."""
+    from tests.factories import entry, registered
+
+    log = Log()
+    amd, arm = version("1", arch="amd64"), version("9", arch="arm64")
+    log.add(registered("w", entry(amd, sandbox_class="gvisor"), entry(arm, sandbox_class="microvm")))
+    log.actor("a", sandbox_class="microvm")
+    log.snapshot("a", stamped=arm, sandbox_class="microvm", snapshot_id="mem-1")
+    placed = log.decide("a")
+    assert placed.fidelity is not PlacedFidelity.MEMORY, placed
+    log.add(registered("w-arm", entry(arm, sandbox_class="microvm")))  # an arm64 machine does restore it
+    placed = log.decide("a")
+    assert (placed.worker_id, placed.fidelity) == ("w-arm", PlacedFidelity.MEMORY), placed
+
+
 def test_a_logged_version_of_another_architecture_restores_no_memory_image():
     """The registry refuses a restorable runtime or a compatible version of another architecture
     than the class default's (events.validate.check_one_machine); one a log holds from before

@@ -390,10 +390,8 @@ def _restore(state: State) -> Projection:
         w.memory_mib = row.memory_mib
         w.labels = maps[row.labels]
         w.state = WorkerState(row.state)
-        w.classes = {
-            text(name): interned.entry(runtimes[default], tuple(runtimes[r] for r in restorable))
-            for name, default, restorable in row.classes
-        }
+        w.classes = interned.entries((text(name), runtimes[default], tuple(runtimes[r] for r in restorable))
+                                     for name, default, restorable in row.classes)
         w.booked_cpu = row.booked_cpu
         w.booked_mem = row.booked_mem
         w.holding = row.holding

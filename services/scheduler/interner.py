@@ -18,7 +18,7 @@ from typing import Any, Iterable, Mapping
 
 from events.compat import CompatKey, compat_key
 from events.schema import ActorRuntime, CompatVersion, Fidelity, Resources, WorkerRuntime
-from services.scheduler.records import ClassEntry, Compat, Lease, Runtime, SnapshotKind, Spec, Stamp
+from services.scheduler.records import ClassEntry, Compat, Lease, Runtime, SnapshotKind, Spec, Stamp, worker_machine
 
 EMPTY: Mapping[str, str] = {}
 
@@ -119,11 +119,18 @@ class Interner:
             self._runtimes[(sandbox_class, runtime)] = found
         return found
 
-    def entry(self, default: Runtime, restorable: tuple[Runtime, ...]) -> ClassEntry:
-        key = (id(default), *map(id, restorable))  # interned runtimes: identity stands for content
+    def entries(self, classes: Iterable[tuple[str, Runtime, tuple[Runtime, ...]]]) -> dict[str, ClassEntry]:
+        """A worker's class entries, by class name, from its registration's (name, default, restorable
+        runtimes), in its order: each indexes only what the worker's machine can load (`worker_machine`)."""
+        classes = list(classes)
+        machine = worker_machine((default, restorable) for _, default, restorable in classes)
+        return {name: self.entry(default, restorable, machine) for name, default, restorable in classes}
+
+    def entry(self, default: Runtime, restorable: tuple[Runtime, ...], machine: str | None) -> ClassEntry:
+        key = (id(default), *map(id, restorable), machine)  # interned runtimes: identity stands for content
         found = self._entries.get(key)
         if found is None:
-            found = self._entries[key] = ClassEntry(default, restorable)
+            found = self._entries[key] = ClassEntry(default, restorable, machine)
         return found
 
     def text(self, text: str) -> str:

@@ -328,14 +328,11 @@ class Projection:
                 bump_count(index.live_on_node, (node, compat), delta)
 
     def _classes(self, entries: tuple[WorkerSandboxClass, ...]) -> dict[str, ClassEntry]:
-        classes = {}
-        for entry in entries:
-            name = self.intern.text(entry.sandbox_class)
-            classes[name] = self.intern.entry(
-                self.intern.runtime(name, entry.default_runtime),
-                tuple(self.intern.runtime(name, r) for r in entry.restorable_runtimes),
-            )
-        return classes
+        named = [self.intern.text(entry.sandbox_class) for entry in entries]
+        return self.intern.entries(
+            (name, self.intern.runtime(name, entry.default_runtime),
+             tuple(self.intern.runtime(name, r) for r in entry.restorable_runtimes))
+            for name, entry in zip(named, entries))
 
     def _worker_registered(self, event: WorkerRegistered, seq: int) -> None:
         worker = self.workers.get(event.worker_id)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from math import ceil
-from typing import Any, ClassVar, Iterator, Mapping
+from typing import Any, ClassVar, Iterable, Iterator, Mapping
 
 from msgspec import Struct
 
@@ -122,19 +122,19 @@ class ClassEntry:
 
     __slots__ = ("default", "restorable", "accepting", "accepts", "roles")
 
-    def __init__(self, default: Runtime, restorable: tuple[Runtime, ...]):
+    def __init__(self, default: Runtime, restorable: tuple[Runtime, ...], machine: str | None):
         self.default = default
         self.restorable = restorable
-        # Only what the default's architecture can load: the registry refuses a version of
-        # another (`events.validate.check_one_machine`); one a log holds from before is not
-        # indexed, so no memory image is sent across architectures.
-        machine = machine_architecture([default.compat.version, *(e.version for e in default.edges),
-                                        *(v for r in restorable for v in (r.compat.version, *(e.version for e in r.edges)))])
-        loads = [r for r in restorable if other_architecture(r.compat.version, machine) is None]
+        # Only what the worker's machine can load (`machine`: `worker_machine` of its whole
+        # registration): the registry refuses a version of another architecture, in any class
+        # (`events.validate.check_one_machine`); one a log holds from before is not indexed, so
+        # no memory image is sent across architectures.
+        loads = [(role, r) for role, r in ((OWN_DEFAULT, default), *((OWN_RESTORABLE, r) for r in restorable))
+                 if other_architecture(r.compat.version, machine) is None]
         accepting: dict[Compat, list[tuple[int, Runtime]]] = {}
-        for role, runtime in ((OWN_DEFAULT, default), *((OWN_RESTORABLE, r) for r in loads)):
+        for role, runtime in loads:
             accepting.setdefault(runtime.compat, []).append((role, runtime))
-        for role, runtime in ((EDGE_DEFAULT, default), *((EDGE_RESTORABLE, r) for r in loads)):
+        for role, runtime in ((EDGE_DEFAULT if role == OWN_DEFAULT else EDGE_RESTORABLE, r) for role, r in loads):
             for edge in runtime.edges:
                 if other_architecture(edge.version, machine) is None:
                     accepting.setdefault(edge, []).append((role, runtime))
@@ -547,3 +547,13 @@ def set_member(table: dict[Any, IndexedSet], key: Any, worker: Worker, delta: in
             worker.sets.remove(members)
         if not members:
             del table[key]
+
+
+def worker_machine(classes: Iterable[tuple[Runtime, tuple[Runtime, ...]]]) -> str | None:
+    """The architecture of the machine a worker runs on, from its registration's class entries
+    ((default, restorable runtimes) each, in its order): the first its versions name, the first
+    class's default's first (`events.compat.machine_architecture`; the registry's rule is
+    `events.validate.check_one_machine`, on the same versions in the same order)."""
+    return machine_architecture(
+        v for default, restorable in classes for r in (default, *restorable)
+        for v in (r.compat.version, *(e.version for e in r.edges)))
