@@ -268,3 +268,200 @@ async def scheduler_replica(exits: AsyncExitStack, url: str, prefix: str, name: 
     replica = await SchedulerService(nc, nats_url=url, prefix=prefix, metrics=False, **options).start()
     exits.push_async_callback(replica.stop)
     return replica, nc
+
+
+FALLBACK_ACTORS = 100  # per wave: every resume of the first wave gives its memory image up
+ROOM_FOR = 30  # memory images the compatible worker registered between the waves has room for
+
+
+@pytest.mark.timeout(300)
+async def test_fallbacks_through_elections_are_placed_once_and_only_where_no_compatible_worker_has_room(
+        tmp_path, monkeypatch):
+    """Resumes whose memory image (stamped V1) no worker with room can load are placed without it
+    (NO_COMPATIBLE_WORKER, VOLUMES on a V2 worker), each only on a fold caught up with the stream's end
+    since it came (`Fold.current`: a STREAM.INFO question, which fails during an election), while the
+    stream's leader changes.
+
+    Three scheduler replicas, one per member; the only V1 worker is full. A first wave of 100 resumes,
+    each with a request id, through `warmboot.client` (its retries; no min_seq: this client has not
+    seen the fleet's writes), the leader killed (SIGKILL) once a third is answered. Then a second V1
+    worker with room for 30 images is registered at the registry while one replica's fold is paused
+    (as a checkpoint pauses it), and a second wave of 100 resumes is sent; once the paused replica
+    asks where the log ends, its fold goes on and the leader is stepped down. The first 30 placed of
+    the second wave restore their image on the new worker, the others fall back.
+
+    Read from the log in stream order: every request the client saw answered was placed once, and as
+    answered; no MEMORY restore on a worker that does not accept the stamp, and nothing `warmboot
+    audit verify` refuses; no fallback while a compatible worker had room at that point of the log
+    (left out: a first-wave request the client gave up on, which may land after the room came); the
+    client's failures, if any, UNAVAILABLE after its retries, and few. (Without the confirmation, the
+    paused replica gives second-wave images up beside the room: this test fails.)"""
+    from collections import Counter
+
+    from events.schema import ActorPlaced, Assignment, FallbackReason, PlacedFidelity
+    from tests.factories import CLASS, actor, read_entries, version, worker
+    from warmboot.audit import Sink
+    from warmboot.cli_common import replay
+
+    monkeypatch.setenv("WARMBOOT_STREAM_REPLICAS", "3")
+    prefix = "t" + uuid.uuid4().hex[:10]
+    stream = stream_name(prefix)
+    v1, v2 = version("1"), version("2")
+    started = time.monotonic()
+    with NatsCluster(tmp_path) as cluster:
+        await wait_jetstream(cluster.url)
+        async with AsyncExitStack() as exits:
+            schedulers = [await every_service(exits, cluster, prefix)]
+            for i in (1, 2):
+                schedulers.append((await scheduler_replica(exits, cluster.urls[i], prefix, f"replica-{i}"))[0])
+            nc = await connect(cluster.url, "setup")
+            exits.push_async_callback(nc.close)
+            setup = Client(nc, prefix, attempts=30)
+            first = [f"a{i:03d}" for i in range(FALLBACK_ACTORS)]
+            second = [f"b{i:03d}" for i in range(FALLBACK_ACTORS)]
+            await setup.register(worker("w-v1", v1, cpu=64000, mem=65536))
+            await asyncio.gather(*(setup.create(actor(a, cpu=100, mem=128)) for a in first + second))
+            await asyncio.gather(*(setup.resume(a) for a in first + second))
+            await asyncio.gather(*(setup.suspend(a, Fidelity.MEMORY, uri=f"s3://x/{a}") for a in first + second))
+            await setup.register(worker("w-v1", v1, cpu=64000, mem=64 + 127))  # a MEMORY image stamped V1 each; full
+            for i in range(3):
+                await setup.register(worker(f"w-v2-{i}", v2, cpu=64000, mem=65536))
+
+            rnc = await connect(cluster.url, "resumer")
+            exits.push_async_callback(rnc.close)
+            wb = Client(rnc, prefix, read_your_writes=False)
+            got: dict[str, Any] = {}  # request id -> its Assignment, or the ContractError the client raised
+            answered_at: dict[str, float] = {}
+
+            async def resume(actor_id: str, counted: Answers) -> None:
+                rid = f"r-{actor_id}"
+                try:
+                    got[rid] = await wb.resume(actor_id, request_id=rid)
+                except ContractError as error:
+                    got[rid] = error
+                answered_at[rid] = time.time()
+                await counted.note(actor_id)
+
+            async def elected_after(disrupt) -> tuple[str, Any, float]:
+                """(the leader, its member, when the next one was elected) around `disrupt(member)`."""
+                leader = (await nc.jetstream().stream_info(stream)).cluster.leader
+                node = cluster.node(leader)
+                watcher = await connect(next(n.url for n in cluster.nodes if n is not node), "watcher")
+                elections: asyncio.Queue[tuple[float, str]] = asyncio.Queue()
+
+                async def on_elected(msg) -> None:
+                    elections.put_nowait((time.time(), json.loads(msg.data).get("leader", "")))
+
+                try:
+                    await watcher.subscribe(f"{LEADER_ELECTED_ADVISORY}.{stream}", cb=on_elected)
+                    await flush_in_order(watcher)
+                    await disrupt(node)
+                    while (elected := await asyncio.wait_for(elections.get(), 60))[1] in ("", leader):
+                        pass  # an advisory of an earlier election
+                finally:
+                    await watcher.close()
+                return leader, node, elected[0]
+
+            async def stepdown(_) -> None:
+                reply = await nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}", b"", timeout=10)
+                assert json.loads(reply.data).get("success"), reply.data
+
+            async def kill(node) -> None:
+                node.kill()
+
+            asked = sum(s.fold.asked for s in schedulers)
+            # the first wave: no compatible worker has room anywhere; the leader killed a third in
+            counted = Answers()
+            wave = [asyncio.create_task(resume(a, counted)) for a in first]
+            await counted.reached(lambda: counted.count() >= FALLBACK_ACTORS // 3)
+            _, node, elected_at = await elected_after(kill)
+            await asyncio.to_thread(node.restart)
+            await asyncio.gather(*wave)
+            await wait_stream_current(nc.jetstream(), stream, 3)
+            # room for 30 images on a V1 worker, registered at the registry while one replica's fold is paused
+            # (as a checkpoint pauses it): it decides on a fold behind the room until it asks where the log
+            # ends. The second wave sent once the room is there; the leader stepped down once it asks.
+            behind, asking = schedulers[1], asyncio.Event()
+            current = behind.fold.current
+
+            async def confirming(*args: Any, **kwargs: Any) -> None:
+                asking.set()
+                await current(*args, **kwargs)
+
+            monkeypatch.setattr(behind.fold, "current", confirming)
+            counted = Answers()
+            async with behind.fold.paused():
+                room = (await setup.register(worker("w-v1b", v1, cpu=64000, mem=64 + ROOM_FOR * 128))).seq
+                wave = [asyncio.create_task(resume(b, counted)) for b in second]
+                # until the paused replica asks where the log ends (or, were it not to, every resume is answered)
+                waits = [asyncio.ensure_future(asking.wait()),
+                         asyncio.ensure_future(counted.reached(lambda: counted.count() == FALLBACK_ACTORS))]
+                try:
+                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for waiting in waits:
+                        waiting.cancel()
+            _, _, stepped_at = await elected_after(stepdown)  # as the paused replica folds on and decides again
+            await asyncio.gather(*wave)
+            await wait_stream_current(nc.jetstream(), stream, 3)
+            asked = sum(s.fold.asked for s in schedulers) - asked
+
+            entries = await read_entries(nc, prefix)
+            placed = [(seq, e) for seq, _, e in entries if isinstance(e, ActorPlaced) and e.request_id is not None
+                      and e.request_id.startswith("r-")]
+            by_request = Counter(e.request_id for _, e in placed)
+            failed = {rid: e for rid, e in got.items() if isinstance(e, ContractError)}
+            print(f"{len(got)} resumes: {len(failed)} failed after the client's retries "
+                  f"({Counter(e.code.value for e in failed.values())}), {wb.retries} attempts sent again; "
+                  f"{Counter(e.fidelity.value for _, e in placed)} placed; {asked} questions about the log's end; "
+                  f"{sum(1 for rid, t in answered_at.items() if rid.startswith('r-a') and t > elected_at)} of the "
+                  f"first wave answered after the election that followed the kill, "
+                  f"{sum(1 for rid, t in answered_at.items() if rid.startswith('r-b') and t > stepped_at)} of the "
+                  f"second after the stepdown's")
+            # the client's failures: UNAVAILABLE only, its retries spent (few)
+            assert {e.code for e in failed.values()} <= {ErrorCode.UNAVAILABLE}, failed
+            assert len(failed) <= len(got) // 10, failed
+            # every answered request placed once, where it was answered; none placed twice
+            assert set(by_request.values()) <= {1}, [rid for rid, n in by_request.items() if n > 1]
+            logged = {e.request_id: (seq, e) for seq, e in placed}
+            wrong = []
+            for rid, answer in got.items():
+                if isinstance(answer, Assignment):
+                    at, event = logged.get(rid, (None, None))
+                    if event is None or (event.worker_id, event.fidelity) != (answer.worker_id, answer.fidelity) \
+                            or answer.seq not in (at, at + 1):
+                        wrong.append(f"{rid}: answered {answer.worker_id} {answer.fidelity} at {answer.seq}, the "
+                                     f"log has {event and (event.worker_id, event.fidelity)} at {at}")
+            assert not wrong, "\n".join(wrong[:20])
+            # a memory image restored only where it loads; the rest fell back for want of room
+            assert all(e.worker_id in ("w-v1", "w-v1b") for _, e in placed if e.fidelity is PlacedFidelity.MEMORY)
+            assert all(e.fallback is not None and e.fallback.reason is FallbackReason.NO_COMPATIBLE_WORKER
+                       and e.worker_id.startswith("w-v2") for _, e in placed if e.fidelity is not PlacedFidelity.MEMORY)
+
+            class Judged(Sink):
+                """`audit verify`'s replay, and at each fallback: the compatible workers with room there."""
+
+                def __init__(self) -> None:
+                    super().__init__(verify=True)
+                    self.with_room: list[str] = []
+
+                def apply(self, seq: int, event: Any, version: int | None = None) -> None:
+                    if isinstance(event, ActorPlaced) and event.fallback is not None:
+                        a = self.projection.actors[event.actor_id]
+                        want, stamp = a.spec.resources, a.snapshot.stamp
+                        roomy = [w.worker_id for w in self.projection.workers.values()
+                                 if w.live and CLASS in w.classes and w.classes[CLASS].accepting.get(stamp.compat)
+                                 and w.room_cpu >= want.cpu_millis and w.room_mem >= want.memory_mib]
+                        rid = event.request_id or ""
+                        if roomy and not (rid in failed and rid.startswith("r-a")):  # given up on before the room
+                            self.with_room.append(f"sequence {seq}: {event.actor_id} ({event.request_id}) fell back "
+                                                  f"to {event.worker_id}; {roomy} had room for its image")
+                    super().apply(seq, event, version)
+
+            judged = await replay(nc, prefix, Judged(), False)
+            assert judged.violation is None, str(judged.violation)
+            assert not judged.with_room, "\n".join(judged.with_room[:20])
+            # the 30 images the room was registered for were restored there, after it
+            memory = [seq for seq, e in placed if e.fidelity is PlacedFidelity.MEMORY]
+            assert len(memory) == ROOM_FOR and min(memory) > room, (len(memory), room)
+    print(f"the test took {time.monotonic() - started:.1f} s")
