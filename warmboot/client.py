@@ -138,8 +138,9 @@ class Client:
         permissions of `warmboot nats-config` let a user hear them; each connection error logged
         once while it repeats. A server that does not answer within `connect_timeout` seconds is
         UNAVAILABLE (ContractError), naming it; one that refuses the user that inbox prefix,
-        FAILED_PRECONDITION (`warmboot.connection.hears_replies`), before anything is sent; after that the connection reconnects for as long
-        as it lives. `options` go to the Client, except the nats.connect keywords
+        FAILED_PRECONDITION (`warmboot.connection.hears_replies`), before anything is sent;
+        after that the connection reconnects for as long as it lives. `options` go to the
+        Client, except the nats.connect keywords
         `user_credentials`, `nkeys_seed`, `inbox_prefix` and `name`."""
         connect = {k: options.pop(k) for k in ("user_credentials", "inbox_prefix", "name") if k in options}
         nkey_seed = options.pop("nkeys_seed", None)

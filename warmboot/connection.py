@@ -101,7 +101,6 @@ async def connect_within(url: str, name: str, timeout_s: float = CONNECT_TIMEOUT
                       f"{describe_error(errors.last or asyncio.TimeoutError())}")
 
 
-
 async def hears_replies(url: str, nc: nats.NATS, errors: ErrorsOnce) -> None:
     """FAILED_PRECONDITION, before any request is sent, if the server at `url` refuses this connection's
     user a subscription under the inbox prefix it hears its replies under: every request would be
@@ -113,7 +112,9 @@ async def hears_replies(url: str, nc: nats.NATS, errors: ErrorsOnce) -> None:
     errors.watch_inbox(prefix)
     probe = await nc.subscribe(f"{prefix}.{nuid.NUID().next().decode()}.*")
     try:
-        await flush_in_order(nc)
+        await flush_in_order(nc, CONNECT_TIMEOUT_S)
+    except Exception as error:  # the server went away just now, or does not answer
+        raise unavailable(f"NATS at {redact_url(url)} did not answer: {describe_error(error)}") from None
     finally:
         with suppress(Exception):
             await probe.unsubscribe()
