@@ -307,7 +307,6 @@ async def test_fallbacks_through_elections_are_placed_once_and_only_where_no_com
     prefix = "t" + uuid.uuid4().hex[:10]
     stream = stream_name(prefix)
     v1, v2 = version("1"), version("2")
-    started = time.monotonic()
     with NatsCluster(tmp_path) as cluster:
         await wait_jetstream(cluster.url)
         async with AsyncExitStack() as exits:
@@ -464,4 +463,3 @@ async def test_fallbacks_through_elections_are_placed_once_and_only_where_no_com
             # the 30 images the room was registered for were restored there, after it
             memory = [seq for seq, e in placed if e.fidelity is PlacedFidelity.MEMORY]
             assert len(memory) == ROOM_FOR and min(memory) > room, (len(memory), room)
-    print(f"the test took {time.monotonic() - started:.1f} s")
