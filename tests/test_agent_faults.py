@@ -11,9 +11,10 @@ import datetime
 import json
 import logging
 import shutil
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 import time
 from pathlib import Path
+from typing import Iterator
 
 import msgspec
 import nats
@@ -34,7 +35,7 @@ from tests.registry_helpers import (AMD, CPUINFO, PROBE, a_machine, agent_config
                                     wait_event, without_cpu_features, worker_events)
 from tests.test_agent import agent_running, running_agent
 from warmboot.cli import main
-from warmboot.agent import (AGAIN, RESTAMP, RESTAMP_AGAIN_S, RETRY_MAX_S, RETRY_MIN_S, UNREADABLE_GRACE_S, Agent,
+from warmboot.agent import (AGAIN, EDIT, RESTAMP, RESTAMP_AGAIN_S, RETRY_MAX_S, RETRY_MIN_S, UNREADABLE_GRACE_S, Agent,
                             ConfigError, ProbeSettings, build_registration,
                             load_registration, next_delay, parse_config)
 
@@ -1290,13 +1291,57 @@ def test_a_stale_episode_is_not_restarted_by_one_unreadable_read(tmp_path):
     assert agent._wait_no_longer(False, 2) is not None
 
 
-async def until(condition, timeout: float = 20.0) -> None:
-    """Return once `condition()` holds: the agent's own state, looked at every 10 ms (what the watch
-    read of the file or the machine sets no event to wait on)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.01)
+def read_otherwise(agent: Agent, reading: tuple) -> asyncio.Event:
+    """Set once the agent's probe reads the machine otherwise than `reading` (`_probe_read[2]`):
+    its reads are wrapped, and the agent keeps what a read gives before anything else runs."""
+    changed, probe = asyncio.Event(), agent.probe
+
+    class Watched:
+        def __getattr__(self, name: str):
+            return getattr(probe, name)
+
+        def read(self):
+            machine = probe.read()
+            if machine.reading() != reading:
+                changed.set()
+            return machine
+
+    agent.probe = Watched()
+    return changed
+
+
+def edit_queued(agent: Agent, asset: str) -> asyncio.Event:
+    """Set once the agent queues an edit (`register(EDIT)` beside the heartbeats) of a file whose
+    default runtime is `asset`."""
+    queued, beside = asyncio.Event(), agent._beside_heartbeats
+
+    def noted(registration, *args):
+        if registration is EDIT and agent.desired is not None \
+                and default_asset(agent.desired.sandbox_classes[0]) == asset:
+            queued.set()
+        return beside(registration, *args)
+
+    agent._beside_heartbeats = noted
+    return queued
+
+
+@contextmanager
+def nothing_sent() -> Iterator[asyncio.Event]:
+    """An event set once a registration beside the heartbeats ends unsent (the agent logs "nothing
+    sent": it could not be made on the machine as the probe read it), its task then done."""
+    ended = asyncio.Event()
+
+    class Unsent(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("nothing sent:"):
+                ended.set()
+
+    handler, logger = Unsent(), logging.getLogger("warmboot.agent")
+    logger.addHandler(handler)
+    try:
+        yield ended
+    finally:
+        logger.removeHandler(handler)
 
 
 def default_asset(entry) -> str | None:
@@ -1336,12 +1381,12 @@ async def test_an_edit_whose_turn_comes_on_an_unreadable_read_is_sent_once_the_m
             hold = True
             path.write_text(agent_config("v2", ("v1",)))  # an edit, held at the registry
             await asyncio.wait_for(held.wait(), 20)
+            queued = edit_queued(agent, "v3")
             path.write_text(agent_config("v3"))  # the next edit waits its turn behind it
-            await until(lambda: agent._edit_waiting and agent.desired is not None
-                        and default_asset(agent.desired.sandbox_classes[0]) == "v3")
-            readable = agent._probe_read[2]
+            await asyncio.wait_for(queued.wait(), 20)
+            unreadable = read_otherwise(agent, agent._probe_read[2])
             without_cpu_features(cpuinfo)  # the probe cannot read cpu_features for a moment
-            await until(lambda: agent._probe_read[2] != readable)
+            await asyncio.wait_for(unreadable.wait(), 20)
             release.set()  # the first edit answered: the second's turn, on the unreadable read
             await asyncio.wait(set(agent._background), timeout=20)  # both registrations done, sent or not
             assert not agent._background and not agent._edit_waiting
@@ -1370,12 +1415,12 @@ async def test_the_registration_in_force_after_a_reconnect_on_an_unreadable_read
     async with running_registry(nats_url, prefix), agent_running(agent):
         outcome, _, first = await asyncio.wait_for(answered.get(), 20)
         assert outcome == "REGISTERED"
-        readable = agent._probe_read[2]
+        unreadable = read_otherwise(agent, agent._probe_read[2])
         without_cpu_features(cpuinfo)  # the probe cannot read cpu_features for a moment
-        await until(lambda: agent._probe_read[2] != readable)
-        agent._reconnected.set()  # what nats-py's reconnected callback sets
-        # the registration after it, tried and ended: nothing sent
-        await until(lambda: not agent._reconnected.is_set() and not agent._again_waiting and not agent._background)
+        await asyncio.wait_for(unreadable.wait(), 20)
+        with nothing_sent() as unsent:
+            agent._reconnected.set()  # what nats-py's reconnected callback sets
+            await asyncio.wait_for(unsent.wait(), 20)  # the registration after it, tried and ended: nothing sent
         assert answered.empty()
         shutil.copy(CPUINFO, cpuinfo)  # the machine reads as before
         outcome, _, again = await asyncio.wait_for(answered.get(), 10)
