@@ -38,7 +38,8 @@ checked again (`RECHECK`) rather than decided.
 A placement that would discard the actor's memory image for want of a compatible worker
 with room (NO_COMPATIBLE_WORKER) is not made on a fold that may be behind another
 process's registration or release: the job goes back to its caller (`CONFIRM`), which has
-the fold catch up with the stream's end and submits it again.
+the fold catch up with the stream's end and submits it again. So is a refusal for want of
+a worker on a LOCAL image's node (`NoWorkerOnNode`), whose message points at revert.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ import msgspec
 from eventsourcing.persistence import IntegrityError
 
 from events.aggregate import WireApplication, now
-from events.errors import ContractError, unavailable
+from events.errors import ContractError, NoWorkerOnNode, unavailable
 from events.schema import ActorPlaced, FallbackReason, Placement, WorkerBooked
 from events.tasks import cancel_and_wait
 from services.scheduler.decide import decide
@@ -129,10 +130,11 @@ class Answered:
 RECHECK = object()
 
 # A job's outcome when it would be placed discarding its memory image, no compatible worker having
-# room (`FallbackReason.NO_COMPATIBLE_WORKER`), on a fold not yet confirmed current: a registration
-# or a release another process wrote a moment ago may give a compatible worker room. The image is
-# lost for good once the fallback is written, so its caller has the fold catch up with the stream's
-# end (`Fold.current`) and resubmits it, `confirmed`; it is decided again there.
+# room (`FallbackReason.NO_COMPATIBLE_WORKER`), or refused for want of a worker on its image's node
+# (`NoWorkerOnNode`), on a fold not yet confirmed current: a registration or a release another
+# process wrote a moment ago may give a compatible worker room. The image is lost for good once the
+# fallback is written (or the caller reverts), so its caller has the fold catch up with the
+# stream's end (`Fold.current`) and resubmits it, `confirmed`; it is decided again there.
 CONFIRM = object()
 
 
@@ -331,6 +333,12 @@ class Committer:
                         continue
                     try:
                         placement = decide(p, job.actor_id, job.selectors, p.seq, self.pending, self._refusals)
+                    except NoWorkerOnNode as error:  # it points at revert, which gives the image up: as below
+                        if job.confirmed:
+                            job.result.set_exception(error)
+                        else:
+                            job.result.set_result(CONFIRM)
+                        continue
                     except ContractError as error:
                         job.result.set_exception(error)
                         continue

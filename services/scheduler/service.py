@@ -32,7 +32,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from events.aggregate import WireApplication
 from events.codec import decode_event, decoder
-from events.errors import ContractError, NoWorkerOnNode, UnreadableHistory, unavailable
+from events.errors import ContractError, UnreadableHistory, unavailable
 from events.jetstream.link import links_on
 from events.tasks import cancel_and_wait
 from events.runtime_id import short_id
@@ -331,16 +331,10 @@ class SchedulerService:
                             log.info("refused on a fold behind the log (%s: %s); deciding again",
                                      refusal.code.value, refusal.message)
                             continue
-                        if isinstance(refusal, NoWorkerOnNode) and not confirmed:
-                            # its fleet's part too (no worker on the image's node), on a current fold only:
-                            # the refusal points at revert, which gives the image up for good
-                            await self.fold.current(self.catch_up_s, came)
-                            confirmed = True
-                            continue
                         raise
                     if result is RECHECK:  # its id may have been pushed out meanwhile: check again
                         continue
-                    if result is CONFIRM:  # it would discard its memory image: on a current fold only
+                    if result is CONFIRM:  # it would give its memory image up: on a current fold only
                         await self.fold.current(self.catch_up_s, came)
                         confirmed = True
                         continue
