@@ -561,6 +561,29 @@ def stream_identity(info: Any) -> tuple[str, int]:
     return (info.created.isoformat() if info.created is not None else ""), info.state.last_seq
 
 
+def answered_by_leader(info: Any) -> bool:
+    """Whether a STREAM.INFO answer (nats-py's StreamInfo, or a struct with the same
+    `cluster.leader`) is the stream leader's. In a cluster, a stream group without a leader (a
+    lost quorum; the moment of an election) has every member answer from its own state, which
+    may lack the last events the group stored and acknowledged (nats-server's
+    `jsStreamInfoRequest`; such an answer names no leader). A single server's answer has no
+    `cluster`, an R1 stream's in a cluster names the server itself."""
+    cluster = getattr(info, "cluster", None)
+    return cluster is None or bool(cluster.leader)
+
+
+async def leaders_stream_info(js: Any, stream: str) -> Any:
+    """The stream's info as its leader has it: where the log ends for a barrier (a fold's, a
+    read's) is never a member's own word. A leaderless member's answer (`answered_by_leader`) is
+    raised as the 503 the server gives while it cannot tell (ServiceUnavailableError), which
+    `until_answered` and every caller's retry already take for an election."""
+    info = await js.stream_info(stream)
+    if not answered_by_leader(info):
+        raise nats.js.errors.ServiceUnavailableError(
+            code=503, description=f"the stream {stream} has no leader: a member's own state is not where its log ends")
+    return info
+
+
 def replaced_by(stream: str, folded: str | None, created: str) -> str | None:
     """Why the stream `stream`, created at `created` as it is now, is not the log a process read as
     the incarnation created at `folded` (a projection's `Projection.stream_created`, a service's
@@ -596,7 +619,7 @@ async def continuity(nc: NATS, stream: str, seq: int, at_us: int) -> str | None:
     except NotFoundError as error:
         if getattr(error, "err_code", None) != _NO_MESSAGE:
             raise  # the stream itself is not there: the caller asks again
-        last = (await js.stream_info(stream)).state.last_seq
+        last = (await leaders_stream_info(js, stream)).state.last_seq
         if last >= seq:
             return None  # a hole (an operator deleted that message: docs/contract.md), not another log
         return (f"the event stream {stream} ends at sequence {last}, before sequence {seq}, which this process "
@@ -632,7 +655,8 @@ class StreamWatch:
         """The incarnation of now is the service's (call it right after the service's store has made
         or found the stream)."""
         self.failed = asyncio.get_running_loop().create_future()
-        info = await until_answered(lambda: self.nc.jetstream().stream_info(self.stream), f"the stream {self.stream}")
+        info = await until_answered(lambda: leaders_stream_info(self.nc.jetstream(), self.stream),
+                                    f"the stream {self.stream}")
         self.created = stream_identity(info)[0]
         self.mark = await until_answered(lambda: self._last(info.state.last_seq), f"the stream {self.stream}")
         self._task = asyncio.create_task(self._watch(), name=f"stream-watch-{self.stream}")
@@ -668,7 +692,7 @@ class StreamWatch:
     async def look(self) -> str | None:
         """One look: why the stream is not the log the service read (None if it is: then the
         stream's last message is the next look's mark). Raises what asking raised."""
-        info = await self.nc.jetstream().stream_info(self.stream)
+        info = await leaders_stream_info(self.nc.jetstream(), self.stream)
         why = (replaced_by(self.stream, self.created, stream_identity(info)[0])
                or await continuity(self.nc, self.stream, *self.mark)
                or (await continuity(self.nc, self.stream, *self.read()) if self.read is not None else None))

@@ -199,6 +199,81 @@ async def test_a_fold_started_while_its_stream_has_no_leader_folds_once_it_has_o
                 await nc.close()
 
 
+@pytest.mark.timeout(240)
+async def test_no_barrier_takes_a_leaderless_members_word_for_where_the_log_ends(tmp_path, monkeypatch):
+    """While a stream's group has no leader (here two of its three members stopped), the member
+    left answers STREAM.INFO from its own state and names no leader: a state that may lack the
+    last events the group acknowledged (what a member had not applied when its leader died).
+    Neither fold's barrier (the scheduler's `Fold.current`, which a fallback giving up a memory
+    image waits for; the registry's `RosterFold.current`) nor the CLI's read target takes that
+    answer for where the log ends: UNAVAILABLE until a leader answers, current once one does."""
+    import click
+    import nats
+    import nats.js.errors
+
+    from services.common import leaders_stream_info
+    from services.registry.fold import RosterFold
+    from services.registry.roster import Roster
+    from services.scheduler.fold import Fold
+    from services.scheduler.projection import Projection
+    from tests.factories import Writer, entry, registered, version
+    from warmboot.cli_common import last_seq
+
+    monkeypatch.setenv("WARMBOOT_STREAM_REPLICAS", "3")
+    prefix = "t" + uuid.uuid4().hex[:10]
+    stream = stream_name(prefix)
+    with NatsCluster(tmp_path) as cluster:
+        await wait_jetstream(cluster.url)
+        writer = await asyncio.to_thread(Writer, cluster.url, prefix)  # the stream, R3
+        try:
+            seq = await asyncio.to_thread(writer.write, registered("w-1", entry(version("1"))))
+        finally:
+            await asyncio.to_thread(writer.close)
+        first, *others = cluster.nodes
+        nc = await nats.connect(first.url)
+        try:
+            fold, roster = Fold(nc, prefix, Projection()), RosterFold(nc, prefix, Roster())
+            await fold.start(60)
+            await roster.start(60)
+            for node in others:
+                await asyncio.to_thread(node.stop)
+            js = nc.jetstream(timeout=1.0)
+            deadline = time.monotonic() + 90
+            while True:  # the member answers once it has been without a leader long enough (about 10 s)
+                try:
+                    info = await js.stream_info(stream)
+                    if not info.cluster.leader:
+                        break
+                except (nats.errors.TimeoutError, nats.js.errors.APIError):
+                    pass
+                assert time.monotonic() < deadline, "the member left never answered without a leader"
+                await asyncio.sleep(0.2)  # polling a condition with a deadline, not a fixed wait
+            assert info.state.last_seq == seq  # its own state: here the same end, in general not
+
+            with pytest.raises(nats.js.errors.ServiceUnavailableError):
+                await leaders_stream_info(js, stream)
+            for barrier in (lambda: fold.current(3.0), roster.current):
+                with pytest.raises(ContractError) as refused:
+                    await barrier()
+                assert refused.value.code is ErrorCode.UNAVAILABLE
+            with pytest.raises(click.ClickException, match="cannot read the event stream"):
+                await last_seq(nc, prefix, 3.0)
+
+            for node in others:
+                node.spawn()
+            for node in others:
+                await asyncio.to_thread(node.wait_ready, 30)
+            await wait_stream_current(nc.jetstream(), stream, 3)
+            await fold.current(30.0)
+            await roster.current()
+            assert await last_seq(nc, prefix) == seq == fold.projection.seq
+            assert roster.roster.alive("w-1")
+            await roster.stop()
+            await fold.stop()
+        finally:
+            await nc.close()
+
+
 @pytest.mark.timeout(300)
 async def test_a_request_on_two_replicas_at_once_is_answered_alike_on_a_replicated_stream(tmp_path, monkeypatch):
     """A client's retry reaches another scheduler replica while its first attempt is being

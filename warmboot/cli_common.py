@@ -18,7 +18,7 @@ from events.natsauth import NKEY_SEED_ENV, carries_secret, check_url, redact_url
 from events.natspy import ErrorsOnce, describe_error
 from events.schema import ID_RE, ID_WORDS
 from events.subjects import DEFAULT_PREFIX, check_prefix, stream_name
-from services.common import EVENT_LOOP_ENV, EVENT_LOOPS
+from services.common import EVENT_LOOP_ENV, EVENT_LOOPS, leaders_stream_info
 from warmboot.connection import CONNECT_TIMEOUT_S, connect_within, hears_replies
 
 
@@ -206,7 +206,7 @@ async def last_seq(nc: Any, prefix: str, timeout: float = 5.0) -> int:
     """The event stream's last sequence, or a ClickException naming the stream, the prefix and the
     credentials (a client's may not ask: NATS then answers nothing, and the wait is `timeout`)."""
     try:
-        return (await nc.jetstream(timeout=timeout).stream_info(stream_name(prefix))).state.last_seq
+        return (await leaders_stream_info(nc.jetstream(timeout=timeout), stream_name(prefix))).state.last_seq
     except Exception as e:
         raise click.ClickException(f"cannot read the event stream {stream_name(prefix)} ({describe_error(e)}): is "
                                    f"--prefix {prefix} the deployment's, and may these credentials read its log? "

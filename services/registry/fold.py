@@ -41,7 +41,7 @@ from events.jetstream.retry import REQUEST_TIMEOUT
 from events.natspy import ORDERED_IDLE_HEARTBEAT_S, ApiError, ack_positions, ack_time, use_lean_headers
 from events.subjects import event_subject, stream_name
 from events.tasks import cancel_and_wait
-from services.common import until_answered
+from services.common import answered_by_leader, until_answered
 from services.registry.roster import NAMES_NODE, Roster
 
 log = logging.getLogger("warmboot.registry")
@@ -54,8 +54,13 @@ class _State(msgspec.Struct):
     last_seq: int = 0
 
 
+class _Cluster(msgspec.Struct):
+    leader: str | None = None
+
+
 class _StreamInfo(msgspec.Struct):
     state: _State | None = None
+    cluster: _Cluster | None = None  # `services.common.answered_by_leader`
     error: ApiError | None = None
 
 
@@ -71,6 +76,12 @@ class _MsgGet(msgspec.Struct):
 class _NodeOf(msgspec.Struct):
     """The one field of a registration's or an update's body the roster keeps."""
     node: str | None = None
+
+
+def _not_yet(answer: Any) -> bool:
+    """An answer the stream cannot give yet: a 5xx (no leader, no quorum), or a STREAM.INFO from a
+    member while its group has no leader (`answered_by_leader`)."""
+    return (answer.error is not None and answer.error.code >= 500) or not answered_by_leader(answer)
 
 
 _node_decoder = msgspec.json.Decoder(_NodeOf)
@@ -237,8 +248,8 @@ class RosterFold:
                    patient: bool = False) -> Any:
         """One stream API request, decoded; asked again within `timeout` if it was lost (no
         answer within `REQUEST_TIMEOUT`, as in a leader election), and, when `patient` (the
-        start), also while nobody listens or the answer is a 5xx (no leader yet: after a pause,
-        doubling). Past `timeout`, TimeoutError. A barrier round is not patient: an outage
+        start), also while nobody listens or the stream cannot answer yet (`_not_yet`: after a
+        pause, doubling). Past `timeout`, TimeoutError. A barrier round is not patient: an outage
         fails it at once, and its heartbeats are looked up in the log instead. One request used
         to wait the whole `timeout`: at the start (two minutes), a STREAM.INFO lost while the
         cluster elected its leaders failed it."""
@@ -258,7 +269,7 @@ class RosterFold:
                     raise
             else:
                 answer = decoder.decode(msg.data)
-                if not patient or answer.error is None or answer.error.code < 500:
+                if not patient or not _not_yet(answer):
                     return answer
             await asyncio.sleep(min(pause, max(deadline - loop.time(), 0.0)))  # a back-off, not a wait for a condition
             pause = min(pause * 2, 1.0)
@@ -269,6 +280,9 @@ class RosterFold:
         if info.error is not None or info.state is None:
             raise unavailable(f"the event log {self.stream} is unavailable: "
                               f"{info.error.description if info.error else 'no state'}")
+        if not answered_by_leader(info):
+            raise unavailable(f"the event log {self.stream} has no leader: a member's own state is not where "
+                              "its log ends")
         return info.state.last_seq
 
     async def _next_worker_event(self, start: int, timeout: float, patient: bool = False) -> int | None:

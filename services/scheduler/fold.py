@@ -55,7 +55,7 @@ from events.schema import (EVENT_TYPES, ActorPlaced, ActorRuntime, AnyEvent, Sna
                            WorkerEvent)
 from events.subjects import stream_name
 from events.tasks import cancel_and_wait, retrieved
-from services.common import continuity, replaced_by, stream_identity, until_answered
+from services.common import continuity, leaders_stream_info, replaced_by, stream_identity, until_answered
 from services.scheduler.projection import Projection
 
 log = logging.getLogger("warmboot.scheduler")
@@ -185,7 +185,7 @@ class Fold:
         use_lean_headers(self.nc)
         js = self.nc.jetstream()
         # All asked again while JetStream cannot answer (a replica started during a leader election).
-        info = await until_answered(lambda: js.stream_info(self.stream), f"the stream {self.stream}")
+        info = await until_answered(lambda: leaders_stream_info(js, self.stream), f"the stream {self.stream}")
         if not self.projection.seq:
             self.projection.stream_created = stream_identity(info)[0]
 
@@ -206,7 +206,7 @@ class Fold:
         # paused meanwhile (a replay would take nats-py's slower path): what it folded until then is
         # thrown away with it, for no request is answered from a fold that has not started.
         target = self.check_stream(
-            await until_answered(lambda: js.stream_info(self.stream), f"the stream {self.stream}"))
+            await until_answered(lambda: leaders_stream_info(js, self.stream), f"the stream {self.stream}"))
         if self.stale is not None:
             raise StreamReplaced(self.stale)
         await self.wait(target, timeout)
@@ -310,8 +310,8 @@ class Fold:
         js = self.nc.jetstream()
         while True:
             try:
-                return await until_answered(lambda: js.stream_info(self.stream), f"the stream {self.stream}",
-                                            math.inf)
+                return await until_answered(lambda: leaders_stream_info(js, self.stream),
+                                            f"the stream {self.stream}", math.inf)
             except NotFoundError:
                 await asyncio.sleep(STREAM_GONE_RETRY_S)
 
@@ -476,7 +476,7 @@ class Fold:
         is asked, but never one asked before a caller came (it may not have its `seq` yet)."""
         if self._end is None or self._end[1].done() or self._end[0] <= since:
             self._asked += 1
-            self._end = (self._asked, asyncio.ensure_future(self.nc.jetstream().stream_info(self.stream)))
+            self._end = (self._asked, asyncio.ensure_future(leaders_stream_info(self.nc.jetstream(), self.stream)))
             self._end[1].add_done_callback(retrieved)
         try:
             info = await asyncio.wait_for(asyncio.shield(self._end[1]), max(within, 0.0))

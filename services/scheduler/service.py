@@ -51,8 +51,8 @@ from events.schema import (
     WorkerBooked,
 )
 from events.subjects import check_prefix, event_subject, stream_name
-from services.common import (STATE_REFUSALS, EndpointSpec, ReplyCache, add_endpoints, last_seq_on, store_env, stored_at,
-                             stream_replicas)
+from services.common import (STATE_REFUSALS, EndpointSpec, ReplyCache, add_endpoints, last_seq_on, leaders_stream_info,
+                             store_env, stored_at, stream_replicas)
 from services.locks import KeyedLock
 from services.scheduler.checkpoint import DEFAULT_INTERVAL_S, Checkpoints
 from services.scheduler.committer import MAX_GROUP, CONFIRM, RECHECK, Answered, Committer, Job
@@ -244,7 +244,7 @@ class SchedulerService:
             await asyncio.to_thread(store.close)
 
     async def _last_seq(self) -> int:
-        return self.fold.check_stream(await self.nc.jetstream().stream_info(self.stream))
+        return self.fold.check_stream(await leaders_stream_info(self.nc.jetstream(), self.stream))
 
     def _stale(self, why: str) -> None:
         """The fold gave up: its projection is of another incarnation of the stream. Serve nothing more."""
@@ -407,7 +407,7 @@ class SchedulerService:
             return None
         except ContractError:  # not readable now, or not there at all: the leader says which
             try:
-                last = (await js.stream_info(self.stream)).state.last_seq
+                last = (await leaders_stream_info(js, self.stream)).state.last_seq
             except Exception:
                 last = None
             if last is not None and seq > last:
