@@ -8,6 +8,7 @@ import sys
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import click
+import nats.js.errors
 from click.core import ParameterSource
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -203,10 +204,14 @@ def version_text(version: Any) -> str:
 
 
 async def last_seq(nc: Any, prefix: str, timeout: float = 5.0) -> int:
-    """The event stream's last sequence, or a ClickException naming the stream, the prefix and the
-    credentials (a client's may not ask: NATS then answers nothing, and the wait is `timeout`)."""
+    """The event stream's last sequence as its leader has it, or a ClickException: "try again" while
+    the stream has no leader, else naming the stream, the prefix and the credentials (a client's
+    may not ask: NATS then answers nothing, and the wait is `timeout`)."""
     try:
         return (await leaders_stream_info(nc.jetstream(timeout=timeout), stream_name(prefix))).state.last_seq
+    except nats.js.errors.ServiceUnavailableError:  # asked right, answered "not now": no hint about the prefix
+        raise click.ClickException(f"cannot read the event stream {stream_name(prefix)} now: it has no leader (an "
+                                   "election, or too few of its servers up); try again") from None
     except Exception as e:
         raise click.ClickException(f"cannot read the event stream {stream_name(prefix)} ({describe_error(e)}): is "
                                    f"--prefix {prefix} the deployment's, and may these credentials read its log? "
