@@ -480,6 +480,45 @@ async def test_a_heartbeat_looked_up_behind_another_replica_s_removal_is_not_ans
         await asyncio.to_thread(elsewhere.close)
 
 
+async def test_a_registration_refused_on_a_read_behind_a_removal_begins_the_new_life(
+        registry, nats_url, nc, prefix, monkeypatch):
+    """A worker registered with class gvisor (and a revision) is removed through another registry
+    replica; its agent, told NOT_FOUND, registers anew, now with class microvm, under a new
+    request id. Read here from a replica of the stream that has not applied the removal, the
+    worker is alive with gvisor: a change of class, FAILED_PRECONDITION (sandbox_classes). That
+    refusal is rechecked at the stream leader (the removal is newer) and decided again on the
+    leader's history, where the worker is in no life and the registration begins one. But the
+    stale decision marked its request id refused in the reply bucket before the recheck, and the
+    decision on the leader's history takes that mark for a copy sent before the life ended
+    (`_sent_before`): the registration is refused FAILED_PRECONDITION (request_id), an answer the
+    leader's history does not give (docs/contract.md: a refusal on the entity's state is answered
+    only once the leader confirms what was read)."""
+    import time as _time
+
+    revision = int(_time.time() * 1000)
+    first = await register(nc, prefix, registration("w-class", revision=revision))
+    assert first["outcome"] == "REGISTERED"
+    elsewhere = await asyncio.to_thread(
+        RegistryStore, {**store_env(nats_url, prefix), "NATS_INBOX_PREFIX": "_INBOX_elsewhere"})
+    try:
+        removed = (await elsewhere.remove("w-class", RemoveWorker(reason="class change"), AT)).seq
+        stream = registry.store.recorder.stream
+        read = stream.read
+
+        async def behind(subject: str, start: int, *args, **kwargs):
+            return [m for m in await read(subject, start, *args, **kwargs) if sequence_of(m) < removed]
+
+        monkeypatch.setattr(stream, "read", behind)  # this process's direct reads play a lagging replica
+        anew = registration("w-class", classes=[{"sandbox_class": "microvm", "default_runtime": runtime("k1")}],
+                            revision=revision + 1, request_id=f"agent-{uuid.uuid4().hex}")
+        reply, _ = await raw_request(nc, prefix, "register", "w-class", anew)
+    finally:
+        await asyncio.to_thread(elsewhere.close)
+    assert reply.get("outcome") == "REGISTERED", reply  # on the leader's history: a new life begins
+    kinds = [type(e).__name__ for _, e in await worker_events(nc, prefix, "w-class")]
+    assert kinds == ["WorkerRegistered", "WorkerRemoved", "WorkerRegistered"], kinds
+
+
 async def test_rolling_upgrade_sequence(registry, nc, prefix):
     v1 = registration("w-1", default=runtime("v1", "gvisor-1"))
     first = await register(nc, prefix, v1)
