@@ -340,3 +340,56 @@ async def test_a_round_the_bucket_does_not_answer_ends_early_and_says_so_once(na
     assert sum("is not reconciled (TimeoutError" in line for line in lines) == 1, lines
     assert any(line.startswith("reconciling heartbeats stopped early") for line in lines), lines
     assert any(f"{len(reads)} registered workers were not reconciled this round" in line for line in lines), lines
+
+
+async def test_an_expiry_handled_on_a_read_behind_the_worker_s_new_life_still_ends_it_as_lost(
+        nats_url, nc, prefix, monkeypatch):
+    """A worker is removed and registered anew (a new life) through another registry replica; its
+    agent beats once through this replica (the roster, current, has the new life) and falls
+    silent. The expiry marker comes to this replica, whose read of the worker's history comes from a
+    replica of the stream that has not applied the new registration: the worker is in no life there,
+    so `lose` wrote nothing, and the marker was acknowledged. The new life stayed registered with no
+    heartbeat (its resumes placed on a silent worker) until a reconciliation round found the marker
+    (100 s by default), not within its TTL (docs/registry.md). A removal as LOST that writes nothing
+    must stand only on the worker's history as the stream leader has it, as an answer that writes
+    nothing does (`confirm_unchanged`)."""
+    from datetime import datetime, timezone
+
+    from events.jetstream.layout import sequence_of
+    from services.common import store_env
+    from services.registry.service import RegistryStore
+
+    at = datetime.now(timezone.utc)
+    async with running_registry(nats_url, prefix, ttl_s=1) as registry:  # reconciles every 100 s
+        elsewhere = await asyncio.to_thread(
+            RegistryStore, {**store_env(nats_url, prefix), "NATS_INBOX_PREFIX": "_INBOX_elsewhere"})
+        try:
+            await elsewhere.register(body("w-1"), at)
+            await elsewhere.remove("w-1", RemoveWorker(reason="replaced"), at)
+            again = (await elsewhere.register(body("w-1"), at)).seq  # the new life
+        finally:
+            await asyncio.to_thread(elsewhere.close)
+        stream = registry.store.recorder.stream
+        read = stream.read
+
+        async def behind(subject: str, start: int, *args, **kwargs):
+            return [m for m in await read(subject, start, *args, **kwargs) if sequence_of(m) < again]
+
+        monkeypatch.setattr(stream, "read", behind)  # this process's direct reads play a lagging replica
+        lose, handled = registry.store.lose, []
+
+        async def noted(worker_id, when):  # the same decision, its outcome noted
+            decided = await lose(worker_id, when)
+            handled.append(decided.wrote)
+            return decided
+
+        registry.store.lose = noted
+        reply, _ = await raw_request(nc, prefix, "heartbeat", "w-1", {})
+        assert reply == {"ttl_s": registry.ttl_s}, reply  # the roster has the new life: its clock runs
+        try:
+            _, removed = await wait_event(nc, prefix, "w-1", WorkerRemoved, after=again, timeout=15)
+        except AssertionError:
+            state = await registry.liveness.state("w-1")
+            raise AssertionError(f"the new life was not removed as LOST: its expiry was handled {len(handled)} "
+                                 f"time(s), writing {handled}; the key is {state!r}") from None
+        assert removed.reason == "LOST"
