@@ -229,7 +229,11 @@ class RegistryStore(WireApplication):
                     and request.revision is not None and request.request_id is not None
                     and self.no_writes is not None):
                 # refused on the worker's state (a change of class): a copy decided after the worker's
-                # life ended would be taken, and only this mark says it was sent before (`_sent_before`)
+                # life ended would be taken, and only this mark says it was sent before (`_sent_before`).
+                # Marked only on the worker's history as the stream leader has it: a mark made on a read
+                # behind another replica's removal refused the registration that begins the next life,
+                # when it was decided again on the leader's history (an audit's finding).
+                await confirm_unchanged(self.recorder, worker.id, self._read_up_to(worker))
                 if not await self.no_writes.refusal_marked_async(worker, request.request_id):  # marked: free
                     with ticket.paying():  # out of budget: RESOURCE_EXHAUSTED instead, unmarked (nothing answered it)
                         await self.no_writes.mark_refused_async(worker, request.request_id)
@@ -280,13 +284,22 @@ class RegistryStore(WireApplication):
 
     async def remove_unbound(self, worker_id: str, nodes: Mapping[str, str], at: datetime) -> Decided:
         worker = await self.load(worker_id)
-        worker.remove_unbound(nodes, at)
+        if not worker.remove_unbound(nodes, at):
+            await self._confirm_nothing_to_do(worker)
         return await self._commit(worker)
 
     async def lose(self, worker_id: str, at: datetime) -> Decided:
         worker = await self.load(worker_id)
-        worker.lose(at)
+        if not worker.lose(at):
+            await self._confirm_nothing_to_do(worker)
         return await self._commit(worker)
+
+    async def _confirm_nothing_to_do(self, worker: Worker) -> None:
+        """A removal of the sweep (LOST, unbound) that writes nothing stands only on the worker's history
+        as the stream leader has it (`confirm_unchanged`): read behind another replica's registration of
+        a new life, the worker is in no life there, and its expiry marker was acknowledged with the new
+        life left registered, silent, past its TTL (an audit's finding)."""
+        await confirm_unchanged(self.recorder, worker.id, self._read_up_to(worker))
 
     async def require_alive(self, worker_id: str, confirm: bool = False) -> str:
         """NOT_FOUND unless the worker is in a life; the node it registered on. With `confirm`, in
