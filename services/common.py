@@ -566,10 +566,15 @@ def answered_by_leader(info: Any) -> bool:
     `cluster.leader`) is the stream leader's. In a cluster, a stream group without a leader (a
     lost quorum; the moment of an election) has every member answer from its own state, which
     may lack the last events the group stored and acknowledged (nats-server's
-    `jsStreamInfoRequest`; such an answer names no leader). A single server's answer has no
-    `cluster`, an R1 stream's in a cluster names the server itself."""
+    `jsStreamInfoRequest`; such an answer names no leader). So may a member the group prefers,
+    within 10 s of its raft node's making (a restart: it may be catching up), while another is
+    leader: its answer names that leader among the replicas, where the answering server never
+    lists itself. A single server's answer has no `cluster`, an R1 stream's in a cluster names the
+    server itself and no replicas."""
     cluster = getattr(info, "cluster", None)
-    return cluster is None or bool(cluster.leader)
+    if cluster is None:
+        return True
+    return bool(cluster.leader) and all(peer.name != cluster.leader for peer in cluster.replicas or ())
 
 
 async def leaders_stream_info(js: Any, stream: str) -> Any:

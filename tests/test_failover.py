@@ -274,6 +274,42 @@ async def test_no_barrier_takes_a_leaderless_members_word_for_where_the_log_ends
             await nc.close()
 
 
+def _info(cluster: dict | None) -> dict:
+    """A STREAM.INFO answer as nats-server writes it, with `cluster` as given (None: a single server's)."""
+    answer: dict[str, Any] = {
+        "config": {"name": "S", "subjects": ["s.>"], "retention": "limits", "storage": "file", "num_replicas": 3},
+        "created": "2026-12-04T16:00:00.000000000Z",
+        "state": {"messages": 5, "bytes": 100, "first_seq": 1, "last_seq": 5, "consumer_count": 0}}
+    if cluster is not None:
+        answer["cluster"] = cluster
+    return answer
+
+
+def _peer(name: str) -> dict:
+    return {"name": name, "current": True, "active": 1000, "peer": name.upper()}
+
+
+@pytest.mark.parametrize("cluster, leaders", [
+    (None, True),  # a single server
+    ({"name": "warmboot", "leader": "n1"}, True),  # an R1 stream in a cluster: the server itself
+    ({"name": "warmboot", "leader": "n1", "replicas": [_peer("n2"), _peer("n3")]}, True),  # the leader
+    ({"name": "warmboot", "replicas": [_peer("n1"), _peer("n2"), _peer("n3")]}, False),  # a group without one
+    ({"name": "warmboot", "leader": "", "replicas": [_peer("n2")]}, False),
+    # a member the group prefers, answering within 10 s of its raft node's making while n1 leads
+    ({"name": "warmboot", "leader": "n1", "replicas": [_peer("n1"), _peer("n3")]}, False),
+])
+def test_only_the_stream_leaders_info_says_where_the_log_ends(cluster, leaders):
+    """`answered_by_leader` reads nats-py's StreamInfo and the registry's own decoding alike."""
+    from nats.js.api import StreamInfo
+
+    from services.common import answered_by_leader
+    from services.registry.fold import _info_decoder
+
+    answer = _info(cluster)
+    assert answered_by_leader(StreamInfo.from_response(json.loads(json.dumps(answer)))) is leaders
+    assert answered_by_leader(_info_decoder.decode(json.dumps(answer).encode())) is leaders
+
+
 @pytest.mark.timeout(300)
 async def test_a_request_on_two_replicas_at_once_is_answered_alike_on_a_replicated_stream(tmp_path, monkeypatch):
     """A client's retry reaches another scheduler replica while its first attempt is being

@@ -54,8 +54,13 @@ class _State(msgspec.Struct):
     last_seq: int = 0
 
 
+class _Peer(msgspec.Struct):
+    name: str | None = None
+
+
 class _Cluster(msgspec.Struct):
     leader: str | None = None
+    replicas: list[_Peer] = []
 
 
 class _StreamInfo(msgspec.Struct):
