@@ -519,6 +519,38 @@ async def test_a_registration_refused_on_a_read_behind_a_removal_begins_the_new_
     assert kinds == ["WorkerRegistered", "WorkerRemoved", "WorkerRegistered"], kinds
 
 
+async def test_a_retry_read_behind_the_worker_s_next_life_is_decided_on_the_leader_s_history(
+        registry, nats_url, nc, prefix, monkeypatch):
+    """A drain retried with its request id after the worker was removed and registered anew through
+    another registry replica, read from a replica of the stream behind that removal: the history it
+    read has the drain in the current life, so the drain's first answer was given and nothing
+    written, the new life left undrained (resumes still placed on it). On the leader's history a
+    request id is looked up in the current life only (a very late retry of an earlier life's request
+    is a new request in the new life: docs/contract.md), and an answer from before writes nothing,
+    so it stands only on that history: the new life is drained."""
+    await register(nc, prefix, registration("w-again"))
+    first, _ = await raw_request(nc, prefix, "drain", "w-again", {"reason": "upgrade", "request_id": "drain-1"})
+    assert "error" not in first, first
+    elsewhere = await asyncio.to_thread(
+        RegistryStore, {**store_env(nats_url, prefix), "NATS_INBOX_PREFIX": "_INBOX_elsewhere"})
+    try:
+        removed = (await elsewhere.remove("w-again", RemoveWorker(reason="replaced"), AT)).seq
+        anew = (await elsewhere.register(msgspec.convert(registration("w-again"), RegisterWorker), AT)).seq
+        stream = registry.store.recorder.stream
+        read = stream.read
+
+        async def behind(subject: str, start: int, *args, **kwargs):
+            return [m for m in await read(subject, start, *args, **kwargs) if sequence_of(m) < removed]
+
+        monkeypatch.setattr(stream, "read", behind)  # this process's direct reads play a lagging replica
+        again, _ = await raw_request(nc, prefix, "drain", "w-again", {"reason": "upgrade", "request_id": "drain-1"})
+    finally:
+        await asyncio.to_thread(elsewhere.close)
+    assert "error" not in again and again["seq"] > anew, (first, again, anew)
+    kinds = [type(e).__name__ for _, e in await worker_events(nc, prefix, "w-again")]
+    assert kinds == ["WorkerRegistered", "WorkerDrained", "WorkerRemoved", "WorkerRegistered", "WorkerDrained"], kinds
+
+
 async def test_rolling_upgrade_sequence(registry, nc, prefix):
     v1 = registration("w-1", default=runtime("v1", "gvisor-1"))
     first = await register(nc, prefix, v1)

@@ -546,6 +546,35 @@ async def test_a_template_read_behind_another_process_s_change_is_not_answered_u
         await asyncio.to_thread(elsewhere.close)
 
 
+async def test_a_retry_read_behind_the_actor_s_next_life_is_decided_on_the_leader_s_history(
+        snapshotter, nats_server, nc, prefix, monkeypatch):
+    """A stop retried with its request id after the actor was created anew through another process,
+    read from a replica of the stream behind that creation: the history it read has the stop in the
+    current life, so the stop's first answer was given and nothing written, the new life left
+    running. On the leader's history a request id is looked up in the current life only (a very late
+    retry of an earlier life's request is a new request in the new life: docs/contract.md), and an
+    answer from before writes nothing, so it stands only on that history: the new life is stopped."""
+    elsewhere = await asyncio.to_thread(
+        WireApplication, {**env_for(nats_server.url, prefix), "NATS_INBOX_PREFIX": "_INBOX_elsewhere"})
+    try:
+        await create(nc, prefix, "a-1")
+        first = await call(nc, subject(prefix, "stop", "a-1"), StopActor(request_id="stop-1"), SeqReply)
+
+        def create_elsewhere() -> int:
+            anew = elsewhere.repository.get(Actor.create_id("a-1"))
+            anew.create(actor("a-1", cpu=250, mem=256, template="tpl-1"), None, now())
+            return elsewhere.save(anew)[0].notification.id
+
+        recreated = await asyncio.to_thread(create_elsewhere)
+        reads_before(monkeypatch, snapshotter, recreated)
+        again = await call(nc, subject(prefix, "stop", "a-1"), StopActor(request_id="stop-1"), SeqReply)
+        monkeypatch.undo()
+        stops = [seq for seq, _, e in await read_entries(nc, prefix) if isinstance(e, ActorStopped)]
+        assert stops == [first.seq, again.seq] and again.seq > recreated, (stops, first, again, recreated)
+    finally:
+        await asyncio.to_thread(elsewhere.close)
+
+
 # --- idempotency --------------------------------------------------------------------------------
 
 

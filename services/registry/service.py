@@ -173,10 +173,8 @@ class RegistryStore(WireApplication):
         """
         if not worker.pending_events:
             seq = worker.seq_at(worker.version)
-            if verb is not None:  # a request's answer (the sweep's, lose and remove_unbound, decide on their own)
-                read = self._read_up_to(worker)
-                await (self.confirm(worker, read) if self.confirm is not None
-                       else confirm_unchanged(self.recorder, worker.id, read))
+            if verb is not None:  # a request's answer (the sweep's, lose and remove_unbound, confirm their own)
+                await self._confirm_read(worker)
             if request_id is not None and self.no_writes is not None and verb is not None:
                 if not seq:  # the event store names every event's position; one that does not cannot answer
                     raise unavailable(f"the event store did not say where worker {worker.entity_id!r}'s "
@@ -197,8 +195,23 @@ class RegistryStore(WireApplication):
         version = last[0].originator_version + 1 if last else 1
         return Recorded(booking_id, version, WorkerFenced(at=now(), worker_id=worker_id, event=event))
 
-    @staticmethod
-    def _replay(worker: Worker, versions: list[int], outcome: RegisterOutcome | None = None) -> Decided:
+    async def _confirm_read(self, worker: Worker) -> None:
+        """What writes nothing stands on the worker's history as read, and a direct get that a replica
+        of the stream answers may be behind another registry replica's write: IntegrityError (the
+        command is decided again, on the leader's history) unless the history as read is the
+        stream leader's (`confirm`, by the roster; else `confirm_unchanged`). An UNCHANGED answer,
+        an answer from before (the history's or a kept one), a refusal's mark, a removal of the
+        sweep's that finds nothing to do: each was found by an audit given on a read behind."""
+        read = self._read_up_to(worker)
+        await (self.confirm(worker, read) if self.confirm is not None
+               else confirm_unchanged(self.recorder, worker.id, read))
+
+    async def _replay(self, worker: Worker, versions: list[int], outcome: RegisterOutcome | None = None) -> Decided:
+        """The answer of an earlier request with the same id, from the events it recorded in this life
+        as the leader has it: read behind another replica's removal and registration of the next life,
+        the earlier life's answer was given where the leader's history refuses the copy or decides it
+        anew (docs/contract.md: a request_id is scoped to one life)."""
+        await self._confirm_read(worker)
         last = versions[-1]
         return Decided(outcome=outcome, seq=worker.seq_at(last) or None, version=last, replay=True)
 
@@ -211,13 +224,14 @@ class RegistryStore(WireApplication):
         if kept is None:
             return None
         reply, version = kept
+        await self._confirm_read(worker)  # kept for the life as read (`_replay`)
         return Decided(outcome=getattr(reply, "outcome", None), seq=reply.seq, version=version, replay=True)
 
     async def register(self, request: RegisterWorker, at: datetime, ticket: Ticket = FREE) -> Decided:
         worker = await self.load(request.worker_id)
         earlier = worker.prior("register", request.request_id)
         if earlier:
-            return self._replay(worker, earlier, register_outcome(worker.events_at(earlier)))
+            return await self._replay(worker, earlier, register_outcome(worker.events_at(earlier)))
         kept = await self._kept(worker, "register", request.request_id)
         if kept is not None:
             return kept
@@ -233,7 +247,7 @@ class RegistryStore(WireApplication):
                 # Marked only on the worker's history as the stream leader has it: a mark made on a read
                 # behind another replica's removal refused the registration that begins the next life,
                 # when it was decided again on the leader's history (an audit's finding).
-                await confirm_unchanged(self.recorder, worker.id, self._read_up_to(worker))
+                await self._confirm_read(worker)
                 if not await self.no_writes.refusal_marked_async(worker, request.request_id):  # marked: free
                     with ticket.paying():  # out of budget: RESOURCE_EXHAUSTED instead, unmarked (nothing answered it)
                         await self.no_writes.mark_refused_async(worker, request.request_id)
@@ -260,7 +274,7 @@ class RegistryStore(WireApplication):
         worker = await self.load(worker_id)
         earlier = worker.prior("drain", request.request_id)
         if earlier:
-            return self._replay(worker, earlier)
+            return await self._replay(worker, earlier)
         kept = await self._kept(worker, "drain", request.request_id)
         if kept is not None:
             return kept
@@ -275,7 +289,7 @@ class RegistryStore(WireApplication):
         worker = await self.load(worker_id)
         earlier = worker.prior("remove", request.request_id)
         if earlier:
-            return self._replay(worker, earlier)
+            return await self._replay(worker, earlier)
         kept = await self._kept(worker, "remove", request.request_id)
         if kept is not None:
             return kept
@@ -285,21 +299,14 @@ class RegistryStore(WireApplication):
     async def remove_unbound(self, worker_id: str, nodes: Mapping[str, str], at: datetime) -> Decided:
         worker = await self.load(worker_id)
         if not worker.remove_unbound(nodes, at):
-            await self._confirm_nothing_to_do(worker)
+            await self._confirm_read(worker)
         return await self._commit(worker)
 
     async def lose(self, worker_id: str, at: datetime) -> Decided:
         worker = await self.load(worker_id)
-        if not worker.lose(at):
-            await self._confirm_nothing_to_do(worker)
+        if not worker.lose(at):  # read behind the registration of a new life, that life was left silent
+            await self._confirm_read(worker)
         return await self._commit(worker)
-
-    async def _confirm_nothing_to_do(self, worker: Worker) -> None:
-        """A removal of the sweep (LOST, unbound) that writes nothing stands only on the worker's history
-        as the stream leader has it (`confirm_unchanged`): read behind another replica's registration of
-        a new life, the worker is in no life there, and its expiry marker was acknowledged with the new
-        life left registered, silent, past its TTL (an audit's finding)."""
-        await confirm_unchanged(self.recorder, worker.id, self._read_up_to(worker))
 
     async def require_alive(self, worker_id: str, confirm: bool = False) -> str:
         """NOT_FOUND unless the worker is in a life; the node it registered on. With `confirm`, in

@@ -570,7 +570,7 @@ class SnapshotterService:
 
     async def decide_create(self, actor_id: str, req: CreateActor) -> Base:
         actor = await self.load_actor(actor_id, must_exist=False)
-        found = answer_from_history(actor, "create", req.request_id)
+        found = await self.answered_before(actor, "create", req.request_id)
         if found is not None:
             return found
         tagged, fences = None, None
@@ -589,7 +589,7 @@ class SnapshotterService:
 
     async def decide_pause(self, actor_id: str, req: PauseActor) -> Base:
         actor = await self.load_actor(actor_id)
-        found = answer_from_history(actor, "pause", req.request_id)
+        found = await self.answered_before(actor, "pause", req.request_id)
         if found is not None:
             return found
         fence = await self.placement_fence(actor, "paused")
@@ -601,7 +601,7 @@ class SnapshotterService:
 
     async def decide_suspend(self, actor_id: str, req: SuspendActor) -> Base:
         actor = await self.load_actor(actor_id)
-        found = answer_from_history(actor, "suspend", req.request_id)
+        found = await self.answered_before(actor, "suspend", req.request_id)
         if found is not None:
             return found
         fence = await self.placement_fence(actor, "suspended")  # None from PAUSED: the image is on its node
@@ -613,7 +613,7 @@ class SnapshotterService:
 
     async def decide_tag(self, actor_id: str, req: TagSnapshot) -> Base:
         actor = await self.load_actor(actor_id)
-        found = answer_from_history(actor, "tag", req.request_id)
+        found = await self.answered_before(actor, "tag", req.request_id)
         if found is not None:
             return found
         async with self._tags(req.tag):
@@ -627,18 +627,18 @@ class SnapshotterService:
 
     async def decide_update_template(self, actor_id: str, req: UpdateTemplate) -> Base:
         actor = await self.load_actor(actor_id)
-        found = answer_from_history(actor, "update-template", req.request_id)
+        found = await self.answered_before(actor, "update-template", req.request_id)
         if found is not None:
             return found
         kept = await self.no_writes.recall_async(actor, "update-template", req.request_id, SeqReply) \
             if self.no_writes else None
         if kept is not None:
+            await self.confirm_read(actor)  # kept for the life as read (`answered_before`)
             return kept[0]
         if not actor.change_template(req.template_uid, req.request_id, now()):
             # Already that template (as the stream leader has it too): the event that set it is the
             # answer, kept as this request's (it wrote nothing its retry could be answered from)
-            assert self.app is not None
-            await confirm_unchanged(self.app.recorder, actor.id, recorded_seq(actor, actor.version))
+            await self.confirm_read(actor)
             reply = SeqReply(seq=recorded_seq(actor, actor.template_version))
             if self.no_writes is not None:
                 await self.no_writes.keep_async(actor, "update-template", req.request_id, reply)
@@ -650,7 +650,7 @@ class SnapshotterService:
 
     async def decide_stop(self, actor_id: str, req: StopActor) -> Base:
         actor = await self.load_actor(actor_id)
-        found = answer_from_history(actor, "stop", req.request_id)
+        found = await self.answered_before(actor, "stop", req.request_id)
         if found is not None:
             return found
         actor.stop(req.request_id, now())
@@ -661,11 +661,27 @@ class SnapshotterService:
 
     async def decide_revert(self, actor_id: str, req: RevertActor) -> Base:
         actor = await self.load_actor(actor_id)
-        found = answer_from_history(actor, "revert", req.request_id)
+        found = await self.answered_before(actor, "revert", req.request_id)
         if found is not None:
             return found
         back = actor.revert(req.reason, req.request_id, now())
         return RevertReply(snapshot=back, seq=await self.save(actor))
+
+    async def answered_before(self, actor: Actor, verb: str, request_id: str | None) -> Base | None:
+        """The first answer of an earlier request with this id (`answer_from_history`), given, as every
+        answer that writes nothing, only on the actor's history as the stream leader has it
+        (`confirm_unchanged`; else decided again there): read behind a stop and a creation anew through
+        another replica, the earlier life's answer was given where the leader's history, in which a
+        request id is looked up in the current life only, decides the retry anew (docs/contract.md)."""
+        found = answer_from_history(actor, verb, request_id)
+        if found is not None:
+            await self.confirm_read(actor)
+        return found
+
+    async def confirm_read(self, actor: Actor) -> None:
+        """`confirm_unchanged` of the actor's history as read."""
+        assert self.app is not None
+        await confirm_unchanged(self.app.recorder, actor.id, recorded_seq(actor, actor.version))
 
     async def placement_fence(self, actor: Actor, verb: str) -> dict[str, int] | None:
         """For a pause or a suspend of a RUNNING actor, which says its image was taken on the worker
