@@ -605,6 +605,22 @@ async def test_a_trace_destination_aims_nothing_where_the_worker_may_not_publish
     assert await State.of(d) == before
 
 
+@pytest.mark.parametrize("user", ["ops", "orch"])
+async def test_no_operator_nor_client_drains_or_removes_a_worker(deployment, user):
+    """Under the generated permissions a worker is drained or removed only with its own credential:
+    an operator's (its account imports no registry subject) and a client's are refused by the
+    server, and nothing of w-2 changes. docs/security.md said an operator could always drain or
+    remove a worker that floods; the way is to withdraw that worker's credential (found by an audit)."""
+    d = deployment
+    before = await State.of(d)
+    conn = d.conns[user]
+    for verb, body in (("drain", DrainWorker()), ("remove", RemoveWorker())):
+        subject = sub("registry", verb, "w-2")
+        await conn.nc.publish(subject, encode(body), reply=f"_INBOX.{user}.x")
+        await conn.violation(subject)  # refused by the server: no service ever hears it
+    assert await State.of(d) == before
+
+
 async def test_no_permission_violation_but_the_ones_the_tests_provoked(deployment):
     """Run last: over all the attacks above, the services' user was refused only where a
     test published as it on purpose (the request subjects and its own inbox)."""
