@@ -16,8 +16,9 @@ Free, so never refused for the budget:
 - what writes nothing: a heartbeat, a request repeated with its id (answered from the history or a
   kept answer), a refusal whose mark is there already, a change of nothing without a request id;
 - a drain that drains the worker and a removal that ends its life: each happens at most once in a
-  life, and a life begins only with a registration, which pays. So an operator can always drain or
-  remove a worker that floods, and an agent remove its worker at once when its CPU changed;
+  life, and a life begins only with a registration, which pays. So the worker's own credential can
+  always drain or remove it (an agent removes its worker at once when its CPU changed); no operator's
+  or client's credential may (docs/security.md), a flooding worker's is withdrawn instead;
 - the registry's own writes (LOST, a removal for the binding's sake): no worker's request.
 
 The budget is each replica's own (a queue group spreads a worker's requests over the replicas),
