@@ -599,6 +599,9 @@ def deliver_core(nc: Any, sub: Any, on_msg: Callable[[Msg], None],
     return _frames(nc).route(_Core(nc, sub, on_msg, ready))
 
 
+_PUBLISH_REFUSED = 'nats: permissions violation for publish to "'
+
+
 class ErrorsOnce:
     """nats-py's `error_cb`: each kind of error logged to `logger` (None: not logged) once until
     the connection is made again (two that alternate, such as a refused sign-in and the reset that
@@ -618,6 +621,7 @@ class ErrorsOnce:
         self._seen: set[tuple] = set()
         self._refused: asyncio.Event | None = None
         self._inbox: tuple[str, Exception | None] | None = None  # (prefix watched, its refusal): `watch_inbox`
+        self._publish_refused: dict[str, Exception] = {}  # subject (as nats-py writes it: lower case) -> refusal
 
     async def report(self, error: Exception) -> None:
         """The callback itself (nats-py takes only coroutine functions)."""
@@ -635,6 +639,9 @@ class ErrorsOnce:
                 and describe_error(error).lower().startswith(f'nats: permissions violation for subscription to '
                                                              f'"{self._inbox[0]}.'):
             self._inbox = (self._inbox[0], error)
+        text = describe_error(error).lower()  # nats-py lowers the server's words, the subject's too
+        if text.startswith(_PUBLISH_REFUSED) and len(self._publish_refused) < self.MAX_KINDS:
+            self._publish_refused[text[len(_PUBLISH_REFUSED):].split('"', 1)[0]] = error
         if self.refusal is None and refuses_sign_in(error):
             self.refusal = error
             if self._refused is not None:
@@ -660,6 +667,11 @@ class ErrorsOnce:
     def inbox_refusal(self) -> Exception | None:
         """That refusal (`watch_inbox`), if it came."""
         return self._inbox[1] if self._inbox is not None else None
+
+    def take_publish_refusal(self, subject: str) -> Exception | None:
+        """The server's refusal to let this connection publish to `subject`, if one came since the
+        last taken (a request it refused reached nobody: its caller waits for no reply)."""
+        return self._publish_refused.pop(subject.lower(), None)
 
     def reset(self) -> None:
         """Connected again: the next error is news."""
@@ -759,6 +771,12 @@ def _kind(error: BaseException) -> tuple:
     if isinstance(error, OSError) and error.errno is not None:
         return type(error), error.errno
     return type(error), describe_error(error)
+
+
+def errors_of(nc: Client) -> ErrorsOnce | None:
+    """The `ErrorsOnce` a connection reports its errors to (its `error_cb`), if it was made with one."""
+    owner = getattr(getattr(nc, "_error_cb", None), "__self__", None)
+    return owner if isinstance(owner, ErrorsOnce) else None
 
 
 def inbox_of(nc: Client) -> str:

@@ -624,3 +624,43 @@ async def test_a_user_refused_its_inbox_is_told_before_anything_is_sent(tmp_path
             assert await last_seq(svc.nc, "hx") > before
     finally:
         secured.stop()
+
+
+async def test_a_request_the_server_refuses_to_carry_is_told_at_once_not_retried_until_unavailable(tmp_path):
+    """A client's credential may not publish on the registry's subjects (docs/security.md): its
+    `warmboot worker drain` reached nobody, and the client sent it again after each time-out,
+    ending UNAVAILABLE "no reply" some 30 s later, as if the registry were down. The server says
+    why at once (a permissions violation); the client and the CLI now answer FAILED_PRECONDITION
+    naming the subject after the first attempt, and nothing of the worker changes."""
+    from contextlib import AsyncExitStack
+
+    from events.errors import ContractError
+    from events.schema import ErrorCode
+    from tests.factories import last_seq
+    from tests.secured_helpers import Secured
+    from warmboot.client import Client
+    from warmboot.runner import start_services
+
+    secured = Secured(tmp_path / "store", "hx", clients=("carol",)).start()
+    try:
+        async with AsyncExitStack() as stack:
+            await start_services(stack, ["registry"], secured.url("svc"), "hx")
+            svc = await secured.connect("svc")
+            stack.push_async_callback(svc.close)
+            before = await last_seq(svc.nc, "hx")
+            client = await Client.connect(secured.url("carol"), "hx", inbox_prefix="_INBOX.carol", timeout=2,
+                                          attempts=5)
+            stack.push_async_callback(client.close)
+            with pytest.raises(ContractError) as refused:
+                await client.drain("w-1", "upgrade")
+            assert refused.value.code is ErrorCode.FAILED_PRECONDITION, refused.value
+            assert "does not let these credentials publish to hx.registry.drain.w-1" in refused.value.message
+            assert client.retries == 0  # told after the first attempt, not sent again
+            env = {"NATS_URL": secured.url("carol"), "NATS_INBOX_PREFIX": "_INBOX.carol", "WARMBOOT_PREFIX": "hx"}
+            drained = await asyncio.to_thread(CliRunner().invoke, main, ["worker", "drain", "w-1"], env=env)
+            assert drained.exit_code == 1, drained.output
+            assert "FAILED_PRECONDITION" in drained.stderr and "hx.registry.drain.w-1" in drained.stderr, \
+                drained.stderr
+            assert await last_seq(svc.nc, "hx") == before
+    finally:
+        secured.stop()

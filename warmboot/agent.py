@@ -657,7 +657,7 @@ class Agent:
         together as that beat's TTL runs out."""
         # One attempt per call of the client (warmboot.client: the one way a request is made);
         # the agent's own loop retries, without bound until stopped, as a worker in service must.
-        client = Client(self.nc, self.prefix, timeout=timeout, attempts=1)
+        client = Client(self.nc, self.prefix, timeout=timeout, attempts=1, refusals_final=False)
         beats = verb in ("heartbeat", "register")
         delay = RETRY_MIN_S
         failures = 0  # in a row, of this body

@@ -25,7 +25,9 @@ What it does so that callers need not:
   the log: no retry brings it), and the registry's budget refusal (naming `worker_id`:
   its wait is seconds, told in its message).
 - Errors: every contract error is raised as `events.errors.ContractError`, with its
-  `code`, `message` and `field`.
+  `code`, `message` and `field`. A request the server refused to carry for these
+  credentials (a permissions violation, heard on a connection made by `connect` or the
+  CLI) is FAILED_PRECONDITION naming the subject, after its first attempt, not retried.
 
 The client does not own a connection it is given; `Client.connect` makes one it owns.
 """
@@ -44,9 +46,9 @@ import nats.errors
 from nats.aio.client import Client as NATS
 
 from events.codec import decode_reply, encode
-from events.errors import ContractError, invalid, unavailable
+from events.errors import ContractError, invalid, precondition, unavailable
 from events.natsauth import redact_url
-from events.natspy import ErrorsOnce
+from events.natspy import ErrorsOnce, errors_of
 from events.schema import (
     ID_RE,
     ID_WORDS,
@@ -118,8 +120,12 @@ class Client:
         timeout: float = DEFAULT_TIMEOUT_S,
         attempts: int = DEFAULT_ATTEMPTS,
         read_your_writes: bool = True,
+        refusals_final: bool = True,
     ):
         self.nc = nc
+        # a request the server refuses to carry is FAILED_PRECONDITION at once (`_publish_refused`);
+        # else UNAVAILABLE, as a lost one (the agent: its own loop tells a refusal, `_check_not_denied`)
+        self.refusals_final = refusals_final
         self.prefix = check_prefix(prefix)
         self.timeout = timeout
         self.attempts = max(1, attempts)
@@ -184,6 +190,9 @@ class Client:
             try:
                 reply = await self._once(subject, data, reply_type)
             except ContractError as error:
+                refused = self._publish_refused(subject, error)
+                if refused is not None:
+                    raise refused from None
                 if not _transient(service, error) or attempt == self.attempts - 1:
                     raise
             else:
@@ -195,6 +204,18 @@ class Client:
             await asyncio.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 2, MAX_BACKOFF_S)
         raise AssertionError("unreachable")
+
+    def _publish_refused(self, subject: str, error: ContractError) -> ContractError | None:
+        """FAILED_PRECONDITION instead of a request's UNAVAILABLE when the server refused to let these
+        credentials publish to `subject` (`ErrorsOnce.take_publish_refusal`; a connection made by
+        `connect` or the CLI reports to one): nobody heard it, and sending it again, each time after a
+        time-out, would end the same (an operator's `warmboot worker drain`, refused after some 30 s)."""
+        errors = errors_of(self.nc) if error.code is ErrorCode.UNAVAILABLE and self.refusals_final else None
+        if errors is None or errors.take_publish_refusal(subject) is None:
+            return None
+        return precondition(f"NATS does not let these credentials publish to {subject}: the request reached "
+                            "nobody, and sending it again will not change that (docs/security.md says what each role may "
+                            "publish)")
 
     async def _once(self, subject: str, data: bytes, reply_type: type[T]) -> T:
         try:
