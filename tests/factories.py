@@ -25,6 +25,7 @@ from nats.js.errors import NotFoundError
 from events.aggregate import WireApplication
 from events.codec import decode_event, encode
 from events.jetstream import MSG_ID_HEADER, TOPIC_HEADER, VERSION_HEADER
+from events.jetstream.layout import sequence_of
 from events.schema import (
     Action,
     ActorCreated,
@@ -449,3 +450,15 @@ async def started_once_members_are_back(starting: Any, asked: asyncio.Event, mem
         for pending in (task, noted):
             if not pending.done():
                 pending.cancel()
+
+
+def reads_before(monkeypatch: Any, stream: Any, seq: int) -> None:
+    """`stream`'s reads (an event store's `recorder.stream`: the direct gets a process loads its
+    aggregates with) answered as by a replica of the stream that has applied nothing from `seq` on
+    (a single server has no replica to lag); its reads through the stream leader left alone."""
+    read = stream.read
+
+    async def behind(subject: str, start: int, *args: Any, **kwargs: Any) -> Any:
+        return [m for m in await read(subject, start, *args, **kwargs) if sequence_of(m) < seq]
+
+    monkeypatch.setattr(stream, "read", behind)

@@ -6,6 +6,7 @@ not a traceback per attempt (nats-py's default)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from contextlib import asynccontextmanager
 import logging
 import os
@@ -583,47 +584,54 @@ def test_a_one_shot_command_signs_in_with_nkey_seed(tmp_path):
         secured.stop()
 
 
+@contextlib.asynccontextmanager
+async def secured_with(tmp_path, service: str):
+    """A server under `warmboot nats-config`'s permissions (prefix hx, one client: carol) running
+    `service`: (the server, the stack the test may add to, the services' own connection)."""
+    from tests.secured_helpers import Secured
+    from warmboot.runner import start_services
+
+    secured = Secured(tmp_path / "store", "hx", clients=("carol",)).start()
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            await start_services(stack, [service], secured.url("svc"), "hx")
+            svc = await secured.connect("svc")
+            stack.push_async_callback(svc.close)
+            yield secured, stack, svc
+    finally:
+        secured.stop()
+
+
 async def test_a_user_refused_its_inbox_is_told_before_anything_is_sent(tmp_path):
     """A client listening where its permissions do not let it (nats-py's own `_INBOX.<nuid>`, as with
     an nkey seed and no NATS_INBOX_PREFIX): the server refuses that subscription, not its requests, so
     a create was written and its caller told only that no reply came (and, for a while this session,
     FAILED_PRECONDITION, as if refused: found by a review). Now the client and the CLI find out before
     they send anything, FAILED_PRECONDITION naming the prefix, and the log holds no creation."""
-    from contextlib import AsyncExitStack
-
     from events.errors import ContractError
     from events.schema import ErrorCode
     from tests.factories import last_seq
-    from tests.secured_helpers import Secured
     from warmboot.client import Client
-    from warmboot.runner import start_services
 
-    secured = Secured(tmp_path / "store", "hx", clients=("carol",)).start()
-    try:
-        async with AsyncExitStack() as stack:
-            await start_services(stack, ["snapshotter"], secured.url("svc"), "hx")
-            svc = await secured.connect("svc")
-            stack.push_async_callback(svc.close)
-            before = await last_seq(svc.nc, "hx")
-            with pytest.raises(ContractError) as refused:
-                await Client.connect(secured.url("carol"), "hx", inbox_prefix="_INBOX", timeout=2, attempts=3)
-            assert refused.value.code is ErrorCode.FAILED_PRECONDITION
-            assert "does not let this user hear its replies under _INBOX.>" in refused.value.message
-            assert "nothing was sent" in refused.value.message
-            env = {"NATS_URL": secured.url("carol"), "NATS_INBOX_PREFIX": "_INBOX", "WARMBOOT_PREFIX": "hx"}
-            created = await asyncio.to_thread(CliRunner().invoke, main, [
-                "actor", "create", "a-1", "--class", "gvisor", "--template", "t1", "--cpu", "500",
-                "--memory", "1024"], env=env)
-            assert created.exit_code == 1 and "FAILED_PRECONDITION" in created.stderr, created.output
-            assert await last_seq(svc.nc, "hx") == before  # no ActorCreated: nothing was sent
-            env["NATS_INBOX_PREFIX"] = "_INBOX.carol"  # as the message says: then it is created
-            created = await asyncio.to_thread(CliRunner().invoke, main, [
-                "actor", "create", "a-1", "--class", "gvisor", "--template", "t1", "--cpu", "500",
-                "--memory", "1024"], env=env)
-            assert created.exit_code == 0, created.output
-            assert await last_seq(svc.nc, "hx") > before
-    finally:
-        secured.stop()
+    async with secured_with(tmp_path, "snapshotter") as (secured, stack, svc):
+        before = await last_seq(svc.nc, "hx")
+        with pytest.raises(ContractError) as refused:
+            await Client.connect(secured.url("carol"), "hx", inbox_prefix="_INBOX", timeout=2, attempts=3)
+        assert refused.value.code is ErrorCode.FAILED_PRECONDITION
+        assert "does not let this user hear its replies under _INBOX.>" in refused.value.message
+        assert "nothing was sent" in refused.value.message
+        env = {"NATS_URL": secured.url("carol"), "NATS_INBOX_PREFIX": "_INBOX", "WARMBOOT_PREFIX": "hx"}
+        created = await asyncio.to_thread(CliRunner().invoke, main, [
+            "actor", "create", "a-1", "--class", "gvisor", "--template", "t1", "--cpu", "500",
+            "--memory", "1024"], env=env)
+        assert created.exit_code == 1 and "FAILED_PRECONDITION" in created.stderr, created.output
+        assert await last_seq(svc.nc, "hx") == before  # no ActorCreated: nothing was sent
+        env["NATS_INBOX_PREFIX"] = "_INBOX.carol"  # as the message says: then it is created
+        created = await asyncio.to_thread(CliRunner().invoke, main, [
+            "actor", "create", "a-1", "--class", "gvisor", "--template", "t1", "--cpu", "500",
+            "--memory", "1024"], env=env)
+        assert created.exit_code == 0, created.output
+        assert await last_seq(svc.nc, "hx") > before
 
 
 async def test_a_request_the_server_refuses_to_carry_is_told_at_once_not_retried_until_unavailable(tmp_path):
@@ -632,35 +640,24 @@ async def test_a_request_the_server_refuses_to_carry_is_told_at_once_not_retried
     ending UNAVAILABLE "no reply" some 30 s later, as if the registry were down. The server says
     why at once (a permissions violation); the client and the CLI now answer FAILED_PRECONDITION
     naming the subject after the first attempt, and nothing of the worker changes."""
-    from contextlib import AsyncExitStack
-
     from events.errors import ContractError
     from events.schema import ErrorCode
     from tests.factories import last_seq
-    from tests.secured_helpers import Secured
     from warmboot.client import Client
-    from warmboot.runner import start_services
 
-    secured = Secured(tmp_path / "store", "hx", clients=("carol",)).start()
-    try:
-        async with AsyncExitStack() as stack:
-            await start_services(stack, ["registry"], secured.url("svc"), "hx")
-            svc = await secured.connect("svc")
-            stack.push_async_callback(svc.close)
-            before = await last_seq(svc.nc, "hx")
-            client = await Client.connect(secured.url("carol"), "hx", inbox_prefix="_INBOX.carol", timeout=2,
-                                          attempts=5)
-            stack.push_async_callback(client.close)
-            with pytest.raises(ContractError) as refused:
-                await client.drain("w-1", "upgrade")
-            assert refused.value.code is ErrorCode.FAILED_PRECONDITION, refused.value
-            assert "does not let these credentials publish to hx.registry.drain.w-1" in refused.value.message
-            assert client.retries == 0  # told after the first attempt, not sent again
-            env = {"NATS_URL": secured.url("carol"), "NATS_INBOX_PREFIX": "_INBOX.carol", "WARMBOOT_PREFIX": "hx"}
-            drained = await asyncio.to_thread(CliRunner().invoke, main, ["worker", "drain", "w-1"], env=env)
-            assert drained.exit_code == 1, drained.output
-            assert "FAILED_PRECONDITION" in drained.stderr and "hx.registry.drain.w-1" in drained.stderr, \
-                drained.stderr
-            assert await last_seq(svc.nc, "hx") == before
-    finally:
-        secured.stop()
+    async with secured_with(tmp_path, "registry") as (secured, stack, svc):
+        before = await last_seq(svc.nc, "hx")
+        client = await Client.connect(secured.url("carol"), "hx", inbox_prefix="_INBOX.carol", timeout=2,
+                                      attempts=5)
+        stack.push_async_callback(client.close)
+        with pytest.raises(ContractError) as refused:
+            await client.drain("w-1", "upgrade")
+        assert refused.value.code is ErrorCode.FAILED_PRECONDITION, refused.value
+        assert "does not let these credentials publish to hx.registry.drain.w-1" in refused.value.message
+        assert client.retries == 0  # told after the first attempt, not sent again
+        env = {"NATS_URL": secured.url("carol"), "NATS_INBOX_PREFIX": "_INBOX.carol", "WARMBOOT_PREFIX": "hx"}
+        drained = await asyncio.to_thread(CliRunner().invoke, main, ["worker", "drain", "w-1"], env=env)
+        assert drained.exit_code == 1, drained.output
+        assert "FAILED_PRECONDITION" in drained.stderr and "hx.registry.drain.w-1" in drained.stderr, \
+            drained.stderr
+        assert await last_seq(svc.nc, "hx") == before

@@ -157,6 +157,19 @@ async def read_log(nc, stream: str, t: float) -> tuple[float, list[str]]:
         await sub.unsubscribe()
 
 
+async def one_worker_on(cluster: NatsCluster, prefix: str) -> int:
+    """Once the cluster's JetStream answers: the event stream made (R3, as WARMBOOT_STREAM_REPLICAS
+    says) holding one registration, w-1's; its sequence."""
+    from tests.factories import Writer, entry, registered, version
+
+    await wait_jetstream(cluster.url)
+    writer = await asyncio.to_thread(Writer, cluster.url, prefix)
+    try:
+        return await asyncio.to_thread(writer.write, registered("w-1", entry(version("1"))))
+    finally:
+        await asyncio.to_thread(writer.close)
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("fold", ["scheduler", "roster"])
 async def test_a_fold_started_while_its_stream_has_no_leader_folds_once_it_has_one(tmp_path, monkeypatch, caplog,
@@ -170,18 +183,13 @@ async def test_a_fold_started_while_its_stream_has_no_leader_folds_once_it_has_o
     from services.registry.roster import Roster
     from services.scheduler.fold import Fold
     from services.scheduler.projection import Projection
-    from tests.factories import Writer, entry, registered, started_once_members_are_back, unanswered_noted, version
+    from tests.factories import started_once_members_are_back, unanswered_noted
 
     monkeypatch.setenv("WARMBOOT_STREAM_REPLICAS", "3")
     prefix = "t" + uuid.uuid4().hex[:10]
     with unanswered_noted(caplog) as asked:
         with NatsCluster(tmp_path) as cluster:
-            await wait_jetstream(cluster.url)
-            writer = await asyncio.to_thread(Writer, cluster.url, prefix)  # the stream, R3
-            try:
-                seq = await asyncio.to_thread(writer.write, registered("w-1", entry(version("1"))))
-            finally:
-                await asyncio.to_thread(writer.close)
+            seq = await one_worker_on(cluster, prefix)
             first, *others = cluster.nodes
             for node in others:
                 await asyncio.to_thread(node.stop)
@@ -216,19 +224,13 @@ async def test_no_barrier_takes_a_leaderless_members_word_for_where_the_log_ends
     from services.registry.roster import Roster
     from services.scheduler.fold import Fold
     from services.scheduler.projection import Projection
-    from tests.factories import Writer, entry, registered, version
     from warmboot.cli_common import last_seq
 
     monkeypatch.setenv("WARMBOOT_STREAM_REPLICAS", "3")
     prefix = "t" + uuid.uuid4().hex[:10]
     stream = stream_name(prefix)
     with NatsCluster(tmp_path) as cluster:
-        await wait_jetstream(cluster.url)
-        writer = await asyncio.to_thread(Writer, cluster.url, prefix)  # the stream, R3
-        try:
-            seq = await asyncio.to_thread(writer.write, registered("w-1", entry(version("1"))))
-        finally:
-            await asyncio.to_thread(writer.close)
+        seq = await one_worker_on(cluster, prefix)
         first, *others = cluster.nodes
         nc = await nats.connect(first.url)
         try:

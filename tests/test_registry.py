@@ -34,12 +34,11 @@ from events.schema import (
 )
 from events.subjects import bucket_name, stream_name
 from services.registry.domain import REVISION_AHEAD_MS, Worker, canonical_classes
-from events.jetstream.layout import sequence_of
 from events.errors import ContractError, latest_revision, unavailable
 from services.common import store_env
 from services.registry.liveness import SWEEPER
 from services.registry.service import COMMIT_GROUP, RegistryStore
-from tests.factories import read_log
+from tests.factories import read_log, reads_before
 from tests.registry_helpers import (
     attrs,
     last_seq,
@@ -352,13 +351,7 @@ async def registered_behind(registry, nats_url, prefix, monkeypatch, worker_id: 
     try:
         body = msgspec.convert(body or registration(worker_id), RegisterWorker)
         registered = (await elsewhere.register(body, AT)).seq  # its own connection, on its own thread
-        stream = registry.store.recorder.stream
-        read = stream.read
-
-        async def behind(subject: str, start: int, *args, **kwargs):
-            return [m for m in await read(subject, start, *args, **kwargs) if sequence_of(m) < registered]
-
-        monkeypatch.setattr(stream, "read", behind)
+        reads_before(monkeypatch, registry.store.recorder.stream, registered)
         yield registered
     finally:
         await asyncio.to_thread(elsewhere.close)
@@ -437,13 +430,7 @@ async def test_a_drain_read_behind_another_replica_s_new_life_drains_it(registry
         removed = (await elsewhere.remove("w-again", RemoveWorker(reason="replaced"), AT)).seq
         again = (await elsewhere.register(msgspec.convert(registration("w-again"), RegisterWorker), AT)).seq
         assert again > removed
-        stream = registry.store.recorder.stream
-        read = stream.read
-
-        async def behind(subject: str, start: int, *args, **kwargs):
-            return [m for m in await read(subject, start, *args, **kwargs) if sequence_of(m) < removed]
-
-        monkeypatch.setattr(stream, "read", behind)
+        reads_before(monkeypatch, registry.store.recorder.stream, removed)
         reply, _ = await raw_request(nc, prefix, "drain", "w-again", {"reason": "second"})
         assert "error" not in reply and reply["seq"] > again, reply
     finally:
@@ -465,13 +452,7 @@ async def test_a_heartbeat_looked_up_behind_another_replica_s_removal_is_not_ans
         RegistryStore, {**store_env(nats_url, prefix), "NATS_INBOX_PREFIX": "_INBOX_elsewhere"})
     try:
         removed = (await elsewhere.remove("w-gone", RemoveWorker(reason="decommissioned"), AT)).seq
-        stream = registry.store.recorder.stream
-        read = stream.read
-
-        async def behind(subject: str, start: int, *args, **kwargs):
-            return [m for m in await read(subject, start, *args, **kwargs) if sequence_of(m) < removed]
-
-        monkeypatch.setattr(stream, "read", behind)
+        reads_before(monkeypatch, registry.store.recorder.stream, removed)
         before = await registry.liveness.last_entry("w-gone")
         reply, _ = await raw_request(nc, prefix, "heartbeat", "w-gone", {})
         assert reply.get("error", {}).get("code") == "NOT_FOUND", reply
@@ -502,13 +483,7 @@ async def test_a_registration_refused_on_a_read_behind_a_removal_begins_the_new_
         RegistryStore, {**store_env(nats_url, prefix), "NATS_INBOX_PREFIX": "_INBOX_elsewhere"})
     try:
         removed = (await elsewhere.remove("w-class", RemoveWorker(reason="class change"), AT)).seq
-        stream = registry.store.recorder.stream
-        read = stream.read
-
-        async def behind(subject: str, start: int, *args, **kwargs):
-            return [m for m in await read(subject, start, *args, **kwargs) if sequence_of(m) < removed]
-
-        monkeypatch.setattr(stream, "read", behind)  # this process's direct reads play a lagging replica
+        reads_before(monkeypatch, registry.store.recorder.stream, removed)  # this process's direct reads play a lagging replica
         anew = registration("w-class", classes=[{"sandbox_class": "microvm", "default_runtime": runtime("k1")}],
                             revision=revision + 1, request_id=f"agent-{uuid.uuid4().hex}")
         reply, _ = await raw_request(nc, prefix, "register", "w-class", anew)
@@ -536,13 +511,7 @@ async def test_a_retry_read_behind_the_worker_s_next_life_is_decided_on_the_lead
     try:
         removed = (await elsewhere.remove("w-again", RemoveWorker(reason="replaced"), AT)).seq
         anew = (await elsewhere.register(msgspec.convert(registration("w-again"), RegisterWorker), AT)).seq
-        stream = registry.store.recorder.stream
-        read = stream.read
-
-        async def behind(subject: str, start: int, *args, **kwargs):
-            return [m for m in await read(subject, start, *args, **kwargs) if sequence_of(m) < removed]
-
-        monkeypatch.setattr(stream, "read", behind)  # this process's direct reads play a lagging replica
+        reads_before(monkeypatch, registry.store.recorder.stream, removed)  # this process's direct reads play a lagging replica
         again, _ = await raw_request(nc, prefix, "drain", "w-again", {"reason": "upgrade", "request_id": "drain-1"})
     finally:
         await asyncio.to_thread(elsewhere.close)

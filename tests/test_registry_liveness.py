@@ -355,7 +355,7 @@ async def test_an_expiry_handled_on_a_read_behind_the_worker_s_new_life_still_en
     nothing does (`confirm_unchanged`)."""
     from datetime import datetime, timezone
 
-    from events.jetstream.layout import sequence_of
+    from tests.factories import reads_before
     from services.common import store_env
     from services.registry.service import RegistryStore
 
@@ -369,13 +369,7 @@ async def test_an_expiry_handled_on_a_read_behind_the_worker_s_new_life_still_en
             again = (await elsewhere.register(body("w-1"), at)).seq  # the new life
         finally:
             await asyncio.to_thread(elsewhere.close)
-        stream = registry.store.recorder.stream
-        read = stream.read
-
-        async def behind(subject: str, start: int, *args, **kwargs):
-            return [m for m in await read(subject, start, *args, **kwargs) if sequence_of(m) < again]
-
-        monkeypatch.setattr(stream, "read", behind)  # this process's direct reads play a lagging replica
+        reads_before(monkeypatch, registry.store.recorder.stream, again)  # this process's direct reads play a lagging replica
         lose, handled = registry.store.lose, []
 
         async def noted(worker_id, when):  # the same decision, its outcome noted

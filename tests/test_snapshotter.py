@@ -61,6 +61,7 @@ from services.registry.service import RegistryService
 from services.snapshotter.domain import Actor, Tag
 from services.snapshotter.service import SnapshotterService
 from tests.factories import actor, last_seq, read_entries, runtime, snapshot, stamp, version, worker
+from tests.factories import reads_before as stream_reads_before
 
 CLASS = "gvisor"
 STORE = os.environ.get("WARMBOOT_TEST_STORE", "events.jetstream")
@@ -354,13 +355,7 @@ def tag_elsewhere(app: WireApplication, actor_id: str, tag_name: str) -> int:
 def reads_before(monkeypatch, service: SnapshotterService, seq: int) -> None:
     """The service's reads of the stream answered as by a replica that has applied nothing from `seq` on
     (a single server has no replica to lag); the stream leader's reads left alone."""
-    stream = service.app.recorder.stream
-    read = stream.read
-
-    async def behind(subject: str, start: int, *args, **kwargs):
-        return [m for m in await read(subject, start, *args, **kwargs) if sequence_of(m) < seq]
-
-    monkeypatch.setattr(stream, "read", behind)
+    stream_reads_before(monkeypatch, service.app.recorder.stream, seq)
 
 
 async def test_a_create_from_a_tag_read_behind_another_process_s_tag_is_decided_again(
