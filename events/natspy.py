@@ -633,13 +633,12 @@ class ErrorsOnce:
             if self.logger is not None:
                 self.logger.warning("%s: %s", self.where, describe_error(error))
         self.last = error
-        if self.denied is None and "permissions violation" in describe_error(error).lower():
+        text = describe_error(error).lower()  # nats-py lowers the server's words, a subject's too
+        if self.denied is None and "permissions violation" in text:
             self.denied = error
         if self._inbox is not None and self._inbox[1] is None \
-                and describe_error(error).lower().startswith(f'nats: permissions violation for subscription to '
-                                                             f'"{self._inbox[0]}.'):
+                and text.startswith(f'nats: permissions violation for subscription to "{self._inbox[0]}.'):
             self._inbox = (self._inbox[0], error)
-        text = describe_error(error).lower()  # nats-py lowers the server's words, the subject's too
         if text.startswith(_PUBLISH_REFUSED) and len(self._publish_refused) < self.MAX_KINDS:
             self._publish_refused[text[len(_PUBLISH_REFUSED):].split('"', 1)[0]] = error
         if self.refusal is None and refuses_sign_in(error):
@@ -677,6 +676,7 @@ class ErrorsOnce:
         """Connected again: the next error is news."""
         self.last = self.refusal = self.denied = None
         self._seen.clear()
+        self._publish_refused.clear()
         if self._refused is not None:
             self._refused.clear()
 

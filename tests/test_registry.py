@@ -483,7 +483,7 @@ async def test_a_registration_refused_on_a_read_behind_a_removal_begins_the_new_
         RegistryStore, {**store_env(nats_url, prefix), "NATS_INBOX_PREFIX": "_INBOX_elsewhere"})
     try:
         removed = (await elsewhere.remove("w-class", RemoveWorker(reason="class change"), AT)).seq
-        reads_before(monkeypatch, registry.store.recorder.stream, removed)  # this process's direct reads play a lagging replica
+        reads_before(monkeypatch, registry.store.recorder.stream, removed)  # a replica behind plays its reads
         anew = registration("w-class", classes=[{"sandbox_class": "microvm", "default_runtime": runtime("k1")}],
                             revision=revision + 1, request_id=f"agent-{uuid.uuid4().hex}")
         reply, _ = await raw_request(nc, prefix, "register", "w-class", anew)
@@ -511,7 +511,7 @@ async def test_a_retry_read_behind_the_worker_s_next_life_is_decided_on_the_lead
     try:
         removed = (await elsewhere.remove("w-again", RemoveWorker(reason="replaced"), AT)).seq
         anew = (await elsewhere.register(msgspec.convert(registration("w-again"), RegisterWorker), AT)).seq
-        reads_before(monkeypatch, registry.store.recorder.stream, removed)  # this process's direct reads play a lagging replica
+        reads_before(monkeypatch, registry.store.recorder.stream, removed)  # a replica behind plays its reads
         again, _ = await raw_request(nc, prefix, "drain", "w-again", {"reason": "upgrade", "request_id": "drain-1"})
     finally:
         await asyncio.to_thread(elsewhere.close)

@@ -369,7 +369,7 @@ async def test_an_expiry_handled_on_a_read_behind_the_worker_s_new_life_still_en
             again = (await elsewhere.register(body("w-1"), at)).seq  # the new life
         finally:
             await asyncio.to_thread(elsewhere.close)
-        reads_before(monkeypatch, registry.store.recorder.stream, again)  # this process's direct reads play a lagging replica
+        reads_before(monkeypatch, registry.store.recorder.stream, again)  # a replica behind plays its reads
         lose, handled = registry.store.lose, []
 
         async def noted(worker_id, when):  # the same decision, its outcome noted

@@ -209,13 +209,14 @@ class Client:
         """FAILED_PRECONDITION instead of a request's UNAVAILABLE when the server refused to let these
         credentials publish to `subject` (`ErrorsOnce.take_publish_refusal`; a connection made by
         `connect` or the CLI reports to one): nobody heard it, and sending it again, each time after a
-        time-out, would end the same (an operator's `warmboot worker drain`, refused after some 30 s)."""
+        time-out, ends the same (an operator's `warmboot worker drain` ended UNAVAILABLE, "no reply",
+        after some 30 s: an audit's finding)."""
         errors = errors_of(self.nc) if error.code is ErrorCode.UNAVAILABLE and self.refusals_final else None
         if errors is None or errors.take_publish_refusal(subject) is None:
             return None
         return precondition(f"NATS does not let these credentials publish to {subject}: the request reached "
-                            "nobody, and sending it again will not change that (docs/security.md says what each role may "
-                            "publish)")
+                            "nobody, and sending it again will not change that (docs/security.md says what each "
+                            "role may publish)")
 
     async def _once(self, subject: str, data: bytes, reply_type: type[T]) -> T:
         try:
