@@ -12,10 +12,10 @@ import asyncio
 import logging
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import asynccontextmanager, contextmanager
 from datetime import datetime, timezone
 from types import EllipsisType
-from typing import Any, Callable, ClassVar, Protocol, TypeVar
+from typing import Any, AsyncIterator, Callable, ClassVar, Protocol, TypeVar
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -462,3 +462,17 @@ def reads_before(monkeypatch: Any, stream: Any, seq: int) -> None:
         return [m for m in await read(subject, start, *args, **kwargs) if sequence_of(m) < seq]
 
     monkeypatch.setattr(stream, "read", behind)
+
+
+A = TypeVar("A")
+
+
+@asynccontextmanager
+async def another_process(make: Callable[[dict[str, str]], A], env: dict[str, str]) -> AsyncIterator[A]:
+    """`make(env)` (an event store's application: a registry's `RegistryStore`, a `WireApplication`)
+    on a connection and an inbox of its own, as another replica's in another process; closed after."""
+    app = await asyncio.to_thread(make, {**env, "NATS_INBOX_PREFIX": "_INBOX_elsewhere"})
+    try:
+        yield app
+    finally:
+        await asyncio.to_thread(app.close)

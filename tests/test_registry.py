@@ -38,7 +38,7 @@ from events.errors import ContractError, latest_revision, unavailable
 from services.common import store_env
 from services.registry.liveness import SWEEPER
 from services.registry.service import COMMIT_GROUP, RegistryStore
-from tests.factories import read_log, reads_before
+from tests.factories import another_process, read_log, reads_before
 from tests.registry_helpers import (
     attrs,
     last_seq,
@@ -346,15 +346,11 @@ async def registered_behind(registry, nats_url, prefix, monkeypatch, worker_id: 
     (a store on a connection of its own, as in another process), while this registry's own direct
     reads are cut before that registration: they play a replica of the stream that has not
     applied it yet (the leader's reads are left alone). Yields the registration's sequence."""
-    elsewhere = await asyncio.to_thread(
-        RegistryStore, {**store_env(nats_url, prefix), "NATS_INBOX_PREFIX": "_INBOX_elsewhere"})
-    try:
+    async with another_process(RegistryStore, store_env(nats_url, prefix)) as elsewhere:
         body = msgspec.convert(body or registration(worker_id), RegisterWorker)
         registered = (await elsewhere.register(body, AT)).seq  # its own connection, on its own thread
         reads_before(monkeypatch, registry.store.recorder.stream, registered)
         yield registered
-    finally:
-        await asyncio.to_thread(elsewhere.close)
 
 
 async def test_a_refusal_read_behind_another_replica_s_registration_is_decided_again(
@@ -424,17 +420,13 @@ async def test_a_drain_read_behind_another_replica_s_new_life_drains_it(registry
     await register(nc, prefix, registration("w-again"))
     reply, _ = await raw_request(nc, prefix, "drain", "w-again", {"reason": "first"})
     assert "error" not in reply, reply
-    elsewhere = await asyncio.to_thread(
-        RegistryStore, {**store_env(nats_url, prefix), "NATS_INBOX_PREFIX": "_INBOX_elsewhere"})
-    try:
+    async with another_process(RegistryStore, store_env(nats_url, prefix)) as elsewhere:
         removed = (await elsewhere.remove("w-again", RemoveWorker(reason="replaced"), AT)).seq
         again = (await elsewhere.register(msgspec.convert(registration("w-again"), RegisterWorker), AT)).seq
         assert again > removed
         reads_before(monkeypatch, registry.store.recorder.stream, removed)
         reply, _ = await raw_request(nc, prefix, "drain", "w-again", {"reason": "second"})
         assert "error" not in reply and reply["seq"] > again, reply
-    finally:
-        await asyncio.to_thread(elsewhere.close)
     kinds = [type(e).__name__ for _, e in await worker_events(nc, prefix, "w-again")]
     assert kinds[-3:] == ["WorkerRemoved", "WorkerRegistered", "WorkerDrained"], kinds
 
@@ -448,17 +440,13 @@ async def test_a_heartbeat_looked_up_behind_another_replica_s_removal_is_not_ans
     not register again (an audit's finding). Such an answer now stands only once the stream
     leader has nothing past what was read."""
     assert (await register(nc, prefix, registration("w-gone")))["outcome"] == "REGISTERED"
-    elsewhere = await asyncio.to_thread(
-        RegistryStore, {**store_env(nats_url, prefix), "NATS_INBOX_PREFIX": "_INBOX_elsewhere"})
-    try:
+    async with another_process(RegistryStore, store_env(nats_url, prefix)) as elsewhere:
         removed = (await elsewhere.remove("w-gone", RemoveWorker(reason="decommissioned"), AT)).seq
         reads_before(monkeypatch, registry.store.recorder.stream, removed)
         before = await registry.liveness.last_entry("w-gone")
         reply, _ = await raw_request(nc, prefix, "heartbeat", "w-gone", {})
         assert reply.get("error", {}).get("code") == "NOT_FOUND", reply
         assert await registry.liveness.last_entry("w-gone") == before  # nothing put for it
-    finally:
-        await asyncio.to_thread(elsewhere.close)
 
 
 async def test_a_registration_refused_on_a_read_behind_a_removal_begins_the_new_life(
@@ -479,16 +467,12 @@ async def test_a_registration_refused_on_a_read_behind_a_removal_begins_the_new_
     revision = int(_time.time() * 1000)
     first = await register(nc, prefix, registration("w-class", revision=revision))
     assert first["outcome"] == "REGISTERED"
-    elsewhere = await asyncio.to_thread(
-        RegistryStore, {**store_env(nats_url, prefix), "NATS_INBOX_PREFIX": "_INBOX_elsewhere"})
-    try:
+    async with another_process(RegistryStore, store_env(nats_url, prefix)) as elsewhere:
         removed = (await elsewhere.remove("w-class", RemoveWorker(reason="class change"), AT)).seq
         reads_before(monkeypatch, registry.store.recorder.stream, removed)  # a replica behind plays its reads
         anew = registration("w-class", classes=[{"sandbox_class": "microvm", "default_runtime": runtime("k1")}],
                             revision=revision + 1, request_id=f"agent-{uuid.uuid4().hex}")
         reply, _ = await raw_request(nc, prefix, "register", "w-class", anew)
-    finally:
-        await asyncio.to_thread(elsewhere.close)
     assert reply.get("outcome") == "REGISTERED", reply  # on the leader's history: a new life begins
     kinds = [type(e).__name__ for _, e in await worker_events(nc, prefix, "w-class")]
     assert kinds == ["WorkerRegistered", "WorkerRemoved", "WorkerRegistered"], kinds
@@ -506,15 +490,11 @@ async def test_a_retry_read_behind_the_worker_s_next_life_is_decided_on_the_lead
     await register(nc, prefix, registration("w-again"))
     first, _ = await raw_request(nc, prefix, "drain", "w-again", {"reason": "upgrade", "request_id": "drain-1"})
     assert "error" not in first, first
-    elsewhere = await asyncio.to_thread(
-        RegistryStore, {**store_env(nats_url, prefix), "NATS_INBOX_PREFIX": "_INBOX_elsewhere"})
-    try:
+    async with another_process(RegistryStore, store_env(nats_url, prefix)) as elsewhere:
         removed = (await elsewhere.remove("w-again", RemoveWorker(reason="replaced"), AT)).seq
         anew = (await elsewhere.register(msgspec.convert(registration("w-again"), RegisterWorker), AT)).seq
         reads_before(monkeypatch, registry.store.recorder.stream, removed)  # a replica behind plays its reads
         again, _ = await raw_request(nc, prefix, "drain", "w-again", {"reason": "upgrade", "request_id": "drain-1"})
-    finally:
-        await asyncio.to_thread(elsewhere.close)
     assert "error" not in again and again["seq"] > anew, (first, again, anew)
     kinds = [type(e).__name__ for _, e in await worker_events(nc, prefix, "w-again")]
     assert kinds == ["WorkerRegistered", "WorkerDrained", "WorkerRemoved", "WorkerRegistered", "WorkerDrained"], kinds

@@ -355,20 +355,16 @@ async def test_an_expiry_handled_on_a_read_behind_the_worker_s_new_life_still_en
     nothing does (`confirm_unchanged`)."""
     from datetime import datetime, timezone
 
-    from tests.factories import reads_before
     from services.common import store_env
     from services.registry.service import RegistryStore
+    from tests.factories import another_process, reads_before
 
     at = datetime.now(timezone.utc)
     async with running_registry(nats_url, prefix, ttl_s=1) as registry:  # reconciles every 100 s
-        elsewhere = await asyncio.to_thread(
-            RegistryStore, {**store_env(nats_url, prefix), "NATS_INBOX_PREFIX": "_INBOX_elsewhere"})
-        try:
+        async with another_process(RegistryStore, store_env(nats_url, prefix)) as elsewhere:
             await elsewhere.register(body("w-1"), at)
             await elsewhere.remove("w-1", RemoveWorker(reason="replaced"), at)
             again = (await elsewhere.register(body("w-1"), at)).seq  # the new life
-        finally:
-            await asyncio.to_thread(elsewhere.close)
         reads_before(monkeypatch, registry.store.recorder.stream, again)  # a replica behind plays its reads
         lose, handled = registry.store.lose, []
 

@@ -61,6 +61,7 @@ from services.registry.service import RegistryService
 from services.snapshotter.domain import Actor, Tag
 from services.snapshotter.service import SnapshotterService
 from tests.factories import actor, last_seq, read_entries, runtime, snapshot, stamp, version, worker
+from tests.factories import another_process
 from tests.factories import reads_before as stream_reads_before
 
 CLASS = "gvisor"
@@ -312,9 +313,7 @@ async def test_a_refusal_read_behind_another_process_s_placement_is_decided_agai
     the leader has. A single server has no replica to lag: the lagging replica is played by the
     snapshotter's own direct reads, cut before the placement (the leader's reads are left alone),
     and the placement is written on a connection of its own, as from another process."""
-    elsewhere = await asyncio.to_thread(
-        WireApplication, {**env_for(nats_server.url, prefix), "NATS_INBOX_PREFIX": "_INBOX_elsewhere"})
-    try:
+    async with another_process(WireApplication, env_for(nats_server.url, prefix)) as elsewhere:
         await create(nc, prefix, "a-1")
         placed = await Placer(elsewhere).place("a-1", "w-1", "node-1", PIN_V1)
         stream = snapshotter.app.recorder.stream
@@ -336,8 +335,6 @@ async def test_a_refusal_read_behind_another_process_s_placement_is_decided_agai
         assert (await refused(pause(nc, prefix, "a-1"))).code is ErrorCode.FAILED_PRECONDITION  # PAUSED
         assert (await refused(pause(nc, prefix, "ghost"))).code is ErrorCode.NOT_FOUND
         assert await last_seq(nc, prefix) == before
-    finally:
-        await asyncio.to_thread(elsewhere.close)
 
 
 def tag_elsewhere(app: WireApplication, actor_id: str, tag_name: str) -> int:
@@ -363,9 +360,7 @@ async def test_a_create_from_a_tag_read_behind_another_process_s_tag_is_decided_
     """The same for what a create reads besides the actor: a tag recorded a moment ago by another
     process, read from a replica behind it, named nothing (NOT_FOUND, field source_tag); the tag's
     history is confirmed by the stream leader as well before the create is refused."""
-    elsewhere = await asyncio.to_thread(
-        WireApplication, {**env_for(nats_server.url, prefix), "NATS_INBOX_PREFIX": "_INBOX_elsewhere"})
-    try:
+    async with another_process(WireApplication, env_for(nats_server.url, prefix)) as elsewhere:
         await create(nc, prefix, "a-1")
         await placer.place("a-1", "w-1", "node-1", PIN_V1)
         await suspend(nc, prefix, "a-1", uri="s3://golden")
@@ -376,8 +371,6 @@ async def test_a_create_from_a_tag_read_behind_another_process_s_tag_is_decided_
         assert made.seq > tagged
         missing = await refused(create(nc, prefix, "a-3", source_tag="never"))
         assert (missing.code, missing.field) == (ErrorCode.NOT_FOUND, "source_tag")
-    finally:
-        await asyncio.to_thread(elsewhere.close)
 
 
 async def test_a_create_from_a_tag_read_behind_a_retag_copies_what_the_tag_names_now(
@@ -387,9 +380,7 @@ async def test_a_create_from_a_tag_read_behind_a_retag_copies_what_the_tag_names
     read of the tag came from a replica behind the move was taken with a-1's image, though its caller
     had the move's seq (found by an audit). The append now expects the tag's subject where it was
     read too: refused by the leader, decided again, and the copy is the image the tag names now."""
-    elsewhere = await asyncio.to_thread(
-        WireApplication, {**env_for(nats_server.url, prefix), "NATS_INBOX_PREFIX": "_INBOX_elsewhere"})
-    try:
+    async with another_process(WireApplication, env_for(nats_server.url, prefix)) as elsewhere:
         for actor_id, pin in (("a-1", PIN_V1), ("a-2", PIN_V2)):
             await create(nc, prefix, actor_id)
             await placer.place(actor_id, "w-1", "node-1", pin)
@@ -405,8 +396,6 @@ async def test_a_create_from_a_tag_read_behind_a_retag_copies_what_the_tag_names
         assert moved < seq <= made.seq
         assert created.snapshot.sandbox_runtime == PIN_V2 and created.snapshot.snapshot_id != first.snapshot_id, (
             created.snapshot)
-    finally:
-        await asyncio.to_thread(elsewhere.close)
 
 
 async def test_unknown_actors_are_not_found(snapshotter, nc, prefix):
@@ -519,9 +508,7 @@ async def test_a_template_read_behind_another_process_s_change_is_not_answered_u
     the creation's seq and wrote nothing, the log left on tpl-2 (the registry's UNCHANGED had the
     same fault: an audit). An answer that writes nothing now stands only once the stream leader
     has nothing past what was read; otherwise it is decided again on the leader's history."""
-    elsewhere = await asyncio.to_thread(
-        WireApplication, {**env_for(nats_server.url, prefix), "NATS_INBOX_PREFIX": "_INBOX_elsewhere"})
-    try:
+    async with another_process(WireApplication, env_for(nats_server.url, prefix)) as elsewhere:
         await create(nc, prefix, "a-1")
 
         def change_elsewhere() -> int:
@@ -537,8 +524,6 @@ async def test_a_template_read_behind_another_process_s_change_is_not_answered_u
         templates = [(seq, e.template_uid) for seq, _, e in await read_entries(nc, prefix)
                      if isinstance(e, TemplateChanged)]
         assert templates == [(changed, "tpl-2"), (back.seq, "tpl-1")], (templates, back)
-    finally:
-        await asyncio.to_thread(elsewhere.close)
 
 
 async def test_a_retry_read_behind_the_actor_s_next_life_is_decided_on_the_leader_s_history(
@@ -549,9 +534,7 @@ async def test_a_retry_read_behind_the_actor_s_next_life_is_decided_on_the_leade
     running. On the leader's history a request id is looked up in the current life only (a very late
     retry of an earlier life's request is a new request in the new life: docs/contract.md), and an
     answer from before writes nothing, so it stands only on that history: the new life is stopped."""
-    elsewhere = await asyncio.to_thread(
-        WireApplication, {**env_for(nats_server.url, prefix), "NATS_INBOX_PREFIX": "_INBOX_elsewhere"})
-    try:
+    async with another_process(WireApplication, env_for(nats_server.url, prefix)) as elsewhere:
         await create(nc, prefix, "a-1")
         first = await call(nc, subject(prefix, "stop", "a-1"), StopActor(request_id="stop-1"), SeqReply)
 
@@ -566,8 +549,6 @@ async def test_a_retry_read_behind_the_actor_s_next_life_is_decided_on_the_leade
         monkeypatch.undo()
         stops = [seq for seq, _, e in await read_entries(nc, prefix) if isinstance(e, ActorStopped)]
         assert stops == [first.seq, again.seq] and again.seq > recreated, (stops, first, again, recreated)
-    finally:
-        await asyncio.to_thread(elsewhere.close)
 
 
 # --- idempotency --------------------------------------------------------------------------------
@@ -949,12 +930,8 @@ async def test_a_removal_releases_an_actor_whose_read_comes_from_a_replica_behin
     to lag; the lagging replica is played by the process's direct reads, cut before the placement
     (its reads through the leader are left alone), and the placement is written on a connection
     of its own, as by the scheduler's process. It now asks the leader, and releases."""
-    elsewhere = await asyncio.to_thread(
-        WireApplication, {**env_for(nats_server.url, prefix), "NATS_INBOX_PREFIX": "_INBOX_elsewhere"})
-    try:
+    async with another_process(WireApplication, env_for(nats_server.url, prefix)) as elsewhere:
         placed = await placed_then_removed_pending_release(snapshotter, nc, prefix, Placer(elsewhere))
-    finally:
-        await asyncio.to_thread(elsewhere.close)
     stream = snapshotter.process.recorder.stream
     read = stream.read
     left_out: list[int] = []
