@@ -283,6 +283,10 @@ class RemoveWorker(Base, kw_only=True):
 
 class SeqReply(Base, kw_only=True):
     seq: Seq
+    # Project addition: true when the request found the state already as it asks (a drain of a
+    # drained worker, an update-template to the actor's template) and wrote nothing; `seq` is then
+    # the event its answer stands on. A retry gets the first attempt's answer, flag included.
+    unchanged: bool = False
 
 
 # --- snapshotter requests and replies ---------------------------------------------

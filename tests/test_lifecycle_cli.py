@@ -116,6 +116,9 @@ async def test_an_actor_lives_through_the_cli_and_every_reply_is_in_the_log(bus,
 
     templated = await run("actor", "update-template", "a-1", "t2", "-o", "json")  # as the views spell it
     assert kinds(await wrote(nc, prefix, json.loads(templated.output)["seq"])) == ["TemplateChanged"]
+    assert json.loads(templated.output)["unchanged"] is False
+    same = await run("actor", "update-template", "a-1", "t2")
+    assert same.output == f"actor/a-1 unchanged: already on template t2 (seq {json.loads(templated.output)['seq']})\n"
     again = json.loads((await run("actor", "resume", "a-1", "--json")).output)
     assert again["fallback"]["reason"] == "TEMPLATE_CHANGED"  # the memory is of the old template
 
@@ -234,6 +237,12 @@ async def test_worker_show_drain_and_remove(bus, nc, prefix):
     drained = await run("worker", "drain", "w-new", "--reason", "kernel update", "--json")
     assert kinds(await wrote(nc, prefix, json.loads(drained.output)["seq"])) == ["WorkerDrained"]
     assert json.loads((await run("worker", "show", "w-new", "--json")).output)["state"] == "DRAINED"
+    seq = json.loads(drained.output)["seq"]
+    # a drain of a drained worker writes nothing and says so, as kubectl says "unchanged"
+    before = await last_seq(nc, prefix)
+    again = await run("worker", "drain", "w-new")
+    assert (again.exit_code, again.output) == (0, f"worker/w-new unchanged: already drained (seq {seq})\n")
+    assert await last_seq(nc, prefix) == before
     removed = await run("worker", "remove", "w-new", "--json")
     assert removed.exit_code == 0
     gone = await run("worker", "show", "w-new")

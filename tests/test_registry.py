@@ -596,9 +596,13 @@ async def test_drain_and_remove(registry, nc, prefix):
     drained, _ = await raw_request(nc, prefix, "drain", "w-1", {"reason": "kernel upgrade"})
     events = await worker_events(nc, prefix, "w-1")
     assert isinstance(events[-1][1], WorkerDrained) and events[-1][1].reason == "kernel upgrade"
-    assert drained == {"seq": events[-1][0]}
-    again, _ = await raw_request(nc, prefix, "drain", "w-1", {})
-    assert again == drained  # already drained: nothing written, the same position
+    assert drained == {"seq": events[-1][0], "unchanged": False}
+    again, _ = await raw_request(nc, prefix, "drain", "w-1", {"request_id": "drain-2"})
+    # already drained: nothing written, the same position, and the answer says so
+    assert again == {"seq": events[-1][0], "unchanged": True}
+    assert await worker_events(nc, prefix, "w-1") == events
+    retried, _ = await raw_request(nc, prefix, "drain", "w-1", {"request_id": "drain-2"})
+    assert retried == again  # a retry gets the first answer, the flag with it (kept: it wrote nothing)
 
     hb, _ = await raw_request(nc, prefix, "heartbeat", "w-1", {})
     assert hb == {"ttl_s": 15.0}  # a drained worker is still alive
@@ -606,7 +610,7 @@ async def test_drain_and_remove(registry, nc, prefix):
     removed, _ = await raw_request(nc, prefix, "remove", "w-1", {"reason": "decommissioned"})
     events = await worker_events(nc, prefix, "w-1")
     assert isinstance(events[-1][1], WorkerRemoved) and events[-1][1].reason == "decommissioned"
-    assert removed == {"seq": events[-1][0]}
+    assert removed == {"seq": events[-1][0], "unchanged": False}
 
     before = await last_seq(nc, prefix)
     for verb in ("drain", "remove", "heartbeat"):
@@ -639,7 +643,7 @@ async def test_a_removal_whose_heartbeat_cannot_be_dropped_is_still_answered(nat
         registry.liveness.sweeper.on_marker = marker
         removed, _ = await raw_request(nc, prefix, "remove", "w-1", {"reason": "decommissioned"})
         events = await worker_events(nc, prefix, "w-1")
-        assert removed == {"seq": events[-1][0]}
+        assert removed == {"seq": events[-1][0], "unchanged": False}
         assert isinstance(events[-1][1], WorkerRemoved) and events[-1][1].reason == "decommissioned"
         reply, _ = await raw_request(nc, prefix, "heartbeat", "w-1", {})
         assert reply["error"]["code"] == "NOT_FOUND"

@@ -487,10 +487,14 @@ def test_a_body_this_version_refuses_is_named_where_the_history_is_read(caplog):
 async def test_update_template_and_stop(snapshotter, placer, nc, prefix):
     first = await create(nc, prefix, "a-1")
     same = await call(nc, subject(prefix, "update-template", "a-1"), UpdateTemplate(template_uid="tpl-1"), SeqReply)
-    assert same.seq == first.seq  # unchanged: the event that set it
-    changed = await call(nc, subject(prefix, "update-template", "a-1"), UpdateTemplate(template_uid="tpl-2"),
-                         SeqReply)
-    assert changed.seq == await last_seq(nc, prefix)
+    assert (same.seq, same.unchanged) == (first.seq, True)  # unchanged: the event that set it
+    assert not first.unchanged
+    changed = await call(nc, subject(prefix, "update-template", "a-1"),
+                         UpdateTemplate(template_uid="tpl-2", request_id="tpl-2"), SeqReply)
+    assert (changed.seq, changed.unchanged) == (await last_seq(nc, prefix), False)
+    retried = await call(nc, subject(prefix, "update-template", "a-1"),
+                         UpdateTemplate(template_uid="tpl-2", request_id="tpl-2"), SeqReply)
+    assert retried == changed  # the retry of a change is answered as the change, not as "unchanged"
     await placer.place("a-1", "w-3", "node-3", PIN_V1)
     stopped = await call(nc, subject(prefix, "stop", "a-1"), StopActor(), SeqReply)
     tail = [e for _, _, e in await read_entries(nc, prefix)][-4:]

@@ -91,8 +91,10 @@ def snapshot_text(snap: Snapshot, runtimes: Runtimes) -> str:
             f"stamp {stamp_label(snap.sandbox_runtime, runtimes)}")
 
 
-def done(kind: str, entity: str, what: str, seq: int) -> str:
-    return f"{kind}/{entity} {what} (seq {seq})"
+def done(kind: str, entity: str, what: str, seq: int, unchanged: bool = False) -> str:
+    """`kind/entity what (seq N)`; `unchanged` (the reply's: the state already was so, nothing
+    written) as kubectl says it: `kind/entity unchanged: already what (seq N)`."""
+    return f"{kind}/{entity} {'unchanged: already ' if unchanged else ''}{what} (seq {seq})"
 
 
 # --- actor ---------------------------------------------------------------------------------------
@@ -310,9 +312,11 @@ def revert_cmd(actor_id: str, reason: str | None, request_id: str | None, nats_u
 @json_option
 def update_template_cmd(actor_id: str, template_uid: str, request_id: str | None, nats_url: str, prefix: str,
                         as_json: bool) -> None:
-    """Move ACTOR_ID to another template: its memory snapshots of the old one restore without memory."""
+    """Move ACTOR_ID to another template: its memory snapshots of the old one restore without memory.
+
+    To the template it has already: nothing is written, and it prints `unchanged`."""
     reply, _ = run(nats_url, prefix, False, lambda wb: wb.update_template(actor_id, template_uid, request_id))
-    echo(reply, as_json, lambda: done("actor", actor_id, f"template {template_uid}", reply.seq))
+    echo(reply, as_json, lambda: done("actor", actor_id, f"on template {template_uid}", reply.seq, reply.unchanged))
 
 
 @actor.command("stop")
@@ -497,9 +501,9 @@ def drain_cmd(worker_id: str, reason: str | None, request_id: str | None, nats_u
 
     A drain lasts the worker's life, its agent's restarts included (as a cordoned node stays
     cordoned): to take placements again, remove it (its RUNNING actors are released) and let
-    its agent register it anew."""
+    its agent register it anew. A drain of a drained worker writes nothing and prints `unchanged`."""
     reply, _ = run(nats_url, prefix, False, lambda wb: wb.drain(worker_id, reason, request_id))
-    echo(reply, as_json, lambda: done("worker", worker_id, "drained", reply.seq))
+    echo(reply, as_json, lambda: done("worker", worker_id, "drained", reply.seq, reply.unchanged))
 
 
 @worker.command("remove")

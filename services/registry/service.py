@@ -118,7 +118,8 @@ class Decided(msgspec.Struct, frozen=True):
     `seq` is the stream sequence of the last event of the worker's history the command
     wrote; for a `replay` (an earlier request with the same request_id in this life)
     that of the earlier request's last event, `version`; when nothing was written, that
-    of the worker's last event, which holds all the answer stood on. The worker's
+    of the worker's last event, which holds all the answer stood on (`unchanged`: the
+    request found the worker already as it asks, now or in the answer it kept). The worker's
     history as loaded knows each event's sequence; `seq` is None only when the store
     did not say (the service then looks it up).
     """
@@ -128,6 +129,7 @@ class Decided(msgspec.Struct, frozen=True):
     version: int = 0
     wrote: bool = False
     replay: bool = False
+    unchanged: bool = False
 
 
 class RegistryStore(WireApplication):
@@ -179,10 +181,11 @@ class RegistryStore(WireApplication):
                 if not seq:  # the event store names every event's position; one that does not cannot answer
                     raise unavailable(f"the event store did not say where worker {worker.entity_id!r}'s "
                                       f"event {worker.version} is")
-                reply = RegisterReply(outcome=outcome, seq=seq) if verb == "register" else SeqReply(seq=seq)
+                reply = (RegisterReply(outcome=outcome, seq=seq) if verb == "register"
+                         else SeqReply(seq=seq, unchanged=True))
                 with ticket.paying():
                     await self.no_writes.keep_async(worker, verb, request_id, reply)
-            return Decided(outcome=outcome, seq=seq or None, version=worker.version)
+            return Decided(outcome=outcome, seq=seq or None, version=worker.version, unchanged=True)
         last_type = type(worker.pending_events[-1].body).__name__
         with ticket.paying():
             fence = await self._fence(worker.entity_id, last_type)
@@ -225,7 +228,8 @@ class RegistryStore(WireApplication):
             return None
         reply, version = kept
         await self._confirm_read(worker)  # kept for the life as read (`_replay`)
-        return Decided(outcome=getattr(reply, "outcome", None), seq=reply.seq, version=version, replay=True)
+        return Decided(outcome=getattr(reply, "outcome", None), seq=reply.seq, version=version, replay=True,
+                       unchanged=getattr(reply, "unchanged", False))
 
     async def register(self, request: RegisterWorker, at: datetime, ticket: Ticket = FREE) -> Decided:
         worker = await self.load(request.worker_id)
@@ -588,7 +592,7 @@ class RegistryService:
             ticket = self.writes.ticket(worker_id)
             command = lambda: self.store.drain(worker_id, request, now(), ticket)  # noqa: E731
             decided = await self._paid(worker_id, run_command_async(command, recheck=self._recheck(worker_id)))
-            return SeqReply(seq=await self._seq(worker_id, decided))
+            return SeqReply(seq=await self._seq(worker_id, decided), unchanged=decided.unchanged)
 
     async def remove(self, worker_id: str, request: RemoveWorker) -> SeqReply:
         async with self._workers(worker_id):

@@ -639,7 +639,7 @@ class SnapshotterService:
             # Already that template (as the stream leader has it too): the event that set it is the
             # answer, kept as this request's (it wrote nothing its retry could be answered from)
             await self.confirm_read(actor)
-            reply = SeqReply(seq=recorded_seq(actor, actor.template_version))
+            reply = SeqReply(seq=recorded_seq(actor, actor.template_version), unchanged=True)
             if self.no_writes is not None:
                 await self.no_writes.keep_async(actor, "update-template", req.request_id, reply)
             return reply
