@@ -305,6 +305,24 @@ class Writer:
 # --- the log ---------------------------------------------------------------------------------
 
 
+def runtime_ids_apart(value: Any) -> tuple[Any, list[tuple[Any, str]]]:
+    """A view's JSON (`warmboot.cmd_views.with_runtime_ids`) split into the endpoint's answer it
+    prints and the ids it added: (the JSON without them, [(the version each was added beside, id)])."""
+    added: list[tuple[Any, str]] = []
+
+    def apart(v: Any) -> Any:
+        if isinstance(v, list):
+            return [apart(x) for x in v]
+        if not isinstance(v, dict):
+            return v
+        for key, id_key in (("version", "runtime_id"), ("matched_version", "matched_runtime_id")):
+            if id_key in v:
+                added.append((v[key], v[id_key]))
+        return {k: apart(x) for k, x in v.items() if k not in ("runtime_id", "matched_runtime_id")}
+
+    return apart(value), added
+
+
 async def ensure_stream(nats_url: str, prefix: str) -> None:
     """The stream, created by the event store (its factory), as the services create it."""
     writer = await asyncio.to_thread(Writer, nats_url, prefix)

@@ -2,7 +2,7 @@
 
 What an operator would check: each command does what its reply says (the log holds the
 event at the reply's `seq`), `show` tells the state the log folds to, `--json` is the
-contract's reply, and a refused command prints `error: CODE field: message`, exits 1
+contract's reply (each runtime version's `rt-` id beside it), and a refused command prints `error: CODE field: message`, exits 1
 and writes nothing.
 """
 

@@ -20,6 +20,7 @@ from events.codec import to_builtins
 from events.compat import compat_key
 from events.runtime_id import Runtimes, UnknownRuntime, short_id
 from events.schema import (
+    ActorRuntime,
     Assignment,
     Attribute,
     CompatVersion,
@@ -46,10 +47,11 @@ from events.subjects import service_subject
 from services.common import call
 from services.scheduler.fragmentation import fragmentation
 from services.scheduler.projection import Projection
-from tests.factories import SILENT_TTL_S, last_seq
+from tests.factories import SILENT_TTL_S, last_seq, version
 from warmboot.cli import main
 from services.scheduler.decide import _how_far
 from warmboot.cmd_views import (
+    with_runtime_ids,
     CLASS_COLUMNS,
     REJECTED_COLUMNS,
     WORKER_COLUMNS,
@@ -422,3 +424,21 @@ async def test_the_names_of_a_large_fleet_are_read_however_long_that_takes(monke
     monkeypatch.setattr(cmd_views, "fleet", slow_fleet)
     labels = await cmd_views.runtime_labels(None, "x")
     assert labels.complete and labels.known == runtimes_of(folded(fleet())).known
+
+
+def test_json_gives_each_runtime_version_its_id_by_the_class_it_belongs_to():
+    """`-o json` is the endpoint's answer with the `rt-` id beside every runtime version it names
+    (what `whatif --drop-runtime` takes and each label's digits are): a version's class is its
+    object's, its placement's pin's (for `matched_version`), or the one the command asked about."""
+    v1, v2 = version("1"), version("2")
+    pin = ActorRuntime(sandbox_class="gvisor", version=v2, name="runsc-2")
+    placed = {"sandbox_runtime": to_builtins(pin), "matched_version": to_builtins(v1), "seq": 7}
+    shown = with_runtime_ids({"decision": placed, "version": 3, "runtimes": [{"version": to_builtins(v1)}]},
+                             "microvm")
+    assert shown["decision"]["sandbox_runtime"]["runtime_id"] == short_id(compat_key("gvisor", v2))
+    assert shown["decision"]["matched_runtime_id"] == short_id(compat_key("gvisor", v1))  # the pin's class
+    assert shown["runtimes"][0]["runtime_id"] == short_id(compat_key("microvm", v1))  # the command's class
+    assert "runtime_id" not in shown  # a `version` that is no runtime's is left alone
+    assert with_runtime_ids({"runtimes": [{"version": to_builtins(v1)}]}) == {"runtimes": [{"version": to_builtins(v1)}]}
+    kept = {"sandbox_class": "gvisor", "version": to_builtins(v1), "runtime_id": "rt-given"}
+    assert with_runtime_ids(kept) == kept

@@ -6,14 +6,15 @@ from __future__ import annotations
 import asyncio
 import json
 
+import msgspec
 import pytest
 from click.testing import CliRunner
 
 from events.codec import to_builtins
 from events.compat import compat_key
 from events.runtime_id import short_id
-from events.schema import WhatIf
-from tests.factories import actor, last_seq
+from events.schema import CompatVersion, WhatIf
+from tests.factories import actor, last_seq, runtime_ids_apart
 from tests.test_views import WIDTHS, assert_fits_whole, fleet, folded, possible_cells, runtime
 from warmboot.cli import main
 from warmboot.client import Client
@@ -55,8 +56,9 @@ async def test_a_name_drops_every_runtime_that_carries_it_and_json_is_the_endpoi
     shown = await run("--class", "gvisor", "--drop-runtime", "runsc-2024.11", "--json")
     assert shown.exit_code == 0, shown.output
     expected = await wb.whatif(WhatIf(sandbox_class="gvisor", drop_runtimes=tuple(release("2024.11"))))
-    answer = json.loads(shown.output)
-    assert answer == to_builtins(expected)
+    answer, ids = runtime_ids_apart(json.loads(shown.output))
+    assert answer == to_builtins(expected)  # the endpoint's answer, each version's id beside it
+    assert ids and all(i == short_id(compat_key("gvisor", msgspec.convert(v, CompatVersion))) for v, i in ids)
     assert answer["before"]["stranded_snapshots"] == 0
     assert answer["after"]["stranded_snapshots"] == 12 == len(answer["newly_stranded"])  # every image was 2024.11
     assert await last_seq(nc, prefix) == before  # writes nothing
@@ -70,9 +72,11 @@ async def test_ids_and_labels_name_one_runtime(fleet_on_bus):
     by_label = json.loads((await run("--class", "gvisor", "--drop-runtime", f"runsc-2024.11@{rt_id[3:]}",
                                      "--json")).output)
     assert by_id == by_label
-    assert by_id == to_builtins(await wb.whatif(WhatIf(sandbox_class="gvisor", drop_runtimes=(one,))))
+    assert runtime_ids_apart(by_id)[0] == to_builtins(await wb.whatif(WhatIf(sandbox_class="gvisor",
+                                                                               drop_runtimes=(one,))))
     dropped = [r for r in by_id["runtimes"] if r["workers_after"] == 0 and r["workers_before"] > 0]
-    assert [r["version"] for r in dropped] == [to_builtins(one)]
+    assert [(r["version"], r["runtime_id"]) for r in dropped] == [(to_builtins(one), rt_id)]  # the id it was given
+    assert {a["stamp"]["runtime_id"] for a in by_id["newly_stranded"]} == {rt_id}
 
 
 @pytest.mark.parametrize("width", WIDTHS)

@@ -9,7 +9,8 @@ endpoints through `warmboot.client` (the answers a resume would get) and fold on
 workers' histories for the names (whatif also reads the runtimes it is given back from
 them: a label, an `rt-` id or a name);
 workers folds the whole log with the scheduler's own projection (warmboot.audit.Sink),
-so it shows exactly what the scheduler sees.
+so it shows exactly what the scheduler sees. Their JSON is the endpoint's answer with each
+runtime version's `rt-` id beside it (`with_runtime_ids`).
 """
 
 from __future__ import annotations
@@ -50,8 +51,35 @@ def output_mode(output: str | None, as_json: bool) -> str:
     return "json" if as_json else (output or "table")
 
 
-def echo_json(value: Any) -> None:
-    click.echo(json.dumps(value, indent=2))
+# The keys under which a reply names a runtime's version, and the key its id is given under beside it.
+VERSION_KEYS = {"version": "runtime_id", "matched_version": "matched_runtime_id"}
+
+
+def with_runtime_ids(value: Any, sandbox_class: str | None = None) -> Any:
+    """`value` (a reply as JSON builtins) with the id of every runtime version it names beside it:
+    `runtime_id` beside `version`, `matched_runtime_id` beside `matched_version` (the `rt-` id
+    `whatif --drop-runtime` takes and every label's digits are, events.runtime_id), so that JSON
+    can be matched with what the views print without a read of the log. A version's class is its
+    object's `sandbox_class`, its `sandbox_runtime`'s (a placement's pin), or the nearest enclosing
+    one's (`sandbox_class` for a reply that names none: whatif's). An id already given is kept."""
+    if isinstance(value, list):
+        return [with_runtime_ids(v, sandbox_class) for v in value]
+    if not isinstance(value, dict):
+        return value
+    pin = value.get("sandbox_runtime")
+    here = value.get("sandbox_class") or (pin.get("sandbox_class") if isinstance(pin, dict) else None)
+    here = here if isinstance(here, str) else sandbox_class
+    out = {k: with_runtime_ids(v, here) for k, v in value.items()}
+    for key, id_key in VERSION_KEYS.items():
+        version = value.get(key)
+        if here is not None and id_key not in out and isinstance(version, dict) and "attributes" in version:
+            out[id_key] = short_id(compat_key(here, msgspec.convert(version, CompatVersion)))
+    return out
+
+
+def echo_json(value: Any, sandbox_class: str | None = None) -> None:
+    """`value` as indented JSON, each runtime version it names given its id (`with_runtime_ids`)."""
+    click.echo(json.dumps(with_runtime_ids(value, sandbox_class), indent=2))
 
 
 def echo_table(rendered, width: int | None) -> None:
@@ -521,6 +549,6 @@ def whatif(sandbox_class: str, drop: tuple[str, ...], drain: tuple[str, ...], li
 
     query, answer, runtimes = ask(nats_url, work)
     if mode == "json":
-        echo_json(to_builtins(answer))
+        echo_json(to_builtins(answer), sandbox_class)
         return
     click.echo(render_whatif(query, answer, runtimes, terminal_width(), mode == "wide"))
