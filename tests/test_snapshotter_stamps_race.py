@@ -1,0 +1,387 @@
+"""Stamps under races, judged from the log in stream order (an audit's stress test).
+
+Every service runs (registry, scheduler, snapshotter) plus a second snapshotter replica with a
+connection and an event-store link of its own. Actors are resumed by the scheduler onto workers
+of three runtimes, and, all at once, paused, suspended (promoted), tagged, reverted, created from
+tags, with request ids repeated, while a worker's runtimes change and another worker is removed
+and registered again under another runtime. The verdict is read from the log alone: each snapshot
+carries the pin of the placement it was taken under, each copy the stamp of what it copies, each
+memory restore a pin that accepts its image's stamp, and each reply the snapshot the log recorded
+for its request id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections import Counter
+
+import msgspec
+import nats
+
+from events.compat import stamp_key
+from events.errors import ContractError
+from events.schema import (
+    ActorCreated,
+    ActorPlaced,
+    ActorReleased,
+    ActorReverted,
+    ActorStopped,
+    ErrorCode,
+    Fidelity,
+    Location,
+    PlacedFidelity,
+    ReleaseReason,
+    SnapshotOrigin,
+    SnapshotReply,
+    SnapshotTaken,
+    TagRecorded,
+)
+from events.subjects import services_inbox
+from services.snapshotter.service import SnapshotterService
+from events.jetstream.layout import BATCH_ID_HEADER, sequence_of
+from tests.factories import actor, read_entries, runtime, version, worker
+import pytest
+from tests.test_snapshotter import env_for
+from warmboot.client import Client
+
+V1, V2, V3, V4 = version("r1"), version("r2"), version("r3"), version("r4")
+ROUNDS = int(__import__("os").environ.get("STAMP_ROUNDS", "4"))
+
+
+@contextlib.asynccontextmanager
+async def second_snapshotter(nats_url: str, prefix: str, lag: random.Random | None = None):
+    """A second replica; with `lag`, its direct gets answered as by a replica of the stream up to a
+    few messages behind (each read hides up to 5 of the newest messages it would return, and the
+    rest of their atomic batches)."""
+    client = await nats.connect(nats_url)
+    env = env_for(nats_url, prefix)
+    env["NATS_INBOX_PREFIX"] = f"{services_inbox(prefix)}.replica2"
+    service = SnapshotterService(client, nats_url=nats_url, prefix=prefix, env=env)
+    try:
+        await service.start()
+        if lag is not None:
+            stream = service.app.recorder.stream
+            read, hidden = stream.read, Counter()
+
+            async def behind(subject, start, *args, **kwargs):
+                msgs = await read(subject, start, *args, **kwargs)
+                if not msgs:
+                    return msgs
+                cut = sequence_of(msgs[-1]) - lag.randrange(6)
+                # an atomic batch becomes visible whole: none of a batch some message of which is cut
+                torn = {m.headers.get(BATCH_ID_HEADER) for m in msgs if sequence_of(m) > cut} - {None}
+                kept = [m for m in msgs if sequence_of(m) <= cut and m.headers.get(BATCH_ID_HEADER) not in torn]
+                hidden["read"] += len(msgs) - len(kept)
+                return kept
+
+            async def last_behind(subject, *args, **kwargs):
+                msgs = await behind(subject, 1)
+                return msgs[-1] if msgs else None
+
+            stream.read, stream.last_direct = behind, last_behind
+            service.hidden = hidden
+        yield service
+    finally:
+        await service.stop()
+        await client.close()
+
+
+def served(replica: SnapshotterService, verb: str) -> int:
+    return next(e.num_requests for e in replica.micro.stats().endpoints if e.name == verb)
+
+
+def verdict(entries, created_from: dict[str, str]) -> list[str]:
+    """Every breach of the stamping rules in the log, in stream order."""
+    faults: list[str] = []
+    assign: dict[str, ActorPlaced | None] = {}
+    state: dict[str, str] = {}
+    latest: dict = {}
+    external: dict = {}
+    tags: dict[str, object] = {}
+    tag_by_request: dict[str, object] = {}
+    for seq, _, e in entries:
+        if isinstance(e, TagRecorded):
+            tags[e.tag] = e.snapshot
+            if e.request_id:
+                tag_by_request[e.request_id] = e.snapshot
+            continue
+        aid = getattr(e, "actor_id", None)
+        if aid is None:
+            continue
+        if isinstance(e, ActorCreated):
+            state[aid], assign[aid] = "CREATED", None
+            latest[aid] = e.snapshot
+            external[aid] = e.snapshot
+            source = created_from.get(aid)
+            if source is not None:
+                want = tags.get(source)
+                want = msgspec.structs.replace(want, actor_id=aid) if want is not None else None
+                if e.snapshot != want:
+                    faults.append(f"{seq}: {aid} created from tag {source} with {e.snapshot}, the tag names {want}")
+        elif isinstance(e, ActorPlaced):
+            if state.get(aid) not in ("CREATED", "PAUSED", "SUSPENDED"):
+                faults.append(f"{seq}: {aid} placed while {state.get(aid)}")
+            snap = latest.get(aid)
+            if e.fidelity is PlacedFidelity.MEMORY:
+                if snap is None or snap.sandbox_runtime is None or \
+                        stamp_key(snap.sandbox_runtime) != stamp_key(e.sandbox_runtime):
+                    faults.append(f"{seq}: {aid} restored at MEMORY under {e.sandbox_runtime.version} from {snap}")
+            if snap is not None and snap.location is Location.LOCAL and snap.node != e.node:
+                faults.append(f"{seq}: {aid} LOCAL image on {snap.node} restored on {e.node}")
+            state[aid], assign[aid] = "RUNNING", e
+        elif isinstance(e, SnapshotTaken):
+            s, origin = e.snapshot, e.origin
+            held = assign.get(aid)
+            if origin in (SnapshotOrigin.PAUSE, SnapshotOrigin.SUSPEND):
+                if held is None or state.get(aid) != "RUNNING":
+                    faults.append(f"{seq}: {aid} {origin.value} while {state.get(aid)}")
+                elif s.sandbox_runtime != held.sandbox_runtime:
+                    faults.append(f"{seq}: {aid} {origin.value} stamped {s.sandbox_runtime}, "
+                                  f"pin {held.sandbox_runtime}")
+                elif origin is SnapshotOrigin.PAUSE and (s.node != held.node or s.location is not Location.LOCAL):
+                    faults.append(f"{seq}: {aid} PAUSE on {s.node}, placed on {held.node}")
+                latest[aid] = s
+                if origin is SnapshotOrigin.SUSPEND:
+                    external[aid] = s
+            elif origin is SnapshotOrigin.PROMOTE:
+                was = latest.get(aid)
+                if state.get(aid) != "PAUSED" or was is None or was.location is not Location.LOCAL:
+                    faults.append(f"{seq}: {aid} PROMOTE while {state.get(aid)} from {was}")
+                elif (s.sandbox_runtime, s.taken_at, s.template_uid) != \
+                        (was.sandbox_runtime, was.taken_at, was.template_uid):
+                    faults.append(f"{seq}: {aid} PROMOTE stamped {s.sandbox_runtime}, "
+                                  f"the local one {was.sandbox_runtime}")
+                latest[aid] = external[aid] = s
+                state[aid] = "SUSPENDED"
+            elif origin is SnapshotOrigin.TAG:
+                if s != latest.get(aid):
+                    faults.append(f"{seq}: {aid} TAG copies {s}, latest is {latest.get(aid)}")
+                if e.request_id is None or tag_by_request.get(e.request_id) != s:
+                    faults.append(f"{seq}: {aid} TAG {s} differs from the tag's record "
+                                  f"{tag_by_request.get(e.request_id)}")
+            elif origin is SnapshotOrigin.CREATE:
+                if s != latest.get(aid):
+                    faults.append(f"{seq}: {aid} CREATE snapshot differs from ActorCreated's")
+        elif isinstance(e, ActorReleased):
+            assign[aid] = None
+            if e.reason is ReleaseReason.PAUSED:
+                state[aid] = "PAUSED"
+            elif e.reason in (ReleaseReason.SUSPENDED, ReleaseReason.WORKER_REMOVED):
+                state[aid] = "SUSPENDED"
+        elif isinstance(e, ActorStopped):
+            state[aid], assign[aid] = "STOPPED", None
+        elif isinstance(e, ActorReverted):
+            if e.abandoned != latest.get(aid) or e.snapshot != external.get(aid):
+                faults.append(f"{seq}: {aid} reverted to {e.snapshot} (last external {external.get(aid)}), "
+                              f"abandoning {e.abandoned} (latest {latest.get(aid)})")
+            latest[aid] = e.snapshot
+            state[aid], assign[aid] = "SUSPENDED", None
+    return faults
+
+
+@pytest.mark.parametrize("lagging", [False, True])
+async def test_stamps_hold_under_two_replicas_runtime_changes_and_a_new_life_of_a_worker(stack, nc, prefix, lagging):
+    rng = random.Random(7)
+    wb = Client(nc, prefix, read_your_writes=False)
+
+    def reg(wid, node, default, restorable=()):
+        return worker(wid, runtime(default, overhead=None), tuple(runtime(v, overhead=None) for v in restorable),
+                      node=node, cpu=10_000_000, mem=10_000_000)
+
+    await wb.register(reg("w-1", "node-1", V1, (V2,)))
+    await wb.register(reg("w-2", "node-2", V2, (V1,)))
+    await wb.register(reg("w-3", "node-1", V3))
+    actors = [f"a-{i}" for i in range(30)]
+    for aid in actors:
+        await wb.create(actor(aid, cpu=1, mem=1))
+    created_from: dict[str, str] = {}
+    replies: list[tuple[str, SnapshotReply]] = []
+    codes: Counter = Counter()
+
+    async def note(what, coro):
+        try:
+            reply = await coro
+        except ContractError as error:
+            codes[(what, error.code.value)] += 1
+            assert error.code is not ErrorCode.INTERNAL, error
+            return None
+        codes[(what, "OK")] += 1
+        return reply
+
+    sent: dict[str, tuple] = {}  # request id -> how to send it again
+
+    async def snap(what, aid, rid, *args):
+        call = {"pause": wb.pause, "suspend": wb.suspend, "tag": wb.tag}[what]
+        kwargs = {"request_id": rid}
+        if what == "suspend":
+            args = (Fidelity.MEMORY,)
+        sent[rid] = (what, aid, args)
+        reply = await note(what, call(aid, *args, **kwargs))
+        if reply is not None:
+            replies.append((rid, reply))
+
+    async with second_snapshotter(stack.nats_url, prefix, random.Random(11) if lagging else None) as second:
+        for round_ in range(ROUNDS):
+            await asyncio.gather(*(note("resume", wb.resume(aid)) for aid in actors for _ in range(2)))
+            ops = []
+            for aid in actors:
+                rids = [f"{aid}-{round_}-{k}" for k in range(3)]
+                for _ in range(3):
+                    ops.append(snap("pause", aid, rng.choice(rids) + "p"))
+                    ops.append(snap("suspend", aid, rng.choice(rids) + "s"))
+                ops.append(snap("tag", aid, f"{aid}-{round_}-tag", f"t-{rng.randrange(3)}"))
+                if rng.random() < 0.3:
+                    ops.append(note("revert", wb.revert(aid)))
+            reborn: set[str] = set()
+
+            async def new_life(aid):
+                await note("stop", wb.stop(aid))
+                if await note("create", wb.create(actor(aid, cpu=1, mem=1))) is not None:
+                    reborn.add(aid)
+
+            for aid in rng.sample(actors, 3):  # a stop and, at once, a new life of the same id
+                ops.append(new_life(aid))
+            for k in range(6):
+                cid = f"c-{round_}-{k}"
+                created_from[cid] = f"t-{k % 3}"
+                ops.append(note("create", wb.create(actor(cid, cpu=1, mem=1, source_tag=created_from[cid]))))
+            # the registry moves under it all: w-1's runtimes change, w-3 ends and begins a life anew
+            ops.append(note("register", wb.register(reg("w-1", "node-1", V2, (V1,)) if round_ % 2 == 0
+                                                    else reg("w-1", "node-1", V1, (V2,)))))
+            if round_ % 2 == 0:
+                ops.append(note("remove", wb.remove("w-3")))
+            else:
+                ops.append(note("register", wb.register(reg("w-3", "node-1", V4 if round_ == 1 else V3))))
+            rng.shuffle(ops)
+            await asyncio.gather(*ops)
+            # every id answered so far sent again after the actors moved: each gets its first answer
+            await asyncio.gather(*(note("resume", wb.resume(aid)) for aid in actors))
+            # (an earlier life's request id is a new request in the next life: docs/contract.md)
+            first = {rid: r for rid, r in replies if r.snapshot.actor_id not in reborn}
+            replies.clear()
+            await asyncio.gather(*(snap(sent[rid][0], sent[rid][1], rid, *sent[rid][2]) for rid in first))
+            for rid, reply in replies:
+                assert reply.snapshot == first[rid].snapshot, (rid, reply, first[rid])
+            replies[:] = list(first.items())
+        entries = await read_entries(nc, prefix)
+        assert served(second, "pause") and served(second, "suspend")
+        if lagging:
+            print("hidden by the lagging replica:", dict(second.hidden))
+    faults = verdict(entries, created_from)
+    print(sorted(codes.items()))
+    assert not faults, "\n".join(faults[:20])
+    by_request: dict[str, SnapshotTaken] = {}
+    for _, _, e in entries:
+        if isinstance(e, SnapshotTaken) and e.request_id and e.request_id not in by_request:
+            by_request[e.request_id] = e
+    for rid, reply in replies:
+        assert by_request[rid].snapshot == reply.snapshot, (rid, reply)
+    assert codes[("pause", "OK")] and codes[("suspend", "OK")] and codes[("tag", "OK")]
+
+
+@pytest.mark.timeout(600)
+async def test_stamps_hold_through_a_stream_leader_failover_with_replicas_on_two_members(tmp_path, monkeypatch):
+    """The same workload on a 3-node cluster (streams R3), the snapshotter's two replicas on two
+    members; the stream leader is killed (SIGKILL) while a round is in flight, and started again."""
+    import uuid
+    from contextlib import AsyncExitStack
+
+    from events.subjects import stream_name
+    from tests.test_failover import every_service
+    from warmboot.natsserver import NatsCluster, wait_jetstream, wait_stream_current
+    from warmboot.runner import connect
+
+    monkeypatch.setenv("WARMBOOT_STREAM_REPLICAS", "3")
+    prefix = "t" + uuid.uuid4().hex[:10]
+    rng = random.Random(3)
+    with NatsCluster(tmp_path) as cluster:
+        await wait_jetstream(cluster.url)
+        async with AsyncExitStack() as exits:
+            await every_service(exits, cluster, prefix)
+            second = await exits.enter_async_context(second_snapshotter(cluster.urls[1], prefix))
+            # its requests are served by both replicas (one on another member)
+            nc = await connect(cluster.url, "client")
+            exits.push_async_callback(nc.close)
+            wb = Client(nc, prefix, read_your_writes=False)
+
+            def reg(wid, node, default, restorable=()):
+                return worker(wid, runtime(default, overhead=None),
+                              tuple(runtime(v, overhead=None) for v in restorable), node=node,
+                              cpu=10_000_000, mem=10_000_000)
+
+            await wb.register(reg("w-1", "node-1", V1, (V2,)))
+            await wb.register(reg("w-2", "node-2", V2, (V1,)))
+            actors = [f"a-{i}" for i in range(24)]
+            for aid in actors:
+                await wb.create(actor(aid, cpu=1, mem=1))
+            codes: Counter = Counter()
+            replies: list[tuple[str, SnapshotReply]] = []
+            answered = asyncio.Event()
+
+            async def note(what, coro):
+                try:
+                    reply = await coro
+                except ContractError as error:
+                    codes[(what, error.code.value)] += 1
+                    assert error.code is not ErrorCode.INTERNAL, error
+                    return None
+                finally:
+                    answered.set()
+                codes[(what, "OK")] += 1
+                return reply
+
+            async def snap(what, aid, rid):
+                call = wb.pause(aid, request_id=rid) if what == "pause" else \
+                    wb.suspend(aid, Fidelity.MEMORY, request_id=rid) if what == "suspend" else \
+                    wb.tag(aid, f"t-{rng.randrange(2)}", request_id=rid)
+                reply = await note(what, call)
+                if reply is not None:
+                    replies.append((rid, reply))
+
+            stream = stream_name(prefix)
+            for round_ in range(4):
+                await asyncio.gather(*(note("resume", wb.resume(aid)) for aid in actors for _ in range(2)))
+                ops = []
+                for aid in actors:
+                    for k in range(2):
+                        ops.append(snap("pause", aid, f"{aid}-{round_}-{k}p"))
+                        ops.append(snap("suspend", aid, f"{aid}-{round_}-{k}s"))
+                    ops.append(snap("tag", aid, f"{aid}-{round_}-tag"))
+                ops.append(note("register", wb.register(reg("w-1", "node-1", V2, (V1,)) if round_ % 2 == 0
+                                                        else reg("w-1", "node-1", V1, (V2,)))))
+                rng.shuffle(ops)
+                if round_ == 1:
+                    await wait_stream_current(nc.jetstream(), stream, 3)
+                    leader = (await nc.jetstream().stream_info(stream)).cluster.leader
+                    answered.clear()
+                    running = asyncio.gather(*ops)
+                    await answered.wait()  # the round is under way: one of its requests is answered
+                    cluster.node(leader).kill()
+                    await running
+                    cluster.node(leader).spawn()
+                    await asyncio.to_thread(cluster.node(leader).wait_ready, 30)
+                else:
+                    await asyncio.gather(*ops)
+                first = dict(replies)
+                replies.clear()
+                await asyncio.gather(*(snap(rid[-1:] == "p" and "pause" or rid[-1:] == "s" and "suspend" or "tag",
+                                            r.snapshot.actor_id, rid) for rid, r in first.items() if rid[-1] != "g"))
+                for rid, reply in replies:
+                    assert reply.snapshot == first[rid].snapshot, (rid, reply, first[rid])
+                replies[:] = list(first.items())
+            await wait_stream_current(nc.jetstream(), stream, 3)
+            entries = await read_entries(nc, prefix)
+            assert served(second, "pause") and served(second, "suspend")
+    print(sorted(codes.items()))
+    faults = verdict(entries, {})
+    assert not faults, "\n".join(faults[:20])
+    by_request: dict[str, SnapshotTaken] = {}
+    for _, _, e in entries:
+        if isinstance(e, SnapshotTaken) and e.request_id and e.request_id not in by_request:
+            by_request[e.request_id] = e
+    for rid, reply in replies:
+        assert by_request[rid].snapshot == reply.snapshot, (rid, reply)
+    ids = Counter((e.actor_id, e.request_id, e.origin) for _, _, e in entries if isinstance(e, SnapshotTaken))
+    assert set(ids.values()) == {1}, [k for k, n in ids.items() if n > 1]
