@@ -307,6 +307,9 @@ class CreateActor(Base, kw_only=True):
 class PauseActor(Base, kw_only=True):
     snapshot_id: Id | None = None
     request_id: RequestId | None = None
+    # Project addition: the `seq` of the Assignment the image was taken under (what the resume
+    # answered); refused unless that placement is the actor's current one (docs/contract.md)
+    placement_seq: Seq | None = None
 
 
 class SuspendActor(Base, kw_only=True):
@@ -314,6 +317,8 @@ class SuspendActor(Base, kw_only=True):
     uri: Uri | None = None
     fidelity: Fidelity
     request_id: RequestId | None = None
+    # Project addition, as on PauseActor; for a PAUSED actor, the placement its pause ended
+    placement_seq: Seq | None = None
 
 
 class TagSnapshot(Base, kw_only=True):

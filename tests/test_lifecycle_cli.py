@@ -93,7 +93,13 @@ async def test_an_actor_lives_through_the_cli_and_every_reply_is_in_the_log(bus,
     (event, _) = await wrote(nc, prefix, int(placed["SEQ"]))  # ActorPlaced and its booking marker
     assert isinstance(event, ActorPlaced) and event.worker_id == placed["WORKER"]
 
-    paused = await run("actor", "pause", "a-1")
+    before = await last_seq(nc, prefix)
+    stale = await run("actor", "pause", "a-1", "--placement-seq", str(int(placed["SEQ"]) + 7))
+    assert stale.exit_code == 1 and stale.stderr.startswith(
+        "error: FAILED_PRECONDITION placement_seq (--placement-seq): cannot record a pause of actor 'a-1' taken "
+        f"under the placement at sequence {int(placed['SEQ']) + 7}: it is placed at sequence "), stale.stderr
+    assert await last_seq(nc, prefix) == before  # nothing written
+    paused = await run("actor", "pause", "a-1", "--placement-seq", placed["SEQ"])  # the placement it was taken under
     assert paused.exit_code == 0, paused.output
     node = "node-old" if placed["WORKER"] == "w-old" else "node-new"
     assert paused.output.startswith(f"actor/a-1 paused: snapshot a-1-v3, MEMORY, LOCAL on {node}, "

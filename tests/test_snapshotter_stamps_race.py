@@ -41,7 +41,7 @@ from events.schema import (
 from events.subjects import services_inbox
 from services.snapshotter.service import SnapshotterService
 from events.jetstream.layout import BATCH_ID_HEADER, sequence_of
-from tests.factories import actor, read_entries, runtime, version, worker
+from tests.factories import actor, read_entries, runtime, version, wait_for, worker
 import pytest
 from tests.test_snapshotter import env_for
 from warmboot.client import Client
@@ -385,3 +385,40 @@ async def test_stamps_hold_through_a_stream_leader_failover_with_replicas_on_two
         assert by_request[rid].snapshot == reply.snapshot, (rid, reply)
     ids = Counter((e.actor_id, e.request_id, e.origin) for _, _, e in entries if isinstance(e, SnapshotTaken))
     assert set(ids.values()) == {1}, [k for k, n in ids.items() if n > 1]
+
+
+async def test_a_pause_or_suspend_naming_its_placement_is_refused_once_the_actor_was_placed_anew(stack, nc, prefix):
+    """a-1 runs on w-1 under V1 and its image is being taken there, when w-1 is removed (a-1 is
+    released) and a resume places a-1 on w-2 under V2. The pause, sent late, was recorded as a pause
+    on w-2's node stamped V2: an image of V1 on node-1 named a V2 image on node-2 (found by an audit).
+    A pause or suspend that names the placement it was taken under (`placement_seq`, the seq the
+    resume answered) is refused once that placement has ended, and nothing is written; one naming
+    the current placement is recorded with that placement's pin and node."""
+    wb = Client(nc, prefix)
+    await wb.register(worker("w-1", runtime(V1), node="node-1"))
+    await wb.create(actor("a-1", cpu=1, mem=1))
+    first = await wb.resume("a-1")
+    assert (first.worker_id, first.sandbox_runtime.version) == ("w-1", V1)
+    await wb.remove("w-1")
+    await wb.register(worker("w-2", runtime(V2), node="node-2"))
+    released, _ = await wait_for(nc, prefix, lambda e: isinstance(e, ActorReleased) and e.actor_id == "a-1")
+    second = await wb.resume("a-1", min_seq=released)  # the snapshotter released it: w-1's removal
+    assert (second.worker_id, second.sandbox_runtime.version) == ("w-2", V2)
+
+    before = [seq for seq, _, _ in await read_entries(nc, prefix)][-1]
+    for send in (lambda: wb.pause("a-1", placement_seq=first.seq),
+                 lambda: wb.suspend("a-1", uri="s3://a-1", placement_seq=first.seq),
+                 lambda: wb.pause("a-1", placement_seq=first.seq - 1)):  # not the placement's seq at all
+        with pytest.raises(ContractError) as refused:
+            await send()
+        assert (refused.value.code, refused.value.field) == (ErrorCode.FAILED_PRECONDITION, "placement_seq")
+        assert f"placed at sequence {second.seq - 1} on worker 'w-2'" in refused.value.message
+    assert [seq for seq, _, _ in await read_entries(nc, prefix)][-1] == before  # nothing written
+
+    paused = await wb.pause("a-1", placement_seq=second.seq)  # the Assignment's seq: its booking marker's
+    assert (paused.snapshot.node, paused.snapshot.sandbox_runtime.version) == ("node-2", V2)
+    with pytest.raises(ContractError) as refused:  # a promote names the placement the pause ended
+        await wb.suspend("a-1", uri="s3://a-1", placement_seq=first.seq)
+    assert "its image is of the placement at sequence" in refused.value.message
+    promoted = await wb.suspend("a-1", uri="s3://a-1", placement_seq=second.seq - 1)  # the ActorPlaced's seq
+    assert promoted.snapshot.sandbox_runtime.version == V2

@@ -261,16 +261,21 @@ class Client:
         body = self._with_request_id(actor)
         return await self.request("snapshotter", "create", body.actor_id, body, SeqReply)
 
-    async def pause(self, actor_id: str, snapshot_id: str | None = None, request_id: str | None = None) -> SnapshotReply:
-        body = PauseActor(snapshot_id=snapshot_id, request_id=request_id or new_request_id())
+    async def pause(self, actor_id: str, snapshot_id: str | None = None, request_id: str | None = None,
+                    placement_seq: int | None = None) -> SnapshotReply:
+        """`placement_seq`: the `seq` of the Assignment the image was taken under (what `resume`
+        answered); FAILED_PRECONDITION if the actor has been placed anew since. Give it."""
+        body = PauseActor(snapshot_id=snapshot_id, request_id=request_id or new_request_id(),
+                          placement_seq=placement_seq)
         return await self.request("snapshotter", "pause", actor_id, body, SnapshotReply)
 
     async def suspend(
         self, actor_id: str, fidelity: Fidelity = Fidelity.MEMORY, uri: str | None = None,
-        snapshot_id: str | None = None, request_id: str | None = None,
+        snapshot_id: str | None = None, request_id: str | None = None, placement_seq: int | None = None,
     ) -> SnapshotReply:
+        """`placement_seq` as for `pause` (for a PAUSED actor: the placement its pause ended)."""
         body = SuspendActor(snapshot_id=snapshot_id, uri=uri, fidelity=fidelity,
-                            request_id=request_id or new_request_id())
+                            request_id=request_id or new_request_id(), placement_seq=placement_seq)
         return await self.request("snapshotter", "suspend", actor_id, body, SnapshotReply)
 
     async def tag(self, actor_id: str, tag: str, request_id: str | None = None) -> SnapshotReply:

@@ -63,6 +63,11 @@ def one_state(value: str | None) -> str | None:
         raise click.BadParameter(f"{value!r} is not one of {', '.join(states)}")
     return value.upper()
 
+placement_seq_option = click.option(
+    "--placement-seq", type=click.IntRange(min=1), default=None, metavar="SEQ",
+    help="The seq `actor resume` printed for the placement the image was taken under: refused, and nothing "
+         "recorded, if the actor has been placed anew since (its worker removed meanwhile, say).")
+
 request_id_option = click.option("--request-id", default=None,
                                  help="Idempotency key: the same command with the same id is the same request "
                                       "(default: a new one).")
@@ -198,14 +203,16 @@ def echo(reply: Any, as_json: bool, text: Callable[[], str]) -> None:
 @actor.command("pause")
 @click.argument("actor_id")
 @click.option("--snapshot-id", default=None, help="Id of the LOCAL memory snapshot (default: <actor>-v<n>).")
+@placement_seq_option
 @request_id_option
 @nats_option
 @prefix_option
 @json_option
-def pause_cmd(actor_id: str, snapshot_id: str | None, request_id: str | None, nats_url: str, prefix: str,
-              as_json: bool) -> None:
+def pause_cmd(actor_id: str, snapshot_id: str | None, placement_seq: int | None, request_id: str | None,
+              nats_url: str, prefix: str, as_json: bool) -> None:
     """Pause a RUNNING actor: a LOCAL memory snapshot on its node, stamped with its pin."""
-    reply, runtimes = run(nats_url, prefix, not as_json, lambda wb: wb.pause(actor_id, snapshot_id, request_id))
+    reply, runtimes = run(nats_url, prefix, not as_json,
+                          lambda wb: wb.pause(actor_id, snapshot_id, request_id, placement_seq))
     echo(reply, as_json, lambda: done("actor", actor_id, "paused: " + snapshot_text(reply.snapshot, runtimes),
                                       reply.seq))
 
@@ -216,16 +223,18 @@ def pause_cmd(actor_id: str, snapshot_id: str | None, request_id: str | None, na
               show_default=True, help="What the EXTERNAL snapshot can restore.")
 @click.option("--uri", default=None, help="Where the snapshot is stored.")
 @click.option("--snapshot-id", default=None, help="Id of the snapshot (default: <actor>-v<n>).")
+@placement_seq_option
 @request_id_option
 @nats_option
 @prefix_option
 @json_option
-def suspend_cmd(actor_id: str, fidelity: str, uri: str | None, snapshot_id: str | None, request_id: str | None,
-                nats_url: str, prefix: str, as_json: bool) -> None:
+def suspend_cmd(actor_id: str, fidelity: str, uri: str | None, snapshot_id: str | None, placement_seq: int | None,
+                request_id: str | None, nats_url: str, prefix: str, as_json: bool) -> None:
     """Suspend an actor: RUNNING -> an EXTERNAL snapshot stamped with its pin; PAUSED -> its
     LOCAL snapshot promoted to EXTERNAL (it may then move)."""
     reply, runtimes = run(nats_url, prefix, not as_json,
-                          lambda wb: wb.suspend(actor_id, Fidelity(fidelity), uri, snapshot_id, request_id))
+                          lambda wb: wb.suspend(actor_id, Fidelity(fidelity), uri, snapshot_id, request_id,
+                                                placement_seq))
     echo(reply, as_json, lambda: done("actor", actor_id, "suspended: " + snapshot_text(reply.snapshot, runtimes),
                                       reply.seq))
 

@@ -150,6 +150,7 @@ class Demo:
         self.wb = Client(nc, prefix, timeout=cfg.timeout, attempts=8)
         self.gate = asyncio.Semaphore(cfg.concurrency)
         self.where: dict[str, str] = {}  # actor -> the worker of its last placement
+        self.placed: dict[str, int] = {}  # actor -> the seq of its last placement (its Assignment's)
         # ends `heartbeats` also when a request's time-out swallowed its cancellation (Python
         # 3.11's asyncio.wait_for can, when the reply and the cancellation come together)
         self.stopping = False
@@ -196,6 +197,7 @@ class Demo:
             self.tally.resumes += 1
             self.tally.resume_seconds += time.perf_counter() - started
         self.where[actor_id] = assignment.worker_id
+        self.placed[actor_id] = assignment.seq  # what its pause and suspend were taken under
         self.tally.placements[(assignment.action.value, assignment.fidelity.value)] += 1
         matched = assignment.matched_version
         if matched is not None and matched != assignment.sandbox_runtime.version:
@@ -206,7 +208,7 @@ class Demo:
 
     async def pause(self, actor_id: str) -> bool:
         try:
-            await self.call(self.wb.pause(actor_id))
+            await self.call(self.wb.pause(actor_id, placement_seq=self.placed.get(actor_id)))
             return True
         except ContractError as e:
             self.tally.refusals[e.code.value] += 1
@@ -214,7 +216,7 @@ class Demo:
 
     async def suspend(self, actor_id: str, fidelity: Fidelity = Fidelity.MEMORY) -> bool:
         try:
-            await self.call(self.wb.suspend(actor_id, fidelity))
+            await self.call(self.wb.suspend(actor_id, fidelity, placement_seq=self.placed.get(actor_id)))
             return True
         except ContractError as e:
             self.tally.refusals[e.code.value] += 1

@@ -67,7 +67,7 @@ from __future__ import annotations
 from datetime import datetime
 
 from events.aggregate import WireAggregate
-from events.errors import already_exists, invalid, no_actor, not_found, precondition
+from events.errors import already_exists, invalid, no_actor, not_found, precondition, unavailable
 from events.schema import (
     ActorCreated,
     ActorPlaced,
@@ -269,9 +269,36 @@ class Actor(WireAggregate):
             )
         self.record(placed)
 
-    def pause(self, snapshot_id: str | None, request_id: str | None, at: datetime) -> Snapshot:
+    def require_placement(self, placement_seq: int | None, verb: str) -> None:
+        """With `placement_seq` (the `seq` of the Assignment a resume answered: its ActorPlaced's, or
+        that of the booking marker written right after it in the same batch), the image a pause or a
+        suspend records was taken under that placement: FAILED_PRECONDITION (field `placement_seq`)
+        unless it is the actor's current one, or, for a PAUSED actor, the one its pause ended.
+        Otherwise the actor was released and placed again (its worker removed, say) while the image
+        was being taken, and the record would stamp that image with another placement's pin and node
+        (found by an audit: a pause decided after such a move recorded the new pin)."""
+        if placement_seq is None:
+            return
+        placed = self.seq_at(self.assignment_version) if self.assignment_version else 0
+        if self.assignment_version and not placed:  # the event store names every event's position
+            raise unavailable(f"the event store did not say where the placement of actor {self.entity_id!r} is")
+        if placed and placed <= placement_seq <= placed + 1:
+            return
+        held = self.assignment
+        now = (f"it is placed at sequence {placed} on worker {held.worker_id!r}" if held is not None
+               else f"its image is of the placement at sequence {placed}" if placed
+               else "it has never been placed")
+        raise precondition(
+            f"cannot record a {verb} of actor {self.entity_id!r} taken under the placement at sequence "
+            f"{placement_seq}: {now}; nothing recorded (the image taken there is not that placement's)",
+            "placement_seq",
+        )
+
+    def pause(self, snapshot_id: str | None, request_id: str | None, at: datetime,
+              placement_seq: int | None = None) -> Snapshot:
         """RUNNING -> PAUSED: a local memory snapshot stamped from the pin; the assignment is released."""
         self.require("pause", ActorState.RUNNING)
+        self.require_placement(placement_seq, "pause")
         assignment = self.assignment
         assert assignment is not None  # RUNNING always has one
         snapshot = paused_snapshot(
@@ -287,11 +314,12 @@ class Actor(WireAggregate):
 
     def suspend(
         self, snapshot_id: str | None, uri: str | None, fidelity: Fidelity,
-        request_id: str | None, at: datetime,
+        request_id: str | None, at: datetime, placement_seq: int | None = None,
     ) -> Snapshot:
         """RUNNING -> SUSPENDED (new external snapshot, assignment released), or
         PAUSED -> SUSPENDED (the local snapshot promoted, node pin cleared)."""
         self.require("suspend", ActorState.RUNNING, ActorState.PAUSED)
+        self.require_placement(placement_seq, "suspend")
         if self.state is ActorState.PAUSED:
             local = self.latest_snapshot
             assert local is not None  # PAUSED always has its local snapshot

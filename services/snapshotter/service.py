@@ -593,7 +593,7 @@ class SnapshotterService:
         if found is not None:
             return found
         fence = await self.placement_fence(actor, "paused")
-        snapshot = actor.pause(req.snapshot_id, req.request_id, now())
+        snapshot = actor.pause(req.snapshot_id, req.request_id, now(), req.placement_seq)
         return SnapshotReply(snapshot=snapshot, seq=await self.save(actor, fences=fence))
 
     async def suspend(self, actor_id: str, req: SuspendActor) -> SnapshotReply:
@@ -605,7 +605,7 @@ class SnapshotterService:
         if found is not None:
             return found
         fence = await self.placement_fence(actor, "suspended")  # None from PAUSED: the image is on its node
-        snapshot = actor.suspend(req.snapshot_id, req.uri, req.fidelity, req.request_id, now())
+        snapshot = actor.suspend(req.snapshot_id, req.uri, req.fidelity, req.request_id, now(), req.placement_seq)
         return SnapshotReply(snapshot=snapshot, seq=await self.save(actor, fences=fence))
 
     async def tag(self, actor_id: str, req: TagSnapshot) -> SnapshotReply:
