@@ -50,6 +50,47 @@ V1, V2, V3, V4 = version("r1"), version("r2"), version("r3"), version("r4")
 ROUNDS = int(__import__("os").environ.get("STAMP_ROUNDS", "4"))
 
 
+def judge(entries, created_from: dict[str, str], replies: list[tuple[str, SnapshotReply]]) -> None:
+    """The log's stamps hold (`verdict`), and every reply is the snapshot the log recorded first for
+    its request id."""
+    faults = verdict(entries, created_from)
+    assert not faults, "\n".join(faults[:20])
+    by_request: dict[str, SnapshotTaken] = {}
+    for _, _, e in entries:
+        if isinstance(e, SnapshotTaken) and e.request_id and e.request_id not in by_request:
+            by_request[e.request_id] = e
+    for rid, reply in replies:
+        assert by_request[rid].snapshot == reply.snapshot, (rid, reply)
+
+
+def reg(wid, node, default, restorable=()):
+    """A worker with room for every actor of these tests, its runtimes without overheads."""
+    return worker(wid, runtime(default, overhead=None), tuple(runtime(v, overhead=None) for v in restorable),
+                  node=node, cpu=10_000_000, mem=10_000_000)
+
+
+class Outcomes:
+    """Each request's outcome, counted by (verb, error code or OK); an INTERNAL answer fails the test.
+    `answered` is set at every answer (a test waits for the first during a failover)."""
+
+    def __init__(self, answered: asyncio.Event | None = None):
+        self.codes: Counter = Counter()
+        self.answered = answered
+
+    async def note(self, what, coro):
+        try:
+            reply = await coro
+        except ContractError as error:
+            self.codes[(what, error.code.value)] += 1
+            assert error.code is not ErrorCode.INTERNAL, error
+            return None
+        finally:
+            if self.answered is not None:
+                self.answered.set()
+        self.codes[(what, "OK")] += 1
+        return reply
+
+
 @contextlib.asynccontextmanager
 async def second_snapshotter(nats_url: str, prefix: str, lag: random.Random | None = None):
     """A second replica; with `lag`, its direct gets answered as by a replica of the stream up to a
@@ -186,10 +227,6 @@ async def test_stamps_hold_under_two_replicas_runtime_changes_and_a_new_life_of_
     rng = random.Random(7)
     wb = Client(nc, prefix, read_your_writes=False)
 
-    def reg(wid, node, default, restorable=()):
-        return worker(wid, runtime(default, overhead=None), tuple(runtime(v, overhead=None) for v in restorable),
-                      node=node, cpu=10_000_000, mem=10_000_000)
-
     await wb.register(reg("w-1", "node-1", V1, (V2,)))
     await wb.register(reg("w-2", "node-2", V2, (V1,)))
     await wb.register(reg("w-3", "node-1", V3))
@@ -198,17 +235,8 @@ async def test_stamps_hold_under_two_replicas_runtime_changes_and_a_new_life_of_
         await wb.create(actor(aid, cpu=1, mem=1))
     created_from: dict[str, str] = {}
     replies: list[tuple[str, SnapshotReply]] = []
-    codes: Counter = Counter()
-
-    async def note(what, coro):
-        try:
-            reply = await coro
-        except ContractError as error:
-            codes[(what, error.code.value)] += 1
-            assert error.code is not ErrorCode.INTERNAL, error
-            return None
-        codes[(what, "OK")] += 1
-        return reply
+    outcomes = Outcomes()
+    note, codes = outcomes.note, outcomes.codes
 
     sent: dict[str, tuple] = {}  # request id -> how to send it again
 
@@ -269,15 +297,8 @@ async def test_stamps_hold_under_two_replicas_runtime_changes_and_a_new_life_of_
         assert served(second, "pause") and served(second, "suspend")
         if lagging:
             print("hidden by the lagging replica:", dict(second.hidden))
-    faults = verdict(entries, created_from)
     print(sorted(codes.items()))
-    assert not faults, "\n".join(faults[:20])
-    by_request: dict[str, SnapshotTaken] = {}
-    for _, _, e in entries:
-        if isinstance(e, SnapshotTaken) and e.request_id and e.request_id not in by_request:
-            by_request[e.request_id] = e
-    for rid, reply in replies:
-        assert by_request[rid].snapshot == reply.snapshot, (rid, reply)
+    judge(entries, created_from, replies)
     assert codes[("pause", "OK")] and codes[("suspend", "OK")] and codes[("tag", "OK")]
 
 
@@ -306,31 +327,15 @@ async def test_stamps_hold_through_a_stream_leader_failover_with_replicas_on_two
             exits.push_async_callback(nc.close)
             wb = Client(nc, prefix, read_your_writes=False)
 
-            def reg(wid, node, default, restorable=()):
-                return worker(wid, runtime(default, overhead=None),
-                              tuple(runtime(v, overhead=None) for v in restorable), node=node,
-                              cpu=10_000_000, mem=10_000_000)
-
             await wb.register(reg("w-1", "node-1", V1, (V2,)))
             await wb.register(reg("w-2", "node-2", V2, (V1,)))
             actors = [f"a-{i}" for i in range(24)]
             for aid in actors:
                 await wb.create(actor(aid, cpu=1, mem=1))
-            codes: Counter = Counter()
             replies: list[tuple[str, SnapshotReply]] = []
             answered = asyncio.Event()
-
-            async def note(what, coro):
-                try:
-                    reply = await coro
-                except ContractError as error:
-                    codes[(what, error.code.value)] += 1
-                    assert error.code is not ErrorCode.INTERNAL, error
-                    return None
-                finally:
-                    answered.set()
-                codes[(what, "OK")] += 1
-                return reply
+            outcomes = Outcomes(answered)
+            note, codes = outcomes.note, outcomes.codes
 
             async def snap(what, aid, rid):
                 call = wb.pause(aid, request_id=rid) if what == "pause" else \
@@ -375,14 +380,7 @@ async def test_stamps_hold_through_a_stream_leader_failover_with_replicas_on_two
             entries = await read_entries(nc, prefix)
             assert served(second, "pause") and served(second, "suspend")
     print(sorted(codes.items()))
-    faults = verdict(entries, {})
-    assert not faults, "\n".join(faults[:20])
-    by_request: dict[str, SnapshotTaken] = {}
-    for _, _, e in entries:
-        if isinstance(e, SnapshotTaken) and e.request_id and e.request_id not in by_request:
-            by_request[e.request_id] = e
-    for rid, reply in replies:
-        assert by_request[rid].snapshot == reply.snapshot, (rid, reply)
+    judge(entries, {}, replies)
     ids = Counter((e.actor_id, e.request_id, e.origin) for _, _, e in entries if isinstance(e, SnapshotTaken))
     assert set(ids.values()) == {1}, [k for k, n in ids.items() if n > 1]
 
