@@ -878,7 +878,8 @@ async def publish(nc: Any, subject: str, payload: bytes, reply: str = "", header
     same command in nats-py's buffer, its flusher woken the same way (and waited for when
     the buffer is full). It saves what nats-py does per message: the header block built and
     checked, the command formatted and encoded twice, a coroutine more. The services send
-    three messages per heartbeat this way (its put, the sweeper's ack, the answer)."""
+    three messages per heartbeat this way (its put, the sweeper's ack, the answer). Unlike
+    nats-py's, its limit is on the header block and the payload together, as the server's is."""
     if not subject or _UNSAFE_SUBJECT.search(subject) or (reply and _UNSAFE_SUBJECT.search(reply)):
         raise nats.errors.BadSubjectError
     if nc.is_closed:
@@ -887,7 +888,9 @@ async def publish(nc: Any, subject: str, payload: bytes, reply: str = "", header
         raise nats.errors.ConnectionDrainingError
     size = len(payload)
     try:
-        if size > nc._max_payload:
+        # the server's limit is on the header block and the payload together (a message past it
+        # gets the connection cut: nats-py's own publish checks the payload alone)
+        if size + len(headers) > nc._max_payload:
             raise nats.errors.MaxPayloadError
         limit = nc._max_pending_size
         if not nc.is_connected and (limit <= 0 or size + nc._pending_data_size > limit):

@@ -806,6 +806,16 @@ async def test_publish_refuses_what_nats_py_s_publish_refuses_and_buffers_nothin
                 header_block({name: "v"})
         with pytest.raises(nats.errors.MaxPayloadError):
             await publish(nc, "t.ok", b"x" * (nc.max_payload + 1))
+        # the server's limit is on headers and payload together: past it, it cuts the connection
+        # (nats-py's publish lets such a message through, checking the payload alone)
+        before = (list(nc._pending), nc._pending_data_size)
+        with pytest.raises(nats.errors.MaxPayloadError):
+            await publish(nc, "t.ok", b"x" * (nc.max_payload - 10), headers=header_block({"H": "y" * 100}))
+        assert (nc._pending, nc._pending_data_size) == before
+        reconnects = nc.stats["reconnects"]
+        await publish(nc, "t.ok", b"x" * (nc.max_payload - 200), headers=header_block({"H": "y" * 100}))
+        await nc.flush(timeout=5)  # the largest message the server takes: carried, the connection kept
+        assert nc.stats["reconnects"] == reconnects and nc.is_connected
         await nc.close()
         with pytest.raises(nats.errors.ConnectionClosedError):
             await publish(nc, "t.ok", b"x")
