@@ -303,8 +303,11 @@ async def stress(nc, urls: list[str], prefix: str, seed: int, exits: AsyncExitSt
         victim = schedulers.pop(rng.randrange(1, len(schedulers)))
         await connections[id(victim)].close()  # a crash: its commits in flight end as they end
         await victim.stop()
-        schedulers.append(await replica())
+        fresh = await replica()
+        schedulers.append(fresh)
         outcomes["replica killed"] += 1
+        if fresh.checkpoints.restored_seq:
+            outcomes["replica started from a checkpoint"] += 1
 
     async def after(first: asyncio.Future) -> None:
         await first
@@ -367,6 +370,7 @@ async def stress(nc, urls: list[str], prefix: str, seed: int, exits: AsyncExitSt
 async def test_placements_racing_registry_changes_and_a_replica_kill_are_safe_in_stream_order(nats_server, prefix,
                                                                                                nc):
     async with AsyncExitStack() as exits:
-        _, seen = await stress(nc, [nats_server.url], prefix, 5, exits)
+        outcomes, seen = await stress(nc, [nats_server.url], prefix, 5, exits)
     # the races were had: memory images restored (through edges too) and LOCAL images on their nodes
     assert seen["MEMORY"] > ACTORS // 2 and seen["local restores"] > 10, seen
+    assert outcomes["replica started from a checkpoint"] >= 1, outcomes
