@@ -991,3 +991,29 @@ async def test_a_memory_restore_decided_before_its_worker_stopped_accepting_the_
         assert answer.fidelity is not PlacedFidelity.MEMORY, answer
     sink = await replay(nc, prefix, Sink(verify=True), False)
     assert sink.violation is None, sink.violation
+
+
+async def test_a_retry_refused_for_room_on_a_fold_behind_its_first_placement_gets_that_placement(stalled, nc, prefix):
+    """R's first attempt placed a on w, the only worker, in the room b's suspend had just made, and
+    its reply was lost. The retry reaches a replica whose fold has neither: w is full there, and
+    "no room" (RESOURCE_EXHAUSTED) was the answer, the caller told its resume failed while the log
+    has a RUNNING where it never started it (found by an audit). A refusal for want of room of a
+    request with an id now stands only on the actor's history as the stream leader has it: the
+    replica catches up and answers R's placement; nothing is written twice."""
+    wb = Client(nc, prefix)
+    await wb.register(worker("w", V1, mem=2048))  # room for one of them
+    await wb.create(actor("a", mem=1536))
+    await wb.create(actor("b", mem=1536))
+    await wb.resume("b")
+    await stalled.fold.wait(await last_seq(nc, prefix), 10)
+    behind = catching_up(stalled)
+    async with stalled.fold.paused():
+        await wb.suspend("b", uri="s3://b/0")
+        first = await wb.resume("a", request_id="R")
+        retry = asyncio.create_task(stalled.resume("a", ResumeActor(request_id="R")))
+        caught_up = asyncio.create_task(behind.wait())
+        await asyncio.wait({retry, caught_up}, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+        assert not retry.done(), retry.exception()  # refused on its stale view: it catches up first
+        assert caught_up.done()
+    assert await asyncio.wait_for(retry, 20) == first
+    assert [s for s, _ in await placements(nc, prefix, "R")] == [first.seq - 1]

@@ -323,10 +323,14 @@ class SchedulerService:
                         # behind the log, as after a failover while its consumer starts again: answered
                         # once the stream leader has nothing past what it was decided on (`_current`, one
                         # read), decided again otherwise, as the registry and the snapshotter do
-                        # (`run_command_async`).
+                        # (`run_command_async`). So is a refusal for want of room of a request with an id:
+                        # its first attempt may have been placed, its answer lost, on a history this fold
+                        # has not read (found by an audit: the retry was told "no room", the actor left
+                        # RUNNING in the log where its caller never started it).
                         if job.seen is not None:
                             seen = job.seen
-                        if (refusal.code in ACTOR_REFUSALS or isinstance(refusal, UnreadableHistory)) and \
+                        if (refusal.code in ACTOR_REFUSALS or isinstance(refusal, UnreadableHistory)
+                                or (refusal.code is ErrorCode.RESOURCE_EXHAUSTED and rid is not None)) and \
                                 not await self._current(actor_id, seen):
                             log.info("refused on a fold behind the log (%s: %s); deciding again",
                                      refusal.code.value, refusal.message)
