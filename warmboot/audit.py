@@ -204,7 +204,7 @@ class Sink:
     """What `Fold` folds into: a projection, bounded by a sequence or a time, optionally verified.
 
     It offers what `Fold` uses of a Projection (apply, booking_marker, worker_unread,
-    actor_unread, booking_unread, skip, seq, unread_actor_seq).
+    actor_unread, tag_unread, booking_unread, skip, seq, unread_actor_seq).
     """
 
     def __init__(self, until_seq: int | None = None, until_time: datetime | None = None, verify: bool = False,
@@ -255,6 +255,12 @@ class Sink:
         """A message of an actor's history the fold cannot read: as the scheduler's projection takes it."""
         if not self._beyond(seq, None) and self.violation is None:
             self.projection.actor_unread(seq, actor_id)
+        self.skip(seq)
+
+    def tag_unread(self, seq: int, tag: str) -> None:
+        """A message of a tag's history the fold cannot read: as the scheduler's projection takes it."""
+        if not self._beyond(seq, None) and self.violation is None:
+            self.projection.tag_unread(seq, tag)
         self.skip(seq)
 
     @property

@@ -51,8 +51,8 @@ from events.errors import unavailable
 from events.jetstream import TOPIC_HEADER, VERSION_HEADER
 from events.natspy import (ORDERED_IDLE_HEARTBEAT_S, DirectDelivery, ack_positions, ack_time, deliver_directly,
                            describe_error, guard_recreation, use_lean_headers)
-from events.schema import (EVENT_TYPES, ActorPlaced, ActorRuntime, AnyEvent, Snapshot, SnapshotTaken, WorkerBooked,
-                           WorkerEvent)
+from events.schema import (EVENT_TYPES, ActorPlaced, ActorRuntime, AnyEvent, Snapshot, SnapshotTaken, TagRecorded,
+                           WorkerBooked, WorkerEvent)
 from events.subjects import stream_name
 from events.tasks import cancel_and_wait, retrieved
 from services.common import continuity, leaders_stream_info, replaced_by, stream_identity, until_answered
@@ -151,6 +151,7 @@ class Fold:
         self.booking_prefix = f"{prefix}.ev.{WorkerBooked.KIND}."
         self.worker_prefix = f"{prefix}.ev.{WorkerEvent.KIND}."
         self.actor_prefix = f"{prefix}.ev.actor."
+        self.tag_prefix = f"{prefix}.ev.{TagRecorded.KIND}."
         self.projection = projection
         self.listeners: list[Callable[[int], None]] = []
         self.behind = 0  # messages the server had not delivered yet at the last one folded
@@ -406,6 +407,8 @@ class Fold:
             self.projection.worker_unread(seq, subject[len(self.worker_prefix):])
         elif subject.startswith(self.actor_prefix):
             self.projection.actor_unread(seq, subject[len(self.actor_prefix):])
+        elif subject.startswith(self.tag_prefix):
+            self.projection.tag_unread(seq, subject[len(self.tag_prefix):])
         else:
             self.projection.skip(seq)
 

@@ -205,6 +205,11 @@ class Projection:
         self.unread_actor_seq = seq
         self.unread_actors[actor_id] = seq
 
+    def tag_unread(self, seq: int, tag: str) -> None:
+        """A message of a tag's history this fold cannot read: nothing the scheduler decides reads
+        tags, so it only advances the position (`audit verify` forgets what the tag names)."""
+        self.skip(seq)
+
     def actor_seq(self, actor_id: str) -> int:
         """The last message of the actor's history this fold has met, read or not (0 if none): what
         a decision about the actor was taken on, to compare with the stream leader's."""
