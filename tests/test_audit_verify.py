@@ -6,25 +6,32 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
+
 import pytest
 from click.testing import CliRunner
 
 from events.schema import (
     Action,
+    ActorReverted,
+    ActorStopped,
     Event,
     Fallback,
     FallbackReason,
+    Location,
     PlacedFidelity,
     ReleaseReason,
     Resources,
     RuntimeChanged,
     SnapshotOrigin,
+    TagRecorded,
     WorkerDrained,
     WorkerRegistered,
     WorkerRemoved,
     WorkerUpdated,
 )
-from tests.factories import AT, created, entry, fold, placed, registered, released, snapshot, taken, version
+from tests.factories import (AT, created, entry, fold, golden, placed, registered, released, snapshot, stamp, taken,
+                             version)
 from events.states import WorkerState
 from services.scheduler.fold import Fold
 from warmboot import audit
@@ -139,3 +146,250 @@ async def test_audit_verify_fails_naming_the_rule_on_a_real_stream(nats_url, pre
         CliRunner().invoke, main, ["audit", "verify", "--nats", nats_url, "--prefix", prefix])
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), (result.output, result.exception)
     assert f"sequence {seqs[-1]}" in result.output and rule in result.output
+
+
+# --- the stamping rules (CONTRACT section 3, "Stamping rules"; docs/contract.md, Snapshotter) ---------
+#
+# A legitimate log with every step that takes, moves or copies a snapshot, written as the snapshotter
+# and the scheduler write it: actor a paused, resumed, suspended, tagged; b created from the tag and
+# suspended under its own pin; g created from a golden snapshot; a paused, promoted, paused and
+# reverted (to the promoted image), resumed from a LOCAL image on a worker then removed and reverted
+# again (SUSPENDED with a LOCAL latest snapshot); a stopped, created anew, paused, and reverted to
+# none (no EXTERNAL snapshot in its new life). `AT_STEP` names the length of the log after each step.
+
+W1_NODE, W2_NODE = "n1", "n2"
+A3 = snapshot("a", V1, snapshot_id="a-v3", node=W1_NODE)  # a's pause: LOCAL on the placement's node
+A7 = snapshot("a", V1, snapshot_id="a-v7", uri="s3://a-v7")  # a's suspend: EXTERNAL
+B7 = msgspec.structs.replace(A7, actor_id="b")  # b created from the tag naming A7: the same image
+G = golden(V2, snapshot_id="gold-img", borrowed=True, actor_id="g")  # g created from a golden snapshot
+B12 = snapshot("b", V1, snapshot_id="b-v12", uri="s3://b-v12")  # b's own suspend, from its pin (V1)
+A20 = snapshot("a", V1, snapshot_id="a-v20", node=W1_NODE)
+A20_UP = msgspec.structs.replace(A20, location=Location.EXTERNAL, node=None, uri="s3://a-v20")  # its promote
+A25 = snapshot("a", V1, snapshot_id="a-v25", node=W1_NODE)
+A30 = snapshot("a", V1, snapshot_id="a-v30", node=W1_NODE)
+A2_LIFE = snapshot("a", V2, snapshot_id="a-v50", node=W2_NODE)  # a's second life: on w2 (V2)
+
+
+def restore(actor_id: str, worker_id: str, pin, snapshot_id: str, node: str = W1_NODE):
+    return placed(actor_id, worker_id, pin, node=node, action=Action.RESTORE, fidelity=PlacedFidelity.MEMORY,
+                  snapshot_id=snapshot_id, **SMALL)
+
+
+STEPS: list[tuple[str, list[Event]]] = [
+    ("fleet", [worker_on("w1", V1, node=W1_NODE), worker_on("w2", V2, node=W2_NODE)]),
+    ("a created", [created("a", **SMALL)]),
+    ("a running", [placed("a", "w1", V1, node=W1_NODE, **SMALL)]),
+    ("a paused", [taken(A3, SnapshotOrigin.PAUSE), released("a", "w1", ReleaseReason.PAUSED)]),
+    ("a resumed", [restore("a", "w1", V1, "a-v3")]),
+    ("a suspended", [taken(A7, SnapshotOrigin.SUSPEND), released("a", "w1")]),
+    ("a tagged", [TagRecorded(at=AT, tag="gold", snapshot=A7), taken(A7, SnapshotOrigin.TAG)]),
+    ("b created from the tag", [created("b", snapshot=B7, **SMALL), taken(B7, SnapshotOrigin.CREATE)]),
+    ("g created from a golden snapshot", [created("g", snapshot=G, **SMALL), taken(G, SnapshotOrigin.CREATE)]),
+    ("b running", [restore("b", "w1", V1, "a-v7")]),
+    ("b suspended", [taken(B12, SnapshotOrigin.SUSPEND), released("b", "w1")]),
+    ("a running again", [restore("a", "w1", V1, "a-v7")]),
+    ("a paused again", [taken(A20, SnapshotOrigin.PAUSE), released("a", "w1", ReleaseReason.PAUSED)]),
+    ("a promoted", [taken(A20_UP, SnapshotOrigin.PROMOTE)]),
+    ("a running from its promoted image", [restore("a", "w1", V1, "a-v20")]),
+    ("a paused a third time", [taken(A25, SnapshotOrigin.PAUSE), released("a", "w1", ReleaseReason.PAUSED)]),
+    ("a reverted", [ActorReverted(at=AT, actor_id="a", snapshot=A20_UP, abandoned=A25)]),
+    ("a running from the image it went back to", [restore("a", "w1", V1, "a-v20")]),
+    ("a paused a fourth time", [taken(A30, SnapshotOrigin.PAUSE), released("a", "w1", ReleaseReason.PAUSED)]),
+    ("a running from its LOCAL image", [restore("a", "w1", V1, "a-v30")]),
+    ("w1 removed under a", [WorkerRemoved(at=AT, worker_id="w1"), released("a", "w1", ReleaseReason.WORKER_REMOVED)]),
+    ("a reverted from SUSPENDED", [ActorReverted(at=AT, actor_id="a", snapshot=A20_UP, abandoned=A30)]),
+    ("a stopped", [ActorStopped(at=AT, actor_id="a")]),
+    ("a created anew", [created("a", **SMALL)]),
+    ("a running in its new life", [placed("a", "w2", V2, node=W2_NODE, **SMALL)]),
+    ("a paused in its new life", [taken(A2_LIFE, SnapshotOrigin.PAUSE), released("a", "w2", ReleaseReason.PAUSED)]),
+    ("a reverted to none", [ActorReverted(at=AT, actor_id="a", snapshot=None, abandoned=A2_LIFE)]),
+]
+LIFE: list[Event] = [event for _, events in STEPS for event in events]
+AT_STEP: dict[str, int] = {}
+for _name, _events in STEPS:
+    AT_STEP[_name] = sum(len(events) for _, events in STEPS[:[n for n, _ in STEPS].index(_name) + 1])
+
+
+def upto(step: str, *more: Event) -> list[Event]:
+    """The legitimate log up to and with `step`, then `more`."""
+    return [*LIFE[:AT_STEP[step]], *more]
+
+
+def test_a_log_with_every_stamping_step_is_clean():
+    """Pause, resume, suspend, tag, create from the tag, golden create, promote, revert (of a PAUSED
+    actor and of a SUSPENDED one with a LOCAL latest snapshot), stop and a new life, revert to none."""
+    assert verify(LIFE) is None
+    sink = fold(LIFE, Sink(verify=True))
+    a = sink.projection.actors["a"]
+    assert (a.state.value, a.snapshot) == ("SUSPENDED", None)  # the last revert went back to none
+
+
+def restamped(s, v) -> object:
+    return msgspec.structs.replace(s, sandbox_runtime=None if v is None else stamp(v))
+
+
+# Each: the legitimate log up to a step, the one event that breaks a stamping rule, the rule, and
+# what the report's line must say (the snapshot, and what it should have been).
+STAMP_CASES = {
+    # 1. a pause or a suspend of an actor that is not RUNNING
+    "pause of a paused actor": (
+        upto("a paused"), taken(snapshot("a", V1, snapshot_id="a-x", node=W1_NODE), SnapshotOrigin.PAUSE),
+        audit.NOT_RUNNING, ["a PAUSE snapshot a-x", "while a is PAUSED"]),
+    "suspend of a suspended actor": (
+        upto("a suspended"), taken(snapshot("a", V2, snapshot_id="a-x", uri="s3://x")),
+        audit.NOT_RUNNING, ["a SUSPEND snapshot a-x", "while a is SUSPENDED"]),
+    "suspend of a paused actor recorded as a SUSPEND": (
+        upto("a paused"), taken(snapshot("a", V2, snapshot_id="a-x", uri="s3://x")),
+        audit.NOT_RUNNING, ["while a is PAUSED", "a suspend of a PAUSED actor is a PROMOTE"]),
+    "pause of a stopped actor": (
+        upto("a stopped"), taken(snapshot("a", V1, snapshot_id="a-x", node=W1_NODE), SnapshotOrigin.PAUSE),
+        audit.NOT_RUNNING, ["while a is STOPPED"]),
+    "pause of an actor never created": (
+        upto("fleet"), taken(snapshot("z", V1, snapshot_id="z-1", node=W1_NODE), SnapshotOrigin.PAUSE),
+        audit.NOT_RUNNING, ["z PAUSE snapshot z-1", "not created in the log"]),
+    # 2. a pause or a suspend against the placement it ends: its pin, and a pause's node
+    "pause on another node than its placement's": (
+        upto("a running"), taken(snapshot("a", V1, snapshot_id="a-x", node=W2_NODE), SnapshotOrigin.PAUSE),
+        audit.MISPLACED, ["a PAUSE snapshot a-x is LOCAL on node n2", "node n1 (worker w1)"]),
+    "pause recorded EXTERNAL": (
+        upto("a running"), taken(snapshot("a", V1, snapshot_id="a-x", uri="s3://x"), SnapshotOrigin.PAUSE),
+        audit.MISPLACED, ["a PAUSE snapshot a-x is EXTERNAL"]),
+    "suspend recorded LOCAL": (
+        upto("a resumed"), taken(snapshot("a", V1, snapshot_id="a-x", node=W1_NODE)),
+        audit.MISPLACED, ["a SUSPEND snapshot a-x is LOCAL on node n1", "a suspend's image is EXTERNAL"]),
+    "pause stamped with another runtime than its pin": (
+        upto("a running"), taken(snapshot("a", V2, snapshot_id="a-x", node=W1_NODE), SnapshotOrigin.PAUSE),
+        audit.STAMP_NOT_PIN, ["a PAUSE snapshot a-x stamped gvisor v1 architecture=amd64,gvisor_asset_hash=v2",
+                              "pinned to gvisor v1 architecture=amd64,gvisor_asset_hash=v1"]),
+    "unstamped suspend": (
+        upto("a resumed"), taken(snapshot("a", None, snapshot_id="a-x", uri="s3://x")),
+        audit.STAMP_NOT_PIN, ["a SUSPEND snapshot a-x unstamped", "worker w1, node n1"]),
+    # 3. a promote keeps the stamp and the image of the LOCAL snapshot it promotes
+    "promote restamped": (
+        upto("a paused again"), taken(restamped(A20_UP, V2), SnapshotOrigin.PROMOTE),
+        audit.NOT_COPIED, ["a PROMOTE snapshot a-v20 differs from the LOCAL snapshot it promotes, a-v20",
+                           "gvisor_asset_hash=v2, the LOCAL one stamped gvisor v1 architecture=amd64,gvisor_asset_hash=v1"]),
+    "promote of another template": (
+        upto("a paused again"), taken(msgspec.structs.replace(A20_UP, template_uid="t9"), SnapshotOrigin.PROMOTE),
+        audit.NOT_COPIED, ["of template t9, the LOCAL one of t1"]),
+    "promote of a suspended actor": (
+        upto("a suspended"), taken(msgspec.structs.replace(A7, snapshot_id="a-x"), SnapshotOrigin.PROMOTE),
+        audit.NOT_PAUSED, ["a PROMOTE snapshot a-x while a is SUSPENDED"]),
+    "promote recorded LOCAL": (
+        upto("a paused again"), taken(A20, SnapshotOrigin.PROMOTE),
+        audit.MISPLACED, ["a PROMOTE snapshot a-v20 is LOCAL on node n1"]),
+    # 4. a creation carries exactly what a tag names at that point, or a golden (borrowed) snapshot
+    "create from a tag, restamped": (
+        upto("a tagged", created("c", snapshot=restamped(msgspec.structs.replace(A7, actor_id="c"), V2), **SMALL)),
+        None, audit.NO_SOURCE,
+        ["c created with snapshot a-v7 stamped gvisor v1 architecture=amd64,gvisor_asset_hash=v2",
+         "which no tag names at this point of the log", "tag gold names a-v7 stamped gvisor v1 "
+                                                        "architecture=amd64,gvisor_asset_hash=v1"]),
+    "create from what a tag named before it moved": (
+        upto("b suspended", TagRecorded(at=AT, tag="gold", snapshot=B12), taken(B12, SnapshotOrigin.TAG),
+             created("c", snapshot=msgspec.structs.replace(A7, actor_id="c"), **SMALL)),
+        None, audit.NO_SOURCE, ["c created with snapshot a-v7", "which no tag names at this point of the log"]),
+    "create from no tag, not borrowed": (
+        upto("fleet", created("c", snapshot=snapshot("c", V1, snapshot_id="c-img", uri="s3://c"), **SMALL)),
+        None, audit.NO_SOURCE, ["c created with snapshot c-img", "not borrowed, as a golden one is"]),
+    "golden snapshot of another class": (
+        upto("fleet", created("c", snapshot=golden(V1, sandbox_class="microvm", borrowed=True, actor_id="c"),
+                              **SMALL)),
+        None, audit.NO_SOURCE, ["c (class gvisor) created with snapshot golden-1 stamped for class microvm"]),
+    "CREATE snapshot restamped after its creation": (
+        upto("a tagged", created("c", snapshot=msgspec.structs.replace(A7, actor_id="c"), **SMALL)),
+        taken(restamped(msgspec.structs.replace(A7, actor_id="c"), V2), SnapshotOrigin.CREATE),
+        audit.NO_SOURCE, ["c CREATE snapshot a-v7 stamped gvisor v1 architecture=amd64,gvisor_asset_hash=v2 differs "
+                          "from the one its ActorCreated recorded, a-v7 stamped gvisor v1 "
+                          "architecture=amd64,gvisor_asset_hash=v1"]),
+    "CREATE snapshot later in a life": (
+        upto("a suspended"), taken(restamped(A7, V2), SnapshotOrigin.CREATE),
+        audit.NO_SOURCE, ["a CREATE snapshot a-v7", "where a was not just created (SUSPENDED)"]),
+    # 5. a revert goes back to the latest EXTERNAL snapshot of this life, or none
+    "revert to an earlier EXTERNAL snapshot": (
+        upto("a paused a third time"), ActorReverted(at=AT, actor_id="a", snapshot=A7, abandoned=A25),
+        audit.REVERT_ELSEWHERE, ["a reverted to a-v7", "its latest EXTERNAL snapshot of this life is a-v20"]),
+    "revert to none when the life has an EXTERNAL snapshot": (
+        upto("a paused a third time"), ActorReverted(at=AT, actor_id="a", snapshot=None, abandoned=A25),
+        audit.REVERT_ELSEWHERE, ["a reverted to no snapshot (a cold boot)", "a-v20"]),
+    "revert to a restamped copy": (
+        upto("a paused a third time"), ActorReverted(at=AT, actor_id="a", snapshot=restamped(A20_UP, V2),
+                                                     abandoned=A25),
+        audit.REVERT_ELSEWHERE, ["a reverted to a-v20 stamped gvisor v1 architecture=amd64,gvisor_asset_hash=v2",
+                                 "is a-v20 stamped gvisor v1 architecture=amd64,gvisor_asset_hash=v1"]),
+    "revert to an earlier life's snapshot": (
+        upto("a paused in its new life"), ActorReverted(at=AT, actor_id="a", snapshot=A20_UP, abandoned=A2_LIFE),
+        audit.REVERT_ELSEWHERE, ["a reverted to a-v20", "no EXTERNAL snapshot since its creation"]),
+    "revert of a running actor": (
+        upto("a resumed"), ActorReverted(at=AT, actor_id="a", snapshot=None, abandoned=A3),
+        audit.REVERT_NOTHING, ["a reverted while RUNNING with its latest snapshot LOCAL"]),
+    # 6. a tag's copy is the actor's latest snapshot, stamp unchanged
+    "tag copy restamped": (
+        upto("a suspended"), taken(restamped(A7, V2), SnapshotOrigin.TAG),
+        audit.NOT_COPIED, ["a TAG copy a-v7 differs from a's latest snapshot: stamped gvisor v1 "
+                           "architecture=amd64,gvisor_asset_hash=v2, the latest stamped gvisor v1"]),
+    "unstamped tag copy": (
+        upto("a suspended"), taken(restamped(A7, None), SnapshotOrigin.TAG),
+        audit.NOT_COPIED, ["a TAG copy a-v7", "unstamped, the latest stamped gvisor v1"]),
+    "tag naming a restamped copy": (
+        upto("a suspended"), TagRecorded(at=AT, tag="gold", snapshot=restamped(A7, V2)),
+        audit.NOT_COPIED, ["tag gold names a-v7, which differs from a's latest snapshot: stamped gvisor v1 "
+                           "architecture=amd64,gvisor_asset_hash=v2"]),
+    "tag naming an older snapshot": (
+        upto("a paused again"), TagRecorded(at=AT, tag="gold", snapshot=A7),
+        audit.NOT_COPIED, ["tag gold names a-v7", "id a-v7, the latest's a-v20"]),
+}
+
+
+@pytest.mark.parametrize("case", STAMP_CASES)
+def test_a_forged_stamp_is_named_with_its_sequence_and_what_it_should_be(case):
+    before, forged, rule, says = STAMP_CASES[case]
+    log = [*before, forged] if forged is not None else before
+    seq = len(log)
+    assert verify(log[:-1]) is None  # the log up to it is clean
+    violation = verify(log)
+    assert violation is not None, f"{case}: not found"
+    assert (violation.seq, violation.rule) == (seq, rule), str(violation)
+    line = str(violation)
+    assert line.startswith(f"sequence {seq}: {rule}: ") and "\n" not in line
+    for words in says:
+        assert words in line, line
+
+
+def test_what_a_tag_names_is_unknown_after_a_message_of_its_history_this_version_cannot_read():
+    """A newer snapshotter's message on a tag's subject (unread, as the scheduler's fold reads the
+    log): a creation no known tag names may be from that tag, so it is not judged, until a
+    TagRecorded this version reads says again what the tag names."""
+    sink = Sink(verify=True)
+    fold_into = Fold(None, "t", sink)
+    before = upto("a suspended")
+    for seq, event in enumerate(before, start=1):
+        sink.apply(seq, event)
+    seq = len(before)
+    fold_into.fold_message(seq + 1, "t.ev.tag.gold", {"Warmboot-Topic": "TagRecordedV2", "Warmboot-Version": "1"},
+                           b'{"type":"TagRecordedV2","tag":"gold"}')
+    sink.apply(seq + 2, created("c", snapshot=restamped(msgspec.structs.replace(A7, actor_id="c"), V2), **SMALL))
+    assert sink.violation is None
+    sink.apply(seq + 3, TagRecorded(at=AT, tag="gold", snapshot=A7))
+    sink.apply(seq + 4, taken(A7, SnapshotOrigin.TAG))
+    sink.apply(seq + 5, created("d", snapshot=restamped(msgspec.structs.replace(A7, actor_id="d"), V2), **SMALL))
+    assert sink.violation is not None and (sink.violation.seq, sink.violation.rule) == (seq + 5, audit.NO_SOURCE)
+
+
+def test_an_actor_with_a_message_this_version_cannot_read_is_not_stamp_judged_until_its_next_life():
+    """What an unread message of an actor's life changed (its state, its latest snapshot) is unknown:
+    its stamps are judged again from the creation that begins its next life."""
+    sink = Sink(verify=True)
+    fold_into = Fold(None, "t", sink)
+    before = upto("a paused")
+    for seq, event in enumerate(before, start=1):
+        sink.apply(seq, event)
+    seq = len(before)
+    fold_into.fold_message(seq + 1, "t.ev.actor.a", {"Warmboot-Topic": "ActorMovedV2", "Warmboot-Version": "9"},
+                           b'{"type":"ActorMovedV2","actor_id":"a"}')
+    sink.apply(seq + 2, taken(snapshot("a", V2, snapshot_id="a-x", uri="s3://x")))  # a SUSPEND, maybe of a running a
+    assert sink.violation is None
+    sink.apply(seq + 3, ActorStopped(at=AT, actor_id="a"))
+    sink.apply(seq + 4, created("a", **SMALL))
+    sink.apply(seq + 5, taken(snapshot("a", V2, snapshot_id="a-y", uri="s3://y")))
+    assert sink.violation is not None and (sink.violation.seq, sink.violation.rule) == (seq + 5, audit.NOT_RUNNING)

@@ -13,20 +13,27 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Callable
 
-from events.compat import stamp_key
+from events.compat import describe_key, stamp_key
 from events.schema import (
     Action,
+    ActorCreated,
     ActorPlaced,
+    ActorReverted,
+    ActorRuntime,
+    ActorStopped,
     Event,
     Fidelity,
+    Location,
     PlacedFidelity,
     RuntimeChanged,
+    Snapshot,
     SnapshotOrigin,
     SnapshotTaken,
+    TagRecorded,
 )
 from services.scheduler.fragmentation import fragmentation
 from services.scheduler.projection import Projection
-from services.scheduler.records import MEMORY, RUNNING, STOPPED, Actor
+from services.scheduler.records import MEMORY, PAUSED, RUNNING, STOPPED, SUSPENDED, Actor, SnapshotKind
 
 # The rules `audit verify` checks (names as they appear in its report): at each ActorPlaced,
 UNKNOWN_ACTOR = "placement of an unknown actor"
@@ -42,16 +49,81 @@ NODE_MISMATCH = "placement names another node than its worker's"
 NOT_IN_SNAPSHOT = "restore of what the latest snapshot does not hold"
 BELOW_FLOOR = "placement below the actor's min_fidelity"
 UNDER_BOOKED = "placement books less than the actor needs"
-# at each SnapshotTaken and RuntimeChanged,
+# at each snapshot an actor takes, copies or goes back to (SnapshotTaken, TagRecorded,
+# ActorCreated, ActorReverted: CONTRACT section 3, "Stamping rules"),
 STAMP_NOT_PIN = "stamp differs from the actor's pin"
+NOT_RUNNING = "pause or suspend of an actor that is not running"
+NOT_PAUSED = "promote of an actor that is not paused"
+MISPLACED = "snapshot not where its step puts it"
+NOT_COPIED = "copy differs from the snapshot it copies"
+NO_SOURCE = "created with a snapshot that is no tag's and no golden one"
+REVERT_NOTHING = "revert of an actor with no LOCAL image to give up"
+REVERT_ELSEWHERE = "revert to another snapshot than the latest EXTERNAL one of this life"
+# and at each RuntimeChanged.
 CHANGE_UNREGISTERED = "RuntimeChanged without a registration"
 PLACEMENT_RULES = (UNKNOWN_ACTOR, PLACED_STOPPED, PLACED_TWICE, NOT_TAKING, PAST_ROOM, RUNTIME_GONE, SELECTOR_UNMET,
                    LOCAL_OFF_NODE, ACROSS_ARCHITECTURES, NODE_MISMATCH, NOT_IN_SNAPSHOT, BELOW_FLOOR,
                    UNDER_BOOKED)
+STAMP_RULES = (NOT_RUNNING, STAMP_NOT_PIN, MISPLACED, NOT_PAUSED, NOT_COPIED, NO_SOURCE, REVERT_NOTHING,
+               REVERT_ELSEWHERE)
 
 # The floor's order (CONTRACT rule 4a): lower is better.
 _RANK = {PlacedFidelity.MEMORY: 0, PlacedFidelity.VOLUMES: 1, PlacedFidelity.ROOTFS: 2, PlacedFidelity.NONE: 3}
 _HOLDS = {Fidelity.MEMORY: 0, Fidelity.VOLUMES: 1, Fidelity.ROOTFS: 2}
+
+
+def _runtime(runtime: ActorRuntime | None) -> str:
+    """A stamp or a pin as a report line names it: class, schema version and attributes (what
+    runtimes are compared by), and the name when it has one; `unstamped` for none."""
+    if runtime is None:
+        return "unstamped"
+    return describe_key(stamp_key(runtime)) + (f" ({runtime.name})" if runtime.name else "")
+
+
+def _key(runtime: ActorRuntime | None) -> Any:
+    """What two stamps are compared by (CONTRACT section 2: `name` takes no part); None for none."""
+    return stamp_key(runtime) if runtime is not None else None
+
+
+def _stamped(runtime: ActorRuntime | None) -> str:
+    return f"stamped {_runtime(runtime)}" if runtime is not None else "unstamped"
+
+
+def _kind_key(kind: SnapshotKind) -> Any:
+    """`_key` of the stamp of an actor's latest snapshot, as the fold keeps it."""
+    return kind.stamp.compat.key if kind.stamp is not None else None
+
+
+def _state(actor: Actor | None) -> str:
+    return actor.state.value if actor is not None else "not created in the log"
+
+
+def _where(snapshot: Snapshot) -> str:
+    if snapshot.location is Location.EXTERNAL:
+        return "EXTERNAL"
+    return f"LOCAL on node {snapshot.node}" if snapshot.node is not None else "LOCAL on no node"
+
+
+def _image(snapshot: Snapshot) -> tuple:
+    """Every field of a snapshot but whose it is: a tag names it and a creation copies it with
+    these unchanged. A tuple of the fields, not the Struct: the fold reads a SnapshotTaken's
+    snapshot as a subclass, which never compares equal to a Snapshot."""
+    s = snapshot
+    return (s.snapshot_id, s.template_uid, s.fidelity, s.location, s.node, s.uri, s.sandbox_runtime, s.borrowed,
+            s.taken_at)
+
+
+class _External:
+    """An actor's latest EXTERNAL snapshot of its current life, as `Verifier` keeps it: its id and
+    stamp (for the report) and a hash of all of it, whose it is included (a revert goes back to
+    exactly it). A hash, not the snapshot: one is kept per live actor of a log of millions."""
+
+    __slots__ = ("snapshot_id", "stamp", "digest")
+
+    def __init__(self, snapshot: Snapshot, stamp: ActorRuntime | None):
+        self.snapshot_id = snapshot.snapshot_id
+        self.stamp = stamp  # the projection's interned copy: one object per distinct stamp
+        self.digest = hash((snapshot.actor_id, _image(snapshot)))
 
 
 @dataclass(frozen=True)
@@ -65,20 +137,98 @@ class Violation:
 
 
 class Verifier:
-    """Checks one event against the projection folded up to the event before it."""
+    """Checks one event against the projection folded up to the event before it.
+
+    The stamping rules need a little the projection does not keep, kept here as the log is
+    folded, each at O(1) per event: what every tag names now, each live actor's latest
+    EXTERNAL snapshot of its life (what a revert goes back to), and the snapshot a creation
+    just recorded (its SnapshotTaken CREATE must repeat it)."""
 
     def __init__(self, projection: Projection):
         self.projection = projection
+        # tag -> the image it names now (`_image`), None while its history holds a message this
+        # version cannot read; image -> how many tags name it now; and how many are unknown
+        self.tags: dict[str, tuple | None] = {}
+        self.tagged: dict[tuple, int] = {}
+        self.tags_unknown = 0
+        self.tag_of_id: dict[str, str] = {}  # snapshot id -> a tag that names an image of that id (for reports)
+        # actor id -> its latest EXTERNAL snapshot of its current life (a stop forgets it)
+        self.external: dict[str, _External] = {}
+        # actor id -> the snapshot its ActorCreated recorded, until the actor's next event
+        self.creating: dict[str, Snapshot] = {}
 
     def check(self, seq: int, event: Event) -> Violation | None:
+        created = self.creating.pop(event.actor_id, None) if self.creating and event.KIND == "actor" else None
         if isinstance(event, ActorPlaced):
             return self._placement(seq, event)
         if isinstance(event, SnapshotTaken):
-            return self._stamp(seq, event)
+            found = self._stamp(seq, event, created)
+            snapshot = event.snapshot
+            if event.origin is not SnapshotOrigin.TAG and snapshot.location is Location.EXTERNAL \
+                    and event.actor_id in self.projection.actors:
+                self.external[event.actor_id] = self._external(snapshot)
+            return found
+        if isinstance(event, ActorCreated):
+            found = self._created(seq, event)
+            snapshot = event.snapshot
+            if snapshot is not None:
+                self.creating[event.actor_id] = snapshot
+            if snapshot is not None and snapshot.location is Location.EXTERNAL:
+                self.external[event.actor_id] = self._external(snapshot)
+            else:
+                self.external.pop(event.actor_id, None)
+            return found
+        if isinstance(event, TagRecorded):
+            found = self._tag_recorded(seq, event)
+            self._name(event.tag, _image(event.snapshot))
+            return found
+        if isinstance(event, ActorReverted):
+            return self._reverted(seq, event)
+        if isinstance(event, ActorStopped):
+            self.external.pop(event.actor_id, None)  # the next life starts with its creation's snapshot
+            return None
         if isinstance(event, RuntimeChanged) and event.worker_id not in self.projection.workers:
             return Violation(seq, CHANGE_UNREGISTERED,
                              f"worker {event.worker_id} is not registered")
         return None
+
+    def _external(self, snapshot: Snapshot) -> _External:
+        runtime = snapshot.sandbox_runtime  # (the projection interns it too, as it folds this event)
+        return _External(snapshot, self.projection.intern.stamp(runtime).runtime if runtime is not None else None)
+
+    def tag_unread(self, tag: str) -> None:
+        """A message of the tag's history this version cannot read: what the tag names is unknown
+        from here until a TagRecorded it reads, and a creation no known tag names may be from it."""
+        self._name(tag, None)
+
+    def _name(self, tag: str, image: tuple | None) -> None:
+        """The tag names `image` from now on (None: unknown)."""
+        if tag in self.tags:
+            before = self.tags[tag]
+            if before is None:
+                self.tags_unknown -= 1
+            else:
+                left = self.tagged[before] - 1
+                if left:
+                    self.tagged[before] = left
+                else:
+                    del self.tagged[before]
+                if self.tag_of_id.get(before[0]) == tag:
+                    del self.tag_of_id[before[0]]
+        self.tags[tag] = image
+        if image is None:
+            self.tags_unknown += 1
+        else:
+            self.tagged[image] = self.tagged.get(image, 0) + 1
+            self.tag_of_id[image[0]] = tag
+
+    def _unknowable(self, actor_id: str) -> bool:
+        """Whether the actor's current life holds a message this version cannot read (a newer
+        version's event: `Projection.unread_actors`): what it changed (a snapshot, a state) is
+        unknown, so its stamps are not judged until a creation this version reads begins its next
+        life, as the scheduler does not place it meanwhile."""
+        unread = self.projection.unread_actors
+        return bool(unread) and actor_id in unread
 
     def _placement(self, seq: int, event: ActorPlaced) -> Violation | None:
         """A placement must be feasible on the log as it stood right before it (CONTRACT
@@ -179,25 +329,183 @@ class Verifier:
                 return f"{aid}'s memory image is unstamped or stamped for another class"
         return None
 
-    def _stamp(self, seq: int, event: SnapshotTaken) -> Violation | None:
-        actor = self.projection.actors.get(event.actor_id)
-        stamp = event.snapshot.sandbox_runtime
-        if actor is None or stamp is None:
+    def _stamp(self, seq: int, event: SnapshotTaken, created: Snapshot | None) -> Violation | None:
+        """A snapshot an actor takes or copies, against the stamping rules (CONTRACT section 3):
+        a pause or a suspend of a RUNNING actor, stamped with the pin of the placement it ends (a
+        pause's image LOCAL on that placement's node, a suspend's EXTERNAL); a promote of a PAUSED
+        actor's LOCAL snapshot, keeping its stamp and image; a tag's copy of the actor's latest
+        snapshot; a creation's snapshot, the one its ActorCreated recorded right before."""
+        aid, snapshot, origin = event.actor_id, event.snapshot, event.origin
+        if self._unknowable(aid):
             return None
-        origin = event.origin
-        if origin in (SnapshotOrigin.PAUSE, SnapshotOrigin.SUSPEND) and actor.state is RUNNING:
-            expected = actor.pin.runtime if actor.pin else None
-            what = "its assignment's pin"
-        elif origin in (SnapshotOrigin.PROMOTE, SnapshotOrigin.TAG):
-            expected = actor.snap_stamp.runtime if actor.snap_stamp else None
-            what = "the snapshot it copies"
-        else:
+        actor = self.projection.actors.get(aid)
+        sid = snapshot.snapshot_id
+        if origin is SnapshotOrigin.PAUSE or origin is SnapshotOrigin.SUSPEND:
+            return self._taken_running(seq, event, actor)
+        if origin is SnapshotOrigin.PROMOTE:
+            kind = actor.snapshot if actor is not None else None
+            if actor is None or actor.state is not PAUSED or kind is None or not kind.local:
+                state = "PAUSED without a LOCAL snapshot" if actor is not None and actor.state is PAUSED \
+                    else _state(actor)
+                return Violation(seq, NOT_PAUSED,
+                                 f"{aid} PROMOTE snapshot {sid} while {aid} is {state}: a promote uploads the "
+                                 "LOCAL image of a PAUSED actor, keeping its stamp")
+            if snapshot.location is not Location.EXTERNAL:
+                return Violation(seq, MISPLACED, f"{aid} PROMOTE snapshot {sid} is {_where(snapshot)}; a promote's "
+                                                 "image is EXTERNAL")
+            differs = []
+            if _key(snapshot.sandbox_runtime) != _kind_key(kind):
+                differs.append(f"{_stamped(snapshot.sandbox_runtime)}, the LOCAL one "
+                               f"{_stamped(kind.stamp.runtime if kind.stamp else None)}")
+            if snapshot.template_uid != kind.template_uid:
+                differs.append(f"of template {snapshot.template_uid}, the LOCAL one of {kind.template_uid}")
+            if _HOLDS[snapshot.fidelity] < _HOLDS[kind.fidelity]:
+                differs.append(f"{snapshot.fidelity.value}, more than the LOCAL one holds ({kind.fidelity.value})")
+            if differs:
+                return Violation(seq, NOT_COPIED, f"{aid} PROMOTE snapshot {sid} differs from the LOCAL snapshot it "
+                                                  f"promotes, {actor.snapshot_id}: " + "; ".join(differs))
             return None
-        if expected is None or stamp_key(stamp) != stamp_key(expected):
-            return Violation(seq, STAMP_NOT_PIN,
-                             f"{event.actor_id} {origin.value} stamped {stamp_key(stamp)}, {what} is "
-                             f"{stamp_key(expected) if expected else 'missing'}")
+        if origin is SnapshotOrigin.TAG:
+            differs = self._copy_differs(snapshot, actor, aid)
+            if differs:
+                return Violation(seq, NOT_COPIED, f"{aid} TAG copy {sid} differs from {aid}'s latest snapshot: "
+                                                  + "; ".join(differs))
+            return None
+        if origin is SnapshotOrigin.CREATE:
+            if created is None:
+                return Violation(seq, NO_SOURCE,
+                                 f"{aid} CREATE snapshot {sid} {_stamped(snapshot.sandbox_runtime)} where "
+                                 f"{aid} was not just created ({_state(actor)}): a creation's snapshot is recorded "
+                                 "right after its ActorCreated, and only then")
+            if (snapshot.actor_id, _image(snapshot)) != (created.actor_id, _image(created)):
+                return Violation(seq, NO_SOURCE,
+                                 f"{aid} CREATE snapshot {sid} {_stamped(snapshot.sandbox_runtime)} differs "
+                                 f"from the one its ActorCreated recorded, {created.snapshot_id} "
+                                 f"{_stamped(created.sandbox_runtime)}")
         return None
+
+    def _taken_running(self, seq: int, event: SnapshotTaken, actor: Actor | None) -> Violation | None:
+        """A pause or a suspend: of a RUNNING actor, stamped from the pin of the placement it ends
+        (`ActorPlaced.sandbox_runtime`), a pause's image LOCAL on that placement's node, a suspend's
+        EXTERNAL. A LOCAL image that names no node is taken as on the placement's (the fold does)."""
+        aid, snapshot, origin = event.actor_id, event.snapshot, event.origin
+        sid = snapshot.snapshot_id
+        pin = actor.pin if actor is not None and actor.state is RUNNING else None
+        if pin is None:
+            hint = ("; a suspend of a PAUSED actor is a PROMOTE of its LOCAL snapshot"
+                    if origin is SnapshotOrigin.SUSPEND and actor is not None and actor.state is PAUSED else "")
+            return Violation(seq, NOT_RUNNING,
+                             f"{aid} {origin.value} snapshot {sid} {_stamped(snapshot.sandbox_runtime)} while "
+                             f"{aid} is {_state(actor)}: only a running actor's image is taken, stamped from the pin "
+                             f"of its placement{hint}")
+        worker = actor.worker.worker_id if actor.worker is not None else "?"
+        if _key(snapshot.sandbox_runtime) != pin.compat.key:
+            return Violation(seq, STAMP_NOT_PIN,
+                             f"{aid} {origin.value} snapshot {sid} {_stamped(snapshot.sandbox_runtime)}; the "
+                             f"placement it ends (worker {worker}, node {actor.node}) is pinned to "
+                             f"{_runtime(pin.runtime)}")
+        if origin is SnapshotOrigin.PAUSE:
+            if snapshot.location is not Location.LOCAL or (snapshot.node is not None and snapshot.node != actor.node):
+                return Violation(seq, MISPLACED,
+                                 f"{aid} PAUSE snapshot {sid} is {_where(snapshot)}; a pause's image is LOCAL on the "
+                                 f"node of the placement it ends: node {actor.node} (worker {worker})")
+        elif snapshot.location is not Location.EXTERNAL:
+            return Violation(seq, MISPLACED, f"{aid} SUSPEND snapshot {sid} is {_where(snapshot)}; a suspend's image "
+                                             "is EXTERNAL")
+        return None
+
+    @staticmethod
+    def _copy_differs(snapshot: Snapshot, actor: Actor | None, actor_id: str) -> list[str]:
+        """How `snapshot`, a copy of the actor's latest snapshot (a tag's), differs from it: id,
+        stamp, template, fidelity, borrowed, location (what the fold keeps of the latest)."""
+        kind = actor.snapshot if actor is not None else None
+        if kind is None:
+            return [f"{actor_id} has none ({_state(actor)})"]
+        differs = []
+        if snapshot.snapshot_id != actor.snapshot_id:
+            differs.append(f"id {snapshot.snapshot_id}, the latest's {actor.snapshot_id}")
+        if _key(snapshot.sandbox_runtime) != _kind_key(kind):
+            differs.append(f"{_stamped(snapshot.sandbox_runtime)}, the latest "
+                           f"{_stamped(kind.stamp.runtime if kind.stamp else None)}")
+        if snapshot.template_uid != kind.template_uid:
+            differs.append(f"template {snapshot.template_uid}, the latest's {kind.template_uid}")
+        if snapshot.fidelity is not kind.fidelity:
+            differs.append(f"fidelity {snapshot.fidelity.value}, the latest's {kind.fidelity.value}")
+        if snapshot.borrowed != kind.borrowed:
+            differs.append(f"borrowed {str(snapshot.borrowed).lower()}, the latest's {str(kind.borrowed).lower()}")
+        if (snapshot.location is Location.LOCAL) != kind.local:
+            differs.append(f"{snapshot.location.value}, the latest {'LOCAL' if kind.local else 'EXTERNAL'}")
+        return differs
+
+    def _tag_recorded(self, seq: int, event: TagRecorded) -> Violation | None:
+        """What a tag names (what a creation from it copies) is a copy of its actor's latest snapshot,
+        stamp unchanged: written with the actor's SnapshotTaken TAG, in the same append, before it."""
+        snapshot = event.snapshot
+        aid = snapshot.actor_id
+        if self._unknowable(aid):
+            return None
+        actor = self.projection.actors.get(aid)
+        differs = self._copy_differs(snapshot, actor, aid)
+        if differs:
+            return Violation(seq, NOT_COPIED, f"tag {event.tag} names {snapshot.snapshot_id}, which differs from "
+                                              f"{aid}'s latest snapshot: " + "; ".join(differs))
+        return None
+
+    def _created(self, seq: int, event: ActorCreated) -> Violation | None:
+        """A creation's snapshot is exactly what a tag names at this point of the log (whose it is
+        aside), or a golden one, `borrowed`; either way of the actor's class. The log does not say
+        which a creation came from: one that no tag names must be borrowed (a golden snapshot's
+        content is the caller's, nothing in the log to compare it with)."""
+        snapshot = event.snapshot
+        if snapshot is None:
+            return None
+        aid, sid, stamp = event.actor_id, snapshot.snapshot_id, snapshot.sandbox_runtime
+        if stamp is not None and stamp.sandbox_class != event.sandbox_class:
+            return Violation(seq, NO_SOURCE,
+                             f"{aid} (class {event.sandbox_class}) created with snapshot {sid} stamped for class "
+                             f"{stamp.sandbox_class}: {_runtime(stamp)}")
+        if snapshot.borrowed or self.tags_unknown or self.tagged.get(_image(snapshot)):
+            return None
+        near = ""
+        tag = self.tag_of_id.get(sid)
+        named = self.tags.get(tag) if tag is not None else None
+        if named is not None:
+            near = f"; tag {tag} names {sid} {_stamped(named[6])}" + (
+                "" if _key(named[6]) != _key(stamp) else ", otherwise recorded")
+        return Violation(seq, NO_SOURCE,
+                         f"{aid} created with snapshot {sid} {_stamped(stamp)}, which no tag names at this "
+                         f"point of the log, and not borrowed, as a golden one is{near}")
+
+    def _reverted(self, seq: int, event: ActorReverted) -> Violation | None:
+        """A revert gives up the LOCAL image of a PAUSED actor, or of a SUSPENDED one whose latest
+        snapshot is LOCAL, and goes back to exactly the actor's latest EXTERNAL snapshot of this
+        life (since its creation), or to none when it has had none."""
+        aid = event.actor_id
+        if self._unknowable(aid):
+            return None
+        actor = self.projection.actors.get(aid)
+        kind = actor.snapshot if actor is not None else None
+        if actor is None or not (actor.state is PAUSED or (actor.state is SUSPENDED and kind is not None
+                                                            and kind.local)):
+            latest = "" if kind is None else f" with its latest snapshot {'LOCAL' if kind.local else 'EXTERNAL'}"
+            return Violation(seq, REVERT_NOTHING,
+                             f"{aid} reverted while {_state(actor)}{latest}: a revert gives up the LOCAL image of a "
+                             "PAUSED actor, or of a SUSPENDED one whose latest snapshot is LOCAL")
+        back, want = event.snapshot, self.external.get(aid)
+        if back is None and want is None:
+            return None
+        if back is not None and want is not None and hash((back.actor_id, _image(back))) == want.digest:
+            return None
+        to = "no snapshot (a cold boot)" if back is None \
+            else f"{back.snapshot_id} {_stamped(back.sandbox_runtime)}"
+        if want is None:
+            return Violation(seq, REVERT_ELSEWHERE, f"{aid} reverted to {to}; it has had no EXTERNAL snapshot since "
+                                                    "its creation, so a revert goes back to none")
+        same = back is not None and back.snapshot_id == want.snapshot_id and \
+            _key(back.sandbox_runtime) == _key(want.stamp)
+        return Violation(seq, REVERT_ELSEWHERE,
+                         f"{aid} reverted to {to}; its latest EXTERNAL snapshot of this life is {want.snapshot_id} "
+                         f"{_stamped(want.stamp)}" + (", recorded otherwise" if same else ""))
 
 
 class Sink:
@@ -258,9 +566,12 @@ class Sink:
         self.skip(seq)
 
     def tag_unread(self, seq: int, tag: str) -> None:
-        """A message of a tag's history the fold cannot read: as the scheduler's projection takes it."""
+        """A message of a tag's history the fold cannot read: what the tag names is unknown to the
+        verifier from here (the projection keeps nothing of tags)."""
         if not self._beyond(seq, None) and self.violation is None:
             self.projection.tag_unread(seq, tag)
+            if self.verifier is not None:
+                self.verifier.tag_unread(tag)
         self.skip(seq)
 
     @property
