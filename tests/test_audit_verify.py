@@ -132,9 +132,10 @@ def test_verify_help_names_every_rule_it_reports():
     log here breaks is one of them (a walkthrough found the help saying only "the invariants")."""
     shown = CliRunner().invoke(main, ["audit", "verify", "--help"], terminal_width=200)
     assert shown.exit_code == 0, shown.output
-    rules = [*audit.PLACEMENT_RULES, audit.STAMP_NOT_PIN, audit.CHANGE_UNREGISTERED]
+    rules = [*audit.PLACEMENT_RULES, *audit.STAMP_RULES, audit.CHANGE_UNREGISTERED]
     assert all(rule in shown.output for rule in rules), shown.output
     assert {rule for _, _, rule in CASES.values()} <= set(rules)
+    assert {case[2] for case in STAMP_CASES.values()} == set(audit.STAMP_RULES)  # each stamping rule forged
 
 
 @pytest.mark.parametrize("case", ["drained", "local off its node", "across architectures"])

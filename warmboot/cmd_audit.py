@@ -23,7 +23,7 @@ from events.schema import (
     TemplateChanged,
 )
 from events.subjects import event_subject
-from warmboot.audit import CHANGE_UNREGISTERED, PLACEMENT_RULES, STAMP_NOT_PIN, Sink, summary
+from warmboot.audit import CHANGE_UNREGISTERED, PLACEMENT_RULES, STAMP_RULES, Sink, summary
 from warmboot.cli_common import Failed, ask, check_id, json_option, nats_option, prefix_option, read_subject, replay
 from warmboot.render import Column, render_fields, render_table, terminal_width
 
@@ -76,8 +76,10 @@ def replay_cmd(until_seq: int | None, until_time: datetime | None, nats_url: str
 @audit.command("verify", help="Replay the whole log and check the invariants; exit 1 at the first violation."
                "\n\nA violation is reported with its sequence and one of these names. At each placement "
                "(ActorPlaced):\n\n\b\n" + "\n".join(f"- {rule}" for rule in PLACEMENT_RULES) + "\n\n"
-               f"At each snapshot (SnapshotTaken): {STAMP_NOT_PIN}. At each RuntimeChanged: "
-               f"{CHANGE_UNREGISTERED}.")
+               "At each snapshot an actor takes, copies or goes back to (SnapshotTaken, TagRecorded, "
+               "ActorCreated, ActorReverted; CONTRACT's stamping rules):\n\n\b\n"
+               + "\n".join(f"- {rule}" for rule in STAMP_RULES) + "\n\n"
+               f"At each RuntimeChanged: {CHANGE_UNREGISTERED}.")
 @nats_option
 @prefix_option
 def verify_cmd(nats_url: str, prefix: str) -> None:
