@@ -24,6 +24,7 @@ from events.schema import (
     Resources,
     RuntimeChanged,
     SnapshotOrigin,
+    SnapshotTaken,
     TagRecorded,
     WorkerDrained,
     WorkerRegistered,
@@ -394,3 +395,62 @@ def test_an_actor_with_a_message_this_version_cannot_read_is_not_stamp_judged_un
     sink.apply(seq + 4, created("a", **SMALL))
     sink.apply(seq + 5, taken(snapshot("a", V2, snapshot_id="a-y", uri="s3://y")))
     assert sink.violation is not None and (sink.violation.seq, sink.violation.rule) == (seq + 5, audit.NOT_RUNNING)
+
+
+@pytest.mark.parametrize("case", ["pause on another node than its placement's",
+                                  "create from what a tag named before it moved",
+                                  "revert to an earlier EXTERNAL snapshot"])
+async def test_audit_verify_names_a_forged_stamp_on_a_real_stream(nats_url, prefix, writer, case):
+    before, forged, rule, says = STAMP_CASES[case]
+    events = [*before, forged] if forged is not None else before
+    seqs = [await asyncio.to_thread(writer.write, event) for event in events]
+    result = await asyncio.to_thread(
+        CliRunner().invoke, main, ["audit", "verify", "--nats", nats_url, "--prefix", prefix])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), (result.output, result.exception)
+    assert f"violation at sequence {seqs[-1]}: {rule}: " in result.output and says[0] in result.output, result.output
+
+
+async def test_audit_verify_passes_a_log_the_services_wrote_with_every_stamping_step(stack, nc, prefix, nats_url):
+    """The services themselves take every step (each pause and suspend naming its placement):
+    pause, resume, suspend, tag, create from the tag, golden create, promote, revert, stop, a new
+    life, revert to none; `audit verify` finds the log clean, and the log holds each step."""
+    from tests.factories import actor, read_log, worker
+    from warmboot.client import Client
+
+    wb = Client(nc, prefix)
+    await wb.register(worker("w1", V1, node="n1"))
+    await wb.register(worker("w2", V2, node="n2"))
+    await wb.create(actor("a", cpu=100, mem=256))
+    placed_at = await wb.resume("a")
+    await wb.pause("a", placement_seq=placed_at.seq)
+    placed_at = await wb.resume("a")  # from its LOCAL image, on its node
+    await wb.suspend("a", uri="s3://a", placement_seq=placed_at.seq)
+    await wb.tag("a", "gold")
+    await wb.create(actor("b", cpu=100, mem=256, source_tag="gold"))
+    await wb.create(actor("g", cpu=100, mem=256, golden_snapshot=golden(V2)))
+    placed_at = await wb.resume("b")
+    await wb.suspend("b", uri="s3://b", placement_seq=placed_at.seq)
+    placed_at = await wb.resume("g")
+    await wb.pause("g", placement_seq=placed_at.seq)
+    await wb.suspend("g", uri="s3://g")  # a promote
+    placed_at = await wb.resume("a")
+    await wb.pause("a", placement_seq=placed_at.seq)
+    await wb.suspend("a", uri="s3://a2")  # a promote
+    placed_at = await wb.resume("a")
+    await wb.pause("a", placement_seq=placed_at.seq)
+    assert (await wb.revert("a")).snapshot is not None  # back to the promoted image
+    await wb.stop("a")
+    await wb.create(actor("a", cpu=100, mem=256))  # its next life
+    placed_at = await wb.resume("a")
+    await wb.pause("a", placement_seq=placed_at.seq)
+    assert (await wb.revert("a")).snapshot is None  # no EXTERNAL snapshot in this life
+    await wb.tag("b", "gold")  # the tag moves
+
+    result = await asyncio.to_thread(
+        CliRunner().invoke, main, ["audit", "verify", "--nats", nats_url, "--prefix", prefix])
+    assert result.exit_code == 0 and "no violation" in result.output, result.output
+    log = [event for _, event in await read_log(nc, prefix)]
+    origins = {e.origin for e in log if isinstance(e, SnapshotTaken)}
+    assert origins == set(SnapshotOrigin), origins
+    assert sum(isinstance(e, ActorReverted) for e in log) == 2
+    assert sum(isinstance(e, TagRecorded) for e in log) == 2 and any(isinstance(e, ActorStopped) for e in log)

@@ -44,6 +44,8 @@ from events.jetstream.layout import BATCH_ID_HEADER, sequence_of
 from tests.factories import actor, read_entries, runtime, version, wait_for, worker
 import pytest
 from tests.test_snapshotter import env_for
+from warmboot.audit import Sink
+from warmboot.cli_common import replay
 from warmboot.client import Client
 
 V1, V2, V3, V4 = version("r1"), version("r2"), version("r3"), version("r4")
@@ -299,6 +301,9 @@ async def test_stamps_hold_under_two_replicas_runtime_changes_and_a_new_life_of_
             print("hidden by the lagging replica:", dict(second.hidden))
     print(sorted(codes.items()))
     judge(entries, created_from, replies)
+    # and `warmboot audit verify`, which checks the same rules through the scheduler's fold, agrees
+    sink = await replay(nc, prefix, Sink(verify=True), False)
+    assert sink.violation is None, str(sink.violation)
     assert codes[("pause", "OK")] and codes[("suspend", "OK")] and codes[("tag", "OK")]
 
 
