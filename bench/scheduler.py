@@ -359,7 +359,7 @@ def scrape(port: int, name: str) -> float:
 
 async def bench_resumes(
     nats_url: str, replicas: int, actors: int, window: int, request_ids: bool, workers: int = 1000,
-    rate: float | None = None, label: str = "", history: int = 0, fallback: bool = False,
+    rate: float | None = None, label: str = "", history: int = 0, fallback: bool = False, room: bool = True,
 ) -> dict[str, float]:
     """Committed resumes against `replicas` scheduler processes, `window` in flight.
 
@@ -371,16 +371,19 @@ async def bench_resumes(
     before: from RECENT_PLACEMENTS on, every resume with a request id pushes an older answer
     out of the actor's recent ones, into the reply cache. With `fallback`, every actor holds a
     memory image stamped a runtime no worker offers: every resume gives it up (NO_COMPATIBLE_WORKER),
-    written only on a fold caught up with the stream's end (`Fold.current`)."""
+    written only on a fold caught up with the stream's end (`Fold.current`). Without `room`, no
+    worker has room for any actor: every resume is refused RESOURCE_EXHAUSTED (with a request id,
+    only once the fold has caught up with the stream's end since it came: its first attempt may
+    have been placed)."""
     paced = f"f{rate:.0f}" if rate else ""
     prefix = (f"bench{replicas}{'r' if request_ids else ''}w{workers}{paced}{f'h{history}' if history else ''}"
-              f"{'fb' if fallback else ''}"
+              f"{'fb' if fallback else ''}{'' if room else 'full'}"
               f"{label}p{os.getpid() % 1000}")
     await ensure_stream(nats_url, prefix)
     nc = await nats.connect(nats_url)
     per_worker = actors // workers + 2  # room for every actor: the figure is commits, not refusals
-    events: list[Event] = [worker_event(i, mem=per_worker * 1200 + 4096, cpu=per_worker * 300 + 1000)
-                           for i in range(workers)]
+    events: list[Event] = [worker_event(i, mem=per_worker * 1200 + 4096, cpu=per_worker * 300 + 1000) if room
+                           else worker_event(i, mem=100, cpu=100) for i in range(workers)]
     for j in range(actors):
         actor_id = f"a{j:06d}"
         events.append(actor_event(actor_id, mem=1024))
@@ -461,6 +464,8 @@ async def bench_resumes(
     latencies.sort()
     return {
         "resumes_per_s": round(placed / elapsed, 1),
+        "refusals_per_s": round(refused / elapsed, 1),
+        "cpu_us_per_refusal": round(cpu * 1e6 / max(refused, 1), 1) if not placed else None,
         "placed": placed,
         "refused": refused,
         "fallbacks": int(fallbacks),  # placements that fell back (any reason)
@@ -629,6 +634,13 @@ async def bench_bus(quick: bool) -> dict[str, float]:
         fallbacks = await bench_resumes(server.url, 1, actors, window, request_ids=False, fallback=True)
         show(f"1 replica,  1000 workers, every resume giving up a memory image ({fallbacks['fallbacks']} fell back)",
              fallbacks)
+        # every resume refused for want of room, each with a request id (the service's refusal path,
+        # the decision's own cost is `refusal_p50_us_10k`): the recheck of a refusal on a fold behind
+        # the actor's history is one question about the stream's end shared by the refusals asking meanwhile
+        refusing = await bench_resumes(server.url, 1, actors, window, request_ids=True, room=False)
+        print(f"(b) 1 replica,  1000 workers, none with room, every resume with a request_id: "
+              f"{refusing['refusals_per_s']:8.1f} refusals/s (p50 {refusing['latency_p50_ms']} ms), "
+              f"{refusing['cpu_us_per_refusal']} us of the replica's CPU each, {refusing['errors']}", flush=True)
         contended = await bench_resumes(server.url, 3, actors // 2, window, request_ids=False, workers=100)
         show("3 replicas,  100 workers (contended)", contended)
         # What a replica costs, at the same offered load for 1 and 3 replicas: two thirds of
@@ -682,6 +694,8 @@ async def bench_bus(quick: bool) -> dict[str, float]:
             "cpu_ms_per_placement_1_replica_saturated": one["cpu_ms_per_placement"],
             "cpu_ms_per_placement_3_replicas_saturated": three["cpu_ms_per_placement"],
             "replica_cpu_ratio_3v1_saturated": round(three["cpu_ms_per_placement"] / one["cpu_ms_per_placement"], 3),
+            "refusals_per_s_service": refusing["refusals_per_s"],
+            "refusal_cpu_us_service": refusing["cpu_us_per_refusal"],
             "resumes_per_s_3_replicas_100_workers": contended["resumes_per_s"],
             "commit_conflict_rate_3_replicas_100_workers": contended["commit_conflict_rate"],
         })

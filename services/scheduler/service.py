@@ -323,17 +323,17 @@ class SchedulerService:
                         # behind the log, as after a failover while its consumer starts again: answered
                         # once the stream leader has nothing past what it was decided on (`_current`, one
                         # read), decided again otherwise, as the registry and the snapshotter do
-                        # (`run_command_async`). So is a refusal for want of room of a request with an id:
-                        # its first attempt may have been placed, its answer lost, on a history this fold
-                        # has not read (found by an audit: the retry was told "no room", the actor left
-                        # RUNNING in the log where its caller never started it).
+                        # (`run_command_async`).
                         if job.seen is not None:
                             seen = job.seen
-                        if (refusal.code in ACTOR_REFUSALS or isinstance(refusal, UnreadableHistory)
-                                or (refusal.code is ErrorCode.RESOURCE_EXHAUSTED and rid is not None)) and \
+                        if (refusal.code in ACTOR_REFUSALS or isinstance(refusal, UnreadableHistory)) and \
                                 not await self._current(actor_id, seen):
                             log.info("refused on a fold behind the log (%s: %s); deciding again",
                                      refusal.code.value, refusal.message)
+                            continue
+                        if refusal.code is ErrorCode.RESOURCE_EXHAUSTED and rid is not None and \
+                                not await self._current_since(actor_id, seen, came):
+                            log.info("refused for room on a fold behind the actor's history; deciding again")
                             continue
                         raise
                     if result is RECHECK:  # its id may have been pushed out meanwhile: check again
@@ -462,6 +462,18 @@ class SchedulerService:
             return True
         await self.fold.wait(leader, self.catch_up_s)
         return False
+
+    async def _current_since(self, actor_id: str, seen: int, came: int) -> bool:
+        """Whether `seen`, the actor's last sequence in this replica's fold when a resume with a request
+        id was refused for want of room, is still all the log had of the actor once the fold has caught
+        up with the stream's end as the leader told it after the resume came (`Fold.current`: one
+        question shared by every resume asking meanwhile, so a storm of refusals, as in a rolling
+        upgrade, costs a question per round trip, not one per refusal); False (decide again) if the
+        actor's history moved past it. The request's first attempt may have been placed, in room this
+        fold had not seen made, and its answer lost: the retry was told "no room" while the log held
+        the actor RUNNING where its caller never started it (found by an audit)."""
+        await self.fold.current(self.catch_up_s, came)
+        return self.projection.actor_seq(actor_id) <= seen
 
     async def _catch_up(self, actor_id: str) -> None:
         """After a lost race: wait until the fold has what the actor's subject holds now
