@@ -1221,8 +1221,8 @@ class Agent:
             if self.drain_on_exit and self.sent_registration and not self.withdrawn and not self.nc.is_closed:
                 reply = await self.drain("agent stopped")
                 if reply is not None:
-                    log.info("%s %s (seq %d)", "already drained:" if reply.unchanged else "drained", self.worker_id,
-                             reply.seq)
+                    log.info("drained %s (seq %d)%s", self.worker_id, reply.seq,
+                             "; it already was" if reply.unchanged else "")
             with suppress(Exception):
                 await self.nc.close()
 
