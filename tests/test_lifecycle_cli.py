@@ -472,3 +472,46 @@ async def test_a_tag_moved_to_another_actor_s_image_of_the_same_id_says_so(bus):
     moved = await run("actor", "tag", "b-1", "base")
     assert moved.exit_code == 0, moved.output
     assert "base moved: it named snapshot img of actor a-1 before" in moved.output, moved.output
+
+
+def test_pins_and_stamps_of_runtimes_the_fleet_no_longer_runs_are_told_apart():
+    """One release (runsc-v1) on two CPU generations pins two running actors and stamps a paused
+    one's image; the release is then dropped (each worker runs runsc-v2 on its generation). `actor
+    show`, `actor list`, `worker show` and the replies of pause and suspend label them as the
+    timeline does (`cmd_audit.timeline_labels`): with their digits, since the fleet no longer holds
+    every runtime of that name (a walkthrough: 75 running actors pinned to four runtimes read
+    `microvm-v1` alike in `actor list -o wide` and `worker show` once the demo dropped v1)."""
+    from events.compat import compat_key
+    from events.runtime_id import short_id
+    from events.schema import RuntimeChanged, SnapshotOrigin
+    from services.scheduler.projection import Projection
+    from tests.factories import booked, created, entry, fold, placed, registered, released, snapshot, stamp, taken
+    from warmboot.cmd_lifecycle import actor_view, stamp_label, worker_view
+    from warmboot.cmd_views import runtimes_of
+
+    gen1, gen2 = version("v1", cpu_features="g1"), version("v1", cpu_features="g2")
+    new1, new2 = version("v2", cpu_features="g1"), version("v2", cpu_features="g2")
+    old = {w: entry(runtime(v, name="runsc-v1")) for w, v in (("w-1", gen1), ("w-2", gen2))}
+    pin1, pin2 = stamp(gen1, name="runsc-v1"), stamp(gen2, name="runsc-v1")
+    events = [registered("w-1", old["w-1"]), registered("w-2", old["w-2"]),
+              created("a"), placed("a", "w-1", pin1), booked("w-1", "a"),
+              created("b"), placed("b", "w-2", pin2), booked("w-2", "b"),
+              created("c"), placed("c", "w-1", pin1), booked("w-1", "c"),
+              taken(snapshot("c", pin1, node="node-w-1"), SnapshotOrigin.PAUSE), released("c", "w-1")]
+    for w, v in (("w-1", new1), ("w-2", new2)):  # the release dropped: each worker runs runsc-v2 only
+        events.append(RuntimeChanged(at=events[0].at, worker_id=w, sandbox_classes=(entry(runtime(v, name="runsc-v2")),),
+                                     previous=(old[w],)))
+    projection = fold(events, Projection())
+    runtimes = runtimes_of(projection)
+    digits = {v: short_id(compat_key("gvisor", v))[3:] for v in (gen1, gen2)}
+    one, two = f"runsc-v1@{digits[gen1]}", f"runsc-v1@{digits[gen2]}"
+
+    pins = {a: actor_view(a, projection, runtimes)["pin"] for a in ("a", "b")}
+    assert (pins["a"]["label"], pins["b"]["label"]) == (one, two), pins
+    assert actor_view("c", projection, runtimes)["snapshot"]["stamp"]["label"] == one
+    assert [a["pin"] for a in worker_view("w-1", projection)["actors"]] == [one]
+    assert [i["stamp"] for i in worker_view("w-1", projection)["local_images"]] == [one]
+    assert stamp_label(pin2, runtimes) == two  # a pause's or a suspend's reply
+    # a runtime the fleet runs reads by its name alone, as in `workers`
+    assert stamp_label(stamp(new1, name="runsc-v2"), runtimes) == f"runsc-v2@{short_id(compat_key('gvisor', new1))[3:]}"
+    assert stamp_label(stamp(new1, name="runsc-v2"), runtimes) == runtimes.label("gvisor", new1, "runsc-v2")

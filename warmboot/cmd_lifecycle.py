@@ -45,6 +45,7 @@ from warmboot.cmd_views import (
     mib,
     output_mode,
     output_option,
+    pin_label,
     runtime_labels,
     runtimes_of,
     worker_rows,
@@ -86,7 +87,7 @@ def run(nats_url: str, prefix: str, labelled: bool, call: Callable[[Client], Any
 def stamp_label(stamp: ActorRuntime | None, runtimes: Runtimes) -> str:
     if stamp is None:
         return "unstamped"
-    return runtimes.label(stamp.sandbox_class, stamp.version, stamp.name)
+    return pin_label(runtimes, stamp.sandbox_class, stamp.version, stamp.name)
 
 
 def snapshot_text(snap: Snapshot, runtimes: Runtimes) -> str:
@@ -350,7 +351,7 @@ def actor_view(actor_id: str, projection: Any, runtimes: Runtimes) -> dict:
         if stamp is None:
             return None
         r = stamp.runtime
-        return {"label": runtimes.label(r.sandbox_class, r.version, r.name), "id": short_id(stamp.compat.key),
+        return {"label": pin_label(runtimes, r.sandbox_class, r.version, r.name), "id": short_id(stamp.compat.key),
                 **to_builtins(r)}
 
     kind = a.snapshot
@@ -544,7 +545,7 @@ def worker_view(worker_id: str, projection: Any) -> dict:
         a = projection.actors[actor_id]
         pin = a.pin.runtime
         actors.append({"actor_id": actor_id, "state": a.state, "booked": to_builtins(a.booked),
-                       "pin": runtimes.label(pin.sandbox_class, pin.version, pin.name)})
+                       "pin": pin_label(runtimes, pin.sandbox_class, pin.version, pin.name)})
     # Waiting actors whose latest image is LOCAL on this worker's node, of a class it runs: they
     # resume only on that node (CONTRACT rule 5), so draining or removing the node's last worker of
     # the class strands them (docs/operations.md: suspend them first).

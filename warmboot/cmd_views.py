@@ -101,6 +101,18 @@ def runtimes_of(projection: Any) -> Runtimes:
     return runtimes
 
 
+def pin_label(runtimes: Runtimes, sandbox_class: str, version: CompatVersion, name: str | None = None) -> str:
+    """A pin's or a stamp's label: as the views label the fleet's runtimes (`Runtimes.label`) when a
+    worker runs it (a default or restorable runtime), else always `name@3f9a1c`
+    (`Runtimes.qualified`): the fleet does not hold every runtime of that name then (a dropped
+    release on several CPU generations), so a name alone would read alike for runtimes that are not
+    compatible (the rule of `audit actor`'s timeline, `cmd_audit.timeline_labels`)."""
+    known = runtimes.known.get(compat_key(sandbox_class, version))
+    if known is not None and known.run:
+        return runtimes.label(sandbox_class, version, name)
+    return runtimes.qualified(sandbox_class, version, name)
+
+
 async def fleet_runtimes(nc: Any, prefix: str) -> Runtimes:
     """The runtimes of the registered workers (see `fleet`)."""
     return runtimes_of(await fleet(nc, prefix))
@@ -460,7 +472,7 @@ def forecast_columns(sandbox_class: str, runtimes: Runtimes, dropped: set) -> li
 def stranded_columns(runtimes: Runtimes) -> list[Column]:
     return [
         Column("NEWLY STRANDED", lambda s: s.actor_id),
-        Column("STAMP", lambda s: runtimes.label(s.stamp.sandbox_class, s.stamp.version, s.stamp.name), drop=1,
+        Column("STAMP", lambda s: pin_label(runtimes, s.stamp.sandbox_class, s.stamp.version, s.stamp.name), drop=1,
                narrow=Column("STAMP", lambda s: short_id(compat_key(s.stamp.sandbox_class, s.stamp.version)),
                              about="as ids")),
         Column("STAMP ID", lambda s: short_id(compat_key(s.stamp.sandbox_class, s.stamp.version)), wide=True),
