@@ -25,6 +25,15 @@ class ContractError(Exception):
         self.message = message
         self.field = field
 
+    def __str__(self) -> str:
+        """`CODE field: message`, as the CLI prints a refusal: a traceback or a log line of one says
+        which code and field, not the message alone (`Expected `int` >= 1`: of what?)."""
+        where = f" {self.field}" if self.field else ""
+        return f"{self.code.value}{where}: {self.message}"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self})"
+
     @property
     def status(self) -> int:
         return HTTP_STATUS[self.code]

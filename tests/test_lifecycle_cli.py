@@ -188,6 +188,28 @@ async def test_errors_name_code_and_field_exit_1_and_write_nothing(bus, nc, pref
     assert refused.exit_code == 1 and refused.stderr.startswith("error: FAILED_PRECONDITION")
 
 
+async def test_a_refusal_raised_by_the_client_reads_with_its_code_and_field(bus):
+    """An integrator's traceback or log line of a `ContractError` says what the CLI says (code, field,
+    message), not the message alone (a walkthrough's traceback read `ContractError: Expected `int` >= 1`,
+    with no word of which field); its attributes are as they were."""
+    import traceback
+
+    from events.errors import ContractError, not_found
+    from events.schema import ErrorCode
+
+    _, wb = bus
+    with pytest.raises(ContractError) as refused:
+        await wb.create(actor("a-8", cpu=0))
+    error = refused.value
+    assert (error.code, error.field, error.message) == (ErrorCode.INVALID_ARGUMENT, "resources.cpu_millis",
+                                                        "Expected `int` >= 1")
+    assert str(error) == "INVALID_ARGUMENT resources.cpu_millis: Expected `int` >= 1"
+    assert traceback.format_exception_only(error)[-1] == \
+        "events.errors.ContractError: INVALID_ARGUMENT resources.cpu_millis: Expected `int` >= 1\n"
+    assert repr(error) == "ContractError(INVALID_ARGUMENT resources.cpu_millis: Expected `int` >= 1)"
+    assert str(not_found("actor 'a-8' does not exist")) == "NOT_FOUND: actor 'a-8' does not exist"  # no field
+
+
 async def test_the_same_request_id_is_the_same_request(bus, nc, prefix):
     run, _ = bus
     args = ("actor", "create", "a-5", "--class", "gvisor", "--template", "t1", "--cpu", "100", "--memory", "256",

@@ -25,7 +25,7 @@ What it does so that callers need not:
   the log: no retry brings it), and the registry's budget refusal (naming `worker_id`:
   its wait is seconds, told in its message).
 - Errors: every contract error is raised as `events.errors.ContractError`, with its
-  `code`, `message` and `field`. A request the server refused to carry for these
+  `code`, `message` and `field`; its text is `CODE field: message`, as the CLI prints it. A request the server refused to carry for these
   credentials (a permissions violation, heard on a connection made by `connect` or the
   CLI) is FAILED_PRECONDITION naming the subject, after its first attempt, not retried.
 
