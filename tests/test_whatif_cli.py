@@ -153,6 +153,24 @@ async def test_unknown_runtimes_and_workers_are_errors_naming_the_option(fleet_o
     assert await last_seq(nc, prefix) == before
 
 
+async def test_a_forecast_that_changes_nothing_says_why(fleet_on_bus, nc, prefix):
+    """A no-op says so: a `--drain` of a worker drained already, or nothing dropped or drained, gives
+    a forecast whose before and after are the same; stderr says why (a walkthrough's `--drain` of a
+    retired worker read as if draining it stranded nothing), and `-o json` stays the answer alone."""
+    run, wb = fleet_on_bus
+    drained = "w-gv-0000"
+    await wb.drain(drained)
+    again = await run("--class", "gvisor", "--drain", drained, "--drain", "w-gv-0002")
+    assert again.exit_code == 0, again.output
+    assert again.stderr == f"note: {drained} is drained already: the forecast counts it out before and after\n"
+    nothing = await run("--class", "gvisor", "--json")
+    assert nothing.exit_code == 0 and json.loads(nothing.stdout)["before"] == json.loads(nothing.stdout)["after"]
+    assert nothing.stderr == ("note: nothing is dropped or drained (--drop-runtime, --drain): before and after "
+                              "are the fleet as it is\n")
+    asked = await run("--class", "gvisor", "--drain", "w-gv-0002")
+    assert asked.exit_code == 0 and asked.stderr == ""
+
+
 def test_help_says_how_to_name_a_runtime():
     shown = CliRunner().invoke(main, ["whatif", "--help"])
     assert shown.exit_code == 0

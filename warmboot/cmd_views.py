@@ -31,6 +31,7 @@ from events.runtime_id import PREFIX as ID_PREFIX
 from events.runtime_id import Runtimes, UnknownRuntime, short_id
 from events.schema import (WHATIF_LIMIT_MAX, CompatVersion, Explanation, Fragmentation, Location, Placement,
                            StrandedActor, WhatIf, WhatIfAnswer)
+from events.states import WorkerState
 from events.subjects import event_subject
 from warmboot.cli_common import (ask, last_seq, log_messages, min_seq_option, nats_option, prefix_option, selectors_of,
                                  version_text)
@@ -441,6 +442,18 @@ def check_drains(projection: Any, workers: tuple[str, ...], sandbox_class: str) 
         raise click.BadParameter(e.message, param_hint="'--drain'") from None
 
 
+def no_op_notes(projection: Any, drop: tuple[str, ...], drain: tuple[str, ...]) -> list[str]:
+    """What of a whatif's question changes nothing, said as kubectl says a no-op: the workers to
+    drain that are drained already, or a question that supposes nothing at all."""
+    if not drop and not drain:
+        return ["nothing is dropped or drained (--drop-runtime, --drain): before and after are the fleet as it is"]
+    already = sorted({w for w in drain if projection.workers[w].state is WorkerState.DRAINED})
+    if not already:
+        return []
+    return [f"{', '.join(already)} {'is' if len(already) == 1 else 'are'} drained already: the forecast counts "
+            f"{'it' if len(already) == 1 else 'them'} out before and after"]
+
+
 COUNT_COLUMNS = [
     Column("SNAPSHOTS", lambda r: r[0]),
     Column("STRANDED", lambda r: str(r[1].stranded_snapshots), right=True),
@@ -543,11 +556,14 @@ def whatif(sandbox_class: str, drop: tuple[str, ...], drain: tuple[str, ...], li
 
     Prints the stranded and memory-restorable snapshots before and after, per runtime the
     workers that accept it and their free room before and after, and the actors that would
-    be newly stranded. Example: warmboot whatif --class gvisor --drop-runtime gvisor-v1
+    be newly stranded. What changes nothing is said on stderr (`note:`): a worker to drain
+    that is drained already, or nothing to drop or drain.
+
+    Example: warmboot whatif --class gvisor --drop-runtime gvisor-v1
     """
     mode = output_mode(output, as_json)
 
-    async def work(nc: Any) -> tuple[WhatIf, WhatIfAnswer, Runtimes]:
+    async def work(nc: Any) -> tuple[WhatIf, WhatIfAnswer, Runtimes, Any]:
         from services.scheduler.whatif import check_class
 
         projection = await fleet(nc, prefix)
@@ -557,9 +573,11 @@ def whatif(sandbox_class: str, drop: tuple[str, ...], drain: tuple[str, ...], li
                        drain_workers=drain, limit=limit or WHATIF_LIMIT_MAX,
                        min_seq=min_seq or projection.seq or None)  # at least the fleet this command resolved against
         check_drains(projection, drain, sandbox_class)
-        return query, await Client(nc, prefix).whatif(query), runtimes
+        return query, await Client(nc, prefix).whatif(query), runtimes, projection
 
-    query, answer, runtimes = ask(nats_url, work)
+    query, answer, runtimes, projection = ask(nats_url, work)
+    for note in no_op_notes(projection, drop, drain):  # on stderr: `-o json` stays the answer alone
+        click.echo(f"note: {note}", err=True)
     if mode == "json":
         echo_json(to_builtins(answer), sandbox_class)
         return
