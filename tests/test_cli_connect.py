@@ -306,6 +306,7 @@ def test_a_ctrl_c_stops_a_command_with_status_130_and_says_so():
     import signal
     import socket
     import subprocess
+    from pathlib import Path
 
     from tests.secured_helpers import WARMBOOT
 
@@ -661,3 +662,20 @@ async def test_a_request_the_server_refuses_to_carry_is_told_at_once_not_retried
         assert "FAILED_PRECONDITION" in drained.stderr and "hx.registry.drain.w-1" in drained.stderr, \
             drained.stderr
         assert await last_seq(svc.nc, "hx") == before
+
+
+@pytest.mark.parametrize("module", ["warmboot", "warmboot.cli"])
+def test_the_cli_runs_as_a_module(module):
+    """`python -m warmboot` (and `-m warmboot.cli`, which a walkthrough ran from a checkout) runs the
+    CLI as the `warmboot` script does; `-m warmboot.cli` printed nothing and exited 0, whatever it
+    was asked (a command that did nothing, said nothing and reported success)."""
+    import subprocess
+    from pathlib import Path
+    import sys
+
+    shown = subprocess.run([sys.executable, "-m", module, "actor", "--help"], capture_output=True, text=True,
+                           timeout=60, cwd=Path(__file__).resolve().parents[1])
+    assert shown.returncode == 0 and "Usage: warmboot actor" in shown.stdout, shown
+    refused = subprocess.run([sys.executable, "-m", module, "nosuch"], capture_output=True, text=True, timeout=60,
+                             cwd=Path(__file__).resolve().parents[1])
+    assert refused.returncode == 2 and "No such command 'nosuch'" in refused.stderr, refused

@@ -56,3 +56,6 @@ main.add_command(nats_config)
 from warmboot.cmd_audit import audit  # noqa: E402
 
 main.add_command(audit)
+
+if __name__ == "__main__":  # `python -m warmboot.cli`, as the `warmboot` script (`python -m warmboot` too)
+    main(prog_name="warmboot")
