@@ -364,8 +364,36 @@ async def test_a_prefix_no_service_answers_is_named_as_the_likely_cause(operated
     --prefix wrong` said only that no service answers a subject."""
     shown = await cli("fragmentation", "--nats", nats_url, "--prefix", "wrong")
     assert shown.exit_code == 1
-    assert shown.stderr == "error: UNAVAILABLE: no service answers wrong.scheduler.fragmentation (is --prefix wrong " \
-                           "the deployment's, and does the service run?)\n"
+    assert shown.stderr.startswith("error: UNAVAILABLE: no service answers wrong.scheduler.fragmentation (is --prefix "
+                                   "wrong the deployment's? logs here: --prefix "), shown.stderr
+    # a log on the server and nobody answering its requests: the service is not running, the prefix is right
+    from tests.factories import ensure_stream
+
+    idle = "t" + __import__("uuid").uuid4().hex[:12]
+    await ensure_stream(nats_url, idle)
+    stopped = await cli("explain", "a-1", "--nats", nats_url, "--prefix", idle)
+    assert stopped.exit_code == 1
+    assert stopped.stderr == (f"error: UNAVAILABLE: no service answers {idle}.scheduler.explain.a-1 (the log of "
+                              f"--prefix {idle} is on this server: does the scheduler run?)\n")
+
+
+async def test_a_prefix_whose_log_this_server_does_not_hold_is_named_with_those_it_holds(operated, nats_url):
+    """A command that reads the log, given a prefix whose stream the server says does not exist: one
+    line as every refusal reads (`error: CODE field (option): ...`), naming the prefixes whose logs the
+    server holds, not a question about credentials (a walkthrough: `workers --prefix wrongpfx` said
+    `Error: cannot read the event stream WRONGPFX_EVENTS (nats: NotFoundError: code=404 ...): is --prefix
+    wrongpfx the deployment's, and may these credentials read its log? ...`)."""
+    prefix, _ = operated
+    for command in (("workers",), ("actor", "list"), ("audit", "verify"), ("whatif", "--class", "gvisor")):
+        shown = await cli(*command, "--nats", nats_url, "--prefix", "wrongpfx")
+        assert shown.exit_code == 1, (command, shown.output)
+        said = " ".join(shown.stderr.split())
+        assert said.startswith("error: NOT_FOUND prefix (--prefix): no event stream WRONGPFX_EVENTS on this "
+                               "server: is --prefix wrongpfx the deployment's? (logs here: --prefix "), (command, said)
+        # the server holds every module's log of this session: this one's, or a note of more than are named
+        assert prefix in said or " more)" in said, (command, said)
+        assert "credentials" not in said and "NotFoundError" not in said, (command, said)
+        assert shown.stdout == ""
 
 
 async def test_explain_command_fits_and_shows_the_pin_by_its_label(operated, nats_url):

@@ -14,11 +14,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from events.compat import compat_key, describe_key
-from events.errors import ContractError
+from events.errors import ContractError, not_found
 from events.natsauth import NKEY_SEED_ENV, carries_secret, check_url, redact_url
 from events.natspy import ErrorsOnce, describe_error
 from events.schema import ID_RE, ID_WORDS
-from events.subjects import DEFAULT_PREFIX, check_prefix, stream_name
+from events.subjects import DEFAULT_PREFIX, PREFIX_PATTERN, check_prefix, stream_name
 from services.common import EVENT_LOOP_ENV, EVENT_LOOPS, leaders_stream_info
 from warmboot.connection import CONNECT_TIMEOUT_S, connect_within, hears_replies
 
@@ -136,10 +136,15 @@ def flag_of(field: str | None) -> str | None:
     return max(options[name].opts, key=len) if name in options else None  # --min-fidelity, not -m
 
 
+NO_SERVICE = "no service answers "  # how `warmboot.client` says a request reached nobody (then the subject)
+
+
 class Failed(click.ClickException):
     """A contract error as every command prints it: `error: CODE field: message` on stderr, exit 1."""
 
-    def __init__(self, error: ContractError):
+    def __init__(self, error: ContractError, held: list[str] | None = None):
+        """`held`: the prefixes whose logs the server holds (`prefixes_held`), if they could be read:
+        a request nobody answered then says whether the prefix is wrong or its service is not running."""
         where = f" {error.field}" if error.field else ""
         flag = flag_of(error.field)
         if flag:  # the wire's name, and what the user typed
@@ -147,8 +152,14 @@ class Failed(click.ClickException):
         hint = ""
         context = click.get_current_context(silent=True)
         prefix = context.params.get("prefix") if context is not None else None
-        if error.message.startswith("no service answers") and prefix:  # as `last_seq` says it for the log
-            hint = f" (is --prefix {prefix} the deployment's, and does the service run?)"
+        if error.message.startswith(NO_SERVICE) and prefix:  # as `last_seq` says it for the log
+            service = error.message[len(NO_SERVICE):].split(".")[1:2] or ["service"]
+            if held and prefix in held:
+                hint = f" (the log of --prefix {prefix} is on this server: does the {service[0]} run?)"
+            elif held:
+                hint = f" (is --prefix {prefix} the deployment's? {logs_held(held)})"
+            else:
+                hint = f" (is --prefix {prefix} the deployment's, and does the service run?)"
         super().__init__(f"{error.code.value}{where}: {error.message}{hint}")
         self.error = error
 
@@ -190,6 +201,10 @@ def ask(nats_url: str, work: Callable[[Any], Awaitable[Any]]) -> Any:
         try:
             await hears_replies(nats_url, nc, errors)  # a user refused its inbox: said before anything is sent
             return await work(nc)
+        except ContractError as e:
+            if e.message.startswith(NO_SERVICE):  # a wrong prefix, or a service not running: which one
+                raise Failed(e, await prefixes_held(nc)) from None
+            raise
         finally:
             await nc.close()
 
@@ -205,17 +220,51 @@ def version_text(version: Any) -> str:
 
 async def last_seq(nc: Any, prefix: str, timeout: float = 5.0) -> int:
     """The event stream's last sequence as its leader has it, or a ClickException: "try again" while
-    the stream has no leader, else naming the stream, the prefix and the credentials (a client's
-    may not ask: NATS then answers nothing, and the wait is `timeout`)."""
+    the stream has no leader; NOT_FOUND (field `prefix`) when the server has no such stream, naming
+    the prefixes whose logs it holds; else naming the stream, the prefix and the credentials (a
+    client's may not ask: NATS then answers nothing, and the wait is `timeout`)."""
     try:
         return (await leaders_stream_info(nc.jetstream(timeout=timeout), stream_name(prefix))).state.last_seq
     except nats.js.errors.ServiceUnavailableError:  # asked right, answered "not now": no hint about the prefix
         raise click.ClickException(f"cannot read the event stream {stream_name(prefix)} now: it has no leader (an "
                                    "election, or too few of its servers up); try again") from None
+    except nats.js.errors.NotFoundError:  # the server says there is no such stream: not a question of credentials
+        held = await prefixes_held(nc)
+        here = (f" ({logs_held(held)})" if held else " (no warmboot log here: its services make one when they "
+                "first start)" if held is not None else "")
+        raise not_found(f"no event stream {stream_name(prefix)} on this server: is --prefix {prefix} the "
+                        f"deployment's?{here}", "prefix") from None
     except Exception as e:
         raise click.ClickException(f"cannot read the event stream {stream_name(prefix)} ({describe_error(e)}): is "
                                    f"--prefix {prefix} the deployment's, and may these credentials read its log? "
                                    "(a client's may not: docs/security.md)") from None
+
+
+PREFIXES_SHOWN = 5  # of the logs a server holds, named in the error about another prefix
+
+
+async def prefixes_held(nc: Any, timeout: float = 1.0) -> list[str] | None:
+    """The prefixes of the warmboot logs this server holds (a stream `<PREFIX>_EVENTS` on
+    `<prefix>.ev.>`), for a hint; None if the streams cannot be listed within `timeout` (an
+    operator's credentials may not list them, docs/security.md: NATS then answers nothing, and the
+    error waits that long; a server answers in milliseconds)."""
+    try:
+        infos = await asyncio.wait_for(nc.jetstream().streams_info(), timeout)
+    except Exception:
+        return None
+    held = set()
+    for info in infos:
+        for subject in info.config.subjects or ():
+            found = re.fullmatch(r"(.+)\.ev\.>", subject)
+            if found and PREFIX_PATTERN.match(found[1]) and info.config.name == stream_name(found[1]):
+                held.add(found[1])
+    return sorted(held)
+
+
+def logs_held(held: list[str]) -> str:
+    """The logs a server holds, as an error about another prefix names them."""
+    more = f" and {len(held) - PREFIXES_SHOWN} more" if len(held) > PREFIXES_SHOWN else ""
+    return f"logs here: --prefix {', '.join(held[:PREFIXES_SHOWN])}{more}"
 
 
 # How long one batched direct get may take (the server answers a page in milliseconds; the
