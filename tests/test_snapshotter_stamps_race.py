@@ -415,13 +415,14 @@ async def test_a_pause_or_suspend_naming_its_placement_is_refused_once_the_actor
         with pytest.raises(ContractError) as refused:
             await send()
         assert (refused.value.code, refused.value.field) == (ErrorCode.FAILED_PRECONDITION, "placement_seq")
-        assert f"placed at sequence {second.seq - 1} on worker 'w-2'" in refused.value.message
+        assert (f"placed on worker 'w-2' (recorded at sequence {second.seq - 1}; its resume answered "
+                f"{second.seq - 1} or {second.seq})") in refused.value.message
     assert [seq for seq, _, _ in await read_entries(nc, prefix)][-1] == before  # nothing written
 
     paused = await wb.pause("a-1", placement_seq=second.seq)  # the Assignment's seq: its booking marker's
     assert (paused.snapshot.node, paused.snapshot.sandbox_runtime.version) == ("node-2", V2)
     with pytest.raises(ContractError) as refused:  # a promote names the placement the pause ended
         await wb.suspend("a-1", uri="s3://a-1", placement_seq=first.seq)
-    assert "its image is of the placement at sequence" in refused.value.message
+    assert f"its image is of the placement (recorded at sequence {second.seq - 1};" in refused.value.message
     promoted = await wb.suspend("a-1", uri="s3://a-1", placement_seq=second.seq - 1)  # the ActorPlaced's seq
     assert promoted.snapshot.sandbox_runtime.version == V2

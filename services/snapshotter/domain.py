@@ -285,8 +285,10 @@ class Actor(WireAggregate):
         if placed and placed <= placement_seq <= placed + 1:
             return
         held = self.assignment
-        now = (f"it is placed at sequence {placed} on worker {held.worker_id!r}" if held is not None
-               else f"its image is of the placement at sequence {placed}" if placed
+        # `actor resume` printed the Assignment's seq: the booking marker's, one after the ActorPlaced
+        answered = f"(recorded at sequence {placed}; its resume answered {placed} or {placed + 1})"
+        now = (f"it is placed on worker {held.worker_id!r} {answered}" if held is not None
+               else f"its image is of the placement {answered}" if placed
                else "it has never been placed")
         raise precondition(
             f"cannot record a {verb} of actor {self.entity_id!r} taken under the placement at sequence "
