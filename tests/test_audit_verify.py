@@ -358,16 +358,21 @@ def test_a_forged_stamp_is_named_with_its_sequence_and_what_it_should_be(case):
         assert words in line, line
 
 
+def verifying_up_to(step: str) -> tuple[Sink, Fold, int]:
+    """A verifying Sink that has applied the legitimate log up to `step` (`upto`), the scheduler's
+    Fold that reads messages into it, and the sequence of the last event applied."""
+    sink = Sink(verify=True)
+    before = upto(step)
+    for seq, event in enumerate(before, start=1):
+        sink.apply(seq, event)
+    return sink, Fold(None, "t", sink), len(before)
+
+
 def test_what_a_tag_names_is_unknown_after_a_message_of_its_history_this_version_cannot_read():
     """A newer snapshotter's message on a tag's subject (unread, as the scheduler's fold reads the
     log): a creation no known tag names may be from that tag, so it is not judged, until a
     TagRecorded this version reads says again what the tag names."""
-    sink = Sink(verify=True)
-    fold_into = Fold(None, "t", sink)
-    before = upto("a suspended")
-    for seq, event in enumerate(before, start=1):
-        sink.apply(seq, event)
-    seq = len(before)
+    sink, fold_into, seq = verifying_up_to("a suspended")
     fold_into.fold_message(seq + 1, "t.ev.tag.gold", {"Warmboot-Topic": "TagRecordedV2", "Warmboot-Version": "1"},
                            b'{"type":"TagRecordedV2","tag":"gold"}')
     sink.apply(seq + 2, created("c", snapshot=restamped(msgspec.structs.replace(A7, actor_id="c"), V2), **SMALL))
@@ -381,12 +386,7 @@ def test_what_a_tag_names_is_unknown_after_a_message_of_its_history_this_version
 def test_an_actor_with_a_message_this_version_cannot_read_is_not_stamp_judged_until_its_next_life():
     """What an unread message of an actor's life changed (its state, its latest snapshot) is unknown:
     its stamps are judged again from the creation that begins its next life."""
-    sink = Sink(verify=True)
-    fold_into = Fold(None, "t", sink)
-    before = upto("a paused")
-    for seq, event in enumerate(before, start=1):
-        sink.apply(seq, event)
-    seq = len(before)
+    sink, fold_into, seq = verifying_up_to("a paused")
     fold_into.fold_message(seq + 1, "t.ev.actor.a", {"Warmboot-Topic": "ActorMovedV2", "Warmboot-Version": "9"},
                            b'{"type":"ActorMovedV2","actor_id":"a"}')
     sink.apply(seq + 2, taken(snapshot("a", V2, snapshot_id="a-x", uri="s3://x")))  # a SUSPEND, maybe of a running a

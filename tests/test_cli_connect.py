@@ -306,7 +306,6 @@ def test_a_ctrl_c_stops_a_command_with_status_130_and_says_so():
     import signal
     import socket
     import subprocess
-    from pathlib import Path
 
     from tests.secured_helpers import WARMBOOT
 
