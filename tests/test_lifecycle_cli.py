@@ -12,15 +12,19 @@ import asyncio
 import json
 import re
 
+import msgspec
 import pytest
 from click.testing import CliRunner
 
 from events.codec import to_builtins
+from events.compat import compat_key
+from events.runtime_id import short_id
 from events.schema import (
     ActorCreated,
     ActorPlaced,
     ActorReleased,
     ActorStopped,
+    CompatVersion,
     SnapshotTaken,
 )
 from tests.factories import actor, golden, last_seq, read_log, runtime, version, wait_for, worker
@@ -108,6 +112,9 @@ async def test_an_actor_lives_through_the_cli_and_every_reply_is_in_the_log(bus,
     view = json.loads((await run("actor", "show", "a-1", "-o", "json")).output)
     assert (view["state"], view["snapshot"]["location"], view["snapshot"]["node"]) == ("PAUSED", "LOCAL", node)
     assert view["snapshot"]["stamp"]["label"] == placed["RUNTIME"]
+    stamp_json = view["snapshot"]["stamp"]  # its id once, under the key every JSON gives it
+    assert "id" not in stamp_json and stamp_json["runtime_id"] == short_id(
+        compat_key(stamp_json["sandbox_class"], msgspec.convert(stamp_json["version"], CompatVersion)))
     text = (await run("actor", "show", "a-1")).output
     assert fields(text)["STATE"] == "PAUSED" and fields(text)["STAMP"] == placed["RUNTIME"]
 
@@ -504,8 +511,6 @@ def test_pins_and_stamps_of_runtimes_the_fleet_no_longer_runs_are_told_apart():
     timeline does (`cmd_audit.timeline_labels`): with their digits, since the fleet no longer holds
     every runtime of that name (a walkthrough: 75 running actors pinned to four runtimes read
     `microvm-v1` alike in `actor list -o wide` and `worker show` once the demo dropped v1)."""
-    from events.compat import compat_key
-    from events.runtime_id import short_id
     from events.schema import RuntimeChanged, SnapshotOrigin
     from services.scheduler.projection import Projection
     from tests.factories import booked, created, entry, fold, placed, registered, released, snapshot, stamp, taken

@@ -351,8 +351,8 @@ def actor_view(actor_id: str, projection: Any, runtimes: Runtimes) -> dict:
         if stamp is None:
             return None
         r = stamp.runtime
-        return {"label": pin_label(runtimes, r.sandbox_class, r.version, r.name), "id": short_id(stamp.compat.key),
-                **to_builtins(r)}
+        return {"label": pin_label(runtimes, r.sandbox_class, r.version, r.name),
+                "runtime_id": short_id(stamp.compat.key), **to_builtins(r)}
 
     kind = a.snapshot
     snapshot = None if kind is None else {
