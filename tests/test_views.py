@@ -470,3 +470,24 @@ def test_json_gives_each_runtime_version_its_id_by_the_class_it_belongs_to():
     assert with_runtime_ids({"runtimes": [{"version": to_builtins(v1)}]}) == {"runtimes": [{"version": to_builtins(v1)}]}
     kept = {"sandbox_class": "gvisor", "version": to_builtins(v1), "runtime_id": "rt-given"}
     assert with_runtime_ids(kept) == kept
+
+
+async def test_the_logs_a_server_holds_are_read_past_the_first_page_of_its_streams(tmp_path):
+    """The server lists its streams 256 at a time: a log past the first page was missed, and the
+    suite's server (hundreds of streams) said "no warmboot log here" of its own logs (found by CI)."""
+    import nats as nats_py
+
+    from tests.factories import ensure_stream
+    from warmboot.cli_common import prefixes_held
+    from warmboot.natsserver import NatsServer
+
+    with NatsServer(str(tmp_path)) as server:
+        nc = await nats_py.connect(server.url)
+        try:
+            js = nc.jetstream()
+            for i in range(300):  # listed before the log: names sort before its
+                await js.add_stream(name=f"A{i:03d}", subjects=[f"other{i}.>"], storage="memory")
+            await ensure_stream(server.url, "zlog")
+            assert await prefixes_held(nc, timeout=10) == ["zlog"]
+        finally:
+            await nc.close()

@@ -248,8 +248,17 @@ async def prefixes_held(nc: Any, timeout: float = 1.0) -> list[str] | None:
     `<prefix>.ev.>`), for a hint; None if the streams cannot be listed within `timeout` (an
     operator's credentials may not list them, docs/security.md: NATS then answers nothing, and the
     error waits that long; a server answers in milliseconds)."""
+    async def every_page() -> list[Any]:  # the server lists 256 streams a page
+        infos: list[Any] = []
+        while True:
+            page = await nc.jetstream().streams_info_iterator(offset=len(infos))
+            got = list(page)
+            infos += got
+            if not got or len(infos) >= page.total:
+                return infos
+
     try:
-        infos = await asyncio.wait_for(nc.jetstream().streams_info(), timeout)
+        infos = await asyncio.wait_for(every_page(), timeout)
     except Exception:
         return None
     held = set()
