@@ -96,6 +96,9 @@ async def test_an_actor_lives_through_the_cli_and_every_reply_is_in_the_log(bus,
     assert placed["RUNTIME"] in ("runsc-v1", "runsc-v2")  # the pin by its label, as the views show it
     (event, _) = await wrote(nc, prefix, int(placed["SEQ"]))  # ActorPlaced and its booking marker
     assert isinstance(event, ActorPlaced) and event.worker_id == placed["WORKER"]
+    shown_wide = fields((await run("actor", "show", "a-1", "-o", "wide")).output)
+    assert shown_wide["PIN ID"] == short_id(compat_key(event.sandbox_runtime.sandbox_class,
+                                                       event.sandbox_runtime.version))
 
     before = await last_seq(nc, prefix)
     stale = await run("actor", "pause", "a-1", "--placement-seq", str(int(placed["SEQ"]) + 7))
@@ -115,6 +118,9 @@ async def test_an_actor_lives_through_the_cli_and_every_reply_is_in_the_log(bus,
     stamp_json = view["snapshot"]["stamp"]  # its id once, under the key every JSON gives it
     assert "id" not in stamp_json and stamp_json["runtime_id"] == short_id(
         compat_key(stamp_json["sandbox_class"], msgspec.convert(stamp_json["version"], CompatVersion)))
+    wide = await run("actor", "show", "a-1", "-o", "wide")  # the id as the table shows it
+    assert wide.exit_code == 0, wide.output
+    assert fields(wide.output)["STAMP ID"] == stamp_json["runtime_id"]
     text = (await run("actor", "show", "a-1")).output
     assert fields(text)["STATE"] == "PAUSED" and fields(text)["STAMP"] == placed["RUNTIME"]
 

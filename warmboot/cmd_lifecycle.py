@@ -392,7 +392,7 @@ def actor_fields(view: dict, wide: bool) -> list[tuple[str, str]]:
         stamp = snap["stamp"]
         fields.append(("STAMP", stamp["label"] if stamp else "unstamped"))
         if wide and stamp:
-            fields.append(("STAMP ID", stamp["id"]))
+            fields.append(("STAMP ID", stamp["runtime_id"]))
     if view["worker_id"]:
         fields.append(("WORKER", view["worker_id"]))
     if view["node"]:
@@ -400,7 +400,7 @@ def actor_fields(view: dict, wide: bool) -> list[tuple[str, str]]:
     if view["pin"]:
         fields.append(("PIN", view["pin"]["label"]))
         if wide:
-            fields.append(("PIN ID", view["pin"]["id"]))
+            fields.append(("PIN ID", view["pin"]["runtime_id"]))
     if view["booked"]:
         b = view["booked"]
         fields.append(("BOOKED", f"{millis(b['cpu_millis'])} cpu, {mib(b['memory_mib'])} memory"))
