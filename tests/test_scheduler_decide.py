@@ -84,7 +84,9 @@ def test_unknown_running_and_stopped_actors_are_refused():
     refused(log, "a", ErrorCode.FAILED_PRECONDITION)
     log.add(ActorStopped(at=AT, actor_id="a"))
     assert log.p.actors["a"].state is STOPPED
-    refused(log, "a", ErrorCode.FAILED_PRECONDITION)
+    assert refused(log, "a", ErrorCode.FAILED_PRECONDITION).message == (  # says how to go on
+        "actor a is STOPPED: its life has ended; a CreateActor with the same id (`warmboot actor create a ...`) "
+        "starts its next life")
 
 
 def test_no_worker_of_the_class_is_resource_exhausted():

@@ -174,7 +174,8 @@ def resolve(projection: Projection, actor_id: str) -> Actor:
         where = f" on worker {actor.worker.worker_id}" if actor.worker is not None else ""
         raise precondition(f"actor {actor_id} is RUNNING{where}; it must be paused or suspended first")
     if actor.state is STOPPED:
-        raise precondition(f"actor {actor_id} is STOPPED")
+        raise precondition(f"actor {actor_id} is STOPPED: its life has ended; a CreateActor with the same "
+                           f"id (`warmboot actor create {actor_id} ...`) starts its next life")
     return actor
 
 
