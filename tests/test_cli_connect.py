@@ -56,6 +56,22 @@ def test_every_command_refuses_a_bad_nats_url_before_it_runs(command):
     assert "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("args, says", [
+    (["nosuch"], "error: No such command 'nosuch'."),
+    (["--nosuch"], "error: No such option '--nosuch'."),
+    (["actor", "create"], "error: Missing argument 'ACTOR_ID'."),
+    (["workers", "--nats", "nats://h:x"], "error: Invalid value for '--nats'"),
+    (["actor", "list", "--state", "warm"], "error: Invalid value for '--state'"),
+])
+def test_a_usage_error_is_printed_as_every_error_is_with_click_s_usage_and_status(args, says):
+    """click's own usage errors said `Error: ...` where warmboot's refusals say `error: ...`: one
+    style now (cli.Commands), click's usage line and hint and its exit status 2 kept."""
+    result = CliRunner().invoke(main, args, prog_name="warmboot")
+    assert result.exit_code == 2, result.output
+    assert says in result.output and "Usage: warmboot" in result.output, result.output
+    assert "Error" not in result.output, result.output
+
+
 @pytest.mark.parametrize("url, where, warned", [
     ("nats://svc:secret@127.0.0.1:{port}", "argv", True),
     ("nats://127.0.0.1:1,nats://s3cr3t-token@127.0.0.1:{port}", "argv", True),  # a token, in any member
@@ -229,7 +245,7 @@ def test_a_metrics_port_taken_is_one_line_naming_it(tmp_path):
         result = CliRunner().invoke(main, ["up", "--port", "0", "--metrics-port", str(port),
                                            "--store", str(tmp_path / "store")])
     assert result.exit_code == 1, result.output
-    assert f"Error: [Errno 98] cannot serve metrics on 127.0.0.1:{port}: Address already in use" in result.output
+    assert f"error: [Errno 98] cannot serve metrics on 127.0.0.1:{port}: Address already in use" in result.output
     assert "Traceback" not in result.output
 
 

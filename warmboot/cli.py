@@ -2,22 +2,56 @@
 
 from __future__ import annotations
 
+import io
+import re
+
 import click
 
 INTERRUPTED_EXIT = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
 
 
+class Restyled(click.ClickException):
+    """A ClickException printed as every warmboot error is, `error: ...` (click's own say `Error: ...`),
+    with its exit status (2 for a usage error, after click's usage line and hint, which are kept)."""
+
+    def __init__(self, cause: click.ClickException):
+        super().__init__(cause.message)
+        self.cause = cause
+        self.exit_code = cause.exit_code
+
+    def show(self, file=None) -> None:
+        shown = io.StringIO()
+        self.cause.show(shown)
+        click.echo(re.sub(r"^Error: ", "error: ", shown.getvalue(), count=1, flags=re.M), file=file, err=True,
+                   nl=False)
+
+
+def restyled(e: click.ClickException) -> click.ClickException:
+    """`e` printed `error: ...`, if it is printed by click's own `show` (warmboot's own, `Failed`, says `error:`)."""
+    own = type(e).show in (click.ClickException.show, click.UsageError.show)
+    return Restyled(e) if own and not isinstance(e, Restyled) else e
+
+
 class Commands(click.Group):
-    """The command group, whose commands a Ctrl-C stops with "interrupted" and exit status 130, as
+    """The command group: every error, click's usage errors included, is printed `error: ...`
+    (`Restyled`), and a Ctrl-C stops a command with "interrupted" and exit status 130, as
     shells and most tools do (click's own is "Aborted!" and 1, the status of a failed command).
     `serve`, `up` and `agent` handle SIGINT themselves once they serve (a graceful stop)."""
 
-    def invoke(self, ctx: click.Context):
+    def make_context(self, *args, **kwargs) -> click.Context:  # the top level's own options and arguments
+        try:
+            return super().make_context(*args, **kwargs)
+        except click.ClickException as e:
+            raise restyled(e) from None
+
+    def invoke(self, ctx: click.Context):  # every subcommand: its parsing, and what it raises
         try:
             return super().invoke(ctx)
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             raise click.exceptions.Exit(INTERRUPTED_EXIT) from None
+        except click.ClickException as e:
+            raise restyled(e) from None
 
 
 @click.group(cls=Commands, context_settings={"help_option_names": ["-h", "--help"]})

@@ -164,7 +164,7 @@ class Failed(click.ClickException):
         self.error = error
 
     def show(self, file: Any = None) -> None:
-        click.echo(f"error: {self.message}", err=True)
+        click.echo(f"error: {self.message}", file=file, err=True)
 
 
 # A one-shot command waits up to CONNECT_TIMEOUT_S for its server (it may be restarting); past
