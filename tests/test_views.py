@@ -352,11 +352,35 @@ async def test_fragmentation_command_fits_and_labels_like_workers(operated, nats
     assert sum(rt.snapshots_memory for _, rt in rows) == 3  # the paused actors' images
 
 
-async def test_a_class_filter_that_matches_nothing_says_so_not_that_nothing_is_registered(operated, nats_url):
+async def test_a_class_no_worker_runs_is_an_error_naming_the_classes_the_fleet_runs(operated, nats_url):
+    """As whatif's `--class` is: `workers --class nope` and `fragmentation --class nope` exited 0
+    with a line saying nothing of the classes there are (a review); `-o json` too, on stderr."""
     prefix, _ = operated
     for command in ("workers", "fragmentation"):
-        shown = await cli(command, "--class", "nope", "--nats", nats_url, "--prefix", prefix)
-        assert (shown.exit_code, shown.output) == (0, "no worker registers the sandbox class nope\n")
+        for output in ((), ("-o", "json"), ("-o", "wide")):
+            shown = await cli(command, "--class", "nope", *output, "--nats", nats_url, "--prefix", prefix)
+            assert shown.exit_code == 1, (command, output, shown.output)
+            assert shown.stderr == ("error: NOT_FOUND sandbox_class (--class): no worker has registered the sandbox "
+                                    "class 'nope' (registered: gvisor, microvm)\n"), (command, output, shown.stderr)
+            assert shown.stdout == "", (command, output, shown.stdout)
+    # a class that is there is still shown
+    for command in ("workers", "fragmentation"):
+        shown = await cli(command, "--class", "microvm", "--nats", nats_url, "--prefix", prefix)
+        assert shown.exit_code == 0 and "microvm" in shown.stdout and "gvisor" not in shown.stdout, shown.output
+
+
+async def test_a_class_asked_of_an_empty_fleet_says_no_worker_is_registered(nats_server, nats_url):
+    """An empty fleet (a log, services, no worker): `--class` names no class, and says why."""
+    prefix = "t" + __import__("uuid").uuid4().hex[:12]
+    async with AsyncExitStack() as exits:
+        await start_services(exits, list(SERVICES), nats_server.url, prefix, options={"scheduler": {"metrics": False}})
+        for command in (("workers",), ("fragmentation",), ("whatif",)):
+            shown = await cli(*command, "--class", "gvisor", "--nats", nats_url, "--prefix", prefix)
+            assert shown.exit_code == 1, (command, shown.output)
+            assert shown.stderr == ("error: NOT_FOUND sandbox_class (--class): no worker has registered the sandbox "
+                                    "class 'gvisor' (no worker is registered)\n"), (command, shown.stderr)
+        listed = await cli("workers", "--nats", nats_url, "--prefix", prefix)
+        assert (listed.exit_code, listed.output) == (0, "no workers registered\n")
 
 
 async def test_a_prefix_no_service_answers_is_named_as_the_likely_cause(operated, nats_url):

@@ -152,6 +152,19 @@ async def fleet(nc: Any, prefix: str, target: int | None = None) -> Any:
     return projection
 
 
+async def check_class_named(nc: Any, prefix: str, sandbox_class: str) -> None:
+    """NOT_FOUND (field `sandbox_class`, `--class`) unless a registered worker runs the class, as
+    whatif's endpoint checks it (`services.scheduler.whatif.check_class`): the message names the
+    classes the fleet runs, or, when the log cannot be read (a client's credentials may not), none."""
+    from services.scheduler.whatif import check_class, unknown_class
+
+    try:
+        projection = await fleet(nc, prefix, await last_seq(nc, prefix, LABELS_TIMEOUT_S))
+    except (click.ClickException, ContractError, nats.errors.Error):
+        raise unknown_class(sandbox_class, None) from None
+    check_class(projection, sandbox_class)
+
+
 def mib(value: int) -> str:
     return f"{value}Mi"
 
@@ -297,11 +310,16 @@ def fragmentation(sandbox_class: str | None, min_seq: int | None, nats_url: str,
                   as_json: bool) -> None:
     """Per sandbox class: workers, stranded and lost local snapshots; per runtime: the workers
     running it (DEFAULT), able to restore it (RESTORABLE) or accepting it through a compatible
-    version (EDGE), their free room, and the memory snapshots stamped with it (SNAPSHOTS)."""
+    version (EDGE), their free room, and the memory snapshots stamped with it (SNAPSHOTS).
+
+    A --class the scheduler knows nothing of (no worker runs it, no actor is of it) is an error
+    naming the classes the registered workers run, exit status 1, as whatif's is."""
     mode = output_mode(output, as_json)
 
     async def work(nc: Any) -> tuple[Fragmentation, Runtimes | None]:
         answer = await Client(nc, prefix).fragmentation(sandbox_class, min_seq)
+        if sandbox_class is not None and not answer.classes:  # the scheduler knows no such class
+            await check_class_named(nc, prefix, sandbox_class)
         return answer, (None if mode == "json" else await runtime_labels(nc, prefix))
 
     answer, runtimes = ask(nats_url, work)
@@ -392,19 +410,29 @@ def workers(sandbox_class: str | None, nats_url: str, prefix: str, output: str |
     """Registered workers by class and runtime, with free capacity and drain state.
 
     Folds the log with the scheduler's projection: what it shows is what the scheduler sees.
+    A --class no registered worker runs is an error naming the classes they run, exit status 1,
+    as whatif's is.
     """
     from warmboot.audit import Sink
     from warmboot.cli_common import replay
 
+    from services.scheduler.whatif import check_class
+
     mode = output_mode(output, as_json)
-    sink = ask(nats_url, lambda nc: replay(nc, prefix, Sink(), mode != "json"))
+
+    async def work(nc: Any) -> Any:
+        sink = await replay(nc, prefix, Sink(), mode != "json")
+        if sandbox_class is not None:
+            check_class(sink.projection, sandbox_class)  # a typo names the classes the fleet runs, as whatif's does
+        return sink
+
+    sink = ask(nats_url, work)
     rows = [r for r in worker_rows(sink.projection) if sandbox_class in (None, r["sandbox_class"])]
     if mode == "json":
         echo_json(rows)
         return
     if not rows:
-        click.echo(f"no worker registers the sandbox class {sandbox_class}" if sandbox_class is not None
-                   else "no workers registered")
+        click.echo("no workers registered")
         return
     width = terminal_width()
     echo_table(render_workers(rows, width, mode == "wide"), width)

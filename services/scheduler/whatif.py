@@ -20,7 +20,7 @@ version is accepted by nobody.
 from __future__ import annotations
 
 from events.compat import compat_key
-from events.errors import no_worker, not_found
+from events.errors import ContractError, no_worker, not_found
 from events.schema import Location, Room, RuntimeForecast, SnapshotCounts, StrandedActor, WhatIf, WhatIfAnswer
 from services.scheduler.projection import Projection
 from services.scheduler.records import (
@@ -137,13 +137,23 @@ def _room(workers: list[Worker]) -> Room:
     return Room(cpu_millis=cpu, memory_mib=mem)
 
 
+def registered_classes(projection: Projection) -> list[str]:
+    """The classes a registered worker runs (`Projection.registered`), sorted."""
+    return sorted(name for name in projection.classes if projection.registered(name))
+
+
+def unknown_class(sandbox_class: str, known: list[str] | None) -> ContractError:
+    """NOT_FOUND (field `sandbox_class`): no registered worker runs the class; the message names
+    the `known` ones (a typo's usual look), or says that no worker is registered at all (None: not known)."""
+    names = "" if known is None else f" (registered: {', '.join(known)})" if known else " (no worker is registered)"
+    return not_found(f"no worker has registered the sandbox class {sandbox_class!r}{names}", "sandbox_class")
+
+
 def check_class(projection: Projection, sandbox_class: str) -> None:
-    """NOT_FOUND (field `sandbox_class`) unless a registered worker runs the class
-    (`Projection.registered`); the message names those some worker runs (a typo's usual look)."""
+    """`unknown_class` unless a registered worker runs the class (`Projection.registered`). The
+    views' `--class` (whatif, workers, fragmentation) is checked so too."""
     if not projection.registered(sandbox_class):
-        known = ", ".join(sorted(name for name in projection.classes if projection.registered(name))) or "none"
-        raise not_found(f"no worker has registered the sandbox class {sandbox_class!r} (registered: {known})",
-                        "sandbox_class")
+        raise unknown_class(sandbox_class, registered_classes(projection))
 
 
 def check_drains(projection: Projection, sandbox_class: str, workers: tuple[str, ...] | list[str]) -> None:
