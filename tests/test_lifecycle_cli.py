@@ -494,6 +494,22 @@ async def test_fidelities_are_read_in_any_case(bus):
     assert wrong.exit_code == 2 and "'--min-fidelity'" in wrong.output
 
 
+@pytest.mark.parametrize("command, option, default", [("create", "--min-fidelity", "ROOTFS"),
+                                                      ("suspend", "--fidelity", "MEMORY")])
+def test_fidelity_choices_read_in_the_case_of_their_default(command, option, default):
+    """click showed a case-insensitive choice in lower case, `[memory|volumes|rootfs]`, beside
+    `[default: ROOTFS]` (a review): choices, default and the usage error all in upper case, as the
+    views print a fidelity; any case is still taken (`test_fidelities_are_read_in_any_case`)."""
+    shown = CliRunner().invoke(main, ["actor", command, "--help"], terminal_width=200)
+    assert shown.exit_code == 0, shown.output
+    line = " ".join(next(line for line in shown.output.splitlines() if option in line).split())
+    assert line.startswith(f"{option} [MEMORY|VOLUMES|ROOTFS]"), line
+    assert f"[default: {default}]" in " ".join(shown.output.split())
+    wrong = CliRunner().invoke(main, ["actor", command, "a-1", option, "warm"])
+    assert wrong.exit_code == 2
+    assert f"Invalid value for '{option}': 'warm' is not one of 'MEMORY', 'VOLUMES', 'ROOTFS'." in wrong.output
+
+
 async def test_a_tag_moved_to_another_actor_s_image_of_the_same_id_says_so(bus):
     """Ids are not checked across actors (docs/contract.md): a-1's and b-1's images may both be
     `img`. Moving the tag from a-1's to b-1's is a move to another image, said (it compared only

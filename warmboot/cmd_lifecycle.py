@@ -111,7 +111,16 @@ def actor() -> None:
     """Create, pause, suspend, resume, tag, revert, re-template, stop and show actors."""
 
 
-FIDELITIES = click.Choice([f.value for f in Fidelity], case_sensitive=False)  # `memory` as `--state paused` is
+class UpperChoice(click.Choice):
+    """Choices taken in any case and shown in upper case, as the views print them and as the default
+    reads (click shows a case-insensitive choice in lower case: `[memory|volumes|rootfs]` with
+    `[default: ROOTFS]`, in its help and its usage errors)."""
+
+    def normalize_choice(self, choice: Any, ctx: click.Context | None) -> str:  # click >= 8.2; 8.1 shows them as given
+        return super().normalize_choice(choice, ctx).upper()
+
+
+FIDELITIES = UpperChoice([f.value for f in Fidelity], case_sensitive=False)  # `memory` as `--state paused` is
 
 
 @actor.command("create")
