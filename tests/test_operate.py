@@ -173,16 +173,32 @@ async def test_replay_until_a_sequence_gives_what_the_scheduler_had_then(demo, n
     assert json.loads(now.output)["seq"] > then["seq"]
 
 
-async def test_replay_until_a_time_stops_there(demo, nats_url):
+async def test_replay_until_a_time_stops_there(demo, nats_url, nc):
+    """A time before the log's first event folds nothing, and says why on stderr, with that event's
+    time (it said only "folded 0 events": a review); exit status 0, JSON the summary alone."""
     _, prefix, _ = demo
     result = await cli("audit", "replay", "--until-time", "2000-01-01T00:00:00", "--json", "--nats", nats_url,
                        "--prefix", prefix)
     assert result.exit_code == 0, result.output
-    assert json.loads(result.output)["events"] == 0
+    assert json.loads(result.stdout)["events"] == 0
+    from events.codec import decode_event
+    from events.subjects import stream_name
+
+    first = decode_event((await nc.jetstream().get_msg(stream_name(prefix), seq=1)).data)
+    note = (f"note: --until-time 2000-01-01T00:00:00Z is before the log's first event (sequence 1, at "
+            f"{to_builtins(first.at)}): nothing folded\n")
+    assert result.stderr == note, result.stderr
+    shown = await cli("audit", "replay", "--until-time", "2000-01-01", "--nats", nats_url, "--prefix", prefix)
+    assert shown.exit_code == 0 and shown.stderr == note, shown.output
+    assert shown.stdout.startswith("folded 0 events up to sequence 0\n"), shown.stdout
+    # a time after it: no note
+    later = await cli("audit", "replay", "--until-time", to_builtins(first.at), "--json", "--nats", nats_url,
+                      "--prefix", prefix)
+    assert later.exit_code == 0 and later.stderr == "" and json.loads(later.stdout)["events"] >= 1, later.output
     # ISO 8601 as people write it: a Z, an offset, a bare date; anything else named
     for when in ("2000-01-01T00:00:00Z", "2000-01-01T01:00:00+01:00", "2000-01-01"):
         result = await cli("audit", "replay", "--until-time", when, "--json", "--nats", nats_url, "--prefix", prefix)
-        assert result.exit_code == 0 and json.loads(result.output)["events"] == 0, (when, result.output)
+        assert result.exit_code == 0 and json.loads(result.stdout)["events"] == 0, (when, result.output)
     result = await cli("audit", "replay", "--until-time", "yesterday", "--nats", nats_url, "--prefix", prefix)
     assert result.exit_code == 2 and "'yesterday' is not an ISO 8601 time" in result.output
 

@@ -523,6 +523,7 @@ class Sink:
         self.verifier = Verifier(self.projection) if verify else None
         self.violation: Violation | None = None
         self.stopped_at: int | None = None  # the first sequence left out by the bound
+        self.stopped_at_time: datetime | None = None  # the time of its event, when the time bound left it out
         self.seq = 0  # position in the stream, folded or not
         self.on_position = on_position
 
@@ -533,10 +534,11 @@ class Sink:
     def _beyond(self, seq: int, event: Event | None) -> bool:
         if self.stopped_at is not None:
             return True
-        if (self.until_seq is not None and seq > self.until_seq) or (
-            event is not None and self.until_time is not None and event.at > self.until_time
-        ):
+        if self.until_seq is not None and seq > self.until_seq:
             self.stopped_at = seq
+            return True
+        if event is not None and self.until_time is not None and event.at > self.until_time:
+            self.stopped_at, self.stopped_at_time = seq, event.at
             return True
         return False
 

@@ -56,12 +56,18 @@ def audit() -> None:
 @json_option
 def replay_cmd(until_seq: int | None, until_time: datetime | None, nats_url: str, prefix: str,
                as_json: bool) -> None:
-    """Rebuild the scheduler's projection at a point of the log and print its summary."""
+    """Rebuild the scheduler's projection at a point of the log and print its summary.
+
+    An --until-time before the log's first event folds nothing: the summary of an empty
+    projection, exit status 0, and a note on stderr giving the time of that first event."""
     if until_seq is not None and until_time is not None:
         raise click.UsageError("give --until or --until-time, not both")
     bound = until_time
     sink = ask(nats_url, lambda nc: replay(nc, prefix, Sink(until_seq, bound), not as_json))
     result = summary(sink.projection)
+    if until_time is not None and sink.stopped_at_time is not None and sink.events == 0:  # on stderr: JSON stays
+        click.echo(f"note: --until-time {to_builtins(until_time)} is before the log's first event (sequence "
+                   f"{sink.stopped_at}, at {to_builtins(sink.stopped_at_time)}): nothing folded", err=True)
     if as_json:
         click.echo(json.dumps(result, indent=2))
         return
