@@ -273,7 +273,13 @@ async def test_worker_show_drain_and_remove(bus, nc, prefix):
     assert next(r for r in listed if r["worker_id"] == "w-new")["free"] == view["free"] == row["free"]
     text = (await run("worker", "show", "w-new", width=80)).output
     shown = fields(text)
-    assert shown["STATE"] == "REGISTERED" and shown["GVISOR COMPATIBLE"] == "runsc-v1"
+    assert shown["STATE"] == "REGISTERED" and shown["GVISOR RESUMES FROM"] == "runsc-v1"
+    assert "COMPATIBLE" not in text  # named as `workers -o wide` names it (it was COMPATIBLE here: a review)
+    wide = (await run("workers", "-o", "wide")).output.splitlines()
+    header = wide[0].split("  ")
+    assert "RESUMES FROM" in [h.strip() for h in header if h.strip()], wide[0]
+    column = wide[0].index("RESUMES FROM")
+    assert next(line for line in wide if line.startswith("w-new"))[column:].split()[0] == "runsc-v1", wide
     assert all(f"b-{i}" in text for i in range(3)) and max(len(line) for line in text.splitlines()) <= 80
 
     drained = await run("worker", "drain", "w-new", "--reason", "kernel update", "--json")

@@ -541,7 +541,7 @@ def remove_cmd(worker_id: str, reason: str | None, request_id: str | None, nats_
 
 def worker_view(worker_id: str, projection: Any) -> dict:
     """One worker as the scheduler's projection has it: its rows of `warmboot workers` (one per
-    class), its labels, compatible versions and booked actors, as JSON values."""
+    class; `compatible` is their `resumes_from`, sorted), its labels and booked actors, as JSON values."""
     w = projection.workers.get(worker_id)
     if w is None:
         raise no_worker(worker_id)
@@ -606,7 +606,8 @@ def render_worker(view: dict, width: int | None, wide: bool = False) -> str:
         cls = row["sandbox_class"]
         fields.append((f"{cls.upper()} DEFAULT", row["runtime"] + (f" ({row['runtime_id']})" if wide else "")))
         fields.append((f"{cls.upper()} RESTORABLE", ", ".join(row["restorable"]) or "-"))
-        fields.append((f"{cls.upper()} COMPATIBLE", ", ".join(row["compatible"]) or "-"))
+        # the versions its compatible_versions edges accept, named as `workers -o wide` names them
+        fields.append((f"{cls.upper()} RESUMES FROM", ", ".join(row["compatible"]) or "-"))
         if wide:
             fields.append((f"{cls.upper()} ATTRIBUTES",
                            version_text(msgspec.convert(row["default_runtime"], CompatVersion))))
@@ -625,8 +626,9 @@ def render_worker(view: dict, width: int | None, wide: bool = False) -> str:
 @prefix_option
 @output_option
 def show_worker_cmd(worker_id: str, nats_url: str, prefix: str, output: str | None, as_json: bool) -> None:
-    """WORKER_ID's node, state, labels, capacity and free room, runtimes per class (default,
-    restorable, compatible versions), the actors booked on it, and the waiting actors whose LOCAL
+    """WORKER_ID's node, state, labels, capacity and free room, runtimes per class (DEFAULT,
+    RESTORABLE, and RESUMES FROM: the versions its compatible_versions edges accept, as
+    `warmboot workers -o wide` shows them), the actors booked on it, and the waiting actors whose LOCAL
     image is on its node (they resume only there: suspend them before draining its last worker). Folds the whole log with the
     scheduler's projection, as `warmboot workers` does."""
     from warmboot.audit import Sink
