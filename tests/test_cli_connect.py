@@ -134,6 +134,27 @@ async def test_the_client_library_gives_up_on_a_server_that_does_not_answer_nami
     assert len(logged) == 1 and "Traceback" not in caplog.text and "secret" not in caplog.text, logged
 
 
+@pytest.mark.parametrize("attempts", [1, 3])
+async def test_a_request_no_service_answers_says_how_it_was_tried_and_names_the_prefix(nats_url, prefix, attempts):
+    """It said only "no service answers SUBJECT" (a review): how often and over how long it was
+    sent, and the likely cause, the prefix it used or its service not running. UNAVAILABLE as before."""
+    import re
+
+    from events.errors import ContractError
+    from events.schema import ErrorCode
+    from warmboot.client import Client
+
+    async with await Client.connect(nats_url, prefix, attempts=attempts) as wb:
+        with pytest.raises(ContractError) as refused:
+            await wb.explain("a-1")
+    assert (refused.value.code, refused.value.field) == (ErrorCode.UNAVAILABLE, None)
+    tried = "1 attempt" if attempts == 1 else f"{attempts} attempts"
+    assert re.fullmatch(rf"no service answers {prefix}\.scheduler\.explain\.a-1 after {tried} in \d+\.\d s: is "
+                        rf"'{prefix}' the deployment's prefix, and is its scheduler running\?",
+                        refused.value.message), refused.value.message
+    assert wb.retries == attempts - 1
+
+
 def test_an_error_is_logged_once_while_it_repeats_and_again_after_a_reconnect(caplog):
     errors = ErrorsOnce(logging.getLogger("test.nats"), "nats://h:1")
     refused, reset = ConnectionRefusedError(111, "Connection refused"), ConnectionResetError(104, "reset")

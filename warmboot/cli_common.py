@@ -20,6 +20,7 @@ from events.natspy import ErrorsOnce, describe_error
 from events.schema import ID_RE, ID_WORDS
 from events.subjects import DEFAULT_PREFIX, PREFIX_PATTERN, check_prefix, stream_name
 from services.common import EVENT_LOOP_ENV, EVENT_LOOPS, leaders_stream_info
+from warmboot.client import NO_SERVICE, no_service_hint
 from warmboot.connection import CONNECT_TIMEOUT_S, connect_within, hears_replies
 
 
@@ -136,7 +137,6 @@ def flag_of(field: str | None) -> str | None:
     return max(options[name].opts, key=len) if name in options else None  # --min-fidelity, not -m
 
 
-NO_SERVICE = "no service answers "  # how `warmboot.client` says a request reached nobody (then the subject)
 
 
 class Failed(click.ClickException):
@@ -150,17 +150,19 @@ class Failed(click.ClickException):
         if flag:  # the wire's name, and what the user typed
             where += f" ({flag})"
         hint = ""
+        message = error.message
         context = click.get_current_context(silent=True)
         prefix = context.params.get("prefix") if context is not None else None
-        if error.message.startswith(NO_SERVICE) and prefix:  # as `last_seq` says it for the log
-            service = error.message[len(NO_SERVICE):].split(".")[1:2] or ["service"]
+        if message.startswith(NO_SERVICE) and prefix:  # as `last_seq` says it for the log
+            service = message[len(NO_SERVICE):].split(" ")[0].split(".")[1:2] or ["service"]
+            message = message.removesuffix(no_service_hint(prefix, service[0]))  # the client's, said here as an option
             if held and prefix in held:
                 hint = f" (the log of --prefix {prefix} is on this server: does the {service[0]} run?)"
             elif held:
                 hint = f" (is --prefix {prefix} the deployment's? {logs_held(held)})"
             else:
-                hint = f" (is --prefix {prefix} the deployment's, and does the service run?)"
-        super().__init__(f"{error.code.value}{where}: {error.message}{hint}")
+                hint = f" (is --prefix {prefix} the deployment's, and does the {service[0]} run?)"
+        super().__init__(f"{error.code.value}{where}: {message}{hint}")
         self.error = error
 
     def show(self, file: Any = None) -> None:

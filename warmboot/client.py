@@ -18,7 +18,9 @@ What it does so that callers need not:
 - Idempotency: every mutating request carries a `request_id`; one is generated when
   the caller gives none, so a retry is the same request.
 - Retries: UNAVAILABLE, a time-out and "no responders" are retried with the same body
-  (the same `request_id`), at most `attempts` times, with a growing, jittered pause; so is
+  (the same `request_id`), at most `attempts` times, with a growing, jittered pause (a request
+  no service answered any time is UNAVAILABLE "no service answers SUBJECT after N attempts in
+  T s: is 'PREFIX' the deployment's prefix, and is its SERVICE running?"); so is
   the registry's RESOURCE_EXHAUSTED that names no field (its replica was working on a few
   requests about the same worker already and took nothing: `_transient`). Everything else
   is raised at once, and so is UNAVAILABLE naming `min_seq` (a sequence past the end of
@@ -90,6 +92,15 @@ DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_ATTEMPTS = 6
 FIRST_BACKOFF_S = 0.05
 MAX_BACKOFF_S = 2.0
+
+
+NO_SERVICE = "no service answers "  # how a request that reached nobody is said (then the subject)
+
+
+def no_service_hint(prefix: str, service: str) -> str:
+    """What a request nobody answered, however often it was sent, says of its likely cause (after
+    the attempts): the prefix is not the deployment's, or the service is not running."""
+    return f": is {prefix!r} the deployment's prefix, and is its {service} running?"
 
 
 def new_request_id() -> str:
@@ -186,6 +197,7 @@ class Client:
         subject = service_subject(self.prefix, service, verb, entity)
         data = encode(body)
         delay = FIRST_BACKOFF_S
+        started = asyncio.get_running_loop().time()
         for attempt in range(self.attempts):
             try:
                 reply = await self._once(subject, data, reply_type)
@@ -193,7 +205,14 @@ class Client:
                 refused = self._publish_refused(subject, error)
                 if refused is not None:
                     raise refused from None
-                if not _transient(service, error) or attempt == self.attempts - 1:
+                if not _transient(service, error):
+                    raise
+                if attempt == self.attempts - 1:
+                    if error.message.startswith(NO_SERVICE):  # the attempts made, and what is likely wrong
+                        took = asyncio.get_running_loop().time() - started
+                        raise unavailable(f"{NO_SERVICE}{subject} after {attempt + 1} attempt"
+                                          f"{'' if attempt == 0 else 's'} in {took:.1f} s"
+                                          + no_service_hint(self.prefix, service)) from None
                     raise
             else:
                 seq = getattr(reply, "seq", None)
@@ -222,7 +241,7 @@ class Client:
         try:
             msg = await self.nc.request(subject, data, timeout=self.timeout)
         except nats.errors.NoRespondersError:
-            raise unavailable(f"no service answers {subject}") from None
+            raise unavailable(f"{NO_SERVICE}{subject}") from None
         except nats.errors.TimeoutError:
             raise unavailable(f"no reply from {subject} within {self.timeout:g}s") from None
         return decode_reply(reply_type, msg.data)
