@@ -276,12 +276,19 @@ def test_explain_fits_and_wraps_without_cutting(width):
                   for i in range(12)],
         message="0/12 workers available: 7 runtime mismatch, 3 insufficient memory, 2 drained",
     )
-    text = render_explanation("a-0042", refused, runtimes, width)
+    text = render_explanation("a-0042", refused, runtimes, width, wide=True)  # a worker a row
     words = {w for field in ("ACTOR", "SUMMARY", "REFUSED", "a-0042", refused.message,
                              "FAILED_PRECONDITION: " + refused.refusal.message) for w in field.split()}
-    assert_fits_whole(text, width, words | possible_cells(REJECTED_COLUMNS, refused.rejected))
+    rows = [(r.worker_id, ", ".join(r.reasons)) for r in refused.rejected]
+    assert_fits_whole(text.split("\n\n")[1], width, possible_cells(REJECTED_COLUMNS, rows))
     assert " ".join(text.split()).count(refused.refusal.message) == 1  # wrapped, every word kept
     assert all(f"{r.worker_id}  {', '.join(r.reasons)}" in text for r in refused.rejected)
+    grouped = render_explanation("a-0042", refused, runtimes, width)  # the twelve alike: one row
+    head, table, *_ = grouped.split("\n\n")
+    assert_fits_whole(head, width, words)
+    assert table.splitlines()[1:] == [
+        "w-gv-0000, w-gv-0001, w-gv-0002 (+9 more)  runtime mismatch, insufficient memory",
+        "(workers passed over for the same reasons share a row: -o wide lists each)"]
 
 
 # --- through the CLI, against the services -----------------------------------------------------------------
@@ -452,8 +459,46 @@ async def test_explain_command_fits_and_shows_the_pin_by_its_label(operated, nat
     table = limited.output.strip().split("\n\n")[1].splitlines()
     assert table[1].split()[0] == passed[0] and len(table) == 3
     assert table[2] == f"({len(passed) - 1} more worker(s) passed over: --limit 0 lists them)"
-    every = await cli("explain", "a-0001", "--limit", "0", "--nats", nats_url, "--prefix", prefix, width=200)
+    every = await cli("explain", "a-0001", "--limit", "0", "-o", "wide", "--nats", nats_url, "--prefix", prefix,
+                      width=200)  # a worker a row
     assert [line.split()[0] for line in every.output.strip().split("\n\n")[1].splitlines()[1:]] == passed
+
+
+async def test_explain_of_a_refusal_says_each_thing_once(operated, nats_url):
+    """A review: REFUSED repeated the SUMMARY line, and workers passed over for the same reasons were
+    listed a row each, up to 20 alike. Now REFUSED gives the code alone when its message is the
+    summary, the workers passed over alike share a row naming a few, `selector mismatch` names the
+    keys not matched (the actor's and --selector's), -o wide lists a worker a row, and -o json is the
+    scheduler's answer as it is."""
+    prefix, nc = operated
+    await call(nc, service_subject(prefix, "snapshotter", "create", "sel-1"),
+               CreateActor(actor_id="sel-1", sandbox_class="gvisor", template_uid="tpl-2026-01",
+                           resources=Resources(cpu_millis=500, memory_mib=1024), selectors={"zone": "eu-1"}),
+               SeqReply)
+    seq = str(await last_seq(nc, prefix))
+    args = ("explain", "sel-1", "--selector", "disk=ssd", "--min-seq", seq, "--nats", nats_url, "--prefix", prefix)
+    why = await call(nc, service_subject(prefix, "scheduler", "explain", "sel-1"),
+                     ExplainResume(selectors={"disk": "ssd"}, min_seq=int(seq)), Explanation)
+    assert why.refusal is not None and why.refusal.message == why.message  # the case of the review
+    shown = await cli(*args, width=80)
+    assert shown.exit_code == 0, shown.output
+    head, table = shown.stdout.strip().split("\n\n")
+    assert " ".join(head.split()) == f"ACTOR sel-1 SUMMARY {why.message} REFUSED {why.refusal.code.value}", head
+    gv = sorted(w.worker_id for w in fleet() if w.worker_id.startswith("w-gv"))
+    mi = sorted(w.worker_id for w in fleet() if w.worker_id.startswith("w-mi"))
+    assert table.splitlines() == [
+        "WORKERS                                    REASONS",
+        f"{', '.join(gv[:3])} (+{len(gv) - 3} more)  selector mismatch (disk, zone)",
+        f"{', '.join(mi[:3])} (+{20 - len(gv) - 3} more)  class not registered",
+        f"({len(gv) + len(mi) - 20} more worker(s) passed over: --limit 0 lists them)",
+        "(workers passed over for the same reasons share a row: -o wide lists each)",
+    ], table
+    wide = await cli(*args, "-o", "wide", "--limit", "0", width=80)
+    rows = wide.stdout.strip().split("\n\n")[1].splitlines()
+    assert rows[0].split() == ["WORKER", "REASONS"] and len(rows) == 1 + len(gv) + len(mi), rows
+    assert f"{gv[0]}  selector mismatch (disk, zone)" in rows
+    as_json = await cli(*args, "-o", "json")
+    assert json.loads(as_json.stdout) == json.loads(json.dumps(to_builtins(why)))
 
 
 async def test_the_names_of_a_large_fleet_are_read_however_long_that_takes(monkeypatch):

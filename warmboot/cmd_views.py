@@ -30,9 +30,10 @@ from events.jetstream import VERSION_HEADER
 from events.runtime_id import PREFIX as ID_PREFIX
 from events.runtime_id import Runtimes, UnknownRuntime, short_id
 from events.schema import (WHATIF_LIMIT_MAX, CompatVersion, Explanation, Fragmentation, Location, Placement,
-                           StrandedActor, WhatIf, WhatIfAnswer)
+                           Rejection, StrandedActor, WhatIf, WhatIfAnswer)
 from events.states import WorkerState
 from events.subjects import event_subject
+from services.scheduler.feasibility import SELECTOR_MISMATCH
 from warmboot.cli_common import (ask, last_seq, log_messages, min_seq_option, nats_option, prefix_option, selectors_of,
                                  version_text)
 from warmboot.client import Client
@@ -128,13 +129,20 @@ async def runtime_labels(nc: Any, prefix: str) -> Runtimes:
     docs/security.md; NATS then answers nothing, so the stream's question waits LABELS_TIMEOUT_S):
     then every label carries its runtime's digits (`Runtimes(complete=False)`), and stderr says
     why. Once the stream has answered, the fleet is read whole, however long that takes."""
+    projection = await readable_fleet(nc, prefix)
+    return runtimes_of(projection) if projection is not None else Runtimes(complete=False)
+
+
+async def readable_fleet(nc: Any, prefix: str) -> Any | None:
+    """The registered workers (`fleet`), or None, said on stderr, when the log cannot be read
+    (see `runtime_labels`)."""
     try:
         target = await last_seq(nc, prefix, LABELS_TIMEOUT_S)
-        return runtimes_of(await fleet(nc, prefix, target))
+        return await fleet(nc, prefix, target)
     except (click.ClickException, ContractError, nats.errors.Error) as e:
         why = e.message if isinstance(e, (click.ClickException, ContractError)) else describe_error(e)
         click.echo(f"note: runtimes are shown by their ids, not their names: {why}", err=True)
-        return Runtimes(complete=False)
+        return None
 
 
 async def fleet(nc: Any, prefix: str, target: int | None = None) -> Any:
@@ -200,29 +208,96 @@ def decision_fields(d: Placement, runtimes: Runtimes, wide: bool) -> list[tuple[
     return fields
 
 
-REJECTED_COLUMNS = [
-    Column("WORKER", lambda r: r.worker_id),
-    Column("REASONS", lambda r: ", ".join(r.reasons)),
+REJECTED_COLUMNS = [  # a row: (worker id, reasons); -o wide, a worker a row
+    Column("WORKER", lambda r: r[0]),
+    Column("REASONS", lambda r: r[1]),
 ]
+GROUPED_COLUMNS = [  # a row: (worker ids, reasons), the workers passed over for the same reasons
+    Column("WORKERS", lambda r: r[0]),
+    Column("REASONS", lambda r: r[1]),
+]
+NAMES_SHOWN = 3  # of a group of workers passed over for the same reasons, the ids named at most
+
+
+def reasons_text(rejection: Rejection, missing: dict[str, list[str]]) -> str:
+    """A worker's reasons; `selector mismatch` naming the selector keys its labels do not match,
+    where `missing` (worker id: keys, read from the log) has them."""
+    keys = missing.get(rejection.worker_id)
+    return ", ".join(f"{r} ({', '.join(keys)})" if r == SELECTOR_MISMATCH and keys else r
+                     for r in rejection.reasons)
+
+
+def rejected_rows(rejected: list[Rejection], missing: dict[str, list[str]], names: int | None
+                  ) -> tuple[list[tuple[str, str]], bool]:
+    """(workers, reasons) rows in the scheduler's order, and whether a worker is left unnamed: with
+    `names`, the workers passed over for the same reasons as one row, in the place of its first,
+    naming at most `names` of them (`w-1, w-2, w-3 (+18 more)`); without, one row a worker."""
+    if names is None:
+        return [(r.worker_id, reasons_text(r, missing)) for r in rejected], False
+    groups: dict[str, list[str]] = {}
+    for r in rejected:
+        groups.setdefault(reasons_text(r, missing), []).append(r.worker_id)
+    rows = []
+    for reasons, workers in groups.items():
+        more = len(workers) - names
+        rows.append((", ".join(workers[:names]) + (f" (+{more} more)" if more > 0 else ""), reasons))
+    return rows, any(len(workers) > names for workers in groups.values())
 
 
 def render_explanation(actor_id: str, answer: Explanation, runtimes: Runtimes, width: int | None,
-                       wide: bool = False, limit: int = 0) -> str:
+                       wide: bool = False, limit: int = 0, missing: dict[str, list[str]] | None = None) -> str:
     """The explanation as fields, and the workers passed over in the scheduler's order (those that
     came furthest through the checks first, then by id), at most `limit` of them (0: all); SUMMARY
-    counts them all."""
+    counts them all. Those passed over for the same reasons are one row naming a few of them (all
+    with `wide`, a row each); a REFUSED whose message is the SUMMARY's gives its code alone."""
+    missing = missing or {}
     fields = [("ACTOR", actor_id), ("SUMMARY", answer.message or f"{answer.candidates} candidates")]
     if answer.decision is not None:
         fields += decision_fields(answer.decision, runtimes, wide)
     if answer.refusal is not None:
-        fields.append(("REFUSED", f"{answer.refusal.code.value}: {answer.refusal.message}"))
+        code, said = answer.refusal.code.value, answer.refusal.message
+        fields.append(("REFUSED", code if said == answer.message else f"{code}: {said}"))
     parts = [render_fields(fields, None if wide else width)]
     if answer.rejected:
         shown = answer.rejected[:limit] if limit else answer.rejected
-        rendered = render_table(REJECTED_COLUMNS, shown, width, wide)
+        for names in ((None,) if wide else range(NAMES_SHOWN, 0, -1)):  # fewer ids named until the rows fit
+            rows, unnamed = rejected_rows(shown, missing, names)
+            rendered = render_table(REJECTED_COLUMNS if names is None else GROUPED_COLUMNS, rows, width, wide)
+            if width is None or rendered.width <= width:
+                break
         more = len(answer.rejected) - len(shown)
-        parts.append(rendered.text + (f"\n({more} more worker(s) passed over: --limit 0 lists them)" if more else ""))
+        notes = [f"({more} more worker(s) passed over: --limit 0 lists them)"] if more else []
+        if unnamed:
+            notes.append("(workers passed over for the same reasons share a row: -o wide lists each)")
+        parts.append("\n".join([rendered.text, *notes]))
     return "\n\n".join(parts)
+
+
+async def selector_misses(nc: Any, prefix: str, actor_id: str, asked: dict[str, str] | None, projection: Any,
+                          rejected: list[Rejection]) -> dict[str, list[str]]:
+    """For each worker passed over for `selector mismatch`: the selector keys (the actor's, from its
+    ActorCreated, and the request's) its labels, as the log has them now, do not match. Empty where
+    the log cannot be read; a worker whose labels match now is left out (the reason stays bare)."""
+    from events.schema import ActorCreated
+
+    from warmboot.cli_common import read_subject
+
+    mismatched = [r.worker_id for r in rejected if SELECTOR_MISMATCH in r.reasons]
+    if not mismatched or projection is None:
+        return {}
+    try:
+        history = await read_subject(nc, prefix, event_subject(prefix, "actor", actor_id))
+    except (click.ClickException, ContractError, nats.errors.Error):
+        return {}
+    created = [event for _, event in history if isinstance(event, ActorCreated)]
+    wanted = {**(created[-1].selectors if created else {}), **(asked or {})}
+    misses = {}
+    for worker_id in mismatched:
+        worker = projection.workers.get(worker_id)
+        keys = sorted(k for k, v in wanted.items() if worker is not None and worker.labels.get(k) != v)
+        if keys:
+            misses[worker_id] = keys
+    return misses
 
 
 @click.command()
@@ -238,19 +313,28 @@ def render_explanation(actor_id: str, answer: Explanation, runtimes: Runtimes, w
 @output_option
 def explain(actor_id: str, selectors: tuple[str, ...], limit: int, min_seq: int | None, nats_url: str, prefix: str,
             output: str | None, as_json: bool) -> None:
-    """Why a resume of ACTOR_ID would land where it would (writes nothing)."""
+    """Why a resume of ACTOR_ID would land where it would (writes nothing).
+
+    The workers passed over for the same reasons are one row naming a few of them
+    (`w-1, w-2, w-3 (+18 more)`); -o wide lists each on its own row, -o json gives the
+    scheduler's answer as it is. A `selector mismatch` names the selector keys the worker's
+    labels do not match, as the log has them (the actor's selectors and --selector)."""
     sel = selectors_of(selectors) or None
     mode = output_mode(output, as_json)
 
-    async def work(nc: Any) -> tuple[Explanation, Runtimes | None]:
+    async def work(nc: Any) -> tuple[Explanation, Runtimes | None, dict[str, list[str]]]:
         answer = await Client(nc, prefix).explain(actor_id, sel, min_seq)
-        return answer, (None if mode == "json" else await runtime_labels(nc, prefix))
+        if mode == "json":  # the endpoint's answer, as it is
+            return answer, None, {}
+        projection = await readable_fleet(nc, prefix)
+        runtimes = runtimes_of(projection) if projection is not None else Runtimes(complete=False)
+        return answer, runtimes, await selector_misses(nc, prefix, actor_id, sel, projection, answer.rejected)
 
-    answer, runtimes = ask(nats_url, work)
+    answer, runtimes, missing = ask(nats_url, work)
     if mode == "json":
         echo_json(to_builtins(answer))
         return
-    click.echo(render_explanation(actor_id, answer, runtimes, terminal_width(), mode == "wide", limit))
+    click.echo(render_explanation(actor_id, answer, runtimes, terminal_width(), mode == "wide", limit, missing))
 
 
 # --- fragmentation ------------------------------------------------------------------------------------
