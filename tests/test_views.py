@@ -455,8 +455,14 @@ async def test_explain_command_fits_and_shows_the_pin_by_its_label(operated, nat
     assert all(a.worker_id < b.worker_id for a, b, fa, fb in zip(why.rejected, why.rejected[1:], furthest,
                                                                furthest[1:]) if fa == fb)
     passed = [r.worker_id for r in why.rejected]
+    alike = [r.worker_id for r in why.rejected if r.reasons == why.rejected[0].reasons]
     limited = await cli("explain", "a-0001", "--limit", "1", "--nats", nats_url, "--prefix", prefix, width=200)
-    table = limited.output.strip().split("\n\n")[1].splitlines()
+    table = limited.output.strip().split("\n\n")[1].splitlines()  # one row: the first reasons' workers
+    assert table[1].split()[0].rstrip(",") == passed[0]
+    assert table[2] == f"({len(passed) - len(alike)} more worker(s) passed over for other reasons: --limit 0 lists them)"
+    one = await cli("explain", "a-0001", "--limit", "1", "-o", "wide", "--nats", nats_url, "--prefix", prefix,
+                    width=200)  # -o wide: a worker a row, --limit of them
+    table = one.output.strip().split("\n\n")[1].splitlines()
     assert table[1].split()[0] == passed[0] and len(table) == 3
     assert table[2] == f"({len(passed) - 1} more worker(s) passed over: --limit 0 lists them)"
     every = await cli("explain", "a-0001", "--limit", "0", "-o", "wide", "--nats", nats_url, "--prefix", prefix,
@@ -489,10 +495,15 @@ async def test_explain_of_a_refusal_says_each_thing_once(operated, nats_url):
     assert table.splitlines() == [
         "WORKERS                                    REASONS",
         f"{', '.join(gv[:3])} (+{len(gv) - 3} more)  selector mismatch (disk, zone)",
-        f"{', '.join(mi[:3])} (+{20 - len(gv) - 3} more)  class not registered",
-        f"({len(gv) + len(mi) - 20} more worker(s) passed over: --limit 0 lists them)",
+        f"{', '.join(mi[:3])} (+{len(mi) - 3} more)  class not registered",  # --limit counts rows, not workers
         "(workers passed over for the same reasons share a row: -o wide lists each)",
     ], table
+    first = await cli(*args, "--limit", "1", width=80)
+    assert first.stdout.strip().split("\n\n")[1].splitlines()[1:] == [
+        f"{', '.join(gv[:3])} (+{len(gv) - 3} more)  selector mismatch (disk, zone)",
+        f"({len(mi)} more worker(s) passed over for other reasons: --limit 0 lists them)",
+        "(workers passed over for the same reasons share a row: -o wide lists each)",
+    ]
     wide = await cli(*args, "-o", "wide", "--limit", "0", width=80)
     rows = wide.stdout.strip().split("\n\n")[1].splitlines()
     assert rows[0].split() == ["WORKER", "REASONS"] and len(rows) == 1 + len(gv) + len(mi), rows

@@ -227,29 +227,28 @@ def reasons_text(rejection: Rejection, missing: dict[str, list[str]]) -> str:
                      for r in rejection.reasons)
 
 
-def rejected_rows(rejected: list[Rejection], missing: dict[str, list[str]], names: int | None
-                  ) -> tuple[list[tuple[str, str]], bool]:
-    """(workers, reasons) rows in the scheduler's order, and whether a worker is left unnamed: with
-    `names`, the workers passed over for the same reasons as one row, in the place of its first,
-    naming at most `names` of them (`w-1, w-2, w-3 (+18 more)`); without, one row a worker."""
-    if names is None:
-        return [(r.worker_id, reasons_text(r, missing)) for r in rejected], False
+def rejected_groups(rejected: list[Rejection], missing: dict[str, list[str]]) -> list[tuple[str, list[str]]]:
+    """The workers passed over, as (reasons, worker ids) of those passed over for the same reasons, in
+    the scheduler's order (a group where its first worker is)."""
     groups: dict[str, list[str]] = {}
     for r in rejected:
         groups.setdefault(reasons_text(r, missing), []).append(r.worker_id)
-    rows = []
-    for reasons, workers in groups.items():
-        more = len(workers) - names
-        rows.append((", ".join(workers[:names]) + (f" (+{more} more)" if more > 0 else ""), reasons))
-    return rows, any(len(workers) > names for workers in groups.values())
+    return list(groups.items())
+
+
+def group_row(reasons: str, workers: list[str], names: int) -> tuple[str, str]:
+    """A group's row, naming at most `names` of its workers (`w-1, w-2, w-3 (+18 more)`)."""
+    more = len(workers) - names
+    return ", ".join(workers[:names]) + (f" (+{more} more)" if more > 0 else ""), reasons
 
 
 def render_explanation(actor_id: str, answer: Explanation, runtimes: Runtimes, width: int | None,
                        wide: bool = False, limit: int = 0, missing: dict[str, list[str]] | None = None) -> str:
     """The explanation as fields, and the workers passed over in the scheduler's order (those that
-    came furthest through the checks first, then by id), at most `limit` of them (0: all); SUMMARY
-    counts them all. Those passed over for the same reasons are one row naming a few of them (all
-    with `wide`, a row each); a REFUSED whose message is the SUMMARY's gives its code alone."""
+    came furthest through the checks first, then by id); SUMMARY counts them all. Those passed over
+    for the same reasons are one row naming a few of them, at most `limit` rows (0: all); with `wide`,
+    a worker a row, at most `limit` workers. A REFUSED whose message is the SUMMARY's gives its code
+    alone."""
     missing = missing or {}
     fields = [("ACTOR", actor_id), ("SUMMARY", answer.message or f"{answer.candidates} candidates")]
     if answer.decision is not None:
@@ -258,16 +257,24 @@ def render_explanation(actor_id: str, answer: Explanation, runtimes: Runtimes, w
         code, said = answer.refusal.code.value, answer.refusal.message
         fields.append(("REFUSED", code if said == answer.message else f"{code}: {said}"))
     parts = [render_fields(fields, None if wide else width)]
-    if answer.rejected:
+    if answer.rejected and wide:  # a worker a row, at most `limit` of them
         shown = answer.rejected[:limit] if limit else answer.rejected
-        for names in ((None,) if wide else range(NAMES_SHOWN, 0, -1)):  # fewer ids named until the rows fit
-            rows, unnamed = rejected_rows(shown, missing, names)
-            rendered = render_table(REJECTED_COLUMNS if names is None else GROUPED_COLUMNS, rows, width, wide)
-            if width is None or rendered.width <= width:
-                break
+        rendered = render_table(REJECTED_COLUMNS, [(r.worker_id, reasons_text(r, missing)) for r in shown], width,
+                                wide)
         more = len(answer.rejected) - len(shown)
         notes = [f"({more} more worker(s) passed over: --limit 0 lists them)"] if more else []
-        if unnamed:
+        parts.append("\n".join([rendered.text, *notes]))
+    elif answer.rejected:  # a row for the workers passed over for the same reasons, at most `limit` rows
+        groups = rejected_groups(answer.rejected, missing)
+        shown_groups = groups[:limit] if limit else groups
+        for names in range(NAMES_SHOWN, 0, -1):  # fewer ids named until the rows fit
+            rendered = render_table(GROUPED_COLUMNS, [group_row(reasons, workers, names)
+                                                      for reasons, workers in shown_groups], width, wide)
+            if width is None or rendered.width <= width:
+                break
+        more = len(answer.rejected) - sum(len(workers) for _, workers in shown_groups)
+        notes = [f"({more} more worker(s) passed over for other reasons: --limit 0 lists them)"] if more else []
+        if any(len(workers) > names for _, workers in shown_groups):
             notes.append("(workers passed over for the same reasons share a row: -o wide lists each)")
         parts.append("\n".join([rendered.text, *notes]))
     return "\n\n".join(parts)
@@ -305,8 +312,9 @@ async def selector_misses(nc: Any, prefix: str, actor_id: str, asked: dict[str, 
 @click.option("--selector", "selectors", multiple=True, metavar="KEY=VALUE",
               help="Extra label selector. Repeatable, one value per key.")
 @click.option("--limit", type=click.IntRange(min=0), default=20, show_default=True,
-              help="List at most N of the workers passed over, those that came furthest through the checks "
-                   "first, then by id (0: all the scheduler names, at most 1,000 of them; SUMMARY counts every one).")
+              help="List at most N rows of the workers passed over, those that came furthest through the checks "
+                   "first, then by id: a row for the workers passed over for the same reasons, or with -o wide a "
+                   "worker a row (0: all the scheduler names, at most 1,000 workers; SUMMARY counts every one).")
 @min_seq_option
 @nats_option
 @prefix_option
