@@ -173,6 +173,40 @@ async def test_replay_until_a_sequence_gives_what_the_scheduler_had_then(demo, n
     assert json.loads(now.output)["seq"] > then["seq"]
 
 
+async def test_replay_reads_the_log_only_as_far_as_its_bound(demo, nats_url, nc, monkeypatch):
+    """`audit replay --until SEQ` (or `--until-time`) read the whole log and folded only its start: on
+    a log of millions of events, minutes for a look at its first hundred (a review). It now stops
+    reading at the first page past its bound."""
+    from events.codec import decode_event
+    from events.jetstream import link, stream
+    from events.subjects import stream_name
+
+    _, prefix, _ = demo
+    READ_PAGE = 50  # pages of 50 messages: the demo's log is several of them
+    monkeypatch.setattr(stream, "READ_PAGE", READ_PAGE)
+    last = (await nc.jetstream().stream_info(stream_name(prefix))).state.last_seq
+    assert last > 4 * READ_PAGE, last
+    pages: list[int] = []
+    real = link.direct_batch
+
+    async def counted(nc_, stream, request, timeout):
+        pages.append(request["seq"])
+        return await real(nc_, stream, request, timeout)
+
+    monkeypatch.setattr(link, "direct_batch", counted)
+    early = await cli("audit", "replay", "--until", "3", "--json", "--nats", nats_url, "--prefix", prefix)
+    assert early.exit_code == 0 and json.loads(early.stdout)["seq"] == 3, early.output
+    assert pages == [1], pages  # one page, not the whole log
+    pages.clear()
+    when = to_builtins(decode_event((await nc.jetstream().get_msg(stream_name(prefix), seq=1)).data).at)
+    result = await cli("audit", "replay", "--until-time", when, "--json", "--nats", nats_url, "--prefix", prefix)
+    assert result.exit_code == 0 and json.loads(result.stdout)["events"] >= 1, result.output
+    assert len(pages) < last // READ_PAGE, pages  # stopped once past the time, not at the log's end
+    pages.clear()
+    whole = await cli("audit", "replay", "--json", "--nats", nats_url, "--prefix", prefix)
+    assert json.loads(whole.stdout)["seq"] >= last and len(pages) >= last // READ_PAGE, pages
+
+
 async def test_replay_until_a_time_stops_there(demo, nats_url, nc):
     """A time before the log's first event folds nothing, and says why on stderr, with that event's
     time (it said only "folded 0 events": a review); exit status 0, JSON the summary alone."""

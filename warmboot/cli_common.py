@@ -344,8 +344,9 @@ async def _more_at_leader(nc: Any, stream: str, seq: int, stop: int, filter_subj
 
 
 async def replay(nc: Any, prefix: str, sink: Any, show_progress: bool) -> Any:
-    """Fold the whole stream (as it is now) into `sink` with the scheduler's own reading of
-    each message (`Fold.fold_message`), with a progress bar on stderr."""
+    """Fold the stream (as it is now) into `sink` with the scheduler's own reading of each
+    message (`Fold.fold_message`), with a progress bar on stderr; read only until the sink's
+    bound is passed (`stopped_at`: `audit replay --until`, `--until-time`), not to the log's end."""
     from services.scheduler.fold import Fold
 
     target = await last_seq(nc, prefix)
@@ -358,6 +359,8 @@ async def replay(nc: Any, prefix: str, sink: Any, show_progress: bool) -> Any:
         fold = Fold(nc, prefix, sink)
         async for seq, subject, headers, data in log_messages(nc, prefix, stop=target):
             fold.fold_message(seq, subject, headers, data)
+            if getattr(sink, "stopped_at", None) is not None:  # past its bound: nothing later is folded
+                break
     return sink
 
 
