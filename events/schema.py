@@ -66,6 +66,10 @@ Labels = Annotated[dict[LabelKey, LabelValue], Meta(max_length=64)]
 NonNegative = Annotated[int, Meta(ge=0, le=MAX_INT)]
 Positive = Annotated[int, Meta(gt=0, le=MAX_INT)]
 Seq = Annotated[int, Meta(ge=0)]
+# The stream sequence of a message, as a pause or suspend names its placement (`placement_seq`):
+# JetStream numbers messages from 1, so 0 names none (INVALID_ARGUMENT; it was FAILED_PRECONDITION,
+# which told a client's unset 0 that the actor had been placed anew).
+StreamSeq = Annotated[int, Meta(ge=1)]
 # A registration's revision (project addition, docs/contract.md): a number its sender never
 # lowers for a worker, across its own restarts (warmboot's agent: its clock in ms); at most 2^53 - 1,
 # an integer every JSON reader keeps exactly.
@@ -309,7 +313,7 @@ class PauseActor(Base, kw_only=True):
     request_id: RequestId | None = None
     # Project addition: the `seq` of the Assignment the image was taken under (what the resume
     # answered); refused unless that placement is the actor's current one (docs/contract.md)
-    placement_seq: Seq | None = None
+    placement_seq: StreamSeq | None = None
 
 
 class SuspendActor(Base, kw_only=True):
@@ -318,7 +322,7 @@ class SuspendActor(Base, kw_only=True):
     fidelity: Fidelity
     request_id: RequestId | None = None
     # Project addition, as on PauseActor; for a PAUSED actor, the placement its pause ended
-    placement_seq: Seq | None = None
+    placement_seq: StreamSeq | None = None
 
 
 class TagSnapshot(Base, kw_only=True):

@@ -417,6 +417,12 @@ async def test_a_pause_or_suspend_naming_its_placement_is_refused_once_the_actor
         assert (refused.value.code, refused.value.field) == (ErrorCode.FAILED_PRECONDITION, "placement_seq")
         assert (f"placed on worker 'w-2' (recorded at sequence {second.seq - 1}; its resume answered "
                 f"{second.seq - 1} or {second.seq})") in refused.value.message
+    for bad in (0, -1):  # no message has such a sequence: the request's form is wrong, not the actor's placement
+        for send in (lambda: wb.pause("a-1", placement_seq=bad),
+                     lambda: wb.suspend("a-1", uri="s3://a-1", placement_seq=bad)):
+            with pytest.raises(ContractError) as refused:
+                await send()
+            assert (refused.value.code, refused.value.field) == (ErrorCode.INVALID_ARGUMENT, "placement_seq")
     assert [seq for seq, _, _ in await read_entries(nc, prefix)][-1] == before  # nothing written
 
     paused = await wb.pause("a-1", placement_seq=second.seq)  # the Assignment's seq: its booking marker's
