@@ -10,6 +10,8 @@ again. Made deterministic by holding the replica's committer (`commits_held`).
 from __future__ import annotations
 
 import asyncio
+import random
+from collections import Counter
 from contextlib import AsyncExitStack, suppress
 from typing import Any
 
@@ -1017,3 +1019,61 @@ async def test_a_retry_refused_for_room_on_a_fold_behind_its_first_placement_get
         assert caught_up.done()
     assert await asyncio.wait_for(retry, 20) == first
     assert [s for s, _ in await placements(nc, prefix, "R")] == [first.seq - 1]
+
+
+def confirming(replica: SchedulerService, monkeypatch, n: int) -> asyncio.Event:
+    """Set once `n` requests have asked `replica`'s fold to catch up with the stream's end (`Fold.current`)."""
+    event, calls = asyncio.Event(), [0]
+    current = type(replica.fold).current.__get__(replica.fold)  # the fold's own, not an earlier count's
+
+    async def counted(*args: Any, **kwargs: Any) -> None:
+        calls[0] += 1
+        if calls[0] >= n:
+            event.set()
+        await current(*args, **kwargs)
+
+    monkeypatch.setattr(replica.fold, "current", counted)
+    return event
+
+
+async def test_retries_refused_for_room_at_once_on_a_fold_behind_get_their_placements_and_only_they(
+        stack, stalled, nc, prefix, monkeypatch):
+    """The same, many at once, as when a replica's fold stalls in a busy fleet: in each round 40 running
+    actors are suspended and 40 others are placed by one replica in the room made, with request ids, their
+    replies lost; their retries, and 40 resumes with new ids for which there is no room, reach a replica
+    whose fold has none of it (paused). Each retry is answered its first placement, each new id is refused
+    RESOURCE_EXHAUSTED and writes nothing, and the refusals rechecked together share their questions about
+    the log's end (`Fold.current`). Without the recheck every retry was told "no room"."""
+    wb = Client(nc, prefix)
+    for i in range(4):
+        await wb.register(worker(f"w{i}", V1, cpu=64000, mem=64 + 25 * 128))  # room for 25 each
+    actors = [f"a{i:03d}" for i in range(200)]
+    await asyncio.gather(*(wb.create(actor(a, cpu=1, mem=128)) for a in actors))
+    placed = await asyncio.gather(*(wb.resume(a) for a in actors), return_exceptions=True)
+    running = [a for a, got in zip(actors, placed) if not isinstance(got, ContractError)]
+    assert len(running) == 100
+    rng = random.Random(1)
+    sent: dict[str, int] = {}  # request id -> placements it should have made (1: retried, 0: refused)
+    for round_ in range(3):
+        waiting = [a for a in actors if a not in running]
+        gone, coming = rng.sample(running, 40), rng.sample(waiting, 40)
+        others = rng.sample([a for a in waiting if a not in coming], 40)
+        asked = stalled.fold.asked
+        behind = confirming(stalled, monkeypatch, 80)
+        async with stalled.fold.paused():
+            await asyncio.gather(*(wb.suspend(a, uri=f"s3://{a}/{round_}") for a in gone))
+            first = await asyncio.gather(*(wb.resume(a, request_id=f"{a}-{round_}") for a in coming))
+            retries = [asyncio.create_task(stalled.resume(a, ResumeActor(request_id=f"{a}-{round_}")))
+                       for a in coming]
+            new = [asyncio.create_task(stalled.resume(a, ResumeActor(request_id=f"{a}-{round_}")))
+                   for a in others]
+            with suppress(asyncio.TimeoutError):  # every one refused on the paused fold asks where the log ends
+                await asyncio.wait_for(behind.wait(), 10)
+        assert await asyncio.gather(*retries) == first
+        refused = await asyncio.gather(*new, return_exceptions=True)
+        assert all(isinstance(e, ContractError) and e.code is ErrorCode.RESOURCE_EXHAUSTED for e in refused), refused
+        assert stalled.fold.asked - asked <= 10, stalled.fold.asked - asked  # shared, not one per refusal
+        running = [a for a in running if a not in gone] + coming
+        sent.update({f"{a}-{round_}": 1 for a in coming} | {f"{a}-{round_}": 0 for a in others})
+    made = Counter(e.request_id for _, e in await read_log(nc, prefix) if isinstance(e, ActorPlaced))
+    assert {rid: made[rid] for rid in sent} == sent  # the retries placed nothing again, the refused nothing at all
