@@ -31,11 +31,13 @@ from events.schema import (
     ErrorCode,
     Fidelity,
     Location,
+    PauseActor,
     PlacedFidelity,
     ReleaseReason,
     SnapshotOrigin,
     SnapshotReply,
     SnapshotTaken,
+    SuspendActor,
     TagRecorded,
 )
 from events.subjects import services_inbox
@@ -432,3 +434,105 @@ async def test_a_pause_or_suspend_naming_its_placement_is_refused_once_the_actor
     assert f"its image is of the placement (recorded at sequence {second.seq - 1};" in refused.value.message
     promoted = await wb.suspend("a-1", uri="s3://a-1", placement_seq=second.seq - 1)  # the ActorPlaced's seq
     assert promoted.snapshot.sandbox_runtime.version == V2
+
+
+def named_placements(entries, named: dict[str, int]) -> list[str]:
+    """Each snapshot a request naming its placement (`named`: request id -> placement_seq) recorded, in
+    stream order: a pause or a suspend while that placement is the actor's current one (its ActorPlaced,
+    or the booking marker after it), a promote of the image whose pause ended it."""
+    faults: list[str] = []
+    current: dict[str, int] = {}
+    ended: dict[str, int] = {}
+    for seq, _, e in entries:
+        aid = getattr(e, "actor_id", None)
+        if isinstance(e, ActorPlaced):
+            current[aid] = seq
+        elif isinstance(e, ActorReleased):
+            held = current.pop(aid, 0)
+            ended[aid] = held if e.reason is ReleaseReason.PAUSED else 0
+        elif isinstance(e, (ActorCreated, ActorStopped, ActorReverted)):
+            current.pop(aid, None)
+            ended[aid] = 0
+        elif isinstance(e, SnapshotTaken) and e.request_id in named:
+            want = named[e.request_id]
+            held = ended.get(aid) if e.origin is SnapshotOrigin.PROMOTE else current.get(aid)
+            if held not in (want, want - 1):
+                faults.append(f"{seq}: {aid} {e.origin.value} ({e.request_id}) names placement {want}, "
+                              f"{'its pause ended' if e.origin is SnapshotOrigin.PROMOTE else 'current is'} {held}")
+    return faults
+
+
+async def test_snapshots_naming_their_placement_hold_under_a_lagging_replica_removals_and_new_lives(stack, nc, prefix):
+    """The stamps race above with `placement_seq`: every pause and suspend names a placement (mostly the
+    current one, by its ActorPlaced's seq or its Assignment's; else the message after the Assignment, or
+    a placement that has ended), each sent at once to a lagging replica and through the queue group, and
+    sent again once the round is over, while w-1 is removed and its actors placed anew, w-1 comes back on
+    other runtimes, and actors begin new lives. From the log: each snapshot recorded under the placement
+    its request named (a promote, the one its pause ended), and the stamping rules; each request id
+    answered one snapshot (an audit's test, 2026-12-04: no fault found)."""
+    rng = random.Random(5)
+    wb = Client(nc, prefix, read_your_writes=False)
+    await wb.register(reg("w-1", "node-1", V1, (V2,)))
+    await wb.register(reg("w-2", "node-2", V2))
+    await wb.register(reg("w-3", "node-1", V3, (V1,)))
+    actors = [f"a-{i}" for i in range(30)]
+    for aid in actors:
+        await wb.create(actor(aid, cpu=1, mem=1))
+    outcomes = Outcomes()
+    note, codes = outcomes.note, outcomes.codes
+    placed: dict[str, list[int]] = {aid: [] for aid in actors}  # each actor's Assignments' seqs, as answered
+    named: dict[str, int] = {}
+    sent: dict[str, tuple[str, str]] = {}
+    answered: dict[str, SnapshotReply] = {}
+
+    async def resume(aid):
+        got = await note("resume", wb.resume(aid))
+        if got is not None:
+            placed[aid].append(got.seq)
+
+    async with second_snapshotter(stack.nats_url, prefix, random.Random(11)) as second:
+        async def snap(verb, aid, rid, direct):
+            if direct:
+                body = PauseActor(request_id=rid, placement_seq=named[rid]) if verb == "pause" else \
+                    SuspendActor(request_id=rid, placement_seq=named[rid], fidelity=Fidelity.MEMORY, uri=f"s3://{rid}")
+                call = getattr(second, verb)(aid, body)
+            else:
+                call = wb.pause(aid, request_id=rid, placement_seq=named[rid]) if verb == "pause" else \
+                    wb.suspend(aid, Fidelity.MEMORY, uri=f"s3://{rid}", request_id=rid, placement_seq=named[rid])
+            got = await note(verb, call)
+            if got is not None:
+                assert answered.setdefault(rid, got).snapshot == got.snapshot, (rid, got, answered[rid])
+
+        for round_ in range(3):
+            await asyncio.gather(*(resume(aid) for aid in actors for _ in range(2)))
+            ops = []
+            for aid in actors:
+                if not placed[aid]:
+                    continue
+                for k in range(2):
+                    rid, verb = f"{aid}-{round_}-{k}", rng.choice(["pause", "suspend"])
+                    # its Assignment's seq, its ActorPlaced's, or the message after the Assignment (no placement)
+                    named[rid], sent[rid] = placed[aid][-1] - rng.choice((0, 0, 1, -1)), (verb, aid)
+                    ops += [snap(verb, aid, rid, True), snap(verb, aid, rid, False)]
+                if len(placed[aid]) > 1:  # an image of an ended placement, sent late
+                    rid = f"{aid}-{round_}-late"
+                    named[rid], sent[rid] = rng.choice(placed[aid][:-1]), (rng.choice(["pause", "suspend"]), aid)
+                    ops.append(snap(*sent[rid], rid, rng.random() < 0.5))
+            if round_ % 2 == 0:
+                ops.append(note("remove", wb.remove("w-1")))
+                ops += [resume(aid) for aid in rng.sample(actors, 10)]
+            else:
+                ops.append(note("register", wb.register(reg("w-1", "node-1", V2, (V1,)))))
+            for aid in rng.sample(actors, 2):
+                async def new_life(aid=aid):
+                    await note("stop", wb.stop(aid))
+                    await note("create", wb.create(actor(aid, cpu=1, mem=1)))
+                ops.append(new_life())
+            rng.shuffle(ops)
+            await asyncio.gather(*ops)
+            await asyncio.gather(*(snap(verb, aid, rid, rng.random() < 0.5) for rid, (verb, aid) in sent.items()))
+        entries = await read_entries(nc, prefix)
+    print(sorted(codes.items()))
+    faults = named_placements(entries, named) + verdict(entries, {})
+    assert not faults, "\n".join(faults[:20])
+    assert codes[("pause", "OK")] and codes[("suspend", "OK")] and codes[("pause", "FAILED_PRECONDITION")]
