@@ -42,7 +42,10 @@ Side by side, in one run:
     parsing them is most of what a read costs. Beside the rates (`replay_vs_raw`), the
     same quotient from this process's CPU per event (`replay_vs_raw_cpu`,
     `replay_cpu_us_per_event`, `raw_read_cpu_us_per_event`): the readers' own work,
-    not nats-server's nor how the shared cores were handed out meanwhile.
+    not nats-server's nor how the shared cores were handed out meanwhile. The same log
+    folded as an operator's `warmboot audit replay` reads it (batched direct gets, the only
+    read an operator's credential has), alternated with the two: `audit_replay_events_per_s`,
+    `audit_replay_vs_replay` (against the services' fold), `audit_replay_cpu_us_per_event`.
 (d) compatibility edges: the decision at 10k workers in a fleet where a third of the 50
     versions are nobody's default or restorable runtime, reachable only as a compatible
     version (of a default on some workers, of a restorable runtime on others), against
@@ -573,10 +576,24 @@ async def bench_replay(nats_url: str, total: int) -> dict[str, float]:
         assert f.projection.events == last, (f.projection.events, last)
         return last / elapsed, cpu / last
 
-    raw_runs, fold_runs = [], []
-    for _ in range(3):  # alternate, keep the best of each: both read the same warm stream
+    async def audited() -> tuple[float, float]:
+        """What an operator's `warmboot audit replay` costs (and `audit verify`, less its checks, which
+        this synthetic log would fail at once: its placements name no worker's node): the same fold of
+        the same log, read by batched direct gets, an operator's credential having no consumer."""
+        from warmboot.audit import Sink
+        from warmboot.cli_common import replay
+
+        t0, c0 = time.perf_counter(), time.process_time()
+        sink = await replay(nc, prefix, Sink(), False)
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+        assert sink.seq == last, (sink.seq, last)
+        return last / elapsed, cpu / last
+
+    raw_runs, fold_runs, audit_runs = [], [], []
+    for _ in range(3):  # alternate, keep the best of each: they read the same warm stream
         raw_runs.append(await raw())
         fold_runs.append(await fold())
+        audit_runs.append(await audited())
     raw_rates, fold_rates = [r for r, _ in raw_runs], [r for r, _ in fold_runs]
     # the same quotient from this process's CPU per event (the reader's own work, not
     # nats-server's, nor how the machine shared its cores meanwhile): steadier on a shared machine
@@ -597,6 +614,9 @@ async def bench_replay(nats_url: str, total: int) -> dict[str, float]:
         "raw_read_events_per_s": round(max(raw_rates)),
         "replay_vs_raw": round(max(fold_rates) / max(raw_rates), 3),
         "replay_vs_raw_cpu": round(raw_cpu / fold_cpu, 3),
+        "audit_replay_events_per_s": round(max(r for r, _ in audit_runs)),
+        "audit_replay_vs_replay": round(max(r for r, _ in audit_runs) / max(fold_rates), 3),
+        "audit_replay_cpu_us_per_event": round(min(c for _, c in audit_runs) * 1e6, 2),
         "replay_cpu_us_per_event": round(fold_cpu * 1e6, 2),
         "raw_read_cpu_us_per_event": round(raw_cpu * 1e6, 2),
         "decode_apply_events_per_s": round(apply_rate),

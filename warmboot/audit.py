@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Callable
+from typing import Any
 
 from events.compat import describe_key, stamp_key
 from events.schema import (
@@ -515,8 +515,7 @@ class Sink:
     actor_unread, tag_unread, booking_unread, skip, seq, unread_actor_seq).
     """
 
-    def __init__(self, until_seq: int | None = None, until_time: datetime | None = None, verify: bool = False,
-                 on_position: Callable[[int], None] | None = None):
+    def __init__(self, until_seq: int | None = None, until_time: datetime | None = None, verify: bool = False):
         self.projection = Projection()
         self.until_seq = until_seq
         self.until_time = until_time
@@ -525,7 +524,6 @@ class Sink:
         self.stopped_at: int | None = None  # the first sequence left out by the bound
         self.stopped_at_time: datetime | None = None  # the time of its event, when the time bound left it out
         self.seq = 0  # position in the stream, folded or not
-        self.on_position = on_position
 
     @property
     def events(self) -> int:
@@ -592,8 +590,6 @@ class Sink:
         if self.stopped_at is None:
             self.projection.skip(seq)
         self.seq = max(self.seq, seq)
-        if self.on_position is not None:
-            self.on_position(seq)
 
 
 def summary(projection: Projection) -> dict[str, Any]:
