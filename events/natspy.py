@@ -267,14 +267,16 @@ class _Direct:
 class _Core:
     """One core NATS subscription delivered directly (see `deliver_core`)."""
 
-    __slots__ = ("nc", "sub", "on_msg", "ready", "on_cpu")
+    __slots__ = ("nc", "sub", "on_msg", "ready", "on_cpu", "wanted")
 
-    def __init__(self, nc: Any, sub: Any, on_msg: Callable[[Msg], None], ready: Callable[[], bool]):
+    def __init__(self, nc: Any, sub: Any, on_msg: Callable[[Msg], None], ready: Callable[[], bool],
+                 wanted: tuple[str, ...] = ()):
         self.nc = nc
         self.sub = sub
         self.on_msg = on_msg
         self.ready = ready
         self.on_cpu = None  # not measured
+        self.wanted = tuple((name, name.encode()) for name in wanted)  # as header_values takes them
 
     def take(self, subject: bytes, reply: bytes, data: bytes, headers: bytes | None) -> bool:
         """Hand a message to `on_msg` as nats-py's `_process_msg` would hand it to the
@@ -290,8 +292,14 @@ class _Core:
         stats["in_bytes"] += len(data)
         sub._received += 1
         # nats-py reads the lines after `NATS/1.0\r\n`, and gives None for no header at all
-        parsed = (parse_header_lines(headers[len(_HEADER_LINE):]) or None) if headers is not None else None
-        msg = nc.msg_class(subject=subject.decode(), reply=reply.decode(), data=data, headers=parsed,
+        parsed: dict[str, str] | None = None
+        if headers is not None:
+            block = headers[len(_HEADER_LINE):]
+            if self.wanted:
+                parsed = header_values(block, self.wanted)
+            if not parsed:  # none of the wanted ones: whether there are any others counts
+                parsed = parse_header_lines(block)
+        msg = nc.msg_class(subject=subject.decode(), reply=reply.decode(), data=data, headers=parsed or None,
                            _client=nc, _sid=sub._id)
         try:
             self.on_msg(msg)
@@ -576,7 +584,7 @@ def guard_recreation(psub: Any, guard: Callable[[Callable[[], Awaitable[None]]],
 
 
 def deliver_core(nc: Any, sub: Any, on_msg: Callable[[Msg], None],
-                 ready: Callable[[], bool] = lambda: True) -> DirectDelivery:
+                 ready: Callable[[], bool] = lambda: True, wanted: tuple[str, ...] = ()) -> DirectDelivery:
     """Hand the messages of `sub` (a core NATS subscription of `nc`, made with a callback) to
     `on_msg` from the connection's read loop, while `ready()`, instead of to the subscription's
     queue and task.
@@ -589,14 +597,17 @@ def deliver_core(nc: Any, sub: Any, on_msg: Callable[[Msg], None],
     subscription whose callback does not depend on the order of its messages (each request,
     or each reply, handled on its own). nats-py's subscription counters are kept as it
     keeps them; a subscription of a request (`_future`), of JetStream, or with a limit of
-    messages is left to nats-py altogether."""
+    messages is left to nats-py altogether. With `wanted`, a message's headers are only those
+    (`header_values`; all of them when none of those is there), as `deliver_directly` gives
+    them: for a reader that looks at no other name (a batched direct get's answers carry about
+    six lines of headers each, and parsing them all was a third of an operator's replay)."""
     missing = [name for name in ("_jsi", "_future", "_max_msgs", "_received", "_id") if not hasattr(sub, name)]
     if missing or not isinstance(getattr(nc, "stats", None), dict):
         raise RuntimeError(
             f"nats-py's Subscription no longer has {', '.join(missing) or 'its connection stats'} as "
             "events/natspy.py reads them: teach `_Core` the new ones (or drop direct delivery)"
         )
-    return _frames(nc).route(_Core(nc, sub, on_msg, ready))
+    return _frames(nc).route(_Core(nc, sub, on_msg, ready, wanted))
 
 
 _PUBLISH_REFUSED = 'nats: permissions violation for publish to "'

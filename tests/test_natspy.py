@@ -527,6 +527,42 @@ async def test_core_delivery_hands_over_what_nats_py_would_and_leaves_it_the_res
             await nc.close()
 
 
+async def test_core_delivery_of_wanted_headers_gives_those_alone_or_all_when_none_is_there(nats_url):
+    """With `wanted` (an operator's replay: a direct get's answer carries about six header lines, the
+    fold reads four names), a message's headers are only the wanted ones it has, as nats-py would
+    parse them; all of them when it has none of those (a reader sees whether there are headers); None
+    when it has none at all. The messages, their order and bodies, are those nats-py's path gives."""
+    import nats
+
+    from events.natspy import deliver_core, flush_in_order
+
+    sender, direct = [await nats.connect(nats_url) for _ in range(2)]
+    try:
+        seen, done = [], asyncio.Event()
+
+        def on_msg(msg) -> None:
+            seen.append(_seen(msg))
+            if msg.data == b"last":
+                done.set()
+
+        async def on_callback(msg):  # nats-py's path: nothing here while ready
+            seen.append(("callback", msg.subject))
+
+        sub = await direct.subscribe("t.core.>", cb=on_callback)
+        delivery = deliver_core(direct, sub, on_msg, wanted=("A", "Nats-TTL", "x"))
+        await flush_in_order(direct)
+        for subject, reply, headers, body in _CORE_MESSAGES:
+            await sender.publish(subject, body, reply=reply, headers=headers)
+        await sender.flush()
+        await asyncio.wait_for(done.wait(), 10)
+        assert [m[:3] for m in seen] == [(s, r, b) for s, r, _, b in _CORE_MESSAGES]
+        assert [m[3] for m in seen] == [None, None, {"A": "b"}, {"Nats-TTL": "15s", "x": "padded"}, {"Z": ""}, None]
+        delivery.close()
+    finally:
+        for nc in (sender, direct):
+            await nc.close()
+
+
 def test_core_delivery_refuses_a_nats_py_without_what_it_relies_on():
     from events.natspy import deliver_core
 

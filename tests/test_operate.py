@@ -189,9 +189,9 @@ async def test_replay_reads_the_log_only_as_far_as_its_bound(demo, nats_url, nc,
     pages: list[int] = []
     real = link.direct_batch
 
-    async def counted(nc_, stream, request, timeout):
+    async def counted(nc_, stream, request, *args):
         pages.append(request["seq"])
-        return await real(nc_, stream, request, timeout)
+        return await real(nc_, stream, request, *args)
 
     monkeypatch.setattr(link, "direct_batch", counted)
     early = await cli("audit", "replay", "--until", "3", "--json", "--nats", nats_url, "--prefix", prefix)

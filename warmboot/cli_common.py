@@ -289,11 +289,12 @@ async def log_messages(nc: Any, prefix: str, filter_subject: str | None = None,
                        stop: int | None = None) -> AsyncIterator[tuple[int, str, dict[str, str], bytes]]:
     """The stream's messages on `filter_subject` (all of them by default) up to `stop`, as
     (sequence, subject, headers, body), in order, by batched direct gets: the only way an
-    operator's credential may read the log (no consumer: docs/security.md, Operators).
+    operator's credential may read the log (no consumer: docs/security.md, Operators). The
+    headers are those a fold reads (sequence, subject, topic, version), not every line of each answer.
 
     Any replica of the stream answers a direct get, and one that lags ends its batch early:
     a read that ends before `stop` asks again (up to READ_ATTEMPTS times) from where it is."""
-    from events.jetstream.layout import SEQUENCE_HEADER, SUBJECT_HEADER
+    from events.jetstream.layout import SEQUENCE_HEADER, SUBJECT_HEADER, TOPIC_HEADER, VERSION_HEADER
     from events.jetstream.link import direct_batch
     from events.jetstream.stream import READ_PAGE
     from events.natspy import use_lean_headers
@@ -307,7 +308,8 @@ async def log_messages(nc: Any, prefix: str, filter_subject: str | None = None,
         if filter_subject is not None:
             request["next_by_subj"] = filter_subject
         try:
-            page, pending = await direct_batch(nc, stream, request, READ_TIMEOUT_S)
+            page, pending = await direct_batch(nc, stream, request, READ_TIMEOUT_S,
+                                               (SEQUENCE_HEADER, SUBJECT_HEADER, TOPIC_HEADER, VERSION_HEADER))
         except Exception as e:
             raise click.ClickException(f"reading the event stream {stream} from sequence {seq} failed: "
                                        f"{type(e).__name__}: {e}") from None

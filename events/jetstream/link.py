@@ -41,7 +41,7 @@ from events.jetstream import errors
 from events.jetstream.lastseen import LastSeen
 from events.jetstream.layout import LEADER_ELECTED_ADVISORY, status_of
 from events.natsauth import NKEY_SEED_ENV, nkey_options, redact_url
-from events.natspy import close_given_up, connecting, use_lean_headers
+from events.natspy import close_given_up, connecting, deliver_core, use_lean_headers
 from events.tasks import retrieved
 
 log = logging.getLogger("warmboot.jetstream")
@@ -99,10 +99,14 @@ class ConnectOptions:
         return kwargs
 
 
-async def direct_batch(nc: NATS, stream: str, request: dict[str, Any], timeout: float) -> tuple[list[Msg], int]:
+async def direct_batch(nc: NATS, stream: str, request: dict[str, Any], timeout: float,
+                       wanted: tuple[str, ...] = ()) -> tuple[list[Msg], int]:
     """One batched direct get on any connection (answers on an inbox of its own): the
     messages, and how many more match after them. For a reader without a `Link` (the
-    operator commands, which may read the log only this way: docs/security.md)."""
+    operator commands, which may read the log only this way: docs/security.md). The answers
+    come straight from the connection's read loop (`natspy.deliver_core`: in order, with no
+    queue and no task per message), with only the `wanted` headers if given; the end of the
+    batch, a status, takes nats-py's path after them."""
     collector = _Collector(asyncio.get_running_loop())
 
     async def feed(msg: Msg) -> None:
@@ -110,10 +114,12 @@ async def direct_batch(nc: NATS, stream: str, request: dict[str, Any], timeout: 
 
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox, cb=feed)
+    delivery = deliver_core(nc, sub, collector.feed, wanted=wanted)
     try:
         await nc.publish(f"$JS.API.DIRECT.GET.{stream}", json.dumps(request).encode(), reply=inbox)
         pending = await asyncio.wait_for(collector.done, timeout)
     finally:
+        delivery.close()
         await sub.unsubscribe()
     return collector.msgs, pending
 
