@@ -551,8 +551,8 @@ async def test_core_delivery_of_wanted_headers_gives_those_alone_or_all_when_non
         sub = await direct.subscribe("t.core.>", cb=on_callback)
         delivery = deliver_core(direct, sub, on_msg, wanted=("A", "Nats-TTL", "x"))
         await flush_in_order(direct)
-        for subject, reply, headers, body in _CORE_MESSAGES:
-            await sender.publish(subject, body, reply=reply, headers=headers)
+        for subject, reply, sent_headers, body in _CORE_MESSAGES:
+            await sender.publish(subject, body, reply=reply, headers=sent_headers)
         await sender.flush()
         await asyncio.wait_for(done.wait(), 10)
         assert [m[:3] for m in seen] == [(s, r, b) for s, r, _, b in _CORE_MESSAGES]
