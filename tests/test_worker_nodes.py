@@ -20,7 +20,7 @@ from click.testing import CliRunner
 
 from events.codec import decode_event
 from events.errors import ContractError
-from events.schema import ErrorCode, RegisterWorker, WorkerRegistered, WorkerRemoved
+from events.schema import ErrorCode, Heartbeat, RegisterOutcome, RegisterWorker, WorkerRegistered, WorkerRemoved
 from events.subjects import bucket_name, event_subject, service_subject
 from events.tasks import cancel_and_wait
 from services.registry.domain import Worker
@@ -442,3 +442,55 @@ async def test_should_the_removal_fail_a_worker_on_another_node_is_refused_its_h
             assert "ttl_s" in await call("heartbeat", {})
         finally:
             await nc.close()
+
+
+async def test_a_registration_a_lagging_replica_takes_on_the_binding_it_had_is_removed_by_a_replica_that_has_the_new_one(
+        nats_server, prefix):
+    """Two replicas; the binding's change is not delivered to one of them (its consumer lost with a
+    connection, not made again yet), which takes w-1's registration on the node the change took from
+    it, as the binding it has allows. The other replica, which has the change and has removed w-1 from
+    that node already, folds the new registration and removes it at once: the worker is removed as soon
+    as the binding reaches a replica, not once it reaches the last one (meanwhile it beat through the
+    lagging replica, drawing that node's LOCAL resumes). And the lagging replica, folding w-1's
+    registration on its new node, reads the binding at the bucket's leader before it judges: it does
+    not remove a worker the change put where it is."""
+    nc = await nats.connect(nats_server.url)
+    settings = f"$KV.{bucket_name(prefix, 'settings')}.worker-nodes"
+
+    async def following(registry, nodes: dict) -> None:
+        while registry.binding.judged_nodes != nodes:
+            await asyncio.sleep(0.01)
+
+    def request(node: str) -> RegisterWorker:
+        return msgspec.convert(registration("w-1", node=node), RegisterWorker)
+
+    try:
+        async with running_registry(nats_server.url, prefix) as lagging, \
+                running_registry(nats_server.url, prefix) as current:
+            before = {"w-1": "node-a", "w-2": "node-b"}
+            await nc.jetstream().publish(settings, encode_nodes(before))
+            await asyncio.wait_for(asyncio.gather(following(lagging, before), following(current, before)), 10)
+            assert (await lagging.register("w-1", request("node-a"))).outcome is RegisterOutcome.REGISTERED
+
+            await lagging.binding.stop()  # the change is not delivered to it
+            after = {"w-1": "node-b", "w-2": "node-a"}
+            await nc.jetstream().publish(settings, encode_nodes(after))
+            await asyncio.wait_for(following(current, after), 10)
+            removed, _ = await wait_event(nc, prefix, "w-1", WorkerRemoved)
+
+            again = await lagging.register("w-1", request("node-a"))  # on the binding it has
+            assert again.outcome is RegisterOutcome.REGISTERED and lagging.binding.judged_nodes == before
+            seq, removal = await wait_event(nc, prefix, "w-1", WorkerRemoved, after=again.seq, timeout=10)
+            assert removed < again.seq < seq and removal.reason == unbound_reason("node-a")
+            with pytest.raises(ContractError) as gone:  # its heartbeats through the lagging replica too
+                await lagging.heartbeat("w-1", Heartbeat())
+            assert gone.value.code is ErrorCode.NOT_FOUND
+
+            own = await current.register("w-1", request("node-b"))  # on its own node: a new life
+            assert own.outcome is RegisterOutcome.REGISTERED
+            await asyncio.sleep(1)  # the lagging replica folds it, and looks
+            assert await last_seq(nc, prefix) == own.seq + 1  # its fence: no removal after it
+            assert lagging.binding.judged_nodes == after  # its look read the change at the bucket's leader
+            assert (await lagging.heartbeat("w-1", Heartbeat())).ttl_s > 0
+    finally:
+        await nc.close()

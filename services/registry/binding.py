@@ -14,7 +14,10 @@ empty `WARMBOOT_WORKER_NODES`) does not let every Nth registration through unche
 - Every replica reads the key at the stream leader before it serves, then follows it (an
   ordered consumer on the key's subject): a change reaches the others as soon as the
   server delivers it (after a lost connection, once the consumer is made again), and a
-  registration decided in between is judged on the binding as its replica had it.
+  registration decided in between is judged on the binding as its replica had it; a replica that
+  has the change removes it as soon as it folds it (`RegistryService._node_folded`), and each
+  replica's look for unbound workers reads the key at the leader first (`refresh`), so one whose
+  consumer is late does not remove a worker the change allows.
 - A value that is not a binding (written by hand, a newer version's) binds every worker to
   no node: registrations are refused, fail closed, until a replica writes a good one. The
   heartbeats of registered workers are not judged meanwhile (`judged_nodes`): whom such a
@@ -39,7 +42,7 @@ from nats.js.errors import NotFoundError
 
 from events.natspy import ORDERED_IDLE_HEARTBEAT_S
 from events.subjects import bucket_name
-from services.common import stream_replicas, until_answered
+from services.common import START_WITHIN_S, stream_replicas, until_answered
 from services.registry.nodes import describe, describe_change, encode_nodes, parse_nodes
 
 log = logging.getLogger("warmboot.registry")
@@ -103,11 +106,18 @@ class SharedBinding:
             with suppress(Exception):
                 await sub.unsubscribe()
 
-    async def _read(self) -> tuple[int, bytes | None]:
+    async def refresh(self) -> None:
+        """Take the key's last entry as the bucket's leader has it now, if this replica has an older one
+        (a change not delivered to its consumer yet, or lost with a connection): one read, raised if
+        not answered. The registry's look for unbound workers reads it before it judges
+        (`RegistryService._remove_unbound`)."""
+        self._apply(*(await self._read(within=0.0)))
+
+    async def _read(self, within: float = START_WITHIN_S) -> tuple[int, bytes | None]:
         """The key's last entry at the bucket's leader: (its sequence, its value; None if deleted or absent)."""
         try:
             msg = await until_answered(lambda: self.nc.jetstream().get_msg(self.stream, subject=self.subject),
-                                       f"the key {KEY} of {self.bucket}")
+                                       f"the key {KEY} of {self.bucket}", within)
         except NotFoundError:
             return 0, None
         deleted = msg.headers and msg.headers.get("KV-Operation") in _DELETED

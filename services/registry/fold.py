@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from contextlib import suppress
 from typing import Any
 
@@ -117,6 +118,9 @@ class RosterFold:
         self._round: asyncio.Task[None] | None = None
         self._want: tuple[int, asyncio.Future[None]] | None = None  # the round waits for this sequence
         self._stopping = False
+        # Told (worker id, node) of each registration or update folded that names a node for a worker
+        # in a life, whichever replica wrote it (the registry judges it on its binding of workers to nodes).
+        self.on_node: Callable[[str, str], None] | None = None
 
     async def start(self, timeout: float) -> None:
         """Read the workers' events from the first; return once every one stored so far is folded."""
@@ -168,7 +172,10 @@ class RosterFold:
             except (msgspec.DecodeError, msgspec.ValidationError):
                 self.errors += 1
                 log.warning("message %d on %s: no node read from its body", seq, msg.subject)
-        self.roster.apply(seq, msg.subject[len(self.subject_prefix):], event_type, node)
+        worker_id = msg.subject[len(self.subject_prefix):]
+        self.roster.apply(seq, worker_id, event_type, node)
+        if node is not None and self.on_node is not None and self.roster.alive(worker_id):
+            self.on_node(worker_id, node)
         self.mark = (seq, ack_time(msg.reply) // 1000)
         if seq > self.complete:
             self.complete = seq

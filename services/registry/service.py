@@ -399,6 +399,7 @@ class RegistryService:
         self.positions = EventPositions(nc, prefix)
         self.roster = Roster()
         self.fold = RosterFold(nc, prefix, self.roster)
+        self.fold.on_node = self._node_folded
         self.liveness = Liveness(
             nc, prefix, ttl_s, self._expired, store_replicas if store_replicas is not None else stream_replicas()
         )
@@ -634,17 +635,34 @@ class RegistryService:
 
     # --- the binding of workers to nodes ---------------------------------------------------
 
+    def _node_folded(self, worker_id: str, node: str) -> None:
+        """The fold read a registration or an update putting `worker_id`, in a life, on `node`: if the
+        binding this replica judges by does not give it that node, the look runs again. Such an event
+        was decided by a replica that did not have the binding yet (its change not delivered to it, or
+        delivered while the decision was under way); without this, the worker stayed on that node,
+        beating through that replica, until the change reached it too (found by an audit)."""
+        if not allows(self.binding.judged_nodes, worker_id, node):
+            self._binding_moved.set()
+
     async def _remove_unbound(self) -> None:
-        """Each time the binding this replica judges by changes, once at start, and after a
-        registration decided on a binding that changed meanwhile: every worker registered on a node
-        the binding does not give it is removed at once, not left to beat until its heartbeats'
-        refusal ends it as LOST a TTL later (meanwhile resumes could be placed on it). Every replica
-        looks; the decision is the Worker's, on its history (`Worker.remove_unbound`), so a worker
-        another replica removed, or that moved to its own node, is left as it is."""
+        """Each time the binding this replica judges by changes, once at start, after a registration
+        decided on a binding that changed meanwhile, and when the fold reads a worker put on a node the
+        binding does not give it (`_node_folded`: decided by a replica the binding had not reached yet):
+        every worker registered on a node the binding does not give it is removed at once, not left to
+        beat until its heartbeats' refusal ends it as LOST a TTL later (meanwhile resumes could be
+        placed on it). Every replica looks; the decision is the Worker's, on its history
+        (`Worker.remove_unbound`), so a worker another replica removed, or that moved to its own node,
+        is left as it is."""
         while True:
             await self._binding_moved.wait()
             self._binding_moved.clear()
             try:
+                try:  # judged on the binding the bucket's leader has: a replica whose consumer is late does not
+                    await self.binding.refresh()  # remove the workers registered on their nodes since the change
+                except Exception as error:
+                    log.warning("the binding of workers to nodes could not be read at its bucket's leader (%s: %s); "
+                                "workers are judged on revision %d, as this replica has it", type(error).__name__,
+                                error, self.binding.revision)
                 nodes = self.binding.judged_nodes
                 if nodes is None:
                     continue
