@@ -213,6 +213,18 @@ _HMSG = b"HMSG "
 _MSG = b"MSG "
 
 
+def _wanted_headers(headers: bytes | None, wanted: tuple[tuple[str, bytes], ...]) -> dict[str, str] | None:
+    """A message's header block (from `NATS/1.0\r\n`, as the frame holds it) as a direct delivery
+    hands it over: with `wanted`, only those headers (`header_values`), or all of them when none of
+    those is there (whether there are any others counts); None for no header at all, as nats-py
+    gives it (it reads the lines after `NATS/1.0\r\n`)."""
+    if headers is None:
+        return None
+    block = headers[len(_HEADER_LINE):]
+    parsed = header_values(block, wanted) if wanted else None
+    return (parsed or parse_header_lines(block)) or None
+
+
 class _Direct:
     """One subscription delivered directly (see `deliver_directly`)."""
 
@@ -250,15 +262,9 @@ class _Direct:
         jsi._dseq = dseq + 1
         jsi._sseq = seq
         jsi.track_sequences(reply.decode())
-        parsed: dict[str, str] | None = None
-        if headers is not None:
-            block = headers[len(_HEADER_LINE):]
-            if self.wanted:
-                parsed = header_values(block, self.wanted)
-            if not parsed:  # none of the wanted ones: whether there are any others counts
-                parsed = parse_header_lines(block)
         try:
-            self.handler(seq, int(tokens[8]), subject.decode(), parsed or None, data, tokens[7])
+            self.handler(seq, int(tokens[8]), subject.decode(), _wanted_headers(headers, self.wanted), data,
+                         tokens[7])
         except Exception:  # as nats-py reports an exception of a subscription's callback: not fatal
             log.exception("handling message %d on %s failed", seq, subject)
         return True
@@ -291,15 +297,8 @@ class _Core:
         stats["in_msgs"] += 1
         stats["in_bytes"] += len(data)
         sub._received += 1
-        # nats-py reads the lines after `NATS/1.0\r\n`, and gives None for no header at all
-        parsed: dict[str, str] | None = None
-        if headers is not None:
-            block = headers[len(_HEADER_LINE):]
-            if self.wanted:
-                parsed = header_values(block, self.wanted)
-            if not parsed:  # none of the wanted ones: whether there are any others counts
-                parsed = parse_header_lines(block)
-        msg = nc.msg_class(subject=subject.decode(), reply=reply.decode(), data=data, headers=parsed or None,
+        msg = nc.msg_class(subject=subject.decode(), reply=reply.decode(), data=data,
+                           headers=_wanted_headers(headers, self.wanted),
                            _client=nc, _sid=sub._id)
         try:
             self.on_msg(msg)
