@@ -715,3 +715,43 @@ def test_the_cli_runs_as_a_module(module):
     refused = subprocess.run([sys.executable, "-m", module, "nosuch"], capture_output=True, text=True, timeout=60,
                              cwd=Path(__file__).resolve().parents[1])
     assert refused.returncode == 2 and "No such command 'nosuch'" in refused.stderr, refused
+
+
+def _leaf_commands(group, path=()):
+    import click
+
+    for name, command in group.commands.items():
+        if isinstance(command, click.Group):
+            yield from _leaf_commands(command, (*path, name))
+        else:
+            yield " ".join((*path, name)), command
+
+
+def test_every_command_s_help_ends_with_examples_that_parse(tmp_path, monkeypatch):
+    """A review: most --help texts had no example. Every command now shows some after its options
+    (`warmboot.examples`), and each example is a command line its parser takes as shown (options and
+    arguments that exist, values of their types): nothing runs, nothing connects. The files they
+    name are there, as in the repository's root (`examples/`) or as a user would have written them."""
+    import shlex
+    from pathlib import Path
+
+    from warmboot.examples import EXAMPLES
+
+    (tmp_path / "examples").symlink_to(Path(__file__).resolve().parent.parent / "examples")
+    for name in ("workers.txt", "worker-nodes.json"):
+        (tmp_path / name).write_text("")
+    monkeypatch.chdir(tmp_path)
+
+    leaves = dict(_leaf_commands(main))
+    assert set(EXAMPLES) == set(leaves), set(leaves) ^ set(EXAMPLES)  # every command, and no other
+    for path, command in leaves.items():
+        shown = CliRunner().invoke(main, [*path.split(), "--help"], terminal_width=200)
+        assert shown.exit_code == 0, shown.output
+        examples = shown.output.split("Examples:\n\n", 1)[1].splitlines()
+        assert [line.strip() for line in examples if line.strip()] == EXAMPLES[path], path
+        for example in EXAMPLES[path]:
+            words = shlex.split(example, comments=True)
+            words = words[:words.index(">")] if ">" in words else words  # a shell's redirection
+            assert words[:len(path.split()) + 1] == ["warmboot", *path.split()], example
+            with command.make_context(f"warmboot {path}", words[1 + len(path.split()):]) as ctx:
+                assert ctx.params is not None, example  # parsed: click raised nothing

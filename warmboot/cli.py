@@ -90,6 +90,9 @@ main.add_command(nats_config)
 from warmboot.cmd_audit import audit  # noqa: E402
 
 main.add_command(audit)
+from warmboot.examples import attach  # noqa: E402
+
+attach(main)  # every command's examples, after its options in --help
 
 if __name__ == "__main__":  # `python -m warmboot.cli`, as the `warmboot` script (`python -m warmboot` too)
     main(prog_name="warmboot")

@@ -678,8 +678,6 @@ def whatif(sandbox_class: str, drop: tuple[str, ...], drain: tuple[str, ...], li
     workers that accept it and their free room before and after, and the actors that would
     be newly stranded. What changes nothing is said on stderr (`note:`): a worker to drain
     that is drained already, or nothing to drop or drain.
-
-    Example: warmboot whatif --class gvisor --drop-runtime gvisor-v1
     """
     mode = output_mode(output, as_json)
 
