@@ -214,10 +214,10 @@ _MSG = b"MSG "
 
 
 def _wanted_headers(headers: bytes | None, wanted: tuple[tuple[str, bytes], ...]) -> dict[str, str] | None:
-    """A message's header block (from `NATS/1.0\r\n`, as the frame holds it) as a direct delivery
-    hands it over: with `wanted`, only those headers (`header_values`), or all of them when none of
-    those is there (whether there are any others counts); None for no header at all, as nats-py
-    gives it (it reads the lines after `NATS/1.0\r\n`)."""
+    """A message's header block (from its `NATS/1.0` line, as the frame holds it) as a direct
+    delivery hands it over: with `wanted`, only those headers (`header_values`), or all of them
+    when none of those is there (whether there are any others counts); None for no header at all,
+    as nats-py gives it (it reads the lines after the `NATS/1.0` one)."""
     if headers is None:
         return None
     block = headers[len(_HEADER_LINE):]

@@ -137,8 +137,6 @@ def flag_of(field: str | None) -> str | None:
     return max(options[name].opts, key=len) if name in options else None  # --min-fidelity, not -m
 
 
-
-
 class Failed(click.ClickException):
     """A contract error as every command prints it: `error: CODE field: message` on stderr, exit 1."""
 
