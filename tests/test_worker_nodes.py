@@ -458,8 +458,22 @@ async def test_a_registration_a_lagging_replica_takes_on_the_binding_it_had_is_r
     settings = f"$KV.{bucket_name(prefix, 'settings')}.worker-nodes"
 
     async def following(registry, nodes: dict) -> None:
-        while registry.binding.judged_nodes != nodes:
-            await asyncio.sleep(0.01)
+        """Until the replica judges by `nodes`: woken by each change of its binding (`on_change`)."""
+        changed = asyncio.Event()
+        told = registry.binding.on_change
+
+        def on_change() -> None:
+            changed.set()
+            if told is not None:
+                told()
+
+        registry.binding.on_change = on_change
+        try:
+            while registry.binding.judged_nodes != nodes:
+                await changed.wait()
+                changed.clear()
+        finally:
+            registry.binding.on_change = told
 
     def request(node: str) -> RegisterWorker:
         return msgspec.convert(registration("w-1", node=node), RegisterWorker)
@@ -488,9 +502,10 @@ async def test_a_registration_a_lagging_replica_takes_on_the_binding_it_had_is_r
 
             own = await current.register("w-1", request("node-b"))  # on its own node: a new life
             assert own.outcome is RegisterOutcome.REGISTERED
-            await asyncio.sleep(1)  # the lagging replica folds it, and looks
+            # the lagging replica folds it, on a node its binding does not give w-1, and looks: the look reads
+            # the change at the bucket's leader first (without that read it never has it, and removes w-1)
+            await asyncio.wait_for(following(lagging, after), 10)
             assert await last_seq(nc, prefix) == own.seq + 1  # its fence: no removal after it
-            assert lagging.binding.judged_nodes == after  # its look read the change at the bucket's leader
             assert (await lagging.heartbeat("w-1", Heartbeat())).ttl_s > 0
     finally:
         await nc.close()
