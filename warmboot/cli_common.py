@@ -365,7 +365,7 @@ async def replay(nc: Any, prefix: str, sink: Any, show_progress: bool) -> Any:
             if seq - shown >= PROGRESS_EVERY:  # not at every message: an update costs a tenth of a fold's
                 progress.update(task, completed=seq)
                 shown = seq
-            if getattr(sink, "stopped_at", None) is not None:  # past its bound: nothing later is folded
+            if sink.stopped_at is not None:  # past its bound (`audit.Sink`): nothing later is folded
                 break
         progress.update(task, completed=target)
     return sink
