@@ -561,6 +561,13 @@ def stream_identity(info: Any) -> tuple[str, int]:
     return (info.created.isoformat() if info.created is not None else ""), info.state.last_seq
 
 
+async def stream_created(nc: NATS, stream: str) -> str:
+    """The incarnation (`stream_identity`) of the stream as its leader has it now, asked until
+    answered as at a service's start (`until_answered`)."""
+    info = await until_answered(lambda: leaders_stream_info(nc.jetstream(), stream), f"the stream {stream}")
+    return stream_identity(info)[0]
+
+
 def answered_by_leader(info: Any) -> bool:
     """Whether a STREAM.INFO answer (nats-py's StreamInfo, or a struct with the same
     `cluster.leader`) is the stream leader's. In a cluster, a stream group without a leader (a
@@ -773,11 +780,14 @@ class ReplyCache:
 
 class Kept(msgspec.Struct, frozen=True):
     """The answer of a request that wrote nothing, as `NoWriteAnswers` keeps it: the verb, the
-    version of the entity's history it stood on, and the reply's JSON."""
+    version of the entity's history it stood on, the reply's JSON, and the incarnation of the
+    event stream that history is in (its creation time, `stream_identity`; None in an entry an
+    earlier version kept, which an older replica, ignoring the field, still reads)."""
 
     verb: str
     version: int
     reply: msgspec.Raw
+    stream: str | None = None
 
 
 def _cache_failed(error: Exception) -> ContractError:
@@ -797,17 +807,25 @@ class NoWriteAnswers:
     the history does not answer is decided: after the entity was read, so a change the
     entity shows came after the kept answer was there to be read. It is honoured within
     the entity's current life only (`Kept.version`), and for the verb it was kept for
-    (another verb reusing the id is refused, as `WireAggregate.prior` refuses one). A command
+    (another verb reusing the id is refused, as `WireAggregate.prior` refuses one). The bucket
+    outlives an event stream deleted and made again, whose versions start over: an answer, or a
+    refusal's mark, kept on another incarnation of the stream (`created`, the stream's creation
+    time) says nothing of this one and is not read (an audit, 2026-12-04: an UNCHANGED kept on the
+    old stream answered a registration with the same id on the new one, whose worker the log then
+    held on another runtime than it runs). A command
     on the service's loop (`run_command_async`) awaits `recall_async` and `keep_async`; one on
     a thread of its own (`run_command`) calls `recall` and `keep`, which wait for the service's
     loop to run those: either way the reads and writes are on the service's connection.
     """
 
-    def __init__(self, replies: ReplyCache, scope: str, loop: asyncio.AbstractEventLoop, timeout: float = 5.0):
+    def __init__(self, replies: ReplyCache, scope: str, loop: asyncio.AbstractEventLoop, created: str,
+                 timeout: float = 5.0):
         self.replies = replies
         self.scope = scope  # e.g. "registry": the service whose entities these are
         self.loop = loop
+        self.created = created  # the incarnation of the event stream the service reads (`stream_identity`)
         self.timeout = timeout
+        self._refused = b"refused " + created.encode()
 
     def _key(self, entity_id: str, request_id: str) -> str:
         return self.replies.key(f"{self.scope}.{entity_id}", request_id)
@@ -859,12 +877,8 @@ class NoWriteAnswers:
         FAILED_PRECONDITION if one was kept for another verb."""
         if self._nothing_kept(aggregate, verb, request_id):
             return None
-        data = await self._answered(self.replies.get(self._key(aggregate.entity_id, request_id)))
-        if not data:
-            return None
-        try:
-            kept = msgspec.json.decode(data, type=Kept)
-        except msgspec.DecodeError:
+        kept = self._of_this_stream(await self._answered(self.replies.get(self._key(aggregate.entity_id, request_id))))
+        if kept is None:
             return None
         if kept.version < aggregate.life_start:  # an earlier life's (request ids are scoped to one)
             aggregate.refuse_from_an_earlier_life(verb, request_id)
@@ -878,18 +892,30 @@ class NoWriteAnswers:
     async def was_answered_async(self, aggregate: Any, request_id: str) -> bool:
         """Whether `request_id` was answered for the aggregate, in any life, with an answer kept here or a
         refusal marked (`mark_refused_async`), as the stream leader has them."""
-        if await self._answered(self.replies.get(self._key(aggregate.entity_id, request_id))):
+        if self._of_this_stream(await self._answered(self.replies.get(self._key(aggregate.entity_id, request_id)))):
             return True
         return await self.refusal_marked_async(aggregate, request_id)
 
     async def refusal_marked_async(self, aggregate: Any, request_id: str) -> bool:
-        """Whether `request_id` is marked refused for the aggregate (`mark_refused_async`), as the stream
-        leader has it."""
-        return bool(await self._answered(self.replies.get(self._refused_key(aggregate.entity_id, request_id))))
+        """Whether `request_id` is marked refused for the aggregate (`mark_refused_async`) on this
+        incarnation of the stream, as the stream leader has it."""
+        mark = await self._answered(self.replies.get(self._refused_key(aggregate.entity_id, request_id)))
+        return mark in (self._refused, b"refused")  # the latter: marked by an earlier version, on no stream named
 
     async def mark_refused_async(self, aggregate: Any, request_id: str) -> None:
         """Mark `request_id` refused for the aggregate (a refusal writes no event: this says it was sent)."""
-        await self._answered(self.replies.put(self._refused_key(aggregate.entity_id, request_id), b"refused"))
+        await self._answered(self.replies.put(self._refused_key(aggregate.entity_id, request_id), self._refused))
+
+    def _of_this_stream(self, data: bytes | None) -> Kept | None:
+        """The kept answer `data` holds, if it is of the stream's incarnation the service reads (or
+        of none named: kept by an earlier version); None otherwise, or for no entry."""
+        if not data:
+            return None
+        try:
+            kept = msgspec.json.decode(data, type=Kept)
+        except msgspec.DecodeError:
+            return None
+        return kept if kept.stream in (None, self.created) else None
 
     def _refused_key(self, entity_id: str, request_id: str) -> str:
         return self.replies.key(f"{self.scope}-refused.{entity_id}", request_id)
@@ -899,7 +925,7 @@ class NoWriteAnswers:
         bucket does not take it: the request wrote nothing, so its retry is safe)."""
         if request_id is None:
             return
-        data = encode(Kept(verb=verb, version=aggregate.version, reply=msgspec.Raw(encode(reply))))
+        data = encode(Kept(verb=verb, version=aggregate.version, reply=msgspec.Raw(encode(reply)), stream=self.created))
         await self._answered(self.replies.put(self._key(aggregate.entity_id, request_id), data))
 
 

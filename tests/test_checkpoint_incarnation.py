@@ -347,3 +347,63 @@ async def test_the_registry_tells_a_copy_put_back_between_two_looks_by_what_its_
         await registry.stop()
         await nc.close()
         server.stop()
+
+
+# --- the answers kept in the reply bucket, which outlives the stream ---------------------------------------------
+
+
+async def test_an_answer_kept_on_a_stream_made_again_does_not_answer_the_new_one(nats_url, nc, prefix):
+    """A registration that changed nothing (UNCHANGED) has its answer kept in the reply bucket,
+    under the worker and the request id, with the version of the history it stood on. The bucket
+    outlives the stream, whose versions start over: the new stream's w-1, registered on runtime
+    vB, is at the version the kept answer names. A registration on vA with the kept request id was
+    answered UNCHANGED from the old stream and wrote nothing, so the log held w-1 on vB while it
+    ran vA: vB's memory images would have been sent to it (an audit, 2026-12-04). It is decided on
+    the new stream's history now."""
+    from tests.registry_helpers import raw_request, registration, running_registry, runtime, worker_events
+
+    on_a = registration("w-1", default=runtime("vA"), request_id="first")
+    same = registration("w-1", default=runtime("vA"), request_id="again")
+    async with running_registry(nats_url, prefix):
+        assert (await raw_request(nc, prefix, "register", "w-1", on_a))[0]["outcome"] == "REGISTERED"
+        assert (await raw_request(nc, prefix, "register", "w-1", same))[0] == {"outcome": "UNCHANGED", "seq": 1}
+    await nc.jetstream().delete_stream(stream_name(prefix))
+    async with running_registry(nats_url, prefix):
+        on_b = registration("w-1", default=runtime("vB"), request_id="new-stream")
+        assert (await raw_request(nc, prefix, "register", "w-1", on_b))[0] == {"outcome": "REGISTERED", "seq": 1}
+        reply, _ = await raw_request(nc, prefix, "register", "w-1", same)
+        assert reply["outcome"] == "RUNTIME_CHANGED", reply
+        events = [event for _, event in await worker_events(nc, prefix, "w-1")]
+        assert [type(event).__name__ for event in events] == ["WorkerRegistered", "RuntimeChanged"]
+        assert events[-1].request_id == "again"
+        assert [a.value for a in events[-1].sandbox_classes[0].default_runtime.version.attributes
+                if a.key == "gvisor_asset_hash"] == ["vA"]
+        # and on this stream the id is answered as its change, as any retry is
+        assert (await raw_request(nc, prefix, "register", "w-1", same))[0] == reply
+
+
+async def test_a_template_kept_unchanged_on_a_stream_made_again_is_set_on_the_new_one(nats_server, nc, prefix):
+    """The snapshotter's kept answers (an update-template that changed nothing) likewise: on the
+    new stream, the same request id sets the template the new actor does not have."""
+    from events.schema import SeqReply, TemplateChanged, UpdateTemplate
+    from services.common import call, service_subject
+    from services.snapshotter.service import SnapshotterService
+    from tests.factories import actor, last_seq, read_entries
+
+    def subject(verb: str) -> str:
+        return service_subject(prefix, "snapshotter", verb, "a-1")
+
+    keep = UpdateTemplate(template_uid="tpl-1", request_id="keep-tpl-1")
+    for template, stream_again in (("tpl-1", False), ("tpl-0", True)):
+        if stream_again:
+            await nc.jetstream().delete_stream(stream_name(prefix))
+        service = SnapshotterService(nc, nats_url=nats_server.url, prefix=prefix)
+        await service.start()
+        try:
+            made = await call(nc, subject("create"), actor("a-1", cpu=250, mem=256, template=template), SeqReply)
+            answer = await call(nc, subject("update-template"), keep, SeqReply)
+        finally:
+            await service.stop()
+    assert (answer.seq, answer.unchanged) == (await last_seq(nc, prefix), False), (made, answer)
+    templates = [e.template_uid for _, _, e in await read_entries(nc, prefix) if isinstance(e, TemplateChanged)]
+    assert templates == ["tpl-1"]

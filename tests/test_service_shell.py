@@ -477,7 +477,7 @@ async def test_the_answers_of_requests_that_wrote_nothing_are_read_from_a_comman
 
     from services.common import NoWriteAnswers, ReplyCache
 
-    answers = NoWriteAnswers(await ReplyCache(nc, prefix).start(), "registry", asyncio.get_running_loop())
+    answers = NoWriteAnswers(await ReplyCache(nc, prefix).start(), "registry", asyncio.get_running_loop(), "")
 
     class Entity:
         KIND, entity_id, version, life_start = "worker", "w", 1, 1
@@ -488,6 +488,42 @@ async def test_the_answers_of_requests_that_wrote_nothing_are_read_from_a_comman
     with pytest.raises(RuntimeError, match="thread"):
         answers.recall(Entity(), "register", "r-1", dict)
     assert await asyncio.to_thread(answers.recall, Entity(), "register", "r-1", dict) is None  # nothing kept
+
+
+async def test_answers_and_refusal_marks_are_read_only_on_the_stream_they_were_kept_on(nc, prefix):
+    """The reply bucket outlives an event stream made again: what `NoWriteAnswers` kept or marked
+    on one incarnation (its `created`) is not read on another; an entry of an earlier version,
+    which names none, still is."""
+    import asyncio
+
+    from events.schema import SeqReply
+    from services.common import NoWriteAnswers, ReplyCache
+
+    replies = await ReplyCache(nc, prefix).start()
+    loop = asyncio.get_running_loop()
+    old, new = (NoWriteAnswers(replies, "registry", loop, created)
+                for created in ("2026-12-04T10:00:00+00:00", "2026-12-04T11:00:00+00:00"))
+
+    class Entity:
+        KIND, entity_id, version, life_start = "worker", "w", 1, 1
+
+        def request_starts_life(self, verb: str) -> bool:
+            return False
+
+    kept = SeqReply(seq=1, unchanged=True)
+    await old.keep_async(Entity(), "register", "kept", kept)
+    await old.mark_refused_async(Entity(), "marked")
+    assert await old.recall_async(Entity(), "register", "kept", SeqReply) == (kept, 1)
+    assert await old.was_answered_async(Entity(), "kept") and await old.refusal_marked_async(Entity(), "marked")
+    assert await new.recall_async(Entity(), "register", "kept", SeqReply) is None
+    assert not await new.was_answered_async(Entity(), "kept")
+    assert not await new.refusal_marked_async(Entity(), "marked")
+    assert not await new.was_answered_async(Entity(), "marked")
+    # kept and marked by an earlier version: no stream named, read by every incarnation
+    await replies.put(new._key("w", "earlier"), b'{"verb":"register","version":1,"reply":{"seq":1,"unchanged":true}}')
+    await replies.put(new._refused_key("w", "earlier-mark"), b"refused")
+    assert await new.recall_async(Entity(), "register", "earlier", SeqReply) == (kept, 1)
+    assert await new.refusal_marked_async(Entity(), "earlier-mark")
 
 
 # --- at most `max_concurrent` requests served at once (`Slots`, direct delivery) -----------------

@@ -421,7 +421,7 @@ class RegistryService:
             self.store = await asyncio.to_thread(RegistryStore, self.env)  # makes the stream if need be
         await self.watch.start()
         self.replies = await ReplyCache(self.nc, self.prefix).start()
-        self.store.no_writes = NoWriteAnswers(self.replies, SERVICE, asyncio.get_running_loop())
+        self.store.no_writes = NoWriteAnswers(self.replies, SERVICE, asyncio.get_running_loop(), self.watch.created)
         self.store.confirm = self._confirm_unchanged
         await self.binding.start(self.worker_nodes)
         # Commands for different workers append together while one append is in flight (each holds its

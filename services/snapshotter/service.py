@@ -71,7 +71,7 @@ from events.schema import (
 )
 from events.subjects import check_prefix, stream_name
 from services.common import (EndpointSpec, NoWriteAnswers, ReplyCache, StreamWatch, add_endpoints, confirm_unchanged,
-                             run_command_async, store_env, stream_replicas)
+                             run_command_async, store_env, stream_created, stream_replicas)
 from services.locks import KeyedLock
 from services.snapshotter.domain import Actor, Tag
 from services.snapshotter.placements import PlacementFold, Release, node_since, removed_since
@@ -477,10 +477,13 @@ class SnapshotterService:
         # Commands for different actors append together while one append is in flight (each holds its
         # actor's lock): an atomic batch costs a one-replica file stream's server milliseconds.
         self.app.recorder.group_appends(on_group=COMMIT_GROUP.observe)
-        self.no_writes = NoWriteAnswers(await ReplyCache(self.nc, self.prefix).start(), SERVICE,
-                                        asyncio.get_running_loop())
         if self.watch is not None:
             await self.watch.start()
+        created = (self.watch.created if self.watch is not None
+                   else await stream_created(self.nc, stream_name(self.prefix)))
+        self.no_writes = NoWriteAnswers(await ReplyCache(self.nc, self.prefix).start(), SERVICE,
+                                        asyncio.get_running_loop(), created)
+        if self.watch is not None:
             self.process = await asyncio.to_thread(WorkerRemovalProcess, self.env)
             await asyncio.to_thread(self.process.follow)  # its subscription is made on its own link: not on this loop
         self.micro = await add_endpoints(
