@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 
 import pytest
 
@@ -416,3 +417,28 @@ def lifecycle(seed: int, steps: int) -> None:
 @pytest.mark.parametrize("seed", range(12))
 def test_every_decision_on_random_lifecycles_passes_the_audit(seed):
     lifecycle(seed, 400)
+
+
+async def test_explain_names_what_it_can_of_an_actor_whose_history_holds_an_event_it_cannot_read(
+        wb, nc, nats_url, prefix, writer):
+    """A newer snapshotter's event in an actor's last life, then its next life, which the scheduler
+    reads and explains: every worker is passed over for `selector mismatch`. `warmboot explain`
+    reads the actor's history to name the keys not matched, and decoded every message of it: the
+    one it cannot read ended the command with a traceback (msgspec.ValidationError), the scheduler's
+    answer unshown (found by a review). It shows the answer, the reason bare where the log cannot be
+    read, as when the operator may not read the log at all."""
+    from click.testing import CliRunner
+
+    from warmboot.cli import main
+
+    await wb.register(registration("w1", V1, node="n1"))
+    await wb.create(new_actor("a", golden_snapshot=golden(V1)))
+    await asyncio.to_thread(writer.write, SnapshotTakenV2(at=AT, actor_id="a", snapshot_id="a-2", stamp="gvisor/2027"))
+    seq = await asyncio.to_thread(writer.write, ActorStopped(at=AT, actor_id="a"), created("a", snapshot=golden(V1)))
+    why = await wb.explain("a", {"zone": "eu-1"}, seq)  # the scheduler reads this life: w1 passed over
+    assert [r.reasons for r in why.rejected] == [["selector mismatch"]], why
+    shown = await asyncio.to_thread(CliRunner().invoke, main, ["explain", "a", "--selector", "zone=eu-1", "--min-seq",
+                                                               str(seq), "--nats", nats_url, "--prefix", prefix])
+    assert shown.exit_code == 0 and shown.exception is None, (shown.output, shown.exception)
+    rows = [re.split(r"\s{2,}", line) for line in shown.stdout.strip().split("\n\n")[1].splitlines()]
+    assert rows == [["WORKERS", "REASONS"], ["w1", "selector mismatch"]], shown.stdout  # bare: not known

@@ -284,7 +284,8 @@ async def selector_misses(nc: Any, prefix: str, actor_id: str, asked: dict[str, 
                           rejected: list[Rejection]) -> dict[str, list[str]]:
     """For each worker passed over for `selector mismatch`: the selector keys (the actor's, from its
     ActorCreated, and the request's) its labels, as the log has them now, do not match. Empty where
-    the log cannot be read; a worker whose labels match now is left out (the reason stays bare)."""
+    the log cannot be read (nor the actor's history: an event of a newer version in it); a worker whose
+    labels match now is left out (the reason stays bare)."""
     from events.schema import ActorCreated
 
     from warmboot.cli_common import read_subject
@@ -294,7 +295,8 @@ async def selector_misses(nc: Any, prefix: str, actor_id: str, asked: dict[str, 
         return {}
     try:
         history = await read_subject(nc, prefix, event_subject(prefix, "actor", actor_id))
-    except (click.ClickException, ContractError, nats.errors.Error):
+    except (click.ClickException, ContractError, nats.errors.Error,
+            msgspec.DecodeError, msgspec.ValidationError):  # a message this version cannot read: not known
         return {}
     created = [event for _, event in history if isinstance(event, ActorCreated)]
     wanted = {**(created[-1].selectors if created else {}), **(asked or {})}
