@@ -442,3 +442,32 @@ async def test_explain_names_what_it_can_of_an_actor_whose_history_holds_an_even
     assert shown.exit_code == 0 and shown.exception is None, (shown.output, shown.exception)
     rows = [re.split(r"\s{2,}", line) for line in shown.stdout.strip().split("\n\n")[1].splitlines()]
     assert rows == [["WORKERS", "REASONS"], ["w1", "selector mismatch"]], shown.stdout  # bare: not known
+
+
+async def test_the_views_read_the_fleet_past_a_worker_event_they_cannot_read(wb, nc, nats_url, prefix, writer):
+    """A newer registry's event in a worker's history, which the scheduler folds as unread (the worker
+    counts as drained). The views read the fleet's runtime names, and `fragmentation --class` the
+    classes it runs, by decoding every worker event: the one this version cannot read ended `explain`
+    and `fragmentation` with a traceback (msgspec.ValidationError), the scheduler's answer unshown
+    (found by a review). They read the fleet as the scheduler does (`Fold.fold_message`)."""
+    from click.testing import CliRunner
+
+    from warmboot.cli import main
+
+    await wb.register(registration("w1", V1, node="n1"))
+    await wb.create(new_actor("a", golden_snapshot=golden(V1)))
+    seq = await asyncio.to_thread(writer.write, NewerWorkerEvent(at=AT, worker_id="w1", what="cordoned"),
+                                  WorkerFenced(at=AT, worker_id="w1", event="NewerWorkerEvent"))
+    where = ["--nats", nats_url, "--prefix", prefix]
+
+    def run(*args: str):
+        return asyncio.to_thread(CliRunner().invoke, main, list(args))
+
+    why = await run("explain", "a", "--min-seq", str(seq), *where)
+    assert why.exit_code == 0 and why.exception is None, (why.output, why.exception)
+    assert "1 drained" in why.stdout, why.stdout  # the scheduler's answer, shown
+    shown = await run("fragmentation", "--min-seq", str(seq), *where)
+    assert shown.exit_code == 0 and shown.exception is None, (shown.output, shown.exception)
+    typo = await run("fragmentation", "--class", "gvsor", "--min-seq", str(seq), *where)
+    assert typo.exit_code == 1 and isinstance(typo.exception, SystemExit), (typo.output, typo.exception)
+    assert "NOT_FOUND" in typo.output and "(registered: gvisor)" in typo.output, typo.output

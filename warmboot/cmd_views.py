@@ -22,11 +22,10 @@ import click
 import msgspec
 import nats.errors
 
-from events.codec import decode_event, to_builtins
+from events.codec import to_builtins
 from events.compat import compat_key
 from events.errors import ContractError
 from events.natspy import describe_error
-from events.jetstream import VERSION_HEADER
 from events.runtime_id import PREFIX as ID_PREFIX
 from events.runtime_id import Runtimes, UnknownRuntime, short_id
 from events.schema import (WHATIF_LIMIT_MAX, CompatVersion, Explanation, Fragmentation, Location, Placement,
@@ -147,16 +146,18 @@ async def readable_fleet(nc: Any, prefix: str) -> Any | None:
 
 async def fleet(nc: Any, prefix: str, target: int | None = None) -> Any:
     """The registered workers: their histories alone (`<prefix>.ev.worker.>`) up to `target` (the
-    stream's last sequence by default), folded with the scheduler's projection, a small part of the
-    log (no actor, no booking)."""
+    stream's last sequence by default), folded with the scheduler's projection as its fold reads
+    them (`Fold.fold_message`: an event of a newer version is unread, the worker drained), a small
+    part of the log (no actor, no booking)."""
+    from services.scheduler.fold import Fold
     from services.scheduler.projection import Projection
 
     projection = Projection()
     if target is None:
         target = await last_seq(nc, prefix)
-    async for seq, _, headers, data in log_messages(nc, prefix, event_subject(prefix, "worker", ">"), target):
-        version = headers.get(VERSION_HEADER)
-        projection.apply(seq, decode_event(data), int(version) if version else None)
+    fold = Fold(nc, prefix, projection)
+    async for seq, subject, headers, data in log_messages(nc, prefix, event_subject(prefix, "worker", ">"), target):
+        fold.fold_message(seq, subject, headers, data)
     return projection
 
 
