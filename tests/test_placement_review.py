@@ -433,7 +433,8 @@ async def test_explain_names_what_it_can_of_an_actor_whose_history_holds_an_even
 
     await wb.register(registration("w1", V1, node="n1"))
     await wb.create(new_actor("a", golden_snapshot=golden(V1)))
-    await asyncio.to_thread(writer.write, SnapshotTakenV2(at=AT, actor_id="a", snapshot_id="a-2", stamp="gvisor/2027"))
+    unread = await asyncio.to_thread(writer.write, SnapshotTakenV2(at=AT, actor_id="a", snapshot_id="a-2",
+                                                                   stamp="gvisor/2027"))
     seq = await asyncio.to_thread(writer.write, ActorStopped(at=AT, actor_id="a"), created("a", snapshot=golden(V1)))
     why = await wb.explain("a", {"zone": "eu-1"}, seq)  # the scheduler reads this life: w1 passed over
     assert [r.reasons for r in why.rejected] == [["selector mismatch"]], why
@@ -442,6 +443,13 @@ async def test_explain_names_what_it_can_of_an_actor_whose_history_holds_an_even
     assert shown.exit_code == 0 and shown.exception is None, (shown.output, shown.exception)
     rows = [re.split(r"\s{2,}", line) for line in shown.stdout.strip().split("\n\n")[1].splitlines()]
     assert rows == [["WORKERS", "REASONS"], ["w1", "selector mismatch"]], shown.stdout  # bare: not known
+    # the commands that show the history itself cannot leave the message out: they name it, exit 1
+    for command in (["audit", "actor", "a"], ["actor", "show", "a"]):
+        shown = await asyncio.to_thread(CliRunner().invoke, main, [*command, "--nats", nats_url, "--prefix", prefix])
+        assert shown.exit_code == 1 and isinstance(shown.exception, SystemExit), (shown.output, shown.exception)
+        assert (f"error: FAILED_PRECONDITION: message {unread} of {prefix}.ev.actor.a (SnapshotTakenV2"
+                in shown.stderr), (command, shown.stderr)
+        assert "a newer warmboot may read it" in shown.stderr
 
 
 async def test_the_views_read_the_fleet_past_a_worker_event_they_cannot_read(wb, nc, nats_url, prefix, writer):

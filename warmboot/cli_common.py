@@ -372,8 +372,24 @@ async def replay(nc: Any, prefix: str, sink: Any, show_progress: bool) -> Any:
 
 
 async def read_subject(nc: Any, prefix: str, subject: str) -> list[tuple[int, Any]]:
-    """Every event on one subject of the stream, as (stream sequence, event), in order."""
+    """Every event on one subject of the stream, as (stream sequence, event), in order.
+    FAILED_PRECONDITION naming the first message this version cannot read (a newer version's
+    event, whose topic and schema version it names; or not an event at all), not a traceback."""
+    import msgspec
+
     from events.codec import decode_event
+    from events.errors import precondition
+    from events.jetstream.layout import TOPIC_HEADER, VERSION_HEADER
 
     target = await last_seq(nc, prefix)
-    return [(seq, decode_event(data)) async for seq, _, _, data in log_messages(nc, prefix, subject, target)]
+    events = []
+    async for seq, _, headers, data in log_messages(nc, prefix, subject, target):
+        try:
+            events.append((seq, decode_event(data)))
+        except msgspec.DecodeError as e:  # a ValidationError is one
+            topic = headers.get(TOPIC_HEADER, "no topic")
+            version = headers.get(VERSION_HEADER)
+            raise precondition(
+                f"message {seq} of {subject} ({topic}{f', version {version}' if version else ''}) is not an event "
+                f"this version of warmboot reads ({e}): a newer warmboot may read it") from None
+    return events

@@ -296,8 +296,7 @@ async def selector_misses(nc: Any, prefix: str, actor_id: str, asked: dict[str, 
         return {}
     try:
         history = await read_subject(nc, prefix, event_subject(prefix, "actor", actor_id))
-    except (click.ClickException, ContractError, nats.errors.Error,
-            msgspec.DecodeError, msgspec.ValidationError):  # a message this version cannot read: not known
+    except (click.ClickException, ContractError, nats.errors.Error):  # ContractError: an event it cannot read
         return {}
     created = [event for _, event in history if isinstance(event, ActorCreated)]
     wanted = {**(created[-1].selectors if created else {}), **(asked or {})}
