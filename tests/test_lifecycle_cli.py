@@ -532,6 +532,31 @@ async def test_a_tag_moved_to_another_actor_s_image_of_the_same_id_says_so(bus):
     assert "base moved: it named snapshot img of actor a-1 before" in moved.output, moved.output
 
 
+async def test_a_tag_recorded_says_so_when_what_it_named_before_cannot_be_read(bus, nc, prefix, monkeypatch):
+    """`actor tag` reads the tag's history, after the tag is recorded, to say what it named before.
+    A CLI older than the services cannot read a newer event there (`read_subject` refuses it,
+    `test_placement_review`): that ended the command with a traceback, exit 1, after the tag was
+    recorded. The tag is shown as done, and what it named before as not known, with the reason."""
+    import warmboot.cmd_lifecycle
+    from events.errors import precondition
+
+    async def newer(nc, prefix, subject):  # what read_subject says of a history holding a newer event
+        raise precondition(f"message 7 of {subject} (TagMovedV2, version 2) is not an event this version "
+                           "of warmboot reads (...): a newer warmboot may read it")
+
+    run, wb = bus
+    await wb.create(actor("a-1"))
+    await wb.resume("a-1")
+    await wb.suspend("a-1", uri="s3://bucket/a-1")
+    monkeypatch.setattr(warmboot.cmd_lifecycle, "read_subject", newer)
+    tagged = await run("actor", "tag", "a-1", "base")
+    assert tagged.exit_code == 0, (tagged.output, tagged.exception)
+    assert tagged.stdout.splitlines()[1] == (f"what base named before is not known: message 7 of {prefix}.ev.tag.base "
+                                             "(TagMovedV2, version 2) is not an event this version of warmboot reads "
+                                             "(...): a newer warmboot may read it"), tagged.stdout
+    assert tagged.stdout.startswith("actor/a-1 tagged base: snapshot a-1-"), tagged.stdout
+
+
 def test_pins_and_stamps_of_runtimes_the_fleet_no_longer_runs_are_told_apart():
     """One release (runsc-v1) on two CPU generations pins two running actors and stamps a paused
     one's image; the release is then dropped (each worker runs runsc-v2 on its generation). `actor

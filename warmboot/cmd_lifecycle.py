@@ -281,12 +281,15 @@ def tag_cmd(actor_id: str, tag: str, request_id: str | None, nats_url: str, pref
     """Tag the actor's latest snapshot (EXTERNAL only) so that other actors can be created from it.
     A tag that named another snapshot now names this one: the output says which it named."""
 
-    async def work(nc: Any) -> tuple[Any, Runtimes | None, Snapshot | None]:
+    async def work(nc: Any) -> tuple[Any, Runtimes | None, Snapshot | str | None]:
         reply = await Client(nc, prefix).tag(actor_id, tag, request_id)
         if as_json:
             return reply, None, None
-        named = [(seq, e.snapshot) for seq, e in await read_subject(nc, prefix, event_subject(prefix, "tag", tag))
-                 if isinstance(e, TagRecorded)]
+        try:
+            history = await read_subject(nc, prefix, event_subject(prefix, "tag", tag))
+        except ContractError as e:  # the tag is recorded: only what it named before is not known
+            return reply, await runtime_labels(nc, prefix), e.message
+        named = [(seq, e.snapshot) for seq, e in history if isinstance(e, TagRecorded)]
         ours = [i for i, (seq, snap) in enumerate(named) if seq <= reply.seq and snap == reply.snapshot]
         before = named[ours[-1] - 1][1] if ours and ours[-1] > 0 else None
         return reply, await runtime_labels(nc, prefix), before
@@ -295,7 +298,9 @@ def tag_cmd(actor_id: str, tag: str, request_id: str | None, nats_url: str, pref
 
     def text() -> str:
         said = done("actor", actor_id, f"tagged {tag}: " + snapshot_text(reply.snapshot, runtimes), reply.seq)
-        if before is not None and before != reply.snapshot:  # ids are not unique across actors: the whole of it
+        if isinstance(before, str):
+            said += f"\nwhat {tag} named before is not known: {before}"
+        elif before is not None and before != reply.snapshot:  # ids are not unique across actors: the whole of it
             said += f"\n{tag} moved: it named snapshot {before.snapshot_id} of actor {before.actor_id} before"
         return said
 
