@@ -410,6 +410,37 @@ async def test_a_prefix_no_service_answers_is_named_as_the_likely_cause(operated
                         stopped.stderr), stopped.stderr
 
 
+async def test_no_service_is_said_of_the_attempts_that_reached_none(nc, prefix):
+    """"after N attempts" says no service answered any; when an earlier attempt was answered
+    UNAVAILABLE (a replica stopping, say), the message says how many reached none (a review: the
+    text claimed all of them from the last attempt's error alone)."""
+    import msgspec
+
+    from events.errors import ContractError
+    from warmboot.client import Client
+
+    subject = f"{prefix}.scheduler.fragmentation"
+    replica = await nc.subscribe(subject)
+
+    async def stopping() -> None:  # one answer, UNAVAILABLE, given once it is gone: the retries reach none
+        msg = await replica.next_msg(timeout=10)
+        await replica.unsubscribe()
+        await nc.flush()
+        await msg.respond(msgspec.json.encode({"error": {"code": "UNAVAILABLE", "message": "stopping"}}))
+
+    answering = asyncio.create_task(stopping())
+    client = Client(nc, prefix, attempts=3)
+    with pytest.raises(ContractError) as refused:
+        await client.fragmentation()
+    await answering
+    assert client.retries == 2
+    assert re.match(f"no service answers {subject} at the last of 3 attempts \\(2 reached no service\\) in "
+                    r"\d+\.\d s", refused.value.message), refused.value.message
+    with pytest.raises(ContractError) as none:
+        await Client(nc, prefix, attempts=2).fragmentation()
+    assert re.match(f"no service answers {subject} after 2 attempts in ", none.value.message), none.value.message
+
+
 async def test_a_prefix_whose_log_this_server_does_not_hold_is_named_with_those_it_holds(operated, nats_url):
     """A command that reads the log, given a prefix whose stream the server says does not exist: one
     line as every refusal reads (`error: CODE field (option): ...`), naming the prefixes whose logs the

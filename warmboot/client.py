@@ -20,7 +20,8 @@ What it does so that callers need not:
 - Retries: UNAVAILABLE, a time-out and "no responders" are retried with the same body
   (the same `request_id`), at most `attempts` times, with a growing, jittered pause (a request
   no service answered any time is UNAVAILABLE "no service answers SUBJECT after N attempts in
-  T s: is 'PREFIX' the deployment's prefix, and is its SERVICE running?"); so is
+  T s: is 'PREFIX' the deployment's prefix, and is its SERVICE running?", or "at the last of N
+  attempts (K reached no service)" when others timed out or were UNAVAILABLE); so is
   the registry's RESOURCE_EXHAUSTED that names no field (its replica was working on a few
   requests about the same worker already and took nothing: `_transient`). Everything else
   is raised at once, and so is UNAVAILABLE naming `min_seq` (a sequence past the end of
@@ -198,6 +199,7 @@ class Client:
         data = encode(body)
         delay = FIRST_BACKOFF_S
         started = asyncio.get_running_loop().time()
+        nobody = 0  # attempts that reached no service
         for attempt in range(self.attempts):
             try:
                 reply = await self._once(subject, data, reply_type)
@@ -207,11 +209,13 @@ class Client:
                     raise refused from None
                 if not _transient(service, error):
                     raise
+                nobody += error.message.startswith(NO_SERVICE)
                 if attempt == self.attempts - 1:
                     if error.message.startswith(NO_SERVICE):  # the attempts made, and what is likely wrong
                         took = asyncio.get_running_loop().time() - started
-                        raise unavailable(f"{NO_SERVICE}{subject} after {attempt + 1} attempt"
-                                          f"{'' if attempt == 0 else 's'} in {took:.1f} s"
+                        made = (f"after {nobody} attempt{'' if nobody == 1 else 's'}" if nobody == attempt + 1 else
+                                f"at the last of {attempt + 1} attempts ({nobody} reached no service)")
+                        raise unavailable(f"{NO_SERVICE}{subject} {made} in {took:.1f} s"
                                           + no_service_hint(self.prefix, service)) from None
                     raise
             else:
