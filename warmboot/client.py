@@ -21,7 +21,8 @@ What it does so that callers need not:
   (the same `request_id`), at most `attempts` times, with a growing, jittered pause (a request
   no service answered any time is UNAVAILABLE "no service answers SUBJECT after N attempts in
   T s: is 'PREFIX' the deployment's prefix, and is its SERVICE running?", or "at the last of N
-  attempts (K reached no service)" when others timed out or were UNAVAILABLE); so is
+  attempts (K reached no service) in T s: the SERVICE was reached before; it may be stopping or
+  restarting" when others timed out or were UNAVAILABLE); so is
   the registry's RESOURCE_EXHAUSTED that names no field (its replica was working on a few
   requests about the same worker already and took nothing: `_transient`). Everything else
   is raised at once, and so is UNAVAILABLE naming `min_seq` (a sequence past the end of
@@ -213,10 +214,13 @@ class Client:
                 if attempt == self.attempts - 1:
                     if error.message.startswith(NO_SERVICE):  # the attempts made, and what is likely wrong
                         took = asyncio.get_running_loop().time() - started
-                        made = (f"after {nobody} attempt{'' if nobody == 1 else 's'}" if nobody == attempt + 1 else
-                                f"at the last of {attempt + 1} attempts ({nobody} reached no service)")
-                        raise unavailable(f"{NO_SERVICE}{subject} {made} in {took:.1f} s"
-                                          + no_service_hint(self.prefix, service)) from None
+                        if nobody == attempt + 1:
+                            made = f"after {nobody} attempt{'' if nobody == 1 else 's'}"
+                            why = no_service_hint(self.prefix, service)
+                        else:  # the prefix is right: something answered, or heard and did not answer
+                            made = f"at the last of {attempt + 1} attempts ({nobody} reached no service)"
+                            why = f": the {service} was reached before; it may be stopping or restarting"
+                        raise unavailable(f"{NO_SERVICE}{subject} {made} in {took:.1f} s{why}") from None
                     raise
             else:
                 seq = getattr(reply, "seq", None)
