@@ -437,6 +437,13 @@ async def test_no_service_is_said_of_the_attempts_that_reached_none(nc, prefix):
     assert re.fullmatch(f"no service answers {subject} at the last of 3 attempts \\(2 reached no service\\) in "
                         r"\d+\.\d s: the scheduler was reached before; it may be stopping or restarting",
                         refused.value.message), refused.value.message
+    import click
+
+    from warmboot.cli_common import Failed
+
+    with click.Context(click.Command("fragmentation")) as context:  # as the CLI prints it: no prefix hint
+        context.params["prefix"] = prefix
+        assert Failed(refused.value, [prefix]).message == f"UNAVAILABLE: {refused.value.message}"
     with pytest.raises(ContractError) as none:
         await Client(nc, prefix, attempts=2).fragmentation()
     assert re.match(f"no service answers {subject} after 2 attempts in ", none.value.message), none.value.message

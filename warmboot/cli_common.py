@@ -151,8 +151,9 @@ class Failed(click.ClickException):
         message = error.message
         context = click.get_current_context(silent=True)
         prefix = context.params.get("prefix") if context is not None else None
-        if message.startswith(NO_SERVICE) and prefix:  # as `last_seq` says it for the log
-            service = message[len(NO_SERVICE):].split(" ")[0].split(".")[1:2] or ["service"]
+        service = message[len(NO_SERVICE):].split(" ")[0].split(".")[1:2] or ["service"]
+        if message.startswith(NO_SERVICE) and prefix and message.endswith(no_service_hint(prefix, service[0])):
+            # none of the attempts reached a service, as `last_seq` says it for the log
             message = message.removesuffix(no_service_hint(prefix, service[0]))  # the client's, said here as an option
             if held and prefix in held:
                 hint = f" (the log of --prefix {prefix} is on this server: does the {service[0]} run?)"
