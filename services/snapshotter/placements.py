@@ -63,6 +63,12 @@ class PlacementFold:
             self.removed.discard(e.worker_id)
         return []
 
+    def worker_unread(self, worker_id: str) -> None:
+        """An event of the worker's history this version cannot read (a newer registry's: its next
+        life, say): the worker is no longer taken for removed, so a placement on it afterwards is
+        not released as one on a removed worker (it may run there). Its placements stay as folded."""
+        self.removed.discard(worker_id)
+
     def _forget(self, actor_id: str) -> None:
         if self.unreleased:
             self.unreleased.pop(actor_id, None)

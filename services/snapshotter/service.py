@@ -41,12 +41,13 @@ from functools import partial
 from typing import Any, Awaitable, Callable
 
 from eventsourcing.application import AggregateNotFoundError, ProcessingEvent
-from eventsourcing.persistence import IntegrityError, Tracking
+from eventsourcing.persistence import IntegrityError, Notification, Tracking
 from eventsourcing.projection import ApplicationSubscription, EventSourcedProjection
+import msgspec
 from nats.aio.client import Client as NATS
 from prometheus_client import Counter, Histogram
 
-from events.aggregate import Recorded, WireAggregate, WireApplication, aggregate_id, now
+from events.aggregate import Recorded, WireAggregate, WireApplication, aggregate_id, now, split_id
 from events.jetstream import MAX_BATCH_MESSAGES
 from events.jetstream.link import links_on
 from events.errors import UnreadableHistory, invalid, no_actor, precondition, unavailable
@@ -54,6 +55,7 @@ from events.schema import (
     ActorPlaced,
     ActorReleased,
     ActorReverted,
+    EVENT_TYPES,
     Base,
     CreateActor,
     PauseActor,
@@ -65,6 +67,7 @@ from events.schema import (
     StopActor,
     SuspendActor,
     TagSnapshot,
+    Time,
     UpdateTemplate,
     WorkerEvent,
     WorkerRemoved,
@@ -161,6 +164,36 @@ def release_parts(actors: list[Actor], room: int) -> list[list[Actor]]:
     return parts
 
 
+class _When(msgspec.Struct):
+    at: Time
+
+
+class _Following(ApplicationSubscription[str]):
+    """The worker-removal process's subscription: each event it follows (`WorkerRemovalProcess.topics`),
+    mapped; a message it cannot read, of those or on a worker's subject (a type this version does not
+    know), handed over as its Notification, not raised. A raise failed the subscription, which was made
+    again at the same position and failed again, for ever: no removal after it released anything."""
+
+    def __init__(self, app: Any, gt: int | None, followed: tuple[str, ...]):
+        super().__init__(app, gt=gt)  # every topic: one this version does not know is seen too
+        self.followed = frozenset(followed)
+
+    def __next__(self) -> tuple[Any, Tracking]:
+        while True:
+            notification = next(self.subscription)
+            topic = notification.topic
+            if topic in self.followed:
+                try:
+                    event: Any = self.mapper.to_domain_event(notification)
+                except UnreadableHistory:  # logged where it was read
+                    event = notification
+            elif topic not in EVENT_TYPES and str(notification.originator_id).startswith(WorkerEvent.KIND + "."):
+                event = notification
+            else:
+                continue
+            return event, Tracking(self.name, notification.id)
+
+
 class WorkerRemovalProcess(EventSourcedProjection[str], WireApplication):
     """Releases, exactly once, every actor placed on a worker that is removed.
 
@@ -208,9 +241,34 @@ class WorkerRemovalProcess(EventSourcedProjection[str], WireApplication):
     def _folded(self, domain_event: Any) -> tuple[list[Release], datetime | None]:
         """Fold one event (once: the fold is not idempotent, a removal hands out its placements once);
         the releases it calls for and the time of the event."""
+        if isinstance(domain_event, Notification):
+            return self._unread(domain_event)
         if not isinstance(domain_event, Recorded):
             return [], None
         return self.fold.apply(domain_event.originator_version, domain_event.body), domain_event.body.at
+
+    def _unread(self, message: Notification) -> tuple[list[Release], datetime | None]:
+        """A message this version cannot read (`_Following`). A removal (its topic says so) whose time
+        reads is folded as one; any other on a worker's history leaves the worker's state unknown
+        (`PlacementFold.worker_unread`). One on an actor's history changes nothing folded: a release of
+        that actor reads its history, and is left (`left`) while it holds the message."""
+        kind, entity_id = split_id(str(message.originator_id))
+        if kind == WorkerEvent.KIND and message.topic == WorkerRemoved.__name__:
+            try:
+                at = msgspec.json.decode(message.state, type=_When).at
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                pass
+            else:
+                log.warning("%s: the removal of worker %s at position %d has a body this version cannot read; its "
+                            "actors are released as of its time", self.name, entity_id, message.id)
+                return self.fold.apply(message.originator_version, WorkerRemoved(worker_id=entity_id, at=at)), at
+        if kind == WorkerEvent.KIND:
+            self.fold.worker_unread(entity_id)
+        log.warning("%s: message %d of %s (%r) is one this version cannot read; %s", self.name, message.id,
+                    message.originator_id, message.topic,
+                    "the worker is no longer taken for removed" if kind == WorkerEvent.KIND else
+                    "a release of the actor waits until its history can be read")
+        return [], None
 
     def _act(self, releases: list[Release], at: datetime | None, tracking: Tracking) -> None:
         """What a folded event calls for: its releases, those left earlier; then the position moves."""
@@ -347,7 +405,7 @@ class WorkerRemovalProcess(EventSourcedProjection[str], WireApplication):
 
     def _subscribe(self, gt: int | None) -> ApplicationSubscription[str]:
         with self._lock:
-            self._subscription = ApplicationSubscription(self, gt=gt, topics=self.topics)
+            self._subscription = _Following(self, gt, self.topics)
             if self._stopping.is_set():  # stop() ran meanwhile and missed this one
                 self._subscription.stop()
             return self._subscription
