@@ -601,6 +601,37 @@ async def test_raw_subscriber_reads_the_stamp_as_the_contract_says(snapshotter, 
     assert isinstance(released, ActorReleased) and released.reason is ReleaseReason.PAUSED
 
 
+@pytest.mark.parametrize("topic, body", [
+    # a newer registry's event type: a move to another node, or a removal, in a form this version does not know
+    ("WorkerRelocated", b'{"type":"WorkerRelocated","worker_id":"w-1","node":"node-2","at":"2026-12-01T10:00:00Z"}'),
+    # an update this version refuses (a capacity field of a newer schema it does not know the form of)
+    ("WorkerUpdated", b'{"type":"WorkerUpdated","worker_id":"w-1","node":"node-2","capacity":{"cpu_millis":"8 cores",'
+                      b'"memory_mib":16384},"labels":{},"at":"2026-12-01T10:00:00Z"}'),
+])
+async def test_a_pause_on_a_worker_whose_history_holds_a_later_event_it_cannot_read_is_unavailable(
+        snapshotter, registry, placer, nc, prefix, topic, body):
+    """After the placement, the worker's history holds an event this version cannot read, which may have
+    moved it to another node or removed it. The pause read the worker's history by topic alone: an unknown
+    type was passed over, and the LOCAL image recorded on the assignment's node (where the worker may no
+    longer be: a resume there cannot load it); an update it refused ended the command with a
+    msgspec.ValidationError (INTERNAL). UNAVAILABLE now, naming the message, and nothing written."""
+    await register(nc, prefix, registration("w-1", "node-1", V1))
+    await create(nc, prefix, "a-1")
+    await placer.place("a-1", "w-1", "node-1", PIN_V1)
+    js = nc.jetstream()
+    version = (await js.get_last_msg(stream_name(prefix), f"{prefix}.ev.worker.w-1")).headers[VERSION_HEADER]
+    newer = await js.publish(f"{prefix}.ev.worker.w-1", body, stream=stream_name(prefix),
+                             headers={TOPIC_HEADER: topic, VERSION_HEADER: str(int(version) + 1)})
+    before = await last_seq(nc, prefix)
+    try:
+        error = await refused(pause(nc, prefix, "a-1"))
+        assert error.code is ErrorCode.UNAVAILABLE, error
+        assert "worker.w-1" in error.message and f"sequence {newer.seq}" in error.message
+        assert await last_seq(nc, prefix) == before  # nothing written
+    finally:  # not left for the traffic check
+        await js.delete_msg(stream_name(prefix), newer.seq)
+
+
 # --- worker removal ------------------------------------------------------------------------------
 
 

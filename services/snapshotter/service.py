@@ -748,7 +748,8 @@ class SnapshotterService:
         """For a pause or a suspend of a RUNNING actor, which says its image was taken on the worker
         it is placed on: FAILED_PRECONDITION if that worker was removed since (its actors are
         released, SUSPENDED from their latest snapshot: CONTRACT section 4), or, for a pause, if it
-        has registered on another node than the assignment's since (`node_since`), else the fence that
+        has registered on another node than the assignment's since (`node_since`), UNAVAILABLE if the
+        worker's history since holds an event this version cannot read (it may have done either), else the fence that
         commits the snapshot only if the worker's history has not moved since it was read here (a
         removal landing meanwhile fails the append, and the retry finds it). None for an actor
         that is not placed (the domain refuses it)."""
@@ -771,6 +772,10 @@ class SnapshotterService:
         elif placed_seq and last_seq_ > placed_seq:  # the worker changed since: a removal? another node?
             history = await self.app.recorder.select_events_async(worker)
             removal = removed_since([(e.seq, e.topic) for e in history], placed_seq)
+            if not removal:  # an event since that this version cannot read may have moved or removed it:
+                for stored in history:  # UNAVAILABLE, naming it (`events.aggregate.WireMapper`)
+                    if stored.seq > placed_seq:
+                        self.app.mapper.to_domain_event(stored)
             if verb == "paused":
                 moved = node_since([(e.seq, e.topic, e.state) for e in history], placed_seq, held.node)
         if removal:
