@@ -73,6 +73,40 @@ def test_a_replay_takes_a_placement_it_cannot_read_as_the_scheduler_does():
     assert sink.seq == 5 and sink.violation is None
 
 
+@pytest.mark.parametrize("unread", ["worker", "placement", "actor"])
+def test_a_placement_on_state_this_version_cannot_read_is_not_judged(unread):
+    """The fold counts a worker drained after a message of its history it cannot read (a newer
+    registry's), or after a placement it cannot read (its room then unknown), and knows nothing of an
+    actor whose life holds such a message: a placement a newer scheduler made there, feasible on what
+    this version cannot read, was reported as a violation (NOT_TAKING: "w1 is drained"; PLACED_TWICE),
+    and verify failed a log that may be sound. Not judged, as the stamps of such an actor are not."""
+    sink = Sink(verify=True)
+    fold_into = Fold(None, "t", sink)
+    for seq, event in enumerate([worker_on("w1", V1), created("a", **SMALL), created("big", **SMALL)], start=1):
+        sink.apply(seq, event)
+    if unread == "worker":
+        fold_into.fold_message(4, "t.ev.worker.w1", {"Warmboot-Topic": "WorkerCordonedV2", "Warmboot-Version": "2"},
+                               b'{"type":"WorkerCordonedV2","worker_id":"w1"}')
+    elif unread == "placement":
+        fold_into.fold_message(4, "t.ev.actor.big", {"Warmboot-Topic": "ActorPlacedV2", "Warmboot-Version": "2"},
+                               b'{"type":"ActorPlacedV2","actor_id":"big","worker_id":"w1"}')
+        fold_into.fold_message(5, "t.ev.booking.w1", {"Warmboot-Topic": "WorkerBooked", "Warmboot-Version": "1"}, b"{}")
+    else:
+        sink.apply(4, placed("a", "w1", V1, node="n1", **SMALL))
+        fold_into.fold_message(5, "t.ev.actor.a", {"Warmboot-Topic": "ActorReleasedV2", "Warmboot-Version": "3"},
+                               b'{"type":"ActorReleasedV2","actor_id":"a"}')
+    sink.apply(6, placed("a", "w1", V1, node="n1", **SMALL))
+    assert sink.violation is None, sink.violation
+    # a registration it reads begins the worker's next life, a creation the actor's: judged again from there
+    sink.apply(7, WorkerRemoved(at=AT, worker_id="w1"))
+    sink.apply(8, worker_on("w1", V1))
+    sink.apply(9, ActorStopped(at=AT, actor_id="a"))
+    sink.apply(10, created("a", **SMALL))
+    sink.apply(11, placed("a", "w1", V1, node="n1", **SMALL))
+    sink.apply(12, placed("a", "w1", V1, node="n1", **SMALL))
+    assert sink.violation is not None and (sink.violation.seq, sink.violation.rule) == (12, audit.PLACED_TWICE)
+
+
 def test_a_clean_log_has_no_violation():
     assert verify([worker_on("w1", V1), created("a", **SMALL), placed("a", "w1", V1, node="n1", **SMALL)]) is None
 

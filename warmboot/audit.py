@@ -156,6 +156,8 @@ class Verifier:
         self.external: dict[str, _External] = {}
         # actor id -> the snapshot its ActorCreated recorded, until the actor's next event
         self.creating: dict[str, Snapshot] = {}
+        # worker id -> the booking marker of the last placement on it the fold could not read (its room unknown)
+        self.room_unknown: dict[str, int] = {}
 
     def check(self, seq: int, event: Event) -> Violation | None:
         created = self.creating.pop(event.actor_id, None) if self.creating and event.KIND == "actor" else None
@@ -222,6 +224,22 @@ class Verifier:
             self.tagged[image] = self.tagged.get(image, 0) + 1
             self.tag_of_id[image[0]] = tag
 
+    def booking_unread(self, seq: int, worker_id: str) -> None:
+        """The booking marker at `seq` is a placement's the fold could not read: the worker's room is
+        unknown until a registration this version reads begins its next life."""
+        self.room_unknown[worker_id] = seq
+
+    def _worker_unknowable(self, worker_id: str) -> bool:
+        """Whether the worker's current life holds a message this version cannot read (`Projection.
+        life_unread`: the fold counts it drained, or has no record of it) or a placement it cannot
+        read (its room unknown): a placement on it is not judged, as the scheduler does not place there."""
+        p = self.projection
+        if p.unread_workers and p.life_unread(worker_id):
+            return True
+        marker = self.room_unknown.get(worker_id) if self.room_unknown else None
+        worker = p.workers.get(worker_id)
+        return marker is not None and worker is not None and marker > worker.since
+
     def _unknowable(self, actor_id: str) -> bool:
         """Whether the actor's current life holds a message this version cannot read (a newer
         version's event: `Projection.unread_actors`): what it changed (a snapshot, a state) is
@@ -236,6 +254,8 @@ class Verifier:
         its commit may have made it infeasible, and where the image lives and what it was
         built for decide where it may go."""
         aid, wid = event.actor_id, event.worker_id
+        if self._unknowable(aid) or self._worker_unknowable(wid):  # what it was decided on is unknown here
+            return None
         actor = self.projection.actors.get(aid)
         if actor is None:
             return Violation(seq, UNKNOWN_ACTOR, aid)
@@ -584,6 +604,8 @@ class Sink:
         scheduler's projection takes it (the worker drained)."""
         if self.stopped_at is None and self.violation is None:
             self.projection.booking_unread(worker_id)
+            if self.verifier is not None:
+                self.verifier.booking_unread(self.seq, worker_id)
 
     def skip(self, seq: int) -> None:
         self._beyond(seq, None)
