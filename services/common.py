@@ -887,7 +887,12 @@ class NoWriteAnswers:
             return None
         if kept.verb != verb:
             raise aggregate.reused(request_id, f"a {kept.verb} that changed nothing")
-        return msgspec.json.decode(kept.reply, type=reply_type), kept.version
+        try:
+            return msgspec.json.decode(kept.reply, type=reply_type), kept.version
+        except msgspec.DecodeError as error:  # a ValidationError is one: a newer version's answer
+            raise unavailable(f"the answer kept for request_id {request_id!r} on {aggregate.KIND} "
+                              f"{aggregate.entity_id!r} is not one this version reads ({error}): a newer "
+                              "version may read it") from None
 
     async def was_answered_async(self, aggregate: Any, request_id: str) -> bool:
         """Whether `request_id` was answered for the aggregate, in any life, with an answer kept here or a

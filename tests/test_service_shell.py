@@ -526,6 +526,33 @@ async def test_answers_and_refusal_marks_are_read_only_on_the_stream_they_were_k
     assert await new.refusal_marked_async(Entity(), "earlier-mark")
 
 
+async def test_an_answer_kept_by_a_newer_version_that_this_one_cannot_read_is_unavailable(nc, prefix):
+    """A newer registry kept the answer of a registration that wrote nothing with an outcome this
+    version does not know: a retry through this version ended with a msgspec.ValidationError
+    (INTERNAL, a traceback in the log). UNAVAILABLE now, naming the entry (a retry may reach a
+    replica that reads it)."""
+    import asyncio
+
+    from events.errors import ContractError
+    from events.schema import ErrorCode, RegisterReply
+    from services.common import NoWriteAnswers, ReplyCache
+
+    replies = await ReplyCache(nc, prefix).start()
+    answers = NoWriteAnswers(replies, "registry", asyncio.get_running_loop(), "2026-12-04T10:00:00+00:00")
+
+    class Entity:
+        KIND, entity_id, version, life_start = "worker", "w", 1, 1
+
+        def request_starts_life(self, verb: str) -> bool:
+            return False
+
+    await replies.put(answers._key("w", "newer"),
+                      b'{"verb":"register","version":1,"reply":{"outcome":"REVISED","seq":1}}')
+    with pytest.raises(ContractError) as refused:
+        await answers.recall_async(Entity(), "register", "newer", RegisterReply)
+    assert refused.value.code is ErrorCode.UNAVAILABLE and "newer" in refused.value.message
+
+
 # --- at most `max_concurrent` requests served at once (`Slots`, direct delivery) -----------------
 
 
