@@ -158,6 +158,44 @@ async def test_agent_registers_follows_the_rolling_upgrade_and_comes_back(nats_u
         assert again.sandbox_classes == changed.sandbox_classes
 
 
+class Said(logging.Handler):
+    """The agent's log lines holding `words`, as they are said (awaited, not polled)."""
+
+    def __init__(self, words: str) -> None:
+        super().__init__(logging.INFO)
+        self.words, self.lines = words, asyncio.Queue()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.words in record.getMessage():
+            self.lines.put_nowait(record.getMessage())
+
+
+async def test_a_dropped_runtime_is_said_once_the_registry_has_the_drop(nats_url, nc, prefix, tmp_path, caplog):
+    """Dropping v1 (docs/operations.md, step 4): the operator may remove v1's binary only once the log
+    no longer offers it, and the agent said nothing that told when (an audit): its edit is sent beside
+    the heartbeats, may wait, or be ignored or refused, and meanwhile v1 is placed here. The agent now
+    says which runtimes the registry no longer offers, with the sequence of the change, after it."""
+    import warmboot.agent as agent_module
+
+    caplog.set_level(logging.INFO, logger="warmboot.agent")
+    path = tmp_path / "agent.toml"
+    path.write_text(config("v2", ("v1",)))
+    said = Said("no longer offers")
+    agent_module.log.addHandler(said)
+    try:
+        async with running_registry(nats_url, prefix), running_agent(nats_url, prefix, path):
+            seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
+            path.write_text(config("v2"))
+            seq, changed = await wait_event(nc, prefix, "w-a", RuntimeChanged, after=seq)
+            assert changed.sandbox_classes[0].restorable_runtimes == ()
+            line = await asyncio.wait_for(said.lines.get(), 10)
+            assert f"w-a: the registry no longer offers gvisor gvisor-v1 (rt-" in line and f"as of seq {seq};" in line
+            assert "gvisor-v2" not in line
+            assert said.lines.empty()  # said once, of the drop alone
+    finally:
+        agent_module.log.removeHandler(said)
+
+
 async def test_a_registration_refused_at_start_is_raised_once_and_not_logged_again(nats_url, prefix, tmp_path,
                                                                                     caplog):
     """The registry refusing the first registration ends the agent with that error (the

@@ -67,7 +67,8 @@ from events.errors import ContractError, latest_revision
 from events.tasks import cancel_and_wait
 from events.natsauth import nkey_options, nkey_seed_path, redact_url
 from events.natspy import ErrorsOnce, abandon, connecting, describe_error, guard_reads
-from events.compat import MACHINE_TO_ARCH
+from events.compat import MACHINE_TO_ARCH, compat_key
+from events.runtime_id import short_id
 from events.probe import (DEFAULT_CPUINFO, PROFILES, SCHEMA_VERSION, ProbeError, host_architecture,
                           probe_version, read_cpuinfo)
 from events.schema import (
@@ -91,6 +92,17 @@ from warmboot.files import write_atomically
 
 def _classes(registration: RegisterWorker) -> set[str]:
     return {entry.sandbox_class for entry in registration.sandbox_classes}
+
+
+def _runtimes(registration: RegisterWorker) -> dict:
+    """The runtimes a registration offers (default and restorable, not edges): compat key -> label
+    (`<class> <name> (rt-...)`, the id the views print)."""
+    offered = {}
+    for entry in registration.sandbox_classes:
+        for runtime in (entry.default_runtime, *entry.restorable_runtimes):
+            key = compat_key(entry.sandbox_class, runtime.version)
+            offered[key] = f"{entry.sandbox_class} {runtime.name or 'runtime'} ({short_id(key)})"
+    return offered
 
 
 class Latest(enum.Enum):
@@ -942,10 +954,26 @@ class Agent:
             self.registering = False  # refused, or not sent (its revision could not be kept): nothing on its way
             raise
         self.registering = False
+        previous = None if self.withdrawn else self.registration
         self.registration, self._in_force_of, self.registered = registration, made_of, reply
         self.withdrawn = False
+        if previous is not None:
+            self._say_dropped(previous, registration, reply)
         self._unreadable_at = None
         return reply
+
+    def _say_dropped(self, previous: RegisterWorker, now: RegisterWorker, reply: RegisterReply) -> None:
+        """Say which runtimes (default or restorable) of the registration in force before `now` the
+        registry no longer offers, as of the reply's sequence: the one signal an operator dropping a
+        runtime has that the log has the drop (docs/operations.md, "Rolling a runtime upgrade"). Until
+        then, the registry still places that runtime's images here (an edit not yet sent or answered,
+        ignored, or refused leaves the registration in force); from then, only placements made before
+        that sequence may still reach the worker with them."""
+        gone = [label for key, label in _runtimes(previous).items() if key not in _runtimes(now)]
+        if gone:
+            log.info("%s: the registry no longer offers %s as of seq %d; placements made before it may still "
+                     "restore them here (`warmboot worker show %s` lists the actors pinned to each)",
+                     self.worker_id, ", ".join(gone), reply.seq, self.worker_id)
 
     def _revision_of(self, registration: RegisterWorker) -> int:
         """The revision `registration` is sent with: the last one given, if to the same content (a
