@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import signal
 import sys
 from contextlib import asynccontextmanager
@@ -20,8 +21,8 @@ from events.compat import same_version
 from events.errors import ContractError
 from events.probe import probe_version
 from events.schema import ErrorCode, RuntimeChanged, WorkerDrained, WorkerRegistered, WorkerRemoved
-from tests.registry_helpers import CPUINFO, PROBE, agent_config as config, raw_request, running_registry, wait_event
-from warmboot.agent import Agent, ConfigError, load_registration, parse_config
+from tests.registry_helpers import AMD, CPUINFO, PROBE, agent_config as config, raw_request, running_registry, wait_event
+from warmboot.agent import Agent, ConfigError, ProbeSettings, load_registration, parse_config
 from warmboot.natsserver import NatsServer
 
 ROOT = Path(__file__).parent.parent
@@ -159,39 +160,54 @@ async def test_agent_registers_follows_the_rolling_upgrade_and_comes_back(nats_u
 
 
 class Said(logging.Handler):
-    """The agent's log lines holding `words`, as they are said (awaited, not polled)."""
+    """The agent's log lines, as they are said (awaited, not polled)."""
 
-    def __init__(self, words: str) -> None:
+    def __init__(self) -> None:
         super().__init__(logging.INFO)
-        self.words, self.lines = words, asyncio.Queue()
+        self.lines: asyncio.Queue[str] = asyncio.Queue()
 
     def emit(self, record: logging.LogRecord) -> None:
-        if self.words in record.getMessage():
-            self.lines.put_nowait(record.getMessage())
+        self.lines.put_nowait(record.getMessage())
+
+    async def until(self, words: str) -> list[str]:
+        """The lines said up to the next one holding `words`, that one included."""
+        said = []
+        while not said or words not in said[-1]:
+            said.append(await asyncio.wait_for(self.lines.get(), 10))
+        return said
 
 
 async def test_a_dropped_runtime_is_said_once_the_registry_has_the_drop(nats_url, nc, prefix, tmp_path, caplog):
-    """Dropping v1 (docs/operations.md, step 4): the operator may remove v1's binary only once the log
+    """Dropping v1 (docs/operations.md, step 5): the operator may remove v1's binary only once the log
     no longer offers it, and the agent said nothing that told when (an audit): its edit is sent beside
     the heartbeats, may wait, or be ignored or refused, and meanwhile v1 is placed here. The agent now
-    says which runtimes the registry no longer offers, with the sequence of the change, after it."""
+    says which runtimes the registry no longer offers, with the sequence of the change, after it; not
+    a runtime made again on another CPU read under its name (its binary is still in use)."""
     import warmboot.agent as agent_module
 
     caplog.set_level(logging.INFO, logger="warmboot.agent")
+    cpuinfo = tmp_path / "cpuinfo"
+    shutil.copy(CPUINFO, cpuinfo)
     path = tmp_path / "agent.toml"
     path.write_text(config("v2", ("v1",)))
-    said = Said("no longer offers")
+    agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe_interval_s=0.05,
+                  probe=ProbeSettings(cpuinfo_path=cpuinfo, architecture="amd64"))
+    said = Said()
     agent_module.log.addHandler(said)
     try:
-        async with running_registry(nats_url, prefix), running_agent(nats_url, prefix, path):
-            seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
+        async with running_registry(nats_url, prefix), agent_running(agent):
+            await said.until("registered w-a: REGISTERED")
             path.write_text(config("v2"))
-            seq, changed = await wait_event(nc, prefix, "w-a", RuntimeChanged, after=seq)
+            *before, done = await said.until("registered w-a: RUNTIME_CHANGED")
+            line = before[-1] if before else "(nothing said before it)"
+            _, changed = await wait_event(nc, prefix, "w-a", RuntimeChanged)
             assert changed.sandbox_classes[0].restorable_runtimes == ()
-            line = await asyncio.wait_for(said.lines.get(), 10)
-            assert f"w-a: the registry no longer offers gvisor gvisor-v1 (rt-" in line and f"as of seq {seq};" in line
-            assert "gvisor-v2" not in line
-            assert said.lines.empty()  # said once, of the drop alone
+            assert "w-a: the registry no longer offers gvisor gvisor-v1 (rt-" in line, line
+            assert f"as of seq {done.rsplit(' ', 1)[-1].rstrip(')')};" in line and "gvisor-v2" not in line
+            # the machine moves to another CPU: gvisor-v2 is registered again, made on it, under its name
+            shutil.copy(AMD, cpuinfo)
+            said_then = await said.until("registered w-a: RUNTIME_CHANGED")
+            assert not [s for s in said_then if "no longer offers" in s], said_then
     finally:
         agent_module.log.removeHandler(said)
 

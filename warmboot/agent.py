@@ -94,14 +94,16 @@ def _classes(registration: RegisterWorker) -> set[str]:
     return {entry.sandbox_class for entry in registration.sandbox_classes}
 
 
-def _runtimes(registration: RegisterWorker) -> dict:
-    """The runtimes a registration offers (default and restorable, not edges): compat key -> label
-    (`<class> <name> (rt-...)`, the id the views print)."""
+def _runtimes(registration: RegisterWorker) -> dict[tuple, tuple[str | None, str]]:
+    """The runtimes a registration offers (default and restorable, not edges): compat key -> (its
+    class and name, or None without a name; its label, `<class> <name> (rt-...)` with the id the
+    views print)."""
     offered = {}
     for entry in registration.sandbox_classes:
         for runtime in (entry.default_runtime, *entry.restorable_runtimes):
             key = compat_key(entry.sandbox_class, runtime.version)
-            offered[key] = f"{entry.sandbox_class} {runtime.name or 'runtime'} ({short_id(key)})"
+            named = None if runtime.name is None else f"{entry.sandbox_class} {runtime.name}"
+            offered[key] = (named, f"{named or entry.sandbox_class + ' runtime'} ({short_id(key)})")
     return offered
 
 
@@ -969,7 +971,12 @@ class Agent:
         then, the registry still places that runtime's images here (an edit not yet sent or answered,
         ignored, or refused leaves the registration in force); from then, only placements made before
         that sequence may still reach the worker with them."""
-        gone = [label for key, label in _runtimes(previous).items() if key not in _runtimes(now)]
+        after = _runtimes(now)
+        names = {named for named, _ in after.values()}
+        # a runtime whose name is still offered (the same release made again on another CPU read) is not
+        # dropped: its binary stays in use
+        gone = [label for key, (named, label) in _runtimes(previous).items()
+                if key not in after and (named is None or named not in names)]
         if gone:
             log.info("%s: the registry no longer offers %s as of seq %d; placements made before it may still "
                      "restore them here (`warmboot worker show %s` lists the actors pinned to each)",
