@@ -25,17 +25,14 @@ def machine(nats_url: str, prefix: str, tmp_path, name: str, cpuinfo) -> Agent:
                  state_file=tmp_path / f"{name}.revision")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "not fixed (an audit): a heartbeat names no registration, so it keeps alive whichever one the log holds; "
-    "a fix needs the heartbeat to say which registration it beats (e.g. its revision, refused unless the "
-    "worker's current one): a contract addition"))
 async def test_a_second_agent_s_registration_is_not_kept_alive_by_the_first_one_s_beats(nats_url, nc, prefix,
                                                                                         tmp_path):
     """Machine `intel` runs the agent of w-a; machine `amd` is started with the same worker id and
     node (a copied configuration, a replacement started before the old one was stopped), registers
-    its CPU over the first one's, and stops. The intel agent beats on: each beat keeps the
-    registration of a CPU no running machine of w-a has, for as long as it runs (no TTL ends it),
-    and images of the AMD CPU are placed on w-a."""
+    its CPU over the first one's, and stops. The intel agent's beats kept the registration of a CPU
+    no running machine of w-a has, for as long as it ran (no TTL ended it), and images of the AMD
+    CPU were placed on w-a (an audit). A beat names the registration it keeps alive (its revision),
+    so intel's is refused and intel registers its machine again: the log holds intel's CPU."""
     ttl = 2.0
     stored: asyncio.Queue[float] = asyncio.Queue()
 
@@ -59,7 +56,8 @@ async def test_a_second_agent_s_registration_is_not_kept_alive_by_the_first_one_
                         classes = event.sandbox_classes
                     elif isinstance(event, WorkerRemoved):
                         classes = None
-                assert classes is None or not foreign_attributes(classes, "intel"), (
-                    f"w-a, run by the intel machine alone, is registered with {foreign_attributes(classes, 'intel')}")
+                assert classes is not None and not foreign_attributes(classes, "intel"), (
+                    f"w-a, run by the intel machine alone, is registered with "
+                    f"{classes and foreign_attributes(classes, 'intel')}")
     finally:
         await sub.unsubscribe()

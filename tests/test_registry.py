@@ -412,6 +412,36 @@ async def test_a_heartbeat_looked_up_behind_another_replica_s_registration_is_no
         assert await registry.liveness.last_entry("w-never") == 0
 
 
+async def test_a_heartbeat_keeps_alive_only_the_registration_whose_revision_it_names(registry, nc, prefix):
+    """A beat may name the revision of the registration it keeps alive (its agent's in force).
+    One naming another is FAILED_PRECONDITION on `revision` and puts nothing: two machines
+    running as w-1, the second's registration (another CPU) was kept alive by the first's beats
+    after the second stopped (an audit). Without a revision, a beat is taken as before; so is
+    every beat of a registration made without one."""
+    await register(nc, prefix, registration("w-1", revision=100))
+    assert (await raw_request(nc, prefix, "heartbeat", "w-1", {"revision": 100}))[0] == {"ttl_s": registry.ttl_s}
+    put = await registry.liveness.last_entry("w-1")
+    # another machine registers w-1 on its CPU, at a higher revision
+    await register(nc, prefix, registration("w-1", default=runtime("amd"), revision=200))
+    after_amd = await registry.liveness.last_entry("w-1")
+    refused, _ = await raw_request(nc, prefix, "heartbeat", "w-1", {"revision": 100})
+    assert refused["error"]["code"] == "FAILED_PRECONDITION" and refused["error"]["field"] == "revision", refused
+    assert "registration in force is revision 200, not 100" in refused["error"]["message"]
+    assert await registry.liveness.last_entry("w-1") == after_amd > put  # the refusal put nothing
+    assert (await raw_request(nc, prefix, "heartbeat", "w-1", {"revision": 200}))[0] == {"ttl_s": registry.ttl_s}
+    assert (await raw_request(nc, prefix, "heartbeat", "w-1", {}))[0] == {"ttl_s": registry.ttl_s}
+    # the first machine registers again above it: its beats are the ones taken now
+    await register(nc, prefix, registration("w-1", revision=300))
+    assert (await raw_request(nc, prefix, "heartbeat", "w-1", {"revision": 300}))[0] == {"ttl_s": registry.ttl_s}
+    assert (await raw_request(nc, prefix, "heartbeat", "w-1", {"revision": 200}))[0]["error"]["field"] == "revision"
+    # a registration without a revision: nothing to tell beats apart by
+    await register(nc, prefix, registration("w-2"))
+    assert (await raw_request(nc, prefix, "heartbeat", "w-2", {"revision": 7}))[0] == {"ttl_s": registry.ttl_s}
+    # the same content at a higher revision writes (WorkerUpdated): the roster holds that one
+    await register(nc, prefix, registration("w-1", revision=400))
+    assert (await raw_request(nc, prefix, "heartbeat", "w-1", {"revision": 400}))[0] == {"ttl_s": registry.ttl_s}
+
+
 async def test_a_drain_read_behind_another_replica_s_new_life_drains_it(registry, nats_url, nc, prefix, monkeypatch):
     """A worker drained through this registry, then removed and registered again (a new life,
     undrained) through another replica; an operator's drain here, read from a replica of the

@@ -29,8 +29,10 @@ The agent then:
   at once keeps the registry busy for tens of seconds; its heartbeats are answered
   meanwhile); re-registers when a heartbeat answers NOT_FOUND (the worker was
   removed, e.g. as LOST): with what the file and the probe say now (a change of
-  class the registry refused is taken up by that new life); a worker whose agent
-  runs is a worker in service; registrations are sent one after the other, after
+  class the registry refused is taken up by that new life); each heartbeat names the
+  revision of the registration in force, and one the registry refuses for it (another
+  agent registered the worker id since: two machines run as one) registers this machine
+  again, above that revision; a worker whose agent runs is a worker in service; registrations are sent one after the other, after
   the first none holds up the heartbeats (nor does an edit's), and each sends what
   the file and the probe say when its turn comes (docs/registry.md, "The agent");
 - on SIGTERM/SIGINT drains the worker first if asked (`--drain-on-exit`), then
@@ -1197,13 +1199,24 @@ class Agent:
         if self._not_beating(self._why_stale()):
             self._look(stop)  # made again at once, not at the next watch
             return
+        beats = self._in_force_revision
         try:
-            reply = await self._request("heartbeat", Heartbeat(), HeartbeatReply, stop,
-                                        current=lambda: self._why_stale() is None)
+            reply = await self._request("heartbeat", Heartbeat(revision=beats), HeartbeatReply,
+                                        stop, current=lambda: self._why_stale() is None)
         except Outdated:
             self._not_beating(self._why_stale() or "the probe reads another CPU")
             return
         except ContractError as e:
+            if (e.code, e.field) == (ErrorCode.FAILED_PRECONDITION, "revision") and self.registration is not None:
+                # The registration in force is not this agent's: another agent registered the worker id
+                # since (two machines run as one), whose CPU this machine may not have. Not when one of
+                # this agent's is on its way or was answered meanwhile (the beat crossed it: the next
+                # beat names it).
+                if not self.registering and self._in_force_revision == beats:
+                    log.warning("%s: %s; registering this machine again", self.worker_id, e.message)
+                    self._forget_revision()  # above the other's revision (`_revise_above` if refused)
+                    self._register_again(stop)
+                return
             if e.code != ErrorCode.NOT_FOUND or self.registration is None:
                 raise
             # Registered anew beside the heartbeats (with what the file and the probe say then: a

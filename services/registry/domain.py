@@ -46,6 +46,13 @@ Rules (CONTRACT sections 2 and 3, Registry):
   A revision more than a year ahead of the registry's clock in ms is INVALID_ARGUMENT
   (`REVISION_AHEAD_MS`): the highest is kept across lives, and one credential must not be
   able to put it out of its successors' reach.
+- A heartbeat may name the revision of the registration it keeps alive (its agent's in
+  force): one naming another than the worker's registration in force is FAILED_PRECONDITION
+  (field `revision`), and keeps nothing alive (`check_beats_in_force`). Two machines run
+  as one worker id: the second registered its CPU over the first's and stopped, and the
+  first's beats kept that registration, a CPU no running machine of the worker has, for as
+  long as it ran (an audit). Without a revision, or when the registration in force has
+  none, nothing is checked.
 """
 
 from __future__ import annotations
@@ -108,6 +115,17 @@ def canonical_classes(classes: tuple[WorkerSandboxClass, ...]) -> tuple[WorkerSa
             restorable_runtimes=tuple(restorable),
         ))
     return tuple(out)
+
+
+def check_beats_in_force(worker_id: str, beats: int, in_force: int | None) -> None:
+    """FAILED_PRECONDITION (field `revision`) when a heartbeat naming the registration of revision
+    `beats` would keep alive the worker's registration in force, of revision `in_force`, another
+    one (None: registered without a revision, nothing to tell them apart by)."""
+    if in_force is not None and beats != in_force:
+        raise precondition(
+            f"worker {worker_id}'s registration in force is revision {in_force}, not {beats}: another agent "
+            "registered it since (two machines running as one worker id?), or this beat crossed its agent's own "
+            "newer registration. The beat keeps nothing alive; register again", "revision")
 
 
 def register_outcome(events: list[Event]) -> RegisterOutcome:

@@ -43,7 +43,7 @@ from events.natspy import ORDERED_IDLE_HEARTBEAT_S, ApiError, ack_positions, ack
 from events.subjects import event_subject, stream_name
 from events.tasks import cancel_and_wait
 from services.common import answered_by_leader, until_answered
-from services.registry.roster import NAMES_NODE, Roster
+from services.registry.roster import NAMES_NODE, REVISES, Roster
 
 log = logging.getLogger("warmboot.registry")
 
@@ -79,9 +79,10 @@ class _MsgGet(msgspec.Struct):
     error: ApiError | None = None
 
 
-class _NodeOf(msgspec.Struct):
-    """The one field of a registration's or an update's body the roster keeps."""
+class _Registered(msgspec.Struct):
+    """The fields of a registration's, an update's or a runtime change's body the roster keeps."""
     node: str | None = None
+    revision: int | None = None
 
 
 def _not_yet(answer: Any) -> bool:
@@ -90,7 +91,7 @@ def _not_yet(answer: Any) -> bool:
     return (answer.error is not None and answer.error.code >= 500) or not answered_by_leader(answer)
 
 
-_node_decoder = msgspec.json.Decoder(_NodeOf)
+_registered_decoder = msgspec.json.Decoder(_Registered)
 _info_decoder = msgspec.json.Decoder(_StreamInfo)
 _get_decoder = msgspec.json.Decoder(_MsgGet)
 
@@ -165,15 +166,18 @@ class RosterFold:
                 self.errors += 1
                 log.warning("message %d on %s is not a worker event; skipped", seq, msg.subject)
                 event_type = ""
-        node = None
-        if event_type in NAMES_NODE:
+        node = revision = None
+        if event_type in REVISES:
             try:
-                node = _node_decoder.decode(msg.data).node
+                read = _registered_decoder.decode(msg.data)
             except (msgspec.DecodeError, msgspec.ValidationError):
                 self.errors += 1
-                log.warning("message %d on %s: no node read from its body", seq, msg.subject)
+                log.warning("message %d on %s: no node nor revision read from its body", seq, msg.subject)
+            else:
+                node = read.node if event_type in NAMES_NODE else None
+                revision = read.revision
         worker_id = msg.subject[len(self.subject_prefix):]
-        self.roster.apply(seq, worker_id, event_type, node)
+        self.roster.apply(seq, worker_id, event_type, node, revision)
         if node is not None and self.on_node is not None and self.roster.alive(worker_id):
             self.on_node(worker_id, node)
         self.mark = (seq, ack_time(msg.reply) // 1000)

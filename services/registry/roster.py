@@ -3,8 +3,9 @@
 The registry answers a heartbeat from this fold (`services.registry.fold` keeps it
 current from the log and says how current it is). It keeps the workers in a life (a
 `WorkerRegistered` not followed by a `WorkerRemoved`), each with the stream sequence
-of its last event and the node it registered on (its fold reads that one field of a
-registration's and an update's body); nothing else of a worker's history, so that a
+of its last event, the node it registered on and the revision of its registration in force
+(its fold reads those two fields of a registration's, an update's and a runtime change's
+body); nothing else of a worker's history, so that a
 heartbeat reads a dict entry or two instead of loading the worker's events. A removed worker leaves nothing
 behind: the roster grows with the fleet, not with every worker id it ever saw.
 
@@ -25,33 +26,37 @@ from events.schema import WorkerEvent
 STARTS_LIFE = "WorkerRegistered"
 ENDS_LIFE = "WorkerRemoved"
 NAMES_NODE = frozenset((STARTS_LIFE, "WorkerUpdated"))  # the events whose body says the worker's node
+REVISES = NAMES_NODE | {"RuntimeChanged"}  # the events a registration writes: their body says its revision
 KNOWN = frozenset(cls.__name__ for cls in WorkerEvent.__subclasses__())  # the events of a worker's history
 
 
 class Roster:
     """worker_id -> sequence of its last event, for the workers in a life; folded in stream order."""
 
-    __slots__ = ("_alive", "_nodes", "seq", "events")
+    __slots__ = ("_alive", "_nodes", "_revisions", "seq", "events")
 
     def __init__(self) -> None:
         self._alive: dict[str, int] = {}  # the workers in a life: the sequence of the last event of each
         self._nodes: dict[str, str] = {}  # the node of each worker in a life, when its events said it
+        self._revisions: dict[str, int] = {}  # the revision of each one's registration in force, when said
         self.seq = 0  # the sequence of the last event folded
         self.events = 0
 
-    def apply(self, seq: int, worker_id: str, event_type: str, node: str | None = None) -> None:
+    def apply(self, seq: int, worker_id: str, event_type: str, node: str | None = None,
+              revision: int | None = None) -> None:
         """Fold the worker event `event_type` stored at `seq` (sequences only grow); `node`, the
-        node a registration or an update names (None: not read)."""
+        node a registration or an update names, and `revision`, the revision of the registration
+        that wrote it (None: not read, or none)."""
         if event_type == ENDS_LIFE or event_type not in KNOWN:
             self._alive.pop(worker_id, None)
             self._nodes.pop(worker_id, None)
+            self._revisions.pop(worker_id, None)
         elif event_type == STARTS_LIFE or worker_id in self._alive:
             self._alive[worker_id] = seq
             if event_type in NAMES_NODE:
-                if node is None:
-                    self._nodes.pop(worker_id, None)
-                else:
-                    self._nodes[worker_id] = node
+                _keep(self._nodes, worker_id, node)
+            if event_type in REVISES:
+                _keep(self._revisions, worker_id, revision)
         self.seq = seq
         self.events += 1
 
@@ -61,6 +66,11 @@ class Roster:
     def node(self, worker_id: str) -> str | None:
         """The node the worker registered on, in its current life (None: not in one, or not read)."""
         return self._nodes.get(worker_id)
+
+    def revision(self, worker_id: str) -> int | None:
+        """The revision of the worker's registration in force (None: not in a life, or registered
+        without one, or not read)."""
+        return self._revisions.get(worker_id)
 
     def last_seq(self, worker_id: str) -> int:
         """The sequence of the worker's last event in its current life, 0 if it is not in one."""
@@ -72,3 +82,10 @@ class Roster:
 
     def __len__(self) -> int:
         return len(self._alive)
+
+
+def _keep(values: dict, worker_id: str, value: object) -> None:
+    if value is None:
+        values.pop(worker_id, None)
+    else:
+        values[worker_id] = value

@@ -71,7 +71,7 @@ from services.common import (EndpointSpec, NoWriteAnswers, Recheck, ReplyCache, 
 from services.locks import KeyedCount, KeyedLock
 from services.registry.binding import SharedBinding
 from services.registry.budget import FREE, Ticket, WriteBudget
-from services.registry.domain import Worker, register_outcome
+from services.registry.domain import Worker, check_beats_in_force, register_outcome
 from services.registry.fold import RosterFold
 from services.registry.liveness import RECONCILE_INTERVAL_S, SWEEPER, Liveness
 from services.registry.nodes import allows, check_node, check_registered
@@ -585,6 +585,8 @@ class RegistryService:
         judged = self.binding.judged_nodes
         if judged is not None:  # registered on a node the binding gives another (it registered before): no beat
             check_registered(judged, worker_id, self.roster.node(worker_id) if alive else node)
+        if request.revision is not None and alive:
+            check_beats_in_force(worker_id, request.revision, self.roster.revision(worker_id))
         await self.liveness.beat(worker_id)
         return HeartbeatReply(ttl_s=self.ttl_s)
 
