@@ -278,3 +278,51 @@ async def test_a_batch_refused_before_anything_was_stored_checks_each_member_as_
     log = await stored(recorder)
     assert [log[seq] for seq in a] == [("tally.a", 1), ("ledger.a", 1)]
     assert sorted(log) == sorted(theirs + a)
+
+
+async def test_a_member_tried_again_after_a_lost_reply_is_still_checked_against_versions_taken_long_ago(
+        nats_url, prefix, monkeypatch):
+    """The grouped batch's first attempt goes unanswered (it may have been stored), its resend is
+    refused: version 1 of `m`'s second history was taken by another process, longer ago than the stream's duplicate
+    window, so the server no longer knows that message id. Each member is then tried alone as
+    possibly stored. `m`'s copy is not in the log (the one there is another writer's), so `m` is
+    the conflict it is: it was stored, after the other's version 1 (its expectation taken from
+    the leader's read of the subject, its version never checked), and answered as written.
+    The window is shortened to half a second here; in a deployment it is 120 s, which a read
+    behind (a cached aggregate, a lagging replica) can be."""
+    import events.jetstream.stream as stream_module
+
+    window_s = 0.5
+    monkeypatch.setattr(stream_module, "DUPLICATE_WINDOW_NS", int(window_s * 1e9))
+    other = await asyncio.to_thread(JetStreamFactory, Environment(env=store_env(nats_url, prefix)))
+    try:
+        # as a placement takes the version of a worker's booking subject that the registry's fence would
+        theirs = await asyncio.to_thread(other.application_recorder().insert_events,
+                                         [StoredEvent("ledger.m", 1, "WorkerDrained", THEIRS)])
+    finally:
+        await asyncio.to_thread(other.close)
+    with links_on(asyncio.get_running_loop()):
+        factory = await asyncio.to_thread(JetStreamFactory, Environment(env=store_env(nats_url, prefix)))
+    try:
+        recorder = await asyncio.to_thread(factory.application_recorder)
+        real, sent = recorder.stream._send, []
+
+        async def send(batch, timeout):
+            sent.append(len(batch.outs))
+            if len(sent) == 1:
+                raise nats.errors.TimeoutError  # unanswered: for all the caller knows, it was stored
+            return await real(batch, timeout)
+
+        recorder.stream._send = send
+        # the other's message ages past the duplicate window: the precondition, not a synchronisation
+        await asyncio.sleep(3 * window_s)
+        groups: list[int] = []
+        appends = GroupedAppends(recorder.insert_events_async, on_group=groups.append)
+        a, m = await asyncio.gather(appends.insert(change("a")), appends.insert(change("m")), return_exceptions=True)
+        assert groups == [2, 1, 1]
+        assert isinstance(m, IntegrityError), m
+        log = await stored(recorder)
+        assert [log[seq] for seq in a] == [("tally.a", 1), ("ledger.a", 1)]
+        assert sorted(log) == sorted(theirs + a)  # m's version 1 once: the other's
+    finally:
+        await asyncio.to_thread(factory.close)

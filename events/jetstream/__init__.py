@@ -55,7 +55,9 @@ expectation, the subject is read again: a conflict if the version is taken,
 another attempt if not). Transient errors (no responders, timeouts, 503, a
 leader election, a dropped connection) are retried with backoff within
 ``WARMBOOT_STORE_TIMEOUT``; a resent batch whose first attempt was stored after
-all is recognised by its message ids and contents, and not stored twice. The store
+all is recognised by its message ids and contents, and not stored twice; a version
+found taken by a copy that is not its own is a conflict, however long ago it was
+written (past the duplicate window the server no longer refuses the id). The store
 hears of each stream's leader elections (JetStream's advisory): a request waiting on
 the old leader is sent again to the new one at once, and a pause between attempts
 ends, so writes go on within moments of the election, not after a 5 s time-out.

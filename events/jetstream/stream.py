@@ -335,7 +335,8 @@ class Stream:
         """Append `batch` atomically; return the stream sequence of each of its messages.
 
         `retried` says an earlier attempt of this very batch may have been stored
-        (its reply was lost): then a duplicate is recognised as ours, not a conflict.
+        (its reply was lost): then a duplicate, or a position found taken, is recognised as
+        ours when our copy is there, and is a conflict otherwise.
         An error raised says, as `maybe_stored`, whether an attempt of the batch may have
         been stored all the same (one went out and no answer came back); False when none
         can have been (refused before it was sent, or by the server each time it asked).
@@ -365,16 +366,24 @@ class Stream:
             return list(range(first_seq, last_seq + 1))
 
         try:
-            await self._expect(batch, verify=not retried)
+            try:
+                await self._expect(batch)
+            except IntegrityError:
+                # A position taken is this batch's own copy only if that copy is found there; else it is
+                # another writer's, however old (past the duplicate window the server no longer refuses
+                # the message id, and the expectation from a read of the subject would let it in again).
+                if not retried or (seqs := await self._landed(batch)) is None:
+                    raise
+                return seqs
             return await Retry(f"appending to {self.name}", self.budget, self).run(attempt)
         except Exception as error:
             error.maybe_stored = uncertain  # type: ignore[attr-defined]
             raise
 
-    async def _expect(self, batch: Batch, verify: bool = True) -> None:
+    async def _expect(self, batch: Batch) -> None:
         """Fill in each guard's expected last sequence: given, remembered or looked up.
 
-        With `verify`, a position at or below the subject's last one is refused here
+        A position at or below the subject's last one is refused here
         (versions are never taken back). What this process remembers is only a hint:
         a refusal is confirmed with the stream leader first.
         """
@@ -382,7 +391,7 @@ class Stream:
         missing, doubtful = [], []
         for guard in batch.guards.values():
             last = seen.get(guard.subject)
-            if verify and last is not None and last.position is not None and guard.first_position <= last.position:
+            if last is not None and last.position is not None and guard.first_position <= last.position:
                 doubtful.append(guard)
             elif guard.given:
                 continue
@@ -403,8 +412,7 @@ class Stream:
             found = await asyncio.gather(*(self.last_direct(guard.subject) for guard in missing))
             for guard, msg in zip(missing, found):
                 last = self._last_of(guard, msg)
-                if verify:
-                    self._check_position(guard, last)
+                self._check_position(guard, last)
                 guard.expected = last.seq
 
     def _last_of(self, guard: Guard, msg: Msg | Stored | None, authoritative: bool = False) -> Last:
