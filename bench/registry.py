@@ -239,6 +239,12 @@ async def drive(replies, requests: list[tuple[str, bytes]], window: int, pids: d
     return Run(len(requests), elapsed, latencies, cpu)
 
 
+# Every worker registers at this revision and names it in each beat, as the agent does (a beat naming
+# another than the registration in force is refused: docs/registry.md, "The agent").
+REVISION = 1
+BEAT = b'{"revision":1}'
+
+
 def registration(worker_id: str, request_id: str | None = None) -> bytes:
     from events.codec import encode
     from events.schema import (Attribute, CompatVersion, RegisterWorker, Resources, WorkerRuntime,
@@ -252,7 +258,7 @@ def registration(worker_id: str, request_id: str | None = None) -> bytes:
         worker_id=worker_id, node=f"node-{worker_id}", capacity=Resources(cpu_millis=64000, memory_mib=65536),
         labels={"zone": "a"},
         sandbox_classes=(WorkerSandboxClass(sandbox_class="gvisor", default_runtime=WorkerRuntime(version=version)),),
-        request_id=request_id,
+        request_id=request_id, revision=REVISION,
     ))
 
 
@@ -355,7 +361,7 @@ class Fleet:
     async def _beat(self, worker: str) -> None:
         t = time.monotonic()
         try:
-            msg = await self.replies.request(self.subjects[worker], b"{}")
+            msg = await self.replies.request(self.subjects[worker], BEAT)
         except Exception as error:
             self.failed.append((worker, repr(error)))
             return
@@ -570,9 +576,9 @@ async def bench(nats_url: str, server_pid: int, args: argparse.Namespace) -> dic
     replicas = {label: await Served("registry", nats_url, f"{tag}{label[0]}", code).ready()
                 for label, code in codes.items()}
     client = {"client": os.getpid(), "server": server_pid}
-    echo_requests = [(f"{tag}e.echo.beat.{w}", b"{}") for w in workers] * args.rounds
-    wrapped_requests = [(service_subject(f"{tag}w", "bench", "beat", w), b"{}") for w in workers] * args.rounds
-    beats = {label: [(service_subject(f"{tag}{label[0]}", "registry", "heartbeat", w), b"{}") for w in workers]
+    echo_requests = [(f"{tag}e.echo.beat.{w}", BEAT) for w in workers] * args.rounds
+    wrapped_requests = [(service_subject(f"{tag}w", "bench", "beat", w), BEAT) for w in workers] * args.rounds
+    beats = {label: [(service_subject(f"{tag}{label[0]}", "registry", "heartbeat", w), BEAT) for w in workers]
              * args.rounds for label in codes}
     registered: dict[str, Run] = {}
     best: dict[str, Run] = {}
