@@ -11,7 +11,8 @@ import pytest
 from events.schema import RuntimeChanged, WorkerRegistered, WorkerRemoved
 from events.subjects import bucket_name
 from events.natspy import flush_in_order
-from tests.registry_helpers import AMD, CPUINFO, agent_config, running_registry, wait_event, worker_events
+from tests.registry_helpers import (AMD, CPUINFO, agent_config, raw_request, registration, running_registry, runtime,
+                                    wait_event, worker_events)
 from tests.test_agent import agent_running
 from tests.test_agent_orders import foreign_attributes
 from warmboot.agent import Agent, ProbeSettings
@@ -59,5 +60,51 @@ async def test_a_second_agent_s_registration_is_not_kept_alive_by_the_first_one_
                 assert classes is not None and not foreign_attributes(classes, "intel"), (
                     f"w-a, run by the intel machine alone, is registered with "
                     f"{classes and foreign_attributes(classes, 'intel')}")
+    finally:
+        await sub.unsubscribe()
+
+
+async def test_a_new_life_of_other_classes_is_not_kept_alive_by_the_first_agent_s_beats(nats_url, nc, prefix,
+                                                                                       tmp_path):
+    """The intel machine's agent runs w-a (class gvisor). The worker is removed, and another machine
+    with the same worker id (a replacement started before the old one was stopped) begins a new life
+    with other classes (gvisor and microvm) and its CPU, then stops. The intel agent's next beat is
+    refused (another registration is in force) and it registers its machine again, which the registry
+    refuses as a change of class. Its beats then named no revision (`_forget_revision`), and kept the
+    other machine's registration (a class and a CPU it does not have) alive for as long as it ran.
+    A beat names the last registration of this agent the registry answered until another is answered:
+    refused, it keeps nothing alive, and the other machine's life ends as LOST."""
+    ttl = 2.0
+    beat: asyncio.Queue[float] = asyncio.Queue()
+
+    async def put(msg) -> None:
+        beat.put_nowait(time.monotonic())
+
+    sub = await nc.subscribe(f"$KV.{bucket_name(prefix, 'heartbeats')}.w-a", cb=put)
+    await flush_in_order(nc)
+    try:
+        async with running_registry(nats_url, prefix, ttl_s=ttl):
+            async with agent_running(machine(nats_url, prefix, tmp_path, "intel", CPUINFO)):
+                await wait_event(nc, prefix, "w-a", WorkerRegistered)
+                await asyncio.wait_for(beat.get(), 2 * ttl)
+                while not beat.empty():
+                    beat.get_nowait()
+                await asyncio.wait_for(beat.get(), 2 * ttl)  # right after a beat: the next is ttl/3 away
+                removed, _ = await raw_request(nc, prefix, "remove", "w-a", {"reason": "replaced"})
+                assert "seq" in removed, removed
+                other = registration("w-a", classes=[
+                    {"sandbox_class": "gvisor", "default_runtime": runtime("v1")},
+                    {"sandbox_class": "microvm", "default_runtime": runtime("k1")}],
+                    revision=time.time_ns() // 1_000_000 + 60_000, request_id="the-other-machine")
+                answer, _ = await raw_request(nc, prefix, "register", "w-a", other)
+                assert answer.get("outcome") == "REGISTERED", answer
+                seq = answer["seq"]
+                # The other machine stopped: only the intel agent runs w-a. Its life ends, as LOST, and the
+                # intel agent begins one with its own class.
+                seq, lost = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq, timeout=4 * ttl)
+                assert lost.reason == "LOST", lost
+                _, anew = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=seq, timeout=4 * ttl)
+                assert [c.sandbox_class for c in anew.sandbox_classes] == ["gvisor"]
+                assert not foreign_attributes(anew.sandbox_classes, "intel")
     finally:
         await sub.unsubscribe()

@@ -32,7 +32,8 @@ The agent then:
   class the registry refused is taken up by that new life); each heartbeat names the
   revision of the registration in force, and one the registry refuses for it (another
   agent registered the worker id since: two machines run as one) registers this machine
-  again, above that revision; a worker whose agent runs is a worker in service; registrations are sent one after the other, after
+  again, above that revision, once for each registration of its own (if refused, the beats keep
+  nothing alive until the worker is removed as LOST, and registered anew); a worker whose agent runs is a worker in service; registrations are sent one after the other, after
   the first none holds up the heartbeats (nor does an edit's), and each sends what
   the file and the probe say when its turn comes (docs/registry.md, "The agent");
 - on SIGTERM/SIGINT drains the worker first if asked (`--drain-on-exit`), then
@@ -568,6 +569,11 @@ class Agent:
         self._revision = self.state.read() if self.state is not None else 0
         self._revised: RegisterWorker | None = None  # the content `_revision` was given to
         self._in_force_revision: int | None = None  # the revision the registration in force was answered with
+        # the revision each heartbeat names: that of this agent's last registration the registry answered,
+        # until another is answered (not forgotten with `_in_force_revision`: a beat naming none would keep
+        # alive whatever registration holds the worker, another machine's included)
+        self._beats: int | None = None
+        self._beats_refused: int | None = None  # the `_beats` a refused beat registered this machine again for
         self._errors = ErrorsOnce(log, redact_url(nats_url))  # the connection's errors, once each while they repeat
 
     # --- configuration -------------------------------------------------------------------
@@ -913,7 +919,7 @@ class Agent:
                     reply = await self._request("register", body, RegisterReply, stop, timeout=timeout,
                                                 stale=self._wait_no_longer,
                                                 current=partial(self._still_made, config, now, registration))
-                    self._in_force_revision = body.revision
+                    self._in_force_revision = self._beats = body.revision
                     break
                 except Outdated as e:
                     # This one may yet be decided (a copy a stalled registry replica holds): whatever is
@@ -1199,7 +1205,7 @@ class Agent:
         if self._not_beating(self._why_stale()):
             self._look(stop)  # made again at once, not at the next watch
             return
-        beats = self._in_force_revision
+        beats = self._beats
         try:
             reply = await self._request("heartbeat", Heartbeat(revision=beats), HeartbeatReply,
                                         stop, current=lambda: self._why_stale() is None)
@@ -1211,9 +1217,19 @@ class Agent:
                 # The registration in force is not this agent's: another agent registered the worker id
                 # since (two machines run as one), whose CPU this machine may not have. Not when one of
                 # this agent's is on its way or was answered meanwhile (the beat crossed it: the next
-                # beat names it).
-                if not self.registering and self._in_force_revision == beats:
+                # beat names it). Once for each registration of this agent's: a registration is a beat
+                # (CONTRACT), a refused one too (the other's classes: a change of class), and one sent at
+                # each refused beat would keep the other's registration alive for ever; the beats go on
+                # naming this agent's and keep nothing alive, and the worker is removed as LOST, then
+                # registered anew (a NOT_FOUND).
+                if not self.registering and self._beats == beats:
+                    if self._beats_refused == beats:
+                        log.warning("%s: %s; its registration again was not taken: the beats keep nothing alive "
+                                    "until the registry removes the worker (LOST), then it registers anew",
+                                    self.worker_id, e.message)
+                        return
                     log.warning("%s: %s; registering this machine again", self.worker_id, e.message)
+                    self._beats_refused = beats
                     self._forget_revision()  # above the other's revision (`_revise_above` if refused)
                     self._register_again(stop)
                 return
