@@ -30,11 +30,13 @@ The agent then:
   meanwhile); re-registers when a heartbeat answers NOT_FOUND (the worker was
   removed, e.g. as LOST): with what the file and the probe say now (a change of
   class the registry refused is taken up by that new life); each heartbeat names the
-  revision of the registration in force, and one the registry refuses for it (another
-  agent registered the worker id since: two machines run as one) registers this machine
-  again, above that revision, once for each registration of its own (if refused, the beats keep
-  nothing alive until the worker is removed as LOST, and registered anew); a worker whose agent runs is a worker in service; registrations are sent one after the other, after
-  the first none holds up the heartbeats (nor does an edit's), and each sends what
+  revision of its last registration the registry answered, and one the registry refuses
+  for it (another agent registered the worker id since: two machines run as one)
+  registers this machine again, above that revision, once for each registration of its
+  own (if refused, the beats keep nothing alive until the worker is removed as LOST, and
+  registered anew); a worker whose agent runs is a worker in service; registrations are
+  sent one after the other, after the first none holds up the heartbeats (nor does an
+  edit's), and each sends what
   the file and the probe say when its turn comes (docs/registry.md, "The agent");
 - on SIGTERM/SIGINT drains the worker first if asked (`--drain-on-exit`), then
   stops; if its registration was still on its way, the drain waits for it (up to
