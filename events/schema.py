@@ -267,7 +267,7 @@ class RegisterReply(Base, kw_only=True):
 class Heartbeat(Base, kw_only=True):
     request_id: RequestId | None = None
     # Project addition: the revision of the registration this beat keeps alive (its agent's in force);
-    # refused when the worker's registration in force carries another (docs/contract.md, Heartbeats).
+    # refused when the worker's registration in force carries another (docs/contract.md, Additions).
     revision: Revision | None = None
 
 

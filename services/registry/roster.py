@@ -5,9 +5,9 @@ current from the log and says how current it is). It keeps the workers in a life
 `WorkerRegistered` not followed by a `WorkerRemoved`), each with the stream sequence
 of its last event, the node it registered on and the revision of its registration in force
 (its fold reads those two fields of a registration's, an update's and a runtime change's
-body); nothing else of a worker's history, so that a
-heartbeat reads a dict entry or two instead of loading the worker's events. A removed worker leaves nothing
-behind: the roster grows with the fleet, not with every worker id it ever saw.
+body); nothing else of a worker's history, so that a heartbeat reads a dict entry or two
+instead of loading the worker's events. A removed worker leaves nothing behind: the roster
+grows with the fleet, not with every worker id it ever saw.
 
 What an event does to a life is read from its type alone (the store's topic header, else the
 body's `type`): a registration starts a life, a removal ends it, every other worker
