@@ -1154,7 +1154,7 @@ def start_metrics(port: int | None, host: str = LOOPBACK) -> int | None:
             server, _thread = start_http_server(port, addr=IPV4_INTERFACES)
     except OSError as e:  # said as what it is: the caller's option, not a traceback of the http server
         raise OSError(e.errno, f"cannot serve metrics on {host}:{port}: {e.strerror or e}"
-                               + ("; try another port, or 0 for any free one" if port else "")) from None
+                               + ("; try another --metrics-port, or 0 for any free one" if port else "")) from None
     return server.server_port
 
 

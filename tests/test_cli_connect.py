@@ -266,7 +266,8 @@ def test_a_metrics_port_taken_is_one_line_naming_it(tmp_path):
         result = CliRunner().invoke(main, ["up", "--port", "0", "--metrics-port", str(port),
                                            "--store", str(tmp_path / "store")])
     assert result.exit_code == 1, result.output
-    assert f"error: [Errno 98] cannot serve metrics on 127.0.0.1:{port}: Address already in use" in result.output
+    assert (f"error: [Errno 98] cannot serve metrics on 127.0.0.1:{port}: Address already in use; "
+            "try another --metrics-port, or 0 for any free one") in result.output
     assert "Traceback" not in result.output
 
 
