@@ -424,8 +424,15 @@ async def test_actor_list_shows_every_actor_and_filters(bus):
     assert rows["a-2"] == ["CREATED", "gvisor", "-", "-", "-"]
     as_json = json.loads((await run("actor", "list", "-o", "json", "--state", "PAUSED")).output)
     assert [v["actor_id"] for v in as_json] == ["a-1"] and as_json[0]["snapshot"]["fidelity"] == "MEMORY"
-    assert (await run("actor", "list", "--class", "microvm")).output == "no actor matches\n"
-    assert json.loads((await run("actor", "list", "--class", "microvm", "--json")).output) == []
+    typo = await run("actor", "list", "--class", "microvm")
+    assert typo.exit_code == 0 and typo.stdout == "no actor matches\n"
+    assert typo.stderr == "note: no actor of the log is of the sandbox class 'microvm' (its actors': gvisor)\n"
+    nobody = await run("actor", "list", "--worker", "w-nope")  # a typo'd worker id is said, as a typo'd class
+    assert nobody.exit_code == 0 and nobody.stdout == "no actor matches\n"
+    assert nobody.stderr == "note: worker 'w-nope' is not registered (`warmboot workers` lists those that are)\n"
+    idle = await run("actor", "list", "--worker", "w-old", "--class", "gvisor")  # a filter that could match: no note
+    assert idle.stdout == "no actor matches\n" and idle.stderr == ""
+    assert json.loads((await run("actor", "list", "--class", "microvm", "--json")).stdout) == []  # the note: stderr
     on = json.loads((await run("actor", "list", "--worker", placed["WORKER"], "--state", "running", "-o", "json")).output)
     assert on == []  # paused since: no longer on the worker (and the state is taken in any case)
     wide = (await run("actor", "list", "-o", "wide", width=200)).output.splitlines()

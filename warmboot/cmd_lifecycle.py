@@ -494,6 +494,14 @@ def list_actors_cmd(sandbox_class: str | None, state: str | None, worker_id: str
         del view["events"]  # the whole log's count here, not the actor's (`actor show` has it)
     views = [v for v in views if sandbox_class in (None, v["sandbox_class"]) and state in (None, v["state"])
              and worker_id in (None, v["worker_id"])]
+    if not views:  # a filter no actor could match reads like a typo: said, not only an empty list
+        classes = sorted({a.sandbox_class for a in projection.actors.values()})
+        if sandbox_class is not None and sandbox_class not in classes:
+            click.echo(f"note: no actor of the log is of the sandbox class '{sandbox_class}' (its actors': "
+                       f"{', '.join(classes) or 'none'})", err=True)
+        if worker_id is not None and worker_id not in projection.workers:
+            click.echo(f"note: worker '{worker_id}' is not registered (`warmboot workers` lists those that are)",
+                       err=True)
     if mode == "json":
         echo_json(views)
         return
