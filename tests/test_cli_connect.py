@@ -256,6 +256,23 @@ def test_serve_refuses_a_bad_value_before_it_connects(args, says):
     assert says in result.output and "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("args, says", [
+    (["explain", "a-1", "--min-seq", "abc"], "Invalid value for '--min-seq': 'abc' is not a valid integer."),
+    (["actor", "pause", "a-1", "--placement-seq", "x"], "Invalid value for '--placement-seq': 'x' is not a valid integer."),
+    (["audit", "replay", "--until", "last"], "Invalid value for '--until': 'last' is not a valid integer."),
+    (["whatif", "--class", "gvisor", "--limit", "all"], "Invalid value for '--limit': 'all' is not a valid integer."),
+    (["up", "--port", "any"], "Invalid value for '--port': 'any' is not a valid integer."),
+    (["serve", "scheduler", "--checkpoint-interval", "1m"],
+     "Invalid value for '--checkpoint-interval': '1m' is not a valid float."),
+])
+def test_a_value_that_is_no_number_is_said_so(args, says):
+    """click's ranges said "is not a valid integer range" of a value that is no number at all (a walkthrough)."""
+    closed = f"nats://127.0.0.1:{free_port()}"
+    result = CliRunner().invoke(main, [*args] + ([] if args[0] == "up" else ["--nats", closed]))
+    assert result.exit_code == 2, result.output
+    assert says in result.output and "range" not in result.output.splitlines()[-1]
+
+
 def test_a_metrics_port_taken_is_one_line_naming_it(tmp_path):
     import socket
 

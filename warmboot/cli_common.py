@@ -40,6 +40,19 @@ def check_nats_option(ctx: click.Context | None, param: click.Parameter | None, 
     return url
 
 
+class IntRange(click.IntRange):
+    """click's IntRange, whose value that is no number reads "'x' is not a valid integer" (click's
+    own says "integer range", as if a range were asked for); the help shows INTEGER and the range."""
+
+    name = "integer"
+
+
+class FloatRange(click.FloatRange):
+    """click's FloatRange, named as IntRange is: "'x' is not a valid float"."""
+
+    name = "float"
+
+
 NKEY_SEED_META = "warmboot.nkey_seed"  # where --nkey-seed keeps its file for `ask` (ctx.meta)
 
 
@@ -77,7 +90,7 @@ def json_option(command: Callable) -> Callable:
     return click.option("-o", "--output", type=click.Choice(["json"]), expose_value=False, callback=output,
                         help="json: print JSON instead of text.")(command)
 min_seq_option = click.option(
-    "--min-seq", "min_seq", type=click.IntRange(min=1), default=None, metavar="SEQ",
+    "--min-seq", "min_seq", type=IntRange(min=1), default=None, metavar="SEQ",
     help="Answered from the scheduler's state once it includes stream sequence SEQ (the seq an earlier "
          "command printed): read-your-writes across commands; UNAVAILABLE if no replica has it in time.")
 

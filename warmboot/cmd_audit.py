@@ -24,7 +24,8 @@ from events.schema import (
 )
 from events.subjects import event_subject
 from warmboot.audit import CHANGE_UNREGISTERED, PLACEMENT_RULES, STAMP_RULES, Sink, summary
-from warmboot.cli_common import Failed, ask, check_id, json_option, nats_option, prefix_option, read_subject, replay
+from warmboot.cli_common import (Failed, IntRange, ask, check_id, json_option, nats_option, prefix_option, read_subject,
+                                 replay)
 from warmboot.render import Column, render_fields, render_table, terminal_width
 
 
@@ -47,7 +48,7 @@ def audit() -> None:
 
 
 @audit.command("replay")
-@click.option("--until", "until_seq", type=click.IntRange(min=1), default=None, help="Last sequence to fold.")
+@click.option("--until", "until_seq", type=IntRange(min=1), default=None, help="Last sequence to fold.")
 @click.option("--until-time", callback=lambda ctx, param, value: utc_time(value), default=None, metavar="TIME",
               help="Fold events up to this time: ISO 8601 (2026-12-03T10:00:00Z, +01:00, a bare date), UTC "
                    "unless it names an offset.")

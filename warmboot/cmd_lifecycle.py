@@ -31,8 +31,8 @@ from events.runtime_id import Runtimes, short_id
 from events.schema import ActorRuntime, CompatVersion, CreateActor, Fidelity, Resources, Snapshot, TagRecorded
 from events.states import ActorState
 from events.subjects import event_subject
-from warmboot.cli_common import (ask, check_id, json_option, last_seq, min_seq_option, nats_option, prefix_option,
-                                 read_subject, replay, selectors_of, version_text)
+from warmboot.cli_common import (IntRange, ask, check_id, json_option, last_seq, min_seq_option, nats_option,
+                                 prefix_option, read_subject, replay, selectors_of, version_text)
 from warmboot.client import Client
 from warmboot.cmd_views import (
     LABELS_TIMEOUT_S,
@@ -65,7 +65,7 @@ def one_state(value: str | None) -> str | None:
     return value.upper()
 
 placement_seq_option = click.option(
-    "--placement-seq", type=click.IntRange(min=1), default=None, metavar="SEQ",
+    "--placement-seq", type=IntRange(min=1), default=None, metavar="SEQ",
     help="The seq `actor resume` printed for the placement the image was taken under: refused, and nothing "
          "recorded, if the actor has been placed anew since (its worker removed meanwhile, say).")
 

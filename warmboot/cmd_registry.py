@@ -16,7 +16,7 @@ from events.probe import ARCHITECTURES, DEFAULT_CPUINFO
 from events.natsauth import NKEY_SEED_ENV
 from events.subjects import DEFAULT_PREFIX
 from services.common import run_serving, serving_loop
-from warmboot.cli_common import check_id, check_nats_option, check_prefix_option
+from warmboot.cli_common import FloatRange, check_id, check_nats_option, check_prefix_option
 from warmboot.agent import Agent, ConfigError, ProbeSettings, load_registration
 
 
@@ -40,7 +40,7 @@ from warmboot.agent import Agent, ConfigError, ProbeSettings, load_registration
 @click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="WARMBOOT_PREFIX", show_envvar=True,
               callback=check_prefix_option, help="Subject prefix of the deployment.")
 @click.option("--drain-on-exit", is_flag=True, help="Drain the worker on SIGTERM/SIGINT before stopping.")
-@click.option("--watch-interval", "watch_interval_s", type=click.FloatRange(min=0.05), default=1.0,
+@click.option("--watch-interval", "watch_interval_s", type=FloatRange(min=0.05), default=1.0,
               show_default=True, help="Seconds between checks of the config file for edits.")
 @click.option("--cpuinfo", "cpuinfo_path", type=click.Path(path_type=Path), default=DEFAULT_CPUINFO,
               show_default=True, help="cpuinfo file the probe reads.")

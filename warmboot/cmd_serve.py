@@ -16,7 +16,7 @@ from services.common import ALL_INTERFACES, run_serving, tune_gc
 from services.registry.binding import UNBIND
 from services.registry.budget import DEFAULT_BURST, DEFAULT_INTERVAL_S as WRITE_INTERVAL_S, WriteBudget
 from services.registry.nodes import describe, load_nodes
-from warmboot.cli_common import check_nats_option, check_prefix_option, event_loop_option
+from warmboot.cli_common import FloatRange, IntRange, check_nats_option, check_prefix_option, event_loop_option
 from services.scheduler.checkpoint import DEFAULT_EVERY_EVENTS, DEFAULT_INTERVAL_S
 from warmboot.runner import SERVICES, dump_on_signal, start_services, stop_signals, until_stopped
 
@@ -58,7 +58,7 @@ def check_interval(ctx: click.Context, param: click.Parameter, value: float) -> 
               show_envvar=True, help="Sign in with the nkey seed in this file (warmboot nats-config --auth nkey).")
 @click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="WARMBOOT_PREFIX", show_envvar=True,
               callback=check_prefix_option, help="Subject prefix of the deployment.")
-@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
+@click.option("--metrics-port", type=IntRange(0, 65535), default=None,
               help="Serve Prometheus metrics on this port (0: any free port)  [default: none, no metrics]")
 @click.option("--metrics-host", default=ALL_INTERFACES, show_default=True,
               help="Interface the metrics are served on (all by default, for a Prometheus on another host).")
@@ -72,7 +72,7 @@ def check_interval(ctx: click.Context, param: click.Parameter, value: float) -> 
                    "own node, and only if listed, and removes one registered elsewhere; `none` removes the binding. "
                    "Give it to the one replica that changes the binding: the file given last wins "
                    "(docs/security.md).")
-@click.option("--worker-writes", type=click.IntRange(min=0), default=DEFAULT_BURST, show_default=True,
+@click.option("--worker-writes", type=IntRange(min=0), default=DEFAULT_BURST, show_default=True,
               envvar="WARMBOOT_WORKER_WRITES", show_envvar=True,
               help="Registry: writes the requests about one worker (a registration, a refused one's mark, a "
                    "drain that changes nothing) may make at once, in each replica; past them such a request is refused "
@@ -81,13 +81,13 @@ def check_interval(ctx: click.Context, param: click.Parameter, value: float) -> 
 @click.option("--worker-write-interval", "worker_write_interval_s", type=float, callback=check_interval,
               default=WRITE_INTERVAL_S, show_default=True, envvar="WARMBOOT_WORKER_WRITE_INTERVAL", show_envvar=True,
               help="Registry: seconds in which a worker earns back one write of --worker-writes.")
-@click.option("--replicas", type=click.IntRange(1, 5), default=None, envvar="WARMBOOT_STREAM_REPLICAS",
+@click.option("--replicas", type=IntRange(1, 5), default=None, envvar="WARMBOOT_STREAM_REPLICAS",
               show_envvar=True, help="Replica count of the event stream when this process creates it (3 on a cluster)  "
                                      "[default: 1]")
-@click.option("--checkpoint-every", type=click.IntRange(min=0), default=DEFAULT_EVERY_EVENTS, show_default=True,
+@click.option("--checkpoint-every", type=IntRange(min=0), default=DEFAULT_EVERY_EVENTS, show_default=True,
               help="Scheduler: save a projection checkpoint every N events folded (0: no checkpoints, "
                    "a new replica replays the whole log).")
-@click.option("--checkpoint-interval", "checkpoint_interval_s", type=click.FloatRange(min=0),
+@click.option("--checkpoint-interval", "checkpoint_interval_s", type=FloatRange(min=0),
               default=DEFAULT_INTERVAL_S, show_default=True,
               help="Scheduler: also save one after this many seconds if anything was folded (0: off).")
 @event_loop_option

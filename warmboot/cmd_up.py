@@ -12,7 +12,7 @@ from rich.console import Console
 from events.subjects import DEFAULT_PREFIX, stream_name
 from services.common import run_serving, tune_gc
 from services.scheduler.checkpoint import DEFAULT_EVERY_EVENTS, DEFAULT_INTERVAL_S
-from warmboot.cli_common import check_prefix_option, event_loop_option
+from warmboot.cli_common import IntRange, check_prefix_option, event_loop_option
 from warmboot.natsserver import NatsServer, NatsServerError, StoreInUse
 from warmboot.runner import SERVICES, dump_on_signal, start_services, stop_signals, until_stopped
 
@@ -20,13 +20,13 @@ console = Console(soft_wrap=True)  # a line piped is not cut at 80 columns (the 
 
 
 @click.command()
-@click.option("--port", type=click.IntRange(0, 65535), default=4222, show_default=True,
+@click.option("--port", type=IntRange(0, 65535), default=4222, show_default=True,
               help="NATS client port (0: any free port).")
 @click.option("--store", type=click.Path(file_okay=False, path_type=Path), default=Path(".warmboot"),
               show_default=True, help="JetStream store directory.")
 @click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="WARMBOOT_PREFIX", show_envvar=True,
               callback=check_prefix_option, help="Subject prefix.")
-@click.option("--metrics-port", type=click.IntRange(0, 65535), default=9464, show_default=True,
+@click.option("--metrics-port", type=IntRange(0, 65535), default=9464, show_default=True,
               help="Prometheus metrics port (0: any free port).")
 @click.option("--demo/--no-demo", default=False, show_default=True,
               help="Drive a simulated fleet through the real bus and print a summary.")

@@ -33,8 +33,8 @@ from events.schema import (WHATIF_LIMIT_MAX, CompatVersion, Explanation, Fragmen
 from events.states import WorkerState
 from events.subjects import event_subject
 from services.scheduler.feasibility import SELECTOR_MISMATCH
-from warmboot.cli_common import (ask, last_seq, log_messages, min_seq_option, nats_option, prefix_option, selectors_of,
-                                 version_text)
+from warmboot.cli_common import (IntRange, ask, last_seq, log_messages, min_seq_option, nats_option, prefix_option,
+                                 selectors_of, version_text)
 from warmboot.client import Client
 from warmboot.render import Column, render_fields, render_table, terminal_width
 
@@ -313,7 +313,7 @@ async def selector_misses(nc: Any, prefix: str, actor_id: str, asked: dict[str, 
 @click.argument("actor_id")
 @click.option("--selector", "selectors", multiple=True, metavar="KEY=VALUE",
               help="Extra label selector. Repeatable, one value per key.")
-@click.option("--limit", type=click.IntRange(min=0), default=20, show_default=True,
+@click.option("--limit", type=IntRange(min=0), default=20, show_default=True,
               help="List at most N rows of the workers passed over, those that came furthest through the checks "
                    "first, then by id: a row for the workers passed over for the same reasons, or with -o wide a "
                    "worker a row (0: all the scheduler names, at most 1,000 workers; SUMMARY counts every one).")
@@ -665,7 +665,7 @@ def render_whatif(query: WhatIf, answer: WhatIfAnswer, runtimes: Runtimes, width
                    "an id (rt-3f9a1c), or a name: every runtime of the class that carries it. Repeatable.")
 @click.option("--drain", "drain", multiple=True, metavar="WORKER",
               help="As if this worker were drained. Repeatable.")
-@click.option("--limit", type=click.IntRange(0, WHATIF_LIMIT_MAX), default=100, show_default=True,
+@click.option("--limit", type=IntRange(0, WHATIF_LIMIT_MAX), default=100, show_default=True,
               help=f"Newly stranded actors listed at most (0: all, up to {WHATIF_LIMIT_MAX:,}).")
 @min_seq_option
 @nats_option
