@@ -19,7 +19,7 @@ EXAMPLES: dict[str, list[str]] = {
     ],
     "up": [
         "warmboot up --demo",
-        "warmboot up --port 0 --store /tmp/wb --metrics-port 0",
+        "warmboot up --port 0 --store second-store --metrics-port 0",
     ],
     "probe": [
         "warmboot probe --profile gvisor",
