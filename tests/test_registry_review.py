@@ -220,6 +220,48 @@ async def test_an_expiry_swept_while_the_worker_registers_leaves_it_registered(n
         assert (await finished(one.heartbeat("w-1", Heartbeat()))).ttl_s == 1.0
 
 
+async def test_an_expiry_handled_twice_does_not_end_the_life_registered_after_it(nats_url, nc, prefix):
+    """Two replicas handle one expiry marker (a reconciliation round and the sweep; a marker handed back
+    by a replica that stops after it removed the worker): the first removes the worker as LOST, its
+    agent registers it anew through that replica (a new life, which beats), and the second, having
+    read the marker as the key's last entry before all that, decided on the worker as it loaded it
+    afterwards: it removed the new life as LOST too, a worker that had just registered and beaten (its
+    actors released and placed again elsewhere), two removals for one silence. The key is read after
+    the worker is loaded now, again at each attempt, and the removal's append expects the worker's
+    history as loaded: a registration since makes it decide again, and find the new life beating."""
+    async with running_registry(nats_url, prefix, ttl_s=1) as one, \
+            running_registry(nats_url, prefix, ttl_s=60) as two:  # two's beats outlive the test
+        for replica in (one, two):  # the test hands the marker to each of them
+            await replica.liveness.sweeper.stop()
+        first = await one.register("w-1", body("w-1"))
+        await expiry_marker(nc, prefix, "w-1")
+
+        entry, read, go = one.liveness.entry, asyncio.Event(), asyncio.Event()
+
+        async def entry_then_wait(worker_id: str):  # one's first read of the bucket, held
+            seen = await entry(worker_id)
+            if not read.is_set():
+                read.set()
+                await go.wait()
+            return seen
+
+        one.liveness.entry = entry_then_wait
+        late = asyncio.create_task(one._expired("w-1"))
+        await finished(read.wait())  # one has read the marker as the key's last entry...
+        await finished(two._expired("w-1"))  # ...two removes the worker on it (LOST)...
+        again = await finished(two.register("w-1", body("w-1")))  # ...and its agent registers it anew
+        assert again.outcome is RegisterOutcome.REGISTERED
+        go.set()
+        await finished(late)
+
+        history = await worker_events(nc, prefix, "w-1")
+        events = [(seq, type(e).__name__, getattr(e, "reason", None)) for seq, e in history]
+        assert [e[1:] for e in events] == [("WorkerRegistered", None), ("WorkerRemoved", "LOST"),
+                                           ("WorkerRegistered", None)], events
+        assert events[0][0] == first.seq and events[-1][0] == again.seq
+        assert (await finished(one.heartbeat("w-1", Heartbeat()))).ttl_s == 1.0
+
+
 # --- an event the roster does not know -----------------------------------------------------------
 
 

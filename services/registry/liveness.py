@@ -7,7 +7,8 @@ marker in its place; the replicas share one durable work-queue consumer on the
 bucket, so each marker reaches one replica, which removes the worker as `LOST` (and
 a crash before the ack hands the marker to another). Replicas do not poll or scan
 per worker; two that do handle the same marker write one event between them, as the
-aggregate decides on fresh state.
+aggregate decides on fresh state (and reads the key after it loads the worker:
+`RegistryStore.lose`).
 
 A beat returns once the server has stored the put (its ack), so the `ttl_s` a
 heartbeat answers counts from a put that is in the bucket. Puts are pipelined:

@@ -151,6 +151,9 @@ class RegistryStore(WireApplication):
     # worker's history was read behind the stream leader; the service sets its roster's check. Without
     # one, the leader is asked (`services.common.confirm_unchanged`).
     confirm: Callable[[Worker, int], Awaitable[None]] | None = None
+    # Whether a worker's heartbeat key holds no heartbeat (`lose` reads it after loading the worker); the
+    # service sets its liveness's. Without one, `lose` removes a worker in a life.
+    silent: Callable[[str], Awaitable[bool]] | None = None
     CACHE_AGGREGATES = True  # a command reads only the events after the worker it last read or saved
 
     async def load(self, worker_id: str) -> Worker:
@@ -307,7 +310,15 @@ class RegistryStore(WireApplication):
         return await self._commit(worker)
 
     async def lose(self, worker_id: str, at: datetime) -> Decided:
+        """Remove the worker as LOST if it is in a life and `silent(worker_id)` (its heartbeat key, read
+        after the worker is loaded) says so still. Read before the load, a marker handled twice (two
+        replicas) removed the life its agent registered meanwhile: the key was read before that
+        registration's beat, the worker loaded after it. Read after, a registration the load has has
+        beaten already (it beats before it decides), and one it has not moves the history the removal
+        expects, so the command is decided again, reading the key again (an audit's finding)."""
         worker = await self.load(worker_id)
+        if worker.alive and self.silent is not None and not await self.silent(worker_id):
+            return await self._commit(worker)  # nothing: it beats
         if not worker.lose(at):  # read behind the registration of a new life, that life was left silent
             await self._confirm_read(worker)
         return await self._commit(worker)
@@ -423,6 +434,7 @@ class RegistryService:
         self.replies = await ReplyCache(self.nc, self.prefix).start()
         self.store.no_writes = NoWriteAnswers(self.replies, SERVICE, asyncio.get_running_loop(), self.watch.created)
         self.store.confirm = self._confirm_unchanged
+        self.store.silent = self._silent
         await self.binding.start(self.worker_nodes)
         # Commands for different workers append together while one append is in flight (each holds its
         # worker's lock): an atomic batch costs a one-replica file stream's server milliseconds.
@@ -705,14 +717,19 @@ class RegistryService:
     async def _expired(self, worker_id: str) -> None:
         # A heartbeat (or a new registration) that came after the marker wins. Read under the
         # worker's lock: a registration here beats before it decides, so either its beat is
-        # seen, or the removal is written before it decides (and it registers anew).
+        # seen, or the removal is written before it decides (and it registers anew). The key is
+        # read after the worker is loaded, at each attempt (`RegistryStore.lose`): a registration
+        # through another replica is seen beating too, or makes the removal decide again.
         async with self._workers(worker_id):
-            if await self.liveness.state(worker_id) == "beating":
-                return
             decided = await run_command_async(lambda: self.store.lose(worker_id, now()))
         if decided.wrote:
             LOST_WORKERS.inc()
             log.info("worker %s removed as LOST after %ss without a heartbeat", worker_id, self.ttl_s)
+
+    async def _silent(self, worker_id: str) -> bool:
+        """Whether the worker's heartbeat key holds no heartbeat (its last entry the server's expiry marker,
+        or nothing)."""
+        return await self.liveness.state(worker_id) != "beating"
 
     async def reconcile(self) -> None:
         """At start, and every `reconcile_interval_s`: every registered worker has a heartbeat clock
