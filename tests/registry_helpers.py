@@ -17,7 +17,7 @@ from nats.js.errors import NotFoundError
 
 from events.codec import decode_event, encode
 from events.schema import Event
-from events.subjects import event_subject, service_subject, stream_name
+from events.subjects import bucket_name, event_subject, service_subject, stream_name
 from services.common import store_env
 from services.registry.budget import WriteBudget
 from services.registry.service import RegistryService
@@ -123,6 +123,18 @@ async def wait_event(
             event = decode_event(msg.data)
             if msg.metadata.sequence.stream > after and isinstance(event, event_type):
                 return msg.metadata.sequence.stream, event
+    finally:
+        await sub.unsubscribe()
+
+
+async def expiry_marker(nc, prefix: str, worker_id: str) -> None:
+    """Return once the server has expired the worker's heartbeat (its MaxAge marker is stored)."""
+    bucket = bucket_name(prefix, "heartbeats")
+    sub = await nc.jetstream().subscribe(f"$KV.{bucket}.{worker_id}", stream=f"KV_{bucket}", ordered_consumer=True)
+    try:
+        while (msg := await sub.next_msg(timeout=30.0)).headers is None or \
+                msg.headers.get("Nats-Marker-Reason") != "MaxAge":
+            pass
     finally:
         await sub.unsubscribe()
 

@@ -41,6 +41,7 @@ from services.registry.service import COMMIT_GROUP, RegistryStore
 from tests.factories import another_process, read_log, reads_before
 from tests.registry_helpers import (
     attrs,
+    expiry_marker,
     last_seq,
     raw_request,
     registration,
@@ -807,10 +808,11 @@ async def test_a_replica_stopping_hands_back_the_expiries_it_holds(nats_url, nc,
 
 
 async def test_both_replicas_expiring_at_once_write_one_removal(nats_url, nc, prefix):
-    async with running_registry(nats_url, prefix) as one, running_registry(nats_url, prefix) as two:
+    async with running_registry(nats_url, prefix, ttl_s=1) as one, running_registry(nats_url, prefix, ttl_s=1) as two:
+        for replica in (one, two):  # the test hands the expiry to both, twice
+            await replica.liveness.sweeper.stop()
         await register(nc, prefix, registration("w-1"))
-        # As if both received the expiry (no heartbeat on record: purge it first).
-        await nc.jetstream().purge_stream(f"KV_{bucket_name(prefix, 'heartbeats')}")
+        await expiry_marker(nc, prefix, "w-1")
         await asyncio.gather(*(r._expired("w-1") for r in (one, two, one, two)))
         events = await worker_events(nc, prefix, "w-1")
         assert [type(e) for _, e in events] == [WorkerRegistered, WorkerRemoved]

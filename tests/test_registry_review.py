@@ -25,6 +25,7 @@ from events.natspy import Replies, flush_in_order
 from services.registry.liveness import Liveness
 from services.registry.roster import Roster
 from tests.registry_helpers import (
+    expiry_marker,
     last_seq,
     raw_request,
     registration,
@@ -176,18 +177,6 @@ def test_the_roster_keeps_nothing_of_removed_workers():
 # --- an expiry swept while the worker registers ----------------------------------------------------
 
 
-async def expiry_marker(nc, prefix: str, worker_id: str) -> None:
-    """Return once the server has expired the worker's heartbeat (its MaxAge marker is stored)."""
-    bucket = bucket_name(prefix, "heartbeats")
-    sub = await nc.jetstream().subscribe(f"$KV.{bucket}.{worker_id}", stream=f"KV_{bucket}", ordered_consumer=True)
-    try:
-        while (msg := await sub.next_msg(timeout=30.0)).headers is None or \
-                msg.headers.get("Nats-Marker-Reason") != "MaxAge":
-            pass
-    finally:
-        await sub.unsubscribe()
-
-
 async def test_an_expiry_swept_while_the_worker_registers_leaves_it_registered(nats_url, nc, prefix):
     """docs/registry.md: a registration beats before it is decided, so that an expiry being swept
     at that moment cannot remove the worker it is registering."""
@@ -259,6 +248,57 @@ async def test_an_expiry_handled_twice_does_not_end_the_life_registered_after_it
         assert [e[1:] for e in events] == [("WorkerRegistered", None), ("WorkerRemoved", "LOST"),
                                            ("WorkerRegistered", None)], events
         assert events[0][0] == first.seq and events[-1][0] == again.seq
+        assert (await finished(one.heartbeat("w-1", Heartbeat()))).ttl_s == 1.0
+
+
+async def test_an_expiry_that_finds_a_removal_s_tombstone_gives_the_new_life_a_clock(nats_url, nc, prefix):
+    """A worker falls silent (its marker written), and is removed (by its agent, an operator) as it
+    registers again through another replica: the removal read that registration's first beat as the
+    key's last entry and put its tombstone over it, and the registration, decided on the removed
+    worker, began a new life, whose second beat is on its way. The marker handled then found the new
+    life and a key with no heartbeat, and removed it as LOST: a worker that had just registered and
+    beaten. A key with nothing in it after a marker was emptied by a removal since: the life in force
+    began after it, and gets a clock (removed LOST within its TTL if it is silent), as a reconciliation
+    gives one."""
+    from events.schema import RemoveWorker
+
+    async with running_registry(nats_url, prefix, ttl_s=1) as one, \
+            running_registry(nats_url, prefix, ttl_s=60) as two:  # two's beats outlive the test
+        for replica in (one, two):  # the test hands the marker over itself
+            await replica.liveness.sweeper.stop()
+        await one.register("w-1", body("w-1"))
+        await expiry_marker(nc, prefix, "w-1")
+
+        beat, beats, first, go, second, then = two.liveness.beat, [], asyncio.Event(), asyncio.Event(), \
+            asyncio.Event(), asyncio.Event()
+
+        async def held(worker_id: str) -> None:  # two's beat before its decision, then its beat after it
+            beats.append(worker_id)
+            if len(beats) == 1:
+                await beat(worker_id)
+                first.set()
+                await go.wait()
+            else:
+                second.set()
+                await then.wait()
+                await beat(worker_id)
+
+        two.liveness.beat = held
+        registering = asyncio.create_task(two.register("w-1", body("w-1")))
+        await finished(first.wait())
+        removed = await finished(one.remove("w-1", RemoveWorker(reason="operator")))
+        assert await one.liveness.state("w-1") == "absent"  # its tombstone over two's beat
+        go.set()
+        await finished(second.wait())  # the new life is written, its second beat held
+        await finished(one._expired("w-1"))  # the marker, handled now
+        then.set()
+        again = await finished(registering)
+        assert again.outcome is RegisterOutcome.REGISTERED and again.seq > removed.seq
+
+        history = await worker_events(nc, prefix, "w-1")
+        events = [(type(e).__name__, getattr(e, "reason", None)) for _, e in history]
+        assert events == [("WorkerRegistered", None), ("WorkerRemoved", "operator"), ("WorkerRegistered", None)], \
+            events
         assert (await finished(one.heartbeat("w-1", Heartbeat()))).ttl_s == 1.0
 
 

@@ -727,9 +727,15 @@ class RegistryService:
             log.info("worker %s removed as LOST after %ss without a heartbeat", worker_id, self.ttl_s)
 
     async def _silent(self, worker_id: str) -> bool:
-        """Whether the worker's heartbeat key holds no heartbeat (its last entry the server's expiry marker,
-        or nothing)."""
-        return await self.liveness.state(worker_id) != "beating"
+        """Whether the worker, in a life, is silent: its heartbeat key's last entry is the server's expiry
+        marker. A key with nothing in it (a removal's tombstone since the marker: the life in force began
+        after it, and its beat may be on its way; or no entry) gets a clock instead, as a reconciliation
+        gives one, so that the worker is removed LOST within its TTL if it is silent: removed at once, a
+        life registered a moment before, its first beat under the tombstone, was (an audit's finding)."""
+        state = await self.liveness.state(worker_id)
+        if state == "absent":
+            await self.liveness.start_clock(worker_id, await self.liveness.last_entry(worker_id))
+        return state == "expired"
 
     async def reconcile(self) -> None:
         """At start, and every `reconcile_interval_s`: every registered worker has a heartbeat clock
