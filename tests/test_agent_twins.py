@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-
-import pytest
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
 
 from events.schema import RuntimeChanged, WorkerRegistered, WorkerRemoved
 from events.subjects import bucket_name
@@ -26,6 +26,22 @@ def machine(nats_url: str, prefix: str, tmp_path, name: str, cpuinfo) -> Agent:
                  state_file=tmp_path / f"{name}.revision")
 
 
+@asynccontextmanager
+async def beats_of(nc, prefix: str, worker_id: str) -> AsyncIterator[asyncio.Queue[float]]:
+    """The monotonic time of each put in `worker_id`'s heartbeat key, as the server stores it."""
+    stored: asyncio.Queue[float] = asyncio.Queue()
+
+    async def put(msg) -> None:
+        stored.put_nowait(time.monotonic())
+
+    sub = await nc.subscribe(f"$KV.{bucket_name(prefix, 'heartbeats')}.{worker_id}", cb=put)
+    await flush_in_order(nc)
+    try:
+        yield stored
+    finally:
+        await sub.unsubscribe()
+
+
 async def test_a_second_agent_s_registration_is_not_kept_alive_by_the_first_one_s_beats(nats_url, nc, prefix,
                                                                                         tmp_path):
     """Machine `intel` runs the agent of w-a; machine `amd` is started with the same worker id and
@@ -35,14 +51,7 @@ async def test_a_second_agent_s_registration_is_not_kept_alive_by_the_first_one_
     CPU were placed on w-a (an audit). A beat names the registration it keeps alive (its revision),
     so intel's is refused and intel registers its machine again: the log holds intel's CPU."""
     ttl = 2.0
-    stored: asyncio.Queue[float] = asyncio.Queue()
-
-    async def put(msg) -> None:
-        stored.put_nowait(time.monotonic())
-
-    sub = await nc.subscribe(f"$KV.{bucket_name(prefix, 'heartbeats')}.w-a", cb=put)
-    await flush_in_order(nc)
-    try:
+    async with beats_of(nc, prefix, "w-a") as stored:
         async with running_registry(nats_url, prefix, ttl_s=ttl):
             async with agent_running(machine(nats_url, prefix, tmp_path, "intel", CPUINFO)):
                 seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
@@ -60,8 +69,6 @@ async def test_a_second_agent_s_registration_is_not_kept_alive_by_the_first_one_
                 assert classes is not None and not foreign_attributes(classes, "intel"), (
                     f"w-a, run by the intel machine alone, is registered with "
                     f"{classes and foreign_attributes(classes, 'intel')}")
-    finally:
-        await sub.unsubscribe()
 
 
 async def test_a_new_life_of_other_classes_is_not_kept_alive_by_the_first_agent_s_beats(nats_url, nc, prefix,
@@ -75,14 +82,7 @@ async def test_a_new_life_of_other_classes_is_not_kept_alive_by_the_first_agent_
     A beat names the last registration of this agent the registry answered until another is answered:
     refused, it keeps nothing alive, and the other machine's life ends as LOST."""
     ttl = 2.0
-    beat: asyncio.Queue[float] = asyncio.Queue()
-
-    async def put(msg) -> None:
-        beat.put_nowait(time.monotonic())
-
-    sub = await nc.subscribe(f"$KV.{bucket_name(prefix, 'heartbeats')}.w-a", cb=put)
-    await flush_in_order(nc)
-    try:
+    async with beats_of(nc, prefix, "w-a") as beat:
         async with running_registry(nats_url, prefix, ttl_s=ttl):
             async with agent_running(machine(nats_url, prefix, tmp_path, "intel", CPUINFO)):
                 await wait_event(nc, prefix, "w-a", WorkerRegistered)
@@ -106,5 +106,3 @@ async def test_a_new_life_of_other_classes_is_not_kept_alive_by_the_first_agent_
                 _, anew = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=seq, timeout=4 * ttl)
                 assert [c.sandbox_class for c in anew.sandbox_classes] == ["gvisor"]
                 assert not foreign_attributes(anew.sandbox_classes, "intel")
-    finally:
-        await sub.unsubscribe()

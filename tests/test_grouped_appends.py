@@ -270,14 +270,21 @@ async def test_a_batch_refused_before_anything_was_stored_checks_each_member_as_
         theirs = await asyncio.to_thread(other.application_recorder().insert_events, change("c"))
     finally:
         await asyncio.to_thread(other.close)
+    await a_written_beside_a_conflict(recorder, "c", theirs)
+
+
+async def a_written_beside_a_conflict(recorder, rival: str, theirs: list[int]) -> None:
+    """`a` and `rival` grouped: the batch is refused, each member tried alone; `a` is written and
+    `rival` is a conflict, the log holding the other writer's `theirs` and `a`'s, nothing more."""
     groups: list[int] = []
     appends = GroupedAppends(recorder.insert_events_async, on_group=groups.append)
-    a, c = await asyncio.gather(appends.insert(change("a")), appends.insert(change("c")), return_exceptions=True)
+    a, refused = await asyncio.gather(appends.insert(change("a")), appends.insert(change(rival)),
+                                      return_exceptions=True)
     assert groups == [2, 1, 1]
-    assert isinstance(c, IntegrityError), c
+    assert isinstance(refused, IntegrityError), refused
     log = await stored(recorder)
     assert [log[seq] for seq in a] == [("tally.a", 1), ("ledger.a", 1)]
-    assert sorted(log) == sorted(theirs + a)
+    assert sorted(log) == sorted(theirs + a)  # the rival's version once: the other's
 
 
 async def test_a_member_tried_again_after_a_lost_reply_is_still_checked_against_versions_taken_long_ago(
@@ -316,13 +323,6 @@ async def test_a_member_tried_again_after_a_lost_reply_is_still_checked_against_
         recorder.stream._send = send
         # the other's message ages past the duplicate window: the precondition, not a synchronisation
         await asyncio.sleep(3 * window_s)
-        groups: list[int] = []
-        appends = GroupedAppends(recorder.insert_events_async, on_group=groups.append)
-        a, m = await asyncio.gather(appends.insert(change("a")), appends.insert(change("m")), return_exceptions=True)
-        assert groups == [2, 1, 1]
-        assert isinstance(m, IntegrityError), m
-        log = await stored(recorder)
-        assert [log[seq] for seq in a] == [("tally.a", 1), ("ledger.a", 1)]
-        assert sorted(log) == sorted(theirs + a)  # m's version 1 once: the other's
+        await a_written_beside_a_conflict(recorder, "m", theirs)
     finally:
         await asyncio.to_thread(factory.close)
