@@ -36,8 +36,8 @@ The agent then:
   own (if refused, the beats keep nothing alive until the worker is removed as LOST, and
   registered anew); a worker whose agent runs is a worker in service; registrations are
   sent one after the other, after the first none holds up the heartbeats (nor does an
-  edit's), and each sends what
-  the file and the probe say when its turn comes (docs/registry.md, "The agent");
+  edit's), and each sends what the file and the probe say when its turn comes
+  (docs/registry.md, "The agent");
 - on SIGTERM/SIGINT drains the worker first if asked (`--drain-on-exit`), then
   stops; if its registration was still on its way, the drain waits for it (up to
   the drain's 5 s). A drained worker stays drained when its agent comes back before

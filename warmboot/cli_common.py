@@ -164,16 +164,17 @@ class Failed(click.ClickException):
         message = error.message
         context = click.get_current_context(silent=True)
         prefix = context.params.get("prefix") if context is not None else None
-        service = message[len(NO_SERVICE):].split(" ")[0].split(".")[1:2] or ["service"]
-        if message.startswith(NO_SERVICE) and prefix and message.endswith(no_service_hint(prefix, service[0])):
+        # the subject's second word, in "no service answers <prefix>.<service>...": the service asked
+        service = (message[len(NO_SERVICE):].split(" ")[0].split(".")[1:2] or ["service"])[0]
+        if prefix and message.startswith(NO_SERVICE) and message.endswith(no_service_hint(prefix, service)):
             # none of the attempts reached a service, as `last_seq` says it for the log
-            message = message.removesuffix(no_service_hint(prefix, service[0]))  # the client's, said here as an option
+            message = message.removesuffix(no_service_hint(prefix, service))  # the client's, said here as an option
             if held and prefix in held:
-                hint = f" (the log of --prefix {prefix} is on this server: does the {service[0]} run?)"
+                hint = f" (the log of --prefix {prefix} is on this server: does the {service} run?)"
             elif held:
                 hint = f" (is --prefix {prefix} the deployment's? {logs_held(held)})"
             else:
-                hint = f" (is --prefix {prefix} the deployment's, and does the {service[0]} run?)"
+                hint = f" (is --prefix {prefix} the deployment's, and does the {service} run?)"
         super().__init__(f"{error.code.value}{where}: {message}{hint}")
         self.error = error
 
