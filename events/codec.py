@@ -64,6 +64,29 @@ def field_path(error: msgspec.ValidationError) -> tuple[str, str | None]:
     return message, path or None
 
 
+GIVEN_CHARS = 80  # of a refused value, quoted in its error
+
+
+def given(data: bytes, path: str | None, message: str) -> str:
+    """`; got 'bad id!'`: the refused value at `path` of the body `data`, quoted (a string or a
+    number; cut at GIVEN_CHARS) to end its error with, so that the caller sees what was refused;
+    "" when the message says it already (msgspec's `got `int``), names a key or a missing field, or
+    the value is not there to quote."""
+    if not path or "got " in message or message.endswith("(in a key)") or message.startswith("Object missing"):
+        return ""
+    try:
+        value: Any = msgspec.json.decode(data)
+        for step in re.findall(r"\[(\d+)\]|([^.\[\]]+)", path):
+            index, key = step
+            value = value[int(index)] if index else value[key]
+    except (msgspec.DecodeError, LookupError, TypeError, ValueError):
+        return ""
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        return ""
+    text = repr(value)
+    return f"; got {text[:GIVEN_CHARS]}{'...' if len(text) > GIVEN_CHARS else ''}"
+
+
 def unknown_fields(type_: Any, value: Any, path: str = "") -> list[str]:
     """The contract paths (`a[0].b`) of `value`'s object keys that `type_` has no field for.
 
@@ -116,6 +139,7 @@ def decode_request(type_: type[T], data: bytes, *, path_prefix: str = "") -> T:
         value = decoder(type_).decode(data)
     except msgspec.ValidationError as e:
         message, path = field_path(e)
+        message += given(data, path, message)
         raise invalid(message, f"{path_prefix}{path}" if path else None) from None
     except msgspec.DecodeError as e:
         raise invalid(f"body is not valid JSON: {e}") from None

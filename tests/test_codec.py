@@ -378,5 +378,5 @@ def test_every_pattern_is_said_in_words_not_as_a_regular_expression(pattern):
     with pytest.raises(ContractError) as refused:
         decode_request(body, b'{"field": "\\u0001 not it \\u0001"}')
     assert refused.value.field == "field"
-    assert refused.value.message == f"Expected {PATTERN_WORDS[pattern]}"
+    assert refused.value.message == f"Expected {PATTERN_WORDS[pattern]}; got {chr(1) + ' not it ' + chr(1)!r}"
     assert "regex" not in refused.value.message

@@ -216,11 +216,11 @@ async def test_a_refusal_raised_by_the_client_reads_with_its_code_and_field(bus)
         await wb.create(actor("a-8", cpu=0))
     error = refused.value
     assert (error.code, error.field, error.message) == (ErrorCode.INVALID_ARGUMENT, "resources.cpu_millis",
-                                                        "Expected `int` >= 1")
-    assert str(error) == "INVALID_ARGUMENT resources.cpu_millis: Expected `int` >= 1"
+                                                        "Expected `int` >= 1; got 0")
+    assert str(error) == "INVALID_ARGUMENT resources.cpu_millis: Expected `int` >= 1; got 0"
     assert traceback.format_exception_only(error)[-1] == \
-        "events.errors.ContractError: INVALID_ARGUMENT resources.cpu_millis: Expected `int` >= 1\n"
-    assert repr(error) == "ContractError(INVALID_ARGUMENT resources.cpu_millis: Expected `int` >= 1)"
+        "events.errors.ContractError: INVALID_ARGUMENT resources.cpu_millis: Expected `int` >= 1; got 0\n"
+    assert repr(error) == "ContractError(INVALID_ARGUMENT resources.cpu_millis: Expected `int` >= 1; got 0)"
     assert str(not_found("actor 'a-8' does not exist")) == "NOT_FOUND: actor 'a-8' does not exist"  # no field
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from events.codec import decode_request
+from events.codec import GIVEN_CHARS, decode_request
 from events.errors import ContractError
 from events.schema import (
     CreateActor,
@@ -169,7 +169,24 @@ def test_id_accepted(type_, build, path, good):
 @pytest.mark.parametrize("type_, build, path", ID_FIELDS)
 @pytest.mark.parametrize("bad", BAD_IDS)
 def test_id_rejected(type_, build, path, bad):
-    reject(type_, edit(build(), path, bad), path)
+    error = reject(type_, edit(build(), path, bad), path)
+    assert error.message.endswith(f"; got {bad!r}") or (len(repr(bad)) > GIVEN_CHARS and error.message.endswith(
+        f"; got {repr(bad)[:GIVEN_CHARS]}...")), error  # what was refused, quoted (escaped: printable)
+
+
+@pytest.mark.parametrize("body, path, message", [
+    (create(resources={"cpu_millis": -5, "memory_mib": 1}), "resources.cpu_millis", "Expected `int` >= 1; got -5"),
+    (create(sandbox_class="GVisor"), "sandbox_class", "the first a letter; got 'GVisor'"),
+    (create(resources={"cpu_millis": "500m", "memory_mib": 1}), "resources.cpu_millis", "Expected `int`, got `str`"),
+    (edit(create(), "resources.cpu_millis", DELETE), "resources.cpu_millis",
+     "Object missing required field `cpu_millis`"),
+    (create(selectors={"bad key!": "x"}), "selectors", "or digit (in a key)"),
+])
+def test_a_refused_value_is_quoted_where_its_error_does_not_say_it(body, path, message):
+    """The value itself ends its error (`; got ...`), unless msgspec's message says what it got, the
+    field is missing, or the refusal is of a map's key: a user sees what was refused without the body."""
+    error = reject(CreateActor, body, path)
+    assert error.message.endswith(message), error
 
 
 @pytest.mark.parametrize("bad", BAD_IDS)
