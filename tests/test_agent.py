@@ -621,6 +621,12 @@ def test_agent_command_prints_the_registration(tmp_path):
     assert '"gvisor_asset_hash"' in result.output and '"cpu_features"' in result.output
     bad = CliRunner().invoke(main, ["agent", "--worker-id", "bad id", "--node", "n", "--config", str(path)])
     assert bad.exit_code == 2 and "is not an id: 1 to 128 letters" in bad.output
+    # a config file that is not there is a usage error, said before anything starts (it was said after
+    # the agent's loop had started, exit 1, as if the file had become unreadable while it ran)
+    missing = CliRunner().invoke(main, ["agent", "--worker-id", "w-a", "--node", "n", "--nats", "nats://127.0.0.1:1",
+                                        "--config", str(tmp_path / "missing.toml")])
+    assert missing.exit_code == 2, missing.output
+    assert "Invalid value for '--config'" in missing.output and "missing.toml' does not exist" in missing.output
 
 
 async def test_agent_stops_promptly_while_nats_is_unreachable(tmp_path):

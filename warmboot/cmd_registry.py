@@ -35,7 +35,7 @@ from warmboot.agent import Agent, ConfigError, ProbeSettings, load_registration
               show_envvar=True, help="Sign in with the nkey seed in this file (warmboot nats-config --auth nkey).")
 @click.option("--worker-id", required=True, callback=check_id, help="This worker's id (one subject token).")
 @click.option("--node", required=True, callback=check_id, help="The node (machine) this worker runs on.")
-@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--config", "config_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="TOML file: capacity, labels, sandbox classes (see examples/agent.toml). Watched for edits.")
 @click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="WARMBOOT_PREFIX", show_envvar=True,
               callback=check_prefix_option, help="Subject prefix of the deployment.")
