@@ -14,6 +14,7 @@ from contextlib import AsyncExitStack
 from datetime import datetime, timezone
 from pathlib import Path
 
+import msgspec
 import pytest
 from click.testing import CliRunner
 from rich.console import Console
@@ -26,6 +27,7 @@ from events.schema import (
     Action,
     ActorPlaced,
     ActorRuntime,
+    CompatVersion,
     Explanation,
     ExplainResume,
     Fragmentation,
@@ -250,6 +252,11 @@ async def test_actor_timeline_shows_stamps_pins_and_fallbacks(demo, nats_url):
     # as the wire has them: the runtime a Struct's fields, the time RFC 3339 in UTC
     assert {"sandbox_class", "version", "name"} <= set(placed[0]["runtime"])
     assert placed[0]["runtime"]["version"]["schema_version"].startswith("v")
+    # each runtime's `rt-` id beside its version, as every view's JSON gives it (it had none)
+    for row in (r for r in rows if r["runtime"] is not None):
+        pin = row["runtime"]
+        assert pin["runtime_id"] == short_id(compat_key(pin["sandbox_class"], msgspec.convert(
+            pin["version"], CompatVersion))), row
     assert all(r["at"].endswith("Z") for r in rows)
     paused = [r for r in rows if r["event"] == "SnapshotTaken PAUSE"]
     assert all(r["runtime_role"] == "stamp" and r["runtime"]["sandbox_class"] for r in paused)

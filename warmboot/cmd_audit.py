@@ -105,7 +105,7 @@ def verify_cmd(nats_url: str, prefix: str) -> None:
 def actor_cmd(actor_id: str, nats_url: str, prefix: str, as_json: bool) -> None:
     """Print ACTOR_ID's timeline: every event with stamp, pin, fidelity, fallback and worker."""
 
-    from warmboot.cmd_views import echo_table, fleet_runtimes
+    from warmboot.cmd_views import echo_json, echo_table, fleet_runtimes
 
     subject = event_subject(prefix, "actor", actor_id)
 
@@ -117,8 +117,8 @@ def actor_cmd(actor_id: str, nats_url: str, prefix: str, as_json: bool) -> None:
     if not records:
         raise Failed(not_found(f"no events for actor {actor_id!r}", "actor_id"))
     rows = [timeline_row(seq, event) for seq, event in records]
-    if as_json:
-        click.echo(json.dumps(rows, indent=2))
+    if as_json:  # each runtime with its `rt-` id beside its version, as every view's JSON has it
+        echo_json(rows)
         return
     width = terminal_width()
     shown = list(zip(rows, timeline_labels([event for _, event in records], runtimes)))
