@@ -202,6 +202,31 @@ async def test_errors_name_code_and_field_exit_1_and_write_nothing(bus, nc, pref
     assert refused.exit_code == 1 and refused.stderr.startswith("error: FAILED_PRECONDITION")
 
 
+async def test_cpu_and_memory_read_as_kubectl_writes_them_and_fractions_are_refused(bus, nc, prefix):
+    """`--cpu 500m` and `--memory 1Gi` are 500 millicores and 1024 MiB (both were 'not a valid
+    integer'); a bare number is the unit still; a fraction or a decimal unit is a usage error naming
+    what to write, and nothing is sent."""
+    run, _ = bus
+    made = await run("actor", "create", "a-k", "--class", "gvisor", "--template", "t1", "--cpu", "500m",
+                     "--memory", "1Gi", "--json")
+    assert made.exit_code == 0, made.output
+    (created,) = await wrote(nc, prefix, json.loads(made.output)["seq"])
+    assert (created.resources.cpu_millis, created.resources.memory_mib) == (500, 1024)
+    made = await run("actor", "create", "a-l", "--class", "gvisor", "--template", "t1", "--cpu", "250",
+                     "--memory", "512Mi", "--json")
+    (created,) = await wrote(nc, prefix, json.loads(made.output)["seq"])
+    assert (created.resources.cpu_millis, created.resources.memory_mib) == (250, 512)
+    before = await last_seq(nc, prefix)
+    for option, value, says in (("--cpu", "0.5", "'0.5' is not a whole number of millicores: write 500 or 500m"),
+                                ("--memory", "1.5Gi", "'1.5Gi' is not a whole number of MiB: write 1536"),
+                                ("--memory", "1G", "'1G' is not a whole number of MiB")):
+        sizes = {"--cpu": "100", "--memory": "256", option: value}
+        refused = await run("actor", "create", "a-m", "--class", "gvisor", "--template", "t1",
+                            *(word for pair in sizes.items() for word in pair))
+        assert refused.exit_code == 2 and f"Invalid value for '{option}': {says}" in refused.output, refused.output
+    assert await last_seq(nc, prefix) == before
+
+
 async def test_a_refusal_raised_by_the_client_reads_with_its_code_and_field(bus):
     """An integrator's traceback or log line of a `ContractError` says what the CLI says (code, field,
     message), not the message alone (a walkthrough's traceback read `ContractError: Expected `int` >= 1`,

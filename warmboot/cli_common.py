@@ -53,6 +53,36 @@ class FloatRange(click.FloatRange):
     name = "float"
 
 
+class Quantity(click.ParamType):
+    """A whole number of `unit`, written bare or as kubectl writes it, with one of `suffixes`
+    (`500m` millicores, `1Gi` MiB); anything else (`0.5`, `1.5Gi`, `1G`) is refused naming what to
+    write, before anything is sent. A bare number stays the unit (`--cpu 2` is 2 millicores, as it
+    always was here, not kubectl's 2 cores), so a negative or zero one reaches the service's own
+    check, which names the request's field."""
+
+    def __init__(self, unit: str, suffixes: dict[str, int], example: str):
+        self.name = unit
+        self.suffixes = suffixes
+        self.example = example
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        text = str(value).strip()
+        for suffix, factor in self.suffixes.items():
+            digits = text.removesuffix(suffix)
+            if digits != text and digits.isascii() and digits.isdigit():
+                return int(digits) * factor
+        try:
+            return int(text)
+        except ValueError:
+            self.fail(f"{value!r} is not a whole number of {self.name}: write {self.example}", param, ctx)
+
+
+MILLICORES = Quantity("millicores", {"m": 1}, "500 or 500m (a core is 1000m)")
+MIB = Quantity("MiB", {"Mi": 1, "Gi": 1024}, "1536, 1536Mi or, in whole GiB, 2Gi")
+
+
 NKEY_SEED_META = "warmboot.nkey_seed"  # where --nkey-seed keeps its file for `ask` (ctx.meta)
 
 

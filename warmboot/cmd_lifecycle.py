@@ -31,8 +31,8 @@ from events.runtime_id import Runtimes, short_id
 from events.schema import ActorRuntime, CompatVersion, CreateActor, Fidelity, Resources, Snapshot, TagRecorded
 from events.states import ActorState
 from events.subjects import event_subject
-from warmboot.cli_common import (IntRange, ask, check_id, json_option, last_seq, min_seq_option, nats_option,
-                                 prefix_option, read_subject, replay, selectors_of, version_text)
+from warmboot.cli_common import (MIB, MILLICORES, IntRange, ask, check_id, json_option, last_seq, min_seq_option,
+                                 nats_option, prefix_option, read_subject, replay, selectors_of, version_text)
 from warmboot.client import Client
 from warmboot.cmd_views import (
     LABELS_TIMEOUT_S,
@@ -127,8 +127,10 @@ FIDELITIES = UpperChoice([f.value for f in Fidelity], case_sensitive=False)  # `
 @click.argument("actor_id")
 @click.option("--class", "sandbox_class", required=True, help="Sandbox class, e.g. gvisor.")
 @click.option("--template", "template_uid", required=True, help="Template uid the actor starts from.")
-@click.option("--cpu", "cpu_millis", type=int, required=True, help="CPU, whole millicores.")
-@click.option("--memory", "memory_mib", type=int, required=True, help="Memory, whole MiB.")
+@click.option("--cpu", "cpu_millis", type=MILLICORES, required=True, metavar="MILLICORES",
+              help="CPU in whole millicores: 500 or 500m (a core is 1000m).")
+@click.option("--memory", "memory_mib", type=MIB, required=True, metavar="MIB",
+              help="Memory in whole MiB: 1024, 1024Mi or 1Gi.")
 @click.option("--selector", "selectors", multiple=True, metavar="KEY=VALUE",
               help="Worker label to require. Repeatable, one value per key.")
 @click.option("--min-fidelity", type=FIDELITIES, default=Fidelity.ROOTFS.value,
