@@ -718,6 +718,30 @@ async def test_a_request_the_server_refuses_to_carry_is_told_at_once_not_retried
         assert await last_seq(svc.nc, "hx") == before
 
 
+async def test_a_tag_recorded_by_a_client_that_may_not_read_the_log_is_said_done(tmp_path):
+    """`actor tag` reads the tag's history once the tag is recorded, to say what it named before. A
+    client's credential may not read the log (docs/security.md): the read's failure ended the command
+    with "error: cannot read the event stream", exit 1, after the tag was recorded, and the snapshot it
+    names was not printed (a user who ran it again recorded it again). The tag is shown as done, and
+    what it named before as not known, with the reason, as for a history this CLI cannot read."""
+    from events.schema import TagRecorded
+    from tests.factories import actor, golden, read_log, version
+    from warmboot.client import Client
+
+    async with secured_with(tmp_path, "snapshotter") as (secured, stack, svc):
+        client = await Client.connect(secured.url("carol"), "hx", inbox_prefix="_INBOX.carol")
+        stack.push_async_callback(client.close)
+        await client.create(actor("a-1", golden_snapshot=golden(version("v1"))))
+        env = {"NATS_URL": secured.url("carol"), "NATS_INBOX_PREFIX": "_INBOX.carol", "WARMBOOT_PREFIX": "hx"}
+        tagged = await asyncio.to_thread(CliRunner().invoke, main, ["actor", "tag", "a-1", "base"], env=env)
+        recorded = [(seq, e) for seq, e in await read_log(svc.nc, "hx") if isinstance(e, TagRecorded)]
+        assert len(recorded) == 1
+        assert tagged.exit_code == 0, tagged.output
+        said = tagged.stdout.splitlines()
+        assert said[0].startswith(f"actor/a-1 tagged base: snapshot {recorded[0][1].snapshot.snapshot_id}, "), said
+        assert said[1].startswith("what base named before is not known: cannot read the event stream HX_EVENTS"), said
+
+
 @pytest.mark.parametrize("module", ["warmboot", "warmboot.cli"])
 def test_the_cli_runs_as_a_module(module):
     """`python -m warmboot` (and `-m warmboot.cli`, which a walkthrough ran from a checkout) runs the

@@ -289,7 +289,8 @@ def tag_cmd(actor_id: str, tag: str, request_id: str | None, nats_url: str, pref
             return reply, None, None
         try:
             history = await read_subject(nc, prefix, event_subject(prefix, "tag", tag))
-        except ContractError as e:  # the tag is recorded: only what it named before is not known
+        except (ContractError, click.ClickException) as e:  # the tag is recorded: only what it named before is
+            # not known (a history this CLI cannot read; a log these credentials may not read, as a client's)
             return reply, await runtime_labels(nc, prefix), e.message
         named = [(seq, e.snapshot) for seq, e in history if isinstance(e, TagRecorded)]
         ours = [i for i, (seq, snap) in enumerate(named) if seq <= reply.seq and snap == reply.snapshot]
