@@ -259,6 +259,43 @@ async def test_the_same_request_id_is_the_same_request(bus, nc, prefix):
     assert len(created) == 1
 
 
+async def test_a_command_whose_retries_end_unavailable_names_its_request_id(bus, nc, prefix, monkeypatch):
+    """A pause recorded, and every answer to it UNAVAILABLE (its reply lost, then each retry's check of
+    the actor's history at the stream leader failing, as while the stream has no leader): the client's
+    retries end UNAVAILABLE, while the log holds the snapshot. The contract's remedy is to send it again
+    with the same request id, which the CLI made up and never said: run again, a new id, the pause was
+    refused (the actor is PAUSED already) and its snapshot never printed. The error now names the id, and
+    the command run again with it prints the pause the log holds; nothing is written twice."""
+    from events.errors import unavailable
+    from services.common import ServiceRequest, error_headers
+    from events.codec import encode
+
+    run, wb = bus
+    await wb.create(actor("a-1"))
+    await wb.resume("a-1")
+    subject = f"{prefix}.snapshotter.pause.a-1"
+    answered = ServiceRequest.respond
+
+    async def unanswered(self, data=b"", headers=None):
+        if self._msg.subject == subject:
+            error = unavailable("the event log, a bucket or the bus did not answer (TimeoutError); try again")
+            data, headers = encode(error.reply()), error_headers(error)
+        await answered(self, data, headers)
+
+    monkeypatch.setattr(ServiceRequest, "respond", unanswered)
+    failed = await run("actor", "pause", "a-1")
+    monkeypatch.setattr(ServiceRequest, "respond", answered)
+    assert failed.exit_code == 1 and failed.stderr.startswith("error: UNAVAILABLE: "), failed.output
+    (taken,) = [(seq, e) for seq, e in await read_log(nc, prefix) if isinstance(e, SnapshotTaken)]
+    request_id = taken[1].request_id
+    assert f"--request-id {request_id}" in failed.stderr, failed.stderr
+    again = await run("actor", "pause", "a-1", "--request-id", request_id, "--json")
+    assert again.exit_code == 0, again.output
+    assert (json.loads(again.output)["snapshot"]["snapshot_id"], json.loads(again.output)["seq"]) \
+        == (taken[1].snapshot.snapshot_id, taken[0] + 1)  # its SnapshotTaken and the release after it
+    assert [e for _, e in await read_log(nc, prefix) if isinstance(e, SnapshotTaken)] == [taken[1]]
+
+
 async def test_revert_gives_up_an_image_whose_node_is_gone(bus, nc, prefix):
     run, wb = bus
     await wb.drain("w-new")

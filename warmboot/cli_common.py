@@ -17,7 +17,7 @@ from events.compat import compat_key, describe_key
 from events.errors import ContractError, not_found
 from events.natsauth import NKEY_SEED_ENV, carries_secret, check_url, redact_url
 from events.natspy import ErrorsOnce, describe_error
-from events.schema import ID_RE, ID_WORDS
+from events.schema import ID_RE, ID_WORDS, ErrorCode
 from events.subjects import DEFAULT_PREFIX, PREFIX_PATTERN, check_prefix, stream_name
 from services.common import EVENT_LOOP_ENV, EVENT_LOOPS, leaders_stream_info
 from warmboot.client import NO_SERVICE, no_service_hint
@@ -183,9 +183,13 @@ def flag_of(field: str | None) -> str | None:
 class Failed(click.ClickException):
     """A contract error as every command prints it: `error: CODE field: message` on stderr, exit 1."""
 
-    def __init__(self, error: ContractError, held: list[str] | None = None):
+    def __init__(self, error: ContractError, held: list[str] | None = None, asked: bool = False):
         """`held`: the prefixes whose logs the server holds (`prefixes_held`), if they could be read:
-        a request nobody answered then says whether the prefix is wrong or its service is not running."""
+        a request nobody answered then says whether the prefix is wrong or its service is not running.
+        `asked`: the error is a request's, not the connection's: an UNAVAILABLE that some attempt
+        of it met at a service (a time-out, a service's own) names the command's request id, since
+        the request may have been carried out, and that id, sent again, gets its answer (a new one
+        asks anew: a pause so repeated was refused, the actor being PAUSED by the first)."""
         where = f" {error.field}" if error.field else ""
         flag = flag_of(error.field)
         if flag:  # the wire's name, and what the user typed
@@ -196,7 +200,12 @@ class Failed(click.ClickException):
         prefix = context.params.get("prefix") if context is not None else None
         # the subject's second word, in "no service answers <prefix>.<service>...": the service asked
         service = (message[len(NO_SERVICE):].split(" ")[0].split(".")[1:2] or ["service"])[0]
-        if prefix and message.startswith(NO_SERVICE) and message.endswith(no_service_hint(prefix, service)):
+        heard = not (message.startswith(NO_SERVICE) and message.endswith(no_service_hint(prefix or "", service)))
+        request_id = context.params.get("request_id") if context is not None else None
+        if asked and heard and request_id and error.code is ErrorCode.UNAVAILABLE and error.field != "min_seq":
+            hint = (f" (it may have been carried out: run the command again with --request-id {request_id} for "
+                    "its answer; a new request id would ask anew)")
+        if prefix and not heard:
             # none of the attempts reached a service, as `last_seq` says it for the log
             message = message.removesuffix(no_service_hint(prefix, service))  # the client's, said here as an option
             if held and prefix in held:
@@ -245,11 +254,15 @@ def ask(nats_url: str, work: Callable[[Any], Awaitable[Any]]) -> Any:
                 note.cancel()
         try:
             await hears_replies(nats_url, nc, errors)  # a user refused its inbox: said before anything is sent
+        except BaseException:
+            await nc.close()
+            raise
+        try:
             return await work(nc)
         except ContractError as e:
-            if e.message.startswith(NO_SERVICE):  # a wrong prefix, or a service not running: which one
-                raise Failed(e, await prefixes_held(nc)) from None
-            raise
+            # a wrong prefix, or a service not running: which one
+            held = await prefixes_held(nc) if e.message.startswith(NO_SERVICE) else None
+            raise Failed(e, held, asked=True) from None
         finally:
             await nc.close()
 
