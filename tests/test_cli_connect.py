@@ -49,7 +49,9 @@ def test_a_url_nats_py_cannot_connect_to_is_refused_naming_the_member(url, says)
 
 @pytest.mark.parametrize("command", [["workers"], ["serve", "scheduler"],
                                      ["agent", "--worker-id", "w-1", "--node", "n-1", "--config", "x.toml"]])
-def test_every_command_refuses_a_bad_nats_url_before_it_runs(command):
+def test_every_command_refuses_a_bad_nats_url_before_it_runs(command, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "x.toml").write_text("")  # there (the agent refuses a --config that is not, first)
     result = CliRunner().invoke(main, [*command, "--nats", "nats://127.0.0.1:notaport"])
     assert result.exit_code == 2, result.output
     assert "Invalid value for '--nats'" in result.output and "the port must be a number" in result.output
