@@ -2,7 +2,7 @@
 
 A real agent, two registry replicas and a real nats-server. Each seed draws a sequence of steps
 (edits of the agent's file, the machine's CPU changing or becoming unreadable, reconnects,
-heartbeats, an operator's removal, copies of the agent's registrations held by a stalled replica
+heartbeats, a removal by hand, copies of the agent's registrations held by a stalled replica
 and decided by it late, and copies sent again on the bus), and after a step the test either lets
 the agent act on it to the end or goes straight on to the next, so that registrations are still
 on their way when the next thing happens.

@@ -384,7 +384,7 @@ async def test_a_flood_of_one_worker_s_registrations_does_not_hold_up_another_s(
 
 async def test_an_operator_removes_a_worker_whose_credential_floods_its_registrations(nats_url, nc, prefix):
     """A flood of registrations of one worker keeps IN_FLIGHT_PER_WORKER of them at the replica (one held
-    by its decision, the others waiting for the worker's lock): an operator's removal, sent meanwhile, is
+    by its decision, the others waiting for the worker's lock): a removal by hand, sent meanwhile, is
     taken once the lock is free, not refused with the flood (each endpoint counts its own: found by a
     review, docs/security.md)."""
     async with running_registry(nats_url, prefix, writes=WriteBudget(0)) as registry:
@@ -406,7 +406,7 @@ async def test_an_operator_removes_a_worker_whose_credential_floods_its_registra
 async def test_an_operator_s_removal_refused_behind_a_worker_s_own_removals_is_sent_again(nats_url, nc, prefix):
     """A worker's credential may remove its own id: IN_FLIGHT_PER_WORKER removals of it at the replica (one
     held by its decision, the others waiting for the worker's lock; each carrying a revision below the
-    registration's, so each is refused, as copies sent long ago would be) have an operator's removal
+    registration's, so each is refused, as copies sent long ago would be) have a removal by hand
     refused, RESOURCE_EXHAUSTED with no field. The client sends it again (the same request id) instead of
     failing the operator's command, and it removes the worker once the flood is answered (found by a
     review: the CLI failed)."""

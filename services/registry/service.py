@@ -484,8 +484,9 @@ class RegistryService:
         already. The requests about one worker wait for its lock, or a heartbeat for its put, each holding
         one of the endpoint's slots, which the requests about every worker share: without a bound, one
         credential's flood of requests about its own worker held them all, and every other worker's
-        registrations (or heartbeats) waited behind it. Each endpoint counts its own, so an operator's
-        removal of a flooding worker is not refused for its registrations."""
+        registrations (or heartbeats) waited behind it. Each endpoint counts its own, so a removal of a
+        flooding worker by hand (`warmboot worker remove`, with its own credential under nats-config) is
+        not refused for its registrations."""
         in_flight = KeyedCount(IN_FLIGHT_PER_WORKER)
         flooding: set[str] = set()  # workers refused since they last had none of these in progress
         verb = handler.__name__
