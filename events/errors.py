@@ -17,7 +17,13 @@ HTTP_STATUS: dict[ErrorCode, int] = {
 
 
 class ContractError(Exception):
-    """A request refused with a contract error code; nothing was written."""
+    """A request refused with a contract error code; nothing was written.
+
+    `request_id`: the request id of the request `warmboot.client` raised it for (the caller's, or
+    the one the client made up), so that a caller told UNAVAILABLE after the last retry, whose
+    request may have been carried out, can send it again with that id for its answer."""
+
+    request_id: str | None = None
 
     def __init__(self, code: ErrorCode, message: str, field: str | None = None):
         super().__init__(message)

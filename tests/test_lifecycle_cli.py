@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from typing import Callable
 
 import msgspec
 import pytest
@@ -259,21 +260,14 @@ async def test_the_same_request_id_is_the_same_request(bus, nc, prefix):
     assert len(created) == 1
 
 
-async def test_a_command_whose_retries_end_unavailable_names_its_request_id(bus, nc, prefix, monkeypatch):
-    """A pause recorded, and every answer to it UNAVAILABLE (its reply lost, then each retry's check of
-    the actor's history at the stream leader failing, as while the stream has no leader): the client's
-    retries end UNAVAILABLE, while the log holds the snapshot. The contract's remedy is to send it again
-    with the same request id, which the CLI made up and never said: run again, a new id, the pause was
-    refused (the actor is PAUSED already) and its snapshot never printed. The error now names the id, and
-    the command run again with it prints the pause the log holds; nothing is written twice."""
+def answered_unavailable(monkeypatch, subject: str) -> Callable[[], None]:
+    """Every answer to a request on `subject` made UNAVAILABLE, as while each retry's check of the
+    actor's history at the stream leader fails (the stream without a leader), whatever the service
+    carried out; the returned call answers as before again."""
+    from events.codec import encode
     from events.errors import unavailable
     from services.common import ServiceRequest, error_headers
-    from events.codec import encode
 
-    run, wb = bus
-    await wb.create(actor("a-1"))
-    await wb.resume("a-1")
-    subject = f"{prefix}.snapshotter.pause.a-1"
     answered = ServiceRequest.respond
 
     async def unanswered(self, data=b"", headers=None):
@@ -283,8 +277,22 @@ async def test_a_command_whose_retries_end_unavailable_names_its_request_id(bus,
         await answered(self, data, headers)
 
     monkeypatch.setattr(ServiceRequest, "respond", unanswered)
+    return lambda: monkeypatch.setattr(ServiceRequest, "respond", answered)
+
+
+async def test_a_command_whose_retries_end_unavailable_names_its_request_id(bus, nc, prefix, monkeypatch):
+    """A pause recorded, and every answer to it UNAVAILABLE (its reply lost, then each retry's check of
+    the actor's history at the stream leader failing, as while the stream has no leader): the client's
+    retries end UNAVAILABLE, while the log holds the snapshot. The contract's remedy is to send it again
+    with the same request id, which the CLI made up and never said: run again, a new id, the pause was
+    refused (the actor is PAUSED already) and its snapshot never printed. The error now names the id, and
+    the command run again with it prints the pause the log holds; nothing is written twice."""
+    run, wb = bus
+    await wb.create(actor("a-1"))
+    await wb.resume("a-1")
+    restore = answered_unavailable(monkeypatch, f"{prefix}.snapshotter.pause.a-1")
     failed = await run("actor", "pause", "a-1")
-    monkeypatch.setattr(ServiceRequest, "respond", answered)
+    restore()
     assert failed.exit_code == 1 and failed.stderr.startswith("error: UNAVAILABLE: "), failed.output
     (taken,) = [(seq, e) for seq, e in await read_log(nc, prefix) if isinstance(e, SnapshotTaken)]
     request_id = taken[1].request_id
@@ -294,6 +302,29 @@ async def test_a_command_whose_retries_end_unavailable_names_its_request_id(bus,
     assert (json.loads(again.output)["snapshot"]["snapshot_id"], json.loads(again.output)["seq"]) \
         == (taken[1].snapshot.snapshot_id, taken[0] + 1)  # its SnapshotTaken and the release after it
     assert [e for _, e in await read_log(nc, prefix) if isinstance(e, SnapshotTaken)] == [taken[1]]
+
+
+async def test_the_client_s_unavailable_carries_the_request_id_it_made_up(bus, nc, prefix, monkeypatch):
+    """The same through the library: a caller that gave no request id is given the one the client made
+    up on the ContractError (`request_id`), and the call sent again with it returns what the log holds."""
+    from events.errors import ContractError
+    from events.schema import ErrorCode
+
+    _, wb = bus
+    await wb.create(actor("a-2"))
+    await wb.resume("a-2")
+    restore = answered_unavailable(monkeypatch, f"{prefix}.snapshotter.pause.a-2")
+    with pytest.raises(ContractError) as failed:
+        await wb.pause("a-2")
+    restore()
+    assert failed.value.code is ErrorCode.UNAVAILABLE
+    (taken,) = [e for _, e in await read_log(nc, prefix) if isinstance(e, SnapshotTaken) and e.actor_id == "a-2"]
+    assert failed.value.request_id == taken.request_id is not None
+    again = await wb.pause("a-2", request_id=failed.value.request_id)
+    assert again.snapshot == taken.snapshot
+    with pytest.raises(ContractError) as refused:  # a refusal carries the id too
+        await wb.pause("a-2", request_id="another")
+    assert (refused.value.code, refused.value.request_id) == (ErrorCode.FAILED_PRECONDITION, "another")
 
 
 async def test_revert_gives_up_an_image_whose_node_is_gone(bus, nc, prefix):

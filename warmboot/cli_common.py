@@ -183,13 +183,13 @@ def flag_of(field: str | None) -> str | None:
 class Failed(click.ClickException):
     """A contract error as every command prints it: `error: CODE field: message` on stderr, exit 1."""
 
-    def __init__(self, error: ContractError, held: list[str] | None = None, asked: bool = False):
+    def __init__(self, error: ContractError, held: list[str] | None = None):
         """`held`: the prefixes whose logs the server holds (`prefixes_held`), if they could be read:
         a request nobody answered then says whether the prefix is wrong or its service is not running.
-        `asked`: the error is a request's, not the connection's: an UNAVAILABLE that some attempt
-        of it met at a service (a time-out, a service's own) names the command's request id, since
-        the request may have been carried out, and that id, sent again, gets its answer (a new one
-        asks anew: a pause so repeated was refused, the actor being PAUSED by the first)."""
+        A request's UNAVAILABLE that some attempt of it met at a service (a time-out, a service's
+        own) names its request id (`ContractError.request_id`, which the client gives it), since the
+        request may have been carried out, and that id, sent again, gets its answer (a new one asks
+        anew: a pause so repeated was refused, the actor being PAUSED by the first)."""
         where = f" {error.field}" if error.field else ""
         flag = flag_of(error.field)
         if flag:  # the wire's name, and what the user typed
@@ -201,10 +201,9 @@ class Failed(click.ClickException):
         # the subject's second word, in "no service answers <prefix>.<service>...": the service asked
         service = (message[len(NO_SERVICE):].split(" ")[0].split(".")[1:2] or ["service"])[0]
         heard = not (message.startswith(NO_SERVICE) and message.endswith(no_service_hint(prefix or "", service)))
-        request_id = context.params.get("request_id") if context is not None else None
-        if asked and heard and request_id and error.code is ErrorCode.UNAVAILABLE and error.field != "min_seq":
-            hint = (f" (it may have been carried out: run the command again with --request-id {request_id} for "
-                    "its answer; a new request id would ask anew)")
+        if heard and error.request_id and error.code is ErrorCode.UNAVAILABLE and error.field != "min_seq":
+            hint = (f" (it may have been carried out: run the command again with --request-id {error.request_id} "
+                    "for its answer; a new request id would ask anew)")
         if prefix and not heard:
             # none of the attempts reached a service, as `last_seq` says it for the log
             message = message.removesuffix(no_service_hint(prefix, service))  # the client's, said here as an option
@@ -262,7 +261,7 @@ def ask(nats_url: str, work: Callable[[Any], Awaitable[Any]]) -> Any:
         except ContractError as e:
             # a wrong prefix, or a service not running: which one
             held = await prefixes_held(nc) if e.message.startswith(NO_SERVICE) else None
-            raise Failed(e, held, asked=True) from None
+            raise Failed(e, held) from None
         finally:
             await nc.close()
 

@@ -29,7 +29,9 @@ What it does so that callers need not:
   the log: no retry brings it), and the registry's budget refusal (naming `worker_id`:
   its wait is seconds, told in its message).
 - Errors: every contract error is raised as `events.errors.ContractError`, with its
-  `code`, `message` and `field`; its text is `CODE field: message`, as the CLI prints it. A request the server refused to carry for these
+  `code`, `message` and `field`, and the `request_id` of the request (the caller's or the one
+  made up: an UNAVAILABLE after the last retry may have been carried out, and that id sent
+  again gets its answer); its text is `CODE field: message`, as the CLI prints it. A request the server refused to carry for these
   credentials (a permissions violation, heard on a connection made by `connect` or the
   CLI) is FAILED_PRECONDITION naming the subject, after its first attempt, not retried.
 
@@ -197,7 +199,14 @@ class Client:
             raise invalid(f"{entity!r} is not an id: {ID_WORDS}",
                           "worker_id" if service == "registry" else "actor_id")
         subject = service_subject(self.prefix, service, verb, entity)
-        data = encode(body)
+        try:
+            return await self._attempts(service, subject, encode(body), reply_type)
+        except ContractError as error:  # the id a caller needs to send it again (`ContractError.request_id`)
+            error.request_id = getattr(body, "request_id", None)
+            raise
+
+    async def _attempts(self, service: str, subject: str, data: bytes, reply_type: type[T]) -> T:
+        """`request`'s attempts at `subject`, each with `data`, until one is answered or is not to be retried."""
         delay = FIRST_BACKOFF_S
         started = asyncio.get_running_loop().time()
         nobody = 0  # attempts that reached no service

@@ -33,7 +33,7 @@ from events.states import ActorState
 from events.subjects import event_subject
 from warmboot.cli_common import (MIB, MILLICORES, IntRange, ask, check_id, json_option, last_seq, min_seq_option,
                                  nats_option, prefix_option, read_subject, replay, selectors_of, version_text)
-from warmboot.client import Client, new_request_id
+from warmboot.client import Client
 from warmboot.cmd_views import (
     LABELS_TIMEOUT_S,
     decision_fields,
@@ -70,7 +70,6 @@ placement_seq_option = click.option(
          "recorded, if the actor has been placed anew since (its worker removed meanwhile, say).")
 
 request_id_option = click.option("--request-id", default=None,
-                                 callback=lambda ctx, param, value: value or new_request_id(),
                                  help="Idempotency key: the same command with the same id is the same request "
                                       "(default: a new one, named by an UNAVAILABLE error: the request may "
                                       "have been carried out).")
