@@ -256,7 +256,13 @@ class RegisterWorker(Base, kw_only=True):
     request_id: RequestId | None = None
     # Project addition: a registration whose revision is lower than one the worker's history
     # holds (any life) is refused: a copy of an older one, decided late (docs/contract.md).
-    revision: Revision | None = None
+    revision: Annotated[Revision | None, Meta(description=(
+        "optional (project addition): a number the sender never lowers for this worker, across its "
+        "own restarts (warmboot's agent: its clock in ms); one below the highest the worker's history "
+        "holds in any life, or equal to it with other content, is FAILED_PRECONDITION (field revision, "
+        "the message naming the highest); more than a year ahead of the registry's clock in ms is "
+        "INVALID_ARGUMENT. Resend an unchanged registration with the revision it had: a higher one "
+        "writes an event (docs/worker-agents.md)"))] = None
 
 
 class RegisterReply(Base, kw_only=True):
@@ -265,14 +271,19 @@ class RegisterReply(Base, kw_only=True):
 
 
 class Heartbeat(Base, kw_only=True):
-    request_id: RequestId | None = None
+    request_id: Annotated[RequestId | None, Meta(description="accepted and ignored: a heartbeat writes nothing")] = None
     # Project addition: the revision of the registration this beat keeps alive (its agent's in force);
     # refused when the worker's registration in force carries another (docs/contract.md, Additions).
-    revision: Revision | None = None
+    revision: Annotated[Revision | None, Meta(description=(
+        "optional (project addition): the revision of the registration the sender has in force; "
+        "FAILED_PRECONDITION (field revision, nothing put) when the worker's registration in force "
+        "carries another: register again (docs/worker-agents.md)"))] = None
 
 
 class HeartbeatReply(Base, kw_only=True):
-    ttl_s: float
+    ttl_s: Annotated[float, Meta(description=(
+        "seconds from this beat until the worker is removed as LOST; written with a fraction (15.0), "
+        "so decode it as a float. warmboot's agent beats every ttl_s / 3"))]
 
 
 class DrainWorker(Base, kw_only=True):
@@ -285,7 +296,9 @@ class RemoveWorker(Base, kw_only=True):
     request_id: RequestId | None = None
     # Project addition: the worker's own agent orders its removal after everything it sent, so that
     # no copy of a registration it sent, decided late, begins a life again (docs/contract.md).
-    revision: Revision | None = None
+    revision: Annotated[Revision | None, Meta(description=(
+        "optional (project addition): above every revision the worker's history holds (else "
+        "FAILED_PRECONDITION, field revision); every registration at or below it is refused afterwards"))] = None
 
 
 class SeqReply(Base, kw_only=True):
