@@ -90,6 +90,9 @@ RECONCILE_GIVE_UP = 64  # failures in a row that end a round early: the heartbea
 # worker's lock or a heartbeat's put): an agent sends its registrations one after the other and its
 # heartbeats two at most at once. Past it, RESOURCE_EXHAUSTED at once (`_one_of_few`).
 IN_FLIGHT_PER_WORKER = 8
+# Said after a heartbeat's NOT_FOUND: the contract says "not registered", not what the worker does
+# about it, and an agent written in another language read only that (docs/worker-agents.md).
+REGISTER_AGAIN = "; a heartbeat keeps only a registered worker alive: register it (a new life) if it is to serve"
 
 REGISTRATIONS = Counter(
     "warmboot_registry_registrations_total", "Registrations answered, by outcome", ["outcome"]
@@ -593,8 +596,14 @@ class RegistryService:
             alive, current = False, False
         node = None
         if not alive:
-            node = await run_command_async(lambda: self.store.require_alive(worker_id, confirm=current),
-                                           recheck=self._recheck(worker_id))
+            try:
+                node = await run_command_async(lambda: self.store.require_alive(worker_id, confirm=current),
+                                               recheck=self._recheck(worker_id))
+            except ContractError as error:
+                if error.code is not ErrorCode.NOT_FOUND:
+                    raise
+                # what the agent does next, said to one written in another language (docs/worker-agents.md)
+                raise ContractError(error.code, f"{error.message}{REGISTER_AGAIN}", error.field) from None
         judged = self.binding.judged_nodes
         if judged is not None:  # registered on a node the binding gives another (it registered before): no beat
             check_registered(judged, worker_id, self.roster.node(worker_id) if alive else node)
