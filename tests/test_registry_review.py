@@ -24,6 +24,7 @@ from events.subjects import bucket_name, stream_name
 from events.natspy import Replies, flush_in_order
 from services.registry.liveness import Liveness
 from services.registry.roster import Roster
+from services.registry.service import REGISTER_AGAIN
 from tests.registry_helpers import (
     expiry_marker,
     last_seq,
@@ -330,9 +331,6 @@ async def test_a_worker_event_of_an_unknown_type_is_not_vouched_for_by_the_roste
 # --- removed, lost, and back: through each replica ---------------------------------------------------
 
 
-AGAIN = "; a heartbeat keeps only a registered worker alive: register it (a new life) if it is to serve"
-
-
 async def test_a_lost_worker_is_not_found_through_every_replica_and_beats_again_once_back(nats_url, nc, prefix):
     async with running_registry(nats_url, prefix, ttl_s=1) as one, running_registry(nats_url, prefix, ttl_s=1) as two:
         start = await last_seq(nc, prefix)
@@ -343,9 +341,11 @@ async def test_a_lost_worker_is_not_found_through_every_replica_and_beats_again_
         for replica in (one, two):
             error = await refused(replica.heartbeat("w-1", Heartbeat()))
             # the refusal says what an agent in another language does next (docs/worker-agents.md)
-            assert error.code == ErrorCode.NOT_FOUND and error.message == f"worker 'w-1' was removed (LOST){AGAIN}"
+            assert (error.code, error.message) == (ErrorCode.NOT_FOUND,
+                                                   f"worker 'w-1' was removed (LOST){REGISTER_AGAIN}")
             error = await refused(replica.heartbeat("w-never", Heartbeat()))
-            assert error.code == ErrorCode.NOT_FOUND and error.message == f"worker 'w-never' is not registered{AGAIN}"
+            assert (error.code, error.message) == (ErrorCode.NOT_FOUND,
+                                                   f"worker 'w-never' is not registered{REGISTER_AGAIN}")
         assert (await nc.jetstream().stream_info(kv)).state.last_seq == puts  # a refusal puts nothing
         assert [type(e) for _, e in await worker_events(nc, prefix, "w-1")] == [WorkerRegistered, WorkerRemoved]
 
