@@ -165,6 +165,7 @@ class Link:
         self.last_error: BaseException | None = None
         self.subscriptions: "weakref.WeakSet[Any]" = weakref.WeakSet()  # stopped at shutdown
         self.inbox = ""
+        self.connections = 0  # connections made (`connect`, again after one was closed): `session`
         self.collectors: dict[str, _Collector] = {}
         self.tokens = itertools.count()
         self.nuid = NUID()
@@ -306,6 +307,19 @@ class Link:
             await close_given_up(nc)
             raise
         self.nc = nc
+        self.connections += 1
+
+    @property
+    def session(self) -> tuple[int, int] | None:
+        """Which session with the server this link is in: (its connection, that connection's
+        reconnections), or None while none is up (not connected yet, reconnecting, closed). nats-py
+        counts a reconnection once the server has taken CONNECT, before what was buffered while it
+        was away is sent: whatever was sent in one session went to the same server process (a server
+        restarted in between is a new session)."""
+        nc = self.nc
+        if nc is None or not nc.is_connected:
+            return None
+        return self.connections, nc.stats["reconnects"]
 
     async def _route(self, msg: Msg) -> None:
         collector = self.collectors.get(msg.subject[len(self.inbox) + 1 :])

@@ -203,6 +203,7 @@ class Committer:
         self._arrival: asyncio.Future[None] | None = None  # `until_queued` waits on it
         self._task: asyncio.Task[None] | None = None
         self._tie = itertools.count()
+        self._confirmed: tuple[int, int] | None = None  # the store's session the fold's log was confirmed in
         fold.listeners.append(self._folded)
         fold.on_stale.append(self._fold_gave_up)
 
@@ -434,6 +435,7 @@ class Committer:
             stored.append(store.stored_event(booking_id, booking[0] + 1, booked))
             expected[booking_id] = booking[1]
             expected[placed_id] = item.actor[1]
+        await self._confirm_log()
         self.groups += 1
         if self.on_append is not None:
             self.on_append(len(group))
@@ -456,6 +458,31 @@ class Committer:
                 self._unfolded_actors[hold.actor_id] = hold.last_seq
             if not item.result.done():
                 item.result.set_result((item.placement, hold.last_seq))
+
+    async def _confirm_log(self) -> None:
+        """Append nothing in a session of the store's connection (`Link.session`) until the fold's log
+        is confirmed in it: the message at the fold's position is still the one it folded
+        (`Fold.continuity`, at the stream leader). A server that crashed and came back may have lost
+        the tail it had not synced, which the fold had read, and have stored other messages at
+        those sequences since: the placements' guards (the last sequences of their subjects) would
+        take those for the ones the decisions read. One read per session; another log, and the fold
+        gives up (as at its consumer's re-creation, which comes later); no session up, UNAVAILABLE
+        (what is sent while reconnecting goes out after the reconnection, unchecked)."""
+        assert self.store is not None
+        session = self.store.recorder.link.session
+        if session is not None and session == self._confirmed:
+            return
+        if session is None:
+            raise unavailable("the event store's connection is being made again; try again")
+        try:
+            why = await self.fold.continuity()
+        except Exception as error:
+            raise unavailable(f"whether the event stream still holds what this replica folded could not be "
+                              f"asked ({error}); try again") from None
+        if why is not None:
+            self.fold.give_up(why)
+            raise self.fold.stale_error()
+        self._confirmed = session
 
     async def _keep_evicted(self, group: list[Commit]) -> list[Commit]:
         """The group without the placements whose evicted answer could not be kept (failed).

@@ -1,0 +1,83 @@
+"""A single server that crashes and loses the tail of its log it had not synced, then stores other
+messages at those sequences: no scheduler replica places on what it folded of the lost tail
+(docs/operations.md, Backup and restore: a rolled-back log). Judged by tests/test_commit_races.py's
+checker and `warmboot audit verify`, from the log in stream order."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import uuid
+from contextlib import AsyncExitStack
+
+import nats
+import pytest
+
+from events.errors import ContractError
+from events.schema import PlacedFidelity
+from events.subjects import stream_name
+from tests.factories import SILENT_TTL_S, actor, golden, last_seq, runtime, version, worker
+from tests.test_commit_races import read_messages, verdict
+from warmboot.audit import Sink
+from warmboot.cli_common import replay
+from warmboot.client import Client
+from warmboot.natsserver import NatsServer
+from warmboot.runner import start_services
+
+V1, V2 = version("1"), version("2")
+HEADERS_BIT, ERASED_BIT = 1 << 31, 1 << 63  # nats-server's file store: flags in a record's length and sequence
+
+
+def roll_back(server: NatsServer, stream: str, keep: int) -> None:
+    """Cut every message after sequence `keep` off the blocks of `stream` (its server stopped), and drop
+    the stream's index, as a machine's crash before they were synced would. A block is a run of records:
+    length (4 bytes), sequence (8), time, subject, headers, body, checksum."""
+    msgs = next((server.store_dir / server.name / "jetstream").glob(f"*/streams/{stream}/msgs"))
+    for block in sorted(msgs.glob("*.blk"), key=lambda p: int(p.stem)):
+        data, at = block.read_bytes(), 0
+        while at + 12 <= len(data):
+            length, seq = struct.unpack_from("<IQ", data, at)
+            if seq & ~ERASED_BIT > keep:
+                with open(block, "r+b") as handle:
+                    handle.truncate(at)
+                break
+            at += length & ~HEADERS_BIT
+    (msgs / "index.db").unlink(missing_ok=True)
+
+
+@pytest.mark.timeout(120)
+async def test_a_replica_does_not_place_on_a_lost_tail_whose_sequences_hold_other_messages(tmp_path):
+    prefix = "t" + uuid.uuid4().hex[:10]
+    server = NatsServer(tmp_path)
+    server.start()
+    try:
+        async with AsyncExitStack() as exits:
+            await start_services(exits, ["registry", "snapshotter", "scheduler"], server.url, prefix,
+                                 options={"registry": {"ttl_s": SILENT_TTL_S}, "scheduler": {"metrics": False}})
+            nc = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
+            exits.push_async_callback(nc.close)
+            wb = Client(nc, prefix, attempts=40)
+            await wb.register(worker("w0", runtime(V2)))
+            await wb.create(actor("a", golden_snapshot=golden(V1)))  # a memory image of V1
+            kept = await last_seq(nc, prefix)
+            # acknowledged and folded, then lost: w0 restores V1 (its RuntimeChanged and fence)
+            changed = await wb.register(worker("w0", runtime(V2), (runtime(V1),)))
+            assert (await wb.explain("a", min_seq=changed.seq)).decision.fidelity is PlacedFidelity.MEMORY
+            server.kill()
+            roll_back(server, stream_name(prefix), kept)
+            server.spawn()
+            await asyncio.to_thread(server.wait_ready)
+            # the log goes on from where it was cut: w0 relabelled, still V2 alone, its fence where the lost one was
+            wb.seq = 0
+            relabelled = await wb.register(worker("w0", runtime(V2), labels={"rack": "r1"}))
+            assert relabelled.seq == changed.seq
+            try:  # one attempt, at the one replica, which folded the lost tail
+                got = await Client(nc, prefix, attempts=1).resume("a", request_id="r1")
+            except ContractError as error:
+                got = error
+            bad, _ = verdict(await read_messages(nc, prefix))
+            assert not bad, f"answered {got}; " + "\n".join(bad)
+            sink = await replay(nc, prefix, Sink(verify=True), False)
+            assert sink.violation is None, str(sink.violation)
+    finally:
+        server.stop()
