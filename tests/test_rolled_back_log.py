@@ -14,8 +14,9 @@ import nats
 import pytest
 
 from events.errors import ContractError
-from events.schema import PlacedFidelity
+from events.schema import ErrorCode, PlacedFidelity, ResumeActor
 from events.subjects import stream_name
+from services.scheduler.service import SchedulerService
 from tests.factories import SILENT_TTL_S, actor, golden, last_seq, runtime, version, worker
 from tests.test_commit_races import read_messages, verdict
 from warmboot.audit import Sink
@@ -79,5 +80,53 @@ async def test_a_replica_does_not_place_on_a_lost_tail_whose_sequences_hold_othe
             assert not bad, f"answered {got}; " + "\n".join(bad)
             sink = await replay(nc, prefix, Sink(verify=True), False)
             assert sink.violation is None, str(sink.violation)
+    finally:
+        server.stop()
+
+
+@pytest.mark.timeout(120)
+async def test_a_retried_request_id_is_not_answered_from_a_lost_tail(tmp_path):
+    """The placement a request id got is lost with the tail; another replica, started on the log as it
+    is now, places another actor at the same sequences; the request id retried at the replica that folded
+    the lost tail is not answered with what the log holds there (another actor's assignment)."""
+    prefix = "t" + uuid.uuid4().hex[:10]
+    server = NatsServer(tmp_path)
+    server.start()
+    try:
+        async with AsyncExitStack() as exits:
+            running = await start_services(exits, ["registry", "snapshotter", "scheduler"], server.url, prefix,
+                                           options={"registry": {"ttl_s": SILENT_TTL_S},
+                                                    "scheduler": {"metrics": False}})
+            stale = running.services[-1]
+            nc = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
+            exits.push_async_callback(nc.close)
+            wb = Client(nc, prefix, attempts=40)
+            await wb.register(worker("w0", runtime(V2)))
+            await wb.create(actor("a"))
+            await wb.create(actor("b"))
+            kept = await last_seq(nc, prefix)
+            first = await wb.resume("a", request_id="r1")  # acknowledged, folded, then lost
+            server.kill()
+            roll_back(server, stream_name(prefix), kept)
+            server.spawn()
+            await asyncio.to_thread(server.wait_ready)
+            # a replica started on the log as it is now places b, first: at the lost placement's sequences
+            fresh_nc = await nats.connect(server.url)
+            exits.push_async_callback(fresh_nc.close)
+            fresh = await SchedulerService(fresh_nc, nats_url=server.url, prefix=prefix, metrics=False).start()
+            exits.push_async_callback(fresh.stop)
+            for _ in range(100):
+                try:
+                    other = await fresh.resume("b", ResumeActor(request_id="rb"))
+                    break
+                except ContractError as error:  # the store's connection being made again
+                    assert error.code is ErrorCode.UNAVAILABLE, error
+                    await asyncio.sleep(0.05)  # a client's back-off between retries, not synchronisation
+            assert other.seq == first.seq  # b's placement where a's was
+            try:  # the retry, at the replica that folded the lost tail
+                got = await stale.resume("a", ResumeActor(request_id="r1"))
+            except ContractError as error:
+                got = error
+            assert isinstance(got, ContractError) and got.code is ErrorCode.UNAVAILABLE, got
     finally:
         server.stop()

@@ -347,7 +347,7 @@ class SchedulerService:
                 if seq:  # the log answers the request id; from this life, as the stream leader has it
                     if not await self._current(actor_id, seen):
                         continue
-                    answer = await self._recorded(seq)
+                    answer = await self._recorded(actor_id, job.request, seq)
                     await self._still_answerable(answer, seq, rid)
                     return answer
                 placement, seq = result
@@ -393,14 +393,21 @@ class SchedulerService:
         seq = int(data) if data and data.isdigit() else 0
         if seq <= self.projection.life_started(actor_id):
             return 0
-        placed = await self._placement_at(seq)
-        if placed is None or placed.actor_id != actor_id or placed.request_id is None \
-                or request_hash(placed.request_id) != request:
+        if await self._placement_of(actor_id, request, seq) is None:
             log.warning("the reply cache names sequence %d for a request of actor %s, where the log holds no "
                         "placement of it carrying that id (a stream made again since?): the request is taken as "
                         "new", seq, actor_id)
             return 0
         return seq
+
+    async def _placement_of(self, actor_id: str, request: int, seq: int) -> ActorPlaced | None:
+        """The ActorPlaced stored at `seq` if it is a placement of the actor carrying the request id
+        (`request`, its hash); else None."""
+        placed = await self._placement_at(seq)
+        if placed is None or placed.actor_id != actor_id or placed.request_id is None \
+                or request_hash(placed.request_id) != request:
+            return None
+        return placed
 
     async def _placement_at(self, seq: int) -> ActorPlaced | None:
         """The ActorPlaced stored at `seq`; None if the log holds another event there, or ends before."""
@@ -418,11 +425,17 @@ class SchedulerService:
                 return None
             raise
 
-    async def _recorded(self, seq: int) -> Assignment:
+    async def _recorded(self, actor_id: str, request: int, seq: int) -> Assignment:
         """The assignment an earlier request recorded with the ActorPlaced at `seq` (a retry
-        after a lost reply); its `seq` is that of the WorkerBooked written with it, right after."""
+        after a lost reply); its `seq` is that of the WorkerBooked written with it, right after.
+        UNAVAILABLE if the log holds there no placement of the actor carrying the request's id: a
+        log that lost the tail this replica folded (a server's crash before it synced) may hold
+        another actor's placement there, whose assignment was the answer (an audit, 2026-12-05)."""
         js = self.nc.jetstream()
-        placed = decoder(ActorPlaced).decode((await stored_at(js, self.stream, seq)).data)
+        placed = await self._placement_of(actor_id, request, seq)
+        if placed is None:
+            raise unavailable(f"this replica folded a placement of actor {actor_id} carrying the request's id at "
+                              f"sequence {seq}, which the log does not hold there (rolled back?); try another replica")
         # the booking marker written in the same atomic batch (none if something else than a
         # scheduler wrote the placement): stored with it, so readable wherever it is
         with suppress(ContractError, msgspec.DecodeError):
