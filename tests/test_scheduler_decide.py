@@ -131,6 +131,39 @@ def test_memory_restore_on_a_restorable_runtime_pins_the_restorable_entry_and_bo
     assert placed.booked.memory_mib == 2048 + 200
 
 
+def test_a_restore_through_an_edge_when_the_matching_default_has_no_room_names_the_stamp_as_matched():
+    """The worker's default equals the stamp but cannot hold the actor with its overhead; its
+    restorable runtime accepts the stamp through an edge and has room. The placement runs under the
+    restorable runtime and says the stamp's version matched (through the edge), not the runtime's own:
+    a retry of its request id is judged on that image, so once the runtime drops the edge the retry
+    is refused instead of sending the image where it no longer loads. (Kills the mutant that lets a
+    memory tier take a worker's runtime in any role, feasibility.Ask.judge ignoring `role`: the
+    placement then came from the default-match tier and named the restorable runtime's own version.)"""
+    from services.scheduler.decide import check_retry
+
+    edge = runtime(V3, name="runsc-3", compatible=(V1,))
+    log = Log()
+    log.worker("w1", runtime(V1, name="runsc-1", overhead=4096), (edge,), mem=1024 + WORKER_RESERVE_MIB + 100)
+    log.actor("a", mem=1024)
+    log.snapshot("a", stamped=V1)
+    placed = log.decide("a")
+    assert placed.worker_id == "w1" and placed.fidelity is PlacedFidelity.MEMORY
+    assert placed.sandbox_runtime == ActorRuntime(sandbox_class=CLS, name="runsc-3", version=V3)
+    assert placed.matched_version == V1
+    seq = log.place(placed, "r1") - 1
+    log.add(RuntimeChanged(
+        at=AT, worker_id="w1",
+        sandbox_classes=(WorkerSandboxClass(sandbox_class=CLS, default_runtime=runtime(V1, name="runsc-1", overhead=4096),
+                                            restorable_runtimes=(runtime(V3, name="runsc-3"),)),),
+        previous=(WorkerSandboxClass(sandbox_class=CLS, default_runtime=runtime(V1, name="runsc-1", overhead=4096),
+                                     restorable_runtimes=(edge,)),),
+    ))
+    with pytest.raises(ContractError) as caught:
+        check_retry(log.p, placed, seq, "r1")
+    assert caught.value.code is ErrorCode.FAILED_PRECONDITION
+    assert "no longer accepts the image's version" in str(caught.value)
+
+
 def test_attribute_order_does_not_matter_for_the_match():
     log = Log()
     log.worker("w1", runtime(V2))
