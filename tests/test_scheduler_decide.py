@@ -232,6 +232,26 @@ def test_memory_snapshot_without_a_stamp_cannot_use_its_memory():
     assert placed.fallback.reason is FallbackReason.SNAPSHOT_NOT_MEMORY
 
 
+
+def test_memory_snapshot_stamped_for_another_class_cannot_use_its_memory():
+    """A stamp of another sandbox class, of the very version the worker runs: the memory is given up
+    as SNAPSHOT_NOT_MEMORY (rule 3), not as NO_COMPATIBLE_WORKER, and with min_fidelity MEMORY the
+    refusal is FAILED_PRECONDITION, not RESOURCE_EXHAUSTED (no room would help). (Kills the mutant of
+    decide._plan that checks only that a stamp is there, not its class: the image was then never sent
+    to the worker, the compat keys holding the class, but the resume was told to wait for room.)"""
+    log = Log()
+    log.worker("w1", runtime(V1))
+    log.actor("a")
+    log.snapshot("a", stamped=stamp(V1, sandbox_class="firecracker"))
+    placed = log.decide("a")
+    assert placed.fidelity is PlacedFidelity.VOLUMES and placed.worker_id == "w1"
+    assert placed.fallback.reason is FallbackReason.SNAPSHOT_NOT_MEMORY
+    floor = Log()
+    floor.worker("w1", runtime(V1))
+    floor.actor("b", min_fidelity=Fidelity.MEMORY)
+    floor.snapshot("b", stamped=stamp(V1, sandbox_class="firecracker"))
+    refused(floor, "b", ErrorCode.FAILED_PRECONDITION)
+
 # --- rule 4: fallback when no compatible worker has room -------------------------------------------------------------
 
 
