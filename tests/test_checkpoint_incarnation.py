@@ -407,3 +407,79 @@ async def test_a_template_kept_unchanged_on_a_stream_made_again_is_set_on_the_ne
     assert (answer.seq, answer.unchanged) == (await last_seq(nc, prefix), False), (made, answer)
     templates = [e.template_uid for _, _, e in await read_entries(nc, prefix) if isinstance(e, TemplateChanged)]
     assert templates == ["tpl-1"]
+
+
+async def test_a_checkpoint_of_messages_a_restored_stream_no_longer_holds_is_not_loaded(tmp_path, prefix):
+    """The event stream alone put back from a copy taken before the checkpoint (an operator's restore
+    of the stream, not of the checkpoints' bucket), and the restored log goes on: its messages at the
+    checkpoint's sequences are others, with the same creation time. A replica started then replays
+    the log rather than load the checkpoint, which folded w1 restoring V2: a1's V2 image is not
+    restored on w1, which runs V1 alone in the log it now has (the verdict from the log in stream
+    order). Kills the mutant of Checkpoints.load that skips the continuity check (the message at the
+    checkpoint's sequence being the one it folded): the checkpoint was loaded and a1 placed at
+    MEMORY on w1, pinned to V2."""
+    import shutil
+
+    import nats
+
+    from events.codec import decode_event
+    from events.schema import ActorPlaced, PlacedFidelity, WorkerRegistered
+    from services.scheduler.service import SchedulerService
+    from warmboot.natsserver import NatsServer
+
+    store = tmp_path / "nats"
+    server = NatsServer(store).start()
+    url = server.url
+    stream = stream_name(prefix)
+    try:
+        await write(url, prefix, (created("b0"),))  # the stream, as the copy has it
+        server.stop()
+        [events_dir] = [p for p in store.rglob(stream) if p.is_dir() and p.parent.name == "streams"]
+        shutil.copytree(events_dir, tmp_path / "copy")
+        server.start()
+        await write(url, prefix, OLD)  # w1 restores V2; a1 waits with a V2 image
+        nc = await nats.connect(url)
+        try:
+            first = SchedulerService(nc, nats_url=url, prefix=prefix, metrics=False,
+                                     checkpoint_every=10**9, checkpoint_interval_s=0)
+            await first.start()
+            assert await first.checkpoints.save(first.projection) is not None
+            saved = first.projection.seq
+            await first.stop()
+        finally:
+            await nc.close()
+        server.stop()
+        shutil.rmtree(events_dir)
+        shutil.copytree(tmp_path / "copy", events_dir)
+        server.start()
+        last = await write(url, prefix, NEW)  # w1 runs V1 alone now; the log goes past the checkpoint
+        assert last > saved
+        nc = await nats.connect(url)
+        try:
+            second = SchedulerService(nc, nats_url=url, prefix=prefix, metrics=False,
+                                      checkpoint_every=10**9, checkpoint_interval_s=0)
+            await second.start()
+            try:
+                answer = await call(nc, service_subject(prefix, "scheduler", "resume", "a1"), ResumeActor(),
+                                    Assignment, timeout=10)
+            finally:
+                await second.stop()
+            js = nc.jetstream()
+            runs: dict[str, object] = {}
+            placed = []
+            for seq in range(1, (await js.stream_info(stream)).state.last_seq + 1):
+                event = decode_event((await js.get_msg(stream, seq)).data)
+                if isinstance(event, WorkerRegistered):
+                    runs[event.worker_id] = event.sandbox_classes
+                elif isinstance(event, ActorPlaced):
+                    placed.append(event)
+                    if event.fidelity is PlacedFidelity.MEMORY:
+                        [cls] = runs[event.worker_id]
+                        accepted = (cls.default_runtime.version, *(r.version for r in cls.restorable_runtimes))
+                        assert event.sandbox_runtime.version in accepted, f"{event} on a worker running {cls}"
+            assert [p.actor_id for p in placed] == ["a1"]
+            assert answer.worker_id == "w1" and answer.fidelity is not PlacedFidelity.MEMORY, answer
+        finally:
+            await nc.close()
+    finally:
+        server.stop()
