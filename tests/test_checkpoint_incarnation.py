@@ -483,3 +483,34 @@ async def test_a_checkpoint_of_messages_a_restored_stream_no_longer_holds_is_not
             await nc.close()
     finally:
         server.stop()
+
+
+async def test_a_resume_queued_when_the_stream_is_made_again_is_not_committed_to_the_new_one(
+        nc, nats_url, prefix, replicas):
+    """A resume of a1 waits in the committer's queue (commits held, as during a leader election) when
+    the stream is deleted and made again with the same bootstrap but w1 on V1 alone: the fold gives
+    up, and the queued resume is refused UNAVAILABLE once commits go on, not decided on the old
+    projection (w1 restoring V2) and appended to the new stream, whose subjects' sequences happen to
+    be the ones that projection expects: the new log, in stream order, holds no ActorPlaced. Kills
+    the mutant of Committer._fold_gave_up that leaves the committer deciding: a1 was placed at MEMORY
+    on w1 pinned to V2, an image w1 cannot load."""
+    from events.codec import decode_event
+    from events.schema import ActorPlaced
+
+    await write(nats_url, prefix, OLD)
+    first = await replicas(metrics=False, checkpoint_every=10**9, checkpoint_interval_s=0)
+    async with first.committer.commits_held():
+        resume = asyncio.ensure_future(call(nc, service_subject(prefix, "scheduler", "resume", "a1"), ResumeActor(),
+                                            Assignment, timeout=30))
+        await asyncio.wait_for(first.committer.until_queued(1), 10)
+        with logged("warmboot.scheduler", STOPPING) as stopping:
+            await made_again(nc, nats_url, prefix)
+            await asyncio.wait_for(stopping.wait(), STOPS_WITHIN_S)
+    answered = (await asyncio.gather(resume, return_exceptions=True))[0]
+    js = nc.jetstream()
+    stream = stream_name(prefix)
+    events = [decode_event((await js.get_msg(stream, seq)).data)
+              for seq in range(1, (await js.stream_info(stream)).state.last_seq + 1)]
+    placed = [e for e in events if isinstance(e, ActorPlaced)]
+    assert not placed, f"placed on the old stream's fold: {placed}"
+    assert isinstance(answered, ContractError) and answered.code is ErrorCode.UNAVAILABLE, answered
