@@ -22,6 +22,7 @@ from events.schema import (
     ErrorCode,
     FallbackReason,
     Fidelity,
+    Location,
     PlacedFidelity,
     ReleaseReason,
     Resources,
@@ -47,7 +48,7 @@ from services.scheduler.records import (
     request_hash,
 )
 from services.scheduler.committer import placed_event
-from tests.factories import AT, CLASS as CLS, Log, golden, runtime, snapshot, stamp, version
+from tests.factories import AT, CLASS as CLS, Log, golden, runtime, snapshot, stamp, taken, version
 
 V1, V2, V3 = version("1"), version("2"), version("3")
 
@@ -412,6 +413,26 @@ def test_paused_actor_is_never_relaxed_off_its_node_or_its_runtime():
     assert "1 not on pinned node" in error.message and "1 runtime mismatch" in error.message
     assert "1 insufficient memory" in error.message
 
+
+def test_a_paused_actor_whose_pause_names_no_local_image_still_resumes_only_on_its_node():
+    """A pause's SnapshotTaken whose snapshot says EXTERNAL (a writer other than this snapshotter, or
+    a log of another version: the fold reads it): the actor is PAUSED on the node it ran on, its
+    memory in the sandbox there, so it resumes only there (rule 5), not on a roomy worker elsewhere.
+    (Kills the mutant of decide._plan that takes the node from a LOCAL latest snapshot only, dropping
+    the PAUSED state's own node: a was placed on n2.)"""
+    log = Log()
+    log.worker("home", runtime(V1), node="n1", mem=2048)
+    log.actor("a", mem=1024)
+    placed = log.decide("a")
+    log.place(placed)
+    log.add(taken(snapshot("a", V1, snapshot_id="a-paused", location=Location.EXTERNAL, uri="s3://a/p"),
+                  SnapshotOrigin.PAUSE))
+    log.release("a", "home", ReleaseReason.PAUSED)
+    assert log.p.actors["a"].state is PAUSED and log.p.actors["a"].node == placed.node
+    log.add(WorkerDrained(at=AT, worker_id="home", reason="maintenance"))
+    log.worker("away", runtime(V1), node="n2", mem=65536)
+    error = refused(log, "a", ErrorCode.RESOURCE_EXHAUSTED)
+    assert "PAUSED on node n1" in error.message
 
 def test_suspend_from_paused_clears_the_node_pin():
     log = Log()
