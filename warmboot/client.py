@@ -31,9 +31,10 @@ What it does so that callers need not:
 - Errors: every contract error is raised as `events.errors.ContractError`, with its
   `code`, `message` and `field`, and the `request_id` of the request (the caller's or the one
   made up: an UNAVAILABLE after the last retry may have been carried out, and that id sent
-  again gets its answer); its text is `CODE field: message`, as the CLI prints it. A request the server refused to carry for these
-  credentials (a permissions violation, heard on a connection made by `connect` or the
-  CLI) is FAILED_PRECONDITION naming the subject, after its first attempt, not retried.
+  again gets its answer); its text is `CODE field: message`, as the CLI prints it. A request
+  the server refused to carry for these credentials (a permissions violation, heard on a
+  connection made by `connect` or the CLI) is FAILED_PRECONDITION naming the subject, after
+  its first attempt, not retried.
 
 The client does not own a connection it is given; `Client.connect` makes one it owns.
 """
