@@ -7,24 +7,39 @@ import json
 import logging
 import signal
 from pathlib import Path
+from typing import BinaryIO
 
 import click
 
-from events.codec import encode
-from events.errors import ContractError
+from events.codec import decode_request, encode
+from events.compat import describe_key, stamp_key
+from events.errors import ContractError, precondition
 from events.probe import ARCHITECTURES, DEFAULT_CPUINFO
 from events.natsauth import NKEY_SEED_ENV
+from events.schema import Placement, RegisterWorker
 from events.subjects import DEFAULT_PREFIX
 from services.common import run_serving, serving_loop
-from warmboot.cli_common import FloatRange, check_id, check_nats_option, check_prefix_option
 from warmboot.agent import Agent, ConfigError, ProbeSettings, load_registration
-
-
-
-
-
+from warmboot.cli_common import Failed, FloatRange, check_id, check_nats_option, check_prefix_option
+from warmboot.restore_check import cannot_carry_out_here
 
 # --- warmboot agent -------------------------------------------------------------------------
+
+
+def check_placement(registration: RegisterWorker, placement_file: BinaryIO) -> None:
+    """`agent --check-placement`: whether this machine (`registration`, built now) can carry out the
+    placement the file holds (`restore_check`); exit 1 naming why not."""
+    try:
+        placement = decode_request(Placement, placement_file.read())
+    except ContractError as e:
+        raise click.BadParameter(f"{getattr(placement_file, 'name', '-')}: {e}", param_hint="'--check-placement'") from None
+    why = cannot_carry_out_here(registration, placement)
+    what = (f"{placement.actor_id}'s placement ({placement.action.value} at {placement.fidelity.value} under "
+            f"{placement.sandbox_runtime.name or describe_key(stamp_key(placement.sandbox_runtime))})")
+    if why is not None:
+        raise Failed(precondition(f"worker {registration.worker_id} cannot carry out {what}: {why}; refuse it "
+                                  "(whoever runs the worker releases the actor, and its next resume places it anew)"))
+    click.echo(f"ok: worker {registration.worker_id} on node {registration.node} can carry out {what}")
 
 
 @click.command("agent")
@@ -53,6 +68,10 @@ from warmboot.agent import Agent, ConfigError, ProbeSettings, load_registration
                    "(docs/registry.md). Without it, revisions come from the clock alone.")
 @click.option("--print-registration", is_flag=True,
               help="Print the registration the config makes on this machine, as JSON, and exit.")
+@click.option("--check-placement", "placement_file", type=click.File("rb"), default=None, metavar="FILE",
+              help="Check the placement in FILE ('-': standard input; an Assignment as `actor resume -o json` "
+                   "prints it) against this machine as the config and the probe read it now, and exit: 0 if it "
+                   "can carry it out, 1 naming why not (a worker refuses such a placement: docs/worker-agents.md).")
 @click.option("-v", "--verbose", is_flag=True, help="Log at DEBUG level.")
 def agent(
     nats_url: str,
@@ -67,6 +86,7 @@ def agent(
     arch: str | None,
     state_file: Path | None,
     print_registration: bool,
+    placement_file: BinaryIO | None,
     verbose: bool,
 ) -> None:
     """Register this worker's runtimes with the registry and keep it alive.
@@ -81,12 +101,15 @@ def agent(
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     probe = ProbeSettings(cpuinfo_path=cpuinfo_path, architecture=arch)
-    if print_registration:
+    if print_registration or placement_file is not None:
         try:
             registration = load_registration(config_path, worker_id, node, probe)
         except ConfigError as e:
             raise click.ClickException(str(e)) from None
-        click.echo(json.dumps(json.loads(encode(registration)), indent=2))
+        if placement_file is None:
+            click.echo(json.dumps(json.loads(encode(registration)), indent=2))
+        else:
+            check_placement(registration, placement_file)
         return
 
     try:
