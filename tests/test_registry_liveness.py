@@ -90,6 +90,28 @@ async def test_a_replica_whose_fold_stalls_answers_from_the_log(nats_url, prefix
         assert (await one.heartbeat("w-kept", Heartbeat())).ttl_s == 15.0
 
 
+async def test_a_beat_answered_from_the_log_keeps_alive_only_the_registration_it_names(nats_url, prefix):
+    """Answered from the worker's history (the replica's fold stalled: its barrier cannot be had), a
+    beat naming another revision than the registration in force is refused as the roster refuses it
+    (FAILED_PRECONDITION on revision): another machine registered w-t since, and the first machine's
+    beats kept that one alive, its CPU with it, through this replica (the check was the roster's alone)."""
+    async with running_registry(nats_url, prefix) as one, running_registry(nats_url, prefix) as two:
+        await two.register("w-t", msgspec.structs.replace(body("w-t"), revision=100))
+        assert (await one.heartbeat("w-t", Heartbeat(revision=100))).ttl_s == 15.0  # one's roster has it
+        one.fold.barrier_timeout = 0.2
+        await one.fold._sub.unsubscribe()  # one hears of no worker event from now on
+        another_cpu = msgspec.structs.replace(body("w-t"), revision=200, labels={"machine": "second"})
+        await two.register("w-t", another_cpu)
+        error = await refused(one.heartbeat("w-t", Heartbeat(revision=100)))
+        assert (error.code, error.field) == (ErrorCode.FAILED_PRECONDITION, "revision"), error
+        assert "registration in force is revision 200, not 100" in error.message
+        assert (await one.heartbeat("w-t", Heartbeat(revision=200))).ttl_s == 15.0
+        assert (await one.heartbeat("w-t", Heartbeat())).ttl_s == 15.0  # a beat naming none: as before
+        # registered without a revision since: nothing to tell beats apart by
+        await two.register("w-t", msgspec.structs.replace(body("w-t"), labels={"machine": "third"}))
+        assert (await one.heartbeat("w-t", Heartbeat(revision=100))).ttl_s == 15.0
+
+
 async def test_concurrent_heartbeats_share_barrier_rounds(nats_url, prefix):
     async with running_registry(nats_url, prefix) as one:
         workers = [f"w-{n}" for n in range(50)]

@@ -167,6 +167,7 @@ class Worker(WireAggregate):
         self.drained = False
         self.removed_reason: str | None = None
         self.revision: int | None = None  # the highest a registration of any life recorded
+        self.in_force: int | None = None  # the revision of the registration in force (the roster's `revision`)
         self.revised_content: tuple | None = None  # what the worker was once `revision` was recorded
 
     # --- decisions ------------------------------------------------------------------
@@ -345,14 +346,17 @@ class Worker(WireAggregate):
         self.node, self.capacity, self.labels = event.node, event.capacity, dict(event.labels)
         self.sandbox_classes = canonical_classes(event.sandbox_classes)
         self._revised(event.revision)
+        self.in_force = event.revision
 
     def when_RuntimeChanged(self, event: RuntimeChanged) -> None:
         self.sandbox_classes = canonical_classes(event.sandbox_classes)
         self._revised(event.revision)
+        self.in_force = event.revision
 
     def when_WorkerUpdated(self, event: WorkerUpdated) -> None:
         self.node, self.capacity, self.labels = event.node, event.capacity, dict(event.labels)
         self._revised(event.revision)
+        self.in_force = event.revision
 
     def when_WorkerDrained(self, event: WorkerDrained) -> None:
         self.drained = True
@@ -362,3 +366,4 @@ class Worker(WireAggregate):
         self.drained = False
         self.removed_reason = event.reason or ""
         self._revised(event.revision)
+        self.in_force = None

@@ -326,15 +326,15 @@ class RegistryStore(WireApplication):
             await self._confirm_read(worker)
         return await self._commit(worker)
 
-    async def require_alive(self, worker_id: str, confirm: bool = False) -> str:
-        """NOT_FOUND unless the worker is in a life; the node it registered on. With `confirm`, in
-        a life only as the stream leader has it too (IntegrityError, decided again on the
-        leader's history, if it has more: `confirm_unchanged`)."""
+    async def require_alive(self, worker_id: str, confirm: bool = False) -> tuple[str, int | None]:
+        """NOT_FOUND unless the worker is in a life; the node it registered on, and the revision of
+        its registration in force. With `confirm`, in a life only as the stream leader has it too
+        (IntegrityError, decided again on the leader's history, if it has more: `confirm_unchanged`)."""
         worker = await self.load(worker_id)
         worker.require_alive()
         if confirm:
             await confirm_unchanged(self.recorder, worker.id, self._read_up_to(worker))
-        return worker.node
+        return worker.node, worker.in_force
 
     def _read_up_to(self, worker: Worker) -> int:
         """The stream sequence of the last event of the worker's history as loaded (what this process
@@ -594,10 +594,10 @@ class RegistryService:
             alive, current = self.roster.alive(worker_id), True
         except ContractError:
             alive, current = False, False
-        node = None
+        node = in_force = None
         if not alive:
             try:
-                node = await run_command_async(lambda: self.store.require_alive(worker_id, confirm=current),
+                node, in_force = await run_command_async(lambda: self.store.require_alive(worker_id, confirm=current),
                                                recheck=self._recheck(worker_id))
             except ContractError as error:
                 if error.code is not ErrorCode.NOT_FOUND:
@@ -607,8 +607,8 @@ class RegistryService:
         judged = self.binding.judged_nodes
         if judged is not None:  # registered on a node the binding gives another (it registered before): no beat
             check_registered(judged, worker_id, self.roster.node(worker_id) if alive else node)
-        if request.revision is not None and alive:
-            check_beats_in_force(worker_id, request.revision, self.roster.revision(worker_id))
+        if request.revision is not None:  # the registration in force, as the roster or the history has it
+            check_beats_in_force(worker_id, request.revision, self.roster.revision(worker_id) if alive else in_force)
         await self.liveness.beat(worker_id)
         return HeartbeatReply(ttl_s=self.ttl_s)
 
