@@ -321,6 +321,26 @@ async def test_an_operator_hears_only_its_own_replies_and_the_cli_connects_with_
         server.stop()
 
 
+async def test_the_services_sign_in_with_the_credentials_their_event_store_reads_from_the_environment(
+        tmp_path, monkeypatch):
+    """`NATS_USER`/`NATS_PASSWORD` (as `NATS_TOKEN` and `NATS_CREDS`: docs/security.md) sign in the
+    services' own connection too, not only their event store's: the URL names no user. It read
+    none of them, and `warmboot serve` waited for ever, refused (an audit of the docs)."""
+    server = Secured(tmp_path / "nats", "envc", workers=("w-1",)).start()
+    monkeypatch.setenv("NATS_USER", "svc")
+    monkeypatch.setenv("NATS_PASSWORD", server.secrets["svc"])
+    try:
+        async with AsyncExitStack() as stack:
+            await asyncio.wait_for(start_services(stack, ["registry"], server.url(), "envc"), 30)
+            worker = await server.connect("w-1")
+            stack.push_async_callback(worker.close)
+            reply = await worker.nc.request(service_subject("envc", "registry", "register", "w-1"),
+                                            json.dumps(registration("w-1")).encode(), timeout=10)
+            assert json.loads(reply.data)["outcome"] == "REGISTERED"
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize("url, env, prefix", [
     ("nats://alice:s3cret@h:4222", None, "_INBOX.alice"),
     ("nats://h1:4222,nats://orch:pw@h2:4222", None, "_INBOX.orch"),  # the first member that names a user
