@@ -662,6 +662,9 @@ class StreamWatch:
         self.read = read
         self.failed: asyncio.Future[str] | None = None
         self._task: asyncio.Task[None] | None = None
+        self.lost: str | None = None  # why the stream is not the log read, once a look found it (`confirmed`)
+        self._confirmed: int | None = None  # the session of the connection the log was confirmed in
+        self._confirming: tuple[int, asyncio.Future[bool]] | None = None  # a look under way for a session
 
     async def start(self) -> "StreamWatch":
         """The incarnation of now is the service's (call it right after the service's store has made
@@ -671,6 +674,7 @@ class StreamWatch:
                                     f"the stream {self.stream}")
         self.created = stream_identity(info)[0]
         self.mark = await until_answered(lambda: self._last(info.state.last_seq), f"the stream {self.stream}")
+        self._confirmed = self.nc.stats["reconnects"]
         self._task = asyncio.create_task(self._watch(), name=f"stream-watch-{self.stream}")
         return self
 
@@ -696,6 +700,7 @@ class StreamWatch:
                 log.debug("the stream %s could not be looked at (%s)", self.stream, type(error).__name__)
                 continue
             if why is not None:
+                self.lost = why
                 log.error("%s: stopping; start the service again to read the new stream", why)
                 if not self.failed.done():
                     self.failed.set_result(why)
@@ -711,6 +716,40 @@ class StreamWatch:
         if why is None:
             self.mark = await self._last(info.state.last_seq)
         return why
+
+    async def confirmed(self) -> bool:
+        """Whether the stream is still the log the service read, as looked at (`look`) once in the
+        present session of its connection (nats-py counts each reconnection), one look shared by the
+        callers meanwhile: a single server that crashed and came back may have lost the tail it had
+        not synced, which the service folded, and the next look of the watch is up to `every`
+        seconds away. False while no session is up, while a look cannot be made (the next call
+        looks again), and once a look found another log (`lost`; the watch fails at its next look:
+        the service goes on until then, its caller not trusting what it folded)."""
+        if self.lost is not None or not self.nc.is_connected:
+            return False
+        session = self.nc.stats["reconnects"]
+        if session == self._confirmed:
+            return True
+        if self._confirming is None or self._confirming[0] != session:
+            self._confirming = (session, asyncio.ensure_future(self._confirm(session)))
+        return await asyncio.shield(self._confirming[1])
+
+    async def _confirm(self, session: int) -> bool:
+        try:
+            why = await self.look()
+        except Exception as error:  # not answered: the next call looks again
+            log.debug("the stream %s could not be looked at (%s)", self.stream, type(error).__name__)
+            return False
+        finally:
+            if self._confirming is not None and self._confirming[0] == session:
+                self._confirming = None
+        if why is not None:
+            if self.lost is None:
+                log.error("%s: what this process folded is not trusted; it stops at the watch's next look", why)
+            self.lost = why
+            return False
+        self._confirmed = session
+        return True
 
     async def stop(self) -> None:
         task, self._task = self._task, None

@@ -1,20 +1,23 @@
 """A single server that crashes and loses the tail of its log it had not synced, then stores other
-messages at those sequences: no scheduler replica places on what it folded of the lost tail
-(docs/operations.md, Backup and restore: a rolled-back log). Judged by tests/test_commit_races.py's
-checker and `warmboot audit verify`, from the log in stream order."""
+messages at those sequences: no scheduler replica places on what it folded of the lost tail, and
+the registry answers no heartbeat from it (docs/operations.md, Backup and restore: a rolled-back
+log). Judged by tests/test_commit_races.py's checker and `warmboot audit verify`, from the log in
+stream order."""
 
 from __future__ import annotations
 
 import asyncio
 import struct
+import time
 import uuid
 from contextlib import AsyncExitStack
 
+import msgspec
 import nats
 import pytest
 
 from events.errors import ContractError
-from events.schema import ErrorCode, PlacedFidelity, ResumeActor
+from events.schema import ErrorCode, Heartbeat, HeartbeatReply, PlacedFidelity, RegisterOutcome, ResumeActor
 from events.subjects import stream_name
 from services.scheduler.service import SchedulerService
 from tests.factories import SILENT_TTL_S, actor, golden, last_seq, runtime, version, worker
@@ -130,3 +133,52 @@ async def test_a_retried_request_id_is_not_answered_from_a_lost_tail(tmp_path):
             assert isinstance(got, ContractError) and got.code is ErrorCode.UNAVAILABLE, got
     finally:
         server.stop()
+
+
+@pytest.mark.timeout(120)
+async def test_a_beat_naming_a_registration_lost_with_the_tail_is_refused_and_its_agent_registers_again(tmp_path):
+    """w0 registered V1, then V2 alone (acknowledged: its agent has that revision in force); the tail
+    holding the second is lost, and the log says w0 runs V1. A beat naming the lost revision is refused
+    (FAILED_PRECONDITION, field revision: register again) by the registry whose roster folded it, from
+    the worker's history, before the watch's next look; the registration that follows puts V2 alone back
+    in the log, and a replica started on it places a's V1 memory image nowhere on w0. The roster answered
+    such beats until the watch's look stopped the registry, up to 5 s later, and an agent that registers
+    again only when a beat is refused left the log saying V1 until its registry was started again."""
+    prefix = "t" + uuid.uuid4().hex[:10]
+    server = NatsServer(tmp_path)
+    server.start()
+    try:
+        async with AsyncExitStack() as exits:
+            await start_services(exits, ["registry", "snapshotter"], server.url, prefix,
+                                 options={"registry": {"ttl_s": SILENT_TTL_S}})
+            nc = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
+            exits.push_async_callback(nc.close)
+            wb = Client(nc, prefix, attempts=40)
+            r1 = int(time.time() * 1000)
+            await wb.register(msgspec.structs.replace(worker("w0", runtime(V1)), revision=r1))
+            await wb.create(actor("a", golden_snapshot=golden(V1)))  # a memory image of V1
+            kept = await last_seq(nc, prefix)
+            await wb.register(msgspec.structs.replace(worker("w0", runtime(V2)), revision=r1 + 1))  # then lost
+            server.kill()
+            roll_back(server, stream_name(prefix), kept)
+            server.spawn()
+            await asyncio.to_thread(server.wait_ready)
+            with pytest.raises(ContractError) as refused:
+                await wb.request("registry", "heartbeat", "w0", Heartbeat(revision=r1 + 1), HeartbeatReply)
+            assert (refused.value.code, refused.value.field) == (ErrorCode.FAILED_PRECONDITION, "revision"), \
+                refused.value
+            # what its agent does then: registers this machine again, above
+            again = await wb.register(msgspec.structs.replace(worker("w0", runtime(V2)), revision=r1 + 2))
+            assert again.outcome is RegisterOutcome.RUNTIME_CHANGED
+            await wb.request("registry", "heartbeat", "w0", Heartbeat(revision=r1 + 2), HeartbeatReply)
+            fresh_nc = await nats.connect(server.url)
+            exits.push_async_callback(fresh_nc.close)
+            fresh = await SchedulerService(fresh_nc, nats_url=server.url, prefix=prefix, metrics=False).start()
+            exits.push_async_callback(fresh.stop)
+            placed = await fresh.resume("a", ResumeActor(request_id="ra", min_seq=again.seq))
+            assert placed.fidelity is not PlacedFidelity.MEMORY, placed
+            bad, _ = verdict(await read_messages(nc, prefix))
+            assert not bad, "\n".join(bad)
+    finally:
+        server.stop()
+

@@ -328,8 +328,9 @@ class RegistryStore(WireApplication):
 
     async def require_alive(self, worker_id: str, confirm: bool = False) -> tuple[str, int | None]:
         """NOT_FOUND unless the worker is in a life; the node it registered on, and the revision of
-        its registration in force. With `confirm`, in a life only as the stream leader has it too
-        (IntegrityError, decided again on the leader's history, if it has more: `confirm_unchanged`)."""
+        its registration in force (`Worker.in_force`). With `confirm`, in a life only as the stream
+        leader has it too (IntegrityError, decided again on the leader's history, if it has more:
+        `confirm_unchanged`)."""
         worker = await self.load(worker_id)
         worker.require_alive()
         if confirm:
@@ -587,18 +588,23 @@ class RegistryService:
         # is rechecked at the leader as a command's refusal is (`run_command_async`); and where
         # the roster, current, says the worker is in no life, so is an answer that it is in one
         # (a removal through another replica read behind: an audit's finding). With no barrier
-        # to be had (the leader cannot be asked), the read is taken as it is.
+        # to be had (the leader cannot be asked), the read is taken as it is. The roster answers
+        # only in a session of the connection in which the log it folded was found still there
+        # (`StreamWatch.confirmed`): a single server that crashed and lost the tail it had not
+        # synced holds no more the registration the roster has in force; the history does.
         # Nothing is put before the answer is known: a refusal writes nothing.
         try:
             await self.fold.current()
             alive, current = self.roster.alive(worker_id), True
         except ContractError:
             alive, current = False, False
+        if alive and not await self.watch.confirmed():
+            alive = False
         node = in_force = None
         if not alive:
             try:
-                node, in_force = await run_command_async(lambda: self.store.require_alive(worker_id, confirm=current),
-                                               recheck=self._recheck(worker_id))
+                node, in_force = await run_command_async(
+                    lambda: self.store.require_alive(worker_id, confirm=current), recheck=self._recheck(worker_id))
             except ContractError as error:
                 if error.code is not ErrorCode.NOT_FOUND:
                     raise
@@ -607,7 +613,7 @@ class RegistryService:
         judged = self.binding.judged_nodes
         if judged is not None:  # registered on a node the binding gives another (it registered before): no beat
             check_registered(judged, worker_id, self.roster.node(worker_id) if alive else node)
-        if request.revision is not None:  # the registration in force, as the roster or the history has it
+        if request.revision is not None:
             check_beats_in_force(worker_id, request.revision, self.roster.revision(worker_id) if alive else in_force)
         await self.liveness.beat(worker_id)
         return HeartbeatReply(ttl_s=self.ttl_s)
