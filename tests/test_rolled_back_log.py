@@ -17,11 +17,15 @@ import nats
 import pytest
 
 from events.errors import ContractError
-from events.schema import ErrorCode, Heartbeat, HeartbeatReply, PlacedFidelity, RegisterOutcome, ResumeActor
+from events.schema import (ErrorCode, Heartbeat, HeartbeatReply, PlacedFidelity, RegisterOutcome, ResumeActor,
+                           RuntimeChanged, WorkerRegistered)
 from events.subjects import stream_name
 from services.scheduler.service import SchedulerService
 from tests.factories import SILENT_TTL_S, actor, golden, last_seq, runtime, version, worker
+from tests.registry_helpers import PROBE, agent_config, wait_event
+from tests.test_agent import agent_running
 from tests.test_commit_races import read_messages, verdict
+from warmboot.agent import Agent
 from warmboot.audit import Sink
 from warmboot.cli_common import replay
 from warmboot.client import Client
@@ -182,3 +186,45 @@ async def test_a_beat_naming_a_registration_lost_with_the_tail_is_refused_and_it
     finally:
         server.stop()
 
+
+@pytest.mark.timeout(120)
+async def test_the_agent_registers_again_at_its_reconnection_what_the_lost_tail_held(tmp_path):
+    """warmboot's agent registered V1, then V2 alone (its answer had: the agent has it in force); the
+    tail holding the second is lost with the server's crash, and the log says w0 runs V1. At its
+    reconnection the agent sends its registration in force again, with the revision it had, which the
+    registry decides on the worker's history as the log holds it: V2 alone is in the log again (the
+    registration a refused beat would have the agent make goes above that revision)."""
+    prefix = "t" + uuid.uuid4().hex[:10]
+    server = NatsServer(tmp_path)
+    server.start()
+    try:
+        async with AsyncExitStack() as exits:
+            await start_services(exits, ["registry"], server.url, prefix, options={"registry": {"ttl_s": 6.0}})
+            nc = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
+            exits.push_async_callback(nc.close)
+            path = tmp_path / "agent.toml"
+            path.write_text(agent_config("v1"))
+            agent = Agent(server.url, "w0", "node-w0", path, prefix=prefix, watch_interval_s=0.05, probe=PROBE)
+            changed, request = asyncio.Event(), agent._request
+
+            async def noting(verb, *args, **kwargs):
+                reply = await request(verb, *args, **kwargs)
+                if verb == "register" and reply.outcome is RegisterOutcome.RUNTIME_CHANGED:
+                    changed.set()
+                return reply
+
+            agent._request = noting
+            async with agent_running(agent):
+                await wait_event(nc, prefix, "w0", WorkerRegistered)
+                kept = await last_seq(nc, prefix)
+                path.write_text(agent_config("v2"))
+                _, lost = await wait_event(nc, prefix, "w0", RuntimeChanged, after=kept)
+                await asyncio.wait_for(changed.wait(), 20)  # answered: the agent has it in force
+                server.kill()
+                roll_back(server, stream_name(prefix), kept)
+                server.spawn()
+                await asyncio.to_thread(server.wait_ready)
+                _, again = await wait_event(nc, prefix, "w0", RuntimeChanged, after=kept)
+                assert (again.sandbox_classes, again.revision) == (lost.sandbox_classes, lost.revision), again
+    finally:
+        server.stop()
