@@ -30,7 +30,8 @@ def machine(tmp_path, text: str, cpuinfo=CPUINFO):
 
 def placement(registration, runtime, *, fidelity=PlacedFidelity.MEMORY, node="node-a", worker_id="w-1",
               matched=None) -> Placement:
-    return Placement(actor_id="a-1", worker_id=worker_id, node=node, fidelity=fidelity, booked=Resources(cpu_millis=500, memory_mib=512),
+    return Placement(actor_id="a-1", worker_id=worker_id, node=node, fidelity=fidelity,
+                     booked=Resources(cpu_millis=500, memory_mib=512),
                      action=Action.RESTORE if fidelity is not PlacedFidelity.NONE else Action.RUN,
                      sandbox_runtime=pin_of("gvisor", runtime), snapshot_id="a-1-s", matched_version=matched)
 

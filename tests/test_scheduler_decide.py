@@ -152,12 +152,12 @@ def test_a_restore_through_an_edge_when_the_matching_default_has_no_room_names_t
     assert placed.sandbox_runtime == ActorRuntime(sandbox_class=CLS, name="runsc-3", version=V3)
     assert placed.matched_version == V1
     seq = log.place(placed, "r1") - 1
+    v1 = runtime(V1, name="runsc-1", overhead=4096)
     log.add(RuntimeChanged(
         at=AT, worker_id="w1",
-        sandbox_classes=(WorkerSandboxClass(sandbox_class=CLS, default_runtime=runtime(V1, name="runsc-1", overhead=4096),
+        sandbox_classes=(WorkerSandboxClass(sandbox_class=CLS, default_runtime=v1,
                                             restorable_runtimes=(runtime(V3, name="runsc-3"),)),),
-        previous=(WorkerSandboxClass(sandbox_class=CLS, default_runtime=runtime(V1, name="runsc-1", overhead=4096),
-                                     restorable_runtimes=(edge,)),),
+        previous=(WorkerSandboxClass(sandbox_class=CLS, default_runtime=v1, restorable_runtimes=(edge,)),),
     ))
     with pytest.raises(ContractError) as caught:
         check_retry(log.p, placed, seq, "r1")

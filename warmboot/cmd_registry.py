@@ -23,6 +23,7 @@ from warmboot.agent import Agent, ConfigError, ProbeSettings, load_registration
 from warmboot.cli_common import Failed, FloatRange, check_id, check_nats_option, check_prefix_option
 from warmboot.restore_check import cannot_carry_out_here
 
+
 # --- warmboot agent -------------------------------------------------------------------------
 
 
@@ -32,7 +33,8 @@ def check_placement(registration: RegisterWorker, placement_file: BinaryIO) -> N
     try:
         placement = decode_request(Placement, placement_file.read())
     except ContractError as e:
-        raise click.BadParameter(f"{getattr(placement_file, 'name', '-')}: {e}", param_hint="'--check-placement'") from None
+        where = getattr(placement_file, "name", "-")
+        raise click.BadParameter(f"{where}: {e}", param_hint="'--check-placement'") from None
     why = cannot_carry_out_here(registration, placement)
     what = (f"{placement.actor_id}'s placement ({placement.action.value} at {placement.fidelity.value} under "
             f"{placement.sandbox_runtime.name or describe_key(stamp_key(placement.sandbox_runtime))})")
