@@ -15,16 +15,25 @@ One definition for the services, the event store, the agent and the CLI:
   nats-config` hears replies only under its own `_INBOX.<name>.` (an operator too:
   its account is shared with the other operators), so a URL that names a user gives
   that prefix; `INBOX_PREFIX_ENV` names one explicitly (an nkey user's URL names none).
+- `sign_in_options`, `env_sign_in`: nats-py connect options for a credentials file (JWT
+  accounts), a user and password, or a token, as given or as the environment gives them
+  (`NATS_CREDS`, `NATS_USER`/`NATS_PASSWORD`, `NATS_TOKEN`). A URL's own `user:password@`
+  or `token@` is what a command line says, and wins over the environment's.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from urllib.parse import urlsplit
 
 NKEY_SEED_ENV = "NATS_NKEY_SEED"
 INBOX_PREFIX_ENV = "NATS_INBOX_PREFIX"
+CREDS_ENV = "NATS_CREDS"  # a credentials file (a user JWT and its nkey seed)
+USER_ENV = "NATS_USER"
+PASSWORD_ENV = "NATS_PASSWORD"
+TOKEN_ENV = "NATS_TOKEN"
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")  # a user name that is one subject token (every nats-config user)
 
 # A member's scheme, when it has one; the rest of the member is `user:password@host:port`.
@@ -96,8 +105,9 @@ def nkey_options(seed_path: str | None) -> dict[str, str]:
 
 def inbox_prefix(url: str, explicit: str | None = None) -> str | None:
     """The inbox prefix to connect with: `explicit`, else $NATS_INBOX_PREFIX, else
-    `_INBOX.<user>` for the first member of `url` that names a user who is one subject token;
-    None (nats-py's own random `_INBOX.<nuid>`) when there is none of these."""
+    `_INBOX.<user>` for the first member of `url` that names a user who is one subject token,
+    else for $NATS_USER when `url` names no user; None (nats-py's own random `_INBOX.<nuid>`)
+    when there is none of these."""
     chosen = explicit or os.environ.get(INBOX_PREFIX_ENV)
     if chosen:
         return chosen
@@ -106,4 +116,29 @@ def inbox_prefix(url: str, explicit: str | None = None) -> str | None:
         user = urlsplit(member if "//" in member else f"nats://{member}").username
         if user:  # as nats-py sends it: written, not %-decoded
             return f"_INBOX.{user}" if _TOKEN.match(user) else None
-    return None
+    user = os.environ.get(USER_ENV)  # the user the environment signs in (`env_sign_in`)
+    return f"_INBOX.{user}" if user and _TOKEN.match(user) else None
+
+
+def sign_in_options(url: str, *, creds: str | None = None, user: str | None = None,
+                    password: str | None = None, token: str | None = None) -> dict[str, str]:
+    """nats-py connect options for a credentials file `creds`, a `user` (with `password`, empty if
+    none) or a `token`. nats-py lets a user or token option win over a URL's `user:password@` or
+    `token@`; here the URL's wins, as what a command line says: `user` and `token` count only when
+    no member of `url` carries a secret."""
+    options = {"user_credentials": creds} if creds else {}
+    if not carries_secret(url):
+        if user:
+            options.update(user=user, password=password or "")
+        if token:
+            options["token"] = token
+    return options
+
+
+def env_sign_in(url: str, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """`sign_in_options` from the environment: $NATS_CREDS, $NATS_USER/$NATS_PASSWORD, $NATS_TOKEN.
+    One reading for every warmboot process that connects (the services, their event store, the
+    agent, the commands and `warmboot.client`)."""
+    env = os.environ if env is None else env
+    return sign_in_options(url, creds=env.get(CREDS_ENV) or None, user=env.get(USER_ENV) or None,
+                           password=env.get(PASSWORD_ENV) or None, token=env.get(TOKEN_ENV) or None)

@@ -18,7 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 from events.codec import decode_event
-from events.natsauth import INBOX_PREFIX_ENV, NKEY_SEED_ENV, inbox_prefix, redact_url
+from events.natsauth import INBOX_PREFIX_ENV, NKEY_SEED_ENV, env_sign_in, inbox_prefix, redact_url
 from events.schema import RuntimeChanged, WorkerRegistered
 from events.subjects import event_subject, service_subject, stream_name
 from tests.registry_helpers import PROBE, agent_config, last_seq, registration, wait_event
@@ -341,6 +341,68 @@ async def test_the_services_sign_in_with_the_credentials_their_event_store_reads
         server.stop()
 
 
+async def test_a_token_in_the_environment_signs_in_the_services_the_agent_and_the_commands(tmp_path, monkeypatch):
+    """A server that takes a token (`authorization { token: ... }`): $NATS_TOKEN alone signs in
+    `serve`'s services, the agent and a command, none of whose URLs carries it. Only the services
+    read it; the agent retried for ever and a command was refused the sign-in."""
+    token = "tok-" + "x" * 20
+    server = NatsServer(tmp_path / "nats", extra_config=f'authorization {{ token: "{token}" }}').start()
+    monkeypatch.setenv("NATS_TOKEN", token)
+    monkeypatch.delenv(INBOX_PREFIX_ENV, raising=False)
+    try:
+        async with AsyncExitStack() as stack:
+            await asyncio.wait_for(start_services(stack, ["registry"], server.url, "tokn"), 30)
+            path = tmp_path / "agent.toml"
+            path.write_text(agent_config("v1"))
+            stop = asyncio.Event()
+            running = asyncio.create_task(Agent(server.url, "w-1", "node-a", path, prefix="tokn", probe=PROBE).run(stop))
+            try:
+                bare = await nats.connect(server.url, token=token)
+                stack.push_async_callback(bare.close)
+                await wait_event(bare, "tokn", "w-1", WorkerRegistered)
+            finally:
+                stop.set()
+                await asyncio.wait_for(running, 30)
+            shown = await asyncio.to_thread(CliRunner().invoke, main,
+                                            ["workers", "--nats", server.url, "--prefix", "tokn", "-o", "json"])
+            assert shown.exit_code == 0, shown.output
+            assert [row["worker_id"] for row in json.loads(shown.stdout)] == ["w-1"]
+            refused = await asyncio.to_thread(CliRunner().invoke, main, ["workers", "--nats", server.url, "--prefix",
+                                                                         "tokn"], env={"NATS_TOKEN": "not-it"})
+            assert refused.exit_code == 1 and "refuses the sign-in" in refused.stderr, refused.output
+            assert "not-it" not in refused.output
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("url, env, options", [
+    ("nats://h:4222", {"NATS_USER": "alice", "NATS_PASSWORD": "pw"}, {"user": "alice", "password": "pw"}),
+    ("nats://h:4222", {"NATS_USER": "alice"}, {"user": "alice", "password": ""}),
+    ("nats://h:4222", {"NATS_TOKEN": "t"}, {"token": "t"}),
+    ("nats://h:4222", {"NATS_CREDS": "/c.creds"}, {"user_credentials": "/c.creds"}),
+    # a URL that carries a secret is what a command line says: the environment's user or token do not
+    # override it (nats-py would let them); a credentials file still signs, as nats-py sends both
+    ("nats://bob:pw@h:4222", {"NATS_USER": "alice", "NATS_PASSWORD": "x", "NATS_TOKEN": "t"}, {}),
+    ("nats://h1:4222,nats://tok@h2:4222", {"NATS_TOKEN": "t"}, {}),
+    ("nats://bob:pw@h:4222", {"NATS_CREDS": "/c.creds"}, {"user_credentials": "/c.creds"}),
+    ("nats://h:4222", {"NATS_USER": "", "NATS_TOKEN": ""}, {}),  # set but empty: not given
+])
+def test_what_the_environment_signs_in_with(url, env, options):
+    assert env_sign_in(url, env) == options
+
+
+def test_the_environments_user_gives_the_inbox_prefix_when_the_url_names_none(monkeypatch):
+    monkeypatch.delenv(INBOX_PREFIX_ENV, raising=False)
+    monkeypatch.setenv("NATS_USER", "alice")
+    assert inbox_prefix("nats://h:4222") == "_INBOX.alice"
+    assert inbox_prefix("nats://bob:pw@h:4222") == "_INBOX.bob"  # the URL's user is the one signed in
+    monkeypatch.setenv(INBOX_PREFIX_ENV, "_INBOX.mine")
+    assert inbox_prefix("nats://h:4222") == "_INBOX.mine"
+    monkeypatch.delenv(INBOX_PREFIX_ENV)
+    monkeypatch.setenv("NATS_USER", "a.b")  # not one subject token: nats-py's own inbox
+    assert inbox_prefix("nats://h:4222") is None
+
+
 @pytest.mark.parametrize("url, env, prefix", [
     ("nats://alice:s3cret@h:4222", None, "_INBOX.alice"),
     ("nats://h1:4222,nats://orch:pw@h2:4222", None, "_INBOX.orch"),  # the first member that names a user
@@ -351,6 +413,7 @@ async def test_the_services_sign_in_with_the_credentials_their_event_store_reads
     ("nats://alice:s3cret@h:4222", "_INBOX.mine", "_INBOX.mine"),  # $NATS_INBOX_PREFIX says
 ])
 def test_the_inbox_prefix_a_command_connects_with(url, env, prefix, monkeypatch):
+    monkeypatch.delenv("NATS_USER", raising=False)
     if env is None:
         monkeypatch.delenv(INBOX_PREFIX_ENV, raising=False)
     else:

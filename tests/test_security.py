@@ -532,6 +532,52 @@ async def test_the_client_library_signs_in_with_a_clients_url_alone(deployment):
         assert [c.sandbox_class for c in answer.classes] == ["gvisor"]
 
 
+async def test_the_commands_the_client_and_the_agent_sign_in_with_the_environments_user_and_password(
+        deployment, tmp_path, monkeypatch):
+    """$NATS_USER/$NATS_PASSWORD sign in a command, `Client.connect` and the agent whose URL names
+    no user, and give the inbox prefix the permissions let that user hear (`_INBOX.<user>`), as
+    they did the services alone: the commands and the client were refused the sign-in, and the agent
+    retried for ever. A URL that names a user is what a command line says, and wins."""
+    from click.testing import CliRunner
+
+    from warmboot.cli import main
+    from warmboot.client import Client
+
+    d = deployment
+    bare = d.secured.url()  # no user in it
+    env = {"NATS_URL": bare, "WARMBOOT_PREFIX": PREFIX, "NATS_INBOX_PREFIX": None,
+           "NATS_USER": "ops", "NATS_PASSWORD": d.secured.secrets["ops"]}
+    shown = await asyncio.to_thread(CliRunner().invoke, main, ["workers", "-o", "json"], env=env)
+    assert shown.exit_code == 0, shown.output
+    assert {"w-1", "w-2"} <= {row["worker_id"] for row in json.loads(shown.stdout)}
+    wrong = await asyncio.to_thread(CliRunner().invoke, main, ["workers"], env={**env, "NATS_PASSWORD": "wrong"})
+    assert wrong.exit_code == 1 and "refuses the sign-in" in wrong.stderr, wrong.output
+    # the URL's user and password win over the environment's (here a wrong one)
+    named = await asyncio.to_thread(CliRunner().invoke, main, ["workers", "-o", "json"],
+                                    env={**env, "NATS_URL": d.secured.url("ops"), "NATS_PASSWORD": "wrong"})
+    assert named.exit_code == 0, named.output
+
+    monkeypatch.delenv("NATS_INBOX_PREFIX", raising=False)
+    monkeypatch.setenv("NATS_USER", "orch")
+    monkeypatch.setenv("NATS_PASSWORD", d.secured.secrets["orch"])
+    async with await Client.connect(bare, PREFIX, timeout=5, attempts=1) as wb:
+        assert wb.nc.connected_url is not None and (await wb.fragmentation("gvisor")).classes
+
+    monkeypatch.setenv("NATS_USER", "w-agent")
+    monkeypatch.setenv("NATS_PASSWORD", d.secured.secrets["w-agent"])
+    path = tmp_path / "agent.toml"
+    path.write_text(agent_config("v1"))
+    agent = Agent(bare, "w-agent", "node-e", path, prefix=PREFIX, probe=PROBE)
+    stop = asyncio.Event()
+    running = asyncio.create_task(agent.run(stop))
+    try:
+        _, registered = await asyncio.wait_for(wait_event(d.svc.nc, PREFIX, "w-agent", WorkerRegistered), 30)
+        assert registered.node == "node-e"
+    finally:
+        stop.set()
+        await asyncio.wait_for(running, 30)
+
+
 async def test_an_agent_with_another_workers_credentials_stops_saying_so(deployment, tmp_path):
     """w-1's credentials running the agent of w-2: NATS refuses every publish (and the inbox). The
     agent ends at once with the reason (it asked again for ever, a timeout each time), and nothing

@@ -70,7 +70,7 @@ from nats.aio.client import Client as NATS
 from events.codec import decode_request, encode, to_builtins
 from events.errors import ContractError, latest_revision
 from events.tasks import cancel_and_wait
-from events.natsauth import nkey_options, nkey_seed_path, redact_url
+from events.natsauth import env_sign_in, nkey_options, nkey_seed_path, redact_url
 from events.natspy import ErrorsOnce, abandon, connecting, describe_error, guard_reads
 from events.compat import MACHINE_TO_ARCH, compat_key
 from events.runtime_id import short_id
@@ -642,6 +642,7 @@ class Agent:
                 reconnected_cb=reconnected,
                 error_cb=self._errors.report,
                 connect_timeout=2,
+                **env_sign_in(self.nats_url),  # $NATS_CREDS, $NATS_USER/$NATS_PASSWORD, $NATS_TOKEN
                 **nkey_options(self.nkey_seed),
             ))
             stopping = asyncio.ensure_future(stop.wait())

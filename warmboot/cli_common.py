@@ -83,6 +83,10 @@ MILLICORES = Quantity("millicores", {"m": 1}, "500 or 500m (a core is 1000m)")
 MIB = Quantity("MiB", {"Mi": 1, "Gi": 1024}, "1536, 1536Mi or, in whole GiB, 2Gi")
 
 
+# What every --nats help adds: the sign-ins read from the environment (`events.natsauth.env_sign_in`).
+SIGN_IN_ENV_HELP = (" Without credentials in the URL: $NATS_USER/$NATS_PASSWORD or $NATS_TOKEN; a JWT "
+                    "credentials file in $NATS_CREDS.")
+
 NKEY_SEED_META = "warmboot.nkey_seed"  # where --nkey-seed keeps its file for `ask` (ctx.meta)
 
 
@@ -100,7 +104,7 @@ def nats_option(command: Callable) -> Callable:
              "inbox prefix in $NATS_INBOX_PREFIX.")(command)
     return click.option("--nats", "nats_url", default="nats://127.0.0.1:4222", show_default=True,
                         envvar="NATS_URL", show_envvar=True, callback=check_nats_option,
-                        help="NATS server URL(s), comma-separated.")(command)
+                        help="NATS server URL(s), comma-separated." + SIGN_IN_ENV_HELP)(command)
 event_loop_option = click.option(
     "--event-loop", type=click.Choice(EVENT_LOOPS), default=None, envvar=EVENT_LOOP_ENV, show_envvar=True,
     help="The services' event loop: uvloop (the default where it is installed: less CPU per request), "

@@ -22,7 +22,7 @@ import nats.errors
 from nats import nuid
 
 from events.errors import precondition, unavailable
-from events.natsauth import inbox_prefix as chosen_inbox_prefix, nkey_options, nkey_seed_path, redact_url
+from events.natsauth import env_sign_in, inbox_prefix as chosen_inbox_prefix, nkey_options, nkey_seed_path, redact_url
 from events.natspy import ErrorsOnce, abandon, connecting, describe_error, flush_in_order, guard_reads, inbox_of
 
 log = logging.getLogger("warmboot")
@@ -36,10 +36,14 @@ async def connect(url: str, name: str, *, inbox_prefix: str | None = None, nkey_
     start); its errors go to `errors` (default: logged once each while they repeat).
 
     Signs in with the nkey seed file `nkey_seed` or $NATS_NKEY_SEED when there is one,
-    besides any user:password in `url`. Its inbox prefix is `inbox_prefix`, else
-    $NATS_INBOX_PREFIX, else `_INBOX.<user>` when `url` names a user (`events.natsauth.inbox_prefix`).
-    `options` go to `nats.connect` as they are (`user_credentials`, ...).
+    besides any user:password in `url`, and with what the environment gives
+    (`events.natsauth.env_sign_in`: $NATS_CREDS, and $NATS_USER/$NATS_PASSWORD or $NATS_TOKEN
+    when `url` carries no secret). Its inbox prefix is `inbox_prefix`, else $NATS_INBOX_PREFIX,
+    else `_INBOX.<user>` when `url` (or else $NATS_USER) names a user
+    (`events.natsauth.inbox_prefix`). `options` go to `nats.connect` as they are
+    (`user_credentials`, ...), over the environment's.
     """
+    options = {**env_sign_in(url), **options}
     options.update(nkey_options(nkey_seed_path(nkey_seed)))
     inbox = chosen_inbox_prefix(url, inbox_prefix)
     if inbox:

@@ -6,14 +6,12 @@ import asyncio
 import faulthandler
 import importlib
 import logging
-import os
 import signal
 import sys
 from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from events.jetstream.link import ConnectOptions
 from events.natsauth import redact_url
 from events.subjects import check_prefix, services_inbox
 from services.common import LOOPBACK, metrics_url, start_metrics
@@ -28,16 +26,6 @@ SERVICES: dict[str, str] = {
     "snapshotter": "services.snapshotter.service:SnapshotterService",
     "scheduler": "services.scheduler.service:SchedulerService",
 }
-
-
-def env_credentials() -> dict[str, Any]:
-    """The credentials the services' event store reads from the environment besides the URL's and
-    an nkey seed (`NATS_CREDS`, `NATS_USER`/`NATS_PASSWORD`, `NATS_TOKEN`: `events.jetstream`), as
-    `nats.connect` options for the services' own connection (their endpoints and buckets), so
-    that both sign in alike. It read none of them: a `warmboot serve` given only `NATS_TOKEN` or
-    `NATS_CREDS` was refused by the server and waited, logging an authorization violation."""
-    given = ConnectOptions.from_env(os.environ).connect_kwargs()
-    return {key: given[key] for key in ("user_credentials", "user", "password", "token") if key in given}
 
 
 def service_class(name: str) -> type:
@@ -81,8 +69,7 @@ async def start_services(
     """
     check_prefix(prefix)
     options = options or {}
-    nc = await connect(nats_url, f"warmboot-{'+'.join(names)}", inbox_prefix=services_inbox(prefix),
-                       **env_credentials())
+    nc = await connect(nats_url, f"warmboot-{'+'.join(names)}", inbox_prefix=services_inbox(prefix))
     stack.push_async_callback(nc.close)
     running = Running(nats_url, prefix, names, start_metrics(metrics_port, metrics_host), metrics_host=metrics_host)
     for name in names:

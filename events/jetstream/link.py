@@ -40,7 +40,17 @@ from nats.nuid import NUID
 from events.jetstream import errors
 from events.jetstream.lastseen import LastSeen
 from events.jetstream.layout import LEADER_ELECTED_ADVISORY, status_of
-from events.natsauth import NKEY_SEED_ENV, nkey_options, redact_url
+from events.natsauth import (
+    CREDS_ENV,
+    INBOX_PREFIX_ENV,
+    NKEY_SEED_ENV,
+    PASSWORD_ENV,
+    TOKEN_ENV,
+    USER_ENV,
+    nkey_options,
+    redact_url,
+    sign_in_options,
+)
 from events.natspy import close_given_up, connecting, deliver_core, use_lean_headers
 from events.tasks import retrieved
 
@@ -67,12 +77,12 @@ class ConnectOptions:
     def from_env(cls, env: Environment) -> "ConnectOptions":
         return cls(
             url=env.get("NATS_URL") or DEFAULT_NATS_URL,
-            creds=env.get("NATS_CREDS") or None,
-            user=env.get("NATS_USER") or None,
-            password=env.get("NATS_PASSWORD") or None,
-            token=env.get("NATS_TOKEN") or None,
+            creds=env.get(CREDS_ENV) or None,
+            user=env.get(USER_ENV) or None,
+            password=env.get(PASSWORD_ENV) or None,
+            token=env.get(TOKEN_ENV) or None,
             nkey_seed=env.get(NKEY_SEED_ENV) or None,
-            inbox_prefix=env.get("NATS_INBOX_PREFIX") or None,
+            inbox_prefix=env.get(INBOX_PREFIX_ENV) or None,
         )
 
     @property
@@ -89,13 +99,8 @@ class ConnectOptions:
         kwargs.update(nkey_options(self.nkey_seed))
         if self.inbox_prefix:
             kwargs["inbox_prefix"] = self.inbox_prefix
-        if self.creds:
-            kwargs["user_credentials"] = self.creds
-        if self.user:
-            kwargs["user"] = self.user
-            kwargs["password"] = self.password or ""
-        if self.token:
-            kwargs["token"] = self.token
+        kwargs.update(sign_in_options(self.url, creds=self.creds, user=self.user, password=self.password,
+                                      token=self.token))
         return kwargs
 
 
