@@ -722,8 +722,8 @@ class Agent:
         denied = self._errors.denied
         if self.registered is None and denied is not None:
             raise ConfigError(f"NATS refuses this agent: {describe_error(denied)}. Are the credentials those of "
-                              f"worker {self.worker_id!r} (--worker-id; the user in --nats or $NATS_URL, or "
-                              "--nkey-seed)?")
+                              f"worker {self.worker_id!r} (--worker-id; the user in --nats or $NATS_URL, "
+                              "$NATS_USER, or --nkey-seed)?")
 
     async def register(self, registration: RegisterWorker | Latest, stop: asyncio.Event) -> RegisterReply | None:
         """Register `registration` (one request_id across retries), then heartbeat to learn the TTL.
