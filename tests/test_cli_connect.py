@@ -356,6 +356,32 @@ async def test_a_cluster_member_that_refuses_the_password_does_not_end_the_conne
         new.stop()
 
 
+def test_a_refused_sign_in_says_which_credentials_were_refused(tmp_path):
+    """A refused sign-in names where the credentials it signed in with came from: the URL,
+    $NATS_USER/$NATS_PASSWORD, $NATS_TOKEN, or none at all. It said "check the user and password or
+    token in the URL, or the nkey seed" whatever was given, also to a command signed in by $NATS_USER
+    alone, which has none in its URL (found by a trial of the docs)."""
+    server = NatsServer(tmp_path / "s", extra_config='authorization { user: "alice", password: "right" }')
+    server.store_dir.mkdir()
+    server.start()
+    try:
+        url = f"nats://127.0.0.1:{server.port}"
+        for env, says in (({"NATS_URL": f"nats://alice:wrong@127.0.0.1:{server.port}"},
+                           "(check the user and password or token in the URL)"),
+                          ({"NATS_URL": url, "NATS_USER": "alice", "NATS_PASSWORD": "wrong"},
+                           "(check $NATS_USER/$NATS_PASSWORD)"),
+                          ({"NATS_URL": url, "NATS_TOKEN": "wrong"}, "(check $NATS_TOKEN)"),
+                          ({"NATS_URL": url}, "(no credentials were given: put user:password@ in the URL, or give "
+                                              "$NATS_USER/$NATS_PASSWORD, $NATS_TOKEN, $NATS_CREDS or an nkey seed)")):
+            env = {"NATS_USER": "", "NATS_PASSWORD": "", "NATS_TOKEN": "", "NATS_CREDS": "", "NATS_NKEY_SEED": "",
+                   **env}
+            refused = CliRunner().invoke(main, ["workers"], env=env)
+            assert refused.exit_code == 1 and "refuses the sign-in" in refused.stderr, refused.output
+            assert says in refused.stderr and "wrong" not in refused.stderr.replace(says, ""), refused.stderr
+    finally:
+        server.stop()
+
+
 def test_a_ctrl_c_stops_a_command_with_status_130_and_says_so():
     """A one-shot command stopped by Ctrl-C (SIGINT) while it waits for its server: exit status 130
     and "interrupted", as shells report it; it was click's "Aborted!" and status 1, which scripts

@@ -22,7 +22,17 @@ import nats.errors
 from nats import nuid
 
 from events.errors import precondition, unavailable
-from events.natsauth import env_sign_in, inbox_prefix as chosen_inbox_prefix, nkey_options, nkey_seed_path, redact_url
+from events.natsauth import (
+    CREDS_ENV,
+    TOKEN_ENV,
+    USER_ENV,
+    carries_secret,
+    env_sign_in,
+    inbox_prefix as chosen_inbox_prefix,
+    nkey_options,
+    nkey_seed_path,
+    redact_url,
+)
 from events.natspy import ErrorsOnce, abandon, connecting, describe_error, flush_in_order, guard_reads, inbox_of
 
 log = logging.getLogger("warmboot")
@@ -99,10 +109,32 @@ async def connect_within(url: str, name: str, timeout_s: float = CONNECT_TIMEOUT
             raise unavailable(f"cannot reach NATS at {where}: {describe_error(errors.last or e)}") from None
     await abandon(attempt)  # given up on (`connect` closes what it made), or made at the last moment
     if errors.refusal is not None:
-        raise precondition(f"NATS at {where} refuses the sign-in: {describe_error(errors.refusal)} (check "
-                           "the user and password or token in the URL, or the nkey seed)")
+        raise precondition(f"NATS at {where} refuses the sign-in: {describe_error(errors.refusal)} "
+                           f"({sign_in_hint(url, seed, options)})")
     raise unavailable(f"cannot reach NATS at {where} within {timeout_s:g} s: "
                       f"{describe_error(errors.last or asyncio.TimeoutError())}")
+
+
+def sign_in_hint(url: str, seed: str | None, options: dict[str, Any]) -> str:
+    """What to check when the server refuses the sign-in: the credentials this connection signed in
+    with, where they came from (the URL, $NATS_USER/$NATS_PASSWORD, $NATS_TOKEN, $NATS_CREDS, the nkey
+    seed, or the caller's options; `connect`), or, when there were none, where to give them."""
+    given = []
+    if carries_secret(url):  # wins over the environment's and the options' user or token (`env_sign_in`)
+        given.append("the user and password or token in the URL")
+    elif "user" in options or "token" in options:
+        given.append("the user and password or token given to connect")
+    else:
+        given += [what for env, what in ((USER_ENV, "$NATS_USER/$NATS_PASSWORD"), (TOKEN_ENV, "$NATS_TOKEN"))
+                  if os.environ.get(env)]
+    if options.get("user_credentials") or os.environ.get(CREDS_ENV):
+        given.append("the credentials file ($NATS_CREDS)")
+    if seed is not None:
+        given.append(f"the nkey seed in {seed}")
+    if not given:
+        return ("no credentials were given: put user:password@ in the URL, or give $NATS_USER/$NATS_PASSWORD, "
+                "$NATS_TOKEN, $NATS_CREDS or an nkey seed")
+    return f"check {', '.join(given)}"
 
 
 async def hears_replies(url: str, nc: nats.NATS, errors: ErrorsOnce) -> None:
