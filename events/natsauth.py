@@ -98,6 +98,28 @@ def nkey_seed_path(explicit: str | None = None) -> str | None:
     return explicit or os.environ.get(NKEY_SEED_ENV) or None
 
 
+def nkey_seed_problem(seed_path: str) -> str | None:
+    """Why the file `seed_path` cannot sign in as an nkey user, or None if it can: unreadable, or not
+    an nkey seed (another file given by mistake: nats-py raised its ErrInvalidSeed only as it connected,
+    a traceback). Read once and wiped, as nats-py reads it for each signature; the message quotes
+    nothing of the file."""
+    try:
+        with open(seed_path, "rb") as f:
+            seed = bytearray(f.read().strip())
+    except OSError as e:
+        return f"cannot read the nkey seed file {seed_path!r}: {e.strerror or e}"
+    try:
+        import nkeys
+
+        nkeys.from_seed(seed).wipe()
+    except Exception:
+        return (f"{seed_path!r} holds no nkey seed (one line, SU..., as `warmboot nats-config --auth nkey "
+                "--seeds-dir DIR` writes DIR/USER.nk)")
+    finally:
+        seed[:] = bytes(len(seed))
+    return None
+
+
 def nkey_options(seed_path: str | None) -> dict[str, str]:
     """nats-py connect options for an nkey seed file (none without one)."""
     return {"nkeys_seed": seed_path} if seed_path else {}

@@ -382,6 +382,41 @@ def test_a_refused_sign_in_says_which_credentials_were_refused(tmp_path):
         server.stop()
 
 
+@pytest.mark.parametrize("command", [["workers"], ["serve", "registry"],
+                                     ["agent", "--worker-id", "w-1", "--node", "n-1", "--config", "{config}"]])
+def test_a_file_that_holds_no_nkey_seed_is_a_usage_error_naming_it(tmp_path, command):
+    """--nkey-seed (or $NATS_NKEY_SEED) given another file (the secrets file, a public key): a usage
+    error naming the option and the file, quoting nothing of it, before anything connects. It was a
+    traceback of nkeys.ErrInvalidSeed from the commands and `serve`, and the agent retried it for ever
+    (found by a trial of the docs)."""
+    config = tmp_path / "agent.toml"
+    config.write_text(agent_config("sha256-1"))
+    wrong = tmp_path / "secrets.json"
+    wrong.write_text('{"w-1": "the-password-itself"}')
+    args = [part.replace("{config}", str(config)) for part in command]
+    for how, env in ((["--nkey-seed", str(wrong)], {}), ([], {"NATS_NKEY_SEED": str(wrong)})):
+        result = CliRunner().invoke(main, [*args, "--nats", "nats://127.0.0.1:1", *how], env=env)
+        assert result.exit_code == 2, result.output
+        assert "Invalid value for '--nkey-seed'" in result.stderr and f"{str(wrong)!r} holds no nkey seed" \
+            in result.stderr, result.output
+        assert "the-password-itself" not in result.output and "Traceback" not in result.output
+
+
+async def test_the_client_refuses_a_file_that_holds_no_nkey_seed_before_it_connects(tmp_path):
+    """`Client.connect(nkeys_seed=...)` of a file that is no seed: FAILED_PRECONDITION naming it (it
+    was nkeys.ErrInvalidSeed, raised from inside nats-py's connect)."""
+    from events.errors import ContractError
+    from events.schema import ErrorCode
+    from warmboot.client import Client
+
+    wrong = tmp_path / "public.nk"
+    wrong.write_text("UDXU4RCSJNZOIQHZNWXHXORDPRTGNJAHAHFRGZNEEJCPQTT2M7NLCNF4\n")
+    with pytest.raises(ContractError) as refused:
+        await Client.connect("nats://127.0.0.1:1", nkeys_seed=str(wrong), connect_timeout=1)
+    assert refused.value.code is ErrorCode.FAILED_PRECONDITION
+    assert f"{str(wrong)!r} holds no nkey seed" in refused.value.message, refused.value.message
+
+
 def test_a_ctrl_c_stops_a_command_with_status_130_and_says_so():
     """A one-shot command stopped by Ctrl-C (SIGINT) while it waits for its server: exit status 130
     and "interrupted", as shells report it; it was click's "Aborted!" and status 1, which scripts

@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from events.compat import compat_key, describe_key
 from events.errors import ContractError, not_found
-from events.natsauth import NKEY_SEED_ENV, carries_secret, check_url, redact_url
+from events.natsauth import NKEY_SEED_ENV, carries_secret, check_url, nkey_seed_problem, redact_url
 from events.natspy import ErrorsOnce, describe_error
 from events.schema import ID_RE, ID_WORDS, ErrorCode
 from events.subjects import DEFAULT_PREFIX, PREFIX_PATTERN, check_prefix, stream_name
@@ -90,8 +90,18 @@ SIGN_IN_ENV_HELP = (" Without credentials in the URL: $NATS_USER/$NATS_PASSWORD 
 NKEY_SEED_META = "warmboot.nkey_seed"  # where --nkey-seed keeps its file for `ask` (ctx.meta)
 
 
-def _keep_nkey_seed(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+def check_nkey_seed_option(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """--nkey-seed (or $NATS_NKEY_SEED) as a usage error unless its file holds an nkey seed
+    (`events.natsauth.nkey_seed_problem`)."""
     if value is not None:
+        problem = nkey_seed_problem(value)
+        if problem is not None:
+            raise click.BadParameter(problem, ctx=ctx, param=param)
+    return value
+
+
+def _keep_nkey_seed(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    if check_nkey_seed_option(ctx, param, value) is not None:
         ctx.meta[NKEY_SEED_META] = value
 
 

@@ -20,7 +20,7 @@ from events.schema import Placement, RegisterWorker
 from events.subjects import DEFAULT_PREFIX
 from services.common import run_serving, serving_loop
 from warmboot.agent import Agent, ConfigError, ProbeSettings, load_registration
-from warmboot.cli_common import SIGN_IN_ENV_HELP, Failed, FloatRange, check_id, check_nats_option, check_prefix_option
+from warmboot.cli_common import SIGN_IN_ENV_HELP, Failed, FloatRange, check_id, check_nats_option, check_nkey_seed_option, check_prefix_option
 from warmboot.restore_check import cannot_carry_out_here
 
 
@@ -49,7 +49,7 @@ def check_placement(registration: RegisterWorker, placement_file: BinaryIO) -> N
               show_envvar=True, callback=check_nats_option,
               help="NATS server URL; credentials as nats://USER:PASSWORD@HOST:PORT, best given in $NATS_URL (a process's arguments are visible to every user)." + SIGN_IN_ENV_HELP)
 @click.option("--nkey-seed", type=click.Path(exists=True, dir_okay=False), default=None, envvar=NKEY_SEED_ENV,
-              show_envvar=True, help="Sign in with the nkey seed in this file (warmboot nats-config --auth nkey).")
+              show_envvar=True, callback=check_nkey_seed_option, help="Sign in with the nkey seed in this file (warmboot nats-config --auth nkey).")
 @click.option("--worker-id", required=True, callback=check_id, help="This worker's id (one subject token).")
 @click.option("--node", required=True, callback=check_id, help="The node (machine) this worker runs on.")
 @click.option("--config", "config_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),

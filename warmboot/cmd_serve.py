@@ -16,7 +16,7 @@ from services.common import ALL_INTERFACES, run_serving, tune_gc
 from services.registry.binding import UNBIND
 from services.registry.budget import DEFAULT_BURST, DEFAULT_INTERVAL_S as WRITE_INTERVAL_S, WriteBudget
 from services.registry.nodes import describe, load_nodes
-from warmboot.cli_common import (SIGN_IN_ENV_HELP, FloatRange, IntRange, check_nats_option, check_prefix_option,
+from warmboot.cli_common import (SIGN_IN_ENV_HELP, FloatRange, IntRange, check_nats_option, check_nkey_seed_option, check_prefix_option,
                                  event_loop_option)
 from services.scheduler.checkpoint import DEFAULT_EVERY_EVENTS, DEFAULT_INTERVAL_S
 from warmboot.runner import SERVICES, dump_on_signal, start_services, stop_signals, until_stopped
@@ -56,7 +56,7 @@ def check_interval(ctx: click.Context, param: click.Parameter, value: float) -> 
               envvar="NATS_URL", show_envvar=True,
               help="NATS server URL(s); credentials as nats://USER:PASSWORD@HOST:PORT, best given in $NATS_URL (a process's arguments are visible to every user)." + SIGN_IN_ENV_HELP)
 @click.option("--nkey-seed", type=click.Path(exists=True, dir_okay=False), default=None, envvar=NKEY_SEED_ENV,
-              show_envvar=True, help="Sign in with the nkey seed in this file (warmboot nats-config --auth nkey).")
+              show_envvar=True, callback=check_nkey_seed_option, help="Sign in with the nkey seed in this file (warmboot nats-config --auth nkey).")
 @click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="WARMBOOT_PREFIX", show_envvar=True,
               callback=check_prefix_option, help="Subject prefix of the deployment.")
 @click.option("--metrics-port", type=IntRange(0, 65535), default=None,

@@ -31,6 +31,7 @@ from events.natsauth import (
     inbox_prefix as chosen_inbox_prefix,
     nkey_options,
     nkey_seed_path,
+    nkey_seed_problem,
     redact_url,
 )
 from events.natspy import ErrorsOnce, abandon, connecting, describe_error, flush_in_order, guard_reads, inbox_of
@@ -91,6 +92,9 @@ async def connect_within(url: str, name: str, timeout_s: float = CONNECT_TIMEOUT
     seed = nkey_seed_path(nkey_seed)
     if seed is not None and not os.path.isfile(seed):
         raise precondition(f"no nkey seed file {seed!r} to sign in to NATS at {where} with")
+    problem = nkey_seed_problem(seed) if seed is not None else None
+    if problem is not None:  # nats-py raises it only as it connects, an exception no caller expects
+        raise precondition(f"{problem}: cannot sign in to NATS at {where} with it")
     errors = errors if errors is not None else ErrorsOnce(None)  # the last one is in the refusal
     attempt = asyncio.ensure_future(connect(url, name, errors=errors, nkey_seed=seed, **options))
     one_server = len(url.split(",")) == 1
