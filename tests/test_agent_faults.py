@@ -360,6 +360,10 @@ attributes = {{ asset_digest = "a1" }}
         load_registration(path, "w-a", "node-a", ProbeSettings(cpuinfo_path=machine, architecture="amd64"))
     assert str(refused.value).startswith(f"sandbox_classes[0].default_runtime: the {profile} probe cannot read "
                                          f"{missing} from {machine}")
+    # a --cpuinfo that is not there is said so (a mistyped path read as a CPU without features:
+    # found by a trial of the docs); a file that is there is not
+    assert (f"from {machine} (no such file): give this runtime's attributes literally"
+            in str(refused.value)) == (cpuinfo is None), str(refused.value)
 
 
 async def test_a_heartbeat_refused_right_after_a_registration_does_not_stop_the_agent(nats_url, nc, prefix, tmp_path):

@@ -54,6 +54,7 @@ import asyncio
 import enum
 import hashlib
 import logging
+import os
 import time
 import tomllib
 import uuid
@@ -393,8 +394,10 @@ def _version(runtime: VersionConfig, path: str, probe: MachineRead, stamps: bool
         # The probe omits what it cannot read (CONTRACT section 2); registered so, this runtime would
         # equal that of any machine whose probe read as little, whatever its CPU, and memory images
         # would cross CPUs (docs/contract.md, "A probe that cannot read a key").
+        source = probe.settings.cpuinfo_path
+        gone = "" if os.path.exists(source) else " (no such file)"
         raise ConfigError(f"{path}: the {runtime.profile} probe cannot read {', '.join(missing)} from "
-                          f"{probe.settings.cpuinfo_path}: give this runtime's attributes literally, or fix the probe")
+                          f"{source}{gone}: give this runtime's attributes literally, or fix the probe")
     return to_builtins(version)
 
 
