@@ -27,6 +27,7 @@ import nats.errors
 
 from events.codec import decode_request, json_path, to_builtins, unknown_fields
 from events.errors import ContractError, no_actor, no_worker
+from events.natspy import describe_error
 from events.runtime_id import Runtimes, short_id
 from events.schema import ActorRuntime, CompatVersion, CreateActor, Fidelity, Resources, Snapshot, TagRecorded
 from events.states import ActorState
@@ -168,6 +169,8 @@ def create_cmd(actor_id: str, sandbox_class: str, template_uid: str, cpu_millis:
                        selectors=selectors_of(selectors), min_fidelity=Fidelity(min_fidelity),
                        source_tag=source_tag, golden_snapshot=golden_snapshot, request_id=request_id)
 
+    unchecked: list[str] = []  # why the selector could not be checked against the workers' labels
+
     async def work(nc: Any) -> tuple[Any, list[str] | None, bool | None]:
         wb = Client(nc, prefix)
         reply = await wb.create(body)
@@ -181,8 +184,10 @@ def create_cmd(actor_id: str, sandbox_class: str, template_uid: str, cpu_millis:
                 workers = (await fleet(nc, prefix, await last_seq(nc, prefix, LABELS_TIMEOUT_S))).workers.values()
                 matched = any(sandbox_class in w.classes and all(w.labels.get(k) == v for k, v in body.selectors.items())
                               for w in workers)
-            except (click.ClickException, ContractError, OSError, asyncio.TimeoutError, nats.errors.Error):
+            except (click.ClickException, ContractError, OSError, asyncio.TimeoutError, nats.errors.Error) as e:
                 matched = None
+                unchecked.append(e.message if isinstance(e, (click.ClickException, ContractError))
+                                 else describe_error(e))
         return reply, classes, matched
 
     reply, classes, matched = ask(nats_url, work)
@@ -204,6 +209,8 @@ def create_cmd(actor_id: str, sandbox_class: str, template_uid: str, cpu_millis:
         wanted = ", ".join(f"{k}={v}" for k, v in sorted(body.selectors.items()))
         click.echo(f"warning: no registered worker of class {sandbox_class} has the labels {wanted}; resuming "
                    f"{actor_id} is refused until one does (`warmboot workers -o wide` shows their labels)", err=True)
+    elif unchecked:  # a client's credentials may not read the log: the warning above cannot be given
+        click.echo(f"note: --selector not checked against the workers' labels: {unchecked[0]}", err=True)
 
 
 def echo(reply: Any, as_json: bool, text: Callable[[], str]) -> None:

@@ -140,7 +140,8 @@ async def readable_fleet(nc: Any, prefix: str) -> Any | None:
         return await fleet(nc, prefix, target)
     except (click.ClickException, ContractError, nats.errors.Error) as e:
         why = e.message if isinstance(e, (click.ClickException, ContractError)) else describe_error(e)
-        click.echo(f"note: runtimes are shown by their ids, not their names: {why}", err=True)
+        click.echo(f"note: runtimes are shown with their ids' digits (name@3f9a1c, or rt-3f9a1c without a name), not "
+                   f"as the fleet's names would tell them apart: {why}", err=True)
         return None
 
 
