@@ -632,6 +632,7 @@ class ErrorsOnce:
         self._refused: asyncio.Event | None = None
         self._inbox: tuple[str, Exception | None] | None = None  # (prefix watched, its refusal): `watch_inbox`
         self._publish_refused: dict[str, Exception] = {}  # subject (as nats-py writes it: lower case) -> refusal
+        self._refusal_waiters: dict[str, set[asyncio.Future]] = {}  # subject (lower case) -> `publish_refusal`s
 
     async def report(self, error: Exception) -> None:
         """The callback itself (nats-py takes only coroutine functions)."""
@@ -649,8 +650,13 @@ class ErrorsOnce:
         if self._inbox is not None and self._inbox[1] is None \
                 and text.startswith(f'nats: permissions violation for subscription to "{self._inbox[0]}.'):
             self._inbox = (self._inbox[0], error)
-        if text.startswith(_PUBLISH_REFUSED) and len(self._publish_refused) < self.MAX_KINDS:
-            self._publish_refused[text[len(_PUBLISH_REFUSED):].split('"', 1)[0]] = error
+        if text.startswith(_PUBLISH_REFUSED):
+            subject = text[len(_PUBLISH_REFUSED):].split('"', 1)[0]
+            if len(self._publish_refused) < self.MAX_KINDS:
+                self._publish_refused[subject] = error
+            for waiter in self._refusal_waiters.pop(subject, ()):
+                if not waiter.done():
+                    waiter.set_result(error)
         if self.refusal is None and refuses_sign_in(error):
             self.refusal = error
             if self._refused is not None:
@@ -681,6 +687,21 @@ class ErrorsOnce:
         """The server's refusal to let this connection publish to `subject`, if one came since the
         last taken (a request it refused reached nobody: its caller waits for no reply)."""
         return self._publish_refused.pop(subject.lower(), None)
+
+    def publish_refusal(self, subject: str) -> asyncio.Future:
+        """A future done with the server's refusal to let this connection publish to `subject` once
+        one comes (`unless_refused`); the caller ends it with `forget_refusal`."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._refusal_waiters.setdefault(subject.lower(), set()).add(waiter)
+        return waiter
+
+    def forget_refusal(self, subject: str, waiter: asyncio.Future) -> None:
+        waiters = self._refusal_waiters.get(subject.lower())
+        if waiters is not None:
+            waiters.discard(waiter)
+            if not waiters:
+                del self._refusal_waiters[subject.lower()]
+        waiter.cancel()
 
     def reset(self) -> None:
         """Connected again: the next error is news."""
@@ -781,6 +802,44 @@ def _kind(error: BaseException) -> tuple:
     if isinstance(error, OSError) and error.errno is not None:
         return type(error), error.errno
     return type(error), describe_error(error)
+
+
+class PublishRefused(Exception):
+    """The server refused to let the connection publish to `subject` (a permissions violation):
+    what was sent there reached nobody, and sending it again changes nothing."""
+
+    def __init__(self, subject: str, error: Exception) -> None:
+        super().__init__(f"NATS does not let these credentials publish to {subject}")
+        self.subject = subject
+        self.error = error
+
+
+async def unless_refused(nc: Client, subject: str, work: Awaitable[Any]) -> Any:
+    """`await work` (a request to `subject` on `nc`, say), or PublishRefused as soon as the server
+    says it refuses this connection a publish to `subject`: the server says so at once, and the
+    request would otherwise wait out its whole time-out for a reply that cannot come. Only for a
+    connection that reports to an `ErrorsOnce` (`errors_of`: warmboot's `connect`, the CLI's);
+    otherwise just `await work`. A refusal for the subject while `work` runs is this one's too:
+    the server judges a publish by the connection's permissions and the subject alone."""
+    errors = errors_of(nc)
+    if errors is None:
+        return await work
+    refused = errors.publish_refusal(subject)
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.wait({task, refused}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # cancelled: the work is nobody's
+        errors.forget_refusal(subject, refused)
+        await cancel_and_wait(task)
+        raise
+    if task.done():
+        errors.forget_refusal(subject, refused)
+        return task.result()
+    error = refused.result()
+    errors.forget_refusal(subject, refused)
+    errors.take_publish_refusal(subject)  # told now: not again to a later request's time-out
+    await cancel_and_wait(task)
+    raise PublishRefused(subject, error)
 
 
 def errors_of(nc: Client) -> ErrorsOnce | None:

@@ -543,6 +543,27 @@ async def test_a_clients_create_with_a_selector_says_it_could_not_check_the_labe
     assert "may these credentials read its log?" in result.stderr and "warning:" not in result.stderr, result.stderr
 
 
+async def test_a_command_that_reads_the_log_is_told_at_once_that_a_clients_credentials_may_not(deployment):
+    """`actor show` and `actor list` read the log, which a client's credentials may not (docs/security.md):
+    NATS refuses the question at once, and the command says so, naming what was refused, rather than
+    waiting out the question's 5 s and saying "nats: timeout" (found by a trial of the docs). A text
+    command that labels runtimes prints its answer with the runtimes' digits, and says why, as soon."""
+    from click.testing import CliRunner
+
+    from warmboot.cli import main
+
+    env = {"NATS_URL": deployment.secured.url("orch"), "WARMBOOT_PREFIX": PREFIX}
+    for args in (["actor", "show", "a-1"], ["actor", "list"]):
+        result = await asyncio.to_thread(CliRunner().invoke, main, args, env=env)
+        assert result.exit_code == 1, (args, result.output)
+        assert f"cannot read the event stream {STREAM}" in result.stderr, result.stderr
+        assert f"does not let these credentials publish to $JS.API.STREAM.INFO.{STREAM}" in result.stderr, \
+            result.stderr
+    explained = await asyncio.to_thread(CliRunner().invoke, main, ["explain", "a-1"], env=env)
+    assert explained.exit_code == 0 and "SUMMARY" in explained.stdout, explained.output
+    assert f"does not let these credentials publish to $JS.API.STREAM.INFO.{STREAM}" in explained.stderr
+
+
 async def test_the_client_library_signs_in_with_a_clients_url_alone(deployment):
     """`Client.connect` with a client's URL hears its replies where the permissions let it
     (`_INBOX.<user>.`), as the CLI does: with nats-py's own inbox it was refused its subscription,

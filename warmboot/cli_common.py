@@ -16,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from events.compat import compat_key, describe_key
 from events.errors import ContractError, not_found
 from events.natsauth import NKEY_SEED_ENV, carries_secret, check_url, nkey_seed_problem, redact_url
-from events.natspy import ErrorsOnce, describe_error
+from events.natspy import ErrorsOnce, describe_error, unless_refused
 from events.schema import ID_RE, ID_WORDS, ErrorCode
 from events.subjects import DEFAULT_PREFIX, PREFIX_PATTERN, check_prefix, stream_name
 from services.common import EVENT_LOOP_ENV, EVENT_LOOPS, leaders_stream_info
@@ -293,9 +293,12 @@ async def last_seq(nc: Any, prefix: str, timeout: float = 5.0) -> int:
     """The event stream's last sequence as its leader has it, or a ClickException: "try again" while
     the stream has no leader; NOT_FOUND (field `prefix`) when the server has no such stream, naming
     the prefixes whose logs it holds; else naming the stream, the prefix and the credentials (a
-    client's may not ask: NATS then answers nothing, and the wait is `timeout`)."""
+    client's may not ask: NATS refuses the question, said as soon as the server says so,
+    `unless_refused`; `timeout` bounds the wait for an answer otherwise)."""
+    stream = stream_name(prefix)
     try:
-        return (await leaders_stream_info(nc.jetstream(timeout=timeout), stream_name(prefix))).state.last_seq
+        asked = leaders_stream_info(nc.jetstream(timeout=timeout), stream)
+        return (await unless_refused(nc, f"$JS.API.STREAM.INFO.{stream}", asked)).state.last_seq
     except nats.js.errors.ServiceUnavailableError:  # asked right, answered "not now": no hint about the prefix
         raise click.ClickException(f"cannot read the event stream {stream_name(prefix)} now: it has no leader (an "
                                    "election, or too few of its servers up); try again") from None

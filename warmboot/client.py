@@ -33,8 +33,9 @@ What it does so that callers need not:
   made up: an UNAVAILABLE after the last retry may have been carried out, and that id sent
   again gets its answer); its text is `CODE field: message`, as the CLI prints it. A request
   the server refused to carry for these credentials (a permissions violation, heard on a
-  connection made by `connect` or the CLI) is FAILED_PRECONDITION naming the subject, after
-  its first attempt, not retried.
+  connection made by `connect` or the CLI) is FAILED_PRECONDITION naming the subject, as soon
+  as the server says so (`events.natspy.unless_refused`: not after the attempt's time-out), not
+  retried.
 
 The client does not own a connection it is given; `Client.connect` makes one it owns.
 """
@@ -55,7 +56,7 @@ from nats.aio.client import Client as NATS
 from events.codec import decode_reply, encode
 from events.errors import ContractError, invalid, precondition, unavailable
 from events.natsauth import redact_url
-from events.natspy import ErrorsOnce, errors_of
+from events.natspy import ErrorsOnce, PublishRefused, errors_of, unless_refused
 from events.schema import (
     ID_RE,
     ID_WORDS,
@@ -253,13 +254,20 @@ class Client:
         errors = errors_of(self.nc) if error.code is ErrorCode.UNAVAILABLE and self.refusals_final else None
         if errors is None or errors.take_publish_refusal(subject) is None:
             return None
+        return self._refusal(subject)
+
+    @staticmethod
+    def _refusal(subject: str) -> ContractError:
         return precondition(f"NATS does not let these credentials publish to {subject}: the request reached "
                             "nobody, and sending it again will not change that (docs/security.md says what each "
                             "role may publish)")
 
     async def _once(self, subject: str, data: bytes, reply_type: type[T]) -> T:
         try:
-            msg = await self.nc.request(subject, data, timeout=self.timeout)
+            request = self.nc.request(subject, data, timeout=self.timeout)
+            msg = await (unless_refused(self.nc, subject, request) if self.refusals_final else request)
+        except PublishRefused:  # said by the server at once: not after the request's time-out
+            raise self._refusal(subject) from None
         except nats.errors.NoRespondersError:
             raise unavailable(f"{NO_SERVICE}{subject}") from None
         except nats.errors.TimeoutError:
