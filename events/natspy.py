@@ -622,9 +622,10 @@ class ErrorsOnce:
 
     MAX_KINDS = 64  # kinds remembered at once; past it they are news again
 
-    def __init__(self, logger: logging.Logger | None = log, where: str = "") -> None:
+    def __init__(self, logger: logging.Logger | None = log, where: str = "", refusal_hint: str = "") -> None:
         self.logger = logger
         self.where = f"NATS at {where}" if where else "NATS"
+        self.refusal_hint = refusal_hint  # what a refused sign-in's line adds: which credentials to check
         self.last: Exception | None = None
         self.refusal: Exception | None = None
         self.denied: Exception | None = None  # the first permissions violation since connected
@@ -642,7 +643,8 @@ class ErrorsOnce:
                 self._seen.clear()
             self._seen.add(kind)
             if self.logger is not None:
-                self.logger.warning("%s: %s", self.where, describe_error(error))
+                hint = f" ({self.refusal_hint})" if self.refusal_hint and refuses_sign_in(error) else ""
+                self.logger.warning("%s: %s%s", self.where, describe_error(error), hint)
         self.last = error
         text = describe_error(error).lower()  # nats-py lowers the server's words, a subject's too
         if self.denied is None and "permissions violation" in text:

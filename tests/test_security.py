@@ -621,6 +621,52 @@ async def test_the_commands_the_client_and_the_agent_sign_in_with_the_environmen
         await asyncio.wait_for(running, 30)
 
 
+async def test_a_process_that_keeps_trying_a_refused_sign_in_logs_which_credentials_to_check(
+        deployment, tmp_path, monkeypatch):
+    """The agent and the services (`warmboot.connection.connect`, as `serve` connects) keep trying a
+    refused sign-in (a password may be being rotated); the line each logs once said only
+    "Authorization Violation" (found by a trial of the docs). It now says which credentials were
+    refused, here $NATS_USER/$NATS_PASSWORD, and never the password."""
+    import logging
+
+    from warmboot.connection import connect
+
+    heard: list[str] = []
+    said = asyncio.Event()
+
+    class Heard(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:  # on the loop's thread: the loop is the caller
+            line = record.getMessage()
+            if "Authorization Violation" in line:
+                heard.append(line)
+                said.set()
+
+    handler = Heard(logging.WARNING)
+    logging.getLogger("warmboot").addHandler(handler)
+    monkeypatch.setenv("NATS_USER", "w-agent")
+    monkeypatch.setenv("NATS_PASSWORD", "not-the-password")
+    path = tmp_path / "agent.toml"
+    path.write_text(agent_config("v1"))
+    try:
+        for start in (lambda stop: Agent(deployment.secured.url(), "w-agent", "node-e", path, prefix=PREFIX,
+                                         probe=PROBE).run(stop),
+                      lambda stop: connect(deployment.secured.url(), "warmboot-registry")):
+            heard.clear()
+            said.clear()
+            stop = asyncio.Event()
+            trying = asyncio.ensure_future(start(stop))
+            try:
+                await asyncio.wait_for(said.wait(), 30)
+            finally:
+                stop.set()
+                trying.cancel()
+                await asyncio.wait({trying}, timeout=30)
+            assert "(check $NATS_USER/$NATS_PASSWORD)" in heard[0], heard
+            assert "not-the-password" not in heard[0]
+    finally:
+        logging.getLogger("warmboot").removeHandler(handler)
+
+
 async def test_an_agent_with_another_workers_credentials_stops_saying_so(deployment, tmp_path):
     """w-1's credentials running the agent of w-2: NATS refuses every publish (and the inbox). The
     agent ends at once with the reason (it asked again for ever, a timeout each time), and nothing

@@ -93,6 +93,7 @@ from events.schema import (
 )
 from events.subjects import DEFAULT_PREFIX, check_prefix
 from warmboot.client import Client
+from warmboot.connection import sign_in_hint
 from warmboot.files import write_atomically
 
 
@@ -579,7 +580,8 @@ class Agent:
         # alive whatever registration holds the worker, another machine's included)
         self._beats: int | None = None
         self._beats_refused: int | None = None  # the `_beats` a refused beat registered this machine again for
-        self._errors = ErrorsOnce(log, redact_url(nats_url))  # the connection's errors, once each while they repeat
+        # the connection's errors, once each while they repeat; a refused sign-in says which credentials to check
+        self._errors = ErrorsOnce(log, redact_url(nats_url), sign_in_hint(nats_url, self.nkey_seed, {}))
 
     # --- configuration -------------------------------------------------------------------
 

@@ -54,13 +54,13 @@ async def connect(url: str, name: str, *, inbox_prefix: str | None = None, nkey_
     (`events.natsauth.inbox_prefix`). `options` go to `nats.connect` as they are
     (`user_credentials`, ...), over the environment's.
     """
+    if errors is None:  # a process that keeps trying (the services, the demo): its log says what to check
+        errors = ErrorsOnce(log, redact_url(url), sign_in_hint(url, nkey_seed_path(nkey_seed), options))
     options = {**env_sign_in(url), **options}
     options.update(nkey_options(nkey_seed_path(nkey_seed)))
     inbox = chosen_inbox_prefix(url, inbox_prefix)
     if inbox:
         options["inbox_prefix"] = inbox
-    if errors is None:
-        errors = ErrorsOnce(log, redact_url(url))
 
     async def reconnected() -> None:
         errors.reset()
