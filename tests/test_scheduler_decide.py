@@ -410,6 +410,7 @@ def test_paused_actor_is_never_relaxed_off_its_node_or_its_runtime():
     log.worker("home-new", runtime(V2), node="n1", mem=65536)
     error = refused(log, "a", ErrorCode.RESOURCE_EXHAUSTED)
     assert "PAUSED on node n1" in error.message
+    assert "(suspended, its image goes to external storage and it may move)" in error.message  # what to do
     assert "1 not on pinned node" in error.message and "1 runtime mismatch" in error.message
     assert "1 insufficient memory" in error.message
 

@@ -369,7 +369,8 @@ def _plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | N
     if node is not None:  # rule 5: never relaxed
         refusal = (f"its memory image is LOCAL on node {node}: it restores only on a compatible worker there"
                    if actor.state is not PAUSED else
-                   f"actor is PAUSED on node {node}: its memory restores only on a compatible worker there")
+                   f"actor is PAUSED on node {node}: its memory restores only on a compatible worker there "
+                   "(suspended, its image goes to external storage and it may move)")
     elif floor is Fidelity.MEMORY:  # rule 4's exception (4a: more room could help)
         refusal = "no compatible worker has room and min_fidelity is MEMORY"
     else:  # rule 4: fall back rather than fail, keeping the stamp's architecture
