@@ -92,10 +92,14 @@ async def test_a_replica_does_not_place_on_a_lost_tail_whose_sequences_hold_othe
 
 
 @pytest.mark.timeout(120)
-async def test_a_retried_request_id_is_not_answered_from_a_lost_tail(tmp_path):
+@pytest.mark.parametrize("b_request", ["rb", "r1"], ids=["another-id", "the-same-id"])
+async def test_a_retried_request_id_is_not_answered_from_a_lost_tail(tmp_path, b_request):
     """The placement a request id got is lost with the tail; another replica, started on the log as it
     is now, places another actor at the same sequences; the request id retried at the replica that folded
-    the lost tail is not answered with what the log holds there (another actor's assignment)."""
+    the lost tail is not answered with what the log holds there (another actor's assignment). Also when
+    b's placement carries the very request id a's did: request ids are the caller's, scoped to an actor
+    (a client that numbers each actor's requests alike sends r1 for both), so only the actor the
+    placement names tells them apart."""
     prefix = "t" + uuid.uuid4().hex[:10]
     server = NatsServer(tmp_path)
     server.start()
@@ -124,7 +128,7 @@ async def test_a_retried_request_id_is_not_answered_from_a_lost_tail(tmp_path):
             exits.push_async_callback(fresh.stop)
             for _ in range(100):
                 try:
-                    other = await fresh.resume("b", ResumeActor(request_id="rb"))
+                    other = await fresh.resume("b", ResumeActor(request_id=b_request))
                     break
                 except ContractError as error:  # the store's connection being made again
                     assert error.code is ErrorCode.UNAVAILABLE, error
