@@ -14,6 +14,7 @@ from contextlib import AsyncExitStack
 
 import msgspec
 import nats
+import nats.errors
 import pytest
 
 from events.errors import ContractError
@@ -54,13 +55,16 @@ def roll_back(server: NatsServer, stream: str, keep: int) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("placed_before", [False, True], ids=["first-append-after", "appended-before-the-crash"])
-async def test_a_replica_does_not_place_on_a_lost_tail_whose_sequences_hold_other_messages(tmp_path, placed_before):
+@pytest.mark.parametrize("case", ["first-append-after", "appended-before-the-crash", "the-check-unanswered"])
+async def test_a_replica_does_not_place_on_a_lost_tail_whose_sequences_hold_other_messages(tmp_path, monkeypatch,
+                                                                                          case):
     """Judged on the committer's check (`Committer._confirm_log`): the fold is held paused from before
     the crash to the resume's answer, as a checkpoint holds it, so that its own check at its consumer's
     re-creation (1 to 2 s after the crash) cannot come first and hide a missing one (it did, about one
     run in four). Also when the replica placed an actor before the crash: it confirmed the log in the
-    session before the crash, and a session with the server started again is another, checked again."""
+    session before the crash, and a session with the server started again is another, checked again.
+    And when the check cannot be made (the read of the message at the fold's position times out): what
+    the replica decided is not appended unchecked; the resume is UNAVAILABLE (retry)."""
     prefix = "t" + uuid.uuid4().hex[:10]
     server = NatsServer(tmp_path)
     server.start()
@@ -75,7 +79,7 @@ async def test_a_replica_does_not_place_on_a_lost_tail_whose_sequences_hold_othe
             wb = Client(nc, prefix, attempts=40)
             await wb.register(worker("w0", runtime(V2)))
             await wb.create(actor("a", golden_snapshot=golden(V1)))  # a memory image of V1
-            if placed_before:  # the replica's committer appends, in the session before the crash
+            if case == "appended-before-the-crash":  # the replica's committer appends, in the session before the crash
                 await wb.create(actor("c"))
                 await wb.resume("c", request_id="rc")
             kept = await last_seq(nc, prefix)
@@ -92,10 +96,18 @@ async def test_a_replica_does_not_place_on_a_lost_tail_whose_sequences_hold_othe
                 wb.seq = 0
                 relabelled = await wb.register(worker("w0", runtime(V2), labels={"rack": "r1"}))
                 assert relabelled.seq == changed.seq
+                if case == "the-check-unanswered":
+                    async def unanswered() -> str | None:
+                        raise nats.errors.TimeoutError  # the stream's leader did not answer the read in time
+
+                    monkeypatch.setattr(scheduler.fold, "continuity", unanswered)
                 try:  # one attempt, at the one replica, which folded the lost tail
                     got = await Client(nc, prefix, attempts=1).resume("a", request_id="r1")
                 except ContractError as error:
                     got = error
+                if case == "the-check-unanswered":
+                    assert isinstance(got, ContractError) and got.code is ErrorCode.UNAVAILABLE, got
+                    monkeypatch.undo()
             bad, _ = verdict(await read_messages(nc, prefix))
             assert not bad, f"answered {got}; " + "\n".join(bad)
             sink = await replay(nc, prefix, Sink(verify=True), False)
