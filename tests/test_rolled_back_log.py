@@ -169,21 +169,26 @@ async def test_a_retried_request_id_is_not_answered_from_a_lost_tail(tmp_path, b
 
 
 @pytest.mark.timeout(120)
-async def test_a_beat_naming_a_registration_lost_with_the_tail_is_refused_and_its_agent_registers_again(tmp_path):
+@pytest.mark.parametrize("look", ["answered", "unanswered"])
+async def test_a_beat_naming_a_registration_lost_with_the_tail_is_refused_and_its_agent_registers_again(
+        tmp_path, monkeypatch, look):
     """w0 registered V1, then V2 alone (acknowledged: its agent has that revision in force); the tail
     holding the second is lost, and the log says w0 runs V1. A beat naming the lost revision is refused
     (FAILED_PRECONDITION, field revision: register again) by the registry whose roster folded it, from
     the worker's history, before the watch's next look; the registration that follows puts V2 alone back
     in the log, and a replica started on it places a's V1 memory image nowhere on w0. The roster answered
     such beats until the watch's look stopped the registry, up to 5 s later, and an agent that registers
-    again only when a beat is refused left the log saying V1 until its registry was started again."""
+    again only when a beat is refused left the log saying V1 until its registry was started again.
+    So too while the registry cannot look whether the log is still the one it folded (`unanswered`: each
+    look at the stream times out): a roster not confirmed in the session answers no beat."""
     prefix = "t" + uuid.uuid4().hex[:10]
     server = NatsServer(tmp_path)
     server.start()
     try:
         async with AsyncExitStack() as exits:
-            await start_services(exits, ["registry", "snapshotter"], server.url, prefix,
-                                 options={"registry": {"ttl_s": SILENT_TTL_S}})
+            running = await start_services(exits, ["registry", "snapshotter"], server.url, prefix,
+                                           options={"registry": {"ttl_s": SILENT_TTL_S}})
+            registry = running.services[0]
             nc = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
             exits.push_async_callback(nc.close)
             wb = Client(nc, prefix, attempts=40)
@@ -192,6 +197,11 @@ async def test_a_beat_naming_a_registration_lost_with_the_tail_is_refused_and_it
             await wb.create(actor("a", golden_snapshot=golden(V1)))  # a memory image of V1
             kept = await last_seq(nc, prefix)
             await wb.register(msgspec.structs.replace(worker("w0", runtime(V2)), revision=r1 + 1))  # then lost
+            if look == "unanswered":
+                async def unanswered() -> str | None:
+                    raise nats.errors.TimeoutError  # the stream's leader did not answer the look in time
+
+                monkeypatch.setattr(registry.watch, "look", unanswered)
             server.kill()
             roll_back(server, stream_name(prefix), kept)
             server.spawn()
@@ -200,6 +210,7 @@ async def test_a_beat_naming_a_registration_lost_with_the_tail_is_refused_and_it
                 await wb.request("registry", "heartbeat", "w0", Heartbeat(revision=r1 + 1), HeartbeatReply)
             assert (refused.value.code, refused.value.field) == (ErrorCode.FAILED_PRECONDITION, "revision"), \
                 refused.value
+            monkeypatch.undo()
             # what its agent does then: registers this machine again, above
             again = await wb.register(msgspec.structs.replace(worker("w0", runtime(V2)), revision=r1 + 2))
             assert again.outcome is RegisterOutcome.RUNTIME_CHANGED
