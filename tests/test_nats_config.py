@@ -396,6 +396,9 @@ def test_the_environments_user_gives_the_inbox_prefix_when_the_url_names_none(mo
     monkeypatch.setenv("NATS_USER", "alice")
     assert inbox_prefix("nats://h:4222") == "_INBOX.alice"
     assert inbox_prefix("nats://bob:pw@h:4222") == "_INBOX.bob"  # the URL's user is the one signed in
+    # still when that user is not one subject token: alice is not signed in, her inbox is not this one's
+    assert inbox_prefix("nats://a.b:pw@h:4222") is None
+    assert inbox_prefix("nats://w%2D1:pw@h:4222") is None
     monkeypatch.setenv(INBOX_PREFIX_ENV, "_INBOX.mine")
     assert inbox_prefix("nats://h:4222") == "_INBOX.mine"
     monkeypatch.delenv(INBOX_PREFIX_ENV)
