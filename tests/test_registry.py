@@ -443,6 +443,25 @@ async def test_a_heartbeat_keeps_alive_only_the_registration_whose_revision_it_n
     assert (await raw_request(nc, prefix, "heartbeat", "w-1", {"revision": 400}))[0] == {"ttl_s": registry.ttl_s}
 
 
+async def test_a_revision_of_zero_is_told_apart_as_any_other(registry, nc, prefix):
+    """Revisions run from 0 (docs/contract.md): a sender that numbers its registrations 0, 1, 2...
+    names 0 as any other. w-z registered at revision 0: a beat naming 1 (a registration the registry
+    does not have in force) is refused; another machine registers w-z at 1: the first one's beats,
+    naming 0, are refused and put nothing. A 0 taken for "no revision" kept both alive."""
+    await register(nc, prefix, registration("w-z", revision=0))
+    refused, _ = await raw_request(nc, prefix, "heartbeat", "w-z", {"revision": 1})
+    assert refused["error"]["code"] == "FAILED_PRECONDITION" and refused["error"]["field"] == "revision", refused
+    assert "registration in force is revision 0, not 1" in refused["error"]["message"]
+    assert (await raw_request(nc, prefix, "heartbeat", "w-z", {"revision": 0}))[0] == {"ttl_s": registry.ttl_s}
+    await register(nc, prefix, registration("w-z", default=runtime("amd"), revision=1))
+    put = await registry.liveness.last_entry("w-z")
+    refused, _ = await raw_request(nc, prefix, "heartbeat", "w-z", {"revision": 0})
+    assert refused["error"]["code"] == "FAILED_PRECONDITION" and refused["error"]["field"] == "revision", refused
+    assert "registration in force is revision 1, not 0" in refused["error"]["message"]
+    assert await registry.liveness.last_entry("w-z") == put  # the refusal put nothing
+    assert (await raw_request(nc, prefix, "heartbeat", "w-z", {"revision": 1}))[0] == {"ttl_s": registry.ttl_s}
+
+
 async def test_a_drain_read_behind_another_replica_s_new_life_drains_it(registry, nats_url, nc, prefix, monkeypatch):
     """A worker drained through this registry, then removed and registered again (a new life,
     undrained) through another replica; an operator's drain here, read from a replica of the
