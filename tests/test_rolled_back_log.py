@@ -117,14 +117,19 @@ async def test_a_replica_does_not_place_on_a_lost_tail_whose_sequences_hold_othe
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("b_request", ["rb", "r1"], ids=["another-id", "the-same-id"])
-async def test_a_retried_request_id_is_not_answered_from_a_lost_tail(tmp_path, b_request):
+@pytest.mark.parametrize("placed, request_id", [("b", "rb"), ("b", "r1"), ("a", None)],
+                         ids=["another-actor", "another-actor-the-same-id", "the-same-actor-no-id"])
+async def test_a_retried_request_id_is_not_answered_from_a_lost_tail(tmp_path, placed, request_id):
     """The placement a request id got is lost with the tail; another replica, started on the log as it
     is now, places another actor at the same sequences; the request id retried at the replica that folded
     the lost tail is not answered with what the log holds there (another actor's assignment). Also when
     b's placement carries the very request id a's did: request ids are the caller's, scoped to an actor
     (a client that numbers each actor's requests alike sends r1 for both), so only the actor the
-    placement names tells them apart."""
+    placement names tells them apart. And when the placement there is a's own, made without a request
+    id: not the request's either, UNAVAILABLE as the others (it was an internal error). The stale
+    replica's fold is held paused from before the crash to the retry's answer (as a checkpoint holds
+    it), so that its own check at its consumer's re-creation cannot come first: the answer judged is
+    the one from the log."""
     prefix = "t" + uuid.uuid4().hex[:10]
     server = NatsServer(tmp_path)
     server.start()
@@ -142,27 +147,28 @@ async def test_a_retried_request_id_is_not_answered_from_a_lost_tail(tmp_path, b
             await wb.create(actor("b"))
             kept = await last_seq(nc, prefix)
             first = await wb.resume("a", request_id="r1")  # acknowledged, folded, then lost
-            server.kill()
-            roll_back(server, stream_name(prefix), kept)
-            server.spawn()
-            await asyncio.to_thread(server.wait_ready)
-            # a replica started on the log as it is now places b, first: at the lost placement's sequences
-            fresh_nc = await nats.connect(server.url)
-            exits.push_async_callback(fresh_nc.close)
-            fresh = await SchedulerService(fresh_nc, nats_url=server.url, prefix=prefix, metrics=False).start()
-            exits.push_async_callback(fresh.stop)
-            for _ in range(100):
-                try:
-                    other = await fresh.resume("b", ResumeActor(request_id=b_request))
-                    break
-                except ContractError as error:  # the store's connection being made again
-                    assert error.code is ErrorCode.UNAVAILABLE, error
-                    await asyncio.sleep(0.05)  # a client's back-off between retries, not synchronisation
-            assert other.seq == first.seq  # b's placement where a's was
-            try:  # the retry, at the replica that folded the lost tail
-                got = await stale.resume("a", ResumeActor(request_id="r1"))
-            except ContractError as error:
-                got = error
+            async with stale.fold.paused():
+                server.kill()
+                roll_back(server, stream_name(prefix), kept)
+                server.spawn()
+                await asyncio.to_thread(server.wait_ready)
+                # a replica started on the log as it is now places first: at the lost placement's sequences
+                fresh_nc = await nats.connect(server.url)
+                exits.push_async_callback(fresh_nc.close)
+                fresh = await SchedulerService(fresh_nc, nats_url=server.url, prefix=prefix, metrics=False).start()
+                exits.push_async_callback(fresh.stop)
+                for _ in range(100):
+                    try:
+                        other = await fresh.resume(placed, ResumeActor(request_id=request_id))
+                        break
+                    except ContractError as error:  # the store's connection being made again
+                        assert error.code is ErrorCode.UNAVAILABLE, error
+                        await asyncio.sleep(0.05)  # a client's back-off between retries, not synchronisation
+                assert (other.actor_id, other.seq) == (placed, first.seq)  # placed where a's r1 was
+                try:  # the retry, at the replica that folded the lost tail
+                    got = await stale.resume("a", ResumeActor(request_id="r1"))
+                except ContractError as error:
+                    got = error
             assert isinstance(got, ContractError) and got.code is ErrorCode.UNAVAILABLE, got
     finally:
         server.stop()
