@@ -140,6 +140,8 @@ async def test_unknown_runtimes_and_workers_are_errors_naming_the_option(fleet_o
     assert bad_id.exit_code == 2 and "'--drop-runtime'" in bad_id.output
     typo = await run("--class", "gvisor", "--drain", "w-gv-9999")
     assert typo.exit_code == 2 and "'--drain'" in typo.output and "w-gv-9999" in typo.output
+    pattern = await run("--class", "gvisor", "--drain", "w.*")  # not an id: said so, not "not registered"
+    assert pattern.exit_code == 2 and "'w.*' is not an id: 1 to 128" in pattern.output, pattern.output
     no_class = await run("--class", "nope")
     assert no_class.exit_code == 1 and no_class.stderr.startswith("error: NOT_FOUND sandbox_class (--class): ")
     assert "(registered: gvisor, microvm)" in no_class.stderr

@@ -33,8 +33,8 @@ from events.schema import (WHATIF_LIMIT_MAX, CompatVersion, Explanation, Fragmen
 from events.states import WorkerState
 from events.subjects import event_subject
 from services.scheduler.feasibility import SELECTOR_MISMATCH
-from warmboot.cli_common import (IntRange, ask, last_seq, log_messages, min_seq_option, nats_option, prefix_option,
-                                 selectors_of, version_text)
+from warmboot.cli_common import (IntRange, ask, check_id, last_seq, log_messages, min_seq_option, nats_option,
+                                 prefix_option, selectors_of, version_text)
 from warmboot.client import Client
 from warmboot.render import Column, render_fields, render_table, terminal_width
 
@@ -664,7 +664,7 @@ def render_whatif(query: WhatIf, answer: WhatIfAnswer, runtimes: Runtimes, width
               help="As if every worker of the class stopped offering this runtime (as default, restorable "
                    "or compatible version). A label as the views print it (gvisor-v1, gvisor-v1@3f9a1c), "
                    "an id (rt-3f9a1c), or a name: every runtime of the class that carries it. Repeatable.")
-@click.option("--drain", "drain", multiple=True, metavar="WORKER",
+@click.option("--drain", "drain", multiple=True, metavar="WORKER", callback=check_id,
               help="As if this worker were drained. Repeatable.")
 @click.option("--limit", type=IntRange(0, WHATIF_LIMIT_MAX), default=100, show_default=True,
               help=f"Newly stranded actors listed at most (0: all, up to {WHATIF_LIMIT_MAX:,}).")

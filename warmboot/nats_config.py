@@ -382,17 +382,18 @@ def _worker_nodes(entries: list[tuple[str, str]]) -> dict[str, str | None]:
     nodes: dict[str, str | None] = {}
     given_at: dict[str, str] = {}
     for where, entry in entries:
+        # the option the entry came by, and the entry where it was (click's own prefix names the option)
+        option, shown = ("--worker", entry) if where.startswith("--worker ") else ("--workers-file", where)
         worker_id, _, node = entry.partition("@")
         for value in (worker_id, node) if node or "@" in entry else (worker_id,):
             if not ID_RE.match(value):
-                raise click.BadParameter(f"{where}: {value!r} is not an id: {ID_WORDS}",
-                                         param_hint="--worker")
+                raise click.BadParameter(f"{shown}: {value!r} is not an id: {ID_WORDS}", param_hint=option)
         if worker_id in nodes:
             known = nodes[worker_id]
             twice = (f"given two nodes, {known!r} and {node!r}" if known and node and known != node
                      else "given twice")
-            raise click.BadParameter(f"{where}: worker {worker_id!r} is {twice} (also at {given_at[worker_id]})",
-                                     param_hint="--worker")
+            raise click.BadParameter(f"{shown}: worker {worker_id!r} is {twice} (also at {given_at[worker_id]})",
+                                     param_hint=option)
         nodes[worker_id] = node or None
         given_at[worker_id] = where
     return nodes
