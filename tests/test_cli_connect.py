@@ -417,6 +417,35 @@ async def test_the_client_refuses_a_file_that_holds_no_nkey_seed_before_it_conne
     assert f"{str(wrong)!r} holds no nkey seed" in refused.value.message, refused.value.message
 
 
+async def test_the_client_refuses_a_bad_prefix_or_option_leaving_no_connection_open(nats_url, monkeypatch):
+    """`Client.connect(url, "Bad Prefix")` connected first, then raised check_prefix's ValueError with
+    the connection left open (its reader, flusher and pinger tasks running, reconnecting for ever),
+    and so did a mistyped Client option (`timout=`), with its TypeError (an audit's finding). The
+    prefix is INVALID_ARGUMENT naming it, before anything connects; a mistyped option still raises
+    its TypeError, and the connection made is closed."""
+    import warmboot.client as client_module
+    from events.errors import ContractError
+    from events.schema import ErrorCode
+    from warmboot.client import Client
+
+    made = []
+
+    async def recording(*args, **kwargs):
+        made.append(await connect_within(*args, **kwargs))
+        return made[-1]
+
+    connect_within = client_module.connect_within
+    monkeypatch.setattr(client_module, "connect_within", recording)
+    with pytest.raises(ContractError) as refused:
+        await Client.connect(nats_url, "Bad Prefix")
+    assert refused.value.code is ErrorCode.INVALID_ARGUMENT and refused.value.field == "prefix", refused.value
+    assert "'Bad Prefix'" in refused.value.message
+    assert made == []  # refused before connecting
+    with pytest.raises(TypeError, match="timout"):
+        await Client.connect(nats_url, "tp", timout=3)
+    assert len(made) == 1 and made[0].is_closed
+
+
 def test_a_ctrl_c_stops_a_command_with_status_130_and_says_so():
     """A one-shot command stopped by Ctrl-C (SIGINT) while it waits for its server: exit status 130
     and "interrupted", as shells report it; it was click's "Aborted!" and status 1, which scripts

@@ -163,22 +163,27 @@ class Client:
         permissions of `warmboot nats-config` let a user hear them; each connection error logged
         once while it repeats. A server that does not answer within `connect_timeout` seconds is
         UNAVAILABLE (ContractError), naming it; one that refuses the user that inbox prefix,
-        FAILED_PRECONDITION (`warmboot.connection.hears_replies`), before anything is sent;
+        FAILED_PRECONDITION (`warmboot.connection.hears_replies`), before anything is sent; a
+        prefix that is not one, INVALID_ARGUMENT (field `prefix`) before connecting;
         after that the connection reconnects for as long as it lives. `options` go to the
         Client, except the nats.connect keywords
         `user_credentials`, `nkeys_seed`, `inbox_prefix` and `name`."""
         connect = {k: options.pop(k) for k in ("user_credentials", "inbox_prefix", "name") if k in options}
         nkey_seed = options.pop("nkeys_seed", None)
+        try:  # before connecting: a bad prefix was a ValueError, raised with the connection left open
+            check_prefix(prefix)
+        except ValueError as error:
+            raise invalid(str(error), "prefix") from None
         url = servers if isinstance(servers, str) else ",".join(servers)
         errors = ErrorsOnce(log, redact_url(url))
         nc = await connect_within(url, connect.pop("name", "warmboot-client"), connect_timeout, nkey_seed=nkey_seed,
                                   errors=errors, reconnect_time_wait=0.25, **connect)
         try:
             await hears_replies(url, nc, errors)  # a user refused its inbox: said before anything is sent
+            client = cls(nc, prefix, **options)  # a mistyped option: its TypeError, and nothing left open
         except BaseException:
             await nc.close()
             raise
-        client = cls(nc, prefix, **options)
         client._owned = True
         return client
 
