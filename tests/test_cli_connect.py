@@ -446,6 +446,56 @@ async def test_the_client_refuses_a_bad_prefix_or_option_leaving_no_connection_o
     assert len(made) == 1 and made[0].is_closed
 
 
+async def test_a_request_nats_py_will_not_send_is_a_contract_error_naming_why(tmp_path):
+    """What nats-py refuses to send came out of the client as its own exception, not a ContractError
+    (an audit's finding): a call after `close` (ConnectionClosedError), a request larger than the
+    server's max_payload (MaxPayloadError), one made while reconnecting with the connection's buffer
+    full (OutboundBufferLimitError). Now: FAILED_PRECONDITION and INVALID_ARGUMENT, not retried, and
+    UNAVAILABLE, retried as a lost request is; each with the request's id."""
+    import nats
+
+    from events.errors import ContractError
+    from events.natspy import close_given_up
+    from events.schema import ErrorCode
+    from warmboot.client import Client
+
+    server = NatsServer(tmp_path).start()
+    try:
+        client = await Client.connect(server.url, "tp", timeout=1, attempts=3)
+        with pytest.raises(ContractError) as large:
+            await client.resume("a-1", {f"k{i}": "v" * 100 for i in range(25_000)}, request_id="r-big")
+        assert large.value.code is ErrorCode.INVALID_ARGUMENT, large.value
+        assert "more than NATS takes in a message (its max_payload: 2097152 bytes)" in large.value.message
+        assert large.value.request_id == "r-big" and client.retries == 0
+        await client.close()
+        with pytest.raises(ContractError) as closed:
+            await client.resume("a-1", request_id="r-closed")
+        assert closed.value.code is ErrorCode.FAILED_PRECONDITION, closed.value
+        assert "connection to NATS is closed" in closed.value.message and closed.value.request_id == "r-closed"
+        assert client.retries == 0
+
+        gone = asyncio.Event()
+
+        async def disconnected() -> None:
+            gone.set()
+
+        nc = await nats.connect(server.url, pending_size=0, max_reconnect_attempts=-1, reconnect_time_wait=0.2,
+                                disconnected_cb=disconnected)
+        try:
+            unbuffered = Client(nc, "tp", timeout=1, attempts=2)
+            await asyncio.to_thread(server.stop)
+            await asyncio.wait_for(gone.wait(), 10)
+            with pytest.raises(ContractError) as full:
+                await unbuffered.resume("a-1", request_id="r-full")
+            assert full.value.code is ErrorCode.UNAVAILABLE, full.value
+            assert "requests waiting to be sent fill the connection's buffer" in full.value.message
+            assert full.value.request_id == "r-full" and unbuffered.retries == 1
+        finally:
+            await close_given_up(nc)  # nats-py's own close of it may raise while disconnected
+    finally:
+        server.stop()
+
+
 def test_a_ctrl_c_stops_a_command_with_status_130_and_says_so():
     """A one-shot command stopped by Ctrl-C (SIGINT) while it waits for its server: exit status 130
     and "interrupted", as shells report it; it was click's "Aborted!" and status 1, which scripts

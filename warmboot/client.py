@@ -35,7 +35,9 @@ What it does so that callers need not:
   the server refused to carry for these credentials (a permissions violation, heard on a
   connection made by `connect` or the CLI) is FAILED_PRECONDITION naming the subject, as soon
   as the server says so (`events.natspy.unless_refused`: not after the attempt's time-out), not
-  retried.
+  retried. A request on a closed connection is FAILED_PRECONDITION, one larger than the server's
+  max_payload INVALID_ARGUMENT, and one the connection cannot hold while it reconnects (its
+  buffer full) UNAVAILABLE: nothing was sent; no nats-py exception comes out of a request.
 
 The client does not own a connection it is given; `Client.connect` makes one it owns.
 """
@@ -277,6 +279,15 @@ class Client:
             raise unavailable(f"{NO_SERVICE}{subject}") from None
         except nats.errors.TimeoutError:
             raise unavailable(f"no reply from {subject} within {self.timeout:g}s") from None
+        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError):
+            raise precondition(f"the connection to NATS is closed (or closing): nothing was sent to {subject}, "
+                               "and nothing will be on it; make a new client") from None
+        except nats.errors.MaxPayloadError:
+            raise invalid(f"the request to {subject} is {len(data)} bytes, more than NATS takes in a message "
+                          f"(its max_payload: {self.nc.max_payload} bytes); nothing was sent") from None
+        except nats.errors.OutboundBufferLimitError:  # disconnected, and what waits to be sent fills the buffer
+            raise unavailable(f"not connected to NATS, and the requests waiting to be sent fill the connection's "
+                              f"buffer: nothing was sent to {subject}") from None
         return decode_reply(reply_type, msg.data)
 
     def _min_seq(self, given: int | None) -> int | None:
