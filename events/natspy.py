@@ -74,6 +74,8 @@ replay of the log, or says less than needed, the gap is closed here and nowhere 
   3.12), and nats-py then goes on connecting, forever with `max_reconnect_attempts=-1`: a
   Ctrl-C of a command waiting for its server, or a stop of an agent or a service before its
   server answered, hung for good.
+- `close`: nats-py's close of a connection that is down (reconnecting) raised half way, writing
+  what it held to be sent onto the lost transport; what cannot be sent is dropped first.
 - `Replies`: many requests in flight over one wildcard inbox, each answered into a
   future. nats-py's `request` arms a timer (`wait_for`) and draws a NUID per call,
   and `publish_async` a timer per call on its semaphore; at thousands of requests a
@@ -780,6 +782,18 @@ async def close_given_up(nc: Client | None) -> None:
     closing.cancel()
     if cancelled:
         raise asyncio.CancelledError
+
+
+async def close(nc: Client) -> None:
+    """`nc.close()`, of a connection that is down too (its server gone, reconnecting). nats-py's close
+    writes what it holds to be sent onto the lost transport and drains it, which raises there
+    (ConnectionResetError; RuntimeError under uvloop) half way through the close: the caller got that
+    error, and the subscriptions' tasks were left running. Nothing held can be sent on a connection
+    that is down: it is dropped first."""
+    if not nc.is_closed and not nc.is_connected:
+        nc._pending = []
+        nc._pending_data_size = 0
+    await nc.close()
 
 
 def taken(attempt: asyncio.Future) -> Any:

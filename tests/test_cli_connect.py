@@ -496,6 +496,37 @@ async def test_a_request_nats_py_will_not_send_is_a_contract_error_naming_why(tm
         server.stop()
 
 
+async def test_a_client_closed_while_its_server_is_down_closes_without_an_error(tmp_path):
+    """An orchestrator leaving `async with await Client.connect(...)` while NATS is down, a request
+    sent meanwhile: nats-py's close wrote the request held to be sent onto the lost transport, and
+    `close` raised ConnectionResetError (RuntimeError under uvloop) out of the `async with`, the
+    subscription's task left running (an audit's finding). Now it closes, and nothing is left."""
+    from events.errors import ContractError
+    from events.schema import ErrorCode
+    from warmboot.client import Client
+
+    server = NatsServer(tmp_path).start()
+    try:
+        before = asyncio.all_tasks()
+        async with await Client.connect(server.url, "tp", timeout=0.3, attempts=1) as client:
+            gone = asyncio.Event()
+
+            async def disconnected() -> None:
+                gone.set()
+
+            client.nc._disconnected_cb = disconnected
+            await asyncio.to_thread(server.stop)
+            await asyncio.wait_for(gone.wait(), 10)
+            with pytest.raises(ContractError) as unanswered:  # held by nats-py, to be sent once reconnected
+                await client.resume("a-1")
+            assert unanswered.value.code is ErrorCode.UNAVAILABLE, unanswered.value
+        assert client.nc.is_closed
+        left = [t for t in asyncio.all_tasks() - before if not (t.done() or t.cancelling())]
+        assert left == [], left
+    finally:
+        server.stop()
+
+
 def test_a_ctrl_c_stops_a_command_with_status_130_and_says_so():
     """A one-shot command stopped by Ctrl-C (SIGINT) while it waits for its server: exit status 130
     and "interrupted", as shells report it; it was click's "Aborted!" and status 1, which scripts

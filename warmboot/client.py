@@ -58,7 +58,7 @@ from nats.aio.client import Client as NATS
 from events.codec import decode_reply, encode
 from events.errors import ContractError, invalid, precondition, unavailable
 from events.natsauth import redact_url
-from events.natspy import ErrorsOnce, PublishRefused, errors_of, unless_refused
+from events.natspy import ErrorsOnce, PublishRefused, close, errors_of, unless_refused
 from events.schema import (
     ID_RE,
     ID_WORDS,
@@ -191,7 +191,7 @@ class Client:
 
     async def close(self) -> None:
         if self._owned and not self.nc.is_closed:
-            await self.nc.close()
+            await close(self.nc)  # its server gone too (nats-py's own close raised then)
 
     async def __aenter__(self) -> "Client":
         return self
