@@ -527,6 +527,33 @@ async def test_a_client_closed_while_its_server_is_down_closes_without_an_error(
         server.stop()
 
 
+async def test_a_reply_the_client_cannot_read_is_a_contract_error_naming_the_subject(nats_url, prefix):
+    """Something answering on a warmboot subject with what is not the endpoint's reply (another
+    version, another program): msgspec's ValidationError or DecodeError came out of the client (an
+    audit's finding). It is INTERNAL, naming the subject and what was wrong, with the request's id,
+    and not retried."""
+    from events.errors import ContractError
+    from events.schema import ErrorCode
+    from warmboot.client import Client
+
+    async with await Client.connect(nats_url, prefix, timeout=5, attempts=3) as client:
+        answers = iter([b'{"worker_id": 5}', b"not json"])
+
+        async def answer(msg) -> None:
+            await msg.respond(next(answers))
+
+        await client.nc.subscribe(f"{prefix}.scheduler.resume.*", cb=answer)
+        await client.nc.flush()
+        for said in ("Expected `str`, got `int` - at `$.worker_id`", "JSON is malformed"):
+            with pytest.raises(ContractError) as unreadable:
+                await client.resume("a-1", request_id="r-1")
+            assert unreadable.value.code is ErrorCode.INTERNAL, unreadable.value
+            assert f"the reply from {prefix}.scheduler.resume.a-1 cannot be read as its Assignment" \
+                in unreadable.value.message and said in unreadable.value.message, unreadable.value.message
+            assert unreadable.value.request_id == "r-1"
+        assert client.retries == 0
+
+
 def test_a_ctrl_c_stops_a_command_with_status_130_and_says_so():
     """A one-shot command stopped by Ctrl-C (SIGINT) while it waits for its server: exit status 130
     and "interrupted", as shells report it; it was click's "Aborted!" and status 1, which scripts

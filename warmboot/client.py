@@ -37,7 +37,8 @@ What it does so that callers need not:
   as the server says so (`events.natspy.unless_refused`: not after the attempt's time-out), not
   retried. A request on a closed connection is FAILED_PRECONDITION, one larger than the server's
   max_payload INVALID_ARGUMENT, and one the connection cannot hold while it reconnects (its
-  buffer full) UNAVAILABLE: nothing was sent; no nats-py exception comes out of a request.
+  buffer full) UNAVAILABLE: nothing was sent; no nats-py exception comes out of a request. A
+  reply that cannot be read as the endpoint's is INTERNAL naming the subject, not retried.
 
 The client does not own a connection it is given; `Client.connect` makes one it owns.
 """
@@ -288,7 +289,12 @@ class Client:
         except nats.errors.OutboundBufferLimitError:  # disconnected, and what waits to be sent fills the buffer
             raise unavailable(f"not connected to NATS, and the requests waiting to be sent fill the connection's "
                               f"buffer: nothing was sent to {subject}") from None
-        return decode_reply(reply_type, msg.data)
+        try:
+            return decode_reply(reply_type, msg.data)
+        except msgspec.DecodeError as error:  # not this version's reply (ValidationError is one too)
+            raise ContractError(ErrorCode.INTERNAL, f"the reply from {subject} cannot be read as "
+                                f"its {reply_type.__name__}: {error} (is what answers there warmboot, of a "
+                                "version that speaks this client's contract?)") from None
 
     def _min_seq(self, given: int | None) -> int | None:
         if given is not None:
