@@ -554,6 +554,26 @@ async def test_a_reply_the_client_cannot_read_is_a_contract_error_naming_the_sub
         assert client.retries == 0
 
 
+@pytest.mark.parametrize("url, says", [
+    ("nats://[::1", "'nats://[::1': Invalid IPv6 URL"),
+    ("nats://127.0.0.1:99999", "the port must be a number from 0 to 65535"),
+    ("foo://127.0.0.1:4222", "the scheme must be one of nats, tls, ws, wss, not 'foo'"),
+])
+async def test_the_client_refuses_a_url_that_is_none_as_the_cli_does(url, says):
+    """`Client.connect` of a URL that is none: a ValueError of nats-py's own came out of it for some
+    ('Invalid IPv6 URL'), others were UNAVAILABLE after the connect's time-out, as if the server were
+    down (an audit's finding). It is INVALID_ARGUMENT (field `servers`) at once, in the words of the
+    CLI's --nats."""
+    from events.errors import ContractError
+    from events.schema import ErrorCode
+    from warmboot.client import Client
+
+    with pytest.raises(ContractError) as refused:
+        await asyncio.wait_for(Client.connect(url, connect_timeout=30), 10)
+    assert refused.value.code is ErrorCode.INVALID_ARGUMENT and refused.value.field == "servers", refused.value
+    assert says in refused.value.message, refused.value.message
+
+
 def test_a_ctrl_c_stops_a_command_with_status_130_and_says_so():
     """A one-shot command stopped by Ctrl-C (SIGINT) while it waits for its server: exit status 130
     and "interrupted", as shells report it; it was click's "Aborted!" and status 1, which scripts

@@ -58,7 +58,7 @@ from nats.aio.client import Client as NATS
 
 from events.codec import decode_reply, encode
 from events.errors import ContractError, invalid, precondition, unavailable
-from events.natsauth import redact_url
+from events.natsauth import check_url, redact_url
 from events.natspy import ErrorsOnce, PublishRefused, close, errors_of, unless_refused
 from events.schema import (
     ID_RE,
@@ -167,7 +167,8 @@ class Client:
         once while it repeats. A server that does not answer within `connect_timeout` seconds is
         UNAVAILABLE (ContractError), naming it; one that refuses the user that inbox prefix,
         FAILED_PRECONDITION (`warmboot.connection.hears_replies`), before anything is sent; a
-        prefix that is not one, INVALID_ARGUMENT (field `prefix`) before connecting;
+        prefix that is not one, or a URL the CLI's --nats refuses, INVALID_ARGUMENT (field `prefix`,
+        `servers`) before connecting;
         after that the connection reconnects for as long as it lives. `options` go to the
         Client, except the nats.connect keywords
         `user_credentials`, `nkeys_seed`, `inbox_prefix` and `name`."""
@@ -178,6 +179,11 @@ class Client:
         except ValueError as error:
             raise invalid(str(error), "prefix") from None
         url = servers if isinstance(servers, str) else ",".join(servers)
+        try:  # as the CLI's --nats: nats-py raised a ValueError of its own for some ('nats://[::1')
+            check_url(url)
+        except ValueError as error:
+            said = str(error)  # check_url's words name the member; urllib's do not
+            raise invalid(said if said.startswith("'") else f"{redact_url(url)!r}: {said}", "servers") from None
         errors = ErrorsOnce(log, redact_url(url))
         nc = await connect_within(url, connect.pop("name", "warmboot-client"), connect_timeout, nkey_seed=nkey_seed,
                                   errors=errors, reconnect_time_wait=0.25, **connect)
