@@ -38,7 +38,8 @@ What it does so that callers need not:
   retried. A request on a closed connection is FAILED_PRECONDITION, one larger than the server's
   max_payload INVALID_ARGUMENT, and one the connection cannot hold while it reconnects (its
   buffer full) UNAVAILABLE: nothing was sent; no nats-py exception comes out of a request. A
-  reply that cannot be read as the endpoint's is INTERNAL naming the subject, not retried.
+  reply that cannot be read as the endpoint's is INTERNAL naming the subject, not retried. (Not
+  for the agent's client, `refusals_final=False`, whose own loop takes nats-py's errors.)
 
 The client does not own a connection it is given; `Client.connect` makes one it owns.
 """
@@ -144,7 +145,8 @@ class Client:
     ):
         self.nc = nc
         # a request the server refuses to carry is FAILED_PRECONDITION at once (`_publish_refused`);
-        # else UNAVAILABLE, as a lost one (the agent: its own loop tells a refusal, `_check_not_denied`)
+        # else UNAVAILABLE, as a lost one (the agent: its own loop tells a refusal, `_check_not_denied`,
+        # and takes nats-py's own errors and an unreadable reply as it always did, `_once`)
         self.refusals_final = refusals_final
         self.prefix = check_prefix(prefix)
         self.timeout = timeout
@@ -286,21 +288,31 @@ class Client:
             raise unavailable(f"{NO_SERVICE}{subject}") from None
         except nats.errors.TimeoutError:
             raise unavailable(f"no reply from {subject} within {self.timeout:g}s") from None
-        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError):
-            raise precondition(f"the connection to NATS is closed (or closing): nothing was sent to {subject}, "
-                               "and nothing will be on it; make a new client") from None
-        except nats.errors.MaxPayloadError:
-            raise invalid(f"the request to {subject} is {len(data)} bytes, more than NATS takes in a message "
-                          f"(its max_payload: {self.nc.max_payload} bytes); nothing was sent") from None
-        except nats.errors.OutboundBufferLimitError:  # disconnected, and what waits to be sent fills the buffer
-            raise unavailable(f"not connected to NATS, and the requests waiting to be sent fill the connection's "
-                              f"buffer: nothing was sent to {subject}") from None
+        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError, nats.errors.MaxPayloadError,
+                nats.errors.OutboundBufferLimitError) as error:
+            if not self.refusals_final:  # the agent: its own loop takes nats-py's errors, as it always did
+                raise
+            raise self._unsent(subject, data, error) from None
         try:
             return decode_reply(reply_type, msg.data)
         except msgspec.DecodeError as error:  # not this version's reply (ValidationError is one too)
+            if not self.refusals_final:
+                raise
             raise ContractError(ErrorCode.INTERNAL, f"the reply from {subject} cannot be read as "
                                 f"its {reply_type.__name__}: {error} (is what answers there warmboot, of a "
                                 "version that speaks this client's contract?)") from None
+
+    def _unsent(self, subject: str, data: bytes, error: Exception) -> ContractError:
+        """A request nats-py would not send, as the contract error that says why."""
+        if isinstance(error, (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError)):
+            return precondition(f"the connection to NATS is closed (or closing): nothing was sent to {subject}, "
+                                "and nothing will be on it; make a new client")
+        if isinstance(error, nats.errors.MaxPayloadError):
+            return invalid(f"the request to {subject} is {len(data)} bytes, more than NATS takes in a message "
+                           f"(its max_payload: {self.nc.max_payload} bytes); nothing was sent")
+        # disconnected, and what waits to be sent fills the connection's buffer
+        return unavailable(f"not connected to NATS, and the requests waiting to be sent fill the connection's "
+                           f"buffer: nothing was sent to {subject}")
 
     def _min_seq(self, given: int | None) -> int | None:
         if given is not None:
