@@ -124,7 +124,7 @@ def sign_in_hint(url: str, seed: str | None, options: dict[str, Any]) -> str:
     with, where they came from (the URL, $NATS_USER/$NATS_PASSWORD, $NATS_TOKEN, $NATS_CREDS, the nkey
     seed, or the caller's options; `connect`), or, when there were none, where to give them."""
     given = []
-    if carries_secret(url):  # wins over the environment's and the options' user or token (`env_sign_in`)
+    if carries_secret(url):  # wins over the environment's user or token (`env_sign_in`)
         given.append("the user and password or token in the URL")
     elif "user" in options or "token" in options:
         given.append("the user and password or token given to connect")
