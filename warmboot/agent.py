@@ -72,7 +72,7 @@ from events.codec import decode_request, encode, to_builtins
 from events.errors import ContractError, latest_revision
 from events.tasks import cancel_and_wait
 from events.natsauth import env_sign_in, nkey_options, nkey_seed_path, redact_url
-from events.natspy import ErrorsOnce, abandon, connecting, describe_error, guard_reads
+from events.natspy import ErrorsOnce, abandon, close, connecting, describe_error, guard_reads
 from events.compat import MACHINE_TO_ARCH, compat_key
 from events.runtime_id import short_id
 from events.probe import (DEFAULT_CPUINFO, PROFILES, SCHEMA_VERSION, ProbeError, host_architecture,
@@ -1296,7 +1296,7 @@ class Agent:
                     log.info("drained %s (seq %d)%s", self.worker_id, reply.seq,
                              "; it already was" if reply.unchanged else "")
             with suppress(Exception):
-                await self.nc.close()
+                await close(self.nc)  # its server gone too: its tasks end all the same
 
     async def _serve(self, registration: RegisterWorker, stop: asyncio.Event) -> None:
         try:

@@ -16,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from events.compat import compat_key, describe_key
 from events.errors import ContractError, not_found
 from events.natsauth import NKEY_SEED_ENV, carries_secret, check_url, nkey_seed_problem, redact_url
-from events.natspy import ErrorsOnce, describe_error, unless_refused
+from events.natspy import ErrorsOnce, close, describe_error, unless_refused
 from events.schema import ID_RE, ID_WORDS, ErrorCode
 from events.subjects import DEFAULT_PREFIX, PREFIX_PATTERN, check_prefix, stream_name
 from services.common import EVENT_LOOP_ENV, EVENT_LOOPS, leaders_stream_info
@@ -268,7 +268,7 @@ def ask(nats_url: str, work: Callable[[Any], Awaitable[Any]]) -> Any:
         try:
             await hears_replies(nats_url, nc, errors)  # a user refused its inbox: said before anything is sent
         except BaseException:
-            await nc.close()
+            await close(nc)  # its server gone too (nats-py's own close raised then)
             raise
         try:
             return await work(nc)
@@ -277,7 +277,7 @@ def ask(nats_url: str, work: Callable[[Any], Awaitable[Any]]) -> Any:
             held = await prefixes_held(nc) if e.message.startswith(NO_SERVICE) else None
             raise Failed(e, held) from None
         finally:
-            await nc.close()
+            await close(nc)  # its server gone too (nats-py's own close raised then)
 
     try:
         return asyncio.run(run())

@@ -31,6 +31,7 @@ from rich.table import Table
 
 from events.errors import ContractError
 from events.natsauth import redact_url
+from events.natspy import close
 from events.tasks import cancel_and_wait
 from events.runtime_id import Runtimes
 from events.schema import (
@@ -400,7 +401,7 @@ async def run_demo(nats_url: str, prefix: str, cfg: DemoConfig, console: Console
     finally:
         demo.stopping = True
         await cancel_and_wait(beat)
-        await nc.close()
+        await close(nc)
     return demo.tally
 
 

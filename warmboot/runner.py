@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from events.natsauth import redact_url
+from events.natspy import close
 from events.subjects import check_prefix, services_inbox
 from services.common import LOOPBACK, metrics_url, start_metrics
 from warmboot.connection import connect
@@ -70,7 +71,7 @@ async def start_services(
     check_prefix(prefix)
     options = options or {}
     nc = await connect(nats_url, f"warmboot-{'+'.join(names)}", inbox_prefix=services_inbox(prefix))
-    stack.push_async_callback(nc.close)
+    stack.push_async_callback(close, nc)  # its server gone too (nats-py's own close raised then)
     running = Running(nats_url, prefix, names, start_metrics(metrics_port, metrics_host), metrics_host=metrics_host)
     for name in names:
         service = service_class(name)(nc, nats_url=nats_url, prefix=prefix, **options.get(name, {}))
