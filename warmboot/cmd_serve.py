@@ -16,8 +16,8 @@ from services.common import ALL_INTERFACES, run_serving, tune_gc
 from services.registry.binding import UNBIND
 from services.registry.budget import DEFAULT_BURST, DEFAULT_INTERVAL_S as WRITE_INTERVAL_S, WriteBudget
 from services.registry.nodes import describe, load_nodes
-from warmboot.cli_common import (SIGN_IN_ENV_HELP, FloatRange, IntRange, check_nats_option, check_nkey_seed_option, check_prefix_option,
-                                 event_loop_option)
+from warmboot.cli_common import (SIGN_IN_ENV_HELP, FloatRange, IntRange, check_nats_option, check_nkey_seed_option,
+                                 check_prefix_option, event_loop_option)
 from services.scheduler.checkpoint import DEFAULT_EVERY_EVENTS, DEFAULT_INTERVAL_S
 from warmboot.runner import SERVICES, dump_on_signal, start_services, stop_signals, until_stopped
 
