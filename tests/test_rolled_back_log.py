@@ -10,7 +10,7 @@ import asyncio
 import struct
 import time
 import uuid
-from contextlib import AsyncExitStack
+from contextlib import AsyncExitStack, asynccontextmanager
 
 import msgspec
 import nats
@@ -54,6 +54,44 @@ def roll_back(server: NatsServer, stream: str, keep: int) -> None:
     (msgs / "index.db").unlink(missing_ok=True)
 
 
+async def crash_losing_the_tail(server: NatsServer, prefix: str, keep: int) -> None:
+    """The server crashes, loses every message of the log after sequence `keep` (`roll_back`), and
+    starts again."""
+    server.kill()
+    roll_back(server, stream_name(prefix), keep)
+    server.spawn()
+    await asyncio.to_thread(server.wait_ready)
+
+
+@asynccontextmanager
+async def serving(tmp_path, names: tuple[str, ...] = ("registry", "snapshotter", "scheduler")):
+    """A server of its own with `names` running on it (workers silent for long: no removal meanwhile),
+    and a client that retries through the crash: (the server, the prefix, the exit stack, the services,
+    the client's connection, the client)."""
+    prefix = "t" + uuid.uuid4().hex[:10]
+    server = NatsServer(tmp_path)
+    server.start()
+    try:
+        async with AsyncExitStack() as exits:
+            running = await start_services(exits, list(names), server.url, prefix,
+                                           options={"registry": {"ttl_s": SILENT_TTL_S},
+                                                    "scheduler": {"metrics": False}})
+            nc = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
+            exits.push_async_callback(nc.close)
+            yield server, prefix, exits, running, nc, Client(nc, prefix, attempts=40)
+    finally:
+        server.stop()
+
+
+async def fresh_replica(exits: AsyncExitStack, server: NatsServer, prefix: str) -> SchedulerService:
+    """A scheduler replica started on the log as it is now."""
+    fresh_nc = await nats.connect(server.url)
+    exits.push_async_callback(fresh_nc.close)
+    fresh = await SchedulerService(fresh_nc, nats_url=server.url, prefix=prefix, metrics=False).start()
+    exits.push_async_callback(fresh.stop)
+    return fresh
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case", ["first-append-after", "appended-before-the-crash", "the-check-unanswered"])
 async def test_a_replica_does_not_place_on_a_lost_tail_whose_sequences_hold_other_messages(tmp_path, monkeypatch,
@@ -65,55 +103,40 @@ async def test_a_replica_does_not_place_on_a_lost_tail_whose_sequences_hold_othe
     session before the crash, and a session with the server started again is another, checked again.
     And when the check cannot be made (the read of the message at the fold's position times out): what
     the replica decided is not appended unchecked; the resume is UNAVAILABLE (retry)."""
-    prefix = "t" + uuid.uuid4().hex[:10]
-    server = NatsServer(tmp_path)
-    server.start()
-    try:
-        async with AsyncExitStack() as exits:
-            running = await start_services(exits, ["registry", "snapshotter", "scheduler"], server.url, prefix,
-                                           options={"registry": {"ttl_s": SILENT_TTL_S},
-                                                    "scheduler": {"metrics": False}})
-            scheduler = running.services[-1]
-            nc = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
-            exits.push_async_callback(nc.close)
-            wb = Client(nc, prefix, attempts=40)
-            await wb.register(worker("w0", runtime(V2)))
-            await wb.create(actor("a", golden_snapshot=golden(V1)))  # a memory image of V1
-            if case == "appended-before-the-crash":  # the replica's committer appends, in the session before the crash
-                await wb.create(actor("c"))
-                await wb.resume("c", request_id="rc")
-            kept = await last_seq(nc, prefix)
-            # acknowledged and folded, then lost: w0 restores V1 (its RuntimeChanged and fence)
-            changed = await wb.register(worker("w0", runtime(V2), (runtime(V1),)))
-            assert (await wb.explain("a", min_seq=changed.seq)).decision.fidelity is PlacedFidelity.MEMORY
-            async with scheduler.fold.paused():
-                server.kill()
-                roll_back(server, stream_name(prefix), kept)
-                server.spawn()
-                await asyncio.to_thread(server.wait_ready)
-                # the log goes on from where it was cut: w0 relabelled, still V2 alone, its fence where the
-                # lost one was
-                wb.seq = 0
-                relabelled = await wb.register(worker("w0", runtime(V2), labels={"rack": "r1"}))
-                assert relabelled.seq == changed.seq
-                if case == "the-check-unanswered":
-                    async def unanswered() -> str | None:
-                        raise nats.errors.TimeoutError  # the stream's leader did not answer the read in time
+    async with serving(tmp_path) as (server, prefix, exits, running, nc, wb):
+        scheduler = running.services[-1]
+        await wb.register(worker("w0", runtime(V2)))
+        await wb.create(actor("a", golden_snapshot=golden(V1)))  # a memory image of V1
+        if case == "appended-before-the-crash":  # the replica's committer appends, in the session before the crash
+            await wb.create(actor("c"))
+            await wb.resume("c", request_id="rc")
+        kept = await last_seq(nc, prefix)
+        # acknowledged and folded, then lost: w0 restores V1 (its RuntimeChanged and fence)
+        changed = await wb.register(worker("w0", runtime(V2), (runtime(V1),)))
+        assert (await wb.explain("a", min_seq=changed.seq)).decision.fidelity is PlacedFidelity.MEMORY
+        async with scheduler.fold.paused():
+            await crash_losing_the_tail(server, prefix, kept)
+            # the log goes on from where it was cut: w0 relabelled, still V2 alone, its fence where the
+            # lost one was
+            wb.seq = 0
+            relabelled = await wb.register(worker("w0", runtime(V2), labels={"rack": "r1"}))
+            assert relabelled.seq == changed.seq
+            if case == "the-check-unanswered":
+                async def unanswered() -> str | None:
+                    raise nats.errors.TimeoutError  # the stream's leader did not answer the read in time
 
-                    monkeypatch.setattr(scheduler.fold, "continuity", unanswered)
-                try:  # one attempt, at the one replica, which folded the lost tail
-                    got = await Client(nc, prefix, attempts=1).resume("a", request_id="r1")
-                except ContractError as error:
-                    got = error
-                if case == "the-check-unanswered":
-                    assert isinstance(got, ContractError) and got.code is ErrorCode.UNAVAILABLE, got
-                    monkeypatch.undo()
-            bad, _ = verdict(await read_messages(nc, prefix))
-            assert not bad, f"answered {got}; " + "\n".join(bad)
-            sink = await replay(nc, prefix, Sink(verify=True), False)
-            assert sink.violation is None, str(sink.violation)
-    finally:
-        server.stop()
+                monkeypatch.setattr(scheduler.fold, "continuity", unanswered)
+            try:  # one attempt, at the one replica, which folded the lost tail
+                got = await Client(nc, prefix, attempts=1).resume("a", request_id="r1")
+            except ContractError as error:
+                got = error
+            if case == "the-check-unanswered":
+                assert isinstance(got, ContractError) and got.code is ErrorCode.UNAVAILABLE, got
+                monkeypatch.undo()
+        bad, _ = verdict(await read_messages(nc, prefix))
+        assert not bad, f"answered {got}; " + "\n".join(bad)
+        sink = await replay(nc, prefix, Sink(verify=True), False)
+        assert sink.violation is None, str(sink.violation)
 
 
 @pytest.mark.timeout(120)
@@ -130,48 +153,30 @@ async def test_a_retried_request_id_is_not_answered_from_a_lost_tail(tmp_path, p
     replica's fold is held paused from before the crash to the retry's answer (as a checkpoint holds
     it), so that its own check at its consumer's re-creation cannot come first: the answer judged is
     the one from the log."""
-    prefix = "t" + uuid.uuid4().hex[:10]
-    server = NatsServer(tmp_path)
-    server.start()
-    try:
-        async with AsyncExitStack() as exits:
-            running = await start_services(exits, ["registry", "snapshotter", "scheduler"], server.url, prefix,
-                                           options={"registry": {"ttl_s": SILENT_TTL_S},
-                                                    "scheduler": {"metrics": False}})
-            stale = running.services[-1]
-            nc = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
-            exits.push_async_callback(nc.close)
-            wb = Client(nc, prefix, attempts=40)
-            await wb.register(worker("w0", runtime(V2)))
-            await wb.create(actor("a"))
-            await wb.create(actor("b"))
-            kept = await last_seq(nc, prefix)
-            first = await wb.resume("a", request_id="r1")  # acknowledged, folded, then lost
-            async with stale.fold.paused():
-                server.kill()
-                roll_back(server, stream_name(prefix), kept)
-                server.spawn()
-                await asyncio.to_thread(server.wait_ready)
-                # a replica started on the log as it is now places first: at the lost placement's sequences
-                fresh_nc = await nats.connect(server.url)
-                exits.push_async_callback(fresh_nc.close)
-                fresh = await SchedulerService(fresh_nc, nats_url=server.url, prefix=prefix, metrics=False).start()
-                exits.push_async_callback(fresh.stop)
-                for _ in range(100):
-                    try:
-                        other = await fresh.resume(placed, ResumeActor(request_id=request_id))
-                        break
-                    except ContractError as error:  # the store's connection being made again
-                        assert error.code is ErrorCode.UNAVAILABLE, error
-                        await asyncio.sleep(0.05)  # a client's back-off between retries, not synchronisation
-                assert (other.actor_id, other.seq) == (placed, first.seq)  # placed where a's r1 was
-                try:  # the retry, at the replica that folded the lost tail
-                    got = await stale.resume("a", ResumeActor(request_id="r1"))
-                except ContractError as error:
-                    got = error
-            assert isinstance(got, ContractError) and got.code is ErrorCode.UNAVAILABLE, got
-    finally:
-        server.stop()
+    async with serving(tmp_path) as (server, prefix, exits, running, nc, wb):
+        stale = running.services[-1]
+        await wb.register(worker("w0", runtime(V2)))
+        await wb.create(actor("a"))
+        await wb.create(actor("b"))
+        kept = await last_seq(nc, prefix)
+        first = await wb.resume("a", request_id="r1")  # acknowledged, folded, then lost
+        async with stale.fold.paused():
+            await crash_losing_the_tail(server, prefix, kept)
+            # a replica started on the log as it is now places first: at the lost placement's sequences
+            fresh = await fresh_replica(exits, server, prefix)
+            for _ in range(100):
+                try:
+                    other = await fresh.resume(placed, ResumeActor(request_id=request_id))
+                    break
+                except ContractError as error:  # the store's connection being made again
+                    assert error.code is ErrorCode.UNAVAILABLE, error
+                    await asyncio.sleep(0.05)  # a client's back-off between retries, not synchronisation
+            assert (other.actor_id, other.seq) == (placed, first.seq)  # placed where a's r1 was
+            try:  # the retry, at the replica that folded the lost tail
+                got = await stale.resume("a", ResumeActor(request_id="r1"))
+            except ContractError as error:
+                got = error
+        assert isinstance(got, ContractError) and got.code is ErrorCode.UNAVAILABLE, got
 
 
 @pytest.mark.timeout(120)
@@ -187,50 +192,33 @@ async def test_a_beat_naming_a_registration_lost_with_the_tail_is_refused_and_it
     again only when a beat is refused left the log saying V1 until its registry was started again.
     So too while the registry cannot look whether the log is still the one it folded (`unanswered`: each
     look at the stream times out): a roster not confirmed in the session answers no beat."""
-    prefix = "t" + uuid.uuid4().hex[:10]
-    server = NatsServer(tmp_path)
-    server.start()
-    try:
-        async with AsyncExitStack() as exits:
-            running = await start_services(exits, ["registry", "snapshotter"], server.url, prefix,
-                                           options={"registry": {"ttl_s": SILENT_TTL_S}})
-            registry = running.services[0]
-            nc = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
-            exits.push_async_callback(nc.close)
-            wb = Client(nc, prefix, attempts=40)
-            r1 = int(time.time() * 1000)
-            await wb.register(msgspec.structs.replace(worker("w0", runtime(V1)), revision=r1))
-            await wb.create(actor("a", golden_snapshot=golden(V1)))  # a memory image of V1
-            kept = await last_seq(nc, prefix)
-            await wb.register(msgspec.structs.replace(worker("w0", runtime(V2)), revision=r1 + 1))  # then lost
-            if look == "unanswered":
-                async def unanswered() -> str | None:
-                    raise nats.errors.TimeoutError  # the stream's leader did not answer the look in time
+    async with serving(tmp_path, ("registry", "snapshotter")) as (server, prefix, exits, running, nc, wb):
+        registry = running.services[0]
+        r1 = int(time.time() * 1000)
+        await wb.register(msgspec.structs.replace(worker("w0", runtime(V1)), revision=r1))
+        await wb.create(actor("a", golden_snapshot=golden(V1)))  # a memory image of V1
+        kept = await last_seq(nc, prefix)
+        await wb.register(msgspec.structs.replace(worker("w0", runtime(V2)), revision=r1 + 1))  # then lost
+        if look == "unanswered":
+            async def unanswered() -> str | None:
+                raise nats.errors.TimeoutError  # the stream's leader did not answer the look in time
 
-                monkeypatch.setattr(registry.watch, "look", unanswered)
-            server.kill()
-            roll_back(server, stream_name(prefix), kept)
-            server.spawn()
-            await asyncio.to_thread(server.wait_ready)
-            with pytest.raises(ContractError) as refused:
-                await wb.request("registry", "heartbeat", "w0", Heartbeat(revision=r1 + 1), HeartbeatReply)
-            assert (refused.value.code, refused.value.field) == (ErrorCode.FAILED_PRECONDITION, "revision"), \
-                refused.value
-            monkeypatch.undo()
-            # what its agent does then: registers this machine again, above
-            again = await wb.register(msgspec.structs.replace(worker("w0", runtime(V2)), revision=r1 + 2))
-            assert again.outcome is RegisterOutcome.RUNTIME_CHANGED
-            await wb.request("registry", "heartbeat", "w0", Heartbeat(revision=r1 + 2), HeartbeatReply)
-            fresh_nc = await nats.connect(server.url)
-            exits.push_async_callback(fresh_nc.close)
-            fresh = await SchedulerService(fresh_nc, nats_url=server.url, prefix=prefix, metrics=False).start()
-            exits.push_async_callback(fresh.stop)
-            placed = await fresh.resume("a", ResumeActor(request_id="ra", min_seq=again.seq))
-            assert placed.fidelity is not PlacedFidelity.MEMORY, placed
-            bad, _ = verdict(await read_messages(nc, prefix))
-            assert not bad, "\n".join(bad)
-    finally:
-        server.stop()
+            monkeypatch.setattr(registry.watch, "look", unanswered)
+        await crash_losing_the_tail(server, prefix, kept)
+        with pytest.raises(ContractError) as refused:
+            await wb.request("registry", "heartbeat", "w0", Heartbeat(revision=r1 + 1), HeartbeatReply)
+        assert (refused.value.code, refused.value.field) == (ErrorCode.FAILED_PRECONDITION, "revision"), \
+            refused.value
+        monkeypatch.undo()
+        # what its agent does then: registers this machine again, above
+        again = await wb.register(msgspec.structs.replace(worker("w0", runtime(V2)), revision=r1 + 2))
+        assert again.outcome is RegisterOutcome.RUNTIME_CHANGED
+        await wb.request("registry", "heartbeat", "w0", Heartbeat(revision=r1 + 2), HeartbeatReply)
+        fresh = await fresh_replica(exits, server, prefix)
+        placed = await fresh.resume("a", ResumeActor(request_id="ra", min_seq=again.seq))
+        assert placed.fidelity is not PlacedFidelity.MEMORY, placed
+        bad, _ = verdict(await read_messages(nc, prefix))
+        assert not bad, "\n".join(bad)
 
 
 @pytest.mark.timeout(120)
@@ -266,10 +254,7 @@ async def test_the_agent_registers_again_at_its_reconnection_what_the_lost_tail_
                 path.write_text(agent_config("v2"))
                 _, lost = await wait_event(nc, prefix, "w0", RuntimeChanged, after=kept)
                 await asyncio.wait_for(changed.wait(), 20)  # answered: the agent has it in force
-                server.kill()
-                roll_back(server, stream_name(prefix), kept)
-                server.spawn()
-                await asyncio.to_thread(server.wait_ready)
+                await crash_losing_the_tail(server, prefix, kept)
                 _, again = await wait_event(nc, prefix, "w0", RuntimeChanged, after=kept)
                 assert (again.sandbox_classes, again.revision) == (lost.sandbox_classes, lost.revision), again
     finally:
