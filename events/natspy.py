@@ -620,7 +620,8 @@ class ErrorsOnce:
     follows it, are two lines, not one per attempt), one line naming `where` (the server, as a log
     may show it); the last kept (`last`) for a caller that gives up waiting, the first refused
     sign-in (`refusal`, `refused`), which waiting will not change, and the first permissions
-    violation (`denied`), which a later error must not hide."""
+    violation (`denied`), which a later error must not hide; a refused publish wakes whoever waits
+    on its subject (`publish_refusal`, `unless_refused`), and is kept nowhere."""
 
     MAX_KINDS = 64  # kinds remembered at once; past it they are news again
 
@@ -634,7 +635,6 @@ class ErrorsOnce:
         self._seen: set[tuple] = set()
         self._refused: asyncio.Event | None = None
         self._inbox: tuple[str, Exception | None] | None = None  # (prefix watched, its refusal): `watch_inbox`
-        self._publish_refused: dict[str, Exception] = {}  # subject (as nats-py writes it: lower case) -> refusal
         self._refusal_waiters: dict[str, set[asyncio.Future]] = {}  # subject (lower case) -> `publish_refusal`s
 
     async def report(self, error: Exception) -> None:
@@ -655,9 +655,7 @@ class ErrorsOnce:
                 and text.startswith(f'nats: permissions violation for subscription to "{self._inbox[0]}.'):
             self._inbox = (self._inbox[0], error)
         if text.startswith(_PUBLISH_REFUSED):
-            subject = text[len(_PUBLISH_REFUSED):].split('"', 1)[0]
-            if len(self._publish_refused) < self.MAX_KINDS:
-                self._publish_refused[subject] = error
+            subject = text[len(_PUBLISH_REFUSED):].split('"', 1)[0]  # as nats-py writes it: lower case
             for waiter in self._refusal_waiters.pop(subject, ()):
                 if not waiter.done():
                     waiter.set_result(error)
@@ -687,11 +685,6 @@ class ErrorsOnce:
         """That refusal (`watch_inbox`), if it came."""
         return self._inbox[1] if self._inbox is not None else None
 
-    def take_publish_refusal(self, subject: str) -> Exception | None:
-        """The server's refusal to let this connection publish to `subject`, if one came since the
-        last taken (a request it refused reached nobody: its caller waits for no reply)."""
-        return self._publish_refused.pop(subject.lower(), None)
-
     def publish_refusal(self, subject: str) -> asyncio.Future:
         """A future done with the server's refusal to let this connection publish to `subject` once
         one comes (`unless_refused`); the caller ends it with `forget_refusal`."""
@@ -711,7 +704,6 @@ class ErrorsOnce:
         """Connected again: the next error is news."""
         self.last = self.refusal = self.denied = None
         self._seen.clear()
-        self._publish_refused.clear()
         if self._refused is not None:
             self._refused.clear()
 
@@ -853,7 +845,6 @@ async def unless_refused(nc: Client, subject: str, work: Awaitable[Any]) -> Any:
         return task.result()
     error = refused.result()
     errors.forget_refusal(subject, refused)
-    errors.take_publish_refusal(subject)  # told now: not again to a later request's time-out
     await cancel_and_wait(task)
     raise PublishRefused(subject, error)
 

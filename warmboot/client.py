@@ -60,7 +60,7 @@ from nats.aio.client import Client as NATS
 from events.codec import decode_reply, encode
 from events.errors import ContractError, invalid, precondition, unavailable
 from events.natsauth import check_url, redact_url
-from events.natspy import ErrorsOnce, PublishRefused, close, errors_of, unless_refused
+from events.natspy import ErrorsOnce, PublishRefused, close, unless_refused
 from events.schema import (
     ID_RE,
     ID_WORDS,
@@ -144,7 +144,7 @@ class Client:
         refusals_final: bool = True,
     ):
         self.nc = nc
-        # a request the server refuses to carry is FAILED_PRECONDITION at once (`_publish_refused`);
+        # a request the server refuses to carry is FAILED_PRECONDITION at once (`_refusal`);
         # else UNAVAILABLE, as a lost one (the agent: its own loop tells a refusal, `_check_not_denied`,
         # and takes nats-py's own errors and an unreadable reply as it always did, `_once`)
         self.refusals_final = refusals_final
@@ -234,9 +234,6 @@ class Client:
             try:
                 reply = await self._once(subject, data, reply_type)
             except ContractError as error:
-                refused = self._publish_refused(subject, error)
-                if refused is not None:
-                    raise refused from None
                 if not _transient(service, error):
                     raise
                 nobody += error.message.startswith(NO_SERVICE)
@@ -261,19 +258,12 @@ class Client:
             delay = min(delay * 2, MAX_BACKOFF_S)
         raise AssertionError("unreachable")
 
-    def _publish_refused(self, subject: str, error: ContractError) -> ContractError | None:
-        """FAILED_PRECONDITION instead of a request's UNAVAILABLE when the server refused to let these
-        credentials publish to `subject` (`ErrorsOnce.take_publish_refusal`; a connection made by
-        `connect` or the CLI reports to one): nobody heard it, and sending it again, each time after a
-        time-out, ends the same (an operator's `warmboot worker drain` ended UNAVAILABLE, "no reply",
-        after some 30 s: an audit's finding)."""
-        errors = errors_of(self.nc) if error.code is ErrorCode.UNAVAILABLE and self.refusals_final else None
-        if errors is None or errors.take_publish_refusal(subject) is None:
-            return None
-        return self._refusal(subject)
-
     @staticmethod
     def _refusal(subject: str) -> ContractError:
+        """FAILED_PRECONDITION for a request the server refused to let these credentials publish
+        (`events.natspy.unless_refused`): nobody heard it, and sending it again ends the same (an
+        operator's `warmboot worker drain` ended UNAVAILABLE, "no reply", after some 30 s of retries:
+        an audit's finding)."""
         return precondition(f"NATS does not let these credentials publish to {subject}: the request reached "
                             "nobody, and sending it again will not change that (docs/security.md says what each "
                             "role may publish)")
