@@ -621,7 +621,10 @@ class ErrorsOnce:
     may show it); the last kept (`last`) for a caller that gives up waiting, the first refused
     sign-in (`refusal`, `refused`), which waiting will not change, and the first permissions
     violation (`denied`), which a later error must not hide; a refused publish wakes whoever waits
-    on its subject (`publish_refusal`, `unless_refused`), and is kept nowhere."""
+    on its subject (`publish_refusal`, `unless_refused`), and is kept nowhere. nats-py hands the
+    server's words over in lower case, subject included: a refusal that fits subjects in flight
+    differing only in case (`...drain.W-1` and `...drain.w-1`) cannot say which of them it was, and
+    wakes none of them (each ends as it would have without the refusal, in its reply or time-out)."""
 
     MAX_KINDS = 64  # kinds remembered at once; past it they are news again
 
@@ -635,7 +638,8 @@ class ErrorsOnce:
         self._seen: set[tuple] = set()
         self._refused: asyncio.Event | None = None
         self._inbox: tuple[str, Exception | None] | None = None  # (prefix watched, its refusal): `watch_inbox`
-        self._refusal_waiters: dict[str, set[asyncio.Future]] = {}  # subject (lower case) -> `publish_refusal`s
+        # subject (lower case) -> the subjects as asked (`publish_refusal`) -> their waiters
+        self._refusal_waiters: dict[str, dict[str, set[asyncio.Future]]] = {}
 
     async def report(self, error: Exception) -> None:
         """The callback itself (nats-py takes only coroutine functions)."""
@@ -656,9 +660,12 @@ class ErrorsOnce:
             self._inbox = (self._inbox[0], error)
         if text.startswith(_PUBLISH_REFUSED):
             subject = text[len(_PUBLISH_REFUSED):].split('"', 1)[0]  # as nats-py writes it: lower case
-            for waiter in self._refusal_waiters.pop(subject, ()):
-                if not waiter.done():
-                    waiter.set_result(error)
+            asked = self._refusal_waiters.get(subject, {})
+            if len(asked) == 1:  # else: which one was refused cannot be told (class docstring)
+                del self._refusal_waiters[subject]
+                for waiter in asked.popitem()[1]:
+                    if not waiter.done():
+                        waiter.set_result(error)
         if self.refusal is None and refuses_sign_in(error):
             self.refusal = error
             if self._refused is not None:
@@ -689,15 +696,18 @@ class ErrorsOnce:
         """A future done with the server's refusal to let this connection publish to `subject` once
         one comes (`unless_refused`); the caller ends it with `forget_refusal`."""
         waiter = asyncio.get_running_loop().create_future()
-        self._refusal_waiters.setdefault(subject.lower(), set()).add(waiter)
+        self._refusal_waiters.setdefault(subject.lower(), {}).setdefault(subject, set()).add(waiter)
         return waiter
 
     def forget_refusal(self, subject: str, waiter: asyncio.Future) -> None:
-        waiters = self._refusal_waiters.get(subject.lower())
+        asked = self._refusal_waiters.get(subject.lower())
+        waiters = asked.get(subject) if asked is not None else None
         if waiters is not None:
             waiters.discard(waiter)
             if not waiters:
-                del self._refusal_waiters[subject.lower()]
+                del asked[subject]
+                if not asked:
+                    del self._refusal_waiters[subject.lower()]
         waiter.cancel()
 
     def reset(self) -> None:
@@ -828,7 +838,8 @@ async def unless_refused(nc: Client, subject: str, work: Awaitable[Any]) -> Any:
     request would otherwise wait out its whole time-out for a reply that cannot come. Only for a
     connection that reports to an `ErrorsOnce` (`errors_of`: warmboot's `connect`, the CLI's);
     otherwise just `await work`. A refusal for the subject while `work` runs is this one's too:
-    the server judges a publish by the connection's permissions and the subject alone."""
+    the server judges a publish by the connection's permissions and the subject alone (unless a
+    request to a subject that differs only in case is in flight too: `ErrorsOnce`)."""
     errors = errors_of(nc)
     if errors is None:
         return await work

@@ -867,3 +867,49 @@ def test_publish_refuses_a_nats_py_without_what_it_relies_on():
 
     with pytest.raises(RuntimeError, match="natspy"):
         asyncio.run(publish(Old(), "t.ok", b"x"))
+
+
+async def test_a_refusal_that_fits_subjects_in_flight_differing_only_in_case_fails_neither(tmp_path):
+    """nats-py hands the server's refusal over in lower case, subject included. A refusal of
+    `t.W-1` failed, as refused, a request to `t.w-1` in flight on the same connection, which the
+    server had let through and whose reply was on its way (found by an audit of the client).
+    Which of the two was refused cannot be told from the words: neither is failed by it, the
+    one let through gets its reply, the other ends as it would have without the refusal."""
+    import nats as nats_py
+    from events.natspy import ErrorsOnce, PublishRefused, unless_refused
+    from warmboot.connection import connect
+    from warmboot.natsserver import NatsServer
+
+    users = ('authorization { users = [ {user: svc, password: s1}, {user: u, password: u1, permissions: '
+             '{publish: {allow: ["t.w-1", "t.w-2"]}, subscribe: {allow: ["_INBOX.>"]}}} ] }')
+    server = await asyncio.to_thread(NatsServer(tmp_path / "nats", extra_config=users).start)
+    try:
+        host = f"{server.host}:{server.port}"
+        service = await nats_py.connect(f"nats://svc:s1@{host}")
+        release = asyncio.Event()
+
+        async def answer(msg):
+            await release.wait()
+            await msg.respond(b"answered " + msg.subject.encode())
+
+        await service.subscribe("t.>", cb=answer)
+        await service.flush()
+        errors = ErrorsOnce(None)
+        nc = await connect(f"nats://u:u1@{host}", "test", errors=errors)
+        try:
+            let_through = asyncio.ensure_future(unless_refused(nc, "t.w-1", nc.request("t.w-1", b"", timeout=30)))
+            await nc.flush()  # the server has it: its refusal of the next one comes after
+            with pytest.raises(nats_py.errors.TimeoutError):  # not PublishRefused: it cannot be told which
+                await unless_refused(nc, "t.W-1", nc.request("t.W-1", b"", timeout=1))
+            assert errors.denied is not None and 't.w-1"' in str(errors.denied).lower()  # the refusal came
+            assert not let_through.done()
+            release.set()
+            assert (await let_through).data == b"answered t.w-1"
+            # alone in flight, a refused subject is still told at once, whatever its case
+            with pytest.raises(PublishRefused):
+                await asyncio.wait_for(unless_refused(nc, "t.W-2", nc.request("t.W-2", b"", timeout=30)), 10)
+        finally:
+            await nc.close()
+            await service.close()
+    finally:
+        await asyncio.to_thread(server.stop)
