@@ -14,7 +14,9 @@ Side by side, in one run:
     its own fold and commits), every resume of a different actor; and the share of
     commits that lost an optimistic-concurrency race. The load generator sends raw
     requests, not through `warmboot.client`, so that what is timed is the scheduler.
-    With request ids (`request_id_ratio`), and with request ids on actors placed 4 times
+    With request ids (`request_id_ratio`: runs with and without alternated over two rounds,
+    the mean of the rounds' quotients; `resumes_per_s` is the mean of the runs without), and
+    with request ids on actors placed 4 times
     before (`request_id_evicting_ratio`: each resume's id is then looked up in the reply
     cache, and its placement first keeps the oldest answer there), against none.
     Resumes that each give up a memory image, no worker offering its runtime
@@ -641,12 +643,22 @@ async def bench_bus(quick: bool) -> dict[str, float]:
                   f"conflict rate {r['commit_conflict_rate']:.2%}, refused {r['refused']} {r['errors'] or ''}",
                   flush=True)
 
-        one = await bench_resumes(server.url, 1, actors, window, request_ids=False)
-        show("1 replica,  1000 workers", one)
+        # With and without request ids alternated over two rounds (the second in the other order):
+        # one pair of closed-loop runs wanders by a fifth on this machine (0.75 against 1.02 for the
+        # median of four alternated rounds, 2026-12-05), more than the goal's margin.
+        plain: list[dict[str, float]] = []
+        ids: list[dict[str, float]] = []
+        for round_ in range(2):
+            for request_ids in ((False, True) if round_ == 0 else (True, False)):
+                run = await bench_resumes(server.url, 1, actors, window, request_ids=request_ids,
+                                          label=f"i{round_}")
+                (ids if request_ids else plain).append(run)
+                show(f"1 replica,  1000 workers{', every resume with a request_id' if request_ids else ''}", run)
+        one = plain[0]  # the closed-loop figures beside three replicas' (`_saturated`)
+        resumes_per_s = round(statistics.mean(r["resumes_per_s"] for r in plain), 1)
+        request_id_ratio = statistics.mean(i["resumes_per_s"] / p["resumes_per_s"] for i, p in zip(ids, plain))
         three = await bench_resumes(server.url, 3, actors, window, request_ids=False)
         show("3 replicas, 1000 workers", three)
-        with_ids = await bench_resumes(server.url, 1, actors, window, request_ids=True)
-        show("1 replica,  1000 workers, every resume with a request_id", with_ids)
         # every actor placed RECENT_PLACEMENTS times before: each resume's id is looked up in the
         # reply cache, and its placement keeps the oldest answer there before it is appended
         evicting = await bench_resumes(server.url, 1, actors, window, request_ids=True, history=RECENT_PLACEMENTS)
@@ -688,17 +700,17 @@ async def bench_bus(quick: bool) -> dict[str, float]:
               f"{fold_3:.1f} us with 3; the rest (serving and committing) {serving_1:.3f} ms a placement with 1, "
               f"{serving_3:.3f} ms with 3: 3v1 {serving_3 / serving_1:.2f} without the folds", flush=True)
         out.update({
-            "resumes_per_s": one["resumes_per_s"],
+            "resumes_per_s": resumes_per_s,
             "resume_latency_p50_ms": one["latency_p50_ms"],
             "resumes_per_s_3_replicas": three["resumes_per_s"],
             "commit_conflict_rate": three["commit_conflict_rate"],
             "commit_conflict_rate_1_replica": one["commit_conflict_rate"],
-            "resumes_per_s_with_request_id": with_ids["resumes_per_s"],
-            "request_id_ratio": round(with_ids["resumes_per_s"] / one["resumes_per_s"], 3),
+            "resumes_per_s_with_request_id": round(statistics.mean(r["resumes_per_s"] for r in ids), 1),
+            "request_id_ratio": round(request_id_ratio, 3),
             "resumes_per_s_request_id_evicting": evicting["resumes_per_s"],
             "resumes_per_s_fallback": fallbacks["resumes_per_s"],
-            "fallback_ratio": round(fallbacks["resumes_per_s"] / one["resumes_per_s"], 3),
-            "request_id_evicting_ratio": round(evicting["resumes_per_s"] / one["resumes_per_s"], 3),
+            "fallback_ratio": round(fallbacks["resumes_per_s"] / resumes_per_s, 3),
+            "request_id_evicting_ratio": round(evicting["resumes_per_s"] / resumes_per_s, 3),
             "replica_cpu_rate_per_s": rate,
             "replica_cpu_rate_held": held,
             "cpu_ms_per_placement_1_replica": round(cpu_1, 3),
