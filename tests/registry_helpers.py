@@ -22,7 +22,8 @@ from services.common import store_env
 from services.registry.budget import WriteBudget
 from services.registry.service import RegistryService
 from tests.factories import last_seq  # noqa: F401 (the registry tests import it from here)
-from warmboot.agent import Agent, ProbeSettings
+from warmboot.agent import Agent
+from warmboot.agent_config import ProbeSettings
 
 CPUINFO = Path(__file__).parent / "cpuinfo" / "intel-xeon-8480.txt"
 AMD = Path(__file__).parent / "cpuinfo" / "amd-epyc-7r13.txt"

@@ -23,7 +23,8 @@ from events.probe import probe_version
 from events.schema import ErrorCode, RuntimeChanged, WorkerDrained, WorkerRegistered, WorkerRemoved
 from tests.registry_helpers import (AMD, CPUINFO, PROBE, agent_config as config, raw_request, running_registry,
                                     wait_event)
-from warmboot.agent import Agent, ConfigError, ProbeSettings, load_registration, parse_config
+from warmboot.agent import Agent
+from warmboot.agent_config import ConfigError, ProbeSettings, load_registration, parse_config
 from warmboot.natsserver import NatsServer
 
 ROOT = Path(__file__).parent.parent

@@ -12,7 +12,7 @@ from events.schema import Attribute, CompatVersion, RuntimeChanged, WorkerRegist
 from tests.factories import actor, golden
 from tests.registry_helpers import PROBE, agent_config, wait_event
 from tests.test_agent import probed, running_agent
-from warmboot.agent import ConfigError, load_registration
+from warmboot.agent_config import ConfigError, load_registration
 from warmboot.client import Client
 
 ROOT = Path(__file__).parent.parent
@@ -232,7 +232,7 @@ def test_a_literal_runtime_of_another_architecture_is_refused_whatever_else_it_n
 
 def test_a_literal_runtime_is_taken_when_the_probe_cannot_read_the_machine(tmp_path):
     """Where the probe reads nothing (no cpuinfo), a literal version is the way to register: not checked."""
-    from warmboot.agent import ProbeSettings
+    from warmboot.agent_config import ProbeSettings
 
     path = tmp_path / "agent.toml"
     path.write_text(literal_runtime(OLD_CPU))

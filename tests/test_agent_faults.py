@@ -35,9 +35,9 @@ from tests.registry_helpers import (AMD, CPUINFO, PROBE, a_machine, agent_config
                                     wait_event, without_cpu_features, worker_events)
 from tests.test_agent import agent_running, running_agent
 from warmboot.cli import main
-from warmboot.agent import (AGAIN, EDIT, RESTAMP, RESTAMP_AGAIN_S, RETRY_MAX_S, RETRY_MIN_S, UNREADABLE_GRACE_S, Agent,
-                            ConfigError, ProbeSettings, build_registration,
-                            load_registration, next_delay, parse_config)
+from warmboot.agent import (AGAIN, EDIT, RESTAMP, RESTAMP_AGAIN_S, RETRY_MAX_S, RETRY_MIN_S, UNREADABLE_GRACE_S,
+                            Agent, next_delay)
+from warmboot.agent_config import ConfigError, ProbeSettings, build_registration, load_registration, parse_config
 
 
 MICROVM = """
@@ -547,7 +547,7 @@ def test_a_registration_is_made_of_one_read_of_the_machine(tmp_path):
     shutil.copy(AMD, cpuinfo)
     path = tmp_path / "agent.toml"
     path.write_text(agent_config("v1"))
-    from warmboot.agent import build_registration, parse_config
+    from warmboot.agent_config import build_registration, parse_config
     made = build_registration(parse_config(path.read_text()), "w-a", "node-a", machine)
     intel = probe_version(CPUINFO.read_text(), "amd64", "gvisor", {"gvisor_asset_hash": "v1"})
     assert same_version(made.sandbox_classes[0].default_runtime.version, intel)

@@ -36,7 +36,8 @@ from events.schema import RuntimeChanged, WorkerRegistered, WorkerRemoved
 from services.registry.domain import canonical_classes
 from tests.registry_helpers import AMD, CPUINFO, raw_request, running_registry, worker_events
 from tests.test_agent import agent_running
-from warmboot.agent import Agent, ProbeSettings
+from warmboot.agent import Agent
+from warmboot.agent_config import ProbeSettings
 
 CPUS = {"intel": CPUINFO, "amd": AMD}
 WID = "w-a"

@@ -15,7 +15,8 @@ from tests.registry_helpers import (AMD, CPUINFO, agent_config, raw_request, reg
                                     wait_event, worker_events)
 from tests.test_agent import agent_running
 from tests.test_agent_orders import foreign_attributes
-from warmboot.agent import Agent, ProbeSettings
+from warmboot.agent import Agent
+from warmboot.agent_config import ProbeSettings
 
 
 def machine(nats_url: str, prefix: str, tmp_path, name: str, cpuinfo) -> Agent:

@@ -16,7 +16,7 @@ from events.compat import pin_of
 from events.schema import Action, Placement, PlacedFidelity, Resources
 from tests.factories import actor, golden
 from tests.registry_helpers import AMD, CPUINFO, agent_config as config
-from warmboot.agent import ProbeSettings, load_registration
+from warmboot.agent_config import ProbeSettings, load_registration
 from warmboot.cli import main
 from warmboot.client import Client
 from warmboot.restore_check import cannot_carry_out_here

@@ -671,7 +671,7 @@ async def test_an_agent_with_another_workers_credentials_stops_saying_so(deploym
     """w-1's credentials running the agent of w-2: NATS refuses every publish (and the inbox). The
     agent ends at once with the reason (it asked again for ever, a timeout each time), and nothing
     of w-2's changes."""
-    from warmboot.agent import ConfigError
+    from warmboot.agent_config import ConfigError
 
     before = await State.of(deployment)
     path = tmp_path / "agent.toml"

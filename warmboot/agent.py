@@ -7,7 +7,8 @@ probe profile (`gvisor` or `microvm`: which CPU attributes `events.probe` reads
 from this machine) plus literal attributes (the runtime's asset digests), or
 literal attributes alone; with its informational name, actor overhead and the
 versions it is compatible with (`compatible_versions`, one-way edges: each given
-the same way, probed or literal).
+the same way, probed or literal). The file, and the registration it makes on this
+machine, are `warmboot.agent_config`'s; this module runs the agent.
 
 The agent then:
 - registers (`<prefix>.registry.register.<worker_id>`), and heartbeats at a third
@@ -54,12 +55,9 @@ import asyncio
 import enum
 import hashlib
 import logging
-import os
 import time
-import tomllib
 import uuid
 from contextlib import suppress
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable
@@ -68,18 +66,13 @@ import msgspec
 import nats
 from nats.aio.client import Client as NATS
 
-from events.codec import decode_request, encode, to_builtins
 from events.errors import ContractError, latest_revision
 from events.tasks import cancel_and_wait
 from events.natsauth import env_sign_in, nkey_options, nkey_seed_path, redact_url
 from events.natspy import ErrorsOnce, abandon, close, connecting, describe_error, guard_reads
-from events.compat import MACHINE_TO_ARCH, compat_key
+from events.compat import compat_key
 from events.runtime_id import short_id
-from events.probe import (DEFAULT_CPUINFO, PROFILES, SCHEMA_VERSION, ProbeError, host_architecture,
-                          probe_version, read_cpuinfo)
 from events.schema import (
-    CompatVersion,
-    ActorOverhead,
     DrainWorker,
     MAX_REVISION,
     ErrorCode,
@@ -92,6 +85,8 @@ from events.schema import (
     SeqReply,
 )
 from events.subjects import DEFAULT_PREFIX, check_prefix
+from warmboot.agent_config import (AgentConfig, ConfigError, MachineMismatch, MachineRead, ProbeSettings,
+                                   build_registration, parse_config)
 from warmboot.client import Client
 from warmboot.connection import sign_in_hint
 from warmboot.files import write_atomically
@@ -157,75 +152,8 @@ REQUEST_TIMEOUT_S = 5.0
 BACKGROUND_REGISTER_TIMEOUT_S = 30.0
 
 
-class ConfigError(ValueError):
-    """The agent's configuration cannot make a valid registration; says where."""
-
-
-class MachineMismatch(ConfigError):
-    """The machine reads fine, but the file's literal runtime names another CPU than it has: no
-    read of the machine will change that (unlike a probe that failed to read it)."""
-
-
 class StateFileError(ConfigError):
     """The state file cannot be read or written: no registration goes out with a revision it does not keep."""
-
-
-# --- the configuration file -----------------------------------------------------------
-
-
-class VersionConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """A CompatVersion as the TOML file declares it: probed (`profile`) plus literal attributes,
-    or literal attributes alone (another machine's, copied from its `--print-registration`)."""
-
-    profile: str | None = None  # probe this machine's CPU with this profile
-    schema_version: str = SCHEMA_VERSION
-    attributes: dict[str, str] = msgspec.field(default_factory=dict)
-
-
-class RuntimeConfig(VersionConfig, kw_only=True, forbid_unknown_fields=True):
-    """One runtime of a sandbox class, as the TOML file declares it."""
-
-    name: str | None = None
-    # Literal attributes naming another CPU than this machine's are refused for a runtime the
-    # worker runs actors as (`_cpu_named_otherwise`), unless the runtime masks the CPU to them.
-    cpu_masked: bool = False
-    actor_overhead: ActorOverhead | None = None
-    # one-way edges (CONTRACT v1.1): this runtime also restores snapshots stamped with these
-    compatible_versions: list[VersionConfig] = msgspec.field(default_factory=list)
-
-
-class ClassConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    sandbox_class: str
-    default_runtime: RuntimeConfig
-    restorable_runtimes: list[RuntimeConfig] = msgspec.field(default_factory=list)
-
-
-class CapacityConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    cpu_millis: int
-    memory_mib: int
-
-
-class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    capacity: CapacityConfig
-    labels: dict[str, str] = msgspec.field(default_factory=dict)
-    sandbox_classes: list[ClassConfig]
-
-
-@dataclass(frozen=True)
-class ProbeSettings:
-    """Where the probe reads this machine: tests point it at a sample cpuinfo."""
-
-    cpuinfo_path: Path = DEFAULT_CPUINFO
-    architecture: str | None = None  # None: this machine's
-
-    def read(self) -> "MachineRead":
-        """The machine, read once: every runtime made of it is of the same reading."""
-        try:
-            text = read_cpuinfo(self.cpuinfo_path)
-            arch = self.architecture if self.architecture is not None else host_architecture()
-        except ProbeError as e:
-            return MachineRead(self, None, None, str(e))
-        return MachineRead(self, text, arch, None)
 
 
 class Outdated(Exception):
@@ -237,227 +165,6 @@ class Stale(Exception):
     the registration in force claims a CPU the machine no longer has, and the registry refused it for
     the worker's write budget or has taken none for a TTL (`Agent._wait_no_longer`); its sender removes
     the worker meanwhile."""
-
-
-@dataclass(frozen=True)
-class MachineRead:
-    """What one read of the machine gave (`ProbeSettings.read`): the cpuinfo text and the
-    architecture, or why they could not be read."""
-
-    settings: ProbeSettings
-    text: str | None  # None: no cpuinfo file
-    architecture: str | None
-    error: str | None
-
-    def version(self, profile: str, extra: dict[str, str]) -> CompatVersion:
-        """`probe_version` of this reading (ProbeError if the machine could not be read)."""
-        if self.error is not None or self.architecture is None:
-            raise ProbeError(self.error or "no architecture")
-        return probe_version(self.text, self.architecture, profile, extra)
-
-    def reading(self) -> tuple:
-        """What this read says of the machine for each profile, or why it cannot: two reads
-        that say the same of it are equal."""
-        try:
-            return tuple(self.version(profile, {}) for profile in PROFILES)
-        except ProbeError as e:
-            return (str(e),)
-
-
-def parse_config(text: str, source: str = "config") -> AgentConfig:
-    """TOML text -> AgentConfig; unknown keys are errors (a typo must not pass silently)."""
-    try:
-        raw = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{source}: not valid TOML: {e}") from None
-    try:
-        return msgspec.convert(raw, AgentConfig)
-    except msgspec.ValidationError as e:
-        raise ConfigError(f"{source}: {_where(str(e))}") from None
-
-
-def _where(text: str) -> str:
-    """msgspec's "... - at `$.a[0].b`" -> "a[0].b: ..."."""
-    message, sep, path = text.rpartition(" - at `$")
-    if not sep:
-        return text
-    return f"{path.rstrip('`').lstrip('.')}: {message}"
-
-
-def _architecture_named_otherwise(runtime: VersionConfig, path: str, stamps: bool) -> None:
-    """A literal version of schema v1 whose `architecture` is not spelled as the probe spells it
-    (`x86_64`, `AMD64`): it never equals a probed version. As the version a worker stamps new
-    snapshots with (`stamps`, a default runtime's own) it is refused; as a version it restores
-    (a restorable runtime, a compatible version) it is taken with a warning, since snapshots
-    stamped with it before may exist and be worth restoring."""
-    arch = runtime.attributes.get("architecture")
-    named = MACHINE_TO_ARCH.get(arch.lower()) if arch is not None else None
-    if runtime.schema_version != SCHEMA_VERSION or named is None or named == arch:
-        return
-    detail = (f"{arch!r}: schema {SCHEMA_VERSION} spells it {named!r}" if arch.lower() == named
-              else f"{arch!r} is the machine's name; schema {SCHEMA_VERSION} names it {named!r}")
-    problem = (f"{path}.attributes.architecture: {detail}, as the probe reports it, so this version never "
-               f"equals a probed one")
-    if stamps:
-        raise ConfigError(problem)
-    if problem not in _WARNED:  # once per process: the file is read again every watch interval
-        _WARNED.add(problem)
-        log.warning("%s; kept, to restore snapshots stamped with it", problem)
-
-
-_WARNED: set[str] = set()
-
-
-def _cpu_named_otherwise(runtime: RuntimeConfig, path: str, probe: MachineRead) -> None:
-    """A literal version (schema v1) of a default or restorable runtime that names another architecture
-    than this machine's, or any key a probe profile reads (all of them or some) otherwise than the
-    probe reads this machine: MachineMismatch. The worker
-    runs actors as such a version, both ways: a snapshot stamped with it is restored here, and the
-    actor's next snapshot is stamped with it again, to be restored on machines of the CPU it names.
-    Only a runtime that runs actors on that CPU's features (masking its own: `cpu_masked`) may say
-    so; another CPU's snapshots restored one way are a compatible version. The architecture is never
-    masked. A profile's keys are not checked when the probe cannot read them all on this machine (a
-    literal version is then the way)."""
-    if runtime.schema_version != SCHEMA_VERSION:
-        return
-    named_arch = runtime.attributes.get("architecture")
-    if named_arch is not None and probe.architecture is not None and (
-            MACHINE_TO_ARCH.get(named_arch.lower(), named_arch) != probe.architecture):
-        raise MachineMismatch(
-            f"{path}.attributes.architecture: {named_arch!r} is not this machine's ({probe.architecture!r}): a "
-            "memory image never crosses architectures, and actors restored under this runtime would be stamped "
-            "with it")
-    for profile, keys in PROFILES.items():
-        named_keys = [key for key in keys if key != "architecture" and key in runtime.attributes]
-        if not named_keys or runtime.cpu_masked:
-            continue
-        try:
-            mine = {a.key: a.value for a in probe.version(profile, {}).attributes}
-        except ProbeError:
-            continue  # this profile's keys are not all read here: nothing to compare them with
-        for key in named_keys:
-            named = runtime.attributes[key]
-            if key not in mine or named == mine[key]:
-                continue
-            raise MachineMismatch(
-                f"{path}.attributes.{key}: {named!r} is not this machine's ({mine[key]!r}, as the {profile} probe "
-                "reads it). Actors restored under a default or restorable runtime run as its version and their "
-                "next snapshots are stamped with it, to be restored on machines of the CPU it names: declare "
-                "one only if this runtime runs actors on that CPU's features (then say `cpu_masked = true`); "
-                "to restore snapshots of another CPU here, one way, list its version under the runtime's "
-                "`compatible_versions`")
-
-
-CPU_KEYS = tuple(sorted({key for keys in PROFILES.values() for key in keys if key != "architecture"}))
-
-
-def _cpu_unnamed(runtime: RuntimeConfig, path: str) -> None:
-    """A literal version (schema v1) of a default or restorable runtime that names none of the keys a
-    probe profile reads of the CPU: ConfigError, unless the runtime masks the CPU (`cpu_masked`). Such
-    a version equals that of every machine of its architecture and assets, whatever their CPU, so the
-    snapshots of each would be restored on the others (found by an audit: taken on an Intel and an
-    AMD machine alike)."""
-    if runtime.schema_version != SCHEMA_VERSION or runtime.cpu_masked:
-        return
-    if not any(key in runtime.attributes for key in CPU_KEYS):
-        raise ConfigError(
-            f"{path}.attributes: names none of the CPU's keys ({', '.join(CPU_KEYS)}), so its version equals that "
-            "of every machine of its architecture whatever their CPU, and their memory images would be restored "
-            "here: give a `profile` to probe this machine, or copy the keys from this machine's `warmboot agent "
-            "--print-registration`; only a runtime that runs actors on a CPU it masks may leave them out (then "
-            "say `cpu_masked = true`)")
-
-
-def _version(runtime: VersionConfig, path: str, probe: MachineRead, stamps: bool = False) -> dict[str, Any]:
-    if runtime.profile is None:
-        _architecture_named_otherwise(runtime, path, stamps)
-        if isinstance(runtime, RuntimeConfig):
-            _cpu_unnamed(runtime, path)
-            _cpu_named_otherwise(runtime, path, probe)
-        attributes = sorted(runtime.attributes.items())
-        return {
-            "schema_version": runtime.schema_version,
-            "attributes": [{"key": k, "value": v} for k, v in attributes],
-        }
-    if runtime.profile not in PROFILES:
-        raise ConfigError(f"{path}.profile: unknown profile {runtime.profile!r}; expected one of {', '.join(PROFILES)}")
-    if runtime.schema_version != SCHEMA_VERSION:
-        raise ConfigError(
-            f"{path}.schema_version: the probe reports schema {SCHEMA_VERSION}, "
-            f"not {runtime.schema_version!r}; give the attributes literally for another schema"
-        )
-    try:
-        version = probe.version(runtime.profile, runtime.attributes)
-    except ProbeError as e:
-        raise ConfigError(f"{path}: {e}") from None
-    missing = [key for key in PROFILES[runtime.profile] if key not in {a.key for a in version.attributes}]
-    if missing:
-        # The probe omits what it cannot read (CONTRACT section 2); registered so, this runtime would
-        # equal that of any machine whose probe read as little, whatever its CPU, and memory images
-        # would cross CPUs (docs/contract.md, "A probe that cannot read a key").
-        source = probe.settings.cpuinfo_path
-        gone = "" if os.path.exists(source) else " (no such file)"
-        raise ConfigError(f"{path}: the {runtime.profile} probe cannot read {', '.join(missing)} from "
-                          f"{source}{gone}: give this runtime's attributes literally, or fix the probe")
-    return to_builtins(version)
-
-
-def _runtime(runtime: RuntimeConfig, path: str, probe: MachineRead, stamps: bool = False) -> dict[str, Any]:
-    if runtime.cpu_masked and runtime.profile is not None:
-        raise ConfigError(f"{path}.cpu_masked: says literal CPU attributes are masked; this runtime is probed "
-                          f"({runtime.profile!r}), so its CPU is this machine's")
-    body: dict[str, Any] = {"version": _version(runtime, path, probe, stamps)}
-    if runtime.name is not None:
-        body["name"] = runtime.name
-    if runtime.actor_overhead is not None:
-        body["actor_overhead"] = to_builtins(runtime.actor_overhead)
-    if runtime.compatible_versions:
-        body["compatible_versions"] = [_version(v, f"{path}.compatible_versions[{k}]", probe)
-                                       for k, v in enumerate(runtime.compatible_versions)]
-    return body
-
-
-def build_registration(
-    config: AgentConfig, worker_id: str, node: str, probe: ProbeSettings | MachineRead = ProbeSettings()
-) -> RegisterWorker:
-    """The RegisterWorker this configuration makes on this machine (read once, or as `probe`
-    read it), checked by the registry's own rules (so a bad edit is caught here, with the
-    field's path)."""
-    if isinstance(probe, ProbeSettings):
-        probe = probe.read()
-    classes = []
-    for i, entry in enumerate(config.sandbox_classes):
-        path = f"sandbox_classes[{i}]"
-        classes.append(
-            {
-                "sandbox_class": entry.sandbox_class,
-                "default_runtime": _runtime(entry.default_runtime, f"{path}.default_runtime", probe, stamps=True),
-                "restorable_runtimes": [
-                    _runtime(r, f"{path}.restorable_runtimes[{j}]", probe)
-                    for j, r in enumerate(entry.restorable_runtimes)
-                ],
-            }
-        )
-    raw = {
-        "worker_id": worker_id,
-        "node": node,
-        "capacity": to_builtins(config.capacity),
-        "labels": config.labels,
-        "sandbox_classes": classes,
-    }
-    try:
-        return decode_request(RegisterWorker, encode(raw))
-    except ContractError as e:
-        where = f"{e.field}: " if e.field else ""
-        raise ConfigError(f"{where}{e.message}") from None
-
-
-def load_registration(path: Path, worker_id: str, node: str, probe: ProbeSettings = ProbeSettings()) -> RegisterWorker:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read: {e}") from None
-    return build_registration(parse_config(text, str(path)), worker_id, node, probe)
 
 
 class RevisionFile:

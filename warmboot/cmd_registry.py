@@ -19,7 +19,8 @@ from events.natsauth import NKEY_SEED_ENV
 from events.schema import Placement, RegisterWorker
 from events.subjects import DEFAULT_PREFIX
 from services.common import run_serving, serving_loop
-from warmboot.agent import Agent, ConfigError, ProbeSettings, load_registration
+from warmboot.agent import Agent
+from warmboot.agent_config import ConfigError, ProbeSettings, load_registration
 from warmboot.cli_common import (SIGN_IN_ENV_HELP, Failed, FloatRange, check_id, check_nats_option,
                                  check_nkey_seed_option, check_prefix_option)
 from warmboot.restore_check import cannot_carry_out_here
