@@ -70,7 +70,7 @@ async def bench(url: str, args: argparse.Namespace) -> dict:
 
     from events.aggregate import CACHE_ENV
     from events.jetstream.link import links_on
-    from services.common import store_env
+    from services.process import store_env
     from services.snapshotter.domain import Actor
     from services.snapshotter.service import SnapshotterApplication
     from tests.factories import actor, version, worker

@@ -9,7 +9,7 @@ Side by side, in one run, on one nats-server (file storage, as in production):
     a client keeps `--window` requests in flight, each to a different subject token
     as heartbeats are. This is the ceiling the client, the bus and one Python process
     reach on this machine. Beside it, a no-op endpoint through the services' shared
-    machinery (`services.common.add_endpoints`), answering what a heartbeat answers:
+    machinery (`services.endpoints.add_endpoints`), answering what a heartbeat answers:
     what that machinery costs before a handler does anything (`wrapped_noop_*`).
 (b) registrations: `--workers` workers register through one registry replica (its own
     process), `--window` in flight (`register_per_s`).
@@ -46,9 +46,9 @@ Side by side, in one run, on one nats-server (file storage, as in production):
     `heartbeat_{p50,p99,max}_ms_outside_reconcile` (a heartbeat queued toward the TTL would
     lose its worker). Measured, not asserted: no figure fails the run.
 
-The registry process tunes its collector as `warmboot serve` does (`services.common.tune_gc`,
+The registry process tunes its collector as `warmboot serve` does (`services.process.tune_gc`,
 when the checkout has it); the echo and the no-op run as plain Python processes. All of them
-run on the event loop `warmboot serve` runs on (`services.common.run_serving`: uvloop, unless
+run on the event loop `warmboot serve` runs on (`services.process.run_serving`: uvloop, unless
 WARMBOOT_EVENT_LOOP=asyncio; a checkout without it, asyncio's).
 Every reply is checked: a refused heartbeat or registration fails the run.
 `--before DIR` also runs (b) and (c) against the registry of another checkout (say a
@@ -69,6 +69,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import ModuleType
 
 ROOT = Path(__file__).resolve().parent.parent
 TICK = os.sysconf("SC_CLK_TCK")
@@ -88,7 +89,7 @@ def serve(kind: str, nats_url: str, prefix: str, *options: str) -> None:
     answered meanwhile too), and how many registered workers the round read.
     `echo` is a plain nats.micro service; `wrapped` answers what a heartbeat does,
     `{"ttl_s": 1800.0}`, through the services' shared endpoint machinery
-    (`services.common.add_endpoints`: validation at the edge, a task per request,
+    (`services.endpoints.add_endpoints`: validation at the edge, a task per request,
     contract errors, stats), and does nothing else."""
     import nats
 
@@ -114,7 +115,7 @@ def serve(kind: str, nats_url: str, prefix: str, *options: str) -> None:
             await service.start()
         elif kind == "wrapped":
             from events.schema import Heartbeat, HeartbeatReply
-            from services.common import EndpointSpec, add_endpoints
+            from services.endpoints import EndpointSpec, add_endpoints
 
             answer = HeartbeatReply(ttl_s=TTL_S)
 
@@ -133,9 +134,8 @@ def serve(kind: str, nats_url: str, prefix: str, *options: str) -> None:
             await service.add_endpoint(name="beat", subject=f"{prefix}.echo.beat.*", handler=echo)
             await nc.flush()
         if kind in ("registry", "fleet"):  # as `warmboot serve` does (an older checkout has no tune_gc); echo and
-            import services.common  # the no-op through services.common run as plain Python processes
-
-            getattr(services.common, "tune_gc", lambda: None)()
+            # the no-op through services.endpoints run as plain Python processes
+            getattr(serving_helpers(), "tune_gc", lambda: None)()
         print("READY", flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
         await service.stop()
@@ -143,9 +143,19 @@ def serve(kind: str, nats_url: str, prefix: str, *options: str) -> None:
 
     # Every kind on the loop `warmboot serve` runs on, the echo too (an older checkout has no
     # run_serving: asyncio's loop).
-    import services.common
+    getattr(serving_helpers(), "run_serving", lambda run: asyncio.run(run()))(main)
 
-    getattr(services.common, "run_serving", lambda run: asyncio.run(run()))(main)
+
+def serving_helpers() -> ModuleType:
+    """The module with the checkout's `tune_gc` and `run_serving`: services.process, or an older
+    checkout's services.common (which may have neither)."""
+    try:
+        import services.process as helpers
+    except ModuleNotFoundError as error:
+        if error.name != "services.process":
+            raise
+        import services.common as helpers  # type: ignore[no-redef]  # an older checkout (`--before`)
+    return helpers
 
 
 class Served:
@@ -597,7 +607,7 @@ async def bench(nats_url: str, server_pid: int, args: argparse.Namespace) -> dic
             best["echo"] = max(best.get("echo", run), run, key=lambda r: r.rate)
             run = await drive(replies, wrapped_requests, window, {"wrapped": wrapped.proc.pid, **client},
                               check=lambda data: data == b'{"ttl_s":1800.0}')
-            show("no-op through services.common", run, "requests")
+            show("no-op through services.endpoints", run, "requests")
             best["wrapped"] = max(best.get("wrapped", run), run, key=lambda r: r.rate)
             for label, replica in replicas.items():
                 run = await drive(replies, beats[label], window, {"registry": replica.proc.pid, **client},
@@ -647,7 +657,7 @@ async def bench(nats_url: str, server_pid: int, args: argparse.Namespace) -> dic
         }
         out.update(figures if label == "now" else {f"{label}_{key}": value for key, value in figures.items()})
     print(f"\n{args.workers:,} workers, {window} in flight, best of two; echo {out['echo_per_s']:,} requests/s; "
-          f"a no-op through services.common {out['wrapped_noop_per_s']:,}/s "
+          f"a no-op through services.endpoints {out['wrapped_noop_per_s']:,}/s "
           f"({out['wrapped_noop_vs_echo']:.3f} of echo)", flush=True)
     for label in codes:
         key = "" if label == "now" else f"{label}_"

@@ -332,7 +332,7 @@ def bench_whatif(quick: bool) -> dict[str, float]:
 
 def run_replica(nats_url: str, prefix: str) -> None:
     """A scheduler replica in its own process: prints `READY <metrics port>`, runs until stdin closes."""
-    from services.common import start_metrics, tune_gc
+    from services.process import run_serving, start_metrics, tune_gc
     from services.scheduler.service import SchedulerService
 
     async def main() -> None:
@@ -346,9 +346,7 @@ def run_replica(nats_url: str, prefix: str) -> None:
         await service.stop()
         await nc.close()
 
-    import services.common  # on the loop `warmboot serve` runs on (an older checkout: asyncio's)
-
-    getattr(services.common, "run_serving", lambda run: asyncio.run(run()))(main)
+    run_serving(main)  # on the loop `warmboot serve` runs on
 
 
 def scrape(port: int, name: str) -> float:
@@ -511,7 +509,7 @@ def write_through_store(nats_url: str, prefix: str, events: list[Event], batch: 
     """Append `events` through the event store, `batch` per atomic append, each subject
     guarded by its last sequence (as the services write)."""
     from events.aggregate import WireApplication
-    from services.common import store_env
+    from services.process import store_env
 
     app = WireApplication(store_env(nats_url, prefix))
     versions: dict[str, int] = {}

@@ -44,7 +44,7 @@ from eventsourcing.utils import Environment  # noqa: E402
 from events.codec import decode_event, encode  # noqa: E402
 from events.schema import WorkerDrained  # noqa: E402
 from events.subjects import stream_name  # noqa: E402
-from services.common import store_env  # noqa: E402
+from services.process import store_env  # noqa: E402
 from warmboot.natsserver import NatsServer  # noqa: E402
 
 AT = datetime(2026, 1, 1, tzinfo=timezone.utc)

@@ -880,7 +880,7 @@ def guard_reads(nc: Any, max_header_bytes: int | None = None) -> None:
     """Have the connection `nc` read its frames through the frame reader (`_Frames`), routes or
     not: a message nats-py could not read is dropped there instead of ending the connection's
     read loop; with `max_header_bytes`, so is a message whose header block is larger (before
-    anything parses it: the services' requests, `services.common.add_endpoints`). The services' connection (requests come from any worker and client), the
+    anything parses it: the services' requests, `services.endpoints.add_endpoints`). The services' connection (requests come from any worker and client), the
     agent's and the client's call it once connected. The event store's does not: under the
     generated permissions only the server and the services publish onto its inboxes, and a
     replay would pay about a microsecond a message for it."""

@@ -13,14 +13,14 @@ from pathlib import Path
 import nats
 import pytest
 
-from services.common import serving_loop
+from services.process import serving_loop
 from warmboot.natsserver import NatsServer
 
 TESTS = Path(__file__).parent
 
 
 def pytest_asyncio_loop_factories(config, item):
-    """The tests' event loop is the one the services run on (`services.common.run_serving`):
+    """The tests' event loop is the one the services run on (`services.process.run_serving`):
     uvloop, or asyncio's own with WARMBOOT_EVENT_LOOP=asyncio."""
     name, factory = serving_loop()
     return {name: factory}

@@ -54,7 +54,7 @@ from events.schema import (
     WorkerSandboxClass,
 )
 from events.subjects import stream_name
-from services.common import store_env
+from services.process import store_env
 from services.scheduler.committer import placed_event
 from services.scheduler.decide import decide
 from services.scheduler.explain import explain
@@ -428,7 +428,7 @@ async def wait_for(nc: NATS, prefix: str, found: Callable[[Event], bool], *, aft
 
 @contextmanager
 def unanswered_noted(caplog: Any) -> Iterator[asyncio.Event]:
-    """An event set once `services.common.until_answered` logs that JetStream did not answer
+    """An event set once `services.streams.until_answered` logs that JetStream did not answer
     a start's request (one attempt went unanswered, and it asks again)."""
     asked = asyncio.Event()
 

@@ -18,7 +18,7 @@ from nats.js.errors import NotFoundError
 from events.codec import decode_event, encode
 from events.schema import Event
 from events.subjects import bucket_name, event_subject, service_subject, stream_name
-from services.common import store_env
+from services.process import store_env
 from services.registry.budget import WriteBudget
 from services.registry.service import RegistryService
 from tests.factories import last_seq  # noqa: F401 (the registry tests import it from here)

@@ -29,7 +29,7 @@ from events.aggregate import now
 from events.schema import (ErrorCode, RuntimeChanged, WorkerDrained, WorkerRegistered, WorkerRemoved,
                            WorkerUpdated)
 from events.subjects import bucket_name, service_subject
-from services.common import run_command_async
+from services.commands import run_command_async
 from tests.factories import last_seq
 from tests.registry_helpers import (AMD, CPUINFO, PROBE, a_machine, agent_config, raw_request, running_registry,
                                     wait_event, without_cpu_features, worker_events)

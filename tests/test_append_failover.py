@@ -30,7 +30,7 @@ from events.jetstream.layout import LEADER_ELECTED_ADVISORY
 from events.jetstream.link import links_on
 from events.natspy import flush_in_order
 from events.subjects import stream_name
-from services.common import store_env
+from services.process import store_env
 from tests.factories import ordered_subscription
 from warmboot.natsserver import NatsCluster, wait_jetstream, wait_stream_current
 

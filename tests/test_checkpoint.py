@@ -37,7 +37,7 @@ from events.schema import (
     WorkerUpdated,
 )
 from events.subjects import stream_name
-from services.common import call
+from services.endpoints import call
 from events.states import ActorState, WorkerState
 from services.scheduler import records as records_module
 from services.scheduler import checkpoint as checkpoint_module

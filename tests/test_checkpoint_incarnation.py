@@ -22,8 +22,8 @@ import pytest
 
 from events.errors import ContractError
 from events.schema import Assignment, ErrorCode, Fidelity, ResumeActor, WorkerFenced
-from events.subjects import stream_name
-from services.common import call, service_subject
+from events.subjects import service_subject, stream_name
+from services.endpoints import call
 from services.scheduler.checkpoint import Checkpoints, incarnation_of
 from services.scheduler.decide import decide
 from services.scheduler.fold import Fold
@@ -317,8 +317,8 @@ async def test_the_registry_tells_a_copy_put_back_between_two_looks_by_what_its_
 
     import nats
 
-    from services.common import until_answered
     from services.registry.service import RegistryService
+    from services.streams import until_answered
     from warmboot.natsserver import NatsServer
 
     store = tmp_path / "nats"
@@ -386,7 +386,8 @@ async def test_a_template_kept_unchanged_on_a_stream_made_again_is_set_on_the_ne
     """The snapshotter's kept answers (an update-template that changed nothing) likewise: on the
     new stream, the same request id sets the template the new actor does not have."""
     from events.schema import SeqReply, TemplateChanged, UpdateTemplate
-    from services.common import call, service_subject
+    from events.subjects import service_subject
+    from services.endpoints import call
     from services.snapshotter.service import SnapshotterService
     from tests.factories import actor, last_seq, read_entries
 

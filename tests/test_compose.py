@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from events.schema import RegisterReply
 from events.subjects import service_subject
-from services.common import call
+from services.endpoints import call
 from events.errors import ContractError
 from tests.registry_helpers import registration
 from tests.secured_helpers import Child, Serve

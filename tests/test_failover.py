@@ -219,11 +219,11 @@ async def test_no_barrier_takes_a_leaderless_members_word_for_where_the_log_ends
     import nats
     import nats.js.errors
 
-    from services.common import leaders_stream_info
     from services.registry.fold import RosterFold
     from services.registry.roster import Roster
     from services.scheduler.fold import Fold
     from services.scheduler.projection import Projection
+    from services.streams import leaders_stream_info
     from warmboot.cli_common import last_seq
 
     monkeypatch.setenv("WARMBOOT_STREAM_REPLICAS", "3")
@@ -304,8 +304,8 @@ def test_only_the_stream_leaders_info_says_where_the_log_ends(cluster, leaders):
     """`answered_by_leader` reads nats-py's StreamInfo and the registry's own decoding alike."""
     from nats.js.api import StreamInfo
 
-    from services.common import answered_by_leader
     from services.registry.fold import _info_decoder
+    from services.streams import answered_by_leader
 
     answer = _info(cluster)
     assert answered_by_leader(StreamInfo.from_response(json.loads(json.dumps(answer)))) is leaders

@@ -44,7 +44,7 @@ from events.schema import (
     WorkerSandboxClass,
 )
 from events.subjects import service_subject, stream_name
-from services.common import call
+from services.endpoints import call
 from tests.factories import SILENT_TTL_S, ordered_subscription
 from warmboot.audit import Sink
 from warmboot.cli_common import read_subject, replay

@@ -264,7 +264,7 @@ async def test_a_message_nats_py_reads_is_folded_past_not_dropped(nats_url, nc, 
     message nats-py reads (a big header block, a block whose first line is not NATS/1.0) is folded
     past: the fold reaches the stream's end, on a connection guarded as the services' is."""
     from events.natspy import flush_in_order, guard_reads, publish
-    from services.common import MAX_HEADER_BYTES
+    from services.endpoints import MAX_HEADER_BYTES
 
     await ensure_stream(nats_url, prefix)
     versions: dict[str, int] = {}

@@ -18,7 +18,7 @@ from events.jetstream import JetStreamFactory, StoreUnavailableError
 from events.jetstream.grouped import GroupedAppends
 from events.jetstream.link import links_on
 from events.schema import WorkerDrained
-from services.common import store_env
+from services.process import store_env
 from warmboot.natsserver import NatsServer
 
 AT = datetime(2026, 1, 1, tzinfo=timezone.utc)

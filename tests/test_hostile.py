@@ -20,7 +20,7 @@ from events.schema import (
     RegisterWorker,
 )
 from events.subjects import service_subject
-from services.common import call
+from services.endpoints import call
 from tests.factories import last_seq, version, worker
 
 ENDPOINTS = [

@@ -22,7 +22,7 @@ from events.jetstream import (
     JetStreamProcessRecorder,
     JetStreamTrackingRecorder,
 )
-from services.common import store_env
+from services.process import store_env
 
 
 @pytest.fixture(autouse=True)

@@ -42,7 +42,7 @@ from events.schema import (
     WorkerSandboxClass,
 )
 from events.subjects import stream_name
-from services.common import store_env
+from services.process import store_env
 from warmboot.natsserver import NatsCluster, NatsServer, wait_jetstream
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -256,7 +256,7 @@ from eventsourcing.persistence import IntegrityError
 from events.aggregate import WireAggregate, WireApplication
 from events.schema import WorkerDrained
 from datetime import datetime, timezone
-from services.common import store_env
+from services.process import store_env
 
 class Tally(WireAggregate):
     KIND = "tally"

@@ -266,7 +266,7 @@ def answered_unavailable(monkeypatch, subject: str) -> Callable[[], None]:
     carried out; the returned call answers as before again."""
     from events.codec import encode
     from events.errors import unavailable
-    from services.common import ServiceRequest, error_headers
+    from services.endpoints import ServiceRequest, error_headers
 
     answered = ServiceRequest.respond
 

@@ -36,7 +36,7 @@ from events.schema import (
     Resources,
 )
 from events.subjects import event_subject, service_subject
-from services.common import call
+from services.endpoints import call
 from services.scheduler.records import PAUSED
 from tests.factories import SILENT_TTL_S, runtime_ids_apart
 from warmboot.audit import summary

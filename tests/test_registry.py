@@ -35,7 +35,7 @@ from events.schema import (
 from events.subjects import bucket_name, stream_name
 from services.registry.domain import REVISION_AHEAD_MS, Worker, canonical_classes
 from events.errors import ContractError, latest_revision, unavailable
-from services.common import store_env
+from services.process import store_env
 from services.registry.liveness import SWEEPER
 from services.registry.service import COMMIT_GROUP, RegistryStore
 from tests.factories import another_process, read_log, reads_before

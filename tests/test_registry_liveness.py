@@ -377,7 +377,7 @@ async def test_an_expiry_handled_on_a_read_behind_the_worker_s_new_life_still_en
     nothing does (`confirm_unchanged`)."""
     from datetime import datetime, timezone
 
-    from services.common import store_env
+    from services.process import store_env
     from services.registry.service import RegistryStore
     from tests.factories import another_process, reads_before
 

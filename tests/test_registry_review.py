@@ -364,7 +364,7 @@ async def test_a_refusal_is_checked_against_what_its_decision_read_not_what_was_
     `warmboot serve all`). The check used to compare the leader with everything this process had
     read by then, so that read made the stale refusal pass for current."""
     from events.errors import not_found
-    from services.common import run_command_async
+    from services.commands import run_command_async
     from services.registry.domain import Worker
 
     async with running_registry(nats_url, prefix) as elsewhere, \

@@ -52,7 +52,8 @@ from events.schema import (
     WorkerRegistered,
 )
 from events.subjects import service_subject, stream_name
-from services.common import ReplyCache, call
+from services.endpoints import call
+from services.replies import ReplyCache
 from services.scheduler.records import WORKER_RESERVE_MIB
 from services.scheduler.decide import decide
 from services.scheduler.committer import Job

@@ -53,7 +53,7 @@ from events.schema import (
 )
 from events.subjects import bucket_name, event_subject, service_subject, stream_name
 from events.natspy import flush_in_order
-from services.common import call
+from services.endpoints import call
 from tests.factories import last_seq
 from tests.registry_helpers import CPUINFO, PROBE, agent_config, registration, wait_event
 from tests.secured_helpers import WARMBOOT, Secured, Serve
@@ -351,7 +351,7 @@ async def test_a_reply_subject_with_an_empty_token_is_not_answered(deployment):
 
 async def test_a_client_cannot_name_a_reply_subject_of_the_servers_own(deployment):
     """`_R_.` is the reply prefix nats-server makes for an operator's request through its account's
-    import, and the services answer it as they answer inboxes (`services.common.REPLY_PREFIXES`):
+    import, and the services answer it as they answer inboxes (`services.endpoints.REPLY_PREFIXES`):
     no client may name one. The server refuses such a publish itself, and no service hears it."""
     d = deployment
     before = await State.of(d)

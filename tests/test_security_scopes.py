@@ -17,7 +17,7 @@ import pytest
 
 from events.schema import Heartbeat, HeartbeatReply
 from events.subjects import bucket_name, event_subject, service_subject, stream_name
-from services.common import call
+from services.endpoints import call
 from tests.factories import last_seq
 from tests.registry_helpers import raw_request, registration, runtime, worker_events
 from tests.secured_helpers import Secured, Serve

@@ -1,4 +1,5 @@
-"""The shared service shell (services.common) over a real bus: who is answered, how an
+"""The shared service shell (services.endpoints; what it leans on: services.replies, streams, process)
+over a real bus: who is answered, how an
 error is sent and counted, what `$SRV.STATS` and `$SRV.INFO` say, and that an outage of
 the store, a bucket or the bus is UNAVAILABLE for every service, never INTERNAL."""
 
@@ -35,16 +36,9 @@ from events.schema import (
     SeqReply,
 )
 from events.subjects import event_subject, service_subject, stream_name
-from services.common import (
-    EVENT_LOOP_ENV,
-    EndpointSpec,
-    ReplyCache,
-    add_endpoints,
-    call,
-    is_outage,
-    run_serving,
-    serving_loop,
-)
+from services.endpoints import EndpointSpec, add_endpoints, call, is_outage
+from services.process import EVENT_LOOP_ENV, run_serving, serving_loop
+from services.replies import ReplyCache
 from tests.factories import SILENT_TTL_S, started_once_members_are_back, unanswered_noted
 from tests.registry_helpers import registration
 from warmboot.natsserver import NatsCluster, wait_jetstream
@@ -434,9 +428,9 @@ async def test_serve_runs_on_the_loop_named_and_says_which(nats_url, prefix, loo
 def test_an_offending_subject_is_logged_once_and_the_log_is_bounded(caplog):
     from prometheus_client import REGISTRY
 
-    from services.common import ReplyGuard
+    from services.endpoints import ReplyGuard
 
-    DROPPED_TOTAL = "warmboot_requests_dropped_total"  # services.common.DROPPED, as a scrape reads it
+    DROPPED_TOTAL = "warmboot_requests_dropped_total"  # services.endpoints.DROPPED, as a scrape reads it
 
     guard = ReplyGuard("guarded", "gp")
     guard.MAX_LOGGED = 2
@@ -459,7 +453,7 @@ async def test_a_message_known_to_be_stored_is_read_or_the_read_is_unavailable(n
     or the reply cache gave, or UNAVAILABLE (retry) when no server has it (a lagging replica's
     "no message" is asked again of the leader), never an error a client gives up on."""
     from events.codec import decode_event
-    from services.common import stored_at
+    from services.streams import stored_at
     from tests.factories import registered
 
     seq = await asyncio.to_thread(writer.write, registered("w-1"))
@@ -475,7 +469,7 @@ async def test_the_answers_of_requests_that_wrote_nothing_are_read_from_a_comman
     itself, so it refuses at once instead."""
     import asyncio
 
-    from services.common import NoWriteAnswers, ReplyCache
+    from services.replies import NoWriteAnswers, ReplyCache
 
     answers = NoWriteAnswers(await ReplyCache(nc, prefix).start(), "registry", asyncio.get_running_loop(), "")
 
@@ -497,7 +491,7 @@ async def test_answers_and_refusal_marks_are_read_only_on_the_stream_they_were_k
     import asyncio
 
     from events.schema import SeqReply
-    from services.common import NoWriteAnswers, ReplyCache
+    from services.replies import NoWriteAnswers, ReplyCache
 
     replies = await ReplyCache(nc, prefix).start()
     loop = asyncio.get_running_loop()
@@ -535,7 +529,7 @@ async def test_an_answer_kept_by_a_newer_version_that_this_one_cannot_read_is_un
 
     from events.errors import ContractError
     from events.schema import ErrorCode, RegisterReply
-    from services.common import NoWriteAnswers, ReplyCache
+    from services.replies import NoWriteAnswers, ReplyCache
 
     replies = await ReplyCache(nc, prefix).start()
     answers = NoWriteAnswers(replies, "registry", asyncio.get_running_loop(), "2026-12-04T10:00:00+00:00")
@@ -557,7 +551,7 @@ async def test_an_answer_kept_by_a_newer_version_that_this_one_cannot_read_is_un
 
 
 async def test_slots_are_taken_at_once_while_free_and_then_in_turn():
-    from services.common import Slots
+    from services.endpoints import Slots
 
     slots = Slots(2)
     assert slots.take_now() and slots.take_now()
@@ -582,7 +576,7 @@ async def test_slots_are_taken_at_once_while_free_and_then_in_turn():
 
 
 async def test_a_waiter_cancelled_takes_no_slot_and_one_cancelled_as_it_was_handed_one_passes_it_on():
-    from services.common import Slots
+    from services.endpoints import Slots
 
     slots = Slots(1)
     assert slots.take_now()
@@ -677,7 +671,7 @@ async def test_a_backlog_on_one_endpoint_does_not_hold_up_another(nc, prefix):
 
 
 async def test_until_answered_asks_again_through_outages_only_and_gives_up_after_its_time():
-    from services.common import until_answered
+    from services.streams import until_answered
 
     answers = iter([nats.errors.TimeoutError(), nats.js.errors.ServiceUnavailableError(code=503), "made"])
 
@@ -743,7 +737,7 @@ async def test_a_reply_cache_without_its_bucket_is_unavailable_not_empty(nc, pre
     not decided again as if it were new (it could be placed twice)."""
     from events.errors import ContractError
     from events.schema import ErrorCode
-    from services.common import ReplyCache
+    from services.replies import ReplyCache
 
     cache = await ReplyCache(nc, prefix).start()
     key = cache.key("resume.a-1", "r-1")
@@ -761,7 +755,7 @@ def test_metrics_on_every_interface_of_a_host_without_ipv6_are_on_every_ipv4_one
 
     import prometheus_client
 
-    from services.common import ALL_INTERFACES, start_metrics
+    from services.process import ALL_INTERFACES, start_metrics
 
     real = prometheus_client.start_http_server
 

@@ -56,7 +56,9 @@ from events.schema import (
 )
 from events.jetstream import TOPIC_HEADER, VERSION_HEADER
 from events.subjects import event_subject, service_subject, services_inbox, stream_name
-from services.common import call, run_command, store_env
+from services.commands import run_command
+from services.endpoints import call
+from services.process import store_env
 from services.registry.service import RegistryService
 from services.snapshotter.domain import Actor, Tag
 from services.snapshotter.service import SnapshotterService

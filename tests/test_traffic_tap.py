@@ -12,7 +12,7 @@ from events.jetstream import TOPIC_HEADER
 from events.schema import Attribute, CompatVersion, RegisterReply, RegisterWorker, Resources, WorkerRuntime
 from events.schema import WorkerSandboxClass
 from events.subjects import service_subject
-from services.common import call
+from services.endpoints import call
 from tests.traffic_tap import TrafficTap
 from warmboot.natsserver import NatsServer
 from warmboot.runner import start_services

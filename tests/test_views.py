@@ -45,7 +45,7 @@ from events.schema import (
     WorkerSandboxClass,
 )
 from events.subjects import service_subject
-from services.common import call
+from services.endpoints import call
 from services.scheduler.fragmentation import fragmentation
 from services.scheduler.projection import Projection
 from tests.factories import SILENT_TTL_S, last_seq, version

@@ -8,7 +8,7 @@ that is not running would find a responder and time out instead of failing at on
 ephemeral push consumer whose client left would still see interest on its inbox). So:
 
 - Requests and replies are seen where nats.micro answers them, in this process: `install`
-  wraps `nats.micro.request.Request.respond` and the services' `services.common.ServiceRequest.
+  wraps `nats.micro.request.Request.respond` and the services' `services.endpoints.ServiceRequest.
   respond` (every endpoint reply and error reply goes through one of them; the real method
   still sends) and records which request and reply type each
   endpoint declares in its metadata (the same `{"request": ..., "reply": ...}` that
@@ -98,7 +98,7 @@ class TrafficTap:
         from nats.micro.request import Request
         from nats.micro.service import Endpoint
 
-        from services.common import ServiceRequest
+        from services.endpoints import ServiceRequest
 
         tap = self
         init, respond, service_respond = Endpoint.__init__, Request.respond, ServiceRequest.respond

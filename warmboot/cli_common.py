@@ -19,7 +19,8 @@ from events.natsauth import NKEY_SEED_ENV, carries_secret, check_url, nkey_seed_
 from events.natspy import ErrorsOnce, close, describe_error, unless_refused
 from events.schema import ID_RE, ID_WORDS, ErrorCode
 from events.subjects import DEFAULT_PREFIX, PREFIX_PATTERN, check_prefix, stream_name
-from services.common import EVENT_LOOP_ENV, EVENT_LOOPS, leaders_stream_info
+from services.process import EVENT_LOOP_ENV, EVENT_LOOPS
+from services.streams import leaders_stream_info
 from warmboot.client import NO_SERVICE, no_service_hint
 from warmboot.connection import CONNECT_TIMEOUT_S, connect_within, hears_replies
 

@@ -18,7 +18,7 @@ from events.probe import ARCHITECTURES, DEFAULT_CPUINFO
 from events.natsauth import NKEY_SEED_ENV
 from events.schema import Placement, RegisterWorker
 from events.subjects import DEFAULT_PREFIX
-from services.common import run_serving, serving_loop
+from services.process import run_serving, serving_loop
 from warmboot.agent import Agent
 from warmboot.agent_config import ConfigError, ProbeSettings, load_registration
 from warmboot.cli_common import (SIGN_IN_ENV_HELP, Failed, FloatRange, check_id, check_nats_option,

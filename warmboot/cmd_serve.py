@@ -12,7 +12,7 @@ from click.core import ParameterSource
 
 from events.natsauth import NKEY_SEED_ENV
 from events.subjects import DEFAULT_PREFIX
-from services.common import ALL_INTERFACES, run_serving, tune_gc
+from services.process import ALL_INTERFACES, run_serving, tune_gc
 from services.registry.binding import UNBIND
 from services.registry.budget import DEFAULT_BURST, DEFAULT_INTERVAL_S as WRITE_INTERVAL_S, WriteBudget
 from services.registry.nodes import describe, load_nodes

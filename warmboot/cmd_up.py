@@ -10,7 +10,7 @@ import click
 from rich.console import Console
 
 from events.subjects import DEFAULT_PREFIX, stream_name
-from services.common import run_serving, tune_gc
+from services.process import run_serving, tune_gc
 from services.scheduler.checkpoint import DEFAULT_EVERY_EVENTS, DEFAULT_INTERVAL_S
 from warmboot.cli_common import IntRange, check_prefix_option, event_loop_option
 from warmboot.natsserver import NatsServer, NatsServerError, StoreInUse

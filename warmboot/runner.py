@@ -15,7 +15,7 @@ from typing import Any, Iterator
 from events.natsauth import redact_url
 from events.natspy import close
 from events.subjects import check_prefix, services_inbox
-from services.common import LOOPBACK, metrics_url, start_metrics
+from services.process import LOOPBACK, metrics_url, start_metrics
 from warmboot.connection import connect
 
 log = logging.getLogger("warmboot")

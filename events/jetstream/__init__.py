@@ -1,7 +1,7 @@
 """A persistence module for the eventsourcing library that stores events in NATS JetStream.
 
 Select it with the library's setting ``PERSISTENCE_MODULE=events.jetstream``
-(`services.common.store_env` builds the whole environment). Settings, read
+(`services.process.store_env` builds the whole environment). Settings, read
 through the library's environment (so ``<APPNAME>_NATS_URL`` overrides
 ``NATS_URL`` for one application):
 

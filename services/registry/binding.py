@@ -42,8 +42,9 @@ from nats.js.errors import NotFoundError
 
 from events.natspy import ORDERED_IDLE_HEARTBEAT_S
 from events.subjects import bucket_name
-from services.common import START_WITHIN_S, stream_replicas, until_answered
+from services.process import stream_replicas
 from services.registry.nodes import describe, describe_change, encode_nodes, parse_nodes
+from services.streams import START_WITHIN_S, until_answered
 
 log = logging.getLogger("warmboot.registry")
 

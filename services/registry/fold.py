@@ -42,8 +42,8 @@ from events.jetstream.retry import REQUEST_TIMEOUT
 from events.natspy import ORDERED_IDLE_HEARTBEAT_S, ApiError, ack_positions, ack_time, use_lean_headers
 from events.subjects import event_subject, stream_name
 from events.tasks import cancel_and_wait
-from services.common import answered_by_leader, until_answered
 from services.registry.roster import NAMES_NODE, REVISES, Roster
+from services.streams import answered_by_leader, until_answered
 
 log = logging.getLogger("warmboot.registry")
 
@@ -66,7 +66,7 @@ class _Cluster(msgspec.Struct):
 
 class _StreamInfo(msgspec.Struct):
     state: _State | None = None
-    cluster: _Cluster | None = None  # `services.common.answered_by_leader`
+    cluster: _Cluster | None = None  # `services.streams.answered_by_leader`
     error: ApiError | None = None
 
 
@@ -112,7 +112,7 @@ class RosterFold:
         self.errors = 0
         self.rounds = 0
         # (sequence, stored at in µs) of the last message folded: which log the roster is of
-        # (`services.common.StreamWatch` checks that message is still there)
+        # (`services.streams.StreamWatch` checks that message is still there)
         self.mark: tuple[int, int] = (0, 0)
         self._sub: Any = None
         self._waiters: list[asyncio.Future[None]] = []  # calls of current() for the next round

@@ -49,7 +49,7 @@ from events.jetstream.errors import ERR_WRONG_LAST_SEQUENCE
 from events.natspy import ApiError, DirectDelivery, Replies, header_block, publish, subscribe_core
 from events.subjects import bucket_name
 from events.tasks import cancel_and_wait
-from services.common import last_seq_on, until_answered
+from services.streams import last_seq_on, until_answered
 
 log = logging.getLogger("warmboot.registry")
 

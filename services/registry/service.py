@@ -24,7 +24,7 @@ the request wrote (the registry's fence on the booking subject follows it in the
 same append). A request that writes nothing (`UNCHANGED`, draining a drained worker)
 answers the sequence of the worker's last event, which includes everything it was
 answered from; with a request id, that answer is kept in the reply bucket before it is
-given (`services.common.NoWriteAnswers`), so its retry, or a copy a stalled replica
+given (`services.replies.NoWriteAnswers`), so its retry, or a copy a stalled replica
 decides late, gets it too instead of being decided again on a later state. A repeated
 `request_id` is answered from the worker's history, where every event names the
 request that caused it (scoped to the worker's current life:
@@ -66,9 +66,10 @@ from events.schema import (
 )
 from events.subjects import check_prefix, event_subject, stream_name
 from events.tasks import cancel_and_wait
-from services.common import (EndpointSpec, NoWriteAnswers, Recheck, ReplyCache, StreamWatch, add_endpoints,
-                             confirm_unchanged, last_seq_on, run_command_async, store_env, stream_replicas)
+from services.commands import Recheck, confirm_unchanged, run_command_async
+from services.endpoints import EndpointSpec, add_endpoints
 from services.locks import KeyedCount, KeyedLock
+from services.process import store_env, stream_replicas
 from services.registry.binding import SharedBinding
 from services.registry.budget import FREE, Ticket, WriteBudget
 from services.registry.domain import Worker, check_beats_in_force, register_outcome
@@ -76,6 +77,8 @@ from services.registry.fold import RosterFold
 from services.registry.liveness import RECONCILE_INTERVAL_S, SWEEPER, Liveness
 from services.registry.nodes import allows, check_node, check_registered
 from services.registry.roster import Roster
+from services.replies import NoWriteAnswers, ReplyCache
+from services.streams import StreamWatch, last_seq_on
 
 log = logging.getLogger("warmboot.registry")
 T = TypeVar("T")
@@ -152,7 +155,7 @@ class RegistryStore(WireApplication):
     no_writes: NoWriteAnswers | None = None
     # Before an answer that writes nothing: raises IntegrityError (the command decides again) if the
     # worker's history was read behind the stream leader; the service sets its roster's check. Without
-    # one, the leader is asked (`services.common.confirm_unchanged`).
+    # one, the leader is asked (`services.commands.confirm_unchanged`).
     confirm: Callable[[Worker, int], Awaitable[None]] | None = None
     # Whether a worker's heartbeat key holds no heartbeat (`lose` reads it after loading the worker); the
     # service sets its liveness's. Without one, `lose` removes a worker in a life.
@@ -426,7 +429,7 @@ class RegistryService:
     @property
     def failed(self) -> asyncio.Future[str] | None:
         """Done, with the reason, once the event stream was made again under this replica
-        (`services.common.StreamWatch`): whoever runs it then stops it."""
+        (`services.streams.StreamWatch`): whoever runs it then stops it."""
         return self.watch.failed
 
     async def start(self) -> "RegistryService":

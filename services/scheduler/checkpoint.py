@@ -55,7 +55,7 @@ from nats.js.errors import BadRequestError, NotFoundError, ObjectNotFoundError
 from events.natspy import describe_error
 from events.subjects import bucket_name, stream_name
 from events.tasks import cancel_and_wait
-from services.common import continuity, replaced_by, stream_identity, stream_replicas, until_answered
+from services.process import stream_replicas
 from services.scheduler.checkpoint_codec import (
     CheckpointRejected,
     decode_checkpoint,
@@ -63,6 +63,7 @@ from services.scheduler.checkpoint_codec import (
     export_state,
 )
 from services.scheduler.projection import Projection
+from services.streams import continuity, replaced_by, stream_identity, until_answered
 
 log = logging.getLogger("warmboot.scheduler.checkpoint")
 

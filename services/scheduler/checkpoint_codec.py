@@ -188,7 +188,7 @@ class Envelope(Struct):
     events: int
     stream: str  # the stream's name and creation time: this incarnation of the log
     stream_created: str
-    seq_time: int  # the stream time (ns) of the message at `seq` as folded: `services.common.continuity`
+    seq_time: int  # the stream time (ns) of the message at `seq` as folded: `services.streams.continuity`
     digest: str  # blake2b of `body`
     compression: str  # "zlib" or "none"
     body: bytes  # msgpack of State

@@ -55,8 +55,8 @@ from events.schema import (EVENT_TYPES, ActorPlaced, ActorRuntime, AnyEvent, Sna
                            WorkerBooked, WorkerEvent)
 from events.subjects import stream_name
 from events.tasks import cancel_and_wait, retrieved
-from services.common import continuity, leaders_stream_info, replaced_by, stream_identity, until_answered
 from services.scheduler.projection import Projection
+from services.streams import continuity, leaders_stream_info, replaced_by, stream_identity, until_answered
 
 log = logging.getLogger("warmboot.scheduler")
 
@@ -301,7 +301,7 @@ class Fold:
 
     async def continuity(self) -> str | None:
         """Why the message at the projection's position is not the one folded there
-        (`services.common.continuity`: a log restored from a copy, or rolled back); None if it is."""
+        (`services.streams.continuity`: a log restored from a copy, or rolled back); None if it is."""
         stamp = self.projection.seq_time
         return await continuity(self.nc, self.stream, self.projection.seq, int(stamp) // 1000 if stamp else 0)
 

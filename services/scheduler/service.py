@@ -51,9 +51,11 @@ from events.schema import (
     WorkerBooked,
 )
 from events.subjects import check_prefix, event_subject, stream_name
-from services.common import (STATE_REFUSALS, EndpointSpec, ReplyCache, add_endpoints, last_seq_on, leaders_stream_info,
-                             store_env, stored_at, stream_replicas)
+from services.commands import STATE_REFUSALS
+from services.endpoints import EndpointSpec, add_endpoints
 from services.locks import KeyedLock
+from services.process import store_env, stream_replicas
+from services.replies import ReplyCache
 from services.scheduler.checkpoint import DEFAULT_INTERVAL_S, Checkpoints
 from services.scheduler.committer import MAX_GROUP, CONFIRM, RECHECK, Answered, Committer, Job
 from services.scheduler.decide import check_retry
@@ -63,6 +65,7 @@ from services.scheduler.fold import Fold
 from services.scheduler.projection import Projection
 from services.scheduler.records import request_hash
 from services.scheduler.whatif import whatif
+from services.streams import last_seq_on, leaders_stream_info, stored_at
 
 log = logging.getLogger("warmboot.scheduler")
 

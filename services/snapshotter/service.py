@@ -73,11 +73,14 @@ from events.schema import (
     WorkerRemoved,
 )
 from events.subjects import check_prefix, stream_name
-from services.common import (EndpointSpec, NoWriteAnswers, ReplyCache, StreamWatch, add_endpoints, confirm_unchanged,
-                             run_command_async, store_env, stream_created, stream_replicas)
+from services.commands import confirm_unchanged, run_command_async
+from services.endpoints import EndpointSpec, add_endpoints
 from services.locks import KeyedLock
+from services.process import store_env, stream_replicas
+from services.replies import NoWriteAnswers, ReplyCache
 from services.snapshotter.domain import Actor, Tag
 from services.snapshotter.placements import PlacementFold, Release, node_since, removed_since
+from services.streams import StreamWatch, stream_created
 
 log = logging.getLogger("warmboot.snapshotter")
 
@@ -515,7 +518,7 @@ class SnapshotterService:
     @property
     def failed(self) -> asyncio.Future[str] | None:
         """Done, with the reason, once the event stream was made again under this replica's
-        worker-removal process (`services.common.StreamWatch`): whoever runs it then stops it."""
+        worker-removal process (`services.streams.StreamWatch`): whoever runs it then stops it."""
         return self.watch.failed if self.watch is not None else None
 
     async def start(self) -> "SnapshotterService":
