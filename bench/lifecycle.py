@@ -104,7 +104,7 @@ async def bench(nats_url: str, server_pid: int, args: argparse.Namespace) -> dic
     import nats
 
     from bench.registry import drive
-    from events.natspy import Replies
+    from events.natspy.publish import Replies
 
     nc = await nats.connect(nats_url)
     replies = await Replies(nc, timeout=120).start()

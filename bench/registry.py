@@ -223,7 +223,7 @@ async def drive(replies, requests: list[tuple[str, bytes]], window: int, pids: d
     """Send every request with `window` in flight; every reply must pass `check` (`answered(subject)`
     is called for each that does).
 
-    Through `events.natspy.Replies` (one inbox, no timer per request), so that the
+    Through `events.natspy.publish.Replies` (one inbox, no timer per request), so that the
     load generator, on the same two cores, takes as little as it can."""
     pending = iter(requests)
     latencies: list[float] = []
@@ -563,7 +563,7 @@ async def fleet(nats_url: str, nc, replies, tag: str, workers: list[str], window
 async def bench(nats_url: str, server_pid: int, args: argparse.Namespace) -> dict:
     import nats
 
-    from events.natspy import Replies
+    from events.natspy.publish import Replies
     from events.subjects import service_subject
 
     nc = await nats.connect(nats_url)

@@ -544,7 +544,7 @@ async def bench_replay(nats_url: str, total: int) -> dict[str, float]:
 
     # The raw read has a connection of its own, with the lean header parser the fold's has
     # (the fold installs its direct delivery on its own connection, `nc`).
-    from events.natspy import use_lean_headers
+    from events.natspy.headers import use_lean_headers
 
     raw_nc = await nats.connect(nats_url)
     use_lean_headers(raw_nc)

@@ -46,8 +46,9 @@ from prometheus_client import Counter
 
 from events.codec import decode_reply, decode_request, encode
 from events.errors import ContractError, invalid, unavailable
-from events.natspy import (DirectDelivery, deliver_core, flush_in_order, guard_reads, header_block,
-                           publish)
+from events.natspy.frames import DirectDelivery, deliver_core, guard_reads
+from events.natspy.headers import header_block
+from events.natspy.publish import flush_in_order, publish
 from events.schema import ID_RE, Base, ErrorCode
 from events.subjects import service_subject, services_inbox
 
@@ -259,7 +260,7 @@ MAX_HEADER_BYTES = 16 * 1024
 
 
 class ServiceRequest(Request):
-    """nats.micro's request, answered through `events.natspy.publish` (an error's two headers
+    """nats.micro's request, answered through `events.natspy.publish.publish` (an error's two headers
     encoded by `header_block`): at thousands of heartbeats a second nats-py's publish is a
     measurable part of an answer. Every answer of a `ConcurrentEndpoint` goes through its
     `respond`, `respond_error`'s too."""

@@ -15,7 +15,7 @@ from nats.js.errors import NotFoundError
 
 from events.codec import encode
 from events.errors import ContractError, unavailable
-from events.natspy import describe_error
+from events.natspy.connections import describe_error
 from events.schema import Base
 from events.subjects import bucket_name
 from services.process import stream_replicas

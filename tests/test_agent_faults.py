@@ -23,7 +23,7 @@ from click.testing import CliRunner
 
 from events.compat import same_version
 from events.errors import ContractError, unavailable
-from events.natspy import flush_in_order
+from events.natspy.publish import flush_in_order
 from events.probe import probe_version
 from events.aggregate import now
 from events.schema import (ErrorCode, RuntimeChanged, WorkerDrained, WorkerRegistered, WorkerRemoved,

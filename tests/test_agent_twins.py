@@ -10,7 +10,7 @@ from typing import AsyncIterator
 
 from events.schema import RuntimeChanged, WorkerRegistered, WorkerRemoved
 from events.subjects import bucket_name
-from events.natspy import flush_in_order
+from events.natspy.publish import flush_in_order
 from tests.registry_helpers import (AMD, CPUINFO, agent_config, raw_request, registration, running_registry, runtime,
                                     wait_event, worker_events)
 from tests.test_agent import agent_running

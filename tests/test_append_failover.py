@@ -28,7 +28,7 @@ from eventsourcing.utils import Environment
 from events.jetstream import JetStreamFactory, StoreUnavailableError
 from events.jetstream.layout import LEADER_ELECTED_ADVISORY
 from events.jetstream.link import links_on
-from events.natspy import flush_in_order
+from events.natspy.publish import flush_in_order
 from events.subjects import stream_name
 from services.process import store_env
 from tests.factories import ordered_subscription

@@ -345,13 +345,15 @@ def test_the_fold_digest_covers_every_source_a_fold_depends_on(tmp_path, monkeyp
     """A checkpoint indexed by compatibility keys an older `events/compat.py` computed could match a
     stamp to a runtime that no longer accepts it: a change of any source the fold's result depends
     on must refuse old checkpoints (a full replay), as a change of the projection's does."""
-    from events import compat, natspy, schema, states
+    from events import compat, schema, states
     from events.jetstream import layout
+    from events.natspy import frames, headers, jetstream as natspy_jetstream
     from services.scheduler import checkpoint_codec, fold as fold_module, interner, projection
 
     before = checkpoint_codec._fold_digest()
     codec_source = Path(checkpoint_codec.__file__).read_bytes()
-    for module in (compat, schema, states, layout, natspy, fold_module, projection, records_module, interner):
+    for module in (compat, schema, states, layout, headers, frames, natspy_jetstream, fold_module, projection,
+                   records_module, interner):
         changed = tmp_path / f"{module.__name__}.py"
         changed.write_bytes(Path(module.__file__).read_bytes() + b"\n# changed\n")
         with monkeypatch.context() as m:

@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from events.natsauth import check_url
-from events.natspy import ErrorsOnce
+from events.natspy.connections import ErrorsOnce
 from tests.registry_helpers import CPUINFO, agent_config
 from tests.secured_helpers import Serve
 from warmboot.cli import main
@@ -455,7 +455,7 @@ async def test_a_request_nats_py_will_not_send_is_a_contract_error_naming_why(tm
     import nats
 
     from events.errors import ContractError
-    from events.natspy import close_given_up
+    from events.natspy.connections import close_given_up
     from events.schema import ErrorCode
     from warmboot.client import Client
 
@@ -628,7 +628,7 @@ async def test_a_connect_given_up_on_ends_and_closes_its_socket_whenever_it_is_c
     """`connect` cancelled `turns` turns of the loop after the server took its TCP connection: it ends,
     and its socket is closed (the server reads its end). nats-py's connect, cancelled right as a step
     completed, went on connecting for good (Python 3.11's asyncio.wait_for swallows that cancellation:
-    `events.natspy.connecting`), so a Ctrl-C of a command waiting for its server did nothing; and a
+    `events.natspy.connections.connecting`), so a Ctrl-C of a command waiting for its server did nothing; and a
     connect given up on mid-handshake left its socket open until the garbage collector came (found by
     a review)."""
     async with connecting_to_a_silent_server() as (task, connection):
@@ -719,7 +719,7 @@ async def test_a_second_cancellation_does_not_cut_the_close_of_a_connect_given_u
     """`connecting` cancelled, then again `turns` turns later, while it closes the client it gave up
     on: the close is finished before the cancellation goes on (it was cancelled with it, and the
     socket left open; found by a review)."""
-    from events.natspy import connecting
+    from events.natspy.connections import connecting
 
     client = SlowToClose()
     task = asyncio.ensure_future(connecting(client))
@@ -738,7 +738,7 @@ async def test_a_connect_given_up_on_ends_though_its_caller_is_cancelled_again()
     `connecting` is cancelled again while it cancels the connect (a second Ctrl-C, a shutdown): the
     connect is still ended, and its client closed, before the cancellation goes on (it was left
     connecting for good; found by a review)."""
-    from events.natspy import connecting
+    from events.natspy.connections import connecting
 
     started, swallowed, ended = asyncio.Event(), asyncio.Event(), asyncio.Event()
 

@@ -26,7 +26,7 @@ import pytest
 from events.errors import ContractError
 from events.jetstream import MSG_ID_HEADER, TOPIC_HEADER
 from events.jetstream.layout import LEADER_ELECTED_ADVISORY
-from events.natspy import flush_in_order
+from events.natspy.publish import flush_in_order
 from events.schema import (Attribute, CompatVersion, CreateActor, ErrorCode, Fidelity, RegisterWorker, Resources,
                            WorkerRuntime, WorkerSandboxClass)
 from events.subjects import stream_name

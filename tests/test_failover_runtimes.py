@@ -33,7 +33,7 @@ import pytest
 from events.compat import matches, same_version
 from events.errors import ContractError
 from events.jetstream.layout import LEADER_ELECTED_ADVISORY
-from events.natspy import flush_in_order
+from events.natspy.publish import flush_in_order
 from events.schema import (ActorCreated, ActorPlaced, ActorReverted, Action, Assignment, ErrorCode, Fidelity,
                            PlacedFidelity, RuntimeChanged, SnapshotTaken, WorkerDrained, WorkerRegistered,
                            WorkerRemoved, WorkerSandboxClass)

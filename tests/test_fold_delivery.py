@@ -1,4 +1,4 @@
-"""The scheduler's fold reads its stream through `events.natspy.deliver_directly`: data
+"""The scheduler's fold reads its stream through `events.natspy.frames.deliver_directly`: data
 messages are handed from the connection's read loop straight to the fold (its frame
 reader reads ahead of nats-py's parser), everything else takes nats-py's own path. On a
 real server: the bookkeeping of the ordered consumer is what nats-py's path leaves, a
@@ -16,8 +16,9 @@ import pytest
 from nats.aio.client import Client
 
 from events.errors import ContractError
-from events.natspy import (NATS_PROTOCOL, ORDERED_IDLE_HEARTBEAT_S, ack_positions, ack_time, deliver_directly,
-                           use_lean_headers)
+from events.natspy.frames import NATS_PROTOCOL, deliver_directly
+from events.natspy.headers import use_lean_headers
+from events.natspy.jetstream import ORDERED_IDLE_HEARTBEAT_S, ack_positions, ack_time
 from events.subjects import stream_name
 from services.scheduler.fold import Fold
 from services.scheduler.projection import Projection
@@ -263,7 +264,8 @@ async def test_a_message_nats_py_reads_is_folded_past_not_dropped(nats_url, nc, 
     in every replica (the review's run: the fold stuck at sequence 5 of 9, 26 resets). Such a
     message nats-py reads (a big header block, a block whose first line is not NATS/1.0) is folded
     past: the fold reaches the stream's end, on a connection guarded as the services' is."""
-    from events.natspy import flush_in_order, guard_reads, publish
+    from events.natspy.frames import guard_reads
+    from events.natspy.publish import flush_in_order, publish
     from services.endpoints import MAX_HEADER_BYTES
 
     await ensure_stream(nats_url, prefix)

@@ -29,7 +29,7 @@ from events.jetstream import (
     StoreUnavailableError,
 )
 from events.jetstream.link import ConnectOptions, Link, links_on
-from events.natspy import flush_in_order
+from events.natspy.publish import flush_in_order
 from events.schema import (
     ActorStopped,
     Attribute,

@@ -14,9 +14,10 @@ from nats.aio.client import Client
 
 import pytest
 
-from events import natspy as headers
-from events.natspy import (NATS_PARSER, _parse_bytes, ack_positions, header_value, header_values, parse_header_block, parse_header_lines,
-                           use_lean_headers)
+from events.natspy import headers
+from events.natspy.headers import (NATS_PARSER, _parse_bytes, header_value, header_values, parse_header_block,
+                                   parse_header_lines, use_lean_headers)
+from events.natspy.jetstream import ack_positions
 
 SAMPLES = [
     b"Nats-Msg-Id: worker.w-1:1\r\nWarmboot-Topic: WorkerDrained\r\nWarmboot-Version: 1\r\n",
@@ -113,7 +114,7 @@ def test_a_long_header_line_is_read_but_not_kept():
 
 def test_nats_py_still_has_the_parser_this_module_replaces():
     # If this fails, a new nats-py renamed or removed its private header parser: teach
-    # events/natspy.py the new name (replays would otherwise run at nats-py's own speed).
+    # events/natspy/headers.py the new name (replays would otherwise run at nats-py's own speed).
     assert callable(getattr(Client, NATS_PARSER, None))
     assert Client._parse_header_lines(SAMPLES[0]) == parse_header_lines(SAMPLES[0])
 
@@ -218,7 +219,7 @@ def test_the_frame_reader_does_what_nats_py_s_parser_does_frame_by_frame(frames,
     had read before the install is finished by nats-py, and dispatched as nats-py does."""
     import asyncio
 
-    from events.natspy import _Frames
+    from events.natspy.frames import _Frames
 
     pieces = [_wire(f) for f in frames]
     wire = b"".join(pieces)
@@ -333,8 +334,8 @@ def test_frames_handed_to_nats_py_together_change_nothing_a_stateful_route_sees(
     same, and no work of nats-py's falls inside a measured run of deliveries."""
     import asyncio
 
-    import events.natspy as natspy
-    from events.natspy import _Frames, _stops_nats_py
+    from events.natspy import frames as frames_module
+    from events.natspy.frames import _Frames, _stops_nats_py
 
     wire = b"".join(_wire(f) for f in frames)
 
@@ -355,20 +356,20 @@ def test_frames_handed_to_nats_py_together_change_nothing_a_stateful_route_sees(
 
     async def batched() -> list:
         model = _StatefulModel()
-        thread_time = natspy.time.thread_time
+        thread_time = frames_module.time.thread_time
 
         def clock() -> float:  # each read of the clock starts or ends a measured run
             model.log.append(("clock",))
             return thread_time()
 
-        natspy.time.thread_time = clock  # the module's `time` is the stdlib's: put back below
+        frames_module.time.thread_time = clock  # the module's `time` is the stdlib's: put back below
         try:
             reader = _Frames(model, model.routes)
             points = sorted({0, len(wire), *(min(c, len(wire)) for c in cuts)})
             for a, b in zip(points, points[1:]):
                 await reader.parse(wire[a:b])
         finally:
-            natspy.time.thread_time = thread_time
+            frames_module.time.thread_time = thread_time
         return model.log
 
     expected = asyncio.run(frame_by_frame())
@@ -385,7 +386,7 @@ def test_frames_handed_to_nats_py_together_change_nothing_a_stateful_route_sees(
 def test_the_frame_reader_joins_a_large_frame_once_it_is_whole():
     import asyncio
 
-    from events.natspy import _Frames
+    from events.natspy.frames import _Frames
 
     payload = bytes(range(256)) * 400  # 100 kB, read in 1 kB chunks
     wire = _wire(("HMSG", 1, b"$JS.ACK.S.C.1.2.3.4.0", b"NATS/1.0\r\n\r\n", payload)) + b"PING\r\n"
@@ -409,7 +410,7 @@ def test_the_frame_reader_forgets_a_frame_begun_before_a_reconnect():
     from its first byte."""
     import asyncio
 
-    from events.natspy import _Frames
+    from events.natspy.frames import _Frames
 
     first = _wire(("HMSG", 1, b"$JS.ACK.S.C.1.2.3.4.0", b"NATS/1.0\r\n\r\n", b"x" * 100))
     second = _wire(("HMSG", 1, b"$JS.ACK.S.C.1.3.4.5.0", b"NATS/1.0\r\n\r\n", b"y"))
@@ -456,7 +457,8 @@ async def test_core_delivery_hands_over_what_nats_py_would_and_leaves_it_the_res
     `close()` too."""
     import nats
 
-    from events.natspy import deliver_core, flush_in_order
+    from events.natspy.frames import deliver_core
+    from events.natspy.publish import flush_in_order
 
     sender, plain, direct = [await nats.connect(nats_url) for _ in range(3)]
     try:
@@ -534,7 +536,8 @@ async def test_core_delivery_of_wanted_headers_gives_those_alone_or_all_when_non
     when it has none at all. The messages, their order and bodies, are those nats-py's path gives."""
     import nats
 
-    from events.natspy import deliver_core, flush_in_order
+    from events.natspy.frames import deliver_core
+    from events.natspy.publish import flush_in_order
 
     sender, direct = [await nats.connect(nats_url) for _ in range(2)]
     try:
@@ -564,7 +567,7 @@ async def test_core_delivery_of_wanted_headers_gives_those_alone_or_all_when_non
 
 
 def test_core_delivery_refuses_a_nats_py_without_what_it_relies_on():
-    from events.natspy import deliver_core
+    from events.natspy.frames import deliver_core
 
     class OldSubscription:  # no `_jsi`, `_future`, ...
         _id = 1
@@ -580,7 +583,7 @@ def test_the_frame_reader_drops_what_nats_py_could_not_read_and_only_that():
     a message nats-py reads would stall a fold for good (a gap its ordered consumer restarts at)."""
     import asyncio
 
-    from events.natspy import _Frames
+    from events.natspy.frames import _Frames
 
     def hmsg(head: bytes, reply: bytes = b"_INBOX.x", body: bytes = b"{}") -> bytes:
         return b"HMSG t.s1 1 %s %d %d\r\n%s%s\r\n" % (reply, len(head), len(head) + len(body), head, body)
@@ -630,7 +633,7 @@ def test_the_frame_reader_drops_what_nats_py_could_not_read_and_only_that():
 def test_a_header_block_over_the_connection_s_limit_is_dropped_before_anything_parses_it():
     import asyncio
 
-    from events.natspy import _Frames
+    from events.natspy.frames import _Frames
 
     def hmsg(head: bytes) -> bytes:
         return b"HMSG t.s1 1 _INBOX.x %d %d\r\n%s{}\r\n" % (len(head), len(head) + 2, head)
@@ -655,7 +658,7 @@ def test_a_reset_while_nats_py_reads_leaves_the_rest_of_the_old_socket_s_chunk_u
     beginning of a frame for the new socket to finish."""
     import asyncio
 
-    from events.natspy import _Frames
+    from events.natspy.frames import _Frames
 
     async def run() -> list:
         conn = _Recorder(1)
@@ -688,7 +691,7 @@ def test_nats_py_reads_every_message_the_frame_reader_lets_through(subject, repl
     then the message it builds) raises nothing, so its read loop goes on."""
     import asyncio
 
-    from events.natspy import _stops_nats_py
+    from events.natspy.frames import _stops_nats_py
 
     if _stops_nats_py(subject, reply, head):
         return
@@ -708,7 +711,7 @@ async def test_a_flush_in_order_says_the_server_has_the_subscriptions_made_befor
     `flush_in_order` has the pending commands written first."""
     import nats
 
-    from events.natspy import flush_in_order
+    from events.natspy.publish import flush_in_order
 
     nc = await nats.connect(nats_url)
     try:
@@ -747,7 +750,7 @@ async def test_a_flush_in_order_says_the_server_has_the_subscriptions_made_befor
 def test_a_flush_in_order_refuses_a_nats_py_without_what_it_relies_on(monkeypatch):
     import asyncio
 
-    from events.natspy import NATS_PENDING, flush_in_order
+    from events.natspy.publish import NATS_PENDING, flush_in_order
 
     assert callable(getattr(Client, NATS_PENDING, None))
     monkeypatch.delattr(Client, NATS_PENDING)
@@ -766,12 +769,13 @@ _PUBLISHED = [
 
 
 async def test_publish_sends_what_nats_py_s_publish_sends(nats_url):
-    """`events.natspy.publish`, with the block `header_block` encoded, writes the header block
+    """`events.natspy.publish.publish`, with the block `header_block` encoded, writes the header block
     nats-py's `publish` writes for the same headers, and the server delivers the same message
     (subject, reply, body, headers) from either, in the order they were sent."""
     import nats
 
-    from events.natspy import flush_in_order, header_block, publish
+    from events.natspy.headers import header_block
+    from events.natspy.publish import flush_in_order, publish
 
     receiver, sender = await nats.connect(nats_url), await nats.connect(nats_url)
     try:
@@ -823,7 +827,8 @@ async def test_publish_refuses_what_nats_py_s_publish_refuses_and_buffers_nothin
     import nats
     import nats.errors
 
-    from events.natspy import header_block, publish
+    from events.natspy.headers import header_block
+    from events.natspy.publish import publish
 
     nc = await nats.connect(nats_url)
     try:
@@ -860,7 +865,7 @@ async def test_publish_refuses_what_nats_py_s_publish_refuses_and_buffers_nothin
 
 
 def test_publish_refuses_a_nats_py_without_what_it_relies_on():
-    from events.natspy import publish
+    from events.natspy.publish import publish
 
     class Old:  # a connection with no outgoing buffer where `publish` writes
         is_closed = is_draining_pubs = False
@@ -876,7 +881,7 @@ async def test_a_refusal_that_fits_subjects_in_flight_differing_only_in_case_fai
     Which of the two was refused cannot be told from the words: neither is failed by it, the
     one let through gets its reply, the other ends as it would have without the refusal."""
     import nats as nats_py
-    from events.natspy import ErrorsOnce, PublishRefused, unless_refused
+    from events.natspy.connections import ErrorsOnce, PublishRefused, unless_refused
     from warmboot.connection import connect
     from warmboot.natsserver import NatsServer
 

@@ -162,7 +162,7 @@ async def test_the_sweep_acknowledges_every_heartbeat_put(nats_url, nc, prefix):
     so nothing waits for the ack wait to be redelivered. The acks are read on the bus, in
     the order they are sent: once the last put's is there, every delivery before it was
     acked (a put its key's next put replaced before it was delivered is never delivered)."""
-    from events.natspy import flush_in_order
+    from events.natspy.publish import flush_in_order
     from services.registry.liveness import SWEEPER
 
     stream = f"KV_{bucket_name(prefix, 'heartbeats')}"
@@ -202,7 +202,7 @@ async def test_replies_match_answers_and_give_up_on_silence(nc, prefix):
     nobody listening is NoResponders, silence is a time-out, and it serves on after one."""
     import nats.errors
 
-    from events.natspy import Replies
+    from events.natspy.publish import Replies
 
     async def echo(msg) -> None:
         if msg.data != b"quiet":

@@ -21,7 +21,7 @@ from events.jetstream import TOPIC_HEADER, VERSION_HEADER
 from events.schema import (ErrorCode, Heartbeat, RegisterOutcome, RegisterWorker, RemoveWorker, WorkerRegistered,
                            WorkerRemoved)
 from events.subjects import bucket_name, stream_name
-from events.natspy import Replies, flush_in_order
+from events.natspy.publish import Replies, flush_in_order
 from services.registry.liveness import Liveness
 from services.registry.roster import Roster
 from services.registry.service import REGISTER_AGAIN

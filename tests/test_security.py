@@ -52,7 +52,7 @@ from events.schema import (
     WorkerRegistered,
 )
 from events.subjects import bucket_name, event_subject, service_subject, stream_name
-from events.natspy import flush_in_order
+from events.natspy.publish import flush_in_order
 from services.endpoints import call
 from tests.factories import last_seq
 from tests.registry_helpers import CPUINFO, PROBE, agent_config, registration, wait_event

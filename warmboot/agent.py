@@ -69,7 +69,8 @@ from nats.aio.client import Client as NATS
 from events.errors import ContractError, latest_revision
 from events.tasks import cancel_and_wait
 from events.natsauth import env_sign_in, nkey_options, nkey_seed_path, redact_url
-from events.natspy import ErrorsOnce, abandon, close, connecting, describe_error, guard_reads
+from events.natspy.connections import ErrorsOnce, abandon, close, connecting, describe_error
+from events.natspy.frames import guard_reads
 from events.compat import compat_key
 from events.runtime_id import short_id
 from events.schema import (

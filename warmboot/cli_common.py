@@ -16,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from events.compat import compat_key, describe_key
 from events.errors import ContractError, not_found
 from events.natsauth import NKEY_SEED_ENV, carries_secret, check_url, nkey_seed_problem, redact_url
-from events.natspy import ErrorsOnce, close, describe_error, unless_refused
+from events.natspy.connections import ErrorsOnce, close, describe_error, unless_refused
 from events.schema import ID_RE, ID_WORDS, ErrorCode
 from events.subjects import DEFAULT_PREFIX, PREFIX_PATTERN, check_prefix, stream_name
 from services.process import EVENT_LOOP_ENV, EVENT_LOOPS
@@ -370,7 +370,7 @@ async def log_messages(nc: Any, prefix: str, filter_subject: str | None = None,
     from events.jetstream.layout import SEQUENCE_HEADER, SUBJECT_HEADER, TOPIC_HEADER, VERSION_HEADER
     from events.jetstream.link import direct_batch
     from events.jetstream.stream import READ_PAGE
-    from events.natspy import use_lean_headers
+    from events.natspy.headers import use_lean_headers
 
     use_lean_headers(nc)  # each answer carries its message's headers and the direct get's own
     stream = stream_name(prefix)

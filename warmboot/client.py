@@ -34,7 +34,7 @@ What it does so that callers need not:
   again gets its answer); its text is `CODE field: message`, as the CLI prints it. A request
   the server refused to carry for these credentials (a permissions violation, heard on a
   connection made by `connect` or the CLI) is FAILED_PRECONDITION naming the subject, as soon
-  as the server says so (`events.natspy.unless_refused`: not after the attempt's time-out), not
+  as the server says so (`events.natspy.connections.unless_refused`: not after the attempt's time-out), not
   retried. A request on a closed connection is FAILED_PRECONDITION, one larger than the server's
   max_payload INVALID_ARGUMENT, and one the connection cannot hold while it reconnects (its
   buffer full) UNAVAILABLE: nothing was sent; no nats-py exception comes out of a request. A
@@ -60,7 +60,7 @@ from nats.aio.client import Client as NATS
 from events.codec import decode_reply, encode
 from events.errors import ContractError, invalid, precondition, unavailable
 from events.natsauth import check_url, redact_url
-from events.natspy import ErrorsOnce, PublishRefused, close, unless_refused
+from events.natspy.connections import ErrorsOnce, PublishRefused, close, unless_refused
 from events.schema import (
     ID_RE,
     ID_WORDS,
@@ -261,7 +261,7 @@ class Client:
     @staticmethod
     def _refusal(subject: str) -> ContractError:
         """FAILED_PRECONDITION for a request the server refused to let these credentials publish
-        (`events.natspy.unless_refused`): nobody heard it, and sending it again ends the same (an
+        (`events.natspy.connections.unless_refused`): nobody heard it, and sending it again ends the same (an
         operator's `warmboot worker drain` ended UNAVAILABLE, "no reply", after some 30 s of retries:
         an audit's finding)."""
         return precondition(f"NATS does not let these credentials publish to {subject}: the request reached "

@@ -27,7 +27,7 @@ import nats.errors
 
 from events.codec import decode_request, json_path, to_builtins, unknown_fields
 from events.errors import ContractError, no_actor, no_worker
-from events.natspy import describe_error
+from events.natspy.connections import describe_error
 from events.runtime_id import Runtimes, short_id
 from events.schema import ActorRuntime, CompatVersion, CreateActor, Fidelity, Resources, Snapshot, TagRecorded
 from events.states import ActorState

@@ -25,7 +25,7 @@ import nats.errors
 from events.codec import to_builtins
 from events.compat import compat_key
 from events.errors import ContractError
-from events.natspy import describe_error
+from events.natspy.connections import describe_error
 from events.runtime_id import PREFIX as ID_PREFIX
 from events.runtime_id import Runtimes, UnknownRuntime, short_id
 from events.schema import (WHATIF_LIMIT_MAX, CompatVersion, Explanation, Fragmentation, Location, Placement,

@@ -4,8 +4,8 @@
 as the URL, an nkey seed or a credentials file says, listens for its replies under the inbox
 prefix its user may subscribe to (`events.natsauth.inbox_prefix`: `_INBOX.<user>` under the
 permissions of `warmboot nats-config`), reports each error once while it repeats instead of
-a traceback per attempt (`events.natspy.ErrorsOnce`), and reads its frames through the frame
-reader (`events.natspy.guard_reads`). `connect_within` bounds the first connection: a server
+a traceback per attempt (`events.natspy.connections.ErrorsOnce`), and reads its frames through the frame
+reader (`events.natspy.frames.guard_reads`). `connect_within` bounds the first connection: a server
 that does not answer is UNAVAILABLE, naming it, within the bound.
 """
 
@@ -34,7 +34,9 @@ from events.natsauth import (
     nkey_seed_problem,
     redact_url,
 )
-from events.natspy import ErrorsOnce, abandon, connecting, describe_error, flush_in_order, guard_reads, inbox_of
+from events.natspy.connections import ErrorsOnce, abandon, connecting, describe_error, inbox_of
+from events.natspy.frames import guard_reads
+from events.natspy.publish import flush_in_order
 
 log = logging.getLogger("warmboot")
 

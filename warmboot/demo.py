@@ -31,7 +31,7 @@ from rich.table import Table
 
 from events.errors import ContractError
 from events.natsauth import redact_url
-from events.natspy import close
+from events.natspy.connections import close
 from events.tasks import cancel_and_wait
 from events.runtime_id import Runtimes
 from events.schema import (

@@ -441,7 +441,7 @@ async def wait_jetstream(servers: str | list[str], timeout: float = 30.0) -> Non
 
     from nats.aio.client import Client
 
-    from events.natspy import connecting
+    from events.natspy.connections import connecting
 
     servers = servers.split(",") if isinstance(servers, str) else servers
     deadline = asyncio.get_running_loop().time() + timeout

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from events.natsauth import redact_url
-from events.natspy import close
+from events.natspy.connections import close
 from events.subjects import check_prefix, services_inbox
 from services.process import LOOPBACK, metrics_url, start_metrics
 from warmboot.connection import connect

@@ -51,7 +51,9 @@ from events.natsauth import (
     redact_url,
     sign_in_options,
 )
-from events.natspy import close_given_up, connecting, deliver_core, use_lean_headers
+from events.natspy.connections import close_given_up, connecting
+from events.natspy.frames import deliver_core
+from events.natspy.headers import use_lean_headers
 from events.tasks import retrieved
 
 log = logging.getLogger("warmboot.jetstream")
@@ -109,7 +111,7 @@ async def direct_batch(nc: NATS, stream: str, request: dict[str, Any], timeout: 
     """One batched direct get on any connection (answers on an inbox of its own): the
     messages, and how many more match after them. For a reader without a `Link` (the
     operator commands, which may read the log only this way: docs/security.md). The answers
-    come straight from the connection's read loop (`natspy.deliver_core`: in order, with no
+    come straight from the connection's read loop (`events.natspy.frames.deliver_core`: in order, with no
     queue and no task per message), with only the `wanted` headers if given; the end of the
     batch, a status, takes nats-py's path after them."""
     collector = _Collector(asyncio.get_running_loop())
@@ -286,7 +288,7 @@ class Link:
             log.info("reconnected to %s", self.options.where)
 
         nc = NATS()
-        use_lean_headers(nc)  # replays are bound by header parsing (events.natspy)
+        use_lean_headers(nc)  # replays are bound by header parsing (events.natspy.headers)
         try:
             await connecting(  # ends when cancelled, even as the TCP connection is made, and closes
                 nc,

@@ -51,7 +51,7 @@ from events.jetstream.layout import (
 from events.jetstream.link import Link
 from events.jetstream.batch import Batch, Out
 from events.jetstream.stream import Stored, Stream
-from events.natspy import ORDERED_IDLE_HEARTBEAT_S, ack_positions
+from events.natspy.jetstream import ORDERED_IDLE_HEARTBEAT_S, ack_positions
 
 SUBSCRIPTION_BUFFER = 10_000
 

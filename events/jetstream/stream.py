@@ -49,7 +49,7 @@ from events.jetstream.layout import (
 )
 from events.jetstream.link import Link
 from events.jetstream.retry import REQUEST_TIMEOUT, Again, Retry, catch_up
-from events.natspy import parse_header_block
+from events.natspy.headers import parse_header_block
 from events.tasks import retrieved
 
 log = logging.getLogger("warmboot.jetstream")

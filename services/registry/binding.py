@@ -40,7 +40,7 @@ from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy, KeyValueConfig, StorageType
 from nats.js.errors import NotFoundError
 
-from events.natspy import ORDERED_IDLE_HEARTBEAT_S
+from events.natspy.jetstream import ORDERED_IDLE_HEARTBEAT_S
 from events.subjects import bucket_name
 from services.process import stream_replicas
 from services.registry.nodes import describe, describe_change, encode_nodes, parse_nodes

@@ -13,7 +13,7 @@ aggregate decides on fresh state (and reads the key after it loads the worker:
 A beat returns once the server has stored the put (its ack), so the `ttl_s` a
 heartbeat answers counts from a put that is in the bucket. Puts are pipelined:
 `Acks` publishes each with a reply subject under one wildcard inbox
-(`events.natspy.Replies`) and matches the acks as they come back, so any number are
+(`events.natspy.publish.Replies`) and matches the acks as they come back, so any number are
 in flight and each costs one publish and one small ack decode (nats-py's `publish`
 is a request with its own timer and a JSON parse into a dataclass).
 
@@ -46,7 +46,10 @@ from events.aggregate import now
 from events.codec import encode
 from events.errors import unavailable
 from events.jetstream.errors import ERR_WRONG_LAST_SEQUENCE
-from events.natspy import ApiError, DirectDelivery, Replies, header_block, publish, subscribe_core
+from events.natspy.frames import DirectDelivery, subscribe_core
+from events.natspy.headers import header_block
+from events.natspy.jetstream import ApiError
+from events.natspy.publish import Replies, publish
 from events.subjects import bucket_name
 from events.tasks import cancel_and_wait
 from services.streams import last_seq_on, until_answered
@@ -118,7 +121,7 @@ class Sweeper:
     One pull request of `PULL_BATCH` messages is outstanding at a time; when it is
     filled, or the server ends it (408: expired, 409, 404), the next one goes out. A
     message that is not an expiry marker is acknowledged right away (delivered from the
-    connection's read loop, `events.natspy.subscribe_core`; one task acks what one read of
+    connection's read loop, `events.natspy.frames.subscribe_core`; one task acks what one read of
     the socket brought); a marker is queued
     for `on_marker(worker_id)` (`MARKER_LANES` of them at once: the removals of workers lost
     together share their appends), then acknowledged, or handed back (nak) to be

@@ -51,7 +51,7 @@ from prometheus_client import Counter, Histogram
 from events.aggregate import Recorded, WireApplication, now
 from events.errors import ContractError, UnreadableHistory, exhausted, invalid, unavailable
 from events.jetstream.link import links_on
-from events.natspy import flush_in_order
+from events.natspy.publish import flush_in_order
 from events.schema import (
     DrainWorker,
     ErrorCode,

@@ -52,7 +52,7 @@ from nats.aio.client import Client as NATS
 from nats.js.api import ObjectMeta, ObjectStoreConfig, StorageType
 from nats.js.errors import BadRequestError, NotFoundError, ObjectNotFoundError
 
-from events.natspy import describe_error
+from events.natspy.connections import describe_error
 from events.subjects import bucket_name, stream_name
 from events.tasks import cancel_and_wait
 from services.process import stream_replicas

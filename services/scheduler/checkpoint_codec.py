@@ -38,10 +38,12 @@ from msgspec import Struct
 from msgspec.structs import astuple
 
 from events import compat as compat_module
-from events import natspy as natspy_module
 from events import schema as schema_module
 from events import states as states_module
 from events.jetstream import layout as layout_module
+from events.natspy import frames as frames_module
+from events.natspy import headers as headers_module
+from events.natspy import jetstream as natspy_jetstream_module
 from events.schema import ActorRuntime, CompatVersion, Fidelity, Resources, WorkerRuntime
 from events.states import ActorState, WorkerState
 from services.scheduler import interner as interner_module
@@ -76,19 +78,20 @@ def _fold_digest() -> str:
     rule), an old checkpoint could differ from what a replay of the same log gives now.
     So the digest covers the sources of the fold and of this codec: the projection and
     its records, the reading of messages (`fold.py`; the header names it reads, defined in
-    `events/jetstream/layout.py`; the header parsing and delivery positions of
-    `events/natspy.py`), the event types it decodes (`events/schema.py`), the states it
-    folds them into (`events/states.py`) and the compatibility keys its indices are built on
-    (`events/compat.py`: a checkpoint indexed by old keys could match a stamp to a runtime
-    that no longer accepts it). Where the sources are not readable, the attribute layout
-    of the projection's classes stands in.
+    `events/jetstream/layout.py`; the header parsing, direct delivery and delivery positions of
+    `events/natspy/headers.py`, `frames.py` and `jetstream.py`), the event types it decodes
+    (`events/schema.py`), the states it folds them into (`events/states.py`) and the
+    compatibility keys its indices are built on (`events/compat.py`: a checkpoint indexed by
+    old keys could match a stamp to a runtime that no longer accepts it). Where the sources
+    are not readable, the attribute layout of the projection's classes stands in.
     """
     h = hashlib.blake2b(digest_size=12)
     h.update(str(FORMAT).encode())
     try:
         sources = (records_module.__file__, interner_module.__file__, projection_module.__file__,
                    Path(__file__).with_name("fold.py"), schema_module.__file__, states_module.__file__,
-                   layout_module.__file__, natspy_module.__file__, compat_module.__file__, __file__)
+                   layout_module.__file__, headers_module.__file__, frames_module.__file__,
+                   natspy_jetstream_module.__file__, compat_module.__file__, __file__)
         for path in sources:
             h.update(Path(path).read_bytes())
     except (OSError, TypeError):

@@ -8,7 +8,7 @@ applications) only advance the position. A replay, and every replica's fold of e
 placement, is bound by the work per message: the fold's connection parses headers with
 the lean parser, and its data messages are handed from the connection's read loop
 straight to the fold, read ahead of nats-py's protocol parser
-(`events.natspy.deliver_directly`). While a checkpoint has the
+(`events.natspy.frames.deliver_directly`). While a checkpoint has the
 fold paused they take nats-py's path to the subscription's callback instead, which
 folds them in order once the pause ends; direct delivery resumes when none is left.
 `wait(seq)` lets a request be answered from state that includes `seq` (`min_seq`),
@@ -18,7 +18,7 @@ A projection is a fold of one incarnation of the stream (`Projection.stream_crea
 a stream deleted and made again is another log, whose sequences start over. nats-py
 re-creates the ordered consumer of a deleted stream (two missed idle heartbeats: 1 to
 2 s) from the sequence after the last one read, on whatever stream has the name by then.
-So each re-creation is run by the fold (`events.natspy.guard_recreation`): its messages
+So each re-creation is run by the fold (`events.natspy.jetstream.guard_recreation`): its messages
 are held until the stream's info says which stream the new consumer reads; if it is
 not the projection's (`replaced_by`), or whenever a stream info asked for another
 reason says so, the fold gives up (`give_up`): it folds nothing more, every wait is
@@ -49,8 +49,10 @@ from nats.js.errors import NotFoundError
 
 from events.errors import unavailable
 from events.jetstream import TOPIC_HEADER, VERSION_HEADER
-from events.natspy import (ORDERED_IDLE_HEARTBEAT_S, DirectDelivery, ack_positions, ack_time, deliver_directly,
-                           describe_error, guard_recreation, use_lean_headers)
+from events.natspy.connections import describe_error
+from events.natspy.frames import DirectDelivery, deliver_directly
+from events.natspy.headers import use_lean_headers
+from events.natspy.jetstream import ORDERED_IDLE_HEARTBEAT_S, ack_positions, ack_time, guard_recreation
 from events.schema import (EVENT_TYPES, ActorPlaced, ActorRuntime, AnyEvent, Snapshot, SnapshotTaken, TagRecorded,
                            WorkerBooked, WorkerEvent)
 from events.subjects import stream_name
@@ -265,7 +267,7 @@ class Fold:
         return unavailable(f"this scheduler replica stopped folding the log ({self.stale}); try another replica")
 
     async def _recreate(self, recreate: Callable[[], Awaitable[None]]) -> None:
-        """nats-py re-makes the fold's consumer (`events.natspy.guard_recreation`): missed heartbeats
+        """nats-py re-makes the fold's consumer (`events.natspy.jetstream.guard_recreation`): missed heartbeats
         (a stream leader lost; the stream deleted, and maybe made again by now) or a delivery out of
         order. It is made from the sequence after the last one read, on the stream that has the name
         now; so its messages are held (the fold paused) until the stream's info, asked once it is

@@ -1,0 +1,293 @@
+"""Connections to NATS, made, given up on and closed, and the errors nats-py reports on them
+(`events.natspy` says why this package exists):
+
+- `ErrorsOnce`: an `error_cb` (its `report`). nats-py's default logs each error with its traceback, so a
+  process waiting for its server printed a screenful every half second; this logs each
+  error once while it repeats, in one line, and keeps the last for a caller that gives up.
+- `connecting`: a connect (nats-py's `Client.connect`), given up on (its caller cancelled, or
+  its time up), cancelled until it ends, and its client closed. Python 3.11's
+  `asyncio.wait_for`, which nats-py's connect awaits each step with, swallows a cancellation
+  that lands as the step completes (the TCP connection made: CPython gh-86296, fixed in
+  3.12), and nats-py then goes on connecting, forever with `max_reconnect_attempts=-1`: a
+  Ctrl-C of a command waiting for its server, or a stop of an agent or a service before its
+  server answered, hung for good.
+- `close`: nats-py's close of a connection that is down (reconnecting) raised half way, writing
+  what it held to be sent onto the lost transport; what cannot be sent is dropped first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Awaitable
+
+import nats.errors
+from nats.aio.client import Client
+
+from events.tasks import cancel_and_wait, retrieved
+
+log = logging.getLogger("warmboot.natspy")
+
+_PUBLISH_REFUSED = 'nats: permissions violation for publish to "'
+
+
+class ErrorsOnce:
+    """nats-py's `error_cb`: each kind of error logged to `logger` (None: not logged) once until
+    the connection is made again (two that alternate, such as a refused sign-in and the reset that
+    follows it, are two lines, not one per attempt), one line naming `where` (the server, as a log
+    may show it); the last kept (`last`) for a caller that gives up waiting, the first refused
+    sign-in (`refusal`, `refused`), which waiting will not change, and the first permissions
+    violation (`denied`), which a later error must not hide; a refused publish wakes whoever waits
+    on its subject (`publish_refusal`, `unless_refused`), and is kept nowhere. nats-py hands the
+    server's words over in lower case, subject included: a refusal that fits subjects in flight
+    differing only in case (`...drain.W-1` and `...drain.w-1`) cannot say which of them it was, and
+    wakes none of them (each ends as it would have without the refusal, in its reply or time-out)."""
+
+    MAX_KINDS = 64  # kinds remembered at once; past it they are news again
+
+    def __init__(self, logger: logging.Logger | None = log, where: str = "", refusal_hint: str = "") -> None:
+        self.logger = logger
+        self.where = f"NATS at {where}" if where else "NATS"
+        self.refusal_hint = refusal_hint  # what a refused sign-in's line adds: which credentials to check
+        self.last: Exception | None = None
+        self.refusal: Exception | None = None
+        self.denied: Exception | None = None  # the first permissions violation since connected
+        self._seen: set[tuple] = set()
+        self._refused: asyncio.Event | None = None
+        self._inbox: tuple[str, Exception | None] | None = None  # (prefix watched, its refusal): `watch_inbox`
+        # subject (lower case) -> the subjects as asked (`publish_refusal`) -> their waiters
+        self._refusal_waiters: dict[str, dict[str, set[asyncio.Future]]] = {}
+
+    async def report(self, error: Exception) -> None:
+        """The callback itself (nats-py takes only coroutine functions)."""
+        kind = _kind(error)
+        if kind not in self._seen:
+            if len(self._seen) >= self.MAX_KINDS:
+                self._seen.clear()
+            self._seen.add(kind)
+            if self.logger is not None:
+                hint = f" ({self.refusal_hint})" if self.refusal_hint and refuses_sign_in(error) else ""
+                self.logger.warning("%s: %s%s", self.where, describe_error(error), hint)
+        self.last = error
+        text = describe_error(error).lower()  # nats-py lowers the server's words, a subject's too
+        if self.denied is None and "permissions violation" in text:
+            self.denied = error
+        if self._inbox is not None and self._inbox[1] is None \
+                and text.startswith(f'nats: permissions violation for subscription to "{self._inbox[0]}.'):
+            self._inbox = (self._inbox[0], error)
+        if text.startswith(_PUBLISH_REFUSED):
+            subject = text[len(_PUBLISH_REFUSED):].split('"', 1)[0]  # as nats-py writes it: lower case
+            asked = self._refusal_waiters.get(subject, {})
+            if len(asked) == 1:  # else: which one was refused cannot be told (class docstring)
+                del self._refusal_waiters[subject]
+                for waiter in asked.popitem()[1]:
+                    if not waiter.done():
+                        waiter.set_result(error)
+        if self.refusal is None and refuses_sign_in(error):
+            self.refusal = error
+            if self._refused is not None:
+                self._refused.set()
+
+    async def refused(self) -> Exception:
+        """The first refused sign-in, once there is one."""
+        if self.refusal is None:
+            if self._refused is None:
+                self._refused = asyncio.Event()
+            await self._refused.wait()
+        assert self.refusal is not None
+        return self.refusal
+
+    def watch_inbox(self, prefix: str) -> None:
+        """Look out for the server's refusal of a subscription under the inbox prefix `prefix` (the
+        connection's: `inbox_of`): its requests would hear no reply, each only timing out (a user
+        signed in with an nkey seed and no NATS_INBOX_PREFIX, or another user's prefix)."""
+        if self._inbox is None or self._inbox[0] != prefix.lower():
+            self._inbox = (prefix.lower(), None)
+
+    @property
+    def inbox_refusal(self) -> Exception | None:
+        """That refusal (`watch_inbox`), if it came."""
+        return self._inbox[1] if self._inbox is not None else None
+
+    def publish_refusal(self, subject: str) -> asyncio.Future:
+        """A future done with the server's refusal to let this connection publish to `subject` once
+        one comes (`unless_refused`); the caller ends it with `forget_refusal`."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._refusal_waiters.setdefault(subject.lower(), {}).setdefault(subject, set()).add(waiter)
+        return waiter
+
+    def forget_refusal(self, subject: str, waiter: asyncio.Future) -> None:
+        asked = self._refusal_waiters.get(subject.lower())
+        waiters = asked.get(subject) if asked is not None else None
+        if waiters is not None:
+            waiters.discard(waiter)
+            if not waiters:
+                del asked[subject]
+                if not asked:
+                    del self._refusal_waiters[subject.lower()]
+        waiter.cancel()
+
+    def reset(self) -> None:
+        """Connected again: the next error is news."""
+        self.last = self.refusal = self.denied = None
+        self._seen.clear()
+        if self._refused is not None:
+            self._refused.clear()
+
+
+CANCEL_AGAIN_S = 0.1  # a connect given up on is cancelled again this often until it ends (`connecting`)
+CLOSE_GIVEN_UP_S = 2.0  # how long the close of a connection given up on may take
+
+
+async def connecting(nc: Client, timeout: float | None = None, **options: Any) -> Client:
+    """`nc`, connected (`nc.connect(**options)`) within `timeout` (asyncio.TimeoutError after it).
+    Given up on, by the caller's cancellation or the time-out, the connect is abandoned
+    (`abandon`): cancelled until it ends, the first cancellation maybe swallowed (Python 3.11's
+    `asyncio.wait_for`, module docstring), and `nc` closed however far it got (a socket opened and
+    waiting for the server's greeting; a connection made as the caller gave up), also while the
+    caller is cancelled again meanwhile. A connect that fails leaves `nc` closed too."""
+    task = asyncio.ensure_future(nc.connect(**options))
+    try:
+        await asyncio.wait({task}, timeout=timeout)  # a cancellation of the caller is not the task's
+    except asyncio.CancelledError:
+        await abandon(task, nc)
+        raise
+    if not task.done():
+        await abandon(task, nc)
+        raise asyncio.TimeoutError
+    if task.exception() is not None:  # refused: the client is nobody's either
+        await close_given_up(nc)
+    task.result()
+    return nc
+
+
+async def abandon(attempt: asyncio.Future, nc: Client | None = None) -> None:
+    """Cancel `attempt` (a connect, or a task whose result is a connection) until it ends, then
+    close `nc`, or the connection the attempt made if it made one (`taken`). A cancellation of
+    the caller meanwhile does not cut either short: it is raised once both are done."""
+    cancelled = False
+    while not attempt.done():
+        attempt.cancel()
+        try:
+            await asyncio.wait({attempt}, timeout=CANCEL_AGAIN_S)
+        except asyncio.CancelledError:
+            cancelled = True
+    try:
+        await close_given_up(nc if nc is not None else taken(attempt))
+    except asyncio.CancelledError:
+        cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+
+
+async def close_given_up(nc: Client | None) -> None:
+    """Close a connection nobody will use, whatever state it is in (one that never connected
+    raises in nats-py's close once it is marked closed: retrieved, not raised), within
+    `CLOSE_GIVEN_UP_S`. A cancellation of the caller meanwhile does not cut the close short (nats-py
+    closes the socket a turn after it starts): it is raised once the close has ended or its time
+    is up."""
+    if nc is None:
+        return
+    closing = asyncio.ensure_future(nc.close())
+    closing.add_done_callback(retrieved)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + CLOSE_GIVEN_UP_S
+    cancelled = False
+    while not closing.done() and (left := deadline - loop.time()) > 0:
+        try:
+            await asyncio.wait({closing}, timeout=left)
+        except asyncio.CancelledError:
+            cancelled = True
+    closing.cancel()
+    if cancelled:
+        raise asyncio.CancelledError
+
+
+async def close(nc: Client) -> None:
+    """`nc.close()`, of a connection that is down too (its server gone, reconnecting). nats-py's close
+    writes what it holds to be sent onto the lost transport and drains it, which raises there
+    (ConnectionResetError; RuntimeError under uvloop) half way through the close: the caller got that
+    error, and the subscriptions' tasks were left running. Nothing held can be sent on a connection
+    that is down: it is dropped first."""
+    if not nc.is_closed and not nc.is_connected:
+        nc._pending = []
+        nc._pending_data_size = 0
+    await nc.close()
+
+
+def taken(attempt: asyncio.Future) -> Any:
+    """The connection a finished `attempt` made, or None (it failed, or was cancelled)."""
+    if attempt.done() and not attempt.cancelled() and attempt.exception() is None:
+        return attempt.result()
+    return None
+
+
+def refuses_sign_in(error: BaseException) -> bool:
+    """Whether nats-py's `error` is the server refusing the credentials (which no retry changes)."""
+    if isinstance(error, nats.errors.AuthorizationError):
+        return True
+    text = describe_error(error).lower()
+    return any(words in text for words in ("authorization violation", "authentication expired",
+                                           "authentication revoked"))
+
+
+def _kind(error: BaseException) -> tuple:
+    """What makes two errors the same one for `ErrorsOnce`: an OSError's type and errno (the
+    members of a cluster each refuse in their own words, naming their own address), else the text."""
+    if isinstance(error, OSError) and error.errno is not None:
+        return type(error), error.errno
+    return type(error), describe_error(error)
+
+
+class PublishRefused(Exception):
+    """The server refused to let the connection publish to `subject` (a permissions violation):
+    what was sent there reached nobody, and sending it again changes nothing."""
+
+    def __init__(self, subject: str, error: Exception) -> None:
+        super().__init__(f"NATS does not let these credentials publish to {subject}")
+        self.subject = subject
+        self.error = error
+
+
+async def unless_refused(nc: Client, subject: str, work: Awaitable[Any]) -> Any:
+    """`await work` (a request to `subject` on `nc`, say), or PublishRefused as soon as the server
+    says it refuses this connection a publish to `subject`: the server says so at once, and the
+    request would otherwise wait out its whole time-out for a reply that cannot come. Only for a
+    connection that reports to an `ErrorsOnce` (`errors_of`: warmboot's `connect`, the CLI's);
+    otherwise just `await work`. A refusal for the subject while `work` runs is this one's too:
+    the server judges a publish by the connection's permissions and the subject alone (unless a
+    request to a subject that differs only in case is in flight too: `ErrorsOnce`)."""
+    errors = errors_of(nc)
+    if errors is None:
+        return await work
+    refused = errors.publish_refusal(subject)
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.wait({task, refused}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # cancelled: the work is nobody's
+        errors.forget_refusal(subject, refused)
+        await cancel_and_wait(task)
+        raise
+    if task.done():
+        errors.forget_refusal(subject, refused)
+        return task.result()
+    error = refused.result()
+    errors.forget_refusal(subject, refused)
+    await cancel_and_wait(task)
+    raise PublishRefused(subject, error)
+
+
+def errors_of(nc: Client) -> ErrorsOnce | None:
+    """The `ErrorsOnce` a connection reports its errors to (its `error_cb`), if it was made with one."""
+    owner = getattr(getattr(nc, "_error_cb", None), "__self__", None)
+    return owner if isinstance(owner, ErrorsOnce) else None
+
+
+def inbox_of(nc: Client) -> str:
+    """The inbox prefix a connection hears its replies under (nats-py keeps it as bytes)."""
+    return bytes(nc._inbox_prefix).decode()
+
+
+def describe_error(error: BaseException) -> str:
+    """An error as one line: its text, or its type when it has none (a time-out)."""
+    return str(error) or type(error).__name__

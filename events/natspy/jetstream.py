@@ -1,0 +1,80 @@
+"""JetStream as nats-py's objects would give it, read without them, and its ordered consumer
+as this project runs it (`events.natspy` says why this package exists):
+
+- `ApiError`: the error of a JetStream API answer read as raw JSON.
+- `ack_positions`: the stream sequence and the number pending, from the reply subject
+  of a JetStream push delivery (`$JS.ACK...`), without building nats-py's metadata
+  object per message (`ack_time`: its stream time).
+- `ORDERED_IDLE_HEARTBEAT_S`: the idle heartbeat of every ordered consumer (nats-py
+  re-creates one only after two missed heartbeats).
+- `guard_recreation`: nats-py re-creates an ordered consumer on its own (missed heartbeats,
+  a delivery out of order), from the stream sequence after the last one received, on
+  whatever stream has the name then: one deleted and made again included. The caller
+  gets to run that re-creation itself (a fold holds its messages, then checks which
+  stream its consumer is now on).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Awaitable, Callable
+
+import msgspec
+
+# nats-py re-creates an ordered consumer (from the message after the last one received) when
+# two heartbeats in a row are missed, and tries again every two heartbeats until it works: a
+# consumer lost with its server (a stream leader killed) comes back within 1 to 2 s of a new
+# one being possible. An idle stream costs each ordered consumer two messages a second.
+ORDERED_IDLE_HEARTBEAT_S = 0.5
+
+
+def guard_recreation(psub: Any, guard: Callable[[Callable[[], Awaitable[None]]], Awaitable[None]]) -> None:
+    """From now on, where nats-py would re-create the consumer of `psub` (an ordered push
+    subscription), it runs `guard(recreate)` instead, in the task nats-py starts for it;
+    `recreate()` is nats-py's own re-creation (one consumer request, from the sequence after
+    the last message received, to the new deliver subject; a failure goes to the connection's
+    error callback, and nats-py tries again after two more missed heartbeats). A guard may
+    call it, or not (then no consumer is made this time), and may hold the caller's messages
+    while it does (the new consumer's messages arrive once the request is answered).
+
+    nats-py resets the subscription (a new deliver subject) before that task starts, and
+    every reset starts one: a guard still running when the next reset comes may leave the
+    next one undone (its `recreate()`, called later, uses the newest deliver subject)."""
+    jsi = getattr(psub, "_sub", None) and psub._sub._jsi
+    recreate = getattr(jsi, "recreate_consumer", None)
+    if recreate is None or not getattr(jsi, "_ordered", False):
+        raise RuntimeError(
+            "nats-py's ordered consumer no longer re-creates itself through _JSI.recreate_consumer as "
+            "events/natspy/jetstream.py expects: teach `guard_recreation` the new way"
+        )
+
+    async def guarded() -> None:
+        await guard(recreate)
+
+    jsi.recreate_consumer = guarded
+
+
+def ack_positions(reply: str) -> tuple[int, int]:
+    """(stream sequence, messages pending) from a JetStream delivery's reply subject.
+
+    `$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<time>.<pending>`, or with a
+    domain and an account hash after `ACK` (12 tokens)."""
+    tokens = reply.split(".")
+    if len(tokens) == 9:
+        return int(tokens[5]), int(tokens[8])
+    return int(tokens[7]), int(tokens[10])
+
+
+def ack_time(reply: str | bytes) -> int:
+    """The stream time (nanoseconds since the epoch) of a JetStream delivery, from its reply
+    subject (see `ack_positions`); a direct handler's last argument spells it as bytes."""
+    tokens = reply.split(b"." if isinstance(reply, bytes) else ".")
+    return int(tokens[7] if len(tokens) == 9 else tokens[9])
+
+
+class ApiError(msgspec.Struct):
+    """The `error` of a JetStream API answer, for readers of the raw JSON (which skip the
+    objects nats-py builds per answer)."""
+
+    code: int = 0
+    err_code: int = 0
+    description: str = ""
