@@ -612,3 +612,24 @@ async def test_the_logs_a_server_holds_are_read_past_the_first_page_of_its_strea
             assert await prefixes_held(nc, timeout=10) == ["zlog"]
         finally:
             await nc.close()
+
+
+def test_wide_names_the_runtime_id_column_alike_in_every_view():
+    """`workers -o wide` and `explain -o wide` head the `rt-` id RUNTIME ID; `fragmentation -o wide`
+    and `whatif -o wide` headed the same column ID (a walkthrough): one name for one thing."""
+    from events.schema import WhatIf
+
+    from services.scheduler.whatif import whatif as forecast
+    from warmboot.cmd_views import render_whatif
+
+    projection = folded(fleet())
+    runtimes = runtimes_of(projection)
+    workers = render_workers(worker_rows(projection), None, wide=True).text.splitlines()[0]
+    assert "  RUNTIME ID  " in workers
+    text = render_fragmentation(fragmentation(projection), runtimes, None, wide=True)
+    header = text.split("\n\n", 1)[1].splitlines()[0]
+    assert header.split()[-3:] == ["RUNTIME", "ID", "ATTRIBUTES"], header
+    query = WhatIf(sandbox_class="gvisor", drop_runtimes=(), drain_workers=())
+    shown = render_whatif(query, forecast(projection, query), runtimes, None, wide=True)
+    header = next(line for line in shown.splitlines() if line.startswith("RUNTIME "))
+    assert header.split()[-3:] == ["RUNTIME", "ID", "ATTRIBUTES"], header

@@ -371,7 +371,7 @@ def runtime_columns(runtimes: Runtimes) -> list[Column]:
         Column("CPU FREE", lambda r: millis(r[1].free.cpu_millis), right=True, drop=2),
         Column("MEM FREE", lambda r: mib(r[1].free.memory_mib), right=True),
         Column("SNAPSHOTS", lambda r: str(r[1].snapshots_memory), right=True),
-        Column("ID", lambda r: short_id(runtimes.add(r[0], r[1].version)), wide=True),
+        Column("RUNTIME ID", lambda r: short_id(runtimes.add(r[0], r[1].version)), wide=True),
         Column("ATTRIBUTES", lambda r: version_text(r[1].version), wide=True),
     ]
 
@@ -600,7 +600,7 @@ def forecast_columns(sandbox_class: str, runtimes: Runtimes, dropped: set) -> li
         Column("MEM FREE AFTER", lambda r: mib(r.free_after.memory_mib), right=True),
         Column("CPU FREE", lambda r: millis(r.free_before.cpu_millis), right=True, drop=2),
         Column("CPU FREE AFTER", lambda r: millis(r.free_after.cpu_millis), right=True, drop=3),
-        Column("ID", lambda r: short_id(key(r)), wide=True),
+        Column("RUNTIME ID", lambda r: short_id(key(r)), wide=True),
         Column("ATTRIBUTES", lambda r: version_text(r.version), wide=True),
     ]
 
