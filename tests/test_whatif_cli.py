@@ -193,3 +193,17 @@ def test_what_the_forecast_supposes_reads_in_the_order_of_its_tables():
     fields = {line.split()[0]: line.split(None, 1)[1] for line in text.splitlines()[:3]}
     labels = [runtimes.label("gvisor", v) for v in drops]
     assert fields["DROP"].split(", ") == sorted(labels) and fields["DRAIN"] == "w-gv-0000, w-gv-0004"
+
+
+async def test_a_forecast_that_strands_nothing_says_so(fleet_on_bus):
+    """A step that strands no actor printed no NEWLY STRANDED table and nothing in its place (a
+    walkthrough): the answer an upgrade step waits for ("go on when the forecast says 0",
+    docs/operations.md) was left to the absence of a table. It is said; `-o json` is unchanged."""
+    run, _ = fleet_on_bus
+    shown = await run("--class", "gvisor", "--drop-runtime", "runsc-2024.05", width=200)
+    assert shown.exit_code == 0, shown.output
+    listed = json.loads((await run("--class", "gvisor", "--drop-runtime", "runsc-2024.05", "--json")).output)
+    assert listed["newly_stranded"] == [] and listed["after"]["stranded_snapshots"] == 0, listed
+    assert shown.stdout.rstrip("\n").endswith("\n\nno actor newly stranded"), shown.stdout
+    stranding = await run("--class", "gvisor", "--drop-runtime", "runsc-2024.11", width=200)
+    assert "no actor newly stranded" not in stranding.output and "NEWLY STRANDED" in stranding.output

@@ -649,6 +649,8 @@ def render_whatif(query: WhatIf, answer: WhatIfAnswer, runtimes: Runtimes, width
         table = render_table(stranded_columns(runtimes), answer.newly_stranded, width, wide)
         parts.append(table.text)
         notes.append(table.footnote(width))
+    elif newly <= 0:  # said, not left to an absent table (a walkthrough: the answer an upgrade step waits for)
+        parts.append("no actor newly stranded")
     if newly > len(answer.newly_stranded):
         listed = len(answer.newly_stranded)
         notes.append(f"({newly} snapshots newly stranded, {listed} actor{'' if listed == 1 else 's'} listed; "
