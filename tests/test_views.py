@@ -633,3 +633,21 @@ def test_wide_names_the_runtime_id_column_alike_in_every_view():
     shown = render_whatif(query, forecast(projection, query), runtimes, None, wide=True)
     header = next(line for line in shown.splitlines() if line.startswith("RUNTIME "))
     assert header.split()[-3:] == ["RUNTIME", "ID", "ATTRIBUTES"], header
+
+
+async def test_wide_and_json_together_are_a_usage_error(operated, nats_url):
+    """`-o wide --json` printed JSON, the wide asked for dropped without a word (a walkthrough):
+    two outputs asked of one command are a usage error, exit status 2, in every view that takes
+    both, whichever comes first; each alone is as before."""
+    prefix, _ = operated
+    views = (("workers",), ("fragmentation",), ("actor", "list"), ("actor", "show", "a-0001"),
+             ("worker", "show", fleet()[0].worker_id), ("explain", "a-0001"), ("whatif", "--class", "gvisor"))
+    for view in views:
+        for both in (("-o", "wide", "--json"), ("--json", "-o", "wide")):
+            shown = await cli(*view, *both, "--nats", nats_url, "--prefix", prefix)
+            assert shown.exit_code == 2, (view, both, shown.output)
+            assert shown.stdout == "", (view, both, shown.stdout)
+            assert "error: -o wide and --json (the same as -o json) ask for two outputs: give one" in shown.stderr
+        alone = [await cli(*view, *one, "--nats", nats_url, "--prefix", prefix) for one in (("-o", "wide"), ("--json",))]
+        assert [r.exit_code for r in alone] == [0, 0], (view, [r.output for r in alone])
+        json.loads(alone[1].stdout)

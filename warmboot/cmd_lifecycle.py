@@ -443,6 +443,8 @@ def show_actor_cmd(actor_id: str, nats_url: str, prefix: str, output: str | None
     (`<prefix>.ev.actor.<id>`) with the scheduler's projection."""
     from services.scheduler.projection import Projection
 
+    mode = output_mode(output, as_json)  # a usage error before anything is read
+
     async def work(nc: Any) -> dict:
         records = await read_subject(nc, prefix, event_subject(prefix, "actor", actor_id))
         projection = Projection()
@@ -451,7 +453,6 @@ def show_actor_cmd(actor_id: str, nats_url: str, prefix: str, output: str | None
         return actor_view(actor_id, projection, await fleet_runtimes(nc, prefix))
 
     view = ask(nats_url, work)
-    mode = output_mode(output, as_json)
     if mode == "json":
         echo_json(view)
         return

@@ -49,6 +49,9 @@ def output_option(command: Callable) -> Callable:
 
 
 def output_mode(output: str | None, as_json: bool) -> str:
+    """The output asked for; `-o wide` with `--json` asks for two, a usage error (json won, silently)."""
+    if as_json and output == "wide":
+        raise click.UsageError("-o wide and --json (the same as -o json) ask for two outputs: give one")
     return "json" if as_json else (output or "table")
 
 
