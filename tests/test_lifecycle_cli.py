@@ -566,6 +566,12 @@ async def test_create_with_a_selector_no_worker_matches_warns_and_creates(bus, n
     assert somewhere.exit_code == 0 and not somewhere.stderr, somewhere.stderr
     refused = await run("actor", "resume", "s-1")
     assert refused.exit_code == 1 and "RESOURCE_EXHAUSTED" in refused.stderr
+    # labels and selectors read alike in every view (`worker show` and `actor show` wrote "disk=ssd, zone=a",
+    # `workers -o wide` "disk=ssd,zone=a": a trial of the CLI), as the --selector a user gives
+    assert fields((await run("worker", "show", "w-zone", width=200)).output)["LABELS"] == "disk=ssd,zone=a"
+    assert fields((await run("actor", "show", "s-2", width=200)).output)["SELECTORS"] == "disk=ssd,zone=a"
+    wide = (await run("workers", "-o", "wide", width=300)).output.splitlines()
+    assert "disk=ssd,zone=a" in next(line for line in wide if line.startswith("w-zone ")).split(), wide
 
 
 async def test_a_tag_that_moves_says_what_it_named(bus):

@@ -51,7 +51,7 @@ from warmboot.cmd_views import (
     runtimes_of,
     worker_rows,
 )
-from warmboot.render import Column, render_fields, render_table, terminal_width
+from warmboot.render import Column, key_values, render_fields, render_table, terminal_width
 
 RUNNING, STOPPED = ActorState.RUNNING, ActorState.STOPPED
 
@@ -402,7 +402,7 @@ def actor_fields(view: dict, wide: bool) -> list[tuple[str, str]]:
         ("CLASS", view["sandbox_class"]),
         ("TEMPLATE", view["template_uid"]),
         ("RESOURCES", f"{millis(res['cpu_millis'])} cpu, {mib(res['memory_mib'])} memory"),
-        ("SELECTORS", ", ".join(f"{k}={v}" for k, v in sorted(view["selectors"].items())) or "-"),
+        ("SELECTORS", key_values(view["selectors"])),
         ("MIN FIDELITY", view["min_fidelity"]),
     ]
     snap = view["snapshot"]
@@ -623,7 +623,7 @@ def render_worker(view: dict, width: int | None, wide: bool = False) -> str:
         ("WORKER", view["worker_id"]),
         ("NODE", view["node"]),
         ("STATE", view["state"]),
-        ("LABELS", ", ".join(f"{k}={v}" for k, v in sorted(view["labels"].items())) or "-"),
+        ("LABELS", key_values(view["labels"])),
         ("CAPACITY", f"{millis(cap['cpu_millis'])} cpu, {mib(cap['memory_mib'])} memory"),
         ("FREE", f"{millis(free['cpu_millis'])} cpu, {mib(free['memory_mib'])} memory"),
     ]

@@ -36,7 +36,7 @@ from services.scheduler.feasibility import SELECTOR_MISMATCH
 from warmboot.cli_common import (IntRange, ask, check_id, last_seq, log_messages, min_seq_option, nats_option,
                                  prefix_option, selectors_of, version_text)
 from warmboot.client import Client
-from warmboot.render import Column, render_fields, render_table, terminal_width
+from warmboot.render import Column, key_values, render_fields, render_table, terminal_width
 
 # --- what every view shares -----------------------------------------------------------------------
 
@@ -486,7 +486,7 @@ WORKER_COLUMNS = [  # `drop`: the highest gives way first when the terminal is n
     Column("MEM", lambda r: mib(r["capacity"]["memory_mib"]), right=True, wide=True),
     Column("RUNTIME ID", lambda r: r["runtime_id"], wide=True),
     Column("RESUMES FROM", lambda r: ",".join(r["resumes_from"]) or "-", wide=True),
-    Column("LABELS", lambda r: ",".join(f"{k}={v}" for k, v in sorted(r["labels"].items())) or "-", wide=True),
+    Column("LABELS", lambda r: key_values(r["labels"]), wide=True),
     Column("ATTRIBUTES", lambda r: version_text(_version(r["default_runtime"])), wide=True),
 ]
 

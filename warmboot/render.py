@@ -15,7 +15,7 @@ import shutil
 import sys
 import textwrap
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 GAP = "  "  # between columns
 
@@ -93,6 +93,13 @@ def _layout(full: list[Column], given: list[Column]) -> list[Column]:
 
 def _given_way(column: Column) -> str:
     return f"{column.header} {column.narrow.about}" if column.narrow else column.header
+
+
+def key_values(pairs: Mapping[str, str]) -> str:
+    """Labels or selectors as every view writes them in a cell: `key=value` by key, comma-separated
+    (as kubectl's --show-labels), `-` for none. The same worker's labels read alike in `workers -o
+    wide` and `worker show`, and an actor's selectors alike (a trial found ", " in one, "," in the other)."""
+    return ",".join(f"{k}={v}" for k, v in sorted(pairs.items())) or "-"
 
 
 def render_table(columns: Sequence[Column], rows: Sequence[Any], width: int | None = None,
