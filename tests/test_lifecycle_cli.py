@@ -590,8 +590,11 @@ async def test_a_tag_that_moves_says_what_it_named(bus):
     assert moved.exit_code == 0, moved.output
     name = first.output.split("snapshot ")[1].split(",")[0]
     assert moved.output.splitlines()[1] == f"base moved: it named snapshot {name} of actor a-1 before"
-    as_json = await run("actor", "tag", "a-1", "base", "--json")  # -o json: the reply alone
-    assert json.loads(as_json.output)["snapshot"]["actor_id"] == "a-1"
+    as_json = await run("actor", "tag", "a-1", "base", "--json")  # -o json: the reply alone on stdout
+    assert json.loads(as_json.stdout)["snapshot"]["actor_id"] == "a-1"
+    # and the move on stderr, as other commands' warnings (it said nothing of it: a trial of the CLI)
+    b_name = moved.output.split("snapshot ")[1].split(",")[0]
+    assert as_json.stderr.strip() == f"note: base moved: it named snapshot {b_name} of actor b-1 before"
 
 
 async def test_fidelities_are_read_in_any_case(bus):

@@ -289,33 +289,40 @@ def resume_cmd(actor_id: str, selectors: tuple[str, ...], request_id: str | None
 @json_option
 def tag_cmd(actor_id: str, tag: str, request_id: str | None, nats_url: str, prefix: str, as_json: bool) -> None:
     """Tag the actor's latest snapshot (EXTERNAL only) so that other actors can be created from it.
-    A tag that named another snapshot now names this one: the output says which it named."""
+    A tag that named another snapshot now names this one: the output says which it named (with
+    --json, on stderr, as the other commands' warnings)."""
 
     async def work(nc: Any) -> tuple[Any, Runtimes | None, Snapshot | str | None]:
         reply = await Client(nc, prefix).tag(actor_id, tag, request_id)
-        if as_json:
-            return reply, None, None
+
+        async def labels() -> Runtimes | None:  # for the text only
+            return None if as_json else await runtime_labels(nc, prefix)
+
         try:
             history = await read_subject(nc, prefix, event_subject(prefix, "tag", tag))
         except (ContractError, click.ClickException) as e:  # the tag is recorded: only what it named before is
             # not known (a history this CLI cannot read; a log these credentials may not read, as a client's)
-            return reply, await runtime_labels(nc, prefix), e.message
+            return reply, await labels(), e.message
         named = [(seq, e.snapshot) for seq, e in history if isinstance(e, TagRecorded)]
         ours = [i for i, (seq, snap) in enumerate(named) if seq <= reply.seq and snap == reply.snapshot]
         before = named[ours[-1] - 1][1] if ours and ours[-1] > 0 else None
-        return reply, await runtime_labels(nc, prefix), before
+        return reply, await labels(), before
 
     reply, runtimes, before = ask(nats_url, work)
+    if isinstance(before, str):
+        note = f"what {tag} named before is not known: {before}"
+    elif before is not None and before != reply.snapshot:  # ids are not unique across actors: the whole of it
+        note = f"{tag} moved: it named snapshot {before.snapshot_id} of actor {before.actor_id} before"
+    else:
+        note = None
 
     def text() -> str:
         said = done("actor", actor_id, f"tagged {tag}: " + snapshot_text(reply.snapshot, runtimes), reply.seq)
-        if isinstance(before, str):
-            said += f"\nwhat {tag} named before is not known: {before}"
-        elif before is not None and before != reply.snapshot:  # ids are not unique across actors: the whole of it
-            said += f"\n{tag} moved: it named snapshot {before.snapshot_id} of actor {before.actor_id} before"
-        return said
+        return said if note is None else f"{said}\n{note}"
 
     echo(reply, as_json, text)
+    if as_json and note is not None:  # the reply alone on stdout (a trial: --json said nothing of the move)
+        click.echo(f"note: {note}", err=True)
 
 
 @actor.command("revert")
