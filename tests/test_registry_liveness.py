@@ -90,6 +90,41 @@ async def test_a_replica_whose_fold_stalls_answers_from_the_log(nats_url, prefix
         assert (await one.heartbeat("w-kept", Heartbeat())).ttl_s == 15.0
 
 
+async def test_a_heartbeat_waiting_for_the_fold_is_answered_once_the_event_is_folded(nats_url, prefix):
+    """docs/registry.md, "Who may beat": a worker registered a moment ago through another replica beats
+    at once; the barrier waits until the fold has delivered the worker's last event, and answers from
+    the roster as soon as it has. Here the fold of `one` is held back until the barrier is waiting for
+    w-1's registration, then let go: the heartbeat is answered then, not after the barrier gives up
+    (its time-out set to a minute here: a round that missed the event would hang, rather than fall
+    back on the log). Kills the mutant of `RosterFold._on_msg` whose delivery of the awaited event
+    itself does not release the barrier (only a later worker event did)."""
+    async with running_registry(nats_url, prefix) as one, running_registry(nats_url, prefix) as two:
+        one.fold.barrier_timeout = 60.0
+        sub = one.fold._sub._sub  # nats-py's subscription under the push one: its callback folds
+        release, asked = asyncio.Event(), asyncio.Event()
+        deliver, next_worker_event = sub._cb, one.fold._next_worker_event
+
+        async def held_back(msg) -> None:  # one's fold, delivering nothing until released
+            await release.wait()
+            await deliver(msg)
+
+        async def asking(start, timeout, patient=False):
+            seq = await next_worker_event(start, timeout, patient)
+            asked.set()  # the round waits for `seq` to be folded as soon as it resumes
+            return seq
+
+        sub._cb, one.fold._next_worker_event = held_back, asking
+        registered = await two.register("w-1", body("w-1"))
+        beat = asyncio.ensure_future(one.heartbeat("w-1", Heartbeat()))
+        await asyncio.wait_for(asked.wait(), 10)
+        assert one.fold.complete < registered.seq and not beat.done()  # the barrier waits for the fold
+        sub._cb = deliver
+        release.set()
+        done, _ = await asyncio.wait({beat}, timeout=10)
+        assert done, "the heartbeat still waits on the barrier after the fold delivered w-1's registration"
+        assert beat.result().ttl_s == 15.0 and one.roster.alive("w-1")
+
+
 async def test_a_beat_answered_from_the_log_keeps_alive_only_the_registration_it_names(nats_url, prefix):
     """Answered from the worker's history (the replica's fold stalled: its barrier cannot be had), a
     beat naming another revision than the registration in force is refused as the roster refuses it
@@ -405,3 +440,63 @@ async def test_an_expiry_handled_on_a_read_behind_the_worker_s_new_life_still_en
             raise AssertionError(f"the new life was not removed as LOST: its expiry was handled {len(handled)} "
                                  f"time(s), writing {handled}; the key is {state!r}") from None
         assert removed.reason == "LOST"
+
+
+# --- the sweep hands back what it could not handle; a beat's TTL and put as the heartbeat says ------------
+
+
+async def test_a_removal_that_fails_once_is_tried_again_a_second_later(nats_url, nc, prefix):
+    """The sweep hands back (nak) the marker of a removal that failed (the event log unavailable for a
+    moment), to be delivered again a second later (docs/registry.md, Liveness): the silent worker is
+    removed as LOST then, well before the consumer's 30 s ack wait or the next reconciliation (100 s).
+    A user checks that a worker lost during a short outage of the log is still removed within a few
+    seconds of it. Kills the mutants of `Sweeper._handle_markers` that acknowledge the marker of a
+    failed removal (instead of its nak, or after it) or let the failure out of the lane."""
+    async with running_registry(nats_url, prefix, ttl_s=1) as registry:
+        lose, failed = registry.store.lose, []
+
+        async def unavailable_once(worker_id, at):
+            if not failed:
+                failed.append(worker_id)
+                raise unavailable("the event log is unavailable (the test's outage: one attempt)")
+            return await lose(worker_id, at)
+
+        registry.store.lose = unavailable_once
+        reply, _ = await raw_request(nc, prefix, "register", "w-1", registration("w-1"))
+        assert reply["outcome"] == "REGISTERED"
+        _, removed = await wait_event(nc, prefix, "w-1", WorkerRemoved, after=reply["seq"], timeout=15)
+        assert removed.reason == "LOST" and failed == ["w-1"]
+
+
+async def test_a_ttl_that_is_no_whole_number_of_seconds_is_rounded_up(nats_url, nc, prefix):
+    """docs/registry.md: the TTL is counted in whole seconds, rounded up, so that a worker never
+    expires before the `ttl_s` its heartbeat answers. With ttl_s 1.5, a beat's put carries a TTL of
+    2 s; 1 s would remove as LOST an agent that beats on time for what it was told. Kills the
+    mutant of `Liveness.__init__` that rounds the TTL down."""
+    async with running_registry(nats_url, prefix, ttl_s=1.5) as registry:
+        await raw_request(nc, prefix, "register", "w-1", registration("w-1"))
+        assert (await raw_request(nc, prefix, "heartbeat", "w-1", {}))[0] == {"ttl_s": 1.5}
+        bucket = bucket_name(prefix, "heartbeats")
+        entry = await nc.jetstream().get_msg(f"KV_{bucket}", subject=f"$KV.{bucket}.w-1")
+        assert entry.seq == await registry.liveness.last_entry("w-1")
+        assert entry.headers["Nats-TTL"] == "2s", entry.headers
+
+
+async def test_a_put_the_bucket_refuses_is_unavailable_never_ttl_s(nats_url, nc, prefix):
+    """docs/registry.md: a heartbeat is answered `ttl_s` once the server has stored its put; a put the
+    bucket does not store is UNAVAILABLE. Here the bucket refuses every put (its messages limited to a
+    few bytes): the server answers the put with an error, and the heartbeat must say UNAVAILABLE,
+    not a TTL counting from a put that is not there. Kills the mutant of `Acks.publish` that takes
+    an error in the server's answer for a stored put."""
+    async with running_registry(nats_url, prefix) as registry:
+        await raw_request(nc, prefix, "register", "w-1", registration("w-1"))
+        put = await registry.liveness.last_entry("w-1")
+        js = nc.jetstream()
+        stream = f"KV_{bucket_name(prefix, 'heartbeats')}"
+        config = (await js.stream_info(stream)).config
+        config.max_msg_size = 8  # every beat is larger
+        await js.update_stream(config)
+        reply, headers = await raw_request(nc, prefix, "heartbeat", "w-1", {})
+        assert reply["error"]["code"] == "UNAVAILABLE", reply
+        assert "refused the put" in reply["error"]["message"] and headers["Nats-Service-Error-Code"] == "503"
+        assert await registry.liveness.last_entry("w-1") == put  # nothing was stored
