@@ -14,6 +14,7 @@ import tracemalloc
 
 import msgspec
 import nats.errors
+import nats.js.errors
 import pytest
 
 from events.errors import ContractError
@@ -22,6 +23,7 @@ from events.schema import (ErrorCode, Heartbeat, RegisterOutcome, RegisterWorker
                            WorkerRemoved)
 from events.subjects import bucket_name, stream_name
 from events.natspy.publish import Replies, flush_in_order
+import services.registry.liveness as liveness_module
 from services.registry.liveness import Liveness
 from services.registry.roster import Roster
 from services.registry.service import REGISTER_AGAIN
@@ -153,6 +155,54 @@ async def test_stopping_the_sweeper_can_itself_be_cancelled(nc, prefix):
         await finished(liveness.stop())
 
 
+async def test_a_sweep_that_stops_hands_back_the_markers_queued_behind_its_lanes_too(nc, prefix, monkeypatch):
+    """docs/registry.md, Liveness: a replica that stops hands back at once the markers it took and has
+    not handled, so that the others remove those workers within their TTL, not the consumer's 30 s ack
+    wait later: the markers its lanes are handling, and those queued behind them. Here the stopping
+    sweep has one lane, held by its first marker, and the two other markers wait in its queue; a sweep
+    started after it stopped is given all three at once. Kills the mutant of `Sweeper.stop` that hands
+    back only the markers in hand."""
+    monkeypatch.setattr(liveness_module, "MARKER_LANES", 1)  # read as the sweep starts
+    workers = {"w-1", "w-2", "w-3"}
+    taken, all_taken = set(), asyncio.Event()
+
+    async def handling_none(worker_id: str) -> None:
+        await asyncio.Event().wait()
+
+    stopping = Liveness(nc, prefix, ttl_s=1, on_expired=handling_none)
+    await stopping.start()
+    put = stopping.sweeper._markers.put_nowait
+
+    def queued(msg) -> None:  # each marker delivered to the stopping sweep
+        put(msg)
+        taken.add(msg.subject.rsplit(".", 1)[-1])
+        if taken == workers:
+            all_taken.set()
+
+    stopping.sweeper._markers.put_nowait = queued
+    try:
+        for worker_id in sorted(workers):
+            await stopping.beat(worker_id)
+        await asyncio.wait_for(all_taken.wait(), 30.0)  # one in hand, two queued
+    finally:
+        await finished(stopping.stop())
+
+    monkeypatch.undo()
+    handed, all_handed = set(), asyncio.Event()
+
+    async def removing(worker_id: str) -> None:
+        handed.add(worker_id)
+        if handed == workers:
+            all_handed.set()
+
+    other = Liveness(nc, prefix, ttl_s=1, on_expired=removing)
+    await other.start()
+    try:
+        await finished(all_handed.wait(), bound=15.0)  # well within the consumer's ack wait (30 s)
+    finally:
+        await finished(other.stop())
+
+
 # --- the roster's memory ----------------------------------------------------------------------
 
 
@@ -207,6 +257,49 @@ async def test_an_expiry_swept_while_the_worker_registers_leaves_it_registered(n
         # Whatever the sweep did, the registration answered last: the worker is registered.
         events = await worker_events(nc, prefix, "w-1")
         assert not isinstance(events[-1][1], WorkerRemoved), (reply, [type(e).__name__ for _, e in events])
+        assert (await finished(one.heartbeat("w-1", Heartbeat()))).ttl_s == 1.0
+
+
+async def test_a_registration_answered_while_an_expiry_is_handled_is_not_undone_by_it(nats_url, nc, prefix):
+    """docs/registry.md: the sweep reads the bucket under the worker's lock, so that a registration
+    through the same replica either is seen beating or decides after the removal (and registers the
+    worker anew). Here the sweep has loaded w-1 and read its marker when w-1 registers again; it is let
+    go once the registration waits for w-1's lock, or once the registration is answered if it did not
+    have to wait. Whatever the order, the registration answered is what stands: w-1 is registered
+    and beats. Without the lock, the registration was answered UNCHANGED and the sweep then wrote
+    its removal on the history it had loaded (nothing written since): a worker removed as LOST just
+    after its registration was answered. Kills the mutant of `RegistryService._expired` that handles
+    the marker without the worker's lock."""
+    async with running_registry(nats_url, prefix, ttl_s=1) as one:
+        await one.liveness.sweeper.stop()  # the test hands the expiry to the sweep
+        await one.register("w-1", body("w-1"))
+        await expiry_marker(nc, prefix, "w-1")
+        state, read, go = one.liveness.state, asyncio.Event(), asyncio.Event()
+
+        async def state_then_wait(worker_id: str) -> str:  # the sweep's read of the bucket, held
+            seen = await state(worker_id)
+            read.set()
+            await go.wait()
+            return seen
+
+        one.liveness.state = state_then_wait
+        sweep = asyncio.create_task(one._expired("w-1"))
+        await finished(read.wait())  # the sweep has loaded w-1 and read its marker...
+        workers = one._workers
+
+        def asking(worker_id: str):
+            if worker_id in workers._locks:  # held by the sweep: the registration waits its turn
+                go.set()
+            return workers(worker_id)
+
+        one._workers = asking
+        reply = await finished(one.register("w-1", body("w-1")))  # ...as the worker registers again
+        go.set()
+        await finished(sweep)
+
+        events = await worker_events(nc, prefix, "w-1")
+        assert not isinstance(events[-1][1], WorkerRemoved), (reply, [type(e).__name__ for _, e in events])
+        assert reply.seq == events[-1][0]
         assert (await finished(one.heartbeat("w-1", Heartbeat()))).ttl_s == 1.0
 
 
@@ -301,6 +394,53 @@ async def test_an_expiry_that_finds_a_removal_s_tombstone_gives_the_new_life_a_c
         assert events == [("WorkerRegistered", None), ("WorkerRemoved", "operator"), ("WorkerRegistered", None)], \
             events
         assert (await finished(one.heartbeat("w-1", Heartbeat()))).ttl_s == 1.0
+
+
+async def test_an_expiry_that_finds_the_key_empty_starts_a_clock_that_ends_a_silent_life(nats_url, nc, prefix):
+    """docs/registry.md, Liveness: a marker handled while the worker's key holds nothing (a removal's
+    tombstone since the marker, the life in force begun after it) writes nothing, and gives the worker
+    a clock, so that it is removed as LOST within its TTL if it is silent. Here w-1 is in a life and its
+    key emptied after its marker; the marker handled then removes nothing, a clock runs, and its
+    expiry removes the silent worker. Without the clock no marker would ever come, and the worker stayed
+    registered until a reconciliation (every 100 s). Kills the mutants of `RegistryService._silent` that
+    start no clock, or one that expects the key to hold no entry (refused under the tombstone)."""
+    async with running_registry(nats_url, prefix, ttl_s=1) as one:
+        await one.liveness.sweeper.stop()  # the test hands the markers over itself
+        registered = await one.register("w-1", body("w-1"))
+        await expiry_marker(nc, prefix, "w-1")
+        assert await one.liveness.forget("w-1", await one.liveness.last_entry("w-1"))  # the key emptied
+        assert await one.liveness.state("w-1") == "absent"
+
+        await finished(one._expired("w-1"))  # the marker, handled now
+        assert [type(e) for _, e in await worker_events(nc, prefix, "w-1")] == [WorkerRegistered]
+        assert await one.liveness.state("w-1") == "beating"  # a clock
+        await finished(expiry_marker(nc, prefix, "w-1"), bound=30.0)  # which runs out: the worker is silent
+        await finished(one._expired("w-1"))
+        _, lost = await wait_event(nc, prefix, "w-1", WorkerRemoved, after=registered.seq)
+        assert lost.reason == "LOST"
+
+
+async def test_an_expiry_whose_clock_the_bucket_refuses_is_handed_back(nats_url, nc, prefix):
+    """A marker handled while the worker's key holds nothing starts a clock (see the test above); should the
+    bucket refuse that put, the handling fails, so that the sweep hands the marker back and tries again a
+    second later, instead of taking the clock for started: swallowed, the refusal left the silent worker
+    with neither a clock nor a marker, registered until a reconciliation (every 100 s). Only a beat
+    that came first is let go. Kills the mutant of `Liveness.start_clock` that swallows every refusal
+    of its put by the server."""
+    async with running_registry(nats_url, prefix, ttl_s=1) as one:
+        await one.liveness.sweeper.stop()  # the test hands the marker over itself
+        await one.register("w-1", body("w-1"))
+        await expiry_marker(nc, prefix, "w-1")
+        assert await one.liveness.forget("w-1", await one.liveness.last_entry("w-1"))  # the key emptied
+        js = nc.jetstream()
+        stream = f"KV_{bucket_name(prefix, 'heartbeats')}"
+        config = (await js.stream_info(stream)).config
+        config.max_msg_size = 8  # the bucket refuses every put now
+        await js.update_stream(config)
+        with pytest.raises(nats.js.errors.APIError):
+            await finished(one._expired("w-1"))
+        assert await one.liveness.state("w-1") == "absent"
+        assert [type(e) for _, e in await worker_events(nc, prefix, "w-1")] == [WorkerRegistered]
 
 
 # --- an event the roster does not know -----------------------------------------------------------
