@@ -462,6 +462,23 @@ async def test_a_revision_of_zero_is_told_apart_as_any_other(registry, nc, prefi
     assert (await raw_request(nc, prefix, "heartbeat", "w-z", {"revision": 1}))[0] == {"ttl_s": registry.ttl_s}
 
 
+async def test_a_registration_without_a_revision_leaves_none_in_force(registry, nc, prefix):
+    """docs/registry.md: a heartbeat of a registration made without a revision is taken as before,
+    whatever revision it names (nothing to tell beats apart by). w-1, registered at revision 100, is
+    registered again without one (an agent of an earlier version taking over, as in an upgrade):
+    beats naming 100 or any other revision keep that registration alive, and none is refused, as the
+    worker's history answers them (`test_a_beat_answered_from_the_log_keeps_alive_only_the_registration_
+    it_names`). Kills the mutant of `Roster.apply` that keeps the revision of the registration before
+    when a later one names none."""
+    await register(nc, prefix, registration("w-1", revision=100))
+    refused, _ = await raw_request(nc, prefix, "heartbeat", "w-1", {"revision": 7})
+    assert refused["error"]["field"] == "revision", refused
+    assert (await register(nc, prefix, registration("w-1", labels={"zone": "b"})))["outcome"] == "UPDATED"
+    for revision in (100, 7):
+        beat, _ = await raw_request(nc, prefix, "heartbeat", "w-1", {"revision": revision})
+        assert beat == {"ttl_s": registry.ttl_s}, (revision, beat)
+
+
 async def test_a_drain_read_behind_another_replica_s_new_life_drains_it(registry, nats_url, nc, prefix, monkeypatch):
     """A worker drained through this registry, then removed and registered again (a new life,
     undrained) through another replica; an operator's drain here, read from a replica of the
@@ -798,6 +815,36 @@ async def test_a_registration_between_a_removal_and_its_tombstone_is_still_lost_
         assert lost.reason == "LOST"
         events = await worker_events(nc, prefix, "w-1")
         assert [type(e) for _, e in events] == [WorkerRegistered, WorkerRemoved, WorkerRegistered, WorkerRemoved]
+
+
+async def test_a_registration_while_a_removal_is_being_written_keeps_its_clock(nats_url, nc, prefix):
+    """A removal drops the worker's heartbeat only if nothing was put since it read the key, before
+    writing the removal (docs/registry.md). Here replica A's removal is written and, before A goes on,
+    the worker registers anew through replica B (a new life, beaten before and after its decision): A
+    leaves B's beats in place, and the new life, silent from then on, is LOST within its TTL. Read once
+    the removal was written, the key's last entry was B's beat, and A's tombstone went over it: the new
+    life had no clock, and stayed registered, silent, until a reconciliation. Kills the mutant of
+    `RegistryService._remove` that reads the key's last entry after the removal."""
+    async with running_registry(nats_url, prefix, ttl_s=1) as a, running_registry(nats_url, prefix, ttl_s=1) as b:
+        await register(nc, prefix, registration("w-1"))
+        remove, written, go = a.store.remove, asyncio.Event(), asyncio.Event()
+
+        async def written_then_held(worker_id, request, at):
+            decided = await remove(worker_id, request, at)
+            written.set()
+            await go.wait()
+            return decided
+
+        a.store.remove = written_then_held
+        removal = asyncio.create_task(a.remove("w-1", RemoveWorker(reason="reprovisioned")))
+        await asyncio.wait_for(written.wait(), 10)
+        again = await b.register("w-1", msgspec.convert(registration("w-1"), RegisterWorker))
+        assert again.outcome is RegisterOutcome.REGISTERED
+        go.set()
+        await asyncio.wait_for(removal, 10)
+        assert await a.liveness.state("w-1") == "beating"  # B's beat: no tombstone was put over it
+        _, lost = await wait_event(nc, prefix, "w-1", WorkerRemoved, after=again.seq)
+        assert lost.reason == "LOST"
 
 
 async def test_a_replica_stopping_hands_back_the_expiries_it_holds(nats_url, nc, prefix):
