@@ -23,6 +23,7 @@ from events.errors import ContractError
 from events.schema import ErrorCode, Heartbeat, RegisterOutcome, RegisterWorker, WorkerRegistered, WorkerRemoved
 from events.subjects import bucket_name, event_subject, service_subject
 from events.tasks import cancel_and_wait
+from services.registry.binding import SharedBinding
 from services.registry.domain import Worker
 from services.registry.nodes import (check_node, check_registered, encode_nodes, load_nodes, parse_nodes,
                                      unbound_reason)
@@ -118,6 +119,22 @@ def test_the_file_reads_back_what_was_written(tmp_path):
     assert path.read_text().index('"w-1"') < path.read_text().index('"w-2"')  # sorted: a diff shows a change
     with pytest.raises(ValueError, match="missing.json"):
         load_nodes(tmp_path / "missing.json")
+
+
+def test_a_binding_read_late_does_not_undo_a_newer_one():
+    """A replica has the binding from two places, its read of the key at the bucket's leader (at start,
+    and before each look for unbound workers: `refresh`) and its consumer of the key; an answer of
+    the read may come after the consumer delivered a newer value. The newer stays: judged on the older,
+    the replica let a worker register on the node the change took from it, and removed one the change
+    put where it is. Kills the mutant of `SharedBinding._apply` that takes any revision but the one it has."""
+    binding = SharedBinding(None, PREFIX, replicas=1)
+    binding._apply(7, encode_nodes({"w-1": "node-b"}))  # the consumer's delivery of the change
+    binding._apply(5, encode_nodes({"w-1": "node-a"}))  # a read answered late, before the change
+    assert (binding.nodes, binding.judged_nodes, binding.revision) == ({"w-1": "node-b"}, {"w-1": "node-b"}, 7)
+    binding._apply(7, encode_nodes({"w-1": "node-a"}))  # the same revision again: what it has stays
+    assert binding.nodes == {"w-1": "node-b"}
+    binding._apply(9, None)  # deleted since: no binding
+    assert binding.nodes is None and binding.revision == 9
 
 
 # --- the commands --------------------------------------------------------------------------------
@@ -446,6 +463,67 @@ async def test_should_the_removal_fail_a_worker_on_another_node_is_refused_its_h
             assert "ttl_s" in await call("heartbeat", {})
         finally:
             await nc.close()
+
+
+async def test_a_worker_the_roster_does_not_have_is_judged_on_the_node_its_history_names(nats_server, prefix):
+    """docs/registry.md, "Who may beat": a worker registered on a node the binding does not give it is
+    refused its heartbeats, and so is one the roster does not have (its fold stalled), by the node its
+    history names. Here w-2 registers on node-a while the replica's fold hears nothing (the barrier
+    cannot be had), then the binding gives w-2 node-b (the look that would remove it stopped, as if it
+    failed): its heartbeats, answered from its history, are refused on `node`, nothing put. Kills the
+    mutant of `RegistryService.heartbeat` that judges the roster's node only (none, for a worker it
+    does not have: not judged, and the beat put)."""
+    async with running_registry(nats_server.url, prefix) as registry:
+        nc = await nats.connect(nats_server.url)
+        js = nc.jetstream()
+        heartbeats = f"KV_{bucket_name(prefix, 'heartbeats')}"
+        try:
+            await cancel_and_wait(registry._unbound)  # as if every removal failed
+            registry.fold.barrier_timeout = 0.2
+            await registry.fold._sub.unsubscribe()  # the replica hears of no worker event from now on
+            registered = await registry.register("w-2", msgspec.convert(registration("w-2", node="node-a"),
+                                                                        RegisterWorker))
+            assert registered.outcome is RegisterOutcome.REGISTERED and not registry.roster.alive("w-2")
+            registry._binding_moved.clear()
+            await js.publish(f"$KV.{bucket_name(prefix, 'settings')}.worker-nodes",
+                             encode_nodes({"w-1": "node-a", "w-2": "node-b"}))
+            await asyncio.wait_for(registry._binding_moved.wait(), 10)  # this replica has the binding
+            put = (await js.stream_info(heartbeats)).state.last_seq
+            with pytest.raises(ContractError) as refused:
+                await registry.heartbeat("w-2", Heartbeat())
+            assert (refused.value.code, refused.value.field) == (ErrorCode.FAILED_PRECONDITION, "node"), refused.value
+            assert "registered on node 'node-a'" in refused.value.message
+            assert (await js.stream_info(heartbeats)).state.last_seq == put  # nothing put: the clock runs out
+        finally:
+            await nc.close()
+
+
+async def test_a_look_that_finds_a_worker_on_its_own_node_leaves_its_heartbeat(nats_server, prefix):
+    """The look for unbound workers decides on the worker's history (`Worker.remove_unbound`): a
+    worker the roster had on another node, registered on its own since, is left registered, nothing
+    written, and its heartbeat with it: only a removal that was written drops it. Dropped by a removal
+    that wrote nothing, the live worker's key held a tombstone: were its agent to stop then, no marker
+    would ever come, and the silent worker stayed registered until a reconciliation. Kills the mutant
+    of `RegistryService._remove` that drops the heartbeat whether or not the removal wrote."""
+    nc = await nats.connect(nats_server.url)
+    try:
+        async with running_registry(nats_server.url, prefix) as registry:
+            changed = asyncio.Event()
+            registry.binding.on_change = changed.set  # (the look itself is the test's to run)
+            binding = {"w-1": "node-a"}
+            await nc.jetstream().publish(f"$KV.{bucket_name(prefix, 'settings')}.worker-nodes", encode_nodes(binding))
+            while registry.binding.judged_nodes != binding:
+                await asyncio.wait_for(changed.wait(), 10)
+                changed.clear()
+            registered = await registry.register("w-1", msgspec.convert(registration("w-1", node="node-a"),
+                                                                        RegisterWorker))
+            beat = await registry.liveness.last_entry("w-1")
+            await registry._remove_if_unbound("w-1", "node-b")  # a look that read w-1 on node-b before it moved
+            assert await last_seq(nc, prefix) == registered.seq + 1  # nothing written after its fence
+            assert await registry.liveness.state("w-1") == "beating"
+            assert await registry.liveness.last_entry("w-1") == beat
+    finally:
+        await nc.close()
 
 
 async def test_a_registration_a_lagging_replica_takes_on_the_binding_it_had_is_removed_by_a_replica_that_has_the_new_one(
