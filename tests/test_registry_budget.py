@@ -106,6 +106,21 @@ def test_a_ticket_pays_for_the_writes_made_and_gets_back_a_failed_one():
         pass
 
 
+def test_a_write_cancelled_on_its_way_is_given_back():
+    """A request pays only for what it wrote, at most (services/registry/budget.py): a write that fails is
+    given back, one whose answer was lost too, and so is one cancelled on its way (the request given up,
+    the replica stopping), a BaseException rather than an error. Kills the mutant of `Ticket.paying`
+    that gives back only on an Exception."""
+    budget = WriteBudget(1, 10.0, Clock())
+    with pytest.raises(asyncio.CancelledError):
+        with budget.ticket("w-1").paying():
+            raise asyncio.CancelledError
+    assert budget.left("w-1") == 1.0
+    with budget.ticket("w-1").paying():  # its next run pays for it
+        pass
+    assert budget.left("w-1") == 0.0
+
+
 def test_no_limit_and_bad_settings():
     unlimited = WriteBudget(0, 10.0)
     for _ in range(10_000):
