@@ -22,5 +22,6 @@ Each submodule does one job (its docstring says what each workaround is for):
 - `events.natspy.publish`: what a connection sends (`publish`, `flush_in_order`) and requests
   answered over one inbox (`Replies`).
 
-Nothing is defined here: each name is imported from the submodule that defines it.
+Nothing is defined or re-exported here: a caller imports each name from the submodule that
+defines it.
 """
