@@ -43,9 +43,11 @@ from warmboot.render import Column, key_values, render_fields, render_table, ter
 
 def output_option(command: Callable) -> Callable:
     """`-o wide|json`, and `--json` as the alias it always was."""
-    command = click.option("--json", "as_json", is_flag=True, help="Same as -o json.")(command)
+    command = click.option("--json", "as_json", is_flag=True,
+                           help="Print JSON instead of text (the same as -o json).")(command)
     return click.option("-o", "--output", type=click.Choice(["wide", "json"]), default=None,
-                        help="wide: every column and the full runtime attributes; json: for machines.")(command)
+                        help="wide: every column and the full runtime attributes; json: print JSON instead of "
+                             "text.")(command)
 
 
 def output_mode(output: str | None, as_json: bool) -> str:
