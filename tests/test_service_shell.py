@@ -166,6 +166,97 @@ async def test_only_inbox_replies_are_processed(nc, prefix, probe):
     assert (await stats(nc, "warmboot-probe"))["answer"]["num_requests"] == 1
 
 
+async def test_a_reply_subject_that_only_begins_like_an_inbox_is_not_answered(nc, prefix, probe):
+    """`_INBOX.` and `_R_.` are prefixes up to their dot: `_INBOXES.x`, `_INBOX_w-2.x`, `_R_x.y` are
+    no inbox (the services' user may not publish there under the generated permissions, so
+    answering them would have it commit a permission violation at a worker's will). None is
+    served nor answered, each is counted `not_inbox`, and the next request is served. Kills the
+    mutants of `REPLY_PREFIXES` without the dot of `_INBOX.` or of `_R_.`."""
+    from prometheus_client import REGISTRY
+
+    heard: list[str] = []
+
+    async def spy(msg) -> None:
+        heard.append(msg.subject)
+
+    subject = service_subject(prefix, "probe", "answer", "w-1")
+    replies = ("_INBOXES.x", "_INBOX_w-2.x", "_R_x.y")
+    spies = [await nc.subscribe(reply, cb=spy) for reply in replies]
+
+    def dropped() -> float:
+        return REGISTRY.get_sample_value("warmboot_requests_dropped_total",
+                                         {"service": "probe", "endpoint": "answer", "reason": "not_inbox"}) or 0.0
+
+    before = dropped()
+    for reply in replies:
+        await nc.publish(subject, b"{}", reply=reply)
+    msg = await nc.request(subject, b"{}", timeout=10)  # the same subscription, after them
+    assert json.loads(msg.data) == {"ttl_s": 1.0}
+    await nc.flush()  # anything answered to the spies before that answer has arrived too
+    for s in spies:
+        await s.unsubscribe()
+    assert probe.calls == 1 and heard == []
+    assert dropped() == before + len(replies)
+
+
+async def test_a_request_that_waited_for_a_slot_is_checked_as_one_that_did_not(nc, prefix):
+    """With every slot of an endpoint taken, its requests wait in the subscription's queue and
+    reach the service by nats-py's path, not the direct one: the reply rule holds there too.
+    A request with no reply subject, or one aimed at another worker's drain, queued behind a
+    slow request, is neither processed nor answered; the good request queued after them is.
+    Kills the mutant of `ConcurrentEndpoint._handle_request` that serves without `admits`."""
+    gate, started = asyncio.Event(), asyncio.Event()
+    served: list[str] = []
+
+    async def answer(entity_id: str, request: Heartbeat) -> HeartbeatReply:
+        served.append(entity_id)
+        if entity_id == "slow":
+            started.set()
+            await gate.wait()
+        return HeartbeatReply(ttl_s=1.0)
+
+    heard: list[str] = []
+
+    async def spy(msg) -> None:
+        heard.append(msg.subject)
+
+    target = service_subject(prefix, "registry", "drain", "w-2")
+    watch = await nc.subscribe(target, cb=spy)
+    micro = await add_endpoints(nc, prefix, "one", "one at a time", [EndpointSpec("answer", Heartbeat, answer)],
+                                max_concurrent=1)
+    try:
+        slow = asyncio.ensure_future(nc.request(service_subject(prefix, "one", "answer", "slow"), b"{}", timeout=30))
+        await asyncio.wait_for(started.wait(), 30)  # the only slot is held
+        await nc.publish(service_subject(prefix, "one", "answer", "w-1"), b"{}")  # no reply subject
+        await nc.publish(service_subject(prefix, "one", "answer", "w-1"), b"{}", reply=target)
+        good = asyncio.ensure_future(nc.request(service_subject(prefix, "one", "answer", "w-3"), b"{}", timeout=30))
+        await nc.flush()  # the service's connection is this one: it has read all three, queued behind the slot
+        assert micro.endpoint_slots["answer"].free == 0
+        gate.set()
+        assert json.loads((await good).data) == {"ttl_s": 1.0}
+        await slow
+        await nc.flush()  # anything answered to the target before the good answer has arrived too
+    finally:
+        gate.set()
+        await micro.stop()
+        await watch.unsubscribe()
+    assert served == ["slow", "w-3"] and heard == []
+
+
+async def test_an_answer_carries_none_of_the_requests_headers(nc, prefix, probe):
+    """An answer is published with the services' rights: it carries the contract's body and, for an
+    error, micro's two error headers, never a header the caller chose (a `Nats-Trace-Dest` echoed
+    into an answer would have the server send a trace wherever the services may publish). Kills
+    the mutant of `ServiceRequest.respond` that sends the request's headers back with the answer."""
+    subject = service_subject(prefix, "probe", "answer", "w-1")
+    chosen = {"X-Echo": "1", "Nats-Msg-Id": "chosen"}
+    answer = await nc.request(subject, b"{}", headers=chosen, timeout=10)
+    assert json.loads(answer.data) == {"ttl_s": 1.0} and not answer.headers
+    refused = await nc.request(service_subject(prefix, "probe", "answer", "missing"), b"{}", headers=chosen,
+                               timeout=10)
+    assert set(refused.headers) == {"Nats-Service-Error", "Nats-Service-Error-Code"}
+
+
 async def test_info_names_each_endpoints_request_and_reply_schema(nc, prefix, probe):
     info = json.loads((await nc.request("$SRV.INFO.warmboot-probe", b"", timeout=10)).data)
     assert info["metadata"] == {"prefix": prefix}
