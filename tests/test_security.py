@@ -466,6 +466,32 @@ async def test_an_operator_cannot_delete_consumers_nor_read_the_services_inboxes
     assert seen == [mine.subject], seen
 
 
+@pytest.mark.parametrize("user, inbox", [
+    ("w-1", "_INBOX.w-2.>"), ("w-1", "_INBOX.*.>"), ("w-1", "_INBOX.orch.>"),
+    ("orch", "_INBOX.w-1.>"), ("orch", "_INBOX.*.>"), ("orch", "_INBOX.>"),
+])
+async def test_no_worker_nor_client_hears_another_users_replies(deployment, user, inbox):
+    """A worker hears only under `_INBOX.<its id>.`, a client only under `_INBOX.<its name>.`
+    (docs/security.md, Roles): a subscription to another user's inboxes, or to everyone's by a
+    wildcard, is refused by the server, and w-2's answer reaches no one but w-2. Kills the mutants
+    of the generated permissions that let a worker subscribe `_INBOX.*.>` and a client `_INBOX.>`
+    (each would read the answers meant for others, and learn the inboxes to aim its own at)."""
+    d = deployment
+    conn = d.conns[user]
+    heard: list[str] = []
+
+    async def overhear(msg) -> None:
+        heard.append(msg.subject)
+
+    spy = await conn.nc.subscribe(inbox, cb=overhear)
+    assert "subscription" in (await conn.violation(inbox)).lower()
+    answer = await d.w_2.nc.request(sub("registry", "heartbeat", "w-2"), encode(Heartbeat()), timeout=10)
+    assert json.loads(answer.data)["ttl_s"] > 0
+    await flush_in_order(conn.nc)  # anything the server sent `user` before this round trip has arrived
+    await spy.unsubscribe()
+    assert heard == []
+
+
 async def test_the_agent_works_with_worker_credentials_and_no_output_holds_a_password(deployment, tmp_path):
     d = deployment
     path = tmp_path / "agent.toml"
