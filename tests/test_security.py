@@ -492,6 +492,16 @@ async def test_no_worker_nor_client_hears_another_users_replies(deployment, user
     assert heard == []
 
 
+async def test_an_operator_publishes_onto_no_inbox(deployment):
+    """An operator may publish only what its account imports: not onto an inbox of its own account,
+    where another operator's answers arrive (it could forge the answers of another operator's read of
+    the log there), nor its own. Kills the mutant of `operator_permissions` that also allows `_INBOX.>`."""
+    d = deployment
+    for subject in ("_INBOX.ops.x", "_INBOX.other.x"):
+        await d.ops.nc.publish(subject, b"{}")
+        await d.ops.violation(subject)  # refused by the server
+
+
 async def test_the_agent_works_with_worker_credentials_and_no_output_holds_a_password(deployment, tmp_path):
     d = deployment
     path = tmp_path / "agent.toml"
