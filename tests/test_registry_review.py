@@ -228,6 +228,21 @@ def test_the_roster_keeps_nothing_of_removed_workers():
 # --- an expiry swept while the worker registers ----------------------------------------------------
 
 
+def hold_the_sweeps_read(registry) -> tuple[asyncio.Event, asyncio.Event]:
+    """The registry's read of a worker's heartbeat key (`liveness.state`, which the sweep makes for
+    an expiry) held once it has read: (`read`, set then; `go`, which the test sets to let it return)."""
+    state, read, go = registry.liveness.state, asyncio.Event(), asyncio.Event()
+
+    async def state_then_wait(worker_id: str) -> str:
+        seen = await state(worker_id)
+        read.set()
+        await go.wait()
+        return seen
+
+    registry.liveness.state = state_then_wait
+    return read, go
+
+
 async def test_an_expiry_swept_while_the_worker_registers_leaves_it_registered(nats_url, nc, prefix):
     """docs/registry.md: a registration beats before it is decided, so that an expiry being swept
     at that moment cannot remove the worker it is registering."""
@@ -235,18 +250,8 @@ async def test_an_expiry_swept_while_the_worker_registers_leaves_it_registered(n
         await one.liveness.sweeper.stop()  # the test hands the expiry to the sweep, at the moment it picks
         await one.register("w-1", body("w-1"))
         await expiry_marker(nc, prefix, "w-1")
-        state = one.liveness.state
-        assert await state("w-1") == "expired"
-
-        read, go = asyncio.Event(), asyncio.Event()
-
-        async def state_then_wait(worker_id: str) -> str:  # the sweep's read of the bucket, held
-            seen = await state(worker_id)
-            read.set()
-            await go.wait()
-            return seen
-
-        one.liveness.state = state_then_wait
+        assert await one.liveness.state("w-1") == "expired"
+        read, go = hold_the_sweeps_read(one)
         sweep = asyncio.create_task(one._expired("w-1"))
         await finished(read.wait())  # the sweep has read the marker...
         registering = asyncio.create_task(one.register("w-1", body("w-1")))  # ...as the worker comes back
@@ -274,15 +279,7 @@ async def test_a_registration_answered_while_an_expiry_is_handled_is_not_undone_
         await one.liveness.sweeper.stop()  # the test hands the expiry to the sweep
         await one.register("w-1", body("w-1"))
         await expiry_marker(nc, prefix, "w-1")
-        state, read, go = one.liveness.state, asyncio.Event(), asyncio.Event()
-
-        async def state_then_wait(worker_id: str) -> str:  # the sweep's read of the bucket, held
-            seen = await state(worker_id)
-            read.set()
-            await go.wait()
-            return seen
-
-        one.liveness.state = state_then_wait
+        read, go = hold_the_sweeps_read(one)
         sweep = asyncio.create_task(one._expired("w-1"))
         await finished(read.wait())  # the sweep has loaded w-1 and read its marker...
         workers = one._workers
