@@ -294,19 +294,17 @@ def tag_cmd(actor_id: str, tag: str, request_id: str | None, nats_url: str, pref
 
     async def work(nc: Any) -> tuple[Any, Runtimes | None, Snapshot | str | None]:
         reply = await Client(nc, prefix).tag(actor_id, tag, request_id)
-
-        async def labels() -> Runtimes | None:  # for the text only
-            return None if as_json else await runtime_labels(nc, prefix)
-
+        before: Snapshot | str | None
         try:
             history = await read_subject(nc, prefix, event_subject(prefix, "tag", tag))
         except (ContractError, click.ClickException) as e:  # the tag is recorded: only what it named before is
             # not known (a history this CLI cannot read; a log these credentials may not read, as a client's)
-            return reply, await labels(), e.message
-        named = [(seq, e.snapshot) for seq, e in history if isinstance(e, TagRecorded)]
-        ours = [i for i, (seq, snap) in enumerate(named) if seq <= reply.seq and snap == reply.snapshot]
-        before = named[ours[-1] - 1][1] if ours and ours[-1] > 0 else None
-        return reply, await labels(), before
+            before = e.message
+        else:
+            named = [(seq, e.snapshot) for seq, e in history if isinstance(e, TagRecorded)]
+            ours = [i for i, (seq, snap) in enumerate(named) if seq <= reply.seq and snap == reply.snapshot]
+            before = named[ours[-1] - 1][1] if ours and ours[-1] > 0 else None
+        return reply, (None if as_json else await runtime_labels(nc, prefix)), before  # labels: for the text
 
     reply, runtimes, before = ask(nats_url, work)
     if isinstance(before, str):
