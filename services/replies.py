@@ -15,11 +15,12 @@ from nats.js.errors import NotFoundError
 
 from events.codec import encode
 from events.errors import ContractError, unavailable
+from events.nats_codes import ERR_NO_MESSAGE_FOUND
 from events.natspy.connections import describe_error
 from events.schema import Base
 from events.subjects import bucket_name
 from services.process import stream_replicas
-from services.streams import NO_MESSAGE, until_answered
+from services.streams import until_answered
 
 T = TypeVar("T")
 
@@ -63,7 +64,7 @@ class ReplyCache:
         try:
             msg = await self.nc.jetstream().get_msg(f"KV_{self.bucket}", subject=f"$KV.{self.bucket}.{key}")
         except NotFoundError as error:
-            if getattr(error, "err_code", None) == NO_MESSAGE:
+            if getattr(error, "err_code", None) == ERR_NO_MESSAGE_FOUND:
                 return None
             # no bucket (deleted, being made again): nothing says the request was not answered
             raise unavailable(f"the reply cache cannot be read ({describe_error(error)}); try again") from None

@@ -20,6 +20,7 @@ from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
 from events.errors import unavailable
+from events.nats_codes import ERR_NO_MESSAGE_FOUND
 
 log = logging.getLogger("warmboot.service")
 T = TypeVar("T")
@@ -126,7 +127,6 @@ def replaced_by(stream: str, folded: str | None, created: str) -> str | None:
 
 
 _EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
-NO_MESSAGE = 10037  # JetStream's "no message found" (the stream is there)
 
 
 def micros(when: datetime.datetime) -> int:
@@ -146,7 +146,7 @@ async def continuity(nc: NATS, stream: str, seq: int, at_us: int) -> str | None:
     try:
         message = await js.get_msg(stream, seq)
     except NotFoundError as error:
-        if getattr(error, "err_code", None) != NO_MESSAGE:
+        if getattr(error, "err_code", None) != ERR_NO_MESSAGE_FOUND:
             raise  # the stream itself is not there: the caller asks again
         last = (await leaders_stream_info(js, stream)).state.last_seq
         if last >= seq:
@@ -202,7 +202,7 @@ class StreamWatch:
         try:
             message = await self.nc.jetstream().get_msg(self.stream, seq)
         except NotFoundError as error:
-            if getattr(error, "err_code", None) == NO_MESSAGE:
+            if getattr(error, "err_code", None) == ERR_NO_MESSAGE_FOUND:
                 return 0, 0  # removed meanwhile: nothing to hold on to this time
             raise
         return seq, micros(message.time) if message.time is not None else 0

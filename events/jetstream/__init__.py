@@ -126,7 +126,7 @@ the datastore from the recorders), each module using only those above it:
 =================  ==============================================================
 """
 
-from events.jetstream.errors import ERR_NO_MESSAGE_FOUND, StoreUnavailableError
+from events.jetstream.errors import StoreUnavailableError
 from events.jetstream.factory import JetStreamFactory
 from events.jetstream.lastseen import Last
 from events.jetstream.layout import (
@@ -163,7 +163,6 @@ __all__ = [
     "MSG_ID_HEADER",
     "MAX_BATCH_MESSAGES",
     "SNAPSHOTS_KEPT",
-    "ERR_NO_MESSAGE_FOUND",
     "StoreUnavailableError",
     "SequencedStoredEvent",
     "ConnectOptions",

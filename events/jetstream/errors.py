@@ -29,22 +29,19 @@ from typing import Any
 import nats.errors
 from eventsourcing.persistence import DataError, IntegrityError, OperationalError, PersistenceError
 
-# nats-server error codes (server/errors.json)
-ERR_WRONG_LAST_SEQUENCE = 10071
-ERR_BATCH_WRONG_LAST_SEQUENCE = 10164
-ERR_BATCH_DUPLICATE_MSG_ID = 10201
-ERR_BATCH_INCOMPLETE = 10176
-ERR_CLUSTER_NOT_AVAILABLE = 10008
-ERR_CLUSTER_NOT_LEADER = 10009
-ERR_BATCH_TOO_MANY_INFLIGHT = 10210
-ERR_STREAM_NAME_IN_USE = 10058
-ERR_NO_MESSAGE_FOUND = 10037
-ERR_STREAM_NOT_FOUND = 10059
-ERR_CLUSTER_NO_PEERS = 10005
-# A replicated stream's leader refuses a message whose id another proposal, not applied yet, carries
-# (two writers of one subject and version at once, or a resend racing its first attempt). Waited out:
-# the next attempt finds that message stored, a conflict judged as any other (`Stream.append`).
-ERR_DUPLICATE_IN_PROCESS = 10158
+from events.nats_codes import (
+    ERR_WRONG_LAST_SEQUENCE,
+    ERR_BATCH_WRONG_LAST_SEQUENCE,
+    ERR_BATCH_DUPLICATE_MSG_ID,
+    ERR_BATCH_INCOMPLETE,
+    ERR_CLUSTER_NOT_AVAILABLE,
+    ERR_CLUSTER_NOT_LEADER,
+    ERR_BATCH_TOO_MANY_INFLIGHT,
+    ERR_NO_MESSAGE_FOUND,
+    ERR_STREAM_NOT_FOUND,
+    ERR_DUPLICATE_IN_PROCESS,
+)
+
 CONFLICT_CODES = {ERR_WRONG_LAST_SEQUENCE, ERR_BATCH_WRONG_LAST_SEQUENCE, ERR_BATCH_DUPLICATE_MSG_ID}
 TRANSIENT_CODES = {ERR_BATCH_INCOMPLETE, ERR_CLUSTER_NOT_AVAILABLE, ERR_CLUSTER_NOT_LEADER, ERR_BATCH_TOO_MANY_INFLIGHT,
                    ERR_DUPLICATE_IN_PROCESS}

@@ -49,6 +49,7 @@ from events.jetstream.layout import (
 )
 from events.jetstream.link import Link
 from events.jetstream.retry import REQUEST_TIMEOUT, Again, Retry, catch_up
+from events.nats_codes import ERR_CLUSTER_NO_PEERS, ERR_CLUSTER_NOT_AVAILABLE, ERR_STREAM_NAME_IN_USE
 from events.natspy.headers import parse_header_block
 from events.tasks import retrieved
 
@@ -111,7 +112,7 @@ class Stream:
         if not create or self.name in link.ready_streams:
             return
         # No peers for the replicas yet: a cluster still forming, or a member restarting.
-        retry = Retry(f"creating stream {self.name}", self.budget, also={errors.ERR_CLUSTER_NO_PEERS})
+        retry = Retry(f"creating stream {self.name}", self.budget, also={ERR_CLUSTER_NO_PEERS})
         await retry.run(self._create_or_update)
         link.ready_streams.add(self.name)
 
@@ -130,7 +131,7 @@ class Stream:
             refuse_without_atomic(self.name, made.get("config") or {}, self._server_version())
             return
         except ServerError as said:
-            if said.err_code != errors.ERR_STREAM_NAME_IN_USE:
+            if said.err_code != ERR_STREAM_NAME_IN_USE:
                 raise
         try:
             current = (await self._api(f"STREAM.INFO.{self.name}", None, timeout))["config"]
@@ -138,7 +139,7 @@ class Stream:
             if not said.stream_missing:
                 raise
             # "in use" and "not found" at once: a cluster between two states; ask again
-            raise ServerError(503, errors.ERR_CLUSTER_NOT_AVAILABLE, f"stream {self.name} is settling") from None
+            raise ServerError(503, ERR_CLUSTER_NOT_AVAILABLE, f"stream {self.name} is settling") from None
         self._refuse_foreign(current.get("subjects") or [])
         merged = dict(current)
         merged["subjects"] = sorted(set(current.get("subjects") or []) | set(self.subjects))

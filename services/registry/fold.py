@@ -37,8 +37,9 @@ from nats.aio.msg import Msg
 
 from events.codec import decode_event
 from events.errors import ContractError, unavailable
-from events.jetstream import ERR_NO_MESSAGE_FOUND, TOPIC_HEADER
+from events.jetstream import TOPIC_HEADER
 from events.jetstream.retry import REQUEST_TIMEOUT
+from events.nats_codes import ERR_NO_MESSAGE_FOUND
 from events.natspy.headers import use_lean_headers
 from events.natspy.jetstream import ORDERED_IDLE_HEARTBEAT_S, ApiError, ack_positions, ack_time
 from events.subjects import event_subject, stream_name

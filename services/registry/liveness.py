@@ -45,7 +45,7 @@ from nats.js.errors import NotFoundError
 from events.aggregate import now
 from events.codec import encode
 from events.errors import unavailable
-from events.jetstream.errors import ERR_WRONG_LAST_SEQUENCE
+from events.nats_codes import ERR_WRONG_LAST_SEQUENCE
 from events.natspy.frames import DirectDelivery, subscribe_core
 from events.natspy.headers import header_block
 from events.natspy.jetstream import ApiError
