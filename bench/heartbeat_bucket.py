@@ -11,12 +11,17 @@ its own (file storage, as in production), two ways, alternated over `--rounds` r
 fresh buckets:
 
 - `with_sweep`: `Liveness` as the registry starts it, the sweeper pulling and acking;
+- `sweep_without_acks`: the sweeper's consumer with `AckPolicy.NONE`, each put delivered and
+  not acknowledged (a measurement only: what shedding the sweep's acks would buy; a marker
+  handed to a replica that dies is then lost to the others, docs/scaling.md);
 - `without_sweep`: the same bucket with no sweeper (a measurement only: without it no
   worker is ever found `LOST`).
 
 It prints the server's CPU per put (from /proc) and this process's (the puts, their acks,
 and with the sweep its deliveries and acks), each the median over the rounds, and the
-sweep's share of the server's (`sweep_share_of_server`). With `--json` the last line is
+sweep's share of the server's (`sweep_share_of_server`), and what the sweep's acks are of the
+server's and of this process's CPU per put (`sweep_acks_server_us_per_put`,
+`sweep_acks_client_us_per_put`). With `--json` the last line is
 one JSON object with the figures.
 """
 
@@ -39,16 +44,44 @@ sys.path.insert(0, str(ROOT / "bench"))
 from registry import cpu_seconds  # noqa: E402  (bench/registry.py: CPU of a process from /proc)
 
 
-async def one_round(url: str, server_pid: int, prefix: str, sweep: bool, args: argparse.Namespace) -> dict:
+WAYS = ("with_sweep", "sweep_without_acks", "without_sweep")
+
+
+def without_acks(sweeper) -> None:
+    """`sweeper` (a `liveness.Sweeper` not started) on a consumer that wants no acks, its puts
+    delivered and dropped: the sweep's cost without its acks."""
+    from nats.js.api import AckPolicy
+
+    from services.registry.liveness import MARKER_REASON
+
+    sweeper.config.ack_policy, sweeper.config.max_ack_pending = AckPolicy.NONE, None
+    delivered = sweeper._delivered
+
+    def no_ack(msg) -> None:
+        if not msg.reply:  # the pull request's statuses, as the sweeper reads them
+            return delivered(msg)
+        sweeper._credit -= 1
+        if sweeper._credit <= 0:
+            sweeper._ended.set()
+        if msg.headers and msg.headers.get(MARKER_REASON) == "MaxAge":
+            sweeper._markers.put_nowait(msg)
+
+    sweeper._delivered = no_ack
+
+
+async def one_round(url: str, server_pid: int, prefix: str, way: str, args: argparse.Namespace) -> dict:
     import nats
 
-    from services.registry.liveness import Liveness
+    from services.registry.liveness import SWEEPER, Liveness
 
     async def never(worker_id: str) -> None:  # no key outlives its TTL here
         raise AssertionError(f"worker {worker_id} expired during the bench")
 
     nc = await nats.connect(url)
     liveness = Liveness(nc, prefix, ttl_s=1800.0, on_expired=never)
+    sweep = way != "without_sweep"
+    if way == "sweep_without_acks":
+        without_acks(liveness.sweeper)
     if not sweep:
         async def no_sweeper() -> None:
             return None
@@ -65,10 +98,8 @@ async def one_round(url: str, server_pid: int, prefix: str, sweep: bool, args: a
     try:
         server0, own0, t0 = cpu_seconds(server_pid), cpu_seconds(os.getpid()), time.perf_counter()
         await asyncio.gather(*(lane() for _ in range(args.window)))
-        if sweep:  # the sweep's acks of this round's deliveries, before the CPU is read
-            while liveness.sweeper._to_ack or liveness.sweeper._acking is not None:
-                await asyncio.sleep(0.01)
-            await nc.flush()
+        if sweep:  # every put of this round delivered, and acked if the consumer wants acks, before the CPU is read
+            await swept(nc, liveness.stream, SWEEPER, acked=way == "with_sweep")
         elapsed = time.perf_counter() - t0
         server, own = cpu_seconds(server_pid) - server0, cpu_seconds(os.getpid()) - own0
     finally:
@@ -78,13 +109,27 @@ async def one_round(url: str, server_pid: int, prefix: str, sweep: bool, args: a
             "client_us_per_put": own / args.puts * 1e6}
 
 
+async def swept(nc, stream: str, consumer: str, acked: bool, timeout_s: float = 30.0) -> None:
+    """Until the consumer has delivered every message (and had each acked, if `acked`), as its info says."""
+    js, deadline = nc.jetstream(), time.monotonic() + timeout_s
+    while True:
+        await nc.flush()
+        info = await js.consumer_info(stream, consumer)
+        if info.num_pending == 0 and (not acked or info.num_ack_pending == 0):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the sweep's consumer still has {info.num_pending} to deliver and "
+                               f"{info.num_ack_pending} unacked after {timeout_s:g}s")
+        await asyncio.sleep(0.01)  # polling the consumer's info: nothing to await on it
+
+
 async def bench(url: str, server_pid: int, args: argparse.Namespace) -> dict:
-    runs: dict[str, list[dict]] = {"with_sweep": [], "without_sweep": []}
+    runs: dict[str, list[dict]] = {way: [] for way in WAYS}
     for r in range(args.rounds):
-        for label in runs:
-            run = await one_round(url, server_pid, f"hb{r}{label[:2]}", label == "with_sweep", args)
+        for label in (WAYS if r % 2 == 0 else WAYS[::-1]):
+            run = await one_round(url, server_pid, f"hb{r}{WAYS.index(label)}", label, args)
             runs[label].append(run)
-            print(f"round {r + 1} {label:<14} {run['puts_per_s']:>9,.0f} puts/s   server {run['server_us_per_put']:5.1f} "
+            print(f"round {r + 1} {label:<18} {run['puts_per_s']:>9,.0f} puts/s   server {run['server_us_per_put']:5.1f} "
                   f"us/put   this process {run['client_us_per_put']:5.1f} us/put", flush=True)
     out: dict = {}
     for label, rounds in runs.items():
@@ -94,9 +139,15 @@ async def bench(url: str, server_pid: int, args: argparse.Namespace) -> dict:
         1 - out["server_us_per_put_without_sweep"] / out["server_us_per_put_with_sweep"], 2)
     out["sweep_client_us_per_put"] = round(
         out["client_us_per_put_with_sweep"] - out["client_us_per_put_without_sweep"], 1)
+    out["sweep_acks_server_us_per_put"] = round(
+        out["server_us_per_put_with_sweep"] - out["server_us_per_put_sweep_without_acks"], 1)
+    out["sweep_acks_client_us_per_put"] = round(
+        out["client_us_per_put_with_sweep"] - out["client_us_per_put_sweep_without_acks"], 1)
     print(f"\nserver CPU per put: {out['server_us_per_put_with_sweep']} us with the sweep, "
           f"{out['server_us_per_put_without_sweep']} us without: the sweep is {out['sweep_share_of_server']:.0%} of it; "
-          f"in the registry's process the sweep costs {out['sweep_client_us_per_put']} us per put", flush=True)
+          f"in the registry's process the sweep costs {out['sweep_client_us_per_put']} us per put; of that, its acks "
+          f"{out['sweep_acks_server_us_per_put']} us of the server's and {out['sweep_acks_client_us_per_put']} us of "
+          "the registry's", flush=True)
     return out
 
 
