@@ -565,6 +565,44 @@ async def test_a_capture_holds_the_fold_and_the_checkpoint_is_the_projection_at_
     assert_same(service.projection, await replay(nc, prefix))
 
 
+async def test_a_replica_started_while_jetstream_does_not_answer_loads_its_checkpoint(
+        nc, prefix, writer, replicas, monkeypatch, caplog):
+    """Each question a load asks the server goes unanswered once (a time-out, as during the stream's
+    leader election: a replica started in an incident, right after a stepdown or a kill): it is asked
+    again, and the checkpoint is loaded, not thrown away for a replay of the whole log."""
+    import nats.errors
+    import nats.js.client
+    import nats.js.object_store
+
+    last = await write_mix(writer)
+    first = await replicas(metrics=False, checkpoint_every=10**9, checkpoint_interval_s=0)
+    assert await first.checkpoints.save(first.projection) is not None
+    await first.stop()
+    unanswered: list[str] = []
+
+    def fails_once(owner: Any, name: str) -> None:
+        real = getattr(owner, name)
+
+        async def once(*args: Any, **kwargs: Any) -> Any:
+            if name not in unanswered:
+                unanswered.append(name)
+                raise nats.errors.TimeoutError
+            return await real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, once)
+
+    fails_once(nats.js.client.JetStreamContext, "create_object_store")  # the bucket, at open
+    fails_once(Checkpoints, "_stream_identity")  # STREAM.INFO, answered by the stream's leader alone
+    fails_once(nats.js.object_store.ObjectStore, "list")
+    fails_once(nats.js.object_store.ObjectStore, "get")
+    caplog.set_level(logging.WARNING, logger="warmboot.scheduler.checkpoint")
+    second = await replicas(metrics=False, checkpoint_every=10**9, checkpoint_interval_s=0)
+    assert unanswered == ["create_object_store", "_stream_identity", "list", "get"]
+    assert second.checkpoints.restored_seq == last, caplog.text
+    assert "replaying" not in caplog.text and "ignored" not in caplog.text
+    assert_same(second.projection, await replay(nc, prefix))
+
+
 async def test_a_checkpoint_bucket_that_cannot_be_made_does_not_stop_a_replica(nc, prefix, writer, replicas, caplog):
     last = await write_mix(writer)
     bucket = f"{prefix.upper()}_CHECKPOINTS"

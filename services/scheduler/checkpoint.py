@@ -71,7 +71,7 @@ DEFAULT_EVERY_EVENTS = 50_000
 DEFAULT_INTERVAL_S = 60.0
 KEEP = 2  # newest checkpoints kept; the older one is the fallback if the newest cannot be read
 CAUGHT_UP = 1_000  # the count trigger waits until at most this many messages are left to fold
-LOAD_TIMEOUT_S = 60.0  # reading one checkpoint object
+LOAD_TIMEOUT_S = 60.0  # reading one checkpoint object, and how long each question of a load is asked again
 CLOSE_WAIT_S = 10.0  # a save in progress at stop() may finish within this
 NAME_PREFIX = "projection-"
 
@@ -147,10 +147,11 @@ class Checkpoints:
     # --- the store ---
 
     async def open(self) -> "Checkpoints":
-        """Create (or bind) the bucket. A failure is a warning, never fatal: the replica then
+        """Create (or bind) the bucket, asked again while JetStream cannot answer (`until_answered`:
+        a replica started during an election). A failure is a warning, never fatal: the replica then
         replays the log, and the saver tries to open the bucket again at its next save."""
         try:
-            await self._open()
+            await until_answered(self._open, f"the checkpoint bucket {self.bucket}", LOAD_TIMEOUT_S)
         except Exception as error:
             log.warning("checkpoint bucket %s unavailable (%s: %s); replaying the whole log",
                         self.bucket, type(error).__name__, error)
@@ -203,12 +204,18 @@ class Checkpoints:
     # --- loading ---
 
     async def load(self) -> Projection | None:
-        """The projection of the newest usable checkpoint, or None (then replay the whole log)."""
+        """The projection of the newest usable checkpoint, or None (then replay the whole log).
+
+        Each question to the server (the stream's identity, the list, the object, the message at its
+        sequence) is asked again while JetStream cannot answer it (`until_answered`, up to
+        LOAD_TIMEOUT_S each): a replica started while the stream elects a leader, as one started in
+        an incident is, loads its checkpoint instead of replaying the whole log."""
         if self.store is None:
             return None
         try:
-            created, last_seq = await self._stream_identity()
-            stored = await self.list()
+            created, last_seq = await until_answered(self._stream_identity, f"the stream {self.stream}",
+                                                     LOAD_TIMEOUT_S)
+            stored = await until_answered(self.list, f"the checkpoint bucket {self.bucket}", LOAD_TIMEOUT_S)
         except Exception as error:
             log.warning("listing checkpoints failed (%s: %s); replaying the whole log", type(error).__name__, error)
             return None
@@ -220,7 +227,8 @@ class Checkpoints:
                 continue
             t0 = time.perf_counter()
             try:
-                data = await asyncio.wait_for(self._read(name), LOAD_TIMEOUT_S)
+                data = await asyncio.wait_for(until_answered(lambda: self._read(name), f"the checkpoint {name}",
+                                                             LOAD_TIMEOUT_S), LOAD_TIMEOUT_S)
             except Exception as error:
                 log.warning("checkpoint %s ignored: it could not be read (%s: %s)", name, type(error).__name__, error)
                 continue
