@@ -320,16 +320,17 @@ async def resumed_behind(scheduler: SchedulerService, nc, prefix: str, monkeypat
     return written, await resuming
 
 
-async def full_for_a_memory_image(wb: Client) -> None:
+async def full_for_a_memory_image(wb: Client) -> int:
     """a holds a MEMORY image stamped V1 whose only compatible worker, w1, is full (b runs there);
-    w2 has room on V2 only: a resume of a now falls back, NO_COMPATIBLE_WORKER, giving up the image."""
+    w2 has room on V2 only: a resume of a now falls back, NO_COMPATIBLE_WORKER, giving up the image.
+    Returns the sequence of w2's registration."""
     await wb.register(worker("w1", V1, mem=2048))
     await wb.create(actor("a", mem=1024))
     await wb.resume("a")
     await wb.suspend("a", uri="s3://a/0")  # a MEMORY image stamped V1
     await wb.create(actor("b", mem=1536))
     assert (await wb.resume("b")).worker_id == "w1"
-    await wb.register(worker("w2", version("v2")))
+    return (await wb.register(worker("w2", version("v2")))).seq
 
 
 @pytest.mark.parametrize("room", ["registered", "released"])
@@ -420,11 +421,15 @@ async def test_a_fallback_in_a_refused_group_is_decided_again(stack, stalled, nc
 
 
 async def test_a_memory_image_is_given_up_once_the_fold_is_current(stack, nc, prefix):
-    """When no compatible worker has room at the leader either, the fallback is made, once."""
+    """When no compatible worker has room at the leader either, the fallback is made, once. The resume
+    names w2's registration as its min_seq: without it, a replica whose fold has not read w2 yet has
+    no worker with room at all, and refuses RESOURCE_EXHAUSTED (a loaded CI run: `0/1 workers
+    available`). A refusal gives nothing up, so it is not rechecked at the stream's end as a fallback
+    is; the caller's min_seq is how it sees its own writes (CONTRACT, read-your-writes)."""
     wb = Client(nc, prefix, read_your_writes=False)
-    await full_for_a_memory_image(wb)
+    registered = await full_for_a_memory_image(wb)
     before = await last_seq(nc, prefix)
-    placed = await wb.resume("a", request_id="F")
+    placed = await wb.resume("a", request_id="F", min_seq=registered)
     assert (placed.worker_id, placed.fidelity) == ("w2", PlacedFidelity.VOLUMES)
     assert placed.fallback.reason is FallbackReason.NO_COMPATIBLE_WORKER
     assert [type(e).__name__ for s, e in await read_log(nc, prefix) if s > before] == ["ActorPlaced", "WorkerBooked"]
