@@ -349,18 +349,20 @@ async def publish_events(nc: NATS, prefix: str, events: Iterable[Event], version
     await js.publish_async_completed()
 
 
-async def ordered_subscription(js: Any, subject: str, stream: str, deadline_s: float = 60.0) -> Any:
+async def ordered_subscription(js: Any, subject: str, stream: str, deadline_s: float = 60.0, **options: Any) -> Any:
     """An ordered consumer on `subject`, made once the cluster makes one: right after a stream
     leader is killed, on a loaded machine, a CONSUMER.CREATE can go unanswered (nats-py's 5 s
-    time-out) until the cluster has settled. For a test's verdict, which reads the log after a
-    failover; the services' own consumers are re-made by nats-py."""
+    time-out) until the cluster has settled, even once the stream's replicas are current (the
+    meta group assigns the consumer). Every test reader of the log makes its consumer here;
+    `options` are js.subscribe's (a start sequence). The services' own consumers are made with
+    `services.streams.until_answered` and re-made by nats-py."""
     import nats.errors
 
     loop = asyncio.get_running_loop()
     deadline = loop.time() + deadline_s
     while True:
         try:
-            return await js.subscribe(subject, stream=stream, ordered_consumer=True)
+            return await js.subscribe(subject, stream=stream, ordered_consumer=True, **options)
         except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
             if loop.time() > deadline:
                 raise
@@ -382,7 +384,7 @@ async def read_entries(nc: NATS, prefix: str, subject: str | None = None) -> lis
     end = await last_seq(nc, prefix)
     if not end:
         return []
-    sub = await js.subscribe(subject or f"{prefix}.>", stream=stream_name(prefix), ordered_consumer=True)
+    sub = await ordered_subscription(js, subject or f"{prefix}.>", stream_name(prefix))
     out: list[tuple[int, str, Event]] = []
     try:
         while True:
@@ -409,7 +411,7 @@ async def wait_for(nc: NATS, prefix: str, found: Callable[[Event], bool], *, aft
     deadline = time.monotonic() + timeout
     start = {"deliver_policy": DeliverPolicy.BY_START_SEQUENCE, "config": ConsumerConfig(opt_start_seq=after + 1)} \
         if after else {}
-    sub = await js.subscribe(f"{prefix}.ev.>", stream=stream_name(prefix), ordered_consumer=True, **start)
+    sub = await ordered_subscription(js, f"{prefix}.ev.>", stream_name(prefix), deadline_s=timeout, **start)
     try:
         while True:
             remaining = deadline - time.monotonic()

@@ -21,7 +21,7 @@ from events.subjects import bucket_name, event_subject, service_subject, stream_
 from services.process import store_env
 from services.registry.budget import WriteBudget
 from services.registry.service import RegistryService
-from tests.factories import last_seq  # noqa: F401 (the registry tests import it from here)
+from tests.factories import last_seq, ordered_subscription  # noqa: F401 (last_seq: the registry tests import it from here)
 from warmboot.agent import Agent
 from warmboot.agent_config import ProbeSettings
 
@@ -111,7 +111,7 @@ async def wait_event(
     subject = event_subject(prefix, "worker", worker_id)
     deadline = time.monotonic() + timeout
     wanted = " or ".join(t.__name__ for t in event_type) if isinstance(event_type, tuple) else event_type.__name__
-    sub = await js.subscribe(subject, ordered_consumer=True, stream=stream_name(prefix))
+    sub = await ordered_subscription(js, subject, stream_name(prefix), deadline_s=timeout)
     try:
         while True:
             remaining = deadline - time.monotonic()

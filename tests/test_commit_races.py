@@ -47,7 +47,7 @@ from events.schema import (Action, ActorCreated, ActorPlaced, ActorReverted, Ass
 from events.subjects import stream_name
 from services.registry.budget import WriteBudget
 from services.scheduler.service import SchedulerService
-from tests.factories import SILENT_TTL_S, actor, last_seq, runtime, version, worker
+from tests.factories import SILENT_TTL_S, actor, last_seq, ordered_subscription, runtime, version, worker
 from warmboot.audit import Sink
 from warmboot.cli_common import replay
 from warmboot.client import Client
@@ -149,7 +149,7 @@ async def read_messages(nc, prefix: str):
     """Every message of the stream with its headers, in stream order: (seq, subject, headers, event)."""
     js = nc.jetstream()
     end = await last_seq(nc, prefix)
-    sub = await js.subscribe(f"{prefix}.ev.>", stream=stream_name(prefix), ordered_consumer=True)
+    sub = await ordered_subscription(js, f"{prefix}.ev.>", stream_name(prefix))
     out = []
     try:
         while True:
