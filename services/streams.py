@@ -45,7 +45,8 @@ def _unanswered(error: BaseException) -> bool:
     return isinstance(error, _UNANSWERED)
 
 
-async def until_answered(call: Callable[[], Awaitable[T]], what: str, within: float = START_WITHIN_S) -> T:
+async def until_answered(call: Callable[[], Awaitable[T]], what: str, within: float = START_WITHIN_S, *,
+                         logger: logging.Logger = log) -> T:
     """`call()`, a JetStream API request made at a service's start (a bucket, a consumer), made
     again while JetStream cannot answer it (`_unanswered`: a cluster that has just formed, a
     meta leader election, a time-out), after 0.1 s, doubling up to 2 s; past `within`, the
@@ -53,7 +54,8 @@ async def until_answered(call: Callable[[], Awaitable[T]], what: str, within: fl
     for good) is raised at once. The calls it makes are idempotent: a bucket or a durable
     consumer that the lost answer had created is created again with the same configuration,
     which is no change; an ordered consumer (the folds') is made anew, and the one a lost
-    answer made, which nobody listens to, is deleted by the server once it is inactive."""
+    answer made, which nobody listens to, is deleted by the server once it is inactive. Each
+    attempt that went unanswered is logged at INFO on `logger` (a service's own by default)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + within
     pause = 0.1
@@ -63,7 +65,7 @@ async def until_answered(call: Callable[[], Awaitable[T]], what: str, within: fl
         except Exception as error:
             if not _unanswered(error) or loop.time() + pause > deadline:
                 raise
-            log.info("%s: JetStream did not answer (%s); asking again in %.1fs", what, type(error).__name__, pause)
+            logger.info("%s: JetStream did not answer (%s); asking again in %.1fs", what, type(error).__name__, pause)
         await asyncio.sleep(pause)
         pause = min(pause * 2, 2.0)
 

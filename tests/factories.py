@@ -9,6 +9,7 @@ services write, for tests that build a log themselves: folded without a bus (`Lo
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Iterable, Iterator
@@ -59,6 +60,7 @@ from services.scheduler.committer import placed_event
 from services.scheduler.decide import decide
 from services.scheduler.explain import explain
 from services.scheduler.projection import Projection
+from services.streams import leaders_stream_info, until_answered
 
 CLASS = "gvisor"
 AT = datetime(2026, 12, 1, tzinfo=timezone.utc)
@@ -349,29 +351,45 @@ async def publish_events(nc: NATS, prefix: str, events: Iterable[Event], version
     await js.publish_async_completed()
 
 
+READS = logging.getLogger("tests.reads")  # a test's own reads asked again: not a service's (`unanswered_noted`)
+
+
 async def ordered_subscription(js: Any, subject: str, stream: str, deadline_s: float = 60.0, **options: Any) -> Any:
     """An ordered consumer on `subject`, made once the cluster makes one: right after a stream
-    leader is killed, on a loaded machine, a CONSUMER.CREATE can go unanswered (nats-py's 5 s
-    time-out) until the cluster has settled, even once the stream's replicas are current (the
-    meta group assigns the consumer). Every test reader of the log makes its consumer here;
-    `options` are js.subscribe's (a start sequence). The services' own consumers are made with
-    `services.streams.until_answered` and re-made by nats-py."""
-    import nats.errors
+    leader is killed or a member restarted, on a loaded machine, a CONSUMER.CREATE can go
+    unanswered (nats-py's 5 s time-out) or be answered 503 until the cluster has settled, even
+    once the stream's replicas are current (the meta group assigns the consumer). Every test
+    reader of the log makes its consumer here, asked again as a service's start asks
+    (`services.streams.until_answered`); `options` are js.subscribe's (a start sequence)."""
+    return await until_answered(lambda: js.subscribe(subject, stream=stream, ordered_consumer=True, **options),
+                                f"a test's consumer on {stream}", deadline_s, logger=READS)
 
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + deadline_s
-    while True:
-        try:
-            return await js.subscribe(subject, stream=stream, ordered_consumer=True, **options)
-        except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
-            if loop.time() > deadline:
-                raise
+
+async def leaders_info(js: Any, stream: str, deadline_s: float = 60.0) -> Any:
+    """The stream's info as its leader has it (`services.streams.leaders_stream_info`), asked
+    again while the cluster settles, as `ordered_subscription` does."""
+    return await until_answered(lambda: leaders_stream_info(js, stream), f"the stream {stream}", deadline_s,
+                                logger=READS)
+
+
+async def step_down(nc: NATS, stream: str, replicas: int = 3) -> str:
+    """Ask the stream's leader to step down, once the stream has a leader and its other replicas are
+    current (a stepdown asked during the previous one's election goes unanswered or is refused);
+    the leader that stepped down."""
+    from warmboot.natsserver import wait_stream_current
+
+    js = nc.jetstream()
+    await wait_stream_current(js, stream, replicas)
+    leader = (await leaders_info(js, stream)).cluster.leader
+    reply = await nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}", b"", timeout=10)
+    assert json.loads(reply.data).get("success"), reply.data
+    return leader
 
 
 async def last_seq(nc: NATS, prefix: str) -> int:
-    """The stream's last sequence (0 before the first event)."""
+    """The stream's last sequence as its leader has it (0 before the first event)."""
     try:
-        return (await nc.jetstream().stream_info(stream_name(prefix))).state.last_seq
+        return (await leaders_info(nc.jetstream(), stream_name(prefix))).state.last_seq
     except NotFoundError:
         return 0
 

@@ -31,7 +31,7 @@ from events.jetstream.link import links_on
 from events.natspy.publish import flush_in_order
 from events.subjects import stream_name
 from services.process import store_env
-from tests.factories import ordered_subscription
+from tests.factories import ordered_subscription, step_down
 from warmboot.natsserver import NatsCluster, wait_jetstream, wait_stream_current
 
 WORKERS = 24
@@ -176,9 +176,7 @@ async def test_appends_through_elections_and_lost_replies_are_stored_once_each_a
                 for _ in range(3):
                     while not elections.empty():  # earlier elections' advisories: not this stepdown's
                         elections.get_nowait()
-                    leader = (await js.stream_info(stream)).cluster.leader
-                    reply = await nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}", b"", timeout=10)
-                    assert json.loads(reply.data).get("success"), reply.data
+                    leader = await step_down(nc, stream)  # once the member restarted has caught up
                     await elected_other_than(leader)
                 await asyncio.wait_for(outcomes.reached(len(outcomes.by_token) + PER_PHASE), 120)
             finally:

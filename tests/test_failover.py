@@ -30,7 +30,7 @@ from events.natspy.publish import flush_in_order
 from events.schema import (Attribute, CompatVersion, CreateActor, ErrorCode, Fidelity, RegisterWorker, Resources,
                            WorkerRuntime, WorkerSandboxClass)
 from events.subjects import stream_name
-from tests.factories import ordered_subscription
+from tests.factories import leaders_info, ordered_subscription, step_down
 from warmboot.client import Client
 from warmboot.natsserver import NatsCluster, wait_jetstream, wait_stream_current
 from warmboot.runner import SERVICES, connect, start_services
@@ -136,8 +136,8 @@ async def read_log(nc, stream: str, t: float) -> tuple[float, list[str]]:
     """The store time of the first ActorPlaced stored after time `t`, and the message ids the
     stream holds more than once (an append stored twice)."""
     js = nc.jetstream()
-    last = (await js.stream_info(stream)).state.last_seq
-    sub = await ordered_subscription(js, ">", stream)  # the cluster may still be settling after the kill
+    last = (await leaders_info(js, stream)).state.last_seq  # the cluster may still be settling after the kill
+    sub = await ordered_subscription(js, ">", stream)
     first, ids, doubled = None, set(), []
     try:
         while True:
@@ -475,8 +475,7 @@ async def test_fallbacks_through_elections_are_placed_once_and_only_where_no_com
                 return leader, node, elected[0]
 
             async def stepdown(_) -> None:
-                reply = await nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}", b"", timeout=10)
-                assert json.loads(reply.data).get("success"), reply.data
+                await step_down(nc, stream)
 
             async def kill(node) -> None:
                 node.kill()

@@ -38,7 +38,7 @@ from events.schema import (ActorCreated, ActorPlaced, ActorReverted, Action, Ass
                            PlacedFidelity, RuntimeChanged, SnapshotTaken, WorkerDrained, WorkerRegistered,
                            WorkerRemoved, WorkerSandboxClass)
 from events.subjects import stream_name
-from tests.factories import actor, read_entries, version, worker
+from tests.factories import actor, read_entries, step_down, version, worker
 from services.registry.budget import WriteBudget
 from tests.test_failover import Answers, every_service, scheduler_replica
 from warmboot.client import Client
@@ -143,8 +143,7 @@ async def test_memory_restores_stay_loadable_through_elections_and_runtime_chang
                         outcomes[f"registration {error.code.value}"] += 1
 
             async def stepdown() -> None:
-                reply = await nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}", b"", timeout=10)
-                assert json.loads(reply.data).get("success"), reply.data
+                await step_down(nc, stream)
                 outcomes["stepdown"] += 1
 
             async def kill_the_leader() -> None:

@@ -197,11 +197,11 @@ async def test_stream_leader_killed_under_load(tmp_path, monkeypatch):
             # Bring the node back; the load keeps going with it in the cluster.
             await start_again(killed[0])
             await asyncio.gather(*(load.cycle(a, 99) for a in actors))
-            new_leader = (await nc.jetstream().stream_info(stream_name(prefix))).cluster.leader
-            assert new_leader != killed[0].name or killed[0].running
             # the verdict reads the log message by message: once the node back in the cluster has
             # caught up (until then a read may be answered 503, "JetStream temporarily unavailable")
             await wait_stream_current(nc.jetstream(), stream_name(prefix), 3)
+            new_leader = (await nc.jetstream().stream_info(stream_name(prefix))).cluster.leader
+            assert new_leader != killed[0].name or killed[0].running
             # and once it makes consumers again (the verdict reads subjects through ordered consumers)
             await (await ordered_subscription(nc.jetstream(), f"{prefix}.>", stream_name(prefix))).unsubscribe()
             await check_log(nc, load)
