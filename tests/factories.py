@@ -394,26 +394,32 @@ async def last_seq(nc: NATS, prefix: str) -> int:
         return 0
 
 
-async def read_entries(nc: NATS, prefix: str, subject: str | None = None) -> list[tuple[int, str, Event]]:
-    """Every event of the stream (or of one subject) as (sequence, subject, event), in stream
-    order, decoded with the Structs alone; messages that are not events (tracking records)
-    are left out."""
+async def read_messages(nc: NATS, prefix: str, subject: str | None = None) -> list[tuple[int, str, dict, Event]]:
+    """Every event of the stream (or of one subject) with its message's headers, as (sequence,
+    subject, headers, event), in stream order, decoded with the Structs alone; messages that are not
+    events (tracking records) are left out. The headers say which atomic batch stored an event
+    (`Nats-Batch-Id`; none on an append of one message)."""
     js = nc.jetstream()
     end = await last_seq(nc, prefix)
     if not end:
         return []
     sub = await ordered_subscription(js, subject or f"{prefix}.>", stream_name(prefix))
-    out: list[tuple[int, str, Event]] = []
+    out: list[tuple[int, str, dict, Event]] = []
     try:
         while True:
             msg = await sub.next_msg(timeout=10)
             seq = msg.metadata.sequence.stream
             if msg.subject.startswith(f"{prefix}.ev."):
-                out.append((seq, msg.subject, decode_event(msg.data)))
+                out.append((seq, msg.subject, msg.headers or {}, decode_event(msg.data)))
             if seq >= end or (subject and msg.metadata.num_pending == 0):
                 return out
     finally:
         await sub.unsubscribe()
+
+
+async def read_entries(nc: NATS, prefix: str, subject: str | None = None) -> list[tuple[int, str, Event]]:
+    """`read_messages` without the headers: (sequence, subject, event)."""
+    return [(seq, subject, event) for seq, subject, _, event in await read_messages(nc, prefix, subject)]
 
 
 async def read_log(nc: NATS, prefix: str, subject: str | None = None) -> list[tuple[int, Event]]:

@@ -37,17 +37,15 @@ from contextlib import AsyncExitStack
 import nats
 import pytest
 
-from events.codec import decode_event
 from events.compat import same_version
 from events.errors import ContractError
 from events.jetstream import VERSION_HEADER
 from events.schema import (Action, ActorCreated, ActorPlaced, ActorReverted, Assignment,
                            ErrorCode, Fidelity, Location, PlacedFidelity, ResumeActor, RuntimeChanged, SnapshotOrigin,
                            SnapshotTaken, WorkerDrained, WorkerRegistered, WorkerRemoved, WorkerUpdated)
-from events.subjects import stream_name
 from services.registry.budget import WriteBudget
 from services.scheduler.service import SchedulerService
-from tests.factories import SILENT_TTL_S, actor, last_seq, ordered_subscription, runtime, version, worker
+from tests.factories import SILENT_TTL_S, actor, read_messages, runtime, version, worker
 from warmboot.audit import Sink
 from warmboot.cli_common import replay
 from warmboot.client import Client
@@ -143,23 +141,6 @@ def verdict(messages) -> tuple[list[str], Counter]:
                                f"{pin.version}; the worker runs {w['classes']}")
     bad += [f"{key} placed {n} times" for key, n in placed.items() if n > 1]
     return bad, seen
-
-
-async def read_messages(nc, prefix: str):
-    """Every message of the stream with its headers, in stream order: (seq, subject, headers, event)."""
-    js = nc.jetstream()
-    end = await last_seq(nc, prefix)
-    sub = await ordered_subscription(js, f"{prefix}.ev.>", stream_name(prefix))
-    out = []
-    try:
-        while True:
-            msg = await sub.next_msg(timeout=10)
-            seq = msg.metadata.sequence.stream
-            out.append((seq, msg.subject, msg.headers or {}, decode_event(msg.data)))
-            if seq >= end or msg.metadata.num_pending == 0:
-                return out
-    finally:
-        await sub.unsubscribe()
 
 
 async def stress(nc, urls: list[str], prefix: str, seed: int, exits: AsyncExitStack, *, rounds: int = ROUNDS,

@@ -21,6 +21,7 @@ from events.codec import decode_event
 from events.natsauth import INBOX_PREFIX_ENV, NKEY_SEED_ENV, env_sign_in, inbox_prefix, redact_url
 from events.schema import RuntimeChanged, WorkerRegistered
 from events.subjects import event_subject, service_subject, stream_name
+from tests.factories import SILENT_TTL_S
 from tests.registry_helpers import PROBE, agent_config, last_seq, registration, wait_event
 from tests.secured_helpers import Secured, Serve
 from warmboot.agent import Agent
@@ -39,7 +40,10 @@ async def secured(tmp_path_factory):
     server = Secured(tmp_path_factory.mktemp("secured"), PREFIX, workers=("w-1", "w-2", "w-3"),
                      operators=("ops",)).start()
     async with AsyncExitStack() as stack:
-        await start_services(stack, ["registry"], server.url("svc"), PREFIX)
+        # workers registered here never beat: a long TTL keeps their removals (LOST) out of the
+        # "nothing written" checks, however slowly a loaded machine runs the module
+        await start_services(stack, ["registry"], server.url("svc"), PREFIX,
+                             options={"registry": {"ttl_s": SILENT_TTL_S}})
         yield server
     server.stop()
 

@@ -22,10 +22,10 @@ from events.schema import (ErrorCode, Heartbeat, HeartbeatReply, PlacedFidelity,
                            RuntimeChanged, WorkerRegistered)
 from events.subjects import stream_name
 from services.scheduler.service import SchedulerService
-from tests.factories import SILENT_TTL_S, actor, golden, last_seq, runtime, version, worker
+from tests.factories import SILENT_TTL_S, actor, golden, last_seq, read_messages, runtime, version, worker
 from tests.registry_helpers import PROBE, agent_config, wait_event
 from tests.test_agent import agent_running
-from tests.test_commit_races import read_messages, verdict
+from tests.test_commit_races import verdict
 from warmboot.agent import Agent
 from warmboot.audit import Sink
 from warmboot.cli_common import replay
