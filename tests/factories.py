@@ -419,7 +419,7 @@ async def read_messages(nc: NATS, prefix: str, subject: str | None = None) -> li
 
 async def read_entries(nc: NATS, prefix: str, subject: str | None = None) -> list[tuple[int, str, Event]]:
     """`read_messages` without the headers: (sequence, subject, event)."""
-    return [(seq, subject, event) for seq, subject, _, event in await read_messages(nc, prefix, subject)]
+    return [(seq, on, event) for seq, on, _, event in await read_messages(nc, prefix, subject)]
 
 
 async def read_log(nc: NATS, prefix: str, subject: str | None = None) -> list[tuple[int, Event]]:

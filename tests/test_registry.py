@@ -952,7 +952,7 @@ async def test_registrations_at_once_are_appended_together_each_with_its_fence_a
     after it in the same batch, nothing twice. Counted from the log; the registry's metric counts
     them too."""
     names = [f"g-{i}" for i in range(150)]
-    batches, commands = commit_groups()
+    _, commands = commit_groups()
     replies = await asyncio.gather(*(register(nc, prefix, registration(name)) for name in names))
     assert commit_groups()[1] - commands >= len(names)
     messages = await read_messages(nc, prefix)
