@@ -40,8 +40,8 @@ async def secured(tmp_path_factory):
     server = Secured(tmp_path_factory.mktemp("secured"), PREFIX, workers=("w-1", "w-2", "w-3"),
                      operators=("ops",)).start()
     async with AsyncExitStack() as stack:
-        # workers registered here never beat: a long TTL keeps their removals (LOST) out of the
-        # "nothing written" checks, however slowly a loaded machine runs the module
+        # workers registered here beat once at most: a long TTL keeps their removals (LOST) out of
+        # the "nothing written" checks, however slowly a loaded machine runs the module
         await start_services(stack, ["registry"], server.url("svc"), PREFIX,
                              options={"registry": {"ttl_s": SILENT_TTL_S}})
         yield server
