@@ -372,18 +372,31 @@ async def leaders_info(js: Any, stream: str, deadline_s: float = 60.0) -> Any:
                                 logger=READS)
 
 
-async def step_down(nc: NATS, stream: str, replicas: int = 3) -> str:
-    """Ask the stream's leader to step down, once the stream has a leader and its other replicas are
+async def step_down(nc: NATS, stream: str, replicas: int = 3, deadline_s: float = 120.0) -> str:
+    """Have the stream's leader step down, once the stream has a leader and its other replicas are
     current (a stepdown asked during the previous one's election goes unanswered or is refused);
-    the leader that stepped down."""
+    the leader that stepped down. An answer lost on a loaded machine (a run with two suites and a
+    spinning process waited 10 s for one) is not a refusal: if the stream has another leader since,
+    the stepdown happened; if not, it is asked again."""
+    import nats.errors
+
     from warmboot.natsserver import wait_stream_current
 
     js = nc.jetstream()
-    await wait_stream_current(js, stream, replicas)
-    leader = (await leaders_info(js, stream)).cluster.leader
-    reply = await nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}", b"", timeout=10)
-    assert json.loads(reply.data).get("success"), reply.data
-    return leader
+    deadline = asyncio.get_running_loop().time() + deadline_s
+    while True:
+        await wait_stream_current(js, stream, replicas)
+        leader = (await leaders_info(js, stream)).cluster.leader
+        try:
+            reply = await nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}", b"", timeout=10)
+        except nats.errors.TimeoutError:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            if (await leaders_info(js, stream)).cluster.leader != leader:
+                return leader
+            continue
+        assert json.loads(reply.data).get("success"), reply.data
+        return leader
 
 
 async def last_seq(nc: NATS, prefix: str) -> int:
