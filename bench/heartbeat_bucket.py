@@ -10,7 +10,11 @@ put, to be acknowledged, because an expiry marker comes on the key's own subject
 its own (file storage, as in production), two ways, alternated over `--rounds` rounds on
 fresh buckets:
 
-- `with_sweep`: `Liveness` as the registry starts it, the sweeper pulling and acking;
+- `with_sweep`: `Liveness` as the registry starts it, the sweeper pulling and acknowledging all
+  at once (`AckPolicy.ALL`: now and then the newest put);
+- `sweep_acking_each`: the sweep as it was before it was pinned to one replica, each put
+  acknowledged on its own (`AckPolicy.EXPLICIT`): side by side, what acknowledging all at once
+  buys (`all_at_once_vs_each_server`, `all_at_once_vs_each_client`);
 - `sweep_without_acks`: the sweeper's consumer with `AckPolicy.NONE`, each put delivered and
   not acknowledged (a measurement only: what shedding the sweep's acks would buy; a marker
   handed to a replica that dies is then lost to the others, docs/scaling.md);
@@ -44,17 +48,64 @@ sys.path.insert(0, str(ROOT / "bench"))
 from registry import cpu_seconds  # noqa: E402  (bench/registry.py: CPU of a process from /proc)
 
 
-WAYS = ("with_sweep", "sweep_without_acks", "without_sweep")
+WAYS = ("with_sweep", "sweep_acking_each", "sweep_without_acks", "without_sweep")
+
+
+def unpinned(sweeper) -> None:
+    """`sweeper`'s consumer with no priority group: any number of replicas pull from it."""
+    from services.registry.liveness import PULL_BATCH, PULL_EXPIRES_S
+
+    for name in ("priority_groups", "priority_policy", "priority_timeout"):
+        del sweeper.config[name]
+    request = json.dumps({"batch": PULL_BATCH, "expires": int(PULL_EXPIRES_S * 1e9)}).encode()
+    sweeper._request = lambda: request
+
+
+def acking_each(sweeper) -> None:
+    """`sweeper` (a `liveness.Sweeper` not started) as the sweep was before it was pinned to one replica:
+    shared by any number (no priority group), each put acknowledged on its own (`AckPolicy.EXPLICIT`),
+    one ack task for all that one read of the socket brought."""
+    from events.natspy.publish import publish
+    from services.registry.liveness import MARKER_REASON
+
+    unpinned(sweeper)
+    sweeper.config["ack_policy"] = "explicit"
+    delivered, to_ack, acking = sweeper._delivered, [], []
+
+    async def ack() -> None:
+        try:
+            while to_ack:
+                replies = to_ack[:]
+                to_ack.clear()
+                for reply in replies:
+                    await publish(sweeper.nc, reply, b"+ACK")
+        finally:
+            acking.clear()
+
+    def each(msg) -> None:
+        if not msg.reply:  # the pull request's statuses, as the sweeper reads them
+            return delivered(msg)
+        sweeper._credit -= 1
+        if sweeper._credit <= 0:
+            sweeper._ended.set()
+        if msg.headers and msg.headers.get(MARKER_REASON) == "MaxAge":
+            sweeper._markers.put_nowait(msg)
+            return
+        to_ack.append(msg.reply)
+        if not acking:
+            acking.append(asyncio.create_task(ack()))
+
+    sweeper._delivered = each
 
 
 def without_acks(sweeper) -> None:
     """`sweeper` (a `liveness.Sweeper` not started) on a consumer that wants no acks, its puts
     delivered and dropped: the sweep's cost without its acks."""
-    from nats.js.api import AckPolicy
-
     from services.registry.liveness import MARKER_REASON
 
-    sweeper.config.ack_policy, sweeper.config.max_ack_pending = AckPolicy.NONE, None
+    unpinned(sweeper)
+    sweeper.config["ack_policy"] = "none"
+    del sweeper.config["max_ack_pending"]
     delivered = sweeper._delivered
 
     def no_ack(msg) -> None:
@@ -82,6 +133,8 @@ async def one_round(url: str, server_pid: int, prefix: str, way: str, args: argp
     sweep = way != "without_sweep"
     if way == "sweep_without_acks":
         without_acks(liveness.sweeper)
+    if way == "sweep_acking_each":
+        acking_each(liveness.sweeper)
     if not sweep:
         async def no_sweeper() -> None:
             return None
@@ -99,7 +152,7 @@ async def one_round(url: str, server_pid: int, prefix: str, way: str, args: argp
         server0, own0, t0 = cpu_seconds(server_pid), cpu_seconds(os.getpid()), time.perf_counter()
         await asyncio.gather(*(lane() for _ in range(args.window)))
         if sweep:  # every put of this round delivered, and acked if the consumer wants acks, before the CPU is read
-            await swept(nc, liveness.stream, SWEEPER, acked=way == "with_sweep")
+            await swept(nc, liveness.stream, SWEEPER, acked=way != "sweep_without_acks")
         elapsed = time.perf_counter() - t0
         server, own = cpu_seconds(server_pid) - server0, cpu_seconds(os.getpid()) - own0
     finally:
@@ -139,6 +192,10 @@ async def bench(url: str, server_pid: int, args: argparse.Namespace) -> dict:
         1 - out["server_us_per_put_without_sweep"] / out["server_us_per_put_with_sweep"], 2)
     out["sweep_client_us_per_put"] = round(
         out["client_us_per_put_with_sweep"] - out["client_us_per_put_without_sweep"], 1)
+    out["all_at_once_vs_each_server"] = round(
+        out["server_us_per_put_with_sweep"] / out["server_us_per_put_sweep_acking_each"], 2)
+    out["all_at_once_vs_each_client"] = round(
+        out["client_us_per_put_with_sweep"] / out["client_us_per_put_sweep_acking_each"], 2)
     out["sweep_acks_server_us_per_put"] = round(
         out["server_us_per_put_with_sweep"] - out["server_us_per_put_sweep_without_acks"], 1)
     out["sweep_acks_client_us_per_put"] = round(
@@ -147,7 +204,9 @@ async def bench(url: str, server_pid: int, args: argparse.Namespace) -> dict:
           f"{out['server_us_per_put_without_sweep']} us without: the sweep is {out['sweep_share_of_server']:.0%} of it; "
           f"in the registry's process the sweep costs {out['sweep_client_us_per_put']} us per put; of that, its acks "
           f"{out['sweep_acks_server_us_per_put']} us of the server's and {out['sweep_acks_client_us_per_put']} us of "
-          "the registry's", flush=True)
+          "the registry's; acknowledged all at once against each on its own (as before): "
+          f"{out['all_at_once_vs_each_server']}x the server's CPU per put, "
+          f"{out['all_at_once_vs_each_client']}x the registry's", flush=True)
     return out
 
 

@@ -11,7 +11,7 @@ import asyncio
 import copy
 import logging
 import uuid
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from datetime import datetime, timedelta, timezone
 from typing import AsyncIterator
 
@@ -22,6 +22,7 @@ import pytest
 from events.codec import decode_event
 from events.schema import (
     ErrorCode,
+    Heartbeat,
     RegisterOutcome,
     RegisterWorker,
     RemoveWorker,
@@ -34,10 +35,11 @@ from events.schema import (
 )
 from events.jetstream.layout import BATCH_ID_HEADER
 from events.subjects import bucket_name, stream_name
+from events.tasks import cancel_and_wait
 from services.registry.domain import REVISION_AHEAD_MS, Worker, canonical_classes
 from events.errors import ContractError, latest_revision, unavailable
 from services.process import store_env
-from services.registry.liveness import SWEEPER
+from services.registry.liveness import ACK_WAIT_S, SWEEPER
 from services.registry.service import COMMIT_GROUP, RegistryStore
 from tests.factories import another_process, read_messages, reads_before
 from tests.registry_helpers import (
@@ -851,29 +853,104 @@ async def test_a_registration_while_a_removal_is_being_written_keeps_its_clock(n
 
 
 async def test_a_replica_stopping_hands_back_the_expiries_it_holds(nats_url, nc, prefix):
-    """Two replicas share the sweep. One is stopped (a rolling restart) while it holds expiry
-    markers it has not handled: it hands them back, and the other replica removes those
-    workers now, not once the consumer's ack wait (30 s) has passed."""
+    """Two replicas share the sweep, pinned to one of them. That one is stopped (a rolling restart)
+    while it holds expiry markers it has not handled: it hands them back and unpins itself, and the
+    other replica removes those workers now, not once the pin's time-out (15 s) or the consumer's ack
+    wait (30 s) has passed."""
     workers = [f"w-{i:02d}" for i in range(40)]
-    async with running_registry(nats_url, prefix, ttl_s=1):  # the replica that keeps sweeping
-        async with running_registry(nats_url, prefix, ttl_s=1) as stops:
-            held = asyncio.Event()
+    start = await last_seq(nc, prefix)
+    stopping = running_registry(nats_url, prefix, ttl_s=1)
+    stops = await stopping.__aenter__()
+    try:
+        held, pinned = asyncio.Event(), asyncio.Event()
 
-            async def holding(worker_id: str) -> None:  # takes markers, handles none of them
-                held.set()
-                await asyncio.Event().wait()
+        async def holding(worker_id: str) -> None:  # takes markers, handles none of them
+            held.set()
+            await asyncio.Event().wait()
 
-            stops.liveness.sweeper.on_marker = holding
-            start = await last_seq(nc, prefix)
-            await asyncio.gather(*(register(nc, prefix, registration(w)) for w in workers))
+        reconcile = stops.liveness.sweeper.on_pinned
+
+        async def noted() -> None:
+            pinned.set()
+            await reconcile()
+
+        stops.liveness.sweeper.on_marker = holding
+        stops.liveness.sweeper.on_pinned = noted
+        await register(nc, prefix, registration(workers[0]))  # its clock's put: the sweep pinned to `stops`
+        await asyncio.wait_for(pinned.wait(), 20)
+        async with running_registry(nats_url, prefix, ttl_s=1):  # the replica that keeps sweeping
+            await asyncio.gather(*(register(nc, prefix, registration(w)) for w in workers[1:]))
             await asyncio.wait_for(held.wait(), 20)  # the stopping replica holds at least one marker
-        stopped = asyncio.get_running_loop().time()
-        removed = await asyncio.gather(*(wait_event(nc, prefix, w, WorkerRemoved, after=start, timeout=15)
-                                         for w in workers))
-        assert {e.reason for _, e in removed} == {"LOST"}
-        assert asyncio.get_running_loop().time() - stopped < 15  # well within the 30 s ack wait
+            await stopping.__aexit__(None, None, None)
+            stopping = None
+            stopped = asyncio.get_running_loop().time()
+            removed = await asyncio.gather(*(wait_event(nc, prefix, w, WorkerRemoved, after=start, timeout=15)
+                                             for w in workers))
+            assert {e.reason for _, e in removed} == {"LOST"}
+            assert asyncio.get_running_loop().time() - stopped < 10  # well within the pin's time-out
+    finally:
+        if stopping is not None:
+            await stopping.__aexit__(None, None, None)
     for w in workers:  # each once
         assert [type(e) for _, e in await worker_events(nc, prefix, w)] == [WorkerRegistered, WorkerRemoved]
+
+
+async def test_a_replica_that_dies_holding_expiries_leaves_them_to_the_next_one_pinned(nats_url, nc, prefix):
+    """The sweep is pinned to a replica that dies (its connection gone, nothing handed back) while it
+    holds expiry markers. The other replica is pinned next, and acknowledges all at once the puts of
+    the workers still beating, past the dead one's markers: nothing delivers those again. It finds
+    their workers by the reconciliation it runs before its first ack, so they are removed as LOST well
+    before the consumer's ack wait (30 s) or the periodic round (100 s); the workers still beating are
+    not."""
+    silent = [f"w-{i:02d}" for i in range(20)]
+    alive = ["w-alive-1", "w-alive-2"]
+    start = await last_seq(nc, prefix)
+    dying = running_registry(nats_url, prefix, ttl_s=1)
+    doomed = await dying.__aenter__()
+    beats = None
+    try:
+        held, pinned = asyncio.Event(), asyncio.Event()
+
+        async def holding(worker_id: str) -> None:  # takes markers, handles none of them
+            held.set()
+            await asyncio.Event().wait()
+
+        reconcile = doomed.liveness.sweeper.on_pinned
+
+        async def noted() -> None:
+            pinned.set()
+            await reconcile()
+
+        doomed.liveness.sweeper.on_marker = holding
+        doomed.liveness.sweeper.on_pinned = noted
+        await register(nc, prefix, registration(silent[0]))  # its clock's put: the sweep pinned to `doomed`
+        await asyncio.wait_for(pinned.wait(), 20)
+        async with running_registry(nats_url, prefix, ttl_s=1) as survivor:
+            await asyncio.gather(*(register(nc, prefix, registration(w)) for w in silent[1:] + alive))
+
+            async def beating() -> None:  # the live workers' agents: a beat every 0.2 s, well within the TTL
+                while True:
+                    await asyncio.gather(*(survivor.heartbeat(w, Heartbeat()) for w in alive))
+                    await asyncio.sleep(0.2)
+
+            beats = asyncio.create_task(beating())
+            await asyncio.wait_for(held.wait(), 20)  # the doomed replica holds at least one marker
+            await doomed.nc.close()  # dies: no nak, no unpin, no more pulls
+            died = asyncio.get_running_loop().time()
+            removed = await asyncio.gather(*(wait_event(nc, prefix, w, WorkerRemoved, after=start, timeout=25)
+                                             for w in silent))
+            assert {e.reason for _, e in removed} == {"LOST"}
+            assert asyncio.get_running_loop().time() - died < ACK_WAIT_S
+            await cancel_and_wait(beats)
+    finally:
+        if beats is not None:
+            await cancel_and_wait(beats)
+        with suppress(Exception):  # its connection is closed: what it can still stop
+            await dying.__aexit__(None, None, None)
+    for w in silent:  # each once
+        assert [type(e) for _, e in await worker_events(nc, prefix, w)] == [WorkerRegistered, WorkerRemoved]
+    for w in alive:
+        assert [type(e) for _, e in await worker_events(nc, prefix, w)] == [WorkerRegistered]
 
 
 async def test_both_replicas_expiring_at_once_write_one_removal(nats_url, nc, prefix):

@@ -10,6 +10,7 @@ through the queue group) right after the other wrote.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 import msgspec
@@ -191,24 +192,23 @@ async def test_a_heartbeat_answers_once_its_put_is_stored(nats_url, nc, prefix):
         assert headers["Nats-Service-Error-Code"] == "503"
 
 
-async def test_the_sweep_acknowledges_every_heartbeat_put(nats_url, nc, prefix):
+async def test_the_sweep_acknowledges_every_heartbeat_put_all_at_once(nats_url, nc, prefix):
     """The sweep's consumer gets every put of the bucket (only the server's expiry markers
-    matter to it): the others are acked from the read loop's deliveries, a task per read,
-    so nothing waits for the ack wait to be redelivered. The acks are read on the bus, in
-    the order they are sent: once the last put's is there, every delivery before it was
-    acked (a put its key's next put replaced before it was delivered is never delivered)."""
+    matter to it) and acknowledges them all at once (`AckPolicy.ALL`): now and then, the newest
+    delivery, which acknowledges every one before it. The acks are read on the bus, in the order
+    they are sent: once the last put's is there, the consumer has nothing pending, nothing was
+    delivered again (no ack wait ran out), and there were fewer acks than deliveries."""
     from events.natspy.publish import flush_in_order
     from services.registry.liveness import SWEEPER
 
     stream = f"KV_{bucket_name(prefix, 'heartbeats')}"
-    acked: list[tuple[int, int]] = []  # (stream sequence, delivery sequence) of each ack
+    acked: list[int] = []  # the stream sequence of each ack
     last_put = 0
     last_acked = asyncio.Event()
 
     async def ack(msg) -> None:
-        tokens = msg.subject.split(".")  # $JS.ACK.<stream>.<consumer>.<n>.<stream seq>.<delivery seq>...
-        acked.append((int(tokens[5]), int(tokens[6])))
-        if acked[-1][0] == last_put:
+        acked.append(int(msg.subject.split(".")[5]))  # $JS.ACK.<stream>.<consumer>.<n>.<stream seq>...
+        if acked[-1] == last_put:
             last_acked.set()
 
     spy = await nc.subscribe(f"$JS.ACK.{stream}.{SWEEPER}.>", cb=ack)
@@ -217,18 +217,17 @@ async def test_the_sweep_acknowledges_every_heartbeat_put(nats_url, nc, prefix):
         workers = [f"w-{n}" for n in range(40)]
         for worker_id in workers:
             await one.register(worker_id, body(worker_id))
-        await asyncio.gather(*(one.heartbeat(w, Heartbeat()) for w in workers * 5))
+        await asyncio.gather(*(one.heartbeat(w, Heartbeat()) for w in workers * 10))
         js = nc.jetstream()
         last_put = (await js.stream_info(stream)).state.last_seq
-        if any(seq == last_put for seq, _ in acked):
+        if last_put in acked:
             last_acked.set()
         await asyncio.wait_for(last_acked.wait(), 30)
-        deliveries = [delivery for _, delivery in acked]
-        assert deliveries == list(range(1, len(deliveries) + 1))  # each delivery acked, once, in order
-        assert len(deliveries) >= len(workers)  # at least each key's last put
+        assert acked == sorted(set(acked))  # each ack past the one before
         info = await js.consumer_info(stream, SWEEPER)
-        assert (info.delivered.consumer_seq, info.delivered.stream_seq) == (len(deliveries), last_put)
-        assert info.num_redelivered == 0
+        assert info.delivered.stream_seq == last_put and info.ack_floor.stream_seq == last_put
+        assert info.num_ack_pending == 0 and info.num_redelivered == 0
+        assert len(acked) < info.delivered.consumer_seq, (len(acked), info.delivered.consumer_seq)
     await spy.unsubscribe()
 
 
@@ -319,6 +318,34 @@ async def test_the_sweep_s_consumer_deleted_is_made_again_and_the_silent_worker_
         _, removed = await wait_event(nc, prefix, "w-1", WorkerRemoved, after=reply["seq"], timeout=30)
         assert removed.reason == "LOST"
         assert (await js.consumer_info(stream, liveness_module.SWEEPER)).config.durable_name == liveness_module.SWEEPER
+
+
+async def test_an_earlier_version_s_sweep_consumer_is_replaced_by_a_pinned_one(nats_url, nc, prefix):
+    """An upgrade: the bucket's sweep consumer is the earlier version's (each put acknowledged on its
+    own, no priority group), which the server cannot change. The first replica of this version
+    deletes it and makes it anew, pinned and acknowledged all at once, and its sweep finds a silent
+    worker LOST; a pull of the earlier version's kind (no group) is refused by the server."""
+    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+    js = nc.jetstream()
+    bucket = bucket_name(prefix, "heartbeats")
+    stream = f"KV_{bucket}"
+    async with running_registry(nats_url, prefix):  # the bucket, as the earlier version made it too
+        pass
+    await js.delete_consumer(stream, liveness_module.SWEEPER)
+    await js.add_consumer(stream, ConsumerConfig(
+        durable_name=liveness_module.SWEEPER, filter_subject=f"$KV.{bucket}.>", deliver_policy=DeliverPolicy.NEW,
+        ack_policy=AckPolicy.EXPLICIT, ack_wait=30.0, headers_only=True, max_ack_pending=-1))
+    async with running_registry(nats_url, prefix, ttl_s=1):
+        info = json.loads((await nc.request(f"$JS.API.CONSUMER.INFO.{stream}.{liveness_module.SWEEPER}", b"")).data)
+        assert info["config"]["ack_policy"] == "all", info
+        assert info["config"]["priority_policy"] == "pinned_client", info
+        reply, _ = await raw_request(nc, prefix, "register", "w-1", registration("w-1"))
+        _, removed = await wait_event(nc, prefix, "w-1", WorkerRemoved, after=reply["seq"], timeout=30)
+        assert removed.reason == "LOST"
+        old_kind = await nc.request(f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{liveness_module.SWEEPER}",
+                                    json.dumps({"batch": 1, "expires": int(1e9)}).encode(), timeout=5)
+        assert old_kind.headers and old_kind.headers.get("Status") == "400", old_kind.headers
 
 
 async def test_a_clock_whose_put_failed_at_start_is_started_again(nats_url, nc, prefix, monkeypatch, caplog):

@@ -20,6 +20,7 @@ import click
 from events.jetstream.layout import LEADER_ELECTED_ADVISORY
 from events.subjects import DEFAULT_PREFIX, bucket_name, events_filter, services_inbox, stream_name
 from events.schema import ID_RE, ID_WORDS
+from services.registry.liveness import SWEEPER
 from services.registry.nodes import encode_nodes
 from warmboot.cli_common import check_id, check_prefix_option
 from warmboot.files import write_atomically
@@ -117,6 +118,8 @@ def services_api(prefix: str) -> list[str]:
         f"STREAM.CREATE.{heartbeats}", f"STREAM.INFO.{heartbeats}", f"STREAM.MSG.GET.{heartbeats}",
         f"DIRECT.GET.{heartbeats}.>", f"CONSUMER.CREATE.{heartbeats}.>", f"CONSUMER.DURABLE.CREATE.{heartbeats}.*",
         f"CONSUMER.INFO.{heartbeats}.*", f"CONSUMER.MSG.NEXT.{heartbeats}.*",
+        # the sweeper unpins itself when it stops, and replaces an earlier version's consumer
+        f"CONSUMER.UNPIN.{heartbeats}.{SWEEPER}", f"CONSUMER.DELETE.{heartbeats}.{SWEEPER}",
         # the reply cache: key gets and puts
         f"STREAM.CREATE.{replies}", f"STREAM.INFO.{replies}", f"STREAM.MSG.GET.{replies}",
         f"DIRECT.GET.{replies}.>",
@@ -128,7 +131,7 @@ def services_api(prefix: str) -> list[str]:
         f"STREAM.CREATE.{settings}", f"STREAM.MSG.GET.{settings}", f"CONSUMER.CREATE.{settings}",
     ]
     return [f"$JS.API.{call}" for call in calls] + [
-        f"$JS.ACK.{heartbeats}.>",  # the sweeper acknowledges (or naks) each marker
+        f"$JS.ACK.{heartbeats}.>",  # the sweeper acknowledges (all at once) and hands back markers
         f"$JS.FC.{events}.>",  # flow control of the ordered consumers on the log
         f"$JS.FC.{checkpoints}.>",  # and of those that read a checkpoint's chunks
         f"$JS.FC.{settings}.>",  # and of the one that follows the settings

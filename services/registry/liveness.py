@@ -3,9 +3,9 @@
 Heartbeats are not events. Each one is a put of the worker's key in the bucket
 `<PREFIX>_HEARTBEATS` with a per-message TTL (the registry's `ttl_s`, whole seconds).
 When a key outlives its TTL the server itself removes it and writes a "MaxAge"
-marker in its place; the replicas share one durable work-queue consumer on the
-bucket, so each marker reaches one replica, which removes the worker as `LOST` (and
-a crash before the ack hands the marker to another). Replicas do not poll or scan
+marker in its place; the replicas share one durable consumer on the bucket, pinned to
+one of them at a time, so each marker reaches one replica, which removes the worker as
+`LOST` (and a crash before the ack hands the marker to the next replica pinned). Replicas do not poll or scan
 per worker; two that do handle the same marker write one event between them, as the
 aggregate decides on fresh state (and reads the key after it loads the worker:
 `RegistryStore.lose`).
@@ -19,10 +19,11 @@ is a request with its own timer and a JSON parse into a dataclass).
 
 The sweeper's consumer delivers every message of the bucket, each heartbeat's put
 among them (the server writes a marker on the key's own subject, so no filter tells
-the two apart), and each must be acknowledged. `Sweeper` reads it with one pull
-request of many messages at a time into a callback, acknowledges a put there, and
-hands markers to `MARKER_LANES` tasks that remove their workers (nats-py's `fetch`
-costs a task and a timer per message, and its time-outs can swallow a cancellation).
+the two apart). `Sweeper` reads it with one pull request of many messages at a time
+into a callback, acknowledges them all at once now and then, never past a marker it has
+not handled, and hands markers to `MARKER_LANES` tasks that remove their workers
+(nats-py's `fetch` costs a task and a timer per message, and its time-outs can swallow
+a cancellation).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, KeyValueConfig, StorageType
+from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import NotFoundError
 
 from events.aggregate import now
@@ -48,10 +49,11 @@ from events.errors import unavailable
 from events.nats_codes import ERR_WRONG_LAST_SEQUENCE
 from events.natspy.frames import DirectDelivery, subscribe_core
 from events.natspy.headers import header_block
-from events.natspy.jetstream import ApiError
+from events.natspy.jetstream import ApiError, ack_positions
 from events.natspy.publish import Replies, publish
 from events.subjects import bucket_name
 from events.tasks import cancel_and_wait
+from services.registry.ackfloor import AckFloor
 from services.streams import last_seq_on, until_answered
 
 log = logging.getLogger("warmboot.registry")
@@ -68,6 +70,14 @@ RECONCILE_INTERVAL_S = MARKER_TTL_S / 3
 SWEEPER = "registry-sweeper"
 MARKER_REASON = "Nats-Marker-Reason"
 ACK_TIMEOUT_S = 5.0
+ACK_WAIT_S = 30.0  # the sweep's consumer delivers again what was not acknowledged within this
+# The sweep's priority group: the server pins it to one replica, and pins another once that one has
+# not pulled for PIN_TIMEOUT_S (it died) or unpinned itself (it stopped). A replica's pulls last
+# PULL_EXPIRES_S and follow each other at once, so a live one keeps the pin.
+PIN_GROUP = "sweep"
+PIN_TIMEOUT_S = 15.0
+PIN_ID = "Nats-Pin-Id"
+RETRY_S = 1.0  # a marker whose removal failed is tried again this much later (held all the while)
 PULL_BATCH = 1024  # messages one pull request of the sweeper asks for
 PULL_EXPIRES_S = 5.0  # how long the server holds a pull request that is not filled
 # Expiry markers handled at once: a rack's workers lost together are removed together, their
@@ -116,56 +126,93 @@ class Acks:
 
 
 class Sweeper:
-    """A durable pull consumer shared by the replicas, read into a callback.
+    """A durable pull consumer shared by the replicas, pinned to one of them, read into a callback.
 
-    One pull request of `PULL_BATCH` messages is outstanding at a time; when it is
-    filled, or the server ends it (408: expired, 409, 404), the next one goes out. A
-    message that is not an expiry marker is acknowledged right away (delivered from the
-    connection's read loop, `events.natspy.frames.subscribe_core`; one task acks what one read of
-    the socket brought); a marker is queued
-    for `on_marker(worker_id)` (`MARKER_LANES` of them at once: the removals of workers lost
-    together share their appends), then acknowledged, or handed back (nak) to be
-    redelivered a second later if that failed. A replica that dies before the ack
-    leaves the marker to another (after the consumer's ack wait); one that stops hands
-    back at once the markers it has not handled (nak), so that another replica removes
-    those workers within their TTL, not an ack wait later.
+    The consumer has one priority group (`PIN_GROUP`, policy `pinned_client`): the server delivers to
+    one replica at a time, the one it pinned, and holds the others' pull requests until that replica
+    stops pulling for `PIN_TIMEOUT_S` (it died, or it stopped and unpinned itself). So the sweep can
+    acknowledge all at once (`AckPolicy.ALL`): one ack now and then, of the highest delivery below
+    the lowest marker not yet handled (`services.registry.ackfloor.AckFloor`), instead of one ack per
+    heartbeat put (about half of what the sweep cost each side; docs/scaling.md).
+
+    One pull request of `PULL_BATCH` messages is outstanding at a time; when it is filled, or the
+    server ends it (408: expired; 423: another replica is pinned now; 409, 404), the next one goes out.
+    Deliveries come from the connection's read loop (`events.natspy.frames.subscribe_core`); a marker
+    is queued for `on_marker(worker_id)` (`MARKER_LANES` of them at once: the removals of workers lost
+    together share their appends), and tried again `RETRY_S` later, held all the while, if that failed.
+
+    A replica newly pinned (a delivery with a pin id it did not have) first runs `on_pinned()`, the
+    registry's reconciliation, and acknowledges nothing before it returns: a marker delivered to the
+    replica pinned before (which died holding it, or whose later acks went past it) is still the
+    last entry of its worker's key, and the reconciliation removes that worker. A replica that dies
+    leaves its unacknowledged deliveries to the next one pinned (the consumer's ack wait) and its
+    markers to that one's reconciliation; one that stops hands back at once the markers it has not
+    handled (nak) and unpins itself, so that another replica is pinned and removes those workers within
+    their TTL, not a pin time-out later.
     """
 
-    def __init__(self, nc: NATS, stream: str, config: ConsumerConfig,
-                 on_marker: Callable[[str], Awaitable[None]]):
+    def __init__(self, nc: NATS, stream: str, config: dict,
+                 on_marker: Callable[[str], Awaitable[None]],
+                 on_pinned: Callable[[], Awaitable[None]] | None = None):
         self.nc = nc
         self.stream = stream
         self.config = config
+        self.name = config["durable_name"]
         self.on_marker = on_marker
-        self._next = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{config.durable_name}"
-        self._request = json.dumps({"batch": PULL_BATCH, "expires": int(PULL_EXPIRES_S * 1e9)}).encode()
+        self.on_pinned = on_pinned
+        self._next = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{self.name}"
         self._inbox = ""
         self._sub = None
         self._direct: DirectDelivery | None = None
-        self._to_ack: list[str] = []  # reply subjects of deliveries that are not markers, acked by `_acking`
+        self._floor = AckFloor()
         self._acking: asyncio.Task[None] | None = None
         self._credit = 0
         self._ended: asyncio.Event | None = None
         self._status = ""  # how the server ended the last pull request
         self._stopping = False
+        self._pin = ""  # the pin id the server gave this replica, "" while it holds none
+        self._pins = 0  # pins taken since start
+        self._reconciled = 0  # the pins whose `on_pinned` has returned: acks wait until it is `_pins`
+        self._reconciling: asyncio.Task[None] | None = None
         self._markers: asyncio.Queue[Msg] = asyncio.Queue()
-        self._in_hand: dict[int, Msg] = {}  # the markers `on_marker` is handling, by id (a Msg is not hashable)
+        self._held: dict[int, Msg] = {}  # the markers taken and not handled, by stream sequence
+        self._retries: dict[int, asyncio.TimerHandle] = {}
         self._tasks: list[asyncio.Task[None]] = []
+
+    async def _api(self, call: str, body: dict | None = None) -> dict:
+        msg = await self.nc.request(f"$JS.API.{call}", json.dumps(body).encode() if body is not None else b"",
+                                    timeout=ACK_TIMEOUT_S)
+        answer = json.loads(msg.data)
+        if "error" in answer:
+            nats.js.errors.APIError.from_error(answer["error"])  # raises the error's own class
+        return answer
 
     async def ensure_consumer(self) -> bool:
         """The shared durable consumer, made if it is not there; True if it was not (deleted by hand, or
         lost with its group on a cluster: found by an audit, no replica made it again, and no silent
-        worker was found LOST until one restarted)."""
-        js = self.nc.jetstream()
+        worker was found LOST until one restarted), or was the sweep of an earlier version (explicit
+        acks, no pin: the server cannot change those, so it is deleted and made anew; the replicas of
+        that version, whose pulls name no group, sweep no more)."""
         try:
-            await js.consumer_info(self.stream, self.config.durable_name)
-            return False
+            info = await self._api(f"CONSUMER.INFO.{self.stream}.{self.name}")
         except NotFoundError:
-            await js.add_consumer(self.stream, config=self.config)
+            await self._create()
             return True
+        config = info.get("config", {})
+        if config.get("ack_policy") == "all" and config.get("priority_policy") == "pinned_client":
+            return False
+        log.warning("the heartbeat sweep's consumer %s acknowledges each put (an earlier version's): made anew, "
+                    "pinned to one replica and acknowledged all at once", self.name)
+        with suppress(NotFoundError):
+            await self._api(f"CONSUMER.DELETE.{self.stream}.{self.name}")
+        await self._create()
+        return True
+
+    async def _create(self) -> None:
+        await self._api(f"CONSUMER.CREATE.{self.stream}.{self.name}", {"stream_name": self.stream, "config": self.config})
 
     async def start(self) -> None:
-        await until_answered(self.ensure_consumer, f"the consumer {self.config.durable_name}")
+        await until_answered(self.ensure_consumer, f"the consumer {self.name}")
         self._inbox = self.nc.new_inbox()
         self._ended = asyncio.Event()
         self._sub, self._direct = await subscribe_core(self.nc, self._inbox, self._delivered)
@@ -182,20 +229,31 @@ class Sweeper:
             with suppress(Exception):
                 await self._sub.unsubscribe()
             self._sub = None
-        await cancel_and_wait(*self._tasks)
+        for handle in self._retries.values():
+            handle.cancel()
+        self._retries.clear()
+        await cancel_and_wait(*self._tasks, *([self._reconciling] if self._reconciling else []))
         self._tasks = []
-        if self._acking is not None:  # the acks of what was delivered (else redelivered, and acked, elsewhere)
+        if self._acking is not None:  # the acks of what was handled (else delivered again, and acked, elsewhere)
             with suppress(Exception):
                 await self._acking
-        held = list(self._in_hand.values())
-        self._in_hand.clear()
-        while not self._markers.empty():
-            held.append(self._markers.get_nowait())
-        for msg in held:  # to another replica now (if one was removed here already, it finds it removed)
+        held = list(self._held.values())
+        self._held.clear()
+        for msg in held:  # to the next replica pinned (if one was removed here already, it finds it removed)
             with suppress(Exception):
                 await msg.nak()
+        if self._pin:  # another replica is pinned at the next delivery, not a pin time-out from now
+            with suppress(Exception):
+                await self._api(f"CONSUMER.UNPIN.{self.stream}.{self.name}", {"group": PIN_GROUP})
+            self._pin = ""
         if held:
             log.info("heartbeat sweep stopped: %d expiry markers handed back to the other replicas", len(held))
+
+    def _request(self) -> bytes:
+        request = {"batch": PULL_BATCH, "expires": int(PULL_EXPIRES_S * 1e9), "group": PIN_GROUP}
+        if self._pin:
+            request["id"] = self._pin
+        return json.dumps(request).encode()
 
     async def _pull(self) -> None:
         backoff = 0.1
@@ -203,13 +261,13 @@ class Sweeper:
             self._ended.clear()
             self._credit, self._status = PULL_BATCH, ""
             try:
-                await self.nc.publish(self._next, self._request, reply=self._inbox)
+                await self.nc.publish(self._next, self._request(), reply=self._inbox)
                 # Filled, expired (408), ended otherwise by the server, or lost (a reconnect).
                 with suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._ended.wait(), PULL_EXPIRES_S + 1.0)
             except Exception as error:  # disconnected
                 self._status = repr(error)
-            if self._status in ("", "408"):
+            if self._status in ("", "408", "423"):  # 423: another replica is pinned; this one waits its turn
                 backoff = 0.1
                 continue
             # No consumer or stream (503, 409, 404: deleted, a leader change): not in a tight loop.
@@ -219,58 +277,101 @@ class Sweeper:
 
     def _delivered(self, msg: Msg) -> None:
         headers = msg.headers
-        if not msg.reply:  # a status: 100 (a heartbeat) keeps the request; 404, 408, 409, 503 end it
+        if not msg.reply:  # a status: 100 (a heartbeat) keeps the request; 404, 408, 409, 423, 503 end it
             status = headers.get("Status", "") if headers else ""
             if status != "100":
+                if status == "423":  # the server pinned another replica
+                    self._pin = ""
                 self._status = status or "an empty message"
                 self._ended.set()
             return
         self._credit -= 1
         if self._credit <= 0:
             self._ended.set()
-        if headers and headers.get(MARKER_REASON) == "MaxAge":
-            self._markers.put_nowait(msg)
-        else:  # every heartbeat put: acked by one task for all that one read of the socket brought
-            self._to_ack.append(msg.reply)
-            if self._acking is None:
-                self._acking = asyncio.create_task(self._ack(), name=f"{self.stream}-sweep-acks")
+        if headers:
+            pin = headers.get(PIN_ID)
+            if pin and pin != self._pin:
+                self._pinned(pin)
+            if headers.get(MARKER_REASON) == "MaxAge":
+                seq = self._floor.hold(msg.reply)
+                if seq is not None:  # (None: delivered again while held here)
+                    self._held[seq] = msg
+                    self._markers.put_nowait(msg)
+                return
+        self._floor.delivered(msg.reply)
+        if self._acking is None:  # one task acks for all that one read of the socket brought
+            self._acking = asyncio.create_task(self._ack(), name=f"{self.stream}-sweep-acks")
+
+    def _pinned(self, pin: str) -> None:
+        self._pin = pin
+        self._pins += 1
+        if self.on_pinned is None:
+            self._reconciled = self._pins
+        elif self._reconciling is None:
+            self._reconciling = asyncio.create_task(self._reconcile(), name=f"{self.stream}-sweep-pinned")
+
+    async def _reconcile(self) -> None:
+        """`on_pinned` once for each pin taken while it ran; then the acks that waited for it."""
+        try:
+            while self._reconciled < self._pins:
+                pins = self._pins
+                try:
+                    await self.on_pinned()
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # logged; the periodic reconciliation finds what this one missed
+                    log.exception("reconciling heartbeats on taking the sweep failed")
+                self._reconciled = pins
+        finally:
+            self._reconciling = None
+        self._kick()
+
+    def _kick(self) -> None:
+        if self._acking is None and not self._stopping:
+            self._acking = asyncio.create_task(self._ack(), name=f"{self.stream}-sweep-acks")
 
     async def _ack(self) -> None:
         try:
-            while self._to_ack:
-                replies, self._to_ack = self._to_ack, []
-                for reply in replies:
-                    with suppress(Exception):
-                        await publish(self.nc, reply, b"+ACK")
+            while self._reconciled == self._pins:
+                reply = self._floor.target()
+                if reply is None:
+                    break
+                with suppress(Exception):
+                    await publish(self.nc, reply, b"+ACK")
         finally:
             self._acking = None
 
+    def _again(self, seq: int, msg: Msg) -> None:
+        self._retries.pop(seq, None)
+        if not self._stopping and seq in self._held:
+            self._markers.put_nowait(msg)
+
     async def _handle_markers(self) -> None:
-        """One of `MARKER_LANES`: takes the next marker, removes its worker, acknowledges it."""
+        """One of `MARKER_LANES`: takes the next marker, removes its worker, releases it to the acks."""
         while not self._stopping:  # also ends when on_marker swallowed the cancellation of stop()
             msg = await self._markers.get()
-            self._in_hand[id(msg)] = msg
+            seq = ack_positions(msg.reply)[0]
             worker_id = msg.subject.rsplit(".", 1)[-1]
             try:
                 await self.on_marker(worker_id)
             except asyncio.CancelledError:
                 raise  # `stop` hands it back
             except Exception:
-                log.warning("could not remove lost worker %s; redelivering", worker_id, exc_info=True)
-                self._in_hand.pop(id(msg), None)
-                with suppress(Exception):
-                    await msg.nak(delay=1.0)
+                log.warning("could not remove lost worker %s; trying again in %gs", worker_id, RETRY_S,
+                            exc_info=True)
+                self._retries[seq] = asyncio.get_running_loop().call_later(RETRY_S, self._again, seq, msg)
                 continue
-            self._in_hand.pop(id(msg), None)
-            with suppress(Exception):
-                await msg.ack()
+            if self._held.pop(seq, None) is not None:
+                self._floor.release(seq)
+                self._kick()
 
 
 class Liveness:
     """Heartbeats in a JetStream KV bucket with per-message TTLs; expiry markers swept once.
 
     `on_expired(worker_id)` is awaited for each worker whose last heartbeat the
-    server expired; at most one replica gets each marker.
+    server expired; at most one replica gets each marker. `on_pinned()` is awaited when the
+    sweep is pinned to this replica (the registry reconciles: `Sweeper`).
     """
 
     def __init__(
@@ -280,6 +381,7 @@ class Liveness:
         ttl_s: float,
         on_expired: Callable[[str], Awaitable[None]],
         replicas: int = 1,
+        on_pinned: Callable[[], Awaitable[None]] | None = None,
     ):
         self.nc = nc
         self.js = nc.jetstream()
@@ -292,16 +394,19 @@ class Liveness:
         self.ttl_header = {"Nats-TTL": f"{max(1, math.ceil(ttl_s))}s"}
         self._ttl_block = header_block(self.ttl_header)  # what each beat sends, encoded once
         self.acks = Acks(nc)
-        self.sweeper = Sweeper(nc, self.stream, ConsumerConfig(
-            durable_name=SWEEPER,
-            description="registry replicas share it: each expiry marker reaches one of them",
-            filter_subject=f"$KV.{self.bucket}.>",
-            deliver_policy=DeliverPolicy.NEW,
-            ack_policy=AckPolicy.EXPLICIT,
-            ack_wait=30.0,
-            headers_only=True,
-            max_ack_pending=-1,
-        ), on_expired)
+        self.sweeper = Sweeper(nc, self.stream, {
+            "durable_name": SWEEPER,
+            "description": "registry replicas share it, pinned to one at a time: each expiry marker reaches one",
+            "filter_subject": f"$KV.{self.bucket}.>",
+            "deliver_policy": "new",
+            "ack_policy": "all",
+            "ack_wait": int(ACK_WAIT_S * 1e9),
+            "headers_only": True,
+            "max_ack_pending": -1,
+            "priority_groups": [PIN_GROUP],
+            "priority_policy": "pinned_client",
+            "priority_timeout": int(PIN_TIMEOUT_S * 1e9),
+        }, on_expired, on_pinned)
 
     def subject(self, worker_id: str) -> str:
         return f"$KV.{self.bucket}.{worker_id}"

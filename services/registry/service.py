@@ -419,7 +419,8 @@ class RegistryService:
         self.fold = RosterFold(nc, prefix, self.roster)
         self.fold.on_node = self._node_folded
         self.liveness = Liveness(
-            nc, prefix, ttl_s, self._expired, store_replicas if store_replicas is not None else stream_replicas()
+            nc, prefix, ttl_s, self._expired, store_replicas if store_replicas is not None else stream_replicas(),
+            on_pinned=self.reconcile,  # the sweep pinned here: what the replica pinned before held is found
         )
         self.replies: ReplyCache | None = None
         self.service = None
@@ -815,7 +816,8 @@ class RegistryService:
             await asyncio.sleep(self.reconcile_interval_s)  # a period, not a wait for a condition
             try:
                 if await self.liveness.sweeper.ensure_consumer():
-                    log.warning("the heartbeat sweep's consumer %s was gone; made again", SWEEPER)
+                    log.warning("the heartbeat sweep's consumer %s was gone (or an earlier version's); made again",
+                                SWEEPER)
             except Exception as error:  # unanswered (its group without a leader): the round finds its markers
                 log.warning("the heartbeat sweep's consumer %s could not be looked at (%s: %s); reconciling all "
                             "the same", SWEEPER, type(error).__name__, error)
