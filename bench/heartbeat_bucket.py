@@ -61,16 +61,36 @@ def unpinned(sweeper) -> None:
     sweeper._request = lambda: request
 
 
+def deliver_puts_to(sweeper, on_put) -> None:
+    """`sweeper`'s deliveries read as it reads them (the pull's statuses, its credit, markers queued),
+    each put's reply subject handed to `on_put` instead of to the sweep's acks."""
+    from services.registry.liveness import MARKER_REASON
+
+    delivered = sweeper._delivered
+
+    def put(msg) -> None:
+        if not msg.reply:  # the pull request's statuses, as the sweeper reads them
+            return delivered(msg)
+        sweeper._credit -= 1
+        if sweeper._credit <= 0:
+            sweeper._ended.set()
+        if msg.headers and msg.headers.get(MARKER_REASON) == "MaxAge":
+            sweeper._markers.put_nowait(msg)
+        else:
+            on_put(msg.reply)
+
+    sweeper._delivered = put
+
+
 def acking_each(sweeper) -> None:
     """`sweeper` (a `liveness.Sweeper` not started) as the sweep was before it was pinned to one replica:
     shared by any number (no priority group), each put acknowledged on its own (`AckPolicy.EXPLICIT`),
     one ack task for all that one read of the socket brought."""
     from events.natspy.publish import publish
-    from services.registry.liveness import MARKER_REASON
 
     unpinned(sweeper)
     sweeper.config["ack_policy"] = "explicit"
-    delivered, to_ack, acking = sweeper._delivered, [], []
+    to_ack, acking = [], []
 
     async def ack() -> None:
         try:
@@ -82,42 +102,21 @@ def acking_each(sweeper) -> None:
         finally:
             acking.clear()
 
-    def each(msg) -> None:
-        if not msg.reply:  # the pull request's statuses, as the sweeper reads them
-            return delivered(msg)
-        sweeper._credit -= 1
-        if sweeper._credit <= 0:
-            sweeper._ended.set()
-        if msg.headers and msg.headers.get(MARKER_REASON) == "MaxAge":
-            sweeper._markers.put_nowait(msg)
-            return
-        to_ack.append(msg.reply)
+    def each(reply: str) -> None:
+        to_ack.append(reply)
         if not acking:
             acking.append(asyncio.create_task(ack()))
 
-    sweeper._delivered = each
+    deliver_puts_to(sweeper, each)
 
 
 def without_acks(sweeper) -> None:
     """`sweeper` (a `liveness.Sweeper` not started) on a consumer that wants no acks, its puts
     delivered and dropped: the sweep's cost without its acks."""
-    from services.registry.liveness import MARKER_REASON
-
     unpinned(sweeper)
     sweeper.config["ack_policy"] = "none"
     del sweeper.config["max_ack_pending"]
-    delivered = sweeper._delivered
-
-    def no_ack(msg) -> None:
-        if not msg.reply:  # the pull request's statuses, as the sweeper reads them
-            return delivered(msg)
-        sweeper._credit -= 1
-        if sweeper._credit <= 0:
-            sweeper._ended.set()
-        if msg.headers and msg.headers.get(MARKER_REASON) == "MaxAge":
-            sweeper._markers.put_nowait(msg)
-
-    sweeper._delivered = no_ack
+    deliver_puts_to(sweeper, lambda reply: None)
 
 
 async def one_round(url: str, server_pid: int, prefix: str, way: str, args: argparse.Namespace) -> dict:

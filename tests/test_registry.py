@@ -852,6 +852,28 @@ async def test_a_registration_while_a_removal_is_being_written_keeps_its_clock(n
         assert lost.reason == "LOST"
 
 
+async def pinned_and_holding(nc, prefix: str, replica, worker_id: str) -> asyncio.Event:
+    """The sweep pinned to `replica` (the only one running: `worker_id`'s registration puts its clock,
+    whose delivery pins it), which from now on takes expiry markers and handles none of them; the
+    event is set once it holds one."""
+    held, pinned = asyncio.Event(), asyncio.Event()
+    reconcile = replica.liveness.sweeper.on_pinned
+
+    async def holding(worker_id: str) -> None:
+        held.set()
+        await asyncio.Event().wait()
+
+    async def noted() -> None:
+        pinned.set()
+        await reconcile()
+
+    replica.liveness.sweeper.on_marker = holding
+    replica.liveness.sweeper.on_pinned = noted
+    await register(nc, prefix, registration(worker_id))
+    await asyncio.wait_for(pinned.wait(), 20)
+    return held
+
+
 async def test_a_replica_stopping_hands_back_the_expiries_it_holds(nats_url, nc, prefix):
     """Two replicas share the sweep, pinned to one of them. That one is stopped (a rolling restart)
     while it holds expiry markers it has not handled: it hands them back and unpins itself, and the
@@ -862,22 +884,7 @@ async def test_a_replica_stopping_hands_back_the_expiries_it_holds(nats_url, nc,
     stopping = running_registry(nats_url, prefix, ttl_s=1)
     stops = await stopping.__aenter__()
     try:
-        held, pinned = asyncio.Event(), asyncio.Event()
-
-        async def holding(worker_id: str) -> None:  # takes markers, handles none of them
-            held.set()
-            await asyncio.Event().wait()
-
-        reconcile = stops.liveness.sweeper.on_pinned
-
-        async def noted() -> None:
-            pinned.set()
-            await reconcile()
-
-        stops.liveness.sweeper.on_marker = holding
-        stops.liveness.sweeper.on_pinned = noted
-        await register(nc, prefix, registration(workers[0]))  # its clock's put: the sweep pinned to `stops`
-        await asyncio.wait_for(pinned.wait(), 20)
+        held = await pinned_and_holding(nc, prefix, stops, workers[0])
         async with running_registry(nats_url, prefix, ttl_s=1):  # the replica that keeps sweeping
             await asyncio.gather(*(register(nc, prefix, registration(w)) for w in workers[1:]))
             await asyncio.wait_for(held.wait(), 20)  # the stopping replica holds at least one marker
@@ -909,22 +916,7 @@ async def test_a_replica_that_dies_holding_expiries_leaves_them_to_the_next_one_
     doomed = await dying.__aenter__()
     beats = None
     try:
-        held, pinned = asyncio.Event(), asyncio.Event()
-
-        async def holding(worker_id: str) -> None:  # takes markers, handles none of them
-            held.set()
-            await asyncio.Event().wait()
-
-        reconcile = doomed.liveness.sweeper.on_pinned
-
-        async def noted() -> None:
-            pinned.set()
-            await reconcile()
-
-        doomed.liveness.sweeper.on_marker = holding
-        doomed.liveness.sweeper.on_pinned = noted
-        await register(nc, prefix, registration(silent[0]))  # its clock's put: the sweep pinned to `doomed`
-        await asyncio.wait_for(pinned.wait(), 20)
+        held = await pinned_and_holding(nc, prefix, doomed, silent[0])
         async with running_registry(nats_url, prefix, ttl_s=1) as survivor:
             await asyncio.gather(*(register(nc, prefix, registration(w)) for w in silent[1:] + alive))
 

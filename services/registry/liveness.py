@@ -5,10 +5,10 @@ Heartbeats are not events. Each one is a put of the worker's key in the bucket
 When a key outlives its TTL the server itself removes it and writes a "MaxAge"
 marker in its place; the replicas share one durable consumer on the bucket, pinned to
 one of them at a time, so each marker reaches one replica, which removes the worker as
-`LOST` (and a crash before the ack hands the marker to the next replica pinned). Replicas do not poll or scan
-per worker; two that do handle the same marker write one event between them, as the
-aggregate decides on fresh state (and reads the key after it loads the worker:
-`RegistryStore.lose`).
+`LOST` (and a crash before that leaves the marker to the next replica pinned, which
+reconciles first). Replicas do not poll or scan per worker; two that do handle the
+same marker write one event between them, as the aggregate decides on fresh state (and
+reads the key after it loads the worker: `RegistryStore.lose`).
 
 A beat returns once the server has stored the put (its ack), so the `ttl_s` a
 heartbeat answers counts from a put that is in the bucket. Puts are pipelined:
@@ -133,7 +133,7 @@ class Sweeper:
     stops pulling for `PIN_TIMEOUT_S` (it died, or it stopped and unpinned itself). So the sweep can
     acknowledge all at once (`AckPolicy.ALL`): one ack now and then, of the highest delivery below
     the lowest marker not yet handled (`services.registry.ackfloor.AckFloor`), instead of one ack per
-    heartbeat put (about half of what the sweep cost each side; docs/scaling.md).
+    heartbeat put (0.87x the server's CPU per put, 0.92x the registry's; docs/scaling.md).
 
     One pull request of `PULL_BATCH` messages is outstanding at a time; when it is filled, or the
     server ends it (408: expired; 423: another replica is pinned now; 409, 404), the next one goes out.
