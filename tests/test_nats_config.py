@@ -151,6 +151,27 @@ async def test_an_operator_reads_the_log_and_queries_but_writes_nothing(secured)
             await client.close()
 
 
+async def test_the_services_unpin_and_replace_the_sweep_s_consumer_and_delete_no_other(secured):
+    """A registry replica that stops unpins the sweep (`CONSUMER.UNPIN`), and the first of a new version
+    replaces an earlier version's consumer (`CONSUMER.DELETE`): the generated permissions let the
+    services do both to `registry-sweeper`, and delete no other consumer of the bucket."""
+    from services.registry.liveness import PIN_GROUP, SWEEPER
+
+    admin = await secured.connect("svc")
+    try:
+        unpin = f"$JS.API.CONSUMER.UNPIN.{HEARTBEATS}.{SWEEPER}"
+        answer = json.loads((await admin.nc.request(unpin, json.dumps({"group": PIN_GROUP}).encode(), timeout=10)).data)
+        assert answer == {"type": "io.nats.jetstream.api.v1.consumer_unpin_response"}, answer  # no error
+        other = f"$JS.API.CONSUMER.DELETE.{HEARTBEATS}.another"
+        await admin.nc.publish(other, b"")
+        assert "publish" in await admin.violation(other)
+        assert not [line for line in secured.violations() if f"UNPIN.{HEARTBEATS}" in line]
+        # the module's registry, unpinned, is pinned again at its next delivery: it still sweeps
+        assert (await admin.nc.jetstream().consumer_info(HEARTBEATS, SWEEPER)).name == SWEEPER
+    finally:
+        await admin.close()
+
+
 def test_command_writes_private_files_and_keeps_passwords(tmp_path):
     conf, secrets = tmp_path / "auth.conf", tmp_path / "secrets.json"
     runner = CliRunner()
