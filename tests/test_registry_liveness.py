@@ -196,8 +196,10 @@ async def test_the_sweep_acknowledges_every_heartbeat_put_all_at_once(nats_url, 
     """The sweep's consumer gets every put of the bucket (only the server's expiry markers
     matter to it) and acknowledges them all at once (`AckPolicy.ALL`): now and then, the newest
     delivery, which acknowledges every one before it. The acks are read on the bus, in the order
-    they are sent: once the last put's is there, the consumer has nothing pending, nothing was
-    delivered again (no ack wait ran out), and there were fewer acks than deliveries."""
+    they are sent: the last put's is among them, each is past the one before, nothing was
+    delivered again (no ack wait ran out), and there were fewer acks than deliveries. (The
+    consumer's own ack floor is not read: the server applies an ack after routing it, so a
+    read right after could come first.)"""
     from events.natspy.publish import flush_in_order
     from services.registry.liveness import SWEEPER
 
@@ -225,8 +227,7 @@ async def test_the_sweep_acknowledges_every_heartbeat_put_all_at_once(nats_url, 
         await asyncio.wait_for(last_acked.wait(), 30)
         assert acked == sorted(set(acked))  # each ack past the one before
         info = await js.consumer_info(stream, SWEEPER)
-        assert info.delivered.stream_seq == last_put and info.ack_floor.stream_seq == last_put
-        assert info.num_ack_pending == 0 and info.num_redelivered == 0
+        assert info.delivered.stream_seq == last_put and info.num_redelivered == 0
         assert len(acked) < info.delivered.consumer_seq, (len(acked), info.delivered.consumer_seq)
     await spy.unsubscribe()
 
