@@ -135,10 +135,10 @@ async def test_on_the_bus_no_ack_reaches_a_marker_until_its_worker_is_handled(nc
     await flush_in_order(nc)
     handling, release = asyncio.Event(), asyncio.Event()
 
-    async def removing(worker_id: str) -> None:
-        assert worker_id == "w-silent"
-        handling.set()
-        await release.wait()
+    async def removing(worker_id: str) -> None:  # only w-silent's waits (w-live expires too, once the test ends)
+        if worker_id == "w-silent":
+            handling.set()
+            await release.wait()
 
     liveness = Liveness(nc, prefix, ttl_s=1, on_expired=removing)
     await liveness.start()
@@ -168,7 +168,7 @@ async def test_on_the_bus_no_ack_reaches_a_marker_until_its_worker_is_handled(nc
         await flush_in_order(liveness.nc)  # and on their way
         await flush_in_order(nc)
         assert acks and max(acks) < marker, (acks, marker)
-        assert liveness.sweeper._floor.held() == [marker]
+        assert marker in liveness.sweeper._floor.held()
         # (The server's own ack floor may be past the marker by now: under AckPolicy.ALL it takes a
         # pending put that a newer put of its key replaced as acknowledged, and everything below it with
         # it. So the sweep never waits for a marker to be delivered again: see `Sweeper`.)
