@@ -923,7 +923,7 @@ async def test_a_replica_that_dies_holding_expiries_leaves_them_to_the_next_one_
             async def beating() -> None:  # the live workers' agents: a beat every 0.2 s, well within the TTL
                 while True:
                     await asyncio.gather(*(survivor.heartbeat(w, Heartbeat()) for w in alive))
-                    await asyncio.sleep(0.2)
+                    await asyncio.sleep(0.2)  # the agents' period, not synchronisation
 
             beats = asyncio.create_task(beating())
             await asyncio.wait_for(held.wait(), 20)  # the doomed replica holds at least one marker

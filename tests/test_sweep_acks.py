@@ -51,6 +51,9 @@ def test_a_marker_delivered_again_while_held_is_not_held_twice():
     assert floor.hold(reply(5)) == 5
     assert floor.hold(reply(5, delivered=2)) is None
     assert floor.held() == [5]
+    assert floor.holds(5) and floor.held_replies() == [reply(5)]  # the first delivery's, to hand back
+    floor.release(5)
+    assert not floor.holds(5) and floor.held_replies() == []
 
 
 def test_markers_released_out_of_order_keep_the_acks_below_the_lowest_still_held():

@@ -86,6 +86,13 @@ class AckFloor:
     def held(self) -> list[int]:
         return list(self._held)
 
+    def holds(self, seq: int) -> bool:
+        return seq in self._replies
+
+    def held_replies(self) -> list[str]:
+        """The ack reply subjects of the markers held (to hand them back: a nak of each)."""
+        return [self._replies[seq] for seq in self._held]
+
     def target(self) -> str | None:
         """The reply subject to acknowledge now (everything up to it), None if there is nothing new."""
         if self._held:

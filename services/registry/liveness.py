@@ -174,8 +174,7 @@ class Sweeper:
         self._pins = 0  # pins taken since start
         self._reconciled = 0  # the pins whose `on_pinned` has returned: acks wait until it is `_pins`
         self._reconciling: asyncio.Task[None] | None = None
-        self._markers: asyncio.Queue[Msg] = asyncio.Queue()
-        self._held: dict[int, Msg] = {}  # the markers taken and not handled, by stream sequence
+        self._markers: asyncio.Queue[Msg] = asyncio.Queue()  # the markers `_floor` holds, to be handled
         self._retries: dict[int, asyncio.TimerHandle] = {}
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -237,11 +236,10 @@ class Sweeper:
         if self._acking is not None:  # the acks of what was handled (else delivered again, and acked, elsewhere)
             with suppress(Exception):
                 await self._acking
-        held = list(self._held.values())
-        self._held.clear()
-        for msg in held:  # to the next replica pinned (if one was removed here already, it finds it removed)
+        held = self._floor.held_replies()
+        for reply in held:  # to the next replica pinned (if one was removed here already, it finds it removed)
             with suppress(Exception):
-                await msg.nak()
+                await publish(self.nc, reply, b"-NAK")
         if self._pin:  # another replica is pinned at the next delivery, not a pin time-out from now
             with suppress(Exception):
                 await self._api(f"CONSUMER.UNPIN.{self.stream}.{self.name}", {"group": PIN_GROUP})
@@ -293,14 +291,11 @@ class Sweeper:
             if pin and pin != self._pin:
                 self._pinned(pin)
             if headers.get(MARKER_REASON) == "MaxAge":
-                seq = self._floor.hold(msg.reply)
-                if seq is not None:  # (None: delivered again while held here)
-                    self._held[seq] = msg
+                if self._floor.hold(msg.reply) is not None:  # (None: delivered again while held here)
                     self._markers.put_nowait(msg)
                 return
         self._floor.delivered(msg.reply)
-        if self._acking is None:  # one task acks for all that one read of the socket brought
-            self._acking = asyncio.create_task(self._ack(), name=f"{self.stream}-sweep-acks")
+        self._kick()  # one task acks for all that one read of the socket brought
 
     def _pinned(self, pin: str) -> None:
         self._pin = pin
@@ -343,7 +338,7 @@ class Sweeper:
 
     def _again(self, seq: int, msg: Msg) -> None:
         self._retries.pop(seq, None)
-        if not self._stopping and seq in self._held:
+        if not self._stopping and self._floor.holds(seq):
             self._markers.put_nowait(msg)
 
     async def _handle_markers(self) -> None:
@@ -361,9 +356,8 @@ class Sweeper:
                             exc_info=True)
                 self._retries[seq] = asyncio.get_running_loop().call_later(RETRY_S, self._again, seq, msg)
                 continue
-            if self._held.pop(seq, None) is not None:
-                self._floor.release(seq)
-                self._kick()
+            self._floor.release(seq)
+            self._kick()
 
 
 class Liveness:
