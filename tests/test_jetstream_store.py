@@ -247,6 +247,75 @@ def test_writes_ride_out_the_stream_leader_being_killed(tmp_path):
             app.close()
 
 
+def test_a_subscription_asked_for_while_its_stream_has_no_leader_starts_once_it_has_one(tmp_path):
+    """`recorder.subscribe` makes an ordered consumer, which a stream without a leader cannot: the
+    request is retried as the store's own reads are, within the store's time budget, and the
+    subscription then delivers everything from the start and what is appended after."""
+    import nats
+
+    class Retried(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.DEBUG)
+            self.seen = threading.Event()
+
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("subscribing to "):
+                self.seen.set()
+
+    retried = Retried()
+    store_log = logging.getLogger("warmboot.jetstream")
+    level = store_log.level
+    store_log.addHandler(retried)
+    store_log.setLevel(logging.DEBUG)
+    with NatsCluster(tmp_path) as cluster:
+        asyncio.run(wait_jetstream(cluster.url))
+        prefix = new_prefix()
+        first, *others = cluster.nodes
+        app = WireApplication(env=store_env(first.url, prefix, replicas=3))
+        try:
+            tally = Tally("t-1")
+            tally.drain("0")
+            app.save(tally)
+            for node in others:
+                node.stop()
+
+            async def leaderless() -> None:  # the member left says so once it has been alone long enough
+                nc = await nats.connect(first.url)
+                try:
+                    deadline = time.monotonic() + 90
+                    while True:
+                        try:
+                            if not (await nc.jetstream(timeout=1.0).stream_info(stream_name(prefix))).cluster.leader:
+                                return
+                        except Exception:  # unanswered meanwhile
+                            pass
+                        assert time.monotonic() < deadline, "the member left never answered without a leader"
+                        await asyncio.sleep(0.2)  # polling a condition with a deadline, not a fixed wait
+                finally:
+                    await nc.close()
+
+            asyncio.run(leaderless())
+            thread, outcome = in_thread(lambda: app.recorder.subscribe(gt=None))
+            while not retried.seen.wait(0.2):  # until it has been refused once and is trying again
+                assert thread.is_alive(), f"subscribe gave up at once: {outcome.get('error')!r}"
+            for node in others:
+                node.spawn()
+            for node in others:
+                node.wait_ready(30)
+            subscription = finish(thread, outcome)
+            try:
+                assert next(subscription).id == 1
+                tally.drain("1")
+                app.save(tally)
+                assert next(subscription).id == 2
+            finally:
+                subscription.stop()
+        finally:
+            app.close()
+            store_log.removeHandler(retried)
+            store_log.setLevel(level)
+
+
 # --- concurrent writers ------------------------------------------------------------------------
 
 WRITER = r"""

@@ -86,7 +86,8 @@ history of the worker the actor is placed on.
 
 Reading. ``select_events`` and ``select_notifications`` use batched direct gets
 (one request answers up to `READ_PAGE` messages); ``subscribe`` uses an ordered
-consumer (recreated by nats-py after a server restart, from where it was);
+consumer (made through a leader election as the store's requests are, within
+``WARMBOOT_STORE_TIMEOUT``; recreated by nats-py after a server restart, from where it was);
 ``max_notification_id`` is one direct get of the last event message. Topics are
 filtered on the `TOPIC_HEADER` of each message, here, not by the server. On a
 replicated stream a direct get may be answered by a replica that is behind: a

@@ -27,6 +27,7 @@ from collections.abc import Collection
 from typing import Any
 
 import nats.errors
+import nats.js.errors
 from eventsourcing.persistence import DataError, IntegrityError, OperationalError, PersistenceError
 
 from events.nats_codes import (
@@ -129,6 +130,12 @@ def retryable(error: BaseException, also: Collection[int] = ()) -> bool:
     if isinstance(error, ServerError):
         return error.transient or error.err_code in also
     return isinstance(error, NOT_DELIVERED + UNANSWERED)
+
+
+def from_nats_py(error: nats.js.errors.APIError) -> ServerError:
+    """JetStream's error answer to a request nats-py made itself (the consumer `subscribe` makes), as
+    the store's own requests get it: judged by `retryable` and `library_error` alike."""
+    return ServerError(error.code or 0, error.err_code or 0, error.description or "")
 
 
 def library_error(what: str, error: BaseException) -> BaseException:

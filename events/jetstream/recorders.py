@@ -26,6 +26,7 @@ from eventsourcing.persistence import (
     Tracking,
     TrackingRecorder,
 )
+import nats.js.errors
 from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
@@ -50,6 +51,8 @@ from events.jetstream.layout import (
 )
 from events.jetstream.link import Link
 from events.jetstream.batch import Batch, Out
+from events.jetstream.errors import from_nats_py
+from events.jetstream.retry import Retry
 from events.jetstream.stream import Stored, Stream
 from events.natspy.jetstream import ORDERED_IDLE_HEARTBEAT_S, ack_positions
 
@@ -413,19 +416,27 @@ class JetStreamSubscription(Subscription[JetStreamApplicationRecorder]):
                 except queue.Full:  # the reader is behind: hold the consumer (flow control)
                     await asyncio.sleep(0.005)
 
-        config = ConsumerConfig(
-            deliver_policy=DeliverPolicy.BY_START_SEQUENCE if gt else DeliverPolicy.ALL,
-            opt_start_seq=gt + 1 if gt else None,
-        )
-        js = recorder.link.nc.jetstream()
-        return await js.subscribe(
-            f"{recorder.namespace}.>",
-            stream=recorder.stream.name,
-            cb=deliver,
-            ordered_consumer=True,
-            idle_heartbeat=ORDERED_IDLE_HEARTBEAT_S,
-            config=config,
-        )
+        stream = recorder.stream
+
+        async def attempt(timeout: float) -> Any:
+            config = ConsumerConfig(  # a fresh one each time: nats-py fills in the one it is given
+                deliver_policy=DeliverPolicy.BY_START_SEQUENCE if gt else DeliverPolicy.ALL,
+                opt_start_seq=gt + 1 if gt else None,
+            )
+            try:
+                return await recorder.link.nc.jetstream(timeout=timeout).subscribe(
+                    f"{recorder.namespace}.>",
+                    stream=stream.name,
+                    cb=deliver,
+                    ordered_consumer=True,
+                    idle_heartbeat=ORDERED_IDLE_HEARTBEAT_S,
+                    config=config,
+                )
+            except nats.js.errors.APIError as error:
+                raise from_nats_py(error) from None
+
+        # The consumer is made by the stream's group: during an election nobody can (503, or no answer)
+        return await Retry(f"subscribing to {stream.name}", stream.budget, stream).run(attempt)
 
     def __next__(self) -> Notification:
         while True:
