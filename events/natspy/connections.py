@@ -13,11 +13,17 @@
   server answered, hung for good.
 - `close`: nats-py's close of a connection that is down (reconnecting) raised half way, writing
   what it held to be sent onto the lost transport; what cannot be sent is dropped first.
+- `follow_seed_file` (done by `connecting`): a connection signed in with an nkey seed file signs
+  each reconnect with the file as it is then, under that seed's own public key. nats-py reads the
+  file again for each signature but keeps the public key it read at the first connect: after a
+  rotation (the server's user given a new key and reloaded, the new seed put in the file) a
+  running process signed with the new seed under the old key, and was refused until restarted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 from typing import Any, Awaitable
 
@@ -158,7 +164,45 @@ async def connecting(nc: Client, timeout: float | None = None, **options: Any) -
     if task.exception() is not None:  # refused: the client is nobody's either
         await close_given_up(nc)
     task.result()
+    follow_seed_file(nc)
     return nc
+
+
+def follow_seed_file(nc: Client) -> None:
+    """For a connection signed in with an nkey seed file (nats-py's `nkeys_seed`): each later
+    sign-in (a reconnect) reads the file as it is then, signs the server's nonce with that seed and
+    names that seed's public key, which nats-py read only once. The seed is wiped after each use, as
+    nats-py's own signature does. A file that cannot be read, or holds no seed (half written), fails
+    that attempt with a nats-py error (reported on the connection's `error_cb`, no secret quoted) and
+    the next attempt reads it again; nats-py's own signature raised nkeys' error there, which ended
+    its reconnecting for good. Nothing is done for a connection signed in otherwise, nor for a client
+    that keeps no nkey sign-in as nats-py 2.x does (`tests/test_key_rotation.py` fails if nats-py
+    stops keeping it so)."""
+    path = getattr(nc, "_nkeys_seed", None)
+    if not path or not hasattr(nc, "_signature_cb") or not hasattr(nc, "_public_nkey"):
+        return
+    import nkeys  # nats-py's own dependency for nkey sign-ins
+
+    def sign(nonce: str) -> bytes:
+        try:
+            with open(path, "rb") as f:
+                seed = bytearray(f.read().strip())
+        except OSError as error:
+            raise nats.errors.Error(f"cannot read the nkey seed file {path!r}: {error.strerror or error}") from None
+        try:
+            try:
+                pair = nkeys.from_seed(seed)  # holds `seed` itself (its public key is read from it)
+            except Exception:  # (being written, say): this attempt fails, as a refused one does; not the next
+                raise nats.errors.Error(f"{path!r} holds no nkey seed") from None
+            try:
+                nc._public_nkey = pair.public_key.decode()  # nats-py names it in the CONNECT after signing
+                return base64.b64encode(pair.sign(nonce.encode()))
+            finally:
+                pair.wipe()
+        finally:
+            seed[:] = bytes(len(seed))
+
+    nc._signature_cb = sign
 
 
 async def abandon(attempt: asyncio.Future, nc: Client | None = None) -> None:
