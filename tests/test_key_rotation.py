@@ -10,13 +10,13 @@ import asyncio
 import os
 import signal
 import time
-from contextlib import AsyncExitStack
+from contextlib import AsyncExitStack, asynccontextmanager
 
 from events.natspy.connections import ErrorsOnce
 from events.schema import HeartbeatReply, RegisterReply, SeqReply
 from events.subjects import service_subject
 from services.endpoints import call
-from tests.registry_helpers import registration
+from tests.registry_helpers import PROBE, agent_config, registration
 from tests.secured_helpers import Secured, _seed
 from warmboot.connection import connect
 from warmboot.nats_config import identities, nats_auth_config
@@ -41,6 +41,30 @@ async def rotate(secured: Secured, *users: str) -> None:
         assert not any("Failed to reload" in line for line in server.log), list(server.log)[-5:]
         assert time.monotonic() < deadline, "the server did not say it reloaded"
         await asyncio.sleep(0.05)  # polling the server's log with a deadline, not a fixed wait
+
+
+@asynccontextmanager
+async def nkey_registry(tmp_path, monkeypatch):
+    """A server that signs users in by nkey (the services' user, and worker w-1) running a registry
+    (TTL 60 s) signed in with its seed file: (the server, the services' seed file, w-1's seed file)."""
+    secured = Secured(tmp_path / "store", PREFIX, workers=("w-1",), auth="nkey").start()
+    services_seed, worker_seed = tmp_path / "svc.nk", tmp_path / "w-1.nk"
+    services_seed.write_text(secured.secrets["svc"])
+    worker_seed.write_text(secured.secrets["w-1"])
+    monkeypatch.setenv("NATS_NKEY_SEED", str(services_seed))  # the services' connection and their event store's
+    try:
+        async with AsyncExitStack() as stack:
+            await start_services(stack, ["registry"], secured.url(), PREFIX, options={"registry": {"ttl_s": 60}})
+            yield secured, services_seed, worker_seed
+    finally:
+        secured.stop()
+
+
+async def until(condition, within: float = 30.0) -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, "not within the deadline"
+        await asyncio.sleep(0.1)  # polling the agent's state with a deadline, not a fixed wait
 
 
 class Heard(ErrorsOnce):
@@ -70,35 +94,55 @@ async def answered(request, within: float = 30.0):
 
 
 async def test_running_services_and_a_worker_follow_a_rotation_of_their_keys_without_a_restart(tmp_path, monkeypatch):
-    secured = Secured(tmp_path / "store", PREFIX, workers=("w-1",), auth="nkey").start()
-    services_seed, worker_seed = tmp_path / "svc.nk", tmp_path / "w-1.nk"
-    services_seed.write_text(secured.secrets["svc"])
-    worker_seed.write_text(secured.secrets["w-1"])
-    monkeypatch.setenv("NATS_NKEY_SEED", str(services_seed))  # the services' connection and their event store's
-    try:
-        async with AsyncExitStack() as stack:
-            await start_services(stack, ["registry"], secured.url(), PREFIX, options={"registry": {"ttl_s": 60}})
-            refusals = Heard("holds no nkey seed")
-            worker = await connect(secured.url(), "w-1", nkey_seed=str(worker_seed), inbox_prefix="_INBOX.w-1",
-                                   errors=refusals, reconnect_time_wait=0.1)
-            stack.push_async_callback(worker.close)
+    """The services' key and a worker's rotated at once: the worker's connection is refused, then
+    reads its file half written (that attempt fails, the next reads it again), then signs in; the
+    registry answers its heartbeat and writes its drain (the registry's two connections came back)."""
+    async with nkey_registry(tmp_path, monkeypatch) as (secured, services_seed, worker_seed), \
+            AsyncExitStack() as stack:
+        refusals = Heard("holds no nkey seed")
+        worker = await connect(secured.url(), "w-1", nkey_seed=str(worker_seed), inbox_prefix="_INBOX.w-1",
+                               errors=refusals, reconnect_time_wait=0.1)
+        stack.push_async_callback(worker.close)
 
-            def ask(verb: str, body, reply_type, timeout: float = 5.0):
-                return call(worker, service_subject(PREFIX, "registry", verb, "w-1"), body, reply_type, timeout)
+        def ask(verb: str, body, reply_type, timeout: float = 5.0):
+            return call(worker, service_subject(PREFIX, "registry", verb, "w-1"), body, reply_type, timeout)
 
-            assert (await ask("register", registration("w-1"), RegisterReply)).seq > 0
+        assert (await ask("register", registration("w-1"), RegisterReply)).seq > 0
 
-            await rotate(secured, "svc", "w-1")
-            refused = await asyncio.wait_for(refusals.refused(), 20)  # the old seed is refused from the reload on
-            assert "authorization" in str(refused).lower()
-            services_seed.write_text(secured.secrets["svc"])  # each machine gets its new seed
-            worker_seed.write_text(secured.secrets["w-1"][:20])  # the worker's half written, as a reconnect reads it
-            await asyncio.wait_for(refusals.heard.wait(), 20)  # that attempt failed, not its reconnecting
+        await rotate(secured, "svc", "w-1")
+        refused = await asyncio.wait_for(refusals.refused(), 20)  # the old seed is refused from the reload on
+        assert "authorization" in str(refused).lower()
+        services_seed.write_text(secured.secrets["svc"])  # each machine gets its new seed
+        worker_seed.write_text(secured.secrets["w-1"][:20])  # the worker's half written, as a reconnect reads it
+        await asyncio.wait_for(refusals.heard.wait(), 20)  # that attempt failed, not its reconnecting
+        worker_seed.write_text(secured.secrets["w-1"])
+
+        assert (await answered(lambda: ask("heartbeat", {}, HeartbeatReply, 2.0))).ttl_s == 60
+        # a write through the registry's event store: its own connection came back too
+        drained = await answered(lambda: ask("drain", {"reason": "rotated"}, SeqReply, 2.0))
+        assert drained.seq > 0 and not drained.unchanged
+
+
+async def test_a_running_agent_signs_in_again_with_its_new_seed_without_a_restart(tmp_path, monkeypatch):
+    """`warmboot agent`'s own connection (made as every process's is: `connecting`) follows its seed
+    file: refused from the reload on, beating again at once when the file holds the new seed."""
+    from warmboot.agent import Agent
+
+    config = tmp_path / "agent.toml"
+    config.write_text(agent_config("v1"))
+    async with nkey_registry(tmp_path, monkeypatch) as (secured, _, worker_seed):
+        agent = Agent(secured.url(), "w-1", "node-a", config, prefix=PREFIX, probe=PROBE,
+                      nkey_seed=str(worker_seed))
+        stop = asyncio.Event()
+        running = asyncio.create_task(agent.run(stop))
+        try:
+            await until(lambda: agent.beat_at is not None)  # registered, and beating
+            await rotate(secured, "w-1")
+            await asyncio.wait_for(agent._errors.refused(), 20)  # its old seed is refused from the reload on
             worker_seed.write_text(secured.secrets["w-1"])
-
-            assert (await answered(lambda: ask("heartbeat", {}, HeartbeatReply, 2.0))).ttl_s == 60
-            # a write through the registry's event store: its own connection came back too
-            drained = await answered(lambda: ask("drain", {"reason": "rotated"}, SeqReply, 2.0))
-            assert drained.seq > 0 and not drained.unchanged
-    finally:
-        secured.stop()
+            rotated = time.monotonic()
+            await until(lambda: agent.beat_at > rotated)  # a beat the registry stored, sent since
+            assert agent.registered is not None and not running.done()
+        finally:
+            stop.set()
+            await asyncio.wait_for(running, 15)
