@@ -142,13 +142,15 @@ async def expiry_marker(nc, prefix: str, worker_id: str) -> None:
 
 @asynccontextmanager
 async def running_registry(nats_url: str, prefix: str, ttl_s: float = 15.0, own_link: bool = False,
-                           writes: WriteBudget | None = None, reconcile_interval_s: float | None = None):
+                           writes: WriteBudget | None = None, reconcile_interval_s: float | None = None,
+                           via: str | None = None):
     """A registry replica with its own connection, on the JetStream event store; with `own_link`,
     an event-store connection of its own too (another inbox prefix), as another process has, so
     that nothing this process read or wrote is known to it. `writes`: the workers' write budget
     (the default's, if not given); `reconcile_interval_s`: how often it reconciles heartbeats while
-    it runs (the default's, if not given)."""
-    nc = await nats.connect(nats_url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+    it runs (the default's, if not given); `via`: the URL its own connection (not its event
+    store's) is made to, a proxy of the server's, say."""
+    nc = await nats.connect(via or nats_url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
     env = None
     if own_link:
         env = store_env(nats_url, prefix)

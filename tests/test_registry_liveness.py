@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from contextlib import suppress
 
 import msgspec
 import nats.errors
@@ -22,7 +23,8 @@ from events.errors import ContractError, unavailable
 from events.schema import ErrorCode, Heartbeat, RegisterWorker, RemoveWorker, WorkerRemoved
 from events.subjects import bucket_name
 from services.registry.roster import Roster
-from tests.registry_helpers import raw_request, registration, running_registry, wait_event
+from tests.proxy import LosingProxy
+from tests.registry_helpers import raw_request, registration, running_registry, wait_event, worker_events
 
 
 def body(worker_id: str) -> RegisterWorker:
@@ -304,6 +306,44 @@ async def test_a_marker_whose_removal_failed_for_its_whole_life_still_ends_the_s
         assert removed.reason == "LOST" and refused, refused
         _, marker = await registry.liveness.entry("w-1")
         assert marker != first[0]  # removed on a marker of a clock started again
+
+
+async def test_a_marker_lost_with_the_pinned_replica_s_connection_is_found_before_the_next_ack(
+        nats_server, nc, prefix):
+    """The chunk that carries a silent worker's expiry marker to the pinned replica is lost with its
+    connection; nats-py reconnects within the pin's time-out, so the replica keeps its pin, and the
+    server counts the marker delivered. The next delivery (another worker's beat) shows the gap in the
+    consumer's sequence: the replica reconciles before it acknowledges past the marker, and the worker
+    is removed LOST at once, once. Before (found by an audit) that ack acknowledged the marker unhandled,
+    and only the next periodic round (5 minutes here, 100 s by default) found the worker."""
+    async with LosingProxy(nats_server.port) as proxy, \
+            running_registry(nats_server.url, prefix, ttl_s=2, reconcile_interval_s=300, via=proxy.url):
+        reply, _ = await raw_request(nc, prefix, "register", "w-live", registration("w-live"))
+        assert reply["outcome"] == "REGISTERED"
+        beating = asyncio.Event()
+
+        async def beat() -> None:  # the deliveries after the marker, one of which the replica acknowledges
+            while True:
+                await raw_request(nc, prefix, "heartbeat", "w-live", {})
+                beating.set()
+                await asyncio.sleep(0.2)  # the agents' beat period here, a load, not a wait for anything
+
+        beats = asyncio.create_task(beat())
+        try:
+            await asyncio.wait_for(beating.wait(), 10)
+            proxy.lose(b"MaxAge")  # the marker's reason header: only a marker's delivery holds it
+            reply, _ = await raw_request(nc, prefix, "register", "w-silent", registration("w-silent"))
+            registered = reply["seq"]
+            await asyncio.wait_for(proxy.lost.wait(), 20)
+            # well within the consumer's ack wait (30 s), had nothing acknowledged the marker
+            _, removed = await wait_event(nc, prefix, "w-silent", WorkerRemoved, after=registered, timeout=20)
+            assert removed.reason == "LOST"
+        finally:
+            beats.cancel()
+            with suppress(asyncio.CancelledError):
+                await beats
+        removals = [e for _, e in await worker_events(nc, prefix, "w-silent") if isinstance(e, WorkerRemoved)]
+        assert len(removals) == 1
 
 
 async def test_the_sweep_s_consumer_deleted_is_made_again_and_the_silent_worker_found_lost(nats_url, nc, prefix):

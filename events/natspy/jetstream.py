@@ -64,6 +64,13 @@ def ack_positions(reply: str) -> tuple[int, int]:
     return int(tokens[7]), int(tokens[10])
 
 
+def consumer_seq(reply: str) -> int:
+    """The consumer sequence of a JetStream delivery (see `ack_positions`): one more for each message the
+    consumer delivers, to whichever client, redeliveries included."""
+    tokens = reply.split(".")
+    return int(tokens[6] if len(tokens) == 9 else tokens[8])
+
+
 def ack_time(reply: str | bytes) -> int:
     """The stream time (nanoseconds since the epoch) of a JetStream delivery, from its reply
     subject (see `ack_positions`); a direct handler's last argument spells it as bytes."""

@@ -49,7 +49,7 @@ from events.errors import unavailable
 from events.nats_codes import ERR_WRONG_LAST_SEQUENCE
 from events.natspy.frames import DirectDelivery, subscribe_core
 from events.natspy.headers import header_block
-from events.natspy.jetstream import ApiError, ack_positions
+from events.natspy.jetstream import ApiError, ack_positions, consumer_seq
 from events.natspy.publish import Replies, publish
 from events.subjects import bucket_name
 from events.tasks import cancel_and_wait
@@ -148,7 +148,10 @@ class Sweeper:
     leaves its unacknowledged deliveries to the next one pinned (the consumer's ack wait) and its
     markers to that one's reconciliation; one that stops hands back at once the markers it has not
     handled (nak) and unpins itself, so that another replica is pinned and removes those workers within
-    their TTL, not a pin time-out later.
+    their TTL, not a pin time-out later. A delivery that never reached the pinned replica (lost with its
+    connection, the pin kept across the reconnect; or with a consumer leader that died) shows as a gap
+    in the consumer sequences it reads, and is taken as a pin taken anew: reconciled before the next ack,
+    which would acknowledge a marker among them unhandled.
     """
 
     def __init__(self, nc: NATS, stream: str, config: dict,
@@ -171,8 +174,11 @@ class Sweeper:
         self._status = ""  # how the server ended the last pull request
         self._stopping = False
         self._pin = ""  # the pin id the server gave this replica, "" while it holds none
-        self._pins = 0  # pins taken since start
-        self._reconciled = 0  # the pins whose `on_pinned` has returned: acks wait until it is `_pins`
+        self._delivery = 0  # the consumer sequence of the last delivery this replica read (0: none yet)
+        # Reconciliations asked for since start (at each pin taken, and at deliveries missed): acks wait
+        # until `_reconciled`, those whose `on_pinned` has returned, is `_asked`
+        self._asked = 0
+        self._reconciled = 0
         self._reconciling: asyncio.Task[None] | None = None
         self._markers: asyncio.Queue[Msg] = asyncio.Queue()  # the markers `_floor` holds, to be handled
         self._retries: dict[int, asyncio.TimerHandle] = {}
@@ -286,10 +292,15 @@ class Sweeper:
         self._credit -= 1
         if self._credit <= 0:
             self._ended.set()
+        delivery, last = consumer_seq(msg.reply), self._delivery
+        self._delivery = delivery
+        pin = headers.get(PIN_ID) if headers else None
+        if pin and pin != self._pin:
+            self._pin = pin
+            self._reconcile_first()
+        elif last and delivery != last + 1:
+            self._missed(last, delivery)
         if headers:
-            pin = headers.get(PIN_ID)
-            if pin and pin != self._pin:
-                self._pinned(pin)
             if headers.get(MARKER_REASON) == "MaxAge":
                 if self._floor.hold(msg.reply) is not None:  # (None: delivered again while held here)
                     self._markers.put_nowait(msg)
@@ -297,26 +308,37 @@ class Sweeper:
         self._floor.delivered(msg.reply)
         self._kick()  # one task acks for all that one read of the socket brought
 
-    def _pinned(self, pin: str) -> None:
-        self._pin = pin
-        self._pins += 1
+    def _missed(self, last: int, delivery: int) -> None:
+        """A delivery of the consumer's that never reached this replica, pinned all the while: lost with
+        its connection (a reconnect keeps the pin), or on its way from a consumer leader that died (found
+        by an audit). It may have been a marker, which the next ack would acknowledge unhandled, the
+        worker then found only by the next periodic round: reconciled first, as at a pin taken."""
+        log.warning("heartbeat sweep: deliveries %d to %d of its consumer never reached this replica (a "
+                    "reconnect, or a leader's failover); reconciling before acknowledging past them",
+                    last + 1, delivery - 1)
+        self._reconcile_first()
+
+    def _reconcile_first(self) -> None:
+        """`on_pinned` (the registry's reconciliation) before the next ack: whatever this replica did not
+        read of the consumer's deliveries is found by it in the bucket."""
+        self._asked += 1
         if self.on_pinned is None:
-            self._reconciled = self._pins
+            self._reconciled = self._asked
         elif self._reconciling is None:
-            self._reconciling = asyncio.create_task(self._reconcile(), name=f"{self.stream}-sweep-pinned")
+            self._reconciling = asyncio.create_task(self._reconcile(), name=f"{self.stream}-sweep-reconcile")
 
     async def _reconcile(self) -> None:
-        """`on_pinned` once for each pin taken while it ran; then the acks that waited for it."""
+        """`on_pinned` once for each reconciliation asked for while it ran; then the acks that waited for it."""
         try:
-            while self._reconciled < self._pins:
-                pins = self._pins
+            while self._reconciled < self._asked:
+                asked = self._asked
                 try:
                     await self.on_pinned()
                 except asyncio.CancelledError:
                     raise
                 except Exception:  # logged; the periodic reconciliation finds what this one missed
                     log.exception("reconciling heartbeats on taking the sweep failed")
-                self._reconciled = pins
+                self._reconciled = asked
         finally:
             self._reconciling = None
         self._kick()
@@ -327,7 +349,7 @@ class Sweeper:
 
     async def _ack(self) -> None:
         try:
-            while self._reconciled == self._pins:
+            while self._reconciled == self._asked:
                 reply = self._floor.target()
                 if reply is None:
                     break
