@@ -247,6 +247,23 @@ def test_writes_ride_out_the_stream_leader_being_killed(tmp_path):
             app.close()
 
 
+def test_nats_py_s_jetstream_errors_are_judged_as_the_store_s_own():
+    """What nats-py raises for the requests it makes itself (`subscribe`'s consumer) is retried as the
+    store's own requests are: a 503 with its code, and a request nobody took, which nats-py gives as a
+    503 without a code (found by a review: taken as a refusal, not retried); a refusal is not."""
+    import nats.errors
+    import nats.js.errors
+
+    from events.jetstream.errors import from_nats_py, retryable
+
+    nobody = from_nats_py(nats.js.errors.ServiceUnavailableError())
+    assert isinstance(nobody, nats.errors.NoRespondersError) and retryable(nobody)
+    no_leader = from_nats_py(nats.js.errors.APIError(code=503, err_code=10008, description="JetStream system temporarily unavailable"))
+    assert retryable(no_leader)
+    refused = from_nats_py(nats.js.errors.BadRequestError(code=400, err_code=10012, description="consumer config invalid"))
+    assert not retryable(refused) and "consumer config invalid" in str(refused)
+
+
 def test_a_subscription_asked_for_while_its_stream_has_no_leader_starts_once_it_has_one(tmp_path):
     """`recorder.subscribe` makes an ordered consumer, which a stream without a leader cannot: the
     request is retried as the store's own reads are, within the store's time budget, and the

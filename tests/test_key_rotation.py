@@ -146,3 +146,72 @@ async def test_a_running_agent_signs_in_again_with_its_new_seed_without_a_restar
         finally:
             stop.set()
             await asyncio.wait_for(running, 15)
+
+
+async def test_a_process_started_while_its_file_holds_the_revoked_seed_signs_in_once_it_holds_the_new_one(
+        tmp_path, monkeypatch):
+    """An agent or a service (re)started between the reload and the new seed's arrival (the order
+    docs/operations.md gives): its first connect is refused, and goes on trying as it always has; it
+    signs in as soon as the file holds the new seed. nats-py read the public key as it started
+    connecting, so it was refused for good (found by a review)."""
+    async with nkey_registry(tmp_path, monkeypatch) as (secured, _, worker_seed):
+        await rotate(secured, "w-1")  # the file still holds the revoked seed
+        refusals = ErrorsOnce(None)
+        connecting = asyncio.ensure_future(connect(secured.url(), "w-1", nkey_seed=str(worker_seed),
+                                                   inbox_prefix="_INBOX.w-1", errors=refusals,
+                                                   reconnect_time_wait=0.1))
+        try:
+            await asyncio.wait_for(refusals.refused(), 20)
+            assert not connecting.done()
+            worker_seed.write_text(secured.secrets["w-1"])
+            worker = await asyncio.wait_for(connecting, 20)
+        except BaseException:
+            connecting.cancel()
+            raise
+        try:
+            reply = await call(worker, service_subject(PREFIX, "registry", "register", "w-1"), registration("w-1"),
+                               RegisterReply)
+            assert reply.seq > 0
+        finally:
+            await worker.close()
+
+
+def test_a_credentials_file_s_own_seed_signs_and_a_seed_file_signs_with_its_key(tmp_path):
+    """Who signs a sign-in (no server: the callback nats-py's connect installs, given the options it
+    sets): with a credentials file (a JWT and its user's seed) and an nkey seed file both given, the
+    credentials file's seed, as nats-py does (a review found the seed file signing for the JWT, refused
+    at every reconnect); with the seed file alone, the file's seed as it is at each signature, under
+    its own public key."""
+    import base64
+
+    import nkeys
+    from nats.aio.client import Client
+
+    from events.natspy.connections import follow_seed_file
+
+    first, second = _seed(), _seed()
+    creds = tmp_path / "user.creds"
+    creds.write_text("-----BEGIN NATS USER JWT-----\neyJ0eXAiOiJKV1QifQ.e30.sig\n------END NATS USER JWT------\n\n"
+                     f"-----BEGIN USER NKEY SEED-----\n{first}\n------END USER NKEY SEED------\n")
+    seed_file = tmp_path / "w-1.nk"
+    seed_file.write_text(second)
+
+    def signed(seed: str) -> bytes:
+        return base64.b64encode(nkeys.from_seed(bytearray(seed.encode())).sign(b"nonce"))
+
+    def public(seed: str) -> str:
+        return nkeys.from_seed(bytearray(seed.encode())).public_key.decode()
+
+    both = Client()
+    follow_seed_file(both)
+    both._user_credentials, both._nkeys_seed = str(creds), str(seed_file)  # as `connect` sets them
+    both._setup_nkeys_connect()
+    assert both._signature_cb("nonce") == signed(first)
+
+    alone = Client()
+    follow_seed_file(alone)
+    alone._nkeys_seed = str(seed_file)
+    alone._setup_nkeys_connect()
+    assert alone._signature_cb("nonce") == signed(second) and alone._public_nkey == public(second)
+    seed_file.write_text(first)  # rotated: the next sign-in reads it again
+    assert alone._signature_cb("nonce") == signed(first) and alone._public_nkey == public(first)

@@ -132,9 +132,13 @@ def retryable(error: BaseException, also: Collection[int] = ()) -> bool:
     return isinstance(error, NOT_DELIVERED + UNANSWERED)
 
 
-def from_nats_py(error: nats.js.errors.APIError) -> ServerError:
+def from_nats_py(error: nats.js.errors.APIError) -> Exception:
     """JetStream's error answer to a request nats-py made itself (the consumer `subscribe` makes), as
-    the store's own requests get it: judged by `retryable` and `library_error` alike."""
+    the store's own requests get it: judged by `retryable` and `library_error` alike. nats-py gives a
+    request nobody took (no responders: no JetStream yet) as a 503 with no code at all: it is that
+    again (found by a review)."""
+    if error.code is None and isinstance(error, nats.js.errors.ServiceUnavailableError):
+        return nats.errors.NoRespondersError()
     return ServerError(error.code or 0, error.err_code or 0, error.description or "")
 
 

@@ -14,8 +14,8 @@
 - `close`: nats-py's close of a connection that is down (reconnecting) raised half way, writing
   what it held to be sent onto the lost transport; what cannot be sent is dropped first.
 - `follow_seed_file` (done by `connecting`): a connection signed in with an nkey seed file signs
-  each reconnect with the file as it is then, under that seed's own public key. nats-py reads the
-  file again for each signature but keeps the public key it read at the first connect: after a
+  each sign-in with the file as it is then, under that seed's own public key. nats-py reads the
+  file again for each signature but keeps the public key it read as it started connecting: after a
   rotation (the server's user given a new key and reloaded, the new seed put in the file) a
   running process signed with the new seed under the old key, and was refused until restarted.
 """
@@ -152,6 +152,7 @@ async def connecting(nc: Client, timeout: float | None = None, **options: Any) -
     `asyncio.wait_for`, module docstring), and `nc` closed however far it got (a socket opened and
     waiting for the server's greeting; a connection made as the caller gave up), also while the
     caller is cancelled again meanwhile. A connect that fails leaves `nc` closed too."""
+    follow_seed_file(nc)
     task = asyncio.ensure_future(nc.connect(**options))
     try:
         await asyncio.wait({task}, timeout=timeout)  # a cancellation of the caller is not the task's
@@ -164,26 +165,28 @@ async def connecting(nc: Client, timeout: float | None = None, **options: Any) -
     if task.exception() is not None:  # refused: the client is nobody's either
         await close_given_up(nc)
     task.result()
-    follow_seed_file(nc)
     return nc
 
 
 def follow_seed_file(nc: Client) -> None:
-    """For a connection signed in with an nkey seed file (nats-py's `nkeys_seed`): each later
-    sign-in (a reconnect) reads the file as it is then, signs the server's nonce with that seed and
-    names that seed's public key, which nats-py read only once. The seed is wiped after each use, as
-    nats-py's own signature does. A file that cannot be read, or holds no seed (half written), fails
-    that attempt with a nats-py error (reported on the connection's `error_cb`, no secret quoted) and
-    the next attempt reads it again; nats-py's own signature raised nkeys' error there, which ended
-    its reconnecting for good. Nothing is done for a connection signed in otherwise, nor for a client
-    that keeps no nkey sign-in as nats-py 2.x does (`tests/test_key_rotation.py` fails if nats-py
-    stops keeping it so)."""
-    path = getattr(nc, "_nkeys_seed", None)
-    if not path or not hasattr(nc, "_signature_cb") or not hasattr(nc, "_public_nkey"):
+    """Before `nc.connect`: if it signs in with an nkey seed file (nats-py's `nkeys_seed`, no credentials
+    file), each sign-in, the first and every reconnect, reads the file as it is then, signs the
+    server's nonce with that seed and names that seed's public key. nats-py read the public key once,
+    as it started connecting, so a process could not follow a rotation without a restart: not the
+    reconnects of a running one, nor the first connect of one started while its file still held the
+    revoked seed (found by a review). The seed is wiped after each use, as nats-py's own signature
+    does. A file that cannot be read, or holds no seed (half written), fails that attempt with a nats-py
+    error (reported on the connection's `error_cb`, no secret quoted), and the next attempt reads it
+    again; nats-py's own signature raised nkeys' error there, which ended its reconnecting for good.
+    A sign-in with a credentials file (its own seed), or a seed given as text, is left to nats-py; so
+    is a client that is not nats-py 2.x's (`tests/test_key_rotation.py` fails if nats-py changes this)."""
+    setup = getattr(nc, "_setup_nkeys_seed_connect", None)
+    if setup is None or not hasattr(nc, "_signature_cb") or not hasattr(nc, "_public_nkey"):
         return
     import nkeys  # nats-py's own dependency for nkey sign-ins
 
     def sign(nonce: str) -> bytes:
+        path = nc._nkeys_seed
         try:
             with open(path, "rb") as f:
                 seed = bytearray(f.read().strip())
@@ -202,7 +205,13 @@ def follow_seed_file(nc: Client) -> None:
         finally:
             seed[:] = bytes(len(seed))
 
-    nc._signature_cb = sign
+    def follow() -> None:  # what nats-py's connect calls for an nkey sign-in without a credentials file
+        if nc._nkeys_seed and not nc._nkeys_seed_str:
+            nc._signature_cb = sign
+        else:
+            setup()
+
+    nc._setup_nkeys_seed_connect = follow
 
 
 async def abandon(attempt: asyncio.Future, nc: Client | None = None) -> None:

@@ -149,9 +149,9 @@ class Sweeper:
     markers to that one's reconciliation; one that stops hands back at once the markers it has not
     handled (nak) and unpins itself, so that another replica is pinned and removes those workers within
     their TTL, not a pin time-out later. A delivery that never reached the pinned replica (lost with its
-    connection, the pin kept across the reconnect; or with a consumer leader that died) shows as a gap
-    in the consumer sequences it reads, and is taken as a pin taken anew: reconciled before the next ack,
-    which would acknowledge a marker among them unhandled.
+    connection, the pin kept across the reconnect) shows as a gap in the consumer sequences it reads, and
+    is taken as a pin taken anew: reconciled before the next ack, which would acknowledge a marker among
+    them unhandled. (A consumer leader that changes forgets the pin: the next delivery pins anew.)
     """
 
     def __init__(self, nc: NATS, stream: str, config: dict,
@@ -310,12 +310,12 @@ class Sweeper:
 
     def _missed(self, last: int, delivery: int) -> None:
         """A delivery of the consumer's that never reached this replica, pinned all the while: lost with
-        its connection (a reconnect keeps the pin), or on its way from a consumer leader that died (found
-        by an audit). It may have been a marker, which the next ack would acknowledge unhandled, the
-        worker then found only by the next periodic round: reconciled first, as at a pin taken."""
-        log.warning("heartbeat sweep: deliveries %d to %d of its consumer never reached this replica (a "
-                    "reconnect, or a leader's failover); reconciling before acknowledging past them",
-                    last + 1, delivery - 1)
+        its connection (a reconnect within the pin's time-out keeps the pin; found by an audit). It may
+        have been a marker, which the next ack would acknowledge unhandled, the worker then found only by
+        the next periodic round: reconciled first, as at a pin taken. (Any other jump of the sequence,
+        which nats-server is not known to make while the pin holds, is taken the same way.)"""
+        log.warning("heartbeat sweep: deliveries %d to %d of its consumer never reached this replica (lost "
+                    "with its connection); reconciling before acknowledging past them", last + 1, delivery - 1)
         self._reconcile_first()
 
     def _reconcile_first(self) -> None:
