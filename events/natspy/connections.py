@@ -206,7 +206,7 @@ def follow_seed_file(nc: Client) -> None:
             seed[:] = bytes(len(seed))
 
     def follow() -> None:  # what nats-py's connect calls for an nkey sign-in without a credentials file
-        if nc._nkeys_seed and not nc._nkeys_seed_str:
+        if getattr(nc, "_nkeys_seed", None) and not getattr(nc, "_nkeys_seed_str", None):
             nc._signature_cb = sign
         else:
             setup()
