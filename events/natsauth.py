@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
 from urllib.parse import urlsplit
 
 NKEY_SEED_ENV = "NATS_NKEY_SEED"
@@ -98,25 +100,40 @@ def nkey_seed_path(explicit: str | None = None) -> str | None:
     return explicit or os.environ.get(NKEY_SEED_ENV) or None
 
 
+@contextmanager
+def seed_key_pair(seed_path: str) -> Iterator[Any]:
+    """The nkey key pair of the seed in the file `seed_path`, for the block: then wiped, and the
+    seed's bytes zeroed, as nats-py does with its own. OSError if the file cannot be read; ValueError
+    if it holds no nkey seed (its text is never quoted)."""
+    import nkeys  # nats-py's own dependency for nkey sign-ins
+
+    with open(seed_path, "rb") as f:
+        seed = bytearray(f.read().strip())
+    try:
+        try:
+            pair = nkeys.from_seed(seed)  # keeps `seed` itself: its public key is read from it
+        except Exception:
+            raise ValueError(f"{seed_path!r} holds no nkey seed") from None
+        try:
+            yield pair
+        finally:
+            pair.wipe()
+    finally:
+        seed[:] = bytes(len(seed))
+
+
 def nkey_seed_problem(seed_path: str) -> str | None:
     """Why the file `seed_path` cannot sign in as an nkey user, or None if it can: unreadable, or not
     an nkey seed (another file given by mistake: nats-py raised its ErrInvalidSeed only as it connected,
-    a traceback). Read once and wiped, as nats-py reads it for each signature; the message quotes
-    nothing of the file."""
+    a traceback). Read once and wiped (`seed_key_pair`); the message quotes nothing of the file."""
     try:
-        with open(seed_path, "rb") as f:
-            seed = bytearray(f.read().strip())
+        with seed_key_pair(seed_path):
+            pass
     except OSError as e:
         return f"cannot read the nkey seed file {seed_path!r}: {e.strerror or e}"
-    try:
-        import nkeys
-
-        nkeys.from_seed(seed).wipe()
-    except Exception:
+    except ValueError:
         return (f"{seed_path!r} holds no nkey seed (one line, SU..., as `warmboot nats-config --auth nkey "
                 "--seeds-dir DIR` writes DIR/USER.nk)")
-    finally:
-        seed[:] = bytes(len(seed))
     return None
 
 

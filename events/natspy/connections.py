@@ -30,6 +30,7 @@ from typing import Any, Awaitable
 import nats.errors
 from nats.aio.client import Client
 
+from events.natsauth import seed_key_pair
 from events.tasks import cancel_and_wait, retrieved
 
 log = logging.getLogger("warmboot.natspy")
@@ -183,27 +184,17 @@ def follow_seed_file(nc: Client) -> None:
     setup = getattr(nc, "_setup_nkeys_seed_connect", None)
     if setup is None or not hasattr(nc, "_signature_cb") or not hasattr(nc, "_public_nkey"):
         return
-    import nkeys  # nats-py's own dependency for nkey sign-ins
 
     def sign(nonce: str) -> bytes:
         path = nc._nkeys_seed
         try:
-            with open(path, "rb") as f:
-                seed = bytearray(f.read().strip())
-        except OSError as error:
-            raise nats.errors.Error(f"cannot read the nkey seed file {path!r}: {error.strerror or error}") from None
-        try:
-            try:
-                pair = nkeys.from_seed(seed)  # holds `seed` itself (its public key is read from it)
-            except Exception:  # (being written, say): this attempt fails, as a refused one does; not the next
-                raise nats.errors.Error(f"{path!r} holds no nkey seed") from None
-            try:
+            with seed_key_pair(path) as pair:
                 nc._public_nkey = pair.public_key.decode()  # nats-py names it in the CONNECT after signing
                 return base64.b64encode(pair.sign(nonce.encode()))
-            finally:
-                pair.wipe()
-        finally:
-            seed[:] = bytes(len(seed))
+        except OSError as error:
+            raise nats.errors.Error(f"cannot read the nkey seed file {path!r}: {error.strerror or error}") from None
+        except ValueError as error:  # (half written, say): this attempt fails, as a refused one does; not the next
+            raise nats.errors.Error(str(error)) from None
 
     def follow() -> None:  # what nats-py's connect calls for an nkey sign-in without a credentials file
         if getattr(nc, "_nkeys_seed", None) and not getattr(nc, "_nkeys_seed_str", None):
