@@ -119,17 +119,18 @@ class ReplyGuard:
     def __init__(self, service: str, prefix: str, reply_prefixes: tuple[str, ...] = REPLY_PREFIXES):
         self.service = service
         self.prefixes = reply_prefixes
-        self.own = services_inbox(prefix) + "."
+        self.inbox = services_inbox(prefix)  # the services' own: refused bare too (`_INBOX._<prefix>`)
+        self.own = self.inbox + "."
         self._logged: set[str] = set()
 
     def allowed(self, reply: str) -> bool:
-        return (reply.startswith(self.prefixes) and not reply.startswith(self.own)
+        return (reply.startswith(self.prefixes) and not reply.startswith(self.own) and reply != self.inbox
                 and "*" not in reply and ">" not in reply and ".." not in reply and reply[-1] != ".")
 
     def drop(self, endpoint: str, subject: str, reply: str) -> None:
         if not reply:
             reason = "no_reply"
-        elif reply.startswith(self.own):
+        elif reply.startswith(self.own) or reply == self.inbox:
             reason = "services_inbox"
         elif reply.startswith(self.prefixes):
             reason = "wildcard" if "*" in reply or ">" in reply else "empty_token"
