@@ -280,7 +280,8 @@ def projection_memory(workers: int, actors: int) -> dict:
         messages.extend(message(e) for e in deployment.step())
     for _ in range(actors):  # the actors created last are mostly CREATED: live a little longer, as in a log
         messages.extend(message(e) for e in deployment.step(create=0.0))
-    del deployment, versions
+    del deployment
+    versions.clear()
 
     def fold(p: Projection, seq: int, items: list[tuple[str, dict[str, str], bytes]]) -> int:
         replica = Fold(None, prefix, p)  # its per-message path, without the bus

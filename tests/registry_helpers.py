@@ -21,7 +21,7 @@ from events.subjects import bucket_name, event_subject, service_subject, stream_
 from services.process import store_env
 from services.registry.budget import WriteBudget
 from services.registry.service import RegistryService
-from tests.factories import last_seq, ordered_subscription  # noqa: F401 (last_seq: for the registry tests)
+from tests.factories import ordered_subscription
 from warmboot.agent import Agent
 from warmboot.agent_config import ProbeSettings
 

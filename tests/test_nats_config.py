@@ -22,7 +22,8 @@ from events.natsauth import INBOX_PREFIX_ENV, NKEY_SEED_ENV, env_sign_in, inbox_
 from events.schema import RuntimeChanged, WorkerRegistered
 from events.subjects import event_subject, service_subject, stream_name
 from tests.factories import SILENT_TTL_S
-from tests.registry_helpers import PROBE, agent_config, last_seq, registration, wait_event
+from tests.factories import last_seq
+from tests.registry_helpers import PROBE, agent_config, registration, wait_event
 from tests.secured_helpers import Secured, Serve
 from warmboot.agent import Agent
 from warmboot.cli import main

@@ -41,11 +41,10 @@ from events.errors import ContractError, latest_revision, unavailable
 from services.process import store_env
 from services.registry.liveness import ACK_WAIT_S, SWEEPER
 from services.registry.service import COMMIT_GROUP, RegistryStore
-from tests.factories import another_process, read_messages, reads_before
+from tests.factories import another_process, last_seq, read_messages, reads_before
 from tests.registry_helpers import (
     attrs,
     expiry_marker,
-    last_seq,
     raw_request,
     registration,
     running_registry,

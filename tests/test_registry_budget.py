@@ -27,7 +27,8 @@ from events.schema import ErrorCode, RuntimeChanged, WorkerRegistered, WorkerRem
 from events.subjects import bucket_name
 from services.registry.budget import FREE, WriteBudget
 from services.registry.service import IN_FLIGHT_PER_WORKER
-from tests.registry_helpers import (last_seq, raw_request, registration, running_registry, runtime, wait_event,
+from tests.factories import last_seq
+from tests.registry_helpers import (raw_request, registration, running_registry, runtime, wait_event,
                                     worker_events)
 from tests.registry_helpers import AMD, CPUINFO, PROBE, a_machine, agent_config, without_cpu_features
 from tests.test_agent import agent_running, config

@@ -27,9 +27,9 @@ import services.registry.liveness as liveness_module
 from services.registry.liveness import Liveness
 from services.registry.roster import Roster
 from services.registry.service import REGISTER_AGAIN
+from tests.factories import last_seq
 from tests.registry_helpers import (
     expiry_marker,
-    last_seq,
     raw_request,
     registration,
     running_registry,

@@ -28,7 +28,8 @@ from services.registry.domain import Worker
 from services.registry.nodes import (check_node, check_registered, encode_nodes, load_nodes, parse_nodes,
                                      unbound_reason)
 from services.registry.roster import Roster
-from tests.registry_helpers import PROBE, agent_config, last_seq, registration, running_registry, wait_event
+from tests.factories import last_seq
+from tests.registry_helpers import PROBE, agent_config, registration, running_registry, wait_event
 from tests.secured_helpers import Secured, Serve
 from warmboot.agent import Agent
 from warmboot.cli import main
