@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import nats
@@ -60,12 +61,39 @@ class Secured:
                  clients=(), auth: str = "password"):
         self.prefix = prefix
         self.services = services
+        self.auth = auth
+        self.workers, self.operators, self.clients = list(workers), list(operators), list(clients)
         users = [services, *operators, *clients, *workers]
-        self.secrets = {u: (secrets.token_urlsafe(18) if auth != "nkey" else _seed()) for u in users}
-        ids: dict[str, Identity] = identities(auth, self.secrets)
-        self.config = nats_auth_config(prefix, services, list(workers), list(operators), clients=list(clients),
-                                       ids=ids)
+        self.secrets = {u: self.new_secret() for u in users}
+        self.config = self._config()
         self.server = NatsServer(store_dir, extra_config=self.config)
+
+    def new_secret(self) -> str:
+        """A password, or an nkey seed with `auth="nkey"`."""
+        return secrets.token_urlsafe(18) if self.auth != "nkey" else _seed()
+
+    def _config(self) -> str:
+        ids: dict[str, Identity] = identities(self.auth, self.secrets)
+        return nats_auth_config(self.prefix, self.services, self.workers, self.operators, clients=self.clients, ids=ids)
+
+    async def reload(self, *, rotate: tuple[str, ...] = (), workers: list[str] | None = None) -> None:
+        """Give the users in `rotate` new secrets (and, with `workers`, keep only those workers), write
+        the configuration again and reload the server (SIGHUP); return once it says it reloaded. From
+        then on the old secrets are refused and connections signed in with them are closed."""
+        for user in rotate:
+            self.secrets[user] = self.new_secret()
+        if workers is not None:
+            self.workers = list(workers)
+        server = self.server
+        self.config = server.extra_config = self._config()
+        server.config_path.write_text(server.config())
+        seen = len(server.log)
+        os.kill(server.pid, signal.SIGHUP)
+        deadline = time.monotonic() + 20
+        while not any("Reloaded server configuration" in line for line in list(server.log)[seen:]):
+            assert not any("Failed to reload" in line for line in server.log), list(server.log)[-5:]
+            assert time.monotonic() < deadline, "the server did not say it reloaded"
+            await asyncio.sleep(0.05)  # polling the server's log with a deadline: it keeps no event to await
 
     def start(self) -> "Secured":
         self.server.start()

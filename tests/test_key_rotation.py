@@ -7,8 +7,6 @@ and signed the reconnects with the new seed under the old key: refused until a r
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import time
 from contextlib import AsyncExitStack, asynccontextmanager
 
@@ -19,7 +17,6 @@ from services.endpoints import call
 from tests.registry_helpers import PROBE, agent_config, registration
 from tests.secured_helpers import Secured, _seed
 from warmboot.connection import connect
-from warmboot.nats_config import identities, nats_auth_config
 from warmboot.runner import start_services
 
 PREFIX = "kr"
@@ -28,19 +25,7 @@ PREFIX = "kr"
 async def rotate(secured: Secured, *users: str) -> None:
     """Give `users` new seeds in the server's configuration and reload it: from the reload on, their
     old keys are refused, and connections signed in with them are closed."""
-    for user in users:
-        secured.secrets[user] = _seed()
-    server = secured.server
-    server.extra_config = nats_auth_config(PREFIX, secured.services, ["w-1"], [], clients=[],
-                                           ids=identities("nkey", secured.secrets))
-    server.config_path.write_text(server.config())
-    seen = len(server.log)
-    os.kill(server.pid, signal.SIGHUP)
-    deadline = time.monotonic() + 20
-    while not any("Reloaded server configuration" in line for line in list(server.log)[seen:]):
-        assert not any("Failed to reload" in line for line in server.log), list(server.log)[-5:]
-        assert time.monotonic() < deadline, "the server did not say it reloaded"
-        await asyncio.sleep(0.05)  # polling the server's log with a deadline, not a fixed wait
+    await secured.reload(rotate=users)
 
 
 @asynccontextmanager
