@@ -1016,3 +1016,20 @@ def test_the_store_judges_the_config_the_server_answered(nats_url, monkeypatch):
     assert [name for name, _, _ in judged] == [stream_name(prefix)] * 2
     assert all(config.get("allow_atomic") is True and config["name"] == stream_name(prefix) for _, config, _ in judged)
     assert all(server.count(".") == 2 for _, _, server in judged), judged  # e.g. 2.15.1
+
+
+def test_a_subscription_queues_what_comes_while_its_reader_is_behind_without_a_limit(nats_url):
+    """nats-py drops what a push subscription's queue cannot take (524,288 messages or 256 MiB by
+    default) and counts it delivered all the same: a process application's follower held behind its
+    thread lost events for good (an audit's reproduction lost a WorkerRemoved, its worker's actors
+    never released). The subscription's queue has no limit (`events.natspy.jetstream.NO_DROPS`)."""
+    app = app_on(nats_url, new_prefix())
+    try:
+        subscription = app.recorder.subscribe(gt=None)
+        try:
+            queued = subscription._consumer._sub
+            assert (queued._pending_queue.maxsize, queued._pending_bytes_limit) == (0, 0)
+        finally:
+            subscription.stop()
+    finally:
+        app.close()

@@ -54,7 +54,7 @@ from events.jetstream.batch import Batch, Out
 from events.jetstream.errors import from_nats_py
 from events.jetstream.retry import Retry
 from events.jetstream.stream import Stored, Stream
-from events.natspy.jetstream import ORDERED_IDLE_HEARTBEAT_S, ack_positions
+from events.natspy.jetstream import NO_DROPS, ORDERED_IDLE_HEARTBEAT_S, ack_positions
 
 SUBSCRIPTION_BUFFER = 10_000
 
@@ -413,7 +413,7 @@ class JetStreamSubscription(Subscription[JetStreamApplicationRecorder]):
                 try:
                     buffer.put_nowait(item)
                     return
-                except queue.Full:  # the reader is behind: hold the consumer (flow control)
+                except queue.Full:  # the reader is behind: hold the callback (nats-py queues what comes meanwhile)
                     await asyncio.sleep(0.005)
 
         stream = recorder.stream
@@ -431,6 +431,7 @@ class JetStreamSubscription(Subscription[JetStreamApplicationRecorder]):
                     ordered_consumer=True,
                     idle_heartbeat=ORDERED_IDLE_HEARTBEAT_S,
                     config=config,
+                    **NO_DROPS,  # held by `deliver` while the reader is behind: nats-py queues, never drops
                 )
             except nats.js.errors.APIError as error:
                 raise from_nats_py(error) from None

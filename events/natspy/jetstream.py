@@ -12,6 +12,9 @@ as this project runs it (`events.natspy` says why this package exists):
   whatever stream has the name then: one deleted and made again included. The caller
   gets to run that re-creation itself (a fold holds its messages, then checks which
   stream its consumer is now on).
+- `NO_DROPS`: the subscription options of an ordered consumer whose every message counts
+  (nats-py drops what its queue cannot take, silently to its reader); `reset_from`: the
+  consumer made again from a sequence its reader chooses.
 """
 
 from __future__ import annotations
@@ -25,6 +28,18 @@ import msgspec
 # consumer lost with its server (a stream leader killed) comes back within 1 to 2 s of a new
 # one being possible. An idle stream costs each ordered consumer two messages a second.
 ORDERED_IDLE_HEARTBEAT_S = 0.5
+
+# nats-py queues a push subscription's messages for its callback up to `pending_msgs_limit`
+# (524,288) or `pending_bytes_limit` (256 MiB) and drops the rest, telling only the connection's
+# error callback (SlowConsumerError). For an ordered consumer it has already counted a dropped
+# message as delivered (its delivery and stream sequences move before the queue is tried), so it
+# never re-creates the consumer for it: the reader just never gets it. Its flow-control replies
+# do not wait for the callback either. A reader that holds its callback (the scheduler's fold while
+# a checkpoint copies the projection, a process application's follower behind its thread) while
+# enough traffic arrives lost messages for good (an audit reproduced it: a worker's dropped
+# runtime change, a memory image placed where it cannot load). Zero is no limit, in nats-py: the
+# queue grows while the reader is held and drains after.
+NO_DROPS = {"pending_msgs_limit": 0, "pending_bytes_limit": 0}
 
 
 def guard_recreation(psub: Any, guard: Callable[[Callable[[], Awaitable[None]]], Awaitable[None]]) -> None:
@@ -51,6 +66,20 @@ def guard_recreation(psub: Any, guard: Callable[[Callable[[], Awaitable[None]]],
         await guard(recreate)
 
     jsi.recreate_consumer = guarded
+
+
+async def reset_from(psub: Any, seq: int) -> None:
+    """Have nats-py make the ordered consumer of `psub` again from stream sequence `seq` (not from
+    the one after the last it received, as it does on its own): a new deliver subject at once
+    (the old one's messages are dropped from then on), the consumer made in nats-py's background
+    task, through `guard_recreation`'s guard if one is installed."""
+    jsi = getattr(getattr(psub, "_sub", None), "_jsi", None)
+    reset = getattr(jsi, "reset_ordered_consumer", None)
+    if reset is None or not hasattr(jsi, "_sseq"):
+        raise RuntimeError("nats-py's ordered consumer no longer resets through _JSI.reset_ordered_consumer as "
+                           "events/natspy/jetstream.py expects: teach `reset_from` the new way")
+    jsi._sseq = seq - 1  # what nats-py's own resets start after, until a message of the new consumer moves it
+    await reset(seq)
 
 
 def ack_positions(reply: str) -> tuple[int, int]:
@@ -85,3 +114,18 @@ class ApiError(msgspec.Struct):
     code: int = 0
     err_code: int = 0
     description: str = ""
+
+
+class StoredMsg(msgspec.Struct):
+    """The `message` of a `STREAM.MSG.GET` answer, as its raw readers read it: its stream sequence,
+    and its header block (base64, as the server sends it; None: it has none)."""
+
+    seq: int
+    hdrs: str | None = None
+
+
+class MsgGetAnswer(msgspec.Struct):
+    """A `STREAM.MSG.GET` answer (one from the stream leader), for readers of the raw JSON."""
+
+    message: StoredMsg | None = None
+    error: ApiError | None = None

@@ -40,7 +40,7 @@ from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy, KeyValueConfig, StorageType
 from nats.js.errors import NotFoundError
 
-from events.natspy.jetstream import ORDERED_IDLE_HEARTBEAT_S
+from events.natspy.jetstream import NO_DROPS, ORDERED_IDLE_HEARTBEAT_S
 from events.subjects import bucket_name
 from services.process import stream_replicas
 from services.registry.nodes import describe, describe_change, encode_nodes, parse_nodes
@@ -96,7 +96,8 @@ class SharedBinding:
 
         def subscribe() -> Any:  # from the key's last value: a change made after the read below is not missed
             return js.subscribe(self.subject, stream=self.stream, cb=self._on_msg, ordered_consumer=True,
-                                idle_heartbeat=ORDERED_IDLE_HEARTBEAT_S, deliver_policy=DeliverPolicy.LAST_PER_SUBJECT)
+                                idle_heartbeat=ORDERED_IDLE_HEARTBEAT_S, deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+                                **NO_DROPS)
 
         self._sub = await until_answered(subscribe, f"the consumer on {self.subject}")
         self._apply(*(await self._read()))

@@ -41,7 +41,7 @@ from events.jetstream import TOPIC_HEADER
 from events.jetstream.retry import REQUEST_TIMEOUT
 from events.nats_codes import ERR_NO_MESSAGE_FOUND
 from events.natspy.headers import use_lean_headers
-from events.natspy.jetstream import ORDERED_IDLE_HEARTBEAT_S, ApiError, ack_positions, ack_time
+from events.natspy.jetstream import NO_DROPS, ORDERED_IDLE_HEARTBEAT_S, ApiError, MsgGetAnswer, ack_positions, ack_time
 from events.subjects import event_subject, stream_name
 from events.tasks import cancel_and_wait
 from services.registry.roster import NAMES_NODE, REVISES, Roster
@@ -72,15 +72,6 @@ class _StreamInfo(msgspec.Struct):
     error: ApiError | None = None
 
 
-class _Stored(msgspec.Struct):
-    seq: int
-
-
-class _MsgGet(msgspec.Struct):
-    message: _Stored | None = None
-    error: ApiError | None = None
-
-
 class _Registered(msgspec.Struct):
     """The fields of a registration's, an update's or a runtime change's body the roster keeps."""
     node: str | None = None
@@ -95,7 +86,7 @@ def _not_yet(answer: Any) -> bool:
 
 _registered_decoder = msgspec.json.Decoder(_Registered)
 _info_decoder = msgspec.json.Decoder(_StreamInfo)
-_get_decoder = msgspec.json.Decoder(_MsgGet)
+_get_decoder = msgspec.json.Decoder(MsgGetAnswer)
 
 
 class RosterFold:
@@ -131,7 +122,7 @@ class RosterFold:
         js = self.nc.jetstream()
         self._sub = await until_answered(  # asked again while JetStream cannot answer (a leader election)
             lambda: js.subscribe(self.filter, stream=self.stream, cb=self._on_msg, ordered_consumer=True,
-                                 idle_heartbeat=ORDERED_IDLE_HEARTBEAT_S),
+                                 idle_heartbeat=ORDERED_IDLE_HEARTBEAT_S, **NO_DROPS),
             f"the roster's consumer on {self.stream}")
         try:
             await self._settle(asyncio.get_running_loop().time() + timeout, patient=True)

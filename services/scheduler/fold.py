@@ -12,7 +12,9 @@ straight to the fold, read ahead of nats-py's protocol parser
 fold paused they take nats-py's path to the subscription's callback instead, which
 folds them in order once the pause ends; direct delivery resumes when none is left.
 `wait(seq)` lets a request be answered from state that includes `seq` (`min_seq`),
-or UNAVAILABLE after a deadline.
+or UNAVAILABLE after a deadline. Only the next message is folded: one further on means
+those between were missed (nats-py drops what a full queue cannot take, though this fold's
+has no limit), and the consumer is made again from the first of them (`_missing`).
 
 A projection is a fold of one incarnation of the stream (`Projection.stream_created`):
 a stream deleted and made again is another log, whose sequences start over. nats-py
@@ -52,7 +54,8 @@ from events.jetstream import TOPIC_HEADER, VERSION_HEADER
 from events.natspy.connections import describe_error
 from events.natspy.frames import DirectDelivery, deliver_directly
 from events.natspy.headers import use_lean_headers
-from events.natspy.jetstream import ORDERED_IDLE_HEARTBEAT_S, ack_positions, ack_time, guard_recreation
+from events.natspy.jetstream import (NO_DROPS, ORDERED_IDLE_HEARTBEAT_S, ack_positions, ack_time, guard_recreation,
+                                     reset_from)
 from events.schema import (EVENT_TYPES, ActorPlaced, ActorRuntime, AnyEvent, Snapshot, SnapshotTaken, TagRecorded,
                            WorkerBooked, WorkerEvent)
 from events.subjects import stream_name
@@ -85,6 +88,7 @@ RUNTIMES_KEPT = 4096
 PAST_END_GRACE_S = 0.25  # a min_seq not folded after this long is checked against the end of the log
 CURRENT_RETRY_S = 0.05  # `Fold.current`: the first pause before a failed question about the log's end is asked again
 STREAM_GONE_RETRY_S = 0.5  # a re-made consumer's stream not found: asked again after this long
+REFILL_AGAIN_S = 1.0  # messages missed again at the same place: read again at most this often (`Fold._missing`)
 
 
 class StreamReplaced(Exception):
@@ -174,6 +178,11 @@ class Fold:
         self.stale: str | None = None
         self.on_stale: list[Callable[[str], None]] = []
         self._guard: asyncio.Task[Any] | None = None  # nats-py's task re-making the consumer, while it checks
+        # Messages missed (`_missing`): how many times, the task reading them again, and where and when
+        # it last had the consumer made again
+        self.holes = 0
+        self._refilling: asyncio.Task[None] | None = None
+        self._refilled: tuple[int, float] = (0, -math.inf)
 
     @property
     def applied(self) -> int:
@@ -198,7 +207,7 @@ class Fold:
                 start = {"deliver_policy": DeliverPolicy.BY_START_SEQUENCE,
                          "config": ConsumerConfig(opt_start_seq=self.projection.seq + 1)}
             return js.subscribe(f"{self.prefix}.>", stream=self.stream, cb=self._on_msg, ordered_consumer=True,
-                                idle_heartbeat=ORDERED_IDLE_HEARTBEAT_S, **start)
+                                idle_heartbeat=ORDERED_IDLE_HEARTBEAT_S, **NO_DROPS, **start)
 
         self._sub = await until_answered(subscribe, f"the fold's consumer on {self.stream}")
         self._direct = deliver_directly(self.nc, self._sub, self._folded, self._direct_ready,
@@ -218,6 +227,9 @@ class Fold:
         guard, self._guard = self._guard, None
         if guard is not None and guard is not asyncio.current_task():
             await cancel_and_wait(guard)
+        refilling, self._refilling = self._refilling, None
+        if refilling is not None and refilling is not asyncio.current_task():
+            await cancel_and_wait(refilling)
         if self._direct is not None:
             self._direct.close()
             self._direct = None
@@ -352,9 +364,14 @@ class Fold:
 
     def _folded(self, seq: int, behind: int, subject: str, headers: dict[str, str] | None, data: bytes,
                 stamp: int | bytes = 0) -> None:
-        """One message delivered, by either path: folded, then the waiters and listeners told."""
-        if seq <= self.projection.seq:  # redelivered: an ordered consumer reset before its first message
-            return
+        """One message delivered, by either path: folded, then the waiters and listeners told. Only
+        the next one: every message of the stream is the fold's, so one further on means those
+        between were missed (`_missing`)."""
+        last = self.projection.seq
+        if seq != last + 1:
+            if seq > last:
+                self._missing(seq)
+            return  # else redelivered: an ordered consumer reset before its first message
         self.fold_message(seq, subject, headers, data)
         self.projection.seq_time = stamp
         self.behind = behind
@@ -367,6 +384,53 @@ class Fold:
                     waiter.set_result(None)
         for listener in self.listeners:
             listener(seq)
+
+    def _missing(self, seq: int) -> None:
+        """A message past the next one (`seq`): those between were not delivered. nats-py drops what its
+        queue cannot take, its sequence tracking already past them (`events.natspy.jetstream.NO_DROPS`,
+        set here all the same), or the stream no longer has them (deleted by hand: the stream itself
+        discards nothing). Folded past, they would leave the projection wrong for good: a dropped
+        runtime change, a memory image placed where it cannot load (an audit's finding). So nothing is
+        folded until they are: the consumer is made again from the first one missed (`_refill`), and
+        what the old one still delivers meanwhile is dropped here."""
+        self.holes += 1
+        if self._refilling is not None or self.stale is not None:
+            return
+        first = self.projection.seq + 1
+        loop = asyncio.get_running_loop()
+        where, when = self._refilled
+        if where == first and loop.time() - when < REFILL_AGAIN_S:
+            return  # the old consumer's messages still coming, after the consumer was made again from here
+        log.warning("the fold of %s missed messages %d to %d; reading them again", self.stream, first, seq - 1)
+        self._refilling = loop.create_task(self._refill(), name=f"{self.stream}-fold-refill")
+
+    async def _refill(self) -> None:
+        """The consumer made again from the first message missed; messages the stream no longer has
+        are folded past (logged), as the stream's leader says (its first message from there on)."""
+        try:
+            while self._guard is not None:  # a re-creation under way first: it checks the stream
+                await asyncio.wait({self._guard})
+            first = self.projection.seq + 1
+            js = self.nc.jetstream()
+            try:
+                found = await until_answered(
+                    lambda: js.get_msg(self.stream, seq=first, subject=f"{self.prefix}.>", next=True),
+                    f"the stream {self.stream}")
+            except NotFoundError:
+                found = None
+            if found is not None and found.seq > first and self.projection.seq == first - 1:
+                log.warning("messages %d to %d are not in the stream %s (deleted): the fold goes on past them",
+                            first, found.seq - 1, self.stream)
+                self.projection.skip(found.seq - 1)
+            if self._sub is not None and self.stale is None:
+                self._refilled = (self.projection.seq + 1, asyncio.get_running_loop().time())
+                await reset_from(self._sub, self.projection.seq + 1)
+        except Exception as error:
+            self.give_up(f"the messages the fold of {self.stream} missed could not be read again "
+                         f"({describe_error(error)})")
+        finally:
+            if self._refilling is asyncio.current_task():
+                self._refilling = None
 
     def fold_message(self, seq: int, subject: str, headers: dict[str, str] | None, data: bytes) -> None:
         """Fold one message of the stream as read: its sequence, subject, headers and body."""
