@@ -229,17 +229,17 @@ def test_the_roster_keeps_nothing_of_removed_workers():
 
 
 def hold_the_sweeps_read(registry) -> tuple[asyncio.Event, asyncio.Event]:
-    """The registry's read of a worker's heartbeat key (`liveness.state`, which the sweep makes for
+    """The registry's read of a worker's heartbeat key (`liveness.entry`, which the sweep makes for
     an expiry) held once it has read: (`read`, set then; `go`, which the test sets to let it return)."""
-    state, read, go = registry.liveness.state, asyncio.Event(), asyncio.Event()
+    entry, read, go = registry.liveness.entry, asyncio.Event(), asyncio.Event()
 
-    async def state_then_wait(worker_id: str) -> str:
-        seen = await state(worker_id)
+    async def entry_then_wait(worker_id: str) -> tuple[str, int]:
+        seen = await entry(worker_id)
         read.set()
         await go.wait()
         return seen
 
-    registry.liveness.state = state_then_wait
+    registry.liveness.entry = entry_then_wait
     return read, go
 
 

@@ -752,9 +752,9 @@ class RegistryService:
         after it, and its beat may be on its way; or no entry) gets a clock instead, as a reconciliation
         gives one, so that the worker is removed LOST within its TTL if it is silent: removed at once, a
         life registered a moment before, its first beat under the tombstone, was (an audit's finding)."""
-        state = await self.liveness.state(worker_id)
+        state, seq = await self.liveness.entry(worker_id)
         if state == "absent":
-            await self.liveness.start_clock(worker_id, await self.liveness.last_entry(worker_id))
+            await self.liveness.start_clock(worker_id, seq)
         return state == "expired"
 
     async def reconcile(self) -> None:
