@@ -26,6 +26,43 @@ def pytest_asyncio_loop_factories(config, item):
     return {name: factory}
 
 
+_loop: list[asyncio.AbstractEventLoop] = []  # the session's loop, once a test has run on it
+
+
+@pytest.fixture(autouse=True)
+async def _session_loop():
+    """Remember the loop the tests run on, for `pytest_runtest_protocol`'s report of a hung test."""
+    if not _loop:
+        _loop.append(asyncio.get_running_loop())
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A test still running shortly before pytest-timeout ends the run (its `thread` method dumps the
+    threads' stacks, where an awaiting coroutine does not show): its id, and what every task of the
+    session's loop awaits, on stderr."""
+    import sys
+    import threading
+
+    limit = float(item.config.getini("timeout") or 0)
+
+    def report() -> None:
+        print(f"\n{item.nodeid} still runs after {limit * 0.9:.0f}s; the tasks of its loop:", file=sys.stderr)
+        for task in list(asyncio.all_tasks(_loop[0])) if _loop else []:
+            task.print_stack(limit=8, file=sys.stderr)
+
+    timer = threading.Timer(limit * 0.9, report) if limit > 0 else None
+    if timer is not None:
+        timer.daemon = True
+        timer.start()
+    try:
+        yield
+    finally:
+        if timer is not None:
+            timer.cancel()
+
+
 @pytest.fixture(scope="session")
 def nats_server(tmp_path_factory):
     server = NatsServer(tmp_path_factory.mktemp("nats"))
