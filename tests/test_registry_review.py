@@ -841,3 +841,31 @@ async def test_a_late_copy_whose_revision_the_earlier_life_never_recorded_is_ref
         attrs = {x.key: x.value for x in worker.sandbox_classes[0].default_runtime.version.attributes}
         assert (outcome, attrs["gvisor_asset_hash"]) == ((ErrorCode.FAILED_PRECONDITION, "request_id"), "cpu-y")
         assert await last_seq(nc, prefix) == before
+
+
+# --- a cancellation swallowed inside a loop of the replica -------------------------------------------
+
+
+async def test_a_replica_stops_though_its_loops_swallowed_their_cancellation(nats_url, prefix):
+    """Python 3.11's asyncio.wait_for, inside every nats-py request, can swallow a cancellation (its
+    future done as the task is cancelled). The look for workers on nodes their binding does not give
+    them, and the reconciliation's loop, went back to their waits: `stop` waited for them for ever
+    (a test hung so, 2026-12-05). Here both swallow it as wait_for can; the replica still stops."""
+    async with running_registry(nats_url, prefix, reconcile_interval_s=0.05) as registry:
+        inside = {"look": asyncio.Event(), "round": asyncio.Event()}
+
+        def swallowing(name: str):
+            async def call(*args, **kwargs) -> None:
+                inside[name].set()
+                try:
+                    await asyncio.Event().wait()  # until cancelled
+                except asyncio.CancelledError:
+                    return  # as wait_for returns a result that came as it was cancelled
+            return call
+
+        registry.binding.refresh = swallowing("look")
+        registry.reconcile = swallowing("round")
+        registry._binding_moved.set()
+        for event in inside.values():
+            await asyncio.wait_for(event.wait(), 10)
+        await asyncio.wait_for(registry.stop(), 10)

@@ -22,7 +22,6 @@ from events.codec import decode_event
 from events.errors import ContractError
 from events.schema import ErrorCode, Heartbeat, RegisterOutcome, RegisterWorker, WorkerRegistered, WorkerRemoved
 from events.subjects import bucket_name, event_subject, service_subject
-from events.tasks import cancel_and_wait
 from services.registry.binding import SharedBinding
 from services.registry.domain import Worker
 from services.registry.nodes import (check_node, check_registered, encode_nodes, load_nodes, parse_nodes,
@@ -434,7 +433,26 @@ async def test_a_worker_registered_on_another_node_before_the_binding_is_removed
         await bus.close()
 
 
-async def test_should_the_removal_fail_a_worker_on_another_node_is_refused_its_heartbeats(nats_server, prefix):
+def binding_moved(registry) -> asyncio.Event:
+    """Set when the replica's binding changes from now on (its own event is cleared by the look)."""
+    moved, told = asyncio.Event(), registry.binding.on_change
+
+    def change() -> None:
+        told()
+        moved.set()
+
+    registry.binding.on_change = change
+    return moved
+
+
+async def removal_failed(worker_id: str, node: str) -> None:
+    """`RegistryService._remove_if_unbound` as if every removal failed (the look goes on, removing nothing).
+    Not the look's task cancelled: a cancellation that a request's time-out swallowed left the test
+    waiting for that task for ever (Python 3.11's asyncio.wait_for; the suite hung so, 2026-12-05)."""
+
+
+async def test_should_the_removal_fail_a_worker_on_another_node_is_refused_its_heartbeats(nats_server, prefix,
+                                                                                         monkeypatch):
     """The second line: a worker registered on a node the binding does not give it, and not removed
     (the look that removes it failed; here, it is stopped), is refused its heartbeats, nothing put,
     so its clock runs out and it ends as LOST; registered on its own node, it beats again."""
@@ -449,11 +467,11 @@ async def test_should_the_removal_fail_a_worker_on_another_node_is_refused_its_h
 
         try:
             assert (await call("register", registration("w-2", node="node-a")))["outcome"] == "REGISTERED"
-            await cancel_and_wait(registry._unbound)  # as if every removal failed
-            registry._binding_moved.clear()  # set at start, if the look had not run yet
+            monkeypatch.setattr(registry, "_remove_if_unbound", removal_failed)  # as if every removal failed
+            moved = binding_moved(registry)
             await js.publish(f"$KV.{bucket_name(prefix, 'settings')}.worker-nodes",
                              encode_nodes({"w-1": "node-a", "w-2": "node-b"}))
-            await asyncio.wait_for(registry._binding_moved.wait(), 10)  # this replica has the binding
+            await asyncio.wait_for(moved.wait(), 10)  # this replica has the binding
             put = (await js.stream_info(heartbeats)).state.last_seq
             for _ in range(4):
                 refused = await call("heartbeat", {})
@@ -466,7 +484,8 @@ async def test_should_the_removal_fail_a_worker_on_another_node_is_refused_its_h
             await nc.close()
 
 
-async def test_a_worker_the_roster_does_not_have_is_judged_on_the_node_its_history_names(nats_server, prefix):
+async def test_a_worker_the_roster_does_not_have_is_judged_on_the_node_its_history_names(nats_server, prefix,
+                                                                                         monkeypatch):
     """docs/registry.md, "Who may beat": a worker registered on a node the binding does not give it is
     refused its heartbeats, and so is one the roster does not have (its fold stalled), by the node its
     history names. Here w-2 registers on node-a while the replica's fold hears nothing (the barrier
@@ -479,16 +498,16 @@ async def test_a_worker_the_roster_does_not_have_is_judged_on_the_node_its_histo
         js = nc.jetstream()
         heartbeats = f"KV_{bucket_name(prefix, 'heartbeats')}"
         try:
-            await cancel_and_wait(registry._unbound)  # as if every removal failed
+            monkeypatch.setattr(registry, "_remove_if_unbound", removal_failed)  # as if every removal failed
             registry.fold.barrier_timeout = 0.2
             await registry.fold._sub.unsubscribe()  # the replica hears of no worker event from now on
             registered = await registry.register("w-2", msgspec.convert(registration("w-2", node="node-a"),
                                                                         RegisterWorker))
             assert registered.outcome is RegisterOutcome.REGISTERED and not registry.roster.alive("w-2")
-            registry._binding_moved.clear()
+            moved = binding_moved(registry)
             await js.publish(f"$KV.{bucket_name(prefix, 'settings')}.worker-nodes",
                              encode_nodes({"w-1": "node-a", "w-2": "node-b"}))
-            await asyncio.wait_for(registry._binding_moved.wait(), 10)  # this replica has the binding
+            await asyncio.wait_for(moved.wait(), 10)  # this replica has the binding
             put = (await js.stream_info(heartbeats)).state.last_seq
             with pytest.raises(ContractError) as refused:
                 await registry.heartbeat("w-2", Heartbeat())

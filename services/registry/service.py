@@ -407,6 +407,10 @@ class RegistryService:
         # What the requests about each worker may write (`services.registry.budget`): this replica's.
         self.writes = writes if writes is not None else WriteBudget()
         self._unbound: asyncio.Task[None] | None = None
+        # set by `stop`: ends the two loops below also when a request's time-out swallowed their
+        # cancellation (Python 3.11's asyncio.wait_for, inside nats-py's requests, can), which left
+        # `stop` waiting for ever on a loop gone back to its wait (a test hung so, 2026-12-05)
+        self._stopping = False
         self.reconcile_interval_s = reconcile_interval_s
         self._reconciling: asyncio.Task[None] | None = None
         self.env = env if env is not None else store_env(nats_url, prefix, store_replicas)
@@ -473,6 +477,8 @@ class RegistryService:
             with suppress(Exception):
                 await self.service.stop()
             self.service = None
+        self._stopping = True
+        self._binding_moved.set()  # `_remove_unbound` past a swallowed cancellation: woken, it sees `_stopping`
         await cancel_and_wait(self._unbound, self._reconciling)
         self._unbound = self._reconciling = None
         await self.watch.stop()
@@ -687,8 +693,10 @@ class RegistryService:
         placed on it). Every replica looks; the decision is the Worker's, on its history
         (`Worker.remove_unbound`), so a worker another replica removed, or that moved to its own node,
         is left as it is."""
-        while True:
+        while not self._stopping:
             await self._binding_moved.wait()
+            if self._stopping:
+                return
             self._binding_moved.clear()
             try:
                 try:  # judged on the binding the bucket's leader has: a replica whose consumer is late does not
@@ -812,7 +820,7 @@ class RegistryService:
         """`reconcile` every `reconcile_interval_s` while this replica runs, the sweep's shared consumer
         made again first if it is gone (markers written meanwhile were delivered to nobody; the round
         finds them)."""
-        while True:
+        while not self._stopping:
             await asyncio.sleep(self.reconcile_interval_s)  # a period, not a wait for a condition
             try:
                 if await self.liveness.sweeper.ensure_consumer():
