@@ -181,6 +181,7 @@ class StreamWatch:
         self.read = read
         self.failed: asyncio.Future[str] | None = None
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False  # ends the watch also past a cancellation a request's time-out swallowed
         self.lost: str | None = None  # why the stream is not the log read, once a look found it (`confirmed`)
         self._confirmed: int | None = None  # the session of the connection the log was confirmed in
         self._confirming: tuple[int, asyncio.Future[bool]] | None = None  # a look under way for a session
@@ -211,13 +212,15 @@ class StreamWatch:
 
     async def _watch(self) -> None:
         assert self.failed is not None
-        while True:
+        while not self._stopping:
             await asyncio.sleep(self.every)  # a period: nothing tells a process that a stream was deleted
             try:
                 why = await self.look()
             except Exception as error:  # gone and not made again yet, an election, an outage: next look
                 log.debug("the stream %s could not be looked at (%s)", self.stream, type(error).__name__)
                 continue
+            if self._stopping:
+                return
             if why is not None:
                 self.lost = why
                 log.error("%s: stopping; start the service again to read the new stream", why)
@@ -271,6 +274,7 @@ class StreamWatch:
         return True
 
     async def stop(self) -> None:
+        self._stopping = True
         task, self._task = self._task, None
         if task is not None:
             task.cancel()

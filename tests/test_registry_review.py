@@ -850,9 +850,10 @@ async def test_a_replica_stops_though_its_loops_swallowed_their_cancellation(nat
     """Python 3.11's asyncio.wait_for, inside every nats-py request, can swallow a cancellation (its
     future done as the task is cancelled). The look for workers on nodes their binding does not give
     them, and the reconciliation's loop, went back to their waits: `stop` waited for them for ever
-    (a test hung so, 2026-12-05). Here both swallow it as wait_for can; the replica still stops."""
+    (a test hung so, 2026-12-05); so did the watch of the stream's incarnation. Here all three swallow
+    it as wait_for can; the replica still stops."""
     async with running_registry(nats_url, prefix, reconcile_interval_s=0.05) as registry:
-        inside = {"look": asyncio.Event(), "round": asyncio.Event()}
+        inside = {"look": asyncio.Event(), "round": asyncio.Event(), "watch": asyncio.Event()}
 
         def swallowing(name: str):
             async def call(*args, **kwargs) -> None:
@@ -865,6 +866,7 @@ async def test_a_replica_stops_though_its_loops_swallowed_their_cancellation(nat
 
         registry.binding.refresh = swallowing("look")
         registry.reconcile = swallowing("round")
+        registry.watch.look = swallowing("watch")  # its next look, within INCARNATION_CHECK_S
         registry._binding_moved.set()
         for event in inside.values():
             await asyncio.wait_for(event.wait(), 10)
