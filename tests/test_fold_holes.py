@@ -18,6 +18,7 @@ from contextlib import AsyncExitStack
 import nats
 import nats.errors
 import nats.js.client as jsc
+from prometheus_client import REGISTRY
 
 from events.schema import PlacedFidelity
 from events.subjects import stream_name
@@ -62,11 +63,12 @@ async def test_messages_dropped_while_the_fold_is_held_are_read_again_before_a_p
         monkeypatch.setattr(jsc.JetStreamContext, "subscribe", small_queue)
         connection = await nats.connect(nats_url, error_cb=on_error)
         exits.push_async_callback(connection.close)
-        replica = SchedulerService(connection, nats_url=nats_url, prefix=prefix, metrics=False)
+        replica = SchedulerService(connection, nats_url=nats_url, prefix=prefix)
         await replica.start()
         exits.push_async_callback(replica.stop)
         monkeypatch.undo()
 
+        refills = REGISTRY.get_sample_value("warmboot_scheduler_fold_refills_total")
         async with replica.fold.paused():  # what a checkpoint's copy of the projection does
             for i in range(LIMIT + 4):
                 await wb.create(actor(f"filler-{i}"))
@@ -82,7 +84,8 @@ async def test_messages_dropped_while_the_fold_is_held_are_read_again_before_a_p
             fresh.apply(seq, event)
         assert restorable(fresh, "w") == []
         assert restorable(replica.projection, "w") == [], "the fold went past w's runtime change"
-        assert replica.fold.holes >= 1 and replica.fold.stale is None
+        assert replica.fold.refills >= 1 and replica.fold.stale is None
+        assert REGISTRY.get_sample_value("warmboot_scheduler_fold_refills_total") >= refills + 1  # an operator sees it
         placed = await wb.resume("a")
         assert not (placed.fidelity is PlacedFidelity.MEMORY and placed.worker_id == "w"), placed
 
@@ -106,7 +109,7 @@ async def test_messages_the_stream_no_longer_has_are_folded_past(nats_url, prefi
     try:
         assert fold.applied == last and fold.stale is None
         assert set(fold.projection.actors) == {"a-0", "a-2"}
-        assert fold.holes >= 1
+        assert fold.refills >= 1
         assert any("are not in the stream" in r.getMessage() for r in caplog.records)
         queue = fold._sub._sub  # and nats-py queues its messages without a limit (NO_DROPS)
         assert (queue._pending_queue.maxsize, queue._pending_bytes_limit) == (0, 0)

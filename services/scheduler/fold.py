@@ -149,7 +149,7 @@ class Fold:
     """
 
     def __init__(self, nc: NATS, prefix: str, projection: Projection, *,
-                 on_cpu: Callable[[float], None] | None = None):
+                 on_cpu: Callable[[float], None] | None = None, on_refill: Callable[[], None] | None = None):
         self.nc = nc
         self.prefix = prefix
         self.stream = stream_name(prefix)
@@ -178,9 +178,11 @@ class Fold:
         self.stale: str | None = None
         self.on_stale: list[Callable[[str], None]] = []
         self._guard: asyncio.Task[Any] | None = None  # nats-py's task re-making the consumer, while it checks
-        # Messages missed (`_missing`): how many times, the task reading them again, and where and when
-        # it last had the consumer made again
+        # Messages missed (`_missing`): messages not folded for it, reads again begun (each told to
+        # `on_refill`), the task reading them again, and where and when it last had the consumer made again
         self.holes = 0
+        self.refills = 0
+        self.on_refill = on_refill
         self._refilling: asyncio.Task[None] | None = None
         self._refilled: tuple[int, float] = (0, -math.inf)
 
@@ -402,6 +404,9 @@ class Fold:
         if where == first and loop.time() - when < REFILL_AGAIN_S:
             return  # the old consumer's messages still coming, after the consumer was made again from here
         log.warning("the fold of %s missed messages %d to %d; reading them again", self.stream, first, seq - 1)
+        self.refills += 1
+        if self.on_refill is not None:
+            self.on_refill()
         self._refilling = loop.create_task(self._refill(), name=f"{self.stream}-fold-refill")
 
     async def _refill(self) -> None:

@@ -118,6 +118,11 @@ LOST_LOCAL = Gauge(
 GAUGE_ROLES = ("default", "restorable", "edge_default", "edge_restorable")
 FOLD_LAG = Gauge("warmboot_scheduler_fold_lag_events", "Messages in the stream the fold has not read yet")
 FOLD_SEQ = Gauge("warmboot_scheduler_fold_seq", "Stream sequence of the last message folded")
+FOLD_REFILLS = Counter(
+    "warmboot_scheduler_fold_refills",
+    "Times the fold met a message past the next one and had its consumer made again from the first one "
+    "missed (messages nats-py dropped, or the stream no longer has)",
+)
 FOLD_CPU = Counter(
     "warmboot_scheduler_fold_cpu_seconds",
     "Thread CPU this replica spent reading the event log's messages and folding them (not the wake-ups "
@@ -165,7 +170,8 @@ class SchedulerService:
         self.metrics = metrics
         self.commit_attempts = commit_attempts
         self.catch_up_s = catch_up_s
-        self.fold = Fold(nc, prefix, Projection(), on_cpu=FOLD_CPU.inc if metrics else None)
+        self.fold = Fold(nc, prefix, Projection(), on_cpu=FOLD_CPU.inc if metrics else None,
+                         on_refill=FOLD_REFILLS.inc if metrics else None)
         self.committer = Committer(self.fold, self._last_seq, catch_up_s=catch_up_s, max_group=max_group,
                                    on_evicted=self._evicted, on_append=COMMIT_GROUP.observe if metrics else None)
         self.fold.projection.placed_listener = self.committer.placed
