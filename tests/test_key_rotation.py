@@ -22,12 +22,6 @@ from warmboot.runner import start_services
 PREFIX = "kr"
 
 
-async def rotate(secured: Secured, *users: str) -> None:
-    """Give `users` new seeds in the server's configuration and reload it: from the reload on, their
-    old keys are refused, and connections signed in with them are closed."""
-    await secured.reload(rotate=users)
-
-
 @asynccontextmanager
 async def nkey_registry(tmp_path, monkeypatch):
     """A server that signs users in by nkey (the services' user, and worker w-1) running a registry
@@ -94,7 +88,7 @@ async def test_running_services_and_a_worker_follow_a_rotation_of_their_keys_wit
 
         assert (await ask("register", registration("w-1"), RegisterReply)).seq > 0
 
-        await rotate(secured, "svc", "w-1")
+        await secured.reload(rotate=("svc", "w-1"))
         refused = await asyncio.wait_for(refusals.refused(), 20)  # the old seed is refused from the reload on
         assert "authorization" in str(refused).lower()
         services_seed.write_text(secured.secrets["svc"])  # each machine gets its new seed
@@ -122,7 +116,7 @@ async def test_a_running_agent_signs_in_again_with_its_new_seed_without_a_restar
         running = asyncio.create_task(agent.run(stop))
         try:
             await until(lambda: agent.beat_at is not None)  # registered, and beating
-            await rotate(secured, "w-1")
+            await secured.reload(rotate=("w-1",))
             await asyncio.wait_for(agent._errors.refused(), 20)  # its old seed is refused from the reload on
             worker_seed.write_text(secured.secrets["w-1"])
             rotated = time.monotonic()
@@ -140,7 +134,7 @@ async def test_a_process_started_while_its_file_holds_the_revoked_seed_signs_in_
     signs in as soon as the file holds the new seed. nats-py read the public key as it started
     connecting, so it was refused for good (found by a review)."""
     async with nkey_registry(tmp_path, monkeypatch) as (secured, _, worker_seed):
-        await rotate(secured, "w-1")  # the file still holds the revoked seed
+        await secured.reload(rotate=("w-1",))  # the file still holds the revoked seed
         refusals = ErrorsOnce(None)
         connecting = asyncio.ensure_future(connect(secured.url(), "w-1", nkey_seed=str(worker_seed),
                                                    inbox_prefix="_INBOX.w-1", errors=refusals,

@@ -70,6 +70,7 @@ MARKER_TTL_S = 300.0
 RECONCILE_INTERVAL_S = MARKER_TTL_S / 3
 SWEEPER = "registry-sweeper"
 MARKER_REASON = "Nats-Marker-Reason"
+EXPIRED = "MaxAge"  # the reason of the marker the server writes where a key outlived its TTL
 ACK_TIMEOUT_S = 5.0
 ACK_WAIT_S = 30.0  # the sweep's consumer delivers again what was not acknowledged within this
 # The sweep's priority group: the server pins it to one replica, and pins another once that one has
@@ -99,7 +100,7 @@ def key_state(headers: Mapping[str, str]) -> str:
     """What a heartbeat key's last entry says, from its headers: `expired` (the server's marker),
     `absent` (a removal's tombstone, another marker) or `beating`."""
     reason = headers.get(MARKER_REASON)
-    if reason == "MaxAge":
+    if reason == EXPIRED:
         return "expired"
     if reason is not None or "KV-Operation" in headers:
         return "absent"
@@ -314,7 +315,7 @@ class Sweeper:
         elif last and delivery != last + 1:
             self._missed(last, delivery)
         if headers:
-            if headers.get(MARKER_REASON) == "MaxAge":
+            if headers.get(MARKER_REASON) == EXPIRED:
                 if self._floor.hold(msg.reply) is not None:  # (None: delivered again while held here)
                     self._markers.put_nowait(msg)
                 return
@@ -416,6 +417,7 @@ class Liveness:
         self.js = nc.jetstream()
         self.bucket = bucket_name(prefix, "heartbeats")
         self.stream = f"KV_{self.bucket}"
+        self._msg_get = f"$JS.API.STREAM.MSG.GET.{self.stream}"  # `entry`'s request
         self.ttl_s = ttl_s
         self.on_expired = on_expired
         self.replicas = replicas
@@ -439,10 +441,6 @@ class Liveness:
 
     def subject(self, worker_id: str) -> str:
         return f"$KV.{self.bucket}.{worker_id}"
-
-    @property
-    def _msg_get(self) -> str:
-        return f"$JS.API.STREAM.MSG.GET.{self.stream}"
 
     async def start(self) -> None:
         config = KeyValueConfig(

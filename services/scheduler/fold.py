@@ -178,9 +178,8 @@ class Fold:
         self.stale: str | None = None
         self.on_stale: list[Callable[[str], None]] = []
         self._guard: asyncio.Task[Any] | None = None  # nats-py's task re-making the consumer, while it checks
-        # Messages missed (`_missing`): messages not folded for it, reads again begun (each told to
-        # `on_refill`), the task reading them again, and where and when it last had the consumer made again
-        self.holes = 0
+        # Messages missed (`_missing`): reads again begun (each told to `on_refill`), the task reading
+        # them again, and where and when it last had the consumer made again
         self.refills = 0
         self.on_refill = on_refill
         self._refilling: asyncio.Task[None] | None = None
@@ -395,7 +394,6 @@ class Fold:
         runtime change, a memory image placed where it cannot load (an audit's finding). So nothing is
         folded until they are: the consumer is made again from the first one missed (`_refill`), and
         what the old one still delivers meanwhile is dropped here."""
-        self.holes += 1
         if self._refilling is not None or self.stale is not None:
             return
         first = self.projection.seq + 1
