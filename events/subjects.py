@@ -28,6 +28,11 @@ def event_subject(prefix: str, kind: str, entity_id: str) -> str:
     return f"{prefix}.ev.{kind}.{entity_id}"
 
 
+# A request's header: how many milliseconds its caller waits for the answer. A service writes
+# nothing for a request it has held longer (`services.deadline`); `warmboot.client` sends its time-out.
+WAIT_HEADER = "Warmboot-Wait-Ms"
+
+
 def service_subject(prefix: str, service: str, verb: str, entity_id: str | None = None) -> str:
     """e.g. `warmboot.registry.register.w-17`, `warmboot.scheduler.fragmentation`."""
     base = f"{prefix}.{service}.{verb}"

@@ -51,6 +51,7 @@ from events.natspy.headers import header_block
 from events.natspy.publish import flush_in_order, publish
 from events.schema import ID_RE, Base, ErrorCode
 from events.subjects import service_subject, services_inbox
+from services import deadline
 
 log = logging.getLogger("warmboot.service")
 T = TypeVar("T")
@@ -66,6 +67,11 @@ Handler = Callable[[str | None, Any], Awaitable[Base]]
 # is routed back only while that request is open, under a random token.
 REPLY_PREFIXES: tuple[str, ...] = ("_INBOX.", "_R_.")
 
+EXPIRED = Counter(
+    "warmboot_requests_expired_total",
+    "Requests refused UNAVAILABLE with nothing written: held past the wait their caller said (Warmboot-Wait-Ms)",
+    ["service", "endpoint"],
+)
 DROPPED = Counter(
     "warmboot_requests_dropped_total",
     "Requests dropped unprocessed and unanswered: no reply subject, or one that is not an inbox",
@@ -208,9 +214,14 @@ def wrap(spec: EndpointSpec, service: str) -> Callable[[Request], Awaitable[Cont
                 entity_id = request.subject.rsplit(".", 1)[-1]
                 if not ID_RE.match(entity_id):
                     raise invalid(f"subject token {entity_id!r} is not a valid id", "subject")
+            waits = deadline.wait_ms(request.headers)
             body = decode_request(spec.request_type, request.data)
+            deadline.begin(waits, getattr(request, "received_ns", None) or time.perf_counter_ns())
             data = encode(await spec.handler(entity_id, body))
         except ContractError as error:
+            if isinstance(error, deadline.Expired):
+                EXPIRED.labels(service, spec.verb).inc()
+                log.info("%s.%s on %s: %s", service, spec.verb, request.subject, error.message)
             await respond_error(request, error)
             return error
         except asyncio.CancelledError:
@@ -264,7 +275,12 @@ class ServiceRequest(Request):
     """nats.micro's request, answered through `events.natspy.publish.publish` (an error's two headers
     encoded by `header_block`): at thousands of heartbeats a second nats-py's publish is a
     measurable part of an answer. Every answer of a `ConcurrentEndpoint` goes through its
-    `respond`, `respond_error`'s too."""
+    `respond`, `respond_error`'s too. `received_ns`: when the endpoint took it
+    (`time.perf_counter_ns`; its caller's wait is counted from there, `services.deadline`)."""
+
+    def __init__(self, msg: Msg, received_ns: int):
+        super().__init__(msg)
+        self.received_ns = received_ns
 
     async def respond(self, data: bytes = b"", headers: dict[str, str] | None = None) -> None:
         if not self._msg.reply:
@@ -317,7 +333,7 @@ class ConcurrentEndpoint(Endpoint):
 
     def _spawn(self, msg: Msg, start: int) -> None:
         """Serve `msg` (its slot taken) in a task of its own; the slot is given back when it ends."""
-        task = asyncio.create_task(self._serve(ServiceRequest(msg), start))
+        task = asyncio.create_task(self._serve(ServiceRequest(msg, start), start))
         self._micro.track(task, self._give_back)
 
     def _give_back(self) -> None:

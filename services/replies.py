@@ -19,6 +19,7 @@ from events.nats_codes import ERR_NO_MESSAGE_FOUND
 from events.natspy.connections import describe_error
 from events.schema import Base
 from events.subjects import bucket_name
+from services import deadline
 from services.process import stream_replicas
 from services.streams import until_answered
 
@@ -235,5 +236,6 @@ class NoWriteAnswers:
         bucket does not take it: the request wrote nothing, so its retry is safe)."""
         if request_id is None:
             return
+        deadline.check("its answer, kept for a retry,")
         data = encode(Kept(verb=verb, version=aggregate.version, reply=msgspec.Raw(encode(reply)), stream=self.created))
         await self._answered(self.replies.put(self._key(aggregate.entity_id, request_id), data))

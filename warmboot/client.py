@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import uuid
 from typing import Any, TypeVar
@@ -92,7 +93,7 @@ from events.schema import (
     WhatIf,
     WhatIfAnswer,
 )
-from events.subjects import DEFAULT_PREFIX, check_prefix, service_subject
+from events.subjects import DEFAULT_PREFIX, WAIT_HEADER, check_prefix, service_subject
 from warmboot.connection import CONNECT_TIMEOUT_S, connect_within, hears_replies
 
 T = TypeVar("T")
@@ -104,6 +105,9 @@ FIRST_BACKOFF_S = 0.05
 MAX_BACKOFF_S = 2.0
 
 
+# requests whose answer never writes: sent without their wait (`WAIT_HEADER`), which only bounds writes
+WRITE_NOTHING = frozenset({("registry", "heartbeat"), ("scheduler", "explain"), ("scheduler", "fragmentation"),
+                           ("scheduler", "whatif")})
 NO_SERVICE = "no service answers "  # how a request that reached nobody is said (then the subject)
 
 
@@ -219,20 +223,25 @@ class Client:
             raise invalid(f"{entity!r} is not an id: {ID_WORDS}",
                           "worker_id" if service == "registry" else "actor_id")
         subject = service_subject(self.prefix, service, verb, entity)
+        # how long each attempt waits, where an answer may write: a service writes nothing for one it
+        # has held longer (`services.deadline`), so a copy a stalled replica decides late does not act
+        # on what the caller did since (an entity's next life)
+        waits = None if (service, verb) in WRITE_NOTHING else {WAIT_HEADER: str(max(1, math.ceil(self.timeout * 1000)))}
         try:
-            return await self._attempts(service, subject, encode(body), reply_type)
+            return await self._attempts(service, subject, encode(body), reply_type, waits)
         except ContractError as error:  # the id a caller needs to send it again (`ContractError.request_id`)
             error.request_id = getattr(body, "request_id", None)
             raise
 
-    async def _attempts(self, service: str, subject: str, data: bytes, reply_type: type[T]) -> T:
+    async def _attempts(self, service: str, subject: str, data: bytes, reply_type: type[T],
+                        headers: dict[str, str] | None) -> T:
         """`request`'s attempts at `subject`, each with `data`, until one is answered or is not to be retried."""
         delay = FIRST_BACKOFF_S
         started = asyncio.get_running_loop().time()
         nobody = 0  # attempts that reached no service
         for attempt in range(self.attempts):
             try:
-                reply = await self._once(subject, data, reply_type)
+                reply = await self._once(subject, data, reply_type, headers)
             except ContractError as error:
                 if not _transient(service, error):
                     raise
@@ -268,9 +277,9 @@ class Client:
                             "nobody, and sending it again will not change that (docs/security.md says what each "
                             "role may publish)")
 
-    async def _once(self, subject: str, data: bytes, reply_type: type[T]) -> T:
+    async def _once(self, subject: str, data: bytes, reply_type: type[T], headers: dict[str, str] | None) -> T:
         try:
-            request = self.nc.request(subject, data, timeout=self.timeout)
+            request = self.nc.request(subject, data, timeout=self.timeout, headers=headers)
             msg = await (unless_refused(self.nc, subject, request) if self.refusals_final else request)
         except PublishRefused:  # said by the server at once: not after the request's time-out
             raise self._refusal(subject) from None

@@ -66,6 +66,7 @@ from events.schema import (
 )
 from events.subjects import check_prefix, event_subject, stream_name
 from events.tasks import cancel_and_wait
+from services import deadline
 from services.commands import Recheck, confirm_unchanged, run_command_async
 from services.endpoints import EndpointSpec, add_endpoints
 from services.locks import KeyedCount, KeyedLock
@@ -198,6 +199,7 @@ class RegistryStore(WireApplication):
         last_type = type(worker.pending_events[-1].body).__name__
         with ticket.paying():
             fence = await self._fence(worker.entity_id, last_type)
+            deadline.check("the worker's event")
             _, seqs = await self.save_async(worker, fence)
         return Decided(outcome=outcome, seq=seqs[-2], version=worker.version, wrote=True)  # the fence follows it
 

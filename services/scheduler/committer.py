@@ -59,6 +59,7 @@ from events.aggregate import WireApplication, now
 from events.errors import ContractError, NoWorkerOnNode, unavailable
 from events.schema import ActorPlaced, FallbackReason, Placement, WorkerBooked
 from events.tasks import cancel_and_wait
+from services import deadline
 from services.scheduler.decide import decide
 from services.scheduler.fold import Fold
 from services.scheduler.records import oldest_placement, request_hash
@@ -93,9 +94,10 @@ class Hold:
 class Job:
     """A resume waiting for the committer to decide and commit it."""
 
-    __slots__ = ("actor_id", "selectors", "request_id", "request", "result", "checked", "seen", "confirmed")
+    __slots__ = ("actor_id", "selectors", "request_id", "request", "result", "checked", "seen", "confirmed", "deadline")
 
-    def __init__(self, actor_id: str, selectors: Any, request_id: str | None, result: asyncio.Future[Any]):
+    def __init__(self, actor_id: str, selectors: Any, request_id: str | None, result: asyncio.Future[Any],
+                 deadline: tuple[int, int, int] | None = None):
         self.actor_id = actor_id
         self.selectors = selectors
         self.request_id = request_id
@@ -110,6 +112,8 @@ class Job:
         # whether its caller has had the fold catch up with the stream's end since the resume came
         # (`CONFIRM`): only then may it be placed discarding a memory image for want of room
         self.confirmed = False
+        # its request's deadline (`services.deadline.deadline()`): decided past it, it is refused instead
+        self.deadline = deadline
 
     @property
     def key(self) -> tuple[str, int] | None:
@@ -331,6 +335,10 @@ class Committer:
                     answered = self._answered_by_log(job, actor)
                     if answered:  # its request was placed meanwhile (a retry, another replica)
                         job.result.set_result(Answered(answered) if answered is not RECHECK else RECHECK)
+                        continue
+                    late = deadline.passed(job.deadline, "the placement")
+                    if late is not None:  # held past its caller's wait: decided now, it could place a next life
+                        job.result.set_exception(late)
                         continue
                     try:
                         placement = decide(p, job.actor_id, job.selectors, p.seq, self.pending, self._refusals)

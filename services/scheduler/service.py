@@ -51,6 +51,7 @@ from events.schema import (
     WorkerBooked,
 )
 from events.subjects import check_prefix, event_subject, stream_name
+from services import deadline
 from services.commands import STATE_REFUSALS
 from services.endpoints import EndpointSpec, add_endpoints
 from services.locks import KeyedLock
@@ -285,6 +286,7 @@ class SchedulerService:
         moment ago is seen before the image is given up for good. So is a refusal for want of a
         worker on the node of a LOCAL image (`NoWorkerOnNode`), which points at revert.
         """
+        due = deadline.deadline()  # its caller's wait, if it said one: the committer decides it in time or not at all
         await self.fold.wait(request.min_seq, self.catch_up_s)
         rid = request.request_id
         confirmed = False  # whether the fold has caught up with the stream's end since it came (`CONFIRM`)
@@ -297,7 +299,7 @@ class SchedulerService:
                 unfolded = self.committer.unfolded(actor_id)
                 if unfolded is not None:  # our own last placement of it: decide on state that has it
                     await self.fold.wait(unfolded, self.catch_up_s)
-                job = Job(actor_id, request.selectors, rid, asyncio.get_running_loop().create_future())
+                job = Job(actor_id, request.selectors, rid, asyncio.get_running_loop().create_future(), due)
                 job.confirmed = confirmed
                 seq = 0
                 actor = self.projection.actors.get(actor_id)

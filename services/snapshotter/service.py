@@ -73,6 +73,7 @@ from events.schema import (
     WorkerRemoved,
 )
 from events.subjects import check_prefix, stream_name
+from services import deadline
 from services.commands import confirm_unchanged, run_command_async
 from services.endpoints import EndpointSpec, add_endpoints
 from services.locks import KeyedLock
@@ -802,6 +803,7 @@ class SnapshotterService:
         """Save what the aggregates recorded (one atomic append); the sequence of the last event.
         With `fences`, only if each of those subjects is still at its sequence (else IntegrityError)."""
         assert self.app is not None
+        deadline.check("the actor's event")
         events, seqs = await self.app.save_async(*aggregates, fences=fences)
         counted(events)
         return seqs[-1]

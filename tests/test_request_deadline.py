@@ -1,0 +1,213 @@
+"""A request held past its caller's wait writes nothing (`services.deadline`).
+
+The fault these tests reproduce (an audit's, on a 3-node cluster with leaders killed every 2.5 s):
+a replica stalls with a request in hand; its caller times out and sends it again, with the same
+request id; another replica answers; the caller goes on, to the entity's next life; then the
+stalled replica decides its copy on what it reads now. A request id is scoped to one life
+(CONTRACT v1.1), so that copy was a new request of the next life: it stopped, removed or
+placed what its caller had made anew. Here the stall is made on purpose (the replica's first
+request held until the test releases it, the replica out of the queue group meanwhile, so the
+retry reaches the other one), on real services over a real server. `warmboot.client` says
+how long it waits (`Warmboot-Wait-Ms`), and the copy is refused UNAVAILABLE instead, with
+nothing written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import AsyncExitStack
+from typing import Any
+
+import msgspec
+import pytest
+from prometheus_client import REGISTRY
+
+from events.codec import encode
+from events.errors import ContractError
+from events.schema import ActorCreated, ActorPlaced, ActorStopped, ErrorCode, StopActor, WorkerRegistered, \
+    WorkerRemoved
+from events.subjects import WAIT_HEADER, service_subject
+from services.deadline import MAX_WAIT_MS
+from tests.factories import CLASS, actor, read_entries, version, worker
+from tests.registry_helpers import running_registry
+from tests import test_snapshotter
+from tests.test_snapshotter import another_replica
+from warmboot.client import Client
+
+snapshotter = test_snapshotter.snapshotter  # the fixture: a snapshotter replica on `nc`
+
+WAIT_S = 0.5  # the caller's time-out: what its requests say it waits
+V1 = version("r1")
+
+
+class Held:
+    """The first call of `owner.name` held until `release` is set, then run; its outcome (result
+    or exception) in `outcome`. Later calls run at once."""
+
+    def __init__(self, monkeypatch: Any, owner: Any, name: str):
+        self.held = asyncio.Event()
+        self.release = asyncio.Event()
+        self.outcome: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        original = getattr(owner, name)
+
+        async def holding(*args: Any, **kwargs: Any) -> Any:
+            if self.held.is_set():
+                return await original(*args, **kwargs)
+            self.held.set()
+            await self.release.wait()
+            try:
+                result = await original(*args, **kwargs)
+            except BaseException as error:
+                self.outcome.set_result(error)
+                raise
+            self.outcome.set_result(result)
+            return result
+
+        monkeypatch.setattr(owner, name, holding)
+
+    async def then(self, timeout: float = 30.0) -> Any:
+        """Released, what the held call came to."""
+        self.release.set()
+        return await asyncio.wait_for(self.outcome, timeout)
+
+
+async def leave_queue_group(micro: Any) -> None:
+    """The replica hears no more requests (its endpoints unsubscribed), and goes on with those it holds."""
+    for endpoint in micro._endpoints:
+        await endpoint._stop()
+    micro._endpoints = []
+
+
+async def timed_out(call: Any, held: Held) -> None:
+    """`call` (the client's one attempt) is not answered in time; the replica holds it."""
+    with pytest.raises(ContractError) as lost:
+        await call
+    assert lost.value.code is ErrorCode.UNAVAILABLE and "no reply" in lost.value.message, lost.value
+    await asyncio.wait_for(held.held.wait(), 30)
+
+
+def expired(outcome: Any) -> None:
+    assert isinstance(outcome, ContractError), outcome
+    assert outcome.code is ErrorCode.UNAVAILABLE, outcome
+    assert WAIT_HEADER in outcome.message and "nothing was written" in outcome.message, outcome.message
+
+
+def expired_count(service: str, endpoint: str) -> float:
+    return REGISTRY.get_sample_value("warmboot_requests_expired_total",
+                                     {"service": service, "endpoint": endpoint}) or 0.0
+
+
+def kinds_of(entries: list, entity: str, types: tuple[type, ...]) -> list[str]:
+    """The names of the events of `types` about `entity` (an actor's or a worker's id), in stream order."""
+    return [type(e).__name__ for _, _, e in entries
+            if isinstance(e, types) and entity in (getattr(e, "actor_id", None), getattr(e, "worker_id", None))]
+
+
+async def test_a_stop_held_past_its_callers_wait_does_not_stop_the_actors_next_life(
+        nats_server, prefix, nc, snapshotter, monkeypatch):
+    wb = Client(nc, prefix, timeout=WAIT_S, attempts=1)
+    await wb.create(actor("x1"))
+    before = expired_count("snapshotter", "stop")
+    held = Held(monkeypatch, snapshotter, "answer")
+    await timed_out(wb.stop("x1", request_id="stop-1"), held)
+    await leave_queue_group(snapshotter.micro)
+    async with another_replica(snapshotter, nats_server.url, prefix):
+        await wb.stop("x1", request_id="stop-1")  # the retry, answered by the other replica
+        await wb.create(actor("x1"))  # the caller goes on: the actor's next life
+        expired(await held.then())  # the stalled replica's copy, decided now
+    entries = await read_entries(nc, prefix)
+    assert kinds_of(entries, "x1", (ActorCreated, ActorStopped)) == ["ActorCreated", "ActorStopped", "ActorCreated"]
+    assert expired_count("snapshotter", "stop") == before + 1
+
+
+async def test_a_removal_held_past_its_callers_wait_does_not_remove_the_workers_next_life(
+        nats_server, prefix, nc, monkeypatch):
+    wb = Client(nc, prefix, timeout=WAIT_S, attempts=1)
+    async with running_registry(nats_server.url, prefix) as first:
+        await wb.register(worker("w1", V1))
+        held = Held(monkeypatch, first, "_remove")
+        await timed_out(wb.remove("w1", request_id="remove-1"), held)
+        await leave_queue_group(first.service)
+        async with running_registry(nats_server.url, prefix, own_link=True):
+            await wb.remove("w1", request_id="remove-1")  # the retry, answered by the other replica
+            await wb.register(worker("w1", V1))  # the agent registers again: the worker's next life
+            expired(await held.then())
+    entries = await read_entries(nc, prefix)
+    assert kinds_of(entries, "w1", (WorkerRegistered, WorkerRemoved)) == [
+        "WorkerRegistered", "WorkerRemoved", "WorkerRegistered"]
+
+
+async def test_a_resume_held_past_its_callers_wait_does_not_place_the_actors_next_life(
+        nats_server, prefix, nc, replicas, monkeypatch):
+    from warmboot.runner import start_services
+
+    wb = Client(nc, prefix, timeout=WAIT_S, attempts=1)
+    async with AsyncExitStack() as exits:
+        await start_services(exits, ["registry", "snapshotter"], nats_server.url, prefix)
+        first = await replicas()
+        await wb.register(worker("w1", V1))
+        await wb.create(actor("x1"))
+        held = Held(monkeypatch, first.committer, "submit")
+        await timed_out(wb.resume("x1", request_id="resume-1"), held)
+        await leave_queue_group(first.service)
+        await replicas()
+        placed = await wb.resume("x1", request_id="resume-1")  # the retry, placed by the other replica
+        assert placed.worker_id == "w1"
+        await wb.stop("x1")
+        await wb.create(actor("x1"))  # the actor's next life, not resumed by its caller
+        expired(await held.then())
+        entries = await read_entries(nc, prefix)
+    assert kinds_of(entries, "x1", (ActorCreated, ActorPlaced, ActorStopped)) == [
+        "ActorCreated", "ActorPlaced", "ActorStopped", "ActorCreated"]
+
+
+async def test_a_request_without_the_header_is_decided_however_long_it_was_held(
+        nats_server, prefix, nc, snapshotter, monkeypatch):
+    """A caller that says nothing of its wait (a client of another language) is served as before."""
+    wb = Client(nc, prefix)
+    await wb.create(actor("x2"))
+    held = Held(monkeypatch, snapshotter, "answer")
+    subject = service_subject(prefix, "snapshotter", "stop", "x2")
+    with pytest.raises(Exception):  # nats-py's time-out: nobody answers in time
+        await nc.request(subject, encode(StopActor(request_id="stop-2")), timeout=WAIT_S)
+    await asyncio.wait_for(held.held.wait(), 30)
+    outcome = await held.then()
+    assert not isinstance(outcome, BaseException), outcome
+    entries = await read_entries(nc, prefix)
+    assert kinds_of(entries, "x2", (ActorCreated, ActorStopped)) == ["ActorCreated", "ActorStopped"]
+
+
+@pytest.mark.parametrize("value", ["soon", "0", "-5", "1.5", str(MAX_WAIT_MS + 1), ""])
+async def test_a_wait_that_is_not_a_number_of_milliseconds_is_refused_naming_the_header(
+        nats_server, prefix, nc, snapshotter, value):
+    body = encode(actor("x3", request_id="create-3"))
+    reply = await nc.request(service_subject(prefix, "snapshotter", "create", "x3"), body, timeout=10,
+                             headers={WAIT_HEADER: value})
+    error = msgspec.json.decode(reply.data)["error"]
+    assert error["code"] == "INVALID_ARGUMENT", error
+    assert error["field"] == f"headers.{WAIT_HEADER}", error
+    assert WAIT_HEADER in error["message"], error
+    entries = await read_entries(nc, prefix)
+    assert kinds_of(entries, "x3", (ActorCreated,)) == []  # nothing written
+
+
+async def test_the_client_says_how_long_it_waits_and_a_request_in_time_is_served(nats_server, prefix, nc,
+                                                                                   snapshotter):
+    seen: list[str | None] = []
+
+    async def tap(msg: Any) -> None:
+        seen.append((msg.headers or {}).get(WAIT_HEADER))
+
+    sub = await nc.subscribe(service_subject(prefix, "snapshotter", "create", "x4"), cb=tap)
+    wb = Client(nc, prefix, timeout=2.5)
+    reply = await wb.create(actor("x4", sandbox_class=CLASS))
+    await nc.flush()
+    await sub.unsubscribe()
+    assert seen == ["2500"]
+    assert reply.seq > 0
+    # a heartbeat writes nothing: it goes without (no registry runs here, so only the tap hears it)
+    beats = await nc.subscribe(service_subject(prefix, "registry", "heartbeat", "w4"), cb=tap)
+    with pytest.raises(ContractError):
+        await Client(nc, prefix, timeout=0.2, attempts=1).heartbeat("w4")
+    await beats.unsubscribe()
+    assert seen == ["2500", None]
