@@ -15,6 +15,7 @@ nothing written.
 from __future__ import annotations
 
 import asyncio
+import time
 from contextlib import AsyncExitStack
 from typing import Any
 
@@ -27,6 +28,7 @@ from events.errors import ContractError
 from events.schema import ActorCreated, ActorPlaced, ActorStopped, ErrorCode, StopActor, WorkerRegistered, \
     WorkerRemoved
 from events.subjects import WAIT_HEADER, service_subject
+from services import deadline
 from services.deadline import MAX_WAIT_MS
 from tests.factories import CLASS, actor, read_entries, version, worker
 from tests.registry_helpers import running_registry
@@ -42,9 +44,10 @@ V1 = version("r1")
 
 class Held:
     """The first call of `owner.name` held until `release` is set, then run; its outcome (result
-    or exception) in `outcome`. Later calls run at once."""
+    or exception) in `outcome`, the deadline of the request it serves in `due`. Later calls run at once."""
 
     def __init__(self, monkeypatch: Any, owner: Any, name: str):
+        self.due: tuple[int, int, int] | None = None
         self.held = asyncio.Event()
         self.release = asyncio.Event()
         self.outcome: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
@@ -53,6 +56,7 @@ class Held:
         async def holding(*args: Any, **kwargs: Any) -> Any:
             if self.held.is_set():
                 return await original(*args, **kwargs)
+            self.due = deadline.deadline()
             self.held.set()
             await self.release.wait()
             try:
@@ -66,7 +70,11 @@ class Held:
         monkeypatch.setattr(owner, name, holding)
 
     async def then(self, timeout: float = 30.0) -> Any:
-        """Released, what the held call came to."""
+        """Released once its request's deadline is past (if it has one: it is, by the time the
+        caller's retry was answered and it went on, unless the request reached the replica late), what
+        the held call came to."""
+        if self.due is not None:
+            await asyncio.sleep(max(0, self.due[0] - time.perf_counter_ns()) / 1e9)
         self.release.set()
         return await asyncio.wait_for(self.outcome, timeout)
 
@@ -86,7 +94,8 @@ async def timed_out(call: Any, held: Held) -> None:
     await asyncio.wait_for(held.held.wait(), 30)
 
 
-def expired(outcome: Any) -> None:
+def expired(held: Held, outcome: Any) -> None:
+    assert held.due is not None and held.due[1] == WAIT_S * 1000, held.due  # the client said how long it waits
     assert isinstance(outcome, ContractError), outcome
     assert outcome.code is ErrorCode.UNAVAILABLE, outcome
     assert WAIT_HEADER in outcome.message and "nothing was written" in outcome.message, outcome.message
@@ -114,7 +123,7 @@ async def test_a_stop_held_past_its_callers_wait_does_not_stop_the_actors_next_l
     async with another_replica(snapshotter, nats_server.url, prefix):
         await wb.stop("x1", request_id="stop-1")  # the retry, answered by the other replica
         await wb.create(actor("x1"))  # the caller goes on: the actor's next life
-        expired(await held.then())  # the stalled replica's copy, decided now
+        expired(held, await held.then())  # the stalled replica's copy, decided now
     entries = await read_entries(nc, prefix)
     assert kinds_of(entries, "x1", (ActorCreated, ActorStopped)) == ["ActorCreated", "ActorStopped", "ActorCreated"]
     assert expired_count("snapshotter", "stop") == before + 1
@@ -131,7 +140,7 @@ async def test_a_removal_held_past_its_callers_wait_does_not_remove_the_workers_
         async with running_registry(nats_server.url, prefix, own_link=True):
             await wb.remove("w1", request_id="remove-1")  # the retry, answered by the other replica
             await wb.register(worker("w1", V1))  # the agent registers again: the worker's next life
-            expired(await held.then())
+            expired(held, await held.then())
     entries = await read_entries(nc, prefix)
     assert kinds_of(entries, "w1", (WorkerRegistered, WorkerRemoved)) == [
         "WorkerRegistered", "WorkerRemoved", "WorkerRegistered"]
@@ -155,7 +164,7 @@ async def test_a_resume_held_past_its_callers_wait_does_not_place_the_actors_nex
         assert placed.worker_id == "w1"
         await wb.stop("x1")
         await wb.create(actor("x1"))  # the actor's next life, not resumed by its caller
-        expired(await held.then())
+        expired(held, await held.then())
         entries = await read_entries(nc, prefix)
     assert kinds_of(entries, "x1", (ActorCreated, ActorPlaced, ActorStopped)) == [
         "ActorCreated", "ActorPlaced", "ActorStopped", "ActorCreated"]
@@ -171,6 +180,7 @@ async def test_a_request_without_the_header_is_decided_however_long_it_was_held(
     with pytest.raises(Exception):  # nats-py's time-out: nobody answers in time
         await nc.request(subject, encode(StopActor(request_id="stop-2")), timeout=WAIT_S)
     await asyncio.wait_for(held.held.wait(), 30)
+    assert held.due is None
     outcome = await held.then()
     assert not isinstance(outcome, BaseException), outcome
     entries = await read_entries(nc, prefix)
