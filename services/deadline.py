@@ -35,6 +35,7 @@ from events.errors import ContractError, invalid
 from events.schema import ErrorCode
 from events.subjects import WAIT_HEADER
 
+_WAIT_LOWER = WAIT_HEADER.lower()
 MAX_WAIT_MS = 24 * 3600 * 1000  # a day: what the header may say (a larger value is INVALID_ARGUMENT)
 
 # (the request's task, the deadline in time.perf_counter_ns(), the wait it says, when it was received)
@@ -60,8 +61,10 @@ def wait_ms(headers: dict[str, str] | None) -> int | None:
     if not headers:
         return None
     text = headers.get(WAIT_HEADER)
-    if text is None:
-        return None
+    if text is None:  # as another language's client may spell it: header names are case-insensitive
+        text = next((value for name, value in headers.items() if name.lower() == _WAIT_LOWER), None)
+        if text is None:
+            return None
     text = text.strip()
     if not text.isdigit() or not 1 <= int(text) <= MAX_WAIT_MS:
         raise invalid(f"header {WAIT_HEADER} must be the milliseconds the caller waits for the answer, an integer "

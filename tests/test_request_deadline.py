@@ -170,6 +170,17 @@ async def test_a_resume_held_past_its_callers_wait_does_not_place_the_actors_nex
         "ActorCreated", "ActorPlaced", "ActorStopped", "ActorCreated"]
 
 
+async def test_the_header_is_read_in_any_case_of_its_name(nats_server, prefix, nc, snapshotter):
+    """nats.go writes `Warmboot-Wait-Ms`; a client that lower-cases header names is heard alike."""
+    body = encode(actor("x5", request_id="create-5"))
+    reply = await nc.request(service_subject(prefix, "snapshotter", "create", "x5"), body, timeout=10,
+                             headers={WAIT_HEADER.lower(): "soon"})
+    assert msgspec.json.decode(reply.data)["error"]["field"] == f"headers.{WAIT_HEADER}"
+    reply = await nc.request(service_subject(prefix, "snapshotter", "create", "x5"), body, timeout=10,
+                             headers={WAIT_HEADER.lower(): "5000"})
+    assert msgspec.json.decode(reply.data)["seq"] > 0
+
+
 async def test_a_request_without_the_header_is_decided_however_long_it_was_held(
         nats_server, prefix, nc, snapshotter, monkeypatch):
     """A caller that says nothing of its wait (a client of another language) is served as before."""
