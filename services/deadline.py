@@ -10,7 +10,10 @@ Why: a request id is scoped to one life of its entity (CONTRACT, v1.1). A first 
 by a stalled replica (its store retrying through a leader election) is decided after the
 caller's retry was answered elsewhere and the caller went on, a stop and a creation anew, say;
 the copy, a new request in the new life by that rule, then stopped, suspended, paused or removed
-the next life (an audit's finding, docs/contract.md). Past its caller's wait no request is
+the next life (an audit's finding, docs/contract.md). Where the retry was answered in the earlier
+life, the copy's id says so, and the registry and the snapshotter refuse it by that
+(`REFUSED_FROM_AN_EARLIER_LIFE`); this bound is for the rest: a request its caller gave up on, and
+a resume, whose id the scheduler looks up in this life only. Past its caller's wait no request is
 anyone's any more, so it is refused instead. What is decided in time is unchanged: an append
 already sent lands or not as before, and it expects each subject where it was read, so a
 copy decided on the earlier life that lands after the next one began fails its append, is

@@ -536,10 +536,10 @@ async def test_a_retry_read_behind_the_actor_s_next_life_is_decided_on_the_leade
         snapshotter, nats_server, nc, prefix, monkeypatch):
     """A stop retried with its request id after the actor was created anew through another process,
     read from a replica of the stream behind that creation: the history it read has the stop in the
-    current life, so the stop's first answer was given and nothing written, the new life left
-    running. On the leader's history a request id is looked up in the current life only (a very late
-    retry of an earlier life's request is a new request in the new life: docs/contract.md), and an
-    answer from before writes nothing, so it stands only on that history: the new life is stopped."""
+    current life, so the stop's first answer was given and nothing written. An answer from before
+    writes nothing, so it stands only on the history as the leader has it, where the retry is decided
+    again: there its id is an earlier life's, so it is refused (FAILED_PRECONDITION, field request_id;
+    a stop made for that life does not stop this one: docs/contract.md), the new life left running."""
     async with another_process(WireApplication, env_for(nats_server.url, prefix)) as elsewhere:
         await create(nc, prefix, "a-1")
         first = await call(nc, subject(prefix, "stop", "a-1"), StopActor(request_id="stop-1"), SeqReply)
@@ -551,10 +551,12 @@ async def test_a_retry_read_behind_the_actor_s_next_life_is_decided_on_the_leade
 
         recreated = await asyncio.to_thread(create_elsewhere)
         reads_before(monkeypatch, snapshotter, recreated)
-        again = await call(nc, subject(prefix, "stop", "a-1"), StopActor(request_id="stop-1"), SeqReply)
+        with pytest.raises(ContractError) as again:
+            await call(nc, subject(prefix, "stop", "a-1"), StopActor(request_id="stop-1"), SeqReply)
         monkeypatch.undo()
+        assert (again.value.code, again.value.field) == (ErrorCode.FAILED_PRECONDITION, "request_id"), again.value
         stops = [seq for seq, _, e in await read_entries(nc, prefix) if isinstance(e, ActorStopped)]
-        assert stops == [first.seq, again.seq] and again.seq > recreated, (stops, first, again, recreated)
+        assert stops == [first.seq] and first.seq < recreated, (stops, first, recreated)
 
 
 # --- idempotency --------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from events.schema import (
     Fidelity,
     PlacedFidelity,
     SnapshotOrigin,
+    SnapshotTaken,
     TemplateChanged,
     WhatIf,
     WorkerDrained,
@@ -241,24 +242,40 @@ async def test_a_tag_outlives_its_actors_stop_and_next_life(stack, wb, nc, prefi
 # --- section 1 (v1.1): every verb's request_id is scoped to one life ----------------------------------
 
 
-async def test_an_earlier_lifes_drain_and_pause_ids_are_new_requests_in_the_next_life(wb, nc, prefix):
+async def test_an_earlier_lifes_ids_start_new_lives_and_are_refused_by_the_verbs_that_do_not(wb, nc, prefix):
+    """v1.1 names a registration and a create with an earlier life's id as new requests: they start
+    the next life. Every other verb of the registry and the snapshotter refuses an id an earlier life
+    used (FAILED_PRECONDITION, field request_id, nothing written): a late copy of an earlier life's
+    request is told from nothing else, and it suspended the next life under the wrong pin (a soak's
+    finding; docs/contract.md). The scheduler's resume is decided on this life's placements only:
+    a new request."""
     await wb.register(worker("w", V1, request_id="reg-1"))
     first = await wb.drain("w", request_id="d-1")
     await wb.remove("w", request_id="rm-1")
-    await wb.register(worker("w", V1, request_id="reg-2"))
-    again = await wb.drain("w", request_id="d-1")  # life 2: a new drain
-    assert again.seq > first.seq
-    assert len([e for _, e in await read_log(nc, prefix) if isinstance(e, WorkerDrained)]) == 2
+    await wb.register(worker("w", V1, request_id="reg-1"))  # life 2, begun by life 1's registration id
+    for again in (wb.drain("w", request_id="d-1"), wb.remove("w", request_id="rm-1")):
+        with pytest.raises(ContractError) as refused:
+            await again
+        assert (refused.value.code, refused.value.field) == (ErrorCode.FAILED_PRECONDITION, "request_id")
+        assert "earlier life" in refused.value.message
+    assert [e for _, e in await read_log(nc, prefix) if isinstance(e, WorkerDrained)] == [
+        e for s, e in await read_log(nc, prefix) if s == first.seq]
 
     await wb.register(worker("w2", V1))
     await wb.create(actor("a", request_id="c-1"))
     await wb.resume("a", request_id="r-1")
     p1 = await wb.pause("a", request_id="p-1")
     await wb.stop("a", request_id="s-1")
-    await wb.create(actor("a", request_id="c-1"))
+    await wb.create(actor("a", request_id="c-1"))  # life 2, begun by life 1's create id
     r2 = await wb.resume("a", request_id="r-1")  # life 2: a new resume (a cold start), not life 1's answer
     assert r2.fidelity is PlacedFidelity.NONE
-    p2 = await wb.pause("a", request_id="p-1")
+    for again in (wb.pause("a", request_id="p-1"), wb.stop("a", request_id="s-1")):
+        with pytest.raises(ContractError) as refused:
+            await again
+        assert (refused.value.code, refused.value.field) == (ErrorCode.FAILED_PRECONDITION, "request_id")
+    snapshots = [e for _, e in await read_log(nc, prefix) if isinstance(e, SnapshotTaken)]
+    assert [e.snapshot.snapshot_id for e in snapshots] == [p1.snapshot.snapshot_id]
+    p2 = await wb.pause("a", request_id="p-2")  # a new id: a pause of life 2
     assert p2.seq > p1.seq and p2.snapshot.snapshot_id != p1.snapshot.snapshot_id
 
 

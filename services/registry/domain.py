@@ -149,7 +149,8 @@ class Worker(WireAggregate):
 
     KIND = "worker"
     LIFE_VERB = "register"  # a registration of a removed (or never registered) worker starts a life
-    REFUSED_FROM_AN_EARLIER_LIFE = frozenset({"register"})  # an earlier life's runtimes, brought back late
+    # an earlier life's runtimes, brought back late; its drain or removal, acting on the next life
+    REFUSED_FROM_AN_EARLIER_LIFE = frozenset({"register", "drain", "remove"})
     VERB_FIRST = {
         "register": lambda e: isinstance(e, (WorkerRegistered, RuntimeChanged, WorkerUpdated)),
         "drain": lambda e: isinstance(e, WorkerDrained),

@@ -113,6 +113,11 @@ class Actor(WireAggregate):
 
     KIND = "actor"
     LIFE_VERB = "create"  # a create of an absent or stopped actor starts a life
+    # A copy of one of these that a stalled replica decides late, after the actor was stopped and
+    # created anew, would act on the next life: a suspend (a promote) recorded the earlier life's image
+    # (its uri) under this life's pin, which a resume then restored where it cannot load (a soak's
+    # finding); a stop ended the next life. Their ids are made for one life (docs/contract.md).
+    REFUSED_FROM_AN_EARLIER_LIFE = frozenset({"pause", "suspend", "tag", "update-template", "stop", "revert"})
     VERB_FIRST = {
         "create": lambda e: isinstance(e, ActorCreated),
         "pause": _taken(SnapshotOrigin.PAUSE),

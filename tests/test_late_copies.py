@@ -1,15 +1,22 @@
-"""A request held past its caller's wait writes nothing (`services.deadline`).
+"""Late copies of a request: held past its caller's wait, it writes nothing (`services.deadline`);
+with an id an earlier life of its entity used, it is refused (`REFUSED_FROM_AN_EARLIER_LIFE`).
 
 The fault these tests reproduce (an audit's, on a 3-node cluster with leaders killed every 2.5 s):
 a replica stalls with a request in hand; its caller times out and sends it again, with the same
 request id; another replica answers; the caller goes on, to the entity's next life; then the
 stalled replica decides its copy on what it reads now. A request id is scoped to one life
 (CONTRACT v1.1), so that copy was a new request of the next life: it stopped, removed or
-placed what its caller had made anew. Here the stall is made on purpose (the replica's first
-request held until the test releases it, the replica out of the queue group meanwhile, so the
-retry reaches the other one), on real services over a real server. `warmboot.client` says
-how long it waits (`Warmboot-Wait-Ms`), and the copy is refused UNAVAILABLE instead, with
-nothing written.
+placed what its caller had made anew; a late promote recorded the earlier life's image under the
+next life's pin, and a resume restored it where it cannot load (a chaos soak's finding). Here the
+stall is made on purpose (the replica's first request held until the test releases it, the replica
+out of the queue group meanwhile, so that what follows reaches the other one), on real services over
+a real server. Two defences, each tested where the other cannot help:
+- the caller's retry, with the same id, was answered in the earlier life (the usual case): the
+  registry and the snapshotter refuse the copy by its id, FAILED_PRECONDITION, whatever the client
+  (the scheduler decides a resume on this life's placements only: the wait covers it);
+- the caller gave up on the request and went on with others (its id in no life's history):
+  `warmboot.client` said how long it waits (`Warmboot-Wait-Ms`), and the copy is refused UNAVAILABLE.
+Either way nothing is written for it.
 """
 
 from __future__ import annotations
@@ -25,8 +32,8 @@ from prometheus_client import REGISTRY
 
 from events.codec import encode
 from events.errors import ContractError
-from events.schema import ActorCreated, ActorPlaced, ActorStopped, ErrorCode, StopActor, WorkerRegistered, \
-    WorkerRemoved
+from events.schema import ActorCreated, ActorPlaced, ActorStopped, ErrorCode, Fidelity, SnapshotTaken, StopActor, \
+    SuspendActor, WorkerRegistered, WorkerRemoved
 from events.subjects import WAIT_HEADER, service_subject
 from services import deadline
 from services.deadline import MAX_WAIT_MS
@@ -121,7 +128,9 @@ async def test_a_stop_held_past_its_callers_wait_does_not_stop_the_actors_next_l
     await timed_out(wb.stop("x1", request_id="stop-1"), held)
     await leave_queue_group(snapshotter.micro)
     async with another_replica(snapshotter, nats_server.url, prefix):
-        await wb.stop("x1", request_id="stop-1")  # the retry, answered by the other replica
+        # the caller gave up on it (its id in no life's history, so only the wait can tell it), and
+        # stops the actor with another request, answered by the other replica
+        await wb.stop("x1", request_id="stop-2")
         await wb.create(actor("x1"))  # the caller goes on: the actor's next life
         expired(held, await held.then())  # the stalled replica's copy, decided now
     entries = await read_entries(nc, prefix)
@@ -138,7 +147,7 @@ async def test_a_removal_held_past_its_callers_wait_does_not_remove_the_workers_
         await timed_out(wb.remove("w1", request_id="remove-1"), held)
         await leave_queue_group(first.service)
         async with running_registry(nats_server.url, prefix, own_link=True):
-            await wb.remove("w1", request_id="remove-1")  # the retry, answered by the other replica
+            await wb.remove("w1", request_id="remove-2")  # given up on: removed by another request
             await wb.register(worker("w1", V1))  # the agent registers again: the worker's next life
             expired(held, await held.then())
     entries = await read_entries(nc, prefix)
@@ -232,3 +241,43 @@ async def test_the_client_says_how_long_it_waits_and_a_request_in_time_is_served
         await Client(nc, prefix, timeout=0.2, attempts=1).heartbeat("w4")
     await beats.unsubscribe()
     assert seen == ["2500", None]
+
+
+async def test_a_late_suspend_without_the_header_does_not_stamp_an_earlier_lifes_image_with_the_next_pin(
+        nats_server, prefix, nc, snapshotter, monkeypatch):
+    """The soak's finding, made on purpose: a suspend (no wait said, as a client of another language
+    sends it) is held by one replica while its retry is answered by another; the actor is stopped and
+    created anew, and placed under another runtime; then the held copy is decided. Its id is the
+    earlier life's, so it is refused: the image at its uri (the earlier life's, V1) is never recorded
+    under the next life's pin (V2), where a resume would restore it at MEMORY on a V2-only worker."""
+    from warmboot.runner import start_services
+
+    v2 = version("r2")
+    wb = Client(nc, prefix)
+    async with AsyncExitStack() as exits:
+        await start_services(exits, ["registry", "scheduler"], nats_server.url, prefix)
+        await wb.register(worker("w1", V1))
+        await wb.create(actor("x6"))
+        assert (await wb.resume("x6")).sandbox_runtime.version == V1
+        held = Held(monkeypatch, snapshotter, "answer")
+        subject = service_subject(prefix, "snapshotter", "suspend", "x6")
+        body = SuspendActor(uri="s3://img/life1", fidelity=Fidelity.MEMORY, request_id="suspend-6")
+        with pytest.raises(Exception):  # nats-py's time-out: the replica holds it
+            await nc.request(subject, encode(body), timeout=WAIT_S)
+        await asyncio.wait_for(held.held.wait(), 30)
+        assert held.due is None  # no wait said: only its id can tell it
+        await leave_queue_group(snapshotter.micro)
+        async with another_replica(snapshotter, nats_server.url, prefix):
+            first = await wb.suspend("x6", uri="s3://img/life1", request_id="suspend-6")  # the retry, elsewhere
+            assert first.snapshot.sandbox_runtime.version == V1
+            await wb.stop("x6")
+            await wb.register(worker("w1", v2))  # the worker upgraded: it restores V2 only
+            await wb.create(actor("x6"))  # the next life
+            assert (await wb.resume("x6")).sandbox_runtime.version == v2
+            late = await held.then()
+        entries = await read_entries(nc, prefix)
+    assert isinstance(late, ContractError), late
+    assert (late.code, late.field) == (ErrorCode.FAILED_PRECONDITION, "request_id"), late
+    images = [(e.snapshot.uri, e.snapshot.sandbox_runtime.version) for _, _, e in entries
+              if isinstance(e, SnapshotTaken) and e.actor_id == "x6"]
+    assert images == [("s3://img/life1", V1)]
