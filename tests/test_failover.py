@@ -221,6 +221,7 @@ async def test_no_barrier_takes_a_leaderless_members_word_for_where_the_log_ends
 
     from services.registry.fold import RosterFold
     from services.registry.roster import Roster
+    from services.scheduler.checkpoint import Checkpoints
     from services.scheduler.fold import Fold
     from services.scheduler.projection import Projection
     from services.streams import leaders_stream_info
@@ -254,6 +255,8 @@ async def test_no_barrier_takes_a_leaderless_members_word_for_where_the_log_ends
 
             with pytest.raises(nats.js.errors.ServiceUnavailableError):  # answered: nats-py's 5 s, not the poll's 1 s
                 await leaders_stream_info(nc.jetstream(), stream)
+            with pytest.raises(nats.js.errors.ServiceUnavailableError):  # nor a checkpoint's load, or its save
+                await Checkpoints(nc, prefix, every_events=1)._stream_identity()
             for barrier in (lambda: fold.current(3.0), roster.current):
                 with pytest.raises(ContractError) as refused:
                     await barrier()

@@ -63,7 +63,7 @@ from services.scheduler.checkpoint_codec import (
     export_state,
 )
 from services.scheduler.projection import Projection
-from services.streams import continuity, replaced_by, stream_identity, until_answered
+from services.streams import continuity, leaders_stream_info, replaced_by, stream_identity, until_answered
 
 log = logging.getLogger("warmboot.scheduler.checkpoint")
 
@@ -183,7 +183,10 @@ class Checkpoints:
         return buffer.getvalue()
 
     async def _stream_identity(self) -> tuple[str, int]:
-        return stream_identity(await self.nc.jetstream().stream_info(self.stream))
+        """The stream's creation and last sequence, as its leader has them: a member behind (after a
+        failover) would refuse a checkpoint past its own end, and the replica replay the whole log (a
+        soak's finding)."""
+        return stream_identity(await leaders_stream_info(self.nc.jetstream(), self.stream))
 
     async def _replaced(self, projection: Projection, at: tuple[int, int] | None = None) -> str | None:
         """Why the stream, as it is now, is not the log `projection` is a fold of (it was made again
