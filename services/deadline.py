@@ -22,6 +22,16 @@ decided again, and is refused here.
 A request without the header (a client of another language that does not send it) is decided
 however long it waited, as before.
 
+When a request was received is when the endpoint read it, unless the process was not running just
+before (`received`): a process stopped (SIGSTOP, a frozen VM) or an event loop blocked for a while
+reads, once it runs again, requests that may have waited in its socket all that time. So each loop
+that serves requests ticks every TICK_S (`Ticker`), and a request counts as received at the start of
+such a gap, the earliest it may have arrived, when it is read more than STALLED_S after the last
+tick (the loop reads before it ticks again), or within STALLED_S after a tick that came that late
+(the loop ticked first: uvloop runs its timers before it polls). A soak's finding: a resume sent to
+a scheduler stopped for 8.8 s was read after it woke, its wait counted from there, and it placed
+the actor's next life. A busy loop's requests pay the same (their wait shortened by the gap).
+
 The deadline is the current task's: set by the endpoint wrapper (`services.endpoints.wrap`) in
 the request's own task, and read only from that task (`check`), so a task the request started
 does not inherit it. The scheduler decides in its committer's task, from each job's own
@@ -39,6 +49,8 @@ from events.schema import ErrorCode
 from events.subjects import WAIT_HEADER
 
 _WAIT_LOWER = WAIT_HEADER.lower()
+TICK_S = 0.1  # how often a loop that serves requests notes that it runs (`Ticker`)
+STALLED_S = 0.3  # read this long after the last tick: the process or its loop was not running meanwhile
 MAX_WAIT_MS = 24 * 3600 * 1000  # a day: what the header may say (a larger value is INVALID_ARGUMENT)
 
 # (the request's task, the deadline in time.perf_counter_ns(), the wait it says, when it was received)
@@ -73,6 +85,69 @@ def wait_ms(headers: dict[str, str] | None) -> int | None:
         raise invalid(f"header {WAIT_HEADER} must be the milliseconds the caller waits for the answer, an integer "
                       f"from 1 to {MAX_WAIT_MS}; got {text[:32]!r}", f"headers.{WAIT_HEADER}")
     return int(text)
+
+
+class Ticker:
+    """Notes, every TICK_S, that its loop runs (`last`, time.perf_counter_ns); shared by the services
+    of a loop (`tick_on`, `untick`), stopped with the last of them."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.last = time.perf_counter_ns()
+        self.gap = (0, 0)  # the last gap between ticks longer than TICK_S + STALLED_S: (from, until)
+        self.users = 0
+        self.task = loop.create_task(self._tick(), name="warmboot-request-ticker")
+
+    async def _tick(self) -> None:
+        while True:
+            now = time.perf_counter_ns()
+            if now - self.last > (TICK_S + STALLED_S) * 1e9:
+                self.gap = (self.last, now)
+            self.last = now
+            await asyncio.sleep(TICK_S)
+
+
+_tickers: dict[asyncio.AbstractEventLoop, Ticker] = {}
+
+
+def tick_on(loop: asyncio.AbstractEventLoop) -> None:
+    """A service on `loop` serves requests: its loop ticks (`received`)."""
+    ticker = _tickers.get(loop)
+    if ticker is None or ticker.task.done():
+        ticker = _tickers[loop] = Ticker(loop)
+    ticker.users += 1
+
+
+def untick(loop: asyncio.AbstractEventLoop) -> None:
+    """A service on `loop` stopped serving; the ticker stops with the last one."""
+    ticker = _tickers.get(loop)
+    if ticker is None:
+        return
+    ticker.users -= 1
+    if ticker.users <= 0:
+        ticker.task.cancel()
+        del _tickers[loop]
+
+
+def received(read_ns: int) -> int:
+    """When a request read at `read_ns` (time.perf_counter_ns) counts as received: then, or at the
+    start of a gap in its loop's ticks that it was read in or right after (module docstring)."""
+    try:
+        ticker = _tickers.get(asyncio.get_running_loop())
+    except RuntimeError:
+        return read_ns
+    if ticker is None:
+        return read_ns
+    return received_after(read_ns, ticker.last, ticker.gap)
+
+
+def received_after(read_ns: int, last: int, gap: tuple[int, int]) -> int:
+    """`received`, from the loop's last tick and last long gap (pure)."""
+    if read_ns - last > STALLED_S * 1e9:  # not ticked since the gap began
+        return last
+    since, until = gap
+    if until and 0 <= read_ns - until <= STALLED_S * 1e9:  # ticked first, then read
+        return since
+    return read_ns
 
 
 def begin(wait: int | None, received_ns: int) -> None:

@@ -323,17 +323,21 @@ class ConcurrentEndpoint(Endpoint):
         if self._micro.admits(msg, self._name):
             if not self.slots.take_now():
                 raise RuntimeError("a request was delivered directly with no slot free")  # logged, dropped
-            self._spawn(msg, time.perf_counter_ns())
+            start = time.perf_counter_ns()
+            self._spawn(msg, start, deadline.received(start))
 
     async def _handle_request(self, msg: Msg) -> None:
         if self._micro.admits(msg, self._name):
             start = time.perf_counter_ns()
+            received = deadline.received(start)
             await self.slots.take()
-            self._spawn(msg, start)
+            self._spawn(msg, start, received)
 
-    def _spawn(self, msg: Msg, start: int) -> None:
-        """Serve `msg` (its slot taken) in a task of its own; the slot is given back when it ends."""
-        task = asyncio.create_task(self._serve(ServiceRequest(msg, start), start))
+    def _spawn(self, msg: Msg, start: int, received: int) -> None:
+        """Serve `msg` (its slot taken) in a task of its own; the slot is given back when it ends. Its
+        caller's wait counts from `received`: when it was read (`start`), or earlier if the loop had
+        not run for a while before (`services.deadline.received`)."""
+        task = asyncio.create_task(self._serve(ServiceRequest(msg, received), start))
         self._micro.track(task, self._give_back)
 
     def _give_back(self) -> None:
@@ -425,6 +429,7 @@ class MicroService(Service):
         self.max_concurrent = max_concurrent
         self.endpoint_slots: dict[str, Slots] = {}  # by endpoint name
         self._tasks: set[asyncio.Task[None]] = set()
+        self._ticks: asyncio.AbstractEventLoop | None = None  # the loop its requests are served on, ticking
 
     def track(self, task: asyncio.Task[None], then: Callable[[], None]) -> None:
         """Keep `task` (a request being served) until it ends, for `stop` to wait for; `then()`
@@ -478,10 +483,19 @@ class MicroService(Service):
         msg.headers = None  # not echoed in the answer
         return True
 
+    async def start(self) -> None:
+        await super().start()
+        if self._ticks is None:  # its loop notes that it runs (`services.deadline.received`)
+            self._ticks = asyncio.get_running_loop()
+            deadline.tick_on(self._ticks)
+
     async def stop(self, drain_s: float = 10.0) -> None:
         await super().stop()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=drain_s)
+        ticks, self._ticks = self._ticks, None
+        if ticks is not None:
+            deadline.untick(ticks)
 
 
 async def add_endpoints(

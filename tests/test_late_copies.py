@@ -281,3 +281,62 @@ async def test_a_late_suspend_without_the_header_does_not_stamp_an_earlier_lifes
     images = [(e.snapshot.uri, e.snapshot.sandbox_runtime.version) for _, _, e in entries
               if isinstance(e, SnapshotTaken) and e.actor_id == "x6"]
     assert images == [("s3://img/life1", V1)]
+
+
+MS = 1_000_000  # ns
+
+
+@pytest.mark.parametrize("read, last, gap, counted", [
+    (1_000 * MS, 950 * MS, (0, 0), 1_000 * MS),  # a loop that ticks: when it was read
+    (9_000 * MS, 950 * MS, (0, 0), 950 * MS),  # read before the loop ticked again after 8 s: from its last tick
+    (9_100 * MS, 9_050 * MS, (950 * MS, 9_050 * MS), 950 * MS),  # it ticked first (uvloop), read right after
+    (9_500 * MS, 9_450 * MS, (950 * MS, 9_050 * MS), 9_500 * MS),  # read well after the gap ended: when read
+])
+def test_a_request_read_in_or_right_after_a_gap_in_its_loops_ticks_counts_from_the_gaps_start(
+        read, last, gap, counted):
+    assert deadline.received_after(read, last, gap) == counted
+
+
+@pytest.mark.timeout(120)
+async def test_a_request_read_after_its_replica_was_stopped_counts_its_wait_from_before_the_stop(
+        nats_server, prefix, nc):
+    """The soak's second way past the wait: a replica stopped (SIGSTOP) while the request reached it
+    read it once it ran again, and counted the wait from there. Here a `warmboot serve snapshotter`
+    process is stopped for longer than the caller waits; the stop it then reads is refused, and the
+    actor, which the caller went on to use, is left as it is."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    exe = str(Path(sys.executable).parent / "warmboot")
+    proc = subprocess.Popen([exe, "serve", "snapshotter", "--nats", nats_server.url, "--prefix", prefix],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        line = await asyncio.to_thread(proc.stdout.readline)
+        assert line.startswith("serving"), line
+        await Client(nc, prefix).create(actor("x7"))
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(ContractError) as lost:  # nobody reads it while the replica is stopped
+                await Client(nc, prefix, timeout=WAIT_S, attempts=1).stop("x7", request_id="stop-7")
+            assert "no reply" in lost.value.message
+        finally:
+            proc.send_signal(signal.SIGCONT)
+
+        async def refusal_logged() -> str:
+            while True:
+                text = await asyncio.to_thread(proc.stderr.readline)
+                assert text, "the replica ended without logging the refusal"
+                if "held the request" in text:
+                    return text
+
+        said = await asyncio.wait_for(refusal_logged(), 60)
+        assert WAIT_HEADER in said and "snapshotter.stop" in said, said
+    finally:
+        proc.kill()
+        await asyncio.to_thread(proc.wait)
+    entries = await read_entries(nc, prefix)
+    assert kinds_of(entries, "x7", (ActorCreated, ActorStopped)) == ["ActorCreated"]
