@@ -49,8 +49,8 @@ from events.schema import ErrorCode
 from events.subjects import WAIT_HEADER
 
 _WAIT_LOWER = WAIT_HEADER.lower()
-TICK_S = 0.1  # how often a loop that serves requests notes that it runs (`Ticker`)
-STALLED_S = 0.3  # read this long after the last tick: the process or its loop was not running meanwhile
+TICK_S = 0.2  # how often a loop that serves requests notes that it runs (`Ticker`)
+STALLED_S = 0.5  # read this long after the last tick: the process or its loop was not running meanwhile
 MAX_WAIT_MS = 24 * 3600 * 1000  # a day: what the header may say (a larger value is INVALID_ARGUMENT)
 
 # (the request's task, the deadline in time.perf_counter_ns(), the wait it says, when it was received)
