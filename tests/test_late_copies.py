@@ -37,9 +37,9 @@ from events.schema import ActorCreated, ActorPlaced, ActorStopped, ErrorCode, Fi
 from events.subjects import WAIT_HEADER, service_subject
 from services import deadline
 from services.deadline import MAX_WAIT_MS
+from tests import test_snapshotter
 from tests.factories import CLASS, actor, read_entries, version, worker
 from tests.registry_helpers import running_registry
-from tests import test_snapshotter
 from tests.test_snapshotter import another_replica
 from warmboot.client import Client
 
