@@ -38,7 +38,7 @@ from events.subjects import WAIT_HEADER, service_subject
 from services import deadline
 from services.deadline import MAX_WAIT_MS
 from tests import test_snapshotter
-from tests.factories import CLASS, actor, read_entries, version, worker
+from tests.factories import actor, read_entries, version, worker
 from tests.registry_helpers import running_registry
 from tests.test_snapshotter import another_replica
 from warmboot.client import Client
@@ -230,7 +230,7 @@ async def test_the_client_says_how_long_it_waits_and_a_request_in_time_is_served
 
     sub = await nc.subscribe(service_subject(prefix, "snapshotter", "create", "x4"), cb=tap)
     wb = Client(nc, prefix, timeout=2.5)
-    reply = await wb.create(actor("x4", sandbox_class=CLASS))
+    reply = await wb.create(actor("x4"))
     await nc.flush()
     await sub.unsubscribe()
     assert seen == ["2500"]
