@@ -46,6 +46,7 @@ from prometheus_client import Counter
 
 from events.codec import decode_reply, decode_request, encode
 from events.errors import ContractError, invalid, unavailable
+from events.natspy.connections import transport_lost
 from events.natspy.frames import DirectDelivery, deliver_core, guard_reads
 from events.natspy.headers import header_block
 from events.natspy.publish import flush_in_order, publish
@@ -175,7 +176,8 @@ def is_outage(error: BaseException) -> bool:
 
     The event store's OperationalError (StoreUnavailableError among them), a time-out,
     no responders, a closed or reconnecting connection, a JetStream API error of the
-    5xx kind (503: no quorum, a leader election). A JetStream API error of the 4xx kind
+    5xx kind (503: no quorum, a leader election), a write onto a transport that closed under
+    nats-py (`transport_lost`: uvloop's RuntimeError). A JetStream API error of the 4xx kind
     (the server answered: the request was wrong) and a misuse of the client are bugs.
     """
     if isinstance(error, nats.js.errors.APIError):
@@ -183,7 +185,7 @@ def is_outage(error: BaseException) -> bool:
             return False
         code = getattr(error, "code", None)  # some subclasses never set it
         return code is None or code >= 500
-    return isinstance(error, _OUTAGES) and not isinstance(error, _MISUSE)
+    return (isinstance(error, _OUTAGES) and not isinstance(error, _MISUSE)) or transport_lost(error)
 
 
 def _header_text(text: str) -> str:

@@ -21,6 +21,7 @@ from nats.js.errors import NotFoundError
 
 from events.errors import unavailable
 from events.nats_codes import ERR_NO_MESSAGE_FOUND
+from events.natspy.connections import transport_lost
 
 log = logging.getLogger("warmboot.service")
 T = TypeVar("T")
@@ -42,7 +43,7 @@ def _unanswered(error: BaseException) -> bool:
     if isinstance(error, nats.js.errors.APIError):
         code = getattr(error, "code", None)
         return code is not None and code >= 500
-    return isinstance(error, _UNANSWERED)
+    return isinstance(error, _UNANSWERED) or transport_lost(error)
 
 
 async def until_answered(call: Callable[[], Awaitable[T]], what: str, within: float = START_WITHIN_S, *,

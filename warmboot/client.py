@@ -61,7 +61,7 @@ from nats.aio.client import Client as NATS
 from events.codec import decode_reply, encode
 from events.errors import ContractError, invalid, precondition, unavailable
 from events.natsauth import check_url, redact_url
-from events.natspy.connections import ErrorsOnce, PublishRefused, close, unless_refused
+from events.natspy.connections import ErrorsOnce, PublishRefused, close, transport_lost, unless_refused
 from events.schema import (
     ID_RE,
     ID_WORDS,
@@ -292,6 +292,11 @@ class Client:
             if not self.refusals_final:  # the agent: its own loop takes nats-py's errors, as it always did
                 raise
             raise self._unsent(subject, data, error) from None
+        except RuntimeError as error:
+            if not transport_lost(error):
+                raise
+            raise unavailable(f"the connection to NATS was lost as the request to {subject} was written: nothing "
+                              "of it was sent, and it may be sent again (the connection reconnects)") from None
         try:
             return decode_reply(reply_type, msg.data)
         except msgspec.DecodeError as error:  # not this version's reply (ValidationError is one too)

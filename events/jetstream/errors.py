@@ -30,6 +30,7 @@ import nats.errors
 import nats.js.errors
 from eventsourcing.persistence import DataError, IntegrityError, OperationalError, PersistenceError
 
+from events.natspy.connections import transport_lost
 from events.nats_codes import (
     ERR_WRONG_LAST_SEQUENCE,
     ERR_BATCH_WRONG_LAST_SEQUENCE,
@@ -125,11 +126,23 @@ def direct_get_refused(status: str) -> Exception:
     return OperationalError(f"direct get failed with status {status}")
 
 
+def unanswered(error: BaseException) -> bool:
+    """Whether no answer came to the attempt that raised `error` (`UNANSWERED`, or a write onto a
+    transport closed under nats-py: `transport_lost`): it may or may not have been carried out."""
+    return isinstance(error, UNANSWERED) or transport_lost(error)
+
+
+def not_answering(error: BaseException) -> bool:
+    """Whether `error` says JetStream or the connection to it is not answering now (`NOT_DELIVERED`
+    or `unanswered`): a transient state."""
+    return isinstance(error, NOT_DELIVERED) or unanswered(error)
+
+
 def retryable(error: BaseException, also: Collection[int] = ()) -> bool:
     """Whether `error` is worth another attempt (with `also`: those err_codes as well)."""
     if isinstance(error, ServerError):
         return error.transient or error.err_code in also
-    return isinstance(error, NOT_DELIVERED + UNANSWERED)
+    return not_answering(error)
 
 
 def from_nats_py(error: nats.js.errors.APIError) -> Exception:

@@ -208,14 +208,18 @@ class Stream:
             log.warning("stream %s is gone (deleted, or a new server); creating it again", self.name)
             self.link.last_seen.forget([subject.rstrip(">") for subject in self.subjects])
             await self.ensure(True)
-        except errors.NOT_DELIVERED + errors.UNANSWERED:
-            pass  # JetStream itself is not answering: a transient state, retried by the caller
+        except Exception as error:
+            if not errors.not_answering(error):
+                raise
+            # JetStream itself is not answering: a transient state, retried by the caller
 
     async def _listed(self) -> bool:
         """Whether the account's stream list (the meta leader's word) names this stream."""
         try:
             names = await self._api("STREAM.NAMES", {"subject": self.subjects[0]}, REQUEST_TIMEOUT)
-        except (ServerError,) + errors.NOT_DELIVERED + errors.UNANSWERED:
+        except Exception as error:
+            if not (isinstance(error, ServerError) or errors.not_answering(error)):
+                raise
             return True  # cannot tell: do not conclude it is gone
         return self.name in (names.get("streams") or [])
 
@@ -349,9 +353,6 @@ class Stream:
             nonlocal uncertain, replans
             try:
                 last_seq = await self._send(batch, timeout)
-            except errors.UNANSWERED:
-                uncertain = True  # it may have been stored
-                raise
             except ServerError as said:
                 if not said.conflict:
                     raise
@@ -362,6 +363,10 @@ class Stream:
                     raise IntegrityError(f"gave up after {MAX_REPLANS} concurrent appends: {said}") from None
                 await self._replan(batch, said)
                 raise Again from None
+            except Exception as error:
+                if errors.unanswered(error):
+                    uncertain = True  # it may have been stored
+                raise
             first_seq = last_seq - len(batch.outs) + 1
             self._remember(batch, first_seq)
             return list(range(first_seq, last_seq + 1))

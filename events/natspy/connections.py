@@ -13,6 +13,9 @@
   server answered, hung for good.
 - `close`: nats-py's close of a connection that is down (reconnecting) raised half way, writing
   what it held to be sent onto the lost transport; what cannot be sent is dropped first.
+- `transport_lost`: a write onto a connection whose transport closed before nats-py saw it go
+  (uvloop raises RuntimeError there, where asyncio's own transports raise ConnectionError): the
+  connection is lost, not the code wrong (a soak's finding: answered INTERNAL, and not retried).
 - `follow_seed_file` (done by `connecting`): a connection signed in with an nkey seed file signs
   each sign-in with the file as it is then, under that seed's own public key. nats-py reads the
   file again for each signature but keeps the public key it read as it started connecting: after a
@@ -257,6 +260,20 @@ async def close(nc: Client) -> None:
         nc._pending = []
         nc._pending_data_size = 0
     await nc.close()
+
+
+_UVLOOP_CLOSED = ("unable to perform operation on <", "the handler is closed")
+
+
+def transport_lost(error: BaseException) -> bool:
+    """Whether `error` is uvloop refusing a write onto a transport that is closed: nats-py flushed
+    onto its connection's transport after the socket went, before it noticed (its reconnect or its
+    close), as `RuntimeError: unable to perform operation on <TCPTransport closed=True ...>; the
+    handler is closed` (uvloop's `UVHandle._ensure_alive`). Nothing of that write was sent."""
+    if type(error) is not RuntimeError:
+        return False
+    text = str(error)
+    return text.startswith(_UVLOOP_CLOSED[0]) and text.endswith(_UVLOOP_CLOSED[1])
 
 
 def taken(attempt: asyncio.Future) -> Any:
