@@ -106,27 +106,15 @@ async def test_an_endpoint_that_meets_it_answers_unavailable(nc, nats_url, prefi
     assert b'"UNAVAILABLE"' in msg.data
 
 
-async def test_a_client_whose_connection_meets_it_says_unavailable_and_that_nothing_was_sent(nats_url, prefix):
+async def test_a_client_whose_connection_meets_it_says_unavailable(nats_url, prefix):
     under_uvloop()
     nc = await nats.connect(nats_url, allow_reconnect=False)
-    seen: list[bytes] = []
-
-    async def heard(msg) -> None:
-        seen.append(msg.data)
-
-    listener = await nats.connect(nats_url)
-    subject = service_subject(prefix, "registry", "heartbeat", "w-1")
-    await listener.subscribe(subject, cb=heard)
-    await listener.flush()
     try:
         client = Client(nc, prefix, timeout=2.0, attempts=1)
         await lose_transport(nc)
         with pytest.raises(ContractError) as refused:
             await client.heartbeat("w-1")
         assert refused.value.code is ErrorCode.UNAVAILABLE
-        assert "connection to NATS was lost" in refused.value.message and "nothing of it was sent" in refused.value.message
-        await listener.flush()
-        assert seen == []
+        assert "connection to NATS was lost" in refused.value.message and "same request_id" in refused.value.message
     finally:
         await discard(nc)
-        await listener.close()

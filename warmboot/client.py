@@ -295,8 +295,9 @@ class Client:
         except RuntimeError as error:
             if not transport_lost(error):
                 raise
-            raise unavailable(f"the connection to NATS was lost as the request to {subject} was written: nothing "
-                              "of it was sent, and it may be sent again (the connection reconnects)") from None
+            raise unavailable(f"the connection to NATS was lost as the request to {subject} was written: it may "
+                              "still go out once the connection is back (nats-py keeps what it could not send); a "
+                              "retry with the same request_id gets its answer") from None
         try:
             return decode_reply(reply_type, msg.data)
         except msgspec.DecodeError as error:  # not this version's reply (ValidationError is one too)

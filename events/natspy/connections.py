@@ -269,7 +269,8 @@ def transport_lost(error: BaseException) -> bool:
     """Whether `error` is uvloop refusing a write onto a transport that is closed: nats-py flushed
     onto its connection's transport after the socket went, before it noticed (its reconnect or its
     close), as `RuntimeError: unable to perform operation on <TCPTransport closed=True ...>; the
-    handler is closed` (uvloop's `UVHandle._ensure_alive`). Nothing of that write was sent."""
+    handler is closed` (uvloop's `UVHandle._ensure_alive`). That write did not go out, but nats-py keeps
+    what it held and sends it once it has reconnected: what raised it may still arrive (uncertain)."""
     if type(error) is not RuntimeError:
         return False
     text = str(error)
