@@ -27,10 +27,15 @@ before (`received`): a process stopped (SIGSTOP, a frozen VM) or an event loop b
 reads, once it runs again, requests that may have waited in its socket all that time. So each loop
 that serves requests ticks every TICK_S (`Ticker`), and a request counts as received at the start of
 such a gap, the earliest it may have arrived, when it is read more than STALLED_S after the last
-tick (the loop reads before it ticks again), or within STALLED_S after a tick that came that late
-(the loop ticked first: uvloop runs its timers before it polls). A soak's finding: a resume sent to
+tick (the loop reads before it ticks again), or after a tick that came that late, within the time
+the loop may take to read what piled up meanwhile (`backlog_s`: STALLED_S, or a quarter of the gap
+for a longer one, at most BACKLOG_MAX_S; the loop ticked first, as uvloop runs its timers before it
+polls, and then reads its backlog in turns with its other work). A soak's findings: a resume sent to
 a scheduler stopped for 8.8 s was read after it woke, its wait counted from there, and it placed
-the actor's next life. A busy loop's requests pay the same (their wait shortened by the gap).
+the actor's next life; and, once gaps were counted, one of a stop of 15.3 s was read 0.63 s after
+it woke, its 51 neighbours in the same backlog refused. A busy loop's requests pay the same (their
+wait shortened by the gap), and so do requests that reach a replica while it reads its backlog
+(refused if their wait is shorter than the gap: their retries are answered once it is read).
 
 The deadline is the current task's: set by the endpoint wrapper (`services.endpoints.wrap`) in
 the request's own task, and read only from that task (`check`), so a task the request started
@@ -51,6 +56,8 @@ from events.subjects import WAIT_HEADER
 _WAIT_LOWER = WAIT_HEADER.lower()
 TICK_S = 0.2  # how often a loop that serves requests notes that it runs (`Ticker`)
 STALLED_S = 0.5  # read this long after the last tick: the process or its loop was not running meanwhile
+BACKLOG_SHARE = 0.25  # after a gap, requests read within this share of it were (maybe) waiting through it
+BACKLOG_MAX_S = 5.0  # ... but for no longer than this after it: then the loop is taken to have read its backlog
 MAX_WAIT_MS = 24 * 3600 * 1000  # a day: what the header may say (a larger value is INVALID_ARGUMENT)
 
 # (the request's task, the deadline in time.perf_counter_ns(), the wait it says, when it was received)
@@ -145,9 +152,15 @@ def received_after(read_ns: int, last: int, gap: tuple[int, int]) -> int:
     if read_ns - last > STALLED_S * 1e9:  # not ticked since the gap began
         return last
     since, until = gap
-    if until and 0 <= read_ns - until <= STALLED_S * 1e9:  # ticked first, then read
+    if until and 0 <= read_ns - until <= backlog_s(until - since) * 1e9:  # ticked first, then read
         return since
     return read_ns
+
+
+def backlog_s(gap_ns: int) -> float:
+    """How long after a gap of `gap_ns` in its loop's ticks a replica may still be reading what
+    reached it during the gap (pure): STALLED_S, a quarter of a longer gap, at most BACKLOG_MAX_S."""
+    return min(max(STALLED_S, BACKLOG_SHARE * gap_ns / 1e9), BACKLOG_MAX_S)
 
 
 def begin(wait: int | None, received_ns: int) -> None:

@@ -291,7 +291,14 @@ STOPPED_S = 2.0  # how long the test's replica process is stopped
     (1_000 * MS, 950 * MS, (0, 0), 1_000 * MS),  # a loop that ticks: when it was read
     (9_000 * MS, 950 * MS, (0, 0), 950 * MS),  # read before the loop ticked again after 8 s: from its last tick
     (9_100 * MS, 9_050 * MS, (950 * MS, 9_050 * MS), 950 * MS),  # it ticked first (uvloop), read right after
-    (9_700 * MS, 9_650 * MS, (950 * MS, 9_050 * MS), 9_700 * MS),  # read well after the gap ended: when read
+    (9_600 * MS, 9_450 * MS, (950 * MS, 9_050 * MS), 950 * MS),  # 0.55 s after an 8.1 s gap: its backlog
+    (11_200 * MS, 11_150 * MS, (950 * MS, 9_050 * MS), 11_200 * MS),  # past a quarter of it: when read
+    # the soak's last one: stopped 15.3 s, read 0.63 s after it woke, with its backlog: from the gap's start
+    (16_880 * MS, 16_850 * MS, (950 * MS, 16_250 * MS), 950 * MS),
+    (20_000 * MS, 19_850 * MS, (950 * MS, 16_250 * MS), 950 * MS),  # 3.75 s after: within a quarter of it
+    (20_200 * MS, 20_050 * MS, (950 * MS, 16_250 * MS), 20_200 * MS),  # 3.95 s after: the backlog is read
+    (106_900 * MS, 106_850 * MS, (950 * MS, 101_950 * MS), 950 * MS),  # a 101 s stop: within 5 s after
+    (107_000 * MS, 106_850 * MS, (950 * MS, 101_950 * MS), 107_000 * MS),  # ... and no longer
 ])
 def test_a_request_read_in_or_right_after_a_gap_in_its_loops_ticks_counts_from_the_gaps_start(
         read, last, gap, counted):
