@@ -27,15 +27,17 @@ before (`received`): a process stopped (SIGSTOP, a frozen VM) or an event loop b
 reads, once it runs again, requests that may have waited in its socket all that time. So each loop
 that serves requests ticks every TICK_S (`Ticker`), and a request counts as received at the start of
 such a gap, the earliest it may have arrived, when it is read more than STALLED_S after the last
-tick (the loop reads before it ticks again), or after a tick that came that late, within the time
-the loop may take to read what piled up meanwhile (`backlog_s`: STALLED_S, or a quarter of the gap
-for a longer one, at most BACKLOG_MAX_S; the loop ticked first, as uvloop runs its timers before it
-polls, and then reads its backlog in turns with its other work). A soak's findings: a resume sent to
-a scheduler stopped for 8.8 s was read after it woke, its wait counted from there, and it placed
-the actor's next life; and, once gaps were counted, one of a stop of 15.3 s was read 0.63 s after
-it woke, its 51 neighbours in the same backlog refused. A busy loop's requests pay the same (their
-wait shortened by the gap), and so do requests that reach a replica while it reads its backlog
-(refused if their wait is shorter than the gap: their retries are answered once it is read).
+tick (the loop reads before it ticks again), or after a tick that came that late but before the
+replica has read what reached it during the gap. That backlog ends where the server's answer to a
+PING sent at that tick does: the server sends a connection's messages in order, so what it sends
+before the PONG reached it before the PING, and what comes after, after the replica ran again
+(`Ticker`; waited for at most BACKLOG_MAX_S). A soak's findings: a resume sent to a scheduler
+stopped for 8.8 s was read after it woke, its wait counted from there, and it placed the actor's
+next life; once gaps were counted, one of a stop of 15.3 s was read 0.63 s after it woke (its 51
+neighbours in the same backlog refused); and a window by time after the gap (a quarter of it) also
+refused the requests that came fresh after the replica woke, which the PONG tells apart. A busy
+loop's requests pay the same (their wait shortened by the gap), and so does a request that reached
+the server before the replica woke and its caller still waits for: no clock says when it came.
 
 The deadline is the current task's: set by the endpoint wrapper (`services.endpoints.wrap`) in
 the request's own task, and read only from that task (`check`), so a task the request started
@@ -46,18 +48,21 @@ deadline (`passed`).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from contextvars import ContextVar
+from typing import Any
 
 from events.errors import ContractError, invalid
 from events.schema import ErrorCode
 from events.subjects import WAIT_HEADER
 
+log = logging.getLogger("warmboot.service")
+
 _WAIT_LOWER = WAIT_HEADER.lower()
 TICK_S = 0.2  # how often a loop that serves requests notes that it runs (`Ticker`)
 STALLED_S = 0.5  # read this long after the last tick: the process or its loop was not running meanwhile
-BACKLOG_SHARE = 0.25  # after a gap, requests read within this share of it were (maybe) waiting through it
-BACKLOG_MAX_S = 5.0  # ... but for no longer than this after it: then the loop is taken to have read its backlog
+BACKLOG_MAX_S = 5.0  # after a gap, the longest the PONGs that end its backlog are waited for
 MAX_WAIT_MS = 24 * 3600 * 1000  # a day: what the header may say (a larger value is INVALID_ARGUMENT)
 
 # (the request's task, the deadline in time.perf_counter_ns(), the wait it says, when it was received)
@@ -96,40 +101,73 @@ def wait_ms(headers: dict[str, str] | None) -> int | None:
 
 class Ticker:
     """Notes, every TICK_S, that its loop runs (`last`, time.perf_counter_ns); shared by the services
-    of a loop (`tick_on`, `untick`), stopped with the last of them."""
+    of a loop (`tick_on`, `untick`), stopped with the last of them. After a gap in its ticks, asks the
+    server of each connection its services read requests from for a PONG (`_read_backlog`): what
+    reached the replica during the gap comes before it."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.last = time.perf_counter_ns()
         self.gap = (0, 0)  # the last gap between ticks longer than TICK_S + STALLED_S: (from, until)
+        self.caught_up = 0  # when the PONGs after that gap came back (0: not yet)
+        self.connections: list[Any] = []  # the connections its services read requests from, once per service
         self.users = 0
         self.task = loop.create_task(self._tick(), name="warmboot-request-ticker")
+        self._backlog: asyncio.Task[None] | None = None
 
     async def _tick(self) -> None:
-        while True:
-            now = time.perf_counter_ns()
-            if now - self.last > (TICK_S + STALLED_S) * 1e9:
-                self.gap = (self.last, now)
-            self.last = now
-            await asyncio.sleep(TICK_S)
+        try:
+            while True:
+                now = time.perf_counter_ns()
+                if now - self.last > (TICK_S + STALLED_S) * 1e9:
+                    self.gap, self.caught_up = (self.last, now), 0
+                    if self._backlog is not None:
+                        self._backlog.cancel()
+                    self._backlog = asyncio.ensure_future(self._read_backlog(self.gap))
+                self.last = now
+                await asyncio.sleep(TICK_S)
+        finally:
+            if self._backlog is not None:
+                self._backlog.cancel()
+
+    async def _read_backlog(self, gap: tuple[int, int]) -> None:
+        """A PING on each connection; `caught_up` once every PONG is back (or BACKLOG_MAX_S after the
+        gap, whatever the connections do: one reconnecting may not answer for long)."""
+        pings = [asyncio.ensure_future(nc.flush(BACKLOG_MAX_S)) for nc in set(self.connections)]
+        if pings:
+            left = BACKLOG_MAX_S - (time.perf_counter_ns() - gap[1]) / 1e9
+            done, pending = await asyncio.wait(pings, timeout=max(left, 0.0))
+            for ping in pending:
+                ping.cancel()
+            for ping in done:
+                ping.exception()  # retrieved: a connection closed or reconnecting answers no PING; the bound holds
+        now = time.perf_counter_ns()
+        if self.gap is gap:
+            self.caught_up = now
+            log.info("the serving loop did not run for %.1f s; it read what reached it meanwhile in %.0f ms",
+                     (gap[1] - gap[0]) / 1e9, (now - gap[1]) / 1e6)
 
 
 _tickers: dict[asyncio.AbstractEventLoop, Ticker] = {}
 
 
-def tick_on(loop: asyncio.AbstractEventLoop) -> None:
-    """A service on `loop` serves requests: its loop ticks (`received`)."""
+def tick_on(loop: asyncio.AbstractEventLoop, nc: Any = None) -> None:
+    """A service on `loop` serves requests (read from `nc`): its loop ticks (`received`)."""
     ticker = _tickers.get(loop)
     if ticker is None or ticker.task.done():
         ticker = _tickers[loop] = Ticker(loop)
     ticker.users += 1
+    if nc is not None:
+        ticker.connections.append(nc)
 
 
-def untick(loop: asyncio.AbstractEventLoop) -> None:
-    """A service on `loop` stopped serving; the ticker stops with the last one."""
+def untick(loop: asyncio.AbstractEventLoop, nc: Any = None) -> None:
+    """A service on `loop` stopped serving (from `nc`); the ticker stops with the last one."""
     ticker = _tickers.get(loop)
     if ticker is None:
         return
     ticker.users -= 1
+    if nc is not None and nc in ticker.connections:
+        ticker.connections.remove(nc)
     if ticker.users <= 0:
         ticker.task.cancel()
         del _tickers[loop]
@@ -137,30 +175,27 @@ def untick(loop: asyncio.AbstractEventLoop) -> None:
 
 def received(read_ns: int) -> int:
     """When a request read at `read_ns` (time.perf_counter_ns) counts as received: then, or at the
-    start of a gap in its loop's ticks that it was read in or right after (module docstring)."""
+    start of a gap in its loop's ticks that it was read in or after, before the replica had read
+    what reached it meanwhile (module docstring)."""
     try:
         ticker = _tickers.get(asyncio.get_running_loop())
     except RuntimeError:
         return read_ns
     if ticker is None:
         return read_ns
-    return received_after(read_ns, ticker.last, ticker.gap)
+    return received_after(read_ns, ticker.last, ticker.gap, ticker.caught_up)
 
 
-def received_after(read_ns: int, last: int, gap: tuple[int, int]) -> int:
-    """`received`, from the loop's last tick and last long gap (pure)."""
+def received_after(read_ns: int, last: int, gap: tuple[int, int], caught_up: int) -> int:
+    """`received`, from the loop's last tick, last long gap and when the PONGs after it came back
+    (0: not yet) (pure)."""
     if read_ns - last > STALLED_S * 1e9:  # not ticked since the gap began
         return last
     since, until = gap
-    if until and 0 <= read_ns - until <= backlog_s(until - since) * 1e9:  # ticked first, then read
-        return since
+    if until and read_ns >= until:  # ticked first, then read: before the PONGs, what waited through the gap
+        if (read_ns <= caught_up) if caught_up else (read_ns - until <= BACKLOG_MAX_S * 1e9):
+            return since
     return read_ns
-
-
-def backlog_s(gap_ns: int) -> float:
-    """How long after a gap of `gap_ns` in its loop's ticks a replica may still be reading what
-    reached it during the gap (pure): STALLED_S, a quarter of a longer gap, at most BACKLOG_MAX_S."""
-    return min(max(STALLED_S, BACKLOG_SHARE * gap_ns / 1e9), BACKLOG_MAX_S)
 
 
 def begin(wait: int | None, received_ns: int) -> None:

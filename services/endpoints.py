@@ -489,7 +489,7 @@ class MicroService(Service):
         await super().start()
         if self._ticks is None:  # its loop notes that it runs (`services.deadline.received`)
             self._ticks = asyncio.get_running_loop()
-            deadline.tick_on(self._ticks)
+            deadline.tick_on(self._ticks, self._client)
 
     async def stop(self, drain_s: float = 10.0) -> None:
         await super().stop()
@@ -497,7 +497,7 @@ class MicroService(Service):
             await asyncio.wait(list(self._tasks), timeout=drain_s)
         ticks, self._ticks = self._ticks, None
         if ticks is not None:
-            deadline.untick(ticks)
+            deadline.untick(ticks, self._client)
 
 
 async def add_endpoints(
