@@ -516,27 +516,39 @@ async def test_an_expiry_handled_on_a_read_behind_the_worker_s_new_life_still_en
 # --- the sweep hands back what it could not handle; a beat's TTL and put as the heartbeat says ------------
 
 
-async def test_a_removal_that_fails_once_is_tried_again_a_second_later(nats_url, nc, prefix):
+@pytest.mark.parametrize("failure, outage", [
+    (unavailable("the event log is unavailable (the test's outage: one attempt)"), True),
+    (nats.errors.TimeoutError(), True),
+    (KeyError("the test's bug"), False),
+])
+async def test_a_removal_that_fails_once_is_tried_again_a_second_later(nats_url, nc, prefix, caplog, failure, outage):
     """The sweep hands back (nak) the marker of a removal that failed (the event log unavailable for a
     moment), to be delivered again a second later (docs/registry.md, Liveness): the silent worker is
     removed as LOST then, well before the consumer's 30 s ack wait or the next reconciliation (100 s).
     A user checks that a worker lost during a short outage of the log is still removed within a few
     seconds of it. Kills the mutants of `Sweeper._handle_markers` that acknowledge the marker of a
-    failed removal (instead of its nak, or after it) or let the failure out of the lane."""
+    failed removal (instead of its nak, or after it) or let the failure out of the lane. An outage is
+    logged in one line naming it, a bug with its traceback (a soak's logs held a traceback per outage)."""
     async with running_registry(nats_url, prefix, ttl_s=1) as registry:
         lose, failed = registry.store.lose, []
 
-        async def unavailable_once(worker_id, at):
+        async def failing_once(worker_id, at):
             if not failed:
                 failed.append(worker_id)
-                raise unavailable("the event log is unavailable (the test's outage: one attempt)")
+                raise failure
             return await lose(worker_id, at)
 
-        registry.store.lose = unavailable_once
-        reply, _ = await raw_request(nc, prefix, "register", "w-1", registration("w-1"))
-        assert reply["outcome"] == "REGISTERED"
-        _, removed = await wait_event(nc, prefix, "w-1", WorkerRemoved, after=reply["seq"], timeout=15)
+        registry.store.lose = failing_once
+        with caplog.at_level(logging.WARNING, logger="warmboot.registry"):
+            reply, _ = await raw_request(nc, prefix, "register", "w-1", registration("w-1"))
+            assert reply["outcome"] == "REGISTERED"
+            _, removed = await wait_event(nc, prefix, "w-1", WorkerRemoved, after=reply["seq"], timeout=15)
         assert removed.reason == "LOST" and failed == ["w-1"]
+    [said] = [r for r in caplog.records if "could not remove lost worker w-1" in r.getMessage()]
+    if outage:
+        assert said.exc_info is None and type(failure).__name__ in said.getMessage(), said.getMessage()
+    else:
+        assert said.exc_info is not None and said.exc_info[1] is failure
 
 
 async def test_a_ttl_that_is_no_whole_number_of_seconds_is_rounded_up(nats_url, nc, prefix):

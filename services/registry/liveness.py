@@ -46,8 +46,10 @@ from nats.js.errors import NotFoundError
 
 from events.aggregate import now
 from events.codec import encode
-from events.errors import unavailable
+from events.errors import ContractError, unavailable
 from events.nats_codes import ERR_NO_MESSAGE_FOUND, ERR_WRONG_LAST_SEQUENCE
+from events.schema import ErrorCode
+from events.natspy.connections import describe_error
 from events.natspy.frames import DirectDelivery, subscribe_core
 from events.natspy.headers import header_block, parse_header_block
 from events.natspy.jetstream import ApiError, MsgGetAnswer, ack_positions, consumer_seq
@@ -55,6 +57,7 @@ from events.natspy.publish import Replies, publish
 from events.subjects import bucket_name
 from events.tasks import cancel_and_wait
 from services.registry.ackfloor import AckFloor
+from services.endpoints import is_outage
 from services.streams import until_answered
 
 log = logging.getLogger("warmboot.registry")
@@ -387,9 +390,15 @@ class Sweeper:
                 await self.on_marker(worker_id)
             except asyncio.CancelledError:
                 raise  # `stop` hands it back
-            except Exception:
-                log.warning("could not remove lost worker %s; trying again in %gs", worker_id, RETRY_S,
-                            exc_info=True)
+            except Exception as error:
+                if is_outage(error) or (isinstance(error, ContractError) and error.code is ErrorCode.UNAVAILABLE):
+                    # the log or the bus not answering, during a fault: one line (a soak's logs held a
+                    # traceback for each, hundreds a round); anything else, a bug, keeps its traceback
+                    log.warning("could not remove lost worker %s (%s: %s); trying again in %gs", worker_id,
+                                type(error).__name__, describe_error(error), RETRY_S)
+                else:
+                    log.warning("could not remove lost worker %s; trying again in %gs", worker_id, RETRY_S,
+                                exc_info=True)
                 self._retries[seq] = asyncio.get_running_loop().call_later(RETRY_S, self._again, seq, msg)
                 continue
             self._floor.release(seq)
