@@ -305,6 +305,9 @@ class ConcurrentEndpoint(Endpoint):
         self._micro = service
         self.slots = service.endpoint_slots[config.name] = Slots(service.max_concurrent)  # its own (see MicroService)
         self._direct: DirectDelivery | None = None
+        # when each request nats-py's queue holds counts as received, noted as the read loop read it
+        # (`_queued`): its wait counts from its read, not from when a slot takes it out of the queue
+        self._queued_received: collections.deque[int] = collections.deque()
 
     async def _start(self) -> None:
         await super()._start()
@@ -312,13 +315,24 @@ class ConcurrentEndpoint(Endpoint):
         # its task (`deliver_core`); when none is, nats-py's path holds it in the
         # subscription's queue, and `_handle_request` waits for a slot.
         self._direct = deliver_core(self._service._client, self._subscription, self._admit,
-                                    ready=self.slots.free_now)
+                                    ready=self._free_or_queued)
 
     async def _stop(self) -> None:
         if self._direct is not None:
             self._direct.close()
             self._direct = None
         await super()._stop()
+
+    def _free_or_queued(self) -> bool:
+        """Whether a slot is free for the request the read loop reads now (delivered directly, `_admit`);
+        else nats-py's queue takes it, and when it counts as received is noted now, in its order
+        (`_handle_request`). After a stop of the process, a backlog larger than the slots waits in that
+        queue, and its wait counted from when a slot took it out would begin after the server's PONG
+        (`services.deadline.received`): as fresh, however long it waited."""
+        if self.slots.free_now():
+            return True
+        self._queued_received.append(deadline.received(time.perf_counter_ns()))
+        return False
 
     def _admit(self, msg: Msg) -> None:
         """A request delivered directly, so while a slot is free: it takes the slot now."""
@@ -329,9 +343,15 @@ class ConcurrentEndpoint(Endpoint):
             self._spawn(msg, start, deadline.received(start))
 
     async def _handle_request(self, msg: Msg) -> None:
+        start = time.perf_counter_ns()
+        queued = self._queued_received
+        # noted as it was read (`_free_or_queued`); a message nats-py queued without asking (none is
+        # expected on a request subject) leaves the notes out of step until the queue is empty again
+        received = queued.popleft() if queued else deadline.received(start)
+        subscription = self._subscription
+        if queued and (subscription is None or not subscription._pending_queue.qsize()):
+            queued.clear()
         if self._micro.admits(msg, self._name):
-            start = time.perf_counter_ns()
-            received = deadline.received(start)
             await self.slots.take()
             self._spawn(msg, start, received)
 

@@ -359,3 +359,63 @@ async def test_a_request_read_after_its_replica_was_stopped_counts_its_wait_from
     assert kinds_of(entries, "x7", (ActorCreated, ActorStopped)) == ["ActorCreated", "ActorStopped"]
     [(seq, _, stop)] = [(q, t, e) for q, t, e in entries if isinstance(e, ActorStopped)]
     assert stop.request_id == "stop-7-fresh" and stopped.seq == seq
+
+
+async def test_a_backlog_larger_than_the_slots_counts_its_wait_from_before_the_stall(nats_server, nc, prefix):
+    """A replica's loop stalls (here: blocked 1.5 s, a stand-in for a stop) while requests reach its
+    socket; it has one slot, so once it runs again the first request read takes it and the rest wait in
+    nats-py's queue. Each counts its wait from before the stall, as it was read then, not from when a slot
+    took it out of the queue, by which time the server's PONG says the backlog was read: all five are
+    refused, nothing written. (Before, the four queued were taken for fresh, and carried out.)"""
+    import threading
+
+    import nats as nats_py
+
+    from events.schema import Heartbeat, HeartbeatReply
+    from services.endpoints import EndpointSpec, add_endpoints
+
+    written: list[str] = []
+
+    async def write(entity_id: str, request: Heartbeat) -> HeartbeatReply:
+        await asyncio.sleep(0.05)  # the first one keeps its slot while the PONG comes back (in a few ms)
+        deadline.check("the test's write")
+        written.append(entity_id)
+        return HeartbeatReply(ttl_s=1.0)
+
+    micro = await add_endpoints(nc, prefix, "probe", "a test service", [EndpointSpec("write", Heartbeat, write)],
+                                max_concurrent=1)
+    go, sent = threading.Event(), threading.Event()
+    answers: list[Any] = []
+
+    def caller() -> None:  # a client of its own loop, sending while the replica's loop is blocked
+        async def send() -> None:
+            client = await nats_py.connect(nats_server.url)
+            try:
+                go.wait(30)
+                calls = [asyncio.ensure_future(client.request(
+                    service_subject(prefix, "probe", "write", f"w-{n}"), b"{}", timeout=10,
+                    headers={WAIT_HEADER: "500"})) for n in range(5)]
+                await client.flush()
+                sent.set()
+                answers.extend(await asyncio.gather(*calls, return_exceptions=True))
+            finally:
+                await client.close()
+
+        asyncio.run(send())
+
+    thread = threading.Thread(target=caller)
+    thread.start()
+    try:
+        go.set()
+        assert sent.wait(30)  # on the server, on their way to the replica's socket
+        time.sleep(1.5)  # the stall: nothing on this loop runs, the replica's reads included
+        await asyncio.to_thread(thread.join, 30)  # the answers: the replica serves them meanwhile, on this loop
+    finally:
+        go.set()
+        await asyncio.to_thread(thread.join, 30)
+        await micro.stop()
+    assert written == []
+    codes = [msg.headers.get("Nats-Service-Error-Code") if not isinstance(msg, BaseException) else repr(msg)
+             for msg in answers]
+    assert codes == ["503"] * 5, (codes, [getattr(m, "data", m) for m in answers])
+    assert all(b"held the request" in msg.data for msg in answers)
