@@ -52,3 +52,49 @@ async def test_cancelled_tasks_end_and_errors_are_logged_not_raised(caplog):
     assert a.cancelled() and b.done()
     assert any("boom" in str(r.exc_info[1]) for r in caplog.records if r.exc_info)
     await cancel_and_wait()  # nothing to end
+
+
+async def test_a_store_request_given_up_on_leaves_no_unretrieved_error():
+    """`Stream._answer` waits for a request to the stream leader or the next leader election; on an
+    election it cancels the request. nats-py's `request` may end in an error all the same: Python 3.11's
+    `asyncio.wait_for` swallows a cancellation that lands as its future completes (CPython gh-86296), and
+    the request then raises what the answer says (no responders). Nobody awaited that error, and asyncio
+    reported "Task exception was never retrieved" with a traceback (a soak's log, a replica that had just
+    woken from a stop, an election meanwhile)."""
+    import gc
+    from types import SimpleNamespace
+
+    import nats.errors
+
+    from events.jetstream import errors
+    from events.jetstream.stream import Stream
+
+    reported: list[dict] = []
+    loop = asyncio.get_running_loop()
+    before = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _, context: reported.append(context))
+    try:
+        sent = asyncio.Event()
+
+        async def request() -> None:
+            sent.set()
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:  # swallowed as the 503 came: the answer's error instead
+                raise nats.errors.NoRespondersError from None
+
+        election = loop.create_future()
+        stream = SimpleNamespace(name="S", link=SimpleNamespace(next_election=lambda _: election))
+        caller = asyncio.ensure_future(Stream._answer(stream, request()))
+        await sent.wait()
+        election.set_result(None)  # a new leader: the request is given up on
+        with pytest.raises(errors.LeaderElected):
+            await caller
+        for _ in range(3):
+            await asyncio.sleep(0)  # the request's task ends, in its error
+        del caller, stream
+        gc.collect()
+        await asyncio.sleep(0)
+    finally:
+        loop.set_exception_handler(before)
+    assert [c.get("message") for c in reported] == []

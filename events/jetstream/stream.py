@@ -175,6 +175,9 @@ class Stream:
         is recognised by `_landed`)."""
         elected = self.link.next_election(self.name)
         task = asyncio.ensure_future(request)
+        # given up on below (an election, or the caller cancelled), it may still end in an error that
+        # nobody awaits: "Task exception was never retrieved" (a soak's log, after a replica's stop)
+        task.add_done_callback(retrieved)
         try:
             await asyncio.wait((task, elected), return_when=asyncio.FIRST_COMPLETED)
         except BaseException:
