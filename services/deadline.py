@@ -31,7 +31,8 @@ tick (the loop reads before it ticks again), or after a tick that came that late
 replica has read what reached it during the gap. That backlog ends where the server's answer to a
 PING sent at that tick does: the server sends a connection's messages in order, so what it sends
 before the PONG reached it before the PING, and what comes after, after the replica ran again
-(`Ticker`; waited for at most BACKLOG_MAX_S). A soak's findings: a resume sent to a scheduler
+(`Ticker`; waited for at most BACKLOG_MAX_S; a connection lost meanwhile, as a server drops one that
+did not read for long, was read to its end first, and its PING is asked again: `_pong`). A soak's findings: a resume sent to a scheduler
 stopped for 8.8 s was read after it woke, its wait counted from there, and it placed the actor's
 next life; once gaps were counted, one of a stop of 15.3 s was read 0.63 s after it woke (its 51
 neighbours in the same backlog refused); and a window by time after the gap (a quarter of it) also
@@ -56,6 +57,7 @@ from typing import Any
 from events.errors import ContractError, invalid
 from events.schema import ErrorCode
 from events.subjects import WAIT_HEADER
+from events.tasks import retrieved
 
 log = logging.getLogger("warmboot.service")
 
@@ -63,6 +65,7 @@ _WAIT_LOWER = WAIT_HEADER.lower()
 TICK_S = 0.2  # how often a loop that serves requests notes that it runs (`Ticker`)
 STALLED_S = 0.5  # read this long after the last tick: the process or its loop was not running meanwhile
 BACKLOG_MAX_S = 5.0  # after a gap, the longest the PONGs that end its backlog are waited for
+PONG_CHECK_S = 0.05  # meanwhile, how often a connection is looked at for a reconnect (its PING forgotten)
 MAX_WAIT_MS = 24 * 3600 * 1000  # a day: what the header may say (a larger value is INVALID_ARGUMENT)
 
 # (the request's task, the deadline in time.perf_counter_ns(), the wait it says, when it was received)
@@ -109,6 +112,7 @@ class Ticker:
         self.last = time.perf_counter_ns()
         self.gap = (0, 0)  # the last gap between ticks longer than TICK_S + STALLED_S: (from, until)
         self.caught_up = 0  # when the PONGs after that gap came back (0: not yet)
+        self.backlog_read = asyncio.Event()  # set with `caught_up`
         self.connections: list[Any] = []  # the connections its services read requests from, once per service
         self.users = 0
         self.task = loop.create_task(self._tick(), name="warmboot-request-ticker")
@@ -120,6 +124,7 @@ class Ticker:
                 now = time.perf_counter_ns()
                 if now - self.last > (TICK_S + STALLED_S) * 1e9:
                     self.gap, self.caught_up = (self.last, now), 0
+                    self.backlog_read.clear()
                     if self._backlog is not None:
                         self._backlog.cancel()
                     self._backlog = asyncio.ensure_future(self._read_backlog(self.gap))
@@ -131,20 +136,42 @@ class Ticker:
 
     async def _read_backlog(self, gap: tuple[int, int]) -> None:
         """A PING on each connection; `caught_up` once every PONG is back (or BACKLOG_MAX_S after the
-        gap, whatever the connections do: one reconnecting may not answer for long)."""
-        pings = [asyncio.ensure_future(nc.flush(BACKLOG_MAX_S)) for nc in set(self.connections)]
-        if pings:
-            left = BACKLOG_MAX_S - (time.perf_counter_ns() - gap[1]) / 1e9
-            done, pending = await asyncio.wait(pings, timeout=max(left, 0.0))
-            for ping in pending:
-                ping.cancel()
-            for ping in done:
-                ping.exception()  # retrieved: a connection closed or reconnecting answers no PING; the bound holds
+        gap, whatever the connections do)."""
+        until = gap[1] + int(BACKLOG_MAX_S * 1e9)
+        answered = await asyncio.gather(*(_pong(nc, until) for nc in set(self.connections)))
         now = time.perf_counter_ns()
         if self.gap is gap:
             self.caught_up = now
-            log.info("the serving loop did not run for %.1f s; it read what reached it meanwhile in %.0f ms",
-                     (gap[1] - gap[0]) / 1e9, (now - gap[1]) / 1e6)
+            self.backlog_read.set()
+            stalled, after = (gap[1] - gap[0]) / 1e9, (now - gap[1]) / 1e6
+            if all(answered):
+                log.info("the serving loop did not run for %.1f s; it read what reached it meanwhile in %.0f ms",
+                         stalled, after)
+            else:
+                log.warning("the serving loop did not run for %.1f s; its server did not answer a PING after it "
+                            "in %.0f ms: the requests read until now counted from the stall's start", stalled, after)
+
+
+async def _pong(nc: Any, until: int) -> bool:
+    """The server's PONG to a PING on `nc` sent now, or once `nc` lost its connection meanwhile, to one
+    sent then: nats-py forgets the PINGs in flight when it reconnects (its server dropped a connection
+    that did not read for long, as a stopped process's), and what the old socket held was read before
+    its end was. Gives up at `until` (time.perf_counter_ns): False."""
+    while True:
+        reconnects = nc.stats.get("reconnects", 0)
+        ping = asyncio.ensure_future(nc.flush(BACKLOG_MAX_S))
+        ping.add_done_callback(retrieved)  # a connection closed answers no PING: the bound holds
+        while not ping.done():
+            left = (until - time.perf_counter_ns()) / 1e9
+            if left <= 0:
+                ping.cancel()
+                return False
+            await asyncio.wait({ping}, timeout=min(PONG_CHECK_S, left))
+            if not ping.done() and (nc.is_reconnecting or nc.stats.get("reconnects", 0) != reconnects):
+                ping.cancel()
+                break  # asked again: of the new connection, or (reconnecting) nothing left to read
+        else:
+            return True
 
 
 _tickers: dict[asyncio.AbstractEventLoop, Ticker] = {}
@@ -171,6 +198,11 @@ def untick(loop: asyncio.AbstractEventLoop, nc: Any = None) -> None:
     if ticker.users <= 0:
         ticker.task.cancel()
         del _tickers[loop]
+
+
+def ticker_of(loop: asyncio.AbstractEventLoop) -> Ticker | None:
+    """The ticker of `loop`'s services, if any serve on it."""
+    return _tickers.get(loop)
 
 
 def received(read_ns: int) -> int:

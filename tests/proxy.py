@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from contextlib import suppress
 from typing import Callable
 
@@ -22,6 +23,7 @@ class LosingProxy:
         self._pattern: bytes | None = None
         self._server: asyncio.Server | None = None
         self._links: dict[asyncio.Task[None], Callable[[], None]] = {}  # each relay, and how to cut it
+        self._relayed: list[tuple[bytes, threading.Event]] = []  # (pattern, set once relayed to a client)
 
     @property
     def url(self) -> str:
@@ -31,14 +33,25 @@ class LosingProxy:
         self._pattern = pattern
         self.lost.clear()
 
+    def relayed(self, pattern: bytes) -> threading.Event:
+        """Set (from the proxy's thread) once a chunk holding `pattern` was written to a client's socket;
+        a thread-safe event, for a test whose own loop does not run meanwhile."""
+        event = threading.Event()
+        self._relayed.append((pattern, event))
+        return event
+
+    def cut_all(self) -> None:
+        """Cut every connection relayed now, as a server that drops its clients would (they reconnect)."""
+        for cut in list(self._links.values()):
+            cut()
+
     async def __aenter__(self) -> "LosingProxy":
         self._server = await asyncio.start_server(self._relay, self.host, self.listen)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         self._server.close()
-        for cut in list(self._links.values()):
-            cut()  # each relay ends as its two pumps see their connections end
+        self.cut_all()  # each relay ends as its two pumps see their connections end
         await asyncio.gather(*self._links, return_exceptions=True)
 
     async def _relay(self, from_client: asyncio.StreamReader, to_client: asyncio.StreamWriter) -> None:
@@ -63,6 +76,10 @@ class LosingProxy:
                         return  # not relayed: lost with the connection, cut below
                     writer.write(chunk)
                     await writer.drain()
+                    if watched:
+                        for pattern, event in self._relayed:
+                            if pattern in chunk:
+                                event.set()
 
         pumps = [asyncio.ensure_future(pump(from_client, to_server, False)),
                  asyncio.ensure_future(pump(from_server, to_client, True))]

@@ -22,6 +22,7 @@ Either way nothing is written for it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from contextlib import AsyncExitStack
 from typing import Any
@@ -419,3 +420,98 @@ async def test_a_backlog_larger_than_the_slots_counts_its_wait_from_before_the_s
              for msg in answers]
     assert codes == ["503"] * 5, (codes, [getattr(m, "data", m) for m in answers])
     assert all(b"held the request" in msg.data for msg in answers)
+
+
+async def test_a_replica_whose_server_dropped_it_while_it_stalled_has_read_its_backlog_once_it_reconnects(
+        nats_server, nc, prefix, caplog):
+    """The server drops a connection that does not read for long (a stopped replica's). Here the replica's
+    connection goes through a proxy (on a thread of its own) that relays three requests to it and then
+    cuts it, while the replica's loop is blocked. Once it runs again it reads them, sees its connection go
+    and reconnects; its backlog is read (no PONG is waited for on a connection that is gone), and a fresh
+    request whose wait is shorter than the stall is served. (Where the PING went out first and its PONG
+    was lost with the connection: the next test.)"""
+    import threading
+
+    import nats as nats_py
+
+    from events.schema import Heartbeat, HeartbeatReply
+    from services.endpoints import EndpointSpec, add_endpoints
+    from tests.proxy import LosingProxy
+
+    async def write(entity_id: str, request: Heartbeat) -> HeartbeatReply:
+        deadline.check("the test's write")
+        return HeartbeatReply(ttl_s=1.0)
+
+    relay = asyncio.new_event_loop()
+    thread = threading.Thread(target=relay.run_forever)
+    thread.start()
+    proxy = LosingProxy(nats_server.port)
+    service_nc = None
+    try:
+        asyncio.run_coroutine_threadsafe(proxy.__aenter__(), relay).result(10)
+        reconnected = asyncio.Event()
+
+        async def on_reconnect() -> None:
+            reconnected.set()
+
+        service_nc = await nats_py.connect(proxy.url, reconnect_time_wait=0.1, max_reconnect_attempts=-1,
+                                           reconnected_cb=on_reconnect)
+        micro = await add_endpoints(service_nc, prefix, "probe", "a test service",
+                                    [EndpointSpec("write", Heartbeat, write)])
+        ticker = deadline.ticker_of(asyncio.get_running_loop())
+        gap_before = ticker.gap
+        backlog = proxy.relayed(b"probe.write.w-backlog")
+
+        async def send_backlog() -> None:  # from the proxy's thread: this loop does not run meanwhile
+            sender = await nats_py.connect(nats_server.url)
+            for n in range(3):
+                await sender.publish(service_subject(prefix, "probe", "write", "w-backlog"), b"{}",
+                                     reply=f"_INBOX.backlog.{n}", headers={WAIT_HEADER: "500"})
+            await sender.flush()
+            await sender.close()
+
+        with caplog.at_level(logging.INFO, logger="warmboot.service"):
+            # the stall: requests reach the replica's socket, then its server drops it, while its loop
+            # does not run; once it runs, it reads them before it sees the connection go
+            asyncio.run_coroutine_threadsafe(send_backlog(), relay).result(10)
+            assert backlog.wait(10)
+            asyncio.run_coroutine_threadsafe(asyncio.sleep(0), relay).result(10)
+            relay.call_soon_threadsafe(proxy.cut_all)
+            time.sleep(1.0)
+            await asyncio.wait_for(ticker.backlog_read.wait(), 30)
+        assert ticker.gap != gap_before
+        await asyncio.wait_for(reconnected.wait(), 30)
+        said = [r.getMessage() for r in caplog.records if "did not run for" in r.getMessage()]
+        assert len(said) == 1 and "read what reached it meanwhile" in said[0], said
+        answer = await nc.request(service_subject(prefix, "probe", "write", "w-1"), b"{}", timeout=10,
+                                  headers={WAIT_HEADER: "1000"})
+        assert answer.headers is None or "Nats-Service-Error-Code" not in answer.headers, answer.data
+        await micro.stop()
+    finally:
+        if service_nc is not None:
+            await service_nc.close()
+        asyncio.run_coroutine_threadsafe(proxy.__aexit__(None, None, None), relay).result(10)
+        relay.call_soon_threadsafe(relay.stop)
+        await asyncio.to_thread(thread.join, 10)
+        relay.close()
+
+
+async def test_a_ping_whose_pong_was_lost_with_its_connection_is_sent_again_once_it_reconnects(nats_server):
+    """nats-py forgets the PINGs in flight when it reconnects, so the PONG that ends a stall's backlog
+    never came where the server had dropped the replica's connection during the stall: for 5 s every
+    request read counted from the stall's start, fresh ones too (a soak's 7 wakes of 36). Here the proxy
+    loses the PONG with the connection; the PING is asked again: answered at once while nats-py
+    reconnects (the old socket was read to its end), or by the new connection."""
+    import nats as nats_py
+
+    from tests.proxy import LosingProxy
+
+    async with LosingProxy(nats_server.port) as proxy:
+        nc = await nats_py.connect(proxy.url, reconnect_time_wait=0.1, max_reconnect_attempts=-1)
+        try:
+            proxy.lose(b"PONG")
+            until = time.perf_counter_ns() + int(deadline.BACKLOG_MAX_S * 1e9)
+            assert await deadline._pong(nc, until)  # not given up on at `until`
+            assert proxy.lost.is_set()  # (answered while it reconnects, or by its new connection)
+        finally:
+            await nc.close()
