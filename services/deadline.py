@@ -31,14 +31,16 @@ tick (the loop reads before it ticks again), or after a tick that came that late
 replica has read what reached it during the gap. That backlog ends where the server's answer to a
 PING sent at that tick does: the server sends a connection's messages in order, so what it sends
 before the PONG reached it before the PING, and what comes after, after the replica ran again
-(`Ticker`; waited for at most BACKLOG_MAX_S; a connection lost meanwhile, as a server drops one that
-did not read for long, was read to its end first, and its PING is asked again: `_pong`). A soak's findings: a resume sent to a scheduler
-stopped for 8.8 s was read after it woke, its wait counted from there, and it placed the actor's
-next life; once gaps were counted, one of a stop of 15.3 s was read 0.63 s after it woke (its 51
-neighbours in the same backlog refused); and a window by time after the gap (a quarter of it) also
-refused the requests that came fresh after the replica woke, which the PONG tells apart. A busy
-loop's requests pay the same (their wait shortened by the gap), and so does a request that reached
-the server before the replica woke and its caller still waits for: no clock says when it came.
+(`Ticker`; waited for at most BACKLOG_MAX_S). A connection lost meanwhile (a server drops one that
+did not read for long) was read to its end first, and its PING is asked again (`_pong`). A request
+that waits in nats-py's queue for a free slot counts from when it was read, not from when a slot
+takes it (`services.endpoints`). A soak's findings: a resume sent to a scheduler stopped for 8.8 s
+was read after it woke, its wait counted from there, and it placed the actor's next life; once gaps
+were counted, one of a stop of 15.3 s was read 0.63 s after it woke (its 51 neighbours in the same
+backlog refused); and a window by time after the gap (a quarter of it) also refused the requests
+that came fresh after the replica woke, which the PONG tells apart. A busy loop's requests pay the
+same (their wait shortened by the gap), and so does a request that reached the server before the
+replica woke and whose caller still waits: no clock says when it came.
 
 The deadline is the current task's: set by the endpoint wrapper (`services.endpoints.wrap`) in
 the request's own task, and read only from that task (`check`), so a task the request started

@@ -306,7 +306,7 @@ class ConcurrentEndpoint(Endpoint):
         self.slots = service.endpoint_slots[config.name] = Slots(service.max_concurrent)  # its own (see MicroService)
         self._direct: DirectDelivery | None = None
         # when each request nats-py's queue holds counts as received, noted as the read loop read it
-        # (`_queued`): its wait counts from its read, not from when a slot takes it out of the queue
+        # (`_free_or_queued`): its wait counts from its read, not from when a slot takes it out of the queue
         self._queued_received: collections.deque[int] = collections.deque()
 
     async def _start(self) -> None:
