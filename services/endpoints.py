@@ -207,7 +207,7 @@ INTERNAL_MESSAGE = "internal error; the service log has the details"
 
 def wrap(spec: EndpointSpec, service: str) -> Callable[[Request], Awaitable[ContractError | None]]:
     """The request handler of one endpoint: the error it answered, or None for a reply."""
-    outages = _OutageLog(f"{service}.{spec.verb}")
+    outages = OutageLog(log, f"{service}.{spec.verb}: answered UNAVAILABLE")
 
     async def handle(request: Request) -> ContractError | None:
         try:
@@ -244,13 +244,16 @@ def wrap(spec: EndpointSpec, service: str) -> Callable[[Request], Awaitable[Cont
     return handle
 
 
-class _OutageLog:
-    """One warning per endpoint and OUTAGE_LOG_S while an outage lasts, with a count."""
+class OutageLog:
+    """One warning per OUTAGE_LOG_S while an outage lasts, with a count of the failures it did not log
+    one by one: `what` (the endpoint that answered UNAVAILABLE, the removal that will be tried again),
+    then the error."""
 
     OUTAGE_LOG_S = 10.0
 
-    def __init__(self, where: str):
-        self.where = where
+    def __init__(self, logger: logging.Logger, what: str):
+        self.log = logger
+        self.what = what
         self.next_at = 0.0
         self.unlogged = 0
 
@@ -260,7 +263,7 @@ class _OutageLog:
             self.unlogged += 1
             return
         more = f" (and {self.unlogged} more since the last line)" if self.unlogged else ""
-        log.warning("%s: answered UNAVAILABLE: %r%s", self.where, error, more)
+        self.log.warning("%s: %r%s", self.what, error, more)
         self.next_at, self.unlogged = now + self.OUTAGE_LOG_S, 0
 
 

@@ -528,7 +528,8 @@ async def test_a_removal_that_fails_once_is_tried_again_a_second_later(nats_url,
     A user checks that a worker lost during a short outage of the log is still removed within a few
     seconds of it. Kills the mutants of `Sweeper._handle_markers` that acknowledge the marker of a
     failed removal (instead of its nak, or after it) or let the failure out of the lane. An outage is
-    logged in one line naming it, a bug with its traceback (a soak's logs held a traceback per outage)."""
+    logged in one line naming it (at most one per 10 s), a bug with its traceback (a soak's logs held a
+    traceback per outage, then a line per lost worker and second of the outage)."""
     async with running_registry(nats_url, prefix, ttl_s=1) as registry:
         lose, failed = registry.store.lose, []
 
@@ -544,11 +545,11 @@ async def test_a_removal_that_fails_once_is_tried_again_a_second_later(nats_url,
             assert reply["outcome"] == "REGISTERED"
             _, removed = await wait_event(nc, prefix, "w-1", WorkerRemoved, after=reply["seq"], timeout=15)
         assert removed.reason == "LOST" and failed == ["w-1"]
-    [said] = [r for r in caplog.records if "could not remove lost worker w-1" in r.getMessage()]
-    if outage:
-        assert said.exc_info is None and type(failure).__name__ in said.getMessage(), said.getMessage()
+    [said] = [r for r in caplog.records if "could not remove lost worker" in r.getMessage()]
+    if outage:  # a line per OUTAGE_LOG_S while it lasts (`services.endpoints.OutageLog`), naming the error
+        assert said.exc_info is None and repr(failure) in said.getMessage(), said.getMessage()
     else:
-        assert said.exc_info is not None and said.exc_info[1] is failure
+        assert "w-1" in said.getMessage() and said.exc_info is not None and said.exc_info[1] is failure
 
 
 async def test_a_ttl_that_is_no_whole_number_of_seconds_is_rounded_up(nats_url, nc, prefix):

@@ -36,7 +36,7 @@ from events.schema import (
     SeqReply,
 )
 from events.subjects import event_subject, service_subject, stream_name
-from services.endpoints import EndpointSpec, add_endpoints, call, is_outage
+from services.endpoints import EndpointSpec, OutageLog, add_endpoints, call, is_outage
 from services.process import EVENT_LOOP_ENV, run_serving, serving_loop
 from services.replies import ReplyCache
 from tests.factories import SILENT_TTL_S, started_once_members_are_back, unanswered_noted
@@ -65,6 +65,20 @@ def test_an_outage_is_told_apart_from_a_bug(error):
 ])
 def test_a_bug_is_no_outage(error):
     assert not is_outage(error)
+
+
+def test_an_outage_is_logged_once_per_interval_with_a_count_of_the_rest(caplog):
+    log = logging.getLogger("warmboot.test-outages")
+    outages = OutageLog(log, "doing the thing")
+    with caplog.at_level(logging.WARNING, logger="warmboot.test-outages"):
+        for n in range(3):
+            outages.seen(nats.errors.TimeoutError())
+        outages.next_at = 0.0  # the interval (OUTAGE_LOG_S) is over
+        outages.seen(StoreUnavailableError("no answer for 30s"))
+    assert [r.getMessage() for r in caplog.records] == [
+        "doing the thing: TimeoutError()",
+        "doing the thing: StoreUnavailableError('no answer for 30s') (and 2 more since the last line)",
+    ]
 
 
 # --- a test service on the real bus --------------------------------------------------------------

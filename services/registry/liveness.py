@@ -49,7 +49,6 @@ from events.codec import encode
 from events.errors import ContractError, unavailable
 from events.nats_codes import ERR_NO_MESSAGE_FOUND, ERR_WRONG_LAST_SEQUENCE
 from events.schema import ErrorCode
-from events.natspy.connections import describe_error
 from events.natspy.frames import DirectDelivery, subscribe_core
 from events.natspy.headers import header_block, parse_header_block
 from events.natspy.jetstream import ApiError, MsgGetAnswer, ack_positions, consumer_seq
@@ -57,7 +56,7 @@ from events.natspy.publish import Replies, publish
 from events.subjects import bucket_name
 from events.tasks import cancel_and_wait
 from services.registry.ackfloor import AckFloor
-from services.endpoints import is_outage
+from services.endpoints import OutageLog, is_outage
 from services.streams import until_answered
 
 log = logging.getLogger("warmboot.registry")
@@ -198,6 +197,7 @@ class Sweeper:
         self._reconciled = 0
         self._reconciling: asyncio.Task[None] | None = None
         self._markers: asyncio.Queue[Msg] = asyncio.Queue()  # the markers `_floor` holds, to be handled
+        self._outages = OutageLog(log, f"could not remove lost workers; each is tried again {RETRY_S:g}s later")
         self._retries: dict[int, asyncio.TimerHandle] = {}
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -392,10 +392,10 @@ class Sweeper:
                 raise  # `stop` hands it back
             except Exception as error:
                 if is_outage(error) or (isinstance(error, ContractError) and error.code is ErrorCode.UNAVAILABLE):
-                    # the log or the bus not answering, during a fault: one line (a soak's logs held a
-                    # traceback for each, hundreds a round); anything else, a bug, keeps its traceback
-                    log.warning("could not remove lost worker %s (%s: %s); trying again in %gs", worker_id,
-                                type(error).__name__, describe_error(error), RETRY_S)
+                    # the log or the bus not answering, during a fault: a line per OUTAGE_LOG_S, with a
+                    # count (a soak's logs held a traceback for each, then a line for each: one per lost
+                    # worker and second of the outage); anything else, a bug, keeps its traceback
+                    self._outages.seen(error)
                 else:
                     log.warning("could not remove lost worker %s; trying again in %gs", worker_id, RETRY_S,
                                 exc_info=True)
