@@ -446,7 +446,7 @@ async def test_a_replica_whose_server_dropped_it_while_it_stalled_has_read_its_b
     thread = threading.Thread(target=relay.run_forever)
     thread.start()
     proxy = LosingProxy(nats_server.port)
-    service_nc = None
+    service_nc = micro = None
     try:
         asyncio.run_coroutine_threadsafe(proxy.__aenter__(), relay).result(10)
         reconnected = asyncio.Event()
@@ -487,8 +487,9 @@ async def test_a_replica_whose_server_dropped_it_while_it_stalled_has_read_its_b
         answer = await nc.request(service_subject(prefix, "probe", "write", "w-1"), b"{}", timeout=10,
                                   headers={WAIT_HEADER: "1000"})
         assert answer.headers is None or "Nats-Service-Error-Code" not in answer.headers, answer.data
-        await micro.stop()
     finally:
+        if micro is not None:
+            await micro.stop()
         if service_nc is not None:
             await service_nc.close()
         asyncio.run_coroutine_threadsafe(proxy.__aexit__(None, None, None), relay).result(10)
