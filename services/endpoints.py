@@ -515,12 +515,14 @@ class MicroService(Service):
             deadline.tick_on(self._ticks, self._client)
 
     async def stop(self, drain_s: float = 10.0) -> None:
-        await super().stop()
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=drain_s)
-        ticks, self._ticks = self._ticks, None
-        if ticks is not None:
-            deadline.untick(ticks, self._client)
+        try:
+            await super().stop()  # raises on a connection already closed (nothing left to unsubscribe)
+            if self._tasks:
+                await asyncio.wait(list(self._tasks), timeout=drain_s)
+        finally:  # a ticker left behind kept ticking, and pinging, for a service that had stopped
+            ticks, self._ticks = self._ticks, None
+            if ticks is not None:
+                deadline.untick(ticks, self._client)
 
 
 async def add_endpoints(

@@ -6,6 +6,7 @@ the store, a bucket or the bus is UNAVAILABLE for every service, never INTERNAL.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -120,6 +121,29 @@ async def probe(nc, prefix):
 async def stats(nc, name: str) -> dict[str, dict]:
     reply = await nc.request(f"$SRV.STATS.{name}", b"", timeout=10)
     return {e["name"]: e for e in json.loads(reply.data)["endpoints"]}
+
+
+async def test_a_service_stopped_after_its_connection_closed_leaves_its_loop_s_ticker(nats_url, prefix):
+    """A service's stop raises when its connection closed first (nothing left to unsubscribe: the
+    snapshotter's stop swallows it). It left its loop's ticker counting it as a user, ticking and, at a
+    stall, pinging its closed connection for good (found as a ticker outliving its test)."""
+    from services import deadline
+
+    async def answer(entity_id: str, request: Heartbeat) -> HeartbeatReply:
+        return HeartbeatReply(ttl_s=1.0)
+
+    loop = asyncio.get_running_loop()
+    before = deadline.ticker_of(loop)
+    users = before.users if before is not None else 0
+    conn = await nats.connect(nats_url)
+    micro = await add_endpoints(conn, prefix, "probe", "a test service", [EndpointSpec("answer", Heartbeat, answer)])
+    assert deadline.ticker_of(loop).users == users + 1 and conn in deadline.ticker_of(loop).connections
+    await conn.close()
+    with contextlib.suppress(Exception):
+        await micro.stop()
+    after = deadline.ticker_of(loop)
+    assert (after.users if after is not None else 0) == users
+    assert after is None or conn not in after.connections
 
 
 async def test_errors_go_out_as_micro_error_replies_with_the_contract_body(nc, prefix, probe):
