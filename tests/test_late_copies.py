@@ -438,8 +438,11 @@ async def test_a_replica_whose_server_dropped_it_while_it_stalled_has_read_its_b
     from services.endpoints import EndpointSpec, add_endpoints
     from tests.proxy import LosingProxy
 
+    written: list[str] = []
+
     async def write(entity_id: str, request: Heartbeat) -> HeartbeatReply:
         deadline.check("the test's write")
+        written.append(entity_id)
         return HeartbeatReply(ttl_s=1.0)
 
     relay = asyncio.new_event_loop()
@@ -476,7 +479,6 @@ async def test_a_replica_whose_server_dropped_it_while_it_stalled_has_read_its_b
             # does not run; once it runs, it reads them before it sees the connection go
             asyncio.run_coroutine_threadsafe(send_backlog(), relay).result(10)
             assert backlog.wait(10)
-            asyncio.run_coroutine_threadsafe(asyncio.sleep(0), relay).result(10)
             relay.call_soon_threadsafe(proxy.cut_all)
             time.sleep(1.0)
             await asyncio.wait_for(ticker.backlog_read.wait(), 30)
@@ -487,6 +489,9 @@ async def test_a_replica_whose_server_dropped_it_while_it_stalled_has_read_its_b
         answer = await nc.request(service_subject(prefix, "probe", "write", "w-1"), b"{}", timeout=10,
                                   headers={WAIT_HEADER: "1000"})
         assert answer.headers is None or "Nats-Service-Error-Code" not in answer.headers, answer.data
+        assert written == ["w-1"]  # the backlog's three, read after the stall, refused
+        held = [r.getMessage() for r in caplog.records if "held the request" in r.getMessage()]
+        assert len(held) == 3 and all("w-backlog" in m for m in held), held
     finally:
         if micro is not None:
             await micro.stop()
