@@ -72,7 +72,7 @@ def test_an_outage_is_logged_once_per_interval_with_a_count_of_the_rest(caplog):
     log = logging.getLogger("warmboot.test-outages")
     outages = OutageLog(log, "doing the thing")
     with caplog.at_level(logging.WARNING, logger="warmboot.test-outages"):
-        for n in range(3):
+        for _ in range(3):
             outages.seen(nats.errors.TimeoutError())
         outages.next_at = 0.0  # the interval (OUTAGE_LOG_S) is over
         outages.seen(StoreUnavailableError("no answer for 30s"))

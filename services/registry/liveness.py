@@ -48,15 +48,15 @@ from events.aggregate import now
 from events.codec import encode
 from events.errors import ContractError, unavailable
 from events.nats_codes import ERR_NO_MESSAGE_FOUND, ERR_WRONG_LAST_SEQUENCE
-from events.schema import ErrorCode
 from events.natspy.frames import DirectDelivery, subscribe_core
 from events.natspy.headers import header_block, parse_header_block
 from events.natspy.jetstream import ApiError, MsgGetAnswer, ack_positions, consumer_seq
 from events.natspy.publish import Replies, publish
+from events.schema import ErrorCode
 from events.subjects import bucket_name
 from events.tasks import cancel_and_wait
-from services.registry.ackfloor import AckFloor
 from services.endpoints import OutageLog, is_outage
+from services.registry.ackfloor import AckFloor
 from services.streams import until_answered
 
 log = logging.getLogger("warmboot.registry")
