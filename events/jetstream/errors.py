@@ -6,9 +6,10 @@ acknowledgement that says no: `ServerError`, `ack_refusal`; the status of a dire
 failures are worth another attempt within the operation's budget (`retry.Retry`);
 `library_error` says what every other one is to the library:
 
-- nobody answered, no answer in time, a 503 or 429, a leader election, an incomplete
-  batch, a message id another proposal is storing right now (`retryable`): another
-  attempt; past the budget, `StoreUnavailableError` (an `OperationalError`);
+- nobody answered, no answer in time, a connection lost under a write (`unanswered`), a
+  503 or 429, a leader election, an incomplete batch, a message id another proposal is
+  storing right now (`retryable`): another attempt; past the budget,
+  `StoreUnavailableError` (an `OperationalError`);
 - a subject that moved on (`ServerError.conflict`): `IntegrityError`, at once when the
   caller gave every expected sequence, else once the append protocol has looked again
   and found it a real conflict;
@@ -30,7 +31,6 @@ import nats.errors
 import nats.js.errors
 from eventsourcing.persistence import DataError, IntegrityError, OperationalError, PersistenceError
 
-from events.natspy.connections import transport_lost
 from events.nats_codes import (
     ERR_WRONG_LAST_SEQUENCE,
     ERR_BATCH_WRONG_LAST_SEQUENCE,
@@ -43,6 +43,7 @@ from events.nats_codes import (
     ERR_STREAM_NOT_FOUND,
     ERR_DUPLICATE_IN_PROCESS,
 )
+from events.natspy.connections import transport_lost
 
 CONFLICT_CODES = {ERR_WRONG_LAST_SEQUENCE, ERR_BATCH_WRONG_LAST_SEQUENCE, ERR_BATCH_DUPLICATE_MSG_ID}
 TRANSIENT_CODES = {ERR_BATCH_INCOMPLETE, ERR_CLUSTER_NOT_AVAILABLE, ERR_CLUSTER_NOT_LEADER, ERR_BATCH_TOO_MANY_INFLIGHT,
