@@ -378,13 +378,15 @@ async def test_a_backlog_larger_than_the_slots_counts_its_wait_from_before_the_s
     written: list[str] = []
 
     async def write(entity_id: str, request: Heartbeat) -> HeartbeatReply:
-        await asyncio.sleep(0.05)  # the first one keeps its slot while the PONG comes back (in a few ms)
+        # the first one keeps its slot until the PONG is back: the others wait in nats-py's queue past it
+        await deadline.ticker_of(asyncio.get_running_loop()).backlog_read.wait()
         deadline.check("the test's write")
         written.append(entity_id)
         return HeartbeatReply(ttl_s=1.0)
 
     micro = await add_endpoints(nc, prefix, "probe", "a test service", [EndpointSpec("write", Heartbeat, write)],
                                 max_concurrent=1)
+    deadline.ticker_of(asyncio.get_running_loop()).backlog_read.clear()  # (an earlier stall's, if any)
     go, sent = threading.Event(), threading.Event()
     answers: list[Any] = []
 

@@ -85,16 +85,17 @@ async def test_a_store_request_given_up_on_leaves_no_unretrieved_error():
 
         election = loop.create_future()
         stream = SimpleNamespace(name="S", link=SimpleNamespace(next_election=lambda _: election))
+        others = asyncio.all_tasks()
         caller = asyncio.ensure_future(Stream._answer(stream, request()))
         await sent.wait()
+        [requesting] = asyncio.all_tasks() - others - {caller}  # the request's task, made by `_answer`
         election.set_result(None)  # a new leader: the request is given up on
         with pytest.raises(errors.LeaderElected):
             await caller
-        for _ in range(3):
-            await asyncio.sleep(0)  # the request's task ends, in its error
-        del caller, stream
-        gc.collect()
-        await asyncio.sleep(0)
+        await asyncio.wait([requesting])  # it ends, in its error (not cancelled)
+        assert requesting.done() and not requesting.cancelled()
+        del caller, stream, requesting
+        gc.collect()  # an unretrieved error is reported as its task goes
     finally:
         loop.set_exception_handler(before)
     assert [c.get("message") for c in reported] == []

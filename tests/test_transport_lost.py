@@ -12,9 +12,11 @@ below raises it through the real stack (nats-py on uvloop, a real server) and ch
 from __future__ import annotations
 
 import asyncio
+from typing import Awaitable, Callable, TypeVar
 
 import nats
 import pytest
+import uvloop
 
 from events.errors import ContractError
 from events.jetstream import errors
@@ -25,11 +27,14 @@ from events.subjects import service_subject
 from services.endpoints import EndpointSpec, add_endpoints, is_outage
 from warmboot.client import Client
 
+T = TypeVar("T")
 
-def under_uvloop() -> None:
-    loop = asyncio.get_running_loop()
-    if not type(loop).__module__.startswith("uvloop"):
-        pytest.skip("the error is uvloop's (asyncio's own transport drops a write onto a closed socket silently)")
+
+def on_uvloop(work: Callable[[], Awaitable[T]]) -> Awaitable[T]:
+    """`work()` run to its end on a uvloop loop of its own, in a thread: the error is uvloop's (asyncio's own
+    transport drops a write onto a closed socket silently), and the tests run on either loop
+    (WARMBOOT_EVENT_LOOP)."""
+    return asyncio.to_thread(uvloop.run, work())
 
 
 async def lose_transport(nc) -> None:
@@ -57,18 +62,20 @@ async def discard(nc) -> None:
 
 
 async def the_error(nats_url) -> RuntimeError:
-    nc = await nats.connect(nats_url, allow_reconnect=False)
-    try:
-        await lose_transport(nc)
-        with pytest.raises(RuntimeError) as raised:
-            await nc.publish("x.lost", b"")
-        return raised.value
-    finally:
-        await discard(nc)
+    async def raised() -> RuntimeError:
+        nc = await nats.connect(nats_url, allow_reconnect=False)
+        try:
+            await lose_transport(nc)
+            with pytest.raises(RuntimeError) as raised:
+                await nc.publish("x.lost", b"")
+            return raised.value
+        finally:
+            await discard(nc)
+
+    return await on_uvloop(raised)
 
 
 async def test_the_error_is_an_outage_that_the_store_retries(nats_url):
-    under_uvloop()
     error = await the_error(nats_url)
     assert transport_lost(error) and "closed=True" in str(error)
     assert is_outage(error)  # the endpoints: UNAVAILABLE, not INTERNAL
@@ -91,7 +98,6 @@ async def test_the_error_is_an_outage_that_the_store_retries(nats_url):
 
 
 async def test_an_endpoint_that_meets_it_answers_unavailable(nc, nats_url, prefix):
-    under_uvloop()
     error = await the_error(nats_url)
 
     async def read(entity_id: str, request: Heartbeat) -> HeartbeatReply:
@@ -107,14 +113,17 @@ async def test_an_endpoint_that_meets_it_answers_unavailable(nc, nats_url, prefi
 
 
 async def test_a_client_whose_connection_meets_it_says_unavailable(nats_url, prefix):
-    under_uvloop()
-    nc = await nats.connect(nats_url, allow_reconnect=False)
-    try:
-        client = Client(nc, prefix, timeout=2.0, attempts=1)
-        await lose_transport(nc)
-        with pytest.raises(ContractError) as refused:
-            await client.heartbeat("w-1")
-        assert refused.value.code is ErrorCode.UNAVAILABLE
-        assert "connection to NATS was lost" in refused.value.message and "same request_id" in refused.value.message
-    finally:
-        await discard(nc)
+    async def refused() -> ContractError:
+        nc = await nats.connect(nats_url, allow_reconnect=False)
+        try:
+            client = Client(nc, prefix, timeout=2.0, attempts=1)
+            await lose_transport(nc)
+            with pytest.raises(ContractError) as refused:
+                await client.heartbeat("w-1")
+            return refused.value
+        finally:
+            await discard(nc)
+
+    error = await on_uvloop(refused)
+    assert error.code is ErrorCode.UNAVAILABLE
+    assert "connection to NATS was lost" in error.message and "same request_id" in error.message
