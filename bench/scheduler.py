@@ -744,7 +744,7 @@ def main() -> None:
         run_replica(sys.argv[2], sys.argv[3])
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller sizes; about 5 minutes on 2 cores")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes; about 2 minutes on 2 cores")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = parser.parse_args()
     t0 = time.perf_counter()
