@@ -668,6 +668,25 @@ class TagRecorded(Event, kw_only=True):
         return self.tag
 
 
+class ImageNamed(Event, kw_only=True):
+    """Project addition: a snapshot id that no default id takes (`services.snapshotter.stamping.
+    free_form_id`) names `snapshot`'s image, on `<prefix>.ev.image.<snapshot_id>`.
+
+    A worker finds an image by its id (an Assignment names nothing else), so one id names one image
+    across actors: the snapshotter writes this in the same atomic append as the SnapshotTaken or
+    ActorCreated that first records an image under a caller's id, guarded by the subject's sequence,
+    and refuses another actor's different image under it (docs/contract.md, "one snapshot_id names
+    one image"). The same EXTERNAL image in several actors (a golden snapshot, a tag's copy) is one
+    image. Folds that do not check snapshot requests skip it."""
+
+    snapshot: Snapshot
+    KIND: ClassVar[str] = "image"
+
+    @property
+    def entity_id(self) -> str:
+        return self.snapshot.snapshot_id
+
+
 AnyEvent = Union[
     WorkerRegistered,
     RuntimeChanged,
@@ -684,6 +703,7 @@ AnyEvent = Union[
     WorkerBooked,
     WorkerFenced,
     TagRecorded,
+    ImageNamed,
 ]
 
 EVENT_TYPES: dict[str, type[Event]] = {cls.__name__: cls for cls in AnyEvent.__args__}

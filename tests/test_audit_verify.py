@@ -371,10 +371,29 @@ STAMP_CASES = {
         upto("a suspended"), TagRecorded(at=AT, tag="gold", snapshot=restamped(A7, V2)),
         audit.NOT_COPIED, ["tag gold names a-v7, which differs from a's latest snapshot: stamped gvisor v1 "
                            "architecture=amd64,gvisor_asset_hash=v2"]),
+    # 7. one snapshot id names one image across actors
+    "another actor's image under a caller's id": (
+        upto("b running"), taken(snapshot("b", V1, snapshot_id="gold-img", uri="s3://b-own")),
+        audit.ID_TWO_IMAGES, ["b records snapshot gold-img (EXTERNAL), which names g's image (EXTERNAL, MEMORY)"]),
+    "a LOCAL image under another actor's id": (
+        upto("b running"), taken(snapshot("b", V1, snapshot_id="gold-img", node=W1_NODE), SnapshotOrigin.PAUSE),
+        audit.ID_TWO_IMAGES, ["b records snapshot gold-img (LOCAL on node n1), which names g's image (EXTERNAL"]),
     "tag naming an older snapshot": (
         upto("a paused again"), TagRecorded(at=AT, tag="gold", snapshot=A7),
         audit.NOT_COPIED, ["tag gold names a-v7", "id a-v7, the latest's a-v20"]),
 }
+
+
+def test_one_external_image_in_several_actors_under_one_id_is_no_violation():
+    """A golden snapshot given again (h, created from g's golden image: all but whose it is), and an
+    actor's own image under its id made EXTERNAL (a promote) are one image each; an id of the default
+    form is one actor's by construction, not checked across actors."""
+    again = msgspec.structs.replace(G, actor_id="h")
+    assert verify(upto("g created from a golden snapshot", created("h", snapshot=again, **SMALL),
+                       taken(again, SnapshotOrigin.CREATE))) is None
+    other = msgspec.structs.replace(G, actor_id="h", uri="s3://golden/another")
+    violation = verify(upto("g created from a golden snapshot", created("h", snapshot=other, **SMALL)))
+    assert violation is not None and violation.rule == audit.ID_TWO_IMAGES, violation
 
 
 @pytest.mark.parametrize("case", STAMP_CASES)

@@ -33,6 +33,7 @@ from events.schema import (
     CompatVersion,
     ErrorCode,
     Fidelity,
+    ImageNamed,
     Location,
     PauseActor,
     PlacedFidelity,
@@ -267,10 +268,109 @@ async def test_create_from_golden_keeps_the_stamp_and_is_borrowed(snapshotter, n
     golden = snapshot("template-actor", PIN_V2, snapshot_id="gold-1", template="tpl-1", uri="s3://golden/1",
                       taken_at=datetime(2026, 1, 1, tzinfo=timezone.utc))
     await create(nc, prefix, "g-1", golden_snapshot=golden)
-    (_, _, created), (_, _, taken) = (await read_entries(nc, prefix))[:2]
+    (_, _, created), (_, _, taken) = await read_entries(nc, prefix, event_subject(prefix, "actor", "g-1"))
     assert created.snapshot.borrowed is True and created.snapshot.sandbox_runtime == PIN_V2
     assert taken.origin is SnapshotOrigin.CREATE and taken.snapshot == created.snapshot
     assert msgspec.structs.replace(created.snapshot, actor_id="template-actor", borrowed=False) == golden
+    # the id is no default's: what it names is recorded on its own subject, in the same append
+    [(_, _, named)] = await read_entries(nc, prefix, event_subject(prefix, "image", "gold-1"))
+    assert isinstance(named, ImageNamed) and named.snapshot == created.snapshot
+
+
+# --- one snapshot id names one image, across actors ----------------------------------------------
+
+
+async def log_length(nc, prefix: str) -> int:
+    return (await nc.jetstream().stream_info(stream_name(prefix))).state.last_seq
+
+
+async def test_an_id_another_actor_s_image_holds_is_refused_and_nothing_is_written(snapshotter, placer, nc, prefix):
+    """The walkthrough's case: a-1 paused under `myimg` (LOCAL on node-1), then b-1, running on the
+    same node, paused and suspended under `myimg`. Each was taken, and a resume of either named
+    `myimg` to a worker there, which finds an image by its id. Now b-1's are refused, naming a-1's
+    image, with nothing written; the default id and another free id are taken."""
+    for actor_id in ("a-1", "b-1"):
+        await create(nc, prefix, actor_id)
+        await placer.place(actor_id, "w-1", "node-1", PIN_V1)
+    first = await pause(nc, prefix, "a-1", snapshot_id="myimg")
+    assert (first.snapshot.location, first.snapshot.node) == (Location.LOCAL, "node-1")
+    before = await log_length(nc, prefix)
+    for attempt in (pause(nc, prefix, "b-1", snapshot_id="myimg"),
+                    suspend(nc, prefix, "b-1", Fidelity.VOLUMES, snapshot_id="myimg", uri="s3://b/1")):
+        error = await refused(attempt)
+        assert (error.code, error.field) == (ErrorCode.FAILED_PRECONDITION, "snapshot_id"), error
+        assert "already names an image of actor 'a-1' (LOCAL on node 'node-1', MEMORY)" in error.message, error
+    assert await log_length(nc, prefix) == before  # nothing written: b-1 still runs
+    other = await pause(nc, prefix, "b-1", snapshot_id="b-own")
+    assert other.snapshot.snapshot_id == "b-own"
+    [(_, _, named)] = await read_entries(nc, prefix, event_subject(prefix, "image", "myimg"))
+    assert named.snapshot == first.snapshot  # what the id names: a-1's image, as recorded
+
+
+async def test_an_image_in_several_actors_is_one_image_and_a_promote_names_it_anew(snapshotter, placer, nc, prefix):
+    """What may be in two actors' histories under one id is one EXTERNAL image: a tag's copy, a
+    golden snapshot given again. A promote keeps the LOCAL image's id and makes it EXTERNAL: the id
+    then names the EXTERNAL image (its next ImageNamed), which a tag's copy repeats. A golden
+    snapshot of another image under that id is refused; a default id writes no ImageNamed."""
+    await create(nc, prefix, "a-1")
+    await placer.place("a-1", "w-1", "node-1", PIN_V1)
+    paused = await pause(nc, prefix, "a-1", snapshot_id="img")
+    promoted = await suspend(nc, prefix, "a-1", Fidelity.VOLUMES, uri="s3://b/img")
+    assert promoted.snapshot.snapshot_id == "img" and promoted.snapshot.location is Location.EXTERNAL
+    named = [e.snapshot for _, _, e in await read_entries(nc, prefix, event_subject(prefix, "image", "img"))]
+    assert named == [paused.snapshot, promoted.snapshot]
+    await tag(nc, prefix, "a-1", "base")
+    await create(nc, prefix, "c-1", source_tag="base")  # c-1 holds a copy of img: the same image
+    same = msgspec.structs.replace(promoted.snapshot, actor_id="golden-maker")
+    await create(nc, prefix, "d-1", golden_snapshot=same)  # given again as a golden snapshot: the same image
+    other = msgspec.structs.replace(same, uri="s3://b/another")
+    before = await log_length(nc, prefix)
+    error = await refused(create(nc, prefix, "e-1", golden_snapshot=other))
+    assert (error.code, error.field) == (ErrorCode.FAILED_PRECONDITION, "golden_snapshot.snapshot_id"), error
+    assert await log_length(nc, prefix) == before
+    assert len(await read_entries(nc, prefix, event_subject(prefix, "image", "img"))) == 2  # nothing more named
+    await placer.place("c-1", "w-1", "node-1", PIN_V1)
+    default = await pause(nc, prefix, "c-1")
+    assert default.snapshot.snapshot_id.startswith("c-1-v")
+    assert not any(isinstance(e, ImageNamed) and e.snapshot.snapshot_id != "img"
+                   for _, _, e in await read_entries(nc, prefix))
+
+
+async def test_many_actors_naming_one_id_at_once_through_two_replicas_one_gets_it(
+    snapshotter, placer, nats_server, nc, prefix
+):
+    """Forty running actors pause or suspend at once under one id, through two replicas that share
+    nothing but the server, three rounds: each round one gets the id, every other is refused
+    FAILED_PRECONDITION (field `snapshot_id`), and the log, read in stream order, holds one image
+    under the id (one ImageNamed, the winner's one SnapshotTaken) and nothing of the losers."""
+    rounds, actors = 3, 40
+    async with another_replica(snapshotter, nats_server.url, prefix, follow=False):
+        for round_ in range(rounds):
+            ids = [f"r{round_}-a{i}" for i in range(actors)]
+            for actor_id in ids:
+                await create(nc, prefix, actor_id)
+                await placer.place(actor_id, "w-1", "node-1", PIN_V1)
+            shared = f"shared-{round_}"
+            outcomes = await asyncio.gather(
+                *(pause(nc, prefix, actor_id, snapshot_id=shared) if i % 2 else
+                  suspend(nc, prefix, actor_id, Fidelity.VOLUMES, snapshot_id=shared, uri=f"s3://b/{actor_id}")
+                  for i, actor_id in enumerate(ids)),
+                return_exceptions=True)
+            won = [(actor_id, o) for actor_id, o in zip(ids, outcomes) if isinstance(o, SnapshotReply)]
+            lost = [o for o in outcomes if not isinstance(o, SnapshotReply)]
+            assert len(won) == 1, outcomes
+            assert all(isinstance(e, ContractError) and (e.code, e.field) == (ErrorCode.FAILED_PRECONDITION,
+                                                                              "snapshot_id") for e in lost), lost
+            winner, reply = won[0]
+            entries = await read_entries(nc, prefix)
+            named = [e for _, on, e in entries if on == event_subject(prefix, "image", shared)]
+            taken = [(on, e) for _, on, e in entries if isinstance(e, SnapshotTaken) and e.snapshot.snapshot_id == shared]
+            assert [e.snapshot for e in named] == [reply.snapshot]
+            assert taken == [(event_subject(prefix, "actor", winner), taken[0][1])] and taken[0][1].snapshot == reply.snapshot
+            for actor_id in ids:
+                if actor_id != winner:  # created and placed, nothing since
+                    kinds = [type(e) for _, _, e in await read_entries(nc, prefix, event_subject(prefix, "actor", actor_id))]
+                    assert kinds == [ActorCreated, ActorPlaced], (actor_id, kinds)
 
 
 # --- refusals ----------------------------------------------------------------------------------

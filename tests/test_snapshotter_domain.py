@@ -19,6 +19,7 @@ from events.schema import (
     ErrorCode,
     ID_PATTERN,
     Fidelity,
+    ImageNamed,
     Location,
     ReleaseReason,
     Snapshot,
@@ -29,7 +30,7 @@ from events.schema import (
     WorkerRemoved,
 )
 from events.states import ActorState
-from services.snapshotter.domain import Actor, Tag
+from services.snapshotter.domain import Actor, Image, Tag, claims_id
 from services.snapshotter.placements import PlacementFold, Release
 from services.snapshotter.stamping import anothers_default_id, default_snapshot_id, initial_snapshot, stamp_from_pin
 from tests import factories
@@ -477,3 +478,59 @@ def test_a_snapshot_id_names_one_image_and_the_default_steps_aside_for_a_callers
     assert actor.suspend(None, "s3://x", Fidelity.MEMORY, None, at(5)).snapshot_id == f"{nxt}-1"  # promoted: kept
     long_id = "a" * 128
     assert len(default_snapshot_id(long_id, 1234, 7)) <= 128 and default_snapshot_id(long_id, 1234, 7).endswith("-v1234-7")
+
+
+# --- what a snapshot id names across actors (`Image`) ---------------------------------------------
+
+
+def image_of(actor_id: str, snapshot_id: str = "img", **kw) -> Snapshot:
+    return factories.snapshot(actor_id, V1, snapshot_id=snapshot_id, **kw)
+
+
+def named(*snapshots: Snapshot) -> Image:
+    image = Image(snapshots[0].snapshot_id)
+    for snapshot in snapshots:
+        image.name(snapshot, "snapshot_id", None, at())
+    image.pending_events.clear()  # as read from the log
+    return image
+
+
+@pytest.mark.parametrize("held, new, recorded", [
+    ((), image_of("a-1", node="n-1"), True),  # a free id: named
+    ((image_of("a-1", node="n-1"),), image_of("a-1", node="n-1"), False),  # the same record again
+    ((image_of("a-1", node="n-1"),), image_of("a-1", uri="s3://b/img"), True),  # a promote: EXTERNAL now
+    ((image_of("a-1", uri="s3://b/img"),),  # another actor's copy of one EXTERNAL image (a tag's, a golden's)
+     image_of("b-1", uri="s3://b/img", borrowed=True, taken_at=at(9)), False),
+])
+def test_an_image_id_is_named_once_per_image(held, new, recorded):
+    image = named(*held) if held else Image(new.snapshot_id)
+    image.name(new, "snapshot_id", "r-1", at(5))
+    events = [e.body for e in image.pending_events]
+    assert events == ([ImageNamed(snapshot=new, at=at(5), request_id="r-1")] if recorded else [])
+
+
+@pytest.mark.parametrize("held, new, says", [
+    (image_of("a-1", node="n-1"), image_of("b-1", node="n-1"), "LOCAL on node 'n-1', MEMORY"),  # the walkthrough's
+    (image_of("a-1", node="n-1"), image_of("b-1", uri="s3://b/img"), "LOCAL on node 'n-1', MEMORY"),
+    (image_of("a-1", uri="s3://b/img"), image_of("b-1", uri="s3://b/other"), "EXTERNAL, MEMORY"),
+    (image_of("a-1", uri="s3://b/img"), image_of("b-1", uri="s3://b/img", fidelity=Fidelity.VOLUMES),
+     "EXTERNAL, MEMORY"),
+    (image_of("a-1", uri="s3://b/img"), factories.snapshot("b-1", V2, snapshot_id="img", uri="s3://b/img"),
+     "EXTERNAL, MEMORY"),  # the same uri under another stamp is another image
+])
+def test_another_actor_s_other_image_under_the_id_is_refused_and_nothing_recorded(held, new, says):
+    image = named(held)
+    with pytest.raises(ContractError) as refused:
+        image.name(new, "golden_snapshot.snapshot_id", None, at(5))
+    assert (refused.value.code, refused.value.field) == (ErrorCode.FAILED_PRECONDITION, "golden_snapshot.snapshot_id")
+    assert f"already names an image of actor 'a-1' ({says})" in refused.value.message
+    assert image.pending_events == []
+
+
+@pytest.mark.parametrize("snapshot_id, checked", [
+    ("img", True), ("a-1-v0", True), ("a-1-v07", True), ("golden-2026", True),  # no default takes these
+    ("a-1-v3", False), ("a-1-v3-2", False), ("anyone-v12", False),  # the default form: one actor's alone
+])
+def test_only_ids_no_default_takes_are_checked_across_actors(snapshot_id, checked):
+    assert claims_id(image_of("a-1", snapshot_id)) == (snapshot_id if checked else None)
+    assert claims_id(None) is None

@@ -61,7 +61,8 @@ async def test_min_fidelity_memory_never_cold_boots_or_gives_up_memory(wb, nc, p
     assert error.code is ErrorCode.FAILED_PRECONDITION and "template" in error.message
     # an unstamped golden snapshot: no runtime can be matched to it
     await wb.create(actor("bare", min_fidelity=Fidelity.MEMORY,
-                          golden_snapshot=msgspec.structs.replace(golden(V1), sandbox_runtime=None)))
+                          golden_snapshot=msgspec.structs.replace(golden(V1, snapshot_id="golden-bare"),
+                                                                   sandbox_runtime=None)))
     error = await refused(nc, prefix, wb.resume("bare"))
     assert error.code is ErrorCode.FAILED_PRECONDITION and "stamp" in error.message
     # compatible workers exist but are full: more room would help

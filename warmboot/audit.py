@@ -34,6 +34,7 @@ from events.schema import (
 from services.scheduler.fragmentation import fragmentation
 from services.scheduler.projection import Projection
 from services.scheduler.records import MEMORY, PAUSED, RUNNING, STOPPED, SUSPENDED, Actor, SnapshotKind
+from services.snapshotter.stamping import free_form_id
 
 # The rules `audit verify` checks (names as they appear in its report): at each ActorPlaced,
 UNKNOWN_ACTOR = "placement of an unknown actor"
@@ -59,13 +60,14 @@ NOT_COPIED = "copy differs from the snapshot it copies"
 NO_SOURCE = "created with a snapshot that is no tag's and no golden one"
 REVERT_NOTHING = "revert of an actor with no LOCAL image to give up"
 REVERT_ELSEWHERE = "revert to another snapshot than the latest EXTERNAL one of this life"
+ID_TWO_IMAGES = "snapshot id naming another actor's other image"
 # and at each RuntimeChanged.
 CHANGE_UNREGISTERED = "RuntimeChanged without a registration"
 PLACEMENT_RULES = (UNKNOWN_ACTOR, PLACED_STOPPED, PLACED_TWICE, NOT_TAKING, PAST_ROOM, RUNTIME_GONE, SELECTOR_UNMET,
                    LOCAL_OFF_NODE, ACROSS_ARCHITECTURES, NODE_MISMATCH, NOT_IN_SNAPSHOT, BELOW_FLOOR,
                    UNDER_BOOKED)
 STAMP_RULES = (NOT_RUNNING, STAMP_NOT_PIN, MISPLACED, NOT_PAUSED, NOT_COPIED, NO_SOURCE, REVERT_NOTHING,
-               REVERT_ELSEWHERE)
+               REVERT_ELSEWHERE, ID_TWO_IMAGES)
 
 # The floor's order (CONTRACT rule 4a): lower is better.
 _RANK = {PlacedFidelity.MEMORY: 0, PlacedFidelity.VOLUMES: 1, PlacedFidelity.ROOTFS: 2, PlacedFidelity.NONE: 3}
@@ -109,8 +111,14 @@ def _image(snapshot: Snapshot) -> tuple:
     these unchanged. A tuple of the fields, not the Struct: the fold reads a SnapshotTaken's
     snapshot as a subclass, which never compares equal to a Snapshot."""
     s = snapshot
-    return (s.snapshot_id, s.template_uid, s.fidelity, s.location, s.node, s.uri, s.sandbox_runtime, s.borrowed,
-            s.taken_at)
+    return (*_loaded(s), s.borrowed, s.taken_at)
+
+
+def _loaded(snapshot: Snapshot) -> tuple:
+    """What a worker restoring `snapshot` loads, found by its id: every field but whose it is, whether
+    borrowed, and when recorded (`services.snapshotter.stamping.same_image`, as a tuple: `_image`)."""
+    s = snapshot
+    return (s.snapshot_id, s.template_uid, s.fidelity, s.location, s.node, s.uri, s.sandbox_runtime)
 
 
 class _External:
@@ -158,13 +166,15 @@ class Verifier:
         self.creating: dict[str, Snapshot] = {}
         # worker id -> the booking marker of the last placement on it the fold could not read (its room unknown)
         self.room_unknown: dict[str, int] = {}
+        # snapshot id no default takes -> the actor whose image it names and that image (`_loaded`)
+        self.images: dict[str, tuple[str, tuple]] = {}
 
     def check(self, seq: int, event: Event) -> Violation | None:
         created = self.creating.pop(event.actor_id, None) if self.creating and event.KIND == "actor" else None
         if isinstance(event, ActorPlaced):
             return self._placement(seq, event)
         if isinstance(event, SnapshotTaken):
-            found = self._stamp(seq, event, created)
+            found = self._stamp(seq, event, created) or self._one_image(seq, event.actor_id, event.snapshot)
             snapshot = event.snapshot
             if event.origin is not SnapshotOrigin.TAG and snapshot.location is Location.EXTERNAL \
                     and event.actor_id in self.projection.actors:
@@ -173,6 +183,8 @@ class Verifier:
         if isinstance(event, ActorCreated):
             found = self._created(seq, event)
             snapshot = event.snapshot
+            if found is None and snapshot is not None:
+                found = self._one_image(seq, event.actor_id, snapshot)
             if snapshot is not None:
                 self.creating[event.actor_id] = snapshot
             if snapshot is not None and snapshot.location is Location.EXTERNAL:
@@ -193,6 +205,27 @@ class Verifier:
             return Violation(seq, CHANGE_UNREGISTERED,
                              f"worker {event.worker_id} is not registered")
         return None
+
+    def _one_image(self, seq: int, actor_id: str, snapshot: Snapshot) -> Violation | None:
+        """One snapshot id names one image across actors (docs/contract.md): an id no default takes
+        (`free_form_id`; one of the default form is one actor's alone) that names another actor's
+        image may be recorded again only as that image, EXTERNAL (a golden snapshot, a tag's copy).
+        The actor's own image under it (a promote) is what the id names from then on."""
+        sid = snapshot.snapshot_id
+        if not free_form_id(sid):
+            return None
+        image = _loaded(snapshot)
+        held = self.images.get(sid)
+        if held is None or held[0] == actor_id:
+            self.images[sid] = (actor_id, image)
+            return None
+        if held[1] == image and snapshot.location is Location.EXTERNAL:
+            return None
+        owner, (_, _, fidelity, location, node, _, _) = held
+        where = "EXTERNAL" if location is Location.EXTERNAL else f"LOCAL on node {node}"
+        return Violation(seq, ID_TWO_IMAGES,
+                         f"{actor_id} records snapshot {sid} ({_where(snapshot)}), which names {owner}'s "
+                         f"image ({where}, {fidelity.value}): a worker finds an image by its id")
 
     def _external(self, snapshot: Snapshot) -> _External:
         runtime = snapshot.sandbox_runtime  # (the projection interns it too, as it folds this event)

@@ -222,7 +222,8 @@ def echo(reply: Any, as_json: bool, text: Callable[[], str]) -> None:
 
 @actor.command("pause")
 @click.argument("actor_id")
-@click.option("--snapshot-id", default=None, help="Id of the LOCAL memory snapshot (default: <actor>-v<n>).")
+@click.option("--snapshot-id", default=None, help="Id of the LOCAL memory snapshot (default: <actor>-v<n>); refused if it names "
+                   "another snapshot, this actor's or another's.")
 @placement_seq_option
 @request_id_option
 @nats_option
@@ -242,7 +243,8 @@ def pause_cmd(actor_id: str, snapshot_id: str | None, placement_seq: int | None,
 @click.option("--fidelity", type=FIDELITIES, default=Fidelity.MEMORY.value,
               show_default=True, help="What the EXTERNAL snapshot can restore.")
 @click.option("--uri", default=None, help="Where the snapshot is stored.")
-@click.option("--snapshot-id", default=None, help="Id of the snapshot (default: <actor>-v<n>).")
+@click.option("--snapshot-id", default=None, help="Id of the snapshot (default: <actor>-v<n>); refused if it names another "
+                   "snapshot, this actor's or another's.")
 @placement_seq_option
 @request_id_option
 @nats_option
@@ -309,7 +311,7 @@ def tag_cmd(actor_id: str, tag: str, request_id: str | None, nats_url: str, pref
     reply, runtimes, before = ask(nats_url, work)
     if isinstance(before, str):
         note = f"what {tag} named before is not known: {before}"
-    elif before is not None and before != reply.snapshot:  # ids are not unique across actors: the whole of it
+    elif before is not None and before != reply.snapshot:  # an id's image may be another actor's copy: all of it
         note = f"{tag} moved: it named snapshot {before.snapshot_id} of actor {before.actor_id} before"
     else:
         note = None

@@ -77,6 +77,7 @@ from events.schema import (
     CreateActor,
     Event,
     Fidelity,
+    ImageNamed,
     Location,
     ReleaseReason,
     Snapshot,
@@ -89,6 +90,7 @@ from events.states import WAITING, ActorState
 from services.snapshotter.stamping import (
     anothers_default_id,
     default_snapshot_id,
+    free_form_id,
     initial_snapshot,
     paused_snapshot,
     promoted_snapshot,
@@ -513,3 +515,51 @@ class Tag(WireAggregate):
 
     def when_TagRecorded(self, e: TagRecorded) -> None:
         self.snapshot = e.snapshot
+
+
+class Image(WireAggregate):
+    """What a snapshot id no default takes names, across actors: `image.<snapshot_id>`, whose
+    ImageNamed events each name the image the id stands for from then on.
+
+    A worker finds an image by its id (an Assignment names nothing else), so one id names one
+    image: an actor's own history keeps it from naming two of its own (`Actor.next_snapshot_id`),
+    and this keeps two actors from naming two images alike (found by a walkthrough: two actors
+    paused under `myimg` on one node, one of them of another sandbox class, and either's resume
+    named `myimg` to a worker there). An id of the default form is one actor's alone
+    (`stamping.anothers_default_id`), so only the others (`free_form_id`) are recorded here."""
+
+    KIND = "image"
+
+    def __init__(self, entity_id: str):
+        super().__init__(entity_id)
+        self.snapshot: Snapshot | None = None
+
+    def name(self, snapshot: Snapshot, field: str, request_id: str | None, at: datetime) -> None:
+        """Record that the id names `snapshot`'s image, unless it names that image already; refused
+        (FAILED_PRECONDITION, `field`) if it names another actor's other image. The same actor's
+        other image under its id (a promote: the LOCAL image made EXTERNAL) is its own history's
+        concern, decided before this: recorded. The same EXTERNAL image in another actor's history
+        (a golden snapshot, a tag's copy) is one image: nothing recorded."""
+        held = self.snapshot
+        if held is not None and held.actor_id != snapshot.actor_id:
+            if held.location is Location.EXTERNAL and same_image(held, snapshot):
+                return
+            where = "EXTERNAL" if held.location is Location.EXTERNAL else f"LOCAL on node {held.node!r}"
+            advice = {"snapshot_id": "give another id, or none (a default id is the actor's own)",
+                      "source_tag": "tag another snapshot"}.get(field, "give it another id")
+            raise precondition(
+                f"{field} {snapshot.snapshot_id!r} already names an image of actor {held.actor_id!r} ({where}, "
+                f"{held.fidelity.value}): a worker finds an image by its id, so one id names one image; {advice}",
+                field)
+        if held is None or not same_image(held, snapshot):
+            self.record(ImageNamed(snapshot=snapshot, at=at, request_id=request_id))
+
+    def when_ImageNamed(self, e: ImageNamed) -> None:
+        self.snapshot = e.snapshot
+
+
+def claims_id(snapshot: Snapshot | None) -> str | None:
+    """The id `Image` must check for `snapshot`, a new record of an image (None: none to check)."""
+    if snapshot is None or not free_form_id(snapshot.snapshot_id):
+        return None
+    return snapshot.snapshot_id

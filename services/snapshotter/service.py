@@ -36,9 +36,10 @@ import asyncio
 import logging
 import threading
 import time
+from contextlib import asynccontextmanager
 from datetime import datetime
 from functools import partial
-from typing import Any, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from eventsourcing.application import AggregateNotFoundError, ProcessingEvent
 from eventsourcing.persistence import IntegrityError, Notification, Tracking
@@ -62,6 +63,7 @@ from events.schema import (
     RevertActor,
     RevertReply,
     SeqReply,
+    Snapshot,
     SnapshotReply,
     SnapshotTaken,
     StopActor,
@@ -79,8 +81,9 @@ from services.endpoints import EndpointSpec, add_endpoints
 from services.locks import KeyedLock
 from services.process import store_env, stream_replicas
 from services.replies import NoWriteAnswers, ReplyCache
-from services.snapshotter.domain import Actor, Tag
+from services.snapshotter.domain import Actor, Image, Tag, claims_id
 from services.snapshotter.placements import PlacementFold, Release, node_since, removed_since
+from services.snapshotter.stamping import free_form_id
 from services.streams import StreamWatch, stream_created
 
 log = logging.getLogger("warmboot.snapshotter")
@@ -135,6 +138,12 @@ def answer_from_history(actor: Actor, verb: str, request_id: str | None) -> Base
     else:
         reply = lambda seq: SeqReply(seq=seq)
     return reply(recorded_seq(actor, versions[-1]))
+
+
+def images_read(snapshot_id: str | None) -> tuple[str, ...]:
+    """The `Image` a request naming `snapshot_id` reads, if any (`claims_id`): a refusal it causes is
+    confirmed at the stream leader, as one on the actor's state (`SnapshotterService.answer`)."""
+    return (Image.create_id(snapshot_id),) if snapshot_id is not None and free_form_id(snapshot_id) else ()
 
 
 def counted(events: list[Any]) -> list[Any]:
@@ -509,6 +518,7 @@ class SnapshotterService:
         # same version they would mostly lose, and two appends of one history must never be in flight
         # at once through the grouped appends (events.jetstream.grouped). Taken after the actor's.
         self._tags = KeyedLock()
+        self._images = KeyedLock()  # the same for what a snapshot id names (`Image`): taken last
         self.no_writes: NoWriteAnswers | None = None  # answers of requests that wrote nothing (update-template)
         self.app: SnapshotterApplication | None = None
         self.process: WorkerRemovalProcess | None = None
@@ -622,6 +632,25 @@ class SnapshotterService:
         found = await self.app.get_async(Tag.create_id(tag))
         return found if found is not None else Tag(tag)
 
+    @asynccontextmanager
+    async def naming(self, snapshot: Snapshot | None, field: str, request_id: str | None,
+                     at: datetime) -> AsyncIterator[tuple[Image, ...]]:
+        """Around the save of a new record of `snapshot`'s image: the `Image` of its id, with what it
+        recorded, to save before the actor (one atomic append, guarded by the image's subject as
+        read: a race with another actor naming the id fails the append, and the retry refuses it);
+        FAILED_PRECONDITION (`field`) if the id names another actor's other image. Nothing for an id
+        of the default form (one actor's alone) or no image."""
+        snapshot_id = claims_id(snapshot)
+        if snapshot_id is None:
+            yield ()
+            return
+        assert snapshot is not None and self.app is not None
+        async with self._images(snapshot_id):
+            found = await self.app.get_async(Image.create_id(snapshot_id))
+            image = found if found is not None else Image(snapshot_id)
+            image.name(snapshot, field, request_id, at)
+            yield (image,) if image.pending_events else ()
+
     # --- endpoints ---
     # Each one: load the actor, answer a repeated request from its history, else decide
     # and save; all of it again on a lost optimistic-concurrency race (`answer`). Every read
@@ -631,7 +660,9 @@ class SnapshotterService:
         if req.actor_id != actor_id:
             raise invalid(f"actor_id {req.actor_id!r} differs from the subject's {actor_id!r}", "actor_id")
         tag = (Tag.create_id(req.source_tag),) if req.source_tag is not None else ()  # a create reads it too
-        return await self.answer(actor_id, partial(self.decide_create, actor_id, req), also=tag)
+        golden = req.golden_snapshot
+        return await self.answer(actor_id, partial(self.decide_create, actor_id, req),
+                                 also=tag + images_read(golden.snapshot_id if golden is not None else None))
 
     async def decide_create(self, actor_id: str, req: CreateActor) -> Base:
         actor = await self.load_actor(actor_id, must_exist=False)
@@ -646,11 +677,14 @@ class SnapshotterService:
                 # since (found by an audit: read from a stream replica behind a retag, it copied what the
                 # tag named before)
                 fences = {tag.id: tag.seq_at(tag.version)}
-        actor.create(req, tagged, now())
-        return SeqReply(seq=await self.save(actor, fences=fences))
+        at = now()
+        actor.create(req, tagged, at)
+        field = "golden_snapshot.snapshot_id" if req.golden_snapshot is not None else "source_tag"
+        async with self.naming(actor.latest_snapshot, field, req.request_id, at) as image:
+            return SeqReply(seq=await self.save(*image, actor, fences=fences))
 
     async def pause(self, actor_id: str, req: PauseActor) -> SnapshotReply:
-        return await self.answer(actor_id, partial(self.decide_pause, actor_id, req))
+        return await self.answer(actor_id, partial(self.decide_pause, actor_id, req), also=images_read(req.snapshot_id))
 
     async def decide_pause(self, actor_id: str, req: PauseActor) -> Base:
         actor = await self.load_actor(actor_id)
@@ -658,11 +692,14 @@ class SnapshotterService:
         if found is not None:
             return found
         fence = await self.placement_fence(actor, "paused")
-        snapshot = actor.pause(req.snapshot_id, req.request_id, now(), req.placement_seq)
-        return SnapshotReply(snapshot=snapshot, seq=await self.save(actor, fences=fence))
+        at = now()
+        snapshot = actor.pause(req.snapshot_id, req.request_id, at, req.placement_seq)
+        async with self.naming(snapshot, "snapshot_id", req.request_id, at) as image:
+            return SnapshotReply(snapshot=snapshot, seq=await self.save(*image, actor, fences=fence))
 
     async def suspend(self, actor_id: str, req: SuspendActor) -> SnapshotReply:
-        return await self.answer(actor_id, partial(self.decide_suspend, actor_id, req))
+        return await self.answer(actor_id, partial(self.decide_suspend, actor_id, req),
+                                 also=images_read(req.snapshot_id))
 
     async def decide_suspend(self, actor_id: str, req: SuspendActor) -> Base:
         actor = await self.load_actor(actor_id)
@@ -670,8 +707,11 @@ class SnapshotterService:
         if found is not None:
             return found
         fence = await self.placement_fence(actor, "suspended")  # None from PAUSED: the image is on its node
-        snapshot = actor.suspend(req.snapshot_id, req.uri, req.fidelity, req.request_id, now(), req.placement_seq)
-        return SnapshotReply(snapshot=snapshot, seq=await self.save(actor, fences=fence))
+        at = now()
+        snapshot = actor.suspend(req.snapshot_id, req.uri, req.fidelity, req.request_id, at, req.placement_seq)
+        # a promote keeps the LOCAL image's id unless given one: its Image then names the EXTERNAL image
+        async with self.naming(snapshot, "snapshot_id", req.request_id, at) as image:
+            return SnapshotReply(snapshot=snapshot, seq=await self.save(*image, actor, fences=fence))
 
     async def tag(self, actor_id: str, req: TagSnapshot) -> SnapshotReply:
         return await self.answer(actor_id, partial(self.decide_tag, actor_id, req))

@@ -69,6 +69,14 @@ def anothers_default_id(actor_id: str, snapshot_id: str) -> bool:
     return snapshot_id != default_snapshot_id(actor_id, int(form[1]), int(form[2] or 0))
 
 
+def free_form_id(snapshot_id: str) -> bool:
+    """Whether no default id has the form of `snapshot_id` (`default_snapshot_id`). An id of that form
+    is one actor's alone (`anothers_default_id` refuses it to every other actor), so one that is not is
+    the only kind two actors can give alike: the snapshotter records which image it names on its own
+    subject (`ImageNamed`, `domain.Image`)."""
+    return _DEFAULT_FORM.search(snapshot_id) is None
+
+
 def same_image(one: Snapshot, other: Snapshot) -> bool:
     """Whether two snapshots are the same image: all but whose they are, whether borrowed, and when
     recorded (a golden snapshot an actor is created from again, in a new life)."""
