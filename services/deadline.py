@@ -31,7 +31,10 @@ tick (the loop reads before it ticks again), or after a tick that came that late
 replica has read what reached it during the gap. That backlog ends where the server's answer to a
 PING sent at that tick does: the server sends a connection's messages in order, so what it sends
 before the PONG reached it before the PING, and what comes after, after the replica ran again
-(`Ticker`; waited for at most BACKLOG_MAX_S). A connection lost meanwhile (a server drops one that
+(`Ticker`; waited for at most BACKLOG_MAX_S), as the read loop parses it: what the same read holds
+after it counts from its read. A stall again before the backlog was read (its PONGs not back yet)
+counts from the first stall's start: what is read before the new PONGs may have waited since then.
+A connection lost meanwhile (a server drops one that
 did not read for long) was read to its end first, and its PING is asked again (`_pong`). A request
 that waits in nats-py's queue for a free slot counts from when it was read, not from when a slot
 takes it (`services.endpoints`). A soak's findings: a resume sent to a scheduler stopped for 8.8 s
@@ -54,7 +57,7 @@ import asyncio
 import logging
 import time
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, Callable
 
 from events.errors import ContractError, invalid
 from events.schema import ErrorCode
@@ -98,7 +101,11 @@ def wait_ms(headers: dict[str, str] | None) -> int | None:
         if text is None:
             return None
     text = text.strip()
-    if not text.isdigit() or not 1 <= int(text) <= MAX_WAIT_MS:
+    digits = text.lstrip("0")
+    # ASCII digits only, and no more than the bound has: `isdigit` takes '²' and other scripts' digits,
+    # which `int` refuses or reads, and `int` refuses more than 4,300 digits (both answered INTERNAL: a review)
+    if not (text.isascii() and text.isdigit()) or len(digits) > len(str(MAX_WAIT_MS)) \
+            or not 1 <= int(digits or "0") <= MAX_WAIT_MS:
         raise invalid(f"header {WAIT_HEADER} must be the milliseconds the caller waits for the answer, an integer "
                       f"from 1 to {MAX_WAIT_MS}; got {text[:32]!r}", f"headers.{WAIT_HEADER}")
     return int(text)
@@ -125,7 +132,13 @@ class Ticker:
             while True:
                 now = time.perf_counter_ns()
                 if now - self.last > (TICK_S + STALLED_S) * 1e9:
-                    self.gap, self.caught_up = (self.last, now), 0
+                    since, (before, until) = self.last, self.gap
+                    if until and not self.caught_up and self.last - until <= BACKLOG_MAX_S * 1e9:
+                        # stalled again before the backlog of the gap before was read: what is read before
+                        # this gap's PONGs may have waited since that one began (a review: 288 of 300
+                        # requests held past their callers' wait were written, counted from this gap)
+                        since = before
+                    self.gap, self.caught_up = (since, now), 0
                     self.backlog_read.clear()
                     if self._backlog is not None:
                         self._backlog.cancel()
@@ -140,10 +153,20 @@ class Ticker:
         """A PING on each connection; `caught_up` once every PONG is back (or BACKLOG_MAX_S after the
         gap, whatever the connections do)."""
         until = gap[1] + int(BACKLOG_MAX_S * 1e9)
-        answered = await asyncio.gather(*(_pong(nc, until) for nc in set(self.connections)))
+        waiting = set(self.connections)
+
+        def ponged(nc: Any) -> None:
+            """In the read loop, as a PONG is parsed: the last one ends the backlog there, so what the
+            same read holds after it counts from its read (a review: a request read with the PONG
+            was refused while its caller waited)."""
+            waiting.discard(nc)
+            if not waiting and self.gap is gap and not self.caught_up:
+                self.caught_up = time.perf_counter_ns()
+
+        answered = await asyncio.gather(*(_pong(nc, until, ponged) for nc in set(self.connections)))
         now = time.perf_counter_ns()
         if self.gap is gap:
-            self.caught_up = now
+            self.caught_up = self.caught_up or now
             self.backlog_read.set()
             stalled, after = (gap[1] - gap[0]) / 1e9, (now - gap[1]) / 1e6
             if all(answered):
@@ -154,19 +177,20 @@ class Ticker:
                             "in %.0f ms: the requests read until now counted from the stall's start", stalled, after)
 
 
-async def _pong(nc: Any, until: int) -> bool:
+async def _pong(nc: Any, until: int, ponged: Callable[[Any], None] = lambda nc: None) -> bool:
     """The server's PONG to a PING on `nc` sent now, or once `nc` lost its connection meanwhile, to one
     sent then: nats-py forgets the PINGs in flight when it reconnects (its server dropped a connection
     that did not read for long, as a stopped process's), and what the old socket held was read before
-    its end was. Gives up at `until` (time.perf_counter_ns): False."""
+    its end was. `ponged(nc)` as the read loop parses it. Gives up at `until` (time.perf_counter_ns):
+    False. A connection closed, or not reading, answers no PING: True (nothing more comes from it)."""
     while True:
         reconnects = nc.stats.get("reconnects", 0)
-        ping = asyncio.ensure_future(nc.flush(BACKLOG_MAX_S))
-        ping.add_done_callback(retrieved)  # a connection closed answers no PING: the bound holds
+        ping = asyncio.ensure_future(_ping(nc, ponged))
+        ping.add_done_callback(retrieved)
         while not ping.done():
             left = (until - time.perf_counter_ns()) / 1e9
             if left <= 0:
-                ping.cancel()
+                ping.cancel()  # this wait, not nats-py's future (`_ping`)
                 return False
             await asyncio.wait({ping}, timeout=min(PONG_CHECK_S, left))
             if not ping.done() and (nc.is_reconnecting or nc.stats.get("reconnects", 0) != reconnects):
@@ -174,6 +198,34 @@ async def _pong(nc: Any, until: int) -> bool:
                 break  # asked again: of the new connection, or (reconnecting) nothing left to read
         else:
             return True
+
+
+class _Pong(asyncio.Future):
+    """The future nats-py keeps for a PING (`_pongs`) and resolves as its read loop parses the PONG:
+    tells `ponged` then, before the loop reads on."""
+
+    def __init__(self, nc: Any, ponged: Callable[[Any], None]):
+        super().__init__()
+        self._nc, self._ponged = nc, ponged
+
+    def set_result(self, result: Any) -> None:
+        super().set_result(result)
+        self._ponged(self._nc)
+
+
+async def _ping(nc: Any, ponged: Callable[[Any], None]) -> None:
+    """A PING on `nc`, awaited until its PONG. nats-py's future for it is never cancelled here: a PONG
+    that came for a cancelled one (as `nc.flush(timeout)` leaves it) raised InvalidStateError in the
+    read loop, which then read nothing more (a review: a replica whose PONG came after BACKLOG_MAX_S
+    answered nothing again; `events.natspy.connections.tolerate_late_pongs` guards nats-py's own)."""
+    if nc.is_closed:
+        return
+    reading = getattr(nc, "_reading_task", None)
+    if reading is None or reading.done():  # nothing would read the PONG (as nats-py's flush says)
+        return
+    pong = _Pong(nc, ponged)
+    await nc._send_ping(pong)
+    await asyncio.wait({pong})  # a reconnect forgets it (nats-py empties `_pongs`): `_pong` asks again
 
 
 _tickers: dict[asyncio.AbstractEventLoop, Ticker] = {}
@@ -223,12 +275,12 @@ def received(read_ns: int) -> int:
 def received_after(read_ns: int, last: int, gap: tuple[int, int], caught_up: int) -> int:
     """`received`, from the loop's last tick, last long gap and when the PONGs after it came back
     (0: not yet) (pure)."""
-    if read_ns - last > STALLED_S * 1e9:  # not ticked since the gap began
-        return last
     since, until = gap
     if until and read_ns >= until:  # ticked first, then read: before the PONGs, what waited through the gap
         if (read_ns <= caught_up) if caught_up else (read_ns - until <= BACKLOG_MAX_S * 1e9):
-            return since
+            return since  # the earliest: a stall since the last tick began after it (a review)
+    if read_ns - last > STALLED_S * 1e9:  # not ticked since the gap began
+        return last
     return read_ns
 
 

@@ -317,8 +317,10 @@ class ConcurrentEndpoint(Endpoint):
         # While a slot is free, a request goes from the connection's read loop straight to
         # its task (`deliver_core`); when none is, nats-py's path holds it in the
         # subscription's queue, and `_handle_request` waits for a slot.
+        # A status message on a request subject is no request (a client may publish one): dropped, so
+        # that nats-py's queue holds nothing `_free_or_queued` did not note.
         self._direct = deliver_core(self._service._client, self._subscription, self._admit,
-                                    ready=self._free_or_queued)
+                                    ready=self._free_or_queued, statuses=False)
 
     async def _stop(self) -> None:
         if self._direct is not None:
@@ -348,8 +350,8 @@ class ConcurrentEndpoint(Endpoint):
     async def _handle_request(self, msg: Msg) -> None:
         start = time.perf_counter_ns()
         queued = self._queued_received
-        # noted as it was read (`_free_or_queued`); a message nats-py queued without asking (none is
-        # expected on a request subject) leaves the notes out of step until the queue is empty again
+        # noted as it was read (`_free_or_queued`); nats-py queues nothing else on a request subject (a
+        # status message is dropped: `_start`), and the notes are cleared whenever the queue is empty
         received = queued.popleft() if queued else deadline.received(start)
         subscription = self._subscription
         if queued and (subscription is None or not subscription._pending_queue.qsize()):

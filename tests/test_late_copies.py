@@ -208,7 +208,9 @@ async def test_a_request_without_the_header_is_decided_however_long_it_was_held(
     assert kinds_of(entries, "x2", (ActorCreated, ActorStopped)) == ["ActorCreated", "ActorStopped"]
 
 
-@pytest.mark.parametrize("value", ["soon", "0", "-5", "1.5", str(MAX_WAIT_MS + 1), ""])
+# '²' and '٣' (Arabic-Indic three) pass `str.isdigit`, and 5,000 digits are past what `int` reads: they
+# were answered INTERNAL (a review)
+@pytest.mark.parametrize("value", ["soon", "0", "-5", "1.5", str(MAX_WAIT_MS + 1), "", "²", "٣", "9" * 5000])
 async def test_a_wait_that_is_not_a_number_of_milliseconds_is_refused_naming_the_header(
         nats_server, prefix, nc, snapshotter, value):
     body = encode(actor("x3", request_id="create-3"))
@@ -299,6 +301,9 @@ FRESH_WAIT_S = 1.5  # what a request sent after it ran again waits: shorter than
     (16_950 * MS, 16_850 * MS, (950 * MS, 16_250 * MS), 16_900 * MS, 16_950 * MS),  # after the PONG: fresh
     (21_300 * MS, 21_250 * MS, (950 * MS, 16_250 * MS), 0, 21_300 * MS),  # no PONG for 5 s: no longer waited for
     (21_300 * MS, 21_250 * MS, (950 * MS, 16_250 * MS), 21_310 * MS, 950 * MS),  # (a late PONG: read before it)
+    # ticked after the gap, then stalled 0.55 s (no gap yet) before reading the backlog: from the gap's
+    # start, not from that last tick (a review: counted from 16 450 ms)
+    (17_000 * MS, 16_450 * MS, (950 * MS, 16_250 * MS), 0, 950 * MS),
 ])
 def test_a_request_read_in_or_after_a_gap_in_its_loops_ticks_before_its_backlog_was_read_counts_from_its_start(
         read, last, gap, caught_up, counted):
@@ -524,3 +529,224 @@ async def test_a_ping_whose_pong_was_lost_with_its_connection_is_sent_again_once
             assert proxy.lost.is_set()  # (answered while it reconnects, or by its new connection)
         finally:
             await nc.close()
+
+
+# --- a review of the stall rule (2026-12-06) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["nats-py's flush", "the ticker's PING"])
+async def test_a_pong_that_comes_after_its_ping_was_given_up_on_leaves_the_connection_reading(nats_server, how):
+    """A PONG that comes after its PING was given up on: nats-py's `flush(timeout)` cancels its future and
+    leaves it in line, and the late PONG's `set_result` raised InvalidStateError in the read loop, which
+    read nothing more, the connection still up (a review: a replica whose PONG after a stall came after
+    BACKLOG_MAX_S answered nothing again). Connections made by `connecting` pass over such a PONG
+    (`tolerate_late_pongs`); the ticker's PING never cancels nats-py's future (a plain connection here)."""
+    import nats as nats_py
+    import nats.errors
+    from nats.aio.client import Client as NATS
+
+    from events.natspy.connections import connecting
+    from tests.proxy import LosingProxy
+
+    async with LosingProxy(nats_server.port) as proxy:
+        if how == "nats-py's flush":
+            nc = await connecting(NATS(), 10, servers=[proxy.url])
+        else:
+            nc = await nats_py.connect(proxy.url)
+        other = await nats_py.connect(nats_server.url)
+        try:
+            got = asyncio.Event()
+
+            async def on_msg(msg: Any) -> None:
+                got.set()
+
+            await nc.subscribe("late.pong", cb=on_msg)
+            await nc.flush()
+            release = asyncio.Event()
+            proxy.hold(b"PONG", release)
+            if how == "nats-py's flush":
+                with pytest.raises(nats.errors.FlushTimeoutError):
+                    await nc.flush(0.2)
+            else:
+                assert not await deadline._pong(nc, time.perf_counter_ns() + int(0.2e9))  # given up at its bound
+            release.set()
+            await other.publish("late.pong", b"after")
+            await other.flush()
+            await asyncio.wait_for(got.wait(), 10)  # read after the late PONG
+            assert not nc._reading_task.done()
+            await nc.flush(5)  # and PINGs are answered again
+        finally:
+            await other.close()
+            await nc.close()
+
+
+async def test_a_request_read_in_the_same_chunk_after_the_pong_counts_from_its_read(nats_server, nc, prefix):
+    """What comes after the PONG that ends a stall's backlog reached the server after the replica ran
+    again, and counts from its read (docs/contract.md), also when it is read in one chunk with the PONG:
+    the backlog ended as the read loop parsed the PONG, not a loop turn later (a review: such a request
+    was refused while its caller still waited). The proxy holds the PONG until the request is behind it."""
+    import nats as nats_py
+
+    from events.schema import Heartbeat, HeartbeatReply
+    from services.endpoints import EndpointSpec, add_endpoints
+    from tests.proxy import LosingProxy
+
+    written: list[str] = []
+
+    async def write(entity_id: str, request: Heartbeat) -> HeartbeatReply:
+        deadline.check("the test's write")
+        written.append(entity_id)
+        return HeartbeatReply(ttl_s=1.0)
+
+    async with LosingProxy(nats_server.port) as proxy:
+        service_nc = await nats_py.connect(proxy.url)
+        micro = await add_endpoints(service_nc, prefix, "probe", "a test service",
+                                    [EndpointSpec("write", Heartbeat, write)])
+        try:
+            ticker = deadline.ticker_of(asyncio.get_running_loop())
+            ticker.backlog_read.clear()
+            release = asyncio.Event()
+            proxy.hold(b"PONG", release)
+            time.sleep(1.5)  # the stall (the proxy, on this loop, stalls with it); nothing is sent meanwhile
+            await asyncio.wait_for(proxy.holding.wait(), 10)  # the ticker's PING was answered: held
+            fresh = proxy.arrived(b"probe.write.w-fresh")
+            answer = asyncio.ensure_future(nc.request(service_subject(prefix, "probe", "write", "w-fresh"), b"{}",
+                                                      timeout=10, headers={WAIT_HEADER: "1000"}))
+            await asyncio.wait_for(fresh.wait(), 10)  # behind the PONG, held with it
+            release.set()
+            reply = await answer
+            await asyncio.wait_for(ticker.backlog_read.wait(), 10)
+        finally:
+            await micro.stop()
+            await service_nc.close()
+    assert reply.headers is None or "Nats-Service-Error-Code" not in reply.headers, reply.data
+    assert written == ["w-fresh"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("block_s", [0.0, 0.6, 0.8])
+async def test_a_backlog_read_across_a_second_stall_counts_from_the_first(nats_server, nc, prefix, block_s):
+    """A replica's loop stalls 2 s while 300 requests (10 kB of headers each, their callers waiting 1 s)
+    reach it; once it runs, the first request it serves stalls the loop again, 0.8 s (a second gap) or
+    0.6 s (none: under the 0.7 s a gap needs), before the rest of the backlog is read. All 300 waited
+    past their callers' wait: none is written. A review found the second gap restarting the count
+    (288 written) and the short stall counting from the last tick (19 written)."""
+    import threading
+
+    import nats as nats_py
+
+    from events.schema import Heartbeat, HeartbeatReply
+    from services.endpoints import EndpointSpec, add_endpoints
+
+    count = 300
+    written: list[int] = []
+    refused: list[int] = []
+    all_done = asyncio.Event()
+
+    async def write(entity_id: str, request: Heartbeat) -> HeartbeatReply:
+        try:
+            if not written and not refused:
+                time.sleep(block_s)  # a synchronous stretch of work: the loop's second stall
+            try:
+                deadline.check("the test's write")
+            except ContractError:
+                refused.append(1)
+                raise
+            written.append(1)
+            return HeartbeatReply(ttl_s=1.0)
+        finally:
+            if len(written) + len(refused) == count:
+                all_done.set()
+
+    service_nc = await nats_py.connect(nats_server.url)
+    micro = await add_endpoints(service_nc, prefix, "probe", "a test service",
+                                [EndpointSpec("write", Heartbeat, write)])
+    subject = service_subject(prefix, "probe", "write", "w-1")
+    go, sent = threading.Event(), threading.Event()
+
+    def sender() -> None:  # its own loop, in a thread: the replica's loop is stalled meanwhile
+        async def send() -> None:
+            client = await nats_py.connect(nats_server.url)
+            go.wait(30)
+            for n in range(count):
+                await client.publish(subject, b"{}", reply=f"_INBOX.stalled.{n}",
+                                     headers={WAIT_HEADER: "1000", "X-Pad": "p" * 10_000})
+            await client.flush()
+            sent.set()
+            await client.close()
+        asyncio.run(send())
+
+    thread = threading.Thread(target=sender)
+    thread.start()
+    try:
+        stalled_at = time.perf_counter()
+        go.set()
+        assert sent.wait(30)
+        time.sleep(max(0.0, 2.0 - (time.perf_counter() - stalled_at)))  # the first stall: 2 s in all
+        await asyncio.wait_for(all_done.wait(), 60)
+    finally:
+        await asyncio.to_thread(thread.join, 30)
+        await micro.stop()
+        await service_nc.close()
+    assert (len(written), len(refused)) == (0, count)
+
+
+async def test_a_status_message_on_a_request_subject_is_dropped_and_queued_requests_keep_their_read_time(
+        nats_server, nc, prefix):
+    """One slot, held; a request waits for it (its handler took it off nats-py's queue), then a client
+    publishes a message whose header block has a status line, then a request whose caller waits 1 s,
+    which waits in nats-py's queue longer than that. The status message used to be queued by nats-py
+    without the note of when it was read, took the next request's, and that request counted from when
+    a slot took it, and was written (a review). A status message is no request: dropped."""
+    import nats as nats_py
+
+    from events.schema import Heartbeat, HeartbeatReply
+    from services.endpoints import EndpointSpec, add_endpoints
+
+    release = asyncio.Event()
+    holding = asyncio.Event()
+    written: list[str] = []
+
+    async def write(entity_id: str, request: Heartbeat) -> HeartbeatReply:
+        if entity_id == "w-0":
+            holding.set()
+            await release.wait()
+        deadline.check("the test's write")
+        written.append(entity_id)
+        return HeartbeatReply(ttl_s=1.0)
+
+    def to(entity_id: str) -> str:
+        return service_subject(prefix, "probe", "write", entity_id)
+
+    service_nc = await nats_py.connect(nats_server.url)
+    micro = await add_endpoints(service_nc, prefix, "probe", "a test service",
+                                [EndpointSpec("write", Heartbeat, write)], max_concurrent=1)
+    raw = None
+    try:
+        first = asyncio.ensure_future(nc.request(to("w-0"), b"{}", timeout=10))
+        await asyncio.wait_for(holding.wait(), 10)
+        slots = micro.endpoint_slots["write"]
+        waiting = asyncio.ensure_future(nc.request(to("w-a"), b"{}", timeout=10))
+        while not slots._waiting:  # its handler waits for the slot (no event says so)
+            await asyncio.sleep(0.01)
+        reader, raw = await asyncio.open_connection("127.0.0.1", nats_server.port)
+        await reader.readline()  # INFO
+        status = b"NATS/1.0 503\r\n\r\n"
+        raw.write(b'CONNECT {"verbose":false,"headers":true,"no_responders":true,"protocol":1}\r\n'
+                  + b"HPUB " + to("w-9").encode() + b" _INBOX.status.1 %d %d\r\n" % (len(status), len(status) + 2)
+                  + status + b"{}\r\nPING\r\n")
+        await raw.drain()
+        assert (await reader.readline()).startswith(b"PONG")  # the server has it, before the request below
+        late = asyncio.ensure_future(nc.request(to("w-1"), b"{}", timeout=10, headers={WAIT_HEADER: "1000"}))
+        await asyncio.sleep(1.5)  # w-1 waits for the slot longer than its caller waits: the fault itself
+        release.set()
+        await first
+        await waiting
+        answer = await late
+    finally:
+        if raw is not None:
+            raw.close()
+        await micro.stop()
+        await service_nc.close()
+    assert answer.headers is not None and answer.headers.get("Nats-Service-Error-Code") == "503", answer.data
+    assert written == ["w-0", "w-a"]

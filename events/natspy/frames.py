@@ -115,11 +115,12 @@ class _Direct:
 class _Core:
     """One core NATS subscription delivered directly (see `deliver_core`)."""
 
-    __slots__ = ("nc", "sub", "on_msg", "ready", "on_cpu", "wanted")
+    __slots__ = ("nc", "sub", "on_msg", "ready", "on_cpu", "wanted", "statuses")
 
     def __init__(self, nc: Any, sub: Any, on_msg: Callable[[Msg], None], ready: Callable[[], bool],
-                 wanted: tuple[str, ...] = ()):
+                 wanted: tuple[str, ...] = (), statuses: bool = True):
         self.nc = nc
+        self.statuses = statuses
         self.sub = sub
         self.on_msg = on_msg
         self.ready = ready
@@ -130,7 +131,7 @@ class _Core:
         """Hand a message to `on_msg` as nats-py's `_process_msg` would hand it to the
         subscription's callback; False (nothing done) for anything nats-py must see itself."""
         if headers is not None and not headers.startswith(_HEADER_LINE):  # a status
-            return False
+            return not self.statuses  # dropped (`deliver_core`), or nats-py's to handle
         sub = self.sub
         if sub._jsi is not None or sub._future is not None or sub._max_msgs > 0 or not self.ready():
             return False
@@ -399,7 +400,8 @@ def deliver_directly(nc: Any, psub: Any, handler: DirectHandler, ready: Callable
 
 
 def deliver_core(nc: Any, sub: Any, on_msg: Callable[[Msg], None],
-                 ready: Callable[[], bool] = lambda: True, wanted: tuple[str, ...] = ()) -> DirectDelivery:
+                 ready: Callable[[], bool] = lambda: True, wanted: tuple[str, ...] = (),
+                 statuses: bool = True) -> DirectDelivery:
     """Hand the messages of `sub` (a core NATS subscription of `nc`, made with a callback) to
     `on_msg` from the connection's read loop, while `ready()`, instead of to the subscription's
     queue and task.
@@ -415,14 +417,17 @@ def deliver_core(nc: Any, sub: Any, on_msg: Callable[[Msg], None],
     messages is left to nats-py altogether. With `wanted`, a message's headers are only those
     (`header_values`; all of them when none of those is there), as `deliver_directly` gives
     them: for a reader that looks at no other name (a batched direct get's answers carry about
-    six lines of headers each, and parsing them all was a third of an operator's replay)."""
+    six lines of headers each, and parsing them all was a third of an operator's replay). With
+    `statuses` false, a status message is dropped instead: on a subject of requests none is one,
+    and one nats-py queued without `ready()` being asked put the notes a caller keeps of what
+    waits in that queue out of step (`services.endpoints.ConcurrentEndpoint`: a review)."""
     missing = [name for name in ("_jsi", "_future", "_max_msgs", "_received", "_id") if not hasattr(sub, name)]
     if missing or not isinstance(getattr(nc, "stats", None), dict):
         raise RuntimeError(
             f"nats-py's Subscription no longer has {', '.join(missing) or 'its connection stats'} as "
             "events/natspy/frames.py reads them: teach `_Core` the new ones (or drop direct delivery)"
         )
-    return _frames(nc).route(_Core(nc, sub, on_msg, ready, wanted))
+    return _frames(nc).route(_Core(nc, sub, on_msg, ready, wanted, statuses))
 
 
 def guard_reads(nc: Any, max_header_bytes: int | None = None) -> None:
