@@ -31,6 +31,7 @@ def event_subject(prefix: str, kind: str, entity_id: str) -> str:
 # A request's header: how many milliseconds its caller waits for the answer. A service writes
 # nothing for a request it has held longer (`services.deadline`); `warmboot.client` sends its time-out.
 WAIT_HEADER = "Warmboot-Wait-Ms"
+MAX_WAIT_MS = 24 * 3600 * 1000  # a day: what the header may say (a larger value is INVALID_ARGUMENT)
 
 
 def service_subject(prefix: str, service: str, verb: str, entity_id: str | None = None) -> str:

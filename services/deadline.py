@@ -61,7 +61,7 @@ from typing import Any, Callable
 
 from events.errors import ContractError, invalid
 from events.schema import ErrorCode
-from events.subjects import WAIT_HEADER
+from events.subjects import MAX_WAIT_MS, WAIT_HEADER
 from events.tasks import retrieved
 
 log = logging.getLogger("warmboot.service")
@@ -71,7 +71,6 @@ TICK_S = 0.2  # how often a loop that serves requests notes that it runs (`Ticke
 STALLED_S = 0.5  # read this long after the last tick: the process or its loop was not running meanwhile
 BACKLOG_MAX_S = 5.0  # after a gap, the longest the PONGs that end its backlog are waited for
 PONG_CHECK_S = 0.05  # meanwhile, how often a connection is looked at for a reconnect (its PING forgotten)
-MAX_WAIT_MS = 24 * 3600 * 1000  # a day: what the header may say (a larger value is INVALID_ARGUMENT)
 
 # (the request's task, the deadline in time.perf_counter_ns(), the wait it says, when it was received)
 _current: ContextVar[tuple[asyncio.Task, int, int, int] | None] = ContextVar("warmboot_request_deadline",

@@ -244,6 +244,12 @@ async def test_the_client_says_how_long_it_waits_and_a_request_in_time_is_served
         await Client(nc, prefix, timeout=0.2, attempts=1).heartbeat("w4")
     await beats.unsubscribe()
     assert seen == ["2500", None]
+    # a caller that waits more than the header may say says the bound (it was INVALID_ARGUMENT: a review)
+    creates = await nc.subscribe(service_subject(prefix, "snapshotter", "create", "x5"), cb=tap)
+    assert (await Client(nc, prefix, timeout=2 * MAX_WAIT_MS / 1000).create(actor("x5"))).seq > reply.seq
+    await nc.flush()
+    await creates.unsubscribe()
+    assert seen == ["2500", None, str(MAX_WAIT_MS)]
 
 
 async def test_a_late_suspend_without_the_header_does_not_stamp_an_earlier_lifes_image_with_the_next_pin(

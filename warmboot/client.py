@@ -93,7 +93,7 @@ from events.schema import (
     WhatIf,
     WhatIfAnswer,
 )
-from events.subjects import DEFAULT_PREFIX, WAIT_HEADER, check_prefix, service_subject
+from events.subjects import DEFAULT_PREFIX, MAX_WAIT_MS, WAIT_HEADER, check_prefix, service_subject
 from warmboot.connection import CONNECT_TIMEOUT_S, connect_within, hears_replies
 
 T = TypeVar("T")
@@ -226,7 +226,10 @@ class Client:
         # how long each attempt waits, where an answer may write: a service writes nothing for one it
         # has held longer (`services.deadline`), so a copy a stalled replica decides late does not act
         # on what the caller did since (an entity's next life)
-        waits = None if (service, verb) in WRITE_NOTHING else {WAIT_HEADER: str(max(1, math.ceil(self.timeout * 1000)))}
+        # a time-out past the header's bound says the bound: a caller that waits a day or more (it was
+        # INVALID_ARGUMENT on every write: a review)
+        wait = min(MAX_WAIT_MS, max(1, math.ceil(self.timeout * 1000)))
+        waits = None if (service, verb) in WRITE_NOTHING else {WAIT_HEADER: str(wait)}
         try:
             return await self._attempts(service, subject, encode(body), reply_type, waits)
         except ContractError as error:  # the id a caller needs to send it again (`ContractError.request_id`)
