@@ -373,8 +373,11 @@ def lifecycle(seed: int, steps: int) -> None:
                             save(a)
             elif op < 0.25:
                 a = actors.setdefault(aid := f"a{rng.randint(0, 9)}", SnapshotterActor(aid))
-                source = golden(rng.choice(VERSIONS), fidelity=rng.choice(list(Fidelity)),
-                                template=rng.choice(["t1", "t2"])) if rng.random() < 0.3 else None
+                source = None
+                if rng.random() < 0.3:  # one id names one image (docs/contract.md): each golden image its own
+                    v, f, t = rng.choice(VERSIONS), rng.choice(list(Fidelity)), rng.choice(["t1", "t2"])
+                    source = golden(v, snapshot_id=f"golden-{VERSIONS.index(v)}-{f.value.lower()}-{t}", fidelity=f,
+                                    template=t)
                 a.create(CreateActor(
                     actor_id=aid, sandbox_class="gvisor", template_uid=rng.choice(["t1", "t2"]),
                     resources=Resources(cpu_millis=rng.choice([100, 500]), memory_mib=rng.choice([256, 1500])),

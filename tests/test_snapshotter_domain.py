@@ -534,3 +534,22 @@ def test_another_actor_s_other_image_under_the_id_is_refused_and_nothing_recorde
 def test_only_ids_no_default_takes_are_checked_across_actors(snapshot_id, checked):
     assert claims_id(image_of("a-1", snapshot_id)) == (snapshot_id if checked else None)
     assert claims_id(None) is None
+
+
+def test_a_create_copying_an_id_an_earlier_life_gave_another_image_is_refused():
+    """The actor's own check of a create's image (`Actor._one_image`), for a log in which another
+    actor could still take an id this one had used (written before ids were checked across actors):
+    a's first life paused under `img`; a created anew from a tag whose snapshot is another `img`
+    is refused, FAILED_PRECONDITION on `source_tag`, nothing recorded; one of another id is taken."""
+    actor = running("a")
+    actor.pause("img", None, at(1))
+    actor.stop(None, at(2))
+    actor.collect_events()
+    other = factories.snapshot("b", V1, snapshot_id="img", uri="s3://b/img")
+    with pytest.raises(ContractError) as refused:
+        actor.create(create_request("a", source_tag="t"), other, at(3))
+    assert (code_of(refused), refused.value.field) == (ErrorCode.FAILED_PRECONDITION, "source_tag")
+    assert "already names another snapshot of actor 'a'" in refused.value.message
+    assert actor.collect_events() == []
+    actor.create(create_request("a", source_tag="t"), msgspec.structs.replace(other, snapshot_id="img-2"), at(4))
+    assert actor.latest_snapshot.snapshot_id == "img-2"
