@@ -6,9 +6,10 @@
 
 from __future__ import annotations
 
+import ast
 import re
 from functools import lru_cache
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import msgspec
 import msgspec.inspect
@@ -21,7 +22,6 @@ T = TypeVar("T")
 
 encoder = msgspec.json.Encoder()
 encode = encoder.encode
-event_decoder = msgspec.json.Decoder(AnyEvent)
 
 MAX_BODY = 1 << 20  # bigger bodies are refused before decoding
 
@@ -31,11 +31,39 @@ _MISSING = re.compile(r"missing required field `(?P<name>[^`]+)`")
 # msgspec says a pattern as "`str` matching regex '<the pattern's repr>'"
 _PATTERN = re.compile(r"`str` matching regex (?P<regex>'.*')")
 _WORDS_BY_REPR = {repr(pattern): words for pattern, words in PATTERN_WORDS.items()}
+# msgspec refuses an enum's (or a Literal's) value as "Invalid enum value <its repr>", and no more
+_ENUM = re.compile(r"Invalid enum value (?P<value>.*)", re.S)
+# a step of msgspec's path: `[0]`, `[...]` (a map's value) or `.name`
+_STEP = re.compile(r"\[(?P<index>\d+)\]|\[\.\.\.\]|\.(?P<name>[^.\[\]]+)")
+
+
+class Decoder(Generic[T]):
+    """msgspec's JSON decoder for `type_`, but for the error of a refused enum value: msgspec says
+    only the value (`Invalid enum value 'memory'`), this says what is allowed too (`enum_error`)."""
+
+    __slots__ = ("type", "_decode")
+
+    def __init__(self, type_: Any) -> None:
+        self.type = type_
+        self._decode = msgspec.json.Decoder(type_).decode
+
+    def decode(self, data: bytes) -> T:
+        try:
+            return self._decode(data)
+        except msgspec.ValidationError as e:
+            said = enum_error(self.type, data, e)
+            if said is None:
+                raise
+            raise said from None
 
 
 @lru_cache(maxsize=None)
-def decoder(type_: type[T]) -> msgspec.json.Decoder:
-    return msgspec.json.Decoder(type_)
+def decoder(type_: type[T]) -> Decoder[T]:
+    return Decoder(type_)
+
+
+event_decoder: Decoder[Event] = Decoder(AnyEvent)
+_type_info = lru_cache(maxsize=None)(msgspec.inspect.type_info)  # for `enum_error`
 
 
 def json_path(field_name: str | None) -> str:
@@ -67,12 +95,19 @@ def field_path(error: msgspec.ValidationError) -> tuple[str, str | None]:
 GIVEN_CHARS = 80  # of a refused value, quoted in its error
 
 
+def _got(value: Any) -> str:
+    """`; got 'bad id!'`: a refused value quoted (cut at GIVEN_CHARS) to end its error with."""
+    text = repr(value)
+    return f"; got {text[:GIVEN_CHARS]}{'...' if len(text) > GIVEN_CHARS else ''}"
+
+
 def given(data: bytes, path: str | None, message: str) -> str:
     """`; got 'bad id!'`: the refused value at `path` of the body `data`, quoted (a string or a
-    number; cut at GIVEN_CHARS) to end its error with, so that the caller sees what was refused;
-    "" when the message says it already (msgspec's `got `int``), names a key or a missing field, or
-    the value is not there to quote."""
-    if not path or "got " in message or message.endswith("(in a key)") or message.startswith("Object missing"):
+    number; `_got`) to end its error with, so that the caller sees what was refused; "" when the
+    message says it already (msgspec's `got `int``, `Invalid enum value 'x'`), names a key or a
+    missing field, or the value is not there to quote."""
+    if (not path or "got " in message or message.endswith("(in a key)") or message.startswith("Object missing")
+            or _ENUM.match(message)):
         return ""
     try:
         value: Any = msgspec.json.decode(data)
@@ -83,8 +118,83 @@ def given(data: bytes, path: str | None, message: str) -> str:
         return ""
     if isinstance(value, bool) or not isinstance(value, str | int | float):
         return ""
-    text = repr(value)
-    return f"; got {text[:GIVEN_CHARS]}{'...' if len(text) > GIVEN_CHARS else ''}"
+    return _got(value)
+
+
+def enum_error(type_: Any, data: bytes, error: msgspec.ValidationError) -> msgspec.ValidationError | None:
+    """msgspec's `Invalid enum value 'memory' - at `$.fidelity`` for a body `data` of `type_`, as
+    `expected one of MEMORY, VOLUMES, ROOTFS; got 'memory' - at `$.fidelity``: the values the
+    field's enum (or Literal) allows, in its order, found from `type_` along the error's path.
+    Values stay case-sensitive; one that is an allowed value but for its case is told so.
+    None when `error` is not of a refused enum value, or its enum is not found."""
+    text = str(error)
+    at = _AT.search(text)
+    refused = _ENUM.fullmatch(text[: at.start()] if at else text)
+    if refused is None:
+        return None
+    steps = [(m.group("index"), m.group("name")) for m in _STEP.finditer(at.group("path"))] if at else []
+    try:
+        body = msgspec.json.decode(data)
+    except (msgspec.DecodeError, RecursionError):
+        body = None
+    allowed = _allowed(_type_info(type_), body, steps, in_key=bool(at and at.group("key")))
+    if not allowed:
+        return None
+    try:  # msgspec quotes the value as its repr
+        value = ast.literal_eval(refused.group("value"))
+    except (ValueError, SyntaxError, RecursionError):
+        value = refused.group("value")
+    names = [str(v) for v in allowed]
+    case = " (enum values are upper case)" if isinstance(value, str) and value.upper() in names else ""
+    where = text[at.start():] if at else ""
+    return msgspec.ValidationError(f"expected one of {', '.join(names)}{_got(value)}{case}{where}")
+
+
+def _allowed(info: Any, value: Any, steps: list[tuple[str | None, str | None]], in_key: bool) -> list[Any]:
+    """The values of the enum (or Literal) that `info` has at the path `steps` (in a map's key
+    there when `in_key`), `value` being the body there as decoded untyped; [] when there is none."""
+    inspect = msgspec.inspect
+    if isinstance(info, inspect.Metadata):
+        return _allowed(info.type, value, steps, in_key)
+    if isinstance(info, inspect.UnionType):
+        enums = [t for t in info.types if isinstance(t, inspect.EnumType | inspect.LiteralType)]
+        member = enums[0] if len(enums) == 1 and not steps and not in_key else _member(info, value)
+        return _allowed(member, value, steps, in_key) if member is not None else []
+    if not steps:
+        if in_key:
+            return _allowed(info.key_type, None, [], False) if isinstance(info, inspect.DictType) else []
+        if isinstance(info, inspect.EnumType):
+            return [member.value for member in info.cls]
+        return list(info.values) if isinstance(info, inspect.LiteralType) else []  # (as msgspec orders them)
+    (index, name), rest = steps[0], steps[1:]
+    if name is not None and isinstance(info, inspect.StructType):
+        fields = {f.encode_name: f.type for f in info.fields}
+        item = value.get(name) if isinstance(value, dict) else None
+        return _allowed(fields[name], item, rest, in_key) if name in fields else []
+    if index is not None:
+        i = int(index)
+        item = value[i] if isinstance(value, list) and i < len(value) else None
+        if isinstance(info, inspect.ListType | inspect.VarTupleType | inspect.SetType | inspect.FrozenSetType):
+            return _allowed(info.item_type, item, rest, in_key)
+        if isinstance(info, inspect.TupleType) and i < len(info.item_types):
+            return _allowed(info.item_types[i], item, rest, in_key)
+        return []
+    if name is None and isinstance(info, inspect.DictType):  # `[...]`: a value of the map, its key unsaid
+        return _allowed(info.value_type, None, rest, in_key)
+    return []
+
+
+def _member(info: Any, value: Any) -> Any:
+    """The member of the union `info` that `value` (decoded untyped) is: an optional value's type,
+    or the member of a tagged union that its tag names; None when it is not told."""
+    inspect = msgspec.inspect
+    members = [t for t in info.types if not isinstance(t, inspect.NoneType)]
+    if len(members) == 1:
+        return members[0]
+    structs = [t for t in members if isinstance(t, inspect.StructType)]
+    tagged = isinstance(value, dict) and structs and structs[0].tag_field in value
+    chosen = [t for t in structs if tagged and t.tag == value[t.tag_field]]
+    return chosen[0] if len(chosen) == 1 else None
 
 
 def unknown_fields(type_: Any, value: Any, path: str = "") -> list[str]:
@@ -101,15 +211,9 @@ def _unknown(info: Any, value: Any, path: str) -> list[str]:
     inspect = msgspec.inspect
     if isinstance(info, inspect.Metadata):
         return _unknown(info.type, value, path)
-    if isinstance(info, inspect.UnionType):
-        members = [t for t in info.types if not isinstance(t, inspect.NoneType)]
-        if len(members) == 1:  # an optional value: its type
-            return _unknown(members[0], value, path)
-        structs = [t for t in members if isinstance(t, inspect.StructType)]
-        tagged = isinstance(value, dict) and structs and structs[0].tag_field in value
-        # a tagged union's member is the one its tag names
-        chosen = [t for t in structs if tagged and t.tag == value[t.tag_field]]
-        return _unknown(chosen[0], value, path) if len(chosen) == 1 else []
+    if isinstance(info, inspect.UnionType):  # an optional value's type, a tagged union's member its tag names
+        member = _member(info, value)
+        return _unknown(member, value, path) if member is not None else []
     if isinstance(info, inspect.StructType) and isinstance(value, dict):
         fields = {f.encode_name: f.type for f in info.fields}
         found = []

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import enum
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 import msgspec.inspect as mi
@@ -380,3 +380,111 @@ def test_every_pattern_is_said_in_words_not_as_a_regular_expression(pattern):
     assert refused.value.field == "field"
     assert refused.value.message == f"Expected {PATTERN_WORDS[pattern]}; got {chr(1) + ' not it ' + chr(1)!r}"
     assert "regex" not in refused.value.message
+
+
+# --- a refused enum value: the values allowed, said once (events.codec.enum_error) -------------
+
+PLACED_FIDELITIES = "expected one of MEMORY, VOLUMES, ROOTFS, NONE"  # PlacedFidelity's values, in its order
+
+
+@SETTINGS
+@given(answer=of(s.WhatIfAnswer), stranded=st.lists(of(s.StrandedActor), min_size=2, max_size=3))
+def test_a_bad_enum_value_in_a_list_lists_the_values_allowed(answer, stranded):
+    """An enum in a list (WhatIfAnswer.newly_stranded[].location), as a reply is decoded: msgspec said
+    only "Invalid enum value 'local'", not what is allowed (found by a user walkthrough)."""
+    body = msgspec.json.decode(encode(msgspec.structs.replace(answer, newly_stranded=stranded)))
+    body["newly_stranded"][1]["location"] = "local"
+    with pytest.raises(msgspec.ValidationError) as refused:
+        decode_reply(s.WhatIfAnswer, encode(body))
+    assert str(refused.value) == ("expected one of LOCAL, EXTERNAL; got 'local' (enum values are upper case)"
+                                  " - at `$.newly_stranded[1].location`")
+
+
+@SETTINGS
+@given(event=of(s.ActorPlaced))
+def test_a_bad_enum_value_of_an_event_lists_the_values_allowed(event):
+    """An event is a member of a tagged union (AnyEvent): its enum is found by the event's type."""
+    for field, value, said in (("fidelity", "memory", f"{PLACED_FIDELITIES}; got 'memory' (enum values are upper case)"),
+                               ("fidelity", "BEST", f"{PLACED_FIDELITIES}; got 'BEST'"),
+                               ("action", "Run", "expected one of RESTORE, RUN; got 'Run' (enum values are upper case)")):
+        body = msgspec.json.decode(encode(event))
+        body[field] = value
+        with pytest.raises(msgspec.ValidationError) as refused:
+            decode_event(encode(body))
+        assert str(refused.value) == f"{said} - at `${'.' + field}`"
+
+
+def test_schema_check_s_decoder_verdict_lists_an_enum_s_values():
+    """`warmboot schema --check FILE --as Snapshot` said "Invalid enum value 'memory'; got 'memory'"."""
+    from warmboot.schema_check import decoder_verdict
+
+    verdict = decoder_verdict("Snapshot", b'{"fidelity": "memory"}')
+    assert verdict.errors == [("$.fidelity", "INVALID_ARGUMENT: expected one of MEMORY, VOLUMES, ROOTFS; "
+                                             "got 'memory' (enum values are upper case)")]
+    stranded = {"actor_id": "a", "stamp": {"sandbox_class": "gvisor", "name": None,
+                                           "version": {"schema_version": "v1", "attributes": [{"key": "k", "value": "v"}]}}}
+    counts = {"stranded_snapshots": 0, "memory_restorable_snapshots": 0}
+    answer = {"before": counts, "after": counts, "runtimes": [],
+              "newly_stranded": [{**stranded, "location": "LOCAL"}, {**stranded, "location": "OUTSIDE"}]}
+    verdict = decoder_verdict("WhatIfAnswer", encode(answer))  # a reply: decoded, not checked as a request
+    assert verdict.errors == [("$.newly_stranded[1].location", "expected one of LOCAL, EXTERNAL; got 'OUTSIDE'")]
+
+
+class _Colour(enum.Enum):
+    RED = "RED"
+    GREEN = "GREEN"
+
+
+class _Size(enum.IntEnum):
+    SMALL = 1
+    LARGE = 2
+
+
+class _Cat(msgspec.Struct, tag=True):
+    colour: _Colour
+
+
+class _Dog(msgspec.Struct, tag=True):
+    size: _Size
+
+
+class _Holder(msgspec.Struct):
+    optional: _Colour | None = None
+    literal: Literal["on", "off"] = "on"
+    by_name: dict[str, _Colour] = {}
+    by_colour: dict[_Colour, int] = {}
+    pair: tuple[int, _Colour] = (0, _Colour.RED)
+    pets: list[_Cat | _Dog] = []
+    renamed: Annotated[_Colour, msgspec.Meta(description="x")] = msgspec.field(default=_Colour.RED, name="colour")
+
+
+@pytest.mark.parametrize("body, said", [
+    ({"optional": "red"}, "expected one of RED, GREEN; got 'red' (enum values are upper case) - at `$.optional`"),
+    ({"literal": "ON"}, "expected one of off, on; got 'ON' - at `$.literal`"),
+    ({"by_name": {"a": "RED", "b": "BLUE"}}, "expected one of RED, GREEN; got 'BLUE' - at `$.by_name[...]`"),
+    ({"by_colour": {"BLUE": 1}}, "expected one of RED, GREEN; got 'BLUE' - at `key` in `$.by_colour`"),
+    ({"pair": [1, "Green"]}, "expected one of RED, GREEN; got 'Green' (enum values are upper case) - at `$.pair[1]`"),
+    ({"pets": [{"type": "_Cat", "colour": "RED"}, {"type": "_Dog", "size": 3}]},
+     "expected one of 1, 2; got 3 - at `$.pets[1].size`"),
+    ({"pets": [{"type": "_Cat", "colour": "PINK"}]}, "expected one of RED, GREEN; got 'PINK' - at `$.pets[0].colour`"),
+    ({"colour": "it's \"blue\"\n"}, "expected one of RED, GREEN; got 'it\\'s \"blue\"\\n' - at `$.colour`"),
+])
+def test_a_bad_enum_value_is_found_wherever_its_enum_is(body, said):
+    """`events.codec.enum_error` follows msgspec's path through the type: optional, Literal, a map's
+    value and key, a tuple, a tagged union in a list, a renamed field; the value quoted as msgspec does."""
+    from events.codec import decoder
+
+    with pytest.raises(msgspec.ValidationError) as refused:
+        decoder(_Holder).decode(encode(body))
+    assert str(refused.value) == said
+
+
+def test_other_refusals_are_msgspec_s_own():
+    from events.codec import decoder
+
+    for data in (b'{"optional": 1}', b'{"pets": [{"type": "_Fish"}]}', b'{"pair": [1]}'):
+        with pytest.raises(msgspec.ValidationError) as refused:
+            decoder(_Holder).decode(data)
+        with pytest.raises(msgspec.ValidationError) as own:
+            msgspec.json.decode(data, type=_Holder)
+        assert str(refused.value) == str(own.value)

@@ -564,9 +564,43 @@ def test_wrong_json_types_name_the_field(path, value, message):
     reject(RegisterWorker, edit(register(), path, value), path, message)
 
 
+FIDELITIES = "expected one of MEMORY, VOLUMES, ROOTFS"  # Fidelity's values, in its order
+
+
 def test_bad_enum_value_named():
-    reject(SuspendActor, {"fidelity": "memory"}, "fidelity", "Invalid enum value 'memory'")
-    reject(CreateActor, create(min_fidelity="NONE"), "min_fidelity", "Invalid enum value")
+    error = reject(SuspendActor, {"fidelity": "nope"}, "fidelity")
+    assert error.message == f"{FIDELITIES}; got 'nope'", error
+    error = reject(CreateActor, create(min_fidelity="NONE"), "min_fidelity")  # PlacedFidelity's, not Fidelity's
+    assert error.message == f"{FIDELITIES}; got 'NONE'", error
+
+
+@pytest.mark.parametrize("value", ["memory", "volumes", "Rootfs"])
+def test_a_bad_enum_value_is_said_once_with_the_values_allowed(value):
+    """An enum value was refused as "Invalid enum value 'memory'; got 'memory'": the value said
+    twice (msgspec quotes it, and `given` quoted it again) and the values allowed never (found by a
+    user walkthrough). Enum values stay upper case: a lower-case one is refused, and told why."""
+    error = reject(SuspendActor, {"fidelity": value}, "fidelity")
+    assert error.message == f"{FIDELITIES}; got {value!r} (enum values are upper case)", error
+    assert str(error) == f"INVALID_ARGUMENT fidelity: {error.message}"
+    accept(SuspendActor, {"fidelity": value.upper()})
+
+
+def test_a_bad_enum_value_nested_names_its_path():
+    golden = create(golden_snapshot=snapshot(fidelity="memory"))
+    error = reject(CreateActor, golden, "golden_snapshot.fidelity")
+    assert error.message == f"{FIDELITIES}; got 'memory' (enum values are upper case)", error
+    error = reject(CreateActor, create(golden_snapshot=snapshot(location="SOMEWHERE")), "golden_snapshot.location")
+    assert error.message == "expected one of LOCAL, EXTERNAL; got 'SOMEWHERE'", error
+
+
+def test_a_long_bad_enum_value_is_cut():
+    error = reject(SuspendActor, {"fidelity": "m" * 1000}, "fidelity")
+    assert error.message == f"{FIDELITIES}; got {repr('m' * 1000)[:GIVEN_CHARS]}...", error
+
+
+def test_an_enum_field_given_another_json_type_says_so():
+    error = reject(SuspendActor, {"fidelity": 1}, "fidelity")
+    assert error.message == "Expected `str`, got `int`", error
 
 
 def test_other_requests_check_their_fields():
