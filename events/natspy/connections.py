@@ -179,11 +179,11 @@ async def connecting(nc: Client, timeout: float | None = None, **options: Any) -
 def tolerate_late_pongs(nc: Client) -> None:
     """Have `nc` pass over a PONG whose PING's future was cancelled (a `flush` that timed out), as
     it takes any other: nats-py set its result, raising InvalidStateError in the read loop, which
-    ended for good. PONGs come in the order of the PINGs, so the future is still taken off the line."""
-    pongs = getattr(nc, "_pongs", None)
-    if not isinstance(pongs, list) or not hasattr(nc, "_process_pong"):
-        raise RuntimeError("nats-py's Client no longer keeps `_pongs` and `_process_pong` as "
-                           "events/natspy/connections.py reads them: teach `tolerate_late_pongs` the new ones")
+    ended for good. PONGs come in the order of the PINGs, so the future is still taken off the line.
+    A client that is not nats-py 2.x's is left as it is (`tests/test_late_copies.py` fails if nats-py
+    changes this), as `follow_seed_file` leaves it."""
+    if not isinstance(getattr(nc, "_pongs", None), list) or not hasattr(nc, "_process_pong"):
+        return
 
     async def process_pong() -> None:
         if nc._pongs:
