@@ -26,6 +26,7 @@ from events.schema import (
     ActorReleased,
     ActorStopped,
     CompatVersion,
+    Fidelity,
     SnapshotTaken,
 )
 from tests.factories import actor, golden, last_seq, read_log, runtime, version, wait_for, worker
@@ -334,8 +335,8 @@ async def test_revert_gives_up_an_image_whose_node_is_gone(bus, nc, prefix):
     await run("actor", "resume", "a-6")  # on w-old, the only live worker
     await run("actor", "pause", "a-6")
     removed = await run("worker", "remove", "w-old", "--reason", "decommissioned")
-    assert removed.exit_code == 0 and removed.output.startswith("worker/w-old removed (seq ")
-    assert kinds(await wrote(nc, prefix, int(removed.output.split()[-1].rstrip(")")))) == ["WorkerRemoved"]
+    assert removed.exit_code == 0 and removed.stdout.startswith("worker/w-old removed (seq ")
+    assert kinds(await wrote(nc, prefix, int(removed.stdout.split()[-1].rstrip(")")))) == ["WorkerRemoved"]
     stuck = await run("actor", "resume", "a-6")
     assert stuck.exit_code == 1
     assert stuck.stderr.startswith("error: FAILED_PRECONDITION") and "node-old" in stuck.stderr
@@ -414,6 +415,54 @@ async def test_worker_show_lists_the_local_images_on_its_node(bus, nc, prefix):
     other = (await run("worker", "show", "w-old")).output
     assert "no local images on node-old" in other
 
+async def test_workers_count_the_actors_of_each_row_s_class(bus):
+    """A worker running two classes has a row for each: ACTORS printed the worker's count on both (a
+    walkthrough: the same 6 actors on its gvisor and its microvm row). Each row counts the actors of
+    its class booked on the worker; -o json says so (`actors` of the row's class, `worker_actors` of
+    every class)."""
+    from events.schema import RegisterWorker, Resources
+    from tests.factories import entry
+
+    run, wb = bus
+    await wb.drain("w-old")
+    await wb.drain("w-new")
+    await wb.register(RegisterWorker(worker_id="w-two", node="node-two",
+                                     capacity=Resources(cpu_millis=8000, memory_mib=8192),
+                                     sandbox_classes=(entry(V1), entry(V1, sandbox_class="microvm"))))
+    for actor_id, sandbox_class in (("g-1", "gvisor"), ("g-2", "gvisor"), ("m-1", "microvm")):
+        await wb.create(actor(actor_id, cpu=100, mem=256, sandbox_class=sandbox_class))
+        assert (await wb.resume(actor_id)).worker_id == "w-two"
+    rows = {r["sandbox_class"]: r for r in json.loads((await run("workers", "-o", "json")).stdout)
+            if r["worker_id"] == "w-two"}
+    assert {c: (r["actors"], r["worker_actors"]) for c, r in rows.items()} == {"gvisor": (2, 3), "microvm": (1, 3)}
+    table = (await run("workers", width=200)).stdout.splitlines()
+    assert table[0].split()[:2] == ["WORKER", "CLASS"] and table[0].split()[-2:] == ["ACTORS", "NODE"], table[0]
+    counts = {line.split()[1]: line.split()[-2] for line in table[1:] if line.startswith("w-two ")}
+    assert counts == {"gvisor": "2", "microvm": "1"}, table
+    view = json.loads((await run("worker", "show", "w-two", "--json")).stdout)
+    assert sorted(a["actor_id"] for a in view["actors"]) == ["g-1", "g-2", "m-1"]
+    assert {r["sandbox_class"]: r["actors"] for r in view["classes"]} == {"gvisor": 2, "microvm": 1}
+
+
+async def test_worker_remove_says_a_running_agent_registers_it_again(bus):
+    """`worker remove` of a worker whose agent still ran: the agent registered it again within
+    seconds, undrained, taking placements, and the output said "removed" alone (a walkthrough). The
+    removal is as it was; a note on stderr, and the help, say to stop the agent first."""
+    run, _ = bus
+    note = ("note: if the agent of {w} still runs, it registers {w} again within seconds, undrained, taking "
+            "placements: stop the agent (`warmboot agent --drain-on-exit` drains it as it stops)\n")
+    removed = await run("worker", "remove", "w-old")
+    assert removed.exit_code == 0, removed.output
+    assert re.fullmatch(r"worker/w-old removed \(seq \d+\)\n", removed.stdout), removed.stdout
+    assert removed.stderr == note.format(w="w-old")
+    as_json = await run("worker", "remove", "w-new", "--json")  # the reply alone on stdout
+    assert as_json.exit_code == 0 and json.loads(as_json.stdout)["seq"] > 0
+    assert as_json.stderr == note.format(w="w-new")
+    assert (await run("worker", "show", "w-old")).exit_code == 1  # removed all the same
+    shown = CliRunner().invoke(main, ["worker", "remove", "--help"], terminal_width=200)
+    assert "Stop the worker's agent first (`warmboot agent --drain-on-exit` drains it as it stops)" \
+        in " ".join(shown.output.split()), shown.output
+
 
 async def test_audit_of_an_actor_without_events_is_not_found_as_every_command_says_it(bus):
     run, _ = bus
@@ -482,6 +531,70 @@ async def test_create_from_a_golden_snapshot_file(bus, tmp_path):
     assert "TEMPLATE_CHANGED" in placed["FALLBACK"], placed
     assert "template" not in created.stderr  # the file's own template: nothing said
 
+async def test_create_with_min_fidelity_memory_and_no_stamped_memory_image_warns_it_never_resumes(bus, tmp_path):
+    """`--min-fidelity MEMORY` with nothing to restore at MEMORY (no snapshot; a golden snapshot with no
+    sandbox_runtime, or of another template; a tag naming a VOLUMES snapshot) is taken, as the contract
+    allows, and every resume refused FAILED_PRECONDITION (no resume goes below the floor): the CLI said
+    nothing, or that the actor would start without the memory (a walkthrough). It says it can never be
+    resumed, and no other warning says otherwise; a stamped MEMORY image, or a lower floor, says nothing."""
+    run, wb = bus
+    create = ("--class", "gvisor", "--template", "t1", "--cpu", "100", "--memory", "256")
+    never = ("; no resume may go below its floor, so every resume is refused (FAILED_PRECONDITION). Create it from "
+             "a MEMORY snapshot of its template stamped with a runtime (--source-tag, --golden-snapshot), or with a "
+             "lower --min-fidelity\n")
+
+    bare = await run("actor", "create", "n-1", *create, "--min-fidelity", "memory")
+    assert bare.exit_code == 0 and bare.stdout.startswith("actor/n-1 created"), bare.output
+    assert bare.stderr == ("warning: n-1 can never be resumed: its --min-fidelity is MEMORY and it has no snapshot "
+                           "to restore (no --golden-snapshot, no --source-tag): a cold boot is below it" + never)
+    refused = await run("actor", "resume", "n-1")
+    assert refused.exit_code == 1 and refused.stderr.startswith("error: FAILED_PRECONDITION"), refused.stderr
+
+    path = tmp_path / "golden.json"
+    path.write_text(json.dumps({**to_builtins(golden(V1)), "sandbox_runtime": None, "snapshot_id": "golden-u"}))
+    unstamped = await run("actor", "create", "n-2", *create, "--min-fidelity", "MEMORY", "--golden-snapshot",
+                          str(path), "--json")
+    assert unstamped.exit_code == 0 and json.loads(unstamped.stdout)["seq"] > 0, unstamped.output
+    assert unstamped.stderr == ("warning: n-2 can never be resumed: its --min-fidelity is MEMORY and its snapshot "
+                                "'golden-u' holds memory but no sandbox_runtime: no worker can restore it "
+                                "(SNAPSHOT_NOT_MEMORY)" + never)
+    assert "starts without it" not in unstamped.stderr
+    refused = await run("actor", "resume", "n-2")
+    assert refused.exit_code == 1 and refused.stderr.startswith("error: FAILED_PRECONDITION"), refused.stderr
+
+    path.write_text(json.dumps({**to_builtins(golden(V1)), "snapshot_id": "golden-t"}))
+    other = await run("actor", "create", "n-3", *create, "--template", "t9", "--min-fidelity", "MEMORY",
+                      "--golden-snapshot", str(path))
+    assert other.exit_code == 0, other.output
+    assert other.stderr == ("warning: n-3 can never be resumed: its --min-fidelity is MEMORY and its snapshot "
+                            "'golden-t' was taken from template 't1', not 't9' (TEMPLATE_CHANGED)" + never)
+    assert "cold-boots instead" not in other.stderr
+
+    await wb.create(actor("src", cpu=100, mem=256))
+    await wb.resume("src")
+    await wb.suspend("src", fidelity=Fidelity.VOLUMES, uri="s3://bucket/src", snapshot_id="src-volumes")
+    await wb.tag("src", "vols")
+    tagged = await run("actor", "create", "n-4", *create, "--min-fidelity", "MEMORY", "--source-tag", "vols")
+    assert tagged.exit_code == 0, tagged.output
+    assert tagged.stderr == ("warning: n-4 can never be resumed: its --min-fidelity is MEMORY and its snapshot "
+                             "'src-volumes' holds VOLUMES only" + never)
+    refused = await run("actor", "resume", "n-4")
+    assert refused.exit_code == 1 and refused.stderr.startswith("error: FAILED_PRECONDITION"), refused.stderr
+
+    # a stamped MEMORY image of its template, by a golden snapshot or a tag: nothing said, and it resumes
+    path.write_text(json.dumps({**to_builtins(golden(V1)), "snapshot_id": "golden-s"}))
+    stamped = await run("actor", "create", "y-1", *create, "--min-fidelity", "MEMORY", "--golden-snapshot", str(path))
+    assert stamped.exit_code == 0 and stamped.stderr == "", stamped.output
+    await wb.resume("src")
+    await wb.suspend("src", uri="s3://bucket/src-2", snapshot_id="src-memory")
+    await wb.tag("src", "mem")
+    from_tag = await run("actor", "create", "y-2", *create, "--min-fidelity", "MEMORY", "--source-tag", "mem")
+    assert from_tag.exit_code == 0 and from_tag.stderr == "", from_tag.output
+    for actor_id in ("y-1", "y-2"):
+        assert fields((await run("actor", "resume", actor_id)).output)["DECISION"] == "RESTORE at MEMORY"
+    lower = await run("actor", "create", "y-3", *create, "--min-fidelity", "VOLUMES")  # a lower floor: nothing said
+    assert lower.exit_code == 0 and lower.stderr == "", lower.output
+
 
 async def test_min_seq_chains_commands_and_is_checked(bus, nc, prefix):
     """`--min-seq` (resume, explain, fragmentation, whatif): answered from state that includes the
@@ -533,6 +646,54 @@ async def test_actor_list_shows_every_actor_and_filters(bus):
                                "LAST", "SEQ"]
     bad = await run("actor", "list", "--state", "GONE")
     assert bad.exit_code == 2 and "Invalid value for '--state'" in bad.output
+
+async def test_a_filter_given_more_than_once_takes_any_of_its_values(bus):
+    """`actor list --state SUSPENDED --state PAUSED` listed the PAUSED actors alone: click kept the last
+    value of an option given twice, without a word (a walkthrough). Each filter is repeatable and takes
+    any of its values (text and -o json alike); different filters all apply; a value no actor could
+    match is said on stderr as a single one is."""
+    run, wb = bus
+    await wb.register(worker("w-a", V1, labels={"slot": "a"}))
+    await wb.register(worker("w-b", V1, labels={"slot": "b"}))
+    await wb.create(actor("p-1", cpu=100, mem=256))
+    await wb.resume("p-1")
+    await wb.pause("p-1")
+    await wb.create(actor("s-1", cpu=100, mem=256))
+    await wb.resume("s-1")
+    await wb.suspend("s-1", uri="s3://bucket/s-1")
+    for actor_id, slot in (("r-a", "a"), ("r-b", "b")):
+        await wb.create(actor(actor_id, cpu=100, mem=256, selectors={"slot": slot}))
+        await wb.resume(actor_id)
+    await wb.create(actor("m-1", cpu=100, mem=256, sandbox_class="microvm"))  # CREATED, of a class nobody runs
+
+    def ids(result) -> list[str]:
+        assert result.exit_code == 0, result.output
+        return [line.split()[0] for line in result.stdout.splitlines()[1:]]
+
+    async def listed(*filters: str) -> list[str]:
+        shown = await run("actor", "list", *filters)
+        as_json = await run("actor", "list", *filters, "-o", "json")
+        assert [v["actor_id"] for v in json.loads(as_json.stdout)] == ids(shown), filters  # filtered alike
+        return ids(shown)
+
+    assert await listed("--state", "SUSPENDED", "--state", "paused") == ["p-1", "s-1"]
+    assert await listed("--state", "PAUSED") == ["p-1"]  # one value: as before
+    assert await listed("--state", "PAUSED", "--state", "PAUSED") == ["p-1"]
+    assert await listed("--worker", "w-a", "--worker", "w-b") == ["r-a", "r-b"]
+    assert await listed("--worker", "w-b") == ["r-b"]
+    assert await listed("--class", "gvisor", "--class", "microvm") == ["m-1", "p-1", "r-a", "r-b", "s-1"]
+    assert await listed("--class", "microvm") == ["m-1"]
+    assert await listed("--class", "microvm", "--class", "gvisor", "--state", "CREATED", "--state", "RUNNING") \
+        == ["m-1", "r-a", "r-b"]  # different filters: all apply
+    typo = await run("actor", "list", "--class", "gvisor", "--class", "gvsor", "--worker", "w-a", "--worker", "w-z")
+    assert ids(typo) == ["r-a"]
+    assert typo.stderr == ("note: no actor of the log is of the sandbox class 'gvsor' (its actors': gvisor, microvm)\n"
+                           "note: worker 'w-z' is not registered (`warmboot workers` lists those that are)\n")
+    shown = " ".join(CliRunner().invoke(main, ["actor", "list", "--help"], terminal_width=200).output.split())
+    for said in ("Only actors of this sandbox class. Repeatable: actors of any class given.",
+                 "Only actors in this state (in any case). Repeatable: actors in any state given.",
+                 "Only actors placed on this worker. Repeatable: actors placed on any worker given."):
+        assert said in shown, shown
 
 
 async def test_create_of_a_class_no_worker_runs_warns_and_creates(bus, nc, prefix):

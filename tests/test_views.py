@@ -390,6 +390,30 @@ async def test_a_class_asked_of_an_empty_fleet_says_no_worker_is_registered(nats
         listed = await cli("workers", "--nats", nats_url, "--prefix", prefix)
         assert (listed.exit_code, listed.output) == (0, "no workers registered\n")
 
+async def test_a_class_given_more_than_once_shows_each_of_them(operated, nats_url):
+    """`workers --class gvisor --class microvm` showed the microvm rows alone: click kept the last
+    value of an option given twice, without a word (a walkthrough). `--class` is repeatable in
+    `workers` and `fragmentation`, the rows of any class given, in the text and -o json alike; one
+    class is as before; a class no worker runs among them is the error a single one is."""
+    prefix, _ = operated
+    at = ("--nats", nats_url, "--prefix", prefix)
+    for command in ("workers", "fragmentation"):
+        every = json.loads((await cli(command, "-o", "json", *at)).stdout)
+        both = await cli(command, "--class", "gvisor", "--class", "microvm", "-o", "json", *at)
+        assert both.exit_code == 0, (command, both.output)
+        assert json.loads(both.stdout) == every, command
+        one = json.loads((await cli(command, "--class", "microvm", "-o", "json", *at)).stdout)
+        rows = one if command == "workers" else one["classes"]
+        assert rows and {r["sandbox_class"] for r in rows} == {"microvm"}, command
+        text = await cli(command, "--class", "microvm", "--class", "gvisor", *at, width=200)
+        assert text.exit_code == 0 and {"gvisor", "microvm"} <= set(text.stdout.split()), (command, text.output)
+        typo = await cli(command, "--class", "gvisor", "--class", "nope", *at)
+        assert typo.exit_code == 1 and typo.stdout == "", (command, typo.output)
+        assert typo.stderr == ("error: NOT_FOUND sandbox_class (--class): no worker has registered the sandbox class "
+                               "'nope' (registered: gvisor, microvm)\n"), (command, typo.stderr)
+        shown = " ".join(CliRunner().invoke(main, [command, "--help"], terminal_width=200).output.split())
+        assert "--class TEXT Only this sandbox class. Repeatable:" in shown, shown
+
 
 async def test_a_prefix_no_service_answers_is_named_as_the_likely_cause(operated, nats_url):
     """As a prefix whose log cannot be read is (`cli_common.last_seq`): a walkthrough's `fragmentation

@@ -29,7 +29,8 @@ from events.codec import decode_request, json_path, to_builtins, unknown_fields
 from events.errors import ContractError, no_actor, no_worker
 from events.natspy.connections import describe_error
 from events.runtime_id import Runtimes, short_id
-from events.schema import ActorRuntime, CompatVersion, CreateActor, Fidelity, Resources, Snapshot, TagRecorded
+from events.schema import (ActorCreated, ActorRuntime, CompatVersion, CreateActor, Fidelity, Resources, Snapshot,
+                           TagRecorded)
 from events.states import ActorState
 from events.subjects import event_subject
 from warmboot.cli_common import (MIB, MILLICORES, IntRange, ask, check_id, json_option, last_seq, min_seq_option,
@@ -136,7 +137,9 @@ FIDELITIES = UpperChoice([f.value for f in Fidelity], case_sensitive=False)  # `
 @click.option("--selector", "selectors", multiple=True, metavar="KEY=VALUE",
               help="Worker label to require. Repeatable, one value per key.")
 @click.option("--min-fidelity", type=FIDELITIES, default=Fidelity.ROOTFS.value,
-              show_default=True, help="No restore below this fidelity.")
+              show_default=True, help="No restore below this fidelity. MEMORY: the actor resumes only from a "
+                                      "MEMORY snapshot of its template stamped with a runtime (--source-tag, "
+                                      "--golden-snapshot); without one, never (a warning says so).")
 @click.option("--source-tag", default=None, help="Start from the snapshot this tag names.")
 @click.option("--golden-snapshot", "golden", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               default=None, help="Start from this Snapshot (a JSON file): EXTERNAL, on no node, with a uri; "
@@ -170,10 +173,21 @@ def create_cmd(actor_id: str, sandbox_class: str, template_uid: str, cpu_millis:
                        source_tag=source_tag, golden_snapshot=golden_snapshot, request_id=request_id)
 
     unchecked: list[str] = []  # why the selector could not be checked against the workers' labels
+    first: list[Snapshot | None] = [golden_snapshot]  # the actor's first snapshot, for the floor's warning
+    floor_unchecked: list[str] = []  # why the tag's snapshot could not be read
 
     async def work(nc: Any) -> tuple[Any, list[str] | None, bool | None]:
         wb = Client(nc, prefix)
         reply = await wb.create(body)
+        if source_tag is not None and body.min_fidelity is Fidelity.MEMORY:  # the tag's snapshot, as copied
+            try:
+                history = await read_subject(nc, prefix, event_subject(prefix, "actor", actor_id))
+                first[0] = [e for seq, e in history if isinstance(e, ActorCreated) and seq <= reply.seq][-1].snapshot
+            except (click.ClickException, ContractError, OSError, asyncio.TimeoutError, nats.errors.Error,
+                    IndexError) as e:
+                floor_unchecked.append("its ActorCreated is not in the log" if isinstance(e, IndexError)
+                                       else e.message if isinstance(e, (click.ClickException, ContractError))
+                                       else describe_error(e))
         try:  # which classes the fleet runs, for a warning: a mistyped class is accepted, and refused at resume
             classes = [c.sandbox_class for c in (await wb.fragmentation()).classes if c.workers]
         except (ContractError, OSError, asyncio.TimeoutError, nats.errors.Error):
@@ -192,7 +206,17 @@ def create_cmd(actor_id: str, sandbox_class: str, template_uid: str, cpu_millis:
 
     reply, classes, matched = ask(nats_url, work)
     echo(reply, as_json, lambda: done("actor", actor_id, "created", reply.seq))
-    if golden_snapshot is not None and golden_snapshot.template_uid != template_uid:  # taken, as the contract allows
+    never = None if body.min_fidelity is not Fidelity.MEMORY or floor_unchecked \
+        else below_memory(first[0], template_uid)
+    if never is not None:  # taken, as the contract allows; said instead of the warnings below, which it overrules
+        click.echo(f"warning: {actor_id} can never be resumed: its --min-fidelity is MEMORY and {never}; no resume "
+                   "may go below its floor, so every resume is refused (FAILED_PRECONDITION). Create it from a "
+                   "MEMORY snapshot of its template stamped with a runtime (--source-tag, --golden-snapshot), or "
+                   "with a lower --min-fidelity", err=True)
+    elif floor_unchecked:  # a client's credentials may not read the log
+        click.echo(f"note: --min-fidelity MEMORY not checked against the snapshot of tag {source_tag}: "
+                   f"{floor_unchecked[0]}", err=True)
+    elif golden_snapshot is not None and golden_snapshot.template_uid != template_uid:  # taken, as the contract allows
         click.echo(f"warning: the golden snapshot {golden_snapshot.snapshot_id!r} was taken from template "
                    f"{golden_snapshot.template_uid!r}, not {template_uid!r}: {actor_id} cold-boots instead of "
                    "restoring it (TEMPLATE_CHANGED)", err=True)
@@ -211,6 +235,23 @@ def create_cmd(actor_id: str, sandbox_class: str, template_uid: str, cpu_millis:
                    f"{actor_id} is refused until one does (`warmboot workers -o wide` shows their labels)", err=True)
     elif unchecked:  # a client's credentials may not read the log: the warning above cannot be given
         click.echo(f"note: --selector not checked against the workers' labels: {unchecked[0]}", err=True)
+
+
+def below_memory(snapshot: Snapshot | None, template_uid: str) -> str | None:
+    """Why an actor of min_fidelity MEMORY whose first snapshot is `snapshot` can never be resumed
+    (as the scheduler's plan refuses it: services.scheduler.decide, rule 4a), or None if its memory
+    may be restored. The snapshotter takes such an actor (the contract lets it); a walkthrough's was
+    refused at every resume, and the CLI said nothing, or that it would start without the memory."""
+    if snapshot is None:
+        return "it has no snapshot to restore (no --golden-snapshot, no --source-tag): a cold boot is below it"
+    what = f"its snapshot {snapshot.snapshot_id!r}"
+    if snapshot.fidelity is not Fidelity.MEMORY:
+        return f"{what} holds {snapshot.fidelity.value} only"
+    if snapshot.template_uid != template_uid:
+        return f"{what} was taken from template {snapshot.template_uid!r}, not {template_uid!r} (TEMPLATE_CHANGED)"
+    if snapshot.sandbox_runtime is None:
+        return f"{what} holds memory but no sandbox_runtime: no worker can restore it (SNAPSHOT_NOT_MEMORY)"
+    return None
 
 
 def echo(reply: Any, as_json: bool, text: Callable[[], str]) -> None:
@@ -490,18 +531,23 @@ ACTOR_LIST_COLUMNS = [
 
 
 @actor.command("list")
-@click.option("--class", "sandbox_class", default=None, help="Only actors of this sandbox class.")
-@click.option("--state", default=None, callback=lambda ctx, param, value: one_state(value),
+@click.option("--class", "sandbox_classes", multiple=True,
+              help="Only actors of this sandbox class. Repeatable: actors of any class given.")
+@click.option("--state", "states", multiple=True, callback=lambda ctx, param, values: tuple(map(one_state, values)),
               metavar="[" + "|".join(s.value for s in ActorState) + "]",
-              help="Only actors in this state (in any case).")
-@click.option("--worker", "worker_id", default=None, help="Only actors placed on this worker.")
+              help="Only actors in this state (in any case). Repeatable: actors in any state given.")
+@click.option("--worker", "worker_ids", multiple=True,
+              help="Only actors placed on this worker. Repeatable: actors placed on any worker given.")
 @nats_option
 @prefix_option
 @output_option
-def list_actors_cmd(sandbox_class: str | None, state: str | None, worker_id: str | None, nats_url: str, prefix: str,
-                    output: str | None, as_json: bool) -> None:
+def list_actors_cmd(sandbox_classes: tuple[str, ...], states: tuple[str, ...], worker_ids: tuple[str, ...],
+                    nats_url: str, prefix: str, output: str | None, as_json: bool) -> None:
     """The actors of the log (stopped ones included), by id: state, worker, latest snapshot and its
-    stamp. Folds the log with the scheduler's projection, as `workers` does."""
+    stamp. Folds the log with the scheduler's projection, as `workers` does.
+
+    A filter given more than once takes any of its values (`--state SUSPENDED --state PAUSED`:
+    both); different filters all apply."""
     from warmboot.audit import Sink
 
     mode = output_mode(output, as_json)
@@ -511,21 +557,24 @@ def list_actors_cmd(sandbox_class: str | None, state: str | None, worker_id: str
     views = [actor_view(aid, projection, runtimes) for aid in sorted(projection.actors)]
     for view in views:
         del view["events"]  # the whole log's count here, not the actor's (`actor show` has it)
-    views = [v for v in views if sandbox_class in (None, v["sandbox_class"]) and state in (None, v["state"])
-             and worker_id in (None, v["worker_id"])]
-    if not views:  # a filter no actor could match reads like a typo: said, not only an empty list
-        classes = sorted({a.sandbox_class for a in projection.actors.values()})
-        if sandbox_class is not None and sandbox_class not in classes:
+    # a filter given more than once: any of its values (it kept the last one alone: a walkthrough)
+    views = [v for v in views if (not sandbox_classes or v["sandbox_class"] in sandbox_classes)
+             and (not states or v["state"] in states) and (not worker_ids or v["worker_id"] in worker_ids)]
+    # a value no actor could match reads like a typo: said, not only left out of the list
+    classes = sorted({a.sandbox_class for a in projection.actors.values()})
+    for sandbox_class in dict.fromkeys(sandbox_classes):
+        if sandbox_class not in classes:
             click.echo(f"note: no actor of the log is of the sandbox class '{sandbox_class}' (its actors': "
                        f"{', '.join(classes) or 'none'})", err=True)
-        if worker_id is not None and worker_id not in projection.workers:
+    for worker_id in dict.fromkeys(worker_ids):
+        if worker_id not in projection.workers and not any(v["worker_id"] == worker_id for v in views):
             click.echo(f"note: worker '{worker_id}' is not registered (`warmboot workers` lists those that are)",
                        err=True)
     if mode == "json":
         echo_json(views)
         return
     if not views:
-        click.echo("no actor matches" if (sandbox_class or state or worker_id) else "no actors")
+        click.echo("no actor matches" if (sandbox_classes or states or worker_ids) else "no actors")
         return
     width = terminal_width()
     echo_table(render_table(ACTOR_LIST_COLUMNS, views, width, mode == "wide"), width)
@@ -566,9 +615,17 @@ def drain_cmd(worker_id: str, reason: str | None, request_id: str | None, nats_u
 @json_option
 def remove_cmd(worker_id: str, reason: str | None, request_id: str | None, nats_url: str, prefix: str,
                as_json: bool) -> None:
-    """Remove WORKER_ID: its RUNNING actors are released (SUSPENDED, back to their latest snapshot)."""
+    """Remove WORKER_ID: its RUNNING actors are released (SUSPENDED, back to their latest snapshot).
+
+    Stop the worker's agent first (`warmboot agent --drain-on-exit` drains it as it stops): an
+    agent still running registers the worker again within seconds, undrained, and it takes
+    placements again. The removal does not check for one; a note on stderr says so."""
     reply, _ = run(nats_url, prefix, False, lambda wb: wb.remove(worker_id, reason, request_id))
     echo(reply, as_json, lambda: done("worker", worker_id, "removed", reply.seq))
+    # the agent re-registers it at its next heartbeat, and the output said "removed" alone (a walkthrough)
+    click.echo(f"note: if the agent of {worker_id} still runs, it registers {worker_id} again within seconds, "
+               "undrained, taking placements: stop the agent (`warmboot agent --drain-on-exit` drains it as it "
+               "stops)", err=True)
 
 
 def worker_view(worker_id: str, projection: Any) -> dict:

@@ -50,6 +50,13 @@ def output_option(command: Callable) -> Callable:
                              "text.")(command)
 
 
+def classes_option(what: str) -> Callable:
+    """`--class`, repeatable: the union of the classes given (none: every class). Its parameter keeps
+    the name `sandbox_class`, the request field an error names it by (`cli_common.flag_of`)."""
+    return click.option("--class", "sandbox_class", multiple=True,
+                        help=f"Only this sandbox class. Repeatable: the {what} of any class given.")
+
+
 def output_mode(output: str | None, as_json: bool) -> str:
     """The output asked for; `-o wide` with `--json` asks for two, a usage error (json won, silently)."""
     if as_json and output == "wide":
@@ -401,13 +408,13 @@ def render_fragmentation(answer: Fragmentation, runtimes: Runtimes, width: int |
 
 
 @click.command()
-@click.option("--class", "sandbox_class", default=None, help="Only this sandbox class.")
+@classes_option("classes and runtimes")
 @min_seq_option
 @nats_option
 @prefix_option
 @output_option
-def fragmentation(sandbox_class: str | None, min_seq: int | None, nats_url: str, prefix: str, output: str | None,
-                  as_json: bool) -> None:
+def fragmentation(sandbox_class: tuple[str, ...], min_seq: int | None, nats_url: str, prefix: str,
+                  output: str | None, as_json: bool) -> None:
     """Per sandbox class: workers, stranded and lost local snapshots; per runtime: the workers
     running it (DEFAULT), able to restore it (RESTORABLE) or accepting it through a compatible
     version (EDGE), their free room, and the memory snapshots stamped with it (SNAPSHOTS).
@@ -415,18 +422,26 @@ def fragmentation(sandbox_class: str | None, min_seq: int | None, nats_url: str,
     A --class the scheduler knows nothing of (no worker runs it, no actor is of it) is an error
     naming the classes the registered workers run, exit status 1, as whatif's is."""
     mode = output_mode(output, as_json)
+    named = list(dict.fromkeys(sandbox_class))
 
     async def work(nc: Any) -> tuple[Fragmentation, Runtimes | None]:
-        answer = await Client(nc, prefix).fragmentation(sandbox_class, min_seq)
-        if sandbox_class is not None and not answer.classes:  # the scheduler knows no such class
-            await check_class_named(nc, prefix, sandbox_class)
-        return answer, (None if mode == "json" else await runtime_labels(nc, prefix))
+        client = Client(nc, prefix)
+        found = []
+        for one in named or [None]:  # the endpoint's own answer for each class asked
+            answer = await client.fragmentation(one, min_seq)
+            if one is not None and not answer.classes:  # the scheduler knows no such class
+                await check_class_named(nc, prefix, one)
+            found.append(answer)
+        if len(found) > 1:  # several classes: their answers as one, by class as the endpoint orders them
+            found = [Fragmentation(classes=sorted((c for a in found for c in a.classes),
+                                                  key=lambda c: c.sandbox_class))]
+        return found[0], (None if mode == "json" else await runtime_labels(nc, prefix))
 
     answer, runtimes = ask(nats_url, work)
     if mode == "json":
         echo_json(to_builtins(answer))
         return
-    click.echo(render_fragmentation(answer, runtimes, terminal_width(), mode == "wide", sandbox_class))
+    click.echo(render_fragmentation(answer, runtimes, terminal_width(), mode == "wide", ", ".join(named) or None))
 
 
 # --- workers ------------------------------------------------------------------------------------------
@@ -443,8 +458,16 @@ def edges_of(entry: Any) -> list[Any]:
 
 
 def worker_rows(projection: Any, runtimes: Runtimes | None = None) -> list[dict]:
-    """One row per (worker, sandbox class), sorted by class, default runtime and worker."""
+    """One row per (worker, sandbox class), sorted by class, default runtime and worker. A row's
+    `actors` counts the actors of its class booked on the worker (the table's ACTORS), its
+    `worker_actors` those of every class (the worker's whole count, on each of its rows): a
+    worker's count was printed on each of its class rows, as if each held them all (a walkthrough)."""
     runtimes = runtimes or runtimes_of(projection)
+    held: dict[tuple[int, str], int] = {}  # (a worker's record, a class): its actors of that class
+    for a in projection.actors.values():  # as `Projection.booked_on` names them: one pass for every worker
+        if a.worker is not None:
+            key = (id(a.worker), a.sandbox_class)
+            held[key] = held.get(key, 0) + 1
     rows = []
     for worker in projection.workers.values():
         for sandbox_class, entry in worker.classes.items():
@@ -465,7 +488,8 @@ def worker_rows(projection: Any, runtimes: Runtimes | None = None) -> list[dict]
                 "resumes_from_versions": [to_builtins(e.version) for e in edges],
                 "capacity": {"cpu_millis": worker.cpu_millis, "memory_mib": worker.memory_mib},
                 "free": {"cpu_millis": worker.room_cpu, "memory_mib": worker.room_mem},
-                "actors": worker.holding,
+                "actors": held.get((id(worker), sandbox_class), 0),  # of this class
+                "worker_actors": worker.holding,  # of every class: the worker's whole count
                 "labels": dict(worker.labels),
             })
     rows.sort(key=lambda r: (r["sandbox_class"], r["runtime"], r["worker_id"]))
@@ -502,13 +526,15 @@ def render_workers(rows: list[dict], width: int | None, wide: bool = False):
 
 
 @click.command()
-@click.option("--class", "sandbox_class", default=None, help="Only this sandbox class.")
+@classes_option("rows")
 @nats_option
 @prefix_option
 @output_option
-def workers(sandbox_class: str | None, nats_url: str, prefix: str, output: str | None, as_json: bool) -> None:
+def workers(sandbox_class: tuple[str, ...], nats_url: str, prefix: str, output: str | None, as_json: bool) -> None:
     """Registered workers by class and runtime, with free capacity and drain state.
 
+    A row per worker and class: ACTORS counts the actors of that class booked on the worker
+    (-o json: `actors`; `worker_actors` counts those of every class, the worker's whole count).
     Folds the log with the scheduler's projection: what it shows is what the scheduler sees.
     A --class no registered worker runs is an error naming the classes they run, exit status 1,
     as whatif's is.
@@ -519,15 +545,16 @@ def workers(sandbox_class: str | None, nats_url: str, prefix: str, output: str |
     from services.scheduler.whatif import check_class
 
     mode = output_mode(output, as_json)
+    wanted = set(sandbox_class)
 
     async def work(nc: Any) -> Any:
         sink = await replay(nc, prefix, Sink(), mode != "json")
-        if sandbox_class is not None:
-            check_class(sink.projection, sandbox_class)  # a typo names the classes the fleet runs, as whatif's does
+        for named in dict.fromkeys(sandbox_class):
+            check_class(sink.projection, named)  # a typo names the classes the fleet runs, as whatif's does
         return sink
 
     sink = ask(nats_url, work)
-    rows = [r for r in worker_rows(sink.projection) if sandbox_class in (None, r["sandbox_class"])]
+    rows = [r for r in worker_rows(sink.projection) if not wanted or r["sandbox_class"] in wanted]
     if mode == "json":
         echo_json(rows)
         return

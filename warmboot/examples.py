@@ -44,6 +44,7 @@ EXAMPLES: dict[str, list[str]] = {
     "workers": [
         "warmboot workers",
         "warmboot workers --class microvm -o wide",
+        "warmboot workers --class gvisor --class microvm -o json",
     ],
     "actor create": [
         "warmboot actor create a-1 --class gvisor --template tmpl-1 --cpu 500 --memory 1024",
@@ -79,6 +80,7 @@ EXAMPLES: dict[str, list[str]] = {
     "actor list": [
         "warmboot actor list",
         "warmboot actor list --state PAUSED --class gvisor",
+        "warmboot actor list --state SUSPENDED --state PAUSED",
     ],
     "worker drain": [
         "warmboot worker drain w-1 --reason 'retiring the v1 generation'",
