@@ -107,7 +107,7 @@ def wait_ms(headers: dict[str, str] | None) -> int | None:
             or not 1 <= int(digits or "0") <= MAX_WAIT_MS:
         raise invalid(f"header {WAIT_HEADER} must be the milliseconds the caller waits for the answer, an integer "
                       f"from 1 to {MAX_WAIT_MS}; got {text[:32]!r}", f"headers.{WAIT_HEADER}")
-    return int(text)
+    return int(digits)
 
 
 class Ticker:

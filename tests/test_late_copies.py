@@ -224,6 +224,14 @@ async def test_a_wait_that_is_not_a_number_of_milliseconds_is_refused_naming_the
     assert kinds_of(entries, "x3", (ActorCreated,)) == []  # nothing written
 
 
+def test_a_wait_with_leading_zeros_is_its_number():
+    """Leading zeros are digits a client may send (the number they spell is read, however many: `int`
+    refuses more than 4,300 digits, which was INTERNAL), and the name is read in any case."""
+    assert deadline.wait_ms({WAIT_HEADER: "0" * 5000 + "1500"}) == 1500
+    assert deadline.wait_ms({WAIT_HEADER.lower(): " 0042 "}) == 42
+    assert deadline.wait_ms({"Other": "1"}) is None
+
+
 async def test_the_client_says_how_long_it_waits_and_a_request_in_time_is_served(nats_server, prefix, nc,
                                                                                    snapshotter):
     seen: list[str | None] = []
