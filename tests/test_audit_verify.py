@@ -396,6 +396,32 @@ def test_one_external_image_in_several_actors_under_one_id_is_no_violation():
     assert violation is not None and violation.rule == audit.ID_TWO_IMAGES, violation
 
 
+@pytest.mark.parametrize("other_uri", [None, "s3://golden/another"])
+def test_one_image_under_one_id_is_judged_on_bodies_as_the_fold_decodes_them(other_uri):
+    """The same through the scheduler's fold, from encoded bodies, as `audit verify` reads a stream:
+    the fold decodes a SnapshotTaken's snapshot and stamps into its own types, so the image an
+    ActorCreated records and the one a SnapshotTaken repeats must still compare as one."""
+    from events.codec import encode
+    from events.jetstream import TOPIC_HEADER, VERSION_HEADER
+
+    again = msgspec.structs.replace(G, actor_id="h", **({"uri": other_uri} if other_uri else {}))
+    log = upto("g created from a golden snapshot", created("h", snapshot=again, **SMALL),
+               taken(again, SnapshotOrigin.CREATE))
+    sink = Sink(verify=True)
+    reader = Fold(None, "t", sink)
+    versions: dict[str, int] = {}
+    for seq, event in enumerate(log, start=1):
+        subject = f"t.ev.{event.KIND}.{event.entity_id}"
+        versions[subject] = versions.get(subject, 0) + 1
+        reader.fold_message(seq, subject, {TOPIC_HEADER: type(event).__name__, VERSION_HEADER: str(versions[subject])},
+                            encode(event))
+    if other_uri is None:
+        assert sink.violation is None, sink.violation
+    else:
+        assert sink.violation is not None and (sink.violation.seq, sink.violation.rule) == (
+            len(log) - 1, audit.ID_TWO_IMAGES), sink.violation
+
+
 @pytest.mark.parametrize("case", STAMP_CASES)
 def test_a_forged_stamp_is_named_with_its_sequence_and_what_it_should_be(case):
     before, forged, rule, says = STAMP_CASES[case]
