@@ -532,7 +532,7 @@ def test_another_actor_s_other_image_under_the_id_is_refused_and_nothing_recorde
     ("a-1-v3", False), ("a-1-v3-2", False), ("anyone-v12", False),  # the default form: one actor's alone
 ])
 def test_only_ids_no_default_takes_are_checked_across_actors(snapshot_id, checked):
-    assert claims_id(image_of("a-1", snapshot_id)) == (snapshot_id if checked else None)
+    assert claims_id(image_of("a-1", snapshot_id).snapshot_id) == (snapshot_id if checked else None)
     assert claims_id(None) is None
 
 

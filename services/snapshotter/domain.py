@@ -558,8 +558,7 @@ class Image(WireAggregate):
         self.snapshot = e.snapshot
 
 
-def claims_id(snapshot: Snapshot | None) -> str | None:
-    """The id `Image` must check for `snapshot`, a new record of an image (None: none to check)."""
-    if snapshot is None or not free_form_id(snapshot.snapshot_id):
-        return None
-    return snapshot.snapshot_id
+def claims_id(snapshot_id: str | None) -> str | None:
+    """The id whose `Image` a new record of an image under `snapshot_id` must check, and a request
+    naming it reads (None: none to check: no id, or one of the default form)."""
+    return snapshot_id if snapshot_id is not None and free_form_id(snapshot_id) else None

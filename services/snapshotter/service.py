@@ -83,7 +83,6 @@ from services.process import store_env, stream_replicas
 from services.replies import NoWriteAnswers, ReplyCache
 from services.snapshotter.domain import Actor, Image, Tag, claims_id
 from services.snapshotter.placements import PlacementFold, Release, node_since, removed_since
-from services.snapshotter.stamping import free_form_id
 from services.streams import StreamWatch, stream_created
 
 log = logging.getLogger("warmboot.snapshotter")
@@ -143,7 +142,8 @@ def answer_from_history(actor: Actor, verb: str, request_id: str | None) -> Base
 def images_read(snapshot_id: str | None) -> tuple[str, ...]:
     """The `Image` a request naming `snapshot_id` reads, if any (`claims_id`): a refusal it causes is
     confirmed at the stream leader, as one on the actor's state (`SnapshotterService.answer`)."""
-    return (Image.create_id(snapshot_id),) if snapshot_id is not None and free_form_id(snapshot_id) else ()
+    claimed = claims_id(snapshot_id)
+    return (Image.create_id(claimed),) if claimed is not None else ()
 
 
 def counted(events: list[Any]) -> list[Any]:
@@ -640,7 +640,7 @@ class SnapshotterService:
         read: a race with another actor naming the id fails the append, and the retry refuses it);
         FAILED_PRECONDITION (`field`) if the id names another actor's other image. Nothing for an id
         of the default form (one actor's alone) or no image."""
-        snapshot_id = claims_id(snapshot)
+        snapshot_id = claims_id(snapshot.snapshot_id if snapshot is not None else None)
         if snapshot_id is None:
             yield ()
             return
