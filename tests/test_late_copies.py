@@ -740,9 +740,16 @@ async def test_a_status_message_on_a_request_subject_is_dropped_and_queued_reque
         first = asyncio.ensure_future(nc.request(to("w-0"), b"{}", timeout=10))
         await asyncio.wait_for(holding.wait(), 10)
         slots = micro.endpoint_slots["write"]
+        take, queued = slots.take, asyncio.Event()
+
+        async def taking() -> None:  # a handler that finds no slot free waits for one: said
+            if not slots.free_now():
+                queued.set()
+            await take()
+
+        slots.take = taking
         waiting = asyncio.ensure_future(nc.request(to("w-a"), b"{}", timeout=10))
-        while not slots._waiting:  # its handler waits for the slot (no event says so)
-            await asyncio.sleep(0.01)
+        await asyncio.wait_for(queued.wait(), 10)  # w-a's handler waits for the slot
         reader, raw = await asyncio.open_connection("127.0.0.1", nats_server.port)
         await reader.readline()  # INFO
         status = b"NATS/1.0 503\r\n\r\n"
