@@ -750,6 +750,38 @@ async def test_a_call_awaited_from_another_loop_fails_as_a_thread_s_when_the_lin
         await asyncio.to_thread(link.shutdown)
 
 
+async def test_a_call_its_link_s_loop_never_started_fails_when_the_loop_stops(nats_url):
+    """A `submit` whose call the link's loop took up only as it stopped (its task never ran to
+    an end) is cancelled as the link's thread ends, and its caller gets OperationalError: the
+    thread cancelled it while holding the lock its done-callback takes, and waited for itself."""
+    link = Link(ConnectOptions(url=nats_url))
+    stopping, go_on = threading.Event(), threading.Event()
+
+    def stop_then_hold() -> None:  # on the link's loop: its last turn, held while the call is sent
+        link.loop.stop()
+        stopping.set()
+        go_on.wait(10)
+
+    try:
+        link.loop.call_soon_threadsafe(stop_then_hold)
+        assert await asyncio.to_thread(stopping.wait, 10)
+
+        async def forever() -> None:
+            await asyncio.get_running_loop().create_future()
+
+        waiting = asyncio.create_task(link.submit(forever()))
+        while not link.waiting:  # submit has handed the call to the link's loop
+            await asyncio.sleep(0)
+        go_on.set()
+        await asyncio.to_thread(link.thread.join, 10)
+        assert not link.thread.is_alive()
+        with pytest.raises(OperationalError, match="closed during the call"):
+            await asyncio.wait_for(waiting, 10)
+    finally:
+        go_on.set()
+        await asyncio.to_thread(link.shutdown)
+
+
 async def test_a_store_on_the_caller_s_loop_appends_there_and_serves_threads_as_before(nats_url, prefix):
     """`links_on(loop)`: the store made inside runs its link on `loop`, with no thread of its own;
     `insert_events_async` from that loop is awaited right there, a synchronous call from a thread
@@ -1033,3 +1065,46 @@ def test_a_subscription_queues_what_comes_while_its_reader_is_behind_without_a_l
             subscription.stop()
     finally:
         app.close()
+
+
+FINALIZED_IN_ACQUIRE = r"""
+import gc, sys
+from events.aggregate import WireApplication
+from events.jetstream import link as links
+from services.process import store_env
+
+url, prefix = sys.argv[1:3]
+gc.disable()  # the application below is freed by the collection made in Link, nowhere else
+app = WireApplication(env=store_env(url, prefix))
+held = app.factory.link
+app.cycle = app  # only a collection frees it, and runs its __del__ (which closes it)
+del app
+
+made = links.Link.__init__
+
+def making(self, *args, **kwargs):
+    gc.collect()  # as any allocation while a link is made may start one
+    made(self, *args, **kwargs)
+
+links.Link.__init__ = making
+other = links.acquire(links.ConnectOptions(url.replace("127.0.0.1", "localhost")))
+print("released", held.refs, held.closed, flush=True)
+links.release(other)
+"""
+
+
+def test_an_application_finalized_while_a_link_is_made_releases_its_own(nats_url, prefix):
+    """An Application freed by the garbage collector closes its factory in `__del__`, on
+    whatever thread the collection ran, at whatever allocation started it: one started
+    while `acquire` made a link (holding the links' lock) released the application's link
+    under that same lock, and the thread waited for itself for ever (a hang seen in CI)."""
+    assert "127.0.0.1" in nats_url
+    done = subprocess.run(
+        [sys.executable, "-c", FINALIZED_IN_ACQUIRE, nats_url, prefix],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "released 0 True"

@@ -195,9 +195,12 @@ class Link:
         self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
         self.loop.run_until_complete(self.loop.shutdown_asyncgens())
         self.loop.close()
-        with self.waiting_lock:  # calls submitted as the loop stopped never ran: release their callers
-            for future in self.waiting:
-                future.cancel()
+        # Calls submitted as the loop stopped never ran: release their callers. Cancelled out of
+        # the lock, which a `submit`'s done-callback takes (on this thread, as it is cancelled).
+        with self.waiting_lock:
+            never_ran, self.waiting = list(self.waiting), set()
+        for future in never_ran:
+            future.cancel()
 
     def _on_own_loop(self) -> bool:
         if self.thread is not None:
@@ -419,7 +422,10 @@ async def _unsubscribe(subscription: Any) -> None:
 
 
 _links: dict[tuple[ConnectOptions, asyncio.AbstractEventLoop | None], Link] = {}
-_links_lock = threading.Lock()
+# Reentrant: an eventsourcing Application closes its factory (and `release`s its link) in
+# `__del__`, which the garbage collector runs on whichever thread allocates when a collection
+# is due: inside `acquire` too, while this thread holds the lock.
+_links_lock = threading.RLock()
 _home_loop: ContextVar[asyncio.AbstractEventLoop | None] = ContextVar("warmboot_link_loop", default=None)
 
 
