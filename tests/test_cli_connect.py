@@ -238,6 +238,29 @@ def test_up_refuses_a_store_another_server_writes_and_resets_nothing(tmp_path):
         running.stop()
 
 
+def test_up_on_a_port_in_use_leaves_no_store_and_says_nothing_of_one(tmp_path):
+    """`up --port P` with P taken (a walkthrough): it said "new store" and left an empty store
+    directory. Now a store it made is gone again and nothing is said of it; a store that was
+    there stays as it was, not said to be reused."""
+    held = NatsServer((tmp_path / "other").resolve(), name="other").start()  # a NATS on the port
+    try:
+        store = tmp_path / "store"
+        result = CliRunner().invoke(main, ["up", "--store", str(store), "--port", str(held.port)])
+        assert result.exit_code == 1, result.output
+        assert f"(is another warmboot or NATS on port {held.port}? try --port 0)" in result.output
+        assert "new store" not in result.output and not store.exists()
+
+        kept = tmp_path / "kept"
+        NatsServer(kept.resolve(), name="warmboot").start().stop()  # a store with a log in it
+        before = sorted(str(p.relative_to(kept)) for p in kept.rglob("*"))
+        result = CliRunner().invoke(main, ["up", "--store", str(kept), "--port", str(held.port)])
+        assert result.exit_code == 1, result.output
+        assert "reusing" not in result.output and "new store" not in result.output
+        assert sorted(str(p.relative_to(kept)) for p in kept.rglob("*")) == before
+    finally:
+        held.stop()
+
+
 @pytest.mark.parametrize("args, says", [
     (["--ttl", "0"], "Invalid value for '--ttl': 0 is not a number of seconds of at least 1"),
     (["--ttl", "0.5"], "Invalid value for '--ttl': 0.5 is not"),

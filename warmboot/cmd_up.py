@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import shutil
 from contextlib import AsyncExitStack
 from pathlib import Path
 
@@ -43,6 +44,7 @@ def up(port: int, store: Path, prefix: str, metrics_port: int, demo: bool, exit_
     if reset is None:
         reset = demo
     server = NatsServer(store.resolve(), port=port or None, name="warmboot")
+    made = not store.exists()  # a start that fails leaves no store behind it made
     try:  # held from here until the server stops: no other `up` resets or starts on it meanwhile
         server.lock_store()
     except StoreInUse as e:
@@ -54,6 +56,8 @@ def up(port: int, store: Path, prefix: str, metrics_port: int, demo: bool, exit_
         _start(server, store, port, reset)
     except BaseException:
         server.stop()
+        if made:  # nothing was ever served from it: the lock, the configuration, an empty JetStream directory
+            shutil.rmtree(store, ignore_errors=True)
         raise
 
     failed: list[str] = []  # a service that could not go on (it logged why)
@@ -100,17 +104,17 @@ def up(port: int, store: Path, prefix: str, metrics_port: int, demo: bool, exit_
 
 
 def _start(server: NatsServer, store: Path, port: int, reset: bool) -> None:
-    """Start `server` on `store`, whose lock it holds, wiped first if `reset`."""
-    if server.has_store:
-        if reset:
-            console.print(f"[yellow]resetting the store {store}[/] (the previous log is discarded)")
-            server.reset_store()
-        else:
-            console.print(f"reusing the store {store} (its log is replayed by the services)")
-    else:
-        console.print(f"new store {store}")
+    """Start `server` on `store`, whose lock it holds, wiped first if `reset`; said once it runs."""
+    reused = server.has_store and not reset
+    if server.has_store and reset:
+        console.print(f"[yellow]resetting the store {store}[/] (the previous log is discarded)")
+        server.reset_store()
     try:
         server.start()
     except NatsServerError as e:
         hint = f"\n(is another warmboot or NATS on port {port}? try --port 0)" if "in use" in str(e) else ""
         raise click.ClickException(f"{e}{hint}") from None
+    if reused:
+        console.print(f"reusing the store {store} (its log is replayed by the services)")
+    else:
+        console.print(f"new store {store}")
