@@ -220,6 +220,31 @@ def _describe(error: msgspec.ValidationError, raw: dict) -> str:
     return f"probed version is invalid: {text}"
 
 
+def cpuinfo_architecture(fields: Mapping[str, str]) -> str | None:
+    """The architecture whose keys a parsed cpuinfo has (`flags` or `vendor_id`: amd64;
+    `Features` or `CPU implementer`: arm64); None when it has neither's, or both's."""
+    found = [arch for arch in ARCHITECTURES if fields.get(_FLAGS_KEY[arch]) or fields.get(_VENDOR_KEY[arch])]
+    return found[0] if len(found) == 1 else None
+
+
+def check_architecture(cpuinfo: str | None, architecture: str, source: str) -> None:
+    """ProbeError when `cpuinfo` is another architecture's: probed as `architecture` it gives
+    none of its CPU attributes, a version naming no CPU (a walkthrough's `--arch arm64` on an
+    amd64 machine was told its cpuinfo file was missing or unreadable)."""
+    if cpuinfo is None:
+        return
+    fields = parse_cpuinfo(cpuinfo)
+    theirs = cpuinfo_architecture(fields)
+    if theirs is None or theirs == architecture:
+        return
+    has = [key for key in (_FLAGS_KEY[theirs], _VENDOR_KEY[theirs]) if fields.get(key)]
+    raise ProbeError(
+        f"cpuinfo {source} is an {theirs} machine's (it has {' and '.join(map(repr, has))}), not {architecture}'s: "
+        f"probed as {architecture} it gives no CPU attribute; give --arch {theirs}, or the cpuinfo of an "
+        f"{architecture} machine"
+    )
+
+
 def host_architecture(machine: str | None = None) -> str:
     """This machine's architecture in Go's naming (x86_64 -> amd64, aarch64 -> arm64)."""
     machine = platform.machine() if machine is None else machine

@@ -230,6 +230,20 @@ def test_a_literal_runtime_of_another_architecture_is_refused_whatever_else_it_n
                                        "this machine's ('amd64')")
 
 
+def test_an_agent_given_another_architecture_than_its_cpuinfo_s_registers_nothing(tmp_path):
+    """`agent --arch amd64` reading an arm64 machine's cpuinfo made a version naming no CPU (the
+    amd64 keys are not in it); now the probe's error says which architecture the file is."""
+    from warmboot.agent_config import ProbeSettings
+
+    path = tmp_path / "agent.toml"
+    path.write_text(agent_config("v1"))
+    arm = Path(__file__).parent / "cpuinfo" / "arm64-neoverse-n1.txt"
+    with pytest.raises(ConfigError, match=r"default_runtime: cpuinfo .* is an arm64 machine's \(it has 'Features' and 'CPU implementer'\), not "
+                                        r"amd64's: .* give --arch arm64"):
+        load_registration(path, "w-a", "node-a", ProbeSettings(cpuinfo_path=arm, architecture="amd64"))
+    assert load_registration(path, "w-a", "node-a", ProbeSettings(cpuinfo_path=arm, architecture="arm64"))
+
+
 def test_a_literal_runtime_is_taken_when_the_probe_cannot_read_the_machine(tmp_path):
     """Where the probe reads nothing (no cpuinfo), a literal version is the way to register: not checked."""
     from warmboot.agent_config import ProbeSettings

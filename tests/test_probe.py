@@ -17,6 +17,9 @@ import pytest
 from click.testing import CliRunner
 
 from events.probe import (
+    check_architecture,
+    cpuinfo_architecture,
+    PROFILES,
     ProbeError,
     cpu_features_hash,
     fnv1a_64,
@@ -152,6 +155,29 @@ def test_arch_decides_which_keys_are_read():
     assert attrs(probe_version(text, "arm64", "microvm")) == {"architecture": "arm64"}
     arm = sample("arm64-neoverse-n1.txt")
     assert attrs(probe_version(arm, "amd64", "microvm")) == {"architecture": "amd64"}
+
+
+def test_a_cpuinfo_names_its_architecture_by_its_keys():
+    assert cpuinfo_architecture(parse_cpuinfo(sample("intel-xeon-8480.txt"))) == "amd64"
+    assert cpuinfo_architecture(parse_cpuinfo(sample("amd-epyc-7r13.txt"))) == "amd64"
+    assert cpuinfo_architecture(parse_cpuinfo(sample("arm64-neoverse-n1.txt"))) == "arm64"
+    assert cpuinfo_architecture(parse_cpuinfo(sample("arm64-neoverse-v1-no-variant.txt"))) == "arm64"
+    assert cpuinfo_architecture({"processor": "0"}) is None  # neither's keys
+    assert cpuinfo_architecture({"flags": "fpu", "Features": "fp"}) is None  # both's: not guessed
+    assert cpuinfo_architecture({"flags": "", "Features": "fp"}) == "arm64"  # an empty value is no key
+
+
+def test_another_architecture_s_cpuinfo_is_refused_naming_what_to_give():
+    check_architecture(sample("intel-xeon-8480.txt"), "amd64", "x")  # its own: nothing said
+    check_architecture(None, "arm64", "x")  # no cpuinfo: the architecture alone, as before
+    check_architecture("processor : 0\n", "arm64", "x")  # no architecture's keys: the probe's warning says it
+    with pytest.raises(ProbeError) as refused:
+        check_architecture(sample("intel-xeon-8480.txt"), "arm64", "/proc/cpuinfo")
+    assert str(refused.value) == (
+        "cpuinfo /proc/cpuinfo is an amd64 machine's (it has 'flags' and 'vendor_id'), not arm64's: probed as "
+        "arm64 it gives no CPU attribute; give --arch amd64, or the cpuinfo of an arm64 machine")
+    with pytest.raises(ProbeError, match="is an arm64 machine's .* give --arch arm64"):
+        check_architecture(sample("arm64-neoverse-n1.txt"), "amd64", "f")
 
 
 # --- parsing rules -----------------------------------------------------------------
@@ -324,6 +350,20 @@ def test_cli_missing_cpuinfo_gives_architecture_only(tmp_path):
     assert result.stderr.startswith(f"warning: {tmp_path / 'nope'} gave no cpu_features (missing, unreadable")
     whole = run("probe", "--profile", "microvm", "--cpuinfo", str(SAMPLES / "intel-xeon-8480.txt"), "--arch", "amd64")
     assert whole.exit_code == 0 and whole.stderr == ""
+
+
+def test_cli_arch_of_another_machine_than_its_cpuinfo_is_an_error():
+    """`probe --arch arm64` on an amd64 machine said its cpuinfo was missing or unreadable (a
+    walkthrough) and printed a version naming no CPU: now an error naming what to give."""
+    path = SAMPLES / "intel-xeon-8480.txt"
+    for profile in PROFILES:
+        result = run("probe", "--profile", profile, "--cpuinfo", str(path), "--arch", "arm64")
+        assert result.exit_code == 1 and result.stdout == ""
+        assert result.stderr == (f"error: cpuinfo {path} is an amd64 machine's (it has 'flags' and 'vendor_id'), not "
+                                 "arm64's: probed as arm64 it gives no CPU attribute; give --arch amd64, or the "
+                                 "cpuinfo of an arm64 machine\n")
+    arm = run("probe", "--profile", "gvisor", "--cpuinfo", str(SAMPLES / "arm64-neoverse-n1.txt"), "--arch", "arm64")
+    assert arm.exit_code == 0 and arm.stderr == ""
 
 
 def test_cli_directory_is_an_error(tmp_path):

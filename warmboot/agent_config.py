@@ -25,8 +25,8 @@ import msgspec
 from events.codec import decode_request, encode, to_builtins
 from events.compat import MACHINE_TO_ARCH
 from events.errors import ContractError
-from events.probe import (DEFAULT_CPUINFO, PROFILES, SCHEMA_VERSION, ProbeError, host_architecture,
-                          probe_version, read_cpuinfo)
+from events.probe import (DEFAULT_CPUINFO, PROFILES, SCHEMA_VERSION, ProbeError, check_architecture,
+                          host_architecture, probe_version, read_cpuinfo)
 from events.schema import ActorOverhead, CompatVersion, RegisterWorker
 
 log = logging.getLogger("warmboot.agent")  # the agent's log: what the operator of the worker reads
@@ -91,6 +91,7 @@ class ProbeSettings:
         try:
             text = read_cpuinfo(self.cpuinfo_path)
             arch = self.architecture if self.architecture is not None else host_architecture()
+            check_architecture(text, arch, str(self.cpuinfo_path))
         except ProbeError as e:
             return MachineRead(self, None, None, str(e))
         return MachineRead(self, text, arch, None)

@@ -13,6 +13,7 @@ from events.probe import (
     DEFAULT_CPUINFO,
     PROFILES,
     ProbeError,
+    check_architecture,
     host_architecture,
     probe_version,
     read_cpuinfo,
@@ -53,7 +54,9 @@ def probe(profile: str, cpuinfo_path: Path, arch: str | None, attrs: tuple[str, 
     extra = [_parse_attr(a) for a in attrs]
     try:
         architecture = arch or host_architecture()
-        version = probe_version(read_cpuinfo(cpuinfo_path), architecture, profile, extra)
+        cpuinfo = read_cpuinfo(cpuinfo_path)
+        check_architecture(cpuinfo, architecture, str(cpuinfo_path))
+        version = probe_version(cpuinfo, architecture, profile, extra)
     except ProbeError as e:
         raise click.ClickException(str(e)) from None
     found = {a.key for a in version.attributes}
