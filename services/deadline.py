@@ -23,8 +23,9 @@ A request without the header (a client of another language that does not send it
 however long it waited, as before.
 
 When a request was received is when the endpoint read it, unless the process was not running just
-before (`received`): a process stopped (SIGSTOP, a frozen VM) or an event loop blocked for a while
-reads, once it runs again, requests that may have waited in its socket all that time. So each loop
+before (`received`): a process stopped (SIGSTOP, a frozen VM, a suspended host: `now_ns`) or an
+event loop blocked for a while reads, once it runs again, requests that may have waited in its
+socket all that time. So each loop
 that serves requests ticks every TICK_S (`Ticker`), and a request counts as received at the start of
 such a gap, the earliest it may have arrived, when it is read more than STALLED_S after the last
 tick (the loop reads before it ticks again), or after a tick that came that late but before the
@@ -54,6 +55,7 @@ deadline (`passed`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from contextvars import ContextVar
@@ -72,7 +74,15 @@ STALLED_S = 0.5  # read this long after the last tick: the process or its loop w
 BACKLOG_MAX_S = 5.0  # after a gap, the longest the PONGs that end its backlog are waited for
 PONG_CHECK_S = 0.05  # meanwhile, how often a connection is looked at for a reconnect (its PING forgotten)
 
-# (the request's task, the deadline in time.perf_counter_ns(), the wait it says, when it was received)
+# The clock of the ticks and of requests' deadlines: CLOCK_BOOTTIME, which goes on while the host is
+# suspended, as the caller's wait does; CLOCK_MONOTONIC (time.perf_counter) stops meanwhile, and a
+# suspended VM's gap in the ticks was invisible (a review). Where there is none, the monotonic clock.
+if hasattr(time, "CLOCK_BOOTTIME"):
+    now_ns: Callable[[], int] = functools.partial(time.clock_gettime_ns, time.CLOCK_BOOTTIME)
+else:  # pragma: no cover (not Linux)
+    now_ns = time.monotonic_ns
+
+# (the request's task, the deadline in now_ns(), the wait it says, when it was received)
 _current: ContextVar[tuple[asyncio.Task, int, int, int] | None] = ContextVar("warmboot_request_deadline",
                                                                             default=None)
 
@@ -111,13 +121,13 @@ def wait_ms(headers: dict[str, str] | None) -> int | None:
 
 
 class Ticker:
-    """Notes, every TICK_S, that its loop runs (`last`, time.perf_counter_ns); shared by the services
+    """Notes, every TICK_S, that its loop runs (`last`, `now_ns`); shared by the services
     of a loop (`tick_on`, `untick`), stopped with the last of them. After a gap in its ticks, asks the
     server of each connection its services read requests from for a PONG (`_read_backlog`): what
     reached the replica during the gap comes before it."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.last = time.perf_counter_ns()
+        self.last = now_ns()
         self.gap = (0, 0)  # the last gap between ticks longer than TICK_S + STALLED_S: (from, until)
         self.caught_up = 0  # when the PONGs after that gap came back (0: not yet)
         self.backlog_read = asyncio.Event()  # set with `caught_up`
@@ -129,7 +139,7 @@ class Ticker:
     async def _tick(self) -> None:
         try:
             while True:
-                now = time.perf_counter_ns()
+                now = now_ns()
                 if now - self.last > (TICK_S + STALLED_S) * 1e9:
                     since, (before, until) = self.last, self.gap
                     if until and not self.caught_up and self.last - until <= BACKLOG_MAX_S * 1e9:
@@ -160,10 +170,10 @@ class Ticker:
             was refused while its caller waited)."""
             waiting.discard(nc)
             if not waiting and self.gap is gap and not self.caught_up:
-                self.caught_up = time.perf_counter_ns()
+                self.caught_up = now_ns()
 
         answered = await asyncio.gather(*(_pong(nc, until, ponged) for nc in set(self.connections)))
-        now = time.perf_counter_ns()
+        now = now_ns()
         if self.gap is gap:
             self.caught_up = self.caught_up or now
             self.backlog_read.set()
@@ -180,14 +190,14 @@ async def _pong(nc: Any, until: int, ponged: Callable[[Any], None] = lambda nc: 
     """The server's PONG to a PING on `nc` sent now, or once `nc` lost its connection meanwhile, to one
     sent then: nats-py forgets the PINGs in flight when it reconnects (its server dropped a connection
     that did not read for long, as a stopped process's), and what the old socket held was read before
-    its end was. `ponged(nc)` as the read loop parses it. Gives up at `until` (time.perf_counter_ns):
+    its end was. `ponged(nc)` as the read loop parses it. Gives up at `until` (`now_ns`):
     False. A connection closed, or not reading, answers no PING: True (nothing more comes from it)."""
     while True:
         reconnects = nc.stats.get("reconnects", 0)
         ping = asyncio.ensure_future(_ping(nc, ponged))
         ping.add_done_callback(retrieved)
         while not ping.done():
-            left = (until - time.perf_counter_ns()) / 1e9
+            left = (until - now_ns()) / 1e9
             if left <= 0:
                 ping.cancel()  # this wait, not nats-py's future (`_ping`)
                 return False
@@ -259,7 +269,7 @@ def ticker_of(loop: asyncio.AbstractEventLoop) -> Ticker | None:
 
 
 def received(read_ns: int) -> int:
-    """When a request read at `read_ns` (time.perf_counter_ns) counts as received: then, or at the
+    """When a request read at `read_ns` (`now_ns`) counts as received: then, or at the
     start of a gap in its loop's ticks that it was read in or after, before the replica had read
     what reached it meanwhile (module docstring)."""
     try:
@@ -284,7 +294,7 @@ def received_after(read_ns: int, last: int, gap: tuple[int, int], caught_up: int
 
 
 def begin(wait: int | None, received_ns: int) -> None:
-    """The current task serves a request received at `received_ns` (time.perf_counter_ns) whose
+    """The current task serves a request received at `received_ns` (`now_ns`) whose
     caller waits `wait` ms (None: no deadline)."""
     if wait is None:
         return
@@ -292,7 +302,7 @@ def begin(wait: int | None, received_ns: int) -> None:
 
 
 def deadline() -> tuple[int, int, int] | None:
-    """The current task's request deadline: (deadline, wait in ms, received), in perf_counter_ns; None if none."""
+    """The current task's request deadline: (deadline, wait in ms, received), in `now_ns`; None if none."""
     found = _current.get()
     if found is None:
         return None
@@ -309,7 +319,7 @@ def passed(at: tuple[int, int, int] | None, what: str) -> Expired | None:
     """The refusal of a write decided now for a request with deadline `at` (`deadline()`), or None."""
     if at is None:
         return None
-    now = time.perf_counter_ns()
+    now = now_ns()
     if now <= at[0]:
         return None
     return Expired(at[1], (now - at[2]) // 1_000_000, what)

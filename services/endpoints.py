@@ -218,7 +218,7 @@ def wrap(spec: EndpointSpec, service: str) -> Callable[[Request], Awaitable[Cont
                     raise invalid(f"subject token {entity_id!r} is not a valid id", "subject")
             waits = deadline.wait_ms(request.headers)
             body = decode_request(spec.request_type, request.data)
-            deadline.begin(waits, getattr(request, "received_ns", None) or time.perf_counter_ns())
+            deadline.begin(waits, getattr(request, "received_ns", None) or deadline.now_ns())
             data = encode(await spec.handler(entity_id, body))
         except ContractError as error:
             if isinstance(error, deadline.Expired):
@@ -281,7 +281,7 @@ class ServiceRequest(Request):
     encoded by `header_block`): at thousands of heartbeats a second nats-py's publish is a
     measurable part of an answer. Every answer of a `ConcurrentEndpoint` goes through its
     `respond`, `respond_error`'s too. `received_ns`: when the endpoint took it
-    (`time.perf_counter_ns`; its caller's wait is counted from there, `services.deadline`)."""
+    (`services.deadline.now_ns`; its caller's wait is counted from there)."""
 
     def __init__(self, msg: Msg, received_ns: int):
         super().__init__(msg)
@@ -336,7 +336,7 @@ class ConcurrentEndpoint(Endpoint):
         (`services.deadline.received`): as fresh, however long it waited."""
         if self.slots.free_now():
             return True
-        self._queued_received.append(deadline.received(time.perf_counter_ns()))
+        self._queued_received.append(deadline.received(deadline.now_ns()))
         return False
 
     def _admit(self, msg: Msg) -> None:
@@ -344,11 +344,11 @@ class ConcurrentEndpoint(Endpoint):
         if self._micro.admits(msg, self._name):
             if not self.slots.take_now():
                 raise RuntimeError("a request was delivered directly with no slot free")  # logged, dropped
-            start = time.perf_counter_ns()
+            start = deadline.now_ns()
             self._spawn(msg, start, deadline.received(start))
 
     async def _handle_request(self, msg: Msg) -> None:
-        start = time.perf_counter_ns()
+        start = deadline.now_ns()
         queued = self._queued_received
         # noted as it was read (`_free_or_queued`); nats-py queues nothing else on a request subject (a
         # status message is dropped: `_start`), and the notes are cleared whenever the queue is empty
@@ -383,7 +383,7 @@ class ConcurrentEndpoint(Endpoint):
         if error is not None:
             self._num_errors += 1
             self._last_error = last_error(error)
-        self._processing_time += time.perf_counter_ns() - start
+        self._processing_time += deadline.now_ns() - start
         self._average_processing_time = self._processing_time // self._num_requests
 
 

@@ -12,7 +12,6 @@ import logging
 import os
 import re
 import signal
-import time
 from contextlib import AsyncExitStack
 
 import nats
@@ -37,6 +36,7 @@ from events.schema import (
     SeqReply,
 )
 from events.subjects import event_subject, service_subject, stream_name
+from services import deadline
 from services.endpoints import EndpointSpec, OutageLog, add_endpoints, call, is_outage
 from services.process import EVENT_LOOP_ENV, run_serving, serving_loop
 from services.replies import ReplyCache
@@ -176,13 +176,13 @@ async def test_stats_count_requests_errors_and_the_time_until_the_reply(nc, pref
         await nc.request(subject(entity), body, timeout=10)
     slow = asyncio.ensure_future(nc.request(subject("slow"), b"{}", timeout=10))
     await probe.started.wait()
-    # the service's clock (perf_counter), not the loop's: uvloop's loop.time() is the time of the
+    # the service's clock (services.deadline.now_ns), not the loop's: uvloop's loop.time() is the time of the
     # loop's iteration, to the millisecond, and overstated this interval by up to a millisecond
-    started = time.perf_counter_ns()
+    started = deadline.now_ns()
     await asyncio.sleep(0.2)  # the handler's own work, which STATS must count: not a wait for a condition
     # the handler was under way from before `started` until after the release (it cannot
     # reply before): a lower bound of its processing time, whatever the reply's way back costs
-    waited_ns = time.perf_counter_ns() - started
+    waited_ns = deadline.now_ns() - started
     probe.release.set()
     await slow
 
