@@ -871,3 +871,29 @@ async def test_a_replica_stops_though_its_loops_swallowed_their_cancellation(nat
         for event in inside.values():
             await asyncio.wait_for(event.wait(), 10)
         await asyncio.wait_for(registry.stop(), 10)
+
+
+async def test_a_round_that_fails_alike_every_time_logs_its_traceback_once(nats_url, prefix, caplog):
+    """A bug in the reconciliation logged its traceback every round (once a second by default): the
+    same failure again is one line naming it; another failure's traceback is logged."""
+    caplog.set_level(logging.ERROR, logger="warmboot.registry")
+    async with running_registry(nats_url, prefix, reconcile_interval_s=0.05) as registry:
+        rounds = {"n": 0}
+        done = asyncio.Event()
+
+        async def failing() -> None:
+            rounds["n"] += 1
+            if rounds["n"] == 7:
+                done.set()
+            raise RuntimeError("bug a" if rounds["n"] <= 3 else "bug b" if rounds["n"] <= 5 else "bug a")
+
+        registry.reconcile = failing
+        await asyncio.wait_for(done.wait(), 30)
+    said = [r for r in caplog.records if "reconciling heartbeats" in r.getMessage()][:7]
+    failed = (True, "reconciling heartbeats failed")
+    again = "reconciling heartbeats still fails (RuntimeError: {}, traceback above)"
+    assert [(r.exc_info is not None, r.getMessage().split(";")[0]) for r in said] == [
+        failed, (False, again.format("bug a")), (False, again.format("bug a")),  # rounds 1-3: a
+        failed, (False, again.format("bug b")),  # rounds 4-5: b
+        failed, (False, again.format("bug a")),  # rounds 6-7: a again, after b
+    ]

@@ -822,6 +822,7 @@ class RegistryService:
         """`reconcile` every `reconcile_interval_s` while this replica runs, the sweep's shared consumer
         made again first if it is gone (markers written meanwhile were delivered to nobody; the round
         finds them)."""
+        failing = ""  # the last round's failure, as said: its traceback is logged once, not every round
         while not self._stopping:
             await asyncio.sleep(self.reconcile_interval_s)  # a period, not a wait for a condition
             try:
@@ -833,5 +834,12 @@ class RegistryService:
                             "the same", SWEEPER, type(error).__name__, error)
             try:
                 await self.reconcile()
-            except Exception:  # a bug: logged, and the next round
-                log.exception("reconciling heartbeats failed; again in %gs", self.reconcile_interval_s)
+            except Exception as error:  # a bug: logged, and the next round
+                said, failing = failing, f"{type(error).__name__}: {error}"
+                if said == failing:
+                    log.error("reconciling heartbeats still fails (%s, traceback above); again in %gs", failing,
+                              self.reconcile_interval_s)
+                else:
+                    log.exception("reconciling heartbeats failed; again in %gs", self.reconcile_interval_s)
+            else:
+                failing = ""
