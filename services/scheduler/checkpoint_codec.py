@@ -154,6 +154,8 @@ class ClassRow(Struct, array_like=True, gc=False):
     external_memory: list[tuple[int, int]]
     local_memory: list[tuple[str, int, int]]  # (node, compat, count)
     local_waiting: list[tuple[str, int]]
+    cpu_caps: list[tuple[int, int]]  # (cpu millis, workers of the class with that capacity)
+    mem_caps: list[tuple[int, int]]  # (memory MiB, workers)
 
 
 class State(Struct):
@@ -309,6 +311,8 @@ def _export(p: Projection) -> State:
             counts(index.external_memory),
             [(node, compat_index[id(c)], n) for (node, c), n in index.local_memory.items()],
             list(index.local_waiting.items()),
+            list(index.cpu_caps.items()),
+            list(index.mem_caps.items()),
         )
         for index in p.classes.values()
     ]
@@ -428,6 +432,8 @@ def _restore(state: State) -> Projection:
         index.external_memory = {compats[c]: n for c, n in row.external_memory}
         index.local_memory = {(text(node), compats[c]): n for node, c, n in row.local_memory}
         index.local_waiting = dict(row.local_waiting)
+        index.cpu_caps = dict(row.cpu_caps)
+        index.mem_caps = dict(row.mem_caps)
         p.classes[index.sandbox_class] = index
 
     actors = p.actors

@@ -45,6 +45,14 @@ plus the chosen runtime's overhead. Selectors are the
 actor's and the request's together; the request may add keys, never change one
 (INVALID_ARGUMENT, field `selectors.<key>`).
 
+A refusal (RESOURCE_EXHAUSTED) counts every worker's reason ("0/12 workers available: 7
+runtime mismatch, 2 selector mismatch (zone), ..."; `summary`, the selector keys not
+matched named after their count), then says why no further tier was tried: the plan's
+refusal, or, for an actor bigger than any worker of its class could ever take (the class
+index counts its workers' capacities), that no worker of the class is big enough, the
+largest's capacity and what the actor needs (`refusal_cause`): the same code, which would
+otherwise read as "busy, try later".
+
 ## Choice within a tier (rule 7): power of two choices, deterministic
 
 A pseudo-random stream seeded with a stable hash of (actor id, log position) draws
@@ -77,7 +85,7 @@ from events.schema import (
     Rejection,
     Resources,
 )
-from services.scheduler.feasibility import NO_PENDING, REASONS, Ask, Pending
+from services.scheduler.feasibility import NO_PENDING, REASONS, SELECTOR_MISMATCH, Ask, Pending, missing_keys
 from services.scheduler.projection import Projection
 from services.scheduler.records import (
     EDGE_DEFAULT,
@@ -88,6 +96,7 @@ from services.scheduler.records import (
     PAUSED,
     RUNNING,
     STOPPED,
+    WORKER_RESERVE_MIB,
     Actor,
     Compat,
     IndexedSet,
@@ -287,7 +296,7 @@ def _plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | N
                 ErrorCode.FAILED_PRECONDITION,
                 f"actor {aid}'s latest snapshot is a LOCAL image on {where}, where no worker of class {cls} "
                 f"is registered; it restores only there. To give the image up, revert the actor "
-                f"(snapshotter revert): it then resumes from its latest EXTERNAL snapshot, or cold-boots"
+                f"(`warmboot actor revert {aid}`): it then resumes from its latest EXTERNAL snapshot, or cold-boots"
             )
         base: IndexedSet | None = on_node
     else:
@@ -571,20 +580,56 @@ def _refusal_key(projection: Projection, the_plan: Plan) -> tuple[tuple, tuple[i
 
 
 def exhausted_message(projection: Projection, the_plan: Plan, pending: Pending) -> str:
-    total, candidates, counts = tally(projection.workers.values(), the_plan.primary, pending, None)
-    return f"{summary(candidates, total, counts)}; {the_plan.refusal}"
+    """A refusal's message: the counts of every worker's reason (`summary`), then why no further
+    tier was tried (`refusal_cause`)."""
+    keys: dict[str, int] = {}
+    total, candidates, counts = tally(projection.workers.values(), the_plan.primary, pending, None, keys)
+    return f"{summary(candidates, total, counts, keys)}; {refusal_cause(projection, the_plan)}"
+
+
+def refusal_cause(projection: Projection, the_plan: Plan) -> str:
+    """Why a refused resume had no further tier: the plan's refusal, or, when the actor is bigger
+    than any worker of its class could ever take (`bigger_than`, from the capacities the class's
+    index counts: no pass over the fleet), that, since then no room freed helps (a refusal of the
+    same code, RESOURCE_EXHAUSTED, that would otherwise read as "busy, try later")."""
+    ask = the_plan.primary
+    index = projection.classes.get(ask.sandbox_class)
+    largest = index.largest() if index is not None else None
+    too_big = bigger_than(largest, ask.cpu, ask.memory_mib) if largest is not None else None
+    if too_big is None:
+        return the_plan.refusal
+    return f"no worker of the class is big enough: {too_big}; no room freed will fit it, a bigger worker must register"
+
+
+def bigger_than(largest: tuple[int, int], cpu: int, memory_mib: int) -> str | None:
+    """How an actor asking `cpu` millis and `memory_mib` MiB is bigger than any worker of a class
+    whose largest capacities are `largest` (`ClassIndex.largest`: the most CPU, the most memory)
+    could take with nothing booked (CONTRACT placement rule 6: capacity minus the 64 MiB reserve);
+    None if it is not. Its runtime's overhead is left out (it depends on the runtime): an actor
+    that would fit only without it is not said to be too big."""
+    most_cpu, most_mem = largest
+    offered = most_mem - WORKER_RESERVE_MIB
+    if cpu <= most_cpu and memory_mib <= offered:
+        return None
+    return (f"the largest has {most_cpu}m CPU and {most_mem} MiB memory ({offered} MiB after the "
+            f"{WORKER_RESERVE_MIB} MiB reserve), the actor needs {cpu}m CPU and {memory_mib} MiB memory plus its "
+            "runtime's overhead")
 
 
 def tally(
-    workers: Iterable[Worker], ask: Ask, pending: Pending, rejected: list[Rejection] | None
+    workers: Iterable[Worker], ask: Ask, pending: Pending, rejected: list[Rejection] | None,
+    keys: dict[str, int] | None = None,
 ) -> tuple[int, int, dict[str, int]]:
     """Workers in all, candidates, and the count of each reason; with `rejected`, the workers passed
     over that came furthest through the checks (short of one resource before short of both, before
     a drained one, before one of another class; of those as far, the first in the log), at most
-    EXPLAIN_REJECTED_LIMIT of them, listed in that order and then by id."""
+    EXPLAIN_REJECTED_LIMIT of them, listed in that order and then by id; with `keys`, for each
+    selector key, how many of the workers passed over for `selector mismatch` do not match it (in
+    the same pass, from the labels of those workers alone)."""
     total = candidates = 0
     counts: dict[str, int] = {}
     kept: list[tuple[int, int, str, tuple[str, ...]]] = []  # a heap, the least far through on top
+    selectors = ask.selectors if keys is not None else ()  # read only when asked (a test's stand-in ask has none)
     for worker in workers:
         total += 1
         reasons = ask.reasons(worker, pending)
@@ -593,6 +638,9 @@ def tally(
             continue
         for reason in reasons:
             counts[reason] = counts.get(reason, 0) + 1
+        if selectors and reasons[0] == SELECTOR_MISMATCH:
+            for key in missing_keys(selectors, worker.labels):
+                keys[key] = keys.get(key, 0) + 1
         if rejected is not None:
             how_far = _how_far(reasons)
             if len(kept) < EXPLAIN_REJECTED_LIMIT:
@@ -621,10 +669,24 @@ def _how_far(reasons: Sequence[str]) -> int:
     return _PIPELINE.get(last, -1)
 
 
-def summary(candidates: int, total: int, counts: Mapping[str, int]) -> str:
-    """ "0/12 workers available: 7 runtime mismatch, 3 insufficient memory, 2 drained" """
+SELECTOR_KEYS_NAMED = 3  # selector keys a summary names at most after `selector mismatch`
+
+
+def summary(candidates: int, total: int, counts: Mapping[str, int], keys: Mapping[str, int] | None = None) -> str:
+    """ "0/12 workers available: 7 runtime mismatch, 3 insufficient memory, 2 drained"; with `keys`
+    (`tally`'s), `selector mismatch` names the selector keys not matched: "2 selector mismatch (zone)",
+    of many the SELECTOR_KEYS_NAMED most missed, "(disk, rack, zone, +2 more)"."""
     text = f"{candidates}/{total} workers available"
     if counts:
         ordered = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
-        text += ": " + ", ".join(f"{n} {reason}" for reason, n in ordered)
+        text += ": " + ", ".join(f"{n} {reason}{named_keys(keys) if reason == SELECTOR_MISMATCH and keys else ''}"
+                                 for reason, n in ordered)
     return text
+
+
+def named_keys(keys: Mapping[str, int]) -> str:
+    """ " (zone)"; " (disk, zone)"; of more than SELECTOR_KEYS_NAMED, the most missed (of those missed
+    alike, the first by name), by name, and how many more: " (disk, rack, zone, +2 more)"."""
+    shown = sorted(sorted(keys, key=lambda k: (-keys[k], k))[:SELECTOR_KEYS_NAMED])
+    more = len(keys) - len(shown)
+    return f" ({', '.join(shown)}{f', +{more} more' if more else ''})"

@@ -16,6 +16,7 @@ from services.scheduler.decide import (
     decide,
     placement,
     plan,
+    refusal_cause,
     resolve,
     seed,
     summary,
@@ -53,14 +54,15 @@ def explain(
         return Explanation(refusal=Refusal(code=error.code, message=error.message), candidates=0, rejected=[],
                            counts={}, message=error.message)
     rejected: list[Rejection] = []
-    total, candidates, counts = tally(projection.workers.values(), the_plan.primary, pending, rejected)
-    text = summary(candidates, total, counts)
+    keys: dict[str, int] = {}
+    total, candidates, counts = tally(projection.workers.values(), the_plan.primary, pending, rejected, keys)
+    text = summary(candidates, total, counts, keys)
     try:
         decision = decide(projection, actor_id, selectors, position, pending)
     except ContractError as error:
         return Explanation(
             refusal=Refusal(code=error.code, message=error.message), candidates=candidates, rejected=rejected,
-            counts=counts, message=f"{text}; {the_plan.refusal}",
+            counts=counts, message=f"{text}; {refusal_cause(projection, the_plan)}",
         )
     outcome = f"{decision.action.value} {decision.fidelity.value} on {decision.worker_id}"
     matched = decision.matched_version

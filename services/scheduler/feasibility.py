@@ -21,7 +21,9 @@ would book:
                            memory is short only if none has.
 
 `fit` is the fast path decisions take (a worker fits or not); `reasons` names the
-rejection for explain and refusal messages. Both are the one judgement.
+rejection for explain and refusal messages. Both are the one judgement. `missing_keys`
+says which selectors a worker passed over for `selector mismatch` does not match (a
+refusal's message names them).
 
 `carries_out` judges a placement made earlier, which a retry of its request id would be
 answered with (not a new decision: room and drains do not count, the placement holds its
@@ -147,6 +149,11 @@ class Ask:
         if verdict < SHORT_CPU:
             return [REASONS[verdict - 1]]
         return [r for bit, r in ((SHORT_CPU, INSUFFICIENT_CPU), (SHORT_MEMORY, INSUFFICIENT_MEMORY)) if verdict & bit]
+
+
+def missing_keys(selectors: tuple[tuple[str, str], ...], labels: Mapping[str, str]) -> list[str]:
+    """The selector keys (in the selectors' order, sorted) whose value `labels` does not have."""
+    return [key for key, value in selectors if labels.get(key) != value]
 
 
 def carries_out(worker: Worker, sandbox_class: str, node: str, pin: Compat | None, image: Compat | None) -> str | None:

@@ -309,8 +309,10 @@ class Projection:
                 if worker not in index.workers:
                     index.workers.add(worker)
                     worker.sets.append(index.workers)
-            else:
+                    index.count_capacity(worker, +1)
+            elif worker in index.workers:
                 index.workers.discard(worker)
+                index.count_capacity(worker, -1)
                 if index.workers in worker.sets:
                     worker.sets.remove(index.workers)
             for compat, roles in entry.roles.items():
@@ -378,8 +380,16 @@ class Projection:
             self._index(worker, -1)
             worker.node = node
             self._index(worker, +1)
-        worker.cpu_millis = event.capacity.cpu_millis
-        worker.memory_mib = event.capacity.memory_mib
+        capacity = event.capacity
+        if capacity.cpu_millis != worker.cpu_millis or capacity.memory_mib != worker.memory_mib:
+            # the largest of each of its classes (`ClassIndex.largest`) counts the capacities of their workers
+            indices = [index for index in map(self.class_index, worker.classes) if worker in index.workers]
+            for index in indices:
+                index.count_capacity(worker, -1)
+            worker.cpu_millis = capacity.cpu_millis
+            worker.memory_mib = capacity.memory_mib
+            for index in indices:
+                index.count_capacity(worker, +1)
         worker.labels = self.intern.selectors(event.labels)
 
     def _worker_drained(self, event: WorkerDrained, seq: int) -> None:

@@ -281,11 +281,14 @@ class ClassIndex:
       SUSPENDED and PAUSED actors of their current template, EXTERNAL ones per compat
       key (`external_memory`), LOCAL ones per node and key (`local_memory`);
     - `local_waiting[node]`: waiting actors whose latest snapshot is LOCAL on `node`
-      (lost when no worker of the class is registered there).
+      (lost when no worker of the class is registered there);
+    - `cpu_caps[cpu millis]`, `mem_caps[memory MiB]`: how many of its workers (`workers`) have
+      that capacity, so that the largest is known without a pass over them (`largest`: a
+      refusal says when an actor is bigger than any worker of its class).
     """
 
     __slots__ = ("sandbox_class", "workers", "members", "live", "by_node", "by_arch", "live_on_node",
-                 "external_memory", "local_memory", "local_waiting")
+                 "external_memory", "local_memory", "local_waiting", "cpu_caps", "mem_caps")
 
     def __init__(self, sandbox_class: str):
         self.sandbox_class = sandbox_class
@@ -298,6 +301,21 @@ class ClassIndex:
         self.external_memory: dict[Compat, int] = {}
         self.local_memory: dict[tuple[str, Compat], int] = {}
         self.local_waiting: dict[str, int] = {}
+        self.cpu_caps: dict[int, int] = {}
+        self.mem_caps: dict[int, int] = {}
+
+    def count_capacity(self, worker: Worker, delta: int) -> None:
+        """Count (+1) or uncount (-1) a member's capacity in `cpu_caps` and `mem_caps`."""
+        bump_count(self.cpu_caps, worker.cpu_millis, delta)
+        bump_count(self.mem_caps, worker.memory_mib, delta)
+
+    def largest(self) -> tuple[int, int] | None:
+        """(the most CPU millis, the most memory MiB) a worker of the class has, each (two workers
+        may have them), drained ones included; None without a worker. Over the distinct capacities,
+        which a fleet has few of."""
+        if not self.cpu_caps:
+            return None
+        return max(self.cpu_caps), max(self.mem_caps)
 
     @property
     def default(self) -> dict[Compat, IndexedSet]:
@@ -331,7 +349,7 @@ class ClassIndex:
         return sum(1 for w in self.workers if w.live)
 
 
-def bump_count(counts: dict[Compat, int], compat: Compat, delta: int) -> None:
+def bump_count(counts: dict[Any, int], compat: Any, delta: int) -> None:
     n = counts.get(compat, 0) + delta
     if n:
         counts[compat] = n

@@ -1,0 +1,196 @@
+"""What a refused resume tells its caller (a walkthrough's findings), pure: projections folded
+from events, no bus (tests/test_lifecycle_cli.py has the same through the CLI).
+
+- a `selector mismatch` count names the selector keys not matched, a few at most;
+- an actor whose LOCAL image's node has no worker of its class is told the command that gives
+  the image up;
+- an actor bigger than any worker of its class is told so, with the largest worker's capacity,
+  and not "no worker of the class fits" (which reads as busy): the same code, RESOURCE_EXHAUSTED.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from events.errors import ContractError
+from events.schema import (ErrorCode, Fidelity, ReleaseReason, Resources, RuntimeChanged, SnapshotOrigin, WorkerRemoved,
+                           WorkerUpdated)
+from services.scheduler.checkpoint_codec import export_state, restore_state
+from services.scheduler.decide import bigger_than, decide, summary
+from tests.factories import AT, Log, entry, runtime, version
+
+V1 = version("1")
+BUSY = "no worker of the class fits"
+
+
+def refusal(log: Log, actor_id: str, selectors=None, code: ErrorCode = ErrorCode.RESOURCE_EXHAUSTED) -> str:
+    with pytest.raises(ContractError) as caught:
+        log.decide(actor_id, selectors)
+    assert caught.value.code is code, caught.value
+    return caught.value.message
+
+
+def explained(log: Log, actor_id: str, selectors=None) -> str:
+    """The explanation's message of a refused resume, which is the refusal's."""
+    why = log.explain(actor_id, selectors)
+    assert why.refusal is not None and why.refusal.message == why.message, why
+    return why.message
+
+
+# --- selector mismatch names its keys ------------------------------------------------------------------------------
+
+
+def test_a_refusal_names_the_selector_key_the_workers_do_not_match():
+    log = Log()
+    log.worker("a-1", labels={"zone": "a"})
+    log.worker("a-2", labels={"zone": "a"})
+    log.worker("b-1", labels={"zone": "b"}, mem=1024)  # matches, too small to take it now
+    log.actor("x", mem=1024, selectors={"zone": "b"})
+    message = "0/3 workers available: 2 selector mismatch (zone), 1 insufficient memory; " + BUSY
+    assert refusal(log, "x") == message
+    assert explained(log, "x") == message
+    # a key the request adds is named too, and every key a worker misses counts
+    log.worker("b-2", labels={"zone": "b"})
+    assert refusal(log, "x", {"disk": "ssd"}) == (
+        "0/4 workers available: 4 selector mismatch (disk, zone); " + BUSY)
+
+
+def test_many_selector_keys_are_named_a_few_at_most_the_most_missed_first():
+    log = Log()
+    log.worker("w-1", labels={"k1": "x", "k2": "x"})
+    log.worker("w-2", labels={"k1": "x"})
+    log.worker("w-3", labels={})
+    log.actor("x", selectors={f"k{i}": "x" for i in range(1, 6)})  # k3 to k5: no worker has them
+    assert refusal(log, "x") == "0/3 workers available: 3 selector mismatch (k3, k4, k5, +2 more); " + BUSY
+
+
+def test_summary_names_keys_only_after_selector_mismatch():
+    counts = {"selector mismatch": 2, "drained": 1}
+    assert summary(0, 3, counts, {"zone": 2}) == "0/3 workers available: 2 selector mismatch (zone), 1 drained"
+    assert summary(0, 3, counts) == "0/3 workers available: 2 selector mismatch, 1 drained"
+    assert summary(0, 1, {"drained": 1}, {}) == "0/1 workers available: 1 drained"
+
+
+# --- a lost LOCAL image names the command that gives it up ----------------------------------------------------------
+
+
+def test_a_local_image_on_a_node_without_workers_names_the_revert_command():
+    log = Log()
+    log.worker("home", runtime(V1), node="n1")
+    log.actor("a")
+    placed = log.decide("a")
+    log.place(placed)
+    log.snapshot("a", origin=SnapshotOrigin.PAUSE, stamped=V1, node="n1")
+    log.release("a", "home", ReleaseReason.PAUSED)
+    log.add(WorkerRemoved(at=AT, worker_id="home", reason="decommissioned"))
+    log.worker("away", runtime(V1), node="n2")
+    message = refusal(log, "a", code=ErrorCode.FAILED_PRECONDITION)
+    assert "node n1" in message and "(`warmboot actor revert a`)" in message, message
+    assert "snapshotter revert" not in message
+
+
+# --- an actor bigger than any worker of its class ------------------------------------------------------------------
+
+
+def test_an_actor_bigger_than_any_worker_is_told_so_with_the_same_code():
+    log = Log()
+    log.worker("small", cpu=2000, mem=2048)
+    log.worker("big", cpu=4000, mem=4096)
+    log.actor("huge", cpu=500, mem=8192)
+    log.actor("fits", cpu=500, mem=3000)  # fits "big" when it is free
+    log.place(log.decide("fits"))
+    log.actor("busy", cpu=500, mem=3000)
+    too_big = ("0/2 workers available: 2 insufficient memory; no worker of the class is big enough: the largest has "
+               "4000m CPU and 4096 MiB memory (4032 MiB after the 64 MiB reserve), the actor needs 500m CPU and "
+               "8192 MiB memory plus its runtime's overhead; no room freed will fit it, a bigger worker must register")
+    assert refusal(log, "huge") == too_big
+    assert explained(log, "huge") == too_big
+    # full, not too big: the busy refusal it always was
+    assert refusal(log, "busy") == "0/2 workers available: 2 insufficient memory; " + BUSY
+    # CPU alone, and the largest of each from different workers
+    log.actor("greedy", cpu=8000, mem=256)
+    assert "the largest has 4000m CPU and 4096 MiB memory (4032 MiB after the 64 MiB reserve), the actor needs " \
+           "8000m CPU and 256 MiB memory" in refusal(log, "greedy")
+
+
+def test_too_big_is_said_at_any_tier_and_never_changes_the_code():
+    log = Log()
+    log.worker("w", runtime(V1), mem=4096)
+    log.actor("strict", mem=8192, min_fidelity=Fidelity.MEMORY)
+    log.snapshot("strict", stamped=V1)
+    assert "no worker of the class is big enough" in refusal(log, "strict")  # RESOURCE_EXHAUSTED, as before
+    log.actor("edge", mem=4032)  # exactly the room of an empty worker: not too big (its overhead aside)
+    log.place(log.decide("edge"))
+    log.actor("edge-2", mem=4032)
+    assert refusal(log, "edge-2").endswith("; " + BUSY)
+
+
+def test_the_largest_capacity_follows_updates_removals_and_a_checkpoint():
+    log = Log()
+    log.worker("w-1", cpu=4000, mem=4096)
+    log.worker("w-2", cpu=4000, mem=4096)
+    log.actor("a", mem=6000)
+    assert "big enough: the largest has 4000m CPU and 4096 MiB" in refusal(log, "a")
+    log.add(WorkerUpdated(at=AT, worker_id="w-2", node=log.p.workers["w-2"].node,
+                          capacity=Resources(cpu_millis=4000, memory_mib=8192), labels={}))
+    assert log.decide("a").worker_id == "w-2"  # grown: it fits now
+    assert restore_state(export_state(log.p)).classes["gvisor"].largest() == (4000, 8192)
+    log.add(WorkerRemoved(at=AT, worker_id="w-2", reason="decommissioned"))
+    assert "big enough: the largest has 4000m CPU and 4096 MiB" in refusal(log, "a")
+    log.add(WorkerRemoved(at=AT, worker_id="w-1", reason="decommissioned"))
+    assert log.p.classes["gvisor"].largest() is None
+    assert refusal(log, "a").endswith("no worker has registered the sandbox class 'gvisor'")
+
+
+def test_a_remembered_too_big_refusal_moves_with_the_fleet():
+    log = Log()
+    log.worker("w", mem=4096)
+    log.actor("a", mem=6000)
+    memo: dict = {}
+    for _ in range(2):
+        with pytest.raises(ContractError) as caught:
+            decide(log.p, "a", None, log.p.seq, {}, memo)
+        assert "big enough" in caught.value.message
+    log.add(WorkerUpdated(at=AT, worker_id="w", node=log.p.workers["w"].node,
+                          capacity=Resources(cpu_millis=4000, memory_mib=8192), labels={}))
+    assert decide(log.p, "a", None, log.p.seq, {}, memo).worker_id == "w"
+
+
+def test_bigger_than_leaves_out_the_overhead_and_the_reserve_counts():
+    assert bigger_than((4000, 4096), 4000, 4032) is None
+    assert bigger_than((4000, 4096), 4001, 1) is not None
+    assert bigger_than((4000, 4096), 1, 4033) is not None
+
+
+@settings(max_examples=80, deadline=None)
+@given(steps=st.lists(st.tuples(st.sampled_from(["register", "update", "remove", "drain", "reclass"]),
+                                st.integers(0, 4), st.sampled_from([1024, 2048, 4096])), max_size=40))
+def test_the_largest_capacity_kept_is_that_of_a_scan_of_the_class_after_any_history(steps):
+    """What the class index keeps of its workers' capacities is what a scan of them finds, after
+    registrations (anew too), capacity changes, removals, drains and runtime changes, and after a
+    checkpoint's round trip."""
+    log = Log()
+    for verb, n, mem in steps:
+        worker_id = f"w{n}"
+        if verb == "register":
+            log.worker(worker_id, cpu=mem, mem=mem)
+        elif worker_id not in log.p.workers:
+            continue
+        elif verb == "update":
+            log.add(WorkerUpdated(at=AT, worker_id=worker_id, node=log.p.workers[worker_id].node,
+                                  capacity=Resources(cpu_millis=2 * mem, memory_mib=mem), labels={}))
+        elif verb == "remove":
+            log.add(WorkerRemoved(at=AT, worker_id=worker_id, reason="decommissioned"))
+        elif verb == "drain":
+            log.drain(worker_id)
+        else:  # the worker leaves the class for another, and comes back
+            mine, other = (entry(runtime(V1)),), (entry(runtime(V1), (), "other"),)
+            log.add(RuntimeChanged(at=AT, worker_id=worker_id, sandbox_classes=other, previous=mine))
+            log.add(RuntimeChanged(at=AT, worker_id=worker_id, sandbox_classes=mine, previous=other))
+    for p in (log.p, restore_state(export_state(log.p))):
+        for name, index in p.classes.items():
+            scan = [w for w in p.workers.values() if name in w.classes]
+            assert index.largest() == (None if not scan else (max(w.cpu_millis for w in scan),
+                                                              max(w.memory_mib for w in scan)))
