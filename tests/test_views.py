@@ -219,10 +219,12 @@ def test_workers_fit_without_a_cut_cell(width):
 def test_wide_shows_every_column_and_the_full_attributes():
     rows = worker_rows(folded(fleet()))
     text = render_workers(rows, 80, wide=True).text
-    assert text.splitlines()[0].split()[-7:] == ["MEM", "RUNTIME", "ID", "RESUMES", "FROM", "LABELS", "ATTRIBUTES"]
-    first = rows[0]
+    assert text.splitlines()[0].split()[-9:] == ["MEM", "RUNTIME", "ID", "RESTORABLE", "IDS", "RESUMES", "FROM",
+                                                  "LABELS", "ATTRIBUTES"]
+    first = next(r for r in rows if r["restorable"])
     line = next(line for line in text.splitlines() if line.startswith(first["worker_id"] + " "))
     assert first["node"] in line and first["runtime_id"] in line and "cpu_features=" in line
+    assert first["restorable_ids"] and ",".join(first["restorable_ids"]) in line.split()  # as the default's id
 
 
 def test_wide_shows_the_versions_a_worker_resumes_through_its_edges_and_its_labels():

@@ -16,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from events.compat import compat_key, describe_key
 from events.errors import ContractError, not_found
 from events.natsauth import NKEY_SEED_ENV, carries_secret, check_url, nkey_seed_problem, redact_url
-from events.natspy.connections import ErrorsOnce, close, describe_error, unless_refused
+from events.natspy.connections import ErrorsOnce, PublishRefused, close, describe_error, unless_refused
 from events.schema import ID_RE, ID_WORDS, ErrorCode
 from events.subjects import DEFAULT_PREFIX, PREFIX_PATTERN, check_prefix, stream_name
 from services.process import EVENT_LOOP_ENV, EVENT_LOOPS
@@ -141,12 +141,29 @@ min_seq_option = click.option(
 
 
 def check_id(ctx: click.Context | None, param: click.Parameter | None, value):
-    """click callback: every value is an id (one NATS subject token)."""
+    """click callback: every value is an id (one NATS subject token), else a usage error naming the
+    parameter (exit status 2, nothing sent)."""
     values = value if isinstance(value, tuple) else (value,)
     for v in values:
         if v is not None and not ID_RE.match(v):
-            raise click.BadParameter(f"{v!r} is not an id: {ID_WORDS}")
+            raise click.BadParameter(f"{v!r} is not an id: {ID_WORDS}", ctx=ctx, param=param)
     return value
+
+
+ID_ARGUMENTS = ("actor_id", "worker_id")  # the arguments that name an entity: a subject token each
+
+
+def check_id_arguments(ctx: click.Context | None) -> None:
+    """The running command's ACTOR_ID or WORKER_ID argument is an id (`check_id`), else a usage error
+    naming it, exit status 2, before anything is sent: the rule of every command that takes an id
+    (`worker show 'bad id'` was a usage error, `explain 'bad id'` an INVALID_ARGUMENT from the
+    client, exit 1, and only once the server answered: a walkthrough). `ask` checks it of every
+    command, so that one whose argument has no `check_id` callback keeps the rule too."""
+    if ctx is None:
+        return
+    for param in ctx.command.params:
+        if isinstance(param, click.Argument) and param.name in ID_ARGUMENTS:
+            check_id(ctx, param, ctx.params.get(param.name))
 
 
 def selectors_of(pairs: tuple[str, ...]) -> dict[str, str]:
@@ -247,10 +264,12 @@ def stderr_is_terminal() -> bool:
 
 def ask(nats_url: str, work: Callable[[Any], Awaitable[Any]]) -> Any:
     """Connect, run `work(nc)`, close; contract errors and connection failures become CLI errors
-    (`Failed`: `error: CODE field: message`, exit 1). A server that has not answered within
+    (`Failed`: `error: CODE field: message`, exit 1). A malformed ACTOR_ID or WORKER_ID argument is a
+    usage error first (`check_id_arguments`). A server that has not answered within
     WAITING_NOTE_S is said to be waited for, on a terminal, with the last error."""
 
     ctx = click.get_current_context(silent=True)
+    check_id_arguments(ctx)  # a malformed ACTOR_ID or WORKER_ID: a usage error, before connecting
     seed = ctx.meta.get(NKEY_SEED_META) if ctx is not None else None  # --nkey-seed (else $NATS_NKEY_SEED)
 
     async def run() -> Any:
@@ -290,19 +309,33 @@ def version_text(version: Any) -> str:
     return describe_key(compat_key("", version)).strip()
 
 
+class LogUnreadable(click.ClickException):
+    """`last_seq`'s error: the log cannot be read. Its message is the whole story, for a command
+    that fails with it; `why` says it in a few words, for a command that goes on without the log
+    and says in one line what it did not look up (`cmd_views.readable_fleet`)."""
+
+    def __init__(self, message: str, why: str):
+        super().__init__(message)
+        self.why = why
+
+
+REFUSED_THE_LOG = "these credentials may not read the log"  # `LogUnreadable.why` for a refused question
+
+
 async def last_seq(nc: Any, prefix: str, timeout: float = 5.0) -> int:
-    """The event stream's last sequence as its leader has it, or a ClickException: "try again" while
-    the stream has no leader; NOT_FOUND (field `prefix`) when the server has no such stream, naming
-    the prefixes whose logs it holds; else naming the stream, the prefix and the credentials (a
-    client's may not ask: NATS refuses the question, said as soon as the server says so,
-    `unless_refused`; `timeout` bounds the wait for an answer otherwise)."""
+    """The event stream's last sequence as its leader has it, or LogUnreadable (a ClickException):
+    "try again" while the stream has no leader; NOT_FOUND (field `prefix`) when the server has no
+    such stream, naming the prefixes whose logs it holds; else naming the stream, the prefix and the
+    credentials (a client's may not ask: NATS refuses the question, said as soon as the server says
+    so, `unless_refused`; `timeout` bounds the wait for an answer otherwise)."""
     stream = stream_name(prefix)
     try:
         asked = leaders_stream_info(nc.jetstream(timeout=timeout), stream)
         return (await unless_refused(nc, f"$JS.API.STREAM.INFO.{stream}", asked)).state.last_seq
     except nats.js.errors.ServiceUnavailableError:  # asked right, answered "not now": no hint about the prefix
-        raise click.ClickException(f"cannot read the event stream {stream_name(prefix)} now: it has no leader (an "
-                                   "election, or too few of its servers up); try again") from None
+        raise LogUnreadable(f"cannot read the event stream {stream_name(prefix)} now: it has no leader (an "
+                            "election, or too few of its servers up); try again",
+                            f"the event stream {stream} has no leader now") from None
     except nats.js.errors.NotFoundError:  # the server says there is no such stream: not a question of credentials
         held = await prefixes_held(nc)
         here = (f" ({logs_held(held)})" if held else " (no warmboot log here: its services make one when they "
@@ -310,9 +343,12 @@ async def last_seq(nc: Any, prefix: str, timeout: float = 5.0) -> int:
         raise not_found(f"no event stream {stream_name(prefix)} on this server: is --prefix {prefix} the "
                         f"deployment's?{here}", "prefix") from None
     except Exception as e:
-        raise click.ClickException(f"cannot read the event stream {stream_name(prefix)} ({describe_error(e)}): is "
-                                   f"--prefix {prefix} the deployment's, and may these credentials read its log? "
-                                   "(a client's may not: docs/security.md)") from None
+        message = (f"cannot read the event stream {stream_name(prefix)} ({describe_error(e)}): is --prefix "
+                   f"{prefix} the deployment's, and may these credentials read its log? (a client's may not: "
+                   "docs/security.md)")
+        refused = isinstance(e, PublishRefused)  # the server said so: not a question of the prefix
+        raise LogUnreadable(message, REFUSED_THE_LOG if refused else
+                            f"the event stream {stream} cannot be read: {describe_error(e)}") from None
 
 
 PREFIXES_SHOWN = 5  # of the logs a server holds, named in the error about another prefix

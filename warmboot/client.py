@@ -406,8 +406,17 @@ class Client:
         return await self.request("scheduler", "explain", actor_id, body, Explanation)
 
     async def fragmentation(self, sandbox_class: str | None = None, min_seq: int | None = None) -> Fragmentation:
+        """Every class's fragmentation, or `sandbox_class`'s alone. A class the scheduler knows nothing
+        of (no worker has registered it, no actor is of it: the endpoint answers no class) is NOT_FOUND,
+        field `sandbox_class`, as `whatif`'s and `warmboot fragmentation --class`'s are (it was an
+        empty answer, which a typo's caller read as a class with nothing in it)."""
         body = FragmentationQuery(sandbox_class=sandbox_class, min_seq=self._min_seq(min_seq))
-        return await self.request("scheduler", "fragmentation", None, body, Fragmentation)
+        answer = await self.request("scheduler", "fragmentation", None, body, Fragmentation)
+        if sandbox_class is not None and not answer.classes:
+            from services.scheduler.whatif import unknown_class
+
+            raise unknown_class(sandbox_class, None)  # its message names no class: this answer has none
+        return answer
 
     async def whatif(self, query: WhatIf) -> WhatIfAnswer:
         if query.min_seq is None and self.read_your_writes and self.seq:

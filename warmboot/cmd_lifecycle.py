@@ -29,15 +29,16 @@ from events.codec import decode_request, json_path, to_builtins, unknown_fields
 from events.errors import ContractError, no_actor, no_worker
 from events.natspy.connections import describe_error
 from events.runtime_id import Runtimes, short_id
-from events.schema import (ActorCreated, ActorRuntime, CompatVersion, CreateActor, Fidelity, Resources, Snapshot,
+from events.schema import (ActorCreated, ActorRuntime, CreateActor, Fidelity, Resources, Snapshot,
                            TagRecorded)
 from events.states import ActorState
 from events.subjects import event_subject
-from warmboot.cli_common import (MIB, MILLICORES, IntRange, ask, check_id, json_option, last_seq, min_seq_option,
-                                 nats_option, prefix_option, read_subject, replay, selectors_of, version_text)
+from warmboot.cli_common import (MIB, MILLICORES, IntRange, LogUnreadable, ask, check_id, json_option, last_seq, min_seq_option,
+                                 nats_option, prefix_option, read_subject, replay, selectors_of)
 from warmboot.client import Client
 from warmboot.cmd_views import (
     LABELS_TIMEOUT_S,
+    class_runtime_fields,
     decision_fields,
     echo_json,
     echo_table,
@@ -175,6 +176,7 @@ def create_cmd(actor_id: str, sandbox_class: str, template_uid: str, cpu_millis:
     unchecked: list[str] = []  # why the selector could not be checked against the workers' labels
     first: list[Snapshot | None] = [golden_snapshot]  # the actor's first snapshot, for the floor's warning
     floor_unchecked: list[str] = []  # why the tag's snapshot could not be read
+    too_big: list[str | None] = []  # how the actor is bigger than any registered worker of its class
 
     async def work(nc: Any) -> tuple[Any, list[str] | None, bool | None]:
         wb = Client(nc, prefix)
@@ -193,15 +195,19 @@ def create_cmd(actor_id: str, sandbox_class: str, template_uid: str, cpu_millis:
         except (ContractError, OSError, asyncio.TimeoutError, nats.errors.Error):
             classes = None  # no scheduler answering: nothing to say
         matched = None  # whether a registered worker of the class has every label selected (None: not known)
-        if body.selectors and classes and sandbox_class in classes:
+        if classes and sandbox_class in classes:
             try:  # the fleet's workers, as the views read them; a client that may not read the log says nothing
-                workers = (await fleet(nc, prefix, await last_seq(nc, prefix, LABELS_TIMEOUT_S))).workers.values()
-                matched = any(sandbox_class in w.classes and all(w.labels.get(k) == v for k, v in body.selectors.items())
-                              for w in workers)
+                projection = await fleet(nc, prefix, await last_seq(nc, prefix, LABELS_TIMEOUT_S))
             except (click.ClickException, ContractError, OSError, asyncio.TimeoutError, nats.errors.Error) as e:
-                matched = None
-                unchecked.append(e.message if isinstance(e, (click.ClickException, ContractError))
-                                 else describe_error(e))
+                if body.selectors:  # said for --selector only: a note on the size would be on its every create
+                    unchecked.append(e.why if isinstance(e, LogUnreadable) else e.message
+                                     if isinstance(e, (click.ClickException, ContractError)) else describe_error(e))
+            else:
+                too_big.append(never_fits(projection, sandbox_class, cpu_millis, memory_mib))
+                if body.selectors:
+                    matched = any(sandbox_class in w.classes
+                                  and all(w.labels.get(k) == v for k, v in body.selectors.items())
+                                  for w in projection.workers.values())
         return reply, classes, matched
 
     reply, classes, matched = ask(nats_url, work)
@@ -235,6 +241,21 @@ def create_cmd(actor_id: str, sandbox_class: str, template_uid: str, cpu_millis:
                    f"{actor_id} is refused until one does (`warmboot workers -o wide` shows their labels)", err=True)
     elif unchecked:  # a client's credentials may not read the log: the warning above cannot be given
         click.echo(f"note: --selector not checked against the workers' labels: {unchecked[0]}", err=True)
+    if too_big and too_big[0] is not None:  # taken: a bigger worker may register later
+        click.echo(f"warning: no registered worker of class {sandbox_class} is big enough for {actor_id}: "
+                   f"{too_big[0]}; resuming {actor_id} is refused (RESOURCE_EXHAUSTED) until a bigger worker "
+                   "registers", err=True)
+
+
+def never_fits(projection: Any, sandbox_class: str, cpu_millis: int, memory_mib: int) -> str | None:
+    """How an actor of this size is bigger than any registered worker of the class in `projection`
+    could take, as the scheduler's refusal says it (`services.scheduler.decide.bigger_than`); None if
+    one could, or none is registered (said apart)."""
+    from services.scheduler.decide import bigger_than
+
+    index = projection.classes.get(sandbox_class)
+    largest = index.largest() if index is not None else None
+    return bigger_than(largest, cpu_millis, memory_mib) if largest is not None else None
 
 
 def below_memory(snapshot: Snapshot | None, template_uid: str) -> str | None:
@@ -691,15 +712,8 @@ def render_worker(view: dict, width: int | None, wide: bool = False) -> str:
         ("CAPACITY", f"{millis(cap['cpu_millis'])} cpu, {mib(cap['memory_mib'])} memory"),
         ("FREE", f"{millis(free['cpu_millis'])} cpu, {mib(free['memory_mib'])} memory"),
     ]
-    for row in view["classes"]:
-        cls = row["sandbox_class"]
-        fields.append((f"{cls.upper()} DEFAULT", row["runtime"] + (f" ({row['runtime_id']})" if wide else "")))
-        fields.append((f"{cls.upper()} RESTORABLE", ", ".join(row["restorable"]) or "-"))
-        # the versions its compatible_versions edges accept, named as `workers -o wide` names them
-        fields.append((f"{cls.upper()} RESUMES FROM", ", ".join(row["compatible"]) or "-"))
-        if wide:
-            fields.append((f"{cls.upper()} ATTRIBUTES",
-                           version_text(msgspec.convert(row["default_runtime"], CompatVersion))))
+    for row in view["classes"]:  # each runtime with its own edges, as `workers -o wide` shows them
+        fields += class_runtime_fields(row, wide)
     text = render_fields(fields, None if wide else width)
     booked = render_table(ACTOR_COLUMNS, view["actors"], width, wide).text if view["actors"] else "no actors booked"
     where = f"local images on {view['node']}"

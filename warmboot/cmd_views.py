@@ -28,13 +28,13 @@ from events.errors import ContractError
 from events.natspy.connections import describe_error
 from events.runtime_id import PREFIX as ID_PREFIX
 from events.runtime_id import Runtimes, UnknownRuntime, short_id
-from events.schema import (WHATIF_LIMIT_MAX, CompatVersion, Explanation, Fragmentation, Location, Placement,
+from events.schema import (WHATIF_LIMIT_MAX, CompatVersion, ErrorCode, Explanation, Fragmentation, Location, Placement,
                            Rejection, StrandedActor, WhatIf, WhatIfAnswer)
 from events.states import WorkerState
 from events.subjects import event_subject
 from services.scheduler.feasibility import SELECTOR_MISMATCH
-from warmboot.cli_common import (IntRange, ask, check_id, last_seq, log_messages, min_seq_option, nats_option,
-                                 prefix_option, selectors_of, version_text)
+from warmboot.cli_common import (IntRange, LogUnreadable, ask, check_id, last_seq, log_messages, min_seq_option,
+                                 nats_option, prefix_option, selectors_of, version_text)
 from warmboot.client import Client
 from warmboot.render import Column, key_values, render_fields, render_table, terminal_width
 
@@ -137,23 +137,26 @@ LABELS_TIMEOUT_S = 2.0  # how long a command's text waits for the stream to say 
 async def runtime_labels(nc: Any, prefix: str) -> Runtimes:
     """The fleet's runtimes, to label those a reply names (`fleet_runtimes`). A reply is printed
     all the same when the log cannot be read (a client's credentials may not read it:
-    docs/security.md; NATS then answers nothing, so the stream's question waits LABELS_TIMEOUT_S):
-    then every label carries its runtime's digits (`Runtimes(complete=False)`), and stderr says
-    why. Once the stream has answered, the fleet is read whole, however long that takes."""
+    docs/security.md; NATS refuses the question at once; else the stream's question waits at most
+    LABELS_TIMEOUT_S): then every label carries its runtime's digits (`Runtimes(complete=False)`),
+    and stderr says so in one line (`readable_fleet`). Once the stream has answered, the fleet is
+    read whole, however long that takes."""
     projection = await readable_fleet(nc, prefix)
     return runtimes_of(projection) if projection is not None else Runtimes(complete=False)
 
 
 async def readable_fleet(nc: Any, prefix: str) -> Any | None:
-    """The registered workers (`fleet`), or None, said on stderr, when the log cannot be read
-    (see `runtime_labels`)."""
+    """The registered workers (`fleet`), or None when the log cannot be read (see `runtime_labels`):
+    then one line on stderr says what was not looked up, and why in a few words (`LogUnreadable.why`).
+    The command goes on and succeeds: the note must not read as a failure (it was the four lines of
+    `last_seq`'s error, asking whether the credentials may read the log: a walkthrough)."""
     try:
         target = await last_seq(nc, prefix, LABELS_TIMEOUT_S)
         return await fleet(nc, prefix, target)
     except (click.ClickException, ContractError, nats.errors.Error) as e:
-        why = e.message if isinstance(e, (click.ClickException, ContractError)) else describe_error(e)
-        click.echo(f"note: runtimes are shown with their ids' digits (name@3f9a1c, or rt-3f9a1c without a name), not "
-                   f"as the fleet's names would tell them apart: {why}", err=True)
+        why = (e.why if isinstance(e, LogUnreadable) else e.message
+               if isinstance(e, (click.ClickException, ContractError)) else describe_error(e))
+        click.echo(f"note: runtime names not looked up: {why}", err=True)
         return None
 
 
@@ -323,7 +326,7 @@ async def selector_misses(nc: Any, prefix: str, actor_id: str, asked: dict[str, 
 
 
 @click.command()
-@click.argument("actor_id")
+@click.argument("actor_id", callback=check_id)
 @click.option("--selector", "selectors", multiple=True, metavar="KEY=VALUE",
               help="Extra label selector. Repeatable, one value per key.")
 @click.option("--limit", type=IntRange(min=0), default=20, show_default=True,
@@ -419,8 +422,9 @@ def fragmentation(sandbox_class: tuple[str, ...], min_seq: int | None, nats_url:
     running it (DEFAULT), able to restore it (RESTORABLE) or accepting it through a compatible
     version (EDGE), their free room, and the memory snapshots stamped with it (SNAPSHOTS).
 
-    A --class the scheduler knows nothing of (no worker runs it, no actor is of it) is an error
-    naming the classes the registered workers run, exit status 1, as whatif's is."""
+    A --class the scheduler knows nothing of (no worker has registered it, no actor is of it) is
+    NOT_FOUND, exit status 1, naming the classes the registered workers run where these credentials
+    may read the log."""
     mode = output_mode(output, as_json)
     named = list(dict.fromkeys(sandbox_class))
 
@@ -428,10 +432,12 @@ def fragmentation(sandbox_class: tuple[str, ...], min_seq: int | None, nats_url:
         client = Client(nc, prefix)
         found = []
         for one in named or [None]:  # the endpoint's own answer for each class asked
-            answer = await client.fragmentation(one, min_seq)
-            if one is not None and not answer.classes:  # the scheduler knows no such class
-                await check_class_named(nc, prefix, one)
-            found.append(answer)
+            try:
+                found.append(await client.fragmentation(one, min_seq))
+            except ContractError as e:  # the scheduler knows no such class (`Client.fragmentation`)
+                if e.code is ErrorCode.NOT_FOUND and e.field == "sandbox_class":
+                    await check_class_named(nc, prefix, one)  # the same error, naming the classes the fleet runs
+                raise
         if len(found) > 1:  # several classes: their answers as one, by class as the endpoint orders them
             found = [Fragmentation(classes=sorted((c for a in found for c in a.classes),
                                                   key=lambda c: c.sandbox_class))]
@@ -457,11 +463,51 @@ def edges_of(entry: Any) -> list[Any]:
     return list(seen.values())
 
 
+def runtime_entries(sandbox_class: str, entry: Any, runtimes: Runtimes) -> list[dict]:
+    """A class entry's runtimes, its default first, then its restorable ones: each with its label, its
+    `rt-` id, its role, its version, and the versions its own `compatible_versions` edges accept (by
+    label and by id): which runtime an edge belongs to, the runtime a snapshot so restored runs on."""
+    return [{
+        "role": role,
+        "runtime": runtimes.label(sandbox_class, r.compat.version, r.name),
+        "runtime_id": short_id(r.compat.key),
+        "version": to_builtins(r.compat.version),
+        "resumes_from": [runtimes.label(sandbox_class, e.version) for e in r.edges],
+        "resumes_from_ids": [short_id(e.key) for e in r.edges],
+    } for role, r in (("default", entry.default), *(("restorable", r) for r in entry.restorable))]
+
+
+def resumes_from_text(row: dict) -> str:
+    """A row's RESUMES FROM: the versions each of its runtimes accepts through its edges, after that
+    runtime's label (`runsc-2024.11: runsc-2024.05; runsc-2024.05: runsc-2024.01`), so that an edge of
+    a restorable runtime does not read as the default's (the column listed them all as one: a
+    walkthrough); `-` if none has an edge."""
+    return "; ".join(f"{r['runtime']}: {','.join(r['resumes_from'])}" for r in row["runtimes"]
+                     if r["resumes_from"]) or "-"
+
+
+def class_runtime_fields(row: dict, wide: bool = False) -> list[tuple[str, str]]:
+    """A `worker_rows` row's runtimes as `worker show` fields: DEFAULT and RESTORABLE by label, with
+    `wide` each with its `rt-` id, the restorable ones as the default (`runsc-v2 (rt-3f9a1c)`), and
+    RESUMES FROM (`resumes_from_text`); with `wide`, the default's ATTRIBUTES too."""
+    cls = row["sandbox_class"].upper()
+    named = [f"{r['runtime']} ({r['runtime_id']})" if wide else r["runtime"] for r in row["runtimes"]]
+    fields = [(f"{cls} DEFAULT", named[0]),
+              (f"{cls} RESTORABLE", ", ".join(named[1:]) or "-"),
+              (f"{cls} RESUMES FROM", resumes_from_text(row))]
+    if wide:
+        fields.append((f"{cls} ATTRIBUTES", version_text(_version(row["default_runtime"]))))
+    return fields
+
+
 def worker_rows(projection: Any, runtimes: Runtimes | None = None) -> list[dict]:
     """One row per (worker, sandbox class), sorted by class, default runtime and worker. A row's
     `actors` counts the actors of its class booked on the worker (the table's ACTORS), its
     `worker_actors` those of every class (the worker's whole count, on each of its rows): a
-    worker's count was printed on each of its class rows, as if each held them all (a walkthrough)."""
+    worker's count was printed on each of its class rows, as if each held them all (a walkthrough).
+    Each runtime has its `rt-` id beside its label (`runtime_id`, `restorable_ids`); `resumes_from`
+    lists the edges of all its runtimes as one, `runtimes` each runtime with its own
+    (`runtime_entries`): keys added, none renamed, for the JSON a script reads."""
     runtimes = runtimes or runtimes_of(projection)
     held: dict[tuple[int, str], int] = {}  # (a worker's record, a class): its actors of that class
     for a in projection.actors.values():  # as `Projection.booked_on` names them: one pass for every worker
@@ -482,10 +528,13 @@ def worker_rows(projection: Any, runtimes: Runtimes | None = None) -> list[dict]
                 "runtime_id": short_id(default.compat.key),
                 "default_runtime": to_builtins(default.compat.version),
                 "restorable": [runtimes.label(sandbox_class, r.compat.version, r.name) for r in entry.restorable],
+                "restorable_ids": [short_id(r.compat.key) for r in entry.restorable],
                 "restorable_runtimes": [to_builtins(r.compat.version) for r in entry.restorable],
                 # the one-way edges: versions whose memory snapshots it also resumes (compatible_versions)
                 "resumes_from": [runtimes.label(sandbox_class, e.version) for e in edges],
+                "resumes_from_ids": [short_id(e.key) for e in edges],
                 "resumes_from_versions": [to_builtins(e.version) for e in edges],
+                "runtimes": runtime_entries(sandbox_class, entry, runtimes),  # each with its own edges
                 "capacity": {"cpu_millis": worker.cpu_millis, "memory_mib": worker.memory_mib},
                 "free": {"cpu_millis": worker.room_cpu, "memory_mib": worker.room_mem},
                 "actors": held.get((id(worker), sandbox_class), 0),  # of this class
@@ -511,7 +560,8 @@ WORKER_COLUMNS = [  # `drop`: the highest gives way first when the terminal is n
     Column("CPU", lambda r: millis(r["capacity"]["cpu_millis"]), right=True, wide=True),
     Column("MEM", lambda r: mib(r["capacity"]["memory_mib"]), right=True, wide=True),
     Column("RUNTIME ID", lambda r: r["runtime_id"], wide=True),
-    Column("RESUMES FROM", lambda r: ",".join(r["resumes_from"]) or "-", wide=True),
+    Column("RESTORABLE IDS", lambda r: ",".join(r["restorable_ids"]) or "-", wide=True),
+    Column("RESUMES FROM", resumes_from_text, wide=True),
     Column("LABELS", lambda r: key_values(r["labels"]), wide=True),
     Column("ATTRIBUTES", lambda r: version_text(_version(r["default_runtime"])), wide=True),
 ]

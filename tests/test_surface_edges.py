@@ -1,0 +1,186 @@
+"""Edges of the CLI's and the client's surface a walkthrough found: what a client's credentials are
+told after a command that succeeded, an unknown class asked of `Client.fragmentation`, the exit
+status of a malformed id, and restorable runtimes shown with their ids and their own edges."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from contextlib import AsyncExitStack
+
+import msgspec
+import pytest
+from click.testing import CliRunner
+
+from events.compat import compat_key
+from events.errors import ContractError
+from events.runtime_id import short_id
+from events.schema import CompatVersion, ErrorCode, RegisterReply, SeqReply, WhatIf
+from events.subjects import service_subject
+from services.endpoints import call
+from tests.registry_helpers import registration, runtime
+from tests.secured_helpers import Secured
+from warmboot.cli import main
+from warmboot.client import Client
+from warmboot.cmd_views import class_runtime_fields
+from warmboot.runner import SERVICES, start_services
+
+PREFIX = "se"
+
+
+def edged(asset: str, name: str, *accepts: str) -> dict:
+    """A runtime (`registry_helpers.runtime`) whose `compatible_versions` accept the assets `accepts`."""
+    return {**runtime(asset, name), "compatible_versions": [runtime(a)["version"] for a in accepts]}
+
+
+# w-1's runtimes: its default accepts v1's snapshots through an edge, its restorable one v0's
+W1 = registration("w-1", edged("v2", "runsc-v2", "v1"), [edged("v1b", "runsc-v1b", "v0")])
+IDS = {asset: short_id(compat_key("gvisor", msgspec.convert(runtime(asset)["version"], CompatVersion)))
+       for asset in ("v0", "v1", "v1b", "v2")}  # each runtime's `rt-` id
+
+
+def cli(*args: str, env: dict[str, str] | None = None):
+    return asyncio.to_thread(CliRunner().invoke, main, list(args), env=env or {})
+
+
+@pytest.fixture(scope="module")
+async def secured(tmp_path_factory):
+    """A server under `warmboot nats-config`'s permissions running every service; one worker
+    registered, actors a-1 and a-2 created; an operator (ops) and a client (orch)."""
+    server = Secured(tmp_path_factory.mktemp("secured"), PREFIX, workers=("w-1",), operators=("ops",),
+                     clients=("orch",)).start()
+    try:
+        async with AsyncExitStack() as stack:
+            await start_services(stack, list(SERVICES), server.url("svc"), PREFIX,
+                                 options={"scheduler": {"metrics": False}})
+            svc = await server.connect("svc")
+            stack.push_async_callback(svc.close)
+            orch = await server.connect("orch")
+            stack.push_async_callback(orch.close)
+            worker = await server.connect("w-1")
+            stack.push_async_callback(worker.close)
+            await call(worker.nc, service_subject(PREFIX, "registry", "register", "w-1"), W1, RegisterReply)
+            for actor_id in ("a-1", "a-2"):
+                await call(orch.nc, service_subject(PREFIX, "snapshotter", "create", actor_id),
+                           {"actor_id": actor_id, "sandbox_class": "gvisor", "template_uid": "tpl-1",
+                            "resources": {"cpu_millis": 250, "memory_mib": 256}}, SeqReply)
+            yield server
+    finally:
+        server.stop()
+
+
+# --- 1. a client's credentials, after a command that succeeded ------------------------------------------
+
+
+async def test_a_command_that_succeeds_for_a_client_says_in_one_line_what_it_did_not_check(secured):
+    """A client's credentials may not read the log, where the runtimes' names are: `actor resume`,
+    `explain` and `fragmentation` succeed all the same. Their stderr said, over four lines of a
+    terminal, "cannot read the event stream ...: is --prefix se the deployment's, and may these
+    credentials read its log?", as if the command had failed (a walkthrough). Now one short line
+    says what was not checked, and why."""
+    env = {"NATS_URL": secured.url("orch"), "WARMBOOT_PREFIX": PREFIX}
+    expected = "note: runtime names not looked up: these credentials may not read the log\n"
+    for args, says in ((["actor", "resume", "a-1"], "DECISION"), (["explain", "a-2"], "SUMMARY"),
+                       (["fragmentation"], "SNAPSHOTS")):
+        result = await cli(*args, env=env)
+        assert result.exit_code == 0, (args, result.output)
+        assert says in result.stdout and IDS["v2"][3:] in result.stdout, (args, result.stdout)  # the id's digits
+        assert result.stderr == expected, (args, result.stderr)
+    # an operator's credentials read the names: nothing said
+    ops = await cli("fragmentation", env={"NATS_URL": secured.url("ops"), "WARMBOOT_PREFIX": PREFIX})
+    assert ops.exit_code == 0 and ops.stderr == "", ops.output
+
+
+# --- 2. a class the scheduler knows nothing of, asked of the client --------------------------------------
+
+
+async def test_the_client_says_not_found_of_a_class_the_scheduler_knows_nothing_of(secured):
+    """`Client.fragmentation("nope")` answered an empty Fragmentation, where `warmboot fragmentation
+    --class nope` says NOT_FOUND and `Client.whatif` raises it (a walkthrough). It raises the
+    ContractError the CLI prints, field `sandbox_class`; a class the scheduler knows is answered."""
+    async with await Client.connect(secured.url("orch"), PREFIX, timeout=5, attempts=1) as wb:
+        for ask in (lambda: wb.fragmentation("nope"), lambda: wb.whatif(WhatIf(sandbox_class="nope"))):
+            with pytest.raises(ContractError) as raised:
+                await ask()
+            assert (raised.value.code, raised.value.field) == (ErrorCode.NOT_FOUND, "sandbox_class")
+            assert raised.value.message.startswith("no worker has registered the sandbox class 'nope'")
+        assert [c.sandbox_class for c in (await wb.fragmentation("gvisor")).classes] == ["gvisor"]
+        assert [c.sandbox_class for c in (await wb.fragmentation()).classes] == ["gvisor"]
+    said = "error: NOT_FOUND sandbox_class (--class): no worker has registered the sandbox class 'nope'"
+    for user, names in (("orch", ""), ("ops", " (registered: gvisor)")):  # a client may not read the names
+        shown = await cli("fragmentation", "--class", "nope", env={"NATS_URL": secured.url(user),
+                                                                   "WARMBOOT_PREFIX": PREFIX})
+        assert (shown.exit_code, shown.stdout) == (1, ""), (user, shown.output)
+        assert shown.stderr == f"{said}{names}\n", (user, shown.stderr)
+    helped = " ".join(CliRunner().invoke(main, ["fragmentation", "--help"], terminal_width=200).output.split())
+    assert ("A --class the scheduler knows nothing of (no worker has registered it, no actor is of it) is NOT_FOUND, "
+            "exit status 1, naming the classes the registered workers run where these credentials may read the "
+            "log") in helped, helped
+
+
+# --- 3. a malformed id on the command line --------------------------------------------------------------
+
+ID_COMMANDS = [  # every command that takes an ACTOR_ID or WORKER_ID, with what else it requires
+    (["explain"], "ACTOR_ID", []),
+    (["actor", "create"], "ACTOR_ID", ["--class", "gvisor", "--template", "t1", "--cpu", "500", "--memory", "1024"]),
+    (["actor", "pause"], "ACTOR_ID", []),
+    (["actor", "suspend"], "ACTOR_ID", []),
+    (["actor", "resume"], "ACTOR_ID", []),
+    (["actor", "tag"], "ACTOR_ID", ["v1"]),
+    (["actor", "revert"], "ACTOR_ID", []),
+    (["actor", "update-template"], "ACTOR_ID", ["t2"]),
+    (["actor", "stop"], "ACTOR_ID", []),
+    (["actor", "show"], "ACTOR_ID", []),
+    (["audit", "actor"], "ACTOR_ID", []),
+    (["worker", "drain"], "WORKER_ID", []),
+    (["worker", "remove"], "WORKER_ID", []),
+    (["worker", "show"], "WORKER_ID", []),
+]
+
+
+@pytest.mark.parametrize("command, argument, more", ID_COMMANDS, ids=[" ".join(c[0]) for c in ID_COMMANDS])
+def test_a_malformed_id_is_a_usage_error_of_every_command_before_anything_is_sent(command, argument, more):
+    """`worker show 'bad id'` was a usage error (exit 2) and `explain 'bad id'` INVALID_ARGUMENT
+    (exit 1), said only once a server answered; so were the actor's lifecycle steps and `worker
+    drain|remove` (a walkthrough). Every command taking an id says it as a usage error naming the
+    argument, exit 2, as README says of a mistyped value, before it connects: here to a port no
+    server listens on, which is never tried."""
+    shown = CliRunner().invoke(main, [*command, "bad id", *more, "--nats", "nats://127.0.0.1:1"], prog_name="warmboot")
+    assert shown.exit_code == 2, shown.output
+    assert shown.stderr.startswith(f"Usage: warmboot {' '.join(command)} "), shown.stderr
+    assert shown.stderr.endswith(f"error: Invalid value for '{argument}': 'bad id' is not an id: 1 to 128 letters, "
+                                 "digits, '_' or '-', the first a letter or digit\n"), shown.stderr
+    assert "UNAVAILABLE" not in shown.output and shown.stdout == ""
+
+
+# --- 4. restorable runtimes by id, and the runtime each edge belongs to ----------------------------------
+
+
+async def test_each_runtime_is_shown_with_its_id_and_its_own_edges(secured):
+    """`workers -o wide` and the JSON of `workers` and `worker show` gave the default runtime its
+    `rt-` id, a restorable one its name alone; RESUMES FROM listed the edges of every runtime as one,
+    as if the default accepted them all (a walkthrough). A restorable runtime has its id as the
+    default has (RESTORABLE IDS, `restorable_ids`), and RESUMES FROM names the runtime each edge is
+    of (`runtimes`: each with its own); the keys there were keep their values."""
+    env = {"NATS_URL": secured.url("ops"), "WARMBOOT_PREFIX": PREFIX, "COLUMNS": "250"}
+    ids = IDS
+    wide = await cli("workers", "-o", "wide", env=env)
+    assert wide.exit_code == 0, wide.output
+    header, line = wide.stdout.splitlines()
+    assert "  RUNTIME ID  RESTORABLE IDS  RESUMES FROM  " in header, header
+    assert re.search(rf" {ids['v2']} +{ids['v1b']} +runsc-v2: {ids['v1']}; runsc-v1b: {ids['v0']} +zone=a ", line), line
+    row, = json.loads((await cli("workers", "-o", "json", env=env)).stdout)
+    shown = json.loads((await cli("worker", "show", "w-1", "-o", "json", env=env)).stdout)
+    for json_row in (row, shown["classes"][0]):
+        assert (json_row["runtime"], json_row["runtime_id"]) == ("runsc-v2", ids["v2"])
+        assert (json_row["restorable"], json_row["restorable_ids"]) == (["runsc-v1b"], [ids["v1b"]])
+        assert json_row["resumes_from"] == json_row["resumes_from_ids"] == [ids["v1"], ids["v0"]]  # as before
+        assert [(r["role"], r["runtime"], r["runtime_id"], r["resumes_from_ids"]) for r in json_row["runtimes"]] == [
+            ("default", "runsc-v2", ids["v2"], [ids["v1"]]), ("restorable", "runsc-v1b", ids["v1b"], [ids["v0"]])]
+    assert shown["classes"][0]["compatible"] == sorted(row["resumes_from"])
+    # `worker show`'s fields, as `class_runtime_fields` gives them
+    assert class_runtime_fields(row, wide=True)[:3] == [
+        ("GVISOR DEFAULT", f"runsc-v2 ({ids['v2']})"), ("GVISOR RESTORABLE", f"runsc-v1b ({ids['v1b']})"),
+        ("GVISOR RESUMES FROM", f"runsc-v2: {ids['v1']}; runsc-v1b: {ids['v0']}")]
+    assert class_runtime_fields(row)[:2] == [("GVISOR DEFAULT", "runsc-v2"), ("GVISOR RESTORABLE", "runsc-v1b")]
