@@ -28,7 +28,7 @@ from tests.secured_helpers import Secured, Serve
 from warmboot.agent import Agent
 from warmboot.cli import main
 from warmboot.cli_common import log_messages
-from warmboot.nats_config import nkey_public
+from warmboot.nats_config import new_nkey_seed, nkey_public
 from warmboot.natsserver import NatsServer
 from warmboot.runner import start_services
 
@@ -677,6 +677,81 @@ def test_the_services_seed_is_written_alone_for_the_services(tmp_path):
     refused = CliRunner().invoke(main, ["nats-config", "--worker", "w-1", "--services-seed", str(tmp_path / "x.nk")])
     assert refused.exit_code != 0 and "--services-seed goes with --auth nkey" in refused.output
     assert not (tmp_path / "x.nk").exists()
+
+
+@pytest.mark.parametrize("first_with_secrets", [True, False])
+def test_a_dropped_worker_s_seed_is_not_handed_to_a_client_of_its_name_though_the_secrets_file_is_new(
+        tmp_path, first_with_secrets):
+    """A red-team review: bob a worker (its seed on bob's machine); the next run, with a secrets file
+    made anew (moved, lost; or --secrets given for the first time), drops bob: its seed file was kept
+    (only the users of the secrets file counted as made by this command) and its role forgotten; a
+    third run listing bob as a client took the worker's seed up, and the worker's machine signed in
+    with a client's rights. Now the directory's roles count too: the seed goes with the worker."""
+    seeds = tmp_path / "seeds"
+
+    def run(*args: str):
+        result = CliRunner().invoke(main, ["nats-config", "--prefix", "wb", "--auth", "nkey", "--seeds-dir",
+                                           str(seeds), "--operator", "alice", "--worker", "carol",
+                                           "--out", str(tmp_path / "auth.conf"), *args])
+        assert result.exit_code == 0, result.output
+        return result
+
+    run("--worker", "bob", *(["--secrets", str(tmp_path / "s1.json")] if first_with_secrets else []))
+    on_bobs_machine = (seeds / "bob.nk").read_text()
+    dropped = run("--secrets", str(tmp_path / "s2.json"))
+    assert "removed the seeds of users no longer listed: bob" in dropped.output
+    assert not (seeds / "bob.nk").exists()
+    run("--client", "bob", "--secrets", str(tmp_path / "s2.json"))
+    assert (seeds / "bob.nk").read_text() != on_bobs_machine
+    public = nkey_public(on_bobs_machine.strip())
+    assert public not in (tmp_path / "auth.conf").read_text()  # the worker's machine signs in as nobody
+
+
+def test_a_seed_file_with_no_role_recorded_is_taken_up_only_from_a_directory_that_records_none(tmp_path):
+    """A seed in the directory for which the roles it records say nothing (left by an earlier version,
+    or put there) is nobody's this command knows of: the user gets a new one. A directory from before
+    roles were recorded (no _roles.json) keeps its seeds, as it did."""
+    seeds = tmp_path / "seeds"
+    base = ["nats-config", "--auth", "nkey", "--seeds-dir", str(seeds), "--out", str(tmp_path / "auth.conf")]
+    assert CliRunner().invoke(main, [*base, "--worker", "w-1"]).exit_code == 0
+    stray = new_nkey_seed()
+    (seeds / "c-1.nk").write_text(stray + "\n")
+    assert CliRunner().invoke(main, [*base, "--worker", "w-1", "--client", "c-1"]).exit_code == 0
+    assert (seeds / "c-1.nk").read_text().strip() != stray
+
+    legacy = tmp_path / "legacy"
+    legacy.mkdir(mode=0o700)
+    kept = new_nkey_seed()
+    (legacy / "w-1.nk").write_text(kept + "\n")
+    made = CliRunner().invoke(main, ["nats-config", "--auth", "nkey", "--seeds-dir", str(legacy), "--worker", "w-1"])
+    assert made.exit_code == 0 and (legacy / "w-1.nk").read_text().strip() == kept
+    assert nkey_public(kept) in made.stdout
+
+
+@pytest.mark.parametrize("option, name, says", [
+    ("--services-seed", "w-1.nk", "the seed of w-1"),
+    ("--out", "w-1.nk", "the seed of w-1"),
+    ("--secrets", "ops.nk", "the seed of ops"),
+    ("--out", "_roles.json", "the roles"),
+])
+def test_an_output_naming_a_file_of_the_seeds_dir_is_refused_and_nothing_written(tmp_path, option, name, says):
+    """`--services-seed seeds/w-1.nk --seeds-dir seeds` was taken: w-1's seed file then held the
+    services' seed, and whoever was handed it had their rights (a red-team review)."""
+    seeds = tmp_path / "seeds"
+    seeds.mkdir(mode=0o700)
+    args = ["nats-config", "--auth", "nkey", "--worker", "w-1", "--operator", "ops", "--seeds-dir", str(seeds),
+            option, str(seeds / name)]
+    if option != "--out":
+        args += ["--out", str(tmp_path / "auth.conf")]
+    refused = CliRunner().invoke(main, args)
+    assert refused.exit_code == 2, refused.output
+    assert f"error: {option} names {seeds / name}, a file of --seeds-dir ({says})" in refused.output
+    assert not any(tmp_path.rglob("*.*"))  # nothing written
+    # the services' own seed file in the directory is the same seed: named, it is written once
+    same = CliRunner().invoke(main, ["nats-config", "--auth", "nkey", "--worker", "w-1", "--seeds-dir", str(seeds),
+                                     "--services-seed", str(seeds / "warmboot-services.nk"),
+                                     "--out", str(tmp_path / "auth.conf")])
+    assert same.exit_code == 0, same.output
 
 
 def test_a_seed_kept_in_a_seeds_dir_is_not_handed_to_another_role(tmp_path):

@@ -561,9 +561,17 @@ def nats_config(
         other = written.setdefault(path.resolve(), option)
         if other != option:
             raise click.UsageError(f"{option} and {other} name the same file, {path}")
+    if seeds_dir is not None:  # nor a file the seeds directory holds: a user's seed would be another's
+        for name in [f"{u}.nk" for u in users] + [ROLES_FILE]:
+            other = written.get((seeds_dir / name).resolve())
+            if other is not None and not (other == "--services-seed" and name == f"{services_user}.nk"):
+                raise click.UsageError(f"{other} names {seeds_dir / name}, a file of --seeds-dir "
+                                       f"({'the roles' if name == ROLES_FILE else 'the seed of ' + name[:-3]})")
 
     kept, kept_roles = _read_secrets(secrets_path)
-    kept_roles = {**_read_roles(seeds_dir), **kept_roles}
+    dir_roles = _read_roles(seeds_dir)  # the users this command made seeds for in the directory, and their roles
+    roles_recorded = seeds_dir is not None and (seeds_dir / ROLES_FILE).is_file()
+    kept_roles = {**dir_roles, **kept_roles}
     role_of = {services_user: "services", **{u: "operator" for u in operators}, **{u: "client" for u in clients},
                **{u: "worker" for u in worker_ids}}
     # A secret is its holder's: one made for another role (a worker's, on its machine) is not handed
@@ -571,14 +579,20 @@ def nats_config(
     moved = sorted(u for u in users if kept_roles.get(u, role_of[u]) != role_of[u])
     for u in moved:
         kept.pop(u, None)
-    # the seed files of users this command made before (its secrets file says which; without one,
-    # every USER.nk in the directory) that this run leaves out: removed once the rest is written
-    made_before = set(kept) if secrets_path is not None else (
+    # the seed files of users this command made before (its secrets file and the directory's roles
+    # say which; without a secrets file, every USER.nk in the directory) that this run leaves out:
+    # removed once the rest is written. The directory's roles count with a secrets file too: a
+    # secrets file made anew (moved, lost) left a dropped worker's seed, and a later run listing
+    # the name as a client took it up, the worker's machine signing in as a client (a review).
+    made_before = set(kept) | set(dir_roles) if secrets_path is not None else (
         {path.stem for path in seeds_dir.glob("*.nk") if ID_RE.match(path.stem)} if seeds_dir is not None else set())
-    if seeds_dir is not None:  # seeds handed out earlier are kept too
+    if seeds_dir is not None:  # seeds handed out earlier are kept too: those of a role recorded as this run's
         for u in users:
             path = seeds_dir / f"{u}.nk"
-            if u not in kept and u not in moved and path.is_file():
+            # a seed with no role recorded, in a directory that records them, is nobody's this command
+            # knows of: not handed on (a directory from before roles were recorded keeps its seeds)
+            known = u in kept_roles or not roles_recorded
+            if u not in kept and u not in moved and known and path.is_file():
                 kept[u] = path.read_text().strip()
     fresh = new_nkey_seed if auth == "nkey" else new_password
     # a password kept from a password run is no seed, and the other way round: make a new one
