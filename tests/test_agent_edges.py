@@ -4,15 +4,19 @@ and used by the scheduler."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 
-from events.schema import Attribute, CompatVersion, RuntimeChanged, WorkerRegistered
+from events.errors import ContractError
+from events.probe import probe_version
+from events.schema import Attribute, CompatVersion, ErrorCode, RuntimeChanged, WorkerRegistered, WorkerRemoved
 from tests.factories import actor, golden
-from tests.registry_helpers import PROBE, agent_config, wait_event
-from tests.test_agent import probed, running_agent
-from warmboot.agent_config import ConfigError, load_registration
+from tests.registry_helpers import AMD, CPUINFO, PROBE, agent_config, wait_event
+from tests.test_agent import agent_running, probed, running_agent
+from warmboot.agent import Agent
+from warmboot.agent_config import ConfigError, ProbeSettings, load_registration
 from warmboot.client import Client
 
 ROOT = Path(__file__).parent.parent
@@ -277,3 +281,28 @@ async def test_an_agent_registers_its_edge_and_the_scheduler_restores_through_it
         path.write_text(agent_config("v1"))  # the edge withdrawn
         _, changed = await wait_event(nc, prefix, "w-a", RuntimeChanged, after=seq)
         assert changed.sandbox_classes[0].default_runtime.compatible_versions == ()
+
+
+async def test_a_machine_moved_to_the_cpu_its_edge_names_is_removed_at_once(stack, nats_url, nc, prefix, tmp_path):
+    """A walkthrough: the machine moves to the CPU its default's edge names (a VM migrated from an
+    Intel host to an AMD one), so the file's registration of it is invalid (the edge is the default's
+    own version). That was taken for a probe that could not read the machine: the Intel runtime stayed
+    registered for the grace (10 s), and MEMORY resumes of Intel images were placed there. The probe
+    read the machine fine: the worker is removed at once (here the grace is 10 minutes)."""
+    amd = {a.key: a.value for a in probe_version(AMD.read_text(), "amd64", "gvisor").attributes}["cpu_features"]
+    cpuinfo, path = tmp_path / "cpuinfo", tmp_path / "agent.toml"
+    shutil.copy(CPUINFO, cpuinfo)
+    path.write_text(with_edges(agent_config("v1"), literal("v1", amd)))
+    agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe_interval_s=0.05,
+                  unreadable_grace_s=600.0, probe=ProbeSettings(cpuinfo_path=cpuinfo, architecture="amd64"))
+    wb = Client(nc, prefix)
+    async with agent_running(agent):
+        seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
+        await wb.create(actor("a", golden_snapshot=golden(probed("v1"))))  # an Intel image
+        shutil.copy(AMD, cpuinfo)  # the machine is AMD now
+        seq, removed = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq)
+        assert removed.reason.startswith("its agent cannot register the CPU its machine has now: ")
+        assert "compatible version equals the runtime's own version" in removed.reason
+        with pytest.raises(ContractError) as refused:  # nowhere to load the Intel image: not placed
+            await wb.resume("a", min_seq=seq)
+        assert refused.value.code is ErrorCode.RESOURCE_EXHAUSTED

@@ -820,7 +820,8 @@ class Agent:
 
     def _judge_stale(self) -> str | None:
         """Whether the registration in force claims a CPU the machine no longer has: made on the machine as
-        the probe reads it now, it differs, or contradicts what it names literally (`MachineMismatch`). A
+        the probe reads it now, it differs, or contradicts what it names literally, or breaks the registry's
+        rules (`MachineMismatch`, `NotRegistrable`). A
         read it cannot be made of says nothing of the CPU (cpuinfo unreadable for a moment): only reads
         that fail for the grace do (`_unreadable`), as for `_restamp`."""
         if self.withdrawn or self._in_force_of is None or self.registration is None:
@@ -1084,8 +1085,10 @@ class Agent:
             registration = self._read_config()
         except ConfigError as e:
             self._config_failed = True
-            if self.edited:
-                log.error("ignoring the edit of %s, keeping the registration in force: %s", self.config_path, e)
+            if self.edited:  # (none is in force once the worker was removed for want of one: said so)
+                kept = "the worker stays removed until one can be made" if self.withdrawn else \
+                    "keeping the registration in force"
+                log.error("ignoring the edit of %s, %s: %s", self.config_path, kept, e)
             else:
                 log.error("what the probe reads of this machine changed, and %s makes no registration of it: %s",
                           self.config_path, e)

@@ -41,6 +41,15 @@ class MachineMismatch(ConfigError):
     read of the machine will change that (unlike a probe that failed to read it)."""
 
 
+class NotRegistrable(MachineMismatch):
+    """The machine reads fine, but the registration the file makes of it breaks the registry's
+    rules (a `compatible_versions` edge that is now the default's own version: the machine moved
+    to the CPU the edge names). As certain as a MachineMismatch: no read of this machine changes
+    it, and a registration in force made of an earlier read claims a CPU it no longer has (an
+    audit: taken for a probe that could not read the machine, the old CPU stayed registered for
+    the 10 s of grace, and resumes of its images were placed there)."""
+
+
 class VersionConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """A CompatVersion as the TOML file declares it: probed (`profile`) plus literal attributes,
     or literal attributes alone (another machine's, copied from its `--print-registration`)."""
@@ -305,9 +314,9 @@ def build_registration(
     }
     try:
         return decode_request(RegisterWorker, encode(raw))
-    except ContractError as e:
+    except ContractError as e:  # every runtime was made of the machine as read: the registration is what is wrong
         where = f"{e.field}: " if e.field else ""
-        raise ConfigError(f"{where}{e.message}") from None
+        raise NotRegistrable(f"{where}{e.message}") from None
 
 
 def load_registration(path: Path, worker_id: str, node: str, probe: ProbeSettings = ProbeSettings()) -> RegisterWorker:
