@@ -164,6 +164,21 @@ def test_rule4a_memory_floor_with_a_full_compatible_worker_is_resource_exhausted
     assert "template" in error.message
 
 
+def test_rule4a_memory_floor_with_no_worker_accepting_the_stamp_says_so_with_the_same_code():
+    """RESOURCE_EXHAUSTED either way (docs/contract.md: a rolling upgrade can bring one back), but
+    "no compatible worker has room" read as busy where none is registered at all (a walkthrough)."""
+    log = Log()
+    log.worker("other", runtime(V2), mem=65536)
+    log.actor("a", min_fidelity=Fidelity.MEMORY, snapshot=golden(V1))
+    error = refused(log, "a", ErrorCode.RESOURCE_EXHAUSTED)
+    assert error.message.endswith("; no registered worker accepts its memory image's runtime and min_fidelity is "
+                                  "MEMORY: more room does not help until one that does registers (a rolling "
+                                  "upgrade can bring one back)")
+    log.worker("compat", runtime(V1), mem=100)  # one that accepts it, full
+    assert refused(log, "a", ErrorCode.RESOURCE_EXHAUSTED).message.endswith(
+        "; no compatible worker has room and min_fidelity is MEMORY")
+
+
 def test_revert_to_none_cold_boots_unless_the_floor_is_memory():
     log = Log()
     log.worker("w-b", runtime(V1), node="n-b")

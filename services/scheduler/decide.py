@@ -380,8 +380,10 @@ def _plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | N
                    if actor.state is not PAUSED else
                    f"actor is PAUSED on node {node}: its memory restores only on a compatible worker there "
                    "(suspended, its image goes to external storage and it may move)")
-    elif floor is Fidelity.MEMORY:  # rule 4's exception (4a: more room could help)
-        refusal = "no compatible worker has room and min_fidelity is MEMORY"
+    elif floor is Fidelity.MEMORY:  # rule 4's exception (4a: more room could help; so could a worker registering)
+        refusal = ("no compatible worker has room and min_fidelity is MEMORY" if tiers else
+                   "no registered worker accepts its memory image's runtime and min_fidelity is MEMORY: more room "
+                   "does not help until one that does registers (a rolling upgrade can bring one back)")
     else:  # rule 4: fall back rather than fail, keeping the stamp's architecture
         source = without_memory(arch)
         fallback = _without_memory(ask(None, arch), items(source), FallbackReason.NO_COMPATIBLE_WORKER, borrowed)
