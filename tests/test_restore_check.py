@@ -104,6 +104,13 @@ async def test_the_agent_checks_an_assignment_the_scheduler_made_against_its_mac
     assert refused.stderr.startswith(f"error: FAILED_PRECONDITION: worker w-1 cannot carry out a-1's placement "
                                      f"(RESTORE at MEMORY under {v1.name}): no runtime it runs accepts the image's "
                                      "version; refuse it"), refused.stderr
+    path.write_text(config("v2").replace('profile = "gvisor"', 'profile = "qemu"', 1))  # no registration made
+    unjudged = await asyncio.to_thread(run_check, path, resumed.stdout.encode())
+    assert unjudged.exit_code == 1, unjudged.output
+    assert unjudged.stderr.startswith("error: FAILED_PRECONDITION: worker w-1 cannot judge the placement: the "
+                                      "configuration makes no registration of this machine now ("), unjudged.stderr
+    assert "unknown profile 'qemu'" in unjudged.stderr and unjudged.stderr.rstrip().endswith("; refuse it")
+    path.write_text(config("v2"))
     bad = await asyncio.to_thread(run_check, path, b'{"actor_id": "a-1"}')
     assert bad.exit_code == 2 and "Invalid value for '--check-placement'" in bad.output
     assert "INVALID_ARGUMENT" in bad.output and "worker_id" in bad.output, bad.output

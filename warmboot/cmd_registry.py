@@ -109,7 +109,11 @@ def agent(
         try:
             registration = load_registration(config_path, worker_id, node, probe)
         except ConfigError as e:
-            raise click.ClickException(str(e)) from None
+            if placement_file is None:
+                raise click.ClickException(str(e)) from None
+            # no verdict can be given, and a placement this machine cannot be shown to carry out is refused
+            raise Failed(precondition(f"worker {worker_id} cannot judge the placement: the configuration makes "
+                                      f"no registration of this machine now ({e}); refuse it")) from None
         if placement_file is None:
             click.echo(json.dumps(json.loads(encode(registration)), indent=2))
         else:
