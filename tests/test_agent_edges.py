@@ -242,8 +242,9 @@ def test_an_agent_given_another_architecture_than_its_cpuinfo_s_registers_nothin
     path = tmp_path / "agent.toml"
     path.write_text(agent_config("v1"))
     arm = Path(__file__).parent / "cpuinfo" / "arm64-neoverse-n1.txt"
-    with pytest.raises(ConfigError, match=r"default_runtime: cpuinfo .* is an arm64 machine's \(it has 'Features' and 'CPU implementer'\), not "
-                                        r"amd64's: .* give --arch arm64"):
+    with pytest.raises(ConfigError, match=r"default_runtime: cpuinfo .* is an arm64 machine's "
+                                          r"\(it has 'Features' and 'CPU implementer'\), not "
+                                          r"amd64's: .* give --arch arm64"):
         load_registration(path, "w-a", "node-a", ProbeSettings(cpuinfo_path=arm, architecture="amd64"))
     assert load_registration(path, "w-a", "node-a", ProbeSettings(cpuinfo_path=arm, architecture="arm64"))
 

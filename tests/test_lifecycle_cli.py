@@ -377,7 +377,8 @@ async def test_worker_show_drain_and_remove(bus, nc, prefix):
     header = wide[0].split("  ")
     assert "RESUMES FROM" in [h.strip() for h in header if h.strip()], wide[0]
     column = wide[0].index("RESUMES FROM")
-    assert next(line for line in wide if line.startswith("w-new"))[column:].split()[:2] == ["runsc-v2:", "runsc-v1"], wide
+    cell = next(line for line in wide if line.startswith("w-new"))[column:].split()[:2]
+    assert cell == ["runsc-v2:", "runsc-v1"], wide
     assert all(f"b-{i}" in text for i in range(3)) and max(len(line) for line in text.splitlines()) <= 80
 
     drained = await run("worker", "drain", "w-new", "--reason", "kernel update", "--json")

@@ -33,8 +33,8 @@ from events.schema import (ActorCreated, ActorRuntime, CreateActor, Fidelity, Re
                            TagRecorded)
 from events.states import ActorState
 from events.subjects import event_subject
-from warmboot.cli_common import (MIB, MILLICORES, IntRange, LogUnreadable, ask, check_id, json_option, last_seq, min_seq_option,
-                                 nats_option, prefix_option, read_subject, replay, selectors_of)
+from warmboot.cli_common import (MIB, MILLICORES, IntRange, LogUnreadable, ask, check_id, json_option, last_seq,
+                                 min_seq_option, nats_option, prefix_option, read_subject, replay, selectors_of)
 from warmboot.client import Client
 from warmboot.cmd_views import (
     LABELS_TIMEOUT_S,
