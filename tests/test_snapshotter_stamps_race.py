@@ -436,6 +436,50 @@ async def test_a_pause_or_suspend_naming_its_placement_is_refused_once_the_actor
     assert promoted.snapshot.sandbox_runtime.version == V2
 
 
+async def test_the_client_fences_a_pause_or_suspend_with_its_last_resume_of_the_actor(stack, nc, prefix):
+    """A failover test: a suspend (no `placement_seq`) held in a stopped NATS server's buffers, its
+    caller gone, was decided once the actor had been stopped, created and placed again on a worker of
+    another runtime: life 1's image recorded in life 2, stamped with life 2's pin, and the next resume
+    sent it, at MEMORY, to a worker that cannot load it. The client now names, unless told otherwise,
+    the placement its own last resume of the actor answered: such a copy (here sent late by the client
+    that resumed life 1) is refused, nothing written. The usual course (resume, pause, promote;
+    resume, suspend) is unchanged, and a client with `fence_snapshots=False` sends no placement."""
+    orchestrator, other = Client(nc, prefix), Client(nc, prefix)
+    await other.register(worker("w-1", runtime(V1), node="node-1"))
+    await other.create(actor("a-1", cpu=1, mem=1))
+    first = await orchestrator.resume("a-1")  # life 1, on w-1 (V1): its image is taken there
+    assert (first.worker_id, first.sandbox_runtime.version) == ("w-1", V1)
+    await other.stop("a-1")  # meanwhile, another caller: a new life on a worker of another runtime
+    await other.remove("w-1")
+    await other.register(worker("w-2", runtime(V2), node="node-2"))
+    await other.create(actor("a-1", cpu=1, mem=1))
+    second = await other.resume("a-1")
+    assert (second.worker_id, second.sandbox_runtime.version) == ("w-2", V2)
+
+    before = [seq for seq, _, _ in await read_entries(nc, prefix)][-1]
+    for late in (lambda: orchestrator.suspend("a-1", uri="s3://life-1-image"), lambda: orchestrator.pause("a-1")):
+        with pytest.raises(ContractError) as refused:  # the late copy, as its caller sent it
+            await late()
+        assert (refused.value.code, refused.value.field) == (ErrorCode.FAILED_PRECONDITION, "placement_seq")
+        assert "placed on worker 'w-2'" in refused.value.message
+    assert [seq for seq, _, _ in await read_entries(nc, prefix)][-1] == before  # nothing written
+
+    unfenced = Client(nc, prefix, fence_snapshots=False)  # what it was: recorded with life 2's pin
+    recorded = await unfenced.suspend("a-1", uri="s3://life-1-image")
+    assert recorded.snapshot.sandbox_runtime.version == V2
+
+    # the usual course, all by the client that placed the actor: resume, pause, promote; resume, suspend
+    third = await orchestrator.resume("a-1")
+    paused = await orchestrator.pause("a-1")
+    assert (paused.snapshot.node, paused.snapshot.sandbox_runtime.version) == ("node-2", V2)
+    promoted = await orchestrator.suspend("a-1", uri="s3://a-1-promoted")
+    assert promoted.snapshot.sandbox_runtime.version == V2
+    fourth = await orchestrator.resume("a-1")
+    assert fourth.seq > third.seq
+    suspended = await orchestrator.suspend("a-1", uri="s3://a-1-again")
+    assert (suspended.snapshot.uri, suspended.snapshot.sandbox_runtime.version) == ("s3://a-1-again", V2)
+
+
 def named_placements(entries, named: dict[str, int]) -> list[str]:
     """Each snapshot a request naming its placement (`named`: request id -> placement_seq) recorded, in
     stream order: a pause or a suspend while that placement is the actor's current one (its ActorPlaced,

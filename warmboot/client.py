@@ -17,6 +17,10 @@ What it does so that callers need not:
   UNAVAILABLE, which is retried) instead of answering from older state.
 - Idempotency: every mutating request carries a `request_id`; one is generated when
   the caller gives none, so a retry is the same request.
+- Fencing: `pause` and `suspend` name the placement their image was taken under
+  (`placement_seq`): the caller's, else the `seq` of this client's last `resume` of the
+  actor (`fence_snapshots=False` sends none). A copy decided after the actor was placed
+  anew is refused, not recorded with the new placement's pin.
 - Retries: UNAVAILABLE, a time-out and "no responders" are retried with the same body
   (the same `request_id`), at most `attempts` times, with a growing, jittered pause (a request
   no service answered any time is UNAVAILABLE "no service answers SUBJECT after N attempts in
@@ -134,6 +138,9 @@ def _transient(service: str, error: ContractError) -> bool:
     return error.code is ErrorCode.RESOURCE_EXHAUSTED and service == "registry" and error.field is None
 
 
+PLACEMENTS_KEPT = 65_536  # actors whose last placement a client remembers, to fence its pauses and suspends
+
+
 class Client:
     """warmboot's endpoints as typed methods, over one NATS connection (see the module docstring)."""
 
@@ -146,6 +153,7 @@ class Client:
         attempts: int = DEFAULT_ATTEMPTS,
         read_your_writes: bool = True,
         refusals_final: bool = True,
+        fence_snapshots: bool = True,
     ):
         self.nc = nc
         # a request the server refuses to carry is FAILED_PRECONDITION at once (`_refusal`);
@@ -157,6 +165,11 @@ class Client:
         self.attempts = max(1, attempts)
         self.read_your_writes = read_your_writes
         self.seq = 0  # the highest stream sequence a reply has given this client
+        # `pause` and `suspend` without a `placement_seq` name the placement this client's last
+        # `resume` of the actor answered (`_placed`): the one whose worker this client told to run it,
+        # and so to take its image (`placement_seq`'s docstring)
+        self.fence_snapshots = fence_snapshots
+        self._placed: dict[str, int] = {}  # actor id -> seq of that Assignment, the last PLACEMENTS_KEPT actors
         self.retries = 0  # requests sent again (`_transient`)
         self._owned = False
 
@@ -359,19 +372,32 @@ class Client:
     async def pause(self, actor_id: str, snapshot_id: str | None = None, request_id: str | None = None,
                     placement_seq: int | None = None) -> SnapshotReply:
         """`placement_seq`: the `seq` of the Assignment the image was taken under (what `resume`
-        answered); FAILED_PRECONDITION if the actor has been placed anew since. Give it."""
+        answered); FAILED_PRECONDITION if the actor has been placed anew since. Left out, it is the
+        seq of this client's last `resume` of the actor, if it made one (`fence_snapshots`; the
+        image comes from the worker that Assignment named): a copy of this request held somewhere
+        (a NATS server stopped with it in its buffers: a failover test) and decided once the actor
+        was stopped, created and placed again, is then refused instead of recording this image in
+        the next life, stamped with that life's pin, where a resume would send it to a worker that
+        cannot load it. A client that pauses actors another process resumed gives it, or none."""
         body = PauseActor(snapshot_id=snapshot_id, request_id=request_id or new_request_id(),
-                          placement_seq=placement_seq)
+                          placement_seq=self._placement_of(actor_id, placement_seq))
         return await self.request("snapshotter", "pause", actor_id, body, SnapshotReply)
 
     async def suspend(
         self, actor_id: str, fidelity: Fidelity = Fidelity.MEMORY, uri: str | None = None,
         snapshot_id: str | None = None, request_id: str | None = None, placement_seq: int | None = None,
     ) -> SnapshotReply:
-        """`placement_seq` as for `pause` (for a PAUSED actor: the placement its pause ended)."""
-        body = SuspendActor(snapshot_id=snapshot_id, uri=uri, fidelity=fidelity,
-                            request_id=request_id or new_request_id(), placement_seq=placement_seq)
+        """`placement_seq` as for `pause`, this client's last resume of the actor if left out (for a
+        PAUSED actor: the placement its pause ended)."""
+        body = SuspendActor(snapshot_id=snapshot_id, uri=uri, fidelity=fidelity, request_id=request_id or
+                            new_request_id(), placement_seq=self._placement_of(actor_id, placement_seq))
         return await self.request("snapshotter", "suspend", actor_id, body, SnapshotReply)
+
+    def _placement_of(self, actor_id: str, given: int | None) -> int | None:
+        """The placement a pause or suspend names: `given`, else this client's last resume of the actor."""
+        if given is not None or not self.fence_snapshots:
+            return given
+        return self._placed.get(actor_id)
 
     async def tag(self, actor_id: str, tag: str, request_id: str | None = None) -> SnapshotReply:
         body = TagSnapshot(tag=tag, request_id=request_id or new_request_id())
@@ -383,7 +409,9 @@ class Client:
 
     async def stop(self, actor_id: str, request_id: str | None = None) -> SeqReply:
         body = StopActor(request_id=request_id or new_request_id())
-        return await self.request("snapshotter", "stop", actor_id, body, SeqReply)
+        stopped = await self.request("snapshotter", "stop", actor_id, body, SeqReply)
+        self._placed.pop(actor_id, None)  # the life is over: its placements with it
+        return stopped
 
     async def revert(self, actor_id: str, reason: str | None = None, request_id: str | None = None) -> RevertReply:
         body = RevertActor(reason=reason, request_id=request_id or new_request_id())
@@ -397,7 +425,12 @@ class Client:
     ) -> Assignment:
         body = ResumeActor(selectors=selectors, min_seq=self._min_seq(min_seq),
                            request_id=request_id or new_request_id())
-        return await self.request("scheduler", "resume", actor_id, body, Assignment)
+        placed = await self.request("scheduler", "resume", actor_id, body, Assignment)
+        self._placed.pop(actor_id, None)  # the newest last, so that the oldest goes first
+        self._placed[actor_id] = placed.seq
+        if len(self._placed) > PLACEMENTS_KEPT:
+            del self._placed[next(iter(self._placed))]
+        return placed
 
     async def explain(
         self, actor_id: str, selectors: dict[str, str] | None = None, min_seq: int | None = None,
