@@ -27,7 +27,7 @@ from eventsourcing.persistence import IntegrityError, Mapper, StoredEvent
 from eventsourcing.utils import TopicError
 
 from events.codec import decoder, encode
-from events.errors import ContractError, UnreadableHistory, precondition
+from events.errors import ContractError, UnreadableHistory, from_an_earlier_life, precondition
 from events.schema import EVENT_TYPES, ErrorCode, Event
 
 log = logging.getLogger("warmboot.events")
@@ -190,10 +190,7 @@ class WireAggregate:
         brought the earlier life's runtimes back onto the new one (a CPU its machine no longer
         has): the id says it was made for another life (docs/contract.md)."""
         if verb in self.REFUSED_FROM_AN_EARLIER_LIFE and not self.request_starts_life(verb):
-            raise precondition(
-                f"request_id {request_id!r} was used in an earlier life of {self.KIND} {self.entity_id!r}: a "
-                f"{verb} made for that life (a copy delivered late?) is not applied to this one; send it with a "
-                "new request_id", "request_id")
+            raise from_an_earlier_life(self.KIND, self.entity_id, verb, request_id)
 
     def fork(self) -> "WireAggregate":
         """A copy that shares nothing mutable with this one: what the cache hands a command, which

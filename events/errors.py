@@ -99,6 +99,14 @@ def precondition(message: str, field: str | None = None) -> ContractError:
     return ContractError(ErrorCode.FAILED_PRECONDITION, message, field)
 
 
+def from_an_earlier_life(kind: str, entity_id: str, verb: str, request_id: str) -> ContractError:
+    """FAILED_PRECONDITION, field request_id: a `verb` whose id an earlier life of the entity used
+    and which does not start a life (docs/contract.md, Idempotency): a copy delivered late."""
+    return precondition(
+        f"request_id {request_id!r} was used in an earlier life of {kind} {entity_id!r}: a {verb} made for that "
+        "life (a copy delivered late?) is not applied to this one; send it with a new request_id", "request_id")
+
+
 # A registration older than one the worker's history holds (services.registry.domain): the
 # refusal names the latest revision, which the sender reads back (`latest_revision`) to go on
 # above it when its own clock runs behind the one that wrote it.

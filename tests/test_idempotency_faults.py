@@ -266,7 +266,9 @@ async def test_a_late_retry_at_a_replica_behind_the_pushing_out_is_answered_not_
 async def test_a_replica_behind_a_new_life_does_not_answer_the_last_lifes_placement(stalled, nc, prefix):
     """Request ids are scoped to one life. A resume R of the actor's new life reaches a replica
     that has not folded the stop and the new creation yet (the caller sent no min_seq): it
-    must not answer with the last life's placement of R, but catch up and place the actor."""
+    must not answer with the last life's placement of R, but catch up and decide on the new life:
+    which refuses R, an id the last life's resume used (chosen 2026-12-06: before, it placed the
+    new life; a copy of a last life's resume held in a NATS server did the same)."""
     wb = Client(nc, prefix)
     await wb.register(worker("w", V1, cpu=64000, mem=65536))
     await wb.create(actor("a"))
@@ -279,9 +281,8 @@ async def test_a_replica_behind_a_new_life_does_not_answer_the_last_lifes_placem
         answer = asyncio.create_task(stalled.resume("a", ResumeActor(request_id="R")))
         await asyncio.wait_for(behind.wait(), 10)  # it found R in its stale view: it catches up first
         assert not answer.done()
-    placed = await asyncio.wait_for(answer, 20)
-    assert placed.seq > created.seq and placed != old
-    assert len(await placements(nc, prefix, "R")) == 2  # one per life
+    await refused_from_an_earlier_life(answer, created, old)
+    assert len(await placements(nc, prefix, "R")) == 1  # the last life's alone
 
 
 async def test_a_refusal_decided_on_a_fold_behind_the_actor_s_history_is_decided_again(stack, nc, prefix, monkeypatch):
@@ -816,10 +817,8 @@ async def test_a_last_life_placement_folded_while_the_resume_waits_does_not_answ
             answer = asyncio.create_task(stalled.resume("a", ResumeActor(request_id="R")))
             await asyncio.wait_for(stalled.committer.until_queued(1), 10)
         await stalled.fold.wait(await last_seq(nc, prefix), 10)  # it catches up while the job waits
-    placed = await asyncio.wait_for(answer, 20)
-    assert placed != old, "the next life's resume R was answered with the last life's placement of R"
-    assert placed.seq > created.seq
-    assert len(await placements(nc, prefix, "R")) == 2  # one per life
+    await refused_from_an_earlier_life(answer, created, old)  # it was answered with the last life's placement
+    assert len(await placements(nc, prefix, "R")) == 1  # the last life's alone
 
 
 async def test_a_last_life_cold_boot_does_not_answer_a_next_life_whose_floor_is_memory(stalled, nc, prefix):
@@ -836,13 +835,25 @@ async def test_a_last_life_cold_boot_does_not_answer_a_next_life_whose_floor_is_
             old = await wb.resume("a", request_id="R")
             assert old.fidelity is PlacedFidelity.NONE
             await wb.stop("a")
-            await wb.create(actor("a", min_fidelity=Fidelity.MEMORY, golden_snapshot=golden(V1)))
+            created = await wb.create(actor("a", min_fidelity=Fidelity.MEMORY, golden_snapshot=golden(V1)))
             answer = asyncio.create_task(stalled.resume("a", ResumeActor(request_id="R")))
             await asyncio.wait_for(stalled.committer.until_queued(1), 10)
         await stalled.fold.wait(await last_seq(nc, prefix), 10)
-    placed = await asyncio.wait_for(answer, 20)
-    assert placed.fidelity is PlacedFidelity.MEMORY, f"answered {placed.action.value}/{placed.fidelity.value} " \
-        "(the last life's placement) for a life whose min_fidelity is MEMORY"
+    # it was answered RUN/NONE (the last life's placement) for a life whose min_fidelity is MEMORY
+    await refused_from_an_earlier_life(answer, created, old)
+    placed = await Client(nc, prefix).resume("a", request_id="R2")  # a resume of this life: its own id
+    assert placed.fidelity is PlacedFidelity.MEMORY
+
+
+async def refused_from_an_earlier_life(answer: asyncio.Task, created, old) -> None:
+    """`answer` (a resume R of the life `created` began) is refused as an id the last life used,
+    not answered with the last life's placement `old`, nor placed."""
+    with pytest.raises(ContractError) as refused:
+        placed = await asyncio.wait_for(answer, 20)
+        assert placed != old, "the next life's resume R was answered with the last life's placement of R"
+    assert (refused.value.code, refused.value.field) == (ErrorCode.FAILED_PRECONDITION, "request_id")
+    assert "was used in an earlier life of actor 'a': a resume made for that life" in refused.value.message
+    assert created.seq > old.seq
 
 
 def covering(request_id: str) -> list[str]:

@@ -14,6 +14,7 @@ import pytest
 from events.errors import ContractError
 from events.schema import (
     Action,
+    ActorPlaced,
     ActorReverted,
     Attribute,
     CompatVersion,
@@ -262,8 +263,9 @@ async def test_an_earlier_lifes_ids_start_new_lives_and_are_refused_by_the_verbs
     the next life. Every other verb of the registry and the snapshotter refuses an id an earlier life
     used (FAILED_PRECONDITION, field request_id, nothing written): a late copy of an earlier life's
     request is told from nothing else, and it suspended the next life under the wrong pin (a soak's
-    finding; docs/contract.md). The scheduler's resume is decided on this life's placements only:
-    a new request."""
+    finding; docs/contract.md). So does the scheduler's resume, for an id among the last life's recent
+    placements (chosen 2026-12-06; it was a new request: a failover test had a copy held in a stopped
+    NATS server place the next life under an id whose retry life 1 had answered)."""
     await wb.register(worker("w", V1, request_id="reg-1"))
     first = await wb.drain("w", request_id="d-1")
     await wb.remove("w", request_id="rm-1")
@@ -282,7 +284,12 @@ async def test_an_earlier_lifes_ids_start_new_lives_and_are_refused_by_the_verbs
     p1 = await wb.pause("a", request_id="p-1")
     await wb.stop("a", request_id="s-1")
     await wb.create(actor("a", request_id="c-1"))  # life 2, begun by life 1's create id
-    r2 = await wb.resume("a", request_id="r-1")  # life 2: a new resume (a cold start), not life 1's answer
+    with pytest.raises(ContractError) as refused:  # life 1's resume id: refused, not placed in life 2
+        await wb.resume("a", request_id="r-1")
+    assert (refused.value.code, refused.value.field) == (ErrorCode.FAILED_PRECONDITION, "request_id")
+    assert "earlier life of actor 'a': a resume made for that life" in refused.value.message
+    assert not [e for _, e in await read_log(nc, prefix) if isinstance(e, ActorPlaced) and e.request_id == "r-1"][1:]
+    r2 = await wb.resume("a", request_id="r-2")  # life 2: a new resume (a cold start), not life 1's answer
     assert r2.fidelity is PlacedFidelity.NONE
     for again in (wb.pause("a", request_id="p-1"), wb.stop("a", request_id="s-1")):
         with pytest.raises(ContractError) as refused:
@@ -292,6 +299,35 @@ async def test_an_earlier_lifes_ids_start_new_lives_and_are_refused_by_the_verbs
     assert [e.snapshot.snapshot_id for e in snapshots] == [p1.snapshot.snapshot_id]
     p2 = await wb.pause("a", request_id="p-2")  # a new id: a pause of life 2
     assert p2.seq > p1.seq and p2.snapshot.snapshot_id != p1.snapshot.snapshot_id
+
+
+def test_the_last_life_s_resume_ids_are_kept_exactly_and_through_a_checkpoint():
+    """What the committer refuses a resume id by (`Actor.placed_earlier`): the recent placements of the
+    actor's last life, exactly (a new id is never taken for one), the same in a replica that started
+    from a checkpoint; a further life keeps only the life before it."""
+    from events.schema import ActorStopped, ReleaseReason
+    from services.scheduler.checkpoint_codec import export_state, restore_state
+    from services.scheduler.records import request_hash
+
+    log = Log()
+    log.worker("w")
+    log.actor("a")
+    log.place(log.decide("a"), request_id="r-1")
+    placed = log.p.actors["a"].placed_by(request_hash("r-1"))
+    assert placed and not log.p.actors["a"].placed_earlier(request_hash("r-1"))  # this life's: answered
+    log.release("a", "w", ReleaseReason.STOPPED)
+    log.add(ActorStopped(at=AT, actor_id="a"))
+    log.actor("a")  # life 2
+    for p in (log.p, restore_state(export_state(log.p))):
+        a = p.actors["a"]
+        assert (a.placed_by(request_hash("r-1")), a.placed_earlier(request_hash("r-1"))) == (0, placed)
+        assert not any(a.placed_earlier(request_hash(f"new-{i}")) for i in range(1000))
+    log.place(log.decide("a"), request_id="r-2")
+    log.release("a", "w", ReleaseReason.STOPPED)
+    log.add(ActorStopped(at=AT, actor_id="a"))
+    log.actor("a")  # life 3: life 2's ids, not life 1's
+    a = log.p.actors["a"]
+    assert a.placed_earlier(request_hash("r-2")) and not a.placed_earlier(request_hash("r-1"))
 
 
 def test_whatif_of_a_class_whose_every_worker_was_removed_is_not_found():

@@ -141,6 +141,7 @@ class ActorRow(Struct, array_like=True, gc=False):
     last_seq: int
     placements: bytes | None
     image_node: str | None
+    earlier: bytes | None
 
 
 class ClassRow(Struct, array_like=True, gc=False):
@@ -325,7 +326,7 @@ def _export(p: Projection) -> State:
             a.actor_id, a.state.value, spec_index[id(a.spec)], NONE if kind is None else kind_index[id(kind)],
             a.snapshot_ref, NONE if worker is None else worker_index[id(worker)],
             NONE if lease is None else lease_index[id(lease)], a.node, a.version, a.last_seq, a.placements,
-            a.image_node,
+            a.image_node, a.earlier,
         ))
 
     return State(
@@ -450,7 +451,7 @@ def _restore(state: State) -> Projection:
         a = Actor(
             row.actor_id, ActorState(row.state), specs[row.spec], kind, ref,
             None if row.node is None else text(row.node), row.version, row.last_seq, row.placements,
-            None if row.image_node is None else text(row.image_node),
+            None if row.image_node is None else text(row.image_node), row.earlier,
         )
         if worker is not None:
             a = Assigned(*astuple(a), worker, lease)

@@ -56,7 +56,7 @@ import msgspec
 from eventsourcing.persistence import IntegrityError
 
 from events.aggregate import WireApplication, now
-from events.errors import ContractError, NoWorkerOnNode, unavailable
+from events.errors import ContractError, NoWorkerOnNode, from_an_earlier_life, unavailable
 from events.schema import ActorPlaced, FallbackReason, Placement, WorkerBooked
 from events.tasks import cancel_and_wait
 from services import deadline
@@ -340,6 +340,10 @@ class Committer:
                     if late is not None:  # held past its caller's wait: decided now, it could place a next life
                         job.result.set_exception(late)
                         continue
+                    if self._placed_in_an_earlier_life(job, actor):  # a late copy of the last life's resume
+                        job.result.set_exception(from_an_earlier_life("actor", job.actor_id, "resume",
+                                                                      job.request_id or ""))
+                        continue
                     try:
                         placement = decide(p, job.actor_id, job.selectors, p.seq, self.pending, self._refusals)
                     except NoWorkerOnNode as error:  # it points at revert, which gives the image up: as below
@@ -395,6 +399,19 @@ class Committer:
         if actor is not None and actor.placements != job.checked and actor.may_have_pushed_out(job.request):
             return RECHECK
         return 0
+
+    def _placed_in_an_earlier_life(self, job: Job, actor: Any) -> int:
+        """The sequence of a placement of an earlier life of the job's actor that carried its request
+        id, as this replica answered it or among the last life's recent ones (`Actor.placed_earlier`);
+        else 0. A copy of such a resume, held in a NATS server's buffers while its retry was answered
+        and delivered once the actor was stopped and created anew, placed the new life too (a
+        failover test): it is refused, as the snapshotter's verbs refuse their ids of an earlier life."""
+        if job.request is None:
+            return 0
+        found = self._answered.get(job.key, 0)
+        if found and found <= self.projection.life_started(job.actor_id):
+            return found
+        return actor.placed_earlier(job.request) if actor is not None else 0
 
     def prepare(self, placement: Placement, job: "Job") -> Commit:
         """A decided placement: its booking counts as in flight from now on, and it carries

@@ -73,6 +73,7 @@ from services.scheduler.records import (
     Lease,
     Worker,
     bump_count,
+    recent_of,
     set_member,
     request_hash,
     with_placement,
@@ -488,6 +489,9 @@ class Projection:
             actor.state = CREATED
             actor.spec = spec
             actor.node = None
+            # a resume of the last life, decided late (its copy held in a NATS server's buffers while
+            # its retry was answered), is refused by its id, as the snapshotter's verbs are
+            actor.earlier = recent_of(actor.placements)
             actor.placements = None
             self.recreated[actor.actor_id] = seq
         self._set_snapshot(actor, event.snapshot)

@@ -427,6 +427,10 @@ class Actor(Struct, gc=False, eq=False):
     # the node of the latest snapshot when it is a LOCAL image (None: not LOCAL, or a LOCAL
     # image that named no node, taken while the actor ran nowhere)
     image_node: str | None = None
+    # the recent placements of the actor's last life (its `placements` when it was created anew,
+    # without their filter): a resume carrying one of their request ids is refused
+    # (`placed_earlier`), not placed in this life
+    earlier: bytes | None = None
 
     worker: ClassVar[Worker | None] = None
     lease: ClassVar[Lease | None] = None
@@ -470,6 +474,17 @@ class Actor(Struct, gc=False, eq=False):
         packed = self.placements
         if packed:
             for h, seq in _PLACEMENT.iter_unpack(packed[:_RECENT_BYTES]):
+                if h == request:
+                    return seq
+        return 0
+
+    def placed_earlier(self, request: int) -> int:
+        """The stream sequence of a placement of the actor's last life, among its recent ones, that
+        carried the request id whose `request_hash` is `request`; else 0. Exact (no filter): a new
+        id is never taken for an earlier life's."""
+        packed = self.earlier
+        if packed:
+            for h, seq in _PLACEMENT.iter_unpack(packed):
                 if h == request:
                     return seq
         return 0
@@ -533,6 +548,11 @@ def oldest_placement(packed: bytes | None) -> tuple[int, int] | None:
     if not packed or len(packed) < _RECENT_BYTES:
         return None
     return _PLACEMENT.unpack_from(packed, _RECENT_BYTES - _PLACEMENT.size)
+
+
+def recent_of(packed: bytes | None) -> bytes | None:
+    """The recent placements of `packed` (an actor's `placements`) without the filter behind them."""
+    return packed[:_RECENT_BYTES] if packed else None
 
 
 def with_placement(packed: bytes | None, request: int, seq: int) -> bytes:
