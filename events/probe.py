@@ -26,6 +26,9 @@ other languages must produce byte-identical values, so every rule below is spell
 
 `host_architecture()` and `read_cpuinfo(path)` are the two impure helpers around it;
 `probe_host(profile, extra)` combines the three for a worker agent on this machine.
+`check_architecture(cpuinfo, architecture, source)` refuses a cpuinfo of the other
+architecture than the one probed (by its keys: `cpuinfo_architecture`), which would give a
+version naming no CPU; `warmboot probe` and the agent's read of the machine call it.
 """
 
 from __future__ import annotations

@@ -729,9 +729,10 @@ def test_a_seed_file_with_no_role_recorded_is_taken_up_only_from_a_directory_tha
 
 
 @pytest.mark.parametrize("option, name, says", [
-    ("--services-seed", "w-1.nk", "the seed of w-1"),
-    ("--out", "w-1.nk", "the seed of w-1"),
-    ("--secrets", "ops.nk", "the seed of ops"),
+    ("--services-seed", "w-1.nk", "a seed file"),
+    ("--out", "w-1.nk", "a seed file"),
+    ("--secrets", "ops.nk", "a seed file"),
+    ("--out", "w-old.nk", "a seed file"),  # a user this run leaves out: written, then removed as its seed
     ("--out", "_roles.json", "the roles"),
 ])
 def test_an_output_naming_a_file_of_the_seeds_dir_is_refused_and_nothing_written(tmp_path, option, name, says):

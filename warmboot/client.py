@@ -19,7 +19,7 @@ What it does so that callers need not:
   the caller gives none, so a retry is the same request.
 - Fencing: `pause` and `suspend` name the placement their image was taken under
   (`placement_seq`): the caller's, else the `seq` of this client's last `resume` of the
-  actor (`fence_snapshots=False` sends none). A copy decided after the actor was placed
+  actor (with `fence_snapshots=False`, only the caller's). A copy decided after the actor was placed
   anew is refused, not recorded with the new placement's pin.
 - Retries: UNAVAILABLE, a time-out and "no responders" are retried with the same body
   (the same `request_id`), at most `attempts` times, with a growing, jittered pause (a request
@@ -378,7 +378,8 @@ class Client:
         (a NATS server stopped with it in its buffers: a failover test) and decided once the actor
         was stopped, created and placed again, is then refused instead of recording this image in
         the next life, stamped with that life's pin, where a resume would send it to a worker that
-        cannot load it. A client that pauses actors another process resumed gives it, or none."""
+        cannot load it. A client that pauses actors another process resumed gives it, or is made
+        with `fence_snapshots=False`."""
         body = PauseActor(snapshot_id=snapshot_id, request_id=request_id or new_request_id(),
                           placement_seq=self._placement_of(actor_id, placement_seq))
         return await self.request("snapshotter", "pause", actor_id, body, SnapshotReply)

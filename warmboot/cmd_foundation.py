@@ -37,7 +37,8 @@ def _parse_attr(text: str) -> tuple[str, str]:
     show_default=True,
     help="cpuinfo file to read; a missing file reports the architecture alone.",
 )
-@click.option("--arch", type=click.Choice(ARCHITECTURES), default=None, help="Architecture [default: this machine's].")
+@click.option("--arch", type=click.Choice(ARCHITECTURES), default=None,
+              help="Architecture [default: this machine's]; a cpuinfo of the other one is an error.")
 @click.option(
     "--attr",
     "attrs",

@@ -468,7 +468,9 @@ def _usable_seed(seed: str) -> bool:
                    "in another role) get new ones, and the file is rewritten (mode 0600).")
 @click.option("--seeds-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="--auth nkey: also write each user's seed to DIR/USER.nk (mode 0600), the file that "
-                   "--nkey-seed / NATS_NKEY_SEED take; the USER.nk of a user not in this run is removed.")
+                   "--nkey-seed / NATS_NKEY_SEED take, and the users' roles to DIR/_roles.json; a seed found "
+                   "there is kept for the role recorded for it, and the USER.nk of a user this command made "
+                   "before that this run leaves out is removed. No other output may be a file of DIR.")
 @click.option("--services-seed", "services_seed_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="--auth nkey: also write the services user's seed alone to this file (mode 0600), for the "
                    "services to sign in with, so that they need not be given every user's seed (--seeds-dir).")
@@ -561,12 +563,14 @@ def nats_config(
         other = written.setdefault(path.resolve(), option)
         if other != option:
             raise click.UsageError(f"{option} and {other} name the same file, {path}")
-    if seeds_dir is not None:  # nor a file the seeds directory holds: a user's seed would be another's
-        for name in [f"{u}.nk" for u in users] + [ROLES_FILE]:
-            other = written.get((seeds_dir / name).resolve())
-            if other is not None and not (other == "--services-seed" and name == f"{services_user}.nk"):
-                raise click.UsageError(f"{other} names {seeds_dir / name}, a file of --seeds-dir "
-                                       f"({'the roles' if name == ROLES_FILE else 'the seed of ' + name[:-3]})")
+    if seeds_dir is not None:  # nor a file of the seeds directory: a user's seed would be another's, or removed
+        for path, option in written.items():
+            if path.parent != seeds_dir.resolve() or not (path.suffix == ".nk" or path.name == ROLES_FILE):
+                continue
+            if option == "--services-seed" and path.name == f"{services_user}.nk":
+                continue  # the services' own seed, written twice alike
+            raise click.UsageError(f"{option} names {seeds_dir / path.name}, a file of --seeds-dir "
+                                   f"({'the roles' if path.name == ROLES_FILE else 'a seed file'})")
 
     kept, kept_roles = _read_secrets(secrets_path)
     dir_roles = _read_roles(seeds_dir)  # the users this command made seeds for in the directory, and their roles

@@ -65,7 +65,7 @@ from services.scheduler.records import (
 )
 
 # Bump on any change of what State holds or how it maps onto the projection.
-FORMAT = 7
+FORMAT = 8  # 8: a class's capacity counts (ClassRow), an actor's last life's placements (ActorRow.earlier)
 
 
 NONE = -1  # "no reference" in an index field

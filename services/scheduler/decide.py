@@ -26,7 +26,8 @@ a tier that more room could fill is refused with FAILED_PRECONDITION naming the 
   it, whose default lists it as a compatible version (an edge), whose restorable
   runtime does. Then the fallback tier (rule 4): VOLUMES with reason
   NO_COMPATIBLE_WORKER, or RUN with fidelity NONE when the snapshot is `borrowed`;
-  not with `min_fidelity` MEMORY (RESOURCE_EXHAUSTED: more room could help), not for
+  not with `min_fidelity` MEMORY (RESOURCE_EXHAUSTED: more room, or a worker accepting the
+  stamp registering, could help; the message says which), not for
   a LOCAL image.
 - A MEMORY snapshot of an older template (TEMPLATE_CHANGED), or one whose stamp is
   missing or of another class (SNAPSHOT_NOT_MEMORY): VOLUMES (RUN/NONE if borrowed),
