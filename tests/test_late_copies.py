@@ -333,19 +333,22 @@ async def test_a_suspended_host_s_time_is_a_gap_in_the_ticks(monkeypatch):
     assert abs(deadline.now_ns() - time.clock_gettime_ns(time.CLOCK_BOOTTIME)) < 50 * MS
     suspended = {"ns": 0}
     boot = deadline.now_ns
-    monkeypatch.setattr(deadline, "now_ns", lambda: boot() + suspended["ns"])
+    ticked = asyncio.Event()
+
+    def clock() -> int:  # the ticks' clock, moved on by the "suspension"; says each time a tick read it
+        ticked.set()
+        return boot() + suspended["ns"]
+
+    monkeypatch.setattr(deadline, "now_ns", clock)
     ticker = deadline.Ticker(asyncio.get_running_loop())
     try:
-        before = ticker.last
-        while ticker.last == before:  # it ticked once on the clock as it is
-            await asyncio.sleep(deadline.TICK_S / 4)
-        earlier = ticker.gap  # (a real stall of this loop under load may have made one already)
+        ticked.clear()
+        await asyncio.wait_for(ticked.wait(), 10)  # its loop ticked once on the clock as it is
+        ticker.backlog_read.clear()  # set again once the gap below is seen and its backlog read
         suspended["ns"] = 3_000 * MS
-        while ticker.gap == earlier:
-            await asyncio.sleep(deadline.TICK_S / 4)
+        await asyncio.wait_for(ticker.backlog_read.wait(), 10)  # no connection: nothing to wait for
         since, until = ticker.gap
         assert until - since >= 3_000 * MS
-        await asyncio.wait_for(ticker.backlog_read.wait(), 10)  # no connection: nothing to wait for
         read = deadline.now_ns()
         assert deadline.received_after(read, ticker.last, ticker.gap, 0) == since  # before its PONGs: from before
     finally:

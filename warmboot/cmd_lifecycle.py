@@ -203,7 +203,9 @@ def create_cmd(actor_id: str, sandbox_class: str, template_uid: str, cpu_millis:
                     unchecked.append(e.why if isinstance(e, LogUnreadable) else e.message
                                      if isinstance(e, (click.ClickException, ContractError)) else describe_error(e))
             else:
-                too_big.append(never_fits(projection, sandbox_class, cpu_millis, memory_mib))
+                from services.scheduler.decide import too_big_for_class  # as the scheduler's refusal says it
+
+                too_big.append(too_big_for_class(projection, sandbox_class, cpu_millis, memory_mib))
                 if body.selectors:
                     matched = any(sandbox_class in w.classes
                                   and all(w.labels.get(k) == v for k, v in body.selectors.items())
@@ -245,17 +247,6 @@ def create_cmd(actor_id: str, sandbox_class: str, template_uid: str, cpu_millis:
         click.echo(f"warning: no registered worker of class {sandbox_class} is big enough for {actor_id}: "
                    f"{too_big[0]}; resuming {actor_id} is refused (RESOURCE_EXHAUSTED) until a bigger worker "
                    "registers", err=True)
-
-
-def never_fits(projection: Any, sandbox_class: str, cpu_millis: int, memory_mib: int) -> str | None:
-    """How an actor of this size is bigger than any registered worker of the class in `projection`
-    could take, as the scheduler's refusal says it (`services.scheduler.decide.bigger_than`); None if
-    one could, or none is registered (said apart)."""
-    from services.scheduler.decide import bigger_than
-
-    index = projection.classes.get(sandbox_class)
-    largest = index.largest() if index is not None else None
-    return bigger_than(largest, cpu_millis, memory_mib) if largest is not None else None
 
 
 def below_memory(snapshot: Snapshot | None, template_uid: str) -> str | None:

@@ -596,12 +596,18 @@ def refusal_cause(projection: Projection, the_plan: Plan) -> str:
     index counts: no pass over the fleet), that, since then no room freed helps (a refusal of the
     same code, RESOURCE_EXHAUSTED, that would otherwise read as "busy, try later")."""
     ask = the_plan.primary
-    index = projection.classes.get(ask.sandbox_class)
-    largest = index.largest() if index is not None else None
-    too_big = bigger_than(largest, ask.cpu, ask.memory_mib) if largest is not None else None
+    too_big = too_big_for_class(projection, ask.sandbox_class, ask.cpu, ask.memory_mib)
     if too_big is None:
         return the_plan.refusal
     return f"no worker of the class is big enough: {too_big}; no room freed will fit it, a bigger worker must register"
+
+
+def too_big_for_class(projection: Projection, sandbox_class: str, cpu: int, memory_mib: int) -> str | None:
+    """`bigger_than` the largest capacities of the class's registered workers (`ClassIndex.largest`);
+    None if one could take it, or none is registered. `warmboot actor create` warns with it."""
+    index = projection.classes.get(sandbox_class)
+    largest = index.largest() if index is not None else None
+    return bigger_than(largest, cpu, memory_mib) if largest is not None else None
 
 
 def bigger_than(largest: tuple[int, int], cpu: int, memory_mib: int) -> str | None:
