@@ -900,3 +900,97 @@ def test_pins_and_stamps_of_runtimes_the_fleet_no_longer_runs_are_told_apart():
     # a runtime the fleet runs reads by its name alone, as in `workers`
     assert stamp_label(stamp(new1, name="runsc-v2"), runtimes) == f"runsc-v2@{short_id(compat_key('gvisor', new1))[3:]}"
     assert stamp_label(stamp(new1, name="runsc-v2"), runtimes) == runtimes.label("gvisor", new1, "runsc-v2")
+
+
+async def test_a_pause_or_suspend_from_the_cli_names_the_placement_it_read(nats_url, nc, prefix):
+    """A failover test held a suspend (no `placement_seq`) in a stopped NATS server's buffers, its
+    caller gone, and once the server resumed it recorded life 1's image in the actor's next life,
+    stamped with that life's pin: the next resume sent it at MEMORY to a worker that cannot load it.
+    `warmboot.client.Client` fences its own resumes' actors; the CLI, a process per command, sent no
+    placement. Now `actor pause` and `actor suspend` name the placement the actor's history shows
+    when the command starts. Here the command's every attempt goes unanswered (the snapshotter is
+    down: the caller gives up), the copies are caught on the bus, and one is delivered once the actor
+    lives again on a worker of another runtime: refused, nothing written. The same copy without its
+    placement (what the CLI sent before) records life 1's image with life 2's pin."""
+    from contextlib import AsyncExitStack
+
+    from events.codec import decode_reply, encode
+    from events.errors import ContractError, unavailable
+    from events.schema import ErrorCode, SnapshotReply, SuspendActor
+    from services.endpoints import error_headers
+    from tests.factories import SILENT_TTL_S
+    from warmboot.runner import start_services
+
+    wb = Client(nc, prefix)
+    async with AsyncExitStack() as services:
+        await start_services(services, ["registry", "scheduler"], nats_url, prefix,
+                             options={"registry": {"ttl_s": SILENT_TTL_S}})
+        snapshotter = AsyncExitStack()
+        await start_services(snapshotter, ["snapshotter"], nats_url, prefix)
+        await wb.register(worker("w-1", runtime(V1), node="node-1"))
+        await wb.create(actor("a-1", cpu=1, mem=1))
+        first = await wb.resume("a-1")  # life 1 on w-1 (V1): its image is taken there
+        placed = [s for s, e in await read_log(nc, prefix) if isinstance(e, ActorPlaced)][-1]
+        assert first.worker_id == "w-1" and first.seq in (placed, placed + 1)
+
+        # the snapshotter stopped; what hears the command's requests keeps them and says "try again",
+        # as a replica whose log does not answer: its caller gives up
+        await snapshotter.aclose()
+        subject = f"{prefix}.snapshotter.suspend.a-1"
+        kept: list = []
+
+        async def keep(msg) -> None:
+            kept.append(msg)
+            error = unavailable("the event log, a bucket or the bus did not answer (TimeoutError); try again")
+            await nc.publish(msg.reply, encode(error.reply()), headers=error_headers(error))
+
+        caught = await nc.subscribe(subject, cb=keep)
+        gave_up = await cli("actor", "suspend", "a-1", "--uri", "s3://life-1-image", "--nats", nats_url,
+                            "--prefix", prefix)
+        await caught.unsubscribe()
+        assert gave_up.exit_code == 1 and "UNAVAILABLE" in gave_up.stderr, gave_up.output
+        assert len({m.data for m in kept}) == 1  # every attempt the same body (its request id)
+        held = kept[0]
+        sent = msgspec.json.decode(held.data, type=SuspendActor)
+        assert sent.placement_seq == placed  # the placement its history showed: life 1's
+
+        await start_services(services, ["snapshotter"], nats_url, prefix)  # back; life 2 elsewhere
+        await wb.stop("a-1")
+        await wb.remove("w-1")
+        await wb.register(worker("w-2", runtime(V2), node="node-2"))
+        await wb.create(actor("a-1", cpu=1, mem=1))
+        second = await wb.resume("a-1")
+        assert (second.worker_id, second.sandbox_runtime.version) == ("w-2", V2)
+
+        before = await last_seq(nc, prefix)
+        async def deliver(data: bytes) -> SnapshotReply:  # a copy of the command's request, as it sent it
+            return decode_reply(SnapshotReply, (await nc.request(subject, data, 5, headers=held.headers)).data)
+
+        with pytest.raises(ContractError) as refused:
+            await deliver(held.data)
+        assert (refused.value.code, refused.value.field) == (ErrorCode.FAILED_PRECONDITION, "placement_seq")
+        assert "placed on worker 'w-2'" in refused.value.message
+        assert await last_seq(nc, prefix) == before  # nothing written
+
+        unfenced = msgspec.json.encode(msgspec.structs.replace(sent, placement_seq=None))
+        recorded = await deliver(unfenced)
+        assert (recorded.snapshot.uri, recorded.snapshot.sandbox_runtime.version) == ("s3://life-1-image", V2)
+
+
+def test_the_placement_a_command_names_is_the_current_life_s_last():
+    """`placement_fence`: the last placement of the actor's current life (a pause ends it, a promote
+    names it); a life not placed yet, its creation (no placement of it can match: each comes after);
+    an actor with no history, none."""
+    from tests.factories import created, placed, released
+    from events.schema import ReleaseReason
+    from warmboot.cmd_lifecycle import placement_fence
+
+    assert placement_fence([]) is None
+    life_1 = [(3, created("a-1")), (7, placed("a-1", "w-1", V1)), (9, released("a-1", "w-1")),
+              (12, placed("a-1", "w-1", V1)), (14, released("a-1", "w-1", ReleaseReason.PAUSED))]
+    assert placement_fence(life_1[:1]) == 3
+    assert placement_fence(life_1[:3]) == 7
+    assert placement_fence(life_1) == 12  # PAUSED: the placement its pause ended
+    life_2 = [*life_1, (15, ActorStopped(at=life_1[0][1].at, actor_id="a-1")), (20, created("a-1"))]
+    assert placement_fence(life_2) == 20
+    assert placement_fence([*life_2, (21, placed("a-1", "w-2", V2))]) == 21

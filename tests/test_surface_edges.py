@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from events.compat import compat_key
 from events.errors import ContractError
 from events.runtime_id import short_id
-from events.schema import CompatVersion, ErrorCode, RegisterReply, SeqReply, WhatIf
+from events.schema import CompatVersion, CreateActor, ErrorCode, RegisterReply, Resources, SeqReply, WhatIf
 from events.subjects import service_subject
 from services.endpoints import call
 from tests.registry_helpers import registration, runtime
@@ -184,3 +184,27 @@ async def test_each_runtime_is_shown_with_its_id_and_its_own_edges(secured):
         ("GVISOR DEFAULT", f"runsc-v2 ({ids['v2']})"), ("GVISOR RESTORABLE", f"runsc-v1b ({ids['v1b']})"),
         ("GVISOR RESUMES FROM", f"runsc-v2: {ids['v1']}; runsc-v1b: {ids['v0']}")]
     assert class_runtime_fields(row)[:2] == [("GVISOR DEFAULT", "runsc-v2"), ("GVISOR RESTORABLE", "runsc-v1b")]
+
+
+# --- 5. a pause from a client's credentials, which may not read the actor's placement --------------------
+
+
+async def test_a_pause_whose_placement_cannot_be_read_says_it_is_not_fenced(secured):
+    """`actor pause` and `actor suspend` name the placement the actor's history shows (a copy of the
+    request decided after the actor is placed anew is then refused). A client's credentials may not
+    read the history: the command goes on unfenced, as before, and says so in one line, with what
+    fences it; given --placement-seq, it reads nothing and says nothing of it."""
+    env = {"NATS_URL": secured.url("orch"), "WARMBOOT_PREFIX": PREFIX}
+    async with await Client.connect(secured.url("orch"), PREFIX, timeout=5, attempts=1) as wb:
+        await wb.create(CreateActor(actor_id="a-5", sandbox_class="gvisor", template_uid="tpl-1",
+                                    resources=Resources(cpu_millis=250, memory_mib=256)))
+        placed = await wb.resume("a-5")
+    labels = "note: runtime names not looked up: these credentials may not read the log\n"
+    paused = await cli("actor", "pause", "a-5", env=env)
+    assert paused.exit_code == 0 and paused.stdout.startswith("actor/a-5 paused: "), paused.output
+    assert paused.stderr == ("note: not fenced to the actor's placement: these credentials may not read the log "
+                             "(give --placement-seq: a copy of this request decided after the actor is placed anew "
+                             "is then refused, not recorded)\n" + labels), paused.stderr
+    promoted = await cli("actor", "suspend", "a-5", "--uri", "s3://a-5", "--placement-seq", str(placed.seq), env=env)
+    assert promoted.exit_code == 0 and promoted.stdout.startswith("actor/a-5 suspended: "), promoted.output
+    assert promoted.stderr == labels, promoted.stderr

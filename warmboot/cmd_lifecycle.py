@@ -13,6 +13,9 @@ The `show` commands read the log, not a service:
 - `worker show` folds the whole log with the scheduler's projection, as `warmboot workers`
   does (a worker's free room and actors are in the actors' placements): what the
   scheduler sees of that worker.
+
+`actor pause` and `actor suspend` read the actor's history too, before their request, for the
+placement it names (`placement_fence`), unless `--placement-seq` is given.
 """
 
 from __future__ import annotations
@@ -29,12 +32,13 @@ from events.codec import decode_request, json_path, to_builtins, unknown_fields
 from events.errors import ContractError, no_actor, no_worker
 from events.natspy.connections import describe_error
 from events.runtime_id import Runtimes, short_id
-from events.schema import (ActorCreated, ActorRuntime, CreateActor, Fidelity, Resources, Snapshot,
+from events.schema import (ActorCreated, ActorPlaced, ActorRuntime, CreateActor, Fidelity, Resources, Snapshot,
                            TagRecorded)
 from events.states import ActorState
 from events.subjects import event_subject
-from warmboot.cli_common import (MIB, MILLICORES, IntRange, LogUnreadable, ask, check_id, json_option, last_seq,
-                                 min_seq_option, nats_option, prefix_option, read_subject, replay, selectors_of)
+from warmboot.cli_common import (MIB, MILLICORES, REFUSED_THE_LOG, IntRange, LogUnreadable, ask, check_id, json_option,
+                                 last_seq, min_seq_option, nats_option, prefix_option, read_subject, replay,
+                                 selectors_of)
 from warmboot.client import Client
 from warmboot.cmd_views import (
     LABELS_TIMEOUT_S,
@@ -70,7 +74,49 @@ def one_state(value: str | None) -> str | None:
 placement_seq_option = click.option(
     "--placement-seq", type=IntRange(min=1), default=None, metavar="SEQ",
     help="The seq `actor resume` printed for the placement the image was taken under: refused, and nothing "
-         "recorded, if the actor has been placed anew since (its worker removed meanwhile, say).")
+         "recorded, if the actor has been placed anew since (its worker removed meanwhile, say). Default: "
+         "the placement the actor's history shows when the command starts.")
+
+
+def placement_fence(history: list[tuple[int, Any]]) -> int | None:
+    """What a pause or suspend from the CLI names as its placement (`placement_seq`) when the
+    command gives none, from the actor's history as the command read it: the seq of the current
+    life's last ActorPlaced (for a PAUSED actor the placement its pause ended, as the snapshotter
+    takes it); in a life not placed yet, the seq of its ActorCreated, which no placement of that
+    life can match (each is written after it), so a copy decided after the actor was placed is
+    refused as one decided after it was placed anew; None for an actor with no history (the
+    snapshotter says NOT_FOUND).
+
+    The image a command records is of the actor as it was when the command started. A copy held
+    in a NATS server's buffers and decided later (a failover test: a suspend decided after the
+    actor was stopped, created and placed on a worker of another runtime recorded life 1's image
+    in life 2, stamped with life 2's pin; its next resume sent it at MEMORY to a worker that could
+    not load it) is then refused, FAILED_PRECONDITION field `placement_seq`, nothing written, as
+    `warmboot.client.Client` refuses one of its own resumes' (`fence_snapshots`)."""
+    fence = None
+    for seq, event in history:
+        if isinstance(event, ActorCreated):
+            fence = seq
+        elif isinstance(event, ActorPlaced):
+            fence = seq
+    return fence
+
+
+async def fence_now(nc: Any, prefix: str, actor_id: str, given: int | None) -> int | None:
+    """`given`, else `placement_fence` of the actor's history as it is now. Credentials that may not
+    read the log (a client's: docs/security.md) send none, and one line on stderr says so; any
+    other failure to read the history fails the command before anything is sent (it says why:
+    the stream has no leader, say), since what it would send unfenced is what a failover holds."""
+    if given is not None:
+        return given
+    try:
+        return placement_fence(await read_subject(nc, prefix, event_subject(prefix, "actor", actor_id)))
+    except LogUnreadable as e:
+        if e.why != REFUSED_THE_LOG:
+            raise
+        click.echo(f"note: not fenced to the actor's placement: {e.why} (give --placement-seq: a copy of this "
+                   "request decided after the actor is placed anew is then refused, not recorded)", err=True)
+        return None
 
 request_id_option = click.option("--request-id", default=None,
                                  help="Idempotency key: the same command with the same id is the same request "
@@ -285,8 +331,10 @@ def echo(reply: Any, as_json: bool, text: Callable[[], str]) -> None:
 def pause_cmd(actor_id: str, snapshot_id: str | None, placement_seq: int | None, request_id: str | None,
               nats_url: str, prefix: str, as_json: bool) -> None:
     """Pause a RUNNING actor: a LOCAL memory snapshot on its node, stamped with its pin."""
-    reply, runtimes = run(nats_url, prefix, not as_json,
-                          lambda wb: wb.pause(actor_id, snapshot_id, request_id, placement_seq))
+    async def call(wb: Client) -> Any:
+        return await wb.pause(actor_id, snapshot_id, request_id, await fence_now(wb.nc, prefix, actor_id, placement_seq))
+
+    reply, runtimes = run(nats_url, prefix, not as_json, call)
     echo(reply, as_json, lambda: done("actor", actor_id, "paused: " + snapshot_text(reply.snapshot, runtimes),
                                       reply.seq))
 
@@ -307,9 +355,11 @@ def suspend_cmd(actor_id: str, fidelity: str, uri: str | None, snapshot_id: str 
                 request_id: str | None, nats_url: str, prefix: str, as_json: bool) -> None:
     """Suspend an actor: RUNNING -> an EXTERNAL snapshot stamped with its pin; PAUSED -> its
     LOCAL snapshot promoted to EXTERNAL (it may then move)."""
-    reply, runtimes = run(nats_url, prefix, not as_json,
-                          lambda wb: wb.suspend(actor_id, Fidelity(fidelity), uri, snapshot_id, request_id,
-                                                placement_seq))
+    async def call(wb: Client) -> Any:
+        return await wb.suspend(actor_id, Fidelity(fidelity), uri, snapshot_id, request_id,
+                                await fence_now(wb.nc, prefix, actor_id, placement_seq))
+
+    reply, runtimes = run(nats_url, prefix, not as_json, call)
     echo(reply, as_json, lambda: done("actor", actor_id, "suspended: " + snapshot_text(reply.snapshot, runtimes),
                                       reply.seq))
 
