@@ -107,6 +107,16 @@ def from_an_earlier_life(kind: str, entity_id: str, verb: str, request_id: str) 
         "life (a copy delivered late?) is not applied to this one; send it with a new request_id", "request_id")
 
 
+def created_anew_since(actor_id: str, life_seq: int, started: int) -> ContractError:
+    """FAILED_PRECONDITION, field life_seq: a resume naming a life of the actor that a creation at
+    `started` ended (docs/contract.md, Scheduler): a copy delivered late, or a caller that has not
+    seen the actor created anew."""
+    return precondition(
+        f"actor {actor_id!r} was created anew at sequence {started}, after the life this resume names (life_seq "
+        f"{life_seq}): nothing placed (a copy of a resume of its earlier life delivered late is not applied to this "
+        f"one); resume it again with life_seq {started}, or none, if this life is meant", "life_seq")
+
+
 # A registration older than one the worker's history holds (services.registry.domain): the
 # refusal names the latest revision, which the sender reads back (`latest_revision`) to go on
 # above it when its own clock runs behind the one that wrote it.

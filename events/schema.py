@@ -66,7 +66,8 @@ Labels = Annotated[dict[LabelKey, LabelValue], Meta(max_length=64)]
 NonNegative = Annotated[int, Meta(ge=0, le=MAX_INT)]
 Positive = Annotated[int, Meta(gt=0, le=MAX_INT)]
 Seq = Annotated[int, Meta(ge=0)]
-# The stream sequence of a message, as a pause or suspend names its placement (`placement_seq`):
+# The stream sequence of a message, as a pause or suspend names its placement (`placement_seq`)
+# and a resume its actor's life (`life_seq`):
 # JetStream numbers messages from 1, so 0 names none (INVALID_ARGUMENT; it was FAILED_PRECONDITION,
 # which told a client's unset 0 that the actor had been placed anew).
 StreamSeq = Annotated[int, Meta(ge=1)]
@@ -381,6 +382,9 @@ class ResumeActor(Base, kw_only=True):
     selectors: Labels | None = None
     min_seq: Seq | None = None
     request_id: RequestId | None = None
+    # project addition: a stream sequence of the actor's life this resume is for (its create's
+    # reply `seq`, say): refused (FAILED_PRECONDITION) if the actor was created anew after it
+    life_seq: StreamSeq | None = None
 
 
 class ExplainResume(Base, kw_only=True):

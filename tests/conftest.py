@@ -134,6 +134,25 @@ async def replicas(nats_url, prefix):
         await client.close()
 
 
+@pytest.fixture
+async def stalled(stack, nats_url, prefix):
+    """A second scheduler replica that serves no requests itself (its endpoints stopped):
+    the tests hand it the stale attempt directly, as if it had received it before stalling."""
+    from contextlib import AsyncExitStack
+
+    from services.scheduler.service import SchedulerService
+    from warmboot.runner import connect
+
+    async with AsyncExitStack() as exits:
+        nc = await connect(nats_url, "stalled-replica")
+        exits.push_async_callback(nc.close)
+        replica = await SchedulerService(nc, nats_url=nats_url, prefix=prefix, metrics=False).start()
+        exits.push_async_callback(replica.stop)
+        await replica.service.stop()
+        replica.service = None
+        yield replica
+
+
 # --- the traffic check (tests/traffic_tap.py) ---------------------------------------------------------
 # What the services of this process receive and answer, and the events in the session server's
 # streams, are judged against the published JSON Schema with the PyPI `jsonschema` validator when

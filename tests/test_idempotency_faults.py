@@ -27,23 +27,8 @@ from tests.factories import (AT, NewerWorkerEvent, actor, golden, last_seq, read
                              worker)
 from tests.factories import booked as booked_event, placed as placed_event
 from warmboot.client import Client
-from warmboot.runner import connect
 
 V1 = version("v1")
-
-
-@pytest.fixture
-async def stalled(stack, nats_url, prefix):
-    """A second scheduler replica that serves no requests itself (its endpoints stopped):
-    the tests hand it the stale attempt directly, as if it had received it before stalling."""
-    async with AsyncExitStack() as exits:
-        nc = await connect(nats_url, "stalled-replica")
-        exits.push_async_callback(nc.close)
-        replica = await SchedulerService(nc, nats_url=nats_url, prefix=prefix, metrics=False).start()
-        exits.push_async_callback(replica.stop)
-        await replica.service.stop()
-        replica.service = None
-        yield replica
 
 
 def catching_up(replica: SchedulerService) -> asyncio.Event:

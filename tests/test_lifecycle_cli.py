@@ -902,6 +902,37 @@ def test_pins_and_stamps_of_runtimes_the_fleet_no_longer_runs_are_told_apart():
     assert stamp_label(stamp(new1, name="runsc-v2"), runtimes) == runtimes.label("gvisor", new1, "runsc-v2")
 
 
+async def held_while_unanswered(nc, subject: str, *command: str):
+    """Run the CLI `command` while its service is down and what hears `subject` keeps each request
+    and says "try again", as a replica whose log does not answer: the command gives up (UNAVAILABLE).
+    Its request, as it sent it every time (one body, one request id): what a NATS server stopped with
+    it in its buffers delivers later."""
+    from events.codec import encode
+    from events.errors import unavailable
+    from services.endpoints import error_headers
+
+    kept: list = []
+
+    async def keep(msg) -> None:
+        kept.append(msg)
+        error = unavailable("the event log, a bucket or the bus did not answer (TimeoutError); try again")
+        await nc.publish(msg.reply, encode(error.reply()), headers=error_headers(error))
+
+    caught = await nc.subscribe(subject, cb=keep)
+    gave_up = await cli(*command)
+    await caught.unsubscribe()
+    assert gave_up.exit_code == 1 and "UNAVAILABLE" in gave_up.stderr, gave_up.output
+    assert kept and len({m.data for m in kept}) == 1, kept
+    return kept[0]
+
+
+async def delivered(nc, held, data: bytes, reply_type: type):
+    """A copy of `held` (its body `data`), delivered now as it was sent: its headers, its subject."""
+    from events.codec import decode_reply
+
+    return decode_reply(reply_type, (await nc.request(held.subject, data, 5, headers=held.headers)).data)
+
+
 async def test_a_pause_or_suspend_from_the_cli_names_the_placement_it_read(nats_url, nc, prefix):
     """A failover test held a suspend (no `placement_seq`) in a stopped NATS server's buffers, its
     caller gone, and once the server resumed it recorded life 1's image in the actor's next life,
@@ -909,15 +940,13 @@ async def test_a_pause_or_suspend_from_the_cli_names_the_placement_it_read(nats_
     `warmboot.client.Client` fences its own resumes' actors; the CLI, a process per command, sent no
     placement. Now `actor pause` and `actor suspend` name the placement the actor's history shows
     when the command starts. Here the command's every attempt goes unanswered (the snapshotter is
-    down: the caller gives up), the copies are caught on the bus, and one is delivered once the actor
-    lives again on a worker of another runtime: refused, nothing written. The same copy without its
-    placement (what the CLI sent before) records life 1's image with life 2's pin."""
+    down: the caller gives up), and its request is delivered once the actor lives again on a worker
+    of another runtime: refused, nothing written. The same copy without its placement (what the CLI
+    sent before) records life 1's image with life 2's pin."""
     from contextlib import AsyncExitStack
 
-    from events.codec import decode_reply, encode
-    from events.errors import ContractError, unavailable
+    from events.errors import ContractError
     from events.schema import ErrorCode, SnapshotReply, SuspendActor
-    from services.endpoints import error_headers
     from tests.factories import SILENT_TTL_S
     from warmboot.runner import start_services
 
@@ -933,24 +962,9 @@ async def test_a_pause_or_suspend_from_the_cli_names_the_placement_it_read(nats_
         placed = [s for s, e in await read_log(nc, prefix) if isinstance(e, ActorPlaced)][-1]
         assert first.worker_id == "w-1" and first.seq in (placed, placed + 1)
 
-        # the snapshotter stopped; what hears the command's requests keeps them and says "try again",
-        # as a replica whose log does not answer: its caller gives up
         await snapshotter.aclose()
-        subject = f"{prefix}.snapshotter.suspend.a-1"
-        kept: list = []
-
-        async def keep(msg) -> None:
-            kept.append(msg)
-            error = unavailable("the event log, a bucket or the bus did not answer (TimeoutError); try again")
-            await nc.publish(msg.reply, encode(error.reply()), headers=error_headers(error))
-
-        caught = await nc.subscribe(subject, cb=keep)
-        gave_up = await cli("actor", "suspend", "a-1", "--uri", "s3://life-1-image", "--nats", nats_url,
-                            "--prefix", prefix)
-        await caught.unsubscribe()
-        assert gave_up.exit_code == 1 and "UNAVAILABLE" in gave_up.stderr, gave_up.output
-        assert len({m.data for m in kept}) == 1  # every attempt the same body (its request id)
-        held = kept[0]
+        held = await held_while_unanswered(nc, f"{prefix}.snapshotter.suspend.a-1", "actor", "suspend", "a-1",
+                                           "--uri", "s3://life-1-image", "--nats", nats_url, "--prefix", prefix)
         sent = msgspec.json.decode(held.data, type=SuspendActor)
         assert sent.placement_seq == placed  # the placement its history showed: life 1's
 
@@ -963,18 +977,68 @@ async def test_a_pause_or_suspend_from_the_cli_names_the_placement_it_read(nats_
         assert (second.worker_id, second.sandbox_runtime.version) == ("w-2", V2)
 
         before = await last_seq(nc, prefix)
-        async def deliver(data: bytes) -> SnapshotReply:  # a copy of the command's request, as it sent it
-            return decode_reply(SnapshotReply, (await nc.request(subject, data, 5, headers=held.headers)).data)
-
         with pytest.raises(ContractError) as refused:
-            await deliver(held.data)
+            await delivered(nc, held, held.data, SnapshotReply)
         assert (refused.value.code, refused.value.field) == (ErrorCode.FAILED_PRECONDITION, "placement_seq")
         assert "placed on worker 'w-2'" in refused.value.message
         assert await last_seq(nc, prefix) == before  # nothing written
 
         unfenced = msgspec.json.encode(msgspec.structs.replace(sent, placement_seq=None))
-        recorded = await deliver(unfenced)
+        recorded = await delivered(nc, held, unfenced, SnapshotReply)
         assert (recorded.snapshot.uri, recorded.snapshot.sandbox_runtime.version) == ("s3://life-1-image", V2)
+
+
+async def test_a_resume_from_the_cli_names_the_life_it_read(nats_url, nc, prefix):
+    """The same failover test: a resume its caller gave up on, held in a stopped NATS server's
+    buffers, placed the actor's next life once the server resumed (an actor RUNNING that nobody
+    started). `actor resume` names the life the actor's history shows when the command starts
+    (`life_seq`): here its every attempt goes unanswered (the scheduler is down), the actor is
+    stopped and created anew, and its request is delivered: refused, nothing written. The same copy
+    without its life (what the CLI sent before) places life 2; given --life-seq, the command sends
+    that one."""
+    from contextlib import AsyncExitStack
+
+    from events.errors import ContractError
+    from events.schema import Assignment, ErrorCode, ResumeActor
+    from tests.factories import SILENT_TTL_S
+    from warmboot.runner import start_services
+
+    wb = Client(nc, prefix)
+    async with AsyncExitStack() as services:
+        await start_services(services, ["registry", "snapshotter"], nats_url, prefix,
+                             options={"registry": {"ttl_s": SILENT_TTL_S}})
+        await wb.register(worker("w-1", runtime(V1), node="node-1"))
+        born = (await wb.create(actor("a-1", cpu=1, mem=1))).seq  # life 1: its ActorCreated
+        assert isinstance(dict(await read_log(nc, prefix))[born], ActorCreated)
+
+        held = await held_while_unanswered(nc, f"{prefix}.scheduler.resume.a-1", "actor", "resume", "a-1",
+                                           "--nats", nats_url, "--prefix", prefix)
+        sent = msgspec.json.decode(held.data, type=ResumeActor)
+        assert sent.life_seq == born  # the life its history showed
+
+        await start_services(services, ["scheduler"], nats_url, prefix)
+        await wb.stop("a-1")
+        reborn = (await wb.create(actor("a-1", cpu=1, mem=1))).seq  # life 2, not resumed by anyone
+        before = await last_seq(nc, prefix)
+        with pytest.raises(ContractError) as refused:
+            await delivered(nc, held, held.data, Assignment)
+        assert (refused.value.code, refused.value.field) == (ErrorCode.FAILED_PRECONDITION, "life_seq")
+        assert refused.value.message.startswith(f"actor 'a-1' was created anew at sequence {reborn}, after the "
+                                                f"life this resume names (life_seq {born}): nothing placed")
+        assert await last_seq(nc, prefix) == before  # nothing written
+
+        unfenced = msgspec.json.encode(msgspec.structs.replace(sent, life_seq=None))
+        ghost = await delivered(nc, held, unfenced, Assignment)  # what it was: life 2 placed
+        assert ghost.worker_id == "w-1" and ghost.seq > reborn
+
+        await wb.stop("a-1")
+        third = (await wb.create(actor("a-1", cpu=1, mem=1))).seq
+        given = await cli("actor", "resume", "a-1", "--life-seq", str(reborn), "--nats", nats_url, "--prefix", prefix)
+        assert given.exit_code == 1 and given.stderr.startswith(
+            f"error: FAILED_PRECONDITION life_seq (--life-seq): actor 'a-1' was created anew at sequence {third}"), \
+            given.output
+        resumed = await cli("actor", "resume", "a-1", "--nats", nats_url, "--prefix", prefix, "--json")
+        assert resumed.exit_code == 0 and json.loads(resumed.output)["seq"] > third, resumed.output
 
 
 def test_the_placement_a_command_names_is_the_current_life_s_last():

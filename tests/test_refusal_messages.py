@@ -127,6 +127,24 @@ def test_too_big_is_said_at_any_tier_and_never_changes_the_code():
     assert refusal(log, "edge-2").endswith("; " + BUSY)
 
 
+def test_a_fallback_with_no_worker_of_the_stamp_s_architecture_says_none_is_registered():
+    """A fallback keeps the stamp's architecture (rule 4). With a worker of it full, the refusal ends
+    "no worker of the class with architecture arm64 fits" (room may be freed); with none of it
+    registered, it said the same, which reads as busy: it says none is registered (a docs check)."""
+    arm = version("9", arch="arm64")
+    log = Log()
+    log.worker("amd", runtime(V1))
+    log.worker("arm", runtime(version("10", arch="arm64")), mem=256)  # too small for it
+    log.actor("a", mem=512)
+    log.snapshot("a", stamped=arm, snapshot_id="mem-1")  # no worker accepts its memory: a fallback on arm64
+    busy = refusal(log, "a")
+    assert busy.endswith("; no worker of the class with architecture arm64 fits"), busy
+    log.add(WorkerRemoved(at=AT, worker_id="arm", reason="gone"))
+    gone = refusal(log, "a")
+    assert gone.endswith("; no registered worker of the class has architecture arm64"), gone
+    assert explained(log, "a") == gone
+
+
 def test_the_largest_capacity_follows_updates_removals_and_a_checkpoint():
     log = Log()
     log.worker("w-1", cpu=4000, mem=4096)

@@ -16,7 +16,8 @@ from click.testing import CliRunner
 from events.compat import compat_key
 from events.errors import ContractError
 from events.runtime_id import short_id
-from events.schema import CompatVersion, CreateActor, ErrorCode, RegisterReply, Resources, SeqReply, WhatIf
+from events.schema import (CompatVersion, CreateActor, ErrorCode, Fragmentation, RegisterReply, Resources, SeqReply,
+                           WhatIf)
 from events.subjects import service_subject
 from services.endpoints import call
 from tests.registry_helpers import registration, runtime
@@ -107,6 +108,12 @@ async def test_the_client_says_not_found_of_a_class_the_scheduler_knows_nothing_
             assert raised.value.message.startswith("no worker has registered the sandbox class 'nope'")
         assert [c.sandbox_class for c in (await wb.fragmentation("gvisor")).classes] == ["gvisor"]
         assert [c.sandbox_class for c in (await wb.fragmentation()).classes] == ["gvisor"]
+        # the endpoint says so itself, to a client of another language (it answered no class)
+        with pytest.raises(ContractError) as raised:
+            await call(wb.nc, service_subject(PREFIX, "scheduler", "fragmentation"), {"sandbox_class": "nope"},
+                       Fragmentation)
+        assert (raised.value.code, raised.value.field) == (ErrorCode.NOT_FOUND, "sandbox_class")
+        assert raised.value.message == "no worker has registered the sandbox class 'nope'"
     said = "error: NOT_FOUND sandbox_class (--class): no worker has registered the sandbox class 'nope'"
     for user, names in (("orch", ""), ("ops", " (registered: gvisor)")):  # a client may not read the names
         shown = await cli("fragmentation", "--class", "nope", env={"NATS_URL": secured.url(user),
@@ -152,6 +159,17 @@ def test_a_malformed_id_is_a_usage_error_of_every_command_before_anything_is_sen
     assert shown.stderr.endswith(f"error: Invalid value for '{argument}': 'bad id' is not an id: 1 to 128 letters, "
                                  "digits, '_' or '-', the first a letter or digit\n"), shown.stderr
     assert "UNAVAILABLE" not in shown.output and shown.stdout == ""
+
+
+def test_a_malformed_worker_id_of_a_filter_is_a_usage_error_before_anything_is_sent():
+    """`actor list --worker 'bad id'` connected and listed nothing (a docs check): an option naming
+    workers is checked as an argument is, exit 2, before it connects (as `whatif --drain`)."""
+    for command in (["actor", "list", "--worker", "w-1", "--worker", "bad id"], ["whatif", "--drain", "bad id"]):
+        shown = CliRunner().invoke(main, [*command, "--nats", "nats://127.0.0.1:1"], prog_name="warmboot")
+        assert shown.exit_code == 2, (command, shown.output)
+        option = command[-2]
+        assert shown.stderr.endswith(f"error: Invalid value for '{option}': 'bad id' is not an id: 1 to 128 letters, "
+                                     "digits, '_' or '-', the first a letter or digit\n"), shown.stderr
 
 
 # --- 4. restorable runtimes by id, and the runtime each edge belongs to ----------------------------------
@@ -202,9 +220,9 @@ async def test_a_pause_whose_placement_cannot_be_read_says_it_is_not_fenced(secu
     labels = "note: runtime names not looked up: these credentials may not read the log\n"
     paused = await cli("actor", "pause", "a-5", env=env)
     assert paused.exit_code == 0 and paused.stdout.startswith("actor/a-5 paused: "), paused.output
-    assert paused.stderr == ("note: not fenced to the actor's placement: these credentials may not read the log "
-                             "(give --placement-seq: a copy of this request decided after the actor is placed anew "
-                             "is then refused, not recorded)\n" + labels), paused.stderr
+    assert paused.stderr == ("note: not fenced to the actor's placement (give --placement-seq: a copy of this request "
+                             "decided after the actor is placed anew is then refused, not recorded): these credentials "
+                             "may not read the log\n" + labels), paused.stderr
     promoted = await cli("actor", "suspend", "a-5", "--uri", "s3://a-5", "--placement-seq", str(placed.seq), env=env)
     assert promoted.exit_code == 0 and promoted.stdout.startswith("actor/a-5 suspended: "), promoted.output
     assert promoted.stderr == labels, promoted.stderr

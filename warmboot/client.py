@@ -20,7 +20,11 @@ What it does so that callers need not:
 - Fencing: `pause` and `suspend` name the placement their image was taken under
   (`placement_seq`): the caller's, else the `seq` of this client's last `resume` of the
   actor (with `fence_snapshots=False`, only the caller's). A copy decided after the actor was placed
-  anew is refused, not recorded with the new placement's pin.
+  anew is refused, not recorded with the new placement's pin. `resume` names the actor's life
+  (`life_seq`): the caller's, else the `seq` of this client's last create or resume of the actor
+  (with `fence_resumes=False`, only the caller's). A copy decided after the actor was created
+  anew is refused, not placed in a life nobody resumed; so is a resume of a client that has not
+  seen that creation (once: the client then forgets the life it knew).
 - Retries: UNAVAILABLE, a time-out and "no responders" are retried with the same body
   (the same `request_id`), at most `attempts` times, with a growing, jittered pause (a request
   no service answered any time is UNAVAILABLE "no service answers SUBJECT after N attempts in
@@ -138,7 +142,15 @@ def _transient(service: str, error: ContractError) -> bool:
     return error.code is ErrorCode.RESOURCE_EXHAUSTED and service == "registry" and error.field is None
 
 
-PLACEMENTS_KEPT = 65_536  # actors whose last placement a client remembers, to fence its pauses and suspends
+PLACEMENTS_KEPT = 65_536  # actors whose last placement (and life) a client remembers, to fence its requests
+
+
+def remember(seqs: dict[str, int], actor_id: str, seq: int) -> None:
+    """`seqs[actor_id] = seq`, the newest last, and the oldest actor forgotten past PLACEMENTS_KEPT."""
+    seqs.pop(actor_id, None)
+    seqs[actor_id] = seq
+    if len(seqs) > PLACEMENTS_KEPT:
+        del seqs[next(iter(seqs))]
 
 
 class Client:
@@ -154,6 +166,7 @@ class Client:
         read_your_writes: bool = True,
         refusals_final: bool = True,
         fence_snapshots: bool = True,
+        fence_resumes: bool = True,
     ):
         self.nc = nc
         # a request the server refuses to carry is FAILED_PRECONDITION at once (`_refusal`);
@@ -170,6 +183,10 @@ class Client:
         # and so to take its image (`placement_seq`'s docstring)
         self.fence_snapshots = fence_snapshots
         self._placed: dict[str, int] = {}  # actor id -> seq of that Assignment, the last PLACEMENTS_KEPT actors
+        # `resume` without a `life_seq` names the life this client last saw the actor in (`_lives`): the
+        # `seq` of its last create or resume of it (`life_seq`'s docstring)
+        self.fence_resumes = fence_resumes
+        self._lives: dict[str, int] = {}  # actor id -> that seq, the last PLACEMENTS_KEPT actors
         self.retries = 0  # requests sent again (`_transient`)
         self._owned = False
 
@@ -367,7 +384,9 @@ class Client:
 
     async def create(self, actor: CreateActor) -> SeqReply:
         body = self._with_request_id(actor)
-        return await self.request("snapshotter", "create", body.actor_id, body, SeqReply)
+        created = await self.request("snapshotter", "create", body.actor_id, body, SeqReply)
+        remember(self._lives, body.actor_id, created.seq)
+        return created
 
     async def pause(self, actor_id: str, snapshot_id: str | None = None, request_id: str | None = None,
                     placement_seq: int | None = None) -> SnapshotReply:
@@ -412,6 +431,7 @@ class Client:
         body = StopActor(request_id=request_id or new_request_id())
         stopped = await self.request("snapshotter", "stop", actor_id, body, SeqReply)
         self._placed.pop(actor_id, None)  # the life is over: its placements with it
+        self._lives.pop(actor_id, None)
         return stopped
 
     async def revert(self, actor_id: str, reason: str | None = None, request_id: str | None = None) -> RevertReply:
@@ -422,15 +442,28 @@ class Client:
 
     async def resume(
         self, actor_id: str, selectors: dict[str, str] | None = None, request_id: str | None = None,
-        min_seq: int | None = None,
+        min_seq: int | None = None, life_seq: int | None = None,
     ) -> Assignment:
+        """`life_seq`: a stream sequence of the actor's life this resume is for (what its `create`
+        answered, or a resume of it); FAILED_PRECONDITION, field `life_seq`, if the actor was created
+        anew after it. Left out, it is the seq of this client's last create or resume of the actor, if
+        it made one (`fence_resumes`): a copy of this request held somewhere (a NATS server stopped
+        with it in its buffers: a failover test), its caller gone, and decided once the actor was
+        stopped and created again, is then refused instead of placing a life nobody resumed. A
+        client that did not see the actor created anew (another process stopped and created it) has
+        its resume refused so once, and forgets the life it knew: a resume sent again is not fenced."""
+        if life_seq is None and self.fence_resumes:
+            life_seq = self._lives.get(actor_id)
         body = ResumeActor(selectors=selectors, min_seq=self._min_seq(min_seq),
-                           request_id=request_id or new_request_id())
-        placed = await self.request("scheduler", "resume", actor_id, body, Assignment)
-        self._placed.pop(actor_id, None)  # the newest last, so that the oldest goes first
-        self._placed[actor_id] = placed.seq
-        if len(self._placed) > PLACEMENTS_KEPT:
-            del self._placed[next(iter(self._placed))]
+                           request_id=request_id or new_request_id(), life_seq=life_seq)
+        try:
+            placed = await self.request("scheduler", "resume", actor_id, body, Assignment)
+        except ContractError as refused:
+            if refused.field == "life_seq":  # the life it knew is over
+                self._lives.pop(actor_id, None)
+            raise
+        remember(self._placed, actor_id, placed.seq)
+        remember(self._lives, actor_id, placed.seq)
         return placed
 
     async def explain(
@@ -446,7 +479,7 @@ class Client:
         empty answer, which a typo's caller read as a class with nothing in it)."""
         body = FragmentationQuery(sandbox_class=sandbox_class, min_seq=self._min_seq(min_seq))
         answer = await self.request("scheduler", "fragmentation", None, body, Fragmentation)
-        if sandbox_class is not None and not answer.classes:
+        if sandbox_class is not None and not answer.classes:  # a scheduler before 2026-12-06 answered so
             from services.scheduler.whatif import unknown_class
 
             raise unknown_class(sandbox_class, None)  # its message names no class: this answer has none

@@ -14,8 +14,9 @@ The `show` commands read the log, not a service:
   does (a worker's free room and actors are in the actors' placements): what the
   scheduler sees of that worker.
 
-`actor pause` and `actor suspend` read the actor's history too, before their request, for the
-placement it names (`placement_fence`), unless `--placement-seq` is given.
+`actor pause`, `actor suspend` and `actor resume` read the actor's history too, before their
+request, for the placement (`placement_fence`) or the life (`life_fence`) it names, unless
+`--placement-seq` or `--life-seq` is given.
 """
 
 from __future__ import annotations
@@ -78,14 +79,21 @@ placement_seq_option = click.option(
          "the placement the actor's history shows when the command starts.")
 
 
+life_seq_option = click.option(
+    "--life-seq", type=IntRange(min=1), default=None, metavar="SEQ",
+    help="A seq of the actor's life this resume is for (what `actor create` printed): refused, and nothing "
+         "placed, if the actor has been created anew since. Default: the life the actor's history shows when "
+         "the command starts.")
+
+
 def placement_fence(history: list[tuple[int, Any]]) -> int | None:
     """What a pause or suspend from the CLI names as its placement (`placement_seq`) when the
     command gives none, from the actor's history as the command read it: the seq of the current
     life's last ActorPlaced (for a PAUSED actor the placement its pause ended, as the snapshotter
-    takes it); in a life not placed yet, the seq of its ActorCreated, which no placement of that
-    life can match (each is written after it), so a copy decided after the actor was placed is
-    refused as one decided after it was placed anew; None for an actor with no history (the
-    snapshotter says NOT_FOUND).
+    takes it); in a life not placed yet, the seq of its ActorCreated (`life_fence`), which no
+    placement of that life can match (each is written after it), so a copy decided after the actor
+    was placed is refused as one decided after it was placed anew; None for an actor with no
+    history (the snapshotter says NOT_FOUND).
 
     The image a command records is of the actor as it was when the command started. A copy held
     in a NATS server's buffers and decided later (a failover test: a suspend decided after the
@@ -93,30 +101,43 @@ def placement_fence(history: list[tuple[int, Any]]) -> int | None:
     in life 2, stamped with life 2's pin; its next resume sent it at MEMORY to a worker that could
     not load it) is then refused, FAILED_PRECONDITION field `placement_seq`, nothing written, as
     `warmboot.client.Client` refuses one of its own resumes' (`fence_snapshots`)."""
-    fence = None
-    for seq, event in history:
-        if isinstance(event, ActorCreated):
-            fence = seq
-        elif isinstance(event, ActorPlaced):
-            fence = seq
-    return fence
+    born = life_fence(history)
+    placed = [seq for seq, event in history if isinstance(event, ActorPlaced) and born is not None and seq > born]
+    return placed[-1] if placed else born
 
 
-async def fence_now(nc: Any, prefix: str, actor_id: str, given: int | None) -> int | None:
-    """`given`, else `placement_fence` of the actor's history as it is now. Credentials that may not
-    read the log (a client's: docs/security.md) send none, and one line on stderr says so; any
-    other failure to read the history fails the command before anything is sent (it says why:
-    the stream has no leader, say), since what it would send unfenced is what a failover holds."""
+def life_fence(history: list[tuple[int, Any]]) -> int | None:
+    """What a resume from the CLI names as the actor's life (`life_seq`) when the command gives
+    none: the seq of the ActorCreated that began the life its history shows (None: no history, and
+    the scheduler says NOT_FOUND). A copy of the command held in a NATS server's buffers, its caller
+    gone, and decided once the actor was stopped and created anew, is refused, FAILED_PRECONDITION
+    field `life_seq`, instead of placing a life nobody resumed."""
+    created = [seq for seq, event in history if isinstance(event, ActorCreated)]
+    return created[-1] if created else None
+
+
+UNFENCED_SNAPSHOT = ("not fenced to the actor's placement (give --placement-seq: a copy of this request decided after "
+                     "the actor is placed anew is then refused, not recorded)")
+
+
+async def fence_now(nc: Any, prefix: str, actor_id: str, given: int | None,
+                    fence: Callable[[list[tuple[int, Any]]], int | None], unfenced: str | None) -> int | None:
+    """`given`, else `fence` of the actor's history as it is now. Credentials that may not read the
+    log (a client's: docs/security.md) send none, and one line on stderr says so (`unfenced`: what
+    is not fenced and what fences it; None says nothing); any other failure to read the history
+    fails the command before anything is sent (it says why: the stream has no leader, say), since
+    what it would send unfenced is what a failover holds."""
     if given is not None:
         return given
     try:
-        return placement_fence(await read_subject(nc, prefix, event_subject(prefix, "actor", actor_id)))
+        return fence(await read_subject(nc, prefix, event_subject(prefix, "actor", actor_id)))
     except LogUnreadable as e:
         if e.why != REFUSED_THE_LOG:
             raise
-        click.echo(f"note: not fenced to the actor's placement: {e.why} (give --placement-seq: a copy of this "
-                   "request decided after the actor is placed anew is then refused, not recorded)", err=True)
+        if unfenced is not None:
+            click.echo(f"note: {unfenced}: {e.why}", err=True)
         return None
+
 
 request_id_option = click.option("--request-id", default=None,
                                  help="Idempotency key: the same command with the same id is the same request "
@@ -332,7 +353,9 @@ def pause_cmd(actor_id: str, snapshot_id: str | None, placement_seq: int | None,
               nats_url: str, prefix: str, as_json: bool) -> None:
     """Pause a RUNNING actor: a LOCAL memory snapshot on its node, stamped with its pin."""
     async def call(wb: Client) -> Any:
-        return await wb.pause(actor_id, snapshot_id, request_id, await fence_now(wb.nc, prefix, actor_id, placement_seq))
+        return await wb.pause(actor_id, snapshot_id, request_id,
+                              await fence_now(wb.nc, prefix, actor_id, placement_seq, placement_fence,
+                                              UNFENCED_SNAPSHOT))
 
     reply, runtimes = run(nats_url, prefix, not as_json, call)
     echo(reply, as_json, lambda: done("actor", actor_id, "paused: " + snapshot_text(reply.snapshot, runtimes),
@@ -357,7 +380,8 @@ def suspend_cmd(actor_id: str, fidelity: str, uri: str | None, snapshot_id: str 
     LOCAL snapshot promoted to EXTERNAL (it may then move)."""
     async def call(wb: Client) -> Any:
         return await wb.suspend(actor_id, Fidelity(fidelity), uri, snapshot_id, request_id,
-                                await fence_now(wb.nc, prefix, actor_id, placement_seq))
+                                await fence_now(wb.nc, prefix, actor_id, placement_seq, placement_fence,
+                                                UNFENCED_SNAPSHOT))
 
     reply, runtimes = run(nats_url, prefix, not as_json, call)
     echo(reply, as_json, lambda: done("actor", actor_id, "suspended: " + snapshot_text(reply.snapshot, runtimes),
@@ -368,16 +392,25 @@ def suspend_cmd(actor_id: str, fidelity: str, uri: str | None, snapshot_id: str 
 @click.argument("actor_id")
 @click.option("--selector", "selectors", multiple=True, metavar="KEY=VALUE",
               help="Extra worker label to require (narrows the actor's own selectors).")
+@life_seq_option
 @request_id_option
 @min_seq_option
 @nats_option
 @prefix_option
 @json_option
-def resume_cmd(actor_id: str, selectors: tuple[str, ...], request_id: str | None, min_seq: int | None,
-               nats_url: str, prefix: str, as_json: bool) -> None:
+def resume_cmd(actor_id: str, selectors: tuple[str, ...], life_seq: int | None, request_id: str | None,
+               min_seq: int | None, nats_url: str, prefix: str, as_json: bool) -> None:
     """Place ACTOR_ID on a worker (scheduler.resume): where, at which fidelity, pinned to which runtime."""
     sel = selectors_of(selectors) or None
-    reply, runtimes = run(nats_url, prefix, not as_json, lambda wb: wb.resume(actor_id, sel, request_id, min_seq))
+
+    async def call(wb: Client) -> Any:
+        # a client's credentials, which may not read the history, send no life and say nothing of it: a
+        # copy decided late starts a life nobody asked for, on a worker its image loads on (a pause's
+        # or suspend's would record an image under another placement's pin: they say so)
+        return await wb.resume(actor_id, sel, request_id, min_seq,
+                               await fence_now(wb.nc, prefix, actor_id, life_seq, life_fence, None))
+
+    reply, runtimes = run(nats_url, prefix, not as_json, call)
     if as_json:
         echo_json(to_builtins(reply))
         return
@@ -598,7 +631,7 @@ ACTOR_LIST_COLUMNS = [
 @click.option("--state", "states", multiple=True, callback=lambda ctx, param, values: tuple(map(one_state, values)),
               metavar="[" + "|".join(s.value for s in ActorState) + "]",
               help="Only actors in this state (in any case). Repeatable: actors in any state given.")
-@click.option("--worker", "worker_ids", multiple=True,
+@click.option("--worker", "worker_ids", multiple=True, callback=check_id,
               help="Only actors placed on this worker. Repeatable: actors placed on any worker given.")
 @nats_option
 @prefix_option

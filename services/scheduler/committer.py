@@ -56,7 +56,7 @@ import msgspec
 from eventsourcing.persistence import IntegrityError
 
 from events.aggregate import WireApplication, now
-from events.errors import ContractError, NoWorkerOnNode, from_an_earlier_life, unavailable
+from events.errors import ContractError, NoWorkerOnNode, created_anew_since, from_an_earlier_life, unavailable
 from events.schema import ActorPlaced, FallbackReason, Placement, WorkerBooked
 from events.tasks import cancel_and_wait
 from services import deadline
@@ -94,10 +94,11 @@ class Hold:
 class Job:
     """A resume waiting for the committer to decide and commit it."""
 
-    __slots__ = ("actor_id", "selectors", "request_id", "request", "result", "checked", "seen", "confirmed", "deadline")
+    __slots__ = ("actor_id", "selectors", "request_id", "request", "result", "checked", "seen", "confirmed", "deadline",
+                 "life_seq")
 
     def __init__(self, actor_id: str, selectors: Any, request_id: str | None, result: asyncio.Future[Any],
-                 deadline: tuple[int, int, int] | None = None):
+                 deadline: tuple[int, int, int] | None = None, life_seq: int | None = None):
         self.actor_id = actor_id
         self.selectors = selectors
         self.request_id = request_id
@@ -114,6 +115,9 @@ class Job:
         self.confirmed = False
         # its request's deadline (`services.deadline.deadline()`): decided past it, it is refused instead
         self.deadline = deadline
+        # the sequence of the actor's life its request names (`ResumeActor.life_seq`): refused if the
+        # actor was created anew after it
+        self.life_seq = life_seq
 
     @property
     def key(self) -> tuple[str, int] | None:
@@ -343,6 +347,10 @@ class Committer:
                     if self._placed_in_an_earlier_life(job, actor):  # a late copy of the last life's resume
                         job.result.set_exception(from_an_earlier_life("actor", job.actor_id, "resume",
                                                                       job.request_id or ""))
+                        continue
+                    started = p.life_started(job.actor_id)
+                    if job.life_seq is not None and job.life_seq < started:  # a copy of a resume of its last life
+                        job.result.set_exception(created_anew_since(job.actor_id, job.life_seq, started))
                         continue
                     try:
                         placement = decide(p, job.actor_id, job.selectors, p.seq, self.pending, self._refusals)

@@ -345,7 +345,7 @@ def _plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | N
                 f"actor {aid}'s latest snapshot holds {fidelity.value} only, below its min_fidelity "
                 f"{floor.value}"
             )
-        return Plan(actor, tiers, restore, _no_worker(arch, node), False, (source,))
+        return Plan(actor, tiers, restore, _no_worker(arch, node, items(source)), False, (source,))
 
     lost = cause = None
     if snapshot.template_uid != spec.template_uid:
@@ -361,7 +361,7 @@ def _plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | N
         if _below_floor(tier, floor, borrowed):
             raise precondition(f"actor {aid} cannot be restored at its min_fidelity {floor.value}: {cause}")
         tiers.append(tier)
-        return Plan(actor, tiers, tier.ask, _no_worker(arch, node), False, (source,))
+        return Plan(actor, tiers, tier.ask, _no_worker(arch, node, items(source)), False, (source,))
 
     # rule 2: a memory restore on a worker that accepts the stamp, in the order of preference
     compat = stamp.compat
@@ -393,7 +393,7 @@ def _plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | N
         else:
             tiers.append(fallback)
             sources.append(source)
-            refusal = _no_worker(arch, None)
+            refusal = _no_worker(arch, None, items(source))
     return Plan(actor, tiers, mem_ask, refusal, True, tuple(sources))
 
 
@@ -404,8 +404,13 @@ def accepts_in(worker: Worker, sandbox_class: str, compat: Compat, role: int) ->
     return roles is not None and role in roles
 
 
-def _no_worker(arch: str | None, node: str | None) -> str:
+def _no_worker(arch: str | None, node: str | None, candidates: Sequence[Worker]) -> str:
+    """Why a tier without memory found no worker: none of its `candidates` fits (the counts before it
+    say why: room, drained, selectors), or, of a stamp's architecture, none is registered (it read as
+    busy, where room freed cannot help: a docs check)."""
     where = f" on node {node}" if node else ""
+    if arch is not None and node is None and not candidates:
+        return f"no registered worker of the class has architecture {arch}"
     of = f" with architecture {arch}" if arch is not None else ""
     return f"no worker of the class{of}{where} fits"
 

@@ -65,7 +65,7 @@ from services.scheduler.fragmentation import fragmentation
 from services.scheduler.fold import Fold
 from services.scheduler.projection import Projection
 from services.scheduler.records import request_hash
-from services.scheduler.whatif import whatif
+from services.scheduler.whatif import unknown_class, whatif
 from services.streams import last_seq_on, leaders_stream_info, stored_at
 
 log = logging.getLogger("warmboot.scheduler")
@@ -299,7 +299,8 @@ class SchedulerService:
                 unfolded = self.committer.unfolded(actor_id)
                 if unfolded is not None:  # our own last placement of it: decide on state that has it
                     await self.fold.wait(unfolded, self.catch_up_s)
-                job = Job(actor_id, request.selectors, rid, asyncio.get_running_loop().create_future(), due)
+                job = Job(actor_id, request.selectors, rid, asyncio.get_running_loop().create_future(), due,
+                          request.life_seq)
                 job.confirmed = confirmed
                 seq = 0
                 actor = self.projection.actors.get(actor_id)
@@ -382,7 +383,13 @@ class SchedulerService:
 
     async def fragmentation(self, _: str | None, request: FragmentationQuery) -> Fragmentation:
         await self.fold.wait(request.min_seq, self.catch_up_s)
-        return fragmentation(self.projection, request.sandbox_class)
+        answer = fragmentation(self.projection, request.sandbox_class)
+        if request.sandbox_class is not None and not answer.classes:
+            # nothing of the class in the fold (no worker registered it, no actor is of it): NOT_FOUND, as
+            # whatif says it, not an empty answer a typo's caller reads as a class with nothing in it;
+            # the class names are not given (a client's credentials may not read them)
+            raise unknown_class(request.sandbox_class, None)
+        return answer
 
     # --- answers from the log ---
 

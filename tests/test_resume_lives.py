@@ -1,0 +1,185 @@
+"""A resume names the actor's life it is for (`ResumeActor.life_seq`), and is refused in another.
+
+A failover test (2026-12-06, a 3-node cluster whose members were stopped for 1 to 10 s) held
+resumes in a stopped NATS server's buffers; their callers gave up, the actors were stopped and
+created anew, and once the server resumed, the copies placed the actors' next lives: actors
+RUNNING that nobody started. A resume that names a sequence of the life it is for (what its
+create answered) is refused, FAILED_PRECONDITION field `life_seq`, nothing written, once the actor
+has been created anew after it: decided on a fold that has the new life, or on one behind it
+(its append then loses the race against the actor's history, and the decision is made again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from events.errors import ContractError
+from events.schema import ActorCreated, ActorPlaced, ErrorCode, ResumeActor
+from tests.factories import actor, last_seq, read_log, version, worker
+from tests.test_idempotency_faults import catching_up
+from warmboot.client import Client
+
+V1 = version("v1")
+ROUNDS = int(__import__("os").environ.get("LIFE_ROUNDS", "3"))
+
+
+def placed_in_a_life_not_named(log, named: dict[str, int]) -> list[str]:
+    """Each placement whose request (`named`: request id -> the life_seq it sent) named a life that
+    a creation after it ended, read in stream order."""
+    born: dict[str, int] = {}
+    faults = []
+    for seq, event in log:
+        if isinstance(event, ActorCreated):
+            born[event.actor_id] = seq
+        elif isinstance(event, ActorPlaced) and event.request_id in named:
+            if named[event.request_id] < born[event.actor_id]:
+                faults.append(f"{seq}: {event.actor_id} placed by {event.request_id}, which named life "
+                              f"{named[event.request_id]}; its life began at {born[event.actor_id]}")
+    return faults
+
+
+def refused_for_its_life(error: ContractError, actor_id: str, named: int, started: int) -> bool:
+    return (error.code, error.field) == (ErrorCode.FAILED_PRECONDITION, "life_seq") and error.message.startswith(
+        f"actor {actor_id!r} was created anew at sequence {started}, after the life this resume names "
+        f"(life_seq {named}): nothing placed")
+
+
+@pytest.mark.parametrize("fold_first", [True, False], ids=["decided-on-the-new-life", "decided-on-the-last-life"])
+async def test_a_resume_of_the_last_life_decided_late_is_refused(stalled, nc, prefix, fold_first):
+    """A resume naming life 1 waits in a stalled replica while the actor is stopped and created anew
+    through another. Decided on a fold that has life 2: refused at once. Decided on a fold still in
+    life 1 (where it is a resume of a CREATED actor, placed on it): its append loses to the actor's
+    history, the replica catches up and decides again: refused. Nothing placed either way."""
+    wb = Client(nc, prefix)
+    await wb.register(worker("w", V1, cpu=64000, mem=65536))
+    born = (await wb.create(actor("a"))).seq
+    await stalled.fold.wait(await last_seq(nc, prefix), 10)
+    behind = catching_up(stalled)
+    fold, commits = stalled.fold.paused(), stalled.committer.commits_held()
+    await fold.__aenter__()
+    await commits.__aenter__()
+    try:
+        late = asyncio.create_task(stalled.resume("a", ResumeActor(request_id="R", life_seq=born)))
+        await stalled.committer.until_queued(1)
+        await wb.stop("a")
+        reborn = (await wb.create(actor("a"))).seq  # life 2
+    finally:
+        if fold_first:  # the fold has life 2 before the committer decides
+            await fold.__aexit__(None, None, None)
+            await stalled.fold.wait(await last_seq(nc, prefix), 10)
+            await commits.__aexit__(None, None, None)
+        else:  # decided on life 1; its append loses, and it catches up with the actor's history
+            await commits.__aexit__(None, None, None)
+            await asyncio.wait_for(behind.wait(), 10)
+            await fold.__aexit__(None, None, None)
+    with pytest.raises(ContractError) as refused:
+        await asyncio.wait_for(late, 20)
+    assert refused_for_its_life(refused.value, "a", born, reborn), refused.value
+    assert not [e for _, e in await read_log(nc, prefix) if isinstance(e, ActorPlaced)]
+    assert (await wb.resume("a", request_id="R2")).worker_id == "w"  # life 2's own resume
+
+
+async def outcome(call) -> object:
+    """What a request came to: its answer, or the contract error it was refused with."""
+    try:
+        return await call
+    except ContractError as error:
+        return error
+
+
+async def test_resumes_of_last_lives_racing_new_ones_on_three_replicas_place_only_their_own(
+        stack, nc, prefix, replicas):
+    """Three scheduler replicas, requests without min_seq (a replica may be behind any of them), 50
+    actors, several rounds. Each actor is stopped and created anew while copies of resumes naming its
+    last life arrive: sent as the stop is, after it, and after the new creation; then its new life is
+    resumed. From the log in stream order: no placement in a life its request did not name. Every
+    copy sent after the new creation was answered is refused for its life, and every new life's
+    resume places the actor (no copy took it)."""
+    for _ in range(2):
+        await replicas(metrics=False)
+    wb = Client(nc, prefix, read_your_writes=False, fence_resumes=False)  # each life named below
+    for i in range(4):
+        await wb.register(worker(f"w{i}", V1, cpu=256000, mem=262144))
+    actors = [f"a{i}" for i in range(50)]
+    lives = dict(zip(actors, [c.seq for c in await asyncio.gather(*(wb.create(actor(a)) for a in actors))]))
+    named: dict[str, int] = {}
+
+    def copy(a: str, round_: int, when: str, k: int) -> asyncio.Task:
+        rid = f"{a}-{round_}-{when}-{k}"
+        named[rid] = lives[a]
+        return asyncio.create_task(outcome(wb.resume(a, request_id=rid, life_seq=lives[a])))
+
+    async def churn(a: str, round_: int) -> tuple[list, list, object]:
+        before = [copy(a, round_, "before", k) for k in range(2)]
+        await wb.stop(a)
+        during = [copy(a, round_, "during", k) for k in range(2)]
+        born = (await wb.create(actor(a))).seq
+        after = [copy(a, round_, "after", k) for k in range(2)]
+        rid = f"{a}-{round_}-new"
+        named[rid] = born
+        new = await outcome(wb.resume(a, request_id=rid, life_seq=born))
+        return await asyncio.gather(*before, *during), (born, await asyncio.gather(*after)), new
+
+    refused_after = 0
+    for round_ in range(ROUNDS):
+        results = await asyncio.gather(*(churn(a, round_) for a in actors))
+        for a, (early, (born, late), new) in zip(actors, results):
+            assert not isinstance(new, ContractError), (a, new)  # no copy of the last life took this one
+            for answer in early:  # placed in the last life, or refused (RUNNING, STOPPED, or its life)
+                assert not isinstance(answer, ContractError) or answer.code is ErrorCode.FAILED_PRECONDITION, answer
+            for answer in late:
+                assert isinstance(answer, ContractError) and refused_for_its_life(answer, a, lives[a], born), answer
+                refused_after += 1
+            lives[a] = born
+    assert refused_after == len(actors) * 2 * ROUNDS
+    faults = placed_in_a_life_not_named(await read_log(nc, prefix), named)
+    assert not faults, "\n".join(faults[:20])
+
+
+async def test_the_client_names_the_life_it_last_saw_and_forgets_one_another_caller_ended(stack, nc, prefix):
+    """`Client.resume` without `life_seq` names the life of this client's last create or resume of the
+    actor. Another caller stops the actor and creates it anew: this client's next resume is refused
+    (nothing placed) and the client forgets that life, so the resume sent again places the new one. A
+    client made with `fence_resumes=False` names none; a `life_seq` given is sent as it is; a client's
+    own stop and create move it on."""
+    orchestrator, other = Client(nc, prefix), Client(nc, prefix)
+    unfenced = Client(nc, prefix, fence_resumes=False)
+    await other.register(worker("w", V1, cpu=64000, mem=65536))
+    born = (await orchestrator.create(actor("a"))).seq
+    await other.stop("a")
+    renewed = (await other.create(actor("a"))).seq
+    with pytest.raises(ContractError) as refused:  # it names the life its create answered
+        await orchestrator.resume("a")
+    assert refused_for_its_life(refused.value, "a", born, renewed), refused.value
+    first = await orchestrator.resume("a")  # it names no life now; next time, this resume's
+    await orchestrator.suspend("a", uri="s3://a/1")
+    await other.stop("a")
+    reborn = (await other.create(actor("a"))).seq  # life 2: the orchestrator has not seen it
+    before = await last_seq(nc, prefix)
+    with pytest.raises(ContractError) as refused:
+        await orchestrator.resume("a")
+    assert refused_for_its_life(refused.value, "a", first.seq, reborn), refused.value
+    assert await last_seq(nc, prefix) == before  # nothing written
+    second = await orchestrator.resume("a")  # sent again: the life it knew is forgotten
+    assert second.seq > reborn
+    await orchestrator.suspend("a", uri="s3://a/2")
+
+    await other.stop("a")
+    third = (await other.create(actor("a"))).seq  # life 3; the orchestrator knows life 2 from its resume
+    with pytest.raises(ContractError) as refused:
+        await orchestrator.resume("a")
+    assert refused_for_its_life(refused.value, "a", second.seq, third), refused.value
+    with pytest.raises(ContractError) as refused:  # given, it is sent whatever the client knows
+        await unfenced.resume("a", life_seq=born)
+    assert refused_for_its_life(refused.value, "a", born, third), refused.value
+    await unfenced.resume("a", life_seq=third)
+    await unfenced.suspend("a", uri="s3://a/3")
+    await other.stop("a")
+    await other.create(actor("a"))  # life 4
+    assert (await unfenced.resume("a")).worker_id == "w"  # it names no life
+
+    await orchestrator.stop("a")  # its own stop and create: the life it names moves with them
+    await orchestrator.create(actor("a"))
+    assert (await orchestrator.resume("a")).worker_id == "w"
