@@ -109,7 +109,7 @@ def from_an_earlier_life(kind: str, entity_id: str, verb: str, request_id: str) 
 
 def created_anew_since(actor_id: str, life_seq: int, started: int) -> ContractError:
     """FAILED_PRECONDITION, field life_seq: a resume naming a life of the actor that a creation at
-    `started` ended (docs/contract.md, Scheduler): a copy delivered late, or a caller that has not
+    `started` ended (docs/contract.md, Idempotency): a copy delivered late, or a caller that has not
     seen the actor created anew."""
     return precondition(
         f"actor {actor_id!r} was created anew at sequence {started}, after the life this resume names (life_seq "

@@ -474,9 +474,10 @@ class Client:
 
     async def fragmentation(self, sandbox_class: str | None = None, min_seq: int | None = None) -> Fragmentation:
         """Every class's fragmentation, or `sandbox_class`'s alone. A class the scheduler knows nothing
-        of (no worker has registered it, no actor is of it: the endpoint answers no class) is NOT_FOUND,
-        field `sandbox_class`, as `whatif`'s and `warmboot fragmentation --class`'s are (it was an
-        empty answer, which a typo's caller read as a class with nothing in it)."""
+        of (no worker has registered it, no actor is of it) is NOT_FOUND, field `sandbox_class`: the
+        endpoint says so (since 2026-12-06); of a scheduler before then, which answered no class, the
+        client says it, as `whatif`'s and `warmboot fragmentation --class`'s are (that empty answer read
+        as a class with nothing in it)."""
         body = FragmentationQuery(sandbox_class=sandbox_class, min_seq=self._min_seq(min_seq))
         answer = await self.request("scheduler", "fragmentation", None, body, Fragmentation)
         if sandbox_class is not None and not answer.classes:  # a scheduler before 2026-12-06 answered so

@@ -76,14 +76,16 @@ placement_seq_option = click.option(
     "--placement-seq", type=IntRange(min=1), default=None, metavar="SEQ",
     help="The seq `actor resume` printed for the placement the image was taken under: refused, and nothing "
          "recorded, if the actor has been placed anew since (its worker removed meanwhile, say). Default: "
-         "the placement the actor's history shows when the command starts.")
+         "the placement the actor's history shows when the command starts (none where the credentials may "
+         "not read the log, a client's: a note says so).")
 
 
 life_seq_option = click.option(
     "--life-seq", type=IntRange(min=1), default=None, metavar="SEQ",
-    help="A seq of the actor's life this resume is for (what `actor create` printed): refused, and nothing "
-         "placed, if the actor has been created anew since. Default: the life the actor's history shows when "
-         "the command starts.")
+    help="A seq of the actor's life this resume is for (what `actor create` or `actor resume` printed): "
+         "refused, and nothing placed, if the actor has been created anew since. Default: the life the actor's "
+         "history shows when the command starts (none where the credentials may not read the log, a "
+         "client's).")
 
 
 def placement_fence(history: list[tuple[int, Any]]) -> int | None:
