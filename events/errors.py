@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from events.schema import ErrorCode, ErrorDetail, ErrorReply
 
 # The numeric `Nats-Service-Error-Code` header that goes with each contract code.
@@ -110,11 +112,23 @@ def from_an_earlier_life(kind: str, entity_id: str, verb: str, request_id: str) 
 def created_anew_since(actor_id: str, life_seq: int, started: int) -> ContractError:
     """FAILED_PRECONDITION, field life_seq: a resume naming a life of the actor that a creation at
     `started` ended (docs/contract.md, Idempotency): a copy delivered late, or a caller that has not
-    seen the actor created anew."""
+    seen the actor created anew. `life_started_in` reads `started` back."""
     return precondition(
         f"actor {actor_id!r} was created anew at sequence {started}, after the life this resume names (life_seq "
         f"{life_seq}): nothing placed (a copy of a resume of its earlier life delivered late is not applied to this "
         f"one); resume it again with life_seq {started}, or none, if this life is meant", "life_seq")
+
+
+_CREATED_ANEW = re.compile(r"was created anew at sequence (\d+), after the life this resume names")
+
+
+def life_started_in(error: ContractError) -> int | None:
+    """The sequence of the creation a `created_anew_since` refusal names (the actor's current life),
+    or None for any other error, or one whose message does not say it (another version's)."""
+    if error.code is not ErrorCode.FAILED_PRECONDITION or error.field != "life_seq":
+        return None
+    found = _CREATED_ANEW.search(error.message)
+    return int(found[1]) if found else None
 
 
 # A registration older than one the worker's history holds (services.registry.domain): the

@@ -138,12 +138,13 @@ async def test_resumes_of_last_lives_racing_new_ones_on_three_replicas_place_onl
     assert not faults, "\n".join(faults[:20])
 
 
-async def test_the_client_names_the_life_it_last_saw_and_forgets_one_another_caller_ended(stack, nc, prefix):
+async def test_the_client_names_the_life_it_last_saw_and_the_one_a_refusal_names(stack, nc, prefix):
     """`Client.resume` without `life_seq` names the life of this client's last create or resume of the
     actor. Another caller stops the actor and creates it anew: this client's next resume is refused
-    (nothing placed) and the client forgets that life, so the resume sent again places the new one. A
-    client made with `fence_resumes=False` names none; a `life_seq` given is sent as it is; a client's
-    own stop and create move it on."""
+    (nothing placed) and the client then names the life the refusal says began, so the resume sent
+    again places it, and is refused if yet another life began meanwhile (a copy of it held past a
+    creation is). A client made with `fence_resumes=False` names none; a `life_seq` given is sent as
+    it is; a client's own stop and create move it on."""
     orchestrator, other = Client(nc, prefix), Client(nc, prefix)
     unfenced = Client(nc, prefix, fence_resumes=False)
     await other.register(worker("w", V1, cpu=64000, mem=65536))
@@ -153,7 +154,12 @@ async def test_the_client_names_the_life_it_last_saw_and_forgets_one_another_cal
     with pytest.raises(ContractError) as refused:  # it names the life its create answered
         await orchestrator.resume("a")
     assert refused_for_its_life(refused.value, "a", born, renewed), refused.value
-    first = await orchestrator.resume("a")  # it names no life now; next time, this resume's
+    await other.stop("a")
+    again = (await other.create(actor("a"))).seq
+    with pytest.raises(ContractError) as refused:  # sent again, it names the life the refusal said began
+        await orchestrator.resume("a")
+    assert refused_for_its_life(refused.value, "a", renewed, again), refused.value
+    first = await orchestrator.resume("a")  # placed; next time it names this resume's seq
     await orchestrator.suspend("a", uri="s3://a/1")
     await other.stop("a")
     reborn = (await other.create(actor("a"))).seq  # life 2: the orchestrator has not seen it
@@ -183,3 +189,78 @@ async def test_the_client_names_the_life_it_last_saw_and_forgets_one_another_cal
     await orchestrator.stop("a")  # its own stop and create: the life it names moves with them
     await orchestrator.create(actor("a"))
     assert (await orchestrator.resume("a")).worker_id == "w"
+
+
+def answered_late(client: Client, verb: str, *, before_sending: bool) -> tuple[asyncio.Event, asyncio.Event]:
+    """`client`'s `scheduler.<verb>` requests held, until the second event is set: before they are sent
+    (`before_sending`), or once answered (their reply delivered late); the first event is set when one
+    is held."""
+    held, release = asyncio.Event(), asyncio.Event()
+    request = client.request
+
+    async def late(service, called, *args, **kw):
+        if (service, called) != ("scheduler", verb):
+            return await request(service, called, *args, **kw)
+        if before_sending:
+            held.set()
+            await release.wait()
+            return await request(service, called, *args, **kw)
+        try:
+            return await request(service, called, *args, **kw)
+        finally:
+            held.set()
+            await release.wait()
+
+    client.request = late
+    return held, release
+
+
+async def test_a_late_answer_does_not_move_the_client_s_life_back(stack, nc, prefix):
+    """One client, one actor, two tasks: a resume whose answer (a placement, or a refusal for its life)
+    comes back only after the same client stopped the actor and created it anew. The late answer
+    named life 1 (or refused a life it had ended): the client's memory took it over the life it had
+    just created, and refused its own next resume (or sent it unfenced, or named a life it had ended).
+    A review's finding: without `remember` keeping the later sequence, each part fails."""
+    wb = Client(nc, prefix)
+    other = Client(nc, prefix)
+    await wb.register(worker("w", V1, cpu=64000, mem=65536))
+    await wb.create(actor("a"))
+    held, release = answered_late(wb, "resume", before_sending=False)
+    first = asyncio.create_task(wb.resume("a"))  # placed; its answer held
+    await asyncio.wait_for(held.wait(), 10)
+    await wb.stop("a")
+    reborn = (await wb.create(actor("a"))).seq  # this client's own life 2
+    release.set()
+    assert (await first).seq < reborn
+    del wb.request  # answered as sent again
+    assert (await wb.resume("a")).seq > reborn  # it names life 2, not life 1 (refused then)
+
+    await wb.suspend("a", uri="s3://a/2")
+    await other.stop("a")
+    await other.create(actor("a"))  # life 3, by another caller
+    held, release = answered_late(wb, "resume", before_sending=True)
+    stale = asyncio.create_task(wb.resume("a"))  # it names life 2: refused, once it is sent
+    await asyncio.wait_for(held.wait(), 10)
+    await wb.stop("a")
+    own = (await wb.create(actor("a"))).seq  # life 4, this client's own
+    release.set()
+    with pytest.raises(ContractError) as refused:
+        await stale
+    assert (refused.value.code, refused.value.field) == (ErrorCode.FAILED_PRECONDITION, "life_seq")
+    del wb.request  # answered as sent again
+    await other.stop("a")
+    fifth = (await other.create(actor("a"))).seq  # life 5: the client still names life 4, its own
+    with pytest.raises(ContractError) as refused:
+        await wb.resume("a")
+    assert refused_for_its_life(refused.value, "a", own, fifth), refused.value
+
+
+def test_the_creation_a_refusal_names_is_read_back_from_it():
+    """`life_started_in` reads the sequence `created_anew_since` writes; any other error says nothing."""
+    from events.errors import created_anew_since, life_started_in, precondition
+
+    assert life_started_in(created_anew_since("a-1", 3, 912)) == 912
+    assert life_started_in(precondition("actor 'a' is RUNNING on worker 'w'", "actor_id")) is None
+    assert life_started_in(precondition("was created anew at sequence 7, after the life this resume names",
+                                         "request_id")) is None
+    assert life_started_in(precondition("another version's words", "life_seq")) is None

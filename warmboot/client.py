@@ -24,7 +24,7 @@ What it does so that callers need not:
   (`life_seq`): the caller's, else the `seq` of this client's last create or resume of the actor
   (with `fence_resumes=False`, only the caller's). A copy decided after the actor was created
   anew is refused, not placed in a life nobody resumed; so is a resume of a client that has not
-  seen that creation (once: the client then forgets the life it knew).
+  seen that creation (once: the client then names the life the refusal says began).
 - Retries: UNAVAILABLE, a time-out and "no responders" are retried with the same body
   (the same `request_id`), at most `attempts` times, with a growing, jittered pause (a request
   no service answered any time is UNAVAILABLE "no service answers SUBJECT after N attempts in
@@ -67,7 +67,7 @@ import nats.errors
 from nats.aio.client import Client as NATS
 
 from events.codec import decode_reply, encode
-from events.errors import ContractError, invalid, precondition, unavailable
+from events.errors import ContractError, invalid, life_started_in, precondition, unavailable
 from events.natsauth import check_url, redact_url
 from events.natspy.connections import ErrorsOnce, PublishRefused, close, transport_lost, unless_refused
 from events.schema import (
@@ -146,8 +146,10 @@ PLACEMENTS_KEPT = 65_536  # actors whose last placement (and life) a client reme
 
 
 def remember(seqs: dict[str, int], actor_id: str, seq: int) -> None:
-    """`seqs[actor_id] = seq`, the newest last, and the oldest actor forgotten past PLACEMENTS_KEPT."""
-    seqs.pop(actor_id, None)
+    """`seqs[actor_id] = seq` unless it holds a later one (a reply that came late, after this client's
+    own stop and create of the actor, say: stream sequences only grow), the newest last, and the
+    oldest actor forgotten past PLACEMENTS_KEPT."""
+    seq = max(seq, seqs.pop(actor_id, 0))
     seqs[actor_id] = seq
     if len(seqs) > PLACEMENTS_KEPT:
         del seqs[next(iter(seqs))]
@@ -451,16 +453,22 @@ class Client:
         with it in its buffers: a failover test), its caller gone, and decided once the actor was
         stopped and created again, is then refused instead of placing a life nobody resumed. A
         client that did not see the actor created anew (another process stopped and created it) has
-        its resume refused so once, and forgets the life it knew: a resume sent again is not fenced."""
-        if life_seq is None and self.fence_resumes:
+        its resume refused so once, and then names the life the refusal says began: a resume sent
+        again is placed, and a copy of it held past another creation is refused in its turn."""
+        remembered = life_seq is None and self.fence_resumes
+        if remembered:
             life_seq = self._lives.get(actor_id)
         body = ResumeActor(selectors=selectors, min_seq=self._min_seq(min_seq),
                            request_id=request_id or new_request_id(), life_seq=life_seq)
         try:
             placed = await self.request("scheduler", "resume", actor_id, body, Assignment)
         except ContractError as refused:
-            if refused.field == "life_seq":  # the life it knew is over
-                self._lives.pop(actor_id, None)
+            if remembered and life_seq is not None and self._lives.get(actor_id) == life_seq:
+                started = life_started_in(refused)  # the life it knew is over; and this one began there
+                if started is not None:
+                    remember(self._lives, actor_id, started)
+                elif refused.field == "life_seq":  # said by another version: not known where
+                    self._lives.pop(actor_id, None)
             raise
         remember(self._placed, actor_id, placed.seq)
         remember(self._lives, actor_id, placed.seq)

@@ -38,8 +38,8 @@ from events.schema import (ActorCreated, ActorPlaced, ActorRuntime, CreateActor,
 from events.states import ActorState
 from events.subjects import event_subject
 from warmboot.cli_common import (MIB, MILLICORES, REFUSED_THE_LOG, IntRange, LogUnreadable, ask, check_id, json_option,
-                                 last_seq, min_seq_option, nats_option, prefix_option, read_subject, replay,
-                                 selectors_of)
+                                 last_seq, min_seq_option, nats_option, prefix_option, read_subject, read_topics,
+                                 replay, selectors_of)
 from warmboot.client import Client
 from warmboot.cmd_views import (
     LABELS_TIMEOUT_S,
@@ -88,14 +88,17 @@ life_seq_option = click.option(
          "client's).")
 
 
-def placement_fence(history: list[tuple[int, Any]]) -> int | None:
+CREATED, PLACED = ActorCreated.__name__, ActorPlaced.__name__  # their topics (an event's `type`)
+
+
+def placement_fence(history: list[tuple[int, str]]) -> int | None:
     """What a pause or suspend from the CLI names as its placement (`placement_seq`) when the
-    command gives none, from the actor's history as the command read it: the seq of the current
-    life's last ActorPlaced (for a PAUSED actor the placement its pause ended, as the snapshotter
-    takes it); in a life not placed yet, the seq of its ActorCreated (`life_fence`), which no
-    placement of that life can match (each is written after it), so a copy decided after the actor
-    was placed is refused as one decided after it was placed anew; None for an actor with no
-    history (the snapshotter says NOT_FOUND).
+    command gives none, from the actor's history as the command read it ((seq, topic) pairs,
+    `read_topics`): the seq of the current life's last ActorPlaced (for a PAUSED actor the
+    placement its pause ended, as the snapshotter takes it); in a life not placed yet, the seq of
+    its ActorCreated (`life_fence`), which no placement of that life can match (each is written
+    after it), so a copy decided after the actor was placed is refused as one decided after it was
+    placed anew; None for an actor with no history (the snapshotter says NOT_FOUND).
 
     The image a command records is of the actor as it was when the command started. A copy held
     in a NATS server's buffers and decided later (a failover test: a suspend decided after the
@@ -104,17 +107,17 @@ def placement_fence(history: list[tuple[int, Any]]) -> int | None:
     not load it) is then refused, FAILED_PRECONDITION field `placement_seq`, nothing written, as
     `warmboot.client.Client` refuses one of its own resumes' (`fence_snapshots`)."""
     born = life_fence(history)
-    placed = [seq for seq, event in history if isinstance(event, ActorPlaced) and born is not None and seq > born]
+    placed = [seq for seq, topic in history if topic == PLACED and born is not None and seq > born]
     return placed[-1] if placed else born
 
 
-def life_fence(history: list[tuple[int, Any]]) -> int | None:
+def life_fence(history: list[tuple[int, str]]) -> int | None:
     """What a resume from the CLI names as the actor's life (`life_seq`) when the command gives
     none: the seq of the ActorCreated that began the life its history shows (None: no history, and
     the scheduler says NOT_FOUND). A copy of the command held in a NATS server's buffers, its caller
     gone, and decided once the actor was stopped and created anew, is refused, FAILED_PRECONDITION
     field `life_seq`, instead of placing a life nobody resumed."""
-    created = [seq for seq, event in history if isinstance(event, ActorCreated)]
+    created = [seq for seq, topic in history if topic == CREATED]
     return created[-1] if created else None
 
 
@@ -123,16 +126,17 @@ UNFENCED_SNAPSHOT = ("not fenced to the actor's placement (give --placement-seq:
 
 
 async def fence_now(nc: Any, prefix: str, actor_id: str, given: int | None,
-                    fence: Callable[[list[tuple[int, Any]]], int | None], unfenced: str | None) -> int | None:
-    """`given`, else `fence` of the actor's history as it is now. Credentials that may not read the
-    log (a client's: docs/security.md) send none, and one line on stderr says so (`unfenced`: what
-    is not fenced and what fences it; None says nothing); any other failure to read the history
-    fails the command before anything is sent (it says why: the stream has no leader, say), since
-    what it would send unfenced is what a failover holds."""
+                    fence: Callable[[list[tuple[int, str]]], int | None], unfenced: str | None) -> int | None:
+    """`given`, else `fence` of the actor's history as it is now (its messages' topics: an event of
+    a newer version in it, which this version cannot read, is no failure). Credentials that may not
+    read the log (a client's: docs/security.md) send none, and one line on stderr says so
+    (`unfenced`: what is not fenced and what fences it; None says nothing); any other failure to
+    read the history fails the command before anything is sent (it says why: the stream has no
+    leader, say), since what it would send unfenced is what a failover holds."""
     if given is not None:
         return given
     try:
-        return fence(await read_subject(nc, prefix, event_subject(prefix, "actor", actor_id)))
+        return fence(await read_topics(nc, prefix, event_subject(prefix, "actor", actor_id)))
     except LogUnreadable as e:
         if e.why != REFUSED_THE_LOG:
             raise
