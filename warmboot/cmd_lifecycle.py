@@ -88,7 +88,7 @@ life_seq_option = click.option(
          "client's).")
 
 
-CREATED, PLACED = ActorCreated.__name__, ActorPlaced.__name__  # their topics (an event's `type`)
+CREATED_TOPIC, PLACED_TOPIC = ActorCreated.__name__, ActorPlaced.__name__  # the topic of each: its `type`
 
 
 def placement_fence(history: list[tuple[int, str]]) -> int | None:
@@ -107,7 +107,7 @@ def placement_fence(history: list[tuple[int, str]]) -> int | None:
     not load it) is then refused, FAILED_PRECONDITION field `placement_seq`, nothing written, as
     `warmboot.client.Client` refuses one of its own resumes' (`fence_snapshots`)."""
     born = life_fence(history)
-    placed = [seq for seq, topic in history if topic == PLACED and born is not None and seq > born]
+    placed = [seq for seq, topic in history if topic == PLACED_TOPIC and born is not None and seq > born]
     return placed[-1] if placed else born
 
 
@@ -117,7 +117,7 @@ def life_fence(history: list[tuple[int, str]]) -> int | None:
     the scheduler says NOT_FOUND). A copy of the command held in a NATS server's buffers, its caller
     gone, and decided once the actor was stopped and created anew, is refused, FAILED_PRECONDITION
     field `life_seq`, instead of placing a life nobody resumed."""
-    created = [seq for seq, topic in history if topic == CREATED]
+    created = [seq for seq, topic in history if topic == CREATED_TOPIC]
     return created[-1] if created else None
 
 
