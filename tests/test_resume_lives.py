@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 
 from events.errors import ContractError
-from events.schema import ActorCreated, ActorPlaced, ErrorCode, ResumeActor
+from events.codec import decode_reply
+from events.schema import ActorCreated, ActorPlaced, Assignment, ErrorCode, ResumeActor
 from tests.factories import actor, last_seq, read_log, version, worker
 from tests.test_idempotency_faults import catching_up
 from warmboot.client import Client
@@ -138,57 +140,75 @@ async def test_resumes_of_last_lives_racing_new_ones_on_three_replicas_place_onl
     assert not faults, "\n".join(faults[:20])
 
 
-async def test_the_client_names_the_life_it_last_saw_and_the_one_a_refusal_names(stack, nc, prefix):
+class Sent:
+    """The resumes of one actor as they were sent (a subscription beside the scheduler's): their
+    bodies in order, and each message, to deliver a copy of it later."""
+
+    def __init__(self, nc, prefix: str, actor_id: str):
+        self.nc, self.subject = nc, f"{prefix}.scheduler.resume.{actor_id}"
+
+    async def __aenter__(self) -> "Sent":
+        self.sub = await self.nc.subscribe(self.subject)
+        return self
+
+    async def __aexit__(self, *_) -> None:
+        await self.sub.unsubscribe()
+
+    async def next(self, n: int = 1) -> list:
+        """The next `n` requests sent (each delivered to this subscription before it returns)."""
+        return [await self.sub.next_msg(timeout=10) for _ in range(n)]
+
+    @staticmethod
+    def body(msg) -> ResumeActor:
+        return msgspec.json.decode(msg.data, type=ResumeActor)
+
+
+async def test_the_client_names_the_life_it_last_saw_and_sends_again_into_one_it_had_not_seen(
+        stack, nc, prefix):
     """`Client.resume` without `life_seq` names the life of this client's last create or resume of the
-    actor. Another caller stops the actor and creates it anew: this client's next resume is refused
-    (nothing placed) and the client then names the life the refusal says began, so the resume sent
-    again places it, and is refused if yet another life began meanwhile (a copy of it held past a
-    creation is). A client made with `fence_resumes=False` names none; a `life_seq` given is sent as
-    it is; a client's own stop and create move it on."""
+    actor. Another caller stops the actor and creates it anew: the resume is refused, and since its
+    caller is waiting (no late copy), the client sends it again, once, with the same request id,
+    naming the life the refusal says began: it is placed, once. A copy of that second request, held
+    past a further creation, is refused. A `life_seq` given is sent as it is and its refusal raised;
+    a client made with `fence_resumes=False` names none; a client's own stop and create move it on."""
     orchestrator, other = Client(nc, prefix), Client(nc, prefix)
     unfenced = Client(nc, prefix, fence_resumes=False)
     await other.register(worker("w", V1, cpu=64000, mem=65536))
     born = (await orchestrator.create(actor("a"))).seq
     await other.stop("a")
-    renewed = (await other.create(actor("a"))).seq
-    with pytest.raises(ContractError) as refused:  # it names the life its create answered
-        await orchestrator.resume("a")
-    assert refused_for_its_life(refused.value, "a", born, renewed), refused.value
-    await other.stop("a")
-    again = (await other.create(actor("a"))).seq
-    with pytest.raises(ContractError) as refused:  # sent again, it names the life the refusal said began
-        await orchestrator.resume("a")
-    assert refused_for_its_life(refused.value, "a", renewed, again), refused.value
-    first = await orchestrator.resume("a")  # placed; next time it names this resume's seq
-    await orchestrator.suspend("a", uri="s3://a/1")
-    await other.stop("a")
-    reborn = (await other.create(actor("a"))).seq  # life 2: the orchestrator has not seen it
-    before = await last_seq(nc, prefix)
-    with pytest.raises(ContractError) as refused:
-        await orchestrator.resume("a")
-    assert refused_for_its_life(refused.value, "a", first.seq, reborn), refused.value
-    assert await last_seq(nc, prefix) == before  # nothing written
-    second = await orchestrator.resume("a")  # sent again: the life it knew is forgotten
-    assert second.seq > reborn
-    await orchestrator.suspend("a", uri="s3://a/2")
+    renewed = (await other.create(actor("a"))).seq  # life 2: the orchestrator has not seen it
+    async with Sent(nc, prefix, "a") as sent:
+        placed = await orchestrator.resume("a")
+        first, second = await sent.next(2)
+    assert (Sent.body(first).life_seq, Sent.body(second).life_seq) == (born, renewed)
+    assert Sent.body(first).request_id == Sent.body(second).request_id
+    assert placed.seq > renewed
+    assert len([e for _, e in await read_log(nc, prefix) if isinstance(e, ActorPlaced)]) == 1
 
     await other.stop("a")
-    third = (await other.create(actor("a"))).seq  # life 3; the orchestrator knows life 2 from its resume
-    with pytest.raises(ContractError) as refused:
-        await orchestrator.resume("a")
-    assert refused_for_its_life(refused.value, "a", second.seq, third), refused.value
-    with pytest.raises(ContractError) as refused:  # given, it is sent whatever the client knows
+    again = (await other.create(actor("a"))).seq  # life 3
+    before = await last_seq(nc, prefix)
+    for copy in (first, second):  # copies of the two requests, delivered now: refused (life 2 placed their id)
+        with pytest.raises(ContractError) as refused:
+            decode_reply(Assignment, (await nc.request(copy.subject, copy.data, 5, headers=copy.headers)).data)
+        assert (refused.value.code, refused.value.field) == (ErrorCode.FAILED_PRECONDITION, "request_id")
+    assert await last_seq(nc, prefix) == before  # nothing written
+
+    with pytest.raises(ContractError) as refused:  # given, it is sent as it is, once
         await unfenced.resume("a", life_seq=born)
-    assert refused_for_its_life(refused.value, "a", born, third), refused.value
-    await unfenced.resume("a", life_seq=third)
+    assert refused_for_its_life(refused.value, "a", born, again), refused.value
+    async with Sent(nc, prefix, "a") as sent:
+        await unfenced.resume("a")  # it names no life
+        (named,) = await sent.next()
+    assert Sent.body(named).life_seq is None
     await unfenced.suspend("a", uri="s3://a/3")
-    await other.stop("a")
-    await other.create(actor("a"))  # life 4
-    assert (await unfenced.resume("a")).worker_id == "w"  # it names no life
 
     await orchestrator.stop("a")  # its own stop and create: the life it names moves with them
-    await orchestrator.create(actor("a"))
-    assert (await orchestrator.resume("a")).worker_id == "w"
+    own = (await orchestrator.create(actor("a"))).seq
+    async with Sent(nc, prefix, "a") as sent:
+        await orchestrator.resume("a")
+        (named,) = await sent.next()
+    assert Sent.body(named).life_seq == own
 
 
 def answered_late(client: Client, verb: str, *, before_sending: bool) -> tuple[asyncio.Event, asyncio.Event]:
@@ -217,12 +237,10 @@ def answered_late(client: Client, verb: str, *, before_sending: bool) -> tuple[a
 
 async def test_a_late_answer_does_not_move_the_client_s_life_back(stack, nc, prefix):
     """One client, one actor, two tasks: a resume whose answer (a placement, or a refusal for its life)
-    comes back only after the same client stopped the actor and created it anew. The late answer
-    named life 1 (or refused a life it had ended): the client's memory took it over the life it had
-    just created, and refused its own next resume (or sent it unfenced, or named a life it had ended).
-    A review's finding: without `remember` keeping the later sequence, each part fails."""
-    wb = Client(nc, prefix)
-    other = Client(nc, prefix)
+    comes back only after the same client stopped the actor and created it anew. The late answer named
+    an earlier life: the client's memory took it over the life it had just created (a review's finding;
+    without `remember` keeping the later sequence, each part names the earlier life)."""
+    wb, other = Client(nc, prefix), Client(nc, prefix)
     await wb.register(worker("w", V1, cpu=64000, mem=65536))
     await wb.create(actor("a"))
     held, release = answered_late(wb, "resume", before_sending=False)
@@ -233,26 +251,25 @@ async def test_a_late_answer_does_not_move_the_client_s_life_back(stack, nc, pre
     release.set()
     assert (await first).seq < reborn
     del wb.request  # answered as sent again
-    assert (await wb.resume("a")).seq > reborn  # it names life 2, not life 1 (refused then)
+    async with Sent(nc, prefix, "a") as sent:
+        second = await wb.resume("a")
+        (named,) = await sent.next()
+    assert Sent.body(named).life_seq == reborn and second.seq > reborn  # life 2, not life 1's placement
 
     await wb.suspend("a", uri="s3://a/2")
     await other.stop("a")
     await other.create(actor("a"))  # life 3, by another caller
     held, release = answered_late(wb, "resume", before_sending=True)
-    stale = asyncio.create_task(wb.resume("a"))  # it names life 2: refused, once it is sent
+    stale = asyncio.create_task(wb.resume("a"))  # it names life 2 (its resume): refused once it is sent
     await asyncio.wait_for(held.wait(), 10)
     await wb.stop("a")
     own = (await wb.create(actor("a"))).seq  # life 4, this client's own
-    release.set()
-    with pytest.raises(ContractError) as refused:
-        await stale
-    assert (refused.value.code, refused.value.field) == (ErrorCode.FAILED_PRECONDITION, "life_seq")
-    del wb.request  # answered as sent again
-    await other.stop("a")
-    fifth = (await other.create(actor("a"))).seq  # life 5: the client still names life 4, its own
-    with pytest.raises(ContractError) as refused:
-        await wb.resume("a")
-    assert refused_for_its_life(refused.value, "a", own, fifth), refused.value
+    async with Sent(nc, prefix, "a") as sent:
+        release.set()
+        placed = await stale  # refused for life 2, then sent again naming life 4, not life 3
+        refused_once, again = await sent.next(2)
+    assert (Sent.body(refused_once).life_seq, Sent.body(again).life_seq) == (second.seq, own)
+    assert placed.seq > own
 
 
 def test_the_creation_a_refusal_names_is_read_back_from_it():

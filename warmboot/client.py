@@ -23,8 +23,9 @@ What it does so that callers need not:
   anew is refused, not recorded with the new placement's pin. `resume` names the actor's life
   (`life_seq`): the caller's, else the `seq` of this client's last create or resume of the actor
   (with `fence_resumes=False`, only the caller's). A copy decided after the actor was created
-  anew is refused, not placed in a life nobody resumed; so is a resume of a client that has not
-  seen that creation (once: the client then names the life the refusal says began).
+  anew is refused, not placed in a life nobody resumed. A caller still waiting is no late copy:
+  when its client had not seen another caller's creation, the client sends the resume again,
+  once, naming the life the refusal says began.
 - Retries: UNAVAILABLE, a time-out and "no responders" are retried with the same body
   (the same `request_id`), at most `attempts` times, with a growing, jittered pause (a request
   no service answered any time is UNAVAILABLE "no service answers SUBJECT after N attempts in
@@ -451,10 +452,14 @@ class Client:
         anew after it. Left out, it is the seq of this client's last create or resume of the actor, if
         it made one (`fence_resumes`): a copy of this request held somewhere (a NATS server stopped
         with it in its buffers: a failover test), its caller gone, and decided once the actor was
-        stopped and created again, is then refused instead of placing a life nobody resumed. A
-        client that did not see the actor created anew (another process stopped and created it) has
-        its resume refused so once, and then names the life the refusal says began: a resume sent
-        again is placed, and a copy of it held past another creation is refused in its turn."""
+        stopped and created again, is then refused instead of placing a life nobody resumed.
+
+        Such a refusal that reaches this call is no late copy (the caller of one has gone): this
+        client had not seen another caller stop and create the actor. So the client names the life
+        the refusal says began (`events.errors.life_started_in`) and sends the request again, once,
+        with the same request id: it is placed as it was before the fence (a chaos test's shared
+        clients were refused about one resume in ten), and a copy of it held past a further creation
+        is refused in its turn. A `life_seq` the caller gives is not sent again: its refusal is raised."""
         remembered = life_seq is None and self.fence_resumes
         if remembered:
             life_seq = self._lives.get(actor_id)
@@ -463,13 +468,15 @@ class Client:
         try:
             placed = await self.request("scheduler", "resume", actor_id, body, Assignment)
         except ContractError as refused:
-            if remembered and life_seq is not None and self._lives.get(actor_id) == life_seq:
-                started = life_started_in(refused)  # the life it knew is over; and this one began there
-                if started is not None:
-                    remember(self._lives, actor_id, started)
-                elif refused.field == "life_seq":  # said by another version: not known where
+            started = life_started_in(refused) if remembered and life_seq is not None else None
+            if started is None:
+                if remembered and refused.field == "life_seq":  # said by another version: not known where
                     self._lives.pop(actor_id, None)
-            raise
+                raise
+            remember(self._lives, actor_id, started)  # (a later one, if this client created the actor since)
+            again = msgspec.structs.replace(body, life_seq=self._lives[actor_id],
+                                            min_seq=max(body.min_seq or 0, started))
+            placed = await self.request("scheduler", "resume", actor_id, again, Assignment)
         remember(self._placed, actor_id, placed.seq)
         remember(self._lives, actor_id, placed.seq)
         return placed
