@@ -12,19 +12,20 @@ has been created anew after it: decided on a fold that has the new life, or on o
 from __future__ import annotations
 
 import asyncio
+import os
 
 import msgspec
 import pytest
 
-from events.errors import ContractError
 from events.codec import decode_reply
+from events.errors import ContractError
 from events.schema import ActorCreated, ActorPlaced, Assignment, ErrorCode, ResumeActor
 from tests.factories import actor, last_seq, read_log, version, worker
 from tests.test_idempotency_faults import catching_up
 from warmboot.client import Client
 
 V1 = version("v1")
-ROUNDS = int(__import__("os").environ.get("LIFE_ROUNDS", "3"))
+ROUNDS = int(os.environ.get("LIFE_ROUNDS", "3"))
 
 
 def placed_in_a_life_not_named(log, named: dict[str, int]) -> list[str]:
