@@ -435,6 +435,15 @@ async def read_entries(nc: NATS, prefix: str, subject: str | None = None) -> lis
     return [(seq, on, event) for seq, on, _, event in await read_messages(nc, prefix, subject)]
 
 
+async def delivered(nc: NATS, held: Any, data: bytes, reply_type: type) -> Any:
+    """A copy of the request `held` (a message caught on its subject) with the body `data`, delivered
+    now as it was sent (its subject, its headers), as a NATS server stopped with it in its buffers
+    delivers it later; its reply decoded (an error raised as its ContractError)."""
+    from events.codec import decode_reply
+
+    return decode_reply(reply_type, (await nc.request(held.subject, data, 5, headers=held.headers)).data)
+
+
 async def read_log(nc: NATS, prefix: str, subject: str | None = None) -> list[tuple[int, Event]]:
     """`read_entries` without the subjects: (sequence, event)."""
     return [(seq, event) for seq, _, event in await read_entries(nc, prefix, subject)]

@@ -29,7 +29,7 @@ from events.schema import (
     Fidelity,
     SnapshotTaken,
 )
-from tests.factories import actor, golden, last_seq, read_log, runtime, version, wait_for, worker
+from tests.factories import actor, delivered, golden, last_seq, read_log, runtime, version, wait_for, worker
 from warmboot.cli import main
 from warmboot.client import Client
 
@@ -924,13 +924,6 @@ async def held_while_unanswered(nc, subject: str, *command: str):
     assert gave_up.exit_code == 1 and "UNAVAILABLE" in gave_up.stderr, gave_up.output
     assert kept and len({m.data for m in kept}) == 1, kept
     return kept[0]
-
-
-async def delivered(nc, held, data: bytes, reply_type: type):
-    """A copy of `held` (its body `data`), delivered now as it was sent: its headers, its subject."""
-    from events.codec import decode_reply
-
-    return decode_reply(reply_type, (await nc.request(held.subject, data, 5, headers=held.headers)).data)
 
 
 async def test_a_pause_or_suspend_from_the_cli_names_the_placement_it_read(nats_url, nc, prefix):

@@ -17,10 +17,9 @@ import os
 import msgspec
 import pytest
 
-from events.codec import decode_reply
 from events.errors import ContractError
 from events.schema import ActorCreated, ActorPlaced, Assignment, ErrorCode, ResumeActor
-from tests.factories import actor, last_seq, read_log, version, worker
+from tests.factories import actor, delivered, last_seq, read_log, version, worker
 from tests.test_idempotency_faults import catching_up
 from warmboot.client import Client
 
@@ -191,7 +190,7 @@ async def test_the_client_names_the_life_it_last_saw_and_sends_again_into_one_it
     before = await last_seq(nc, prefix)
     for copy in (first, second):  # copies of the two requests, delivered now: refused (life 2 placed their id)
         with pytest.raises(ContractError) as refused:
-            decode_reply(Assignment, (await nc.request(copy.subject, copy.data, 5, headers=copy.headers)).data)
+            await delivered(nc, copy, copy.data, Assignment)
         assert (refused.value.code, refused.value.field) == (ErrorCode.FAILED_PRECONDITION, "request_id")
     assert await last_seq(nc, prefix) == before  # nothing written
 

@@ -348,9 +348,10 @@ class Committer:
                         job.result.set_exception(from_an_earlier_life("actor", job.actor_id, "resume",
                                                                       job.request_id or ""))
                         continue
-                    started = p.life_started(job.actor_id)
-                    if job.life_seq is not None and job.life_seq < started:  # a copy of a resume of its last life
-                        job.result.set_exception(created_anew_since(job.actor_id, job.life_seq, started))
+                    if job.life_seq is not None and job.life_seq < p.life_started(job.actor_id):
+                        # a copy of a resume of an earlier life, decided late
+                        job.result.set_exception(created_anew_since(job.actor_id, job.life_seq,
+                                                                    p.life_started(job.actor_id)))
                         continue
                     try:
                         placement = decide(p, job.actor_id, job.selectors, p.seq, self.pending, self._refusals)
