@@ -18,6 +18,8 @@ from typing import Annotated, ClassVar, Union
 
 from msgspec import Meta, Struct, field
 
+from events.states import ActorState
+
 # --- scalar constraints (CONTRACT section 2) ---------------------------------
 
 # Every pattern ends in `(?!\n)$`, not a bare `$`: msgspec matches with Python's
@@ -375,6 +377,24 @@ class RevertReply(Base, kw_only=True):
     seq: Seq
 
 
+class ActorStatusQuery(Base, kw_only=True):
+    """Project addition (`snapshotter.status.<actor_id>`): the actor as the log has it now. No fields."""
+
+
+class ActorStatus(Base, kw_only=True):
+    """Project addition: the actor as the stream leader's log has it, and what a later request of the
+    caller's names so that a copy of it decided after the actor moved is refused, not carried out."""
+
+    state: ActorState
+    # the ActorCreated that began its current life (its last, for a STOPPED actor): what a resume
+    # names as `life_seq`
+    life_seq: StreamSeq
+    # the current life's last ActorPlaced (RUNNING; PAUSED: the placement its pause ended), what a
+    # pause or suspend names as `placement_seq`; null if the life has not been placed
+    placement_seq: StreamSeq | None = None
+    seq: StreamSeq  # the actor's last event (a `min_seq` for a read that must see it)
+
+
 # --- scheduler requests and replies -----------------------------------------------
 
 
@@ -724,6 +744,7 @@ REQUEST_TYPES: tuple[type[Base], ...] = (
     UpdateTemplate,
     StopActor,
     RevertActor,
+    ActorStatusQuery,
     ResumeActor,
     ExplainResume,
     FragmentationQuery,
@@ -736,6 +757,7 @@ REPLY_TYPES: tuple[type[Base], ...] = (
     SeqReply,
     SnapshotReply,
     RevertReply,
+    ActorStatus,
     Assignment,
     Explanation,
     Fragmentation,

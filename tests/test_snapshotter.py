@@ -29,6 +29,8 @@ from events.schema import (
     ActorPlaced,
     ActorReleased,
     ActorRuntime,
+    ActorStatus,
+    ActorStatusQuery,
     ActorStopped,
     CompatVersion,
     ErrorCode,
@@ -56,6 +58,7 @@ from events.schema import (
     WorkerRemoved,
 )
 from events.jetstream import TOPIC_HEADER, VERSION_HEADER
+from events.states import ActorState
 from events.subjects import event_subject, service_subject, services_inbox, stream_name
 from services.commands import run_command
 from services.endpoints import call
@@ -437,6 +440,61 @@ async def test_a_refusal_read_behind_another_process_s_placement_is_decided_agai
         assert (await refused(pause(nc, prefix, "a-1"))).code is ErrorCode.FAILED_PRECONDITION  # PAUSED
         assert (await refused(pause(nc, prefix, "ghost"))).code is ErrorCode.NOT_FOUND
         assert await last_seq(nc, prefix) == before
+
+
+async def status(nc, prefix: str, actor_id: str) -> ActorStatus:
+    return await call(nc, subject(prefix, "status", actor_id), ActorStatusQuery(), ActorStatus)
+
+
+async def test_status_says_the_life_and_placement_a_later_request_names_and_writes_nothing(
+        snapshotter, placer, nc, prefix):
+    """`snapshotter.status.<actor_id>` (a project addition): the actor's state, the ActorCreated of its
+    current life (a resume's `life_seq`), its last ActorPlaced of that life (a pause's or suspend's
+    `placement_seq`; null before the life is placed) and its last event, each as the log holds it;
+    nothing written. A pause naming what it said is recorded; after the actor moves, the same is
+    refused. An actor never created is NOT_FOUND, field actor_id; a subject token that is not an id,
+    INVALID_ARGUMENT."""
+    assert (await refused(status(nc, prefix, "a-1"))).code is ErrorCode.NOT_FOUND
+    born = (await create(nc, prefix, "a-1")).seq
+    assert await status(nc, prefix, "a-1") == ActorStatus(state=ActorState.CREATED, life_seq=born, seq=born)
+    first = await placer.place("a-1", "w-1", "node-1", PIN_V1)
+    now = await status(nc, prefix, "a-1")
+    assert now == ActorStatus(state=ActorState.RUNNING, life_seq=born, placement_seq=first, seq=first)
+    before = await last_seq(nc, prefix)
+    assert await status(nc, prefix, "a-1") == now and await last_seq(nc, prefix) == before  # writes nothing
+
+    paused = await pause(nc, prefix, "a-1", placement_seq=now.placement_seq)
+    assert await status(nc, prefix, "a-1") == ActorStatus(state=ActorState.PAUSED, life_seq=born, placement_seq=first,
+                                                          seq=paused.seq)
+    moved = await placer.place("a-1", "w-2", "node-1", PIN_V2)
+    before = await last_seq(nc, prefix)
+    late = await refused(pause(nc, prefix, "a-1", placement_seq=now.placement_seq))  # a copy decided after the move
+    assert (late.code, late.field) == (ErrorCode.FAILED_PRECONDITION, "placement_seq")
+    assert await last_seq(nc, prefix) == before
+    assert (await status(nc, prefix, "a-1")).placement_seq == moved
+
+    await call(nc, subject(prefix, "stop", "a-1"), StopActor(), SeqReply)
+    stopped = await status(nc, prefix, "a-1")
+    assert (stopped.state, stopped.life_seq, stopped.placement_seq) == (ActorState.STOPPED, born, moved)
+    reborn = (await create(nc, prefix, "a-1")).seq
+    assert await status(nc, prefix, "a-1") == ActorStatus(state=ActorState.CREATED, life_seq=reborn, seq=reborn)
+    bad = await refused(call(nc, f"{prefix}.snapshotter.status.-a", ActorStatusQuery(), ActorStatus))
+    assert bad.code is ErrorCode.INVALID_ARGUMENT, bad
+
+
+async def test_a_status_read_behind_another_process_s_placement_is_read_again_at_the_leader(
+        snapshotter, nats_server, nc, prefix, monkeypatch):
+    """A status read from a replica of the stream behind the scheduler's placement of a moment ago
+    would name the actor's last placement, or none, and a pause naming it would be refused: the
+    snapshotter asks the stream leader where the actor's history ends, and reads it again there
+    (the replica played by its own direct reads, cut before the placement)."""
+    async with another_process(WireApplication, env_for(nats_server.url, prefix)) as elsewhere:
+        born = (await create(nc, prefix, "a-1")).seq
+        assert (await status(nc, prefix, "a-1")).placement_seq is None  # read once: cached at the creation
+        placed = await Placer(elsewhere).place("a-1", "w-1", "node-1", PIN_V1)
+        reads_before(monkeypatch, snapshotter, placed)
+        assert await status(nc, prefix, "a-1") == ActorStatus(state=ActorState.RUNNING, life_seq=born,
+                                                              placement_seq=placed, seq=placed)
 
 
 def tag_elsewhere(app: WireApplication, actor_id: str, tag_name: str) -> int:

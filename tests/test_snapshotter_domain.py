@@ -14,6 +14,7 @@ from events.schema import (
     ActorPlaced,
     ActorReleased,
     ActorRuntime,
+    ActorStatus,
     ActorStopped,
     CreateActor,
     ErrorCode,
@@ -379,6 +380,48 @@ def test_replaying_the_history_rebuilds_the_same_state():
         replayed = event.mutate(replayed)
     assert replayed.state is actor.state and replayed.latest_snapshot == actor.latest_snapshot
     assert replayed.version == actor.version
+
+
+def test_status_names_the_current_life_s_creation_and_its_last_placement():
+    """`Actor.status` (the snapshotter's `status` answer, what the CLI's and the client's fences
+    name): the current life's ActorCreated, its last ActorPlaced (a PAUSED actor's is the one its
+    pause ended, which `require_placement` takes), none in a life not placed yet (the last life's
+    does not count); the actor's last event. Read from the stream sequences its history was read
+    with; unknown ones (not stored) are UNAVAILABLE, a never created actor NOT_FOUND."""
+    actor = created()
+    actor.place(placed(actor, worker_id="w-1"))
+    actor.pause(None, None, at(2))
+    actor.place(placed(actor, worker_id="w-2", node="n-1"))
+    actor.stop(None, at(3))
+    actor.create(create_request(), None, at(4))
+    history = actor.collect_events()
+
+    def read_at(count: int) -> Actor:  # the first `count` events, as read from the log at 10, 20, ...
+        replayed = None
+        for event in history[:count]:
+            event.seq = 10 * event.originator_version
+            replayed = event.mutate(replayed)
+        return replayed
+
+    types = [type(e.body).__name__ for e in history]
+    placements = [i + 1 for i, t in enumerate(types) if t == "ActorPlaced"]
+    pause_ended = types.index("ActorReleased") + 1
+    reborn = len(types)
+    assert types[0] == types[-1] == "ActorCreated" and len(placements) == 2
+    steps = [(1, ActorState.CREATED, 10, None), (placements[0], ActorState.RUNNING, 10, 10 * placements[0]),
+             (pause_ended, ActorState.PAUSED, 10, 10 * placements[0]),
+             (placements[1], ActorState.RUNNING, 10, 10 * placements[1]),
+             (reborn - 1, ActorState.STOPPED, 10, 10 * placements[1]),
+             (reborn, ActorState.CREATED, 10 * reborn, None)]
+    for count, state, life, placement in steps:
+        assert read_at(count).status() == ActorStatus(state=state, life_seq=life, placement_seq=placement,
+                                                      seq=10 * count), (count, types[:count])
+    with pytest.raises(ContractError) as unknown:
+        created().status()  # recorded, not stored: no sequence
+    assert code_of(unknown) is ErrorCode.UNAVAILABLE
+    with pytest.raises(ContractError) as never:
+        Actor("a-9").status()
+    assert (code_of(never), never.value.field) == (ErrorCode.NOT_FOUND, "actor_id")
 
 
 # --- the placement fold ----------------------------------------------------------------

@@ -41,6 +41,7 @@ from events.schema import (
     TagRecorded,
 )
 from events.subjects import services_inbox
+from services.endpoints import call
 from services.snapshotter.service import SnapshotterService
 from events.jetstream.layout import BATCH_ID_HEADER, sequence_of
 from tests.factories import actor, read_entries, runtime, version, wait_for, worker
@@ -478,6 +479,63 @@ async def test_the_client_fences_a_pause_or_suspend_with_its_last_resume_of_the_
     assert fourth.seq > third.seq
     suspended = await orchestrator.suspend("a-1", uri="s3://a-1-again")
     assert (suspended.snapshot.uri, suspended.snapshot.sandbox_runtime.version) == ("s3://a-1-again", V2)
+
+
+async def test_a_client_that_did_not_resume_the_actor_fences_with_the_placement_the_snapshotter_says(
+        stack, nc, prefix):
+    """A pause or suspend by a client that did not resume the actor (another orchestrator, a fresh
+    process: the CLI's) went unfenced: a copy of it decided after the actor moved recorded its image
+    under the new placement's pin. Such a client now asks the snapshotter where the actor is
+    (`status`, one request) and names that placement: heard beside the snapshotter, the pause names the
+    ActorPlaced of the resume another client made, and its late copy, decided after the actor was
+    stopped, created and placed on a worker of another runtime, is refused, nothing written. A client
+    that knows its own resume asks nothing; with `fence_snapshots=False`, nothing is asked or named."""
+    resumer, other = Client(nc, prefix), Client(nc, prefix)
+    heard: dict[str, list] = {"status": [], "pause": [], "suspend": []}
+    for verb, kept in heard.items():
+        async def keep(msg, kept=kept) -> None:
+            kept.append(msg)
+        await nc.subscribe(f"{prefix}.snapshotter.{verb}.a-1", cb=keep)
+    await resumer.register(worker("w-1", runtime(V1), node="node-1"))
+    await resumer.create(actor("a-1", cpu=1, mem=1))
+    first = await resumer.resume("a-1")
+    placed = [seq for seq, _, e in await read_entries(nc, prefix) if isinstance(e, ActorPlaced)][-1]
+    assert first.seq in (placed, placed + 1)
+
+    paused = await other.pause("a-1")  # a client that knows no placement of the actor
+    await nc.flush()
+    sent = msgspec.json.decode(heard["pause"][-1].data, type=PauseActor)
+    assert len(heard["status"]) == 1 and sent.placement_seq == placed
+    assert (paused.snapshot.node, paused.snapshot.sandbox_runtime.version) == ("node-1", V1)
+
+    second = await resumer.resume("a-1")  # resumer knows its placement: no question asked
+    await resumer.pause("a-1")
+    await nc.flush()
+    assert len(heard["status"]) == 1
+    assert msgspec.json.decode(heard["pause"][-1].data, type=PauseActor).placement_seq == second.seq
+    third = await resumer.resume("a-1")
+    late = Client(nc, prefix)  # its suspend is held while the actor lives anew elsewhere (a copy sent late)
+    body = msgspec.json.encode(SuspendActor(uri="s3://life-1-image", fidelity=Fidelity.MEMORY,
+                                            placement_seq=await late._placement_of("a-1", None)))
+    assert msgspec.json.decode(body, type=SuspendActor).placement_seq in (third.seq - 1, third.seq)
+    await resumer.stop("a-1")
+    await resumer.remove("w-1")
+    await resumer.register(worker("w-2", runtime(V2), node="node-2"))
+    await resumer.create(actor("a-1", cpu=1, mem=1))
+    assert (await resumer.resume("a-1")).sandbox_runtime.version == V2
+    before = [seq for seq, _, _ in await read_entries(nc, prefix)][-1]
+    with pytest.raises(ContractError) as refused:
+        await call(nc, f"{prefix}.snapshotter.suspend.a-1", body, SnapshotReply)
+    assert (refused.value.code, refused.value.field) == (ErrorCode.FAILED_PRECONDITION, "placement_seq")
+    assert [seq for seq, _, _ in await read_entries(nc, prefix)][-1] == before  # nothing written
+
+    asked = len(heard["status"])
+    unfenced = Client(nc, prefix, fence_snapshots=False)
+    recorded = await unfenced.suspend("a-1", uri="s3://a-1")
+    await nc.flush()
+    assert len(heard["status"]) == asked and \
+        msgspec.json.decode(heard["suspend"][-1].data, type=SuspendActor).placement_seq is None
+    assert recorded.snapshot.sandbox_runtime.version == V2
 
 
 def named_placements(entries, named: dict[str, int]) -> list[str]:

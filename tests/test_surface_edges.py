@@ -8,6 +8,7 @@ import asyncio
 import json
 import re
 from contextlib import AsyncExitStack
+from functools import partial
 
 import msgspec
 import pytest
@@ -16,8 +17,8 @@ from click.testing import CliRunner
 from events.compat import compat_key
 from events.errors import ContractError
 from events.runtime_id import short_id
-from events.schema import (CompatVersion, CreateActor, ErrorCode, Fragmentation, RegisterReply, Resources, SeqReply,
-                           WhatIf)
+from events.schema import (CompatVersion, CreateActor, ErrorCode, Fragmentation, PauseActor, RegisterReply, Resources,
+                           ResumeActor, SeqReply, SuspendActor, WhatIf)
 from events.subjects import service_subject
 from services.endpoints import call
 from tests.registry_helpers import registration, runtime
@@ -204,25 +205,46 @@ async def test_each_runtime_is_shown_with_its_id_and_its_own_edges(secured):
     assert class_runtime_fields(row)[:2] == [("GVISOR DEFAULT", "runsc-v2"), ("GVISOR RESTORABLE", "runsc-v1b")]
 
 
-# --- 5. a pause from a client's credentials, which may not read the actor's placement --------------------
+# --- 5. a pause, suspend or resume from a client's credentials, which may not read the log ----------------
 
 
-async def test_a_pause_whose_placement_cannot_be_read_says_it_is_not_fenced(secured):
-    """`actor pause` and `actor suspend` name the placement the actor's history shows (a copy of the
-    request decided after the actor is placed anew is then refused). A client's credentials may not
-    read the history: the command goes on unfenced, as before, and says so in one line, with what
-    fences it; given --placement-seq, it reads nothing and says nothing of it."""
+async def test_a_client_s_credentials_name_the_placement_and_life_the_snapshotter_says(secured):
+    """`actor pause`, `actor suspend` and `actor resume` name the actor's placement or life (a copy of
+    the request decided after the actor moved, or lives anew, is then refused). Under `nats-config`
+    only a client may send them, and a client's credentials may not read the log: the commands,
+    which read the history for it, went on unfenced (a pause said so in one line, a resume said
+    nothing). They ask the snapshotter now (`snapshotter.status`, which a client may ask): each request,
+    as the services' credentials hear it, names the placement or the life, and nothing says it does
+    not; given --placement-seq, the command sends that one."""
     env = {"NATS_URL": secured.url("orch"), "WARMBOOT_PREFIX": PREFIX}
     async with await Client.connect(secured.url("orch"), PREFIX, timeout=5, attempts=1) as wb:
-        await wb.create(CreateActor(actor_id="a-5", sandbox_class="gvisor", template_uid="tpl-1",
-                                    resources=Resources(cpu_millis=250, memory_mib=256)))
-        placed = await wb.resume("a-5")
-    labels = "note: runtime names not looked up: these credentials may not read the log\n"
-    paused = await cli("actor", "pause", "a-5", env=env)
-    assert paused.exit_code == 0 and paused.stdout.startswith("actor/a-5 paused: "), paused.output
-    assert paused.stderr == ("note: not fenced to the actor's placement (give --placement-seq: a copy of this request "
-                             "decided after the actor is placed anew is then refused, not recorded): these credentials "
-                             "may not read the log\n" + labels), paused.stderr
-    promoted = await cli("actor", "suspend", "a-5", "--uri", "s3://a-5", "--placement-seq", str(placed.seq), env=env)
-    assert promoted.exit_code == 0 and promoted.stdout.startswith("actor/a-5 suspended: "), promoted.output
-    assert promoted.stderr == labels, promoted.stderr
+        born = (await wb.create(CreateActor(actor_id="a-5", sandbox_class="gvisor", template_uid="tpl-1",
+                                            resources=Resources(cpu_millis=250, memory_mib=256)))).seq
+    heard: dict[str, list] = {"pause": [], "suspend": [], "resume": []}
+    svc = await secured.connect("svc")
+    try:
+        for verb in heard:
+            service = "scheduler" if verb == "resume" else "snapshotter"
+            await svc.nc.subscribe(f"{PREFIX}.{service}.{verb}.a-5", cb=partial(_kept, heard[verb]))
+        await svc.nc.flush()
+        labels = "note: runtime names not looked up: these credentials may not read the log\n"
+        resumed = await cli("actor", "resume", "a-5", "--json", env=env)
+        assert resumed.exit_code == 0 and resumed.stderr == "", resumed.output
+        placed = json.loads(resumed.stdout)["seq"]
+        paused = await cli("actor", "pause", "a-5", env=env)
+        assert paused.exit_code == 0 and paused.stdout.startswith("actor/a-5 paused: "), paused.output
+        assert paused.stderr == labels, paused.stderr
+        promoted = await cli("actor", "suspend", "a-5", "--uri", "s3://a-5", "--placement-seq", str(placed), env=env)
+        assert promoted.exit_code == 0 and promoted.stdout.startswith("actor/a-5 suspended: "), promoted.output
+        assert promoted.stderr == labels, promoted.stderr
+        await svc.nc.flush()
+        assert [msgspec.json.decode(m.data, type=ResumeActor).life_seq for m in heard["resume"]] == [born]
+        named = [msgspec.json.decode(m.data, type=PauseActor).placement_seq for m in heard["pause"]]
+        assert len(named) == 1 and named[0] in (placed - 1, placed)  # its ActorPlaced (the answer: its booking's)
+        assert [msgspec.json.decode(m.data, type=SuspendActor).placement_seq for m in heard["suspend"]] == [placed]
+    finally:
+        await svc.close()
+
+
+async def _kept(kept: list, msg) -> None:
+    kept.append(msg)

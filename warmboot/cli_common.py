@@ -482,16 +482,6 @@ async def replay(nc: Any, prefix: str, sink: Any, show_progress: bool) -> Any:
     return sink
 
 
-async def read_topics(nc: Any, prefix: str, subject: str) -> list[tuple[int, str]]:
-    """Every message on one subject of the stream, as (stream sequence, topic: the event's type), in
-    order, its body not read: what a command needs of a history whose bodies it may not all read
-    (a newer version's event: `read_subject` refuses it)."""
-    from events.jetstream.layout import topic_of
-
-    target = await last_seq(nc, prefix)
-    return [(seq, topic_of(headers, data)) async for seq, _, headers, data in log_messages(nc, prefix, subject, target)]
-
-
 async def read_subject(nc: Any, prefix: str, subject: str) -> list[tuple[int, Any]]:
     """Every event on one subject of the stream, as (stream sequence, event), in order.
     FAILED_PRECONDITION naming the first message this version cannot read (a newer version's

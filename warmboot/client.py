@@ -19,7 +19,8 @@ What it does so that callers need not:
   the caller gives none, so a retry is the same request.
 - Fencing: `pause` and `suspend` name the placement their image was taken under
   (`placement_seq`): the caller's, else the `seq` of this client's last `resume` of the
-  actor (with `fence_snapshots=False`, only the caller's). A copy decided after the actor was placed
+  actor, else the placement the snapshotter says the actor has (`status`, one more request; with
+  `fence_snapshots=False`, only the caller's). A copy decided after the actor was placed
   anew is refused, not recorded with the new placement's pin. `resume` names the actor's life
   (`life_seq`): the caller's, else the `seq` of this client's last create or resume of the actor
   (with `fence_resumes=False`, only the caller's). A copy decided after the actor was created
@@ -74,6 +75,8 @@ from events.natspy.connections import ErrorsOnce, PublishRefused, close, transpo
 from events.schema import (
     ID_RE,
     ID_WORDS,
+    ActorStatus,
+    ActorStatusQuery,
     Assignment,
     Base,
     CreateActor,
@@ -116,7 +119,7 @@ MAX_BACKOFF_S = 2.0
 
 # requests whose answer never writes: sent without their wait (`WAIT_HEADER`), which only bounds writes
 WRITE_NOTHING = frozenset({("registry", "heartbeat"), ("scheduler", "explain"), ("scheduler", "fragmentation"),
-                           ("scheduler", "whatif")})
+                           ("scheduler", "whatif"), ("snapshotter", "status")})
 NO_SERVICE = "no service answers "  # how a request that reached nobody is said (then the subject)
 
 
@@ -400,27 +403,41 @@ class Client:
         (a NATS server stopped with it in its buffers: a failover test) and decided once the actor
         was stopped, created and placed again, is then refused instead of recording this image in
         the next life, stamped with that life's pin, where a resume would send it to a worker that
-        cannot load it. A client that pauses actors another process resumed gives it, or is made
-        with `fence_snapshots=False`."""
+        cannot load it. For an actor this client did not resume, it is the placement the actor has
+        when the call starts, as the snapshotter says (`status`: one more request; since 2026-12-06,
+        before which such a pause was sent unfenced). With `fence_snapshots=False`, only the caller's."""
         body = PauseActor(snapshot_id=snapshot_id, request_id=request_id or new_request_id(),
-                          placement_seq=self._placement_of(actor_id, placement_seq))
+                          placement_seq=await self._placement_of(actor_id, placement_seq))
         return await self.request("snapshotter", "pause", actor_id, body, SnapshotReply)
 
     async def suspend(
         self, actor_id: str, fidelity: Fidelity = Fidelity.MEMORY, uri: str | None = None,
         snapshot_id: str | None = None, request_id: str | None = None, placement_seq: int | None = None,
     ) -> SnapshotReply:
-        """`placement_seq` as for `pause`, this client's last resume of the actor if left out (for a
-        PAUSED actor: the placement its pause ended)."""
+        """`placement_seq` as for `pause`: this client's last resume of the actor if left out (for a
+        PAUSED actor: the placement its pause ended), else the actor's placement as `status` says."""
         body = SuspendActor(snapshot_id=snapshot_id, uri=uri, fidelity=fidelity, request_id=request_id or
-                            new_request_id(), placement_seq=self._placement_of(actor_id, placement_seq))
+                            new_request_id(), placement_seq=await self._placement_of(actor_id, placement_seq))
         return await self.request("snapshotter", "suspend", actor_id, body, SnapshotReply)
 
-    def _placement_of(self, actor_id: str, given: int | None) -> int | None:
-        """The placement a pause or suspend names: `given`, else this client's last resume of the actor."""
+    async def _placement_of(self, actor_id: str, given: int | None) -> int | None:
+        """The placement a pause or suspend names: `given`, else this client's last resume of the
+        actor, else the one the snapshotter says is the actor's now (`status`; in a life not placed
+        yet, its creation, which no placement matches: each comes after it)."""
         if given is not None or not self.fence_snapshots:
             return given
-        return self._placed.get(actor_id)
+        known = self._placed.get(actor_id)
+        if known is not None:
+            return known
+        now = await self.status(actor_id)
+        return now.placement_seq if now.placement_seq is not None else now.life_seq
+
+    async def status(self, actor_id: str) -> ActorStatus:
+        """The actor as the stream leader's log has it (writes nothing): its state, the creation of
+        its current life (`life_seq`, what a resume names) and its placement (`placement_seq`, what a
+        pause or suspend names; null if the life has not been placed). A project addition
+        (`snapshotter.status`, docs/contract.md); a snapshotter of an earlier version does not answer."""
+        return await self.request("snapshotter", "status", actor_id, ActorStatusQuery(), ActorStatus)
 
     async def tag(self, actor_id: str, tag: str, request_id: str | None = None) -> SnapshotReply:
         body = TagSnapshot(tag=tag, request_id=request_id or new_request_id())

@@ -14,9 +14,10 @@ The `show` commands read the log, not a service:
   does (a worker's free room and actors are in the actors' placements): what the
   scheduler sees of that worker.
 
-`actor pause`, `actor suspend` and `actor resume` read the actor's history too, before their
-request, for the placement (`placement_fence`) or the life (`life_fence`) it names, unless
-`--placement-seq` or `--life-seq` is given.
+`actor pause`, `actor suspend` and `actor resume` ask the snapshotter where the actor is now
+(`snapshotter.status`) before their request, for the placement or the life it names, unless
+`--placement-seq` or `--life-seq` is given (the pause's and suspend's through the client's fence,
+`warmboot.client.Client._placement_of`; the resume's here, `life_now`).
 """
 
 from __future__ import annotations
@@ -33,13 +34,12 @@ from events.codec import decode_request, json_path, to_builtins, unknown_fields
 from events.errors import ContractError, no_actor, no_worker
 from events.natspy.connections import describe_error
 from events.runtime_id import Runtimes, short_id
-from events.schema import (ActorCreated, ActorPlaced, ActorRuntime, CreateActor, Fidelity, Resources, Snapshot,
+from events.schema import (ActorCreated, ActorRuntime, CreateActor, ErrorCode, Fidelity, Resources, Snapshot,
                            TagRecorded)
 from events.states import ActorState
 from events.subjects import event_subject
-from warmboot.cli_common import (MIB, MILLICORES, REFUSED_THE_LOG, IntRange, LogUnreadable, ask, check_id, json_option,
-                                 last_seq, min_seq_option, nats_option, prefix_option, read_subject, read_topics,
-                                 replay, selectors_of)
+from warmboot.cli_common import (MIB, MILLICORES, IntRange, LogUnreadable, ask, check_id, json_option, last_seq,
+                                 min_seq_option, nats_option, prefix_option, read_subject, replay, selectors_of)
 from warmboot.client import Client
 from warmboot.cmd_views import (
     LABELS_TIMEOUT_S,
@@ -76,73 +76,39 @@ placement_seq_option = click.option(
     "--placement-seq", type=IntRange(min=1), default=None, metavar="SEQ",
     help="The seq `actor resume` printed for the placement the image was taken under: refused, and nothing "
          "recorded, if the actor has been placed anew since (its worker removed meanwhile, say). Default: "
-         "the placement the actor's history shows when the command starts (none where the credentials may "
-         "not read the log, a client's: a note says so).")
+         "the placement the snapshotter says the actor has when the command starts.")
 
 
 life_seq_option = click.option(
     "--life-seq", type=IntRange(min=1), default=None, metavar="SEQ",
     help="A seq of the actor's life this resume is for (what `actor create` or `actor resume` printed): "
-         "refused, and nothing placed, if the actor has been created anew since. Default: the life the actor's "
-         "history shows when the command starts (none where the credentials may not read the log, a "
-         "client's).")
+         "refused, and nothing placed, if the actor has been created anew since. Default: the life the "
+         "snapshotter says the actor is in when the command starts (none, with a note, if it does not say).")
 
 
-CREATED_TOPIC, PLACED_TOPIC = ActorCreated.__name__, ActorPlaced.__name__  # the topic of each: its `type`
-
-
-def placement_fence(history: list[tuple[int, str]]) -> int | None:
-    """What a pause or suspend from the CLI names as its placement (`placement_seq`) when the
-    command gives none, from the actor's history as the command read it ((seq, topic) pairs,
-    `read_topics`): the seq of the current life's last ActorPlaced (for a PAUSED actor the
-    placement its pause ended, as the snapshotter takes it); in a life not placed yet, the seq of
-    its ActorCreated (`life_fence`), which no placement of that life can match (each is written
-    after it), so a copy decided after the actor was placed is refused as one decided after it was
-    placed anew; None for an actor with no history (the snapshotter says NOT_FOUND).
-
-    The image a command records is of the actor as it was when the command started. A copy held
-    in a NATS server's buffers and decided later (a failover test: a suspend decided after the
-    actor was stopped, created and placed on a worker of another runtime recorded life 1's image
-    in life 2, stamped with life 2's pin; its next resume sent it at MEMORY to a worker that could
-    not load it) is then refused, FAILED_PRECONDITION field `placement_seq`, nothing written, as
-    `warmboot.client.Client` refuses one of its own resumes' (`fence_snapshots`)."""
-    born = life_fence(history)
-    placed = [seq for seq, topic in history if topic == PLACED_TOPIC and born is not None and seq > born]
-    return placed[-1] if placed else born
-
-
-def life_fence(history: list[tuple[int, str]]) -> int | None:
-    """What a resume from the CLI names as the actor's life (`life_seq`) when the command gives
-    none: the seq of the ActorCreated that began the life its history shows (None: no history, and
-    the scheduler says NOT_FOUND). A copy of the command held in a NATS server's buffers, its caller
-    gone, and decided once the actor was stopped and created anew, is refused, FAILED_PRECONDITION
-    field `life_seq`, instead of placing a life nobody resumed."""
-    created = [seq for seq, topic in history if topic == CREATED_TOPIC]
-    return created[-1] if created else None
-
-
-UNFENCED_SNAPSHOT = ("not fenced to the actor's placement (give --placement-seq: a copy of this request decided after "
-                     "the actor is placed anew is then refused, not recorded)")
-
-
-async def fence_now(nc: Any, prefix: str, actor_id: str, given: int | None,
-                    fence: Callable[[list[tuple[int, str]]], int | None], unfenced: str | None) -> int | None:
-    """`given`, else `fence` of the actor's history as it is now (its messages' topics: an event of
-    a newer version in it, which this version cannot read, is no failure). Credentials that may not
-    read the log (a client's: docs/security.md) send none, and one line on stderr says so
-    (`unfenced`: what is not fenced and what fences it; None says nothing); any other failure to
-    read the history fails the command before anything is sent (it says why: the stream has no
-    leader, say), since what it would send unfenced is what a failover holds."""
+async def life_now(wb: Client, actor_id: str, given: int | None) -> int | None:
+    """What a resume from the CLI names as the actor's life (`life_seq`) when the command gives none:
+    the creation of the life the snapshotter says the actor is in (`Client.status`). A copy of the
+    command held in a NATS server's buffers, its caller gone, and decided once the actor was stopped
+    and created anew, is then refused, FAILED_PRECONDITION field `life_seq`, instead of placing a life
+    nobody resumed. When the snapshotter does not say (down, of an earlier version, or its history of
+    the actor holds an event it cannot read), the resume is sent without one, and a line on stderr
+    says so: a late copy of it can place a life nobody asked for, on a worker its image loads on. An
+    actor that does not exist is NOT_FOUND, as the scheduler would say."""
     if given is not None:
         return given
     try:
-        return fence(await read_topics(nc, prefix, event_subject(prefix, "actor", actor_id)))
-    except LogUnreadable as e:
-        if e.why != REFUSED_THE_LOG:
+        return (await wb.status(actor_id)).life_seq
+    except ContractError as e:
+        if e.code is ErrorCode.NOT_FOUND:
             raise
-        if unfenced is not None:
-            click.echo(f"note: {unfenced}: {e.why}", err=True)
+        click.echo(f"note: {UNFENCED_RESUME}: the snapshotter did not say which life the actor is in "
+                   f"({e.code.value}: {e.message})", err=True)
         return None
+
+
+UNFENCED_RESUME = ("not fenced to the actor's life (give --life-seq: a copy of this request decided after the actor "
+                   "is created anew is then refused, not placed)")
 
 
 request_id_option = click.option("--request-id", default=None,
@@ -359,9 +325,7 @@ def pause_cmd(actor_id: str, snapshot_id: str | None, placement_seq: int | None,
               nats_url: str, prefix: str, as_json: bool) -> None:
     """Pause a RUNNING actor: a LOCAL memory snapshot on its node, stamped with its pin."""
     async def call(wb: Client) -> Any:
-        return await wb.pause(actor_id, snapshot_id, request_id,
-                              await fence_now(wb.nc, prefix, actor_id, placement_seq, placement_fence,
-                                              UNFENCED_SNAPSHOT))
+        return await wb.pause(actor_id, snapshot_id, request_id, placement_seq)
 
     reply, runtimes = run(nats_url, prefix, not as_json, call)
     echo(reply, as_json, lambda: done("actor", actor_id, "paused: " + snapshot_text(reply.snapshot, runtimes),
@@ -385,9 +349,7 @@ def suspend_cmd(actor_id: str, fidelity: str, uri: str | None, snapshot_id: str 
     """Suspend an actor: RUNNING -> an EXTERNAL snapshot stamped with its pin; PAUSED -> its
     LOCAL snapshot promoted to EXTERNAL (it may then move)."""
     async def call(wb: Client) -> Any:
-        return await wb.suspend(actor_id, Fidelity(fidelity), uri, snapshot_id, request_id,
-                                await fence_now(wb.nc, prefix, actor_id, placement_seq, placement_fence,
-                                                UNFENCED_SNAPSHOT))
+        return await wb.suspend(actor_id, Fidelity(fidelity), uri, snapshot_id, request_id, placement_seq)
 
     reply, runtimes = run(nats_url, prefix, not as_json, call)
     echo(reply, as_json, lambda: done("actor", actor_id, "suspended: " + snapshot_text(reply.snapshot, runtimes),
@@ -410,11 +372,7 @@ def resume_cmd(actor_id: str, selectors: tuple[str, ...], life_seq: int | None, 
     sel = selectors_of(selectors) or None
 
     async def call(wb: Client) -> Any:
-        # a client's credentials, which may not read the history, send no life and say nothing of it: a
-        # copy decided late starts a life nobody asked for, on a worker its image loads on (a pause's
-        # or suspend's would record an image under another placement's pin: they say so)
-        return await wb.resume(actor_id, sel, request_id, min_seq,
-                               await fence_now(wb.nc, prefix, actor_id, life_seq, life_fence, None))
+        return await wb.resume(actor_id, sel, request_id, min_seq, await life_now(wb, actor_id, life_seq))
 
     reply, runtimes = run(nats_url, prefix, not as_json, call)
     if as_json:

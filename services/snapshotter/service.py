@@ -56,6 +56,8 @@ from events.schema import (
     ActorPlaced,
     ActorReleased,
     ActorReverted,
+    ActorStatus,
+    ActorStatusQuery,
     EVENT_TYPES,
     Base,
     CreateActor,
@@ -569,6 +571,7 @@ class SnapshotterService:
                 EndpointSpec("update-template", UpdateTemplate, self.update_template),
                 EndpointSpec("stop", StopActor, self.stop_actor),
                 EndpointSpec("revert", RevertActor, self.revert),
+                EndpointSpec("status", ActorStatusQuery, self.status),
             ],
         )
 
@@ -771,6 +774,19 @@ class SnapshotterService:
             return found
         back = actor.revert(req.reason, req.request_id, now())
         return RevertReply(snapshot=back, seq=await self.save(actor))
+
+    async def status(self, actor_id: str, _: ActorStatusQuery) -> ActorStatus:
+        """The actor as the stream leader's log has it (`Actor.status`), writing nothing: what a caller
+        names in a later request so that a copy of it decided after the actor moved is refused (the
+        CLI's pause, suspend and resume ask it first). A read behind the leader (a lagging replica of
+        the stream) is read again: a placement a moment old is in the answer."""
+        return await run_command_async(partial(self.read_status, actor_id))
+
+    async def read_status(self, actor_id: str) -> ActorStatus:
+        actor = await self.load_actor(actor_id, must_exist=False)
+        assert self.app is not None
+        await confirm_unchanged(self.app.recorder, actor.id, actor.seq_at(actor.version))
+        return actor.status()
 
     async def answered_before(self, actor: Actor, verb: str, request_id: str | None) -> Base | None:
         """The first answer of an earlier request with this id (`answer_from_history`), given, as every
