@@ -20,7 +20,6 @@ from click.testing import CliRunner
 from events.codec import to_builtins
 from events.compat import compat_key
 from events.runtime_id import short_id
-from events.states import ActorState
 from events.schema import (
     ActorCreated,
     ActorPlaced,
@@ -30,6 +29,7 @@ from events.schema import (
     Fidelity,
     SnapshotTaken,
 )
+from events.states import ActorState
 from tests.factories import actor, delivered, golden, last_seq, read_log, runtime, version, wait_for, worker
 from warmboot.cli import main
 from warmboot.client import Client
@@ -1044,6 +1044,48 @@ async def test_a_resume_from_the_cli_names_the_life_it_read(nats_url, nc, prefix
             given.output
         resumed = await cli("actor", "resume", "a-1", "--nats", nats_url, "--prefix", prefix, "--json")
         assert resumed.exit_code == 0 and json.loads(resumed.output)["seq"] > third, resumed.output
+
+
+async def test_a_pause_no_snapshotter_says_the_placement_of_goes_as_before_and_says_so(nats_url, nc, prefix):
+    """A snapshotter of an earlier version carries out a pause but has no `status` (and ignores a
+    `placement_seq`): a client that knows no placement of the actor, and the CLI, send the pause
+    without one, as before they asked, and say so (the CLI on stderr, the library to its
+    `on_unfenced`). A question a snapshotter heard and did not answer (UNAVAILABLE) is the pause's
+    failure: nothing is sent."""
+    from events.errors import ContractError
+    from events.schema import ErrorCode, PauseActor, SnapshotReply
+    from tests.factories import snapshot
+    from warmboot.client import NobodyAnswered
+
+    heard: list = []
+
+    async def earlier(msg) -> None:  # what a snapshotter before `status` answers
+        heard.append(msgspec.json.decode(msg.data, type=PauseActor))
+        await msg.respond(msgspec.json.encode(SnapshotReply(snapshot=snapshot("a-1", None, node="node-1"), seq=7)))
+
+    await nc.subscribe(f"{prefix}.snapshotter.pause.a-1", cb=earlier)
+    told: list = []
+    wb = Client(nc, prefix, attempts=2, timeout=1, on_unfenced=lambda actor_id, error: told.append((actor_id, error)))
+    assert (await wb.pause("a-1")).seq == 7
+    assert [h.placement_seq for h in heard] == [None] and [a for a, _ in told] == ["a-1"]
+    assert isinstance(told[0][1], NobodyAnswered) and f"{prefix}.snapshotter.status.a-1" in told[0][1].message
+
+    paused = await cli("actor", "pause", "a-1", "--nats", nats_url, "--prefix", prefix)
+    assert paused.exit_code == 0 and paused.stdout.startswith("actor/a-1 paused: "), paused.output
+    assert paused.stderr.startswith(
+        "note: not fenced to the actor's placement (give --placement-seq: a copy of this request decided after the "
+        f"actor is placed anew is then refused, not recorded): no service answers {prefix}.snapshotter.status.a-1 "
+        "after 6 attempts in "), paused.stderr
+    assert [h.placement_seq for h in heard] == [None, None]
+
+    async def failing(msg) -> None:
+        await msg.respond(b'{"error": {"code": "UNAVAILABLE", "message": "the event log did not answer"}}')
+
+    await nc.subscribe(f"{prefix}.snapshotter.status.a-1", cb=failing)
+    with pytest.raises(ContractError) as failed:
+        await wb.pause("a-1")
+    assert failed.value.code is ErrorCode.UNAVAILABLE and "the event log did not answer" in failed.value.message
+    assert len(heard) == 2 and len(told) == 1  # not sent, not told unfenced
 
 
 async def test_a_command_s_fence_passes_over_an_event_of_a_newer_version_in_the_history(

@@ -487,14 +487,22 @@ async def test_a_status_read_behind_another_process_s_placement_is_read_again_at
     """A status read from a replica of the stream behind the scheduler's placement of a moment ago
     would name the actor's last placement, or none, and a pause naming it would be refused: the
     snapshotter asks the stream leader where the actor's history ends, and reads it again there
-    (the replica played by its own direct reads, cut before the placement)."""
+    (the replica played by its own direct reads, cut before the placement). An actor another
+    process created a moment ago, never read here, is not NOT_FOUND for such a read."""
+    def create_elsewhere(app: WireApplication, actor_id: str) -> int:
+        made = Actor(actor_id)
+        made.create(actor(actor_id, cpu=250, mem=256, template="tpl-1"), None, now())
+        return app.save(made)[-1].notification.id
+
     async with another_process(WireApplication, env_for(nats_server.url, prefix)) as elsewhere:
         born = (await create(nc, prefix, "a-1")).seq
         assert (await status(nc, prefix, "a-1")).placement_seq is None  # read once: cached at the creation
         placed = await Placer(elsewhere).place("a-1", "w-1", "node-1", PIN_V1)
+        other = await asyncio.to_thread(create_elsewhere, elsewhere, "a-2")
         reads_before(monkeypatch, snapshotter, placed)
         assert await status(nc, prefix, "a-1") == ActorStatus(state=ActorState.RUNNING, life_seq=born,
                                                               placement_seq=placed, seq=placed)
+        assert await status(nc, prefix, "a-2") == ActorStatus(state=ActorState.CREATED, life_seq=other, seq=other)
 
 
 def tag_elsewhere(app: WireApplication, actor_id: str, tag_name: str) -> int:

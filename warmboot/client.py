@@ -19,8 +19,9 @@ What it does so that callers need not:
   the caller gives none, so a retry is the same request.
 - Fencing: `pause` and `suspend` name the placement their image was taken under
   (`placement_seq`): the caller's, else the `seq` of this client's last `resume` of the
-  actor, else the placement the snapshotter says the actor has (`status`, one more request; with
-  `fence_snapshots=False`, only the caller's). A copy decided after the actor was placed
+  actor, else the placement the snapshotter says the actor has (`status`, one more request; when
+  no snapshotter answers that, none, and `on_unfenced` is told; with `fence_snapshots=False`, only
+  the caller's). A copy decided after the actor was placed
   anew is refused, not recorded with the new placement's pin. `resume` names the actor's life
   (`life_seq`): the caller's, else the `seq` of this client's last create or resume of the actor
   (with `fence_resumes=False`, only the caller's). A copy decided after the actor was created
@@ -61,7 +62,7 @@ import logging
 import math
 import random
 import uuid
-from typing import Any, TypeVar
+from typing import Any, Callable, TypeVar
 
 import msgspec
 import nats
@@ -123,6 +124,12 @@ WRITE_NOTHING = frozenset({("registry", "heartbeat"), ("scheduler", "explain"), 
 NO_SERVICE = "no service answers "  # how a request that reached nobody is said (then the subject)
 
 
+class NobodyAnswered(ContractError):
+    """UNAVAILABLE: every attempt of a request reached no service (nothing subscribes to its subject:
+    the service is not running, the prefix is not the deployment's, or the service is of an earlier
+    version that has no such endpoint)."""
+
+
 def no_service_hint(prefix: str, service: str) -> str:
     """What a request nobody answered, however often it was sent, says of its likely cause (after
     the attempts): the prefix is not the deployment's, or the service is not running."""
@@ -173,6 +180,7 @@ class Client:
         refusals_final: bool = True,
         fence_snapshots: bool = True,
         fence_resumes: bool = True,
+        on_unfenced: Callable[[str, ContractError], None] | None = None,
     ):
         self.nc = nc
         # a request the server refuses to carry is FAILED_PRECONDITION at once (`_refusal`);
@@ -188,6 +196,9 @@ class Client:
         # `resume` of the actor answered (`_placed`): the one whose worker this client told to run it,
         # and so to take its image (`placement_seq`'s docstring)
         self.fence_snapshots = fence_snapshots
+        # told (the actor's id, the error) when no snapshotter answered where an actor is and a pause or
+        # suspend goes without a placement (`_placement_of`); by default a warning is logged
+        self.on_unfenced = on_unfenced
         self._placed: dict[str, int] = {}  # actor id -> seq of that Assignment, the last PLACEMENTS_KEPT actors
         # `resume` without a `life_seq` names the life this client last saw the actor in (`_lives`): the
         # `seq` of its last create or resume of it (`life_seq`'s docstring)
@@ -290,10 +301,11 @@ class Client:
                         took = asyncio.get_running_loop().time() - started
                         if nobody == attempt + 1:
                             made = f"after {nobody} attempt{'' if nobody == 1 else 's'}"
-                            why = no_service_hint(self.prefix, service)
-                        else:  # the prefix is right: something answered, or heard and did not answer
-                            made = f"at the last of {attempt + 1} attempts ({nobody} reached no service)"
-                            why = f": the {service} was reached before; it may be stopping or restarting"
+                            raise NobodyAnswered(ErrorCode.UNAVAILABLE, f"{NO_SERVICE}{subject} {made} in {took:.1f} s"
+                                                 f"{no_service_hint(self.prefix, service)}") from None
+                        # the prefix is right: something answered, or heard and did not answer
+                        made = f"at the last of {attempt + 1} attempts ({nobody} reached no service)"
+                        why = f": the {service} was reached before; it may be stopping or restarting"
                         raise unavailable(f"{NO_SERVICE}{subject} {made} in {took:.1f} s{why}") from None
                     raise
             else:
@@ -405,7 +417,11 @@ class Client:
         the next life, stamped with that life's pin, where a resume would send it to a worker that
         cannot load it. For an actor this client did not resume, it is the placement the actor has
         when the call starts, as the snapshotter says (`status`: one more request; since 2026-12-06,
-        before which such a pause was sent unfenced). With `fence_snapshots=False`, only the caller's."""
+        before which such a pause was sent unfenced): that fences the actor as this call finds it, not
+        as it was when its worker took the image, so a caller that pauses actors another process
+        resumed gives the seq of the placement it had take the image. With `fence_snapshots=False`,
+        only the caller's. No snapshotter answering the question at all: sent without one, and
+        `on_unfenced` is told (`_placement_of`)."""
         body = PauseActor(snapshot_id=snapshot_id, request_id=request_id or new_request_id(),
                           placement_seq=await self._placement_of(actor_id, placement_seq))
         return await self.request("snapshotter", "pause", actor_id, body, SnapshotReply)
@@ -422,14 +438,27 @@ class Client:
 
     async def _placement_of(self, actor_id: str, given: int | None) -> int | None:
         """The placement a pause or suspend names: `given`, else this client's last resume of the
-        actor, else the one the snapshotter says is the actor's now (`status`; in a life not placed
-        yet, its creation, which no placement matches: each comes after it)."""
+        actor, else the one the snapshotter says is the actor's when the call starts (`status`; in a
+        life not placed yet, its creation, which no placement matches: each comes after it).
+
+        No snapshotter answering `status` at all (every attempt reached no service: one of an
+        earlier version, which also ignores `placement_seq`, or none running, when the pause itself
+        reaches none either) sends none, as before the question was asked, and says so
+        (`on_unfenced`, else a logged warning). Any other failure of the question is raised: the
+        pause is not sent."""
         if given is not None or not self.fence_snapshots:
             return given
         known = self._placed.get(actor_id)
         if known is not None:
             return known
-        now = await self.status(actor_id)
+        try:
+            now = await self.status(actor_id)
+        except NobodyAnswered as error:
+            if self.on_unfenced is not None:
+                self.on_unfenced(actor_id, error)
+            else:
+                log.warning("%s: sent without placement_seq (%s)", actor_id, error.message)
+            return None
         return now.placement_seq if now.placement_seq is not None else now.life_seq
 
     async def status(self, actor_id: str) -> ActorStatus:

@@ -91,16 +91,17 @@ async def life_now(wb: Client, actor_id: str, given: int | None) -> int | None:
     the creation of the life the snapshotter says the actor is in (`Client.status`). A copy of the
     command held in a NATS server's buffers, its caller gone, and decided once the actor was stopped
     and created anew, is then refused, FAILED_PRECONDITION field `life_seq`, instead of placing a life
-    nobody resumed. When the snapshotter does not say (down, of an earlier version, or its history of
-    the actor holds an event it cannot read), the resume is sent without one, and a line on stderr
-    says so: a late copy of it can place a life nobody asked for, on a worker its image loads on. An
-    actor that does not exist is NOT_FOUND, as the scheduler would say."""
+    nobody resumed. When the snapshotter does not say (UNAVAILABLE: down, of an earlier version, or
+    its history of the actor holds an event it cannot read), the resume is sent without one, and a
+    line on stderr says so: a late copy of it can place a life nobody asked for, on a worker its
+    image loads on, which is no reason to refuse a resume the scheduler can place. Any other
+    refusal (NOT_FOUND, as the scheduler would say; credentials that may not ask) fails the command."""
     if given is not None:
         return given
     try:
         return (await wb.status(actor_id)).life_seq
     except ContractError as e:
-        if e.code is ErrorCode.NOT_FOUND:
+        if e.code is not ErrorCode.UNAVAILABLE:  # NOT_FOUND, as the scheduler would say; refused credentials
             raise
         click.echo(f"note: {UNFENCED_RESUME}: the snapshotter did not say which life the actor is in "
                    f"({e.code.value}: {e.message})", err=True)
@@ -109,6 +110,13 @@ async def life_now(wb: Client, actor_id: str, given: int | None) -> int | None:
 
 UNFENCED_RESUME = ("not fenced to the actor's life (give --life-seq: a copy of this request decided after the actor "
                    "is created anew is then refused, not placed)")
+
+
+def note_unfenced(actor_id: str, error: ContractError) -> None:
+    """What a pause or suspend says when no snapshotter answered where the actor is (one of an
+    earlier version, which ignores a placement anyway, or none: `Client._placement_of`)."""
+    click.echo(f"note: not fenced to the actor's placement (give --placement-seq: a copy of this request decided "
+               f"after the actor is placed anew is then refused, not recorded): {error.message}", err=True)
 
 
 request_id_option = click.option("--request-id", default=None,
@@ -121,7 +129,7 @@ def run(nats_url: str, prefix: str, labelled: bool, call: Callable[[Client], Any
     """One request through the client; with `labelled`, also the fleet's runtimes (for labels)."""
 
     async def work(nc: Any) -> tuple[Any, Runtimes | None]:
-        reply = await call(Client(nc, prefix))
+        reply = await call(Client(nc, prefix, on_unfenced=note_unfenced))
         return reply, (await runtime_labels(nc, prefix) if labelled else None)
 
     return ask(nats_url, work)
