@@ -109,17 +109,19 @@ def from_an_earlier_life(kind: str, entity_id: str, verb: str, request_id: str) 
         "life (a copy delivered late?) is not applied to this one; send it with a new request_id", "request_id")
 
 
-def created_anew_since(actor_id: str, life_seq: int, started: int) -> ContractError:
-    """FAILED_PRECONDITION, field life_seq: a resume naming a life of the actor that a creation at
-    `started` ended (docs/contract.md, Idempotency): a copy delivered late, or a caller that has not
-    seen the actor created anew. `life_started_in` reads `started` back."""
+def created_anew_since(actor_id: str, life_seq: int, started: int, verb: str = "resume",
+                       outcome: str = "nothing placed") -> ContractError:
+    """FAILED_PRECONDITION, field life_seq: a request (`verb`: a resume, a stop, a tag, ...) naming a
+    life of the actor that a creation at `started` ended (docs/contract.md, Idempotency): a copy
+    delivered late, or a caller that has not seen the actor created anew. `life_started_in` reads
+    `started` back."""
     return precondition(
-        f"actor {actor_id!r} was created anew at sequence {started}, after the life this resume names (life_seq "
-        f"{life_seq}): nothing placed (a copy of a resume of its earlier life delivered late is not applied to this "
-        f"one); resume it again with life_seq {started}, or none, if this life is meant", "life_seq")
+        f"actor {actor_id!r} was created anew at sequence {started}, after the life this {verb} names (life_seq "
+        f"{life_seq}): {outcome} (a copy of a {verb} of its earlier life delivered late is not applied to this "
+        f"one); send it again with life_seq {started}, or none, if this life is meant", "life_seq")
 
 
-_CREATED_ANEW = re.compile(r"was created anew at sequence (\d+), after the life this resume names")
+_CREATED_ANEW = re.compile(r"was created anew at sequence (\d+), after the life this \S+ names")
 
 
 def life_started_in(error: ContractError) -> int | None:

@@ -347,15 +347,27 @@ class SuspendActor(Base, kw_only=True):
 class TagSnapshot(Base, kw_only=True):
     tag: Id
     request_id: RequestId | None = None
+    # project addition: a stream sequence of the actor's life this request is for (what its create
+    # answered, or `snapshotter.status`'s `life_seq`): refused (FAILED_PRECONDITION) if the actor was
+    # created anew after it
+    life_seq: StreamSeq | None = None
 
 
 class UpdateTemplate(Base, kw_only=True):
     template_uid: Id
     request_id: RequestId | None = None
+    # project addition: a stream sequence of the actor's life this request is for (what its create
+    # answered, or `snapshotter.status`'s `life_seq`): refused (FAILED_PRECONDITION) if the actor was
+    # created anew after it
+    life_seq: StreamSeq | None = None
 
 
 class StopActor(Base, kw_only=True):
     request_id: RequestId | None = None
+    # project addition: a stream sequence of the actor's life this request is for (what its create
+    # answered, or `snapshotter.status`'s `life_seq`): refused (FAILED_PRECONDITION) if the actor was
+    # created anew after it
+    life_seq: StreamSeq | None = None
 
 
 class RevertActor(Base, kw_only=True):
@@ -363,6 +375,10 @@ class RevertActor(Base, kw_only=True):
 
     reason: Reason | None = None
     request_id: RequestId | None = None
+    # project addition: a stream sequence of the actor's life this request is for (what its create
+    # answered, or `snapshotter.status`'s `life_seq`): refused (FAILED_PRECONDITION) if the actor was
+    # created anew after it
+    life_seq: StreamSeq | None = None
 
 
 class SnapshotReply(Base, kw_only=True):

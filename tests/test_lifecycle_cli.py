@@ -1046,6 +1046,54 @@ async def test_a_resume_from_the_cli_names_the_life_it_read(nats_url, nc, prefix
         assert resumed.exit_code == 0 and json.loads(resumed.output)["seq"] > third, resumed.output
 
 
+@pytest.mark.parametrize("verb", ["stop", "update-template"])
+async def test_a_stop_or_update_template_from_the_cli_names_the_life_it_was_told(nats_url, nc, prefix, verb):
+    """The failover test's other late writes: a stop (or an update-template) its caller gave up on,
+    held in a stopped NATS server's buffers, ended (or changed) the actor's next life once the server
+    resumed. The CLI names the life the snapshotter says the actor is in when the command starts
+    (`life_seq`): here the command's every attempt goes unanswered (the snapshotter went down once it
+    had said where the actor is), the actor is stopped and created anew, and its request is
+    delivered: refused, nothing written. The same copy without its life (what the CLI sent before)
+    acts on life 2."""
+    from contextlib import AsyncExitStack
+
+    from events.errors import ContractError
+    from events.schema import ErrorCode, SeqReply, StopActor, TemplateChanged, UpdateTemplate
+    from warmboot.runner import start_services
+
+    wb = Client(nc, prefix)
+    request_type = StopActor if verb == "stop" else UpdateTemplate
+    args = ("tpl-2",) if verb == "update-template" else ()
+    async with AsyncExitStack() as services:
+        snapshotter = AsyncExitStack()
+        await start_services(snapshotter, ["snapshotter"], nats_url, prefix)
+        born = (await wb.create(actor("a-1", cpu=1, mem=1))).seq
+        where = await wb.status("a-1")
+        assert (where.state, where.life_seq) == (ActorState.CREATED, born)
+        await snapshotter.aclose()
+        held = await held_while_unanswered(nc, f"{prefix}.snapshotter.{verb}.a-1", "actor", verb, "a-1", *args,
+                                           "--nats", nats_url, "--prefix", prefix,
+                                           answered=(f"{prefix}.snapshotter.status.a-1", msgspec.json.encode(where)))
+        sent = msgspec.json.decode(held.data, type=request_type)
+        assert sent.life_seq == born  # the life the snapshotter said
+
+        await start_services(services, ["snapshotter"], nats_url, prefix)
+        await wb.stop("a-1")
+        reborn = (await wb.create(actor("a-1", cpu=1, mem=1))).seq
+        before = await last_seq(nc, prefix)
+        with pytest.raises(ContractError) as refused:
+            await delivered(nc, held, held.data, SeqReply)
+        assert (refused.value.code, refused.value.field) == (ErrorCode.FAILED_PRECONDITION, "life_seq")
+        assert refused.value.message.startswith(f"actor 'a-1' was created anew at sequence {reborn}, after the "
+                                                f"life this {verb} names (life_seq {born}): nothing "), refused.value
+        assert await last_seq(nc, prefix) == before  # nothing written
+
+        unfenced = msgspec.json.encode(msgspec.structs.replace(sent, life_seq=None))
+        acted = await delivered(nc, held, unfenced, SeqReply)  # what it was: life 2 stopped, or changed
+        event = dict(await read_log(nc, prefix))[acted.seq]
+        assert isinstance(event, ActorStopped if verb == "stop" else TemplateChanged) and acted.seq > reborn
+
+
 async def test_a_pause_no_snapshotter_says_the_placement_of_goes_as_before_and_says_so(nats_url, nc, prefix):
     """A snapshotter of an earlier version carries out a pause but has no `status` (and ignores a
     `placement_seq`): a client that knows no placement of the actor, and the CLI, send the pause

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+from typing import Any
 
 import msgspec
 import pytest
 
 from events.errors import ContractError
-from events.schema import ActorCreated, ActorPlaced, Assignment, ErrorCode, ResumeActor
+from events.schema import (ActorCreated, ActorPlaced, Assignment, ErrorCode, ResumeActor, StopActor, TemplateChanged,
+                           UpdateTemplate)
 from tests.factories import actor, delivered, last_seq, read_log, version, worker
 from tests.test_idempotency_faults import catching_up
 from warmboot.client import Client
@@ -141,11 +143,12 @@ async def test_resumes_of_last_lives_racing_new_ones_on_three_replicas_place_onl
 
 
 class Sent:
-    """The resumes of one actor as they were sent (a subscription beside the scheduler's): their
-    bodies in order, and each message, to deliver a copy of it later."""
+    """The resumes of one actor as they were sent (a subscription beside the scheduler's; or the
+    requests of another `service` and `verb`): their bodies in order, and each message, to deliver a
+    copy of it later."""
 
-    def __init__(self, nc, prefix: str, actor_id: str):
-        self.nc, self.subject = nc, f"{prefix}.scheduler.resume.{actor_id}"
+    def __init__(self, nc, prefix: str, actor_id: str, service: str = "scheduler", verb: str = "resume"):
+        self.nc, self.subject = nc, f"{prefix}.{service}.{verb}.{actor_id}"
 
     async def __aenter__(self) -> "Sent":
         self.sub = await self.nc.subscribe(self.subject)
@@ -159,8 +162,8 @@ class Sent:
         return [await self.sub.next_msg(timeout=10) for _ in range(n)]
 
     @staticmethod
-    def body(msg) -> ResumeActor:
-        return msgspec.json.decode(msg.data, type=ResumeActor)
+    def body(msg, request_type: type = ResumeActor) -> Any:
+        return msgspec.json.decode(msg.data, type=request_type)
 
 
 async def test_the_client_names_the_life_it_last_saw_and_sends_again_into_one_it_had_not_seen(
@@ -209,6 +212,38 @@ async def test_the_client_names_the_life_it_last_saw_and_sends_again_into_one_it
         await orchestrator.resume("a")
         (named,) = await sent.next()
     assert Sent.body(named).life_seq == own
+
+
+async def test_the_client_names_the_life_in_a_stop_tag_revert_or_update_template_as_in_a_resume(
+        stack, nc, prefix):
+    """`Client.update_template`, `stop`, `tag` and `revert` name the actor's life as `resume` does (the
+    snapshotter refuses one naming a life a creation has ended: a copy held somewhere, its caller
+    gone). Another caller stops the actor and creates it anew: the update-template is refused for
+    its life and, its caller waiting (no late copy), sent again once with the same request id, naming
+    the life the refusal says began: the template changed once, in that life. A `life_seq` given is
+    sent as it is and its refusal raised; a client made with `fence_lives=False` names none."""
+    orchestrator, other = Client(nc, prefix), Client(nc, prefix)
+    born = (await orchestrator.create(actor("a"))).seq
+    await other.stop("a")
+    renewed = (await other.create(actor("a"))).seq  # life 2: the orchestrator has not seen it
+    async with Sent(nc, prefix, "a", "snapshotter", "update-template") as sent:
+        changed = await orchestrator.update_template("a", "tpl-2")
+        first, second = (Sent.body(m, UpdateTemplate) for m in await sent.next(2))
+    assert (first.life_seq, second.life_seq) == (born, renewed) and first.request_id == second.request_id
+    assert changed.seq > renewed
+    assert [s for s, e in await read_log(nc, prefix) if isinstance(e, TemplateChanged)] == [changed.seq]
+
+    before = await last_seq(nc, prefix)
+    with pytest.raises(ContractError) as refused:  # given, it is sent as it is, once
+        await orchestrator.stop("a", life_seq=born)
+    assert (refused.value.code, refused.value.field) == (ErrorCode.FAILED_PRECONDITION, "life_seq")
+    assert refused.value.message.startswith(f"actor 'a' was created anew at sequence {renewed}, after the life this "
+                                            f"stop names (life_seq {born}): nothing stopped"), refused.value
+    assert await last_seq(nc, prefix) == before
+    async with Sent(nc, prefix, "a", "snapshotter", "stop") as sent:
+        stopped = await Client(nc, prefix, fence_lives=False).stop("a")  # it names no life
+        (named,) = await sent.next()
+    assert Sent.body(named, StopActor).life_seq is None and stopped.seq > before
 
 
 def answered_late(client: Client, verb: str, *, before_sending: bool) -> tuple[asyncio.Event, asyncio.Event]:
@@ -277,6 +312,7 @@ def test_the_creation_a_refusal_names_is_read_back_from_it():
     from events.errors import created_anew_since, life_started_in, precondition
 
     assert life_started_in(created_anew_since("a-1", 3, 912)) == 912
+    assert life_started_in(created_anew_since("a-1", 3, 914, "update-template", "nothing changed")) == 914
     assert life_started_in(precondition("actor 'a' is RUNNING on worker 'w'", "actor_id")) is None
     assert life_started_in(precondition("was created anew at sequence 7, after the life this resume names",
                                          "request_id")) is None

@@ -8,7 +8,7 @@ from datetime import datetime, timedelta, timezone
 import msgspec
 import pytest
 
-from events.errors import ContractError
+from events.errors import ContractError, life_started_in
 from events.schema import (
     ActorCreated,
     ActorPlaced,
@@ -422,6 +422,56 @@ def test_status_names_the_current_life_s_creation_and_its_last_placement():
     with pytest.raises(ContractError) as never:
         Actor("a-9").status()
     assert (code_of(never), never.value.field) == (ErrorCode.NOT_FOUND, "actor_id")
+
+
+def stored(actor: Actor) -> Actor:
+    """`actor` as read back from a log that stored its events at sequences 10, 20, 30, ..."""
+    replayed = None
+    for event in actor.collect_events():
+        event.seq = 10 * event.originator_version
+        replayed = event.mutate(replayed)
+    return replayed
+
+
+LIFE_VERBS = {  # each verb that names the actor's life, on an actor it applies to
+    "stop": lambda a, life: a.stop(None, at(9), life),
+    "tag": lambda a, life: a.tag(Tag("gold"), None, at(9), life),
+    "update-template": lambda a, life: a.change_template("tpl-2", None, at(9), life),
+    "revert": lambda a, life: a.revert(None, None, at(9), life),
+}
+
+
+@pytest.mark.parametrize("verb", LIFE_VERBS)
+def test_a_stop_tag_revert_or_update_template_naming_an_ended_life_is_refused(verb):
+    """`life_seq` on a stop, tag, revert or update-template (a project addition): a sequence of the
+    actor's life the request is for. Naming a life that a creation since ended (a copy held in a
+    NATS server and decided late, its caller gone) is FAILED_PRECONDITION, field life_seq, nothing
+    recorded, the message naming the creation; naming the current life, or any sequence in it, or
+    none, the request is decided as before."""
+    def in_life_2() -> Actor:  # life 1 created at 10, stopped; life 2 created, placed, suspended (paused)
+        actor = created()
+        actor.stop(None, at(1))
+        actor.create(create_request(), None, at(2))
+        actor.place(placed(actor))
+        actor.suspend(None, "s3://a-1", Fidelity.MEMORY, None, at(3))  # an EXTERNAL image to tag
+        if verb != "tag":
+            actor.place(placed(actor))
+            actor.pause(None, None, at(4))  # a LOCAL one to revert
+        return stored(actor)
+
+    actor = in_life_2()
+    reborn = actor.seq_at(actor.life_start)
+    assert reborn == 30 and actor.state is (ActorState.SUSPENDED if verb == "tag" else ActorState.PAUSED)
+    with pytest.raises(ContractError) as refused:
+        LIFE_VERBS[verb](actor, 10)
+    assert (code_of(refused), refused.value.field) == (ErrorCode.FAILED_PRECONDITION, "life_seq")
+    assert refused.value.message.startswith(f"actor 'a-1' was created anew at sequence 30, after the life this {verb} "
+                                            "names (life_seq 10): nothing "), refused.value.message
+    assert life_started_in(refused.value) == 30 and actor.collect_events() == []
+    for life in (None, reborn, reborn + 5):
+        fresh = in_life_2()
+        LIFE_VERBS[verb](fresh, life)
+        assert fresh.collect_events(), (verb, life)
 
 
 # --- the placement fold ----------------------------------------------------------------

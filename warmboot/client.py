@@ -27,7 +27,9 @@ What it does so that callers need not:
   (with `fence_resumes=False`, only the caller's). A copy decided after the actor was created
   anew is refused, not placed in a life nobody resumed. A caller still waiting is no late copy:
   when its client had not seen another caller's creation, the client sends the resume again,
-  once, naming the life the refusal says began.
+  once, naming the life the refusal says began. `stop`, `tag`, `revert` and `update_template`
+  name the life the same way (with `fence_lives=False`, only the caller's): a copy decided
+  after the actor was created anew is refused, not carried out on a life nobody asked it of.
 - Retries: UNAVAILABLE, a time-out and "no responders" are retried with the same body
   (the same `request_id`), at most `attempts` times, with a growing, jittered pause (a request
   no service answered any time is UNAVAILABLE "no service answers SUBJECT after N attempts in
@@ -180,6 +182,7 @@ class Client:
         refusals_final: bool = True,
         fence_snapshots: bool = True,
         fence_resumes: bool = True,
+        fence_lives: bool = True,
         on_unfenced: Callable[[str, ContractError], None] | None = None,
     ):
         self.nc = nc
@@ -203,6 +206,7 @@ class Client:
         # `resume` without a `life_seq` names the life this client last saw the actor in (`_lives`): the
         # `seq` of its last create or resume of it (`life_seq`'s docstring)
         self.fence_resumes = fence_resumes
+        self.fence_lives = fence_lives  # the same for a stop, tag, revert or update-template
         self._lives: dict[str, int] = {}  # actor id -> that seq, the last PLACEMENTS_KEPT actors
         self.retries = 0  # requests sent again (`_transient`)
         self._owned = False
@@ -468,24 +472,60 @@ class Client:
         (`snapshotter.status`, docs/contract.md); a snapshotter of an earlier version does not answer."""
         return await self.request("snapshotter", "status", actor_id, ActorStatusQuery(), ActorStatus)
 
-    async def tag(self, actor_id: str, tag: str, request_id: str | None = None) -> SnapshotReply:
-        body = TagSnapshot(tag=tag, request_id=request_id or new_request_id())
-        return await self.request("snapshotter", "tag", actor_id, body, SnapshotReply)
+    # `tag`, `update_template`, `stop` and `revert` name the actor's life as `resume` does (`life_seq`:
+    # the caller's, else this client's last create or resume of the actor, with `fence_lives`): a copy
+    # held somewhere, its caller gone, and decided once the actor was stopped and created again is
+    # refused, FAILED_PRECONDITION field `life_seq`, instead of stopping, tagging, reverting or
+    # changing the template of a life nobody asked it of (`_in_life`)
 
-    async def update_template(self, actor_id: str, template_uid: str, request_id: str | None = None) -> SeqReply:
-        body = UpdateTemplate(template_uid=template_uid, request_id=request_id or new_request_id())
-        return await self.request("snapshotter", "update-template", actor_id, body, SeqReply)
+    async def tag(self, actor_id: str, tag: str, request_id: str | None = None,
+                  life_seq: int | None = None) -> SnapshotReply:
+        body = TagSnapshot(tag=tag, request_id=request_id or new_request_id(), life_seq=life_seq)
+        return await self._in_life("snapshotter", "tag", actor_id, body, SnapshotReply, self.fence_lives)
 
-    async def stop(self, actor_id: str, request_id: str | None = None) -> SeqReply:
-        body = StopActor(request_id=request_id or new_request_id())
-        stopped = await self.request("snapshotter", "stop", actor_id, body, SeqReply)
+    async def update_template(self, actor_id: str, template_uid: str, request_id: str | None = None,
+                              life_seq: int | None = None) -> SeqReply:
+        body = UpdateTemplate(template_uid=template_uid, request_id=request_id or new_request_id(), life_seq=life_seq)
+        return await self._in_life("snapshotter", "update-template", actor_id, body, SeqReply, self.fence_lives)
+
+    async def stop(self, actor_id: str, request_id: str | None = None, life_seq: int | None = None) -> SeqReply:
+        body = StopActor(request_id=request_id or new_request_id(), life_seq=life_seq)
+        stopped = await self._in_life("snapshotter", "stop", actor_id, body, SeqReply, self.fence_lives)
         self._placed.pop(actor_id, None)  # the life is over: its placements with it
         self._lives.pop(actor_id, None)
         return stopped
 
-    async def revert(self, actor_id: str, reason: str | None = None, request_id: str | None = None) -> RevertReply:
-        body = RevertActor(reason=reason, request_id=request_id or new_request_id())
-        return await self.request("snapshotter", "revert", actor_id, body, RevertReply)
+    async def revert(self, actor_id: str, reason: str | None = None, request_id: str | None = None,
+                     life_seq: int | None = None) -> RevertReply:
+        body = RevertActor(reason=reason, request_id=request_id or new_request_id(), life_seq=life_seq)
+        return await self._in_life("snapshotter", "revert", actor_id, body, RevertReply, self.fence_lives)
+
+    async def _in_life(self, service: str, verb: str, actor_id: str, body: Any, reply_type: type[T],
+                       fenced: bool) -> T:
+        """`body`, a request naming the actor's life (`life_seq`: the caller's; else, with `fenced`,
+        the seq of this client's last create or resume of the actor, if it made one), sent. A refusal
+        for the life this client remembered that reaches this call is no late copy (the caller of one
+        has gone): this client had not seen another caller stop and create the actor. So it names the
+        life the refusal says began (`events.errors.life_started_in`; as the `min_seq` of a request
+        that has one) and sends the request again, once, with the same request id: carried out as
+        before the fence, and a copy of it held past a further creation is refused in its turn. A
+        `life_seq` the caller gave is not sent again: its refusal is raised."""
+        remembered = body.life_seq is None and fenced
+        if remembered:
+            body = msgspec.structs.replace(body, life_seq=self._lives.get(actor_id))
+        try:
+            return await self.request(service, verb, actor_id, body, reply_type)
+        except ContractError as refused:
+            started = life_started_in(refused) if remembered and body.life_seq is not None else None
+            if started is None:
+                if remembered and refused.field == "life_seq":  # said by another version: not known where
+                    self._lives.pop(actor_id, None)
+                raise
+            remember(self._lives, actor_id, started)  # (a later one, if this client created the actor since)
+            again = msgspec.structs.replace(body, life_seq=self._lives[actor_id])
+            if "min_seq" in body.__struct_fields__:
+                again = msgspec.structs.replace(again, min_seq=max(body.min_seq or 0, started))
+            return await self.request(service, verb, actor_id, again, reply_type)
 
     # --- scheduler ------------------------------------------------------------------------------
 
@@ -506,23 +546,9 @@ class Client:
         with the same request id: it is placed as it was before the fence (a chaos test's shared
         clients were refused about one resume in ten), and a copy of it held past a further creation
         is refused in its turn. A `life_seq` the caller gives is not sent again: its refusal is raised."""
-        remembered = life_seq is None and self.fence_resumes
-        if remembered:
-            life_seq = self._lives.get(actor_id)
         body = ResumeActor(selectors=selectors, min_seq=self._min_seq(min_seq),
                            request_id=request_id or new_request_id(), life_seq=life_seq)
-        try:
-            placed = await self.request("scheduler", "resume", actor_id, body, Assignment)
-        except ContractError as refused:
-            started = life_started_in(refused) if remembered and life_seq is not None else None
-            if started is None:
-                if remembered and refused.field == "life_seq":  # said by another version: not known where
-                    self._lives.pop(actor_id, None)
-                raise
-            remember(self._lives, actor_id, started)  # (a later one, if this client created the actor since)
-            again = msgspec.structs.replace(body, life_seq=self._lives[actor_id],
-                                            min_seq=max(body.min_seq or 0, started))
-            placed = await self.request("scheduler", "resume", actor_id, again, Assignment)
+        placed = await self._in_life("scheduler", "resume", actor_id, body, Assignment, self.fence_resumes)
         remember(self._placed, actor_id, placed.seq)
         remember(self._lives, actor_id, placed.seq)
         return placed

@@ -14,10 +14,11 @@ The `show` commands read the log, not a service:
   does (a worker's free room and actors are in the actors' placements): what the
   scheduler sees of that worker.
 
-`actor pause`, `actor suspend` and `actor resume` ask the snapshotter where the actor is now
-(`snapshotter.status`) before their request, for the placement or the life it names, unless
-`--placement-seq` or `--life-seq` is given (the pause's and suspend's through the client's fence,
-`warmboot.client.Client._placement_of`; the resume's here, `life_now`).
+`actor pause` and `actor suspend` ask the snapshotter where the actor is now
+(`snapshotter.status`) before their request, for the placement they name, unless
+`--placement-seq` is given (through the client's fence, `warmboot.client.Client._placement_of`);
+`actor resume`, `stop`, `tag`, `revert` and `update-template`, for the life they name, unless
+`--life-seq` is given (`life_now`).
 """
 
 from __future__ import annotations
@@ -81,20 +82,21 @@ placement_seq_option = click.option(
 
 life_seq_option = click.option(
     "--life-seq", type=IntRange(min=1), default=None, metavar="SEQ",
-    help="A seq of the actor's life this resume is for (what `actor create` or `actor resume` printed): "
-         "refused, and nothing placed, if the actor has been created anew since. Default: the life the "
+    help="A seq of the actor's life this request is for (what `actor create` or `actor resume` printed): "
+         "refused, and nothing done, if the actor has been created anew since. Default: the life the "
          "snapshotter says the actor is in when the command starts (none, with a note, if it does not say).")
 
 
 async def life_now(wb: Client, actor_id: str, given: int | None) -> int | None:
-    """What a resume from the CLI names as the actor's life (`life_seq`) when the command gives none:
-    the creation of the life the snapshotter says the actor is in (`Client.status`). A copy of the
-    command held in a NATS server's buffers, its caller gone, and decided once the actor was stopped
-    and created anew, is then refused, FAILED_PRECONDITION field `life_seq`, instead of placing a life
-    nobody resumed. When the snapshotter does not say (UNAVAILABLE: down, of an earlier version, or
+    """What a resume, stop, tag, revert or update-template from the CLI names as the actor's life
+    (`life_seq`) when the command gives none: the creation of the life the snapshotter says the actor
+    is in (`Client.status`). A copy of the command held in a NATS server's buffers, its caller gone,
+    and decided once the actor was stopped and created anew, is then refused, FAILED_PRECONDITION
+    field `life_seq`, instead of acting on a life nobody asked it of (placing it, stopping it, ...).
+    When the snapshotter does not say (UNAVAILABLE: down, of an earlier version, or
     its history of the actor holds an event it cannot read), the resume is sent without one, and a
-    line on stderr says so: a late copy of it can place a life nobody asked for, on a worker its
-    image loads on, which is no reason to refuse a resume the scheduler can place. Any other
+    line on stderr says so: a late copy of it can act on a life nobody asked it of (a resume's places
+    it on a worker its image loads on), which is no reason to refuse what the services can do. Any other
     refusal (NOT_FOUND, as the scheduler would say; credentials that may not ask) fails the command."""
     if given is not None:
         return given
@@ -103,13 +105,13 @@ async def life_now(wb: Client, actor_id: str, given: int | None) -> int | None:
     except ContractError as e:
         if e.code is not ErrorCode.UNAVAILABLE:  # NOT_FOUND, as the scheduler would say; refused credentials
             raise
-        click.echo(f"note: {UNFENCED_RESUME}: the snapshotter did not say which life the actor is in "
+        click.echo(f"note: {UNFENCED_LIFE}: the snapshotter did not say which life the actor is in "
                    f"({e.code.value}: {e.message})", err=True)
         return None
 
 
-UNFENCED_RESUME = ("not fenced to the actor's life (give --life-seq: a copy of this request decided after the actor "
-                   "is created anew is then refused, not placed)")
+UNFENCED_LIFE = ("not fenced to the actor's life (give --life-seq: a copy of this request decided after the actor "
+                 "is created anew is then refused, not carried out)")
 
 
 def note_unfenced(actor_id: str, error: ContractError) -> None:
@@ -393,17 +395,20 @@ def resume_cmd(actor_id: str, selectors: tuple[str, ...], life_seq: int | None, 
 @actor.command("tag")
 @click.argument("actor_id")
 @click.argument("tag")
+@life_seq_option
 @request_id_option
 @nats_option
 @prefix_option
 @json_option
-def tag_cmd(actor_id: str, tag: str, request_id: str | None, nats_url: str, prefix: str, as_json: bool) -> None:
+def tag_cmd(actor_id: str, tag: str, life_seq: int | None, request_id: str | None, nats_url: str, prefix: str,
+            as_json: bool) -> None:
     """Tag the actor's latest snapshot (EXTERNAL only) so that other actors can be created from it.
     A tag that named another snapshot now names this one: the output says which it named (with
     --json, on stderr, as the other commands' warnings)."""
 
     async def work(nc: Any) -> tuple[Any, Runtimes | None, Snapshot | str | None]:
-        reply = await Client(nc, prefix).tag(actor_id, tag, request_id)
+        wb = Client(nc, prefix)
+        reply = await wb.tag(actor_id, tag, request_id, await life_now(wb, actor_id, life_seq))
         before: Snapshot | str | None
         try:
             history = await read_subject(nc, prefix, event_subject(prefix, "tag", tag))
@@ -436,15 +441,19 @@ def tag_cmd(actor_id: str, tag: str, request_id: str | None, nats_url: str, pref
 @actor.command("revert")
 @click.argument("actor_id")
 @click.option("--reason", default=None, help="Recorded on ActorReverted.")
+@life_seq_option
 @request_id_option
 @nats_option
 @prefix_option
 @json_option
-def revert_cmd(actor_id: str, reason: str | None, request_id: str | None, nats_url: str, prefix: str,
-               as_json: bool) -> None:
+def revert_cmd(actor_id: str, reason: str | None, life_seq: int | None, request_id: str | None, nats_url: str,
+               prefix: str, as_json: bool) -> None:
     """Give up the actor's LOCAL image and go back to its latest EXTERNAL snapshot (or to none:
     it will cold-boot). What runs since that snapshot is lost."""
-    reply, runtimes = run(nats_url, prefix, not as_json, lambda wb: wb.revert(actor_id, reason, request_id))
+    async def call(wb: Client) -> Any:
+        return await wb.revert(actor_id, reason, request_id, await life_now(wb, actor_id, life_seq))
+
+    reply, runtimes = run(nats_url, prefix, not as_json, call)
 
     def text() -> str:
         back = snapshot_text(reply.snapshot, runtimes) if reply.snapshot else "no snapshot: it will cold-boot"
@@ -456,28 +465,37 @@ def revert_cmd(actor_id: str, reason: str | None, request_id: str | None, nats_u
 @actor.command("update-template")
 @click.argument("actor_id")
 @click.argument("template_uid")
+@life_seq_option
 @request_id_option
 @nats_option
 @prefix_option
 @json_option
-def update_template_cmd(actor_id: str, template_uid: str, request_id: str | None, nats_url: str, prefix: str,
-                        as_json: bool) -> None:
+def update_template_cmd(actor_id: str, template_uid: str, life_seq: int | None, request_id: str | None, nats_url: str,
+                        prefix: str, as_json: bool) -> None:
     """Move ACTOR_ID to another template: its memory snapshots of the old one restore without memory.
 
     To the template it has already: nothing is written, and it prints `unchanged`."""
-    reply, _ = run(nats_url, prefix, False, lambda wb: wb.update_template(actor_id, template_uid, request_id))
+    async def call(wb: Client) -> Any:
+        return await wb.update_template(actor_id, template_uid, request_id, await life_now(wb, actor_id, life_seq))
+
+    reply, _ = run(nats_url, prefix, False, call)
     echo(reply, as_json, lambda: done("actor", actor_id, f"on template {template_uid}", reply.seq, reply.unchanged))
 
 
 @actor.command("stop")
 @click.argument("actor_id")
+@life_seq_option
 @request_id_option
 @nats_option
 @prefix_option
 @json_option
-def stop_cmd(actor_id: str, request_id: str | None, nats_url: str, prefix: str, as_json: bool) -> None:
+def stop_cmd(actor_id: str, life_seq: int | None, request_id: str | None, nats_url: str, prefix: str,
+             as_json: bool) -> None:
     """Stop ACTOR_ID (released from its worker if placed). A create of the same id starts a new life."""
-    reply, _ = run(nats_url, prefix, False, lambda wb: wb.stop(actor_id, request_id))
+    async def call(wb: Client) -> Any:
+        return await wb.stop(actor_id, request_id, await life_now(wb, actor_id, life_seq))
+
+    reply, _ = run(nats_url, prefix, False, call)
     echo(reply, as_json, lambda: done("actor", actor_id, "stopped", reply.seq))
 
 

@@ -67,7 +67,7 @@ from __future__ import annotations
 from datetime import datetime
 
 from events.aggregate import WireAggregate
-from events.errors import already_exists, invalid, no_actor, not_found, precondition, unavailable
+from events.errors import already_exists, created_anew_since, invalid, no_actor, not_found, precondition, unavailable
 from events.schema import (
     ActorCreated,
     ActorPlaced,
@@ -304,6 +304,22 @@ class Actor(WireAggregate):
             "placement_seq",
         )
 
+    def require_life(self, life_seq: int | None, verb: str, outcome: str) -> None:
+        """With `life_seq` (a stream sequence of the actor's life the request is for: its create's
+        reply, `status`'s `life_seq`), FAILED_PRECONDITION (field `life_seq`, `created_anew_since`)
+        if the actor was created anew after it: a copy of a stop, tag, revert or update-template held
+        somewhere (a NATS server stopped with it in its buffers), its caller gone, and decided in the
+        actor's next life would stop that life, tag its image, give it up or change its template.
+        A resume's is the scheduler's check (`ResumeActor.life_seq`), a pause's and a suspend's the
+        placement's (`require_placement`), which is finer. Called on a live or stopped actor."""
+        if life_seq is None:
+            return
+        started = self.seq_at(self.life_start)
+        if not started:  # the event store names every event's position
+            raise unavailable(f"the event store did not say where the life of actor {self.entity_id!r} began")
+        if life_seq < started:
+            raise created_anew_since(self.entity_id, life_seq, started, verb, outcome)
+
     def status(self) -> ActorStatus:
         """The actor as its history has it, with the sequences a later request names: its life's
         creation (a resume's `life_seq`) and the placement `require_placement` holds a pause or
@@ -366,9 +382,10 @@ class Actor(WireAggregate):
         self.release(assignment, ReleaseReason.SUSPENDED, request_id, at)
         return snapshot
 
-    def tag(self, tag: "Tag", request_id: str | None, at: datetime) -> Snapshot:
+    def tag(self, tag: "Tag", request_id: str | None, at: datetime, life_seq: int | None = None) -> Snapshot:
         """Name a copy of the latest snapshot with `tag` (recorded on the actor and on the tag)."""
         self.require_live("tag")
+        self.require_life(life_seq, "tag", "nothing tagged")
         latest = self.latest_snapshot
         if latest is None:
             raise precondition(f"cannot tag actor {self.entity_id!r}: it has no snapshot yet")
@@ -386,7 +403,8 @@ class Actor(WireAggregate):
         tag.name(snapshot, request_id, at)
         return snapshot
 
-    def change_template(self, template_uid: str, request_id: str | None, at: datetime) -> bool:
+    def change_template(self, template_uid: str, request_id: str | None, at: datetime,
+                        life_seq: int | None = None) -> bool:
         """The template the next resume uses; False (nothing recorded) when it is already that one.
 
         A running instance keeps the template it was started from: its snapshots
@@ -394,6 +412,7 @@ class Actor(WireAggregate):
         under the new one (the scheduler falls back with TEMPLATE_CHANGED).
         """
         self.require_live("update the template of")
+        self.require_life(life_seq, "update-template", "nothing changed")
         if template_uid == self.template_uid:
             return False
         self.record(TemplateChanged(
@@ -401,17 +420,20 @@ class Actor(WireAggregate):
         ))
         return True
 
-    def stop(self, request_id: str | None, at: datetime) -> None:
+    def stop(self, request_id: str | None, at: datetime, life_seq: int | None = None) -> None:
         """Any live state -> STOPPED, releasing the assignment first if it holds one."""
         self.require_live("stop")
+        self.require_life(life_seq, "stop", "nothing stopped")
         if self.assignment is not None:
             self.release(self.assignment, ReleaseReason.STOPPED, request_id, at)
         self.record(ActorStopped(actor_id=self.entity_id, at=at, request_id=request_id))
 
-    def revert(self, reason: str | None, request_id: str | None, at: datetime) -> Snapshot | None:
+    def revert(self, reason: str | None, request_id: str | None, at: datetime,
+               life_seq: int | None = None) -> Snapshot | None:
         """Give up the LOCAL latest snapshot: back to the latest EXTERNAL one (or none), SUSPENDED."""
         if self.state is None:
             raise no_actor(self.entity_id)
+        self.require_life(life_seq, "revert", "nothing given up")
         local = self.latest_snapshot
         if self.state is not ActorState.PAUSED and not (
             self.state is ActorState.SUSPENDED and local is not None and local.location is Location.LOCAL

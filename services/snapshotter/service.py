@@ -726,7 +726,7 @@ class SnapshotterService:
             return found
         async with self._tags(req.tag):
             tag = await self.load_tag(req.tag)
-            snapshot = actor.tag(tag, req.request_id, now())
+            snapshot = actor.tag(tag, req.request_id, now(), req.life_seq)
             # The tag's event first, the actor's last: the reply's seq is the actor's event.
             return SnapshotReply(snapshot=snapshot, seq=await self.save(tag, actor))
 
@@ -743,7 +743,7 @@ class SnapshotterService:
         if kept is not None:
             await self.confirm_read(actor)  # kept for the life as read (`answered_before`)
             return kept[0]
-        if not actor.change_template(req.template_uid, req.request_id, now()):
+        if not actor.change_template(req.template_uid, req.request_id, now(), req.life_seq):
             # Already that template (as the stream leader has it too): the event that set it is the
             # answer, kept as this request's (it wrote nothing its retry could be answered from)
             await self.confirm_read(actor)
@@ -761,7 +761,7 @@ class SnapshotterService:
         found = await self.answered_before(actor, "stop", req.request_id)
         if found is not None:
             return found
-        actor.stop(req.request_id, now())
+        actor.stop(req.request_id, now(), req.life_seq)
         return SeqReply(seq=await self.save(actor))
 
     async def revert(self, actor_id: str, req: RevertActor) -> RevertReply:
@@ -772,7 +772,7 @@ class SnapshotterService:
         found = await self.answered_before(actor, "revert", req.request_id)
         if found is not None:
             return found
-        back = actor.revert(req.reason, req.request_id, now())
+        back = actor.revert(req.reason, req.request_id, now(), req.life_seq)
         return RevertReply(snapshot=back, seq=await self.save(actor))
 
     async def status(self, actor_id: str, _: ActorStatusQuery) -> ActorStatus:
