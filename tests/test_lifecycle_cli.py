@@ -1094,37 +1094,71 @@ async def test_a_stop_or_update_template_from_the_cli_names_the_life_it_was_told
         assert isinstance(event, ActorStopped if verb == "stop" else TemplateChanged) and acted.seq > reborn
 
 
-async def test_a_pause_no_snapshotter_says_the_placement_of_goes_as_before_and_says_so(nats_url, nc, prefix):
-    """A snapshotter of an earlier version carries out a pause but has no `status` (and ignores a
-    `placement_seq`): a client that knows no placement of the actor, and the CLI, send the pause
-    without one, as before they asked, and say so (the CLI on stderr, the library to its
-    `on_unfenced`). A question a snapshotter heard and did not answer (UNAVAILABLE) is the pause's
-    failure: nothing is sent."""
+async def test_a_pause_or_stop_a_snapshotter_of_an_earlier_version_serves_goes_as_before_and_says_so(
+        nats_url, nc, prefix):
+    """A snapshotter of an earlier version carries out a pause or a stop but has no `status` (and
+    ignores `placement_seq` and `life_seq`): a client that knows no placement of the actor, and the
+    CLI, send the request without one, as before they asked, and say so (the CLI on stderr, the
+    library to its `on_unfenced`), once the snapshotter that answers discovery (`$SRV.INFO`) lists no
+    `status`. Where none answers discovery (none running) or one lists `status` (one restarting: the
+    question reached none, a request sent now might reach one that fences), and where the question
+    was heard and answered UNAVAILABLE, the call fails and nothing is sent (a review's finding: it
+    went without a fence)."""
     from events.errors import ContractError
-    from events.schema import ErrorCode, PauseActor, SnapshotReply
+    from events.schema import ErrorCode, PauseActor, SeqReply, SnapshotReply, StopActor
     from tests.factories import snapshot
     from warmboot.client import NobodyAnswered
 
-    heard: list = []
+    heard: dict[str, list] = {"pause": [], "stop": []}
 
-    async def earlier(msg) -> None:  # what a snapshotter before `status` answers
-        heard.append(msgspec.json.decode(msg.data, type=PauseActor))
+    async def pause(msg) -> None:  # what a snapshotter before `status` answers
+        heard["pause"].append(msgspec.json.decode(msg.data, type=PauseActor))
         await msg.respond(msgspec.json.encode(SnapshotReply(snapshot=snapshot("a-1", None, node="node-1"), seq=7)))
 
-    await nc.subscribe(f"{prefix}.snapshotter.pause.a-1", cb=earlier)
+    async def stop(msg) -> None:
+        heard["stop"].append(msgspec.json.decode(msg.data, type=StopActor))
+        await msg.respond(msgspec.json.encode(SeqReply(seq=8)))
+
+    def info(*verbs: str, of: str = prefix) -> bytes:
+        return msgspec.json.encode({"name": "warmboot-snapshotter", "id": "x", "version": "0.0.9", "type":
+                                    "io.nats.micro.v1.info_response", "metadata": {"prefix": of},
+                                    "endpoints": [{"name": v, "subject": f"{of}.snapshotter.{v}.*"} for v in verbs]})
+
+    served = {"info": [info("pause", "stop", of="another-deployment"), info("pause", "stop")]}
+
+    async def discovery(msg) -> None:
+        for answer in served["info"]:
+            await msg.respond(answer)
+
+    await nc.subscribe(f"{prefix}.snapshotter.pause.a-1", cb=pause)
+    await nc.subscribe(f"{prefix}.snapshotter.stop.a-1", cb=stop)
+    await nc.subscribe("$SRV.INFO.warmboot-snapshotter", cb=discovery)
     told: list = []
     wb = Client(nc, prefix, attempts=2, timeout=1, on_unfenced=lambda actor_id, error: told.append((actor_id, error)))
     assert (await wb.pause("a-1")).seq == 7
-    assert [h.placement_seq for h in heard] == [None] and [a for a, _ in told] == ["a-1"]
+    assert [h.placement_seq for h in heard["pause"]] == [None] and [a for a, _ in told] == ["a-1"]
     assert isinstance(told[0][1], NobodyAnswered) and f"{prefix}.snapshotter.status.a-1" in told[0][1].message
 
-    paused = await cli("actor", "pause", "a-1", "--nats", nats_url, "--prefix", prefix)
+    cli_args = ("a-1", "--nats", nats_url, "--prefix", prefix)
+    paused = await cli("actor", "pause", *cli_args)
     assert paused.exit_code == 0 and paused.stdout.startswith("actor/a-1 paused: "), paused.output
     assert paused.stderr.startswith(
         "note: not fenced to the actor's placement (give --placement-seq: a copy of this request decided after the "
-        f"actor is placed anew is then refused, not recorded): no service answers {prefix}.snapshotter.status.a-1 "
-        "after 6 attempts in "), paused.stderr
-    assert [h.placement_seq for h in heard] == [None, None]
+        "actor is placed anew is then refused, not carried out): the snapshotter lists no status endpoint (an "
+        "earlier version)\n"), paused.stderr
+    stopped = await cli("actor", "stop", *cli_args)
+    assert stopped.exit_code == 0 and stopped.stderr == (
+        "note: not fenced to the actor's life (give --life-seq: a copy of this request decided after the actor is "
+        "created anew is then refused, not carried out): the snapshotter lists no status endpoint (an earlier "
+        "version)\n"), stopped.output
+    assert [h.placement_seq for h in heard["pause"]] == [None, None] and [h.life_seq for h in heard["stop"]] == [None]
+
+    for answers in ([], [info("pause", "stop", "status")]):  # none running; one restarting
+        served["info"] = answers
+        with pytest.raises(NobodyAnswered):
+            await wb.pause("a-1")
+        refused = await cli("actor", "stop", *cli_args)
+        assert refused.exit_code == 1 and "no service answers" in refused.stderr, refused.output
 
     async def failing(msg) -> None:
         await msg.respond(b'{"error": {"code": "UNAVAILABLE", "message": "the event log did not answer"}}')
@@ -1133,7 +1167,9 @@ async def test_a_pause_no_snapshotter_says_the_placement_of_goes_as_before_and_s
     with pytest.raises(ContractError) as failed:
         await wb.pause("a-1")
     assert failed.value.code is ErrorCode.UNAVAILABLE and "the event log did not answer" in failed.value.message
-    assert len(heard) == 2 and len(told) == 1  # not sent, not told unfenced
+    failed_stop = await cli("actor", "stop", *cli_args)
+    assert failed_stop.exit_code == 1 and "the event log did not answer" in failed_stop.stderr, failed_stop.output
+    assert (len(heard["pause"]), len(heard["stop"]), len(told)) == (2, 1, 1)  # nothing more sent, or told unfenced
 
 
 async def test_a_command_s_fence_passes_over_an_event_of_a_newer_version_in_the_history(

@@ -18,9 +18,9 @@ from typing import Any
 import msgspec
 import pytest
 
-from events.errors import ContractError
-from events.schema import (ActorCreated, ActorPlaced, Assignment, ErrorCode, ResumeActor, StopActor, TemplateChanged,
-                           UpdateTemplate)
+from events.errors import ContractError, life_started_in
+from events.schema import (ActorCreated, ActorPlaced, ActorStopped, Assignment, ErrorCode, ResumeActor, StopActor,
+                           TemplateChanged, UpdateTemplate)
 from tests.factories import actor, delivered, last_seq, read_log, version, worker
 from tests.test_idempotency_faults import catching_up
 from warmboot.client import Client
@@ -246,22 +246,57 @@ async def test_the_client_names_the_life_in_a_stop_tag_revert_or_update_template
     assert Sent.body(named, StopActor).life_seq is None and stopped.seq > before
 
 
-def answered_late(client: Client, verb: str, *, before_sending: bool) -> tuple[asyncio.Event, asyncio.Event]:
-    """`client`'s `scheduler.<verb>` requests held, until the second event is set: before they are sent
+async def test_a_stop_of_a_life_a_client_ended_does_not_end_the_life_it_created_since(stack, nc, prefix):
+    """One client, two tasks (a review's finding). Task A's stop names life 1 and reaches the
+    snapshotter only after the same client stopped the actor and created it anew: refused for its
+    life and raised, not sent again into the client's own life 2 (a resume is: the test above), which
+    lives on. A stop whose answer
+    comes late, after the client created the actor anew, does not make it forget that life: the
+    next request names it."""
+    wb = Client(nc, prefix)
+    born = (await wb.create(actor("a"))).seq
+    held, release = answered_late(wb, "stop", before_sending=True, service="snapshotter")
+    stale = asyncio.create_task(wb.stop("a"))  # names life 1
+    await asyncio.wait_for(held.wait(), 10)
+    del wb.request
+    await wb.stop("a")
+    reborn = (await wb.create(actor("a"))).seq  # this client's own life 2
+    release.set()
+    with pytest.raises(ContractError) as refused:
+        await stale
+    assert life_started_in(refused.value) == reborn and born < reborn
+    assert [e for s, e in await read_log(nc, prefix) if isinstance(e, ActorStopped) and s > reborn] == []
+
+    held, release = answered_late(wb, "stop", before_sending=False, service="snapshotter")
+    first = asyncio.create_task(wb.stop("a"))  # life 2 stopped; its answer held
+    await asyncio.wait_for(held.wait(), 10)
+    del wb.request
+    third = (await wb.create(actor("a"))).seq  # life 3
+    release.set()
+    assert (await first).seq < third
+    async with Sent(nc, prefix, "a", "snapshotter", "update-template") as sent:
+        await wb.update_template("a", "tpl-3")
+        (named,) = await sent.next()
+    assert Sent.body(named, UpdateTemplate).life_seq == third
+
+
+def answered_late(client: Client, verb: str, *, before_sending: bool,
+                  service: str = "scheduler") -> tuple[asyncio.Event, asyncio.Event]:
+    """`client`'s `<service>.<verb>` requests held, until the second event is set: before they are sent
     (`before_sending`), or once answered (their reply delivered late); the first event is set when one
     is held."""
     held, release = asyncio.Event(), asyncio.Event()
     request = client.request
 
-    async def late(service, called, *args, **kw):
-        if (service, called) != ("scheduler", verb):
-            return await request(service, called, *args, **kw)
+    async def late(to, called, *args, **kw):
+        if (to, called) != (service, verb):
+            return await request(to, called, *args, **kw)
         if before_sending:
             held.set()
             await release.wait()
-            return await request(service, called, *args, **kw)
+            return await request(to, called, *args, **kw)
         try:
-            return await request(service, called, *args, **kw)
+            return await request(to, called, *args, **kw)
         finally:
             held.set()
             await release.wait()
@@ -309,7 +344,7 @@ async def test_a_late_answer_does_not_move_the_client_s_life_back(stack, nc, pre
 
 def test_the_creation_a_refusal_names_is_read_back_from_it():
     """`life_started_in` reads the sequence `created_anew_since` writes; any other error says nothing."""
-    from events.errors import created_anew_since, life_started_in, precondition
+    from events.errors import created_anew_since, precondition
 
     assert life_started_in(created_anew_since("a-1", 3, 912)) == 912
     assert life_started_in(created_anew_since("a-1", 3, 914, "update-template", "nothing changed")) == 914

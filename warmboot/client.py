@@ -116,6 +116,7 @@ log = logging.getLogger("warmboot.client")
 
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_ATTEMPTS = 6
+DISCOVERY_WAIT_S = 0.5  # how long `_serves` waits for a service to answer `$SRV.INFO`
 FIRST_BACKOFF_S = 0.05
 MAX_BACKOFF_S = 2.0
 
@@ -443,27 +444,61 @@ class Client:
     async def _placement_of(self, actor_id: str, given: int | None) -> int | None:
         """The placement a pause or suspend names: `given`, else this client's last resume of the
         actor, else the one the snapshotter says is the actor's when the call starts (`status`; in a
-        life not placed yet, its creation, which no placement matches: each comes after it).
-
-        No snapshotter answering `status` at all (every attempt reached no service: one of an
-        earlier version, which also ignores `placement_seq`, or none running, when the pause itself
-        reaches none either) sends none, as before the question was asked, and says so
-        (`on_unfenced`, else a logged warning). Any other failure of the question is raised: the
-        pause is not sent."""
+        life not placed yet, its creation, which no placement matches: each comes after it); none
+        when the snapshotter is of an earlier version (`status_if_served`)."""
         if given is not None or not self.fence_snapshots:
             return given
         known = self._placed.get(actor_id)
         if known is not None:
             return known
+        now = await self.status_if_served(actor_id)
+        if now is None:
+            return None
+        return now.placement_seq if now.placement_seq is not None else now.life_seq
+
+    async def status_if_served(self, actor_id: str) -> ActorStatus | None:
+        """`status`, or None when the deployment's snapshotter is of an earlier version, which has no
+        such endpoint (and ignores the fences a status would give): every attempt reached no service,
+        and the snapshotter that answers discovery (`$SRV.INFO`) lists none. `on_unfenced` is told
+        (else a warning logged): what the caller sends goes without a fence, as before the question
+        was asked. Any other failure is raised, nothing sent: no snapshotter running (its request would
+        reach none either), or one restarting (the question reached none while one now serves it)."""
         try:
-            now = await self.status(actor_id)
+            return await self.status(actor_id)
         except NobodyAnswered as error:
+            if await self._serves("snapshotter", "status") is not False:
+                raise
             if self.on_unfenced is not None:
                 self.on_unfenced(actor_id, error)
             else:
-                log.warning("%s: sent without placement_seq (%s)", actor_id, error.message)
+                log.warning("%s: sent without a fence (%s; the snapshotter lists no status endpoint)", actor_id,
+                            error.message)
             return None
-        return now.placement_seq if now.placement_seq is not None else now.life_seq
+
+    async def _serves(self, service: str, verb: str) -> bool | None:
+        """Whether `warmboot-<service>` of this deployment (its `prefix` metadata) serves `verb`, as the
+        first instance of it to answer `$SRV.INFO` within DISCOVERY_WAIT_S says (None: none answered;
+        instances of other deployments on the same server are passed over)."""
+        inbox = self.nc.new_inbox()
+        answers = await self.nc.subscribe(inbox)
+        loop = asyncio.get_running_loop()
+        until = loop.time() + DISCOVERY_WAIT_S
+        try:
+            await self.nc.publish(f"$SRV.INFO.warmboot-{service}", b"", reply=inbox)
+            while (left := until - loop.time()) > 0:
+                try:
+                    msg = await answers.next_msg(timeout=left)
+                except nats.errors.TimeoutError:
+                    break
+                try:
+                    info = msgspec.json.decode(msg.data)
+                except msgspec.DecodeError:
+                    continue
+                if isinstance(info, dict) and (info.get("metadata") or {}).get("prefix") == self.prefix:
+                    return any(isinstance(e, dict) and e.get("name") == verb for e in info.get("endpoints") or ())
+            return None
+        finally:
+            await answers.unsubscribe()
 
     async def status(self, actor_id: str) -> ActorStatus:
         """The actor as the stream leader's log has it (writes nothing): its state, the creation of
@@ -476,7 +511,8 @@ class Client:
     # the caller's, else this client's last create or resume of the actor, with `fence_lives`): a copy
     # held somewhere, its caller gone, and decided once the actor was stopped and created again is
     # refused, FAILED_PRECONDITION field `life_seq`, instead of stopping, tagging, reverting or
-    # changing the template of a life nobody asked it of (`_in_life`)
+    # changing the template of a life nobody asked it of (`_in_life`; sent again into a life another
+    # caller made meanwhile, as a resume is, but not into one this client made itself since)
 
     async def tag(self, actor_id: str, tag: str, request_id: str | None = None,
                   life_seq: int | None = None) -> SnapshotReply:
@@ -491,8 +527,9 @@ class Client:
     async def stop(self, actor_id: str, request_id: str | None = None, life_seq: int | None = None) -> SeqReply:
         body = StopActor(request_id=request_id or new_request_id(), life_seq=life_seq)
         stopped = await self._in_life("snapshotter", "stop", actor_id, body, SeqReply, self.fence_lives)
-        self._placed.pop(actor_id, None)  # the life is over: its placements with it
-        self._lives.pop(actor_id, None)
+        for seqs in (self._placed, self._lives):  # the life is over: its placements with it (not a later life's
+            if seqs.get(actor_id, 0) <= stopped.seq:  # this client created meanwhile: a stop answered late)
+                seqs.pop(actor_id, None)
         return stopped
 
     async def revert(self, actor_id: str, reason: str | None = None, request_id: str | None = None,
@@ -501,14 +538,18 @@ class Client:
         return await self._in_life("snapshotter", "revert", actor_id, body, RevertReply, self.fence_lives)
 
     async def _in_life(self, service: str, verb: str, actor_id: str, body: Any, reply_type: type[T],
-                       fenced: bool) -> T:
+                       fenced: bool, into_own: bool = False) -> T:
         """`body`, a request naming the actor's life (`life_seq`: the caller's; else, with `fenced`,
         the seq of this client's last create or resume of the actor, if it made one), sent. A refusal
         for the life this client remembered that reaches this call is no late copy (the caller of one
-        has gone): this client had not seen another caller stop and create the actor. So it names the
-        life the refusal says began (`events.errors.life_started_in`; as the `min_seq` of a request
-        that has one) and sends the request again, once, with the same request id: carried out as
-        before the fence, and a copy of it held past a further creation is refused in its turn. A
+        has gone): unless this client had seen the life it names begin, another caller stopped and
+        created the actor meanwhile. So it names the life the refusal says began (`events.errors.
+        life_started_in`; as the `min_seq` of a request that has one) and sends the request again,
+        once, with the same request id: carried out as before the fence, and a copy of it held past a
+        further creation is refused in its turn. If this client had seen that life begin (it created
+        it, in another task), the request was meant for the life that ended: raised (a stop, tag,
+        revert or update-template does not end or change the life this client made since; a review's
+        finding), or, with `into_own` (a resume), sent again into this client's latest life. A
         `life_seq` the caller gave is not sent again: its refusal is raised."""
         remembered = body.life_seq is None and fenced
         if remembered:
@@ -521,7 +562,10 @@ class Client:
                 if remembered and refused.field == "life_seq":  # said by another version: not known where
                     self._lives.pop(actor_id, None)
                 raise
+            seen = self._lives.get(actor_id, 0) >= started  # this client knew that life already
             remember(self._lives, actor_id, started)  # (a later one, if this client created the actor since)
+            if seen and not into_own:
+                raise
             again = msgspec.structs.replace(body, life_seq=self._lives[actor_id])
             if "min_seq" in body.__struct_fields__:
                 again = msgspec.structs.replace(again, min_seq=max(body.min_seq or 0, started))
@@ -548,7 +592,8 @@ class Client:
         is refused in its turn. A `life_seq` the caller gives is not sent again: its refusal is raised."""
         body = ResumeActor(selectors=selectors, min_seq=self._min_seq(min_seq),
                            request_id=request_id or new_request_id(), life_seq=life_seq)
-        placed = await self._in_life("scheduler", "resume", actor_id, body, Assignment, self.fence_resumes)
+        placed = await self._in_life("scheduler", "resume", actor_id, body, Assignment, self.fence_resumes,
+                                     into_own=True)
         remember(self._placed, actor_id, placed.seq)
         remember(self._lives, actor_id, placed.seq)
         return placed

@@ -87,38 +87,50 @@ life_seq_option = click.option(
          "snapshotter says the actor is in when the command starts (none, with a note, if it does not say).")
 
 
-async def life_now(wb: Client, actor_id: str, given: int | None) -> int | None:
+async def life_now(wb: Client, actor_id: str, given: int | None, *, resume: bool = False) -> int | None:
     """What a resume, stop, tag, revert or update-template from the CLI names as the actor's life
     (`life_seq`) when the command gives none: the creation of the life the snapshotter says the actor
     is in (`Client.status`). A copy of the command held in a NATS server's buffers, its caller gone,
     and decided once the actor was stopped and created anew, is then refused, FAILED_PRECONDITION
     field `life_seq`, instead of acting on a life nobody asked it of (placing it, stopping it, ...).
-    When the snapshotter does not say (UNAVAILABLE: down, of an earlier version, or
-    its history of the actor holds an event it cannot read), the resume is sent without one, and a
-    line on stderr says so: a late copy of it can act on a life nobody asked it of (a resume's places
-    it on a worker its image loads on), which is no reason to refuse what the services can do. Any other
-    refusal (NOT_FOUND, as the scheduler would say; credentials that may not ask) fails the command."""
+
+    The snapshotter's own verbs go without one only where the client's pause does
+    (`Client.status_if_served`: a snapshotter of an earlier version, which ignores it anyway), and a
+    line on stderr says so; any other failure of the question fails the command, nothing sent (the
+    request would go to the snapshotter that did not answer). A resume, which the scheduler carries
+    out, goes without one whenever the snapshotter does not say (UNAVAILABLE: down, of an earlier
+    version, its history of the actor holding an event it cannot read), and says so: a late copy of it
+    places a life nobody asked for on a worker its image loads on, which is no reason to refuse a
+    resume the scheduler can place. Any other refusal (NOT_FOUND, as the scheduler would say;
+    credentials that may not ask) fails the command."""
     if given is not None:
         return given
+    if not resume:
+        wb.on_unfenced = unfenced_note("life", "--life-seq", "created")
+        now = await wb.status_if_served(actor_id)
+        return None if now is None else now.life_seq
     try:
         return (await wb.status(actor_id)).life_seq
     except ContractError as e:
         if e.code is not ErrorCode.UNAVAILABLE:  # NOT_FOUND, as the scheduler would say; refused credentials
             raise
-        click.echo(f"note: {UNFENCED_LIFE}: the snapshotter did not say which life the actor is in "
-                   f"({e.code.value}: {e.message})", err=True)
+        click.echo(f"note: {unfenced_text('life', '--life-seq', 'created')}: the snapshotter did not say which "
+                   f"life the actor is in ({e.code.value}: {e.message})", err=True)
         return None
 
 
-UNFENCED_LIFE = ("not fenced to the actor's life (give --life-seq: a copy of this request decided after the actor "
-                 "is created anew is then refused, not carried out)")
+def unfenced_text(what: str, option: str, anew: str) -> str:
+    return (f"not fenced to the actor's {what} (give {option}: a copy of this request decided after the actor is "
+            f"{anew} anew is then refused, not carried out)")
 
 
-def note_unfenced(actor_id: str, error: ContractError) -> None:
-    """What a pause or suspend says when no snapshotter answered where the actor is (one of an
-    earlier version, which ignores a placement anyway, or none: `Client._placement_of`)."""
-    click.echo(f"note: not fenced to the actor's placement (give --placement-seq: a copy of this request decided "
-               f"after the actor is placed anew is then refused, not recorded): {error.message}", err=True)
+def unfenced_note(what: str, option: str, anew: str) -> Callable[[str, ContractError], None]:
+    """What a command says when its client sends it without the fence it would name (`Client(on_unfenced=)`):
+    the snapshotter is of an earlier version, with no `status` (which ignores the fence anyway)."""
+    def note(actor_id: str, error: ContractError) -> None:
+        click.echo(f"note: {unfenced_text(what, option, anew)}: the snapshotter lists no status endpoint (an "
+                   "earlier version)", err=True)
+    return note
 
 
 request_id_option = click.option("--request-id", default=None,
@@ -131,7 +143,7 @@ def run(nats_url: str, prefix: str, labelled: bool, call: Callable[[Client], Any
     """One request through the client; with `labelled`, also the fleet's runtimes (for labels)."""
 
     async def work(nc: Any) -> tuple[Any, Runtimes | None]:
-        reply = await call(Client(nc, prefix, on_unfenced=note_unfenced))
+        reply = await call(Client(nc, prefix, on_unfenced=unfenced_note("placement", "--placement-seq", "placed")))
         return reply, (await runtime_labels(nc, prefix) if labelled else None)
 
     return ask(nats_url, work)
@@ -382,7 +394,7 @@ def resume_cmd(actor_id: str, selectors: tuple[str, ...], life_seq: int | None, 
     sel = selectors_of(selectors) or None
 
     async def call(wb: Client) -> Any:
-        return await wb.resume(actor_id, sel, request_id, min_seq, await life_now(wb, actor_id, life_seq))
+        return await wb.resume(actor_id, sel, request_id, min_seq, await life_now(wb, actor_id, life_seq, resume=True))
 
     reply, runtimes = run(nats_url, prefix, not as_json, call)
     if as_json:
