@@ -344,41 +344,34 @@ class SuspendActor(Base, kw_only=True):
     placement_seq: StreamSeq | None = None
 
 
-class TagSnapshot(Base, kw_only=True):
+class InLife(Base, kw_only=True):
+    """A request of the snapshotter's that acts on the actor's current life (stop, tag, revert,
+    update-template). Project addition: `life_seq`, a stream sequence of the actor's life the request
+    is for (what its create answered, or `snapshotter.status`'s `life_seq`): refused
+    (FAILED_PRECONDITION, field `life_seq`) if the actor was created anew after it."""
+
+    life_seq: StreamSeq | None = None
+
+
+class TagSnapshot(InLife, kw_only=True):
     tag: Id
     request_id: RequestId | None = None
-    # project addition: a stream sequence of the actor's life this request is for (what its create
-    # answered, or `snapshotter.status`'s `life_seq`): refused (FAILED_PRECONDITION) if the actor was
-    # created anew after it
-    life_seq: StreamSeq | None = None
 
 
-class UpdateTemplate(Base, kw_only=True):
+class UpdateTemplate(InLife, kw_only=True):
     template_uid: Id
     request_id: RequestId | None = None
-    # project addition: a stream sequence of the actor's life this request is for (what its create
-    # answered, or `snapshotter.status`'s `life_seq`): refused (FAILED_PRECONDITION) if the actor was
-    # created anew after it
-    life_seq: StreamSeq | None = None
 
 
-class StopActor(Base, kw_only=True):
+class StopActor(InLife, kw_only=True):
     request_id: RequestId | None = None
-    # project addition: a stream sequence of the actor's life this request is for (what its create
-    # answered, or `snapshotter.status`'s `life_seq`): refused (FAILED_PRECONDITION) if the actor was
-    # created anew after it
-    life_seq: StreamSeq | None = None
 
 
-class RevertActor(Base, kw_only=True):
+class RevertActor(InLife, kw_only=True):
     """v1.1: give up the actor's LOCAL image and go back to its latest EXTERNAL snapshot (or none)."""
 
     reason: Reason | None = None
     request_id: RequestId | None = None
-    # project addition: a stream sequence of the actor's life this request is for (what its create
-    # answered, or `snapshotter.status`'s `life_seq`): refused (FAILED_PRECONDITION) if the actor was
-    # created anew after it
-    life_seq: StreamSeq | None = None
 
 
 class SnapshotReply(Base, kw_only=True):

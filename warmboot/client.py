@@ -19,9 +19,9 @@ What it does so that callers need not:
   the caller gives none, so a retry is the same request.
 - Fencing: `pause` and `suspend` name the placement their image was taken under
   (`placement_seq`): the caller's, else the `seq` of this client's last `resume` of the
-  actor, else the placement the snapshotter says the actor has (`status`, one more request; when
-  no snapshotter answers that, none, and `on_unfenced` is told; with `fence_snapshots=False`, only
-  the caller's). A copy decided after the actor was placed
+  actor, else the placement the snapshotter says the actor has (`status`, one more request; none
+  from a snapshotter of an earlier version, which has no `status`, and `on_unfenced` is told; with
+  `fence_snapshots=False`, only the caller's). A copy decided after the actor was placed
   anew is refused, not recorded with the new placement's pin. `resume` names the actor's life
   (`life_seq`): the caller's, else the `seq` of this client's last create or resume of the actor
   (with `fence_resumes=False`, only the caller's). A copy decided after the actor was created
@@ -200,8 +200,8 @@ class Client:
         # `resume` of the actor answered (`_placed`): the one whose worker this client told to run it,
         # and so to take its image (`placement_seq`'s docstring)
         self.fence_snapshots = fence_snapshots
-        # told (the actor's id, the error) when no snapshotter answered where an actor is and a pause or
-        # suspend goes without a placement (`_placement_of`); by default a warning is logged
+        # told (the actor's id, the error) when a request goes without the fence `status` would give it,
+        # the snapshotter being of an earlier version (`status_if_served`); by default a warning is logged
         self.on_unfenced = on_unfenced
         self._placed: dict[str, int] = {}  # actor id -> seq of that Assignment, the last PLACEMENTS_KEPT actors
         # `resume` without a `life_seq` names the life this client last saw the actor in (`_lives`): the
@@ -425,8 +425,8 @@ class Client:
         before which such a pause was sent unfenced): that fences the actor as this call finds it, not
         as it was when its worker took the image, so a caller that pauses actors another process
         resumed gives the seq of the placement it had take the image. With `fence_snapshots=False`,
-        only the caller's. No snapshotter answering the question at all: sent without one, and
-        `on_unfenced` is told (`_placement_of`)."""
+        only the caller's. A snapshotter of an earlier version (no `status`): sent without one, and
+        `on_unfenced` is told (`status_if_served`)."""
         body = PauseActor(snapshot_id=snapshot_id, request_id=request_id or new_request_id(),
                           placement_seq=await self._placement_of(actor_id, placement_seq))
         return await self.request("snapshotter", "pause", actor_id, body, SnapshotReply)

@@ -84,7 +84,8 @@ life_seq_option = click.option(
     "--life-seq", type=IntRange(min=1), default=None, metavar="SEQ",
     help="A seq of the actor's life this request is for (what `actor create` or `actor resume` printed): "
          "refused, and nothing done, if the actor has been created anew since. Default: the life the "
-         "snapshotter says the actor is in when the command starts (none, with a note, if it does not say).")
+         "snapshotter says the actor is in when the command starts (none, with a note, if the snapshotter is of "
+         "an earlier version, or, for a resume, does not say).")
 
 
 async def life_now(wb: Client, actor_id: str, given: int | None, *, resume: bool = False) -> int | None:

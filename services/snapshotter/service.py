@@ -778,7 +778,7 @@ class SnapshotterService:
     async def status(self, actor_id: str, _: ActorStatusQuery) -> ActorStatus:
         """The actor as the stream leader's log has it (`Actor.status`), writing nothing: what a caller
         names in a later request so that a copy of it decided after the actor moved is refused (the
-        CLI's pause, suspend and resume ask it first). A read behind the leader (a lagging replica of
+        CLI asks it before a pause, suspend, resume, stop, tag, revert or update-template). A read behind the leader (a lagging replica of
         the stream) is read again: a placement a moment old is in the answer."""
         return await run_command_async(partial(self.read_status, actor_id))
 
