@@ -21,7 +21,7 @@ import msgspec
 import nats
 
 from events.compat import stamp_key
-from events.errors import ContractError
+from events.errors import ContractError, unavailable
 from events.schema import (
     ActorCreated,
     ActorPlaced,
@@ -514,9 +514,19 @@ async def test_a_client_that_did_not_resume_the_actor_fences_with_the_placement_
     assert len(heard["status"]) == 1
     assert msgspec.json.decode(heard["pause"][-1].data, type=PauseActor).placement_seq == second.seq
     third = await resumer.resume("a-1")
-    late = Client(nc, prefix)  # its suspend is held while the actor lives anew elsewhere (a copy sent late)
-    body = msgspec.json.encode(SuspendActor(uri="s3://life-1-image", fidelity=Fidelity.MEMORY,
-                                            placement_seq=await late._placement_of("a-1", None)))
+    late, held = Client(nc, prefix), []  # its suspend is held while the actor lives anew elsewhere (sent late)
+    request = late.request
+
+    async def never_answered(service, verb, actor_id, body, reply_type):
+        if verb != "suspend":
+            return await request(service, verb, actor_id, body, reply_type)
+        held.append(msgspec.json.encode(body))  # kept in a stopped NATS server's buffers; its caller gives up
+        raise unavailable("no reply within 5s")
+
+    late.request = never_answered
+    with pytest.raises(ContractError):
+        await late.suspend("a-1", uri="s3://life-1-image")
+    (body,) = held
     assert msgspec.json.decode(body, type=SuspendActor).placement_seq in (third.seq - 1, third.seq)
     await resumer.stop("a-1")
     await resumer.remove("w-1")
