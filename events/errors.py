@@ -117,7 +117,7 @@ def created_anew_since(actor_id: str, life_seq: int, started: int, verb: str = "
     `started` back."""
     return precondition(
         f"actor {actor_id!r} was created anew at sequence {started}, after the life this {verb} names (life_seq "
-        f"{life_seq}): {outcome} (a copy of a {verb} of its earlier life delivered late is not applied to this "
+        f"{life_seq}): {outcome} (a copy of a request of its earlier life delivered late is not applied to this "
         f"one); send it again with life_seq {started}, or none, if this life is meant", "life_seq")
 
 

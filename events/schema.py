@@ -395,8 +395,8 @@ class ActorStatus(Base, kw_only=True):
     caller's names so that a copy of it decided after the actor moved is refused, not carried out."""
 
     state: ActorState
-    # the ActorCreated that began its current life (its last, for a STOPPED actor): what a resume
-    # names as `life_seq`
+    # the ActorCreated that began its current life (its last, for a STOPPED actor): what a resume,
+    # stop, tag, revert or update-template names as `life_seq`
     life_seq: StreamSeq
     # the current life's last ActorPlaced (RUNNING; PAUSED: the placement its pause ended), what a
     # pause or suspend names as `placement_seq`; null if the life has not been placed

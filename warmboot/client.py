@@ -29,7 +29,9 @@ What it does so that callers need not:
   when its client had not seen another caller's creation, the client sends the resume again,
   once, naming the life the refusal says began. `stop`, `tag`, `revert` and `update_template`
   name the life the same way (with `fence_lives=False`, only the caller's): a copy decided
-  after the actor was created anew is refused, not carried out on a life nobody asked it of.
+  after the actor was created anew is refused, not carried out on a life nobody asked it of;
+  a refusal reaching a caller still waiting is sent again once, as for a resume, unless this
+  client had seen the new life begin: then it is raised.
 - Retries: UNAVAILABLE, a time-out and "no responders" are retried with the same body
   (the same `request_id`), at most `attempts` times, with a growing, jittered pause (a request
   no service answered any time is UNAVAILABLE "no service answers SUBJECT after N attempts in
@@ -502,9 +504,10 @@ class Client:
 
     async def status(self, actor_id: str) -> ActorStatus:
         """The actor as the stream leader's log has it (writes nothing): its state, the creation of
-        its current life (`life_seq`, what a resume names) and its placement (`placement_seq`, what a
-        pause or suspend names; null if the life has not been placed). A project addition
-        (`snapshotter.status`, docs/contract.md); a snapshotter of an earlier version does not answer."""
+        its current life (`life_seq`, what a resume, stop, tag, revert or update-template names) and
+        its placement (`placement_seq`, what a pause or suspend names; null if the life has not been
+        placed). A project addition (`snapshotter.status`, docs/contract.md); a snapshotter of an
+        earlier version does not answer."""
         return await self.request("snapshotter", "status", actor_id, ActorStatusQuery(), ActorStatus)
 
     # `tag`, `update_template`, `stop` and `revert` name the actor's life as `resume` does (`life_seq`:
@@ -547,10 +550,11 @@ class Client:
         life_started_in`; as the `min_seq` of a request that has one) and sends the request again,
         once, with the same request id: carried out as before the fence, and a copy of it held past a
         further creation is refused in its turn. If this client had seen that life begin (it created
-        it, in another task), the request was meant for the life that ended: raised (a stop, tag,
-        revert or update-template does not end or change the life this client made since; a review's
-        finding), or, with `into_own` (a resume), sent again into this client's latest life. A
-        `life_seq` the caller gave is not sent again: its refusal is raised."""
+        or resumed it, or an earlier refusal named it, in another call), the request was meant for
+        the life that ended: raised (a stop, tag, revert or update-template does not end or change
+        the life this client made since; a review's finding), or, with `into_own` (a resume), sent
+        again into this client's latest life. A `life_seq` the caller gave is not sent again: its
+        refusal is raised."""
         remembered = body.life_seq is None and fenced
         if remembered:
             body = msgspec.structs.replace(body, life_seq=self._lives.get(actor_id))

@@ -1,6 +1,7 @@
 """Lifecycle and worker commands: `warmboot actor ...` and `warmboot worker ...`.
 
-Each mutating command is one call of `warmboot.client.Client` (request id generated
+Each mutating command is one call of `warmboot.client.Client`, after, for the verbs that name
+the actor's placement or life, one `snapshotter.status` question (below) (request id generated
 unless `--request-id` is given, so running the same command again with the same id
 is the same request; UNAVAILABLE and time-outs retried), printed as one line for
 people or, with `--json` (or `-o json`), as the reply's JSON. A contract error is printed as
@@ -77,7 +78,8 @@ placement_seq_option = click.option(
     "--placement-seq", type=IntRange(min=1), default=None, metavar="SEQ",
     help="The seq `actor resume` printed for the placement the image was taken under: refused, and nothing "
          "recorded, if the actor has been placed anew since (its worker removed meanwhile, say). Default: "
-         "the placement the snapshotter says the actor has when the command starts.")
+         "the placement the snapshotter says the actor has when the command starts (none, with a note, if the "
+         "snapshotter is of an earlier version).")
 
 
 life_seq_option = click.option(

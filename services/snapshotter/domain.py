@@ -322,9 +322,9 @@ class Actor(WireAggregate):
 
     def status(self) -> ActorStatus:
         """The actor as its history has it, with the sequences a later request names: its life's
-        creation (a resume's `life_seq`) and the placement `require_placement` holds a pause or
-        suspend to (its `placement_seq`; none if this life has not been placed). NOT_FOUND if it was
-        never created."""
+        creation (the `life_seq` of a resume, stop, tag, revert or update-template) and the placement
+        `require_placement` holds a pause or suspend to (its `placement_seq`; none if this life has not
+        been placed). NOT_FOUND if it was never created."""
         if self.state is None:
             raise no_actor(self.entity_id)
         placed = self.assignment_version if self.assignment_version >= self.life_start else 0

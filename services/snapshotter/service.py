@@ -4,7 +4,8 @@ Decisions are in `services.snapshotter.domain`; this module loads aggregates fro
 the event store, asks them to decide, saves what they recorded and answers.
 
 - Endpoints (CONTRACT section 3): `<prefix>.snapshotter.<verb>.<actor_id>` for
-  create, pause, suspend, tag, update-template and stop, in the queue group
+  create, pause, suspend, tag, update-template, stop, revert and (a project addition, writing
+  nothing) status, in the queue group
   `warmboot-snapshotter`, so any number of replicas serve them. Each command runs
   load-decide-save on the service's event loop (its reads and its append awaited there,
   on the store's connection, which runs on that loop too) and decides again on fresh
@@ -778,7 +779,9 @@ class SnapshotterService:
     async def status(self, actor_id: str, _: ActorStatusQuery) -> ActorStatus:
         """The actor as the stream leader's log has it (`Actor.status`), writing nothing: what a caller
         names in a later request so that a copy of it decided after the actor moved is refused (the
-        CLI asks it before a pause, suspend, resume, stop, tag, revert or update-template). A read behind the leader (a lagging replica of
+        CLI asks it before a pause, suspend, resume, stop, tag, revert or update-template, unless given
+        `--placement-seq` or `--life-seq`; `warmboot.client.Client` before a pause or suspend of an actor
+        it did not resume). A read behind the leader (a lagging replica of
         the stream) is read again: a placement a moment old is in the answer."""
         return await run_command_async(partial(self.read_status, actor_id))
 
