@@ -40,6 +40,11 @@ def service_subject(prefix: str, service: str, verb: str, entity_id: str | None 
     return f"{base}.{entity_id}" if entity_id is not None else base
 
 
+def micro_name(service: str) -> str:
+    """The name a service's replicas serve under (`nats.micro`, `$SRV.<verb>.<name>`) and its queue group."""
+    return f"warmboot-{service}"
+
+
 def bucket_name(prefix: str, purpose: str) -> str:
     """Key-value / object store names, e.g. `WARMBOOT_HEARTBEATS`."""
     return f"{prefix.upper().replace('-', '_')}_{purpose.upper()}"

@@ -51,7 +51,7 @@ from events.natspy.frames import DirectDelivery, deliver_core, guard_reads
 from events.natspy.headers import header_block
 from events.natspy.publish import flush_in_order, publish
 from events.schema import ID_RE, Base, ErrorCode
-from events.subjects import service_subject, services_inbox
+from events.subjects import micro_name, service_subject, services_inbox
 from services import deadline
 
 log = logging.getLogger("warmboot.service")
@@ -537,7 +537,7 @@ async def add_endpoints(
     its request and reply schema (`request`, `reply`: names in `warmboot schema`).
     """
     guard_reads(nc, max_header_bytes=MAX_HEADER_BYTES)
-    name = f"warmboot-{service}"
+    name = micro_name(service)
     svc = MicroService(
         nc,
         ServiceConfig(

@@ -110,7 +110,7 @@ from events.schema import (
     WhatIf,
     WhatIfAnswer,
 )
-from events.subjects import DEFAULT_PREFIX, MAX_WAIT_MS, WAIT_HEADER, check_prefix, service_subject
+from events.subjects import DEFAULT_PREFIX, MAX_WAIT_MS, WAIT_HEADER, check_prefix, micro_name, service_subject
 from warmboot.connection import CONNECT_TIMEOUT_S, connect_within, hears_replies
 
 T = TypeVar("T")
@@ -478,7 +478,7 @@ class Client:
             return None
 
     async def _serves(self, service: str, verb: str) -> bool | None:
-        """Whether `warmboot-<service>` of this deployment (its `prefix` metadata) serves `verb`, as the
+        """Whether `micro_name(service)` of this deployment (its `prefix` metadata) serves `verb`, as the
         first instance of it to answer `$SRV.INFO` within DISCOVERY_WAIT_S says (None: none answered;
         instances of other deployments on the same server are passed over)."""
         inbox = self.nc.new_inbox()
@@ -486,7 +486,7 @@ class Client:
         loop = asyncio.get_running_loop()
         until = loop.time() + DISCOVERY_WAIT_S
         try:
-            await self.nc.publish(f"$SRV.INFO.warmboot-{service}", b"", reply=inbox)
+            await self.nc.publish(f"$SRV.INFO.{micro_name(service)}", b"", reply=inbox)
             while (left := until - loop.time()) > 0:
                 try:
                     msg = await answers.next_msg(timeout=left)

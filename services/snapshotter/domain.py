@@ -311,12 +311,11 @@ class Actor(WireAggregate):
         somewhere (a NATS server stopped with it in its buffers), its caller gone, and decided in the
         actor's next life would stop that life, tag its image, give it up or change its template.
         A resume's is the scheduler's check (`ResumeActor.life_seq`), a pause's and a suspend's the
-        placement's (`require_placement`), which is finer. Called on a live or stopped actor."""
+        placement's (`require_placement`), which is finer. Called on a live or stopped actor; where its
+        life began is what `status` says."""
         if life_seq is None:
             return
-        started = self.seq_at(self.life_start)
-        if not started:  # the event store names every event's position
-            raise unavailable(f"the event store did not say where the life of actor {self.entity_id!r} began")
+        started = self.status().life_seq
         if life_seq < started:
             raise created_anew_since(self.entity_id, life_seq, started, verb, outcome)
 
