@@ -327,21 +327,32 @@ class CreateActor(Base, kw_only=True):
     request_id: RequestId | None = None
 
 
-class PauseActor(Base, kw_only=True):
+class UnderPlacement(Base, kw_only=True):
+    """A request of the snapshotter's that records an image its actor's worker took (pause, suspend).
+    Project addition (docs/contract.md): the placement it was taken under, as the Assignment of the
+    resume that made it names it. `placement_seq`, that Assignment's `seq`: refused (FAILED_PRECONDITION,
+    field `placement_seq`) unless that placement is the actor's current one (for a PAUSED actor, the one
+    its pause ended). `placement_worker_id` and `placement_runtime`, its `worker_id` and `sandbox_runtime`
+    (given only with `placement_seq`): refused (field `placement_worker_id`, `placement_runtime`) unless
+    the placement at that sequence is on that worker under that pin (compared by stamp: class and
+    version): a log rolled back past a placement and written again holds another placement at its
+    sequence, whose pin and node are not the image's."""
+
+    placement_seq: StreamSeq | None = None
+    placement_worker_id: Id | None = None
+    placement_runtime: ActorRuntime | None = None
+
+
+class PauseActor(UnderPlacement, kw_only=True):
     snapshot_id: Id | None = None
     request_id: RequestId | None = None
-    # Project addition: the `seq` of the Assignment the image was taken under (what the resume
-    # answered); refused unless that placement is the actor's current one (docs/contract.md)
-    placement_seq: StreamSeq | None = None
 
 
-class SuspendActor(Base, kw_only=True):
+class SuspendActor(UnderPlacement, kw_only=True):
     snapshot_id: Id | None = None
     uri: Uri | None = None
     fidelity: Fidelity
     request_id: RequestId | None = None
-    # Project addition, as on PauseActor; for a PAUSED actor, the placement its pause ended
-    placement_seq: StreamSeq | None = None
 
 
 class InLife(Base, kw_only=True):

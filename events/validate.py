@@ -32,8 +32,10 @@ from events.schema import (
     CreateActor,
     Location,
     RegisterWorker,
+    PauseActor,
     Snapshot,
     SuspendActor,
+    UnderPlacement,
     WhatIf,
     WorkerRuntime,
     WorkerSandboxClass,
@@ -281,9 +283,21 @@ def check_uri(uri: str | None, path: str) -> None:
         raise invalid(f"{path} is {'empty' if not uri else 'blank'}: say where the image is", path)
 
 
+def check_under_placement(req: UnderPlacement) -> UnderPlacement:
+    """The placement's worker and pin name the placement at `placement_seq`: given only with it."""
+    if req.placement_seq is None:
+        for name in ("placement_worker_id", "placement_runtime"):
+            if getattr(req, name) is not None:
+                raise invalid(f"{name} names the placement at placement_seq, which is not given: give both, or "
+                              "neither", name)
+    if req.placement_runtime is not None:
+        check_version(req.placement_runtime.version, "placement_runtime.version")
+    return req
+
+
 def check_suspend(req: SuspendActor) -> SuspendActor:
     check_uri(req.uri, "uri")
-    return req
+    return check_under_placement(req)
 
 
 def check_whatif(req: WhatIf) -> WhatIf:
@@ -297,6 +311,7 @@ def check_whatif(req: WhatIf) -> WhatIf:
 CHECKS: dict[type, Callable[[Any], Any]] = {
     RegisterWorker: check_register,
     CreateActor: check_create,
+    PauseActor: check_under_placement,
     SuspendActor: check_suspend,
     WhatIf: check_whatif,
 }

@@ -22,6 +22,7 @@ from events.schema import (ErrorCode, Heartbeat, HeartbeatReply, PlacedFidelity,
                            RuntimeChanged, WorkerRegistered)
 from events.subjects import stream_name
 from services.scheduler.service import SchedulerService
+from services.snapshotter.service import SnapshotterService
 from tests.factories import SILENT_TTL_S, actor, golden, last_seq, read_messages, runtime, version, worker
 from tests.registry_helpers import PROBE, agent_config, wait_event
 from tests.test_agent import agent_running
@@ -177,6 +178,75 @@ async def test_a_retried_request_id_is_not_answered_from_a_lost_tail(tmp_path, p
             except ContractError as error:
                 got = error
         assert isinstance(got, ContractError) and got.code is ErrorCode.UNAVAILABLE, got
+
+
+async def snapshotter(exits: AsyncExitStack, server: NatsServer, prefix: str) -> SnapshotterService:
+    """A snapshotter replica of its own connection, started on the log as it is now."""
+    own_nc = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
+    exits.push_async_callback(own_nc.close)
+    service = await SnapshotterService(own_nc, nats_url=server.url, prefix=prefix).start()
+    exits.push_async_callback(service.stop)
+    return service
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("moved", ["another-worker", "another-pin"])
+async def test_a_pause_of_an_image_taken_under_a_lost_placement_is_refused_not_stamped_with_the_one_stored_there(
+        tmp_path, moved):
+    """The audit's experiment (docs/operations.md): a resume placed a on w1 under V2, acknowledged, then
+    lost with the tail; a replica started on the log as it is now places a again at the same sequences:
+    on w0 under V1, or on w1 under V1 (its change to V2 lost with the tail too, and written again as a
+    relabelling of V1 before its agent registers V2 again). The client that resumed a first then pauses
+    the image w1 took under V2. Named by its sequence alone, that image was recorded as V1's, on the
+    node of the placement stored there, where a resume would send it to a worker that cannot load it.
+    The client names its Assignment's worker and pin too: refused, FAILED_PRECONDITION on the field
+    that differs, nothing recorded; the placement the log holds is then paused by a client that names
+    it, stamped with its own pin. Each snapshotter serves the log it started on (one that read the lost
+    tail stops at its watch's next look, docs/operations.md)."""
+    async with serving(tmp_path, ("registry", "scheduler")) as (server, prefix, exits, running, nc, wb):
+        stale = running.services[-1]
+        async with AsyncExitStack() as before:
+            await snapshotter(before, server, prefix)
+            if moved == "another-worker":
+                await wb.register(worker("w0", runtime(V1), labels={"rack": "r0"}))
+                await wb.register(worker("w1", runtime(V2), labels={"rack": "r1"}))
+            else:
+                await wb.register(worker("w1", runtime(V1), labels={"rack": "r1"}))
+            await wb.create(actor("a"))
+            kept = await last_seq(nc, prefix)
+            if moved == "another-pin":  # acknowledged, then lost
+                changed = await wb.register(worker("w1", runtime(V2), labels={"rack": "r1"}))
+            first = await wb.resume("a", selectors={"rack": "r1"})  # acknowledged, then lost
+        assert (first.worker_id, first.sandbox_runtime.version) == ("w1", V2)
+        async with stale.fold.paused():  # (the stale replica places nothing meanwhile)
+            await crash_losing_the_tail(server, prefix, kept)
+            wb.seq = 0
+            if moved == "another-pin":
+                relabelled = await wb.register(worker("w1", runtime(V1), labels={"rack": "r1", "row": "2"}))
+                assert relabelled.seq == changed.seq
+            fresh = await fresh_replica(exits, server, prefix)
+            for _ in range(100):
+                try:
+                    other = await fresh.resume("a", ResumeActor(selectors={"rack": "r0" if moved == "another-worker"
+                                                                           else "r1"}))
+                    break
+                except ContractError as error:  # the store's connection being made again
+                    assert error.code is ErrorCode.UNAVAILABLE, error
+                    await asyncio.sleep(0.05)  # a client's back-off between retries, not synchronisation
+            assert other.seq == first.seq, (other, first)  # stored where the lost placement was
+            assert (other.worker_id, other.sandbox_runtime.version) == (
+                "w0" if moved == "another-worker" else "w1", V1), other
+            await snapshotter(exits, server, prefix)
+            before_pause = await last_seq(nc, prefix)
+            with pytest.raises(ContractError) as refused:
+                await wb.pause("a")  # the image w1 took under V2, named by the client's Assignment
+            field = "placement_worker_id" if moved == "another-worker" else "placement_runtime"
+            assert (refused.value.code, refused.value.field) == (ErrorCode.FAILED_PRECONDITION, field), refused.value
+            assert await last_seq(nc, prefix) == before_pause  # nothing recorded
+            paused = await Client(nc, prefix).pause("a", placement_seq=other.seq)  # the placement the log holds
+            assert paused.snapshot.sandbox_runtime.version == V1
+        sink = await replay(nc, prefix, Sink(verify=True), False)
+        assert sink.violation is None, str(sink.violation)
 
 
 @pytest.mark.timeout(120)

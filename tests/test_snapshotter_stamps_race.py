@@ -426,6 +426,16 @@ async def test_a_pause_or_suspend_naming_its_placement_is_refused_once_the_actor
             with pytest.raises(ContractError) as refused:
                 await send()
             assert (refused.value.code, refused.value.field) == (ErrorCode.INVALID_ARGUMENT, "placement_seq")
+    pin = msgspec.to_builtins(second.sandbox_runtime)
+    twice = dict(pin, version=dict(pin["version"], attributes=pin["version"]["attributes"] * 2))
+    for body, field in (({"placement_worker_id": "w-2"}, "placement_worker_id"),  # a placement's, with no seq
+                        ({"placement_runtime": pin}, "placement_runtime"),
+                        ({"placement_seq": second.seq, "placement_runtime": twice},
+                         f"placement_runtime.version.attributes[{len(pin['version']['attributes'])}].key")):
+        for verb, more in (("pause", {}), ("suspend", {"fidelity": "MEMORY", "uri": "s3://a-1"})):
+            with pytest.raises(ContractError) as refused:
+                await call(nc, f"{prefix}.snapshotter.{verb}.a-1", msgspec.json.encode(body | more), SnapshotReply)
+            assert (refused.value.code, refused.value.field) == (ErrorCode.INVALID_ARGUMENT, field), refused.value
     assert [seq for seq, _, _ in await read_entries(nc, prefix)][-1] == before  # nothing written
 
     paused = await wb.pause("a-1", placement_seq=second.seq)  # the Assignment's seq: its booking marker's
@@ -506,13 +516,16 @@ async def test_a_client_that_did_not_resume_the_actor_fences_with_the_placement_
     await nc.flush()
     sent = msgspec.json.decode(heard["pause"][-1].data, type=PauseActor)
     assert len(heard["status"]) == 1 and sent.placement_seq == placed
+    assert sent.placement_worker_id is None and sent.placement_runtime is None  # status says the seq alone
     assert (paused.snapshot.node, paused.snapshot.sandbox_runtime.version) == ("node-1", V1)
 
     second = await resumer.resume("a-1")  # resumer knows its placement: no question asked
     await resumer.pause("a-1")
     await nc.flush()
     assert len(heard["status"]) == 1
-    assert msgspec.json.decode(heard["pause"][-1].data, type=PauseActor).placement_seq == second.seq
+    sent = msgspec.json.decode(heard["pause"][-1].data, type=PauseActor)  # its Assignment's seq, worker and pin
+    assert (sent.placement_seq, sent.placement_worker_id, sent.placement_runtime) == (
+        second.seq, second.worker_id, second.sandbox_runtime)
     third = await resumer.resume("a-1")
     late, held = Client(nc, prefix), []  # its suspend is held while the actor lives anew elsewhere (sent late)
     request = late.request

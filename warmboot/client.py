@@ -19,7 +19,9 @@ What it does so that callers need not:
   the caller gives none, so a retry is the same request.
 - Fencing: `pause` and `suspend` name the placement their image was taken under
   (`placement_seq`): the caller's, else the `seq` of this client's last `resume` of the
-  actor, else the placement the snapshotter says the actor has (`status`, one more request; none
+  actor (with that Assignment's worker and pin, `placement_worker_id` and `placement_runtime`,
+  also when the caller gives that seq: a log rolled back past it may hold another placement
+  there since), else the placement the snapshotter says the actor has (`status`, one more request; none
   from a snapshotter of an earlier version, which has no `status`, and `on_unfenced` is told; with
   `fence_snapshots=False`, only the caller's). A copy decided after the actor was placed
   anew is refused, not recorded with the new placement's pin. `resume` names the actor's life
@@ -106,6 +108,7 @@ from events.schema import (
     StopActor,
     SuspendActor,
     TagSnapshot,
+    UnderPlacement,
     UpdateTemplate,
     WhatIf,
     WhatIfAnswer,
@@ -114,6 +117,7 @@ from events.subjects import DEFAULT_PREFIX, MAX_WAIT_MS, WAIT_HEADER, check_pref
 from warmboot.connection import CONNECT_TIMEOUT_S, connect_within, hears_replies
 
 T = TypeVar("T")
+K = TypeVar("K")
 log = logging.getLogger("warmboot.client")
 
 DEFAULT_TIMEOUT_S = 5.0
@@ -161,14 +165,23 @@ def _transient(service: str, error: ContractError) -> bool:
 PLACEMENTS_KEPT = 65_536  # actors whose last placement (and life) a client remembers, to fence its requests
 
 
-def remember(seqs: dict[str, int], actor_id: str, seq: int) -> None:
-    """`seqs[actor_id] = seq` unless it holds a later one (a reply that came late, after this client's
-    own stop and create of the actor, say: stream sequences only grow), the newest last, and the
-    oldest actor forgotten past PLACEMENTS_KEPT."""
-    seq = max(seq, seqs.pop(actor_id, 0))
-    seqs[actor_id] = seq
-    if len(seqs) > PLACEMENTS_KEPT:
-        del seqs[next(iter(seqs))]
+def remember(kept: dict[str, K], actor_id: str, value: K, seq: Callable[[K], int] = lambda seq: seq) -> None:
+    """`kept[actor_id] = value` unless it holds a later one by `seq` (a reply that came late, after this
+    client's own stop and create of the actor, say: stream sequences only grow), the newest last, and
+    the oldest actor forgotten past PLACEMENTS_KEPT."""
+    kept[actor_id] = max(value, kept.pop(actor_id, value), key=seq)
+    if len(kept) > PLACEMENTS_KEPT:
+        del kept[next(iter(kept))]
+
+
+def placed_under(placed: Assignment) -> UnderPlacement:
+    """What a pause or suspend of an image taken under the placement `placed` names: its seq, worker and pin."""
+    return UnderPlacement(placement_seq=placed.seq, placement_worker_id=placed.worker_id,
+                          placement_runtime=placed.sandbox_runtime)
+
+
+def under_seq(under: UnderPlacement) -> int:
+    return under.placement_seq or 0
 
 
 class Client:
@@ -205,7 +218,8 @@ class Client:
         # told (the actor's id, the error) when a request goes without the fence `status` would give it,
         # the snapshotter being of an earlier version (`status_if_served`); by default a warning is logged
         self.on_unfenced = on_unfenced
-        self._placed: dict[str, int] = {}  # actor id -> seq of that Assignment, the last PLACEMENTS_KEPT actors
+        # actor id -> that Assignment's seq, worker and pin (`placed_under`), the last PLACEMENTS_KEPT actors
+        self._placed: dict[str, UnderPlacement] = {}
         # `resume` without a `life_seq` names the life this client last saw the actor in (`_lives`): the
         # `seq` of its last create or resume of it (`life_seq`'s docstring)
         self.fence_resumes = fence_resumes
@@ -418,7 +432,9 @@ class Client:
         """`placement_seq`: the `seq` of the Assignment the image was taken under (what `resume`
         answered); FAILED_PRECONDITION if the actor has been placed anew since. Left out, it is the
         seq of this client's last `resume` of the actor, if it made one (`fence_snapshots`; the
-        image comes from the worker that Assignment named): a copy of this request held somewhere
+        image comes from the worker that Assignment named), with that Assignment's worker and pin
+        (also when `placement_seq` is its seq): refused too if the placement stored at that sequence is
+        another's (a log rolled back past it and written again). A copy of this request held somewhere
         (a NATS server stopped with it in its buffers: a failover test) and decided once the actor
         was stopped, created and placed again, is then refused instead of recording this image in
         the next life, stamped with that life's pin, where a resume would send it to a worker that
@@ -427,10 +443,11 @@ class Client:
         before which such a pause was sent unfenced): that fences the actor as this call finds it, not
         as it was when its worker took the image, so a caller that pauses actors another process
         resumed gives the seq of the placement it had take the image. With `fence_snapshots=False`,
-        only the caller's. A snapshotter of an earlier version (no `status`): sent without one, and
+        only the caller's (with the worker and pin, if it is this client's last resume's). A snapshotter of an earlier version (no `status`): sent without one, and
         `on_unfenced` is told (`status_if_served`)."""
+        under = await self._placement_of(actor_id, placement_seq)
         body = PauseActor(snapshot_id=snapshot_id, request_id=request_id or new_request_id(),
-                          placement_seq=await self._placement_of(actor_id, placement_seq))
+                          **msgspec.structs.asdict(under))
         return await self.request("snapshotter", "pause", actor_id, body, SnapshotReply)
 
     async def suspend(
@@ -439,24 +456,27 @@ class Client:
     ) -> SnapshotReply:
         """`placement_seq` as for `pause`: this client's last resume of the actor if left out (for a
         PAUSED actor: the placement its pause ended), else the actor's placement as `status` says."""
-        body = SuspendActor(snapshot_id=snapshot_id, uri=uri, fidelity=fidelity, request_id=request_id or
-                            new_request_id(), placement_seq=await self._placement_of(actor_id, placement_seq))
+        under = await self._placement_of(actor_id, placement_seq)
+        body = SuspendActor(snapshot_id=snapshot_id, uri=uri, fidelity=fidelity,
+                            request_id=request_id or new_request_id(), **msgspec.structs.asdict(under))
         return await self.request("snapshotter", "suspend", actor_id, body, SnapshotReply)
 
-    async def _placement_of(self, actor_id: str, given: int | None) -> int | None:
+    async def _placement_of(self, actor_id: str, given: int | None) -> UnderPlacement:
         """The placement a pause or suspend names: `given`, else this client's last resume of the
-        actor, else the one the snapshotter says is the actor's when the call starts (`status`; in a
-        life not placed yet, its creation, which no placement matches: each comes after it); none
-        when the snapshotter is of an earlier version (`status_if_served`)."""
-        if given is not None or not self.fence_snapshots:
-            return given
+        actor (its seq, worker and pin: `placed_under`), else the one the snapshotter says is the
+        actor's when the call starts (`status`; in a life not placed yet, its creation, which no
+        placement matches: each comes after it); none when the snapshotter is of an earlier version
+        (`status_if_served`). A `given` seq of this client's last resume names that resume's worker and
+        pin too."""
         known = self._placed.get(actor_id)
+        if given is not None or not self.fence_snapshots:
+            return known if known is not None and known.placement_seq == given else UnderPlacement(placement_seq=given)
         if known is not None:
             return known
         now = await self.status_if_served(actor_id)
         if now is None:
-            return None
-        return now.placement_seq if now.placement_seq is not None else now.life_seq
+            return UnderPlacement()
+        return UnderPlacement(placement_seq=now.placement_seq if now.placement_seq is not None else now.life_seq)
 
     async def status_if_served(self, actor_id: str) -> ActorStatus | None:
         """`status`, or None when the deployment's snapshotter is of an earlier version, which has no
@@ -530,9 +550,13 @@ class Client:
     async def stop(self, actor_id: str, request_id: str | None = None, life_seq: int | None = None) -> SeqReply:
         body = StopActor(request_id=request_id or new_request_id(), life_seq=life_seq)
         stopped = await self._in_life("snapshotter", "stop", actor_id, body, SeqReply, self.fence_lives)
-        for seqs in (self._placed, self._lives):  # the life is over: its placements with it (not a later life's
-            if seqs.get(actor_id, 0) <= stopped.seq:  # this client created meanwhile: a stop answered late)
-                seqs.pop(actor_id, None)
+        # the life is over: its placements with it (not a later life's this client created meanwhile: a stop
+        # answered late)
+        if self._lives.get(actor_id, 0) <= stopped.seq:
+            self._lives.pop(actor_id, None)
+        placed = self._placed.get(actor_id)
+        if placed is not None and under_seq(placed) <= stopped.seq:
+            self._placed.pop(actor_id, None)
         return stopped
 
     async def revert(self, actor_id: str, reason: str | None = None, request_id: str | None = None,
@@ -598,7 +622,7 @@ class Client:
                            request_id=request_id or new_request_id(), life_seq=life_seq)
         placed = await self._in_life("scheduler", "resume", actor_id, body, Assignment, self.fence_resumes,
                                      into_own=True)
-        remember(self._placed, actor_id, placed.seq)
+        remember(self._placed, actor_id, placed_under(placed), under_seq)
         remember(self._lives, actor_id, placed.seq)
         return placed
 

@@ -67,6 +67,7 @@ from __future__ import annotations
 from datetime import datetime
 
 from events.aggregate import WireAggregate
+from events.compat import describe_key, stamp_key
 from events.errors import already_exists, created_anew_since, invalid, no_actor, not_found, precondition, unavailable
 from events.schema import (
     ActorCreated,
@@ -86,6 +87,7 @@ from events.schema import (
     SnapshotTaken,
     TagRecorded,
     TemplateChanged,
+    UnderPlacement,
 )
 from events.states import WAITING, ActorState
 from services.snapshotter.stamping import (
@@ -99,6 +101,9 @@ from services.snapshotter.stamping import (
     suspended_snapshot,
     tagged_copy,
 )
+
+# A pause or suspend that names no placement (`UnderPlacement`): recorded for the actor's current one.
+NOT_NAMED = UnderPlacement()
 
 # States from which the scheduler may place (resume) an actor.
 RESUMABLE = tuple(WAITING)
@@ -144,6 +149,9 @@ class Actor(WireAggregate):
         # the template the placed instance was started from.
         self.assignment: ActorPlaced | None = None
         self.assignment_version = 0
+        # the last placement, kept once released (a PAUSED actor's: the one its pause ended); recorded
+        # at `assignment_version`
+        self.placed: ActorPlaced | None = None
         self.running_template_uid = ""
         self.node_pin: str | None = None  # PAUSED: the node that holds the local snapshot
         self.borrows_volumes = False  # created from a golden snapshot, not suspended since
@@ -277,21 +285,24 @@ class Actor(WireAggregate):
             )
         self.record(placed)
 
-    def require_placement(self, placement_seq: int | None, verb: str) -> None:
+    def require_placement(self, under: UnderPlacement, verb: str) -> None:
         """With `placement_seq` (the `seq` of the Assignment a resume answered: its ActorPlaced's, or
         that of the booking marker written right after it in the same batch), the image a pause or a
         suspend records was taken under that placement: FAILED_PRECONDITION (field `placement_seq`)
         unless it is the actor's current one, or, for a PAUSED actor, the one its pause ended.
         Otherwise the actor was released and placed again (its worker removed, say) while the image
         was being taken, and the record would stamp that image with another placement's pin and node
-        (found by an audit: a pause decided after such a move recorded the new pin)."""
+        (found by an audit: a pause decided after such a move recorded the new pin). With its worker
+        and pin too (`placement_worker_id`, `placement_runtime`), the placement at that sequence must be
+        that one (`same_placement`)."""
+        placement_seq = under.placement_seq
         if placement_seq is None:
             return
         placed = self.seq_at(self.assignment_version) if self.assignment_version else 0
         if self.assignment_version and not placed:  # the event store names every event's position
             raise unavailable(f"the event store did not say where the placement of actor {self.entity_id!r} is")
         if placed and placed <= placement_seq <= placed + 1:
-            return
+            return self.same_placement(under, placed, verb)
         held = self.assignment
         # `actor resume` printed the Assignment's seq: the booking marker's, one after the ActorPlaced
         answered = f"(recorded at sequence {placed}; its resume answered {placed} or {placed + 1})"
@@ -303,6 +314,30 @@ class Actor(WireAggregate):
             f"{placement_seq}: {now}; nothing recorded (the image taken there is not that placement's)",
             "placement_seq",
         )
+
+    def same_placement(self, under: UnderPlacement, placed: int, verb: str) -> None:
+        """FAILED_PRECONDITION (field `placement_worker_id` or `placement_runtime`) unless the placement
+        recorded at `placed`, the one `under.placement_seq` names, is on the worker and under the pin
+        `under` says. Only a log rolled back past the placement the image was taken under, and written
+        again since, holds another one at its sequence (docs/operations.md, "Backup and restore"): the
+        record would stamp the image with that one's pin and node, not the image's own (an audit's
+        experiment: an image taken on w1 under V2 recorded as V1's, on w0's node)."""
+        held = self.placed
+        assert held is not None  # recorded at `placed`
+        if under.placement_worker_id not in (None, held.worker_id):
+            field, named, found = "placement_worker_id", f"worker {under.placement_worker_id!r}", \
+                f"worker {held.worker_id!r}"
+        elif under.placement_runtime is not None and (pin := stamp_key(under.placement_runtime)) != (
+                recorded := stamp_key(held.sandbox_runtime)):
+            field, named, found = "placement_runtime", f"runtime {describe_key(pin)}", \
+                f"runtime {describe_key(recorded)}"
+        else:
+            return
+        raise precondition(
+            f"cannot record a {verb} of actor {self.entity_id!r} taken under its placement on {named} at sequence "
+            f"{under.placement_seq}: the placement recorded there is on {found}, another one (the log was rolled "
+            "back past the one this image was taken under and written again since); nothing recorded (the image "
+            "is not that placement's)", field)
 
     def require_life(self, life_seq: int | None, verb: str, outcome: str) -> None:
         """With `life_seq` (a stream sequence of the actor's life the request is for: its create's
@@ -333,10 +368,10 @@ class Actor(WireAggregate):
         return ActorStatus(state=self.state, life_seq=seqs[0], placement_seq=seqs[1], seq=seqs[2])
 
     def pause(self, snapshot_id: str | None, request_id: str | None, at: datetime,
-              placement_seq: int | None = None) -> Snapshot:
+              under: UnderPlacement = NOT_NAMED) -> Snapshot:
         """RUNNING -> PAUSED: a local memory snapshot stamped from the pin; the assignment is released."""
         self.require("pause", ActorState.RUNNING)
-        self.require_placement(placement_seq, "pause")
+        self.require_placement(under, "pause")
         assignment = self.assignment
         assert assignment is not None  # RUNNING always has one
         snapshot = paused_snapshot(
@@ -352,12 +387,12 @@ class Actor(WireAggregate):
 
     def suspend(
         self, snapshot_id: str | None, uri: str | None, fidelity: Fidelity,
-        request_id: str | None, at: datetime, placement_seq: int | None = None,
+        request_id: str | None, at: datetime, under: UnderPlacement = NOT_NAMED,
     ) -> Snapshot:
         """RUNNING -> SUSPENDED (new external snapshot, assignment released), or
         PAUSED -> SUSPENDED (the local snapshot promoted, node pin cleared)."""
         self.require("suspend", ActorState.RUNNING, ActorState.PAUSED)
-        self.require_placement(placement_seq, "suspend")
+        self.require_placement(under, "suspend")
         if self.state is ActorState.PAUSED:
             local = self.latest_snapshot
             assert local is not None  # PAUSED always has its local snapshot
@@ -507,7 +542,7 @@ class Actor(WireAggregate):
 
     def when_ActorPlaced(self, e: ActorPlaced) -> None:
         self.state = ActorState.RUNNING
-        self.assignment = e
+        self.assignment = self.placed = e
         self.assignment_version = self.version + 1
         self.running_template_uid = self.template_uid
         self.node_pin = None

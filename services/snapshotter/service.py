@@ -697,7 +697,7 @@ class SnapshotterService:
             return found
         fence = await self.placement_fence(actor, "paused")
         at = now()
-        snapshot = actor.pause(req.snapshot_id, req.request_id, at, req.placement_seq)
+        snapshot = actor.pause(req.snapshot_id, req.request_id, at, req)
         async with self.naming(snapshot, "snapshot_id", req.request_id, at) as image:
             return SnapshotReply(snapshot=snapshot, seq=await self.save(*image, actor, fences=fence))
 
@@ -712,7 +712,7 @@ class SnapshotterService:
             return found
         fence = await self.placement_fence(actor, "suspended")  # None from PAUSED: the image is on its node
         at = now()
-        snapshot = actor.suspend(req.snapshot_id, req.uri, req.fidelity, req.request_id, at, req.placement_seq)
+        snapshot = actor.suspend(req.snapshot_id, req.uri, req.fidelity, req.request_id, at, req)
         # a promote keeps the LOCAL image's id unless given one: its Image then names the EXTERNAL image
         async with self.naming(snapshot, "snapshot_id", req.request_id, at) as image:
             return SnapshotReply(snapshot=snapshot, seq=await self.save(*image, actor, fences=fence))
