@@ -313,6 +313,9 @@ def test_illegal_transitions_are_failed_precondition_and_record_nothing(verb, st
     with pytest.raises(ContractError) as e:
         calls[verb]()
     assert code_of(e) is ErrorCode.FAILED_PRECONDITION
+    endpoint = {"update": "update-template"}.get(verb, verb)  # the endpoint's name, not the verb's phrase
+    said = "it has no snapshot yet" if (verb, state) == ("tag", "CREATED") else f"it is {state}, {endpoint} needs "
+    assert said in e.value.message, e.value.message
     assert actor.pending_events == [] and actor.version == version
 
 

@@ -161,19 +161,21 @@ class Actor(WireAggregate):
 
     # --- guards ---
 
-    def require(self, verb: str, *states: ActorState) -> None:
+    def require(self, verb: str, *states: ActorState, endpoint: str | None = None) -> None:
+        """NOT_FOUND for an actor never created; FAILED_PRECONDITION unless it is in one of `states`:
+        "cannot `verb` actor 'a': it is STOPPED, `endpoint` (default: the verb) needs ..."."""
         if self.state is None:
             raise no_actor(self.entity_id)
         if self.state not in states:
             allowed = " or ".join(s.value for s in states)
             raise precondition(
                 f"cannot {verb} actor {self.entity_id!r}: it is {self.state.value}, "
-                f"{verb} needs {allowed}"
+                f"{endpoint or verb} needs {allowed}"
             )
 
-    def require_live(self, verb: str) -> None:
+    def require_live(self, verb: str, endpoint: str | None = None) -> None:
         self.require(verb, ActorState.CREATED, ActorState.RUNNING, ActorState.PAUSED,
-                     ActorState.SUSPENDED)
+                     ActorState.SUSPENDED, endpoint=endpoint)
 
     def next_snapshot_id(self, requested: str | None, same_image: str | None = None) -> str:
         """The id of a new image: `requested`, unless it names another snapshot this actor had
@@ -445,7 +447,7 @@ class Actor(WireAggregate):
         record that one, so a memory image of the old template is not restored
         under the new one (the scheduler falls back with TEMPLATE_CHANGED).
         """
-        self.require_live("update the template of")
+        self.require_live("update the template of", "update-template")
         self.require_life(life_seq, "update-template", "nothing changed")
         if template_uid == self.template_uid:
             return False
