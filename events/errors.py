@@ -167,3 +167,14 @@ def exhausted(message: str, field: str | None = None) -> ContractError:
 
 def unavailable(message: str, field: str | None = None) -> ContractError:
     return ContractError(ErrorCode.UNAVAILABLE, message, field)
+
+
+# Fields a request names a stream sequence in that a scheduler replica waits to have folded: one past the
+# end of the log is UNAVAILABLE naming it (`services.scheduler.fold.Fold.wait`), and no retry brings it.
+WAITED_FOR = ("min_seq", "life_seq")
+
+
+def past_the_end(error: ContractError) -> bool:
+    """Whether `error` says a sequence the request named is past the end of the log (UNAVAILABLE naming
+    `min_seq` or `life_seq`): not transient, and nothing was carried out."""
+    return error.code is ErrorCode.UNAVAILABLE and error.field in WAITED_FOR

@@ -36,10 +36,10 @@ def catching_up(replica: SchedulerService) -> asyncio.Event:
     event = asyncio.Event()
     fold_wait = replica.fold.wait
 
-    async def wait(seq, timeout):
+    async def wait(seq, timeout, *field):
         if seq and seq > replica.fold.applied:
             event.set()
-        await fold_wait(seq, timeout)
+        await fold_wait(seq, timeout, *field)
 
     replica.fold.wait = wait
     return event
@@ -292,10 +292,10 @@ async def resumed_behind(scheduler: SchedulerService, nc, prefix: str, monkeypat
     waiting = asyncio.Event()
     wait = scheduler.fold.wait
 
-    async def noted(seq: int | None, timeout: float) -> None:
+    async def noted(seq: int | None, timeout: float, *field: str) -> None:
         if seq is not None and seq > scheduler.projection.seq:  # the resume waits for what the fold has not folded
             waiting.set()
-        await wait(seq, timeout)
+        await wait(seq, timeout, *field)
 
     async with scheduler.fold.paused():
         written = await write()

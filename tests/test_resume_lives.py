@@ -214,6 +214,23 @@ async def test_the_client_names_the_life_it_last_saw_and_sends_again_into_one_it
     assert Sent.body(named).life_seq == own
 
 
+async def test_a_life_past_the_end_of_the_log_is_unavailable_at_once_and_nothing_placed(stack, nc, prefix):
+    """A `life_seq` is a sequence a reply gave, so the scheduler waits for it as for `min_seq`: one past
+    the end of the log names no life (a typing error: `--life-seq 999999` was taken, and fenced nothing
+    until the log got there, a user trial's finding). UNAVAILABLE, field life_seq, raised by the client
+    without a retry (no retry brings it), nothing placed; the life the create answered is placed."""
+    wb = Client(nc, prefix)
+    await wb.register(worker("w", V1, cpu=64000, mem=65536))
+    born = (await wb.create(actor("a"))).seq
+    end = await last_seq(nc, prefix)
+    with pytest.raises(ContractError) as refused:
+        await wb.resume("a", life_seq=end + 1_000_000)
+    assert (refused.value.code, refused.value.field) == (ErrorCode.UNAVAILABLE, "life_seq"), refused.value
+    assert f"past the end of the log (its last is {end})" in refused.value.message, refused.value.message
+    assert wb.retries == 0 and await last_seq(nc, prefix) == end  # raised at once; nothing written
+    assert (await wb.resume("a", life_seq=born)).seq > end
+
+
 async def test_the_client_names_the_life_in_a_stop_tag_revert_or_update_template_as_in_a_resume(
         stack, nc, prefix):
     """`Client.update_template`, `stop`, `tag` and `revert` name the actor's life as `resume` does (the

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from events.compat import compat_key, describe_key
-from events.errors import ContractError, not_found
+from events.errors import ContractError, not_found, past_the_end
 from events.natsauth import NKEY_SEED_ENV, carries_secret, check_url, nkey_seed_problem, redact_url
 from events.natspy.connections import ErrorsOnce, PublishRefused, close, describe_error, unless_refused
 from events.schema import ID_RE, ID_WORDS, ErrorCode
@@ -233,7 +233,7 @@ class Failed(click.ClickException):
         # the subject's second word, in "no service answers <prefix>.<service>...": the service asked
         service = (message[len(NO_SERVICE):].split(" ")[0].split(".")[1:2] or ["service"])[0]
         heard = not (message.startswith(NO_SERVICE) and message.endswith(no_service_hint(prefix or "", service)))
-        if heard and error.request_id and error.code is ErrorCode.UNAVAILABLE and error.field != "min_seq":
+        if heard and error.request_id and error.code is ErrorCode.UNAVAILABLE and not past_the_end(error):
             hint = (f" (it may have been carried out: run the command again with --request-id {error.request_id} "
                     "for its answer; a new request id would ask anew)")
         if prefix and not heard:

@@ -42,8 +42,8 @@ What it does so that callers need not:
   restarting" when others timed out or were UNAVAILABLE); so is
   the registry's RESOURCE_EXHAUSTED that names no field (its replica was working on a few
   requests about the same worker already and took nothing: `_transient`). Everything else
-  is raised at once, and so is UNAVAILABLE naming `min_seq` (a sequence past the end of
-  the log: no retry brings it), and the registry's budget refusal (naming `worker_id`:
+  is raised at once, and so is UNAVAILABLE naming `min_seq` or a resume's `life_seq` (a sequence
+  past the end of the log: no retry brings it), and the registry's budget refusal (naming `worker_id`:
   its wait is seconds, told in its message).
 - Errors: every contract error is raised as `events.errors.ContractError`, with its
   `code`, `message` and `field`, and the `request_id` of the request (the caller's or the one
@@ -76,7 +76,7 @@ import nats.errors
 from nats.aio.client import Client as NATS
 
 from events.codec import decode_reply, encode
-from events.errors import ContractError, invalid, life_started_in, precondition, unavailable
+from events.errors import ContractError, invalid, life_started_in, past_the_end, precondition, unavailable
 from events.natsauth import check_url, redact_url
 from events.natspy.connections import ErrorsOnce, PublishRefused, close, transport_lost, unless_refused
 from events.schema import (
@@ -151,14 +151,14 @@ def new_request_id() -> str:
 
 def _transient(service: str, error: ContractError) -> bool:
     """Whether the same request, sent again, may be answered otherwise: UNAVAILABLE (a replica
-    that could not answer now, a time-out, no responders), except one naming `min_seq` (a sequence
-    past the end of the log: no retry brings it); and the registry's refusal of a request about a
+    that could not answer now, a time-out, no responders), except one naming `min_seq` or `life_seq`
+    (a sequence past the end of the log: no retry brings it, `past_the_end`); and the registry's refusal of a request about a
     worker it is working on `IN_FLIGHT_PER_WORKER` requests about already (RESOURCE_EXHAUSTED naming
     no field: nothing was taken; without a retry, a worker flooding its own `remove` or `drain`
     would have an operator's refused with its own). The scheduler's RESOURCE_EXHAUSTED (no room)
     and the registry's budget refusal (naming `worker_id`) are the caller's to judge."""
     if error.code is ErrorCode.UNAVAILABLE:
-        return error.field != "min_seq"
+        return not past_the_end(error)
     return error.code is ErrorCode.RESOURCE_EXHAUSTED and service == "registry" and error.field is None
 
 

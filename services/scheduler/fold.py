@@ -481,8 +481,9 @@ class Fold:
         else:
             self.projection.skip(seq)
 
-    async def wait(self, seq: int | None, timeout: float) -> None:
-        """Return once the fold has applied `seq`; UNAVAILABLE if it does not within `timeout`.
+    async def wait(self, seq: int | None, timeout: float, field: str = "min_seq") -> None:
+        """Return once the fold has applied `seq` (the request's `field`: `events.errors.WAITED_FOR`);
+        UNAVAILABLE if it does not within `timeout`.
 
         A `seq` past what the server had when it last delivered, still not folded after
         `PAST_END_GRACE_S`, is checked against the stream's last sequence (one question for
@@ -507,7 +508,7 @@ class Fold:
                     end = await self._stream_end(asked, deadline - loop.time())
                     if end is not None and seq > end and not waiter.done():
                         raise unavailable(f"sequence {seq} is past the end of the log (its last is {end}): "
-                                          "nothing to wait for", "min_seq")
+                                          "nothing to wait for", field)
             await asyncio.wait_for(waiter, max(deadline - loop.time(), 0.0))
         except asyncio.TimeoutError:
             raise unavailable(

@@ -288,6 +288,9 @@ class SchedulerService:
         """
         due = deadline.deadline()  # its caller's wait, if it said one: the committer decides it in time or not at all
         await self.fold.wait(request.min_seq, self.catch_up_s)
+        # a life named is one whose sequence a reply gave: decided on a fold that has it, and one past the
+        # end of the log names no life at all (a typing error would fence nothing until the log got there)
+        await self.fold.wait(request.life_seq, self.catch_up_s, "life_seq")
         rid = request.request_id
         confirmed = False  # whether the fold has caught up with the stream's end since it came (`CONFIRM`)
         came = self.fold.asked  # a question about the stream's end asked after this answers for it
