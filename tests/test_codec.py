@@ -179,11 +179,24 @@ def register_workers(draw) -> s.RegisterWorker:
 uris = st.text(printable, min_size=1, max_size=64).filter(str.strip)  # a uri given is not blank
 
 
+def under_placement(request):
+    """A pause's or suspend's placement: its worker and pin only with its seq (`UnderPlacement`)."""
+    if request.placement_seq is None:
+        return msgspec.structs.replace(request, placement_worker_id=None, placement_runtime=None)
+    return request
+
+
 @st.composite
 def suspend_actors(draw) -> s.SuspendActor:
     generic = draw(st.builds(s.SuspendActor, **{
         f.name: strategy_of(f.type) for f in mi.type_info(s.SuspendActor).fields if f.name != "uri"}))
-    return msgspec.structs.replace(generic, uri=draw(st.none() | uris))
+    return under_placement(msgspec.structs.replace(generic, uri=draw(st.none() | uris)))
+
+
+@st.composite
+def pause_actors(draw) -> s.PauseActor:
+    return under_placement(draw(st.builds(s.PauseActor, **{
+        f.name: strategy_of(f.type) for f in mi.type_info(s.PauseActor).fields})))
 
 
 @st.composite
@@ -213,6 +226,7 @@ OVERRIDES.update({
     s.RegisterWorker: register_workers(),
     s.CreateActor: create_actors(),
     s.SuspendActor: suspend_actors(),
+    s.PauseActor: pause_actors(),
 })
 
 WIRE_TYPES = [
