@@ -10,14 +10,23 @@ from pathlib import Path
 import click
 from rich.console import Console
 
+from events.errors import ContractError
 from events.subjects import DEFAULT_PREFIX, stream_name
 from services.process import run_serving, tune_gc
 from services.scheduler.checkpoint import DEFAULT_EVERY_EVENTS, DEFAULT_INTERVAL_S
 from warmboot.cli_common import IntRange, check_prefix_option, event_loop_option
+from warmboot.demo import CLASSES, MIN_WORKERS, DemoConfig, run_demo, size_error
 from warmboot.natsserver import NatsServer, NatsServerError, StoreInUse
 from warmboot.runner import SERVICES, dump_on_signal, start_services, stop_signals, until_stopped
 
 console = Console(soft_wrap=True)  # a line piped is not cut at 80 columns (the commands it suggests)
+
+
+def check_demo_size(ctx: click.Context, param: click.Parameter, value: int) -> int:
+    """click callback: a number of workers or actors the demo can run with (`size_error`)."""
+    if (why := size_error(param.name or "", value)) is not None:
+        raise click.BadParameter(why)
+    return value
 
 
 @click.command()
@@ -34,8 +43,10 @@ console = Console(soft_wrap=True)  # a line piped is not cut at 80 columns (the 
 @click.option("--exit-after-demo", is_flag=True, help="Stop after the demo instead of serving on.")
 @click.option("--reset/--reuse", default=None,
               help="Wipe the store first (default: reset with --demo, reuse without).")
-@click.option("--workers", type=int, default=60, show_default=True, help="Demo: simulated workers.")
-@click.option("--actors", type=int, default=300, show_default=True, help="Demo: simulated actors.")
+@click.option("--workers", type=int, default=DemoConfig.workers, show_default=True, callback=check_demo_size,
+              help=f"Demo: simulated workers (at least {MIN_WORKERS}, one per sandbox class: {', '.join(CLASSES)}).")
+@click.option("--actors", type=int, default=DemoConfig.actors, show_default=True, callback=check_demo_size,
+              help="Demo: simulated actors (0 or more).")
 @event_loop_option
 def up(port: int, store: Path, prefix: str, metrics_port: int, demo: bool, exit_after_demo: bool,
        reset: bool | None, workers: int, actors: int, event_loop: str | None) -> None:
@@ -82,13 +93,13 @@ def up(port: int, store: Path, prefix: str, metrics_port: int, demo: bool, exit_
                         failed.append(why)
 
             if demo:
-                from warmboot.demo import DemoConfig, run_demo
-
                 config = DemoConfig(workers=workers, actors=actors)
+                try:
+                    await run_demo(server.url, prefix, config, console, hold=None if exit_after_demo else serve_on)
+                except ContractError as e:  # a refusal (or no answer) it cannot go on from: said, the log kept
+                    raise click.ClickException(f"the demo stopped: {e}") from None
                 if exit_after_demo:
-                    await run_demo(server.url, prefix, config, console)
                     return
-                await run_demo(server.url, prefix, config, console, hold=serve_on)
             else:
                 await serve_on()
             console.print("stopping")

@@ -68,6 +68,19 @@ GENERATIONS = {
 }
 OLDEST, NEWEST = 0, 3
 ASSET_KEY = {"gvisor": "gvisor_asset_hash", "microvm": "kernel_digest"}
+# The fleet deals its workers to the classes in turn (`fleet`): with fewer than one a class, the
+# demo's whatif of a class no worker registered is refused NOT_FOUND.
+MIN_WORKERS = len(CLASSES)
+
+
+def size_error(field: str, value: int) -> str | None:
+    """Why the demo cannot run with `value` as its `field` ("workers" or "actors"); None if it can."""
+    if field == "workers" and value < MIN_WORKERS:
+        return (f"{value} is too few: the demo needs a worker of each sandbox class it uses "
+                f"({', '.join(CLASSES)}), at least {MIN_WORKERS}")
+    if field == "actors" and value < 0:
+        return f"{value} is not a number of actors (0 or more)"
+    return None
 
 
 @dataclass
@@ -77,6 +90,11 @@ class DemoConfig:
     seed: int = 7
     concurrency: int = 32
     timeout: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("workers", "actors"):
+            if (why := size_error(name, getattr(self, name))) is not None:
+                raise ValueError(f"{name}: {why}")
 
 
 @dataclass
@@ -132,7 +150,7 @@ def known_runtimes() -> Runtimes:
 def fleet(cfg: DemoConfig, rng: random.Random) -> list[Worker]:
     workers = []
     for i in range(cfg.workers):
-        sandbox_class = CLASSES[i % 2]
+        sandbox_class = CLASSES[i % len(CLASSES)]  # each class one of the first MIN_WORKERS
         # Generations are uneven (the newest is scarce), so some restores must fall back.
         generation = (OLDEST, OLDEST, NEWEST, 1, 1, 2)[(i // 2) % 6]
         capacity = Resources(cpu_millis=rng.choice((8000, 16000)), memory_mib=rng.choice((8192, 16384)))

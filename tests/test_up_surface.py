@@ -1,0 +1,50 @@
+"""`warmboot up`'s options, as a user trying the CLI meets them: a demo fleet too small or a
+negative size is a usage error before anything starts (found by a user trial)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+from click.testing import CliRunner
+
+from tests.secured_helpers import WARMBOOT
+from warmboot.cli import main
+from warmboot.demo import MIN_WORKERS, DemoConfig
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--workers", "0"], "Invalid value for '--workers': 0 is too few: the demo needs a worker of each sandbox "
+                         "class it uses (gvisor, microvm), at least 2"),
+    (["--workers", "-1"], "Invalid value for '--workers': -1 is too few"),
+    (["--workers", "1", "--actors", "3"], "Invalid value for '--workers': 1 is too few"),
+    (["--actors", "-5"], "Invalid value for '--actors': -5 is not a number of actors (0 or more)"),
+])
+def test_a_demo_fleet_it_cannot_run_is_a_usage_error_before_anything_starts(tmp_path, args, says):
+    """It started the server and the services, then ended in a traceback (NOT_FOUND sandbox_class
+    from the demo's whatif of a class no worker registered); a negative --actors ran."""
+    store = tmp_path / "store"
+    result = CliRunner().invoke(main, ["up", "--demo", "--exit-after-demo", "--port", "0", "--metrics-port", "0",
+                                       "--store", str(store), *args])
+    assert result.exit_code == 2, result.output
+    assert says in result.output and "Traceback" not in result.output
+    assert not store.exists()  # no server started, nothing written
+
+
+def test_the_smallest_fleet_it_takes_runs_the_demo_to_its_summary(tmp_path):
+    """The minimum is the demo's real one: one worker of each sandbox class, and no actor of its own."""
+    args = [WARMBOOT, "up", "--demo", "--exit-after-demo", "--port", "0", "--metrics-port", "0",
+            "--store", str(tmp_path / "store"), "--workers", str(MIN_WORKERS), "--actors", "0"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "200"})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "warmboot demo summary" in done.stdout and "whatif's forecast of the v1 drop" in done.stdout
+    assert "Traceback" not in done.stderr
+
+
+def test_a_demo_config_it_cannot_run_is_refused_naming_the_field():
+    with pytest.raises(ValueError, match=f"workers: {MIN_WORKERS - 1} is too few"):
+        DemoConfig(workers=MIN_WORKERS - 1)
+    with pytest.raises(ValueError, match="actors: -1 is not a number of actors"):
+        DemoConfig(actors=-1)
+    assert DemoConfig(workers=MIN_WORKERS, actors=0).workers == MIN_WORKERS
