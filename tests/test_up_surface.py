@@ -1,5 +1,6 @@
 """`warmboot up`'s options, as a user trying the CLI meets them: a demo fleet too small or a
-negative size is a usage error before anything starts (found by a user trial)."""
+negative size is a usage error before anything starts; a demo option without --demo is refused,
+not ignored (found by a user trial)."""
 
 from __future__ import annotations
 
@@ -48,3 +49,20 @@ def test_a_demo_config_it_cannot_run_is_refused_naming_the_field():
     with pytest.raises(ValueError, match="actors: -1 is not a number of actors"):
         DemoConfig(actors=-1)
     assert DemoConfig(workers=MIN_WORKERS, actors=0).workers == MIN_WORKERS
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--exit-after-demo"], "--exit-after-demo"),
+    (["--workers", "5"], "--workers"),
+    (["--actors", "10"], "--actors"),
+    (["--no-demo", "--workers", "60"], "--workers"),  # its default, but given
+])
+def test_a_demo_option_without_demo_is_refused_not_ignored(tmp_path, args, flag):
+    """`up --exit-after-demo` (or `--workers 5`) without --demo served on as if not given (a process,
+    so that one that serves on is ended by the time-out)."""
+    store = tmp_path / "store"
+    done = subprocess.run([WARMBOOT, "up", "--port", "0", "--metrics-port", "0", "--store", str(store), *args],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"error: {flag} is the demo's option: it needs --demo (`up` without it runs no demo)" in done.stderr
+    assert not store.exists()

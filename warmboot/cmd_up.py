@@ -8,6 +8,7 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 from rich.console import Console
 
 from events.errors import ContractError
@@ -20,6 +21,10 @@ from warmboot.natsserver import NatsServer, NatsServerError, StoreInUse
 from warmboot.runner import SERVICES, dump_on_signal, start_services, stop_signals, until_stopped
 
 console = Console(soft_wrap=True)  # a line piped is not cut at 80 columns (the commands it suggests)
+
+# Options only the demo reads, by parameter: given on the command line of an `up` without --demo,
+# they are refused rather than ignored (as `serve` refuses a service's option it does not run).
+DEMO_OPTIONS = {"exit_after_demo": "--exit-after-demo", "workers": "--workers", "actors": "--actors"}
 
 
 def check_demo_size(ctx: click.Context, param: click.Parameter, value: int) -> int:
@@ -51,6 +56,10 @@ def check_demo_size(ctx: click.Context, param: click.Parameter, value: int) -> i
 def up(port: int, store: Path, prefix: str, metrics_port: int, demo: bool, exit_after_demo: bool,
        reset: bool | None, workers: int, actors: int, event_loop: str | None) -> None:
     """Start NATS (JetStream in STORE) and every service in this process; optionally run the demo."""
+    ctx = click.get_current_context()
+    for param, flag in DEMO_OPTIONS.items():
+        if not demo and ctx.get_parameter_source(param) is ParameterSource.COMMANDLINE:
+            raise click.UsageError(f"{flag} is the demo's option: it needs --demo (`up` without it runs no demo)")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if reset is None:
         reset = demo
