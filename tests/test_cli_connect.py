@@ -230,7 +230,8 @@ def test_up_refuses_a_store_another_server_writes_and_resets_nothing(tmp_path):
     running = NatsServer(store.resolve(), name="warmboot").start()  # what `up` starts on it
     try:
         kept = sorted(p.name for p in store.iterdir())
-        result = CliRunner().invoke(main, ["up", "--store", str(store), "--port", "0", "--reset"])
+        result = CliRunner().invoke(main, ["up", "--store", str(store), "--port", "0", "--reset",
+                                           "--metrics-port", "0"])
         assert result.exit_code == 1, result.output
         assert f"the store {store} is in use by another warmboot up (process {os.getpid()})" in result.output
         assert sorted(p.name for p in store.iterdir()) == kept and running.running  # not reset, still serving
@@ -245,7 +246,8 @@ def test_up_on_a_port_in_use_leaves_no_store_and_says_nothing_of_one(tmp_path):
     held = NatsServer((tmp_path / "other").resolve(), name="other").start()  # a NATS on the port
     try:
         store = tmp_path / "store"
-        result = CliRunner().invoke(main, ["up", "--store", str(store), "--port", str(held.port)])
+        result = CliRunner().invoke(main, ["up", "--store", str(store), "--port", str(held.port),
+                                           "--metrics-port", "0"])
         assert result.exit_code == 1, result.output
         assert f"(is another warmboot or NATS on port {held.port}? try --port 0)" in result.output
         assert "new store" not in result.output and not store.exists()
@@ -253,7 +255,8 @@ def test_up_on_a_port_in_use_leaves_no_store_and_says_nothing_of_one(tmp_path):
         kept = tmp_path / "kept"
         NatsServer(kept.resolve(), name="warmboot").start().stop()  # a store with a log in it
         before = sorted(str(p.relative_to(kept)) for p in kept.rglob("*"))
-        result = CliRunner().invoke(main, ["up", "--store", str(kept), "--port", str(held.port)])
+        result = CliRunner().invoke(main, ["up", "--store", str(kept), "--port", str(held.port),
+                                           "--metrics-port", "0"])
         assert result.exit_code == 1, result.output
         assert "reusing" not in result.output and "new store" not in result.output
         assert sorted(str(p.relative_to(kept)) for p in kept.rglob("*")) == before

@@ -1,11 +1,14 @@
 """`warmboot up`'s options, as a user trying the CLI meets them: a demo fleet too small or a
 negative size is a usage error before anything starts; a demo option without --demo is refused,
-not ignored (found by a user trial)."""
+not ignored; a metrics port taken is said before the store is made, and a start that fails
+leaves nothing behind of what it made (found by a user trial)."""
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -13,6 +16,19 @@ from click.testing import CliRunner
 from tests.secured_helpers import WARMBOOT
 from warmboot.cli import main
 from warmboot.demo import MIN_WORKERS, DemoConfig
+
+
+def held_port() -> socket.socket:
+    """A socket bound and listening on a loopback port: that port is taken."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    return sock
+
+
+def contents(root: Path) -> dict[str, bytes | None]:
+    """Every path under `root` and each file's bytes: what a run changed in it."""
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
 
 
 @pytest.mark.parametrize("args, says", [
@@ -66,3 +82,43 @@ def test_a_demo_option_without_demo_is_refused_not_ignored(tmp_path, args, flag)
     assert done.returncode == 2, done.stdout + done.stderr
     assert f"error: {flag} is the demo's option: it needs --demo (`up` without it runs no demo)" in done.stderr
     assert not store.exists()
+
+
+def test_a_metrics_port_taken_is_said_before_the_store_is_made(tmp_path):
+    """It said "new store", then that the metrics port was in use, and left the store (JetStream
+    data, the configuration, the lock file); a store that was there was started on and rewritten."""
+    kept = tmp_path / "kept"
+    from warmboot.natsserver import NatsServer
+
+    NatsServer(kept.resolve(), name="warmboot").start().stop()  # a store with a log in it
+    before = contents(kept)
+    with held_port() as taken:
+        port = taken.getsockname()[1]
+        for store in (tmp_path / "new" / "store", kept):
+            result = CliRunner().invoke(main, ["up", "--port", "0", "--metrics-port", str(port),
+                                               "--store", str(store)])
+            assert result.exit_code == 1, result.output
+            assert (f"error: [Errno 98] cannot serve metrics on 127.0.0.1:{port}: Address already in use; "
+                    "try another --metrics-port, or 0 for any free one") in result.output
+            assert "new store" not in result.output and "reusing" not in result.output
+            assert "Traceback" not in result.output
+    assert not (tmp_path / "new").exists()
+    assert contents(kept) == before
+
+
+def test_a_start_that_fails_removes_what_it_made_and_only_that(tmp_path):
+    """With the NATS port taken: `--store a/b/store` removed the store but left a/ and a/b/, made for
+    it; a store directory that was there, empty, kept the lock, configuration and JetStream directory
+    made in it."""
+    made = tmp_path / "a" / "b" / "store"
+    there = tmp_path / "there"
+    there.mkdir()
+    with held_port() as taken:
+        port = taken.getsockname()[1]
+        for store in (made, there):
+            result = CliRunner().invoke(main, ["up", "--port", str(port), "--metrics-port", "0",
+                                               "--store", str(store)])
+            assert result.exit_code == 1, result.output
+            assert f"(is another warmboot or NATS on port {port}? try --port 0)" in result.output
+    assert not (tmp_path / "a").exists()
+    assert there.is_dir() and list(there.iterdir()) == []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import shutil
-from contextlib import AsyncExitStack
+from contextlib import AsyncExitStack, suppress
 from pathlib import Path
 
 import click
@@ -13,7 +13,7 @@ from rich.console import Console
 
 from events.errors import ContractError
 from events.subjects import DEFAULT_PREFIX, stream_name
-from services.process import run_serving, tune_gc
+from services.process import LOOPBACK, metrics_url, run_serving, start_metrics, tune_gc
 from services.scheduler.checkpoint import DEFAULT_EVERY_EVENTS, DEFAULT_INTERVAL_S
 from warmboot.cli_common import IntRange, check_prefix_option, event_loop_option
 from warmboot.demo import CLASSES, MIN_WORKERS, DemoConfig, run_demo, size_error
@@ -63,37 +63,28 @@ def up(port: int, store: Path, prefix: str, metrics_port: int, demo: bool, exit_
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if reset is None:
         reset = demo
-    server = NatsServer(store.resolve(), port=port or None, name="warmboot")
-    made = not store.exists()  # a start that fails leaves no store behind it made
-    try:  # held from here until the server stops: no other `up` resets or starts on it meanwhile
-        server.lock_store()
-    except StoreInUse as e:
-        raise click.ClickException(f"the store {store} is in use by another warmboot up (process {e.holder}): "
-                                   "stop it, or give another --store") from None
-    except NatsServerError as e:
+    try:  # before the store is made: a port taken is said with nothing written, as a NATS port taken is
+        metrics = start_metrics(metrics_port)
+    except OSError as e:
         raise click.ClickException(str(e)) from None
-    try:
-        _start(server, store, port, reset)
-    except BaseException:
-        server.stop()
-        if made:  # nothing was ever served from it: the lock, the configuration, an empty JetStream directory
-            shutil.rmtree(store, ignore_errors=True)
-        raise
-
+    server = NatsServer(store.resolve(), port=port or None, name="warmboot")
+    made = _made_by(server)  # a start that fails leaves nothing behind of what it made
+    locked = served = False
     failed: list[str] = []  # a service that could not go on (it logged why)
 
     async def run() -> None:
+        nonlocal served
         dump_on_signal()
         async with AsyncExitStack() as stack:
             # The same scheduler checkpoints as `warmboot serve` by default: a restart replays the tail only.
             checkpoints = {"checkpoint_every": DEFAULT_EVERY_EVENTS, "checkpoint_interval_s": DEFAULT_INTERVAL_S}
-            running = await start_services(stack, list(SERVICES), server.url, prefix, metrics_port,
-                                           {"scheduler": checkpoints})
+            running = await start_services(stack, list(SERVICES), server.url, prefix, None, {"scheduler": checkpoints})
+            served = True
             tune_gc()
             console.print(f"NATS     {server.url}  (JetStream stream {stream_name(prefix)} in {store})")
             console.print(f"services {', '.join(f'warmboot-{n}' for n in running.names)}")
-            if running.metrics_url:
-                console.print(f"metrics  {running.metrics_url}")
+            if metrics:
+                console.print(f"metrics  {metrics_url(LOOPBACK, metrics)}")
 
             async def serve_on() -> None:
                 with stop_signals() as stop:  # before the line that says so: see stop_signals
@@ -113,14 +104,46 @@ def up(port: int, store: Path, prefix: str, metrics_port: int, demo: bool, exit_
                 await serve_on()
             console.print("stopping")
 
-    try:
+    try:  # held from the lock until the server stops: no other `up` resets or starts on it meanwhile
+        try:
+            server.lock_store()
+        except StoreInUse as e:
+            raise click.ClickException(f"the store {store} is in use by another warmboot up (process {e.holder}): "
+                                       "stop it, or give another --store") from None
+        except NatsServerError as e:
+            raise click.ClickException(str(e)) from None
+        locked = True
+        _start(server, store, port, reset)
         run_serving(run, event_loop)
-    except OSError as e:  # a port taken (metrics), a store that cannot be written
+    except OSError as e:  # a store that cannot be written
         raise click.ClickException(str(e)) from None
     finally:
         server.stop()
+        if locked and not served:  # nothing was ever served from what it made
+            _remove(made, server.store_dir)
     if failed:
         raise SystemExit(1)
+
+
+def _made_by(server: NatsServer) -> list[Path]:
+    """What starting `server` makes that is not there yet, deepest first: its store directory and each
+    parent missing; or, in a store directory that is there, its lock, configuration and JetStream directory."""
+    store = server.store_dir
+    missing = [p for p in (store, *store.parents) if not p.exists()]
+    return missing or [p for p in (server.lock_path, server.config_path, server.data_path) if not p.exists()]
+
+
+def _remove(made: list[Path], store: Path) -> None:
+    """Remove what `_made_by` said a start would make: the store directory or what it made in one, with
+    all in it; a parent made for the store only if nothing else was put there meanwhile."""
+    for path in made:
+        if path in store.parents:
+            with suppress(OSError):
+                path.rmdir()
+        elif path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def _start(server: NatsServer, store: Path, port: int, reset: bool) -> None:

@@ -157,6 +157,11 @@ class NatsServer:
     def lock_path(self) -> Path:
         return self.store_dir / f"{self.name}.lock"
 
+    @property
+    def data_path(self) -> Path:
+        """Its JetStream directory in the store."""
+        return self.store_dir / self.name
+
     def lock_store(self) -> None:
         """Hold the store's lock (`<name>.lock` beside it) until `stop`: two servers writing one
         JetStream directory corrupt it, and nats-server does not refuse it (a walkthrough started a
@@ -170,7 +175,7 @@ class NatsServer:
         except OSError as error:
             raise NatsServerError(f"cannot use the store {self.store_dir}: {error.strerror or error}") from None
         if handle is None:
-            raise StoreInUse(f"the store {self.store_dir / self.name} is in use by another nats-server "
+            raise StoreInUse(f"the store {self.data_path} is in use by another nats-server "
                              f"(started by process {holder}): stop it, or give another store", holder)
         handle.seek(0)
         handle.truncate()
@@ -184,7 +189,7 @@ class NatsServer:
         other server starts on it meanwhile. The lock file stays (a server taking a new one beside
         it would hold the store too), and so do other servers' files beside it (a cluster's)."""
         self.lock_store()
-        data = self.store_dir / self.name
+        data = self.data_path
         if data.is_dir() and not data.is_symlink():
             shutil.rmtree(data)
         elif data.exists() or data.is_symlink():
@@ -194,7 +199,7 @@ class NatsServer:
     @property
     def has_store(self) -> bool:
         """Whether this server's JetStream directory holds anything (a log to reuse)."""
-        data = self.store_dir / self.name
+        data = self.data_path
         return data.is_dir() and any(data.iterdir())
 
     @property
@@ -211,7 +216,7 @@ class NatsServer:
             f"host: {json.dumps(self.host)}",
             f"port: {self.port}",
             "jetstream {",
-            f"  store_dir: {json.dumps(str(self.store_dir / self.name))}",
+            f"  store_dir: {json.dumps(str(self.data_path))}",
             "}",
             "max_payload: 2MB",
         ]
