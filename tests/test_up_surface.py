@@ -5,6 +5,8 @@ leaves nothing behind of what it made (found by a user trial)."""
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import os
 import socket
 import subprocess
@@ -15,7 +17,7 @@ from click.testing import CliRunner
 
 from tests.secured_helpers import WARMBOOT
 from warmboot.cli import main
-from warmboot.demo import MIN_WORKERS, DemoConfig
+from warmboot.demo import MIN_WORKERS, Demo, DemoConfig
 
 
 def held_port() -> socket.socket:
@@ -65,6 +67,24 @@ def test_a_demo_config_it_cannot_run_is_refused_naming_the_field():
     with pytest.raises(ValueError, match="actors: -1 is not a number of actors"):
         DemoConfig(actors=-1)
     assert DemoConfig(workers=MIN_WORKERS, actors=0).workers == MIN_WORKERS
+
+
+async def test_a_request_cancelled_before_its_turn_is_closed_not_left_never_awaited():
+    """A demo stopped by a refusal cancels its requests waiting for their turn: each was printed
+    "RuntimeWarning: coroutine 'Client.drain' was never awaited" under the one-line error."""
+    demo = Demo(None, "warmboot", DemoConfig(concurrency=1))
+    sent: list[int] = []
+
+    async def request() -> None:
+        sent.append(1)
+
+    await demo.gate.acquire()  # the only turn is taken
+    waiting = request()
+    call = demo.call(waiting)
+    call.send(None)  # runs until it waits for its turn
+    with pytest.raises(asyncio.CancelledError):
+        call.throw(asyncio.CancelledError())
+    assert inspect.getcoroutinestate(waiting) == inspect.CORO_CLOSED and sent == []
 
 
 @pytest.mark.parametrize("args, flag", [

@@ -23,7 +23,7 @@ import time
 from collections import Counter
 from contextlib import suppress
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Coroutine
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -175,9 +175,16 @@ class Demo:
         self.stopping = False
         self.oldest = [w for w in self.workers if w.generation == OLDEST]
 
-    async def call(self, request: Awaitable[Any]) -> Any:
-        async with self.gate:
+    async def call(self, request: Coroutine[Any, Any, Any]) -> Any:
+        try:
+            await self.gate.acquire()
+        except BaseException:  # cancelled before its turn (the demo stopping): closed, not warned of as never awaited
+            request.close()
+            raise
+        try:
             return await request
+        finally:
+            self.gate.release()
 
     async def register(self, worker: Worker, releases: tuple[str, ...]) -> None:
         default, *restorable = releases
