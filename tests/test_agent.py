@@ -86,7 +86,7 @@ def test_bad_config_says_where(tmp_path, text, where):
     path.write_text(text)
     with pytest.raises(ConfigError) as error:
         load_registration(path, "w-a", "node-a", PROBE)
-    assert where in str(error.value)
+    assert where in str(error.value) and str(error.value).startswith(f"{path}: "), error.value
 
 
 async def test_a_broken_edit_keeps_the_registration_in_force(tmp_path):
@@ -130,6 +130,50 @@ async def test_a_mended_edit_is_said_even_when_it_changes_nothing(tmp_path, capl
     agent._sync_config(asyncio.Event())
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.INFO][1:] == [said[0]]
     assert not agent._background
+
+
+BROKEN = [  # a file the agent cannot use, and what its error says after the file's name
+    (config("v1").replace("cpu_millis = 4000", 'cpu_millis = "x"'), "capacity.cpu_millis: Expected `int`, got `str`"),
+    (config("v1").replace('profile = "gvisor"', 'profile = "nosuch"'),
+     "sandbox_classes[0].default_runtime.profile: unknown profile 'nosuch'; expected one of gvisor, microvm"),
+    (config("v1", ("v1",)),  # the registry's own rules
+     "sandbox_classes[0].restorable_runtimes[0].version: restorable runtime equals default_runtime by version"),
+    (config("v1").replace('"v1" }', '"v1", architecture = "arm64" }'),  # what the probe makes of it
+     "sandbox_classes[0].default_runtime: attribute 'architecture' is probed by profile 'gvisor'"),
+]
+
+
+@pytest.mark.parametrize("text, says", BROKEN, ids=["capacity", "profile", "registry-rule", "probed-key"])
+def test_every_error_of_the_file_names_it_first_wherever_it_is_said(tmp_path, caplog, text, says):
+    """A user trial: a capacity error named the file (`error: FILE: capacity.cpu_millis: ...`), a profile
+    error did not (`error: sandbox_classes[0].default_runtime.profile: ...`), nor any other error the
+    registration's rules found. Each now says `FILE: FIELD: ...`: at the start of the agent, with
+    --print-registration and --check-placement, and in the log line of an edit the agent ignores."""
+    from click.testing import CliRunner
+
+    from warmboot.cli import main
+
+    path = tmp_path / "a1.toml"
+    path.write_text(text)
+    error = f"{path}: {says}"
+    agent = ["agent", "--worker-id", "w-a", "--node", "node-a", "--config", str(path), "--cpuinfo", str(CPUINFO),
+             "--arch", "amd64"]
+    printed = CliRunner().invoke(main, [*agent, "--print-registration"])
+    assert printed.exit_code == 1 and f"error: {error}" in printed.output, printed.output
+    started = CliRunner().invoke(main, [*agent, "--nats", "nats://127.0.0.1:1"])  # refused before it connects
+    assert started.exit_code == 1 and f"error: {error}" in started.output, started.output
+    checked = CliRunner().invoke(main, [*agent, "--check-placement", "-"], input=b"{}")
+    assert checked.exit_code == 1, checked.output
+    assert f"the configuration makes no registration of this machine now ({error}" in checked.output
+
+    caplog.set_level(logging.INFO, logger="warmboot.agent")
+    path.write_text(config("v1"))
+    running = Agent("nats://127.0.0.1:1", "w-a", "node-a", path, probe=PROBE)
+    running.registration = running._read_config()
+    path.write_text(text)  # an edit while it runs
+    running._sync_config(asyncio.Event())
+    [line] = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert line.startswith(f"ignoring the edit of {error}") and line.endswith("; keeping the registration in force")
 
 
 # --- end to end ----------------------------------------------------------------------------------

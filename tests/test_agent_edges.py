@@ -98,7 +98,7 @@ def test_an_architecture_spelled_otherwise_is_refused_for_new_stamps_and_warned_
     path.write_text(literal_default)
     with pytest.raises(ConfigError) as error:
         load_registration(path, "w-a", "node-a", PROBE)
-    assert str(error.value) == ("sandbox_classes[0].default_runtime.attributes.architecture: 'x86_64' is the "
+    assert str(error.value) == (f"{path}: sandbox_classes[0].default_runtime.attributes.architecture: 'x86_64' is the "
                                 "machine's name; schema v1 names it 'amd64', as the probe reports it, so this "
                                 "version never equals a probed one")
 
@@ -109,9 +109,9 @@ def test_an_architecture_spelled_otherwise_is_refused_for_new_stamps_and_warned_
     (restorable,) = registration.sandbox_classes[0].restorable_runtimes
     assert dict((a.key, a.value) for a in restorable.compatible_versions[0].attributes)["architecture"] == "AMD64"
     warned = [r.getMessage() for r in caplog.records if "AMD64" in r.getMessage()]
-    assert warned == ["sandbox_classes[0].restorable_runtimes[0].compatible_versions[0].attributes.architecture: "
-                      "'AMD64': schema v1 spells it 'amd64', as the probe reports it, so this version never equals "
-                      "a probed one; kept, to restore snapshots stamped with it"]
+    assert warned == [f"{path}: sandbox_classes[0].restorable_runtimes[0].compatible_versions[0].attributes."
+                      "architecture: 'AMD64': schema v1 spells it 'amd64', as the probe reports it, so this version "
+                      "never equals a probed one; kept, to restore snapshots stamped with it"]
     load_registration(path, "w-a", "node-a", PROBE)  # read again, as every watch interval: not warned again
     assert len([r for r in caplog.records if "AMD64" in r.getMessage()]) == 1
 
@@ -143,8 +143,8 @@ def test_a_literal_runtime_naming_another_cpu_is_refused_unless_masked(tmp_path)
     path.write_text(literal_runtime(OLD_CPU))
     with pytest.raises(ConfigError) as error:
         load_registration(path, "w-a", "node-a", PROBE)
-    assert str(error.value).startswith(f"sandbox_classes[0].default_runtime.attributes.cpu_features: '{OLD_CPU}' "
-                                       f"is not this machine's ('{mine}', as the gvisor probe reads it)")
+    assert str(error.value).startswith(f"{path}: sandbox_classes[0].default_runtime.attributes.cpu_features: "
+                                       f"'{OLD_CPU}' is not this machine's ('{mine}', as the gvisor probe reads it)")
     assert "cpu_masked = true" in str(error.value) and "compatible_versions" in str(error.value)
     path.write_text(literal_runtime(OLD_CPU, masked=True))
     entry = load_registration(path, "w-a", "node-a", PROBE).sandbox_classes[0]
@@ -168,7 +168,7 @@ def test_a_literal_runtime_naming_another_cpu_is_refused_unless_masked(tmp_path)
     path.write_text(agent_config("v1").replace('profile = "gvisor"', 'profile = "gvisor"\ncpu_masked = true', 1))
     with pytest.raises(ConfigError) as error:  # a probed runtime's CPU is this machine's: nothing to mask
         load_registration(path, "w-a", "node-a", PROBE)
-    assert str(error.value).startswith("sandbox_classes[0].default_runtime.cpu_masked:")
+    assert str(error.value).startswith(f"{path}: sandbox_classes[0].default_runtime.cpu_masked:")
 
 
 def test_a_literal_runtime_naming_no_cpu_key_is_refused_unless_masked(tmp_path):
@@ -181,15 +181,16 @@ def test_a_literal_runtime_naming_no_cpu_key_is_refused_unless_masked(tmp_path):
     path.write_text(literal_default('architecture = "amd64", gvisor_asset_hash = "v1"'))
     with pytest.raises(ConfigError) as error:
         load_registration(path, "w-a", "node-a", PROBE)
-    assert str(error.value).startswith("sandbox_classes[0].default_runtime.attributes: names none of the CPU's keys "
-                                       "(cpu_features, cpu_model, cpu_vendor)"), error.value
+    assert str(error.value).startswith(f"{path}: sandbox_classes[0].default_runtime.attributes: names none of "
+                                       "the CPU's keys (cpu_features, cpu_model, cpu_vendor)"), error.value
     assert "profile" in str(error.value) and "cpu_masked = true" in str(error.value)
     restorable = ('name = "old"\nschema_version = "v1"\n'
                   'attributes = { architecture = "amd64", gvisor_asset_hash = "v0" }')
     path.write_text(agent_config("v1") + f"\n[[sandbox_classes.restorable_runtimes]]\n{restorable}")
     with pytest.raises(ConfigError) as error:
         load_registration(path, "w-a", "node-a", PROBE)
-    assert str(error.value).startswith("sandbox_classes[0].restorable_runtimes[0].attributes: names none"), error.value
+    assert str(error.value).startswith(f"{path}: sandbox_classes[0].restorable_runtimes[0].attributes: names none"), \
+        error.value
     path.write_text(literal_default('architecture = "amd64", gvisor_asset_hash = "v1"', masked=True))
     entry = load_registration(path, "w-a", "node-a", PROBE).sandbox_classes[0]
     assert {a.key for a in entry.default_runtime.version.attributes} == {"architecture", "gvisor_asset_hash"}
@@ -213,7 +214,7 @@ def test_a_literal_runtime_naming_part_of_a_profile_otherwise_than_this_machine_
     path.write_text(literal_default(attributes))
     with pytest.raises(ConfigError) as error:
         load_registration(path, "w-a", "node-a", PROBE)
-    assert str(error.value).startswith(f"sandbox_classes[0].default_runtime.attributes.{key}: ")
+    assert str(error.value).startswith(f"{path}: sandbox_classes[0].default_runtime.attributes.{key}: ")
     assert "as the microvm probe reads it" in str(error.value)
     path.write_text(literal_default(attributes, masked=True))
     load_registration(path, "w-a", "node-a", PROBE)
@@ -230,8 +231,8 @@ def test_a_literal_runtime_of_another_architecture_is_refused_whatever_else_it_n
     path.write_text(literal_default(attributes, masked=True))
     with pytest.raises(ConfigError) as error:
         load_registration(path, "w-a", "node-a", PROBE)
-    assert str(error.value).startswith("sandbox_classes[0].default_runtime.attributes.architecture: 'arm64' is not "
-                                       "this machine's ('amd64')")
+    assert str(error.value).startswith(f"{path}: sandbox_classes[0].default_runtime.attributes.architecture: "
+                                       "'arm64' is not this machine's ('amd64')")
 
 
 def test_an_agent_given_another_architecture_than_its_cpuinfo_s_registers_nothing(tmp_path):

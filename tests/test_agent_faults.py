@@ -358,7 +358,7 @@ attributes = {{ asset_digest = "a1" }}
     machine = Path(__file__).parent / "cpuinfo" / cpuinfo if cpuinfo else tmp_path / "none"
     with pytest.raises(ConfigError) as refused:
         load_registration(path, "w-a", "node-a", ProbeSettings(cpuinfo_path=machine, architecture="amd64"))
-    assert str(refused.value).startswith(f"sandbox_classes[0].default_runtime: the {profile} probe cannot read "
+    assert str(refused.value).startswith(f"{path}: sandbox_classes[0].default_runtime: the {profile} probe cannot read "
                                          f"{missing} from {machine}")
     # a --cpuinfo that is not there is said so (a mistyped path read as a CPU without features:
     # found by a trial of the docs); a file that is there is not

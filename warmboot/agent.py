@@ -318,9 +318,13 @@ class Agent:
         except UnicodeDecodeError as e:
             raise ConfigError(f"{self.config_path}: not UTF-8: {e}") from None
         config = parse_config(text, str(self.config_path))
-        registration = build_registration(config, self.worker_id, self.node, machine)
+        registration = self._build(config, machine)
         self.desired, self._desired_of = registration, (config, reading)
         return registration
+
+    def _build(self, config: AgentConfig, machine: MachineRead) -> RegisterWorker:
+        """The registration `config` makes on `machine`; its errors name the file (`build_registration`)."""
+        return build_registration(config, self.worker_id, self.node, machine, str(self.config_path))
 
     def _machine(self, fresh: bool = False) -> tuple[float, MachineRead, tuple]:
         """The machine as last read (when, the read, what it says: `MachineRead.reading`), read
@@ -627,7 +631,7 @@ class Agent:
                 config, reading = made_of
                 _, machine, now = self._machine()
                 if reading != now:
-                    registration = build_registration(config, self.worker_id, self.node, machine)
+                    registration = self._build(config, machine)
                     made_of = (config, now)
                 body = msgspec.structs.replace(registration, request_id=f"agent-{uuid.uuid4().hex}",
                                                revision=self._revision_of(registration))
@@ -861,7 +865,7 @@ class Agent:
         if now == reading:
             return read_at, None
         try:
-            return read_at, build_registration(config, self.worker_id, self.node, machine)
+            return read_at, self._build(config, machine)
         except ConfigError as e:
             return read_at, e
 
@@ -1085,13 +1089,14 @@ class Agent:
             registration = self._read_config()
         except ConfigError as e:
             self._config_failed = True
+            # (e names the file first, and the field: `FILE: capacity.cpu_millis: ...`)
             if self.edited:  # (none is in force once the worker was removed for want of one: said so)
                 kept = "the worker stays removed until one can be made" if self.withdrawn else \
                     "keeping the registration in force"
-                log.error("ignoring the edit of %s, %s: %s", self.config_path, kept, e)
+                log.error("ignoring the edit of %s; %s", e, kept)
             else:
-                log.error("what the probe reads of this machine changed, and %s makes no registration of it: %s",
-                          self.config_path, e)
+                log.error("what the probe reads of this machine changed, and no registration can be made of it: %s",
+                          e)
             return
         if registration is None:
             return  # nothing new

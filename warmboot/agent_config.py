@@ -33,7 +33,8 @@ log = logging.getLogger("warmboot.agent")  # the agent's log: what the operator 
 
 
 class ConfigError(ValueError):
-    """The agent's configuration cannot make a valid registration; says where."""
+    """The agent's configuration cannot make a valid registration; says where: the file, then the field's
+    path in it (`FILE: capacity.cpu_millis: ...`)."""
 
 
 class MachineMismatch(ConfigError):
@@ -285,16 +286,19 @@ def _runtime(runtime: RuntimeConfig, path: str, probe: MachineRead, stamps: bool
 
 
 def build_registration(
-    config: AgentConfig, worker_id: str, node: str, probe: ProbeSettings | MachineRead = ProbeSettings()
+    config: AgentConfig, worker_id: str, node: str, probe: ProbeSettings | MachineRead = ProbeSettings(),
+    source: str | None = None,
 ) -> RegisterWorker:
     """The RegisterWorker this configuration makes on this machine (read once, or as `probe`
     read it), checked by the registry's own rules (so a bad edit is caught here, with the
-    field's path)."""
+    field's path, after the file it was read from, `source`, as `parse_config` names it:
+    `FILE: sandbox_classes[0].default_runtime.profile: ...`)."""
     if isinstance(probe, ProbeSettings):
         probe = probe.read()
+    file = f"{source}: " if source is not None else ""
     classes = []
     for i, entry in enumerate(config.sandbox_classes):
-        path = f"sandbox_classes[{i}]"
+        path = f"{file}sandbox_classes[{i}]"
         classes.append(
             {
                 "sandbox_class": entry.sandbox_class,
@@ -316,7 +320,7 @@ def build_registration(
         return decode_request(RegisterWorker, encode(raw))
     except ContractError as e:  # every runtime was made of the machine as read: the registration is what is wrong
         where = f"{e.field}: " if e.field else ""
-        raise NotRegistrable(f"{where}{e.message}") from None
+        raise NotRegistrable(f"{file}{where}{e.message}") from None
 
 
 def load_registration(path: Path, worker_id: str, node: str, probe: ProbeSettings = ProbeSettings()) -> RegisterWorker:
@@ -324,4 +328,4 @@ def load_registration(path: Path, worker_id: str, node: str, probe: ProbeSetting
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: cannot read: {e}") from None
-    return build_registration(parse_config(text, str(path)), worker_id, node, probe)
+    return build_registration(parse_config(text, str(path)), worker_id, node, probe, str(path))
