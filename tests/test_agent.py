@@ -205,6 +205,53 @@ async def test_agent_registers_follows_the_rolling_upgrade_and_comes_back(nats_u
         assert again.sandbox_classes == changed.sandbox_classes
 
 
+async def test_a_config_file_moved_away_is_said_once_and_its_return_too(nats_url, nc, prefix, tmp_path, caplog):
+    """A user trial: `mv a1.toml a1.toml.bak` under a running agent logged `ignoring the edit of ...
+    cannot read` at every watch (3 lines in 3 s, for ever), where broken TOML is said once. Now said
+    once while the file stays away (the registration in force kept); its return is said, and handled
+    as an edit; gone again, it is said again."""
+    caplog.set_level(logging.INFO, logger="warmboot.agent")
+    path, away = tmp_path / "a1.toml", tmp_path / "a1.toml.bak"
+    path.write_text(config("v1"))
+    agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe=PROBE)
+    looked: asyncio.Queue[None] = asyncio.Queue()
+    look = agent._look
+
+    def counted(stop: asyncio.Event) -> None:  # the agent's watch, counted
+        look(stop)
+        looked.put_nowait(None)
+
+    agent._look = counted
+
+    async def watches(count: int) -> None:
+        """The agent's next `count` watches, from now."""
+        while not looked.empty():
+            looked.get_nowait()
+        for _ in range(count):
+            await asyncio.wait_for(looked.get(), 10)
+
+    def said(words: str) -> list[str]:
+        return [r.getMessage() for r in caplog.records if words in r.getMessage()]
+
+    gone = (f"ignoring the edit of {path}: cannot read: [Errno 2] No such file or directory: '{path}'; keeping the "
+            "registration in force")
+    async with running_registry(nats_url, prefix), agent_running(agent):
+        seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
+        path.rename(away)
+        await watches(5)
+        assert said("cannot read") == [gone]
+        away.rename(path)  # back as it was
+        await watches(1)
+        assert said("reads again") == [f"{path} reads again without error; it makes the registration in force"]
+        path.rename(away)
+        await watches(3)
+        assert said("cannot read") == [gone, gone]
+        path.write_text(config("v2"))  # back, edited: sent
+        _, changed = await wait_event(nc, prefix, "w-a", RuntimeChanged, after=seq)
+        assert changed.sandbox_classes[0].default_runtime.name == "gvisor-v2"
+        assert said("cannot read") == [gone, gone] and said("reads again")[1:] == [f"{path} reads again without error"]
+
+
 class Said(logging.Handler):
     """The agent's log lines, as they are said (awaited, not polled)."""
 

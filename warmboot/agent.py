@@ -273,6 +273,9 @@ class Agent:
         self._beat_soon = False  # a heartbeat was refused before the TTL was learnt: beat again soon
         self.edited = False  # whether the last read of the file found it edited (else the machine changed)
         self._config_failed = False  # whether the last read of the file (or the machine) made no registration
+        # why the file could not be read when last tried (None: it was read): a file that stays unreadable is
+        # said once, not at every watch (`_read_config`)
+        self._unreadable_file: str | None = None
         self._background: set[asyncio.Task[None]] = set()  # registrations the heartbeats do not wait for
         # Every registration carries a revision (docs/contract.md): the same for the same content, higher
         # for other content, read off this clock (ms), so that a later process of this agent goes on above.
@@ -295,7 +298,9 @@ class Agent:
 
     def _read_config(self) -> RegisterWorker | None:
         """The registration of the file on this machine as they are now; None if neither the
-        file's content nor what the probe reads of the machine changed since the last read.
+        file's content nor what the probe reads of the machine changed since the last read, or
+        if the file still cannot be read, as the last read said (ConfigError once, not at every
+        watch: a file moved away flooded the log; what it reads next is handled as an edit).
 
         The file is small and read whole each time: an mtime can miss an edit made
         within its granularity, a content digest cannot. What the probe reports is read
@@ -306,7 +311,13 @@ class Agent:
             data = self.config_path.read_bytes()
         except OSError as e:
             self._read = None  # what comes back, even as it was, is read anew (and its mend said)
-            raise ConfigError(f"{self.config_path}: cannot read: {e}") from None
+            error = f"{self.config_path}: cannot read: {e}"
+            if error == self._unreadable_file:
+                return None  # said already: nothing new until the file reads again, or fails otherwise
+            self._unreadable_file = error
+            self.edited = True  # a file gone (moved away, its permissions taken) is an edit of it
+            raise ConfigError(error) from None
+        self._unreadable_file = None
         _, machine, reading = self._machine()
         read = (hashlib.sha256(data).digest(), reading)
         if read == self._read:
