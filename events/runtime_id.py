@@ -13,7 +13,9 @@ runtimes that are not compatible (one release on three CPU generations), so a na
 that several compat keys carry is shown as ``name@3f9a1c`` (its short id's digits),
 and a runtime without a name as ``rt-3f9a1c``. `Runtimes` holds the runtimes a view
 knows (with their names) and gives each its label; `Runtimes.resolve` reads any of
-those forms back (a name alone may stand for several runtimes).
+those forms back (a name alone may stand for several runtimes). A runtime no worker names
+(one the fleet no longer runs) may still be named by the log's stamps (`Runtimes.stamp`):
+those names label it as `name@3f9a1c` (`Runtimes.qualified`), and tell no other runtime apart.
 """
 
 from __future__ import annotations
@@ -45,7 +47,12 @@ def readable_alone(name: str) -> bool:
 
 
 class UnknownRuntime(LookupError):
-    """A runtime named on input that is none of the known ones, or stands for several."""
+    """A runtime named on input that is none of the known ones (`known`: their labels), or stands
+    for several (`known` None)."""
+
+    def __init__(self, message: str, known: list[str] | None = None):
+        super().__init__(message)
+        self.known = known
 
 
 @dataclass
@@ -57,16 +64,20 @@ class Known:
 
 
 class Runtimes:
-    """The runtimes a view knows, by compat key, with the names workers give them."""
+    """The runtimes a view knows, by compat key, with the names workers give them. `entries`: runtimes
+    workers run (as `add(..., run=True)`)."""
 
     def __init__(self, entries: Iterable[tuple[str, CompatVersion, str | None]] = (), *, complete: bool = True):
         self.known: dict[CompatKey, Known] = {}
         self._by_name: dict[str, set[CompatKey]] = {}
+        # the names the log's stamps and pins give runtimes (`stamp`), apart from the workers' names:
+        # they name a runtime no worker names, and leave the labels of the fleet's runtimes as they are
+        self.stamped: dict[CompatKey, set[str]] = {}
         # Whether `entries` are every runtime a name could be shared with (the fleet's): if not (the
         # fleet could not be read), a name alone tells nothing apart, and every label carries digits.
         self.complete = complete
         for sandbox_class, version, name in entries:
-            self.add(sandbox_class, version, name)
+            self.add(sandbox_class, version, name, run=True)
 
     def add(self, sandbox_class: str, version: CompatVersion, name: str | None = None, *,
             run: bool = False) -> CompatKey:
@@ -77,6 +88,12 @@ class Runtimes:
             known.names.add(name)
             self._by_name.setdefault(name, set()).add(key)
         return key
+
+    def stamp(self, sandbox_class: str, version: CompatVersion, name: str | None) -> None:
+        """A name a stamp (or a pin) of the log gives a runtime: `qualified` labels with it a runtime
+        no worker names (one the fleet no longer runs)."""
+        if name:
+            self.stamped.setdefault(compat_key(sandbox_class, version), set()).add(name)
 
     def label(self, sandbox_class: str, version: CompatVersion, name: str | None = None) -> str:
         """`name`, `name@3f9a1c` when other runtimes carry the name too, or `rt-3f9a1c`."""
@@ -94,10 +111,12 @@ class Runtimes:
 
     def qualified(self, sandbox_class: str, version: CompatVersion, name: str | None = None) -> str:
         """`name@3f9a1c` (or `rt-3f9a1c` without a name) whatever else is known: for a runtime
-        this set may not hold every namesake of (one the fleet no longer runs)."""
+        this set may not hold every namesake of (one the fleet no longer runs). Without `name`, a
+        worker's name for it, else one of the log's stamps' (`stamp`), the least of them."""
         key = compat_key(sandbox_class, version)
         known = self.known.get(key)
-        chosen = name or (min(known.names) if known and known.names else None)
+        names = known.names if known and known.names else self.stamped.get(key)
+        chosen = name or (min(names) if names else None)
         return f"{chosen}@{short_id(key)[len(PREFIX):]}" if chosen else short_id(key)
 
     def resolve(self, text: str, sandbox_class: str | None = None) -> list[Known]:
@@ -114,7 +133,7 @@ class Runtimes:
         if not found:
             where = f" of class {sandbox_class}" if sandbox_class else ""
             shown = sorted({self.label(k.key[0], k.version) for k in candidates})
-            raise UnknownRuntime(f"no runtime{where} is named {text!r}; known: {', '.join(shown) or 'none'}")
+            raise UnknownRuntime(f"no runtime{where} is named {text!r}; known: {', '.join(shown) or 'none'}", shown)
         return sorted(found, key=lambda k: k.key)
 
     def resolve_one(self, text: str, sandbox_class: str | None = None) -> Known:

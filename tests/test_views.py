@@ -677,3 +677,49 @@ async def test_wide_and_json_together_are_a_usage_error(operated, nats_url):
         alone = [await cli(*view, *one, "--nats", nats_url, "--prefix", prefix) for one in (("-o", "wide"), ("--json",))]
         assert [r.exit_code for r in alone] == [0, 0], (view, [r.output for r in alone])
         json.loads(alone[1].stdout)
+
+
+async def test_a_runtime_no_worker_runs_reads_alike_in_fragmentation_actor_list_and_whatif(stack, nc, prefix,
+                                                                                            nats_url):
+    """A release dropped (its worker registered again on the next) and a worker removed leave
+    snapshots stamped with runtimes no worker runs: `fragmentation` showed them as `rt-c46e5a`, while
+    `actor list` and `actor show` labelled the same stamps `gvisor-2026-10@c46e5a` (a trial). Every
+    view labels them by the name their stamps carry, with their digits; whatif refuses to drop one,
+    saying that no registered worker offers it (it read as a typo: "no runtime ... is named")."""
+    from tests.factories import actor, runtime as offered, worker
+    from warmboot.client import Client
+
+    wb = Client(nc, prefix)
+    old, new, kata = version("2026-10"), version("2026-11"), version("kata-1")
+    await wb.register(worker("w-gv", offered(old, name="gvisor-2026-10")))
+    await wb.register(worker("w-k", offered(kata, name="kata-1"), sandbox_class="kata"))
+    for actor_id, sandbox_class in (("g-1", "gvisor"), ("k-1", "kata")):
+        await wb.create(actor(actor_id, cpu=100, mem=256, sandbox_class=sandbox_class))
+        await wb.resume(actor_id)
+        await wb.suspend(actor_id, uri=f"s3://bucket/{actor_id}")
+    await wb.register(worker("w-gv", offered(new, name="gvisor-2026-11")))  # the release dropped
+    await wb.remove("w-k")  # the worker removed
+    labels = {a: f"{name}@{short_id(compat_key(c, v))[3:]}"
+              for a, c, v, name in (("g-1", "gvisor", old, "gvisor-2026-10"), ("k-1", "kata", kata, "kata-1"))}
+    at = ("--min-seq", str(await last_seq(nc, prefix)), "--nats", nats_url, "--prefix", prefix)
+
+    shown = await cli("fragmentation", *at, width=200)
+    assert shown.exit_code == 0, shown.output
+    rows = {line.split()[1]: line.split() for line in shown.output.split("\n\n", 1)[1].splitlines()[1:]}
+    assert rows[labels["g-1"]][0] == "gvisor" and rows[labels["g-1"]][-1] == "1", shown.output  # SNAPSHOTS
+    assert rows[labels["k-1"]][0] == "kata" and rows[labels["k-1"]][-1] == "1", shown.output
+    assert rows["gvisor-2026-11"][2] == "1", shown.output  # a runtime a worker runs: by its name, as in `workers`
+    listed = json.loads((await cli("actor", "list", "-o", "json", "--nats", nats_url, "--prefix", prefix)).output)
+    assert {v["actor_id"]: v["snapshot"]["stamp"]["label"] for v in listed} == labels
+    for actor_id, label in labels.items():
+        view = json.loads((await cli("actor", "show", actor_id, "--json", "--nats", nats_url, "--prefix",
+                                     prefix)).output)
+        assert view["snapshot"]["stamp"]["label"] == label
+
+    for named in (labels["g-1"], short_id(compat_key("gvisor", old))):
+        refused = await cli("whatif", "--class", "gvisor", "--drop-runtime", named, *at)
+        assert refused.exit_code == 2 and "'--drop-runtime'" in refused.output, refused.output
+        assert (f"no runtime of class gvisor is named '{named}' among those its registered workers offer (as "
+                "default, restorable or compatible version): a runtime none offers has nothing to drop, its memory "
+                "snapshots are stranded already (`warmboot fragmentation` counts them); offered: gvisor-2026-11"
+                ) in " ".join(refused.output.split()), refused.output

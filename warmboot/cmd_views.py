@@ -4,10 +4,12 @@ Plain aligned columns for people (warmboot.render), `-o wide` for every column a
 the full runtime attributes, `-o json` (or `--json`) for machines. A runtime is shown
 by its label (events.runtime_id: its name, `name@3f9a1c` when the name is shared, or
 `rt-3f9a1c`), the same in every view: each view labels runtimes against the runtimes
-of the registered workers. explain, fragmentation and whatif ask the scheduler's
+of the registered workers (`pin_label`: one the fleet does not run, by the name its stamps
+carry, with its digits). explain, fragmentation and whatif ask the scheduler's
 endpoints through `warmboot.client` (the answers a resume would get) and fold only the
 workers' histories for the names (whatif also reads the runtimes it is given back from
-them: a label, an `rt-` id or a name);
+them: a label, an `rt-` id or a name; fragmentation, the whole log when a runtime no worker
+runs has snapshots: `fragmentation_labels`);
 workers folds the whole log with the scheduler's own projection (warmboot.audit.Sink),
 so it shows exactly what the scheduler sees. Their JSON is the endpoint's answer with each
 runtime version's `rt-` id beside it (`with_runtime_ids`).
@@ -103,7 +105,9 @@ def echo_table(rendered, width: int | None) -> None:
 
 
 def runtimes_of(projection: Any) -> Runtimes:
-    """Every runtime the projection's workers offer (default, restorable, edges), with its names."""
+    """Every runtime the projection's workers offer (default, restorable, edges), with its names;
+    and the names its actors' stamps and pins give runtimes (`Runtimes.stamp`: a projection of the
+    whole log has them, the fleet's alone none), for those no worker runs (`pin_label`)."""
     runtimes = Runtimes()
     for worker in projection.workers.values():
         for sandbox_class, entry in worker.classes.items():
@@ -111,15 +115,22 @@ def runtimes_of(projection: Any) -> Runtimes:
                 runtimes.add(sandbox_class, runtime.compat.version, runtime.name, run=True)
                 for edge in getattr(runtime, "edges", ()):
                     runtimes.add(sandbox_class, edge.version)
+    for a in projection.actors.values():
+        for stamp in (a.snapshot.stamp if a.snapshot is not None else None, a.pin):
+            if stamp is not None:
+                r = stamp.runtime
+                runtimes.stamp(r.sandbox_class, r.version, r.name)
     return runtimes
 
 
 def pin_label(runtimes: Runtimes, sandbox_class: str, version: CompatVersion, name: str | None = None) -> str:
-    """A pin's or a stamp's label: as the views label the fleet's runtimes (`Runtimes.label`) when a
-    worker runs it (a default or restorable runtime), else always `name@3f9a1c`
-    (`Runtimes.qualified`): the fleet does not hold every runtime of that name then (a dropped
-    release on several CPU generations), so a name alone would read alike for runtimes that are not
-    compatible (the rule of `audit actor`'s timeline, `cmd_audit.timeline_labels`)."""
+    """A runtime's label in every view: a pin's, a stamp's, a version's a reply names (`name`: the
+    one the pin or stamp carries, if any). As the views label the fleet's runtimes (`Runtimes.label`)
+    when a worker runs it (a default or restorable runtime), else always `name@3f9a1c`
+    (`Runtimes.qualified`; a version given without a name is named as the log's stamps name it, where
+    `runtimes` holds them, `runtimes_of`): the fleet does not hold every runtime of that name then (a
+    dropped release on several CPU generations), so a name alone would read alike for runtimes that
+    are not compatible (the rule of `audit actor`'s timeline, `cmd_audit.timeline_labels`)."""
     known = runtimes.known.get(compat_key(sandbox_class, version))
     if known is not None and known.run:
         return runtimes.label(sandbox_class, version, name)
@@ -254,9 +265,14 @@ def rejected_groups(rejected: list[Rejection], missing: dict[str, list[str]]) ->
 
 
 def group_row(reasons: str, workers: list[str], names: int) -> tuple[str, str]:
-    """A group's row, naming at most `names` of its workers (`w-1, w-2, w-3 (+18 more)`)."""
-    more = len(workers) - names
-    return ", ".join(workers[:names]) + (f" (+{more} more)" if more > 0 else ""), reasons
+    """A group's row, naming at most `names` of its workers (`named_few`)."""
+    return named_few(workers, names), reasons
+
+
+def named_few(ids: list[str], names: int = NAMES_SHOWN) -> str:
+    """At most `names` of `ids`, in their order, and how many more: `w-1, w-2, w-3 (+18 more)`."""
+    more = len(ids) - names
+    return ", ".join(ids[:names]) + (f" (+{more} more)" if more > 0 else "")
 
 
 def render_explanation(actor_id: str, answer: Explanation, runtimes: Runtimes, width: int | None,
@@ -378,22 +394,22 @@ def runtime_columns(runtimes: Runtimes) -> list[Column]:
     """Columns of (class, RuntimeFragmentation) rows."""
     return [
         Column("CLASS", lambda r: r[0]),
-        Column("RUNTIME", lambda r: runtimes.label(r[0], r[1].version), drop=1,
-               narrow=Column("RUNTIME", lambda r: short_id(runtimes.add(r[0], r[1].version)), about="as ids")),
+        Column("RUNTIME", lambda r: pin_label(runtimes, r[0], r[1].version), drop=1,
+               narrow=Column("RUNTIME", lambda r: short_id(compat_key(r[0], r[1].version)), about="as ids")),
         Column("DEFAULT", lambda r: str(r[1].workers_default), right=True),
         Column("RESTORABLE", lambda r: str(r[1].workers_restorable), right=True),
         Column("EDGE", lambda r: str(r[1].workers_compatible), right=True, drop=3),
         Column("CPU FREE", lambda r: millis(r[1].free.cpu_millis), right=True, drop=2),
         Column("MEM FREE", lambda r: mib(r[1].free.memory_mib), right=True),
         Column("SNAPSHOTS", lambda r: str(r[1].snapshots_memory), right=True),
-        Column("RUNTIME ID", lambda r: short_id(runtimes.add(r[0], r[1].version)), wide=True),
+        Column("RUNTIME ID", lambda r: short_id(compat_key(r[0], r[1].version)), wide=True),
         Column("ATTRIBUTES", lambda r: version_text(r[1].version), wide=True),
     ]
 
 
 def by_label(runtimes: Runtimes, sandbox_class: str, version: CompatVersion) -> tuple[str, str, str]:
     """A runtime row's place in a table: by class, then label (its id between equal labels)."""
-    return sandbox_class, runtimes.label(sandbox_class, version), short_id(compat_key(sandbox_class, version))
+    return sandbox_class, pin_label(runtimes, sandbox_class, version), short_id(compat_key(sandbox_class, version))
 
 
 def render_fragmentation(answer: Fragmentation, runtimes: Runtimes, width: int | None, wide: bool = False,
@@ -410,6 +426,36 @@ def render_fragmentation(answer: Fragmentation, runtimes: Runtimes, width: int |
     return text + ("\n" + note if note else "")
 
 
+def named_by_stamps_only(answer: Fragmentation, runtimes: Runtimes) -> bool:
+    """Whether a runtime of the answer has memory snapshots stamped with it and no worker runs it
+    (a dropped release, a removed worker's): its name is then in the log's stamps alone."""
+    for c in answer.classes:
+        for rt in c.runtimes:
+            known = runtimes.known.get(compat_key(c.sandbox_class, rt.version))
+            if rt.snapshots_memory and (known is None or not known.run):
+                return True
+    return False
+
+
+async def fragmentation_labels(nc: Any, prefix: str, answer: Fragmentation) -> Runtimes:
+    """The labels of fragmentation's runtimes: the fleet's (`runtime_labels`); where a runtime no worker
+    runs has snapshots (`named_by_stamps_only`), the whole log's, folded as `actor list` folds it, so that
+    it reads as there and in `actor show`, by the name its stamps carry (`gvisor-v1@3f9a1c`, not
+    `rt-3f9a1c`: a trial). A log that cannot be read so far leaves those by id, said on stderr."""
+    from warmboot.audit import Sink
+    from warmboot.cli_common import replay
+
+    runtimes = await runtime_labels(nc, prefix)
+    if not runtimes.complete or not named_by_stamps_only(answer, runtimes):
+        return runtimes
+    try:
+        return runtimes_of((await replay(nc, prefix, Sink(), True)).projection)
+    except (click.ClickException, ContractError, nats.errors.Error) as e:
+        why = e.message if isinstance(e, (click.ClickException, ContractError)) else describe_error(e)
+        click.echo(f"note: the names the log's stamps give runtimes no worker runs not looked up: {why}", err=True)
+        return runtimes
+
+
 @click.command()
 @classes_option("classes and runtimes")
 @min_seq_option
@@ -421,6 +467,9 @@ def fragmentation(sandbox_class: tuple[str, ...], min_seq: int | None, nats_url:
     """Per sandbox class: workers, stranded and lost local snapshots; per runtime: the workers
     running it (DEFAULT), able to restore it (RESTORABLE) or accepting it through a compatible
     version (EDGE), their free room, and the memory snapshots stamped with it (SNAPSHOTS).
+
+    A runtime is labelled as in every view; one no worker runs, by the name its snapshots' stamps
+    carry, as `actor list` shows them (the whole log is then read for it, as `actor list` reads it).
 
     A --class the scheduler knows nothing of (no worker has registered it, no actor is of it) is
     NOT_FOUND, exit status 1, naming the classes the registered workers run where these credentials
@@ -441,7 +490,7 @@ def fragmentation(sandbox_class: tuple[str, ...], min_seq: int | None, nats_url:
         if len(found) > 1:  # several classes: their answers as one, by class as the endpoint orders them
             found = [Fragmentation(classes=sorted((c for a in found for c in a.classes),
                                                   key=lambda c: c.sandbox_class))]
-        return found[0], (None if mode == "json" else await runtime_labels(nc, prefix))
+        return found[0], (None if mode == "json" else await fragmentation_labels(nc, prefix, found[0]))
 
     answer, runtimes = ask(nats_url, work)
     if mode == "json":
@@ -621,7 +670,9 @@ def workers(sandbox_class: tuple[str, ...], nats_url: str, prefix: str, output: 
 def resolve_drops(runtimes: Runtimes, texts: tuple[str, ...], sandbox_class: str) -> list[CompatVersion]:
     """The versions `--drop-runtime` names: a label or an `rt-` id names one runtime, a name every
     runtime of the class that carries it (one release on several CPU generations). An unknown
-    runtime, or an id several runtimes share, is an error naming the option."""
+    runtime, or an id several runtimes share, is an error naming the option; the runtimes known are
+    those the registered workers offer, so one none offers (a dropped release, whose stamps the
+    views still label) is said to have nothing to drop, not left to read as a typo (a trial)."""
     versions: dict[Any, CompatVersion] = {}
     for text in texts:
         try:
@@ -630,7 +681,12 @@ def resolve_drops(runtimes: Runtimes, texts: tuple[str, ...], sandbox_class: str
             else:
                 found = runtimes.resolve(text, sandbox_class)
         except UnknownRuntime as e:
-            raise click.BadParameter(str(e), param_hint="'--drop-runtime'") from None
+            said = str(e) if e.known is None else (  # none of the fleet's: why that is refused, and what it offers
+                f"no runtime of class {sandbox_class} is named {text!r} among those its registered workers offer "
+                "(as default, restorable or compatible version): a runtime none offers has nothing to drop, its "
+                "memory snapshots are stranded already (`warmboot fragmentation` counts them); offered: "
+                f"{', '.join(e.known) or 'none'}")
+            raise click.BadParameter(said, param_hint="'--drop-runtime'") from None
         for known in found:
             versions.setdefault(known.key, known.version)
     return list(versions.values())
@@ -747,7 +803,8 @@ def render_whatif(query: WhatIf, answer: WhatIfAnswer, runtimes: Runtimes, width
 @click.option("--drop-runtime", "drop", multiple=True, metavar="RUNTIME",
               help="As if every worker of the class stopped offering this runtime (as default, restorable "
                    "or compatible version). A label as the views print it (gvisor-v1, gvisor-v1@3f9a1c), "
-                   "an id (rt-3f9a1c), or a name: every runtime of the class that carries it. Repeatable.")
+                   "an id (rt-3f9a1c), or a name: every runtime of the class that carries it; one a registered "
+                   "worker of the class offers (one none offers has nothing to drop). Repeatable.")
 @click.option("--drain", "drain", multiple=True, metavar="WORKER", callback=check_id,
               help="As if this worker were drained. Repeatable.")
 @click.option("--limit", type=IntRange(0, WHATIF_LIMIT_MAX), default=100, show_default=True,
