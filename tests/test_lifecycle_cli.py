@@ -31,6 +31,7 @@ from events.schema import (
 )
 from events.states import ActorState
 from tests.factories import actor, delivered, golden, last_seq, read_log, runtime, version, wait_for, worker
+from tests.factories import stamp as stamp_of
 from warmboot.cli import main
 from warmboot.client import Client
 
@@ -768,6 +769,101 @@ async def test_create_with_a_selector_no_worker_matches_warns_and_creates(bus, n
     assert fields((await run("actor", "show", "s-2", width=200)).output)["SELECTORS"] == "disk=ssd,zone=a"
     wide = (await run("workers", "-o", "wide", width=300)).output.splitlines()
     assert "disk=ssd,zone=a" in next(line for line in wide if line.startswith("w-zone ")).split(), wide
+
+
+async def test_create_of_a_class_whose_workers_are_all_drained_says_they_are(bus):
+    """A class whose registered workers are all drained was said to be run by none ("the fleet runs:
+    none"), while `workers` listed them DRAINED (a trial): the warning says they are drained, naming
+    a few of them, and its resume is refused as it says; a class no worker runs is said as before."""
+    run, wb = bus
+    for worker_id in ("w-old", "w-new"):
+        await wb.drain(worker_id)
+    create = ("--template", "t1", "--cpu", "100", "--memory", "64")
+    drained = await run("actor", "create", "d-1", "--class", "gvisor", *create)
+    assert drained.exit_code == 0 and drained.stdout.startswith("actor/d-1 created"), drained.output
+    assert drained.stderr == ("warning: every registered worker of class gvisor is drained: w-new, w-old; resuming "
+                              "d-1 is refused until an undrained one registers (a drain lasts the worker's life: "
+                              "`warmboot worker remove` it and let its agent register it anew)\n")
+    refused = await run("actor", "resume", "d-1")
+    assert refused.exit_code == 1 and "2 drained" in refused.stderr, refused.stderr
+    for i in range(3):
+        await wb.register(worker(f"w-{i}", V1))
+        await wb.drain(f"w-{i}")
+    many = await run("actor", "create", "d-2", "--class", "gvisor", *create)
+    assert "every registered worker of class gvisor is drained: w-0, w-1, w-2 (+2 more); resuming d-2" in many.stderr
+    typo = await run("actor", "create", "d-3", "--class", "gvsor", *create)
+    # the classes of the registered workers, drained ones too (it said "runs: none" of a drained fleet)
+    assert typo.stderr == ("warning: no registered worker runs the sandbox class 'gvsor' (the fleet runs: gvisor); "
+                           "resuming d-3 is refused until one does\n")
+
+
+async def test_create_from_a_snapshot_its_resume_will_not_restore_says_so(bus, tmp_path):
+    """A tag's snapshot of another template, or a golden snapshot whose stamp no undrained worker
+    accepts, is taken (the contract allows it) and its memory given up at the resume: said at create
+    (a trial's creates said nothing, and the resume fell back), as for a golden snapshot of another
+    template; a snapshot the resume restores says nothing."""
+    run, wb = bus
+    create = ("--class", "gvisor", "--cpu", "100", "--memory", "256")
+    await wb.create(actor("src", cpu=100, mem=256))
+    await wb.resume("src")
+    await wb.suspend("src", uri="s3://bucket/src", snapshot_id="src-memory")
+    await wb.tag("src", "golden-1")
+    other = await run("actor", "create", "m-1", *create, "--template", "other", "--source-tag", "golden-1")
+    assert other.exit_code == 0 and other.stdout.startswith("actor/m-1 created"), other.output
+    assert other.stderr == ("warning: the snapshot 'src-memory' of tag golden-1 was taken from template 't1', not "
+                            "'other': m-1 restores it at VOLUMES, without its memory (TEMPLATE_CHANGED)\n")
+    placed = fields((await run("actor", "resume", "m-1")).output)
+    assert placed["FALLBACK"] == "TEMPLATE_CHANGED (MEMORY -> VOLUMES)", placed
+    same = await run("actor", "create", "m-2", *create, "--template", "t1", "--source-tag", "golden-1")
+    assert same.exit_code == 0 and same.stderr == "", same.output
+
+    v9 = version("v9")
+    named = stamp_of(v9, name="runsc-v9")
+    path = tmp_path / "golden.json"
+    path.write_text(json.dumps(to_builtins(golden(v9, snapshot_id="golden-9", sandbox_runtime=named))))
+    label = f"runsc-v9@{short_id(compat_key('gvisor', v9))[3:]}"
+    nowhere = await run("actor", "create", "g-9", *create, "--template", "t1", "--golden-snapshot", str(path))
+    assert nowhere.exit_code == 0, nowhere.output
+    assert nowhere.stderr == (f"warning: no undrained worker of class gvisor accepts the stamp {label} of the golden "
+                              "snapshot 'golden-9': until one does, g-9 cold-boots instead of restoring it "
+                              "(NO_COMPATIBLE_WORKER)\n")
+    placed = fields((await run("actor", "resume", "g-9")).output)
+    assert placed["FALLBACK"] == "NO_COMPATIBLE_WORKER (MEMORY -> NONE)", placed
+    floor = await run("actor", "create", "g-10", *create, "--template", "t1", "--golden-snapshot", str(path),
+                      "--min-fidelity", "MEMORY")
+    assert floor.stderr == (f"warning: no undrained worker of class gvisor accepts the stamp {label} of the golden "
+                            "snapshot 'golden-9': until one does, resuming g-10 is refused (its --min-fidelity is "
+                            "MEMORY)\n")
+    refused = await run("actor", "resume", "g-10")
+    assert refused.exit_code == 1 and refused.stderr.startswith("error: RESOURCE_EXHAUSTED"), refused.stderr
+    # accepted by a worker's default (w-old) and through an edge (w-new): nothing said, restored
+    path.write_text(json.dumps(to_builtins(golden(V1, snapshot_id="golden-one"))))
+    accepted = await run("actor", "create", "g-11", *create, "--template", "t1", "--golden-snapshot", str(path))
+    assert accepted.exit_code == 0 and accepted.stderr == "", accepted.output
+    assert fields((await run("actor", "resume", "g-11")).output)["DECISION"] == "RESTORE at MEMORY"
+
+
+def test_create_says_what_it_could_not_check_where_the_log_cannot_be_read():
+    """A client's credentials may not read the log (docs/security.md): the tag's snapshot is not
+    read, nor the workers of a class the scheduler counts none undrained of. What is said then
+    claims no more than was read: not that no worker runs the class, which drained ones may."""
+    from events.schema import ClassFragmentation, Fragmentation
+
+    from warmboot.cmd_lifecycle import Created, create_warnings
+
+    why = "these credentials may not read the log"
+    gvisor = ClassFragmentation(sandbox_class="gvisor", workers=0, runtimes=[], stranded_snapshots=0)
+    kata = ClassFragmentation(sandbox_class="kata", workers=2, runtimes=[], stranded_snapshots=0)
+    read = Created(answer=Fragmentation(classes=[gvisor, kata]), unread=why)
+    assert create_warnings(actor("a", source_tag=None), read) == [
+        f"warning: no undrained worker runs the sandbox class 'gvisor' (the fleet runs: kata; whether drained ones do "
+        f"was not looked up: {why}); resuming a is refused until one does"]
+    tagged = Created(answer=Fragmentation(classes=[kata]), tag_unread=why, unread=why)
+    assert create_warnings(actor("b", sandbox_class="kata", source_tag="base"), tagged) == [
+        f"note: the snapshot of tag base not checked against --template and the workers' runtimes: {why}"]
+    floor = actor("c", sandbox_class="kata", source_tag="base", min_fidelity=Fidelity.MEMORY)
+    assert create_warnings(floor, tagged) == [f"note: --min-fidelity MEMORY not checked against the snapshot of tag "
+                                              f"base: {why}"]
 
 
 async def test_a_tag_that_moves_says_what_it_named(bus):

@@ -25,6 +25,7 @@ The `show` commands read the log, not a service:
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -35,9 +36,10 @@ import nats.errors
 from events.codec import decode_request, json_path, to_builtins, unknown_fields
 from events.errors import ContractError, no_actor, no_worker
 from events.natspy.connections import describe_error
+from events.compat import compat_key
 from events.runtime_id import Runtimes, short_id
-from events.schema import (ActorCreated, ActorRuntime, CreateActor, ErrorCode, Fidelity, Resources, Snapshot,
-                           TagRecorded)
+from events.schema import (ActorCreated, ActorRuntime, CreateActor, ErrorCode, Fidelity, Fragmentation, Resources,
+                           Snapshot, TagRecorded)
 from events.states import ActorState
 from events.subjects import event_subject
 from warmboot.cli_common import (MIB, MILLICORES, IntRange, LogUnreadable, ask, check_id, json_option, last_seq,
@@ -53,6 +55,7 @@ from warmboot.cmd_views import (
     fleet_runtimes,
     millis,
     mib,
+    named_few,
     output_mode,
     output_option,
     pin_label,
@@ -237,80 +240,158 @@ def create_cmd(actor_id: str, sandbox_class: str, template_uid: str, cpu_millis:
                        selectors=selectors_of(selectors), min_fidelity=Fidelity(min_fidelity),
                        source_tag=source_tag, golden_snapshot=golden_snapshot, request_id=request_id)
 
-    unchecked: list[str] = []  # why the selector could not be checked against the workers' labels
-    first: list[Snapshot | None] = [golden_snapshot]  # the actor's first snapshot, for the floor's warning
-    floor_unchecked: list[str] = []  # why the tag's snapshot could not be read
-    too_big: list[str | None] = []  # how the actor is bigger than any registered worker of its class
-
-    async def work(nc: Any) -> tuple[Any, list[str] | None, bool | None]:
+    async def work(nc: Any) -> tuple[Any, Created]:
         wb = Client(nc, prefix)
         reply = await wb.create(body)
-        if source_tag is not None and body.min_fidelity is Fidelity.MEMORY:  # the tag's snapshot, as copied
+        read = Created(snapshot=golden_snapshot)
+        if source_tag is not None:  # the tag's snapshot, as copied: its template and stamp, and the floor
             try:
                 history = await read_subject(nc, prefix, event_subject(prefix, "actor", actor_id))
-                first[0] = [e for seq, e in history if isinstance(e, ActorCreated) and seq <= reply.seq][-1].snapshot
+                read.snapshot = [e for seq, e in history
+                                 if isinstance(e, ActorCreated) and seq <= reply.seq][-1].snapshot
             except (click.ClickException, ContractError, OSError, asyncio.TimeoutError, nats.errors.Error,
                     IndexError) as e:
-                floor_unchecked.append("its ActorCreated is not in the log" if isinstance(e, IndexError)
-                                       else e.message if isinstance(e, (click.ClickException, ContractError))
-                                       else describe_error(e))
-        try:  # which classes the fleet runs, for a warning: a mistyped class is accepted, and refused at resume
-            classes = [c.sandbox_class for c in (await wb.fragmentation()).classes if c.workers]
+                read.tag_unread = ("its ActorCreated is not in the log" if isinstance(e, IndexError)
+                                   else e.message if isinstance(e, (click.ClickException, ContractError))
+                                   else describe_error(e))
+        try:  # the fleet as the scheduler counts it: its classes, their undrained workers, the stamps they accept
+            read.answer = await wb.fragmentation()
         except (ContractError, OSError, asyncio.TimeoutError, nats.errors.Error):
-            classes = None  # no scheduler answering: nothing to say
-        matched = None  # whether a registered worker of the class has every label selected (None: not known)
-        if classes and sandbox_class in classes:
-            try:  # the fleet's workers, as the views read them; a client that may not read the log says nothing
-                projection = await fleet(nc, prefix, await last_seq(nc, prefix, LABELS_TIMEOUT_S))
+            pass  # no scheduler answering: nothing to say
+        if read.answer is not None:
+            try:  # the fleet's workers, as the views read them (a client's credentials may not read the log)
+                read.projection = await fleet(nc, prefix, await last_seq(nc, prefix, LABELS_TIMEOUT_S))
             except (click.ClickException, ContractError, OSError, asyncio.TimeoutError, nats.errors.Error) as e:
-                if body.selectors:  # said for --selector only: a note on the size would be on its every create
-                    unchecked.append(e.why if isinstance(e, LogUnreadable) else e.message
-                                     if isinstance(e, (click.ClickException, ContractError)) else describe_error(e))
-            else:
-                from services.scheduler.decide import too_big_for_class  # as the scheduler's refusal says it
+                read.unread = (e.why if isinstance(e, LogUnreadable) else e.message
+                               if isinstance(e, (click.ClickException, ContractError)) else describe_error(e))
+        return reply, read
 
-                too_big.append(too_big_for_class(projection, sandbox_class, cpu_millis, memory_mib))
-                if body.selectors:
-                    matched = any(sandbox_class in w.classes
-                                  and all(w.labels.get(k) == v for k, v in body.selectors.items())
-                                  for w in projection.workers.values())
-        return reply, classes, matched
-
-    reply, classes, matched = ask(nats_url, work)
+    reply, read = ask(nats_url, work)
     echo(reply, as_json, lambda: done("actor", actor_id, "created", reply.seq))
-    never = None if body.min_fidelity is not Fidelity.MEMORY or floor_unchecked \
-        else below_memory(first[0], template_uid)
+    for line in create_warnings(body, read):
+        click.echo(line, err=True)
+
+
+@dataclass
+class Created:
+    """What `actor create` read after its create, for its warnings (`create_warnings`)."""
+
+    snapshot: Snapshot | None = None  # the actor's first: the --golden-snapshot file's, or the tag's as copied
+    tag_unread: str | None = None  # why the tag's snapshot could not be read
+    answer: Fragmentation | None = None  # the scheduler's fragmentation (None: it did not answer)
+    projection: Any = None  # the registered workers (`fleet`), read when the scheduler answered
+    unread: str | None = None  # why they could not be (a client's credentials may not read the log)
+
+
+def create_warnings(body: CreateActor, read: Created) -> list[str]:
+    """What `actor create` says on stderr of the actor it created, from what it read (`Created`): a
+    create the contract takes whose resumes will be refused, or will not restore its snapshot's memory,
+    is said at once (warnings), and a check that could not be made is said too (notes)."""
+    aid, cls, tag = body.actor_id, body.sandbox_class, body.source_tag
+    lines = []
+    memory_floor = body.min_fidelity is Fidelity.MEMORY
+    never = None if not memory_floor or read.tag_unread else below_memory(read.snapshot, body.template_uid)
+    ours = None if read.answer is None else next((c for c in read.answer.classes if c.sandbox_class == cls), None)
+    live = ours is not None and ours.workers > 0  # a registered, undrained worker runs the class
     if never is not None:  # taken, as the contract allows; said instead of the warnings below, which it overrules
-        click.echo(f"warning: {actor_id} can never be resumed: its --min-fidelity is MEMORY and {never}; no resume "
-                   "may go below its floor, so every resume is refused (FAILED_PRECONDITION). Create it from a "
-                   "MEMORY snapshot of its template stamped with a runtime (--source-tag, --golden-snapshot), or "
-                   "with a lower --min-fidelity", err=True)
-    elif floor_unchecked:  # a client's credentials may not read the log
-        click.echo(f"note: --min-fidelity MEMORY not checked against the snapshot of tag {source_tag}: "
-                   f"{floor_unchecked[0]}", err=True)
-    elif golden_snapshot is not None and golden_snapshot.template_uid != template_uid:  # taken, as the contract allows
-        click.echo(f"warning: the golden snapshot {golden_snapshot.snapshot_id!r} was taken from template "
-                   f"{golden_snapshot.template_uid!r}, not {template_uid!r}: {actor_id} cold-boots instead of "
-                   "restoring it (TEMPLATE_CHANGED)", err=True)
-    elif golden_snapshot is not None and golden_snapshot.fidelity is Fidelity.MEMORY \
-            and golden_snapshot.sandbox_runtime is None:  # taken, as the contract allows; a walkthrough missed it
-        click.echo(f"warning: the golden snapshot {golden_snapshot.snapshot_id!r} holds memory but no sandbox_runtime: "
-                   f"no worker can restore its memory, so {actor_id} starts without it (SNAPSHOT_NOT_MEMORY)",
-                   err=True)
-    if classes is not None and sandbox_class not in classes:
-        click.echo(f"warning: no registered worker runs the sandbox class {sandbox_class!r} "
-                   f"(the fleet runs: {', '.join(sorted(classes)) or 'none'}); resuming {actor_id} is refused "
-                   "until one does", err=True)
-    elif matched is False:  # a selector nothing matches: refused at resume, as a mistyped class is
+        lines.append(f"warning: {aid} can never be resumed: its --min-fidelity is MEMORY and {never}; no resume may "
+                     "go below its floor, so every resume is refused (FAILED_PRECONDITION). Create it from a MEMORY "
+                     "snapshot of its template stamped with a runtime (--source-tag, --golden-snapshot), or with a "
+                     "lower --min-fidelity")
+    elif read.tag_unread and memory_floor:  # a client's credentials may not read the log
+        lines.append(f"note: --min-fidelity MEMORY not checked against the snapshot of tag {tag}: {read.tag_unread}")
+    elif read.tag_unread:
+        lines.append(f"note: the snapshot of tag {tag} not checked against --template and the workers' runtimes: "
+                     f"{read.tag_unread}")
+    else:
+        lost = memory_lost(body, read, live)
+        if lost is not None:
+            lines.append(f"warning: {lost}")
+    said = class_unserved(body, read, ours)
+    if said is not None:
+        lines.append(f"warning: {said}")
+    elif live and read.projection is not None and body.selectors and not any(
+            cls in w.classes and all(w.labels.get(k) == v for k, v in body.selectors.items())
+            for w in read.projection.workers.values()):  # a selector nothing matches: refused at resume, as a class
         wanted = ", ".join(f"{k}={v}" for k, v in sorted(body.selectors.items()))
-        click.echo(f"warning: no registered worker of class {sandbox_class} has the labels {wanted}; resuming "
-                   f"{actor_id} is refused until one does (`warmboot workers -o wide` shows their labels)", err=True)
-    elif unchecked:  # a client's credentials may not read the log: the warning above cannot be given
-        click.echo(f"note: --selector not checked against the workers' labels: {unchecked[0]}", err=True)
-    if too_big and too_big[0] is not None:  # taken: a bigger worker may register later
-        click.echo(f"warning: no registered worker of class {sandbox_class} is big enough for {actor_id}: "
-                   f"{too_big[0]}; resuming {actor_id} is refused (RESOURCE_EXHAUSTED) until a bigger worker "
-                   "registers", err=True)
+        lines.append(f"warning: no registered worker of class {cls} has the labels {wanted}; resuming {aid} is "
+                     "refused until one does (`warmboot workers -o wide` shows their labels)")
+    elif live and read.unread and body.selectors:  # a client's credentials may not read the log
+        lines.append(f"note: --selector not checked against the workers' labels: {read.unread}")
+    if live and read.projection is not None:  # not said when unread: a note on the size would be on every create
+        from services.scheduler.decide import too_big_for_class  # as the scheduler's refusal says it
+
+        too_big = too_big_for_class(read.projection, cls, body.resources.cpu_millis, body.resources.memory_mib)
+        if too_big is not None:  # taken: a bigger worker may register later
+            lines.append(f"warning: no registered worker of class {cls} is big enough for {aid}: {too_big}; "
+                         f"resuming {aid} is refused (RESOURCE_EXHAUSTED) until a bigger worker registers")
+    return lines
+
+
+def class_unserved(body: CreateActor, read: Created, ours: Any) -> str | None:
+    """Why no worker takes the actor's class now, or None if one does (or the scheduler did not say):
+    none registered runs it (a mistyped class is accepted, and refused at resume), or every one that
+    does is drained (a drain lasts the worker's life; it read as "runs: none", a trial)."""
+    if read.answer is None or (ours is not None and ours.workers > 0):
+        return None
+    from services.scheduler.whatif import registered_classes  # as `whatif --class` names them
+
+    aid, cls = body.actor_id, body.sandbox_class
+    runs = ", ".join(registered_classes(read.projection) if read.projection is not None  # drained ones too
+                     else sorted(c.sandbox_class for c in read.answer.classes if c.workers)) or "none"
+    if ours is not None and read.projection is None:  # known to the scheduler: drained or gone, not looked up
+        return (f"no undrained worker runs the sandbox class {cls!r} (the fleet runs: {runs}; whether drained ones do "
+                f"was not looked up: {read.unread}); resuming {aid} is refused until one does")
+    registered = [w for w in read.projection.workers.values() if cls in w.classes] if read.projection else []
+    if any(w.live for w in registered):  # one registered since the scheduler answered
+        return None
+    if registered:
+        drained = named_few(sorted(w.worker_id for w in registered))
+        return (f"every registered worker of class {cls} is drained: {drained}; resuming {aid} is refused "
+                "until an undrained one registers (a drain lasts the worker's life: `warmboot worker remove` it and "
+                "let its agent register it anew)")
+    return (f"no registered worker runs the sandbox class {cls!r} (the fleet runs: {runs}); resuming {aid} is refused "
+            "until one does")
+
+
+def memory_lost(body: CreateActor, read: Created, live: bool) -> str | None:
+    """Why the first resume of the actor will not restore the memory of the snapshot it is created
+    from, as the scheduler's plan gives it up (services.scheduler.decide, rules 3 and 4), or None:
+    a snapshot of another template (TEMPLATE_CHANGED), one with no stamp (SNAPSHOT_NOT_MEMORY), a
+    stamp no undrained worker of the class accepts, as fragmentation counts them (NO_COMPATIBLE_WORKER;
+    a MEMORY floor refuses the resume instead). The contract takes each; a trial's creates said nothing."""
+    snapshot, aid, cls = read.snapshot, body.actor_id, body.sandbox_class
+    if snapshot is None or snapshot.fidelity is not Fidelity.MEMORY:
+        return None
+    what = (f"the golden snapshot {snapshot.snapshot_id!r}" if body.golden_snapshot is not None
+            else f"the snapshot {snapshot.snapshot_id!r} of tag {body.source_tag}")
+    borrowed = snapshot.borrowed or body.golden_snapshot is not None  # the snapshotter borrows a golden one
+    instead = "cold-boots instead of restoring it" if borrowed else "restores it at VOLUMES, without its memory"
+    if snapshot.template_uid != body.template_uid:
+        return (f"{what} was taken from template {snapshot.template_uid!r}, not {body.template_uid!r}: {aid} "
+                f"{instead} (TEMPLATE_CHANGED)")
+    stamp = snapshot.sandbox_runtime
+    if stamp is None:
+        return (f"{what} holds memory but no sandbox_runtime: no worker can restore its memory, so {aid} starts "
+                "without it (SNAPSHOT_NOT_MEMORY)")
+    if not live or stamp.sandbox_class != cls or accepts(read.answer, stamp) is not False:
+        return None  # no worker takes the class (said so apart); a stamp of another class is refused at create
+    runtimes = runtimes_of(read.projection) if read.projection is not None else Runtimes(complete=False)
+    then = (f"resuming {aid} is refused (its --min-fidelity is MEMORY)" if body.min_fidelity is Fidelity.MEMORY
+            else f"{aid} {instead} (NO_COMPATIBLE_WORKER)")
+    return (f"no undrained worker of class {cls} accepts the stamp "
+            f"{pin_label(runtimes, cls, stamp.version, stamp.name)} of {what}: until one does, {then}")
+
+
+def accepts(answer: Fragmentation | None, stamp: ActorRuntime) -> bool | None:
+    """Whether an undrained worker accepts a memory snapshot stamped `stamp` (as default, restorable
+    or compatible version), as the scheduler's fragmentation counts them; None if it did not answer."""
+    if answer is None:
+        return None
+    key = compat_key(stamp.sandbox_class, stamp.version)
+    return any(compat_key(c.sandbox_class, rt.version) == key
+               and rt.workers_default + rt.workers_restorable + rt.workers_compatible > 0
+               for c in answer.classes if c.sandbox_class == stamp.sandbox_class for rt in c.runtimes)
 
 
 def below_memory(snapshot: Snapshot | None, template_uid: str) -> str | None:
