@@ -841,6 +841,11 @@ async def test_create_from_a_snapshot_its_resume_will_not_restore_says_so(bus, t
     accepted = await run("actor", "create", "g-11", *create, "--template", "t1", "--golden-snapshot", str(path))
     assert accepted.exit_code == 0 and accepted.stderr == "", accepted.output
     assert fields((await run("actor", "resume", "g-11")).output)["DECISION"] == "RESTORE at MEMORY"
+    # a VOLUMES snapshot restores whatever its template (rule 3): nothing to say of it (it was said to cold-boot)
+    path.write_text(json.dumps(to_builtins(golden(V1, snapshot_id="golden-vol", fidelity=Fidelity.VOLUMES))))
+    volumes = await run("actor", "create", "g-12", *create, "--template", "t9", "--golden-snapshot", str(path))
+    assert volumes.exit_code == 0 and volumes.stderr == "", volumes.output
+    assert fields((await run("actor", "resume", "g-12")).output)["DECISION"] == "RESTORE at VOLUMES"
 
 
 def test_create_says_what_it_could_not_check_where_the_log_cannot_be_read():
