@@ -364,11 +364,22 @@ def test_check_names_the_keys_a_reader_would_drop(tmp_path):
     golden.write_bytes(msgspec.json.encode(body))
     result = CliRunner().invoke(main, ["schema", "--check", str(golden), "--as", "Snapshot"])
     assert result.exit_code == 0 and result.output.count(": valid Snapshot") == 2, result.output
-    assert "note: Snapshot has no field for these keys, which a reader ignores:\n  $.sandbox_runtme\n" \
-        in result.output
+    assert "note: Snapshot has no field for these keys, which a reader ignores (--strict fails on them):\n" \
+        "  $.sandbox_runtme\n" in result.output
     clean = tmp_path / "clean.json"
     clean.write_bytes(encode(snapshot))
     assert "note:" not in CliRunner().invoke(main, ["schema", "--check", str(clean), "--as", "Snapshot"]).output
+    # --strict: the file as `actor create --golden-snapshot` reads it (a user trial's script took exit 0 as valid)
+    strict = CliRunner().invoke(main, ["schema", "--check", str(golden), "--as", "Snapshot", "--strict"])
+    assert strict.exit_code == 1, strict.output
+    assert "--strict: invalid Snapshot: no such field in a Snapshot (a reader would drop it):\n  $.sandbox_runtme\n" \
+        in strict.output
+    created = CliRunner().invoke(main, ["actor", "create", "g", "--class", "gvisor", "--template", "t-1", "--cpu",
+                                        "1", "--memory", "1", "--golden-snapshot", str(golden)])
+    assert created.exit_code == 2 and "$.sandbox_runtme" in created.output, created.output  # refused alike
+    assert CliRunner().invoke(main, ["schema", "--check", str(clean), "--as", "Snapshot", "--strict"]).exit_code == 0
+    lone = CliRunner().invoke(main, ["schema", "--strict"])
+    assert lone.exit_code == 2 and "--strict goes with --check BODY.json" in lone.output, lone.output
 
 
 def test_unknown_fields_are_found_at_every_depth_and_only_there():

@@ -77,18 +77,24 @@ def probe(profile: str, cpuinfo_path: Path, arch: str | None, attrs: tuple[str, 
 @click.option("--as", "name", default=None, metavar="NAME",
               help="The body's type: a request, reply or event name, AnyRequest, AnyReply, AnyEvent, or an "
                    "object inside bodies (e.g. Snapshot, the file of `actor create --golden-snapshot`).")
-def schema(body_path: Path | None, name: str | None) -> None:
+@click.option("--strict", is_flag=True,
+              help="With --check: a key the type has no field for fails the check (exit 1), as `actor create "
+                   "--golden-snapshot` refuses it (a misspelt key); without it, such keys are listed in a note, "
+                   "since a reader ignores them on the wire (a newer writer may add fields).")
+def schema(body_path: Path | None, name: str | None, strict: bool) -> None:
     """Print the JSON Schema (2020-12) of every request, reply and event body.
 
     With --check BODY.json --as NAME, validate a body instead: against the JSON Schema
     (the PyPI jsonschema package) and with warmboot's own decoder, each verdict
-    printed with the JSON path of every error; exits 1 if either rejects the body.
+    printed with the JSON path of every error; exits 1 if either rejects the body
+    (or, with --strict, if it holds a key the type has no field for).
     """
     from events.jsonschema import json_schema
 
     if body_path is None:
-        if name is not None:
-            raise click.UsageError("--as goes with --check BODY.json")
+        for given, option in ((name, "--as"), (strict or None, "--strict")):
+            if given is not None:
+                raise click.UsageError(f"{option} goes with --check BODY.json")
         click.echo(json.dumps(json_schema(), indent=2))
         return
     from warmboot.schema_check import check_body
@@ -96,7 +102,7 @@ def schema(body_path: Path | None, name: str | None) -> None:
     if name is None:
         raise click.UsageError("--check needs --as NAME (the body's type)")
     data = click.open_file(str(body_path), "rb").read()
-    report = check_body(name, data)
+    report = check_body(name, data, strict)
     click.echo(report.text())
     if not report.valid:
         raise SystemExit(1)

@@ -212,8 +212,9 @@ FIDELITIES = UpperChoice([f.value for f in Fidelity], case_sensitive=False)  # `
 @click.option("--golden-snapshot", "golden", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               default=None, help="Start from this Snapshot (a JSON file): EXTERNAL, on no node, with a uri; "
                                  "stamped (sandbox_runtime) if its memory is to be restored; "
-                                 "examples/golden-snapshot.json is one. `warmboot schema --check FILE --as Snapshot` "
-                                 "checks the file's form; the create checks the rest.")
+                                 "examples/golden-snapshot.json is one. `warmboot schema --check FILE --as Snapshot "
+                                 "--strict` checks the file's form as the create reads it; the create checks the "
+                                 "rest.")
 @request_id_option
 @nats_option
 @prefix_option

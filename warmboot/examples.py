@@ -27,7 +27,7 @@ EXAMPLES: dict[str, list[str]] = {
     ],
     "schema": [
         "warmboot schema > warmboot.schema.json",
-        "warmboot schema --check examples/golden-snapshot.json --as Snapshot",
+        "warmboot schema --check examples/golden-snapshot.json --as Snapshot --strict",
     ],
     "explain": [
         "warmboot explain a-0001",

@@ -36,10 +36,11 @@ class Report:
     schema: Verdict
     decoder: Verdict
     ignored: list[str] = field(default_factory=list)  # contract paths of keys the type has no field for
+    strict: bool = False  # whether such a key fails the check (`--strict`: a person's file, as create reads it)
 
     @property
     def valid(self) -> bool:
-        return self.schema.valid and self.decoder.valid
+        return self.schema.valid and self.decoder.valid and not (self.strict and self.ignored)
 
     def text(self) -> str:
         lines = []
@@ -51,8 +52,12 @@ class Report:
             lines.extend(f"  {path}: {message}" for path, message in verdict.errors)
         if not self.decoder.note and self.schema.valid != self.decoder.valid:
             lines.append("the JSON Schema and the decoder disagree on this body")
-        if self.ignored:  # not an error (a newer writer may add fields), but a misspelt key is lost
-            lines.append(f"note: {self.name} has no field for these keys, which a reader ignores:")
+        if self.ignored and self.strict:  # a person's file: a misspelt key is an error (as create says it)
+            lines.append(f"--strict: invalid {self.name}: no such field in a {self.name} (a reader would drop it):")
+            lines.extend(f"  {json_path(path)}" for path in self.ignored)
+        elif self.ignored:  # not an error on the wire (a newer writer may add fields), but a misspelt key is lost
+            lines.append(f"note: {self.name} has no field for these keys, which a reader ignores (--strict fails "
+                         "on them):")
             lines.extend(f"  {json_path(path)}" for path in self.ignored)
         return "\n".join(lines)
 
@@ -93,7 +98,7 @@ def schema_verdict(name: str, data: bytes) -> Verdict:
     return verdict
 
 
-def check_body(name: str, data: bytes) -> Report:
+def check_body(name: str, data: bytes, strict: bool = False) -> Report:
     names = body_names()
     if name not in names:
         raise click.BadParameter(f"{name!r} is not a body type; one of: {', '.join(sorted(names))}",
@@ -107,4 +112,4 @@ def check_body(name: str, data: bytes) -> Report:
     else:
         member = narrow(name, body)  # a union's member, told by the body
         ignored = unknown_fields(TYPES[member], body) if member in TYPES else []
-    return Report(member, schema_verdict(name, data), decoder_verdict(member, data), ignored)
+    return Report(member, schema_verdict(name, data), decoder_verdict(member, data), ignored, strict)
