@@ -122,9 +122,9 @@ async def test_the_client_says_not_found_of_a_class_the_scheduler_knows_nothing_
         assert (shown.exit_code, shown.stdout) == (1, ""), (user, shown.output)
         assert shown.stderr == f"{said}{names}\n", (user, shown.stderr)
     helped = " ".join(CliRunner().invoke(main, ["fragmentation", "--help"], terminal_width=200).output.split())
-    assert ("A --class the scheduler knows nothing of (no worker has registered it, no actor is of it) is NOT_FOUND, "
-            "exit status 1, naming the classes the registered workers run where these credentials may read the "
-            "log") in helped, helped
+    assert ("A --class the scheduler knows nothing of (no worker has registered it, and no actor of it holds a "
+            "memory snapshot) is NOT_FOUND, exit status 1, naming the classes the registered workers run where "
+            "these credentials may read the log") in helped, helped
 
 
 # --- 3. a malformed id on the command line --------------------------------------------------------------

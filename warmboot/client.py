@@ -150,13 +150,14 @@ def new_request_id() -> str:
 
 
 def _transient(service: str, error: ContractError) -> bool:
-    """Whether the same request, sent again, may be answered otherwise: UNAVAILABLE (a replica
-    that could not answer now, a time-out, no responders), except one naming `min_seq` or `life_seq`
-    (a sequence past the end of the log: no retry brings it, `past_the_end`); and the registry's refusal of a request about a
-    worker it is working on `IN_FLIGHT_PER_WORKER` requests about already (RESOURCE_EXHAUSTED naming
-    no field: nothing was taken; without a retry, a worker flooding its own `remove` or `drain`
-    would have an operator's refused with its own). The scheduler's RESOURCE_EXHAUSTED (no room)
-    and the registry's budget refusal (naming `worker_id`) are the caller's to judge."""
+    """Whether the same request, sent again, may be answered otherwise: UNAVAILABLE (a replica that
+    could not answer now, a time-out, no responders), except one naming `min_seq` or `life_seq` (a
+    sequence past the end of the log: no retry brings it, `past_the_end`); and the registry's
+    refusal of a request about a worker it is working on `IN_FLIGHT_PER_WORKER` requests about
+    already (RESOURCE_EXHAUSTED naming no field: nothing was taken; without a retry, a worker
+    flooding its own `remove` or `drain` would have an operator's refused with its own). The
+    scheduler's RESOURCE_EXHAUSTED (no room) and the registry's budget refusal (naming `worker_id`)
+    are the caller's to judge."""
     if error.code is ErrorCode.UNAVAILABLE:
         return not past_the_end(error)
     return error.code is ErrorCode.RESOURCE_EXHAUSTED and service == "registry" and error.field is None
@@ -443,8 +444,9 @@ class Client:
         before which such a pause was sent unfenced): that fences the actor as this call finds it, not
         as it was when its worker took the image, so a caller that pauses actors another process
         resumed gives the seq of the placement it had take the image. With `fence_snapshots=False`,
-        only the caller's (with the worker and pin, if it is this client's last resume's). A snapshotter of an earlier version (no `status`): sent without one, and
-        `on_unfenced` is told (`status_if_served`)."""
+        only the caller's (with the worker and pin, if it is this client's last resume's). A
+        snapshotter of an earlier version (no `status`): sent without one, and `on_unfenced` is told
+        (`status_if_served`)."""
         under = await self._placement_of(actor_id, placement_seq)
         body = PauseActor(snapshot_id=snapshot_id, request_id=request_id or new_request_id(),
                           **msgspec.structs.asdict(under))
@@ -633,11 +635,11 @@ class Client:
         return await self.request("scheduler", "explain", actor_id, body, Explanation)
 
     async def fragmentation(self, sandbox_class: str | None = None, min_seq: int | None = None) -> Fragmentation:
-        """Every class's fragmentation, or `sandbox_class`'s alone. A class the scheduler knows nothing
-        of (no worker has registered it, no actor is of it) is NOT_FOUND, field `sandbox_class`: the
-        endpoint says so (since 2026-12-06); of a scheduler before then, which answered no class, the
-        client says it, as `whatif`'s and `warmboot fragmentation --class`'s are (that empty answer read
-        as a class with nothing in it)."""
+        """Every class's fragmentation, or `sandbox_class`'s alone. A class the scheduler knows
+        nothing of (no worker has registered it, and no actor of it holds a memory snapshot) is
+        NOT_FOUND, field `sandbox_class`: the endpoint says so (since 2026-12-06); of a scheduler
+        before then, which answered no class, the client says it, as `whatif`'s and `warmboot
+        fragmentation --class`'s are (that empty answer read as a class with nothing in it)."""
         body = FragmentationQuery(sandbox_class=sandbox_class, min_seq=self._min_seq(min_seq))
         answer = await self.request("scheduler", "fragmentation", None, body, Fragmentation)
         if sandbox_class is not None and not answer.classes:  # a scheduler before 2026-12-06 answered so

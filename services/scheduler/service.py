@@ -388,9 +388,9 @@ class SchedulerService:
         await self.fold.wait(request.min_seq, self.catch_up_s)
         answer = fragmentation(self.projection, request.sandbox_class)
         if request.sandbox_class is not None and not answer.classes:
-            # nothing of the class in the fold (no worker registered it, no actor is of it): NOT_FOUND, as
-            # whatif says it, not an empty answer a typo's caller reads as a class with nothing in it;
-            # the class names are not given (a client's credentials may not read them)
+            # nothing of the class in the fold (no worker registered it, and no actor of it holds a memory
+            # snapshot): NOT_FOUND, as whatif says it, not an empty answer a typo's caller reads as a class
+            # with nothing in it; the class names are not given (a client's credentials may not read them)
             raise unknown_class(request.sandbox_class, None)
         return answer
 
