@@ -447,8 +447,8 @@ async def test_the_client_refuses_a_bad_prefix_or_option_leaving_no_connection_o
     """`Client.connect(url, "Bad Prefix")` connected first, then raised check_prefix's ValueError with
     the connection left open (its reader, flusher and pinger tasks running, reconnecting for ever),
     and so did a mistyped Client option (`timout=`), with its TypeError (an audit's finding). The
-    prefix is INVALID_ARGUMENT naming it, before anything connects; a mistyped option still raises
-    its TypeError, and the connection made is closed."""
+    prefix is INVALID_ARGUMENT naming it, before anything connects; a mistyped option raises its
+    TypeError before anything connects too (it connected first: a user trial's finding)."""
     import warmboot.client as client_module
     from events.errors import ContractError
     from events.schema import ErrorCode
@@ -469,7 +469,10 @@ async def test_the_client_refuses_a_bad_prefix_or_option_leaving_no_connection_o
     assert made == []  # refused before connecting
     with pytest.raises(TypeError, match="timout"):
         await Client.connect(nats_url, "tp", timout=3)
-    assert len(made) == 1 and made[0].is_closed
+    assert made == []  # refused before connecting
+    async with await Client.connect(nats_url, "tp", timeout=3, attempts=2) as wb:  # its options, spelt right
+        assert (wb.timeout, wb.attempts) == (3, 2) and len(made) == 1
+    assert made[0].is_closed
 
 
 async def test_a_request_nats_py_will_not_send_is_a_contract_error_naming_why(tmp_path):

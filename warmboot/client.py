@@ -64,6 +64,7 @@ The client does not own a connection it is given; `Client.connect` makes one it 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import math
 import random
@@ -249,6 +250,7 @@ class Client:
         `user_credentials`, `nkeys_seed`, `inbox_prefix` and `name`."""
         connect = {k: options.pop(k) for k in ("user_credentials", "inbox_prefix", "name") if k in options}
         nkey_seed = options.pop("nkeys_seed", None)
+        inspect.signature(cls).bind(None, prefix, **options)  # a mistyped option: its TypeError before connecting
         try:  # before connecting: a bad prefix was a ValueError, raised with the connection left open
             check_prefix(prefix)
         except ValueError as error:
@@ -264,7 +266,7 @@ class Client:
                                   errors=errors, reconnect_time_wait=0.25, **connect)
         try:
             await hears_replies(url, nc, errors)  # a user refused its inbox: said before anything is sent
-            client = cls(nc, prefix, **options)  # a mistyped option: its TypeError, and nothing left open
+            client = cls(nc, prefix, **options)
         except BaseException:
             await nc.close()
             raise
