@@ -388,6 +388,9 @@ class RevertActor(InLife, kw_only=True):
 class SnapshotReply(Base, kw_only=True):
     snapshot: Snapshot
     seq: Seq
+    # Project addition, as on SeqReply: true when a tag found the tag naming the actor's latest snapshot
+    # already and wrote nothing; `seq` is then the TagRecorded that named it. A retry gets the first answer.
+    unchanged: bool = False
 
 
 class RevertReply(Base, kw_only=True):

@@ -28,6 +28,7 @@ from events.schema import (
     CompatVersion,
     Fidelity,
     SnapshotTaken,
+    TagRecorded,
 )
 from events.states import ActorState
 from tests.factories import actor, delivered, golden, last_seq, read_log, runtime, version, wait_for, worker
@@ -881,8 +882,13 @@ async def test_a_tag_that_moves_says_what_it_named(bus):
         await wb.suspend(actor_id, uri=f"s3://bucket/{actor_id}")
     first = await run("actor", "tag", "a-1", "base")
     assert first.exit_code == 0 and "moved" not in first.output
-    again = await run("actor", "tag", "a-1", "base")  # the same snapshot again: nothing moved
+    seq = int(re.search(r"\(seq (\d+)\)", first.output)[1])
+    end = await last_seq(wb.nc, wb.prefix)
+    again = await run("actor", "tag", "a-1", "base")  # the same snapshot again: nothing moved, nothing written
     assert again.exit_code == 0 and "moved" not in again.output
+    assert again.output.startswith("actor/a-1 unchanged: already tagged base: snapshot "), again.output
+    assert again.output.rstrip().endswith(f"(seq {seq - 1})"), again.output  # the TagRecorded that named it
+    assert await last_seq(wb.nc, wb.prefix) == end  # (it wrote two events each time: a user trial's finding)
     moved = await run("actor", "tag", "b-1", "base")
     assert moved.exit_code == 0, moved.output
     name = first.output.split("snapshot ")[1].split(",")[0]
@@ -892,6 +898,30 @@ async def test_a_tag_that_moves_says_what_it_named(bus):
     # and the move on stderr, as other commands' warnings (it said nothing of it: a trial of the CLI)
     b_name = moved.output.split("snapshot ")[1].split(",")[0]
     assert as_json.stderr.strip() == f"note: base moved: it named snapshot {b_name} of actor b-1 before"
+
+
+async def test_a_retag_that_wrote_nothing_is_answered_alike_when_retried_after_the_tag_moved(bus):
+    """A tag naming the actor's latest snapshot already writes nothing (`unchanged`), so its answer is
+    kept (as an update-template's to the template the actor has): its retry, with the same request id,
+    after the tag moved to another actor's snapshot, gets that answer and writes nothing, instead of
+    moving the tag back. A new request id moves it back, as a tag does."""
+    _, wb = bus
+    for actor_id in ("a-1", "b-1"):
+        await wb.create(actor(actor_id))
+        await wb.resume(actor_id)
+        await wb.suspend(actor_id, uri=f"s3://bucket/{actor_id}")
+    tagged = await wb.tag("a-1", "base")
+    assert not tagged.unchanged
+    kept = await wb.tag("a-1", "base", request_id="again")
+    assert kept.unchanged and kept.snapshot == tagged.snapshot and kept.seq == tagged.seq - 1, kept
+    moved = await wb.tag("b-1", "base")
+    end = await last_seq(wb.nc, wb.prefix)
+    assert await wb.tag("a-1", "base", request_id="again") == kept  # the first answer; the tag stays on b-1's
+    assert await last_seq(wb.nc, wb.prefix) == end
+    assert [e.snapshot for _, e in await read_log(wb.nc, wb.prefix) if isinstance(e, TagRecorded)][-1] == \
+        moved.snapshot
+    back = await wb.tag("a-1", "base")
+    assert not back.unchanged and back.snapshot == tagged.snapshot and back.seq > end
 
 
 async def test_fidelities_are_read_in_any_case(bus):

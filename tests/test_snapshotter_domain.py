@@ -211,13 +211,20 @@ def test_tag_copies_the_latest_snapshot_with_its_stamp_onto_the_actor_and_the_ta
     snapshot = actor.suspend(None, "s3://x", Fidelity.MEMORY, None, at(2))
     actor.collect_events()
     tag = Tag("release-1")
-    copy = actor.tag(tag, "r-9", at(3))
-    assert copy == snapshot and copy.sandbox_runtime == V1
+    copy, recorded_now = actor.tag(tag, "r-9", at(3))
+    assert copy == snapshot and copy.sandbox_runtime == V1 and recorded_now
     (taken,) = bodies(actor)
     assert taken.origin is SnapshotOrigin.TAG and taken.snapshot == snapshot
     (recorded,) = bodies(tag)
     assert isinstance(recorded, TagRecorded) and recorded.tag == "release-1" and recorded.snapshot == snapshot
     assert tag.snapshot == snapshot and actor.latest_snapshot == snapshot
+    # the tag names that snapshot already: nothing recorded (a re-tag wrote two events each time)
+    assert actor.tag(tag, "r-10", at(4)) == (snapshot, False)
+    assert bodies(actor) == [] and bodies(tag) == []
+    actor.place(placed(actor))
+    newer = actor.suspend(None, "s3://y", Fidelity.MEMORY, None, at(5))
+    actor.collect_events()
+    assert actor.tag(tag, "r-11", at(6)) == (newer, True) and tag.snapshot == newer  # moved to the newer one
 
 
 def test_create_from_a_tag_keeps_the_stamp_and_makes_the_copy_the_new_actors():

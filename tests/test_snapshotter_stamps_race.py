@@ -57,15 +57,20 @@ ROUNDS = int(__import__("os").environ.get("STAMP_ROUNDS", "4"))
 
 def judge(entries, created_from: dict[str, str], replies: list[tuple[str, SnapshotReply]]) -> None:
     """The log's stamps hold (`verdict`), and every reply is the snapshot the log recorded first for
-    its request id."""
+    its request id; a tag's that wrote nothing (`unchanged`: the tag named it already), the snapshot
+    the TagRecorded at its `seq` names, and nothing recorded for its request id."""
     faults = verdict(entries, created_from)
     assert not faults, "\n".join(faults[:20])
     by_request: dict[str, SnapshotTaken] = {}
+    tagged = {seq: e for seq, _, e in entries if isinstance(e, TagRecorded)}
     for _, _, e in entries:
         if isinstance(e, SnapshotTaken) and e.request_id and e.request_id not in by_request:
             by_request[e.request_id] = e
     for rid, reply in replies:
-        assert by_request[rid].snapshot == reply.snapshot, (rid, reply)
+        if reply.unchanged:
+            assert rid not in by_request and tagged[reply.seq].snapshot == reply.snapshot, (rid, reply)
+        else:
+            assert by_request[rid].snapshot == reply.snapshot, (rid, reply)
 
 
 def reg(wid, node, default, restorable=()):

@@ -501,7 +501,8 @@ def tag_cmd(actor_id: str, tag: str, life_seq: int | None, request_id: str | Non
             as_json: bool) -> None:
     """Tag the actor's latest snapshot (EXTERNAL only) so that other actors can be created from it.
     A tag that named another snapshot now names this one: the output says which it named (with
-    --json, on stderr, as the other commands' warnings)."""
+    --json, on stderr, as the other commands' warnings). A tag that names it already is left as it
+    is, nothing written (`unchanged: already tagged ...`)."""
 
     async def work(nc: Any) -> tuple[Any, Runtimes | None, Snapshot | str | None]:
         wb = Client(nc, prefix)
@@ -519,7 +520,9 @@ def tag_cmd(actor_id: str, tag: str, life_seq: int | None, request_id: str | Non
         return reply, (None if as_json else await runtime_labels(nc, prefix)), before  # labels: for the text
 
     reply, runtimes, before = ask(nats_url, work)
-    if isinstance(before, str):
+    if reply.unchanged:  # it named this snapshot already: nothing written, nothing moved
+        note = None
+    elif isinstance(before, str):
         note = f"what {tag} named before is not known: {before}"
     elif before is not None and before != reply.snapshot:  # an id's image may be another actor's copy: all of it
         note = f"{tag} moved: it named snapshot {before.snapshot_id} of actor {before.actor_id} before"
@@ -527,7 +530,8 @@ def tag_cmd(actor_id: str, tag: str, life_seq: int | None, request_id: str | Non
         note = None
 
     def text() -> str:
-        said = done("actor", actor_id, f"tagged {tag}: " + snapshot_text(reply.snapshot, runtimes), reply.seq)
+        said = done("actor", actor_id, f"tagged {tag}: " + snapshot_text(reply.snapshot, runtimes), reply.seq,
+                    reply.unchanged)
         return said if note is None else f"{said}\n{note}"
 
     echo(reply, as_json, text)

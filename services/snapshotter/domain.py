@@ -10,7 +10,8 @@ States and transitions (CONTRACT section 3)::
     pause             RUNNING -> PAUSED             SnapshotTaken PAUSE, ActorReleased PAUSED
     suspend           RUNNING -> SUSPENDED          SnapshotTaken SUSPEND, ActorReleased SUSPENDED
     suspend           PAUSED  -> SUSPENDED          SnapshotTaken PROMOTE
-    tag               any but STOPPED, latest snapshot EXTERNAL: SnapshotTaken TAG (+ TagRecorded on the tag)
+    tag               any but STOPPED, latest snapshot EXTERNAL: SnapshotTaken TAG (+ TagRecorded on the tag);
+                      nothing if the tag names that snapshot already
     update-template   any but STOPPED               TemplateChanged (nothing if unchanged)
     stop              any but STOPPED -> STOPPED    ActorReleased STOPPED if placed, ActorStopped
     worker removed    RUNNING on it -> SUSPENDED    ActorReleased WORKER_REMOVED
@@ -418,8 +419,11 @@ class Actor(WireAggregate):
         self.release(assignment, ReleaseReason.SUSPENDED, request_id, at)
         return snapshot
 
-    def tag(self, tag: "Tag", request_id: str | None, at: datetime, life_seq: int | None = None) -> Snapshot:
-        """Name a copy of the latest snapshot with `tag` (recorded on the actor and on the tag)."""
+    def tag(self, tag: "Tag", request_id: str | None, at: datetime,
+            life_seq: int | None = None) -> tuple[Snapshot, bool]:
+        """Name a copy of the latest snapshot with `tag` (recorded on the actor and on the tag), and
+        whether anything was recorded: nothing when the tag names that very snapshot already (a
+        re-tag wrote two events each time, a user trial's finding; as a drain of a drained worker)."""
         self.require_live("tag")
         self.require_life(life_seq, "tag", "nothing tagged")
         latest = self.latest_snapshot
@@ -432,12 +436,14 @@ class Actor(WireAggregate):
                 "(the image is promoted to EXTERNAL), then tag"
             )
         snapshot = tagged_copy(self.latest_snapshot)
+        if tag.snapshot == snapshot:
+            return snapshot, False
         self.record(SnapshotTaken(
             actor_id=self.entity_id, snapshot=snapshot, origin=SnapshotOrigin.TAG,
             at=at, request_id=request_id,
         ))
         tag.name(snapshot, request_id, at)
-        return snapshot
+        return snapshot, True
 
     def change_template(self, template_uid: str, request_id: str | None, at: datetime,
                         life_seq: int | None = None) -> bool:

@@ -114,11 +114,12 @@ class SnapshotterApplication(WireApplication):
 # --- answers recorded in the history ---------------------------------------------------
 
 
-def recorded_seq(actor: Actor, version: int) -> int:
-    """The stream sequence of the actor's event `version`, as its history was read."""
-    seq = actor.seq_at(version)
+def recorded_seq(aggregate: WireAggregate, version: int) -> int:
+    """The stream sequence of the event `version` of an actor's (or a tag's) history, as it was read."""
+    seq = aggregate.seq_at(version)
     if not seq:  # the event store names every event's position; a store that does not cannot answer
-        raise unavailable(f"the event store did not say where event {version} of actor {actor.entity_id!r} is")
+        raise unavailable(f"the event store did not say where event {version} of {aggregate.KIND} "
+                          f"{aggregate.entity_id!r} is")
     return seq
 
 
@@ -725,11 +726,25 @@ class SnapshotterService:
         found = await self.answered_before(actor, "tag", req.request_id)
         if found is not None:
             return found
+        kept = await self.no_writes.recall_async(actor, "tag", req.request_id, SnapshotReply) \
+            if self.no_writes else None
+        if kept is not None:
+            await self.confirm_read(actor)  # kept for the life as read (`answered_before`)
+            return kept[0]
         async with self._tags(req.tag):
             tag = await self.load_tag(req.tag)
-            snapshot = actor.tag(tag, req.request_id, now(), req.life_seq)
-            # The tag's event first, the actor's last: the reply's seq is the actor's event.
-            return SnapshotReply(snapshot=snapshot, seq=await self.save(tag, actor))
+            snapshot, recorded = actor.tag(tag, req.request_id, now(), req.life_seq)
+            if recorded:  # the tag's event first, the actor's last: the reply's seq is the actor's event
+                return SnapshotReply(snapshot=snapshot, seq=await self.save(tag, actor))
+            # The tag names it already (as the stream leader has both histories too): the TagRecorded that
+            # named it is the answer, kept as this request's (it wrote nothing its retry could be answered from)
+            assert self.app is not None
+            await self.confirm_read(actor)
+            await confirm_unchanged(self.app.recorder, tag.id, recorded_seq(tag, tag.version))
+            reply = SnapshotReply(snapshot=snapshot, seq=recorded_seq(tag, tag.version), unchanged=True)
+            if self.no_writes is not None:
+                await self.no_writes.keep_async(actor, "tag", req.request_id, reply)
+            return reply
 
     async def update_template(self, actor_id: str, req: UpdateTemplate) -> SeqReply:
         return await self.answer(actor_id, partial(self.decide_update_template, actor_id, req))
