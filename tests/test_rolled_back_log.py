@@ -238,10 +238,13 @@ async def test_a_pause_of_an_image_taken_under_a_lost_placement_is_refused_not_s
                 "w0" if moved == "another-worker" else "w1", V1), other
             await snapshotter(exits, server, prefix)
             before_pause = await last_seq(nc, prefix)
-            with pytest.raises(ContractError) as refused:
-                await wb.pause("a")  # the image w1 took under V2, named by the client's Assignment
             field = "placement_worker_id" if moved == "another-worker" else "placement_runtime"
-            assert (refused.value.code, refused.value.field) == (ErrorCode.FAILED_PRECONDITION, field), refused.value
+            # the image w1 took under V2, named by the client's Assignment: left out, or given as its seq
+            for pause in (lambda: wb.pause("a"), lambda: wb.pause("a", placement_seq=first.seq)):
+                with pytest.raises(ContractError) as refused:
+                    await pause()
+                assert (refused.value.code, refused.value.field) == (ErrorCode.FAILED_PRECONDITION, field), \
+                    refused.value
             assert await last_seq(nc, prefix) == before_pause  # nothing recorded
             paused = await Client(nc, prefix).pause("a", placement_seq=other.seq)  # the placement the log holds
             assert paused.snapshot.sandbox_runtime.version == V1
