@@ -1030,7 +1030,7 @@ def test_every_command_s_help_ends_with_examples_that_parse(tmp_path, monkeypatc
     from warmboot.examples import EXAMPLES
 
     (tmp_path / "examples").symlink_to(Path(__file__).resolve().parent.parent / "examples")
-    for name in ("workers.txt", "worker-nodes.json"):
+    for name in ("workers.txt", "worker-nodes.json", "a-1.json"):
         (tmp_path / name).write_text("")
     monkeypatch.chdir(tmp_path)
 

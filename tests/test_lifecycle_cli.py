@@ -17,7 +17,7 @@ import msgspec
 import pytest
 from click.testing import CliRunner
 
-from events.codec import to_builtins
+from events.codec import decode_request, to_builtins
 from events.compat import compat_key
 from events.runtime_id import short_id
 from events.schema import (
@@ -27,6 +27,8 @@ from events.schema import (
     ActorStopped,
     CompatVersion,
     Fidelity,
+    Assignment,
+    PauseActor,
     SnapshotTaken,
     TagRecorded,
 )
@@ -922,6 +924,51 @@ async def test_a_retag_that_wrote_nothing_is_answered_alike_when_retried_after_t
         moved.snapshot
     back = await wb.tag("a-1", "base")
     assert not back.unchanged and back.snapshot == tagged.snapshot and back.seq > end
+
+
+async def test_a_pause_names_the_assignment_a_file_holds_and_a_placement_stored_on_another_worker_is_refused(
+        bus, nc, prefix, tmp_path):
+    """`actor pause|suspend --placement FILE`: the Assignment `actor resume -o json` printed names its
+    seq, worker and pin (`placement_worker_id`, `placement_runtime`), heard beside the snapshotter, and
+    the image is recorded. One whose seq holds a placement on another worker (as a log rolled back past
+    it and written again would: the file's worker edited here) is refused, FAILED_PRECONDITION naming
+    the field, nothing written. A file that is not an Assignment, one of another actor, or one beside
+    --placement-seq is a usage error naming --placement, before anything is sent."""
+    run, wb = bus
+    heard: list = []
+
+    async def keep(msg) -> None:
+        heard.append(msgspec.json.decode(msg.data, type=PauseActor))
+    await nc.subscribe(f"{prefix}.snapshotter.pause.a-1", cb=keep)
+    await wb.create(actor("a-1"))
+    resumed = await run("actor", "resume", "a-1", "-o", "json")
+    assert resumed.exit_code == 0, resumed.output
+    placed = tmp_path / "a-1.json"
+    placed.write_text(resumed.stdout)
+    got = json.loads(resumed.stdout)
+    elsewhere = tmp_path / "elsewhere.json"
+    another = "w-new" if got["worker_id"] == "w-old" else "w-old"
+    elsewhere.write_text(json.dumps(dict(got, worker_id=another)))
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(dict(got, actor_id="b-1")))
+    (tmp_path / "bad.json").write_text('{"actor_id": "a-1"}')
+    end = await last_seq(nc, prefix)
+    for args, said in ((("--placement", str(tmp_path / "bad.json")), "Invalid value for '--placement'"),
+                       (("--placement", str(other)), "is an Assignment of actor b-1, not a-1"),
+                       (("--placement", str(placed), "--placement-seq", str(got["seq"])),
+                        "give --placement or --placement-seq, not both")):
+        refused = await run("actor", "pause", "a-1", *args)
+        assert refused.exit_code == 2 and said in refused.output, refused.output
+    refused = await run("actor", "pause", "a-1", "--placement", str(elsewhere))
+    assert refused.exit_code == 1, refused.output
+    assert refused.output.startswith("error: FAILED_PRECONDITION placement_worker_id"), refused.output
+    assert await last_seq(nc, prefix) == end  # nothing written, nothing sent for the usage errors
+    paused = await run("actor", "pause", "a-1", "--placement", str(placed))
+    assert paused.exit_code == 0, paused.output
+    await nc.flush()
+    assert [(h.placement_seq, h.placement_worker_id) for h in heard] == [(got["seq"], another),
+                                                                         (got["seq"], got["worker_id"])]
+    assert heard[-1].placement_runtime == decode_request(Assignment, placed.read_bytes()).sandbox_runtime
 
 
 async def test_fidelities_are_read_in_any_case(bus):

@@ -496,6 +496,34 @@ async def test_the_client_fences_a_pause_or_suspend_with_its_last_resume_of_the_
     assert (suspended.snapshot.uri, suspended.snapshot.sandbox_runtime.version) == ("s3://a-1-again", V2)
 
 
+async def test_a_client_names_the_assignment_it_is_given_another_process_s_resume_made(stack, nc, prefix):
+    """`pause(..., placed=assignment)`: a client that did not resume the actor names that Assignment's
+    seq, worker and pin (heard beside the snapshotter), asking nothing; one of another actor, or beside
+    another `placement_seq`, is INVALID_ARGUMENT naming the field, nothing sent."""
+    resumer, other = Client(nc, prefix), Client(nc, prefix)
+    heard: list = []
+
+    async def keep(msg) -> None:
+        heard.append(msg)
+    for verb in ("pause", "suspend"):
+        await nc.subscribe(f"{prefix}.snapshotter.{verb}.a-1", cb=keep)
+    await resumer.register(worker("w-1", runtime(V1), node="node-1"))
+    for actor_id in ("a-1", "b-1"):
+        await resumer.create(actor(actor_id, cpu=1, mem=1))
+    a, b = await resumer.resume("a-1"), await resumer.resume("b-1")
+    for bad, field in (({"placed": b}, "placed"), ({"placed": a, "placement_seq": a.seq + 1}, "placement_seq")):
+        with pytest.raises(ContractError) as refused:
+            await other.pause("a-1", **bad)
+        assert (refused.value.code, refused.value.field) == (ErrorCode.INVALID_ARGUMENT, field), refused.value
+    await nc.flush()
+    assert heard == []  # nothing sent
+    paused = await other.suspend("a-1", uri="s3://a-1", placed=a)
+    await nc.flush()
+    (sent,) = [msgspec.json.decode(m.data, type=SuspendActor) for m in heard]
+    assert (sent.placement_seq, sent.placement_worker_id, sent.placement_runtime) == (a.seq, "w-1", a.sandbox_runtime)
+    assert paused.snapshot.sandbox_runtime == a.sandbox_runtime
+
+
 async def test_a_client_that_did_not_resume_the_actor_fences_with_the_placement_the_snapshotter_says(
         stack, nc, prefix):
     """A pause or suspend by a client that did not resume the actor (another orchestrator, a fresh

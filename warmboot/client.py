@@ -431,7 +431,7 @@ class Client:
         return created
 
     async def pause(self, actor_id: str, snapshot_id: str | None = None, request_id: str | None = None,
-                    placement_seq: int | None = None) -> SnapshotReply:
+                    placement_seq: int | None = None, placed: Assignment | None = None) -> SnapshotReply:
         """`placement_seq`: the `seq` of the Assignment the image was taken under (what `resume`
         answered); FAILED_PRECONDITION if the actor has been placed anew since. Left out, it is the
         seq of this client's last `resume` of the actor, if it made one (`fence_snapshots`; the
@@ -448,8 +448,9 @@ class Client:
         resumed gives the seq of the placement it had take the image. With `fence_snapshots=False`,
         only the caller's (with the worker and pin, if it is this client's last resume's). A
         snapshotter of an earlier version (no `status`): sent without one, and `on_unfenced` is told
-        (`status_if_served`)."""
-        under = await self._placement_of(actor_id, placement_seq)
+        (`status_if_served`). `placed`: instead of `placement_seq`, the Assignment the image was taken
+        under (another process's resume, say): its seq, worker and pin are named."""
+        under = await self._placement_of(actor_id, placement_seq, placed)
         body = PauseActor(snapshot_id=snapshot_id, request_id=request_id or new_request_id(),
                           **msgspec.structs.asdict(under))
         return await self.request("snapshotter", "pause", actor_id, body, SnapshotReply)
@@ -457,21 +458,31 @@ class Client:
     async def suspend(
         self, actor_id: str, fidelity: Fidelity = Fidelity.MEMORY, uri: str | None = None,
         snapshot_id: str | None = None, request_id: str | None = None, placement_seq: int | None = None,
+        placed: Assignment | None = None,
     ) -> SnapshotReply:
-        """`placement_seq` as for `pause`: this client's last resume of the actor if left out (for a
-        PAUSED actor: the placement its pause ended), else the actor's placement as `status` says."""
-        under = await self._placement_of(actor_id, placement_seq)
+        """`placement_seq` and `placed` as for `pause`: this client's last resume of the actor if left out
+        (for a PAUSED actor: the placement its pause ended), else the actor's placement as `status` says."""
+        under = await self._placement_of(actor_id, placement_seq, placed)
         body = SuspendActor(snapshot_id=snapshot_id, uri=uri, fidelity=fidelity,
                             request_id=request_id or new_request_id(), **msgspec.structs.asdict(under))
         return await self.request("snapshotter", "suspend", actor_id, body, SnapshotReply)
 
-    async def _placement_of(self, actor_id: str, given: int | None) -> UnderPlacement:
-        """The placement a pause or suspend names: `given`, else this client's last resume of the
-        actor (its seq, worker and pin: `placed_under`), else the one the snapshotter says is the
-        actor's when the call starts (`status`; in a life not placed yet, its creation, which no
-        placement matches: each comes after it); none when the snapshotter is of an earlier version
-        (`status_if_served`). A `given` seq of this client's last resume names that resume's worker and
-        pin too."""
+    async def _placement_of(self, actor_id: str, given: int | None,
+                            placed: Assignment | None = None) -> UnderPlacement:
+        """The placement a pause or suspend names: `placed` (its seq, worker and pin: `placed_under`),
+        else `given`, else this client's last resume of the actor (`placed_under`), else the one the
+        snapshotter says is the actor's when the call starts (`status`; in a life not placed yet, its
+        creation, which no placement matches: each comes after it); none when the snapshotter is of an
+        earlier version (`status_if_served`). A `given` seq of this client's last resume names that
+        resume's worker and pin too. INVALID_ARGUMENT, nothing sent, for a `placed` of another actor
+        or beside another `given`."""
+        if placed is not None:
+            if placed.actor_id != actor_id:
+                raise invalid(f"placed is an Assignment of actor {placed.actor_id!r}, not {actor_id!r}", "placed")
+            if given not in (None, placed.seq):
+                raise invalid(f"placement_seq {given} is not the seq of placed ({placed.seq}): give one of them",
+                              "placement_seq")
+            return placed_under(placed)
         known = self._placed.get(actor_id)
         if given is not None or not self.fence_snapshots:
             return known if known is not None and known.placement_seq == given else UnderPlacement(placement_seq=given)

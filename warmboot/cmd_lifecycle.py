@@ -38,8 +38,8 @@ from events.errors import ContractError, no_actor, no_worker
 from events.natspy.connections import describe_error
 from events.compat import compat_key
 from events.runtime_id import Runtimes, short_id
-from events.schema import (ActorCreated, ActorRuntime, CreateActor, ErrorCode, Fidelity, Fragmentation, Resources,
-                           Snapshot, TagRecorded)
+from events.schema import (ActorCreated, ActorRuntime, Assignment, CreateActor, ErrorCode, Fidelity, Fragmentation,
+                           Resources, Snapshot, TagRecorded)
 from events.states import ActorState
 from events.subjects import event_subject
 from warmboot.cli_common import (MIB, MILLICORES, IntRange, LogUnreadable, ask, check_id, json_option, last_seq,
@@ -83,6 +83,32 @@ placement_seq_option = click.option(
          "recorded, if the actor has been placed anew since (its worker removed meanwhile, say). Default: "
          "the placement the snapshotter says the actor has when the command starts (none, with a note, if the "
          "snapshotter is of an earlier version).")
+
+
+placement_file_option = click.option(
+    "--placement", "placement_file", type=click.File("rb"), default=None, metavar="FILE",
+    help="The Assignment the image was taken under, as `actor resume -o json` printed it ('-': standard input): "
+         "names its seq, worker and pin, so that a log rolled back past that placement and written again refuses "
+         "the request instead of recording the image under the other placement's pin (docs/operations.md). "
+         "Instead of --placement-seq.")
+
+
+def placement_named(actor_id: str, placement_seq: int | None, placement_file: Any) -> Assignment | None:
+    """The Assignment `--placement FILE` holds, checked: a usage error naming the option for a file
+    that is not one, one of another actor, or beside --placement-seq."""
+    if placement_file is None:
+        return None
+    if placement_seq is not None:
+        raise click.UsageError("give --placement or --placement-seq, not both (the file names its seq)")
+    where = getattr(placement_file, "name", "-")
+    try:
+        placed = decode_request(Assignment, placement_file.read())
+    except ContractError as e:
+        raise click.BadParameter(f"{where} at {json_path(e.field)}: {e.message}", param_hint="'--placement'") from None
+    if placed.actor_id != actor_id:
+        raise click.BadParameter(f"{where} is an Assignment of actor {placed.actor_id}, not {actor_id}",
+                                 param_hint="'--placement'")
+    return placed
 
 
 life_seq_option = click.option(
@@ -424,15 +450,18 @@ def echo(reply: Any, as_json: bool, text: Callable[[], str]) -> None:
 @click.option("--snapshot-id", default=None, help="Id of the LOCAL memory snapshot (default: <actor>-v<n>); refused if it names "
                    "another snapshot, this actor's or another's.")
 @placement_seq_option
+@placement_file_option
 @request_id_option
 @nats_option
 @prefix_option
 @json_option
-def pause_cmd(actor_id: str, snapshot_id: str | None, placement_seq: int | None, request_id: str | None,
-              nats_url: str, prefix: str, as_json: bool) -> None:
+def pause_cmd(actor_id: str, snapshot_id: str | None, placement_seq: int | None, placement_file: Any,
+              request_id: str | None, nats_url: str, prefix: str, as_json: bool) -> None:
     """Pause a RUNNING actor: a LOCAL memory snapshot on its node, stamped with its pin."""
+    placed = placement_named(actor_id, placement_seq, placement_file)
+
     async def call(wb: Client) -> Any:
-        return await wb.pause(actor_id, snapshot_id, request_id, placement_seq)
+        return await wb.pause(actor_id, snapshot_id, request_id, placement_seq, placed)
 
     reply, runtimes = run(nats_url, prefix, not as_json, call)
     echo(reply, as_json, lambda: done("actor", actor_id, "paused: " + snapshot_text(reply.snapshot, runtimes),
@@ -447,16 +476,19 @@ def pause_cmd(actor_id: str, snapshot_id: str | None, placement_seq: int | None,
 @click.option("--snapshot-id", default=None, help="Id of the snapshot (default: <actor>-v<n>); refused if it names another "
                    "snapshot, this actor's or another's.")
 @placement_seq_option
+@placement_file_option
 @request_id_option
 @nats_option
 @prefix_option
 @json_option
 def suspend_cmd(actor_id: str, fidelity: str, uri: str | None, snapshot_id: str | None, placement_seq: int | None,
-                request_id: str | None, nats_url: str, prefix: str, as_json: bool) -> None:
+                placement_file: Any, request_id: str | None, nats_url: str, prefix: str, as_json: bool) -> None:
     """Suspend an actor: RUNNING -> an EXTERNAL snapshot stamped with its pin; PAUSED -> its
     LOCAL snapshot promoted to EXTERNAL (it may then move)."""
+    placed = placement_named(actor_id, placement_seq, placement_file)
+
     async def call(wb: Client) -> Any:
-        return await wb.suspend(actor_id, Fidelity(fidelity), uri, snapshot_id, request_id, placement_seq)
+        return await wb.suspend(actor_id, Fidelity(fidelity), uri, snapshot_id, request_id, placement_seq, placed)
 
     reply, runtimes = run(nats_url, prefix, not as_json, call)
     echo(reply, as_json, lambda: done("actor", actor_id, "suspended: " + snapshot_text(reply.snapshot, runtimes),

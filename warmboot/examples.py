@@ -52,6 +52,7 @@ EXAMPLES: dict[str, list[str]] = {
     ],
     "actor pause": [
         "warmboot actor pause a-1 --placement-seq 4739",
+        "warmboot actor pause a-1 --placement a-1.json  # what `actor resume a-1 -o json > a-1.json` wrote",
     ],
     "actor suspend": [
         "warmboot actor suspend a-1 --uri s3://snapshots/a-1 --placement-seq 4739",
