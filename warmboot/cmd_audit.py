@@ -8,7 +8,6 @@ from datetime import datetime, timezone
 import click
 
 from events.codec import to_builtins
-from events.compat import compat_key
 from events.errors import not_found
 from events.runtime_id import Runtimes
 from events.schema import (
@@ -142,21 +141,15 @@ def timeline_labels(events: list, runtimes: Runtimes) -> list[str]:
     the fleet no longer runs (as a default or restorable runtime; an edge that accepts it is not
     running it) is always `name@3f9a1c`: another actor's timeline may name another runtime of that
     name, which this one does not know of (a second walkthrough; a review found the edge case)."""
-    fleet = {key for key, known in runtimes.known.items() if known.run}  # an edge only accepts: not run
+    from warmboot.cmd_views import pin_label  # (as `actor_cmd` takes the views': when a timeline is shown)
+
     stamped = [_stamped(event) for event in events]
     for found in stamped:
-        if found is not None:
+        if found is not None:  # known, not run (an edge only accepts it), unless a worker runs it
             runtimes.add(found[1].sandbox_class, found[1].version, found[1].name)
-    labels = []
-    for found in stamped:
-        if found is None:
-            labels.append("")
-            continue
-        kind, runtime = found
-        cls, version, name = runtime.sandbox_class, runtime.version, runtime.name
-        label = runtimes.label if compat_key(cls, version) in fleet else runtimes.qualified
-        labels.append(f"{kind} {label(cls, version, name)}")
-    return labels
+    return ["" if found is None else
+            f"{found[0]} {pin_label(runtimes, found[1].sandbox_class, found[1].version, found[1].name)}"
+            for found in stamped]
 
 
 TIMELINE_COLUMNS = [
