@@ -126,19 +126,58 @@ def test_a_metrics_port_taken_is_said_before_the_store_is_made(tmp_path):
     assert contents(kept) == before
 
 
-def test_a_start_that_fails_removes_what_it_made_and_only_that(tmp_path):
+def test_a_start_that_fails_removes_what_it_made_and_only_that(tmp_path, monkeypatch):
     """With the NATS port taken: `--store a/b/store` removed the store but left a/ and a/b/, made for
-    it; a store directory that was there, empty, kept the lock, configuration and JetStream directory
-    made in it."""
+    it; a store directory that was there, empty, kept the configuration and JetStream directory made in
+    it (its lock file stays, as a reset leaves it). A review's findings: a dangling symlink in the store
+    (a volume not mounted yet) was taken for nothing there, and removed; and what was made was removed
+    after the store's lock was let go, so another `up` that had just taken it lost its new store."""
+    import warmboot.cmd_up
+    from warmboot.natsserver import NatsServer, StoreInUse
+
     made = tmp_path / "a" / "b" / "store"
     there = tmp_path / "there"
     there.mkdir()
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "warmboot").symlink_to(tmp_path / "not-mounted-yet")
+    remove, held = warmboot.cmd_up._remove, []
+
+    def remove_under_the_lock(paths, store) -> None:
+        try:  # another `up` on the store, meanwhile: refused, so it writes nothing the removal could take
+            NatsServer(store, name="warmboot").lock_store()
+        except StoreInUse:
+            held.append(store)
+        remove(paths, store)
+
+    monkeypatch.setattr(warmboot.cmd_up, "_remove", remove_under_the_lock)
     with held_port() as taken:
         port = taken.getsockname()[1]
-        for store in (made, there):
+        for store in (made, there, linked):
             result = CliRunner().invoke(main, ["up", "--port", str(port), "--metrics-port", "0",
                                                "--store", str(store)])
             assert result.exit_code == 1, result.output
-            assert f"(is another warmboot or NATS on port {port}? try --port 0)" in result.output
+            if store is not linked:  # (nats-server cannot make its directory where the symlink is)
+                assert f"(is another warmboot or NATS on port {port}? try --port 0)" in result.output
+    assert held == [made.resolve(), there.resolve(), linked.resolve()]
+
+    # another `up` took the lock the failed start let go, before this one could remove what it made: kept
+    taken_over, others = tmp_path / "taken-over", []
+    unlock = NatsServer.unlock
+
+    def then_another_takes_the_store(server) -> None:  # the failed start's letting go of it
+        unlock(server)
+        if not others and server.store_dir == taken_over.resolve():
+            others.append(NatsServer(server.store_dir, name="warmboot"))
+            others[0].lock_store()
+
+    monkeypatch.setattr(NatsServer, "unlock", then_another_takes_the_store)
+    with held_port() as taken:
+        result = CliRunner().invoke(main, ["up", "--port", str(taken.getsockname()[1]), "--metrics-port", "0",
+                                           "--store", str(taken_over)])
+    assert result.exit_code == 1 and len(others) == 1, result.output
+    assert (taken_over / "warmboot.conf").exists()  # its now: nothing removed
+    unlock(others[0])
     assert not (tmp_path / "a").exists()
-    assert there.is_dir() and list(there.iterdir()) == []
+    assert there.is_dir() and [p.name for p in there.iterdir()] == ["warmboot.lock"]
+    assert (linked / "warmboot").is_symlink() and os.readlink(linked / "warmboot") == str(tmp_path / "not-mounted-yet")

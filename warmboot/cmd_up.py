@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from contextlib import AsyncExitStack, suppress
 from pathlib import Path
@@ -118,19 +119,35 @@ def up(port: int, store: Path, prefix: str, metrics_port: int, demo: bool, exit_
     except OSError as e:  # a store that cannot be written
         raise click.ClickException(str(e)) from None
     finally:
-        server.stop()
-        if locked and not served:  # nothing was ever served from what it made
-            _remove(made, server.store_dir)
+        server.stop_process()
+        try:
+            if locked and not served:  # nothing was ever served from what it made
+                _remove_if_still_ours(server, made)
+        finally:
+            server.unlock()
     if failed:
         raise SystemExit(1)
 
 
 def _made_by(server: NatsServer) -> list[Path]:
     """What starting `server` makes that is not there yet, deepest first: its store directory and each
-    parent missing; or, in a store directory that is there, its lock, configuration and JetStream directory."""
+    parent missing; or, in a store directory that is there, its configuration and JetStream directory (its
+    lock file stays, as a reset leaves it: another process may be waiting on it). A dangling symlink is
+    there (a user's, to a volume not mounted yet: a review found it removed)."""
     store = server.store_dir
-    missing = [p for p in (store, *store.parents) if not p.exists()]
-    return missing or [p for p in (server.lock_path, server.config_path, server.data_path) if not p.exists()]
+    missing = [p for p in (store, *store.parents) if not os.path.lexists(p)]
+    return missing or [p for p in (server.config_path, server.data_path) if not os.path.lexists(p)]
+
+
+def _remove_if_still_ours(server: NatsServer, made: list[Path]) -> None:
+    """Remove what a start that failed made (`_made_by`), under the store's lock: a start that fails lets
+    it go, and another `up` that took it meanwhile starts on what this one made, which is then its own
+    (a review's finding: it was removed under that `up`)."""
+    try:
+        server.lock_store()  # (held still, unless the failed start let it go)
+    except (StoreInUse, NatsServerError):
+        return
+    _remove(made, server.store_dir)
 
 
 def _remove(made: list[Path], store: Path) -> None:

@@ -341,7 +341,13 @@ class NatsServer:
         return self.process.pid if self.process else None
 
     def stop(self, timeout: float = 15.0) -> None:
-        """SIGTERM, wait; SIGKILL only if it does not exit in time."""
+        """SIGTERM, wait; SIGKILL only if it does not exit in time; then the store's lock is let go."""
+        self.stop_process(timeout)
+        self.unlock()
+
+    def stop_process(self, timeout: float = 15.0) -> None:
+        """`stop`, the store's lock still held (`unlock`): what is done to the store meanwhile, no other
+        server or `warmboot up` can start on it."""
         if self.process is not None:
             if self.process.poll() is None:
                 self.process.send_signal(signal.SIGTERM)
@@ -353,6 +359,8 @@ class NatsServer:
             if self._reader:
                 self._reader.join(timeout=5)
             self.process = None
+
+    def unlock(self) -> None:
         if self._lock is not None:  # the process is gone (or never started): the store is free
             self._lock.close()
             self._lock = None
