@@ -332,14 +332,15 @@ class UnderPlacement(Base, kw_only=True):
     Project addition (docs/contract.md): the placement it was taken under, as the Assignment of the
     resume that made it names it. `placement_seq`, that Assignment's `seq`: refused (FAILED_PRECONDITION,
     field `placement_seq`) unless that placement is the actor's current one (for a PAUSED actor, the one
-    its pause ended). `placement_worker_id` and `placement_runtime`, its `worker_id` and `sandbox_runtime`
-    (given only with `placement_seq`): refused (field `placement_worker_id`, `placement_runtime`) unless
-    the placement at that sequence is on that worker under that pin (compared by stamp: class and
-    version): a log rolled back past a placement and written again holds another placement at its
-    sequence, whose pin and node are not the image's."""
+    its pause ended). `placement_worker_id`, `placement_node` and `placement_runtime`, its `worker_id`,
+    `node` and `sandbox_runtime` (given only with `placement_seq`): refused (on the field) unless the
+    placement at that sequence is on that worker, on that node, under that pin (compared by stamp: class
+    and version): a log rolled back past a placement and written again holds another placement at its
+    sequence, whose pin and node are not the image's (a worker id may register on another node)."""
 
     placement_seq: StreamSeq | None = None
     placement_worker_id: Id | None = None
+    placement_node: Id | None = None
     placement_runtime: ActorRuntime | None = None
 
 

@@ -286,7 +286,7 @@ def check_uri(uri: str | None, path: str) -> None:
 def check_under_placement(req: UnderPlacement) -> UnderPlacement:
     """The placement's worker and pin name the placement at `placement_seq`: given only with it."""
     if req.placement_seq is None:
-        for name in ("placement_worker_id", "placement_runtime"):
+        for name in ("placement_worker_id", "placement_node", "placement_runtime"):
             if getattr(req, name) is not None:
                 raise invalid(f"{name} names the placement at placement_seq, which is not given: give both, or "
                               "neither", name)

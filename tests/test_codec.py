@@ -182,7 +182,7 @@ uris = st.text(printable, min_size=1, max_size=64).filter(str.strip)  # a uri gi
 def under_placement(request):
     """A pause's or suspend's placement: its worker and pin only with its seq (`UnderPlacement`)."""
     if request.placement_seq is None:
-        return msgspec.structs.replace(request, placement_worker_id=None, placement_runtime=None)
+        return msgspec.structs.replace(request, placement_worker_id=None, placement_node=None, placement_runtime=None)
     return request
 
 

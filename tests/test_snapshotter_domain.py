@@ -494,12 +494,13 @@ UNDER = {  # a pause, or a suspend (from RUNNING and from PAUSED), naming what i
 
 @pytest.mark.parametrize("verb", UNDER)
 def test_a_pause_or_suspend_naming_another_worker_or_pin_at_its_placement_s_sequence_is_refused(verb):
-    """`placement_worker_id` and `placement_runtime` beside `placement_seq` (a project addition): the
-    worker and pin of the Assignment the image was taken under. A log rolled back past that placement
-    and written again holds another placement at its sequence: naming its worker or its pin (by stamp:
-    the pin's name takes no part) otherwise is FAILED_PRECONDITION on that field, nothing recorded, the
-    message naming both; the placement's own worker and pin, or neither, are recorded as before; a
-    PAUSED actor's is the placement its pause ended."""
+    """`placement_worker_id`, `placement_node` and `placement_runtime` beside `placement_seq` (a project
+    addition): the worker, node and pin of the Assignment the image was taken under. A log rolled back
+    past that placement and written again holds another placement at its sequence: naming its worker,
+    its node (the worker id registered on another node) or its pin (by stamp: the pin's name takes no
+    part) otherwise is FAILED_PRECONDITION on that field, nothing recorded, the message naming both;
+    the placement's own worker, node and pin, or none, are recorded as before; a PAUSED actor's is the
+    placement its pause ended."""
     def placed_at_20() -> Actor:  # created at 10, placed on w-1 under V1 at 20 (then paused at 30, 40)
         actor = created()
         actor.place(placed(actor, pin=V1))
@@ -508,22 +509,28 @@ def test_a_pause_or_suspend_naming_another_worker_or_pin_at_its_placement_s_sequ
         return stored(actor)
 
     other_name = msgspec.structs.replace(V1, name="another-name")  # the same stamp
-    for worker_id, runtime, field in (("w-2", None, "placement_worker_id"), (None, V2, "placement_runtime"),
-                                      ("w-2", V2, "placement_worker_id"), ("w-1", V2, "placement_runtime")):
+    found = {"placement_worker_id": "worker 'w-1'", "placement_node": "node 'n-1'",
+             "placement_runtime": "runtime gvisor v1 architecture=amd64"}
+    for worker_id, node, runtime, field in (
+            ("w-2", None, None, "placement_worker_id"), (None, None, V2, "placement_runtime"),
+            ("w-2", "n-1", V2, "placement_worker_id"), ("w-1", "n-1", V2, "placement_runtime"),
+            ("w-1", "n-2", V1, "placement_node"),  # the worker id registered on another node (a review's finding)
+            (None, "n-2", None, "placement_node")):
         actor = placed_at_20()
-        named = UnderPlacement(placement_seq=20, placement_worker_id=worker_id, placement_runtime=runtime)
+        named = UnderPlacement(placement_seq=20, placement_worker_id=worker_id, placement_node=node,
+                               placement_runtime=runtime)
         with pytest.raises(ContractError) as refused:
             UNDER[verb](actor, named)
-        assert (code_of(refused), refused.value.field) == (ErrorCode.FAILED_PRECONDITION, field), (worker_id, runtime)
-        found = "worker 'w-1'" if field == "placement_worker_id" else "runtime gvisor v1 architecture=amd64"
-        assert f"the placement recorded there is on {found}" in refused.value.message, refused.value.message
+        assert (code_of(refused), refused.value.field) == (ErrorCode.FAILED_PRECONDITION, field), named
+        assert f"the placement recorded there is on {found[field]}" in refused.value.message, refused.value.message
         assert "nothing recorded" in refused.value.message and actor.collect_events() == []
-    for worker_id, runtime in (("w-1", V1), ("w-1", None), (None, other_name), (None, None)):
+    for worker_id, node, runtime in (("w-1", "n-1", V1), ("w-1", None, None), (None, "n-1", other_name),
+                                     (None, None, None)):
         for seq in (20, 21):  # the ActorPlaced's, or its booking marker's
             actor = placed_at_20()
             snapshot = UNDER[verb](actor, UnderPlacement(placement_seq=seq, placement_worker_id=worker_id,
-                                                         placement_runtime=runtime))
-            assert snapshot.sandbox_runtime == V1 and actor.collect_events(), (worker_id, runtime, seq)
+                                                         placement_node=node, placement_runtime=runtime))
+            assert snapshot.sandbox_runtime == V1 and actor.collect_events(), (worker_id, node, runtime, seq)
 
 
 # --- the placement fold ----------------------------------------------------------------

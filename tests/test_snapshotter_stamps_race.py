@@ -434,6 +434,7 @@ async def test_a_pause_or_suspend_naming_its_placement_is_refused_once_the_actor
     pin = msgspec.to_builtins(second.sandbox_runtime)
     twice = dict(pin, version=dict(pin["version"], attributes=pin["version"]["attributes"] * 2))
     for body, field in (({"placement_worker_id": "w-2"}, "placement_worker_id"),  # a placement's, with no seq
+                        ({"placement_node": "node-2"}, "placement_node"),
                         ({"placement_runtime": pin}, "placement_runtime"),
                         ({"placement_seq": second.seq, "placement_runtime": twice},
                          f"placement_runtime.version.attributes[{len(pin['version']['attributes'])}].key")):
@@ -520,7 +521,8 @@ async def test_a_client_names_the_assignment_it_is_given_another_process_s_resum
     paused = await other.suspend("a-1", uri="s3://a-1", placed=a)
     await nc.flush()
     (sent,) = [msgspec.json.decode(m.data, type=SuspendActor) for m in heard]
-    assert (sent.placement_seq, sent.placement_worker_id, sent.placement_runtime) == (a.seq, "w-1", a.sandbox_runtime)
+    assert (sent.placement_seq, sent.placement_worker_id, sent.placement_node, sent.placement_runtime) == (
+        a.seq, "w-1", "node-1", a.sandbox_runtime)
     assert paused.snapshot.sandbox_runtime == a.sandbox_runtime
 
 
@@ -549,16 +551,16 @@ async def test_a_client_that_did_not_resume_the_actor_fences_with_the_placement_
     await nc.flush()
     sent = msgspec.json.decode(heard["pause"][-1].data, type=PauseActor)
     assert len(heard["status"]) == 1 and sent.placement_seq == placed
-    assert sent.placement_worker_id is None and sent.placement_runtime is None  # status says the seq alone
+    assert (sent.placement_worker_id, sent.placement_node, sent.placement_runtime) == (None, None, None)  # seq alone
     assert (paused.snapshot.node, paused.snapshot.sandbox_runtime.version) == ("node-1", V1)
 
     second = await resumer.resume("a-1")  # resumer knows its placement: no question asked
     await resumer.pause("a-1")
     await nc.flush()
     assert len(heard["status"]) == 1
-    sent = msgspec.json.decode(heard["pause"][-1].data, type=PauseActor)  # its Assignment's seq, worker and pin
-    assert (sent.placement_seq, sent.placement_worker_id, sent.placement_runtime) == (
-        second.seq, second.worker_id, second.sandbox_runtime)
+    sent = msgspec.json.decode(heard["pause"][-1].data, type=PauseActor)  # its Assignment's seq, worker, node, pin
+    assert (sent.placement_seq, sent.placement_worker_id, sent.placement_node, sent.placement_runtime) == (
+        second.seq, second.worker_id, second.node, second.sandbox_runtime)
     third = await resumer.resume("a-1")
     late, held = Client(nc, prefix), []  # its suspend is held while the actor lives anew elsewhere (sent late)
     request = late.request

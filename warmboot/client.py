@@ -19,9 +19,9 @@ What it does so that callers need not:
   the caller gives none, so a retry is the same request.
 - Fencing: `pause` and `suspend` name the placement their image was taken under
   (`placement_seq`): the caller's, else the `seq` of this client's last `resume` of the
-  actor (with that Assignment's worker and pin, `placement_worker_id` and `placement_runtime`,
-  also when the caller gives that seq: a log rolled back past it may hold another placement
-  there since), else the placement the snapshotter says the actor has (`status`, one more request; none
+  actor (with that Assignment's worker, node and pin, `placement_worker_id`, `placement_node`
+  and `placement_runtime`, also when the caller gives that seq, or of an Assignment it gives,
+  `placed`: a log rolled back past it may hold another placement there since), else the placement the snapshotter says the actor has (`status`, one more request; none
   from a snapshotter of an earlier version, which has no `status`, and `on_unfenced` is told; with
   `fence_snapshots=False`, only the caller's). A copy decided after the actor was placed
   anew is refused, not recorded with the new placement's pin. `resume` names the actor's life
@@ -177,9 +177,10 @@ def remember(kept: dict[str, K], actor_id: str, value: K, seq: Callable[[K], int
 
 
 def placed_under(placed: Assignment) -> UnderPlacement:
-    """What a pause or suspend of an image taken under the placement `placed` names: its seq, worker and pin."""
+    """What a pause or suspend of an image taken under the placement `placed` names: its seq, worker, node
+    and pin."""
     return UnderPlacement(placement_seq=placed.seq, placement_worker_id=placed.worker_id,
-                          placement_runtime=placed.sandbox_runtime)
+                          placement_node=placed.node, placement_runtime=placed.sandbox_runtime)
 
 
 def under_seq(under: UnderPlacement) -> int:
@@ -220,7 +221,7 @@ class Client:
         # told (the actor's id, the error) when a request goes without the fence `status` would give it,
         # the snapshotter being of an earlier version (`status_if_served`); by default a warning is logged
         self.on_unfenced = on_unfenced
-        # actor id -> that Assignment's seq, worker and pin (`placed_under`), the last PLACEMENTS_KEPT actors
+        # actor id -> that Assignment's seq, worker, node and pin (`placed_under`), the last PLACEMENTS_KEPT actors
         self._placed: dict[str, UnderPlacement] = {}
         # `resume` without a `life_seq` names the life this client last saw the actor in (`_lives`): the
         # `seq` of its last create or resume of it (`life_seq`'s docstring)
@@ -435,7 +436,7 @@ class Client:
         """`placement_seq`: the `seq` of the Assignment the image was taken under (what `resume`
         answered); FAILED_PRECONDITION if the actor has been placed anew since. Left out, it is the
         seq of this client's last `resume` of the actor, if it made one (`fence_snapshots`; the
-        image comes from the worker that Assignment named), with that Assignment's worker and pin
+        image comes from the worker that Assignment named), with that Assignment's worker, node and pin
         (also when `placement_seq` is its seq): refused too if the placement stored at that sequence is
         another's (a log rolled back past it and written again). A copy of this request held somewhere
         (a NATS server stopped with it in its buffers: a failover test) and decided once the actor
@@ -446,10 +447,10 @@ class Client:
         before which such a pause was sent unfenced): that fences the actor as this call finds it, not
         as it was when its worker took the image, so a caller that pauses actors another process
         resumed gives the seq of the placement it had take the image. With `fence_snapshots=False`,
-        only the caller's (with the worker and pin, if it is this client's last resume's). A
+        only the caller's (with the worker, node and pin, if it is this client's last resume's). A
         snapshotter of an earlier version (no `status`): sent without one, and `on_unfenced` is told
         (`status_if_served`). `placed`: instead of `placement_seq`, the Assignment the image was taken
-        under (another process's resume, say): its seq, worker and pin are named."""
+        under (another process's resume, say): its seq, worker, node and pin are named."""
         under = await self._placement_of(actor_id, placement_seq, placed)
         body = PauseActor(snapshot_id=snapshot_id, request_id=request_id or new_request_id(),
                           **msgspec.structs.asdict(under))
@@ -469,12 +470,12 @@ class Client:
 
     async def _placement_of(self, actor_id: str, given: int | None,
                             placed: Assignment | None = None) -> UnderPlacement:
-        """The placement a pause or suspend names: `placed` (its seq, worker and pin: `placed_under`),
+        """The placement a pause or suspend names: `placed` (its seq, worker, node and pin: `placed_under`),
         else `given`, else this client's last resume of the actor (`placed_under`), else the one the
         snapshotter says is the actor's when the call starts (`status`; in a life not placed yet, its
         creation, which no placement matches: each comes after it); none when the snapshotter is of an
         earlier version (`status_if_served`). A `given` seq of this client's last resume names that
-        resume's worker and pin too. INVALID_ARGUMENT, nothing sent, for a `placed` of another actor
+        resume's worker, node and pin too. INVALID_ARGUMENT, nothing sent, for a `placed` of another actor
         or beside another `given`."""
         if placed is not None:
             if placed.actor_id != actor_id:

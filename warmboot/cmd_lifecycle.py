@@ -88,7 +88,7 @@ placement_seq_option = click.option(
 placement_file_option = click.option(
     "--placement", "placement_file", type=click.File("rb"), default=None, metavar="FILE",
     help="The Assignment the image was taken under, as `actor resume -o json` printed it ('-': standard input): "
-         "names its seq, worker and pin, so that a log rolled back past that placement and written again refuses "
+         "names its seq, worker, node and pin, so that a log rolled back past that placement and written again refuses "
          "the request instead of recording the image under the other placement's pin (docs/operations.md). "
          "Instead of --placement-seq.")
 

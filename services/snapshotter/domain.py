@@ -319,9 +319,9 @@ class Actor(WireAggregate):
         )
 
     def same_placement(self, under: UnderPlacement, placed: int, verb: str) -> None:
-        """FAILED_PRECONDITION (field `placement_worker_id` or `placement_runtime`) unless the placement
-        recorded at `placed`, the one `under.placement_seq` names, is on the worker and under the pin
-        `under` says. Only a log rolled back past the placement the image was taken under, and written
+        """FAILED_PRECONDITION (field `placement_worker_id`, `placement_node` or `placement_runtime`)
+        unless the placement recorded at `placed`, the one `under.placement_seq` names, is on the worker
+        and node and under the pin `under` says. Only a log rolled back past the placement the image was taken under, and written
         again since, holds another one at its sequence (docs/operations.md, "Backup and restore"): the
         record would stamp the image with that one's pin and node, not the image's own (an audit's
         experiment: an image taken on w1 under V2 recorded as V1's, on w0's node)."""
@@ -330,6 +330,8 @@ class Actor(WireAggregate):
         if under.placement_worker_id not in (None, held.worker_id):
             field, named, found = "placement_worker_id", f"worker {under.placement_worker_id!r}", \
                 f"worker {held.worker_id!r}"
+        elif under.placement_node not in (None, held.node):  # the worker id registered on another node
+            field, named, found = "placement_node", f"node {under.placement_node!r}", f"node {held.node!r}"
         elif under.placement_runtime is not None and (pin := stamp_key(under.placement_runtime)) != (
                 recorded := stamp_key(held.sandbox_runtime)):
             field, named, found = "placement_runtime", f"runtime {describe_key(pin)}", \
