@@ -10,6 +10,7 @@ import contextlib
 from contextlib import asynccontextmanager
 import logging
 import os
+import socket
 import threading
 
 import nats.errors
@@ -235,6 +236,15 @@ def test_up_refuses_a_store_another_server_writes_and_resets_nothing(tmp_path):
         assert result.exit_code == 1, result.output
         assert f"the store {store} is in use by another warmboot up (process {os.getpid()})" in result.output
         assert sorted(p.name for p in store.iterdir()) == kept and running.running  # not reset, still serving
+        # its metrics port taken too (the first `up`'s, by default): the store in use is said first (a
+        # review: a metrics port checked before the store said that instead, the store in use only after)
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            result = CliRunner().invoke(main, ["up", "--store", str(store), "--port", "0", "--metrics-port",
+                                               str(taken.getsockname()[1])])
+        assert result.exit_code == 1 and "is in use by another warmboot up" in result.output, result.output
+        assert "cannot serve metrics" not in result.output
     finally:
         running.stop()
 

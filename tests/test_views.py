@@ -720,6 +720,7 @@ async def test_a_runtime_no_worker_runs_reads_alike_in_fragmentation_actor_list_
         refused = await cli("whatif", "--class", "gvisor", "--drop-runtime", named, *at)
         assert refused.exit_code == 2 and "'--drop-runtime'" in refused.output, refused.output
         assert (f"no runtime of class gvisor is named '{named}' among those its registered workers offer (as "
-                "default, restorable or compatible version): a runtime none offers has nothing to drop, its memory "
-                "snapshots are stranded already (`warmboot fragmentation` counts them); offered: gvisor-2026-11"
+                "default, restorable or compatible version): a runtime none offers has nothing to drop (a release "
+                "dropped already: its memory snapshots are stranded, `warmboot fragmentation` counts them; else a "
+                "typing error); offered: gvisor-2026-11"
                 ) in " ".join(refused.output.split()), refused.output

@@ -64,12 +64,15 @@ def up(port: int, store: Path, prefix: str, metrics_port: int, demo: bool, exit_
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if reset is None:
         reset = demo
+    server = NatsServer(store.resolve(), port=port or None, name="warmboot")
+    made = _made_by(server)  # a start that fails leaves nothing behind of what it made
+    if server.lock_path.exists():  # a store that may be in use: said first, as before the metrics' check
+        _lock(server, store)
     try:  # before the store is made: a port taken is said with nothing written, as a NATS port taken is
         metrics = start_metrics(metrics_port)
     except OSError as e:
+        server.unlock()
         raise click.ClickException(str(e)) from None
-    server = NatsServer(store.resolve(), port=port or None, name="warmboot")
-    made = _made_by(server)  # a start that fails leaves nothing behind of what it made
     locked = served = False
     failed: list[str] = []  # a service that could not go on (it logged why)
 
@@ -106,13 +109,7 @@ def up(port: int, store: Path, prefix: str, metrics_port: int, demo: bool, exit_
             console.print("stopping")
 
     try:  # held from the lock until the server stops: no other `up` resets or starts on it meanwhile
-        try:
-            server.lock_store()
-        except StoreInUse as e:
-            raise click.ClickException(f"the store {store} is in use by another warmboot up (process {e.holder}): "
-                                       "stop it, or give another --store") from None
-        except NatsServerError as e:
-            raise click.ClickException(str(e)) from None
+        _lock(server, store)
         locked = True
         _start(server, store, port, reset)
         run_serving(run, event_loop)
@@ -127,6 +124,17 @@ def up(port: int, store: Path, prefix: str, metrics_port: int, demo: bool, exit_
             server.unlock()
     if failed:
         raise SystemExit(1)
+
+
+def _lock(server: NatsServer, store: Path) -> None:
+    """Hold the store's lock (`NatsServer.lock_store`; held already, nothing to do), or say who does."""
+    try:
+        server.lock_store()
+    except StoreInUse as e:
+        raise click.ClickException(f"the store {store} is in use by another warmboot up (process {e.holder}): "
+                                   "stop it, or give another --store") from None
+    except NatsServerError as e:
+        raise click.ClickException(str(e)) from None
 
 
 def _made_by(server: NatsServer) -> list[Path]:

@@ -683,9 +683,9 @@ def resolve_drops(runtimes: Runtimes, texts: tuple[str, ...], sandbox_class: str
         except UnknownRuntime as e:
             said = str(e) if e.known is None else (  # none of the fleet's: why that is refused, and what it offers
                 f"no runtime of class {sandbox_class} is named {text!r} among those its registered workers offer "
-                "(as default, restorable or compatible version): a runtime none offers has nothing to drop, its "
-                "memory snapshots are stranded already (`warmboot fragmentation` counts them); offered: "
-                f"{', '.join(e.known) or 'none'}")
+                "(as default, restorable or compatible version): a runtime none offers has nothing to drop (a "
+                "release dropped already: its memory snapshots are stranded, `warmboot fragmentation` counts them; "
+                f"else a typing error); offered: {', '.join(e.known) or 'none'}")
             raise click.BadParameter(said, param_hint="'--drop-runtime'") from None
         for known in found:
             versions.setdefault(known.key, known.version)
