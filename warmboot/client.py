@@ -21,8 +21,9 @@ What it does so that callers need not:
   (`placement_seq`): the caller's, else the `seq` of this client's last `resume` of the
   actor (with that Assignment's worker, node and pin, `placement_worker_id`, `placement_node`
   and `placement_runtime`, also when the caller gives that seq, or of an Assignment it gives,
-  `placed`: a log rolled back past it may hold another placement there since), else the placement the snapshotter says the actor has (`status`, one more request; none
-  from a snapshotter of an earlier version, which has no `status`, and `on_unfenced` is told; with
+  `placed`: a log rolled back past it may hold another placement there since), else the
+  placement the snapshotter says the actor has (`status`, one more request; none from a
+  snapshotter of an earlier version, which has no `status`, and `on_unfenced` is told; with
   `fence_snapshots=False`, only the caller's). A copy decided after the actor was placed
   anew is refused, not recorded with the new placement's pin. `resume` names the actor's life
   (`life_seq`): the caller's, else the `seq` of this client's last create or resume of the actor

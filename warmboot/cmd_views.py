@@ -472,8 +472,8 @@ def fragmentation(sandbox_class: tuple[str, ...], min_seq: int | None, nats_url:
     carry, as `actor list` shows them (the whole log is then read for it, as `actor list` reads it).
 
     A --class the scheduler knows nothing of (no worker has registered it, and no actor of it holds a
-    memory snapshot) is NOT_FOUND, exit status 1, naming the classes the registered workers run where these credentials
-    may read the log."""
+    memory snapshot) is NOT_FOUND, exit status 1, naming the classes the registered workers run where
+    these credentials may read the log."""
     mode = output_mode(output, as_json)
     named = list(dict.fromkeys(sandbox_class))
 

@@ -321,10 +321,11 @@ class Actor(WireAggregate):
     def same_placement(self, under: UnderPlacement, placed: int, verb: str) -> None:
         """FAILED_PRECONDITION (field `placement_worker_id`, `placement_node` or `placement_runtime`)
         unless the placement recorded at `placed`, the one `under.placement_seq` names, is on the worker
-        and node and under the pin `under` says. Only a log rolled back past the placement the image was taken under, and written
-        again since, holds another one at its sequence (docs/operations.md, "Backup and restore"): the
-        record would stamp the image with that one's pin and node, not the image's own (an audit's
-        experiment: an image taken on w1 under V2 recorded as V1's, on w0's node)."""
+        and node and under the pin `under` says. Only a log rolled back past the placement the image
+        was taken under, and written again since, holds another one at its sequence
+        (docs/operations.md, "Backup and restore"): the record would stamp the image with that one's
+        pin and node, not the image's own (an audit's experiment: an image taken on w1 under V2
+        recorded as V1's, on w0's node)."""
         held = self.placed
         assert held is not None  # recorded at `placed`
         if under.placement_worker_id not in (None, held.worker_id):
