@@ -18,8 +18,8 @@ import nats.errors
 import pytest
 
 from events.errors import ContractError
-from events.schema import (ErrorCode, Heartbeat, HeartbeatReply, PlacedFidelity, RegisterOutcome, ResumeActor,
-                           RuntimeChanged, WorkerRegistered)
+from events.schema import (Assignment, ErrorCode, Heartbeat, HeartbeatReply, PlacedFidelity, RegisterOutcome,
+                           ResumeActor, RuntimeChanged, WorkerRegistered)
 from events.subjects import stream_name
 from services.scheduler.service import SchedulerService
 from services.snapshotter.service import SnapshotterService
@@ -42,7 +42,7 @@ def roll_back(server: NatsServer, stream: str, keep: int) -> None:
     """Cut every message after sequence `keep` off the blocks of `stream` (its server stopped), and drop
     the stream's index, as a machine's crash before they were synced would. A block is a run of records:
     length (4 bytes), sequence (8), time, subject, headers, body, checksum."""
-    msgs = next((server.store_dir / server.name / "jetstream").glob(f"*/streams/{stream}/msgs"))
+    msgs = next((server.data_path / "jetstream").glob(f"*/streams/{stream}/msgs"))
     for block in sorted(msgs.glob("*.blk"), key=lambda p: int(p.stem)):
         data, at = block.read_bytes(), 0
         while at + 12 <= len(data):
@@ -91,6 +91,18 @@ async def fresh_replica(exits: AsyncExitStack, server: NatsServer, prefix: str) 
     fresh = await SchedulerService(fresh_nc, nats_url=server.url, prefix=prefix, metrics=False).start()
     exits.push_async_callback(fresh.stop)
     return fresh
+
+
+async def placed_by(replica: SchedulerService, actor_id: str, request: ResumeActor) -> Assignment:
+    """`request` placed by `replica` itself (not the queue group's choice), sent again while its
+    store's connection is being made again after the crash (UNAVAILABLE)."""
+    for _ in range(100):
+        try:
+            return await replica.resume(actor_id, request)
+        except ContractError as error:
+            assert error.code is ErrorCode.UNAVAILABLE, error
+            await asyncio.sleep(0.05)  # a client's back-off between retries, not synchronisation
+    raise AssertionError(f"{actor_id} not placed by the replica in 100 attempts")
 
 
 @pytest.mark.timeout(120)
@@ -165,13 +177,7 @@ async def test_a_retried_request_id_is_not_answered_from_a_lost_tail(tmp_path, p
             await crash_losing_the_tail(server, prefix, kept)
             # a replica started on the log as it is now places first: at the lost placement's sequences
             fresh = await fresh_replica(exits, server, prefix)
-            for _ in range(100):
-                try:
-                    other = await fresh.resume(placed, ResumeActor(request_id=request_id))
-                    break
-                except ContractError as error:  # the store's connection being made again
-                    assert error.code is ErrorCode.UNAVAILABLE, error
-                    await asyncio.sleep(0.05)  # a client's back-off between retries, not synchronisation
+            other = await placed_by(fresh, placed, ResumeActor(request_id=request_id))
             assert (other.actor_id, other.seq) == (placed, first.seq)  # placed where a's r1 was
             try:  # the retry, at the replica that folded the lost tail
                 got = await stale.resume("a", ResumeActor(request_id="r1"))
@@ -225,14 +231,8 @@ async def test_a_pause_of_an_image_taken_under_a_lost_placement_is_refused_not_s
                 relabelled = await wb.register(worker("w1", runtime(V1), labels={"rack": "r1", "row": "2"}))
                 assert relabelled.seq == changed.seq
             fresh = await fresh_replica(exits, server, prefix)
-            for _ in range(100):
-                try:
-                    other = await fresh.resume("a", ResumeActor(selectors={"rack": "r0" if moved == "another-worker"
-                                                                           else "r1"}))
-                    break
-                except ContractError as error:  # the store's connection being made again
-                    assert error.code is ErrorCode.UNAVAILABLE, error
-                    await asyncio.sleep(0.05)  # a client's back-off between retries, not synchronisation
+            other = await placed_by(fresh, "a", ResumeActor(selectors={"rack": "r0" if moved == "another-worker"
+                                                                      else "r1"}))
             assert other.seq == first.seq, (other, first)  # stored where the lost placement was
             assert (other.worker_id, other.sandbox_runtime.version) == (
                 "w0" if moved == "another-worker" else "w1", V1), other

@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import click
 import msgspec
@@ -66,6 +66,7 @@ from warmboot.cmd_views import (
 from warmboot.render import Column, key_values, render_fields, render_table, terminal_width
 
 RUNNING, STOPPED = ActorState.RUNNING, ActorState.STOPPED
+T = TypeVar("T")
 
 
 def one_state(value: str | None) -> str | None:
@@ -93,6 +94,15 @@ placement_file_option = click.option(
          "Instead of --placement-seq.")
 
 
+def file_body(type_: type[T], data: bytes, where: str, option: str) -> T:
+    """The body of `type_` a file given to `option` holds, decoded and checked as the service will check
+    it; a usage error naming the option, the file and the field's JSON path otherwise."""
+    try:
+        return decode_request(type_, data)
+    except ContractError as e:
+        raise click.BadParameter(f"{where} at {json_path(e.field)}: {e.message}", param_hint=f"'{option}'") from None
+
+
 def placement_named(actor_id: str, placement_seq: int | None, placement_file: Any) -> Assignment | None:
     """The Assignment `--placement FILE` holds, checked: a usage error naming the option for a file
     that is not one, one of another actor, or beside --placement-seq."""
@@ -101,10 +111,7 @@ def placement_named(actor_id: str, placement_seq: int | None, placement_file: An
     if placement_seq is not None:
         raise click.UsageError("give --placement or --placement-seq, not both (the file names its seq)")
     where = getattr(placement_file, "name", "-")
-    try:
-        placed = decode_request(Assignment, placement_file.read())
-    except ContractError as e:
-        raise click.BadParameter(f"{where} at {json_path(e.field)}: {e.message}", param_hint="'--placement'") from None
+    placed = file_body(Assignment, placement_file.read(), where, "--placement")  # (as printed: runtime ids beside)
     if placed.actor_id != actor_id:
         raise click.BadParameter(f"{where} is an Assignment of actor {placed.actor_id}, not {actor_id}",
                                  param_hint="'--placement'")
@@ -252,11 +259,7 @@ def create_cmd(actor_id: str, sandbox_class: str, template_uid: str, cpu_millis:
     golden_snapshot = None
     if golden is not None:
         data = golden.read_bytes()
-        try:  # decoded and checked as the service will: a bad file names its field
-            golden_snapshot = decode_request(Snapshot, data)
-        except ContractError as e:
-            raise click.BadParameter(f"{golden} at {json_path(e.field)}: {e.message}",
-                                     param_hint="'--golden-snapshot'") from None
+        golden_snapshot = file_body(Snapshot, data, str(golden), "--golden-snapshot")
         ignored = unknown_fields(Snapshot, msgspec.json.decode(data))  # a person's file: a misspelt key is said
         if ignored:
             raise click.BadParameter(f"{golden} at {', '.join(map(json_path, ignored))}: no such field in a Snapshot "

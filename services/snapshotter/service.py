@@ -40,7 +40,7 @@ import time
 from contextlib import asynccontextmanager
 from datetime import datetime
 from functools import partial
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from eventsourcing.application import AggregateNotFoundError, ProcessingEvent
 from eventsourcing.persistence import IntegrityError, Notification, Tracking
@@ -89,6 +89,7 @@ from services.snapshotter.placements import PlacementFold, Release, node_since, 
 from services.streams import StreamWatch, stream_created
 
 log = logging.getLogger("warmboot.snapshotter")
+T = TypeVar("T", bound=Base)
 
 SERVICE = "snapshotter"
 
@@ -723,50 +724,33 @@ class SnapshotterService:
 
     async def decide_tag(self, actor_id: str, req: TagSnapshot) -> Base:
         actor = await self.load_actor(actor_id)
-        found = await self.answered_before(actor, "tag", req.request_id)
+        found = await self.answered_or_kept(actor, "tag", req.request_id, SnapshotReply)
         if found is not None:
             return found
-        kept = await self.no_writes.recall_async(actor, "tag", req.request_id, SnapshotReply) \
-            if self.no_writes else None
-        if kept is not None:
-            await self.confirm_read(actor)  # kept for the life as read (`answered_before`)
-            return kept[0]
         async with self._tags(req.tag):
             tag = await self.load_tag(req.tag)
             snapshot, recorded = actor.tag(tag, req.request_id, now(), req.life_seq)
             if recorded:  # the tag's event first, the actor's last: the reply's seq is the actor's event
                 return SnapshotReply(snapshot=snapshot, seq=await self.save(tag, actor))
-            # The tag names it already (as the stream leader has both histories too): the TagRecorded that
-            # named it is the answer, kept as this request's (it wrote nothing its retry could be answered from)
+            # The tag names it already (as the stream leader has the tag's history too): the TagRecorded
+            # that named it is the answer
             assert self.app is not None
-            await self.confirm_read(actor)
             await confirm_unchanged(self.app.recorder, tag.id, recorded_seq(tag, tag.version))
             reply = SnapshotReply(snapshot=snapshot, seq=recorded_seq(tag, tag.version), unchanged=True)
-            if self.no_writes is not None:
-                await self.no_writes.keep_async(actor, "tag", req.request_id, reply)
-            return reply
+            return await self.kept_unchanged(actor, "tag", req.request_id, reply)
 
     async def update_template(self, actor_id: str, req: UpdateTemplate) -> SeqReply:
         return await self.answer(actor_id, partial(self.decide_update_template, actor_id, req))
 
     async def decide_update_template(self, actor_id: str, req: UpdateTemplate) -> Base:
         actor = await self.load_actor(actor_id)
-        found = await self.answered_before(actor, "update-template", req.request_id)
+        found = await self.answered_or_kept(actor, "update-template", req.request_id, SeqReply)
         if found is not None:
             return found
-        kept = await self.no_writes.recall_async(actor, "update-template", req.request_id, SeqReply) \
-            if self.no_writes else None
-        if kept is not None:
-            await self.confirm_read(actor)  # kept for the life as read (`answered_before`)
-            return kept[0]
         if not actor.change_template(req.template_uid, req.request_id, now(), req.life_seq):
-            # Already that template (as the stream leader has it too): the event that set it is the
-            # answer, kept as this request's (it wrote nothing its retry could be answered from)
-            await self.confirm_read(actor)
+            # Already that template: the event that set it is the answer
             reply = SeqReply(seq=recorded_seq(actor, actor.template_version), unchanged=True)
-            if self.no_writes is not None:
-                await self.no_writes.keep_async(actor, "update-template", req.request_id, reply)
-            return reply
+            return await self.kept_unchanged(actor, "update-template", req.request_id, reply)
         return SeqReply(seq=await self.save(actor))
 
     async def stop_actor(self, actor_id: str, req: StopActor) -> SeqReply:
@@ -816,6 +800,29 @@ class SnapshotterService:
         if found is not None:
             await self.confirm_read(actor)
         return found
+
+    async def answered_or_kept(self, actor: Actor, verb: str, request_id: str | None,
+                               reply_type: type[Base]) -> Base | None:
+        """`answered_before`, else the answer kept for a request with this id that wrote nothing
+        (`kept_unchanged`), given on the actor's history as the stream leader has it; None if neither."""
+        found = await self.answered_before(actor, verb, request_id)
+        if found is not None or self.no_writes is None:
+            return found
+        kept = await self.no_writes.recall_async(actor, verb, request_id, reply_type)
+        if kept is None:
+            return None
+        await self.confirm_read(actor)  # kept for the life as read (`answered_before`)
+        return kept[0]
+
+    async def kept_unchanged(self, actor: Actor, verb: str, request_id: str | None, reply: T) -> T:
+        """`reply`, the answer of a request that found the actor as it asks and wrote nothing (an
+        update-template to its template, a tag naming its snapshot already), given only on the actor's
+        history as the stream leader has it, and kept as this request's, which left nothing its retry
+        could be answered from (`services.replies.NoWriteAnswers`)."""
+        await self.confirm_read(actor)
+        if self.no_writes is not None:
+            await self.no_writes.keep_async(actor, verb, request_id, reply)
+        return reply
 
     async def confirm_read(self, actor: Actor) -> None:
         """`confirm_unchanged` of the actor's history as read."""
