@@ -295,9 +295,9 @@ class Actor(WireAggregate):
         unless it is the actor's current one, or, for a PAUSED actor, the one its pause ended.
         Otherwise the actor was released and placed again (its worker removed, say) while the image
         was being taken, and the record would stamp that image with another placement's pin and node
-        (found by an audit: a pause decided after such a move recorded the new pin). With its worker
-        and pin too (`placement_worker_id`, `placement_runtime`), the placement at that sequence must be
-        that one (`same_placement`)."""
+        (found by an audit: a pause decided after such a move recorded the new pin). With its worker,
+        node and pin too (`placement_worker_id`, `placement_node`, `placement_runtime`), the placement
+        at that sequence must be that one (`same_placement`)."""
         placement_seq = under.placement_seq
         if placement_seq is None:
             return
