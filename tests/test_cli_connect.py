@@ -485,6 +485,33 @@ async def test_the_client_refuses_a_bad_prefix_or_option_leaving_no_connection_o
     assert made[0].is_closed
 
 
+
+async def test_an_id_that_is_not_a_string_is_refused_naming_its_field_and_nothing_is_sent(nats_url):
+    """`wb.resume(5)` raised the regular expression's own TypeError ("expected string or bytes-like
+    object, got 'int'"), naming neither the argument nor what an id is (a user trial's finding). Now
+    INVALID_ARGUMENT naming the field, as a malformed id is, before anything is sent."""
+    import nats
+
+    from events.errors import ContractError
+    from events.schema import ErrorCode
+    from warmboot.client import Client
+
+    nc = await nats.connect(nats_url)
+    watch = await nc.subscribe("tp.>")
+    wb = Client(nc, "tp", attempts=1, timeout=1)
+    try:
+        for call, field in ((lambda: wb.resume(5), "actor_id"), (lambda: wb.pause(7), "actor_id"),
+                            (lambda: wb.status(b"a-1"), "actor_id"), (lambda: wb.drain(3), "worker_id")):
+            with pytest.raises(ContractError) as refused:
+                await call()
+            assert (refused.value.code, refused.value.field) == (ErrorCode.INVALID_ARGUMENT, field), refused.value
+            assert "is not an id: 1 to 128 letters" in refused.value.message, refused.value.message
+        await nc.flush()
+        assert watch.pending_msgs == 0  # nothing sent
+    finally:
+        await watch.unsubscribe()
+        await nc.close()
+
 async def test_a_request_nats_py_will_not_send_is_a_contract_error_naming_why(tmp_path):
     """What nats-py refuses to send came out of the client as its own exception, not a ContractError
     (an audit's finding): a call after `close` (ConnectionClosedError), a request larger than the

@@ -291,8 +291,9 @@ class Client:
         """Send `body` to `<prefix>.<service>.<verb>[.<entity>]` and decode the reply as
         `reply_type`, retrying what the contract says is safe to retry (the body, and so
         its request_id, unchanged); remember the reply's `seq`."""
-        if entity is not None and not ID_RE.match(entity):
-            # a subject token is what an id is for: a dot or a space would change the subject
+        if entity is not None and not (isinstance(entity, str) and ID_RE.match(entity)):
+            # a subject token is what an id is for: a dot or a space would change the subject (and a
+            # number is not one: `wb.resume(5)` raised the regular expression's TypeError)
             raise invalid(f"{entity!r} is not an id: {ID_WORDS}",
                           "worker_id" if service == "registry" else "actor_id")
         subject = service_subject(self.prefix, service, verb, entity)
