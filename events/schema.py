@@ -441,6 +441,28 @@ class FragmentationQuery(Base, kw_only=True):
     min_seq: Seq | None = None  # project addition: answered from state that includes it
 
 
+class RuntimesQuery(Base, kw_only=True):
+    """Project addition `<prefix>.scheduler.runtimes`: the runtimes the registered workers offer, as
+    the scheduler's fold has them (what the CLI labels runtimes with, instead of folding every
+    worker's history itself: docs/contract.md, Additions)."""
+
+    min_seq: Seq | None = None  # answered from state that includes it
+
+
+class FleetRuntime(Base, kw_only=True):
+    sandbox_class: str
+    version: CompatVersion
+    # the names the registered workers give it (none when only an edge names it)
+    names: list[str]
+    # whether a registered worker (drained included) runs it, as a default or restorable runtime;
+    # false: a runtime of the fleet only accepts it (a compatible version)
+    run: bool
+
+
+class FleetRuntimes(Base, kw_only=True):
+    runtimes: list[FleetRuntime]
+
+
 class Placement(Base, kw_only=True):
     """An Assignment without its `seq`: what the decision returns and explain shows."""
 
@@ -773,6 +795,7 @@ REQUEST_TYPES: tuple[type[Base], ...] = (
     ExplainResume,
     FragmentationQuery,
     WhatIf,
+    RuntimesQuery,
 )
 
 REPLY_TYPES: tuple[type[Base], ...] = (
@@ -786,5 +809,6 @@ REPLY_TYPES: tuple[type[Base], ...] = (
     Explanation,
     Fragmentation,
     WhatIfAnswer,
+    FleetRuntimes,
     ErrorReply,
 )

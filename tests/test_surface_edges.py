@@ -76,22 +76,31 @@ async def secured(tmp_path_factory):
 
 
 async def test_a_command_that_succeeds_for_a_client_says_in_one_line_what_it_did_not_check(secured):
-    """A client's credentials may not read the log, where the runtimes' names are: `actor resume`,
-    `explain` and `fragmentation` succeed all the same. Their stderr said, over four lines of a
-    terminal, "cannot read the event stream ...: is --prefix se the deployment's, and may these
-    credentials read its log?", as if the command had failed (a walkthrough). Now one short line
-    says what was not checked, and why."""
+    """A client's credentials may not read the log. `actor resume`, `explain` and `fragmentation` label
+    runtimes by the names a scheduler says (`scheduler.runtimes`, since 2026-12-06: before, a client's
+    labels were ids, and stderr said the names were not looked up). What they still cannot check is
+    said on stderr in one short line: which selector keys each mismatched worker misses (the workers'
+    labels are in the log). Their stderr said, over four lines of a terminal, "cannot read the event
+    stream ...: is --prefix se the deployment's, and may these credentials read its log?", as if the
+    command had failed (a walkthrough)."""
     env = {"NATS_URL": secured.url("orch"), "WARMBOOT_PREFIX": PREFIX}
-    expected = "note: runtime names not looked up: these credentials may not read the log\n"
     for args, says in ((["actor", "resume", "a-1"], "DECISION"), (["explain", "a-2"], "SUMMARY"),
                        (["fragmentation"], "SNAPSHOTS")):
         result = await cli(*args, env=env)
         assert result.exit_code == 0, (args, result.output)
-        assert says in result.stdout and IDS["v2"][3:] in result.stdout, (args, result.stdout)  # the id's digits
-        assert result.stderr == expected, (args, result.stderr)
-    # an operator's credentials read the names: nothing said
-    ops = await cli("fragmentation", env={"NATS_URL": secured.url("ops"), "WARMBOOT_PREFIX": PREFIX})
+        assert says in result.stdout and "runsc-v2" in result.stdout, (args, result.stdout)  # the name
+        assert IDS["v2"][3:] not in result.stdout, (args, result.stdout)  # not the id's digits
+        assert result.stderr == "", (args, result.stderr)
+    missed = await cli("explain", "a-2", "--selector", "zone=b", env=env)
+    assert missed.exit_code == 0 and "selector mismatch" in missed.stdout, missed.output
+    assert re.search(r"^w-1 +selector mismatch$", missed.stdout, re.M), missed.stdout  # its keys not looked up
+    assert missed.stderr == ("note: selector keys of the mismatched workers not looked up: these credentials may not "
+                             "read the log\n"), missed.stderr
+    # an operator's credentials read them: nothing said, and the keys named
+    ops = await cli("explain", "a-2", "--selector", "zone=b",
+                    env={"NATS_URL": secured.url("ops"), "WARMBOOT_PREFIX": PREFIX})
     assert ops.exit_code == 0 and ops.stderr == "", ops.output
+    assert re.search(r"^w-1 +selector mismatch \(zone\)$", ops.stdout, re.M), ops.stdout
 
 
 # --- 2. a class the scheduler knows nothing of, asked of the client --------------------------------------
@@ -227,16 +236,15 @@ async def test_a_client_s_credentials_name_the_placement_and_life_the_snapshotte
             service = "scheduler" if verb == "resume" else "snapshotter"
             await svc.nc.subscribe(f"{PREFIX}.{service}.{verb}.a-5", cb=partial(_kept, heard[verb]))
         await svc.nc.flush()
-        labels = "note: runtime names not looked up: these credentials may not read the log\n"
         resumed = await cli("actor", "resume", "a-5", "--json", env=env)
         assert resumed.exit_code == 0 and resumed.stderr == "", resumed.output
         placed = json.loads(resumed.stdout)["seq"]
         paused = await cli("actor", "pause", "a-5", env=env)
         assert paused.exit_code == 0 and paused.stdout.startswith("actor/a-5 paused: "), paused.output
-        assert paused.stderr == labels, paused.stderr
+        assert paused.stderr == "", paused.stderr  # its runtime's label from a scheduler: nothing to say
         promoted = await cli("actor", "suspend", "a-5", "--uri", "s3://a-5", "--placement-seq", str(placed), env=env)
         assert promoted.exit_code == 0 and promoted.stdout.startswith("actor/a-5 suspended: "), promoted.output
-        assert promoted.stderr == labels, promoted.stderr
+        assert promoted.stderr == "", promoted.stderr
         await svc.nc.flush()
         assert [msgspec.json.decode(m.data, type=ResumeActor).life_seq for m in heard["resume"]] == [born]
         named = [msgspec.json.decode(m.data, type=PauseActor).placement_seq for m in heard["pause"]]

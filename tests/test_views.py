@@ -594,7 +594,11 @@ async def test_the_names_of_a_large_fleet_are_read_however_long_that_takes(monke
         await read.wait()
         return folded(fleet())
 
+    async def nobody_says(nc, prefix):  # no scheduler answers `runtimes`: the labels are the log's
+        return None
+
     monkeypatch.setattr(cmd_views, "LABELS_TIMEOUT_S", 0)
+    monkeypatch.setattr(cmd_views, "asked_runtimes", nobody_says)
     monkeypatch.setattr(cmd_views, "last_seq", stream_answers)
     monkeypatch.setattr(cmd_views, "fleet", slow_fleet)
     labels = await cmd_views.runtime_labels(None, "x")

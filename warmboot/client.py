@@ -95,6 +95,7 @@ from events.schema import (
     Explanation,
     Fidelity,
     Fragmentation,
+    FleetRuntimes,
     FragmentationQuery,
     Heartbeat,
     HeartbeatReply,
@@ -105,6 +106,7 @@ from events.schema import (
     ResumeActor,
     RevertActor,
     RevertReply,
+    RuntimesQuery,
     SeqReply,
     SnapshotReply,
     StopActor,
@@ -131,7 +133,7 @@ MAX_BACKOFF_S = 2.0
 
 # requests whose answer never writes: sent without their wait (`WAIT_HEADER`), which only bounds writes
 WRITE_NOTHING = frozenset({("registry", "heartbeat"), ("scheduler", "explain"), ("scheduler", "fragmentation"),
-                           ("scheduler", "whatif"), ("snapshotter", "status")})
+                           ("scheduler", "whatif"), ("scheduler", "runtimes"), ("snapshotter", "status")})
 NO_SERVICE = "no service answers "  # how a request that reached nobody is said (then the subject)
 
 
@@ -663,6 +665,14 @@ class Client:
 
             raise unknown_class(sandbox_class, None)  # its message names no class: this answer has none
         return answer
+
+    async def runtimes(self, min_seq: int | None = None) -> FleetRuntimes:
+        """The runtimes the registered workers offer (drained ones included), with the names they give
+        them, and the versions they accept only through an edge (`run` false): what the views label
+        runtimes with. A project addition (`scheduler.runtimes`, docs/contract.md); a scheduler of an
+        earlier version does not answer."""
+        return await self.request("scheduler", "runtimes", None, RuntimesQuery(min_seq=self._min_seq(min_seq)),
+                                  FleetRuntimes)
 
     async def whatif(self, query: WhatIf) -> WhatIfAnswer:
         if query.min_seq is None and self.read_your_writes and self.seq:

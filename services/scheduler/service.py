@@ -4,7 +4,7 @@ What it decides is in `services.scheduler.decide` (and `whatif`); what it knows,
 `services.scheduler.projection`; how the projection is kept current, in
 `services.scheduler.fold`; how placements are committed, in
 `services.scheduler.committer`. `SchedulerService` answers `resume`, `explain`,
-`fragmentation` and `whatif` as the nats.micro service `warmboot-scheduler` in its
+`fragmentation`, `whatif` and `runtimes` (a project addition) as the nats.micro service `warmboot-scheduler` in its
 queue group, so any number of replicas serve. A resume waits for `min_seq`, is
 answered from the log if its request id already placed the actor, else is submitted
 to the committer; one that loses a commit race is decided again on fresh state, at
@@ -42,10 +42,12 @@ from events.schema import (
     ErrorCode,
     Explanation,
     ExplainResume,
+    FleetRuntimes,
     Fragmentation,
     FragmentationQuery,
     Placement,
     ResumeActor,
+    RuntimesQuery,
     WhatIf,
     WhatIfAnswer,
     WorkerBooked,
@@ -65,6 +67,7 @@ from services.scheduler.fragmentation import fragmentation
 from services.scheduler.fold import Fold
 from services.scheduler.projection import Projection
 from services.scheduler.records import request_hash
+from services.scheduler.runtimes import offered_runtimes
 from services.scheduler.whatif import unknown_class, whatif
 from services.streams import last_seq_on, leaders_stream_info, stored_at
 
@@ -147,7 +150,8 @@ def assignment_of(placed: Placement | ActorPlaced, seq: int) -> Assignment:
 
 
 class SchedulerService:
-    """`warmboot-scheduler`: resume, explain, fragmentation, whatif (CONTRACT section 3, Scheduler)."""
+    """`warmboot-scheduler`: resume, explain, fragmentation, whatif (CONTRACT section 3, Scheduler), and
+    runtimes (docs/contract.md, Additions)."""
 
     def __init__(
         self,
@@ -229,6 +233,7 @@ class SchedulerService:
                 EndpointSpec("explain", ExplainResume, self.explain),
                 EndpointSpec("fragmentation", FragmentationQuery, self.fragmentation, per_entity=False),
                 EndpointSpec("whatif", WhatIf, self.whatif, per_entity=False),
+                EndpointSpec("runtimes", RuntimesQuery, self.runtimes, per_entity=False),
             ],
             max_concurrent=MAX_CONCURRENT_REQUESTS,
         )
@@ -393,6 +398,11 @@ class SchedulerService:
             # with nothing in it; the class names are not given (a client's credentials may not read them)
             raise unknown_class(request.sandbox_class, None)
         return answer
+
+    async def runtimes(self, _: str | None, request: RuntimesQuery) -> FleetRuntimes:
+        """The runtimes the registered workers offer, for the views' labels (`runtimes.offered_runtimes`)."""
+        await self.fold.wait(request.min_seq, self.catch_up_s)
+        return offered_runtimes(self.projection)
 
     # --- answers from the log ---
 
