@@ -157,6 +157,35 @@ def latest_revision(error: ContractError) -> int | None:
     return int(latest) if sep and sep2 and latest.isdigit() and head.startswith("revision ") else None
 
 
+# A heartbeat naming another registration than the worker's in force (services.registry.domain,
+# `check_beats_in_force`): the refusal names the one in force, its revision and its node, which an agent
+# reads back (`in_force_named`) to tell its own registration, lost with a log's tail or crossed by the beat
+# (it registers again), from another agent's of its worker id on another node (it stops: docs/registry.md).
+_NOT_IN_FORCE = "worker {worker_id}'s registration in force is revision {in_force}, not {beats}{where}"
+_NOT_IN_FORCE_READ = re.compile(r"'s registration in force is revision (\d+), not \d+ \(registered on node ([^)\s]+)\)")
+
+
+def beat_not_in_force(worker_id: str, beats: int, in_force: int, node: str | None) -> ContractError:
+    """FAILED_PRECONDITION, field revision: a heartbeat naming the registration of revision `beats`, when
+    the worker's registration in force is that of revision `in_force`, registered on `node`."""
+    where = f" (registered on node {node})" if node else ""
+    return precondition(
+        _NOT_IN_FORCE.format(worker_id=worker_id, in_force=in_force, beats=beats, where=where)
+        + ": another agent registered it since (two machines running as one worker id?), or this beat crossed "
+        "its agent's own newer registration, or the log lost its agent's latest. The beat keeps nothing alive; "
+        "register again, unless the registration in force is another machine's (another node, a revision above "
+        "every one this agent sent): then stop, and give each machine a worker id of its own", "revision")
+
+
+def in_force_named(error: ContractError) -> tuple[int, str] | None:
+    """The revision and node of the registration in force a `beat_not_in_force` refusal names; None for any
+    other error, or one that names no node (a registry of an earlier version)."""
+    if (error.code, error.field) != (ErrorCode.FAILED_PRECONDITION, "revision"):
+        return None
+    found = _NOT_IN_FORCE_READ.search(error.message)
+    return (int(found[1]), found[2]) if found else None
+
+
 def already_exists(message: str, field: str | None = None) -> ContractError:
     return ContractError(ErrorCode.ALREADY_EXISTS, message, field)
 

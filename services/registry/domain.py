@@ -62,7 +62,7 @@ from datetime import datetime
 
 from events.aggregate import WireAggregate
 from events.compat import canonical_version, compat_key
-from events.errors import invalid, no_worker, not_found, precondition, revision_refused
+from events.errors import beat_not_in_force, invalid, no_worker, not_found, precondition, revision_refused
 from events.schema import (
     ActorOverhead,
     Event,
@@ -117,15 +117,14 @@ def canonical_classes(classes: tuple[WorkerSandboxClass, ...]) -> tuple[WorkerSa
     return tuple(out)
 
 
-def check_beats_in_force(worker_id: str, beats: int, in_force: int | None) -> None:
+def check_beats_in_force(worker_id: str, beats: int, in_force: int | None, node: str | None) -> None:
     """FAILED_PRECONDITION (field `revision`) when a heartbeat naming the registration of revision
     `beats` would keep alive the worker's registration in force, of revision `in_force`, another
-    one (None: registered without a revision, nothing to tell them apart by)."""
+    one (None: registered without a revision, nothing to tell them apart by). The refusal names the
+    node that registration was made on (`node`): an agent tells another machine's from its own by it
+    (`events.errors.in_force_named`)."""
     if in_force is not None and beats != in_force:
-        raise precondition(
-            f"worker {worker_id}'s registration in force is revision {in_force}, not {beats}: another agent "
-            "registered it since (two machines running as one worker id?), or this beat crossed its agent's own "
-            "newer registration. The beat keeps nothing alive; register again", "revision")
+        raise beat_not_in_force(worker_id, beats, in_force, node)
 
 
 def register_outcome(events: list[Event]) -> RegisterOutcome:
