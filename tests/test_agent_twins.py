@@ -4,12 +4,16 @@ real registry: what the log says the worker is, against the machines that beat i
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
-from events.schema import RuntimeChanged, WorkerRegistered, WorkerRemoved
-from events.subjects import bucket_name
+from nats.js.errors import NotFoundError
+
+from events.codec import decode_event
+from events.schema import Event, RuntimeChanged, WorkerRegistered, WorkerRemoved, WorkerUpdated
+from events.subjects import bucket_name, event_subject, stream_name
 from events.natspy.publish import flush_in_order
 from tests.registry_helpers import (AMD, CPUINFO, agent_config, raw_request, registration, running_registry, runtime,
                                     wait_event, worker_events)
@@ -19,10 +23,10 @@ from warmboot.agent import Agent
 from warmboot.agent_config import ProbeSettings
 
 
-def machine(nats_url: str, prefix: str, tmp_path, name: str, cpuinfo) -> Agent:
+def machine(nats_url: str, prefix: str, tmp_path, name: str, cpuinfo, node: str = "node-a") -> Agent:
     path = tmp_path / f"{name}.toml"
     path.write_text(agent_config("v1"))
-    return Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05,
+    return Agent(nats_url, "w-a", node, path, prefix=prefix, watch_interval_s=0.05,
                  probe=ProbeSettings(cpuinfo_path=cpuinfo, architecture="amd64"),
                  state_file=tmp_path / f"{name}.revision")
 
@@ -107,3 +111,57 @@ async def test_a_new_life_of_other_classes_is_not_kept_alive_by_the_first_agent_
                 _, anew = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=seq, timeout=4 * ttl)
                 assert [c.sandbox_class for c in anew.sandbox_classes] == ["gvisor"]
                 assert not foreign_attributes(anew.sandbox_classes, "intel")
+
+
+async def log_of(nc, prefix: str, worker_id: str) -> list[Event]:
+    """Every event about the worker, in stream order: its history's and its booking subject's (the
+    `WorkerFenced` each write of its history carries, and placements)."""
+    js, subject, events, seq = nc.jetstream(), event_subject(prefix, "*", worker_id), [], 0
+    while True:
+        try:
+            msg = await js.get_msg(stream_name(prefix), seq=seq + 1, subject=subject, next=True)
+        except NotFoundError:
+            return events
+        seq = msg.seq
+        events.append(decode_event(msg.data))
+
+
+async def test_an_agent_whose_worker_another_node_registered_since_stops_and_leaves_it_there(nats_url, nc, prefix,
+                                                                                            tmp_path):
+    """`warmboot agent` runs w-a on node-a; an agent of the same worker id is started on node-b (a machine
+    configured alike, or a replacement started before the old one was stopped). Each one's beat was
+    refused as the other registered since, and each registered its machine again: the worker went back
+    and forth at each beat, a move, a runtime change and a fence each time, for as long as both ran (a user
+    trial). The refusal names the node in force: the node-a agent, whose beat it is, stops saying so (exit
+    1), without draining the worker; the log holds one take, and node-b keeps the worker beyond its TTLs."""
+    ttl = 2.0
+    path = tmp_path / "one.toml"
+    path.write_text(agent_config("v1"))
+    async with running_registry(nats_url, prefix, ttl_s=ttl) as registry:
+        one = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", "from warmboot.cli import main; main()",
+            "agent", "--nats", nats_url, "--worker-id", "w-a", "--node", "node-a", "--config", str(path),
+            "--prefix", prefix, "--drain-on-exit", "--watch-interval", "0.05", "--cpuinfo", str(CPUINFO),
+            "--arch", "amd64", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        try:
+            await wait_event(nc, prefix, "w-a", WorkerRegistered)
+            async with beats_of(nc, prefix, "w-a") as stored:
+                async with agent_running(machine(nats_url, prefix, tmp_path, "amd", AMD, node="node-b")):
+                    await wait_event(nc, prefix, "w-a", WorkerUpdated)
+                    _, err = await asyncio.wait_for(one.communicate(), 4 * ttl)  # at its next beat, a third of a TTL
+                    said = err.decode()
+                    assert one.returncode == 1, said
+                    assert "on node node-b" in said and "give each machine a worker id of its own" in said, said
+                    stopped = time.monotonic()
+                    while await asyncio.wait_for(stored.get(), ttl) < stopped + 3 * ttl:
+                        pass  # node-b's beats, for three TTLs after node-a's agent stopped
+                    assert registry.roster.alive("w-a") and registry.roster.node("w-a") == "node-b"
+                    log = await log_of(nc, prefix, "w-a")
+        finally:
+            if one.returncode is None:
+                one.kill()
+                await one.wait()
+    kinds = [type(event).__name__ for event in log]
+    # node-a's registration, then node-b's take (its CPU, its node) and the one fence of that write: no more
+    assert kinds == ["WorkerRegistered", "WorkerFenced", "RuntimeChanged", "WorkerUpdated", "WorkerFenced"], kinds
+    assert (log[0].node, log[3].node) == ("node-a", "node-b")

@@ -32,12 +32,16 @@ The agent then:
   removed, e.g. as LOST): with what the file and the probe say now (a change of
   class the registry refused is taken up by that new life); each heartbeat names the
   revision of its last registration the registry answered, and one the registry refuses
-  for it (another agent registered the worker id since: two machines run as one)
-  registers this machine again, above that revision, once for each registration of its
-  own (if refused, the beats keep nothing alive until the worker is removed as LOST, and
-  registered anew); a worker whose agent runs is a worker in service; registrations are
-  sent one after the other, after the first none holds up the heartbeats (nor does an
-  edit's), and each sends what the file and the probe say when its turn comes
+  for it registers this machine again, above that revision, once for each registration of
+  its own (if refused, the beats keep nothing alive until the worker is removed as LOST, and
+  registered anew): the registration in force is its own earlier one (a crash rolled the
+  log back), or another agent's on this node; but when the refusal names another node and
+  a revision above every one this agent made (another agent of the worker id registered it
+  since: a twin, or the machine's replacement), the agent stops (`Superseded`; `warmboot
+  agent` exits 1 saying so, without draining), and the newest keeps the worker: one take,
+  not one at each beat of the two; a worker whose agent runs is a worker in service;
+  registrations are sent one after the other, after the first none holds up the heartbeats
+  (nor does an edit's), and each sends what the file and the probe say when its turn comes
   (docs/registry.md, "The agent");
 - on SIGTERM/SIGINT drains the worker first if asked (`--drain-on-exit`), then
   stops; if its registration was still on its way, the drain waits for it (up to
@@ -66,7 +70,7 @@ import msgspec
 import nats
 from nats.aio.client import Client as NATS
 
-from events.errors import ContractError, latest_revision
+from events.errors import ContractError, in_force_named, latest_revision
 from events.tasks import cancel_and_wait
 from events.natsauth import env_sign_in, nkey_options, nkey_seed_path, redact_url
 from events.natspy.connections import ErrorsOnce, abandon, close, connecting, describe_error
@@ -166,6 +170,36 @@ class Stale(Exception):
     the registration in force claims a CPU the machine no longer has, and the registry refused it for
     the worker's write budget or has taken none for a TTL (`Agent._wait_no_longer`); its sender removes
     the worker meanwhile."""
+
+
+class Superseded(ContractError):
+    """FAILED_PRECONDITION, field revision: another agent of this worker id, on another node, registered
+    the worker since this agent's last registration (a twin, or the machine's replacement). This agent
+    stops (`Agent.run` raises it; `warmboot agent` exits 1 saying it) rather than take the worker back
+    from it: each take fences every placement on the worker (docs/registry.md, "The agent")."""
+
+
+def superseded_by(refusal: ContractError, worker_id: str, node: str, last_revision: int) -> Superseded | None:
+    """What a heartbeat refused for its revision (`refusal`) means to the agent of `worker_id` on `node`,
+    whose last revision made is `last_revision` (each it sent is at most that): Superseded when the
+    registration in force it names is another node's, at a revision above `last_revision` (none of this
+    agent's, so another agent's, registered since); None, and the agent registers its machine again,
+    otherwise: a lower revision is its own earlier registration (a crash rolled the log back and lost its
+    latest), one not above its own is its own too (the beat crossed it); one on its own node is a machine
+    not told apart from this one (a copied configuration, node included: docs/registry.md); and a refusal
+    naming no node is an earlier registry's, answered as it was."""
+    named = in_force_named(refusal)
+    if named is None:
+        return None
+    revision, other = named
+    if other == node or revision <= last_revision:
+        return None
+    return Superseded(
+        ErrorCode.FAILED_PRECONDITION,
+        f"worker {worker_id} was registered since by another agent, on node {other}: its registration in force "
+        f"is revision {revision}, above every one this agent (node {node}) made, up to {last_revision}. This agent "
+        "stops rather than take the worker back (each take fences every placement on it): give each machine a "
+        "worker id of its own; stop an agent before starting its replacement", "revision")
 
 
 class RevisionFile:
@@ -291,6 +325,9 @@ class Agent:
         # alive whatever registration holds the worker, another machine's included)
         self._beats: int | None = None
         self._beats_refused: int | None = None  # the `_beats` a refused beat registered this machine again for
+        # another agent of this worker id, on another node, registered it since: this one stops (`run` raises it)
+        self.superseded: Superseded | None = None
+        self._superseding = asyncio.Event()  # set with `superseded`: wakes the loop of a refusal in a background beat
         # the connection's errors, once each while they repeat; a refused sign-in says which credentials to check
         self._errors = ErrorsOnce(log, redact_url(nats_url), sign_in_hint(nats_url, self.nkey_seed, {}))
 
@@ -538,6 +575,8 @@ class Agent:
         log.info("registered %s: %s (seq %d)", self.worker_id, reply.outcome.value, reply.seq)
         try:
             await self.heartbeat(stop)  # learns the TTL
+        except Superseded:
+            raise  # this agent stops
         except ContractError as e:
             # The registration stands; a heartbeat refused (by a replica that has not yet seen what
             # the one that took it has: a binding of workers to nodes) is the heartbeats' concern,
@@ -918,6 +957,8 @@ class Agent:
                 await self.register(registration, stop)
             except ConfigError as e:  # the probe cannot read the machine now: nothing was sent, nothing refused
                 log.error("nothing sent: %s", e)
+            except Superseded:
+                pass  # the loop raises it (`superseded`): this agent stops
             except ContractError as e:
                 log.error("%s%s", refused, e)
 
@@ -946,6 +987,14 @@ class Agent:
             return
         except ContractError as e:
             if (e.code, e.field) == (ErrorCode.FAILED_PRECONDITION, "revision") and self.registration is not None:
+                # Another agent of this worker id registered it since, on another node (a twin, or the
+                # machine's replacement): this one stops. Registering again, each would take the worker
+                # from the other at each of their beats, fencing its placements every time, for ever.
+                superseded = superseded_by(e, self.worker_id, self.node, self._revision)
+                if superseded is not None:
+                    self.superseded = superseded
+                    self._superseding.set()
+                    raise superseded
                 # The registration in force is not this agent's: another agent registered the worker id
                 # since (two machines run as one), whose CPU this machine may not have. Not when one of
                 # this agent's is on its way or was answered meanwhile (the beat crossed it: the next
@@ -999,7 +1048,8 @@ class Agent:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set. A configuration or registration the registry
-        refuses at start raises (ConfigError, ContractError); later ones are logged."""
+        refuses at start raises (ConfigError, ContractError); later ones are logged. Raises
+        Superseded, whenever, once another agent of this worker id, on another node, holds it."""
         registration = self._read_config()
         assert registration is not None
         nc = await self._connect(stop)
@@ -1014,7 +1064,8 @@ class Agent:
                 serving.result()  # its error is the caller's (the CLI says it), not logged here too
         finally:
             await cancel_and_wait(stopping, None if serving.done() else serving)
-            if self.drain_on_exit and self.sent_registration and not self.withdrawn and not self.nc.is_closed:
+            if (self.drain_on_exit and self.sent_registration and not self.withdrawn and self.superseded is None
+                    and not self.nc.is_closed):  # (superseded: the worker is another agent's, not this one's to drain)
                 reply = await self.drain("agent stopped")
                 if reply is not None:
                     log.info("drained %s (seq %d)%s", self.worker_id, reply.seq,
@@ -1034,9 +1085,11 @@ class Agent:
         next_beat = time.monotonic() + self.ttl_s / HEARTBEATS_PER_TTL
         next_watch = time.monotonic() + self.watch_interval_s
         while True:
-            await _wait_any((stop, self._reconnected), min(next_beat, next_watch) - time.monotonic())
+            await _wait_any((stop, self._reconnected, self._superseding), min(next_beat, next_watch) - time.monotonic())
             if stop.is_set():
                 return
+            if self.superseded is not None:  # refused in a beat after a registration beside the heartbeats
+                raise self.superseded
             if self._beat_soon:  # a heartbeat refused before the TTL was learnt: the next one soon
                 self._beat_soon = False
                 next_beat = min(next_beat, time.monotonic() + RETRY_MIN_S)
@@ -1056,6 +1109,8 @@ class Agent:
                 if time.monotonic() >= next_beat:
                     await self.heartbeat(stop)
                     next_beat = time.monotonic() + self.ttl_s / HEARTBEATS_PER_TTL
+            except Superseded:
+                raise  # another agent holds the worker: this one stops
             except ContractError as e:  # the registry refused something: say so, keep serving
                 log.error("%s", e)
                 next_beat = time.monotonic() + RETRY_MAX_S
