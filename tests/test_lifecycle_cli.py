@@ -227,9 +227,14 @@ async def test_cpu_and_memory_read_as_kubectl_writes_them_and_fractions_are_refu
     (created,) = await wrote(nc, prefix, json.loads(made.output)["seq"])
     assert (created.resources.cpu_millis, created.resources.memory_mib) == (250, 512)
     before = await last_seq(nc, prefix)
-    for option, value, says in (("--cpu", "0.5", "'0.5' is not a whole number of millicores: write 500 or 500m"),
-                                ("--memory", "1.5Gi", "'1.5Gi' is not a whole number of MiB: write 1536"),
-                                ("--memory", "1G", "'1G' is not a whole number of MiB")):
+    for option, value, says in (("--cpu", "0.5", "'0.5' is not a whole number of millicores: write whole "
+                                                 "millicores, e.g. 500 or 500m"),
+                                ("--memory", "1.5Gi", "'1.5Gi' is not a whole number of MiB: write whole MiB or GiB, "
+                                                      "e.g. 1536"),
+                                ("--memory", "1G", "'1G' is not a whole number of MiB"),
+                                # the examples are examples, not 10Ti converted (it read "write 1536")
+                                ("--memory", "10Ti", "'10Ti' is not a whole number of MiB: write whole MiB or GiB, "
+                                                     "e.g. 1536, 1536Mi or 2Gi")):
         sizes = {"--cpu": "100", "--memory": "256", option: value}
         refused = await run("actor", "create", "a-m", "--class", "gvisor", "--template", "t1",
                             *(word for pair in sizes.items() for word in pair))

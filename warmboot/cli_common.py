@@ -80,8 +80,10 @@ class Quantity(click.ParamType):
             self.fail(f"{value!r} is not a whole number of {self.name}: write {self.example}", param, ctx)
 
 
-MILLICORES = Quantity("millicores", {"m": 1}, "500 or 500m (a core is 1000m)")
-MIB = Quantity("MiB", {"Mi": 1, "Gi": 1024}, "1536, 1536Mi or, in whole GiB, 2Gi")
+# The examples read as examples ("e.g."): `write 1536, ...` read as the conversion of any value refused
+# (`--memory 10Ti` was told to write 1536; a trial).
+MILLICORES = Quantity("millicores", {"m": 1}, "whole millicores, e.g. 500 or 500m (a core is 1000m)")
+MIB = Quantity("MiB", {"Mi": 1, "Gi": 1024}, "whole MiB or GiB, e.g. 1536, 1536Mi or 2Gi")
 
 
 # What every --nats help adds: the sign-ins read from the environment (`events.natsauth.env_sign_in`).
