@@ -324,6 +324,19 @@ class LogUnreadable(click.ClickException):
 REFUSED_THE_LOG = "these credentials may not read the log"  # `LogUnreadable.why` for a refused question
 
 
+def unread_why(error: BaseException) -> str:
+    """Why a read of the log that a command goes on without failed, in a few words for a note: a
+    LogUnreadable's `why` (`these credentials may not read the log`), else the error's message.
+    One wording for every such note (a trial: `actor tag` and `actor create --source-tag` gave a
+    client the four lines of the log's error, asking whether the credentials may read it, where the
+    other notes said it in one)."""
+    if isinstance(error, LogUnreadable):
+        return error.why
+    if isinstance(error, (click.ClickException, ContractError)):
+        return error.message
+    return describe_error(error)
+
+
 async def last_seq(nc: Any, prefix: str, timeout: float = 5.0) -> int:
     """The event stream's last sequence as its leader has it, or LogUnreadable (a ClickException):
     "try again" while the stream has no leader; NOT_FOUND (field `prefix`) when the server has no

@@ -35,15 +35,15 @@ import nats.errors
 
 from events.codec import decode_request, json_path, to_builtins, unknown_fields
 from events.errors import ContractError, no_actor, no_worker
-from events.natspy.connections import describe_error
 from events.compat import compat_key
 from events.runtime_id import Runtimes, short_id
 from events.schema import (ActorCreated, ActorRuntime, Assignment, CreateActor, ErrorCode, Fidelity, Fragmentation,
                            Resources, Snapshot, TagRecorded)
 from events.states import ActorState
 from events.subjects import event_subject
-from warmboot.cli_common import (MIB, MILLICORES, IntRange, LogUnreadable, ask, check_id, json_option, last_seq,
-                                 min_seq_option, nats_option, prefix_option, read_subject, replay, selectors_of)
+from warmboot.cli_common import (MIB, MILLICORES, IntRange, ask, check_id, json_option, last_seq,
+                                 min_seq_option, nats_option, prefix_option, read_subject, replay, selectors_of,
+                                 unread_why)
 from warmboot.client import Client
 from warmboot.cmd_views import (
     LABELS_TIMEOUT_S,
@@ -281,9 +281,7 @@ def create_cmd(actor_id: str, sandbox_class: str, template_uid: str, cpu_millis:
                                  if isinstance(e, ActorCreated) and seq <= reply.seq][-1].snapshot
             except (click.ClickException, ContractError, OSError, asyncio.TimeoutError, nats.errors.Error,
                     IndexError) as e:
-                read.tag_unread = ("its ActorCreated is not in the log" if isinstance(e, IndexError)
-                                   else e.message if isinstance(e, (click.ClickException, ContractError))
-                                   else describe_error(e))
+                read.tag_unread = "its ActorCreated is not in the log" if isinstance(e, IndexError) else unread_why(e)
         try:  # the fleet as the scheduler counts it: its classes, their undrained workers, the stamps they accept
             read.answer = await wb.fragmentation()
         except (ContractError, OSError, asyncio.TimeoutError, nats.errors.Error):
@@ -292,8 +290,7 @@ def create_cmd(actor_id: str, sandbox_class: str, template_uid: str, cpu_millis:
             try:  # the fleet's workers, as the views read them (a client's credentials may not read the log)
                 read.projection = await fleet(nc, prefix, await last_seq(nc, prefix, LABELS_TIMEOUT_S))
             except (click.ClickException, ContractError, OSError, asyncio.TimeoutError, nats.errors.Error) as e:
-                read.unread = (e.why if isinstance(e, LogUnreadable) else e.message
-                               if isinstance(e, (click.ClickException, ContractError)) else describe_error(e))
+                read.unread = unread_why(e)
         return reply, read
 
     reply, read = ask(nats_url, work)
@@ -547,7 +544,7 @@ def tag_cmd(actor_id: str, tag: str, life_seq: int | None, request_id: str | Non
             history = await read_subject(nc, prefix, event_subject(prefix, "tag", tag))
         except (ContractError, click.ClickException) as e:  # the tag is recorded: only what it named before is
             # not known (a history this CLI cannot read; a log these credentials may not read, as a client's)
-            before = e.message
+            before = unread_why(e)
         else:
             named = [(seq, e.snapshot) for seq, e in history if isinstance(e, TagRecorded)]
             ours = [i for i, (seq, snap) in enumerate(named) if seq <= reply.seq and snap == reply.snapshot]

@@ -27,7 +27,6 @@ import nats.errors
 from events.codec import to_builtins
 from events.compat import compat_key
 from events.errors import ContractError
-from events.natspy.connections import describe_error
 from events.runtime_id import PREFIX as ID_PREFIX
 from events.runtime_id import Runtimes, UnknownRuntime, short_id
 from events.schema import (WHATIF_LIMIT_MAX, CompatVersion, ErrorCode, Explanation, FleetRuntimes, Fragmentation,
@@ -35,8 +34,8 @@ from events.schema import (WHATIF_LIMIT_MAX, CompatVersion, ErrorCode, Explanati
 from events.states import WorkerState
 from events.subjects import event_subject
 from services.scheduler.feasibility import SELECTOR_MISMATCH
-from warmboot.cli_common import (IntRange, LogUnreadable, ask, check_id, last_seq, log_messages, min_seq_option,
-                                 nats_option, prefix_option, selectors_of, version_text)
+from warmboot.cli_common import (IntRange, ask, check_id, last_seq, log_messages, min_seq_option,
+                                 nats_option, prefix_option, selectors_of, unread_why, version_text)
 from warmboot.client import Client
 from warmboot.render import Column, key_values, render_fields, render_table, terminal_width
 
@@ -191,9 +190,7 @@ async def readable_fleet(nc: Any, prefix: str, looked_up: str = "runtime names")
         target = await last_seq(nc, prefix, LABELS_TIMEOUT_S)
         return await fleet(nc, prefix, target)
     except (click.ClickException, ContractError, nats.errors.Error) as e:
-        why = (e.why if isinstance(e, LogUnreadable) else e.message
-               if isinstance(e, (click.ClickException, ContractError)) else describe_error(e))
-        click.echo(f"note: {looked_up} not looked up: {why}", err=True)
+        click.echo(f"note: {looked_up} not looked up: {unread_why(e)}", err=True)
         return None
 
 
@@ -486,8 +483,8 @@ async def fragmentation_labels(nc: Any, prefix: str, answer: Fragmentation) -> R
     try:
         return runtimes_of((await replay(nc, prefix, Sink(), True)).projection)
     except (click.ClickException, ContractError, nats.errors.Error) as e:
-        why = e.message if isinstance(e, (click.ClickException, ContractError)) else describe_error(e)
-        click.echo(f"note: the names the log's stamps give runtimes no worker runs not looked up: {why}", err=True)
+        click.echo(f"note: the names the log's stamps give runtimes no worker runs not looked up: {unread_why(e)}",
+                   err=True)
         return runtimes
 
 
