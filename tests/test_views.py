@@ -728,3 +728,21 @@ async def test_a_runtime_no_worker_runs_reads_alike_in_fragmentation_actor_list_
                 "dropped already: its memory snapshots are stranded, `warmboot fragmentation` counts them; else a "
                 "typing error); offered: gvisor-2026-11"
                 ) in " ".join(refused.output.split()), refused.output
+
+
+@pytest.mark.parametrize("width", range(40, 200, 3))
+def test_no_column_is_shown_whole_while_a_more_important_one_gave_way(width):
+    """The columns give way in the order of their `drop` ranks, and come back in the reverse order:
+    never a less important one shown whole while a more important one is left out or narrowed. A
+    trial's `COLUMNS=80 warmboot workers` left out NODE and CLASS and kept RESTORABLE's list, whose
+    rank says it goes before CLASS: its rows read `w-1  gvisor-2026-11 ...`, with no class (the
+    re-fit brought RESTORABLE back after CLASS could not come back)."""
+    from warmboot.render import fit
+
+    rows = worker_rows(folded(fleet()))
+    shown, _ = fit(WORKER_COLUMNS, rows, width)
+    whole = [c for c in WORKER_COLUMNS if c in shown]
+    gave_way = [c for c in WORKER_COLUMNS if not c.wide and c not in shown]
+    for kept in whole:
+        for given in gave_way:
+            assert kept.drop < given.drop or kept.drop == 0, (width, kept.header, given.header)

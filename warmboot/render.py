@@ -78,11 +78,14 @@ def fit(columns: Sequence[Column], rows: Sequence[Any], width: int | None, wide:
             break  # what must stay is wider than the terminal: the lines run on, cells stay whole
         given.append(max(candidates, key=lambda c: (c.drop, full.index(c))))
         shown = _layout(full, given)
-    # a column that gave way early may fit again once later ones have: the most important first
+    # a column that gave way early may fit again once later ones have: the most important first, and
+    # none after one that does not (a less important one shown whole where a more important one is left
+    # out read as rows without their class: `workers` at 80 columns kept RESTORABLE and left out CLASS)
     for column in reversed(list(given)):
         trial = [c for c in given if c is not column]
-        if _line_width(_layout(full, trial), _cells(_layout(full, trial), rows)) <= width:
-            given = trial
+        if _line_width(_layout(full, trial), _cells(_layout(full, trial), rows)) > width:
+            break
+        given = trial
     return _layout(full, given), [_given_way(c) for c in given]
 
 
