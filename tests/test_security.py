@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import time
 import urllib.request
 
@@ -872,3 +873,21 @@ async def test_discovery_answers_no_request_headers_and_a_big_header_block_is_dr
     await spy.unsubscribe()
     assert heard == []  # no answer to the padded one
     assert "Maximum Payload Violation" not in "\n".join(d.secured.server.log)
+
+
+@pytest.mark.parametrize("who", ["orch", "ops"])
+async def test_services_run_with_credentials_that_are_not_the_services_stop_at_once_saying_why(deployment, who):
+    """`warmboot serve` given a client's or an operator's credentials waited out its store's 30 s
+    budget in silence, the server having refused its first request at once, then ended in 80 lines
+    of traceback ending `JetStream unavailable for 30s (last error: TimeoutError())` (a trial of the
+    docs). Now the server's refusal ends it at once, in one line naming the subject refused and the
+    credentials to use, exit status 1."""
+    done = await asyncio.to_thread(
+        subprocess.run, [WARMBOOT, "serve", "scheduler", "--nats", deployment.secured.url(who), "--prefix", PREFIX],
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, (done.returncode, done.stderr)
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: creating stream {STREAM}: NATS does not let these credentials publish to "
+                           f"$JS.API.STREAM.CREATE.{STREAM}; the services need the services' credentials"), last
+    assert "--services-user" in last and "Traceback" not in done.stderr, done.stderr
+    assert deployment.secured.secrets[who] not in done.stderr

@@ -9,6 +9,7 @@ from contextlib import AsyncExitStack
 
 import click
 from click.core import ParameterSource
+from eventsourcing.persistence import OperationalError
 
 from events.natsauth import NKEY_SEED_ENV
 from events.subjects import DEFAULT_PREFIX
@@ -146,7 +147,7 @@ def serve(service: str, nats_url: str, nkey_seed: str | None, prefix: str, metri
 
     try:
         failed = run_serving(run, event_loop)
-    except OSError as e:
+    except (OSError, OperationalError) as e:  # a store not to be had (credentials that may not make it): one line
         raise click.ClickException(str(e)) from None
     if failed is not None:  # a service could not go on (it logged why): a supervisor sees a failure
         raise SystemExit(1)

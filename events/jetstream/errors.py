@@ -43,7 +43,7 @@ from events.nats_codes import (
     ERR_STREAM_NOT_FOUND,
     ERR_DUPLICATE_IN_PROCESS,
 )
-from events.natspy.connections import transport_lost
+from events.natspy.connections import PublishRefused, transport_lost
 
 CONFLICT_CODES = {ERR_WRONG_LAST_SEQUENCE, ERR_BATCH_WRONG_LAST_SEQUENCE, ERR_BATCH_DUPLICATE_MSG_ID}
 TRANSIENT_CODES = {ERR_BATCH_INCOMPLETE, ERR_CLUSTER_NOT_AVAILABLE, ERR_CLUSTER_NOT_LEADER, ERR_BATCH_TOO_MANY_INFLIGHT,
@@ -166,6 +166,9 @@ def library_error(what: str, error: BaseException) -> BaseException:
         return OperationalError(f"{what}: {error}")
     if isinstance(error, nats.errors.MaxPayloadError):
         return DataError(f"{what}: a message exceeds the server's max_payload")
+    if isinstance(error, PublishRefused):  # waiting changes nothing: the credentials are not the services'
+        return OperationalError(f"{what}: {error}; the services need the services' credentials "
+                                "(`warmboot nats-config --services-user`: docs/security.md)")
     return error
 
 

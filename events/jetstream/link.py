@@ -51,7 +51,7 @@ from events.natsauth import (
     redact_url,
     sign_in_options,
 )
-from events.natspy.connections import close_given_up, connecting
+from events.natspy.connections import ErrorsOnce, close_given_up, connecting
 from events.natspy.frames import deliver_core
 from events.natspy.headers import use_lean_headers
 from events.tasks import retrieved
@@ -170,6 +170,9 @@ class Link:
         self.nc: NATS | None = None
         self.connecting: asyncio.Lock | None = None
         self.last_error: BaseException | None = None
+        # the server's refusals of a publish, which wake a request to that subject (`Stream._api`): credentials
+        # that may not use the stream's API (a client's, an operator's) are told at once, not after the budget
+        self.errors = ErrorsOnce(logger=None)
         self.subscriptions: "weakref.WeakSet[Any]" = weakref.WeakSet()  # stopped at shutdown
         self.inbox = ""
         self.connections = 0  # connections made (`connect`, again after one was closed): `session`
@@ -280,6 +283,7 @@ class Link:
             # The server's word (e.g. an authorization violation) says more than the reset after it.
             if not (isinstance(error, OSError) and self.last_error is not None):
                 self.last_error = error
+            await self.errors.report(error)
             log.debug("nats: %r", error)
 
         async def on_disconnected() -> None:

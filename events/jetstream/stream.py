@@ -50,6 +50,7 @@ from events.jetstream.layout import (
 from events.jetstream.link import Link
 from events.jetstream.retry import REQUEST_TIMEOUT, Again, Retry, catch_up
 from events.nats_codes import ERR_CLUSTER_NO_PEERS, ERR_CLUSTER_NOT_AVAILABLE, ERR_STREAM_NAME_IN_USE
+from events.natspy.connections import unless_refused
 from events.natspy.headers import parse_header_block
 from events.tasks import retrieved
 
@@ -118,7 +119,9 @@ class Stream:
 
     async def _api(self, subject: str, payload: dict[str, Any] | None, timeout: float) -> dict[str, Any]:
         body = json.dumps(payload).encode() if payload is not None else b""
-        reply = await self._answer(self.link.nc.request(f"$JS.API.{subject}", body, timeout=timeout))
+        api = f"$JS.API.{subject}"  # refused to these credentials: said at once (`errors.library_error`)
+        reply = await self._answer(unless_refused(self.link.nc, api, self.link.nc.request(api, body, timeout=timeout),
+                                                  self.link.errors))
         data = json.loads(reply.data)
         if "error" in data:
             raise ServerError.from_reply(data)

@@ -335,15 +335,16 @@ class PublishRefused(Exception):
         self.error = error
 
 
-async def unless_refused(nc: Client, subject: str, work: Awaitable[Any]) -> Any:
+async def unless_refused(nc: Client, subject: str, work: Awaitable[Any], errors: "ErrorsOnce | None" = None) -> Any:
     """`await work` (a request to `subject` on `nc`, say), or PublishRefused as soon as the server
     says it refuses this connection a publish to `subject`: the server says so at once, and the
     request would otherwise wait out its whole time-out for a reply that cannot come. Only for a
     connection that reports to an `ErrorsOnce` (`errors_of`: warmboot's `connect`, the CLI's);
-    otherwise just `await work`. A refusal for the subject while `work` runs is this one's too:
+    otherwise just `await work` (`errors`: the one it reports to, for a connection made with an
+    `error_cb` of its own, which reports to it). A refusal for the subject while `work` runs is this one's too:
     the server judges a publish by the connection's permissions and the subject alone (unless a
     request to a subject that differs only in case is in flight too: `ErrorsOnce`)."""
-    errors = errors_of(nc)
+    errors = errors or errors_of(nc)
     if errors is None:
         return await work
     refused = errors.publish_refusal(subject)
