@@ -180,6 +180,7 @@ def test_command_writes_private_files_and_keeps_passwords(tmp_path):
             "--secrets", str(secrets), "--out", str(conf)]
     first = runner.invoke(main, args)
     assert first.exit_code == 0, first.output
+    assert "note:" not in first.stderr, first.stderr  # kept: nothing to warn of
     passwords = json.loads(secrets.read_text())
     assert passwords.pop("_roles") == {"warmboot-services": "services", "ops": "operator", "orch": "client",
                                        "w-1": "worker"}  # what each secret was made for
@@ -206,6 +207,13 @@ def test_command_writes_private_files_and_keeps_passwords(tmp_path):
     roles = json.loads(secrets.read_text())
     assert roles["w-1"] != again["w-1"] and roles["_roles"]["w-1"] == "client"
     assert {k: roles[k] for k in ("ops", "orch")} == {k: again[k] for k in ("ops", "orch")}
+
+    # without --secrets, every run makes every password anew: said, since a reload then signs everyone out
+    # (the --help example had no --secrets, and a trial's second run did so in silence)
+    unkept = [runner.invoke(main, ["nats-config", "--worker", "w-1", "--out", str(tmp_path / f"{n}.conf")]) for n in "ab"]
+    assert all(r.exit_code == 0 and "note: every user got a new password, kept nowhere but in this configuration"
+               in r.stderr and "--secrets FILE" in r.stderr for r in unkept), [r.output for r in unkept]
+    assert (tmp_path / "a.conf").read_text() != (tmp_path / "b.conf").read_text()
 
     clash = runner.invoke(main, ["nats-config", "--worker", "ops", "--operator", "ops"])
     assert clash.exit_code == 2 and "unique" in clash.output
@@ -541,7 +549,8 @@ def test_a_user_left_out_loses_its_seed_and_rotate_gives_a_new_one(tmp_path):
     assert refused.exit_code == 2 and "--rotate" in refused.output and "w-9: not a user of this run" in refused.output
     assert {p.name: p.read_text() for p in tmp_path.rglob("*") if p.is_file()} == before
     w2 = (seeds / "w-2.nk").read_text()
-    assert run("--worker", "w-1", "--worker", "w-2", "--rotate", "w-1").exit_code == 0
+    rotated = run("--worker", "w-1", "--worker", "w-2", "--rotate", "w-1")
+    assert rotated.exit_code == 0 and "rotated: w-1 (the old secrets sign in no more" in rotated.stderr, rotated.output
     assert (seeds / "w-1.nk").read_text() != first["w-1"] and (seeds / "w-2.nk").read_text() == w2
     assert json.loads(secrets.read_text())["w-1"] == (seeds / "w-1.nk").read_text().strip()
 

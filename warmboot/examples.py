@@ -97,7 +97,8 @@ EXAMPLES: dict[str, list[str]] = {
         "warmboot agent --config examples/agent.toml --worker-id w-1 --node node-1 --print-registration",
     ],
     "nats-config": [
-        "warmboot nats-config --workers-file workers.txt --operator ops --client platform --out accounts.conf",
+        "warmboot nats-config --workers-file workers.txt --operator ops --client platform --secrets secrets.json "
+        "--out accounts.conf",
     ],
     "audit replay": [
         "warmboot audit replay",

@@ -635,6 +635,13 @@ def nats_config(
     if moved:
         click.echo(f"new secrets for users listed in another role than before: {', '.join(moved)} (the old ones "
                    "sign in no more once the server has this configuration)", err=True)
+    if rotated:
+        click.echo(f"rotated: {', '.join(sorted(set(rotated)))} (the old secrets sign in no more once the server has "
+                   "this configuration)", err=True)
+    if secrets_path is None and seeds_dir is None:  # (password auth: nkey and bcrypt need somewhere to keep them)
+        click.echo("note: every user got a new password, kept nowhere but in this configuration: a run without "
+                   "--secrets FILE signs every user out once the server reloads it (services included); give "
+                   "--secrets FILE to keep them for the next run", err=True)
 
 
 def _remove_seeds(seeds_dir: Path, users: list[str]) -> None:
