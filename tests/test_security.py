@@ -891,3 +891,23 @@ async def test_services_run_with_credentials_that_are_not_the_services_stop_at_o
                            f"$JS.API.STREAM.CREATE.{STREAM}; the services need the services' credentials"), last
     assert "--services-user" in last and "Traceback" not in done.stderr, done.stderr
     assert deployment.secured.secrets[who] not in done.stderr
+
+
+async def test_an_operator_s_resume_or_pause_is_refused_naming_the_question_it_asks_first(deployment):
+    """An operator may not resume nor pause. The command asks the snapshotter first which life or
+    placement it names, and that question's refusal was all it said (`FAILED_PRECONDITION: NATS does
+    not let these credentials publish to sec.snapshotter.status.a-1`), as if the status call were the
+    command (a trial). It now says it was the question asked first, and nothing is sent."""
+    from click.testing import CliRunner
+
+    from warmboot.cli import main
+
+    env = {"NATS_URL": deployment.secured.url("ops"), "WARMBOOT_PREFIX": PREFIX}
+    before = [m.data async for m in _history_messages(deployment, "actor", "a-1")]
+    for args, what in ((["actor", "resume", "a-1"], "life"), (["actor", "pause", "a-1"], "placement"),
+                       (["actor", "stop", "a-1"], "life")):
+        result = await asyncio.to_thread(CliRunner().invoke, main, args, env=env)
+        assert result.exit_code == 1, (args, result.output)
+        assert (f"the command asks the snapshotter first which {what} a-1 is in (its fence), and NATS does not let "
+                f"these credentials publish to {PREFIX}.snapshotter.status.a-1") in result.stderr, result.stderr
+    assert [m.data async for m in _history_messages(deployment, "actor", "a-1")] == before  # nothing written

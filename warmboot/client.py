@@ -143,6 +143,18 @@ class NobodyAnswered(ContractError):
     version that has no such endpoint)."""
 
 
+class Refused(ContractError):
+    """FAILED_PRECONDITION: the server refused to let these credentials publish the request (`Client._refusal`)."""
+
+
+def asked_first(error: Refused, actor_id: str, what: str) -> Refused:
+    """`error`, the refusal of the status question a command asks before it is sent (which `what` of the
+    actor it names), said as that: it read as if the status question were the command (an operator's
+    `actor resume` said only that it may not publish to `...snapshotter.status.a-3`: a trial)."""
+    return Refused(error.code, f"the command asks the snapshotter first which {what} {actor_id} is in (its "
+                   f"fence), and {error.message}", error.field)
+
+
 def no_service_hint(prefix: str, service: str) -> str:
     """What a request nobody answered, however often it was sent, says of its likely cause (after
     the attempts): the prefix is not the deployment's, or the service is not running."""
@@ -348,14 +360,14 @@ class Client:
         raise AssertionError("unreachable")
 
     @staticmethod
-    def _refusal(subject: str) -> ContractError:
+    def _refusal(subject: str) -> Refused:
         """FAILED_PRECONDITION for a request the server refused to let these credentials publish
         (`events.natspy.connections.unless_refused`): nobody heard it, and sending it again ends the same (an
         operator's `warmboot worker drain` ended UNAVAILABLE, "no reply", after some 30 s of retries:
         an audit's finding)."""
-        return precondition(f"NATS does not let these credentials publish to {subject}: the request reached "
-                            "nobody, and sending it again will not change that (docs/security.md says what each "
-                            "role may publish)")
+        return Refused(ErrorCode.FAILED_PRECONDITION, f"NATS does not let these credentials publish to {subject}: "
+                       "the request reached nobody, and sending it again will not change that (docs/security.md "
+                       "says what each role may publish)")
 
     async def _once(self, subject: str, data: bytes, reply_type: type[T], headers: dict[str, str] | None) -> T:
         try:
@@ -493,12 +505,12 @@ class Client:
             return known if known is not None and known.placement_seq == given else UnderPlacement(placement_seq=given)
         if known is not None:
             return known
-        now = await self.status_if_served(actor_id)
+        now = await self.status_if_served(actor_id, "placement")
         if now is None:
             return UnderPlacement()
         return UnderPlacement(placement_seq=now.placement_seq if now.placement_seq is not None else now.life_seq)
 
-    async def status_if_served(self, actor_id: str) -> ActorStatus | None:
+    async def status_if_served(self, actor_id: str, what: str = "life") -> ActorStatus | None:
         """`status`, or None when the deployment's snapshotter is of an earlier version, which has no
         such endpoint (and ignores the fences a status would give): every attempt reached no service,
         and the snapshotter that answers discovery (`$SRV.INFO`) lists none. `on_unfenced` is told
@@ -507,6 +519,8 @@ class Client:
         reach none either), or one restarting (the question reached none while one now serves it)."""
         try:
             return await self.status(actor_id)
+        except Refused as error:
+            raise asked_first(error, actor_id, what) from None  # (`what` the caller names: its life, its placement)
         except NobodyAnswered as error:
             if await self._serves("snapshotter", "status") is not False:
                 raise

@@ -44,7 +44,7 @@ from events.subjects import event_subject
 from warmboot.cli_common import (MIB, MILLICORES, IntRange, ask, check_id, json_option, last_seq,
                                  min_seq_option, nats_option, prefix_option, read_subject, replay, selectors_of,
                                  unread_why)
-from warmboot.client import Client
+from warmboot.client import Client, Refused, asked_first
 from warmboot.cmd_views import (
     LABELS_TIMEOUT_S,
     class_runtime_fields,
@@ -150,6 +150,8 @@ async def life_now(wb: Client, actor_id: str, given: int | None, *, resume: bool
         return None if now is None else now.life_seq
     try:
         return (await wb.status(actor_id)).life_seq
+    except Refused as e:
+        raise asked_first(e, actor_id, "life") from None
     except ContractError as e:
         if e.code is not ErrorCode.UNAVAILABLE:  # NOT_FOUND, as the scheduler would say; refused credentials
             raise
