@@ -583,16 +583,17 @@ async def test_a_clients_create_with_a_selector_says_it_could_not_check_the_labe
 
 
 async def test_a_command_that_reads_the_log_is_told_at_once_that_a_clients_credentials_may_not(deployment):
-    """`actor show` and `actor list` read the log, which a client's credentials may not (docs/security.md):
-    NATS refuses the question at once, and the command says so, naming what was refused, rather than
+    """`actor list` reads the log, which a client's credentials may not (docs/security.md): NATS
+    refuses the question at once, and the command says so, naming what was refused, rather than
     waiting out the question's 5 s and saying "nats: timeout" (found by a trial of the docs). A text
-    command that labels runtimes prints its answer, labelled as a scheduler says them."""
+    command that labels runtimes prints its answer, labelled as a scheduler says them; `actor show`
+    says what the snapshotter's status does (tests/test_surface_edges.py)."""
     from click.testing import CliRunner
 
     from warmboot.cli import main
 
     env = {"NATS_URL": deployment.secured.url("orch"), "WARMBOOT_PREFIX": PREFIX}
-    for args in (["actor", "show", "a-1"], ["actor", "list"]):
+    for args in (["actor", "list"], ["workers"]):
         result = await asyncio.to_thread(CliRunner().invoke, main, args, env=env)
         assert result.exit_code == 1, (args, result.output)
         assert f"cannot read the event stream {STREAM}" in result.stderr, result.stderr

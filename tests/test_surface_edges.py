@@ -103,6 +103,31 @@ async def test_a_command_that_succeeds_for_a_client_says_in_one_line_what_it_did
     assert re.search(r"^w-1 +selector mismatch \(zone\)$", ops.stdout, re.M), ops.stdout
 
 
+async def test_a_client_s_actor_show_says_what_the_snapshotter_s_status_does(secured):
+    """`actor show` reads the actor's history, which a client's credentials may not: it failed, and a
+    client had no command that said an actor's state (a trial). It now prints the snapshotter's status
+    (state, the life's creation, the placement, the last sequence; -o json the status with the actor's
+    id), and stderr says the rest is in the log. An actor never created is NOT_FOUND, as before."""
+    env = {"NATS_URL": secured.url("orch"), "WARMBOOT_PREFIX": PREFIX}
+    async with await Client.connect(secured.url("orch"), PREFIX, timeout=5, attempts=1) as wb:
+        status = await wb.status("a-2")
+    shown = await cli("actor", "show", "a-2", env=env)
+    assert shown.exit_code == 0, shown.output
+    rows = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in shown.stdout.splitlines())
+    assert rows == {"ACTOR": "a-2", "STATE": status.state.value, "LIFE": f"created at sequence {status.life_seq}",
+                    "PLACEMENT": "none in this life" if status.placement_seq is None
+                    else f"at sequence {status.placement_seq}", "LAST SEQ": str(status.seq)}, shown.stdout
+    assert shown.stderr == ("note: the snapshotter's status of a-2 only: these credentials may not read the log, "
+                            "where its snapshot, stamp, worker and pin are\n"), shown.stderr
+    as_json = await cli("actor", "show", "a-2", "-o", "json", env=env)
+    assert as_json.exit_code == 0 and json.loads(as_json.stdout) == {"actor_id": "a-2", **msgspec.to_builtins(status)}
+    unknown = await cli("actor", "show", "a-404", env=env)
+    assert unknown.exit_code == 1 and "NOT_FOUND" in unknown.stderr, unknown.output
+    # an operator's credentials read the history: the whole view, nothing said
+    ops = await cli("actor", "show", "a-2", env={"NATS_URL": secured.url("ops"), "WARMBOOT_PREFIX": PREFIX})
+    assert ops.exit_code == 0 and ops.stderr == "" and "TEMPLATE" in ops.stdout, ops.output
+
+
 # --- 2. a class the scheduler knows nothing of, asked of the client --------------------------------------
 
 

@@ -41,9 +41,9 @@ from events.schema import (ActorCreated, ActorRuntime, Assignment, CreateActor, 
                            Resources, Snapshot, TagRecorded)
 from events.states import ActorState
 from events.subjects import event_subject
-from warmboot.cli_common import (MIB, MILLICORES, IntRange, ask, check_id, json_option, last_seq,
-                                 min_seq_option, nats_option, prefix_option, read_subject, replay, selectors_of,
-                                 unread_why)
+from warmboot.cli_common import (MIB, MILLICORES, REFUSED_THE_LOG, IntRange, LogUnreadable, ask, check_id,
+                                 json_option, last_seq, min_seq_option, nats_option, prefix_option, read_subject,
+                                 replay, selectors_of, unread_why)
 from warmboot.client import Client, Refused, asked_first
 from warmboot.cmd_views import (
     LABELS_TIMEOUT_S,
@@ -708,23 +708,44 @@ def actor_fields(view: dict, wide: bool) -> list[tuple[str, str]]:
 @output_option
 def show_actor_cmd(actor_id: str, nats_url: str, prefix: str, output: str | None, as_json: bool) -> None:
     """ACTOR_ID's state, latest snapshot and its stamp, and assignment, folded from its own history
-    (`<prefix>.ev.actor.<id>`) with the scheduler's projection."""
+    (`<prefix>.ev.actor.<id>`) with the scheduler's projection. With credentials that may not read
+    the log (a client's), what the snapshotter's `status` says: its state, life and placement, and a
+    note on stderr that the rest is in the log (a client had no command that said an actor's state)."""
     from services.scheduler.projection import Projection
 
     mode = output_mode(output, as_json)  # a usage error before anything is read
 
-    async def work(nc: Any) -> dict:
-        records = await read_subject(nc, prefix, event_subject(prefix, "actor", actor_id))
+    async def work(nc: Any) -> tuple[dict, str | None]:
+        try:
+            records = await read_subject(nc, prefix, event_subject(prefix, "actor", actor_id))
+        except LogUnreadable as e:
+            if e.why != REFUSED_THE_LOG:
+                raise
+            status = await Client(nc, prefix).status(actor_id)
+            return {"actor_id": actor_id, **to_builtins(status)}, e.why
         projection = Projection()
         for seq, event in records:
             projection.apply(seq, event)
-        return actor_view(actor_id, projection, await fleet_runtimes(nc, prefix))
+        return actor_view(actor_id, projection, await fleet_runtimes(nc, prefix)), None
 
-    view = ask(nats_url, work)
+    view, unread = ask(nats_url, work)
+    if unread is not None:
+        click.echo(f"note: the snapshotter's status of {actor_id} only: {unread}, where its snapshot, stamp, "
+                   "worker and pin are", err=True)
     if mode == "json":
         echo_json(view)
         return
-    click.echo(render_fields(actor_fields(view, mode == "wide"), None if mode == "wide" else terminal_width()))
+    fields = actor_fields(view, mode == "wide") if unread is None else status_fields(view)
+    click.echo(render_fields(fields, None if mode == "wide" else terminal_width()))
+
+
+def status_fields(view: dict) -> list[tuple[str, str]]:
+    """`actor show`'s fields from the snapshotter's status (`ActorStatus`, with `actor_id`)."""
+    placed = view["placement_seq"]
+    return [("ACTOR", view["actor_id"]), ("STATE", view["state"]),
+            ("LIFE", f"created at sequence {view['life_seq']}"),
+            ("PLACEMENT", "none in this life" if placed is None else f"at sequence {placed}"),
+            ("LAST SEQ", str(view["seq"]))]
 
 
 def _snapshot_cell(view: dict) -> str:
