@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 up: $(STAMP)
-	$(VENV)/bin/warmboot up --demo
+	$(VENV)/bin/warmboot up --demo $(UP_ARGS)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q

@@ -188,6 +188,7 @@ def test_command_writes_private_files_and_keeps_passwords(tmp_path):
     for path in (conf, secrets):
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
     text = conf.read_text()
+    assert 'include "auth.conf"' in text.splitlines()[1]  # the file's own name, not warmboot-auth.conf (a trial)
     assert '"wb.registry.*.w-1"' in text and '"_INBOX.w-1.>"' in text and '"_INBOX.orch.>"' in text
     assert '"wb.scheduler.fragmentation"' in text
     services = next(line for line in text.splitlines() if '"warmboot-services"' in line)

@@ -237,6 +237,13 @@ async def test_replay_until_a_time_stops_there(demo, nats_url, nc):
         assert result.exit_code == 0 and json.loads(result.stdout)["events"] == 0, (when, result.output)
     result = await cli("audit", "replay", "--until-time", "yesterday", "--nats", nats_url, "--prefix", prefix)
     assert result.exit_code == 2 and "'yesterday' is not an ISO 8601 time" in result.output
+    # a sequence past the end folds it all, and says where it ended (it said nothing: a trial)
+    end = (await nc.jetstream().stream_info(stream_name(prefix))).state.last_seq
+    past = await cli("audit", "replay", "--until", str(end + 1000), "--json", "--nats", nats_url, "--prefix", prefix)
+    assert past.exit_code == 0 and json.loads(past.stdout)["seq"] == end, past.output
+    assert past.stderr == f"note: --until {end + 1000} is past the log's end (sequence {end}): folded to its end\n"
+    at_end = await cli("audit", "replay", "--until", str(end), "--json", "--nats", nats_url, "--prefix", prefix)
+    assert at_end.exit_code == 0 and at_end.stderr == "", at_end.output
 
 
 async def test_actor_timeline_shows_stamps_pins_and_fallbacks(demo, nats_url):

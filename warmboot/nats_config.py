@@ -245,6 +245,7 @@ def nats_auth_config(
     passwords: dict[str, str] | None = None,
     clients: list[str] | None = None,
     ids: dict[str, Identity] | None = None,
+    file_name: str = "warmboot-auth.conf",
 ) -> str:
     """The `accounts` block of a nats-server configuration: the deployment's account (its
     JetStream, the services, clients and workers, one user each) and the operators' (no
@@ -264,7 +265,7 @@ def nats_auth_config(
 
     lines = [
         f"# warmboot users for the subject prefix {prefix!r}, written by `warmboot nats-config`.",
-        "# Include this file from the nats-server configuration:  include \"warmboot-auth.conf\"",
+        f"# Include this file from the nats-server configuration:  include {_q(file_name)}",
         f"# It holds {held}: keep it readable by the server's user only.",
         "accounts {",
         f"  {_q(deployment)}: {{",
@@ -291,7 +292,8 @@ def nats_auth_config(
         "    users: [",
     ]
     if operators:
-        lines.append(f"      # operators: read the log ({events_filter(prefix)}), call explain, fragmentation, whatif, runtimes; "
+        lines.append(f"      # operators: read the log ({events_filter(prefix)}, by direct gets), call explain, "
+                     "fragmentation, whatif, runtimes; "
                      "replies on _INBOX.<own name>.>")
     lines += [user(name, operator_permissions(prefix, name)) for name in operators]
     lines += [
@@ -336,14 +338,14 @@ def route_urls(given: str) -> list[str]:
     return urls
 
 
-def routes_config(urls: list[str], password: str) -> str:
+def routes_config(urls: list[str], password: str, file_name: str = "warmboot-routes.conf") -> str:
     """What a member's `cluster` block includes: the credential a route must sign in with (so that no
     process that reaches a cluster port joins the cluster, and sees and says everything, bypassing
     every user's permissions), and the members' routes, signed in with it."""
     signed = [urlsplit(u)._replace(netloc=f"{ROUTES_USER}:{password}@{urlsplit(u).netloc}").geturl() for u in urls]
     lines = [
         "# The cluster's routes and their credential, written by `warmboot nats-config --routes`.",
-        "# Include it inside the members' `cluster` block:  cluster { ... include \"warmboot-routes.conf\" }",
+        f"# Include it inside the members' `cluster` block:  cluster {{ ... include {_q(file_name)} }}",
         "# It holds the routes' password in clear (each member signs its own routes in with it): keep it",
         "# readable by the server's user only.",
         f"authorization {{ user: {_q(ROUTES_USER)}, password: {_q(password)}, timeout: 2 }}",
@@ -605,9 +607,10 @@ def nats_config(
     secrets_of = {u: kept[u] if u in kept and usable(kept[u]) and u not in rotated else fresh() for u in users}
 
     text = nats_auth_config(prefix, services_user, worker_ids, list(operators), clients=list(clients),
-                            ids=identities(auth, secrets_of))
+                            ids=identities(auth, secrets_of),
+                            **({"file_name": out_path.name} if out_path is not None else {}))
     if routes_path is not None:
-        routes_text = routes_config(urls, kept_route_password(routes_path) or new_password())
+        routes_text = routes_config(urls, kept_route_password(routes_path) or new_password(), routes_path.name)
     if secrets_path is not None:
         _write_private(secrets_path, json.dumps({**secrets_of, ROLES_KEY: role_of}, indent=2) + "\n")
     if seeds_dir is not None:
