@@ -1044,6 +1044,31 @@ class Agent:
             log.warning("could not drain %s: %s", self.worker_id, e)
             return None
 
+    async def _superseded_now(self, timeout_s: float = 2.0) -> Superseded | None:
+        """Before the drain at exit: a beat naming this agent's registration, and Superseded (said) if the
+        registry refuses it for another node's registration above every one this agent made
+        (`superseded_by`). An agent stopped before its next beat (a replacement started before it, as a
+        rolling update does) drained the worker the other holds, its registration drained for the rest of
+        its life and its agent never told. Best effort, as the drain: one attempt, None when it is not
+        answered within `timeout_s`, or refused otherwise (then the drain is sent, as before). A
+        registration taken between this beat and the drain is drained still (a drain names no
+        registration: docs/registry.md)."""
+        if self._beats is None:
+            return None
+        try:
+            await asyncio.wait_for(self._request("heartbeat", Heartbeat(revision=self._beats), HeartbeatReply, None,
+                                                 timeout=timeout_s), timeout_s)
+        except ContractError as e:
+            if (e.code, e.field) != (ErrorCode.FAILED_PRECONDITION, "revision"):
+                return None
+            superseded = superseded_by(e, self.worker_id, self.node, self._revision)
+            if superseded is not None:
+                log.warning("not draining %s on the way out: %s", self.worker_id, superseded.message)
+            return superseded
+        except (asyncio.TimeoutError, asyncio.CancelledError, nats.errors.Error, OSError):
+            return None
+        return None
+
     # --- the loop --------------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -1066,6 +1091,10 @@ class Agent:
             await cancel_and_wait(stopping, None if serving.done() else serving)
             if (self.drain_on_exit and self.sent_registration and not self.withdrawn and self.superseded is None
                     and not self.nc.is_closed):  # (superseded: the worker is another agent's, not this one's to drain)
+                # asked first: stopped before its next beat, it may not have heard that another took the worker
+                self.superseded = await self._superseded_now()
+            if (self.drain_on_exit and self.sent_registration and not self.withdrawn and self.superseded is None
+                    and not self.nc.is_closed):
                 reply = await self.drain("agent stopped")
                 if reply is not None:
                     log.info("drained %s (seq %d)%s", self.worker_id, reply.seq,
