@@ -1065,7 +1065,7 @@ class Agent:
             if superseded is not None:
                 log.warning("not draining %s on the way out: %s", self.worker_id, superseded.message)
             return superseded
-        except (asyncio.TimeoutError, asyncio.CancelledError, nats.errors.Error, OSError):
+        except (asyncio.TimeoutError, nats.errors.Error, OSError):
             return None
         return None
 
