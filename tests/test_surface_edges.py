@@ -281,3 +281,38 @@ async def test_a_client_s_credentials_name_the_placement_and_life_the_snapshotte
 
 async def _kept(kept: list, msg) -> None:
     kept.append(msg)
+
+
+async def test_with_no_scheduler_to_say_them_a_client_s_labels_are_ids_and_stderr_says_so(tmp_path):
+    """The labels come from a scheduler (`scheduler.runtimes`), else from the log. With neither (no
+    scheduler running, or one of an earlier version; a client's credentials, which may not read the
+    log), the command's answer is printed all the same, its runtimes with their ids' digits, and stderr
+    says in one line that the names were not looked up, and why."""
+    from tests.factories import SILENT_TTL_S
+
+    prefix = "nl"
+    server = Secured(tmp_path, prefix, workers=("w-1",), clients=("orch",)).start()
+    env = {"NATS_URL": server.url("orch"), "WARMBOOT_PREFIX": prefix}
+    try:
+        async with AsyncExitStack() as stack:
+            await start_services(stack, ["registry", "snapshotter"], server.url("svc"), prefix,
+                                 options={"registry": {"ttl_s": SILENT_TTL_S}})
+            worker = await server.connect("w-1")
+            stack.push_async_callback(worker.close)
+            await call(worker.nc, service_subject(prefix, "registry", "register", "w-1"), W1, RegisterReply)
+            async with AsyncExitStack() as scheduling:
+                await start_services(scheduling, ["scheduler"], server.url("svc"), prefix,
+                                     options={"scheduler": {"metrics": False}})
+                async with await Client.connect(server.url("orch"), prefix, timeout=5, attempts=1) as wb:
+                    await wb.create(CreateActor(actor_id="a-1", sandbox_class="gvisor", template_uid="tpl-1",
+                                                resources=Resources(cpu_millis=250, memory_mib=256)))
+                    await wb.resume("a-1")
+            # the scheduler stopped: nobody says the runtimes, and the log may not be read
+            paused = await cli("actor", "pause", "a-1", env=env)
+            assert paused.exit_code == 0 and paused.stdout.startswith("actor/a-1 paused: "), paused.output
+            # the stamp's own name, with the digits that tell it apart (the fleet's namesakes are not known)
+            assert f"stamp runsc-v2@{IDS['v2'][3:]} " in paused.stdout, paused.stdout
+            assert paused.stderr == "note: runtime names not looked up: these credentials may not read the log\n", \
+                paused.stderr
+    finally:
+        server.stop()
