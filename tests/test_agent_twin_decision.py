@@ -1,15 +1,19 @@
 """What an agent does with a heartbeat refused for its revision (`warmboot.agent.superseded_by`), on the
 refusal the registry makes (`services.registry.domain.check_beats_in_force`): register its machine again,
-or stop, another agent of its worker id on another node having registered it since (docs/registry.md)."""
+or stop, another agent of its worker id on another node having registered it since (docs/registry.md); and
+at the start of one that stopped so (`still_superseded`), with the record of it beside its state file."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from events.errors import ContractError, in_force_named, latest_revision, revision_refused
-from events.schema import ErrorCode
+from events.schema import ErrorCode, HeartbeatReply
 from services.registry.domain import check_beats_in_force
-from warmboot.agent import Superseded, superseded_by
+from warmboot.agent import (SUPERSEDED_AT_START_EXIT, RevisionFile, StateFileError, StillSuperseded, Superseded,
+                            SupersededRecord, still_superseded, superseded_by)
 
 
 def refusal(beats: int, in_force: int, node: str | None) -> ContractError:
@@ -54,3 +58,65 @@ def test_an_agent_stops_only_for_another_node_s_registration_above_its_own(in_fo
 def test_a_refusal_of_an_earlier_registry_registers_again():
     """A registry of an earlier version names no node: its refusals are answered as they were."""
     assert superseded_by(refusal(99, 200, None), "w-1", "n1", 100) is None
+
+
+# --- at the start of an agent that stopped as superseded (`still_superseded`, `SupersededRecord`) -----------
+
+RECORD = Path("/var/lib/warmboot/agent.revision.superseded")
+
+
+def at_start(answer):
+    return still_superseded(answer, "w-1", "n1", 100, RECORD, ("n2", 200))
+
+
+def test_a_restarted_agent_does_not_register_while_another_node_s_registration_above_its_own_is_in_force():
+    held = at_start(refusal(100, 300, "n2"))
+    assert isinstance(held, StillSuperseded) and isinstance(held, Superseded)
+    assert (held.code, held.field, held.node, held.revision) == (ErrorCode.FAILED_PRECONDITION, "revision", "n2", 300)
+    for said in ("another machine holds worker w-1: node n2 registered it since", "revision 300", "up to 100",
+                 "node n2's revision 200 before", "Give each machine a worker id of its own",
+                 f"delete {RECORD} and start this agent again"):
+        assert said in held.message, (said, held.message)
+    assert SUPERSEDED_AT_START_EXIT == 3
+
+
+@pytest.mark.parametrize("answer, why", [
+    (HeartbeatReply(ttl_s=15.0), "the registration in force is this agent's"),
+    (ContractError(ErrorCode.NOT_FOUND, "worker 'w-1' was removed (LOST)", "worker_id"), "registration ended"),
+    (None, "did not answer"),
+    (refusal(100, 300, "n1"), "refused otherwise"),  # on its own node: not told apart from this machine
+    (refusal(100, 50, "n2"), "refused otherwise"),  # below its own: the log rolled back
+    (refusal(100, 300, None), "refused otherwise"),  # an earlier registry's: names no node
+    (ContractError(ErrorCode.FAILED_PRECONDITION, "bound to node n2", "node"), "refused otherwise"),
+])
+def test_a_restarted_agent_registers_otherwise_and_says_why(answer, why):
+    decided = at_start(answer)
+    assert isinstance(decided, str) and why in decided, decided
+
+
+def test_the_record_is_a_file_beside_the_state_file_which_keeps_its_format(tmp_path):
+    """An agent of an earlier version reads the state file as before (it refuses anything but `<worker_id>
+    <revision>` there), and knows nothing of the record beside it."""
+    state = tmp_path / "agent.revision"
+    RevisionFile(state, "w-1").write(100)
+    record = SupersededRecord(state, "w-1")
+    assert record.path == tmp_path / "agent.revision.superseded" and record.read() is None
+    record.write("n2", 200)
+    assert record.read() == ("n2", 200) and record.path.read_text() == "w-1 n2 200\n"
+    assert state.read_text() == "w-1 100\n" and RevisionFile(state, "w-1").read() == 100
+    record.clear()
+    assert record.read() is None
+    record.clear()  # (cleared already: nothing to do)
+
+
+@pytest.mark.parametrize("text, says", [
+    ("w-2 n2 200\n", "records a stop of worker 'w-2', not 'w-1': give each agent a state file of its own"),
+    ("w-1 n2\n", "holds no record of a stop as superseded (`w-1 NODE REVISION`)"),
+    ("w-1 n2 soon\n", "remove it"),
+])
+def test_a_record_of_something_else_is_refused_naming_the_file(tmp_path, text, says):
+    record = SupersededRecord(tmp_path / "agent.revision", "w-1")
+    record.path.write_text(text)
+    with pytest.raises(StateFileError) as refused:
+        record.read()
+    assert str(record.path) in str(refused.value) and says in str(refused.value), refused.value

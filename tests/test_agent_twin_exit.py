@@ -4,11 +4,15 @@ with a real registry (docs/registry.md, "The agent": the worker is the other's, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+
+import pytest
 
 from events.schema import WorkerDrained, WorkerRegistered, WorkerUpdated
 from tests.registry_helpers import AMD, CPUINFO, running_registry, wait_event, worker_events
 from tests.test_agent import agent_running
 from tests.test_agent_twins import machine
+from warmboot.agent import StillSuperseded, Superseded
 
 
 async def test_an_agent_stopped_after_another_node_took_its_worker_does_not_drain_it(nats_url, nc, prefix, tmp_path):
@@ -34,3 +38,31 @@ async def test_an_agent_stopped_after_another_node_took_its_worker_does_not_drai
             stop_one.set()
             if not running_one.done():
                 await asyncio.wait_for(running_one, 15)
+
+
+async def test_a_superseded_agent_restarted_by_its_supervisor_does_not_take_the_worker_back(nats_url, nc, prefix,
+                                                                                           tmp_path):
+    """node-a's agent stops (exit 1) once node-b's agent registered w-a since. A supervisor that restarts a
+    failed process (systemd `Restart=on-failure`, a pod's restart policy) starts it again: its registration
+    at start was above node-b's, it took the worker back, and node-b's agent stopped at its next beat, to be
+    restarted in turn: the flap the stop was made to end, at the supervisor's pace, a fence each time (a
+    review). Its stop is recorded beside its state file, and restarted it does not register while node-b's
+    registration is in force (StillSuperseded: `warmboot agent` exits 3)."""
+    ttl = 2.0
+    async with running_registry(nats_url, prefix, ttl_s=ttl):
+        first = asyncio.create_task(machine(nats_url, prefix, tmp_path, "intel", CPUINFO, node="node-a").run(
+            asyncio.Event()))
+        seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
+        async with agent_running(machine(nats_url, prefix, tmp_path, "amd", AMD, node="node-b")):
+            seq, _ = await wait_event(nc, prefix, "w-a", WorkerUpdated, after=seq)
+            with pytest.raises(Superseded):
+                await asyncio.wait_for(first, 4 * ttl)
+            stop = asyncio.Event()
+            again = asyncio.create_task(machine(nats_url, prefix, tmp_path, "intel", CPUINFO, node="node-a").run(stop))
+            try:  # node-b holds the worker and beats it: the restarted agent should refuse to start, as it stopped
+                with pytest.raises(StillSuperseded):
+                    await asyncio.wait_for(asyncio.shield(again), 4 * ttl)
+            finally:
+                stop.set()
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(again, 15)

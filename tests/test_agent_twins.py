@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
+from asyncio.subprocess import Process
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import AsyncIterator
 
 from nats.js.errors import NotFoundError
@@ -29,6 +31,15 @@ def machine(nats_url: str, prefix: str, tmp_path, name: str, cpuinfo, node: str 
     return Agent(nats_url, "w-a", node, path, prefix=prefix, watch_interval_s=0.05,
                  probe=ProbeSettings(cpuinfo_path=cpuinfo, architecture="amd64"),
                  state_file=tmp_path / f"{name}.revision")
+
+
+async def agent_process(nats_url: str, prefix: str, config: Path, node: str, *more: str) -> Process:
+    """`warmboot agent` of w-a on `node` (the intel machine's CPU), a process of its own: its output piped."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-c", "from warmboot.cli import main; main()",
+        "agent", "--nats", nats_url, "--worker-id", "w-a", "--node", node, "--config", str(config),
+        "--prefix", prefix, "--watch-interval", "0.05", "--cpuinfo", str(CPUINFO), "--arch", "amd64", *more,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
 
 
 @asynccontextmanager
@@ -138,11 +149,7 @@ async def test_an_agent_whose_worker_another_node_registered_since_stops_and_lea
     path = tmp_path / "one.toml"
     path.write_text(agent_config("v1"))
     async with running_registry(nats_url, prefix, ttl_s=ttl) as registry:
-        one = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", "from warmboot.cli import main; main()",
-            "agent", "--nats", nats_url, "--worker-id", "w-a", "--node", "node-a", "--config", str(path),
-            "--prefix", prefix, "--drain-on-exit", "--watch-interval", "0.05", "--cpuinfo", str(CPUINFO),
-            "--arch", "amd64", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        one = await agent_process(nats_url, prefix, path, "node-a", "--drain-on-exit")
         try:
             await wait_event(nc, prefix, "w-a", WorkerRegistered)
             async with beats_of(nc, prefix, "w-a") as stored:

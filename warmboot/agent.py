@@ -39,7 +39,10 @@ The agent then:
   a revision above every one this agent made (another agent of the worker id registered it
   since: a twin, or the machine's replacement), the agent stops (`Superseded`; `warmboot
   agent` exits 1 saying so, without draining), and the newest keeps the worker: one take,
-  not one at each beat of the two; a worker whose agent runs is a worker in service;
+  not one at each beat of the two; with a state file, the stop is recorded beside it
+  (`SupersededRecord`), and the next process beats first: while that other registration is
+  in force it does not register (`StillSuperseded`, exit 3), else it clears the record and
+  registers; a worker whose agent runs is a worker in service;
   registrations are sent one after the other, after the first none holds up the heartbeats
   (nor does an edit's), and each sends what the file and the probe say when its turn comes
   (docs/registry.md, "The agent");
@@ -176,7 +179,31 @@ class Superseded(ContractError):
     """FAILED_PRECONDITION, field revision: another agent of this worker id, on another node, registered
     the worker since this agent's last registration (a twin, or the machine's replacement). This agent
     stops (`Agent.run` raises it; `warmboot agent` exits 1 saying it) rather than take the worker back
-    from it: each take fences every placement on the worker (docs/registry.md, "The agent")."""
+    from it: each take fences every placement on the worker (docs/registry.md, "The agent"). `node` and
+    `revision`: the registration in force the refusal named, which an agent with a state file records
+    (`SupersededRecord`) so that its next process does not take the worker back at its start."""
+
+    def __init__(self, code: ErrorCode, message: str, field: str | None = None, *, node: str, revision: int):
+        super().__init__(code, message, field)
+        self.node = node
+        self.revision = revision
+
+
+class StillSuperseded(Superseded):
+    """At its start, an agent that stopped as Superseded (its record says so: `SupersededRecord`) finds
+    the worker still held by another node's registration above its own (`still_superseded`): it does not
+    register, and `warmboot agent` exits SUPERSEDED_AT_START_EXIT, for a supervisor to leave it stopped
+    (systemd's `RestartPreventExitStatus=`). Registering would take the worker back, the other agent would
+    stop in turn and be restarted: the two take it from each other at their supervisors' restart pace, each
+    take fencing every placement on the worker (found by a review, 2026-12-06)."""
+
+
+# `warmboot agent`'s exit status for StillSuperseded, and for nothing else: 1 is every other error (a
+# Superseded while running included: restarted, the agent looks again), 2 a usage error, 130 a Ctrl-C.
+SUPERSEDED_AT_START_EXIT = 3
+# How long the beat at the start of an agent that stopped as Superseded is asked again while the registry
+# does not answer (`Agent._check_still_superseded`); then it registers, as without the record.
+START_CHECK_S = DEFAULT_TTL_S
 
 
 def superseded_by(refusal: ContractError, worker_id: str, node: str, last_revision: int) -> Superseded | None:
@@ -199,7 +226,38 @@ def superseded_by(refusal: ContractError, worker_id: str, node: str, last_revisi
         f"worker {worker_id} was registered since by another agent, on node {other}: its registration in force "
         f"is revision {revision}, above every one this agent (node {node}) made, up to {last_revision}. This agent "
         "stops rather than take the worker back (each take fences every placement on it): give each machine a "
-        "worker id of its own; stop an agent before starting its replacement", "revision")
+        "worker id of its own; stop an agent before starting its replacement", "revision", node=other,
+        revision=revision)
+
+
+def still_superseded(answer: HeartbeatReply | ContractError | None, worker_id: str, node: str, kept: int,
+                     record: Path, recorded: tuple[str, int]) -> StillSuperseded | str:
+    """What the agent of `worker_id` on `node`, which stopped as Superseded (`recorded`: the node and the
+    revision in force it stopped for, kept in `record`), does at its start with the `answer` to a beat naming
+    `kept`, its last revision made (None: no answer): StillSuperseded, and it does not register, when the
+    registry refuses the beat for another node's registration above `kept` (`superseded_by`); else why it
+    registers, as it does without a record (the record is cleared): the beat was answered (the registration
+    in force is this agent's), NOT_FOUND (the other's life ended: removed, or LOST), refused otherwise, or
+    not answered (the agent cannot tell, and does as it did before it kept a record)."""
+    if answer is None:
+        return "the registry did not answer its beat"
+    if isinstance(answer, HeartbeatReply):
+        return f"the registry answers its beat (revision {kept}): the registration in force is this agent's"
+    if answer.code is ErrorCode.NOT_FOUND:
+        return f"the other's registration ended: {answer.message}"
+    held = superseded_by(answer, worker_id, node, kept) \
+        if (answer.code, answer.field) == (ErrorCode.FAILED_PRECONDITION, "revision") else None
+    if held is None:
+        return f"its beat was refused otherwise ({answer})"
+    return StillSuperseded(
+        ErrorCode.FAILED_PRECONDITION,
+        f"another machine holds worker {worker_id}: node {held.node} registered it since, and its registration "
+        f"(revision {held.revision}) is in force, above every one this agent (node {node}) made, up to {kept}. "
+        f"This agent stopped for node {recorded[0]}'s revision {recorded[1]} before ({record} says so), and does "
+        "not register: that would take the worker back, fence every placement on it, and stop the other agent "
+        "in turn. Give each machine a worker id of its own; to take the worker over on purpose, delete "
+        f"{record} and start this agent again (it also registers at its next start once the other's "
+        "registration has ended: removed, or LOST)", "revision", node=held.node, revision=held.revision)
 
 
 class RevisionFile:
@@ -240,6 +298,54 @@ class RevisionFile:
         except OSError as e:
             raise StateFileError(f"state file {self.path}: cannot keep revision {revision} there: {e}; no "
                                  "registration is sent with a revision it does not keep") from None
+
+
+class SupersededRecord:
+    """That the agent stopped as Superseded, kept across its processes beside its state file, in
+    `<state-file>.superseded`: `<worker_id> <node> <revision>`, the node and the revision of the
+    registration in force it stopped for. A file of its own, not a line or a token added to the state
+    file: an agent of an earlier version refuses a state file holding more than `<worker_id> <revision>`
+    (`RevisionFile.read`), and ignores this one (it takes the worker back at its start, as it did). The
+    next process reads it at its start (`Agent._check_still_superseded`), and clears it once it registers."""
+
+    SUFFIX = ".superseded"
+
+    def __init__(self, state_file: Path, worker_id: str):
+        self.path = state_file.with_name(state_file.name + self.SUFFIX)
+        self.worker_id = worker_id
+
+    def read(self) -> tuple[str, int] | None:
+        """The node and the revision recorded (None: the agent did not stop as Superseded); StateFileError
+        if the file cannot be read or holds something else."""
+        try:
+            text = self.path.read_text(encoding="ascii")
+        except FileNotFoundError:
+            return None
+        except (OSError, UnicodeDecodeError) as e:
+            raise StateFileError(f"{self.path}: cannot read: {e}") from None
+        words = text.split()
+        if words and words[0] != self.worker_id:
+            raise StateFileError(f"{self.path}: records a stop of worker {words[0][:128]!r}, not {self.worker_id!r}: "
+                                 "give each agent a state file of its own")
+        if len(words) != 3 or not (words[2].isdigit() and len(words[2]) <= 16):
+            raise StateFileError(f"{self.path}: holds no record of a stop as superseded (`{self.worker_id} NODE "
+                                 f"REVISION`), but {text[:80]!r}; remove it (this agent then registers at its "
+                                 "start, taking the worker from another node's agent, if one holds it)")
+        return words[1], int(words[2])
+
+    def write(self, node: str, revision: int) -> None:
+        """Record a stop for `node`'s registration `revision`, durably: StateFileError if it cannot be."""
+        try:
+            write_atomically(self.path, f"{self.worker_id} {node} {revision}\n", encoding="ascii")
+        except OSError as e:
+            raise StateFileError(f"{self.path}: cannot record the stop as superseded: {e}") from None
+
+    def clear(self) -> None:
+        """No longer superseded; StateFileError if the record cannot be removed."""
+        try:
+            self.path.unlink(missing_ok=True)
+        except OSError as e:
+            raise StateFileError(f"{self.path}: cannot remove the record of a stop as superseded: {e}") from None
 
 
 # --- the agent ----------------------------------------------------------------------------
@@ -318,6 +424,9 @@ class Agent:
         # process goes on above it, whatever the clocks say (`RevisionFile`).
         self.state = RevisionFile(Path(state_file), worker_id) if state_file is not None else None
         self._revision = self.state.read() if self.state is not None else 0
+        # beside it, whether this agent stopped as Superseded (`SupersededRecord`): checked at the start
+        self.superseded_record = SupersededRecord(Path(state_file), worker_id) if state_file is not None else None
+        self._was_superseded = self.superseded_record.read() if self.superseded_record is not None else None
         self._revised: RegisterWorker | None = None  # the content `_revision` was given to
         self._in_force_revision: int | None = None  # the revision the registration in force was answered with
         # the revision each heartbeat names: that of this agent's last registration the registry answered,
@@ -1069,6 +1178,33 @@ class Agent:
             return None
         return None
 
+    async def _check_still_superseded(self, stop: asyncio.Event) -> None:
+        """At the start of an agent that stopped as Superseded (its record says so), before any
+        registration: a beat naming its last revision made, and StillSuperseded (raised: it does not
+        register) if the registry refuses it for another node's registration above that one
+        (`still_superseded`). Otherwise the record is cleared and the agent registers, as it does without
+        one: also when the registry does not answer within START_CHECK_S (asked again meanwhile)."""
+        if self.superseded_record is None or self._was_superseded is None:
+            return
+        answer: HeartbeatReply | ContractError | None = None
+        if self._revision:  # (a record without a revision kept: none made, so none of its own is in force)
+            try:
+                answer = await asyncio.wait_for(self._request("heartbeat", Heartbeat(revision=self._revision),
+                                                              HeartbeatReply, stop), START_CHECK_S)
+            except ContractError as e:
+                answer = e
+            except asyncio.TimeoutError:
+                answer = None
+        decided = still_superseded(answer, self.worker_id, self.node, self._revision, self.superseded_record.path,
+                                   self._was_superseded)
+        if isinstance(decided, StillSuperseded):
+            self.superseded = decided
+            raise decided
+        recorded, self._was_superseded = self._was_superseded, None
+        self.superseded_record.clear()
+        log.info("%s: this agent stopped for node %s's registration (revision %d) before; %s: registering",
+                 self.worker_id, *recorded, decided)
+
     # --- the loop --------------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -1099,8 +1235,22 @@ class Agent:
                 if reply is not None:
                     log.info("drained %s (seq %d)%s", self.worker_id, reply.seq,
                              "; it already was" if reply.unchanged else "")
+            if self.superseded is not None:
+                self._record_superseded(self.superseded)
             with suppress(Exception):
                 await close(self.nc)  # its server gone too: its tasks end all the same
+
+    def _record_superseded(self, superseded: Superseded) -> None:
+        """Keep beside the state file that this agent stopped as Superseded (`SupersededRecord`), for its
+        next process to check at its start rather than take the worker back. Without a state file nothing
+        is kept: a supervisor that restarts the agent has it take the worker back (docs/registry.md). A
+        record that cannot be written is said, and the agent stops all the same."""
+        if self.superseded_record is None:
+            return
+        try:
+            self.superseded_record.write(superseded.node, superseded.revision)
+        except StateFileError as e:
+            log.error("%s; its next start registers, taking the worker back", e)
 
     async def _serve(self, registration: RegisterWorker, stop: asyncio.Event) -> None:
         try:
@@ -1110,6 +1260,7 @@ class Agent:
                 await cancel_and_wait(*self._background)
 
     async def _beat_and_watch(self, registration: RegisterWorker, stop: asyncio.Event) -> None:
+        await self._check_still_superseded(stop)
         await self.register(registration, stop)
         next_beat = time.monotonic() + self.ttl_s / HEARTBEATS_PER_TTL
         next_watch = time.monotonic() + self.watch_interval_s

@@ -19,7 +19,7 @@ from events.natsauth import NKEY_SEED_ENV
 from events.schema import Placement, RegisterWorker
 from events.subjects import DEFAULT_PREFIX
 from services.process import run_serving, serving_loop
-from warmboot.agent import Agent
+from warmboot.agent import SUPERSEDED_AT_START_EXIT, Agent, StillSuperseded
 from warmboot.agent_config import ConfigError, ProbeSettings, load_registration
 from warmboot.cli_common import (SIGN_IN_ENV_HELP, Failed, FloatRange, check_id, check_nats_option,
                                  check_nkey_seed_option, check_prefix_option)
@@ -27,6 +27,14 @@ from warmboot.restore_check import cannot_carry_out_here
 
 
 # --- warmboot agent -------------------------------------------------------------------------
+
+
+class HeldElsewhere(click.ClickException):
+    """`warmboot agent` at its start, after a stop as superseded, finds the worker still held by another
+    node's agent (`StillSuperseded`): exit SUPERSEDED_AT_START_EXIT, which a supervisor is told to leave
+    stopped (systemd's `RestartPreventExitStatus=3`: docs/operations.md)."""
+
+    exit_code = SUPERSEDED_AT_START_EXIT
 
 
 def check_placement(registration: RegisterWorker, placement_file: BinaryIO) -> None:
@@ -69,7 +77,10 @@ def check_placement(registration: RegisterWorker, placement_file: BinaryIO) -> N
               envvar="WARMBOOT_AGENT_STATE", show_envvar=True,
               help="File the agent keeps its last registration revision in (written before it is sent), so that "
                    "its next process registers above anything this one sent, whatever the clock does "
-                   "(docs/registry.md). Without it, revisions come from the clock alone.")
+                   "(docs/registry.md). Without it, revisions come from the clock alone. An agent that stopped "
+                   "because another node's agent registered its worker since records it in FILE.superseded; "
+                   "restarted, it exits 3 without registering while that agent holds the worker (delete "
+                   "FILE.superseded to take the worker over).")
 @click.option("--print-registration", is_flag=True,
               help="Print the registration the config makes on this machine, as JSON, and exit.")
 @click.option("--check-placement", "placement_file", type=click.File("rb"), default=None, metavar="FILE",
@@ -149,6 +160,8 @@ def agent(
         raise click.ClickException(str(e)) from None
     try:
         run_serving(run)  # on the loop the services run on, and the tests
+    except StillSuperseded as e:
+        raise HeldElsewhere(str(e)) from None
     except (ConfigError, ContractError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"agent {worker_id} stopped")
