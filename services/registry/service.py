@@ -622,12 +622,12 @@ class RegistryService:
                     raise
                 # what the agent does next, said to one written in another language (docs/worker-agents.md)
                 raise ContractError(error.code, f"{error.message}{REGISTER_AGAIN}", error.field) from None
-        if alive:
-            node, in_force = self.roster.node(worker_id), self.roster.revision(worker_id)
         judged = self.binding.judged_nodes
         if judged is not None:  # registered on a node the binding gives another (it registered before): no beat
-            check_registered(judged, worker_id, node)
-        if request.revision is not None:
+            check_registered(judged, worker_id, self.roster.node(worker_id) if alive else node)
+        if request.revision is not None:  # (looked up only for a beat that names one: each beat's cost counts)
+            if alive:
+                node, in_force = self.roster.node(worker_id), self.roster.revision(worker_id)
             check_beats_in_force(worker_id, request.revision, in_force, node)
         await self.liveness.beat(worker_id)
         return HeartbeatReply(ttl_s=self.ttl_s)
