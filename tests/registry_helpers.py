@@ -82,10 +82,11 @@ async def raw_request(nc: NATS, prefix: str, verb: str, worker_id: str, body: An
     return msgspec.json.decode(msg.data), (msg.headers or {})
 
 
-async def worker_events(nc: NATS, prefix: str, worker_id: str) -> list[tuple[int, Event]]:
-    """Every event on the worker's subject, in order, with its stream sequence."""
+async def worker_events(nc: NATS, prefix: str, worker_id: str, kind: str = "worker") -> list[tuple[int, Event]]:
+    """Every event on the worker's subject, in order, with its stream sequence (`kind` "*": its booking
+    subject's too, the `WorkerFenced` each write of its history carries, and placements)."""
     js = nc.jetstream()
-    subject = event_subject(prefix, "worker", worker_id)
+    subject = event_subject(prefix, kind, worker_id)
     events: list[tuple[int, Event]] = []
     seq = 0
     while True:

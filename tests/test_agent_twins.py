@@ -11,11 +11,8 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import AsyncIterator
 
-from nats.js.errors import NotFoundError
-
-from events.codec import decode_event
 from events.schema import Event, RuntimeChanged, WorkerRegistered, WorkerRemoved, WorkerUpdated
-from events.subjects import bucket_name, event_subject, stream_name
+from events.subjects import bucket_name
 from events.natspy.publish import flush_in_order
 from tests.registry_helpers import (AMD, CPUINFO, agent_config, raw_request, registration, running_registry, runtime,
                                     wait_event, worker_events)
@@ -127,14 +124,7 @@ async def test_a_new_life_of_other_classes_is_not_kept_alive_by_the_first_agent_
 async def log_of(nc, prefix: str, worker_id: str) -> list[Event]:
     """Every event about the worker, in stream order: its history's and its booking subject's (the
     `WorkerFenced` each write of its history carries, and placements)."""
-    js, subject, events, seq = nc.jetstream(), event_subject(prefix, "*", worker_id), [], 0
-    while True:
-        try:
-            msg = await js.get_msg(stream_name(prefix), seq=seq + 1, subject=subject, next=True)
-        except NotFoundError:
-            return events
-        seq = msg.seq
-        events.append(decode_event(msg.data))
+    return [event for _, event in await worker_events(nc, prefix, worker_id, kind="*")]
 
 
 async def test_an_agent_whose_worker_another_node_registered_since_stops_and_leaves_it_there(nats_url, nc, prefix,
