@@ -166,6 +166,19 @@ async def asked_runtimes(nc: Any, prefix: str) -> Runtimes | None:
     return runtimes_from(answer)
 
 
+async def asked_fleet_runtimes(nc: Any, prefix: str, target: int) -> tuple[Runtimes, list[str]] | None:
+    """The fleet's runtimes and the classes its registered workers run (drained ones included, as
+    `services.scheduler.whatif.registered_classes` names them: each runs its class's default runtime),
+    as a scheduler replica's fold has them once it includes the log up to `target`
+    (`scheduler.runtimes`): what `whatif` resolves its question against, instead of every worker's
+    history. None when no scheduler answers it within LABELS_TIMEOUT_S (`asked_runtimes`)."""
+    try:
+        answer = await Client(nc, prefix, timeout=LABELS_TIMEOUT_S, attempts=1).runtimes(min_seq=target or None)
+    except ContractError:
+        return None
+    return runtimes_from(answer), sorted({r.sandbox_class for r in answer.runtimes if r.run})
+
+
 async def runtime_labels(nc: Any, prefix: str) -> Runtimes:
     """The fleet's runtimes, to label those a reply names (`fleet_runtimes`). A reply is printed
     all the same when neither a scheduler says them nor the log can be read (a client's credentials
@@ -194,11 +207,12 @@ async def readable_fleet(nc: Any, prefix: str, looked_up: str = "runtime names")
         return None
 
 
-async def fleet(nc: Any, prefix: str, target: int | None = None) -> Any:
+async def fleet(nc: Any, prefix: str, target: int | None = None, worker_ids: tuple[str, ...] | None = None) -> Any:
     """The registered workers: their histories alone (`<prefix>.ev.worker.>`) up to `target` (the
     stream's last sequence by default), folded with the scheduler's projection as its fold reads
     them (`Fold.fold_message`: an event of a newer version is unread, the worker drained), a small
-    part of the log (no actor, no booking)."""
+    part of the log (no actor, no booking). With `worker_ids`, those workers' histories alone
+    (`<prefix>.ev.worker.<id>` each), in the log's order: a few workers of a fleet of any size."""
     from services.scheduler.fold import Fold
     from services.scheduler.projection import Projection
 
@@ -206,7 +220,14 @@ async def fleet(nc: Any, prefix: str, target: int | None = None) -> Any:
     if target is None:
         target = await last_seq(nc, prefix)
     fold = Fold(nc, prefix, projection)
-    async for seq, subject, headers, data in log_messages(nc, prefix, event_subject(prefix, "worker", ">"), target):
+    if worker_ids is None:
+        async for seq, subject, headers, data in log_messages(nc, prefix, event_subject(prefix, "worker", ">"),
+                                                              target):
+            fold.fold_message(seq, subject, headers, data)
+        return projection
+    messages = [message for worker_id in dict.fromkeys(worker_ids)
+                async for message in log_messages(nc, prefix, event_subject(prefix, "worker", worker_id), target)]
+    for seq, subject, headers, data in sorted(messages, key=lambda message: message[0]):
         fold.fold_message(seq, subject, headers, data)
     return projection
 
@@ -858,14 +879,21 @@ def whatif(sandbox_class: str, drop: tuple[str, ...], drain: tuple[str, ...], li
     mode = output_mode(output, as_json)
 
     async def work(nc: Any) -> tuple[WhatIf, WhatIfAnswer, Runtimes, Any]:
-        from services.scheduler.whatif import check_class
+        from services.scheduler.whatif import registered_classes, unknown_class
 
-        projection = await fleet(nc, prefix)
-        check_class(projection, sandbox_class)  # first: the runtimes and workers named are of the class
-        runtimes = runtimes_of(projection)
+        target = await last_seq(nc, prefix)
+        asked = await asked_fleet_runtimes(nc, prefix, target)
+        if asked is None:  # no scheduler says the runtimes: the fleet's histories, every worker's
+            projection = await fleet(nc, prefix, target)
+            runtimes, classes = runtimes_of(projection), registered_classes(projection)
+        else:  # a scheduler's, at least the log's as it was: the histories of the workers to drain alone
+            runtimes, classes = asked
+            projection = await fleet(nc, prefix, target, drain)
+        if sandbox_class not in classes:  # first: the runtimes and workers named are of the class
+            raise unknown_class(sandbox_class, classes)
         query = WhatIf(sandbox_class=sandbox_class, drop_runtimes=tuple(resolve_drops(runtimes, drop, sandbox_class)),
                        drain_workers=drain, limit=limit or WHATIF_LIMIT_MAX,
-                       min_seq=min_seq or projection.seq or None)  # at least the fleet this command resolved against
+                       min_seq=min_seq or target or None)  # at least the fleet this command resolved against
         check_drains(projection, drain, sandbox_class)
         return query, await Client(nc, prefix).whatif(query), runtimes, projection
 
