@@ -6,10 +6,12 @@ by its label (events.runtime_id: its name, `name@3f9a1c` when the name is shared
 `rt-3f9a1c`), the same in every view: each view labels runtimes against the runtimes
 of the registered workers (`pin_label`: one the fleet does not run, by the name its stamps
 carry, with its digits). explain, fragmentation and whatif ask the scheduler's
-endpoints through `warmboot.client` (the answers a resume would get) and fold only the
-workers' histories for the names (whatif also reads the runtimes it is given back from
-them: a label, an `rt-` id or a name; fragmentation, the whole log when a runtime no worker
-runs has snapshots: `fragmentation_labels`);
+endpoints through `warmboot.client` (the answers a resume would get) and take the names
+from a scheduler's `runtimes` answer (`asked_runtimes`; the workers' histories folded only
+when none says them). whatif reads the runtimes it is given back from that answer too (a
+label, an `rt-` id or a name), and the log for the workers it drains alone; explain, every
+worker's history for a selector mismatch of several keys (the keys each worker misses);
+fragmentation, the whole log when a runtime no worker runs has snapshots (`fragmentation_labels`);
 workers folds the whole log with the scheduler's own projection (warmboot.audit.Sink),
 so it shows exactly what the scheduler sees. Their JSON is the endpoint's answer with each
 runtime version's `rt-` id beside it (`with_runtime_ids`).
@@ -18,7 +20,7 @@ runtime version's `rt-` id beside it (`with_runtime_ids`).
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import click
 import msgspec
@@ -357,18 +359,20 @@ def render_explanation(actor_id: str, answer: Explanation, runtimes: Runtimes, w
     return "\n\n".join(parts)
 
 
-async def selector_misses(nc: Any, prefix: str, actor_id: str, asked: dict[str, str] | None, projection: Any,
-                          rejected: list[Rejection]) -> dict[str, list[str]]:
+async def selector_misses(nc: Any, prefix: str, actor_id: str, asked: dict[str, str] | None,
+                          rejected: list[Rejection], workers: Callable[[], Awaitable[Any]]) -> dict[str, list[str]]:
     """For each worker passed over for `selector mismatch`: the selector keys (the actor's, from its
-    ActorCreated, and the request's) its labels, as the log has them now, do not match. Empty where
-    the log cannot be read (nor the actor's history: an event of a newer version in it); a worker whose
-    labels match now is left out (the reason stays bare)."""
+    ActorCreated, and the request's) its labels do not match. Of one key, that key: the scheduler found
+    each such worker's labels not to match it, and no worker's labels are read. Of several, those its
+    labels, as the log has them now (`workers()`: the registered workers, None where the log cannot be
+    read), do not match; a worker whose labels match now is left out (the reason stays bare). Empty
+    where the log cannot be read (nor the actor's history: an event of a newer version in it)."""
     from events.schema import ActorCreated
 
     from warmboot.cli_common import read_subject
 
     mismatched = [r.worker_id for r in rejected if SELECTOR_MISMATCH in r.reasons]
-    if not mismatched or projection is None:
+    if not mismatched:
         return {}
     try:
         history = await read_subject(nc, prefix, event_subject(prefix, "actor", actor_id))
@@ -376,6 +380,11 @@ async def selector_misses(nc: Any, prefix: str, actor_id: str, asked: dict[str, 
         return {}
     created = [event for _, event in history if isinstance(event, ActorCreated)]
     wanted = {**(created[-1].selectors if created else {}), **(asked or {})}
+    if len(wanted) == 1:  # no worker's labels to read (every worker's history: 2.8 s at 10,000 workers)
+        return {worker_id: list(wanted) for worker_id in mismatched}
+    projection = await workers()
+    if projection is None:
+        return {}
     misses = {}
     for worker_id in mismatched:
         worker = projection.workers.get(worker_id)
@@ -413,17 +422,17 @@ def explain(actor_id: str, selectors: tuple[str, ...], limit: int, min_seq: int 
         if mode == "json":  # the endpoint's answer, as it is
             return answer, None, {}
         # the labels from a scheduler (`asked_runtimes`); the workers' histories only when they are needed,
-        # for the keys a selector mismatch names, or when no scheduler said the labels
+        # for the keys a selector mismatch of several names, or when no scheduler said the labels
         asked = await asked_runtimes(nc, prefix)
-        mismatched = any(SELECTOR_MISMATCH in r.reasons for r in answer.rejected)
-        projection = None
-        if asked is None:
-            projection = await readable_fleet(nc, prefix)
-        elif mismatched:
-            projection = await readable_fleet(nc, prefix, "selector keys of the mismatched workers")
+        projection = None if asked is not None else await readable_fleet(nc, prefix)
+
+        async def workers() -> Any:
+            return projection if asked is None else await readable_fleet(nc, prefix,
+                                                                         "selector keys of the mismatched workers")
+
         runtimes = (asked if asked is not None else runtimes_of(projection) if projection is not None
                     else Runtimes(complete=False))
-        return answer, runtimes, await selector_misses(nc, prefix, actor_id, sel, projection, answer.rejected)
+        return answer, runtimes, await selector_misses(nc, prefix, actor_id, sel, answer.rejected, workers)
 
     answer, runtimes, missing = ask(nats_url, work)
     if mode == "json":
