@@ -365,8 +365,9 @@ async def selector_misses(nc: Any, prefix: str, actor_id: str, asked: dict[str, 
     ActorCreated, and the request's) its labels do not match. Of one key, that key: the scheduler found
     each such worker's labels not to match it, and no worker's labels are read. Of several, those its
     labels, as the log has them now (`workers()`: the registered workers, None where the log cannot be
-    read), do not match; a worker whose labels match now is left out (the reason stays bare). Empty
-    where the log cannot be read (nor the actor's history: an event of a newer version in it)."""
+    read, which it says), do not match; a worker whose labels match now is left out (the reason stays
+    bare). Empty where the log cannot be read (nor the actor's history: an event of a newer version in
+    it; `workers()` is asked all the same, for what it says of the log)."""
     from events.schema import ActorCreated
 
     from warmboot.cli_common import read_subject
@@ -377,6 +378,7 @@ async def selector_misses(nc: Any, prefix: str, actor_id: str, asked: dict[str, 
     try:
         history = await read_subject(nc, prefix, event_subject(prefix, "actor", actor_id))
     except (click.ClickException, ContractError, nats.errors.Error):  # ContractError: an event it cannot read
+        await workers()  # a log these credentials may not read: said as of the workers' labels (`readable_fleet`)
         return {}
     created = [event for _, event in history if isinstance(event, ActorCreated)]
     wanted = {**(created[-1].selectors if created else {}), **(asked or {})}
