@@ -155,30 +155,25 @@ async def fleet_runtimes(nc: Any, prefix: str) -> Runtimes:
 LABELS_TIMEOUT_S = 2.0  # how long a command's text waits for the stream to say it may be read
 
 
-async def asked_runtimes(nc: Any, prefix: str) -> Runtimes | None:
+async def asked_runtimes(nc: Any, prefix: str, min_seq: int | None = None) -> Runtimes | None:
     """The fleet's runtimes as a scheduler replica's fold has them (`<prefix>.scheduler.runtimes`, a
-    project addition): one request, where the log's answer is every worker's history (33,000 events,
-    about 3 s, at 10,000 workers). None when no scheduler answers it within LABELS_TIMEOUT_S, in one
-    attempt: none runs, one of an earlier version (no such endpoint), or credentials that may not ask
-    it (an operator's of a configuration made before it)."""
+    project addition; once it includes `min_seq`): one request, where the log's answer is every
+    worker's history (33,000 events, about 3 s, at 10,000 workers). None when no scheduler answers it
+    within LABELS_TIMEOUT_S, in one attempt: none runs, one of an earlier version (no such endpoint),
+    or credentials that may not ask it (an operator's of a configuration made before it). The classes
+    the registered workers run are `registered_classes(runtimes)`."""
     try:
-        answer = await Client(nc, prefix, timeout=LABELS_TIMEOUT_S, attempts=1).runtimes()
+        answer = await Client(nc, prefix, timeout=LABELS_TIMEOUT_S, attempts=1).runtimes(min_seq=min_seq)
     except ContractError:
         return None
     return runtimes_from(answer)
 
 
-async def asked_fleet_runtimes(nc: Any, prefix: str, target: int) -> tuple[Runtimes, list[str]] | None:
-    """The fleet's runtimes and the classes its registered workers run (drained ones included, as
-    `services.scheduler.whatif.registered_classes` names them: each runs its class's default runtime),
-    as a scheduler replica's fold has them once it includes the log up to `target`
-    (`scheduler.runtimes`): what `whatif` resolves its question against, instead of every worker's
-    history. None when no scheduler answers it within LABELS_TIMEOUT_S (`asked_runtimes`)."""
-    try:
-        answer = await Client(nc, prefix, timeout=LABELS_TIMEOUT_S, attempts=1).runtimes(min_seq=target or None)
-    except ContractError:
-        return None
-    return runtimes_from(answer), sorted({r.sandbox_class for r in answer.runtimes if r.run})
+def registered_classes(runtimes: Runtimes) -> list[str]:
+    """The classes the registered workers (drained ones included) run, from the runtimes they offer (each
+    runs its class's default runtime), as `services.scheduler.whatif.registered_classes` names them from
+    a projection."""
+    return sorted({known.key[0] for known in runtimes.known.values() if known.run})
 
 
 async def runtime_labels(nc: Any, prefix: str) -> Runtimes:
@@ -890,15 +885,16 @@ def whatif(sandbox_class: str, drop: tuple[str, ...], drain: tuple[str, ...], li
     mode = output_mode(output, as_json)
 
     async def work(nc: Any) -> tuple[WhatIf, WhatIfAnswer, Runtimes, Any]:
-        from services.scheduler.whatif import registered_classes, unknown_class
+        from services.scheduler.whatif import registered_classes as classes_of
+        from services.scheduler.whatif import unknown_class
 
         target = await last_seq(nc, prefix)
-        asked = await asked_fleet_runtimes(nc, prefix, target)
+        asked = await asked_runtimes(nc, prefix, target or None)
         if asked is None:  # no scheduler says the runtimes: the fleet's histories, every worker's
             projection = await fleet(nc, prefix, target)
-            runtimes, classes = runtimes_of(projection), registered_classes(projection)
+            runtimes, classes = runtimes_of(projection), classes_of(projection)
         else:  # a scheduler's, at least the log's as it was: the histories of the workers to drain alone
-            runtimes, classes = asked
+            runtimes, classes = asked, registered_classes(asked)
             projection = await fleet(nc, prefix, target, drain)
         if sandbox_class not in classes:  # first: the runtimes and workers named are of the class
             raise unknown_class(sandbox_class, classes)
