@@ -542,3 +542,19 @@ async def another_process(make: Callable[[dict[str, str]], A], env: dict[str, st
         yield app
     finally:
         await asyncio.to_thread(app.close)
+
+
+def log_reads(monkeypatch: Any) -> list[str]:
+    """The subjects the CLI's views read from the log (`cmd_views.log_messages`), one per read, in order:
+    what a test of a view that must not fold the fleet asserts on."""
+    from warmboot import cli_common, cmd_views
+
+    read: list[str] = []
+    every = cli_common.log_messages
+
+    def recorded(nc: Any, prefix: str, filter_subject: str | None = None, stop: int | None = None) -> Any:
+        read.append(filter_subject)
+        return every(nc, prefix, filter_subject, stop)
+
+    monkeypatch.setattr(cmd_views, "log_messages", recorded)
+    return read

@@ -48,7 +48,7 @@ from events.subjects import service_subject
 from services.endpoints import call
 from services.scheduler.fragmentation import fragmentation
 from services.scheduler.projection import Projection
-from tests.factories import SILENT_TTL_S, last_seq, version
+from tests.factories import SILENT_TTL_S, last_seq, log_reads, version
 from warmboot.cli import main
 from services.scheduler.decide import _how_far
 from warmboot.cmd_views import (
@@ -581,21 +581,12 @@ async def test_a_mismatch_of_one_selector_names_its_key_without_reading_the_flee
     """The workers passed over for `selector mismatch` of an actor that selects by one key miss that
     key: said without folding every worker's history (2.8 s of `explain`'s 3.3 s at 10,000 workers,
     docs/scaling.md). Of several keys, the workers' labels are read (the test above)."""
-    from warmboot import cli_common, cmd_views
-
     prefix, nc = operated
     await call(nc, service_subject(prefix, "snapshotter", "create", "sel-one"),
                CreateActor(actor_id="sel-one", sandbox_class="gvisor", template_uid="tpl-2026-01",
                            resources=Resources(cpu_millis=500, memory_mib=1024), selectors={"zone": "eu-1"}),
                SeqReply)
-    read: list[str] = []
-    every = cli_common.log_messages
-
-    def recorded(nc, prefix, filter_subject=None, stop=None):
-        read.append(filter_subject)
-        return every(nc, prefix, filter_subject, stop)
-
-    monkeypatch.setattr(cmd_views, "log_messages", recorded)
+    read = log_reads(monkeypatch)
     seq = str(await last_seq(nc, prefix))
     gv = sorted(w.worker_id for w in fleet() if w.worker_id.startswith("w-gv"))
     for asked in ((), ("--selector", "zone=eu-1")):  # the actor's key, and the same asked again

@@ -14,7 +14,7 @@ from events.codec import to_builtins
 from events.compat import compat_key
 from events.runtime_id import short_id
 from events.schema import CompatVersion, WhatIf
-from tests.factories import actor, last_seq, runtime_ids_apart
+from tests.factories import actor, last_seq, log_reads, runtime_ids_apart
 from tests.test_views import WIDTHS, assert_fits_whole, fleet, folded, possible_cells, runtime
 from warmboot.cli import main
 from warmboot.client import Client
@@ -214,17 +214,8 @@ async def test_the_question_is_resolved_against_the_scheduler_s_runtimes_not_eve
     """`whatif` folded every worker's history to resolve --drop-runtime and --class (3 s of its 3.5 s at
     10,000 workers, docs/scaling.md): a scheduler's `runtimes` answer says the same, and only the
     workers named by --drain are read from the log, for the checks and notes said of them."""
-    from warmboot import cli_common, cmd_views
-
     run, wb = fleet_on_bus
-    read: list[str] = []
-    every = cli_common.log_messages
-
-    def recorded(nc, prefix, filter_subject=None, stop=None):
-        read.append(filter_subject)
-        return every(nc, prefix, filter_subject, stop)
-
-    monkeypatch.setattr(cmd_views, "log_messages", recorded)
+    read = log_reads(monkeypatch)
     drained = "w-gv-0000"
     await wb.drain(drained)
     shown = await run("--class", "gvisor", "--drop-runtime", "runsc-2024.11", "--drain", drained, "--drain",
