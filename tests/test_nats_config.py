@@ -211,7 +211,8 @@ def test_command_writes_private_files_and_keeps_passwords(tmp_path):
 
     # without --secrets, every run makes every password anew: said, since a reload then signs everyone out
     # (the --help example had no --secrets, and a trial's second run did so in silence)
-    unkept = [runner.invoke(main, ["nats-config", "--worker", "w-1", "--out", str(tmp_path / f"{n}.conf")]) for n in "ab"]
+    unkept = [runner.invoke(main, ["nats-config", "--worker", "w-1", "--out", str(tmp_path / f"{n}.conf")])
+              for n in "ab"]
     assert all(r.exit_code == 0 and "note: every user got a new password, kept nowhere but in this configuration"
                in r.stderr and "--secrets FILE" in r.stderr for r in unkept), [r.output for r in unkept]
     assert (tmp_path / "a.conf").read_text() != (tmp_path / "b.conf").read_text()
