@@ -1164,19 +1164,27 @@ class Agent:
         registration: docs/registry.md)."""
         if self._beats is None:
             return None
+        answer = await self._beat_once(self._beats, timeout_s)
+        if not isinstance(answer, ContractError) or (answer.code, answer.field) != (ErrorCode.FAILED_PRECONDITION,
+                                                                                    "revision"):
+            return None
+        superseded = superseded_by(answer, self.worker_id, self.node, self._revision)
+        if superseded is not None:
+            log.warning("not draining %s on the way out: %s", self.worker_id, superseded.message)
+        return superseded
+
+    async def _beat_once(self, revision: int, within_s: float, stop: asyncio.Event | None = None
+                         ) -> HeartbeatReply | ContractError | None:
+        """A heartbeat naming `revision`, asked again while unanswered for at most `within_s`: its answer,
+        its refusal, or None when it got neither (what the checks of a stop as superseded judge: at the
+        exit, `_superseded_now`; at the start, `_check_still_superseded`)."""
         try:
-            await asyncio.wait_for(self._request("heartbeat", Heartbeat(revision=self._beats), HeartbeatReply, None,
-                                                 timeout=timeout_s), timeout_s)
+            return await asyncio.wait_for(self._request("heartbeat", Heartbeat(revision=revision), HeartbeatReply,
+                                                        stop, timeout=min(within_s, REQUEST_TIMEOUT_S)), within_s)
         except ContractError as e:
-            if (e.code, e.field) != (ErrorCode.FAILED_PRECONDITION, "revision"):
-                return None
-            superseded = superseded_by(e, self.worker_id, self.node, self._revision)
-            if superseded is not None:
-                log.warning("not draining %s on the way out: %s", self.worker_id, superseded.message)
-            return superseded
+            return e
         except (asyncio.TimeoutError, nats.errors.Error, OSError):
             return None
-        return None
 
     async def _check_still_superseded(self, stop: asyncio.Event) -> None:
         """At the start of an agent that stopped as Superseded (its record says so), before any
@@ -1186,15 +1194,8 @@ class Agent:
         one: also when the registry does not answer within START_CHECK_S (asked again meanwhile)."""
         if self.superseded_record is None or self._was_superseded is None:
             return
-        answer: HeartbeatReply | ContractError | None = None
-        if self._revision:  # (a record without a revision kept: none made, so none of its own is in force)
-            try:
-                answer = await asyncio.wait_for(self._request("heartbeat", Heartbeat(revision=self._revision),
-                                                              HeartbeatReply, stop), START_CHECK_S)
-            except ContractError as e:
-                answer = e
-            except asyncio.TimeoutError:
-                answer = None
+        # (a record without a revision kept: none made, so none of its own is in force)
+        answer = await self._beat_once(self._revision, START_CHECK_S, stop) if self._revision else None
         decided = still_superseded(answer, self.worker_id, self.node, self._revision, self.superseded_record.path,
                                    self._was_superseded)
         if isinstance(decided, StillSuperseded):
