@@ -885,17 +885,16 @@ def whatif(sandbox_class: str, drop: tuple[str, ...], drain: tuple[str, ...], li
     mode = output_mode(output, as_json)
 
     async def work(nc: Any) -> tuple[WhatIf, WhatIfAnswer, Runtimes, Any]:
-        from services.scheduler.whatif import registered_classes as classes_of
         from services.scheduler.whatif import unknown_class
 
         target = await last_seq(nc, prefix)
         asked = await asked_runtimes(nc, prefix, target or None)
         if asked is None:  # no scheduler says the runtimes: the fleet's histories, every worker's
             projection = await fleet(nc, prefix, target)
-            runtimes, classes = runtimes_of(projection), classes_of(projection)
+            runtimes = runtimes_of(projection)
         else:  # a scheduler's, at least the log's as it was: the histories of the workers to drain alone
-            runtimes, classes = asked, registered_classes(asked)
-            projection = await fleet(nc, prefix, target, drain)
+            runtimes, projection = asked, await fleet(nc, prefix, target, drain)
+        classes = registered_classes(runtimes)
         if sandbox_class not in classes:  # first: the runtimes and workers named are of the class
             raise unknown_class(sandbox_class, classes)
         query = WhatIf(sandbox_class=sandbox_class, drop_runtimes=tuple(resolve_drops(runtimes, drop, sandbox_class)),
