@@ -531,6 +531,10 @@ class ClassFragmentation(Base, kw_only=True):
     # v1.1: waiting actors whose LOCAL latest snapshot is on a node with no registered
     # worker of the class (given up only by `revert`)
     lost_local_snapshots: int = 0
+    # project addition: the most CPU and the most memory a registered worker of the class has
+    # (drained ones included; each may be another worker's), as the scheduler's "big enough" refusal
+    # reads them (`ClassIndex.largest`); None without a worker, and from a scheduler of an earlier version
+    largest: Room | None = None
 
 
 class Fragmentation(Base, kw_only=True):

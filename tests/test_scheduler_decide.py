@@ -784,9 +784,11 @@ def test_fragmentation_counts_versions_free_room_and_stranded_snapshots():
     assert (rows[V2].workers_default, rows[V2].workers_restorable, rows[V2].snapshots_memory) == (2, 0, 1)
     assert rows[V2].free.memory_mib == 4096 + 2048 - 2 * WORKER_RESERVE_MIB
     assert rows[V3].snapshots_memory == 2 and rows[V3].workers_default == 0
+    assert (gvisor.largest.cpu_millis, gvisor.largest.memory_mib) == (4000, 4096)  # what `actor create` warns with
     # draining the only V1 restorer strands the V1 snapshots too
     log.drain("w1")
     assert fragmentation(log.p).classes[0].stranded_snapshots == 4
+    assert fragmentation(log.p).classes[0].largest.memory_mib == 4096  # of the registered ones, drained ones too
     # a worker that restores V3 takes those off the stranded count
     log.worker("w3", runtime(V3))
     assert log.p.stranded(CLS) == 2

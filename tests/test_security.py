@@ -564,11 +564,12 @@ async def test_a_clients_commands_print_their_answer_though_it_cannot_read_the_l
     assert [type(e).__name__ for e in history][-1] == "ActorPlaced"  # placed once: no retry was needed
 
 
-async def test_a_clients_create_with_a_selector_says_it_could_not_check_the_labels(deployment):
-    """`actor create --selector` warns when no worker of the class has the labels (README), which it
-    learns from the log. A client's credentials may not read it: the create is made, and stderr says
-    the selector was not checked, and why (it said nothing, and the orchestrator, the role that
-    creates actors, never got the warning: found by a trial of the docs)."""
+async def test_a_clients_create_warns_of_labels_and_a_size_no_worker_has(deployment):
+    """`actor create` warns when no worker of the class has the labels `--selector` asks for, or is big
+    enough (README). It learned both from the log, which a client's credentials may not read: the
+    orchestrator, the role that creates actors, got a note that the labels were not checked, and
+    nothing of the size (a trial of the docs). Both now come from the scheduler (its explain of the
+    actor, and the class's `largest` in its fragmentation), which a client may ask."""
     from click.testing import CliRunner
 
     from warmboot.cli import main
@@ -578,8 +579,13 @@ async def test_a_clients_create_with_a_selector_says_it_could_not_check_the_labe
             "--selector", "zone=nowhere"]
     result = await asyncio.to_thread(CliRunner().invoke, main, args, env=env)
     assert result.exit_code == 0 and "actor/a-sel created" in result.stdout, result.output
-    assert result.stderr == ("note: --selector not checked against the workers' labels: these credentials may not "
-                             "read the log\n"), result.stderr
+    assert result.stderr == ("warning: no undrained worker of class gvisor has the labels zone=nowhere; resuming a-sel "
+                             "is refused until one does (`warmboot workers -o wide` shows their labels)\n"), result.stderr
+    args = ["actor", "create", "a-big", "--class", "gvisor", "--template", "tpl-1", "--cpu", "100", "--memory", "512Gi"]
+    result = await asyncio.to_thread(CliRunner().invoke, main, args, env=env)
+    assert result.exit_code == 0 and "actor/a-big created" in result.stdout, result.output
+    assert result.stderr.startswith("warning: no registered worker of class gvisor is big enough for a-big: the "
+                                    "largest has "), result.stderr
 
 
 async def test_a_command_that_reads_the_log_is_told_at_once_that_a_clients_credentials_may_not(deployment):

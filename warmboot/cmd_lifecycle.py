@@ -37,16 +37,18 @@ from events.codec import decode_request, json_path, to_builtins, unknown_fields
 from events.errors import ContractError, no_actor, no_worker
 from events.compat import compat_key
 from events.runtime_id import Runtimes, short_id
-from events.schema import (ActorCreated, ActorRuntime, Assignment, CreateActor, ErrorCode, Fidelity, Fragmentation,
-                           Resources, Snapshot, TagRecorded)
+from events.schema import (ActorCreated, ActorRuntime, Assignment, ClassFragmentation, CreateActor, ErrorCode,
+                           Explanation, Fidelity, Fragmentation, Resources, Room, Snapshot, TagRecorded)
 from events.states import ActorState
 from events.subjects import event_subject
 from warmboot.cli_common import (MIB, MILLICORES, REFUSED_THE_LOG, IntRange, LogUnreadable, ask, check_id,
                                  json_option, last_seq, min_seq_option, nats_option, prefix_option, read_subject,
                                  replay, selectors_of, unread_why)
 from warmboot.client import Client, Refused, asked_first
+from services.scheduler.feasibility import REASONS, SELECTOR_MISMATCH
 from warmboot.cmd_views import (
     LABELS_TIMEOUT_S,
+    asked_runtimes,
     class_runtime_fields,
     decision_fields,
     echo_json,
@@ -285,11 +287,22 @@ def create_cmd(actor_id: str, sandbox_class: str, template_uid: str, cpu_millis:
                     IndexError) as e:
                 read.tag_unread = "its ActorCreated is not in the log" if isinstance(e, IndexError) else unread_why(e)
         try:  # the fleet as the scheduler counts it: its classes, their undrained workers, the stamps they accept
-            read.answer = await wb.fragmentation()
+            read.answer = await wb.fragmentation(min_seq=reply.seq)
         except (ContractError, OSError, asyncio.TimeoutError, nats.errors.Error):
             pass  # no scheduler answering: nothing to say
-        if read.answer is not None:
-            try:  # the fleet's workers, as the views read them (a client's credentials may not read the log)
+        ours = read.class_of(sandbox_class)
+        if read.answer is None:
+            return reply, read
+        read.runtimes = await asked_runtimes(nc, prefix, min_seq=reply.seq)  # the labels of a stamp not accepted
+        if body.selectors and ours is not None and ours.workers:
+            try:  # as the scheduler checks a resume of it: whether any undrained worker of the class has the labels
+                read.explained = await wb.explain(actor_id, min_seq=reply.seq)
+            except (ContractError, OSError, asyncio.TimeoutError, nats.errors.Error) as e:
+                read.unexplained = unread_why(e)
+        if ours is None or not ours.workers or ours.largest is None:
+            # no undrained worker of the class (which are drained, which classes run), or a scheduler of an
+            # earlier version (no `largest`): the workers as the views read them (a client's credentials may not)
+            try:
                 read.projection = await fleet(nc, prefix, await last_seq(nc, prefix, LABELS_TIMEOUT_S))
             except (click.ClickException, ContractError, OSError, asyncio.TimeoutError, nats.errors.Error) as e:
                 read.unread = unread_why(e)
@@ -303,13 +316,45 @@ def create_cmd(actor_id: str, sandbox_class: str, template_uid: str, cpu_millis:
 
 @dataclass
 class Created:
-    """What `actor create` read after its create, for its warnings (`create_warnings`)."""
+    """What `actor create` read after its create, for its warnings (`create_warnings`): the scheduler's
+    answers, each at least at the create's sequence. The workers' histories are read only for a class
+    no undrained worker runs (to name the drained ones and the classes that run), or when the scheduler
+    is of an earlier version (no `largest` in its fragmentation): at 10,000 workers that read was 2.8 s
+    of every create's 3.25 (docs/scaling.md, "Which commands grow with the fleet")."""
 
     snapshot: Snapshot | None = None  # the actor's first: the --golden-snapshot file's, or the tag's as copied
     tag_unread: str | None = None  # why the tag's snapshot could not be read
     answer: Fragmentation | None = None  # the scheduler's fragmentation (None: it did not answer)
-    projection: Any = None  # the registered workers (`fleet`), read when the scheduler answered
+    runtimes: Runtimes | None = None  # the scheduler's `runtimes`, to label a stamp (None: it did not say them)
+    explained: Explanation | None = None  # the scheduler's explain of the actor, asked with --selector alone
+    unexplained: str | None = None  # why it could not be asked
+    projection: Any = None  # the registered workers (`fleet`), read only as said above
     unread: str | None = None  # why they could not be (a client's credentials may not read the log)
+
+    def class_of(self, sandbox_class: str) -> ClassFragmentation | None:
+        """The class's entry in the scheduler's fragmentation; None if it did not answer or knows no worker of it."""
+        if self.answer is None:
+            return None
+        return next((c for c in self.answer.classes if c.sandbox_class == sandbox_class), None)
+
+    def labels(self) -> Runtimes:
+        """The runtimes to label a stamp with: the scheduler's, else the workers' as read, else digits alone."""
+        if self.runtimes is not None:
+            return self.runtimes
+        return runtimes_of(self.projection) if self.projection is not None else Runtimes(complete=False)
+
+
+def no_worker_has_the_labels(explained: Explanation | None) -> bool:
+    """Whether the scheduler's explain of an actor found that no undrained worker of its class has the
+    labels its selectors ask for. The checks run in `feasibility.REASONS`' order, and each worker is
+    counted under the first it fails (or every resource check): a worker that has the labels is a
+    candidate or passed over for a reason after `selector mismatch`. So none has them when there is no
+    candidate, no such later reason, and some worker was passed over for its labels (an explain that
+    tallied nothing, of an actor that cannot be resumed, says nothing of them)."""
+    if explained is None or not explained.counts.get(SELECTOR_MISMATCH):
+        return False
+    later = REASONS[REASONS.index(SELECTOR_MISMATCH) + 1:]
+    return explained.candidates == 0 and not any(explained.counts.get(reason) for reason in later)
 
 
 def create_warnings(body: CreateActor, read: Created) -> list[str]:
@@ -320,7 +365,7 @@ def create_warnings(body: CreateActor, read: Created) -> list[str]:
     lines = []
     memory_floor = body.min_fidelity is Fidelity.MEMORY
     never = None if not memory_floor or read.tag_unread else below_memory(read.snapshot, body.template_uid)
-    ours = None if read.answer is None else next((c for c in read.answer.classes if c.sandbox_class == cls), None)
+    ours = read.class_of(cls)
     live = ours is not None and ours.workers > 0  # a registered, undrained worker runs the class
     if never is not None:  # taken, as the contract allows; said instead of the warnings below, which it overrules
         lines.append(f"warning: {aid} can never be resumed: its --min-fidelity is MEMORY and {never}; no resume may "
@@ -339,19 +384,23 @@ def create_warnings(body: CreateActor, read: Created) -> list[str]:
     said = class_unserved(body, read, ours)
     if said is not None:
         lines.append(f"warning: {said}")
-    elif live and read.projection is not None and body.selectors and not any(
-            cls in w.classes and all(w.labels.get(k) == v for k, v in body.selectors.items())
-            for w in read.projection.workers.values()):  # a selector nothing matches: refused at resume, as a class
+    elif live and body.selectors and no_worker_has_the_labels(read.explained):  # refused at resume, as a class
         wanted = ", ".join(f"{k}={v}" for k, v in sorted(body.selectors.items()))
-        lines.append(f"warning: no registered worker of class {cls} has the labels {wanted}; resuming {aid} is "
+        lines.append(f"warning: no undrained worker of class {cls} has the labels {wanted}; resuming {aid} is "
                      "refused until one does (`warmboot workers -o wide` shows their labels)")
-    elif live and read.unread and body.selectors:  # a client's credentials may not read the log
-        lines.append(f"note: --selector not checked against the workers' labels: {read.unread}")
-    if live and read.projection is not None:  # not said when unread: a note on the size would be on every create
-        from services.scheduler.decide import too_big_for_class  # as the scheduler's refusal says it
+    elif live and body.selectors and read.unexplained:
+        lines.append(f"note: --selector not checked against the workers' labels: {read.unexplained}")
+    largest = ours.largest if ours is not None else None
+    if largest is None and live and read.projection is not None:  # a scheduler of an earlier version
+        index = read.projection.classes.get(cls)
+        most = index.largest() if index is not None else None
+        largest = Room(cpu_millis=most[0], memory_mib=most[1]) if most is not None else None
+    if live and largest is not None:  # a bigger worker may register later: taken
+        from services.scheduler.decide import bigger_than  # as the scheduler's refusal says it
 
-        too_big = too_big_for_class(read.projection, cls, body.resources.cpu_millis, body.resources.memory_mib)
-        if too_big is not None:  # taken: a bigger worker may register later
+        too_big = bigger_than((largest.cpu_millis, largest.memory_mib), body.resources.cpu_millis,
+                              body.resources.memory_mib)
+        if too_big is not None:
             lines.append(f"warning: no registered worker of class {cls} is big enough for {aid}: {too_big}; "
                          f"resuming {aid} is refused (RESOURCE_EXHAUSTED) until a bigger worker registers")
     return lines
@@ -405,7 +454,7 @@ def memory_lost(body: CreateActor, read: Created, live: bool) -> str | None:
                 "without it (SNAPSHOT_NOT_MEMORY)")
     if not live or stamp.sandbox_class != cls or accepts(read.answer, stamp) is not False:
         return None  # no worker takes the class (said so apart); a stamp of another class is refused at create
-    runtimes = runtimes_of(read.projection) if read.projection is not None else Runtimes(complete=False)
+    runtimes = read.labels()
     then = (f"resuming {aid} is refused (its --min-fidelity is MEMORY)" if body.min_fidelity is Fidelity.MEMORY
             else f"{aid} {instead} (NO_COMPATIBLE_WORKER)")
     return (f"no undrained worker of class {cls} accepts the stamp "

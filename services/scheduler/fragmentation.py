@@ -16,7 +16,8 @@ def fragmentation(projection: Projection, sandbox_class: str | None = None) -> F
     `stranded_snapshots` (CONTRACT section 3: counted memory snapshots no registered,
     undrained worker could restore at MEMORY; a LOCAL one only by a worker on its node)
     and the `lost_local_snapshots` (waiting actors whose LOCAL latest snapshot is on a
-    node with no registered worker of the class).
+    node with no registered worker of the class); and, a project addition, the class's `largest`
+    capacities (`ClassIndex.largest`: over the distinct capacities, no pass over the workers).
     """
     classes = []
     names = sorted(projection.classes) if sandbox_class is None else [sandbox_class]
@@ -47,10 +48,12 @@ def fragmentation(projection: Projection, sandbox_class: str | None = None) -> F
                     snapshots_memory=index.memory_snapshots(compat),
                 )
             )
+        largest = index.largest()
         classes.append(
             ClassFragmentation(
                 sandbox_class=name, workers=index.live_count(), runtimes=runtimes, stranded_snapshots=index.stranded(),
                 lost_local_snapshots=index.lost_local(),
+                largest=Room(cpu_millis=largest[0], memory_mib=largest[1]) if largest is not None else None,
             )
         )
     return Fragmentation(classes=classes)
