@@ -487,6 +487,9 @@ class Assignment(Placement, kw_only=True):
 class Rejection(Base, kw_only=True):
     worker_id: str
     reasons: list[str]
+    # project addition: of a worker passed over for `selector mismatch`, the selector keys (the actor's
+    # and the request's, sorted) its labels do not match, as the scheduler's fold has them; else empty
+    missing_keys: list[str] = []
 
 
 class Refusal(Base, kw_only=True):

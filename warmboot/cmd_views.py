@@ -357,7 +357,9 @@ def render_explanation(actor_id: str, answer: Explanation, runtimes: Runtimes, w
 async def selector_misses(nc: Any, prefix: str, actor_id: str, asked: dict[str, str] | None,
                           rejected: list[Rejection], workers: Callable[[], Awaitable[Any]]) -> dict[str, list[str]]:
     """For each worker passed over for `selector mismatch`: the selector keys (the actor's, from its
-    ActorCreated, and the request's) its labels do not match. Of one key, that key: the scheduler found
+    ActorCreated, and the request's) its labels do not match. As the scheduler names them in its answer
+    (`Rejection.missing_keys`, a project addition), reading nothing; from a scheduler of an earlier
+    version, which does not: of one key, that key: the scheduler found
     each such worker's labels not to match it, and no worker's labels are read. Of several, those its
     labels, as the log has them now (`workers()`: the registered workers, None where the log cannot be
     read, which it says), do not match; a worker whose labels match now is left out (the reason stays
@@ -370,6 +372,9 @@ async def selector_misses(nc: Any, prefix: str, actor_id: str, asked: dict[str, 
     mismatched = [r.worker_id for r in rejected if SELECTOR_MISMATCH in r.reasons]
     if not mismatched:
         return {}
+    said = {r.worker_id: list(r.missing_keys) for r in rejected if r.missing_keys}
+    if said:  # the scheduler's, from the labels it judged (`Rejection.missing_keys`); an earlier version's says none
+        return said
     try:
         history = await read_subject(nc, prefix, event_subject(prefix, "actor", actor_id))
     except (click.ClickException, ContractError, nats.errors.Error):  # ContractError: an event it cannot read
@@ -410,7 +415,7 @@ def explain(actor_id: str, selectors: tuple[str, ...], limit: int, min_seq: int 
     The workers passed over for the same reasons are one row naming a few of them
     (`w-1, w-2, w-3 (+18 more)`); -o wide lists each on its own row, -o json gives the
     scheduler's answer as it is. A `selector mismatch` names the selector keys the worker's
-    labels do not match, as the log has them (the actor's selectors and --selector)."""
+    labels do not match (the actor's selectors and --selector), as the scheduler judged them."""
     sel = selectors_of(selectors) or None
     mode = output_mode(output, as_json)
 
@@ -418,8 +423,9 @@ def explain(actor_id: str, selectors: tuple[str, ...], limit: int, min_seq: int 
         answer = await Client(nc, prefix).explain(actor_id, sel, min_seq)
         if mode == "json":  # the endpoint's answer, as it is
             return answer, None, {}
-        # the labels from a scheduler (`asked_runtimes`); the workers' histories only when they are needed,
-        # for the keys a selector mismatch of several names, or when no scheduler said the labels
+        # the labels from a scheduler (`asked_runtimes`); the workers' histories only when they are needed:
+        # for the keys a selector mismatch of several names where the scheduler (an earlier version's) does not
+        # say them, or when no scheduler said the labels
         asked = await asked_runtimes(nc, prefix)
         projection = None if asked is not None else await readable_fleet(nc, prefix)
 

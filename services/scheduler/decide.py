@@ -639,10 +639,11 @@ def tally(
     a drained one, before one of another class; of those as far, the first in the log), at most
     EXPLAIN_REJECTED_LIMIT of them, listed in that order and then by id; with `keys`, for each
     selector key, how many of the workers passed over for `selector mismatch` do not match it (in
-    the same pass, from the labels of those workers alone)."""
+    the same pass, from the labels of those workers alone), and each listed one's keys
+    (`Rejection.missing_keys`)."""
     total = candidates = 0
     counts: dict[str, int] = {}
-    kept: list[tuple[int, int, str, tuple[str, ...]]] = []  # a heap, the least far through on top
+    kept: list[tuple[int, int, str, list[str], list[str]]] = []  # a heap, the least far through on top
     selectors = ask.selectors if keys is not None else ()  # read only when asked (a test's stand-in ask has none)
     for worker in workers:
         total += 1
@@ -652,18 +653,21 @@ def tally(
             continue
         for reason in reasons:
             counts[reason] = counts.get(reason, 0) + 1
+        missed: list[str] = []
         if selectors and reasons[0] == SELECTOR_MISMATCH:
-            for key in missing_keys(selectors, worker.labels):
+            missed = sorted(missing_keys(selectors, worker.labels))
+            for key in missed:
                 keys[key] = keys.get(key, 0) + 1
         if rejected is not None:
             how_far = _how_far(reasons)
             if len(kept) < EXPLAIN_REJECTED_LIMIT:
-                heapq.heappush(kept, (how_far, -total, worker.worker_id, reasons))
+                heapq.heappush(kept, (how_far, -total, worker.worker_id, reasons, missed))
             elif how_far > kept[0][0]:  # of equals, the first in the log is kept
-                heapq.heapreplace(kept, (how_far, -total, worker.worker_id, reasons))
+                heapq.heapreplace(kept, (how_far, -total, worker.worker_id, reasons, missed))
     if rejected is not None:
         kept.sort(key=lambda e: (-e[0], e[2]))
-        rejected.extend(Rejection(worker_id=worker_id, reasons=reasons) for _, _, worker_id, reasons in kept)
+        rejected.extend(Rejection(worker_id=worker_id, reasons=reasons, missing_keys=missed)
+                        for _, _, worker_id, reasons, missed in kept)
     return total, candidates, counts
 
 
