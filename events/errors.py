@@ -177,6 +177,17 @@ def beat_not_in_force(worker_id: str, beats: int, in_force: int, node: str | Non
         "every one this agent sent): then stop, and give each machine a worker id of its own", "revision")
 
 
+def drain_not_in_force(worker_id: str, drains: int, in_force: int, node: str | None) -> ContractError:
+    """FAILED_PRECONDITION, field revision: a drain naming the registration of revision `drains`, when the
+    worker's registration in force is that of revision `in_force`, registered on `node` (as
+    `beat_not_in_force` names it: `in_force_named` reads both)."""
+    where = f" (registered on node {node})" if node else ""
+    return precondition(
+        _NOT_IN_FORCE.format(worker_id=worker_id, in_force=in_force, beats=drains, where=where)
+        + ": another agent registered it since the registration this drain is for; nothing was drained (the "
+        "registration in force is another agent's to drain)", "revision")
+
+
 def in_force_named(error: ContractError) -> tuple[int, str] | None:
     """The revision and node of the registration in force a `beat_not_in_force` refusal names; None for any
     other error, or one that names no node (a registry of an earlier version)."""

@@ -292,6 +292,11 @@ class HeartbeatReply(Base, kw_only=True):
 class DrainWorker(Base, kw_only=True):
     reason: Reason | None = None
     request_id: RequestId | None = None
+    # Project addition: the registration the drain is for (its agent's, at its exit), so that a drain sent
+    # after another agent of the worker id registered it does not drain that one (docs/contract.md).
+    revision: Annotated[Revision | None, Meta(description=(
+        "optional (project addition): the revision of the registration the drain is for; if the registration "
+        "in force is another, FAILED_PRECONDITION, field revision, and nothing is written"))] = None
 
 
 class RemoveWorker(Base, kw_only=True):

@@ -40,6 +40,37 @@ async def test_an_agent_stopped_after_another_node_took_its_worker_does_not_drai
                 await asyncio.wait_for(running_one, 15)
 
 
+async def test_a_drain_at_exit_sent_after_another_node_took_the_worker_drains_nothing(nats_url, nc, prefix, tmp_path,
+                                                                                       monkeypatch):
+    """The race the exit's beat leaves open (docs/registry.md): node-b registers w-a after node-a's agent,
+    stopping, beat (and heard its own registration in force) and before its drain. The drain drained node-b's
+    registration. It now names node-a's registration (`DrainWorker.revision`), and the registry refuses it:
+    nothing is drained. The race is made certain here: node-a's beat at exit is taken as answered before
+    node-b registered."""
+    one = machine(nats_url, prefix, tmp_path, "intel", CPUINFO, node="node-a")
+    one.drain_on_exit = True
+
+    async def beat_crossed_before_the_replacement() -> None:
+        return None  # what `_superseded_now` says when its beat was answered before node-b's registration
+
+    monkeypatch.setattr(one, "_superseded_now", beat_crossed_before_the_replacement)
+    async with running_registry(nats_url, prefix, ttl_s=30.0):
+        stop_one = asyncio.Event()
+        running_one = asyncio.create_task(one.run(stop_one))
+        try:
+            seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
+            async with agent_running(machine(nats_url, prefix, tmp_path, "amd", AMD, node="node-b")):
+                seq, _ = await wait_event(nc, prefix, "w-a", WorkerUpdated, after=seq)  # node-b holds it
+                stop_one.set()
+                await asyncio.wait_for(running_one, 15)
+                drained = [s for s, e in await worker_events(nc, prefix, "w-a") if isinstance(e, WorkerDrained)]
+                assert drained == [], f"node-a's agent drained node-b's worker on its way out (seq {drained})"
+        finally:
+            stop_one.set()
+            if not running_one.done():
+                await asyncio.wait_for(running_one, 15)
+
+
 async def test_a_superseded_agent_restarted_by_its_supervisor_does_not_take_the_worker_back(nats_url, nc, prefix,
                                                                                            tmp_path):
     """node-a's agent stops (exit 1) once node-b's agent registered w-a since. A supervisor that restarts a

@@ -447,6 +447,32 @@ async def test_a_heartbeat_keeps_alive_only_the_registration_whose_revision_it_n
     assert (await raw_request(nc, prefix, "heartbeat", "w-1", {"revision": 400}))[0] == {"ttl_s": registry.ttl_s}
 
 
+async def test_a_drain_naming_a_registration_drains_only_that_one(registry, nc, prefix):
+    """A drain may name the revision of the registration it is for (an agent's, at its exit: docs/registry.md).
+    A replacement that registered the worker id between the agent's last beat and its drain was drained, for
+    the rest of its life, its agent never told (a review). Now a drain naming another revision than the one in
+    force is FAILED_PRECONDITION on `revision`, naming the revision and node in force, and writes nothing; one
+    naming it drains; a drain naming none, or of a registration made without one, drains as before."""
+    await register(nc, prefix, registration("w-1", revision=100))
+    await register(nc, prefix, registration("w-1", default=runtime("amd"), node="node-b", revision=200))
+    before = await last_seq(nc, prefix)
+    refused, _ = await raw_request(nc, prefix, "drain", "w-1", {"revision": 100, "request_id": "exit-1"})
+    assert refused["error"]["code"] == "FAILED_PRECONDITION" and refused["error"]["field"] == "revision", refused
+    assert "registration in force is revision 200, not 100 (registered on node node-b)" in refused["error"]["message"]
+    assert await last_seq(nc, prefix) == before  # nothing written
+    again, _ = await raw_request(nc, prefix, "drain", "w-1", {"revision": 100, "request_id": "exit-1"})
+    assert again["error"]["field"] == "revision", again  # a retry is decided again, and refused again
+    assert await last_seq(nc, prefix) == before
+    drained, _ = await raw_request(nc, prefix, "drain", "w-1", {"revision": 200})
+    assert drained["seq"] > before and not drained.get("unchanged"), drained
+    [(_, event)] = [(seq, e) for seq, e in await worker_events(nc, prefix, "w-1") if seq > before]
+    assert isinstance(event, WorkerDrained)
+    await register(nc, prefix, registration("w-2"))  # no revision: nothing to tell registrations apart by
+    assert "seq" in (await raw_request(nc, prefix, "drain", "w-2", {"revision": 7}))[0]
+    await register(nc, prefix, registration("w-3", revision=5))
+    assert "seq" in (await raw_request(nc, prefix, "drain", "w-3", {}))[0]  # naming none: as before
+
+
 async def test_a_revision_of_zero_is_told_apart_as_any_other(registry, nc, prefix):
     """Revisions run from 0 (docs/contract.md): a sender that numbers its registrations 0, 1, 2...
     names 0 as any other. w-z registered at revision 0: a beat naming 1 (a registration the registry

@@ -1145,7 +1145,8 @@ class Agent:
         """Best effort at exit: a drain retried for at most `timeout_s`; also while the worker is
         not found, if a registration was on its way (another replica may store it after)."""
         give_up = asyncio.Event()
-        body = DrainWorker(reason=reason, request_id=f"agent-{uuid.uuid4().hex}")
+        # the registration its beats keep (a replacement's, registered since, is refused: docs/registry.md)
+        body = DrainWorker(reason=reason, request_id=f"agent-{uuid.uuid4().hex}", revision=self._beats)
         waiting = (ErrorCode.NOT_FOUND,) if self.registering else ()
         try:
             return await asyncio.wait_for(self._request("drain", body, SeqReply, give_up, waiting), timeout_s)
@@ -1160,8 +1161,8 @@ class Agent:
         rolling update does) drained the worker the other holds, its registration drained for the rest of
         its life and its agent never told. Best effort, as the drain: one attempt, None when it is not
         answered within `timeout_s`, or refused otherwise (then the drain is sent, as before). A
-        registration taken between this beat and the drain is drained still (a drain names no
-        registration: docs/registry.md)."""
+        registration taken between this beat and the drain is not drained: the drain names the
+        registration this agent's beats keep (`DrainWorker.revision`), and the registry refuses it."""
         if self._beats is None:
             return None
         answer = await self._beat_once(self._beats, timeout_s)

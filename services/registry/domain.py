@@ -62,7 +62,7 @@ from datetime import datetime
 
 from events.aggregate import WireAggregate
 from events.compat import canonical_version, compat_key
-from events.errors import beat_not_in_force, invalid, no_worker, not_found, precondition, revision_refused
+from events.errors import beat_not_in_force, drain_not_in_force, invalid, no_worker, not_found, precondition, revision_refused
 from events.schema import (
     ActorOverhead,
     Event,
@@ -244,9 +244,15 @@ class Worker(WireAggregate):
             return RegisterOutcome.RUNTIME_CHANGED
         return RegisterOutcome.UPDATED if updated else RegisterOutcome.UNCHANGED
 
-    def drain(self, reason: str | None, at: datetime, request_id: str | None = None) -> bool:
-        """Mark the worker drained; False (nothing written) if it already is."""
+    def drain(self, reason: str | None, at: datetime, request_id: str | None = None,
+              revision: int | None = None) -> bool:
+        """Mark the worker drained; False (nothing written) if it already is. With a `revision` (the
+        registration the drain is for: its agent's, at its exit), FAILED_PRECONDITION (field `revision`),
+        nothing written, when the registration in force is another (`drain_not_in_force`); one made
+        without a revision has nothing to tell them apart by, and is drained."""
         self.require_alive()
+        if revision is not None and self.in_force is not None and revision != self.in_force:
+            raise drain_not_in_force(self.entity_id, revision, self.in_force, self.node)
         if self.drained:
             return False
         self.record(WorkerDrained(at=at, request_id=request_id, worker_id=self.entity_id, reason=reason))

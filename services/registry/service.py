@@ -293,7 +293,7 @@ class RegistryStore(WireApplication):
         kept = await self._kept(worker, "drain", request.request_id)
         if kept is not None:
             return kept
-        drained = worker.drain(request.reason, at, request.request_id)
+        drained = worker.drain(request.reason, at, request.request_id, request.revision)
         # draining happens once in a life, which a paid registration began: free; keeping the answer
         # of a drain that changed nothing is not
         return await self._commit(worker, None, "drain", request.request_id, FREE if drained else ticket)
