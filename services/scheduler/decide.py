@@ -643,7 +643,7 @@ def tally(
     (`Rejection.missing_keys`)."""
     total = candidates = 0
     counts: dict[str, int] = {}
-    kept: list[tuple[int, int, str, list[str], list[str]]] = []  # a heap, the least far through on top
+    kept: list[tuple[int, int, str, list[str], Sequence[str]]] = []  # a heap, the least far through on top
     selectors = ask.selectors if keys is not None else ()  # read only when asked (a test's stand-in ask has none)
     for worker in workers:
         total += 1
@@ -653,7 +653,7 @@ def tally(
             continue
         for reason in reasons:
             counts[reason] = counts.get(reason, 0) + 1
-        missed: list[str] = []
+        missed: Sequence[str] = ()  # (no list made for each worker passed over)
         if selectors and reasons[0] == SELECTOR_MISMATCH:
             missed = sorted(missing_keys(selectors, worker.labels))
             for key in missed:
@@ -666,7 +666,7 @@ def tally(
                 heapq.heapreplace(kept, (how_far, -total, worker.worker_id, reasons, missed))
     if rejected is not None:
         kept.sort(key=lambda e: (-e[0], e[2]))
-        rejected.extend(Rejection(worker_id=worker_id, reasons=reasons, missing_keys=missed)
+        rejected.extend(Rejection(worker_id=worker_id, reasons=reasons, missing_keys=list(missed))
                         for _, _, worker_id, reasons, missed in kept)
     return total, candidates, counts
 
