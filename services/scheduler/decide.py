@@ -655,7 +655,7 @@ def tally(
             counts[reason] = counts.get(reason, 0) + 1
         missed: Sequence[str] = ()  # (no list made for each worker passed over)
         if selectors and reasons[0] == SELECTOR_MISMATCH:
-            missed = sorted(missing_keys(selectors, worker.labels))
+            missed = missing_keys(selectors, worker.labels)  # sorted: the selectors are
             for key in missed:
                 keys[key] = keys.get(key, 0) + 1
         if rejected is not None:
