@@ -889,6 +889,57 @@ async def test_a_reconnect_with_an_edit_the_registry_refuses_writes_nothing(nats
             await asyncio.wait_for(task, 15)
 
 
+class Said(logging.Handler):
+    """Sets `heard` once the agent logs a line containing `words`: a log line awaited as an event."""
+
+    def __init__(self, words: str) -> None:
+        super().__init__(logging.INFO)
+        self.words, self.heard, self.lines = words, asyncio.Event(), []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+        if self.words in record.getMessage():
+            self.heard.set()
+
+
+async def test_a_refused_edit_undone_is_said_and_the_same_edit_made_again_is_sent_again(nats_url, nc, prefix,
+                                                                                       tmp_path):
+    """A user trial: an edit the registry refused (a class added) was logged as an error, and putting the file
+    back as it was said nothing, so the error stayed the last word; and the same edit made again later was not
+    sent (held as sent already), so it was not refused again either: nothing said at all. Now the file put
+    back is said (nothing sent, nothing written), and the edit made again is sent and refused again."""
+    path = tmp_path / "agent.toml"
+    path.write_text(agent_config("v1"))
+    said = Said("makes the registration in force again; the edit the registry refused is given up")
+    logger = logging.getLogger("warmboot.agent")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(said)
+    async with running_registry(nats_url, prefix):
+        agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe=PROBE)
+        answered = spy_registrations(agent)
+        stop = asyncio.Event()
+        task = asyncio.create_task(agent.run(stop))
+        try:
+            outcome, _, _ = await asyncio.wait_for(answered.get(), 20)
+            assert outcome == "REGISTERED"
+            path.write_text(agent_config("v1") + MICROVM)
+            assert (await asyncio.wait_for(answered.get(), 20))[:2] == ("refused", "sandbox_classes")
+            before = await worker_events(nc, prefix, "w-a")
+            path.write_text(agent_config("v1"))  # put back
+            await asyncio.wait_for(said.heard.wait(), 20)
+            assert answered.empty() and await worker_events(nc, prefix, "w-a") == before  # nothing sent
+            path.write_text(agent_config("v1") + MICROVM)  # the same edit again: sent again, refused again
+            assert (await asyncio.wait_for(answered.get(), 20))[:2] == ("refused", "sandbox_classes")
+            assert [line for line in said.lines if said.words in line] == [
+                f"{path} makes the registration in force again; the edit the registry refused is given up"]
+        finally:
+            logger.removeHandler(said)
+            logger.setLevel(level)
+            stop.set()
+            await asyncio.wait_for(task, 15)
+
+
 @pytest.mark.parametrize("how", ["tie", "clock_back"])
 async def test_an_unanswered_edit_of_the_last_process_is_not_applied_over_the_next_ones(nats_url, nc, prefix,
                                                                                       tmp_path, how):

@@ -404,6 +404,7 @@ class Agent:
         self._reconnected = asyncio.Event()
         self._one_registration = asyncio.Lock()  # registrations are sent one after the other
         self._edited: RegisterWorker | None = None  # the last edit sent
+        self._edit_refused = False  # the registry refused the last edit sent, and the file still says something else
         self._edit_waiting = False  # a register(EDIT) waits its turn
         self._again_waiting = False  # a register(AGAIN) waits its turn
         # what the probe read of the machine for a register(AGAIN) that could not be made of it (so not
@@ -664,6 +665,7 @@ class Agent:
                     if not isinstance(e, StateFileError):
                         self._read = None
                     raise
+                self._edit_refused = False  # the file's edit is in force
             elif registration is AGAIN:
                 self._again_waiting = False
                 self._again_unmade = None
@@ -1070,6 +1072,8 @@ class Agent:
                 pass  # the loop raises it (`superseded`): this agent stops
             except ContractError as e:
                 log.error("%s%s", refused, e)
+                if registration is EDIT:
+                    self._edit_refused = True  # until the file says the registration in force again (`_sync_config`)
 
         task = asyncio.create_task(registering(), name=f"agent-{self.worker_id}-register")
         self._background.add(task)
@@ -1354,6 +1358,13 @@ class Agent:
                      "; it makes the registration in force" if registration == self.registration else "")
         if self._edit_waiting:
             return  # the edit waiting its turn will send what is read last
+        if registration == self.registration and self._edit_refused and not self._one_registration.locked():
+            # the file put back after an edit the registry refused (logged as an error): said too, as a mend is,
+            # and that edit is no longer held as sent, so that making it again sends it again (a user trial: the
+            # error was the last word, and the same edit made again later was not sent)
+            self._edited, self._edit_refused = None, False
+            log.info("%s makes the registration in force again; the edit the registry refused is given up",
+                     self.config_path)
         if registration == self.registration and not self._one_registration.locked():
             return
         self._edit_waiting = True
