@@ -18,7 +18,7 @@ from typing import Annotated, ClassVar, Union
 
 from msgspec import Meta, Struct, field
 
-from events.states import ActorState
+from events.states import ActorState, WorkerState
 
 # --- scalar constraints (CONTRACT section 2) ---------------------------------
 
@@ -468,6 +468,49 @@ class FleetRuntimes(Base, kw_only=True):
     runtimes: list[FleetRuntime]
 
 
+class WorkerQuery(Base, kw_only=True):
+    """Project addition `<prefix>.scheduler.worker.<worker_id>`: one worker as the scheduler's fold has
+    it (what `warmboot worker show` prints, instead of folding the whole log itself: docs/contract.md,
+    Additions)."""
+
+    min_seq: Seq | None = None  # answered from state that includes it
+
+
+class BookedActor(Base, kw_only=True):
+    """An actor whose booking is on the worker (`Projection.booked_on`)."""
+
+    actor_id: str
+    sandbox_class: str
+    state: ActorState
+    booked: Resources  # what it books on the worker
+    pin: ActorRuntime  # the runtime it runs under there
+
+
+class LocalImage(Base, kw_only=True):
+    """A waiting actor whose latest snapshot is LOCAL on the worker's node, of a class the worker runs:
+    it resumes only on that node (CONTRACT rule 5)."""
+
+    actor_id: str
+    state: ActorState
+    snapshot_id: str | None = None
+    fidelity: Fidelity
+    stamp: ActorRuntime | None = None  # the runtime the snapshot was taken under (none: unstamped)
+
+
+class WorkerDetail(Base, kw_only=True):
+    worker_id: str
+    node: str
+    state: WorkerState
+    labels: dict[str, str]
+    capacity: Resources
+    free: Room  # its capacity less what is booked on it (and the worker's reserve of memory)
+    # its classes as the fold has them: each runtime with its name, its overhead and the versions its
+    # edges accept (`compatible_versions`), in the worker's order
+    classes: list[WorkerSandboxClass]
+    actors: list[BookedActor]  # by actor id
+    local_images: list[LocalImage]  # by actor id
+
+
 class Placement(Base, kw_only=True):
     """An Assignment without its `seq`: what the decision returns and explain shows."""
 
@@ -808,6 +851,7 @@ REQUEST_TYPES: tuple[type[Base], ...] = (
     FragmentationQuery,
     WhatIf,
     RuntimesQuery,
+    WorkerQuery,
 )
 
 REPLY_TYPES: tuple[type[Base], ...] = (
@@ -822,5 +866,6 @@ REPLY_TYPES: tuple[type[Base], ...] = (
     Fragmentation,
     WhatIfAnswer,
     FleetRuntimes,
+    WorkerDetail,
     ErrorReply,
 )

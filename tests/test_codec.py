@@ -233,7 +233,7 @@ WIRE_TYPES = [
     s.Attribute, s.CompatVersion, s.ActorOverhead, s.WorkerRuntime, s.WorkerSandboxClass,
     s.ActorRuntime, s.Resources, s.Room, s.Snapshot, s.Fallback, s.ErrorDetail, s.Rejection,
     s.Placement, s.RuntimeFragmentation, s.ClassFragmentation, s.Refusal, s.SnapshotCounts, s.StrandedActor,
-    s.RuntimeForecast, s.FleetRuntime,
+    s.RuntimeForecast, s.FleetRuntime, s.BookedActor, s.LocalImage,
 ]
 EVENT_TYPES = list(s.AnyEvent.__args__)
 

@@ -116,6 +116,8 @@ from events.schema import (
     UpdateTemplate,
     WhatIf,
     WhatIfAnswer,
+    WorkerDetail,
+    WorkerQuery,
 )
 from events.subjects import DEFAULT_PREFIX, MAX_WAIT_MS, WAIT_HEADER, check_prefix, micro_name, service_subject
 from warmboot.connection import CONNECT_TIMEOUT_S, connect_within, hears_replies
@@ -133,7 +135,8 @@ MAX_BACKOFF_S = 2.0
 
 # requests whose answer never writes: sent without their wait (`WAIT_HEADER`), which only bounds writes
 WRITE_NOTHING = frozenset({("registry", "heartbeat"), ("scheduler", "explain"), ("scheduler", "fragmentation"),
-                           ("scheduler", "whatif"), ("scheduler", "runtimes"), ("snapshotter", "status")})
+                           ("scheduler", "whatif"), ("scheduler", "runtimes"), ("snapshotter", "status"),
+                           ("scheduler", "worker")})
 NO_SERVICE = "no service answers "  # how a request that reached nobody is said (then the subject)
 
 
@@ -687,6 +690,17 @@ class Client:
         earlier version does not answer."""
         return await self.request("scheduler", "runtimes", None, RuntimesQuery(min_seq=self._min_seq(min_seq)),
                                   FleetRuntimes)
+
+    async def worker(self, worker_id: str, min_seq: int | None = None) -> WorkerDetail:
+        """`worker_id` as a scheduler replica's fold has it (once it includes `min_seq`): its node, state,
+        labels, capacity, free room, classes, the actors booked on it and the waiting actors whose LOCAL
+        image is on its node; NOT_FOUND (field `worker_id`) if it is not registered. What `warmboot worker
+        show` prints. A project addition (`scheduler.worker`, docs/contract.md); a scheduler of an earlier
+        version does not answer."""
+        if not (isinstance(worker_id, str) and ID_RE.match(worker_id)):  # `request` would name `actor_id`
+            raise invalid(f"{worker_id!r} is not an id: {ID_WORDS}", "worker_id")
+        return await self.request("scheduler", "worker", worker_id, WorkerQuery(min_seq=self._min_seq(min_seq)),
+                                  WorkerDetail)
 
     async def whatif(self, query: WhatIf) -> WhatIfAnswer:
         if query.min_seq is None and self.read_your_writes and self.seq:

@@ -79,6 +79,7 @@ def operator_imports(prefix: str) -> list[tuple[str, bool]]:
         (f"{prefix}.scheduler.fragmentation", False),
         (f"{prefix}.scheduler.whatif", False),
         (f"{prefix}.scheduler.runtimes", False),  # the fleet's runtimes, as the views label them
+        (f"{prefix}.scheduler.worker.*", False),  # one worker, as `worker show` prints it
         ("$SRV.>", True),  # every service answers discovery
         ("$JS.API.INFO", False),
         (f"$JS.API.STREAM.INFO.{stream}", False),
@@ -293,7 +294,7 @@ def nats_auth_config(
     ]
     if operators:
         lines.append(f"      # operators: read the log ({events_filter(prefix)}, by direct gets), call explain, "
-                     "fragmentation, whatif, runtimes; "
+                     "fragmentation, whatif, runtimes, worker; "
                      "replies on _INBOX.<own name>.>")
     lines += [user(name, operator_permissions(prefix, name)) for name in operators]
     lines += [
@@ -459,7 +460,8 @@ def _usable_seed(seed: str) -> bool:
                    "file, for `warmboot serve registry --worker-nodes`: a worker's credential then registers "
                    "only on its own node.")
 @click.option("--operator", "operators", multiple=True, callback=check_id, metavar="NAME",
-              help="An operator's user (read the log, explain, fragmentation, whatif, runtimes); repeatable.")
+              help="An operator's user (read the log, explain, fragmentation, whatif, runtimes, worker); "
+                   "repeatable.")
 @click.option("--client", "clients", multiple=True, callback=check_id, metavar="NAME",
               help="A client's user (calls the snapshotter and the scheduler; inbox _INBOX.NAME); repeatable.")
 @click.option("--auth", type=click.Choice(AUTH_MODES), default="password", show_default=True,

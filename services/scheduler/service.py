@@ -51,6 +51,8 @@ from events.schema import (
     WhatIf,
     WhatIfAnswer,
     WorkerBooked,
+    WorkerDetail,
+    WorkerQuery,
 )
 from events.subjects import check_prefix, event_subject, stream_name
 from services import deadline
@@ -69,6 +71,7 @@ from services.scheduler.projection import Projection
 from services.scheduler.records import request_hash
 from services.scheduler.runtimes import offered_runtimes
 from services.scheduler.whatif import unknown_class, whatif
+from services.scheduler.worker_detail import worker_detail
 from services.streams import last_seq_on, leaders_stream_info, stored_at
 
 log = logging.getLogger("warmboot.scheduler")
@@ -234,6 +237,7 @@ class SchedulerService:
                 EndpointSpec("fragmentation", FragmentationQuery, self.fragmentation, per_entity=False),
                 EndpointSpec("whatif", WhatIf, self.whatif, per_entity=False),
                 EndpointSpec("runtimes", RuntimesQuery, self.runtimes, per_entity=False),
+                EndpointSpec("worker", WorkerQuery, self.worker),
             ],
             max_concurrent=MAX_CONCURRENT_REQUESTS,
         )
@@ -403,6 +407,12 @@ class SchedulerService:
         """The runtimes the registered workers offer, for the views' labels (`runtimes.offered_runtimes`)."""
         await self.fold.wait(request.min_seq, self.catch_up_s)
         return offered_runtimes(self.projection)
+
+    async def worker(self, worker_id: str, request: WorkerQuery) -> WorkerDetail:
+        """One worker as this replica's fold has it, for `warmboot worker show` (`worker_detail.worker_detail`:
+        a pass over the actors, as explain's over the workers); NOT_FOUND when the fold has no such worker."""
+        await self.fold.wait(request.min_seq, self.catch_up_s)
+        return worker_detail(self.projection, worker_id)
 
     # --- answers from the log ---
 
