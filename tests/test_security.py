@@ -610,6 +610,33 @@ async def test_a_command_that_reads_the_log_is_told_at_once_that_a_clients_crede
     assert explained.stderr == "", explained.stderr
 
 
+async def test_a_client_and_an_operator_ask_a_scheduler_what_worker_show_prints(deployment, monkeypatch):
+    """`worker show` asks a scheduler (`scheduler.worker`, a project addition) before it folds the log: an
+    operator's credentials may ask it (its account imports it: `nats_config.operator_imports`), and a
+    client's, which may not read the log, get the same answer (the command said it could not read the
+    log). Nothing of the log is folded for either."""
+    from click.testing import CliRunner
+
+    from tests.factories import log_reads
+    from warmboot import cli_common, cmd_views
+    from warmboot.cli import main
+
+    read = log_reads(monkeypatch)
+    monkeypatch.setattr(cli_common, "log_messages", cmd_views.log_messages)  # `replay`'s reads too
+    shown = {}
+    for user in ("ops", "orch"):
+        env = {"NATS_URL": deployment.secured.url(user), "WARMBOOT_PREFIX": PREFIX}
+        result = await asyncio.to_thread(CliRunner().invoke, main, ["worker", "show", "w-1", "-o", "json"], env=env)
+        assert result.exit_code == 0 and result.stderr == "", (user, result.output)
+        shown[user] = json.loads(result.stdout)
+        gone = await asyncio.to_thread(CliRunner().invoke, main, ["worker", "show", "nobody"], env=env)
+        assert gone.exit_code == 1, (user, gone.output)
+        assert gone.stderr == "error: NOT_FOUND worker_id: worker 'nobody' is not registered\n", (user, gone.stderr)
+    assert (shown["ops"]["worker_id"], shown["ops"]["node"]) == ("w-1", "node-a")
+    assert shown["orch"] == shown["ops"]
+    assert read == []
+
+
 async def test_the_client_library_signs_in_with_a_clients_url_alone(deployment):
     """`Client.connect` with a client's URL hears its replies where the permissions let it
     (`_INBOX.<user>.`), as the CLI does: with nats-py's own inbox it was refused its subscription,
