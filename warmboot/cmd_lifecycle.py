@@ -51,11 +51,11 @@ from services.scheduler.feasibility import REASONS, SELECTOR_MISMATCH
 from warmboot.cmd_views import (
     LABELS_TIMEOUT_S,
     asked_runtimes,
+    class_row,
     class_runtime_fields,
     decision_fields,
     echo_json,
     echo_table,
-    edges_of,
     fleet,
     fleet_runtimes,
     millis,
@@ -65,7 +65,6 @@ from warmboot.cmd_views import (
     output_option,
     pin_label,
     runtime_labels,
-    runtime_entries,
     runtimes_of,
 )
 from warmboot.render import Column, key_values, render_fields, render_table, terminal_width
@@ -945,29 +944,9 @@ def detail_view(detail: WorkerDetail, runtimes: Runtimes) -> dict:
     capacity, free = to_builtins(detail.capacity), to_builtins(detail.free)
     rows = []
     for sandbox_class, entry in entries.items():
-        default = entry.default
-        edges = edges_of(entry)
-        row = {
-            "sandbox_class": sandbox_class,
-            "worker_id": detail.worker_id,
-            "node": detail.node,
-            "state": detail.state.value,
-            "runtime": runtimes.label(sandbox_class, default.compat.version, default.name),
-            "runtime_id": short_id(default.compat.key),
-            "default_runtime": to_builtins(default.compat.version),
-            "restorable": [runtimes.label(sandbox_class, r.compat.version, r.name) for r in entry.restorable],
-            "restorable_ids": [short_id(r.compat.key) for r in entry.restorable],
-            "restorable_runtimes": [to_builtins(r.compat.version) for r in entry.restorable],
-            "resumes_from": [runtimes.label(sandbox_class, e.version) for e in edges],
-            "resumes_from_ids": [short_id(e.key) for e in edges],
-            "resumes_from_versions": [to_builtins(e.version) for e in edges],
-            "runtimes": runtime_entries(sandbox_class, entry, runtimes),
-            "capacity": dict(capacity),
-            "free": dict(free),
-            "actors": held.get(sandbox_class, 0),  # of this class
-            "worker_actors": len(detail.actors),  # of every class
-            "labels": dict(detail.labels),
-        }
+        row = class_row(sandbox_class, entry, runtimes, worker_id=detail.worker_id, node=detail.node,
+                        state=detail.state.value, capacity=capacity, free=free, actors=held.get(sandbox_class, 0),
+                        worker_actors=len(detail.actors), labels=detail.labels)
         row["compatible"] = sorted(row["resumes_from"])
         rows.append(row)
     rows.sort(key=lambda r: (r["sandbox_class"], r["runtime"]))

@@ -20,7 +20,7 @@ runtime version's `rt-` id beside it (`with_runtime_ids`).
 from __future__ import annotations
 
 import json
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Mapping
 
 import click
 import msgspec
@@ -630,33 +630,46 @@ def worker_rows(projection: Any, runtimes: Runtimes | None = None) -> list[dict]
             held[key] = held.get(key, 0) + 1
     rows = []
     for worker in projection.workers.values():
+        capacity = {"cpu_millis": worker.cpu_millis, "memory_mib": worker.memory_mib}
+        free = {"cpu_millis": worker.room_cpu, "memory_mib": worker.room_mem}
         for sandbox_class, entry in worker.classes.items():
-            default = entry.default
-            edges = edges_of(entry)
-            rows.append({
-                "sandbox_class": sandbox_class,
-                "worker_id": worker.worker_id,
-                "node": worker.node,
-                "state": worker.state.value,
-                "runtime": runtimes.label(sandbox_class, default.compat.version, default.name),
-                "runtime_id": short_id(default.compat.key),
-                "default_runtime": to_builtins(default.compat.version),
-                "restorable": [runtimes.label(sandbox_class, r.compat.version, r.name) for r in entry.restorable],
-                "restorable_ids": [short_id(r.compat.key) for r in entry.restorable],
-                "restorable_runtimes": [to_builtins(r.compat.version) for r in entry.restorable],
-                # the one-way edges: versions whose memory snapshots it also resumes (compatible_versions)
-                "resumes_from": [runtimes.label(sandbox_class, e.version) for e in edges],
-                "resumes_from_ids": [short_id(e.key) for e in edges],
-                "resumes_from_versions": [to_builtins(e.version) for e in edges],
-                "runtimes": runtime_entries(sandbox_class, entry, runtimes),  # each with its own edges
-                "capacity": {"cpu_millis": worker.cpu_millis, "memory_mib": worker.memory_mib},
-                "free": {"cpu_millis": worker.room_cpu, "memory_mib": worker.room_mem},
-                "actors": held.get((id(worker), sandbox_class), 0),  # of this class
-                "worker_actors": worker.holding,  # of every class: the worker's whole count
-                "labels": dict(worker.labels),
-            })
+            rows.append(class_row(sandbox_class, entry, runtimes, worker_id=worker.worker_id, node=worker.node,
+                                  state=worker.state.value, capacity=capacity, free=free,
+                                  actors=held.get((id(worker), sandbox_class), 0), worker_actors=worker.holding,
+                                  labels=worker.labels))
     rows.sort(key=lambda r: (r["sandbox_class"], r["runtime"], r["worker_id"]))
     return rows
+
+
+def class_row(sandbox_class: str, entry: Any, runtimes: Runtimes, *, worker_id: str, node: str, state: str,
+              capacity: dict, free: dict, actors: int, worker_actors: int, labels: Mapping[str, str]) -> dict:
+    """A worker's row of `warmboot workers` for one of its classes (`entry`: the fold's record of it), as
+    JSON values; `actors` counts its actors of this class, `worker_actors` those of every class. The one
+    definition of a row: `worker_rows` and `worker show` (`cmd_lifecycle.detail_view`) both make it here."""
+    default = entry.default
+    edges = edges_of(entry)
+    return {
+        "sandbox_class": sandbox_class,
+        "worker_id": worker_id,
+        "node": node,
+        "state": state,
+        "runtime": runtimes.label(sandbox_class, default.compat.version, default.name),
+        "runtime_id": short_id(default.compat.key),
+        "default_runtime": to_builtins(default.compat.version),
+        "restorable": [runtimes.label(sandbox_class, r.compat.version, r.name) for r in entry.restorable],
+        "restorable_ids": [short_id(r.compat.key) for r in entry.restorable],
+        "restorable_runtimes": [to_builtins(r.compat.version) for r in entry.restorable],
+        # the one-way edges: versions whose memory snapshots it also resumes (compatible_versions)
+        "resumes_from": [runtimes.label(sandbox_class, e.version) for e in edges],
+        "resumes_from_ids": [short_id(e.key) for e in edges],
+        "resumes_from_versions": [to_builtins(e.version) for e in edges],
+        "runtimes": runtime_entries(sandbox_class, entry, runtimes),  # each with its own edges
+        "capacity": dict(capacity),
+        "free": dict(free),
+        "actors": actors,  # of this class
+        "worker_actors": worker_actors,  # of every class: the worker's whole count
+        "labels": dict(labels),
+    }
 
 
 WORKER_COLUMNS = [  # `drop`: the highest gives way first when the terminal is narrow
