@@ -634,6 +634,92 @@ class WhatIfAnswer(Base, kw_only=True):
     runtimes: list[RuntimeForecast]
 
 
+# --- project addition `<prefix>.scheduler.actors` (docs/contract.md, Additions) ----------------
+#
+# The actors of the scheduler's fold, a page at a time, as `warmboot actor list` shows them.
+# A page must fit NATS's max_payload (1 MiB = 1,048,576 bytes), and a count alone cannot bound a
+# row's size usefully: an actor's selectors (64 labels: a 253-character key, a 256-character value,
+# up to 4 bytes a character in UTF-8) take up to 82 KB, a runtime (32 attributes of 128 + 256
+# characters, and its name) up to 39 KB, and a row carries two runtimes (stamp, pin): a row is at
+# most 161 KB (`tests/test_actor_list.py` builds the largest), about 500 bytes typically. So a page
+# stops at ACTORS_PAGE_BYTES of rows (each row's encoding, and the stamp names it brings,
+# `ActorPage.stamp_names`: at most 2 x 39 KB more), or at `limit` rows, whichever comes first, and
+# always holds one row if one is left (the largest, 239 KB with its names, fits). The rest of a page
+# is bounded by the query: `unknown_workers` at most ACTORS_FILTER_MAX ids of 128 characters,
+# `unknown_classes` ACTORS_FILTER_MAX classes, `classes` ACTORS_CLASSES_MAX classes of 63, and
+# `next_after`: 118 KB at most. 768 KiB (786,432) + 118 KB + a comma a row = 905 KB < 1 MiB, with
+# 143 KB to spare for the headers. ACTORS_LIMIT_MAX typical rows (~500 KB) fit within the bytes.
+ACTORS_LIMIT_DEFAULT = 500  # rows a page holds at most, unless the query says
+ACTORS_LIMIT_MAX = 1_000
+ACTORS_PAGE_BYTES = 768 * 1024  # of rows (and their stamp names): a page stops before a row past it
+ACTORS_FILTER_MAX = 256  # values of one filter (sandbox_classes, worker_ids)
+ACTORS_CLASSES_MAX = 1_024  # of the fold's actors' classes a page names (`ActorPage.classes`)
+
+
+class ActorsQuery(Base, kw_only=True):
+    """Project addition `<prefix>.scheduler.actors`: the actors of the fold (stopped ones included),
+    by id, those after `after`, a page of at most `limit`. A filter given more than one value takes
+    any of them; different filters all apply (an empty one: no filter)."""
+
+    sandbox_classes: Annotated[tuple[SandboxClass, ...], Meta(max_length=ACTORS_FILTER_MAX)] = ()
+    states: Annotated[tuple[ActorState, ...], Meta(max_length=len(ActorState))] = ()
+    worker_ids: Annotated[tuple[Id, ...], Meta(max_length=ACTORS_FILTER_MAX)] = ()  # placed on (RUNNING)
+    after: Id | None = None  # the cursor: a page's `next_after`; none: from the first id
+    limit: Annotated[int, Meta(ge=1, le=ACTORS_LIMIT_MAX)] = ACTORS_LIMIT_DEFAULT
+    min_seq: Seq | None = None  # answered from state that includes it
+
+
+class ActorSnapshotSummary(Base, kw_only=True):
+    """An actor's latest snapshot, as `actor list` shows it."""
+
+    snapshot_id: str
+    template_uid: str
+    fidelity: Fidelity
+    location: Location
+    node: str | None  # a LOCAL image's node
+    borrowed: bool
+    stamp: ActorRuntime | None  # the runtime it was taken under; null: unstamped
+
+
+class ActorSummary(Base, kw_only=True):
+    """One actor of the fold: a row of `actor list` (its `-o json` entry, without the labels a
+    client gives the runtimes: `stamp` and `pin` are as the wire names runtimes)."""
+
+    actor_id: str
+    state: ActorState
+    sandbox_class: str
+    template_uid: str
+    resources: Resources
+    selectors: dict[str, str]
+    min_fidelity: Fidelity
+    snapshot: ActorSnapshotSummary | None  # its latest; null before the first
+    worker_id: str | None  # the worker it is placed on (RUNNING)
+    node: str | None  # its placement's node (RUNNING; PAUSED: the node its image is on)
+    pin: ActorRuntime | None  # the runtime it runs under (RUNNING)
+    booked: Resources | None  # what its placement books on its worker
+    last_seq: Seq  # the stream sequence of its history's last event
+
+
+class ActorPage(Base, kw_only=True):
+    """A page of `scheduler.actors`. Pages are not one snapshot: each is the fold as it is when it is
+    asked (at least `min_seq`); an actor created between two pages is on a later one if its id sorts
+    after the cursor, else on none."""
+
+    actors: list[ActorSummary]
+    # the id to ask `after` for the next page; null: no actor matches past this page
+    next_after: str | None
+    # On the first page (no `after`) alone, what a caller says of its filters: the classes asked that
+    # no actor of the fold has, and then the classes its actors have (the first ACTORS_CLASSES_MAX, in
+    # order); the worker ids asked that are not registered
+    unknown_classes: list[str]
+    classes: list[str]
+    unknown_workers: list[str]
+    # For each runtime a row of this page names without a name (a stamp or a pin of a worker's unnamed
+    # runtime), the least name the fold's stamps and pins give it elsewhere, if any: how the views label
+    # a runtime no worker names (`Runtimes.stamp`)
+    stamp_names: list[ActorRuntime]
+
+
 # --- events (CONTRACT section 4) ---------------------------------------------------
 
 
@@ -852,6 +938,7 @@ REQUEST_TYPES: tuple[type[Base], ...] = (
     WhatIf,
     RuntimesQuery,
     WorkerQuery,
+    ActorsQuery,
 )
 
 REPLY_TYPES: tuple[type[Base], ...] = (
@@ -867,5 +954,6 @@ REPLY_TYPES: tuple[type[Base], ...] = (
     WhatIfAnswer,
     FleetRuntimes,
     WorkerDetail,
+    ActorPage,
     ErrorReply,
 )

@@ -234,6 +234,7 @@ WIRE_TYPES = [
     s.ActorRuntime, s.Resources, s.Room, s.Snapshot, s.Fallback, s.ErrorDetail, s.Rejection,
     s.Placement, s.RuntimeFragmentation, s.ClassFragmentation, s.Refusal, s.SnapshotCounts, s.StrandedActor,
     s.RuntimeForecast, s.FleetRuntime, s.BookedActor, s.LocalImage,
+    s.ActorSnapshotSummary, s.ActorSummary,  # scheduler.actors
 ]
 EVENT_TYPES = list(s.AnyEvent.__args__)
 

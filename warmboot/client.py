@@ -84,8 +84,10 @@ from events.natspy.connections import ErrorsOnce, PublishRefused, close, transpo
 from events.schema import (
     ID_RE,
     ID_WORDS,
+    ActorPage,
     ActorStatus,
     ActorStatusQuery,
+    ActorsQuery,
     Assignment,
     Base,
     CreateActor,
@@ -136,7 +138,7 @@ MAX_BACKOFF_S = 2.0
 # requests whose answer never writes: sent without their wait (`WAIT_HEADER`), which only bounds writes
 WRITE_NOTHING = frozenset({("registry", "heartbeat"), ("scheduler", "explain"), ("scheduler", "fragmentation"),
                            ("scheduler", "whatif"), ("scheduler", "runtimes"), ("snapshotter", "status"),
-                           ("scheduler", "worker")})
+                           ("scheduler", "worker"), ("scheduler", "actors")})
 NO_SERVICE = "no service answers "  # how a request that reached nobody is said (then the subject)
 
 
@@ -701,6 +703,16 @@ class Client:
             raise invalid(f"{worker_id!r} is not an id: {ID_WORDS}", "worker_id")
         return await self.request("scheduler", "worker", worker_id, WorkerQuery(min_seq=self._min_seq(min_seq)),
                                   WorkerDetail)
+
+    async def actors(self, query: ActorsQuery) -> ActorPage:
+        """A page of the actors of a scheduler replica's fold (stopped ones included), by id, as `warmboot
+        actor list` shows them: the next page is `query` with `after` its `next_after`, until that is
+        null. Pages are not one snapshot (each is the fold when it is asked: an actor created between
+        two pages shows on a later one if its id sorts after the cursor). A project addition
+        (`scheduler.actors`, docs/contract.md); a scheduler of an earlier version does not answer."""
+        if query.min_seq is None and self.read_your_writes and self.seq:
+            query = msgspec.structs.replace(query, min_seq=self.seq)
+        return await self.request("scheduler", "actors", None, query, ActorPage)
 
     async def whatif(self, query: WhatIf) -> WhatIfAnswer:
         if query.min_seq is None and self.read_your_writes and self.seq:

@@ -37,7 +37,9 @@ from events.jetstream.link import links_on
 from events.tasks import cancel_and_wait
 from events.runtime_id import short_id
 from events.schema import (
+    ActorPage,
     ActorPlaced,
+    ActorsQuery,
     Assignment,
     ErrorCode,
     Explanation,
@@ -61,6 +63,7 @@ from services.endpoints import EndpointSpec, add_endpoints
 from services.locks import KeyedLock
 from services.process import store_env, stream_replicas
 from services.replies import ReplyCache
+from services.scheduler.actor_list import actor_page
 from services.scheduler.checkpoint import DEFAULT_INTERVAL_S, Checkpoints
 from services.scheduler.committer import MAX_GROUP, CONFIRM, RECHECK, Answered, Committer, Job
 from services.scheduler.decide import check_retry
@@ -238,6 +241,7 @@ class SchedulerService:
                 EndpointSpec("whatif", WhatIf, self.whatif, per_entity=False),
                 EndpointSpec("runtimes", RuntimesQuery, self.runtimes, per_entity=False),
                 EndpointSpec("worker", WorkerQuery, self.worker),
+                EndpointSpec("actors", ActorsQuery, self.actors, per_entity=False),
             ],
             max_concurrent=MAX_CONCURRENT_REQUESTS,
         )
@@ -413,6 +417,12 @@ class SchedulerService:
         a pass over the actors, as explain's over the workers); NOT_FOUND when the fold has no such worker."""
         await self.fold.wait(request.min_seq, self.catch_up_s)
         return worker_detail(self.projection, worker_id)
+
+    async def actors(self, _: str | None, request: ActorsQuery) -> ActorPage:
+        """A page of the fold's actors, as `actor list` shows them (`actor_list.actor_page`; a project
+        addition, docs/contract.md); writes nothing."""
+        await self.fold.wait(request.min_seq, self.catch_up_s)
+        return actor_page(self.projection, request)
 
     # --- answers from the log ---
 
