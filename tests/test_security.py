@@ -27,6 +27,8 @@ import pytest
 from events.codec import decode_event, encode
 from events.errors import ContractError
 from events.schema import (
+    ActorPage,
+    ActorsQuery,
     ErrorCode,
     CreateActor,
     DrainWorker,
@@ -589,17 +591,18 @@ async def test_a_clients_create_warns_of_labels_and_a_size_no_worker_has(deploym
 
 
 async def test_a_command_that_reads_the_log_is_told_at_once_that_a_clients_credentials_may_not(deployment):
-    """`actor list` reads the log, which a client's credentials may not (docs/security.md): NATS
+    """`workers` reads the log, which a client's credentials may not (docs/security.md): NATS
     refuses the question at once, and the command says so, naming what was refused, rather than
     waiting out the question's 5 s and saying "nats: timeout" (found by a trial of the docs). A text
     command that labels runtimes prints its answer, labelled as a scheduler says them; `actor show`
-    says what the snapshotter's status does (tests/test_surface_edges.py)."""
+    says what the snapshotter's status does (tests/test_surface_edges.py); `actor list` asks a
+    scheduler since 2026-12-06 (the test below)."""
     from click.testing import CliRunner
 
     from warmboot.cli import main
 
     env = {"NATS_URL": deployment.secured.url("orch"), "WARMBOOT_PREFIX": PREFIX}
-    for args in (["actor", "list"], ["workers"]):
+    for args in (["workers"],):
         result = await asyncio.to_thread(CliRunner().invoke, main, args, env=env)
         assert result.exit_code == 1, (args, result.output)
         assert f"cannot read the event stream {STREAM}" in result.stderr, result.stderr
@@ -635,6 +638,27 @@ async def test_a_client_and_an_operator_ask_a_scheduler_what_worker_show_prints(
     assert (shown["ops"]["worker_id"], shown["ops"]["node"]) == ("w-1", "node-a")
     assert shown["orch"] == shown["ops"]
     assert read == []
+
+
+async def test_a_client_and_an_operator_list_the_actors_a_scheduler_says(deployment):
+    """`scheduler.actors` (a project addition) answers a client's credentials and an operator's (whose
+    account imports it: nats-config). `actor list` asks it: a client's lists the actors (it said that
+    these credentials may not read the log, before 2026-12-06), and both print the same."""
+    from click.testing import CliRunner
+
+    from warmboot.cli import main
+
+    pages = [await call(deployment.conns[user].nc, sub("scheduler", "actors"), ActorsQuery(limit=1), ActorPage)
+             for user in ("orch", "ops")]
+    assert pages[0] == pages[1] and [row.actor_id for row in pages[0].actors] == ["a-1"], pages
+    assert pages[0].next_after == "a-1"
+    shown = []
+    for user in ("orch", "ops"):
+        env = {"NATS_URL": deployment.secured.url(user), "WARMBOOT_PREFIX": PREFIX}
+        result = await asyncio.to_thread(CliRunner().invoke, main, ["actor", "list", "-o", "json"], env=env)
+        assert result.exit_code == 0 and result.stderr == "", (user, result.output)
+        shown.append(json.loads(result.stdout))
+    assert shown[0] == shown[1] and {"a-1", "a-2"} <= {view["actor_id"] for view in shown[0]}, shown
 
 
 async def test_the_client_library_signs_in_with_a_clients_url_alone(deployment):
