@@ -641,14 +641,14 @@ class WhatIfAnswer(Base, kw_only=True):
 # row's size usefully: an actor's selectors (64 labels: a 253-character key, a 256-character value,
 # up to 4 bytes a character in UTF-8) take up to 82 KB, a runtime (32 attributes of 128 + 256
 # characters, and its name) up to 39 KB, and a row carries two runtimes (stamp, pin): a row is at
-# most 161 KB (`tests/test_actor_list.py` builds the largest), about 500 bytes typically. So a page
+# most 161 KB (`tests/test_actor_list.py` builds the largest), about 650 bytes typically. So a page
 # stops at ACTORS_PAGE_BYTES of rows (each row's encoding, and the stamp names it brings,
 # `ActorPage.stamp_names`: at most 2 x 39 KB more), or at `limit` rows, whichever comes first, and
 # always holds one row if one is left (the largest, 239 KB with its names, fits). The rest of a page
 # is bounded by the query: `unknown_workers` at most ACTORS_FILTER_MAX ids of 128 characters,
 # `unknown_classes` ACTORS_FILTER_MAX classes, `classes` ACTORS_CLASSES_MAX classes of 63, and
 # `next_after`: 118 KB at most. 768 KiB (786,432) + 118 KB + a comma a row = 905 KB < 1 MiB, with
-# 143 KB to spare for the headers. ACTORS_LIMIT_MAX typical rows (~500 KB) fit within the bytes.
+# 143 KB to spare for the headers. ACTORS_LIMIT_MAX typical rows (~650 KB) fit within the bytes.
 ACTORS_LIMIT_DEFAULT = 500  # rows a page holds at most, unless the query says
 ACTORS_LIMIT_MAX = 1_000
 ACTORS_PAGE_BYTES = 768 * 1024  # of rows (and their stamp names): a page stops before a row past it
