@@ -75,15 +75,17 @@ async def secured(tmp_path_factory):
 # --- 1. a client's credentials, after a command that succeeded ------------------------------------------
 
 
-async def test_a_command_that_succeeds_for_a_client_says_in_one_line_what_it_did_not_check(secured):
+async def test_a_command_that_succeeds_for_a_client_says_in_one_line_what_it_did_not_check(secured, monkeypatch):
     """A client's credentials may not read the log. `actor resume`, `explain` and `fragmentation` label
     runtimes by the names a scheduler says (`scheduler.runtimes`, since 2026-12-06: before, a client's
-    labels were ids, and stderr said the names were not looked up). What they still cannot check is
-    said on stderr in one short line: which selector keys each mismatched worker misses (the workers'
-    labels are in the log). Their stderr said, over four lines of a terminal, "cannot read the event
-    stream ...: is --prefix se the deployment's, and may these credentials read its log?", as if the
-    command had failed (a walkthrough)."""
+    labels were ids, and stderr said the names were not looked up), and `explain` names the selector
+    keys each mismatched worker misses as the scheduler says them (`Rejection.missing_keys`, since
+    2026-12-06). From a scheduler of an earlier version, which does not say them, what a client cannot
+    check is said on stderr in one short line (the workers' labels are in the log). Their stderr said,
+    over four lines of a terminal, "cannot read the event stream ...: is --prefix se the deployment's,
+    and may these credentials read its log?", as if the command had failed (a walkthrough)."""
     env = {"NATS_URL": secured.url("orch"), "WARMBOOT_PREFIX": PREFIX}
+    ops_env = {"NATS_URL": secured.url("ops"), "WARMBOOT_PREFIX": PREFIX}
     for args, says in ((["actor", "resume", "a-1"], "DECISION"), (["explain", "a-2"], "SUMMARY"),
                        (["fragmentation"], "SNAPSHOTS")):
         result = await cli(*args, env=env)
@@ -91,14 +93,26 @@ async def test_a_command_that_succeeds_for_a_client_says_in_one_line_what_it_did
         assert says in result.stdout and "runsc-v2" in result.stdout, (args, result.stdout)  # the name
         assert IDS["v2"][3:] not in result.stdout, (args, result.stdout)  # not the id's digits
         assert result.stderr == "", (args, result.stderr)
+    for who in (env, ops_env):  # the keys as the scheduler says them: nothing read, nothing said
+        named = await cli("explain", "a-2", "--selector", "zone=b", env=who)
+        assert named.exit_code == 0 and named.stderr == "", named.output
+        assert re.search(r"^w-1 +selector mismatch \(zone\)$", named.stdout, re.M), named.stdout
+
+    explain = Client.explain  # a scheduler of an earlier version: no `missing_keys` in its answer
+
+    async def earlier(self, *args, **kwargs):
+        answer = await explain(self, *args, **kwargs)
+        return msgspec.structs.replace(answer, rejected=[msgspec.structs.replace(r, missing_keys=[])
+                                                         for r in answer.rejected])
+
+    monkeypatch.setattr(Client, "explain", earlier)
     missed = await cli("explain", "a-2", "--selector", "zone=b", env=env)
     assert missed.exit_code == 0 and "selector mismatch" in missed.stdout, missed.output
     assert re.search(r"^w-1 +selector mismatch$", missed.stdout, re.M), missed.stdout  # its keys not looked up
     assert missed.stderr == ("note: selector keys of the mismatched workers not looked up: these credentials may not "
                              "read the log\n"), missed.stderr
     # an operator's credentials read them: nothing said, and the keys named
-    ops = await cli("explain", "a-2", "--selector", "zone=b",
-                    env={"NATS_URL": secured.url("ops"), "WARMBOOT_PREFIX": PREFIX})
+    ops = await cli("explain", "a-2", "--selector", "zone=b", env=ops_env)
     assert ops.exit_code == 0 and ops.stderr == "", ops.output
     assert re.search(r"^w-1 +selector mismatch \(zone\)$", ops.stdout, re.M), ops.stdout
 
