@@ -545,8 +545,9 @@ async def another_process(make: Callable[[dict[str, str]], A], env: dict[str, st
 
 
 def log_reads(monkeypatch: Any) -> list[str]:
-    """The subjects the CLI's views read from the log (`cmd_views.log_messages`), one per read, in order:
-    what a test of a view that must not fold the fleet asserts on."""
+    """The subjects the CLI's views read from the log (`log_messages`, as `cmd_views` and `cli_common.replay`
+    call it; None: the whole log), one per read, in order: what a test of a view that must not fold the
+    fleet asserts on."""
     from warmboot import cli_common, cmd_views
 
     read: list[str] = []
@@ -557,4 +558,5 @@ def log_reads(monkeypatch: Any) -> list[str]:
         return every(nc, prefix, filter_subject, stop)
 
     monkeypatch.setattr(cmd_views, "log_messages", recorded)
+    monkeypatch.setattr(cli_common, "log_messages", recorded)  # `replay`'s, of the whole log
     return read

@@ -48,7 +48,6 @@ from services.scheduler.actor_list import actor_page, actor_summary, sorted_ids
 from services.scheduler.projection import Projection
 from tests.factories import (AT, booked, created, entry, fold, last_seq, log_reads, placed, read_log, registered,
                              released, runtime, snapshot, stamp, taken, version)
-from warmboot import cli_common, cmd_views
 from warmboot.cli import main
 from warmboot.client import Client
 from warmboot.cmd_lifecycle import actor_view, folded_actors, summary_view
@@ -252,7 +251,6 @@ async def test_the_endpoint_s_pages_are_the_log_s_rows_and_the_command_prints_al
     last = await asyncio.to_thread(writer.write, *HISTORY)
     at = ("--nats", nats_url, "--prefix", prefix)
     read = log_reads(monkeypatch)
-    monkeypatch.setattr(cli_common, "log_messages", cmd_views.log_messages)  # the whole log's reads too (`replay`)
 
     # no scheduler: the command folds the log, as it did before the endpoint
     folded = {args: await cli("actor", "list", *args, *at) for args in COMMANDS}

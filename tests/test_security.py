@@ -621,11 +621,9 @@ async def test_a_client_and_an_operator_ask_a_scheduler_what_worker_show_prints(
     from click.testing import CliRunner
 
     from tests.factories import log_reads
-    from warmboot import cli_common, cmd_views
     from warmboot.cli import main
 
     read = log_reads(monkeypatch)
-    monkeypatch.setattr(cli_common, "log_messages", cmd_views.log_messages)  # `replay`'s reads too
     shown = {}
     for user in ("ops", "orch"):
         env = {"NATS_URL": deployment.secured.url(user), "WARMBOOT_PREFIX": PREFIX}

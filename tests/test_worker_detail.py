@@ -96,7 +96,7 @@ def test_a_worker_s_detail_is_its_rows_of_workers_its_booked_actors_and_the_loca
 
 async def test_a_scheduler_answers_worker_show_as_the_log_s_fold_does_without_reading_the_log(
         nats_url, nc, prefix, writer, replicas, monkeypatch):
-    from warmboot import cli_common, cmd_views
+    from warmboot import cli_common
     from warmboot.audit import Sink
 
     last = await asyncio.to_thread(writer.write, *FLEET)
@@ -115,7 +115,6 @@ async def test_a_scheduler_answers_worker_show_as_the_log_s_fold_does_without_re
     assert answer == worker_detail(folded, "w-1")
 
     read = log_reads(monkeypatch)
-    monkeypatch.setattr(cli_common, "log_messages", cmd_views.log_messages)  # `replay`'s reads too
     asked: list[int | None] = []
     ask = Client.worker
 
