@@ -97,3 +97,48 @@ async def test_a_superseded_agent_restarted_by_its_supervisor_does_not_take_the_
                 stop.set()
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(again, 15)
+
+
+async def test_an_agent_stopped_with_its_own_registration_unanswered_still_drains_its_worker(nats_url, nc, prefix,
+                                                                                            tmp_path):
+    """The drain at exit names the registration the agent's beats keep (`DrainWorker.revision`). An agent stopped
+    while a registration of its own was on its way (an edit of its file, here; a registration again after a
+    refused beat alike), which the registry stored but whose answer the agent had not heard, named the
+    registration before it: refused, FAILED_PRECONDITION on revision, and its own worker was left undrained,
+    placeable with no agent behind it (a review). The registration in force is this machine's (its node, a
+    revision this agent made): the drain names it, and drains."""
+    from tests.registry_helpers import agent_config
+
+    one = machine(nats_url, prefix, tmp_path, "intel", CPUINFO, node="node-a")
+    one.drain_on_exit = True
+    request = one._request
+    heard, stored, never = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def second_answer_unheard(verb, body, *args, **kwargs):
+        reply = await request(verb, body, *args, **kwargs)
+        if verb == "register" and heard.is_set():
+            stored.set()
+            await never.wait()  # stopped before the answer is read (cancelled at the stop)
+        if verb == "register":
+            heard.set()
+        return reply
+
+    one._request = second_answer_unheard
+    async with running_registry(nats_url, prefix, ttl_s=30.0):
+        stop = asyncio.Event()
+        running = asyncio.create_task(one.run(stop))
+        try:
+            await asyncio.wait_for(heard.wait(), 15)
+            seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
+            (tmp_path / "intel.toml").write_text(agent_config("v1", memory_mib=4096))  # an edit: registered again
+            await asyncio.wait_for(stored.wait(), 15)
+            seq, updated = await wait_event(nc, prefix, "w-a", WorkerUpdated, after=seq)
+            assert updated.capacity.memory_mib == 4096 and updated.revision != one._beats
+            stop.set()
+            await asyncio.wait_for(running, 15)
+            kinds = [type(e).__name__ for s, e in await worker_events(nc, prefix, "w-a") if s > seq]
+            assert "WorkerDrained" in kinds, f"the agent left its own worker undrained on its way out: {kinds}"
+        finally:
+            stop.set()
+            if not running.done():
+                await asyncio.wait_for(running, 15)

@@ -1147,13 +1147,30 @@ class Agent:
 
     async def drain(self, reason: str, timeout_s: float = 5.0) -> SeqReply | None:
         """Best effort at exit: a drain retried for at most `timeout_s`; also while the worker is
-        not found, if a registration was on its way (another replica may store it after)."""
+        not found, if a registration was on its way (another replica may store it after). It names the
+        registration its beats keep, or, refused for one of this agent's own it has not heard answered, that one."""
         give_up = asyncio.Event()
         # the registration its beats keep (a replacement's, registered since, is refused: docs/registry.md)
         body = DrainWorker(reason=reason, request_id=f"agent-{uuid.uuid4().hex}", revision=self._beats)
         waiting = (ErrorCode.NOT_FOUND,) if self.registering else ()
+
+        async def drained() -> SeqReply:
+            nonlocal body
+            while True:
+                try:
+                    return await self._request("drain", body, SeqReply, give_up, waiting)
+                except ContractError as e:
+                    # Refused for another registration in force: one of this agent's own, stored but not heard
+                    # of (on its way when it stopped, or again after a refused beat), is this machine's (its
+                    # node, a revision it made) and drained; another agent's (another node, or above every
+                    # revision this agent made: a replacement on this node) is not.
+                    named = in_force_named(e)
+                    if named is None or named[0] == body.revision or named[1] != self.node or named[0] > self._revision:
+                        raise
+                    body = msgspec.structs.replace(body, revision=named[0])
+
         try:
-            return await asyncio.wait_for(self._request("drain", body, SeqReply, give_up, waiting), timeout_s)
+            return await asyncio.wait_for(drained(), timeout_s)
         except (asyncio.TimeoutError, asyncio.CancelledError, ContractError) as e:
             log.warning("could not drain %s: %s", self.worker_id, e)
             return None
