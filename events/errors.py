@@ -184,8 +184,8 @@ def drain_not_in_force(worker_id: str, drains: int, in_force: int, node: str | N
     where = f" (registered on node {node})" if node else ""
     return precondition(
         _NOT_IN_FORCE.format(worker_id=worker_id, in_force=in_force, beats=drains, where=where)
-        + ": another agent registered it since the registration this drain is for; nothing was drained (the "
-        "registration in force is another agent's to drain)", "revision")
+        + ": it was registered again since the registration this drain is for (by another agent, or by the "
+        "drain's own agent in a registration it has not heard answered); nothing was drained", "revision")
 
 
 def in_force_named(error: ContractError) -> tuple[int, str] | None:

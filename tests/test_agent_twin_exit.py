@@ -71,6 +71,43 @@ async def test_a_drain_at_exit_sent_after_another_node_took_the_worker_drains_no
                 await asyncio.wait_for(running_one, 15)
 
 
+async def test_an_agent_stopped_before_hearing_its_first_registration_does_not_drain_another_nodes(
+        nats_url, nc, prefix, tmp_path):
+    """An agent stopped before the answer to its first registration came (`_beats` unset) named no registration
+    in its drain at exit, and so drained whatever was in force: node-b's, registered since (a review). It now
+    names the last revision it made; node-b's registration in force is refused it, and nothing is drained."""
+    one = machine(nats_url, prefix, tmp_path, "intel", CPUINFO, node="node-a")
+    one.drain_on_exit = True
+    request = one._request
+    stored, never = asyncio.Event(), asyncio.Event()
+
+    async def answers_unheard(verb, body, *args, **kwargs):
+        reply = await request(verb, body, *args, **kwargs)
+        if verb == "register":
+            stored.set()
+            await never.wait()  # stopped before the answer is read (cancelled at the stop)
+        return reply
+
+    one._request = answers_unheard
+    async with running_registry(nats_url, prefix, ttl_s=30.0):
+        stop = asyncio.Event()
+        running = asyncio.create_task(one.run(stop))
+        try:
+            await asyncio.wait_for(stored.wait(), 15)
+            seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
+            assert one._beats is None
+            async with agent_running(machine(nats_url, prefix, tmp_path, "amd", AMD, node="node-b")):
+                seq, _ = await wait_event(nc, prefix, "w-a", WorkerUpdated, after=seq)  # node-b holds it
+                stop.set()
+                await asyncio.wait_for(running, 15)
+                drained = [s for s, e in await worker_events(nc, prefix, "w-a") if isinstance(e, WorkerDrained)]
+                assert drained == [], f"node-a's agent drained node-b's worker on its way out (seq {drained})"
+        finally:
+            stop.set()
+            if not running.done():
+                await asyncio.wait_for(running, 15)
+
+
 async def test_a_superseded_agent_restarted_by_its_supervisor_does_not_take_the_worker_back(nats_url, nc, prefix,
                                                                                            tmp_path):
     """node-a's agent stops (exit 1) once node-b's agent registered w-a since. A supervisor that restarts a

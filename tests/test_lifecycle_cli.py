@@ -919,7 +919,7 @@ def test_create_checks_the_size_against_the_workers_read_when_the_scheduler_does
     asked, a note says the labels were not checked."""
     from types import SimpleNamespace
 
-    from events.schema import ClassFragmentation, Fragmentation, Room
+    from events.schema import ClassFragmentation, ErrorCode, Explanation, Fragmentation, Refusal, Room
 
     from warmboot.cmd_lifecycle import Created, create_warnings
 
@@ -938,6 +938,11 @@ def test_create_checks_the_size_against_the_workers_read_when_the_scheduler_does
     unasked = Created(answer=Fragmentation(classes=[gvisor]), unexplained="nats: timeout")
     assert create_warnings(zoned, unasked) == ["note: --selector not checked against the workers' labels: nats: "
                                                "timeout"]
+    refused = Explanation(refusal=Refusal(code=ErrorCode.FAILED_PRECONDITION, message="actor z is RUNNING"),
+                          candidates=0, rejected=[], counts={})  # a create replayed by its request id, say
+    assert create_warnings(zoned, Created(answer=Fragmentation(classes=[gvisor]), explained=refused)) == [
+        "note: --selector not checked against the workers' labels: the scheduler's explain of z looked at no worker: "
+        "FAILED_PRECONDITION: actor z is RUNNING"]
 
 
 async def test_a_tag_that_moves_says_what_it_named(bus):

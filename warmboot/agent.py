@@ -1150,8 +1150,10 @@ class Agent:
         not found, if a registration was on its way (another replica may store it after). It names the
         registration its beats keep, or, refused for one of this agent's own it has not heard answered, that one."""
         give_up = asyncio.Event()
-        # the registration its beats keep (a replacement's, registered since, is refused: docs/registry.md)
-        body = DrainWorker(reason=reason, request_id=f"agent-{uuid.uuid4().hex}", revision=self._beats)
+        # the registration its beats keep (a replacement's, registered since, is refused: docs/registry.md); before
+        # any answer was heard, the last it made (else it named none, and drained another node's registration)
+        revision = self._beats if self._beats is not None else (self._revision or None)
+        body = DrainWorker(reason=reason, request_id=f"agent-{uuid.uuid4().hex}", revision=revision)
         waiting = (ErrorCode.NOT_FOUND,) if self.registering else ()
 
         async def drained() -> SeqReply:

@@ -394,6 +394,11 @@ def create_warnings(body: CreateActor, read: Created) -> list[str]:
                      "refused until one does (`warmboot workers -o wide` shows their labels)")
     elif live and body.selectors and read.unexplained:
         lines.append(f"note: --selector not checked against the workers' labels: {read.unexplained}")
+    elif (live and body.selectors and never is None and read.explained is not None
+          and read.explained.refusal is not None and not read.explained.counts):  # no worker looked at
+        refusal = read.explained.refusal
+        lines.append(f"note: --selector not checked against the workers' labels: the scheduler's explain of {aid} "
+                     f"looked at no worker: {refusal.code.value}: {refusal.message}")
     largest = ours.largest if ours is not None else None
     if largest is None and live and read.projection is not None:  # a scheduler of an earlier version
         index = read.projection.classes.get(cls)
