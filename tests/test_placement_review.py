@@ -12,6 +12,7 @@ import asyncio
 import random
 import re
 
+import msgspec
 import pytest
 
 from events.codec import encode
@@ -423,13 +424,14 @@ def test_every_decision_on_random_lifecycles_passes_the_audit(seed):
 
 
 async def test_explain_names_what_it_can_of_an_actor_whose_history_holds_an_event_it_cannot_read(
-        wb, nc, nats_url, prefix, writer):
+        wb, nc, nats_url, prefix, writer, monkeypatch):
     """A newer snapshotter's event in an actor's last life, then its next life, which the scheduler
     reads and explains: every worker is passed over for `selector mismatch`. `warmboot explain`
     reads the actor's history to name the keys not matched, and decoded every message of it: the
     one it cannot read ended the command with a traceback (msgspec.ValidationError), the scheduler's
     answer unshown (found by a review). It shows the answer, the reason bare where the log cannot be
-    read, as when the operator may not read the log at all."""
+    read, as when the operator may not read the log at all. (A scheduler that names the keys itself,
+    `Rejection.missing_keys`, leaves the history unread: the keys are named.)"""
     from click.testing import CliRunner
 
     from warmboot.cli import main
@@ -441,8 +443,22 @@ async def test_explain_names_what_it_can_of_an_actor_whose_history_holds_an_even
     seq = await asyncio.to_thread(writer.write, ActorStopped(at=AT, actor_id="a"), created("a", snapshot=golden(V1)))
     why = await wb.explain("a", {"zone": "eu-1"}, seq)  # the scheduler reads this life: w1 passed over
     assert [r.reasons for r in why.rejected] == [["selector mismatch"]], why
-    shown = await asyncio.to_thread(CliRunner().invoke, main, ["explain", "a", "--selector", "zone=eu-1", "--min-seq",
-                                                               str(seq), "--nats", nats_url, "--prefix", prefix])
+    args = ["explain", "a", "--selector", "zone=eu-1", "--min-seq", str(seq), "--nats", nats_url, "--prefix", prefix]
+    shown = await asyncio.to_thread(CliRunner().invoke, main, args)
+    assert shown.exit_code == 0 and shown.exception is None, (shown.output, shown.exception)
+    rows = [re.split(r"\s{2,}", line) for line in shown.stdout.strip().split("\n\n")[1].splitlines()]
+    assert rows == [["WORKERS", "REASONS"], ["w1", "selector mismatch (zone)"]], shown.stdout  # the scheduler's
+    from warmboot.client import Client
+
+    explain = Client.explain  # a scheduler of an earlier version: no keys in its answer, the history read
+
+    async def earlier(self, *args, **kwargs):
+        answer = await explain(self, *args, **kwargs)
+        return msgspec.structs.replace(answer, rejected=[msgspec.structs.replace(r, missing_keys=[])
+                                                         for r in answer.rejected])
+
+    monkeypatch.setattr(Client, "explain", earlier)
+    shown = await asyncio.to_thread(CliRunner().invoke, main, args)
     assert shown.exit_code == 0 and shown.exception is None, (shown.output, shown.exception)
     rows = [re.split(r"\s{2,}", line) for line in shown.stdout.strip().split("\n\n")[1].splitlines()]
     assert rows == [["WORKERS", "REASONS"], ["w1", "selector mismatch"]], shown.stdout  # bare: not known
