@@ -68,7 +68,9 @@ def nats_server(tmp_path_factory):
     server = NatsServer(tmp_path_factory.mktemp("nats"))
     server.start()
     yield server
-    server.stop()
+    # killed, not stopped: its store is thrown away, and the session's thousands of streams made a
+    # SIGTERM outlast `stop`'s 15 s before its SIGKILL (26 s of the suite, the last test's teardown)
+    server.kill()
 
 
 @pytest.fixture(scope="session")
