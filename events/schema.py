@@ -720,6 +720,69 @@ class ActorPage(Base, kw_only=True):
     stamp_names: list[ActorRuntime]
 
 
+
+# --- project addition `<prefix>.scheduler.workers` (docs/contract.md, Additions) ---------------
+#
+# The registered workers of the scheduler's fold (drained ones included), a page at a time, as
+# `warmboot workers` shows them. A page must fit NATS's max_payload (1 MiB = 1,048,576 bytes). A row
+# is a worker's registration as the fold keeps it (its labels, up to 82 KB as an actor's selectors;
+# its classes, `WorkerSandboxClass` as `WorkerDetail` carries them) and a few numbers: about 1.1 KB
+# typically (the demo's: one class, one runtime of 3 attributes, no labels). Its classes are bounded
+# by the registration they came in, itself a request NATS carried (at most 1 MiB), not usefully by
+# the schema (8 classes x 33 runtimes x 33 versions of 32 attributes), so a row is at most about that
+# registration's size plus 1 KB (state, free room and the counts of at most 8 classes): a page of one
+# such row may be refused by NATS (the same bound as `WorkerDetail`). A page stops at
+# WORKERS_PAGE_BYTES of rows, or at `limit` rows, whichever comes first, and always holds one row if
+# one is left. The rest of a page: `unknown_classes` at most ACTORS_FILTER_MAX classes of 63
+# characters, `classes` WORKERS_CLASSES_MAX of 63 and `next_after` 128: 85 KB at most. 768 KiB
+# (786,432) + 85 KB + a comma a row = 872 KB < 1 MiB, with 176 KB to spare for the headers.
+# WORKERS_LIMIT_MAX typical rows (~1.1 MB) stop at the bytes: about 700 a page.
+WORKERS_LIMIT_DEFAULT = 500  # rows a page holds at most, unless the query says
+WORKERS_LIMIT_MAX = 1_000
+WORKERS_PAGE_BYTES = 768 * 1024  # of rows: a page stops before a row past it
+WORKERS_CLASSES_MAX = 1_024  # of the classes registered workers run a first page names (`WorkerPage.classes`)
+
+
+class WorkersQuery(Base, kw_only=True):
+    """Project addition `<prefix>.scheduler.workers`: the registered workers of the fold (drained ones
+    included), by id, those after `after`, a page of at most `limit`. `sandbox_classes`: only the workers
+    that run one of them, each with those of its classes alone (an empty one: every worker, every class)."""
+
+    sandbox_classes: Annotated[tuple[SandboxClass, ...], Meta(max_length=ACTORS_FILTER_MAX)] = ()
+    after: Id | None = None  # the cursor: a page's `next_after`; none: from the first id
+    limit: Annotated[int, Meta(ge=1, le=WORKERS_LIMIT_MAX)] = WORKERS_LIMIT_DEFAULT
+    min_seq: Seq | None = None  # answered from state that includes it
+
+
+class WorkerSummary(Base, kw_only=True):
+    """One registered worker of the fold: what its rows of `warmboot workers` need (one row per class),
+    runtimes by version and name as the wire names them, without the labels a client gives them."""
+
+    worker_id: str
+    node: str
+    state: WorkerState
+    labels: dict[str, str]
+    capacity: Resources
+    free: Room  # its capacity less what is booked on it (and the worker's reserve of memory)
+    classes: list[WorkerSandboxClass]  # in the worker's order (filtered: the classes asked alone)
+    class_actors: dict[str, int]  # per class of `classes`: the actors of that class booked on it
+    actors: int  # the actors booked on it, of every class
+
+
+class WorkerPage(Base, kw_only=True):
+    """A page of `scheduler.workers`. Pages are not one snapshot: each is the fold as it is when it is
+    asked (at least `min_seq`); a worker registered between two pages is on a later one if its id sorts
+    after the cursor, else on none."""
+
+    workers: list[WorkerSummary]
+    # the id to ask `after` for the next page; null: no worker matches past this page
+    next_after: str | None
+    # On the first page (no `after`) alone: the classes asked that no registered worker runs (as
+    # `whatif`'s check_class finds), and the classes registered workers run, sorted (the first
+    # WORKERS_CLASSES_MAX): what a caller's error for an unknown class names
+    unknown_classes: list[str]
+    classes: list[str]
+
 # --- events (CONTRACT section 4) ---------------------------------------------------
 
 
@@ -939,6 +1002,7 @@ REQUEST_TYPES: tuple[type[Base], ...] = (
     RuntimesQuery,
     WorkerQuery,
     ActorsQuery,
+    WorkersQuery,
 )
 
 REPLY_TYPES: tuple[type[Base], ...] = (
@@ -955,5 +1019,6 @@ REPLY_TYPES: tuple[type[Base], ...] = (
     FleetRuntimes,
     WorkerDetail,
     ActorPage,
+    WorkerPage,
     ErrorReply,
 )

@@ -235,6 +235,7 @@ WIRE_TYPES = [
     s.Placement, s.RuntimeFragmentation, s.ClassFragmentation, s.Refusal, s.SnapshotCounts, s.StrandedActor,
     s.RuntimeForecast, s.FleetRuntime, s.BookedActor, s.LocalImage,
     s.ActorSnapshotSummary, s.ActorSummary,  # scheduler.actors
+    s.WorkerSummary,  # scheduler.workers
 ]
 EVENT_TYPES = list(s.AnyEvent.__args__)
 

@@ -119,7 +119,9 @@ from events.schema import (
     WhatIf,
     WhatIfAnswer,
     WorkerDetail,
+    WorkerPage,
     WorkerQuery,
+    WorkersQuery,
 )
 from events.subjects import DEFAULT_PREFIX, MAX_WAIT_MS, WAIT_HEADER, check_prefix, micro_name, service_subject
 from warmboot.connection import CONNECT_TIMEOUT_S, connect_within, hears_replies
@@ -138,7 +140,7 @@ MAX_BACKOFF_S = 2.0
 # requests whose answer never writes: sent without their wait (`WAIT_HEADER`), which only bounds writes
 WRITE_NOTHING = frozenset({("registry", "heartbeat"), ("scheduler", "explain"), ("scheduler", "fragmentation"),
                            ("scheduler", "whatif"), ("scheduler", "runtimes"), ("snapshotter", "status"),
-                           ("scheduler", "worker"), ("scheduler", "actors")})
+                           ("scheduler", "worker"), ("scheduler", "actors"), ("scheduler", "workers")})
 NO_SERVICE = "no service answers "  # how a request that reached nobody is said (then the subject)
 
 
@@ -713,6 +715,16 @@ class Client:
         if query.min_seq is None and self.read_your_writes and self.seq:
             query = msgspec.structs.replace(query, min_seq=self.seq)
         return await self.request("scheduler", "actors", None, query, ActorPage)
+
+    async def workers(self, query: WorkersQuery) -> WorkerPage:
+        """A page of the registered workers of a scheduler replica's fold (drained ones included), by id, as
+        `warmboot workers` shows them: the next page is `query` with `after` its `next_after`, until that is
+        null. Pages are not one snapshot (each is the fold when it is asked: a worker registered between two
+        pages shows on a later one if its id sorts after the cursor). A project addition
+        (`scheduler.workers`, docs/contract.md); a scheduler of an earlier version does not answer."""
+        if query.min_seq is None and self.read_your_writes and self.seq:
+            query = msgspec.structs.replace(query, min_seq=self.seq)
+        return await self.request("scheduler", "workers", None, query, WorkerPage)
 
     async def whatif(self, query: WhatIf) -> WhatIfAnswer:
         if query.min_seq is None and self.read_your_writes and self.seq:

@@ -81,6 +81,7 @@ def operator_imports(prefix: str) -> list[tuple[str, bool]]:
         (f"{prefix}.scheduler.runtimes", False),  # the fleet's runtimes, as the views label them
         (f"{prefix}.scheduler.worker.*", False),  # one worker, as `worker show` prints it
         (f"{prefix}.scheduler.actors", False),  # the actors of the fold, a page at a time (`actor list`)
+        (f"{prefix}.scheduler.workers", False),  # the registered workers, a page at a time (`workers`)
         ("$SRV.>", True),  # every service answers discovery
         ("$JS.API.INFO", False),
         (f"$JS.API.STREAM.INFO.{stream}", False),
@@ -295,7 +296,7 @@ def nats_auth_config(
     ]
     if operators:
         lines.append(f"      # operators: read the log ({events_filter(prefix)}, by direct gets), call explain, "
-                     "fragmentation, whatif, runtimes, worker, actors; "
+                     "fragmentation, whatif, runtimes, worker, actors, workers; "
                      "replies on _INBOX.<own name>.>")
     lines += [user(name, operator_permissions(prefix, name)) for name in operators]
     lines += [
@@ -461,7 +462,8 @@ def _usable_seed(seed: str) -> bool:
                    "file, for `warmboot serve registry --worker-nodes`: a worker's credential then registers "
                    "only on its own node.")
 @click.option("--operator", "operators", multiple=True, callback=check_id, metavar="NAME",
-              help="An operator's user (read the log, explain, fragmentation, whatif, runtimes, worker, actors); "
+              help="An operator's user (read the log, explain, fragmentation, whatif, runtimes, worker, actors, "
+                   "workers); "
                    "repeatable.")
 @click.option("--client", "clients", multiple=True, callback=check_id, metavar="NAME",
               help="A client's user (calls the snapshotter and the scheduler; inbox _INBOX.NAME); repeatable.")

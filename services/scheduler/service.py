@@ -54,7 +54,9 @@ from events.schema import (
     WhatIfAnswer,
     WorkerBooked,
     WorkerDetail,
+    WorkerPage,
     WorkerQuery,
+    WorkersQuery,
 )
 from events.subjects import check_prefix, event_subject, stream_name
 from services import deadline
@@ -75,6 +77,7 @@ from services.scheduler.records import request_hash
 from services.scheduler.runtimes import offered_runtimes
 from services.scheduler.whatif import unknown_class, whatif
 from services.scheduler.worker_detail import worker_detail
+from services.scheduler.worker_list import worker_page
 from services.streams import last_seq_on, leaders_stream_info, stored_at
 
 log = logging.getLogger("warmboot.scheduler")
@@ -242,6 +245,7 @@ class SchedulerService:
                 EndpointSpec("runtimes", RuntimesQuery, self.runtimes, per_entity=False),
                 EndpointSpec("worker", WorkerQuery, self.worker),
                 EndpointSpec("actors", ActorsQuery, self.actors, per_entity=False),
+                EndpointSpec("workers", WorkersQuery, self.workers, per_entity=False),
             ],
             max_concurrent=MAX_CONCURRENT_REQUESTS,
         )
@@ -423,6 +427,12 @@ class SchedulerService:
         addition, docs/contract.md); writes nothing."""
         await self.fold.wait(request.min_seq, self.catch_up_s)
         return actor_page(self.projection, request)
+
+    async def workers(self, _: str | None, request: WorkersQuery) -> WorkerPage:
+        """A page of the fold's registered workers, as `warmboot workers` shows them (`worker_list.worker_page`;
+        a project addition, docs/contract.md); writes nothing."""
+        await self.fold.wait(request.min_seq, self.catch_up_s)
+        return worker_page(self.projection, request)
 
     # --- answers from the log ---
 
