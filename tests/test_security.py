@@ -29,6 +29,8 @@ from events.errors import ContractError
 from events.schema import (
     ActorPage,
     ActorsQuery,
+    WorkerPage,
+    WorkersQuery,
     ErrorCode,
     CreateActor,
     DrainWorker,
@@ -591,18 +593,18 @@ async def test_a_clients_create_warns_of_labels_and_a_size_no_worker_has(deploym
 
 
 async def test_a_command_that_reads_the_log_is_told_at_once_that_a_clients_credentials_may_not(deployment):
-    """`workers` reads the log, which a client's credentials may not (docs/security.md): NATS
+    """`audit replay` reads the log, which a client's credentials may not (docs/security.md): NATS
     refuses the question at once, and the command says so, naming what was refused, rather than
     waiting out the question's 5 s and saying "nats: timeout" (found by a trial of the docs). A text
     command that labels runtimes prints its answer, labelled as a scheduler says them; `actor show`
-    says what the snapshotter's status does (tests/test_surface_edges.py); `actor list` asks a
-    scheduler since 2026-12-06 (the test below)."""
+    says what the snapshotter's status does (tests/test_surface_edges.py); `actor list` and `workers`
+    ask a scheduler since 2026-12-06 (the tests below: `workers` was this test's command)."""
     from click.testing import CliRunner
 
     from warmboot.cli import main
 
     env = {"NATS_URL": deployment.secured.url("orch"), "WARMBOOT_PREFIX": PREFIX}
-    for args in (["workers"],):
+    for args in (["audit", "replay"],):
         result = await asyncio.to_thread(CliRunner().invoke, main, args, env=env)
         assert result.exit_code == 1, (args, result.output)
         assert f"cannot read the event stream {STREAM}" in result.stderr, result.stderr
@@ -657,6 +659,33 @@ async def test_a_client_and_an_operator_list_the_actors_a_scheduler_says(deploym
         assert result.exit_code == 0 and result.stderr == "", (user, result.output)
         shown.append(json.loads(result.stdout))
     assert shown[0] == shown[1] and {"a-1", "a-2"} <= {view["actor_id"] for view in shown[0]}, shown
+
+
+async def test_a_client_and_an_operator_list_the_workers_a_scheduler_says(deployment, monkeypatch):
+    """`scheduler.workers` (a project addition) answers a client's credentials and an operator's (whose
+    account imports it: nats-config). `workers` asks it: a client's lists the workers (it said that these
+    credentials may not read the log, before 2026-12-06), an unknown --class is the same error for both,
+    and both print the same, folding nothing of the log."""
+    from click.testing import CliRunner
+
+    from tests.factories import log_reads
+    from warmboot.cli import main
+
+    pages = [await call(deployment.conns[user].nc, sub("scheduler", "workers"), WorkersQuery(limit=1), WorkerPage)
+             for user in ("orch", "ops")]
+    assert pages[0] == pages[1] and [w.worker_id for w in pages[0].workers] == ["w-1"], pages
+    read = log_reads(monkeypatch)
+    shown = []
+    for user in ("orch", "ops"):
+        env = {"NATS_URL": deployment.secured.url(user), "WARMBOOT_PREFIX": PREFIX}
+        result = await asyncio.to_thread(CliRunner().invoke, main, ["workers", "-o", "json"], env=env)
+        assert result.exit_code == 0 and result.stderr == "", (user, result.output)
+        shown.append(json.loads(result.stdout))
+        unknown = await asyncio.to_thread(CliRunner().invoke, main, ["workers", "--class", "kata"], env=env)
+        assert unknown.exit_code == 1 and "no worker has registered the sandbox class 'kata' (registered: " \
+            in unknown.stderr, (user, unknown.output)
+    assert shown[0] == shown[1] and "w-1" in {row["worker_id"] for row in shown[0]}, shown
+    assert read == []
 
 
 async def test_the_client_library_signs_in_with_a_clients_url_alone(deployment):
