@@ -726,8 +726,8 @@ class ActorPage(Base, kw_only=True):
 # The registered workers of the scheduler's fold (drained ones included), a page at a time, as
 # `warmboot workers` shows them. A page must fit NATS's max_payload (1 MiB = 1,048,576 bytes). A row
 # is a worker's registration as the fold keeps it (its labels, up to 82 KB as an actor's selectors;
-# its classes, `WorkerSandboxClass` as `WorkerDetail` carries them) and a few numbers: about 1.1 KB
-# typically (the demo's: one class, one runtime of 3 attributes, no labels). Its classes are bounded
+# its classes, `WorkerSandboxClass` as `WorkerDetail` carries them) and a few numbers: about 670 bytes
+# typically (the demo's: one class, its runtimes of a few attributes, no labels). Its classes are bounded
 # by the registration they came in, itself a request NATS carried (at most 1 MiB), not usefully by
 # the schema (8 classes x 33 runtimes x 33 versions of 32 attributes), so a row is at most about that
 # registration's size plus 1 KB (state, free room and the counts of at most 8 classes): a page of one
@@ -736,7 +736,7 @@ class ActorPage(Base, kw_only=True):
 # one is left. The rest of a page: `unknown_classes` at most ACTORS_FILTER_MAX classes of 63
 # characters, `classes` WORKERS_CLASSES_MAX of 63 and `next_after` 128: 85 KB at most. 768 KiB
 # (786,432) + 85 KB + a comma a row = 872 KB < 1 MiB, with 176 KB to spare for the headers.
-# WORKERS_LIMIT_MAX typical rows (~1.1 MB) stop at the bytes: about 700 a page.
+# WORKERS_LIMIT_MAX rows of 670 bytes fit within the bytes (the demo's 10,000 workers, some rows larger: 11 pages).
 WORKERS_LIMIT_DEFAULT = 500  # rows a page holds at most, unless the query says
 WORKERS_LIMIT_MAX = 1_000
 WORKERS_PAGE_BYTES = 768 * 1024  # of rows: a page stops before a row past it
