@@ -9,13 +9,14 @@ people or, with `--json` (or `-o json`), as the reply's JSON. A contract error i
 
 The `show` commands:
 - `actor show` reads the actor's own history (`<prefix>.ev.actor.<id>`) and folds it with
-  the scheduler's projection: state, spec, latest snapshot and its stamp, assignment;
-  the worker histories are folded too, for the runtime labels.
+  the scheduler's projection: state, spec, latest snapshot and its stamp, assignment; the
+  runtime labels are a scheduler's (`scheduler.runtimes`), or, when none answers, the
+  workers' histories folded.
 - `worker show` asks a scheduler replica what its projection has of that worker
   (`scheduler.worker`, a project addition: `services.scheduler.worker_detail`), at least
   with all the log held when asked; when none answers, it folds the whole log with the
-  scheduler's projection, as `warmboot workers` does (a worker's free room and actors are
-  in the actors' placements), into the same answer.
+  scheduler's projection, as `warmboot workers` does when none answers it (a worker's free
+  room and actors are in the actors' placements), into the same answer.
 
 `actor pause` and `actor suspend` ask the snapshotter where the actor is now
 (`snapshotter.status`) before their request, for the placement they name, unless
@@ -911,7 +912,7 @@ def list_actors_cmd(sandbox_classes: tuple[str, ...], states: tuple[str, ...], w
     """The actors of the log (stopped ones included), by id: state, worker, latest snapshot and its
     stamp. Asked of a scheduler replica, a page at a time (`scheduler.actors`: pages are not one
     snapshot, an actor created meanwhile is listed if its id sorts after those listed already); only
-    when none answers, the log folded with the scheduler's projection, as `workers` does.
+    when none answers, the log folded with the scheduler's projection (as `workers` then does).
 
     A filter given more than once takes any of its values (`--state SUSPENDED --state PAUSED`:
     both); different filters all apply."""
