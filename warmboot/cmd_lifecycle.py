@@ -54,6 +54,7 @@ from warmboot.client import Client, Refused, asked_first
 from services.scheduler.feasibility import REASONS, SELECTOR_MISMATCH
 from warmboot.cmd_views import (
     LABELS_TIMEOUT_S,
+    asked_pages,
     asked_runtimes,
     class_row,
     class_runtime_fields,
@@ -62,6 +63,7 @@ from warmboot.cmd_views import (
     echo_table,
     fleet,
     fleet_runtimes,
+    folded_pages,
     millis,
     mib,
     named_few,
@@ -872,27 +874,14 @@ async def asked_actors(nc: Any, prefix: str, query: ActorsQuery) -> list[ActorPa
     one snapshot: an actor created between two pages is listed if its id sorts after the cursor. None
     when no scheduler answers one of them within LABELS_TIMEOUT_S, in one attempt (none runs, one of an
     earlier version, credentials that may not ask it), as `cmd_views.asked_runtimes`."""
-    wb = Client(nc, prefix, timeout=LABELS_TIMEOUT_S, attempts=1)
-    pages: list[ActorPage] = []
-    try:
-        while True:
-            page = await wb.actors(query)
-            pages.append(page)
-            if page.next_after is None:
-                return pages
-            query = msgspec.structs.replace(query, after=page.next_after)
-    except ContractError:
-        return None
+    return await asked_pages(Client(nc, prefix, timeout=LABELS_TIMEOUT_S, attempts=1).actors, query)
 
 
 def folded_actors(projection: Any, query: ActorsQuery) -> list[ActorPage]:
     """Every page of `query` from a fold of the log (`actor_page`, what a scheduler answers)."""
     from services.scheduler.actor_list import actor_page
 
-    pages = [actor_page(projection, query)]
-    while pages[-1].next_after is not None:
-        pages.append(actor_page(projection, msgspec.structs.replace(query, after=pages[-1].next_after)))
-    return pages
+    return folded_pages(lambda q: actor_page(projection, q), query)
 
 
 @actor.command("list")

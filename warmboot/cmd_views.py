@@ -662,10 +662,7 @@ def folded_workers(projection: Any, query: WorkersQuery) -> list[WorkerPage]:
     """Every page of `query` from a fold of the log (`worker_page`, what a scheduler answers)."""
     from services.scheduler.worker_list import worker_page
 
-    pages = [worker_page(projection, query)]
-    while pages[-1].next_after is not None:
-        pages.append(worker_page(projection, msgspec.structs.replace(query, after=pages[-1].next_after)))
-    return pages
+    return folded_pages(lambda q: worker_page(projection, q), query)
 
 
 async def asked_workers(nc: Any, prefix: str, query: WorkersQuery,
@@ -677,17 +674,33 @@ async def asked_workers(nc: Any, prefix: str, query: WorkersQuery,
     a worker registered between two pages is listed if its id sorts after the cursor. None when no
     scheduler answers one of them within LABELS_TIMEOUT_S, in one attempt (none runs, one of an earlier
     version, credentials that may not ask it), as `asked_runtimes`."""
-    wb = Client(nc, prefix, timeout=LABELS_TIMEOUT_S, attempts=1)
-    pages: list[WorkerPage] = []
+    return await asked_pages(Client(nc, prefix, timeout=LABELS_TIMEOUT_S, attempts=1).workers, query, enough)
+
+
+async def asked_pages(ask: Callable[[Any], Awaitable[Any]], query: Any,
+                      enough: Callable[[Any], bool] = lambda first: False) -> list | None:
+    """Every page a paged endpoint answers (`ask`: `Client.workers`, `Client.actors`), from `query` on,
+    each asked with the one before's `next_after`, all at `query.min_seq`; the first alone when
+    `enough(first)`. None when one of them is not answered (ContractError)."""
+    pages: list = []
     try:
         while True:
-            page = await wb.workers(query)
+            page = await ask(query)
             pages.append(page)
             if page.next_after is None or (len(pages) == 1 and enough(page)):
                 return pages
             query = msgspec.structs.replace(query, after=page.next_after)
     except ContractError:
         return None
+
+
+def folded_pages(page_of: Callable[[Any], Any], query: Any) -> list:
+    """Every page of `query` that `page_of` makes from a fold of the log (`worker_page`, `actor_page`:
+    what a scheduler answers), each from the one before's `next_after`."""
+    pages = [page_of(query)]
+    while pages[-1].next_after is not None:
+        pages.append(page_of(msgspec.structs.replace(query, after=pages[-1].next_after)))
+    return pages
 
 
 def unknown_class_asked(first: WorkerPage, asked: tuple[str, ...], sent: tuple[str, ...]) -> str | None:
