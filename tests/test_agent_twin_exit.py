@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import Awaitable, Callable
 
 import pytest
 
@@ -15,29 +16,38 @@ from tests.test_agent_twins import machine
 from warmboot.agent import StillSuperseded, Superseded
 
 
-async def test_an_agent_stopped_after_another_node_took_its_worker_does_not_drain_it(nats_url, nc, prefix, tmp_path):
-    """A replacement (node-b) is started before the machine it replaces (node-a, `--drain-on-exit`) is
-    stopped, as a rolling update does; node-a's agent is stopped before its next beat, so it never heard
-    that node-b holds the worker. Its exit drained the worker all the same: node-b's registration, drained
-    for the rest of its life (a drain is sticky), and node-b's agent never told."""
-    ttl = 30.0  # a beat every 10 s: node-a's agent is stopped long before its next one
-    one = machine(nats_url, prefix, tmp_path, "intel", CPUINFO, node="node-a")
+async def drained_once_node_b_holds_it(nats_url: str, nc, prefix: str, tmp_path, one,
+                                       registered: Callable[[], Awaitable[None]] | None = None) -> list[int]:
+    """node-a's agent `one` (`--drain-on-exit`) runs until it registered w-a (and `registered()`, if given,
+    returned); then node-b's agent registers w-a, and node-a's is stopped while node-b's runs: the sequences
+    of the WorkerDrained of w-a (none, unless node-a's exit drained node-b's registration)."""
     one.drain_on_exit = True
-    async with running_registry(nats_url, prefix, ttl_s=ttl):
+    async with running_registry(nats_url, prefix, ttl_s=30.0):  # a beat every 10 s: none before the stop
         stop_one = asyncio.Event()
         running_one = asyncio.create_task(one.run(stop_one))
         try:
+            if registered is not None:
+                await registered()
             seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
             async with agent_running(machine(nats_url, prefix, tmp_path, "amd", AMD, node="node-b")):
                 seq, _ = await wait_event(nc, prefix, "w-a", WorkerUpdated, after=seq)  # node-b holds it
                 stop_one.set()
                 await asyncio.wait_for(running_one, 15)
-                drained = [s for s, e in await worker_events(nc, prefix, "w-a") if isinstance(e, WorkerDrained)]
-                assert drained == [], f"node-a's agent drained node-b's worker on its way out (seq {drained})"
+                return [s for s, e in await worker_events(nc, prefix, "w-a") if isinstance(e, WorkerDrained)]
         finally:
             stop_one.set()
             if not running_one.done():
                 await asyncio.wait_for(running_one, 15)
+
+
+async def test_an_agent_stopped_after_another_node_took_its_worker_does_not_drain_it(nats_url, nc, prefix, tmp_path):
+    """A replacement (node-b) is started before the machine it replaces (node-a, `--drain-on-exit`) is
+    stopped, as a rolling update does; node-a's agent is stopped before its next beat, so it never heard
+    that node-b holds the worker. Its exit drained the worker all the same: node-b's registration, drained
+    for the rest of its life (a drain is sticky), and node-b's agent never told."""
+    one = machine(nats_url, prefix, tmp_path, "intel", CPUINFO, node="node-a")
+    drained = await drained_once_node_b_holds_it(nats_url, nc, prefix, tmp_path, one)
+    assert drained == [], f"node-a's agent drained node-b's worker on its way out (seq {drained})"
 
 
 async def test_a_drain_at_exit_sent_after_another_node_took_the_worker_drains_nothing(nats_url, nc, prefix, tmp_path,
@@ -48,27 +58,13 @@ async def test_a_drain_at_exit_sent_after_another_node_took_the_worker_drains_no
     nothing is drained. The race is made certain here: node-a's beat at exit is taken as answered before
     node-b registered."""
     one = machine(nats_url, prefix, tmp_path, "intel", CPUINFO, node="node-a")
-    one.drain_on_exit = True
 
     async def beat_crossed_before_the_replacement() -> None:
         return None  # what `_superseded_now` says when its beat was answered before node-b's registration
 
     monkeypatch.setattr(one, "_superseded_now", beat_crossed_before_the_replacement)
-    async with running_registry(nats_url, prefix, ttl_s=30.0):
-        stop_one = asyncio.Event()
-        running_one = asyncio.create_task(one.run(stop_one))
-        try:
-            seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
-            async with agent_running(machine(nats_url, prefix, tmp_path, "amd", AMD, node="node-b")):
-                seq, _ = await wait_event(nc, prefix, "w-a", WorkerUpdated, after=seq)  # node-b holds it
-                stop_one.set()
-                await asyncio.wait_for(running_one, 15)
-                drained = [s for s, e in await worker_events(nc, prefix, "w-a") if isinstance(e, WorkerDrained)]
-                assert drained == [], f"node-a's agent drained node-b's worker on its way out (seq {drained})"
-        finally:
-            stop_one.set()
-            if not running_one.done():
-                await asyncio.wait_for(running_one, 15)
+    drained = await drained_once_node_b_holds_it(nats_url, nc, prefix, tmp_path, one)
+    assert drained == [], f"node-a's agent drained node-b's worker on its way out (seq {drained})"
 
 
 async def test_an_agent_stopped_before_hearing_its_first_registration_does_not_drain_another_nodes(
@@ -77,7 +73,6 @@ async def test_an_agent_stopped_before_hearing_its_first_registration_does_not_d
     in its drain at exit, and so drained whatever was in force: node-b's, registered since (a review). It now
     names the last revision it made; node-b's registration in force is refused it, and nothing is drained."""
     one = machine(nats_url, prefix, tmp_path, "intel", CPUINFO, node="node-a")
-    one.drain_on_exit = True
     request = one._request
     stored, never = asyncio.Event(), asyncio.Event()
 
@@ -89,23 +84,13 @@ async def test_an_agent_stopped_before_hearing_its_first_registration_does_not_d
         return reply
 
     one._request = answers_unheard
-    async with running_registry(nats_url, prefix, ttl_s=30.0):
-        stop = asyncio.Event()
-        running = asyncio.create_task(one.run(stop))
-        try:
-            await asyncio.wait_for(stored.wait(), 15)
-            seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
-            assert one._beats is None
-            async with agent_running(machine(nats_url, prefix, tmp_path, "amd", AMD, node="node-b")):
-                seq, _ = await wait_event(nc, prefix, "w-a", WorkerUpdated, after=seq)  # node-b holds it
-                stop.set()
-                await asyncio.wait_for(running, 15)
-                drained = [s for s, e in await worker_events(nc, prefix, "w-a") if isinstance(e, WorkerDrained)]
-                assert drained == [], f"node-a's agent drained node-b's worker on its way out (seq {drained})"
-        finally:
-            stop.set()
-            if not running.done():
-                await asyncio.wait_for(running, 15)
+
+    async def unheard() -> None:
+        await asyncio.wait_for(stored.wait(), 15)
+        assert one._beats is None
+
+    drained = await drained_once_node_b_holds_it(nats_url, nc, prefix, tmp_path, one, unheard)
+    assert drained == [], f"node-a's agent drained node-b's worker on its way out (seq {drained})"
 
 
 async def test_a_superseded_agent_restarted_by_its_supervisor_does_not_take_the_worker_back(nats_url, nc, prefix,
