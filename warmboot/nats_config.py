@@ -463,8 +463,7 @@ def _usable_seed(seed: str) -> bool:
                    "only on its own node.")
 @click.option("--operator", "operators", multiple=True, callback=check_id, metavar="NAME",
               help="An operator's user (read the log, explain, fragmentation, whatif, runtimes, worker, actors, "
-                   "workers); "
-                   "repeatable.")
+                   "workers); repeatable.")
 @click.option("--client", "clients", multiple=True, callback=check_id, metavar="NAME",
               help="A client's user (calls the snapshotter and the scheduler; inbox _INBOX.NAME); repeatable.")
 @click.option("--auth", type=click.Choice(AUTH_MODES), default="password", show_default=True,
