@@ -720,7 +720,6 @@ class ActorPage(Base, kw_only=True):
     stamp_names: list[ActorRuntime]
 
 
-
 # --- project addition `<prefix>.scheduler.workers` (docs/contract.md, Additions) ---------------
 #
 # The registered workers of the scheduler's fold (drained ones included), a page at a time, as
