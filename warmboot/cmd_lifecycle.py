@@ -696,31 +696,17 @@ def stop_cmd(actor_id: str, life_seq: int | None, request_id: str | None, nats_u
 
 
 def actor_view(actor_id: str, projection: Any, runtimes: Runtimes) -> dict:
-    """What the projection folded of one actor's history, as JSON values (labels beside the versions)."""
+    """What the projection folded of one actor's history, as JSON values (labels beside the versions):
+    its row of `actor list` (`summary_view`, the one definition of it) with the count of the events
+    folded (`events`, before `last_seq`)."""
+    from services.scheduler.actor_list import actor_summary
+
     a = projection.actors.get(actor_id)
     if a is None:
         raise no_actor(actor_id)
-
-    def runtime(stamp: Any) -> dict | None:
-        if stamp is None:
-            return None
-        r = stamp.runtime
-        return {"label": pin_label(runtimes, r.sandbox_class, r.version, r.name),
-                "runtime_id": short_id(stamp.compat.key), **to_builtins(r)}
-
-    kind = a.snapshot
-    snapshot = None if kind is None else {
-        "snapshot_id": a.snapshot_id, "template_uid": kind.template_uid, "fidelity": kind.fidelity.value,
-        "location": "LOCAL" if kind.local else "EXTERNAL", "node": a.image_node, "borrowed": kind.borrowed,
-        "stamp": runtime(kind.stamp),
-    }
-    worker = a.worker
-    return to_builtins({
-        "actor_id": actor_id, "state": a.state, "sandbox_class": a.sandbox_class, "template_uid": a.template_uid,
-        "resources": a.resources, "selectors": dict(a.selectors), "min_fidelity": a.min_fidelity,
-        "snapshot": snapshot, "worker_id": worker.worker_id if worker is not None else None, "node": a.node,
-        "pin": runtime(a.pin), "booked": a.booked, "events": projection.events, "last_seq": a.last_seq,
-    })
+    view = summary_view(actor_summary(a), runtimes)
+    last_seq = view.pop("last_seq")
+    return {**view, "events": projection.events, "last_seq": last_seq}
 
 
 def actor_fields(view: dict, wide: bool) -> list[tuple[str, str]]:
