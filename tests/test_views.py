@@ -622,7 +622,7 @@ async def test_the_names_of_a_large_fleet_are_read_however_long_that_takes(monke
         await read.wait()
         return folded(fleet())
 
-    async def nobody_says(nc, prefix):  # no scheduler answers `runtimes`: the labels are the log's
+    async def nobody_says(nc, prefix, min_seq=None):  # no scheduler answers `runtimes`: the labels are the log's
         return None
 
     monkeypatch.setattr(cmd_views, "LABELS_TIMEOUT_S", 0)

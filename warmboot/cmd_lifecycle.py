@@ -42,7 +42,7 @@ from events.errors import ContractError, no_actor
 from events.compat import compat_key
 from events.runtime_id import Runtimes, short_id
 from events.schema import (ActorCreated, ActorRuntime, Assignment, ClassFragmentation, CreateActor, ErrorCode,
-                           Explanation, Fidelity, Fragmentation, Resources, Room, Snapshot, TagRecorded, WorkerDetail)
+                           Explanation, Fidelity, Fragmentation, Resources, Snapshot, TagRecorded, WorkerDetail)
 from events.schema import (ACTORS_FILTER_MAX, ACTORS_LIMIT_MAX, CLASS_PATTERN, PATTERN_WORDS, ActorPage, ActorsQuery,
                            ActorSummary)  # actor list
 from events.states import ActorState
@@ -300,7 +300,8 @@ def create_cmd(actor_id: str, sandbox_class: str, template_uid: str, cpu_millis:
         ours = read.class_of(sandbox_class)
         if read.answer is None:
             return reply, read
-        read.runtimes = await asked_runtimes(nc, prefix, min_seq=reply.seq)  # the labels of a stamp not accepted
+        if read.snapshot is not None and read.snapshot.sandbox_runtime is not None:  # a stamp's label, if not accepted
+            read.runtimes = await asked_runtimes(nc, prefix, min_seq=reply.seq)
         if body.selectors and ours is not None and ours.workers:
             try:  # as the scheduler checks a resume of it: whether any undrained worker of the class has the labels
                 read.explained = await wb.explain(actor_id, min_seq=reply.seq)
@@ -402,16 +403,13 @@ def create_warnings(body: CreateActor, read: Created) -> list[str]:
         refusal = read.explained.refusal
         lines.append(f"note: --selector not checked against the workers' labels: the scheduler's explain of {aid} "
                      f"looked at no worker: {refusal.code.value}: {refusal.message}")
-    largest = ours.largest if ours is not None else None
-    if largest is None and live and read.projection is not None:  # a scheduler of an earlier version
-        index = read.projection.classes.get(cls)
-        most = index.largest() if index is not None else None
-        largest = Room(cpu_millis=most[0], memory_mib=most[1]) if most is not None else None
-    if live and largest is not None:  # a bigger worker may register later: taken
-        from services.scheduler.decide import bigger_than  # as the scheduler's refusal says it
+    if live:  # a bigger worker may register later: taken
+        from services.scheduler.decide import bigger_than, too_big_for_class  # as the scheduler's refusal says it
 
-        too_big = bigger_than((largest.cpu_millis, largest.memory_mib), body.resources.cpu_millis,
-                              body.resources.memory_mib)
+        cpu, memory = body.resources.cpu_millis, body.resources.memory_mib
+        too_big = (bigger_than((ours.largest.cpu_millis, ours.largest.memory_mib), cpu, memory)
+                   if ours.largest is not None  # else a scheduler of an earlier version: the workers as read
+                   else too_big_for_class(read.projection, cls, cpu, memory) if read.projection is not None else None)
         if too_big is not None:
             lines.append(f"warning: no registered worker of class {cls} is big enough for {aid}: {too_big}; "
                          f"resuming {aid} is refused (RESOURCE_EXHAUSTED) until a bigger worker registers")
@@ -908,9 +906,7 @@ def list_actors_cmd(sandbox_classes: tuple[str, ...], states: tuple[str, ...], w
         if pages is None:  # no scheduler answers: the whole log, folded here
             projection = (await replay(nc, prefix, Sink(), mode != "json")).projection
             return folded_actors(projection, query), runtimes_of(projection)
-        runtimes = await asked_runtimes(nc, prefix, target or None)
-        if runtimes is None:
-            runtimes = await runtime_labels(nc, prefix)
+        runtimes = await runtime_labels(nc, prefix, target or None)
         # the names the log's stamps and pins give the runtimes no worker names, as `runtimes_of` has them
         for page in pages:
             for r in (*page.stamp_names, *(s for row in page.actors

@@ -179,14 +179,15 @@ def registered_classes(runtimes: Runtimes) -> list[str]:
     return sorted({known.key[0] for known in runtimes.known.values() if known.run})
 
 
-async def runtime_labels(nc: Any, prefix: str) -> Runtimes:
+async def runtime_labels(nc: Any, prefix: str, min_seq: int | None = None) -> Runtimes:
     """The fleet's runtimes, to label those a reply names (`fleet_runtimes`). A reply is printed
     all the same when neither a scheduler says them nor the log can be read (a client's credentials
     may not read it: docs/security.md; NATS refuses the question at once; else the stream's question
     waits at most LABELS_TIMEOUT_S): then every label carries its runtime's digits
     (`Runtimes(complete=False)`), and stderr says so in one line (`readable_fleet`). Once the stream
-    has answered, the fleet is read whole, however long that takes."""
-    asked = await asked_runtimes(nc, prefix)
+    has answered, the fleet is read whole, however long that takes. `min_seq`: a scheduler's answer
+    at least of that sequence (`asked_runtimes`)."""
+    asked = await asked_runtimes(nc, prefix, min_seq)
     if asked is not None:
         return asked
     projection = await readable_fleet(nc, prefix)
@@ -835,9 +836,7 @@ def workers(sandbox_class: tuple[str, ...], nats_url: str, prefix: str, output: 
             projection = (await replay(nc, prefix, Sink(), mode != "json")).projection
             pages, runtimes = folded_workers(projection, query), runtimes_of(projection)
         else:
-            runtimes = await asked_runtimes(nc, prefix, target or None)
-            if runtimes is None:
-                runtimes = await runtime_labels(nc, prefix)
+            runtimes = await runtime_labels(nc, prefix, target or None)
         named = unknown(pages[0])
         if named is not None:  # a typo names the classes the fleet runs, as whatif's does (`check_class`)
             raise unknown_class(named, pages[0].classes)
