@@ -45,7 +45,7 @@ from nats.micro.service import Endpoint, EndpointConfig, Service
 from prometheus_client import Counter
 
 from events.codec import decode_reply, decode_request, encode
-from events.errors import ContractError, invalid, unavailable
+from events.errors import ContractError, exhausted, invalid, unavailable
 from events.natspy.connections import transport_lost
 from events.natspy.frames import DirectDelivery, deliver_core, guard_reads
 from events.natspy.headers import header_block
@@ -219,7 +219,7 @@ def wrap(spec: EndpointSpec, service: str) -> Callable[[Request], Awaitable[Cont
             waits = deadline.wait_ms(request.headers)
             body = decode_request(spec.request_type, request.data)
             deadline.begin(waits, getattr(request, "received_ns", None) or deadline.now_ns())
-            data = encode(await spec.handler(entity_id, body))
+            data = fitting(request, encode(await spec.handler(entity_id, body)))
         except ContractError as error:
             if isinstance(error, deadline.Expired):
                 EXPIRED.labels(service, spec.verb).inc()
@@ -242,6 +242,19 @@ def wrap(spec: EndpointSpec, service: str) -> Callable[[Request], Awaitable[Cont
         return None
 
     return handle
+
+
+def fitting(request: Request, data: bytes) -> bytes:
+    """`data`, the answer to `request`, if the server carries a message that large (its `max_payload`);
+    else RESOURCE_EXHAUSTED naming both sizes. An answer past it was sent to nobody (nats-py refuses to
+    publish it) and its caller waited out its time-out: a worker's registration of thousands of runtime
+    versions, within every bound of the schema, made `scheduler.runtimes` unanswerable for every client
+    and operator (docs/security.md, "What the permissions do not cover")."""
+    limit = getattr(getattr(getattr(request, "_msg", None), "_client", None), "max_payload", None)
+    if isinstance(limit, int) and 0 < limit < len(data):
+        raise exhausted(f"the answer is {len(data)} bytes, past the {limit} bytes the NATS server carries "
+                        "(its max_payload); ask for less, or raise the server's max_payload")
+    return data
 
 
 class OutageLog:
