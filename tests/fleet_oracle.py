@@ -592,10 +592,12 @@ class Fuzz:
         self.add(ActorReverted(at=self.at(), actor_id=aid, snapshot=a.snap, abandoned=abandoned))
 
     # the resume ---------------------------------------------------------------------------------
-    def decide_with(self, aid: str, request: dict | None, pending: dict, refusals: dict | None):
+    def decide_with(self, aid: str, request: dict | None, pending: dict, refusals: dict | None, on=None):
+        """`decide` on this life's projection (or on the projection `on`), at its position; the refusal."""
         from services.scheduler.decide import decide
+        p = self.p if on is None else on
         try:
-            return decide(self.p, aid, request, self.p.seq, pending, refusals)
+            return decide(p, aid, request, p.seq, pending, refusals)
         except ContractError as e:
             return e
 
