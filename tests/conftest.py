@@ -178,13 +178,34 @@ def _traffic_check(request):
     tap.finish(server.url if server is not None else None)
 
 
+# Under pytest-xdist (`make test` runs the suite in two processes) each worker has its own session,
+# server and tap; its report and verdict reach the controller in its `workeroutput`, which prints
+# them and fails the run for them.
+_WORKER_REPORTS: list[tuple[str, str, bool]] = []  # (worker, report, failed): at the controller
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session, exitstatus):
+    workeroutput = getattr(session.config, "workeroutput", None)  # set in an xdist worker only
     for tap in _TAPS:
-        if tap.finish(None).invalid or tap.tally.broken:
+        failed = bool(tap.finish(None).invalid or tap.tally.broken)
+        if failed:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        if workeroutput is not None:
+            workeroutput["traffic_check"] = (tap.report(), failed)
+    if any(failed for _, _, failed in _WORKER_REPORTS):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    report = getattr(node, "workeroutput", {}).get("traffic_check")
+    if report is not None:
+        _WORKER_REPORTS.append((node.gateway.id, *report))
 
 
 def pytest_terminal_summary(terminalreporter):
     for tap in _TAPS:
         terminalreporter.write_line(tap.report())
+    for worker, report, _ in _WORKER_REPORTS:
+        terminalreporter.write_line(f"[{worker}] {report}")

@@ -77,3 +77,41 @@ async def test_the_check_reads_back_every_event_stream_however_many_the_server_l
     finally:
         server.stop()
     assert (tally.streams, tally.checked["event"], tally.invalid) == (1, 1, 1), tap.report()
+
+
+def test_a_workers_failed_check_fails_the_run_of_the_suite_split_over_processes(tmp_path):
+    """`make test` runs the suite under pytest-xdist: each worker process has its own tap, and a body
+    that does not validate in any of them must fail the whole run and be printed, as in one process."""
+    import subprocess
+    import sys
+
+    from tests.conftest import TESTS
+
+    (tmp_path / "conftest.py").write_text(
+        "from tests.conftest import _TAPS, pytest_sessionfinish, pytest_terminal_summary, pytest_testnodedown\n")
+    (tmp_path / "test_some.py").write_text(
+        "from types import SimpleNamespace\n"
+        "from tests.conftest import _TAPS\n"
+        "class Tap:\n"
+        "    def __init__(self, invalid):\n"
+        "        self.tally = SimpleNamespace(invalid=invalid, broken=[])\n"
+        "    def finish(self, url):\n"
+        "        return self.tally\n"
+        "    def report(self):\n"
+        "        return f'TAP REPORT invalid={self.tally.invalid}'\n"
+        "def test_a(): _TAPS.append(Tap(0))\n"
+        "def test_b(): _TAPS.append(Tap(3))\n")
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+                               "--rootdir", str(tmp_path), *args, str(tmp_path)], cwd=TESTS.parent,
+                              capture_output=True, text=True, timeout=120)
+
+    split = run("-n", "2", "--dist", "load")
+    assert split.returncode == 1, split.stdout + split.stderr  # every test passed: the check failed it
+    assert "2 passed" in split.stdout and "TAP REPORT invalid=3" in split.stdout, split.stdout
+    (tmp_path / "test_some.py").write_text(
+        (tmp_path / "test_some.py").read_text().replace("Tap(3)", "Tap(0)"))
+    assert run("-n", "2", "--dist", "load").returncode == 0
+    one = run("-p", "no:xdist")  # and in one process, as before
+    assert one.returncode == 0 and "TAP REPORT invalid=0" in one.stdout, one.stdout
