@@ -283,10 +283,23 @@ class Heartbeat(Base, kw_only=True):
         "carries another: register again (docs/worker-agents.md)"))] = None
 
 
+class Drained(Base, kw_only=True):
+    """The drain in force on a worker (project addition): its `WorkerDrained` event."""
+
+    seq: Annotated[StreamSeq, Meta(description="the stream sequence of the worker's WorkerDrained event")]
+    reason: Reason | None = None
+
+
 class HeartbeatReply(Base, kw_only=True):
     ttl_s: Annotated[float, Meta(description=(
         "seconds from this beat until the worker is removed as LOST; written with a fraction (15.0), "
         "so decode it as a float. warmboot's agent beats every ttl_s / 3"))]
+    # Project addition: whether the registration in force is drained (an operator's `worker drain`), read
+    # from the registry's fold of the workers' events, as the beat's answer is (docs/contract.md, Additions).
+    drained: Annotated[Drained | None, Meta(description=(
+        "optional (project addition): the worker's drain in force in its current life (its WorkerDrained "
+        "event's seq and reason): it takes no new placements; null when it is not drained. Absent from a "
+        "registry of an earlier version: not known. warmboot's agent says each drain once"))] = None
 
 
 class DrainWorker(Base, kw_only=True):

@@ -335,7 +335,7 @@ async def test_agent_survives_a_nats_restart(tmp_path, prefix):
             _, changed = await wait_event(client, prefix, "w-a", RuntimeChanged, after=seq, timeout=30)
             assert same_version(changed.sandbox_classes[0].default_runtime.version, probed("v2"))
             reply, _ = await raw_request(client, prefix, "heartbeat", "w-a", {})
-            assert reply == {"ttl_s": 5.0}
+            assert reply == {"ttl_s": 5.0, "drained": None}
     finally:
         await client.close()
         server.stop()
@@ -432,11 +432,11 @@ async def test_after_a_nats_restart_the_agent_heartbeats_while_its_registration_
             assert agent.registering  # still on its way, a TTL on
             assert arrivals == 1  # 8 s on, not asked again
             reply, _ = await raw_request(client, prefix, "heartbeat", "w-a", {})
-            assert reply == {"ttl_s": 6.0}, reply  # not NOT_FOUND: never removed as LOST
+            assert reply == {"ttl_s": 6.0, "drained": None}, reply  # not NOT_FOUND: never removed as LOST
             release.set()
             await asyncio.wait_for(answered.wait(), 30)
             reply, _ = await raw_request(client, prefix, "heartbeat", "w-a", {})
-            assert reply == {"ttl_s": 6.0}, reply
+            assert reply == {"ttl_s": 6.0, "drained": None}, reply
         finally:
             release.set()
 
@@ -476,7 +476,7 @@ async def test_a_worker_removed_while_its_registration_waits_comes_back_and_keep
             await wait_event(client, prefix, "w-a", WorkerRegistered, after=reply["seq"])
             await asyncio.wait_for(beats.enough.wait(), 30)  # the new life beats on while the rest waits
             reply, _ = await raw_request(client, prefix, "heartbeat", "w-a", {})
-            assert reply == {"ttl_s": 6.0}, reply  # alive: not removed as LOST again
+            assert reply == {"ttl_s": 6.0, "drained": None}, reply  # alive: not removed as LOST again
         finally:
             release_first.set()
             release_rest.set()

@@ -236,6 +236,7 @@ WIRE_TYPES = [
     s.RuntimeForecast, s.FleetRuntime, s.BookedActor, s.LocalImage,
     s.ActorSnapshotSummary, s.ActorSummary,  # scheduler.actors
     s.WorkerSummary,  # scheduler.workers
+    s.Drained,  # HeartbeatReply.drained
 ]
 EVENT_TYPES = list(s.AnyEvent.__args__)
 

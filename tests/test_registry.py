@@ -410,11 +410,16 @@ async def test_a_heartbeat_looked_up_behind_another_replica_s_registration_is_no
     async with registered_behind(registry, nats_url, prefix, monkeypatch, "w-beat"):
         monkeypatch.setattr(registry.fold, "current", no_barrier)
         reply, _ = await raw_request(nc, prefix, "heartbeat", "w-beat", {})
-        assert reply == {"ttl_s": registry.ttl_s}, reply
+        assert reply == {"ttl_s": registry.ttl_s, "drained": None}, reply
         # a worker the leader does not have either stays NOT_FOUND, and nothing is put for it
         reply, _ = await raw_request(nc, prefix, "heartbeat", "w-never", {})
         assert reply["error"]["code"] == "NOT_FOUND"
         assert await registry.liveness.last_entry("w-never") == 0
+
+
+def beat_answer(registry) -> dict:
+    """A heartbeat's answer, of a worker that is not drained."""
+    return {"ttl_s": registry.ttl_s, "drained": None}
 
 
 async def test_a_heartbeat_keeps_alive_only_the_registration_whose_revision_it_names(registry, nc, prefix):
@@ -424,7 +429,7 @@ async def test_a_heartbeat_keeps_alive_only_the_registration_whose_revision_it_n
     after the second stopped (an audit). Without a revision, a beat is taken as before; so is
     every beat of a registration made without one."""
     await register(nc, prefix, registration("w-1", revision=100))
-    assert (await raw_request(nc, prefix, "heartbeat", "w-1", {"revision": 100}))[0] == {"ttl_s": registry.ttl_s}
+    assert (await raw_request(nc, prefix, "heartbeat", "w-1", {"revision": 100}))[0] == beat_answer(registry)
     put = await registry.liveness.last_entry("w-1")
     # another machine registers w-1 on its CPU, at a higher revision
     await register(nc, prefix, registration("w-1", default=runtime("amd"), revision=200))
@@ -433,18 +438,18 @@ async def test_a_heartbeat_keeps_alive_only_the_registration_whose_revision_it_n
     assert refused["error"]["code"] == "FAILED_PRECONDITION" and refused["error"]["field"] == "revision", refused
     assert "registration in force is revision 200, not 100" in refused["error"]["message"]
     assert await registry.liveness.last_entry("w-1") == after_amd > put  # the refusal put nothing
-    assert (await raw_request(nc, prefix, "heartbeat", "w-1", {"revision": 200}))[0] == {"ttl_s": registry.ttl_s}
-    assert (await raw_request(nc, prefix, "heartbeat", "w-1", {}))[0] == {"ttl_s": registry.ttl_s}
+    assert (await raw_request(nc, prefix, "heartbeat", "w-1", {"revision": 200}))[0] == beat_answer(registry)
+    assert (await raw_request(nc, prefix, "heartbeat", "w-1", {}))[0] == beat_answer(registry)
     # the first machine registers again above it: its beats are the ones taken now
     await register(nc, prefix, registration("w-1", revision=300))
-    assert (await raw_request(nc, prefix, "heartbeat", "w-1", {"revision": 300}))[0] == {"ttl_s": registry.ttl_s}
+    assert (await raw_request(nc, prefix, "heartbeat", "w-1", {"revision": 300}))[0] == beat_answer(registry)
     assert (await raw_request(nc, prefix, "heartbeat", "w-1", {"revision": 200}))[0]["error"]["field"] == "revision"
     # a registration without a revision: nothing to tell beats apart by
     await register(nc, prefix, registration("w-2"))
-    assert (await raw_request(nc, prefix, "heartbeat", "w-2", {"revision": 7}))[0] == {"ttl_s": registry.ttl_s}
+    assert (await raw_request(nc, prefix, "heartbeat", "w-2", {"revision": 7}))[0] == beat_answer(registry)
     # the same content at a higher revision writes (WorkerUpdated): the roster holds that one
     await register(nc, prefix, registration("w-1", revision=400))
-    assert (await raw_request(nc, prefix, "heartbeat", "w-1", {"revision": 400}))[0] == {"ttl_s": registry.ttl_s}
+    assert (await raw_request(nc, prefix, "heartbeat", "w-1", {"revision": 400}))[0] == beat_answer(registry)
 
 
 async def test_a_drain_naming_a_registration_drains_only_that_one(registry, nc, prefix):
@@ -482,14 +487,14 @@ async def test_a_revision_of_zero_is_told_apart_as_any_other(registry, nc, prefi
     refused, _ = await raw_request(nc, prefix, "heartbeat", "w-z", {"revision": 1})
     assert refused["error"]["code"] == "FAILED_PRECONDITION" and refused["error"]["field"] == "revision", refused
     assert "registration in force is revision 0, not 1" in refused["error"]["message"]
-    assert (await raw_request(nc, prefix, "heartbeat", "w-z", {"revision": 0}))[0] == {"ttl_s": registry.ttl_s}
+    assert (await raw_request(nc, prefix, "heartbeat", "w-z", {"revision": 0}))[0] == beat_answer(registry)
     await register(nc, prefix, registration("w-z", default=runtime("amd"), revision=1))
     put = await registry.liveness.last_entry("w-z")
     refused, _ = await raw_request(nc, prefix, "heartbeat", "w-z", {"revision": 0})
     assert refused["error"]["code"] == "FAILED_PRECONDITION" and refused["error"]["field"] == "revision", refused
     assert "registration in force is revision 1, not 0" in refused["error"]["message"]
     assert await registry.liveness.last_entry("w-z") == put  # the refusal put nothing
-    assert (await raw_request(nc, prefix, "heartbeat", "w-z", {"revision": 1}))[0] == {"ttl_s": registry.ttl_s}
+    assert (await raw_request(nc, prefix, "heartbeat", "w-z", {"revision": 1}))[0] == beat_answer(registry)
 
 
 async def test_a_registration_without_a_revision_leaves_none_in_force(registry, nc, prefix):
@@ -506,7 +511,7 @@ async def test_a_registration_without_a_revision_leaves_none_in_force(registry, 
     assert (await register(nc, prefix, registration("w-1", labels={"zone": "b"})))["outcome"] == "UPDATED"
     for revision in (100, 7):
         beat, _ = await raw_request(nc, prefix, "heartbeat", "w-1", {"revision": revision})
-        assert beat == {"ttl_s": registry.ttl_s}, (revision, beat)
+        assert beat == {"ttl_s": registry.ttl_s, "drained": None}, (revision, beat)
 
 
 async def test_a_drain_read_behind_another_replica_s_new_life_drains_it(registry, nats_url, nc, prefix, monkeypatch):
@@ -703,7 +708,8 @@ async def test_drain_and_remove(registry, nc, prefix):
     assert retried == again  # a retry gets the first answer, the flag with it (kept: it wrote nothing)
 
     hb, _ = await raw_request(nc, prefix, "heartbeat", "w-1", {})
-    assert hb == {"ttl_s": 15.0}  # a drained worker is still alive
+    # a drained worker is still alive, and the answer names its drain (project addition)
+    assert hb == {"ttl_s": 15.0, "drained": {"seq": drained["seq"], "reason": "kernel upgrade"}}
 
     removed, _ = await raw_request(nc, prefix, "remove", "w-1", {"reason": "decommissioned"})
     events = await worker_events(nc, prefix, "w-1")
@@ -800,7 +806,7 @@ async def test_silent_worker_removed_as_lost_exactly_once_with_two_replicas(nats
         await register(nc, prefix, registration("w-silent"))
         await register(nc, prefix, registration("w-beating"))
         beat, _ = await raw_request(nc, prefix, "heartbeat", "w-beating", {})
-        assert beat == {"ttl_s": 1.0}
+        assert beat == {"ttl_s": 1.0, "drained": None}
 
         seq, removed = await wait_event(nc, prefix, "w-silent", WorkerRemoved, after=start)
         assert removed.reason == "LOST"

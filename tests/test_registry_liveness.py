@@ -169,7 +169,7 @@ async def test_a_started_replica_has_every_registered_worker(nats_url, nc, prefi
     async with running_registry(nats_url, prefix) as later:
         assert sorted(later.roster.registered()) == ["w-1", "w-2", "w-3", "w-4"]
         for n in range(1, 5):
-            assert (await raw_request(nc, prefix, "heartbeat", f"w-{n}", {}))[0] == {"ttl_s": 15.0}
+            assert (await raw_request(nc, prefix, "heartbeat", f"w-{n}", {}))[0] == {"ttl_s": 15.0, "drained": None}
         reply, _ = await raw_request(nc, prefix, "heartbeat", "w-0", {})
         assert reply["error"]["code"] == "NOT_FOUND"
 
@@ -183,7 +183,7 @@ async def test_a_heartbeat_answers_once_its_put_is_stored(nats_url, nc, prefix):
         js = nc.jetstream()
         stream = f"KV_{bucket_name(prefix, 'heartbeats')}"
         before = (await js.stream_info(stream)).state.last_seq
-        assert (await raw_request(nc, prefix, "heartbeat", "w-1", {}))[0] == {"ttl_s": 15.0}
+        assert (await raw_request(nc, prefix, "heartbeat", "w-1", {}))[0] == {"ttl_s": 15.0, "drained": None}
         entry = await js.get_msg(stream, subject=f"$KV.{bucket_name(prefix, 'heartbeats')}.w-1")
         assert entry.seq > before and entry.headers["Nats-TTL"] == "15s"
         assert msgspec.json.decode(entry.data)["ttl_s"] == 15.0
@@ -503,7 +503,7 @@ async def test_an_expiry_handled_on_a_read_behind_the_worker_s_new_life_still_en
 
         registry.store.lose = noted
         reply, _ = await raw_request(nc, prefix, "heartbeat", "w-1", {})
-        assert reply == {"ttl_s": registry.ttl_s}, reply  # the roster has the new life: its clock runs
+        assert reply == {"ttl_s": registry.ttl_s, "drained": None}, reply  # the roster has the new life: its clock runs
         try:
             _, removed = await wait_event(nc, prefix, "w-1", WorkerRemoved, after=again, timeout=15)
         except AssertionError:
@@ -559,7 +559,7 @@ async def test_a_ttl_that_is_no_whole_number_of_seconds_is_rounded_up(nats_url, 
     mutant of `Liveness.__init__` that rounds the TTL down."""
     async with running_registry(nats_url, prefix, ttl_s=1.5) as registry:
         await raw_request(nc, prefix, "register", "w-1", registration("w-1"))
-        assert (await raw_request(nc, prefix, "heartbeat", "w-1", {}))[0] == {"ttl_s": 1.5}
+        assert (await raw_request(nc, prefix, "heartbeat", "w-1", {}))[0] == {"ttl_s": 1.5, "drained": None}
         bucket = bucket_name(prefix, "heartbeats")
         entry = await nc.jetstream().get_msg(f"KV_{bucket}", subject=f"$KV.{bucket}.w-1")
         assert entry.seq == await registry.liveness.last_entry("w-1")

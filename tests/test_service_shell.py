@@ -199,7 +199,7 @@ async def test_only_inbox_replies_are_processed(nc, prefix, probe):
     for reply in (None, f"{prefix}.registry.drain.w-2", "$KV.X.y", "INBOX.x", f"_INBOX._{prefix}.own"):
         await nc.publish(subject, b"{}", reply=reply or "")
     msg = await nc.request(subject, b"{}", timeout=10)  # the same subscription, after them
-    assert json.loads(msg.data) == {"ttl_s": 1.0}
+    assert json.loads(msg.data) == {"ttl_s": 1.0, "drained": None}
     assert probe.calls == 1
     assert (await stats(nc, "warmboot-probe"))["answer"]["num_requests"] == 1
 
@@ -229,7 +229,7 @@ async def test_a_reply_subject_that_only_begins_like_an_inbox_is_not_answered(nc
     for reply in replies:
         await nc.publish(subject, b"{}", reply=reply)
     msg = await nc.request(subject, b"{}", timeout=10)  # the same subscription, after them
-    assert json.loads(msg.data) == {"ttl_s": 1.0}
+    assert json.loads(msg.data) == {"ttl_s": 1.0, "drained": None}
     await nc.flush()  # anything answered to the spies before that answer has arrived too
     for s in spies:
         await s.unsubscribe()
@@ -271,7 +271,7 @@ async def test_a_request_that_waited_for_a_slot_is_checked_as_one_that_did_not(n
         await nc.flush()  # the service's connection is this one: it has read all three, queued behind the slot
         assert micro.endpoint_slots["answer"].free == 0
         gate.set()
-        assert json.loads((await good).data) == {"ttl_s": 1.0}
+        assert json.loads((await good).data) == {"ttl_s": 1.0, "drained": None}
         await slow
         await nc.flush()  # anything answered to the target before the good answer has arrived too
     finally:
@@ -289,7 +289,7 @@ async def test_an_answer_carries_none_of_the_requests_headers(nc, prefix, probe)
     subject = service_subject(prefix, "probe", "answer", "w-1")
     chosen = {"X-Echo": "1", "Nats-Msg-Id": "chosen"}
     answer = await nc.request(subject, b"{}", headers=chosen, timeout=10)
-    assert json.loads(answer.data) == {"ttl_s": 1.0} and not answer.headers
+    assert json.loads(answer.data) == {"ttl_s": 1.0, "drained": None} and not answer.headers
     refused = await nc.request(service_subject(prefix, "probe", "answer", "missing"), b"{}", headers=chosen,
                                timeout=10)
     assert set(refused.headers) == {"Nats-Service-Error", "Nats-Service-Error-Code"}
@@ -754,7 +754,7 @@ async def test_a_service_serves_at_most_max_concurrent_requests_at_once_and_answ
     finally:
         await micro.stop()
     assert most == 5
-    assert [json.loads(r.data) for r in replies] == [{"ttl_s": 1.0}] * 200
+    assert [json.loads(r.data) for r in replies] == [{"ttl_s": 1.0, "drained": None}] * 200
     assert sorted(served) == sorted(f"w-{i}" for i in range(200))
     assert micro.endpoint_slots["answer"].free == 5
 
@@ -786,10 +786,10 @@ async def test_a_backlog_on_one_endpoint_does_not_hold_up_another(nc, prefix):
         await asyncio.wait_for(full.wait(), 30)
         for i in range(20):
             reply = await nc.request(service_subject(prefix, "split", "quick", f"w-{i}"), b"{}", timeout=10)
-            assert json.loads(reply.data) == {"ttl_s": 1.0}
+            assert json.loads(reply.data) == {"ttl_s": 1.0, "drained": None}
         assert micro.endpoint_slots["slow"].free == 0 and not any(r.done() for r in held)
         gate.set()
-        assert [json.loads(r.data) for r in await asyncio.gather(*held)] == [{"ttl_s": 2.0}] * 44
+        assert [json.loads(r.data) for r in await asyncio.gather(*held)] == [{"ttl_s": 2.0, "drained": None}] * 44
     finally:
         gate.set()
         await micro.stop()

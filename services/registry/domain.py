@@ -164,7 +164,8 @@ class Worker(WireAggregate):
         self.capacity: Resources | None = None
         self.labels: Labels = {}
         self.sandbox_classes: tuple[WorkerSandboxClass, ...] = ()
-        self.drained = False
+        # the drain in force in this life: the version of its WorkerDrained and the reason it gives
+        self.drain_in_force: tuple[int, str | None] | None = None
         self.removed_reason: str | None = None
         self.revision: int | None = None  # the highest a registration of any life recorded
         self.in_force: int | None = None  # the revision of the registration in force (the roster's `revision`)
@@ -293,6 +294,10 @@ class Worker(WireAggregate):
         self.record(WorkerRemoved(at=at, worker_id=self.entity_id, reason=LOST))
         return True
 
+    @property
+    def drained(self) -> bool:
+        return self.drain_in_force is not None
+
     def require_alive(self) -> None:
         if not self.alive:
             if self.lives:
@@ -347,7 +352,7 @@ class Worker(WireAggregate):
     def when_WorkerRegistered(self, event: WorkerRegistered) -> None:
         self.alive = True
         self.lives += 1
-        self.drained = False
+        self.drain_in_force = None
         self.removed_reason = None
         self.node, self.capacity, self.labels = event.node, event.capacity, dict(event.labels)
         self.sandbox_classes = canonical_classes(event.sandbox_classes)
@@ -365,11 +370,11 @@ class Worker(WireAggregate):
         self.in_force = event.revision
 
     def when_WorkerDrained(self, event: WorkerDrained) -> None:
-        self.drained = True
+        self.drain_in_force = (self.version + 1, event.reason)  # (applied before the version moves on)
 
     def when_WorkerRemoved(self, event: WorkerRemoved) -> None:
         self.alive = False
-        self.drained = False
+        self.drain_in_force = None
         self.removed_reason = event.reason or ""
         self._revised(event.revision)
         self.in_force = None

@@ -4,7 +4,8 @@
 a start replays worker events only) with an ordered push consumer into a callback,
 the fastest way nats-py reads a stream, and folds each event's type and sequence
 into a `Roster` (`services.registry.roster`). The event store's topic header names the
-type; of the bodies, only a registration's and an update's are read, for their node.
+type; of the bodies, only a registration's and an update's are read, for their node (and
+revision), and a drain's, for its reason.
 
 `current()` is the barrier a heartbeat is answered behind: it returns once the fold
 holds every worker event that was stored before the call, written by this replica
@@ -42,9 +43,10 @@ from events.jetstream.retry import REQUEST_TIMEOUT
 from events.nats_codes import ERR_NO_MESSAGE_FOUND
 from events.natspy.headers import use_lean_headers
 from events.natspy.jetstream import NO_DROPS, ORDERED_IDLE_HEARTBEAT_S, ApiError, MsgGetAnswer, ack_positions, ack_time
+from events.schema import Reason
 from events.subjects import event_subject, stream_name
 from events.tasks import cancel_and_wait
-from services.registry.roster import NAMES_NODE, REVISES, Roster
+from services.registry.roster import DRAINS, NAMES_NODE, REVISES, Roster
 from services.streams import answered_by_leader, until_answered
 
 log = logging.getLogger("warmboot.registry")
@@ -78,6 +80,12 @@ class _Registered(msgspec.Struct):
     revision: int | None = None
 
 
+class _Drain(msgspec.Struct):
+    """The field of a drain's body the roster keeps: as the wire bounds it, since a heartbeat's answer
+    carries it (a body not written by the registry, beyond the bounds, is read as giving no reason)."""
+    reason: Reason | None = None
+
+
 def _not_yet(answer: Any) -> bool:
     """An answer the stream cannot give yet: a 5xx (no leader, no quorum), or a STREAM.INFO from a
     member while its group has no leader (`answered_by_leader`)."""
@@ -85,6 +93,7 @@ def _not_yet(answer: Any) -> bool:
 
 
 _registered_decoder = msgspec.json.Decoder(_Registered)
+_drain_decoder = msgspec.json.Decoder(_Drain)
 _info_decoder = msgspec.json.Decoder(_StreamInfo)
 _get_decoder = msgspec.json.Decoder(MsgGetAnswer)
 
@@ -159,8 +168,14 @@ class RosterFold:
                 self.errors += 1
                 log.warning("message %d on %s is not a worker event; skipped", seq, msg.subject)
                 event_type = ""
-        node = revision = None
-        if event_type in REVISES:
+        node = revision = reason = None
+        if event_type == DRAINS:
+            try:
+                reason = _drain_decoder.decode(msg.data).reason
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                self.errors += 1
+                log.warning("message %d on %s: no reason read from its body", seq, msg.subject)
+        elif event_type in REVISES:
             try:
                 read = _registered_decoder.decode(msg.data)
             except (msgspec.DecodeError, msgspec.ValidationError):
@@ -170,7 +185,7 @@ class RosterFold:
                 node = read.node if event_type in NAMES_NODE else None
                 revision = read.revision
         worker_id = msg.subject[len(self.subject_prefix):]
-        self.roster.apply(seq, worker_id, event_type, node, revision)
+        self.roster.apply(seq, worker_id, event_type, node, revision, reason)
         if node is not None and self.on_node is not None and self.roster.alive(worker_id):
             self.on_node(worker_id, node)
         self.mark = (seq, ack_time(msg.reply) // 1000)

@@ -53,6 +53,7 @@ from events.errors import ContractError, UnreadableHistory, exhausted, invalid, 
 from events.jetstream.link import links_on
 from events.natspy.publish import flush_in_order
 from events.schema import (
+    Drained,
     DrainWorker,
     ErrorCode,
     Heartbeat,
@@ -331,16 +332,21 @@ class RegistryStore(WireApplication):
             await self._confirm_read(worker)
         return await self._commit(worker)
 
-    async def require_alive(self, worker_id: str, confirm: bool = False) -> tuple[str, int | None]:
-        """NOT_FOUND unless the worker is in a life; the node it registered on, and the revision of
-        its registration in force (`Worker.in_force`). With `confirm`, in a life only as the stream
+    async def require_alive(self, worker_id: str, confirm: bool = False
+                            ) -> tuple[str, int | None, Drained | None]:
+        """NOT_FOUND unless the worker is in a life; the node it registered on, the revision of
+        its registration in force (`Worker.in_force`), and its drain in this life (None: not drained,
+        or the drain's sequence not known). With `confirm`, in a life only as the stream
         leader has it too (IntegrityError, decided again on the leader's history, if it has more:
         `confirm_unchanged`)."""
         worker = await self.load(worker_id)
         worker.require_alive()
         if confirm:
             await confirm_unchanged(self.recorder, worker.id, self._read_up_to(worker))
-        return worker.node, worker.in_force
+        drained = None
+        if worker.drain_in_force is not None and (seq := worker.seq_at(worker.drain_in_force[0])):
+            drained = Drained(seq=seq, reason=worker.drain_in_force[1])
+        return worker.node, worker.in_force, drained
 
     def _read_up_to(self, worker: Worker) -> int:
         """The stream sequence of the last event of the worker's history as loaded (what this process
@@ -612,10 +618,10 @@ class RegistryService:
             alive, current = False, False
         if alive and not await self.watch.confirmed():
             alive = False
-        node = in_force = None
+        node = in_force = drained = None
         if not alive:
             try:
-                node, in_force = await run_command_async(
+                node, in_force, drained = await run_command_async(
                     lambda: self.store.require_alive(worker_id, confirm=current), recheck=self._recheck(worker_id))
             except ContractError as error:
                 if error.code is not ErrorCode.NOT_FOUND:
@@ -630,7 +636,8 @@ class RegistryService:
                 node, in_force = self.roster.node(worker_id), self.roster.revision(worker_id)
             check_beats_in_force(worker_id, request.revision, in_force, node)
         await self.liveness.beat(worker_id)
-        return HeartbeatReply(ttl_s=self.ttl_s)
+        # whether it is drained: a dict entry of the roster (each beat's cost counts), or what its history said
+        return HeartbeatReply(ttl_s=self.ttl_s, drained=self.roster.drained(worker_id) if alive else drained)
 
     async def drain(self, worker_id: str, request: DrainWorker) -> SeqReply:
         async with self._workers(worker_id):
