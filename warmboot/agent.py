@@ -49,7 +49,12 @@ The agent then:
 - on SIGTERM/SIGINT drains the worker first if asked (`--drain-on-exit`), then
   stops; if its registration was still on its way, the drain waits for it (up to
   the drain's 5 s). A drained worker stays drained when its agent comes back before
-  the registry's TTL; once removed as LOST it registers anew, undrained.
+  the registry's TTL; once removed as LOST it registers anew, undrained;
+- says, once per drain, that the worker is drained (`worker W is drained (seq N, reason
+  '...')`, a warning), when a heartbeat's answer names a drain it has not said nor sent
+  itself (`HeartbeatReply.drained`, a project addition): an operator's `warmboot worker drain`,
+  or, after the agent's restart, the drain in force before it (its own at exit included). A
+  registry of an earlier version says nothing of drains, and neither does the agent.
 
 Requests use the inbox prefix `_INBOX.<worker_id>` so that, with the
 configuration of `warmboot nats-config`, a worker's credentials can receive
@@ -81,6 +86,7 @@ from events.natspy.frames import guard_reads
 from events.compat import compat_key
 from events.runtime_id import short_id
 from events.schema import (
+    Drained,
     DrainWorker,
     MAX_REVISION,
     ErrorCode,
@@ -260,6 +266,22 @@ def still_superseded(answer: HeartbeatReply | ContractError | None, worker_id: s
         "registration has ended: removed, or LOST)", "revision", node=held.node, revision=held.revision)
 
 
+def drain_to_say(drained: Drained | None, known: int) -> bool:
+    """Whether a heartbeat's answer names a drain the agent says: one (its `WorkerDrained`'s sequence) above
+    `known`, the sequence of the latest drain it said, or sent itself (its answer's, which is at or after the
+    drain's). So each drain is said once, at the first beat that names it, and not the agent's own at its
+    exit; a drain of a later life of the worker (a new life is undrained) has a higher sequence, and is said
+    too. None (not drained, or a registry of an earlier version, which says nothing) says nothing."""
+    return drained is not None and drained.seq > known
+
+
+def said_drained(worker_id: str, drained: Drained) -> str:
+    """What the agent says of a drain `drain_to_say` chose."""
+    reason = "no reason given" if drained.reason is None else f"reason {drained.reason!r}"
+    return (f"worker {worker_id} is drained (seq {drained.seq}, {reason}): it takes no new placements; its actors "
+            "stay until stopped or moved")
+
+
 class RevisionFile:
     """The last revision an agent made for its worker, kept on disk across its processes.
 
@@ -435,6 +457,8 @@ class Agent:
         # alive whatever registration holds the worker, another machine's included)
         self._beats: int | None = None
         self._beats_refused: int | None = None  # the `_beats` a refused beat registered this machine again for
+        # the sequence of the latest drain this process said, or sent itself (`drain_to_say`); 0: none
+        self._drain_known = 0
         # another agent of this worker id, on another node, registered it since: this one stops (`run` raises it)
         self.superseded: Superseded | None = None
         self._superseding = asyncio.Event()  # set with `superseded`: wakes the loop of a refusal in a background beat
@@ -1137,6 +1161,9 @@ class Agent:
             self._register_again(stop)
             return
         self.ttl_s, self._ttl_learnt = reply.ttl_s, True
+        if drain_to_say(reply.drained, self._drain_known):
+            self._drain_known = reply.drained.seq
+            log.warning("%s", said_drained(self.worker_id, reply.drained))
 
     def _not_beating(self, why: str | None) -> bool:
         """Whether a beat is held back for `why` (said)."""
@@ -1172,10 +1199,12 @@ class Agent:
                     body = msgspec.structs.replace(body, revision=named[0])
 
         try:
-            return await asyncio.wait_for(drained(), timeout_s)
+            reply = await asyncio.wait_for(drained(), timeout_s)
         except (asyncio.TimeoutError, asyncio.CancelledError, ContractError) as e:
             log.warning("could not drain %s: %s", self.worker_id, e)
             return None
+        self._drain_known = max(self._drain_known, reply.seq)  # said by its caller: no beat says it again
+        return reply
 
     async def _superseded_now(self, timeout_s: float = 2.0) -> Superseded | None:
         """Before the drain at exit: a beat naming this agent's registration, and Superseded (said) if the
