@@ -19,6 +19,17 @@ from warmboot.natsserver import NatsServer
 TESTS = Path(__file__).parent
 
 
+def pytest_configure(config):
+    """The CLI's tables fit $COLUMNS when it is set (`warmboot.render.terminal_width`), and the tests read
+    them as written to a file, unless a test sets it: a width the runner's environment gives is not
+    the tests' to inherit (pytest-xdist's workers run with COLUMNS=80: `workers` then dropped columns
+    that two tests read)."""
+    import os
+
+    for name in ("COLUMNS", "LINES"):
+        os.environ.pop(name, None)
+
+
 def pytest_asyncio_loop_factories(config, item):
     """The tests' event loop is the one the services run on (`services.process.run_serving`):
     uvloop, or asyncio's own with WARMBOOT_EVENT_LOOP=asyncio."""
