@@ -650,14 +650,23 @@ def test_a_ctrl_c_stops_a_command_with_status_130_and_says_so():
 
     from tests.secured_helpers import WARMBOOT
 
-    with socket.create_server(("127.0.0.1", 0)) as listener:  # takes the connection, says nothing
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # greets, then says nothing more
         listener.settimeout(30)
         port = listener.getsockname()[1]
         command = subprocess.Popen([WARMBOOT, "workers", "--nats", f"nats://127.0.0.1:{port}"],
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
-            connection, _ = listener.accept()  # the command is waiting for the server's greeting
-            with connection:
+            while True:  # the command's connection, told by the name it signs in with: a client of another
+                # test reconnecting to a server whose port this listener was given since (the suite runs in
+                # two processes) connects too, and a Ctrl-C sent then reached the command as it started
+                connection, _ = listener.accept()
+                connection.settimeout(30)
+                connection.sendall(b'INFO {"server_id":"silent","version":"2.10.0","proto":1,"headers":true,'
+                                   b'"max_payload":1048576}\r\n')
+                if b'"warmboot-cli"' in connection.recv(65536):  # CONNECT {..., "name": "warmboot-cli", ...}
+                    break
+                connection.close()
+            with connection:  # the command is waiting for the server's answer to its CONNECT and PING
                 command.send_signal(signal.SIGINT)
                 _, err = command.communicate(timeout=30)
         finally:
