@@ -640,6 +640,10 @@ async def test_the_client_refuses_a_url_that_is_none_as_the_cli_does(url, says):
     assert says in refused.value.message, refused.value.message
 
 
+SIGINT_AT_DEFAULT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                     "signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT]); os.execv(sys.argv[1], sys.argv[1:])")
+
+
 def test_a_ctrl_c_stops_a_command_with_status_130_and_says_so():
     """A one-shot command stopped by Ctrl-C (SIGINT) while it waits for its server: exit status 130
     and "interrupted", as shells report it; it was click's "Aborted!" and status 1, which scripts
@@ -647,14 +651,19 @@ def test_a_ctrl_c_stops_a_command_with_status_130_and_says_so():
     import signal
     import socket
     import subprocess
+    import sys
 
     from tests.secured_helpers import WARMBOOT
 
     with socket.create_server(("127.0.0.1", 0)) as listener:  # greets, then says nothing more
         listener.settimeout(30)
         port = listener.getsockname()[1]
-        command = subprocess.Popen([WARMBOOT, "workers", "--nats", f"nats://127.0.0.1:{port}"],
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # started as a shell in a terminal starts it, SIGINT at its default: a process started in the
+        # background by a shell without job control (`make test &`, a CI runner) ignores SIGINT, and its
+        # children inherit that, so the command never heard the Ctrl-C (it failed that way under xdist)
+        command = subprocess.Popen([sys.executable, "-c", SIGINT_AT_DEFAULT, WARMBOOT, "workers", "--nats",
+                                    f"nats://127.0.0.1:{port}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True)
         try:
             while True:  # the command's connection, told by the name it signs in with: a client of another
                 # test reconnecting to a server whose port this listener was given since (the suite runs in
