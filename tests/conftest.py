@@ -1,4 +1,5 @@
-"""Shared fixtures: one real nats-server for the whole session, a fresh prefix per test.
+"""Shared fixtures: one real nats-server for the whole session (one per process: `make test` runs the
+suite in two, with pytest-xdist), a fresh prefix per test.
 
 Every bus test uses `nats_server` (session-scoped, JetStream on a temporary store)
 and `prefix` (a new subject prefix, so tests never see each other's streams).
