@@ -41,6 +41,8 @@ class Commands(click.Group):
     def make_context(self, *args, **kwargs) -> click.Context:  # the top level's own options and arguments
         try:
             return super().make_context(*args, **kwargs)
+        except KeyboardInterrupt:  # as the command starts (it was click's "Aborted!" and 1 there)
+            raise interrupted() from None
         except click.ClickException as e:
             raise restyled(e) from None
 
@@ -48,10 +50,15 @@ class Commands(click.Group):
         try:
             return super().invoke(ctx)
         except KeyboardInterrupt:
-            click.echo("interrupted", err=True)
-            raise click.exceptions.Exit(INTERRUPTED_EXIT) from None
+            raise interrupted() from None
         except click.ClickException as e:
             raise restyled(e) from None
+
+
+def interrupted() -> click.exceptions.Exit:
+    """What a Ctrl-C ends a command with: "interrupted" said, exit status 130."""
+    click.echo("interrupted", err=True)
+    return click.exceptions.Exit(INTERRUPTED_EXIT)
 
 
 @click.group(cls=Commands, context_settings={"help_option_names": ["-h", "--help"]})
