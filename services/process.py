@@ -10,7 +10,7 @@ import errno
 import gc
 import logging
 import os
-from typing import Awaitable, Callable, TypeVar
+from typing import Awaitable, Callable, NamedTuple, TypeVar
 
 from events.subjects import services_inbox
 
@@ -105,8 +105,21 @@ ALL_INTERFACES = "::"  # IPv6's and, dual-stack as Linux has it by default, IPv4
 IPV4_INTERFACES = "0.0.0.0"  # where a host has no IPv6
 
 
+class Metrics(NamedTuple):
+    """Metrics being served: the port, and how to stop (the server's thread ends, its port is free)."""
+
+    port: int
+    close: Callable[[], None]
+
+
 def start_metrics(port: int | None, host: str = LOOPBACK) -> int | None:
-    """Serve prometheus-client's default registry on `host`:`port` (0: any free port); the port.
+    """`serve_metrics`'s port, for a process that serves them until it exits (a bench)."""
+    served = serve_metrics(port, host)
+    return served.port if served is not None else None
+
+
+def serve_metrics(port: int | None, host: str = LOOPBACK) -> Metrics | None:
+    """Serve prometheus-client's default registry on `host`:`port` (0: any free port), until closed.
     On every interface (ALL_INTERFACES) of a host without IPv6, on every IPv4 one."""
     if port is None:
         return None
@@ -122,7 +135,12 @@ def start_metrics(port: int | None, host: str = LOOPBACK) -> int | None:
     except OSError as e:  # said as what it is: the caller's option, not a traceback of the http server
         raise OSError(e.errno, f"cannot serve metrics on {host}:{port}: {e.strerror or e}"
                                + ("; try another --metrics-port, or 0 for any free one" if port else "")) from None
-    return server.server_port
+
+    def close() -> None:
+        server.shutdown()
+        server.server_close()
+
+    return Metrics(server.server_port, close)
 
 
 def metrics_url(host: str, port: int) -> str:

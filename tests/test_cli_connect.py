@@ -1131,3 +1131,21 @@ def test_a_ctrl_c_as_the_command_line_is_read_stops_it_with_status_130_too(monke
     monkeypatch.setattr(click.Group, "parse_args", interrupted)
     result = CliRunner().invoke(main, ["workers"])
     assert (result.exit_code, result.output.strip()) == (130, "interrupted"), result.output
+
+
+def test_up_that_fails_to_start_leaves_its_metrics_port_free(tmp_path):
+    """`up` binds its metrics port before it starts NATS; a start that fails (NATS's port taken) left the
+    metrics server bound in the process, so an in-process caller (a test, an embedding) could not bind
+    it again. Its metrics port is free once it has failed."""
+    import socket
+
+    held = NatsServer((tmp_path / "other").resolve(), name="other").start()  # a NATS on the port
+    metrics_port = free_port()
+    try:
+        result = CliRunner().invoke(main, ["up", "--store", str(tmp_path / "store"), "--port", str(held.port),
+                                           "--metrics-port", str(metrics_port)])
+        assert result.exit_code == 1, result.output
+    finally:
+        held.stop()
+    with socket.socket() as again:
+        again.bind(("127.0.0.1", metrics_port))  # OSError (address in use) while the metrics server holds it

@@ -14,7 +14,7 @@ from rich.console import Console
 
 from events.errors import ContractError
 from events.subjects import DEFAULT_PREFIX, stream_name
-from services.process import LOOPBACK, metrics_url, run_serving, start_metrics, tune_gc
+from services.process import LOOPBACK, metrics_url, run_serving, serve_metrics, tune_gc
 from services.scheduler.checkpoint import DEFAULT_EVERY_EVENTS, DEFAULT_INTERVAL_S
 from warmboot.cli_common import IntRange, check_prefix_option, event_loop_option
 from warmboot.demo import CLASSES, MIN_WORKERS, DemoConfig, run_demo, size_error
@@ -69,7 +69,7 @@ def up(port: int, store: Path, prefix: str, metrics_port: int, demo: bool, exit_
     if server.lock_path.exists():  # a store that may be in use: said first, as before the metrics' check
         _lock(server, store)
     try:  # before the store is made: a port taken is said with nothing written, as a NATS port taken is
-        metrics = start_metrics(metrics_port)
+        metrics = serve_metrics(metrics_port)
     except OSError as e:
         server.unlock()
         raise click.ClickException(str(e)) from None
@@ -88,7 +88,7 @@ def up(port: int, store: Path, prefix: str, metrics_port: int, demo: bool, exit_
             console.print(f"NATS     {server.url}  (JetStream stream {stream_name(prefix)} in {store})")
             console.print(f"services {', '.join(f'warmboot-{n}' for n in running.names)}")
             if metrics:
-                console.print(f"metrics  {metrics_url(LOOPBACK, metrics)}")
+                console.print(f"metrics  {metrics_url(LOOPBACK, metrics.port)}")
 
             async def serve_on() -> None:
                 with stop_signals() as stop:  # before the line that says so: see stop_signals
@@ -116,6 +116,8 @@ def up(port: int, store: Path, prefix: str, metrics_port: int, demo: bool, exit_
     except OSError as e:  # a store that cannot be written
         raise click.ClickException(str(e)) from None
     finally:
+        if metrics:  # an in-process caller goes on (it stayed bound after a failed start)
+            metrics.close()
         server.stop_process()
         try:
             if locked and not served:  # nothing was ever served from what it made

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 from events.natsauth import redact_url
 from events.natspy.connections import close
 from events.subjects import check_prefix, services_inbox
-from services.process import LOOPBACK, metrics_url, start_metrics
+from services.process import LOOPBACK, metrics_url, serve_metrics
 from warmboot.connection import connect
 
 log = logging.getLogger("warmboot")
@@ -72,7 +72,10 @@ async def start_services(
     options = options or {}
     nc = await connect(nats_url, f"warmboot-{'+'.join(names)}", inbox_prefix=services_inbox(prefix))
     stack.push_async_callback(close, nc)  # its server gone too (nats-py's own close raised then)
-    running = Running(nats_url, prefix, names, start_metrics(metrics_port, metrics_host), metrics_host=metrics_host)
+    metrics = serve_metrics(metrics_port, metrics_host)
+    if metrics is not None:  # stopped with the services: in-process callers (tests, `up`) go on after
+        stack.callback(metrics.close)
+    running = Running(nats_url, prefix, names, metrics and metrics.port, metrics_host=metrics_host)
     for name in names:
         service = service_class(name)(nc, nats_url=nats_url, prefix=prefix, **options.get(name, {}))
         await service.start()
