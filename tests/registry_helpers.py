@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, AsyncIterator
 
 import msgspec
 import nats
@@ -212,3 +213,43 @@ def a_machine(tmp_path: Path, nats_url: str, prefix: str) -> tuple[Agent, Path, 
     agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe_interval_s=0.05,
                   unreadable_grace_s=0.0, probe=ProbeSettings(cpuinfo_path=cpuinfo, architecture="amd64"))
     return agent, cpuinfo, path
+
+
+class Said(logging.Handler):
+    """A logger's lines, as they are said: every one (`lines`), and awaited one after the other (`until`),
+    not polled."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+        self._new: asyncio.Queue[str] = asyncio.Queue()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        line = record.getMessage()
+        self.lines.append(line)
+        self._new.put_nowait(line)
+
+    async def until(self, words: str, timeout_s: float = 20) -> list[str]:
+        """The lines said since the last `until`, up to the next one holding `words`, that one included."""
+        said: list[str] = []
+        while not said or words not in said[-1]:
+            said.append(await asyncio.wait_for(self._new.get(), timeout_s))
+        return said
+
+    def matching(self, words: str) -> list[str]:
+        """Every line said that holds `words`."""
+        return [line for line in self.lines if words in line]
+
+
+@asynccontextmanager
+async def agent_said() -> AsyncIterator[Said]:
+    """What the agent's logger (`warmboot.agent`) says, at INFO and above, while the block runs."""
+    logger = logging.getLogger("warmboot.agent")
+    said, level = Said(), logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(said)
+    try:
+        yield said
+    finally:
+        logger.removeHandler(said)
+        logger.setLevel(level)

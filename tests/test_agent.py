@@ -21,8 +21,8 @@ from events.compat import same_version
 from events.errors import ContractError
 from events.probe import probe_version
 from events.schema import ErrorCode, RuntimeChanged, WorkerDrained, WorkerRegistered, WorkerRemoved
-from tests.registry_helpers import (AMD, CPUINFO, PROBE, agent_config as config, raw_request, running_registry,
-                                    wait_event)
+from tests.registry_helpers import (AMD, CPUINFO, PROBE, Said, agent_config as config, raw_request,
+                                    running_registry, wait_event)
 from warmboot.agent import Agent
 from warmboot.agent_config import ConfigError, ProbeSettings, load_registration, parse_config
 from warmboot.natsserver import NatsServer
@@ -250,24 +250,6 @@ async def test_a_config_file_moved_away_is_said_once_and_its_return_too(nats_url
         _, changed = await wait_event(nc, prefix, "w-a", RuntimeChanged, after=seq)
         assert changed.sandbox_classes[0].default_runtime.name == "gvisor-v2"
         assert said("cannot read") == [gone, gone] and said("reads again")[1:] == [f"{path} reads again without error"]
-
-
-class Said(logging.Handler):
-    """The agent's log lines, as they are said (awaited, not polled)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: asyncio.Queue[str] = asyncio.Queue()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.put_nowait(record.getMessage())
-
-    async def until(self, words: str) -> list[str]:
-        """The lines said up to the next one holding `words`, that one included."""
-        said = []
-        while not said or words not in said[-1]:
-            said.append(await asyncio.wait_for(self.lines.get(), 10))
-        return said
 
 
 async def test_a_dropped_runtime_is_said_once_the_registry_has_the_drop(nats_url, nc, prefix, tmp_path, caplog):

@@ -6,55 +6,18 @@ the agent's log had no idea. The registry's answer to a heartbeat now names the 
 from __future__ import annotations
 
 import asyncio
-import logging
-from contextlib import asynccontextmanager
-from typing import AsyncIterator
 
 import msgspec
 
 from events.errors import unavailable
 from events.schema import Base, Drained, HeartbeatReply, WorkerDrained, WorkerRegistered
 from services.registry.roster import Roster
-from tests.registry_helpers import PROBE, agent_config, raw_request, registration, running_registry, wait_event
+from tests.registry_helpers import (PROBE, agent_config, agent_said, raw_request, registration, running_registry,
+                                    wait_event)
 from tests.test_agent import agent_running
 from warmboot.agent import Agent, drain_to_say, said_drained
 
 DRAINED = "worker w-a is drained"
-
-
-class Said(logging.Handler):
-    """The agent's log lines, as they are said; and its heartbeats answered, counted (awaited, not polled)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-        self.new: asyncio.Queue[str] = asyncio.Queue()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-        self.new.put_nowait(record.getMessage())
-
-    async def until(self, words: str) -> str:
-        """The next line holding `words`."""
-        while words not in (line := await asyncio.wait_for(self.new.get(), 20)):
-            pass
-        return line
-
-    def drains(self) -> list[str]:
-        return [line for line in self.lines if DRAINED in line]
-
-
-@asynccontextmanager
-async def listening() -> AsyncIterator[Said]:
-    logger = logging.getLogger("warmboot.agent")
-    said, level = Said(), logger.level
-    logger.setLevel(logging.INFO)
-    logger.addHandler(said)
-    try:
-        yield said
-    finally:
-        logger.removeHandler(said)
-        logger.setLevel(level)
 
 
 def the_agent(nats_url: str, prefix: str, tmp_path, **options) -> tuple[Agent, asyncio.Queue[None]]:
@@ -148,40 +111,40 @@ async def test_a_heartbeat_answers_the_drain_in_force_from_the_roster_and_from_t
 
 
 async def test_an_operators_drain_is_said_once_and_again_by_a_restarted_agent(nats_url, nc, prefix, tmp_path):
-    async with listening() as said, running_registry(nats_url, prefix, ttl_s=3):
+    async with agent_said() as said, running_registry(nats_url, prefix, ttl_s=3):
         agent, beats = the_agent(nats_url, prefix, tmp_path)
         async with agent_running(agent):
             await said.until("registered w-a: REGISTERED")
             await beats_after(beats, 1)
-            assert said.drains() == []
+            assert said.matching(DRAINED) == []
             reply, _ = await raw_request(nc, prefix, "drain", "w-a", {"reason": "kernel upgrade"})
-            line = await said.until(DRAINED)
+            line = (await said.until(DRAINED))[-1]
             assert line == (f"worker w-a is drained (seq {reply['seq']}, reason 'kernel upgrade'): it takes no new "
                             "placements; its actors stay until stopped or moved")
             await beats_after(beats, 3)  # each answered with the drain: said once
-            assert said.drains() == [line]
+            assert said.matching(DRAINED) == [line]
         # a new process on the worker, still drained (it came back within the TTL): it learns it
         restarted, beats = the_agent(nats_url, prefix, tmp_path)
         async with agent_running(restarted):
-            assert await said.until(DRAINED) == line
+            assert (await said.until(DRAINED))[-1] == line
             await beats_after(beats, 2)
-            assert said.drains() == [line, line]
+            assert said.matching(DRAINED) == [line, line]
 
 
 async def test_the_agents_own_drain_at_exit_is_said_once_and_by_its_next_process(nats_url, nc, prefix, tmp_path):
-    async with listening() as said, running_registry(nats_url, prefix, ttl_s=3):
+    async with agent_said() as said, running_registry(nats_url, prefix, ttl_s=3):
         agent, beats = the_agent(nats_url, prefix, tmp_path, drain_on_exit=True)
         async with agent_running(agent):
             await said.until("registered w-a: REGISTERED")
             await beats_after(beats, 1)
         seq, _ = await wait_event(nc, prefix, "w-a", WorkerDrained)
-        assert f"drained w-a (seq {seq})" in said.lines and said.drains() == []  # said as its own, once
+        assert f"drained w-a (seq {seq})" in said.lines and said.matching(DRAINED) == []  # said as its own, once
         restarted, beats = the_agent(nats_url, prefix, tmp_path)
         async with agent_running(restarted):
-            line = await said.until(DRAINED)
+            line = (await said.until(DRAINED))[-1]
             assert line.startswith(f"worker w-a is drained (seq {seq}, reason 'agent stopped'): ")
             await beats_after(beats, 2)
-            assert said.drains() == [line]
+            assert said.matching(DRAINED) == [line]
 
 
 async def test_a_registry_of_an_earlier_version_says_nothing_of_drains_and_the_agent_serves(
@@ -200,15 +163,15 @@ async def test_a_registry_of_an_earlier_version_says_nothing_of_drains_and_the_a
         return decode_reply(reply_type, data)
 
     monkeypatch.setattr(warmboot.client, "decode_reply", earlier)
-    async with listening() as said, running_registry(nats_url, prefix, ttl_s=3):
+    async with agent_said() as said, running_registry(nats_url, prefix, ttl_s=3):
         agent, beats = the_agent(nats_url, prefix, tmp_path)
         async with agent_running(agent):
             await wait_event(nc, prefix, "w-a", WorkerRegistered)
             await raw_request(nc, prefix, "drain", "w-a", {"reason": "kernel upgrade"})
             await beats_after(beats, 3)
-            assert said.drains() == [] and agent._ttl_learnt and agent.ttl_s == 3.0
+            assert said.matching(DRAINED) == [] and agent._ttl_learnt and agent.ttl_s == 3.0
             monkeypatch.undo()  # the registry upgraded
-            line = await said.until(DRAINED)
+            line = (await said.until(DRAINED))[-1]
             assert "reason 'kernel upgrade'" in line
             await beats_after(beats, 2)
-            assert said.drains() == [line]
+            assert said.matching(DRAINED) == [line]

@@ -31,8 +31,8 @@ from events.schema import (ErrorCode, RuntimeChanged, WorkerDrained, WorkerRegis
 from events.subjects import bucket_name, service_subject
 from services.commands import run_command_async
 from tests.factories import last_seq
-from tests.registry_helpers import (AMD, CPUINFO, PROBE, a_machine, agent_config, raw_request, running_registry,
-                                    wait_event, without_cpu_features, worker_events)
+from tests.registry_helpers import (AMD, CPUINFO, PROBE, Said, a_machine, agent_config, raw_request,
+                                    running_registry, wait_event, without_cpu_features, worker_events)
 from tests.test_agent import agent_running, running_agent
 from warmboot.cli import main
 from warmboot.agent import (AGAIN, EDIT, RESTAMP, RESTAMP_AGAIN_S, RETRY_MAX_S, RETRY_MIN_S, UNREADABLE_GRACE_S,
@@ -889,19 +889,6 @@ async def test_a_reconnect_with_an_edit_the_registry_refuses_writes_nothing(nats
             await asyncio.wait_for(task, 15)
 
 
-class Said(logging.Handler):
-    """Sets `heard` once the agent logs a line containing `words`: a log line awaited as an event."""
-
-    def __init__(self, words: str) -> None:
-        super().__init__(logging.INFO)
-        self.words, self.heard, self.lines = words, asyncio.Event(), []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-        if self.words in record.getMessage():
-            self.heard.set()
-
-
 async def test_a_refused_edit_undone_is_said_and_the_same_edit_made_again_is_sent_again(nats_url, nc, prefix,
                                                                                        tmp_path):
     """A user trial: an edit the registry refused (a class added) was logged as an error, and putting the file
@@ -910,7 +897,8 @@ async def test_a_refused_edit_undone_is_said_and_the_same_edit_made_again_is_sen
     back is said (nothing sent, nothing written), and the edit made again is sent and refused again."""
     path = tmp_path / "agent.toml"
     path.write_text(agent_config("v1"))
-    said = Said("makes the registration in force again; the edit the registry refused is given up")
+    put_back = "makes the registration in force again; the edit the registry refused is given up"
+    said = Said()
     logger = logging.getLogger("warmboot.agent")
     level = logger.level
     logger.setLevel(logging.INFO)
@@ -927,11 +915,11 @@ async def test_a_refused_edit_undone_is_said_and_the_same_edit_made_again_is_sen
             assert (await asyncio.wait_for(answered.get(), 20))[:2] == ("refused", "sandbox_classes")
             before = await worker_events(nc, prefix, "w-a")
             path.write_text(agent_config("v1"))  # put back
-            await asyncio.wait_for(said.heard.wait(), 20)
+            await said.until(put_back)
             assert answered.empty() and await worker_events(nc, prefix, "w-a") == before  # nothing sent
             path.write_text(agent_config("v1") + MICROVM)  # the same edit again: sent again, refused again
             assert (await asyncio.wait_for(answered.get(), 20))[:2] == ("refused", "sandbox_classes")
-            assert [line for line in said.lines if said.words in line] == [
+            assert said.matching(put_back) == [
                 f"{path} makes the registration in force again; the edit the registry refused is given up"]
         finally:
             logger.removeHandler(said)
