@@ -332,14 +332,14 @@ def bench_whatif(quick: bool) -> dict[str, float]:
 
 def run_replica(nats_url: str, prefix: str) -> None:
     """A scheduler replica in its own process: prints `READY <metrics port>`, runs until stdin closes."""
-    from services.process import run_serving, start_metrics, tune_gc
+    from services.process import run_serving, serve_metrics, tune_gc
     from services.scheduler.service import SchedulerService
 
     async def main() -> None:
         nc = await nats.connect(nats_url)
         service = SchedulerService(nc, nats_url=nats_url, prefix=prefix)
         await service.start()
-        port = start_metrics(0)
+        port = serve_metrics(0).port
         tune_gc()  # as `warmboot serve`
         print(f"READY {port}", flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)

@@ -795,6 +795,7 @@ class WorkerPage(Base, kw_only=True):
     unknown_classes: list[str]
     classes: list[str]
 
+
 # --- events (CONTRACT section 4) ---------------------------------------------------
 
 

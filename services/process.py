@@ -1,5 +1,5 @@
 """A serving process: its collector (`tune_gc`), its event loop (`run_serving`), its metrics server
-(`start_metrics`), and the environment of its services' event store (`store_env`) and of the
+(`serve_metrics`), and the environment of its services' event store (`store_env`) and of the
 streams and buckets they create (`stream_replicas`).
 """
 
@@ -110,12 +110,6 @@ class Metrics(NamedTuple):
 
     port: int
     close: Callable[[], None]
-
-
-def start_metrics(port: int | None, host: str = LOOPBACK) -> int | None:
-    """`serve_metrics`'s port, for a process that serves them until it exits (a bench)."""
-    served = serve_metrics(port, host)
-    return served.port if served is not None else None
 
 
 def serve_metrics(port: int | None, host: str = LOOPBACK) -> Metrics | None:

@@ -884,7 +884,7 @@ def test_metrics_on_every_interface_of_a_host_without_ipv6_are_on_every_ipv4_one
 
     import prometheus_client
 
-    from services.process import ALL_INTERFACES, start_metrics
+    from services.process import ALL_INTERFACES, serve_metrics
 
     real = prometheus_client.start_http_server
 
@@ -894,7 +894,10 @@ def test_metrics_on_every_interface_of_a_host_without_ipv6_are_on_every_ipv4_one
         return real(port, addr=addr, **kwargs)
 
     monkeypatch.setattr(prometheus_client, "start_http_server", without_ipv6)
-    port = start_metrics(0, ALL_INTERFACES)
-    assert listening_on(port) == {"00000000"}  # 0.0.0.0
+    served = serve_metrics(0, ALL_INTERFACES)
+    try:
+        assert listening_on(served.port) == {"00000000"}  # 0.0.0.0
+    finally:
+        served.close()
     with pytest.raises(OSError, match=r"cannot serve metrics on ::1:0"):  # a host the caller named: said
-        start_metrics(0, "::1")
+        serve_metrics(0, "::1")
