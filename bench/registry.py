@@ -52,8 +52,10 @@ run on the event loop `warmboot serve` runs on (`services.process.run_serving`: 
 WARMBOOT_EVENT_LOOP=asyncio; a checkout without it, asyncio's).
 Every reply is checked: a refused heartbeat or registration fails the run.
 `--before DIR` also runs (b) and (c) against the registry of another checkout (say a
-`git worktree` of an earlier commit) in the same run, on the same server, its
-heartbeats alternating with the others.
+`git worktree` of an earlier commit) in the same run, its heartbeats alternating with the
+others, on a nats-server of its own started as that checkout starts one (its
+`warmboot.natsserver`: a change of the server's configuration is measured too; the
+`before_` CPU figures are of that server).
 With `--json` the last line is one JSON object with the figures.
 """
 
@@ -92,6 +94,16 @@ def serve(kind: str, nats_url: str, prefix: str, *options: str) -> None:
     (`services.endpoints.add_endpoints`: validation at the edge, a task per request,
     contract errors, stats), and does nothing else."""
     import nats
+
+    if kind == "nats":  # the checkout's own server, configured as it configures one: READY <url> <pid>
+        import tempfile
+
+        from warmboot.natsserver import NatsServer
+
+        with tempfile.TemporaryDirectory(prefix="warmboot-bench-") as tmp, NatsServer(tmp) as server:
+            print("READY", server.url, server.process.pid, flush=True)
+            sys.stdin.read()
+        return
 
     async def main() -> None:
         nc = await nats.connect(nats_url)
@@ -162,6 +174,7 @@ class Served:
     """A serving process started from `code` (a checkout's root)."""
 
     def __init__(self, kind: str, nats_url: str, prefix: str, code: Path = ROOT, options: tuple[str, ...] = ()):
+        self.said: list[str] = []  # what its READY line said after the word (a `nats`: its URL and pid)
         env = {**os.environ, "PYTHONPATH": str(code)}
         self.proc = subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve()), "--serve", kind, nats_url, prefix, *options],
@@ -174,6 +187,7 @@ class Served:
             if not line.startswith("ROUND "):
                 raise RuntimeError(f"the served process did not start: {line!r}")
             self.early.append(line)
+        self.said = line.split()[1:]
         return self
 
     def cpu_s(self) -> float:
@@ -583,11 +597,22 @@ async def bench(nats_url: str, server_pid: int, args: argparse.Namespace) -> dic
     codes = {"now": ROOT}
     if args.before:
         codes["before"] = Path(args.before).resolve()
+    servers = {"now": (nats_url, server_pid)}
+    own: dict[str, Served] = {}  # the servers of the other checkouts
+    clients = {"now": (nc, replies)}
+    for label, code in codes.items():
+        if label != "now":
+            own[label] = await Served("nats", "", "", code).ready()
+            url, pid = own[label].said
+            servers[label] = url, int(pid)
+            other = await nats.connect(url)
+            clients[label] = other, await Replies(other, timeout=60).start()
     echo = await Served("echo", nats_url, f"{tag}e").ready()
     wrapped = await Served("wrapped", nats_url, f"{tag}w").ready()
-    replicas = {label: await Served("registry", nats_url, f"{tag}{label[0]}", code).ready()
+    replicas = {label: await Served("registry", servers[label][0], f"{tag}{label[0]}", code).ready()
                 for label, code in codes.items()}
     client = {"client": os.getpid(), "server": server_pid}
+    against = {label: {"client": os.getpid(), "server": servers[label][1]} for label in codes}
     echo_requests = [(f"{tag}e.echo.beat.{w}", BEAT) for w in workers] * args.rounds
     wrapped_requests = [(service_subject(f"{tag}w", "bench", "beat", w), BEAT) for w in workers] * args.rounds
     beats = {label: [(service_subject(f"{tag}{label[0]}", "registry", "heartbeat", w), BEAT) for w in workers]
@@ -599,8 +624,9 @@ async def bench(nats_url: str, server_pid: int, args: argparse.Namespace) -> dic
         for label, replica in replicas.items():
             prefix = f"{tag}{label[0]}"
             registered[label] = run = await drive(
-                replies, [(service_subject(prefix, "registry", "register", w), registration(w)) for w in workers],
-                window, {"registry": replica.proc.pid, **client})
+                clients[label][1], [(service_subject(prefix, "registry", "register", w), registration(w))
+                                    for w in workers],
+                window, {"registry": replica.proc.pid, **against[label]})
             show(f"{label}: register", run, "registrations")
         # Alternate, so that each figure meets the same load from the rest of the machine.
         for _ in range(2):
@@ -612,15 +638,16 @@ async def bench(nats_url: str, server_pid: int, args: argparse.Namespace) -> dic
             show("no-op through services.endpoints", run, "requests")
             best["wrapped"] = max(best.get("wrapped", run), run, key=lambda r: r.rate)
             for label, replica in replicas.items():
-                run = await drive(replies, beats[label], window, {"registry": replica.proc.pid, **client},
-                                  check=BEAT_ANSWERS.__contains__)
+                run = await drive(clients[label][1], beats[label], window,
+                                  {"registry": replica.proc.pid, **against[label]}, check=BEAT_ANSWERS.__contains__)
                 show(f"{label}: heartbeat", run, "heartbeats")
                 best[label] = max(best.get(label, run), run, key=lambda r: r.rate)
         for label, replica in replicas.items():
             prefix = f"{tag}{label[0]}"
             storms[label] = run, during = await storm(
-                replies, [(service_subject(prefix, "registry", "register", w), registration(w, f"storm-{w}"))
-                          for w in workers], beats[label], {"registry": replica.proc.pid, **client})
+                clients[label][1], [(service_subject(prefix, "registry", "register", w),
+                                     registration(w, f"storm-{w}")) for w in workers],
+                beats[label], {"registry": replica.proc.pid, **against[label]})
             show(f"{label}: re-register, all at once", run, "registrations")
             print(f"{'':<34}{len(during):>9,} heartbeats meanwhile: p99 {pct_ms(during, 0.99):.1f} ms, "
                   f"max {pct_ms(during, 1.0):.1f} ms", flush=True)
@@ -633,8 +660,11 @@ async def bench(nats_url: str, server_pid: int, args: argparse.Namespace) -> dic
             await replica.stop()
         await echo.stop()
         await wrapped.stop()
-        await replies.stop()
-        await nc.close()
+        for other, its_replies in clients.values():
+            await its_replies.stop()
+            await other.close()
+        for server in own.values():
+            await server.stop()
 
     echo_run, wrapped_run = best["echo"], best["wrapped"]
     out: dict = {**fleet_figures,"echo_per_s": round(echo_run.rate), "echo_p99_ms": round(echo_run.pct_ms(0.99), 2),

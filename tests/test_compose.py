@@ -101,6 +101,16 @@ def test_cluster_routes_are_consistent(compose):
         assert f"${variable}" in text, variable
 
 
+def test_the_members_sync_each_write_before_its_ack():
+    """The three members run on one host in compose: a crash of that host loses what none of them had
+    synced, and nats-server syncs every 2 minutes by default, atomic batches included (their fsyncs are
+    of their staging files only). So each member syncs every write (docs/operations.md, Durability)."""
+    text = re.sub(r"#.*", "", (ROOT / "deploy" / "nats-cluster.conf").read_text())
+    jetstream = re.search(r"^jetstream \{(.*?)^\}", text, re.M | re.S)
+    assert jetstream, "deploy/nats-cluster.conf has no jetstream block"
+    assert re.search(r"^\s*sync_interval:\s*always\s*$", jetstream.group(1), re.M), jetstream.group(1)
+
+
 def test_services_reach_the_cluster_and_ask_for_three_replicas(compose):
     nodes = set(nats_nodes(compose))
     for name, args in warmboot_services(compose).items():

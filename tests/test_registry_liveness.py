@@ -10,6 +10,7 @@ through the queue group) right after the other wrote.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from contextlib import suppress
@@ -17,6 +18,7 @@ from contextlib import suppress
 import msgspec
 import nats.errors
 import pytest
+from nats.js.api import PersistMode
 
 import services.registry.liveness as liveness_module
 from events.errors import ContractError, unavailable
@@ -192,6 +194,69 @@ async def test_a_heartbeat_answers_once_its_put_is_stored(nats_url, nc, prefix):
         reply, headers = await raw_request(nc, prefix, "heartbeat", "w-1", {})
         assert reply["error"]["code"] == "UNAVAILABLE", reply
         assert headers["Nats-Service-Error-Code"] == "503"
+
+
+async def test_the_bucket_s_puts_are_not_synced_and_its_stream_is_the_one_nats_py_makes(nats_url, nc, prefix):
+    """The heartbeat bucket's stream is made unsynced (`persist_mode: async`): the embedded server syncs
+    every write before its ack, which cost a fifth of the heartbeats a registry answers (docs/operations.md,
+    Durability). Apart from the mode, the stream is the one nats-py's `create_key_value` makes of the same
+    bucket configuration (the mode goes through nats-py's own code)."""
+    js = nc.jetstream()
+    async with running_registry(nats_url, prefix) as registry:
+        made = (await js.stream_info(registry.liveness.stream)).config
+        twin = dataclasses.replace(registry.liveness.bucket_config(), bucket=f"{registry.liveness.bucket}_twin")
+        await js.create_key_value(twin)
+        try:
+            plain = (await js.stream_info(f"KV_{twin.bucket}")).config
+        finally:
+            await js.delete_key_value(twin.bucket)
+    assert made.persist_mode == PersistMode.ASYNC
+    assert plain.persist_mode is None  # nats-py's own: the server's default, synced
+    assert (made.name, made.subjects) == (registry.liveness.stream, [f"$KV.{registry.liveness.bucket}.>"])
+    def ours(config) -> dict:  # less the metadata the server keeps of itself (`_nats.req.level` differs)
+        fields = config.as_dict()
+        fields["metadata"] = {k: v for k, v in (fields.get("metadata") or {}).items() if not k.startswith("_nats.")}
+        return fields
+
+    differs = {key for key, value in ours(made).items() if ours(plain).get(key) != value}
+    assert differs == {"persist_mode", "name", "subjects"}, differs
+
+
+async def test_a_synced_bucket_of_an_earlier_version_is_used_said_and_made_anew_as_the_docs_say(
+        nats_url, nc, prefix, caplog):
+    """An upgrade: the bucket an earlier version made, synced (a stream's mode cannot change), is used as
+    it is, beats and expiries alike, and the registry says so once at its start, with what to do.
+    Done as said (every replica stopped, the bucket deleted, one started), the bucket is made unsynced,
+    and a worker registered before keeps beating: its clock started again by the start's reconciliation."""
+    caplog.set_level(logging.WARNING, logger="warmboot.registry")
+    js = nc.jetstream()
+    bucket = bucket_name(prefix, "heartbeats")
+    stream = f"KV_{bucket}"
+    earlier = liveness_module.Liveness(nc, prefix, ttl_s=15, on_expired=None).bucket_config()
+    await js.create_key_value(earlier)  # as the earlier version made it: nats-py's, synced
+    async with running_registry(nats_url, prefix, ttl_s=300):
+        said = [r.getMessage() for r in caplog.records if "persist mode" in r.getMessage()]
+        assert said == [f"the bucket {bucket} was made with persist mode default (by an earlier version): where the "
+                        f"server syncs every write (`sync_interval: always`), each heartbeat waits for its sync; to "
+                        f"make it anew, stop every registry replica, delete the bucket (`nats kv del {bucket}`) and "
+                        f"start them again (docs/operations.md, Durability)"], said
+        assert (await js.stream_info(stream)).config.persist_mode is None  # left as it was
+        assert "error" not in (await raw_request(nc, prefix, "register", "w-live", registration("w-live")))[0]
+        assert (await raw_request(nc, prefix, "heartbeat", "w-live", {}))[0] == {"ttl_s": 300.0, "drained": None}
+    async with running_registry(nats_url, prefix, ttl_s=1):  # expiries work on it too
+        reply, _ = await raw_request(nc, prefix, "register", "w-silent", registration("w-silent"))
+        _, removed = await wait_event(nc, prefix, "w-silent", WorkerRemoved, after=reply["seq"], timeout=30)
+        assert removed.reason == "LOST"
+
+    await js.delete_key_value(bucket)  # the docs' `nats kv del`, every replica stopped
+    caplog.clear()
+    async with running_registry(nats_url, prefix, ttl_s=300) as registry:
+        assert (await js.stream_info(stream)).config.persist_mode == PersistMode.ASYNC
+        assert not [r for r in caplog.records if "persist mode" in r.getMessage()]
+        assert sorted(registry.roster.registered()) == ["w-live"]
+        state, _ = await registry.liveness.entry("w-live")
+        assert state == "beating", state  # its clock, started again by the start's reconciliation
+        assert (await raw_request(nc, prefix, "heartbeat", "w-live", {}))[0] == {"ttl_s": 300.0, "drained": None}
 
 
 async def test_the_sweep_acknowledges_every_heartbeat_put_all_at_once(nats_url, nc, prefix):

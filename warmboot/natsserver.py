@@ -217,6 +217,7 @@ class NatsServer:
             f"port: {self.port}",
             "jetstream {",
             f"  store_dir: {json.dumps(str(self.data_path))}",
+            "  sync_interval: always",  # each write on disk before its ack: docs/operations.md, Durability
             "}",
             "max_payload: 2MB",
         ]

@@ -15,13 +15,21 @@ as this project runs it (`events.natspy` says why this package exists):
 - `NO_DROPS`: the subscription options of an ordered consumer whose every message counts
   (nats-py drops what its queue cannot take, silently to its reader); `reset_from`: the
   consumer made again from a sequence its reader chooses.
+- `create_key_value`: nats-py's bucket, its stream made with a persist mode (`KeyValueConfig`
+  has none, and a stream's mode cannot change once it is made).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Awaitable, Callable
 
 import msgspec
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig, PersistMode, StreamConfig
+from nats.js.errors import BadRequestError
+
+from events.nats_codes import ERR_STREAM_NAME_IN_USE
 
 # nats-py re-creates an ordered consumer (from the message after the last one received) when
 # two heartbeats in a row are missed, and tries again every two heartbeats until it works: a
@@ -129,3 +137,36 @@ class MsgGetAnswer(msgspec.Struct):
 
     message: StoredMsg | None = None
     error: ApiError | None = None
+
+
+async def create_key_value(js: JetStreamContext, config: KeyValueConfig,
+                          persist_mode: PersistMode | None = None) -> PersistMode:
+    """nats-py's `js.create_key_value(config)`, the bucket's stream made with `persist_mode` (none: the
+    server's default, each write synced as the server's `sync_interval` says); the mode the bucket has.
+
+    nats-py makes the stream through `add_stream`, which is given it here with the mode set (what nats-py
+    returns is not kept: its `KeyValue` would hold this call's context). A stream's mode cannot change
+    once it is made: a bucket already made with another mode (by an earlier version) is taken as it is,
+    and its mode returned; any other difference is nats-py's error, as before."""
+    class WithMode:  # the context nats-py's code runs on: its stream made with the mode
+        account_info = js.account_info
+
+        def __init__(self, mode: PersistMode | None) -> None:
+            self.mode = mode
+
+        async def add_stream(self, stream: StreamConfig) -> Any:
+            return await js.add_stream(dataclasses.replace(stream, persist_mode=self.mode))
+
+    try:
+        await JetStreamContext.create_key_value(WithMode(persist_mode), config)  # type: ignore[arg-type]
+        return persist_mode or PersistMode.DEFAULT
+    except BadRequestError as error:
+        if error.err_code != ERR_STREAM_NAME_IN_USE:
+            raise
+        info = await js.stream_info(f"KV_{config.bucket}")
+        made = PersistMode(info.config.persist_mode or PersistMode.DEFAULT)
+        if made == (persist_mode or PersistMode.DEFAULT):
+            raise
+        as_made = WithMode(None if made == PersistMode.DEFAULT else made)
+        await JetStreamContext.create_key_value(as_made, config)  # type: ignore[arg-type]
+        return made

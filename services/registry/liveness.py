@@ -41,7 +41,7 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.js.api import KeyValueConfig, StorageType
+from nats.js.api import KeyValueConfig, PersistMode, StorageType
 from nats.js.errors import NotFoundError
 
 from events.aggregate import now
@@ -50,7 +50,7 @@ from events.errors import ContractError, unavailable
 from events.nats_codes import ERR_NO_MESSAGE_FOUND, ERR_WRONG_LAST_SEQUENCE
 from events.natspy.frames import DirectDelivery, subscribe_core
 from events.natspy.headers import header_block, parse_header_block
-from events.natspy.jetstream import ApiError, MsgGetAnswer, ack_positions, consumer_seq
+from events.natspy.jetstream import ApiError, MsgGetAnswer, ack_positions, consumer_seq, create_key_value
 from events.natspy.publish import Replies, publish
 from events.schema import ErrorCode
 from events.subjects import bucket_name
@@ -451,8 +451,8 @@ class Liveness:
     def subject(self, worker_id: str) -> str:
         return f"$KV.{self.bucket}.{worker_id}"
 
-    async def start(self) -> None:
-        config = KeyValueConfig(
+    def bucket_config(self) -> KeyValueConfig:
+        return KeyValueConfig(
             bucket=self.bucket,
             description="warmboot worker heartbeats: one key per worker, expiring after the registry's TTL",
             history=1,
@@ -460,7 +460,22 @@ class Liveness:
             limit_marker_ttl=MARKER_TTL_S,
             replicas=self.replicas,
         )
-        await until_answered(lambda: self.js.create_key_value(config), f"the bucket {self.bucket}")
+
+    @property
+    def persist_mode(self) -> PersistMode | None:
+        """The bucket's persist mode: unsynced puts (`async`), which nats-server allows one-replica streams
+        only, for a put synced costs a sync per heartbeat where the server syncs every write
+        (docs/operations.md, Durability); a replicated bucket, the server's default."""
+        return PersistMode.ASYNC if self.replicas == 1 else None
+
+    async def start(self) -> None:
+        config, wanted = self.bucket_config(), self.persist_mode
+        mode = await until_answered(lambda: create_key_value(self.js, config, wanted), f"the bucket {self.bucket}")
+        if wanted is not None and mode != wanted:
+            log.warning("the bucket %s was made with persist mode %s (by an earlier version): where the "
+                        "server syncs every write (`sync_interval: always`), each heartbeat waits for its sync; to "
+                        "make it anew, stop every registry replica, delete the bucket (`nats kv del %s`) and start "
+                        "them again (docs/operations.md, Durability)", self.bucket, mode.value, self.bucket)
         await self.acks.start()
         await self.sweeper.start()
 
