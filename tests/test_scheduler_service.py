@@ -13,6 +13,7 @@ import asyncio
 import signal
 import subprocess
 import sys
+import time
 
 import nats
 import pytest
@@ -134,6 +135,45 @@ async def test_resume_places_commits_and_answers_over_nats(nc, prefix, writer, r
     assert metric("warmboot_scheduler_workers", sandbox_class=CLS, runtime=label, runtime_id=runtime_id,
                   role="default") == 1
     assert metric("warmboot_scheduler_fold_seq") == service.projection.seq >= cold.seq
+
+
+async def test_a_burst_of_read_only_answers_does_not_hold_a_resume_behind_it(nc, prefix, writer, replicas,
+                                                                              monkeypatch):
+    """A page of `actor list` on a fold of fleet size costs the replica's loop tens of ms (bench/views.py:
+    28 to 51 ms at 100,000 actors). A client's burst of them, up to 4,096 of each endpoint at once, all
+    ready together, ran one after another before a resume that came after them took its next step:
+    placements held for seconds. Here each page costs 20 ms of the loop (the page function made that
+    slow, as a large fold makes it); 100 pages are asked, then a resume, in that order on one connection.
+    The replies, in the order they arrive: the resume is answered before most pages (it was answered
+    after every one)."""
+    import services.scheduler.service as scheduler_service
+    from events.schema import ActorPage, ActorsQuery
+
+    await asyncio.to_thread(writer.write, registered("w", entry(V1)), created("a"))
+    await replicas()
+    page = scheduler_service.actor_page
+
+    def costly(projection, request):
+        time.sleep(0.02)  # the loop held, as a fleet-size page holds it
+        return page(projection, request)
+
+    monkeypatch.setattr(scheduler_service, "actor_page", costly)
+    order: list[str] = []
+    done = asyncio.Event()
+
+    async def answered(msg) -> None:
+        order.append(msg.subject.rsplit(".", 1)[1])
+        if len(order) == 101:
+            done.set()
+
+    inbox = nc.new_inbox()
+    await nc.subscribe(f"{inbox}.*", cb=answered)
+    for n in range(100):
+        await nc.publish(subject(prefix, "actors"), encode(ActorsQuery()), reply=f"{inbox}.page{n}")
+    await nc.publish(subject(prefix, "resume", "a"), encode(ResumeActor()), reply=f"{inbox}.resume")
+    await asyncio.wait_for(done.wait(), 60)
+    assert sorted(order) == sorted([f"page{n}" for n in range(100)] + ["resume"])
+    assert order.index("resume") < 60, order  # 11 or 12 here, of 100; 100 before
 
 
 async def test_fallback_is_committed_and_counted(nc, prefix, writer, replicas):
