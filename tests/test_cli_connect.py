@@ -184,9 +184,14 @@ def test_an_error_is_logged_once_while_it_repeats_and_again_after_a_reconnect(ca
     denied = nats.errors.Error("nats: 'Authorization Violation'")  # and the reset that follows it, again and again
     with caplog.at_level(logging.WARNING, logger="test.nats"):
         asyncio.run(report_all(alternating, denied, reset, denied, reset, denied))
-    assert [r.getMessage() for r in caplog.records] == [
-        "NATS at nats://h:1: nats: 'Authorization Violation'", "NATS at nats://h:1: [Errno 104] reset"]
+    assert [r.getMessage() for r in caplog.records] == ["NATS at nats://h:1: nats: 'Authorization Violation'"]
     assert alternating.refusal is denied and alternating.last is denied
+    caplog.clear()
+    first_reset = ErrorsOnce(logging.getLogger("test.nats"), "nats://h:1")  # a reset before any refusal is news
+    with caplog.at_level(logging.WARNING, logger="test.nats"):
+        asyncio.run(report_all(first_reset, reset, denied, reset))
+    assert [r.getMessage() for r in caplog.records] == [
+        "NATS at nats://h:1: [Errno 104] reset", "NATS at nats://h:1: nats: 'Authorization Violation'"]
 
 
 async def report_all(errors: ErrorsOnce, *seen: Exception) -> None:

@@ -46,9 +46,10 @@ _PUBLISH_REFUSED = 'nats: permissions violation for publish to "'
 
 class ErrorsOnce:
     """nats-py's `error_cb`: each kind of error logged to `logger` (None: not logged) once until
-    the connection is made again (two that alternate, such as a refused sign-in and the reset that
-    follows it, are two lines, not one per attempt), one line naming `where` (the server, as a log
-    may show it); the last kept (`last`) for a caller that gives up waiting, the first refused
+    the connection is made again (two that alternate are two lines, not one per attempt), one line
+    naming `where` (the server, as a log may show it), and a connection reset after a refused
+    sign-in not at all: the server closing the connection it refused, read before its refusal was
+    (it was a second line, which read as a network fault); the last kept (`last`) for a caller that gives up waiting, the first refused
     sign-in (`refusal`, `refused`), which waiting will not change, and the first permissions
     violation (`denied`), which a later error must not hide; a refused publish wakes whoever waits
     on its subject (`publish_refusal`, `unless_refused`), and is kept nowhere. nats-py hands the
@@ -74,6 +75,8 @@ class ErrorsOnce:
     async def report(self, error: Exception) -> None:
         """The callback itself (nats-py takes only coroutine functions)."""
         kind = _kind(error)
+        if self.refusal is not None and isinstance(error, ConnectionResetError):
+            self._seen.add(kind)  # the refusal's own end: said with it
         if kind not in self._seen:
             if len(self._seen) >= self.MAX_KINDS:
                 self._seen.clear()
