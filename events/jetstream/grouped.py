@@ -2,14 +2,14 @@
 
 nats-server stages every atomic batch of a one-replica file stream (the embedded default,
 `warmboot up`) in a file store of its own, created and removed on disk for that batch:
-three directories, three fsyncs (of those staging files, not the stream's own: docs/operations.md,
-Durability) and about twenty other file operations whatever the batch holds (measured with strace
-on nats-server 2.15). That is 2 to 7 ms of the server's CPU per batch, against 0.07 ms for
-the same batch on a memory stream. A registry that
-appends each worker's change (its events and the fence on its booking subject, CONTRACT
-placement rule 8) as a batch of its own is bound by it: 93 first registrations/s at 256
-in flight, the server's CPU 7 ms each. A replicated stream stages batches in memory, so
-there this only saves the batches' fixed cost.
+three directories, three fsyncs (of those staging files, not the stream's own:
+docs/operations.md, Durability) and about twenty other file operations whatever the batch
+holds (measured with strace on nats-server 2.15). That is 2 to 7 ms of the server's CPU
+per batch, against 0.07 ms for the same batch on a memory stream. A registry that appends
+each worker's change (its events and the fence on its booking subject, CONTRACT placement
+rule 8) as a batch of its own is bound by it: 93 first registrations/s at 256 in flight,
+the server's CPU 7 ms each. A replicated stream stages batches in memory, so there this
+only saves the batches' fixed cost.
 
 A recorder uses it once told to (`recorder.group_appends()`, the registry's and the
 snapshotter's, whose commands hold their entity's lock, so that their appends in flight at

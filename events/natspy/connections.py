@@ -46,16 +46,17 @@ _PUBLISH_REFUSED = 'nats: permissions violation for publish to "'
 
 class ErrorsOnce:
     """nats-py's `error_cb`: each kind of error logged to `logger` (None: not logged) once until
-    the connection is made again (two that alternate are two lines, not one per attempt), one line
-    naming `where` (the server, as a log may show it), and a connection reset after a refused
-    sign-in not at all: the server closing the connection it refused, read before its refusal was
-    (it was a second line, which read as a network fault); the last kept (`last`) for a caller that gives up waiting, the first refused
-    sign-in (`refusal`, `refused`), which waiting will not change, and the first permissions
-    violation (`denied`), which a later error must not hide; a refused publish wakes whoever waits
-    on its subject (`publish_refusal`, `unless_refused`), and is kept nowhere. nats-py hands the
-    server's words over in lower case, subject included: a refusal that fits subjects in flight
-    differing only in case (`...drain.W-1` and `...drain.w-1`) cannot say which of them it was, and
-    wakes none of them (each ends as it would have without the refusal, in its reply or time-out)."""
+    the connection is made again (two that alternate are two lines, not one per attempt), one
+    line naming `where` (the server, as a log may show it), and a connection reset after a
+    refused sign-in not at all: the server closing the connection it refused, read before its
+    refusal was (it was a second line, which read as a network fault); the last kept (`last`)
+    for a caller that gives up waiting, the first refused sign-in (`refusal`, `refused`), which
+    waiting will not change, and the first permissions violation (`denied`), which a later error
+    must not hide; a refused publish wakes whoever waits on its subject (`publish_refusal`,
+    `unless_refused`), and is kept nowhere. nats-py hands the server's words over in lower case,
+    subject included: a refusal that fits subjects in flight differing only in case
+    (`...drain.W-1` and `...drain.w-1`) cannot say which of them it was, and wakes none of them
+    (each ends as it would have without the refusal, in its reply or time-out)."""
 
     MAX_KINDS = 64  # kinds remembered at once; past it they are news again
 

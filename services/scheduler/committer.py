@@ -4,7 +4,8 @@ A resume is `submit`ted as a `Job`; the committer decides it on the freshest fol
 before it appends, in rounds: every resume queued since the last round is decided on
 the current projection and all of them are appended as one atomic batch through the
 event store's recorder. A file-backed atomic batch costs a few ms whatever its size
-(the server makes it durable before answering), so grouping is what lets one replica
+(the server stages it in files of its own, and syncs it with every other write before
+answering: docs/operations.md, Durability), so grouping is what lets one replica
 commit thousands of placements per second (Nomad's plan queue and plan applier do
 the same job: one applier, re-checking against the latest state).
 
@@ -312,7 +313,7 @@ class Committer:
         Decisions are made here, right before the append, on the freshest fold: the
         shorter the time between deciding and committing, the fewer commits lose a race
         against another replica. An atomic append costs about the same for one placement
-        as for hundreds (the server makes each batch durable before it answers), so every
+        as for hundreds (the server stages and syncs each batch before it answers), so every
         resume that arrived while one append was in flight shares the next. A group holds
         at most one placement per worker (the OCC guard is per subject); a resume that
         lands on a worker already in the group is decided again in the next one, which
