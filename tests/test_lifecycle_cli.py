@@ -866,6 +866,47 @@ async def test_create_from_a_snapshot_its_resume_will_not_restore_says_so(bus, t
     assert fields((await run("actor", "resume", "g-12")).output)["DECISION"] == "RESTORE at VOLUMES"
 
 
+async def test_create_with_a_selector_says_when_only_workers_without_the_labels_accept_the_stamp(bus, tmp_path):
+    """A golden snapshot whose stamp a worker of the class accepts, but no worker with the labels the
+    actor's selectors ask for: its memory is given up at the resume (refused, under a MEMORY floor), as
+    when no worker of the class accepts it, and was said at create only in that case (a carried item:
+    the class's count is the fragmentation's, which knows nothing of labels). Read from the scheduler's
+    explain of the new actor; a worker with the labels that accepts it says nothing."""
+    run, wb = bus
+    v9 = version("v9")
+    await wb.register(worker("w-v9", runtime(v9, name="runsc-v9")))  # no labels: accepts the stamp
+    await wb.register(worker("w-zoned", runtime(V1, name="runsc-v1"), labels={"zone": "a"}))
+    path = tmp_path / "golden.json"
+    path.write_text(json.dumps(to_builtins(golden(v9, snapshot_id="golden-9",
+                                                  sandbox_runtime=stamp_of(v9, name="runsc-v9")))))
+    label = "runsc-v9"  # a registered worker runs it: its name alone
+    create = ("--class", "gvisor", "--cpu", "100", "--memory", "256", "--template", "t1",
+              "--golden-snapshot", str(path))
+
+    zoned = await run("actor", "create", "z-1", *create, "--selector", "zone=a")
+    assert zoned.exit_code == 0 and zoned.stdout.startswith("actor/z-1 created"), zoned.output
+    assert zoned.stderr == (f"warning: no undrained worker of class gvisor with the labels zone=a accepts the stamp "
+                            f"{label} of the golden snapshot 'golden-9': until one does, z-1 cold-boots instead of "
+                            "restoring it (NO_COMPATIBLE_WORKER)\n"), zoned.stderr
+    placed = fields((await run("actor", "resume", "z-1")).output)
+    assert placed["FALLBACK"] == "NO_COMPATIBLE_WORKER (MEMORY -> NONE)" and placed["WORKER"] == "w-zoned", placed
+
+    floor = await run("actor", "create", "z-2", *create, "--selector", "zone=a", "--min-fidelity", "MEMORY")
+    assert floor.stderr == (f"warning: no undrained worker of class gvisor with the labels zone=a accepts the stamp "
+                            f"{label} of the golden snapshot 'golden-9': until one does, resuming z-2 is refused (its "
+                            "--min-fidelity is MEMORY)\n"), floor.stderr
+    refused = await run("actor", "resume", "z-2")
+    assert refused.exit_code == 1 and refused.stderr.startswith("error: RESOURCE_EXHAUSTED"), refused.stderr
+
+    anywhere = await run("actor", "create", "z-3", *create)  # w-v9 restores it
+    assert anywhere.exit_code == 0 and anywhere.stderr == "", anywhere.output
+    await wb.register(worker("w-v9-zoned", runtime(v9, name="runsc-v9"), labels={"zone": "a"}))
+    accepted = await run("actor", "create", "z-4", *create, "--selector", "zone=a")
+    assert accepted.exit_code == 0 and accepted.stderr == "", accepted.output
+    placed = fields((await run("actor", "resume", "z-4")).output)
+    assert placed["DECISION"] == "RESTORE at MEMORY" and placed["WORKER"] == "w-v9-zoned", placed
+
+
 def test_create_says_what_it_could_not_check_where_the_log_cannot_be_read():
     """A client's credentials may not read the log (docs/security.md): the tag's snapshot is not
     read, nor the workers of a class the scheduler counts none undrained of. What is said then
@@ -889,28 +930,38 @@ def test_create_says_what_it_could_not_check_where_the_log_cannot_be_read():
                                               f"base: {why}"]
 
 
-def test_whether_no_worker_has_the_labels_is_read_from_the_explain_of_the_actor():
+def test_whether_no_worker_passes_a_check_is_read_from_the_explain_of_the_actor():
     """`actor create --selector` warns when the scheduler's explain of the new actor found no undrained
     worker of its class with the labels: no candidate, and every worker of the class passed over for
-    its labels (or drained). A worker with them is a candidate or passed over for a later check."""
+    its labels (or drained). A worker with them is a candidate or passed over for a later check. So
+    for the stamp of its snapshot: none with the labels accepts it when every one with them was passed
+    over for `runtime mismatch`."""
     from events.schema import ErrorCode, Explanation, Refusal
 
-    from warmboot.cmd_lifecycle import no_worker_has_the_labels
+    from services.scheduler.feasibility import RUNTIME_MISMATCH, SELECTOR_MISMATCH
+    from warmboot.cmd_lifecycle import none_passes
 
     def explained(candidates: int, **counts: int) -> Explanation:
         counts = {reason.replace("_", " "): n for reason, n in counts.items()}
         return Explanation(candidates=candidates, rejected=[], counts=counts)
 
-    assert no_worker_has_the_labels(explained(0, selector_mismatch=3))
-    assert no_worker_has_the_labels(explained(0, selector_mismatch=1, drained=2, class_not_registered=4))
-    assert not no_worker_has_the_labels(explained(1, selector_mismatch=3))  # a candidate has them
+    def no_labels(explanation: Explanation | None) -> bool:
+        return none_passes(explanation, SELECTOR_MISMATCH)
+
+    assert no_labels(explained(0, selector_mismatch=3))
+    assert no_labels(explained(0, selector_mismatch=1, drained=2, class_not_registered=4))
+    assert not no_labels(explained(1, selector_mismatch=3))  # a candidate has them
     for later in ("runtime mismatch", "insufficient memory", "insufficient cpu", "not on pinned node"):
-        assert not no_worker_has_the_labels(Explanation(candidates=0, rejected=[],
-                                                        counts={"selector mismatch": 2, later: 1})), later
-    assert not no_worker_has_the_labels(explained(0, drained=2))  # none passed over for labels: said apart
+        assert not no_labels(Explanation(candidates=0, rejected=[], counts={"selector mismatch": 2, later: 1})), later
+    assert not no_labels(explained(0, drained=2))  # none passed over for labels: said apart
     refused = Explanation(refusal=Refusal(code=ErrorCode.FAILED_PRECONDITION, message="RUNNING"), candidates=0,
                           rejected=[], counts={})  # an actor that cannot be resumed: nothing tallied
-    assert not no_worker_has_the_labels(refused) and not no_worker_has_the_labels(None)
+    assert not no_labels(refused) and not no_labels(None)
+
+    assert none_passes(explained(0, runtime_mismatch=2, selector_mismatch=3), RUNTIME_MISMATCH)
+    assert not none_passes(explained(0, runtime_mismatch=2, insufficient_memory=1), RUNTIME_MISMATCH)  # one accepts
+    assert not none_passes(explained(1, runtime_mismatch=2), RUNTIME_MISMATCH)
+    assert not none_passes(explained(0, selector_mismatch=3), RUNTIME_MISMATCH)  # no worker has the labels: said apart
 
 
 def test_create_checks_the_size_against_the_workers_read_when_the_scheduler_does_not_say_the_largest():

@@ -51,7 +51,7 @@ from warmboot.cli_common import (MIB, MILLICORES, REFUSED_THE_LOG, IntRange, Log
                                  json_option, last_seq, min_seq_option, nats_option, prefix_option, read_subject,
                                  replay, selectors_of, unread_why)
 from warmboot.client import Client, Refused, asked_first
-from services.scheduler.feasibility import REASONS, SELECTOR_MISMATCH
+from services.scheduler.feasibility import REASONS, RUNTIME_MISMATCH, SELECTOR_MISMATCH
 from warmboot.cmd_views import (
     LABELS_TIMEOUT_S,
     asked_pages,
@@ -352,17 +352,23 @@ class Created:
         return runtimes_of(self.projection) if self.projection is not None else Runtimes(complete=False)
 
 
-def no_worker_has_the_labels(explained: Explanation | None) -> bool:
-    """Whether the scheduler's explain of an actor found that no undrained worker of its class has the
-    labels its selectors ask for. The checks run in `feasibility.REASONS`' order, and each worker is
-    counted under the first it fails (or every resource check): a worker that has the labels is a
-    candidate or passed over for a reason after `selector mismatch`. So none has them when there is no
-    candidate, no such later reason, and some worker was passed over for its labels (an explain that
-    tallied nothing, of an actor that cannot be resumed, says nothing of them)."""
-    if explained is None or not explained.counts.get(SELECTOR_MISMATCH):
+def none_passes(explained: Explanation | None, check: str) -> bool:
+    """Whether the scheduler's explain of an actor found that no undrained worker of its class passes
+    `check` (a feasibility reason: `selector mismatch`, no worker has the labels its selectors ask for;
+    `runtime mismatch`, none of those that have them accepts the stamp of its snapshot, the first
+    requirement explain tallies). The checks run in `feasibility.REASONS`' order, and each worker is
+    counted under the first it fails (or every resource check): a worker that passes `check` is a
+    candidate or passed over for a later reason. So none passes it when there is no candidate, no such
+    later reason, and some worker was passed over for it (an explain that tallied nothing, of an actor
+    that cannot be resumed, says nothing of it)."""
+    if explained is None or not explained.counts.get(check):
         return False
-    later = REASONS[REASONS.index(SELECTOR_MISMATCH) + 1:]
+    later = REASONS[REASONS.index(check) + 1:]
     return explained.candidates == 0 and not any(explained.counts.get(reason) for reason in later)
+
+
+def labels_asked(body: CreateActor) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sorted(body.selectors.items()))
 
 
 def create_warnings(body: CreateActor, read: Created) -> list[str]:
@@ -392,9 +398,9 @@ def create_warnings(body: CreateActor, read: Created) -> list[str]:
     said = class_unserved(body, read, ours)
     if said is not None:
         lines.append(f"warning: {said}")
-    elif live and body.selectors and no_worker_has_the_labels(read.explained):  # refused at resume, as a class
-        wanted = ", ".join(f"{k}={v}" for k, v in sorted(body.selectors.items()))
-        lines.append(f"warning: no undrained worker of class {cls} has the labels {wanted}; resuming {aid} is "
+    elif live and body.selectors and none_passes(read.explained, SELECTOR_MISMATCH):  # refused at resume
+        lines.append(f"warning: no undrained worker of class {cls} has the labels {labels_asked(body)}; "
+                     f"resuming {aid} is "
                      "refused until one does (`warmboot workers -o wide` shows their labels)")
     elif live and body.selectors and read.unexplained:
         lines.append(f"note: --selector not checked against the workers' labels: {read.unexplained}")
@@ -446,8 +452,10 @@ def memory_lost(body: CreateActor, read: Created, live: bool) -> str | None:
     """Why the first resume of the actor will not restore the memory of the snapshot it is created
     from, as the scheduler's plan gives it up (services.scheduler.decide, rules 3 and 4), or None:
     a snapshot of another template (TEMPLATE_CHANGED), one with no stamp (SNAPSHOT_NOT_MEMORY), a
-    stamp no undrained worker of the class accepts, as fragmentation counts them (NO_COMPATIBLE_WORKER;
-    a MEMORY floor refuses the resume instead). The contract takes each; a trial's creates said nothing."""
+    stamp no undrained worker of the class accepts, as fragmentation counts them, or none of those with
+    the labels its selectors ask for, as the scheduler's explain of it says (NO_COMPATIBLE_WORKER; a
+    MEMORY floor refuses the resume instead). The contract takes each; a trial's creates said nothing
+    (and a create with selectors said nothing of a stamp only workers without the labels accept)."""
     snapshot, aid, cls = read.snapshot, body.actor_id, body.sandbox_class
     if snapshot is None or snapshot.fidelity is not Fidelity.MEMORY:
         return None
@@ -462,13 +470,20 @@ def memory_lost(body: CreateActor, read: Created, live: bool) -> str | None:
     if stamp is None:
         return (f"{what} holds memory but no sandbox_runtime: no worker can restore its memory, so {aid} starts "
                 "without it (SNAPSHOT_NOT_MEMORY)")
-    if not live or stamp.sandbox_class != cls or accepts(read.answer, stamp) is not False:
+    if not live or stamp.sandbox_class != cls:
         return None  # no worker takes the class (said so apart); a stamp of another class is refused at create
+    accepted = accepts(read.answer, stamp)
+    if accepted is False:
+        nowhere = f"no undrained worker of class {cls}"
+    elif accepted and body.selectors and none_passes(read.explained, RUNTIME_MISMATCH):
+        nowhere = f"no undrained worker of class {cls} with the labels {labels_asked(body)}"
+    else:
+        return None
     runtimes = read.labels()
     then = (f"resuming {aid} is refused (its --min-fidelity is MEMORY)" if body.min_fidelity is Fidelity.MEMORY
             else f"{aid} {instead} (NO_COMPATIBLE_WORKER)")
-    return (f"no undrained worker of class {cls} accepts the stamp "
-            f"{pin_label(runtimes, cls, stamp.version, stamp.name)} of {what}: until one does, {then}")
+    label = pin_label(runtimes, cls, stamp.version, stamp.name)
+    return f"{nowhere} accepts the stamp {label} of {what}: until one does, {then}"
 
 
 def accepts(answer: Fragmentation | None, stamp: ActorRuntime) -> bool | None:
