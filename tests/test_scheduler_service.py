@@ -158,6 +158,7 @@ async def test_a_burst_of_read_only_answers_does_not_hold_a_resume_behind_it(nc,
         return page(projection, request)
 
     monkeypatch.setattr(scheduler_service, "actor_page", costly)
+    monkeypatch.setattr(scheduler_service, "READS_WAITING", 1000)  # every page waits its turn (the next test: not)
     order: list[str] = []
     done = asyncio.Event()
 
@@ -174,6 +175,38 @@ async def test_a_burst_of_read_only_answers_does_not_hold_a_resume_behind_it(nc,
     await asyncio.wait_for(done.wait(), 60)
     assert sorted(order) == sorted([f"page{n}" for n in range(100)] + ["resume"])
     assert order.index("resume") < 60, order  # 11 or 12 here, of 100; 100 before
+
+
+async def test_read_only_answers_past_those_waiting_their_turn_are_unavailable_at_once(nc, prefix, writer, replicas,
+                                                                                     monkeypatch):
+    """At most `READS_WAITING` read-only answers wait their turn on a replica; one more is UNAVAILABLE at once
+    (a client retries it), not answered after every pass before it, long after its client gave up. Here 4
+    may wait and 30 pages of 20 ms each are asked at once: each gets a page or that refusal (5 pages here:
+    the one computed and the 4 waiting), and the replica goes on answering."""
+    import services.scheduler.service as scheduler_service
+    from events.schema import ActorPage, ActorsQuery
+
+    await asyncio.to_thread(writer.write, registered("w", entry(V1)), created("a"))
+    await replicas()
+    page = scheduler_service.actor_page
+
+    def costly(projection, request):
+        time.sleep(0.02)  # the loop held, as a fleet-size page holds it
+        return page(projection, request)
+
+    monkeypatch.setattr(scheduler_service, "actor_page", costly)
+    monkeypatch.setattr(scheduler_service, "READS_WAITING", 4)
+    answers = await asyncio.gather(*(call(nc, subject(prefix, "actors"), ActorsQuery(), ActorPage, timeout=30)
+                                     for _ in range(30)), return_exceptions=True)
+    refused = [a for a in answers if isinstance(a, ContractError)]
+    pages = [a for a in answers if isinstance(a, ActorPage)]
+    assert len(refused) + len(pages) == 30, answers
+    assert 5 <= len(pages) < 30 and refused, (len(pages), len(refused))
+    assert {(e.code, e.message) for e in refused} == {(ErrorCode.UNAVAILABLE, "4 read-only answers already wait "
+                                                       "their turn on this scheduler replica; try again")}
+    assert all([row.actor_id for row in p.actors] == ["a"] for p in pages)
+    again = await call(nc, subject(prefix, "actors"), ActorsQuery(), ActorPage, timeout=30)
+    assert [row.actor_id for row in again.actors] == ["a"]
 
 
 async def test_fallback_is_committed_and_counted(nc, prefix, writer, replicas):

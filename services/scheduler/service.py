@@ -88,6 +88,9 @@ DEFAULT_COMMIT_ATTEMPTS = 8
 DEFAULT_CATCH_UP_S = 5.0  # how long a request waits for the fold (min_seq, after a lost race)
 GAUGE_INTERVAL_S = 2.0
 MAX_CONCURRENT_REQUESTS = 4096  # requests handled at once by one replica
+# Read-only answers that may wait their turn at once on one replica (`SchedulerService._read`); past it,
+# UNAVAILABLE at once: a client retries it later, on this replica or another.
+READS_WAITING = 64
 # What a resume is refused on the actor's state, which a fold behind the log can show wrongly
 # (`SchedulerService._current`): its life (NOT_FOUND, RUNNING, STOPPED), its snapshot against its
 # min_fidelity, and the selectors of its life a request may not change (INVALID_ARGUMENT; the
@@ -198,6 +201,7 @@ class SchedulerService:
         )
         # One read-only answer computed at a time (`_read`): each is a pass over the fold, on the loop.
         self._reads = asyncio.Lock()
+        self._reads_waiting = 0
         self.replies = ReplyCache(nc, prefix)
         self.store: WireApplication | None = None
         self.service: Any = None
@@ -404,12 +408,24 @@ class SchedulerService:
         for seconds. Now they take turns (an asyncio lock, first come first served), and each holds the
         turn until the loop has gone round once after its pass: what became ready meanwhile, a
         resume's next step or the socket's next bytes, goes before the next answer's pass. A resume
-        waits at most one pass at each of its steps."""
+        waits at most one pass at each of its steps. At most `READS_WAITING` wait their turn: one more
+        is UNAVAILABLE at once, rather than answered after the others' passes (a burst of 4,096 pages of
+        50 ms each is over 3 minutes), long after its client gave up."""
         await self.fold.wait(min_seq, self.catch_up_s)
-        async with self._reads:
+        if self._reads_waiting >= READS_WAITING:
+            raise unavailable(f"{READS_WAITING} read-only answers already wait their turn on this scheduler "
+                              "replica; try again")
+        self._reads_waiting += 1
+        try:
+            await self._reads.acquire()
+        finally:
+            self._reads_waiting -= 1
+        try:
             made = answer()
             await asyncio.sleep(0)  # the loop's next turn, the turn still held
             return made
+        finally:
+            self._reads.release()
 
     async def explain(self, actor_id: str, request: ExplainResume) -> Explanation:
         return await self._read(request.min_seq, lambda: explain(
