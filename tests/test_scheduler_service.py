@@ -137,17 +137,12 @@ async def test_resume_places_commits_and_answers_over_nats(nc, prefix, writer, r
     assert metric("warmboot_scheduler_fold_seq") == service.projection.seq >= cold.seq
 
 
-async def test_a_burst_of_read_only_answers_does_not_hold_a_resume_behind_it(nc, prefix, writer, replicas,
-                                                                              monkeypatch):
-    """A page of `actor list` on a fold of fleet size costs the replica's loop tens of ms (bench/views.py:
-    28 to 51 ms at 100,000 actors). A client's burst of them, up to 4,096 of each endpoint at once, all
-    ready together, ran one after another before a resume that came after them took its next step:
-    placements held for seconds. Here each page costs 20 ms of the loop (the page function made that
-    slow, as a large fold makes it); 100 pages are asked, then a resume, in that order on one connection.
-    The replies, in the order they arrive: the resume is answered before most pages (it was answered
-    after every one)."""
+@pytest.fixture
+async def costly_pages(writer, replicas, monkeypatch):
+    """A replica whose fold holds a worker and an actor `a`, each page of `actor list` costing it 20 ms of
+    its loop (the page function made that slow, as a fold of fleet size makes it); `READS_WAITING`, the
+    test's to set."""
     import services.scheduler.service as scheduler_service
-    from events.schema import ActorPage, ActorsQuery
 
     await asyncio.to_thread(writer.write, registered("w", entry(V1)), created("a"))
     await replicas()
@@ -158,7 +153,20 @@ async def test_a_burst_of_read_only_answers_does_not_hold_a_resume_behind_it(nc,
         return page(projection, request)
 
     monkeypatch.setattr(scheduler_service, "actor_page", costly)
-    monkeypatch.setattr(scheduler_service, "READS_WAITING", 1000)  # every page waits its turn (the next test: not)
+    return scheduler_service
+
+
+async def test_a_burst_of_read_only_answers_does_not_hold_a_resume_behind_it(nc, prefix, costly_pages, monkeypatch):
+    """A page of `actor list` on a fold of fleet size costs the replica's loop tens of ms (bench/views.py:
+    28 to 51 ms at 100,000 actors). A client's burst of them, up to 4,096 of each endpoint at once, all
+    ready together, ran one after another before a resume that came after them took its next step:
+    placements held for seconds. Here each page costs 20 ms of the loop (`costly_pages`); 100 pages are
+    asked, then a resume, in that order on one connection.
+    The replies, in the order they arrive: the resume is answered before most pages (it was answered
+    after every one)."""
+    from events.schema import ActorsQuery
+
+    monkeypatch.setattr(costly_pages, "READS_WAITING", 1000)  # every page waits its turn (the next test: not)
     order: list[str] = []
     done = asyncio.Event()
 
@@ -177,25 +185,15 @@ async def test_a_burst_of_read_only_answers_does_not_hold_a_resume_behind_it(nc,
     assert order.index("resume") < 60, order  # 11 or 12 here, of 100; 100 before
 
 
-async def test_read_only_answers_past_those_waiting_their_turn_are_unavailable_at_once(nc, prefix, writer, replicas,
+async def test_read_only_answers_past_those_waiting_their_turn_are_unavailable_at_once(nc, prefix, costly_pages,
                                                                                      monkeypatch):
     """At most `READS_WAITING` read-only answers wait their turn on a replica; one more is UNAVAILABLE at once
     (a client retries it), not answered after every pass before it, long after its client gave up. Here 4
     may wait and 30 pages of 20 ms each are asked at once: each gets a page or that refusal (5 pages here:
     the one computed and the 4 waiting), and the replica goes on answering."""
-    import services.scheduler.service as scheduler_service
     from events.schema import ActorPage, ActorsQuery
 
-    await asyncio.to_thread(writer.write, registered("w", entry(V1)), created("a"))
-    await replicas()
-    page = scheduler_service.actor_page
-
-    def costly(projection, request):
-        time.sleep(0.02)  # the loop held, as a fleet-size page holds it
-        return page(projection, request)
-
-    monkeypatch.setattr(scheduler_service, "actor_page", costly)
-    monkeypatch.setattr(scheduler_service, "READS_WAITING", 4)
+    monkeypatch.setattr(costly_pages, "READS_WAITING", 4)
     answers = await asyncio.gather(*(call(nc, subject(prefix, "actors"), ActorsQuery(), ActorPage, timeout=30)
                                      for _ in range(30)), return_exceptions=True)
     refused = [a for a in answers if isinstance(a, ContractError)]
