@@ -298,9 +298,9 @@ class SeenClient(Client):
         super().__init__(nc, prefix)
         self.seen = seen
 
-    async def _once(self, subject, data, reply_type):
+    async def _once(self, subject, data, reply_type, *rest):
         try:
-            return await super()._once(subject, data, reply_type)
+            return await super()._once(subject, data, reply_type, *rest)  # `rest`: what this checkout's passes
         except ContractError as error:
             if error.code is ErrorCode.UNAVAILABLE:
                 # the client's own wording for a time-out and for no responders (warmboot/client.py)
@@ -633,7 +633,11 @@ async def load_and_kill(args, cluster: NatsCluster, prefix: str, stream: str, tr
             if k + 1 < args.kills:
                 await asyncio.sleep(BEFORE_S + 2.0)  # the window before the next kill, all three up
         stop.set()
-        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 120)
+        ended = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 120)
+        failed = [e for e in ended if isinstance(e, BaseException) and not isinstance(e, asyncio.CancelledError)]
+        if failed:  # a client loop that died measured nothing: the run says so rather than report no placements
+            raise RuntimeError(f"{len(failed)} client loops failed, the first: {type(failed[0]).__name__}: "
+                               f"{failed[0]}") from failed[0]
         placed, every, doubled = await read_log(watch, prefix)
     finally:
         stop.set()
