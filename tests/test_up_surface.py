@@ -181,3 +181,48 @@ def test_a_start_that_fails_removes_what_it_made_and_only_that(tmp_path, monkeyp
     assert not (tmp_path / "a").exists()
     assert there.is_dir() and [p.name for p in there.iterdir()] == ["warmboot.lock"]
     assert (linked / "warmboot").is_symlink() and os.readlink(linked / "warmboot") == str(tmp_path / "not-mounted-yet")
+
+
+async def test_up_makes_an_earlier_version_s_synced_heartbeat_bucket_anew_unsynced(tmp_path):
+    """A store an earlier version served holds the heartbeat bucket as it made it, each put synced: with every
+    write synced that bounds heartbeats (docs/operations.md, Durability), and a stream's mode cannot change.
+    `up` holds its store's lock and runs the only registry, so it deletes that bucket before the registry
+    starts, says so, and the registry makes it anew unsynced; a bucket of this version is left as it is."""
+    import re
+    import signal
+
+    import nats
+    from nats.js.api import PersistMode
+
+    from events.subjects import DEFAULT_PREFIX, bucket_name
+    from services.registry.liveness import Liveness
+    from tests.secured_helpers import Child
+    from warmboot.natsserver import NatsServer
+
+    store = tmp_path / "store"
+    stream = f"KV_{bucket_name(DEFAULT_PREFIX, 'heartbeats')}"
+    earlier = NatsServer(store.resolve(), name="warmboot").start()  # as `up` runs it, on the same store
+    try:
+        nc = await nats.connect(earlier.url)
+        try:  # the bucket as the earlier version made it: nats-py's own, synced
+            await nc.jetstream().create_key_value(Liveness(nc, DEFAULT_PREFIX, 15, None).bucket_config())
+        finally:
+            await nc.close()
+    finally:
+        earlier.stop()
+    said = "the heartbeat bucket an earlier version made, each put synced, is made anew unsynced"
+    for made_anew in (True, False):  # and a second start leaves this version's bucket as it is
+        up = Child([WARMBOOT, "up", "--port", "0", "--metrics-port", "0", "--store", str(store)],
+                   re.compile(r"^serving; Ctrl-C stops"))
+        up.start(timeout=120)
+        try:
+            assert (said in up.output) is made_anew, up.output
+            nc = await nats.connect(up.line("NATS     ").split()[1])
+            try:
+                assert (await nc.jetstream().stream_info(stream)).config.persist_mode == PersistMode.ASYNC
+            finally:
+                await nc.close()
+        finally:
+            code = up.signal(signal.SIGINT)
+        assert code == 0, up.output[-2000:]
+        assert "persist mode default" not in up.output, up.output

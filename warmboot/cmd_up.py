@@ -82,6 +82,9 @@ def up(port: int, store: Path, prefix: str, metrics_port: int, demo: bool, exit_
         async with AsyncExitStack() as stack:
             # The same scheduler checkpoints as `warmboot serve` by default: a restart replays the tail only.
             checkpoints = {"checkpoint_every": DEFAULT_EVERY_EVENTS, "checkpoint_interval_s": DEFAULT_INTERVAL_S}
+            if await _unsynced_heartbeats(server.url, prefix):
+                console.print("the heartbeat bucket an earlier version made, each put synced, is made anew unsynced "
+                              "(docs/operations.md, Durability)")
             running = await start_services(stack, list(SERVICES), server.url, prefix, None, {"scheduler": checkpoints})
             served = True
             tune_gc()
@@ -171,6 +174,20 @@ def _remove(made: list[Path], store: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)
+
+
+async def _unsynced_heartbeats(url: str, prefix: str) -> bool:
+    """The heartbeat bucket an earlier version made on this store, synced, deleted before the registry starts
+    (`services.registry.liveness.remake_synced_bucket`): `up` holds the store's lock and runs the only registry."""
+    import nats
+
+    from services.registry.liveness import remake_synced_bucket
+
+    nc = await nats.connect(url)
+    try:
+        return await remake_synced_bucket(nc, prefix)
+    finally:
+        await nc.close()
 
 
 def _start(server: NatsServer, store: Path, port: int, reset: bool) -> None:

@@ -405,6 +405,24 @@ class Sweeper:
             self._kick()
 
 
+async def remake_synced_bucket(nc: NATS, prefix: str) -> bool:
+    """Delete the heartbeat bucket of `prefix` if an earlier version made it synced (the server's default
+    persist mode) on one replica; True if it did. Only for a caller that knows no registry replica runs on
+    it (`warmboot up`, which holds its store's lock and starts the only one after): the registry makes it
+    anew, unsynced (`Liveness.persist_mode`), and its start's reconciliation starts each registered worker's
+    clock again, so none is removed for it (a worker silent since is removed LOST within its TTL)."""
+    js = nc.jetstream()
+    stream = f"KV_{bucket_name(prefix, 'heartbeats')}"
+    try:
+        config = (await js.stream_info(stream)).config
+    except NotFoundError:
+        return False
+    if (config.persist_mode or PersistMode.DEFAULT) != PersistMode.DEFAULT or (config.num_replicas or 1) != 1:
+        return False
+    await js.delete_stream(stream)
+    return True
+
+
 class Liveness:
     """Heartbeats in a JetStream KV bucket with per-message TTLs; expiry markers swept once.
 
