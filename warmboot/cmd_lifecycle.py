@@ -400,8 +400,7 @@ def create_warnings(body: CreateActor, read: Created) -> list[str]:
         lines.append(f"warning: {said}")
     elif live and body.selectors and none_passes(read.explained, SELECTOR_MISMATCH):  # refused at resume
         lines.append(f"warning: no undrained worker of class {cls} has the labels {labels_asked(body)}; "
-                     f"resuming {aid} is "
-                     "refused until one does (`warmboot workers -o wide` shows their labels)")
+                     f"resuming {aid} is refused until one does (`warmboot workers -o wide` shows their labels)")
     elif live and body.selectors and read.unexplained:
         lines.append(f"note: --selector not checked against the workers' labels: {read.unexplained}")
     elif (live and body.selectors and never is None and read.explained is not None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import shutil
@@ -178,16 +179,21 @@ def _remove(made: list[Path], store: Path) -> None:
 
 async def _unsynced_heartbeats(url: str, prefix: str) -> bool:
     """The heartbeat bucket an earlier version made on this store, synced, deleted before the registry starts
-    (`services.registry.liveness.remake_synced_bucket`): `up` holds the store's lock and runs the only registry."""
+    (`services.registry.liveness.remake_synced_bucket`): `up` holds the store's lock and runs the only registry.
+    Not done if the server does not answer now: the registry then keeps the bucket, and says so."""
     import nats
+    import nats.errors
 
     from services.registry.liveness import remake_synced_bucket
 
-    nc = await nats.connect(url)
     try:
-        return await remake_synced_bucket(nc, prefix)
-    finally:
-        await nc.close()
+        nc = await nats.connect(url)
+        try:
+            return await remake_synced_bucket(nc, prefix)
+        finally:
+            await nc.close()
+    except (nats.errors.Error, asyncio.TimeoutError, OSError):
+        return False
 
 
 def _start(server: NatsServer, store: Path, port: int, reset: bool) -> None:
