@@ -214,6 +214,20 @@ def unavailable(message: str, field: str | None = None) -> ContractError:
 WAITED_FOR = ("min_seq", "life_seq")
 
 
+# What a scheduler replica answers a read-only request past those waiting their turn
+# (`services.scheduler.service.READS_WAITING`): UNAVAILABLE, the same request answered a moment later.
+_BUSY_READS = "read-only answers already wait their turn on this scheduler replica; try again"
+
+
+def busy_reads(waiting: int) -> ContractError:
+    return unavailable(f"{waiting} {_BUSY_READS}")
+
+
+def is_busy_reads(error: ContractError) -> bool:
+    """Whether `error` is a scheduler replica's `busy_reads`: it answered, and would a moment later."""
+    return error.code is ErrorCode.UNAVAILABLE and error.message.endswith(_BUSY_READS)
+
+
 def past_the_end(error: ContractError) -> bool:
     """Whether `error` says a sequence the request named is past the end of the log (UNAVAILABLE naming
     `min_seq` or `life_seq`): not transient, and nothing was carried out."""

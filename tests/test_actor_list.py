@@ -331,3 +331,42 @@ def test_a_class_that_is_none_or_too_many_filters_are_usage_errors_before_anythi
     assert "'Bad Class' is not a sandbox class: 1 to 63 lower-case letters" in said, said
     repeated = msgspec.json.decode(encode(ActorsQuery(states=(ActorState.PAUSED,))))  # the wire's names
     assert repeated["states"] == ["PAUSED"]
+
+
+async def test_a_page_a_busy_replica_refuses_is_asked_again_not_read_from_the_log(nats_url, nc, prefix, writer,
+                                                                                  replicas, monkeypatch):
+    """A replica with `READS_WAITING` read-only answers waiting refuses one more, UNAVAILABLE at once: the
+    command asks in one attempt (to find no scheduler, or one of an earlier version, at once), and such a
+    refusal sent it to fold the whole log. It asks again after a jittered pause instead, and prints the
+    replica's pages without reading the log; a replica busy past its attempts is read from the log, as
+    before. `worker show` and the views' runtimes ask the same way (`cmd_views.unless_busy`)."""
+    import services.scheduler.service as scheduler_service
+    from events.errors import busy_reads
+    from warmboot import cmd_views
+
+    await asyncio.to_thread(writer.write, *HISTORY)
+    await replicas()
+    at = ("--nats", nats_url, "--prefix", prefix, "-o", "json")
+    expected = json.loads((await cli("actor", "list", *at)).stdout)
+    read = log_reads(monkeypatch)
+    monkeypatch.setattr(cmd_views, "BUSY_PAUSE_S", 0.01)
+    refused: list[int] = []
+    busy_for = 2  # the requests refused, from the first
+    turn = scheduler_service.SchedulerService._read
+
+    async def busy_at_first(self, min_seq, answer):
+        if len(refused) < busy_for:
+            refused.append(min_seq)
+            raise busy_reads(scheduler_service.READS_WAITING)
+        return await turn(self, min_seq, answer)
+
+    monkeypatch.setattr(scheduler_service.SchedulerService, "_read", busy_at_first)
+    shown = await cli("actor", "list", *at)
+    assert shown.exit_code == 0 and json.loads(shown.stdout) == expected, shown.output
+    assert len(refused) == 2 and read == [], (refused, read)
+
+    refused.clear()
+    busy_for = 1000  # busy past every attempt
+    shown = await cli("actor", "list", *at)
+    assert shown.exit_code == 0 and json.loads(shown.stdout) == expected, shown.output
+    assert None in read  # the whole log, as for no scheduler

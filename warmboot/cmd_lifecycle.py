@@ -72,6 +72,7 @@ from warmboot.cmd_views import (
     pin_label,
     runtime_labels,
     runtimes_of,
+    unless_busy,
 )
 from warmboot.render import Column, key_values, render_fields, render_table, terminal_width
 
@@ -1045,7 +1046,8 @@ async def asked_worker(nc: Any, prefix: str, worker_id: str, min_seq: int | None
     answers within LABELS_TIMEOUT_S, in one attempt, as `cmd_views.asked_runtimes`: none runs, one of an
     earlier version, credentials that may not ask it, or a fold that is not at `min_seq` by then."""
     try:
-        return await Client(nc, prefix, timeout=LABELS_TIMEOUT_S, attempts=1).worker(worker_id, min_seq)
+        client = Client(nc, prefix, timeout=LABELS_TIMEOUT_S, attempts=1)
+        return await unless_busy(lambda: client.worker(worker_id, min_seq))
     except ContractError as e:
         if e.code is ErrorCode.NOT_FOUND:
             raise

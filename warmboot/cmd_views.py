@@ -20,8 +20,10 @@ is the endpoint's answer with each runtime version's `rt-` id beside it (`with_r
 
 from __future__ import annotations
 
+import asyncio
 import json
-from typing import Any, Awaitable, Callable, Mapping
+import random
+from typing import Any, Awaitable, Callable, Mapping, TypeVar
 
 import click
 import msgspec
@@ -29,7 +31,7 @@ import nats.errors
 
 from events.codec import to_builtins
 from events.compat import compat_key
-from events.errors import ContractError
+from events.errors import ContractError, is_busy_reads
 from events.runtime_id import PREFIX as ID_PREFIX
 from events.runtime_id import Runtimes, UnknownRuntime, short_id
 from events.schema import (WHATIF_LIMIT_MAX, CompatVersion, ErrorCode, Explanation, FleetRuntimes, Fragmentation,
@@ -155,7 +157,26 @@ async def fleet_runtimes(nc: Any, prefix: str) -> Runtimes:
     return asked if asked is not None else runtimes_of(await fleet(nc, prefix))
 
 
+T = TypeVar("T")
+BUSY_ATTEMPTS = 5  # attempts of a view's request a busy replica refuses (`unless_busy`)
+BUSY_PAUSE_S = 0.1  # its pause before the n-th attempt: n times this, jittered
 LABELS_TIMEOUT_S = 2.0  # how long a command's text waits for the stream to say it may be read
+
+
+async def unless_busy(ask: Callable[[], Awaitable[T]]) -> T:
+    """`await ask()`, a request to a scheduler replica's read-only endpoint in one attempt, asked again
+    after a jittered pause while a busy replica refuses it (`events.errors.is_busy_reads`: it answered,
+    and would a moment later), up to BUSY_ATTEMPTS attempts in all; any other ContractError at once.
+    The views ask in one attempt so that no scheduler (or one of an earlier version) is found at once,
+    and then read the log instead: a busy replica's refusal sent them to the whole log."""
+    for attempt in range(1, BUSY_ATTEMPTS + 1):
+        try:
+            return await ask()
+        except ContractError as error:
+            if not is_busy_reads(error) or attempt == BUSY_ATTEMPTS:
+                raise
+        await asyncio.sleep(BUSY_PAUSE_S * attempt * (0.5 + random.random()))
+    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 async def asked_runtimes(nc: Any, prefix: str, min_seq: int | None = None) -> Runtimes | None:
@@ -166,7 +187,8 @@ async def asked_runtimes(nc: Any, prefix: str, min_seq: int | None = None) -> Ru
     or credentials that may not ask it (an operator's of a configuration made before it). The classes
     the registered workers run are `registered_classes(runtimes)`."""
     try:
-        answer = await Client(nc, prefix, timeout=LABELS_TIMEOUT_S, attempts=1).runtimes(min_seq=min_seq)
+        client = Client(nc, prefix, timeout=LABELS_TIMEOUT_S, attempts=1)
+        answer = await unless_busy(lambda: client.runtimes(min_seq=min_seq))
     except ContractError:
         return None
     return runtimes_from(answer)
@@ -682,11 +704,12 @@ async def asked_pages(ask: Callable[[Any], Awaitable[Any]], query: Any,
                       enough: Callable[[Any], bool] = lambda first: False) -> list | None:
     """Every page a paged endpoint answers (`ask`: `Client.workers`, `Client.actors`), from `query` on,
     each asked with the one before's `next_after`, all at `query.min_seq`; the first alone when
-    `enough(first)`. None when one of them is not answered (ContractError)."""
+    `enough(first)`. None when one of them is not answered (ContractError; a busy replica's refusal after
+    `unless_busy`'s attempts)."""
     pages: list = []
     try:
         while True:
-            page = await ask(query)
+            page = await unless_busy(lambda: ask(query))
             pages.append(page)
             if page.next_after is None or (len(pages) == 1 and enough(page)):
                 return pages

@@ -32,7 +32,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from events.aggregate import WireApplication
 from events.codec import decode_event, decoder
-from events.errors import ContractError, UnreadableHistory, unavailable
+from events.errors import ContractError, UnreadableHistory, busy_reads, unavailable
 from events.jetstream.link import links_on
 from events.tasks import cancel_and_wait
 from events.runtime_id import short_id
@@ -413,8 +413,7 @@ class SchedulerService:
         50 ms each is over 3 minutes), long after its client gave up."""
         await self.fold.wait(min_seq, self.catch_up_s)
         if self._reads_waiting >= READS_WAITING:
-            raise unavailable(f"{READS_WAITING} read-only answers already wait their turn on this scheduler "
-                              "replica; try again")
+            raise busy_reads(READS_WAITING)
         self._reads_waiting += 1
         try:
             await self._reads.acquire()
