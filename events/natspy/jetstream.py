@@ -151,22 +151,22 @@ async def create_key_value(js: JetStreamContext, config: KeyValueConfig,
     class WithMode:  # the context nats-py's code runs on: its stream made with the mode
         account_info = js.account_info
 
-        def __init__(self, mode: PersistMode | None) -> None:
-            self.mode = mode
+        def __init__(self, mode: PersistMode) -> None:  # the default as nats-py sends it: none (never stored)
+            self.mode = None if mode == PersistMode.DEFAULT else mode
 
         async def add_stream(self, stream: StreamConfig) -> Any:
             return await js.add_stream(dataclasses.replace(stream, persist_mode=self.mode))
 
+    wanted = PersistMode(persist_mode or PersistMode.DEFAULT)
     try:
-        await JetStreamContext.create_key_value(WithMode(persist_mode), config)  # type: ignore[arg-type]
-        return persist_mode or PersistMode.DEFAULT
+        await JetStreamContext.create_key_value(WithMode(wanted), config)  # type: ignore[arg-type]
+        return wanted
     except BadRequestError as error:
         if error.err_code != ERR_STREAM_NAME_IN_USE:
             raise
         info = await js.stream_info(f"KV_{config.bucket}")
         made = PersistMode(info.config.persist_mode or PersistMode.DEFAULT)
-        if made == (persist_mode or PersistMode.DEFAULT):
+        if made == wanted:
             raise
-        as_made = WithMode(None if made == PersistMode.DEFAULT else made)
-        await JetStreamContext.create_key_value(as_made, config)  # type: ignore[arg-type]
+        await JetStreamContext.create_key_value(WithMode(made), config)  # type: ignore[arg-type]
         return made

@@ -405,11 +405,18 @@ class Sweeper:
             self._kick()
 
 
+def persist_mode(replicas: int) -> PersistMode:
+    """The heartbeat bucket's persist mode: unsynced puts (`async`), which nats-server allows one-replica
+    streams only, for a put synced costs a sync per heartbeat where the server syncs every write
+    (docs/operations.md, Durability); a replicated bucket, the server's default."""
+    return PersistMode.ASYNC if replicas == 1 else PersistMode.DEFAULT
+
+
 async def remake_synced_bucket(nc: NATS, prefix: str) -> bool:
     """Delete the heartbeat bucket of `prefix` if an earlier version made it synced (the server's default
     persist mode) on one replica; True if it did. Only for a caller that knows no registry replica runs on
     it (`warmboot up`, which holds its store's lock and starts the only one after): the registry makes it
-    anew, unsynced (`Liveness.persist_mode`), and its start's reconciliation starts each registered worker's
+    anew, unsynced (`persist_mode`), and its start's reconciliation starts each registered worker's
     clock again, so none is removed for it (a worker silent since is removed LOST within its TTL)."""
     js = nc.jetstream()
     stream = f"KV_{bucket_name(prefix, 'heartbeats')}"
@@ -417,7 +424,7 @@ async def remake_synced_bucket(nc: NATS, prefix: str) -> bool:
         config = (await js.stream_info(stream)).config
     except NotFoundError:
         return False
-    if (config.persist_mode or PersistMode.DEFAULT) != PersistMode.DEFAULT or (config.num_replicas or 1) != 1:
+    if PersistMode(config.persist_mode or PersistMode.DEFAULT) == persist_mode(config.num_replicas or 1):
         return False
     await js.delete_stream(stream)
     return True
@@ -479,17 +486,10 @@ class Liveness:
             replicas=self.replicas,
         )
 
-    @property
-    def persist_mode(self) -> PersistMode | None:
-        """The bucket's persist mode: unsynced puts (`async`), which nats-server allows one-replica streams
-        only, for a put synced costs a sync per heartbeat where the server syncs every write
-        (docs/operations.md, Durability); a replicated bucket, the server's default."""
-        return PersistMode.ASYNC if self.replicas == 1 else None
-
     async def start(self) -> None:
-        config, wanted = self.bucket_config(), self.persist_mode
+        config, wanted = self.bucket_config(), persist_mode(self.replicas)
         mode = await until_answered(lambda: create_key_value(self.js, config, wanted), f"the bucket {self.bucket}")
-        if wanted is not None and mode != wanted:
+        if mode != wanted:
             log.warning("the bucket %s was made with persist mode %s (by an earlier version): where the "
                         "server syncs every write (`sync_interval: always`), each heartbeat waits for its sync; to "
                         "make it anew, stop every registry replica, delete the bucket (`nats kv del %s`) and start "
