@@ -1,4 +1,4 @@
-"""Files written whole or not at all.
+"""Files written whole or not at all, and files held by one process at a time.
 
 A file another process reads at any time (the agent's state file; the nats-server
 configuration a member includes, reloads or restarts on) is written beside itself, synced,
@@ -9,10 +9,12 @@ half-written is one without its authorization, which nats-server takes.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import tempfile
 from contextlib import suppress
 from pathlib import Path
+from typing import IO
 
 
 def write_atomically(path: Path, text: str, mode: int | None = None, encoding: str = "utf-8") -> None:
@@ -62,3 +64,26 @@ def _default_mode() -> int:
     except (OSError, ValueError):
         pass
     return 0o644
+
+
+def take_lock(path: Path) -> tuple[IO[str] | None, str | None]:
+    """Hold the lock file `path` (made if missing; an advisory `flock`, which the kernel lets go of when its
+    holder exits, killed too): (the open file, which holds it until closed, with this process's pid written
+    in it, None) if nobody held it; else (None, the pid its holder wrote there, or "?"). OSError if it cannot
+    be opened."""
+    handle = open(path, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "?"
+        handle.close()
+        return None, holder
+    except BaseException:
+        handle.close()
+        raise
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle, None

@@ -9,7 +9,6 @@ The child gets PR_SET_PDEATHSIG, so it dies with its parent even on `kill -9`.
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import functools
 import json
 import os
@@ -24,6 +23,8 @@ import threading
 from collections import deque
 from pathlib import Path
 from typing import Any
+
+from warmboot.files import take_lock
 
 READY_LINE = "Server is ready"
 ROUTES_LINE = "Listening for route connections on"  # a member's route port is bound after READY_LINE
@@ -42,20 +43,6 @@ class StoreInUse(NatsServerError):
     def __init__(self, message: str, holder: str) -> None:
         super().__init__(message)
         self.holder = holder
-
-
-def _take_lock(path: Path) -> tuple[Any, str | None]:
-    """(the open lock file, held by this process, None) if nobody held it; else (None, the pid its
-    holder wrote there, or "?"). OSError if it cannot be opened."""
-    handle = open(path, "a+")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "?"
-        handle.close()
-        return None, holder
-    return handle, None
 
 
 def server_binary() -> str:
@@ -171,16 +158,12 @@ class NatsServer:
             return
         try:
             self.store_dir.mkdir(parents=True, exist_ok=True)
-            handle, holder = _take_lock(self.lock_path)
+            handle, holder = take_lock(self.lock_path)
         except OSError as error:
             raise NatsServerError(f"cannot use the store {self.store_dir}: {error.strerror or error}") from None
         if handle is None:
             raise StoreInUse(f"the store {self.data_path} is in use by another nats-server "
                              f"(started by process {holder}): stop it, or give another store", holder)
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"{os.getpid()}\n")
-        handle.flush()
         self._lock = handle
 
     def reset_store(self) -> None:
