@@ -173,8 +173,8 @@ def beat_not_in_force(worker_id: str, beats: int, in_force: int, node: str | Non
         _NOT_IN_FORCE.format(worker_id=worker_id, in_force=in_force, beats=beats, where=where)
         + ": another agent registered it since (two machines running as one worker id?), or this beat crossed "
         "its agent's own newer registration, or the log lost its agent's latest. The beat keeps nothing alive; "
-        "register again, unless the registration in force is another machine's (another node, a revision above "
-        "every one this agent sent): then stop, and give each machine a worker id of its own", "revision")
+        "register again, unless the registration in force is another agent's (a revision above every one this "
+        "agent sent, on any node): then stop, and give each machine a worker id of its own", "revision")
 
 
 def drain_not_in_force(worker_id: str, drains: int, in_force: int, node: str | None) -> ContractError:

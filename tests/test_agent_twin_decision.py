@@ -42,16 +42,21 @@ def test_no_node_is_read_where_none_is_named():
     (50, "n2", 100, False),  # an earlier one the log rolled back to (this agent ran on n2 before)
     (50, "n1", 100, False),  # its own earlier one, the log rolled back (a crash lost its latest)
     (100, "n2", 100, False),  # not above the last this agent made: its own
-    (200, "n1", 100, False),  # on its own node: not told apart from this machine (docs/registry.md)
+    # on its own node: a second agent of the worker id on this machine, or one configured alike (until
+    # 2026-12-07 taken for this machine's, and the two took the worker from each other at every beat)
+    (200, "n1", 100, True),
 ])
-def test_an_agent_stops_only_for_another_node_s_registration_above_its_own(in_force, node, last, stops):
+def test_an_agent_stops_only_for_another_agent_s_registration_above_its_own(in_force, node, last, stops):
     decided = superseded_by(refusal(last - 1, in_force, node), "w-1", "n1", last)
     assert (decided is not None) == stops
     if stops:
         assert isinstance(decided, Superseded) and isinstance(decided, ContractError)
-        assert (decided.code, decided.field) == (ErrorCode.FAILED_PRECONDITION, "revision")
-        for said in ("worker w-1", "node n2", "revision 200", "node n1", "up to 100",
-                     "give each machine a worker id of its own", "stop an agent before starting its replacement"):
+        assert (decided.code, decided.field, decided.node) == (ErrorCode.FAILED_PRECONDITION, "revision", node)
+        who = ("another agent, on node n2" if node == "n2" else
+               "another agent on this agent's node n1 (a second agent of the worker id started on this machine")
+        for said in ("worker w-1", who, "revision 200", "node n1", "up to 100",
+                     "give each machine a worker id of its own, and run one agent of it",
+                     "stop an agent before starting its replacement"):
             assert said in decided.message, (said, decided.message)
 
 
@@ -69,11 +74,16 @@ def at_start(answer):
     return still_superseded(answer, "w-1", "n1", 100, RECORD, ("n2", 200))
 
 
-def test_a_restarted_agent_does_not_register_while_another_node_s_registration_above_its_own_is_in_force():
-    held = at_start(refusal(100, 300, "n2"))
+@pytest.mark.parametrize("node, who", [
+    ("n2", "worker w-1 is held by another agent, on node n2, which registered it since"),
+    ("n1", "worker w-1 is held by another agent on this agent's node n1 (a second agent of the worker id started "
+           "on this machine, or a machine configured alike, --node included), which registered it since"),
+])
+def test_a_restarted_agent_does_not_register_while_another_agent_s_registration_above_its_own_is_in_force(node, who):
+    held = at_start(refusal(100, 300, node))
     assert isinstance(held, StillSuperseded) and isinstance(held, Superseded)
-    assert (held.code, held.field, held.node, held.revision) == (ErrorCode.FAILED_PRECONDITION, "revision", "n2", 300)
-    for said in ("another machine holds worker w-1: node n2 registered it since", "revision 300", "up to 100",
+    assert (held.code, held.field, held.node, held.revision) == (ErrorCode.FAILED_PRECONDITION, "revision", node, 300)
+    for said in (who, "revision 300", "up to 100",
                  "node n2's revision 200 before", "Give each machine a worker id of its own",
                  f"delete {RECORD} and start this agent again"):
         assert said in held.message, (said, held.message)
@@ -84,7 +94,6 @@ def test_a_restarted_agent_does_not_register_while_another_node_s_registration_a
     (HeartbeatReply(ttl_s=15.0), "the registration in force is this agent's"),
     (ContractError(ErrorCode.NOT_FOUND, "worker 'w-1' was removed (LOST)", "worker_id"), "registration ended"),
     (None, "did not answer"),
-    (refusal(100, 300, "n1"), "refused otherwise"),  # on its own node: not told apart from this machine
     (refusal(100, 50, "n2"), "refused otherwise"),  # below its own: the log rolled back
     (refusal(100, 300, None), "refused otherwise"),  # an earlier registry's: names no node
     (ContractError(ErrorCode.FAILED_PRECONDITION, "bound to node n2", "node"), "refused otherwise"),

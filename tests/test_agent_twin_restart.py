@@ -71,7 +71,7 @@ async def test_a_superseded_agent_restarted_while_the_other_holds_the_worker_exi
                 out, err = await asyncio.wait_for(again.communicate(), 15)
             said = err.decode()
             assert again.returncode == SUPERSEDED_AT_START_EXIT == 3, said
-            for words in ("another machine holds worker w-a: node node-b registered it since",
+            for words in ("worker w-a is held by another agent, on node node-b, which registered it since",
                           "Give each machine a worker id of its own", f"delete {record}"):
                 assert words in said, (words, said)
             assert "registered w-a" not in said and b"stopped" not in out, said
@@ -109,3 +109,39 @@ async def test_a_superseded_agent_registers_at_its_restart_once_the_other_s_regi
         said = err.decode()
         assert again.returncode == 0, said
         assert "this agent stopped for node node-b's registration" in said and "registration ended" in said, said
+
+
+async def test_a_second_agent_given_the_first_one_s_state_file_starts_nothing_until_the_first_has_stopped(
+        nats_url, nc, prefix, tmp_path):
+    """Two agents of w-a on one machine given one state file (a unit started twice, a copied command line):
+    each read the other's revisions as its own, went above them, and took the worker from the other; each,
+    restarted after a stop as superseded, found the other's revision in the file and took the worker back.
+    The state file is held while its agent runs: a second one exits 1 at once, naming the holder, and sends
+    nothing. Once the first is killed (its lock goes with it), the second starts, above its revisions."""
+    config, state, _ = state_of(tmp_path)
+    async with running_registry(nats_url, prefix, ttl_s=TTL) as registry:
+        async with killed_at_the_end(await agent_process(nats_url, prefix, config, "node-a", "--state-file",
+                                                         str(state))) as first:
+            seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
+            kept = int(state.read_text().split()[1])
+            before = await log_of(nc, prefix, "w-a")
+            async with killed_at_the_end(await agent_process(nats_url, prefix, config, "node-a", "--state-file",
+                                                             str(state))) as second:
+                _, err = await asyncio.wait_for(second.communicate(), 15)
+            said = err.decode()
+            assert second.returncode == 1, said
+            for words in (f"state file {state} is in use by another agent (process {first.pid}",
+                          "run one agent of it", "give each agent a state file of its own"):
+                assert words in said, (words, said)
+            async with beats_of(nc, prefix, "w-a") as stored:
+                await asyncio.wait_for(stored.get(), TTL)  # the first beats on
+            assert await log_of(nc, prefix, "w-a") == before  # no registration, no fence
+            assert int(state.read_text().split()[1]) == kept
+            first.kill()
+            await first.wait()
+        async with killed_at_the_end(await agent_process(nats_url, prefix, config, "node-a", "--state-file",
+                                                         str(state))) as third:
+            # the same content as the first's registration, at a revision above it: written (an update)
+            _, update = await wait_event(nc, prefix, "w-a", WorkerUpdated, after=seq)
+            assert update.revision is not None and update.revision > kept, update
+            assert third.returncode is None and registry.roster.alive("w-a")

@@ -11,14 +11,15 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import AsyncIterator
 
-from events.schema import Event, RuntimeChanged, WorkerRegistered, WorkerRemoved, WorkerUpdated
+import pytest
+
+from events.schema import Event, RuntimeChanged, WorkerRegistered, WorkerRemoved
 from events.subjects import bucket_name
 from events.natspy.publish import flush_in_order
 from tests.registry_helpers import (AMD, CPUINFO, agent_config, raw_request, registration, running_registry, runtime,
                                     wait_event, worker_events)
 from tests.test_agent import agent_running
-from tests.test_agent_orders import foreign_attributes
-from warmboot.agent import Agent
+from warmboot.agent import Agent, Superseded
 from warmboot.agent_config import ProbeSettings
 
 
@@ -62,42 +63,50 @@ async def test_a_second_agent_s_registration_is_not_kept_alive_by_the_first_one_
     its CPU over the first one's, and stops. The intel agent's beats kept the registration of a CPU
     no running machine of w-a has, for as long as it ran (no TTL ended it), and images of the AMD
     CPU were placed on w-a (an audit). A beat names the registration it keeps alive (its revision),
-    so intel's is refused and intel registers its machine again: the log holds intel's CPU."""
+    so intel's is refused. It registered its machine again (a registration on its own node was taken
+    for its own) until 2026-12-07, and the two took w-a from each other at every beat while both ran;
+    now it stops, and the registration amd left ends as LOST: nothing keeps it alive."""
     ttl = 2.0
-    async with beats_of(nc, prefix, "w-a") as stored:
-        async with running_registry(nats_url, prefix, ttl_s=ttl):
-            async with agent_running(machine(nats_url, prefix, tmp_path, "intel", CPUINFO)):
-                seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
-                async with agent_running(machine(nats_url, prefix, tmp_path, "amd", AMD)):
-                    seq, _ = await wait_event(nc, prefix, "w-a", (RuntimeChanged, WorkerRemoved), after=seq)
-                stopped = time.monotonic()
-                while await asyncio.wait_for(stored.get(), ttl) < stopped + 2 * ttl:
-                    pass  # the intel agent's beats, for two of the amd one's TTLs after it stopped
-                classes = None
-                for _, event in await worker_events(nc, prefix, "w-a"):
-                    if isinstance(event, (WorkerRegistered, RuntimeChanged)):
-                        classes = event.sandbox_classes
-                    elif isinstance(event, WorkerRemoved):
-                        classes = None
-                assert classes is not None and not foreign_attributes(classes, "intel"), (
-                    f"w-a, run by the intel machine alone, is registered with "
-                    f"{classes and foreign_attributes(classes, 'intel')}")
+    async with running_registry(nats_url, prefix, ttl_s=ttl):
+        intel = machine(nats_url, prefix, tmp_path, "intel", CPUINFO)
+        stop = asyncio.Event()
+        first = asyncio.create_task(intel.run(stop))
+        try:
+            seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
+            async with agent_running(machine(nats_url, prefix, tmp_path, "amd", AMD)):
+                seq, _ = await wait_event(nc, prefix, "w-a", RuntimeChanged, after=seq)
+                with pytest.raises(Superseded) as stopped:
+                    await asyncio.wait_for(first, 4 * ttl)  # at its next beat, a third of a TTL
+            assert "another agent on this agent's node node-a" in stopped.value.message, stopped.value.message
+            _, lost = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq, timeout=4 * ttl)
+            assert lost.reason == "LOST", lost
+        finally:
+            stop.set()
+            if not first.done():
+                first.cancel()
+    kinds = [type(event).__name__ for event in await log_of(nc, prefix, "w-a")]
+    # intel's registration, amd's take and the one fence of each write, then the end of amd's life: no more
+    assert kinds == ["WorkerRegistered", "WorkerFenced", "RuntimeChanged", "WorkerFenced", "WorkerRemoved",
+                     "WorkerFenced"], kinds
 
 
 async def test_a_new_life_of_other_classes_is_not_kept_alive_by_the_first_agent_s_beats(nats_url, nc, prefix,
                                                                                        tmp_path):
     """The intel machine's agent runs w-a (class gvisor). The worker is removed, and another machine
-    with the same worker id (a replacement started before the old one was stopped) begins a new life
-    with other classes (gvisor and microvm) and its CPU, then stops. The intel agent's next beat is
-    refused (another registration is in force) and it registers its machine again, which the registry
-    refuses as a change of class. Its beats then named no revision (`_forget_revision`), and kept the
-    other machine's registration (a class and a CPU it does not have) alive for as long as it ran.
-    A beat names the last registration of this agent the registry answered until another is answered:
-    refused, it keeps nothing alive, and the other machine's life ends as LOST."""
+    with the same worker id and node (a replacement started before the old one was stopped) begins a new
+    life with other classes (gvisor and microvm) and its CPU, then stops. The intel agent's next beat is
+    refused (another registration is in force). It registered its machine again, which the registry
+    refused as a change of class, and its beats then named no revision (`_forget_revision`): they kept the
+    other machine's registration (a class and a CPU it does not have) alive for as long as it ran. Since
+    2026-12-07 an agent stops for another agent's registration above its own, on its node too: the other
+    machine's life ends as LOST, and the intel agent, stopped, begins none."""
     ttl = 2.0
     async with beats_of(nc, prefix, "w-a") as beat:
         async with running_registry(nats_url, prefix, ttl_s=ttl):
-            async with agent_running(machine(nats_url, prefix, tmp_path, "intel", CPUINFO)):
+            intel = machine(nats_url, prefix, tmp_path, "intel", CPUINFO)
+            stop = asyncio.Event()
+            first = asyncio.create_task(intel.run(stop))
+            try:
                 await wait_event(nc, prefix, "w-a", WorkerRegistered)
                 await asyncio.wait_for(beat.get(), 2 * ttl)
                 while not beat.empty():
@@ -112,13 +121,17 @@ async def test_a_new_life_of_other_classes_is_not_kept_alive_by_the_first_agent_
                 answer, _ = await raw_request(nc, prefix, "register", "w-a", other)
                 assert answer.get("outcome") == "REGISTERED", answer
                 seq = answer["seq"]
-                # The other machine stopped: only the intel agent runs w-a. Its life ends, as LOST, and the
-                # intel agent begins one with its own class.
+                with pytest.raises(Superseded):
+                    await asyncio.wait_for(first, 4 * ttl)
+                # The other machine stopped, and the intel agent: nothing keeps the other's life alive.
                 seq, lost = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq, timeout=4 * ttl)
                 assert lost.reason == "LOST", lost
-                _, anew = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=seq, timeout=4 * ttl)
-                assert [c.sandbox_class for c in anew.sandbox_classes] == ["gvisor"]
-                assert not foreign_attributes(anew.sandbox_classes, "intel")
+            finally:
+                stop.set()
+                if not first.done():
+                    first.cancel()
+    registered = [event for event in await log_of(nc, prefix, "w-a") if isinstance(event, WorkerRegistered)]
+    assert [len(event.sandbox_classes) for event in registered] == [1, 2], registered  # intel's, the other's
 
 
 async def log_of(nc, prefix: str, worker_id: str) -> list[Event]:
@@ -127,14 +140,17 @@ async def log_of(nc, prefix: str, worker_id: str) -> list[Event]:
     return [event for _, event in await worker_events(nc, prefix, worker_id, kind="*")]
 
 
-async def test_an_agent_whose_worker_another_node_registered_since_stops_and_leaves_it_there(nats_url, nc, prefix,
-                                                                                            tmp_path):
+@pytest.mark.parametrize("other_node", ["node-b", "node-a"])
+async def test_an_agent_whose_worker_another_agent_registered_since_stops_and_leaves_it_there(nats_url, nc, prefix,
+                                                                                             tmp_path, other_node):
     """`warmboot agent` runs w-a on node-a; an agent of the same worker id is started on node-b (a machine
     configured alike, or a replacement started before the old one was stopped). Each one's beat was
     refused as the other registered since, and each registered its machine again: the worker went back
     and forth at each beat, a move, a runtime change and a fence each time, for as long as both ran (a user
     trial). The refusal names the node in force: the node-a agent, whose beat it is, stops saying so (exit
-    1), without draining the worker; the log holds one take, and node-b keeps the worker beyond its TTLs."""
+    1), without draining the worker; the log holds one take, and node-b keeps the worker beyond its TTLs.
+    The same with the second agent on node-a too (a second agent started on the machine, or one configured
+    alike, `--node` included), where until 2026-12-07 the two still took the worker at every beat."""
     ttl = 2.0
     path = tmp_path / "one.toml"
     path.write_text(agent_config("v1"))
@@ -143,22 +159,26 @@ async def test_an_agent_whose_worker_another_node_registered_since_stops_and_lea
         try:
             await wait_event(nc, prefix, "w-a", WorkerRegistered)
             async with beats_of(nc, prefix, "w-a") as stored:
-                async with agent_running(machine(nats_url, prefix, tmp_path, "amd", AMD, node="node-b")):
-                    await wait_event(nc, prefix, "w-a", WorkerUpdated)
+                async with agent_running(machine(nats_url, prefix, tmp_path, "amd", AMD, node=other_node)):
+                    await wait_event(nc, prefix, "w-a", RuntimeChanged)
                     _, err = await asyncio.wait_for(one.communicate(), 4 * ttl)  # at its next beat, a third of a TTL
                     said = err.decode()
                     assert one.returncode == 1, said
-                    assert "on node node-b" in said and "give each machine a worker id of its own" in said, said
+                    who = "on node node-b" if other_node == "node-b" else "on this agent's node node-a"
+                    assert who in said and "give each machine a worker id of its own" in said, said
                     stopped = time.monotonic()
                     while await asyncio.wait_for(stored.get(), ttl) < stopped + 3 * ttl:
                         pass  # node-b's beats, for three TTLs after node-a's agent stopped
-                    assert registry.roster.alive("w-a") and registry.roster.node("w-a") == "node-b"
+                    assert registry.roster.alive("w-a") and registry.roster.node("w-a") == other_node
                     log = await log_of(nc, prefix, "w-a")
         finally:
             if one.returncode is None:
                 one.kill()
                 await one.wait()
     kinds = [type(event).__name__ for event in log]
-    # node-a's registration, then node-b's take (its CPU, its node) and the one fence of that write: no more
-    assert kinds == ["WorkerRegistered", "WorkerFenced", "RuntimeChanged", "WorkerUpdated", "WorkerFenced"], kinds
-    assert (log[0].node, log[3].node) == ("node-a", "node-b")
+    # node-a's registration, then the other's take (its CPU, its node if another) and the one fence of that
+    # write: no more
+    moved = ["WorkerUpdated"] if other_node == "node-b" else []
+    assert kinds == ["WorkerRegistered", "WorkerFenced", "RuntimeChanged", *moved, "WorkerFenced"], kinds
+    if moved:
+        assert (log[0].node, log[3].node) == ("node-a", "node-b")

@@ -35,9 +35,9 @@ The agent then:
   for it registers this machine again, above that revision, once for each registration of
   its own (if refused, the beats keep nothing alive until the worker is removed as LOST, and
   registered anew): the registration in force is its own earlier one (a crash rolled the
-  log back), or another agent's on this node; but when the refusal names another node and
-  a revision above every one this agent made (another agent of the worker id registered it
-  since: a twin, or the machine's replacement), the agent stops (`Superseded`; `warmboot
+  log back); but when the refusal names a revision above every one this agent made
+  (another agent of the worker id registered it since: a twin, on another node or on this
+  one, or the machine's replacement), the agent stops (`Superseded`; `warmboot
   agent` exits 1 saying so, without draining), and the newest keeps the worker: one take,
   not one at each beat of the two; with a state file, the stop is recorded beside it
   (`SupersededRecord`), and the next process beats first: while that other registration is
@@ -72,7 +72,7 @@ import uuid
 from contextlib import suppress
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import IO, Any, Callable
 
 import msgspec
 import nats
@@ -103,7 +103,7 @@ from warmboot.agent_config import (AgentConfig, ConfigError, MachineMismatch, Ma
                                    build_registration, parse_config)
 from warmboot.client import Client
 from warmboot.connection import sign_in_hint
-from warmboot.files import write_atomically
+from warmboot.files import take_lock, write_atomically
 
 
 def _classes(registration: RegisterWorker) -> set[str]:
@@ -182,8 +182,8 @@ class Stale(Exception):
 
 
 class Superseded(ContractError):
-    """FAILED_PRECONDITION, field revision: another agent of this worker id, on another node, registered
-    the worker since this agent's last registration (a twin, or the machine's replacement). This agent
+    """FAILED_PRECONDITION, field revision: another agent of this worker id registered the worker since this
+    agent's last registration (a twin, on another node or on this one, or the machine's replacement). This agent
     stops (`Agent.run` raises it; `warmboot agent` exits 1 saying it) rather than take the worker back
     from it: each take fences every placement on the worker (docs/registry.md, "The agent"). `node` and
     `revision`: the registration in force the refusal named, which an agent with a state file records
@@ -197,7 +197,7 @@ class Superseded(ContractError):
 
 class StillSuperseded(Superseded):
     """At its start, an agent that stopped as Superseded (its record says so: `SupersededRecord`) finds
-    the worker still held by another node's registration above its own (`still_superseded`): it does not
+    the worker still held by another agent's registration above its own (`still_superseded`): it does not
     register, and `warmboot agent` exits SUPERSEDED_AT_START_EXIT, for a supervisor to leave it stopped
     (systemd's `RestartPreventExitStatus=`). Registering would take the worker back, the other agent would
     stop in turn and be restarted: the two take it from each other at their supervisors' restart pace, each
@@ -215,25 +215,35 @@ START_CHECK_S = DEFAULT_TTL_S
 def superseded_by(refusal: ContractError, worker_id: str, node: str, last_revision: int) -> Superseded | None:
     """What a heartbeat refused for its revision (`refusal`) means to the agent of `worker_id` on `node`,
     whose last revision made is `last_revision` (each it sent is at most that): Superseded when the
-    registration in force it names is another node's, at a revision above `last_revision` (none of this
-    agent's, so another agent's, registered since); None, and the agent registers its machine again,
-    otherwise: a lower revision is its own earlier registration (a crash rolled the log back and lost its
-    latest), one not above its own is its own too (the beat crossed it); one on its own node is a machine
-    not told apart from this one (a copied configuration, node included: docs/registry.md); and a refusal
-    naming no node is an earlier registry's, answered as it was."""
+    registration in force it names is at a revision above `last_revision` (none of this agent's, so another
+    agent's, registered since: on another node, or on this one: a second agent of the worker id started on
+    this machine, or a machine configured alike, `--node` included); None, and the agent registers its
+    machine again, otherwise: a lower revision is its own earlier registration (a crash rolled the log back
+    and lost its latest), one not above its own is its own too (the beat crossed it); and a refusal naming
+    no node is an earlier registry's, answered as it was. (Until 2026-12-07 a registration on its own node
+    was taken for this machine's, and two agents of one worker id on one node took it from each other at
+    every beat, each take fencing every placement on it.)"""
     named = in_force_named(refusal)
     if named is None:
         return None
     revision, other = named
-    if other == node or revision <= last_revision:
+    if revision <= last_revision:
         return None
     return Superseded(
         ErrorCode.FAILED_PRECONDITION,
-        f"worker {worker_id} was registered since by another agent, on node {other}: its registration in force "
+        f"worker {worker_id} was registered since by {another_agent(other, node)}: its registration in force "
         f"is revision {revision}, above every one this agent (node {node}) made, up to {last_revision}. This agent "
         "stops rather than take the worker back (each take fences every placement on it): give each machine a "
-        "worker id of its own; stop an agent before starting its replacement", "revision", node=other,
-        revision=revision)
+        "worker id of its own, and run one agent of it; stop an agent before starting its replacement",
+        "revision", node=other, revision=revision)
+
+
+def another_agent(other: str, node: str) -> str:
+    """Who made the registration in force on `other`, to the agent on `node` that did not."""
+    if other != node:
+        return f"another agent, on node {other}"
+    return (f"another agent on this agent's node {node} (a second agent of the worker id started on this machine, "
+            "or a machine configured alike, --node included)")
 
 
 def still_superseded(answer: HeartbeatReply | ContractError | None, worker_id: str, node: str, kept: int,
@@ -241,7 +251,7 @@ def still_superseded(answer: HeartbeatReply | ContractError | None, worker_id: s
     """What the agent of `worker_id` on `node`, which stopped as Superseded (`recorded`: the node and the
     revision in force it stopped for, kept in `record`), does at its start with the `answer` to a beat naming
     `kept`, its last revision made (None: no answer): StillSuperseded, and it does not register, when the
-    registry refuses the beat for another node's registration above `kept` (`superseded_by`); else why it
+    registry refuses the beat for another agent's registration above `kept` (`superseded_by`); else why it
     registers, as it does without a record (the record is cleared): the beat was answered (the registration
     in force is this agent's), NOT_FOUND (the other's life ended: removed, or LOST), refused otherwise, or
     not answered (the agent cannot tell, and does as it did before it kept a record)."""
@@ -257,8 +267,8 @@ def still_superseded(answer: HeartbeatReply | ContractError | None, worker_id: s
         return f"its beat was refused otherwise ({answer})"
     return StillSuperseded(
         ErrorCode.FAILED_PRECONDITION,
-        f"another machine holds worker {worker_id}: node {held.node} registered it since, and its registration "
-        f"(revision {held.revision}) is in force, above every one this agent (node {node}) made, up to {kept}. "
+        f"worker {worker_id} is held by {another_agent(held.node, node)}, which registered it since: its "
+        f"registration (revision {held.revision}) is in force, above every one this agent (node {node}) made, up to {kept}. "
         f"This agent stopped for node {recorded[0]}'s revision {recorded[1]} before ({record} says so), and does "
         "not register: that would take the worker back, fence every placement on it, and stop the other agent "
         "in turn. Give each machine a worker id of its own; to take the worker over on purpose, delete "
@@ -313,6 +323,24 @@ class RevisionFile:
                                  f"but {number[:40]!r}; remove it to start from the clock")
         return int(number)
 
+    def hold(self) -> IO[str]:
+        """Hold the file for this process (`FILE.lock` beside it; the open lock file, which holds it until closed
+        or the process ends): StateFileError if another process holds it. Two agents given one state file, of
+        one worker id on one machine, would each go above the other's revisions, take the worker from each
+        other, and each, restarted, find the other's revision there as if it were its own."""
+        lock = self.path.with_name(self.path.name + ".lock")
+        try:
+            handle, holder = take_lock(lock)
+        except OSError as e:
+            raise StateFileError(f"state file {self.path}: cannot take its lock {lock}: {e}") from None
+        if handle is None:
+            raise StateFileError(
+                f"state file {self.path} is in use by another agent (process {holder}, {lock}): two agents of "
+                f"worker {self.worker_id} on one machine take the worker from each other, fencing every placement "
+                "on it; run one agent of it (stop an agent before starting its replacement), and give each agent "
+                "a state file of its own")
+        return handle
+
     def write(self, revision: int) -> None:
         """Replace the kept revision, durably (written, synced, renamed over): StateFileError if it cannot be."""
         try:
@@ -352,7 +380,7 @@ class SupersededRecord:
         if len(words) != 3 or not (words[2].isdigit() and len(words[2]) <= 16):
             raise StateFileError(f"{self.path}: holds no record of a stop as superseded (`{self.worker_id} NODE "
                                  f"REVISION`), but {text[:80]!r}; remove it (this agent then registers at its "
-                                 "start, taking the worker from another node's agent, if one holds it)")
+                                 "start, taking the worker from another agent, if one holds it)")
         return words[1], int(words[2])
 
     def write(self, node: str, revision: int) -> None:
@@ -459,7 +487,7 @@ class Agent:
         self._beats_refused: int | None = None  # the `_beats` a refused beat registered this machine again for
         # the sequence of the latest drain this process said, or sent itself (`drain_to_say`); 0: none
         self._drain_known = 0
-        # another agent of this worker id, on another node, registered it since: this one stops (`run` raises it)
+        # another agent of this worker id registered it since: this one stops (`run` raises it)
         self.superseded: Superseded | None = None
         self._superseding = asyncio.Event()  # set with `superseded`: wakes the loop of a refusal in a background beat
         # the connection's errors, once each while they repeat; a refused sign-in says which credentials to check
@@ -1124,8 +1152,8 @@ class Agent:
             return
         except ContractError as e:
             if (e.code, e.field) == (ErrorCode.FAILED_PRECONDITION, "revision") and self.registration is not None:
-                # Another agent of this worker id registered it since, on another node (a twin, or the
-                # machine's replacement): this one stops. Registering again, each would take the worker
+                # Another agent of this worker id registered it since (a twin, or the machine's
+                # replacement): this one stops. Registering again, each would take the worker
                 # from the other at each of their beats, fencing its placements every time, for ever.
                 superseded = superseded_by(e, self.worker_id, self.node, self._revision)
                 if superseded is not None:
@@ -1208,7 +1236,7 @@ class Agent:
 
     async def _superseded_now(self, timeout_s: float = 2.0) -> Superseded | None:
         """Before the drain at exit: a beat naming this agent's registration, and Superseded (said) if the
-        registry refuses it for another node's registration above every one this agent made
+        registry refuses it for another agent's registration above every one this agent made
         (`superseded_by`). An agent stopped before its next beat (a replacement started before it, as a
         rolling update does) drained the worker the other holds, its registration drained for the rest of
         its life and its agent never told. Best effort, as the drain: one attempt, None when it is not
@@ -1242,7 +1270,7 @@ class Agent:
     async def _check_still_superseded(self, stop: asyncio.Event) -> None:
         """At the start of an agent that stopped as Superseded (its record says so), before any
         registration: a beat naming its last revision made, and StillSuperseded (raised: it does not
-        register) if the registry refuses it for another node's registration above that one
+        register) if the registry refuses it for another agent's registration above that one
         (`still_superseded`). Otherwise the record is cleared and the agent registers, as it does without
         one: also when the registry does not answer within START_CHECK_S (asked again meanwhile)."""
         if self.superseded_record is None or self._was_superseded is None:
@@ -1264,7 +1292,22 @@ class Agent:
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set. A configuration or registration the registry
         refuses at start raises (ConfigError, ContractError); later ones are logged. Raises
-        Superseded, whenever, once another agent of this worker id, on another node, holds it."""
+        Superseded, whenever, once another agent of this worker id holds it. With a state file, holds it
+        while it runs (StateFileError at once, before anything is sent, if another agent does)."""
+        if self.state is None:
+            await self._run(stop)
+            return
+        held = self.state.hold()
+        try:
+            # read again under the lock: an agent that held it until now may have written since this one read
+            self._revision = max(self._revision, self.state.read())
+            if self.superseded_record is not None:
+                self._was_superseded = self.superseded_record.read()
+            await self._run(stop)
+        finally:
+            held.close()
+
+    async def _run(self, stop: asyncio.Event) -> None:
         registration = self._read_config()
         assert registration is not None
         nc = await self._connect(stop)

@@ -77,8 +77,9 @@ def check_placement(registration: RegisterWorker, placement_file: BinaryIO) -> N
               envvar="WARMBOOT_AGENT_STATE", show_envvar=True,
               help="File the agent keeps its last registration revision in (written before it is sent), so that "
                    "its next process registers above anything this one sent, whatever the clock does "
-                   "(docs/registry.md). Without it, revisions come from the clock alone. An agent that stopped "
-                   "because another node's agent registered its worker since records it in FILE.superseded; "
+                   "(docs/registry.md). Without it, revisions come from the clock alone. The agent holds FILE "
+                   "while it runs (FILE.lock): a second agent given it exits 1 at once. An agent that stopped "
+                   "because another agent registered its worker since records it in FILE.superseded; "
                    "restarted, it exits 3 without registering while that agent holds the worker (delete "
                    "FILE.superseded to take the worker over).")
 @click.option("--print-registration", is_flag=True,
