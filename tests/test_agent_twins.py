@@ -56,6 +56,18 @@ async def beats_of(nc, prefix: str, worker_id: str) -> AsyncIterator[asyncio.Que
         await sub.unsubscribe()
 
 
+@asynccontextmanager
+async def agent_task(agent: Agent) -> AsyncIterator[asyncio.Task[None]]:
+    """`agent` runs in the block as a task the block awaits itself (to see it stop as superseded); one still
+    running at the end is cancelled (`agent_running` instead stops it, and raises its run's error)."""
+    task = asyncio.create_task(agent.run(asyncio.Event()))
+    try:
+        yield task
+    finally:
+        task.cancel()  # (nothing, if it ended)
+        await asyncio.wait([task])
+
+
 async def test_a_second_agent_s_registration_is_not_kept_alive_by_the_first_one_s_beats(nats_url, nc, prefix,
                                                                                         tmp_path):
     """Machine `intel` runs the agent of w-a; machine `amd` is started with the same worker id and
@@ -68,10 +80,7 @@ async def test_a_second_agent_s_registration_is_not_kept_alive_by_the_first_one_
     now it stops, and the registration amd left ends as LOST: nothing keeps it alive."""
     ttl = 2.0
     async with running_registry(nats_url, prefix, ttl_s=ttl):
-        intel = machine(nats_url, prefix, tmp_path, "intel", CPUINFO)
-        stop = asyncio.Event()
-        first = asyncio.create_task(intel.run(stop))
-        try:
+        async with agent_task(machine(nats_url, prefix, tmp_path, "intel", CPUINFO)) as first:
             seq, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
             async with agent_running(machine(nats_url, prefix, tmp_path, "amd", AMD)):
                 seq, _ = await wait_event(nc, prefix, "w-a", RuntimeChanged, after=seq)
@@ -80,10 +89,6 @@ async def test_a_second_agent_s_registration_is_not_kept_alive_by_the_first_one_
             assert "another agent on this agent's node node-a" in stopped.value.message, stopped.value.message
             _, lost = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq, timeout=4 * ttl)
             assert lost.reason == "LOST", lost
-        finally:
-            stop.set()
-            if not first.done():
-                first.cancel()
     kinds = [type(event).__name__ for event in await log_of(nc, prefix, "w-a")]
     # intel's registration, amd's take and the one fence of each write, then the end of amd's life: no more
     assert kinds == ["WorkerRegistered", "WorkerFenced", "RuntimeChanged", "WorkerFenced", "WorkerRemoved",
@@ -103,10 +108,7 @@ async def test_a_new_life_of_other_classes_is_not_kept_alive_by_the_first_agent_
     ttl = 2.0
     async with beats_of(nc, prefix, "w-a") as beat:
         async with running_registry(nats_url, prefix, ttl_s=ttl):
-            intel = machine(nats_url, prefix, tmp_path, "intel", CPUINFO)
-            stop = asyncio.Event()
-            first = asyncio.create_task(intel.run(stop))
-            try:
+            async with agent_task(machine(nats_url, prefix, tmp_path, "intel", CPUINFO)) as first:
                 await wait_event(nc, prefix, "w-a", WorkerRegistered)
                 await asyncio.wait_for(beat.get(), 2 * ttl)
                 while not beat.empty():
@@ -126,10 +128,6 @@ async def test_a_new_life_of_other_classes_is_not_kept_alive_by_the_first_agent_
                 # The other machine stopped, and the intel agent: nothing keeps the other's life alive.
                 seq, lost = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=seq, timeout=4 * ttl)
                 assert lost.reason == "LOST", lost
-            finally:
-                stop.set()
-                if not first.done():
-                    first.cancel()
     registered = [event for event in await log_of(nc, prefix, "w-a") if isinstance(event, WorkerRegistered)]
     assert [len(event.sandbox_classes) for event in registered] == [1, 2], registered  # intel's, the other's
 
