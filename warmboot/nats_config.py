@@ -597,12 +597,20 @@ def nats_config(
     # the name as a client took it up, the worker's machine signing in as a client (a review).
     made_before = set(kept) | set(dir_roles) if secrets_path is not None else (
         {path.stem for path in seeds_dir.glob("*.nk") if ID_RE.match(path.stem)} if seeds_dir is not None else set())
+    # The seed files whose holder is not the one of this run's secret (a role it was not made for, or nobody
+    # this command knows of) are made anew, not written over: a file written over keeps its owner and is
+    # written through a link, so the user of a worker's agent on this host, handed its seed file (chowned
+    # to it, or linked to where it reads it), read the client's new seed the next run listed the name as
+    # a client, and an agent following its seed file signed in as the client (an audit's finding).
+    new_holders = set(moved)
     if seeds_dir is not None:  # seeds handed out earlier are kept too: those of a role recorded as this run's
         for u in users:
             path = seeds_dir / f"{u}.nk"
             # a seed with no role recorded, in a directory that records them, is nobody's this command
             # knows of: not handed on (a directory from before roles were recorded keeps its seeds)
             known = u in kept_roles or not roles_recorded
+            if not known:
+                new_holders.add(u)
             if u not in kept and u not in moved and known and path.is_file():
                 kept[u] = path.read_text().strip()
     fresh = new_nkey_seed if auth == "nkey" else new_password
@@ -620,6 +628,8 @@ def nats_config(
     if seeds_dir is not None:
         seeds_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         for u, seed in secrets_of.items():
+            if u in new_holders:
+                _unlink_seed(seeds_dir / f"{u}.nk")
             _write_private(seeds_dir / f"{u}.nk", seed + "\n")
         _write_private(seeds_dir / ROLES_FILE, json.dumps(role_of, indent=2) + "\n")
     if services_seed_path is not None:
@@ -649,6 +659,16 @@ def nats_config(
         click.echo("note: every user got a new password, kept nowhere but in this configuration: a run without "
                    "--secrets FILE signs every user out once the server reloads it (services included); give "
                    "--secrets FILE to keep them for the next run", err=True)
+
+
+def _unlink_seed(path: Path) -> None:
+    """Remove the seed file (or the link) at `path`, if any, so that the seed written there next is a file
+    of its own: the writer's, mode 0600, in the directory."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as e:
+        raise click.ClickException(f"{path}: the seed file of another holder could not be removed ({e}); "
+                                   "nothing of it was written over") from None
 
 
 def _remove_seeds(seeds_dir: Path, users: list[str]) -> None:
