@@ -80,3 +80,17 @@ async def test_a_client_s_new_seed_is_not_written_through_the_link_the_worker_ag
     assert await _signs_in_as_a_client(tmp_path, seeds / "bob.nk")
     assert (agents / "bob.nk").read_text() == worker_seed, "the worker agent's seed file holds the client's seed"
     assert not (seeds / "bob.nk").is_symlink()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a file of another owner is made by root only")
+async def test_a_seed_kept_for_its_role_elsewhere_is_not_written_over_another_role_s_seed_file(tmp_path):
+    """The roles the seeds directory records say whose each file is: a secrets file that keeps bob's
+    client seed (from a run that listed bob as a client) does not write it over the file the directory
+    records as the worker bob's, which that worker's agent holds."""
+    seeds = tmp_path / "seeds"
+    _run(tmp_path, seeds, "--client", "bob", "--secrets", str(tmp_path / "s1.json"))
+    _run(tmp_path, seeds, "--worker", "bob", "--secrets", str(tmp_path / "s2.json"))
+    os.chown(seeds / "bob.nk", AGENT_UID, AGENT_UID)  # handed to bob's agent, which runs on this host
+    _run(tmp_path, seeds, "--client", "bob", "--secrets", str(tmp_path / "s1.json"))
+    assert await _signs_in_as_a_client(tmp_path, seeds / "bob.nk")
+    assert (seeds / "bob.nk").stat().st_uid != AGENT_UID, "the worker agent's user reads the client's seed"

@@ -609,7 +609,7 @@ def nats_config(
             # a seed with no role recorded, in a directory that records them, is nobody's this command
             # knows of: not handed on (a directory from before roles were recorded keeps its seeds)
             known = u in kept_roles or not roles_recorded
-            if not known:
+            if roles_recorded and dir_roles.get(u) != role_of[u]:  # the file is nobody's, or another role's
                 new_holders.add(u)
             if u not in kept and u not in moved and known and path.is_file():
                 kept[u] = path.read_text().strip()
