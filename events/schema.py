@@ -294,7 +294,8 @@ class HeartbeatReply(Base, kw_only=True):
     ttl_s: Annotated[float, Meta(description=(
         "seconds from this beat until the worker is removed as LOST; written with a fraction (15.0), "
         "so decode it as a float. warmboot's agent beats every ttl_s / 3"))]
-    # Project addition: whether the registration in force is drained (an operator's `worker drain`), read
+    # Project addition: whether the registration in force is drained (`warmboot worker drain`, with the worker's
+    # own credential where the deployment's users are `nats-config`'s; or its agent's at exit), read
     # from the registry's fold of the workers' events, as the beat's answer is (docs/contract.md, Additions).
     drained: Annotated[Drained | None, Meta(description=(
         "optional (project addition): the worker's drain in force in its current life (its WorkerDrained "
