@@ -268,7 +268,8 @@ def still_superseded(answer: HeartbeatReply | ContractError | None, worker_id: s
     return StillSuperseded(
         ErrorCode.FAILED_PRECONDITION,
         f"worker {worker_id} is held by {another_agent(held.node, node)}, which registered it since: its "
-        f"registration (revision {held.revision}) is in force, above every one this agent (node {node}) made, up to {kept}. "
+        f"registration (revision {held.revision}) is in force, above every one this agent (node {node}) made, "
+        f"up to {kept}. "
         f"This agent stopped for node {recorded[0]}'s revision {recorded[1]} before ({record} says so), and does "
         "not register: that would take the worker back, fence every placement on it, and stop the other agent "
         "in turn. Give each machine a worker id of its own; to take the worker over on purpose, delete "
