@@ -81,7 +81,7 @@ from nats.aio.client import Client as NATS
 from events.errors import ContractError, in_force_named, latest_revision
 from events.tasks import cancel_and_wait
 from events.natsauth import env_sign_in, nkey_options, nkey_seed_path, redact_url
-from events.natspy.connections import ErrorsOnce, abandon, close, connecting, describe_error
+from events.natspy.connections import ErrorsOnce, abandon, close, closed_for_good, connecting, describe_error
 from events.natspy.frames import guard_reads
 from events.compat import compat_key
 from events.runtime_id import short_id
@@ -652,6 +652,10 @@ class Agent:
             raise ConfigError(f"NATS refuses this agent: {describe_error(denied)}. Are the credentials those of "
                               f"worker {self.worker_id!r} (--worker-id; the user in --nats or $NATS_URL, "
                               "$NATS_USER, or --nkey-seed)?")
+        if self.nc is not None and self.nc.is_closed:
+            # nats-py closes a connection for good on a server's -ERR (an 'Authorization Violation' when a
+            # reload revokes this user's password), and never reconnects it: end, for a supervisor to restart
+            raise ConfigError(closed_for_good(self.nc, "this agent's"))
 
     async def register(self, registration: RegisterWorker | Latest, stop: asyncio.Event) -> RegisterReply | None:
         """Register `registration` (one request_id across retries), then heartbeat to learn the TTL.

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from events.natsauth import redact_url
-from events.natspy.connections import close
+from events.natspy.connections import close, closed_for_good
 from events.subjects import check_prefix, services_inbox
 from services.process import LOOPBACK, metrics_url, serve_metrics
 from warmboot.connection import connect
@@ -44,6 +44,8 @@ class Running:
     metrics_port: int | None
     services: list[Any] = field(default_factory=list)
     metrics_host: str = LOOPBACK
+    # done, with the reason, once nats-py has closed the services' connection for good (`until_stopped`)
+    connection_lost: asyncio.Future | None = field(default=None, repr=False)
 
     @property
     def where(self) -> str:
@@ -70,12 +72,24 @@ async def start_services(
     """
     check_prefix(prefix)
     options = options or {}
-    nc = await connect(nats_url, f"warmboot-{'+'.join(names)}", inbox_prefix=services_inbox(prefix))
+    lost: asyncio.Future = asyncio.get_running_loop().create_future()
+    made: list[Any] = []
+
+    async def closed() -> None:  # nats-py closed it: on a server's -ERR it never reconnects (closed_for_good)
+        if made and not lost.done():
+            reason = closed_for_good(made[0], "the services'")
+            log.error("%s", reason)
+            lost.set_result(reason)
+
+    nc = await connect(nats_url, f"warmboot-{'+'.join(names)}", inbox_prefix=services_inbox(prefix), closed_cb=closed)
+    made.append(nc)
     stack.push_async_callback(close, nc)  # its server gone too (nats-py's own close raised then)
+    stack.callback(lambda: lost.done() or lost.cancel())  # closed by the stop, first: no failure
     metrics = serve_metrics(metrics_port, metrics_host)
     if metrics is not None:  # stopped with the services: in-process callers (tests, `up`) go on after
         stack.callback(metrics.close)
-    running = Running(nats_url, prefix, names, metrics and metrics.port, metrics_host=metrics_host)
+    running = Running(nats_url, prefix, names, metrics and metrics.port, metrics_host=metrics_host,
+                      connection_lost=lost)
     for name in names:
         service = service_class(name)(nc, nats_url=nats_url, prefix=prefix, **options.get(name, {}))
         await service.start()
@@ -91,6 +105,8 @@ async def until_stopped(stop: asyncio.Event, running: Running) -> str | None:
     or None for a stop. The caller stops the services either way, and ends with a failure status
     after a failure (the service has logged why)."""
     failures = [f for service in running.services if (f := getattr(service, "failed", None)) is not None]
+    if running.connection_lost is not None:
+        failures.append(running.connection_lost)
     stopped = asyncio.ensure_future(stop.wait())
     try:
         await asyncio.wait([stopped, *failures], return_when=asyncio.FIRST_COMPLETED)

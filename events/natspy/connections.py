@@ -382,3 +382,12 @@ def inbox_of(nc: Client) -> str:
 def describe_error(error: BaseException) -> str:
     """An error as one line: its text, or its type when it has none (a time-out)."""
     return str(error) or type(error).__name__
+
+
+def closed_for_good(nc: Client, whose: str) -> str:
+    """What to say of `nc` once nats-py has closed it for good: it does so on a server's -ERR other than a
+    stale connection or a permissions violation (an 'Authorization Violation' when a reload of the server
+    revokes the user's password, the connection being open), and never reconnects it."""
+    why = describe_error(nc.last_error) if nc.last_error is not None else "no reason given"
+    return (f"NATS closed {whose} connection for good ({why}), and it does not reconnect: restart it "
+            "(after a rotation of its password, with the new one; docs/security.md)")
