@@ -497,6 +497,18 @@ async def replay(nc: Any, prefix: str, sink: Any, show_progress: bool) -> Any:
     return sink
 
 
+async def replay_for(nc: Any, prefix: str, endpoint: str, sink: Any, show_progress: bool) -> Any:
+    """`replay`, for a view whose scheduler endpoint (`scheduler.workers`, ...) nobody answered: where
+    the log cannot be read either, the error says both, the scheduler first (a trial of the docs: a
+    client's `workers` with no scheduler running said only that its credentials may not read the log,
+    and asked whether --prefix was the deployment's)."""
+    try:
+        return await replay(nc, prefix, sink, show_progress)
+    except LogUnreadable as e:
+        raise LogUnreadable(f"no scheduler answers {prefix}.scheduler.{endpoint} (does the scheduler run?), and "
+                            f"the log cannot be folded here in its place: {e.why}", e.why) from None
+
+
 async def read_subject(nc: Any, prefix: str, subject: str) -> list[tuple[int, Any]]:
     """Every event on one subject of the stream, as (stream sequence, event), in order.
     FAILED_PRECONDITION naming the first message this version cannot read (a newer version's

@@ -49,7 +49,7 @@ from events.states import ActorState
 from events.subjects import event_subject
 from warmboot.cli_common import (MIB, MILLICORES, REFUSED_THE_LOG, IntRange, LogUnreadable, ask, check_id,
                                  json_option, last_seq, min_seq_option, nats_option, prefix_option, read_subject,
-                                 replay, selectors_of, unread_why)
+                                 replay_for, selectors_of, unread_why)
 from warmboot.client import Client, Refused, asked_first
 from services.scheduler.feasibility import REASONS, RUNTIME_MISMATCH, SELECTOR_MISMATCH
 from warmboot.cmd_views import (
@@ -919,7 +919,7 @@ def list_actors_cmd(sandbox_classes: tuple[str, ...], states: tuple[str, ...], w
             target = 0
         pages = await asked_actors(nc, prefix, msgspec.structs.replace(query, min_seq=target or None))
         if pages is None:  # no scheduler answers: the whole log, folded here
-            projection = (await replay(nc, prefix, Sink(), mode != "json")).projection
+            projection = (await replay_for(nc, prefix, "actors", Sink(), mode != "json")).projection
             return folded_actors(projection, query), runtimes_of(projection)
         runtimes = await runtime_labels(nc, prefix, target or None)
         # the names the log's stamps and pins give the runtimes no worker names, as `runtimes_of` has them
@@ -1117,7 +1117,7 @@ def show_worker_cmd(worker_id: str, nats_url: str, prefix: str, output: str | No
         detail = await asked_worker(nc, prefix, worker_id, target or None)
         if detail is not None:
             return detail_view(detail, await runtime_labels(nc, prefix))
-        sink = await replay(nc, prefix, Sink(), mode != "json")
+        sink = await replay_for(nc, prefix, f"worker.{worker_id}", Sink(), mode != "json")
         return worker_view(worker_id, sink.projection)
 
     view = ask(nats_url, work)

@@ -832,7 +832,7 @@ def workers(sandbox_class: tuple[str, ...], nats_url: str, prefix: str, output: 
     as whatif's is.
     """
     from warmboot.audit import Sink
-    from warmboot.cli_common import replay
+    from warmboot.cli_common import replay_for
     from warmboot.cmd_lifecycle import CLASS_RE
 
     from services.scheduler.whatif import unknown_class
@@ -856,7 +856,7 @@ def workers(sandbox_class: tuple[str, ...], nats_url: str, prefix: str, output: 
         pages = await asked_workers(nc, prefix, msgspec.structs.replace(query, min_seq=target or None),
                                     lambda first: unknown(first) is not None)
         if pages is None:  # no scheduler answers: the whole log, folded here
-            projection = (await replay(nc, prefix, Sink(), mode != "json")).projection
+            projection = (await replay_for(nc, prefix, "workers", Sink(), mode != "json")).projection
             pages, runtimes = folded_workers(projection, query), runtimes_of(projection)
         else:
             runtimes = await runtime_labels(nc, prefix, target or None)
