@@ -646,6 +646,14 @@ class WhatIfAnswer(Base, kw_only=True):
     after: SnapshotCounts
     newly_stranded: list[StrandedActor]
     runtimes: list[RuntimeForecast]
+    # Project addition: the CREATED actors whose first resume restores a memory image (a golden or tagged
+    # MEMORY snapshot of their template) that the query strands. CONTRACT counts only the PAUSED and
+    # SUSPENDED actors' images, so these are in no count above; absent from a scheduler of an earlier version.
+    created_newly_stranded: Annotated[list[StrandedActor], Meta(description=(
+        "optional (project addition): CREATED actors whose first resume restores a MEMORY image (their golden "
+        "or tagged snapshot) that the query strands, up to `limit`; in no count of `before` or `after`, which "
+        "count PAUSED and SUSPENDED actors only. Each such resume falls back to a lower fidelity, or is refused "
+        "under min_fidelity MEMORY. Absent from a scheduler of an earlier version"))] = []
 
 
 # --- project addition `<prefix>.scheduler.actors` (docs/contract.md, Additions) ----------------

@@ -5,10 +5,14 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from click.testing import CliRunner
 
+from events.compat import compat_key
 from events.errors import ContractError
+from events.runtime_id import short_id
 from events.schema import Action, CompatVersion, ErrorCode, Fidelity, PlacedFidelity, RegisterOutcome, WhatIf
 from tests.factories import CLASS, actor, golden, last_seq, runtime, version, worker
+from warmboot.cli import main
 from warmboot.client import Client
 
 V1, V2, V3 = version("v1"), version("v2"), version("v3")
@@ -193,3 +197,50 @@ def test_whatif_takes_what_the_index_takes_an_edge_of_another_architecture_none(
     entry = ClassEntry(Runtime(c_amd, runtime(amd), edges=(c_arm,)), (), "amd64")
     assert c_arm not in entry.accepting and not accepts(entry, c_arm, frozenset())
     assert accepts(entry, c_amd, frozenset()) and not accepts(entry, c_amd, frozenset({c_amd}))
+
+
+async def test_whatif_lists_the_created_actors_whose_first_resume_a_drop_strands_and_the_drop_then_does(
+        wb, nc, prefix, nats_url):
+    """CREATED actors starting from a golden MEMORY image of their template (stamped v1, v2, or of another
+    template), none resumed yet. CONTRACT counts only PAUSED and SUSPENDED actors' images, so whatif's
+    forecast of dropping v1 said nothing of them, and once v1 was dropped the one created under
+    `min_fidelity: MEMORY` was refused for good (a trial of a rolling upgrade). They are listed apart,
+    in the log's order, in no count; what the forecast says is what the drop then does."""
+    await wb.register(worker("old", runtime(V1), node="n-old", cpu=64000, mem=65536))
+    await wb.register(worker("mixed", V2, (V1,), node="n-mixed", cpu=64000, mem=65536))
+    await wb.create(actor("g-mem", min_fidelity=Fidelity.MEMORY, golden_snapshot=golden(V1)))
+    await wb.create(actor("g2", golden_snapshot=golden(V2, snapshot_id="golden-2")))
+    await wb.create(actor("g", golden_snapshot=golden(V1)))
+    await wb.create(actor("other", golden_snapshot=golden(V1, snapshot_id="golden-3", template="t2")))
+    await wb.create(actor("plain"))
+    before = await last_seq(nc, prefix)
+    forecast = await wb.whatif(WhatIf(sandbox_class=CLASS, drop_runtimes=(V1,)))
+    assert await last_seq(nc, prefix) == before  # writes nothing
+    assert [s.actor_id for s in forecast.created_newly_stranded] == ["g-mem", "g"]
+    assert all(s.stamp.version == V1 and s.location.value == "EXTERNAL" for s in forecast.created_newly_stranded)
+    assert forecast.newly_stranded == [] and forecast.before == forecast.after  # in no count
+    limited = await wb.whatif(WhatIf(sandbox_class=CLASS, drop_runtimes=(V1,), limit=1))
+    assert [s.actor_id for s in limited.created_newly_stranded] == ["g-mem"]
+    drained = await wb.whatif(WhatIf(sandbox_class=CLASS, drain_workers=("old",)))  # "mixed" still restores v1
+    assert drained.created_newly_stranded == []
+
+    result = await asyncio.to_thread(CliRunner().invoke, main, [
+        "whatif", "--class", CLASS, "--drop-runtime", short_id(compat_key(CLASS, V1)), "--nats",
+        nats_url, "--prefix", prefix], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("CREATED, IMAGE NEWLY STRANDED"))
+    assert [line.split()[0] for line in lines[header + 1:header + 3]] == ["g-mem", "g"]
+    assert "refused under --min-fidelity MEMORY" in result.output
+
+    # now make the drop: every worker stops offering v1
+    await wb.register(worker("old", runtime(V2), node="n-old", cpu=64000, mem=65536))
+    await wb.register(worker("mixed", V2, node="n-mixed", cpu=64000, mem=65536))
+    with pytest.raises(ContractError) as refused:
+        await wb.resume("g-mem")
+    assert refused.value.code is ErrorCode.RESOURCE_EXHAUSTED
+    fell = await wb.resume("g")
+    assert fell.fidelity is not PlacedFidelity.MEMORY and fell.fallback is not None
+    assert (await wb.resume("g2")).fidelity is PlacedFidelity.MEMORY
+    # stranded already: not newly
+    assert (await wb.whatif(WhatIf(sandbox_class=CLASS, drop_runtimes=(V1,)))).created_newly_stranded == []

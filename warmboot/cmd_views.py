@@ -957,9 +957,9 @@ def forecast_columns(sandbox_class: str, runtimes: Runtimes, dropped: set) -> li
     ]
 
 
-def stranded_columns(runtimes: Runtimes) -> list[Column]:
+def stranded_columns(runtimes: Runtimes, title: str = "NEWLY STRANDED") -> list[Column]:
     return [
-        Column("NEWLY STRANDED", lambda s: s.actor_id),
+        Column(title, lambda s: s.actor_id),
         Column("STAMP", lambda s: pin_label(runtimes, s.stamp.sandbox_class, s.stamp.version, s.stamp.name), drop=1,
                narrow=Column("STAMP", lambda s: short_id(compat_key(s.stamp.sandbox_class, s.stamp.version)),
                              about="as ids")),
@@ -1007,6 +1007,15 @@ def render_whatif(query: WhatIf, answer: WhatIfAnswer, runtimes: Runtimes, width
         listed = len(answer.newly_stranded)
         notes.append(f"({newly} snapshots newly stranded, {listed} actor{'' if listed == 1 else 's'} listed; "
                      f"--limit 0 lists all, up to {WHATIF_LIMIT_MAX:,})")
+    if answer.created_newly_stranded:
+        # not counted above (CONTRACT counts PAUSED and SUSPENDED actors), and as stuck under MEMORY: said apart
+        table = render_table(stranded_columns(runtimes, "CREATED, IMAGE NEWLY STRANDED"),
+                             answer.created_newly_stranded, width, wide)
+        parts.append(table.text)
+        notes.append(table.footnote(width))
+        notes.append("(CREATED actors whose first resume restores a memory image (golden or tagged) this strands: "
+                     "in no count above; each first resume falls back to a lower fidelity, or is refused under "
+                     "--min-fidelity MEMORY; at most --limit listed)")
     text = "\n\n".join(parts)
     notes = [n for n in notes if n]
     return text + ("\n" + "\n".join(dict.fromkeys(notes)) if notes else "")

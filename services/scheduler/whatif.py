@@ -19,15 +19,20 @@ version is accepted by nobody.
 
 from __future__ import annotations
 
+from typing import Any
+
 from events.compat import compat_key
 from events.errors import ContractError, no_worker, not_found
-from events.schema import Location, Room, RuntimeForecast, SnapshotCounts, StrandedActor, WhatIf, WhatIfAnswer
+from events.schema import (ActorRuntime, Location, Room, RuntimeForecast, SnapshotCounts, StrandedActor, WhatIf,
+                           WhatIfAnswer)
 from services.scheduler.projection import Projection
 from services.scheduler.records import (
+    CREATED,
     MEMORY,
     PAUSED,
     SUSPENDED,
     WORKER_RESERVE_MIB,
+    Actor,
     ClassEntry,
     ClassIndex,
     Compat,
@@ -179,25 +184,25 @@ def whatif(projection: Projection, query: WhatIf) -> WhatIfAnswer:
     scenario = Scenario(index, dropped, frozenset(query.drain_workers))
     after, stranded_after = _after(index, scenario)
 
-    newly = [key for key in stranded_after if not _was_stranded(index, key)]
+    newly = {key for key in stranded_after if not _was_stranded(index, key)}
+    # the counted actors newly stranded, and (a project addition) the CREATED actors whose first resume
+    # restores a memory image the query strands: CONTRACT counts neither their images nor them, and one
+    # created under `min_fidelity: MEMORY` is refused for good (found by a trial of a rolling upgrade)
     newly_stranded: list[StrandedActor] = []
-    if newly and query.limit:
-        wanted = set(newly)
-        for actor in projection.actors.values():  # in the log's order: the same list on every replica
-            kind = actor.snapshot
-            if kind is None or kind.fidelity is not MEMORY or kind.stamp is None:
-                continue
-            if actor.state is not SUSPENDED and actor.state is not PAUSED:
-                continue
-            if actor.spec.sandbox_class != name or kind.template_uid != actor.spec.template_uid:
-                continue
-            key = (actor.image_node or "", kind.stamp.compat) if kind.local else kind.stamp.compat
-            if key in wanted:
-                where = (Location.LOCAL, actor.image_node or None) if kind.local else (Location.EXTERNAL, None)
-                newly_stranded.append(StrandedActor(actor_id=actor.actor_id, stamp=kind.stamp.runtime,
-                                                    location=where[0], node=where[1]))
-                if len(newly_stranded) >= query.limit:
-                    break
+    created: list[StrandedActor] = []
+    for actor in projection.actors.values() if query.limit and (dropped or query.drain_workers) else ():
+        counted = actor.state is SUSPENDED or actor.state is PAUSED
+        into = newly_stranded if counted else created if actor.state is CREATED else None
+        if into is None or len(into) >= query.limit:
+            if len(newly_stranded) >= query.limit and len(created) >= query.limit:
+                break
+            continue
+        image = _memory_image(actor, name)  # in the log's order: the same lists on every replica
+        if image is None:
+            continue
+        key, stamp, location, node = image
+        if key in newly if counted else _stranded_after(scenario, key) and not _was_stranded(index, key):
+            into.append(StrandedActor(actor_id=actor.actor_id, stamp=stamp, location=location, node=node))
 
     compats = {c for table in index.members for c in table} | set(index.external_memory)
     compats |= {c for _, c in index.local_memory} | dropped
@@ -208,4 +213,26 @@ def whatif(projection: Projection, query: WhatIf) -> WhatIfAnswer:
         free_after = free_before if now is before else _room(now)
         runtimes.append(RuntimeForecast(version=compat.version, workers_before=len(before), workers_after=len(now),
                                         free_before=free_before, free_after=free_after))
-    return WhatIfAnswer(before=_before(index), after=after, newly_stranded=newly_stranded, runtimes=runtimes)
+    return WhatIfAnswer(before=_before(index), after=after, newly_stranded=newly_stranded, runtimes=runtimes,
+                        created_newly_stranded=created)
+
+
+def _memory_image(actor: Actor, sandbox_class: str) -> tuple[Any, ActorRuntime, Location, str | None] | None:
+    """Of an actor of `sandbox_class` whose latest snapshot is a stamped MEMORY image of its template (the
+    one its next resume restores at MEMORY, if a worker accepts it): the key its acceptors are found by (a
+    compat, or a (node, compat) for a LOCAL image), its stamp, and where it is; None for any other actor."""
+    kind = actor.snapshot
+    if kind is None or kind.fidelity is not MEMORY or kind.stamp is None:
+        return None
+    if actor.spec.sandbox_class != sandbox_class or kind.template_uid != actor.spec.template_uid:
+        return None
+    if kind.local:
+        return (actor.image_node or "", kind.stamp.compat), kind.stamp.runtime, Location.LOCAL, actor.image_node or None
+    return kind.stamp.compat, kind.stamp.runtime, Location.EXTERNAL, None
+
+
+def _stranded_after(scenario: Scenario, key: Any) -> bool:
+    """Whether no worker would accept the image of `key` (a compat, or a (node, compat)) in the scenario."""
+    if isinstance(key, tuple):
+        return not scenario.on_node(*key)
+    return not scenario.acceptors(key)
