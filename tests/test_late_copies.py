@@ -804,3 +804,45 @@ async def test_a_status_message_on_a_request_subject_is_dropped_and_queued_reque
         await service_nc.close()
     assert answer.headers is not None and answer.headers.get("Nats-Service-Error-Code") == "503", answer.data
     assert written == ["w-0", "w-a"]
+
+
+async def test_a_resume_decided_in_time_but_kept_past_its_callers_wait_by_a_refused_group_is_not_placed(
+        nats_server, prefix, nc, replicas):
+    """A resume decided in time shares a group commit with another whose worker moved meanwhile: the
+    server refuses the whole append, and the committer keeps the placements whose subjects have not
+    moved (`Committer._sort_out`) for the next round, once its fold has caught up with the log. Held
+    there past its caller's wait (the fold slow to catch up: here, paused), it was appended all the
+    same, a second append of a request whose caller had gone: docs/contract.md says a replica that
+    has held a request longer than its wait writes nothing for it, the placement included."""
+    from warmboot.runner import start_services
+
+    from services.scheduler.committer import Job
+    from tests.factories import last_seq
+
+    wb = Client(nc, prefix)
+    async with AsyncExitStack() as exits:
+        await start_services(exits, ["registry", "snapshotter"], nats_server.url, prefix)
+        replica = await replicas(metrics=False)
+        await wb.register(worker("w1", V1, labels={"zone": "a"}))
+        await wb.register(worker("w2", V1, labels={"zone": "b"}))
+        await wb.create(actor("a1", selectors={"zone": "a"}))
+        await wb.create(actor("b1", selectors={"zone": "b"}))
+        await replica.fold.wait(await last_seq(nc, prefix), 10)
+        loop = asyncio.get_running_loop()
+        async with replica.fold.paused():
+            # w2 changes (its booking subject fenced) where this replica's fold does not see it yet
+            await wb.register(worker("w2", V1, labels={"zone": "b"}, mem=8192))
+            now = deadline.now_ns()
+            due = (now + int(WAIT_S * 1e9), int(WAIT_S * 1000), now)  # a1's caller waits WAIT_S
+            a1 = Job("a1", None, "resume-a1", loop.create_future(), due)
+            b1 = Job("b1", None, "resume-b1", loop.create_future())
+            async with replica.committer.commits_held():  # both decided in one round, at once (in time)
+                placing = [asyncio.ensure_future(replica.committer.submit(job)) for job in (a1, b1)]
+                await replica.committer.until_queued(2)
+            await asyncio.sleep(WAIT_S * 3)  # the refused group waits for the fold; a1's caller has gone
+        outcomes = await asyncio.wait_for(asyncio.gather(*placing, return_exceptions=True), 30)
+        entries = await read_entries(nc, prefix)
+    assert replica.committer.groups >= 1
+    assert kinds_of(entries, "a1", (ActorPlaced,)) == [], outcomes
+    assert isinstance(outcomes[0], ContractError) and outcomes[0].code is ErrorCode.UNAVAILABLE, outcomes
+    assert WAIT_HEADER in outcomes[0].message and "nothing was written" in outcomes[0].message, outcomes[0].message

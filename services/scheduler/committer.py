@@ -150,7 +150,7 @@ CONFIRM = object()
 class Commit:
     """A decided placement waiting for the group commit."""
 
-    __slots__ = ("placement", "request_id", "hold", "booking", "actor", "after", "result", "evicts")
+    __slots__ = ("placement", "request_id", "hold", "booking", "actor", "after", "result", "evicts", "deadline")
 
     def __init__(
         self,
@@ -162,6 +162,7 @@ class Commit:
         after: Hold | None,
         result: asyncio.Future[Any],
         evicts: tuple[int, int] | None = None,
+        deadline: tuple[int, int, int] | None = None,
     ):
         self.placement = placement
         self.request_id = request_id
@@ -171,6 +172,9 @@ class Commit:
         self.after = after  # this replica's previous booking of the same worker, if unfolded then
         self.result = result  # (Placement, sequence of its WorkerBooked), or the error
         self.evicts = evicts  # (request hash, seq) this placement pushes out of the actor's recent ones
+        # its request's deadline (`Job.deadline`): kept for another append after a refused group
+        # (`Committer._sort_out`), it is refused instead once that is past
+        self.deadline = deadline
 
 
 class Committer:
@@ -324,6 +328,7 @@ class Committer:
             await self._may_commit.wait()
             self._wake.clear()
             while (self._ready or self._jobs) and not self._stopping:
+                self._ready = self._in_time(self._ready)
                 workers = {item.hold.worker_id for item in self._ready}
                 group = self._ready[: self._group_limit]
                 self._ready = self._ready[self._group_limit:]
@@ -391,6 +396,20 @@ class Committer:
                     log.warning("appending %d placements failed: %s", len(group), error)
                     self._fail(group, error)
 
+    def _in_time(self, items: list[Commit]) -> list[Commit]:
+        """`items` (placements kept from a refused group) without those whose request's deadline has
+        passed meanwhile, which fail with its refusal: a second append of a placement is a write made
+        now, and a request held past its caller's wait writes nothing (docs/contract.md), though it
+        was decided in time (the group's refusal, then the fold's catching up, took the time)."""
+        kept = []
+        for item in items:
+            late = deadline.passed(item.deadline, "the placement")
+            if late is None:
+                kept.append(item)
+            else:
+                self._fail([item], late)
+        return kept
+
     def _answered_by_log(self, job: Job, actor: Any) -> Any:
         """The ActorPlaced that already carries the job's request id, if the fold has met one
         (`actor`: the job's actor in the projection, or None); RECHECK if the id may have been
@@ -436,7 +455,7 @@ class Committer:
         evicts = oldest_placement(actor.placements) if actor is not None and job.request is not None else None
         return Commit(
             placement, job.request_id, hold, p.booking_expectation(worker_id), p.actor_expectation(placement.actor_id),
-            after, job.result, evicts,
+            after, job.result, evicts, job.deadline,
         )
 
     async def append(self, group: list[Commit]) -> None:
