@@ -846,3 +846,43 @@ async def test_a_resume_decided_in_time_but_kept_past_its_callers_wait_by_a_refu
     assert kinds_of(entries, "a1", (ActorPlaced,)) == [], outcomes
     assert isinstance(outcomes[0], ContractError) and outcomes[0].code is ErrorCode.UNAVAILABLE, outcomes
     assert WAIT_HEADER in outcomes[0].message and "nothing was written" in outcomes[0].message, outcomes[0].message
+
+
+async def test_a_resume_decided_in_time_whose_append_waits_past_its_callers_wait_is_not_placed(
+        nats_server, prefix, nc, replicas):
+    """Between a group's decisions and its append the committer awaits: the reply cache keeping the
+    answer a placement pushes out of its actor's recent ones (`Committer._keep_evicted`), and, once per
+    connection, the log's continuity. A resume decided in time whose append waited there past its
+    caller's wait (the reply bucket slow to answer: here, its put delayed) was appended all the same;
+    a replica that has held a request longer than its wait writes nothing for it (docs/contract.md)."""
+    from warmboot.runner import start_services
+
+    from services.scheduler.committer import Job
+    from tests.factories import last_seq
+
+    wb = Client(nc, prefix)
+    async with AsyncExitStack() as exits:
+        await start_services(exits, ["registry", "snapshotter"], nats_server.url, prefix)
+        replica = await replicas(metrics=False)
+        await wb.register(worker("w1", V1))
+        await wb.create(actor("a1"))
+        for _ in range(4):  # four placements with request ids: the next one pushes the oldest out
+            await wb.resume("a1")
+            await wb.suspend("a1", Fidelity.VOLUMES)
+        await replica.fold.wait(await last_seq(nc, prefix), 10)
+        keep = replica.committer.on_evicted
+        assert keep is not None
+
+        async def slow_keep(*args: Any) -> None:
+            await asyncio.sleep(WAIT_S * 3)
+            await keep(*args)
+
+        replica.committer.on_evicted = slow_keep
+        now = deadline.now_ns()
+        due = (now + int(WAIT_S * 1e9), int(WAIT_S * 1000), now)
+        job = Job("a1", None, "resume-late", asyncio.get_running_loop().create_future(), due)
+        outcome = await asyncio.wait_for(asyncio.gather(replica.committer.submit(job), return_exceptions=True), 30)
+        entries = await read_entries(nc, prefix)
+    assert len(kinds_of(entries, "a1", (ActorPlaced,))) == 4, outcome
+    assert isinstance(outcome[0], ContractError) and outcome[0].code is ErrorCode.UNAVAILABLE, outcome
+    assert WAIT_HEADER in outcome[0].message and "nothing was written" in outcome[0].message, outcome[0].message

@@ -328,7 +328,6 @@ class Committer:
             await self._may_commit.wait()
             self._wake.clear()
             while (self._ready or self._jobs) and not self._stopping:
-                self._ready = self._in_time(self._ready)
                 workers = {item.hold.worker_id for item in self._ready}
                 group = self._ready[: self._group_limit]
                 self._ready = self._ready[self._group_limit:]
@@ -397,10 +396,12 @@ class Committer:
                     self._fail(group, error)
 
     def _in_time(self, items: list[Commit]) -> list[Commit]:
-        """`items` (placements kept from a refused group) without those whose request's deadline has
-        passed meanwhile, which fail with its refusal: a second append of a placement is a write made
-        now, and a request held past its caller's wait writes nothing (docs/contract.md), though it
-        was decided in time (the group's refusal, then the fold's catching up, took the time)."""
+        """`items`, about to be appended, without those whose request's deadline has passed since they
+        were decided, which fail with its refusal: a request held past its caller's wait writes nothing
+        (docs/contract.md), though it was decided in time. The time goes in the awaits between the
+        decision and the append (the reply cache keeping an evicted answer, the log's continuity
+        confirmed), and, for a placement kept from a refused group (`_sort_out`), in the refusal and the
+        fold's catching up before its second append."""
         kept = []
         for item in items:
             late = deadline.passed(item.deadline, "the placement")
@@ -466,6 +467,11 @@ class Committer:
         group = await self._keep_evicted(group)
         if not group:
             return
+        await self._confirm_log()
+        # what is appended now is written now: not for a request whose caller's wait has passed meanwhile
+        group = self._in_time(group)
+        if not group:
+            return
         store = self.store
         stored = []
         expected: dict[str, int] = {}
@@ -489,7 +495,6 @@ class Committer:
             stored.append(store.stored_event(booking_id, booking[0] + 1, booked))
             expected[booking_id] = booking[1]
             expected[placed_id] = item.actor[1]
-        await self._confirm_log()
         self.groups += 1
         if self.on_append is not None:
             self.on_append(len(group))
