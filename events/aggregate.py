@@ -372,14 +372,16 @@ class WireApplication(Application[str]):
             self.cache.put(aggregate)
         return aggregate
 
-    async def save_async(self, *items: Any, fences: dict[str, int] | None = None) -> tuple[list[Any], list[int]]:
+    async def save_async(self, *items: Any, fences: dict[str, int] | None = None,
+                         late: Callable[[], BaseException | None] | None = None) -> tuple[list[Any], list[int]]:
         """`save(*items, fences=...)` awaited: one atomic append of what the aggregates recorded (and
-        the events given as such), in that order; the events and the stream sequence of each."""
+        the events given as such), in that order; the events and the stream sequence of each. `late`:
+        asked before a grouped append goes out (`events.jetstream.grouped.Late`)."""
         processing: ProcessingEvent[str] = ProcessingEvent()
         processing.collect_events(*items)
         stored = [self.mapper.to_stored_event(event) for event in processing.events]
         try:
-            seqs = await self.recorder.insert_events_async(stored, fences=fences)
+            seqs = await self.recorder.insert_events_async(stored, fences=fences, late=late)
         except IntegrityError:
             if self.cache is not None:  # the command runs again: on its entities' whole histories
                 for event in processing.events:

@@ -886,3 +886,39 @@ async def test_a_resume_decided_in_time_whose_append_waits_past_its_callers_wait
     assert len(kinds_of(entries, "a1", (ActorPlaced,))) == 4, outcome
     assert isinstance(outcome[0], ContractError) and outcome[0].code is ErrorCode.UNAVAILABLE, outcome
     assert WAIT_HEADER in outcome[0].message and "nothing was written" in outcome[0].message, outcome[0].message
+
+
+async def test_a_write_decided_in_time_but_queued_behind_a_slow_grouped_append_past_its_wait_is_not_made(
+        nats_server, prefix, nc, snapshotter):
+    """The registry's and the snapshotter's appends of more than one event go out together, one batch in
+    flight at a time (`events.jetstream.grouped`): one decided in time waits, queued, for the batch
+    before it. A create from a golden snapshot (its ActorCreated and SnapshotTaken) queued behind a
+    batch slow to be answered (here, its insert delayed) went out once its caller's wait was over, and
+    the actor was created; a replica that has held a request longer than its wait writes nothing for
+    it (docs/contract.md): it is refused UNAVAILABLE instead, nothing written."""
+    from tests.factories import golden
+
+    grouped = snapshotter.app.recorder.grouped
+    assert grouped is not None
+    insert = grouped._insert
+    slowed = asyncio.Event()
+
+    async def slow_first(events: Any, **options: Any) -> Any:
+        if not slowed.is_set():
+            slowed.set()
+            await asyncio.sleep(WAIT_S * 4)
+        return await insert(events, **options)
+
+    grouped._insert = slow_first
+    patient = Client(nc, prefix, timeout=10)
+    creating = asyncio.ensure_future(patient.create(actor("x2", golden_snapshot=golden(V1, snapshot_id="g2"))))
+    await asyncio.wait_for(slowed.wait(), 10)
+    with pytest.raises(ContractError) as lost:  # the caller's one attempt, not answered in its wait
+        await Client(nc, prefix, timeout=WAIT_S, attempts=1).create(
+            actor("x3", golden_snapshot=golden(V1, snapshot_id="g3")))
+    assert lost.value.code is ErrorCode.UNAVAILABLE, lost.value
+    await asyncio.wait_for(creating, 30)
+    await asyncio.sleep(WAIT_S)  # what was queued behind it has gone out by now, or never will
+    entries = await read_entries(nc, prefix)
+    assert kinds_of(entries, "x2", (ActorCreated,)) == ["ActorCreated"]
+    assert kinds_of(entries, "x3", (ActorCreated,)) == []

@@ -63,17 +63,28 @@ log = logging.getLogger("warmboot.events")
 MAX_GROUP_MESSAGES = 256  # well under nats-server's 1,000 messages per batch
 
 Insert = Callable[..., Awaitable[list[int]]]  # (events, *, fences=None, retried=False): one atomic append
+# What a caller says of its append when it is about to go out: the error to fail it with instead (its
+# request was held past its caller's wait meanwhile, queued behind the batch in flight), or None.
+Late = Callable[[], "BaseException | None"]
 
 
 class _Append:
-    __slots__ = ("events", "fences", "originators", "result")
+    __slots__ = ("events", "fences", "originators", "result", "late")
 
     def __init__(self, events: list[StoredEvent], fences: Mapping[Any, int] | None,
-                 result: asyncio.Future[list[int]]):
+                 result: asyncio.Future[list[int]], late: Late | None = None):
         self.events = events
         self.fences = dict(fences or {})  # originator id -> the last sequence its subject must still have
         self.originators = {event.originator_id for event in events}
         self.result = result
+        self.late = late  # asked right before the append first goes out (`Late`)
+
+    def too_late(self) -> bool:
+        """Whether its caller says it is too late for it to go out; if so, it is failed so."""
+        error = self.late() if self.late is not None else None
+        if error is not None:
+            _settle(self, error=error)
+        return error is not None
 
 
 class _Group:
@@ -135,14 +146,17 @@ class GroupedAppends:
         self._sender: asyncio.Task[None] | None = None
         self._closed = False
 
-    async def insert(self, events: Sequence[StoredEvent], *, fences: Mapping[Any, int] | None = None) -> list[int]:
+    async def insert(self, events: Sequence[StoredEvent], *, fences: Mapping[Any, int] | None = None,
+                     late: Late | None = None) -> list[int]:
         """Append `events` (histories no other call in flight appends to), only if each history
-        `fences` names still ends at its sequence; their stream sequences."""
+        `fences` names still ends at its sequence; their stream sequences. `late`, asked right before
+        they first go out (queued behind the batch in flight, they go out later than they were
+        decided): an error, and they do not go out but fail with it."""
         if self._closed:
             raise StoreUnavailableError("the store's appends are closed (the service is stopping)")
         if not events:
             return []
-        append = _Append(list(events), fences, asyncio.get_running_loop().create_future())
+        append = _Append(list(events), fences, asyncio.get_running_loop().create_future(), late)
         self._pending.append(append)
         if self._sender is None:
             self._sender = asyncio.create_task(self._send(), name="grouped-appends")
@@ -190,7 +204,7 @@ class GroupedAppends:
         group = _Group()
         while self._pending:
             append = self._pending[0]
-            if append.result.done():  # its caller was cancelled before it went out
+            if append.result.done() or append.too_late():  # its caller was cancelled, or its wait is over
                 self._pending.popleft()
                 continue
             if not group.admits(append, self.max_messages):
@@ -232,6 +246,8 @@ class GroupedAppends:
             start = end
 
     async def _alone(self, append: _Append, retried: bool = False) -> None:
+        if not retried and append.too_late():  # tried alone after a refused batch: a first attempt again
+            return
         try:
             seqs = await self._insert(append.events, fences=append.fences or None, retried=retried)
         except Exception as error:

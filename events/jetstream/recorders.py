@@ -30,7 +30,7 @@ import nats.js.errors
 from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from events.jetstream.grouped import GroupedAppends
+from events.jetstream.grouped import GroupedAppends, Late
 from events.jetstream.lastseen import Last
 from events.jetstream.layout import (
     MAX_BATCH_MESSAGES,
@@ -122,9 +122,11 @@ class JetStreamAggregateRecorder(JetStreamRecorder, AggregateRecorder):
         expected_last_seqs: Mapping[UUID | str, int] | None = None,
         fences: Mapping[UUID | str, int] | None = None,
         retried: bool = False,
+        late: Late | None = None,
     ) -> list[int]:
         """`insert_events` for asyncio code: the same append, awaited (`Link.submit`) from
-        the caller's loop instead of through a thread of its own.
+        the caller's loop instead of through a thread of its own. `late`: asked before a grouped
+        append goes out (`events.jetstream.grouped.Late`).
 
         `retried`: these very events may have been stored already (they went out before, and
         what came back does not say they were not: `events.jetstream.grouped` after a refused
@@ -132,7 +134,7 @@ class JetStreamAggregateRecorder(JetStreamRecorder, AggregateRecorder):
         as this call's and its sequences returned; it is not a conflict."""
         if not stored_events and not fences:  # nothing to send (fences alone: refused)
             return []
-        return await self.link.submit(self._append(stored_events, expected_last_seqs, fences, None, retried))
+        return await self.link.submit(self._append(stored_events, expected_last_seqs, fences, None, retried, late))
 
     async def _append(
         self,
@@ -141,13 +143,14 @@ class JetStreamAggregateRecorder(JetStreamRecorder, AggregateRecorder):
         fences: Mapping[UUID | str, int] | None,
         tracking: Tracking | None,
         retried: bool = False,
+        late: Late | None = None,
     ) -> list[int]:
         """One call's append, on the link's loop: grouped with others when it can be (`group_appends`),
         which pays only for what would be an atomic batch alone: a single message is a plain publish."""
         grouped = self.grouped
         if grouped is not None and len(stored_events) > 1 and tracking is None and not expected_last_seqs \
                 and not retried:
-            return await grouped.insert(stored_events, fences=fences)
+            return await grouped.insert(stored_events, fences=fences, late=late)
         return await self._append_now(stored_events, expected_last_seqs=expected_last_seqs, fences=fences,
                                       tracking=tracking, retried=retried)
 

@@ -201,7 +201,9 @@ class RegistryStore(WireApplication):
         with ticket.paying():
             fence = await self._fence(worker.entity_id, last_type)
             deadline.check("the worker's event")
-            _, seqs = await self.save_async(worker, fence)
+            # and again if it waits for a grouped append in flight before it goes out
+            _, seqs = await self.save_async(worker, fence, late=partial(deadline.passed, deadline.deadline(),
+                                                                        "the worker's event"))
         return Decided(outcome=outcome, seq=seqs[-2], version=worker.version, wrote=True)  # the fence follows it
 
     async def _fence(self, worker_id: str, event: str) -> Recorded:

@@ -885,6 +885,8 @@ class SnapshotterService:
         With `fences`, only if each of those subjects is still at its sequence (else IntegrityError)."""
         assert self.app is not None
         deadline.check("the actor's event")
-        events, seqs = await self.app.save_async(*aggregates, fences=fences)
+        # and again if it waits for a grouped append in flight before it goes out
+        events, seqs = await self.app.save_async(*aggregates, fences=fences, late=partial(
+            deadline.passed, deadline.deadline(), "the actor's event"))
         counted(events)
         return seqs[-1]
