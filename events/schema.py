@@ -436,6 +436,10 @@ class ActorStatus(Base, kw_only=True):
     # pause or suspend names as `placement_seq`; null if the life has not been placed
     placement_seq: StreamSeq | None = None
     seq: StreamSeq  # the actor's last event (a `min_seq` for a read that must see it)
+    # (2026-12-07) its latest snapshot: for a CREATED actor, the one it starts from (its golden snapshot, or
+    # its tag's as copied), which a client's credentials cannot read from the log; null if it has none, or
+    # from a snapshotter of an earlier version, which leaves the field out
+    snapshot: Snapshot | None = None
 
 
 # --- scheduler requests and replies -----------------------------------------------

@@ -1028,7 +1028,8 @@ async def test_a_request_the_server_refuses_to_carry_is_told_at_once_not_retried
         assert await last_seq(svc.nc, "hx") == before
 
 
-async def test_a_tag_recorded_by_a_client_that_may_not_read_the_log_is_said_done(tmp_path):
+async def test_a_tag_recorded_by_a_client_that_may_not_read_the_log_is_said_done_and_a_create_from_it_checked(
+        tmp_path):
     """`actor tag` reads the tag's history once the tag is recorded, to say what it named before. A
     client's credential may not read the log (docs/security.md): the read's failure ended the command
     with "error: cannot read the event stream", exit 1, after the tag was recorded, and the snapshot it
@@ -1052,16 +1053,18 @@ async def test_a_tag_recorded_by_a_client_that_may_not_read_the_log_is_said_done
         # in one line, as the other notes of what such credentials could not read (a trial: it was the four lines
         # of the log's error, asking whether the prefix was the deployment's and the credentials might read it)
         assert said[1:] == ["what base named before is not known: these credentials may not read the log"], said
-        # a create from the tag says the same of the tag's snapshot, which it cannot read either
+        # a create from the tag checks the tag's snapshot all the same, as the snapshotter's status says it
+        # (until 2026-12-07 it read it from the log alone, and said that it could not: a trial of a secured
+        # deployment found every create from a tag unchecked for the one role that may create)
         from warmboot.runner import start_services
         await start_services(stack, ["scheduler"], secured.url("svc"), "hx")
         made = await asyncio.to_thread(CliRunner().invoke, main, [
-            "actor", "create", "a-2", "--class", "gvisor", "--template", "t1", "--cpu", "500", "--memory", "1024",
-            "--source-tag", "base"], env=env)
+            "actor", "create", "a-2", "--class", "gvisor", "--template", "t2", "--cpu", "500", "--memory", "1024",
+            "--min-fidelity", "MEMORY", "--source-tag", "base"], env=env)
         assert made.exit_code == 0, made.output
-        assert made.stderr.splitlines()[0] == ("note: the snapshot of tag base not checked against --template and "
-                                               "the workers' runtimes: these credentials may not read the log"), \
-            made.stderr  # (then a warning: no worker runs the class)
+        assert made.stderr.splitlines()[0].startswith(
+            "warning: a-2 can never be resumed: its --min-fidelity is MEMORY and "), made.stderr
+        assert "not checked" not in made.stderr and "t1" in made.stderr.splitlines()[0], made.stderr
 
 
 @pytest.mark.parametrize("module", ["warmboot", "warmboot.cli"])

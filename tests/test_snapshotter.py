@@ -450,8 +450,8 @@ async def test_status_says_the_life_and_placement_a_later_request_names_and_writ
         snapshotter, placer, nc, prefix):
     """`snapshotter.status.<actor_id>` (a project addition): the actor's state, the ActorCreated of its
     current life (a resume's `life_seq`), its last ActorPlaced of that life (a pause's or suspend's
-    `placement_seq`; null before the life is placed) and its last event, each as the log holds it;
-    nothing written. A pause naming what it said is recorded; after the actor moves, the same is
+    `placement_seq`; null before the life is placed), its last event and its latest snapshot (null for
+    none), each as the log holds it; nothing written. A pause naming what it said is recorded; after the actor moves, the same is
     refused. An actor never created is NOT_FOUND, field actor_id; a subject token that is not an id,
     INVALID_ARGUMENT."""
     assert (await refused(status(nc, prefix, "a-1"))).code is ErrorCode.NOT_FOUND
@@ -465,7 +465,7 @@ async def test_status_says_the_life_and_placement_a_later_request_names_and_writ
 
     paused = await pause(nc, prefix, "a-1", placement_seq=now.placement_seq)
     assert await status(nc, prefix, "a-1") == ActorStatus(state=ActorState.PAUSED, life_seq=born, placement_seq=first,
-                                                          seq=paused.seq)
+                                                          seq=paused.seq, snapshot=paused.snapshot)  # and its image
     moved = await placer.place("a-1", "w-2", "node-1", PIN_V2)
     before = await last_seq(nc, prefix)
     late = await refused(pause(nc, prefix, "a-1", placement_seq=now.placement_seq))  # a copy decided after the move

@@ -397,7 +397,7 @@ def test_status_names_the_current_life_s_creation_and_its_last_placement():
     """`Actor.status` (the snapshotter's `status` answer, what the CLI's and the client's fences
     name): the current life's ActorCreated, its last ActorPlaced (a PAUSED actor's is the one its
     pause ended, which `require_placement` takes), none in a life not placed yet (the last life's
-    does not count); the actor's last event. Read from the stream sequences its history was read
+    does not count); the actor's last event; its latest snapshot. Read from the stream sequences its history was read
     with; unknown ones (not stored) are UNAVAILABLE, a never created actor NOT_FOUND."""
     actor = created()
     actor.place(placed(actor, worker_id="w-1"))
@@ -425,8 +425,11 @@ def test_status_names_the_current_life_s_creation_and_its_last_placement():
              (reborn - 1, ActorState.STOPPED, 10, 10 * placements[1]),
              (reborn, ActorState.CREATED, 10 * reborn, None)]
     for count, state, life, placement in steps:
-        assert read_at(count).status() == ActorStatus(state=state, life_seq=life, placement_seq=placement,
-                                                      seq=10 * count), (count, types[:count])
+        read = read_at(count)
+        assert read.status() == ActorStatus(state=state, life_seq=life, placement_seq=placement, seq=10 * count,
+                                            snapshot=read.latest_snapshot), (count, types[:count])
+    paused = read_at(pause_ended).status().snapshot  # and its latest snapshot: the one its pause took
+    assert paused is not None and paused == history[pause_ended - 2].body.snapshot
     with pytest.raises(ContractError) as unknown:
         created().status()  # recorded, not stored: no sequence
     assert code_of(unknown) is ErrorCode.UNAVAILABLE

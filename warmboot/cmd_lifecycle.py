@@ -287,13 +287,16 @@ def create_cmd(actor_id: str, sandbox_class: str, template_uid: str, cpu_millis:
         reply = await wb.create(body)
         read = Created(snapshot=golden_snapshot)
         if source_tag is not None:  # the tag's snapshot, as copied: its template and stamp, and the floor
-            try:
-                history = await read_subject(nc, prefix, event_subject(prefix, "actor", actor_id))
-                read.snapshot = [e for seq, e in history
-                                 if isinstance(e, ActorCreated) and seq <= reply.seq][-1].snapshot
-            except (click.ClickException, ContractError, OSError, asyncio.TimeoutError, nats.errors.Error,
-                    IndexError) as e:
-                read.tag_unread = "its ActorCreated is not in the log" if isinstance(e, IndexError) else unread_why(e)
+            read.snapshot = await started_from(wb, actor_id, reply.seq)
+            if read.snapshot is None:  # a snapshotter of an earlier version: the log, which a client may not read
+                try:
+                    history = await read_subject(nc, prefix, event_subject(prefix, "actor", actor_id))
+                    read.snapshot = [e for seq, e in history
+                                     if isinstance(e, ActorCreated) and seq <= reply.seq][-1].snapshot
+                except (click.ClickException, ContractError, OSError, asyncio.TimeoutError, nats.errors.Error,
+                        IndexError) as e:
+                    read.tag_unread = ("its ActorCreated is not in the log" if isinstance(e, IndexError)
+                                       else unread_why(e))
         try:  # the fleet as the scheduler counts it: its classes, their undrained workers, the stamps they accept
             read.answer = await wb.fragmentation(min_seq=reply.seq)
         except (ContractError, OSError, asyncio.TimeoutError, nats.errors.Error):
@@ -321,6 +324,22 @@ def create_cmd(actor_id: str, sandbox_class: str, template_uid: str, cpu_millis:
     echo(reply, as_json, lambda: done("actor", actor_id, "created", reply.seq))
     for line in create_warnings(body, read):
         click.echo(line, err=True)
+
+
+async def started_from(wb: Client, actor_id: str, created: int) -> Snapshot | None:
+    """The snapshot the actor whose create answered `created` (its last event) starts from, as the
+    snapshotter's `status` says it (`ActorStatus.snapshot`, which any caller that may create may ask: a
+    client's credentials may not read the log, and every create from a tag said its checks were not made:
+    a trial of a secured deployment); None when the status does not say it: a snapshotter of an earlier
+    version, none answering, or the actor moved on since (its last event another: its latest snapshot may
+    be another)."""
+    try:
+        status = await wb.status(actor_id)
+    except (ContractError, OSError, asyncio.TimeoutError, nats.errors.Error):
+        return None
+    if status.state is not ActorState.CREATED or status.seq != created:  # its last event is still the create's
+        return None
+    return status.snapshot
 
 
 @dataclass

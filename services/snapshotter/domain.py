@@ -364,14 +364,15 @@ class Actor(WireAggregate):
         """The actor as its history has it, with the sequences a later request names: its life's
         creation (the `life_seq` of a resume, stop, tag, revert or update-template) and the placement
         `require_placement` holds a pause or suspend to (its `placement_seq`; none if this life has not
-        been placed). NOT_FOUND if it was never created."""
+        been placed); and its latest snapshot. NOT_FOUND if it was never created."""
         if self.state is None:
             raise no_actor(self.entity_id)
         placed = self.assignment_version if self.assignment_version >= self.life_start else 0
         seqs = (self.seq_at(self.life_start), self.seq_at(placed) if placed else None, self.seq_at(self.version))
         if 0 in seqs:  # the event store names every event's position
             raise unavailable(f"the event store did not say where the events of actor {self.entity_id!r} are")
-        return ActorStatus(state=self.state, life_seq=seqs[0], placement_seq=seqs[1], seq=seqs[2])
+        return ActorStatus(state=self.state, life_seq=seqs[0], placement_seq=seqs[1], seq=seqs[2],
+                           snapshot=self.latest_snapshot)
 
     def pause(self, snapshot_id: str | None, request_id: str | None, at: datetime,
               under: UnderPlacement = NOT_NAMED) -> Snapshot:
