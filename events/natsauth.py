@@ -142,11 +142,14 @@ def nkey_options(seed_path: str | None) -> dict[str, str]:
     return {"nkeys_seed": seed_path} if seed_path else {}
 
 
-def inbox_prefix(url: str, explicit: str | None = None) -> str | None:
+def inbox_prefix(url: str, explicit: str | None = None, seed: str | None = None) -> str | None:
     """The inbox prefix to connect with: `explicit`, else $NATS_INBOX_PREFIX, else
     `_INBOX.<user>` for the first member of `url` that names a user who is one subject token,
-    else for $NATS_USER when `url` names no user; None (nats-py's own random `_INBOX.<nuid>`)
-    when there is none of these."""
+    else for $NATS_USER when `url` names no user, else, signing in with the nkey seed file `seed`,
+    for the user its name gives (`<user>.nk`, as `warmboot nats-config --seeds-dir` names each
+    user's); None (nats-py's own random `_INBOX.<nuid>`) when there is none of these. (An nkey
+    user's commands, `worker drain W --nkey-seed W.nk` the docs' own, were refused the inbox
+    nats-py chose until $NATS_INBOX_PREFIX said it: a trial of a secured deployment.)"""
     chosen = explicit or os.environ.get(INBOX_PREFIX_ENV)
     if chosen:
         return chosen
@@ -156,7 +159,13 @@ def inbox_prefix(url: str, explicit: str | None = None) -> str | None:
         if user:  # as nats-py sends it: written, not %-decoded
             return f"_INBOX.{user}" if _TOKEN.match(user) else None
     user = os.environ.get(USER_ENV)  # the user the environment signs in (`env_sign_in`)
-    return f"_INBOX.{user}" if user and _TOKEN.match(user) else None
+    if user:
+        return f"_INBOX.{user}" if _TOKEN.match(user) else None
+    if seed is not None:
+        name = os.path.basename(seed)
+        user = name[:-len(".nk")] if name.endswith(".nk") else None
+        return f"_INBOX.{user}" if user and _TOKEN.match(user) else None
+    return None
 
 
 def sign_in_options(url: str, *, creds: str | None = None, user: str | None = None,

@@ -937,13 +937,22 @@ def test_a_one_shot_command_signs_in_with_nkey_seed(tmp_path):
             assert "refuses the sign-in" not in signed.stderr
         missing = CliRunner().invoke(main, ["workers", "--nkey-seed", str(tmp_path / "none.nk")], env=env)
         assert missing.exit_code == 2 and "Invalid value for '--nkey-seed'" in missing.output, missing.output
-        # signed in, but listening for replies where the user may not (no NATS_INBOX_PREFIX): said at
+        # no NATS_INBOX_PREFIX: the seed file's name, `<user>.nk` as `nats-config --seeds-dir` writes it,
+        # says the user, whose inbox it listens under (until 2026-12-07 nats-py's own, refused: a trial of a
+        # secured deployment, whose docs' `worker drain W --nkey-seed W.nk` was so refused)
+        named = CliRunner().invoke(main, ["workers", "--prefix", "hx", "--nkey-seed", str(seed)],
+                                   env={"NATS_URL": secured.url()})
+        assert named.exit_code == 1 and "no event stream HX_EVENTS on this server" in named.stderr, named.output
+        # signed in, but listening for replies where the user may not (a seed file named otherwise): said at
         # once, with what to do (each request only timed out, about 30 s, then UNAVAILABLE)
-        deaf = CliRunner().invoke(main, ["workers", "--prefix", "hx", "--nkey-seed", str(seed)],
+        other = tmp_path / "seed" / "operator.nk"
+        other.parent.mkdir()
+        other.write_text(secured.secrets["ops"])
+        deaf = CliRunner().invoke(main, ["workers", "--prefix", "hx", "--nkey-seed", str(other)],
                                   env={"NATS_URL": secured.url()})
         assert deaf.exit_code == 1, deaf.output
-        assert "FAILED_PRECONDITION" in deaf.stderr and "does not let this user hear its replies under _INBOX" \
-            in deaf.stderr and "_INBOX.<user> (NATS_INBOX_PREFIX" in deaf.stderr, deaf.stderr
+        assert "FAILED_PRECONDITION" in deaf.stderr and "does not let this user hear its replies under " \
+            "_INBOX.operator" in deaf.stderr and "_INBOX.<user> (NATS_INBOX_PREFIX" in deaf.stderr, deaf.stderr
     finally:
         secured.stop()
 

@@ -440,6 +440,16 @@ def test_the_environments_user_gives_the_inbox_prefix_when_the_url_names_none(mo
     monkeypatch.delenv(INBOX_PREFIX_ENV)
     monkeypatch.setenv("NATS_USER", "a.b")  # not one subject token: nats-py's own inbox
     assert inbox_prefix("nats://h:4222") is None
+    # signed in with an nkey seed file alone: the user its name gives, as `nats-config --seeds-dir` names them
+    monkeypatch.delenv("NATS_USER")
+    assert inbox_prefix("nats://h:4222", seed="/etc/warmboot/seeds/w-1.nk") == "_INBOX.w-1"
+    assert inbox_prefix("nats://h:4222", seed="w-1.nk") == "_INBOX.w-1"
+    assert inbox_prefix("nats://bob:pw@h:4222", seed="w-1.nk") == "_INBOX.bob"  # a user named first wins
+    monkeypatch.setenv("NATS_USER", "alice")
+    assert inbox_prefix("nats://h:4222", seed="w-1.nk") == "_INBOX.alice"
+    monkeypatch.delenv("NATS_USER")
+    for named_otherwise in ("/s/seed", "/s/a.b.nk", "/s/.nk", "/s/w-1.seed"):  # no user said: nats-py's own
+        assert inbox_prefix("nats://h:4222", seed=named_otherwise) is None, named_otherwise
 
 
 @pytest.mark.parametrize("url, env, prefix", [

@@ -261,7 +261,7 @@ class Client:
         seed `nkeys_seed` (else $NATS_NKEY_SEED), or what the environment gives
         ($NATS_USER/$NATS_PASSWORD, $NATS_TOKEN, $NATS_CREDS); listening for replies under
         `inbox_prefix`, else $NATS_INBOX_PREFIX, else `_INBOX.<user>` for a URL (or else
-        $NATS_USER) that names one, which is where the
+        $NATS_USER, or else the nkey seed file's name, `<user>.nk`) that names one, which is where the
         permissions of `warmboot nats-config` let a user hear them; each connection error logged
         once while it repeats. A server that does not answer within `connect_timeout` seconds is
         UNAVAILABLE (ContractError), naming it; one that refuses the user that inbox prefix,

@@ -52,15 +52,15 @@ async def connect(url: str, name: str, *, inbox_prefix: str | None = None, nkey_
     besides any user:password in `url`, and with what the environment gives
     (`events.natsauth.env_sign_in`: $NATS_CREDS, and $NATS_USER/$NATS_PASSWORD or $NATS_TOKEN
     when `url` carries no secret). Its inbox prefix is `inbox_prefix`, else $NATS_INBOX_PREFIX,
-    else `_INBOX.<user>` when `url` (or else $NATS_USER) names a user
-    (`events.natsauth.inbox_prefix`). `options` go to `nats.connect` as they are
+    else `_INBOX.<user>` when `url` (or else $NATS_USER, or else the nkey seed file's name,
+    `<user>.nk`) names a user (`events.natsauth.inbox_prefix`). `options` go to `nats.connect` as they are
     (`user_credentials`, ...), over the environment's.
     """
     if errors is None:  # a process that keeps trying (the services, the demo): its log says what to check
         errors = ErrorsOnce(log, redact_url(url), sign_in_hint(url, nkey_seed_path(nkey_seed), options))
     options = {**env_sign_in(url), **options}
     options.update(nkey_options(nkey_seed_path(nkey_seed)))
-    inbox = chosen_inbox_prefix(url, inbox_prefix)
+    inbox = chosen_inbox_prefix(url, inbox_prefix, nkey_seed_path(nkey_seed))
     if inbox:
         options["inbox_prefix"] = inbox
 
