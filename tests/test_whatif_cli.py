@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from events.codec import to_builtins
 from events.compat import compat_key
 from events.runtime_id import short_id
-from events.schema import CompatVersion, WhatIf
+from events.schema import CompatVersion, WhatIf, WorkerSandboxClass
 from tests.factories import actor, last_seq, log_reads, runtime_ids_apart
 from tests.test_views import WIDTHS, assert_fits_whole, fleet, folded, possible_cells, runtime
 from warmboot.cli import main
@@ -231,3 +231,29 @@ async def test_the_question_is_resolved_against_the_scheduler_s_runtimes_not_eve
     typo = await run("--class", "gvsor", "--drop-runtime", "runsc-2024.11")
     assert typo.exit_code == 1 and "(registered: gvisor, microvm)" in typo.stderr
     assert read == []
+
+
+async def test_a_runtime_no_worker_runs_any_more_is_labelled_as_fragmentation_labels_it(fleet_on_bus, nats_url,
+                                                                                        prefix):
+    """Once every worker dropped runsc-2024.11, the suspended actors' images stamped with it are stranded,
+    and the forecast's rows of those runtimes (no worker accepts them) said `rt-3f9a1c` where
+    fragmentation and `actor list` say `runsc-2024.11@3f9a1c`, the name their stamps carry (a trial of a
+    rolling upgrade). Both views now say the same labels."""
+    run, wb = fleet_on_bus
+    for i, w in enumerate(fleet()):
+        if w.sandbox_classes[0].sandbox_class == "gvisor":  # 2024.11 dropped: 2025.01 the default
+            entry = WorkerSandboxClass(sandbox_class="gvisor",
+                                       default_runtime=runtime("gvisor", (0, 0, 1, 2)[(i // 2) % 4], "2025.01"))
+            await wb.register(msgspec.structs.replace(w, sandbox_classes=(entry,)))
+    some = next(w.worker_id for w in fleet() if w.sandbox_classes[0].sandbox_class == "gvisor")
+    shown = await run("--class", "gvisor", "--drain", some, width=250)
+    assert shown.exit_code == 0, shown.output
+    frag = await cli("fragmentation", "--class", "gvisor", "--nats", nats_url, "--prefix", prefix, width=250)
+    assert frag.exit_code == 0, frag.output
+
+    def dropped_labels(output: str) -> set[str]:
+        return {word for line in output.splitlines() for word in line.split() if "2024.11" in word}
+
+    labels = dropped_labels(shown.output)
+    assert labels and all(label.startswith("runsc-2024.11@") for label in labels), shown.output
+    assert labels == dropped_labels(frag.output), (shown.output, frag.output)

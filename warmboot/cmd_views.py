@@ -11,7 +11,7 @@ from a scheduler's `runtimes` answer (`asked_runtimes`; the workers' histories f
 when none says them). whatif reads the runtimes it is given back from that answer too (a
 label, an `rt-` id or a name), and the log for the workers it drains alone; explain, every
 worker's history for a selector mismatch of several keys (the keys each worker misses);
-fragmentation, the whole log when a runtime no worker runs has snapshots (`fragmentation_labels`);
+fragmentation and whatif, the whole log when a runtime no worker runs has snapshots (`stamp_labels`);
 workers asks a scheduler replica's fold for its rows, a page at a time (`asked_workers`), and folds
 the whole log with the scheduler's own projection (warmboot.audit.Sink) only when none answers,
 into the same pages (`folded_workers`): either way it shows what the scheduler sees. Their JSON
@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from typing import Any, Awaitable, Callable, Mapping, TypeVar
+from typing import Any, Awaitable, Callable, Iterable, Mapping, TypeVar
 
 import click
 import msgspec
@@ -517,27 +517,28 @@ def render_fragmentation(answer: Fragmentation, runtimes: Runtimes, width: int |
     return text + ("\n" + note if note else "")
 
 
-def named_by_stamps_only(answer: Fragmentation, runtimes: Runtimes) -> bool:
-    """Whether a runtime of the answer has memory snapshots stamped with it and no worker runs it
-    (a dropped release, a removed worker's): its name is then in the log's stamps alone."""
-    for c in answer.classes:
-        for rt in c.runtimes:
-            known = runtimes.known.get(compat_key(c.sandbox_class, rt.version))
-            if rt.snapshots_memory and (known is None or not known.run):
-                return True
+def named_by_stamps_only(versions: Iterable[tuple[str, CompatVersion]], runtimes: Runtimes) -> bool:
+    """Whether one of `versions` ((class, version) of runtimes a view shows with snapshots stamped with
+    them) is one no worker runs and `runtimes` holds no name for (a dropped release, a removed
+    worker's): its name is then in the log's stamps alone."""
+    for sandbox_class, version in versions:
+        key = compat_key(sandbox_class, version)
+        known = runtimes.known.get(key)
+        if (known is None or not known.run) and not runtimes.stamped.get(key):
+            return True
     return False
 
 
-async def fragmentation_labels(nc: Any, prefix: str, answer: Fragmentation) -> Runtimes:
-    """The labels of fragmentation's runtimes: the fleet's (`runtime_labels`); where a runtime no worker
-    runs has snapshots (`named_by_stamps_only`), the whole log's, folded as `actor list` folds it, so that
-    it reads as there and in `actor show`, by the name its stamps carry (`gvisor-v1@3f9a1c`, not
+async def stamp_labels(nc: Any, prefix: str, runtimes: Runtimes, versions: Iterable[tuple[str, CompatVersion]]
+                       ) -> Runtimes:
+    """`runtimes` (the fleet's: `runtime_labels`) to label a view's runtimes with; where one of `versions`
+    is named by stamps only (`named_by_stamps_only`), the whole log's, folded as `actor list` folds it, so
+    that it reads as there and in `actor show`, by the name its stamps carry (`gvisor-v1@3f9a1c`, not
     `rt-3f9a1c`: a trial). A log that cannot be read so far leaves those by id, said on stderr."""
     from warmboot.audit import Sink
     from warmboot.cli_common import replay
 
-    runtimes = await runtime_labels(nc, prefix)
-    if not runtimes.complete or not named_by_stamps_only(answer, runtimes):
+    if not runtimes.complete or not named_by_stamps_only(versions, runtimes):
         return runtimes
     try:
         return runtimes_of((await replay(nc, prefix, Sink(), True)).projection)
@@ -545,6 +546,12 @@ async def fragmentation_labels(nc: Any, prefix: str, answer: Fragmentation) -> R
         click.echo(f"note: the names the log's stamps give runtimes no worker runs not looked up: {unread_why(e)}",
                    err=True)
         return runtimes
+
+
+async def fragmentation_labels(nc: Any, prefix: str, answer: Fragmentation) -> Runtimes:
+    """The labels of fragmentation's runtimes (`stamp_labels`), those with memory snapshots looked up."""
+    with_snapshots = [(c.sandbox_class, rt.version) for c in answer.classes for rt in c.runtimes if rt.snapshots_memory]
+    return await stamp_labels(nc, prefix, await runtime_labels(nc, prefix), with_snapshots)
 
 
 @click.command()
@@ -943,7 +950,7 @@ def forecast_columns(sandbox_class: str, runtimes: Runtimes, dropped: set) -> li
         return compat_key(sandbox_class, r.version)
 
     return [
-        Column("RUNTIME", lambda r: runtimes.label(sandbox_class, r.version), drop=1,
+        Column("RUNTIME", lambda r: pin_label(runtimes, sandbox_class, r.version), drop=1,
                narrow=Column("RUNTIME", lambda r: short_id(key(r)), about="as ids")),
         Column("DROPPED", lambda r: "yes" if key(r) in dropped else "-"),
         Column("WORKERS", lambda r: str(r.workers_before), right=True),
@@ -976,6 +983,18 @@ def image_place(stranded: StrandedActor) -> str:
     return stranded.location.value if stranded.location is not None else "-"
 
 
+async def whatif_labels(nc: Any, prefix: str, runtimes: Runtimes, sandbox_class: str, answer: WhatIfAnswer
+                        ) -> Runtimes:
+    """The labels of whatif's runtimes: the fleet's, with the names the stamps of the actors it lists
+    carry; for a runtime no live worker accepts before the step (its snapshots stranded already) and
+    none of those names, the log's (`stamp_labels`). It said `rt-279f31` where fragmentation and
+    `actor list` said `gvisor-2026-10@279f31` (a trial of a rolling upgrade)."""
+    for stranded in (*answer.newly_stranded, *answer.created_newly_stranded):
+        runtimes.stamp(stranded.stamp.sandbox_class, stranded.stamp.version, stranded.stamp.name)
+    unaccepted = [(sandbox_class, r.version) for r in answer.runtimes if not r.workers_before]
+    return await stamp_labels(nc, prefix, runtimes, unaccepted)
+
+
 def render_whatif(query: WhatIf, answer: WhatIfAnswer, runtimes: Runtimes, width: int | None,
                   wide: bool = False) -> str:
     """The forecast: what the query supposes, the snapshot counts before and after, per runtime
@@ -984,7 +1003,7 @@ def render_whatif(query: WhatIf, answer: WhatIfAnswer, runtimes: Runtimes, width
     dropped = {compat_key(cls, v) for v in query.drop_runtimes}
     fields = [
         ("CLASS", cls),
-        ("DROP", ", ".join(runtimes.label(cls, v)  # in the order of the table below
+        ("DROP", ", ".join(pin_label(runtimes, cls, v)  # in the order of the table below
                            for v in sorted(query.drop_runtimes, key=lambda v: by_label(runtimes, cls, v))) or "-"),
         ("DRAIN", ", ".join(sorted(set(query.drain_workers))) or "-"),
     ]
@@ -1065,7 +1084,10 @@ def whatif(sandbox_class: str, drop: tuple[str, ...], drain: tuple[str, ...], li
                        drain_workers=drain, limit=limit or WHATIF_LIMIT_MAX,
                        min_seq=min_seq or target or None)  # at least the fleet this command resolved against
         check_drains(projection, drain, sandbox_class)
-        return query, await Client(nc, prefix).whatif(query), runtimes, projection
+        answer = await Client(nc, prefix).whatif(query)
+        if mode != "json":  # a runtime no worker runs, by the name its stamps carry, as the other views say it
+            runtimes = await whatif_labels(nc, prefix, runtimes, sandbox_class, answer)
+        return query, answer, runtimes, projection
 
     query, answer, runtimes, projection = ask(nats_url, work)
     for note in no_op_notes(projection, drop, drain):  # on stderr: `-o json` stays the answer alone
