@@ -34,3 +34,23 @@ async def test_a_clients_view_with_no_scheduler_says_that_none_answers(tmp_path)
                 assert "--prefix" not in said, said
     finally:
         secured.stop()
+
+
+async def test_a_clients_whatif_is_told_its_credentials_may_not_read_the_log_not_asked_about_the_prefix(tmp_path):
+    """`whatif` reads the log's end first (its answer at least at it), which a client's credentials may not
+    read: the server refuses it, and the error asked whether --prefix was the deployment's (a trial of the
+    docs). It says what the server said, and whose credentials may."""
+    secured = Secured(tmp_path / "store", PREFIX, clients=("orch",)).start()
+    try:
+        async with AsyncExitStack() as stack:
+            await start_services(stack, ["registry"], secured.url("svc"), PREFIX)
+            env = {"NATS_URL": secured.url("orch"), "WARMBOOT_PREFIX": PREFIX}
+            result = await asyncio.to_thread(CliRunner().invoke, main, ["whatif", "--class", "gvisor"], env=env)
+            assert result.exit_code == 1, result.output
+            said = " ".join(result.stderr.split())
+            assert said.startswith(f"error: cannot read the event stream {PREFIX.upper()}_EVENTS: these credentials "
+                                   "may not read the log (the server refused it: "), said
+            assert said.endswith("A client's may not; an operator's may (docs/security.md, Roles)"), said
+            assert "--prefix" not in said, said
+    finally:
+        secured.stop()

@@ -358,10 +358,14 @@ async def last_seq(nc: Any, prefix: str, timeout: float = 5.0) -> int:
         raise not_found(f"no event stream {stream_name(prefix)} on this server: is --prefix {prefix} the "
                         f"deployment's?{here}", "prefix") from None
     except Exception as e:
-        message = (f"cannot read the event stream {stream_name(prefix)} ({describe_error(e)}): is --prefix "
-                   f"{prefix} the deployment's, and may these credentials read its log? (a client's may not: "
-                   "docs/security.md)")
         refused = isinstance(e, PublishRefused)  # the server said so: not a question of the prefix
+        if refused:  # (it asked whether --prefix was the deployment's: a trial of a client's `whatif`)
+            message = (f"cannot read the event stream {stream_name(prefix)}: {REFUSED_THE_LOG} (the server refused "
+                       f"it: {describe_error(e)}). A client's may not; an operator's may (docs/security.md, Roles)")
+        else:
+            message = (f"cannot read the event stream {stream_name(prefix)} ({describe_error(e)}): is --prefix "
+                       f"{prefix} the deployment's, and may these credentials read its log? (a client's may not: "
+                       "docs/security.md)")
         raise LogUnreadable(message, REFUSED_THE_LOG if refused else
                             f"the event stream {stream} cannot be read: {describe_error(e)}") from None
 
