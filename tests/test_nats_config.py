@@ -255,6 +255,25 @@ def nats_config(tmp_path, *more: str) -> tuple[str, dict[str, str]]:
     return conf.read_text(), kept
 
 
+def test_a_change_of_auth_gives_every_kept_user_a_new_secret_and_says_so(tmp_path):
+    """A secrets file kept from an nkey run, given to a password run: a seed is no password, so every
+    user got a new one, every connection signed out at the reload, and nothing said so (a trial of the
+    docs; a run without --secrets says it). Said as a rotation is; a password run after another says nothing."""
+    _, seeds = nats_config(tmp_path, "--auth", "nkey")
+    conf, secrets = tmp_path / "auth.conf", tmp_path / "secrets.json"
+    args = ["nats-config", "--prefix", "hx", "--services-user", "svc", "--worker", "w-1", "--operator", "ops",
+            "--secrets", str(secrets), "--out", str(conf), "--auth", "password"]
+    switched = CliRunner().invoke(main, args)
+    assert switched.exit_code == 0, switched.output
+    assert ("new secrets for users whose kept secret is not a password (--auth password now): ops, svc, w-1 "
+            "(the old ones sign in no more once the server has this configuration)") in switched.stderr
+    passwords = {u: p for u, p in json.loads(secrets.read_text()).items() if u != "_roles"}
+    assert set(passwords) == set(seeds) and not set(passwords.values()) & set(seeds.values())
+    again = CliRunner().invoke(main, args)
+    assert again.exit_code == 0 and "new secrets" not in again.stderr, again.output
+    assert {u: p for u, p in json.loads(secrets.read_text()).items() if u != "_roles"} == passwords  # kept
+
+
 async def test_bcrypt_keeps_only_hashes_in_the_configuration(tmp_path):
     text, passwords = nats_config(tmp_path, "--auth", "bcrypt")
     assert text.count('password: "$2a$11$') == 3

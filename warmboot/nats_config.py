@@ -617,6 +617,8 @@ def nats_config(
     # a password kept from a password run is no seed, and the other way round: make a new one
     usable = _usable_seed if auth == "nkey" else (lambda s: not _usable_seed(s))
     secrets_of = {u: kept[u] if u in kept and usable(kept[u]) and u not in rotated else fresh() for u in users}
+    # kept, but of the other kind (`--auth` changed between runs): new ones, said below, as a rotation is
+    switched = sorted(u for u in users if u in kept and not usable(kept[u]) and u not in rotated and u not in moved)
 
     text = nats_auth_config(prefix, services_user, worker_ids, list(operators), clients=list(clients),
                             ids=identities(auth, secrets_of),
@@ -655,6 +657,10 @@ def nats_config(
     if rotated:
         click.echo(f"rotated: {', '.join(sorted(set(rotated)))} (the old secrets sign in no more once the server has "
                    "this configuration)", err=True)
+    if switched:  # (a trial: a secrets file of nkey seeds, run with --auth password, gave everyone new ones unsaid)
+        kind = "an nkey seed" if auth == "nkey" else "a password"
+        click.echo(f"new secrets for users whose kept secret is not {kind} (--auth {auth} now): {', '.join(switched)} "
+                   "(the old ones sign in no more once the server has this configuration)", err=True)
     if secrets_path is None and seeds_dir is None:  # (password auth: nkey and bcrypt need somewhere to keep them)
         click.echo("note: every user got a new password, kept nowhere but in this configuration: a run without "
                    "--secrets FILE signs every user out once the server reloads it (services included); give "
