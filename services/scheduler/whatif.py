@@ -201,7 +201,9 @@ def whatif(projection: Projection, query: WhatIf) -> WhatIfAnswer:
         if image is None:
             continue
         key, stamp, location, node = image
-        if key in newly if counted else _stranded_after(scenario, key) and not _was_stranded(index, key):
+        # a CREATED actor's image is in no count, so in none of the keys found stranded above: judged here
+        stranded = key in newly if counted else (_stranded_after(scenario, key) and not _was_stranded(index, key))
+        if stranded:
             into.append(StrandedActor(actor_id=actor.actor_id, stamp=stamp, location=location, node=node))
 
     compats = {c for table in index.members for c in table} | set(index.external_memory)
