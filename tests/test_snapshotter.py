@@ -451,8 +451,8 @@ async def test_status_says_the_life_and_placement_a_later_request_names_and_writ
     """`snapshotter.status.<actor_id>` (a project addition): the actor's state, the ActorCreated of its
     current life (a resume's `life_seq`), its last ActorPlaced of that life (a pause's or suspend's
     `placement_seq`; null before the life is placed), its last event and its latest snapshot (null for
-    none), each as the log holds it; nothing written. A pause naming what it said is recorded; after the actor moves, the same is
-    refused. An actor never created is NOT_FOUND, field actor_id; a subject token that is not an id,
+    none), each as the log holds it; nothing written. A pause naming what it said is recorded; after the
+    actor moves, the same is refused. An actor never created is NOT_FOUND, field actor_id; a subject token that is not an id,
     INVALID_ARGUMENT."""
     assert (await refused(status(nc, prefix, "a-1"))).code is ErrorCode.NOT_FOUND
     born = (await create(nc, prefix, "a-1")).seq
