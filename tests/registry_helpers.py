@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import shutil
 import time
 from contextlib import asynccontextmanager
@@ -17,7 +18,7 @@ from nats.aio.client import Client as NATS
 from nats.js.errors import NotFoundError
 
 from events.codec import decode_event, encode
-from events.schema import Event
+from events.schema import Event, RegisterWorker
 from events.subjects import bucket_name, event_subject, service_subject, stream_name
 from services.process import store_env
 from services.registry.budget import WriteBudget
@@ -165,6 +166,19 @@ async def running_registry(nats_url: str, prefix: str, ttl_s: float = 15.0, own_
     finally:
         await service.stop()
         await nc.close()
+
+
+def body(worker_id: str) -> RegisterWorker:
+    """`registration(worker_id)` as the registry's `register` takes it."""
+    return msgspec.convert(registration(worker_id), RegisterWorker)
+
+
+def heard_for_long(*replicas: RegistryService) -> None:
+    """Each replica takes an expiry marker as a silence at once, as one that has heard beats for a whole TTL
+    does (`services.registry.liveness.Hearing`): for tests of what a removal as LOST does, on replicas that
+    started a moment ago (which give such a worker a new clock first)."""
+    for replica in replicas:
+        replica.hearing.heard_for = lambda: math.inf
 
 
 def agent_config(default_asset: str, restorable_assets: tuple[str, ...] = (), memory_mib: int = 8192) -> str:

@@ -66,8 +66,13 @@ def test_retries_come_closer_together_as_the_last_beats_ttl_runs_out():
     # a third of what is left, never below the floor
     assert next_delay(3.2, 3.9) == pytest.approx(1.3)
     assert next_delay(5.0, 0.3) == RETRY_MIN_S
-    # past the TTL the worker is LOST anyway (it registers anew when back): no rush
-    assert next_delay(5.0, -1.0) == RETRY_MAX_S
+    # past the TTL: a registry back after the outage gives the worker a new clock of one TTL
+    # (`Hearing`), so at most a third of a TTL apart, as beats are (it was RETRY_MAX_S: no rush, the
+    # worker being LOST anyway; a TTL shorter than that missed the new clock)
+    assert next_delay(5.0, -1.0) == RETRY_MAX_S  # no TTL known
+    assert next_delay(5.0, -1.0, 15.0) == RETRY_MAX_S  # a third of the default TTL: 5 s
+    assert next_delay(5.0, -1.0, 2.0) == pytest.approx(2.0 / 3)
+    assert next_delay(5.0, -1.0, 0.3) == RETRY_MIN_S
 
 
 async def test_a_registry_away_for_less_than_the_ttl_does_not_get_a_live_agent_removed(nats_url, nc, prefix, tmp_path):

@@ -22,15 +22,11 @@ from nats.js.api import PersistMode
 
 import services.registry.liveness as liveness_module
 from events.errors import ContractError, unavailable
-from events.schema import ErrorCode, Heartbeat, RegisterWorker, RemoveWorker, WorkerRemoved
+from events.schema import ErrorCode, Heartbeat, RemoveWorker, WorkerRemoved
 from events.subjects import bucket_name
 from services.registry.roster import Roster
 from tests.proxy import LosingProxy
-from tests.registry_helpers import raw_request, registration, running_registry, wait_event, worker_events
-
-
-def body(worker_id: str) -> RegisterWorker:
-    return msgspec.convert(registration(worker_id), RegisterWorker)
+from tests.registry_helpers import body, raw_request, registration, running_registry, wait_event, worker_events
 
 
 async def refused(call) -> ContractError:

@@ -641,7 +641,7 @@ class Agent:
             if await _wait(stop, delay):
                 raise asyncio.CancelledError
             left = self.beat_at + self.ttl_s - time.monotonic() if beats and self.beat_at is not None else None
-            delay = next_delay(delay, left)
+            delay = next_delay(delay, left, self.ttl_s)
 
     def _check_not_denied(self) -> None:
         """Before the first registration is answered, a permissions violation NATS reported on this
@@ -1468,14 +1468,19 @@ class Agent:
                                       "keeping the registration in force: ", stop)
 
 
-def next_delay(previous: float, left: float | None = None) -> float:
+def next_delay(previous: float, left: float | None = None, ttl_s: float | None = None) -> float:
     """The wait before the next attempt of a request the registry did not answer: twice the
     last, at most RETRY_MAX_S; and while the TTL of the worker's last stored beat has `left`
     seconds to run, at most a third of them (at least RETRY_MIN_S), so that attempts come
-    closer together as it runs out and one lands soon after the registry is back."""
+    closer together as it runs out and one lands soon after the registry is back. Once it has
+    run out, at most a third of the TTL (`ttl_s`, the beats' own interval): a registry back after
+    an outage gives the worker a new clock of one TTL (`services.registry.liveness.Hearing`),
+    which one attempt in RETRY_MAX_S could miss where the TTL is shorter."""
     delay = min(previous * 2, RETRY_MAX_S)
     if left is not None and left > 0:
         delay = min(delay, max(RETRY_MIN_S, left / 3))
+    elif left is not None and ttl_s is not None:
+        delay = min(delay, max(RETRY_MIN_S, ttl_s / 3))
     return delay
 
 

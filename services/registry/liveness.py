@@ -33,6 +33,7 @@ import base64
 import json
 import logging
 import math
+import time
 from contextlib import suppress
 from typing import Awaitable, Callable, Mapping
 
@@ -403,6 +404,41 @@ class Sweeper:
                 continue
             self._floor.release(seq)
             self._kick()
+
+
+class Hearing:
+    """How long a replica has heard the workers' heartbeats without a break: since its start, or since its
+    connection to NATS last came back (the server restarted, or the connection was lost), whichever is
+    later. While NATS or every registry replica is down, no beat reaches the bucket, whatever the workers
+    send: their keys run out all the same, and the server writes their expiry markers then, or at its
+    restart. A marker handled before the replica has heard for a whole TTL says nothing of its worker
+    (`RegistryService._expired` gives it a new clock instead of removing it as LOST: docs/contract.md).
+    A restart of `warmboot up` longer than the TTL removed every worker as LOST, released every actor
+    they ran and undid their drains, though no worker had stopped (a trial of the client, 2026-12-07).
+    The break is read off nats-py's count of reconnects, which it counts before it resubscribes, so
+    before any marker of the new connection is delivered."""
+
+    def __init__(self, nc: NATS, clock: Callable[[], float] = time.monotonic):
+        self._nc = nc
+        self._clock = clock
+        self._reconnects = 0
+        self._since: float | None = None  # none before `begin`: nothing heard yet
+
+    def _count(self) -> int:
+        return int(getattr(self._nc, "stats", {}).get("reconnects", 0))
+
+    def begin(self) -> None:
+        """The replica hears beats from now on (its heartbeat endpoint is served)."""
+        self._reconnects, self._since = self._count(), self._clock()
+
+    def heard_for(self) -> float:
+        """Seconds since `begin`, or since the connection came back after it; 0 before it."""
+        if self._since is None:
+            return 0.0
+        count = self._count()
+        if count != self._reconnects:
+            self._reconnects, self._since = count, self._clock()
+        return self._clock() - self._since
 
 
 def persist_mode(replicas: int) -> PersistMode:

@@ -76,7 +76,7 @@ from services.registry.binding import SharedBinding
 from services.registry.budget import FREE, Ticket, WriteBudget
 from services.registry.domain import Worker, check_beats_in_force, register_outcome
 from services.registry.fold import RosterFold
-from services.registry.liveness import RECONCILE_INTERVAL_S, SWEEPER, Liveness
+from services.registry.liveness import RECONCILE_INTERVAL_S, SWEEPER, Hearing, Liveness
 from services.registry.nodes import allows, check_node, check_registered
 from services.registry.roster import Roster
 from services.replies import NoWriteAnswers, ReplyCache
@@ -103,6 +103,10 @@ REGISTRATIONS = Counter(
     "warmboot_registry_registrations_total", "Registrations answered, by outcome", ["outcome"]
 )
 LOST_WORKERS = Counter("warmboot_registry_workers_lost_total", "Workers removed as LOST by this replica")
+CLOCKS_RESTARTED = Counter(
+    "warmboot_registry_clocks_restarted_total",
+    "Expired heartbeat clocks this replica started again instead of removing the worker as LOST: it had not heard "
+    "beats for a whole TTL yet, since it started or its connection to NATS came back (liveness.Hearing)")
 UNBOUND_REMOVALS = Counter("warmboot_registry_workers_unbound_removed_total",
                            "Workers this replica removed for being registered on a node the binding does not give them")
 IN_FLIGHT_REFUSED = Counter(
@@ -432,6 +436,8 @@ class RegistryService:
         self.roster = Roster()
         self.fold = RosterFold(nc, prefix, self.roster)
         self.fold.on_node = self._node_folded
+        self.hearing = Hearing(nc)  # how long this replica has heard beats without a break (`_expired`)
+        self._said_restarted = False  # whether `_expired` logged a clock it started again
         self.liveness = Liveness(
             nc, prefix, ttl_s, self._expired, store_replicas if store_replicas is not None else stream_replicas(),
             on_pinned=self.reconcile,  # the sweep pinned here: what the replica pinned before held is found
@@ -476,6 +482,7 @@ class RegistryService:
                 EndpointSpec("remove", RemoveWorker, self._one_of_few(self.remove)),
             ],
         )
+        self.hearing.begin()  # beats reach this replica from now on: a clock that runs out a TTL on is a silence
         self._binding_moved.set()  # the workers registered before this start, judged once
         self._unbound = asyncio.create_task(self._remove_unbound(), name="registry-unbound-workers")
         self._reconciling = asyncio.create_task(self._reconcile_now_and_then(), name="registry-reconcile")
@@ -756,6 +763,21 @@ class RegistryService:
     # --- liveness -------------------------------------------------------------------------
 
     async def _expired(self, worker_id: str) -> None:
+        if self.hearing.heard_for() < self.ttl_s and self.roster.alive(worker_id):
+            # This replica has not heard beats for a whole TTL yet (it started, or its connection came back):
+            # the clock may have run out while no beat could reach the bucket. A new one, unless a beat came
+            # first; a worker that is silent indeed ends as LOST once that one runs out (`Hearing`).
+            state, seq = await self.liveness.entry(worker_id)
+            if state == "expired":
+                await self.liveness.start_clock(worker_id, seq)
+                CLOCKS_RESTARTED.inc()
+                if not self._said_restarted:
+                    self._said_restarted = True
+                    log.info("worker %s's heartbeat clock ran out before this replica had heard beats for a TTL "
+                             "(%ss; it started, or its connection to NATS came back, %.1fs ago): a new clock, not "
+                             "LOST; others so are counted in warmboot_registry_clocks_restarted_total", worker_id,
+                             self.ttl_s, self.hearing.heard_for())
+            return
         # A heartbeat (or a new registration) that came after the marker wins. Read under the
         # worker's lock: a registration here beats before it decides, so either its beat is
         # seen, or the removal is written before it decides (and it registers anew). The key is
