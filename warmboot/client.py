@@ -53,7 +53,8 @@ What it does so that callers need not:
   the server refused to carry for these credentials (a permissions violation, heard on a
   connection made by `connect` or the CLI) is FAILED_PRECONDITION naming the subject, as soon
   as the server says so (`events.natspy.connections.unless_refused`: not after the attempt's time-out), not
-  retried. A request on a closed connection is FAILED_PRECONDITION, one larger than the server's
+  retried. A request on a closed connection is FAILED_PRECONDITION (UNAVAILABLE when an earlier
+  attempt of it was sent before the close: it may have been carried out), one larger than the server's
   max_payload INVALID_ARGUMENT, and one the connection cannot hold while it reconnects (its
   buffer full) UNAVAILABLE: nothing was sent; no nats-py exception comes out of a request. A
   reply that cannot be read as the endpoint's is INTERNAL naming the subject, not retried. (Not
@@ -78,7 +79,7 @@ import nats.errors
 from nats.aio.client import Client as NATS
 
 from events.codec import decode_reply, encode
-from events.errors import ContractError, invalid, life_started_in, past_the_end, precondition, unavailable
+from events.errors import ContractError, invalid, life_started_in, past_the_end, unavailable
 from events.natsauth import check_url, redact_url
 from events.natspy.connections import ErrorsOnce, PublishRefused, close, transport_lost, unless_refused
 from events.schema import (
@@ -142,12 +143,17 @@ WRITE_NOTHING = frozenset({("registry", "heartbeat"), ("scheduler", "explain"), 
                            ("scheduler", "whatif"), ("scheduler", "runtimes"), ("snapshotter", "status"),
                            ("scheduler", "worker"), ("scheduler", "actors"), ("scheduler", "workers")})
 NO_SERVICE = "no service answers "  # how a request that reached nobody is said (then the subject)
+UNSENT_FULL = "not connected to NATS, and the requests waiting to be sent fill the connection's buffer"
 
 
 class NobodyAnswered(ContractError):
     """UNAVAILABLE: every attempt of a request reached no service (nothing subscribes to its subject:
     the service is not running, the prefix is not the deployment's, or the service is of an earlier
     version that has no such endpoint)."""
+
+
+class Closed(ContractError):
+    """FAILED_PRECONDITION: the client's connection is closed (or closing): nothing was sent on this attempt."""
 
 
 class Refused(ContractError):
@@ -337,13 +343,23 @@ class Client:
         delay = FIRST_BACKOFF_S
         started = asyncio.get_running_loop().time()
         nobody = 0  # attempts that reached no service
+        sent = False  # an earlier attempt went out and may have been carried out (its answer not heard)
         for attempt in range(self.attempts):
             try:
                 reply = await self._once(subject, data, reply_type, headers)
             except ContractError as error:
+                if isinstance(error, Closed) and sent:
+                    # this attempt sent nothing, but an earlier one did (a close ends the wait for its answer
+                    # as a time-out): "nothing was sent" told the caller its request was not carried out,
+                    # when it may have been (a user trial: 292 of 300 resumes so told were placed)
+                    raise unavailable(f"the connection to NATS was closed while the request to {subject} waited "
+                                      "for its answer: an earlier attempt was sent and may have been carried out; "
+                                      "send it again with the same request_id on a new client for its "
+                                      "answer") from None
                 if not _transient(service, error):
                     raise
                 nobody += error.message.startswith(NO_SERVICE)
+                sent = sent or not error.message.startswith((NO_SERVICE, UNSENT_FULL))
                 if attempt == self.attempts - 1:
                     if error.message.startswith(NO_SERVICE):  # the attempts made, and what is likely wrong
                         took = asyncio.get_running_loop().time() - started
@@ -409,14 +425,13 @@ class Client:
     def _unsent(self, subject: str, data: bytes, error: Exception) -> ContractError:
         """A request nats-py would not send, as the contract error that says why."""
         if isinstance(error, (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError)):
-            return precondition(f"the connection to NATS is closed (or closing): nothing was sent to {subject}, "
-                                "and nothing will be on it; make a new client")
+            return Closed(ErrorCode.FAILED_PRECONDITION, f"the connection to NATS is closed (or closing): nothing "
+                          f"was sent to {subject}, and nothing will be on it; make a new client")
         if isinstance(error, nats.errors.MaxPayloadError):
             return invalid(f"the request to {subject} is {len(data)} bytes, more than NATS takes in a message "
                            f"(its max_payload: {self.nc.max_payload} bytes); nothing was sent")
         # disconnected, and what waits to be sent fills the connection's buffer
-        return unavailable(f"not connected to NATS, and the requests waiting to be sent fill the connection's "
-                           f"buffer: nothing was sent to {subject}")
+        return unavailable(f"{UNSENT_FULL}: nothing was sent to {subject}")
 
     def _min_seq(self, given: int | None) -> int | None:
         if given is not None:
