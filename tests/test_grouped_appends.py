@@ -192,7 +192,7 @@ async def test_an_unavailable_store_fails_the_calls_queued_behind_the_group_at_o
     the group's error, without an append of their own."""
     calls = []
 
-    async def insert(events, fences=None, retried=False):
+    async def insert(events, fences=None, retried=False, late=None):
         calls.append(len(events))
         raise StoreUnavailableError("JetStream unavailable for 30s")
 
@@ -206,7 +206,7 @@ async def test_an_unavailable_store_fails_the_calls_queued_behind_the_group_at_o
 async def test_a_sender_that_fails_on_its_own_leaves_no_caller_waiting_and_the_next_call_goes_out():
     failures = [asyncio.CancelledError()]  # e.g. an inner task cancelled under the append, the sender not
 
-    async def insert(events, fences=None, retried=False):
+    async def insert(events, fences=None, retried=False, late=None):
         if failures:
             raise failures.pop()
         return list(range(len(events)))

@@ -51,6 +51,7 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import suppress
+from functools import partial
 from typing import Any
 
 from eventsourcing.persistence import DataError, IntegrityError, OperationalError, ProgrammingError, StoredEvent
@@ -62,7 +63,7 @@ log = logging.getLogger("warmboot.events")
 
 MAX_GROUP_MESSAGES = 256  # well under nats-server's 1,000 messages per batch
 
-Insert = Callable[..., Awaitable[list[int]]]  # (events, *, fences=None, retried=False): one atomic append
+Insert = Callable[..., Awaitable[list[int]]]  # (events, *, fences=None, retried=False, late=None): one atomic append
 # What a caller says of its append when it is about to go out: the error to fail it with instead (its
 # request was held past its caller's wait meanwhile, queued behind the batch in flight), or None.
 Late = Callable[[], "BaseException | None"]
@@ -220,8 +221,16 @@ class GroupedAppends:
             return
         try:
             seqs = await self._insert([event for append in group for event in append.events],
-                                      fences=batch.fences or None)
+                                      fences=batch.fences or None, late=partial(_member_late, group))
         except Exception as error:
+            if isinstance(error, _MemberLate):
+                # Nothing of the batch can have been stored (`Stream.append` asks only then), and a
+                # member's caller has gone meanwhile: each alone, as a first attempt (the late one refused).
+                again = [append for append in group if not append.result.done()]
+                for _ in again:
+                    self._group_sent(1)
+                await asyncio.gather(*(self._alone(append) for append in again))
+                return
             if not _each_again(error):
                 for append in group:
                     _settle(append, error=_copy(error))
@@ -249,11 +258,24 @@ class GroupedAppends:
         if not retried and append.too_late():  # tried alone after a refused batch: a first attempt again
             return
         try:
-            seqs = await self._insert(append.events, fences=append.fences or None, retried=retried)
+            seqs = await self._insert(append.events, fences=append.fences or None, retried=retried, late=append.late)
         except Exception as error:
             _settle(append, error=error)
         else:
             _settle(append, seqs)
+
+
+class _MemberLate(Exception):
+    """A grouped batch not sent again: one of its members' callers has gone (`_member_late`)."""
+
+
+def _member_late(group: list[_Append]) -> BaseException | None:
+    """Asked before each attempt of a grouped batch that would be a first write: whether one of its
+    members is too late to go out now (its request held past its caller's wait)."""
+    for append in group:
+        if append.late is not None and append.late() is not None:
+            return _MemberLate()
+    return None
 
 
 def _stopping() -> StoreUnavailableError:

@@ -125,8 +125,9 @@ class JetStreamAggregateRecorder(JetStreamRecorder, AggregateRecorder):
         late: Late | None = None,
     ) -> list[int]:
         """`insert_events` for asyncio code: the same append, awaited (`Link.submit`) from
-        the caller's loop instead of through a thread of its own. `late`: asked before a grouped
-        append goes out (`events.jetstream.grouped.Late`).
+        the caller's loop instead of through a thread of its own. `late`: asked before the append
+        goes out, and before each attempt that would be a first write (`events.jetstream.grouped.Late`,
+        `Stream.append`).
 
         `retried`: these very events may have been stored already (they went out before, and
         what came back does not say they were not: `events.jetstream.grouped` after a refused
@@ -152,7 +153,7 @@ class JetStreamAggregateRecorder(JetStreamRecorder, AggregateRecorder):
                 and not retried:
             return await grouped.insert(stored_events, fences=fences, late=late)
         return await self._append_now(stored_events, expected_last_seqs=expected_last_seqs, fences=fences,
-                                      tracking=tracking, retried=retried)
+                                      tracking=tracking, retried=retried, late=late)
 
     async def _append_now(
         self,
@@ -162,12 +163,14 @@ class JetStreamAggregateRecorder(JetStreamRecorder, AggregateRecorder):
         fences: Mapping[UUID | str, int] | None = None,
         tracking: Tracking | None = None,
         retried: bool = False,
+        late: Late | None = None,
     ) -> list[int]:
-        """One atomic append of these events (and fences, and tracking record), on the link's loop."""
+        """One atomic append of these events (and fences, and tracking record), on the link's loop;
+        `late`, asked before each attempt that would be a first write (`Stream.append`)."""
         batch = self._fenced(stored_events, expected_last_seqs, fences, tracking)
         if not batch.outs:
             return []
-        return _event_seqs(batch, await self.stream.append(batch, retried=retried))
+        return _event_seqs(batch, await self.stream.append(batch, retried=retried, late=late))
 
     def _fenced(
         self,

@@ -342,7 +342,8 @@ class Stream:
 
     # -- appends
 
-    async def append(self, batch: Batch, *, retried: bool = False) -> list[int]:
+    async def append(self, batch: Batch, *, retried: bool = False,
+                     late: Callable[[], BaseException | None] | None = None) -> list[int]:
         """Append `batch` atomically; return the stream sequence of each of its messages.
 
         `retried` says an earlier attempt of this very batch may have been stored
@@ -351,12 +352,20 @@ class Stream:
         An error raised says, as `maybe_stored`, whether an attempt of the batch may have
         been stored all the same (one went out and no answer came back); False when none
         can have been (refused before it was sent, or by the server each time it asked).
+
+        `late`, asked before each attempt while no attempt may have been stored (every one so far
+        refused, or taken by nobody: a stream without a leader, for seconds of an election): the
+        error to fail with instead of sending, the caller's request having been held past its
+        caller's wait meanwhile (such an attempt is a first write, made late). Once one may have
+        been stored, the batch is sent again whatever the time, to learn where it landed.
         """
         uncertain = retried
         replans = 0
 
         async def attempt(timeout: float) -> list[int]:
             nonlocal uncertain, replans
+            if late is not None and not uncertain and (error := late()) is not None:
+                raise error
             try:
                 last_seq = await self._send(batch, timeout)
             except ServerError as said:
