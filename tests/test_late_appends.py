@@ -20,7 +20,7 @@ import nats.errors
 import pytest
 
 from events.codec import encode
-from events.schema import ActorStopped, DrainWorker, StopActor, WorkerDrained
+from events.schema import ActorPlaced, ActorStopped, DrainWorker, ResumeActor, StopActor, WorkerDrained
 from events.subjects import WAIT_HEADER, service_subject, stream_name
 from tests.factories import actor, leaders_info, read_log, step_down, version, worker
 from tests.test_failover import every_service
@@ -52,6 +52,7 @@ async def test_writes_decided_in_time_are_not_made_once_a_leader_is_elected_afte
                 await wb.create(actor(f"c{round_}", cpu=100, mem=128))  # stopped: one event
                 await wb.create(actor(f"p{round_}", cpu=100, mem=128))
                 await wb.resume(f"p{round_}")  # stopped: its release and ActorStopped, a grouped append
+                await wb.create(actor(f"r{round_}", cpu=100, mem=128))  # resumed: the scheduler's committer
                 await wait_stream_current(js, stream, 3)
                 # the leader on another member than the one the services and the client use
                 while (leader := (await leaders_info(js, stream)).cluster.leader) == cluster.nodes[0].name:
@@ -66,6 +67,8 @@ async def test_writes_decided_in_time_are_not_made_once_a_leader_is_elected_afte
                      StopActor(request_id=f"stop-p{round_}")),
                     (service_subject(prefix, "registry", "drain", f"w{round_}"),
                      DrainWorker(request_id=f"drain-w{round_}", reason="test")),
+                    (service_subject(prefix, "scheduler", "resume", f"r{round_}"),
+                     ResumeActor(request_id=f"resume-r{round_}")),
                 ]
 
                 async def once(subject: str, body) -> str | None:
@@ -86,5 +89,5 @@ async def test_writes_decided_in_time_are_not_made_once_a_leader_is_elected_afte
                 await wb.create(actor(f"after{round_}", cpu=100, mem=128))
             assert late, "no request went unanswered while the stream had no leader"
             made = [e.request_id for _, e in await read_log(nc, prefix)
-                    if isinstance(e, (ActorStopped, WorkerDrained)) and e.request_id in late]
+                    if isinstance(e, (ActorStopped, WorkerDrained, ActorPlaced)) and e.request_id in late]
             assert made == [], f"written after their callers' wait of {WAIT_MS} ms: {made} (of {late})"

@@ -147,6 +147,10 @@ RECHECK = object()
 CONFIRM = object()
 
 
+class _LatePlacement(Exception):
+    """A group's append not sent again: one of its placements' callers has gone (`Committer.append`)."""
+
+
 class Commit:
     """A decided placement waiting for the group commit."""
 
@@ -498,10 +502,22 @@ class Committer:
         self.groups += 1
         if self.on_append is not None:
             self.on_append(len(group))
+        def member_late() -> BaseException | None:  # asked before each attempt that would be a first write
+            return _LatePlacement() if any(deadline.passed(item.deadline, "the placement") is not None
+                                           for item in group) else None
+
         try:
-            seqs = await store.recorder.insert_events_async(stored, expected_last_seqs=expected)
+            seqs = await store.recorder.insert_events_async(stored, expected_last_seqs=expected, late=member_late)
         except IntegrityError as error:
             await self._sort_out(group, error)
+            return
+        except _LatePlacement:
+            # Nobody took the group (a stream without a leader, an election) until a caller's wait had
+            # passed: nothing of it can have been stored (`Stream.append`), and a placement sent now would
+            # be a first write of a resume whose caller has gone. Those are refused, the others appended.
+            kept = self._in_time(group)
+            if kept:
+                await self.append(kept)
             return
         self._group_limit = min(self.max_group, self._group_limit * 2)
         applied = self.fold.applied
