@@ -326,3 +326,42 @@ async def test_a_member_tried_again_after_a_lost_reply_is_still_checked_against_
         await a_written_beside_a_conflict(recorder, "m", theirs)
     finally:
         await asyncio.to_thread(factory.close)
+
+
+async def test_a_group_nobody_took_until_a_member_turned_late_is_not_sent_with_it(recorder):
+    """An atomic batch the stream did not take (nobody answered: an election) is sent again by the store
+    until it is; every attempt so far stored nothing. A member whose caller's wait passed meanwhile is
+    left out (a first write, made late), and the others go out alone; none is written twice."""
+    stream = recorder.stream
+    send = stream._send
+    refused = []
+
+    async def nobody_first(batch, timeout):  # the group's first attempt: no responders (no leader)
+        if len(batch.outs) == 4 and not refused:
+            refused.append(len(batch.outs))
+            late_one.set()
+            raise nats.errors.NoRespondersError
+        return await send(batch, timeout)
+
+    stream._send = nobody_first
+    late_one = asyncio.Event()
+    gone = OperationalError("b's caller has gone")
+    recorder.group_appends()
+    try:
+        grouped = recorder.grouped
+        first = asyncio.ensure_future(grouped.insert(change("a0")))  # in flight: what follows queues behind it
+        await asyncio.sleep(0)
+        results = asyncio.gather(
+            grouped.insert(change("a"), late=lambda: None),
+            grouped.insert(change("b"), late=lambda: gone if late_one.is_set() else None),
+            return_exceptions=True)
+        await first
+        a, b = await results
+    finally:
+        await recorder.ungroup_appends()
+    assert refused == [4], refused  # the group of a and b, refused once as a whole
+    assert b is gone, b
+    assert isinstance(a, list) and len(a) == 2, a
+    log = await stored(recorder)
+    assert sorted(v for v in log.values() if v[0].endswith(".b")) == []
+    assert sorted(v for v in log.values() if v[0].endswith(".a")) == [("ledger.a", 1), ("tally.a", 1)]
