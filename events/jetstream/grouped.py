@@ -224,12 +224,14 @@ class GroupedAppends:
                                       fences=batch.fences or None, late=partial(_member_late, group))
         except Exception as error:
             if isinstance(error, _MemberLate):
-                # Nothing of the batch can have been stored (`Stream.append` asks only then), and a
-                # member's caller has gone meanwhile: each alone, as a first attempt (the late one refused).
+                # A member's caller has gone meanwhile, and the batch was not sent again (`Stream.append`):
+                # each alone, the late one not sent (as a first attempt if nothing of the batch can have
+                # been stored, else looked for where it may have landed).
                 again = [append for append in group if not append.result.done()]
                 for _ in again:
                     self._group_sent(1)
-                await asyncio.gather(*(self._alone(append) for append in again))
+                retried = bool(getattr(error, "maybe_stored", False))
+                await asyncio.gather(*(self._alone(append, retried=retried) for append in again))
                 return
             if not _each_again(error):
                 for append in group:
@@ -268,9 +270,11 @@ class GroupedAppends:
 class _MemberLate(Exception):
     """A grouped batch not sent again: one of its members' callers has gone (`_member_late`)."""
 
+    as_is = True  # raised by `Stream.append` as it is, also when an earlier attempt may have been stored
+
 
 def _member_late(group: list[_Append]) -> BaseException | None:
-    """Asked before each attempt of a grouped batch that would be a first write: whether one of its
+    """Asked before each attempt of a grouped batch (`Stream.append`'s `late`): whether one of its
     members is too late to go out now (its request held past its caller's wait)."""
     for append in group:
         if append.late is not None and append.late() is not None:

@@ -353,19 +353,31 @@ class Stream:
         been stored all the same (one went out and no answer came back); False when none
         can have been (refused before it was sent, or by the server each time it asked).
 
-        `late`, asked before each attempt while no attempt may have been stored (every one so far
-        refused, or taken by nobody: a stream without a leader, for seconds of an election): the
-        error to fail with instead of sending, the caller's request having been held past its
-        caller's wait meanwhile (such an attempt is a first write, made late). Once one may have
-        been stored, the batch is sent again whatever the time, to learn where it landed.
+        `late`, asked before each attempt: the error to fail with instead of sending, the caller's
+        request having been held past its caller's wait meanwhile. While no attempt may have been
+        stored (every one so far refused, or taken by nobody: a stream without a leader, for
+        seconds of an election), another would be a first write, made late: not sent. Once one may
+        have been stored (sent to a leader that did not answer: killed, frozen, stepped down), it is
+        looked for at the stream leader instead of sent again (a resend stored what that leader had
+        never stored: a frozen leader's batches, once another was elected): found, its sequences;
+        else StoreUnavailableError, saying the earlier attempt may still be stored (an old leader's
+        proposal committed by the next one: "an append already sent lands or not").
         """
         uncertain = retried
         replans = 0
 
         async def attempt(timeout: float) -> list[int]:
             nonlocal uncertain, replans
-            if late is not None and not uncertain and (error := late()) is not None:
-                raise error
+            if late is not None and (error := late()) is not None:
+                if not uncertain:
+                    raise error
+                if (seqs := await self._landed(batch)) is not None:
+                    return seqs
+                if getattr(error, "as_is", False):  # the caller's own (a group's member late): it sorts it out
+                    raise error
+                raise errors.StoreUnavailableError(
+                    f"{error}; not sent again: an attempt sent before, unanswered, may still be stored "
+                    "(ask again with the same request id)") from error
             try:
                 last_seq = await self._send(batch, timeout)
             except ServerError as said:

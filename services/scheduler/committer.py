@@ -150,6 +150,8 @@ CONFIRM = object()
 class _LatePlacement(Exception):
     """A group's append not sent again: one of its placements' callers has gone (`Committer.append`)."""
 
+    as_is = True  # raised by `Stream.append` as it is, also when an earlier attempt may have been stored
+
 
 class Commit:
     """A decided placement waiting for the group commit."""
@@ -511,7 +513,14 @@ class Committer:
         except IntegrityError as error:
             await self._sort_out(group, error)
             return
-        except _LatePlacement:
+        except _LatePlacement as error:
+            if getattr(error, "maybe_stored", False):
+                # sent to a leader that did not answer, not found where it would have landed, and not sent
+                # again (a first write, for a caller gone): it may still be stored, as any unanswered append
+                self._fail(group, unavailable(
+                    "a placement's caller has gone while the group's append went unanswered: not sent again; "
+                    "it may still be stored (ask again with the same request id)"))
+                return
             # Nobody took the group (a stream without a leader, an election) until a caller's wait had
             # passed: nothing of it can have been stored (`Stream.append`), and a placement sent now would
             # be a first write of a resume whose caller has gone. Those are refused, the others appended.
