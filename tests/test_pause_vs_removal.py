@@ -8,13 +8,12 @@ from __future__ import annotations
 import asyncio
 import random
 import uuid
-from collections import Counter, defaultdict
+from collections import Counter
 from contextlib import AsyncExitStack
 from typing import Any
 
 import pytest
 
-from events.errors import ContractError
 from events.schema import (ActorPlaced, ActorReleased, Fidelity, PauseActor, SnapshotTaken,
                            SuspendActor, WorkerRemoved)
 from events.subjects import stream_name

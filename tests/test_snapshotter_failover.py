@@ -20,8 +20,7 @@ from eventsourcing.persistence import OperationalError
 
 from events.errors import ContractError
 from events.schema import (
-    ActorCreated, ActorPlaced, ActorReleased, ActorReverted, ActorStopped, CreateActor, ErrorCode, Fidelity,
-    PauseActor, RevertActor, SnapshotTaken, StopActor, SuspendActor, TagRecorded, TagSnapshot, TemplateChanged,
+    CreateActor, ErrorCode, Fidelity, PauseActor, RevertActor, SnapshotTaken, StopActor, SuspendActor, TagSnapshot,
     UpdateTemplate,
 )
 from events.subjects import stream_name
