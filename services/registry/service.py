@@ -763,10 +763,12 @@ class RegistryService:
     # --- liveness -------------------------------------------------------------------------
 
     async def _expired(self, worker_id: str) -> None:
-        if self.hearing.heard_for() < self.ttl_s and self.roster.alive(worker_id):
+        if self.hearing.heard_for() < self.ttl_s:
             # This replica has not heard beats for a whole TTL yet (it started, or its connection came back):
             # the clock may have run out while no beat could reach the bucket. A new one, unless a beat came
-            # first; a worker that is silent indeed ends as LOST once that one runs out (`Hearing`).
+            # first; a worker that is silent indeed ends as LOST once that one runs out (`Hearing`). (Whether
+            # the worker is in a life is not asked here: this replica's roster may not have folded its latest
+            # registration yet; a clock of a worker in none runs out, and its marker then writes nothing.)
             state, seq = await self.liveness.entry(worker_id)
             if state == "expired":
                 await self.liveness.start_clock(worker_id, seq)
