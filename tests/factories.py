@@ -372,6 +372,33 @@ async def leaders_info(js: Any, stream: str, deadline_s: float = 60.0) -> Any:
                                 logger=READS)
 
 
+async def elections(nc: NATS, cluster: Any, stream: str, stop: asyncio.Event, rng: Any, disrupt: str) -> int:
+    """Elections of the stream's leader until `stop` is set, how many: a stepdown every 0.5 to 2 s, and
+    with `disrupt` "kill" every third one a kill of the leader's server instead, restarted 1 to 4 s
+    later (`cluster`: a `NatsCluster`). The failover harnesses' chaos loop."""
+    from warmboot.natsserver import wait_stream_current
+
+    async def pause(low: float, high: float) -> None:
+        try:
+            await asyncio.wait_for(stop.wait(), rng.uniform(low, high))
+        except asyncio.TimeoutError:
+            pass
+
+    count = 0
+    while not stop.is_set():
+        if disrupt == "kill" and count % 3 == 2:
+            await wait_stream_current(nc.jetstream(), stream, 3)
+            node = cluster.node((await nc.jetstream().stream_info(stream)).cluster.leader)
+            node.kill()
+            await pause(1.0, 4.0)
+            await asyncio.to_thread(node.restart)
+        else:
+            await step_down(nc, stream)
+        count += 1
+        await pause(0.5, 2.0)
+    return count
+
+
 async def step_down(nc: NATS, stream: str, replicas: int = 3, deadline_s: float = 120.0) -> str:
     """Have the stream's leader step down, once the stream has a leader and its other replicas are
     current (a stepdown asked during the previous one's election goes unanswered or is refused);

@@ -23,7 +23,7 @@ from events.errors import ContractError
 from events.schema import DrainWorker, ErrorCode, RemoveWorker
 from events.subjects import stream_name
 from services.process import store_env
-from tests.factories import SILENT_TTL_S, read_log, step_down, version, worker
+from tests.factories import SILENT_TTL_S, elections, read_log, version, worker
 from tests.test_append_failover import losing_replies
 from tests.test_failover import every_service
 from warmboot.natsserver import NatsCluster, wait_jetstream, wait_stream_current
@@ -120,29 +120,7 @@ async def test_registry_copies_on_two_replicas_through_elections_answer_alike_an
 
             stop = asyncio.Event()
 
-            async def elections() -> int:
-                count = 0
-                while not stop.is_set():
-                    if disrupt == "kill" and count % 3 == 2:
-                        await wait_stream_current(nc.jetstream(), stream, 3)
-                        leader = (await nc.jetstream().stream_info(stream)).cluster.leader
-                        node = cluster.node(leader)
-                        node.kill()
-                        try:
-                            await asyncio.wait_for(stop.wait(), rng.uniform(1.0, 4.0))
-                        except asyncio.TimeoutError:
-                            pass
-                        await asyncio.to_thread(node.restart)
-                    else:
-                        await step_down(nc, stream)
-                    count += 1
-                    try:
-                        await asyncio.wait_for(stop.wait(), rng.uniform(0.5, 2.0))
-                    except asyncio.TimeoutError:
-                        pass
-                return count
-
-            chaos = asyncio.create_task(elections())
+            chaos = asyncio.create_task(elections(nc, cluster, stream, stop, rng, disrupt))
             try:
                 await asyncio.gather(*(cycle(f"w{i:02d}") for i in range(WORKERS)))
             finally:

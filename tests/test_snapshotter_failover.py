@@ -25,7 +25,7 @@ from events.schema import (
 )
 from events.subjects import stream_name
 from services.process import store_env
-from tests.factories import actor, read_log, step_down, version, worker
+from tests.factories import actor, elections, read_log, version, worker
 from tests.test_append_failover import losing_replies
 from tests.test_failover import every_service
 from warmboot.client import Client
@@ -140,29 +140,7 @@ async def test_snapshotter_copies_on_two_replicas_through_elections_answer_alike
                 await wb.create(actor(a, cpu=100, mem=128))
             stop = asyncio.Event()
 
-            async def elections() -> int:
-                count = 0
-                while not stop.is_set():
-                    if disrupt == "kill" and count % 3 == 2:
-                        await wait_stream_current(nc.jetstream(), stream, 3)
-                        leader = (await nc.jetstream().stream_info(stream)).cluster.leader
-                        node = cluster.node(leader)
-                        node.kill()
-                        try:
-                            await asyncio.wait_for(stop.wait(), rng.uniform(1.0, 4.0))
-                        except asyncio.TimeoutError:
-                            pass
-                        await asyncio.to_thread(node.restart)
-                    else:
-                        await step_down(nc, stream)
-                    count += 1
-                    try:
-                        await asyncio.wait_for(stop.wait(), rng.uniform(0.5, 2.0))
-                    except asyncio.TimeoutError:
-                        pass
-                return count
-
-            chaos = asyncio.create_task(elections())
+            chaos = asyncio.create_task(elections(nc, cluster, stream, stop, rng, disrupt))
             try:
                 await asyncio.gather(*(life(a) for a in actors))
             finally:
