@@ -19,6 +19,8 @@ from warmboot.natsserver import NatsServer
 
 TESTS = Path(__file__).parent
 
+pytest_plugins = ("tests.xdist_crashes",)  # a worker's crash under `make test` is reported, not a hang
+
 
 def pytest_configure(config):
     """The CLI's tables fit $COLUMNS when it is set (`warmboot.render.terminal_width`), and the tests read
