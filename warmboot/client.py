@@ -303,6 +303,7 @@ class Client:
         return client
 
     async def close(self) -> None:
+        """Close the connection if `connect` made it (one given to the constructor is the caller's to close)."""
         if self._owned and not self.nc.is_closed:
             await close(self.nc)  # its server gone too (nats-py's own close raised then)
 
@@ -447,23 +448,39 @@ class Client:
     # --- registry ---------------------------------------------------------------------------
 
     async def register(self, registration: RegisterWorker) -> RegisterReply:
+        """Register the worker, or register it again (what a worker agent sends at its start and on every
+        change): `outcome` REGISTERED, RUNTIME_CHANGED, UPDATED or UNCHANGED (the normalised registration
+        equal to the last: nothing written), and the `seq` of what was written. A set of sandbox classes
+        other than the first registration's is FAILED_PRECONDITION. A `request_id` is made if the body
+        has none."""
         body = self._with_request_id(registration)
         return await self.request("registry", "register", body.worker_id, body, RegisterReply)
 
     async def heartbeat(self, worker_id: str) -> HeartbeatReply:
+        """Keep `worker_id` alive for another `ttl_s` seconds (the reply's); writes no event. NOT_FOUND if it
+        is not registered (never was, or removed: register it again)."""
         return await self.request("registry", "heartbeat", worker_id, Heartbeat(), HeartbeatReply)
 
     async def drain(self, worker_id: str, reason: str | None = None, request_id: str | None = None) -> SeqReply:
+        """Take `worker_id` out of new placements; what it runs keeps running, and it stays drained if it
+        registers again. A drained worker's drain writes nothing. NOT_FOUND if it is not registered."""
         body = DrainWorker(reason=reason, request_id=request_id or new_request_id())
         return await self.request("registry", "drain", worker_id, body, SeqReply)
 
     async def remove(self, worker_id: str, reason: str | None = None, request_id: str | None = None) -> SeqReply:
+        """Remove `worker_id`: its RUNNING actors are released (SUSPENDED, reason WORKER_REMOVED); PAUSED ones
+        keep their image on its node. `seq`: the WorkerRemoved event's. NOT_FOUND if it is not registered."""
         body = RemoveWorker(reason=reason, request_id=request_id or new_request_id())
         return await self.request("registry", "remove", worker_id, body, SeqReply)
 
     # --- snapshotter ------------------------------------------------------------------------
 
     async def create(self, actor: CreateActor) -> SeqReply:
+        """Create the actor (state CREATED), from nothing, a `source_tag` or a `golden_snapshot`, whose stamp
+        its first image keeps. `seq`: the ActorCreated event's, remembered as the life this client's
+        later stop, tag, revert, update-template and resume of the actor name (`fence_lives`). An actor
+        that exists is ALREADY_EXISTS (field `actor_id`), unless STOPPED: then a new life begins. A
+        request_id is made if the body has none."""
         body = self._with_request_id(actor)
         created = await self.request("snapshotter", "create", body.actor_id, body, SeqReply)
         remember(self._lives, body.actor_id, created.seq)
@@ -595,15 +612,24 @@ class Client:
 
     async def tag(self, actor_id: str, tag: str, request_id: str | None = None,
                   life_seq: int | None = None) -> SnapshotReply:
+        """Copy the actor's latest snapshot under `tag` (stamp unchanged), for other actors' `source_tag`.
+        Only an EXTERNAL snapshot can be tagged: a LOCAL one (PAUSED), or none, is FAILED_PRECONDITION.
+        `life_seq`: as `stop`'s."""
         body = TagSnapshot(tag=tag, request_id=request_id or new_request_id(), life_seq=life_seq)
         return await self._in_life("snapshotter", "tag", actor_id, body, SnapshotReply, self.fence_lives)
 
     async def update_template(self, actor_id: str, template_uid: str, request_id: str | None = None,
                               life_seq: int | None = None) -> SeqReply:
+        """Set the actor's template; its next resume from a snapshot of another template falls back
+        (TEMPLATE_CHANGED). `life_seq`: as `stop`'s."""
         body = UpdateTemplate(template_uid=template_uid, request_id=request_id or new_request_id(), life_seq=life_seq)
         return await self._in_life("snapshotter", "update-template", actor_id, body, SeqReply, self.fence_lives)
 
     async def stop(self, actor_id: str, request_id: str | None = None, life_seq: int | None = None) -> SeqReply:
+        """Stop the actor (its placement released). `life_seq`: the `seq` of the create or resume that began
+        the life meant; left out, this client's last one of the actor (`fence_lives`): a stop held
+        somewhere and decided after the actor was stopped and created again is FAILED_PRECONDITION
+        (field `life_seq`), not a stop of the new life."""
         body = StopActor(request_id=request_id or new_request_id(), life_seq=life_seq)
         stopped = await self._in_life("snapshotter", "stop", actor_id, body, SeqReply, self.fence_lives)
         # the life is over: its placements with it (not a later life's this client created meanwhile: a stop
@@ -617,6 +643,10 @@ class Client:
 
     async def revert(self, actor_id: str, reason: str | None = None, request_id: str | None = None,
                      life_seq: int | None = None) -> RevertReply:
+        """Give up the actor's LOCAL image and go back to its latest EXTERNAL snapshot (or to none: it will
+        cold-boot), state SUSPENDED: the way out for a PAUSED actor whose node is gone. `snapshot`: the
+        one it goes back to, or null. FAILED_PRECONDITION unless the actor is PAUSED, or SUSPENDED with a
+        LOCAL latest snapshot. `life_seq`: as `stop`'s."""
         body = RevertActor(reason=reason, request_id=request_id or new_request_id(), life_seq=life_seq)
         return await self._in_life("snapshotter", "revert", actor_id, body, RevertReply, self.fence_lives)
 
@@ -685,6 +715,9 @@ class Client:
     async def explain(
         self, actor_id: str, selectors: dict[str, str] | None = None, min_seq: int | None = None,
     ) -> Explanation:
+        """Where a resume of the actor would go now, and why every other worker was filtered out, without
+        placing it (writes nothing): what `warmboot explain` prints. `min_seq`: answered by a replica
+        whose fold has reached it (left out, this client's last write's, with `read_your_writes`)."""
         body = ExplainResume(selectors=selectors, min_seq=self._min_seq(min_seq))
         return await self.request("scheduler", "explain", actor_id, body, Explanation)
 
@@ -742,6 +775,9 @@ class Client:
         return await self.request("scheduler", "workers", None, query, WorkerPage)
 
     async def whatif(self, query: WhatIf) -> WhatIfAnswer:
+        """What dropping `query.drop_runtimes` and draining `query.drain_workers` would do to the class's
+        actors and snapshots (stranded, downgraded, still restorable from memory), counted from a scheduler
+        replica's fold; writes nothing. What `warmboot whatif` prints. `min_seq` as `explain`'s."""
         if query.min_seq is None and self.read_your_writes and self.seq:
             query = msgspec.structs.replace(query, min_seq=self.seq)
         return await self.request("scheduler", "whatif", None, query, WhatIfAnswer)
