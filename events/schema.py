@@ -563,6 +563,9 @@ class Refusal(Base, kw_only=True):
 
     code: ErrorCode
     message: str
+    # Project addition: the error's `field`, as the resume's refusal would carry it; of a RESOURCE_EXHAUSTED,
+    # set only where no room freed can help (docs/contract.md, "Placement")
+    field: str | None = None
 
 
 class Explanation(Base, kw_only=True):

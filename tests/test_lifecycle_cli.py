@@ -744,9 +744,10 @@ async def test_an_actor_bigger_than_any_worker_is_told_so_at_create_and_at_every
                           "big-1 is refused (RESOURCE_EXHAUSTED) until a bigger worker registers\n")
     refused = await run("actor", "resume", "big-1")
     assert refused.exit_code == 1
-    assert refused.stderr == ("error: RESOURCE_EXHAUSTED: 0/2 workers available: 2 insufficient memory; no worker of "
-                              f"the class is big enough: {sizes}; no room freed will fit it, a bigger worker must "
-                              "register\n"), refused.stderr
+    # the field names what of the actor the fleet cannot meet: waiting for room will not place it
+    assert refused.stderr == ("error: RESOURCE_EXHAUSTED resources: 0/2 workers available: 2 insufficient memory; no "
+                              f"worker of the class is big enough: {sizes}; no room freed will fit it, a bigger "
+                              "worker must register\n"), refused.stderr
     small = await run("actor", "create", "small-1", *create, "--memory", "4032")  # room of an empty worker
     assert small.exit_code == 0 and small.stderr == "", small.output
 

@@ -5,7 +5,9 @@ from events, no bus (tests/test_lifecycle_cli.py has the same through the CLI).
 - an actor whose LOCAL image's node has no worker of its class is told the command that gives
   the image up;
 - an actor bigger than any worker of its class is told so, with the largest worker's capacity,
-  and not "no worker of the class fits" (which reads as busy): the same code, RESOURCE_EXHAUSTED.
+  and not "no worker of the class fits" (which reads as busy): the same code, RESOURCE_EXHAUSTED;
+- a RESOURCE_EXHAUSTED that no room freed can end names, in its `field`, what of the actor the
+  fleet cannot meet now (a program tells it from "busy, try later" without reading the message).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from events.errors import ContractError
 from events.schema import (ErrorCode, Fidelity, ReleaseReason, Resources, RuntimeChanged, SnapshotOrigin, WorkerRemoved,
                            WorkerUpdated)
 from services.scheduler.checkpoint_codec import export_state, restore_state
-from services.scheduler.decide import bigger_than, decide, summary
+from services.scheduler.decide import ARCH_FIELD, STAMP_FIELD, bigger_than, decide, summary
 from tests.factories import AT, Log, entry, runtime, version
 
 V1 = version("1")
@@ -212,3 +214,52 @@ def test_the_largest_capacity_kept_is_that_of_a_scan_of_the_class_after_any_hist
             scan = [w for w in p.workers.values() if name in w.classes]
             assert index.largest() == (None if not scan else (max(w.cpu_millis for w in scan),
                                                               max(w.memory_mib for w in scan)))
+
+
+# --- the field of a refusal that no room freed can end -------------------------------------------------------------
+
+
+def refused_field(log: Log, actor_id: str) -> str | None:
+    """The `field` of the actor's RESOURCE_EXHAUSTED, checked to be explain's refusal's too."""
+    with pytest.raises(ContractError) as caught:
+        log.decide(actor_id)
+    assert caught.value.code is ErrorCode.RESOURCE_EXHAUSTED, caught.value
+    why = log.explain(actor_id)
+    assert why.refusal is not None and why.refusal.field == caught.value.field, (why.refusal, caught.value)
+    return caught.value.field
+
+
+def test_a_refusal_names_a_field_only_where_no_room_freed_can_place_the_actor():
+    log = Log()
+    log.worker("w", runtime(V1), cpu=4000, mem=4096)
+    log.actor("fills", mem=3000)
+    log.place(log.decide("fills"))
+    log.actor("busy", mem=3000)
+    assert refused_field(log, "busy") is None  # room may come free: try later
+    log.actor("huge", mem=8192)
+    assert refused_field(log, "huge") == "resources"  # a bigger worker must register
+    log.actor("picky", mem=256, selectors={"zone": "b"})
+    assert refused_field(log, "picky") is None  # selectors are not judged so: the counts say "selector mismatch"
+    log.actor("strict", mem=256, min_fidelity=Fidelity.MEMORY)
+    log.snapshot("strict", stamped=version("0"))  # no registered worker accepts its image's runtime
+    assert refused_field(log, "strict") == STAMP_FIELD
+    log.actor("strict-2", mem=3000, min_fidelity=Fidelity.MEMORY)
+    log.snapshot("strict-2", stamped=V1)  # one does, full
+    assert refused_field(log, "strict-2") is None
+    log.actor("arm", mem=256)
+    log.snapshot("arm", stamped=version("9", arch="arm64"))  # a fallback on arm64, none registered
+    assert refused_field(log, "arm") == ARCH_FIELD
+    log.actor("other", sandbox_class="firecracker")
+    assert refused_field(log, "other") == "sandbox_class"
+
+
+def test_a_remembered_refusal_keeps_its_field():
+    log = Log()
+    log.worker("w", mem=4096)
+    log.actor("a", mem=6000)
+    memo: dict = {}
+    for _ in range(2):  # the second from `memo`, without a pass over the fleet
+        with pytest.raises(ContractError) as caught:
+            decide(log.p, "a", None, log.p.seq, {}, memo)
+        assert caught.value.field == "resources"
+    assert len(memo) == 1

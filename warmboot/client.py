@@ -691,7 +691,13 @@ class Client:
         self, actor_id: str, selectors: dict[str, str] | None = None, request_id: str | None = None,
         min_seq: int | None = None, life_seq: int | None = None,
     ) -> Assignment:
-        """`life_seq`: a stream sequence of the actor's life this resume is for (what its `create`
+        """Place the actor on a worker (where, at which fidelity, pinned to which runtime). No worker
+        able to take it now is RESOURCE_EXHAUSTED: with `field` null, room coming free may place it
+        (try later); with a `field` (`resources`, `sandbox_class`, `snapshot.sandbox_runtime`, or
+        its architecture), the fleet lacks what that part of the actor needs, and only a worker that
+        registers can change it (docs/contract.md, "Placement").
+
+        `life_seq`: a stream sequence of the actor's life this resume is for (what its `create`
         answered, or a resume of it); FAILED_PRECONDITION, field `life_seq`, if the actor was created
         anew after it. Left out, it is the seq of this client's last create or resume of the actor, if
         it made one (`fence_resumes`): a copy of this request held somewhere (a NATS server stopped

@@ -71,7 +71,7 @@ workers.
 from __future__ import annotations
 
 import heapq
-from typing import Iterable, Iterator, Mapping, Sequence
+from typing import Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 from events.errors import NoWorkerOnNode, UnreadableHistory, exhausted, invalid, no_actor, precondition
 from events.schema import (
@@ -154,10 +154,21 @@ class Tier:
         self.role = role  # memory tiers: the role in which a worker's runtime accepts the stamp
 
 
+class Cause(NamedTuple):
+    """Why a resume is refused past its plan's tiers: the end of the RESOURCE_EXHAUSTED message, and,
+    where no room freed can help (the fleet must change: a worker of the class, one accepting the
+    image's runtime or of its architecture, or a bigger one, must register), the actor's `field` the
+    fleet cannot meet now, which the refusal carries (docs/contract.md, "Placement"); None where room
+    coming free may place it."""
+
+    text: str
+    field: str | None = None
+
+
 class Plan:
     __slots__ = ("actor", "tiers", "primary", "refusal", "memory_wanted", "sources")
 
-    def __init__(self, actor: Actor, tiers: list[Tier], primary: Ask, refusal: str, memory_wanted: bool,
+    def __init__(self, actor: Actor, tiers: list[Tier], primary: Ask, refusal: Cause, memory_wanted: bool,
                  sources: tuple[IndexedSet | None, ...] = ()):
         self.actor = actor
         self.tiers = tiers
@@ -269,7 +280,7 @@ def plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | No
     the_plan = _plan(projection, actor, selectors)
     cls = actor.spec.sandbox_class
     if not projection.registered(cls):  # no tier had a worker: the class is the cause
-        the_plan.refusal = f"no worker has registered the sandbox class {cls!r}"
+        the_plan.refusal = Cause(f"no worker has registered the sandbox class {cls!r}", "sandbox_class")
     return the_plan
 
 
@@ -324,7 +335,7 @@ def _plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | N
                 "snapshot) or with a lower min_fidelity"
             )
         tiers.append(Tier("cold start", any_ask, everyone, Action.RUN, PlacedFidelity.NONE, None, None))
-        return Plan(actor, tiers, any_ask, "no worker of the class fits", False, (base,))
+        return Plan(actor, tiers, any_ask, Cause("no worker of the class fits"), False, (base,))
 
     stamp = snapshot.stamp
     arch = stamp.compat.arch if stamp is not None else None
@@ -377,19 +388,20 @@ def _plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | N
         if members:  # a role no worker accepts the stamp in is no tier (most stamps have no edges)
             tiers.append(Tier(name, mem_ask, members, Action.RESTORE, PlacedFidelity.MEMORY, None, role))
     if node is not None:  # rule 5: never relaxed
-        refusal = (f"its memory image is LOCAL on node {node}: it restores only on a compatible worker there"
-                   if actor.state is not PAUSED else
-                   f"actor is PAUSED on node {node}: its memory restores only on a compatible worker there "
-                   "(suspended, its image goes to external storage and it may move)")
+        refusal = Cause(f"its memory image is LOCAL on node {node}: it restores only on a compatible worker there"
+                        if actor.state is not PAUSED else
+                        f"actor is PAUSED on node {node}: its memory restores only on a compatible worker there "
+                        "(suspended, its image goes to external storage and it may move)")
     elif floor is Fidelity.MEMORY:  # rule 4's exception (4a: more room could help; so could a worker registering)
-        refusal = ("no compatible worker has room and min_fidelity is MEMORY" if tiers else
-                   "no registered worker accepts its memory image's runtime and min_fidelity is MEMORY: more room "
-                   "does not help until one that does registers (a rolling upgrade can bring one back)")
+        refusal = (Cause("no compatible worker has room and min_fidelity is MEMORY") if tiers else
+                   Cause("no registered worker accepts its memory image's runtime and min_fidelity is MEMORY: more "
+                         "room does not help until one that does registers (a rolling upgrade can bring one back)",
+                         STAMP_FIELD))
     else:  # rule 4: fall back rather than fail, keeping the stamp's architecture
         source = without_memory(arch)
         fallback = _without_memory(ask(None, arch), items(source), FallbackReason.NO_COMPATIBLE_WORKER, borrowed)
         if _below_floor(fallback, floor, borrowed):
-            refusal = f"no compatible worker has room, and a fallback is below min_fidelity {floor.value}"
+            refusal = Cause(f"no compatible worker has room, and a fallback is below min_fidelity {floor.value}")
         else:
             tiers.append(fallback)
             sources.append(source)
@@ -404,15 +416,21 @@ def accepts_in(worker: Worker, sandbox_class: str, compat: Compat, role: int) ->
     return roles is not None and role in roles
 
 
-def _no_worker(arch: str | None, node: str | None, candidates: Sequence[Worker]) -> str:
+def _no_worker(arch: str | None, node: str | None, candidates: Sequence[Worker]) -> Cause:
     """Why a tier without memory found no worker: none of its `candidates` fits (the counts before it
     say why: room, drained, selectors), or, of a stamp's architecture, none is registered (it read as
     busy, where room freed cannot help: a docs check)."""
     where = f" on node {node}" if node else ""
     if arch is not None and node is None and not candidates:
-        return f"no registered worker of the class has architecture {arch}"
+        return Cause(f"no registered worker of the class has architecture {arch}", ARCH_FIELD)
     of = f" with architecture {arch}" if arch is not None else ""
-    return f"no worker of the class{of}{where} fits"
+    return Cause(f"no worker of the class{of}{where} fits")
+
+
+# the fields a refusal names where the fleet, not its room, must change (`Cause`): the actor's latest
+# snapshot's stamp, as `snapshotter.status` shows it
+STAMP_FIELD = "snapshot.sandbox_runtime"
+ARCH_FIELD = "snapshot.sandbox_runtime.version.attributes.architecture"
 
 
 def _below_floor(tier: Tier, floor: Fidelity, borrowed: bool) -> bool:
@@ -561,18 +579,18 @@ def decide(
         key, versions = _refusal_key(projection, the_plan)
         known = refusals.get(key)
         if known is not None and known[0] == versions:
-            raise exhausted(known[1])
+            raise exhausted(*known[1])
     draw = Draw(seed(actor_id, position))
     for tier in the_plan.tiers:
         choice = choose(tier.ask, tier.members, draw, pending, tier.role)
         if choice is not None:
             return placement(actor, tier, choice)
-    message = exhausted_message(projection, the_plan, pending)
+    refused = exhausted_message(projection, the_plan, pending)
     if refusals is not None:
         if len(refusals) >= REFUSALS_KEPT:
             refusals.clear()
-        refusals[key] = (versions, message)
-    raise exhausted(message)
+        refusals[key] = (versions, refused)
+    raise exhausted(*refused)
 
 
 REFUSALS_KEPT = 4096  # distinct asks remembered at once
@@ -587,15 +605,16 @@ def _refusal_key(projection: Projection, the_plan: Plan) -> tuple[tuple, tuple[i
     return key, versions
 
 
-def exhausted_message(projection: Projection, the_plan: Plan, pending: Pending) -> str:
-    """A refusal's message: the counts of every worker's reason (`summary`), then why no further
-    tier was tried (`refusal_cause`)."""
+def exhausted_message(projection: Projection, the_plan: Plan, pending: Pending) -> Cause:
+    """A refusal's message, the counts of every worker's reason (`summary`) then why no further tier
+    was tried (`refusal_cause`), and its field (`Cause`)."""
     keys: dict[str, int] = {}
     total, candidates, counts = tally(projection.workers.values(), the_plan.primary, pending, None, keys)
-    return f"{summary(candidates, total, counts, keys)}; {refusal_cause(projection, the_plan)}"
+    cause = refusal_cause(projection, the_plan)
+    return Cause(f"{summary(candidates, total, counts, keys)}; {cause.text}", cause.field)
 
 
-def refusal_cause(projection: Projection, the_plan: Plan) -> str:
+def refusal_cause(projection: Projection, the_plan: Plan) -> Cause:
     """Why a refused resume had no further tier: the plan's refusal, or, when the actor is bigger
     than any worker of its class could ever take (`bigger_than`, from the capacities the class's
     index counts: no pass over the fleet), that, since then no room freed helps (a refusal of the
@@ -604,7 +623,8 @@ def refusal_cause(projection: Projection, the_plan: Plan) -> str:
     too_big = too_big_for_class(projection, ask.sandbox_class, ask.cpu, ask.memory_mib)
     if too_big is None:
         return the_plan.refusal
-    return f"no worker of the class is big enough: {too_big}; no room freed will fit it, a bigger worker must register"
+    return Cause(f"no worker of the class is big enough: {too_big}; no room freed will fit it, a bigger worker must "
+                 "register", "resources")
 
 
 def too_big_for_class(projection: Projection, sandbox_class: str, cpu: int, memory_mib: int) -> str | None:

@@ -51,7 +51,8 @@ def explain(
     except ContractError as error:
         if error.code in (ErrorCode.NOT_FOUND, ErrorCode.INVALID_ARGUMENT):
             raise
-        return Explanation(refusal=Refusal(code=error.code, message=error.message), candidates=0, rejected=[],
+        return Explanation(refusal=Refusal(code=error.code, message=error.message, field=error.field), candidates=0,
+                           rejected=[],
                            counts={}, message=error.message)
     rejected: list[Rejection] = []
     keys: dict[str, int] = {}
@@ -61,8 +62,8 @@ def explain(
         decision = decide(projection, actor_id, selectors, position, pending)
     except ContractError as error:
         return Explanation(
-            refusal=Refusal(code=error.code, message=error.message), candidates=candidates, rejected=rejected,
-            counts=counts, message=f"{text}; {refusal_cause(projection, the_plan)}",
+            refusal=Refusal(code=error.code, message=error.message, field=error.field), candidates=candidates,
+            rejected=rejected, counts=counts, message=f"{text}; {refusal_cause(projection, the_plan).text}",
         )
     outcome = f"{decision.action.value} {decision.fidelity.value} on {decision.worker_id}"
     matched = decision.matched_version
@@ -104,4 +105,4 @@ def decide_by_scan(
         choice = choose(ask, keep, draw, pending, tier.role)
         if choice is not None:
             return placement(actor, tier, choice)
-    raise exhausted(exhausted_message(projection, the_plan, pending))
+    raise exhausted(*exhausted_message(projection, the_plan, pending))
