@@ -405,12 +405,23 @@ class RevertActor(InLife, kw_only=True):
     request_id: RequestId | None = None
 
 
+class TaggedBefore(Base, kw_only=True):
+    """What a tag named before the request that answered it: `snapshot` null for a new tag."""
+
+    snapshot: Snapshot | None
+
+
 class SnapshotReply(Base, kw_only=True):
     snapshot: Snapshot
     seq: Seq
     # Project addition, as on SeqReply: true when a tag found the tag naming the actor's latest snapshot
     # already and wrote nothing; `seq` is then the TagRecorded that named it. A retry gets the first answer.
     unchanged: bool = False
+    # Project addition: of a tag's reply, what the tag named before it (`TaggedBefore`), so that a caller
+    # whose credentials may not read the log is told the tag moved. Null when not said: not a tag, a
+    # snapshotter before 2026-12-07, or a repeat answered from the log whose tag history, as read, lacks
+    # its record (docs/contract.md).
+    tagged_before: TaggedBefore | None = None
 
 
 class RevertReply(Base, kw_only=True):

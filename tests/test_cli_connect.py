@@ -1039,11 +1039,11 @@ async def test_a_request_the_server_refuses_to_carry_is_told_at_once_not_retried
 
 async def test_a_tag_recorded_by_a_client_that_may_not_read_the_log_is_said_done_and_a_create_from_it_checked(
         tmp_path):
-    """`actor tag` reads the tag's history once the tag is recorded, to say what it named before. A
-    client's credential may not read the log (docs/security.md): the read's failure ended the command
-    with "error: cannot read the event stream", exit 1, after the tag was recorded, and the snapshot it
-    names was not printed (a user who ran it again recorded it again). The tag is shown as done, and
-    what it named before as not known, with the reason, as for a history this CLI cannot read."""
+    """A client's credential may not read the log (docs/security.md). `actor tag` read the tag's history
+    once the tag was recorded, to say what it named before: that ended the command with "error: cannot
+    read the event stream", exit 1, after the tag was recorded; then (until 2026-12-07) it said "what
+    base named before is not known", so a client moving a tag was never told it moved (a secured
+    deployment's trial). The snapshotter's reply says it now (`tagged_before`): no log is read."""
     from events.schema import TagRecorded
     from tests.factories import actor, golden, read_log, version
     from warmboot.client import Client
@@ -1059,9 +1059,17 @@ async def test_a_tag_recorded_by_a_client_that_may_not_read_the_log_is_said_done
         assert tagged.exit_code == 0, tagged.output
         said = tagged.stdout.splitlines()
         assert said[0].startswith(f"actor/a-1 tagged base: snapshot {recorded[0][1].snapshot.snapshot_id}, "), said
-        # in one line, as the other notes of what such credentials could not read (a trial: it was the four lines
-        # of the log's error, asking whether the prefix was the deployment's and the credentials might read it)
-        assert said[1:] == ["what base named before is not known: these credentials may not read the log"], said
+        assert said[1:] == [], said  # a new tag: nothing moved
+        await client.create(actor("b-1", golden_snapshot=golden(version("v1"), snapshot_id="gold-b")))
+        moved = await asyncio.to_thread(CliRunner().invoke, main, ["actor", "tag", "b-1", "base"], env=env)
+        assert moved.exit_code == 0, moved.output
+        assert moved.stdout.splitlines()[1:] == [
+            f"base moved: it named snapshot {recorded[0][1].snapshot.snapshot_id} of actor a-1 before"], moved.stdout
+        back = await asyncio.to_thread(CliRunner().invoke, main, ["actor", "tag", "a-1", "base"], env=env)
+        named = [e.snapshot for _, e in await read_log(svc.nc, "hx") if isinstance(e, TagRecorded)]
+        assert [s.actor_id for s in named] == ["a-1", "b-1", "a-1"]
+        assert back.stdout.splitlines()[1:] == [f"base moved: it named snapshot {named[1].snapshot_id} of actor b-1 "
+                                                "before"], back.stdout
         # a create from the tag checks the tag's snapshot all the same, as the snapshotter's status says it
         # (until 2026-12-07 it read it from the log alone, and said that it could not: a trial of a secured
         # deployment found every create from a tag unchecked for the one role that may create)

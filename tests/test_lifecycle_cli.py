@@ -1139,12 +1139,23 @@ async def test_a_tag_moved_to_another_actor_s_image_of_the_same_id_says_so(bus):
 
 
 async def test_a_tag_recorded_says_so_when_what_it_named_before_cannot_be_read(bus, nc, prefix, monkeypatch):
-    """`actor tag` reads the tag's history, after the tag is recorded, to say what it named before.
+    """Of a snapshotter that does not say what the tag named before (`tagged_before`, before
+    2026-12-07), `actor tag` reads the tag's history, after the tag is recorded, to say it.
     A CLI older than the services cannot read a newer event there (`read_subject` refuses it,
     `test_placement_review`): that ended the command with a traceback, exit 1, after the tag was
     recorded. The tag is shown as done, and what it named before as not known, with the reason."""
+    import msgspec
+
     import warmboot.cmd_lifecycle
     from events.errors import precondition
+    from warmboot.client import Client
+
+    said = Client.tag
+
+    async def earlier(self, *args, **kwargs):  # a snapshotter of an earlier version: no tagged_before
+        return msgspec.structs.replace(await said(self, *args, **kwargs), tagged_before=None)
+
+    monkeypatch.setattr(Client, "tag", earlier)
 
     async def newer(nc, prefix, subject):  # what read_subject says of a history holding a newer event
         raise precondition(f"message 7 of {subject} (TagMovedV2, version 2) is not an event this version "

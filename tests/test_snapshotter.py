@@ -50,6 +50,7 @@ from events.schema import (
     SnapshotTaken,
     StopActor,
     SuspendActor,
+    TaggedBefore,
     TagRecorded,
     TagSnapshot,
     TemplateChanged,
@@ -1187,16 +1188,24 @@ async def test_many_actors_tagging_one_tag_at_once_are_all_answered_each_version
     """Tags of one tag name are decided one at a time in a replica (its own lock, beside the
     actor's): on the service's loop, racing on the tag's next version, most of 24 at once lost
     eight races and were UNAVAILABLE; and two appends of one history must never be in flight
-    together in the grouped appends (events.jetstream.grouped)."""
+    together in the grouped appends (events.jetstream.grouped). Each answer says what the tag named
+    before it (`tagged_before`): the TagRecorded before its own in stream order, whatever the race."""
     actors = [f"t-{i}" for i in range(24)]
     for actor_id in actors:
         await create(nc, prefix, actor_id)
         await placer.place(actor_id, "w-x", "node-1", PIN_V1)
         await suspend(nc, prefix, actor_id, uri=f"s3://x/{actor_id}")
-    replies = await asyncio.gather(*(tag(nc, prefix, actor_id, "gold") for actor_id in actors))
+    ids = {actor_id: f"tag-{actor_id}" for actor_id in actors}
+    replies = await asyncio.gather(*(tag(nc, prefix, a, "gold", request_id=ids[a]) for a in actors))
     recorded = [(seq, e) for seq, _, e in await read_entries(nc, prefix) if isinstance(e, TagRecorded)]
     assert len(recorded) == len(actors)  # one version each, none twice
     assert sorted(e.snapshot.snapshot_id for _, e in recorded) == sorted(r.snapshot.snapshot_id for r in replies)
+    in_order = [e.snapshot for _, e in recorded]
+    for reply in replies:
+        at = in_order.index(reply.snapshot)
+        assert reply.tagged_before == TaggedBefore(snapshot=in_order[at - 1] if at else None), (at, reply)
+    again = await tag(nc, prefix, actors[0], "gold", request_id=ids[actors[0]])  # a repeat: the first answer
+    assert again == replies[0]
 
 
 async def test_a_removal_releases_an_actor_whose_read_comes_from_a_replica_behind_its_placement(

@@ -635,6 +635,9 @@ def tag_cmd(actor_id: str, tag: str, life_seq: int | None, request_id: str | Non
         wb = Client(nc, prefix)
         reply = await wb.tag(actor_id, tag, request_id, await life_now(wb, actor_id, life_seq))
         before: Snapshot | str | None
+        labels = None if as_json else await runtime_labels(nc, prefix)  # for the text
+        if reply.tagged_before is not None:  # the snapshotter said it (since 2026-12-07): no log read
+            return reply, labels, reply.tagged_before.snapshot
         try:
             history = await read_subject(nc, prefix, event_subject(prefix, "tag", tag))
         except (ContractError, click.ClickException) as e:  # the tag is recorded: only what it named before is
@@ -644,7 +647,7 @@ def tag_cmd(actor_id: str, tag: str, life_seq: int | None, request_id: str | Non
             named = [(seq, e.snapshot) for seq, e in history if isinstance(e, TagRecorded)]
             ours = [i for i, (seq, snap) in enumerate(named) if seq <= reply.seq and snap == reply.snapshot]
             before = named[ours[-1] - 1][1] if ours and ours[-1] > 0 else None
-        return reply, (None if as_json else await runtime_labels(nc, prefix)), before  # labels: for the text
+        return reply, labels, before
 
     reply, runtimes, before = ask(nats_url, work)
     if reply.unchanged:  # it named this snapshot already: nothing written, nothing moved

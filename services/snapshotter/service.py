@@ -71,6 +71,8 @@ from events.schema import (
     SnapshotTaken,
     StopActor,
     SuspendActor,
+    TaggedBefore,
+    TagRecorded,
     TagSnapshot,
     Time,
     UpdateTemplate,
@@ -726,18 +728,35 @@ class SnapshotterService:
         actor = await self.load_actor(actor_id)
         found = await self.answered_or_kept(actor, "tag", req.request_id, SnapshotReply)
         if found is not None:
-            return found
+            return await self.tagged_before(found, req)
         async with self._tags(req.tag):
             tag = await self.load_tag(req.tag)
+            # what it named before, exactly: the save is fenced on the tag's history as read here
+            before = TaggedBefore(snapshot=tag.snapshot)
             snapshot, recorded = actor.tag(tag, req.request_id, now(), req.life_seq)
             if recorded:  # the tag's event first, the actor's last: the reply's seq is the actor's event
-                return SnapshotReply(snapshot=snapshot, seq=await self.save(tag, actor))
+                return SnapshotReply(snapshot=snapshot, seq=await self.save(tag, actor), tagged_before=before)
             # The tag names it already (as the stream leader has the tag's history too): the TagRecorded
             # that named it is the answer
             assert self.app is not None
             await confirm_unchanged(self.app.recorder, tag.id, recorded_seq(tag, tag.version))
-            reply = SnapshotReply(snapshot=snapshot, seq=recorded_seq(tag, tag.version), unchanged=True)
+            reply = SnapshotReply(snapshot=snapshot, seq=recorded_seq(tag, tag.version), unchanged=True,
+                                  tagged_before=before)
             return await self.kept_unchanged(actor, "tag", req.request_id, reply)
+
+    async def tagged_before(self, found: Base, req: TagSnapshot) -> Base:
+        """A tag's repeat answered from the actor's history (`answer_from_history`) with what the tag
+        named before the TagRecorded it made, as its first answer said: the one before that record in
+        the tag's history as read here (the last record of this request id and snapshot); left unsaid
+        when this read does not hold the record yet."""
+        if not isinstance(found, SnapshotReply) or found.tagged_before is not None:
+            return found
+        named = [e for e in (await self.load_tag(req.tag)).history if isinstance(e, TagRecorded)]
+        at = [i for i, e in enumerate(named) if e.request_id == req.request_id and e.snapshot == found.snapshot]
+        if not at:
+            return found
+        before = named[at[-1] - 1].snapshot if at[-1] else None
+        return msgspec.structs.replace(found, tagged_before=TaggedBefore(snapshot=before))
 
     async def update_template(self, actor_id: str, req: UpdateTemplate) -> SeqReply:
         return await self.answer(actor_id, partial(self.decide_update_template, actor_id, req))
