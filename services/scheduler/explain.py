@@ -52,8 +52,7 @@ def explain(
         if error.code in (ErrorCode.NOT_FOUND, ErrorCode.INVALID_ARGUMENT):
             raise
         return Explanation(refusal=Refusal(code=error.code, message=error.message, field=error.field), candidates=0,
-                           rejected=[],
-                           counts={}, message=error.message)
+                           rejected=[], counts={}, message=error.message)
     rejected: list[Rejection] = []
     keys: dict[str, int] = {}
     total, candidates, counts = tally(projection.workers.values(), the_plan.primary, pending, rejected, keys)
