@@ -237,6 +237,7 @@ WIRE_TYPES = [
     s.ActorSnapshotSummary, s.ActorSummary,  # scheduler.actors
     s.WorkerSummary,  # scheduler.workers
     s.Drained,  # HeartbeatReply.drained
+    s.TaggedBefore,  # SnapshotReply.tagged_before
 ]
 EVENT_TYPES = list(s.AnyEvent.__args__)
 
