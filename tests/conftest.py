@@ -76,6 +76,15 @@ def _keep_real_stderr(config) -> None:
             capman.resume_global_capture()
 
 
+def pytest_sessionstart(session):
+    """A crash of the process (a segfault, an abort) prints its threads' stacks to its own stderr too (pytest's
+    faulthandler writes to a copy of fd 2 taken while it was the capture file: lost with the process)."""
+    import faulthandler
+
+    if _real_stderr:
+        faulthandler.enable(file=_real_stderr[0], all_threads=True)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_timeout_set_timer(item, settings):
     """A test still running at nine tenths of its time-out (its own, `@pytest.mark.timeout`, or the run's),
