@@ -351,6 +351,24 @@ async def publish_events(nc: NATS, prefix: str, events: Iterable[Event], version
     await js.publish_async_completed()
 
 
+async def cancelled_and_ended(task: asyncio.Future, within: float, what: str) -> None:
+    """Cancel `task` and return once it has ended, cancelled again each second meanwhile (Python 3.11's
+    asyncio.wait_for, inside every nats-py request, can swallow a cancellation: a loop that ends only by
+    being cancelled then runs on, and a wait for it never ends); AssertionError naming `what`, and where
+    it waits, if it has not ended within `within` s."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while not task.done() and loop.time() < deadline:
+        task.cancel()
+        await asyncio.wait({task}, timeout=min(1.0, max(deadline - loop.time(), 0.0)))
+    if not task.done():
+        import io
+
+        stack = io.StringIO()
+        task.print_stack(file=stack)
+        raise AssertionError(f"{what} did not end within {within:g}s of its cancellation:\n{stack.getvalue()}")
+
+
 READS = logging.getLogger("tests.reads")  # a test's own reads asked again: not a service's (`unanswered_noted`)
 
 

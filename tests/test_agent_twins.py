@@ -18,6 +18,7 @@ from events.subjects import bucket_name
 from events.natspy.publish import flush_in_order
 from tests.registry_helpers import (AMD, CPUINFO, agent_config, raw_request, registration, running_registry, runtime,
                                     wait_event, worker_events)
+from tests.factories import cancelled_and_ended
 from tests.test_agent import agent_running
 from warmboot.agent import Agent, Superseded
 from warmboot.agent_config import ProbeSettings
@@ -38,6 +39,22 @@ async def agent_process(nats_url: str, prefix: str, config: Path, node: str, *mo
         "agent", "--nats", nats_url, "--worker-id", "w-a", "--node", node, "--config", str(config),
         "--prefix", prefix, "--watch-interval", "0.05", "--cpuinfo", str(CPUINFO), "--arch", "amd64", *more,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+
+
+async def process_ended(process: Process, within: float) -> bool:
+    """`process` (`agent_process`) sent SIGTERM if it still runs, and waited for: whether it ended within
+    `within` s. One that did not is killed (and waited for: a kill ends it), its output then printed."""
+    if process.returncode is None:
+        process.terminate()
+    try:
+        await asyncio.wait_for(process.wait(), within)
+        return True
+    except asyncio.TimeoutError:
+        process.kill()
+        out, err = await asyncio.wait_for(process.communicate(), 30)
+        print(f"the process {process.pid} did not end within {within:g}s of its SIGTERM; killed. Its output:\n"
+              f"{out.decode(errors='replace')}{err.decode(errors='replace')}")
+        return False
 
 
 @asynccontextmanager
@@ -64,8 +81,7 @@ async def agent_task(agent: Agent) -> AsyncIterator[asyncio.Task[None]]:
     try:
         yield task
     finally:
-        task.cancel()  # (nothing, if it ended)
-        await asyncio.wait([task])
+        await cancelled_and_ended(task, 15, "the agent's task")  # (nothing, if it ended)
 
 
 async def test_a_second_agent_s_registration_is_not_kept_alive_by_the_first_one_s_beats(nats_url, nc, prefix,

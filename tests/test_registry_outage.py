@@ -19,7 +19,7 @@ from prometheus_client import REGISTRY
 from events.schema import WorkerRegistered, WorkerRemoved
 from tests.registry_helpers import CPUINFO, agent_config, body, running_registry, wait_event, worker_events
 from tests.test_agent import agent_running
-from tests.test_agent_twins import agent_process, beats_of, machine
+from tests.test_agent_twins import agent_process, beats_of, machine, process_ended
 from warmboot.natsserver import NatsServer
 
 TTL = 2.0  # a silent worker's
@@ -72,9 +72,10 @@ async def test_a_nats_restart_longer_than_the_ttl_removes_no_worker_whose_agent_
                 assert await removals(nc, "w-a") == []
                 assert registry.roster.alive("w-a")
             finally:
-                agent.send_signal(signal.SIGCONT)
-                agent.terminate()
-                await agent.wait()
+                if agent.returncode is None:
+                    agent.send_signal(signal.SIGCONT)
+                ended = await process_ended(agent, 30)
+        assert ended, "the agent did not end within 30 s of its SIGTERM (killed)"
         await nc.close()
     finally:
         server.stop()
