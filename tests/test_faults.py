@@ -276,8 +276,14 @@ def serve_scheduler(url: str, prefix: str) -> subprocess.Popen:
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
-async def wait_serving(proc: subprocess.Popen) -> None:
-    line = await asyncio.to_thread(proc.stdout.readline)
+async def wait_serving(proc: subprocess.Popen, within: float = 60.0) -> None:
+    """Until `proc` (`serve_scheduler`) says it serves; AssertionError if it has not within `within` s (the
+    thread reading its output ends once the caller kills it) or ended without saying so."""
+    try:
+        line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), within)
+    except asyncio.TimeoutError:
+        raise AssertionError(f"warmboot serve scheduler said nothing within {within:g}s "
+                             f"({'running' if proc.poll() is None else f'exit {proc.returncode}'})") from None
     assert line.startswith("serving"), line
 
 

@@ -378,7 +378,8 @@ async def test_a_request_read_after_its_replica_was_stopped_counts_its_wait_from
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        line = await asyncio.to_thread(proc.stdout.readline)
+        # bounded: the thread reading its output ends once the process is killed, at the end
+        line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 60)
         assert line.startswith("serving"), line
         await Client(nc, prefix).create(actor("x7"))
         proc.send_signal(signal.SIGSTOP)
