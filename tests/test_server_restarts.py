@@ -65,7 +65,12 @@ async def run_through_kills(urls: list[str], prefix: str, seed: int, kill, round
     try:
         async with AsyncExitStack() as exits:
             outcomes, seen = await stress(nc, urls, prefix, seed, exits, rounds=rounds, **options)
-        await killer
+        # every round's kill came during the rounds (its last may still be starting the servers again):
+        # a round of which fewer than 20 placements were heard would leave it waiting for ever
+        await asyncio.wait({killer}, timeout=120)
+        assert killer.done(), f"not every round's kill came (placements heard by round: {placed}; at the kills: " \
+                              f"{at_kill})"
+        killer.result()
         # every round was killed, with placements written after the kills, memory images among them
         assert sum(placed) > sum(at_kill), (at_kill, placed, outcomes)
         assert seen["MEMORY"], seen
