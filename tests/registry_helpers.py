@@ -135,8 +135,9 @@ async def expiry_marker(nc, prefix: str, worker_id: str) -> None:
     """Return once the server has expired the worker's heartbeat (its MaxAge marker is stored)."""
     bucket = bucket_name(prefix, "heartbeats")
     sub = await nc.jetstream().subscribe(f"$KV.{bucket}.{worker_id}", stream=f"KV_{bucket}", ordered_consumer=True)
+    deadline = time.monotonic() + 30.0  # the key's beats go on coming while the worker beats: not each one's wait
     try:
-        while (msg := await sub.next_msg(timeout=30.0)).headers is None or \
+        while (msg := await sub.next_msg(timeout=max(deadline - time.monotonic(), 0.001))).headers is None or \
                 msg.headers.get("Nats-Marker-Reason") != "MaxAge":
             pass
     finally:
@@ -244,10 +245,15 @@ class Said(logging.Handler):
         self._new.put_nowait(line)
 
     async def until(self, words: str, timeout_s: float = 20) -> list[str]:
-        """The lines said since the last `until`, up to the next one holding `words`, that one included."""
+        """The lines said since the last `until`, up to the next one holding `words`, that one included, within
+        `timeout_s` in all (an agent that says something else every beat would otherwise be waited on for ever)."""
         said: list[str] = []
+        deadline = time.monotonic() + timeout_s
         while not said or words not in said[-1]:
-            said.append(await asyncio.wait_for(self._new.get(), timeout_s))
+            try:
+                said.append(await asyncio.wait_for(self._new.get(), max(deadline - time.monotonic(), 0.001)))
+            except asyncio.TimeoutError:
+                raise AssertionError(f"no line saying {words!r} within {timeout_s:g}s; said meanwhile: {said}") from None
         return said
 
     def matching(self, words: str) -> list[str]:
