@@ -31,6 +31,7 @@ from warmboot.runner import connect
 
 WORKERS = 24
 ROUNDS = 5
+ASK_WITHIN_S = 180.0  # how long `ask` sends a request again
 
 
 async def registry_replica(exits: AsyncExitStack, cluster: NatsCluster, index: int, prefix: str,
@@ -54,9 +55,13 @@ def outcome(value: Any) -> Any:
     return value
 
 
-async def ask(replica: Any, verb: str, worker_id: str, req: Any) -> Any:
+async def ask(replica: Any, verb: str, worker_id: str, req: Any, within: float = ASK_WITHIN_S) -> Any:
+    """`verb` at `replica` with its request id until answered (UNAVAILABLE, RESOURCE_EXHAUSTED and store
+    errors sent again), 240 times at most and for `within` s at most: an attempt may itself take the store's
+    whole time-out (30 s), and 240 of them far outlast the test's."""
     method = getattr(replica, verb)
     errors = []
+    deadline = asyncio.get_running_loop().time() + within
     for _ in range(240):
         try:
             return await method(worker_id, req)
@@ -66,8 +71,11 @@ async def ask(replica: Any, verb: str, worker_id: str, req: Any) -> Any:
             errors.append(f"{error.code.value}: {error.message}")
         except OperationalError as error:
             errors.append(repr(error))
+        if asyncio.get_running_loop().time() > deadline:
+            break
         await asyncio.sleep(0.25)  # a caller's pause before it sends again (not a synchronisation)
-    raise AssertionError(f"{verb} {req.request_id} never answered: {Counter(errors).most_common(3)}")
+    raise AssertionError(f"{verb} {req.request_id} never answered ({len(errors)} attempts): "
+                         f"{Counter(errors).most_common(3)}")
 
 
 @pytest.mark.timeout(600)
