@@ -21,6 +21,7 @@ from events.compat import same_version
 from events.errors import ContractError
 from events.probe import probe_version
 from events.schema import ErrorCode, RuntimeChanged, WorkerDrained, WorkerRegistered, WorkerRemoved
+from tests.factories import cancelled_and_ended
 from tests.registry_helpers import (AMD, CPUINFO, PROBE, Said, agent_config as config, raw_request,
                                     running_registry, wait_event)
 from warmboot.agent import Agent
@@ -43,14 +44,21 @@ async def running_agent(nats_url: str, prefix: str, config_path: Path, worker_id
 
 @asynccontextmanager
 async def agent_running(agent: Agent):
-    """`agent` runs in the block, and is stopped at its end (its run's error raised there)."""
+    """`agent` runs in the block, and is stopped at its end (its run's error raised there). One that has not
+    stopped 15 s after its stop is cancelled, and the block fails saying so: not `asyncio.wait_for(task, 15)`,
+    which then waits, with no bound, for the cancelled task to end (Python 3.11; a task that swallowed the
+    cancellation, as nats-py's requests can, never does)."""
     stop = asyncio.Event()
     task = asyncio.create_task(agent.run(stop))
     try:
         yield task
     finally:
         stop.set()
-        await asyncio.wait_for(task, 15)
+        await asyncio.wait({task}, timeout=15)
+        if not task.done():
+            await cancelled_and_ended(task, 15, "the agent's task, cancelled")
+            raise AssertionError(f"the agent {agent.worker_id} did not stop within 15 s of its stop")
+        task.result()
 
 
 # --- configuration -------------------------------------------------------------------------------
