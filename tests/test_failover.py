@@ -487,7 +487,7 @@ async def test_fallbacks_through_elections_are_placed_once_and_only_where_no_com
             # the first wave: no compatible worker has room anywhere; the leader killed a third in
             counted = Answers()
             wave = [asyncio.create_task(resume(a, counted)) for a in first]
-            await counted.reached(lambda: counted.count() >= FALLBACK_ACTORS // 3)
+            await asyncio.wait_for(counted.reached(lambda: counted.count() >= FALLBACK_ACTORS // 3), 120)
             _, node, elected_at = await elected_after(kill)
             await asyncio.to_thread(node.restart)
             await asyncio.gather(*wave)
@@ -511,7 +511,11 @@ async def test_fallbacks_through_elections_are_placed_once_and_only_where_no_com
                 waits = [asyncio.ensure_future(asking.wait()),
                          asyncio.ensure_future(counted.reached(lambda: counted.count() == FALLBACK_ACTORS))]
                 try:
-                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                    # bounded: a resume that raised is never counted, and the fold stays paused meanwhile
+                    await asyncio.wait(waits, timeout=120, return_when=asyncio.FIRST_COMPLETED)
+                    assert any(waiting.done() for waiting in waits), \
+                        f"in 120 s the paused replica did not ask where the log ends, and {counted.count()} of " \
+                        f"the second wave's {FALLBACK_ACTORS} resumes were answered"
                 finally:
                     for waiting in waits:
                         waiting.cancel()
