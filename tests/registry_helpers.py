@@ -115,18 +115,22 @@ async def wait_event(
     deadline = time.monotonic() + timeout
     wanted = " or ".join(t.__name__ for t in event_type) if isinstance(event_type, tuple) else event_type.__name__
     sub = await ordered_subscription(js, subject, stream_name(prefix), deadline_s=timeout)
+    seen: list[str] = []  # the other events after `after`, for the failure's message
     try:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise AssertionError(f"no {wanted} for {worker_id} within {timeout}s")
+                raise AssertionError(f"no {wanted} for {worker_id} within {timeout}s; after {after}: {seen}")
             try:
                 msg = await sub.next_msg(timeout=remaining)
             except (asyncio.TimeoutError, nats.errors.TimeoutError):
-                raise AssertionError(f"no {wanted} for {worker_id} within {timeout}s") from None
+                raise AssertionError(f"no {wanted} for {worker_id} within {timeout}s; after {after}: {seen}") from None
             event = decode_event(msg.data)
             if msg.metadata.sequence.stream > after and isinstance(event, event_type):
                 return msg.metadata.sequence.stream, event
+            if msg.metadata.sequence.stream > after:
+                seen.append(f"{msg.metadata.sequence.stream} {type(event).__name__}"
+                            f"{' ' + str(getattr(event, 'reason', '')) if hasattr(event, 'reason') else ''}")
     finally:
         await sub.unsubscribe()
 
