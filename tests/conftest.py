@@ -85,7 +85,7 @@ def pytest_sessionstart(session):
         faulthandler.enable(file=_real_stderr[0], all_threads=True)
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # pytest-timeout's hook
 def pytest_timeout_set_timer(item, settings):
     """A test still running at nine tenths of its time-out (its own, `@pytest.mark.timeout`, or the run's),
     shortly before pytest-timeout ends it and, `thread` method, its process: its id, what every task of the
@@ -120,7 +120,7 @@ def pytest_timeout_set_timer(item, settings):
     return None  # pytest-timeout's own timer too
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # pytest-timeout's hook
 def pytest_timeout_cancel_timer(item):
     timer = item.stash.get(_HANG_REPORT, None)
     if timer is not None:
