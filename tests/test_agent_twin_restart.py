@@ -18,7 +18,11 @@ from tests.test_agent import agent_running
 from tests.test_agent_twins import agent_process, beats_of, log_of, machine
 from warmboot.agent import SUPERSEDED_AT_START_EXIT
 
-TTL = 2.0
+# The workers' TTL. No test here waits for one to run out, but between an agent's end and the next step (a
+# `worker remove` process, a third agent's registration) a loaded machine took longer than 2 s: w-a was
+# removed as LOST meanwhile (three runs of this file side by side: 19 failures in 12 runs, 'worker w-a was
+# removed (LOST)', and a WorkerRegistered where a WorkerUpdated was awaited).
+TTL = 6.0
 
 
 @asynccontextmanager
