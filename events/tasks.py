@@ -23,14 +23,30 @@ def retrieved(future: asyncio.Future) -> None:
         future.exception()
 
 
+CANCEL_AGAIN_S = 5.0  # how long a cancelled task may take to end before it is cancelled again
+
+
 async def cancel_and_wait(*tasks: asyncio.Future | None) -> None:
-    """Cancel each of `tasks` (None ones skipped) and return once all have ended."""
+    """Cancel each of `tasks` (None ones skipped) and return once all have ended. One still running
+    `CANCEL_AGAIN_S` after its cancellation is cancelled again, with a warning naming it and where it
+    waits: Python 3.11's asyncio.wait_for, inside every nats-py request, swallows a cancellation that
+    lands as its future completes (CPython gh-86296), and a loop that ends only when cancelled then
+    ran on, its stop waiting for ever (the registry's loops, 2026-12-05, before they checked a flag)."""
     pending = [task for task in tasks if task is not None]
     for task in pending:
         task.cancel()
     if not pending:
         return
-    await asyncio.wait(pending)
+    while True:
+        _, running = await asyncio.wait(pending, timeout=CANCEL_AGAIN_S)
+        if not running:
+            break
+        for task in running:
+            where = "".join(f"\n  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+                            for frame in task.get_stack(limit=6)) if isinstance(task, asyncio.Task) else ""
+            log.warning("task %s still runs %.0f s after its cancellation (one swallowed?): cancelled again%s",
+                        getattr(task, "get_name", lambda: task)(), CANCEL_AGAIN_S, where)
+            task.cancel()
     for task in pending:
         if not task.cancelled() and task.exception() is not None:
             log.error("task %s ended with an error while stopping", getattr(task, "get_name", lambda: task)(),

@@ -34,6 +34,34 @@ async def test_a_stop_given_up_on_is_not_reported_as_finished():
     assert task.done()
 
 
+async def test_a_task_that_swallowed_its_cancellation_is_cancelled_again_and_said(monkeypatch, caplog):
+    """A loop that ends only when cancelled, whose first cancellation a request swallowed (Python 3.11's
+    asyncio.wait_for), ran on: its stop waited for ever. It is cancelled again, and a warning says so."""
+    from events import tasks
+
+    monkeypatch.setattr(tasks, "CANCEL_AGAIN_S", 0.05)
+    started = asyncio.Event()
+
+    async def loop_swallowing_once() -> None:
+        swallowed = False
+        started.set()
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                if swallowed:
+                    raise
+                swallowed = True  # as wait_for returns a result that came as it was cancelled
+
+    task = asyncio.create_task(loop_swallowing_once(), name="the-loop")
+    await started.wait()
+    with caplog.at_level(logging.WARNING, logger="warmboot"):
+        await asyncio.wait_for(cancel_and_wait(task), 10)
+    assert task.cancelled()
+    assert any("the-loop still runs" in r.getMessage() and "cancelled again" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
 async def test_cancelled_tasks_end_and_errors_are_logged_not_raised(caplog):
     started = asyncio.Event()
 
