@@ -69,12 +69,13 @@ async def test_a_nats_restart_longer_than_the_ttl_removes_no_worker_whose_agent_
                 agent.send_signal(signal.SIGCONT)
                 async with beats_of(nc, PREFIX, "w-a") as stored:
                     await asyncio.wait_for(stored.get(), 4 * AGENT_TTL)  # the agent's, once it is back
-                assert await removals(nc, "w-a") == []
-                assert registry.roster.alive("w-a")
+                removed, alive = await removals(nc, "w-a"), registry.roster.alive("w-a")
             finally:
                 if agent.returncode is None:
                     agent.send_signal(signal.SIGCONT)
                 ended = await process_ended(agent, 30)
+        said = (await agent.stderr.read()).decode(errors="replace")  # the agent's log, for a failure below
+        assert removed == [] and alive, f"w-a removed {removed}; the agent's log:\n{said}"
         assert ended, "the agent did not end within 30 s of its SIGTERM (killed)"
         await nc.close()
     finally:
