@@ -175,7 +175,10 @@ async def test_a_resume_held_past_its_callers_wait_does_not_place_the_actors_nex
         placed = await wb.resume("x1", request_id="resume-1")  # the retry, placed by the other replica
         assert placed.worker_id == "w1"
         await wb.stop("x1")
-        await wb.create(actor("x1"))  # the actor's next life, not resumed by its caller
+        next_life = await wb.create(actor("x1"))  # the actor's next life, not resumed by its caller
+        # the held replica knows it before the copy is decided: folded behind the stop (a loaded machine), it
+        # found its request placed in the life it still had, and answered that placement (`Answered`)
+        await first.fold.wait(next_life.seq, 10)
         expired(held, await held.then())
         entries = await read_entries(nc, prefix)
     assert kinds_of(entries, "x1", (ActorCreated, ActorPlaced, ActorStopped)) == [
