@@ -25,8 +25,10 @@ from warmboot.natsserver import NatsServer
 TTL = 2.0  # a silent worker's
 # A running agent's: once the registry hears again, the agent, itself reconnecting (from a stop, SIGCONT,
 # in the first test), must beat within one TTL. 2 s was too short on a loaded machine (a CI run: it took
-# longer, and the worker ended as LOST, as it then must); production's is 15 s.
-AGENT_TTL = 5.0
+# longer, and the worker ended as LOST, as it then must), and so was 5 s beside three other suites on two
+# cores; production's is 15 s. An outage is OUTAGE TTLs long: longer than one, so that the key runs out.
+AGENT_TTL = 8.0
+OUTAGE = 1.5
 PREFIX = "outage"
 
 
@@ -63,7 +65,7 @@ async def test_a_nats_restart_longer_than_the_ttl_removes_no_worker_whose_agent_
                 before = restarted_clocks()
                 agent.send_signal(signal.SIGSTOP)
                 server.stop()
-                await asyncio.sleep(2 * AGENT_TTL)  # the outage itself: no beat reaches the bucket meanwhile
+                await asyncio.sleep(OUTAGE * AGENT_TTL)  # the outage itself: no beat reaches the bucket meanwhile
                 server.restart()
                 await until(lambda: restarted_clocks() > before)  # the marker, handled on the expired key
                 agent.send_signal(signal.SIGCONT)
@@ -92,7 +94,7 @@ async def test_every_registry_replica_down_longer_than_the_ttl_removes_no_worker
         async with running_registry(nats_url, PREFIX, ttl_s=AGENT_TTL):
             await wait_event(nc, PREFIX, "w-a", WorkerRegistered)
         before = restarted_clocks()
-        await asyncio.sleep(2 * AGENT_TTL)  # the outage itself: the agent's beats reach no replica
+        await asyncio.sleep(OUTAGE * AGENT_TTL)  # the outage itself: the agent's beats reach no replica
         async with running_registry(nats_url, PREFIX, ttl_s=AGENT_TTL) as registry:
             await until(lambda: restarted_clocks() > before)
             async with beats_of(nc, PREFIX, "w-a") as stored:
