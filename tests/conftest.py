@@ -19,7 +19,8 @@ from warmboot.natsserver import NatsServer
 
 TESTS = Path(__file__).parent
 
-pytest_plugins = ("tests.xdist_crashes",)  # a worker's crash under `make test` is reported, not a hang
+# a worker's crash under `make test` is reported, not a hang; a test near its time-out, or a crash, says where
+pytest_plugins = ("tests.xdist_crashes", "tests.hang_reports")
 
 
 def pytest_configure(config):
@@ -31,7 +32,6 @@ def pytest_configure(config):
 
     for name in ("COLUMNS", "LINES"):
         os.environ.pop(name, None)
-    _keep_real_stderr(config)
 
 
 def pytest_asyncio_loop_factories(config, item):
@@ -41,91 +41,14 @@ def pytest_asyncio_loop_factories(config, item):
     return {name: factory}
 
 
-_loop: list[asyncio.AbstractEventLoop] = []  # the session's loop, once a test has run on it
-
-
 @pytest.fixture(autouse=True)
 async def _session_loop():
-    """Remember the loop the tests run on, for `pytest_timeout_set_timer`'s report of a hung test."""
-    if not _loop:
-        _loop.append(asyncio.get_running_loop())
+    """Remember the loop the tests run on, for the report of a hung test (`tests.hang_reports`)."""
+    from tests.hang_reports import LOOPS
+
+    if not LOOPS:
+        LOOPS.append(asyncio.get_running_loop())
     yield
-
-
-_real_stderr: list = []  # the process's stderr as it was before pytest's capture: `pytest_configure` keeps it
-_HANG_REPORT = pytest.StashKey()  # an item's timer of `pytest_timeout_set_timer`
-
-
-def _keep_real_stderr(config) -> None:
-    """A copy of the stderr the process was started with, for `pytest_timeout_set_timer`'s report. During a
-    test, fd 2 is pytest's capture file, which a worker that pytest-timeout ends takes with it; and an xdist
-    worker's stdout, where pytest-timeout writes its stack dump, is /dev/null. The CI run of d764e5a said of
-    a worker's death only "node down: Not properly terminated": not which test it ran, nor where it waited."""
-    import os
-    import sys
-
-    capman = config.pluginmanager.getplugin("capturemanager")
-    if capman is not None:
-        capman.suspend_global_capture(in_=False)
-    try:
-        _real_stderr.append(os.fdopen(os.dup(sys.stderr.fileno()), "w", buffering=1, closefd=True))
-    except (OSError, ValueError, AttributeError):
-        pass  # no stderr to copy: the report goes to sys.stderr as it is then
-    finally:
-        if capman is not None:
-            capman.resume_global_capture()
-
-
-def pytest_sessionstart(session):
-    """A crash of the process (a segfault, an abort) prints its threads' stacks to its own stderr too (pytest's
-    faulthandler writes to a copy of fd 2 taken while it was the capture file: lost with the process)."""
-    import faulthandler
-
-    if _real_stderr:
-        faulthandler.enable(file=_real_stderr[0], all_threads=True)
-
-
-@pytest.hookimpl(tryfirst=True, optionalhook=True)  # pytest-timeout's hook
-def pytest_timeout_set_timer(item, settings):
-    """A test still running at nine tenths of its time-out (its own, `@pytest.mark.timeout`, or the run's),
-    shortly before pytest-timeout ends it and, `thread` method, its process: its id, what every task of the
-    session's loop awaits and every thread's stack, written to the process's own stderr (`_keep_real_stderr`),
-    so that the report is in the log under `make test` too. pytest-timeout then sets its own timer."""
-    import faulthandler
-    import sys
-    import threading
-
-    if not settings.timeout or settings.timeout <= 0:
-        return None
-    limit = float(settings.timeout)
-
-    def report() -> None:
-        out = _real_stderr[0] if _real_stderr else sys.stderr
-        try:
-            print(f"\n{item.nodeid} still runs after {limit * 0.9:.0f}s of its {limit:.0f}s time-out; "
-                  "the tasks of its loop:", file=out)
-            for task in list(asyncio.all_tasks(_loop[0])) if _loop else []:
-                task.print_stack(limit=8, file=out)
-            print(f"{item.nodeid}: every thread's stack:", file=out)
-            out.flush()
-            faulthandler.dump_traceback(file=out, all_threads=True)
-            out.flush()
-        except Exception as error:  # a report that fails says so, and the test goes on
-            print(f"{item.nodeid}: the hang report failed: {error!r}", file=sys.stderr)
-
-    timer = threading.Timer(limit * 0.9, report)
-    timer.daemon = True
-    timer.start()
-    item.stash[_HANG_REPORT] = timer
-    return None  # pytest-timeout's own timer too
-
-
-@pytest.hookimpl(tryfirst=True, optionalhook=True)  # pytest-timeout's hook
-def pytest_timeout_cancel_timer(item):
-    timer = item.stash.get(_HANG_REPORT, None)
-    if timer is not None:
-        timer.cancel()
-    return None  # pytest-timeout's own is cancelled too
 
 
 @pytest.fixture(scope="session")

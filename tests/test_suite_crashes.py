@@ -38,23 +38,22 @@ def suite(tmp_path, crashing: str) -> dict[str, str]:
     return expected
 
 
-def run(tmp_path, workers: int, *plugins: str, timeout: float = 120) -> str:
-    """The suite's output, run in `workers` xdist workers with `plugins`; TimeoutExpired if it had not
-    ended after `timeout` s (its process group then killed: no worker is left behind)."""
+def run(tmp_path, workers: int, *options: str, timeout: float = 120) -> tuple[str, str]:
+    """The small suite run in `workers` xdist workers with `options` (`-p PLUGIN`, ...): its stdout and
+    stderr; TimeoutExpired if it had not ended after `timeout` s (its process group then killed: no
+    worker is left behind)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}  # not this run's own
     env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
-    args = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rA", "-n", str(workers), "--dist", "loadfile"]
-    for plugin in plugins:
-        args += ["-p", plugin]
-    proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    args = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rA", "-n", str(workers), "--dist", "loadfile",
+            *options]
+    proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
-        output, _ = proc.communicate(timeout=timeout)
+        return proc.communicate(timeout=timeout)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
-    return output
 
 
 def outcomes(output: str) -> dict[str, list[str]]:
@@ -70,7 +69,7 @@ def outcomes(output: str) -> dict[str, list[str]]:
 def test_a_worker_that_dies_fails_its_test_and_the_run_ends_with_every_other_test_run_once(
         tmp_path, workers, crashing):
     expected = suite(tmp_path, crashing)
-    output = run(tmp_path, workers, "tests.xdist_crashes")
+    output, _ = run(tmp_path, workers, "-p", "tests.xdist_crashes")
     assert "node down: Not properly terminated" in output, output[-3000:]
     assert outcomes(output) == {test: [outcome] for test, outcome in expected.items()}, output[-3000:]
     assert re.search(rf"worker 'gw\d' crashed while running 'test_crashes.py::{crashing}'", output)
@@ -84,6 +83,32 @@ def test_xdist_s_own_loadfile_waits_for_ever_after_such_a_crash(tmp_path):
     suite(tmp_path, "test_middle")
     with pytest.raises(subprocess.TimeoutExpired):
         run(tmp_path, 1, timeout=20)
+
+
+# --- what a worker that dies says ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("death", ["hang", "segfault"])
+def test_a_worker_that_dies_says_which_test_it_ran_and_where(tmp_path, death):
+    """A test past its time-out (pytest-timeout ends its process) and a segfault each print, on the run's
+    stderr, the test and every thread's stack (tests/hang_reports.py), and the run's own output (its
+    summary, the crash as a failure) reaches its stdout. The CI run of d764e5a said only "node down"."""
+    (tmp_path / "pytest.ini").write_text("[pytest]\nasyncio_default_fixture_loop_scope = function\n"
+                                         "timeout_method = thread\n")
+    body = {"hang": "import threading\n\ndef test_dies():\n    threading.Event().wait()  # for ever\n",
+            "segfault": "import ctypes\n\ndef test_dies():\n    ctypes.string_at(0)\n"}[death]
+    (tmp_path / "test_dies.py").write_text(body)
+    (tmp_path / "test_lives.py").write_text("def test_lives():\n    pass\n")
+    out, err = run(tmp_path, 1, "-p", "tests.xdist_crashes", "-p", "tests.hang_reports", "--timeout", "5")
+    assert "node down" in out and "crashed while running 'test_dies.py::test_dies'" in out, out[-2000:]
+    assert re.search(r"^FAILED test_dies.py::test_dies", out, re.M) and re.search(r"^PASSED test_lives.py", out, re.M)
+    assert "1 failed, 1 passed" in out, out[-2000:]
+    if death == "hang":
+        assert "test_dies.py::test_dies still runs after 4s of its 5s time-out" in err, err[-3000:]
+        assert "test_dies.py::test_dies: every thread's stack:" in err, err[-3000:]
+    else:
+        assert "Fatal Python error: Segmentation fault" in err, err[-3000:]
+    assert re.search(r'File ".*test_dies.py", line 4 in test_dies', err), err[-3000:]
 
 
 # --- the requeue, on its own ----------------------------------------------------------------------------
