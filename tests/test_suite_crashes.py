@@ -22,8 +22,8 @@ TESTS_IN_THE_CRASHING_FILE = ["test_before", "test_middle", "test_last"]
 
 
 def suite(tmp_path, crashing: str) -> dict[str, str]:
-    """Write the small suite, `crashing` (a test of test_crashes.py) killing its worker, the file handed
-    out last so that a worker has finished files before it dies; return {test id: outcome expected}."""
+    """Write the small suite, `crashing` (a test of test_crashes.py) killing its worker; return {test id:
+    outcome expected}."""
     (tmp_path / "pytest.ini").write_text("[pytest]\nasyncio_default_fixture_loop_scope = function\n")
     expected = {}
     for name, tests in QUICK.items():

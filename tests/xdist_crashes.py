@@ -42,6 +42,8 @@ def scheduler(config, log):
     class CrashSafeLoadFile(LoadFileScheduling):
         def remove_node(self, node):  # xdist's contract: the test being run when `node` crashed, or None
             crashed, requeue = crash_requeue(self.assigned_work.pop(node))
+            if crashed is None:  # it ended with every test it was given run: as xdist's own
+                return None
             self.workqueue.update(requeue)
             for other in self.assigned_work:
                 self._reschedule(other)
