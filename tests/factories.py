@@ -352,16 +352,15 @@ async def publish_events(nc: NATS, prefix: str, events: Iterable[Event], version
 
 
 async def cancelled_and_ended(task: asyncio.Future, within: float, what: str) -> None:
-    """Cancel `task` and return once it has ended, cancelled again each second meanwhile (Python 3.11's
-    asyncio.wait_for, inside every nats-py request, can swallow a cancellation: a loop that ends only by
-    being cancelled then runs on, and a wait for it never ends); AssertionError naming `what`, and where
-    it waits, if it has not ended within `within` s."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within
-    while not task.done() and loop.time() < deadline:
-        task.cancel()
-        await asyncio.wait({task}, timeout=min(1.0, max(deadline - loop.time(), 0.0)))
+    """`events.tasks.cancel_and_wait(task)` (which cancels again a task that swallowed its cancellation, as
+    Python 3.11's asyncio.wait_for inside nats-py's requests can), bounded: AssertionError naming `what`,
+    and where it waits, if it has not ended within `within` s."""
+    from events.tasks import cancel_and_wait
+
+    waiting = asyncio.ensure_future(cancel_and_wait(task))
+    await asyncio.wait({waiting}, timeout=within)
     if not task.done():
+        waiting.cancel()
         import io
 
         stack = io.StringIO()

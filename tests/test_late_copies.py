@@ -376,14 +376,14 @@ async def test_a_request_read_after_its_replica_was_stopped_counts_its_wait_from
     import sys
     from pathlib import Path
 
+    from tests.test_faults import wait_serving
+
     exe = str(Path(sys.executable).parent / "warmboot")
     proc = subprocess.Popen([exe, "serve", "snapshotter", "--nats", nats_server.url, "--prefix", prefix],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        # bounded: the thread reading its output ends once the process is killed, at the end
-        line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 60)
-        assert line.startswith("serving"), line
+        await wait_serving(proc)
         await Client(nc, prefix).create(actor("x7"))
         proc.send_signal(signal.SIGSTOP)
         try:
