@@ -36,7 +36,9 @@ What it does so that callers need not:
   a refusal reaching a caller still waiting is sent again once, as for a resume, unless this
   client had seen the new life begin: then it is raised.
 - Retries: UNAVAILABLE, a time-out and "no responders" are retried with the same body
-  (the same `request_id`), at most `attempts` times, with a growing, jittered pause (a request
+  (the same `request_id`), at most `attempts` times, each attempt waiting `timeout` seconds
+  (the constructor's; `with wb.limits(timeout=, attempts=):` for the calls made in a block, on
+  the same client), with a growing, jittered pause (a request
   no service answered any time is UNAVAILABLE "no service answers SUBJECT after N attempts in
   T s: is 'PREFIX' the deployment's prefix, and is its SERVICE running?", or "at the last of N
   attempts (K reached no service) in T s: the SERVICE was reached before; it may be stopping or
@@ -66,12 +68,14 @@ The client does not own a connection it is given; `Client.connect` makes one it 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import inspect
 import logging
 import math
 import random
 import uuid
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import msgspec
 import nats
@@ -133,6 +137,10 @@ log = logging.getLogger("warmboot.client")
 
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_ATTEMPTS = 6
+# the `Client.limits` in force in this task (asyncio copies the context into each task it starts): one
+# (client, timeout, attempts) for each client that has some, the innermost first
+_LIMITS: contextvars.ContextVar[tuple[tuple[Any, float, int], ...]] = contextvars.ContextVar("warmboot_client_limits",
+                                                                                            default=())
 DISCOVERY_WAIT_S = 0.5  # how long `_serves` waits for a service to answer `$SRV.INFO`
 FIRST_BACKOFF_S = 0.05
 MAX_BACKOFF_S = 2.0
@@ -204,6 +212,17 @@ def remember(kept: dict[str, K], actor_id: str, value: K, seq: Callable[[K], int
         del kept[next(iter(kept))]
 
 
+def checked_limits(timeout: Any, attempts: Any) -> tuple[float, int]:
+    """A client's `timeout` (seconds an attempt waits for its answer: a finite number above 0) and
+    `attempts` (a whole number, at least 1), or INVALID_ARGUMENT naming the one that is not (`attempts=0`
+    was taken as 1, and `timeout=0` as a millisecond)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+        raise invalid(f"{timeout!r} is not a number of seconds above 0", "timeout")
+    if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
+        raise invalid(f"{attempts!r} is not a number of attempts: a whole number, at least 1", "attempts")
+    return float(timeout), attempts
+
+
 def placed_under(placed: Assignment) -> UnderPlacement:
     """What a pause or suspend of an image taken under the placement `placed` names: its seq, worker, node
     and pin."""
@@ -238,8 +257,8 @@ class Client:
         # and takes nats-py's own errors and an unreadable reply as it always did, `_once`)
         self.refusals_final = refusals_final
         self.prefix = check_prefix(prefix)
-        self.timeout = timeout
-        self.attempts = max(1, attempts)
+        # each attempt's wait for its answer, and how many attempts a request makes (`limits` for some calls)
+        self.timeout, self.attempts = checked_limits(timeout, attempts)
         self.read_your_writes = read_your_writes
         self.seq = 0  # the highest stream sequence a reply has given this client
         # `pause` and `suspend` without a `placement_seq` name the placement this client's last
@@ -280,6 +299,7 @@ class Client:
         connect = {k: options.pop(k) for k in ("user_credentials", "inbox_prefix", "name") if k in options}
         nkey_seed = options.pop("nkeys_seed", None)
         inspect.signature(cls).bind(None, prefix, **options)  # a mistyped option: its TypeError before connecting
+        checked_limits(options.get("timeout", DEFAULT_TIMEOUT_S), options.get("attempts", DEFAULT_ATTEMPTS))
         try:  # before connecting: a bad prefix was a ValueError, raised with the connection left open
             check_prefix(prefix)
         except ValueError as error:
@@ -313,6 +333,35 @@ class Client:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    @contextlib.contextmanager
+    def limits(self, timeout: float | None = None, attempts: int | None = None) -> Iterator[Client]:
+        """Within this `with` block, and in the tasks started in it, this client's requests wait at most
+        `timeout` seconds for each attempt's answer and make at most `attempts` attempts (one left out
+        keeps the limit in force: the constructor's, or an enclosing block's)::
+
+            with wb.limits(timeout=0.5, attempts=1):
+                placed = await wb.resume("a-1")   # UNAVAILABLE after half a second, not sent again
+
+        The same client: the same read-your-writes `seq` and fences, and its other tasks keep their own
+        limits. A call that makes several requests (a `pause` that asks `status` first) makes each
+        within them. A write's service is told the shorter wait (the wait header), so a copy it holds
+        past it writes nothing. A value the constructor would refuse is INVALID_ARGUMENT naming
+        `timeout` or `attempts`, raised before the block runs."""
+        now_timeout, now_attempts = self._limits()
+        limited = checked_limits(now_timeout if timeout is None else timeout, now_attempts if attempts is None else attempts)
+        token = _LIMITS.set(((self, *limited),) + tuple(kept for kept in _LIMITS.get() if kept[0] is not self))
+        try:
+            yield self
+        finally:
+            _LIMITS.reset(token)
+
+    def _limits(self) -> tuple[float, int]:
+        """The timeout and attempts of this client's requests made here: the innermost `limits`', else its own."""
+        for client, timeout, attempts in _LIMITS.get():
+            if client is self:
+                return timeout, attempts
+        return self.timeout, self.attempts
+
     # --- the one way a request is made -------------------------------------------------
 
     async def request(self, service: str, verb: str, entity: str | None, body: Base, reply_type: type[T]) -> T:
@@ -330,24 +379,26 @@ class Client:
         # on what the caller did since (an entity's next life)
         # a time-out past the header's bound says the bound: a caller that waits a day or more (it was
         # INVALID_ARGUMENT on every write: a review)
-        wait = min(MAX_WAIT_MS, max(1, math.ceil(self.timeout * 1000)))
+        timeout, attempts = self._limits()
+        wait = min(MAX_WAIT_MS, max(1, math.ceil(timeout * 1000)))
         waits = None if (service, verb) in WRITE_NOTHING else {WAIT_HEADER: str(wait)}
         try:
-            return await self._attempts(service, subject, encode(body), reply_type, waits)
+            return await self._attempts(service, subject, encode(body), reply_type, waits, timeout, attempts)
         except ContractError as error:  # the id a caller needs to send it again (`ContractError.request_id`)
             error.request_id = getattr(body, "request_id", None)
             raise
 
     async def _attempts(self, service: str, subject: str, data: bytes, reply_type: type[T],
-                        headers: dict[str, str] | None) -> T:
-        """`request`'s attempts at `subject`, each with `data`, until one is answered or is not to be retried."""
+                        headers: dict[str, str] | None, timeout: float, attempts: int) -> T:
+        """`request`'s attempts at `subject`, at most `attempts`, each with `data` and waiting `timeout`
+        seconds, until one is answered or is not to be retried."""
         delay = FIRST_BACKOFF_S
         started = asyncio.get_running_loop().time()
         nobody = 0  # attempts that reached no service
         sent = False  # an earlier attempt went out and may have been carried out (its answer not heard)
-        for attempt in range(self.attempts):
+        for attempt in range(attempts):
             try:
-                reply = await self._once(subject, data, reply_type, headers)
+                reply = await self._once(subject, data, reply_type, headers, timeout)
             except ContractError as error:
                 if isinstance(error, Closed) and sent:
                     # this attempt sent nothing, but an earlier one did (a close ends the wait for its answer
@@ -361,7 +412,7 @@ class Client:
                     raise
                 nobody += error.message.startswith(NO_SERVICE)
                 sent = sent or not error.message.startswith((NO_SERVICE, UNSENT_FULL))
-                if attempt == self.attempts - 1:
+                if attempt == attempts - 1:
                     if error.message.startswith(NO_SERVICE):  # the attempts made, and what is likely wrong
                         took = asyncio.get_running_loop().time() - started
                         if nobody == attempt + 1:
@@ -393,16 +444,17 @@ class Client:
                        "the request reached nobody, and sending it again will not change that (docs/security.md "
                        "says what each role may publish)")
 
-    async def _once(self, subject: str, data: bytes, reply_type: type[T], headers: dict[str, str] | None) -> T:
+    async def _once(self, subject: str, data: bytes, reply_type: type[T], headers: dict[str, str] | None,
+                    timeout: float) -> T:
         try:
-            request = self.nc.request(subject, data, timeout=self.timeout, headers=headers)
+            request = self.nc.request(subject, data, timeout=timeout, headers=headers)
             msg = await (unless_refused(self.nc, subject, request) if self.refusals_final else request)
         except PublishRefused:  # said by the server at once: not after the request's time-out
             raise self._refusal(subject) from None
         except nats.errors.NoRespondersError:
             raise unavailable(f"{NO_SERVICE}{subject}") from None
         except nats.errors.TimeoutError:
-            raise unavailable(f"no reply from {subject} within {self.timeout:g}s") from None
+            raise unavailable(f"no reply from {subject} within {timeout:g}s") from None
         except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError, nats.errors.MaxPayloadError,
                 nats.errors.OutboundBufferLimitError) as error:
             if not self.refusals_final:  # the agent: its own loop takes nats-py's errors, as it always did

@@ -1,0 +1,115 @@
+"""`Client.limits`: a timeout and a number of attempts for the calls made in a `with` block (and the
+tasks started in it), on the same client, over a real server. What a caller checks: how many copies
+of a request went out, and the wait each told its service (the header a write's service keeps to)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+
+from events.errors import ContractError
+from events.schema import ErrorCode
+from events.subjects import WAIT_HEADER, service_subject
+from tests.factories import actor
+from warmboot.client import Client
+
+
+async def heard(nc, sub, expected: int) -> list[str | None]:
+    """The wait header of the `expected` copies `sub` heard, and none more once the server has sent all."""
+    waits = [((await sub.next_msg(timeout=10)).headers or {}).get(WAIT_HEADER) for _ in range(expected)]
+    await nc.flush()
+    assert sub.pending_msgs == 0, f"{sub.pending_msgs} more copies than the {expected} expected"
+    return waits
+
+
+async def test_a_block_s_limits_bound_each_attempt_and_how_many_are_made(nc, prefix):
+    """Nobody answers: the client's own limits (60 s, 6 attempts) would wait six minutes; the block's say
+    two attempts of 0.2 s, each telling its service so, and the client's own stay as they were."""
+    subject = service_subject(prefix, "snapshotter", "create", "c-1")
+    silent = await nc.subscribe(subject)
+    wb = Client(nc, prefix, timeout=60.0, attempts=6)
+    with wb.limits(timeout=0.2, attempts=2) as limited:
+        assert limited is wb
+        with pytest.raises(ContractError) as lost:
+            await wb.create(actor("c-1"))
+    assert lost.value.code is ErrorCode.UNAVAILABLE and "within 0.2s" in lost.value.message, lost.value
+    assert lost.value.request_id is not None  # the id to send again for its answer, as any time-out
+    assert await heard(nc, silent, 2) == ["200", "200"]
+    assert wb.retries == 1
+    assert (wb.timeout, wb.attempts) == (60.0, 6)
+
+
+async def test_limits_nest_and_bind_only_their_client(nc, prefix):
+    """An inner block that leaves `attempts` out keeps the outer block's; another client in the block
+    keeps its own; once out of both, the client's own apply."""
+    subject = service_subject(prefix, "snapshotter", "create", "c-2")
+    silent = await nc.subscribe(subject)
+    wb = Client(nc, prefix, timeout=0.3, attempts=1)
+    other = Client(nc, prefix, timeout=0.15, attempts=1)
+    with wb.limits(attempts=3):
+        with wb.limits(timeout=0.1):
+            with pytest.raises(ContractError):
+                await wb.create(actor("c-2"))
+            assert await heard(nc, silent, 3) == ["100"] * 3
+            with pytest.raises(ContractError):
+                await other.create(actor("c-2"))
+            assert await heard(nc, silent, 1) == ["150"]
+        with pytest.raises(ContractError):  # the outer block again: its attempts, the client's timeout
+            await wb.create(actor("c-2"))
+        assert await heard(nc, silent, 3) == ["300"] * 3
+    with pytest.raises(ContractError):
+        await wb.create(actor("c-2"))
+    assert await heard(nc, silent, 1) == ["300"]
+
+
+async def test_tasks_started_in_a_block_keep_its_limits_and_others_keep_their_own(nc, prefix, stack):
+    """Served by the real snapshotter: a task started before the block and one started in it run at once;
+    each create is told the wait of the limits it was started under, and both are written (the same
+    client's read-your-writes `seq` moves past both)."""
+    subject = service_subject(prefix, "snapshotter", "create", "*")
+    tap = await nc.subscribe(subject)  # a copy of each request, beside the service's queue group
+    wb = Client(nc, prefix, timeout=2.5)
+    go = asyncio.Event()
+
+    async def create(actor_id: str):
+        await go.wait()
+        return await wb.create(actor(actor_id))
+
+    before = asyncio.create_task(create("t-before"))
+    with wb.limits(timeout=4.0):
+        within = asyncio.create_task(create("t-within"))
+    go.set()
+    replies = await asyncio.gather(before, within)
+    after = await wb.create(actor("t-after"))
+    waits = {}
+    for _ in range(3):
+        msg = await tap.next_msg(timeout=10)
+        waits[msg.subject.rsplit(".", 1)[1]] = (msg.headers or {}).get(WAIT_HEADER)
+    assert waits == {"t-before": "2500", "t-within": "4000", "t-after": "2500"}
+    assert wb.seq == after.seq > max(reply.seq for reply in replies)
+
+
+@pytest.mark.parametrize("timeout, attempts, field", [
+    (0, None, "timeout"), (-1.0, None, "timeout"), (math.nan, None, "timeout"), (math.inf, None, "timeout"),
+    ("5", None, "timeout"), (True, None, "timeout"),
+    (None, 0, "attempts"), (None, 1.5, "attempts"), (None, True, "attempts"), (None, -2, "attempts"),
+])
+async def test_a_limit_that_is_not_one_is_refused_naming_it_and_nothing_is_sent(nc, prefix, timeout, attempts, field):
+    subject = service_subject(prefix, "snapshotter", "create", "c-3")
+    silent = await nc.subscribe(subject)
+    wb = Client(nc, prefix, timeout=0.2, attempts=1)
+    with pytest.raises(ContractError) as bad:
+        with wb.limits(timeout=timeout, attempts=attempts):
+            await wb.create(actor("c-3"))
+    assert bad.value.code is ErrorCode.INVALID_ARGUMENT and bad.value.field == field, bad.value
+    given = {"timeout": timeout} if timeout is not None else {"attempts": attempts}
+    with pytest.raises(ContractError) as constructed:  # the constructor alike (`attempts=0` was taken as 1)
+        Client(nc, prefix, **given)
+    assert (constructed.value.code, constructed.value.field) == (ErrorCode.INVALID_ARGUMENT, field)
+    with pytest.raises(ContractError) as connecting:  # and `connect`, before it connects
+        await Client.connect("nats://127.0.0.1:1", prefix, connect_timeout=30, **given)
+    assert (connecting.value.code, connecting.value.field) == (ErrorCode.INVALID_ARGUMENT, field)
+    await nc.flush()
+    assert silent.pending_msgs == 0
