@@ -36,7 +36,7 @@ CREDS_ENV = "NATS_CREDS"  # a credentials file (a user JWT and its nkey seed)
 USER_ENV = "NATS_USER"
 PASSWORD_ENV = "NATS_PASSWORD"
 TOKEN_ENV = "NATS_TOKEN"
-_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")  # a user name that is one subject token (every nats-config user)
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}(?!\n)$")  # a user name that is one subject token (every nats-config user)
 
 # A member's scheme, when it has one; the rest of the member is `user:password@host:port`.
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)(.*)$", re.DOTALL)

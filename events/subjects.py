@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 DEFAULT_PREFIX = "warmboot"
-PREFIX_PATTERN = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+PREFIX_PATTERN = re.compile(r"^[a-z][a-z0-9_-]{0,31}(?!\n)$")
 
 
 def check_prefix(prefix: str) -> str:

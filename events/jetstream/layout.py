@@ -44,9 +44,9 @@ MAX_BATCH_MESSAGES = 1000  # nats-server's limit for one atomic batch
 DUPLICATE_WINDOW_NS = 120 * 1_000_000_000
 SNAPSHOTS_KEPT = 4
 
-_TOKEN = re.compile(r"^[^\s.*>]+$")
-_DOTTED = re.compile(r"^[^\s.*>]+(\.[^\s.*>]+)*$")
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
+_TOKEN = re.compile(r"^[^\s.*>]+(?!\n)$")
+_DOTTED = re.compile(r"^[^\s.*>]+(\.[^\s.*>]+)*(?!\n)$")
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9_-]+(?!\n)$")
 
 
 @dataclass(frozen=True, eq=False)

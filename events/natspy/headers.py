@@ -29,7 +29,7 @@ from nats.aio.client import Client
 
 NATS_PARSER = "_parse_header_lines"  # the private name nats-py calls on every message with headers
 
-_HEADER_NAME = re.compile(rb"^[\x21-\x7e]+$")  # printable ASCII, no white space
+_HEADER_NAME = re.compile(rb"^[\x21-\x7e]+(?!\n)$")  # printable ASCII, no white space
 _WHITESPACE = " \t\n\r\x0b\x0c"  # what bytes.strip() strips
 _LINES_KEPT = 4096
 _LINE_KEPT_CHARS = 256  # a longer line is parsed each time, not kept (a publisher chooses its lines)
