@@ -147,7 +147,9 @@ class Option:
     booked: tuple  # (cpu, mem)
     role: int | None  # rule 2's tier (0 default, 1 restorable, 2 edge of default, 3 edge of restorable)
     fits: bool
-    filtered: bool = False  # a memory option through a version of another architecture than the machine
+    # a memory option through a version of another architecture than the machine, or one without memory
+    # under a class default of another architecture than the machine
+    filtered: bool = False
 
 
 def room(w: W, pending: dict) -> tuple[int, int]:
@@ -187,7 +189,9 @@ def options(workers: dict[str, W], a: A, sel: dict, pending: dict) -> tuple[list
     out: list[Option] = []
 
     def plain(fidelity: str, action: str, fallback: tuple | None) -> None:
-        """Placements without memory: the worker's class default, the stamp's architecture kept."""
+        """Placements without memory: the worker's class default, the stamp's architecture kept; none
+        under a default of another architecture than the worker's machine (a logged registration
+        naming two: docs/contract.md, "Placement"), which is marked `filtered`."""
         for w in workers.values():
             if not eligible(w):
                 continue
@@ -196,9 +200,11 @@ def options(workers: dict[str, W], a: A, sel: dict, pending: dict) -> tuple[list
                 continue
             need = a.mem + overhead(d, a.mem)
             rc, rm = room(w, pending)
+            machine = w.machine()
             out.append(Option(w.wid, w.node, fidelity, action, (cls, key(d.version)), None, fallback,
                               snap.snapshot_id if action == "RESTORE" else None, (a.cpu, need), None,
-                              rc >= a.cpu and rm >= need))
+                              rc >= a.cpu and rm >= need,
+                              arch(d.version) is not None and machine is not None and arch(d.version) != machine))
 
     if snap is None:  # rule 1
         if floor == "MEMORY":
@@ -296,7 +302,7 @@ def check(workers: dict[str, W], actors: dict[str, A], aid: str, request: dict |
                 if not o.fits:
                     return f"placement on a worker without room {got}"
                 if o.filtered:
-                    return f"memory placement through a version of another architecture than the machine {got}"
+                    return f"placement under or through a version of another architecture than the machine {got}"
                 mem = [x for x in fitting if x.fidelity == "MEMORY"]
                 if mem and o.fidelity != "MEMORY":
                     return f"fell back to {o.fidelity} though a compatible worker has room: {mem[0]}"

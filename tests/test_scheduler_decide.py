@@ -283,7 +283,8 @@ def test_a_logged_worker_whose_classes_name_two_architectures_restores_no_image_
     """A worker a log holds from before the registry refused it (`check_one_machine`): gvisor on
     amd64, its first class (so its machine), and microvm saying arm64. Each class was indexed alone,
     and an arm64 microvm image was restored on it at MEMORY (found by a review). The scheduler reads
-    the machine off the whole registration now: the image falls back, cold, nothing restored there."""
+    the machine off the whole registration now: nothing is restored there (nor falls back there:
+    the next test)."""
     from tests.factories import entry, registered
 
     log = Log()
@@ -291,11 +292,47 @@ def test_a_logged_worker_whose_classes_name_two_architectures_restores_no_image_
     log.add(registered("w", entry(amd, sandbox_class="gvisor"), entry(arm, sandbox_class="microvm")))
     log.actor("a", sandbox_class="microvm")
     log.snapshot("a", stamped=arm, sandbox_class="microvm", snapshot_id="mem-1")
-    placed = log.decide("a")
-    assert placed.fidelity is not PlacedFidelity.MEMORY, placed
+    refused(log, "a", ErrorCode.RESOURCE_EXHAUSTED)
     log.add(registered("w-arm", entry(arm, sandbox_class="microvm")))  # an arm64 machine does restore it
     placed = log.decide("a")
     assert (placed.worker_id, placed.fidelity) == ("w-arm", PlacedFidelity.MEMORY), placed
+
+
+def test_a_logged_worker_whose_class_default_is_not_of_its_machine_runs_nothing_under_it():
+    """The same logged worker (before `check_one_machine`; or written by a registry replica of that
+    earlier version during a rolling upgrade of the control plane): its machine is amd64, as the
+    scheduler reads it (its first class's default), and its microvm default says arm64. No memory
+    image goes through that default (above), and nothing else may run under it either: a rule-4
+    fallback or a rule-3 restore of arm64 volumes (a root file system or volumes hold binaries of
+    one architecture) would land on the amd64 machine, and a cold boot pinned to the arm64 runtime
+    would stamp its next snapshots arm64, to be restored at MEMORY on arm64 machines. Each was placed
+    on it (found by an audit: rule 4 compared the stamp with the class default's attribute alone).
+    A runtime of the class that is of the machine (a restorable) still restores its own images."""
+    from tests.factories import entry, registered
+
+    log = Log()
+    amd, arm, amd_micro = version("1", arch="amd64"), version("9", arch="arm64"), version("7", arch="amd64")
+    log.add(registered("w", entry(amd, sandbox_class="gvisor"),
+                       entry(arm, (amd_micro,), sandbox_class="microvm")))
+    log.actor("fallback", sandbox_class="microvm")
+    log.snapshot("fallback", stamped=arm, sandbox_class="microvm", snapshot_id="mem-1")
+    log.actor("volumes", sandbox_class="microvm")
+    log.snapshot("volumes", stamped=arm, sandbox_class="microvm", snapshot_id="vol-1", fidelity=Fidelity.VOLUMES)
+    log.actor("cold", sandbox_class="microvm")
+    for actor_id in ("fallback", "volumes", "cold"):
+        error = refused(log, actor_id, ErrorCode.RESOURCE_EXHAUSTED)
+        # (a memory snapshot's refusal counts the workers against its memory restore, as always)
+        assert ("1 runtime mismatch" if actor_id == "fallback" else "1 architecture mismatch") in error.message
+    log.actor("own", sandbox_class="microvm")  # an image of the machine's runtime of the class: restored
+    log.snapshot("own", stamped=amd_micro, sandbox_class="microvm", snapshot_id="mem-2")
+    placed = log.decide("own")
+    assert (placed.worker_id, placed.fidelity, placed.sandbox_runtime.version) == (
+        "w", PlacedFidelity.MEMORY, amd_micro), placed
+    log.actor("gvisor-cold")  # its other class, of the machine: as before
+    assert log.decide("gvisor-cold").worker_id == "w"
+    log.add(registered("w-arm", entry(arm, sandbox_class="microvm")))  # an arm64 machine takes them
+    for actor_id in ("fallback", "volumes", "cold"):
+        assert log.decide(actor_id).worker_id == "w-arm"
 
 
 def test_a_logged_version_of_another_architecture_restores_no_memory_image():

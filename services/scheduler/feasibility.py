@@ -12,7 +12,9 @@ would book:
 5. `runtime mismatch`      a memory tier: none of its runtimes accepts the stamp (in the
                            tier's role, when the tier has one)
 6. `architecture mismatch` a tier without memory of a stamped snapshot: its class default is
-                           of another architecture than the stamp
+                           of another architecture than the stamp; or, for any tier without
+                           memory, of another one than its machine (a registration logged
+                           before the registry refused it: `ClassEntry.runs`)
 7. `insufficient cpu`, `insufficient memory`: its room (capacity minus the 64 MiB reserve
                            minus what is booked and what this replica has in flight) is short;
                            both may apply. The memory an actor books depends on the runtime
@@ -112,7 +114,7 @@ class Ask:
             return 4, None, 0
         if self.compat is None:
             runtime = entry.default
-            if self.arch is not None and runtime.compat.arch != self.arch:
+            if (self.arch is not None and runtime.compat.arch != self.arch) or not entry.runs:
                 return 6, None, 0
             room_cpu, room_mem = _room(worker, pending)
             need = self.memory_mib + runtime.overhead_mib(self.memory_mib)

@@ -118,13 +118,21 @@ class ClassEntry:
     (by role, then the entry's order of its restorable runtimes). Most keys have one; a key
     has several when, say, a restorable runtime's own version is also an edge of the
     default: if the first has no room for an actor (its overhead), the next may. `accepts`
-    is the first of each, `roles` the distinct roles of each, in that order."""
+    is the first of each, `roles` the distinct roles of each, in that order. `runs`: whether the
+    default is of the worker's machine (it names no other architecture), so that anything may run
+    under it there: a cold boot, or a restore without memory (`feasibility.Ask.judge`)."""
 
-    __slots__ = ("default", "restorable", "accepting", "accepts", "roles")
+    __slots__ = ("default", "restorable", "accepting", "accepts", "roles", "runs")
 
     def __init__(self, default: Runtime, restorable: tuple[Runtime, ...], machine: str | None):
         self.default = default
         self.restorable = restorable
+        # A registration the registry refuses now (`check_one_machine`), as a log written before that
+        # rule, or by a registry replica of that earlier version, may hold: a default of another
+        # architecture than the machine. Nothing runs under it: volumes or a root file system of its
+        # architecture would land on the machine, and a cold boot pinned to it would stamp the actor's
+        # next snapshots with an architecture its memory is not of.
+        self.runs = other_architecture(default.compat.version, machine) is None
         # Only what the worker's machine can load (`machine`: `worker_machine` of its whole
         # registration): the registry refuses a version of another architecture, in any class
         # (`events.validate.check_one_machine`); one a log holds from before is not indexed, so
