@@ -150,6 +150,12 @@ CASES = {
                                                     from_fidelity=PlacedFidelity.MEMORY,
                                                     to_fidelity=PlacedFidelity.VOLUMES), **SMALL),
         audit.ACROSS_ARCHITECTURES),
+    # a registration logged before the registry refused it (two architectures): its machine is amd64
+    # (its first class's default), and its microvm default says arm64, which nothing may run under
+    "under a default of another architecture than its machine": (
+        [registered("w1", entry(V1, sandbox_class="gvisor"), entry(ARM, sandbox_class="microvm"), node="n1"),
+         created("a", sandbox_class="microvm", **SMALL)],
+        placed("a", "w1", ARM, node="n1", sandbox_class="microvm", **SMALL), audit.ACROSS_ARCHITECTURES),
 }
 
 

@@ -356,6 +356,10 @@ class Verifier:
                 and entry.default.compat.arch != stamp.compat.arch:
             return Violation(seq, ACROSS_ARCHITECTURES,
                              f"{aid}'s snapshot is {stamp.compat.arch}; {wid}'s default is {entry.default.compat.arch}")
+        if event.fidelity is not PlacedFidelity.MEMORY and not entry.runs:  # a registration logged with two
+            return Violation(seq, ACROSS_ARCHITECTURES,
+                             f"{aid} runs under {wid}'s default of class {actor.spec.sandbox_class}, of architecture "
+                             f"{entry.default.compat.arch}, not of its machine (its registration names two)")
         return None
 
     @staticmethod
