@@ -218,8 +218,47 @@ def test_a_literal_runtime_naming_part_of_a_profile_otherwise_than_this_machine_
     assert "as the microvm probe reads it" in str(error.value)
     path.write_text(literal_default(attributes, masked=True))
     load_registration(path, "w-a", "node-a", PROBE)
-    path.write_text(literal_default('architecture = "amd64", cpu_vendor = "GenuineIntel", kernel_digest = "k"'))
-    load_registration(path, "w-a", "node-a", PROBE)  # what it names is this machine's
+    path.write_text(literal_default('architecture = "amd64", cpu_vendor = "GenuineIntel", cpu_model = "6/143", '
+                                    'kernel_digest = "k"'))
+    load_registration(path, "w-a", "node-a", PROBE)  # what it names is this machine's, all of the profile's keys
+
+
+@pytest.mark.parametrize("named", ['cpu_vendor = "GenuineIntel"', 'cpu_model = "6/143"'])
+@pytest.mark.parametrize("table", ["default", "restorable"])
+def test_a_literal_runtime_naming_this_machine_s_cpu_in_part_is_refused_unless_masked(tmp_path, named, table):
+    """`cpu_vendor = "GenuineIntel"` alone (this machine's) made a version equal to that of every Intel
+    machine whose file says the same, whatever its model: the memory images of a newer model were sent to
+    an older one, where they crash (found by an audit; a probed runtime that reads no `cpu_model` was
+    refused, its literal copy taken). Refused, naming what it names and what one profile needs; taken
+    with the profile's other key, with `cpu_features` (the gvisor profile's), or masked."""
+    path = tmp_path / "agent.toml"
+    attributes = f'architecture = "amd64", {named}, kernel_digest = "k"'
+
+    def write(attributes: str, masked: bool = False) -> None:
+        if table == "default":
+            path.write_text(literal_default(attributes, masked))
+        else:
+            path.write_text(agent_config("v1") + '\n[[sandbox_classes.restorable_runtimes]]\nname = "old"\n'
+                            f'schema_version = "v1"\nattributes = {{ {attributes} }}\n'
+                            + ("cpu_masked = true\n" if masked else ""))
+
+    write(attributes)
+    with pytest.raises(ConfigError) as error:
+        load_registration(path, "w-a", "node-a", PROBE)
+    field = "default_runtime" if table == "default" else "restorable_runtimes[0]"
+    key = named.split(" ")[0]
+    assert str(error.value).startswith(f"{path}: sandbox_classes[0].{field}.attributes: names {key} of the CPU but "
+                                       "not all of one profile's keys (cpu_features (as the gvisor probe reads "
+                                       "them) or cpu_vendor and cpu_model (as the microvm probe reads them))"), \
+        error.value
+    assert "--print-registration" in str(error.value) and "cpu_masked = true" in str(error.value)
+    write(attributes, masked=True)
+    load_registration(path, "w-a", "node-a", PROBE)
+    write('architecture = "amd64", cpu_vendor = "GenuineIntel", cpu_model = "6/143", kernel_digest = "k"')
+    load_registration(path, "w-a", "node-a", PROBE)
+    mine = {a.key: a.value for a in probed("v1").attributes}["cpu_features"]
+    write(f'{attributes}, cpu_features = "{mine}"')
+    load_registration(path, "w-a", "node-a", PROBE)
 
 
 @pytest.mark.parametrize("attributes", ['architecture = "arm64", gvisor_asset_hash = "v1"',

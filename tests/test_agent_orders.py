@@ -60,15 +60,18 @@ def attributes_of(cpu: str, profile: str) -> dict[str, str]:
 def config(mode: str, asset: str, microvm: bool, restorable: bool) -> str:
     """The agent's file. `mode`: "probed", or "literal-intel" / "literal-amd" (the runtimes written
     out as --print-registration gives them on that machine), or "partial-intel" / "partial-amd"
-    (gvisor probed, the microvm runtime written out naming only that machine's CPU vendor)."""
+    (gvisor probed, the microvm runtime written out naming that machine's CPU vendor and the gvisor
+    profile's `cpu_features`, not the microvm profile's `cpu_model`: each key it names is compared)."""
 
     def runtime(table: str, name: str, profile: str, extra: dict[str, str]) -> str:
         if mode == "probed" or (mode.startswith("partial-") and profile == "gvisor"):
             attrs = extra
             head = f'name = "{name}"\nprofile = "{profile}"\n'
         elif mode.startswith("partial-"):
-            read = attributes_of(mode.split("-")[1], profile)
-            attrs = {"architecture": read["architecture"], "cpu_vendor": read["cpu_vendor"], **extra}
+            cpu = mode.split("-")[1]
+            read = attributes_of(cpu, profile)
+            attrs = {"architecture": read["architecture"], "cpu_vendor": read["cpu_vendor"],
+                     "cpu_features": attributes_of(cpu, "gvisor")["cpu_features"], **extra}
             head = f'name = "{name}"\n'
         else:
             attrs = {**attributes_of(mode.split("-")[1], profile), **extra}

@@ -220,28 +220,40 @@ CPU_KEYS = tuple(sorted({key for keys in PROFILES.values() for key in keys if ke
 
 
 def _cpu_unnamed(runtime: RuntimeConfig, path: str) -> None:
-    """A literal version (schema v1) of a default or restorable runtime that names none of the keys a
-    probe profile reads of the CPU: ConfigError, unless the runtime masks the CPU (`cpu_masked`). Such
-    a version equals that of every machine of its architecture and assets, whatever their CPU, so the
-    snapshots of each would be restored on the others (found by an audit: taken on an Intel and an
-    AMD machine alike)."""
+    """A literal version (schema v1) of a default or restorable runtime that names not every key one
+    probe profile reads of the CPU (`cpu_features`; or `cpu_vendor` and `cpu_model`): ConfigError,
+    unless the runtime masks the CPU (`cpu_masked`). Naming none, its version equals that of every
+    machine of its architecture and assets, whatever their CPU, so the snapshots of each would be
+    restored on the others (found by an audit: taken on an Intel and an AMD machine alike); naming
+    `cpu_vendor` alone, that of every machine of the vendor, whatever its model (found by an audit,
+    2026-12-07: a probed runtime that reads no `cpu_model` was refused, its literal copy taken)."""
     if runtime.schema_version != SCHEMA_VERSION or runtime.cpu_masked:
         return
-    if not any(key in runtime.attributes for key in CPU_KEYS):
-        raise ConfigError(
-            f"{path}.attributes: names none of the CPU's keys ({', '.join(CPU_KEYS)}), so its version equals that "
-            "of every machine of its architecture whatever their CPU, and their memory images would be restored "
-            "here: give a `profile` to probe this machine, or copy the keys from this machine's `warmboot agent "
+    wanted = {profile: [key for key in keys if key != "architecture"] for profile, keys in PROFILES.items()}
+    if any(all(key in runtime.attributes for key in keys) for keys in wanted.values()):
+        return
+    ways = ("give a `profile` to probe this machine, or copy the keys from this machine's `warmboot agent "
             "--print-registration`; only a runtime that runs actors on a CPU it masks may leave them out (then "
             "say `cpu_masked = true`)")
+    named = [key for key in CPU_KEYS if key in runtime.attributes]
+    if not named:
+        raise ConfigError(
+            f"{path}.attributes: names none of the CPU's keys ({', '.join(CPU_KEYS)}), so its version equals that "
+            f"of every machine of its architecture whatever their CPU, and their memory images would be restored "
+            f"here: {ways}")
+    every = " or ".join(f"{' and '.join(keys)} (as the {profile} probe reads them)" for profile, keys in wanted.items())
+    raise ConfigError(
+        f"{path}.attributes: names {' and '.join(named)} of the CPU but not all of one profile's keys ({every}), so "
+        f"its version equals that of every machine of its architecture with the same {' and '.join(named)}, "
+        f"whatever else of their CPU, and their memory images would be restored here: {ways}")
 
 
 def _version(runtime: VersionConfig, path: str, probe: MachineRead, stamps: bool = False) -> dict[str, Any]:
     if runtime.profile is None:
         _architecture_named_otherwise(runtime, path, stamps)
         if isinstance(runtime, RuntimeConfig):
+            _cpu_named_otherwise(runtime, path, probe)  # a key of another CPU: said first, the more precise
             _cpu_unnamed(runtime, path)
-            _cpu_named_otherwise(runtime, path, probe)
         attributes = sorted(runtime.attributes.items())
         return {
             "schema_version": runtime.schema_version,
