@@ -113,3 +113,25 @@ async def test_a_limit_that_is_not_one_is_refused_naming_it_and_nothing_is_sent(
     assert (connecting.value.code, connecting.value.field) == (ErrorCode.INVALID_ARGUMENT, field)
     await nc.flush()
     assert silent.pending_msgs == 0
+
+
+async def test_a_time_out_after_several_attempts_says_how_many_and_how_long_in_all(nc, prefix):
+    """Nobody answers in time at any attempt: the error said `no reply from S within 0.2s` after three
+    attempts and some 0.7 s, read as one wait (a user trial of `limits`); it says the attempts and the
+    time in all. A single attempt says its wait alone, as before."""
+    subject = service_subject(prefix, "snapshotter", "create", "c-4")
+    silent = await nc.subscribe(subject)
+    wb = Client(nc, prefix, timeout=60.0, attempts=6)
+    with wb.limits(timeout=0.2, attempts=3):
+        with pytest.raises(ContractError) as lost:
+            await wb.create(actor("c-4"))
+    message = lost.value.message
+    assert lost.value.code is ErrorCode.UNAVAILABLE and lost.value.request_id is not None, lost.value
+    assert message.startswith(f"no reply from {subject} within 0.2s, at each of 3 attempts ("), message
+    assert message.endswith(" s in all)") and float(message.rsplit("(", 1)[1].split(" ")[0]) >= 0.6, message
+    assert await heard(nc, silent, 3) == ["200"] * 3
+    with wb.limits(timeout=0.2, attempts=1):
+        with pytest.raises(ContractError) as once:
+            await wb.create(actor("c-4"))
+    assert once.value.message == f"no reply from {subject} within 0.2s", once.value
+    assert await heard(nc, silent, 1) == ["200"]

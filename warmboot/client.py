@@ -151,6 +151,7 @@ WRITE_NOTHING = frozenset({("registry", "heartbeat"), ("scheduler", "explain"), 
                            ("scheduler", "whatif"), ("scheduler", "runtimes"), ("snapshotter", "status"),
                            ("scheduler", "worker"), ("scheduler", "actors"), ("scheduler", "workers")})
 NO_SERVICE = "no service answers "  # how a request that reached nobody is said (then the subject)
+NO_REPLY = "no reply from "  # how an attempt's time-out is said (then the subject and the wait)
 UNSENT_FULL = "not connected to NATS, and the requests waiting to be sent fill the connection's buffer"
 
 
@@ -395,6 +396,7 @@ class Client:
         delay = FIRST_BACKOFF_S
         started = asyncio.get_running_loop().time()
         nobody = 0  # attempts that reached no service
+        timed_out = 0  # attempts that waited `timeout` for an answer and heard none
         sent = False  # an earlier attempt went out and may have been carried out (its answer not heard)
         for attempt in range(attempts):
             try:
@@ -411,6 +413,7 @@ class Client:
                 if not _transient(service, error):
                     raise
                 nobody += error.message.startswith(NO_SERVICE)
+                timed_out += error.message.startswith(NO_REPLY)
                 sent = sent or not error.message.startswith((NO_SERVICE, UNSENT_FULL))
                 if attempt == attempts - 1:
                     if error.message.startswith(NO_SERVICE):  # the attempts made, and what is likely wrong
@@ -423,6 +426,13 @@ class Client:
                         made = f"at the last of {attempt + 1} attempts ({nobody} reached no service)"
                         why = f": the {service} was reached before; it may be stopping or restarting"
                         raise unavailable(f"{NO_SERVICE}{subject} {made} in {took:.1f} s{why}") from None
+                    if attempts > 1 and error.message.startswith(NO_REPLY):
+                        # "within 5s" alone, after six attempts and some 35 s, read as one wait of 5 s (a
+                        # user trial of `limits(timeout=0.3, attempts=2)`): the attempts made, and the time
+                        took = asyncio.get_running_loop().time() - started
+                        made = (f"at each of {attempts} attempts" if timed_out == attempts
+                                else f"at the last of {attempts} attempts")
+                        raise unavailable(f"{error.message}, {made} ({took:.1f} s in all)") from None
                     raise
             else:
                 seq = getattr(reply, "seq", None)
@@ -454,7 +464,7 @@ class Client:
         except nats.errors.NoRespondersError:
             raise unavailable(f"{NO_SERVICE}{subject}") from None
         except nats.errors.TimeoutError:
-            raise unavailable(f"no reply from {subject} within {timeout:g}s") from None
+            raise unavailable(f"{NO_REPLY}{subject} within {timeout:g}s") from None
         except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError, nats.errors.MaxPayloadError,
                 nats.errors.OutboundBufferLimitError) as error:
             if not self.refusals_final:  # the agent: its own loop takes nats-py's errors, as it always did
