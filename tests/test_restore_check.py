@@ -114,3 +114,18 @@ async def test_the_agent_checks_an_assignment_the_scheduler_made_against_its_mac
     bad = await asyncio.to_thread(run_check, path, b'{"actor_id": "a-1"}')
     assert bad.exit_code == 2 and "Invalid value for '--check-placement'" in bad.output
     assert "INVALID_ARGUMENT" in bad.output and "worker_id" in bad.output, bad.output
+
+
+def test_check_placement_beside_print_registration_is_a_usage_error(tmp_path):
+    """Given both, the agent checked the placement and left the registration unprinted, exit 0, without a
+    word (a user trial): each prints its answer and exits, so both together are refused, exit 2,
+    nothing read from standard input."""
+    path, _ = machine(tmp_path, config("v2"))
+    both = CliRunner().invoke(main, ["agent", "--worker-id", "w-1", "--node", "node-a", "--config", str(path),
+                                     "--cpuinfo", str(CPUINFO), "--arch", "amd64", "--check-placement", "-",
+                                     "--print-registration"], input=b"{}", prog_name="warmboot")
+    assert both.exit_code == 2, both.output
+    assert both.stderr.startswith("Usage: warmboot agent "), both.stderr
+    assert both.stderr.endswith("error: give --print-registration or --check-placement, not both (each prints its "
+                                "answer and exits)\n"), both.stderr
+    assert both.stdout == ""

@@ -117,6 +117,11 @@ def agent(
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     probe = ProbeSettings(cpuinfo_path=cpuinfo_path, architecture=arch)
+    if print_registration and placement_file is not None:
+        # each prints its answer and exits: given both, the check ran and the registration was not
+        # printed, without a word (a user trial)
+        raise click.UsageError("give --print-registration or --check-placement, not both (each prints its answer "
+                               "and exits)")
     if print_registration or placement_file is not None:
         try:
             registration = load_registration(config_path, worker_id, node, probe)
