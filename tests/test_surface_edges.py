@@ -210,6 +210,20 @@ def test_a_malformed_id_is_a_usage_error_of_every_command_before_anything_is_sen
     assert "UNAVAILABLE" not in shown.output and shown.stdout == ""
 
 
+@pytest.mark.parametrize("command, argument", [(["actor", "tag", "a-1"], "TAG"),
+                                               (["actor", "update-template", "a-1"], "TEMPLATE_UID")])
+def test_a_malformed_tag_or_template_argument_is_a_usage_error_before_anything_is_sent(command, argument):
+    """`actor tag a-1 'bad tag'` and `actor update-template a-1 'bad t'` connected and were refused by the
+    snapshotter, exit 1, `INVALID_ARGUMENT tag` naming no argument, and with no server only UNAVAILABLE
+    (a user trial): both are ids, checked as ACTOR_ID is, exit 2, before connecting."""
+    shown = CliRunner().invoke(main, [*command, "bad id", "--nats", "nats://127.0.0.1:1"], prog_name="warmboot")
+    assert shown.exit_code == 2, shown.output
+    assert shown.stderr.startswith(f"Usage: warmboot {' '.join(command[:2])} "), shown.stderr
+    assert shown.stderr.endswith(f"error: Invalid value for '{argument}': 'bad id' is not an id: 1 to 128 letters, "
+                                 "digits, '_' or '-', the first a letter or digit\n"), shown.stderr
+    assert "UNAVAILABLE" not in shown.output and shown.stdout == ""
+
+
 def test_a_malformed_worker_id_of_a_filter_is_a_usage_error_before_anything_is_sent():
     """`actor list --worker 'bad id'` connected and listed nothing (a docs check): an option naming
     workers is checked as an argument is, exit 2, before it connects (as `whatif --drain`)."""

@@ -152,12 +152,15 @@ def check_id(ctx: click.Context | None, param: click.Parameter | None, value):
     return value
 
 
-ID_ARGUMENTS = ("actor_id", "worker_id")  # the arguments that name an entity: a subject token each
+# the arguments that are ids: an entity's (a subject token each), and `actor tag`'s TAG and `actor
+# update-template`'s TEMPLATE_UID, ids of the request's body (`events.schema.Id`) that a server refused only
+# once it answered, INVALID_ARGUMENT naming neither argument, and with no server as UNAVAILABLE (a user trial)
+ID_ARGUMENTS = ("actor_id", "worker_id", "tag", "template_uid")
 
 
 def check_id_arguments(ctx: click.Context | None) -> None:
-    """The running command's ACTOR_ID or WORKER_ID argument is an id (`check_id`), else a usage error
-    naming it, exit status 2, before anything is sent: the rule of every command that takes an id
+    """The running command's ACTOR_ID or WORKER_ID argument (and TAG, TEMPLATE_UID) is an id (`check_id`),
+    else a usage error naming it, exit status 2, before anything is sent: the rule of every command that takes an id
     (`worker show 'bad id'` was a usage error, `explain 'bad id'` an INVALID_ARGUMENT from the
     client, exit 1, and only once the server answered: a walkthrough). `ask` checks it of every
     command, so that one whose argument has no `check_id` callback keeps the rule too."""
@@ -271,7 +274,7 @@ def ask(nats_url: str, work: Callable[[Any], Awaitable[Any]]) -> Any:
     WAITING_NOTE_S is said to be waited for, on a terminal, with the last error."""
 
     ctx = click.get_current_context(silent=True)
-    check_id_arguments(ctx)  # a malformed ACTOR_ID or WORKER_ID: a usage error, before connecting
+    check_id_arguments(ctx)  # a malformed ACTOR_ID, WORKER_ID, TAG or TEMPLATE_UID: a usage error, before connecting
     seed = ctx.meta.get(NKEY_SEED_META) if ctx is not None else None  # --nkey-seed (else $NATS_NKEY_SEED)
 
     async def run() -> Any:
