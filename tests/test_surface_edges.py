@@ -344,3 +344,19 @@ async def test_with_no_scheduler_to_say_them_a_client_s_labels_are_ids_and_stder
                 paused.stderr
     finally:
         server.stop()
+
+
+# --- 5. what --help says of an nkey seed's inbox -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", [["workers"], ["actor", "pause"], ["audit", "verify"], ["whatif"]])
+def test_the_nkey_seed_help_says_the_file_s_name_gives_the_inbox(command):
+    """`--nkey-seed`'s help said to give the user's inbox prefix in $NATS_INBOX_PREFIX, as if a seed file
+    alone could not be used; the commands hear their replies under `_INBOX.<user>`, the user the file's
+    name gives (`<user>.nk`, tests/test_cli_connect.py; README), and the variable is needed only for a
+    file named otherwise (a user trial of the help against the README)."""
+    shown = CliRunner().invoke(main, [*command, "--help"], env={"COLUMNS": "200"})
+    assert shown.exit_code == 0, shown.output
+    helped = " ".join(shown.output.split())
+    assert "replies are heard under _INBOX.<user>, the user the file's name gives (<user>.nk, as nats-config " \
+           "--seeds-dir names it), else give the user's inbox prefix in $NATS_INBOX_PREFIX." in helped, helped

@@ -113,8 +113,9 @@ def nats_option(command: Callable) -> Callable:
     command = click.option(
         "--nkey-seed", type=click.Path(exists=True, dir_okay=False), default=None, envvar=NKEY_SEED_ENV,
         show_envvar=True, expose_value=False, callback=_keep_nkey_seed,
-        help="Sign in with the nkey seed in this file (warmboot nats-config --auth nkey); give the user's "
-             "inbox prefix in $NATS_INBOX_PREFIX.")(command)
+        help="Sign in with the nkey seed in this file (warmboot nats-config --auth nkey); replies are heard "
+             "under _INBOX.<user>, the user the file's name gives (<user>.nk, as nats-config --seeds-dir "
+             "names it), else give the user's inbox prefix in $NATS_INBOX_PREFIX.")(command)
     return click.option("--nats", "nats_url", default="nats://127.0.0.1:4222", show_default=True,
                         envvar="NATS_URL", show_envvar=True, callback=check_nats_option,
                         help="NATS server URL(s), comma-separated." + SIGN_IN_ENV_HELP)(command)
