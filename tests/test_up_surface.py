@@ -226,3 +226,24 @@ async def test_up_makes_an_earlier_version_s_synced_heartbeat_bucket_anew_unsync
             code = up.signal(signal.SIGINT)
         assert code == 0, up.output[-2000:]
         assert "persist mode default" not in up.output, up.output
+
+
+def test_reset_on_a_port_taken_keeps_the_log(tmp_path):
+    """`up --reset --port P` with P taken discarded the store's log ("resetting the store"), then failed on
+    the port (a user trial): the reset the user asked for, and no server to show for it. The port is
+    checked before the reset: refused, exit 1, the store as it was."""
+    from warmboot.natsserver import NatsServer
+
+    kept = tmp_path / "kept"
+    NatsServer(kept.resolve(), name="warmboot").start().stop()  # a store with a log in it
+    before = contents(kept)
+    assert any(name.startswith("warmboot/") for name in before), before
+    with held_port() as taken:
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(main, ["up", "--reset", "--port", str(port), "--metrics-port", "0",
+                                           "--store", str(kept)])
+    assert result.exit_code == 1, result.output
+    assert "resetting the store" not in result.output, result.output
+    assert f"the store {kept} is kept as it was, nothing reset" in result.output, result.output
+    assert f"(is another warmboot or NATS on port {port}? try --port 0)" in result.output
+    assert contents(kept) == before

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import shutil
+import socket
 from contextlib import AsyncExitStack, suppress
 from pathlib import Path
 
@@ -196,10 +197,29 @@ async def _unsynced_heartbeats(url: str, prefix: str) -> bool:
         return False
 
 
+def _bind_error(host: str, port: int) -> OSError | None:
+    """Why nats-server could not listen on `host`:`port` now, if it could not: bound as nats-server
+    binds (SO_REUSEADDR, so a connection of a server stopped a moment ago, in TIME_WAIT, is no reason)."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as error:
+            return error
+    return None
+
+
 def _start(server: NatsServer, store: Path, port: int, reset: bool) -> None:
     """Start `server` on `store`, whose lock it holds, wiped first if `reset`; said once it runs."""
     reused = server.has_store and not reset
     if server.has_store and reset:
+        # a port taken is said before the log is discarded, as before anything is made (`up --reset --port P`,
+        # P in use, wiped the log, then failed: a user trial); nats-server may still fail to bind after this
+        # check (another process binding meanwhile), as it would without it
+        if port and (taken := _bind_error(server.host, port)) is not None:
+            raise click.ClickException(f"cannot listen on {server.host}:{port}: {taken.strerror or taken}; the "
+                                       f"store {store} is kept as it was, nothing reset\n(is another warmboot or "
+                                       f"NATS on port {port}? try --port 0)")
         console.print(f"[yellow]resetting the store {store}[/] (the previous log is discarded)")
         server.reset_store()
     try:
