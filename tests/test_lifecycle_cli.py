@@ -727,6 +727,29 @@ async def test_create_of_a_class_no_worker_runs_warns_and_creates(bus, nc, prefi
     assert known.exit_code == 0 and not known.stderr, known.output
 
 
+async def test_create_with_no_scheduler_answering_says_nothing_was_checked(nats_url, nc, prefix):
+    """With the registry and the snapshotter running and no scheduler, `actor create` of a class no worker
+    runs printed the create's line alone: no warning, and nothing said of the checks it could not make
+    (a user trial; the other checks not made are said in a note). It says so in one line; the create
+    is made, its reply unchanged."""
+    from contextlib import AsyncExitStack
+
+    from tests.factories import SILENT_TTL_S
+    from warmboot.runner import start_services
+
+    async with AsyncExitStack() as exits:
+        await start_services(exits, ["registry", "snapshotter"], nats_url, prefix,
+                             options={"registry": {"ttl_s": SILENT_TTL_S}})
+        result = await cli("actor", "create", "a-1", "--class", "gvsor", "--template", "t1", "--cpu", "100",
+                           "--memory", "64", "--selector", "zone=a", "--nats", nats_url, "--prefix", prefix)
+    assert result.exit_code == 0, result.output
+    assert result.stdout == f"actor/a-1 created (seq {await last_seq(nc, prefix)})\n"
+    assert result.stderr.startswith("note: a-1 not checked against the workers (its class, its size, --selector): "
+                                    f"the scheduler did not answer (no service answers {prefix}.scheduler."
+                                    "fragmentation after "), result.stderr
+    assert len(result.stderr.splitlines()) == 1, result.stderr
+
+
 async def test_an_actor_bigger_than_any_worker_is_told_so_at_create_and_at_every_resume(bus, monkeypatch):
     """An actor bigger than any worker of its class is created (a bigger worker may register later),
     with a warning; its resume is refused, RESOURCE_EXHAUSTED as ever, saying no worker of the class

@@ -299,8 +299,8 @@ def create_cmd(actor_id: str, sandbox_class: str, template_uid: str, cpu_millis:
                                        else unread_why(e))
         try:  # the fleet as the scheduler counts it: its classes, their undrained workers, the stamps they accept
             read.answer = await wb.fragmentation(min_seq=reply.seq)
-        except (ContractError, OSError, asyncio.TimeoutError, nats.errors.Error):
-            pass  # no scheduler answering: nothing to say
+        except (ContractError, OSError, asyncio.TimeoutError, nats.errors.Error) as e:
+            read.unasked = unread_why(e)  # no scheduler answering: said in a note, nothing checked
         ours = read.class_of(sandbox_class)
         if read.answer is None:
             return reply, read
@@ -353,6 +353,7 @@ class Created:
     snapshot: Snapshot | None = None  # the actor's first: the --golden-snapshot file's, or the tag's as copied
     tag_unread: str | None = None  # why the tag's snapshot could not be read
     answer: Fragmentation | None = None  # the scheduler's fragmentation (None: it did not answer)
+    unasked: str | None = None  # why it did not answer
     runtimes: Runtimes | None = None  # the scheduler's `runtimes`, to label a stamp (None: it did not say them)
     explained: Explanation | None = None  # the scheduler's explain of the actor, asked with --selector alone
     unexplained: str | None = None  # why it could not be asked
@@ -418,6 +419,11 @@ def create_warnings(body: CreateActor, read: Created) -> list[str]:
     said = class_unserved(body, read, ours)
     if said is not None:
         lines.append(f"warning: {said}")
+    elif read.answer is None and read.unasked:  # nothing checked: said, as the other checks not made are
+        checks = ["its class", "its size", *(["--selector"] if body.selectors else []),
+                  *(["its snapshot's stamp"] if read.snapshot is not None else [])]
+        lines.append(f"note: {aid} not checked against the workers ({', '.join(checks)}): the scheduler did not "
+                     f"answer ({read.unasked})")
     elif live and body.selectors and none_passes(read.explained, SELECTOR_MISMATCH):  # refused at resume
         lines.append(f"warning: no undrained worker of class {cls} has the labels {labels_asked(body)}; "
                      f"resuming {aid} is refused until one does (`warmboot workers -o wide` shows their labels)")
