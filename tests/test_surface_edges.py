@@ -360,3 +360,27 @@ def test_the_nkey_seed_help_says_the_file_s_name_gives_the_inbox(command):
     helped = " ".join(shown.output.split())
     assert "replies are heard under _INBOX.<user>, the user the file's name gives (<user>.nk, as nats-config " \
            "--seeds-dir names it), else give the user's inbox prefix in $NATS_INBOX_PREFIX." in helped, helped
+
+
+# --- 6. an empty --request-id ------------------------------------------------------------------------------
+
+REQUEST_ID_COMMANDS = [
+    ["actor", "create", "a-1", "--class", "gvisor", "--template", "t1", "--cpu", "500", "--memory", "1024"],
+    ["actor", "pause", "a-1"], ["actor", "suspend", "a-1"], ["actor", "resume", "a-1"], ["actor", "tag", "a-1", "v1"],
+    ["actor", "revert", "a-1"], ["actor", "update-template", "a-1", "t2"], ["actor", "stop", "a-1"],
+    ["worker", "drain", "w-1"], ["worker", "remove", "w-1"],
+]
+
+
+@pytest.mark.parametrize("command", REQUEST_ID_COMMANDS, ids=[" ".join(c[:2]) for c in REQUEST_ID_COMMANDS])
+def test_an_empty_request_id_is_a_usage_error_before_anything_is_sent(command):
+    """`--request-id ""` (a script's `--request-id "$ID"`, $ID unset) was taken by the client as none: a
+    new id at each run, so the request was not the same one sent again, without a word; `actor create`
+    sent it and was refused INVALID_ARGUMENT (a user trial). Every command refuses it, exit 2, before it
+    connects (here to a port nothing listens on)."""
+    shown = CliRunner().invoke(main, [*command, "--request-id", "", "--nats", "nats://127.0.0.1:1"],
+                               prog_name="warmboot")
+    assert shown.exit_code == 2, shown.output
+    assert shown.stderr.endswith("error: Invalid value for '--request-id': an empty request id: give the id of the "
+                                 "request to send again, or leave the option out for a new one\n"), shown.stderr
+    assert "UNAVAILABLE" not in shown.output and shown.stdout == ""

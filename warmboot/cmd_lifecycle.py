@@ -184,7 +184,18 @@ def unfenced_note(what: str, option: str, anew: str) -> Callable[[str, ContractE
     return note
 
 
-request_id_option = click.option("--request-id", default=None,
+def check_request_id(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """click callback: `--request-id ''` is a usage error. The client takes an empty id for none and makes a
+    new one, so `actor pause A --request-id "$ID"` with $ID empty was a new request at each run, not the
+    same one sent again, without a word (and `actor create`'s, sent as given, INVALID_ARGUMENT: a user
+    trial); the rest of the id's form is the service's to judge, naming the option."""
+    if value == "":
+        raise click.BadParameter("an empty request id: give the id of the request to send again, or leave the "
+                                 "option out for a new one")
+    return value
+
+
+request_id_option = click.option("--request-id", default=None, callback=check_request_id,
                                  help="Idempotency key: the same command with the same id is the same request "
                                       "(default: a new one, named by an UNAVAILABLE error: the request may "
                                       "have been carried out).")
