@@ -42,7 +42,8 @@ What it does so that callers need not:
   no service answered any time is UNAVAILABLE "no service answers SUBJECT after N attempts in
   T s: is 'PREFIX' the deployment's prefix, and is its SERVICE running?", or "at the last of N
   attempts (K reached no service) in T s: the SERVICE was reached before; it may be stopping or
-  restarting" when others timed out or were UNAVAILABLE); so is
+  restarting" when others timed out or were UNAVAILABLE; one whose attempts all went unanswered
+  in time, "no reply from SUBJECT within Ts, at each of N attempts (S s in all)"); so is
   the registry's RESOURCE_EXHAUSTED that names no field (its replica was working on a few
   requests about the same worker already and took nothing: `_transient`). Everything else
   is raised at once, and so is UNAVAILABLE naming `min_seq` or a resume's `life_seq` (a sequence
