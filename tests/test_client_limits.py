@@ -135,3 +135,14 @@ async def test_a_time_out_after_several_attempts_says_how_many_and_how_long_in_a
             await wb.create(actor("c-4"))
     assert once.value.message == f"no reply from {subject} within 0.2s", once.value
     assert await heard(nc, silent, 1) == ["200"]
+
+
+@pytest.mark.parametrize("connect_timeout", [0, -1.0, math.nan, "5", True])
+async def test_a_connect_timeout_that_is_not_one_is_refused_naming_it_before_connecting(connect_timeout):
+    """`Client.connect(url, connect_timeout=0)` tried for no time and raised UNAVAILABLE "cannot reach NATS ...
+    within 0 s: TimeoutError" of a server that was up (a user trial), where `timeout=0` is refused: it is
+    INVALID_ARGUMENT naming it, before connecting (here to a port nothing listens on)."""
+    with pytest.raises(ContractError) as bad:
+        await Client.connect("nats://127.0.0.1:1", connect_timeout=connect_timeout)
+    assert (bad.value.code, bad.value.field) == (ErrorCode.INVALID_ARGUMENT, "connect_timeout"), bad.value
+    assert bad.value.message == f"{connect_timeout!r} is not a number of seconds above 0"

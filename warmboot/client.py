@@ -293,8 +293,8 @@ class Client:
         once while it repeats. A server that does not answer within `connect_timeout` seconds is
         UNAVAILABLE (ContractError), naming it; one that refuses the user that inbox prefix,
         FAILED_PRECONDITION (`warmboot.connection.hears_replies`), before anything is sent; a
-        prefix that is not one, or a URL the CLI's --nats refuses, INVALID_ARGUMENT (field `prefix`,
-        `servers`) before connecting;
+        prefix that is not one, a URL the CLI's --nats refuses, or a `connect_timeout` that is not a number
+        of seconds above 0, INVALID_ARGUMENT (field `prefix`, `servers`, `connect_timeout`) before connecting;
         after that the connection reconnects for as long as it lives. `options` go to the
         Client, except the nats.connect keywords
         `user_credentials`, `nkeys_seed`, `inbox_prefix` and `name`."""
@@ -302,6 +302,9 @@ class Client:
         nkey_seed = options.pop("nkeys_seed", None)
         inspect.signature(cls).bind(None, prefix, **options)  # a mistyped option: its TypeError before connecting
         checked_limits(options.get("timeout", DEFAULT_TIMEOUT_S), options.get("attempts", DEFAULT_ATTEMPTS))
+        if isinstance(connect_timeout, bool) or not isinstance(connect_timeout, (int, float)) \
+                or not connect_timeout > 0:  # `0` tried for no time and said UNAVAILABLE "within 0 s" (inf: wait on)
+            raise invalid(f"{connect_timeout!r} is not a number of seconds above 0", "connect_timeout")
         try:  # before connecting: a bad prefix was a ValueError, raised with the connection left open
             check_prefix(prefix)
         except ValueError as error:
