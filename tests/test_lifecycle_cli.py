@@ -778,8 +778,10 @@ async def test_an_actor_bigger_than_any_worker_is_told_so_at_create_and_at_every
     assert zoned.exit_code == 0 and "big enough" not in zoned.stderr, zoned.output
     refused = await run("actor", "resume", "zoned-1")
     assert refused.exit_code == 1
-    assert refused.stderr == ("error: RESOURCE_EXHAUSTED: 0/2 workers available: 2 selector mismatch (zone); no "
-                              "worker of the class fits\n"), refused.stderr
+    assert refused.stderr == ("error: RESOURCE_EXHAUSTED selectors (--selector): 0/2 workers available: 2 selector "
+                              "mismatch (zone); no undrained worker of the class has the labels its selectors ask "
+                              "for; no room freed will place it, an undrained worker with them must register\n"), \
+        refused.stderr
     assert read == []
 
 

@@ -25,6 +25,8 @@ from tests.factories import AT, Log, entry, runtime, version
 
 V1 = version("1")
 BUSY = "no worker of the class fits"
+NO_LABELS = ("no undrained worker of the class has the labels its selectors ask for; no room freed will place it, an "
+             "undrained worker with them must register")
 
 
 def refusal(log: Log, actor_id: str, selectors=None, code: ErrorCode = ErrorCode.RESOURCE_EXHAUSTED) -> str:
@@ -56,7 +58,7 @@ def test_a_refusal_names_the_selector_key_the_workers_do_not_match():
     # a key the request adds is named too, and every key a worker misses counts
     log.worker("b-2", labels={"zone": "b"})
     assert refusal(log, "x", {"disk": "ssd"}) == (
-        "0/4 workers available: 4 selector mismatch (disk, zone); " + BUSY)
+        "0/4 workers available: 4 selector mismatch (disk, zone); " + NO_LABELS)
 
 
 def test_many_selector_keys_are_named_a_few_at_most_the_most_missed_first():
@@ -65,7 +67,7 @@ def test_many_selector_keys_are_named_a_few_at_most_the_most_missed_first():
     log.worker("w-2", labels={"k1": "x"})
     log.worker("w-3", labels={})
     log.actor("x", selectors={f"k{i}": "x" for i in range(1, 6)})  # k3 to k5: no worker has them
-    assert refusal(log, "x") == "0/3 workers available: 3 selector mismatch (k3, k4, k5, +2 more); " + BUSY
+    assert refusal(log, "x") == "0/3 workers available: 3 selector mismatch (k3, k4, k5, +2 more); " + NO_LABELS
 
 
 def test_summary_names_keys_only_after_selector_mismatch():
@@ -239,7 +241,10 @@ def test_a_refusal_names_a_field_only_where_no_room_freed_can_place_the_actor():
     log.actor("huge", mem=8192)
     assert refused_field(log, "huge") == "resources"  # a bigger worker must register
     log.actor("picky", mem=256, selectors={"zone": "b"})
-    assert refused_field(log, "picky") is None  # selectors are not judged so: the counts say "selector mismatch"
+    assert refused_field(log, "picky") == "selectors"  # no worker has zone=b: one that has it must register
+    log.worker("zb", labels={"zone": "b"}, mem=4096)
+    log.drain("zb")
+    assert refused_field(log, "picky") == "selectors"  # a drain lasts the worker's life
     log.actor("strict", mem=256, min_fidelity=Fidelity.MEMORY)
     log.snapshot("strict", stamped=version("0"))  # no registered worker accepts its image's runtime
     assert refused_field(log, "strict") == STAMP_FIELD
@@ -251,6 +256,27 @@ def test_a_refusal_names_a_field_only_where_no_room_freed_can_place_the_actor():
     assert refused_field(log, "arm") == ARCH_FIELD
     log.actor("other", sandbox_class="firecracker")
     assert refused_field(log, "other") == "sandbox_class"
+
+
+def test_selectors_are_named_only_when_no_undrained_worker_of_the_class_has_the_labels():
+    """`selectors` (2026-12-07: a trial's resume refused for `pool=nope` read as busy, field null): not
+    when a worker with the labels is full (room may come free), nor when one with them fails a later
+    check only a change of the fleet ends, which keeps its own field (here the stamp's architecture)."""
+    log = Log()
+    log.worker("za", labels={"zone": "a"}, mem=4096)
+    log.worker("zb", labels={"zone": "b"}, mem=4096)
+    log.actor("fills", mem=3000, selectors={"zone": "b"})
+    log.place(log.decide("fills"))
+    log.actor("x", mem=3000, selectors={"zone": "b"})
+    assert refused_field(log, "x") is None  # zb has the label, and is full
+    assert refusal(log, "x") == "0/2 workers available: 1 insufficient memory, 1 selector mismatch (zone); " + BUSY
+    assert explained(log, "x") == refusal(log, "x")
+    log.actor("c", mem=256, selectors={"zone": "c"})
+    assert refusal(log, "c") == "0/2 workers available: 2 selector mismatch (zone); " + NO_LABELS
+    assert explained(log, "c") == refusal(log, "c")
+    log.actor("arm", mem=256, selectors={"zone": "b"})
+    log.snapshot("arm", stamped=version("9", arch="arm64"))  # zb has the label, and is amd64
+    assert refused_field(log, "arm") == ARCH_FIELD
 
 
 def test_a_remembered_refusal_keeps_its_field():

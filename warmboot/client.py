@@ -759,7 +759,7 @@ class Client:
     ) -> Assignment:
         """Place the actor on a worker (where, at which fidelity, pinned to which runtime). No worker
         able to take it now is RESOURCE_EXHAUSTED: with `field` null, room coming free may place it
-        (try later); with a `field` (`resources`, `sandbox_class`, `snapshot.sandbox_runtime`, or
+        (try later); with a `field` (`resources`, `sandbox_class`, `selectors`, `snapshot.sandbox_runtime`, or
         its architecture), the fleet lacks what that part of the actor needs, and only a worker that
         registers can change it (docs/contract.md, "Placement").
 

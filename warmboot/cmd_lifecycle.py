@@ -51,7 +51,8 @@ from warmboot.cli_common import (MIB, MILLICORES, REFUSED_THE_LOG, IntRange, Log
                                  json_option, last_seq, min_seq_option, nats_option, prefix_option, read_subject,
                                  replay_for, selectors_of, unread_why)
 from warmboot.client import Client, Refused, asked_first
-from services.scheduler.feasibility import REASONS, RUNTIME_MISMATCH, SELECTOR_MISMATCH
+from services.scheduler.feasibility import RUNTIME_MISMATCH, SELECTOR_MISMATCH
+from services.scheduler.feasibility import none_passes as feasibility_none_passes
 from warmboot.cmd_views import (
     LABELS_TIMEOUT_S,
     asked_pages,
@@ -386,17 +387,10 @@ class Created:
 
 def none_passes(explained: Explanation | None, check: str) -> bool:
     """Whether the scheduler's explain of an actor found that no undrained worker of its class passes
-    `check` (a feasibility reason: `selector mismatch`, no worker has the labels its selectors ask for;
-    `runtime mismatch`, none of those that have them accepts the stamp of its snapshot, the first
-    requirement explain tallies). The checks run in `feasibility.REASONS`' order, and each worker is
-    counted under the first it fails (or every resource check): a worker that passes `check` is a
-    candidate or passed over for a later reason. So none passes it when there is no candidate, no such
-    later reason, and some worker was passed over for it (an explain that tallied nothing, of an actor
-    that cannot be resumed, says nothing of it)."""
-    if explained is None or not explained.counts.get(check):
-        return False
-    later = REASONS[REASONS.index(check) + 1:]
-    return explained.candidates == 0 and not any(explained.counts.get(reason) for reason in later)
+    `check` (`feasibility.none_passes` of its tally: `selector mismatch`, no worker has the labels its
+    selectors ask for; `runtime mismatch`, none of those that have them accepts the stamp of its
+    snapshot, the first requirement explain tallies); False without an explain."""
+    return explained is not None and feasibility_none_passes(explained.candidates, explained.counts, check)
 
 
 def labels_asked(body: CreateActor) -> str:

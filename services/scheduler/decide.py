@@ -51,8 +51,10 @@ runtime mismatch, 2 selector mismatch (zone), ..."; `summary`, the selector keys
 matched named after their count), then says why no further tier was tried: the plan's
 refusal, or, for an actor bigger than any worker of its class could ever take (the class
 index counts its workers' capacities), that no worker of the class is big enough, the
-largest's capacity and what the actor needs (`refusal_cause`): the same code, which would
-otherwise read as "busy, try later".
+largest's capacity and what the actor needs, or, when by those counts no undrained worker of
+the class has the labels its selectors ask for, that (`refusal_cause`): the same code, which
+would otherwise read as "busy, try later", with a `field` naming what of the actor the fleet
+lacks.
 
 ## Choice within a tier (rule 7): power of two choices, deterministic
 
@@ -86,7 +88,8 @@ from events.schema import (
     Rejection,
     Resources,
 )
-from services.scheduler.feasibility import NO_PENDING, REASONS, SELECTOR_MISMATCH, Ask, Pending, missing_keys
+from services.scheduler.feasibility import (NO_PENDING, REASONS, SELECTOR_MISMATCH, Ask, Pending, missing_keys,
+                                            none_passes)
 from services.scheduler.projection import Projection
 from services.scheduler.records import (
     EDGE_DEFAULT,
@@ -610,21 +613,30 @@ def exhausted_message(projection: Projection, the_plan: Plan, pending: Pending) 
     was tried (`refusal_cause`), and its field (`Cause`)."""
     keys: dict[str, int] = {}
     total, candidates, counts = tally(projection.workers.values(), the_plan.primary, pending, None, keys)
-    cause = refusal_cause(projection, the_plan)
+    cause = refusal_cause(projection, the_plan, candidates, counts)
     return Cause(f"{summary(candidates, total, counts, keys)}; {cause.text}", cause.field)
 
 
-def refusal_cause(projection: Projection, the_plan: Plan) -> Cause:
-    """Why a refused resume had no further tier: the plan's refusal, or, when the actor is bigger
-    than any worker of its class could ever take (`bigger_than`, from the capacities the class's
-    index counts: no pass over the fleet), that, since then no room freed helps (a refusal of the
-    same code, RESOURCE_EXHAUSTED, that would otherwise read as "busy, try later")."""
+SELECTORS_FIELD = "selectors"
+
+
+def refusal_cause(projection: Projection, the_plan: Plan, candidates: int, counts: Mapping[str, int]) -> Cause:
+    """Why a refused resume had no further tier: the plan's refusal; or, since then no room freed
+    helps (a refusal of the same code, RESOURCE_EXHAUSTED, that would otherwise read as "busy, try
+    later"), when the actor is bigger than any worker of its class could ever take (`bigger_than`,
+    from the capacities the class's index counts: no pass over the fleet), that; or, when the plan's
+    refusal names no field and the refusal's tally (`candidates`, `counts`) has no undrained worker
+    of the class with the labels its selectors ask for, that (field `selectors`: a drain lasts the
+    worker's life)."""
     ask = the_plan.primary
     too_big = too_big_for_class(projection, ask.sandbox_class, ask.cpu, ask.memory_mib)
-    if too_big is None:
-        return the_plan.refusal
-    return Cause(f"no worker of the class is big enough: {too_big}; no room freed will fit it, a bigger worker must "
-                 "register", "resources")
+    if too_big is not None:
+        return Cause(f"no worker of the class is big enough: {too_big}; no room freed will fit it, a bigger worker "
+                     "must register", "resources")
+    if the_plan.refusal.field is None and none_passes(candidates, counts, SELECTOR_MISMATCH):
+        return Cause("no undrained worker of the class has the labels its selectors ask for; no room freed will "
+                     "place it, an undrained worker with them must register", SELECTORS_FIELD)
+    return the_plan.refusal
 
 
 def too_big_for_class(projection: Projection, sandbox_class: str, cpu: int, memory_mib: int) -> str | None:

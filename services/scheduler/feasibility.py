@@ -153,6 +153,19 @@ class Ask:
         return [r for bit, r in ((SHORT_CPU, INSUFFICIENT_CPU), (SHORT_MEMORY, INSUFFICIENT_MEMORY)) if verdict & bit]
 
 
+def none_passes(candidates: int, counts: Mapping[str, int], check: str) -> bool:
+    """Whether, by a tally of every worker (`decide.tally`: how many fit, and how many were passed over
+    for each reason), no worker of the class that is not drained passes `check` (`selector mismatch`:
+    none has the labels the selectors ask for; `runtime mismatch`: none of those that have them accepts
+    the stamp). The checks run in REASONS' order and each worker is counted under the first it fails
+    (or every resource check): one that passes `check` fits or is counted under a later reason. So none
+    passes it when none fits, none is counted under a later reason, and some worker was passed over for
+    it (a tally of no worker of the class says nothing of it)."""
+    if candidates or not counts.get(check):
+        return False
+    return not any(counts.get(reason) for reason in REASONS[REASONS.index(check) + 1:])
+
+
 def missing_keys(selectors: tuple[tuple[str, str], ...], labels: Mapping[str, str]) -> list[str]:
     """The selector keys (in the selectors' order, sorted) whose value `labels` does not have."""
     return [key for key, value in selectors if labels.get(key) != value]
