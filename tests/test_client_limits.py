@@ -146,3 +146,33 @@ async def test_a_connect_timeout_that_is_not_one_is_refused_naming_it_before_con
         await Client.connect("nats://127.0.0.1:1", connect_timeout=connect_timeout)
     assert (bad.value.code, bad.value.field) == (ErrorCode.INVALID_ARGUMENT, "connect_timeout"), bad.value
     assert bad.value.message == f"{connect_timeout!r} is not a number of seconds above 0"
+
+
+async def test_limits_set_on_the_client_are_checked_as_the_constructor_checks_them(nc, prefix):
+    """`wb.timeout = 0` was taken unchecked (a user trial); a good value applies to the next request."""
+    subject = service_subject(prefix, "snapshotter", "create", "c-4")
+    silent = await nc.subscribe(subject)
+    wb = Client(nc, prefix, timeout=0.3, attempts=1)
+    for attribute, value in (("timeout", 0), ("timeout", "1"), ("attempts", 0), ("attempts", 2.0)):
+        with pytest.raises(ContractError) as bad:
+            setattr(wb, attribute, value)
+        assert (bad.value.code, bad.value.field) == (ErrorCode.INVALID_ARGUMENT, attribute), bad.value
+    assert (wb.timeout, wb.attempts) == (0.3, 1)
+    wb.timeout, wb.attempts = 0.25, 2
+    with pytest.raises(ContractError):
+        await wb.create(actor("c-4"))
+    assert await heard(nc, silent, 2) == ["250", "250"]
+
+
+@pytest.mark.parametrize("method, parameter", [("create", "actor"), ("register", "registration"), ("actors", "query"),
+                                               ("workers", "query"), ("whatif", "query")])
+async def test_a_method_given_no_request_body_says_which_parameter_and_sends_nothing(nc, prefix, method, parameter):
+    """`wb.whatif("gvisor")` raised `AttributeError: 'str' object has no attribute 'min_seq'` (a user trial)."""
+    everything = await nc.subscribe(f"{prefix}.>")
+    wb = Client(nc, prefix, timeout=0.2, attempts=1)
+    with pytest.raises(ContractError) as bad:
+        await getattr(wb, method)("gvisor")
+    assert (bad.value.code, bad.value.field) == (ErrorCode.INVALID_ARGUMENT, parameter), bad.value
+    assert "'gvisor' is not a" in bad.value.message, bad.value
+    await nc.flush()
+    assert everything.pending_msgs == 0

@@ -225,6 +225,14 @@ def checked_limits(timeout: Any, attempts: Any) -> tuple[float, int]:
     return float(timeout), attempts
 
 
+def given(value: Any, kind: type[T], name: str) -> T:
+    """`value`, a request body of `kind` (events.schema), or INVALID_ARGUMENT naming the parameter, before
+    anything is sent (`wb.whatif("gvisor")` raised an AttributeError of `min_seq`: a user trial)."""
+    if not isinstance(value, kind):
+        raise invalid(f"{value!r} is not a {kind.__name__} (events.schema)", name)
+    return value
+
+
 def placed_under(placed: Assignment) -> UnderPlacement:
     """What a pause or suspend of an image taken under the placement `placed` names: its seq, worker, node
     and pin."""
@@ -260,7 +268,7 @@ class Client:
         self.refusals_final = refusals_final
         self.prefix = check_prefix(prefix)
         # each attempt's wait for its answer, and how many attempts a request makes (`limits` for some calls)
-        self.timeout, self.attempts = checked_limits(timeout, attempts)
+        self._timeout, self._most_attempts = checked_limits(timeout, attempts)
         self.read_your_writes = read_your_writes
         self.seq = 0  # the highest stream sequence a reply has given this client
         # `pause` and `suspend` without a `placement_seq` name the placement this client's last
@@ -337,6 +345,24 @@ class Client:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+    @property
+    def timeout(self) -> float:
+        """Seconds each attempt of a request waits for its answer (outside a `limits` block)."""
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, value: float) -> None:  # checked as the constructor checks it (it was taken unchecked)
+        self._timeout, _ = checked_limits(value, 1)
+
+    @property
+    def attempts(self) -> int:
+        """How many attempts a request makes at most (outside a `limits` block)."""
+        return self._most_attempts
+
+    @attempts.setter
+    def attempts(self, value: int) -> None:
+        _, self._most_attempts = checked_limits(1.0, value)
 
     @contextlib.contextmanager
     def limits(self, timeout: float | None = None, attempts: int | None = None) -> Iterator[Client]:
@@ -519,7 +545,7 @@ class Client:
         equal to the last: nothing written), and the `seq` of what was written. A set of sandbox classes
         other than the first registration's is FAILED_PRECONDITION. A `request_id` is made if the body
         has none."""
-        body = self._with_request_id(registration)
+        body = self._with_request_id(given(registration, RegisterWorker, "registration"))
         return await self.request("registry", "register", body.worker_id, body, RegisterReply)
 
     async def heartbeat(self, worker_id: str) -> HeartbeatReply:
@@ -547,7 +573,7 @@ class Client:
         later stop, tag, revert, update-template and resume of the actor name (`fence_lives`). An actor
         that exists is ALREADY_EXISTS (field `actor_id`), unless STOPPED: then a new life begins. A
         request_id is made if the body has none."""
-        body = self._with_request_id(actor)
+        body = self._with_request_id(given(actor, CreateActor, "actor"))
         created = await self.request("snapshotter", "create", body.actor_id, body, SeqReply)
         remember(self._lives, body.actor_id, created.seq)
         return created
@@ -832,6 +858,7 @@ class Client:
         null. Pages are not one snapshot (each is the fold when it is asked: an actor created between
         two pages shows on a later one if its id sorts after the cursor). A project addition
         (`scheduler.actors`, docs/contract.md); a scheduler of an earlier version does not answer."""
+        query = given(query, ActorsQuery, "query")
         if query.min_seq is None and self.read_your_writes and self.seq:
             query = msgspec.structs.replace(query, min_seq=self.seq)
         return await self.request("scheduler", "actors", None, query, ActorPage)
@@ -842,6 +869,7 @@ class Client:
         null. Pages are not one snapshot (each is the fold when it is asked: a worker registered between two
         pages shows on a later one if its id sorts after the cursor). A project addition
         (`scheduler.workers`, docs/contract.md); a scheduler of an earlier version does not answer."""
+        query = given(query, WorkersQuery, "query")
         if query.min_seq is None and self.read_your_writes and self.seq:
             query = msgspec.structs.replace(query, min_seq=self.seq)
         return await self.request("scheduler", "workers", None, query, WorkerPage)
@@ -850,6 +878,7 @@ class Client:
         """What dropping `query.drop_runtimes` and draining `query.drain_workers` would do to the class's
         actors and snapshots (stranded, downgraded, still restorable from memory), counted from a scheduler
         replica's fold; writes nothing. What `warmboot whatif` prints. `min_seq` as `explain`'s."""
+        query = given(query, WhatIf, "query")
         if query.min_seq is None and self.read_your_writes and self.seq:
             query = msgspec.structs.replace(query, min_seq=self.seq)
         return await self.request("scheduler", "whatif", None, query, WhatIfAnswer)
