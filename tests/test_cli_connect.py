@@ -158,6 +158,19 @@ async def test_a_request_no_service_answers_says_how_it_was_tried_and_names_the_
     assert wb.retries == attempts - 1
 
 
+async def test_a_resume_nothing_answered_says_the_error_alone(nats_url, prefix):
+    """`actor resume` asks the snapshotter which life the actor is in first, and, not told, says on stderr that
+    the resume goes without that fence. With nothing serving the prefix (a mistyped `--prefix`), that note came
+    first, then the error that no scheduler answers either (a user trial): the error alone now. The note when a
+    scheduler answers: tests/test_lifecycle_cli.py (`..._passes_over_an_event_of_a_newer_version_...`)."""
+    result = await asyncio.to_thread(CliRunner().invoke, main,
+                                     ["actor", "resume", "a-1", "--nats", nats_url, "--prefix", prefix])
+    assert result.exit_code == 1, result.output
+    assert result.stderr.startswith(f"error: UNAVAILABLE: no service answers {prefix}.scheduler.resume.a-1 after 6 "
+                                    "attempts in "), result.stderr
+    assert result.stderr.count("\n") == 1 and "note:" not in result.stderr, result.stderr
+
+
 def test_an_error_is_logged_once_while_it_repeats_and_again_after_a_reconnect(caplog):
     errors = ErrorsOnce(logging.getLogger("test.nats"), "nats://h:1")
     refused, reset = ConnectionRefusedError(111, "Connection refused"), ConnectionResetError(104, "reset")

@@ -50,7 +50,7 @@ from events.subjects import event_subject
 from warmboot.cli_common import (MIB, MILLICORES, REFUSED_THE_LOG, IntRange, LogUnreadable, ask, check_id,
                                  json_option, last_seq, min_seq_option, nats_option, prefix_option, read_subject,
                                  replay_for, selectors_of, unread_why)
-from warmboot.client import Client, Refused, asked_first
+from warmboot.client import Client, NobodyAnswered, Refused, asked_first
 from services.scheduler.feasibility import RUNTIME_MISMATCH, SELECTOR_MISMATCH
 from services.scheduler.feasibility import none_passes as feasibility_none_passes
 from warmboot.cmd_views import (
@@ -137,7 +137,8 @@ life_seq_option = click.option(
          "an earlier version, or, for a resume, does not say).")
 
 
-async def life_now(wb: Client, actor_id: str, given: int | None, *, resume: bool = False) -> int | None:
+async def life_now(wb: Client, actor_id: str, given: int | None, *, resume: bool = False,
+                   note: Callable[[str], None] | None = None) -> int | None:
     """What a resume, stop, tag, revert or update-template from the CLI names as the actor's life
     (`life_seq`) when the command gives none: the creation of the life the snapshotter says the actor
     is in (`Client.status`). A copy of the command held in a NATS server's buffers, its caller gone,
@@ -151,8 +152,8 @@ async def life_now(wb: Client, actor_id: str, given: int | None, *, resume: bool
     out, goes without one whenever the snapshotter does not say (UNAVAILABLE: down, of an earlier
     version, its history of the actor holding an event it cannot read), and says so: a late copy of it
     places a life nobody asked for on a worker its image loads on, which is no reason to refuse a
-    resume the scheduler can place. Any other refusal (NOT_FOUND, as the scheduler would say;
-    credentials that may not ask) fails the command."""
+    resume the scheduler can place (`note` is told the line, else it goes to stderr). Any other refusal
+    (NOT_FOUND, as the scheduler would say; credentials that may not ask) fails the command."""
     if given is not None:
         return given
     if not resume:
@@ -166,8 +167,9 @@ async def life_now(wb: Client, actor_id: str, given: int | None, *, resume: bool
     except ContractError as e:
         if e.code is not ErrorCode.UNAVAILABLE:  # NOT_FOUND, as the scheduler would say; refused credentials
             raise
-        click.echo(f"note: {unfenced_text('life', '--life-seq', 'created')}: the snapshotter did not say which "
-                   f"life the actor is in ({e.code.value}: {e.message})", err=True)
+        line = (f"note: {unfenced_text('life', '--life-seq', 'created')}: the snapshotter did not say which life "
+                f"the actor is in ({e.code.value}: {e.message})")
+        (note or (lambda text: click.echo(text, err=True)))(line)
         return None
 
 
@@ -617,7 +619,18 @@ def resume_cmd(actor_id: str, selectors: tuple[str, ...], life_seq: int | None, 
     sel = selectors_of(selectors) or None
 
     async def call(wb: Client) -> Any:
-        return await wb.resume(actor_id, sel, request_id, min_seq, await life_now(wb, actor_id, life_seq, resume=True))
+        notes: list[str] = []
+        life = await life_now(wb, actor_id, life_seq, resume=True, note=notes.append)
+        try:
+            return await wb.resume(actor_id, sel, request_id, min_seq, life)
+        except NobodyAnswered:
+            # no scheduler either (a prefix no deployment has, nothing running): the error says it, and that
+            # the resume went unfenced is noise before it (a user trial: a long note, then the error)
+            notes.clear()
+            raise
+        finally:
+            for line in notes:  # said once the resume is answered: it went without the fence
+                click.echo(line, err=True)
 
     reply, runtimes = run(nats_url, prefix, not as_json, call)
     if as_json:
