@@ -244,6 +244,12 @@ async def test_replay_until_a_time_stops_there(demo, nats_url, nc):
     assert past.stderr == f"note: --until {end + 1000} is past the log's end (sequence {end}): folded to its end\n"
     at_end = await cli("audit", "replay", "--until", str(end), "--json", "--nats", nats_url, "--prefix", prefix)
     assert at_end.exit_code == 0 and at_end.stderr == "", at_end.output
+    # so does a time past the last event (it said nothing: a trial)
+    beyond = await cli("audit", "replay", "--until-time", "2100-01-01", "--json", "--nats", nats_url, "--prefix", prefix)
+    assert beyond.exit_code == 0 and json.loads(beyond.stdout)["seq"] == end, beyond.output
+    assert beyond.stderr.startswith(f"note: --until-time 2100-01-01T00:00:00Z is past the log's last event (sequence "
+                                    f"{end}, its last event at ") and \
+        beyond.stderr.endswith("): folded to its end\n"), beyond.stderr
 
 
 async def test_actor_timeline_shows_stamps_pins_and_fallbacks(demo, nats_url):

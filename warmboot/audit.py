@@ -581,6 +581,7 @@ class Sink:
         self.stopped_at: int | None = None  # the first sequence left out by the bound
         self.stopped_at_time: datetime | None = None  # the time of its event, when the time bound left it out
         self.seq = 0  # position in the stream, folded or not
+        self.last_at: datetime | None = None  # the time of the last event folded
 
     @property
     def events(self) -> int:
@@ -602,6 +603,7 @@ class Sink:
             if self.verifier is not None:
                 self.violation = self.verifier.check(seq, event)
             self.projection.apply(seq, event, version)
+            self.last_at = event.at
         self.skip(seq)
 
     def booking_marker(self, seq: int, worker_id: str, version: int | None = None) -> None:

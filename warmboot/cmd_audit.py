@@ -60,7 +60,7 @@ def replay_cmd(until_seq: int | None, until_time: datetime | None, nats_url: str
 
     An --until-time before the log's first event folds nothing: the summary of an empty
     projection, exit status 0, and a note on stderr giving the time of that first event. An --until
-    past the log's end folds it all, and a note on stderr says where it ended."""
+    or --until-time past the log's end folds it all, and a note on stderr says where it ended."""
     if until_seq is not None and until_time is not None:
         raise click.UsageError("give --until or --until-time, not both")
     bound = until_time
@@ -69,6 +69,9 @@ def replay_cmd(until_seq: int | None, until_time: datetime | None, nats_url: str
     if until_time is not None and sink.stopped_at_time is not None and sink.events == 0:  # on stderr: JSON stays
         click.echo(f"note: --until-time {to_builtins(until_time)} is before the log's first event (sequence "
                    f"{sink.stopped_at}, at {to_builtins(sink.stopped_at_time)}): nothing folded", err=True)
+    if until_time is not None and sink.stopped_at is None and sink.last_at is not None:  # nothing left out
+        click.echo(f"note: --until-time {to_builtins(until_time)} is past the log's last event (sequence {sink.seq}, "
+                   f"its last event at {to_builtins(sink.last_at)}): folded to its end", err=True)
     if until_seq is not None and sink.seq < until_seq:  # said as the --until-time before the start is (a trial)
         click.echo(f"note: --until {until_seq} is past the log's end (sequence {sink.seq}): folded to its end",
                    err=True)
