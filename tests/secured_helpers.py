@@ -13,7 +13,9 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import AsyncIterator, Iterable
 
 import nats
 
@@ -121,6 +123,28 @@ class Secured:
     def violations(self) -> list[str]:
         """The permission violations the server logged (of the lines it still keeps)."""
         return [line for line in self.server.log if "Violation" in line]
+
+
+@asynccontextmanager
+async def served(secured: Secured, users: Iterable[str], *serve_args: str) -> AsyncIterator[dict[str, Client]]:
+    """`secured`'s server started, `warmboot serve all` on its prefix signed in as its services (`--ttl 300`
+    and `serve_args`), and a connection of each of `users`, by name; all stopped after, and serve's
+    output printed (shown when a test fails)."""
+    secured.start()
+    serve = Serve("all", "--nats", secured.url(secured.services), "--prefix", secured.prefix, "--ttl", "300",
+                  *serve_args)
+    conns: dict[str, Client] = {}
+    try:
+        await asyncio.to_thread(serve.start)
+        for user in users:
+            conns[user] = await secured.connect(user)
+        yield conns
+    finally:
+        for conn in conns.values():
+            await conn.close()
+        await asyncio.to_thread(serve.stop)
+        secured.stop()
+        print(serve.output)
 
 
 def _seed() -> str:

@@ -5,7 +5,6 @@ reach the clients and operators who ask."""
 
 from __future__ import annotations
 
-import asyncio
 
 import pytest
 
@@ -16,7 +15,7 @@ from events.subjects import service_subject
 from services.endpoints import call
 from tests.factories import last_seq
 from tests.registry_helpers import registration
-from tests.secured_helpers import Secured, Serve
+from tests.secured_helpers import Secured, served
 
 PREFIX = "ans"
 
@@ -48,17 +47,8 @@ async def deployment(tmp_path):
                       clients=("orch",))
     # as docs/security.md's server configuration has it: nats-server's default max_payload (1 MB)
     secured.server.extra_config += "max_payload: 1MB\n"
-    secured.start()
-    serve = Serve("all", "--nats", secured.url(secured.services), "--prefix", PREFIX, "--ttl", "300")
-    await asyncio.to_thread(serve.start)
-    conns = {user: await secured.connect(user) for user in ("w-1", "w-big", "ops", "orch")}
-    try:
+    async with served(secured, ("w-1", "w-big", "ops", "orch")) as conns:
         yield secured, conns
-    finally:
-        for conn in conns.values():
-            await conn.close()
-        await asyncio.to_thread(serve.stop)
-        secured.stop()
 
 
 async def test_a_workers_registration_leaves_no_ones_runtimes_question_unanswered(deployment):

@@ -11,7 +11,6 @@ the attacks through the services' reply subjects)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
@@ -24,7 +23,7 @@ from events.subjects import bucket_name, event_subject, service_subject, stream_
 from services.endpoints import call
 from tests.factories import last_seq
 from tests.registry_helpers import registration
-from tests.secured_helpers import Secured, Serve
+from tests.secured_helpers import Secured, served
 
 PREFIX = "dep"
 STREAM = stream_name(PREFIX)
@@ -52,13 +51,8 @@ TARGETS = {
 @pytest.fixture(scope="module")
 async def d(tmp_path_factory):
     secured = Secured(tmp_path_factory.mktemp("secured"), PREFIX, workers=("w-1", "w-2"), operators=("ops",),
-                      clients=("orch",)).start()
-    serve = Serve("all", "--nats", secured.url("svc"), "--prefix", PREFIX, "--ttl", "300")
-    await asyncio.to_thread(serve.start)
-    conns = {}
-    try:
-        for user in ("svc", "ops", "orch", "w-1", "w-2"):
-            conns[user] = await secured.connect(user)
+                      clients=("orch",))
+    async with served(secured, ("svc", "ops", "orch", "w-1", "w-2")) as conns:
         for worker_id, node in (("w-1", "node-a"), ("w-2", "node-b")):
             await call(conns[worker_id].nc, sub("registry", "register", worker_id), registration(worker_id, node=node),
                        RegisterReply)
@@ -66,12 +60,6 @@ async def d(tmp_path_factory):
                               resources=Resources(cpu_millis=250, memory_mib=256))
         await call(conns["orch"].nc, sub("snapshotter", "create", "a-1"), created, SeqReply)
         yield conns
-    finally:
-        for conn in conns.values():
-            await conn.close()
-        await asyncio.to_thread(serve.stop)
-        secured.stop()
-        print(serve.output)  # shown when a test fails
 
 
 async def state(d) -> tuple:

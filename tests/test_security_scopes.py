@@ -10,7 +10,6 @@ sound; kept as a guard (tests/test_security.py has the reply-subject attacks).""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
@@ -20,7 +19,7 @@ from events.subjects import bucket_name, event_subject, service_subject, stream_
 from services.endpoints import call
 from tests.factories import last_seq
 from tests.registry_helpers import raw_request, registration, runtime, worker_events
-from tests.secured_helpers import Secured, Serve
+from tests.secured_helpers import Secured, served
 
 PREFIX = "scope"
 STREAM = stream_name(PREFIX)
@@ -32,21 +31,10 @@ BUDGET = 4  # --worker-writes: writes at once, then one an hour
 @pytest.fixture(scope="module")
 async def d(tmp_path_factory):
     secured = Secured(tmp_path_factory.mktemp("secured"), PREFIX, workers=("w-1", "w-2", "w-3", "w-4"),
-                      operators=("ops",), clients=("orch",)).start()
-    serve = Serve("all", "--nats", secured.url("svc"), "--prefix", PREFIX, "--ttl", "300",
-                  "--worker-writes", str(BUDGET), "--worker-write-interval", "3600")
-    await asyncio.to_thread(serve.start)
-    clients = {}
-    try:
-        for user in ("svc", "ops", "orch", "w-1", "w-2", "w-3", "w-4"):
-            clients[user] = await secured.connect(user)
+                      operators=("ops",), clients=("orch",))
+    async with served(secured, ("svc", "ops", "orch", "w-1", "w-2", "w-3", "w-4"),
+                      "--worker-writes", str(BUDGET), "--worker-write-interval", "3600") as clients:
         yield clients
-    finally:
-        for client in clients.values():
-            await client.close()
-        await asyncio.to_thread(serve.stop)
-        secured.stop()
-        print(serve.output)  # shown when a test fails
 
 
 async def register(d, worker_id: str, request_id: str, **fields) -> dict:
