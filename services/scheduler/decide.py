@@ -433,6 +433,7 @@ def _no_worker(arch: str | None, node: str | None, candidates: Sequence[Worker])
 # the fields a refusal names where the fleet, not its room, must change (`Cause`): the actor's latest
 # snapshot's stamp, as `snapshotter.status` shows it
 STAMP_FIELD = "snapshot.sandbox_runtime"
+SELECTORS_FIELD = "selectors"  # no undrained worker of the class has the labels (`refusal_cause`)
 ARCH_FIELD = "snapshot.sandbox_runtime.version.attributes.architecture"
 
 
@@ -615,9 +616,6 @@ def exhausted_message(projection: Projection, the_plan: Plan, pending: Pending) 
     total, candidates, counts = tally(projection.workers.values(), the_plan.primary, pending, None, keys)
     cause = refusal_cause(projection, the_plan, candidates, counts)
     return Cause(f"{summary(candidates, total, counts, keys)}; {cause.text}", cause.field)
-
-
-SELECTORS_FIELD = "selectors"
 
 
 def refusal_cause(projection: Projection, the_plan: Plan, candidates: int, counts: Mapping[str, int]) -> Cause:

@@ -62,7 +62,8 @@ def explain(
     except ContractError as error:
         return Explanation(
             refusal=Refusal(code=error.code, message=error.message, field=error.field), candidates=candidates,
-            rejected=rejected, counts=counts, message=f"{text}; {refusal_cause(projection, the_plan, candidates, counts).text}",
+            rejected=rejected, counts=counts,
+            message=f"{text}; {refusal_cause(projection, the_plan, candidates, counts).text}",
         )
     outcome = f"{decision.action.value} {decision.fidelity.value} on {decision.worker_id}"
     matched = decision.matched_version
