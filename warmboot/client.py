@@ -214,15 +214,21 @@ def remember(kept: dict[str, K], actor_id: str, value: K, seq: Callable[[K], int
         del kept[next(iter(kept))]
 
 
-def checked_limits(timeout: Any, attempts: Any) -> tuple[float, int]:
-    """A client's `timeout` (seconds an attempt waits for its answer: a finite number above 0) and
-    `attempts` (a whole number, at least 1), or INVALID_ARGUMENT naming the one that is not (`attempts=0`
-    was taken as 1, and `timeout=0` as a millisecond)."""
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
-        raise invalid(f"{timeout!r} is not a number of seconds above 0", "timeout")
-    if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
-        raise invalid(f"{attempts!r} is not a number of attempts: a whole number, at least 1", "attempts")
-    return float(timeout), attempts
+def checked_seconds(value: Any, field: str, *, forever: bool = False) -> float:
+    """A number of seconds above 0 (finite, unless `forever`), or INVALID_ARGUMENT naming `field`: a
+    client's `timeout` (`timeout=0` was taken as a millisecond) and `connect`'s `connect_timeout` (`0`
+    tried for no time and said UNAVAILABLE "within 0 s"; `math.inf` waits on)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or (
+            value == math.inf and not forever):
+        raise invalid(f"{value!r} is not a number of seconds above 0", field)
+    return float(value)
+
+
+def checked_attempts(value: Any) -> int:
+    """A client's `attempts`, a whole number, at least 1, or INVALID_ARGUMENT naming it (`0` was taken as 1)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise invalid(f"{value!r} is not a number of attempts: a whole number, at least 1", "attempts")
+    return value
 
 
 def given(value: Any, kind: type[T], name: str) -> T:
@@ -268,7 +274,7 @@ class Client:
         self.refusals_final = refusals_final
         self.prefix = check_prefix(prefix)
         # each attempt's wait for its answer, and how many attempts a request makes (`limits` for some calls)
-        self._timeout, self._most_attempts = checked_limits(timeout, attempts)
+        self._timeout, self._most_attempts = checked_seconds(timeout, "timeout"), checked_attempts(attempts)
         self.read_your_writes = read_your_writes
         self.seq = 0  # the highest stream sequence a reply has given this client
         # `pause` and `suspend` without a `placement_seq` name the placement this client's last
@@ -309,10 +315,9 @@ class Client:
         connect = {k: options.pop(k) for k in ("user_credentials", "inbox_prefix", "name") if k in options}
         nkey_seed = options.pop("nkeys_seed", None)
         inspect.signature(cls).bind(None, prefix, **options)  # a mistyped option: its TypeError before connecting
-        checked_limits(options.get("timeout", DEFAULT_TIMEOUT_S), options.get("attempts", DEFAULT_ATTEMPTS))
-        if isinstance(connect_timeout, bool) or not isinstance(connect_timeout, (int, float)) \
-                or not connect_timeout > 0:  # `0` tried for no time and said UNAVAILABLE "within 0 s" (inf: wait on)
-            raise invalid(f"{connect_timeout!r} is not a number of seconds above 0", "connect_timeout")
+        checked_seconds(options.get("timeout", DEFAULT_TIMEOUT_S), "timeout")
+        checked_attempts(options.get("attempts", DEFAULT_ATTEMPTS))
+        checked_seconds(connect_timeout, "connect_timeout", forever=True)
         try:  # before connecting: a bad prefix was a ValueError, raised with the connection left open
             check_prefix(prefix)
         except ValueError as error:
@@ -353,7 +358,7 @@ class Client:
 
     @timeout.setter
     def timeout(self, value: float) -> None:  # checked as the constructor checks it (it was taken unchecked)
-        self._timeout, _ = checked_limits(value, 1)
+        self._timeout = checked_seconds(value, "timeout")
 
     @property
     def attempts(self) -> int:
@@ -362,7 +367,7 @@ class Client:
 
     @attempts.setter
     def attempts(self, value: int) -> None:
-        _, self._most_attempts = checked_limits(1.0, value)
+        self._most_attempts = checked_attempts(value)
 
     @contextlib.contextmanager
     def limits(self, timeout: float | None = None, attempts: int | None = None) -> Iterator[Client]:
@@ -379,8 +384,9 @@ class Client:
         past it writes nothing. A value the constructor would refuse is INVALID_ARGUMENT naming
         `timeout` or `attempts`, raised before the block runs."""
         now_timeout, now_attempts = self._limits()
-        limited = checked_limits(now_timeout if timeout is None else timeout, now_attempts if attempts is None else attempts)
-        token = _LIMITS.set(((self, *limited),) + tuple(kept for kept in _LIMITS.get() if kept[0] is not self))
+        limited = (self, checked_seconds(now_timeout if timeout is None else timeout, "timeout"),
+                   checked_attempts(now_attempts if attempts is None else attempts))
+        token = _LIMITS.set((limited,) + tuple(kept for kept in _LIMITS.get() if kept[0] is not self))
         try:
             yield self
         finally:
