@@ -176,6 +176,11 @@ def _architecture_named_otherwise(runtime: VersionConfig, path: str, stamps: boo
 _WARNED: set[str] = set()
 
 
+# what each probe profile reads of the CPU (not its architecture), and all of those keys
+CPU_KEYS_OF = {profile: tuple(key for key in keys if key != "architecture") for profile, keys in PROFILES.items()}
+CPU_KEYS = tuple(sorted({key for keys in CPU_KEYS_OF.values() for key in keys}))
+
+
 def _cpu_named_otherwise(runtime: RuntimeConfig, path: str, probe: MachineRead) -> None:
     """A literal version (schema v1) of a default or restorable runtime that names another architecture
     than this machine's, or any key a probe profile reads (all of them or some) otherwise than the
@@ -195,8 +200,8 @@ def _cpu_named_otherwise(runtime: RuntimeConfig, path: str, probe: MachineRead) 
             f"{path}.attributes.architecture: {named_arch!r} is not this machine's ({probe.architecture!r}): a "
             "memory image never crosses architectures, and actors restored under this runtime would be stamped "
             "with it")
-    for profile, keys in PROFILES.items():
-        named_keys = [key for key in keys if key != "architecture" and key in runtime.attributes]
+    for profile, keys in CPU_KEYS_OF.items():
+        named_keys = [key for key in keys if key in runtime.attributes]
         if not named_keys or runtime.cpu_masked:
             continue
         try:
@@ -216,9 +221,6 @@ def _cpu_named_otherwise(runtime: RuntimeConfig, path: str, probe: MachineRead) 
                 "`compatible_versions`")
 
 
-CPU_KEYS = tuple(sorted({key for keys in PROFILES.values() for key in keys if key != "architecture"}))
-
-
 def _cpu_unnamed(runtime: RuntimeConfig, path: str) -> None:
     """A literal version (schema v1) of a default or restorable runtime that names not every key one
     probe profile reads of the CPU (`cpu_features`; or `cpu_vendor` and `cpu_model`): ConfigError,
@@ -229,8 +231,7 @@ def _cpu_unnamed(runtime: RuntimeConfig, path: str) -> None:
     2026-12-07: a probed runtime that reads no `cpu_model` was refused, its literal copy taken)."""
     if runtime.schema_version != SCHEMA_VERSION or runtime.cpu_masked:
         return
-    wanted = {profile: [key for key in keys if key != "architecture"] for profile, keys in PROFILES.items()}
-    if any(all(key in runtime.attributes for key in keys) for keys in wanted.values()):
+    if any(all(key in runtime.attributes for key in keys) for keys in CPU_KEYS_OF.values()):
         return
     ways = ("give a `profile` to probe this machine, or copy the keys from this machine's `warmboot agent "
             "--print-registration`; only a runtime that runs actors on a CPU it masks may leave them out (then "
@@ -241,7 +242,7 @@ def _cpu_unnamed(runtime: RuntimeConfig, path: str) -> None:
             f"{path}.attributes: names none of the CPU's keys ({', '.join(CPU_KEYS)}), so its version equals that "
             f"of every machine of its architecture whatever their CPU, and their memory images would be restored "
             f"here: {ways}")
-    every = " or ".join(f"{' and '.join(keys)} (as the {profile} probe reads them)" for profile, keys in wanted.items())
+    every = " or ".join(f"{' and '.join(keys)} (as the {profile} probe reads them)" for profile, keys in CPU_KEYS_OF.items())
     raise ConfigError(
         f"{path}.attributes: names {' and '.join(named)} of the CPU but not all of one profile's keys ({every}), so "
         f"its version equals that of every machine of its architecture with the same {' and '.join(named)}, "
