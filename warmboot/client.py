@@ -303,8 +303,9 @@ class Client:
         ($NATS_USER/$NATS_PASSWORD, $NATS_TOKEN, $NATS_CREDS); listening for replies under
         `inbox_prefix`, else $NATS_INBOX_PREFIX, else `_INBOX.<user>` for a URL (or else
         $NATS_USER, or else the nkey seed file's name, `<user>.nk`) that names one, which is where the
-        permissions of `warmboot nats-config` let a user hear them; each connection error logged
-        once while it repeats. A server that does not answer within `connect_timeout` seconds is
+        permissions of `warmboot nats-config` let a user hear them; once connected, each connection
+        error logged once while it repeats (to the `warmboot.client` logger; before, the error is the
+        one raised, and not logged). A server that does not answer within `connect_timeout` seconds is
         UNAVAILABLE (ContractError), naming it; one that refuses the user that inbox prefix,
         FAILED_PRECONDITION (`warmboot.connection.hears_replies`), before anything is sent; a
         prefix that is not one, a URL the CLI's --nats refuses, or a `connect_timeout` that is not a number
@@ -328,7 +329,7 @@ class Client:
         except ValueError as error:
             said = str(error)  # check_url's words name the member; urllib's do not
             raise invalid(said if said.startswith("'") else f"{redact_url(url)!r}: {said}", "servers") from None
-        errors = ErrorsOnce(log, redact_url(url))
+        errors = ErrorsOnce(None, redact_url(url))  # until connected, an error is the one raised: not logged too
         nc = await connect_within(url, connect.pop("name", "warmboot-client"), connect_timeout, nkey_seed=nkey_seed,
                                   errors=errors, reconnect_time_wait=0.25, **connect)
         try:
@@ -337,6 +338,8 @@ class Client:
         except BaseException:
             await nc.close()
             raise
+        errors.reset()
+        errors.logger = log  # connected: what the connection meets from now on is logged once each
         client._owned = True
         return client
 
