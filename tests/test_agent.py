@@ -709,6 +709,12 @@ def test_agent_command_prints_the_registration(tmp_path):
                                         "--config", str(tmp_path / "missing.toml")])
     assert missing.exit_code == 2, missing.output
     assert "Invalid value for '--config'" in missing.output and "missing.toml' does not exist" in missing.output
+    # so is a --cpuinfo given that is not there (it registered the architecture alone, as on a machine
+    # without /proc/cpuinfo: `probe --cpuinfo`'s user trial)
+    nowhere = CliRunner().invoke(main, ["agent", "--worker-id", "w-a", "--node", "n", "--config", str(path),
+                                        "--cpuinfo", str(tmp_path / "nope"), "--print-registration"])
+    assert nowhere.exit_code == 2 and nowhere.stdout == "", nowhere.output
+    assert f"Invalid value for '--cpuinfo': File '{tmp_path / 'nope'}' does not exist." in nowhere.stderr
 
 
 async def test_agent_stops_promptly_while_nats_is_unreachable(tmp_path):

@@ -342,11 +342,27 @@ def test_cli_probe_sample_prints_compat_version_json():
     }
 
 
-def test_cli_missing_cpuinfo_gives_architecture_only(tmp_path):
-    result = run("probe", "--profile", "gvisor", "--cpuinfo", str(tmp_path / "nope"), "--arch", "arm64")
+def test_cli_a_given_cpuinfo_that_is_not_there_is_a_usage_error_naming_it(tmp_path):
+    """`probe --cpuinfo /nonexistent` printed the architecture alone, exit 0 (a user trial): a mistyped
+    path read as a machine without CPU attributes. A path given must be a readable file: a usage error
+    naming --cpuinfo, exit 2, nothing printed on stdout."""
+    for given, says in ((tmp_path / "nope", "does not exist"), (tmp_path, "is a directory")):
+        result = run("probe", "--profile", "gvisor", "--cpuinfo", str(given), "--arch", "arm64")
+        assert result.exit_code == 2, result.output
+        assert result.stdout == ""
+        assert f"error: Invalid value for '--cpuinfo': File '{given}' {says}." in result.stderr, result.stderr
+
+
+def test_cli_no_cpuinfo_on_the_machine_gives_architecture_only(tmp_path, monkeypatch):
+    """Without --cpuinfo, a machine with no /proc/cpuinfo (its default) reports the architecture alone,
+    and says so on stderr."""
+    from warmboot.cmd_foundation import probe
+
+    (option,) = [p for p in probe.params if p.name == "cpuinfo_path"]
+    monkeypatch.setattr(option, "default", tmp_path / "nope")  # as /proc/cpuinfo on a machine without one
+    result = run("probe", "--profile", "gvisor", "--arch", "arm64")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout) == {"schema_version": "v1", "attributes": [{"key": "architecture", "value": "arm64"}]}
-    # said on stderr: a mistyped path reads as a machine without CPU attributes (a walkthrough)
     assert result.stderr.startswith(f"warning: {tmp_path / 'nope'} gave no cpu_features (missing, unreadable")
     whole = run("probe", "--profile", "microvm", "--cpuinfo", str(SAMPLES / "intel-xeon-8480.txt"), "--arch", "amd64")
     assert whole.exit_code == 0 and whole.stderr == ""
@@ -364,13 +380,6 @@ def test_cli_arch_of_another_machine_than_its_cpuinfo_is_an_error():
                                  "cpuinfo of an arm64 machine\n")
     arm = run("probe", "--profile", "gvisor", "--cpuinfo", str(SAMPLES / "arm64-neoverse-n1.txt"), "--arch", "arm64")
     assert arm.exit_code == 0 and arm.stderr == ""
-
-
-def test_cli_directory_is_an_error(tmp_path):
-    result = run("probe", "--profile", "gvisor", "--cpuinfo", str(tmp_path))
-    assert result.exit_code != 0
-    assert result.stdout == ""
-    assert "is a directory" in result.stderr
 
 
 def test_cli_binary_junk_is_an_error(tmp_path):

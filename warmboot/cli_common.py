@@ -41,6 +41,18 @@ def check_nats_option(ctx: click.Context | None, param: click.Parameter | None, 
     return url
 
 
+def check_given_file(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    """click callback of a file option whose default may be missing (`--cpuinfo`: a machine without
+    /proc/cpuinfo reports the architecture alone): a path given, on the command line or in the
+    environment, must be a file that can be read, else a usage error naming the option, before anything
+    is read or sent (`probe --cpuinfo /nonexistent` printed the architecture alone, exit 0: a user
+    trial). The default is left to the reader, which takes a missing one as none."""
+    if value is None or param.name is None or ctx.get_parameter_source(param.name) in (
+            ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP):
+        return value
+    return click.Path(exists=True, dir_okay=False, readable=True, path_type=type(value)).convert(value, param, ctx)
+
+
 class IntRange(click.IntRange):
     """click's IntRange, whose value that is no number reads "'x' is not a valid integer" (click's
     own says "integer range", as if a range were asked for); the help shows INTEGER and the range."""

@@ -18,6 +18,7 @@ from events.probe import (
     probe_version,
     read_cpuinfo,
 )
+from warmboot.cli_common import check_given_file
 
 
 def _parse_attr(text: str) -> tuple[str, str]:
@@ -35,7 +36,9 @@ def _parse_attr(text: str) -> tuple[str, str]:
     type=click.Path(path_type=Path),
     default=DEFAULT_CPUINFO,
     show_default=True,
-    help="cpuinfo file to read; a missing file reports the architecture alone.",
+    callback=check_given_file,
+    help="cpuinfo file to read; one given must be a readable file (a usage error otherwise). Without the "
+         "option, a machine with no /proc/cpuinfo reports the architecture alone.",
 )
 @click.option("--arch", type=click.Choice(ARCHITECTURES), default=None,
               help="Architecture [default: this machine's]; a cpuinfo of the other one is an error.")

@@ -21,8 +21,8 @@ from events.subjects import DEFAULT_PREFIX
 from services.process import run_serving, serving_loop
 from warmboot.agent import SUPERSEDED_AT_START_EXIT, Agent, StillSuperseded
 from warmboot.agent_config import ConfigError, ProbeSettings, load_registration
-from warmboot.cli_common import (SIGN_IN_ENV_HELP, Failed, FloatRange, check_id, check_nats_option,
-                                 check_nkey_seed_option, check_prefix_option)
+from warmboot.cli_common import (SIGN_IN_ENV_HELP, Failed, FloatRange, check_given_file, check_id,
+                                 check_nats_option, check_nkey_seed_option, check_prefix_option)
 from warmboot.restore_check import cannot_carry_out_here
 
 
@@ -70,7 +70,9 @@ def check_placement(registration: RegisterWorker, placement_file: BinaryIO) -> N
 @click.option("--watch-interval", "watch_interval_s", type=FloatRange(min=0.05), default=1.0,
               show_default=True, help="Seconds between checks of the config file for edits.")
 @click.option("--cpuinfo", "cpuinfo_path", type=click.Path(path_type=Path), default=DEFAULT_CPUINFO,
-              show_default=True, help="cpuinfo file the probe reads.")
+              show_default=True, callback=check_given_file,
+              help="cpuinfo file the probe reads; one given must be a readable file when the agent starts (a "
+                   "usage error otherwise).")
 @click.option("--arch", type=click.Choice(ARCHITECTURES), default=None,
               help="Architecture the probe reports [default: this machine's].")
 @click.option("--state-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
