@@ -384,3 +384,39 @@ def test_an_empty_request_id_is_a_usage_error_before_anything_is_sent(command):
     assert shown.stderr.endswith("error: Invalid value for '--request-id': an empty request id: give the id of the "
                                  "request to send again, or leave the option out for a new one\n"), shown.stderr
     assert "UNAVAILABLE" not in shown.output and shown.stdout == ""
+
+
+# --- 7. --cpu and --memory out of a request's bounds ---------------------------------------------------------
+
+CREATE = ["actor", "create", "a-1", "--class", "gvisor", "--template", "t1"]
+MAX_INT = 1 << 40  # `events.schema.Positive`'s bound, written out: the test does not read it from the code
+
+
+@pytest.mark.parametrize("option, value, says", [
+    ("--cpu", "0", "'0' is 0 millicores: a request takes 1 to 1099511627776 millicores"),
+    ("--cpu", "0m", "'0m' is 0 millicores: a request takes 1 to 1099511627776 millicores"),
+    ("--cpu", "-5", "'-5' is -5 millicores"),
+    ("--cpu", str(MAX_INT + 1), f"'{MAX_INT + 1}' is {MAX_INT + 1} millicores"),
+    ("--memory", "0", "'0' is 0 MiB: a request takes 1 to 1099511627776 MiB"),
+    ("--memory", "0Gi", "'0Gi' is 0 MiB"),
+    ("--memory", f"{MAX_INT // 1024 + 1}Gi",
+     f"'{MAX_INT // 1024 + 1}Gi' is {MAX_INT + 1024} MiB: a request takes 1 to 1099511627776 MiB"),
+])
+def test_cpu_and_memory_out_of_the_request_s_bounds_are_usage_errors_before_anything_is_sent(option, value, says):
+    """`actor create --cpu 0` connected and was refused by the snapshotter, INVALID_ARGUMENT
+    resources.cpu_millis, exit 1 (a user trial): the bounds of `Resources` (positive, at most 2^40) are
+    checked with the option, exit 2, before it connects (here to a port nothing listens on)."""
+    sizes = {"--cpu": "500", "--memory": "1024", option: value}
+    shown = CliRunner().invoke(main, [*CREATE, *(w for pair in sizes.items() for w in pair),
+                                      "--nats", "nats://127.0.0.1:1"], prog_name="warmboot")
+    assert shown.exit_code == 2, shown.output
+    assert f"error: Invalid value for '{option}': {says}" in shown.stderr, shown.stderr
+    assert "UNAVAILABLE" not in shown.output and shown.stdout == ""
+
+
+def test_the_largest_cpu_and_memory_a_request_takes_pass_the_option():
+    """2^40 millicores and MiB are the largest a request takes: the option passes them on (to a server
+    nobody runs here: UNAVAILABLE, exit 1, not a usage error)."""
+    shown = CliRunner().invoke(main, [*CREATE, "--cpu", str(MAX_INT), "--memory", f"{MAX_INT // 1024}Gi",
+                                      "--nats", "nats://127.0.0.1:1"], prog_name="warmboot")
+    assert shown.exit_code == 1 and "UNAVAILABLE" in shown.stderr, shown.output

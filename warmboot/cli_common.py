@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import re
 import sys
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, get_args
 
 import click
+import msgspec
 import nats.js.errors
 from click.core import ParameterSource
 from rich.console import Console
@@ -17,7 +18,7 @@ from events.compat import compat_key, describe_key
 from events.errors import ContractError, not_found, past_the_end
 from events.natsauth import NKEY_SEED_ENV, carries_secret, check_url, nkey_seed_problem, redact_url
 from events.natspy.connections import ErrorsOnce, PublishRefused, close, describe_error, unless_refused
-from events.schema import ID_RE, ID_WORDS, ErrorCode
+from events.schema import ID_RE, ID_WORDS, ErrorCode, Positive
 from events.subjects import DEFAULT_PREFIX, PREFIX_PATTERN, check_prefix, stream_name
 from services.process import EVENT_LOOP_ENV, EVENT_LOOPS
 from services.streams import leaders_stream_info
@@ -66,34 +67,53 @@ class FloatRange(click.FloatRange):
     name = "float"
 
 
+def wire_bounds(wire: Any) -> tuple[int | None, int | None]:
+    """The least and the greatest whole number a wire type of `events.schema` takes (`Positive`,
+    `StreamSeq`: an `Annotated[int, Meta(...)]`), None where it sets none: the bounds the services
+    check, for an option to check before anything is sent (one definition: the schema's)."""
+    meta = next(m for m in get_args(wire)[1:] if isinstance(m, msgspec.Meta))
+    low = meta.ge if meta.ge is not None else None if meta.gt is None else meta.gt + 1
+    high = meta.le if meta.le is not None else None if meta.lt is None else meta.lt - 1
+    return low, high
+
+
 class Quantity(click.ParamType):
     """A whole number of `unit`, written bare or as kubectl writes it, with one of `suffixes`
     (`500m` millicores, `1Gi` MiB); anything else (`0.5`, `1.5Gi`, `1G`) is refused naming what to
     write, before anything is sent. A bare number stays the unit (`--cpu 2` is 2 millicores, as it
-    always was here, not kubectl's 2 cores), so a negative or zero one reaches the service's own
-    check, which names the request's field."""
+    always was here, not kubectl's 2 cores). One out of the bounds of the request's field (`wire`,
+    `events.schema.Positive`: 1 to 2^40) is refused here too, naming them (`--cpu 0` was refused only
+    once a server answered, exit 1: a user trial)."""
 
-    def __init__(self, unit: str, suffixes: dict[str, int], example: str):
+    def __init__(self, unit: str, suffixes: dict[str, int], example: str, wire: Any = Positive):
         self.name = unit
         self.suffixes = suffixes
         self.example = example
+        self.bounds = wire_bounds(wire)
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
         if isinstance(value, int):
-            return value
+            return self.within(value, value, param, ctx)
         text = str(value).strip()
         for suffix, factor in self.suffixes.items():
             digits = text.removesuffix(suffix)
             if digits != text and digits.isascii() and digits.isdigit():
-                return int(digits) * factor
+                return self.within(int(digits) * factor, value, param, ctx)
         try:
-            return int(text)
+            number = int(text)
         except ValueError:
             self.fail(f"{value!r} is not a whole number of {self.name}: write {self.example}", param, ctx)
+        return self.within(number, value, param, ctx)
+
+    def within(self, number: int, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        low, high = self.bounds
+        if (low is not None and number < low) or (high is not None and number > high):
+            self.fail(f"{value!r} is {number} {self.name}: a request takes {low} to {high} {self.name}", param, ctx)
+        return number
 
 
 # The examples read as examples ("e.g."): `write 1536, ...` read as the conversion of any value refused
-# (`--memory 10Ti` was told to write 1536; a trial).
+# (`--memory 10Ti` was told to write 1536; a trial). Both are a request's `Resources` (`Positive`).
 MILLICORES = Quantity("millicores", {"m": 1}, "whole millicores, e.g. 500 or 500m (a core is 1000m)")
 MIB = Quantity("MiB", {"Mi": 1, "Gi": 1024}, "whole MiB or GiB, e.g. 1536, 1536Mi or 2Gi")
 

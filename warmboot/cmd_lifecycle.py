@@ -42,14 +42,15 @@ from events.errors import ContractError, no_actor
 from events.compat import compat_key
 from events.runtime_id import Runtimes, short_id
 from events.schema import (ActorCreated, ActorRuntime, Assignment, ClassFragmentation, CreateActor, ErrorCode,
-                           Explanation, Fidelity, Fragmentation, Resources, Snapshot, TagRecorded, WorkerDetail)
+                           Explanation, Fidelity, Fragmentation, Resources, Snapshot, StreamSeq, TagRecorded,
+                           WorkerDetail)
 from events.schema import (ACTORS_FILTER_MAX, ACTORS_LIMIT_MAX, CLASS_PATTERN, PATTERN_WORDS, ActorPage, ActorsQuery,
                            ActorSummary)  # actor list
 from events.states import ActorState
 from events.subjects import event_subject
 from warmboot.cli_common import (MIB, MILLICORES, REFUSED_THE_LOG, IntRange, LogUnreadable, ask, check_id,
                                  json_option, last_seq, min_seq_option, nats_option, prefix_option, read_subject,
-                                 replay_for, selectors_of, unread_why)
+                                 replay_for, selectors_of, unread_why, wire_bounds)
 from warmboot.client import Client, NobodyAnswered, Refused, asked_first
 from services.scheduler.feasibility import RUNTIME_MISMATCH, SELECTOR_MISMATCH
 from services.scheduler.feasibility import none_passes as feasibility_none_passes
@@ -90,7 +91,7 @@ def one_state(value: str | None) -> str | None:
     return value.upper()
 
 placement_seq_option = click.option(
-    "--placement-seq", type=IntRange(min=1), default=None, metavar="SEQ",
+    "--placement-seq", type=IntRange(*wire_bounds(StreamSeq)), default=None, metavar="SEQ",
     help="The seq `actor resume` printed for the placement the image was taken under: refused, and nothing "
          "recorded, if the actor has been placed anew since (its worker removed meanwhile, say). Default: "
          "the placement the snapshotter says the actor has when the command starts (none, with a note, if the "
@@ -130,7 +131,7 @@ def placement_named(actor_id: str, placement_seq: int | None, placement_file: An
 
 
 life_seq_option = click.option(
-    "--life-seq", type=IntRange(min=1), default=None, metavar="SEQ",
+    "--life-seq", type=IntRange(*wire_bounds(StreamSeq)), default=None, metavar="SEQ",
     help="A seq of the actor's life this request is for (what `actor create` or `actor resume` printed): "
          "refused, and nothing done, if the actor has been created anew since. Default: the life the "
          "snapshotter says the actor is in when the command starts (none, with a note, if the snapshotter is of "
@@ -258,9 +259,9 @@ FIDELITIES = UpperChoice([f.value for f in Fidelity], case_sensitive=False)  # `
 @click.option("--class", "sandbox_class", required=True, help="Sandbox class, e.g. gvisor.")
 @click.option("--template", "template_uid", required=True, help="Template uid the actor starts from.")
 @click.option("--cpu", "cpu_millis", type=MILLICORES, required=True, metavar="MILLICORES",
-              help="CPU in whole millicores: 500 or 500m (a core is 1000m).")
+              help="CPU in whole millicores, at least 1: 500 or 500m (a core is 1000m).")
 @click.option("--memory", "memory_mib", type=MIB, required=True, metavar="MIB",
-              help="Memory in whole MiB: 1024, 1024Mi or 1Gi.")
+              help="Memory in whole MiB, at least 1: 1024, 1024Mi or 1Gi.")
 @click.option("--selector", "selectors", multiple=True, metavar="KEY=VALUE",
               help="Worker label to require. Repeatable, one value per key.")
 @click.option("--min-fidelity", type=FIDELITIES, default=Fidelity.ROOTFS.value,
