@@ -420,3 +420,33 @@ def test_the_largest_cpu_and_memory_a_request_takes_pass_the_option():
     shown = CliRunner().invoke(main, [*CREATE, "--cpu", str(MAX_INT), "--memory", f"{MAX_INT // 1024}Gi",
                                       "--nats", "nats://127.0.0.1:1"], prog_name="warmboot")
     assert shown.exit_code == 1 and "UNAVAILABLE" in shown.stderr, shown.output
+
+
+# --- 8. a --uri the contract does not take -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("uri, says", [
+    ("", "uri is empty: say where the image is"),
+    ("   ", "uri is blank: say where the image is"),
+    ("s3://b/a\tb", "Expected printable text (no control characters)"),
+    ("s3://b/a\u2028b", "text must be printable; U+2028 is not"),
+    ("x" * 2049, "Expected `str` of length <= 2048"),
+])
+def test_a_uri_the_snapshotter_refuses_is_a_usage_error_before_anything_is_sent(uri, says):
+    """`actor suspend --uri '  '` connected and was refused by the snapshotter, exit 1 (a user trial): a
+    uri is checked as the snapshotter decodes a suspend's (at most 2048 printable characters, not empty
+    or blank), exit 2, before it connects (here to a port nothing listens on)."""
+    shown = CliRunner().invoke(main, ["actor", "suspend", "a-1", "--uri", uri, "--nats", "nats://127.0.0.1:1"],
+                               prog_name="warmboot")
+    assert shown.exit_code == 2, shown.output
+    assert f"error: Invalid value for '--uri': {says}" in shown.stderr, shown.stderr
+    assert "UNAVAILABLE" not in shown.output and shown.stdout == ""
+
+
+@pytest.mark.parametrize("uri", ["s3://snapshots/a-1", "/var/lib/images/a-1", "a-1", "x" * 2048])
+def test_a_uri_of_any_form_passes_the_option(uri):
+    """The contract gives a uri no form (no scheme asked for: docs/contract.md): any of these is sent (to a
+    server nobody runs here: UNAVAILABLE, exit 1, not a usage error)."""
+    shown = CliRunner().invoke(main, ["actor", "suspend", "a-1", "--uri", uri, "--nats", "nats://127.0.0.1:1"],
+                               prog_name="warmboot")
+    assert shown.exit_code == 1 and "UNAVAILABLE" in shown.stderr, shown.output

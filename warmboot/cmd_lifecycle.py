@@ -42,8 +42,8 @@ from events.errors import ContractError, no_actor
 from events.compat import compat_key
 from events.runtime_id import Runtimes, short_id
 from events.schema import (ActorCreated, ActorRuntime, Assignment, ClassFragmentation, CreateActor, ErrorCode,
-                           Explanation, Fidelity, Fragmentation, Resources, Snapshot, StreamSeq, TagRecorded,
-                           WorkerDetail)
+                           Explanation, Fidelity, Fragmentation, Resources, Snapshot, StreamSeq, SuspendActor,
+                           TagRecorded, WorkerDetail)
 from events.schema import (ACTORS_FILTER_MAX, ACTORS_LIMIT_MAX, CLASS_PATTERN, PATTERN_WORDS, ActorPage, ActorsQuery,
                            ActorSummary)  # actor list
 from events.states import ActorState
@@ -196,6 +196,21 @@ def check_request_id(ctx: click.Context, param: click.Parameter, value: str | No
     if value == "":
         raise click.BadParameter("an empty request id: give the id of the request to send again, or leave the "
                                  "option out for a new one")
+    return value
+
+
+def check_uri_option(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """click callback of `actor suspend --uri`: a uri the snapshotter takes, as it decodes a suspend's
+    (`events.schema.Uri`: at most 2048 printable characters; not empty or blank, `events.validate.check_uri`),
+    else a usage error naming the option, before anything is sent (it was refused only once the
+    snapshotter answered, exit 1: a user trial). The contract gives a uri no other form: no scheme is
+    asked for (docs/contract.md)."""
+    if value is None:
+        return value
+    try:
+        decode_request(SuspendActor, msgspec.json.encode({"uri": value, "fidelity": Fidelity.MEMORY}))
+    except ContractError as e:
+        raise click.BadParameter(e.message, ctx=ctx, param=param) from None
     return value
 
 
@@ -581,7 +596,9 @@ def pause_cmd(actor_id: str, snapshot_id: str | None, placement_seq: int | None,
 @click.argument("actor_id")
 @click.option("--fidelity", type=FIDELITIES, default=Fidelity.MEMORY.value,
               show_default=True, help="What the EXTERNAL snapshot can restore.")
-@click.option("--uri", default=None, help="Where the snapshot is stored.")
+@click.option("--uri", default=None, callback=check_uri_option,
+              help="Where the snapshot is stored: any text the workers' external store names it by (s3://..., a "
+                   "path, a key), at most 2048 printable characters, not blank.")
 @click.option("--snapshot-id", default=None, help="Id of the snapshot (default: <actor>-v<n>); refused if it names another "
                    "snapshot, this actor's or another's.")
 @placement_seq_option
