@@ -221,6 +221,23 @@ def test_command_writes_private_files_and_keeps_passwords(tmp_path):
     assert clash.exit_code == 2 and "unique" in clash.output
     bad = runner.invoke(main, ["nats-config", "--worker", "w.1"])
     assert bad.exit_code == 2
+    # said as every other usage error: the option quoted, the value once (it read `Invalid value for --worker:
+    # w 1: 'w 1' is not an id`: a user trial), and nothing written
+    out = tmp_path / "refused"
+    out.mkdir()
+    for given, says in ((["--worker", "w 1"], "'--worker': 'w 1' is not an id"),
+                        (["--worker", "w-1", "--worker", "w-1"], "'--worker': worker 'w-1' is given twice (also at "
+                                                                 "--worker w-1)")):
+        refused = runner.invoke(main, ["nats-config", *given, "--secrets", str(out / "s.json"), "--out",
+                                       str(out / "auth.conf")], prog_name="warmboot")
+        assert refused.exit_code == 2 and refused.stdout == "", refused.output
+        assert refused.stderr.startswith("Usage: warmboot nats-config [OPTIONS]\n"), refused.stderr
+        assert f"\nerror: Invalid value for {says}" in refused.stderr, refused.stderr
+        assert not list(out.iterdir())
+    routes = runner.invoke(main, ["nats-config", "--worker", "w-1", "--routes", "http://n1:6222", "--routes-out",
+                                  str(out / "routes.conf")])
+    assert routes.exit_code == 2 and "Invalid value for '--routes': 'http://n1:6222' is not" in routes.stderr
+    assert not list(out.iterdir())
     orphan = runner.invoke(main, ["nats-config", "--auth", "nkey"])
     assert orphan.exit_code == 2 and "--secrets or --seeds-dir" in orphan.output
 

@@ -157,11 +157,12 @@ def test_nats_config_writes_the_binding_and_refuses_an_incomplete_one(tmp_path):
     for case, (args, says) in enumerate([
         (["--worker", "w-1@node-a", "--worker", "w-2"], "give w-2 as ID@NODE"),
         (["--worker", "w-1@node-a", "--worker", "w-1@node-b"], "worker 'w-1' is given two nodes"),
-        (["--worker", "w-1@node-a", "--worker", "w-1@node-a"], "Invalid value for --worker: w-1@node-a: worker "
-                                                               "'w-1' is given twice (also at --worker w-1@node-a)"),
-        (["--worker", "w-1@node.a"], "Invalid value for --worker: w-1@node.a: 'node.a' is not an id: 1 to 128"),
+        (["--worker", "w-1@node-a", "--worker", "w-1@node-a"], "Invalid value for '--worker': 'w-1@node-a': "
+                                                               "worker 'w-1' is given twice (also at --worker "
+                                                               "w-1@node-a)"),
+        (["--worker", "w-1@node.a"], "Invalid value for '--worker': 'w-1@node.a': 'node.a' is not an id: 1 to 128"),
         (["--worker", "w-1@node-a", "--workers-file", str(bad_file)],
-         f"Invalid value for --workers-file: {bad_file}:2: 'w.2' is not an id: 1 to 128"),
+         f"Invalid value for '--workers-file': {bad_file}:2: 'w.2' is not an id: 1 to 128"),
         (["--worker", "w-1@"], "'' is not an id: 1 to 128"),
         ([], "with no worker"),
     ]):

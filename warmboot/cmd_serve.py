@@ -113,11 +113,11 @@ def serve(service: str, nats_url: str, nkey_seed: str | None, prefix: str, metri
         try:
             registry["worker_nodes"] = load_nodes(worker_nodes_path)
         except ValueError as e:
-            raise click.BadParameter(str(e), param_hint="--worker-nodes") from None
+            raise click.BadParameter(str(e), param_hint="'--worker-nodes'") from None
         if not registry["worker_nodes"]:  # it would remove every worker registered, at once
             raise click.BadParameter(f"{worker_nodes_path} binds no worker: no worker could register, and every one "
                                      "registered would be removed (`none` removes the binding)",
-                                     param_hint="--worker-nodes")
+                                     param_hint="'--worker-nodes'")
     if replicas is not None:
         os.environ["WARMBOOT_STREAM_REPLICAS"] = str(replicas)
     if nkey_seed is not None:  # the services' connection and their event store sign with it

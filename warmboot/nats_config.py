@@ -317,27 +317,27 @@ def route_urls(given: str) -> list[str]:
     urls = [u.strip() for u in given.split(",") if u.strip()]
     if not urls:
         raise click.BadParameter("no route given: one nats://HOST:PORT per cluster member, comma-separated",
-                                 param_hint="--routes")
+                                 param_hint="'--routes'")
     for url in urls:
         try:
             parts = urlsplit(url)
             port = parts.port
         except ValueError as e:
-            raise click.BadParameter(f"{url!r}: {e}", param_hint="--routes") from None
+            raise click.BadParameter(f"{url!r}: {e}", param_hint="'--routes'") from None
         if (parts.scheme not in ("nats", "nats-route") or not parts.hostname or not port
                 or not re.fullmatch(r"[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\]",
                                     parts.netloc.rpartition("@")[2].rpartition(":")[0])):
             raise click.BadParameter(f"{url!r} is not nats://HOST:PORT (a member's cluster port)",
-                                     param_hint="--routes")
+                                     param_hint="'--routes'")
         if parts.username is not None or parts.password is not None:
             raise click.BadParameter(f"{url!r} carries credentials: the routes are given theirs "
-                                     f"({ROUTES_USER}), leave them out", param_hint="--routes")
+                                     f"({ROUTES_USER}), leave them out", param_hint="'--routes'")
         if parts.path not in ("", "/") or parts.query or parts.fragment:
             raise click.BadParameter(f"{url!r}: a route is a host and a port, nothing after them",
-                                     param_hint="--routes")
+                                     param_hint="'--routes'")
     twice = sorted({u for u in urls if urls.count(u) > 1})
     if twice:
-        raise click.BadParameter(f"{', '.join(twice)} given twice", param_hint="--routes")
+        raise click.BadParameter(f"{', '.join(twice)} given twice", param_hint="'--routes'")
     return urls
 
 
@@ -391,17 +391,22 @@ def _worker_nodes(entries: list[tuple[str, str]]) -> dict[str, str | None]:
     nodes: dict[str, str | None] = {}
     given_at: dict[str, str] = {}
     for where, entry in entries:
-        # the option the entry came by, and the entry where it was (click's own prefix names the option)
-        option, shown = ("--worker", entry) if where.startswith("--worker ") else ("--workers-file", where)
+        # the option the entry came by, quoted as click quotes an option it names, and the entry where it
+        # was: the file's line, or the --worker value itself (`--worker 'w 1'` said `--worker: w 1: 'w 1'
+        # is not an id`, where every other usage error says `'--worker': 'w 1' is not an id`: a user trial)
+        given = where.startswith("--worker ")
+        option, shown = ("'--worker'", repr(entry)) if given else ("'--workers-file'", where)
         worker_id, _, node = entry.partition("@")
         for value in (worker_id, node) if node or "@" in entry else (worker_id,):
             if not ID_RE.match(value):
-                raise click.BadParameter(f"{shown}: {value!r} is not an id: {ID_WORDS}", param_hint=option)
+                said = "" if given and value == entry else f"{shown}: "  # a --worker that is the id alone: once
+                raise click.BadParameter(f"{said}{value!r} is not an id: {ID_WORDS}", param_hint=option)
         if worker_id in nodes:
             known = nodes[worker_id]
             twice = (f"given two nodes, {known!r} and {node!r}" if known and node and known != node
                      else "given twice")
-            raise click.BadParameter(f"{shown}: worker {worker_id!r} is {twice} (also at {given_at[worker_id]})",
+            said = "" if given and entry == worker_id else f"{shown}: "
+            raise click.BadParameter(f"{said}worker {worker_id!r} is {twice} (also at {given_at[worker_id]})",
                                      param_hint=option)
         nodes[worker_id] = node or None
         given_at[worker_id] = where
@@ -548,7 +553,7 @@ def nats_config(
         raise click.UsageError("--services-seed goes with --auth nkey")
     unknown = sorted(set(rotated) - set(users))
     if unknown:
-        raise click.BadParameter(f"{', '.join(unknown)}: not a user of this run", param_hint="--rotate")
+        raise click.BadParameter(f"{', '.join(unknown)}: not a user of this run", param_hint="'--rotate'")
 
     if auth == "nkey" and secrets_path is None and seeds_dir is None:
         raise click.UsageError("--auth nkey needs --secrets or --seeds-dir: a seed nobody keeps signs nothing")
@@ -566,7 +571,7 @@ def nats_config(
         if path is None:
             continue
         if not path.parent.is_dir():
-            raise click.BadParameter(f"{path.parent} is not a directory", param_hint=option)
+            raise click.BadParameter(f"{path.parent} is not a directory", param_hint=f"'{option}'")
         other = written.setdefault(path.resolve(), option)
         if other != option:
             raise click.UsageError(f"{option} and {other} name the same file, {path}")
