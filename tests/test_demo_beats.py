@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 
 from events.schema import HeartbeatReply
-from warmboot.demo import BEATS_IN_FLIGHT, Demo, DemoConfig
+from warmboot.demo import BEATS_IN_FLIGHT, MIN_WORKERS, Demo, DemoConfig
 from events.tasks import cancel_and_wait
 
 
@@ -41,7 +41,7 @@ class Beats:
 
 
 async def test_a_round_of_beats_goes_many_at_once_and_covers_every_registered_worker_once():
-    demo = Demo(None, "tp", DemoConfig(workers=2, actors=0))
+    demo = Demo(None, "tp", DemoConfig(workers=MIN_WORKERS, actors=0))
     workers = [f"w-{i}" for i in range(3 * BEATS_IN_FLIGHT)]
     beats = Beats(hold_until=BEATS_IN_FLIGHT)
     beats.expected = len(workers)

@@ -34,10 +34,15 @@ def contents(root: Path) -> dict[str, bytes | None]:
 
 
 @pytest.mark.parametrize("args, says", [
-    (["--workers", "0"], "Invalid value for '--workers': 0 is too few: the demo needs a worker of each sandbox "
-                         "class it uses (gvisor, microvm), at least 2"),
+    (["--workers", "0"], "Invalid value for '--workers': 0 is too few: the demo retires (drains) the oldest CPU "
+                         "generation and restores its images on the newest, so it needs a worker of the newest in "
+                         "each sandbox class (gvisor, microvm): at least 6"),
     (["--workers", "-1"], "Invalid value for '--workers': -1 is too few"),
     (["--workers", "1", "--actors", "3"], "Invalid value for '--workers': 1 is too few"),
+    # a worker of each class, both of the oldest generation: the demo drained both, then resumed onto no
+    # worker and printed a whatif of runtimes no worker accepts (a user trial)
+    (["--workers", "2", "--actors", "0"], "Invalid value for '--workers': 2 is too few"),
+    (["--workers", "5"], "Invalid value for '--workers': 5 is too few"),  # no microvm of the newest yet
     (["--actors", "-5"], "Invalid value for '--actors': -5 is not a number of actors (0 or more)"),
 ])
 def test_a_demo_fleet_it_cannot_run_is_a_usage_error_before_anything_starts(tmp_path, args, says):
@@ -52,13 +57,21 @@ def test_a_demo_fleet_it_cannot_run_is_a_usage_error_before_anything_starts(tmp_
 
 
 def test_the_smallest_fleet_it_takes_runs_the_demo_to_its_summary(tmp_path):
-    """The minimum is the demo's real one: one worker of each sandbox class, and no actor of its own."""
+    """The minimum is the demo's real one: a worker of the newest CPU generation in each sandbox class
+    (to restore the images of the oldest, which it retires), and no actor of its own. Its story then
+    reads as it does with the default fleet: no request refused (with a worker of each class, both
+    drained, the actors made during the upgrade were refused), and each runtime its whatif lists has a
+    worker that accepts it before the drop (there, none had)."""
     args = [WARMBOOT, "up", "--demo", "--exit-after-demo", "--port", "0", "--metrics-port", "0",
             "--store", str(tmp_path / "store"), "--workers", str(MIN_WORKERS), "--actors", "0"]
     done = subprocess.run(args, capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "200"})
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "warmboot demo summary" in done.stdout and "whatif's forecast of the v1 drop" in done.stdout
     assert "Traceback" not in done.stderr
+    assert "refused" not in done.stdout, done.stdout
+    rows = [line.split() for line in done.stdout.splitlines() if line.startswith(("gvisor-v", "microvm-v"))]
+    assert len(rows) == 8, done.stdout  # per class: v1 dropped and v2, on the oldest and the newest generation
+    assert all(int(row[2]) >= 1 for row in rows), done.stdout  # WORKERS before the drop
 
 
 def test_a_demo_config_it_cannot_run_is_refused_naming_the_field():
@@ -89,12 +102,12 @@ async def test_a_request_cancelled_before_its_turn_is_closed_not_left_never_awai
 
 @pytest.mark.parametrize("args, flag", [
     (["--exit-after-demo"], "--exit-after-demo"),
-    (["--workers", "5"], "--workers"),
+    (["--workers", "8"], "--workers"),
     (["--actors", "10"], "--actors"),
     (["--no-demo", "--workers", "60"], "--workers"),  # its default, but given
 ])
 def test_a_demo_option_without_demo_is_refused_not_ignored(tmp_path, args, flag):
-    """`up --exit-after-demo` (or `--workers 5`) without --demo served on as if not given (a process,
+    """`up --exit-after-demo` (or `--workers 8`) without --demo served on as if not given (a process,
     so that one that serves on is ended by the time-out)."""
     store = tmp_path / "store"
     done = subprocess.run([WARMBOOT, "up", "--port", "0", "--metrics-port", "0", "--store", str(store), *args],

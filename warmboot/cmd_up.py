@@ -52,7 +52,9 @@ def check_demo_size(ctx: click.Context, param: click.Parameter, value: int) -> i
 @click.option("--reset/--reuse", default=None,
               help="Wipe the store first (default: reset with --demo, reuse without).")
 @click.option("--workers", type=int, default=DemoConfig.workers, show_default=True, callback=check_demo_size,
-              help=f"Demo: simulated workers (at least {MIN_WORKERS}, one per sandbox class: {', '.join(CLASSES)}).")
+              help=f"Demo: simulated workers (at least {MIN_WORKERS}: a worker of the newest CPU generation in "
+                   f"each sandbox class, {', '.join(CLASSES)}, to restore the images of the oldest, which the "
+                   "demo retires).")
 @click.option("--actors", type=int, default=DemoConfig.actors, show_default=True, callback=check_demo_size,
               help="Demo: simulated actors (0 or more).")
 @event_loop_option

@@ -68,17 +68,40 @@ GENERATIONS = {
 }
 OLDEST, NEWEST = 0, 3
 ASSET_KEY = {"gvisor": "gvisor_asset_hash", "microvm": "kernel_digest"}
-# The fleet deals its workers to the classes in turn (`fleet`): with fewer than one a class, the
-# demo's whatif of a class no worker registered is refused NOT_FOUND.
-MIN_WORKERS = len(CLASSES)
+# Generations are uneven (the newest is scarce), so some restores must fall back: the fleet deals its
+# workers to the classes in turn, and each round of the classes to the next generation of this cycle.
+GENERATION_CYCLE = (OLDEST, OLDEST, NEWEST, 1, 1, 2)
+
+
+def generation_of(index: int) -> int:
+    """The CPU generation of the fleet's worker `index` (`fleet`)."""
+    return GENERATION_CYCLE[(index // len(CLASSES)) % len(GENERATION_CYCLE)]
+
+
+def smallest_fleet() -> int:
+    """The fewest workers the demo's story holds with: it retires (drains) the oldest generation and
+    restores its images on the newest, through its compatible version, so every class needs a worker of
+    the newest generation. With fewer (`up --demo --workers 2`: both of the oldest), every worker was
+    drained, and the demo resumed onto no worker and printed a whatif of runtimes no worker accepts
+    (a user trial); with none of a class, its whatif was refused NOT_FOUND."""
+    needed, count = set(CLASSES), 0
+    while needed:
+        if generation_of(count) == NEWEST:
+            needed.discard(CLASSES[count % len(CLASSES)])
+        count += 1
+    return count
+
+
+MIN_WORKERS = smallest_fleet()
 BEATS_IN_FLIGHT = 64  # the demo's heartbeats at once (an agent sends one; the demo plays thousands)
 
 
 def size_error(field: str, value: int) -> str | None:
     """Why the demo cannot run with `value` as its `field` ("workers" or "actors"); None if it can."""
     if field == "workers" and value < MIN_WORKERS:
-        return (f"{value} is too few: the demo needs a worker of each sandbox class it uses "
-                f"({', '.join(CLASSES)}), at least {MIN_WORKERS}")
+        return (f"{value} is too few: the demo retires (drains) the oldest CPU generation and restores its images "
+                f"on the newest, so it needs a worker of the newest in each sandbox class ({', '.join(CLASSES)}): "
+                f"at least {MIN_WORKERS}")
     if field == "actors" and value < 0:
         return f"{value} is not a number of actors (0 or more)"
     return None
@@ -151,9 +174,8 @@ def known_runtimes() -> Runtimes:
 def fleet(cfg: DemoConfig, rng: random.Random) -> list[Worker]:
     workers = []
     for i in range(cfg.workers):
-        sandbox_class = CLASSES[i % len(CLASSES)]  # each class one of the first MIN_WORKERS
-        # Generations are uneven (the newest is scarce), so some restores must fall back.
-        generation = (OLDEST, OLDEST, NEWEST, 1, 1, 2)[(i // 2) % 6]
+        sandbox_class = CLASSES[i % len(CLASSES)]
+        generation = generation_of(i)
         capacity = Resources(cpu_millis=rng.choice((8000, 16000)), memory_mib=rng.choice((8192, 16384)))
         workers.append(Worker(f"w-{sandbox_class[:2]}{generation}-{i:03d}", sandbox_class, generation, capacity))
     return workers
