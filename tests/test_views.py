@@ -264,6 +264,34 @@ def test_fragmentation_fits_without_a_cut_cell(width):
         assert runtimes.label(cls, rt.version) in text
 
 
+def test_fragmentation_leaves_out_the_runtimes_only_drained_workers_offer_unless_wide():
+    """A fleet's retired (drained) machines listed, per runtime only they offered, a row of zeros (a user
+    trial): WORKERS counts undrained workers only, and so do the runtime rows. Such rows are left out and
+    counted in a note that says -o wide lists them; -o wide lists them, noted; the classes stay."""
+    from events.schema import WorkerDrained
+
+    workers = fleet(8)  # gvisor: w-gv-0000 and -0002 of generation 0, -0004 of 1, -0006 of 2
+    projection = folded(workers)
+    projection.apply(len(workers) + 1, WorkerDrained(at=AT, worker_id="w-gv-0004", reason="retired"), 1)
+    answer = fragmentation(projection)
+    runtimes = runtimes_of(projection)
+    idle = [(c.sandbox_class, rt) for c in answer.classes for rt in c.runtimes
+            if not (rt.workers_default or rt.workers_restorable or rt.workers_compatible or rt.snapshots_memory)]
+    retired = {runtimes.label("gvisor", rt.version) for _, rt in idle}
+    assert retired == {runtimes.label("gvisor", runtime("gvisor", 1, r).version) for r in ("2024.11", "2024.05")}
+    text = render_fragmentation(answer, runtimes, None)
+    listed = {line.split()[1] for line in text.split("\n\n", 1)[1].splitlines()[1:] if not line.startswith("(")}
+    assert listed and not listed & retired, text
+    assert text.endswith("\n(2 runtimes only drained workers offer, with no memory snapshot, left out; -o wide lists "
+                         "them)"), text
+    assert text.splitlines()[1].split()[:2] == ["gvisor", "3"]  # the class, its undrained workers
+    wide = render_fragmentation(answer, runtimes, None, wide=True)
+    assert retired <= set(wide.split()), wide
+    assert wide.endswith("\n(2 runtimes only drained workers offer, with no memory snapshot: every count 0)"), wide
+    # a fleet with no worker drained says nothing of it
+    assert "drained" not in render_fragmentation(fragmentation(folded(workers)), runtimes, None)
+
+
 @pytest.mark.parametrize("width", WIDTHS)
 def test_explain_fits_and_wraps_without_cutting(width):
     projection = folded(fleet())

@@ -35,7 +35,7 @@ from events.errors import ContractError, is_busy_reads
 from events.runtime_id import PREFIX as ID_PREFIX
 from events.runtime_id import Runtimes, UnknownRuntime, short_id
 from events.schema import (WHATIF_LIMIT_MAX, CompatVersion, ErrorCode, Explanation, FleetRuntimes, Fragmentation,
-                           Location, Placement, Rejection, StrandedActor, WhatIf, WhatIfAnswer)
+                           Location, Placement, Rejection, RuntimeFragmentation, StrandedActor, WhatIf, WhatIfAnswer)
 from events.schema import (ACTORS_FILTER_MAX, WORKERS_LIMIT_MAX, WorkerPage, WorkersQuery,
                            WorkerSummary)  # workers
 from events.states import WorkerState
@@ -503,18 +503,38 @@ def by_label(runtimes: Runtimes, sandbox_class: str, version: CompatVersion) -> 
     return sandbox_class, pin_label(runtimes, sandbox_class, version), short_id(compat_key(sandbox_class, version))
 
 
+def drained_only(row: RuntimeFragmentation) -> bool:
+    """A runtime fragmentation lists with every count 0: no undrained worker runs it, can restore it or
+    accepts it through an edge, and no memory snapshot is stamped with it. The scheduler lists every
+    runtime a registered worker offers, drained ones included (counts of 0 are dropped from its snapshot
+    tallies), so such a runtime is one only drained workers offer."""
+    return not (row.workers_default or row.workers_restorable or row.workers_compatible or row.snapshots_memory)
+
+
 def render_fragmentation(answer: Fragmentation, runtimes: Runtimes, width: int | None, wide: bool = False,
                          sandbox_class: str | None = None) -> str:
+    """The classes, then their runtimes. A runtime only drained workers offer (`drained_only`) is a row of
+    zeros: left out, and counted in a note, unless `wide` (as `workers` shows a drained worker's row marked
+    DRAINED, and WORKERS counts undrained workers only; a fleet's retired machines listed rows of zeros, a
+    user trial); -o json keeps every runtime, as the scheduler answers."""
     if not answer.classes:
         return (f"no worker registers the sandbox class {sandbox_class}" if sandbox_class is not None
                 else "no sandbox classes registered")
     classes = render_table(CLASS_COLUMNS, answer.classes, width, wide)
     rows = sorted(((c.sandbox_class, rt) for c in answer.classes for rt in c.runtimes),
                   key=lambda row: by_label(runtimes, row[0], row[1].version))
-    table = render_table(runtime_columns(runtimes), rows, width, wide)
-    text = classes.text + "\n\n" + table.text
-    note = table.footnote(width)
-    return text + ("\n" + note if note else "")
+    idle = sum(1 for _, rt in rows if drained_only(rt))
+    shown = rows if wide else [row for row in rows if not drained_only(row[1])]
+    parts, notes = [classes.text], []
+    if shown:
+        table = render_table(runtime_columns(runtimes), shown, width, wide)
+        parts.append(table.text)
+        notes.append(table.footnote(width))
+    if idle:
+        which = f"{idle} runtime{'' if idle == 1 else 's'} only drained workers offer, with no memory snapshot"
+        notes.append(f"({which}: every count 0)" if wide else f"({which}, left out; -o wide lists them)")
+    notes = [n for n in notes if n]
+    return "\n\n".join(parts) + ("\n" + "\n".join(notes) if notes else "")
 
 
 def named_by_stamps_only(versions: Iterable[tuple[str, CompatVersion]], runtimes: Runtimes) -> bool:
@@ -568,6 +588,8 @@ def fragmentation(sandbox_class: tuple[str, ...], min_seq: int | None, nats_url:
 
     A runtime is labelled as in every view; one no worker runs, by the name its snapshots' stamps
     carry, as `actor list` shows them (the whole log is then read for it, as `actor list` reads it).
+    A runtime only drained workers offer, with no memory snapshot (every count 0), is left out, a
+    last line saying how many: -o wide and -o json list every runtime.
 
     A --class the scheduler knows nothing of (no worker has registered it, and no actor of it holds a
     memory snapshot) is NOT_FOUND, exit status 1, naming the classes the registered workers run where
