@@ -234,3 +234,41 @@ def test_every_subject_the_docs_name_is_an_endpoint():
 @pytest.mark.parametrize("event", sorted(schema.EVENT_TYPES))
 def test_every_event_type_is_in_the_event_stream_doc(event):
     assert f"`{event}`" in (ROOT / "docs" / "events.md").read_text(), f"docs/events.md never names {event}"
+
+
+# --- what the docs point a reader to ------------------------------------------------------
+
+
+# a file (with its extension) or a directory (with its slash): `events/s` is a rate
+_PATH = re.compile(r"(?<![\w/.-])((?:tests|bench|events|services|warmboot|deploy|examples|docs)/[\w./-]*?(?:\.[a-z]+\b|/))")
+_DOTTED = re.compile(r"`((?:events|services|warmboot)(?:\.[A-Za-z_]\w*)+)`")
+HISTORY = {"services/common.py", "events/natspy.py"}  # files a change named in docs/scaling.md split since
+
+
+def dotted_exists(dotted: str) -> bool:
+    """A module, or a name in one: `warmboot.cmd_views.with_runtime_ids`, `events.runtime_id.Runtimes.resolve`."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for name in parts[i:]:
+            if not hasattr(found, name):
+                return False
+            found = getattr(found, name)
+        return True
+    return False
+
+
+def test_every_file_and_python_name_the_docs_point_to_exists():
+    wrong = []
+    for doc in DOCS:
+        text = doc.read_text()
+        for path in set(_PATH.findall(text)) - HISTORY:
+            if not (ROOT / path).exists() and not (ROOT / "docs" / path).exists():
+                wrong.append(f"{doc.name}: {path}")
+        for dotted in set(_DOTTED.findall(text)):
+            if not _SUBJECT.match(dotted) and not dotted_exists(dotted):
+                wrong.append(f"{doc.name}: {dotted}")
+    assert not wrong, f"the docs name files or Python names that are not there: {sorted(wrong)}"
