@@ -159,3 +159,14 @@ def test_the_operations_doc_lists_every_metric_as_exported():
 def test_the_expression_reader(expr, metrics, labels):
     assert metrics_in(expr) == metrics
     assert labels_in(expr) == labels
+
+
+def test_the_registry_doc_lists_every_metric_of_the_registry():
+    """docs/registry.md's own list ("## Metrics") names each of the registry's metrics."""
+    text = (ROOT / "docs" / "registry.md").read_text()
+    section = text[text.index("## Metrics"):]
+    section = section[: section.find("\n## ", 1) if "\n## " in section[1:] else len(section)]
+    listed = set(re.findall(r"`(warmboot_[a-z0-9_]+)", section))
+    theirs = {name for name, metric in exported().items() if metric["from"] == "registry"}
+    assert theirs <= listed, f"docs/registry.md, Metrics, does not list {sorted(theirs - listed)}"
+    assert listed <= set(exported()), f"docs/registry.md, Metrics, lists {sorted(listed - set(exported()))}"
