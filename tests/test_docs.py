@@ -1,12 +1,14 @@
 """The docs name what the code has, and the code has what the docs name; read without a server.
 
 - every command of the CLI is in README's "CLI at a glance" table, every option of every command
-  (one of its spellings) is in README.md or docs/, and every command line the docs show
-  (`warmboot CMD ... --opt`, in backticks or a code block) names a command and options it has;
+  (one of its spellings) and the environment variable it reads are in README.md or docs/, and every
+  command line the docs show (`warmboot CMD ... --opt`, in backticks or a code block) names a
+  command and options it has;
 - every endpoint the services register (`EndpointSpec` in services/*/service.py) is in
   docs/CONTRACT.md or docs/contract.md with its subject's form, and where a row names the request
   or reply type, it is the endpoint's; every subject the docs name is an endpoint;
-- every event type is in docs/events.md.
+- every event type is in docs/events.md;
+- every file and Python name the docs point a reader to exists.
 
 The metrics have their own check (tests/test_alerts.py).
 """
@@ -100,6 +102,16 @@ def test_every_option_is_documented():
             if not any(re.search(re.escape(o) + r"(?![\w-])", text) for o in spellings(param)):
                 missing.append(f"{' '.join(path)} {'/'.join(spellings(param))}")
     assert not missing, f"options that README.md and docs/ never name: {missing}"
+
+
+def test_every_environment_variable_an_option_reads_is_documented():
+    text = "\n".join(doc.read_text() for doc in DOCS)
+    missing = set()
+    for path, command in commands().items():
+        for param in command.params:
+            named = [param.envvar] if isinstance(param.envvar, str) else list(param.envvar or ())
+            missing.update(f"{' '.join(path)} {name}" for name in named if not re.search(rf"\b{name}\b", text))
+    assert not missing, f"environment variables README.md and docs/ never name: {sorted(missing)}"
 
 
 def command_lines() -> list[tuple[str, str]]:
