@@ -47,7 +47,7 @@ def commands(group: click.Group = main, path: tuple[str, ...] = ()) -> dict[tupl
 
 
 def spellings(option: click.Option) -> list[str]:
-    return [o for o in option.opts + option.secondary_opts]
+    return option.opts + option.secondary_opts
 
 
 def resolve(words: list[str]) -> tuple[click.Command, int]:
