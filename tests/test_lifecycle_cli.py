@@ -176,9 +176,7 @@ async def test_errors_name_code_and_field_exit_1_and_write_nothing(bus, nc, pref
     before = await last_seq(nc, prefix)
     cases = [  # the wire's field, and the option that gave it
         (("actor", "create", "a-9", "--class", "gvisor", "--template", "t1", "--cpu", "10", "--memory", "256",
-          "--selector", "bad key=v"), "error: INVALID_ARGUMENT selectors (--selector): "),
-        (("actor", "create", "a-9", "--class", "Gvisor", "--template", "t1", "--cpu", "10", "--memory", "256"),
-         "error: INVALID_ARGUMENT sandbox_class (--class): "),
+          "--source-tag", "nosuch"), "error: NOT_FOUND source_tag (--source-tag): tag 'nosuch' does not exist"),
         # an argument: the field alone; one wording for an actor or a worker that is not there, whichever
         # service or command says it
         (("actor", "pause", "nobody"), "error: NOT_FOUND actor_id: actor 'nobody' does not exist"),
@@ -199,6 +197,13 @@ async def test_errors_name_code_and_field_exit_1_and_write_nothing(bus, nc, pref
         assert twice.exit_code == 2 and "'zone' is given twice ('a' and 'b')" in twice.output, (args, twice.output)
         bare = await run(*args, "--selector", "zone")
         assert bare.exit_code == 2 and "'zone' is not KEY=VALUE" in bare.output, (args, bare.output)
+    # a value the request's field refuses: a usage error naming the option (it was INVALID_ARGUMENT selectors
+    # (--selector), sandbox_class (--class), exit 1, once the snapshotter answered)
+    for more, said in ((("--selector", "bad key=v"), "Invalid value for '--selector': 'bad key' is not a label key"),
+                       (("--class", "Gvisor"), "Invalid value for '--class': 'Gvisor' is not a sandbox class")):
+        refused = await run("actor", "create", "a-9", "--class", "gvisor", "--template", "t1", "--cpu", "10",
+                            "--memory", "256", *more)
+        assert refused.exit_code == 2 and said in refused.stderr and not refused.stdout, refused.output
     # a --cpu out of the request's bounds: a usage error too (it was INVALID_ARGUMENT resources.cpu_millis
     # (--cpu), exit 1, once the snapshotter answered: a user trial)
     zero = await run("actor", "create", "a-9", "--class", "gvisor", "--template", "t1", "--cpu", "0", "--memory", "256")

@@ -428,7 +428,7 @@ def test_the_largest_cpu_and_memory_a_request_takes_pass_the_option():
 @pytest.mark.parametrize("uri, says", [
     ("", "uri is empty: say where the image is"),
     ("   ", "uri is blank: say where the image is"),
-    ("s3://b/a\tb", "Expected printable text (no control characters)"),
+    ("s3://b/a\tb", "'s3://b/a\\tb' is not printable text (no control characters)"),
     ("s3://b/a\u2028b", "text must be printable; U+2028 is not"),
     ("x" * 2049, "Expected `str` of length <= 2048"),
 ])
@@ -450,3 +450,83 @@ def test_a_uri_of_any_form_passes_the_option(uri):
     shown = CliRunner().invoke(main, ["actor", "suspend", "a-1", "--uri", uri, "--nats", "nats://127.0.0.1:1"],
                                prog_name="warmboot")
     assert shown.exit_code == 1 and "UNAVAILABLE" in shown.stderr, shown.output
+
+
+# --- 9. every option whose value a request's field takes: checked as the service decodes it -------------------
+
+NOWHERE = ["--nats", "nats://127.0.0.1:1"]  # a port nothing listens on: a command that connects says UNAVAILABLE
+CREATED = ["actor", "create", "a-1", "--class", "gvisor", "--template", "t1", "--cpu", "500", "--memory", "1024"]
+AN_ID = "1 to 128 letters, digits, '_' or '-', the first a letter or digit"
+A_CLASS = "a sandbox class: 1 to 63 lower-case letters, digits or '-', the first a letter"
+A_LABEL_KEY = "a label key: 1 to 253 letters, digits, '.', '_', '/' or '-', the first and last a letter or digit"
+LONG = "x" * 257
+
+
+def selectors(n: int) -> list[str]:
+    return [w for i in range(n) for w in ("--selector", f"k{i}=v")]
+
+
+@pytest.mark.parametrize("command, option, value, says", [
+    (["worker", "drain", "w-1"], "--reason", LONG, f"Expected `str` of length <= 256; got '{'x' * 78}"),
+    (["worker", "remove", "w-1"], "--reason", "a\tb", "'a\\tb' is not printable text (no control characters)"),
+    (["actor", "revert", "a-1"], "--reason", "a\u2028b", "text must be printable; U+2028 is not"),
+    (["actor", "create", "a-1", "--template", "t1", "--cpu", "1", "--memory", "1"], "--class", "Gvisor",
+     f"'Gvisor' is not {A_CLASS}"),
+    (["actor", "create", "a-1", "--class", "gvisor", "--cpu", "1", "--memory", "1"], "--template", "t 1",
+     f"'t 1' is not an id: {AN_ID}"),
+    (CREATED, "--source-tag", "x.y", f"'x.y' is not an id: {AN_ID}"),
+    (["actor", "pause", "a-1"], "--snapshot-id", "s 1", f"'s 1' is not an id: {AN_ID}"),
+    (["actor", "suspend", "a-1"], "--snapshot-id", "s" * 129, f"'{'s' * 79}... is not an id: {AN_ID}"),
+    (CREATED, "--selector", "bad key=v", f"'bad key' is not {A_LABEL_KEY}"),
+    (["actor", "resume", "a-1"], "--selector", "zone=a\tb",
+     "selector 'zone': 'a\\tb' is not printable text (no control characters)"),
+    (["explain", "a-1"], "--selector", "zone=" + LONG,
+     f"selector 'zone': Expected `str` of length <= 256; got '{'x' * 78}"),
+    (["actor", "stop", "a-1"], "--request-id", "r" * 129, f"Expected `str` of length <= 128; got '{'r' * 78}"),
+    (CREATED, "--request-id", "r\x7f1", "'r\\x7f1' is not printable text (no control characters)"),
+    (["fragmentation", "--class", "gvisor"], "--class", "Bad", f"'Bad' is not {A_CLASS}"),
+    (["whatif"], "--class", "Bad", f"'Bad' is not {A_CLASS}"),
+])
+def test_a_value_a_request_s_field_refuses_is_a_usage_error_naming_the_option_before_anything_is_sent(
+        command, option, value, says):
+    """`worker drain --reason` over 256 characters, `actor create --class Gvisor`, `--template 't 1'`,
+    `--source-tag`, `--snapshot-id`, `--selector` and `--request-id` out of their field's form connected
+    and were refused by the service, exit 1, once it answered. Each is decoded as the
+    service decodes its request (`cli_common.request_field`: the schema is the one definition), exit 2,
+    the option named, in the schema's words, before it connects (here to a port nothing listens on)."""
+    shown = CliRunner().invoke(main, [*command, option, value, *NOWHERE], prog_name="warmboot")
+    assert shown.exit_code == 2, shown.output
+    assert f"error: Invalid value for '{option}': {says}" in shown.stderr, shown.stderr
+    assert "UNAVAILABLE" not in shown.output and shown.stdout == ""
+
+
+@pytest.mark.parametrize("command, option, says", [
+    ([*CREATED, *selectors(65)], "--selector", "Expected `object` of length <= 64 (65 given)"),
+    (["explain", "a-1", *selectors(65)], "--selector", "Expected `object` of length <= 64 (65 given)"),
+    (["whatif", "--class", "gvisor", *(w for i in range(10_001) for w in ("--drain", f"w-{i}"))], "--drain",
+     "Expected `array` of length <= 10000 (10001 given)"),
+    (["actor", "list", *(w for i in range(257) for w in ("--class", f"c-{i}"))], "--class",
+     "Expected `array` of length <= 256 (257 given)"),
+])
+def test_more_values_than_a_request_takes_are_a_usage_error_before_anything_is_sent(command, option, says):
+    """A repeated option whose values are one field of the request: as many as the field takes (without
+    repeats, as they are sent), else a usage error naming the option, before it connects."""
+    shown = CliRunner().invoke(main, [*command, *NOWHERE], prog_name="warmboot")
+    assert shown.exit_code == 2, shown.output
+    assert shown.stderr.endswith(f"error: Invalid value for '{option}': {says}\n"), shown.stderr[-300:]
+    assert "UNAVAILABLE" not in shown.output and shown.stdout == ""
+
+
+@pytest.mark.parametrize("command", [
+    ["worker", "drain", "w-1", "--reason", "x" * 256, "--request-id", "r" * 128],
+    ["actor", "revert", "a-1", "--reason", "node gone \u00e9", "--life-seq", "3"],
+    [*CREATED, "--source-tag", "t" * 128, *selectors(63), "--selector", "topology.kubernetes.io/zone=" + "v" * 256],
+    ["actor", "suspend", "a-1", "--snapshot-id", "s-1", "--placement-seq", "3"],
+    ["actor", "list", "--class", "gvisor", *(w for i in range(300) for w in ("--worker", f"w-{i % 256}"))],
+    ["whatif", "--class", "gvisor", *(w for i in range(10_001) for w in ("--drain", f"w-{i % 10_000}"))],
+])
+def test_the_largest_values_a_request_takes_pass_their_options(command):
+    """Up to the field's bounds, and repeats counted once as they are sent: the options pass them on (to a
+    server nobody runs here: UNAVAILABLE, exit 1, not a usage error)."""
+    shown = CliRunner().invoke(main, [*command, *NOWHERE], prog_name="warmboot")
+    assert shown.exit_code == 1 and "UNAVAILABLE" in shown.stderr, shown.output[-500:]

@@ -9,16 +9,18 @@ from typing import Any, AsyncIterator, Awaitable, Callable, get_args
 
 import click
 import msgspec
+import msgspec.inspect
 import nats.js.errors
 from click.core import ParameterSource
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from events.codec import decode_request, encode
 from events.compat import compat_key, describe_key
 from events.errors import ContractError, not_found, past_the_end
 from events.natsauth import NKEY_SEED_ENV, carries_secret, check_url, nkey_seed_problem, redact_url
 from events.natspy.connections import ErrorsOnce, PublishRefused, close, describe_error, unless_refused
-from events.schema import ID_RE, ID_WORDS, ErrorCode, Positive
+from events.schema import ID_RE, ID_WORDS, PATTERN_WORDS, ErrorCode, Positive
 from events.subjects import DEFAULT_PREFIX, PREFIX_PATTERN, check_prefix, stream_name
 from services.process import EVENT_LOOP_ENV, EVENT_LOOPS
 from services.streams import leaders_stream_info
@@ -217,6 +219,87 @@ def selectors_of(pairs: tuple[str, ...]) -> dict[str, str]:
                                      "has one value", param_hint="'--selector'")
         selectors[key] = value
     return selectors
+
+
+# msgspec's refusal of a pattern, as `events.codec` words it: "Expected an id: ...; got 'bad id'"
+_PATTERN_REFUSED = re.compile(r"Expected (?P<words>.+); got (?P<got>.+)", re.S)
+SHOWN_CHARS = 80  # of a value a usage error quotes before what is wrong with it (as `events.codec.GIVEN_CHARS`)
+
+
+def in_words(message: str) -> str:
+    """A request's refusal of a value as a usage error says it: a pattern not matched as `check_id` says an
+    id that is not one (`'bad id' is not an id: 1 to 128 ...`), in the schema's words for the pattern
+    (`events.schema.PATTERN_WORDS`); any other refusal as the service words it."""
+    refused = _PATTERN_REFUSED.fullmatch(message)
+    if refused is not None and refused["words"] in PATTERN_WORDS.values():
+        return f"{refused['got']} is not {refused['words']}"
+    return message
+
+
+def _shown(value: str) -> str:
+    text = repr(value)
+    return text[:SHOWN_CHARS] + ("..." if len(text) > SHOWN_CHARS else "")
+
+
+def _bare(info: Any) -> Any:
+    """A field's msgspec type without its constraints and without None (an optional field's)."""
+    while True:
+        if isinstance(info, msgspec.inspect.Metadata):
+            info = info.type
+        elif isinstance(info, msgspec.inspect.UnionType):
+            info = next(t for t in info.types if not isinstance(t, msgspec.inspect.NoneType))
+        else:
+            return info
+
+
+def request_field(request: type, field: str, **others: Any) -> Callable[[click.Context, click.Parameter, Any], Any]:
+    """click callback of an option (or argument) whose value is `field` of a request of type `request`
+    (`others`: the request's other required fields, any valid value): the value is decoded as the
+    service decodes that request (`events.codec.decode_request`: the schema's patterns, lengths and bounds,
+    and the rules of `events.validate` on the request), else a usage error naming the option, exit status
+    2, before anything is sent, in the schema's words (`in_words`); the schema stays the one definition.
+    Such values were refused only once the service answered, exit 1 (`--reason` over 256 characters,
+    `actor create --class Gvisor`). A repeated option: each value (quoted where the refusal
+    does not quote it), then, for a list field, all of them without repeats (as a command sends them); for
+    a map field (`--selector KEY=VALUE`), each pair as a map of one (its key named), then the map
+    (`selectors_of`), counted."""
+    info = _bare(next(f.type for f in msgspec.inspect.type_info(request).fields if f.name == field))
+    many = isinstance(info, (msgspec.inspect.ListType, msgspec.inspect.VarTupleType))
+    mapped = isinstance(info, msgspec.inspect.DictType)
+
+    def decode(value: Any) -> None:
+        decode_request(request, encode({**others, field: value}))
+
+    def check(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+        if value is None or value == ():
+            return value
+        values = value if isinstance(value, tuple) else (value,)
+        try:
+            for one in values:
+                try:
+                    if mapped:
+                        key, _, item = one.partition("=")
+                        decode({key: item})
+                    else:
+                        decode([one] if many else one)
+                except ContractError as e:
+                    said = e.message
+                    if mapped and said.endswith(" (in a key)") and said.startswith("Expected "):
+                        said = f"{said[:-len(' (in a key)')]}; got {_shown(key)}"  # the key, as a value is said
+                    elif mapped:  # a map's value: msgspec's refusal does not quote it, nor name its key
+                        got = f"; got {_shown(item)}" if said.startswith("Expected ") and "; got " not in said else ""
+                        said = f"selector {key!r}: {in_words(said + got)}"
+                    elif len(values) > 1 and repr(one)[:SHOWN_CHARS] not in said:  # which value of several
+                        said = f"{_shown(one)}: {said}"
+                    raise click.BadParameter(in_words(said), ctx=ctx, param=param) from None
+            whole = selectors_of(values) if mapped else list(dict.fromkeys(values)) if many else None
+            if whole is not None:  # how many (a filter's values, without repeats; a map's keys)
+                decode(whole)
+        except ContractError as e:
+            raise click.BadParameter(f"{in_words(e.message)} ({len(whole)} given)", ctx=ctx, param=param) from None
+        return value
+
+    return check
 
 
 def check_prefix_option(ctx: click.Context, param: click.Parameter, value: str) -> str:

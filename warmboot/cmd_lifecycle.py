@@ -41,16 +41,16 @@ from events.codec import decode_request, json_path, to_builtins, unknown_fields
 from events.errors import ContractError, no_actor
 from events.compat import compat_key
 from events.runtime_id import Runtimes, short_id
-from events.schema import (ActorCreated, ActorRuntime, Assignment, ClassFragmentation, CreateActor, ErrorCode,
-                           Explanation, Fidelity, Fragmentation, Resources, Snapshot, StreamSeq, SuspendActor,
-                           TagRecorded, WorkerDetail)
-from events.schema import (ACTORS_FILTER_MAX, ACTORS_LIMIT_MAX, CLASS_PATTERN, PATTERN_WORDS, ActorPage, ActorsQuery,
-                           ActorSummary)  # actor list
+from events.schema import (ActorCreated, ActorRuntime, Assignment, ClassFragmentation, CreateActor, DrainWorker,
+                           ErrorCode, Explanation, Fidelity, Fragmentation, PauseActor, RemoveWorker, Resources,
+                           ResumeActor, RevertActor, Snapshot, StopActor, StreamSeq, SuspendActor, TagRecorded,
+                           TagSnapshot, UpdateTemplate, WorkerDetail)
+from events.schema import ACTORS_LIMIT_MAX, CLASS_PATTERN, ActorPage, ActorsQuery, ActorSummary  # actor list
 from events.states import ActorState
 from events.subjects import event_subject
 from warmboot.cli_common import (MIB, MILLICORES, REFUSED_THE_LOG, IntRange, LogUnreadable, ask, check_id,
                                  json_option, last_seq, min_seq_option, nats_option, prefix_option, read_subject,
-                                 replay_for, selectors_of, unread_why, wire_bounds)
+                                 replay_for, request_field, selectors_of, unread_why, wire_bounds)
 from warmboot.client import Client, NobodyAnswered, Refused, asked_first
 from services.scheduler.feasibility import RUNTIME_MISMATCH, SELECTOR_MISMATCH
 from services.scheduler.feasibility import none_passes as feasibility_none_passes
@@ -188,6 +188,22 @@ def unfenced_note(what: str, option: str, anew: str) -> Callable[[str, ContractE
     return note
 
 
+# The required fields of the requests whose other fields an option gives (`request_field`): any valid value,
+# for the option's value to be decoded as the service decodes the request.
+REQUIRED: dict[type, dict[str, Any]] = {
+    CreateActor: {"actor_id": "a", "sandbox_class": "c", "template_uid": "t",
+                  "resources": {"cpu_millis": 1, "memory_mib": 1}},
+    SuspendActor: {"fidelity": Fidelity.MEMORY.value},
+    TagSnapshot: {"tag": "t"},
+    UpdateTemplate: {"template_uid": "t"},
+}
+
+
+def field_of(request: type, field: str) -> Callable[[click.Context, click.Parameter, Any], Any]:
+    """`request_field` of a request this module sends, its other required fields given (`REQUIRED`)."""
+    return request_field(request, field, **REQUIRED.get(request, {}))
+
+
 def check_request_id(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     """click callback: `--request-id ''` is a usage error. The client takes an empty id for none and makes a
     new one, so `actor pause A --request-id "$ID"` with $ID empty was a new request at each run, not the
@@ -199,25 +215,16 @@ def check_request_id(ctx: click.Context, param: click.Parameter, value: str | No
     return value
 
 
-def check_uri_option(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    """click callback of `actor suspend --uri`: a uri the snapshotter takes, as it decodes a suspend's
-    (`events.schema.Uri`: at most 2048 printable characters; not empty or blank, `events.validate.check_uri`),
-    else a usage error naming the option, before anything is sent (it was refused only once the
-    snapshotter answered, exit 1: a user trial). The contract gives a uri no other form: no scheme is
-    asked for (docs/contract.md)."""
-    if value is None:
-        return value
-    try:
-        decode_request(SuspendActor, msgspec.json.encode({"uri": value, "fidelity": Fidelity.MEMORY}))
-    except ContractError as e:
-        raise click.BadParameter(e.message, ctx=ctx, param=param) from None
-    return value
-
-
-request_id_option = click.option("--request-id", default=None, callback=check_request_id,
-                                 help="Idempotency key: the same command with the same id is the same request "
-                                      "(default: a new one, named by an UNAVAILABLE error: the request may "
-                                      "have been carried out).")
+def request_id_option(request: type) -> Callable[[Callable], Callable]:
+    """`--request-id` of a command that sends a request of type `request`: not empty (`check_request_id`),
+    and what the service takes as the request's `request_id` (`request_field`: at most 128 printable
+    characters), else a usage error naming it, before anything is sent."""
+    field = field_of(request, "request_id")
+    return click.option("--request-id", default=None,
+                        callback=lambda ctx, param, value: field(ctx, param, check_request_id(ctx, param, value)),
+                        help="Idempotency key, at most 128 printable characters: the same command with the same id "
+                             "is the same request (default: a new one, named by an UNAVAILABLE error: the request "
+                             "may have been carried out).")
 
 
 def run(nats_url: str, prefix: str, labelled: bool, call: Callable[[Client], Any]) -> tuple[Any, Runtimes | None]:
@@ -271,26 +278,30 @@ FIDELITIES = UpperChoice([f.value for f in Fidelity], case_sensitive=False)  # `
 
 @actor.command("create")
 @click.argument("actor_id")
-@click.option("--class", "sandbox_class", required=True, help="Sandbox class, e.g. gvisor.")
-@click.option("--template", "template_uid", required=True, help="Template uid the actor starts from.")
+@click.option("--class", "sandbox_class", required=True, callback=field_of(CreateActor, "sandbox_class"),
+              help="Sandbox class, e.g. gvisor: 1 to 63 lower-case letters, digits or '-', the first a letter.")
+@click.option("--template", "template_uid", required=True, callback=field_of(CreateActor, "template_uid"),
+              help="Template uid (an id) the actor starts from.")
 @click.option("--cpu", "cpu_millis", type=MILLICORES, required=True, metavar="MILLICORES",
               help="CPU in whole millicores, at least 1: 500 or 500m (a core is 1000m).")
 @click.option("--memory", "memory_mib", type=MIB, required=True, metavar="MIB",
               help="Memory in whole MiB, at least 1: 1024, 1024Mi or 1Gi.")
 @click.option("--selector", "selectors", multiple=True, metavar="KEY=VALUE",
+              callback=field_of(CreateActor, "selectors"),
               help="Worker label to require. Repeatable, one value per key.")
 @click.option("--min-fidelity", type=FIDELITIES, default=Fidelity.ROOTFS.value,
               show_default=True, help="No restore below this fidelity. MEMORY: the actor resumes only from a "
                                       "MEMORY snapshot of its template stamped with a runtime (--source-tag, "
                                       "--golden-snapshot); without one, never (a warning says so).")
-@click.option("--source-tag", default=None, help="Start from the snapshot this tag names.")
+@click.option("--source-tag", default=None, callback=field_of(CreateActor, "source_tag"),
+              help="Start from the snapshot this tag (an id) names.")
 @click.option("--golden-snapshot", "golden", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               default=None, help="Start from this Snapshot (a JSON file): EXTERNAL, on no node, with a uri; "
                                  "stamped (sandbox_runtime) if its memory is to be restored; "
                                  "examples/golden-snapshot.json is one. `warmboot schema --check FILE --as Snapshot "
                                  "--strict` checks the file's form as the create reads it; the create checks the "
                                  "rest.")
-@request_id_option
+@request_id_option(CreateActor)
 @nats_option
 @prefix_option
 @json_option
@@ -571,11 +582,12 @@ def echo(reply: Any, as_json: bool, text: Callable[[], str]) -> None:
 
 @actor.command("pause")
 @click.argument("actor_id")
-@click.option("--snapshot-id", default=None, help="Id of the LOCAL memory snapshot (default: <actor>-v<n>); refused if it names "
+@click.option("--snapshot-id", default=None, callback=field_of(PauseActor, "snapshot_id"),
+              help="Id of the LOCAL memory snapshot (default: <actor>-v<n>); refused if it names "
                    "another snapshot, this actor's or another's.")
 @placement_seq_option
 @placement_file_option
-@request_id_option
+@request_id_option(PauseActor)
 @nats_option
 @prefix_option
 @json_option
@@ -596,14 +608,15 @@ def pause_cmd(actor_id: str, snapshot_id: str | None, placement_seq: int | None,
 @click.argument("actor_id")
 @click.option("--fidelity", type=FIDELITIES, default=Fidelity.MEMORY.value,
               show_default=True, help="What the EXTERNAL snapshot can restore.")
-@click.option("--uri", default=None, callback=check_uri_option,
+@click.option("--uri", default=None, callback=field_of(SuspendActor, "uri"),
               help="Where the snapshot is stored: any text the workers' external store names it by (s3://..., a "
                    "path, a key), at most 2048 printable characters, not blank.")
-@click.option("--snapshot-id", default=None, help="Id of the snapshot (default: <actor>-v<n>); refused if it names another "
+@click.option("--snapshot-id", default=None, callback=field_of(SuspendActor, "snapshot_id"),
+              help="Id of the snapshot (default: <actor>-v<n>); refused if it names another "
                    "snapshot, this actor's or another's.")
 @placement_seq_option
 @placement_file_option
-@request_id_option
+@request_id_option(SuspendActor)
 @nats_option
 @prefix_option
 @json_option
@@ -624,9 +637,10 @@ def suspend_cmd(actor_id: str, fidelity: str, uri: str | None, snapshot_id: str 
 @actor.command("resume")
 @click.argument("actor_id")
 @click.option("--selector", "selectors", multiple=True, metavar="KEY=VALUE",
+              callback=field_of(ResumeActor, "selectors"),
               help="Extra worker label to require (narrows the actor's own selectors).")
 @life_seq_option
-@request_id_option
+@request_id_option(ResumeActor)
 @min_seq_option
 @nats_option
 @prefix_option
@@ -662,7 +676,7 @@ def resume_cmd(actor_id: str, selectors: tuple[str, ...], life_seq: int | None, 
 @click.argument("actor_id")
 @click.argument("tag")
 @life_seq_option
-@request_id_option
+@request_id_option(TagSnapshot)
 @nats_option
 @prefix_option
 @json_option
@@ -713,9 +727,10 @@ def tag_cmd(actor_id: str, tag: str, life_seq: int | None, request_id: str | Non
 
 @actor.command("revert")
 @click.argument("actor_id")
-@click.option("--reason", default=None, help="Recorded on ActorReverted.")
+@click.option("--reason", default=None, callback=field_of(RevertActor, "reason"),
+              help="Recorded on ActorReverted: at most 256 printable characters.")
 @life_seq_option
-@request_id_option
+@request_id_option(RevertActor)
 @nats_option
 @prefix_option
 @json_option
@@ -739,7 +754,7 @@ def revert_cmd(actor_id: str, reason: str | None, life_seq: int | None, request_
 @click.argument("actor_id")
 @click.argument("template_uid")
 @life_seq_option
-@request_id_option
+@request_id_option(UpdateTemplate)
 @nats_option
 @prefix_option
 @json_option
@@ -758,7 +773,7 @@ def update_template_cmd(actor_id: str, template_uid: str, life_seq: int | None, 
 @actor.command("stop")
 @click.argument("actor_id")
 @life_seq_option
-@request_id_option
+@request_id_option(StopActor)
 @nats_option
 @prefix_option
 @json_option
@@ -911,23 +926,7 @@ def summary_view(row: ActorSummary, runtimes: Runtimes) -> dict:
     return view
 
 
-CLASS_RE = re.compile(CLASS_PATTERN)
-
-
-def check_classes(ctx: click.Context | None, param: click.Parameter | None, values: tuple[str, ...]):
-    """click callback of `actor list --class`: each a sandbox class, else a usage error naming the option
-    (no actor could be of it)."""
-    for value in values:
-        if not CLASS_RE.match(value):
-            raise click.BadParameter(f"{value!r} is not {PATTERN_WORDS[CLASS_PATTERN]}", ctx=ctx, param=param)
-    return at_most_filter(ctx, param, values)
-
-
-def at_most_filter(ctx: click.Context | None, param: click.Parameter | None, values: tuple[str, ...]):
-    """A filter of `actor list` takes at most ACTORS_FILTER_MAX values (what `scheduler.actors` takes)."""
-    if len(set(values)) > ACTORS_FILTER_MAX:
-        raise click.BadParameter(f"at most {ACTORS_FILTER_MAX} values, not {len(set(values))}", ctx=ctx, param=param)
-    return values
+CLASS_RE = re.compile(CLASS_PATTERN)  # `workers --class`: a class's name, sent; any other, said unknown
 
 
 async def asked_actors(nc: Any, prefix: str, query: ActorsQuery) -> list[ActorPage] | None:
@@ -948,13 +947,13 @@ def folded_actors(projection: Any, query: ActorsQuery) -> list[ActorPage]:
 
 
 @actor.command("list")
-@click.option("--class", "sandbox_classes", multiple=True, callback=check_classes,
+@click.option("--class", "sandbox_classes", multiple=True, callback=field_of(ActorsQuery, "sandbox_classes"),
               help="Only actors of this sandbox class. Repeatable: actors of any class given.")
 @click.option("--state", "states", multiple=True, callback=lambda ctx, param, values: tuple(map(one_state, values)),
               metavar="[" + "|".join(s.value for s in ActorState) + "]",
               help="Only actors in this state (in any case). Repeatable: actors in any state given.")
 @click.option("--worker", "worker_ids", multiple=True,
-              callback=lambda ctx, param, values: at_most_filter(ctx, param, check_id(ctx, param, values)),
+              callback=field_of(ActorsQuery, "worker_ids"),
               help="Only actors placed on this worker. Repeatable: actors placed on any worker given.")
 @nats_option
 @prefix_option
@@ -1025,8 +1024,9 @@ def worker() -> None:
 
 @worker.command("drain")
 @click.argument("worker_id")
-@click.option("--reason", default=None, help="Recorded on WorkerDrained.")
-@request_id_option
+@click.option("--reason", default=None, callback=field_of(DrainWorker, "reason"),
+              help="Recorded on WorkerDrained: at most 256 printable characters.")
+@request_id_option(DrainWorker)
 @nats_option
 @prefix_option
 @json_option
@@ -1043,8 +1043,9 @@ def drain_cmd(worker_id: str, reason: str | None, request_id: str | None, nats_u
 
 @worker.command("remove")
 @click.argument("worker_id")
-@click.option("--reason", default=None, help="Recorded on WorkerRemoved.")
-@request_id_option
+@click.option("--reason", default=None, callback=field_of(RemoveWorker, "reason"),
+              help="Recorded on WorkerRemoved: at most 256 printable characters.")
+@request_id_option(RemoveWorker)
 @nats_option
 @prefix_option
 @json_option

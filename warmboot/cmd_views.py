@@ -34,15 +34,16 @@ from events.compat import compat_key
 from events.errors import ContractError, is_busy_reads
 from events.runtime_id import PREFIX as ID_PREFIX
 from events.runtime_id import Runtimes, UnknownRuntime, short_id
-from events.schema import (WHATIF_LIMIT_MAX, CompatVersion, ErrorCode, Explanation, FleetRuntimes, Fragmentation,
-                           Location, Placement, Rejection, RuntimeFragmentation, StrandedActor, WhatIf, WhatIfAnswer)
+from events.schema import (WHATIF_LIMIT_MAX, CompatVersion, ErrorCode, ExplainResume, Explanation, FleetRuntimes,
+                           Fragmentation, FragmentationQuery, Location, Placement, Rejection, RuntimeFragmentation,
+                           StrandedActor, WhatIf, WhatIfAnswer)
 from events.schema import (ACTORS_FILTER_MAX, WORKERS_LIMIT_MAX, WorkerPage, WorkersQuery,
                            WorkerSummary)  # workers
 from events.states import WorkerState
 from events.subjects import event_subject
 from services.scheduler.feasibility import SELECTOR_MISMATCH
 from warmboot.cli_common import (IntRange, LogUnreadable, ask, check_id, last_seq, log_messages, min_seq_option,
-                                 nats_option, prefix_option, selectors_of, unread_why, version_text)
+                                 nats_option, prefix_option, request_field, selectors_of, unread_why, version_text)
 from warmboot.client import Client
 from warmboot.render import Column, key_values, render_fields, render_table, terminal_width
 
@@ -58,10 +59,11 @@ def output_option(command: Callable) -> Callable:
                              "text.")(command)
 
 
-def classes_option(what: str) -> Callable:
+def classes_option(what: str, callback: Callable | None = None) -> Callable:
     """`--class`, repeatable: the union of the classes given (none: every class). Its parameter keeps
-    the name `sandbox_class`, the request field an error names it by (`cli_common.flag_of`)."""
-    return click.option("--class", "sandbox_class", multiple=True,
+    the name `sandbox_class`, the request field an error names it by (`cli_common.flag_of`); `callback`
+    checks each value (`request_field`) where each is sent as a request's class."""
+    return click.option("--class", "sandbox_class", multiple=True, callback=callback,
                         help=f"Only this sandbox class. Repeatable: the {what} of any class given.")
 
 
@@ -425,6 +427,7 @@ async def selector_misses(nc: Any, prefix: str, actor_id: str, asked: dict[str, 
 @click.command()
 @click.argument("actor_id", callback=check_id)
 @click.option("--selector", "selectors", multiple=True, metavar="KEY=VALUE",
+              callback=request_field(ExplainResume, "selectors"),
               help="Extra label selector. Repeatable, one value per key.")
 @click.option("--limit", type=IntRange(min=0), default=20, show_default=True,
               help="List at most N rows of the workers passed over, those that came furthest through the checks "
@@ -575,7 +578,7 @@ async def fragmentation_labels(nc: Any, prefix: str, answer: Fragmentation) -> R
 
 
 @click.command()
-@classes_option("classes and runtimes")
+@classes_option("classes and runtimes", request_field(FragmentationQuery, "sandbox_class"))
 @min_seq_option
 @nats_option
 @prefix_option
@@ -1063,13 +1066,15 @@ def render_whatif(query: WhatIf, answer: WhatIfAnswer, runtimes: Runtimes, width
 
 
 @click.command()
-@click.option("--class", "sandbox_class", required=True, help="The sandbox class to forecast.")
+@click.option("--class", "sandbox_class", required=True, callback=request_field(WhatIf, "sandbox_class"),
+              help="The sandbox class to forecast.")
 @click.option("--drop-runtime", "drop", multiple=True, metavar="RUNTIME",
               help="As if every worker of the class stopped offering this runtime (as default, restorable "
                    "or compatible version). A label as the views print it (gvisor-v1, gvisor-v1@3f9a1c), "
                    "an id (rt-3f9a1c), or a name: every runtime of the class that carries it; one a registered "
                    "worker of the class offers (one none offers has nothing to drop). Repeatable.")
-@click.option("--drain", "drain", multiple=True, metavar="WORKER", callback=check_id,
+@click.option("--drain", "drain", multiple=True, metavar="WORKER",
+              callback=request_field(WhatIf, "drain_workers", sandbox_class="c"),
               help="As if this worker were drained. Repeatable.")
 @click.option("--limit", type=IntRange(0, WHATIF_LIMIT_MAX), default=100, show_default=True,
               help=f"Newly stranded actors listed at most (0: all, up to {WHATIF_LIMIT_MAX:,}).")
@@ -1103,7 +1108,7 @@ def whatif(sandbox_class: str, drop: tuple[str, ...], drain: tuple[str, ...], li
         if sandbox_class not in classes:  # first: the runtimes and workers named are of the class
             raise unknown_class(sandbox_class, classes)
         query = WhatIf(sandbox_class=sandbox_class, drop_runtimes=tuple(resolve_drops(runtimes, drop, sandbox_class)),
-                       drain_workers=drain, limit=limit or WHATIF_LIMIT_MAX,
+                       drain_workers=tuple(dict.fromkeys(drain)), limit=limit or WHATIF_LIMIT_MAX,
                        min_seq=min_seq or target or None)  # at least the fleet this command resolved against
         check_drains(projection, drain, sandbox_class)
         answer = await Client(nc, prefix).whatif(query)
