@@ -530,9 +530,10 @@ async def test_create_from_a_golden_snapshot_file(bus, tmp_path):
     path.write_text(json.dumps(to_builtins(golden(V1, sandbox_class="firecracker"))))
     other_class = await run("actor", "create", "g-6", "--class", "gvisor", "--template", "t1", "--cpu", "100",
                             "--memory", "256", "--golden-snapshot", str(path))
-    assert other_class.exit_code == 1 and other_class.stderr.startswith(
-        "error: INVALID_ARGUMENT golden_snapshot.sandbox_runtime.sandbox_class (--golden-snapshot): "), \
-        other_class.stderr
+    assert other_class.exit_code == 2 and other_class.stderr.endswith(  # the snapshotter's rule, before it is asked
+        f"error: Invalid value for '--golden-snapshot': {path} at $.sandbox_runtime.sandbox_class: golden snapshot "
+        "was taken under class 'firecracker', not 'gvisor'\n"), other_class.stderr
+    assert (await run("actor", "show", "g-6")).exit_code == 1  # nothing was created
     # memory and no stamp: taken (the contract allows it), and said, since its memory is never restored
     assert "no sandbox_runtime" not in created.stderr
     path.write_text(json.dumps({**to_builtins(golden(V1)), "sandbox_runtime": None, "snapshot_id": "golden-4"}))

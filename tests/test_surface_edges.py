@@ -530,3 +530,38 @@ def test_the_largest_values_a_request_takes_pass_their_options(command):
     server nobody runs here: UNAVAILABLE, exit 1, not a usage error)."""
     shown = CliRunner().invoke(main, [*command, *NOWHERE], prog_name="warmboot")
     assert shown.exit_code == 1 and "UNAVAILABLE" in shown.stderr, shown.output[-500:]
+
+
+def golden_file(tmp_path, **changes) -> str:
+    """examples/golden-snapshot.json (a gvisor image), with `changes` (None: the key left out)."""
+    from pathlib import Path
+
+    body = {**json.loads((Path(__file__).resolve().parent.parent / "examples" / "golden-snapshot.json").read_text()),
+            **changes}
+    path = tmp_path / "golden.json"
+    path.write_text(json.dumps({k: v for k, v in body.items() if v is not None}))
+    return str(path)
+
+
+@pytest.mark.parametrize("more, changes, says", [
+    (["--class", "gvisor", "--source-tag", "base"], {}, "give source_tag or golden_snapshot, not both"),
+    (["--class", "kata"], {}, "at $.sandbox_runtime.sandbox_class: golden snapshot was taken under class 'gvisor', "
+                              "not 'kata'"),
+    (["--class", "gvisor"], {"location": "LOCAL"}, "at $.location: a golden snapshot must be EXTERNAL"),
+    (["--class", "gvisor"], {"node": "n-1"}, "at $.node: a golden snapshot is EXTERNAL, on no node (not 'n-1')"),
+    (["--class", "gvisor"], {"uri": None}, "at $.uri: a golden snapshot must say where its image is (uri)"),
+    (["--class", "gvisor"], {"uri": " "}, "at $.uri: golden_snapshot.uri is blank: say where the image is"),
+])
+def test_a_create_the_snapshotter_s_rules_across_fields_refuse_is_a_usage_error_before_anything_is_sent(
+        tmp_path, more, changes, says):
+    """`actor create --golden-snapshot FILE` with --source-tag, or with a --class other than its stamp's, or
+    a file of a snapshot no golden one is (LOCAL, on a node, without a uri) connected and was refused by
+    the snapshotter, exit 1: the create is decoded as the snapshotter decodes it
+    (`events.validate.check_create`, the service's own rules), exit 2, naming --golden-snapshot (and the
+    file's field), before it connects."""
+    shown = CliRunner().invoke(main, ["actor", "create", "a-1", "--template", "t1", "--cpu", "1", "--memory", "1",
+                                      "--golden-snapshot", golden_file(tmp_path, **changes), *more, *NOWHERE],
+                               prog_name="warmboot")
+    assert shown.exit_code == 2, shown.output
+    assert "error: Invalid value for '--golden-snapshot': " in shown.stderr and says in shown.stderr, shown.stderr
+    assert "UNAVAILABLE" not in shown.output and shown.stdout == ""

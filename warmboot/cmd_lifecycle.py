@@ -37,7 +37,7 @@ import click
 import msgspec
 import nats.errors
 
-from events.codec import decode_request, json_path, to_builtins, unknown_fields
+from events.codec import decode_request, encode, json_path, to_builtins, unknown_fields
 from events.errors import ContractError, no_actor
 from events.compat import compat_key
 from events.runtime_id import Runtimes, short_id
@@ -48,7 +48,7 @@ from events.schema import (ActorCreated, ActorRuntime, Assignment, ClassFragment
 from events.schema import ACTORS_LIMIT_MAX, CLASS_PATTERN, ActorPage, ActorsQuery, ActorSummary  # actor list
 from events.states import ActorState
 from events.subjects import event_subject
-from warmboot.cli_common import (MIB, MILLICORES, REFUSED_THE_LOG, IntRange, LogUnreadable, ask, check_id,
+from warmboot.cli_common import (MIB, MILLICORES, REFUSED_THE_LOG, IntRange, LogUnreadable, ask, check_id, flag_of,
                                  json_option, last_seq, min_seq_option, nats_option, prefix_option, read_subject,
                                  replay_for, request_field, selectors_of, unread_why, wire_bounds)
 from warmboot.client import Client, NobodyAnswered, Refused, asked_first
@@ -104,6 +104,24 @@ placement_file_option = click.option(
          "names its seq, worker, node and pin, so that a log rolled back past that placement and written again refuses "
          "the request instead of recording the image under the other placement's pin (docs/operations.md). "
          "Instead of --placement-seq.")
+
+
+def check_create_body(body: CreateActor, golden: Path | None) -> None:
+    """The create as the snapshotter decodes it (`decode_request`: `events.validate.check_create`, the
+    rules across its fields: --source-tag or --golden-snapshot, not both; a golden snapshot EXTERNAL, on no
+    node, with a uri, stamped with --class's runtime if at all, its stamp's version valid), else a usage
+    error naming the option that gave the field (`flag_of`), exit status 2, before anything is sent (it
+    was refused once the snapshotter answered, exit 1); a field of the file is said as the file's own
+    (`file_body`: `FILE at $.location: ...`)."""
+    try:
+        decode_request(CreateActor, encode(body))
+    except ContractError as e:
+        flag = flag_of(e.field)
+        inner = (e.field or "").partition("golden_snapshot.")[2]
+        said = f"{golden} at {json_path(inner)}: {e.message}" if golden is not None and inner else e.message
+        if flag is None:  # a field no option gives (each is checked as it is given): said as the service says it
+            raise click.UsageError(f"{e.field}: {said}" if e.field else said) from None
+        raise click.BadParameter(said, param_hint=f"'{flag}'") from None
 
 
 def file_body(type_: type[T], data: bytes, where: str, option: str) -> T:
@@ -277,7 +295,7 @@ FIDELITIES = UpperChoice([f.value for f in Fidelity], case_sensitive=False)  # `
 
 
 @actor.command("create")
-@click.argument("actor_id")
+@click.argument("actor_id", callback=check_id)  # (before the create is checked whole: `check_create_body`)
 @click.option("--class", "sandbox_class", required=True, callback=field_of(CreateActor, "sandbox_class"),
               help="Sandbox class, e.g. gvisor: 1 to 63 lower-case letters, digits or '-', the first a letter.")
 @click.option("--template", "template_uid", required=True, callback=field_of(CreateActor, "template_uid"),
@@ -322,6 +340,7 @@ def create_cmd(actor_id: str, sandbox_class: str, template_uid: str, cpu_millis:
                        resources=Resources(cpu_millis=cpu_millis, memory_mib=memory_mib),
                        selectors=selectors_of(selectors), min_fidelity=Fidelity(min_fidelity),
                        source_tag=source_tag, golden_snapshot=golden_snapshot, request_id=request_id)
+    check_create_body(body, golden)
 
     async def work(nc: Any) -> tuple[Any, Created]:
         wb = Client(nc, prefix)
