@@ -565,3 +565,39 @@ def test_a_create_the_snapshotter_s_rules_across_fields_refuse_is_a_usage_error_
     assert shown.exit_code == 2, shown.output
     assert "error: Invalid value for '--golden-snapshot': " in shown.stderr and says in shown.stderr, shown.stderr
     assert "UNAVAILABLE" not in shown.output and shown.stdout == ""
+
+
+def assignment_file(tmp_path, **changes) -> str:
+    """An Assignment of a-1 as `actor resume -o json` prints it, with `changes`."""
+    pin = {"sandbox_class": "gvisor", "version": runtime("v1")["version"], "name": "runsc-v1"}
+    body = {"actor_id": "a-1", "worker_id": "w-1", "node": "n-1", "action": "RUN", "fidelity": "NONE",
+            "sandbox_runtime": pin, "booked": {"cpu_millis": 1, "memory_mib": 1}, "seq": 3, **changes}
+    path = tmp_path / "placed.json"
+    path.write_text(json.dumps(body))
+    return str(path)
+
+
+@pytest.mark.parametrize("command", [["actor", "pause", "a-1"], ["actor", "suspend", "a-1", "--uri", "s3://a"]])
+@pytest.mark.parametrize("changes, says", [
+    ({"seq": 0}, "at $.seq: Expected `int` >= 1; got 0"),
+    ({"sandbox_runtime": {"sandbox_class": "gvisor", "version": {"schema_version": "v1", "attributes": [
+        {"key": "cpu_features", "value": "x"}]}}},
+     "at $.sandbox_runtime.version.attributes: schema v1 requires the attribute 'architecture'"),
+])
+def test_a_placement_file_the_snapshotter_would_refuse_is_a_usage_error_before_anything_is_sent(
+        tmp_path, command, changes, says):
+    """`actor pause|suspend --placement FILE`: an Assignment (seq 0, a pin's version without the keys its
+    schema version requires) that a pause or suspend names as the snapshotter refuses it
+    (`events.validate.check_under_placement`, through `decode_request`) connected and was refused, exit 1,
+    naming no option: a usage error naming --placement and the file's field, exit 2, before it connects."""
+    path = assignment_file(tmp_path, **changes)
+    shown = CliRunner().invoke(main, [*command, "--placement", path, *NOWHERE], prog_name="warmboot")
+    assert shown.exit_code == 2, shown.output
+    assert f"error: Invalid value for '--placement': {path} {says}" in shown.stderr, shown.stderr
+    assert "UNAVAILABLE" not in shown.output and shown.stdout == ""
+
+
+def test_a_placement_file_the_snapshotter_takes_passes_the_option(tmp_path):
+    shown = CliRunner().invoke(main, ["actor", "pause", "a-1", "--placement", assignment_file(tmp_path), *NOWHERE],
+                               prog_name="warmboot")
+    assert shown.exit_code == 1 and "UNAVAILABLE" in shown.stderr, shown.output

@@ -51,7 +51,7 @@ from events.subjects import event_subject
 from warmboot.cli_common import (MIB, MILLICORES, REFUSED_THE_LOG, IntRange, LogUnreadable, ask, check_id, flag_of,
                                  json_option, last_seq, min_seq_option, nats_option, prefix_option, read_subject,
                                  replay_for, request_field, selectors_of, unread_why, wire_bounds)
-from warmboot.client import Client, NobodyAnswered, Refused, asked_first
+from warmboot.client import Client, NobodyAnswered, Refused, asked_first, placed_under
 from services.scheduler.feasibility import RUNTIME_MISMATCH, SELECTOR_MISMATCH
 from services.scheduler.feasibility import none_passes as feasibility_none_passes
 from warmboot.cmd_views import (
@@ -133,9 +133,19 @@ def file_body(type_: type[T], data: bytes, where: str, option: str) -> T:
         raise click.BadParameter(f"{where} at {json_path(e.field)}: {e.message}", param_hint=f"'{option}'") from None
 
 
-def placement_named(actor_id: str, placement_seq: int | None, placement_file: Any) -> Assignment | None:
+# A pause's or suspend's fields that `--placement FILE` gives (`client.placed_under`), and the Assignment's
+PLACED_FIELDS = {"placement_seq": "seq", "placement_worker_id": "worker_id", "placement_node": "node",
+                 "placement_runtime": "sandbox_runtime"}
+
+
+def placement_named(actor_id: str, placement_seq: int | None, placement_file: Any,
+                    request: type = PauseActor) -> Assignment | None:
     """The Assignment `--placement FILE` holds, checked: a usage error naming the option for a file
-    that is not one, one of another actor, or beside --placement-seq."""
+    that is not one, one of another actor, or beside --placement-seq; or one whose placement the
+    `request` (a pause or suspend) would name as the snapshotter refuses it (`placed_under`, decoded as
+    the snapshotter decodes the request: `events.validate.check_under_placement`; a seq of 0, a pin's
+    version without the keys its schema version requires), the file's field named, before anything is
+    sent."""
     if placement_file is None:
         return None
     if placement_seq is not None:
@@ -145,6 +155,12 @@ def placement_named(actor_id: str, placement_seq: int | None, placement_file: An
     if placed.actor_id != actor_id:
         raise click.BadParameter(f"{where} is an Assignment of actor {placed.actor_id}, not {actor_id}",
                                  param_hint="'--placement'")
+    try:
+        decode_request(request, encode({**REQUIRED.get(request, {}), **msgspec.structs.asdict(placed_under(placed))}))
+    except ContractError as e:
+        first, dot, rest = (e.field or "").partition(".")
+        raise click.BadParameter(f"{where} at {json_path(PLACED_FIELDS.get(first, first) + dot + rest)}: {e.message}",
+                                 param_hint="'--placement'") from None
     return placed
 
 
@@ -643,7 +659,7 @@ def suspend_cmd(actor_id: str, fidelity: str, uri: str | None, snapshot_id: str 
                 placement_file: Any, request_id: str | None, nats_url: str, prefix: str, as_json: bool) -> None:
     """Suspend an actor: RUNNING -> an EXTERNAL snapshot stamped with its pin; PAUSED -> its
     LOCAL snapshot promoted to EXTERNAL (it may then move)."""
-    placed = placement_named(actor_id, placement_seq, placement_file)
+    placed = placement_named(actor_id, placement_seq, placement_file, SuspendActor)
 
     async def call(wb: Client) -> Any:
         return await wb.suspend(actor_id, Fidelity(fidelity), uri, snapshot_id, request_id, placement_seq, placed)
