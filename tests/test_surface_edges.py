@@ -476,6 +476,7 @@ def selectors(n: int) -> list[str]:
      f"'t 1' is not an id: {AN_ID}"),
     (CREATED, "--source-tag", "x.y", f"'x.y' is not an id: {AN_ID}"),
     (["actor", "pause", "a-1"], "--snapshot-id", "s 1", f"'s 1' is not an id: {AN_ID}"),
+    (["actor", "pause", "a-1"], "--snapshot-id", "s; got 1", f"'s; got 1' is not an id: {AN_ID}"),
     (["actor", "suspend", "a-1"], "--snapshot-id", "s" * 129, f"'{'s' * 79}... is not an id: {AN_ID}"),
     (CREATED, "--selector", "bad key=v", f"'bad key' is not {A_LABEL_KEY}"),
     (["actor", "resume", "a-1"], "--selector", "zone=a\tb",

@@ -222,7 +222,7 @@ def selectors_of(pairs: tuple[str, ...]) -> dict[str, str]:
 
 
 # msgspec's refusal of a pattern, as `events.codec` words it: "Expected an id: ...; got 'bad id'"
-_PATTERN_REFUSED = re.compile(r"Expected (?P<words>.+); got (?P<got>.+)", re.S)
+_PATTERN_REFUSED = re.compile(r"Expected (?P<words>.+?); got (?P<got>.+)", re.S)
 SHOWN_CHARS = 80  # of a value a usage error quotes before what is wrong with it (as `events.codec.GIVEN_CHARS`)
 
 
