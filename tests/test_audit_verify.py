@@ -18,6 +18,7 @@ from events.schema import (
     Event,
     Fallback,
     FallbackReason,
+    Fidelity,
     Location,
     PlacedFidelity,
     ReleaseReason,
@@ -31,8 +32,8 @@ from events.schema import (
     WorkerRemoved,
     WorkerUpdated,
 )
-from tests.factories import (AT, created, entry, fold, golden, placed, registered, released, snapshot, stamp, taken,
-                             version)
+from tests.factories import (AT, created, entry, fold, golden, placed, registered, released, runtime, snapshot, stamp,
+                             taken, version)
 from events.states import WorkerState
 from services.scheduler.fold import Fold
 from warmboot import audit
@@ -46,6 +47,8 @@ ARM = version("v1", arch="arm64")
 # These logs' workers are in zone a (on node n1 unless named); their actors are small.
 ZONE_A = {"zone": "a"}
 SMALL = {"cpu": 100, "mem": 512}
+FALLBACK = Fallback(reason=FallbackReason.NO_COMPATIBLE_WORKER, from_fidelity=PlacedFidelity.MEMORY,
+                    to_fidelity=PlacedFidelity.VOLUMES)
 
 
 def verify(events: list[Event]) -> audit.Violation | None:
@@ -156,6 +159,49 @@ CASES = {
         [registered("w1", entry(V1, sandbox_class="gvisor"), entry(ARM, sandbox_class="microvm"), node="n1"),
          created("a", sandbox_class="microvm", **SMALL)],
         placed("a", "w1", ARM, node="n1", sandbox_class="microvm", **SMALL), audit.ACROSS_ARCHITECTURES),
+    # a restore at a fidelity no tier of the scheduler's plan has (`decide.plan`), each found by a mutation
+    # campaign (tests/test_audit_mutations.py) that verify let pass: a LOCAL memory image given up on its
+    # node (rule 5: never relaxed), ...
+    "a LOCAL memory image restored without memory": (
+        [worker_on("w1", V1), worker_on("w2", V2), created("a", **SMALL), placed("a", "w1", V1, node="n1", **SMALL),
+         taken(snapshot("a", V1, node="n1"), SnapshotOrigin.PAUSE), released("a", "w1", ReleaseReason.PAUSED)],
+        placed("a", "w2", V2, node="n1", fidelity=PlacedFidelity.VOLUMES, action=Action.RESTORE, snapshot_id="a-s",
+               fallback=FALLBACK, **SMALL),
+        audit.OFF_PLAN),
+    # ... a snapshot restored below its own fidelity (rule 3: at its fidelity; the fallback of rule 4 is VOLUMES),
+    "a VOLUMES snapshot restored at ROOTFS": (
+        [worker_on("w1", V1), created("a", **SMALL), placed("a", "w1", V1, node="n1", **SMALL),
+         taken(snapshot("a", V1, fidelity=Fidelity.VOLUMES, uri="s3://x")), released("a", "w1")],
+        placed("a", "w1", V1, node="n1", fidelity=PlacedFidelity.ROOTFS, action=Action.RESTORE, snapshot_id="a-s",
+               **SMALL),
+        audit.OFF_PLAN),
+    "a MEMORY snapshot restored at ROOTFS": (
+        [worker_on("w1", V1), worker_on("w2", V2), created("a", **SMALL), placed("a", "w1", V1, node="n1", **SMALL),
+         taken(snapshot("a", V1, uri="s3://x")), released("a", "w1")],
+        placed("a", "w2", V2, node="n1", fidelity=PlacedFidelity.ROOTFS, action=Action.RESTORE, snapshot_id="a-s",
+               **SMALL),
+        audit.OFF_PLAN),
+    # ... a borrowed (golden) memory image's volumes restored (rule 4: it holds none of the actor's own, a cold boot)
+    "a borrowed memory image restored from volumes": (
+        [worker_on("w1", V1), worker_on("w2", V2), created("g", snapshot=golden(V1, borrowed=True, actor_id="g"),
+                                                           **SMALL)],
+        placed("g", "w2", V2, node="n1", fidelity=PlacedFidelity.VOLUMES, action=Action.RESTORE,
+               snapshot_id="golden-1", fallback=FALLBACK, **SMALL),
+        audit.OFF_PLAN),
+    # a memory restore whose record names another version than its image's as the one matched: what a worker
+    # checks the image against before loading it (`agent --check-placement`) and a retry's answer is judged by
+    "a memory restore naming another matched version": (
+        [worker_on("w1", V1), created("a", **SMALL), placed("a", "w1", V1, node="n1", **SMALL),
+         taken(snapshot("a", V1, uri="s3://x")), released("a", "w1")],
+        msgspec.structs.replace(placed("a", "w1", V1, node="n1", fidelity=PlacedFidelity.MEMORY, action=Action.RESTORE,
+                                       snapshot_id="a-s", **SMALL), matched_version=V2),
+        audit.MATCHED_OTHER),
+    "a memory restore through an edge naming no matched version": (
+        [registered("w1", entry(runtime(V2, compatible=(V1,))), node="n1", labels=ZONE_A),
+         created("g", snapshot=golden(V1, borrowed=True, actor_id="g"), **SMALL)],
+        placed("g", "w1", V2, node="n1", fidelity=PlacedFidelity.MEMORY, action=Action.RESTORE,
+               snapshot_id="golden-1", **SMALL),
+        audit.MATCHED_OTHER),
 }
 
 

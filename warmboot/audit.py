@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from events.compat import describe_key, stamp_key
+from events.compat import compat_key, describe_key, stamp_key
+from events.errors import ContractError
 from events.schema import (
     Action,
     ActorCreated,
@@ -31,6 +32,7 @@ from events.schema import (
     SnapshotTaken,
     TagRecorded,
 )
+from services.scheduler.decide import plan
 from services.scheduler.fragmentation import fragmentation
 from services.scheduler.projection import Projection
 from services.scheduler.records import MEMORY, PAUSED, RUNNING, STOPPED, SUSPENDED, Actor, SnapshotKind
@@ -50,6 +52,8 @@ NODE_MISMATCH = "placement names another node than its worker's"
 NOT_IN_SNAPSHOT = "restore of what the latest snapshot does not hold"
 BELOW_FLOOR = "placement below the actor's min_fidelity"
 UNDER_BOOKED = "placement books less than the actor needs"
+OFF_PLAN = "restore at a fidelity the placement rules do not give its snapshot"
+MATCHED_OTHER = "memory restore naming another matched version than its image's stamp"
 # at each snapshot an actor takes, copies or goes back to (SnapshotTaken, TagRecorded,
 # ActorCreated, ActorReverted: CONTRACT section 3, "Stamping rules"),
 STAMP_NOT_PIN = "stamp differs from the actor's pin"
@@ -65,7 +69,7 @@ ID_TWO_IMAGES = "snapshot id naming another actor's other image"
 CHANGE_UNREGISTERED = "RuntimeChanged without a registration"
 PLACEMENT_RULES = (UNKNOWN_ACTOR, PLACED_STOPPED, PLACED_TWICE, NOT_TAKING, PAST_ROOM, RUNTIME_GONE, SELECTOR_UNMET,
                    LOCAL_OFF_NODE, ACROSS_ARCHITECTURES, NODE_MISMATCH, NOT_IN_SNAPSHOT, BELOW_FLOOR,
-                   UNDER_BOOKED)
+                   UNDER_BOOKED, OFF_PLAN, MATCHED_OTHER)
 STAMP_RULES = (NOT_RUNNING, STAMP_NOT_PIN, MISPLACED, NOT_PAUSED, NOT_COPIED, NO_SOURCE, REVERT_NOTHING,
                REVERT_ELSEWHERE, ID_TWO_IMAGES)
 
@@ -360,7 +364,41 @@ class Verifier:
             return Violation(seq, ACROSS_ARCHITECTURES,
                              f"{aid} runs under {wid}'s default of class {actor.spec.sandbox_class}, of architecture "
                              f"{entry.default.compat.arch}, not of its machine (its registration names two)")
+        if event.fidelity is PlacedFidelity.MEMORY and stamp is not None:
+            # what a worker checks the image against before it loads it (`restore_check`), and a retry's
+            # answer from the log (`decide.check_retry`): the matched version, or the pin's own when null
+            pinned = event.sandbox_runtime
+            matched = compat_key(pinned.sandbox_class, event.matched_version or pinned.version)
+            if matched != stamp.compat.key:
+                return Violation(seq, MATCHED_OTHER,
+                                 f"{aid}'s memory image is {describe_key(stamp.compat.key)}; its placement on {wid} "
+                                 f"names {describe_key(matched)} as the version that matched")
+        off_plan = self._off_plan(actor, event)
+        if off_plan is not None:
+            return Violation(seq, OFF_PLAN, off_plan)
         return None
+
+    def _off_plan(self, actor: Actor, event: ActorPlaced) -> str | None:
+        """Why a restore is at a fidelity none of the scheduler's tiers for the actor's latest snapshot
+        has (`decide.plan`, the one definition of rules 2 to 5 and 4a): no fallback for a LOCAL memory
+        image (rule 5, never relaxed), a borrowed memory image's fallback a cold boot (rule 4), a
+        snapshot without usable memory restored at its own fidelity (rule 3), the fallback VOLUMES
+        (rule 4); None if one has it. The candidates' room and selectors are not judged here (a
+        request's selectors are not in the log), nor whether a fallback was needed."""
+        if event.action is not Action.RESTORE:
+            return None
+        aid, kind = event.actor_id, actor.snapshot
+        try:
+            tiers = plan(self.projection, actor, None).tiers
+        except ContractError as refused:
+            return f"{aid} restored at {event.fidelity.value}, where the rules restore it nowhere: {refused.message}"
+        allowed = sorted({t.fidelity.value for t in tiers if t.action is Action.RESTORE})
+        if event.fidelity.value in allowed:
+            return None
+        what = "none" if kind is None else (
+            f"{'LOCAL' if kind.local else 'EXTERNAL'} {kind.fidelity.value}{' borrowed' if kind.borrowed else ''}")
+        return (f"{aid} restored at {event.fidelity.value} from its latest snapshot {actor.snapshot_id} ({what}); "
+                f"the rules restore it at {' or '.join(allowed) if allowed else 'no fidelity (a cold boot or none)'}")
 
     @staticmethod
     def _not_held(actor: Actor, event: ActorPlaced) -> str | None:
