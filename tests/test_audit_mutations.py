@@ -1,0 +1,482 @@
+"""A mutation campaign on `warmboot audit verify`: logs whose placements the real scheduler decided
+(`decide` on the real Projection, `tests/fleet_oracle.py`'s seeded lives of a fleet, without the
+snapshots of foreign writers, which break the stamping rules on purpose) are clean, and each
+mutation of one that breaks exactly one placement or stamping rule is found, at the event that
+breaks it, under the rule's name. Pure (no server) and seeded.
+
+Two kinds of mutation:
+- a placement swapped for another one at the same point of the log (`test_every_other_placement_...`):
+  every worker of the fleet, drained or not, every runtime of its classes as the pin, its node or
+  another, every action and fidelity. The fleet oracle, written from the contract's text over a
+  model of its own, says which of them the rules allow; verify must flag every other one and none
+  of those. Two things verify cannot judge are left out: a fallback while a compatible worker may
+  have had room (the request's selectors, which may have ruled those out, are not in the log), and
+  a cold boot of an actor that owns nothing to lose (rule 4a: it may always RUN).
+- a log changed around a placement or a snapshot (`test_a_log_changed_around_...`): a drain, a removal
+  (LOST or not), a re-registration or a runtime change to runtimes of another CPU, a capacity cut, a
+  label or node change, a template change or a stop, inserted right before a placement (that is,
+  after its decision); the placement moved before the registration or the snapshot it relies on,
+  written twice, booking less or more, restoring more than the image holds or less than the rules
+  give, another snapshot than the latest, naming another matched version; the actor's min_fidelity
+  raised; each stamp of a pause, suspend, promote, tag, creation and revert changed.
+
+(Written by a mutation campaign, which found verify letting pass a LOCAL memory image restored without
+memory on its node, a snapshot restored below its own fidelity, a borrowed memory image's volumes
+restored, and a memory restore whose record names another version than its image's as the one
+matched: fixed in `warmboot.audit` with `decide.plan`. The scheduler's own decisions had none of these:
+`tests/test_decide_fleet_oracle.py`.)
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+import msgspec
+
+from events.schema import (
+    Action,
+    ActorCreated,
+    ActorPlaced,
+    ActorReverted,
+    ActorRuntime,
+    ActorStopped,
+    Attribute,
+    CompatVersion,
+    Fallback,
+    FallbackReason,
+    Fidelity,
+    Location,
+    PlacedFidelity,
+    Placement,
+    Resources,
+    RuntimeChanged,
+    Snapshot,
+    SnapshotOrigin,
+    SnapshotTaken,
+    TagRecorded,
+    TemplateChanged,
+    WorkerBooked,
+    WorkerDrained,
+    WorkerRegistered,
+    WorkerRemoved,
+    WorkerRuntime,
+    WorkerSandboxClass,
+    WorkerUpdated,
+)
+from services.scheduler.committer import placed_event
+from tests import fleet_oracle as fo
+from tests.factories import fold
+from warmboot import audit
+from warmboot.audit import Sink
+
+SEEDS = range(30)
+
+
+class CleanLife(fo.Fuzz):
+    """A fleet oracle life whose log verify must find clean: no foreign snapshot, and a creation from a
+    tag copies what a TagRecorded names (a live actor's latest EXTERNAL snapshot) or is golden. A
+    verifying Sink folds the log as it grows; before each resume, `others` judges every other placement
+    the resume could be recorded as."""
+
+    def __init__(self, seed: int, **kwargs):
+        super().__init__(seed, legacy=seed % 3 == 0, **kwargs)
+        self.sink = Sink(verify=True)
+        self.judged: Counter = Counter()
+        self.wrong: list[str] = []
+
+    def add(self, event) -> None:
+        super().add(event)
+        if self.sink.violation is None:
+            self.sink.apply(len(self.events), event)
+
+    def foreign_snapshot(self, aid: str) -> None:
+        return None
+
+    def pause(self, aid: str) -> None:
+        super().pause(aid)
+        if self.r.random() < 0.3:  # (reverts are rare in the oracle's lives: a few more)
+            self.revert(aid)
+
+    def create(self, aid: str) -> None:
+        r = self.r
+        a = self.actors.get(aid)
+        if a is not None and a.state != "STOPPED":
+            return
+        k = r.random()
+        sources = [b for b in self.actors.values() if b.state == "SUSPENDED" and b.snap is not None
+                   and b.snap.location is Location.EXTERNAL and b.aid != aid]
+        a = fo.A(aid, r.choice(fo.CLASSES), "t1", r.choice([250, 500]), r.choice([256, 512, 1024, 1500]),
+                 r.choice([{}, {}, {"zone": "a"}]), r.choice(list(Fidelity)))
+        snap = None
+        if k < 0.35:  # golden: EXTERNAL, borrowed, stamped for the class
+            snap = Snapshot(snapshot_id=f"g{self.n}", actor_id=aid, template_uid=r.choice(["t1", "t1", "t0"]),
+                            fidelity=r.choice([Fidelity.MEMORY, Fidelity.MEMORY, Fidelity.VOLUMES, Fidelity.ROOTFS]),
+                            location=Location.EXTERNAL, uri="s3://g", borrowed=True, taken_at=fo.AT,
+                            sandbox_runtime=ActorRuntime(sandbox_class=a.cls, version=self.version()))
+        elif k < 0.6 and sources:  # from a tag naming another actor's latest snapshot
+            b = r.choice(sources)
+            tag = f"tag{self.n}"
+            self.add(TagRecorded(at=self.at(), tag=tag, snapshot=b.snap))
+            self.add(SnapshotTaken(at=self.at(), actor_id=b.aid, snapshot=b.snap, origin=SnapshotOrigin.TAG))
+            a.cls = b.snap.sandbox_runtime.sandbox_class if b.snap.sandbox_runtime is not None else b.cls
+            snap = msgspec.structs.replace(b.snap, actor_id=aid)
+        if snap is None and a.floor is Fidelity.MEMORY and r.random() < 0.8:
+            a.floor = Fidelity.ROOTFS
+        a.snap, a.borrows, a.external = snap, snap is not None and snap.borrowed, snap
+        self.actors[aid] = a
+        self.add(ActorCreated(at=self.at(), actor_id=aid, sandbox_class=a.cls, template_uid=a.template,
+                              resources=Resources(cpu_millis=a.cpu, memory_mib=a.mem), selectors=a.selectors,
+                              min_fidelity=a.floor, snapshot=snap))
+        if snap is not None:
+            self.add(SnapshotTaken(at=self.at(), actor_id=aid, snapshot=snap, origin=SnapshotOrigin.CREATE))
+
+    def resume(self, aid: str) -> None:
+        a = self.actors.get(aid)
+        if a is not None and a.state in ("CREATED", "SUSPENDED", "PAUSED") and self.sink.violation is None:
+            self.others(a)
+        super().resume(aid)
+
+    def others(self, a: fo.A) -> None:
+        """Every placement of `a` at this point (`candidates`), as verify judges it and as the oracle does."""
+        legal = allowed(self.workers, a)
+        lenient = fallbacks(self.workers, a)
+        verifier = self.sink.verifier
+        seq = len(self.events) + 1
+        for option, event in candidates(self.workers, a):
+            creating = dict(verifier.creating)
+            found = verifier.check(seq, event)  # pure: the projection is of the log before it
+            verifier.creating = creating
+            self.judged[found.rule if found is not None else "clean"] += 1
+            if option in legal:
+                if found is not None:
+                    self.wrong.append(f"seed {self.seed} at {seq}: a placement the rules allow is flagged: {found}")
+                continue
+            if found is not None or option in lenient or (option[3] == "RUN" and a.snap is not None
+                                                          and a.snap.borrowed):
+                continue
+            self.wrong.append(f"seed {self.seed} at {seq}: {a.aid} placed {option}, which the rules do not allow "
+                              f"(its latest snapshot {a.snap}), is not flagged")
+
+
+Option = tuple  # (worker, node, fidelity, action, pin's (class, version key), snapshot id, booked)
+
+
+def allowed(workers: dict[str, fo.W], a: fo.A) -> set[Option]:
+    """The placements the oracle allows on the fleet as it is (room included), by the actor's selectors."""
+    options, _ = fo.options(workers, a, dict(a.selectors), {})
+    return {(o.wid, o.node, o.fidelity, o.action, o.pin, o.snapshot_id, o.booked)
+            for o in options if o.fits and not o.filtered}
+
+
+def fallbacks(workers: dict[str, fo.W], a: fo.A) -> set[Option]:
+    """The fallbacks of rule 4 the oracle allows as if no compatible worker had room (the oracle's options
+    of the same snapshot under a stamp no worker accepts, of the same class and architecture)."""
+    snap = a.snap
+    if snap is None or snap.fidelity is not Fidelity.MEMORY or snap.sandbox_runtime is None:
+        return set()
+    st = snap.sandbox_runtime
+    nobody = CompatVersion(schema_version=st.version.schema_version,
+                           attributes=(*st.version.attributes, Attribute(key="zz_accepted_by", value="nobody")))
+    other = fo.A(**{**a.__dict__, "snap": msgspec.structs.replace(
+        snap, sandbox_runtime=ActorRuntime(sandbox_class=st.sandbox_class, version=nobody))})
+    return allowed(workers, other)
+
+
+PLACEMENTS = ((Action.RUN, PlacedFidelity.NONE), (Action.RESTORE, PlacedFidelity.MEMORY),
+              (Action.RESTORE, PlacedFidelity.VOLUMES), (Action.RESTORE, PlacedFidelity.ROOTFS))
+
+
+def candidates(workers: dict[str, fo.W], a: fo.A):
+    """(option, ActorPlaced) for every worker, every runtime of its classes as the pin, its node or
+    another, every action and fidelity; booked as that runtime asks; a memory restore naming the
+    stamp's version as matched, a placement without memory of a MEMORY image a fallback."""
+    snap = a.snap
+    stamp = snap.sandbox_runtime if snap is not None else None
+    seen = set()
+    for w in workers.values():
+        for entry in w.classes:
+            cls = entry.sandbox_class
+            for rt in (entry.default_runtime, *entry.restorable_runtimes):
+                booked = (a.cpu, a.mem + fo.overhead(rt, a.mem))
+                for node in (w.node, "elsewhere"):
+                    for action, fidelity in PLACEMENTS:
+                        if action is Action.RESTORE and snap is None:
+                            continue
+                        sid = snap.snapshot_id if action is Action.RESTORE else None
+                        option = (w.wid, node, fidelity.value, action.value, (cls, fo.key(rt.version)), sid, booked)
+                        if option in seen:
+                            continue
+                        seen.add(option)
+                        fallback = None
+                        if fidelity is not PlacedFidelity.MEMORY and snap is not None \
+                                and snap.fidelity is Fidelity.MEMORY:
+                            fallback = Fallback(reason=FallbackReason.NO_COMPATIBLE_WORKER,
+                                                from_fidelity=PlacedFidelity.MEMORY, to_fidelity=fidelity)
+                        yield option, placed_event(Placement(
+                            actor_id=a.aid, worker_id=w.wid, node=node, action=action, fidelity=fidelity,
+                            sandbox_runtime=ActorRuntime(sandbox_class=cls, version=rt.version), snapshot_id=sid,
+                            fallback=fallback, booked=Resources(cpu_millis=booked[0], memory_mib=booked[1]),
+                            matched_version=stamp.version if fidelity is PlacedFidelity.MEMORY and stamp else None,
+                        ), None)
+
+
+_LIVES: dict[int, CleanLife] = {}
+
+
+def life(seed: int) -> CleanLife:
+    """The seeded life (made once per seed for this module's tests)."""
+    if seed not in _LIVES:
+        _LIVES[seed] = CleanLife(seed, workers=6, actors=5).run(200)
+    return _LIVES[seed]
+
+
+def test_the_logs_the_scheduler_decided_are_clean():
+    """The unmutated logs: every decision the oracle's (the fleet oracle's own checks), and verify
+    finds no violation, through the Sink that folded them as they grew and through a fresh fold."""
+    placements = 0
+    for seed in SEEDS:
+        f = life(seed)
+        assert not f.failures, f.failures[:3]
+        assert f.sink.violation is None, f"seed {seed}: {f.sink.violation}"
+        assert fold(f.events, Sink(verify=True)).violation is None
+        placements += sum(isinstance(e, ActorPlaced) for e in f.events)
+    assert placements >= 300, placements
+
+
+def test_every_other_placement_is_flagged_unless_the_rules_allow_it():
+    wrong: list[str] = []
+    judged: Counter = Counter()
+    for seed in SEEDS:
+        f = life(seed)
+        wrong += f.wrong
+        judged += f.judged
+    assert not wrong, "\n".join(wrong[:10])
+    # what the candidates reached, so that a change of the generator cannot make this test vacuous
+    for rule in (audit.NOT_TAKING, audit.PAST_ROOM, audit.RUNTIME_GONE, audit.SELECTOR_UNMET, audit.LOCAL_OFF_NODE,
+                 audit.ACROSS_ARCHITECTURES, audit.NODE_MISMATCH, audit.NOT_IN_SNAPSHOT, audit.BELOW_FLOOR,
+                 audit.OFF_PLAN):
+        assert judged[rule] >= 20, (rule, judged)
+    assert judged["clean"] >= 500, judged
+
+
+# --- mutations of a log around a placement or a snapshot ------------------------------------------------
+
+Log = list
+Mutant = tuple[Log, int, frozenset[str]]  # the log, the sequence verify must stop at, the rules it may name
+
+
+def other_cpu(version: CompatVersion) -> CompatVersion:
+    """The same version on a CPU of other features (`cpu_features`, added or changed)."""
+    attrs = tuple(a for a in version.attributes if a.key != "cpu_features")
+    return CompatVersion(schema_version=version.schema_version,
+                         attributes=(*attrs, Attribute(key="cpu_features", value="0123456789abcdef")))
+
+
+def on_other_cpu(classes: tuple[WorkerSandboxClass, ...]) -> tuple[WorkerSandboxClass, ...]:
+    def rt(r: WorkerRuntime) -> WorkerRuntime:
+        return msgspec.structs.replace(r, version=other_cpu(r.version),
+                                       compatible_versions=tuple(map(other_cpu, r.compatible_versions)))
+    return tuple(msgspec.structs.replace(e, default_runtime=rt(e.default_runtime),
+                                         restorable_runtimes=tuple(map(rt, e.restorable_runtimes))) for e in classes)
+
+
+class Around:
+    """What the log says, before index `i` (an ActorPlaced), of its worker and its actor."""
+
+    def __init__(self, events: Log, i: int):
+        self.events, self.i = events, i
+        p: ActorPlaced = events[i]
+        self.placed = p
+        self.registration: WorkerRegistered | None = None
+        self.registered_at = self.created_at = self.latest_at = -1
+        self.classes = None
+        self.node = self.capacity = self.labels = None
+        self.created: ActorCreated | None = None
+        self.snapshot_ids: list[str] = []
+        for j, e in enumerate(events[:i]):
+            if getattr(e, "worker_id", None) == p.worker_id and not isinstance(e, (ActorPlaced, WorkerBooked)):
+                if isinstance(e, WorkerRegistered):
+                    self.registration, self.registered_at, self.classes = e, j, e.sandbox_classes
+                    self.node, self.capacity, self.labels = e.node, e.capacity, e.labels
+                elif isinstance(e, RuntimeChanged):
+                    self.classes = e.sandbox_classes
+                elif isinstance(e, WorkerUpdated):
+                    self.node, self.capacity, self.labels = e.node, e.capacity, e.labels
+            if getattr(e, "actor_id", None) == p.actor_id:
+                if isinstance(e, ActorCreated):
+                    self.created, self.created_at, self.snapshot_ids = e, j, []
+                    if e.snapshot is not None:
+                        self.latest_at = j
+                if isinstance(e, SnapshotTaken) and e.origin is not SnapshotOrigin.TAG:
+                    self.snapshot_ids.append(e.snapshot.snapshot_id)
+                    if e.origin is not SnapshotOrigin.CREATE:
+                        self.latest_at = j
+                if isinstance(e, ActorReverted):
+                    self.latest_at = j
+
+
+def mutants(events: Log, r: random.Random) -> list[tuple[str, Mutant]]:
+    """Every mutation of `events` below that applies, each named, with where and how verify must report it."""
+    out: list[tuple[str, Mutant]] = []
+    placements = [i for i, e in enumerate(events) if isinstance(e, ActorPlaced)]
+    for i in placements:
+        out += around_placement(events, i, r)
+    out += stamps_changed(events)
+    out += floors_raised(events)
+    return out
+
+
+def around_placement(events: Log, i: int, r: random.Random) -> list[tuple[str, Mutant]]:
+    at = Around(events, i)
+    p = at.placed
+    wid, aid, at_ = p.worker_id, p.actor_id, p.at
+    before, after = events[:i], events[i + 1:]
+    out: list[tuple[str, Mutant]] = []
+
+    def insert(name: str, rules: set[str], *inserted, placement: ActorPlaced = p) -> None:
+        log = [*before, *inserted, placement, *after]
+        out.append((name, (log, len(before) + len(inserted) + 1, frozenset(rules))))
+
+    def replace(name: str, rules: set[str], **fields) -> None:
+        insert(name, rules, placement=msgspec.structs.replace(p, **fields))
+
+    # the worker, after the decision: drained, removed (LOST or not), registered again or its runtimes
+    # changed to another CPU's, its capacity cut, its labels dropped, moved to another node
+    insert("worker drained", {audit.NOT_TAKING}, WorkerDrained(at=at_, worker_id=wid, reason="maintenance"))
+    insert("worker lost", {audit.NOT_TAKING}, WorkerRemoved(at=at_, worker_id=wid, reason="LOST"))
+    insert("worker removed", {audit.NOT_TAKING}, WorkerRemoved(at=at_, worker_id=wid, reason="decommissioned"))
+    if at.registration is not None:
+        insert("worker registered again on another CPU", {audit.RUNTIME_GONE},
+               WorkerRemoved(at=at_, worker_id=wid, reason="LOST"),
+               msgspec.structs.replace(at.registration, node=at.node, capacity=at.capacity, labels=at.labels,
+                                       sandbox_classes=on_other_cpu(at.classes)))
+        insert("worker's runtimes changed to another CPU's", {audit.RUNTIME_GONE},
+               RuntimeChanged(at=at_, worker_id=wid, sandbox_classes=on_other_cpu(at.classes), previous=at.classes))
+        insert("worker's capacity cut", {audit.PAST_ROOM},
+               WorkerUpdated(at=at_, worker_id=wid, node=at.node, capacity=Resources(cpu_millis=1, memory_mib=65),
+                             labels=at.labels))
+        insert("worker moved to another node", {audit.NODE_MISMATCH},
+               WorkerUpdated(at=at_, worker_id=wid, node="elsewhere", capacity=at.capacity, labels=at.labels))
+        if at.created is not None and at.created.selectors:
+            insert("worker's labels dropped", {audit.SELECTOR_UNMET},
+                   WorkerUpdated(at=at_, worker_id=wid, node=at.node, capacity=at.capacity, labels={}))
+        # the placement before the registration that began the worker's life
+        log = [*events[:at.registered_at], p, *events[at.registered_at:i], *after]
+        out.append(("placed before its worker's registration", (log, at.registered_at + 1, frozenset(
+            {audit.NOT_TAKING, audit.UNKNOWN_ACTOR, audit.PLACED_TWICE, audit.PLACED_STOPPED}))))
+    # the actor, after the decision: its template changed (a memory restore), stopped
+    if p.fidelity is PlacedFidelity.MEMORY:
+        insert("template changed under a memory restore", {audit.NOT_IN_SNAPSHOT},
+               TemplateChanged(at=at_, actor_id=aid, template_uid="t-new"))
+        replace("another matched version", {audit.MATCHED_OTHER}, matched_version=other_cpu(
+            p.matched_version or p.sandbox_runtime.version))
+    insert("actor stopped", {audit.PLACED_STOPPED}, ActorStopped(at=at_, actor_id=aid))
+    # the placement itself: twice, booking less or past the room, restoring more than the image holds,
+    # less than the rules give, or another snapshot than the latest
+    twice = [*before, p, *after[:1], p, *after[1:]]
+    out.append(("placed twice", (twice, i + 3, frozenset({audit.PLACED_TWICE}))))
+    replace("books less cpu", {audit.UNDER_BOOKED}, booked=Resources(cpu_millis=p.booked.cpu_millis - 1,
+                                                                     memory_mib=p.booked.memory_mib))
+    replace("books less memory", {audit.UNDER_BOOKED}, booked=Resources(cpu_millis=p.booked.cpu_millis,
+                                                                        memory_mib=p.booked.memory_mib - 1))
+    replace("books past the room", {audit.PAST_ROOM}, booked=Resources(cpu_millis=p.booked.cpu_millis,
+                                                                       memory_mib=p.booked.memory_mib + 10 ** 6))
+    if p.action is Action.RESTORE:
+        if p.fidelity is PlacedFidelity.ROOTFS:
+            replace("ROOTFS claimed VOLUMES", {audit.NOT_IN_SNAPSHOT}, fidelity=PlacedFidelity.VOLUMES)
+        if p.fidelity is PlacedFidelity.VOLUMES:
+            replace("VOLUMES given up for ROOTFS", {audit.OFF_PLAN, audit.BELOW_FLOOR}, fidelity=PlacedFidelity.ROOTFS,
+                    fallback=None)
+            if p.fallback is None or p.fallback.reason is not FallbackReason.NO_COMPATIBLE_WORKER:
+                replace("VOLUMES claimed MEMORY", {audit.NOT_IN_SNAPSHOT, audit.RUNTIME_GONE},
+                        fidelity=PlacedFidelity.MEMORY, fallback=None, matched_version=p.sandbox_runtime.version)
+        older = [s for s in at.snapshot_ids if s != p.snapshot_id]
+        if older:
+            replace("restores an older snapshot", {audit.NOT_IN_SNAPSHOT}, snapshot_id=r.choice(older))
+        if at.latest_at >= 0 and not (isinstance(events[at.latest_at], SnapshotTaken)
+                                      and events[at.latest_at].origin is SnapshotOrigin.PROMOTE):
+            # before the snapshot it restores was taken (a promote keeps the id of the image it uploads):
+            # the actor then ran, or had another snapshot or none; and its worker may not have been there yet
+            j = at.latest_at
+            log = [*events[:j], p, *events[j:i], *after]
+            out.append(("placed before the snapshot it restores", (log, j + 1, frozenset(audit.PLACEMENT_RULES))))
+    return out
+
+
+def restamped(snapshot: Snapshot) -> Snapshot:
+    st = snapshot.sandbox_runtime
+    runtime = ActorRuntime(sandbox_class=st.sandbox_class if st else "gvisor",
+                           version=other_cpu(st.version) if st else fo.v(architecture="amd64", gvisor_asset_hash="1"))
+    return msgspec.structs.replace(snapshot, sandbox_runtime=runtime)
+
+
+STAMP_RULE = {SnapshotOrigin.PAUSE: audit.STAMP_NOT_PIN, SnapshotOrigin.SUSPEND: audit.STAMP_NOT_PIN,
+              SnapshotOrigin.PROMOTE: audit.NOT_COPIED, SnapshotOrigin.TAG: audit.NOT_COPIED,
+              SnapshotOrigin.CREATE: audit.NO_SOURCE}
+
+
+def stamps_changed(events: Log) -> list[tuple[str, Mutant]]:
+    """Each stamp a pause, suspend, promote, tag or creation records, or a revert goes back to, changed
+    (another CPU): the stamp should have been the pin, or the one copied."""
+    out: list[tuple[str, Mutant]] = []
+    for i, e in enumerate(events):
+        mutated, rule = None, None
+        if isinstance(e, SnapshotTaken) and not (e.origin is SnapshotOrigin.CREATE and e.snapshot.borrowed):
+            mutated, rule = msgspec.structs.replace(e, snapshot=restamped(e.snapshot)), STAMP_RULE[e.origin]
+        elif isinstance(e, TagRecorded):
+            mutated, rule = msgspec.structs.replace(e, snapshot=restamped(e.snapshot)), audit.NOT_COPIED
+        elif isinstance(e, ActorCreated) and e.snapshot is not None and not e.snapshot.borrowed:
+            mutated, rule = msgspec.structs.replace(e, snapshot=restamped(e.snapshot)), audit.NO_SOURCE
+        elif isinstance(e, ActorReverted) and e.snapshot is not None:
+            mutated, rule = msgspec.structs.replace(e, snapshot=restamped(e.snapshot)), audit.REVERT_ELSEWHERE
+        if mutated is not None:
+            name = f"{type(e).__name__}{' ' + e.origin.value if isinstance(e, SnapshotTaken) else ''} restamped"
+            out.append((name, ([*events[:i], mutated, *events[i + 1:]], i + 1, frozenset({rule}))))
+    return out
+
+
+def floors_raised(events: Log) -> list[tuple[str, Mutant]]:
+    """Each creation's min_fidelity raised to MEMORY: its life's first placement without memory is below it."""
+    out: list[tuple[str, Mutant]] = []
+    for i, e in enumerate(events):
+        if not isinstance(e, ActorCreated) or e.min_fidelity is Fidelity.MEMORY:
+            continue
+        below = None
+        for j in range(i + 1, len(events)):
+            f = events[j]
+            if getattr(f, "actor_id", None) != e.actor_id:
+                continue
+            if isinstance(f, ActorCreated):
+                break
+            if isinstance(f, ActorPlaced) and f.fidelity is not PlacedFidelity.MEMORY:
+                below = j
+                break
+        if below is not None:
+            raised = msgspec.structs.replace(e, min_fidelity=Fidelity.MEMORY)
+            out.append(("min_fidelity raised", ([*events[:i], raised, *events[i + 1:]], below + 1,
+                                                frozenset({audit.BELOW_FLOOR}))))
+    return out
+
+
+def test_a_log_changed_around_a_placement_or_a_stamp_is_flagged_where_and_as_it_breaks():
+    r = random.Random(20261207)
+    wrong: list[str] = []
+    reached: Counter = Counter()
+    for seed in SEEDS[:16]:
+        events = life(seed).events
+        for name, (log, seq, rules) in mutants(events, r):
+            found = fold(log, Sink(verify=True)).violation
+            reached[name] += 1
+            if found is None or found.seq != seq or found.rule not in rules:
+                wrong.append(f"seed {seed}, {name}: expected at {seq} one of {sorted(rules)}, found {found}")
+    assert not wrong, f"{len(wrong)} missed:\n" + "\n".join(wrong[:15])
+    for name in ("worker drained", "worker lost", "worker registered again on another CPU",
+                 "worker's runtimes changed to another CPU's", "worker's capacity cut", "worker moved to another node",
+                 "worker's labels dropped", "placed before its worker's registration",
+                 "template changed under a memory restore", "another matched version", "actor stopped",
+                 "placed twice", "books less memory", "books past the room", "ROOTFS claimed VOLUMES",
+                 "VOLUMES given up for ROOTFS", "VOLUMES claimed MEMORY", "restores an older snapshot",
+                 "placed before the snapshot it restores", "min_fidelity raised", "SnapshotTaken PAUSE restamped",
+                 "SnapshotTaken SUSPEND restamped", "SnapshotTaken PROMOTE restamped", "SnapshotTaken TAG restamped",
+                 "TagRecorded restamped", "ActorCreated restamped", "ActorReverted restamped"):
+        assert reached[name] >= 3, (name, reached)
