@@ -11,12 +11,13 @@ Two kinds of mutation:
   model of its own, says which of them the rules allow; verify must flag every other one and none
   of those. Two things verify cannot judge are left out: a fallback while a compatible worker may
   have had room (the request's selectors, which may have ruled those out, are not in the log), and
-  a cold boot of an actor that owns nothing to lose (rule 4a: it may always RUN).
+  a cold boot of an actor that owns nothing to lose (rule 4a: it may always RUN), but for one whose
+  latest snapshot is a LOCAL image, which only its node's workers take (rule 5).
 - a log changed around a placement or a snapshot (`test_a_log_changed_around_...`): a drain, a removal
   (LOST or not), a re-registration or a runtime change to runtimes of another CPU, a capacity cut, a
   label or node change, a template change or a stop, inserted right before a placement (that is,
   after its decision); the placement moved before the registration or the snapshot it relies on,
-  written twice, booking less or more, restoring more than the image holds or less than the rules
+  written twice, for the request id of an earlier one, booking less or more, restoring more than the image holds or less than the rules
   give, another snapshot than the latest, naming another matched version; the actor's min_fidelity
   raised; each stamp of a pause, suspend, promote, tag, creation and revert changed.
 
@@ -151,8 +152,8 @@ class CleanLife(fo.Fuzz):
                 if found is not None:
                     self.wrong.append(f"seed {self.seed} at {seq}: a placement the rules allow is flagged: {found}")
                 continue
-            if found is not None or option in lenient or (option[3] == "RUN" and a.snap is not None
-                                                          and a.snap.borrowed):
+            if found is not None or option in lenient or (option[3] == "RUN" and a.snap is not None and a.snap.borrowed
+                                                          and a.snap.location is Location.EXTERNAL):
                 continue
             self.wrong.append(f"seed {self.seed} at {seq}: {a.aid} placed {option}, which the rules do not allow "
                               f"(its latest snapshot {a.snap}), is not flagged")
@@ -371,6 +372,17 @@ def around_placement(events: Log, i: int, r: random.Random) -> list[tuple[str, M
         replace("another matched version", {audit.MATCHED_OTHER}, matched_version=other_cpu(
             p.matched_version or p.sandbox_runtime.version))
     insert("actor stopped", {audit.PLACED_STOPPED}, ActorStopped(at=at_, actor_id=aid))
+    # the request id of the actor's previous placement (of this life or the last), placed again
+    lives = 0
+    for e in reversed(before):
+        if getattr(e, "actor_id", None) != aid:
+            continue
+        lives += isinstance(e, ActorCreated)
+        if lives > 1:
+            break
+        if isinstance(e, ActorPlaced) and e.request_id is not None:
+            replace("a request id placed again", {audit.REQUEST_AGAIN}, request_id=e.request_id)
+            break
     # the placement itself: twice, booking less or past the room, restoring more than the image holds,
     # less than the rules give, or another snapshot than the latest
     twice = [*before, p, *after[:1], p, *after[1:]]
@@ -474,7 +486,7 @@ def test_a_log_changed_around_a_placement_or_a_stamp_is_flagged_where_and_as_it_
                  "worker's runtimes changed to another CPU's", "worker's capacity cut", "worker moved to another node",
                  "worker's labels dropped", "placed before its worker's registration",
                  "template changed under a memory restore", "another matched version", "actor stopped",
-                 "placed twice", "books less memory", "books past the room", "ROOTFS claimed VOLUMES",
+                 "placed twice", "a request id placed again", "books less memory", "books past the room", "ROOTFS claimed VOLUMES",
                  "VOLUMES given up for ROOTFS", "VOLUMES claimed MEMORY", "restores an older snapshot",
                  "placed before the snapshot it restores", "min_fidelity raised", "SnapshotTaken PAUSE restamped",
                  "SnapshotTaken SUSPEND restamped", "SnapshotTaken PROMOTE restamped", "SnapshotTaken TAG restamped",

@@ -188,6 +188,23 @@ CASES = {
         placed("g", "w2", V2, node="n1", fidelity=PlacedFidelity.VOLUMES, action=Action.RESTORE,
                snapshot_id="golden-1", fallback=FALLBACK, **SMALL),
         audit.OFF_PLAN),
+    # ... and a PAUSED actor's LOCAL memory image given up for a cold boot on its node, a golden (borrowed) one's
+    # included (rule 5: never relaxed; the image holds what the actor ran since the golden boot)
+    "a PAUSED actor's LOCAL memory image given up for a cold boot": (
+        [worker_on("w1", V1), created("g", snapshot=golden(V1, borrowed=True, actor_id="g"), **SMALL),
+         placed("g", "w1", V1, node="n1", fidelity=PlacedFidelity.MEMORY, action=Action.RESTORE,
+                snapshot_id="golden-1", **SMALL),
+         taken(snapshot("g", V1, snapshot_id="g-p", node="n1", borrowed=True), SnapshotOrigin.PAUSE),
+         released("g", "w1", ReleaseReason.PAUSED)],
+        placed("g", "w1", V1, node="n1", **SMALL), audit.OFF_PLAN),
+    "a PAUSED actor's LOCAL memory image given up for a cold boot on another node": (
+        [worker_on("w1", V1), worker_on("w2", V1, node="n2"),
+         created("g", snapshot=golden(V1, borrowed=True, actor_id="g"), **SMALL),
+         placed("g", "w1", V1, node="n1", fidelity=PlacedFidelity.MEMORY, action=Action.RESTORE,
+                snapshot_id="golden-1", **SMALL),
+         taken(snapshot("g", V1, snapshot_id="g-p", node="n1", borrowed=True), SnapshotOrigin.PAUSE),
+         released("g", "w1", ReleaseReason.PAUSED)],
+        placed("g", "w2", V1, node="n2", **SMALL), audit.LOCAL_OFF_NODE),
     # a memory restore whose record names another version than its image's as the one matched: what a worker
     # checks the image against before loading it (`agent --check-placement`) and a retry's answer is judged by
     "a memory restore naming another matched version": (
@@ -202,7 +219,29 @@ CASES = {
         placed("g", "w1", V2, node="n1", fidelity=PlacedFidelity.MEMORY, action=Action.RESTORE,
                snapshot_id="golden-1", **SMALL),
         audit.MATCHED_OTHER),
+    # a resume's request id placed again after its first placement ended, in the same life or the next:
+    # the scheduler answers it with the first (idempotency), or refuses one of the last life's
+    "a request id placed again": (
+        [worker_on("w1", V1), created("a", **SMALL), placed("a", "w1", V1, node="n1", request_id="r1", **SMALL),
+         released("a", "w1")],
+        placed("a", "w1", V1, node="n1", request_id="r1", **SMALL), audit.REQUEST_AGAIN),
+    "a request id of the last life placed again": (
+        [worker_on("w1", V1), created("a", **SMALL), placed("a", "w1", V1, node="n1", request_id="r1", **SMALL),
+         released("a", "w1"), ActorStopped(at=AT, actor_id="a"), created("a", **SMALL)],
+        placed("a", "w1", V1, node="n1", request_id="r1", **SMALL), audit.REQUEST_AGAIN),
 }
+
+
+def test_a_request_id_pushed_out_of_the_recent_placements_is_not_judged():
+    """Chosen: verify judges a request id again only against the placements the scheduler's projection
+    keeps (the actor's last four that carried one, and its last life's): one pushed out is answered from
+    the reply bucket for an hour, and may be placed anew after that, which the log cannot tell."""
+    log = [worker_on("w1", V1), created("a", **SMALL)]
+    for rid in ("r1", "r2", "r3", "r4", "r5", "r1"):
+        log += [placed("a", "w1", V1, node="n1", request_id=rid, **SMALL), released("a", "w1")]
+    assert verify(log) is None
+    violation = verify(log[:-4] + [placed("a", "w1", V1, node="n1", request_id="r2", **SMALL)])
+    assert violation is not None and violation.rule == audit.REQUEST_AGAIN, violation
 
 
 @pytest.mark.parametrize("case", CASES)

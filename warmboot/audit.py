@@ -35,7 +35,8 @@ from events.schema import (
 from services.scheduler.decide import plan
 from services.scheduler.fragmentation import fragmentation
 from services.scheduler.projection import Projection
-from services.scheduler.records import MEMORY, PAUSED, RUNNING, STOPPED, SUSPENDED, Actor, SnapshotKind
+from services.scheduler.records import (MEMORY, PAUSED, RUNNING, STOPPED, SUSPENDED, Actor, SnapshotKind,
+                                        request_hash)
 from services.snapshotter.stamping import free_form_id
 
 # The rules `audit verify` checks (names as they appear in its report): at each ActorPlaced,
@@ -52,8 +53,9 @@ NODE_MISMATCH = "placement names another node than its worker's"
 NOT_IN_SNAPSHOT = "restore of what the latest snapshot does not hold"
 BELOW_FLOOR = "placement below the actor's min_fidelity"
 UNDER_BOOKED = "placement books less than the actor needs"
-OFF_PLAN = "restore at a fidelity the placement rules do not give its snapshot"
+OFF_PLAN = "placement at a fidelity the placement rules do not give its snapshot"
 MATCHED_OTHER = "memory restore naming another matched version than its image's stamp"
+REQUEST_AGAIN = "placement for a request id an earlier placement answered"
 # at each snapshot an actor takes, copies or goes back to (SnapshotTaken, TagRecorded,
 # ActorCreated, ActorReverted: CONTRACT section 3, "Stamping rules"),
 STAMP_NOT_PIN = "stamp differs from the actor's pin"
@@ -69,7 +71,7 @@ ID_TWO_IMAGES = "snapshot id naming another actor's other image"
 CHANGE_UNREGISTERED = "RuntimeChanged without a registration"
 PLACEMENT_RULES = (UNKNOWN_ACTOR, PLACED_STOPPED, PLACED_TWICE, NOT_TAKING, PAST_ROOM, RUNTIME_GONE, SELECTOR_UNMET,
                    LOCAL_OFF_NODE, ACROSS_ARCHITECTURES, NODE_MISMATCH, NOT_IN_SNAPSHOT, BELOW_FLOOR,
-                   UNDER_BOOKED, OFF_PLAN, MATCHED_OTHER)
+                   UNDER_BOOKED, OFF_PLAN, MATCHED_OTHER, REQUEST_AGAIN)
 STAMP_RULES = (NOT_RUNNING, STAMP_NOT_PIN, MISPLACED, NOT_PAUSED, NOT_COPIED, NO_SOURCE, REVERT_NOTHING,
                REVERT_ELSEWHERE, ID_TWO_IMAGES)
 
@@ -300,6 +302,17 @@ class Verifier:
             return Violation(seq, PLACED_TWICE, f"{aid} already runs on {actor.worker.worker_id if actor.worker else '?'}")
         if actor.state is STOPPED:
             return Violation(seq, PLACED_STOPPED, aid)
+        if event.request_id is not None:
+            # a resume sent again is answered by the placement its id made, never placed anew: the
+            # scheduler looks the id up among the actor's recent placements of this life (and refuses
+            # one of its last life's), exactly as the projection keeps them (`Actor.placed_by`)
+            request = request_hash(event.request_id)
+            first, life = actor.placed_by(request), ""
+            if not first:
+                first, life = actor.placed_earlier(request), " of its last life"
+            if first:
+                return Violation(seq, REQUEST_AGAIN, f"{aid} placed on {wid} for request_id {event.request_id!r}, "
+                                                     f"which its placement at sequence {first}{life} answered")
         worker = self.projection.workers.get(wid)
         if worker is None or not worker.live:
             return Violation(seq, NOT_TAKING, f"{wid} is {'drained' if worker else 'not registered'}")
@@ -350,10 +363,13 @@ class Verifier:
             return Violation(seq, UNDER_BOOKED,
                              f"{aid} needs {want.cpu_millis}m / {need} MiB under {pin}; it booked "
                              f"{event.booked.cpu_millis}m / {event.booked.memory_mib} MiB")
-        if kind is not None and kind.local and event.action is Action.RESTORE and worker.node != actor.image_node:
+        if kind is not None and kind.local and worker.node != actor.image_node:
+            # at any fidelity (rule 5), a cold boot too: the scheduler restricts every tier of such an
+            # actor to that node, and a cold boot elsewhere would leave the image there for good
             return Violation(seq, LOCAL_OFF_NODE,
                              f"{aid}'s latest snapshot is LOCAL on node {actor.image_node}; "
-                             f"restored on {wid} on {worker.node}")
+                             f"{'restored' if event.action is Action.RESTORE else 'cold-booted'} on {wid} on "
+                             f"{worker.node}")
         without_memory = event.fallback is not None or (
             event.action is Action.RESTORE and event.fidelity is not PlacedFidelity.MEMORY)
         if without_memory and stamp is not None and stamp.compat.arch is not None \
@@ -379,26 +395,29 @@ class Verifier:
         return None
 
     def _off_plan(self, actor: Actor, event: ActorPlaced) -> str | None:
-        """Why a restore is at a fidelity none of the scheduler's tiers for the actor's latest snapshot
-        has (`decide.plan`, the one definition of rules 2 to 5 and 4a): no fallback for a LOCAL memory
-        image (rule 5, never relaxed), a borrowed memory image's fallback a cold boot (rule 4), a
-        snapshot without usable memory restored at its own fidelity (rule 3), the fallback VOLUMES
-        (rule 4); None if one has it. The candidates' room and selectors are not judged here (a
-        request's selectors are not in the log), nor whether a fallback was needed."""
-        if event.action is not Action.RESTORE:
-            return None
+        """Why a placement is at an action and fidelity none of the scheduler's tiers for the actor's
+        latest snapshot has (`decide.plan`, the one definition of rules 2 to 5 and 4a): no fallback for
+        a LOCAL memory image (rule 5, never relaxed), a cold boot included; a borrowed memory image's
+        fallback a cold boot (rule 4); a snapshot without usable memory restored at its own fidelity
+        (rule 3); the fallback VOLUMES (rule 4). None if one has it. A cold boot of an actor that owns
+        nothing to lose, its latest snapshot not LOCAL, is left to the floor's check (rule 4a: it may
+        always RUN). The candidates' room and selectors are not judged here (a request's selectors are
+        not in the log), nor whether a fallback was needed."""
         aid, kind = event.actor_id, actor.snapshot
+        if event.action is Action.RUN and (kind is None or not kind.local):
+            return None
         try:
             tiers = plan(self.projection, actor, None).tiers
         except ContractError as refused:
-            return f"{aid} restored at {event.fidelity.value}, where the rules restore it nowhere: {refused.message}"
-        allowed = sorted({t.fidelity.value for t in tiers if t.action is Action.RESTORE})
-        if event.fidelity.value in allowed:
+            return f"{aid} placed at {event.fidelity.value}, where the rules place it nowhere: {refused.message}"
+        allowed = sorted({(t.action.value, t.fidelity.value) for t in tiers})
+        if (event.action.value, event.fidelity.value) in allowed:
             return None
         what = "none" if kind is None else (
             f"{'LOCAL' if kind.local else 'EXTERNAL'} {kind.fidelity.value}{' borrowed' if kind.borrowed else ''}")
-        return (f"{aid} restored at {event.fidelity.value} from its latest snapshot {actor.snapshot_id} ({what}); "
-                f"the rules restore it at {' or '.join(allowed) if allowed else 'no fidelity (a cold boot or none)'}")
+        return (f"{aid} placed {event.action.value} at {event.fidelity.value} with its latest snapshot "
+                f"{actor.snapshot_id} ({what}); the rules place it "
+                + (" or ".join(f"{action} at {fidelity}" for action, fidelity in allowed) or "nowhere"))
 
     @staticmethod
     def _not_held(actor: Actor, event: ActorPlaced) -> str | None:
