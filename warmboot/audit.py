@@ -404,6 +404,8 @@ class Verifier:
         always RUN). The candidates' room and selectors are not judged here (a request's selectors are
         not in the log), nor whether a fallback was needed."""
         aid, kind = event.actor_id, actor.snapshot
+        if event.fidelity is PlacedFidelity.MEMORY:  # its tier is there: the checks before found its worker in it
+            return None
         if event.action is Action.RUN and (kind is None or not kind.local):
             return None
         try:
