@@ -14,18 +14,21 @@ Two kinds of mutation:
   a cold boot of an actor that owns nothing to lose (rule 4a: it may always RUN), but for one whose
   latest snapshot is a LOCAL image, which only its node's workers take (rule 5).
 - a log changed around a placement or a snapshot (`test_a_log_changed_around_...`): a drain, a removal
-  (LOST or not), a re-registration or a runtime change to runtimes of another CPU, a capacity cut, a
-  label or node change, a template change or a stop, inserted right before a placement (that is,
-  after its decision); the placement moved before the registration or the snapshot it relies on,
-  written twice, for the request id of an earlier one, booking less or more, restoring more than the image holds or less than the rules
-  give, another snapshot than the latest, naming another matched version; the actor's min_fidelity
-  raised; each stamp of a pause, suspend, promote, tag, creation and revert changed.
+  (LOST or not), a re-registration or a runtime change to runtimes of another CPU, a re-registration
+  on the other architecture, a capacity cut, a label or node change, a template change or a stop,
+  inserted right before a placement (that is, after its decision); the placement moved before the
+  registration or the snapshot it relies on, written twice, for the request id of an earlier one,
+  booking less or more, restoring more than the image holds or less than the rules give, another
+  snapshot than the latest, naming another matched version; the actor's min_fidelity raised; each
+  stamp of a pause, suspend, promote, tag, creation and revert changed.
 
-(Written by a mutation campaign, which found verify letting pass a LOCAL memory image restored without
-memory on its node, a snapshot restored below its own fidelity, a borrowed memory image's volumes
-restored, and a memory restore whose record names another version than its image's as the one
-matched: fixed in `warmboot.audit` with `decide.plan`. The scheduler's own decisions had none of these:
-`tests/test_decide_fleet_oracle.py`.)
+(Written by a mutation campaign, which found verify letting pass a LOCAL memory image given up on its
+node (restored without memory, or cold-booted), a cold boot off a LOCAL image's node, a snapshot
+restored below its own fidelity, a borrowed memory image's volumes restored, a memory restore whose
+record names another version than its image's as the one matched, and a placement for the request id
+of an earlier one: fixed in `warmboot.audit`, the fidelities with `decide.plan`, the request ids with
+the projection's own record of them. The scheduler's own decisions had none of these:
+`tests/test_decide_fleet_oracle.py` for the first ones, the idempotency tests for the last.)
 """
 
 from __future__ import annotations
@@ -281,6 +284,23 @@ def on_other_cpu(classes: tuple[WorkerSandboxClass, ...]) -> tuple[WorkerSandbox
                                          restorable_runtimes=tuple(map(rt, e.restorable_runtimes))) for e in classes)
 
 
+def other_arch(version: CompatVersion) -> CompatVersion:
+    """The same version on the other architecture (one named amd64, or x86_64, becomes arm64; any other,
+    amd64; one naming none, arm64)."""
+    mine = fo.arch(version)
+    attrs = tuple(a for a in version.attributes if a.key != "architecture")
+    flipped = Attribute(key="architecture", value="arm64" if mine != "arm64" else "amd64")
+    return CompatVersion(schema_version=version.schema_version, attributes=(*attrs, flipped))
+
+
+def other_arch_entry(e: WorkerSandboxClass) -> WorkerSandboxClass:
+    def rt(r: WorkerRuntime) -> WorkerRuntime:
+        return msgspec.structs.replace(r, version=other_arch(r.version),
+                                       compatible_versions=tuple(map(other_arch, r.compatible_versions)))
+    return msgspec.structs.replace(e, default_runtime=rt(e.default_runtime),
+                                   restorable_runtimes=tuple(map(rt, e.restorable_runtimes)))
+
+
 class Around:
     """What the log says, before index `i` (an ActorPlaced), of its worker and its actor."""
 
@@ -293,6 +313,7 @@ class Around:
         self.classes = None
         self.node = self.capacity = self.labels = None
         self.created: ActorCreated | None = None
+        self.latest: Snapshot | None = None  # the actor's latest snapshot
         self.snapshot_ids: list[str] = []
         for j, e in enumerate(events[:i]):
             if getattr(e, "worker_id", None) == p.worker_id and not isinstance(e, (ActorPlaced, WorkerBooked)):
@@ -305,15 +326,16 @@ class Around:
                     self.node, self.capacity, self.labels = e.node, e.capacity, e.labels
             if getattr(e, "actor_id", None) == p.actor_id:
                 if isinstance(e, ActorCreated):
-                    self.created, self.created_at, self.snapshot_ids = e, j, []
+                    self.created, self.created_at, self.snapshot_ids, self.latest = e, j, [], e.snapshot
                     if e.snapshot is not None:
                         self.latest_at = j
                 if isinstance(e, SnapshotTaken) and e.origin is not SnapshotOrigin.TAG:
                     self.snapshot_ids.append(e.snapshot.snapshot_id)
+                    self.latest = e.snapshot
                     if e.origin is not SnapshotOrigin.CREATE:
                         self.latest_at = j
                 if isinstance(e, ActorReverted):
-                    self.latest_at = j
+                    self.latest_at, self.latest = j, e.snapshot
 
 
 def mutants(events: Log, r: random.Random) -> list[tuple[str, Mutant]]:
@@ -356,6 +378,23 @@ def around_placement(events: Log, i: int, r: random.Random) -> list[tuple[str, M
         insert("worker's capacity cut", {audit.PAST_ROOM},
                WorkerUpdated(at=at_, worker_id=wid, node=at.node, capacity=Resources(cpu_millis=1, memory_mib=65),
                              labels=at.labels))
+        # registered again on a machine of the other architecture, the placement pinned to its new default:
+        # a restore without memory (a fallback, or of a snapshot without usable memory) of a stamp that names
+        # an architecture crosses architectures (rule 4); at MEMORY, its pin is no runtime of the worker's now
+        stamp = at.latest.sandbox_runtime if at.latest is not None else None
+        if stamp is not None and fo.arch(stamp.version) is not None and (
+                p.fallback is not None or p.action is Action.RESTORE):
+            flipped = tuple(other_arch_entry(e) for e in at.classes)
+            cls = p.sandbox_runtime.sandbox_class
+            default = next(e.default_runtime.version for e in flipped if e.sandbox_class == cls)
+            memory = p.fidelity is PlacedFidelity.MEMORY
+            insert("worker registered again on the other architecture",
+                   {audit.RUNTIME_GONE if memory else audit.ACROSS_ARCHITECTURES},
+                   WorkerRemoved(at=at_, worker_id=wid, reason="LOST"),
+                   msgspec.structs.replace(at.registration, node=at.node, capacity=at.capacity, labels=at.labels,
+                                           sandbox_classes=flipped),
+                   placement=p if memory else msgspec.structs.replace(
+                       p, sandbox_runtime=ActorRuntime(sandbox_class=cls, version=default)))
         insert("worker moved to another node", {audit.NODE_MISMATCH},
                WorkerUpdated(at=at_, worker_id=wid, node="elsewhere", capacity=at.capacity, labels=at.labels))
         if at.created is not None and at.created.selectors:
@@ -485,8 +524,10 @@ def test_a_log_changed_around_a_placement_or_a_stamp_is_flagged_where_and_as_it_
     for name in ("worker drained", "worker lost", "worker registered again on another CPU",
                  "worker's runtimes changed to another CPU's", "worker's capacity cut", "worker moved to another node",
                  "worker's labels dropped", "placed before its worker's registration",
+                 "worker registered again on the other architecture",
                  "template changed under a memory restore", "another matched version", "actor stopped",
-                 "placed twice", "a request id placed again", "books less memory", "books past the room", "ROOTFS claimed VOLUMES",
+                 "placed twice", "a request id placed again", "books less memory", "books past the room",
+                 "ROOTFS claimed VOLUMES",
                  "VOLUMES given up for ROOTFS", "VOLUMES claimed MEMORY", "restores an older snapshot",
                  "placed before the snapshot it restores", "min_fidelity raised", "SnapshotTaken PAUSE restamped",
                  "SnapshotTaken SUSPEND restamped", "SnapshotTaken PROMOTE restamped", "SnapshotTaken TAG restamped",
