@@ -20,15 +20,18 @@ Two kinds of mutation:
   registration or the snapshot it relies on, written twice, for the request id of an earlier one,
   booking less or more, restoring more than the image holds or less than the rules give, another
   snapshot than the latest, naming another matched version; the actor's min_fidelity raised; each
-  stamp of a pause, suspend, promote, tag, creation and revert changed.
+  stamp of a pause, suspend, promote, tag, creation and revert changed, and the template of a pause's
+  or a suspend's image.
 
 (Written by a mutation campaign, which found verify letting pass a LOCAL memory image given up on its
 node (restored without memory, or cold-booted), a cold boot off a LOCAL image's node, a snapshot
 restored below its own fidelity, a borrowed memory image's volumes restored, a memory restore whose
-record names another version than its image's as the one matched, and a placement for the request id
-of an earlier one: fixed in `warmboot.audit`, the fidelities with `decide.plan`, the request ids with
-the projection's own record of them. The scheduler's own decisions had none of these:
-`tests/test_decide_fleet_oracle.py` for the first ones, the idempotency tests for the last.)
+record names another version than its image's as the one matched, a placement for the request id of
+an earlier one, and a pause's or a suspend's image of another template than the actor ran (then
+restored at MEMORY as if of its current one): fixed in `warmboot.audit`, the fidelities with
+`decide.plan`, the request ids with the projection's own record of them. The scheduler's decisions
+had none of these: `tests/test_decide_fleet_oracle.py`; the snapshotter stamps the template the actor
+ran, `running_template_uid`.)
 """
 
 from __future__ import annotations
@@ -483,6 +486,10 @@ def stamps_changed(events: Log) -> list[tuple[str, Mutant]]:
         if mutated is not None:
             name = f"{type(e).__name__}{' ' + e.origin.value if isinstance(e, SnapshotTaken) else ''} restamped"
             out.append((name, ([*events[:i], mutated, *events[i + 1:]], i + 1, frozenset({rule}))))
+        if isinstance(e, SnapshotTaken) and e.origin in (SnapshotOrigin.PAUSE, SnapshotOrigin.SUSPEND):
+            other = msgspec.structs.replace(e, snapshot=msgspec.structs.replace(e.snapshot, template_uid="t-other"))
+            out.append((f"{e.origin.value} of another template than the actor ran",
+                        ([*events[:i], other, *events[i + 1:]], i + 1, frozenset({audit.NOT_RUN_TEMPLATE}))))
     return out
 
 
@@ -531,5 +538,6 @@ def test_a_log_changed_around_a_placement_or_a_stamp_is_flagged_where_and_as_it_
                  "VOLUMES given up for ROOTFS", "VOLUMES claimed MEMORY", "restores an older snapshot",
                  "placed before the snapshot it restores", "min_fidelity raised", "SnapshotTaken PAUSE restamped",
                  "SnapshotTaken SUSPEND restamped", "SnapshotTaken PROMOTE restamped", "SnapshotTaken TAG restamped",
-                 "TagRecorded restamped", "ActorCreated restamped", "ActorReverted restamped"):
+                 "TagRecorded restamped", "ActorCreated restamped", "ActorReverted restamped",
+                 "PAUSE of another template than the actor ran", "SUSPEND of another template than the actor ran"):
         assert reached[name] >= 3, (name, reached)

@@ -27,6 +27,7 @@ from events.schema import (
     SnapshotOrigin,
     SnapshotTaken,
     TagRecorded,
+    TemplateChanged,
     WorkerDrained,
     WorkerRegistered,
     WorkerRemoved,
@@ -342,6 +343,13 @@ def upto(step: str, *more: Event) -> list[Event]:
     return [*LIFE[:AT_STEP[step]], *more]
 
 
+def test_a_pause_after_a_template_change_is_of_the_template_the_actor_ran():
+    """A template changed while the actor runs takes effect at its next placement: the pause's image is of
+    the template it ran (the snapshotter's `running_template_uid`), and the resume after it falls back."""
+    changed = TemplateChanged(at=AT, actor_id="a", template_uid="t2")
+    assert verify(upto("a running", changed, taken(A3, SnapshotOrigin.PAUSE))) is None
+
+
 def test_a_log_with_every_stamping_step_is_clean():
     """Pause, resume, suspend, tag, create from the tag, golden create, promote, revert (of a PAUSED
     actor and of a SUSPENDED one with a LOCAL latest snapshot), stop and a new life, revert to none."""
@@ -388,6 +396,12 @@ STAMP_CASES = {
         upto("a running"), taken(snapshot("a", V2, snapshot_id="a-x", node=W1_NODE), SnapshotOrigin.PAUSE),
         audit.STAMP_NOT_PIN, ["a PAUSE snapshot a-x stamped gvisor v1 architecture=amd64,gvisor_asset_hash=v2",
                               "pinned to gvisor v1 architecture=amd64,gvisor_asset_hash=v1"]),
+    # ... and of the template the actor ran: its template when placed (one changed while it runs takes
+    # effect at its next placement), else a memory image of an older template would restore at MEMORY
+    "pause of the template changed while it ran": (
+        upto("a running", TemplateChanged(at=AT, actor_id="a", template_uid="t2")),
+        taken(snapshot("a", V1, snapshot_id="a-x", node=W1_NODE, template="t2"), SnapshotOrigin.PAUSE),
+        audit.NOT_RUN_TEMPLATE, ["a PAUSE snapshot a-x is of template t2", "ran template t1"]),
     "unstamped suspend": (
         upto("a resumed"), taken(snapshot("a", None, snapshot_id="a-x", uri="s3://x")),
         audit.STAMP_NOT_PIN, ["a SUSPEND snapshot a-x unstamped", "worker w1, node n1"]),

@@ -59,6 +59,7 @@ REQUEST_AGAIN = "placement for a request id an earlier placement answered"
 # at each snapshot an actor takes, copies or goes back to (SnapshotTaken, TagRecorded,
 # ActorCreated, ActorReverted: CONTRACT section 3, "Stamping rules"),
 STAMP_NOT_PIN = "stamp differs from the actor's pin"
+NOT_RUN_TEMPLATE = "snapshot of another template than its actor ran"
 NOT_RUNNING = "pause or suspend of an actor that is not running"
 NOT_PAUSED = "promote of an actor that is not paused"
 MISPLACED = "snapshot not where its step puts it"
@@ -72,7 +73,7 @@ CHANGE_UNREGISTERED = "RuntimeChanged without a registration"
 PLACEMENT_RULES = (UNKNOWN_ACTOR, PLACED_STOPPED, PLACED_TWICE, NOT_TAKING, PAST_ROOM, RUNTIME_GONE, SELECTOR_UNMET,
                    LOCAL_OFF_NODE, ACROSS_ARCHITECTURES, NODE_MISMATCH, NOT_IN_SNAPSHOT, BELOW_FLOOR,
                    UNDER_BOOKED, OFF_PLAN, MATCHED_OTHER, REQUEST_AGAIN)
-STAMP_RULES = (NOT_RUNNING, STAMP_NOT_PIN, MISPLACED, NOT_PAUSED, NOT_COPIED, NO_SOURCE, REVERT_NOTHING,
+STAMP_RULES = (NOT_RUNNING, STAMP_NOT_PIN, NOT_RUN_TEMPLATE, MISPLACED, NOT_PAUSED, NOT_COPIED, NO_SOURCE, REVERT_NOTHING,
                REVERT_ELSEWHERE, ID_TWO_IMAGES)
 
 # The floor's order (CONTRACT rule 4a): lower is better.
@@ -174,11 +175,18 @@ class Verifier:
         self.room_unknown: dict[str, int] = {}
         # snapshot id no default takes -> the actor whose image it names and that image (`_loaded`)
         self.images: dict[str, tuple[str, tuple]] = {}
+        # actor id -> its template when it was last placed: what it runs, and what a pause's or a
+        # suspend's image is of (a template changed while it runs takes effect at its next placement)
+        self.ran: dict[str, str] = {}
 
     def check(self, seq: int, event: Event) -> Violation | None:
         created = self.creating.pop(event.actor_id, None) if self.creating and event.KIND == "actor" else None
         if isinstance(event, ActorPlaced):
-            return self._placement(seq, event)
+            found = self._placement(seq, event)
+            placed = self.projection.actors.get(event.actor_id)
+            if placed is not None:
+                self.ran[event.actor_id] = placed.spec.template_uid
+            return found
         if isinstance(event, SnapshotTaken):
             found = self._stamp(seq, event, created) or self._one_image(seq, event.actor_id, event.snapshot)
             snapshot = event.snapshot
@@ -206,6 +214,7 @@ class Verifier:
             return self._reverted(seq, event)
         if isinstance(event, ActorStopped):
             self.external.pop(event.actor_id, None)  # the next life starts with its creation's snapshot
+            self.ran.pop(event.actor_id, None)
             return None
         if isinstance(event, RuntimeChanged) and event.worker_id not in self.projection.workers:
             return Violation(seq, CHANGE_UNREGISTERED,
@@ -520,6 +529,11 @@ class Verifier:
                              f"{aid} {origin.value} snapshot {sid} {_stamped(snapshot.sandbox_runtime)}; the "
                              f"placement it ends (worker {worker}, node {actor.node}) is pinned to "
                              f"{_runtime(pin.runtime)}")
+        ran = self.ran.get(aid)
+        if ran is not None and snapshot.template_uid != ran:
+            return Violation(seq, NOT_RUN_TEMPLATE,
+                             f"{aid} {origin.value} snapshot {sid} is of template {snapshot.template_uid}; the "
+                             f"placement it ends (worker {worker}, node {actor.node}) ran template {ran}")
         if origin is SnapshotOrigin.PAUSE:
             if snapshot.location is not Location.LOCAL or (snapshot.node is not None and snapshot.node != actor.node):
                 return Violation(seq, MISPLACED,
