@@ -20,18 +20,19 @@ Two kinds of mutation:
   registration or the snapshot it relies on, written twice, for the request id of an earlier one,
   booking less or more, restoring more than the image holds or less than the rules give, another
   snapshot than the latest, naming another matched version; the actor's min_fidelity raised; each
-  stamp of a pause, suspend, promote, tag, creation and revert changed, and the template of a pause's
-  or a suspend's image.
+  stamp of a pause, suspend, promote, tag, creation and revert changed, the template of a pause's or
+  a suspend's image, whether it is borrowed, and a pause's fidelity.
 
 (Written by a mutation campaign, which found verify letting pass a LOCAL memory image given up on its
 node (restored without memory, or cold-booted), a cold boot off a LOCAL image's node, a snapshot
 restored below its own fidelity, a borrowed memory image's volumes restored, a memory restore whose
 record names another version than its image's as the one matched, a placement for the request id of
-an earlier one, and a pause's or a suspend's image of another template than the actor ran (then
-restored at MEMORY as if of its current one): fixed in `warmboot.audit`, the fidelities with
-`decide.plan`, the request ids with the projection's own record of them. The scheduler's decisions
-had none of these: `tests/test_decide_fleet_oracle.py`; the snapshotter stamps the template the actor
-ran, `running_template_uid`.)
+an earlier one, a pause's or a suspend's image of another template than the actor ran (then restored
+at MEMORY as if of its current one), and a pause, suspend or promote recorded `borrowed` otherwise
+than the snapshotter records it (a resume may then cold-boot an actor that has volumes): fixed in
+`warmboot.audit`, the fidelities with `decide.plan`, the request ids with the projection's own record
+of them. The scheduler's decisions had none of these (`tests/test_decide_fleet_oracle.py`), nor the
+snapshotter's records (`running_template_uid`, `stamping.paused_snapshot` and the rest).)
 """
 
 from __future__ import annotations
@@ -490,6 +491,18 @@ def stamps_changed(events: Log) -> list[tuple[str, Mutant]]:
             other = msgspec.structs.replace(e, snapshot=msgspec.structs.replace(e.snapshot, template_uid="t-other"))
             out.append((f"{e.origin.value} of another template than the actor ran",
                         ([*events[:i], other, *events[i + 1:]], i + 1, frozenset({audit.NOT_RUN_TEMPLATE}))))
+        if isinstance(e, SnapshotTaken) and e.origin in (SnapshotOrigin.PAUSE, SnapshotOrigin.SUSPEND,
+                                                         SnapshotOrigin.PROMOTE):
+            flipped = msgspec.structs.replace(e, snapshot=msgspec.structs.replace(
+                e.snapshot, borrowed=not e.snapshot.borrowed))
+            rule = audit.NOT_COPIED if e.origin is SnapshotOrigin.PROMOTE else audit.NOT_AS_TAKEN
+            if not (e.origin is SnapshotOrigin.PROMOTE and e.snapshot.borrowed):
+                out.append((f"{e.origin.value} recorded {'not ' if e.snapshot.borrowed else ''}borrowed",
+                            ([*events[:i], flipped, *events[i + 1:]], i + 1, frozenset({rule}))))
+        if isinstance(e, SnapshotTaken) and e.origin is SnapshotOrigin.PAUSE:
+            less = msgspec.structs.replace(e, snapshot=msgspec.structs.replace(e.snapshot, fidelity=Fidelity.VOLUMES))
+            out.append(("PAUSE recorded at VOLUMES", ([*events[:i], less, *events[i + 1:]], i + 1,
+                                                      frozenset({audit.NOT_AS_TAKEN}))))
     return out
 
 
@@ -539,5 +552,7 @@ def test_a_log_changed_around_a_placement_or_a_stamp_is_flagged_where_and_as_it_
                  "placed before the snapshot it restores", "min_fidelity raised", "SnapshotTaken PAUSE restamped",
                  "SnapshotTaken SUSPEND restamped", "SnapshotTaken PROMOTE restamped", "SnapshotTaken TAG restamped",
                  "TagRecorded restamped", "ActorCreated restamped", "ActorReverted restamped",
-                 "PAUSE of another template than the actor ran", "SUSPEND of another template than the actor ran"):
+                 "PAUSE of another template than the actor ran", "SUSPEND of another template than the actor ran",
+                 "PAUSE recorded borrowed", "PAUSE recorded not borrowed", "SUSPEND recorded borrowed",
+                 "PROMOTE recorded borrowed", "PAUSE recorded at VOLUMES"):
         assert reached[name] >= 3, (name, reached)

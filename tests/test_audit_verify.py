@@ -402,6 +402,22 @@ STAMP_CASES = {
         upto("a running", TemplateChanged(at=AT, actor_id="a", template_uid="t2")),
         taken(snapshot("a", V1, snapshot_id="a-x", node=W1_NODE, template="t2"), SnapshotOrigin.PAUSE),
         audit.NOT_RUN_TEMPLATE, ["a PAUSE snapshot a-x is of template t2", "ran template t1"]),
+    # ... and holding what its step takes: a pause all of the memory, `borrowed` as the actor's latest snapshot
+    # is; a suspend the actor's own copy (a `borrowed` one would let its resume cold-boot, its volumes lost)
+    "suspend recorded borrowed": (
+        upto("a resumed"), taken(snapshot("a", V1, snapshot_id="a-x", uri="s3://x", borrowed=True)),
+        audit.NOT_AS_TAKEN, ["a SUSPEND snapshot a-x is recorded borrowed", "a has volumes of its own"]),
+    "pause recorded at VOLUMES": (
+        upto("a running"), taken(snapshot("a", V1, snapshot_id="a-x", node=W1_NODE, fidelity=Fidelity.VOLUMES),
+                                 SnapshotOrigin.PAUSE),
+        audit.NOT_AS_TAKEN, ["a PAUSE snapshot a-x is recorded at VOLUMES"]),
+    "pause of a golden actor recorded as its own": (
+        upto("g created from a golden snapshot", restore("g", "w2", V2, "gold-img", node=W2_NODE)),
+        taken(snapshot("g", V2, snapshot_id="g-x", node=W2_NODE), SnapshotOrigin.PAUSE),
+        audit.NOT_AS_TAKEN, ["g PAUSE snapshot g-x is recorded not borrowed", "none of its own"]),
+    "promote recorded borrowed": (
+        upto("a paused again"), taken(msgspec.structs.replace(A20_UP, borrowed=True), SnapshotOrigin.PROMOTE),
+        audit.NOT_COPIED, ["borrowed, where a promote's image is the actor's own durable copy"]),
     "unstamped suspend": (
         upto("a resumed"), taken(snapshot("a", None, snapshot_id="a-x", uri="s3://x")),
         audit.STAMP_NOT_PIN, ["a SUSPEND snapshot a-x unstamped", "worker w1, node n1"]),

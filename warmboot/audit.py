@@ -60,6 +60,7 @@ REQUEST_AGAIN = "placement for a request id an earlier placement answered"
 # ActorCreated, ActorReverted: CONTRACT section 3, "Stamping rules"),
 STAMP_NOT_PIN = "stamp differs from the actor's pin"
 NOT_RUN_TEMPLATE = "snapshot of another template than its actor ran"
+NOT_AS_TAKEN = "snapshot recorded as holding otherwise than its step takes it"
 NOT_RUNNING = "pause or suspend of an actor that is not running"
 NOT_PAUSED = "promote of an actor that is not paused"
 MISPLACED = "snapshot not where its step puts it"
@@ -73,7 +74,7 @@ CHANGE_UNREGISTERED = "RuntimeChanged without a registration"
 PLACEMENT_RULES = (UNKNOWN_ACTOR, PLACED_STOPPED, PLACED_TWICE, NOT_TAKING, PAST_ROOM, RUNTIME_GONE, SELECTOR_UNMET,
                    LOCAL_OFF_NODE, ACROSS_ARCHITECTURES, NODE_MISMATCH, NOT_IN_SNAPSHOT, BELOW_FLOOR,
                    UNDER_BOOKED, OFF_PLAN, MATCHED_OTHER, REQUEST_AGAIN)
-STAMP_RULES = (NOT_RUNNING, STAMP_NOT_PIN, NOT_RUN_TEMPLATE, MISPLACED, NOT_PAUSED, NOT_COPIED, NO_SOURCE, REVERT_NOTHING,
+STAMP_RULES = (NOT_RUNNING, STAMP_NOT_PIN, NOT_RUN_TEMPLATE, NOT_AS_TAKEN, MISPLACED, NOT_PAUSED, NOT_COPIED, NO_SOURCE, REVERT_NOTHING,
                REVERT_ELSEWHERE, ID_TWO_IMAGES)
 
 # The floor's order (CONTRACT rule 4a): lower is better.
@@ -486,6 +487,8 @@ class Verifier:
                 differs.append(f"of template {snapshot.template_uid}, the LOCAL one of {kind.template_uid}")
             if _HOLDS[snapshot.fidelity] < _HOLDS[kind.fidelity]:
                 differs.append(f"{snapshot.fidelity.value}, more than the LOCAL one holds ({kind.fidelity.value})")
+            if snapshot.borrowed:  # (`promoted_snapshot`: the actor's own durable copy from then on)
+                differs.append("borrowed, where a promote's image is the actor's own durable copy")
             if differs:
                 return Violation(seq, NOT_COPIED, f"{aid} PROMOTE snapshot {sid} differs from the LOCAL snapshot it "
                                                   f"promotes, {actor.snapshot_id}: " + "; ".join(differs))
@@ -534,6 +537,17 @@ class Verifier:
             return Violation(seq, NOT_RUN_TEMPLATE,
                              f"{aid} {origin.value} snapshot {sid} is of template {snapshot.template_uid}; the "
                              f"placement it ends (worker {worker}, node {actor.node}) ran template {ran}")
+        # what the image holds (the snapshotter's `paused_snapshot`, `suspended_snapshot`): a pause's all of
+        # the memory, `borrowed` as the actor's latest snapshot is (volumes of its own only once it has been
+        # suspended since a golden creation); a suspend's the actor's own durable copy, never `borrowed`. A
+        # `borrowed` image's actor owns nothing to lose: its resume may cold-boot (rule 4a), its volumes lost
+        kind = actor.snapshot
+        owns = not (origin is SnapshotOrigin.PAUSE and kind is not None and kind.borrowed)
+        if snapshot.borrowed == owns or (origin is SnapshotOrigin.PAUSE and snapshot.fidelity is not MEMORY):
+            held = (f"at {snapshot.fidelity.value}; a pause's image holds the memory" if snapshot.borrowed != owns
+                    else f"{'' if snapshot.borrowed else 'not '}borrowed; {aid} has "
+                         f"{'volumes of its own' if owns else 'none of its own (created from a golden snapshot)'}")
+            return Violation(seq, NOT_AS_TAKEN, f"{aid} {origin.value} snapshot {sid} is recorded {held}")
         if origin is SnapshotOrigin.PAUSE:
             if snapshot.location is not Location.LOCAL or (snapshot.node is not None and snapshot.node != actor.node):
                 return Violation(seq, MISPLACED,
