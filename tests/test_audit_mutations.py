@@ -21,7 +21,8 @@ Two kinds of mutation:
   booking less or more, restoring more than the image holds or less than the rules give, another
   snapshot than the latest, naming another matched version; the actor's min_fidelity raised; each
   stamp of a pause, suspend, promote, tag, creation and revert changed, the template of a pause's or
-  a suspend's image, whether it is borrowed, and a pause's fidelity.
+  a suspend's image, whether it is borrowed, and a pause's fidelity; a release naming another worker,
+  recorded as a removal's where the worker was not removed, or a removal's left out.
 
 (Written by a mutation campaign, which found verify letting pass a LOCAL memory image given up on its
 node (restored without memory, or cold-booted), a cold boot off a LOCAL image's node, a snapshot
@@ -45,6 +46,7 @@ from events.schema import (
     Action,
     ActorCreated,
     ActorPlaced,
+    ActorReleased,
     ActorReverted,
     ActorRuntime,
     ActorStopped,
@@ -56,6 +58,7 @@ from events.schema import (
     Location,
     PlacedFidelity,
     Placement,
+    ReleaseReason,
     Resources,
     RuntimeChanged,
     Snapshot,
@@ -350,6 +353,33 @@ def mutants(events: Log, r: random.Random) -> list[tuple[str, Mutant]]:
         out += around_placement(events, i, r)
     out += stamps_changed(events)
     out += floors_raised(events)
+    out += releases_changed(events)
+    return out
+
+
+def releases_changed(events: Log) -> list[tuple[str, Mutant]]:
+    """Each release naming another worker; a stop's recorded as a removal's while its worker was not
+    removed; a removal's left out (the actor then placed again while it runs)."""
+    out: list[tuple[str, Mutant]] = []
+    for i, e in enumerate(events):
+        if not isinstance(e, ActorReleased):
+            continue
+        other = msgspec.structs.replace(e, worker_id="w-elsewhere")
+        out.append(("release naming another worker", ([*events[:i], other, *events[i + 1:]], i + 1,
+                                                      frozenset({audit.RELEASE_ELSEWHERE}))))
+        if e.reason is ReleaseReason.STOPPED:
+            placed_at = max(j for j in range(i) if isinstance(events[j], ActorPlaced)
+                            and events[j].actor_id == e.actor_id)
+            if not any(isinstance(f, WorkerRemoved) and f.worker_id == e.worker_id for f in events[placed_at:i]):
+                removal = msgspec.structs.replace(e, reason=ReleaseReason.WORKER_REMOVED)
+                out.append(("a stop's release recorded as a removal's", (
+                    [*events[:i], removal, *events[i + 1:]], i + 1, frozenset({audit.RELEASE_ELSEWHERE}))))
+        if e.reason is ReleaseReason.WORKER_REMOVED:
+            following = next((j for j in range(i + 1, len(events))
+                              if getattr(events[j], "actor_id", None) == e.actor_id), None)
+            if following is not None and isinstance(events[following], ActorPlaced):
+                out.append(("a removal's release left out", ([*events[:i], *events[i + 1:]], following,
+                                                             frozenset({audit.PLACED_TWICE}))))
     return out
 
 
@@ -554,5 +584,6 @@ def test_a_log_changed_around_a_placement_or_a_stamp_is_flagged_where_and_as_it_
                  "TagRecorded restamped", "ActorCreated restamped", "ActorReverted restamped",
                  "PAUSE of another template than the actor ran", "SUSPEND of another template than the actor ran",
                  "PAUSE recorded borrowed", "PAUSE recorded not borrowed", "SUSPEND recorded borrowed",
-                 "PROMOTE recorded borrowed", "PAUSE recorded at VOLUMES"):
+                 "PROMOTE recorded borrowed", "PAUSE recorded at VOLUMES", "release naming another worker",
+                 "a stop's release recorded as a removal's", "a removal's release left out"):
         assert reached[name] >= 3, (name, reached)

@@ -233,6 +233,47 @@ CASES = {
 }
 
 
+RELEASES = {
+    # a release names the worker of the placement it ends: one naming another would end in the log an actor
+    # that still runs where it was placed, and let it be placed a second time
+    "a release naming another worker": (
+        [worker_on("w1", V1), worker_on("w2", V1), created("a", **SMALL), placed("a", "w1", V1, node="n1", **SMALL)],
+        released("a", "w2", ReleaseReason.STOPPED), ["a released from w2 (STOPPED) while RUNNING",
+                                                     "its placement is on w1"]),
+    "a release of an actor not running": (
+        [worker_on("w1", V1), created("a", **SMALL)],
+        released("a", "w1", ReleaseReason.WORKER_REMOVED), ["a released from w1 (WORKER_REMOVED) while CREATED"]),
+    "a pause's release after a suspend": (
+        [worker_on("w1", V1), created("a", **SMALL), placed("a", "w1", V1, node="n1", **SMALL),
+         taken(snapshot("a", V1, uri="s3://x"))],
+        released("a", "w1", ReleaseReason.PAUSED), ["while SUSPENDED", "right after its pause's snapshot"]),
+    # a removal's release only once the worker's life the placement was made in has ended
+    "a removal's release of a worker not removed": (
+        [worker_on("w1", V1), created("a", **SMALL), placed("a", "w1", V1, node="n1", **SMALL)],
+        released("a", "w1", ReleaseReason.WORKER_REMOVED),
+        ["a released from w1 as WORKER_REMOVED; w1 has not been removed since a was placed there (sequence 3)"]),
+}
+
+
+@pytest.mark.parametrize("case", RELEASES)
+def test_a_release_that_ends_no_placement_where_it_says_is_named(case):
+    before, forged, says = RELEASES[case]
+    assert verify(before) is None
+    violation = verify([*before, forged])
+    assert violation is not None and (violation.seq, violation.rule) == (len(before) + 1, audit.RELEASE_ELSEWHERE), \
+        violation
+    assert all(words in str(violation) for words in says), str(violation)
+
+
+def test_a_removal_s_release_after_the_worker_came_back_is_clean():
+    """The snapshotter's worker-removal process may release an actor of the removed worker after it has
+    registered again (a new life): that release ends the placement of the life that ended."""
+    log = [worker_on("w1", V1), created("a", **SMALL), placed("a", "w1", V1, node="n1", **SMALL),
+           WorkerRemoved(at=AT, worker_id="w1", reason="LOST"), worker_on("w1", V1),
+           released("a", "w1", ReleaseReason.WORKER_REMOVED), placed("a", "w1", V1, node="n1", **SMALL)]
+    assert verify(log) is None
+
+
 def test_a_request_id_pushed_out_of_the_recent_placements_is_not_judged():
     """Chosen: verify judges a request id again only against the placements the scheduler's projection
     keeps (the actor's last four that carried one, and its last life's): one pushed out is answered from
@@ -259,7 +300,7 @@ def test_verify_help_names_every_rule_it_reports():
     log here breaks is one of them (a walkthrough found the help saying only "the invariants")."""
     shown = CliRunner().invoke(main, ["audit", "verify", "--help"], terminal_width=200)
     assert shown.exit_code == 0, shown.output
-    rules = [*audit.PLACEMENT_RULES, *audit.STAMP_RULES, audit.CHANGE_UNREGISTERED]
+    rules = [*audit.PLACEMENT_RULES, *audit.STAMP_RULES, audit.RELEASE_ELSEWHERE, audit.CHANGE_UNREGISTERED]
     assert all(rule in shown.output for rule in rules), shown.output
     assert {rule for _, _, rule in CASES.values()} <= set(rules)
     assert {case[2] for case in STAMP_CASES.values()} == set(audit.STAMP_RULES)  # each stamping rule forged

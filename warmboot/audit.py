@@ -19,6 +19,7 @@ from events.schema import (
     Action,
     ActorCreated,
     ActorPlaced,
+    ActorReleased,
     ActorReverted,
     ActorRuntime,
     ActorStopped,
@@ -26,6 +27,7 @@ from events.schema import (
     Fidelity,
     Location,
     PlacedFidelity,
+    ReleaseReason,
     RuntimeChanged,
     Snapshot,
     SnapshotOrigin,
@@ -69,6 +71,8 @@ NO_SOURCE = "created with a snapshot that is no tag's and no golden one"
 REVERT_NOTHING = "revert of an actor with no LOCAL image to give up"
 REVERT_ELSEWHERE = "revert to another snapshot than the latest EXTERNAL one of this life"
 ID_TWO_IMAGES = "snapshot id naming another actor's other image"
+# at each ActorReleased,
+RELEASE_ELSEWHERE = "release that ends no placement where it says"
 # and at each RuntimeChanged.
 CHANGE_UNREGISTERED = "RuntimeChanged without a registration"
 PLACEMENT_RULES = (UNKNOWN_ACTOR, PLACED_STOPPED, PLACED_TWICE, NOT_TAKING, PAST_ROOM, RUNTIME_GONE, SELECTOR_UNMET,
@@ -177,8 +181,10 @@ class Verifier:
         # snapshot id no default takes -> the actor whose image it names and that image (`_loaded`)
         self.images: dict[str, tuple[str, tuple]] = {}
         # actor id -> its template when it was last placed: what it runs, and what a pause's or a
-        # suspend's image is of (a template changed while it runs takes effect at its next placement)
+        # suspend's image is of (a template changed while it runs takes effect at its next placement);
+        # and the worker and sequence of that placement, which its release names
         self.ran: dict[str, str] = {}
+        self.placed_on: dict[str, tuple[str, int]] = {}
 
     def check(self, seq: int, event: Event) -> Violation | None:
         created = self.creating.pop(event.actor_id, None) if self.creating and event.KIND == "actor" else None
@@ -187,7 +193,10 @@ class Verifier:
             placed = self.projection.actors.get(event.actor_id)
             if placed is not None:
                 self.ran[event.actor_id] = placed.spec.template_uid
+            self.placed_on[event.actor_id] = (event.worker_id, seq)
             return found
+        if isinstance(event, ActorReleased):
+            return self._released(seq, event)
         if isinstance(event, SnapshotTaken):
             found = self._stamp(seq, event, created) or self._one_image(seq, event.actor_id, event.snapshot)
             snapshot = event.snapshot
@@ -216,6 +225,7 @@ class Verifier:
         if isinstance(event, ActorStopped):
             self.external.pop(event.actor_id, None)  # the next life starts with its creation's snapshot
             self.ran.pop(event.actor_id, None)
+            self.placed_on.pop(event.actor_id, None)
             return None
         if isinstance(event, RuntimeChanged) and event.worker_id not in self.projection.workers:
             return Violation(seq, CHANGE_UNREGISTERED,
@@ -402,6 +412,40 @@ class Verifier:
         off_plan = self._off_plan(actor, event)
         if off_plan is not None:
             return Violation(seq, OFF_PLAN, off_plan)
+        return None
+
+    def _released(self, seq: int, event: ActorReleased) -> Violation | None:
+        """A release ends the actor's placement, on the worker that placement names (the snapshotter's
+        `Actor.release`): a pause's or a suspend's right after its snapshot (which ended it already in
+        the fold), a stop's or a removal's of the RUNNING actor; a removal's only once the worker's life
+        that placement was made in has ended (a WorkerRemoved). A release naming another worker, or one of
+        a removal the worker has not had, would end in the log an actor that still runs there, and let it
+        be placed a second time."""
+        aid, wid, reason = event.actor_id, event.worker_id, event.reason
+        if self._unknowable(aid):
+            return None
+        actor = self.projection.actors.get(aid)
+        held = self.placed_on.get(aid)
+        state = actor.state if actor is not None else None
+        # (a pause's or a suspend's release of a RUNNING actor with no snapshot before it is let pass: the
+        # snapshotter never writes one, but it ends the placement the log says, as a stop's does)
+        after = PAUSED if reason is ReleaseReason.PAUSED else SUSPENDED if reason is ReleaseReason.SUSPENDED \
+            else RUNNING
+        if (state is not RUNNING and state is not after) or held is None or held[0] != wid:
+            placed = f"; its placement is on {held[0]}" if held is not None and held[0] != wid else (
+                "" if held is not None else "; it has no placement")
+            return Violation(seq, RELEASE_ELSEWHERE,
+                             f"{aid} released from {wid} ({reason.value}) while {_state(actor)}{placed}: a release "
+                             f"ends the placement it names, of a RUNNING actor"
+                             + (f" or right after its {'pause' if after is PAUSED else 'suspend'}'s snapshot"
+                                if after is not RUNNING else ""))
+        if reason is ReleaseReason.WORKER_REMOVED:
+            worker = self.projection.workers.get(wid)
+            p = self.projection
+            if worker is not None and worker.since < held[1] and not (p.unread_workers and p.life_unread(wid)):
+                return Violation(seq, RELEASE_ELSEWHERE,
+                                 f"{aid} released from {wid} as WORKER_REMOVED; {wid} has not been removed since "
+                                 f"{aid} was placed there (sequence {held[1]})")
         return None
 
     def _off_plan(self, actor: Actor, event: ActorPlaced) -> str | None:
