@@ -35,6 +35,7 @@ from events.schema import (
     TagRecorded,
 )
 from services.scheduler.decide import plan
+from services.scheduler.feasibility import missing_keys
 from services.scheduler.fragmentation import fragmentation
 from services.scheduler.projection import Projection
 from services.scheduler.records import (MEMORY, PAUSED, RUNNING, STOPPED, SUSPENDED, Actor, SnapshotKind,
@@ -345,8 +346,8 @@ class Verifier:
                 f"{wid} had {worker.room_cpu}m cpu / {worker.room_mem} MiB free, "
                 f"{aid} booked {event.booked.cpu_millis}m / {event.booked.memory_mib} MiB",
             )
-        labels = worker.labels
-        unmet = sorted(f"{k}={v}" for k, v in actor.spec.selectors.items() if labels.get(k) != v)
+        selectors = actor.spec.selectors
+        unmet = [f"{k}={selectors[k]}" for k in missing_keys(actor.spec.selector_pairs, worker.labels)]
         if unmet:
             return Violation(seq, SELECTOR_UNMET, f"{aid} selects {', '.join(unmet)}; {wid} has no such label")
         entry = worker.classes.get(actor.spec.sandbox_class)
