@@ -34,7 +34,7 @@ from events.schema import (
     SnapshotTaken,
     TagRecorded,
 )
-from services.scheduler.decide import plan
+from services.scheduler.decide import AS_PLACED, RANK, below_floor, plan
 from services.scheduler.feasibility import missing_keys
 from services.scheduler.fragmentation import fragmentation
 from services.scheduler.projection import Projection
@@ -82,9 +82,11 @@ PLACEMENT_RULES = (UNKNOWN_ACTOR, PLACED_STOPPED, PLACED_TWICE, NOT_TAKING, PAST
 STAMP_RULES = (NOT_RUNNING, STAMP_NOT_PIN, NOT_RUN_TEMPLATE, NOT_AS_TAKEN, MISPLACED, NOT_PAUSED, NOT_COPIED,
                NO_SOURCE, REVERT_NOTHING, REVERT_ELSEWHERE, ID_TWO_IMAGES)
 
-# The floor's order (CONTRACT rule 4a): lower is better.
-_RANK = {PlacedFidelity.MEMORY: 0, PlacedFidelity.VOLUMES: 1, PlacedFidelity.ROOTFS: 2, PlacedFidelity.NONE: 3}
-_HOLDS = {Fidelity.MEMORY: 0, Fidelity.VOLUMES: 1, Fidelity.ROOTFS: 2}
+
+def _holds_more(fidelity: Fidelity | PlacedFidelity, than: Fidelity) -> bool:
+    """Whether `fidelity` holds more than a snapshot at `than` does (the scheduler's order, `decide.RANK`)."""
+    placed = AS_PLACED[fidelity] if isinstance(fidelity, Fidelity) else fidelity
+    return RANK[placed] < RANK[AS_PLACED[than]]
 
 
 def _runtime(runtime: ActorRuntime | None) -> str:
@@ -360,9 +362,7 @@ class Verifier:
         if held is not None:
             return Violation(seq, NOT_IN_SNAPSHOT, held)
         floor = actor.spec.min_fidelity
-        owns_nothing = kind is None or kind.borrowed  # rule 4a: may RUN unless the floor is MEMORY
-        if (event.fidelity is PlacedFidelity.NONE and (not owns_nothing or floor is Fidelity.MEMORY)) or (
-                event.fidelity is not PlacedFidelity.NONE and _RANK[event.fidelity] > _HOLDS[floor]):
+        if below_floor(event.fidelity, floor, owns_nothing=kind is None or kind.borrowed):
             return Violation(seq, BELOW_FLOOR,
                              f"{aid} placed at {event.fidelity.value}, its min_fidelity is {floor.value}")
         if event.fidelity is PlacedFidelity.MEMORY:
@@ -490,7 +490,7 @@ class Verifier:
             return f"{aid} restored {event.snapshot_id}; its latest snapshot is {actor.snapshot_id}"
         if event.fidelity is PlacedFidelity.NONE:
             return f"{aid} RESTORE at NONE"
-        if _RANK[event.fidelity] < _HOLDS[kind.fidelity]:
+        if _holds_more(event.fidelity, than=kind.fidelity):
             return f"{aid} restored at {event.fidelity.value} from a {kind.fidelity.value} snapshot"
         if event.fidelity is PlacedFidelity.MEMORY and kind.fidelity is MEMORY:
             if kind.template_uid != actor.spec.template_uid:
@@ -530,7 +530,7 @@ class Verifier:
                                f"{_stamped(kind.stamp.runtime if kind.stamp else None)}")
             if snapshot.template_uid != kind.template_uid:
                 differs.append(f"of template {snapshot.template_uid}, the LOCAL one of {kind.template_uid}")
-            if _HOLDS[snapshot.fidelity] < _HOLDS[kind.fidelity]:
+            if _holds_more(snapshot.fidelity, than=kind.fidelity):
                 differs.append(f"{snapshot.fidelity.value}, more than the LOCAL one holds ({kind.fidelity.value})")
             if snapshot.borrowed:  # (`promoted_snapshot`: the actor's own durable copy from then on)
                 differs.append("borrowed, where a promote's image is the actor's own durable copy")

@@ -112,13 +112,14 @@ from services.scheduler.records import (
 PROBES = 8  # random draws before walking the tier
 EXPLAIN_REJECTED_LIMIT = 1000  # workers listed by name in an explanation (counts cover all)
 
-_FIDELITY = {
+# A snapshot's (or a floor's) fidelity as a placement names it.
+AS_PLACED = {
     Fidelity.MEMORY: PlacedFidelity.MEMORY,
     Fidelity.VOLUMES: PlacedFidelity.VOLUMES,
     Fidelity.ROOTFS: PlacedFidelity.ROOTFS,
 }
-# The floor's order (rule 4a): lower is better.
-_RANK = {PlacedFidelity.MEMORY: 0, PlacedFidelity.VOLUMES: 1, PlacedFidelity.ROOTFS: 2, PlacedFidelity.NONE: 3}
+# The fidelities' order (rules 3 and 4a): lower holds more. `audit verify` reads it too.
+RANK = {PlacedFidelity.MEMORY: 0, PlacedFidelity.VOLUMES: 1, PlacedFidelity.ROOTFS: 2, PlacedFidelity.NONE: 3}
 
 
 # --- the plan ---------------------------------------------------------------------------------
@@ -275,7 +276,7 @@ def items(source: IndexedSet | None) -> Sequence[Worker]:
 
 
 def _below(fidelity: PlacedFidelity, floor: Fidelity) -> bool:
-    return _RANK[fidelity] > _RANK[_FIDELITY[floor]]
+    return RANK[fidelity] > RANK[AS_PLACED[floor]]
 
 
 def plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | None) -> Plan:
@@ -344,7 +345,7 @@ def _plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | N
     arch = stamp.compat.arch if stamp is not None else None
     borrowed = snapshot.borrowed
     if snapshot.fidelity is not MEMORY:  # rule 3: volumes or rootfs, nothing given up
-        fidelity = _FIDELITY[snapshot.fidelity]
+        fidelity = AS_PLACED[snapshot.fidelity]
         restore = ask(None, arch)
         source = without_memory(arch)
         if not _below(fidelity, floor):
@@ -372,7 +373,7 @@ def _plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | N
     if lost is not None:  # rule 3: memory in the snapshot that cannot be used
         source = without_memory(arch)
         tier = _without_memory(ask(None, arch), items(source), lost, borrowed)
-        if _below_floor(tier, floor, borrowed):
+        if below_floor(tier.fidelity, floor, borrowed):
             raise precondition(f"actor {aid} cannot be restored at its min_fidelity {floor.value}: {cause}")
         tiers.append(tier)
         return Plan(actor, tiers, tier.ask, _no_worker(arch, node, items(source)), False, (source,))
@@ -403,7 +404,7 @@ def _plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | N
     else:  # rule 4: fall back rather than fail, keeping the stamp's architecture
         source = without_memory(arch)
         fallback = _without_memory(ask(None, arch), items(source), FallbackReason.NO_COMPATIBLE_WORKER, borrowed)
-        if _below_floor(fallback, floor, borrowed):
+        if below_floor(fallback.fidelity, floor, borrowed):
             refusal = Cause(f"no compatible worker has room, and a fallback is below min_fidelity {floor.value}")
         else:
             tiers.append(fallback)
@@ -437,12 +438,13 @@ SELECTORS_FIELD = "selectors"  # no undrained worker of the class has the labels
 ARCH_FIELD = "snapshot.sandbox_runtime.version.attributes.architecture"
 
 
-def _below_floor(tier: Tier, floor: Fidelity, borrowed: bool) -> bool:
-    """Whether a tier without memory is below `min_fidelity` (rule 4a): an actor that owns
-    nothing to lose (a borrowed snapshot) may RUN unless its floor is MEMORY."""
-    if borrowed and tier.fidelity is PlacedFidelity.NONE:
+def below_floor(fidelity: PlacedFidelity, floor: Fidelity, owns_nothing: bool) -> bool:
+    """Whether a placement at `fidelity` is below `min_fidelity` `floor` (rule 4a): an actor that
+    owns nothing to lose (a borrowed snapshot, or none) may RUN unless its floor is MEMORY. The one
+    definition: the plan's tiers and `audit verify` both judge by it."""
+    if owns_nothing and fidelity is PlacedFidelity.NONE:
         return floor is Fidelity.MEMORY
-    return _below(tier.fidelity, floor)
+    return _below(fidelity, floor)
 
 
 # Every fallback a placement can carry, made once: (reason, borrowed) -> (action, fidelity, Fallback, tier name)
