@@ -35,7 +35,7 @@ from events.schema import (
     TagRecorded,
 )
 from services.scheduler.decide import AS_PLACED, RANK, below_floor, plan
-from services.scheduler.feasibility import missing_keys
+from services.scheduler.feasibility import NO_PENDING, missing_keys, room
 from services.scheduler.fragmentation import fragmentation
 from services.scheduler.projection import Projection
 from services.scheduler.records import (MEMORY, PAUSED, RUNNING, STOPPED, SUSPENDED, Actor, SnapshotKind,
@@ -342,10 +342,15 @@ class Verifier:
         if event.node != worker.node:  # the node a LOCAL image is judged by is the worker's, not what the event says
             return Violation(seq, NODE_MISMATCH,
                              f"{aid} placed on {wid} naming node {event.node}; {wid} is on {worker.node}")
-        if event.booked.cpu_millis > worker.room_cpu or event.booked.memory_mib > worker.room_mem:
+        # the room the scheduler judges a worker by (`feasibility.room`), as the log gives it here (nothing
+        # in flight), against what was booked: a decision books no more than its need (`Ask.judge`), and
+        # the need is judged below, under the pin (UNDER_BOOKED); booked past the room, the worker is
+        # overcommitted whatever the need was
+        room_cpu, room_mem = room(worker, NO_PENDING)
+        if event.booked.cpu_millis > room_cpu or event.booked.memory_mib > room_mem:
             return Violation(
                 seq, PAST_ROOM,
-                f"{wid} had {worker.room_cpu}m cpu / {worker.room_mem} MiB free, "
+                f"{wid} had {room_cpu}m cpu / {room_mem} MiB free, "
                 f"{aid} booked {event.booked.cpu_millis}m / {event.booked.memory_mib} MiB",
             )
         selectors = actor.spec.selectors
@@ -379,7 +384,7 @@ class Verifier:
         else:
             runtime = entry.default
         want = actor.spec.resources
-        need = want.memory_mib + runtime.overhead_mib(want.memory_mib)
+        need = runtime.need_mib(want.memory_mib)  # what the scheduler books under that runtime
         if event.booked.cpu_millis < want.cpu_millis or event.booked.memory_mib < need:
             return Violation(seq, UNDER_BOOKED,
                              f"{aid} needs {want.cpu_millis}m / {need} MiB under {pin}; it booked "

@@ -59,9 +59,13 @@ FITS = 0
 SHORT_CPU, SHORT_MEMORY = 1 << 8, 1 << 9
 
 
-def _room(worker: Worker, pending: Pending) -> tuple[int, int]:
+def room(worker: Worker, pending: Pending) -> tuple[int, int]:
     """(cpu millis, memory MiB) the worker has left: capacity minus the reserve, what is booked
-    and what this replica has in flight there."""
+    and what this replica has in flight there. The one judgement of room: a decision's (`Ask.judge`)
+    and `audit verify`'s of a placement (PAST_ROOM, with nothing in flight: the room the log gives the
+    worker at the placement's position). `Worker.room_cpu` and `room_mem` say the same without what is
+    in flight; they are not read here, as a property read costs a sixth of a judgement (measured), and
+    a test holds the two equal."""
     room_cpu = worker.cpu_millis - worker.booked_cpu
     room_mem = worker.memory_mib - WORKER_RESERVE_MIB - worker.booked_mem
     if pending:
@@ -116,8 +120,8 @@ class Ask:
             runtime = entry.default
             if (self.arch is not None and runtime.compat.arch != self.arch) or not entry.runs:
                 return 6, None, 0
-            room_cpu, room_mem = _room(worker, pending)
-            need = self.memory_mib + runtime.overhead_mib(self.memory_mib)
+            room_cpu, room_mem = room(worker, pending)
+            need = runtime.need_mib(self.memory_mib)
             verdict = (SHORT_CPU if room_cpu < self.cpu else 0) | (SHORT_MEMORY if room_mem < need else 0)
             return verdict, runtime, need
         matches = entry.accepting.get(self.compat)
@@ -128,14 +132,14 @@ class Ask:
                 matches if matches[0][0] == role else ())
             if not matches:
                 return 5, None, 0
-        room_cpu, room_mem = _room(worker, pending)
+        room_cpu, room_mem = room(worker, pending)
         short_cpu = SHORT_CPU if room_cpu < self.cpu else 0
         for _, runtime in matches:  # one, but for a stamp that several of the worker's runtimes accept
-            need = self.memory_mib + runtime.overhead_mib(self.memory_mib)
+            need = runtime.need_mib(self.memory_mib)
             if room_mem >= need:
                 return short_cpu, runtime, need
         runtime = matches[0][1]
-        return short_cpu | SHORT_MEMORY, runtime, self.memory_mib + runtime.overhead_mib(self.memory_mib)
+        return short_cpu | SHORT_MEMORY, runtime, runtime.need_mib(self.memory_mib)
 
     def fit(self, worker: Worker, pending: Pending, role: int | None = None) -> tuple[Runtime, int] | None:
         """(runtime, memory to book) if the worker passes every check, else None."""

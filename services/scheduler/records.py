@@ -103,11 +103,14 @@ class Runtime:
         self.pin = ActorRuntime(sandbox_class=compat.sandbox_class, name=runtime.name, version=runtime.version)
         self.edges = edges
 
-    def overhead_mib(self, memory_mib: int) -> int:
-        """`fixed_mib + per_gib_mib * ceil(memory_mib / 1024)` (CONTRACT placement rule 6)."""
+    def need_mib(self, memory_mib: int) -> int:
+        """The memory an actor of `memory_mib` books under this runtime: its own and the runtime's
+        overhead, `fixed_mib + per_gib_mib * ceil(memory_mib / 1024)` (CONTRACT placement rule 6).
+        The one definition: `feasibility.Ask.judge` judges a worker's room by it, `audit verify` a
+        placement's booking (UNDER_BOOKED)."""
         if self.per_gib_mib:
-            return self.fixed_mib + self.per_gib_mib * ceil(memory_mib / 1024)
-        return self.fixed_mib
+            return memory_mib + self.fixed_mib + self.per_gib_mib * ceil(memory_mib / 1024)
+        return memory_mib + self.fixed_mib
 
 
 class ClassEntry:
