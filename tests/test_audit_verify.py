@@ -220,6 +220,19 @@ CASES = {
         placed("g", "w1", V2, node="n1", fidelity=PlacedFidelity.MEMORY, action=Action.RESTORE,
                snapshot_id="golden-1", **SMALL),
         audit.MATCHED_OTHER),
+    # judged by the scheduler's own checks of a worker (`feasibility.Ask.judge`, by `decide.tier_ask`), verify found
+    # two placements its own copy of them let pass: the RUN of a borrowed snapshot below the floor (rule 4a) keeps
+    # the stamp's architecture, as every tier without memory of a stamped snapshot (rule 4) ...
+    "a borrowed snapshot below its floor cold-booted across architectures": (
+        [worker_on("w1", V1), worker_on("arm", ARM, node="n9"),
+         created("g", snapshot=golden(V1, fidelity=Fidelity.ROOTFS, borrowed=True, actor_id="g"), min_fidelity=Fidelity.VOLUMES,
+                 **SMALL)],
+        placed("g", "arm", ARM, node="n9", **SMALL), audit.ACROSS_ARCHITECTURES),
+    # ... and a PAUSED actor resumes only on the node it paused on (rule 5), even with no pause snapshot logged
+    "a PAUSED actor placed off the node it paused on": (
+        [worker_on("w1", V1), worker_on("w2", V1, node="n2"), created("a", **SMALL),
+         placed("a", "w1", V1, node="n1", **SMALL), released("a", "w1", ReleaseReason.PAUSED)],
+        placed("a", "w2", V1, node="n2", **SMALL), audit.LOCAL_OFF_NODE),
     # a resume's request id placed again after its first placement ended, in the same life or the next:
     # the scheduler answers it with the first (idempotency), or refuses one of the last life's
     "a request id placed again": (
@@ -293,6 +306,39 @@ def test_a_forged_placement_is_named_with_its_sequence(case):
     assert violation is not None, f"{case}: not found"
     assert (violation.seq, violation.rule) == (len(before) + 1, rule)
     assert verify(before) is None  # the log up to it is clean
+
+
+def test_a_worker_the_scheduler_would_reject_is_named_with_the_values_involved():
+    """The rules verify names for the scheduler's rejections of a worker (`audit.JUDGED`) say what was wrong,
+    with the values, as verify's own checks did before it judged by the scheduler's."""
+    says = {
+        "drained": ["w1 is drained"],
+        "selector no longer met": ["a selects zone=a; w1 has no such label"],
+        "local off its node": ["a's latest snapshot is LOCAL on node n1; restored on w2 on n2"],
+        "across architectures": ["a's snapshot is amd64; arm's default is arm64"],
+        "under a default of another architecture than its machine": [
+            "a runs under w1's default of class microvm, of architecture arm64, not of its machine"],
+        "a borrowed snapshot below its floor cold-booted across architectures": [
+            "g's snapshot is amd64; arm's default is arm64"],
+        "a PAUSED actor placed off the node it paused on": ["a is PAUSED on node n1; cold-booted on w2 on n2"],
+        "runtime dropped": ["restored on w1 pinned to", "which w1 does not offer for it"],
+        "capacity cut": ["w1 had 4000m cpu / 64 MiB free, a booked 100m / 512 MiB"],
+    }
+    for case, words in says.items():
+        before, forged, _ = CASES[case]
+        violation = str(verify([*before, forged]))
+        assert all(w in violation for w in words), (case, violation)
+    # a worker that does not register the actor's class, as the scheduler's first check finds it
+    violation = verify([worker_on("w1", V1), created("a", sandbox_class="microvm", **SMALL),
+                        placed("a", "w1", V1, node="n1", **SMALL)])
+    assert violation is not None and violation.rule == audit.RUNTIME_GONE, violation
+    assert "w1 does not register class microvm" in str(violation), str(violation)
+
+
+def test_every_rejection_of_the_scheduler_is_one_rule_of_verify():
+    from services.scheduler.feasibility import REASONS
+    assert set(audit.JUDGED) == set(REASONS)
+    assert set(audit.JUDGED.values()) <= set(audit.PLACEMENT_RULES)
 
 
 def test_verify_help_names_every_rule_it_reports():

@@ -34,11 +34,14 @@ from events.schema import (
     SnapshotTaken,
     TagRecorded,
 )
-from services.scheduler.decide import AS_PLACED, RANK, below_floor, plan
-from services.scheduler.feasibility import NO_PENDING, missing_keys, room
+from services.scheduler.decide import AS_PLACED, RANK, below_floor, plan, restricted_to, tier_ask
+from services.scheduler.feasibility import (ARCHITECTURE_MISMATCH, CLASS_NOT_REGISTERED, DRAINED, FITS,
+                                            INSUFFICIENT_CPU, INSUFFICIENT_MEMORY, NO_PENDING, NOT_ON_PINNED_NODE,
+                                            REASONS, RUNTIME_MISMATCH, SELECTOR_MISMATCH, SHORT_CPU, Ask,
+                                            missing_keys, room)
 from services.scheduler.fragmentation import fragmentation
 from services.scheduler.projection import Projection
-from services.scheduler.records import (MEMORY, PAUSED, RUNNING, STOPPED, SUSPENDED, Actor, SnapshotKind,
+from services.scheduler.records import (MEMORY, PAUSED, RUNNING, STOPPED, SUSPENDED, Actor, SnapshotKind, Worker,
                                         request_hash)
 from services.snapshotter.stamping import free_form_id
 
@@ -79,6 +82,21 @@ CHANGE_UNREGISTERED = "RuntimeChanged without a registration"
 PLACEMENT_RULES = (UNKNOWN_ACTOR, PLACED_STOPPED, PLACED_TWICE, NOT_TAKING, PAST_ROOM, RUNTIME_GONE, SELECTOR_UNMET,
                    LOCAL_OFF_NODE, ACROSS_ARCHITECTURES, NODE_MISMATCH, NOT_IN_SNAPSHOT, BELOW_FLOOR,
                    UNDER_BOOKED, OFF_PLAN, MATCHED_OTHER, REQUEST_AGAIN)
+# The scheduler's judgement of a worker (`feasibility.Ask.judge`, its rejection reasons) as the placement
+# rule verify names: the one table. A placement's worker is judged by the ask of its tier
+# (`decide.tier_ask`); room by the booking (`feasibility.room` against what was booked, and the need under
+# the pin, UNDER_BOOKED), not by the need under the runtime the scheduler would prefer, which the judgement's
+# resource checks are of: a placement booked within the room under its pin is safe.
+JUDGED = {
+    CLASS_NOT_REGISTERED: RUNTIME_GONE,
+    DRAINED: NOT_TAKING,
+    SELECTOR_MISMATCH: SELECTOR_UNMET,
+    NOT_ON_PINNED_NODE: LOCAL_OFF_NODE,
+    RUNTIME_MISMATCH: RUNTIME_GONE,
+    ARCHITECTURE_MISMATCH: ACROSS_ARCHITECTURES,
+    INSUFFICIENT_CPU: PAST_ROOM,
+    INSUFFICIENT_MEMORY: PAST_ROOM,
+}
 STAMP_RULES = (NOT_RUNNING, STAMP_NOT_PIN, NOT_RUN_TEMPLATE, NOT_AS_TAKEN, MISPLACED, NOT_PAUSED, NOT_COPIED,
                NO_SOURCE, REVERT_NOTHING, REVERT_ELSEWHERE, ID_TWO_IMAGES)
 
@@ -337,9 +355,11 @@ class Verifier:
                 return Violation(seq, REQUEST_AGAIN, f"{aid} placed on {wid} for request_id {event.request_id!r}, "
                                                      f"which its placement at sequence {first}{life} answered")
         worker = self.projection.workers.get(wid)
-        if worker is None or not worker.live:
-            return Violation(seq, NOT_TAKING, f"{wid} is {'drained' if worker else 'not registered'}")
+        if worker is None:  # (a removed worker is not in the projection: nothing for the scheduler to judge)
+            return Violation(seq, NOT_TAKING, f"{wid} is not registered")
         if event.node != worker.node:  # the node a LOCAL image is judged by is the worker's, not what the event says
+            # (the record against itself: the scheduler writes its worker's node, `decide.placement`; no rule of
+            # feasibility's to judge it by)
             return Violation(seq, NODE_MISMATCH,
                              f"{aid} placed on {wid} naming node {event.node}; {wid} is on {worker.node}")
         # the room the scheduler judges a worker by (`feasibility.room`), as the log gives it here (nothing
@@ -353,16 +373,8 @@ class Verifier:
                 f"{wid} had {room_cpu}m cpu / {room_mem} MiB free, "
                 f"{aid} booked {event.booked.cpu_millis}m / {event.booked.memory_mib} MiB",
             )
-        selectors = actor.spec.selectors
-        unmet = [f"{k}={selectors[k]}" for k in missing_keys(actor.spec.selector_pairs, worker.labels)]
-        if unmet:
-            return Violation(seq, SELECTOR_UNMET, f"{aid} selects {', '.join(unmet)}; {wid} has no such label")
-        entry = worker.classes.get(actor.spec.sandbox_class)
-        pin = stamp_key(event.sandbox_runtime)
         kind = actor.snapshot
         stamp = kind.stamp if kind is not None else None
-        if entry is None:
-            return Violation(seq, RUNTIME_GONE, f"{wid} does not register class {actor.spec.sandbox_class}")
         held = self._not_held(actor, event)
         if held is not None:
             return Violation(seq, NOT_IN_SNAPSHOT, held)
@@ -370,42 +382,36 @@ class Verifier:
         if below_floor(event.fidelity, floor, owns_nothing=kind is None or kind.borrowed):
             return Violation(seq, BELOW_FLOOR,
                              f"{aid} placed at {event.fidelity.value}, its min_fidelity is {floor.value}")
-        if event.fidelity is PlacedFidelity.MEMORY:
-            # any runtime of the worker that accepts the stamp (rule 2 prefers one; another with
-            # room is just as loadable), and the pin must be that runtime's own version
-            matches = entry.accepting.get(stamp.compat, ()) if stamp is not None else ()
-            runtime = next((r for _, r in matches if r.compat.key == pin), None)
+        # the worker as the scheduler judges it for the tier the placement is of (`decide.tier_ask`: its class,
+        # the actor's selectors, rule 5's node, at MEMORY a runtime accepting the stamp, without memory the
+        # class default of the stamp's architecture), by its own checks (`Ask.judge`), in its pipeline order;
+        # in any role (rule 2 prefers one, another's runtime loads the image as well: the pin is judged below).
+        # (At MEMORY, the checks before found a MEMORY image of the actor's template stamped for its class.)
+        memory = event.fidelity is PlacedFidelity.MEMORY
+        ask = tier_ask(actor, actor.spec.selector_pairs, restricted_to(actor), memory)
+        verdict, runtime, _ = ask.judge(worker, NO_PENDING)
+        if FITS < verdict < SHORT_CPU:
+            rule = JUDGED[REASONS[verdict - 1]]
+            return Violation(seq, rule, self._rejected(rule, actor, event, worker, ask))
+        entry = worker.classes[actor.spec.sandbox_class]
+        pin = stamp_key(event.sandbox_runtime)
+        if memory:
+            # any runtime of the worker that accepts the stamp (rule 2 prefers one; another with room is
+            # just as loadable, where `Ask.judge` names the first with room), and the pin must be that
+            # runtime's own version
+            runtime = next((r for _, r in entry.accepting[stamp.compat] if r.compat.key == pin), None)
             if runtime is None:
-                return Violation(seq, RUNTIME_GONE,
-                                 f"{aid}'s memory image ({stamp_key(stamp.runtime) if stamp else 'unstamped'}) "
-                                 f"restored on {wid} pinned to {pin}, which {wid} does not offer for it")
-        elif entry.default.compat.key != pin:
-            return Violation(seq, RUNTIME_GONE, f"{aid} pinned to {pin}; {wid}'s default is {entry.default.compat.key}")
-        else:
-            runtime = entry.default
+                return Violation(seq, RUNTIME_GONE, self._rejected(RUNTIME_GONE, actor, event, worker, ask))
+        elif runtime.compat.key != pin:  # without memory, the class default the judgement names
+            return Violation(seq, RUNTIME_GONE, f"{aid} pinned to {pin}; {wid}'s default is {runtime.compat.key}")
+        # its need under its pin (`Runtime.need_mib`, what the scheduler books), not under the runtime the
+        # judgement would prefer: the placement runs under its pin
         want = actor.spec.resources
-        need = runtime.need_mib(want.memory_mib)  # what the scheduler books under that runtime
+        need = runtime.need_mib(want.memory_mib)
         if event.booked.cpu_millis < want.cpu_millis or event.booked.memory_mib < need:
             return Violation(seq, UNDER_BOOKED,
                              f"{aid} needs {want.cpu_millis}m / {need} MiB under {pin}; it booked "
                              f"{event.booked.cpu_millis}m / {event.booked.memory_mib} MiB")
-        if kind is not None and kind.local and worker.node != actor.image_node:
-            # at any fidelity (rule 5), a cold boot too: the scheduler restricts every tier of such an
-            # actor to that node, and a cold boot elsewhere would leave the image there for good
-            return Violation(seq, LOCAL_OFF_NODE,
-                             f"{aid}'s latest snapshot is LOCAL on node {actor.image_node}; "
-                             f"{'restored' if event.action is Action.RESTORE else 'cold-booted'} on {wid} on "
-                             f"{worker.node}")
-        without_memory = event.fallback is not None or (
-            event.action is Action.RESTORE and event.fidelity is not PlacedFidelity.MEMORY)
-        if without_memory and stamp is not None and stamp.compat.arch is not None \
-                and entry.default.compat.arch != stamp.compat.arch:
-            return Violation(seq, ACROSS_ARCHITECTURES,
-                             f"{aid}'s snapshot is {stamp.compat.arch}; {wid}'s default is {entry.default.compat.arch}")
-        if event.fidelity is not PlacedFidelity.MEMORY and not entry.runs:  # a registration logged with two
-            return Violation(seq, ACROSS_ARCHITECTURES,
-                             f"{aid} runs under {wid}'s default of class {actor.spec.sandbox_class}, of architecture "
-                             f"{entry.default.compat.arch}, not of its machine (its registration names two)")
         if event.fidelity is PlacedFidelity.MEMORY and stamp is not None:
             # what a worker checks the image against before it loads it (`restore_check`), and a retry's
             # answer from the log (`decide.check_retry`): the matched version, or the pin's own when null
@@ -419,6 +425,39 @@ class Verifier:
         if off_plan is not None:
             return Violation(seq, OFF_PLAN, off_plan)
         return None
+
+    @staticmethod
+    def _rejected(rule: str, actor: Actor, event: ActorPlaced, worker: Worker, ask: Ask) -> str:
+        """What the scheduler's judgement found wrong with the placement's worker (`JUDGED`), with the
+        values involved."""
+        aid, wid, cls = actor.actor_id, worker.worker_id, actor.spec.sandbox_class
+        entry = worker.classes.get(cls)
+        if rule == NOT_TAKING:
+            return f"{wid} is drained"
+        if rule == SELECTOR_UNMET:
+            selectors = actor.spec.selectors
+            unmet = [f"{k}={selectors[k]}" for k in missing_keys(ask.selectors, worker.labels)]
+            return f"{aid} selects {', '.join(unmet)}; {wid} has no such label"
+        if rule == LOCAL_OFF_NODE:
+            kind = actor.snapshot
+            how = 'restored' if event.action is Action.RESTORE else 'cold-booted'
+            if kind is not None and kind.local:
+                # at any fidelity (rule 5), a cold boot too: the scheduler restricts every tier of such an
+                # actor to that node, and a cold boot elsewhere would leave the image there for good
+                return (f"{aid}'s latest snapshot is LOCAL on node {actor.image_node}; {how} on {wid} on "
+                        f"{worker.node}")
+            return f"{aid} is PAUSED on node {ask.node}; {how} on {wid} on {worker.node}"
+        if rule == ACROSS_ARCHITECTURES:  # (the class check passed)
+            arch = worker.classes[cls].default.compat.arch
+            if ask.arch is not None and arch != ask.arch:
+                return f"{aid}'s snapshot is {ask.arch}; {wid}'s default is {arch}"
+            return (f"{aid} runs under {wid}'s default of class {cls}, of architecture {arch}, not of its machine "
+                    f"(its registration names two)")
+        if entry is None:  # RUNTIME_GONE
+            return f"{wid} does not register class {cls}"
+        stamp = actor.snapshot.stamp if actor.snapshot is not None else None
+        return (f"{aid}'s memory image ({stamp_key(stamp.runtime) if stamp else 'unstamped'}) "
+                f"restored on {wid} pinned to {stamp_key(event.sandbox_runtime)}, which {wid} does not offer for it")
 
     def _released(self, seq: int, event: ActorReleased) -> Violation | None:
         """A release ends the actor's placement, on the worker that placement names (the snapshotter's

@@ -293,17 +293,11 @@ def _plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | N
     cls = spec.sandbox_class
     index = projection.classes.get(cls)
     sel = merged_selectors(actor, selectors)
-    res = spec.resources
     floor = spec.min_fidelity
     snapshot = actor.snapshot  # what its latest snapshot is
     aid = actor.actor_id
 
-    # Rule 5: a LOCAL image restores only on its node (a PAUSED actor's image is LOCAL).
-    node = None
-    if snapshot is not None and snapshot.local:
-        node = actor.image_node or ""
-    elif actor.state is PAUSED:
-        node = actor.node or ""
+    node = restricted_to(actor)
     if node is not None:
         on_node = index.by_node.get(node) if index is not None and node else None
         if not on_node:
@@ -318,10 +312,6 @@ def _plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | N
     else:
         base = index.workers if index is not None else None
     everyone: Sequence[Worker] = base.items if base is not None else ()
-    cpu, mem = res.cpu_millis, res.memory_mib
-
-    def ask(compat: Compat | None, arch: str | None = None) -> Ask:
-        return Ask(cls, cpu, mem, sel, node, compat, arch)
 
     def without_memory(arch: str | None) -> IndexedSet | None:
         """Candidates of a tier without memory: on the node, or of the stamp's architecture."""
@@ -331,7 +321,7 @@ def _plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | N
 
     tiers: list[Tier] = []
     if snapshot is None:  # rule 1: cold start on the class default
-        any_ask = ask(None)
+        any_ask = tier_ask(actor, sel, node, memory=False)
         if floor is Fidelity.MEMORY:
             raise precondition(
                 f"actor {aid} has no snapshot to restore and its min_fidelity is MEMORY: a cold boot "
@@ -346,7 +336,7 @@ def _plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | N
     borrowed = snapshot.borrowed
     if snapshot.fidelity is not MEMORY:  # rule 3: volumes or rootfs, nothing given up
         fidelity = AS_PLACED[snapshot.fidelity]
-        restore = ask(None, arch)
+        restore = tier_ask(actor, sel, node, memory=False)
         source = without_memory(arch)
         if not _below(fidelity, floor):
             tiers.append(Tier("restore", restore, items(source), Action.RESTORE, fidelity, None, None))
@@ -372,7 +362,7 @@ def _plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | N
         cause = "its snapshot's stamp is missing or of another class, so no runtime can be matched to it"
     if lost is not None:  # rule 3: memory in the snapshot that cannot be used
         source = without_memory(arch)
-        tier = _without_memory(ask(None, arch), items(source), lost, borrowed)
+        tier = _without_memory(tier_ask(actor, sel, node, memory=False), items(source), lost, borrowed)
         if below_floor(tier.fidelity, floor, borrowed):
             raise precondition(f"actor {aid} cannot be restored at its min_fidelity {floor.value}: {cause}")
         tiers.append(tier)
@@ -380,7 +370,7 @@ def _plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | N
 
     # rule 2: a memory restore on a worker that accepts the stamp, in the order of preference
     compat = stamp.compat
-    mem_ask = ask(compat)
+    mem_ask = tier_ask(actor, sel, node, memory=True)
     sources: list[IndexedSet | None] = [base] if node is not None else []
     for role, name in MEMORY_TIERS:
         if node is not None:  # the node's workers accepting the stamp in that role (few)
@@ -403,7 +393,8 @@ def _plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | N
                          STAMP_FIELD))
     else:  # rule 4: fall back rather than fail, keeping the stamp's architecture
         source = without_memory(arch)
-        fallback = _without_memory(ask(None, arch), items(source), FallbackReason.NO_COMPATIBLE_WORKER, borrowed)
+        fallback = _without_memory(tier_ask(actor, sel, node, memory=False), items(source),
+                                   FallbackReason.NO_COMPATIBLE_WORKER, borrowed)
         if below_floor(fallback.fidelity, floor, borrowed):
             refusal = Cause(f"no compatible worker has room, and a fallback is below min_fidelity {floor.value}")
         else:
@@ -411,6 +402,37 @@ def _plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | N
             sources.append(source)
             refusal = _no_worker(arch, None, items(source))
     return Plan(actor, tiers, mem_ask, refusal, True, tuple(sources))
+
+
+def restricted_to(actor: Actor) -> str | None:
+    """Rule 5: the node every tier of `actor` is restricted to: its latest snapshot's, a LOCAL image
+    (a PAUSED actor's is one: the node it paused on); "" for one that names no node, which restores
+    nowhere; None where it may go to any node. The one definition: `plan` and `audit verify` (a
+    placement off it is LOCAL_OFF_NODE) both read it."""
+    snapshot = actor.snapshot
+    if snapshot is not None and snapshot.local:
+        return actor.image_node or ""
+    if actor.state is PAUSED:
+        return actor.node or ""
+    return None
+
+
+def tier_ask(actor: Actor, selectors: tuple[tuple[str, str], ...], node: str | None, memory: bool) -> Ask:
+    """What a tier of `actor`'s plan asks of a worker (`feasibility.Ask`, judged by `Ask.judge`): its
+    class and resources, `selectors`, on `node` (`restricted_to`); with `memory`, a runtime accepting its
+    latest snapshot's stamp (rule 2: the stamp must be one of the actor's class); without, its class
+    default, of the stamp's architecture when the actor has a stamped snapshot (rule 4: a restore without
+    memory, a fallback, the RUN of a borrowed snapshot). The one definition: `plan` builds its tiers' asks
+    by it, and `audit verify` judges a placement by the ask of its tier."""
+    spec = actor.spec
+    res = spec.resources
+    snapshot = actor.snapshot
+    stamp = snapshot.stamp if snapshot is not None else None
+    if memory:  # (a plan has a memory tier, and verify judges one, only for a stamped MEMORY image)
+        return Ask(spec.sandbox_class, res.cpu_millis, res.memory_mib, selectors, node,
+                   stamp.compat)  # type: ignore[union-attr]
+    return Ask(spec.sandbox_class, res.cpu_millis, res.memory_mib, selectors, node, None,
+               stamp.compat.arch if stamp is not None else None)
 
 
 def accepts_in(worker: Worker, sandbox_class: str, compat: Compat, role: int) -> bool:
