@@ -220,6 +220,14 @@ CASES = {
         placed("g", "w1", V2, node="n1", fidelity=PlacedFidelity.MEMORY, action=Action.RESTORE,
                snapshot_id="golden-1", **SMALL),
         audit.MATCHED_OTHER),
+    # the record, as the scheduler judges a placement made (`feasibility.carrying`) and a placement's tier
+    # (`Ask.judge`): a node other than its worker's, a cold boot pinned to a restorable runtime, not the default
+    "a placement naming another node than its worker's": (
+        [worker_on("w1", V1), created("a", **SMALL)], placed("a", "w1", V1, node="n2", **SMALL),
+        audit.NODE_MISMATCH),
+    "a cold boot pinned to a restorable runtime": (
+        [registered("w1", entry(V2, (V1,)), node="n1", labels=ZONE_A), created("a", **SMALL)],
+        placed("a", "w1", V1, node="n1", **SMALL), audit.RUNTIME_GONE),
     # judged by the scheduler's own checks of a worker (`feasibility.Ask.judge`, by `decide.tier_ask`), verify found
     # two placements its own copy of them let pass: the RUN of a borrowed snapshot below the floor (rule 4a) keeps
     # the stamp's architecture, as every tier without memory of a stamped snapshot (rule 4) ...
@@ -323,6 +331,9 @@ def test_a_worker_the_scheduler_would_reject_is_named_with_the_values_involved()
         "a PAUSED actor placed off the node it paused on": ["a is PAUSED on node n1; cold-booted on w2 on n2"],
         "runtime dropped": ["restored on w1 pinned to", "which w1 does not offer for it"],
         "capacity cut": ["w1 had 4000m cpu / 64 MiB free, a booked 100m / 512 MiB"],
+        "a placement naming another node than its worker's": ["a placed on w1 naming node n2; w1 is on n1"],
+        "a cold boot pinned to a restorable runtime": ["a pinned to ('gvisor', 'v1', (('architecture', 'amd64'), "
+                                                       "('gvisor_asset_hash', 'v1'))); w1's default is"],
     }
     for case, words in says.items():
         before, forged, _ = CASES[case]
@@ -336,8 +347,10 @@ def test_a_worker_the_scheduler_would_reject_is_named_with_the_values_involved()
 
 
 def test_every_rejection_of_the_scheduler_is_one_rule_of_verify():
-    from services.scheduler.feasibility import REASONS
-    assert set(audit.JUDGED) == set(REASONS)
+    """Each reason the scheduler rejects a worker for (`Ask.judge`) or a placement made on it (`carrying`)
+    is named by one rule of verify's, in one table."""
+    from services.scheduler.feasibility import CARRY_REASONS, REASONS
+    assert set(audit.JUDGED) == {*REASONS, *CARRY_REASONS}
     assert set(audit.JUDGED.values()) <= set(audit.PLACEMENT_RULES)
 
 

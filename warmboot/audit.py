@@ -36,8 +36,9 @@ from events.schema import (
 )
 from services.scheduler.decide import AS_PLACED, RANK, below_floor, plan, restricted_to, tier_ask
 from services.scheduler.feasibility import (ARCHITECTURE_MISMATCH, CLASS_NOT_REGISTERED, DRAINED, FITS,
-                                            INSUFFICIENT_CPU, INSUFFICIENT_MEMORY, NO_PENDING, NOT_ON_PINNED_NODE,
-                                            REASONS, RUNTIME_MISMATCH, SELECTOR_MISMATCH, SHORT_CPU, Ask,
+                                            IMAGE_NOT_ACCEPTED, INSUFFICIENT_CPU, INSUFFICIENT_MEMORY, NO_CLASS_NOW,
+                                            NO_PENDING, NOT_ON_PINNED_NODE, OTHER_NODE_NOW, PIN_NOT_RUN, REASONS,
+                                            RUNTIME_MISMATCH, SELECTOR_MISMATCH, SHORT_CPU, Ask, carrying,
                                             missing_keys, room)
 from services.scheduler.fragmentation import fragmentation
 from services.scheduler.projection import Projection
@@ -82,12 +83,17 @@ CHANGE_UNREGISTERED = "RuntimeChanged without a registration"
 PLACEMENT_RULES = (UNKNOWN_ACTOR, PLACED_STOPPED, PLACED_TWICE, NOT_TAKING, PAST_ROOM, RUNTIME_GONE, SELECTOR_UNMET,
                    LOCAL_OFF_NODE, ACROSS_ARCHITECTURES, NODE_MISMATCH, NOT_IN_SNAPSHOT, BELOW_FLOOR,
                    UNDER_BOOKED, OFF_PLAN, MATCHED_OTHER, REQUEST_AGAIN)
-# The scheduler's judgement of a worker (`feasibility.Ask.judge`, its rejection reasons) as the placement
-# rule verify names: the one table. A placement's worker is judged by the ask of its tier
-# (`decide.tier_ask`); room by the booking (`feasibility.room` against what was booked, and the need under
-# the pin, UNDER_BOOKED), not by the need under the runtime the scheduler would prefer, which the judgement's
-# resource checks are of: a placement booked within the room under its pin is safe.
+# The scheduler's judgement of a placement's record and worker as the placement rule verify names: the one
+# table. Its record as a placement made (`feasibility.carrying`, a retry's answer's judgement), its worker by
+# the ask of its tier (`feasibility.Ask.judge` on `decide.tier_ask`, its rejection reasons). Room is judged
+# by the booking (`feasibility.room` against what was booked, PAST_ROOM, and the need under the pin,
+# UNDER_BOOKED), not by the need under the runtime the scheduler would prefer, which the judgement's resource
+# checks are of: a placement booked within the room under its pin is safe.
 JUDGED = {
+    NO_CLASS_NOW: RUNTIME_GONE,
+    OTHER_NODE_NOW: NODE_MISMATCH,
+    PIN_NOT_RUN: RUNTIME_GONE,
+    IMAGE_NOT_ACCEPTED: RUNTIME_GONE,
     CLASS_NOT_REGISTERED: RUNTIME_GONE,
     DRAINED: NOT_TAKING,
     SELECTOR_MISMATCH: SELECTOR_UNMET,
@@ -357,11 +363,6 @@ class Verifier:
         worker = self.projection.workers.get(wid)
         if worker is None:  # (a removed worker is not in the projection: nothing for the scheduler to judge)
             return Violation(seq, NOT_TAKING, f"{wid} is not registered")
-        if event.node != worker.node:  # the node a LOCAL image is judged by is the worker's, not what the event says
-            # (the record against itself: the scheduler writes its worker's node, `decide.placement`; no rule of
-            # feasibility's to judge it by)
-            return Violation(seq, NODE_MISMATCH,
-                             f"{aid} placed on {wid} naming node {event.node}; {wid} is on {worker.node}")
         # the room the scheduler judges a worker by (`feasibility.room`), as the log gives it here (nothing
         # in flight), against what was booked: a decision books no more than its need (`Ask.judge`), and
         # the need is judged below, under the pin (UNDER_BOOKED); booked past the room, the worker is
@@ -382,35 +383,37 @@ class Verifier:
         if below_floor(event.fidelity, floor, owns_nothing=kind is None or kind.borrowed):
             return Violation(seq, BELOW_FLOOR,
                              f"{aid} placed at {event.fidelity.value}, its min_fidelity is {floor.value}")
-        # the worker as the scheduler judges it for the tier the placement is of (`decide.tier_ask`: its class,
+        # (from here, at MEMORY, the checks before found a MEMORY image of the actor's template stamped for its class)
+        memory = event.fidelity is PlacedFidelity.MEMORY
+        # the record, as the scheduler judges a placement made on a worker (`feasibility.carrying`: a retry's
+        # answer from the log): its class there, the node the record names the worker's (the node a LOCAL image
+        # is judged by below is the worker's, not what the event says), its pin a runtime of the worker's, at
+        # MEMORY one that accepts the image, in any role (rule 2 prefers one; another loads the image as well)
+        pin = self.projection.intern.compat_of_key(stamp_key(event.sandbox_runtime))
+        why, runtime = carrying(worker, actor.spec.sandbox_class, event.node, pin,
+                                stamp.compat if memory else None)  # type: ignore[union-attr]
+        if why is not None:
+            rule = JUDGED[why]
+            return Violation(seq, rule, self._rejected(rule, actor, event, worker, None))
+        # the worker, as the scheduler judges it for the tier the placement is of (`decide.tier_ask`: its class,
         # the actor's selectors, rule 5's node, at MEMORY a runtime accepting the stamp, without memory the
         # class default of the stamp's architecture), by its own checks (`Ask.judge`), in its pipeline order;
-        # in any role (rule 2 prefers one, another's runtime loads the image as well: the pin is judged below).
-        # (At MEMORY, the checks before found a MEMORY image of the actor's template stamped for its class.)
-        memory = event.fidelity is PlacedFidelity.MEMORY
+        # at MEMORY in any role, as above. Its room is judged above, by the booking.
         ask = tier_ask(actor, actor.spec.selector_pairs, restricted_to(actor), memory)
-        verdict, runtime, _ = ask.judge(worker, NO_PENDING)
+        verdict, judged, _ = ask.judge(worker, NO_PENDING)
         if FITS < verdict < SHORT_CPU:
             rule = JUDGED[REASONS[verdict - 1]]
             return Violation(seq, rule, self._rejected(rule, actor, event, worker, ask))
-        entry = worker.classes[actor.spec.sandbox_class]
-        pin = stamp_key(event.sandbox_runtime)
-        if memory:
-            # any runtime of the worker that accepts the stamp (rule 2 prefers one; another with room is
-            # just as loadable, where `Ask.judge` names the first with room), and the pin must be that
-            # runtime's own version
-            runtime = next((r for _, r in entry.accepting[stamp.compat] if r.compat.key == pin), None)
-            if runtime is None:
-                return Violation(seq, RUNTIME_GONE, self._rejected(RUNTIME_GONE, actor, event, worker, ask))
-        elif runtime.compat.key != pin:  # without memory, the class default the judgement names
-            return Violation(seq, RUNTIME_GONE, f"{aid} pinned to {pin}; {wid}'s default is {runtime.compat.key}")
+        if not memory and judged.compat is not pin:  # without memory, the class default the judgement names
+            return Violation(seq, RUNTIME_GONE, self._rejected(RUNTIME_GONE, actor, event, worker, ask))
         # its need under its pin (`Runtime.need_mib`, what the scheduler books), not under the runtime the
         # judgement would prefer: the placement runs under its pin
         want = actor.spec.resources
-        need = runtime.need_mib(want.memory_mib)
+        need = runtime.need_mib(want.memory_mib)  # type: ignore[union-attr]
+        pin_key = stamp_key(event.sandbox_runtime)
         if event.booked.cpu_millis < want.cpu_millis or event.booked.memory_mib < need:
             return Violation(seq, UNDER_BOOKED,
-                             f"{aid} needs {want.cpu_millis}m / {need} MiB under {pin}; it booked "
+                             f"{aid} needs {want.cpu_millis}m / {need} MiB under {pin_key}; it booked "
                              f"{event.booked.cpu_millis}m / {event.booked.memory_mib} MiB")
         if event.fidelity is PlacedFidelity.MEMORY and stamp is not None:
             # what a worker checks the image against before it loads it (`restore_check`), and a retry's
@@ -427,16 +430,18 @@ class Verifier:
         return None
 
     @staticmethod
-    def _rejected(rule: str, actor: Actor, event: ActorPlaced, worker: Worker, ask: Ask) -> str:
-        """What the scheduler's judgement found wrong with the placement's worker (`JUDGED`), with the
-        values involved."""
+    def _rejected(rule: str, actor: Actor, event: ActorPlaced, worker: Worker, ask: Ask | None) -> str:
+        """What the scheduler's judgement found wrong with the placement's record or worker (`JUDGED`; `ask`
+        the one its worker was judged by), with the values involved."""
         aid, wid, cls = actor.actor_id, worker.worker_id, actor.spec.sandbox_class
         entry = worker.classes.get(cls)
         if rule == NOT_TAKING:
             return f"{wid} is drained"
+        if rule == NODE_MISMATCH:
+            return f"{aid} placed on {wid} naming node {event.node}; {wid} is on {worker.node}"
         if rule == SELECTOR_UNMET:
             selectors = actor.spec.selectors
-            unmet = [f"{k}={selectors[k]}" for k in missing_keys(ask.selectors, worker.labels)]
+            unmet = [f"{k}={selectors[k]}" for k in missing_keys(actor.spec.selector_pairs, worker.labels)]
             return f"{aid} selects {', '.join(unmet)}; {wid} has no such label"
         if rule == LOCAL_OFF_NODE:
             kind = actor.snapshot
@@ -446,18 +451,22 @@ class Verifier:
                 # actor to that node, and a cold boot elsewhere would leave the image there for good
                 return (f"{aid}'s latest snapshot is LOCAL on node {actor.image_node}; {how} on {wid} on "
                         f"{worker.node}")
-            return f"{aid} is PAUSED on node {ask.node}; {how} on {wid} on {worker.node}"
-        if rule == ACROSS_ARCHITECTURES:  # (the class check passed)
-            arch = worker.classes[cls].default.compat.arch
-            if ask.arch is not None and arch != ask.arch:
-                return f"{aid}'s snapshot is {ask.arch}; {wid}'s default is {arch}"
+            return f"{aid} is PAUSED on node {actor.node}; {how} on {wid} on {worker.node}"
+        if entry is None:  # RUNTIME_GONE, as all that follow but ACROSS_ARCHITECTURES
+            return f"{wid} does not register class {cls}"
+        if rule == ACROSS_ARCHITECTURES:
+            arch = entry.default.compat.arch
+            want = ask.arch if ask is not None else None
+            if want is not None and arch != want:
+                return f"{aid}'s snapshot is {want}; {wid}'s default is {arch}"
             return (f"{aid} runs under {wid}'s default of class {cls}, of architecture {arch}, not of its machine "
                     f"(its registration names two)")
-        if entry is None:  # RUNTIME_GONE
-            return f"{wid} does not register class {cls}"
+        pin = stamp_key(event.sandbox_runtime)
+        if event.fidelity is not PlacedFidelity.MEMORY:
+            return f"{aid} pinned to {pin}; {wid}'s default is {entry.default.compat.key}"
         stamp = actor.snapshot.stamp if actor.snapshot is not None else None
         return (f"{aid}'s memory image ({stamp_key(stamp.runtime) if stamp else 'unstamped'}) "
-                f"restored on {wid} pinned to {stamp_key(event.sandbox_runtime)}, which {wid} does not offer for it")
+                f"restored on {wid} pinned to {pin}, which {wid} does not offer for it")
 
     def _released(self, seq: int, event: ActorReleased) -> Violation | None:
         """A release ends the actor's placement, on the worker that placement names (the snapshotter's

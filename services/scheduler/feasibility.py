@@ -27,9 +27,10 @@ rejection for explain and refusal messages. Both are the one judgement. `missing
 says which selectors a worker passed over for `selector mismatch` does not match (a
 refusal's message names them).
 
-`carries_out` judges a placement made earlier, which a retry of its request id would be
-answered with (not a new decision: room and drains do not count, the placement holds its
-booking): whether the worker, as it is now, still runs what it pins, where it names.
+`carrying` (`carries_out` says why not) judges a placement made earlier, which a retry of its
+request id would be answered with (not a new decision: room and drains do not count, the
+placement holds its booking): whether the worker, as it is now, still runs what it pins, where it
+names. `audit verify` judges every placement's record by it, and its worker by `judge`.
 """
 
 from __future__ import annotations
@@ -175,19 +176,51 @@ def missing_keys(selectors: tuple[tuple[str, str], ...], labels: Mapping[str, st
     return [key for key, value in selectors if labels.get(key) != value]
 
 
+# Why a worker cannot carry out a placement made on it (`carrying`), in the order checked.
+NO_CLASS_NOW = "class not registered now"
+OTHER_NODE_NOW = "on another node now"
+PIN_NOT_RUN = "pinned runtime not run"
+IMAGE_NOT_ACCEPTED = "image not accepted by the pinned runtime"
+CARRY_REASONS = (NO_CLASS_NOW, OTHER_NODE_NOW, PIN_NOT_RUN, IMAGE_NOT_ACCEPTED)
+
+
+def carrying(worker: Worker, sandbox_class: str, node: str, pin: Compat | None,
+             image: Compat | None) -> tuple[str | None, Runtime | None]:
+    """Whether `worker`, as it is now, can carry out a placement made on it on `node` under the runtime
+    `pin` (its compat key; None: one no worker of the log ever ran), restoring, at MEMORY, an image of
+    `image` (None for a placement without memory): (None, the worker's runtime the pin names, the first
+    accepting the image for one) if it can, else (the check that fails, None): the class no longer
+    registered, the worker on another node, the pin no runtime of its class, the pin's runtime not
+    accepting the image (any role: each loads it). The one definition: a retry's answer from the log is
+    judged by it (`carries_out`), and `audit verify` judges every placement's record by it."""
+    entry = worker.classes.get(sandbox_class)
+    if entry is None:
+        return NO_CLASS_NOW, None
+    if worker.node != node:
+        return OTHER_NODE_NOW, None
+    runs = next((r for r in (entry.default, *entry.restorable) if r.compat is pin), None) if pin is not None else None
+    if runs is None:
+        return PIN_NOT_RUN, None
+    if image is not None:
+        runs = next((r for _, r in entry.accepting.get(image, ()) if r.compat is pin), None)
+        if runs is None:
+            return IMAGE_NOT_ACCEPTED, None
+    return None, runs
+
+
 def carries_out(worker: Worker, sandbox_class: str, node: str, pin: Compat | None, image: Compat | None) -> str | None:
     """Why `worker`, as it is now, cannot carry out a placement made on it earlier on `node` under
     the runtime `pin` (its compat key; None: one no worker of the log ever ran), restoring, at
-    MEMORY, an image of `image` (None for a placement without memory); None if it can. Sending it
-    then would run the actor under another runtime than its pin (which every later snapshot is
-    stamped with), or send the image where it cannot load."""
-    entry = worker.classes.get(sandbox_class)
-    if entry is None:
+    MEMORY, an image of `image` (None for a placement without memory); None if it can (`carrying`).
+    Sending it then would run the actor under another runtime than its pin (which every later
+    snapshot is stamped with), or send the image where it cannot load."""
+    why = carrying(worker, sandbox_class, node, pin, image)[0]
+    if why == NO_CLASS_NOW:
         return f"it no longer registers class {sandbox_class}"
-    if worker.node != node:
+    if why == OTHER_NODE_NOW:
         return f"it is on node {worker.node} now, not {node}"
-    if pin is None or not any(r.compat is pin for r in (entry.default, *entry.restorable)):
+    if why == PIN_NOT_RUN:
         return "it no longer runs the runtime the placement pins"
-    if image is not None and not any(r.compat is pin for _, r in entry.accepting.get(image, ())):
+    if why == IMAGE_NOT_ACCEPTED:
         return "the runtime the placement pins no longer accepts the image's version"
     return None
