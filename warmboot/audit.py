@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from events.compat import compat_key, describe_key, stamp_key
+from events.compat import describe_key, stamp_key
 from events.errors import ContractError
 from events.schema import (
     Action,
@@ -43,7 +43,7 @@ from services.scheduler.feasibility import (ARCHITECTURE_MISMATCH, CLASS_NOT_REG
 from services.scheduler.fragmentation import fragmentation
 from services.scheduler.projection import Projection
 from services.scheduler.records import (MEMORY, PAUSED, RUNNING, STOPPED, SUSPENDED, Actor, SnapshotKind, Worker,
-                                        request_hash)
+                                        named_image, request_hash)
 from services.snapshotter.stamping import free_form_id
 
 # The rules `audit verify` checks (names as they appear in its report): at each ActorPlaced,
@@ -415,11 +415,10 @@ class Verifier:
             return Violation(seq, UNDER_BOOKED,
                              f"{aid} needs {want.cpu_millis}m / {need} MiB under {pin_key}; it booked "
                              f"{event.booked.cpu_millis}m / {event.booked.memory_mib} MiB")
-        if event.fidelity is PlacedFidelity.MEMORY and stamp is not None:
+        matched = named_image(event)
+        if matched is not None and stamp is not None:
             # what a worker checks the image against before it loads it (`restore_check`), and a retry's
             # answer from the log (`decide.check_retry`): the matched version, or the pin's own when null
-            pinned = event.sandbox_runtime
-            matched = compat_key(pinned.sandbox_class, event.matched_version or pinned.version)
             if matched != stamp.compat.key:
                 return Violation(seq, MATCHED_OTHER,
                                  f"{aid}'s memory image is {describe_key(stamp.compat.key)}; its placement on {wid} "

@@ -35,7 +35,6 @@ from events.schema import (
     ActorStopped,
     Event,
     Location,
-    PlacedFidelity,
     Placement,
     ReleaseReason,
     RuntimeChanged,
@@ -73,6 +72,7 @@ from services.scheduler.records import (
     Lease,
     Worker,
     bump_count,
+    named_image,
     recent_of,
     set_member,
     request_hash,
@@ -247,8 +247,9 @@ class Projection:
         sandbox_class = pin.sandbox_class
         compat = self.intern.compat_of_key
         image = None
-        if placement.fidelity is PlacedFidelity.MEMORY:
-            image = compat(compat_key(sandbox_class, placement.matched_version or pin.version))
+        named = named_image(placement)
+        if named is not None:
+            image = compat(named)
             if image is None:  # a version no worker of the log ran or accepted
                 return "no runtime it runs accepts the image's version"
         return carries_out(worker, sandbox_class, placement.node, compat(compat_key(sandbox_class, pin.version)), image)

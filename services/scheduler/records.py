@@ -27,8 +27,9 @@ from typing import Any, ClassVar, Iterable, Iterator, Mapping
 
 from msgspec import Struct
 
-from events.compat import CompatKey, architecture, describe_key, machine_architecture, other_architecture
-from events.schema import ActorRuntime, CompatVersion, Fidelity, Resources, WorkerRuntime
+from events.compat import CompatKey, architecture, compat_key, describe_key, machine_architecture, other_architecture
+from events.schema import (ActorPlaced, ActorRuntime, CompatVersion, Fidelity, PlacedFidelity, Placement, Resources,
+                           WorkerRuntime)
 from events.states import ActorState, WorkerState
 
 # Memory every worker keeps out of what it offers to actors (CONTRACT placement rule 6).
@@ -547,6 +548,17 @@ _FILTER_BYTES = PUSHED_OUT_BITS // 8
 def _pushed_out_bits(request: int) -> int:
     """The filter bits of a request hash: three 9-bit slices of it (a blake2b hash: uniform)."""
     return (1 << (request & 511)) | (1 << ((request >> 9) & 511)) | (1 << ((request >> 18) & 511))
+
+
+def named_image(placement: Placement | ActorPlaced) -> CompatKey | None:
+    """The compat key of the image a placement at MEMORY restores, as its record names it: its matched
+    version (v1.1), or, null, its pin's own; None for one without memory. The one reading: what a worker
+    checks the image against before it loads it and a retry's answer is judged by
+    (`Projection.cannot_carry_out`), and what `audit verify` holds equal to the image's stamp (MATCHED_OTHER)."""
+    if placement.fidelity is not PlacedFidelity.MEMORY:
+        return None
+    pin = placement.sandbox_runtime
+    return compat_key(pin.sandbox_class, placement.matched_version or pin.version)
 
 
 def request_hash(request_id: str) -> int:
