@@ -24,6 +24,7 @@ from events.schema import (
     ActorRuntime,
     ActorStopped,
     Event,
+    FallbackReason,
     Fidelity,
     Location,
     PlacedFidelity,
@@ -34,7 +35,7 @@ from events.schema import (
     SnapshotTaken,
     TagRecorded,
 )
-from services.scheduler.decide import AS_PLACED, RANK, below_floor, plan, restricted_to, tier_ask
+from services.scheduler.decide import AS_PLACED, RANK, below_floor, memory_lost, plan, restricted_to, tier_ask
 from services.scheduler.feasibility import (ARCHITECTURE_MISMATCH, CLASS_NOT_REGISTERED, DRAINED, FITS,
                                             IMAGE_NOT_ACCEPTED, INSUFFICIENT_CPU, INSUFFICIENT_MEMORY, NO_CLASS_NOW,
                                             NO_PENDING, NOT_ON_PINNED_NODE, OTHER_NODE_NOW, PIN_NOT_RUN, REASONS,
@@ -545,10 +546,11 @@ class Verifier:
         if _holds_more(event.fidelity, than=kind.fidelity):
             return f"{aid} restored at {event.fidelity.value} from a {kind.fidelity.value} snapshot"
         if event.fidelity is PlacedFidelity.MEMORY and kind.fidelity is MEMORY:
-            if kind.template_uid != actor.spec.template_uid:
+            lost = memory_lost(actor)  # rule 3, as the plan gives the memory up
+            if lost is FallbackReason.TEMPLATE_CHANGED:
                 return (f"{aid}'s memory image is of template {kind.template_uid}, "
                         f"the actor's is {actor.spec.template_uid}")
-            if kind.stamp is None or kind.stamp.compat.sandbox_class != actor.spec.sandbox_class:
+            if lost is not None:
                 return f"{aid}'s memory image is unstamped or stamped for another class"
         return None
 

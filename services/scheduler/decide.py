@@ -352,15 +352,12 @@ def _plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | N
             )
         return Plan(actor, tiers, restore, _no_worker(arch, node, items(source)), False, (source,))
 
-    lost = cause = None
-    if snapshot.template_uid != spec.template_uid:
-        lost = FallbackReason.TEMPLATE_CHANGED
-        cause = (f"its template changed since the snapshot (the memory image is of template "
-                 f"{snapshot.template_uid}, the actor's is now {spec.template_uid})")
-    elif stamp is None or stamp.compat.sandbox_class != cls:
-        lost = FallbackReason.SNAPSHOT_NOT_MEMORY
-        cause = "its snapshot's stamp is missing or of another class, so no runtime can be matched to it"
+    lost = memory_lost(actor)
     if lost is not None:  # rule 3: memory in the snapshot that cannot be used
+        cause = (f"its template changed since the snapshot (the memory image is of template "
+                 f"{snapshot.template_uid}, the actor's is now {spec.template_uid})"
+                 if lost is FallbackReason.TEMPLATE_CHANGED else
+                 "its snapshot's stamp is missing or of another class, so no runtime can be matched to it")
         source = without_memory(arch)
         tier = _without_memory(tier_ask(actor, sel, node, memory=False), items(source), lost, borrowed)
         if below_floor(tier.fidelity, floor, borrowed):
@@ -402,6 +399,22 @@ def _plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | N
             sources.append(source)
             refusal = _no_worker(arch, None, items(source))
     return Plan(actor, tiers, mem_ask, refusal, True, tuple(sources))
+
+
+def memory_lost(actor: Actor) -> FallbackReason | None:
+    """Rule 3: why the memory of the actor's latest snapshot, a MEMORY one, cannot be used: its template
+    changed since (TEMPLATE_CHANGED), or its stamp is missing or of another class, so that no runtime can
+    be matched to it (SNAPSHOT_NOT_MEMORY); None if it can. The one definition: `plan` gives the memory
+    up by it, and `audit verify` flags a memory restore of such an image (NOT_IN_SNAPSHOT)."""
+    snapshot = actor.snapshot
+    if snapshot is None:
+        return None
+    if snapshot.template_uid != actor.spec.template_uid:
+        return FallbackReason.TEMPLATE_CHANGED
+    stamp = snapshot.stamp
+    if stamp is None or stamp.compat.sandbox_class != actor.spec.sandbox_class:
+        return FallbackReason.SNAPSHOT_NOT_MEMORY
+    return None
 
 
 def restricted_to(actor: Actor) -> str | None:
