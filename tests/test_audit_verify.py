@@ -346,6 +346,23 @@ def test_a_worker_the_scheduler_would_reject_is_named_with_the_values_involved()
     assert "w1 does not register class microvm" in str(violation), str(violation)
 
 
+def test_a_memory_restore_books_what_its_pin_needs_of_the_runtimes_accepting_the_image():
+    """Two runtimes of a worker accept the image (a restorable one's own version, and an edge of the default's),
+    with other overheads: a placement pinned to either is loadable (rule 2 prefers the first), and books what the
+    actor needs under its pin (`feasibility.carrying` finds the pin's runtime, `Runtime.need_mib` its need)."""
+    log = [registered("w1", entry(runtime(V2, overhead=0, compatible=(V1,)), (runtime(V1, overhead=100),)),
+                      node="n1", labels=ZONE_A),
+           created("g", snapshot=golden(V1, borrowed=True, actor_id="g"), **SMALL)]
+    memory = {"node": "n1", "fidelity": PlacedFidelity.MEMORY, "action": Action.RESTORE, "snapshot_id": "golden-1",
+              "cpu": 100}
+    assert verify([*log, placed("g", "w1", V1, mem=612, **memory)]) is None
+    through_edge = msgspec.structs.replace(placed("g", "w1", V2, mem=512, **memory), matched_version=V1)
+    assert verify([*log, through_edge]) is None
+    violation = verify([*log, placed("g", "w1", V1, mem=512, **memory)])
+    assert violation is not None and violation.rule == audit.UNDER_BOOKED, violation
+    assert "g needs 100m / 612 MiB under" in str(violation) and "it booked 100m / 512 MiB" in str(violation)
+
+
 def test_every_rejection_of_the_scheduler_is_one_rule_of_verify():
     """Each reason the scheduler rejects a worker for (`Ask.judge`) or a placement made on it (`carrying`)
     is named by one rule of verify's, in one table."""
