@@ -370,3 +370,86 @@ async def test_a_page_a_busy_replica_refuses_is_asked_again_not_read_from_the_lo
     shown = await cli("actor", "list", *at)
     assert shown.exit_code == 0 and json.loads(shown.stdout) == expected, shown.output
     assert None in read  # the whole log, as for no scheduler
+
+
+# --- at fleet size: a page, and a way to the next --------------------------------------------------
+
+
+IDS = sorted({e.actor_id for e in HISTORY if hasattr(e, "actor_id")})
+
+
+async def test_a_table_lists_a_page_and_says_on_stderr_how_to_list_the_next(nats_url, nc, prefix, writer, replicas,
+                                                                            monkeypatch):
+    """`actor list` printed every actor of the log: 50,000 lines on a terminal at 50,000 actors, without
+    being asked (a trial at fleet size). A table lists TABLE_LIMIT (here 3, in pages of 2) and says on
+    stderr how to list the next ones (`--continue ID`, the same filters) or all (`--limit 0`); -o json
+    lists every one. Alike from a scheduler and from the log's fold."""
+    from warmboot import cmd_lifecycle, cmd_views
+
+    await asyncio.to_thread(writer.write, *HISTORY)
+    monkeypatch.setattr(cmd_views, "TABLE_LIMIT", 3)
+    monkeypatch.setattr(cmd_lifecycle, "ACTORS_LIMIT_MAX", 2)
+    at = ("--nats", nats_url, "--prefix", prefix)
+
+    def ids(shown) -> list[str]:
+        return [line.split()[0] for line in shown.stdout.splitlines()[1:]]
+
+    for source in ("log", "scheduler"):
+        if source == "scheduler":
+            await replicas()
+        first = await cli("actor", "list", *at)
+        assert first.exit_code == 0 and ids(first) == IDS[:3], (source, first.output)
+        assert first.stderr == (f"note: 3 actors listed, more follow: --continue {IDS[2]} lists the next 3 (the same "
+                                "filters), --limit 0 every one\n"), source
+        second = await cli("actor", "list", "--continue", IDS[2], *at)
+        assert ids(second) == IDS[3:6] and f"--continue {IDS[5]} " in second.stderr, (source, second.output)
+        last = await cli("actor", "list", "--continue", IDS[5], *at)
+        assert ids(last) == IDS[6:] and last.stderr == "", (source, last.output)
+        whole = await cli("actor", "list", "--limit", "0", *at)
+        assert ids(whole) == IDS and whole.stderr == "", source
+        as_json = await cli("actor", "list", "-o", "json", *at)
+        assert [v["actor_id"] for v in json.loads(as_json.stdout)] == IDS and as_json.stderr == "", source
+        two = await cli("actor", "list", "-o", "json", "--limit", "2", *at)
+        assert [v["actor_id"] for v in json.loads(two.stdout)] == IDS[:2] and "--continue" in two.stderr, source
+        running = await cli("actor", "list", "--state", "RUNNING", "--limit", "1", *at)
+        assert ids(running) == ["a-2"] and "--continue a-2 " in running.stderr, (source, running.output)
+    bad = await cli("actor", "list", "--continue", "no such id!", *at)
+    assert bad.exit_code == 2 and "--continue" in bad.stderr, bad.output
+
+
+async def test_json_is_printed_a_page_at_a_time(nats_url, nc, prefix, writer, replicas, monkeypatch):
+    """`actor list -o json` held every page, and then their whole text, before printing (890 MB at 50,000
+    actors): each page is printed before the next is asked, the whole the same JSON."""
+    import sys
+
+    from warmboot import cmd_lifecycle
+
+    await asyncio.to_thread(writer.write, *HISTORY)
+    await replicas()
+    at = ("--nats", nats_url, "--prefix", prefix, "-o", "json")
+    whole = (await cli("actor", "list", *at)).stdout
+    monkeypatch.setattr(cmd_lifecycle, "ACTORS_LIMIT_MAX", 2)
+    printed: list[int] = []  # what stdout held as each page was asked
+    actors = Client.actors
+
+    async def recorded(self, q: ActorsQuery) -> ActorPage:
+        sys.stdout.flush()
+        printed.append(len(sys.stdout.buffer.getvalue()))
+        return await actors(self, q)
+
+    monkeypatch.setattr(Client, "actors", recorded)
+    paged = (await cli("actor", "list", *at)).stdout
+    assert paged == whole and json.loads(paged) and len(printed) == (len(IDS) + 1) // 2
+    assert printed[0] == 0 and all(a < b for a, b in zip(printed, printed[1:])), printed
+
+
+def test_a_json_list_written_an_element_at_a_time_is_json_dumps_of_it_whole():
+    from warmboot.render import JsonList
+
+    for elements in ([], [1], [{"a": [1, {"b": "x\ny"}], "c": {}}, "q", [], None]):
+        out: list[str] = []
+        listed = JsonList(out.append)
+        for element in elements:
+            listed.add(element)
+        listed.close()
+        assert "".join(out) == json.dumps(elements, indent=2) + "\n"

@@ -57,6 +57,12 @@ from services.scheduler.feasibility import none_passes as feasibility_none_passe
 from warmboot.cmd_views import (
     LABELS_TIMEOUT_S,
     asked_pages,
+    cut_short,
+    listed_pages,
+    listing_limit,
+    listing_progress,
+    paging_options,
+    with_runtime_ids,
     asked_runtimes,
     class_row,
     class_runtime_fields,
@@ -76,7 +82,7 @@ from warmboot.cmd_views import (
     runtimes_of,
     unless_busy,
 )
-from warmboot.render import Column, key_values, render_fields, render_table, terminal_width
+from warmboot.render import Column, JsonList, cell_columns, key_values, render_fields, render_table, terminal_width
 
 T = TypeVar("T")
 
@@ -990,63 +996,106 @@ def folded_actors(projection: Any, query: ActorsQuery) -> list[ActorPage]:
 @click.option("--worker", "worker_ids", multiple=True,
               callback=field_of(ActorsQuery, "worker_ids"),
               help="Only actors placed on this worker. Repeatable: actors placed on any worker given.")
+@paging_options("actors", "ACTOR", ActorsQuery)
 @nats_option
 @prefix_option
 @output_option
 def list_actors_cmd(sandbox_classes: tuple[str, ...], states: tuple[str, ...], worker_ids: tuple[str, ...],
-                    nats_url: str, prefix: str, output: str | None, as_json: bool) -> None:
+                    limit: int | None, after: str | None, nats_url: str, prefix: str, output: str | None,
+                    as_json: bool) -> None:
     """The actors of the log (stopped ones included), by id: state, worker, latest snapshot and its
     stamp. Asked of a scheduler replica, a page at a time (`scheduler.actors`: pages are not one
     snapshot, an actor created meanwhile is listed if its id sorts after those listed already); only
     when none answers, the log folded with the scheduler's projection (as `workers` then does).
+
+    A table lists the first 500 (--limit), and then says on stderr how to list the next ones
+    (--continue ID); -o json lists every one, printed a page at a time.
 
     A filter given more than once takes any of its values (`--state SUSPENDED --state PAUSED`:
     both); different filters all apply."""
     from warmboot.audit import Sink
 
     mode = output_mode(output, as_json)
+    most = listing_limit(limit, mode)
     # a filter given more than once: any of its values (it kept the last one alone: a walkthrough)
     query = ActorsQuery(sandbox_classes=tuple(dict.fromkeys(sandbox_classes)),
                         states=tuple(ActorState(s) for s in dict.fromkeys(states)),
-                        worker_ids=tuple(dict.fromkeys(worker_ids)), limit=ACTORS_LIMIT_MAX)
+                        worker_ids=tuple(dict.fromkeys(worker_ids)), after=after, limit=ACTORS_LIMIT_MAX)
+    columns, cells_of = cell_columns(ACTOR_LIST_COLUMNS)
 
-    async def work(nc: Any) -> tuple[list[ActorPage], Runtimes]:
+    async def work(nc: Any) -> tuple[list[tuple[str, ...]], int, str | None]:
         try:  # at least the log as it is now, as whatif asks; a client's credentials may not read it: without
             target = await last_seq(nc, prefix, LABELS_TIMEOUT_S)
         except LogUnreadable:
             target = 0
-        pages = await asked_actors(nc, prefix, msgspec.structs.replace(query, min_seq=target or None))
-        if pages is None:  # no scheduler answers: the whole log, folded here
-            projection = (await replay_for(nc, prefix, "actors", Sink(), mode != "json")).projection
-            return folded_actors(projection, query), runtimes_of(projection)
-        runtimes = await runtime_labels(nc, prefix, target or None)
-        # the names the log's stamps and pins give the runtimes no worker names, as `runtimes_of` has them
-        for page in pages:
-            for r in (*page.stamp_names, *(s for row in page.actors
-                                            for s in (row.snapshot and row.snapshot.stamp, row.pin) if s)):
-                runtimes.stamp(r.sandbox_class, r.version, r.name)
-        return pages, runtimes
+        runtimes: Runtimes | None = None
 
-    pages, runtimes = ask(nats_url, work)
-    rows = [row for page in pages for row in page.actors]
-    views = [summary_view(row, runtimes) for row in rows]
-    # a value no actor could match reads like a typo: said, not only left out of the list
-    first = pages[0]
-    for sandbox_class in first.unknown_classes:
-        click.echo(f"note: no actor of the log is of the sandbox class '{sandbox_class}' (its actors': "
-                   f"{', '.join(first.classes) or 'none'})", err=True)
-    for worker_id in first.unknown_workers:
-        if not any(row.worker_id == worker_id for row in rows):
-            click.echo(f"note: worker '{worker_id}' is not registered (`warmboot workers` lists those that are)",
-                       err=True)
-    if mode == "json":
-        echo_json(views)
-        return
-    if not views:
-        click.echo("no actor matches" if (sandbox_classes or states or worker_ids) else "no actors")
-        return
-    width = terminal_width()
-    echo_table(render_table(ACTOR_LIST_COLUMNS, views, width, mode == "wide"), width)
+        async def folded() -> Callable[[ActorsQuery], ActorPage]:  # no scheduler answers: the whole log, here
+            nonlocal runtimes
+            projection = (await replay_for(nc, prefix, "actors", Sink(), mode != "json")).projection
+            runtimes = runtimes_of(projection)
+            from services.scheduler.actor_list import actor_page
+
+            return lambda q: actor_page(projection, q)
+
+        listed = JsonList(lambda text: click.echo(text, nl=False)) if mode == "json" else None
+        table: list[tuple[str, ...]] = []  # each row's cells (`cell_columns`), not the row
+        count, placed_on, last = 0, set(), None
+        with listing_progress("actors", mode) as progress:
+            task = progress.add_task("", total=None)
+            async for page, from_log in listed_pages(
+                    Client(nc, prefix, timeout=LABELS_TIMEOUT_S, attempts=1).actors, folded,
+                    msgspec.structs.replace(query, min_seq=target or None), most, ACTORS_LIMIT_MAX,
+                    lambda page: page.actors):
+                if last is None:
+                    said_of_filters(page)
+                if runtimes is None:
+                    runtimes = await runtime_labels(nc, prefix, target or None)
+                if not from_log:  # the names the log's stamps and pins give runtimes no worker names (`runtimes_of`)
+                    for r in (*page.stamp_names, *(s for row in page.actors
+                                                   for s in (row.snapshot and row.snapshot.stamp, row.pin) if s)):
+                        runtimes.stamp(r.sandbox_class, r.version, r.name)
+                for row in page.actors:
+                    view = summary_view(row, runtimes)
+                    if listed is not None:
+                        listed.add(with_runtime_ids(view))
+                    else:
+                        table.append(cells_of(view))
+                    placed_on.add(row.worker_id)
+                count += len(page.actors)
+                last = page
+                progress.update(task, completed=count)
+        if listed is not None:
+            listed.close()
+        unplaced_notes(placed_on)
+        return table, count, last.next_after
+
+    first_page: list[ActorPage] = []
+
+    def said_of_filters(first: ActorPage) -> None:
+        """A value no actor could match reads like a typo: said, not only left out of the list (on stderr,
+        before the rows: the first page says it)."""
+        first_page.append(first)
+        for sandbox_class in first.unknown_classes:
+            click.echo(f"note: no actor of the log is of the sandbox class '{sandbox_class}' (its actors': "
+                       f"{', '.join(first.classes) or 'none'})", err=True)
+
+    def unplaced_notes(placed_on: set) -> None:
+        for worker_id in first_page[0].unknown_workers if first_page else ():
+            if worker_id not in placed_on:
+                click.echo(f"note: worker '{worker_id}' is not registered (`warmboot workers` lists those that are)",
+                           err=True)
+
+    table, count, next_after = ask(nats_url, work)
+    more = cut_short("actors", count, next_after, most)
+    if mode != "json":
+        if not table:
+            click.echo("no actor matches" if (sandbox_classes or states or worker_ids) else "no actors")
+        else:
+            width = terminal_width()
+            echo_table(render_table(columns, table, width, mode == "wide"), width)
+    if more is not None:
+        click.echo(more, err=True)
 
 
 # --- worker --------------------------------------------------------------------------------------

@@ -23,7 +23,8 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from typing import Any, Awaitable, Callable, Iterable, Mapping, TypeVar
+import sys
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Mapping, TypeVar
 
 import click
 import msgspec
@@ -748,6 +749,82 @@ async def asked_pages(ask: Callable[[Any], Awaitable[Any]], query: Any,
             query = msgspec.structs.replace(query, after=page.next_after)
     except ContractError:
         return None
+
+
+TABLE_LIMIT = 500  # rows a listing's table shows unless --limit says: a page, --continue for the next
+
+
+def paging_options(what: str, cursor: str, query: type) -> Callable[[Callable], Callable]:
+    """`--limit N` and `--continue ID` of a listing (`workers`, `actor list`), as kubectl's: a table lists
+    TABLE_LIMIT of `what` unless asked (50,000 lines of `actor list` on a terminal, at fleet size: a user
+    trial), -o json every one; a listing cut short says on stderr how to ask for the next page. A
+    --continue that is not an id is a usage error, as the `query`'s `after` takes it (sent, the
+    scheduler's refusal read as no scheduler, and the whole log was folded)."""
+    def options(command: Callable) -> Callable:
+        command = click.option(
+            "--continue", "after", default=None, metavar=cursor, callback=request_field(query, "after"),
+            help=f"List the {what} after this id (by id): the one a listing cut short names, for the next "
+                 "page (with the same filters).")(command)
+        return click.option(
+            "--limit", type=IntRange(min=0), default=None,
+            help=f"List at most N {what} (0: every one). Default: {TABLE_LIMIT} in a table, every one with -o "
+                 "json; a listing cut short says on stderr how to list the next page (--continue).")(command)
+    return options
+
+
+def listing_limit(limit: int | None, mode: str) -> int:
+    """The rows a listing shows at most (0: all): --limit, else TABLE_LIMIT in a table, all in JSON."""
+    return limit if limit is not None else (0 if mode == "json" else TABLE_LIMIT)
+
+
+async def listed_pages(ask: Callable[[Any], Awaitable[Any]], folded: Callable[[], Awaitable[Callable[[Any], Any]]],
+                       query: Any, limit: int, page_max: int, rows: Callable[[Any], list]
+                       ) -> AsyncIterator[tuple[Any, bool]]:
+    """The pages of `query`, `limit` rows in all at most (0: every one), each yielded as it comes, so that
+    a caller prints it before the next is asked (its memory is a page's, not the listing's); each asked of
+    a scheduler replica (`ask`, in one attempt, again while a busy one refuses it: `unless_busy`). Once one
+    is not answered, it and the rest from the log's fold (`folded()`, made once: a query's page from it), from
+    where the answered ones stopped. Yields (page, whether it is the log's)."""
+    page_of: Callable[[Any], Any] | None = None
+    left = limit
+    while True:
+        asked = msgspec.structs.replace(query, limit=min(page_max, left) if limit else page_max)
+        page = None
+        if page_of is None:
+            try:
+                page = await unless_busy(lambda: ask(asked))
+            except ContractError:
+                page_of = await folded()
+        if page is None:
+            page = page_of(asked)
+        yield page, page_of is not None
+        left -= len(rows(page))
+        if page.next_after is None or (limit and left <= 0):
+            return
+        query = msgspec.structs.replace(query, after=page.next_after)
+
+
+def listing_progress(what: str, mode: str) -> Any:
+    """A count of the rows listed so far, on stderr while a listing walks its pages, where someone
+    watches: stderr a terminal, and the rows not printed there as they come (a table is laid out at the
+    end; JSON to a terminal is its own progress). `actor list --limit 0` took 14 s at 50,000 actors
+    without a word."""
+    from rich.console import Console
+    from rich.progress import Progress, TextColumn, TimeElapsedColumn
+
+    from warmboot.cli_common import stderr_is_terminal
+
+    return Progress(TextColumn(f"listing {what}"), TextColumn("{task.completed:,}"), TimeElapsedColumn(),
+                    console=Console(stderr=True), transient=True,
+                    disable=not stderr_is_terminal() or (mode == "json" and sys.stdout.isatty()))
+
+
+def cut_short(what: str, listed: int, next_after: str | None, limit: int) -> str | None:
+    """What a listing stopped at its limit with rows left says on stderr: how to list the next page."""
+    if next_after is None or not limit or listed < limit:
+        return None
+    return (f"note: {listed:,} {what} listed, more follow: --continue {next_after} lists the next {limit:,} "
+            "(the same filters), --limit 0 every one")
 
 
 def folded_pages(page_of: Callable[[Any], Any], query: Any) -> list:

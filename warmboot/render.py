@@ -10,6 +10,9 @@ as `KEY  value` lines, wrapping a long value at spaces (never inside a word).
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import operator
 import os
 import shutil
 import sys
@@ -115,6 +118,40 @@ def render_table(columns: Sequence[Column], rows: Sequence[Any], width: int | No
         parts = [cell.rjust(w) if c.right else cell.ljust(w) for cell, w, c in zip(cells, widths, shown)]
         lines.append(GAP.join(parts).rstrip())
     return Rendered("\n".join(lines), left_out, max((len(line) for line in lines), default=0))
+
+
+def cell_columns(columns: Sequence[Column]) -> tuple[list[Column], Callable[[Any], tuple[str, ...]]]:
+    """`columns` as columns that read a row's cells by position, and the function that makes those cells
+    of a row (every column's value, and its narrow form's): a long listing keeps each row's few strings
+    until it is laid out, not the row (`actor list --limit 0` held 50,000 rows as dicts: 370 MB)."""
+    values: list[Callable[[Any], str]] = []
+
+    def reading(column: Column) -> Column:
+        values.append(column.value)
+        at = operator.itemgetter(len(values) - 1)
+        narrow = reading(column.narrow) if column.narrow is not None else None
+        return dataclasses.replace(column, value=at, narrow=narrow)
+
+    read = [reading(c) for c in columns]
+    return read, lambda row: tuple(value(row) for value in values)
+
+
+class JsonList:
+    """A JSON array written an element at a time, exactly as `json.dumps(elements, indent=2)` writes it
+    whole, through `write`: a listing of any length is printed a page at a time, its memory a page's
+    (`actor list -o json` of 50,000 actors held them all, and their 61 MB of text: 890 MB)."""
+
+    def __init__(self, write: Callable[[str], Any]):
+        self.write = write
+        self.count = 0
+
+    def add(self, element: Any) -> None:
+        text = textwrap.indent(json.dumps(element, indent=2), "  ")
+        self.write(("[\n" if self.count == 0 else ",\n") + text)
+        self.count += 1
+
+    def close(self) -> None:
+        self.write("\n]\n" if self.count else "[]\n")
 
 
 def render_fields(pairs: Sequence[tuple[str, str]], width: int | None = None) -> str:
