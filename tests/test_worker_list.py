@@ -213,7 +213,9 @@ async def test_the_endpoint_s_pages_are_the_log_s_rows_and_the_command_prints_al
     assert all(folded[args].exit_code == 0 for args in COMMANDS), [folded[a].output for a in COMMANDS]
     assert None in read  # the whole log
     projection = fold([event for _, event in await read_log(nc, prefix)], Projection())
-    assert json.loads(folded[("-o", "json")].stdout) == json.loads(json.dumps(to_builtins(before_rows(projection))))
+    # -o json by worker (and class), printed a page at a time (it held every row to sort them by class first)
+    by_worker = sorted(before_rows(projection), key=lambda r: (r["worker_id"], r["sandbox_class"]))
+    assert json.loads(folded[("-o", "json")].stdout) == json.loads(json.dumps(to_builtins(by_worker)))
     for args, named in zip(UNKNOWN, ("kata", "gvsor", "Bad Class", "Bad Class")):
         shown = folded[args]
         assert shown.exit_code == 1 and shown.stdout == "", shown.output
@@ -282,3 +284,35 @@ async def test_a_bad_query_is_invalid_naming_its_field_and_writes_nothing(nc, pr
     empty = await call(nc, subject, {}, WorkerPage)  # an empty fold: no rows, no cursor, no classes
     assert (empty.workers, empty.next_after, empty.classes) == ([], None, [])
     assert msgspec.json.decode(encode(WorkersQuery(sandbox_classes=("gvisor",))))["sandbox_classes"] == ["gvisor"]
+
+
+async def test_a_table_lists_a_page_of_workers_and_says_on_stderr_how_to_list_the_next(nats_url, nc, prefix, writer,
+                                                                                       replicas, monkeypatch):
+    """`workers` printed every worker: 5,000 lines at 5,000 workers, without being asked (a trial at fleet
+    size). A table lists TABLE_LIMIT workers by id (here 2, in pages of 1), its rows sorted as before, and
+    says on stderr how to list the next ones (`--continue ID`) or all (`--limit 0`); -o json every one."""
+    from warmboot import cmd_views
+
+    await asyncio.to_thread(writer.write, *HISTORY)
+    await replicas()
+    monkeypatch.setattr(cmd_views, "TABLE_LIMIT", 2)
+    monkeypatch.setattr(cmd_views, "WORKERS_LIMIT_MAX", 1)
+    at = ("--nats", nats_url, "--prefix", prefix)
+
+    def ids(shown) -> set[str]:
+        return {line.split()[0] for line in shown.stdout.splitlines()[1:]}
+
+    first = await cli("workers", *at)
+    assert first.exit_code == 0 and ids(first) == {"m-w", "w-0"}, first.output
+    assert first.stderr == ("note: 2 workers listed, more follow: --continue w-0 lists the next 2 (the same filters), "
+                            "--limit 0 every one\n")
+    second = await cli("workers", "--continue", "w-0", *at)
+    assert ids(second) == {"w-1", "w-2"} and "--continue w-2 " in second.stderr, second.output
+    last = await cli("workers", "--continue", "w-2", *at)
+    assert ids(last) == {"w-3"} and last.stderr == "", last.output
+    whole = await cli("workers", "--limit", "0", *at)
+    rows = whole.stdout.splitlines()[1:]
+    assert ids(whole) == {"m-w", "w-0", "w-1", "w-2", "w-3"} and whole.stderr == ""
+    assert rows == sorted(rows, key=lambda line: (line.split()[1], line.split()[2], line.split()[0]))
+    as_json = await cli("workers", "-o", "json", *at)
+    assert {r["worker_id"] for r in json.loads(as_json.stdout)} == ids(whole) and as_json.stderr == ""

@@ -46,7 +46,8 @@ from services.scheduler.feasibility import SELECTOR_MISMATCH
 from warmboot.cli_common import (IntRange, LogUnreadable, ask, check_id, last_seq, log_messages, min_seq_option,
                                  nats_option, prefix_option, request_field, selectors_of, unread_why, version_text)
 from warmboot.client import Client
-from warmboot.render import Column, key_values, render_fields, render_table, terminal_width
+from warmboot.render import (Column, JsonList, cell_columns, key_values, render_fields, render_table,
+                             terminal_width)
 
 # --- what every view shares -----------------------------------------------------------------------
 
@@ -926,10 +927,12 @@ def render_workers(rows: list[dict], width: int | None, wide: bool = False):
 
 @click.command()
 @classes_option("rows")
+@paging_options("workers", "WORKER", WorkersQuery)
 @nats_option
 @prefix_option
 @output_option
-def workers(sandbox_class: tuple[str, ...], nats_url: str, prefix: str, output: str | None, as_json: bool) -> None:
+def workers(sandbox_class: tuple[str, ...], limit: int | None, after: str | None, nats_url: str, prefix: str,
+            output: str | None, as_json: bool) -> None:
     """Registered workers by class and runtime, with free capacity and drain state.
 
     A row per worker and class: ACTORS counts the actors of that class booked on the worker
@@ -939,52 +942,84 @@ def workers(sandbox_class: tuple[str, ...], nats_url: str, prefix: str, output: 
     answers, the log folded with the scheduler's projection: either way, what the scheduler sees.
     A --class no registered worker runs is an error naming the classes they run, exit status 1,
     as whatif's is.
+
+    A table lists the first 500 workers by id (--limit), their rows sorted by class, runtime and
+    worker, and then says on stderr how to list the next ones (--continue ID); -o json lists every
+    one, by worker id (and class), printed a page at a time.
     """
     from warmboot.audit import Sink
     from warmboot.cli_common import replay_for
     from warmboot.cmd_lifecycle import CLASS_RE
 
     from services.scheduler.whatif import unknown_class
+    from services.scheduler.worker_list import worker_page
 
     mode = output_mode(output, as_json)
+    most = listing_limit(limit, mode)
     wanted = set(sandbox_class)
     asked = tuple(dict.fromkeys(sandbox_class))
     valid = tuple(c for c in asked if CLASS_RE.match(c))
     # the classes a query may carry; a name that is none (`Bad Class`) is unknown: one row says the classes run
     sent = valid if len(valid) <= ACTORS_FILTER_MAX else ()
-    query = WorkersQuery(sandbox_classes=sent, limit=WORKERS_LIMIT_MAX if valid == asked else 1)
+    query = WorkersQuery(sandbox_classes=sent, after=after)
+    page_max = WORKERS_LIMIT_MAX if valid == asked else 1
+    columns, cells_of = cell_columns(WORKER_COLUMNS)
 
-    def unknown(first: WorkerPage) -> str | None:
-        return unknown_class_asked(first, asked, sent)
-
-    async def work(nc: Any) -> tuple[list[WorkerPage], Runtimes]:
+    async def work(nc: Any) -> tuple[list[tuple[tuple, tuple[str, ...]]], int, str | None]:
         try:  # at least the log as it is now, as whatif asks; a client's credentials may not read it: without
             target = await last_seq(nc, prefix, LABELS_TIMEOUT_S)
         except LogUnreadable:
             target = 0
-        pages = await asked_workers(nc, prefix, msgspec.structs.replace(query, min_seq=target or None),
-                                    lambda first: unknown(first) is not None)
-        if pages is None:  # no scheduler answers: the whole log, folded here
-            projection = (await replay_for(nc, prefix, "workers", Sink(), mode != "json")).projection
-            pages, runtimes = folded_workers(projection, query), runtimes_of(projection)
-        else:
-            runtimes = await runtime_labels(nc, prefix, target or None)
-        named = unknown(pages[0])
-        if named is not None:  # a typo names the classes the fleet runs, as whatif's does (`check_class`)
-            raise unknown_class(named, pages[0].classes)
-        return pages, runtimes
+        runtimes: Runtimes | None = None
 
-    pages, runtimes = ask(nats_url, work)
-    rows = [r for r in summary_rows([w for page in pages for w in page.workers], runtimes)
-            if not wanted or r["sandbox_class"] in wanted]
-    if mode == "json":
-        echo_json(rows)
-        return
-    if not rows:
-        click.echo("no workers registered")
-        return
-    width = terminal_width()
-    echo_table(render_workers(rows, width, mode == "wide"), width)
+        async def folded() -> Callable[[WorkersQuery], WorkerPage]:  # no scheduler answers: the whole log, here
+            nonlocal runtimes
+            projection = (await replay_for(nc, prefix, "workers", Sink(), mode != "json")).projection
+            runtimes = runtimes_of(projection)
+            return lambda q: worker_page(projection, q)
+
+        listed = JsonList(lambda text: click.echo(text, nl=False)) if mode == "json" else None
+        table: list[tuple[tuple, tuple[str, ...]]] = []  # (sort key, cells) of each row, not the row
+        count, last = 0, None
+        with listing_progress("workers", mode) as progress:
+            task = progress.add_task("", total=None)
+            async for page, _ in listed_pages(
+                    Client(nc, prefix, timeout=LABELS_TIMEOUT_S, attempts=1).workers, folded,
+                    msgspec.structs.replace(query, min_seq=target or None), most, page_max, lambda page: page.workers):
+                if last is None:
+                    named = unknown_class_asked(page, asked, sent)
+                    if named is not None:  # a typo names the classes the fleet runs, as whatif's does (`check_class`)
+                        raise unknown_class(named, page.classes)
+                if runtimes is None:
+                    runtimes = await runtime_labels(nc, prefix, target or None)
+                rows = summary_rows(page.workers, runtimes)
+                if listed is not None:  # by worker, as the pages come: the same order whatever a page holds
+                    rows.sort(key=lambda row: (row["worker_id"], row["sandbox_class"]))
+                for row in rows:
+                    if wanted and row["sandbox_class"] not in wanted:
+                        continue
+                    if listed is not None:
+                        listed.add(with_runtime_ids(row))
+                    else:
+                        table.append(((row["sandbox_class"], row["runtime"], row["worker_id"]), cells_of(row)))
+                count += len(page.workers)
+                last = page
+                progress.update(task, completed=count)
+        if listed is not None:
+            listed.close()
+        return table, count, last.next_after
+
+    table, count, next_after = ask(nats_url, work)
+    more = cut_short("workers", count, next_after, most)
+    if mode != "json":
+        if not table:
+            click.echo("no workers registered")
+        else:
+            table.sort(key=lambda row: row[0])
+            width = terminal_width()
+            echo_table(render_table(columns, [cells for _, cells in table], width, mode == "wide"), width)
+    if more is not None:
+        click.echo(more, err=True)
 
 
 # --- whatif ---------------------------------------------------------------------------------------------
