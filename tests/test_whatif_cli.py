@@ -257,3 +257,72 @@ async def test_a_runtime_no_worker_runs_any_more_is_labelled_as_fragmentation_la
     labels = dropped_labels(shown.output)
     assert labels and all(label.startswith("runsc-2024.11@") for label in labels), shown.output
     assert labels == dropped_labels(frag.output), (shown.output, frag.output)
+
+
+# --- at fleet size ------------------------------------------------------------------------------------
+
+
+async def test_a_forecast_larger_than_one_answer_carries_lists_as_many_as_fit_and_says_so():
+    """`whatif --limit 0` ("all, up to 10,000") of a thousand drained workers was a 3.1 MB answer, past the
+    server's max_payload: the scheduler refused it RESOURCE_EXHAUSTED and the command printed that error
+    alone, no forecast. It asks again for as many actors as fit (`fitting_whatif`), the counts unchanged,
+    and the note says why fewer are listed; any other refusal is raised as it was."""
+    from types import SimpleNamespace
+
+    from events.codec import encode
+    from events.errors import ContractError, exhausted
+    from events.schema import Location, SnapshotCounts, StrandedActor, WhatIfAnswer
+    from services.endpoints import fitting
+    from tests.factories import stamp, version
+    from warmboot.cmd_views import fitting_whatif, render_whatif
+
+    stranded, carried = 3000, 100_000
+    request = SimpleNamespace(_msg=SimpleNamespace(_client=SimpleNamespace(max_payload=carried)))
+    asked: list[int] = []
+
+    def answer(limit: int) -> WhatIfAnswer:
+        return WhatIfAnswer(
+            before=SnapshotCounts(stranded_snapshots=0, memory_restorable_snapshots=stranded),
+            after=SnapshotCounts(stranded_snapshots=stranded, memory_restorable_snapshots=0), runtimes=[],
+            newly_stranded=[StrandedActor(actor_id=f"a-{i:05d}", stamp=stamp(version("b1"), name="runsc-v1"),
+                                          location=Location.LOCAL, node=f"node-{i:05d}")
+                            for i in range(min(limit, stranded))])
+
+    class Scheduler:
+        async def whatif(self, query: WhatIf) -> WhatIfAnswer:
+            asked.append(query.limit)
+            reply = answer(query.limit)
+            fitting(request, encode(reply))  # the service's own check, and its words
+            return reply
+
+    query = WhatIf(sandbox_class="gvisor", drain_workers=("w-1",), limit=10_000)
+    got, answered = await fitting_whatif(Scheduler(), query)
+    assert len(encode(got)) <= carried and carried // 2 < len(encode(got)), asked
+    assert answered.limit == asked[-1] < 10_000 and len(asked) <= 3 and len(got.newly_stranded) == answered.limit
+    text = render_whatif(answered, got, runtimes_of(folded(fleet())), 200, carried=True)
+    assert text.endswith(f"({stranded} snapshots newly stranded, {answered.limit} actors listed: as many as one "
+                         "answer of this NATS server carries (its max_payload))"), text[-300:]
+
+    class Refusing:
+        async def whatif(self, query: WhatIf) -> WhatIfAnswer:
+            raise exhausted("busy")
+
+    with pytest.raises(ContractError, match="busy"):
+        await fitting_whatif(Refusing(), query)
+
+
+def test_a_thousand_workers_drained_are_named_a_few_and_counted():
+    """DRAIN listed every worker a forecast drains: 18 KB of one field for a thousand (a trial at fleet
+    size). It names ten and counts the rest; -o wide names all."""
+    from services.scheduler.whatif import whatif
+    from warmboot.cmd_views import render_whatif
+
+    workers = fleet(40)
+    projection = folded(workers)
+    drained = tuple(w.worker_id for w in workers if w.worker_id.startswith("w-gv"))
+    query = WhatIf(sandbox_class="gvisor", drain_workers=drained)
+    runtimes = runtimes_of(projection)
+    fields = render_whatif(query, whatif(projection, query), runtimes, 200).splitlines()[2]
+    assert fields == f"DRAIN  {', '.join(sorted(drained)[:10])} (+{len(drained) - 10} more)", fields
+    wide = render_whatif(query, whatif(projection, query), runtimes, 200, wide=True).splitlines()[2]
+    assert wide == f"DRAIN  {', '.join(sorted(drained))}"

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import sys
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Mapping, TypeVar
 
@@ -1132,17 +1133,24 @@ async def whatif_labels(nc: Any, prefix: str, runtimes: Runtimes, sandbox_class:
     return await stamp_labels(nc, prefix, runtimes, unaccepted)
 
 
+DRAINS_NAMED = 10  # of the workers a forecast drains, the ids its DRAIN names (-o wide: all)
+
+
 def render_whatif(query: WhatIf, answer: WhatIfAnswer, runtimes: Runtimes, width: int | None,
-                  wide: bool = False) -> str:
+                  wide: bool = False, carried: bool = False) -> str:
     """The forecast: what the query supposes, the snapshot counts before and after, per runtime
-    the workers and free room before and after, and the actors it would strand."""
+    the workers and free room before and after, and the actors it would strand. DRAIN names
+    DRAINS_NAMED of the workers drained and counts the rest, unless `wide` (a thousand ids were 18 KB of
+    one field: a trial at fleet size). `carried`: the actors listed are as many as one answer of the
+    server carries (`fitting_whatif`), fewer than asked, and the note says so."""
     cls = query.sandbox_class
     dropped = {compat_key(cls, v) for v in query.drop_runtimes}
+    drained = sorted(set(query.drain_workers))
     fields = [
         ("CLASS", cls),
         ("DROP", ", ".join(pin_label(runtimes, cls, v)  # in the order of the table below
                            for v in sorted(query.drop_runtimes, key=lambda v: by_label(runtimes, cls, v))) or "-"),
-        ("DRAIN", ", ".join(sorted(set(query.drain_workers))) or "-"),
+        ("DRAIN", (", ".join(drained) if wide else named_few(drained, DRAINS_NAMED)) or "-"),
     ]
     parts = [render_fields(fields, None if wide else width)]
     parts.append(render_table(COUNT_COLUMNS, [("before", answer.before), ("after", answer.after)], width, wide).text)
@@ -1161,8 +1169,8 @@ def render_whatif(query: WhatIf, answer: WhatIfAnswer, runtimes: Runtimes, width
         parts.append("no actor newly stranded")
     if newly > len(answer.newly_stranded):
         listed = len(answer.newly_stranded)
-        notes.append(f"({newly} snapshots newly stranded, {listed} actor{'' if listed == 1 else 's'} listed; "
-                     f"--limit 0 lists all, up to {WHATIF_LIMIT_MAX:,})")
+        notes.append(f"({newly} snapshots newly stranded, {listed} actor{'' if listed == 1 else 's'} listed"
+                     + (f": {CARRIED})" if carried else f"; --limit 0 lists all, up to {WHATIF_LIMIT_MAX:,})"))
     if answer.created_newly_stranded:
         # not counted above (CONTRACT counts PAUSED and SUSPENDED actors), and as stuck under MEMORY: said apart
         table = render_table(stranded_columns(runtimes, "CREATED, IMAGE NEWLY STRANDED"),
@@ -1175,6 +1183,37 @@ def render_whatif(query: WhatIf, answer: WhatIfAnswer, runtimes: Runtimes, width
     text = "\n\n".join(parts)
     notes = [n for n in notes if n]
     return text + ("\n" + "\n".join(dict.fromkeys(notes)) if notes else "")
+
+
+# what a service says of an answer past the server's max_payload (`services.endpoints.fitting`)
+PAST_MAX_PAYLOAD = re.compile(r"the answer is (\d+) bytes, past the (\d+) bytes the NATS server carries")
+
+
+async def fitting_whatif(client: Client, query: WhatIf) -> tuple[WhatIfAnswer, WhatIf]:
+    """The forecast of `query`, and the query answered: with a lower `limit` where the answer listing
+    `limit` actors is larger than the server carries (RESOURCE_EXHAUSTED naming both sizes: `whatif
+    --limit 0` of a thousand drained workers was a 3.1 MB answer, refused, and the command printed only
+    that error), as many as fit, asked again at most a few times; the counts are the same whatever
+    it lists. Any other refusal is raised."""
+    for _ in range(8):
+        try:
+            return await client.whatif(query), query
+        except ContractError as e:
+            past = PAST_MAX_PAYLOAD.search(e.message) if e.code is ErrorCode.RESOURCE_EXHAUSTED else None
+            if past is None or query.limit <= 1:
+                raise
+            size, carried = (int(n) for n in past.groups())
+            fits = int(query.limit * carried / size * 0.9)  # a tenth to spare: rows are not all alike
+            query = msgspec.structs.replace(query, limit=max(1, fits if fits < query.limit else query.limit // 2))
+    return await client.whatif(query), query
+
+
+CARRIED = "as many as one answer of this NATS server carries (its max_payload)"  # `fitting_whatif`'s cut
+
+
+def carried_note(limit: int) -> str:
+    """What a forecast listing fewer actors than asked (`fitting_whatif`) says of it on stderr (-o json)."""
+    return f"newly stranded actors listed at most {limit:,}: {CARRIED}"
 
 
 @click.command()
@@ -1223,7 +1262,7 @@ def whatif(sandbox_class: str, drop: tuple[str, ...], drain: tuple[str, ...], li
                        drain_workers=tuple(dict.fromkeys(drain)), limit=limit or WHATIF_LIMIT_MAX,
                        min_seq=min_seq or target or None)  # at least the fleet this command resolved against
         check_drains(projection, drain, sandbox_class)
-        answer = await Client(nc, prefix).whatif(query)
+        answer, query = await fitting_whatif(Client(nc, prefix), query)
         if mode != "json":  # a runtime no worker runs, by the name its stamps carry, as the other views say it
             runtimes = await whatif_labels(nc, prefix, runtimes, sandbox_class, answer)
         return query, answer, runtimes, projection
@@ -1231,7 +1270,10 @@ def whatif(sandbox_class: str, drop: tuple[str, ...], drain: tuple[str, ...], li
     query, answer, runtimes, projection = ask(nats_url, work)
     for note in no_op_notes(projection, drop, drain):  # on stderr: `-o json` stays the answer alone
         click.echo(f"note: {note}", err=True)
+    carried = query.limit < (limit or WHATIF_LIMIT_MAX)
     if mode == "json":
+        if carried:
+            click.echo(f"note: {carried_note(query.limit)}", err=True)
         echo_json(to_builtins(answer), sandbox_class)
         return
-    click.echo(render_whatif(query, answer, runtimes, terminal_width(), mode == "wide"))
+    click.echo(render_whatif(query, answer, runtimes, terminal_width(), mode == "wide", carried))
