@@ -802,3 +802,25 @@ def test_no_column_is_shown_whole_while_a_more_important_one_gave_way(width):
     for kept in whole:
         for given in gave_way:
             assert kept.drop < given.drop or kept.drop == 0, (width, kept.header, given.header)
+
+
+def test_an_explanation_naming_as_many_workers_as_the_scheduler_names_says_that_summary_counts_the_rest():
+    """At 5,000 workers explain's rows read `w-1, w-2, w-3 (+997 more)  not on pinned node` under a SUMMARY
+    of 1665 not on pinned node and 2500 of another class, in no row: the scheduler names
+    EXPLAIN_REJECTED_LIMIT workers at most (a trial at fleet size). A last line says so; fewer, nothing."""
+    from events.schema import Explanation, Rejection
+    from services.scheduler.decide import EXPLAIN_REJECTED_LIMIT
+    from warmboot.cmd_views import render_explanation
+
+    def explained(named: int) -> Explanation:
+        return Explanation(candidates=0, counts={"not on pinned node": 1665, "class not registered": 2500},
+                           rejected=[Rejection(worker_id=f"w-{i:04d}", reasons=["not on pinned node"])
+                                     for i in range(named)],
+                           message="0/4165 workers available: 2500 class not registered, 1665 not on pinned node")
+
+    said = (f"(the scheduler names {EXPLAIN_REJECTED_LIMIT:,} of the workers passed over, those that came furthest "
+            "through the checks; SUMMARY counts every one)")
+    for wide in (False, True):
+        text = render_explanation("a-1", explained(EXPLAIN_REJECTED_LIMIT), Runtimes(), 200, wide)
+        assert text.endswith(said), text[-400:]
+        assert said not in render_explanation("a-1", explained(10), Runtimes(), 200, wide)

@@ -43,6 +43,7 @@ from events.schema import (ACTORS_FILTER_MAX, WORKERS_LIMIT_MAX, WorkerPage, Wor
                            WorkerSummary)  # workers
 from events.states import WorkerState
 from events.subjects import event_subject
+from services.scheduler.decide import EXPLAIN_REJECTED_LIMIT
 from services.scheduler.feasibility import SELECTOR_MISMATCH
 from warmboot.cli_common import (IntRange, LogUnreadable, ask, check_id, last_seq, log_messages, min_seq_option,
                                  nats_option, prefix_option, request_field, selectors_of, unread_why, version_text)
@@ -353,7 +354,9 @@ def render_explanation(actor_id: str, answer: Explanation, runtimes: Runtimes, w
     came furthest through the checks first, then by id); SUMMARY counts them all. Those passed over
     for the same reasons are one row naming a few of them, at most `limit` rows (0: all); with `wide`,
     a worker a row, at most `limit` workers. A REFUSED whose message is the SUMMARY's gives its code
-    alone."""
+    alone. The scheduler names EXPLAIN_REJECTED_LIMIT workers at most, and a last line says so where it
+    names that many: at 5,000 workers, `w-1, w-2, w-3 (+997 more)  not on pinned node` read as the whole
+    of SUMMARY's 1665 not on pinned node, and its 2500 of another class were in no row (a trial)."""
     missing = missing or {}
     fields = [("ACTOR", actor_id), ("SUMMARY", answer.message or f"{answer.candidates} candidates")]
     if answer.decision is not None:
@@ -382,6 +385,9 @@ def render_explanation(actor_id: str, answer: Explanation, runtimes: Runtimes, w
         if any(len(workers) > names for _, workers in shown_groups):
             notes.append("(workers passed over for the same reasons share a row: -o wide lists each)")
         parts.append("\n".join([rendered.text, *notes]))
+    if len(answer.rejected) >= EXPLAIN_REJECTED_LIMIT:  # the rows count only those the answer names
+        parts[-1] += (f"\n(the scheduler names {EXPLAIN_REJECTED_LIMIT:,} of the workers passed over, those that came "
+                      "furthest through the checks; SUMMARY counts every one)")
     return "\n\n".join(parts)
 
 
