@@ -1539,3 +1539,28 @@ async def test_a_command_s_fence_passes_over_an_event_of_a_newer_version_in_the_
     assert event.actor_id == "a" and json.loads(resumed.stdout)["seq"] in (seq, seq + 1)
     assert resumed.stderr.startswith("note: not fenced to the actor's life (give --life-seq: ") and \
         "the snapshotter did not say which life the actor is in (UNAVAILABLE: " in resumed.stderr, resumed.stderr
+
+
+async def test_several_workers_are_drained_and_removed_by_one_command(bus, nc, prefix):
+    """`worker drain` and `remove` took one worker: a loop of commands, 0.5 s each, ten minutes for a thousand
+    workers (a trial at fleet size). One command takes several, sends them over one connection, prints a
+    line each as it is done; one refused is said and the others go on, exit status 1; --json a list."""
+    run, wb = bus
+    await wb.register(worker("w-3", runtime(V2, name="runsc-v2"), node="node-3"))
+    drained = await run("worker", "drain", "w-old", "w-new", "nobody", "w-old")
+    assert drained.exit_code == 1, drained.output
+    assert sorted(re.sub(r"\d+", "N", line) for line in drained.stdout.splitlines()) == [
+        "worker/w-new drained (seq N)", "worker/w-old drained (seq N)"], drained.stdout
+    assert drained.stderr == ("error: worker/nobody: NOT_FOUND worker_id: worker 'nobody' is not registered\n"
+                              "error: 1 of 3 workers not drained: nobody\n")
+    again = await run("worker", "drain", "w-new", "w-3", "--json")
+    assert again.exit_code == 0, again.output
+    listed = json.loads(again.stdout)
+    assert [(r["worker_id"], r["unchanged"]) for r in listed] == [("w-new", True), ("w-3", False)], listed
+    twice = await run("worker", "drain", "w-new", "w-3", "--request-id", "r-1")
+    assert twice.exit_code == 2 and "--request-id names one request" in twice.stderr, twice.output
+    removed = await run("worker", "remove", "w-old", "w-new", "w-3")
+    assert removed.exit_code == 0 and len(removed.stdout.splitlines()) == 3, removed.output
+    assert "stop the agents" in removed.stderr
+    for worker_id in ("w-old", "w-new", "w-3"):
+        assert (await run("worker", "show", worker_id)).exit_code == 1  # removed

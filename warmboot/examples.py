@@ -85,9 +85,11 @@ EXAMPLES: dict[str, list[str]] = {
     ],
     "worker drain": [
         "warmboot worker drain w-1 --reason 'retiring the v1 generation'",
+        "warmboot worker drain $(cat retiring.txt) --reason 'retiring the v1 generation'",
     ],
     "worker remove": [
         "warmboot worker remove w-1",
+        "warmboot worker remove w-1 w-2 w-3",
     ],
     "worker show": [
         "warmboot worker show w-1",
