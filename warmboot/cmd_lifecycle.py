@@ -31,7 +31,7 @@ import asyncio
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Awaitable, Callable, TypeVar
 
 import click
 import msgspec
@@ -676,7 +676,7 @@ def suspend_cmd(actor_id: str, fidelity: str, uri: str | None, snapshot_id: str 
 
 
 @actor.command("resume")
-@click.argument("actor_id")
+@click.argument("actor_id", nargs=-1, required=True, metavar="ACTOR_ID")
 @click.option("--selector", "selectors", multiple=True, metavar="KEY=VALUE",
               callback=field_of(ResumeActor, "selectors"),
               help="Extra worker label to require (narrows the actor's own selectors).")
@@ -686,16 +686,22 @@ def suspend_cmd(actor_id: str, fidelity: str, uri: str | None, snapshot_id: str 
 @nats_option
 @prefix_option
 @json_option
-def resume_cmd(actor_id: str, selectors: tuple[str, ...], life_seq: int | None, request_id: str | None,
+def resume_cmd(actor_id: tuple[str, ...], selectors: tuple[str, ...], life_seq: int | None, request_id: str | None,
                min_seq: int | None, nats_url: str, prefix: str, as_json: bool) -> None:
-    """Place ACTOR_ID on a worker (scheduler.resume): where, at which fidelity, pinned to which runtime."""
-    sel = selectors_of(selectors) or None
+    """Place ACTOR_ID on a worker (scheduler.resume): where, at which fidelity, pinned to which runtime.
 
-    async def call(wb: Client) -> Any:
+    Several actors (one or more ACTOR_ID): each resumed, a line each as it is placed (16 at once); one
+    refused is said on stderr and the others go on (exit status 1, the last line counting them);
+    --json gives a list, each reply with its actor_id."""
+    sel = selectors_of(selectors) or None
+    one_request_id(request_id, actor_id, "ACTOR_ID")
+    one_request_id(life_seq, actor_id, "ACTOR_ID", "--life-seq")
+
+    async def resumed(wb: Client, one_id: str) -> Any:
         notes: list[str] = []
-        life = await life_now(wb, actor_id, life_seq, resume=True, note=notes.append)
+        life = await life_now(wb, one_id, life_seq, resume=True, note=notes.append)
         try:
-            return await wb.resume(actor_id, sel, request_id, min_seq, life)
+            return await wb.resume(one_id, sel, request_id, min_seq, life)
         except NobodyAnswered:
             # no scheduler either (a prefix no deployment has, nothing running): the error says it, and that
             # the resume went unfenced is noise before it (a user trial: a long note, then the error)
@@ -705,12 +711,25 @@ def resume_cmd(actor_id: str, selectors: tuple[str, ...], life_seq: int | None, 
             for line in notes:  # said once the resume is answered: it went without the fence
                 click.echo(line, err=True)
 
-    reply, runtimes = run(nats_url, prefix, not as_json, call)
+    if len(set(actor_id)) > 1:
+        each_one(nats_url, prefix, "actor", actor_id, lambda wb, a, _: resumed(wb, a), placed_line, as_json,
+                 "placed", labelled=True)
+        return
+    reply, runtimes = run(nats_url, prefix, not as_json, lambda wb: resumed(wb, actor_id[0]))
     if as_json:
         echo_json(to_builtins(reply))
         return
-    fields = [("ACTOR", actor_id), *decision_fields(reply, runtimes, False), ("SEQ", str(reply.seq))]
+    fields = [("ACTOR", actor_id[0]), *decision_fields(reply, runtimes, False), ("SEQ", str(reply.seq))]
     click.echo(render_fields(fields, terminal_width()))
+
+
+def placed_line(actor_id: str, reply: Any, runtimes: Runtimes) -> str:
+    """A resume's placement in one line, as `actor resume` of several actors prints each: its DECISION,
+    WORKER, RUNTIME and FALLBACK fields (`decision_fields`), and its sequence."""
+    fields = dict(decision_fields(reply, runtimes, False))
+    fallback = f", fallback {fields['FALLBACK']}" if "FALLBACK" in fields else ""
+    return (f"actor/{actor_id} {fields['DECISION']} on {fields['WORKER']}, runtime {fields['RUNTIME']}{fallback} "
+            f"(seq {reply.seq})")
 
 
 @actor.command("tag")
@@ -1106,51 +1125,57 @@ def worker() -> None:
     """Drain, remove and show workers."""
 
 
-MANY_IN_FLIGHT = 16  # requests in flight at once of a command given several ids (`each_worker`)
+MANY_IN_FLIGHT = 16  # requests in flight at once of a command given several ids (`each_one`)
 
 
-def each_worker(nats_url: str, prefix: str, worker_ids: tuple[str, ...], call: Callable[[Client, str], Any],
-                line: Callable[[str, Any], str], as_json: bool, what: str) -> None:
-    """`call(client, worker_id)` for each of several workers over one connection, MANY_IN_FLIGHT at once:
-    a loop of one command per worker took 0.5 s each, ten minutes for a thousand workers (a trial at
-    fleet size). Each done is printed as it is answered (`line(worker_id, reply)`); a refusal is said on
+def each_one(nats_url: str, prefix: str, kind: str, ids: tuple[str, ...],
+             call: Callable[[Client, str, Any], Awaitable[Any]], line: Callable[[str, Any, Any], str], as_json: bool,
+             what: str, labelled: bool = False) -> None:
+    """`call(client, id, runtimes)` for each of several workers or actors (`kind`) over one connection,
+    MANY_IN_FLIGHT at once: a loop of one command each took 0.5 s a worker (0.7 s an actor's resume), ten
+    minutes for a thousand workers (a trial at fleet size). Each done is printed as it is answered (`line(id,
+    reply, runtimes)`; `runtimes`: the fleet's labels, with `labelled`, read once); a refusal is said on
     stderr (`error: worker/W: CODE ...`) and the others go on; the last line counts the refused, exit
-    status 1. -o json: a list in the order given, each reply with its `worker_id`, or the error."""
-    ids = tuple(dict.fromkeys(worker_ids))
+    status 1. -o json: a list in the order given, each reply with its id (`worker_id`, `actor_id`), or
+    the error."""
+    ids = tuple(dict.fromkeys(ids))
     replies: dict[str, Any] = {}
 
     async def work(nc: Any) -> None:
-        client = Client(nc, prefix)
+        client = Client(nc, prefix, on_unfenced=unfenced_note("placement", "--placement-seq", "placed"))
+        runtimes = await runtime_labels(nc, prefix) if labelled and not as_json else None
         gate = asyncio.Semaphore(MANY_IN_FLIGHT)
 
-        async def one(worker_id: str) -> None:
+        async def one(one_id: str) -> None:
             async with gate:
                 try:
-                    replies[worker_id] = reply = await call(client, worker_id)
+                    replies[one_id] = reply = await call(client, one_id, runtimes)
                 except ContractError as e:
-                    replies[worker_id] = e
-                    click.echo(f"error: worker/{worker_id}: {Failed(e).message}", err=True)
+                    replies[one_id] = e
+                    click.echo(f"error: {kind}/{one_id}: {Failed(e).message}", err=True)
                     return
             if not as_json:
-                click.echo(line(worker_id, reply))
+                click.echo(line(one_id, reply, runtimes))
 
-        await asyncio.gather(*(one(worker_id) for worker_id in ids))
+        await asyncio.gather(*(one(one_id) for one_id in ids))
 
     ask(nats_url, work)
-    refused = [w for w in ids if isinstance(replies.get(w), ContractError)]
+    refused = [i for i in ids if isinstance(replies.get(i), ContractError)]
     if as_json:
-        echo_json([{"worker_id": w, "error": {"code": r.code.value, "message": r.message, "field": r.field}}
-                   if isinstance(r, ContractError) else {"worker_id": w, **to_builtins(r)}
-                   for w, r in ((w, replies[w]) for w in ids)])
+        echo_json([{f"{kind}_id": i, "error": {"code": r.code.value, "message": r.message, "field": r.field}}
+                   if isinstance(r, ContractError) else {f"{kind}_id": i, **to_builtins(r)}
+                   for i, r in ((i, replies[i]) for i in ids)])
     if refused:
-        click.echo(f"error: {len(refused)} of {len(ids)} workers not {what}: {named_few(refused)}", err=True)
+        click.echo(f"error: {len(refused)} of {len(ids)} {kind}s not {what}: {named_few(refused)}", err=True)
         raise SystemExit(1)
 
 
-def one_request_id(request_id: str | None, worker_ids: tuple[str, ...]) -> None:
-    """--request-id names one request: a usage error with several workers."""
-    if request_id is not None and len(set(worker_ids)) > 1:
-        raise click.UsageError("--request-id names one request: give one WORKER_ID with it")
+def one_request_id(request_id: str | None, ids: tuple[str, ...], argument: str = "WORKER_ID",
+                   option: str = "--request-id") -> None:
+    """--request-id (or --life-seq) names one request (one actor's life): a usage error with several ids."""
+    if request_id is not None and len(set(ids)) > 1:
+        raise click.UsageError(f"{option} names one {'request' if option == '--request-id' else 'life'}: give one "
+                               f"{argument} with it")
 
 
 @worker.command("drain")
@@ -1174,8 +1199,8 @@ def drain_cmd(worker_id: tuple[str, ...], reason: str | None, request_id: str | 
     list, each reply with its worker_id."""
     one_request_id(request_id, worker_id)
     if len(set(worker_id)) > 1:
-        each_worker(nats_url, prefix, worker_id, lambda wb, w: wb.drain(w, reason),
-                    lambda w, reply: done("worker", w, "drained", reply.seq, reply.unchanged), as_json, "drained")
+        each_one(nats_url, prefix, "worker", worker_id, lambda wb, w, _: wb.drain(w, reason),
+                 lambda w, reply, _: done("worker", w, "drained", reply.seq, reply.unchanged), as_json, "drained")
         return
     reply, _ = run(nats_url, prefix, False, lambda wb: wb.drain(worker_id[0], reason, request_id))
     echo(reply, as_json, lambda: done("worker", worker_id[0], "drained", reply.seq, reply.unchanged))
@@ -1202,8 +1227,8 @@ def remove_cmd(worker_id: tuple[str, ...], reason: str | None, request_id: str |
     one_request_id(request_id, worker_id)
     if len(set(worker_id)) > 1:
         try:
-            each_worker(nats_url, prefix, worker_id, lambda wb, w: wb.remove(w, reason),
-                        lambda w, reply: done("worker", w, "removed", reply.seq), as_json, "removed")
+            each_one(nats_url, prefix, "worker", worker_id, lambda wb, w, _: wb.remove(w, reason),
+                     lambda w, reply, _: done("worker", w, "removed", reply.seq), as_json, "removed")
         finally:
             click.echo("note: if the agents of these workers still run, they register them again within seconds, "
                        "undrained, taking placements: stop the agents (`warmboot agent --drain-on-exit` drains "

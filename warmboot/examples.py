@@ -61,6 +61,7 @@ EXAMPLES: dict[str, list[str]] = {
     "actor resume": [
         "warmboot actor resume a-1",
         "warmboot actor resume a-1 --selector zone=eu-1 --request-id 7f3c9a -o json",
+        "warmboot actor resume a-1 a-2 a-3",
     ],
     "actor tag": [
         "warmboot actor tag a-1 golden-1",
