@@ -453,3 +453,38 @@ def test_a_json_list_written_an_element_at_a_time_is_json_dumps_of_it_whole():
             listed.add(element)
         listed.close()
         assert "".join(out) == json.dumps(elements, indent=2) + "\n"
+
+
+async def test_a_page_is_printed_while_the_connection_s_loop_goes_on(monkeypatch):
+    """JSON printed a page at a time is printed while connected: a reader slow to take it (`-o json | less`)
+    blocked the loop that answers the server's pings, and a connection silent that long is closed by the
+    server. A page is printed from a thread (`print_page`): the loop runs while stdout blocks."""
+    import threading
+
+    import click
+
+    from warmboot.cmd_views import print_page
+
+    took = threading.Event()
+    release = threading.Event()
+    written: list[str] = []
+
+    def slow_echo(text: str, nl: bool = True) -> None:
+        took.set()
+        release.wait(3)
+        written.append(text)
+
+    monkeypatch.setattr(click, "echo", slow_echo)
+    ticks = 0
+
+    async def loop_runs() -> None:
+        nonlocal ticks
+        while not release.is_set():
+            await asyncio.sleep(0.01)
+            ticks += took.is_set()
+            if ticks >= 5:
+                release.set()
+
+    printed = ["[\n", "  1"]
+    await asyncio.wait_for(asyncio.gather(print_page(printed), loop_runs()), 2)
+    assert written == ["[\n  1"] and printed == [] and ticks >= 5

@@ -62,6 +62,7 @@ from warmboot.cmd_views import (
     listing_limit,
     listing_progress,
     paging_options,
+    print_page,
     with_runtime_ids,
     asked_runtimes,
     class_row,
@@ -1057,7 +1058,8 @@ def list_actors_cmd(sandbox_classes: tuple[str, ...], states: tuple[str, ...], w
 
             return lambda q: actor_page(projection, q)
 
-        listed = JsonList(lambda text: click.echo(text, nl=False)) if mode == "json" else None
+        printed: list[str] = []  # a page's JSON, printed before the next page is asked (`print_page`)
+        listed = JsonList(printed.append) if mode == "json" else None
         table: list[tuple[str, ...]] = []  # each row's cells (`cell_columns`), not the row
         count, placed_on, last = 0, set(), None
         with listing_progress("actors", mode) as progress:
@@ -1083,9 +1085,11 @@ def list_actors_cmd(sandbox_classes: tuple[str, ...], states: tuple[str, ...], w
                     placed_on.add(row.worker_id)
                 count += len(page.actors)
                 last = page
+                await print_page(printed)
                 progress.update(task, completed=count)
         if listed is not None:
             listed.close()
+            await print_page(printed)
         unplaced_notes(placed_on)
         return table, count, last.next_after
 

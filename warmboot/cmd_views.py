@@ -812,6 +812,16 @@ async def listed_pages(ask: Callable[[Any], Awaitable[Any]], folded: Callable[[]
         query = msgspec.structs.replace(query, after=page.next_after)
 
 
+async def print_page(printed: list[str]) -> None:
+    """Print what a page gave (`printed`, emptied) from a thread: the connection's loop goes on meanwhile,
+    answering the server's pings while stdout is slow to take it (`-o json | less`, read for minutes:
+    the server would close a connection that long silent, and the next page be asked of none)."""
+    if printed:
+        text = "".join(printed)
+        printed.clear()
+        await asyncio.to_thread(click.echo, text, nl=False)
+
+
 def listing_progress(what: str, mode: str) -> Any:
     """A count of the rows listed so far, on stderr while a listing walks its pages, where someone
     watches: stderr a terminal, and the rows not printed there as they come (a table is laid out at the
@@ -985,7 +995,8 @@ def workers(sandbox_class: tuple[str, ...], limit: int | None, after: str | None
             runtimes = runtimes_of(projection)
             return lambda q: worker_page(projection, q)
 
-        listed = JsonList(lambda text: click.echo(text, nl=False)) if mode == "json" else None
+        printed: list[str] = []  # a page's JSON, printed before the next page is asked (`print_page`)
+        listed = JsonList(printed.append) if mode == "json" else None
         table: list[tuple[tuple, tuple[str, ...]]] = []  # (sort key, cells) of each row, not the row
         count, last = 0, None
         with listing_progress("workers", mode) as progress:
@@ -1011,9 +1022,11 @@ def workers(sandbox_class: tuple[str, ...], limit: int | None, after: str | None
                         table.append(((row["sandbox_class"], row["runtime"], row["worker_id"]), cells_of(row)))
                 count += len(page.workers)
                 last = page
+                await print_page(printed)
                 progress.update(task, completed=count)
         if listed is not None:
             listed.close()
+            await print_page(printed)
         return table, count, last.next_after
 
     table, count, next_after = ask(nats_url, work)
