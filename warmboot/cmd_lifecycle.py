@@ -56,7 +56,6 @@ from services.scheduler.feasibility import RUNTIME_MISMATCH, SELECTOR_MISMATCH
 from services.scheduler.feasibility import none_passes as feasibility_none_passes
 from warmboot.cmd_views import (
     LABELS_TIMEOUT_S,
-    asked_pages,
     cut_short,
     listed_pages,
     listing_limit,
@@ -988,16 +987,6 @@ def summary_view(row: ActorSummary, runtimes: Runtimes) -> dict:
 
 
 CLASS_RE = re.compile(CLASS_PATTERN)  # `workers --class`: a class's name, sent; any other, said unknown
-
-
-async def asked_actors(nc: Any, prefix: str, query: ActorsQuery) -> list[ActorPage] | None:
-    """Every page of `query` a scheduler replica's fold answers (`<prefix>.scheduler.actors`, a project
-    addition), each asked with the one before's `next_after`, all at `query.min_seq`: where the log's
-    answer is the whole log (71,000 messages, 4.3 s, at 10,000 workers: docs/scaling.md). Pages are not
-    one snapshot: an actor created between two pages is listed if its id sorts after the cursor. None
-    when no scheduler answers one of them within LABELS_TIMEOUT_S, in one attempt (none runs, one of an
-    earlier version, credentials that may not ask it), as `cmd_views.asked_runtimes`."""
-    return await asked_pages(Client(nc, prefix, timeout=LABELS_TIMEOUT_S, attempts=1).actors, query)
 
 
 def folded_actors(projection: Any, query: ActorsQuery) -> list[ActorPage]:

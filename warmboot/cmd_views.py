@@ -12,7 +12,7 @@ when none says them). whatif reads the runtimes it is given back from that answe
 label, an `rt-` id or a name), and the log for the workers it drains alone; explain, every
 worker's history for a selector mismatch of several keys (the keys each worker misses);
 fragmentation and whatif, the whole log when a runtime no worker runs has snapshots (`stamp_labels`);
-workers asks a scheduler replica's fold for its rows, a page at a time (`asked_workers`), and folds
+workers asks a scheduler replica's fold for its rows, a page at a time (`listed_pages`), and folds
 the whole log with the scheduler's own projection (warmboot.audit.Sink) only when none answers,
 into the same pages (`folded_workers`): either way it shows what the scheduler sees. Their JSON
 is the endpoint's answer with each runtime version's `rt-` id beside it (`with_runtime_ids`).
@@ -727,36 +727,6 @@ def folded_workers(projection: Any, query: WorkersQuery) -> list[WorkerPage]:
     from services.scheduler.worker_list import worker_page
 
     return folded_pages(lambda q: worker_page(projection, q), query)
-
-
-async def asked_workers(nc: Any, prefix: str, query: WorkersQuery,
-                        enough: Callable[[WorkerPage], bool] = lambda first: False) -> list[WorkerPage] | None:
-    """Every page of `query` a scheduler replica's fold answers (`<prefix>.scheduler.workers`, a project
-    addition), each asked with the one before's `next_after`, all at `query.min_seq`: where the log's
-    answer is the whole log (71,000 messages, 3.8 s, at 10,000 workers: docs/scaling.md); the first
-    alone when `enough(first)` (a class asked that no worker runs: an error). Pages are not one snapshot:
-    a worker registered between two pages is listed if its id sorts after the cursor. None when no
-    scheduler answers one of them within LABELS_TIMEOUT_S, in one attempt (none runs, one of an earlier
-    version, credentials that may not ask it), as `asked_runtimes`."""
-    return await asked_pages(Client(nc, prefix, timeout=LABELS_TIMEOUT_S, attempts=1).workers, query, enough)
-
-
-async def asked_pages(ask: Callable[[Any], Awaitable[Any]], query: Any,
-                      enough: Callable[[Any], bool] = lambda first: False) -> list | None:
-    """Every page a paged endpoint answers (`ask`: `Client.workers`, `Client.actors`), from `query` on,
-    each asked with the one before's `next_after`, all at `query.min_seq`; the first alone when
-    `enough(first)`. None when one of them is not answered (ContractError; a busy replica's refusal after
-    `unless_busy`'s attempts)."""
-    pages: list = []
-    try:
-        while True:
-            page = await unless_busy(lambda: ask(query))
-            pages.append(page)
-            if page.next_after is None or (len(pages) == 1 and enough(page)):
-                return pages
-            query = msgspec.structs.replace(query, after=page.next_after)
-    except ContractError:
-        return None
 
 
 TABLE_LIMIT = 500  # rows a listing's table shows unless --limit says: a page, --continue for the next
