@@ -413,6 +413,8 @@ async def test_a_table_lists_a_page_and_says_on_stderr_how_to_list_the_next(nats
         assert [v["actor_id"] for v in json.loads(two.stdout)] == IDS[:2] and "--continue" in two.stderr, source
         running = await cli("actor", "list", "--state", "RUNNING", "--limit", "1", *at)
         assert ids(running) == ["a-2"] and "--continue a-2 " in running.stderr, (source, running.output)
+    past = await cli("actor", "list", "--continue", IDS[-1], *at)
+    assert past.stdout == f"no actors after {IDS[-1]} (--continue)\n", past.output
     bad = await cli("actor", "list", "--continue", "no such id!", *at)
     assert bad.exit_code == 2 and "--continue" in bad.stderr, bad.output
 

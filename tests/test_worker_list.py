@@ -310,6 +310,8 @@ async def test_a_table_lists_a_page_of_workers_and_says_on_stderr_how_to_list_th
     assert ids(second) == {"w-1", "w-2"} and "--continue w-2 " in second.stderr, second.output
     last = await cli("workers", "--continue", "w-2", *at)
     assert ids(last) == {"w-3"} and last.stderr == "", last.output
+    past = await cli("workers", "--continue", "w-3", *at)
+    assert past.stdout == "no workers registered after w-3 (--continue)\n", past.output
     whole = await cli("workers", "--limit", "0", *at)
     rows = whole.stdout.splitlines()[1:]
     assert ids(whole) == {"m-w", "w-0", "w-1", "w-2", "w-3"} and whole.stderr == ""

@@ -1102,7 +1102,8 @@ def list_actors_cmd(sandbox_classes: tuple[str, ...], states: tuple[str, ...], w
     more = cut_short("actors", count, next_after, most)
     if mode != "json":
         if not table:
-            click.echo("no actor matches" if (sandbox_classes or states or worker_ids) else "no actors")
+            none = "no actor matches" if (sandbox_classes or states or worker_ids) else "no actors"
+            click.echo(f"{none} after {after} (--continue)" if after else none)
         else:
             width = terminal_width()
             echo_table(render_table(columns, table, width, mode == "wide"), width)

@@ -1003,7 +1003,7 @@ def workers(sandbox_class: tuple[str, ...], limit: int | None, after: str | None
     more = cut_short("workers", count, next_after, most)
     if mode != "json":
         if not table:
-            click.echo("no workers registered")
+            click.echo(f"no workers registered after {after} (--continue)" if after else "no workers registered")
         else:
             table.sort(key=lambda row: row[0])
             width = terminal_width()
