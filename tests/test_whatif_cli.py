@@ -326,3 +326,21 @@ def test_a_thousand_workers_drained_are_named_a_few_and_counted():
     assert fields == f"DRAIN  {', '.join(sorted(drained)[:10])} (+{len(drained) - 10} more)", fields
     wide = render_whatif(query, whatif(projection, query), runtimes, 200, wide=True).splitlines()[2]
     assert wide == f"DRAIN  {', '.join(sorted(drained))}"
+
+
+def test_many_workers_drained_already_are_named_a_few_and_counted():
+    """The note on the workers asked to drain that are drained already named every one: 654 ids on one
+    line of stderr for a generation of 2,320 (a trial at fleet size). It names ten and counts the rest."""
+    from types import SimpleNamespace
+
+    from events.states import WorkerState
+    from warmboot.cmd_views import no_op_notes
+
+    ids = [f"w-{i:04d}" for i in range(30)]
+    projection = SimpleNamespace(workers={w: SimpleNamespace(state=WorkerState.DRAINED if i % 2 else
+                                                             WorkerState.REGISTERED) for i, w in enumerate(ids)})
+    drained = sorted(w for i, w in enumerate(ids) if i % 2)
+    assert no_op_notes(projection, (), tuple(ids)) == [
+        f"{', '.join(drained[:10])} (+5 more) are drained already: the forecast counts them out before and after"]
+    assert no_op_notes(projection, (), ("w-0001",)) == [
+        "w-0001 is drained already: the forecast counts it out before and after"]

@@ -1059,8 +1059,9 @@ def no_op_notes(projection: Any, drop: tuple[str, ...], drain: tuple[str, ...]) 
     already = sorted({w for w in drain if projection.workers[w].state is WorkerState.DRAINED})
     if not already:
         return []
-    return [f"{', '.join(already)} {'is' if len(already) == 1 else 'are'} drained already: the forecast counts "
-            f"{'it' if len(already) == 1 else 'them'} out before and after"]
+    # named a few (DRAINS_NAMED), as DRAIN is: a whole generation asked (2,320 workers) named 654 on one line
+    return [f"{named_few(already, DRAINS_NAMED)} {'is' if len(already) == 1 else 'are'} drained already: the "
+            f"forecast counts {'it' if len(already) == 1 else 'them'} out before and after"]
 
 
 COUNT_COLUMNS = [
