@@ -30,6 +30,7 @@ import contextlib
 import logging
 import time
 import typing
+import weakref
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, TypeVar
 
@@ -452,6 +453,20 @@ class Slots:
         self.free += 1
 
 
+# When the stop of the services on a connection gives up on the requests still in progress (`drain_until`).
+_drain_until: "weakref.WeakKeyDictionary[NATS, float]" = weakref.WeakKeyDictionary()
+
+
+def drain_until(nc: NATS, when: float | None) -> None:
+    """From now on, the stop of every MicroService on `nc` waits for its requests in progress until the
+    loop's time `when` at the latest (None: each for its own `drain_s`): a process stopping
+    (`warmboot.runner`) gives them one share of its bound, however many services it runs."""
+    if when is None:
+        _drain_until.pop(nc, None)
+    else:
+        _drain_until[nc] = when
+
+
 class MicroService(Service):
     """A nats.micro service whose endpoints answer requests concurrently and only to inboxes.
 
@@ -530,10 +545,32 @@ class MicroService(Service):
             deadline.tick_on(self._ticks, self._client)
 
     async def stop(self, drain_s: float = 10.0) -> None:
+        """Take no more requests, then let the ones in flight finish for at most `drain_s`. Raises on a
+        connection already closed (nothing left to unsubscribe).
+
+        nats.micro's own stop drained its discovery subscriptions ($SRV.PING, INFO, STATS), each drain a
+        flush, a round trip to the server: with the server frozen (SIGSTOP, a stuck disk) or gone, the
+        first one waited out nats-py's 10 s and raised, so each service took 10 s to stop (30 s for
+        `serve all`) and the requests in flight were not waited for. Those subscriptions carry a
+        discovery's questions, not requests: they are unsubscribed, as the endpoints' are."""
         try:
-            await super().stop()  # raises on a connection already closed (nothing left to unsubscribe)
+            if not self._stopped.is_set():
+                for endpoint in self._endpoints:
+                    await endpoint._stop()
+                for subscription in self._subscriptions.values():
+                    await subscription.unsubscribe()
+                self._endpoints = []
+                self._subscriptions = {}
+                self._stopped.set()
             if self._tasks:
-                await asyncio.wait(list(self._tasks), timeout=drain_s)
+                wait = drain_s
+                if (until := _drain_until.get(self._client)) is not None:
+                    wait = max(0.0, min(drain_s, until - asyncio.get_running_loop().time()))
+                _, unanswered = await asyncio.wait(list(self._tasks), timeout=wait)
+                if unanswered:
+                    log.warning("%s: %d requests in progress not answered within %.1fs of the stop; given up "
+                                "(their clients' retries, with the same request ids, find what was written)",
+                                self._name, len(unanswered), wait)
         finally:  # a ticker left behind kept ticking, and pinging, for a service that had stopped
             ticks, self._ticks = self._ticks, None
             if ticks is not None:

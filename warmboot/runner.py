@@ -13,12 +13,19 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from events.natsauth import redact_url
-from events.natspy.connections import close, closed_for_good
+from events.natspy.connections import CLOSE_GIVEN_UP_S, close_within, closed_for_good, describe_error
 from events.subjects import check_prefix, services_inbox
+from services.endpoints import drain_until
 from services.process import LOOPBACK, metrics_url, serve_metrics
 from warmboot.connection import connect
 
 log = logging.getLogger("warmboot")
+
+# How long a stop (SIGTERM, SIGINT) may take, whatever NATS does meanwhile (docs/operations.md, "Stopping"):
+# the requests in progress are given STOP_DRAIN_S to be answered, all the services of the process together,
+# and the rest of the stop (each service's own, the connection's close: CLOSE_GIVEN_UP_S) is bounded too.
+STOP_BOUND_S = 10.0
+STOP_DRAIN_S = 5.0
 
 # name -> "module:Class"; each class takes (nc, *, nats_url, prefix) and has async start()/stop(), and
 # may have `failed`: a future done, with the reason, once the service cannot serve any more (`until_stopped`).
@@ -83,7 +90,24 @@ async def start_services(
 
     nc = await connect(nats_url, f"warmboot-{'+'.join(names)}", inbox_prefix=services_inbox(prefix), closed_cb=closed)
     made.append(nc)
-    stack.push_async_callback(close, nc)  # its server gone too (nats-py's own close raised then)
+    answering: list[asyncio.Future] = []  # the round trip to the server sent as the stop begins (`stopping`)
+    began: list[float] = []  # when, in the loop's time
+    where = redact_url(nats_url)
+
+    async def closing() -> None:  # the last step of the stop: said if the server did not answer meanwhile
+        heard = answering[0] if answering else None
+        if heard is not None and (not heard.done() or heard.cancelled() or heard.exception() is not None):
+            why = (describe_error(heard.exception()) if heard.done() and not heard.cancelled()
+                   else f"no answer in {asyncio.get_running_loop().time() - began[0]:.1f}s")
+            log.warning("stopping: NATS at %s did not answer during the stop (%s): frozen or unreachable; requests "
+                        "in progress were given %gs, then given up (a client's retry with the same request id finds "
+                        "what was written)", where, why, STOP_DRAIN_S)
+        if heard is not None:
+            heard.cancel()
+        drain_until(nc, None)
+        await close_within(nc, CLOSE_GIVEN_UP_S)  # its server frozen or gone too (nats-py's own close hung, or raised)
+
+    stack.push_async_callback(closing)
     stack.callback(lambda: lost.done() or lost.cancel())  # closed by the stop, first: no failure
     metrics = serve_metrics(metrics_port, metrics_host)
     if metrics is not None:  # stopped with the services: in-process callers (tests, `up`) go on after
@@ -96,6 +120,19 @@ async def start_services(
         stack.push_async_callback(service.stop)
         running.services.append(service)
         log.info("%s serving on %s (prefix %s)", name, running.where, prefix)
+
+    async def stopping() -> None:  # the first step of the stop: its bound begins
+        loop = asyncio.get_running_loop()
+        began.append(loop.time())
+        drain_until(nc, began[0] + STOP_DRAIN_S)
+        if nc.is_connected:
+            answering.append(asyncio.ensure_future(nc.flush(timeout=STOP_DRAIN_S)))
+            answering[0].add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: `closing` says it
+        else:
+            answering.append(loop.create_future())  # reconnecting: no answer to wait for
+            answering[0].set_exception(ConnectionError("disconnected, reconnecting"))
+
+    stack.push_async_callback(stopping)
     return running
 
 

@@ -290,6 +290,29 @@ async def close(nc: Client) -> None:
     await nc.close()
 
 
+async def close_within(nc: Client, within: float = CLOSE_GIVEN_UP_S) -> bool:
+    """`close(nc)`, given up on after `within` s (whether it ended). nats-py's close writes what it holds onto
+    the socket and waits for the kernel to take it (`transport.drain`), then for the socket to close: to a
+    server frozen (SIGSTOP, a frozen VM, a stuck disk) whose socket buffers are full, neither ever ends, and
+    a process that stops so never did. Given up on, the close is cancelled: the socket goes with the process.
+    Its error, if it ended in one, is raised as `close`'s."""
+    closing = asyncio.ensure_future(close(nc))
+    try:
+        await asyncio.wait({closing}, timeout=within)
+    except BaseException:  # cancelled: the close is nobody's
+        closing.cancel()
+        closing.add_done_callback(retrieved)
+        raise
+    if not closing.done():
+        closing.cancel()
+        closing.add_done_callback(retrieved)
+        log.warning("the close of the connection to NATS did not end within %gs: given up (the server is frozen, "
+                    "or its socket's buffers are full)", within)
+        return False
+    closing.result()
+    return True
+
+
 _UVLOOP_CLOSED = ("unable to perform operation on <", "the handler is closed")
 
 

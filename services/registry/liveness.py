@@ -75,6 +75,10 @@ SWEEPER = "registry-sweeper"
 MARKER_REASON = "Nats-Marker-Reason"
 EXPIRED = "MaxAge"  # the reason of the marker the server writes where a key outlived its TTL
 ACK_TIMEOUT_S = 5.0
+# How long a stopping replica waits for the server to unpin it (`Sweeper.stop`): a courtesy (another replica is
+# pinned at once, not a pin time-out later) that a server frozen or gone never answers, and which waited out
+# ACK_TIMEOUT_S of the process's stop (its bound: docs/operations.md, "Stopping").
+UNPIN_TIMEOUT_S = 1.0
 ACK_WAIT_S = 30.0  # the sweep's consumer delivers again what was not acknowledged within this
 # The sweep's priority group: the server pins it to one replica, and pins another once that one has
 # not pulled for PIN_TIMEOUT_S (it died) or unpinned itself (it stopped). A replica's pulls last
@@ -202,9 +206,9 @@ class Sweeper:
         self._retries: dict[int, asyncio.TimerHandle] = {}
         self._tasks: list[asyncio.Task[None]] = []
 
-    async def _api(self, call: str, body: dict | None = None) -> dict:
+    async def _api(self, call: str, body: dict | None = None, timeout: float = ACK_TIMEOUT_S) -> dict:
         msg = await self.nc.request(f"$JS.API.{call}", json.dumps(body).encode() if body is not None else b"",
-                                    timeout=ACK_TIMEOUT_S)
+                                    timeout=timeout)
         answer = json.loads(msg.data)
         if "error" in answer:
             nats.js.errors.APIError.from_error(answer["error"])  # raises the error's own class
@@ -266,7 +270,7 @@ class Sweeper:
                 await publish(self.nc, reply, b"-NAK")
         if self._pin:  # another replica is pinned at the next delivery, not a pin time-out from now
             with suppress(Exception):
-                await self._api(f"CONSUMER.UNPIN.{self.stream}.{self.name}", {"group": PIN_GROUP})
+                await self._api(f"CONSUMER.UNPIN.{self.stream}.{self.name}", {"group": PIN_GROUP}, UNPIN_TIMEOUT_S)
             self._pin = ""
         if held:
             log.info("heartbeat sweep stopped: %d expiry markers handed back to the other replicas", len(held))

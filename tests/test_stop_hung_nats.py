@@ -1,0 +1,208 @@
+"""A long-running warmboot process stopped (SIGTERM, as systemd or Kubernetes stop it) while its NATS
+server is frozen (SIGSTOP: a frozen VM, a stuck disk) or gone (killed: a partition), with requests in
+flight: it exits within STOP_BOUND_S, says why, and a restart on the server, resumed or started again,
+finds nothing lost or doubled (the stream read in order: one event per request id).
+
+Each process runs as a subprocess, its log in a file; the freeze comes once the first request in flight
+is answered (an acknowledged append), the others then on their way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import nats
+import pytest
+
+from events.errors import ContractError
+from events.schema import ActorCreated, WorkerRegistered
+from tests.test_faults import Load
+from warmboot.cli_common import read_subject
+from warmboot.natsserver import NatsServer
+from warmboot.runner import STOP_BOUND_S
+
+EXE = str(Path(sys.executable).parent / "warmboot")
+WORKERS = 100
+ACTORS = 100
+
+
+def said_in(words: str, line: str) -> bool:
+    return line.startswith(words[1:]) if words.startswith("^") else words in line
+
+
+class Process:
+    """`warmboot ARGS`, its output (stdout and its log, stderr) read line by line on a thread of its own."""
+
+    def __init__(self, *args: str) -> None:
+        self.args = args
+        self.popen = subprocess.Popen([EXE, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.lines: list[str] = []
+        self._waiting: list[tuple[str, asyncio.Future, asyncio.AbstractEventLoop]] = []
+        self._lock = threading.Lock()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.popen.stdout:
+            with self._lock:
+                self.lines.append(line)
+                for waiting in [w for w in self._waiting if said_in(w[0], line)]:
+                    self._waiting.remove(waiting)
+                    waiting[2].call_soon_threadsafe(lambda f=waiting[1], l=line: f.done() or f.set_result(l))
+        with self._lock:
+            for _, future, loop in self._waiting:
+                loop.call_soon_threadsafe(lambda f=future: f.done() or f.set_result(None))
+            self._waiting.clear()
+
+    @property
+    def text(self) -> str:
+        with self._lock:
+            return "".join(self.lines)
+
+    async def said(self, words: str, within: float = 30.0) -> str:
+        """The first line of its output with `words` in it (at its start, for words that begin with `^`: the
+        line that says a process serves, not a service's log line before it); AssertionError if it ends, or
+        `within` passes, without one."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._lock:
+            line = next((line for line in self.lines if said_in(words, line)), None)
+            if line is None and self._reader.is_alive():
+                self._waiting.append((words, future, loop))
+        if line is None and not future.done() and self._reader.is_alive():
+            try:
+                line = await asyncio.wait_for(future, within)
+            except asyncio.TimeoutError:
+                raise AssertionError(f"{self.args[0]} did not say {words!r} within {within:g}s:\n{self.text}") from None
+        if line is None:
+            raise AssertionError(f"{self.args[0]} ended (exit {self.popen.wait()}) without saying {words!r}:\n"
+                                 f"{self.text}")
+        return line
+
+    async def stopped(self, bound: float = STOP_BOUND_S) -> tuple[int, float, str]:
+        """SIGTERM; its exit status, the seconds it took to end, and its output. One that has not ended within
+        `bound` (and 2 s of the test's slack) is asked for its stacks (in its output), killed, and the test fails."""
+        started = time.monotonic()
+        self.popen.send_signal(signal.SIGTERM)
+        try:
+            status = await asyncio.to_thread(self.popen.wait, bound + 2.0)
+        except subprocess.TimeoutExpired:
+            self.popen.send_signal(signal.SIGUSR1)
+            try:
+                await asyncio.to_thread(self.popen.wait, 1.0)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+            raise AssertionError(f"did not exit within {bound + 2:g}s of SIGTERM; its output:\n{self.text}") from None
+        took = time.monotonic() - started
+        await asyncio.to_thread(self._reader.join, 5)
+        return status, took, self.text
+
+    def end(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(30)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+
+
+def freeze(server: NatsServer, how: str) -> None:
+    if how == "frozen":
+        os.kill(server.pid, signal.SIGSTOP)
+    else:
+        server.process.kill()
+        server.process.wait()
+
+
+def thaw(server: NatsServer, how: str) -> None:
+    if how == "frozen":
+        os.kill(server.pid, signal.SIGCONT)
+    else:
+        server.stop()
+        server.start()
+
+
+async def storm(load: Load, workers: list[str], actors: list[str]) -> list[asyncio.Future]:
+    """Registrations and creations sent at once, each with its request id; returned once the first is
+    answered (the rest are in flight)."""
+    asks = [asyncio.ensure_future(once(load.register(w))) for w in workers]
+    asks += [asyncio.ensure_future(once(load.create(a))) for a in actors]
+    await asyncio.wait_for(load.answered.wait(), 15)
+    return asks
+
+
+async def once(ask) -> None:
+    """One attempt (the retries come after the restart: `Load.register`, `Load.create`, with the same ids)."""
+    try:
+        await ask
+    except (ContractError, nats.errors.Error, asyncio.TimeoutError, AssertionError):
+        pass
+
+
+async def check_once_each(nc, prefix: str, workers: list[str], actors: list[str]) -> None:
+    """Read in stream order: one WorkerRegistered per worker, one ActorCreated per actor."""
+    for w in workers:
+        history = [type(e) for _, e in await read_subject(nc, prefix, f"{prefix}.ev.worker.{w}")]
+        assert history == [WorkerRegistered], (w, history)
+    for a in actors:
+        history = [type(e) for _, e in await read_subject(nc, prefix, f"{prefix}.ev.actor.{a}")]
+        assert history == [ActorCreated], (a, history)
+
+
+def assert_stopped(status: int, took: float, text: str) -> None:
+    """Exit 0 within the bound, and the log says NATS did not answer (`warmboot.runner`)."""
+    print(f"stopped in {took:.1f}s; its log:\n{text}")
+    assert took < STOP_BOUND_S, f"took {took:.1f}s; its log:\n{text}"
+    assert status == 0, text
+    assert "did not answer during the stop" in text, text
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["frozen", "killed"])
+@pytest.mark.parametrize("service", ["registry", "snapshotter", "all"])
+async def test_serve_stops_within_the_bound_with_nats_hung_mid_requests(tmp_path, service, how):
+    """`warmboot serve SERVICE`, its requests in flight (registrations, creations), NATS frozen or killed,
+    then SIGTERM. Started again on the server resumed (or restarted on its store), the clients' retries
+    with their request ids find each write once."""
+    server = NatsServer(tmp_path / "nats").start()
+    prefix = "t" + uuid.uuid4().hex[:10]
+    workers = [f"w-{i:02d}" for i in range(WORKERS)] if service != "snapshotter" else []
+    actors = [f"a-{i:02d}" for i in range(ACTORS)] if service != "registry" else []
+    args = ("serve", service, "--nats", server.url, "--prefix", prefix)
+    nc = None
+    proc = Process(*args)
+    try:
+        await proc.said("^serving")
+        nc = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+        load = Load(nc, prefix)
+        asks = await storm(load, workers, actors)
+        freeze(server, how)
+        assert_stopped(*await proc.stopped())
+        thaw(server, how)
+        for ask in asks:
+            ask.cancel()
+        proc = Process(*args)
+        await proc.said("^serving")
+        for w in workers:
+            await load.register(w)
+        for a in actors:
+            await load.create(a)
+        await check_once_each(nc, prefix, workers, actors)
+    finally:
+        if server.running and how == "frozen":
+            os.kill(server.pid, signal.SIGCONT)
+        proc.end()
+        if nc is not None:
+            await nc.close()
+        server.stop()
