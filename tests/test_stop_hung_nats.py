@@ -23,7 +23,9 @@ import nats
 import pytest
 
 from events.errors import ContractError
+from events.natspy.connections import CLOSE_GIVEN_UP_S, close_within
 from events.schema import ActorCreated, WorkerRegistered
+from tests.registry_helpers import CPUINFO, agent_config, wait_event, worker_events
 from tests.test_faults import Load
 from warmboot.cli_common import read_subject
 from warmboot.natsserver import NatsServer
@@ -205,4 +207,83 @@ async def test_serve_stops_within_the_bound_with_nats_hung_mid_requests(tmp_path
         proc.end()
         if nc is not None:
             await nc.close()
+        server.stop()
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["frozen", "killed"])
+async def test_agent_stops_within_the_bound_with_nats_hung_as_it_registers(tmp_path, how):
+    """`warmboot agent --drain-on-exit`, NATS frozen or killed as its registration is stored (the reply maybe
+    not heard yet), then SIGTERM: its drain at exit is given up within the bound, said. Started again with
+    its state file on the server resumed (or restarted), it serves the worker again: in stream order, one
+    registration, and at most one drain (the one given up on, stored once the server went on)."""
+    server = NatsServer(tmp_path / "nats").start()
+    prefix = "t" + uuid.uuid4().hex[:10]
+    config = tmp_path / "agent.toml"
+    config.write_text(agent_config("v1"))
+    agent_args = ("agent", "--nats", server.url, "--worker-id", "w-a", "--node", "node-a", "--config", str(config),
+                  "--prefix", prefix, "--cpuinfo", str(CPUINFO), "--arch", "amd64",
+                  "--state-file", str(tmp_path / "agent.revision"), "--drain-on-exit")
+    nc = None
+    registry = Process("serve", "registry", "--nats", server.url, "--prefix", prefix)
+    agent = None
+    try:
+        await registry.said("^serving")
+        nc = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+        agent = Process(*agent_args)
+        await wait_event(nc, prefix, "w-a", WorkerRegistered)
+        freeze(server, how)
+        status, took, text = await agent.stopped()
+        print(f"stopped in {took:.1f}s; its output:\n{text}")
+        assert took < STOP_BOUND_S, text
+        assert status == 0, text
+        assert "could not drain w-a: no answer within" in text, text
+        thaw(server, how)
+        agent = Process(*agent_args)
+        print(await agent.said("registered w-a"))
+        history = [type(e).__name__ for _, e in await worker_events(nc, prefix, "w-a")]
+        print(history)
+        assert history.count("WorkerRegistered") == 1 and history.count("WorkerDrained") <= 1, history
+    finally:
+        if server.running and how == "frozen":
+            os.kill(server.pid, signal.SIGCONT)
+        for p in (agent, registry):
+            if p is not None:
+                p.end()
+        if nc is not None:
+            await nc.close()
+        server.stop()
+
+
+
+
+@pytest.mark.timeout(30)
+async def test_the_close_of_a_connection_to_a_frozen_server_is_given_up_within_its_bound(tmp_path):
+    """nats-py's close of a connection whose server is frozen, its socket's buffers full (what the process
+    sent before the freeze), never ends: `close_within` gives it up after CLOSE_GIVEN_UP_S. Two connections,
+    filled alike: one closed by nats-py alone, the other by `close_within`."""
+    server = NatsServer(tmp_path / "nats").start()
+    try:
+        plain, bounded = [await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+                          for _ in range(2)]
+        os.kill(server.pid, signal.SIGSTOP)
+        chunk = b"x" * 512 * 1024
+
+        async def fill(nc) -> None:  # 32 MiB: more than the kernel's socket buffers on both ends take
+            for _ in range(64):
+                await nc.publish("t.fill", chunk)
+
+        filling = [asyncio.ensure_future(fill(nc)) for nc in (plain, bounded)]
+        done, _ = await asyncio.wait(filling, timeout=3)
+        assert not done, "a publisher was not held up: the test does not fill the socket's buffers"
+        for task in filling:
+            task.cancel()
+        closing = asyncio.ensure_future(plain.close())
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        assert not await close_within(bounded)
+        assert loop.time() - started < CLOSE_GIVEN_UP_S + 0.5
+        assert not closing.done(), "nats-py's own close ended: nothing to give up"
+        closing.cancel()
+    finally:
+        if server.running:
+            os.kill(server.pid, signal.SIGCONT)
         server.stop()

@@ -81,7 +81,7 @@ from nats.aio.client import Client as NATS
 from events.errors import ContractError, in_force_named, latest_revision
 from events.tasks import cancel_and_wait
 from events.natsauth import env_sign_in, nkey_options, nkey_seed_path, redact_url
-from events.natspy.connections import ErrorsOnce, abandon, close, closed_for_good, connecting, describe_error
+from events.natspy.connections import ErrorsOnce, abandon, close_within, closed_for_good, connecting, describe_error
 from events.natspy.frames import guard_reads
 from events.compat import compat_key
 from events.runtime_id import short_id
@@ -1233,7 +1233,12 @@ class Agent:
 
         try:
             reply = await asyncio.wait_for(drained(), timeout_s)
-        except (asyncio.TimeoutError, asyncio.CancelledError, ContractError) as e:
+        except asyncio.TimeoutError:  # (no text of its own: the log said nothing of why)
+            log.warning("could not drain %s: no answer within %gs (NATS at %s frozen or unreachable, or no registry "
+                        "replica serving); given up: the worker stays as it was, or is drained if the request "
+                        "reaches a replica later", self.worker_id, timeout_s, redact_url(self.nats_url))
+            return None
+        except (asyncio.CancelledError, ContractError) as e:
             log.warning("could not drain %s: %s", self.worker_id, e)
             return None
         self._drain_known = max(self._drain_known, reply.seq)  # said by its caller: no beat says it again
@@ -1340,7 +1345,7 @@ class Agent:
             if self.superseded is not None:
                 self._record_superseded(self.superseded)
             with suppress(Exception):
-                await close(self.nc)  # its server gone too: its tasks end all the same
+                await close_within(self.nc)  # its server gone too, or frozen (nats-py's own close never ends then)
 
     def _record_superseded(self, superseded: Superseded) -> None:
         """Keep beside the state file that this agent stopped as Superseded (`SupersededRecord`), for its
