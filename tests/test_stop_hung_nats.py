@@ -18,6 +18,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import nats
 import pytest
@@ -287,3 +288,43 @@ async def test_the_close_of_a_connection_to_a_frozen_server_is_given_up_within_i
         if server.running:
             os.kill(server.pid, signal.SIGCONT)
         server.stop()
+def child_of(pid: int) -> int:
+    """The one child process of `pid` (`warmboot up`'s nats-server)."""
+    children = [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+                for c in (task / "children").read_text().split()]
+    assert len(children) == 1, children
+    return children[0]
+
+
+@pytest.mark.timeout(60)
+async def test_up_stops_within_the_bound_with_its_nats_frozen_mid_requests(tmp_path):
+    """`warmboot up`, its registrations in flight, its own nats-server frozen (a stuck disk), then SIGTERM: its
+    services give up within the bound and its server, resumed to take the SIGTERM or else killed, ends too.
+    Started again on the store, the retries find each registration once."""
+    prefix = "t" + uuid.uuid4().hex[:10]
+    workers = [f"w-{i:02d}" for i in range(WORKERS)]
+    args = ("up", "--port", "0", "--store", str(tmp_path / "store"), "--metrics-port", "0", "--prefix", prefix)
+    up = Process(*args)
+    nc = None
+    try:
+        url = (await up.said("NATS ")).split()[1]
+        await up.said("^serving")
+        nats_pid = child_of(up.popen.pid)
+        nc = await nats.connect(url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+        load = Load(nc, prefix)
+        asks = await storm(load, workers, [])
+        os.kill(nats_pid, signal.SIGSTOP)
+        assert_stopped(*await up.stopped())
+        with pytest.raises(ProcessLookupError):
+            os.kill(nats_pid, 0)  # (its parent reaped it)
+        for ask in asks:
+            ask.cancel()
+        up = Process(*args[:2], str(urlsplit(url).port), *args[3:])  # its port again: the client reconnects
+        await up.said("^serving")
+        for w in workers:
+            await load.register(w)
+        await check_once_each(nc, prefix, workers, [])
+    finally:
+        up.end()
+        if nc is not None:
+            await nc.close()
