@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import uuid
+from contextlib import AsyncExitStack
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -25,12 +26,15 @@ import pytest
 
 from events.errors import ContractError
 from events.natspy.connections import CLOSE_GIVEN_UP_S, close_within
-from events.schema import ActorCreated, WorkerRegistered
+from events.schema import ActorCreated, ActorPlaced, Assignment, ResumeActor, WorkerRegistered
+from events.subjects import service_subject
+from services.endpoints import call
+from tests.factories import SILENT_TTL_S
 from tests.registry_helpers import CPUINFO, agent_config, wait_event, worker_events
 from tests.test_faults import Load
 from warmboot.cli_common import read_subject
 from warmboot.natsserver import NatsServer
-from warmboot.runner import STOP_BOUND_S
+from warmboot.runner import STOP_BOUND_S, start_services
 
 EXE = str(Path(sys.executable).parent / "warmboot")
 WORKERS = 100
@@ -328,3 +332,52 @@ async def test_up_stops_within_the_bound_with_its_nats_frozen_mid_requests(tmp_p
         up.end()
         if nc is not None:
             await nc.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["frozen", "killed"])
+async def test_serve_scheduler_stops_within_the_bound_with_nats_hung_mid_placements(tmp_path, how):
+    """`warmboot serve scheduler`, resumes in flight, NATS frozen or killed once the first is placed, then
+    SIGTERM. Started again, each resume retried with its request id is placed once: one ActorPlaced per
+    actor in stream order, the one each retry is answered with."""
+    server = NatsServer(tmp_path / "nats").start()
+    prefix = "t" + uuid.uuid4().hex[:10]
+    actors = [f"a-{i:02d}" for i in range(ACTORS)]
+    args = ("serve", "scheduler", "--nats", server.url, "--prefix", prefix)
+    nc = proc = None
+    try:
+        async with AsyncExitStack() as exits:
+            await start_services(exits, ["registry", "snapshotter"], server.url, prefix,
+                                 options={"registry": {"ttl_s": SILENT_TTL_S}})
+            nc = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+            load = Load(nc, prefix)
+            for i in range(3):
+                await load.register(f"w-{i}")
+            await asyncio.gather(*(load.create(a) for a in actors))
+            proc = Process(*args)
+            await proc.said("^serving")
+            requests = {a: ResumeActor(request_id=f"resume-{a}") for a in actors}
+            resumes = [asyncio.ensure_future(call(nc, service_subject(prefix, "scheduler", "resume", a), requests[a],
+                                                  Assignment, timeout=15)) for a in actors]
+            await asyncio.wait(resumes, return_when=asyncio.FIRST_COMPLETED)
+            freeze(server, how)
+            assert_stopped(*await proc.stopped())
+            thaw(server, how)
+            for resume in resumes:
+                resume.cancel()
+            proc = Process(*args)
+            await proc.said("^serving")
+            retried = {a: await load.ask("scheduler", "resume", a, requests[a], Assignment) for a in actors}
+            for a in actors:
+                placed = [e for _, e in await read_subject(nc, prefix, f"{prefix}.ev.actor.{a}")
+                          if isinstance(e, ActorPlaced)]
+                assert [(e.worker_id, e.request_id) for e in placed] == [(retried[a].worker_id, f"resume-{a}")], \
+                    (a, placed)
+    finally:
+        if server.running and how == "frozen":
+            os.kill(server.pid, signal.SIGCONT)
+        if proc is not None:
+            proc.end()
+        if nc is not None:
+            await nc.close()
+        server.stop()
