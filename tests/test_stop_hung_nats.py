@@ -381,3 +381,54 @@ async def test_serve_scheduler_stops_within_the_bound_with_nats_hung_mid_placeme
         if nc is not None:
             await nc.close()
         server.stop()
+
+
+@pytest.mark.timeout(60)
+async def test_the_snapshotters_stop_ends_within_the_bound_with_its_follower_in_a_store_call(tmp_path,
+                                                                                           monkeypatch):
+    """The snapshotter's follower (its worker-removal process, on a thread of its own) in a call to the store
+    as NATS freezes: the service's stop waited for the thread, which waited out the store's time-out
+    (WARMBOOT_STORE_TIMEOUT, 30 s). It gives the thread a moment, then closes the store under it (the call
+    ends, interrupted), within the bound. The follower is held, as it folds the first event of the log, until
+    the server is frozen, then reads the stream's last sequence there (the registry runs too, for a
+    registration: an event the follower folds)."""
+    from services.snapshotter.service import WorkerRemovalProcess
+
+    entered, frozen = threading.Event(), threading.Event()
+    act = WorkerRemovalProcess._act
+
+    def held(self, releases, at, tracking):
+        if not entered.is_set():
+            entered.set()
+            frozen.wait(30)
+            self.recorder.max_notification_id()  # to the frozen server
+        return act(self, releases, at, tracking)
+
+    monkeypatch.setattr(WorkerRemovalProcess, "_act", held)
+    server = NatsServer(tmp_path / "nats").start()
+    prefix = "t" + uuid.uuid4().hex[:10]
+    nc = None
+    try:
+        exits = AsyncExitStack()
+        running = await start_services(exits, ["registry", "snapshotter"], server.url, prefix,
+                                       options={"registry": {"ttl_s": SILENT_TTL_S}})
+        nc = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+        await Load(nc, prefix).register("w-1")  # an event the follower folds
+        assert await asyncio.to_thread(entered.wait, 15)
+        os.kill(server.pid, signal.SIGSTOP)
+        frozen.set()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await running.services[1].stop()
+        took = loop.time() - started
+        print(f"the snapshotter stopped in {took:.1f}s")
+        assert took < STOP_BOUND_S - 2, f"the snapshotter took {took:.1f}s to stop"
+        os.kill(server.pid, signal.SIGCONT)
+        await exits.aclose()
+    finally:
+        frozen.set()
+        if server.running:
+            os.kill(server.pid, signal.SIGCONT)
+        if nc is not None:
+            await nc.close()
+        server.stop()

@@ -229,6 +229,10 @@ class WorkerRemovalProcess(EventSourcedProjection[str], WireApplication):
 
     name = "SnapshotterWorkerRemovals"
     topics = ("WorkerRegistered", "WorkerRemoved", "ActorPlaced", "ActorReleased", "ActorStopped")
+    # How long `stop` waits for the follower to end before it closes the store under it, and after: a call
+    # of its to the store with NATS frozen or gone waited for the store's time-out (WARMBOOT_STORE_TIMEOUT,
+    # 30 s), the stop with it (the bound of a stop: warmboot.runner.STOP_BOUND_S).
+    FOLLOWER_STOP_S = 1.0
     ATTEMPTS = 16
     LEFT_RETRY_S = (1.0, 60.0)  # first and longest pause between tries of the releases left (`left`)
 
@@ -490,8 +494,14 @@ class WorkerRemovalProcess(EventSourcedProjection[str], WireApplication):
                 self._subscription.stop()
             thread = self._thread  # started, or never to be: follow() checks `_stopping` under the lock
         if thread is not None:
-            thread.join()
-        self.close()
+            thread.join(self.FOLLOWER_STOP_S)
+            if thread.is_alive():
+                log.warning("%s: the follower is still in a call to the store %gs into the stop (NATS frozen or "
+                            "unreachable?): the store is closed under it; the next start goes on from the last "
+                            "position tracked in the log", self.name, self.FOLLOWER_STOP_S)
+        self.close()  # (a call of the follower's to the store still waiting ends, interrupted: it stops)
+        if thread is not None:
+            thread.join(self.FOLLOWER_STOP_S)
 
 
 # --- the service -------------------------------------------------------------------------------
