@@ -34,7 +34,7 @@ from tests.registry_helpers import CPUINFO, agent_config, wait_event, worker_eve
 from tests.test_faults import Load
 from warmboot.cli_common import read_subject
 from warmboot.natsserver import NatsServer
-from warmboot.runner import STOP_BOUND_S, start_services
+from warmboot.runner import STOP_BOUND_S, STOP_GIVEN_UP_EXIT, start_services
 
 EXE = str(Path(sys.executable).parent / "warmboot")
 WORKERS = 100
@@ -173,6 +173,7 @@ def assert_stopped(status: int, took: float, text: str) -> None:
     assert took < STOP_BOUND_S, f"took {took:.1f}s; its log:\n{text}"
     assert status == 0, text
     assert "did not answer during the stop" in text, text
+    assert "the stop did not end within" not in text, text  # its own steps' bounds kept it, not `StopBound`
 
 
 @pytest.mark.timeout(60)
@@ -432,3 +433,17 @@ async def test_the_snapshotters_stop_ends_within_the_bound_with_its_follower_in_
         if nc is not None:
             await nc.close()
         server.stop()
+
+
+def test_a_stop_that_outlasts_its_bound_ends_the_process_saying_so():
+    """`StopBound`, armed by a stop signal, ends a process whose stop still runs at the bound (a step of the
+    stop hung on what no other bound covers): exit status STOP_GIVEN_UP_EXIT and a line saying so. Here the
+    process, once armed, waits on an event nobody sets."""
+    code = ("import threading\nfrom warmboot.runner import StopBound\n"
+            "StopBound('warmboot serve all', 0.5).arm()\nthreading.Event().wait(30)\n")
+    started = time.monotonic()
+    ended = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20)
+    took = time.monotonic() - started
+    assert ended.returncode == STOP_GIVEN_UP_EXIT, ended
+    assert "warmboot serve all: the stop did not end within 0.5s" in ended.stderr, ended.stderr
+    assert took < 10, took

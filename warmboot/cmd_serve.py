@@ -20,7 +20,7 @@ from services.registry.nodes import describe, load_nodes
 from warmboot.cli_common import (SIGN_IN_ENV_HELP, FloatRange, IntRange, check_nats_option, check_nkey_seed_option,
                                  check_prefix_option, event_loop_option)
 from services.scheduler.checkpoint import DEFAULT_EVERY_EVENTS, DEFAULT_INTERVAL_S
-from warmboot.runner import SERVICES, dump_on_signal, start_services, stop_signals, until_stopped
+from warmboot.runner import SERVICES, StopBound, dump_on_signal, start_services, stop_signals, until_stopped
 
 
 # Options only one service reads, by parameter: (that service, the option). Given on the command
@@ -134,7 +134,7 @@ def serve(service: str, nats_url: str, nkey_seed: str | None, prefix: str, metri
                 metrics_host=metrics_host,
             )
             tune_gc()
-            with stop_signals() as stop:  # before the line that says it serves: see stop_signals
+            with stop_signals(bound) as stop:  # before the line that says it serves: see stop_signals
                 click.echo(f"serving {', '.join(names)} on {running.where} (prefix {prefix})")
                 if "registry" in names:
                     # the binding it serves with (another replica's, maybe)
@@ -145,9 +145,12 @@ def serve(service: str, nats_url: str, nkey_seed: str | None, prefix: str, metri
             click.echo("stopping")
         return failed
 
+    bound = StopBound(f"warmboot serve {service}")
     try:
         failed = run_serving(run, event_loop)
     except (OSError, OperationalError) as e:  # a store not to be had (credentials that may not make it): one line
         raise click.ClickException(str(e)) from None
+    finally:
+        bound.disarm()
     if failed is not None:  # a service could not go on (it logged why): a supervisor sees a failure
         raise SystemExit(1)

@@ -22,7 +22,7 @@ from services.scheduler.checkpoint import DEFAULT_EVERY_EVENTS, DEFAULT_INTERVAL
 from warmboot.cli_common import IntRange, check_prefix_option, event_loop_option
 from warmboot.demo import CLASSES, MIN_WORKERS, DemoConfig, run_demo, size_error
 from warmboot.natsserver import NatsServer, NatsServerError, StoreInUse
-from warmboot.runner import SERVICES, dump_on_signal, start_services, stop_signals, until_stopped
+from warmboot.runner import SERVICES, StopBound, dump_on_signal, start_services, stop_signals, until_stopped
 
 console = Console(soft_wrap=True)  # a line piped is not cut at 80 columns (the commands it suggests)
 
@@ -80,6 +80,7 @@ def up(port: int, store: Path, prefix: str, metrics_port: int, demo: bool, exit_
         raise click.ClickException(str(e)) from None
     locked = served = False
     failed: list[str] = []  # a service that could not go on (it logged why)
+    bound = StopBound("warmboot up")  # through the stop of its nats-server too
 
     async def run() -> None:
         nonlocal served
@@ -99,7 +100,7 @@ def up(port: int, store: Path, prefix: str, metrics_port: int, demo: bool, exit_
                 console.print(f"metrics  {metrics_url(LOOPBACK, metrics.port)}")
 
             async def serve_on() -> None:
-                with stop_signals() as stop:  # before the line that says so: see stop_signals
+                with stop_signals(bound) as stop:  # before the line that says so: see stop_signals
                     console.print("serving; Ctrl-C stops")
                     if (why := await until_stopped(stop, running)) is not None:
                         failed.append(why)
@@ -132,6 +133,7 @@ def up(port: int, store: Path, prefix: str, metrics_port: int, demo: bool, exit_
                 _remove_if_still_ours(server, made)
         finally:
             server.unlock()
+            bound.disarm()
     if failed:
         raise SystemExit(1)
 

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import faulthandler
 import importlib
 import logging
+import os
 import signal
 import sys
+import threading
 from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -176,20 +179,61 @@ def dump_on_signal() -> None:
     asyncio.get_running_loop().add_signal_handler(DUMP_SIGNAL, dump_tasks)
 
 
+STOP_GIVEN_UP_EXIT = 1  # the exit status of a process whose stop outlasted its bound (`StopBound`)
+
+
+class StopBound:
+    """The bound of a process's stop (STOP_BOUND_S), kept whatever a step of the stop waits on: armed by the
+    stop signal (`stop_signals`), it ends the process `bound_s` later if it still runs, with a line that says
+    so and exit status STOP_GIVEN_UP_EXIT (os._exit: no further clean-up; what the process wrote is in the log,
+    and a request it had not answered is retried with its request id). Each step of a stop has a bound of its
+    own that keeps the whole within it; this one holds if a step waits longer than they allow. Disarmed once
+    the process's work ends (a caller in a process that goes on: `warmboot serve` or `up` run in a test)."""
+
+    def __init__(self, what: str, bound_s: float = STOP_BOUND_S) -> None:
+        self.what, self.bound_s = what, bound_s
+        self._timer: threading.Timer | None = None
+
+    def arm(self) -> None:
+        if self._timer is None:
+            self._timer = threading.Timer(self.bound_s, self._give_up)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _give_up(self) -> None:
+        line = (f"{self.what}: the stop did not end within {self.bound_s:g}s (NATS frozen or unreachable?): "
+                f"exiting now, status {STOP_GIVEN_UP_EXIT} (docs/operations.md, \"Running\": stopping)\n")
+        with contextlib.suppress(OSError):
+            os.write(2, line.encode())
+        os._exit(STOP_GIVEN_UP_EXIT)
+
+
 @contextmanager
-def stop_signals() -> Iterator[asyncio.Event]:
+def stop_signals(bound: StopBound | None = None) -> Iterator[asyncio.Event]:
     """While in the block, SIGINT or SIGTERM sets the event yielded (a graceful stop); they get
     Python's defaults back when it ends (during the shutdown a second Ctrl-C raises
     KeyboardInterrupt). SIGUSR1 dumps the stacks (`dump_on_signal`).
 
     Enter it once the services have started and before the process says it serves: a stop
     sent as soon as that line is read (a supervisor, a test) is then handled, not met by the
-    default action, and a Ctrl-C during a long start (a replay) still interrupts it."""
+    default action, and a Ctrl-C during a long start (a replay) still interrupts it.
+
+    `bound`: armed by the signal (`StopBound`), for the caller to disarm once the process's work ends."""
     dump_on_signal()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def stopping() -> None:
+        if bound is not None:
+            bound.arm()
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, stopping)
     try:
         yield stop
     finally:
