@@ -10,6 +10,7 @@ is answered (an acknowledged append), the others then on their way.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -310,7 +311,7 @@ async def test_up_stops_within_the_bound_with_its_nats_frozen_mid_requests(tmp_p
     workers = [f"w-{i:02d}" for i in range(WORKERS)]
     args = ("up", "--port", "0", "--store", str(tmp_path / "store"), "--metrics-port", "0", "--prefix", prefix)
     up = Process(*args)
-    nc = None
+    nc = nats_pid = None
     try:
         url = (await up.said("NATS ")).split()[1]
         await up.said("^serving")
@@ -330,6 +331,9 @@ async def test_up_stops_within_the_bound_with_its_nats_frozen_mid_requests(tmp_p
             await load.register(w)
         await check_once_each(nc, prefix, workers, [])
     finally:
+        if nats_pid is not None:  # frozen, it would outlive an `up` killed (its SIGTERM held until resumed)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(nats_pid, signal.SIGCONT)
         up.end()
         if nc is not None:
             await nc.close()
@@ -447,3 +451,21 @@ def test_a_stop_that_outlasts_its_bound_ends_the_process_saying_so():
     assert ended.returncode == STOP_GIVEN_UP_EXIT, ended
     assert "warmboot serve all: the stop did not end within 0.5s" in ended.stderr, ended.stderr
     assert took < 10, took
+
+
+@pytest.mark.timeout(60)
+async def test_a_stop_with_nats_answering_says_nothing_of_it(tmp_path):
+    """`warmboot serve scheduler` stopped with its server well: nothing in progress, a stop quicker than a round
+    trip to the server; it does not say the server did not answer."""
+    server = NatsServer(tmp_path / "nats").start()
+    try:
+        proc = Process("serve", "scheduler", "--nats", server.url, "--prefix", "t" + uuid.uuid4().hex[:10])
+        try:
+            await proc.said("^serving")
+            status, took, text = await proc.stopped()
+        finally:
+            proc.end()
+        assert status == 0 and took < 3, (took, text)
+        assert "did not answer" not in text and "not answered" not in text, text
+    finally:
+        server.stop()

@@ -29,6 +29,7 @@ log = logging.getLogger("warmboot")
 # and the rest of the stop (each service's own, the connection's close: CLOSE_GIVEN_UP_S) is bounded too.
 STOP_BOUND_S = 10.0
 STOP_DRAIN_S = 5.0
+STOP_ANSWER_S = 1.0  # a server that has not answered a round trip this long after the stop began is said not to
 
 # name -> "module:Class"; each class takes (nc, *, nats_url, prefix) and has async start()/stop(), and
 # may have `failed`: a future done, with the reason, once the service cannot serve any more (`until_stopped`).
@@ -99,12 +100,15 @@ async def start_services(
 
     async def closing() -> None:  # the last step of the stop: said if the server did not answer meanwhile
         heard = answering[0] if answering else None
+        if heard is not None and not heard.done():  # a stop quicker than a round trip: its answer is waited for
+            loop = asyncio.get_running_loop()
+            await asyncio.wait({heard}, timeout=max(0.0, began[0] + STOP_ANSWER_S - loop.time()))
         if heard is not None and (not heard.done() or heard.cancelled() or heard.exception() is not None):
             why = (describe_error(heard.exception()) if heard.done() and not heard.cancelled()
                    else f"no answer in {asyncio.get_running_loop().time() - began[0]:.1f}s")
-            log.warning("stopping: NATS at %s did not answer during the stop (%s): frozen or unreachable; requests "
-                        "in progress were given %gs, then given up (a client's retry with the same request id finds "
-                        "what was written)", where, why, STOP_DRAIN_S)
+            log.warning("stopping: NATS at %s did not answer during the stop (%s): frozen or unreachable; a request "
+                        "still in progress was given up after at most %gs (a client's retry with the same request id "
+                        "finds what was written)", where, why, STOP_DRAIN_S)
         if heard is not None:
             heard.cancel()
         drain_until(nc, None)
