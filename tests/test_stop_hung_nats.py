@@ -3,8 +3,10 @@ server is frozen (SIGSTOP: a frozen VM, a stuck disk) or gone (killed: a partiti
 flight: it exits within STOP_BOUND_S, says why, and a restart on the server, resumed or started again,
 finds nothing lost or doubled (the stream read in order: one event per request id).
 
-Each process runs as a subprocess, its log in a file; the freeze comes once the first request in flight
-is answered (an acknowledged append), the others then on their way.
+Each process runs as a subprocess, its output read on a thread (`Process`); the freeze comes once the
+first request in flight is answered (an acknowledged append, or for the agent its registration stored),
+the others then on their way. No sleep: what the tests wait on is an answer, an event, or a line said;
+a time is only ever a bound.
 """
 
 from __future__ import annotations
