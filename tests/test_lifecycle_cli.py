@@ -1592,3 +1592,20 @@ async def test_several_actors_are_resumed_by_one_command(bus, nc, prefix):
     for option in (("--life-seq", "3"), ("--request-id", "r-1")):
         refused = await run("actor", "resume", "a-1", "a-2", *option)
         assert refused.exit_code == 2 and f"{option[0]} names one" in refused.stderr, refused.output
+
+
+async def test_several_ids_sent_where_no_service_answers_are_said_once_as_one_id_is(bus, nats_url):
+    """`worker drain` of several workers (and `actor resume` of several actors) with a --prefix no
+    service answers: nothing subscribes to any of their subjects, so no id fares better than the first.
+    It said the same UNAVAILABLE once per id, each after its attempts (40 lines, 5 s for 40 workers: at a
+    thousand, over a minute and a thousand lines), and none of them said where the logs are, which the
+    command of one id says (`logs here: --prefix P`). Now the first such answer ends the command, said
+    as the command of one id says it."""
+    for command in (["worker", "drain", *(f"w-{i}" for i in range(40))],
+                    ["actor", "resume", *(f"a-{i}" for i in range(40))]):
+        shown = await cli(*command, "--nats", nats_url, "--prefix", "wrongpfx")
+        assert shown.exit_code == 1 and shown.stdout == "", (command, shown.output)
+        lines = shown.stderr.splitlines()
+        assert len(lines) == 1, (command, lines[:3])
+        assert re.match(r"error: UNAVAILABLE: no service answers wrongpfx\.\w+\.\w+\.[aw]-\d+ after \d+ attempts in "
+                        r"[\d.]+ s \(is --prefix wrongpfx the deployment's\? logs here: --prefix ", lines[0]), lines

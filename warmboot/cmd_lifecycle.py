@@ -702,9 +702,10 @@ def resume_cmd(actor_id: tuple[str, ...], selectors: tuple[str, ...], life_seq: 
         life = await life_now(wb, one_id, life_seq, resume=True, note=notes.append)
         try:
             return await wb.resume(one_id, sel, request_id, min_seq, life)
-        except NobodyAnswered:
+        except (NobodyAnswered, asyncio.CancelledError):
             # no scheduler either (a prefix no deployment has, nothing running): the error says it, and that
-            # the resume went unfenced is noise before it (a user trial: a long note, then the error)
+            # the resume went unfenced is noise before it (a user trial: a long note, then the error); nor is
+            # it said of a resume of several given up on as another found no scheduler (`each_one`)
             notes.clear()
             raise
         finally:
@@ -712,7 +713,7 @@ def resume_cmd(actor_id: tuple[str, ...], selectors: tuple[str, ...], life_seq: 
                 click.echo(line, err=True)
 
     if len(set(actor_id)) > 1:
-        each_one(nats_url, prefix, "actor", actor_id, lambda wb, a, _: resumed(wb, a), placed_line, as_json,
+        each_one(nats_url, prefix, "actor", actor_id, resumed, placed_line, as_json,
                  "placed", labelled=True)
         return
     reply, runtimes = run(nats_url, prefix, not as_json, lambda wb: resumed(wb, actor_id[0]))
@@ -1123,35 +1124,54 @@ MANY_IN_FLIGHT = 16  # requests in flight at once of a command given several ids
 
 
 def each_one(nats_url: str, prefix: str, kind: str, ids: tuple[str, ...],
-             call: Callable[[Client, str, Any], Awaitable[Any]], line: Callable[[str, Any, Any], str], as_json: bool,
+             call: Callable[[Client, str], Awaitable[Any]], line: Callable[[str, Any, Any], str], as_json: bool,
              what: str, labelled: bool = False) -> None:
-    """`call(client, id, runtimes)` for each of several workers or actors (`kind`) over one connection,
+    """`call(client, id)` for each of several workers or actors (`kind`) over one connection,
     MANY_IN_FLIGHT at once: a loop of one command each took 0.5 s a worker (0.7 s an actor's resume), ten
     minutes for a thousand workers (a trial at fleet size). Each done is printed as it is answered (`line(id,
-    reply, runtimes)`; `runtimes`: the fleet's labels, with `labelled`, read once); a refusal is said on
-    stderr (`error: worker/W: CODE ...`) and the others go on; the last line counts the refused, exit
-    status 1. -o json: a list in the order given, each reply with its id (`worker_id`, `actor_id`), or
-    the error."""
+    reply, runtimes)`; `runtimes`: the fleet's labels, with `labelled`, read once, after the first reply, as
+    the command of one id reads them); a refusal is said on stderr (`error: worker/W: CODE ...`) and the
+    others go on; the last line counts the refused, exit status 1. -o json: a list in the order given, each
+    reply with its id (`worker_id`, `actor_id`), or the error. A request nobody answers (`NobodyAnswered`: nothing subscribes to the service's subjects, a
+    --prefix no deployment has or the service not running) ends the command at once, said as the command
+    of one id says it (`ask`: where the logs are): no other id fares better (it was said once per id, each
+    after its attempts, a thousand lines for a thousand workers, none saying where the logs are)."""
     ids = tuple(dict.fromkeys(ids))
     replies: dict[str, Any] = {}
 
     async def work(nc: Any) -> None:
         client = Client(nc, prefix, on_unfenced=unfenced_note("placement", "--placement-seq", "placed"))
-        runtimes = await runtime_labels(nc, prefix) if labelled and not as_json else None
         gate = asyncio.Semaphore(MANY_IN_FLIGHT)
+        labels: list[asyncio.Future] = []  # the fleet's labels, read once, after the first reply (as one id's)
+
+        async def runtimes() -> Runtimes | None:
+            if not labelled or as_json:
+                return None
+            if not labels:
+                labels.append(asyncio.ensure_future(runtime_labels(nc, prefix)))
+            return await asyncio.shield(labels[0])
 
         async def one(one_id: str) -> None:
             async with gate:
                 try:
-                    replies[one_id] = reply = await call(client, one_id, runtimes)
+                    replies[one_id] = reply = await call(client, one_id)
+                except NobodyAnswered:
+                    raise  # the service is not there for any of them: `ask` says it once
                 except ContractError as e:
                     replies[one_id] = e
                     click.echo(f"error: {kind}/{one_id}: {Failed(e).message}", err=True)
                     return
             if not as_json:
-                click.echo(line(one_id, reply, runtimes))
+                labelled_by = await runtimes()
+                click.echo(line(one_id, reply, labelled_by))
 
-        await asyncio.gather(*(one(one_id) for one_id in ids))
+        tasks = [asyncio.ensure_future(one(one_id)) for one_id in ids]
+        try:
+            await asyncio.gather(*tasks)
+        finally:  # one failed for all (or the command was interrupted): the others are not waited for
+            for task in (*tasks, *labels):
+                task.cancel()
+            await asyncio.gather(*tasks, *labels, return_exceptions=True)
 
     ask(nats_url, work)
     refused = [i for i in ids if isinstance(replies.get(i), ContractError)]
@@ -1193,7 +1213,7 @@ def drain_cmd(worker_id: tuple[str, ...], reason: str | None, request_id: str | 
     list, each reply with its worker_id."""
     one_request_id(request_id, worker_id)
     if len(set(worker_id)) > 1:
-        each_one(nats_url, prefix, "worker", worker_id, lambda wb, w, _: wb.drain(w, reason),
+        each_one(nats_url, prefix, "worker", worker_id, lambda wb, w: wb.drain(w, reason),
                  lambda w, reply, _: done("worker", w, "drained", reply.seq, reply.unchanged), as_json, "drained")
         return
     reply, _ = run(nats_url, prefix, False, lambda wb: wb.drain(worker_id[0], reason, request_id))
@@ -1221,7 +1241,7 @@ def remove_cmd(worker_id: tuple[str, ...], reason: str | None, request_id: str |
     one_request_id(request_id, worker_id)
     if len(set(worker_id)) > 1:
         try:
-            each_one(nats_url, prefix, "worker", worker_id, lambda wb, w, _: wb.remove(w, reason),
+            each_one(nats_url, prefix, "worker", worker_id, lambda wb, w: wb.remove(w, reason),
                      lambda w, reply, _: done("worker", w, "removed", reply.seq), as_json, "removed")
         finally:
             click.echo("note: if the agents of these workers still run, they register them again within seconds, "
