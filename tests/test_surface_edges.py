@@ -602,3 +602,25 @@ def test_a_placement_file_the_snapshotter_takes_passes_the_option(tmp_path):
     shown = CliRunner().invoke(main, ["actor", "pause", "a-1", "--placement", assignment_file(tmp_path), *NOWHERE],
                                prog_name="warmboot")
     assert shown.exit_code == 1 and "UNAVAILABLE" in shown.stderr, shown.output
+
+
+def test_the_fields_a_placement_names_are_read_from_its_assignment_by_one_mapping(tmp_path):
+    """A pause's or suspend's fields naming its placement (`UnderPlacement`) are its Assignment's under other
+    names: `client.placed_under` reads them by one mapping, and `--placement FILE`'s usage error names the
+    file's field by the same one (it kept a copy of its own, `PLACED_FIELDS`, which a field added to one and
+    not the other would have named wrong)."""
+    import msgspec
+
+    from events.schema import UnderPlacement
+    from warmboot import cmd_lifecycle
+    from warmboot.client import UNDER_PLACEMENT, placed_under
+
+    assert set(UNDER_PLACEMENT) == {f.name for f in msgspec.structs.fields(UnderPlacement)}
+    assert not hasattr(cmd_lifecycle, "PLACED_FIELDS")
+    from events.schema import Assignment
+
+    with open(assignment_file(tmp_path)) as file:
+        placed = msgspec.convert(json.load(file), Assignment)
+    under = placed_under(placed)
+    for field, of in UNDER_PLACEMENT.items():
+        assert getattr(under, field) == getattr(placed, of), field

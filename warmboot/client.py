@@ -239,11 +239,17 @@ def given(value: Any, kind: type[T], name: str) -> T:
     return value
 
 
+# Each field of a pause or suspend that names the placement its image was taken under (`UnderPlacement`), and
+# the field of that placement's Assignment it is: the one mapping, `placed_under` reads it and `actor
+# pause|suspend --placement FILE` names the file's field by it.
+UNDER_PLACEMENT = {"placement_seq": "seq", "placement_worker_id": "worker_id", "placement_node": "node",
+                   "placement_runtime": "sandbox_runtime"}
+
+
 def placed_under(placed: Assignment) -> UnderPlacement:
     """What a pause or suspend of an image taken under the placement `placed` names: its seq, worker, node
-    and pin."""
-    return UnderPlacement(placement_seq=placed.seq, placement_worker_id=placed.worker_id,
-                          placement_node=placed.node, placement_runtime=placed.sandbox_runtime)
+    and pin (`UNDER_PLACEMENT`)."""
+    return UnderPlacement(**{under: getattr(placed, field) for under, field in UNDER_PLACEMENT.items()})
 
 
 def under_seq(under: UnderPlacement) -> int:

@@ -51,7 +51,7 @@ from events.subjects import event_subject
 from warmboot.cli_common import (MIB, MILLICORES, REFUSED_THE_LOG, Failed, IntRange, LogUnreadable, ask, check_id,
                                  flag_of, json_option, last_seq, min_seq_option, nats_option, prefix_option,
                                  read_subject, replay_for, request_field, selectors_of, unread_why, wire_bounds)
-from warmboot.client import Client, NobodyAnswered, Refused, asked_first, placed_under
+from warmboot.client import UNDER_PLACEMENT, Client, NobodyAnswered, Refused, asked_first, placed_under
 from services.scheduler.feasibility import RUNTIME_MISMATCH, SELECTOR_MISMATCH
 from services.scheduler.feasibility import none_passes as feasibility_none_passes
 from warmboot.cmd_views import (
@@ -139,11 +139,6 @@ def file_body(type_: type[T], data: bytes, where: str, option: str) -> T:
         raise click.BadParameter(f"{where} at {json_path(e.field)}: {e.message}", param_hint=f"'{option}'") from None
 
 
-# A pause's or suspend's fields that `--placement FILE` gives (`client.placed_under`), and the Assignment's
-PLACED_FIELDS = {"placement_seq": "seq", "placement_worker_id": "worker_id", "placement_node": "node",
-                 "placement_runtime": "sandbox_runtime"}
-
-
 def placement_named(actor_id: str, placement_seq: int | None, placement_file: Any,
                     request: type = PauseActor) -> Assignment | None:
     """The Assignment `--placement FILE` holds, checked: a usage error naming the option for a file
@@ -165,7 +160,7 @@ def placement_named(actor_id: str, placement_seq: int | None, placement_file: An
         decode_request(request, encode({**REQUIRED.get(request, {}), **msgspec.structs.asdict(placed_under(placed))}))
     except ContractError as e:
         first, dot, rest = (e.field or "").partition(".")
-        raise click.BadParameter(f"{where} at {json_path(PLACED_FIELDS.get(first, first) + dot + rest)}: {e.message}",
+        raise click.BadParameter(f"{where} at {json_path(UNDER_PLACEMENT.get(first, first) + dot + rest)}: {e.message}",
                                  param_hint="'--placement'") from None
     return placed
 
