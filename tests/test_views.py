@@ -445,6 +445,25 @@ async def test_a_class_given_more_than_once_shows_each_of_them(operated, nats_ur
         assert "--class TEXT Only this sandbox class. Repeatable:" in shown, shown
 
 
+async def test_a_class_no_worker_runs_is_the_same_error_with_continue(operated, nats_url):
+    """`workers --class` judged a class against the first page's `unknown_classes` and `classes`, which the
+    scheduler gives only on a page asked without `after`: with --continue, `--class nope` listed nothing,
+    exit 0 (`no workers registered after W`), where without it is NOT_FOUND naming the classes run, exit 1;
+    and a name that is no class's said that no worker is registered at all. The classes are judged as
+    without --continue."""
+    prefix, _ = operated
+    at = ("--nats", nats_url, "--prefix", prefix)
+    first = json.loads((await cli("workers", "-o", "json", *at)).stdout)[0]["worker_id"]
+    for asked in ("nope", "Bad Class"):
+        alone = await cli("workers", "--class", "gvisor", "--class", asked, *at)
+        continued = await cli("workers", "--class", "gvisor", "--class", asked, "--continue", first, *at)
+        assert alone.exit_code == continued.exit_code == 1, (asked, alone.output, continued.output)
+        assert continued.stderr == alone.stderr and "(registered: gvisor, microvm)" in alone.stderr, \
+            (asked, alone.stderr, continued.stderr)
+    listed = await cli("workers", "--class", "gvisor", "--continue", first, "-o", "json", *at)
+    assert listed.exit_code == 0 and all(r["worker_id"] > first for r in json.loads(listed.stdout)), listed.output
+
+
 async def test_a_prefix_no_service_answers_is_named_as_the_likely_cause(operated, nats_url):
     """As a prefix whose log cannot be read is (`cli_common.last_seq`): a walkthrough's `fragmentation
     --prefix wrong` said only that no service answers a subject."""

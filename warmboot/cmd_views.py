@@ -958,26 +958,37 @@ def workers(sandbox_class: tuple[str, ...], limit: int | None, after: str | None
         except LogUnreadable:
             target = 0
         runtimes: Runtimes | None = None
+        fold: list[Callable[[WorkersQuery], WorkerPage]] = []  # made once, for the classes' page and the walk
 
         async def folded() -> Callable[[WorkersQuery], WorkerPage]:  # no scheduler answers: the whole log, here
             nonlocal runtimes
-            projection = (await replay_for(nc, prefix, "workers", Sink(), mode != "json")).projection
-            runtimes = runtimes_of(projection)
-            return lambda q: worker_page(projection, q)
+            if not fold:
+                projection = (await replay_for(nc, prefix, "workers", Sink(), mode != "json")).projection
+                runtimes = runtimes_of(projection)
+                fold.append(lambda q: worker_page(projection, q))
+            return fold[0]
 
+        def check_classes(first: WorkerPage) -> None:
+            named = unknown_class_asked(first, asked, sent)
+            if named is not None:  # a typo names the classes the fleet runs, as whatif's does (`check_class`)
+                raise unknown_class(named, first.classes)
+
+        client = Client(nc, prefix, timeout=LABELS_TIMEOUT_S, attempts=1)
+        begin = msgspec.structs.replace(query, min_seq=target or None)
+        if asked and after is not None:  # only a page asked without `after` says the classes run: one row of it
+            async for first, _ in listed_pages(client.workers, folded, msgspec.structs.replace(begin, after=None),
+                                               1, 1, lambda page: page.workers):
+                check_classes(first)
         printed: list[str] = []  # a page's JSON, printed before the next page is asked (`print_page`)
         listed = JsonList(printed.append) if mode == "json" else None
         table: list[tuple[tuple, tuple[str, ...]]] = []  # (sort key, cells) of each row, not the row
         count, last = 0, None
         with listing_progress("workers", mode) as progress:
             task = progress.add_task("", total=None)
-            async for page, _ in listed_pages(
-                    Client(nc, prefix, timeout=LABELS_TIMEOUT_S, attempts=1).workers, folded,
-                    msgspec.structs.replace(query, min_seq=target or None), most, page_max, lambda page: page.workers):
-                if last is None:
-                    named = unknown_class_asked(page, asked, sent)
-                    if named is not None:  # a typo names the classes the fleet runs, as whatif's does (`check_class`)
-                        raise unknown_class(named, page.classes)
+            async for page, _ in listed_pages(client.workers, folded, begin, most, page_max,
+                                              lambda page: page.workers):
+                if last is None and after is None:
+                    check_classes(page)
                 if runtimes is None:
                     runtimes = await runtime_labels(nc, prefix, target or None)
                 rows = summary_rows(page.workers, runtimes)
