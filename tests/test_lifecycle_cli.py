@@ -659,6 +659,11 @@ async def test_actor_list_shows_every_actor_and_filters(bus):
     nobody = await run("actor", "list", "--worker", "w-nope")  # a typo'd worker id is said, as a typo'd class
     assert nobody.exit_code == 0 and nobody.stdout == "no actor matches\n"
     assert nobody.stderr == "note: worker 'w-nope' is not registered (`warmboot workers` lists those that are)\n"
+    # with --continue, as without it (the notes were of the first page alone, which --continue never asked)
+    for asked, note in ((("--class", "microvm"), typo.stderr), (("--worker", "w-nope"), nobody.stderr)):
+        continued = await run("actor", "list", *asked, "--continue", "a-1")
+        assert continued.exit_code == 0 and continued.stdout == "no actor matches after a-1 (--continue)\n"
+        assert continued.stderr == note, (asked, continued.stderr)
     idle = await run("actor", "list", "--worker", "w-old", "--class", "gvisor")  # a filter that could match: no note
     assert idle.stdout == "no actor matches\n" and idle.stderr == ""
     assert json.loads((await run("actor", "list", "--class", "microvm", "--json")).stdout) == []  # the note: stderr

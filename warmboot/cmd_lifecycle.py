@@ -1034,26 +1034,34 @@ def list_actors_cmd(sandbox_classes: tuple[str, ...], states: tuple[str, ...], w
         except LogUnreadable:
             target = 0
         runtimes: Runtimes | None = None
+        fold: list[Callable[[ActorsQuery], ActorPage]] = []  # made once, for the filters' page and the walk
 
         async def folded() -> Callable[[ActorsQuery], ActorPage]:  # no scheduler answers: the whole log, here
             nonlocal runtimes
-            projection = (await replay_for(nc, prefix, "actors", Sink(), mode != "json")).projection
-            runtimes = runtimes_of(projection)
-            from services.scheduler.actor_list import actor_page
+            if not fold:
+                projection = (await replay_for(nc, prefix, "actors", Sink(), mode != "json")).projection
+                runtimes = runtimes_of(projection)
+                from services.scheduler.actor_list import actor_page
 
-            return lambda q: actor_page(projection, q)
+                fold.append(lambda q: actor_page(projection, q))
+            return fold[0]
 
+        client = Client(nc, prefix, timeout=LABELS_TIMEOUT_S, attempts=1)
+        begin = msgspec.structs.replace(query, min_seq=target or None)
+        if after is not None and (sandbox_classes or worker_ids):  # only a page without `after` says what of the
+            # filters matches nothing: one row of it
+            async for first, _ in listed_pages(client.actors, folded, msgspec.structs.replace(begin, after=None), 1,
+                                               1, lambda page: page.actors):
+                said_of_filters(first)
         printed: list[str] = []  # a page's JSON, printed before the next page is asked (`print_page`)
         listed = JsonList(printed.append) if mode == "json" else None
         table: list[tuple[str, ...]] = []  # each row's cells (`cell_columns`), not the row
         count, placed_on, last = 0, set(), None
         with listing_progress("actors", mode) as progress:
             task = progress.add_task("", total=None)
-            async for page, from_log in listed_pages(
-                    Client(nc, prefix, timeout=LABELS_TIMEOUT_S, attempts=1).actors, folded,
-                    msgspec.structs.replace(query, min_seq=target or None), most, ACTORS_LIMIT_MAX,
-                    lambda page: page.actors):
-                if last is None:
+            async for page, from_log in listed_pages(client.actors, folded, begin, most, ACTORS_LIMIT_MAX,
+                                                     lambda page: page.actors):
+                if last is None and after is None:
                     said_of_filters(page)
                 if runtimes is None:
                     runtimes = await runtime_labels(nc, prefix, target or None)
