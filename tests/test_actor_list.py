@@ -490,3 +490,23 @@ async def test_a_page_is_printed_while_the_connection_s_loop_goes_on(monkeypatch
     printed = ["[\n", "  1"]
     await asyncio.wait_for(asyncio.gather(print_page(printed), loop_runs()), 2)
     assert written == ["[\n  1"] and printed == [] and ticks >= 5
+
+
+async def test_continue_with_a_filter_says_the_filter_s_notes_and_asks_no_absent_scheduler_twice(
+        nats_url, nc, prefix, writer, monkeypatch):
+    """`actor list --class C --continue A`: the notes on a filter that matches nothing come only with a page
+    asked without `after`, so one row of it is asked first; where no scheduler answers it, the walk goes
+    to the log's fold made for that row, without asking (and waiting for) the absent scheduler again."""
+    await asyncio.to_thread(writer.write, *HISTORY)
+    asked: list[ActorsQuery] = []
+    actors = Client.actors
+
+    async def counted(self, q: ActorsQuery) -> ActorPage:
+        asked.append(q)
+        return await actors(self, q)
+
+    monkeypatch.setattr(Client, "actors", counted)
+    shown = await cli("actor", "list", "--class", "kata", "--continue", IDS[0], "--nats", nats_url, "--prefix", prefix)
+    assert shown.exit_code == 0 and shown.stdout == f"no actor matches after {IDS[0]} (--continue)\n", shown.output
+    assert shown.stderr == "note: no actor of the log is of the sandbox class 'kata' (its actors': gvisor, microvm)\n"
+    assert len(asked) == 1 and asked[0].after is None, asked

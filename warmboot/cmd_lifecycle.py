@@ -62,6 +62,7 @@ from warmboot.cmd_views import (
     listing_progress,
     paging_options,
     print_page,
+    unless_folded,
     with_runtime_ids,
     asked_runtimes,
     class_row,
@@ -1053,13 +1054,14 @@ def list_actors_cmd(sandbox_classes: tuple[str, ...], states: tuple[str, ...], w
             async for first, _ in listed_pages(client.actors, folded, msgspec.structs.replace(begin, after=None), 1,
                                                1, lambda page: page.actors):
                 said_of_filters(first)
+        walked = unless_folded(client.actors, fold)
         printed: list[str] = []  # a page's JSON, printed before the next page is asked (`print_page`)
         listed = JsonList(printed.append) if mode == "json" else None
         table: list[tuple[str, ...]] = []  # each row's cells (`cell_columns`), not the row
         count, placed_on, last = 0, set(), None
         with listing_progress("actors", mode) as progress:
             task = progress.add_task("", total=None)
-            async for page, from_log in listed_pages(client.actors, folded, begin, most, ACTORS_LIMIT_MAX,
+            async for page, from_log in listed_pages(walked, folded, begin, most, ACTORS_LIMIT_MAX,
                                                      lambda page: page.actors):
                 if last is None and after is None:
                     said_of_filters(page)

@@ -33,7 +33,7 @@ import nats.errors
 
 from events.codec import to_builtins
 from events.compat import compat_key
-from events.errors import ContractError, is_busy_reads
+from events.errors import ContractError, is_busy_reads, unavailable
 from events.runtime_id import PREFIX as ID_PREFIX
 from events.runtime_id import Runtimes, UnknownRuntime, short_id
 from events.schema import (WHATIF_LIMIT_MAX, CompatVersion, ErrorCode, ExplainResume, Explanation, FleetRuntimes,
@@ -782,6 +782,17 @@ async def listed_pages(ask: Callable[[Any], Awaitable[Any]], folded: Callable[[]
         query = msgspec.structs.replace(query, after=page.next_after)
 
 
+def unless_folded(ask: Callable[[Any], Awaitable[Any]], fold: list) -> Callable[[Any], Awaitable[Any]]:
+    """`ask` (a listing's scheduler endpoint), until the log's fold is made (`fold`: a listing's, once no
+    scheduler answered a page of it): then refused at once, so that `listed_pages` goes to that fold
+    without waiting for a scheduler that did not answer the page before."""
+    async def asking(query: Any) -> Any:
+        if fold:
+            raise unavailable("no scheduler answered this listing's page before: the log's fold answers")
+        return await ask(query)
+    return asking
+
+
 async def print_page(printed: list[str]) -> None:
     """Print what a page gave (`printed`, emptied) from a thread: the connection's loop goes on meanwhile,
     answering the server's pings while stdout is slow to take it (`-o json | less`, read for minutes:
@@ -979,13 +990,14 @@ def workers(sandbox_class: tuple[str, ...], limit: int | None, after: str | None
             async for first, _ in listed_pages(client.workers, folded, msgspec.structs.replace(begin, after=None),
                                                1, 1, lambda page: page.workers):
                 check_classes(first)
+        walked = unless_folded(client.workers, fold)
         printed: list[str] = []  # a page's JSON, printed before the next page is asked (`print_page`)
         listed = JsonList(printed.append) if mode == "json" else None
         table: list[tuple[tuple, tuple[str, ...]]] = []  # (sort key, cells) of each row, not the row
         count, last = 0, None
         with listing_progress("workers", mode) as progress:
             task = progress.add_task("", total=None)
-            async for page, _ in listed_pages(client.workers, folded, begin, most, page_max,
+            async for page, _ in listed_pages(walked, folded, begin, most, page_max,
                                               lambda page: page.workers):
                 if last is None and after is None:
                     check_classes(page)
