@@ -95,10 +95,16 @@ def field_path(error: msgspec.ValidationError) -> tuple[str, str | None]:
 GIVEN_CHARS = 80  # of a refused value, quoted in its error
 
 
-def _got(value: Any) -> str:
-    """`; got 'bad id!'`: a refused value quoted (cut at GIVEN_CHARS) to end its error with."""
+def quoted(value: Any) -> str:
+    """A refused value quoted, cut at GIVEN_CHARS (`'bad id!'`): as an error says it, here and in the
+    CLI's usage errors (`warmboot.cli_common.request_field`)."""
     text = repr(value)
-    return f"; got {text[:GIVEN_CHARS]}{'...' if len(text) > GIVEN_CHARS else ''}"
+    return f"{text[:GIVEN_CHARS]}{'...' if len(text) > GIVEN_CHARS else ''}"
+
+
+def _got(value: Any) -> str:
+    """`; got 'bad id!'`: a refused value quoted to end its error with."""
+    return f"; got {quoted(value)}"
 
 
 def given(data: bytes, path: str | None, message: str) -> str:

@@ -111,9 +111,6 @@ class PlacedFidelity(enum.Enum):
     NONE = "NONE"
 
 
-FIDELITY_RANK = {"MEMORY": 0, "VOLUMES": 1, "ROOTFS": 2, "NONE": 3}  # lower is better
-
-
 class Location(enum.Enum):
     LOCAL = "LOCAL"
     EXTERNAL = "EXTERNAL"

@@ -15,7 +15,7 @@ from click.core import ParameterSource
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from events.codec import decode_request, encode
+from events.codec import GIVEN_CHARS, decode_request, encode, quoted
 from events.compat import compat_key, describe_key
 from events.errors import ContractError, not_found, past_the_end
 from events.natsauth import NKEY_SEED_ENV, carries_secret, check_url, nkey_seed_problem, redact_url
@@ -223,7 +223,6 @@ def selectors_of(pairs: tuple[str, ...]) -> dict[str, str]:
 
 # msgspec's refusal of a pattern, as `events.codec` words it: "Expected an id: ...; got 'bad id'"
 _PATTERN_REFUSED = re.compile(r"Expected (?P<words>.+?); got (?P<got>.+)", re.S)
-SHOWN_CHARS = 80  # of a value a usage error quotes before what is wrong with it (as `events.codec.GIVEN_CHARS`)
 
 
 def in_words(message: str) -> str:
@@ -234,11 +233,6 @@ def in_words(message: str) -> str:
     if refused is not None and refused["words"] in PATTERN_WORDS.values():
         return f"{refused['got']} is not {refused['words']}"
     return message
-
-
-def _shown(value: str) -> str:
-    text = repr(value)
-    return text[:SHOWN_CHARS] + ("..." if len(text) > SHOWN_CHARS else "")
 
 
 def _bare(info: Any) -> Any:
@@ -285,12 +279,12 @@ def request_field(request: type, field: str, **others: Any) -> Callable[[click.C
                 except ContractError as e:
                     said = e.message
                     if mapped and said.endswith(" (in a key)") and said.startswith("Expected "):
-                        said = f"{said[:-len(' (in a key)')]}; got {_shown(key)}"  # the key, as a value is said
+                        said = f"{said[:-len(' (in a key)')]}; got {quoted(key)}"  # the key, as a value is said
                     elif mapped:  # a map's value: msgspec's refusal does not quote it, nor name its key
-                        got = f"; got {_shown(item)}" if said.startswith("Expected ") and "; got " not in said else ""
+                        got = f"; got {quoted(item)}" if said.startswith("Expected ") and "; got " not in said else ""
                         said = f"selector {key!r}: {in_words(said + got)}"
-                    elif len(values) > 1 and repr(one)[:SHOWN_CHARS] not in said:  # which value of several
-                        said = f"{_shown(one)}: {said}"
+                    elif len(values) > 1 and repr(one)[:GIVEN_CHARS] not in said:  # which value of several
+                        said = f"{quoted(one)}: {said}"
                     raise click.BadParameter(in_words(said), ctx=ctx, param=param) from None
             whole = selectors_of(values) if mapped else list(dict.fromkeys(values)) if many else None
             if whole is not None:  # how many (a filter's values, without repeats; a map's keys)
