@@ -1137,10 +1137,11 @@ def each_one(nats_url: str, prefix: str, kind: str, ids: tuple[str, ...],
     reply, runtimes)`; `runtimes`: the fleet's labels, with `labelled`, read once, after the first reply, as
     the command of one id reads them); a refusal is said on stderr (`error: worker/W: CODE ...`) and the
     others go on; the last line counts the refused, exit status 1. -o json: a list in the order given, each
-    reply with its id (`worker_id`, `actor_id`), or the error. A request nobody answers (`NobodyAnswered`: nothing subscribes to the service's subjects, a
-    --prefix no deployment has or the service not running) ends the command at once, said as the command
-    of one id says it (`ask`: where the logs are): no other id fares better (it was said once per id, each
-    after its attempts, a thousand lines for a thousand workers, none saying where the logs are)."""
+    reply with its id (`worker_id`, `actor_id`), or the error. A request nobody answers (`NobodyAnswered`:
+    nothing subscribes to the service's subjects, a --prefix no deployment has or the service not running)
+    ends the command at once, said as the command of one id says it (`ask`: where the logs are): no other
+    id fares better (it was said once per id, each after its attempts, a thousand lines for a thousand
+    workers, none saying where the logs are)."""
     ids = tuple(dict.fromkeys(ids))
     replies: dict[str, Any] = {}
 
