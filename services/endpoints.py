@@ -28,6 +28,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import re
 import time
 import typing
 import weakref
@@ -245,6 +246,17 @@ def wrap(spec: EndpointSpec, service: str) -> Callable[[Request], Awaitable[Cont
     return handle
 
 
+PAST_MAX_PAYLOAD = "the answer is {size} bytes, past the {limit} bytes the NATS server carries"  # `fitting`
+_PAST_MAX_PAYLOAD = re.compile(PAST_MAX_PAYLOAD.replace("{size}", r"(\d+)").replace("{limit}", r"(\d+)"))
+
+
+def past_max_payload(message: str) -> tuple[int, int] | None:
+    """(the answer's size, the server's max_payload) that a RESOURCE_EXHAUSTED of `fitting` names, else
+    None: for a caller that asks again for less (`warmboot.cmd_views.fitting_whatif`)."""
+    found = _PAST_MAX_PAYLOAD.search(message)
+    return (int(found[1]), int(found[2])) if found is not None else None
+
+
 def fitting(request: Request, data: bytes) -> bytes:
     """`data`, the answer to `request`, if the server carries a message that large (its `max_payload`);
     else RESOURCE_EXHAUSTED naming both sizes. An answer past it was sent to nobody (nats-py refuses to
@@ -253,8 +265,8 @@ def fitting(request: Request, data: bytes) -> bytes:
     and operator (docs/security.md, "What the permissions do not cover")."""
     limit = getattr(getattr(getattr(request, "_msg", None), "_client", None), "max_payload", None)
     if isinstance(limit, int) and 0 < limit < len(data):
-        raise exhausted(f"the answer is {len(data)} bytes, past the {limit} bytes the NATS server carries "
-                        "(its max_payload); ask for less, or raise the server's max_payload")
+        raise exhausted(PAST_MAX_PAYLOAD.format(size=len(data), limit=limit)
+                        + " (its max_payload); ask for less, or raise the server's max_payload")
     return data
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import re
 import sys
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Mapping, TypeVar
 
@@ -43,6 +42,7 @@ from events.schema import (ACTORS_FILTER_MAX, WORKERS_LIMIT_MAX, WorkerPage, Wor
                            WorkerSummary)  # workers
 from events.states import WorkerState
 from events.subjects import event_subject
+from services.endpoints import past_max_payload
 from services.scheduler.decide import EXPLAIN_REJECTED_LIMIT
 from services.scheduler.feasibility import SELECTOR_MISMATCH
 from warmboot.cli_common import (IntRange, LogUnreadable, ask, check_id, last_seq, log_messages, min_seq_option,
@@ -1198,10 +1198,6 @@ def render_whatif(query: WhatIf, answer: WhatIfAnswer, runtimes: Runtimes, width
     return text + ("\n" + "\n".join(dict.fromkeys(notes)) if notes else "")
 
 
-# what a service says of an answer past the server's max_payload (`services.endpoints.fitting`)
-PAST_MAX_PAYLOAD = re.compile(r"the answer is (\d+) bytes, past the (\d+) bytes the NATS server carries")
-
-
 async def fitting_whatif(client: Client, query: WhatIf) -> tuple[WhatIfAnswer, WhatIf]:
     """The forecast of `query`, and the query answered: with a lower `limit` where the answer listing
     `limit` actors is larger than the server carries (RESOURCE_EXHAUSTED naming both sizes: `whatif
@@ -1212,10 +1208,10 @@ async def fitting_whatif(client: Client, query: WhatIf) -> tuple[WhatIfAnswer, W
         try:
             return await client.whatif(query), query
         except ContractError as e:
-            past = PAST_MAX_PAYLOAD.search(e.message) if e.code is ErrorCode.RESOURCE_EXHAUSTED else None
+            past = past_max_payload(e.message) if e.code is ErrorCode.RESOURCE_EXHAUSTED else None
             if past is None or query.limit <= 1:
                 raise
-            size, carried = (int(n) for n in past.groups())
+            size, carried = past
             fits = int(query.limit * carried / size * 0.9)  # a tenth to spare: rows are not all alike
             query = msgspec.structs.replace(query, limit=max(1, fits if fits < query.limit else query.limit // 2))
     return await client.whatif(query), query
