@@ -416,12 +416,18 @@ async def elections(nc: NATS, cluster: Any, stream: str, stop: asyncio.Event, rn
     return count
 
 
+NOT_LEADER = 10041  # JetStream's err_code of `raft: not leader`
+
+
 async def step_down(nc: NATS, stream: str, replicas: int = 3, deadline_s: float = 120.0) -> str:
     """Have the stream's leader step down, once the stream has a leader and its other replicas are
     current (a stepdown asked during the previous one's election goes unanswered or is refused);
     the leader that stepped down. An answer lost on a loaded machine (a run with two suites and a
     spinning process waited 10 s for one) is not a refusal: if the stream has another leader since,
-    the stepdown happened; if not, it is asked again."""
+    the stepdown happened; if not, it is asked again. Nor is `raft: not leader` (err_code 10041): the
+    request reached a server whose replica had just lost the leadership it was routed to it for (an
+    election of its own between the read of the leader and the request: a CI run, 2026-12-07); asked
+    again once the stream is current, of the leader it has then."""
     import nats.errors
 
     from warmboot.natsserver import wait_stream_current
@@ -439,7 +445,10 @@ async def step_down(nc: NATS, stream: str, replicas: int = 3, deadline_s: float 
             if (await leaders_info(js, stream)).cluster.leader != leader:
                 return leader
             continue
-        assert json.loads(reply.data).get("success"), reply.data
+        answer = json.loads(reply.data)
+        if answer.get("error", {}).get("err_code") == NOT_LEADER and asyncio.get_running_loop().time() < deadline:
+            continue
+        assert answer.get("success"), reply.data
         return leader
 
 
