@@ -57,13 +57,11 @@ from services.scheduler.feasibility import none_passes as feasibility_none_passe
 from warmboot.cmd_views import (
     LABELS_TIMEOUT_S,
     cut_short,
-    listed_pages,
     listing_limit,
-    listing_progress,
     paging_options,
-    print_page,
-    unless_folded,
     with_runtime_ids,
+    Walked,
+    walk_listing,
     asked_runtimes,
     class_row,
     class_runtime_fields,
@@ -1019,8 +1017,6 @@ def list_actors_cmd(sandbox_classes: tuple[str, ...], states: tuple[str, ...], w
 
     A filter given more than once takes any of its values (`--state SUSPENDED --state PAUSED`:
     both); different filters all apply."""
-    from warmboot.audit import Sink
-
     mode = output_mode(output, as_json)
     most = listing_limit(limit, mode)
     # a filter given more than once: any of its values (it kept the last one alone: a walkthrough)
@@ -1029,64 +1025,30 @@ def list_actors_cmd(sandbox_classes: tuple[str, ...], states: tuple[str, ...], w
                         worker_ids=tuple(dict.fromkeys(worker_ids)), after=after, limit=ACTORS_LIMIT_MAX)
     columns, cells_of = cell_columns(ACTOR_LIST_COLUMNS)
 
-    async def work(nc: Any) -> tuple[list[tuple[str, ...]], int, str | None]:
-        try:  # at least the log as it is now, as whatif asks; a client's credentials may not read it: without
-            target = await last_seq(nc, prefix, LABELS_TIMEOUT_S)
-        except LogUnreadable:
-            target = 0
-        runtimes: Runtimes | None = None
-        fold: list[Callable[[ActorsQuery], ActorPage]] = []  # made once, for the filters' page and the walk
+    table: list[tuple[str, ...]] = []  # each row's cells (`cell_columns`), not the row
+    placed_on: set[str | None] = set()
 
-        async def folded() -> Callable[[ActorsQuery], ActorPage]:  # no scheduler answers: the whole log, here
-            nonlocal runtimes
-            if not fold:
-                projection = (await replay_for(nc, prefix, "actors", Sink(), mode != "json")).projection
-                runtimes = runtimes_of(projection)
-                from services.scheduler.actor_list import actor_page
+    def each(page: ActorPage, from_log: bool, runtimes: Runtimes, listed: JsonList | None) -> None:
+        if not from_log:  # the names the log's stamps and pins give runtimes no worker names (`runtimes_of`)
+            for r in (*page.stamp_names, *(s for row in page.actors
+                                           for s in (row.snapshot and row.snapshot.stamp, row.pin) if s)):
+                runtimes.stamp(r.sandbox_class, r.version, r.name)
+        for row in page.actors:
+            view = summary_view(row, runtimes)
+            if listed is not None:
+                listed.add(with_runtime_ids(view))
+            else:
+                table.append(cells_of(view))
+            placed_on.add(row.worker_id)
 
-                fold.append(lambda q: actor_page(projection, q))
-            return fold[0]
+    async def work(nc: Any) -> Walked:  # (only a page asked without --continue says what matches nothing)
+        from services.scheduler.actor_list import actor_page
 
-        client = Client(nc, prefix, timeout=LABELS_TIMEOUT_S, attempts=1)
-        begin = msgspec.structs.replace(query, min_seq=target or None)
-        if after is not None and (sandbox_classes or worker_ids):  # only a page without `after` says what of the
-            # filters matches nothing: one row of it
-            async for first, _ in listed_pages(client.actors, folded, msgspec.structs.replace(begin, after=None), 1,
-                                               1, lambda page: page.actors):
-                said_of_filters(first)
-        walked = unless_folded(client.actors, fold)
-        printed: list[str] = []  # a page's JSON, printed before the next page is asked (`print_page`)
-        listed = JsonList(printed.append) if mode == "json" else None
-        table: list[tuple[str, ...]] = []  # each row's cells (`cell_columns`), not the row
-        count, placed_on, last = 0, set(), None
-        with listing_progress("actors", mode) as progress:
-            task = progress.add_task("", total=None)
-            async for page, from_log in listed_pages(walked, folded, begin, most, ACTORS_LIMIT_MAX,
-                                                     lambda page: page.actors):
-                if last is None and after is None:
-                    said_of_filters(page)
-                if runtimes is None:
-                    runtimes = await runtime_labels(nc, prefix, target or None)
-                if not from_log:  # the names the log's stamps and pins give runtimes no worker names (`runtimes_of`)
-                    for r in (*page.stamp_names, *(s for row in page.actors
-                                                   for s in (row.snapshot and row.snapshot.stamp, row.pin) if s)):
-                        runtimes.stamp(r.sandbox_class, r.version, r.name)
-                for row in page.actors:
-                    view = summary_view(row, runtimes)
-                    if listed is not None:
-                        listed.add(with_runtime_ids(view))
-                    else:
-                        table.append(cells_of(view))
-                    placed_on.add(row.worker_id)
-                count += len(page.actors)
-                last = page
-                await print_page(printed)
-                progress.update(task, completed=count)
-        if listed is not None:
-            listed.close()
-            await print_page(printed)
+        walked = await walk_listing(nc, prefix, "actors", mode, query, most, ACTORS_LIMIT_MAX, lambda c: c.actors,
+                                    actor_page, lambda page: page.actors, said_of_filters,
+                                    after is not None and bool(sandbox_classes or worker_ids), each)
         unplaced_notes(placed_on)
-        return table, count, last.next_after
+        return walked
 
     first_page: list[ActorPage] = []
 
@@ -1104,8 +1066,8 @@ def list_actors_cmd(sandbox_classes: tuple[str, ...], states: tuple[str, ...], w
                 click.echo(f"note: worker '{worker_id}' is not registered (`warmboot workers` lists those that are)",
                            err=True)
 
-    table, count, next_after = ask(nats_url, work)
-    more = cut_short("actors", count, next_after, most)
+    walked = ask(nats_url, work)
+    more = cut_short("actors", walked.count, walked.next_after, most)
     if mode != "json":
         if not table:
             none = "no actor matches" if (sandbox_classes or states or worker_ids) else "no actors"

@@ -793,6 +793,72 @@ def unless_folded(ask: Callable[[Any], Awaitable[Any]], fold: list) -> Callable[
     return asking
 
 
+class Walked:
+    """What `walk_listing` walked: the rows counted, the cursor of the page after the last one listed
+    (None: none follows), and the runtimes' labels the rows were labelled with."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.next_after: str | None = None
+        self.runtimes: Runtimes | None = None
+
+
+async def walk_listing(nc: Any, prefix: str, what: str, mode: str, query: Any, most: int, page_max: int,
+                       endpoint: Callable[[Client], Callable[[Any], Awaitable[Any]]],
+                       page_of: Callable[[Any, Any], Any], rows_of: Callable[[Any], list],
+                       first: Callable[[Any], None], first_apart: bool,
+                       each: Callable[[Any, bool, Runtimes, JsonList | None], None]) -> Walked:
+    """The walk of a listing (`workers`, `actor list`) over its pages (`listed_pages`), `most` rows at
+    most (0: all), each page asked of a scheduler replica (`endpoint(client)`) at least at the log's end
+    as it is now, else of the log folded here once (`page_of(projection, query)`); `first(page)` told the
+    first page without a cursor, which says what of the filters matches nothing (asked apart, one row of
+    it, when `first_apart`: a --continue); `each(page, from_log, runtimes, listed)` told every page in turn,
+    to put its rows in the caller's table, or in `listed` (-o json: printed a page at a time, before the
+    next is asked, `print_page`), with a count on a terminal's stderr meanwhile (`listing_progress`)."""
+    from warmboot.audit import Sink
+    from warmboot.cli_common import replay_for
+
+    try:  # at least the log as it is now, as whatif asks; a client's credentials may not read it: without
+        target = await last_seq(nc, prefix, LABELS_TIMEOUT_S)
+    except LogUnreadable:
+        target = 0
+    walked = Walked()
+    fold: list[Callable[[Any], Any]] = []  # made once, for the filters' page and the walk
+
+    async def folded() -> Callable[[Any], Any]:  # no scheduler answers: the whole log, here
+        if not fold:
+            projection = (await replay_for(nc, prefix, what, Sink(), mode != "json")).projection
+            walked.runtimes = runtimes_of(projection)
+            fold.append(lambda q: page_of(projection, q))
+        return fold[0]
+
+    asking = endpoint(Client(nc, prefix, timeout=LABELS_TIMEOUT_S, attempts=1))
+    begin = msgspec.structs.replace(query, min_seq=target or None)
+    if first_apart:
+        async for page, _ in listed_pages(asking, folded, msgspec.structs.replace(begin, after=None), 1, 1, rows_of):
+            first(page)
+    printed: list[str] = []
+    listed = JsonList(printed.append) if mode == "json" else None
+    last = None
+    with listing_progress(what, mode) as progress:
+        task = progress.add_task("", total=None)
+        async for page, from_log in listed_pages(unless_folded(asking, fold), folded, begin, most, page_max, rows_of):
+            if last is None and query.after is None:
+                first(page)
+            if walked.runtimes is None:
+                walked.runtimes = await runtime_labels(nc, prefix, target or None)
+            each(page, from_log, walked.runtimes, listed)
+            walked.count += len(rows_of(page))
+            last = page
+            await print_page(printed)
+            progress.update(task, completed=walked.count)
+    if listed is not None:
+        listed.close()
+        await print_page(printed)
+    walked.next_after = last.next_after
+    return walked
+
+
 async def print_page(printed: list[str]) -> None:
     """Print what a page gave (`printed`, emptied) from a thread: the connection's loop goes on meanwhile,
     answering the server's pings while stdout is slow to take it (`-o json | less`, read for minutes:
@@ -945,8 +1011,6 @@ def workers(sandbox_class: tuple[str, ...], limit: int | None, after: str | None
     worker, and then says on stderr how to list the next ones (--continue ID); -o json lists every
     one, by worker id (and class), printed a page at a time.
     """
-    from warmboot.audit import Sink
-    from warmboot.cli_common import replay_for
     from warmboot.cmd_lifecycle import CLASS_RE
 
     from services.scheduler.whatif import unknown_class
@@ -963,66 +1027,32 @@ def workers(sandbox_class: tuple[str, ...], limit: int | None, after: str | None
     page_max = WORKERS_LIMIT_MAX if valid == asked else 1
     columns, cells_of = cell_columns(WORKER_COLUMNS)
 
-    async def work(nc: Any) -> tuple[list[tuple[tuple, tuple[str, ...]]], int, str | None]:
-        try:  # at least the log as it is now, as whatif asks; a client's credentials may not read it: without
-            target = await last_seq(nc, prefix, LABELS_TIMEOUT_S)
-        except LogUnreadable:
-            target = 0
-        runtimes: Runtimes | None = None
-        fold: list[Callable[[WorkersQuery], WorkerPage]] = []  # made once, for the classes' page and the walk
+    def check_classes(first: WorkerPage) -> None:
+        named = unknown_class_asked(first, asked, sent)
+        if named is not None:  # a typo names the classes the fleet runs, as whatif's does (`check_class`)
+            raise unknown_class(named, first.classes)
 
-        async def folded() -> Callable[[WorkersQuery], WorkerPage]:  # no scheduler answers: the whole log, here
-            nonlocal runtimes
-            if not fold:
-                projection = (await replay_for(nc, prefix, "workers", Sink(), mode != "json")).projection
-                runtimes = runtimes_of(projection)
-                fold.append(lambda q: worker_page(projection, q))
-            return fold[0]
+    table: list[tuple[tuple, tuple[str, ...]]] = []  # (sort key, cells) of each row, not the row
 
-        def check_classes(first: WorkerPage) -> None:
-            named = unknown_class_asked(first, asked, sent)
-            if named is not None:  # a typo names the classes the fleet runs, as whatif's does (`check_class`)
-                raise unknown_class(named, first.classes)
+    def each(page: WorkerPage, from_log: bool, runtimes: Runtimes, listed: JsonList | None) -> None:
+        rows = summary_rows(page.workers, runtimes)
+        if listed is not None:  # by worker, as the pages come: the same order whatever a page holds
+            rows.sort(key=lambda row: (row["worker_id"], row["sandbox_class"]))
+        for row in rows:
+            if wanted and row["sandbox_class"] not in wanted:
+                continue
+            if listed is not None:
+                listed.add(with_runtime_ids(row))
+            else:
+                table.append(((row["sandbox_class"], row["runtime"], row["worker_id"]), cells_of(row)))
 
-        client = Client(nc, prefix, timeout=LABELS_TIMEOUT_S, attempts=1)
-        begin = msgspec.structs.replace(query, min_seq=target or None)
-        if asked and after is not None:  # only a page asked without `after` says the classes run: one row of it
-            async for first, _ in listed_pages(client.workers, folded, msgspec.structs.replace(begin, after=None),
-                                               1, 1, lambda page: page.workers):
-                check_classes(first)
-        walked = unless_folded(client.workers, fold)
-        printed: list[str] = []  # a page's JSON, printed before the next page is asked (`print_page`)
-        listed = JsonList(printed.append) if mode == "json" else None
-        table: list[tuple[tuple, tuple[str, ...]]] = []  # (sort key, cells) of each row, not the row
-        count, last = 0, None
-        with listing_progress("workers", mode) as progress:
-            task = progress.add_task("", total=None)
-            async for page, _ in listed_pages(walked, folded, begin, most, page_max,
-                                              lambda page: page.workers):
-                if last is None and after is None:
-                    check_classes(page)
-                if runtimes is None:
-                    runtimes = await runtime_labels(nc, prefix, target or None)
-                rows = summary_rows(page.workers, runtimes)
-                if listed is not None:  # by worker, as the pages come: the same order whatever a page holds
-                    rows.sort(key=lambda row: (row["worker_id"], row["sandbox_class"]))
-                for row in rows:
-                    if wanted and row["sandbox_class"] not in wanted:
-                        continue
-                    if listed is not None:
-                        listed.add(with_runtime_ids(row))
-                    else:
-                        table.append(((row["sandbox_class"], row["runtime"], row["worker_id"]), cells_of(row)))
-                count += len(page.workers)
-                last = page
-                await print_page(printed)
-                progress.update(task, completed=count)
-        if listed is not None:
-            listed.close()
-            await print_page(printed)
-        return table, count, last.next_after
+    async def work(nc: Any) -> Walked:  # (only a page asked without --continue says the classes run)
+        return await walk_listing(nc, prefix, "workers", mode, query, most, page_max, lambda c: c.workers,
+                                  worker_page, lambda page: page.workers, check_classes,
+                                  bool(asked) and after is not None, each)
 
-    table, count, next_after = ask(nats_url, work)
+    walked = ask(nats_url, work)
+    count, next_after = walked.count, walked.next_after
     more = cut_short("workers", count, next_after, most)
     if mode != "json":
         if not table:
