@@ -467,29 +467,28 @@ async def test_a_page_is_printed_while_the_connection_s_loop_goes_on(monkeypatch
 
     from warmboot.cmd_views import print_page
 
-    took = threading.Event()
+    loop = asyncio.get_running_loop()
+    blocked = asyncio.Event()  # the echo has begun, in its thread, and waits for `release`
     release = threading.Event()
     written: list[str] = []
 
     def slow_echo(text: str, nl: bool = True) -> None:
-        took.set()
+        loop.call_soon_threadsafe(blocked.set)
         release.wait(3)
         written.append(text)
 
     monkeypatch.setattr(click, "echo", slow_echo)
-    ticks = 0
+    ran_while_blocked = False
 
-    async def loop_runs() -> None:
-        nonlocal ticks
-        while not release.is_set():
-            await asyncio.sleep(0.01)
-            ticks += took.is_set()
-            if ticks >= 5:
-                release.set()
+    async def loop_runs() -> None:  # reached only if the loop runs while the echo blocks
+        nonlocal ran_while_blocked
+        await blocked.wait()
+        ran_while_blocked = not written
+        release.set()
 
     printed = ["[\n", "  1"]
     await asyncio.wait_for(asyncio.gather(print_page(printed), loop_runs()), 2)
-    assert written == ["[\n  1"] and printed == [] and ticks >= 5
+    assert written == ["[\n  1"] and printed == [] and ran_while_blocked
 
 
 async def test_continue_with_a_filter_says_the_filter_s_notes_and_asks_no_absent_scheduler_twice(
