@@ -11,12 +11,17 @@ the pure functions that answer them, on folds of fleet size, beside the work the
   of two classes and `--actors` actors booked on them: the first page (the ids sorted, the actors
   counted per worker and class), each next page at the same fold position, beside the pass over
   the actors alone.
+- a filter's walk of `actor list`'s pages where a page's cursor (given only when a matching actor
+  follows) costs most: the actors that pass are the first 1,000 ids and the last; the walk beside the
+  same walk with the place of that next actor forgotten (the gap scanned again), and a pass of the
+  filter over every id.
 
 Times are `time.perf_counter` medians of three runs, in milliseconds; this machine is shared and
 noisy, so the quotients, measured side by side, are what counts. With `--json` the last line is one
 JSON object: `actor_first_page_ms`, `actor_next_page_ms`, `actor_page_after_create_ms`,
-`actor_sort_ms`, `actor_next_page_vs_sort`, `worker_first_page_ms`, `worker_next_page_ms`,
-`worker_actor_pass_ms`, `worker_next_page_vs_pass`.
+`actor_sort_ms`, `actor_next_page_vs_sort`, `actor_filtered_first_page_ms`, `actor_filtered_walk_ms`,
+`actor_filtered_walk_forgotten_ms`, `actor_filter_pass_ms`, `actor_filtered_walk_vs_forgotten`,
+`worker_first_page_ms`, `worker_next_page_ms`, `worker_actor_pass_ms`, `worker_next_page_vs_pass`.
 """
 
 from __future__ import annotations
@@ -29,11 +34,14 @@ import sys
 import time
 from pathlib import Path
 
+from msgspec.structs import replace
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from events.schema import ACTORS_LIMIT_MAX, WORKERS_LIMIT_MAX, ActorsQuery, WorkersQuery  # noqa: E402
-from services.scheduler.actor_list import actor_page  # noqa: E402
+from services.scheduler import actor_list  # noqa: E402
+from services.scheduler.actor_list import actor_page, sorted_ids  # noqa: E402
 from services.scheduler.projection import Projection  # noqa: E402
 from services.scheduler.worker_list import booked_per_class, worker_page  # noqa: E402
 from tests.factories import (booked, created, entry, fold, placed, registered, runtime, stamp,  # noqa: E402
@@ -73,6 +81,43 @@ def actor_pages(actors: int) -> dict:
             "actor_next_page_vs_sort": med["next"] / med["sort"]}
 
 
+def actor_filtered_walk(actors: int) -> dict:
+    """A filter's walk where the cursor's question costs most: the actors that pass are the first
+    ACTORS_LIMIT_MAX ids and the last one, so the first page's cursor (given only when a matching actor
+    follows, `paging.Ahead`) scans every id after the page to find it. The walk as the scheduler answers
+    it (the next page starts where that one was found) beside the same walk with that place forgotten
+    (the next page scans the gap again), and a pass of the filter over every id."""
+    ids = [f"a-{i:07d}" for i in range(actors)]
+    passing = set(ids[:ACTORS_LIMIT_MAX]) | {ids[-1]}
+    shuffled = list(ids)
+    random.Random(1).shuffle(shuffled)
+    projection = fold([created(a, sandbox_class="microvm" if a in passing else "gvisor") for a in shuffled],
+                      Projection())
+    query = ActorsQuery(sandbox_classes=("microvm",), limit=ACTORS_LIMIT_MAX)
+    actor_page(projection, query)  # the ids sorted, once
+
+    def walk(forget: bool) -> None:
+        after = None
+        while True:
+            if forget:
+                actor_list._CACHE[projection].ahead.found.clear()
+            after = actor_page(projection, replace(query, after=after)).next_after
+            if after is None:
+                return
+
+    runs: dict[str, list[float]] = {"first": [], "kept": [], "forgotten": [], "pass": []}
+    for _ in range(3):
+        runs["first"].append(timed(lambda: actor_page(projection, query)))
+        runs["kept"].append(timed(lambda: walk(False)))
+        runs["forgotten"].append(timed(lambda: walk(True)))
+        runs["pass"].append(timed(lambda: [a for a in sorted_ids(projection)
+                                           if projection.actors[a].sandbox_class == "microvm"]))
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    return {"actor_filtered_first_page_ms": med["first"], "actor_filtered_walk_ms": med["kept"],
+            "actor_filtered_walk_forgotten_ms": med["forgotten"], "actor_filter_pass_ms": med["pass"],
+            "actor_filtered_walk_vs_forgotten": med["kept"] / med["forgotten"]}
+
+
 def worker_pages(workers: int, actors: int) -> dict:
     v1, v2 = version("v1"), version("v2")
     gvisor = entry(runtime(v2, "runsc-v2", 16, compatible=(v1,)))
@@ -108,11 +153,17 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=10_000)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    result = {**actor_pages(args.actors), **worker_pages(args.workers, args.actors)}
+    result = {**actor_pages(args.actors), **actor_filtered_walk(args.actors), **worker_pages(args.workers, args.actors)}
     print(f"actor list, {args.actors} actors: first page {result['actor_first_page_ms']:.1f} ms, next pages "
           f"{result['actor_next_page_ms']:.2f} ms each, after a create {result['actor_page_after_create_ms']:.2f} ms; "
           f"a sort of the ids {result['actor_sort_ms']:.1f} ms (next page / sort "
           f"{result['actor_next_page_vs_sort']:.2f})")
+    print(f"actor list --class, {args.actors} actors, the first {ACTORS_LIMIT_MAX:,} and the last passing: first page "
+          f"{result['actor_filtered_first_page_ms']:.1f} ms (its cursor scans every id after it), the walk "
+          f"{result['actor_filtered_walk_ms']:.1f} ms, with the place of the next actor forgotten "
+          f"{result['actor_filtered_walk_forgotten_ms']:.1f} ms (walk / forgotten "
+          f"{result['actor_filtered_walk_vs_forgotten']:.2f}); a pass of the filter over every id "
+          f"{result['actor_filter_pass_ms']:.1f} ms")
     print(f"workers, {args.workers} workers and {args.actors} actors: first page {result['worker_first_page_ms']:.1f}"
           f" ms, next pages {result['worker_next_page_ms']:.1f} ms each; the pass over the actors alone "
           f"{result['worker_actor_pass_ms']:.1f} ms (next page / pass {result['worker_next_page_vs_pass']:.2f})")

@@ -124,6 +124,7 @@ def test_the_pages_walked_are_the_rows_of_the_log_s_fold_for_every_filter():
             assert [summary_view(row, runtimes) for row in rows(pages)] == listed(projection, filters), filters
             assert all(page.next_after == page.actors[-1].actor_id for page in pages[:-1])
             assert pages[-1].next_after is None
+            assert all(page.actors for page in pages[1:]), (filters, limit)  # no cursor leads to an empty page
     # the row is the actor's view without its labels: its stamp and pin as the wire names runtimes
     row = actor_summary(projection.actors["b-1"])
     assert row.snapshot == ActorSnapshotSummary(snapshot_id="b-1-s", template_uid="t1", fidelity=Fidelity.MEMORY,
@@ -149,6 +150,32 @@ def test_the_first_page_says_the_classes_and_workers_asked_that_match_nothing():
     page = actor_page(projection, query(((), (ActorState.SUSPENDED,), ())))
     assert [row.actor_id for row in page.actors] == ["a-3"]
     assert page.stamp_names == [stamp(V0, name="old")]
+
+
+def test_a_cursor_is_given_only_when_an_actor_that_passes_the_filters_follows():
+    """The RUNNING actors are a-2, m-1 and r-1; z-9 (STOPPED) sorts after them. A page of 3 RUNNING ones
+    gave the cursor r-1 (an id followed it), and the page after it was empty: `actor list --state RUNNING`
+    said more follow, and its --continue "no actor matches after r-1". Where the next one was found is
+    where the next page at the same fold position starts; after an event, the page after the cursor is
+    scanned anew (an actor that passes now, between the cursor and that one, is not skipped)."""
+    projection = fold(HISTORY, Projection())
+    running = query(((), (ActorState.RUNNING,), ()), limit=3)
+    page = actor_page(projection, running)
+    assert ([row.actor_id for row in page.actors], page.next_after) == (["a-2", "m-1", "r-1"], None)
+    first = actor_page(projection, msgspec.structs.replace(running, limit=1))
+    assert ([row.actor_id for row in first.actors], first.next_after) == (["a-2"], "a-2")
+    ahead = actor_list._CACHE[projection].ahead
+    assert list(ahead.found.values()) == [sorted_ids(projection).index("m-1")]
+    # an actor that runs now, whose id sorts between the cursor and m-1: listed on the next page
+    for seq, event in enumerate([created("a-5"), placed("a-5", "w-1", stamp(V1, name="runsc-v1")),
+                                 booked("w-1", "a-5")], start=projection.seq + 1):
+        projection.apply(seq, event)
+    after = actor_page(projection, msgspec.structs.replace(running, after="a-2"))
+    assert ([row.actor_id for row in after.actors], after.next_after) == (["a-5", "m-1", "r-1"], None)
+    # a filter no actor after the page passes: no cursor, whatever the ids that follow
+    c1 = actor_page(projection, query(((), (ActorState.CREATED, ActorState.STOPPED), ()), limit=2))
+    assert ([row.actor_id for row in c1.actors], c1.next_after) == (["a-1", "c-1"], "c-1")  # z-9 follows
+    assert actor_page(projection, query(((), (ActorState.CREATED,), ()), limit=1)).next_after is None
 
 
 def test_the_sorted_ids_follow_the_actors_created_after_a_page():
@@ -417,6 +444,33 @@ async def test_a_table_lists_a_page_and_says_on_stderr_how_to_list_the_next(nats
     assert past.stdout == f"no actors after {IDS[-1]} (--continue)\n", past.output
     bad = await cli("actor", "list", "--continue", "no such id!", *at)
     assert bad.exit_code == 2 and "--continue" in bad.stderr, bad.output
+
+
+async def test_a_listing_says_more_follow_only_when_an_actor_that_passes_its_filters_does(
+        nats_url, nc, prefix, writer, replicas):
+    """`actor list --state RUNNING --limit 3` listed the three RUNNING actors and said more follow
+    (`--continue r-1`), because an actor of another state sorts after r-1; that --continue said "no actor
+    matches after r-1". The cursor is the scheduler's (and the log's fold's, the same function): given
+    only when a matching actor follows. Alike from the log's fold and from a scheduler."""
+    last = await asyncio.to_thread(writer.write, *HISTORY)
+    at = ("--nats", nats_url, "--prefix", prefix)
+
+    def ids(shown) -> list[str]:
+        return [line.split()[0] for line in shown.stdout.splitlines()[1:]]
+
+    for source in ("log", "scheduler"):
+        if source == "scheduler":
+            await replicas()
+            page = await Client(nc, prefix).actors(query(((), (ActorState.RUNNING,), ()), limit=3, min_seq=last))
+            assert ([row.actor_id for row in page.actors], page.next_after) == (["a-2", "m-1", "r-1"], None)
+        every = await cli("actor", "list", "--state", "RUNNING", "--limit", "3", *at)
+        assert (every.exit_code, ids(every), every.stderr) == (0, ["a-2", "m-1", "r-1"], ""), (source, every.output)
+        two = await cli("actor", "list", "--state", "RUNNING", "--limit", "2", *at)
+        assert ids(two) == ["a-2", "m-1"] and "--continue m-1 " in two.stderr, (source, two.output)
+        rest = await cli("actor", "list", "--state", "RUNNING", "--limit", "2", "--continue", "m-1", *at)
+        assert (rest.exit_code, ids(rest), rest.stderr) == (0, ["r-1"], ""), (source, rest.output)
+        json_two = await cli("actor", "list", "--class", "microvm", "-o", "json", "--limit", "1", *at)
+        assert [v["actor_id"] for v in json.loads(json_two.stdout)] == ["m-1"] and json_two.stderr == "", source
 
 
 async def test_json_is_printed_a_page_at_a_time(nats_url, nc, prefix, writer, replicas, monkeypatch):

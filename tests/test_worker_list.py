@@ -230,7 +230,10 @@ async def test_the_endpoint_s_pages_are_the_log_s_rows_and_the_command_prints_al
             pages.append(await wb.workers(WorkersQuery(sandbox_classes=classes, limit=2, min_seq=last,
                                                        after=pages[-1].next_after)))
         assert pages == folded_workers(projection, WorkersQuery(sandbox_classes=classes, limit=2)), classes
-        assert len(pages) > 1
+        # pages of 2, none empty: a cursor only where a worker of the classes follows (microvm: m-w and w-1,
+        # then two gvisor workers alone, w-2 and w-3; it gave w-1, and the page after it was empty)
+        assert [len(page.workers) for page in pages] == [2] * (len(summaries(pages)) // 2) + [1] * (
+            len(summaries(pages)) % 2), classes
 
     # the command asks the scheduler: what it prints is what the log's fold printed, and it reads no log
     read.clear()
@@ -318,3 +321,28 @@ async def test_a_table_lists_a_page_of_workers_and_says_on_stderr_how_to_list_th
     assert rows == sorted(rows, key=lambda line: (line.split()[1], line.split()[2], line.split()[0]))
     as_json = await cli("workers", "-o", "json", *at)
     assert {r["worker_id"] for r in json.loads(as_json.stdout)} == ids(whole) and as_json.stderr == ""
+
+
+async def test_a_listing_says_more_follow_only_when_a_worker_of_its_classes_does(nats_url, nc, prefix, writer,
+                                                                                 replicas):
+    """`workers --class microvm --limit 2` listed m-w and w-1, the two workers that run it, and said more
+    follow (`--continue w-1`: w-2 and w-3, of gvisor alone, sort after it); that --continue said "no
+    workers registered after w-1". The cursor is given only when a worker of the classes follows: alike
+    from the log's fold and from a scheduler."""
+    last = await asyncio.to_thread(writer.write, *HISTORY)
+    at = ("--nats", nats_url, "--prefix", prefix)
+
+    def ids(shown) -> list[str]:
+        return [line.split()[0] for line in shown.stdout.splitlines()[1:]]
+
+    for source in ("log", "scheduler"):
+        if source == "scheduler":
+            await replicas()
+            page = await Client(nc, prefix).workers(WorkersQuery(sandbox_classes=("microvm",), limit=2, min_seq=last))
+            assert ([w.worker_id for w in page.workers], page.next_after) == (["m-w", "w-1"], None)
+        both = await cli("workers", "--class", "microvm", "--limit", "2", *at)
+        assert (both.exit_code, sorted(ids(both)), both.stderr) == (0, ["m-w", "w-1"], ""), (source, both.output)
+        one = await cli("workers", "--class", "microvm", "--limit", "1", *at)
+        assert ids(one) == ["m-w"] and "--continue m-w " in one.stderr, (source, one.output)
+        rest = await cli("workers", "--class", "microvm", "--limit", "1", "--continue", "m-w", *at)
+        assert (rest.exit_code, ids(rest), rest.stderr) == (0, ["w-1"], ""), (source, rest.output)

@@ -10,13 +10,15 @@ two never disagree. Pure: no I/O (a cache of the sorted ids, per projection, is 
 Cost: the ids in order are kept per projection and brought up to date when actors are added
 (the projection never drops one: a STOPPED actor stays, and a create of its id again replaces its
 record in place), so a page is a bisection and the rows it scans (all of them, at worst, for a
-filter that matches few), not a sort of every id (docs/scaling.md measures both).
+filter that matches few), not a sort of every id (docs/scaling.md measures both). A page's cursor is
+given only when an actor that passes the filters follows it (`paging.Ahead`: the next page starts
+where that one was found).
 """
 
 from __future__ import annotations
 
 import weakref
-from bisect import bisect_right, insort
+from bisect import insort
 from itertools import islice
 from typing import Any
 
@@ -34,6 +36,7 @@ from events.schema import (
     ActorSummary,
     Location,
 )
+from services.scheduler.paging import Ahead
 
 
 def actor_summary(actor: Any) -> ActorSummary:
@@ -56,13 +59,21 @@ def actor_summary(actor: Any) -> ActorSummary:
 class _Sorted:
     """A projection's actor ids in order, as of `count` actors (the dict's first `count` keys)."""
 
-    __slots__ = ("ids", "count", "seq", "names")
+    __slots__ = ("ids", "count", "seq", "names", "ahead")
 
     def __init__(self) -> None:
         self.ids: list[str] = []
         self.count = 0
         self.seq = -1  # the fold's position `names` is of
         self.names: dict[CompatKey, str] = {}  # compat key -> the least name a stamp or pin gives it
+        self.ahead = Ahead()  # where the pages' cursors lead (`paging.Ahead`)
+
+
+def _cached(projection: Any) -> _Sorted:
+    cached = _CACHE.get(projection)
+    if cached is None:
+        cached = _CACHE[projection] = _Sorted()
+    return cached
 
 
 _CACHE: weakref.WeakKeyDictionary[Any, _Sorted] = weakref.WeakKeyDictionary()
@@ -72,9 +83,7 @@ RESORT_FROM = 64  # new actors at most inserted one by one; more: the ids are so
 def sorted_ids(projection: Any) -> list[str]:
     """The ids of `projection.actors` in order. Actors are only ever added (insertion order is
     the dict's): the ones added since the last call are inserted, or, many, all are sorted again."""
-    cached = _CACHE.get(projection)
-    if cached is None:
-        cached = _CACHE[projection] = _Sorted()
+    cached = _cached(projection)
     actors = projection.actors
     if len(actors) != cached.count:
         if len(actors) < cached.count or len(actors) - cached.count > RESORT_FROM:
@@ -89,9 +98,7 @@ def sorted_ids(projection: Any) -> list[str]:
 def _stamp_names(projection: Any) -> dict[CompatKey, str]:
     """Compat key -> the least name the fold's stamps and pins give it (as `warmboot.cmd_views.runtimes_of`
     stamps them), kept per fold position."""
-    cached = _CACHE.get(projection)
-    if cached is None:
-        cached = _CACHE[projection] = _Sorted()
+    cached = _cached(projection)
     if cached.seq != projection.seq:
         names: dict[CompatKey, str] = {}
         for a in projection.actors.values():
@@ -107,25 +114,33 @@ def _stamp_names(projection: Any) -> dict[CompatKey, str]:
 def actor_page(projection: Any, query: ActorsQuery) -> ActorPage:
     """The page of `query`: the actors after `query.after` in id order that pass its filters, at
     most `query.limit`, and at most ACTORS_PAGE_BYTES of them (always one, if one is left; events/
-    schema.py says why a page then fits NATS's max_payload); `next_after` the last one's id unless
-    no id follows it. The first page (no `after`) also says which classes and workers asked match
+    schema.py says why a page then fits NATS's max_payload); `next_after` the last one's id if an
+    actor that passes the filters follows it (`paging.Ahead.cursor`), else None. The first page (no `after`) also says which classes and workers asked match
     nothing the fold has (`ActorPage`)."""
     actors = projection.actors
     classes, states, worker_ids = set(query.sandbox_classes), set(query.states), set(query.worker_ids)
+
+    def passes(actor_id: str) -> bool:
+        a = actors[actor_id]
+        worker = a.worker
+        return not ((classes and a.sandbox_class not in classes) or (states and a.state not in states)
+                    or (worker_ids and (worker is None or worker.worker_id not in worker_ids)))
+
     ids = sorted_ids(projection)
-    start = bisect_right(ids, query.after) if query.after is not None else 0
+    ahead = _cached(projection).ahead
+    position = (projection.seq, projection.events)
+    filters = (query.sandbox_classes, query.states, query.worker_ids)
+    start = ahead.start(ids, position, query.after, filters)
     rows: list[ActorSummary] = []
     stamp_names: list[ActorRuntime] = []
     named: set[CompatKey] = set()
     size = 0
     index = start
     while index < len(ids) and len(rows) < query.limit:
-        a = actors[ids[index]]
-        worker = a.worker
-        if ((classes and a.sandbox_class not in classes) or (states and a.state not in states)
-                or (worker_ids and (worker is None or worker.worker_id not in worker_ids))):
+        if not passes(ids[index]):
             index += 1
             continue
+        a = actors[ids[index]]
         row = actor_summary(a)
         extra = []  # the least names of the runtimes it names without one, not named on this page yet
         for stamp in (a.snapshot.stamp if a.snapshot is not None else None, a.pin):
@@ -152,6 +167,7 @@ def actor_page(projection: Any, query: ActorsQuery) -> ActorPage:
             if unknown_classes:
                 fold_classes = sorted(have)[:ACTORS_CLASSES_MAX]
         unknown_workers = [w for w in dict.fromkeys(query.worker_ids) if w not in projection.workers]
-    return ActorPage(actors=rows, next_after=rows[-1].actor_id if rows and index < len(ids) else None,
+    next_after = ahead.cursor(ids, index, rows[-1].actor_id if rows else None, position, filters, passes)
+    return ActorPage(actors=rows, next_after=next_after,
                      unknown_classes=unknown_classes, classes=fold_classes, unknown_workers=unknown_workers,
                      stamp_names=stamp_names)

@@ -11,18 +11,20 @@ endpoint and the CLI's own fold when no scheduler answers, so the two never disa
 Cost: the workers' ids in order and the count of each worker's booked actors per class (one pass
 over the actors, as `worker_rows` made it for every worker at once) are made once per fold position
 (`Projection.seq`) and kept for the next pages asked at it: a walk of every page at one `min_seq`
-makes them once, unless events arrive meanwhile (docs/scaling.md measures both).
+makes them once, unless events arrive meanwhile (docs/scaling.md measures both). A page's cursor is
+given only when a worker that passes the filter follows it (`paging.Ahead`: the next page starts
+where that one was found).
 """
 
 from __future__ import annotations
 
 import weakref
-from bisect import bisect_right
 from typing import Any
 
 from events.codec import encode
 from events.schema import (WORKERS_CLASSES_MAX, WORKERS_PAGE_BYTES, Resources, Room, WorkerPage, WorkersQuery,
                            WorkerSandboxClass, WorkerSummary)
+from services.scheduler.paging import Ahead
 from services.scheduler.whatif import registered_classes
 from services.scheduler.worker_detail import wire_runtime
 
@@ -31,10 +33,11 @@ class _Position:
     """What the pages of one fold position share: the worker ids in order, and the booked actors per
     (worker record, class)."""
 
-    __slots__ = ("seq", "ids", "held")
+    __slots__ = ("seq", "ids", "held", "ahead")
 
     def __init__(self, seq: int, ids: list[str], held: dict[tuple[int, str], int]) -> None:
         self.seq, self.ids, self.held = seq, ids, held
+        self.ahead = Ahead()  # where the pages' cursors lead (`paging.Ahead`)
 
 
 _CACHE: weakref.WeakKeyDictionary[Any, _Position] = weakref.WeakKeyDictionary()
@@ -78,21 +81,28 @@ def worker_page(projection: Any, query: WorkersQuery) -> WorkerPage:
     """The page of `query`: the registered workers after `query.after` in id order that run one of its
     classes (all, without), at most `query.limit`, and at most WORKERS_PAGE_BYTES of them (always one,
     if one is left: events/schema.py says why a page then fits NATS's max_payload); `next_after` the
-    last one's id unless no id follows it. The first page (no `after`) also says which classes asked
-    no registered worker runs, and the classes they run (`WorkerPage`)."""
-    position = _position(projection)
-    ids, workers = position.ids, projection.workers
+    last one's id if a worker that runs one of the classes follows it (`paging.Ahead.cursor`), else
+    None. The first page (no `after`) also says which classes asked no registered worker runs, and the
+    classes they run (`WorkerPage`)."""
+    cached = _position(projection)
+    ids, workers = cached.ids, projection.workers
     classes = set(query.sandbox_classes) or None
-    start = bisect_right(ids, query.after) if query.after is not None else 0
+
+    def passes(worker_id: str) -> bool:
+        return classes is None or not classes.isdisjoint(workers[worker_id].classes)
+
+    filters = query.sandbox_classes
+    at = (projection.seq, projection.events)
+    start = cached.ahead.start(ids, at, query.after, filters)
     rows: list[WorkerSummary] = []
     size = 0
     index = start
     while index < len(ids) and len(rows) < query.limit:
-        worker = workers[ids[index]]
-        if classes is not None and classes.isdisjoint(worker.classes):
+        if not passes(ids[index]):
             index += 1
             continue
-        row = worker_summary(worker, position.held, classes)
+        worker = workers[ids[index]]
+        row = worker_summary(worker, cached.held, classes)
         grown = size + len(encode(row))
         if rows and grown > WORKERS_PAGE_BYTES:
             break
@@ -104,5 +114,7 @@ def worker_page(projection: Any, query: WorkersQuery) -> WorkerPage:
     if query.after is None:
         unknown_classes = [c for c in dict.fromkeys(query.sandbox_classes) if not projection.registered(c)]
         run = registered_classes(projection)[:WORKERS_CLASSES_MAX]
-    return WorkerPage(workers=rows, next_after=rows[-1].worker_id if rows and index < len(ids) else None,
+    next_after = cached.ahead.cursor(ids, index, rows[-1].worker_id if rows else None, at,
+                                     filters, passes)
+    return WorkerPage(workers=rows, next_after=next_after,
                       unknown_classes=unknown_classes, classes=run)
