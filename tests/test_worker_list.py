@@ -346,3 +346,22 @@ async def test_a_listing_says_more_follow_only_when_a_worker_of_its_classes_does
         assert ids(one) == ["m-w"] and "--continue m-w " in one.stderr, (source, one.output)
         rest = await cli("workers", "--class", "microvm", "--limit", "1", "--continue", "m-w", *at)
         assert (rest.exit_code, ids(rest), rest.stderr) == (0, ["w-1"], ""), (source, rest.output)
+
+
+async def test_more_classes_than_a_query_carries_are_a_usage_error_before_anything_is_sent(
+        nats_url, nc, prefix, writer, replicas):
+    """`workers` with more than 256 --class values asked the scheduler for every worker and filtered here,
+    while --limit counted every worker: a page held fewer rows than the limit, or none, with rows
+    following. It is refused as `actor list --class` refuses it: a usage error naming --class, exit 2,
+    before any connection (no server at this URL). A class repeated counts once."""
+    too_many = [arg for i in range(ACTORS_FILTER_MAX + 1) for arg in ("--class", f"c-{i:03d}")]
+    refused = await cli("workers", *too_many, "--nats", "nats://127.0.0.1:1", "--prefix", prefix)
+    assert refused.exit_code == 2 and refused.stdout == "", refused.output
+    assert ("Invalid value for '--class': at most 256 classes (257 given), what one listing's query carries: "
+            "without --class every class is listed") in " ".join(refused.stderr.split()), refused.stderr
+    await asyncio.to_thread(writer.write, *HISTORY)
+    await replicas()
+    at = ("--nats", nats_url, "--prefix", prefix)
+    repeated = await cli("workers", *["--class", "microvm"] * (ACTORS_FILTER_MAX + 1), "--limit", "1", *at)
+    assert repeated.exit_code == 0 and [line.split()[0] for line in repeated.stdout.splitlines()[1:]] == ["m-w"]
+    assert "--continue m-w " in repeated.stderr, repeated.output

@@ -904,7 +904,7 @@ def folded_pages(page_of: Callable[[Any], Any], query: Any) -> list:
 def unknown_class_asked(first: WorkerPage, asked: tuple[str, ...], sent: tuple[str, ...]) -> str | None:
     """The first class of `asked` (`workers --class`) no registered worker runs, as `first` (a first page
     of `workers`, asked for the classes `sent`) says it: one sent, if the page names it unknown; one not
-    sent (not a class's name, or more classes asked than a query takes), if the classes run do not name it."""
+    sent (not a class's name), if the classes run do not name it."""
     for sandbox_class in dict.fromkeys(asked):
         if sandbox_class in first.unknown_classes if sandbox_class in sent else sandbox_class not in first.classes:
             return sandbox_class
@@ -989,8 +989,21 @@ def render_workers(rows: list[dict], width: int | None, wide: bool = False):
     return render_table(WORKER_COLUMNS, rows, width, wide)
 
 
+def classes_a_query_carries(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> tuple[str, ...]:
+    """click callback of `workers --class`: at most ACTORS_FILTER_MAX classes (without repeats), what a
+    `WorkersQuery` carries, else a usage error naming the option (exit 2), as `actor list --class` refuses
+    more. More were filtered here, from pages of every worker, while --limit counted every worker: a page
+    could list fewer rows than the limit, or none, with rows following. A name that is no class's is left
+    to the first page, which names the classes the fleet runs (`unknown_class_asked`)."""
+    given = len(dict.fromkeys(values))
+    if given > ACTORS_FILTER_MAX:
+        raise click.BadParameter(f"at most {ACTORS_FILTER_MAX:,} classes ({given:,} given), what one listing's query "
+                                 "carries: without --class every class is listed")
+    return values
+
+
 @click.command()
-@classes_option("rows")
+@classes_option("rows", classes_a_query_carries)
 @paging_options("workers", "WORKER", WorkersQuery)
 @nats_option
 @prefix_option
@@ -1005,7 +1018,7 @@ def workers(sandbox_class: tuple[str, ...], limit: int | None, after: str | None
     worker registered meanwhile is listed if its id sorts after those listed already); only when none
     answers, the log folded with the scheduler's projection: either way, what the scheduler sees.
     A --class no registered worker runs is an error naming the classes they run, exit status 1,
-    as whatif's is.
+    as whatif's is; more than 256 classes is a usage error (exit 2), as actor list's is.
 
     A table lists the first 500 workers by id (--limit), their rows sorted by class, runtime and
     worker, and then says on stderr how to list the next ones (--continue ID); -o json lists every
@@ -1018,13 +1031,11 @@ def workers(sandbox_class: tuple[str, ...], limit: int | None, after: str | None
 
     mode = output_mode(output, as_json)
     most = listing_limit(limit, mode)
-    wanted = set(sandbox_class)
     asked = tuple(dict.fromkeys(sandbox_class))
-    valid = tuple(c for c in asked if CLASS_RE.match(c))
     # the classes a query may carry; a name that is none (`Bad Class`) is unknown: one row says the classes run
-    sent = valid if len(valid) <= ACTORS_FILTER_MAX else ()
+    sent = tuple(c for c in asked if CLASS_RE.match(c))
     query = WorkersQuery(sandbox_classes=sent, after=after)
-    page_max = WORKERS_LIMIT_MAX if valid == asked else 1
+    page_max = WORKERS_LIMIT_MAX if sent == asked else 1
     columns, cells_of = cell_columns(WORKER_COLUMNS)
 
     def check_classes(first: WorkerPage) -> None:
@@ -1038,9 +1049,7 @@ def workers(sandbox_class: tuple[str, ...], limit: int | None, after: str | None
         rows = summary_rows(page.workers, runtimes)
         if listed is not None:  # by worker, as the pages come: the same order whatever a page holds
             rows.sort(key=lambda row: (row["worker_id"], row["sandbox_class"]))
-        for row in rows:
-            if wanted and row["sandbox_class"] not in wanted:
-                continue
+        for row in rows:  # (a page's workers carry the classes asked alone)
             if listed is not None:
                 listed.add(with_runtime_ids(row))
             else:
