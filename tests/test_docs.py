@@ -1,9 +1,10 @@
 """The docs name what the code has, and the code has what the docs name; read without a server.
 
-- every command of the CLI is in README's "CLI at a glance" table, every option of every command
-  (one of its spellings) and the environment variable it reads are in README.md or docs/, and every
-  command line the docs show (`warmboot CMD ... --opt`, in backticks or a code block) names a
-  command and options it has;
+- every command of the CLI is in README's "CLI at a glance" table; every option of every command (one
+  of its spellings) is named for that command, in a command line of it or in its row of the table (the
+  few every command shares, SHARED, once for all), and the environment variable it reads is in README.md
+  or docs/; every command line the docs show (`warmboot CMD ... --opt`, in backticks, wrapped over two
+  lines too, or a code block's line, continued with a backslash too) names a command and options it has;
 - every endpoint the services register (`EndpointSpec` in services/*/service.py) is in
   docs/CONTRACT.md or docs/contract.md with its subject's form, and where a row names the request
   or reply type, it is the endpoint's; every subject the docs name is an endpoint;
@@ -92,16 +93,79 @@ def test_every_command_is_in_the_readme_table():
     assert not missing, f"README's CLI at a glance names no row for: {missing}"
 
 
-def test_every_option_is_documented():
-    text = "\n".join(doc.read_text() for doc in DOCS)
+# The options every command that has them takes alike, documented once for all (README.md, the paragraph
+# after "CLI at a glance": the NATS URL, the nkey seed, the prefix), not again for each command.
+SHARED = ("--nats", "--nkey-seed", "--prefix")
+# Spellings of one option: `--json` is `-o json` (`cli_common.json_option`, `cmd_views.output_option`), so a
+# command documented with either is documented with both.
+ALIASES = ({"-o", "--output", "--json"},)
+_OPTION = re.compile(r"(?<![\w./=-])(--?[a-zA-Z][\w-]*)")
+
+
+def command_paths(words: list[str]) -> tuple[list[tuple[str, ...]], int]:
+    """The commands a line's first words name (`actor pause|suspend`: both, `\\|` in a table too), and how
+    many words name them."""
+    paths: list[tuple[tuple[str, ...], click.Command]] = [((), main)]
+    used = 0
+    for word in words:
+        named = [(path + (name,), command.commands[name]) for path, command in paths
+                 if isinstance(command, click.Group) for name in re.split(r"\\?\|", word) if name in command.commands]
+        if not named:
+            break
+        paths, used = named, used + 1
+    return [path for path, command in paths if not isinstance(command, click.Group)], used
+
+
+def documented_options() -> dict[tuple[str, ...], set[str]]:
+    """Per command, the options the docs name for it: those of a command line of it (`command_lines`: a
+    span or a code line that starts with the command), and those its row of README's CLI at a glance names."""
+    named: dict[tuple[str, ...], set[str]] = {}
+    for _, line, _ in command_lines():
+        words = line.split("#")[0].split()
+        paths, used = command_paths(words)
+        for path in paths:
+            named.setdefault(path, set()).update(_OPTION.findall(" ".join(words[used:])))
+    for row in glance_table().splitlines():
+        if row.startswith("| `warmboot"):
+            for shown in re.findall(r"`warmboot ([^`]*)`", row.split(" | ")[0]):
+                for path in command_paths(shown.split())[0]:
+                    named.setdefault(path, set()).update(_OPTION.findall(row))
+    return named
+
+
+def undocumented(every: dict[tuple[str, ...], click.Command], named: dict[tuple[str, ...], set[str]]) -> list[str]:
+    """The options of `every` command that `named` (`documented_options`) does not name for that command,
+    by none of their spellings nor their aliases' (SHARED apart)."""
     missing = []
-    for path, command in commands().items():
+    for path, command in every.items():
         for param in command.params:
             if not isinstance(param, click.Option) or "--help" in param.opts:
                 continue
-            if not any(re.search(re.escape(o) + r"(?![\w-])", text) for o in spellings(param)):
+            spelt = set(spellings(param))
+            spelt |= {alias for group in ALIASES if spelt & group for alias in group}
+            if not spelt & (named.get(path, set()) | set(SHARED)):
                 missing.append(f"{' '.join(path)} {'/'.join(spellings(param))}")
-    assert not missing, f"options that README.md and docs/ never name: {missing}"
+    return missing
+
+
+def test_every_option_is_documented_for_its_command():
+    """An option is documented for its command: in a command line of it (`workers --limit N`) or in its row
+    of README's table, not only somewhere (an option spelt as another command's passed, undocumented)."""
+    missing = undocumented(commands(), documented_options())
+    assert not missing, f"options that README.md and docs/ never name for their command: {missing}"
+    # the shared ones, once, where README says what every command takes
+    said = glance_table()
+    assert all(re.search(re.escape(o) + r"(?![\w-])", said) for o in SHARED), SHARED
+    assert all(any(o in spellings(p) for c in commands().values() for p in c.params) for o in SHARED)
+
+
+def test_an_option_documented_for_another_command_alone_is_undocumented():
+    """`--drain` is whatif's, documented for it: the same option on `workers` is not documented by that."""
+    named = documented_options()
+    assert "--drain" in named[("whatif",)] and "--drain" not in named[("workers",)]
+    workers = click.Command("workers", params=[click.Option(["--drain"]), click.Option(["--prefix"]),
+                                               click.Option(["--json"], is_flag=True)])
+    assert undocumented({("workers",): workers}, named) == ["workers --drain"]
 
 
 def test_every_environment_variable_an_option_reads_is_documented():
@@ -114,20 +178,26 @@ def test_every_environment_variable_an_option_reads_is_documented():
     assert not missing, f"environment variables README.md and docs/ never name: {sorted(missing)}"
 
 
-def command_lines() -> list[tuple[str, str]]:
-    """(file, text) of every span or code line the docs show that starts with a command."""
+def command_lines() -> list[tuple[str, str, bool]]:
+    """(file, text, whether a span wrapped over two lines) of every span or code line the docs show that
+    starts with a command."""
     names = "|".join(sorted(map(re.escape, main.commands), key=len, reverse=True))
     found = []
     for doc in DOCS:
         text = doc.read_text()
-        # in backticks, a command named alone too (`actor create --cpu`); in a code block, `warmboot ...` lines
-        spans = [(span, True) for span in re.findall(r"`([^`\n]+)`", text)]
-        spans += [(line, False) for block in re.findall(r"```[a-z]*\n(.*?)```", text, re.S) for line in block.splitlines()]
+        blocks = re.findall(r"```[a-z]*\n(.*?)```", text, re.S)
+        # in backticks, a command named alone too (`actor create --cpu`), a span wrapped over two lines joined;
+        # in a code block, `warmboot ...` lines
+        prose = re.sub(r"```[a-z]*\n.*?```", "", text, flags=re.S)
+        spans = [(span, True) for span in re.findall(r"`([^`\n]+(?:\n[^`\n]+)?)`", prose)]
+        # a code block's line continued with a backslash is one command line
+        spans += [(line, False) for block in blocks for line in re.sub(r"\\\n", " ", block).splitlines()]
         for span, alone in spans:
-            line = re.sub(r"^(?:[A-Z_]+=\S* )*(warmboot |python -m warmboot |\.venv/bin/warmboot )?", "", span.strip())
-            named = line != span.strip() and "warmboot " in span
+            line = re.sub(r"^(?:[A-Z_]+=\S* )*(warmboot |python -m warmboot |\.venv/bin/warmboot )?", "",
+                          " ".join(span.strip().split()))
+            named = line != " ".join(span.strip().split()) and "warmboot " in span
             if (alone or named) and re.match(rf"(?:{names})(?:\s|$)", line):
-                found.append((doc.name, line))
+                found.append((doc.name, line, "\n" in span))
     return found
 
 
@@ -135,12 +205,13 @@ def test_every_command_line_in_the_docs_names_options_its_command_has():
     lines = command_lines()
     assert len(lines) > 100, "the docs' command lines were not found: has their markup changed?"
     wrong = []
-    for doc, line in lines:
+    for doc, line, wrapped in lines:
         words = line.split("#")[0].split()
         command, used = resolve(words)
         if isinstance(command, click.Group):
-            # `worker drain|remove`, `actor pause|suspend ...`: each alternative must be a command
-            if used < len(words):
+            # `worker drain|remove`, `actor pause|suspend ...`: each alternative must be a command (a span
+            # wrapped over two lines that starts with a group's name may be prose: `actor is PAUSED on ...`)
+            if used < len(words) and not wrapped:
                 for name in re.split(r"\\?\|", words[used]):
                     if re.fullmatch(r"[a-z][a-z-]*", name) and name not in command.commands:
                         wrong.append(f"{doc}: `{line}`: no command {name!r}")
