@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from datetime import datetime, timezone
@@ -19,12 +20,14 @@ from types import EllipsisType
 from typing import Any, AsyncIterator, Callable, ClassVar, Protocol, TypeVar
 
 import msgspec
+from eventsourcing.persistence import OperationalError
 from nats.aio.client import Client as NATS
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from events.aggregate import WireApplication
 from events.codec import decode_event, encode
+from events.errors import ContractError
 from events.jetstream import MSG_ID_HEADER, TOPIC_HEADER, VERSION_HEADER
 from events.jetstream.layout import sequence_of
 from events.schema import (
@@ -37,6 +40,7 @@ from events.schema import (
     Attribute,
     CompatVersion,
     CreateActor,
+    ErrorCode,
     Event,
     Fallback,
     Fidelity,
@@ -417,6 +421,41 @@ async def elections(nc: NATS, cluster: Any, stream: str, stop: asyncio.Event, rn
 
 
 NOT_LEADER = 10041  # JetStream's err_code of `raft: not leader`
+
+
+def outcome(value: Any) -> Any:
+    """What a failover harness compares of an answer: a refusal's code and field (its message may name the
+    replica's state), else the reply itself."""
+    if isinstance(value, ContractError):
+        return ("refused", value.code.value, value.field)
+    return value
+
+
+ANSWERED_WITHIN_S = 180.0  # how long `answered` sends a request again
+
+
+async def answered(call: Callable[[], Any], what: str, *, again: frozenset = frozenset({ErrorCode.UNAVAILABLE}),
+                   within: float = ANSWERED_WITHIN_S) -> Any:
+    """A failover harness's caller: `call()` (a service's verb with the same request, request id and all) until
+    answered, a refusal of a code in `again` and a store error sent again, 240 times at most and for `within` s
+    at most (an attempt may itself take the store's whole time-out, 30 s, and 240 of them far outlast a test).
+    Returns the reply or the refusal (a ContractError); raises AssertionError naming `what` if none came."""
+    loop = asyncio.get_running_loop()
+    errors = []
+    deadline = loop.time() + within
+    for _ in range(240):
+        try:
+            return await call()
+        except ContractError as error:
+            if error.code not in again:
+                return error
+            errors.append(f"{error.code.value}: {error.message}")
+        except OperationalError as error:
+            errors.append(repr(error))
+        if loop.time() > deadline:
+            break
+        await asyncio.sleep(0.25)  # a caller's pause before it sends again (not a synchronisation)
+    raise AssertionError(f"{what} never answered ({len(errors)} attempts): {Counter(errors).most_common(3)}")
 
 
 async def step_down(nc: NATS, stream: str, replicas: int = 3, deadline_s: float = 120.0) -> str:

@@ -17,13 +17,12 @@ from typing import Any
 
 import msgspec
 import pytest
-from eventsourcing.persistence import OperationalError
 
 from events.errors import ContractError
 from events.schema import DrainWorker, ErrorCode, RemoveWorker
 from events.subjects import stream_name
 from services.process import store_env
-from tests.factories import SILENT_TTL_S, elections, read_log, version, worker
+from tests.factories import SILENT_TTL_S, answered, elections, outcome, read_log, version, worker
 from tests.test_append_failover import losing_replies
 from tests.test_failover import every_service
 from warmboot.natsserver import NatsCluster, wait_jetstream, wait_stream_current
@@ -31,7 +30,6 @@ from warmboot.runner import connect
 
 WORKERS = 24
 ROUNDS = 5
-ASK_WITHIN_S = 180.0  # how long `ask` sends a request again
 
 
 async def registry_replica(exits: AsyncExitStack, cluster: NatsCluster, index: int, prefix: str,
@@ -49,33 +47,11 @@ async def registry_replica(exits: AsyncExitStack, cluster: NatsCluster, index: i
     return replica
 
 
-def outcome(value: Any) -> Any:
-    if isinstance(value, ContractError):
-        return ("refused", value.code.value, value.field)
-    return value
-
-
-async def ask(replica: Any, verb: str, worker_id: str, req: Any, within: float = ASK_WITHIN_S) -> Any:
-    """`verb` at `replica` with its request id until answered (UNAVAILABLE, RESOURCE_EXHAUSTED and store
-    errors sent again), 240 times at most and for `within` s at most: an attempt may itself take the store's
-    whole time-out (30 s), and 240 of them far outlast the test's."""
-    method = getattr(replica, verb)
-    errors = []
-    deadline = asyncio.get_running_loop().time() + within
-    for _ in range(240):
-        try:
-            return await method(worker_id, req)
-        except ContractError as error:
-            if error.code not in (ErrorCode.UNAVAILABLE, ErrorCode.RESOURCE_EXHAUSTED):
-                return error
-            errors.append(f"{error.code.value}: {error.message}")
-        except OperationalError as error:
-            errors.append(repr(error))
-        if asyncio.get_running_loop().time() > deadline:
-            break
-        await asyncio.sleep(0.25)  # a caller's pause before it sends again (not a synchronisation)
-    raise AssertionError(f"{verb} {req.request_id} never answered ({len(errors)} attempts): "
-                         f"{Counter(errors).most_common(3)}")
+async def ask(replica: Any, verb: str, worker_id: str, req: Any) -> Any:
+    """`verb` at `replica` with its request id until answered (`factories.answered`; a registry busy with
+    heartbeats answers RESOURCE_EXHAUSTED, sent again too)."""
+    return await answered(lambda: getattr(replica, verb)(worker_id, req), f"{verb} {req.request_id}",
+                          again=frozenset({ErrorCode.UNAVAILABLE, ErrorCode.RESOURCE_EXHAUSTED}))
 
 
 @pytest.mark.timeout(600)

@@ -16,16 +16,15 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any, AsyncIterator
 
 import pytest
-from eventsourcing.persistence import OperationalError
 
 from events.errors import ContractError
 from events.schema import (
-    CreateActor, ErrorCode, Fidelity, PauseActor, RevertActor, SnapshotTaken, StopActor, SuspendActor, TagSnapshot,
+    CreateActor, Fidelity, PauseActor, RevertActor, SnapshotTaken, StopActor, SuspendActor, TagSnapshot,
     UpdateTemplate,
 )
 from events.subjects import stream_name
 from services.process import store_env
-from tests.factories import actor, elections, read_log, version, worker
+from tests.factories import actor, answered, elections, outcome, read_log, version, worker
 from tests.test_append_failover import losing_replies
 from tests.test_failover import every_service
 from warmboot.client import Client
@@ -34,7 +33,6 @@ from warmboot.runner import connect
 
 ACTORS = 24
 ROUNDS = 8
-ASK_WITHIN_S = 180.0  # how long `ask` sends a request again
 
 VERBS = {"pause": ("pause", PauseActor), "suspend": ("suspend", SuspendActor), "tag": ("tag", TagSnapshot),
          "update-template": ("update_template", UpdateTemplate), "stop": ("stop_actor", StopActor),
@@ -55,33 +53,9 @@ async def snapshotter_replica(exits: AsyncExitStack, cluster: NatsCluster, index
     return replica
 
 
-def outcome(value: Any) -> Any:
-    if isinstance(value, ContractError):
-        return ("refused", value.code.value, value.field)
-    return value
-
-
-async def ask(replica: Any, verb: str, actor_id: str, req: Any, within: float = ASK_WITHIN_S) -> Any:
-    """`verb` at `replica` with its request id until answered (UNAVAILABLE and store errors sent again),
-    240 times at most and for `within` s at most: an attempt may itself take the store's whole time-out
-    (30 s), and 240 of them far outlast the test's."""
-    method = getattr(replica, VERBS[verb][0])
-    errors = []
-    deadline = asyncio.get_running_loop().time() + within
-    for _ in range(240):
-        try:
-            return await method(actor_id, req)
-        except ContractError as error:
-            if error.code is not ErrorCode.UNAVAILABLE:
-                return error
-            errors.append(f"{error.code.value}: {error.message}")
-        except OperationalError as error:
-            errors.append(repr(error))
-        if asyncio.get_running_loop().time() > deadline:
-            break
-        await asyncio.sleep(0.25)  # a caller's pause before it sends again (not a synchronisation)
-    raise AssertionError(f"{verb} {req.request_id} never answered ({len(errors)} attempts): "
-                         f"{Counter(errors).most_common(3)}")
+async def ask(replica: Any, verb: str, actor_id: str, req: Any) -> Any:
+    """`verb` (a key of VERBS) at `replica` with its request id until answered (`factories.answered`)."""
+    return await answered(lambda: getattr(replica, VERBS[verb][0])(actor_id, req), f"{verb} {req.request_id}")
 
 
 @asynccontextmanager
