@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
+import re
 import socket
 import subprocess
 from pathlib import Path
@@ -72,6 +73,28 @@ def test_the_smallest_fleet_it_takes_runs_the_demo_to_its_summary(tmp_path):
     rows = [line.split() for line in done.stdout.splitlines() if line.startswith(("gvisor-v", "microvm-v"))]
     assert len(rows) == 8, done.stdout  # per class: v1 dropped and v2, on the oldest and the newest generation
     assert all(int(row[2]) >= 1 for row in rows), done.stdout  # WORKERS before the drop
+
+
+def test_a_fleet_too_small_for_its_actors_says_its_refusals_are_the_size_asked_for(tmp_path):
+    """Ten actors a worker is more than the demo's fleet holds once it retires its oldest generation (a
+    user's trial, `--workers 5000 --actors 50000`, counted 3,115 RESOURCE_EXHAUSTED and as many
+    FAILED_PRECONDITION, and said nothing of why). The resumes refused for want of room are said to be
+    the size asked for, in the scheduler's words, by phase; the actors they left not running are not
+    asked to pause (the FAILED_PRECONDITION were those pauses); and, piped, the progress is plain lines."""
+    args = [WARMBOOT, "up", "--demo", "--exit-after-demo", "--port", "0", "--metrics-port", "0",
+            "--store", str(tmp_path / "store"), "--workers", str(MIN_WORKERS), "--actors", str(10 * MIN_WORKERS)]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k != "COLUMNS"})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    out = done.stdout
+    assert "refused RESOURCE_EXHAUSTED, resume (see below)" in out and "FAILED_PRECONDITION" not in out, out
+    assert "pause not asked, its actor refused before" in out, out
+    assert re.search(r"^\d+ resumes in 'memory restores' refused RESOURCE_EXHAUSTED: 0/\d+ workers available: ", out,
+                     re.MULTILINE), out
+    assert "refused for want of room (RESOURCE_EXHAUSTED naming no field): the fleet was full. That is the size " \
+           f"asked for, not a fault: {10 * MIN_WORKERS} actors" in out, out
+    assert re.search(r"^\d+ pauses in 'pause again' not asked: the actor was not RUNNING", out, re.MULTILINE), out
+    assert "cold-start resumes: done in " in out and "settle: done in " in out  # each phase's line, piped
 
 
 def test_a_demo_config_it_cannot_run_is_refused_naming_the_field():

@@ -12,12 +12,17 @@ dropped, the demo asks `scheduler.whatif` what the drop will strand, prints the
 forecast, makes the drop and checks the forecast against what fragmentation then
 counts. The summary counts what the scheduler answered: placements by action and
 fidelity, restores through a compatible version, fallbacks by reason, stranded
-snapshots before, during and after the upgrade (forecast beside measured), resumes/s.
+snapshots before, during and after the upgrade (forecast beside measured), resumes/s and
+a resume's latency from sent to answered (not its wait for a turn among the demo's own
+requests); refusals by what was asked, and under the table by phase in the services' words,
+those for want of room said to be the size asked for (`refusal_notes`). Progress: a bar on a
+terminal, plain lines piped (`Steps`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
 from collections import Counter
@@ -40,6 +45,7 @@ from events.schema import (
     Attribute,
     CompatVersion,
     CreateActor,
+    ErrorCode,
     Fidelity,
     RegisterWorker,
     Resources,
@@ -93,6 +99,13 @@ def smallest_fleet() -> int:
 
 
 MIN_WORKERS = smallest_fleet()
+# What the demo knows of an actor from its own requests' answers, and which of them a pause and a suspend
+# need (CONTRACT: pause from RUNNING only; suspend from RUNNING or PAUSED).
+CREATED, RUNNING, PAUSED, SUSPENDED = "CREATED", "RUNNING", "PAUSED", "SUSPENDED"
+ALLOWED_FROM = {"pause": (RUNNING,), "suspend": (RUNNING, PAUSED)}
+# Actors a worker that the demo's fleet holds at its peak (the upgrade, its oldest generation retired):
+# measured on 60 workers (2026-12-07), 540 actors all found room and 600 did not (README, the demo).
+ROOMY = 9
 BEATS_IN_FLIGHT = 64  # the demo's heartbeats at once (an agent sends one; the demo plays thousands)
 
 
@@ -105,6 +118,11 @@ def size_error(field: str, value: int) -> str | None:
     if field == "actors" and value < 0:
         return f"{value} is not a number of actors (0 or more)"
     return None
+
+
+def newcomer_count(cfg: "DemoConfig") -> int:
+    """How many actors the demo creates during its upgrade (`b-*`), besides its `actors`."""
+    return max(2, cfg.actors // 5)
 
 
 @dataclass
@@ -134,12 +152,20 @@ class Tally:
     placements: Counter = field(default_factory=Counter)  # (action, fidelity)
     edge_restores: int = 0  # MEMORY restores whose stamp matched a compatible version, not the pin's own
     fallbacks: Counter = field(default_factory=Counter)  # reason
-    refusals: Counter = field(default_factory=Counter)  # error code
+    refusals: Counter = field(default_factory=Counter)  # (phase, verb, error code)
+    refused_as: dict[tuple[str, str, str], ContractError] = field(default_factory=dict)  # the first of each
+    not_asked: Counter = field(default_factory=Counter)  # (phase, verb): its actor not in the state for it
     stranded: dict[str, int] = field(default_factory=dict)  # phase -> count
     forecast_stranded: int | None = None  # whatif's stranded count after the v1 drop, before it was made
     resumes: int = 0
-    resume_seconds: float = 0.0  # summed latency
+    resume_latencies: list[float] = field(default_factory=list)  # each resume's, from sent to answered
     resume_wall: float = 0.0  # wall time of the resume phases
+    in_flight: int = 0  # the demo's requests at once (DemoConfig.concurrency)
+    workers: int = 0  # the demo's size, for what the summary says of a fleet that was full
+    actors: int = 0
+    newcomers: int = 0  # actors created during the upgrade
+    retired: int = 0  # workers of the oldest generation, drained
+    phase_seconds: dict[str, float] = field(default_factory=dict)  # phase -> its wall time
     retries: int = 0  # requests answered UNAVAILABLE (or not at all) and sent again
 
     @property
@@ -198,17 +224,49 @@ class Demo:
         self.stopping = False
         self.oldest = [w for w in self.workers if w.generation == OLDEST]
         self.registered: dict[str, None] = {}  # the workers registered so far, in order: `heartbeats` keeps them
+        self.state: dict[str, str] = {}  # actor -> CREATED, RUNNING, PAUSED or SUSPENDED, as its answers said
+        self.phase = ""  # the phase running, which a refusal is counted under
+        self.clock = time.perf_counter
+        self.tally.in_flight = cfg.concurrency
+        self.tally.workers, self.tally.actors, self.tally.retired = cfg.workers, cfg.actors, len(self.oldest)
+        self.tally.newcomers = newcomer_count(cfg)
 
-    async def call(self, request: Coroutine[Any, Any, Any]) -> Any:
+    async def call(self, request: Coroutine[Any, Any, Any], took: list[float] | None = None) -> Any:
+        """`request` once it has its turn (at most `concurrency` at once); with `took`, the time from its
+        turn to its answer (or refusal) is appended to it: what warmboot took, not the demo's own queue.
+        (Timed from before the turn, a phase's mean latency was mostly its wait there: each phase sends all
+        its requests at once, so with 50,000 actors a resume waited some 30 s for its turn behind the others.)"""
         try:
             await self.gate.acquire()
         except BaseException:  # cancelled before its turn (the demo stopping): closed, not warned of as never awaited
             request.close()
             raise
         try:
-            return await request
+            started = self.clock()
+            try:
+                return await request
+            finally:
+                if took is not None:
+                    took.append(self.clock() - started)
         finally:
             self.gate.release()
+
+    def refused(self, verb: str, error: ContractError) -> None:
+        """Count a refusal by the phase it came in, what was asked and its code; the first of each is kept
+        for the summary, which says why in the service's own words."""
+        key = (self.phase, verb, error.code.value)
+        self.tally.refusals[key] += 1
+        self.tally.refused_as.setdefault(key, error)
+
+    def can(self, verb: str, actor_id: str) -> bool:
+        """Whether the demo's record of the actor allows `verb` (pause: running; suspend: running or paused).
+        An actor whose resume was refused is not running: its pause is not asked, and counted as not asked,
+        rather than refused FAILED_PRECONDITION a second time for the one refusal (a user's trial counted
+        3,115 of each)."""
+        if self.state.get(actor_id) in ALLOWED_FROM[verb]:
+            return True
+        self.tally.not_asked[(self.phase, verb)] += 1
+        return False
 
     async def register(self, worker: Worker, releases: tuple[str, ...]) -> None:
         default, *restorable = releases
@@ -250,15 +308,14 @@ class Demo:
             await asyncio.sleep(max(0.0, interval - (loop.time() - started)))  # a period, not synchronisation
 
     async def resume(self, actor_id: str) -> Assignment | None:
-        started = time.perf_counter()
         try:
-            assignment = await self.call(self.wb.resume(actor_id))
+            assignment = await self.call(self.wb.resume(actor_id), self.tally.resume_latencies)
         except ContractError as e:
-            self.tally.refusals[e.code.value] += 1
+            self.refused("resume", e)
             return None
         finally:
             self.tally.resumes += 1
-            self.tally.resume_seconds += time.perf_counter() - started
+        self.state[actor_id] = RUNNING
         self.where[actor_id] = assignment.worker_id
         self.placed[actor_id] = assignment.seq  # what its pause and suspend were taken under
         self.tally.placements[(assignment.action.value, assignment.fidelity.value)] += 1
@@ -270,20 +327,26 @@ class Demo:
         return assignment
 
     async def pause(self, actor_id: str) -> bool:
+        if not self.can("pause", actor_id):
+            return False
         try:
             await self.call(self.wb.pause(actor_id, placement_seq=self.placed.get(actor_id)))
-            return True
         except ContractError as e:
-            self.tally.refusals[e.code.value] += 1
+            self.refused("pause", e)
             return False
+        self.state[actor_id] = PAUSED
+        return True
 
     async def suspend(self, actor_id: str, fidelity: Fidelity = Fidelity.MEMORY) -> bool:
+        if not self.can("suspend", actor_id):
+            return False
         try:
             await self.call(self.wb.suspend(actor_id, fidelity, placement_seq=self.placed.get(actor_id)))
-            return True
         except ContractError as e:
-            self.tally.refusals[e.code.value] += 1
+            self.refused("suspend", e)
             return False
+        self.state[actor_id] = SUSPENDED
+        return True
 
     async def resume_all(self, actor_ids: list[str], advance: Callable[[], None]) -> None:
         started = time.perf_counter()
@@ -326,6 +389,80 @@ async def each(items: list[Any], step: Callable[[Any], Awaitable[Any]], advance:
     return await asyncio.gather(*(one(item) for item in items))
 
 
+PROGRESS_EVERY_S = 10.0  # piped or to a file: a line of progress this often
+
+
+class Steps:
+    """The demo's progress through its phases: on a terminal, one bar over the whole run (rich's). Piped or
+    to a file rich draws no bar until it stops, and a user's trial (`--workers 5000 --actors 50000`, 16
+    minutes) printed nothing until its summary; there a plain line every `every` seconds says the phase and
+    its steps done. Either way a line as each phase ends gives its wall time (`Tally.phase_seconds`), and
+    the phase is the demo's (`Demo.phase`: what a refusal is counted under)."""
+
+    def __init__(self, console: Console, phases: list[tuple[str, int]], demo: Demo,
+                 every: float = PROGRESS_EVERY_S) -> None:
+        self.console, self.demo, self.every = console, demo, every
+        self.names = iter(phases)
+        self.total = sum(n for _, n in phases)
+        self.done = 0
+        self.current: tuple[str, int, float, int] | None = None  # name, steps, started, done when it started
+        self.bar = Progress(TextColumn("{task.description:<38}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), console=console, transient=False) if console.is_terminal else None
+        self.task: Any = None
+        self.ticker: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> Steps:
+        if self.bar is not None:
+            self.bar.start()
+            self.task = self.bar.add_task("", total=self.total)
+        else:
+            self.ticker = asyncio.create_task(self.tick(self.demo.clock()))
+        return self
+
+    async def __aexit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        await cancel_and_wait(self.ticker)
+        if kind is None:
+            self.end_phase()
+        if self.bar is not None:
+            self.bar.stop()
+
+    def phase(self) -> Callable[[], None]:
+        """End the phase running (its line) and begin the next; its step's `advance`."""
+        self.end_phase()
+        name, steps = next(self.names)
+        self.current = (name, steps, self.demo.clock(), self.done)
+        self.demo.phase = name
+        if self.bar is not None:
+            self.bar.update(self.task, description=name)
+        return self.advance
+
+    def advance(self, steps: int = 1) -> None:
+        self.done += steps
+        if self.bar is not None:
+            self.bar.advance(self.task, steps)
+
+    def end_phase(self) -> None:
+        if self.current is None:
+            return
+        name, _, started, _ = self.current
+        took = self.demo.clock() - started
+        self.demo.tally.phase_seconds[name] = took
+        self.current = None
+        self.console.print(f"{name}: done in {took:.1f} s", markup=False, highlight=False)
+
+    def line(self, elapsed: float) -> str:
+        """The plain line of progress: time since the start, the phase, its steps done and the run's."""
+        if self.current is None:
+            return f"{elapsed:6.0f} s  {self.done:,}/{self.total:,} steps"
+        name, steps, _, before = self.current
+        return f"{elapsed:6.0f} s  {name}: {self.done - before:,}/{steps:,} ({self.done:,}/{self.total:,} in all)"
+
+    async def tick(self, started: float) -> None:
+        while True:
+            await asyncio.sleep(self.every)  # a period, not synchronisation
+            self.console.print(self.line(self.demo.clock() - started), markup=False, highlight=False)
+
+
 def views_command(nats_url: str, prefix: str) -> str:
     """The command that shows the demo's fleet: its server (redacted), and its prefix unless the default."""
     with_prefix = "" if prefix == DEFAULT_PREFIX else f" --prefix {prefix}"
@@ -341,7 +478,7 @@ async def run_demo(nats_url: str, prefix: str, cfg: DemoConfig, console: Console
     demo = Demo(nc, prefix, cfg)
     actors = [f"a-{i:04d}" for i in range(cfg.actors)]
     classes = {a: CLASSES[i % 2] for i, a in enumerate(actors)}
-    newcomers = [f"b-{i:04d}" for i in range(max(2, cfg.actors // 5))]  # created during the upgrade
+    newcomers = [f"b-{i:04d}" for i in range(demo.tally.newcomers)]  # created during the upgrade
     classes.update({a: CLASSES[i % 2] for i, a in enumerate(newcomers)})
     # Phases and their step counts, for one progress bar over the whole run.
     phases = [
@@ -360,24 +497,13 @@ async def run_demo(nats_url: str, prefix: str, cfg: DemoConfig, console: Console
         ("settle", len(actors)),
     ]
     beat = None
-    progress = Progress(
-        TextColumn("{task.description:<38}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=console, transient=False,
-    )
     try:
-        with progress:
-            task = progress.add_task("", total=sum(n for _, n in phases))
-            names = iter(phases)
-
-            def phase() -> Callable[[], None]:
-                progress.update(task, description=next(names)[0])
-                return lambda: progress.advance(task)
-
-            advance = phase()
+        async with Steps(console, phases, demo) as steps:
+            advance = steps.phase()
             beat = asyncio.create_task(demo.heartbeats())  # from the first registration: a large fleet's takes a TTL
             await each(demo.workers, lambda w: demo.register(w, ("v1",)), advance)
 
-            advance = phase()
+            advance = steps.phase()
             rng = demo.rng
 
             async def create(actor_id: str) -> None:
@@ -388,11 +514,15 @@ async def run_demo(nats_url: str, prefix: str, cfg: DemoConfig, console: Console
                     resources=Resources(cpu_millis=rng.choice((250, 500, 1000)),
                                         memory_mib=rng.choice((256, 512, 1024))),
                 )
-                with suppress(ContractError):
+                try:
                     await demo.call(demo.wb.create(body))
+                except ContractError as e:
+                    demo.refused("create", e)
+                    return
+                demo.state[actor_id] = CREATED
 
             await each(actors, create, advance)
-            await demo.resume_all(actors, phase())
+            await demo.resume_all(actors, steps.phase())
 
             # Half pause (local memory snapshot), a quarter suspend to external memory.
             plan = {a: ("pause" if i % 4 < 2 else "suspend" if i % 4 == 2 else "run") for i, a in enumerate(actors)}
@@ -403,43 +533,43 @@ async def run_demo(nats_url: str, prefix: str, cfg: DemoConfig, console: Console
                 elif plan[actor_id] == "suspend":
                     await demo.suspend(actor_id)
 
-            await each(actors, snapshot, phase())
+            await each(actors, snapshot, steps.phase())
 
             # Retire the oldest CPU generation: its workers are drained (they keep what runs on
             # them) and the images paused there are promoted, so that they may move. They resume
             # from memory on the newest generation, through its compatible version.
-            advance = phase()
+            advance = steps.phase()
             await each(demo.oldest, lambda w: demo.call(demo.wb.drain(w.worker_id, "retired")), advance)
             retired = {w.worker_id for w in demo.oldest}
             stuck = [a for a in actors if plan[a] == "pause" and demo.where.get(a) in retired]
             await each(stuck, demo.suspend, advance)
-            progress.advance(task, len(actors) - len(stuck))
+            steps.advance(len(actors) - len(stuck))
 
             # The paused images first, on their nodes; then the rest, wherever they fit (the
             # retired generation's through the edge): nothing takes the room a paused one needs.
-            advance = phase()
+            advance = steps.phase()
             await demo.resume_all([a for a in actors if plan[a] == "pause" and a not in stuck], advance)
             await demo.resume_all([a for a in actors if plan[a] == "suspend" or a in stuck], advance)
-            progress.advance(task, sum(1 for a in actors if plan[a] == "run"))
+            steps.advance(sum(1 for a in actors if plan[a] == "run"))
             # Everyone but the runners pauses again: their latest snapshots are v1 memory images.
-            await each(actors, lambda a: demo.pause(a) if plan[a] != "run" else asyncio.sleep(0), phase())
+            await each(actors, lambda a: demo.pause(a) if plan[a] != "run" else asyncio.sleep(0), steps.phase())
             demo.tally.stranded["before upgrade"] = await demo.stranded()
 
-            await each(demo.workers, lambda w: demo.register(w, ("v2", "v1")), phase())
+            await each(demo.workers, lambda w: demo.register(w, ("v2", "v1")), steps.phase())
             demo.tally.stranded["during upgrade (v1 restorable)"] = await demo.stranded()
             # Half of the paused actors come back during the upgrade: still on v1 images. New
             # actors cold-start on v2, the default now: their images are v2.
             back = [a for i, a in enumerate(actors) if plan[a] != "run" and i % 2 == 0]
-            advance = phase()
+            advance = steps.phase()
             await demo.resume_all(back, advance)
             await each(newcomers, create, advance)
             await demo.resume_all(newcomers, advance)
-            progress.advance(task, len(actors) - len(back))
-            await each(back + newcomers, demo.pause, phase())
-            progress.advance(task, len(actors) - len(back))
+            steps.advance(len(actors) - len(back))
+            await each(back + newcomers, demo.pause, steps.phase())
+            steps.advance(len(actors) - len(back))
 
             # Before dropping v1: what will it strand? (whatif writes nothing.) Then drop it and count.
-            advance = phase()
+            advance = steps.phase()
             demo.tally.forecast_stranded = await demo.forecast_drop("v1", console)
             await each(demo.workers, lambda w: demo.register(w, ("v2",)), advance)
             demo.tally.stranded["after v1 dropped"] = await demo.stranded()
@@ -452,8 +582,8 @@ async def run_demo(nats_url: str, prefix: str, cfg: DemoConfig, console: Console
                 await demo.suspend(actor_id)
                 await demo.resume(actor_id)
 
-            await each(actors, move, phase())
-            await each(actors, lambda a: demo.pause(a) if plan[a] != "run" else asyncio.sleep(0), phase())
+            await each(actors, move, steps.phase())
+            await each(actors, lambda a: demo.pause(a) if plan[a] != "run" else asyncio.sleep(0), steps.phase())
             demo.tally.stranded["after the actors moved"] = await demo.stranded()
         demo.tally.retries = demo.wb.retries
         report(demo.tally, console)
@@ -474,6 +604,44 @@ def report(tally: Tally, console: Console) -> None:
     else:
         console.print(f"[red]whatif forecast {tally.forecast_stranded} stranded snapshots after the v1 drop; "
                       f"fragmentation counted {tally.stranded.get('after v1 dropped')}[/]")
+    for line in refusal_notes(tally):
+        console.print(line, markup=False, highlight=False)
+
+
+def refusal_notes(tally: Tally) -> list[str]:
+    """What the summary's refusals were, in the services' own words (the first of each kind), and what the
+    user can do about the ones the demo's size caused. The scenario refuses nothing on purpose: its drain
+    and its v1 drop give fallbacks, which are placements."""
+    notes = []
+    for (phase, verb, code), n in tally.refusals.items():
+        error = tally.refused_as[(phase, verb, code)]
+        notes.append(f"{n:,} {plural(verb, n)} in '{phase}' refused {error}")
+    full = sum(n for key, n in tally.refusals.items()
+               if key[2] == ErrorCode.RESOURCE_EXHAUSTED.value and tally.refused_as[key].field is None)
+    if full:  # no field: room coming free could place it (Client.resume)
+        notes.append(f"{full:,} {plural('resume', full)} refused for want of room (RESOURCE_EXHAUSTED naming no "
+                     f"field): the fleet was full. That is the size asked for, not a fault: {tally.actors:,} actors "
+                     f"(and {tally.newcomers:,} created during the upgrade) on {tally.workers:,} workers, "
+                     f"{tally.retired:,} of them retired, is more than the fleet holds at the demo's peak; fewer "
+                     f"--actors or more --workers keep it in room (about {ROOMY} actors a worker fit; the default is "
+                     f"{DemoConfig.actors // DemoConfig.workers})")
+    for (phase, verb), n in tally.not_asked.items():
+        needs = " or ".join(ALLOWED_FROM[verb])
+        notes.append(f"{n:,} {plural(verb, n)} in '{phase}' not asked: the actor was not {needs} "
+                     f"(a request of it was refused before)")
+    return notes
+
+
+def plural(verb: str, n: int) -> str:
+    return verb if n == 1 else f"{verb}s"
+
+
+def percentile(values: list[float], share: float) -> float:
+    """The value `share` of the way up `values` (nearest rank); 0 for none."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(share * len(ordered)) - 1))]
 
 
 def summary(tally: Tally) -> Table:
@@ -484,8 +652,16 @@ def summary(tally: Tally) -> Table:
         table.add_row(f"placements {action} {fidelity}", str(n))
     for reason, n in sorted(tally.fallbacks.items()):
         table.add_row(f"fallbacks {reason}", str(n))
-    for code, n in sorted(tally.refusals.items()):
-        table.add_row(f"refused {code}", str(n))
+    # by what was asked (the phases, and why, under the table: `refusal_notes`); 80 columns in a pipe
+    refused, not_asked = Counter(), Counter()
+    for (_, verb, code), n in tally.refusals.items():
+        refused[(code, verb)] += n
+    for (_, verb), n in tally.not_asked.items():
+        not_asked[verb] += n
+    for (code, verb), n in sorted(refused.items()):
+        table.add_row(f"refused {code}, {verb} (see below)", str(n))
+    for verb, n in sorted(not_asked.items()):
+        table.add_row(f"{verb} not asked, its actor refused before", str(n))
     table.add_row("restores through a compatible version", str(tally.edge_restores))
     for phase, n in tally.stranded.items():
         table.add_row(f"stranded snapshots {phase}", str(n))
@@ -496,5 +672,9 @@ def summary(tally: Tally) -> Table:
     table.add_row("requests retried after UNAVAILABLE or a time-out", str(tally.retries))
     rate = tally.resumes / tally.resume_wall if tally.resume_wall else 0.0
     table.add_row("resumes/s (wall time of the resume phases)", f"{rate:.0f}")
-    table.add_row("resume latency (mean ms)", f"{1000 * tally.resume_seconds / max(1, tally.resumes):.1f}")
+    table.add_row("requests in flight at once (the demo's load)", str(tally.in_flight))
+    took = tally.resume_latencies
+    table.add_row("resume latency, sent to answered (p50 / p99 ms)",
+                  f"{1000 * percentile(took, 0.5):.1f} / {1000 * percentile(took, 0.99):.1f}")
+    table.add_row("resume latency, sent to answered (mean ms)", f"{1000 * sum(took) / max(1, len(took)):.1f}")
     return table

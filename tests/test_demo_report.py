@@ -1,0 +1,130 @@
+"""What the demo's summary says (its requests played by a stand-in client; the demo on a real server:
+tests/test_operate.py and tests/test_up_surface.py).
+
+A user's trial (`up --demo --workers 5000 --actors 50000`, piped) printed nothing for 16 minutes, then a
+mean resume latency of 33.8 s and 3,115 each of FAILED_PRECONDITION and RESOURCE_EXHAUSTED. The latency
+was timed from before a request's turn among the demo's 32 in flight, so it was mostly the demo's own
+queue (each phase sends all its requests at once); the RESOURCE_EXHAUSTED were resumes of actors created
+during the upgrade on a fleet that was full at that size, and the FAILED_PRECONDITION the pauses the demo
+then asked of those same actors, which were not running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+
+from rich.console import Console
+
+from events.errors import ContractError
+from events.schema import ErrorCode
+from warmboot.demo import MIN_WORKERS, Demo, DemoConfig, Steps, refusal_notes, summary
+
+FULL = ContractError(ErrorCode.RESOURCE_EXHAUSTED, "0/6 workers available: 3 class not registered, "
+                     "3 insufficient memory; no worker of the class fits")
+
+
+class Clock:
+    """The demo's clock, moved on only by the stand-in's requests: each takes one second."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Refusing:
+    """A client whose resumes take a second each (on `Clock`) and are refused: the fleet is full."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.paused: list[str] = []
+
+    async def resume(self, actor_id: str) -> None:
+        await asyncio.sleep(0)  # the others wait for their turn meanwhile
+        self.clock.now += 1.0
+        raise FULL
+
+    async def pause(self, actor_id: str, placement_seq: int | None = None) -> None:
+        self.paused.append(actor_id)
+
+
+def demo_with(client: Refusing, clock: Clock, concurrency: int) -> Demo:
+    demo = Demo(None, "warmboot", DemoConfig(workers=MIN_WORKERS, actors=3, concurrency=concurrency))
+    demo.wb = client  # type: ignore[assignment]
+    demo.clock = clock
+    return demo
+
+
+async def test_a_resumes_latency_is_from_its_turn_not_from_the_demos_queue():
+    """Three resumes sent at once, one at a time: each took a second of warmboot's time. Timed from before
+    its turn, the third counted the two before it (a mean of 2 s instead of 1)."""
+    clock = Clock()
+    client = Refusing(clock)
+    demo = demo_with(client, clock, concurrency=1)
+    await asyncio.gather(*(demo.resume(a) for a in ("a-0", "a-1", "a-2")))
+    assert demo.tally.resume_latencies == [1.0, 1.0, 1.0]
+    assert demo.tally.resumes == 3
+    rows = table_rows(summary(demo.tally))
+    assert rows["resume latency, sent to answered (mean ms)"] == "1000.0"
+    assert rows["resume latency, sent to answered (p50 / p99 ms)"] == "1000.0 / 1000.0"
+    assert rows["requests in flight at once (the demo's load)"] == "1"
+
+
+async def test_a_refusal_is_counted_under_its_phase_and_said_why_and_its_actor_is_not_paused():
+    clock = Clock()
+    client = Refusing(clock)
+    demo = demo_with(client, clock, concurrency=4)
+    demo.phase = "resume during the upgrade"
+    for actor in ("b-0", "b-1"):
+        await demo.resume(actor)
+    demo.phase = "pause on v1 and v2"
+    assert [await demo.pause(a) for a in ("b-0", "b-1")] == [False, False]
+    assert client.paused == []  # not asked: it would be refused FAILED_PRECONDITION (it is CREATED)
+
+    rows = table_rows(summary(demo.tally))
+    assert rows["refused RESOURCE_EXHAUSTED, resume (see below)"] == "2"
+    assert rows["pause not asked, its actor refused before"] == "2"
+    assert not any("FAILED_PRECONDITION" in what for what in rows)
+    notes = refusal_notes(demo.tally)
+    assert notes[0] == f"2 resumes in 'resume during the upgrade' refused {FULL}"
+    assert notes[1].startswith("2 resumes refused for want of room (RESOURCE_EXHAUSTED naming no field): the "
+                               f"fleet was full. That is the size asked for, not a fault: 3 actors (and 2 created during the upgrade) on {MIN_WORKERS} "
+                               f"workers, {len(demo.oldest)} of them retired")
+    assert notes[2] == "2 pauses in 'pause on v1 and v2' not asked: the actor was not RUNNING (a request of it " \
+                       "was refused before)"
+
+
+async def test_piped_the_progress_is_plain_lines_every_period_and_at_each_phase_end():
+    """To a pipe or a file rich draws no bar: a line comes every period, and one as each phase ends."""
+    written = asyncio.Event()
+
+    class Out(io.StringIO):
+        def write(self, text: str) -> int:
+            if "steps" not in text and "in all" in text:  # a line of progress (not a phase's end)
+                written.set()
+            return super().write(text)
+
+    out = Out()
+    console = Console(file=out, width=200)
+    assert not console.is_terminal
+    clock = Clock()
+    demo = demo_with(Refusing(clock), clock, concurrency=1)
+    async with Steps(console, [("first", 4), ("second", 2)], demo, every=0.001) as steps:
+        advance = steps.phase()
+        advance()
+        clock.now = 12.0
+        await asyncio.wait_for(written.wait(), 10)
+        steps.phase()
+        clock.now = 20.0
+    lines = out.getvalue().splitlines()
+    assert "    12 s  first: 1/4 (1/6 in all)" in lines
+    assert "first: done in 12.0 s" in lines and lines[-1] == "second: done in 8.0 s"
+    assert demo.tally.phase_seconds == {"first": 12.0, "second": 8.0}
+
+
+def table_rows(table) -> dict[str, str]:
+    """The summary table as {what: value}."""
+    what, value = table.columns
+    return dict(zip(what._cells, value._cells))
