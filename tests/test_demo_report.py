@@ -18,7 +18,7 @@ from rich.console import Console
 
 from events.errors import ContractError
 from events.schema import ErrorCode
-from warmboot.demo import MIN_WORKERS, Demo, DemoConfig, Steps, refusal_notes, summary
+from warmboot.demo import MIN_WORKERS, Demo, DemoConfig, Steps, summary_notes, summary
 
 FULL = ContractError(ErrorCode.RESOURCE_EXHAUSTED, "0/6 workers available: 3 class not registered, "
                      "3 insufficient memory; no worker of the class fits")
@@ -87,7 +87,7 @@ async def test_a_refusal_is_counted_under_its_phase_and_said_why_and_its_actor_i
     assert rows["refused RESOURCE_EXHAUSTED, resume (see below)"] == "2"
     assert rows["pause not asked, its actor refused before"] == "2"
     assert not any("FAILED_PRECONDITION" in what for what in rows)
-    notes = refusal_notes(demo.tally)
+    notes = summary_notes(demo.tally)
     assert notes[0] == f"2 resumes in 'resume during the upgrade' refused {FULL}"
     assert notes[1].startswith("2 resumes refused for want of room (RESOURCE_EXHAUSTED naming no field): the "
                                f"fleet was full. That is the size asked for, not a fault: 3 actors (and 2 created during the upgrade) on {MIN_WORKERS} "
@@ -128,3 +128,19 @@ def table_rows(table) -> dict[str, str]:
     """The summary table as {what: value}."""
     what, value = table.columns
     return dict(zip(what._cells, value._cells))
+
+
+def test_a_fleet_whose_heartbeats_are_most_of_the_traffic_is_said_so():
+    """At 5,000 workers the demo's simulated agents beat about 900 times a second, most of what the
+    services answered (README, the demo: measured by hand). The summary gives both rates and says so."""
+    demo = Demo(None, "warmboot", DemoConfig(workers=5000, actors=2000))
+    demo.tally.requests, demo.tally.heartbeats = 2_000, 8_000
+    demo.tally.phase_seconds = {"register the fleet (v1)": 6.0, "create actors": 4.0}
+    rows = table_rows(summary(demo.tally))
+    assert rows["the demo's requests/s, over its phases"] == "200"
+    assert rows["heartbeats/s meanwhile (the fleet's own load)"] == "800"
+    assert "8,000 of the 10,000 requests the services answered over the demo's phases (80%) were its 5,000 " \
+           "workers' heartbeats, the fleet's own load: its steps ran slower for them than with fewer workers" \
+        in summary_notes(demo.tally)
+    demo.tally.heartbeats = 1_000
+    assert not any("heartbeats" in note for note in summary_notes(demo.tally))

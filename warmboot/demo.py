@@ -15,7 +15,7 @@ fidelity, restores through a compatible version, fallbacks by reason, stranded
 snapshots before, during and after the upgrade (forecast beside measured), resumes/s and
 a resume's latency from sent to answered (not its wait for a turn among the demo's own
 requests); refusals by what was asked, and under the table by phase in the services' words,
-those for want of room said to be the size asked for (`refusal_notes`). Progress: a bar on a
+those for want of room said to be the size asked for (`summary_notes`). Progress: a bar on a
 terminal, plain lines piped (`Steps`).
 """
 
@@ -166,6 +166,8 @@ class Tally:
     newcomers: int = 0  # actors created during the upgrade
     retired: int = 0  # workers of the oldest generation, drained
     phase_seconds: dict[str, float] = field(default_factory=dict)  # phase -> its wall time
+    requests: int = 0  # the demo's requests answered or refused (heartbeats apart)
+    heartbeats: int = 0  # beats of its simulated workers answered, meanwhile
     retries: int = 0  # requests answered UNAVAILABLE (or not at all) and sent again
 
     @property
@@ -246,6 +248,7 @@ class Demo:
             try:
                 return await request
             finally:
+                self.tally.requests += 1
                 if took is not None:
                     took.append(self.clock() - started)
         finally:
@@ -297,7 +300,9 @@ class Demo:
         async def beat(worker_id: str) -> float | None:
             async with gate:
                 with suppress(ContractError):
-                    return (await self.wb.heartbeat(worker_id)).ttl_s
+                    ttl = (await self.wb.heartbeat(worker_id)).ttl_s
+                    self.tally.heartbeats += 1
+                    return ttl
             return None
 
         while not self.stopping:
@@ -604,14 +609,15 @@ def report(tally: Tally, console: Console) -> None:
     else:
         console.print(f"[red]whatif forecast {tally.forecast_stranded} stranded snapshots after the v1 drop; "
                       f"fragmentation counted {tally.stranded.get('after v1 dropped')}[/]")
-    for line in refusal_notes(tally):
+    for line in summary_notes(tally):
         console.print(line, markup=False, highlight=False)
 
 
-def refusal_notes(tally: Tally) -> list[str]:
+def summary_notes(tally: Tally) -> list[str]:
     """What the summary's refusals were, in the services' own words (the first of each kind), and what the
-    user can do about the ones the demo's size caused. The scenario refuses nothing on purpose: its drain
-    and its v1 drop give fallbacks, which are placements."""
+    user can do about the ones the demo's size caused (the scenario refuses nothing on purpose: its drain
+    and its v1 drop give fallbacks, which are placements); and, when its workers' heartbeats were most of
+    what the services answered, that they were (the fleet's own load, which slows the demo's steps)."""
     notes = []
     for (phase, verb, code), n in tally.refusals.items():
         error = tally.refused_as[(phase, verb, code)]
@@ -625,6 +631,11 @@ def refusal_notes(tally: Tally) -> list[str]:
                      f"{tally.retired:,} of them retired, is more than the fleet holds at the demo's peak; fewer "
                      f"--actors or more --workers keep it in room (about {ROOMY} actors a worker fit; the default is "
                      f"{DemoConfig.actors // DemoConfig.workers})")
+    answered = tally.requests + tally.heartbeats
+    if answered and tally.heartbeats > tally.requests:
+        notes.append(f"{tally.heartbeats:,} of the {answered:,} requests the services answered over the demo's phases "
+                     f"({100 * tally.heartbeats / answered:.0f}%) were its {tally.workers:,} workers' heartbeats, "
+                     f"the fleet's own load: its steps ran slower for them than with fewer workers")
     for (phase, verb), n in tally.not_asked.items():
         needs = " or ".join(ALLOWED_FROM[verb])
         notes.append(f"{n:,} {plural(verb, n)} in '{phase}' not asked: the actor was not {needs} "
@@ -652,7 +663,7 @@ def summary(tally: Tally) -> Table:
         table.add_row(f"placements {action} {fidelity}", str(n))
     for reason, n in sorted(tally.fallbacks.items()):
         table.add_row(f"fallbacks {reason}", str(n))
-    # by what was asked (the phases, and why, under the table: `refusal_notes`); 80 columns in a pipe
+    # by what was asked (the phases, and why, under the table: `summary_notes`); 80 columns in a pipe
     refused, not_asked = Counter(), Counter()
     for (_, verb, code), n in tally.refusals.items():
         refused[(code, verb)] += n
@@ -668,6 +679,9 @@ def summary(tally: Tally) -> Table:
         if phase == "after v1 dropped":
             table.add_row("stranded snapshots after v1 dropped, forecast by whatif", str(tally.forecast_stranded))
             table.add_row("whatif forecast agrees with the drop", "yes" if tally.forecast_agrees else "NO")
+    run = sum(tally.phase_seconds.values())
+    table.add_row("the demo's requests/s, over its phases", f"{tally.requests / run:.0f}" if run else "-")
+    table.add_row("heartbeats/s meanwhile (the fleet's own load)", f"{tally.heartbeats / run:.0f}" if run else "-")
     table.add_row("resumes", str(tally.resumes))
     table.add_row("requests retried after UNAVAILABLE or a time-out", str(tally.retries))
     rate = tally.resumes / tally.resume_wall if tally.resume_wall else 0.0
