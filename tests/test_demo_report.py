@@ -94,6 +94,12 @@ async def test_a_refusal_is_counted_under_its_phase_and_said_why_and_its_actor_i
                                f"workers, {len(demo.oldest)} of them retired")
     assert notes[2] == "2 pauses in 'pause on v1 and v2' not asked: the actor was not RUNNING (a request of it " \
                        "was refused before)"
+    # a RESOURCE_EXHAUSTED of another verb (a registry's write budget, say) is no full fleet
+    demo.tally = type(demo.tally)()
+    demo.phase = "register the fleet (v1)"
+    demo.refused("register", ContractError(ErrorCode.RESOURCE_EXHAUSTED, "write budget spent"))
+    assert summary_notes(demo.tally) == ["1 register in 'register the fleet (v1)' refused RESOURCE_EXHAUSTED: "
+                                         "write budget spent"]
 
 
 async def test_piped_the_progress_is_plain_lines_every_period_and_at_each_phase_end():

@@ -622,8 +622,9 @@ def summary_notes(tally: Tally) -> list[str]:
     for (phase, verb, code), n in tally.refusals.items():
         error = tally.refused_as[(phase, verb, code)]
         notes.append(f"{n:,} {plural(verb, n)} in '{phase}' refused {error}")
-    full = sum(n for key, n in tally.refusals.items()
-               if key[2] == ErrorCode.RESOURCE_EXHAUSTED.value and tally.refused_as[key].field is None)
+    full = sum(n for (phase, verb, code), n in tally.refusals.items()  # (another verb's: a registry's limits)
+               if verb == "resume" and code == ErrorCode.RESOURCE_EXHAUSTED.value
+               and tally.refused_as[(phase, verb, code)].field is None)
     if full:  # no field: room coming free could place it (Client.resume)
         notes.append(f"{full:,} {plural('resume', full)} refused for want of room (RESOURCE_EXHAUSTED naming no "
                      f"field): the fleet was full. That is the size asked for, not a fault: {tally.actors:,} actors "
