@@ -305,7 +305,30 @@ CHILD = textwrap.dedent(
 )
 
 
-def test_parent_killed_with_sigkill_leaves_no_orphan(tmp_path):
+async def publish_acked(url: str, data: bytes) -> None:
+    nc = await nats.connect(url)
+    try:
+        js = nc.jetstream()
+        await js.add_stream(StreamConfig(name="KEEP", subjects=["keep.>"]))
+        await js.publish("keep.a", data)
+    finally:
+        await nc.close()
+
+
+async def read_kept(url: str) -> bytes:
+    nc = await nats.connect(url)
+    try:
+        return (await nc.jetstream().get_msg("KEEP", 1)).data
+    finally:
+        await nc.close()
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_parent_killed_with_sigkill_leaves_no_orphan(tmp_path, frozen):
+    """Its parent killed (SIGKILL), the server dies too (its parent-death signal). Frozen (SIGSTOP) as its
+    parent dies, it is killed all the same: a SIGTERM would be held until someone resumed it, the frozen server
+    keeping its port and its store (then resumed, it would stop gracefully, writing its state into a store
+    another server may use by then). Killed so, what it acknowledged is there at the next start on its store."""
     child = subprocess.Popen(
         [sys.executable, "-c", CHILD, str(tmp_path)],
         stdin=subprocess.PIPE,
@@ -320,15 +343,43 @@ def test_parent_killed_with_sigkill_leaves_no_orphan(tmp_path):
         assert alive(server_pid) and accepts_connections(port)
         config = next(tmp_path.glob("*.conf"))
         assert servers_using(config) == [server_pid]
+        if frozen:
+            asyncio.run(publish_acked(f"nats://127.0.0.1:{port}", b"acked"))
+            os.kill(server_pid, signal.SIGSTOP)
 
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=10)
 
         assert wait_gone(server_pid), f"nats-server {server_pid} outlived its killed parent"
         assert servers_using(config) == []
+        if frozen:
+            server = NatsServer(tmp_path, port=port).start()  # its store: recovered from the crash
+            try:
+                assert asyncio.run(read_kept(server.url)) == b"acked"
+            finally:
+                server.stop()
     finally:
         if child.poll() is None:
             child.kill()
             child.wait()
         for pid in servers_using(next(tmp_path.glob("*.conf"), tmp_path / "none")):
             os.kill(pid, signal.SIGKILL)  # only if the test failed: the server this test started
+
+
+def test_a_frozen_server_is_stopped_by_its_sigterm_within_the_timeout(tmp_path):
+    """`stop_process` of a server frozen by SIGSTOP resumes it (SIGCONT) with the SIGTERM: it shuts down on
+    its own, as `test_stop_is_a_graceful_sigterm`, not killed once the timeout is out (the SIGTERM held
+    meanwhile). A generous timeout: it is the SIGTERM that ends it, not the timeout's SIGKILL."""
+    server = NatsServer(tmp_path).start()
+    process = server.process
+    try:
+        os.kill(server.pid, signal.SIGSTOP)
+        server.stop_process(timeout=30)
+        assert not server.running
+        assert process.returncode in (0, -signal.SIGTERM), process.returncode
+        assert any("Server Exiting" in line or "Initiating Shutdown" in line for line in server.log)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        server.stop()

@@ -333,7 +333,7 @@ async def test_up_stops_within_the_bound_with_its_nats_frozen_mid_requests(tmp_p
             await load.register(w)
         await check_once_each(nc, prefix, workers, [])
     finally:
-        if nats_pid is not None:  # frozen, it would outlive an `up` killed (its SIGTERM held until resumed)
+        if nats_pid is not None:  # (left frozen by a failure before the stop: `up.end` then stops it)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(nats_pid, signal.SIGCONT)
         up.end()

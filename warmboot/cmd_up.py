@@ -6,7 +6,6 @@ import asyncio
 import logging
 import os
 import shutil
-import signal
 import socket
 from contextlib import AsyncExitStack, suppress
 from pathlib import Path
@@ -127,7 +126,7 @@ def up(port: int, store: Path, prefix: str, metrics_port: int, demo: bool, exit_
     finally:
         if metrics:  # an in-process caller goes on (it stayed bound after a failed start)
             metrics.close()
-        _stop_server(server)
+        server.stop_process(SERVER_STOP_S)
         try:
             if locked and not served:  # nothing was ever served from what it made
                 _remove_if_still_ours(server, made)
@@ -139,18 +138,10 @@ def up(port: int, store: Path, prefix: str, metrics_port: int, demo: bool, exit_
 
 
 # How long `up` waits for its nats-server to end once its services have stopped, before it kills it: within
-# the bound of a stop (warmboot.runner.STOP_BOUND_S; docs/operations.md, "Stopping").
+# the bound of a stop (warmboot.runner.STOP_BOUND_S; docs/operations.md, "Stopping"). What it stored is in its
+# files: a killed server recovers it at its next start. `stop_process` sends it SIGCONT with the SIGTERM: a
+# server frozen by SIGSTOP ended only when killed, the SIGTERM waiting meanwhile.
 SERVER_STOP_S = 2.0
-
-
-def _stop_server(server: NatsServer) -> None:
-    """Stop `up`'s nats-server, within SERVER_STOP_S, then killed (what it stored is in its files: a killed
-    server recovers it at its next start). It is sent SIGCONT first, as systemd sends it with SIGTERM: a server
-    frozen by SIGSTOP ended only when killed, the SIGTERM waiting meanwhile (15 s, which made `up`'s stop 20)."""
-    if server.running and server.pid is not None:
-        with suppress(ProcessLookupError):
-            os.kill(server.pid, signal.SIGCONT)
-    server.stop_process(SERVER_STOP_S)
 
 
 def _lock(server: NatsServer, store: Path) -> None:

@@ -2,15 +2,22 @@
 
 `NatsServer` starts it on loopback with JetStream on a store directory, waits until
 it accepts connections with JetStream enabled (by reading its log for the ready
-line and its INFO for `jetstream`, never by sleeping), and stops it with SIGTERM.
-The child gets PR_SET_PDEATHSIG, so it dies with its parent even on `kill -9`.
+line and its INFO for `jetstream`, never by sleeping), and stops it with SIGCONT and SIGTERM
+(SIGKILL if it has not ended in time).
+The child gets PR_SET_PDEATHSIG with SIGKILL, so it dies with its parent even on `kill -9`,
+also frozen (SIGSTOP: a SIGTERM waits until the process is resumed, and a frozen server outlived
+its parent, holding its port and its store). SIGKILL is a crash to nats-server: its store is synced
+at every write (`sync_interval: always`, `config`), and JetStream's file store recovers from a crash
+at its next start, as it does after `stop_process`'s SIGKILL.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import json
+import logging
 import os
 import random
 import shutil
@@ -26,11 +33,14 @@ from typing import Any
 
 from warmboot.files import take_lock
 
+log = logging.getLogger("warmboot")
+
 READY_LINE = "Server is ready"
 ROUTES_LINE = "Listening for route connections on"  # a member's route port is bound after READY_LINE
 PR_SET_PDEATHSIG = 1
 PORT_TAKEN = "address already in use"  # nats-server's fatal line when its port is bound by another
 PORT_TRIES = 3  # first starts on ports this module chose: a port taken since it was chosen is chosen again
+KILLED_WAIT_S = 2.0  # how long a server sent SIGKILL is waited for (one in uninterruptible sleep, a stuck disk, is not)
 
 
 class NatsServerError(RuntimeError):
@@ -102,7 +112,7 @@ except OSError:
 
 def _die_with_parent(parent_pid: int) -> None:  # runs in the child between fork and exec
     if _LIBC is not None:
-        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # not SIGTERM: a frozen server holds it (the module's docstring)
     if os.getppid() != parent_pid:
         os._exit(1)  # the parent died between fork and prctl: no signal will come
     os.setsid()  # its own process group: a Ctrl-C on the terminal reaches us, we stop it
@@ -325,24 +335,43 @@ class NatsServer:
         return self.process.pid if self.process else None
 
     def stop(self, timeout: float = 15.0) -> None:
-        """SIGTERM, wait; SIGKILL only if it does not exit in time; then the store's lock is let go."""
+        """SIGCONT and SIGTERM, wait; SIGKILL only if it does not exit in time; then the store's lock is let go
+        (kept if the process outlived its SIGKILL: `stop_process`)."""
         self.stop_process(timeout)
-        self.unlock()
+        if self.process is None:
+            self.unlock()
 
     def stop_process(self, timeout: float = 15.0) -> None:
         """`stop`, the store's lock still held (`unlock`): what is done to the store meanwhile, no other
-        server or `warmboot up` can start on it."""
+        server or `warmboot up` can start on it. Bounded: `timeout` for its own stop, then SIGKILL and
+        KILLED_WAIT_S. It is sent SIGCONT with the SIGTERM, as systemd does: a server frozen by SIGSTOP (a test,
+        a debugger, `kill -STOP`) holds the SIGTERM until resumed, and ended only when killed. A process that
+        outlives its SIGKILL (in uninterruptible sleep: a stuck disk) is said and left (`running` stays true)."""
         if self.process is not None:
             if self.process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.process.pid, signal.SIGCONT)
                 self.process.send_signal(signal.SIGTERM)
                 try:
                     self.process.wait(timeout)
                 except subprocess.TimeoutExpired:
-                    self.process.kill()
-                    self.process.wait()
+                    if not self._killed():
+                        return
             if self._reader:
-                self._reader.join(timeout=5)
+                self._reader.join(timeout=5)  # (its stderr ends with it)
             self.process = None
+
+    def _killed(self) -> bool:
+        """SIGKILL, and whether the process ended within KILLED_WAIT_S (said if not)."""
+        assert self.process is not None
+        self.process.kill()
+        try:
+            self.process.wait(KILLED_WAIT_S)
+        except subprocess.TimeoutExpired:
+            log.warning("nats-server %s (process %d) has not ended %gs after SIGKILL (in uninterruptible sleep: a "
+                        "stuck disk?); left as it is", self.name, self.process.pid, KILLED_WAIT_S)
+            return False
+        return True
 
     def unlock(self) -> None:
         if self._lock is not None:  # the process is gone (or never started): the store is free
@@ -351,9 +380,8 @@ class NatsServer:
 
     def kill(self) -> None:
         """SIGKILL, as a crash would: for failure tests."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
+        if self.process is not None and self.process.poll() is None and not self._killed():
+            return
         self.stop()
 
     def restart(self, timeout: float = 20.0) -> "NatsServer":
