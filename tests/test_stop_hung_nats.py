@@ -471,3 +471,84 @@ async def test_a_stop_with_nats_answering_says_nothing_of_it(tmp_path):
         assert "did not answer" not in text and "not answered" not in text, text
     finally:
         server.stop()
+
+
+@pytest.mark.timeout(60)
+async def test_a_command_ends_with_nats_frozen_right_after_its_answer(tmp_path):
+    """`warmboot workers -o json`, its server frozen once the answer is printed (its last line, before the
+    command closes its connection): it ends at once, its answer whole, exit 0. (nats-py's close of a connection
+    that has nothing left to send does not wait on the server; one that has is given up after CLOSE_GIVEN_UP_S:
+    the next test.)"""
+    server = NatsServer(tmp_path / "nats").start()
+    prefix = "t" + uuid.uuid4().hex[:10]
+    nc = command = None
+    registry = Process("serve", "registry", "--nats", server.url, "--prefix", prefix)
+    try:
+        await registry.said("^serving")
+        nc = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+        load = Load(nc, prefix)
+        for w in ("w-1", "w-2"):
+            await load.register(w)
+        command = Process("workers", "--nats", server.url, "--prefix", prefix, "-o", "json")
+        await command.said("^]")  # the answer's last line
+        os.kill(server.pid, signal.SIGSTOP)
+        status = await asyncio.to_thread(command.popen.wait, CLOSE_GIVEN_UP_S + 10)
+        await asyncio.to_thread(command._reader.join, 5)
+        print(command.text)
+        assert status == 0, command.text
+        assert '"w-1"' in command.text and '"w-2"' in command.text
+    finally:
+        if server.running:
+            os.kill(server.pid, signal.SIGCONT)
+        for p in (command, registry):
+            if p is not None:
+                p.end()
+        if nc is not None:
+            await nc.close()
+        server.stop()
+
+
+@pytest.mark.timeout(60)
+async def test_a_command_s_close_with_nats_frozen_after_its_answer_is_given_up_within_its_bound(tmp_path):
+    """A one-shot command (`cli_common.ask`, every command's connection) whose server froze after its answer
+    with the connection's socket buffers full (what the command sent before it ended, here a publisher held
+    up): nats-py's close never ends then. `ask` gives it up after CLOSE_GIVEN_UP_S and returns the answer."""
+    from warmboot.cli_common import ask
+
+    server = NatsServer(tmp_path / "nats").start()
+    frozen = threading.Event()
+
+    async def work(nc):
+        answer = await nc.jetstream().account_info()
+        os.kill(server.pid, signal.SIGSTOP)
+        frozen.set()
+        protocol = nc._transport._io_writer.transport.get_protocol()
+        held = asyncio.Event()  # the kernel took no more: the transport paused its writer (above its high-water mark)
+        pause = protocol.pause_writing
+
+        def paused() -> None:
+            pause()
+            held.set()
+
+        protocol.pause_writing = paused
+
+        async def fill() -> None:  # more than the kernel's socket buffers on both ends take
+            for _ in range(128):
+                await nc.publish("t.fill", b"x" * 512 * 1024)
+
+        filling = asyncio.ensure_future(fill())
+        await asyncio.wait_for(held.wait(), 20)
+        assert not filling.done()
+        return answer
+
+    try:
+        started = time.monotonic()
+        answer = await asyncio.wait_for(asyncio.to_thread(ask, server.url, work), CLOSE_GIVEN_UP_S + 25)
+        took = time.monotonic() - started
+        print(f"ask ended in {took:.1f}s")
+        assert frozen.is_set() and answer.memory is not None
+        assert took < CLOSE_GIVEN_UP_S + 20
+    finally:
+        if server.running:
+            os.kill(server.pid, signal.SIGCONT)
+        server.stop()

@@ -19,7 +19,7 @@ from events.codec import GIVEN_CHARS, decode_request, encode, quoted
 from events.compat import compat_key, describe_key
 from events.errors import ContractError, not_found, past_the_end
 from events.natsauth import NKEY_SEED_ENV, carries_secret, check_url, nkey_seed_problem, redact_url
-from events.natspy.connections import ErrorsOnce, PublishRefused, close, describe_error, unless_refused
+from events.natspy.connections import ErrorsOnce, PublishRefused, close_within, describe_error, unless_refused
 from events.schema import ID_RE, ID_WORDS, PATTERN_WORDS, ErrorCode, Positive
 from events.subjects import DEFAULT_PREFIX, PREFIX_PATTERN, check_prefix, stream_name
 from services.process import EVENT_LOOP_ENV, EVENT_LOOPS
@@ -378,7 +378,7 @@ def stderr_is_terminal() -> bool:
 
 
 def ask(nats_url: str, work: Callable[[Any], Awaitable[Any]]) -> Any:
-    """Connect, run `work(nc)`, close; contract errors and connection failures become CLI errors
+    """Connect, run `work(nc)`, close (given up after CLOSE_GIVEN_UP_S: `close_within`); contract errors and connection failures become CLI errors
     (`Failed`: `error: CODE field: message`, exit 1). A malformed ACTOR_ID or WORKER_ID argument is a
     usage error first (`check_id_arguments`). A server that has not answered within
     WAITING_NOTE_S is said to be waited for, on a terminal, with the last error."""
@@ -403,7 +403,7 @@ def ask(nats_url: str, work: Callable[[Any], Awaitable[Any]]) -> Any:
         try:
             await hears_replies(nats_url, nc, errors)  # a user refused its inbox: said before anything is sent
         except BaseException:
-            await close(nc)  # its server gone too (nats-py's own close raised then)
+            await close_within(nc)  # its server gone too, or frozen (nats-py's own close never ends then)
             raise
         try:
             return await work(nc)
@@ -412,7 +412,7 @@ def ask(nats_url: str, work: Callable[[Any], Awaitable[Any]]) -> Any:
             held = await prefixes_held(nc) if e.message.startswith(NO_SERVICE) else None
             raise Failed(e, held) from None
         finally:
-            await close(nc)  # its server gone too (nats-py's own close raised then)
+            await close_within(nc)  # its server gone too, or frozen (nats-py's own close never ends then)
 
     try:
         return asyncio.run(run())
