@@ -29,7 +29,7 @@ import pytest
 
 from events.errors import ContractError
 from events.natspy.connections import CLOSE_GIVEN_UP_S, close_within
-from events.schema import ActorCreated, ActorPlaced, Assignment, ResumeActor, WorkerRegistered
+from events.schema import ActorCreated, ActorPlaced, Assignment, ResumeActor, RuntimeChanged, WorkerDrained, WorkerRegistered
 from events.subjects import service_subject
 from services.endpoints import call
 from tests.factories import SILENT_TTL_S
@@ -49,11 +49,12 @@ def said_in(words: str, line: str) -> bool:
 
 
 class Process:
-    """`warmboot ARGS`, its output (stdout and its log, stderr) read line by line on a thread of its own."""
+    """`warmboot ARGS` (or `command` ARGS), its output (stdout and its log, stderr) read line by line on a thread of
+    its own."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, command: tuple[str, ...] = (EXE,)) -> None:
         self.args = args
-        self.popen = subprocess.Popen([EXE, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        self.popen = subprocess.Popen([*command, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.lines: list[str] = []
         self._waiting: list[tuple[str, asyncio.Future, asyncio.AbstractEventLoop]] = []
@@ -262,6 +263,111 @@ async def test_agent_stops_within_the_bound_with_nats_hung_as_it_registers(tmp_p
         server.stop()
 
 
+
+
+def agent_args(server: NatsServer, prefix: str, tmp_path: Path, *more: str) -> tuple[str, ...]:
+    return ("agent", "--nats", server.url, "--worker-id", "w-a", "--node", "node-a",
+            "--config", str(tmp_path / "agent.toml"), "--prefix", prefix, "--cpuinfo", str(CPUINFO), "--arch", "amd64",
+            "--state-file", str(tmp_path / "agent.revision"), "--drain-on-exit", *more)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["frozen", "killed"])
+async def test_agent_stops_within_the_bound_with_nats_hung_as_it_registers_a_change(tmp_path, how):
+    """`warmboot agent --drain-on-exit`, its config changed (a rolling upgrade: v2 the default, v1 restorable),
+    NATS frozen or killed as that registration is stored (its reply maybe not heard), then SIGTERM: it exits 0
+    within the bound, by its own steps' bounds (not `StopBound`), saying why its drain was given up. Started
+    again on the server resumed (or restarted), the log read in order holds each registration once: the first
+    (v1), the change (v2), then the restart's own and at most the drain given up on; the change is in force."""
+    server = NatsServer(tmp_path / "nats").start()
+    prefix = "t" + uuid.uuid4().hex[:10]
+    config = tmp_path / "agent.toml"
+    config.write_text(agent_config("v1"))
+    args = agent_args(server, prefix, tmp_path, "--watch-interval", "0.05")
+    nc = agent = None
+    registry = Process("serve", "registry", "--nats", server.url, "--prefix", prefix)
+    try:
+        await registry.said("^serving")
+        nc = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+        agent = Process(*args)
+        first, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered)
+        await agent.said("registered w-a")
+        config.write_text(agent_config("v2", ("v1",)))
+        await wait_event(nc, prefix, "w-a", RuntimeChanged, after=first)
+        freeze(server, how)
+        status, took, text = await agent.stopped()
+        print(f"stopped in {took:.1f}s; its output:\n{text}")
+        assert took < STOP_BOUND_S, text
+        assert status == 0, text
+        assert "could not drain w-a: no answer within" in text, text
+        assert "the stop did not end within" not in text, text
+        thaw(server, how)
+        agent = Process(*args)
+        print(await agent.said("registered w-a"))
+        history = [e for _, e in await worker_events(nc, prefix, "w-a")]
+        print([type(e).__name__ for e in history])
+        names = [type(e).__name__ for e in history]
+        assert names[:2] == ["WorkerRegistered", "RuntimeChanged"], names
+        # after them: the restarted agent's registration (its revision above: `WorkerUpdated`, docs/registry.md),
+        # and the drain given up on if it reached the registry once the server went on
+        assert sorted(names[2:]) in (["WorkerUpdated"], ["WorkerDrained", "WorkerUpdated"]), names
+        assert history[1].sandbox_classes[0].default_runtime.name == "gvisor-v2", history[1]
+        revisions = [e.revision for e in history if not isinstance(e, WorkerDrained)]
+        assert revisions == sorted(set(revisions)), revisions  # each registration once, in the order made
+    finally:
+        if server.running and how == "frozen":
+            os.kill(server.pid, signal.SIGCONT)
+        for p in (agent, registry):
+            if p is not None:
+                p.end()
+        if nc is not None:
+            await nc.close()
+        server.stop()
+
+
+# Run as `python -c`: the agent, its drain at exit waiting for ever (a step of its stop no bound of its own covers).
+HUNG_DRAIN = """
+import asyncio, sys
+from warmboot.agent import Agent
+
+async def drain(self, reason, timeout_s=5.0):
+    print("draining, for ever", flush=True)
+    while True:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            pass
+
+Agent.drain = drain
+from warmboot.cli import main
+main(sys.argv[1:], prog_name="warmboot")
+"""
+
+
+@pytest.mark.timeout(60)
+async def test_an_agent_whose_stop_outlasts_the_bound_ends_saying_so(tmp_path):
+    """The agent's stop is bounded as `serve`'s and `up`'s are (`StopBound`): a step of it that waits past every
+    bound of its own (here its drain, made to wait for ever) ends the process at STOP_BOUND_S, with the line that
+    says so and exit status STOP_GIVEN_UP_EXIT."""
+    server = NatsServer(tmp_path / "nats").start()
+    prefix = "t" + uuid.uuid4().hex[:10]
+    (tmp_path / "agent.toml").write_text(agent_config("v1"))
+    registry = Process("serve", "registry", "--nats", server.url, "--prefix", prefix)
+    agent = None
+    try:
+        await registry.said("^serving")
+        agent = Process(*agent_args(server, prefix, tmp_path), command=(sys.executable, "-c", HUNG_DRAIN))
+        await agent.said("registered w-a")
+        status, took, text = await agent.stopped(STOP_BOUND_S + 3)
+        print(f"stopped in {took:.1f}s; its output:\n{text}")
+        assert "draining, for ever" in text, text
+        assert status == STOP_GIVEN_UP_EXIT, text
+        assert f"warmboot agent w-a: the stop did not end within {STOP_BOUND_S:g}s" in text, text
+    finally:
+        for p in (agent, registry):
+            if p is not None:
+                p.end()
+        server.stop()
 
 
 @pytest.mark.timeout(30)
