@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -218,6 +219,12 @@ async def test_serve_stops_within_the_bound_with_nats_hung_mid_requests(tmp_path
         if nc is not None:
             await nc.close()
         server.stop()
+def agent_args(server: NatsServer, prefix: str, tmp_path: Path, *more: str) -> tuple[str, ...]:
+    return ("agent", "--nats", server.url, "--worker-id", "w-a", "--node", "node-a",
+            "--config", str(tmp_path / "agent.toml"), "--prefix", prefix, "--cpuinfo", str(CPUINFO), "--arch", "amd64",
+            "--state-file", str(tmp_path / "agent.revision"), "--drain-on-exit", *more)
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("how", ["frozen", "killed"])
 async def test_agent_stops_within_the_bound_with_nats_hung_as_it_registers(tmp_path, how):
@@ -229,16 +236,14 @@ async def test_agent_stops_within_the_bound_with_nats_hung_as_it_registers(tmp_p
     prefix = "t" + uuid.uuid4().hex[:10]
     config = tmp_path / "agent.toml"
     config.write_text(agent_config("v1"))
-    agent_args = ("agent", "--nats", server.url, "--worker-id", "w-a", "--node", "node-a", "--config", str(config),
-                  "--prefix", prefix, "--cpuinfo", str(CPUINFO), "--arch", "amd64",
-                  "--state-file", str(tmp_path / "agent.revision"), "--drain-on-exit")
+    args = agent_args(server, prefix, tmp_path)
     nc = None
     registry = Process("serve", "registry", "--nats", server.url, "--prefix", prefix)
     agent = None
     try:
         await registry.said("^serving")
         nc = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
-        agent = Process(*agent_args)
+        agent = Process(*args)
         await wait_event(nc, prefix, "w-a", WorkerRegistered)
         freeze(server, how)
         status, took, text = await agent.stopped()
@@ -247,7 +252,7 @@ async def test_agent_stops_within_the_bound_with_nats_hung_as_it_registers(tmp_p
         assert status == 0, text
         assert "could not drain w-a: no answer within" in text, text
         thaw(server, how)
-        agent = Process(*agent_args)
+        agent = Process(*args)
         print(await agent.said("registered w-a"))
         history = [type(e).__name__ for _, e in await worker_events(nc, prefix, "w-a")]
         print(history)
@@ -263,12 +268,6 @@ async def test_agent_stops_within_the_bound_with_nats_hung_as_it_registers(tmp_p
         server.stop()
 
 
-
-
-def agent_args(server: NatsServer, prefix: str, tmp_path: Path, *more: str) -> tuple[str, ...]:
-    return ("agent", "--nats", server.url, "--worker-id", "w-a", "--node", "node-a",
-            "--config", str(tmp_path / "agent.toml"), "--prefix", prefix, "--cpuinfo", str(CPUINFO), "--arch", "amd64",
-            "--state-file", str(tmp_path / "agent.revision"), "--drain-on-exit", *more)
 
 
 @pytest.mark.timeout(60)
@@ -370,6 +369,35 @@ async def test_an_agent_whose_stop_outlasts_the_bound_ends_saying_so(tmp_path):
         server.stop()
 
 
+async def held_up(nc) -> asyncio.Future:
+    """Publish on `nc`, its server frozen, until the kernel takes no more (the socket's buffers full on both ends:
+    the transport pauses its writer, an event, not a time); the publisher (held up, never to end), returned. A
+    close of `nc` then never ends by itself (nats-py's waits for what it holds to be sent)."""
+    transport = nc._transport._io_writer.transport
+    # a send buffer of a fixed size: the kernel's own grows while the server's kernel acknowledges what it holds
+    # for the frozen process, and what the transport held could be taken by the kernel later (its close then ended)
+    transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
+    protocol = transport.get_protocol()
+    held = asyncio.Event()
+    pause = protocol.pause_writing
+
+    def paused() -> None:
+        pause()
+        held.set()
+
+    protocol.pause_writing = paused
+
+    async def fill() -> None:  # for as long as the kernel takes it: what it holds is never sent
+        with contextlib.suppress(nats.errors.ConnectionClosedError):  # (how it ends: the connection closed)
+            while True:
+                await nc.publish("t.fill", b"x" * 512 * 1024)
+
+    filling = asyncio.ensure_future(fill())
+    await asyncio.wait_for(held.wait(), 20)
+    assert not filling.done(), filling
+    return filling
+
+
 @pytest.mark.timeout(30)
 async def test_the_close_of_a_connection_to_a_frozen_server_is_given_up_within_its_bound(tmp_path):
     """nats-py's close of a connection whose server is frozen, its socket's buffers full (what the process
@@ -380,17 +408,8 @@ async def test_the_close_of_a_connection_to_a_frozen_server_is_given_up_within_i
         plain, bounded = [await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
                           for _ in range(2)]
         os.kill(server.pid, signal.SIGSTOP)
-        chunk = b"x" * 512 * 1024
-
-        async def fill(nc) -> None:  # 32 MiB: more than the kernel's socket buffers on both ends take
-            for _ in range(64):
-                await nc.publish("t.fill", chunk)
-
-        filling = [asyncio.ensure_future(fill(nc)) for nc in (plain, bounded)]
-        done, _ = await asyncio.wait(filling, timeout=3)
-        assert not done, "a publisher was not held up: the test does not fill the socket's buffers"
-        for task in filling:
-            task.cancel()
+        for nc in (plain, bounded):
+            await held_up(nc)
         closing = asyncio.ensure_future(plain.close())
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -628,23 +647,7 @@ async def test_a_command_s_close_with_nats_frozen_after_its_answer_is_given_up_w
         answer = await nc.jetstream().account_info()
         os.kill(server.pid, signal.SIGSTOP)
         frozen.set()
-        protocol = nc._transport._io_writer.transport.get_protocol()
-        held = asyncio.Event()  # the kernel took no more: the transport paused its writer (above its high-water mark)
-        pause = protocol.pause_writing
-
-        def paused() -> None:
-            pause()
-            held.set()
-
-        protocol.pause_writing = paused
-
-        async def fill() -> None:  # more than the kernel's socket buffers on both ends take
-            for _ in range(128):
-                await nc.publish("t.fill", b"x" * 512 * 1024)
-
-        filling = asyncio.ensure_future(fill())
-        await asyncio.wait_for(held.wait(), 20)
-        assert not filling.done()
+        await held_up(nc)
         return answer
 
     try:
@@ -657,4 +660,48 @@ async def test_a_command_s_close_with_nats_frozen_after_its_answer_is_given_up_w
     finally:
         if server.running:
             os.kill(server.pid, signal.SIGCONT)
+        server.stop()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("on", ["thread", "loop"])
+async def test_a_store_s_close_with_nats_frozen_ends_within_its_bound(tmp_path, on, caplog):
+    """A store (its JetStream factory) closed while its server is frozen, its connection's socket buffers full
+    (appends sent before the freeze): the close of its link's connection is given up after CLOSE_GIVEN_UP_S,
+    said, and the whole within the link's SHUTDOWN_S, on a link of its own thread (`on` "thread": the
+    snapshotter's worker-removal process) or on its caller's loop (`links_on`: the services' stores). It waited
+    5 s for the close, then up to 10 for the loop and 10 for the thread."""
+    from events.jetstream.factory import JetStreamFactory
+    from events.jetstream.link import SHUTDOWN_S, links_on
+
+    server = NatsServer(tmp_path / "nats").start()
+    env = {"NATS_URL": server.url, "WARMBOOT_PREFIX": "t" + uuid.uuid4().hex[:10]}
+    factory = None
+    try:
+        if on == "loop":
+            with links_on(asyncio.get_running_loop()):
+                factory = await asyncio.to_thread(JetStreamFactory, env)
+        else:
+            factory = await asyncio.to_thread(JetStreamFactory, env)
+        await asyncio.to_thread(factory.application_recorder)  # connected, its stream made
+        link = factory.link
+        os.kill(server.pid, signal.SIGSTOP)
+        if on == "loop":
+            await held_up(link.nc)
+        else:
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(held_up(link.nc), link.loop))
+        started = time.monotonic()
+        await asyncio.to_thread(factory.close)
+        took = time.monotonic() - started
+        print(f"the store closed in {took:.1f}s")
+        assert took < SHUTDOWN_S + 5, took
+        assert f"did not end within {CLOSE_GIVEN_UP_S:g}s: given up" in caplog.text, caplog.text
+        if link.thread is not None:
+            await asyncio.to_thread(link.thread.join, 10)
+            assert not link.thread.is_alive(), "the link's loop did not end"
+    finally:
+        if server.running:
+            os.kill(server.pid, signal.SIGCONT)
+        if factory is not None:
+            await asyncio.to_thread(factory.close)
         server.stop()

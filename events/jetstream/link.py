@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import threading
+import time
 import weakref
 from contextlib import contextmanager, suppress
 from contextvars import ContextVar
@@ -51,7 +52,7 @@ from events.natsauth import (
     redact_url,
     sign_in_options,
 )
-from events.natspy.connections import ErrorsOnce, close_given_up, connecting
+from events.natspy.connections import CLOSE_GIVEN_UP_S, ErrorsOnce, close_given_up, close_within, connecting
 from events.natspy.frames import deliver_core
 from events.natspy.headers import use_lean_headers
 from events.tasks import retrieved
@@ -61,6 +62,11 @@ log = logging.getLogger("warmboot.jetstream")
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 _CLOSING = (asyncio.TimeoutError, nats.errors.Error, OSError)  # what closing a connection may raise
 CLOSED_DURING_CALL = "the JetStream connection was closed during the call"  # a call the shutdown cancelled
+# How long a link's shutdown (`Link.shutdown`: a store's close) waits, all its steps together, whatever NATS does:
+# the close of its connection, given up after CLOSE_GIVEN_UP_S (a server frozen with the socket's buffers full:
+# nats-py's close never ends), then the end of its loop's thread, which has the rest. It waited up to 5 s for the
+# close, 10 for the loop to hand it back and 10 for the thread (docs/operations.md, "Stopping").
+SHUTDOWN_S = CLOSE_GIVEN_UP_S + 1.0
 
 
 @dataclass(frozen=True)
@@ -379,40 +385,55 @@ class Link:
             del self.collectors[token]
         return collector.msgs, pending
 
-    async def close(self) -> None:
+    async def close(self, within: float = CLOSE_GIVEN_UP_S) -> None:
+        """Close the connection, given up after `within` s (`close_within`, which says so)."""
         if self.nc is not None and not self.nc.is_closed:
             try:
-                await asyncio.wait_for(self.nc.close(), 5)
+                await close_within(self.nc, within)
             except _CLOSING as error:
                 log.debug("closing the connection to %s: %r", self.options.where, error)
 
     def shutdown(self) -> None:
+        """Stop its subscriptions, close its connection and end its loop's thread: within SHUTDOWN_S in all, not
+        waited for longer (its thread, a daemon's, ends on its own or with the process)."""
         if self.closed:
             return
         self.closed = True
+        deadline = time.monotonic() + SHUTDOWN_S
         for subscription in list(self.subscriptions):
             subscription.stop()
         if self.thread is None:  # on its caller's loop, which goes on
-            self._close_on_loop()
+            self._close_on_loop(deadline)
             return
         if self.thread.is_alive() and threading.current_thread() is not self.thread:
-            try:
-                asyncio.run_coroutine_threadsafe(self.close(), self.loop).result(10)
-            except (concurrent.futures.TimeoutError, RuntimeError):
-                pass
+            self._close_from_thread(deadline)
             self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(10)
+            self.thread.join(max(0.0, deadline - time.monotonic()))
+            if self.thread.is_alive():
+                log.warning("the loop of the connection to %s did not end within %gs of the store's close: left to "
+                            "end on its own", self.options.where, SHUTDOWN_S)
 
-    def _close_on_loop(self) -> None:
+    def _close_from_thread(self, deadline: float) -> None:
+        """The connection's close, on the link's loop, waited for from another thread until `deadline` (its own
+        bound, CLOSE_GIVEN_UP_S at most, within it)."""
+        within = min(CLOSE_GIVEN_UP_S, max(0.0, deadline - time.monotonic()))
+        try:
+            closing = asyncio.run_coroutine_threadsafe(self.close(within), self.loop)
+        except RuntimeError:  # its loop closed meanwhile: nothing left to close
+            return
+        with suppress(concurrent.futures.TimeoutError, concurrent.futures.CancelledError, RuntimeError):
+            closing.result(max(0.0, deadline - time.monotonic()))
+
+    def _close_on_loop(self, deadline: float) -> None:
         """Close the connection of a link on its caller's loop: in the background when called
-        from that loop, else waited for (nothing to do once the loop is closed)."""
+        from that loop (the close bounds itself), else waited for until `deadline` (nothing to do once
+        the loop is closed)."""
         if self._on_own_loop():
             task = self.loop.create_task(self.close())
             _closing.add(task)
             task.add_done_callback(_closing.discard)
         elif not self.loop.is_closed():
-            with suppress(concurrent.futures.TimeoutError, RuntimeError):
-                asyncio.run_coroutine_threadsafe(self.close(), self.loop).result(10)
+            self._close_from_thread(deadline)
 
 
 _closing: set[asyncio.Task[None]] = set()  # closes in the background, kept until they end
