@@ -196,6 +196,7 @@ async def _unsynced_heartbeats(url: str, prefix: str) -> bool:
     import nats
     import nats.errors
 
+    from events.natspy.connections import close_within
     from services.registry.liveness import remake_synced_bucket
 
     try:
@@ -203,7 +204,7 @@ async def _unsynced_heartbeats(url: str, prefix: str) -> bool:
         try:
             return await remake_synced_bucket(nc, prefix)
         finally:
-            await nc.close()
+            await close_within(nc)  # given up after CLOSE_GIVEN_UP_S: a server frozen meanwhile
     except (nats.errors.Error, asyncio.TimeoutError, OSError):
         return False
 

@@ -36,7 +36,7 @@ from rich.table import Table
 
 from events.errors import ContractError
 from events.natsauth import redact_url
-from events.natspy.connections import close
+from events.natspy.connections import close_within
 from events.tasks import cancel_and_wait
 from events.runtime_id import Runtimes
 from events.schema import (
@@ -598,7 +598,7 @@ async def run_demo(nats_url: str, prefix: str, cfg: DemoConfig, console: Console
     finally:
         demo.stopping = True
         await cancel_and_wait(beat)
-        await close(nc)
+        await close_within(nc)  # given up after CLOSE_GIVEN_UP_S: `up` stopping with its server frozen
     return demo.tally
 
 
