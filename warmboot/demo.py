@@ -562,8 +562,10 @@ async def run_demo(nats_url: str, prefix: str, cfg: DemoConfig, console: Console
 
             await each(demo.workers, lambda w: demo.register(w, ("v2", "v1")), steps.phase())
             demo.tally.stranded["during upgrade (v1 restorable)"] = await demo.stranded()
-            # Half of the paused actors come back during the upgrade: still on v1 images. New
-            # actors cold-start on v2, the default now: their images are v2.
+            # The snapshotted actors of the even indices come back during the upgrade, still on v1
+            # images: two thirds of those snapshotted, all of one class (an actor's class is its index's
+            # parity), so that class's workers hold the demo's peak (ROOMY). New actors cold-start on v2,
+            # the default now: their images are v2.
             back = [a for i, a in enumerate(actors) if plan[a] != "run" and i % 2 == 0]
             advance = steps.phase()
             await demo.resume_all(back, advance)
