@@ -210,6 +210,10 @@ SUPERSEDED_AT_START_EXIT = 3
 # How long the beat at the start of an agent that stopped as Superseded is asked again while the registry
 # does not answer (`Agent._check_still_superseded`); then it registers, as without the record.
 START_CHECK_S = DEFAULT_TTL_S
+# The exit's steps that ask the registry (`--drain-on-exit`: the beat asking whether the agent still holds the
+# worker, 2 s at most, then the drain), all together: with NATS frozen or gone they are given up by then, and
+# with the close's CLOSE_GIVEN_UP_S the stop stays well within StopBound's STOP_BOUND_S (it took up to 9 s).
+EXIT_ASKS_S = 5.0
 
 
 def superseded_by(refusal: ContractError, worker_id: str, node: str, last_revision: int) -> Superseded | None:
@@ -1234,7 +1238,7 @@ class Agent:
         try:
             reply = await asyncio.wait_for(drained(), timeout_s)
         except asyncio.TimeoutError:  # (no text of its own: the log said nothing of why)
-            log.warning("could not drain %s: no answer within %gs (NATS at %s frozen or unreachable, or no registry "
+            log.warning("could not drain %s: no answer within %.1fs (NATS at %s frozen or unreachable, or no registry "
                         "replica serving); given up: the worker stays as it was, or is drained if the request "
                         "reaches a replica later", self.worker_id, timeout_s, redact_url(self.nats_url))
             return None
@@ -1332,13 +1336,14 @@ class Agent:
                 serving.result()  # its error is the caller's (the CLI says it), not logged here too
         finally:
             await cancel_and_wait(stopping, None if serving.done() else serving)
+            asks_end = time.monotonic() + EXIT_ASKS_S  # the check and the drain, together
             if (self.drain_on_exit and self.sent_registration and not self.withdrawn and self.superseded is None
                     and not self.nc.is_closed):  # (superseded: the worker is another agent's, not this one's to drain)
                 # asked first: stopped before its next beat, it may not have heard that another took the worker
                 self.superseded = await self._superseded_now()
             if (self.drain_on_exit and self.sent_registration and not self.withdrawn and self.superseded is None
                     and not self.nc.is_closed):
-                reply = await self.drain("agent stopped")
+                reply = await self.drain("agent stopped", max(0.1, asks_end - time.monotonic()))
                 if reply is not None:
                     log.info("drained %s (seq %d)%s", self.worker_id, reply.seq,
                              "; it already was" if reply.unchanged else "")

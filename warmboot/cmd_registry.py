@@ -155,7 +155,7 @@ def agent(
         raise click.ClickException(str(e)) from None
 
     # The bound of its stop, as `serve`'s and `up`'s: its own steps (the check that it still holds the worker,
-    # the drain, the close) come to about 9 s with NATS frozen or gone; should one wait longer, the process ends
+    # the drain: EXIT_ASKS_S together; the close) come to about 7 s with NATS frozen or gone; should one wait longer, the process ends
     # at STOP_BOUND_S all the same, saying so (docs/operations.md, "Stopping").
     bound = StopBound(f"warmboot agent {worker_id}")
 
