@@ -197,6 +197,29 @@ def in_force_named(error: ContractError) -> tuple[int, str] | None:
     return (int(found[1]), found[2]) if found else None
 
 
+# An event a request would write that one message of the NATS server does not carry (its max_payload):
+# refused before anything is written (services.registry.domain, `check_fits`), naming the request's field
+# that makes it so large. The phrase is read back (`too_large_for_an_event`) by an agent, which then
+# takes its worker out of placement rather than leave the registration it could not replace in force
+# (docs/contract.md, "A registration too large for one event").
+_TOO_LARGE = "bytes, past the {room} bytes an event may be"
+_TOO_LARGE_READ = re.compile(r"bytes, past the \d+ bytes an event may be")
+
+
+def event_too_large(what: str, size: int, room: int, max_payload: int, headroom: int, remedy: str,
+                    field: str) -> ContractError:
+    """INVALID_ARGUMENT naming `field`: the event `what` describes would be `size` bytes, more than the
+    `room` an event has in one message of `max_payload` bytes (less `headroom` for its headers)."""
+    return invalid(f"{what} would be {size} " + _TOO_LARGE.format(room=room)
+                   + f" where the NATS server carries {max_payload} in one message (its max_payload, less "
+                   f"{headroom} for the message's headers). Nothing was written: {remedy}", field)
+
+
+def too_large_for_an_event(error: ContractError) -> bool:
+    """Whether `error` is an `event_too_large` refusal."""
+    return error.code is ErrorCode.INVALID_ARGUMENT and _TOO_LARGE_READ.search(error.message) is not None
+
+
 def already_exists(message: str, field: str | None = None) -> ContractError:
     return ContractError(ErrorCode.ALREADY_EXISTS, message, field)
 

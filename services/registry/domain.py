@@ -19,6 +19,11 @@ Rules (CONTRACT sections 2 and 3, Registry):
   `RuntimeChanged` with the whole new set and the set it replaces; a different
   node, capacity or labels writes `WorkerUpdated`. Both may come from one
   request: `RuntimeChanged` is written first and the outcome is `RUNTIME_CHANGED`.
+- Every event a registration would write must fit one message of the NATS server (its max_payload,
+  EVENT_HEADROOM kept for the headers): one that does not is INVALID_ARGUMENT, field
+  `sandbox_classes` (`labels` for a WorkerUpdated), its message naming both sizes, and nothing is
+  recorded (`check_fits`). A RuntimeChanged carries the previous classes too, so a change can be
+  refused where the same registration of a new life (its WorkerRegistered) fits.
 - Lives: `WorkerRemoved` (by a caller or as `LOST`) ends a worker's life. A
   removed worker may register again: that writes `WorkerRegistered` and starts a
   new life with whatever classes it now reports, undrained.
@@ -61,8 +66,10 @@ from collections.abc import Mapping
 from datetime import datetime
 
 from events.aggregate import WireAggregate
+from events.codec import encode
 from events.compat import canonical_version, compat_key
-from events.errors import beat_not_in_force, drain_not_in_force, invalid, no_worker, not_found, precondition, revision_refused
+from events.errors import (beat_not_in_force, drain_not_in_force, event_too_large, invalid, no_worker, not_found,
+                           precondition, revision_refused)
 from events.schema import (
     ActorOverhead,
     Event,
@@ -89,6 +96,11 @@ LOST = "LOST"
 REVISION_AHEAD_MS = 366 * 24 * 3600 * 1000
 
 NO_OVERHEAD = ActorOverhead(fixed_mib=0, per_gib_mib=0)
+
+# What an event message carries besides its body, kept out of the server's max_payload: its id, topic and
+# version, and an atomic batch's id, sequence, commit and expected sequence (a few hundred bytes for the
+# longest worker id: tests/test_registry_event_size.py measures them).
+EVENT_HEADROOM = 1024
 
 
 def canonical_runtime(runtime: WorkerRuntime) -> WorkerRuntime:
@@ -125,6 +137,43 @@ def check_beats_in_force(worker_id: str, beats: int, in_force: int | None, node:
     (`events.errors.in_force_named`)."""
     if in_force is not None and beats != in_force:
         raise beat_not_in_force(worker_id, beats, in_force, node)
+
+
+def check_fits(event: WorkerRegistered | RuntimeChanged | WorkerUpdated, max_payload: int | None) -> None:
+    """INVALID_ARGUMENT, naming the request's field that makes it so large, if `event` (one a registration
+    would write) is larger than one message of a NATS server whose max_payload is `max_payload` carries,
+    EVENT_HEADROOM kept for its headers; None: not known, not checked. The body is bounded by the same
+    max_payload (and by the 1 MiB of `events.codec.MAX_BODY`), but an event is not: RuntimeChanged carries
+    the new classes and the previous ones, about twice a registration's, and every event the canonical
+    form (a null overhead as zeros, every default spelt out). Unchecked, the store refused it (DataError:
+    INTERNAL), and the registration it would record never took the place of the one in force, which the
+    worker's heartbeats kept alive (docs/contract.md, "A registration too large for one event")."""
+    if max_payload is None:
+        return
+    room = max_payload - EVENT_HEADROOM
+    size = len(encode(event))
+    if size <= room:
+        return
+    worker = event.worker_id
+    if isinstance(event, RuntimeChanged):
+        raise event_too_large(
+            f"worker {worker!r}: this registration changes its runtimes, and the RuntimeChanged event recording "
+            f"the change, which carries the new sandbox_classes ({len(encode(event.sandbox_classes))} bytes) "
+            f"and the previous ones it replaces ({len(encode(event.previous))} bytes),", size, room, max_payload,
+            EVENT_HEADROOM, "the registration in force stays. Register fewer or smaller runtimes or compatible "
+            "versions, so that the new classes and the previous ones fit together; or remove the worker and "
+            "register it anew (its WorkerRegistered carries its classes once); or raise the server's max_payload",
+            "sandbox_classes")
+    if isinstance(event, WorkerRegistered):
+        raise event_too_large(
+            f"worker {worker!r}: the WorkerRegistered event recording this registration, which carries its "
+            f"sandbox_classes ({len(encode(event.sandbox_classes))} bytes, every default spelt out),", size,
+            room, max_payload, EVENT_HEADROOM, "register fewer or smaller runtimes or compatible versions, or "
+            "raise the server's max_payload", "sandbox_classes")
+    raise event_too_large(
+        f"worker {worker!r}: the {type(event).__name__} event recording this registration's node, capacity and "
+        "labels", size, room, max_payload, EVENT_HEADROOM, "the registration in force stays. Register fewer or "
+        "shorter labels, or raise the server's max_payload", "labels")
 
 
 def register_outcome(events: list[Event]) -> RegisterOutcome:
@@ -173,9 +222,12 @@ class Worker(WireAggregate):
 
     # --- decisions ------------------------------------------------------------------
 
-    def register(self, request: RegisterWorker, at: datetime, sent_before: bool = False) -> RegisterOutcome:
+    def register(self, request: RegisterWorker, at: datetime, sent_before: bool = False,
+                 max_payload: int | None = None) -> RegisterOutcome:
         """Decide a registration (the rules in the module's docstring). `sent_before`: its request id
-        was sent before, in a life that has ended (the service looks, `_sent_before`)."""
+        was sent before, in a life that has ended (the service looks, `_sent_before`). `max_payload`:
+        what one message of the NATS server carries; each event this registration would write must fit
+        it (`check_fits`: INVALID_ARGUMENT, nothing recorded, otherwise)."""
         classes = canonical_classes(request.sandbox_classes)
         rid, revision = request.request_id, request.revision
         if revision is not None:
@@ -195,18 +247,18 @@ class Worker(WireAggregate):
                     "that registration, decided late, does not begin a life; a sender that means it sends it "
                     "with a new request_id", "request_id")
         if not self.alive:
-            self.record(
-                WorkerRegistered(
-                    at=at,
-                    request_id=rid,
-                    worker_id=self.entity_id,
-                    node=request.node,
-                    capacity=request.capacity,
-                    labels=dict(request.labels),
-                    sandbox_classes=classes,
-                    revision=revision,
-                )
+            registered = WorkerRegistered(
+                at=at,
+                request_id=rid,
+                worker_id=self.entity_id,
+                node=request.node,
+                capacity=request.capacity,
+                labels=dict(request.labels),
+                sandbox_classes=classes,
+                revision=revision,
             )
+            check_fits(registered, max_payload)
+            self.record(registered)
             return RegisterOutcome.REGISTERED
         self._check_same_classes(classes)
         runtime_changed = classes != self.sandbox_classes
@@ -218,29 +270,30 @@ class Worker(WireAggregate):
         # A higher revision is written even with the same content: the next copy of an older
         # registration is then refused on the history alone.
         updated = updated or (revision is not None and revision != self.revision and not runtime_changed)
+        changes: list[RuntimeChanged | WorkerUpdated] = []
         if runtime_changed:
-            self.record(
-                RuntimeChanged(
-                    at=at,
-                    request_id=rid,
-                    worker_id=self.entity_id,
-                    sandbox_classes=classes,
-                    previous=self.sandbox_classes,
-                    revision=revision,
-                )
-            )
+            changes.append(RuntimeChanged(
+                at=at,
+                request_id=rid,
+                worker_id=self.entity_id,
+                sandbox_classes=classes,
+                previous=self.sandbox_classes,
+                revision=revision,
+            ))
         if updated:
-            self.record(
-                WorkerUpdated(
-                    at=at,
-                    request_id=rid,
-                    worker_id=self.entity_id,
-                    node=request.node,
-                    capacity=request.capacity,
-                    labels=dict(request.labels),
-                    revision=revision,
-                )
-            )
+            changes.append(WorkerUpdated(
+                at=at,
+                request_id=rid,
+                worker_id=self.entity_id,
+                node=request.node,
+                capacity=request.capacity,
+                labels=dict(request.labels),
+                revision=revision,
+            ))
+        for change in changes:  # every one checked before any is recorded: all or nothing
+            check_fits(change, max_payload)
+        for change in changes:
+            self.record(change)
         if runtime_changed:
             return RegisterOutcome.RUNTIME_CHANGED
         return RegisterOutcome.UPDATED if updated else RegisterOutcome.UNCHANGED

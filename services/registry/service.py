@@ -49,7 +49,7 @@ from nats.js.errors import NotFoundError
 from prometheus_client import Counter, Histogram
 
 from events.aggregate import Recorded, WireApplication, now
-from events.errors import ContractError, UnreadableHistory, exhausted, invalid, unavailable
+from events.errors import ContractError, UnreadableHistory, exhausted, invalid, too_large_for_an_event, unavailable
 from events.jetstream.link import links_on
 from events.natspy.publish import flush_in_order
 from events.schema import (
@@ -166,6 +166,10 @@ class RegistryStore(WireApplication):
     # Whether a worker's heartbeat key holds no heartbeat (`lose` reads it after loading the worker); the
     # service sets its liveness's. Without one, `lose` removes a worker in a life.
     silent: Callable[[str], Awaitable[bool]] | None = None
+    # What one message of the NATS server carries (its max_payload, as the connections know it); the service
+    # sets its `_max_payload`. A registration whose events would not fit is refused before anything is written
+    # (`domain.check_fits`). Without one, nothing is checked (the store then refuses such an event: INTERNAL).
+    max_payload: Callable[[], int | None] | None = None
     CACHE_AGGREGATES = True  # a command reads only the events after the worker it last read or saved
 
     async def load(self, worker_id: str) -> Worker:
@@ -259,8 +263,14 @@ class RegistryStore(WireApplication):
             return kept
         moved_from = worker.node if worker.alive and worker.node != request.node else None
         try:
-            outcome = worker.register(request, at, sent_before=await self._sent_before(worker, request))
+            outcome = worker.register(request, at, sent_before=await self._sent_before(worker, request),
+                                      max_payload=self.max_payload() if self.max_payload is not None else None)
         except ContractError as refusal:
+            if too_large_for_an_event(refusal):
+                # decided on the worker's state (the previous classes a RuntimeChanged carries, or whether it
+                # is in a life): answered only on the history as the stream leader has it (IntegrityError,
+                # decided again, otherwise)
+                await self._confirm_read(worker)
             if (refusal.code is ErrorCode.FAILED_PRECONDITION and refusal.field not in ("revision", "request_id")
                     and request.revision is not None and request.request_id is not None
                     and self.no_writes is not None):
@@ -463,6 +473,7 @@ class RegistryService:
         self.store.no_writes = NoWriteAnswers(self.replies, SERVICE, asyncio.get_running_loop(), self.watch.created)
         self.store.confirm = self._confirm_unchanged
         self.store.silent = self._silent
+        self.store.max_payload = self._max_payload
         await self.binding.start(self.worker_nodes)
         # Commands for different workers append together while one append is in flight (each holds its
         # worker's lock): an atomic batch costs a one-replica file stream's server milliseconds.
@@ -488,6 +499,14 @@ class RegistryService:
         self._reconciling = asyncio.create_task(self._reconcile_now_and_then(), name="registry-reconcile")
         await flush_in_order(self.nc)  # the server has our subscriptions: we serve when start() returns
         return self
+
+    def _max_payload(self) -> int | None:
+        """What one message may be, as the server told this replica's connections (each learns it from the
+        server it is connected to, again at each reconnect): the least of this service's and its event
+        store's, which appends the events; None before either knows."""
+        store_nc = self.store.recorder.link.nc if self.store is not None else None
+        known = [nc.max_payload for nc in (self.nc, store_nc) if nc is not None and nc.max_payload > 0]
+        return min(known, default=None)
 
     async def stop(self) -> None:
         if self.service is not None:
