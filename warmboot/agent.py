@@ -78,7 +78,7 @@ import msgspec
 import nats
 from nats.aio.client import Client as NATS
 
-from events.errors import ContractError, in_force_named, latest_revision
+from events.errors import ContractError, in_force_named, latest_revision, too_large_for_an_event
 from events.tasks import cancel_and_wait
 from events.natsauth import env_sign_in, nkey_options, nkey_seed_path, redact_url
 from events.natspy.connections import ErrorsOnce, abandon, close_within, closed_for_good, connecting, describe_error
@@ -495,6 +495,12 @@ class Agent:
         # another agent of this worker id registered it since: this one stops (`run` raises it)
         self.superseded: Superseded | None = None
         self._superseding = asyncio.Event()  # set with `superseded`: wakes the loop of a refusal in a background beat
+        # The registry's refusal of this agent's last registration as too large for one event
+        # (`too_large_for_an_event`): the registration in force is not what the file and the probe make, and
+        # no registration in this life can replace it. Until one is taken, the worker is drained before it is
+        # beaten again (`_out_of_placement`); None once one is taken (or the file makes the one in force again).
+        self._too_large: ContractError | None = None
+        self._drained_too_large = False  # the drain for `_too_large` is in the log (this life's)
         # the connection's errors, once each while they repeat; a refused sign-in says which credentials to check
         self._errors = ErrorsOnce(log, redact_url(nats_url), sign_in_hint(nats_url, self.nkey_seed, {}))
 
@@ -902,10 +908,15 @@ class Agent:
                         self._revise_above(e)
                     log.warning("registration of %s refused (%s); sending it again with a new %s",
                                 self.worker_id, e.message, e.field.replace("_", " "))
-        except (ContractError, ConfigError):
+        except (ContractError, ConfigError) as e:
             self.registering = False  # refused, or not sent (its revision could not be kept): nothing on its way
+            if isinstance(e, ContractError) and too_large_for_an_event(e) and self._too_large is None:
+                self._too_large = e
+                self._beat_soon = True  # drained at the next beat, within a second or so (`_out_of_placement`)
             raise
         self.registering = False
+        if self._too_large is not None:
+            self._taken_after_too_large(reply)
         previous = None if self.withdrawn else self.registration
         self.registration, self._in_force_of, self.registered = registration, made_of, reply
         self.withdrawn = False
@@ -1152,6 +1163,8 @@ class Agent:
         if self._not_beating(self._why_stale()):
             self._look(stop)  # made again at once, not at the next watch
             return
+        if not await self._out_of_placement():
+            return
         beats = self._beats
         try:
             reply = await self._request("heartbeat", Heartbeat(revision=beats), HeartbeatReply,
@@ -1201,6 +1214,59 @@ class Agent:
         if drain_to_say(reply.drained, self._drain_known):
             self._drain_known = reply.drained.seq
             log.warning("%s", said_drained(self.worker_id, reply.drained))
+
+    async def _out_of_placement(self) -> bool:
+        """Whether a beat may go out, after the registry refused this agent's registration as too large for
+        one event (`_too_large`): only once the worker is drained. The registration in force is then not
+        what the file and the probe make (an edit, a rolling upgrade: runtimes the machine may no longer
+        run), and no registration of this life can replace it (the registry refuses it again: its
+        RuntimeChanged carries the previous classes too). Beaten as it is, it drew resumes for runtimes
+        this machine may not load for as long as the agent ran; drained, it takes no placements, and its
+        running actors stay (pinned to the runtimes they run under). A drain not had (the registry does
+        not answer) holds the beat back, and is asked again at the next one: the worker is drained, or
+        removed as LOST, and then registered anew with what the file says (a NOT_FOUND). The worker stays
+        drained for the rest of its life, also once a registration that fits is taken (a drain is not
+        undone: docs/contract.md, "A registration too large for one event")."""
+        refusal = self._too_large
+        if refusal is None or self._drained_too_large:
+            return True
+        reason = "its agent's registration was refused as too large for one event; the runtimes in force are " \
+                 "not what its configuration says"
+        body = DrainWorker(reason=reason, request_id=f"agent-{uuid.uuid4().hex}", revision=self._beats)
+        try:
+            reply = await self._request("drain", body, SeqReply, None)
+        except ContractError as e:
+            if e.code is ErrorCode.NOT_FOUND:  # in no life: nothing to drain; the beat registers anew
+                self._too_large = None
+                return True
+            if (e.code, e.field) == (ErrorCode.FAILED_PRECONDITION, "revision"):
+                return True  # another registration is in force: the beat's refusal decides (`heartbeat`)
+            failure = str(e)
+        except Exception as e:  # no answer, or the connection is down
+            failure = describe_error(e)
+        else:
+            self._drained_too_large = True
+            self._drain_known = max(self._drain_known, reply.seq)  # said here: no beat says it again
+            log.error("%s drained (seq %d): the registry refused its registration (%s). The registration in "
+                      "force, which %s no longer makes, takes no placements; its running actors stay. Make the "
+                      "file's runtimes fit, then, once its actors are moved, `warmboot worker remove %s`: the "
+                      "agent registers it anew, undrained", self.worker_id, reply.seq, refusal, self.config_path,
+                      self.worker_id)
+            return True
+        log.error("%s: no heartbeat until it is drained (%s): the registry refused its registration (%s), and "
+                  "the registration in force, which %s no longer makes, must take no placements", self.worker_id,
+                  failure, refusal, self.config_path)
+        return False
+
+    def _taken_after_too_large(self, reply: RegisterReply) -> None:
+        """A registration taken after one refused as too large for one event: the refusal is over. A new
+        life is undrained; in the same life the worker stays drained, if it was, and the agent says so."""
+        drained, self._too_large, self._drained_too_large = self._drained_too_large, None, False
+        if drained and reply.outcome is not RegisterOutcome.REGISTERED:
+            log.warning("%s: the registry took its registration (%s, seq %d); the worker stays drained in this "
+                        "life (drained when a registration was refused as too large): once its actors are moved, "
+                        "`warmboot worker remove %s`, and the agent registers it anew, undrained", self.worker_id,
+                        reply.outcome.value, reply.seq, self.worker_id)
 
     def _not_beating(self, why: str | None) -> bool:
         """Whether a beat is held back for `why` (said)."""
@@ -1469,6 +1535,7 @@ class Agent:
             # and that edit is no longer held as sent, so that making it again sends it again (a user trial: the
             # error was the last word, and the same edit made again later was not sent)
             self._edited, self._edit_refused = None, False
+            self._too_large = None  # what the file says is in force: beaten again (drained, if it was)
             log.info("%s makes the registration in force again; the edit the registry refused is given up",
                      self.config_path)
         if registration == self.registration and not self._one_registration.locked():
