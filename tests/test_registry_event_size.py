@@ -1,0 +1,316 @@
+"""A registration whose events one message of the NATS server does not carry (its max_payload).
+
+A registration is bounded by the schema's counts and by the 1 MiB a body may be (`events.codec.MAX_BODY`),
+an event only by the server's max_payload: `RuntimeChanged` carries the new classes and the previous ones,
+about twice a registration, and every event spells out what a body may leave out. Such an event was
+refused by the store (DataError, answered INTERNAL), the change never written, and the worker's beats kept
+the registration it was to replace in force, drawing resumes of runtimes it had dropped (found by a review:
+a 616 KB registration changed on a 1 MB server, and a 1,047,440-byte one, within MAX_BODY, changed on
+warmboot's own 2 MB). Now the registry refuses it before anything is written, INVALID_ARGUMENT naming
+`sandbox_classes` and both sizes (`services.registry.domain.check_fits`), and the agent so refused drains
+its worker before it beats it again (docs/contract.md, "A registration too large for one event").
+"""
+
+from __future__ import annotations
+
+from contextlib import AsyncExitStack
+from datetime import datetime, timezone
+
+import msgspec
+import nats
+import pytest
+
+from events.codec import MAX_BODY, encode
+from events.errors import ContractError, too_large_for_an_event
+from events.jetstream.layout import (BATCH_COMMIT_HEADER, BATCH_ID_HEADER, BATCH_SEQ_HEADER,
+                                     EXPECTED_SUBJECT_SEQ_HEADER, EXPECTED_SUBJECT_SEQ_SUBJECT_HEADER,
+                                     event_headers)
+from events.natspy.headers import header_block
+from events.schema import (ActorPlaced, ErrorCode, Fidelity, PlacedFidelity, RegisterWorker, RuntimeChanged, WorkerDrained,
+                           WorkerRegistered, WorkerUpdated)
+from eventsourcing.persistence import StoredEvent
+from services.registry.domain import EVENT_HEADROOM, Worker, check_fits
+from tests.factories import SILENT_TTL_S, actor, entry, last_seq, read_log, runtime, version, worker
+from tests.registry_helpers import (PROBE, agent_config, agent_said, attrs, raw_request, registration,
+                                    running_registry, wait_event, worker_events)
+from tests.test_agent import agent_running, probed
+from warmboot.agent import Agent
+from warmboot.client import Client
+from warmboot.natsserver import NatsServer
+from warmboot.runner import SERVICES, start_services
+
+AT = datetime(2026, 12, 7, tzinfo=timezone.utc)
+ONE_MB = 1024 * 1024  # nats-server's default max_payload, as `max_payload: 1MB` gives it
+
+
+# --- bodies ------------------------------------------------------------------------------------------
+
+
+def long_version(tag: str, pad: int = 200) -> dict:
+    """A v1 version of 32 attributes, 31 of them `pad` characters long, told apart by `tag`."""
+    pairs = attrs(architecture="amd64")
+    pairs += [{"key": f"k{j:02d}", "value": (f"{tag}.{j}-" + "x" * pad)[:pad]} for j in range(31)]
+    return {"schema_version": "v1", "attributes": pairs}
+
+
+def classes(tag: str, pad: int, edges: int = 0, runtimes: int = 33, count: int = 8) -> list[dict]:
+    """`count` classes of `runtimes` runtimes each (their defaults told apart by `tag`), every runtime a
+    long version with `edges` compatible versions, and nothing a body may leave out (no name, no overhead)."""
+    def rt(c: int, r: int) -> dict:
+        out = {"version": long_version(f"{tag if r == 0 else 'r'}{c}.{r}", pad)}
+        if edges:
+            out["compatible_versions"] = [long_version(f"e{c}.{r}.{e}", pad) for e in range(edges)]
+        return out
+
+    return [{"sandbox_class": f"c{c}", "default_runtime": rt(c, 0),
+             "restorable_runtimes": [rt(c, r) for r in range(1, runtimes)]} for c in range(count)]
+
+
+def largest_under(limit: int, **shape) -> int:
+    """The longest attribute values (`pad`) for which a registration of `classes(**shape)` stays under `limit`."""
+    pad = 16
+    while len(encode(registration("w-big", classes=classes("a", pad + 1, **shape)))) < limit:
+        pad += 1
+    assert pad < 256, f"{shape} cannot make {limit} bytes"  # an attribute's value is at most 256 characters
+    return pad
+
+
+@pytest.fixture
+async def one_mb(tmp_path):
+    """A nats-server of the test's own whose max_payload is nats-server's default, 1 MB (docs/security.md's
+    configuration; warmboot's own servers carry 2 MB): (its URL, a client connection to it)."""
+    server = NatsServer(tmp_path / "nats", extra_config="max_payload: 1MB\n").start()
+    nc = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
+    try:
+        assert nc.max_payload == ONE_MB
+        yield server.url, nc
+    finally:
+        await nc.close()
+        server.kill()
+
+
+# --- the rule, pure ----------------------------------------------------------------------------------
+
+
+def changed(new_build: str, old_build: str, pad: int = 0) -> RuntimeChanged:
+    extra = {"k": "x" * pad} if pad else {}
+    return RuntimeChanged(at=AT, worker_id="w-1", sandbox_classes=(entry(version(new_build, **extra)),),
+                          previous=(entry(version(old_build, **extra)),), revision=7)
+
+
+def test_an_event_fits_up_to_the_servers_max_payload_less_the_headroom_and_not_a_byte_more():
+    event = changed("v2", "v1", pad=200)
+    size = len(encode(event))
+    check_fits(event, size + EVENT_HEADROOM)  # exactly the room: taken
+    check_fits(event, None)  # the server's limit not known: not checked
+    with pytest.raises(ContractError) as refused:
+        check_fits(event, size + EVENT_HEADROOM - 1)
+    error = refused.value
+    assert (error.code, error.field) == (ErrorCode.INVALID_ARGUMENT, "sandbox_classes")
+    half = len(encode(event.sandbox_classes))
+    assert half == len(encode(event.previous))
+    assert error.message.startswith(
+        f"worker 'w-1': this registration changes its runtimes, and the RuntimeChanged event recording the change, "
+        f"which carries the new sandbox_classes ({half} bytes) and the previous ones it replaces ({half} bytes), "
+        f"would be {size} bytes, past the {size - 1} bytes an event may be where the NATS server carries "
+        f"{size + EVENT_HEADROOM - 1} in one message (its max_payload, less {EVENT_HEADROOM} for the message's "
+        "headers). Nothing was written: the registration in force stays."), error.message
+    assert "remove the worker and register it anew" in error.message
+    assert too_large_for_an_event(error)
+    assert not too_large_for_an_event(ContractError(ErrorCode.INVALID_ARGUMENT, "body of 2 bytes exceeds the limit"))
+
+
+def test_a_registration_and_an_update_are_measured_too_and_name_their_field():
+    registered = WorkerRegistered(at=AT, worker_id="w-1", node="n", capacity=worker("w-1", version("v1")).capacity,
+                                  labels={"zone": "a"}, sandbox_classes=(entry(version("v1", k="x" * 300)),))
+    with pytest.raises(ContractError) as refused:
+        check_fits(registered, len(encode(registered)) + EVENT_HEADROOM - 1)
+    assert refused.value.field == "sandbox_classes" and "the WorkerRegistered event recording this registration" \
+        in refused.value.message
+    updated = WorkerUpdated(at=AT, worker_id="w-1", node="n", capacity=registered.capacity,
+                            labels={f"k{i}": "v" * 63 for i in range(64)})
+    with pytest.raises(ContractError) as refused:
+        check_fits(updated, len(encode(updated)) + EVENT_HEADROOM - 1)
+    assert refused.value.field == "labels" and too_large_for_an_event(refused.value)
+
+
+def test_a_worker_refused_a_change_too_large_records_nothing_and_stays_as_it_was():
+    """Every event of the registration is measured before any is recorded: the aggregate (which the store
+    caches) is left as it was, not with a WorkerUpdated recorded and its RuntimeChanged refused."""
+    first = worker("w-1", runtime(version("v1", k="x" * 300)), labels={"zone": "a"})
+    w = Worker("w-1")
+    w.register(first, AT)
+    w.collect_events()
+    before = (w.version, w.sandbox_classes, w.labels)
+    # a change of runtimes and of labels: a RuntimeChanged (too large) and a WorkerUpdated (small)
+    second = msgspec.structs.replace(worker("w-1", runtime(version("v2", k="x" * 300)), labels={"zone": "b"}),
+                                     node=first.node)
+    room = len(encode(RuntimeChanged(at=AT, worker_id="w-1", sandbox_classes=w.sandbox_classes,
+                                     previous=w.sandbox_classes))) + EVENT_HEADROOM - 1
+    with pytest.raises(ContractError) as refused:
+        w.register(second, AT, max_payload=room)
+    assert refused.value.field == "sandbox_classes"
+    assert w.pending_events == [] and (w.version, w.sandbox_classes, w.labels) == before
+    # the same registration beginning a new life is one WorkerRegistered, carrying the classes once: it fits
+    fresh = Worker("w-1")
+    assert fresh.register(second, AT, max_payload=room).value == "REGISTERED"
+
+
+def test_the_headroom_holds_the_headers_of_the_longest_event_message_of_a_batch():
+    """What an event message of an atomic batch carries besides its body, for the longest worker id and
+    prefix and the largest numbers: within EVENT_HEADROOM, as the message's headers count against
+    max_payload too (`events.natspy.publish`)."""
+    worker_id = "w" * 128  # the longest id
+    prefix = "p" * 32  # the longest prefix (`events.subjects.check_prefix`)
+    stored = StoredEvent(originator_id=f"worker.{worker_id}", originator_version=2 ** 53, topic="RuntimeChanged",
+                         state=b"")
+    headers = event_headers(stored)
+    headers.update({EXPECTED_SUBJECT_SEQ_HEADER: str(2 ** 64), EXPECTED_SUBJECT_SEQ_SUBJECT_HEADER:
+                    f"{prefix}.ev.booking.{worker_id}", BATCH_ID_HEADER: "N" * 22, BATCH_SEQ_HEADER: "1000",
+                    BATCH_COMMIT_HEADER: "1"})
+    assert len(header_block(headers)) < EVENT_HEADROOM - 256  # 613 bytes
+
+
+# --- over the bus: the registry ----------------------------------------------------------------------
+
+
+async def test_a_change_whose_event_is_past_max_payload_is_refused_naming_the_field_and_nothing_is_written(
+        one_mb, prefix):
+    """On a 1 MB server, a 0.6 MB registration is registered; its change (RuntimeChanged: 1.2 MB) is refused
+    INVALID_ARGUMENT, field sandbox_classes, naming the server's max_payload, nothing written, and the
+    registration in force is still the first (a beat naming it is answered, one naming the change is not). It
+    was INTERNAL, nothing written either, and the worker's beats kept the first in force. The way out the
+    refusal names, a new life, is taken: its WorkerRegistered carries the classes once."""
+    url, nc = one_mb
+    pad = largest_under(600_000, edges=2, runtimes=4)
+    first = registration("w-big", classes=classes("a", pad, edges=2, runtimes=4), request_id="one", revision=1)
+    second = registration("w-big", classes=classes("b", pad, edges=2, runtimes=4), request_id="two", revision=2)
+    assert 550_000 < len(encode(second)) < 600_000
+    async with running_registry(url, prefix, ttl_s=SILENT_TTL_S):
+        reply, _ = await raw_request(nc, prefix, "register", "w-big", first, timeout=30)
+        assert reply.get("outcome") == "REGISTERED", reply
+        history, end = await worker_events(nc, prefix, "w-big"), await last_seq(nc, prefix)
+        reply, headers = await raw_request(nc, prefix, "register", "w-big", second, timeout=30)
+        error = reply["error"]
+        assert (error["code"], error["field"]) == ("INVALID_ARGUMENT", "sandbox_classes"), reply
+        assert headers["Nats-Service-Error-Code"] == "400"
+        assert f"where the NATS server carries {ONE_MB} in one message (its max_payload" in error["message"]
+        assert "this registration changes its runtimes, and the RuntimeChanged event" in error["message"]
+        assert await worker_events(nc, prefix, "w-big") == history and await last_seq(nc, prefix) == end
+        beat, _ = await raw_request(nc, prefix, "heartbeat", "w-big", {"revision": 1})
+        assert "ttl_s" in beat, beat  # the registration in force is the first
+        beat, _ = await raw_request(nc, prefix, "heartbeat", "w-big", {"revision": 2})
+        assert beat["error"]["field"] == "revision", beat
+        # the way out it names: remove the worker, and register it anew
+        removed, _ = await raw_request(nc, prefix, "remove", "w-big", {"reason": "too large to change", "revision": 3})
+        assert "seq" in removed, removed
+        again, _ = await raw_request(nc, prefix, "register", "w-big", {**second, "request_id": "three", "revision": 4},
+                                     timeout=30)
+        assert again["outcome"] == "REGISTERED", again
+        _, event = (await worker_events(nc, prefix, "w-big"))[-1]
+        assert isinstance(event, WorkerRegistered) and event.revision == 4
+
+
+async def test_a_first_registration_whose_event_is_past_max_payload_is_refused_before_anything_is_written(
+        one_mb, prefix):
+    """A registration within MAX_BODY and carried by the server, whose WorkerRegistered (every default spelt
+    out: 264 runtimes' null names, zero overheads, empty edges) is past the server's max_payload: refused,
+    naming the field, nothing written (it was INTERNAL)."""
+    url, nc = one_mb
+    pad = largest_under(ONE_MB - 2048)
+    body = registration("w-big", classes=classes("a", pad), request_id="one")
+    assert len(encode(body)) < min(MAX_BODY, ONE_MB)
+    async with running_registry(url, prefix, ttl_s=SILENT_TTL_S):
+        reply, _ = await raw_request(nc, prefix, "register", "w-big", body, timeout=30)
+        error = reply["error"]
+        assert (error["code"], error["field"]) == ("INVALID_ARGUMENT", "sandbox_classes"), reply
+        assert "the WorkerRegistered event recording this registration" in error["message"]
+        assert await last_seq(nc, prefix) == 0
+
+
+async def test_on_warmboots_own_two_mb_server_a_change_within_max_body_can_be_past_it_and_is_refused(
+        nats_url, nc, prefix):
+    """warmboot's servers carry 2 MB, twice MAX_BODY; a change of a registration just under MAX_BODY whose
+    runtimes leave out what a body may (name, overhead, edges) is past it all the same: 2.14 MB."""
+    assert nc.max_payload == 2 * ONE_MB
+    pad = largest_under(MAX_BODY)
+    first = registration("w-big", classes=classes("a", pad), request_id="one")
+    second = registration("w-big", classes=classes("b", pad), request_id="two")
+    async with running_registry(nats_url, prefix, ttl_s=SILENT_TTL_S):
+        reply, _ = await raw_request(nc, prefix, "register", "w-big", first, timeout=30)
+        assert reply.get("outcome") == "REGISTERED", reply
+        end = await last_seq(nc, prefix)
+        reply, _ = await raw_request(nc, prefix, "register", "w-big", second, timeout=30)
+        assert (reply["error"]["code"], reply["error"]["field"]) == ("INVALID_ARGUMENT", "sandbox_classes"), reply
+        assert f"carries {2 * ONE_MB} in one message" in reply["error"]["message"]
+        assert await last_seq(nc, prefix) == end
+
+
+# --- over the bus: the agent and the scheduler ------------------------------------------------------
+
+
+def bulky(config: str, pad: int = 250, edges: int = 32) -> str:
+    """`config` (agent_config's) with `edges` long literal compatible versions under its default runtime and
+    under one restorable runtime of its own (probed, asset v0): about 0.55 MB registered."""
+    def edge_tables(where: str, tag: str) -> str:
+        out = ""
+        for e in range(edges):
+            pairs = ", ".join(f'k{j:02d} = "{(tag + str(e) + "." + str(j) + "-" + "x" * pad)[:pad]}"' for j in range(31))
+            out += f'\n[[sandbox_classes.{where}.compatible_versions]]\nschema_version = "v1"\n' \
+                   f'attributes = {{ architecture = "amd64", {pairs} }}\n'
+        return out
+
+    return (config + edge_tables("default_runtime", "d")
+            + '\n[[sandbox_classes.restorable_runtimes]]\nname = "gvisor-v0"\nprofile = "gvisor"\n'
+              'attributes = { gvisor_asset_hash = "v0" }\n' + edge_tables("restorable_runtimes", "r"))
+
+
+async def test_an_agent_refused_a_change_too_large_drains_its_worker_and_no_resume_is_placed_on_it_after(
+        one_mb, prefix, tmp_path):
+    """The agent's worker (0.55 MB of runtimes) runs actor a-1, suspended with a memory image stamped with
+    its default v1. The file moves the default to v2 and drops v1: the change is refused (1.1 MB on a 1 MB
+    server). The agent drains its worker before its next beat, and beats on (its running actors stay); the
+    resume of a-1 goes to w-2, which runs v1, and, in stream order, nothing is placed on w-a after the
+    refusal. Then the file is mended (what fits) and taken, and the agent says the worker stays drained.
+    Before, the refusal was INTERNAL, and w-a, beaten under the registration it could not replace, went on
+    taking resumes of v1 images."""
+    url, nc = one_mb
+    path = tmp_path / "agent.toml"
+    path.write_text(bulky(agent_config("v1")))
+    async with AsyncExitStack() as exits:
+        await start_services(exits, list(SERVICES), url, prefix, options={"registry": {"ttl_s": SILENT_TTL_S}})
+        wb = Client(nc, prefix)
+        agent = Agent(url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe=PROBE)
+        said = await exits.enter_async_context(agent_said())
+        await exits.enter_async_context(agent_running(agent))
+        await said.until("registered w-a: REGISTERED")
+        await wb.create(actor("a-1"))
+        placed = await wb.resume("a-1")
+        assert (placed.worker_id, placed.sandbox_runtime.version) == ("w-a", probed("v1"))
+        await wb.suspend("a-1", Fidelity.MEMORY)
+        await wb.register(msgspec.convert(registration("w-2", node="node-b", default=msgspec.to_builtins(
+            {"version": probed("v1")})), RegisterWorker))
+
+        path.write_text(bulky(agent_config("v2")))  # v1 dropped: a RuntimeChanged of 1.1 MB
+        lines = await said.until("drained (seq")
+        refused = [line for line in lines if "the registry refused the edit of" in line]
+        assert refused and "INVALID_ARGUMENT sandbox_classes" in refused[0] and f"carries {ONE_MB}" in refused[0]
+        drained_at, drained = await wait_event(nc, prefix, "w-a", WorkerDrained)
+        assert "refused as too large for one event" in drained.reason
+
+        again = await wb.resume("a-1")
+        assert (again.worker_id, again.fidelity, again.sandbox_runtime.version) == ("w-2", PlacedFidelity.MEMORY,
+                                                                                    probed("v1"))
+        # the refused change wrote nothing; in stream order, w-a's one placement (a-1's first) precedes its drain
+        assert [type(e).__name__ for _, e in await worker_events(nc, prefix, "w-a")] == ["WorkerRegistered",
+                                                                                          "WorkerDrained"]
+        log = await read_log(nc, prefix)
+        (first_placed,) = [seq for seq, e in log if isinstance(e, ActorPlaced) and e.worker_id == "w-a"]
+        assert first_placed <= placed.seq < drained_at
+
+        path.write_text(agent_config("v2"))  # mended: what fits
+        await said.until("stays drained in this life")
+        _, change = await wait_event(nc, prefix, "w-a", RuntimeChanged, after=drained_at)
+        assert change.sandbox_classes[0].default_runtime.version == probed("v2")
+        await wb.create(actor("a-2"))  # w-a, drained for the rest of its life, takes nothing new
+        assert (await wb.resume("a-2")).worker_id == "w-2"
