@@ -46,6 +46,11 @@ The agent then:
   registrations are sent one after the other, after the first none holds up the heartbeats
   (nor does an edit's), and each sends what the file and the probe say when its turn comes
   (docs/registry.md, "The agent");
+- drains the worker, before its next beat, when the registry refuses a registration as too
+  large for one event (`events.errors.too_large_for_an_event`: its RuntimeChanged, carrying the
+  previous classes too, past the server's max_payload): the registration in force, which the
+  file no longer makes, takes no placements; no beat is sent while that drain is not answered
+  (`_out_of_placement`; docs/contract.md, "A registration too large for one event");
 - on SIGTERM/SIGINT drains the worker first if asked (`--drain-on-exit`), then
   stops; if its registration was still on its way, the drain waits for it (up to
   the drain's 5 s). A drained worker stays drained when its agent comes back before
