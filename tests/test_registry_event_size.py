@@ -13,6 +13,7 @@ its worker before it beats it again (docs/contract.md, "A registration too large
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import AsyncExitStack
 from datetime import datetime, timezone
 
@@ -21,18 +22,19 @@ import nats
 import pytest
 
 from events.codec import MAX_BODY, encode
-from events.errors import ContractError, too_large_for_an_event
+from events.errors import ContractError, too_large_for_an_event, unavailable
 from events.jetstream.layout import (BATCH_COMMIT_HEADER, BATCH_ID_HEADER, BATCH_SEQ_HEADER,
                                      EXPECTED_SUBJECT_SEQ_HEADER, EXPECTED_SUBJECT_SEQ_SUBJECT_HEADER,
                                      event_headers)
 from events.natspy.headers import header_block
 from events.schema import (ActorPlaced, ErrorCode, Fidelity, PlacedFidelity, RegisterWorker, RuntimeChanged, WorkerDrained,
-                           WorkerRegistered, WorkerUpdated)
+                           WorkerRegistered, WorkerRemoved, WorkerUpdated)
 from eventsourcing.persistence import StoredEvent
 from services.registry.domain import EVENT_HEADROOM, Worker, check_fits
+from services.registry.service import RegistryService
 from tests.factories import SILENT_TTL_S, actor, entry, last_seq, read_log, runtime, version, worker
-from tests.registry_helpers import (PROBE, agent_config, agent_said, attrs, raw_request, registration,
-                                    running_registry, wait_event, worker_events)
+from tests.registry_helpers import (PROBE, agent_config, agent_said, attrs, heard_for_long, raw_request,
+                                    registration, running_registry, wait_event, worker_events)
 from tests.test_agent import agent_running, probed
 from warmboot.agent import Agent
 from warmboot.client import Client
@@ -314,3 +316,56 @@ async def test_an_agent_refused_a_change_too_large_drains_its_worker_and_no_resu
         assert change.sandbox_classes[0].default_runtime.version == probed("v2")
         await wb.create(actor("a-2"))  # w-a, drained for the rest of its life, takes nothing new
         assert (await wb.resume("a-2")).worker_id == "w-2"
+
+
+async def test_an_agent_whose_drain_is_not_answered_beats_no_more_and_its_worker_ends_lost_then_comes_back(
+        one_mb, prefix, tmp_path):
+    """The drain the agent owes after its change was refused as too large is not answered (the test holds
+    every drain UNAVAILABLE): the agent sends no beat meanwhile, so the registration it could not replace is
+    removed as LOST within the TTL (not kept alive by beats for as long as the drain fails). Once drains are
+    answered, its drain finds the worker in no life, its beat is NOT_FOUND, and it registers anew what the
+    file says: a new life, whose WorkerRegistered carries the classes once and fits, undrained."""
+    url, nc = one_mb
+    held, drains, beats = asyncio.Event(), asyncio.Queue(), []
+
+    def holding(drain):
+        async def held_drain(worker_id, request):
+            drains.put_nowait(request)
+            if not held.is_set():
+                raise unavailable("the test holds every drain")
+            return await drain(worker_id, request)
+        return held_drain
+
+    def counting(heartbeat):
+        async def counted_heartbeat(worker_id, request):
+            beats.append(request)
+            return await heartbeat(worker_id, request)
+        return counted_heartbeat
+
+    path = tmp_path / "agent.toml"
+    path.write_text(bulky(agent_config("v1")))
+    registry_nc = await nats.connect(url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
+    registry = RegistryService(registry_nc, nats_url=url, prefix=prefix, ttl_s=2)
+    registry.drain, registry.heartbeat = holding(registry.drain), counting(registry.heartbeat)
+    await registry.start()
+    heard_for_long(registry)  # an expired clock is a silence at once (the replica started a moment ago)
+    try:
+        agent = Agent(url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe=PROBE)
+        async with agent_said() as said, agent_running(agent):
+            await said.until("registered w-a: REGISTERED")
+            start = await last_seq(nc, prefix)
+            path.write_text(bulky(agent_config("v2")))  # refused: too large a change
+            first = await asyncio.wait_for(drains.get(), 20)
+            assert "too large for one event" in first.reason
+            beaten = len(beats)  # every beat of the loop before the drain was asked is answered by now
+            lost_at, lost = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=start)
+            assert lost.reason == "LOST" and len(beats) == beaten  # no beat since the drain was first asked
+            held.set()
+            _, again = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=lost_at)
+            assert again.sandbox_classes[0].default_runtime.version == probed("v2")
+            await said.until("registered w-a: REGISTERED")
+            history = [type(e).__name__ for _, e in await worker_events(nc, prefix, "w-a")]
+            assert history == ["WorkerRegistered", "WorkerRemoved", "WorkerRegistered"], history
+    finally:
+        await registry.stop()
+        await registry_nc.close()
