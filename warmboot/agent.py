@@ -53,7 +53,7 @@ The agent then:
   (`_out_of_placement`; docs/contract.md, "A registration too large for one event");
 - on SIGTERM/SIGINT drains the worker first if asked (`--drain-on-exit`), then
   stops; if its registration was still on its way, the drain waits for it (up to
-  the drain's 5 s). A drained worker stays drained when its agent comes back before
+  EXIT_ASKS_S, 5 s with the beat before it). A drained worker stays drained when its agent comes back before
   the registry's TTL; once removed as LOST it registers anew, undrained;
 - says, once per drain, that the worker is drained (`worker W is drained (seq N, reason
   '...')`, a warning), when a heartbeat's answer names a drain it has not said nor sent
