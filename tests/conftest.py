@@ -18,6 +18,7 @@ from services.process import serving_loop
 from warmboot.natsserver import NatsServer
 
 TESTS = Path(__file__).parent
+ONE_MB = 1024 * 1024  # nats-server's default max_payload, as `max_payload: 1MB` gives it (`one_mb`)
 
 # a worker's crash under `make test` is reported, not a hang; a test near its time-out, or a crash, says where
 pytest_plugins = ("tests.xdist_crashes", "tests.hang_reports")
@@ -76,6 +77,20 @@ async def nc(nats_server):
     client = await nats.connect(nats_server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
     yield client
     await client.close()
+
+
+@pytest.fixture
+async def one_mb(tmp_path):
+    """A nats-server of the test's own whose max_payload is nats-server's default, 1 MB (docs/security.md's
+    configuration; warmboot's own servers carry 2 MB): (its URL, a client connection to it)."""
+    server = NatsServer(tmp_path / "nats", extra_config="max_payload: 1MB\n").start()
+    nc = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
+    try:
+        assert nc.max_payload == ONE_MB
+        yield server.url, nc
+    finally:
+        await nc.close()
+        server.kill()
 
 
 @pytest.fixture

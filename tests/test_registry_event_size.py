@@ -32,17 +32,16 @@ from events.schema import (ActorPlaced, ErrorCode, Fidelity, PlacedFidelity, Reg
 from eventsourcing.persistence import StoredEvent
 from services.registry.domain import EVENT_HEADROOM, Worker, check_fits
 from services.registry.service import RegistryService
+from tests.conftest import ONE_MB
 from tests.factories import SILENT_TTL_S, actor, entry, last_seq, read_log, runtime, version, worker
 from tests.registry_helpers import (PROBE, agent_config, agent_said, attrs, heard_for_long, raw_request,
                                     registration, running_registry, wait_event, worker_events)
 from tests.test_agent import agent_running, probed
 from warmboot.agent import Agent
 from warmboot.client import Client
-from warmboot.natsserver import NatsServer
 from warmboot.runner import SERVICES, start_services
 
 AT = datetime(2026, 12, 7, tzinfo=timezone.utc)
-ONE_MB = 1024 * 1024  # nats-server's default max_payload, as `max_payload: 1MB` gives it
 
 
 # --- bodies ------------------------------------------------------------------------------------------
@@ -75,20 +74,6 @@ def largest_under(limit: int, **shape) -> int:
         pad += 1
     assert pad < 256, f"{shape} cannot make {limit} bytes"  # an attribute's value is at most 256 characters
     return pad
-
-
-@pytest.fixture
-async def one_mb(tmp_path):
-    """A nats-server of the test's own whose max_payload is nats-server's default, 1 MB (docs/security.md's
-    configuration; warmboot's own servers carry 2 MB): (its URL, a client connection to it)."""
-    server = NatsServer(tmp_path / "nats", extra_config="max_payload: 1MB\n").start()
-    nc = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
-    try:
-        assert nc.max_payload == ONE_MB
-        yield server.url, nc
-    finally:
-        await nc.close()
-        server.kill()
 
 
 # --- the rule, pure ----------------------------------------------------------------------------------
