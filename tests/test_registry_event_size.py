@@ -280,7 +280,7 @@ async def test_an_agent_refused_a_change_too_large_drains_its_worker_and_no_resu
 
         path.write_text(bulky(agent_config("v2")))  # v1 dropped: a RuntimeChanged of 1.1 MB
         lines = await said.until("drained (seq")
-        refused = [line for line in lines if "the registry refused the edit of" in line]
+        refused = [line for line in lines if "as too large for one event; the worker is drained before its next beat" in line]
         assert refused and "INVALID_ARGUMENT sandbox_classes" in refused[0] and f"carries {ONE_MB}" in refused[0]
         drained_at, drained = await wait_event(nc, prefix, "w-a", WorkerDrained)
         assert "refused as too large for one event" in drained.reason

@@ -1148,7 +1148,11 @@ class Agent:
             except Superseded:
                 pass  # the loop raises it (`superseded`): this agent stops
             except ContractError as e:
-                log.error("%s%s", refused, e)
+                if too_large_for_an_event(e):  # not kept as it is: drained before the next beat (`_out_of_placement`)
+                    log.error("the registry refused the registration %s makes as too large for one event; the worker "
+                              "is drained before its next beat: %s", self.config_path, e)
+                else:
+                    log.error("%s%s", refused, e)
                 if registration is EDIT:
                     self._edit_refused = True  # until the file says the registration in force again (`_sync_config`)
 
