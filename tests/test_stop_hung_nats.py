@@ -398,6 +398,16 @@ async def held_up(nc) -> asyncio.Future:
     return filling
 
 
+async def socket_closed(nc) -> bool:
+    """Whether the socket of `nc` is closed (its file descriptor let go). An aborted transport closes it in a
+    callback it schedules (`call_soon`), which runs before one scheduled after it: that one is awaited."""
+    loop = asyncio.get_running_loop()
+    after = loop.create_future()
+    loop.call_soon(after.set_result, None)
+    await after
+    return nc._transport._io_writer.transport.get_extra_info("socket").fileno() == -1
+
+
 @pytest.mark.timeout(30)
 async def test_the_close_of_a_connection_to_a_frozen_server_is_given_up_within_its_bound(tmp_path):
     """nats-py's close of a connection whose server is frozen, its socket's buffers full (what the process
@@ -414,13 +424,36 @@ async def test_the_close_of_a_connection_to_a_frozen_server_is_given_up_within_i
         loop = asyncio.get_running_loop()
         started = loop.time()
         assert not await close_within(bounded)
-        assert loop.time() - started < CLOSE_GIVEN_UP_S + 0.5
+        assert loop.time() - started < CLOSE_GIVEN_UP_S + 5  # given up, not waited out (it never ends)
         assert not closing.done(), "nats-py's own close ended: nothing to give up"
+        # given up, its socket is closed all the same: a process that goes on keeps none to the frozen server
+        assert await socket_closed(bounded)
         closing.cancel()
     finally:
         if server.running:
             os.kill(server.pid, signal.SIGCONT)
         server.stop()
+@pytest.mark.timeout(30)
+async def test_a_client_s_close_with_its_server_frozen_is_given_up_and_its_socket_closed(tmp_path):
+    """`warmboot.client.Client.close` of a connection it made, its server frozen with the socket's buffers full
+    (a library's caller stopping while NATS is stuck): given up after CLOSE_GIVEN_UP_S, its socket closed, where
+    it waited for ever (nats-py's own close)."""
+    from warmboot.client import Client
+
+    server = NatsServer(tmp_path / "nats").start()
+    try:
+        client = await Client.connect(server.url)
+        os.kill(server.pid, signal.SIGSTOP)
+        filling = await held_up(client.nc)
+        await asyncio.wait_for(client.close(), CLOSE_GIVEN_UP_S + 5)  # without the bound: never ends
+        assert await socket_closed(client.nc)
+        await asyncio.wait_for(filling, 5)  # the publisher held up ends with the connection
+    finally:
+        if server.running:
+            os.kill(server.pid, signal.SIGCONT)
+        server.stop()
+
+
 def child_of(pid: int) -> int:
     """The one child process of `pid` (`warmboot up`'s nats-server)."""
     children = [int(c) for task in Path(f"/proc/{pid}/task").iterdir()

@@ -86,7 +86,7 @@ from nats.aio.client import Client as NATS
 from events.codec import decode_reply, encode
 from events.errors import ContractError, invalid, life_started_in, past_the_end, unavailable
 from events.natsauth import check_url, redact_url
-from events.natspy.connections import ErrorsOnce, PublishRefused, close, transport_lost, unless_refused
+from events.natspy.connections import ErrorsOnce, PublishRefused, close_within, transport_lost, unless_refused
 from events.schema import (
     ID_RE,
     ID_WORDS,
@@ -350,9 +350,11 @@ class Client:
         return client
 
     async def close(self) -> None:
-        """Close the connection if `connect` made it (one given to the constructor is the caller's to close)."""
+        """Close the connection if `connect` made it (one given to the constructor is the caller's to close):
+        given up after CLOSE_GIVEN_UP_S and its socket closed at once if the server is frozen with the socket's
+        buffers full (`close_within`: nats-py's own close never ends then), and said in a warning."""
         if self._owned and not self.nc.is_closed:
-            await close(self.nc)  # its server gone too (nats-py's own close raised then)
+            await close_within(self.nc)  # its server gone too (nats-py's own close raised then), or frozen
 
     async def __aenter__(self) -> "Client":
         return self

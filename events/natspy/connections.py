@@ -294,8 +294,9 @@ async def close_within(nc: Client, within: float = CLOSE_GIVEN_UP_S) -> bool:
     """`close(nc)`, given up on after `within` s (whether it ended). nats-py's close writes what it holds onto
     the socket and waits for the kernel to take it (`transport.drain`), then for the socket to close: to a
     server frozen (SIGSTOP, a frozen VM, a stuck disk) whose socket buffers are full, neither ever ends, and
-    a process that stops so never did. Given up on, the close is cancelled: the socket goes with the process.
-    Its error, if it ended in one, is raised as `close`'s."""
+    a process that stops so never did. Given up on, the close is cancelled and the socket closed at once, what it
+    held dropped (`_abort_socket`: a process that goes on, a library's caller, keeps no socket to the frozen
+    server). Its error, if it ended in one, is raised as `close`'s."""
     closing = asyncio.ensure_future(close(nc))
     try:
         await asyncio.wait({closing}, timeout=within)
@@ -306,11 +307,21 @@ async def close_within(nc: Client, within: float = CLOSE_GIVEN_UP_S) -> bool:
     if not closing.done():
         closing.cancel()
         closing.add_done_callback(retrieved)
+        _abort_socket(nc)
         log.warning("the close of the connection to NATS did not end within %gs: given up (the server is frozen, "
                     "or its socket's buffers are full)", within)
         return False
     closing.result()
     return True
+
+
+def _abort_socket(nc: Client) -> None:
+    """Close the socket of `nc` at once, what its transport holds dropped (asyncio's `abort`): the end of a
+    close given up on. (nats-py keeps its TCP transport's writer as `_transport._io_writer`; a transport
+    without one, a WebSocket's, is left to its process.)"""
+    writer = getattr(getattr(nc, "_transport", None), "_io_writer", None)
+    if writer is not None:
+        writer.transport.abort()
 
 
 _UVLOOP_CLOSED = ("unable to perform operation on <", "the handler is closed")
