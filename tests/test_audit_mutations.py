@@ -7,7 +7,8 @@ breaks it, under the rule's name. Pure (no server) and seeded.
 Two kinds of mutation:
 - a placement swapped for another one at the same point of the log (`test_every_other_placement_...`):
   every worker of the fleet, drained or not, every runtime of its classes as the pin, its node or
-  another, every action and fidelity. The fleet oracle, written from the contract's text over a
+  another, every action and fidelity, every fallback record (none, each reason, another fidelity). The
+  fleet oracle, written from the contract's text over a
   model of its own, says which of them the rules allow; verify must flag every other one and none
   of those. Two things verify cannot judge are left out: a fallback while a compatible worker may
   have had room (the request's selectors, which may have ruled those out, are not in the log), and
@@ -33,7 +34,10 @@ at MEMORY as if of its current one), and a pause, suspend or promote recorded `b
 than the snapshotter records it (a resume may then cold-boot an actor that has volumes): fixed in
 `warmboot.audit`, the fidelities with `decide.plan`, the request ids with the projection's own record
 of them. The scheduler's decisions had none of these (`tests/test_decide_fleet_oracle.py`), nor the
-snapshotter's records (`running_template_uid`, `stamping.paused_snapshot` and the rest).)
+snapshotter's records (`running_template_uid`, `stamping.paused_snapshot` and the rest). Then, with
+every fallback record tried: a fallback naming another reason than the rules give (NO_COMPATIBLE_WORKER
+where the template changed), another fidelity than its placement's, on a memory restore or a cold boot,
+or none on a placement giving a memory image up: fixed by judging the record against the plan's tier.)
 """
 
 from __future__ import annotations
@@ -169,13 +173,13 @@ class CleanLife(fo.Fuzz):
                               f"(its latest snapshot {a.snap}), is not flagged")
 
 
-Option = tuple  # (worker, node, fidelity, action, pin's (class, version key), snapshot id, booked)
+Option = tuple  # (worker, node, fidelity, action, pin's (class, version key), snapshot id, booked, fallback)
 
 
 def allowed(workers: dict[str, fo.W], a: fo.A) -> set[Option]:
     """The placements the oracle allows on the fleet as it is (room included), by the actor's selectors."""
     options, _ = fo.options(workers, a, dict(a.selectors), {})
-    return {(o.wid, o.node, o.fidelity, o.action, o.pin, o.snapshot_id, o.booked)
+    return {(o.wid, o.node, o.fidelity, o.action, o.pin, o.snapshot_id, o.booked, o.fallback)
             for o in options if o.fits and not o.filtered}
 
 
@@ -197,10 +201,20 @@ PLACEMENTS = ((Action.RUN, PlacedFidelity.NONE), (Action.RESTORE, PlacedFidelity
               (Action.RESTORE, PlacedFidelity.VOLUMES), (Action.RESTORE, PlacedFidelity.ROOTFS))
 
 
+def records(fidelity: PlacedFidelity) -> tuple[Fallback | None, ...]:
+    """The fallback records a placement at `fidelity` is tried with: none, each reason from MEMORY to its
+    fidelity, and one to another fidelity than its own."""
+    other = PlacedFidelity.VOLUMES if fidelity is not PlacedFidelity.VOLUMES else PlacedFidelity.NONE
+    return (None, *(Fallback(reason=reason, from_fidelity=PlacedFidelity.MEMORY, to_fidelity=fidelity)
+                    for reason in FallbackReason),
+            Fallback(reason=FallbackReason.NO_COMPATIBLE_WORKER, from_fidelity=PlacedFidelity.MEMORY,
+                     to_fidelity=other))
+
+
 def candidates(workers: dict[str, fo.W], a: fo.A):
     """(option, ActorPlaced) for every worker, every runtime of its classes as the pin, its node or
-    another, every action and fidelity; booked as that runtime asks; a memory restore naming the
-    stamp's version as matched, a placement without memory of a MEMORY image a fallback."""
+    another, every action and fidelity, every fallback record (`records`); booked as that runtime asks;
+    a memory restore naming the stamp's version as matched."""
     snap = a.snap
     stamp = snap.sandbox_runtime if snap is not None else None
     seen = set()
@@ -214,21 +228,20 @@ def candidates(workers: dict[str, fo.W], a: fo.A):
                         if action is Action.RESTORE and snap is None:
                             continue
                         sid = snap.snapshot_id if action is Action.RESTORE else None
-                        option = (w.wid, node, fidelity.value, action.value, (cls, fo.key(rt.version)), sid, booked)
-                        if option in seen:
-                            continue
-                        seen.add(option)
-                        fallback = None
-                        if fidelity is not PlacedFidelity.MEMORY and snap is not None \
-                                and snap.fidelity is Fidelity.MEMORY:
-                            fallback = Fallback(reason=FallbackReason.NO_COMPATIBLE_WORKER,
-                                                from_fidelity=PlacedFidelity.MEMORY, to_fidelity=fidelity)
-                        yield option, placed_event(Placement(
-                            actor_id=a.aid, worker_id=w.wid, node=node, action=action, fidelity=fidelity,
-                            sandbox_runtime=ActorRuntime(sandbox_class=cls, version=rt.version), snapshot_id=sid,
-                            fallback=fallback, booked=Resources(cpu_millis=booked[0], memory_mib=booked[1]),
-                            matched_version=stamp.version if fidelity is PlacedFidelity.MEMORY and stamp else None,
-                        ), None)
+                        for fallback in records(fidelity):
+                            option = (w.wid, node, fidelity.value, action.value, (cls, fo.key(rt.version)), sid,
+                                      booked, None if fallback is None else (
+                                          fallback.reason.value, fallback.from_fidelity.value,
+                                          fallback.to_fidelity.value))
+                            if option in seen:
+                                continue
+                            seen.add(option)
+                            yield option, placed_event(Placement(
+                                actor_id=a.aid, worker_id=w.wid, node=node, action=action, fidelity=fidelity,
+                                sandbox_runtime=ActorRuntime(sandbox_class=cls, version=rt.version), snapshot_id=sid,
+                                fallback=fallback, booked=Resources(cpu_millis=booked[0], memory_mib=booked[1]),
+                                matched_version=stamp.version if fidelity is PlacedFidelity.MEMORY and stamp else None,
+                            ), None)
 
 
 _LIVES: dict[int, CleanLife] = {}
@@ -265,7 +278,7 @@ def test_every_other_placement_is_flagged_unless_the_rules_allow_it():
     # what the candidates reached, so that a change of the generator cannot make this test vacuous
     for rule in (audit.NOT_TAKING, audit.PAST_ROOM, audit.RUNTIME_GONE, audit.SELECTOR_UNMET, audit.LOCAL_OFF_NODE,
                  audit.ACROSS_ARCHITECTURES, audit.NODE_MISMATCH, audit.NOT_IN_SNAPSHOT, audit.BELOW_FLOOR,
-                 audit.OFF_PLAN):
+                 audit.OFF_PLAN, audit.FALLBACK_MISSTATED):
         assert judged[rule] >= 20, (rule, judged)
     assert judged["clean"] >= 500, judged
 

@@ -251,7 +251,59 @@ CASES = {
         [worker_on("w1", V1), created("a", **SMALL), placed("a", "w1", V1, node="n1", request_id="r1", **SMALL),
          released("a", "w1"), ActorStopped(at=AT, actor_id="a"), created("a", **SMALL)],
         placed("a", "w1", V1, node="n1", request_id="r1", **SMALL), audit.REQUEST_AGAIN),
+    # a fallback's record (`fallback`), judged against the tier of the scheduler's plan the placement is of
+    # (`Tier.fallback`): its reason where the rules give another one (the template changed: rule 3), a memory
+    # restore or a cold boot of an actor with no snapshot carrying one, a placement giving a memory image up
+    # without one; each was let pass before
+    "a fallback naming NO_COMPATIBLE_WORKER where the template changed": (
+        [worker_on("w1", V1), worker_on("w2", V2), created("a", **SMALL), placed("a", "w1", V1, node="n1", **SMALL),
+         taken(snapshot("a", V1, uri="s3://x")), released("a", "w1"),
+         TemplateChanged(at=AT, actor_id="a", template_uid="t2")],
+        placed("a", "w2", V2, node="n1", fidelity=PlacedFidelity.VOLUMES, action=Action.RESTORE, snapshot_id="a-s",
+               fallback=FALLBACK, **SMALL),
+        audit.FALLBACK_MISSTATED),
+    "a memory restore carrying a fallback": (
+        [worker_on("w1", V1), created("a", **SMALL), placed("a", "w1", V1, node="n1", **SMALL),
+         taken(snapshot("a", V1, uri="s3://x")), released("a", "w1")],
+        placed("a", "w1", V1, node="n1", fidelity=PlacedFidelity.MEMORY, action=Action.RESTORE, snapshot_id="a-s",
+               fallback=FALLBACK, **SMALL),
+        audit.FALLBACK_MISSTATED),
+    "a memory image given up without a fallback record": (
+        [worker_on("w1", V1), worker_on("w2", V2), created("a", **SMALL), placed("a", "w1", V1, node="n1", **SMALL),
+         taken(snapshot("a", V1, uri="s3://x")), released("a", "w1")],
+        placed("a", "w2", V2, node="n1", fidelity=PlacedFidelity.VOLUMES, action=Action.RESTORE, snapshot_id="a-s",
+               **SMALL),
+        audit.FALLBACK_MISSTATED),
+    "a fallback to another fidelity than the placement's": (
+        [worker_on("w1", V1), worker_on("w2", V2), created("a", **SMALL), placed("a", "w1", V1, node="n1", **SMALL),
+         taken(snapshot("a", V1, uri="s3://x")), released("a", "w1")],
+        placed("a", "w2", V2, node="n1", fidelity=PlacedFidelity.VOLUMES, action=Action.RESTORE, snapshot_id="a-s",
+               fallback=Fallback(reason=FallbackReason.NO_COMPATIBLE_WORKER, from_fidelity=PlacedFidelity.MEMORY,
+                                 to_fidelity=PlacedFidelity.ROOTFS), **SMALL),
+        audit.FALLBACK_MISSTATED),
+    "a cold boot of an actor with no snapshot carrying a fallback": (
+        [worker_on("w1", V1), created("a", **SMALL)],
+        placed("a", "w1", V1, node="n1", fallback=Fallback(reason=FallbackReason.NO_COMPATIBLE_WORKER,
+                                                           from_fidelity=PlacedFidelity.MEMORY,
+                                                           to_fidelity=PlacedFidelity.NONE), **SMALL),
+        audit.FALLBACK_MISSTATED),
 }
+
+
+@pytest.mark.parametrize("reason", [FallbackReason.TEMPLATE_CHANGED, FallbackReason.SNAPSHOT_NOT_MEMORY])
+def test_a_fallback_naming_either_reason_of_rule_3_where_both_hold_is_clean(reason):
+    """A golden memory image of another template, unstamped: both reasons of rule 3 hold (`decide.memory_lost_all`);
+    the scheduler records the first, and a fallback naming either is true. Another reason is not."""
+    log = [worker_on("w1", V1), created("g", snapshot=golden(V1, borrowed=True, actor_id="g", template="t0",
+                                                             sandbox_runtime=None), **SMALL)]
+    run = placed("g", "w1", V1, node="n1", fallback=Fallback(reason=reason, from_fidelity=PlacedFidelity.MEMORY,
+                                                             to_fidelity=PlacedFidelity.NONE), **SMALL)
+    assert verify([*log, run]) is None
+    wrong = msgspec.structs.replace(run, fallback=msgspec.structs.replace(
+        run.fallback, reason=FallbackReason.NO_COMPATIBLE_WORKER))
+    violation = verify([*log, wrong])
+    assert violation is not None and violation.rule == audit.FALLBACK_MISSTATED, violation
+    assert "the rules give that placement fallback TEMPLATE_CHANGED (MEMORY to NONE)" in str(violation), violation
 
 
 RELEASES = {

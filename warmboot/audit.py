@@ -24,6 +24,7 @@ from events.schema import (
     ActorRuntime,
     ActorStopped,
     Event,
+    Fallback,
     FallbackReason,
     Fidelity,
     Location,
@@ -35,7 +36,8 @@ from events.schema import (
     SnapshotTaken,
     TagRecorded,
 )
-from services.scheduler.decide import AS_PLACED, RANK, below_floor, memory_lost, plan, restricted_to, tier_ask
+from services.scheduler.decide import (AS_PLACED, RANK, Tier, below_floor, memory_lost, memory_lost_all, plan,
+                                      restricted_to, tier_ask)
 from services.scheduler.feasibility import (ARCHITECTURE_MISMATCH, CLASS_NOT_REGISTERED, DRAINED, FITS,
                                             IMAGE_NOT_ACCEPTED, INSUFFICIENT_CPU, INSUFFICIENT_MEMORY, NO_CLASS_NOW,
                                             NO_PENDING, NOT_ON_PINNED_NODE, OTHER_NODE_NOW, PIN_NOT_RUN, REASONS,
@@ -62,6 +64,7 @@ NOT_IN_SNAPSHOT = "restore of what the latest snapshot does not hold"
 BELOW_FLOOR = "placement below the actor's min_fidelity"
 UNDER_BOOKED = "placement books less than the actor needs"
 OFF_PLAN = "placement at a fidelity the placement rules do not give its snapshot"
+FALLBACK_MISSTATED = "placement whose fallback record is not the one the placement rules give it"
 MATCHED_OTHER = "memory restore naming another matched version than its image's stamp"
 REQUEST_AGAIN = "placement for a request id an earlier placement answered"
 # at each snapshot an actor takes, copies or goes back to (SnapshotTaken, TagRecorded,
@@ -83,7 +86,7 @@ RELEASE_ELSEWHERE = "release that ends no placement where it says"
 CHANGE_UNREGISTERED = "RuntimeChanged without a registration"
 PLACEMENT_RULES = (UNKNOWN_ACTOR, PLACED_STOPPED, PLACED_TWICE, NOT_TAKING, PAST_ROOM, RUNTIME_GONE, SELECTOR_UNMET,
                    LOCAL_OFF_NODE, ACROSS_ARCHITECTURES, NODE_MISMATCH, NOT_IN_SNAPSHOT, BELOW_FLOOR,
-                   UNDER_BOOKED, OFF_PLAN, MATCHED_OTHER, REQUEST_AGAIN)
+                   UNDER_BOOKED, OFF_PLAN, FALLBACK_MISSTATED, MATCHED_OTHER, REQUEST_AGAIN)
 # The scheduler's judgement of a placement's record and worker as the placement rule verify names: the one
 # table. Its record as a placement made (`feasibility.carrying`, a retry's answer's judgement), its worker by
 # the ask of its tier (`feasibility.Ask.judge` on `decide.tier_ask`, its rejection reasons). Room is judged
@@ -112,6 +115,14 @@ def _holds_more(fidelity: Fidelity | PlacedFidelity, than: Fidelity) -> bool:
     """Whether `fidelity` holds more than a snapshot at `than` does (the scheduler's order, `decide.RANK`)."""
     placed = AS_PLACED[fidelity] if isinstance(fidelity, Fidelity) else fidelity
     return RANK[placed] < RANK[AS_PLACED[than]]
+
+
+def _fallback(fallback: Fallback | None) -> str:
+    """A fallback record as a report line names it."""
+    if fallback is None:
+        return "no fallback"
+    return (f"fallback {fallback.reason.value} ({fallback.from_fidelity.value} to "
+            f"{fallback.to_fidelity.value})")
 
 
 def _runtime(runtime: ActorRuntime | None) -> str:
@@ -424,9 +435,15 @@ class Verifier:
                 return Violation(seq, MATCHED_OTHER,
                                  f"{aid}'s memory image is {describe_key(stamp.compat.key)}; its placement on {wid} "
                                  f"names {describe_key(matched)} as the version that matched")
-        off_plan = self._off_plan(actor, event)
+        # the scheduler's tiers for the actor's latest snapshot (`decide.plan`), where what follows needs them: a
+        # placement without memory (its action and fidelity), one with a fallback record (what it says)
+        tiers = self._tiers(actor) if not memory or event.fallback is not None else ()
+        off_plan = self._off_plan(actor, event, tiers)
         if off_plan is not None:
             return Violation(seq, OFF_PLAN, off_plan)
+        misstated = self._misstated(actor, event, tiers)
+        if misstated is not None:
+            return Violation(seq, FALLBACK_MISSTATED, misstated)
         return None
 
     @staticmethod
@@ -502,7 +519,16 @@ class Verifier:
                                  f"{aid} was placed there (sequence {held[1]})")
         return None
 
-    def _off_plan(self, actor: Actor, event: ActorPlaced) -> str | None:
+    def _tiers(self, actor: Actor) -> list[Tier] | str:
+        """The scheduler's tiers for a resume of `actor` on the log as it stands (`decide.plan`, without a
+        request's selectors, which are not in the log and choose among workers, not tiers), or, where
+        the rules place it nowhere, the refusal's message."""
+        try:
+            return plan(self.projection, actor, None).tiers
+        except ContractError as refused:
+            return refused.message
+
+    def _off_plan(self, actor: Actor, event: ActorPlaced, tiers: list[Tier] | str) -> str | None:
         """Why a placement is at an action and fidelity none of the scheduler's tiers for the actor's
         latest snapshot has (`decide.plan`, the one definition of rules 2 to 5 and 4a): no fallback for
         a LOCAL memory image (rule 5, never relaxed), a cold boot included; a borrowed memory image's
@@ -516,10 +542,8 @@ class Verifier:
             return None
         if event.action is Action.RUN and (kind is None or not kind.local):
             return None
-        try:
-            tiers = plan(self.projection, actor, None).tiers
-        except ContractError as refused:
-            return f"{aid} placed at {event.fidelity.value}, where the rules place it nowhere: {refused.message}"
+        if isinstance(tiers, str):
+            return f"{aid} placed at {event.fidelity.value}, where the rules place it nowhere: {tiers}"
         allowed = sorted({(t.action.value, t.fidelity.value) for t in tiers})
         if (event.action.value, event.fidelity.value) in allowed:
             return None
@@ -528,6 +552,40 @@ class Verifier:
         return (f"{aid} placed {event.action.value} at {event.fidelity.value} with its latest snapshot "
                 f"{actor.snapshot_id} ({what}); the rules place it "
                 + (" or ".join(f"{action} at {fidelity}" for action, fidelity in allowed) or "nowhere"))
+
+    def _misstated(self, actor: Actor, event: ActorPlaced, tiers: list[Tier] | str) -> str | None:
+        """Why the placement's `fallback` is not the record the scheduler's tier of its action and fidelity
+        carries (`decide.plan`: `Tier.fallback`, which `decide.placement` writes): none on a memory restore,
+        on a snapshot without memory restored at its own fidelity, on a cold boot of an actor with no
+        snapshot or of a borrowed one below its floor (rule 4a); on a placement that gives a memory image
+        up, the reason the rules give it up for (rule 3: TEMPLATE_CHANGED, SNAPSHOT_NOT_MEMORY, either
+        when both hold, `decide.memory_lost_all`; rule 4: NO_COMPATIBLE_WORKER), from MEMORY to the
+        placement's fidelity. A cold boot no tier has (rule 4a, left to the floor: `_off_plan`) carries
+        none, as the scheduler's cold boots of such an actor. None if it is the record. Not judged, as the
+        log cannot say: whether a NO_COMPATIBLE_WORKER fallback was needed (the decision's position, the
+        bookings its replica had in flight and the request's selectors are not in the log; rule 8 fences
+        the chosen worker only)."""
+        got = event.fallback
+        if not tiers and got is None:  # (a memory restore without a fallback record: the plan was not asked)
+            return None
+        found = [t for t in tiers if t.action is event.action and t.fidelity is event.fidelity] \
+            if not isinstance(tiers, str) else []
+        want = found[0].fallback if found else None
+        if got == want:
+            return None
+        lost = memory_lost_all(actor)
+        if got is not None and want is not None and want.reason in lost and got.reason in lost \
+                and (got.from_fidelity, got.to_fidelity) == (want.from_fidelity, want.to_fidelity):
+            return None  # rule 3: both reasons hold, either is true
+        kind = actor.snapshot
+        what = "none" if kind is None else (
+            f"{'LOCAL' if kind.local else 'EXTERNAL'} {kind.fidelity.value}{' borrowed' if kind.borrowed else ''}"
+            + (f", of template {kind.template_uid}, the actor's {actor.spec.template_uid}"
+               if kind.template_uid != actor.spec.template_uid else "")
+            + (", unstamped or stamped for another class"
+               if FallbackReason.SNAPSHOT_NOT_MEMORY in lost else ""))
+        return (f"{event.actor_id} placed {event.action.value} at {event.fidelity.value} with {_fallback(got)}, its "
+                f"latest snapshot {actor.snapshot_id} ({what}); the rules give that placement {_fallback(want)}")
 
     @staticmethod
     def _not_held(actor: Actor, event: ActorPlaced) -> str | None:

@@ -404,17 +404,27 @@ def _plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | N
 def memory_lost(actor: Actor) -> FallbackReason | None:
     """Rule 3: why the memory of the actor's latest snapshot, a MEMORY one, cannot be used: its template
     changed since (TEMPLATE_CHANGED), or its stamp is missing or of another class, so that no runtime can
-    be matched to it (SNAPSHOT_NOT_MEMORY); None if it can. The one definition: `plan` gives the memory
-    up by it, and `audit verify` flags a memory restore of such an image (NOT_IN_SNAPSHOT)."""
+    be matched to it (SNAPSHOT_NOT_MEMORY); None if it can. The first of `memory_lost_all`: the one
+    definition, `plan` gives the memory up by it, and `audit verify` flags a memory restore of such an
+    image (NOT_IN_SNAPSHOT)."""
+    lost = memory_lost_all(actor)
+    return lost[0] if lost else None
+
+
+def memory_lost_all(actor: Actor) -> tuple[FallbackReason, ...]:
+    """Every reason of rule 3 that holds for the actor's latest snapshot (`memory_lost` is the first, the
+    one `plan` records): both when its template changed and its stamp is unusable. `audit verify` accepts
+    a fallback naming any of them (each is true; the contract orders none before the other)."""
     snapshot = actor.snapshot
     if snapshot is None:
-        return None
+        return ()
+    lost: tuple[FallbackReason, ...] = ()
     if snapshot.template_uid != actor.spec.template_uid:
-        return FallbackReason.TEMPLATE_CHANGED
+        lost = (FallbackReason.TEMPLATE_CHANGED,)
     stamp = snapshot.stamp
     if stamp is None or stamp.compat.sandbox_class != actor.spec.sandbox_class:
-        return FallbackReason.SNAPSHOT_NOT_MEMORY
-    return None
+        lost += (FallbackReason.SNAPSHOT_NOT_MEMORY,)
+    return lost
 
 
 def restricted_to(actor: Actor) -> str | None:
