@@ -24,6 +24,8 @@ from events.schema import (
     ActorStopped,
     CreateActor,
     ErrorCode,
+    Fallback,
+    FallbackReason,
     Fidelity,
     PlacedFidelity,
     RegisterWorker,
@@ -137,10 +139,15 @@ def test_what_the_rules_allow_at_their_edges_is_no_violation():
     booked = 512 + 128  # the actor and the runtime's overhead
     assert verify([registered("w1", entry(runtime(V1, overhead=128)), node="n1"), created("a", **SMALL),
                    placed("a", "w1", V1, node="n1", cpu=100, mem=booked)]) is None
-    # a borrowed (golden) snapshot owns nothing to lose: it may cold-boot above a MEMORY floor
+    # a borrowed (golden) snapshot owns nothing to lose: it may cold-boot above a MEMORY floor, its memory given
+    # up as the scheduler records it (rule 4's fallback, MEMORY to NONE; without the record, verify names it:
+    # `placement whose fallback record is not the one the placement rules give it`)
     owned_by_nobody = golden(V1, borrowed=True)
-    assert verify([on("w1", V2), created("a", snapshot=owned_by_nobody, min_fidelity=Fidelity.VOLUMES, **SMALL),
-                   placed("a", "w1", V2, node="n1", **SMALL)]) is None
+    log = [on("w1", V2), created("a", snapshot=owned_by_nobody, min_fidelity=Fidelity.VOLUMES, **SMALL)]
+    fallback = Fallback(reason=FallbackReason.NO_COMPATIBLE_WORKER, from_fidelity=PlacedFidelity.MEMORY,
+                        to_fidelity=PlacedFidelity.NONE)
+    assert verify([*log, placed("a", "w1", V2, node="n1", fallback=fallback, **SMALL)]) is None
+    assert verify([*log, placed("a", "w1", V2, node="n1", **SMALL)]).rule == audit.FALLBACK_MISSTATED
     # the memory image of the current template on its node: a restore
     assert verify([*PAUSED_ON_N1, memory("a", "w1", "n1")]) is None
 
