@@ -371,8 +371,9 @@ def mutants(events: Log, r: random.Random) -> list[tuple[str, Mutant]]:
 
 
 def releases_changed(events: Log) -> list[tuple[str, Mutant]]:
-    """Each release naming another worker; a stop's recorded as a removal's while its worker was not
-    removed; a removal's left out (the actor then placed again while it runs)."""
+    """Each release naming another worker; a pause's or a suspend's without its snapshot, or written twice;
+    a stop's recorded as a removal's while its worker was not removed; a removal's left out (the actor then
+    placed again while it runs)."""
     out: list[tuple[str, Mutant]] = []
     for i, e in enumerate(events):
         if not isinstance(e, ActorReleased):
@@ -380,6 +381,13 @@ def releases_changed(events: Log) -> list[tuple[str, Mutant]]:
         other = msgspec.structs.replace(e, worker_id="w-elsewhere")
         out.append(("release naming another worker", ([*events[:i], other, *events[i + 1:]], i + 1,
                                                       frozenset({audit.RELEASE_ELSEWHERE}))))
+        if e.reason in (ReleaseReason.PAUSED, ReleaseReason.SUSPENDED):
+            # its snapshot left out (the actor's event right before it), or the release written twice
+            j = max(j for j in range(i) if getattr(events[j], "actor_id", None) == e.actor_id)
+            out.append((f"{e.reason.value} release without its snapshot", (
+                [*events[:j], *events[j + 1:]], i, frozenset({audit.RELEASE_UNSNAPSHOTTED}))))
+            out.append((f"{e.reason.value} release written twice", (
+                [*events[:i + 1], e, *events[i + 1:]], i + 2, frozenset({audit.RELEASE_UNSNAPSHOTTED}))))
         if e.reason is ReleaseReason.STOPPED:
             placed_at = max(j for j in range(i) if isinstance(events[j], ActorPlaced)
                             and events[j].actor_id == e.actor_id)
@@ -598,5 +606,7 @@ def test_a_log_changed_around_a_placement_or_a_stamp_is_flagged_where_and_as_it_
                  "PAUSE of another template than the actor ran", "SUSPEND of another template than the actor ran",
                  "PAUSE recorded borrowed", "PAUSE recorded not borrowed", "SUSPEND recorded borrowed",
                  "PROMOTE recorded borrowed", "PAUSE recorded at VOLUMES", "release naming another worker",
+                 "PAUSED release without its snapshot", "SUSPENDED release without its snapshot",
+                 "PAUSED release written twice", "SUSPENDED release written twice",
                  "a stop's release recorded as a removal's", "a removal's release left out"):
         assert reached[name] >= 3, (name, reached)

@@ -82,6 +82,8 @@ REVERT_ELSEWHERE = "revert to another snapshot than the latest EXTERNAL one of t
 ID_TWO_IMAGES = "snapshot id naming another actor's other image"
 # at each ActorReleased,
 RELEASE_ELSEWHERE = "release that ends no placement where it says"
+RELEASE_UNSNAPSHOTTED = "pause's or suspend's release without its snapshot"
+RELEASE_RULES = (RELEASE_ELSEWHERE, RELEASE_UNSNAPSHOTTED)
 # and at each RuntimeChanged.
 CHANGE_UNREGISTERED = "RuntimeChanged without a registration"
 PLACEMENT_RULES = (UNKNOWN_ACTOR, PLACED_STOPPED, PLACED_TWICE, NOT_TAKING, PAST_ROOM, RUNTIME_GONE, SELECTOR_UNMET,
@@ -215,6 +217,9 @@ class Verifier:
         self.external: dict[str, _External] = {}
         # actor id -> the snapshot its ActorCreated recorded, until the actor's next event
         self.creating: dict[str, Snapshot] = {}
+        # actor id -> the origin of the pause's or suspend's snapshot it just took, until its next event
+        # (the snapshotter appends the release right after it: `Actor.pause`, `Actor.suspend`)
+        self.taking: dict[str, SnapshotOrigin] = {}
         # worker id -> the booking marker of the last placement on it the fold could not read (its room unknown)
         self.room_unknown: dict[str, int] = {}
         # snapshot id no default takes -> the actor whose image it names and that image (`_loaded`)
@@ -227,6 +232,7 @@ class Verifier:
 
     def check(self, seq: int, event: Event) -> Violation | None:
         created = self.creating.pop(event.actor_id, None) if self.creating and event.KIND == "actor" else None
+        took = self.taking.pop(event.actor_id, None) if self.taking and event.KIND == "actor" else None
         if isinstance(event, ActorPlaced):
             found = self._placement(seq, event)
             placed = self.projection.actors.get(event.actor_id)
@@ -235,9 +241,11 @@ class Verifier:
             self.placed_on[event.actor_id] = (event.worker_id, seq)
             return found
         if isinstance(event, ActorReleased):
-            return self._released(seq, event)
+            return self._released(seq, event, took)
         if isinstance(event, SnapshotTaken):
             found = self._stamp(seq, event, created) or self._one_image(seq, event.actor_id, event.snapshot)
+            if event.origin is SnapshotOrigin.PAUSE or event.origin is SnapshotOrigin.SUSPEND:
+                self.taking[event.actor_id] = event.origin
             snapshot = event.snapshot
             if event.origin is not SnapshotOrigin.TAG and snapshot.location is Location.EXTERNAL \
                     and event.actor_id in self.projection.actors:
@@ -485,21 +493,22 @@ class Verifier:
         return (f"{aid}'s memory image ({stamp_key(stamp.runtime) if stamp else 'unstamped'}) "
                 f"restored on {wid} pinned to {pin}, which {wid} does not offer for it")
 
-    def _released(self, seq: int, event: ActorReleased) -> Violation | None:
+    def _released(self, seq: int, event: ActorReleased, took: SnapshotOrigin | None) -> Violation | None:
         """A release ends the actor's placement, on the worker that placement names (the snapshotter's
         `Actor.release`): a pause's or a suspend's right after its snapshot (which ended it already in
         the fold), a stop's or a removal's of the RUNNING actor; a removal's only once the worker's life
         that placement was made in has ended (a WorkerRemoved). A release naming another worker, or one of
         a removal the worker has not had, would end in the log an actor that still runs there, and let it
-        be placed a second time."""
+        be placed a second time. A pause's or a suspend's is the actor's next event after that snapshot
+        (`took`, its origin), which the snapshotter appends with it (`Actor.pause`, `Actor.suspend`; no
+        other path writes one): without it, the actor resumes from an older snapshot than what it ran
+        (or cold-boots), what it ran since lost, and a paused one is held to its node by no image there."""
         aid, wid, reason = event.actor_id, event.worker_id, event.reason
         if self._unknowable(aid):
             return None
         actor = self.projection.actors.get(aid)
         held = self.placed_on.get(aid)
         state = actor.state if actor is not None else None
-        # (a pause's or a suspend's release of a RUNNING actor with no snapshot before it is let pass: the
-        # snapshotter never writes one, but it ends the placement the log says, as a stop's does)
         after = PAUSED if reason is ReleaseReason.PAUSED else SUSPENDED if reason is ReleaseReason.SUSPENDED \
             else RUNNING
         if (state is not RUNNING and state is not after) or held is None or held[0] != wid:
@@ -510,6 +519,13 @@ class Verifier:
                              f"ends the placement it names, of a RUNNING actor"
                              + (f" or right after its {'pause' if after is PAUSED else 'suspend'}'s snapshot"
                                 if after is not RUNNING else ""))
+        if after is not RUNNING:
+            want = SnapshotOrigin.PAUSE if after is PAUSED else SnapshotOrigin.SUSPEND
+            if took is not want:
+                return Violation(seq, RELEASE_UNSNAPSHOTTED,
+                                 f"{aid} released from {wid} ({reason.value}) while {_state(actor)}, its previous "
+                                 f"event no {want.value} snapshot: a {'pause' if after is PAUSED else 'suspend'}'s "
+                                 f"release is written right after the snapshot it takes, and only then")
         if reason is ReleaseReason.WORKER_REMOVED:
             worker = self.projection.workers.get(wid)
             p = self.projection

@@ -22,7 +22,7 @@ from events.schema import (
     TemplateChanged,
 )
 from events.subjects import event_subject
-from warmboot.audit import CHANGE_UNREGISTERED, PLACEMENT_RULES, RELEASE_ELSEWHERE, STAMP_RULES, Sink, summary
+from warmboot.audit import CHANGE_UNREGISTERED, PLACEMENT_RULES, RELEASE_RULES, STAMP_RULES, Sink, summary
 from warmboot.cli_common import (Failed, IntRange, ask, check_id, json_option, nats_option, prefix_option, read_subject,
                                  replay)
 from warmboot.render import Column, render_fields, render_table, terminal_width
@@ -92,7 +92,7 @@ def replay_cmd(until_seq: int | None, until_time: datetime | None, nats_url: str
                "At each snapshot an actor takes, copies or goes back to (SnapshotTaken, TagRecorded, "
                "ActorCreated, ActorReverted; CONTRACT's stamping rules):\n\n\b\n"
                + "\n".join(f"- {rule}" for rule in STAMP_RULES) + "\n\n"
-               f"At each ActorReleased: {RELEASE_ELSEWHERE}. At each RuntimeChanged: {CHANGE_UNREGISTERED}.")
+               f"At each ActorReleased: {'; '.join(RELEASE_RULES)}. At each RuntimeChanged: {CHANGE_UNREGISTERED}.")
 @nats_option
 @prefix_option
 def verify_cmd(nats_url: str, prefix: str) -> None:
