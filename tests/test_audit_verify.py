@@ -471,6 +471,26 @@ def test_every_rejection_of_the_scheduler_is_one_rule_of_verify():
     assert set(audit.JUDGED.values()) <= set(audit.PLACEMENT_RULES)
 
 
+def test_every_refusal_of_a_resume_on_the_actor_s_state_is_one_rule_of_verify():
+    """Each reason the scheduler refuses a resume for on what the actor is (`decide.unresumable`, by which
+    `decide.resolve` refuses) is named by one rule of verify's, in one table; and verify judges by it: with
+    it made to find nothing, a placement of a running or stopped actor is let pass."""
+    from services.scheduler import decide
+    assert set(audit.RESOLVED) == set(decide.UNRESUMABLE)
+    assert set(audit.RESOLVED.values()) <= set(audit.PLACEMENT_RULES)
+    running = [worker_on("w1", V1), created("a", **SMALL), placed("a", "w1", V1, node="n1", **SMALL)]
+    stopped = [worker_on("w1", V1), created("a", **SMALL), ActorStopped(at=AT, actor_id="a")]
+    again = placed("a", "w1", V1, node="n1", **SMALL)
+    assert verify([*running, again]).rule == audit.PLACED_TWICE
+    assert verify([*stopped, again]).rule == audit.PLACED_STOPPED
+    real = audit.unresumable
+    try:
+        audit.unresumable = lambda actor: None
+        assert verify([*stopped, again]) is None and verify([*running, again]) is None
+    finally:
+        audit.unresumable = real
+
+
 def test_verify_help_names_every_rule_it_reports():
     """`audit verify --help` lists the names a violation is reported with, and every rule a forged
     log here breaks is one of them (a walkthrough found the help saying only "the invariants")."""

@@ -36,8 +36,8 @@ from events.schema import (
     SnapshotTaken,
     TagRecorded,
 )
-from services.scheduler.decide import (AS_PLACED, RANK, Tier, below_floor, memory_lost, memory_lost_all, plan,
-                                      restricted_to, tier_ask)
+from services.scheduler.decide import (ACTOR_RUNNING, ACTOR_STOPPED, AS_PLACED, NO_ACTOR, RANK, Tier, below_floor,
+                                      memory_lost, memory_lost_all, plan, restricted_to, tier_ask, unresumable)
 from services.scheduler.feasibility import (ARCHITECTURE_MISMATCH, CLASS_NOT_REGISTERED, DRAINED, FITS,
                                             IMAGE_NOT_ACCEPTED, INSUFFICIENT_CPU, INSUFFICIENT_MEMORY, NO_CLASS_NOW,
                                             NO_PENDING, NOT_ON_PINNED_NODE, OTHER_NODE_NOW, PIN_NOT_RUN, REASONS,
@@ -45,7 +45,7 @@ from services.scheduler.feasibility import (ARCHITECTURE_MISMATCH, CLASS_NOT_REG
                                             missing_keys, room)
 from services.scheduler.fragmentation import fragmentation
 from services.scheduler.projection import Projection
-from services.scheduler.records import (MEMORY, PAUSED, RUNNING, STOPPED, SUSPENDED, Actor, SnapshotKind, Worker,
+from services.scheduler.records import (MEMORY, PAUSED, RUNNING, SUSPENDED, Actor, SnapshotKind, Worker,
                                         named_image, request_hash)
 from services.snapshotter.stamping import free_form_id
 
@@ -108,6 +108,13 @@ JUDGED = {
     ARCHITECTURE_MISMATCH: ACROSS_ARCHITECTURES,
     INSUFFICIENT_CPU: PAST_ROOM,
     INSUFFICIENT_MEMORY: PAST_ROOM,
+}
+# The scheduler's refusal of a resume on what the actor is (`decide.unresumable`, by which `decide.resolve`
+# refuses it) as the placement rule verify names: the one table.
+RESOLVED = {
+    NO_ACTOR: UNKNOWN_ACTOR,
+    ACTOR_RUNNING: PLACED_TWICE,
+    ACTOR_STOPPED: PLACED_STOPPED,
 }
 STAMP_RULES = (NOT_RUNNING, STAMP_NOT_PIN, NOT_RUN_TEMPLATE, NOT_AS_TAKEN, MISPLACED, NOT_PAUSED, NOT_COPIED,
                NO_SOURCE, REVERT_NOTHING, REVERT_ELSEWHERE, ID_TWO_IMAGES)
@@ -362,13 +369,16 @@ class Verifier:
         aid, wid = event.actor_id, event.worker_id
         if self._unknowable(aid) or self._worker_unknowable(wid):  # what it was decided on is unknown here
             return None
+        # the actor, as the scheduler judges a resume of it (`decide.unresumable`, which `decide.resolve` refuses by)
         actor = self.projection.actors.get(aid)
-        if actor is None:
-            return Violation(seq, UNKNOWN_ACTOR, aid)
-        if actor.state is RUNNING:
-            return Violation(seq, PLACED_TWICE, f"{aid} already runs on {actor.worker.worker_id if actor.worker else '?'}")
-        if actor.state is STOPPED:
-            return Violation(seq, PLACED_STOPPED, aid)
+        refused = unresumable(actor)
+        if refused is not None:
+            rule = RESOLVED[refused]
+            if rule == PLACED_TWICE:
+                return Violation(seq, rule, f"{aid} already runs on "
+                                            f"{actor.worker.worker_id if actor and actor.worker else '?'}")
+            return Violation(seq, rule, aid)
+        assert actor is not None
         if event.request_id is not None:
             # a resume sent again is answered by the placement its id made, never placed anew: the
             # scheduler looks the id up among the actor's recent placements of this life (and refuses

@@ -182,8 +182,30 @@ class Plan:
         self.sources = sources  # the member sets the tiers were drawn from (their versions key a refusal)
 
 
+# Why a resume is refused on what the actor is (`unresumable`), in the order checked.
+NO_ACTOR = "no such actor"
+ACTOR_RUNNING = "actor running"
+ACTOR_STOPPED = "actor stopped"
+UNRESUMABLE = (NO_ACTOR, ACTOR_RUNNING, ACTOR_STOPPED)
+
+
+def unresumable(actor: Actor | None) -> str | None:
+    """Why `actor` (None: none in the projection) cannot be resumed: it does not exist, it is RUNNING (it
+    must be paused or suspended first), or STOPPED (its life has ended); None when it waits (CREATED,
+    PAUSED, SUSPENDED). The one definition: `resolve` refuses a resume by it, and `audit verify` names a
+    placement of such an actor by it (`audit.RESOLVED`)."""
+    if actor is None:
+        return NO_ACTOR
+    state = actor.state
+    if state is RUNNING:
+        return ACTOR_RUNNING
+    if state is STOPPED:
+        return ACTOR_STOPPED
+    return None
+
+
 def resolve(projection: Projection, actor_id: str) -> Actor:
-    """The actor a resume is about, or the contract error that refuses it."""
+    """The actor a resume is about, or the contract error that refuses it (`unresumable`)."""
     unread = projection.unread_actors.get(actor_id) if projection.unread_actors else None
     if unread is not None:  # what that message changed (a newer snapshot, its stamp) is unknown here
         # a refusal on the actor's state, which a fold behind the log can give wrongly (the leader may
@@ -193,15 +215,17 @@ def resolve(projection: Projection, actor_id: str) -> Actor:
             f"of another version, or a body this version refuses): this replica does not place the actor "
             f"until its next life; a scheduler that reads the message can"))
     actor = projection.actors.get(actor_id)
-    if actor is None:
+    why = unresumable(actor)
+    if why is None:
+        return actor  # type: ignore[return-value]
+    if why == NO_ACTOR:
         raise no_actor(actor_id)
-    if actor.state is RUNNING:
-        where = f" on worker {actor.worker.worker_id}" if actor.worker is not None else ""
+    if why == ACTOR_RUNNING:
+        where = f" on worker {actor.worker.worker_id}" if actor.worker is not None else ""  # type: ignore[union-attr]
         raise precondition(f"actor {actor_id} is RUNNING{where}; it must be paused or suspended first")
-    if actor.state is STOPPED:
-        raise precondition(f"actor {actor_id} is STOPPED: its life has ended; a CreateActor with the same "
-                           f"id (`warmboot actor create {actor_id} ...`) starts its next life")
-    return actor
+    # ACTOR_STOPPED
+    raise precondition(f"actor {actor_id} is STOPPED: its life has ended; a CreateActor with the same "
+                       f"id (`warmboot actor create {actor_id} ...`) starts its next life")
 
 
 def check_retry(projection: Projection, answer: Placement, seq: int, request_id: str | None) -> None:
