@@ -292,6 +292,31 @@ CASES = {
 }
 
 
+def test_a_cold_boot_of_an_actor_that_owns_nothing_to_lose_is_accepted_as_rule_4a_allows_and_judged_otherwise():
+    """Chosen, looked at again: the contract's rule 4a lets an actor that owns nothing to lose (no snapshot, or
+    only a borrowed one) "always RUN unless its floor is MEMORY". The scheduler reads it narrowly (it restores
+    a golden VOLUMES snapshot at its fidelity, and cold-boots such an actor only as rule 4's fallback of a
+    memory image or below its floor: `decide.plan`), verify as the contract says: such a cold boot sends no
+    image and throws nothing of the actor's away, so it is no violation. All the rest of it is judged: the
+    floor (MEMORY: BELOW_FLOOR), the stamp's architecture and the worker (`Ask.judge` on the tier's ask), a
+    LOCAL image's node (OFF_PLAN or LOCAL_OFF_NODE), and its fallback record (none, as on the scheduler's
+    cold boots of such an actor)."""
+    from services.scheduler.decide import plan
+    log = [worker_on("w1", V1), worker_on("arm", ARM, node="n9"),
+           created("g", snapshot=golden(V1, fidelity=Fidelity.VOLUMES, borrowed=True, actor_id="g"), **SMALL)]
+    tiers = plan(fold(log, Sink()).projection, fold(log, Sink()).projection.actors["g"], None).tiers
+    assert [(t.action, t.fidelity) for t in tiers] == [(Action.RESTORE, PlacedFidelity.VOLUMES)]  # the scheduler's
+    assert verify([*log, placed("g", "w1", V1, node="n1", **SMALL)]) is None  # rule 4a's
+    assert verify([*log, placed("g", "arm", ARM, node="n9", **SMALL)]).rule == audit.ACROSS_ARCHITECTURES
+    fallback = Fallback(reason=FallbackReason.NO_COMPATIBLE_WORKER, from_fidelity=PlacedFidelity.MEMORY,
+                        to_fidelity=PlacedFidelity.NONE)
+    assert verify([*log, placed("g", "w1", V1, node="n1", fallback=fallback, **SMALL)]).rule == \
+        audit.FALLBACK_MISSTATED
+    floored = [*log[:2], created("g", snapshot=golden(V1, fidelity=Fidelity.VOLUMES, borrowed=True, actor_id="g"),
+                                 min_fidelity=Fidelity.MEMORY, **SMALL)]
+    assert verify([*floored, placed("g", "w1", V1, node="n1", **SMALL)]).rule == audit.BELOW_FLOOR
+
+
 @pytest.mark.parametrize("reason", [FallbackReason.TEMPLATE_CHANGED, FallbackReason.SNAPSHOT_NOT_MEMORY])
 def test_a_fallback_naming_either_reason_of_rule_3_where_both_hold_is_clean(reason):
     """A golden memory image of another template, unstamped: both reasons of rule 3 hold (`decide.memory_lost_all`);

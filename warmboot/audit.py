@@ -560,9 +560,12 @@ class Verifier:
         a LOCAL memory image (rule 5, never relaxed), a cold boot included; a borrowed memory image's
         fallback a cold boot (rule 4); a snapshot without usable memory restored at its own fidelity
         (rule 3); the fallback VOLUMES (rule 4). None if one has it. A cold boot of an actor that owns
-        nothing to lose, its latest snapshot not LOCAL, is left to the floor's check (rule 4a: it may
-        always RUN). The candidates' room and selectors are not judged here (a request's selectors are
-        not in the log), nor whether a fallback was needed."""
+        nothing to lose, its latest snapshot not LOCAL, is left to the floor's check (rule 4a: it "may
+        always RUN unless its floor is MEMORY"; chosen, looked at again and kept: the scheduler reads the
+        rule narrowly and restores a golden VOLUMES or ROOTFS snapshot at or above the floor, but such a
+        cold boot sends no image and throws nothing of the actor's own away, and its worker, architecture
+        and fallback record are judged all the same). The candidates' room and selectors are not judged
+        here (a request's selectors are not in the log), nor whether a fallback was needed."""
         aid, kind = event.actor_id, actor.snapshot
         if event.fidelity is PlacedFidelity.MEMORY:  # its tier is there: the checks before found its worker in it
             return None
