@@ -354,3 +354,53 @@ async def test_an_agent_whose_drain_is_not_answered_beats_no_more_and_its_worker
     finally:
         await registry.stop()
         await registry_nc.close()
+
+
+async def test_an_agent_refused_too_large_again_in_a_later_life_drains_its_worker_again(one_mb, prefix, tmp_path):
+    """A drain is of one life. The agent's worker is drained after a change refused as too large; the file
+    is put back (the refusal ends, the worker stays drained); the worker is removed, and the agent registers
+    it anew: a new life, undrained. The same change made again is refused again, and the worker of this life
+    is drained before its next beat. Before, the agent still held the first life's drain as had, and beat the
+    new life's registration, which the file no longer made, undrained: placements went on under it."""
+    url, nc = one_mb
+    beats: asyncio.Queue = asyncio.Queue()
+
+    def counting(heartbeat):
+        async def counted_heartbeat(worker_id, request):
+            beats.put_nowait(request)
+            return await heartbeat(worker_id, request)
+        return counted_heartbeat
+
+    path = tmp_path / "agent.toml"
+    path.write_text(bulky(agent_config("v1")))
+    registry_nc = await nats.connect(url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
+    # beats every few seconds (a third of the TTL): the removal is heard at the next one
+    registry = RegistryService(registry_nc, nats_url=url, prefix=prefix, ttl_s=10)
+    registry.heartbeat = counting(registry.heartbeat)
+    await registry.start()
+    try:
+        agent = Agent(url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe=PROBE)
+        async with agent_said() as said, agent_running(agent):
+            await said.until("registered w-a: REGISTERED")
+            path.write_text(bulky(agent_config("v2")))  # refused: too large a change
+            await said.until("drained (seq")
+            path.write_text(bulky(agent_config("v1")))  # put back: the refusal ends, the worker stays drained
+            await said.until("makes the registration in force again")
+            removed, _ = await raw_request(nc, prefix, "remove", "w-a", {"reason": "moved its actors; undrained anew"})
+            assert "seq" in removed, removed
+            await said.until("registered w-a: REGISTERED")  # a new life, undrained
+            life = (await worker_events(nc, prefix, "w-a"))[-1]
+            assert isinstance(life[1], WorkerRegistered), life
+
+            path.write_text(bulky(agent_config("v2")))  # the same change again: refused again
+            await said.until("as too large for one event; the worker is drained before its next beat")
+            while not beats.empty():
+                beats.get_nowait()
+            # the first beat after this may have been on its way before the refusal; the second went after it
+            for _ in range(2):
+                await asyncio.wait_for(beats.get(), 20)
+            since = [type(e).__name__ for seq, e in await worker_events(nc, prefix, "w-a") if seq > life[0]]
+            assert since == ["WorkerDrained"], since
+    finally:
+        await registry.stop()
+        await registry_nc.close()

@@ -922,6 +922,8 @@ class Agent:
         self.registering = False
         if self._too_large is not None:
             self._taken_after_too_large(reply)
+        elif reply.outcome is RegisterOutcome.REGISTERED:
+            self._drained_too_large = False  # a new life, undrained: a drain of an earlier one is no longer had
         previous = None if self.withdrawn else self.registration
         self.registration, self._in_force_of, self.registered = registration, made_of, reply
         self.withdrawn = False
@@ -1254,7 +1256,8 @@ class Agent:
         except Exception as e:  # no answer, or the connection is down
             failure = describe_error(e)
         else:
-            self._drained_too_large = True
+            # (of this refusal's life: a registration taken meanwhile may have begun another, `_taken_after_too_large`)
+            self._drained_too_large = self._too_large is refusal
             self._drain_known = max(self._drain_known, reply.seq)  # said here: no beat says it again
             log.error("%s drained (seq %d): the registry refused its registration (%s). The registration in "
                       "force, which %s no longer makes, takes no placements; its running actors stay. Make the "
