@@ -252,6 +252,14 @@ def bulky(config: str, pad: int = 250, edges: int = 32) -> str:
               'attributes = { gvisor_asset_hash = "v0" }\n' + edge_tables("restorable_runtimes", "r"))
 
 
+def counting(heartbeat, heard):
+    """A registry's heartbeat handler that hands each beat to `heard` as it arrives, then answers it."""
+    async def counted_heartbeat(worker_id, request):
+        heard(request)
+        return await heartbeat(worker_id, request)
+    return counted_heartbeat
+
+
 async def test_an_agent_refused_a_change_too_large_drains_its_worker_and_no_resume_is_placed_on_it_after(
         one_mb, prefix, tmp_path):
     """The agent's worker (0.55 MB of runtimes) runs actor a-1, suspended with a memory image stamped with
@@ -321,17 +329,11 @@ async def test_an_agent_whose_drain_is_not_answered_beats_no_more_and_its_worker
             return await drain(worker_id, request)
         return held_drain
 
-    def counting(heartbeat):
-        async def counted_heartbeat(worker_id, request):
-            beats.append(request)
-            return await heartbeat(worker_id, request)
-        return counted_heartbeat
-
     path = tmp_path / "agent.toml"
     path.write_text(bulky(agent_config("v1")))
     registry_nc = await nats.connect(url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
     registry = RegistryService(registry_nc, nats_url=url, prefix=prefix, ttl_s=2)
-    registry.drain, registry.heartbeat = holding(registry.drain), counting(registry.heartbeat)
+    registry.drain, registry.heartbeat = holding(registry.drain), counting(registry.heartbeat, beats.append)
     await registry.start()
     heard_for_long(registry)  # an expired clock is a silence at once (the replica started a moment ago)
     try:
@@ -365,18 +367,12 @@ async def test_an_agent_refused_too_large_again_in_a_later_life_drains_its_worke
     url, nc = one_mb
     beats: asyncio.Queue = asyncio.Queue()
 
-    def counting(heartbeat):
-        async def counted_heartbeat(worker_id, request):
-            beats.put_nowait(request)
-            return await heartbeat(worker_id, request)
-        return counted_heartbeat
-
     path = tmp_path / "agent.toml"
     path.write_text(bulky(agent_config("v1")))
     registry_nc = await nats.connect(url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
     # beats every few seconds (a third of the TTL): the removal is heard at the next one
     registry = RegistryService(registry_nc, nats_url=url, prefix=prefix, ttl_s=10)
-    registry.heartbeat = counting(registry.heartbeat)
+    registry.heartbeat = counting(registry.heartbeat, beats.put_nowait)
     await registry.start()
     try:
         agent = Agent(url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe=PROBE)
