@@ -150,3 +150,23 @@ def test_a_fleet_whose_heartbeats_are_most_of_the_traffic_is_said_so():
         in summary_notes(demo.tally)
     demo.tally.heartbeats = 1_000
     assert not any("heartbeats" in note for note in summary_notes(demo.tally))
+
+
+async def test_resumes_refused_for_want_of_room_are_counted_apart_from_those_naming_a_field():
+    """A phase's resumes refused RESOURCE_EXHAUSTED, some naming no field (the fleet full) and some naming one
+    (no undrained worker with the labels, an image LOCAL elsewhere: more room does not place them): only the
+    former are said to be for want of room. The count went by the phase's first such refusal: a first naming a
+    field hid every full-fleet one, and a first naming none counted the others as the fleet full."""
+    labels = ContractError(ErrorCode.RESOURCE_EXHAUSTED, "no undrained worker of the class has the labels its "
+                           "selectors ask for", "selectors")
+    for first, then in ((labels, FULL), (FULL, labels)):
+        demo = demo_with(Refusing(Clock()), Clock(), concurrency=1)
+        demo.phase = "resume during the upgrade"
+        demo.refused("resume", first)
+        demo.refused("resume", then)
+        demo.refused("resume", then)
+        full = 2 if then is FULL else 1
+        notes = [n for n in summary_notes(demo.tally) if "for want of room" in n]
+        assert len(notes) == 1 and notes[0].startswith(f"{full} resume{'s' if full > 1 else ''} refused for want "
+                                                       "of room"), notes
+        assert table_rows(summary(demo.tally))["refused RESOURCE_EXHAUSTED, resume (see below)"] == "3"

@@ -152,8 +152,8 @@ class Tally:
     placements: Counter = field(default_factory=Counter)  # (action, fidelity)
     edge_restores: int = 0  # MEMORY restores whose stamp matched a compatible version, not the pin's own
     fallbacks: Counter = field(default_factory=Counter)  # reason
-    refusals: Counter = field(default_factory=Counter)  # (phase, verb, error code)
-    refused_as: dict[tuple[str, str, str], ContractError] = field(default_factory=dict)  # the first of each
+    refusals: Counter = field(default_factory=Counter)  # (phase, verb, error code, field)
+    refused_as: dict[tuple[str, str, str, str | None], ContractError] = field(default_factory=dict)  # the first of each
     not_asked: Counter = field(default_factory=Counter)  # (phase, verb): its actor not in the state for it
     stranded: dict[str, int] = field(default_factory=dict)  # phase -> count
     forecast_stranded: int | None = None  # whatif's stranded count after the v1 drop, before it was made
@@ -257,7 +257,7 @@ class Demo:
     def refused(self, verb: str, error: ContractError) -> None:
         """Count a refusal by the phase it came in, what was asked and its code; the first of each is kept
         for the summary, which says why in the service's own words."""
-        key = (self.phase, verb, error.code.value)
+        key = (self.phase, verb, error.code.value, error.field)  # the field too: a full fleet's names none
         self.tally.refusals[key] += 1
         self.tally.refused_as.setdefault(key, error)
 
@@ -621,12 +621,12 @@ def summary_notes(tally: Tally) -> list[str]:
     and its v1 drop give fallbacks, which are placements); and, when its workers' heartbeats were most of
     what the services answered, that they were (the fleet's own load, which slows the demo's steps)."""
     notes = []
-    for (phase, verb, code), n in tally.refusals.items():
-        error = tally.refused_as[(phase, verb, code)]
+    for key, n in tally.refusals.items():
+        phase, verb, _, _ = key
+        error = tally.refused_as[key]
         notes.append(f"{n:,} {plural(verb, n)} in '{phase}' refused {error}")
-    full = sum(n for (phase, verb, code), n in tally.refusals.items()  # (another verb's: a registry's limits)
-               if verb == "resume" and code == ErrorCode.RESOURCE_EXHAUSTED.value
-               and tally.refused_as[(phase, verb, code)].field is None)
+    full = sum(n for (_, verb, code, named), n in tally.refusals.items()  # (another verb's: a registry's limits)
+               if verb == "resume" and code == ErrorCode.RESOURCE_EXHAUSTED.value and named is None)
     if full:  # no field: room coming free could place it (Client.resume)
         notes.append(f"{full:,} {plural('resume', full)} refused for want of room (RESOURCE_EXHAUSTED naming no "
                      f"field): the fleet was full. That is the size asked for, not a fault: {tally.actors:,} actors "
@@ -668,7 +668,7 @@ def summary(tally: Tally) -> Table:
         table.add_row(f"fallbacks {reason}", str(n))
     # by what was asked (the phases, and why, under the table: `summary_notes`); 80 columns in a pipe
     refused, not_asked = Counter(), Counter()
-    for (_, verb, code), n in tally.refusals.items():
+    for (_, verb, code, _), n in tally.refusals.items():
         refused[(code, verb)] += n
     for (_, verb), n in tally.not_asked.items():
         not_asked[verb] += n
