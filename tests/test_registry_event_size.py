@@ -400,3 +400,41 @@ async def test_an_agent_refused_too_large_again_in_a_later_life_drains_its_worke
     finally:
         await registry.stop()
         await registry_nc.close()
+
+
+async def test_an_agent_refused_too_large_in_no_life_drains_nothing_more_and_registers_once_a_beat(
+        one_mb, prefix, tmp_path):
+    """A registration refused as too large while the worker is in no life (removed, its agent's next
+    WorkerRegistered past what the registry's server carries: here a registry whose server carries less than
+    the agent's, its limit lowered): there is nothing to drain. The agent asks once, hears NOT_FOUND, holds the
+    worker as out of placement, and registers again once a beat. Before, it cleared the refusal, so the next
+    refusal asked for a beat at once: a drain, a beat and a registration of half a megabyte about every 0.2 s
+    for as long as it ran. Counted at the registry, not timed: three refused registrations, one drain."""
+    url, nc = one_mb
+    drains: list = []
+    registers: asyncio.Queue = asyncio.Queue()
+    path = tmp_path / "agent.toml"
+    path.write_text(bulky(agent_config("v1")))
+    registry_nc = await nats.connect(url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
+    registry = RegistryService(registry_nc, nats_url=url, prefix=prefix, ttl_s=10)
+    registry.drain = counting(registry.drain, drains.append)
+    registry.register = counting(registry.register, registers.put_nowait)
+    await registry.start()
+    try:
+        agent = Agent(url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe=PROBE)
+        async with agent_said() as said, agent_running(agent):
+            await said.until("registered w-a: REGISTERED")
+            registry.store.max_payload = lambda: 200_000  # its WorkerRegistered, about 0.55 MB, no longer fits
+            removed, _ = await raw_request(nc, prefix, "remove", "w-a", {"reason": "moved"})
+            assert "seq" in removed, removed
+            await said.until("as too large for one event")  # the new life's registration, refused
+            while not registers.empty():
+                registers.get_nowait()
+            for _ in range(3):  # three more registrations, each after a beat answered NOT_FOUND
+                await asyncio.wait_for(registers.get(), 30)
+            assert len(drains) == 1, drains
+            assert [type(e).__name__ for _, e in await worker_events(nc, prefix, "w-a")] == [
+                "WorkerRegistered", "WorkerRemoved"]
+    finally:
+        await registry.stop()
+        await registry_nc.close()

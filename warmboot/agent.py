@@ -505,7 +505,7 @@ class Agent:
         # no registration in this life can replace it. Until one is taken, the worker is drained before it is
         # beaten again (`_out_of_placement`); None once one is taken (or the file makes the one in force again).
         self._too_large: ContractError | None = None
-        self._drained_too_large = False  # the drain for `_too_large` is in the log (this life's)
+        self._drained_too_large = False  # the drain for `_too_large` is in the log (this life's), or the worker is in none
         # the connection's errors, once each while they repeat; a refused sign-in says which credentials to check
         self._errors = ErrorsOnce(log, redact_url(nats_url), sign_in_hint(nats_url, self.nkey_seed, {}))
 
@@ -1152,7 +1152,7 @@ class Agent:
             except ContractError as e:
                 if too_large_for_an_event(e):  # not kept as it is: drained before the next beat (`_out_of_placement`)
                     log.error("the registry refused the registration %s makes as too large for one event; the worker "
-                              "is drained before its next beat: %s", self.config_path, e)
+                              "is drained before its next beat, if it is in a life: %s", self.config_path, e)
                 else:
                     log.error("%s%s", refused, e)
                 if registration is EDIT:
@@ -1247,8 +1247,12 @@ class Agent:
         try:
             reply = await self._request("drain", body, SeqReply, None)
         except ContractError as e:
-            if e.code is ErrorCode.NOT_FOUND:  # in no life: nothing to drain; the beat registers anew
-                self._too_large = None
+            if e.code is ErrorCode.NOT_FOUND:  # in no life: out of placement already; the beat registers anew
+                # Held as had (until a registration is taken: `_taken_after_too_large`), the refusal kept: cleared,
+                # the next refusal of the registration (a new life's WorkerRegistered too large) counted as a first
+                # one and asked for a beat at once (`_beat_soon`), and the agent sent a drain, a beat and a
+                # registration of up to a megabyte about every 0.2 s, where it sends one each beat.
+                self._drained_too_large = self._too_large is refusal
                 return True
             if (e.code, e.field) == (ErrorCode.FAILED_PRECONDITION, "revision"):
                 return True  # another registration is in force: the beat's refusal decides (`heartbeat`)
