@@ -14,7 +14,7 @@ from typing import Any, Generic, TypeVar
 import msgspec
 import msgspec.inspect
 
-from events.errors import ContractError, invalid
+from events.errors import ContractError, body_too_large, invalid
 from events.schema import PATTERN_WORDS, AnyEvent, ErrorReply, Event
 from events.validate import check_request
 
@@ -237,7 +237,7 @@ def _unknown(info: Any, value: Any, path: str) -> list[str]:
 def decode_request(type_: type[T], data: bytes, *, path_prefix: str = "") -> T:
     """Decode and validate a request body; raise INVALID_ARGUMENT naming the field."""
     if len(data) > MAX_BODY:
-        raise invalid(f"body of {len(data)} bytes exceeds the limit of {MAX_BODY}")
+        raise body_too_large(len(data), MAX_BODY)
     if not data.strip():
         data = b"{}"
     if not data.isascii():  # msgspec would skip an unknown field's text unchecked: UTF-8 everywhere

@@ -220,6 +220,31 @@ def too_large_for_an_event(error: ContractError) -> bool:
     return error.code is ErrorCode.INVALID_ARGUMENT and _TOO_LARGE_READ.search(error.message) is not None
 
 
+# A request too large to be sent (past the server's max_payload: the client's refusal, nothing sent) or to be
+# decoded (past MAX_BODY: a service's). With `event_too_large`, what `too_large` reads back: an agent whose
+# registration is refused so takes its worker out of placement (docs/contract.md, "A registration too large").
+_UNSENT_LARGE = "bytes, more than NATS takes in a message"
+_BODY_LARGE = "bytes exceeds the limit of"
+
+
+def request_too_large(subject: str, size: int, max_payload: int) -> ContractError:
+    """INVALID_ARGUMENT: a request of `size` bytes to `subject` that the connection does not send."""
+    return invalid(f"the request to {subject} is {size} {_UNSENT_LARGE} (its max_payload: {max_payload} bytes); "
+                   "nothing was sent")
+
+
+def body_too_large(size: int, limit: int) -> ContractError:
+    """INVALID_ARGUMENT: a body of `size` bytes a service does not decode (past `limit`)."""
+    return invalid(f"body of {size} {_BODY_LARGE} {limit}")
+
+
+def too_large(error: ContractError) -> bool:
+    """Whether `error` refuses a request for its size: its body past what NATS carries (`request_too_large`) or
+    a service decodes (`body_too_large`), or an event it would write past one message (`event_too_large`)."""
+    return error.code is ErrorCode.INVALID_ARGUMENT and (
+        too_large_for_an_event(error) or _UNSENT_LARGE in error.message or _BODY_LARGE in error.message)
+
+
 def already_exists(message: str, field: str | None = None) -> ContractError:
     return ContractError(ErrorCode.ALREADY_EXISTS, message, field)
 

@@ -39,6 +39,7 @@ from tests.registry_helpers import (PROBE, agent_config, agent_said, attrs, hear
 from tests.test_agent import agent_running, probed
 from warmboot.agent import Agent
 from warmboot.client import Client
+from warmboot.natsserver import NatsServer
 from warmboot.runner import SERVICES, start_services
 
 AT = datetime(2026, 12, 7, tzinfo=timezone.utc)
@@ -288,10 +289,10 @@ async def test_an_agent_refused_a_change_too_large_drains_its_worker_and_no_resu
 
         path.write_text(bulky(agent_config("v2")))  # v1 dropped: a RuntimeChanged of 1.1 MB
         lines = await said.until("drained (seq")
-        refused = [line for line in lines if "as too large for one event; the worker is drained before its next beat" in line]
+        refused = [line for line in lines if "was refused as too large; the worker is drained before its next beat" in line]
         assert refused and "INVALID_ARGUMENT sandbox_classes" in refused[0] and f"carries {ONE_MB}" in refused[0]
         drained_at, drained = await wait_event(nc, prefix, "w-a", WorkerDrained)
-        assert "refused as too large for one event" in drained.reason
+        assert "refused as too large" in drained.reason
 
         again = await wb.resume("a-1")
         assert (again.worker_id, again.fidelity, again.sandbox_runtime.version) == ("w-2", PlacedFidelity.MEMORY,
@@ -343,7 +344,7 @@ async def test_an_agent_whose_drain_is_not_answered_beats_no_more_and_its_worker
             start = await last_seq(nc, prefix)
             path.write_text(bulky(agent_config("v2")))  # refused: too large a change
             first = await asyncio.wait_for(drains.get(), 20)
-            assert "too large for one event" in first.reason
+            assert "refused as too large" in first.reason
             beaten = len(beats)  # every beat of the loop before the drain was asked is answered by now
             lost_at, lost = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=start)
             assert lost.reason == "LOST" and len(beats) == beaten  # no beat since the drain was first asked
@@ -389,7 +390,7 @@ async def test_an_agent_refused_too_large_again_in_a_later_life_drains_its_worke
             assert isinstance(life[1], WorkerRegistered), life
 
             path.write_text(bulky(agent_config("v2")))  # the same change again: refused again
-            await said.until("as too large for one event; the worker is drained before its next beat")
+            await said.until("was refused as too large; the worker is drained before its next beat")
             while not beats.empty():
                 beats.get_nowait()
             # the first beat after this may have been on its way before the refusal; the second went after it
@@ -427,7 +428,7 @@ async def test_an_agent_refused_too_large_in_no_life_drains_nothing_more_and_reg
             registry.store.max_payload = lambda: 200_000  # its WorkerRegistered, about 0.55 MB, no longer fits
             removed, _ = await raw_request(nc, prefix, "remove", "w-a", {"reason": "moved"})
             assert "seq" in removed, removed
-            await said.until("as too large for one event")  # the new life's registration, refused
+            await said.until("was refused as too large")  # the new life's registration, refused
             while not registers.empty():
                 registers.get_nowait()
             for _ in range(3):  # three more registrations, each after a beat answered NOT_FOUND
@@ -438,3 +439,33 @@ async def test_an_agent_refused_too_large_in_no_life_drains_nothing_more_and_reg
     finally:
         await registry.stop()
         await registry_nc.close()
+
+
+async def test_an_agent_whose_edit_is_too_large_to_send_drains_its_worker(prefix, tmp_path):
+    """On a server that carries 512 KB in a message (less than MAX_BODY, which the agent checks its file
+    against), an edit whose registration is past it (the client's refusal: nothing sent) is refused for its
+    size as one whose event is: the worker is drained before its next beat. Before, only an event past
+    max_payload drained it; a body past it was an ordinary refused edit, and the registration in force, which
+    the file no longer makes, went on taking resumes. (A body past MAX_BODY is an edit the agent ignores as
+    invalid, as any: docs/contract.md, "A registration too large for one event".)"""
+    server = NatsServer(tmp_path / "nats", extra_config="max_payload: 512KB\n").start()
+    nc = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
+    try:
+        assert nc.max_payload == 512 * 1024
+        path = tmp_path / "agent.toml"
+        path.write_text(agent_config("v1"))
+        async with running_registry(server.url, prefix, ttl_s=SILENT_TTL_S):
+            agent = Agent(server.url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe=PROBE)
+            async with agent_said() as said, agent_running(agent):
+                await said.until("registered w-a: REGISTERED")
+                path.write_text(bulky(agent_config("v2")))  # about 0.55 MB: past the server's 512 KB
+                lines = await said.until("drained (seq")
+                refused = [line for line in lines if "was refused as too large; the worker is drained" in line]
+                assert refused and "nothing was sent" in refused[0], lines
+                _, drained = await wait_event(nc, prefix, "w-a", WorkerDrained)
+                assert "refused as too large" in drained.reason
+                assert [type(e).__name__ for _, e in await worker_events(nc, prefix, "w-a")] == [
+                    "WorkerRegistered", "WorkerDrained"]
+    finally:
+        await nc.close()
+        server.kill()

@@ -46,11 +46,12 @@ The agent then:
   registrations are sent one after the other, after the first none holds up the heartbeats
   (nor does an edit's), and each sends what the file and the probe say when its turn comes
   (docs/registry.md, "The agent");
-- drains the worker, before its next beat, when the registry refuses a registration as too
-  large for one event (`events.errors.too_large_for_an_event`: its RuntimeChanged, carrying the
-  previous classes too, past the server's max_payload): the registration in force, which the
-  file no longer makes, takes no placements; no beat is sent while that drain is not answered
-  (`_out_of_placement`; docs/contract.md, "A registration too large for one event");
+- drains the worker, before its next beat, when a registration is refused for its size
+  (`events.errors.too_large`: its body past what NATS carries or the registry decodes, or an
+  event it writes, such as its RuntimeChanged carrying the previous classes too, past the
+  server's max_payload): the registration in force, which the file no longer makes, takes no
+  placements; no beat is sent while that drain is not answered (`_out_of_placement`;
+  docs/contract.md, "A registration too large for one event");
 - on SIGTERM/SIGINT drains the worker first if asked (`--drain-on-exit`), then
   stops; if its registration was still on its way, the drain waits for it (up to
   EXIT_ASKS_S, 5 s with the beat before it). A drained worker stays drained when its agent comes back before
@@ -83,7 +84,7 @@ import msgspec
 import nats
 from nats.aio.client import Client as NATS
 
-from events.errors import ContractError, in_force_named, latest_revision, too_large_for_an_event
+from events.errors import ContractError, in_force_named, latest_revision, too_large
 from events.tasks import cancel_and_wait
 from events.natsauth import env_sign_in, nkey_options, nkey_seed_path, redact_url
 from events.natspy.connections import ErrorsOnce, abandon, close_within, closed_for_good, connecting, describe_error
@@ -500,8 +501,8 @@ class Agent:
         # another agent of this worker id registered it since: this one stops (`run` raises it)
         self.superseded: Superseded | None = None
         self._superseding = asyncio.Event()  # set with `superseded`: wakes the loop of a refusal in a background beat
-        # The registry's refusal of this agent's last registration as too large for one event
-        # (`too_large_for_an_event`): the registration in force is not what the file and the probe make, and
+        # The refusal of this agent's last registration for its size (`events.errors.too_large`: its body, or
+        # an event it writes, past what NATS carries): the registration in force is not what the file and the probe make, and
         # no registration in this life can replace it. Until one is taken, the worker is drained before it is
         # beaten again (`_out_of_placement`); None once one is taken (or the file makes the one in force again).
         self._too_large: ContractError | None = None
@@ -915,7 +916,7 @@ class Agent:
                                 self.worker_id, e.message, e.field.replace("_", " "))
         except (ContractError, ConfigError) as e:
             self.registering = False  # refused, or not sent (its revision could not be kept): nothing on its way
-            if isinstance(e, ContractError) and too_large_for_an_event(e) and self._too_large is None:
+            if isinstance(e, ContractError) and too_large(e) and self._too_large is None:
                 self._too_large = e
                 self._beat_soon = True  # drained at the next beat, within a second or so (`_out_of_placement`)
             raise
@@ -1150,9 +1151,9 @@ class Agent:
             except Superseded:
                 pass  # the loop raises it (`superseded`): this agent stops
             except ContractError as e:
-                if too_large_for_an_event(e):  # not kept as it is: drained before the next beat (`_out_of_placement`)
-                    log.error("the registry refused the registration %s makes as too large for one event; the worker "
-                              "is drained before its next beat, if it is in a life: %s", self.config_path, e)
+                if too_large(e):  # not kept as it is: drained before the next beat (`_out_of_placement`)
+                    log.error("the registration %s makes was refused as too large; the worker is drained before its "
+                              "next beat, if it is in a life: %s", self.config_path, e)
                 else:
                     log.error("%s%s", refused, e)
                 if registration is EDIT:
@@ -1227,11 +1228,11 @@ class Agent:
             log.warning("%s", said_drained(self.worker_id, reply.drained))
 
     async def _out_of_placement(self) -> bool:
-        """Whether a beat may go out, after the registry refused this agent's registration as too large for
-        one event (`_too_large`): only once the worker is drained. The registration in force is then not
+        """Whether a beat may go out, after this agent's registration was refused for its size (`_too_large`):
+        only once the worker is drained. The registration in force is then not
         what the file and the probe make (an edit, a rolling upgrade: runtimes the machine may no longer
-        run), and no registration of this life can replace it (the registry refuses it again: its
-        RuntimeChanged carries the previous classes too). Beaten as it is, it drew resumes for runtimes
+        run), and the registration the file makes is refused again each time it is sent (its body, or an
+        event it writes, past what NATS carries: a RuntimeChanged carries the previous classes too). Beaten as it is, it drew resumes for runtimes
         this machine may not load for as long as the agent ran; drained, it takes no placements, and its
         running actors stay (pinned to the runtimes they run under). A drain not had (the registry does
         not answer) holds the beat back, and is asked again at the next one: the worker is drained, or
@@ -1241,8 +1242,8 @@ class Agent:
         refusal = self._too_large
         if refusal is None or self._drained_too_large:
             return True
-        reason = "its agent's registration was refused as too large for one event; the runtimes in force are " \
-                 "not what its configuration says"
+        reason = "its agent's registration was refused as too large; the runtimes in force are not what its " \
+                 "configuration says"
         body = DrainWorker(reason=reason, request_id=f"agent-{uuid.uuid4().hex}", revision=self._beats)
         try:
             reply = await self._request("drain", body, SeqReply, None)
@@ -1275,7 +1276,7 @@ class Agent:
         return False
 
     def _taken_after_too_large(self, reply: RegisterReply) -> None:
-        """A registration taken after one refused as too large for one event: the refusal is over. A new
+        """A registration taken after one refused for its size: the refusal is over. A new
         life is undrained; in the same life the worker stays drained, if it was, and the agent says so."""
         drained, self._too_large, self._drained_too_large = self._drained_too_large, None, False
         if drained and reply.outcome is not RegisterOutcome.REGISTERED:

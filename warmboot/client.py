@@ -84,7 +84,7 @@ import nats.errors
 from nats.aio.client import Client as NATS
 
 from events.codec import decode_reply, encode
-from events.errors import ContractError, invalid, life_started_in, past_the_end, unavailable
+from events.errors import ContractError, invalid, life_started_in, past_the_end, request_too_large, unavailable
 from events.natsauth import check_url, redact_url
 from events.natspy.connections import ErrorsOnce, PublishRefused, close_within, transport_lost, unless_refused
 from events.schema import (
@@ -512,7 +512,11 @@ class Client:
             raise unavailable(f"{NO_SERVICE}{subject}") from None
         except nats.errors.TimeoutError:
             raise unavailable(f"{NO_REPLY}{subject} within {timeout:g}s") from None
-        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError, nats.errors.MaxPayloadError,
+        except nats.errors.MaxPayloadError as error:  # sent again, refused again: final for every caller
+            # (the agent's loop took it as a connection's error and sent an edit past max_payload every 5 s for
+            # as long as it ran, its registration in force, which the file no longer made, beaten meanwhile)
+            raise self._unsent(subject, data, error) from None
+        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError,
                 nats.errors.OutboundBufferLimitError) as error:
             if not self.refusals_final:  # the agent: its own loop takes nats-py's errors, as it always did
                 raise
@@ -538,8 +542,7 @@ class Client:
             return Closed(ErrorCode.FAILED_PRECONDITION, f"the connection to NATS is closed (or closing): nothing "
                           f"was sent to {subject}, and nothing will be on it; make a new client")
         if isinstance(error, nats.errors.MaxPayloadError):
-            return invalid(f"the request to {subject} is {len(data)} bytes, more than NATS takes in a message "
-                           f"(its max_payload: {self.nc.max_payload} bytes); nothing was sent")
+            return request_too_large(subject, len(data), self.nc.max_payload)
         # disconnected, and what waits to be sent fills the connection's buffer
         return unavailable(f"{UNSENT_FULL}: nothing was sent to {subject}")
 
