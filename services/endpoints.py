@@ -200,8 +200,44 @@ def error_headers(error: ContractError) -> dict[str, str]:
 
 
 async def respond_error(request: Request, error: ContractError) -> None:
-    """The contract's error body, through micro's error reply (its two headers)."""
+    """The contract's error body, through micro's error reply (its two headers), its message cut to what the
+    server carries (`fitting_error`)."""
+    error = fitting_error(error, server_limit(request))
     await request.respond_error(str(error.status), _header_text(error.message), data=encode(error.reply()))
+
+
+CUT_MESSAGE = " ... (cut at {kept} of its {total} characters, past what one message of the NATS server carries)"
+
+
+def fitting_error(error: ContractError, limit: int | None) -> ContractError:
+    """`error`, or, where its reply (body and headers) is past `limit` (the server's max_payload), the same
+    code and field with its message cut to fit, saying so (CUT_MESSAGE). A refusal's message may quote what
+    the fold holds (whatif's unknown class names every registered class: 2,200 workers of 8 classes each made
+    a 1.1 MB message), and an error reply past max_payload was sent to nobody: its caller waited out its
+    time-out. Pure."""
+    if limit is None:
+        return error
+
+    def size(e: ContractError) -> int:
+        return len(encode(e.reply())) + len(header_block(error_headers(e)))
+
+    if size(error) <= limit:
+        return error
+    total = len(error.message)
+
+    def cut_at(kept: int) -> ContractError:
+        return ContractError(error.code, error.message[:kept] + CUT_MESSAGE.format(kept=kept, total=total), error.field)
+
+    # the most characters kept for which the reply fits (its size grows with what is kept: a binary search
+    # of about twenty encodings, on an error's path)
+    fits, past = 0, total
+    while past - fits > 1:
+        mid = (fits + past) // 2
+        if size(cut_at(mid)) <= limit:
+            fits = mid
+        else:
+            past = mid
+    return cut_at(fits)
 
 
 INTERNAL_MESSAGE = "internal error; the service log has the details"
@@ -257,14 +293,20 @@ def past_max_payload(message: str) -> tuple[int, int] | None:
     return (int(found[1]), int(found[2])) if found is not None else None
 
 
+def server_limit(request: Request) -> int | None:
+    """The max_payload of the server the connection that took `request` is on (None if not known)."""
+    limit = getattr(getattr(getattr(request, "_msg", None), "_client", None), "max_payload", None)
+    return limit if isinstance(limit, int) and limit > 0 else None
+
+
 def fitting(request: Request, data: bytes) -> bytes:
     """`data`, the answer to `request`, if the server carries a message that large (its `max_payload`);
     else RESOURCE_EXHAUSTED naming both sizes. An answer past it was sent to nobody (nats-py refuses to
     publish it) and its caller waited out its time-out: a worker's registration of thousands of runtime
     versions, within every bound of the schema, made `scheduler.runtimes` unanswerable for every client
     and operator (docs/security.md, "What the permissions do not cover")."""
-    limit = getattr(getattr(getattr(request, "_msg", None), "_client", None), "max_payload", None)
-    if isinstance(limit, int) and 0 < limit < len(data):
+    limit = server_limit(request)
+    if limit is not None and limit < len(data):
         raise exhausted(PAST_MAX_PAYLOAD.format(size=len(data), limit=limit)
                         + " (its max_payload); ask for less, or raise the server's max_payload")
     return data

@@ -1,0 +1,106 @@
+"""Every answer the services give reaches its caller, however large what it would say: on a real nats-server
+of nats-server's default max_payload (1 MB, `one_mb`), an answer past it is refused RESOURCE_EXHAUSTED at
+once (`services.endpoints.fitting`), and an error reply past it has its message cut to fit
+(`services.endpoints.fitting_error`); the service goes on answering. Before the cut, whatif's NOT_FOUND for an
+unknown class, naming every class registered workers run, was past max_payload on a fleet of 2,200 workers of 8
+classes each (a 1.1 MB message): it was sent to nobody, and its caller waited out its time-out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from contextlib import AsyncExitStack
+
+import pytest
+
+from events.codec import encode
+from events.errors import ContractError
+from events.schema import (ErrorCode, Fragmentation, FragmentationQuery, RegisterReply, WhatIf, WhatIfAnswer,
+                           WorkerPage, WorkersQuery)
+from events.subjects import service_subject
+from events.natspy.headers import header_block
+from services.endpoints import CUT_MESSAGE, call, error_headers, fitting_error
+from tests.conftest import ONE_MB
+from tests.factories import SILENT_TTL_S, last_seq
+from tests.registry_helpers import registration, runtime
+from warmboot.runner import SERVICES, start_services
+
+
+def reply_size(error: ContractError) -> int:
+    """What an error reply is on the wire: its body and its two headers (what the server's limit is on)."""
+    return len(encode(error.reply())) + len(header_block(error_headers(error)))
+
+
+def cut_at(message: str) -> tuple[int, int]:
+    """(characters kept, characters the message had) that a message cut by `fitting_error` says."""
+    found = re.search(re.escape(CUT_MESSAGE).replace(r"\{kept\}", r"(\d+)").replace(r"\{total\}", r"(\d+)") + "$",
+                      message)
+    assert found is not None, message[-300:]
+    return int(found[1]), int(found[2])
+
+
+# --- the cut, pure -------------------------------------------------------------------------------
+
+
+def test_an_error_that_fits_is_left_as_it_is():
+    error = ContractError(ErrorCode.NOT_FOUND, "no worker has registered the sandbox class 'x'", "sandbox_class")
+    assert fitting_error(error, reply_size(error)) is error
+    assert fitting_error(error, None) is error  # the server's limit not known
+
+
+@pytest.mark.parametrize("char", ["a", "\u00e9", "\U0001f600", "\x01"])  # 1 to 4 bytes of UTF-8; an escaped one: 6
+def test_an_error_past_the_limit_keeps_its_code_and_field_and_is_cut_to_fit_saying_so(char):
+    error = ContractError(ErrorCode.NOT_FOUND, "registered: " + char * 300_000, "sandbox_class")
+    limit = 64 * 1024
+    cut = fitting_error(error, limit)
+    assert reply_size(error) > limit >= reply_size(cut)
+    assert (cut.code, cut.field) == (error.code, error.field)
+    kept, total = cut_at(cut.message)
+    assert total == len(error.message) and 0 < kept < total
+    assert cut.message == error.message[:kept] + CUT_MESSAGE.format(kept=kept, total=total)
+    assert reply_size(cut) > limit - 6 * len(CUT_MESSAGE) - 64  # cut near the limit, not far below it
+
+
+# --- on a real 1 MB server -----------------------------------------------------------------------
+
+
+def many_classes(i: int) -> list[dict]:
+    """8 classes of the longest name (63 characters), told apart by the worker's number."""
+    return [{"sandbox_class": (f"c{i:05d}x{j}-" + "y" * 63)[:63], "default_runtime": runtime("v1"),
+             "restorable_runtimes": []} for j in range(8)]
+
+
+async def test_a_refusal_naming_more_classes_than_one_message_carries_is_answered_at_once_cut_to_fit(one_mb, prefix):
+    url, nc = one_mb
+    workers = 2_200  # 17,600 classes of 63 characters: about 1.2 MB of names, past the 1 MB the server carries
+    async with AsyncExitStack() as exits:
+        await start_services(exits, list(SERVICES), url, prefix, options={"registry": {"ttl_s": SILENT_TTL_S}})
+
+        def subject(verb: str, entity: str | None = None, service: str = "scheduler") -> str:
+            return service_subject(prefix, service, verb, entity)
+
+        for first in range(0, workers, 200):
+            await asyncio.gather(*(
+                call(nc, subject("register", f"w{i}", "registry"),
+                     registration(f"w{i}", node=f"n{i}", classes=many_classes(i)), RegisterReply, timeout=60)
+                for i in range(first, min(workers, first + 200))))
+        seq = await last_seq(nc, prefix)
+        query = WhatIf(sandbox_class="nope", min_seq=seq)
+        with pytest.raises(ContractError) as refused:  # a time-out would be UNAVAILABLE ("no reply ... within")
+            await call(nc, subject("whatif"), query, WhatIfAnswer, timeout=30)
+        error = refused.value
+        assert (error.code, error.field) == (ErrorCode.NOT_FOUND, "sandbox_class"), error
+        assert error.message.startswith("no worker has registered the sandbox class 'nope' (registered: c00000x0-yy")
+        kept, total = cut_at(error.message)
+        assert total > ONE_MB > kept  # the whole message would not have fitted
+        assert error.message.endswith(CUT_MESSAGE.format(kept=kept, total=total))
+        # the scheduler goes on answering: a known class's forecast, a page of its workers
+        known = many_classes(7)[3]["sandbox_class"]
+        answer = await call(nc, subject("whatif"), WhatIf(sandbox_class=known, min_seq=seq), WhatIfAnswer)
+        assert answer.before.stranded_snapshots == 0
+        page = await call(nc, subject("workers"), WorkersQuery(sandbox_classes=(known,), min_seq=seq), WorkerPage)
+        assert [w.worker_id for w in page.workers] == ["w7"]
+        fragmentation = await call(nc, subject("fragmentation"), FragmentationQuery(sandbox_class=known, min_seq=seq),
+                                   Fragmentation)
+        assert [c.workers for c in fragmentation.classes] == [1]
