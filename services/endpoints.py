@@ -82,6 +82,9 @@ DROPPED = Counter(
 )
 
 
+ASK_FOR_LESS = "ask for less"  # `EndpointSpec.too_large` unless an endpoint says better
+
+
 @dataclass(frozen=True)
 class EndpointSpec:
     """One request subject: `<prefix>.<service>.<verb>[.<entity_id>]`.
@@ -95,6 +98,9 @@ class EndpointSpec:
     handler: Handler
     per_entity: bool = True  # the subject ends with an entity id token
     reply_type: type | None = None
+    # What an answer past the server's max_payload holds and what to ask instead (`fitting`'s refusal says
+    # it, then "; or raise the server's max_payload"): an endpoint whose request cannot ask for less says so
+    too_large: str = ASK_FOR_LESS
 
     def metadata(self) -> dict[str, str]:
         reply = self.reply_type
@@ -257,7 +263,7 @@ def wrap(spec: EndpointSpec, service: str) -> Callable[[Request], Awaitable[Cont
             waits = deadline.wait_ms(request.headers)
             body = decode_request(spec.request_type, request.data)
             deadline.begin(waits, getattr(request, "received_ns", None) or deadline.now_ns())
-            data = fitting(request, encode(await spec.handler(entity_id, body)))
+            data = fitting(request, encode(await spec.handler(entity_id, body)), spec.too_large)
         except ContractError as error:
             if isinstance(error, deadline.Expired):
                 EXPIRED.labels(service, spec.verb).inc()
@@ -299,16 +305,18 @@ def server_limit(request: Request) -> int | None:
     return limit if isinstance(limit, int) and limit > 0 else None
 
 
-def fitting(request: Request, data: bytes) -> bytes:
+def fitting(request: Request, data: bytes, too_large: str = ASK_FOR_LESS) -> bytes:
     """`data`, the answer to `request`, if the server carries a message that large (its `max_payload`);
-    else RESOURCE_EXHAUSTED naming both sizes. An answer past it was sent to nobody (nats-py refuses to
+    else RESOURCE_EXHAUSTED naming both sizes, what such an answer holds and what to do (`too_large`, the
+    endpoint's `EndpointSpec.too_large`: "ask for less" said of `scheduler.worker`, which cannot, misled).
+    An answer past it was sent to nobody (nats-py refuses to
     publish it) and its caller waited out its time-out: a worker's registration of thousands of runtime
     versions, within every bound of the schema, made `scheduler.runtimes` unanswerable for every client
     and operator (docs/security.md, "What the permissions do not cover")."""
     limit = server_limit(request)
     if limit is not None and limit < len(data):
         raise exhausted(PAST_MAX_PAYLOAD.format(size=len(data), limit=limit)
-                        + " (its max_payload); ask for less, or raise the server's max_payload")
+                        + f" (its max_payload): {too_large}; or raise the server's max_payload")
     return data
 
 

@@ -3,7 +3,10 @@ of nats-server's default max_payload (1 MB, `one_mb`), an answer past it is refu
 once (`services.endpoints.fitting`), and an error reply past it has its message cut to fit
 (`services.endpoints.fitting_error`); the service goes on answering. Before the cut, whatif's NOT_FOUND for an
 unknown class, naming every class registered workers run, was past max_payload on a fleet of 2,200 workers of 8
-classes each (a 1.1 MB message): it was sent to nobody, and its caller waited out its time-out.
+classes each (a 1.1 MB message): it was sent to nobody, and its caller waited out its time-out. And the
+largest registration the registry takes makes four of the scheduler's answers past max_payload, each refused
+saying what it holds and what to do (`services.scheduler.service.TOO_LARGE`; all said "ask for less", which
+`scheduler.worker` cannot).
 """
 
 from __future__ import annotations
@@ -12,18 +15,22 @@ import asyncio
 import re
 from contextlib import AsyncExitStack
 
+import nats.errors
 import pytest
 
 from events.codec import encode
 from events.errors import ContractError
-from events.schema import (ErrorCode, Fragmentation, FragmentationQuery, RegisterReply, WhatIf, WhatIfAnswer,
-                           WorkerPage, WorkersQuery)
+from events.schema import (Assignment, CreateActor, ErrorCode, ExplainResume, Explanation, FleetRuntimes,
+                           Fragmentation, FragmentationQuery, RegisterReply, Resources, ResumeActor, RuntimesQuery,
+                           SeqReply, WhatIf, WhatIfAnswer, WorkerDetail, WorkerPage, WorkerQuery, WorkersQuery)
 from events.subjects import service_subject
 from events.natspy.headers import header_block
-from services.endpoints import CUT_MESSAGE, call, error_headers, fitting_error
+from services.endpoints import CUT_MESSAGE, call, error_headers, fitting_error, past_max_payload
+from services.scheduler.service import TOO_LARGE
 from tests.conftest import ONE_MB
 from tests.factories import SILENT_TTL_S, last_seq
 from tests.registry_helpers import registration, runtime
+from tests.test_registry_event_size import classes
 from warmboot.runner import SERVICES, start_services
 
 
@@ -104,3 +111,72 @@ async def test_a_refusal_naming_more_classes_than_one_message_carries_is_answere
         fragmentation = await call(nc, subject("fragmentation"), FragmentationQuery(sandbox_class=known, min_seq=seq),
                                    Fragmentation)
         assert [c.workers for c in fragmentation.classes] == [1]
+
+
+def one_class(pad: int) -> list[dict]:
+    """One class of 33 runtimes, each accepting 4 compatible versions of its own, every version 32 attributes
+    of `pad` characters: the registration whose versions the scheduler's answers spell out the most of."""
+    return classes("a", pad, edges=4, count=1)
+
+
+async def largest_taken(nc, subject, shape) -> int:
+    """The longest attribute values (`pad`) for which the registry takes a registration of `shape(pad)`: its
+    WorkerRegistered within max_payload less 1 KiB (`services.registry.domain.check_fits`)."""
+    taken, refused = 16, 257  # an attribute's value is at most 256 characters
+    while refused - taken > 1:
+        pad = (taken + refused) // 2
+        try:
+            await call(nc, subject("register", "w-probe", "registry"), registration("w-probe", classes=shape(pad)),
+                       RegisterReply, timeout=30)
+        except (ContractError, nats.errors.MaxPayloadError):  # past the event's room, or past the message's
+            refused = pad
+            continue
+        await call(nc, subject("remove", "w-probe", "registry"), {}, SeqReply)
+        taken = pad
+    return taken
+
+
+async def test_the_answers_spelling_out_the_largest_registration_taken_are_refused_at_once_saying_what_to_do(
+        one_mb, prefix):
+    """The worst registration the registry takes on a 1 MB server makes four of the scheduler's answers larger
+    than the server carries: each is RESOURCE_EXHAUSTED at once, naming both sizes, what the answer holds and
+    what to do (`TOO_LARGE`); the others answer (a resume, an explanation, a page of workers), and the service
+    goes on answering."""
+    url, nc = one_mb
+    async with AsyncExitStack() as exits:
+        await start_services(exits, list(SERVICES), url, prefix, options={"registry": {"ttl_s": SILENT_TTL_S}})
+
+        def subject(verb: str, entity: str | None = None, service: str = "scheduler") -> str:
+            return service_subject(prefix, service, verb, entity)
+
+        shape = one_class(await largest_taken(nc, subject, one_class))
+        await call(nc, subject("register", "w-big", "registry"),
+                   registration("w-big", node="node-big", classes=shape), RegisterReply, timeout=30)
+        for a in ("a0", "a1", "a2"):  # actors booked on it, each pinned to its default (a version of 32 attributes)
+            await call(nc, subject("create", a, "snapshotter"),
+                       CreateActor(actor_id=a, sandbox_class="c0", template_uid="t1",
+                                   resources=Resources(cpu_millis=100, memory_mib=128)), SeqReply)
+            placed = await call(nc, subject("resume", a), ResumeActor(), Assignment)
+            assert placed.worker_id == "w-big"
+        seq = await last_seq(nc, prefix)
+        asked = {
+            "worker": (subject("worker", "w-big"), WorkerQuery(min_seq=seq), WorkerDetail),
+            "fragmentation": (subject("fragmentation"), FragmentationQuery(sandbox_class="c0", min_seq=seq),
+                              Fragmentation),
+            "whatif": (subject("whatif"), WhatIf(sandbox_class="c0", drain_workers=("w-big",), min_seq=seq),
+                       WhatIfAnswer),
+            "runtimes": (subject("runtimes"), RuntimesQuery(min_seq=seq), FleetRuntimes),
+        }
+        for verb, (where, query, reply) in asked.items():
+            with pytest.raises(ContractError) as refused:  # a time-out would be UNAVAILABLE ("no reply ... within")
+                await call(nc, where, query, reply, timeout=30)
+            error = refused.value
+            assert error.code is ErrorCode.RESOURCE_EXHAUSTED, f"{verb}: {error}"
+            size, limit = past_max_payload(error.message)
+            assert size > limit == ONE_MB, verb
+            assert error.message.endswith(f"(its max_payload): {TOO_LARGE[verb]}; or raise the server's max_payload"), \
+                f"{verb}: {error.message}"
+        explanation = await call(nc, subject("explain", "a0"), ExplainResume(min_seq=seq), Explanation)
+        assert explanation.decision is None and explanation.refusal is not None  # it runs: nothing to place
+        page = await call(nc, subject("workers"), WorkersQuery(min_seq=seq), WorkerPage)
+        assert [w.worker_id for w in page.workers] == ["w-big"] and page.workers[0].actors == 3

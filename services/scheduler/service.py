@@ -87,6 +87,29 @@ SERVICE = "scheduler"
 DEFAULT_COMMIT_ATTEMPTS = 8
 DEFAULT_CATCH_UP_S = 5.0  # how long a request waits for the fold (min_seq, after a lost race)
 GAUGE_INTERVAL_S = 2.0
+# What each read's answer holds, past the server's max_payload, and what to ask instead (`EndpointSpec.too_large`,
+# said in its RESOURCE_EXHAUSTED before "; or raise the server's max_payload"). A worker's registration may be as
+# large as one event (max_payload less 1 KiB), and the answers that spell its runtimes out add to it: on a 1 MB
+# server, one class of 33 runtimes of 4 compatible versions each, three actors booked, made `worker` 1,056,485
+# bytes, `fragmentation` of that class 1,065,402, `whatif` 1,078,593 and `runtimes` 1,050,206
+# (tests/test_answer_size.py)
+TOO_LARGE = {
+    "worker": "it holds the worker's classes with every runtime and compatible version it registered, the actors "
+              "booked on it and the waiting LOCAL images on its node, and no request asks for less of it "
+              "(`warmboot worker show` reads the worker from the log instead); register fewer or smaller runtimes "
+              "and compatible versions on that worker",
+    "fragmentation": "it holds a row per distinct runtime version of each class; ask for one class (sandbox_class), "
+                     "or have the workers of the class register fewer or smaller runtimes and compatible versions",
+    "whatif": "it holds a row per distinct runtime version of the class and up to `limit` actors in each list; "
+              "ask for fewer actors (limit), or have the workers of the class register fewer or smaller runtimes "
+              "and compatible versions",
+    "runtimes": "it holds every distinct runtime version the registered workers offer, and no request asks for "
+                "less of it; have the workers register fewer or smaller runtimes and compatible versions",
+    "explain": "it holds a rejection per worker of the class passed over, which no request narrows (a resume's "
+               "own answer is one placement, and unaffected)",
+    "actors": "ask for a smaller page (limit)",
+    "workers": "ask for a smaller page (limit) or for fewer classes (sandbox_classes)",
+}
 MAX_CONCURRENT_REQUESTS = 4096  # requests handled at once by one replica
 # Read-only answers that may wait their turn at once on one replica (`SchedulerService._read`); past it,
 # UNAVAILABLE at once: a client retries it later, on this replica or another.
@@ -246,13 +269,16 @@ class SchedulerService:
             "warmboot scheduler: places resumes where their snapshot can load, or falls back",
             [
                 EndpointSpec("resume", ResumeActor, self.resume),
-                EndpointSpec("explain", ExplainResume, self.explain),
-                EndpointSpec("fragmentation", FragmentationQuery, self.fragmentation, per_entity=False),
-                EndpointSpec("whatif", WhatIf, self.whatif, per_entity=False),
-                EndpointSpec("runtimes", RuntimesQuery, self.runtimes, per_entity=False),
-                EndpointSpec("worker", WorkerQuery, self.worker),
-                EndpointSpec("actors", ActorsQuery, self.actors, per_entity=False),
-                EndpointSpec("workers", WorkersQuery, self.workers, per_entity=False),
+                EndpointSpec("explain", ExplainResume, self.explain, too_large=TOO_LARGE["explain"]),
+                EndpointSpec("fragmentation", FragmentationQuery, self.fragmentation, per_entity=False,
+                             too_large=TOO_LARGE["fragmentation"]),
+                EndpointSpec("whatif", WhatIf, self.whatif, per_entity=False, too_large=TOO_LARGE["whatif"]),
+                EndpointSpec("runtimes", RuntimesQuery, self.runtimes, per_entity=False,
+                             too_large=TOO_LARGE["runtimes"]),
+                EndpointSpec("worker", WorkerQuery, self.worker, too_large=TOO_LARGE["worker"]),
+                EndpointSpec("actors", ActorsQuery, self.actors, per_entity=False, too_large=TOO_LARGE["actors"]),
+                EndpointSpec("workers", WorkersQuery, self.workers, per_entity=False,
+                             too_large=TOO_LARGE["workers"]),
             ],
             max_concurrent=MAX_CONCURRENT_REQUESTS,
         )
