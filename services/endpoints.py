@@ -99,8 +99,12 @@ class EndpointSpec:
     per_entity: bool = True  # the subject ends with an entity id token
     reply_type: type | None = None
     # What an answer past the server's max_payload holds and what to ask instead (`fitting`'s refusal says
-    # it, then "; or raise the server's max_payload"): an endpoint whose request cannot ask for less says so
-    too_large: str = ASK_FOR_LESS
+    # it, then "; or raise the server's max_payload"): an endpoint whose request cannot ask for less says so.
+    # A function of the request's body where what to ask depends on what was asked.
+    too_large: str | Callable[[Any], str] = ASK_FOR_LESS
+
+    def too_large_for(self, body: Any) -> str:
+        return self.too_large(body) if callable(self.too_large) else self.too_large
 
     def metadata(self) -> dict[str, str]:
         reply = self.reply_type
@@ -263,7 +267,7 @@ def wrap(spec: EndpointSpec, service: str) -> Callable[[Request], Awaitable[Cont
             waits = deadline.wait_ms(request.headers)
             body = decode_request(spec.request_type, request.data)
             deadline.begin(waits, getattr(request, "received_ns", None) or deadline.now_ns())
-            data = fitting(request, encode(await spec.handler(entity_id, body)), spec.too_large)
+            data = fitting(request, encode(await spec.handler(entity_id, body)), spec.too_large_for(body))
         except ContractError as error:
             if isinstance(error, deadline.Expired):
                 EXPIRED.labels(service, spec.verb).inc()

@@ -159,12 +159,16 @@ async def test_the_answers_spelling_out_the_largest_registration_taken_are_refus
             placed = await call(nc, subject("resume", a), ResumeActor(), Assignment)
             assert placed.worker_id == "w-big"
         seq = await last_seq(nc, prefix)
-        asked = {
+        asked = {  # what each says it holds and what to do (TOO_LARGE), by what was asked
             "worker": (subject("worker", "w-big"), WorkerQuery(min_seq=seq), WorkerDetail),
-            "fragmentation": (subject("fragmentation"), FragmentationQuery(sandbox_class="c0", min_seq=seq),
-                              Fragmentation),
+            "fragmentation": (subject("fragmentation"), FragmentationQuery(min_seq=seq), Fragmentation),
+            "fragmentation of a class": (subject("fragmentation"), FragmentationQuery(sandbox_class="c0", min_seq=seq),
+                                         Fragmentation),
             "whatif": (subject("whatif"), WhatIf(sandbox_class="c0", drain_workers=("w-big",), min_seq=seq),
                        WhatIfAnswer),
+            "whatif listing at most one actor": (
+                subject("whatif"), WhatIf(sandbox_class="c0", drain_workers=("w-big",), limit=1, min_seq=seq),
+                WhatIfAnswer),
             "runtimes": (subject("runtimes"), RuntimesQuery(min_seq=seq), FleetRuntimes),
         }
         for verb, (where, query, reply) in asked.items():

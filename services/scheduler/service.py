@@ -100,9 +100,13 @@ TOO_LARGE = {
               "and compatible versions on that worker",
     "fragmentation": "it holds a row per distinct runtime version of each class; ask for one class (sandbox_class), "
                      "or have the workers of the class register fewer or smaller runtimes and compatible versions",
+    "fragmentation of a class": "it holds a row per distinct runtime version of the class; have its workers "
+                                "register fewer or smaller runtimes and compatible versions",
     "whatif": "it holds a row per distinct runtime version of the class and up to `limit` actors in each list; "
               "ask for fewer actors (limit), or have the workers of the class register fewer or smaller runtimes "
               "and compatible versions",
+    "whatif listing at most one actor": "it holds a row per distinct runtime version of the class, which no request narrows; "
+                           "have the workers of the class register fewer or smaller runtimes and compatible versions",
     "runtimes": "it holds every distinct runtime version the registered workers offer, and no request asks for "
                 "less of it; have the workers register fewer or smaller runtimes and compatible versions",
     "explain": "it holds a rejection per worker of the class passed over, which no request narrows (a resume's "
@@ -271,8 +275,11 @@ class SchedulerService:
                 EndpointSpec("resume", ResumeActor, self.resume),
                 EndpointSpec("explain", ExplainResume, self.explain, too_large=TOO_LARGE["explain"]),
                 EndpointSpec("fragmentation", FragmentationQuery, self.fragmentation, per_entity=False,
-                             too_large=TOO_LARGE["fragmentation"]),
-                EndpointSpec("whatif", WhatIf, self.whatif, per_entity=False, too_large=TOO_LARGE["whatif"]),
+                             too_large=lambda query: TOO_LARGE["fragmentation" if query.sandbox_class is None
+                                                               else "fragmentation of a class"]),
+                EndpointSpec("whatif", WhatIf, self.whatif, per_entity=False,
+                             too_large=lambda query: TOO_LARGE["whatif" if query.limit > 1
+                                                               else "whatif listing at most one actor"]),
                 EndpointSpec("runtimes", RuntimesQuery, self.runtimes, per_entity=False,
                              too_large=TOO_LARGE["runtimes"]),
                 EndpointSpec("worker", WorkerQuery, self.worker, too_large=TOO_LARGE["worker"]),
