@@ -1,13 +1,12 @@
 """Every answer the services give reaches its caller, however large what it would say: on a real nats-server
 of nats-server's default max_payload (1 MB, `one_mb`), an answer past it is refused RESOURCE_EXHAUSTED at
-once (`services.endpoints.fitting`), and an error reply past it has its message cut to fit
-(`services.endpoints.fitting_error`); the service goes on answering. Before the cut, whatif's NOT_FOUND for an
-unknown class, naming every class registered workers run, was past max_payload on a fleet of 2,200 workers of 8
-classes each (a 1.1 MB message): it was sent to nobody, and its caller waited out its time-out. And the
-largest registration the registry takes makes four of the scheduler's answers past max_payload, each refused
-saying what it holds and what to do (`services.scheduler.service.TOO_LARGE`; all said "ask for less", which
-`scheduler.worker` cannot).
-"""
+once (`services.endpoints.fitting`), saying what it holds and what to do (`services.scheduler.service.
+TOO_LARGE`: it said "ask for less" of every endpoint, which `scheduler.worker` cannot), and an error reply past
+it has its message cut to fit (`services.endpoints.fitting_error`); the service goes on answering. Before,
+whatif's NOT_FOUND for an unknown class, naming every class registered workers run, was past max_payload on a
+fleet of 2,200 workers of 8 classes each (a 1.1 MB message): it was sent to nobody, and its caller waited out
+its time-out; it names the first CLASSES_NAMED now. The largest registration the registry takes makes four of
+the scheduler's answers past max_payload."""
 
 from __future__ import annotations
 
@@ -25,8 +24,10 @@ from events.schema import (Assignment, CreateActor, ErrorCode, ExplainResume, Ex
                            SeqReply, WhatIf, WhatIfAnswer, WorkerDetail, WorkerPage, WorkerQuery, WorkersQuery)
 from events.subjects import service_subject
 from events.natspy.headers import header_block
-from services.endpoints import CUT_MESSAGE, call, error_headers, fitting_error, past_max_payload
+from services.endpoints import (CUT_MESSAGE, EndpointSpec, add_endpoints, call, error_headers, fitting_error,
+                                past_max_payload)
 from services.scheduler.service import TOO_LARGE
+from services.scheduler.whatif import CLASSES_NAMED
 from tests.conftest import ONE_MB
 from tests.factories import SILENT_TTL_S, last_seq
 from tests.registry_helpers import registration, runtime
@@ -78,7 +79,40 @@ def many_classes(i: int) -> list[dict]:
              "restorable_runtimes": []} for j in range(8)]
 
 
-async def test_a_refusal_naming_more_classes_than_one_message_carries_is_answered_at_once_cut_to_fit(one_mb, prefix):
+async def test_an_error_reply_past_max_payload_is_answered_at_once_cut_to_fit(one_mb, prefix):
+    """The endpoint layer on a real 1 MB server: a refusal whose message alone is past max_payload (a 2 MB
+    one) is answered at once, its code and field kept, its message cut to fit and saying so; the endpoint
+    goes on answering."""
+    url, nc = one_mb
+    message = "registered: " + "c" * (2 * ONE_MB)
+
+    async def refuse(_: str | None, query: RuntimesQuery) -> FleetRuntimes:
+        if query.min_seq == 1:
+            raise ContractError(ErrorCode.NOT_FOUND, message, "sandbox_class")
+        return FleetRuntimes(runtimes=[])
+
+    service = await add_endpoints(nc, prefix, "sizes", "answers of every size",
+                                  [EndpointSpec("ask", RuntimesQuery, refuse, per_entity=False)])
+    try:
+        with pytest.raises(ContractError) as refused:  # a time-out would be UNAVAILABLE ("no reply ... within")
+            await call(nc, service_subject(prefix, "sizes", "ask"), RuntimesQuery(min_seq=1), FleetRuntimes,
+                       timeout=30)
+        error = refused.value
+        assert (error.code, error.field) == (ErrorCode.NOT_FOUND, "sandbox_class"), error
+        kept, total = cut_at(error.message)
+        assert total == len(message) and ONE_MB - 1024 < kept < ONE_MB
+        assert error.message == message[:kept] + CUT_MESSAGE.format(kept=kept, total=total)
+        assert await call(nc, service_subject(prefix, "sizes", "ask"), RuntimesQuery(), FleetRuntimes) == \
+            FleetRuntimes(runtimes=[])
+    finally:
+        await service.stop()
+
+
+async def test_an_unknown_class_of_a_fleet_of_thousands_of_classes_is_refused_at_once_naming_the_first(
+        one_mb, prefix):
+    """whatif's NOT_FOUND for an unknown class named every class registered workers run: 17,600 of them at
+    2,200 workers of 8 classes each, a 1.1 MB message sent to nobody (its caller waited out its time-out). It
+    names the first CLASSES_NAMED and how many more."""
     url, nc = one_mb
     workers = 2_200  # 17,600 classes of 63 characters: about 1.2 MB of names, past the 1 MB the server carries
     async with AsyncExitStack() as exits:
@@ -98,10 +132,9 @@ async def test_a_refusal_naming_more_classes_than_one_message_carries_is_answere
             await call(nc, subject("whatif"), query, WhatIfAnswer, timeout=30)
         error = refused.value
         assert (error.code, error.field) == (ErrorCode.NOT_FOUND, "sandbox_class"), error
-        assert error.message.startswith("no worker has registered the sandbox class 'nope' (registered: c00000x0-yy")
-        kept, total = cut_at(error.message)
-        assert total > ONE_MB > kept  # the whole message would not have fitted
-        assert error.message.endswith(CUT_MESSAGE.format(kept=kept, total=total))
+        named = sorted(c["sandbox_class"] for i in range(workers) for c in many_classes(i))[:CLASSES_NAMED]
+        assert error.message == (f"no worker has registered the sandbox class 'nope' (registered: {', '.join(named)}, "
+                                 f"and {8 * workers - CLASSES_NAMED:,} more)")
         # the scheduler goes on answering: a known class's forecast, a page of its workers
         known = many_classes(7)[3]["sandbox_class"]
         answer = await call(nc, subject("whatif"), WhatIf(sandbox_class=known, min_seq=seq), WhatIfAnswer)
