@@ -16,6 +16,7 @@ from contextlib import AsyncExitStack
 
 import nats.errors
 import pytest
+from click.testing import CliRunner
 
 from events.codec import encode
 from events.errors import ContractError
@@ -32,6 +33,7 @@ from tests.conftest import ONE_MB
 from tests.factories import SILENT_TTL_S, last_seq
 from tests.registry_helpers import registration, runtime
 from tests.test_registry_event_size import classes
+from warmboot.cli import main
 from warmboot.runner import SERVICES, start_services
 
 
@@ -213,6 +215,10 @@ async def test_the_answers_spelling_out_the_largest_registration_taken_are_refus
             assert size > limit == ONE_MB, verb
             assert error.message.endswith(f"(its max_payload): {TOO_LARGE[verb]}; or raise the server's max_payload"), \
                 f"{verb}: {error.message}"
+        # `warmboot whatif`, which asks again for fewer actors (`fitting_whatif`), ends on the answer listing one
+        said = await asyncio.to_thread(CliRunner().invoke, main, ["whatif", "--class", "c0", "--drain", "w-big",
+                                                                  "--nats", url, "--prefix", prefix])
+        assert said.exit_code == 1 and TOO_LARGE["whatif listing at most one actor"] in said.output, said.output
         explanation = await call(nc, subject("explain", "a0"), ExplainResume(min_seq=seq), Explanation)
         assert explanation.decision is None and explanation.refusal is not None  # it runs: nothing to place
         page = await call(nc, subject("workers"), WorkersQuery(min_seq=seq), WorkerPage)

@@ -1242,7 +1242,11 @@ async def fitting_whatif(client: Client, query: WhatIf) -> tuple[WhatIfAnswer, W
     `limit` actors is larger than the server carries (RESOURCE_EXHAUSTED naming both sizes: `whatif
     --limit 0` of a thousand drained workers was a 3.1 MB answer, refused, and the command printed only
     that error), as many as fit, asked again at most a few times; the counts are the same whatever
-    it lists. Any other refusal is raised."""
+    it lists. Any other refusal is raised. An answer that a lower `limit` does not make smaller is large
+    for its rows per runtime, which no limit narrows: asked once more listing one actor, whose refusal says
+    so (it said "ask for fewer actors" after eight asks for fewer, a worker's registration of the largest
+    one-class size on a 1 MB server)."""
+    before = None  # the size of the answer the last ask was refused for
     for _ in range(8):
         try:
             return await client.whatif(query), query
@@ -1251,6 +1255,10 @@ async def fitting_whatif(client: Client, query: WhatIf) -> tuple[WhatIfAnswer, W
             if past is None or query.limit <= 1:
                 raise
             size, carried = past
+            if before is not None and size >= before:  # fewer actors made it no smaller
+                query = msgspec.structs.replace(query, limit=1)
+                continue
+            before = size
             fits = int(query.limit * carried / size * 0.9)  # a tenth to spare: rows are not all alike
             query = msgspec.structs.replace(query, limit=max(1, fits if fits < query.limit else query.limit // 2))
     return await client.whatif(query), query
