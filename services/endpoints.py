@@ -222,9 +222,9 @@ CUT_MESSAGE = " ... (cut at {kept} of its {total} characters, past what one mess
 def fitting_error(error: ContractError, limit: int | None) -> ContractError:
     """`error`, or, where its reply (body and headers) is past `limit` (the server's max_payload), the same
     code and field with its message cut to fit, saying so (CUT_MESSAGE). A refusal's message may quote what
-    the fold holds (whatif's unknown class names every registered class: 2,200 workers of 8 classes each made
-    a 1.1 MB message), and an error reply past max_payload was sent to nobody: its caller waited out its
-    time-out. Pure."""
+    the fold holds (whatif's unknown class named every registered class: 2,200 workers of 8 classes each made
+    a 1.1 MB message, `services.scheduler.whatif.CLASSES_NAMED`), and an error reply past max_payload was sent
+    to nobody: its caller waited out its time-out. Pure."""
     if limit is None:
         return error
 

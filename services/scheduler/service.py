@@ -105,8 +105,9 @@ TOO_LARGE = {
     "whatif": "it holds a row per distinct runtime version of the class and up to `limit` actors in each list; "
               "ask for fewer actors (limit), or have the workers of the class register fewer or smaller runtimes "
               "and compatible versions",
-    "whatif listing at most one actor": "it holds a row per distinct runtime version of the class, which no request narrows; "
-                           "have the workers of the class register fewer or smaller runtimes and compatible versions",
+    "whatif listing at most one actor": "it holds a row per distinct runtime version of the class, which no "
+                                        "request narrows; have the workers of the class register fewer or "
+                                        "smaller runtimes and compatible versions",
     "runtimes": "it holds every distinct runtime version the registered workers offer, and no request asks for "
                 "less of it; have the workers register fewer or smaller runtimes and compatible versions",
     "explain": "it holds a rejection per worker of the class passed over, which no request narrows (a resume's "
