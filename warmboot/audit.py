@@ -357,9 +357,9 @@ class Verifier:
         """Whether the actor's current life holds a message this version cannot read (a newer
         version's event: `Projection.unread_actors`): what it changed (a snapshot, a state) is
         unknown, so its stamps are not judged until a creation this version reads begins its next
-        life, as the scheduler does not place it meanwhile."""
-        unread = self.projection.unread_actors
-        return bool(unread) and actor_id in unread
+        life, as the scheduler does not place it meanwhile (`Projection.unread_of`, which `decide.resolve`
+        refuses by)."""
+        return self.projection.unread_of(actor_id) is not None
 
     def _placement(self, seq: int, event: ActorPlaced) -> Violation | None:
         """A placement must be feasible on the log as it stood right before it (CONTRACT

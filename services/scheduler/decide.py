@@ -206,7 +206,7 @@ def unresumable(actor: Actor | None) -> str | None:
 
 def resolve(projection: Projection, actor_id: str) -> Actor:
     """The actor a resume is about, or the contract error that refuses it (`unresumable`)."""
-    unread = projection.unread_actors.get(actor_id) if projection.unread_actors else None
+    unread = projection.unread_of(actor_id)
     if unread is not None:  # what that message changed (a newer snapshot, its stamp) is unknown here
         # a refusal on the actor's state, which a fold behind the log can give wrongly (the leader may
         # have the actor's next life already): the scheduler checks it at the stream leader

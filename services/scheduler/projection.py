@@ -206,6 +206,13 @@ class Projection:
         self.unread_actor_seq = seq
         self.unread_actors[actor_id] = seq
 
+    def unread_of(self, actor_id: str) -> int | None:
+        """The message of the actor's current life this fold cannot read (`actor_unread`), None if none: what
+        it changed is unknown here, so the scheduler does not place the actor (`decide.resolve`) and `audit
+        verify` does not judge its placements and releases, until a creation this fold reads begins its
+        next life."""
+        return self.unread_actors.get(actor_id) if self.unread_actors else None
+
     def tag_unread(self, seq: int, tag: str) -> None:
         """A message of a tag's history this fold cannot read: nothing the scheduler decides reads
         tags, so it only advances the position (`audit verify` forgets what the tag names)."""
