@@ -433,6 +433,8 @@ async def test_the_close_of_a_connection_to_a_frozen_server_is_given_up_within_i
         if server.running:
             os.kill(server.pid, signal.SIGCONT)
         server.stop()
+
+
 @pytest.mark.timeout(30)
 async def test_a_client_s_close_with_its_server_frozen_is_given_up_and_its_socket_closed(tmp_path):
     """`warmboot.client.Client.close` of a connection it made, its server frozen with the socket's buffers full
