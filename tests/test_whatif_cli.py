@@ -311,6 +311,47 @@ async def test_a_forecast_larger_than_one_answer_carries_lists_as_many_as_fit_an
         await fitting_whatif(Refusing(), query)
 
 
+async def test_a_forecast_asked_for_more_actors_than_there_are_lists_as_many_as_fit_not_one():
+    """`whatif --limit 0` (10,000) of a thousand stranded actors, a 244 KB answer past a 100 KB server: the
+    first ask for fewer (3,685) lists the same thousand, an answer no smaller. Taken for one that no limit
+    narrows (its rows per runtime), the command asked for one actor and printed that, where 400 fit. It asks
+    for one actor only to learn whether no limit narrows it (answered: it does), then for fewer as before."""
+    from types import SimpleNamespace
+
+    from events.codec import encode
+    from events.schema import Location, SnapshotCounts, StrandedActor, WhatIfAnswer
+    from services.endpoints import fitting
+    from services.scheduler.service import TOO_LARGE
+    from tests.factories import stamp, version
+    from warmboot.cmd_views import fitting_whatif
+
+    stranded, carried = 1000, 100_000
+    request = SimpleNamespace(_msg=SimpleNamespace(_client=SimpleNamespace(max_payload=carried)))
+    asked: list[int] = []
+
+    def answer(limit: int) -> WhatIfAnswer:
+        return WhatIfAnswer(
+            before=SnapshotCounts(stranded_snapshots=0, memory_restorable_snapshots=stranded),
+            after=SnapshotCounts(stranded_snapshots=stranded, memory_restorable_snapshots=0), runtimes=[],
+            newly_stranded=[StrandedActor(actor_id=f"a-{i:05d}", stamp=stamp(version("b1"), name="runsc-v1"),
+                                          location=Location.LOCAL, node=f"node-{i:05d}")
+                            for i in range(min(limit, stranded))])
+
+    class Scheduler:
+        async def whatif(self, query: WhatIf) -> WhatIfAnswer:
+            asked.append(query.limit)
+            reply = answer(query.limit)
+            fitting(request, encode(reply),  # the service's own check, and its words
+                    TOO_LARGE["whatif" if query.limit > 1 else "whatif listing at most one actor"])
+            return reply
+
+    assert len(encode(answer(stranded))) > 2 * carried
+    got, answered = await fitting_whatif(Scheduler(), WhatIf(sandbox_class="gvisor", drain_workers=("w-1",),
+                                                             limit=10_000))
+    assert carried // 2 < len(encode(got)) <= carried, asked
+    assert len(got.newly_stranded) == answered.limit > 1, asked
+
+
 def test_a_thousand_workers_drained_are_named_a_few_and_counted():
     """DRAIN listed every worker a forecast drains: 18 KB of one field for a thousand (a trial at fleet
     size). It names ten and counts the rest; -o wide names all."""

@@ -1243,10 +1243,13 @@ async def fitting_whatif(client: Client, query: WhatIf) -> tuple[WhatIfAnswer, W
     --limit 0` of a thousand drained workers was a 3.1 MB answer, refused, and the command printed only
     that error), as many as fit, asked again at most a few times; the counts are the same whatever
     it lists. Any other refusal is raised. An answer that a lower `limit` does not make smaller is large
-    for its rows per runtime, which no limit narrows: asked once more listing one actor, whose refusal says
-    so (it said "ask for fewer actors" after eight asks for fewer, a worker's registration of the largest
-    one-class size on a 1 MB server)."""
+    for its rows per runtime, which no limit narrows, or asked for more actors than there are: the answer
+    listing one actor is asked once, whose refusal says that no limit narrows it (it said "ask for fewer
+    actors" after eight asks for fewer, a worker's registration of the largest one-class size on a 1 MB
+    server); answered, fewer are asked for as before (taken for the answer, it listed one actor of a
+    thousand where 400 fit: `--limit 0`'s 10,000 cut to 3,685 listed the same thousand)."""
     before = None  # the size of the answer the last ask was refused for
+    one = False  # the answer listing one actor was asked (and fits)
     for _ in range(8):
         try:
             return await client.whatif(query), query
@@ -1255,9 +1258,9 @@ async def fitting_whatif(client: Client, query: WhatIf) -> tuple[WhatIfAnswer, W
             if past is None or query.limit <= 1:
                 raise
             size, carried = past
-            if before is not None and size >= before:  # fewer actors made it no smaller
-                query = msgspec.structs.replace(query, limit=1)
-                continue
+            if before is not None and size >= before and not one:  # fewer actors made it no smaller
+                await client.whatif(msgspec.structs.replace(query, limit=1))  # its refusal is raised
+                one = True
             before = size
             fits = int(query.limit * carried / size * 0.9)  # a tenth to spare: rows are not all alike
             query = msgspec.structs.replace(query, limit=max(1, fits if fits < query.limit else query.limit // 2))
