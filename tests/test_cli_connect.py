@@ -532,6 +532,37 @@ async def test_an_id_that_is_not_a_string_is_refused_naming_its_field_and_nothin
         await watch.unsubscribe()
         await nc.close()
 
+async def test_a_request_within_max_payload_whose_headers_take_it_past_is_refused_unsent(tmp_path):
+    """The server's max_payload bounds a message's header block and payload together (a message past it gets
+    the connection cut: "Maximum Payload Violation"); nats-py's own check is on the payload alone. A write's
+    body within a few bytes of max_payload, its wait header (`Warmboot-Wait-Ms`) taking it past, was sent: the
+    server cut the connection, every request on it was lost, and the caller was told UNAVAILABLE (the agent
+    sends such a registration again after each reconnect). Now it is refused as one past max_payload is:
+    INVALID_ARGUMENT, nothing sent, the connection kept."""
+    from events.codec import encode
+    from events.errors import ContractError
+    from events.schema import ErrorCode, Placement, ResumeActor
+    from warmboot.client import Client
+
+    server = NatsServer(tmp_path, extra_config="max_payload: 64KB\n").start()
+    try:
+        client = await Client.connect(server.url, "tp", timeout=2, attempts=1)
+        limit = client.nc.max_payload
+        selectors = {f"k{i}": "v" * 100 for i in range((limit - 200) // 110)}
+        body = ResumeActor(selectors=selectors, request_id="r-edge")
+        selectors["pad"] = "p" * (limit - 8 - len(encode(body)) - len(',"pad":""'))
+        body = ResumeActor(selectors=selectors, request_id="r-edge")
+        assert limit - 16 < len(encode(body)) <= limit, len(encode(body))  # the payload alone fits
+        with pytest.raises(ContractError) as large:
+            await client.request("scheduler", "resume", "a-1", body, Placement)
+        assert large.value.code is ErrorCode.INVALID_ARGUMENT, large.value
+        assert f"more than NATS takes in a message (its max_payload: {limit} bytes)" in large.value.message
+        assert client.nc.is_connected and client.nc.stats["reconnects"] == 0
+        await client.close()
+    finally:
+        server.stop()
+
+
 async def test_a_request_nats_py_will_not_send_is_a_contract_error_naming_why(tmp_path):
     """What nats-py refuses to send came out of the client as its own exception, not a ContractError
     (an audit's finding): a call after `close` (ConnectionClosedError), a request larger than the

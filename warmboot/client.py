@@ -87,6 +87,7 @@ from events.codec import decode_reply, encode
 from events.errors import ContractError, invalid, life_started_in, past_the_end, request_too_large, unavailable
 from events.natsauth import check_url, redact_url
 from events.natspy.connections import ErrorsOnce, PublishRefused, close_within, transport_lost, unless_refused
+from events.natspy.headers import header_block
 from events.schema import (
     ID_RE,
     ID_WORDS,
@@ -503,6 +504,11 @@ class Client:
 
     async def _once(self, subject: str, data: bytes, reply_type: type[T], headers: dict[str, str] | None,
                     timeout: float) -> T:
+        if headers and len(data) + len(header_block(headers)) > self.nc.max_payload:
+            # the server's limit is on the header block and the payload together, nats-py's on the payload
+            # alone: sent, such a request got the connection cut ("Maximum Payload Violation"), every request
+            # on it lost, and was told UNAVAILABLE (sent again by the agent after each reconnect)
+            raise request_too_large(subject, len(data) + len(header_block(headers)), self.nc.max_payload)
         try:
             request = self.nc.request(subject, data, timeout=timeout, headers=headers)
             msg = await (unless_refused(self.nc, subject, request) if self.refusals_final else request)
