@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 import msgspec
 import pytest
@@ -262,41 +263,54 @@ async def test_a_runtime_no_worker_runs_any_more_is_labelled_as_fragmentation_la
 # --- at fleet size ------------------------------------------------------------------------------------
 
 
+def stranding(stranded: int, carried: int) -> tuple[Any, list[int]]:
+    """A scheduler's whatif of `stranded` newly stranded actors, each listed up to the query's `limit`, refused
+    as the service refuses an answer past `carried` (its `fitting`, with the endpoint's words); and the limits
+    it was asked with."""
+    from types import SimpleNamespace
+
+    from events.codec import encode
+    from events.schema import Location, SnapshotCounts, StrandedActor, WhatIfAnswer
+    from services.endpoints import fitting
+    from services.scheduler.service import TOO_LARGE
+    from tests.factories import stamp, version
+
+    request = SimpleNamespace(_msg=SimpleNamespace(_client=SimpleNamespace(max_payload=carried)))
+    asked: list[int] = []
+
+    class Scheduler:
+        @staticmethod
+        def answer(limit: int) -> WhatIfAnswer:
+            return WhatIfAnswer(
+                before=SnapshotCounts(stranded_snapshots=0, memory_restorable_snapshots=stranded),
+                after=SnapshotCounts(stranded_snapshots=stranded, memory_restorable_snapshots=0), runtimes=[],
+                newly_stranded=[StrandedActor(actor_id=f"a-{i:05d}", stamp=stamp(version("b1"), name="runsc-v1"),
+                                              location=Location.LOCAL, node=f"node-{i:05d}")
+                                for i in range(min(limit, stranded))])
+
+        async def whatif(self, query: WhatIf) -> WhatIfAnswer:
+            asked.append(query.limit)
+            reply = self.answer(query.limit)
+            fitting(request, encode(reply),  # the service's own check, and its words
+                    TOO_LARGE["whatif" if query.limit > 1 else "whatif listing at most one actor"])
+            return reply
+
+    return Scheduler(), asked
+
+
 async def test_a_forecast_larger_than_one_answer_carries_lists_as_many_as_fit_and_says_so():
     """`whatif --limit 0` ("all, up to 10,000") of a thousand drained workers was a 3.1 MB answer, past the
     server's max_payload: the scheduler refused it RESOURCE_EXHAUSTED and the command printed that error
     alone, no forecast. It asks again for as many actors as fit (`fitting_whatif`), the counts unchanged,
     and the note says why fewer are listed; any other refusal is raised as it was."""
-    from types import SimpleNamespace
-
     from events.codec import encode
     from events.errors import ContractError, exhausted
-    from events.schema import Location, SnapshotCounts, StrandedActor, WhatIfAnswer
-    from services.endpoints import fitting
-    from tests.factories import stamp, version
     from warmboot.cmd_views import fitting_whatif, render_whatif
 
     stranded, carried = 3000, 100_000
-    request = SimpleNamespace(_msg=SimpleNamespace(_client=SimpleNamespace(max_payload=carried)))
-    asked: list[int] = []
-
-    def answer(limit: int) -> WhatIfAnswer:
-        return WhatIfAnswer(
-            before=SnapshotCounts(stranded_snapshots=0, memory_restorable_snapshots=stranded),
-            after=SnapshotCounts(stranded_snapshots=stranded, memory_restorable_snapshots=0), runtimes=[],
-            newly_stranded=[StrandedActor(actor_id=f"a-{i:05d}", stamp=stamp(version("b1"), name="runsc-v1"),
-                                          location=Location.LOCAL, node=f"node-{i:05d}")
-                            for i in range(min(limit, stranded))])
-
-    class Scheduler:
-        async def whatif(self, query: WhatIf) -> WhatIfAnswer:
-            asked.append(query.limit)
-            reply = answer(query.limit)
-            fitting(request, encode(reply))  # the service's own check, and its words
-            return reply
-
+    scheduler, asked = stranding(stranded, carried)
     query = WhatIf(sandbox_class="gvisor", drain_workers=("w-1",), limit=10_000)
-    got, answered = await fitting_whatif(Scheduler(), query)
+    got, answered = await fitting_whatif(scheduler, query)
     assert len(encode(got)) <= carried and carried // 2 < len(encode(got)), asked
     assert answered.limit == asked[-1] < 10_000 and len(asked) <= 3 and len(got.newly_stranded) == answered.limit
     text = render_whatif(answered, got, runtimes_of(folded(fleet())), 200, carried=True)
@@ -304,7 +318,7 @@ async def test_a_forecast_larger_than_one_answer_carries_lists_as_many_as_fit_an
                          "answer of this NATS server carries (its max_payload))"), text[-300:]
 
     class Refusing:
-        async def whatif(self, query: WhatIf) -> WhatIfAnswer:
+        async def whatif(self, query: WhatIf) -> None:
             raise exhausted("busy")
 
     with pytest.raises(ContractError, match="busy"):
@@ -316,37 +330,13 @@ async def test_a_forecast_asked_for_more_actors_than_there_are_lists_as_many_as_
     first ask for fewer (3,685) lists the same thousand, an answer no smaller. Taken for one that no limit
     narrows (its rows per runtime), the command asked for one actor and printed that, where 400 fit. It asks
     for one actor only to learn whether no limit narrows it (answered: it does), then for fewer as before."""
-    from types import SimpleNamespace
-
     from events.codec import encode
-    from events.schema import Location, SnapshotCounts, StrandedActor, WhatIfAnswer
-    from services.endpoints import fitting
-    from services.scheduler.service import TOO_LARGE
-    from tests.factories import stamp, version
     from warmboot.cmd_views import fitting_whatif
 
     stranded, carried = 1000, 100_000
-    request = SimpleNamespace(_msg=SimpleNamespace(_client=SimpleNamespace(max_payload=carried)))
-    asked: list[int] = []
-
-    def answer(limit: int) -> WhatIfAnswer:
-        return WhatIfAnswer(
-            before=SnapshotCounts(stranded_snapshots=0, memory_restorable_snapshots=stranded),
-            after=SnapshotCounts(stranded_snapshots=stranded, memory_restorable_snapshots=0), runtimes=[],
-            newly_stranded=[StrandedActor(actor_id=f"a-{i:05d}", stamp=stamp(version("b1"), name="runsc-v1"),
-                                          location=Location.LOCAL, node=f"node-{i:05d}")
-                            for i in range(min(limit, stranded))])
-
-    class Scheduler:
-        async def whatif(self, query: WhatIf) -> WhatIfAnswer:
-            asked.append(query.limit)
-            reply = answer(query.limit)
-            fitting(request, encode(reply),  # the service's own check, and its words
-                    TOO_LARGE["whatif" if query.limit > 1 else "whatif listing at most one actor"])
-            return reply
-
-    assert len(encode(answer(stranded))) > 2 * carried
-    got, answered = await fitting_whatif(Scheduler(), WhatIf(sandbox_class="gvisor", drain_workers=("w-1",),
+    scheduler, asked = stranding(stranded, carried)
+    assert len(encode(scheduler.answer(stranded))) > 2 * carried
+    got, answered = await fitting_whatif(scheduler, WhatIf(sandbox_class="gvisor", drain_workers=("w-1",),
                                                              limit=10_000))
     assert carried // 2 < len(encode(got)) <= carried, asked
     assert len(got.newly_stranded) == answered.limit > 1, asked
