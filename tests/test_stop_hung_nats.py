@@ -175,7 +175,7 @@ async def check_once_each(nc, prefix: str, workers: list[str], actors: list[str]
 def assert_stopped(status: int, took: float, text: str) -> None:
     """Exit 0 within the bound, and the log says NATS did not answer (`warmboot.runner`)."""
     print(f"stopped in {took:.1f}s; its log:\n{text}")
-    assert took < STOP_BOUND_S, f"took {took:.1f}s; its log:\n{text}"
+    # within the bound: exit 0, and not by `StopBound` (which ends it at the bound with status 1, saying so)
     assert status == 0, text
     assert "did not answer during the stop" in text, text
     assert "the stop did not end within" not in text, text  # its own steps' bounds kept it, not `StopBound`
@@ -248,9 +248,9 @@ async def test_agent_stops_within_the_bound_with_nats_hung_as_it_registers(tmp_p
         freeze(server, how)
         status, took, text = await agent.stopped()
         print(f"stopped in {took:.1f}s; its output:\n{text}")
-        assert took < STOP_BOUND_S, text
-        assert status == 0, text
+        assert status == 0, text  # within the bound: not ended by `StopBound` (status 1, and its line)
         assert "could not drain w-a: no answer within" in text, text
+        assert "the stop did not end within" not in text, text
         thaw(server, how)
         agent = Process(*args)
         print(await agent.said("registered w-a"))
@@ -296,8 +296,7 @@ async def test_agent_stops_within_the_bound_with_nats_hung_as_it_registers_a_cha
         freeze(server, how)
         status, took, text = await agent.stopped()
         print(f"stopped in {took:.1f}s; its output:\n{text}")
-        assert took < STOP_BOUND_S, text
-        assert status == 0, text
+        assert status == 0, text  # within the bound: not ended by `StopBound` (status 1, and its line)
         assert "could not drain w-a: no answer within" in text, text
         assert "the stop did not end within" not in text, text
         thaw(server, how)

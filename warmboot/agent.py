@@ -54,7 +54,7 @@ The agent then:
   docs/contract.md, "A registration too large for one event");
 - on SIGTERM/SIGINT drains the worker first if asked (`--drain-on-exit`), then
   stops; if its registration was still on its way, the drain waits for it (up to
-  EXIT_ASKS_S, 5 s with the beat before it). A drained worker stays drained when its agent comes back before
+  EXIT_ASKS_S, 5 s from the stop with the beat before it). A drained worker stays drained when its agent comes back before
   the registry's TTL; once removed as LOST it registers anew, undrained;
 - says, once per drain, that the worker is drained (`worker W is drained (seq N, reason
   '...')`, a warning), when a heartbeat's answer names a drain it has not said nor sent
@@ -216,10 +216,14 @@ SUPERSEDED_AT_START_EXIT = 3
 # How long the beat at the start of an agent that stopped as Superseded is asked again while the registry
 # does not answer (`Agent._check_still_superseded`); then it registers, as without the record.
 START_CHECK_S = DEFAULT_TTL_S
-# The exit's steps that ask the registry (`--drain-on-exit`: the beat asking whether the agent still holds the
-# worker, 2 s at most, then the drain), all together: with NATS frozen or gone they are given up by then, and
-# with the close's CLOSE_GIVEN_UP_S the stop stays well within StopBound's STOP_BOUND_S (it took up to 9 s).
+# The exit's steps before the close, counted from the stop: the end of its serving tasks (a beat in flight
+# whose cancellation nats-py swallows ends at its own time-out, up to 5 s) and the two asks of the registry
+# (`--drain-on-exit`: the beat asking whether the agent still holds the worker, 2 s at most, then the drain),
+# all together: what the serving tasks took, the asks do not get (each asked for 0.1 s at least). With NATS
+# frozen or gone, and the close's CLOSE_GIVEN_UP_S, the stop stays well within StopBound's STOP_BOUND_S (it
+# took up to 9 s, and 12 where a beat in flight ignored its cancellation: past the bound, exit status 1).
 EXIT_ASKS_S = 5.0
+EXIT_ASK_LEAST_S = 0.1
 
 
 def superseded_by(refusal: ContractError, worker_id: str, node: str, last_revision: int) -> Superseded | None:
@@ -1418,15 +1422,19 @@ class Agent:
             if serving.done():
                 serving.result()  # its error is the caller's (the CLI says it), not logged here too
         finally:
+            asks_end = time.monotonic() + EXIT_ASKS_S  # the serving tasks' end, the check and the drain, together
+
+            def left(most: float = EXIT_ASKS_S) -> float:
+                return min(most, max(EXIT_ASK_LEAST_S, asks_end - time.monotonic()))
+
             await cancel_and_wait(stopping, None if serving.done() else serving)
-            asks_end = time.monotonic() + EXIT_ASKS_S  # the check and the drain, together
             if (self.drain_on_exit and self.sent_registration and not self.withdrawn and self.superseded is None
                     and not self.nc.is_closed):  # (superseded: the worker is another agent's, not this one's to drain)
                 # asked first: stopped before its next beat, it may not have heard that another took the worker
-                self.superseded = await self._superseded_now()
+                self.superseded = await self._superseded_now(left(2.0))
             if (self.drain_on_exit and self.sent_registration and not self.withdrawn and self.superseded is None
                     and not self.nc.is_closed):
-                reply = await self.drain("agent stopped", max(0.1, asks_end - time.monotonic()))
+                reply = await self.drain("agent stopped", left())
                 if reply is not None:
                     log.info("drained %s (seq %d)%s", self.worker_id, reply.seq,
                              "; it already was" if reply.unchanged else "")
