@@ -38,7 +38,7 @@ from tests.registry_helpers import CPUINFO, agent_config, wait_event, worker_eve
 from tests.test_faults import Load
 from warmboot.cli_common import read_subject
 from warmboot.natsserver import NatsServer
-from warmboot.runner import STOP_BOUND_S, STOP_GIVEN_UP_EXIT, start_services
+from warmboot.runner import STOP_BOUND_S, STOP_DRAIN_S, STOP_GIVEN_UP_EXIT, start_services
 
 EXE = str(Path(sys.executable).parent / "warmboot")
 WORKERS = 100
@@ -626,8 +626,11 @@ async def test_a_stop_with_nats_answering_says_nothing_of_it(tmp_path):
             status, took, text = await proc.stopped()
         finally:
             proc.end()
-        assert status == 0 and took < 3, (took, text)
+        print(f"stopped in {took:.1f}s; its output:\n{text}")
+        assert status == 0, text
         assert "did not answer" not in text and "not answered" not in text, text
+        # nothing in progress: it did not wait out the drain's bound (a generous bound: the machine may be loaded)
+        assert took < STOP_DRAIN_S, (took, text)
     finally:
         server.stop()
 
