@@ -59,7 +59,7 @@ async def test_a_drain_at_exit_sent_after_another_node_took_the_worker_drains_no
     node-b registered."""
     one = machine(nats_url, prefix, tmp_path, "intel", CPUINFO, node="node-a")
 
-    async def beat_crossed_before_the_replacement() -> None:
+    async def beat_crossed_before_the_replacement(timeout_s: float) -> None:
         return None  # what `_superseded_now` says when its beat was answered before node-b's registration
 
     monkeypatch.setattr(one, "_superseded_now", beat_crossed_before_the_replacement)
