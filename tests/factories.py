@@ -423,6 +423,12 @@ async def elections(nc: NATS, cluster: Any, stream: str, stop: asyncio.Event, rn
 NOT_LEADER = 10041  # JetStream's err_code of `raft: not leader`
 
 
+def first_column(shown: Any) -> list[str]:
+    """The first cell of each row of a table a CLI command printed (`shown.stdout`, a CliRunner's result or a
+    process's): its header line left out. What `actor list` and `workers` tests read of a page."""
+    return [line.split()[0] for line in shown.stdout.splitlines()[1:]]
+
+
 def outcome(value: Any) -> Any:
     """What a failover harness compares of an answer: a refusal's code and field (its message may name the
     replica's state), else the reply itself."""

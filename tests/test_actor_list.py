@@ -45,8 +45,8 @@ from services.endpoints import call
 from services.scheduler import actor_list
 from services.scheduler.actor_list import actor_page, actor_summary, sorted_ids
 from services.scheduler.projection import Projection
-from tests.factories import (AT, booked, created, entry, fold, last_seq, log_reads, placed, read_log, registered,
-                             released, runtime, snapshot, stamp, taken, version)
+from tests.factories import (AT, booked, created, entry, first_column, fold, last_seq, log_reads, placed, read_log,
+                             registered, released, runtime, snapshot, stamp, taken, version)
 from warmboot.cli import main
 from warmboot.client import Client
 from warmboot.cmd_lifecycle import actor_view, folded_actors, summary_view
@@ -418,28 +418,25 @@ async def test_a_table_lists_a_page_and_says_on_stderr_how_to_list_the_next(nats
     monkeypatch.setattr(cmd_lifecycle, "ACTORS_LIMIT_MAX", 2)
     at = ("--nats", nats_url, "--prefix", prefix)
 
-    def ids(shown) -> list[str]:
-        return [line.split()[0] for line in shown.stdout.splitlines()[1:]]
-
     for source in ("log", "scheduler"):
         if source == "scheduler":
             await replicas()
         first = await cli("actor", "list", *at)
-        assert first.exit_code == 0 and ids(first) == IDS[:3], (source, first.output)
+        assert first.exit_code == 0 and first_column(first) == IDS[:3], (source, first.output)
         assert first.stderr == (f"note: 3 actors listed, more follow: --continue {IDS[2]} lists the next 3 (the same "
                                 "filters), --limit 0 every one\n"), source
         second = await cli("actor", "list", "--continue", IDS[2], *at)
-        assert ids(second) == IDS[3:6] and f"--continue {IDS[5]} " in second.stderr, (source, second.output)
+        assert first_column(second) == IDS[3:6] and f"--continue {IDS[5]} " in second.stderr, (source, second.output)
         last = await cli("actor", "list", "--continue", IDS[5], *at)
-        assert ids(last) == IDS[6:] and last.stderr == "", (source, last.output)
+        assert first_column(last) == IDS[6:] and last.stderr == "", (source, last.output)
         whole = await cli("actor", "list", "--limit", "0", *at)
-        assert ids(whole) == IDS and whole.stderr == "", source
+        assert first_column(whole) == IDS and whole.stderr == "", source
         as_json = await cli("actor", "list", "-o", "json", *at)
         assert [v["actor_id"] for v in json.loads(as_json.stdout)] == IDS and as_json.stderr == "", source
         two = await cli("actor", "list", "-o", "json", "--limit", "2", *at)
         assert [v["actor_id"] for v in json.loads(two.stdout)] == IDS[:2] and "--continue" in two.stderr, source
         running = await cli("actor", "list", "--state", "RUNNING", "--limit", "1", *at)
-        assert ids(running) == ["a-2"] and "--continue a-2 " in running.stderr, (source, running.output)
+        assert first_column(running) == ["a-2"] and "--continue a-2 " in running.stderr, (source, running.output)
     past = await cli("actor", "list", "--continue", IDS[-1], *at)
     assert past.stdout == f"no actors after {IDS[-1]} (--continue)\n", past.output
     bad = await cli("actor", "list", "--continue", "no such id!", *at)
@@ -455,20 +452,18 @@ async def test_a_listing_says_more_follow_only_when_an_actor_that_passes_its_fil
     last = await asyncio.to_thread(writer.write, *HISTORY)
     at = ("--nats", nats_url, "--prefix", prefix)
 
-    def ids(shown) -> list[str]:
-        return [line.split()[0] for line in shown.stdout.splitlines()[1:]]
-
     for source in ("log", "scheduler"):
         if source == "scheduler":
             await replicas()
             page = await Client(nc, prefix).actors(query(((), (ActorState.RUNNING,), ()), limit=3, min_seq=last))
             assert ([row.actor_id for row in page.actors], page.next_after) == (["a-2", "m-1", "r-1"], None)
         every = await cli("actor", "list", "--state", "RUNNING", "--limit", "3", *at)
-        assert (every.exit_code, ids(every), every.stderr) == (0, ["a-2", "m-1", "r-1"], ""), (source, every.output)
+        assert (every.exit_code, first_column(every), every.stderr) == (0, ["a-2", "m-1", "r-1"], ""), \
+            (source, every.output)
         two = await cli("actor", "list", "--state", "RUNNING", "--limit", "2", *at)
-        assert ids(two) == ["a-2", "m-1"] and "--continue m-1 " in two.stderr, (source, two.output)
+        assert first_column(two) == ["a-2", "m-1"] and "--continue m-1 " in two.stderr, (source, two.output)
         rest = await cli("actor", "list", "--state", "RUNNING", "--limit", "2", "--continue", "m-1", *at)
-        assert (rest.exit_code, ids(rest), rest.stderr) == (0, ["r-1"], ""), (source, rest.output)
+        assert (rest.exit_code, first_column(rest), rest.stderr) == (0, ["r-1"], ""), (source, rest.output)
         json_two = await cli("actor", "list", "--class", "microvm", "-o", "json", "--limit", "1", *at)
         assert [v["actor_id"] for v in json.loads(json_two.stdout)] == ["m-1"] and json_two.stderr == "", source
 

@@ -36,8 +36,8 @@ from services.endpoints import call
 from services.scheduler.projection import Projection
 from services.scheduler.worker_detail import worker_detail
 from services.scheduler.worker_list import worker_page
-from tests.factories import (AT, booked, created, entry, fold, last_seq, log_reads, placed, read_log, registered,
-                             runtime, stamp, version)
+from tests.factories import (AT, booked, created, entry, first_column, fold, last_seq, log_reads, placed, read_log,
+                             registered, runtime, stamp, version)
 from warmboot.cli import main
 from warmboot.client import Client
 from warmboot.cmd_views import class_row, folded_workers, runtimes_of, summary_rows, worker_rows
@@ -302,25 +302,22 @@ async def test_a_table_lists_a_page_of_workers_and_says_on_stderr_how_to_list_th
     monkeypatch.setattr(cmd_views, "WORKERS_LIMIT_MAX", 1)
     at = ("--nats", nats_url, "--prefix", prefix)
 
-    def ids(shown) -> set[str]:
-        return {line.split()[0] for line in shown.stdout.splitlines()[1:]}
-
     first = await cli("workers", *at)
-    assert first.exit_code == 0 and ids(first) == {"m-w", "w-0"}, first.output
+    assert first.exit_code == 0 and set(first_column(first)) == {"m-w", "w-0"}, first.output
     assert first.stderr == ("note: 2 workers listed, more follow: --continue w-0 lists the next 2 (the same filters), "
                             "--limit 0 every one\n")
     second = await cli("workers", "--continue", "w-0", *at)
-    assert ids(second) == {"w-1", "w-2"} and "--continue w-2 " in second.stderr, second.output
+    assert set(first_column(second)) == {"w-1", "w-2"} and "--continue w-2 " in second.stderr, second.output
     last = await cli("workers", "--continue", "w-2", *at)
-    assert ids(last) == {"w-3"} and last.stderr == "", last.output
+    assert set(first_column(last)) == {"w-3"} and last.stderr == "", last.output
     past = await cli("workers", "--continue", "w-3", *at)
     assert past.stdout == "no workers registered after w-3 (--continue)\n", past.output
     whole = await cli("workers", "--limit", "0", *at)
     rows = whole.stdout.splitlines()[1:]
-    assert ids(whole) == {"m-w", "w-0", "w-1", "w-2", "w-3"} and whole.stderr == ""
+    assert set(first_column(whole)) == {"m-w", "w-0", "w-1", "w-2", "w-3"} and whole.stderr == ""
     assert rows == sorted(rows, key=lambda line: (line.split()[1], line.split()[2], line.split()[0]))
     as_json = await cli("workers", "-o", "json", *at)
-    assert {r["worker_id"] for r in json.loads(as_json.stdout)} == ids(whole) and as_json.stderr == ""
+    assert {r["worker_id"] for r in json.loads(as_json.stdout)} == set(first_column(whole)) and as_json.stderr == ""
 
 
 async def test_a_listing_says_more_follow_only_when_a_worker_of_its_classes_does(nats_url, nc, prefix, writer,
@@ -332,20 +329,18 @@ async def test_a_listing_says_more_follow_only_when_a_worker_of_its_classes_does
     last = await asyncio.to_thread(writer.write, *HISTORY)
     at = ("--nats", nats_url, "--prefix", prefix)
 
-    def ids(shown) -> list[str]:
-        return [line.split()[0] for line in shown.stdout.splitlines()[1:]]
-
     for source in ("log", "scheduler"):
         if source == "scheduler":
             await replicas()
             page = await Client(nc, prefix).workers(WorkersQuery(sandbox_classes=("microvm",), limit=2, min_seq=last))
             assert ([w.worker_id for w in page.workers], page.next_after) == (["m-w", "w-1"], None)
         both = await cli("workers", "--class", "microvm", "--limit", "2", *at)
-        assert (both.exit_code, sorted(ids(both)), both.stderr) == (0, ["m-w", "w-1"], ""), (source, both.output)
+        assert (both.exit_code, sorted(first_column(both)), both.stderr) == (0, ["m-w", "w-1"], ""), \
+            (source, both.output)
         one = await cli("workers", "--class", "microvm", "--limit", "1", *at)
-        assert ids(one) == ["m-w"] and "--continue m-w " in one.stderr, (source, one.output)
+        assert first_column(one) == ["m-w"] and "--continue m-w " in one.stderr, (source, one.output)
         rest = await cli("workers", "--class", "microvm", "--limit", "1", "--continue", "m-w", *at)
-        assert (rest.exit_code, ids(rest), rest.stderr) == (0, ["w-1"], ""), (source, rest.output)
+        assert (rest.exit_code, first_column(rest), rest.stderr) == (0, ["w-1"], ""), (source, rest.output)
 
 
 async def test_more_classes_than_a_query_carries_are_a_usage_error_before_anything_is_sent(
@@ -363,5 +358,5 @@ async def test_more_classes_than_a_query_carries_are_a_usage_error_before_anythi
     await replicas()
     at = ("--nats", nats_url, "--prefix", prefix)
     repeated = await cli("workers", *["--class", "microvm"] * (ACTORS_FILTER_MAX + 1), "--limit", "1", *at)
-    assert repeated.exit_code == 0 and [line.split()[0] for line in repeated.stdout.splitlines()[1:]] == ["m-w"]
+    assert repeated.exit_code == 0 and first_column(repeated) == ["m-w"]
     assert "--continue m-w " in repeated.stderr, repeated.output
