@@ -14,8 +14,9 @@ its worker before it beats it again (docs/contract.md, "A registration too large
 from __future__ import annotations
 
 import asyncio
-from contextlib import AsyncExitStack
+from contextlib import AsyncExitStack, asynccontextmanager
 from datetime import datetime, timezone
+from typing import AsyncIterator
 
 import msgspec
 import nats
@@ -253,12 +254,29 @@ def bulky(config: str, pad: int = 250, edges: int = 32) -> str:
               'attributes = { gvisor_asset_hash = "v0" }\n' + edge_tables("restorable_runtimes", "r"))
 
 
-def counting(heartbeat, heard):
-    """A registry's heartbeat handler that hands each beat to `heard` as it arrives, then answers it."""
-    async def counted_heartbeat(worker_id, request):
+def counting(handler, heard):
+    """A registry's handler of a verb (heartbeat, register, drain) that hands each request to `heard` as it
+    arrives, then answers it."""
+    async def counted(worker_id, request):
         heard(request)
-        return await heartbeat(worker_id, request)
-    return counted_heartbeat
+        return await handler(worker_id, request)
+    return counted
+
+
+@asynccontextmanager
+async def counted_registry(url: str, prefix: str, **heard) -> AsyncIterator[RegistryService]:
+    """A registry replica on a connection of its own, beating every few seconds (a third of a 10 s TTL), each
+    verb named in `heard` (`heartbeat=queue.put_nowait`) handed to its function as it arrives (`counting`)."""
+    registry_nc = await nats.connect(url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
+    registry = RegistryService(registry_nc, nats_url=url, prefix=prefix, ttl_s=10)
+    for verb, to in heard.items():
+        setattr(registry, verb, counting(getattr(registry, verb), to))
+    await registry.start()
+    try:
+        yield registry
+    finally:
+        await registry.stop()
+        await registry_nc.close()
 
 
 async def test_an_agent_refused_a_change_too_large_drains_its_worker_and_no_resume_is_placed_on_it_after(
@@ -370,12 +388,8 @@ async def test_an_agent_refused_too_large_again_in_a_later_life_drains_its_worke
 
     path = tmp_path / "agent.toml"
     path.write_text(bulky(agent_config("v1")))
-    registry_nc = await nats.connect(url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
     # beats every few seconds (a third of the TTL): the removal is heard at the next one
-    registry = RegistryService(registry_nc, nats_url=url, prefix=prefix, ttl_s=10)
-    registry.heartbeat = counting(registry.heartbeat, beats.put_nowait)
-    await registry.start()
-    try:
+    async with counted_registry(url, prefix, heartbeat=beats.put_nowait):
         agent = Agent(url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe=PROBE)
         async with agent_said() as said, agent_running(agent):
             await said.until("registered w-a: REGISTERED")
@@ -398,9 +412,6 @@ async def test_an_agent_refused_too_large_again_in_a_later_life_drains_its_worke
                 await asyncio.wait_for(beats.get(), 20)
             since = [type(e).__name__ for seq, e in await worker_events(nc, prefix, "w-a") if seq > life[0]]
             assert since == ["WorkerDrained"], since
-    finally:
-        await registry.stop()
-        await registry_nc.close()
 
 
 async def test_an_agent_refused_too_large_in_no_life_drains_nothing_more_and_registers_once_a_beat(
@@ -416,12 +427,7 @@ async def test_an_agent_refused_too_large_in_no_life_drains_nothing_more_and_reg
     registers: asyncio.Queue = asyncio.Queue()
     path = tmp_path / "agent.toml"
     path.write_text(bulky(agent_config("v1")))
-    registry_nc = await nats.connect(url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
-    registry = RegistryService(registry_nc, nats_url=url, prefix=prefix, ttl_s=10)
-    registry.drain = counting(registry.drain, drains.append)
-    registry.register = counting(registry.register, registers.put_nowait)
-    await registry.start()
-    try:
+    async with counted_registry(url, prefix, drain=drains.append, register=registers.put_nowait) as registry:
         agent = Agent(url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe=PROBE)
         async with agent_said() as said, agent_running(agent):
             await said.until("registered w-a: REGISTERED")
@@ -436,9 +442,6 @@ async def test_an_agent_refused_too_large_in_no_life_drains_nothing_more_and_reg
             assert len(drains) == 1, drains
             assert [type(e).__name__ for _, e in await worker_events(nc, prefix, "w-a")] == [
                 "WorkerRegistered", "WorkerRemoved"]
-    finally:
-        await registry.stop()
-        await registry_nc.close()
 
 
 async def test_an_agent_whose_edit_is_too_large_to_send_drains_its_worker(prefix, tmp_path):
