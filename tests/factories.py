@@ -658,3 +658,23 @@ def log_reads(monkeypatch: Any) -> list[str]:
     monkeypatch.setattr(cmd_views, "log_messages", recorded)
     monkeypatch.setattr(cli_common, "log_messages", recorded)  # `replay`'s, of the whole log
     return read
+
+
+@contextmanager
+def logged(logger: str, text: str) -> Iterator[asyncio.Event]:
+    """An event (of the running loop) set once `logger` logs a message holding `text`, from any thread: the
+    record awaited, not read at once (a line logged on the loop, or on another thread, may come after the
+    call that led to it has returned)."""
+    seen, loop = asyncio.Event(), asyncio.get_running_loop()
+
+    class Seen(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if text in record.getMessage():
+                loop.call_soon_threadsafe(seen.set)
+
+    handler = Seen()
+    logging.getLogger(logger).addHandler(handler)
+    try:
+        yield seen
+    finally:
+        logging.getLogger(logger).removeHandler(handler)

@@ -14,9 +14,7 @@ import asyncio
 import logging
 import os
 import re
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -28,7 +26,7 @@ from services.scheduler.checkpoint import Checkpoints, incarnation_of
 from services.scheduler.decide import decide
 from services.scheduler.fold import Fold
 from services.scheduler.projection import Projection
-from tests.factories import AT, Writer, created, entry, registered, snapshot, taken, version
+from tests.factories import AT, Writer, created, entry, logged, registered, snapshot, taken, version
 
 V1, V2 = version("1"), version("2")
 STOPS_WITHIN_S = 20.0  # nats-py re-makes the consumer of a deleted stream within about 2 s
@@ -74,24 +72,6 @@ async def replay(nc, prefix: str) -> Projection:
     await fold.start(30)
     await fold.stop()
     return fold.projection
-
-
-@contextmanager
-def logged(logger: str, text: str) -> Iterator[asyncio.Event]:
-    """An event set once `logger` logs a message holding `text`."""
-    seen = asyncio.Event()
-
-    class Seen(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if text in record.getMessage():
-                seen.set()
-
-    handler = Seen()
-    logging.getLogger(logger).addHandler(handler)
-    try:
-        yield seen
-    finally:
-        logging.getLogger(logger).removeHandler(handler)
 
 
 def replaced(prefix: str, new: str, old: str) -> str:

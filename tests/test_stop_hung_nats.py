@@ -33,7 +33,7 @@ from events.natspy.connections import CLOSE_GIVEN_UP_S, close_within
 from events.schema import ActorCreated, ActorPlaced, Assignment, ResumeActor, RuntimeChanged, WorkerDrained, WorkerRegistered
 from events.subjects import service_subject
 from services.endpoints import call
-from tests.factories import SILENT_TTL_S
+from tests.factories import SILENT_TTL_S, logged
 from tests.registry_helpers import CPUINFO, agent_config, wait_event, worker_events
 from tests.test_faults import Load
 from warmboot.cli_common import read_subject
@@ -702,7 +702,7 @@ async def test_a_command_s_close_with_nats_frozen_after_its_answer_is_given_up_w
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("on", ["thread", "loop"])
-async def test_a_store_s_close_with_nats_frozen_ends_within_its_bound(tmp_path, on, caplog):
+async def test_a_store_s_close_with_nats_frozen_ends_within_its_bound(tmp_path, on):
     """A store (its JetStream factory) closed while its server is frozen, its connection's socket buffers full
     (appends sent before the freeze): the close of its link's connection is given up after CLOSE_GIVEN_UP_S,
     said, and the whole within the link's SHUTDOWN_S, on a link of its own thread (`on` "thread": the
@@ -727,12 +727,16 @@ async def test_a_store_s_close_with_nats_frozen_ends_within_its_bound(tmp_path, 
             await held_up(link.nc)
         else:
             await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(held_up(link.nc), link.loop))
-        started = time.monotonic()
-        await asyncio.to_thread(factory.close)
-        took = time.monotonic() - started
-        print(f"the store closed in {took:.1f}s")
-        assert took < SHUTDOWN_S + 5, took
-        assert f"did not end within {CLOSE_GIVEN_UP_S:g}s: given up" in caplog.text, caplog.text
+        given_up = f"did not end within {CLOSE_GIVEN_UP_S:g}s: given up"
+        with logged("warmboot.natspy", given_up) as said:
+            started = time.monotonic()
+            await asyncio.to_thread(factory.close)
+            took = time.monotonic() - started
+            print(f"the store closed in {took:.1f}s")
+            assert took < SHUTDOWN_S + 5, took
+            # on the caller's loop the give-up is said on that loop, which the closing thread does not await
+            # beyond the link's deadline: under load the close can return first
+            await asyncio.wait_for(said.wait(), 10)
         if link.thread is not None:
             await asyncio.to_thread(link.thread.join, 10)
             assert not link.thread.is_alive(), "the link's loop did not end"
