@@ -238,9 +238,10 @@ async def test_on_warmboots_own_two_mb_server_a_change_within_max_body_can_be_pa
 # --- over the bus: the agent and the scheduler ------------------------------------------------------
 
 
-def bulky(config: str, pad: int = 250, edges: int = 32) -> str:
+def bulky(config: str, pad: int = 250, edges: int = 32, restorable: int = 1) -> str:
     """`config` (agent_config's) with `edges` long literal compatible versions under its default runtime and
-    under one restorable runtime of its own (probed, asset v0): about 0.55 MB registered."""
+    under each of `restorable` restorable runtimes of its own (probed, assets v0, v0-1, ...): about 0.55 MB
+    registered (0.27 MB more for each further one)."""
     def edge_tables(where: str, tag: str) -> str:
         out = ""
         for e in range(edges):
@@ -249,9 +250,10 @@ def bulky(config: str, pad: int = 250, edges: int = 32) -> str:
                    f'attributes = {{ architecture = "amd64", {pairs} }}\n'
         return out
 
-    return (config + edge_tables("default_runtime", "d")
-            + '\n[[sandbox_classes.restorable_runtimes]]\nname = "gvisor-v0"\nprofile = "gvisor"\n'
-              'attributes = { gvisor_asset_hash = "v0" }\n' + edge_tables("restorable_runtimes", "r"))
+    return config + edge_tables("default_runtime", "d") + "".join(
+        f'\n[[sandbox_classes.restorable_runtimes]]\nname = "gvisor-v0{"-" + str(n) if n else ""}"\nprofile = "gvisor"\n'
+        f'attributes = {{ gvisor_asset_hash = "v0{"-" + str(n) if n else ""}" }}\n' + edge_tables("restorable_runtimes", f"r{n}")
+        for n in range(restorable))
 
 
 def counting(handler, heard):
@@ -449,8 +451,7 @@ async def test_an_agent_whose_edit_is_too_large_to_send_drains_its_worker(prefix
     against), an edit whose registration is past it (the client's refusal: nothing sent) is refused for its
     size as one whose event is: the worker is drained before its next beat. Before, only an event past
     max_payload drained it; a body past it was an ordinary refused edit, and the registration in force, which
-    the file no longer makes, went on taking resumes. (A body past MAX_BODY is an edit the agent ignores as
-    invalid, as any: docs/contract.md, "A registration too large for one event".)"""
+    the file no longer makes, went on taking resumes. (A body past MAX_BODY: the next test.)"""
     server = NatsServer(tmp_path / "nats", extra_config="max_payload: 512KB\n").start()
     nc = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
     try:
@@ -472,3 +473,32 @@ async def test_an_agent_whose_edit_is_too_large_to_send_drains_its_worker(prefix
     finally:
         await nc.close()
         server.kill()
+
+
+async def test_an_agent_whose_edit_is_past_max_body_sends_nothing_and_drains_its_worker(nats_url, nc, prefix,
+                                                                                         tmp_path):
+    """An edit whose registration is past MAX_BODY, which no registry decodes (on warmboot's 2 MB server, which
+    would carry it): the agent sends nothing, and drains its worker before its next beat, as for any
+    registration refused for its size. The file put back to the registration in force ends the refusal, and
+    the worker stays drained. Before, the agent ignored it as an invalid edit, as a typo, and beat on the
+    registration in force, which the file no longer made: resumes went on being placed under runtimes the file
+    had dropped, where a smaller edit of the same runtimes drained the worker."""
+    registers: list = []
+    path = tmp_path / "agent.toml"
+    path.write_text(agent_config("v1"))
+    async with counted_registry(nats_url, prefix, register=registers.append):
+        agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe=PROBE)
+        async with agent_said() as said, agent_running(agent):
+            await said.until("registered w-a: REGISTERED")
+            registers.clear()
+            path.write_text(bulky(agent_config("v2"), restorable=3))  # about 1.1 MB
+            lines = await said.until("drained (seq")
+            refused = [line for line in lines if "was refused as too large; the worker is drained" in line]
+            assert refused and f"exceeds the limit of {MAX_BODY}" in refused[0], lines
+            _, drained = await wait_event(nc, prefix, "w-a", WorkerDrained)
+            assert "refused as too large" in drained.reason
+            path.write_text(agent_config("v1"))
+            await said.until("makes the registration in force again; the edit the agent refused is given up")
+            assert registers == [], "the edit past MAX_BODY was sent"
+            assert [type(e).__name__ for _, e in await worker_events(nc, prefix, "w-a")] == [
+                "WorkerRegistered", "WorkerDrained"]

@@ -105,8 +105,8 @@ from events.schema import (
     SeqReply,
 )
 from events.subjects import DEFAULT_PREFIX, check_prefix
-from warmboot.agent_config import (AgentConfig, ConfigError, MachineMismatch, MachineRead, ProbeSettings,
-                                   build_registration, parse_config)
+from warmboot.agent_config import (AgentConfig, ConfigError, MachineMismatch, MachineRead, NotRegistrable,
+                                   ProbeSettings, build_registration, parse_config)
 from warmboot.client import Client
 from warmboot.connection import sign_in_hint
 from warmboot.files import take_lock, write_atomically
@@ -469,7 +469,7 @@ class Agent:
         self._reconnected = asyncio.Event()
         self._one_registration = asyncio.Lock()  # registrations are sent one after the other
         self._edited: RegisterWorker | None = None  # the last edit sent
-        self._edit_refused = False  # the registry refused the last edit sent, and the file still says something else
+        self._edit_refused = False  # the last edit was refused (sent, or past MAX_BODY), and the file still says something else
         self._edit_waiting = False  # a register(EDIT) waits its turn
         self._again_waiting = False  # a register(AGAIN) waits its turn
         # what the probe read of the machine for a register(AGAIN) that could not be made of it (so not
@@ -511,6 +511,10 @@ class Agent:
         # beaten again (`_out_of_placement`); None once one is taken (or the file makes the one in force again).
         self._too_large: ContractError | None = None
         self._drained_too_large = False  # the drain for `_too_large` is in the log (this life's), or the worker is in none
+        # The read of the file (`_read`) whose registration is past MAX_BODY, when `_too_large` is that refusal (the
+        # agent's own, nothing sent: `_sync_config`): a registration taken while the file reads so is an earlier
+        # edit's, and does not end the refusal.
+        self._too_large_read: tuple | None = None
         # the connection's errors, once each while they repeat; a refused sign-in says which credentials to check
         self._errors = ErrorsOnce(log, redact_url(nats_url), sign_in_hint(nats_url, self.nkey_seed, {}))
 
@@ -920,12 +924,11 @@ class Agent:
                                 self.worker_id, e.message, e.field.replace("_", " "))
         except (ContractError, ConfigError) as e:
             self.registering = False  # refused, or not sent (its revision could not be kept): nothing on its way
-            if isinstance(e, ContractError) and too_large(e) and self._too_large is None:
-                self._too_large = e
-                self._beat_soon = True  # drained at the next beat, within a second or so (`_out_of_placement`)
+            if isinstance(e, ContractError) and too_large(e):
+                self._hold_refusal_for_size(e)
             raise
         self.registering = False
-        if self._too_large is not None:
+        if self._too_large is not None and (self._too_large_read is None or self._too_large_read != self._read):
             self._taken_after_too_large(reply)
         elif reply.outcome is RegisterOutcome.REGISTERED:
             self._drained_too_large = False  # a new life, undrained: a drain of an earlier one is no longer had
@@ -1155,9 +1158,8 @@ class Agent:
             except Superseded:
                 pass  # the loop raises it (`superseded`): this agent stops
             except ContractError as e:
-                if too_large(e):  # not kept as it is: drained before the next beat (`_out_of_placement`)
-                    log.error("the registration %s makes was refused as too large; the worker is drained before its "
-                              "next beat, if it is in a life: %s", self.config_path, e)
+                if too_large(e):  # (`register` took it as the refusal: `_too_large`)
+                    self._refused_for_size(e, str(e))
                 else:
                     log.error("%s%s", refused, e)
                 if registration is EDIT:
@@ -1268,21 +1270,36 @@ class Agent:
             # (of this refusal's life: a registration taken meanwhile may have begun another, `_taken_after_too_large`)
             self._drained_too_large = self._too_large is refusal
             self._drain_known = max(self._drain_known, reply.seq)  # said here: no beat says it again
-            log.error("%s drained (seq %d): the registry refused its registration (%s). The registration in "
+            log.error("%s drained (seq %d): its registration was refused for its size (%s). The registration in "
                       "force, which %s no longer makes, takes no placements; its running actors stay. Make the "
                       "file's runtimes fit, then, once its actors are moved, `warmboot worker remove %s`: the "
                       "agent registers it anew, undrained", self.worker_id, reply.seq, refusal, self.config_path,
                       self.worker_id)
             return True
-        log.error("%s: no heartbeat until it is drained (%s): the registry refused its registration (%s), and "
+        log.error("%s: no heartbeat until it is drained (%s): its registration was refused for its size (%s), and "
                   "the registration in force, which %s no longer makes, must take no placements", self.worker_id,
                   failure, refusal, self.config_path)
         return False
+
+    def _hold_refusal_for_size(self, refusal: ContractError) -> None:
+        """The registration the file makes refused for its size (by the registry, the client, or the agent
+        itself: past MAX_BODY): the worker drained at the next beat, within a second or so (`_out_of_placement`),
+        unless a refusal is had already."""
+        if self._too_large is None:
+            self._too_large = refusal
+            self._beat_soon = True
+
+    def _refused_for_size(self, refusal: ContractError, said: str) -> None:
+        """`_hold_refusal_for_size`, said (`said`: the refusal, naming the file where the agent refused it)."""
+        self._hold_refusal_for_size(refusal)
+        log.error("the registration %s makes was refused as too large; the worker is drained before its next beat, "
+                  "if it is in a life: %s", self.config_path, said)
 
     def _taken_after_too_large(self, reply: RegisterReply) -> None:
         """A registration taken after one refused for its size: the refusal is over. A new
         life is undrained; in the same life the worker stays drained, if it was, and the agent says so."""
         drained, self._too_large, self._drained_too_large = self._drained_too_large, None, False
+        self._too_large_read = None
         if drained and reply.outcome is not RegisterOutcome.REGISTERED:
             log.warning("%s: the registry took its registration (%s, seq %d); the worker stays drained in this "
                         "life (drained when a registration was refused as too large): once its actors are moved, "
@@ -1539,7 +1556,11 @@ class Agent:
         except ConfigError as e:
             self._config_failed = True
             # (e names the file first, and the field: `FILE: capacity.cpu_millis: ...`)
-            if self.edited:  # (none is in force once the worker was removed for want of one: said so)
+            if self.edited and not self.withdrawn and isinstance(e, NotRegistrable) and too_large(e.refusal):
+                self._refused_for_size(e.refusal, str(e))
+                self._edit_refused = True  # until the file says the registration in force again (below)
+                self._too_large_read = self._read
+            elif self.edited:  # (none is in force once the worker was removed for want of one: said so)
                 kept = "the worker stays removed until one can be made" if self.withdrawn else \
                     "keeping the registration in force"
                 log.error("ignoring the edit of %s; %s", e, kept)
@@ -1556,13 +1577,14 @@ class Agent:
         if self._edit_waiting:
             return  # the edit waiting its turn will send what is read last
         if registration == self.registration and self._edit_refused and not self._one_registration.locked():
-            # the file put back after an edit the registry refused (logged as an error): said too, as a mend is,
-            # and that edit is no longer held as sent, so that making it again sends it again (a user trial: the
-            # error was the last word, and the same edit made again later was not sent)
+            # the file put back after an edit refused (logged as an error): said too, as a mend is, and that edit
+            # is no longer held as sent, so that making it again sends it again (a user trial: the error was the
+            # last word, and the same edit made again later was not sent)
+            refuser = "the agent" if self._too_large_read is not None else "the registry"
             self._edited, self._edit_refused = None, False
-            self._too_large = None  # what the file says is in force: beaten again (drained, if it was)
-            log.info("%s makes the registration in force again; the edit the registry refused is given up",
-                     self.config_path)
+            self._too_large, self._too_large_read = None, None  # what the file says is in force: beaten again
+            log.info("%s makes the registration in force again; the edit %s refused is given up", self.config_path,
+                     refuser)
         if registration == self.registration and not self._one_registration.locked():
             return
         self._edit_waiting = True

@@ -48,7 +48,12 @@ class NotRegistrable(MachineMismatch):
     to the CPU the edge names). As certain as a MachineMismatch: no read of this machine changes
     it, and a registration in force made of an earlier read claims a CPU it no longer has (an
     audit: taken for a probe that could not read the machine, the old CPU stayed registered for
-    the 10 s of grace, and resumes of its images were placed there)."""
+    the 10 s of grace, and resumes of its images were placed there). `refusal` is the registry's rule it
+    breaks, as the registry would refuse it (`events.errors.too_large` reads a body past MAX_BODY in it)."""
+
+    def __init__(self, message: str, refusal: ContractError) -> None:
+        super().__init__(message)
+        self.refusal = refusal
 
 
 class VersionConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -333,7 +338,7 @@ def build_registration(
         return decode_request(RegisterWorker, encode(raw))
     except ContractError as e:  # every runtime was made of the machine as read: the registration is what is wrong
         where = f"{e.field}: " if e.field else ""
-        raise NotRegistrable(f"{file}{where}{e.message}") from None
+        raise NotRegistrable(f"{file}{where}{e.message}", e) from None
 
 
 def load_registration(path: Path, worker_id: str, node: str, probe: ProbeSettings = ProbeSettings()) -> RegisterWorker:
