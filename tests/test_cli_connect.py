@@ -119,6 +119,33 @@ def test_a_command_whose_server_does_not_answer_ends_with_one_line_naming_it(mon
     assert lines[1].split("within 5 s: ")[1], "the reason is named"
 
 
+@pytest.mark.parametrize("given", ["option", "environment"])
+def test_the_wait_for_a_server_that_does_not_answer_is_the_one_asked_for(given):
+    """`--connect-timeout SECONDS` (or $WARMBOOT_CONNECT_TIMEOUT): a script that would rather fail fast, or
+    a user who waits out a longer restart, is not held to 5 s."""
+    closed = f"nats://127.0.0.1:{free_port()}"  # nothing listens there
+    args, env = (["--connect-timeout", "0.5"], {}) if given == "option" else ([], {"WARMBOOT_CONNECT_TIMEOUT": "0.5"})
+    result = CliRunner().invoke(main, ["workers", "--nats", closed, *args], env=env)
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith(f"error: UNAVAILABLE: cannot reach NATS at {closed} within 0.5 s: "), result.output
+
+
+@pytest.mark.parametrize("value, says", [
+    ("0", "0.0 is not in the range 0<x<=3600.0"),
+    ("-1", "-1.0 is not in the range 0<x<=3600.0"),
+    ("3601", "3601.0 is not in the range 0<x<=3600.0"),
+    ("inf", "inf is not in the range 0<x<=3600.0"),
+    ("nan", "nan is not a number of seconds"),
+    ("1m", "'1m' is not a valid float"),
+])
+def test_a_connect_timeout_that_is_no_wait_is_a_usage_error(value, says):
+    closed = f"nats://127.0.0.1:{free_port()}"
+    result = CliRunner().invoke(main, ["actor", "stop", "a-1", "--nats", closed, "--connect-timeout", value])
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for '--connect-timeout' (env var: 'WARMBOOT_CONNECT_TIMEOUT'): {says}" in result.output
+    assert "UNAVAILABLE" not in result.output
+
+
 async def test_the_client_library_gives_up_on_a_server_that_does_not_answer_naming_it(caplog):
     """`Client.connect` to a closed port: UNAVAILABLE naming the server within its bound (it
     waited for ever, printing nats-py's traceback every 0.25 s). The error is the one raised, and not

@@ -95,7 +95,7 @@ def test_every_command_is_in_the_readme_table():
 
 # The options every command that has them takes alike, documented once for all (README.md, the paragraph
 # after "CLI at a glance": the NATS URL, the nkey seed, the prefix), not again for each command.
-SHARED = ("--nats", "--nkey-seed", "--prefix")
+SHARED = ("--nats", "--nkey-seed", "--connect-timeout", "--prefix")
 # Spellings of one option: `--json` is `-o json` (`cli_common.json_option`, `cmd_views.output_option`), so a
 # command documented with either is documented with both.
 ALIASES = ({"-o", "--output", "--json"},)

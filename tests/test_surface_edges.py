@@ -29,6 +29,8 @@ from warmboot.cmd_views import class_runtime_fields
 from warmboot.runner import SERVICES, start_services
 
 PREFIX = "se"
+# A port nothing listens on: a command that connects says UNAVAILABLE, here once it has waited half a second
+NOWHERE = ["--nats", "nats://127.0.0.1:1", "--connect-timeout", "0.5"]
 
 
 def edged(asset: str, name: str, *accepts: str) -> dict:
@@ -202,7 +204,7 @@ def test_a_malformed_id_is_a_usage_error_of_every_command_before_anything_is_sen
     drain|remove` (a walkthrough). Every command taking an id says it as a usage error naming the
     argument, exit 2, as README says of a mistyped value, before it connects: here to a port no
     server listens on, which is never tried."""
-    shown = CliRunner().invoke(main, [*command, "bad id", *more, "--nats", "nats://127.0.0.1:1"], prog_name="warmboot")
+    shown = CliRunner().invoke(main, [*command, "bad id", *more, *NOWHERE], prog_name="warmboot")
     assert shown.exit_code == 2, shown.output
     assert shown.stderr.startswith(f"Usage: warmboot {' '.join(command)} "), shown.stderr
     assert shown.stderr.endswith(f"error: Invalid value for '{argument}': 'bad id' is not an id: 1 to 128 letters, "
@@ -216,7 +218,7 @@ def test_a_malformed_tag_or_template_argument_is_a_usage_error_before_anything_i
     """`actor tag a-1 'bad tag'` and `actor update-template a-1 'bad t'` connected and were refused by the
     snapshotter, exit 1, `INVALID_ARGUMENT tag` naming no argument, and with no server only UNAVAILABLE
     (a user trial): both are ids, checked as ACTOR_ID is, exit 2, before connecting."""
-    shown = CliRunner().invoke(main, [*command, "bad id", "--nats", "nats://127.0.0.1:1"], prog_name="warmboot")
+    shown = CliRunner().invoke(main, [*command, "bad id", *NOWHERE], prog_name="warmboot")
     assert shown.exit_code == 2, shown.output
     assert shown.stderr.startswith(f"Usage: warmboot {' '.join(command[:2])} "), shown.stderr
     assert shown.stderr.endswith(f"error: Invalid value for '{argument}': 'bad id' is not an id: 1 to 128 letters, "
@@ -228,7 +230,7 @@ def test_a_malformed_worker_id_of_a_filter_is_a_usage_error_before_anything_is_s
     """`actor list --worker 'bad id'` connected and listed nothing (a docs check): an option naming
     workers is checked as an argument is, exit 2, before it connects (as `whatif --drain`)."""
     for command in (["actor", "list", "--worker", "w-1", "--worker", "bad id"], ["whatif", "--drain", "bad id"]):
-        shown = CliRunner().invoke(main, [*command, "--nats", "nats://127.0.0.1:1"], prog_name="warmboot")
+        shown = CliRunner().invoke(main, [*command, *NOWHERE], prog_name="warmboot")
         assert shown.exit_code == 2, (command, shown.output)
         option = command[-2]
         assert shown.stderr.endswith(f"error: Invalid value for '{option}': 'bad id' is not an id: 1 to 128 letters, "
@@ -378,7 +380,7 @@ def test_an_empty_request_id_is_a_usage_error_before_anything_is_sent(command):
     new id at each run, so the request was not the same one sent again, without a word; `actor create`
     sent it and was refused INVALID_ARGUMENT (a user trial). Every command refuses it, exit 2, before it
     connects (here to a port nothing listens on)."""
-    shown = CliRunner().invoke(main, [*command, "--request-id", "", "--nats", "nats://127.0.0.1:1"],
+    shown = CliRunner().invoke(main, [*command, "--request-id", "", *NOWHERE],
                                prog_name="warmboot")
     assert shown.exit_code == 2, shown.output
     assert shown.stderr.endswith("error: Invalid value for '--request-id': an empty request id: give the id of the "
@@ -408,7 +410,7 @@ def test_cpu_and_memory_out_of_the_request_s_bounds_are_usage_errors_before_anyt
     checked with the option, exit 2, before it connects (here to a port nothing listens on)."""
     sizes = {"--cpu": "500", "--memory": "1024", option: value}
     shown = CliRunner().invoke(main, [*CREATE, *(w for pair in sizes.items() for w in pair),
-                                      "--nats", "nats://127.0.0.1:1"], prog_name="warmboot")
+                                      *NOWHERE], prog_name="warmboot")
     assert shown.exit_code == 2, shown.output
     assert f"error: Invalid value for '{option}': {says}" in shown.stderr, shown.stderr
     assert "UNAVAILABLE" not in shown.output and shown.stdout == ""
@@ -418,7 +420,7 @@ def test_the_largest_cpu_and_memory_a_request_takes_pass_the_option():
     """2^40 millicores and MiB are the largest a request takes: the option passes them on (to a server
     nobody runs here: UNAVAILABLE, exit 1, not a usage error)."""
     shown = CliRunner().invoke(main, [*CREATE, "--cpu", str(MAX_INT), "--memory", f"{MAX_INT // 1024}Gi",
-                                      "--nats", "nats://127.0.0.1:1"], prog_name="warmboot")
+                                      *NOWHERE], prog_name="warmboot")
     assert shown.exit_code == 1 and "UNAVAILABLE" in shown.stderr, shown.output
 
 
@@ -436,7 +438,7 @@ def test_a_uri_the_snapshotter_refuses_is_a_usage_error_before_anything_is_sent(
     """`actor suspend --uri '  '` connected and was refused by the snapshotter, exit 1 (a user trial): a
     uri is checked as the snapshotter decodes a suspend's (at most 2048 printable characters, not empty
     or blank), exit 2, before it connects (here to a port nothing listens on)."""
-    shown = CliRunner().invoke(main, ["actor", "suspend", "a-1", "--uri", uri, "--nats", "nats://127.0.0.1:1"],
+    shown = CliRunner().invoke(main, ["actor", "suspend", "a-1", "--uri", uri, *NOWHERE],
                                prog_name="warmboot")
     assert shown.exit_code == 2, shown.output
     assert f"error: Invalid value for '--uri': {says}" in shown.stderr, shown.stderr
@@ -447,14 +449,13 @@ def test_a_uri_the_snapshotter_refuses_is_a_usage_error_before_anything_is_sent(
 def test_a_uri_of_any_form_passes_the_option(uri):
     """The contract gives a uri no form (no scheme asked for: docs/contract.md): any of these is sent (to a
     server nobody runs here: UNAVAILABLE, exit 1, not a usage error)."""
-    shown = CliRunner().invoke(main, ["actor", "suspend", "a-1", "--uri", uri, "--nats", "nats://127.0.0.1:1"],
+    shown = CliRunner().invoke(main, ["actor", "suspend", "a-1", "--uri", uri, *NOWHERE],
                                prog_name="warmboot")
     assert shown.exit_code == 1 and "UNAVAILABLE" in shown.stderr, shown.output
 
 
 # --- 9. every option whose value a request's field takes: checked as the service decodes it -------------------
 
-NOWHERE = ["--nats", "nats://127.0.0.1:1"]  # a port nothing listens on: a command that connects says UNAVAILABLE
 CREATED = ["actor", "create", "a-1", "--class", "gvisor", "--template", "t1", "--cpu", "500", "--memory", "1024"]
 AN_ID = "1 to 128 letters, digits, '_' or '-', the first a letter or digit"
 A_CLASS = "a sandbox class: 1 to 63 lower-case letters, digits or '-', the first a letter"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 import sys
 from typing import Any, AsyncIterator, Awaitable, Callable, get_args
@@ -125,6 +126,9 @@ SIGN_IN_ENV_HELP = (" Without credentials in the URL: $NATS_USER/$NATS_PASSWORD 
                     "credentials file in $NATS_CREDS.")
 
 NKEY_SEED_META = "warmboot.nkey_seed"  # where --nkey-seed keeps its file for `ask` (ctx.meta)
+CONNECT_TIMEOUT_META = "warmboot.connect_timeout"  # where --connect-timeout keeps its seconds for `ask`
+CONNECT_TIMEOUT_ENV = "WARMBOOT_CONNECT_TIMEOUT"
+CONNECT_TIMEOUT_MAX_S = 3600.0
 
 
 def check_nkey_seed_option(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -142,8 +146,23 @@ def _keep_nkey_seed(ctx: click.Context, param: click.Parameter, value: str | Non
         ctx.meta[NKEY_SEED_META] = value
 
 
+def _keep_connect_timeout(ctx: click.Context, param: click.Parameter, value: float) -> None:
+    """--connect-timeout (or $WARMBOOT_CONNECT_TIMEOUT), kept for `ask`: a number of seconds, more than 0 and
+    at most CONNECT_TIMEOUT_MAX_S (a range lets NaN through)."""
+    if not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a number of seconds", ctx=ctx, param=param)
+    ctx.meta[CONNECT_TIMEOUT_META] = value
+
+
 def nats_option(command: Callable) -> Callable:
-    """`--nats` and `--nkey-seed` (`$NATS_NKEY_SEED`), as a one-shot command signs in (`ask`)."""
+    """`--nats`, `--nkey-seed` (`$NATS_NKEY_SEED`) and `--connect-timeout` (`$WARMBOOT_CONNECT_TIMEOUT`), as a
+    one-shot command connects and signs in (`ask`)."""
+    command = click.option(
+        "--connect-timeout", type=FloatRange(0, CONNECT_TIMEOUT_MAX_S, min_open=True),
+        default=CONNECT_TIMEOUT_S, show_default=True, envvar=CONNECT_TIMEOUT_ENV, show_envvar=True,
+        expose_value=False, callback=_keep_connect_timeout, metavar="SECONDS",
+        help="How long to wait for the NATS server (it may be restarting) before giving up: UNAVAILABLE, "
+             "exit 1.")(command)
     command = click.option(
         "--nkey-seed", type=click.Path(exists=True, dir_okay=False), default=None, envvar=NKEY_SEED_ENV,
         show_envvar=True, expose_value=False, callback=_keep_nkey_seed,
@@ -367,7 +386,7 @@ class Failed(click.ClickException):
         click.echo(f"error: {self.message}", file=file, err=True)
 
 
-# A one-shot command waits up to CONNECT_TIMEOUT_S for its server (it may be restarting); past
+# A one-shot command waits up to CONNECT_TIMEOUT_S (--connect-timeout) for its server (it may be restarting); past
 # this it says, on a terminal's standard error, that it is waiting and why.
 WAITING_NOTE_S = 1.0
 
@@ -386,17 +405,18 @@ def ask(nats_url: str, work: Callable[[Any], Awaitable[Any]]) -> Any:
     ctx = click.get_current_context(silent=True)
     check_id_arguments(ctx)  # a malformed ACTOR_ID, WORKER_ID, TAG or TEMPLATE_UID: a usage error, before connecting
     seed = ctx.meta.get(NKEY_SEED_META) if ctx is not None else None  # --nkey-seed (else $NATS_NKEY_SEED)
+    within = ctx.meta.get(CONNECT_TIMEOUT_META, CONNECT_TIMEOUT_S) if ctx is not None else CONNECT_TIMEOUT_S
 
     async def run() -> Any:
         errors = ErrorsOnce(None)
 
         def waiting() -> None:
             why = describe_error(errors.last) if errors.last is not None else "no answer yet"
-            click.echo(f"waiting up to {CONNECT_TIMEOUT_S:g} s for NATS at {redact_url(nats_url)} ({why})", err=True)
+            click.echo(f"waiting up to {within:g} s for NATS at {redact_url(nats_url)} ({why})", err=True)
 
         note = asyncio.get_running_loop().call_later(WAITING_NOTE_S, waiting) if stderr_is_terminal() else None
         try:
-            nc = await connect_within(nats_url, "warmboot-cli", errors=errors, nkey_seed=seed)
+            nc = await connect_within(nats_url, "warmboot-cli", within, errors=errors, nkey_seed=seed)
         finally:
             if note is not None:
                 note.cancel()
