@@ -84,7 +84,7 @@ def test_xdist_s_own_loadfile_waits_for_ever_after_such_a_crash(tmp_path):
     12 runs of 12, 9 of them under load) is no such fix: what it printed is shown, and the test holds."""
     expected = suite(tmp_path, "test_middle")
     try:
-        output, errors = run(tmp_path, 1, timeout=20)
+        output, errors = run(tmp_path, 1, timeout=10)
     except subprocess.TimeoutExpired:
         return
     print(f"xdist's own loadfile ended the run; it printed:\n{output[-3000:]}\n{errors[-3000:]}")
