@@ -47,7 +47,8 @@ The agent then:
   (nor does an edit's), and each sends what the file and the probe say when its turn comes
   (docs/registry.md, "The agent");
 - drains the worker, before its next beat, when a registration is refused for its size
-  (`events.errors.too_large`: its body past what NATS carries or the registry decodes, or an
+  (`events.errors.too_large`: its body past what NATS carries or the registry decodes, the latter
+  refused by the agent itself, nothing sent, or an
   event it writes, such as its RuntimeChanged carrying the previous classes too, past the
   server's max_payload): the registration in force, which the file no longer makes, takes no
   placements; no beat is sent while that drain is not answered (`_out_of_placement`;
