@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,6 +81,7 @@ class Tally:
     failures: list[Failure] = field(default_factory=list)
     broken: list[str] = field(default_factory=list)  # the tap's own errors (a bug in it: fails the run)
     notes: list[str] = field(default_factory=list)
+    took: dict[str, float] = field(default_factory=dict)  # "judging the pairs", "reading back": seconds
 
 
 class TrafficTap:
@@ -152,14 +154,18 @@ class TrafficTap:
             return self.tally
         self.finished = True
         self.uninstall()
+        started = time.monotonic()
         for subject, request, reply in self._pairs:
             self._guarded(self._judge_pair, subject, request, reply)
+        self.tally.took["judging the pairs"] = time.monotonic() - started
         if url is not None:
+            started = time.monotonic()
             reader = threading.Thread(target=lambda: self._guarded(asyncio.run, self._read_streams(url)))
             reader.start()  # a thread of its own: the session's event loop may still be set here
             reader.join(timeout=300)
             if reader.is_alive():
                 self.tally.notes.append("reading the event streams back took over 300 s; stopped judging them")
+            self.tally.took["reading back and judging the events"] = time.monotonic() - started
         return self.tally
 
     def _guarded(self, judge, *args) -> Any:
@@ -282,6 +288,8 @@ class TrafficTap:
                  f"back); {t.invalid} invalid; {t.capped} over the per-test quota, {t.unknown_endpoint} replies "
                  f"of endpoints without a declared reply type, {t.foreign} messages of other topics on "
                  f"event subjects"]
+        if t.took:  # what the check adds to the end of a run
+            lines.append("  took " + ", ".join(f"{s:.1f} s {what}" for what, s in t.took.items()))
         lines += [f"  {f}" for f in t.failures]
         if t.invalid > len(t.failures):
             lines.append(f"  ... and {t.invalid - len(t.failures)} more")
