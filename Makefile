@@ -17,7 +17,7 @@ up: $(STAMP)
 	$(VENV)/bin/warmboot up --demo $(UP_ARGS)
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile
+	$(VENV)/bin/python -m pytest -q -n 3 --dist loadfile
 
 clean:
 	rm -rf $(VENV) .warmboot .pytest_cache

@@ -1,5 +1,5 @@
 """Shared fixtures: one real nats-server for the whole session (one per process: `make test` runs the
-suite in two, with pytest-xdist), a fresh prefix per test.
+suite in three, with pytest-xdist), a fresh prefix per test.
 
 Every bus test uses `nats_server` (session-scoped, JetStream on a temporary store)
 and `prefix` (a new subject prefix, so tests never see each other's streams).
@@ -181,7 +181,7 @@ def _traffic_check(request):
     tap.finish(server.url if server is not None else None)
 
 
-# Under pytest-xdist (`make test` runs the suite in two processes) each worker has its own session,
+# Under pytest-xdist (`make test` runs the suite in three processes) each worker has its own session,
 # server and tap; its report and verdict reach the controller in its `workeroutput`, which prints
 # them and fails the run for them.
 _WORKER_REPORTS: list[tuple[str, str, bool]] = []  # (worker, report, failed): at the controller
