@@ -14,6 +14,7 @@ its worker before it beats it again (docs/contract.md, "A registration too large
 from __future__ import annotations
 
 import asyncio
+import shutil
 from contextlib import AsyncExitStack, asynccontextmanager
 from datetime import datetime, timezone
 from typing import AsyncIterator
@@ -35,10 +36,11 @@ from services.registry.domain import EVENT_HEADROOM, Worker, check_fits
 from services.registry.service import RegistryService
 from tests.conftest import ONE_MB
 from tests.factories import SILENT_TTL_S, actor, entry, last_seq, read_log, runtime, version, worker
-from tests.registry_helpers import (PROBE, agent_config, agent_said, attrs, heard_for_long, raw_request,
+from tests.registry_helpers import (AMD, CPUINFO, PROBE, agent_config, agent_said, attrs, heard_for_long, raw_request,
                                     registration, running_registry, wait_event, worker_events)
 from tests.test_agent import agent_running, probed
 from warmboot.agent import Agent
+from warmboot.agent_config import ProbeSettings
 from warmboot.client import Client
 from warmboot.natsserver import NatsServer
 from warmboot.runner import SERVICES, start_services
@@ -502,3 +504,100 @@ async def test_an_agent_whose_edit_is_past_max_body_sends_nothing_and_drains_its
             assert registers == [], "the edit past MAX_BODY was sent"
             assert [type(e).__name__ for _, e in await worker_events(nc, prefix, "w-a")] == [
                 "WorkerRegistered", "WorkerDrained"]
+
+
+async def removed_and_beaten(nc, prefix: str, beats: asyncio.Queue, count: int = 3) -> int:
+    """Remove w-a as an operator would, then wait for `count` beats of the agent after it: the sequence of the
+    removal."""
+    removed, _ = await raw_request(nc, prefix, "remove", "w-a", {"reason": "moved its actors"})
+    assert "seq" in removed, removed
+    while not beats.empty():
+        beats.get_nowait()
+    for _ in range(count):
+        await asyncio.wait_for(beats.get(), 20)
+    return removed["seq"]
+
+
+async def test_an_agent_whose_file_is_past_max_body_registers_no_new_life_until_it_is_mended(nats_url, nc, prefix,
+                                                                                             tmp_path):
+    """The worker is removed while the file's registration is past MAX_BODY (the agent's own refusal, the worker
+    drained). The agent registers nothing: there is no registration the file makes that a registry takes, as when
+    a registry refuses it for its size (its new life's registration refused, nothing registered). Mended, the file
+    registers the worker anew, undrained. Before, the beat's NOT_FOUND sent the registration in force again, which
+    the file no longer made: a new life under runtimes the file had dropped, undrained until the beat after it."""
+    beats: asyncio.Queue = asyncio.Queue()
+    path = tmp_path / "agent.toml"
+    path.write_text(agent_config("v1"))
+    async with counted_registry(nats_url, prefix, heartbeat=beats.put_nowait):
+        agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe=PROBE)
+        async with agent_said() as said, agent_running(agent):
+            await said.until("registered w-a: REGISTERED")
+            path.write_text(bulky(agent_config("v2"), restorable=3))  # about 1.1 MB
+            await said.until("drained (seq")
+            removed = await removed_and_beaten(nc, prefix, beats)
+            since = [type(e).__name__ for seq, e in await worker_events(nc, prefix, "w-a") if seq > removed]
+            assert since == [], since
+            path.write_text(agent_config("v2"))  # mended: what fits
+            await said.until("registered w-a: REGISTERED")
+            since = [(type(e).__name__, e) for seq, e in await worker_events(nc, prefix, "w-a") if seq > removed]
+            assert [name for name, _ in since] == ["WorkerRegistered"], since
+            assert since[0][1].sandbox_classes[0].default_runtime.version == probed("v2")
+
+
+async def test_a_cpu_change_while_the_file_is_past_max_body_does_not_end_the_refusal(nats_url, nc, prefix, tmp_path):
+    """The file's registration is past MAX_BODY (the worker drained), then the machine moves to another CPU: the
+    registration in force is made again on it (a RESTAMP, the same life, drained). That registration taken is
+    not the file's: the refusal stays, and the worker, removed, is registered in no new life until the file is
+    mended. Before, the new reading of the machine was not taken for the file's (it was not an edit), the
+    RESTAMP taken ended the refusal, and after the removal the agent registered, undrained, runtimes the file no
+    longer made."""
+    beats: asyncio.Queue = asyncio.Queue()
+    cpuinfo = tmp_path / "cpuinfo"
+    shutil.copy(CPUINFO, cpuinfo)
+    path = tmp_path / "agent.toml"
+    path.write_text(agent_config("v1"))
+    async with counted_registry(nats_url, prefix, heartbeat=beats.put_nowait):
+        agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe_interval_s=0.05,
+                      probe=ProbeSettings(cpuinfo_path=cpuinfo, architecture="amd64"))
+        async with agent_said() as said, agent_running(agent):
+            await said.until("registered w-a: REGISTERED")
+            path.write_text(bulky(agent_config("v2"), restorable=3))  # about 1.1 MB
+            await said.until("drained (seq")
+            shutil.copy(AMD, cpuinfo)
+            await said.until("registered w-a: RUNTIME_CHANGED")  # v1 made again on the AMD CPU
+            removed = await removed_and_beaten(nc, prefix, beats)
+            since = [type(e).__name__ for seq, e in await worker_events(nc, prefix, "w-a") if seq > removed]
+            assert since == [], since
+
+
+async def test_a_removed_worker_whose_file_is_past_max_body_is_not_registered_when_its_machine_reads_again(
+        nats_url, nc, prefix, tmp_path):
+    """The agent removed its worker (the probe could not read the machine: `withdrawn`), and meanwhile the file's
+    registration went past MAX_BODY. When the machine reads again, no new life is begun: not with the
+    registration the worker had (a RESTAMP), which the file no longer makes. Mended, the file registers it.
+    Before, a removed worker's file past MAX_BODY was ignored as a typo, and the RESTAMP began a life, undrained,
+    under the runtimes the file had dropped."""
+    registers: list = []
+    cpuinfo = tmp_path / "cpuinfo"
+    shutil.copy(CPUINFO, cpuinfo)
+    path = tmp_path / "agent.toml"
+    path.write_text(agent_config("v1"))
+    async with counted_registry(nats_url, prefix, register=registers.append):
+        agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe_interval_s=0.05,
+                      unreadable_grace_s=0.0, probe=ProbeSettings(cpuinfo_path=cpuinfo, architecture="amd64"))
+        async with agent_said() as said, agent_running(agent):
+            await said.until("registered w-a: REGISTERED")
+            cpuinfo.unlink()  # the probe cannot read the machine, twice: the worker is removed
+            removed, _ = await wait_event(nc, prefix, "w-a", WorkerRemoved)
+            path.write_text(bulky(agent_config("v2"), restorable=3))  # about 1.1 MB
+            registers.clear()
+            shutil.copy(CPUINFO, cpuinfo)  # the machine reads again
+            await said.until(f"exceeds the limit of {MAX_BODY}")
+            await asyncio.sleep(3)  # many watches, and a RESTAMP of the removed worker asked at each new read
+            since = [type(e).__name__ for seq, e in await worker_events(nc, prefix, "w-a") if seq > removed]
+            assert since == [] and registers == [], (since, registers)
+            path.write_text(agent_config("v2"))  # mended: what fits
+            _, again = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=removed)
+            assert again.sandbox_classes[0].default_runtime.version == probed("v2")
+            assert [type(e).__name__ for seq, e in await worker_events(nc, prefix, "w-a") if seq > removed] == [
+                "WorkerRegistered"]

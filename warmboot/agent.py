@@ -512,10 +512,14 @@ class Agent:
         # beaten again (`_out_of_placement`); None once one is taken (or the file makes the one in force again).
         self._too_large: ContractError | None = None
         self._drained_too_large = False  # the drain for `_too_large` is in the log (this life's), or the worker is in none
-        # The read of the file (`_read`) whose registration is past MAX_BODY, when `_too_large` is that refusal (the
-        # agent's own, nothing sent: `_sync_config`): a registration taken while the file reads so is an earlier
-        # edit's, and does not end the refusal.
-        self._too_large_read: tuple | None = None
+        # The agent's own refusal of what the file makes as last read (`_sync_config`): its registration past
+        # MAX_BODY, on the machine as the probe read it then (an edit, or a new reading of the machine), nothing
+        # sent; None once a read of the file makes a registration (not a typo made since, nor a read the probe
+        # fails: what the file makes is not known to fit). While it is held, nothing this agent registers is what
+        # the file makes: a registration taken (an earlier edit on its way, the registration in force made again
+        # on another CPU) does not end `_too_large`, and none is sent that could begin a life (`_again`, an edit
+        # waiting its turn, a RESTAMP of a removed worker).
+        self._file_too_large: NotRegistrable | None = None
         # the connection's errors, once each while they repeat; a refused sign-in says which credentials to check
         self._errors = ErrorsOnce(log, redact_url(nats_url), sign_in_hint(nats_url, self.nkey_seed, {}))
 
@@ -723,6 +727,8 @@ class Agent:
                 wanted = self.desired
                 if wanted is None or (wanted == self.registration and not self.withdrawn) or wanted == self._edited:
                     return None  # in force already, or sent already (and refused: not asked again)
+                if self._file_too_large is not None:
+                    return None  # read since: the file makes a registration past MAX_BODY, which is not sent
                 self._edited = wanted
                 try:
                     try:
@@ -747,7 +753,8 @@ class Agent:
                     if not isinstance(e, StateFileError):
                         self._read = None
                     raise
-                self._edit_refused = False  # the file's edit is in force
+                # the file's edit is in force; unless the file was read past MAX_BODY while it was on its way
+                self._edit_refused = self._file_too_large is not None
             elif registration is AGAIN:
                 self._again_waiting = False
                 self._again_unmade = None
@@ -782,6 +789,11 @@ class Agent:
 
     async def _again(self, stop: asyncio.Event) -> RegisterReply:
         """`register(AGAIN)`'s registration (see there); the caller holds `_one_registration`."""
+        if self._file_too_large is not None:
+            # nothing the file makes can be sent: not the registration in force either, which the file no longer
+            # makes (a new life under it, once the worker was removed, took placements until the drain after it),
+            # as a registry refuses what it cannot take, and nothing is registered
+            raise NotRegistrable(str(self._file_too_large), self._file_too_large.refusal)
         reply = None
         refused = False
         if self.desired is not None and self.desired != self.registration:
@@ -810,6 +822,8 @@ class Agent:
         nothing was registered."""
         if not self.withdrawn and not self._cpu_changed_under_registration():
             return None  # made again meanwhile
+        if self.withdrawn and self._file_too_large is not None:
+            return None  # a new life takes what the file makes, and none can be sent (`_sync_config` said so)
         assert self.registration is not None and self._in_force_of is not None
         read_at = self._machine()[0]
         try:
@@ -929,7 +943,7 @@ class Agent:
                 self._hold_refusal_for_size(e)
             raise
         self.registering = False
-        if self._too_large is not None and (self._too_large_read is None or self._too_large_read != self._read):
+        if self._too_large is not None and self._file_too_large is None:
             self._taken_after_too_large(reply)
         elif reply.outcome is RegisterOutcome.REGISTERED:
             self._drained_too_large = False  # a new life, undrained: a drain of an earlier one is no longer had
@@ -1300,7 +1314,6 @@ class Agent:
         """A registration taken after one refused for its size: the refusal is over. A new
         life is undrained; in the same life the worker stays drained, if it was, and the agent says so."""
         drained, self._too_large, self._drained_too_large = self._drained_too_large, None, False
-        self._too_large_read = None
         if drained and reply.outcome is not RegisterOutcome.REGISTERED:
             log.warning("%s: the registry took its registration (%s, seq %d); the worker stays drained in this "
                         "life (drained when a registration was refused as too large): once its actors are moved, "
@@ -1557,11 +1570,16 @@ class Agent:
         except ConfigError as e:
             self._config_failed = True
             # (e names the file first, and the field: `FILE: capacity.cpu_millis: ...`)
-            if self.edited and not self.withdrawn and isinstance(e, NotRegistrable) and too_large(e.refusal):
+            if isinstance(e, NotRegistrable) and too_large(e.refusal):
+                # an edit, or a new reading of the machine (the same file made on it), or a read after the worker
+                # was removed (`withdrawn`: none is sent while it reads so, `_restamp`)
                 self._refused_for_size(e.refusal, str(e))
                 self._edit_refused = True  # until the file says the registration in force again (below)
-                self._too_large_read = self._read
-            elif self.edited:  # (none is in force once the worker was removed for want of one: said so)
+                self._file_too_large = e
+                return
+            # another error (a typo made since, the probe unable to read the machine) keeps `_file_too_large`: what
+            # the file makes is not known to fit, and the registration in force is still not what it makes
+            if self.edited:  # (none is in force once the worker was removed for want of one: said so)
                 kept = "the worker stays removed until one can be made" if self.withdrawn else \
                     "keeping the registration in force"
                 log.error("ignoring the edit of %s; %s", e, kept)
@@ -1571,6 +1589,7 @@ class Agent:
             return
         if registration is None:
             return  # nothing new
+        refused_by_agent, self._file_too_large = self._file_too_large is not None, None
         if self._config_failed:  # the error said, the mend is said too: it may change nothing
             self._config_failed = False
             log.info("%s reads again without error%s", self.config_path,
@@ -1581,9 +1600,9 @@ class Agent:
             # the file put back after an edit refused (logged as an error): said too, as a mend is, and that edit
             # is no longer held as sent, so that making it again sends it again (a user trial: the error was the
             # last word, and the same edit made again later was not sent)
-            refuser = "the agent" if self._too_large_read is not None else "the registry"
+            refuser = "the agent" if refused_by_agent else "the registry"
             self._edited, self._edit_refused = None, False
-            self._too_large, self._too_large_read = None, None  # what the file says is in force: beaten again
+            self._too_large = None  # what the file says is in force: beaten again
             log.info("%s makes the registration in force again; the edit %s refused is given up", self.config_path,
                      refuser)
         if registration == self.registration and not self._one_registration.locked():
