@@ -601,3 +601,32 @@ async def test_a_removed_worker_whose_file_is_past_max_body_is_not_registered_wh
             assert again.sandbox_classes[0].default_runtime.version == probed("v2")
             assert [type(e).__name__ for seq, e in await worker_events(nc, prefix, "w-a") if seq > removed] == [
                 "WorkerRegistered"]
+
+
+async def test_an_edit_past_max_body_made_while_the_probe_cannot_read_drains_the_worker_once_it_reads(
+        nats_url, nc, prefix, tmp_path):
+    """The file is edited past MAX_BODY while the probe cannot read the machine (for a moment, within its grace:
+    the worker stays registered and beaten). The edit cannot be made then, and is ignored as any read the probe
+    fails. Once the machine reads again, as before, the same file makes a registration past MAX_BODY: the worker
+    is drained. Before, that read was not an edit (the file's content had not changed since the last read), so
+    the refusal went unsaid and unheld, and the registration in force, which the file no longer made, was beaten
+    undrained for as long as the agent ran."""
+    cpuinfo = tmp_path / "cpuinfo"
+    shutil.copy(CPUINFO, cpuinfo)
+    path = tmp_path / "agent.toml"
+    path.write_text(agent_config("v1"))
+    async with counted_registry(nats_url, prefix):
+        agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe_interval_s=0.05,
+                      unreadable_grace_s=120, probe=ProbeSettings(cpuinfo_path=cpuinfo, architecture="amd64"))
+        async with agent_said() as said, agent_running(agent):
+            await said.until("registered w-a: REGISTERED")
+            cpuinfo.unlink()
+            await asyncio.sleep(0.5)  # many reads of the machine, each failing
+            path.write_text(bulky(agent_config("v2"), restorable=3))  # about 1.1 MB
+            await said.until("ignoring the edit of")
+            shutil.copy(CPUINFO, cpuinfo)  # the machine reads again, as registered
+            await said.until("drained (seq", timeout_s=15)
+            _, drained = await wait_event(nc, prefix, "w-a", WorkerDrained)
+            assert "refused as too large" in drained.reason
+            assert [type(e).__name__ for _, e in await worker_events(nc, prefix, "w-a")] == [
+                "WorkerRegistered", "WorkerDrained"]
