@@ -630,3 +630,46 @@ async def test_an_edit_past_max_body_made_while_the_probe_cannot_read_drains_the
             assert "refused as too large" in drained.reason
             assert [type(e).__name__ for _, e in await worker_events(nc, prefix, "w-a")] == [
                 "WorkerRegistered", "WorkerDrained"]
+
+
+async def test_an_edit_on_its_way_taken_after_the_file_went_past_max_body_leaves_the_worker_drained(
+        nats_url, nc, prefix, tmp_path):
+    """An edit that fits (v2) is on its way (the registry holds it) when the file goes past MAX_BODY: taken
+    after, it is not what the file makes, and the worker is drained all the same. The file put back to that
+    edit, the registration in force, ends the refusal (said), and the worker stays drained in its life. Before,
+    the edit taken was held as the file's (`_edit_refused` cleared), so the file put back to it ended nothing:
+    the refusal was held, unsaid, and drained the worker at its next beat if it had not been yet."""
+    held, release = asyncio.Event(), asyncio.Event()
+    path = tmp_path / "agent.toml"
+    path.write_text(agent_config("v1"))
+    registry_nc = await nats.connect(nats_url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
+    registry = RegistryService(registry_nc, nats_url=nats_url, prefix=prefix, ttl_s=10)
+    register = registry.register
+
+    async def holding(worker_id, request):
+        if request.sandbox_classes[0].default_runtime.name == "gvisor-v2" and not release.is_set():
+            held.set()
+            await release.wait()
+        return await register(worker_id, request)
+
+    registry.register = holding
+    await registry.start()
+    try:
+        agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe=PROBE)
+        async with agent_said() as said, agent_running(agent):
+            await said.until("registered w-a: REGISTERED")
+            path.write_text(agent_config("v2"))
+            await asyncio.wait_for(held.wait(), 10)
+            path.write_text(bulky(agent_config("v3"), restorable=3))  # about 1.1 MB
+            await said.until("was refused as too large")
+            release.set()
+            await said.until("registered w-a: RUNTIME_CHANGED")
+            await wait_event(nc, prefix, "w-a", WorkerDrained)
+            events = [type(e).__name__ for _, e in await worker_events(nc, prefix, "w-a")]
+            assert sorted(events[1:]) == ["RuntimeChanged", "WorkerDrained"], events
+            path.write_text(agent_config("v2"))  # put back to the registration in force
+            await said.until("makes the registration in force again; the edit the agent refused is given up")
+    finally:
+        release.set()
+        await registry.stop()
+        await registry_nc.close()
