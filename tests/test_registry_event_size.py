@@ -570,8 +570,9 @@ async def test_a_cpu_change_while_the_file_is_past_max_body_does_not_end_the_ref
             assert since == [], since
 
 
+@pytest.mark.parametrize("mended", ["v2", "v1"])  # another registration, or the one the worker had (a RESTAMP)
 async def test_a_removed_worker_whose_file_is_past_max_body_is_not_registered_when_its_machine_reads_again(
-        nats_url, nc, prefix, tmp_path):
+        nats_url, nc, prefix, tmp_path, mended):
     """The agent removed its worker (the probe could not read the machine: `withdrawn`), and meanwhile the file's
     registration went past MAX_BODY. When the machine reads again, no new life is begun: not with the
     registration the worker had (a RESTAMP), which the file no longer makes. Mended, the file registers it.
@@ -596,9 +597,9 @@ async def test_a_removed_worker_whose_file_is_past_max_body_is_not_registered_wh
             await asyncio.sleep(3)  # many watches, and a RESTAMP of the removed worker asked at each new read
             since = [type(e).__name__ for seq, e in await worker_events(nc, prefix, "w-a") if seq > removed]
             assert since == [] and registers == [], (since, registers)
-            path.write_text(agent_config("v2"))  # mended: what fits
-            _, again = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=removed)
-            assert again.sandbox_classes[0].default_runtime.version == probed("v2")
+            path.write_text(agent_config(mended))  # mended: what fits
+            _, again = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=removed, timeout=5)
+            assert again.sandbox_classes[0].default_runtime.version == probed(mended)
             assert [type(e).__name__ for seq, e in await worker_events(nc, prefix, "w-a") if seq > removed] == [
                 "WorkerRegistered"]
 

@@ -1590,6 +1590,8 @@ class Agent:
         if registration is None:
             return  # nothing new
         refused_by_agent, self._file_too_large = self._file_too_large is not None, None
+        if refused_by_agent and self.withdrawn:
+            self._restamp_asked = None  # a RESTAMP held back for the file (`_restamp`) is asked at once, not in 10 s
         if self._config_failed:  # the error said, the mend is said too: it may change nothing
             self._config_failed = False
             log.info("%s reads again without error%s", self.config_path,
