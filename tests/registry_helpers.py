@@ -221,6 +221,30 @@ def without_cpu_features(cpuinfo: Path) -> None:
                                if not line.startswith("flags")))
 
 
+def counted_probe(cpuinfo: Path) -> tuple[ProbeSettings, asyncio.Queue]:
+    """A probe of the amd64 machine whose cpuinfo is `cpuinfo`, and a queue that each of its reads, made or
+    failed, puts None on as it ends: a test awaits the agent's reads of the machine (and what it decides on
+    each, at the watch that made it), not a time."""
+    reads: asyncio.Queue = asyncio.Queue()
+
+    class Counted(ProbeSettings):
+        def read(self):
+            try:
+                return super().read()
+            finally:
+                reads.put_nowait(None)
+
+    return Counted(cpuinfo_path=cpuinfo, architecture="amd64"), reads
+
+
+async def reads_after(reads: asyncio.Queue, count: int, timeout_s: float = 20) -> None:
+    """`count` reads of the machine (`counted_probe`) made after this call."""
+    while not reads.empty():
+        reads.get_nowait()
+    for _ in range(count):
+        await asyncio.wait_for(reads.get(), timeout_s)
+
+
 def a_machine(tmp_path: Path, nats_url: str, prefix: str) -> tuple[Agent, Path, Path]:
     """An agent of `w-a` (one gvisor class, asset v1) on a machine whose cpuinfo the test swaps,
     read again every 0.05 s (it starts as CPUINFO), a read the probe cannot make counting at the second

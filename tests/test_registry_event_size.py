@@ -36,8 +36,9 @@ from services.registry.domain import EVENT_HEADROOM, Worker, check_fits
 from services.registry.service import RegistryService
 from tests.conftest import ONE_MB
 from tests.factories import SILENT_TTL_S, actor, entry, last_seq, read_log, runtime, version, worker
-from tests.registry_helpers import (AMD, CPUINFO, PROBE, agent_config, agent_said, attrs, heard_for_long, raw_request,
-                                    registration, running_registry, wait_event, worker_events)
+from tests.registry_helpers import (AMD, CPUINFO, PROBE, agent_config, agent_said, attrs, counted_probe, heard_for_long,
+                                    raw_request, reads_after, registration, running_registry, wait_event,
+                                    worker_events)
 from tests.test_agent import agent_running, probed
 from warmboot.agent import Agent
 from warmboot.agent_config import ProbeSettings
@@ -583,9 +584,10 @@ async def test_a_removed_worker_whose_file_is_past_max_body_is_not_registered_wh
     shutil.copy(CPUINFO, cpuinfo)
     path = tmp_path / "agent.toml"
     path.write_text(agent_config("v1"))
+    probe, reads = counted_probe(cpuinfo)
     async with counted_registry(nats_url, prefix, register=registers.append):
         agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe_interval_s=0.05,
-                      unreadable_grace_s=0.0, probe=ProbeSettings(cpuinfo_path=cpuinfo, architecture="amd64"))
+                      unreadable_grace_s=0.0, probe=probe)
         async with agent_said() as said, agent_running(agent):
             await said.until("registered w-a: REGISTERED")
             cpuinfo.unlink()  # the probe cannot read the machine, twice: the worker is removed
@@ -594,7 +596,7 @@ async def test_a_removed_worker_whose_file_is_past_max_body_is_not_registered_wh
             registers.clear()
             shutil.copy(CPUINFO, cpuinfo)  # the machine reads again
             await said.until(f"exceeds the limit of {MAX_BODY}")
-            await asyncio.sleep(3)  # many watches, and a RESTAMP of the removed worker asked at each new read
+            await reads_after(reads, 20)  # 20 new reads of the machine: a RESTAMP of the removed worker at each
             since = [type(e).__name__ for seq, e in await worker_events(nc, prefix, "w-a") if seq > removed]
             assert since == [] and registers == [], (since, registers)
             path.write_text(agent_config(mended))  # mended: what fits
@@ -616,13 +618,14 @@ async def test_an_edit_past_max_body_made_while_the_probe_cannot_read_drains_the
     shutil.copy(CPUINFO, cpuinfo)
     path = tmp_path / "agent.toml"
     path.write_text(agent_config("v1"))
+    probe, reads = counted_probe(cpuinfo)
     async with counted_registry(nats_url, prefix):
         agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe_interval_s=0.05,
-                      unreadable_grace_s=120, probe=ProbeSettings(cpuinfo_path=cpuinfo, architecture="amd64"))
+                      unreadable_grace_s=120, probe=probe)
         async with agent_said() as said, agent_running(agent):
             await said.until("registered w-a: REGISTERED")
             cpuinfo.unlink()
-            await asyncio.sleep(0.5)  # many reads of the machine, each failing
+            await reads_after(reads, 5)  # reads of the machine, each failing
             path.write_text(bulky(agent_config("v2"), restorable=3))  # about 1.1 MB
             await said.until("ignoring the edit of")
             shutil.copy(CPUINFO, cpuinfo)  # the machine reads again, as registered
