@@ -23,8 +23,8 @@ from events.schema import (ActorPlaced, ActorReleased, ErrorCode, FallbackReason
 from services.registry.domain import canonical_classes
 from services.scheduler.records import RECENT_PLACEMENTS
 from services.scheduler.service import SchedulerService
-from tests.factories import (AT, NewerWorkerEvent, actor, golden, last_seq, read_log, runtime, version, wait_for,
-                             worker)
+from tests.factories import (AT, NewerWorkerEvent, actor, answered, golden, last_seq, read_log, runtime, version,
+                             wait_for, worker)
 from tests.factories import booked as booked_event, placed as placed_event
 from warmboot.client import Client
 
@@ -1050,9 +1050,21 @@ async def test_retries_refused_for_room_at_once_on_a_fold_behind_get_their_place
         await wb.register(worker(f"w{i}", V1, cpu=64000, mem=64 + 25 * 128))  # room for 25 each
     actors = [f"a{i:03d}" for i in range(200)]
     await asyncio.gather(*(wb.create(actor(a, cpu=1, mem=128)) for a in actors))
-    placed = await asyncio.gather(*(wb.resume(a) for a in actors), return_exceptions=True)
+    # The fleet filled by 200 resumes at once, on two replicas, on a loaded machine: a reply lost to a time-out is
+    # asked again with its request id (answered its first placement, if it made one), and a refusal for room
+    # another replica's booking held at that moment (RESOURCE_EXHAUSTED, room coming free may place it) is asked
+    # again, one at a time, until the room is used. The CI run of 41eff7b found 99 running.
+    placed = await asyncio.gather(*(answered(lambda a=a: wb.resume(a, request_id=f"{a}-fill"), f"resume {a}")
+                                    for a in actors))
     running = [a for a, got in zip(actors, placed) if not isinstance(got, ContractError)]
-    assert len(running) == 100
+    refused = Counter((e.code.value, e.message[:160]) for e in placed if isinstance(e, ContractError))
+    for a in [a for a in actors if a not in running]:
+        if len(running) == 100:
+            break
+        if not isinstance(await answered(lambda a=a: wb.resume(a, request_id=f"{a}-fill-again"), f"resume {a}"),
+                          ContractError):
+            running.append(a)
+    assert len(running) == 100, refused
     rng = random.Random(1)
     sent: dict[str, int] = {}  # request id -> placements it should have made (1: retried, 0: refused)
     for round_ in range(3):
