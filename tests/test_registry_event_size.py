@@ -17,7 +17,7 @@ import asyncio
 import shutil
 from contextlib import AsyncExitStack, asynccontextmanager
 from datetime import datetime, timezone
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 import msgspec
 import nats
@@ -478,6 +478,19 @@ async def test_an_agent_whose_edit_is_too_large_to_send_drains_its_worker(prefix
         server.kill()
 
 
+@asynccontextmanager
+async def agent_registered(url: str, prefix: str, path, **heard) -> AsyncIterator[Any]:
+    """w-a's agent of the file `path` (written as agent_config("v1"), watched every 0.05 s), on a registry of
+    counted handlers (`counted_registry`, `heard`), once it has registered the worker: what it says
+    (`agent_said`)."""
+    path.write_text(agent_config("v1"))
+    async with counted_registry(url, prefix, **heard):
+        agent = Agent(url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe=PROBE)
+        async with agent_said() as said, agent_running(agent):
+            await said.until("registered w-a: REGISTERED")
+            yield said
+
+
 async def test_an_agent_whose_edit_is_past_max_body_sends_nothing_and_drains_its_worker(nats_url, nc, prefix,
                                                                                          tmp_path):
     """An edit whose registration is past MAX_BODY, which no registry decodes (on warmboot's 2 MB server, which
@@ -488,23 +501,19 @@ async def test_an_agent_whose_edit_is_past_max_body_sends_nothing_and_drains_its
     had dropped, where a smaller edit of the same runtimes drained the worker."""
     registers: list = []
     path = tmp_path / "agent.toml"
-    path.write_text(agent_config("v1"))
-    async with counted_registry(nats_url, prefix, register=registers.append):
-        agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe=PROBE)
-        async with agent_said() as said, agent_running(agent):
-            await said.until("registered w-a: REGISTERED")
-            registers.clear()
-            path.write_text(bulky(agent_config("v2"), restorable=3))  # about 1.1 MB
-            lines = await said.until("drained (seq")
-            refused = [line for line in lines if "was refused as too large; the worker is drained" in line]
-            assert refused and f"exceeds the limit of {MAX_BODY}" in refused[0], lines
-            _, drained = await wait_event(nc, prefix, "w-a", WorkerDrained)
-            assert "refused as too large" in drained.reason
-            path.write_text(agent_config("v1"))
-            await said.until("makes the registration in force again; the edit the agent refused is given up")
-            assert registers == [], "the edit past MAX_BODY was sent"
-            assert [type(e).__name__ for _, e in await worker_events(nc, prefix, "w-a")] == [
-                "WorkerRegistered", "WorkerDrained"]
+    async with agent_registered(nats_url, prefix, path, register=registers.append) as said:
+        registers.clear()
+        path.write_text(bulky(agent_config("v2"), restorable=3))  # about 1.1 MB
+        lines = await said.until("drained (seq")
+        refused = [line for line in lines if "was refused as too large; the worker is drained" in line]
+        assert refused and f"exceeds the limit of {MAX_BODY}" in refused[0], lines
+        _, drained = await wait_event(nc, prefix, "w-a", WorkerDrained)
+        assert "refused as too large" in drained.reason
+        path.write_text(agent_config("v1"))
+        await said.until("makes the registration in force again; the edit the agent refused is given up")
+        assert registers == [], "the edit past MAX_BODY was sent"
+        assert [type(e).__name__ for _, e in await worker_events(nc, prefix, "w-a")] == [
+            "WorkerRegistered", "WorkerDrained"]
 
 
 async def removed_and_beaten(nc, prefix: str, beats: asyncio.Queue, count: int = 3) -> int:
@@ -528,21 +537,17 @@ async def test_an_agent_whose_file_is_past_max_body_registers_no_new_life_until_
     the file no longer made: a new life under runtimes the file had dropped, undrained until the beat after it."""
     beats: asyncio.Queue = asyncio.Queue()
     path = tmp_path / "agent.toml"
-    path.write_text(agent_config("v1"))
-    async with counted_registry(nats_url, prefix, heartbeat=beats.put_nowait):
-        agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe=PROBE)
-        async with agent_said() as said, agent_running(agent):
-            await said.until("registered w-a: REGISTERED")
-            path.write_text(bulky(agent_config("v2"), restorable=3))  # about 1.1 MB
-            await said.until("drained (seq")
-            removed = await removed_and_beaten(nc, prefix, beats)
-            since = [type(e).__name__ for seq, e in await worker_events(nc, prefix, "w-a") if seq > removed]
-            assert since == [], since
-            path.write_text(agent_config("v2"))  # mended: what fits
-            await said.until("registered w-a: REGISTERED")
-            since = [(type(e).__name__, e) for seq, e in await worker_events(nc, prefix, "w-a") if seq > removed]
-            assert [name for name, _ in since] == ["WorkerRegistered"], since
-            assert since[0][1].sandbox_classes[0].default_runtime.version == probed("v2")
+    async with agent_registered(nats_url, prefix, path, heartbeat=beats.put_nowait) as said:
+        path.write_text(bulky(agent_config("v2"), restorable=3))  # about 1.1 MB
+        await said.until("drained (seq")
+        removed = await removed_and_beaten(nc, prefix, beats)
+        since = [type(e).__name__ for seq, e in await worker_events(nc, prefix, "w-a") if seq > removed]
+        assert since == [], since
+        path.write_text(agent_config("v2"))  # mended: what fits
+        await said.until("registered w-a: REGISTERED")
+        since = [(type(e).__name__, e) for seq, e in await worker_events(nc, prefix, "w-a") if seq > removed]
+        assert [name for name, _ in since] == ["WorkerRegistered"], since
+        assert since[0][1].sandbox_classes[0].default_runtime.version == probed("v2")
 
 
 async def test_a_cpu_change_while_the_file_is_past_max_body_does_not_end_the_refusal(nats_url, nc, prefix, tmp_path):
