@@ -81,7 +81,8 @@ def test_xdist_s_own_loadfile_waits_for_ever_after_such_a_crash(tmp_path):
     ends in about 3 s with the plugin). If a later pytest-xdist ends it as the plugin does (the crash
     reported, every other test run once), this test fails, and the plugin may go. A run that ended
     otherwise (the CI run of 3664ec4 saw one end within 20 s, on a machine where it waited for ever in
-    12 runs of 12, 9 of them under load) is no such fix: what it printed is shown, and the test holds."""
+    12 runs of 12, 9 of them under load) is no such fix, and the test holds: what that run printed is in
+    the test's captured output (`pytest -rP` shows it)."""
     expected = suite(tmp_path, "test_middle")
     try:
         output, errors = run(tmp_path, 1, timeout=10)
