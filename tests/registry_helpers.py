@@ -151,13 +151,15 @@ async def expiry_marker(nc, prefix: str, worker_id: str) -> None:
 @asynccontextmanager
 async def running_registry(nats_url: str, prefix: str, ttl_s: float = 15.0, own_link: bool = False,
                            writes: WriteBudget | None = None, reconcile_interval_s: float | None = None,
-                           via: str | None = None):
+                           via: str | None = None, heard: dict[str, Any] | None = None):
     """A registry replica with its own connection, on the JetStream event store; with `own_link`,
     an event-store connection of its own too (another inbox prefix), as another process has, so
     that nothing this process read or wrote is known to it. `writes`: the workers' write budget
     (the default's, if not given); `reconcile_interval_s`: how often it reconciles heartbeats while
     it runs (the default's, if not given); `via`: the URL its own connection (not its event
-    store's) is made to, a proxy of the server's, say."""
+    store's) is made to, a proxy of the server's, say; `heard`: verbs (`register`, `heartbeat`, `drain`, ...)
+    whose requests are each handed to a function as they arrive, before they are answered
+    (`{"heartbeat": queue.put_nowait}`)."""
     nc = await nats.connect(via or nats_url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
     env = None
     if own_link:
@@ -165,12 +167,23 @@ async def running_registry(nats_url: str, prefix: str, ttl_s: float = 15.0, own_
         env["NATS_INBOX_PREFIX"] = f"{env['NATS_INBOX_PREFIX']}.own-link"
     more = {} if reconcile_interval_s is None else {"reconcile_interval_s": reconcile_interval_s}
     service = RegistryService(nc, nats_url=nats_url, prefix=prefix, ttl_s=ttl_s, env=env, writes=writes, **more)
+    for verb, to in (heard or {}).items():
+        setattr(service, verb, counting(getattr(service, verb), to))
     await service.start()
     try:
         yield service
     finally:
         await service.stop()
         await nc.close()
+
+
+def counting(handler, heard):
+    """A registry's handler of a verb (heartbeat, register, drain) that hands each request to `heard` as it
+    arrives, then answers it."""
+    async def counted(worker_id, request):
+        heard(request)
+        return await handler(worker_id, request)
+    return counted
 
 
 def body(worker_id: str) -> RegisterWorker:

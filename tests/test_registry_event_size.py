@@ -36,9 +36,9 @@ from services.registry.domain import EVENT_HEADROOM, Worker, check_fits
 from services.registry.service import RegistryService
 from tests.conftest import ONE_MB
 from tests.factories import SILENT_TTL_S, actor, entry, last_seq, read_log, runtime, version, worker
-from tests.registry_helpers import (AMD, CPUINFO, PROBE, agent_config, agent_said, attrs, counted_probe, heard_for_long,
-                                    raw_request, reads_after, registration, running_registry, wait_event,
-                                    worker_events)
+from tests.registry_helpers import (AMD, CPUINFO, PROBE, agent_config, agent_said, attrs, counted_probe, counting,
+                                    heard_for_long, raw_request, reads_after, registration, running_registry,
+                                    wait_event, worker_events)
 from tests.test_agent import agent_running, probed
 from warmboot.agent import Agent
 from warmboot.agent_config import ProbeSettings
@@ -259,29 +259,12 @@ def bulky(config: str, pad: int = 250, edges: int = 32, restorable: int = 1) -> 
         for n in range(restorable))
 
 
-def counting(handler, heard):
-    """A registry's handler of a verb (heartbeat, register, drain) that hands each request to `heard` as it
-    arrives, then answers it."""
-    async def counted(worker_id, request):
-        heard(request)
-        return await handler(worker_id, request)
-    return counted
-
-
 @asynccontextmanager
 async def counted_registry(url: str, prefix: str, **heard) -> AsyncIterator[RegistryService]:
     """A registry replica on a connection of its own, beating every few seconds (a third of a 10 s TTL), each
-    verb named in `heard` (`heartbeat=queue.put_nowait`) handed to its function as it arrives (`counting`)."""
-    registry_nc = await nats.connect(url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
-    registry = RegistryService(registry_nc, nats_url=url, prefix=prefix, ttl_s=10)
-    for verb, to in heard.items():
-        setattr(registry, verb, counting(getattr(registry, verb), to))
-    await registry.start()
-    try:
+    verb named in `heard` (`heartbeat=queue.put_nowait`) handed to its function as it arrives."""
+    async with running_registry(url, prefix, ttl_s=10, heard=heard) as registry:
         yield registry
-    finally:
-        await registry.stop()
-        await registry_nc.close()
 
 
 async def test_an_agent_refused_a_change_too_large_drains_its_worker_and_no_resume_is_placed_on_it_after(
