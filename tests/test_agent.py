@@ -31,8 +31,9 @@ from warmboot.natsserver import NatsServer
 ROOT = Path(__file__).parent.parent
 
 
-def probed(asset: str):
-    return probe_version(CPUINFO.read_text(), "amd64", "gvisor", {"gvisor_asset_hash": asset})
+def probed(asset: str, cpuinfo: Path = CPUINFO):
+    """The version the probe reads of gvisor asset `asset` on the amd64 machine whose cpuinfo is `cpuinfo`."""
+    return probe_version(cpuinfo.read_text(), "amd64", "gvisor", {"gvisor_asset_hash": asset})
 
 
 @asynccontextmanager

@@ -32,6 +32,7 @@ from events.natspy.headers import header_block
 from events.schema import (ActorPlaced, ErrorCode, Fidelity, PlacedFidelity, RegisterWorker, RuntimeChanged, WorkerDrained,
                            WorkerRegistered, WorkerRemoved, WorkerUpdated)
 from eventsourcing.persistence import StoredEvent
+from services.registry.budget import WriteBudget
 from services.registry.domain import EVENT_HEADROOM, Worker, check_fits
 from services.registry.service import RegistryService
 from tests.conftest import ONE_MB
@@ -40,6 +41,7 @@ from tests.registry_helpers import (AMD, CPUINFO, PROBE, agent_config, agent_sai
                                     heard_for_long, raw_request, reads_after, registration, running_registry,
                                     wait_event, worker_events)
 from tests.test_agent import agent_running, probed
+from tests.test_registry_budget import Clock
 from warmboot.agent import Agent
 from warmboot.agent_config import ProbeSettings
 from warmboot.client import Client
@@ -665,3 +667,43 @@ async def test_an_edit_on_its_way_taken_after_the_file_went_past_max_body_leaves
         release.set()
         await registry.stop()
         await registry_nc.close()
+
+
+async def test_a_restamp_refused_for_the_budget_while_the_file_is_past_max_body_begins_no_life(
+        nats_url, nc, prefix, tmp_path):
+    """The file's registration is past MAX_BODY (the worker drained; the budget, one write, spent by the
+    registration), then the machine moves to another CPU. Its RESTAMP (the registration in force
+    made on the new CPU) is refused for the worker's write budget: the agent removes the worker (a removal is
+    free), as it must not stay registered with a CPU its machine no longer has. Then nothing is sent: the
+    registration in force, which the file no longer makes, begins no life, the budget earned back or not. Mended,
+    the file registers the worker anew. Before, `_send` sent that registration again at once after the removal,
+    and once the budget was earned back, began a life undrained under runtimes the file had dropped."""
+    heard: list[str] = []
+    clock = Clock()
+    cpuinfo = tmp_path / "cpuinfo"
+    shutil.copy(CPUINFO, cpuinfo)
+    path = tmp_path / "agent.toml"
+    path.write_text(agent_config("v1"))
+    probe, reads = counted_probe(cpuinfo)
+    verbs = {verb: (lambda _, verb=verb: heard.append(verb)) for verb in ("register", "drain", "remove")}
+    async with running_registry(nats_url, prefix, ttl_s=10, writes=WriteBudget(1, 10.0, clock),
+                                heard=verbs):
+        agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe_interval_s=0.05,
+                      probe=probe)
+        async with agent_said() as said, agent_running(agent):
+            await said.until("registered w-a: REGISTERED")
+            path.write_text(bulky(agent_config("v2"), restorable=3))  # about 1.1 MB
+            await said.until("drained (seq")
+            shutil.copy(AMD, cpuinfo)  # the RESTAMP is refused for the budget: the worker is removed
+            removed, _ = await wait_event(nc, prefix, "w-a", WorkerRemoved)
+            await reads_after(reads, 20)
+            assert heard[heard.index("remove"):] == ["remove"], heard
+            clock.now += 10.0  # the budget earned back
+            await reads_after(reads, 20)
+            assert heard[heard.index("remove"):] == ["remove"], heard
+            assert [type(e).__name__ for seq, e in await worker_events(nc, prefix, "w-a") if seq > removed] == []
+            path.write_text(agent_config("v2"))  # mended: what fits
+            _, again = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=removed, timeout=5)
+            assert again.sandbox_classes[0].default_runtime.version == probed("v2", AMD)
+            assert [type(e).__name__ for seq, e in await worker_events(nc, prefix, "w-a") if seq > removed] == [
+                "WorkerRegistered"]
