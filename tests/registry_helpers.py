@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import math
 import shutil
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import msgspec
 import nats
@@ -159,7 +160,7 @@ async def running_registry(nats_url: str, prefix: str, ttl_s: float = 15.0, own_
     it runs (the default's, if not given); `via`: the URL its own connection (not its event
     store's) is made to, a proxy of the server's, say; `heard`: verbs (`register`, `heartbeat`, `drain`, ...)
     whose requests are each handed to a function as they arrive, before they are answered
-    (`{"heartbeat": queue.put_nowait}`)."""
+    (`{"heartbeat": queue.put_nowait}`; `counting`)."""
     nc = await nats.connect(via or nats_url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
     env = None
     if own_link:
@@ -179,11 +180,39 @@ async def running_registry(nats_url: str, prefix: str, ttl_s: float = 15.0, own_
 
 def counting(handler, heard):
     """A registry's handler of a verb (heartbeat, register, drain) that hands each request to `heard` as it
-    arrives, then answers it."""
+    arrives, then answers it; once what `heard` returns is done, if it returns an awaitable (a request held
+    until the test releases it)."""
     async def counted(worker_id, request):
-        heard(request)
+        held = heard(request)
+        if inspect.isawaitable(held):
+            await held
         return await handler(worker_id, request)
     return counted
+
+
+class Holding:
+    """A `heard` function (`running_registry`) that holds at the registry each request `which(request)` picks,
+    from when `armed` is set until the test releases them (`release`, or leaving `async with holding:`); the first
+    one held sets `held`."""
+
+    def __init__(self, which: Callable[[Any], bool] = lambda request: True, armed: bool = True):
+        self.which, self.armed = which, armed
+        self.held, self.released = asyncio.Event(), asyncio.Event()
+
+    def __call__(self, request) -> Any:
+        if not self.armed or self.released.is_set() or not self.which(request):
+            return None
+        self.held.set()
+        return self.released.wait()
+
+    def release(self) -> None:
+        self.released.set()
+
+    async def __aenter__(self) -> "Holding":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.release()  # before the registry stops: it waits for the requests it answers
 
 
 def body(worker_id: str) -> RegisterWorker:

@@ -37,7 +37,7 @@ from services.registry.domain import EVENT_HEADROOM, Worker, check_fits
 from services.registry.service import RegistryService
 from tests.conftest import ONE_MB
 from tests.factories import SILENT_TTL_S, actor, entry, last_seq, read_log, runtime, version, worker
-from tests.registry_helpers import (AMD, CPUINFO, PROBE, agent_config, agent_said, attrs, counted_probe, counting,
+from tests.registry_helpers import (AMD, CPUINFO, PROBE, Holding, agent_config, agent_said, attrs, counted_probe, counting,
                                     heard_for_long, raw_request, reads_after, registration, running_registry,
                                     wait_event, worker_events)
 from tests.test_agent import agent_running, probed
@@ -633,40 +633,24 @@ async def test_an_edit_on_its_way_taken_after_the_file_went_past_max_body_leaves
     edit, the registration in force, ends the refusal (said), and the worker stays drained in its life. Before,
     the edit taken was held as the file's (`_edit_refused` cleared), so the file put back to it ended nothing:
     the refusal was held, unsaid, and drained the worker at its next beat if it had not been yet."""
-    held, release = asyncio.Event(), asyncio.Event()
+    hold = Holding(lambda request: request.sandbox_classes[0].default_runtime.name == "gvisor-v2")
     path = tmp_path / "agent.toml"
     path.write_text(agent_config("v1"))
-    registry_nc = await nats.connect(nats_url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
-    registry = RegistryService(registry_nc, nats_url=nats_url, prefix=prefix, ttl_s=10)
-    register = registry.register
-
-    async def holding(worker_id, request):
-        if request.sandbox_classes[0].default_runtime.name == "gvisor-v2" and not release.is_set():
-            held.set()
-            await release.wait()
-        return await register(worker_id, request)
-
-    registry.register = holding
-    await registry.start()
-    try:
+    async with running_registry(nats_url, prefix, ttl_s=10, heard={"register": hold}), hold:
         agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe=PROBE)
         async with agent_said() as said, agent_running(agent):
             await said.until("registered w-a: REGISTERED")
             path.write_text(agent_config("v2"))
-            await asyncio.wait_for(held.wait(), 10)
+            await asyncio.wait_for(hold.held.wait(), 10)
             path.write_text(bulky(agent_config("v3"), restorable=3))  # about 1.1 MB
             await said.until("was refused as too large")
-            release.set()
+            hold.release()
             await said.until("registered w-a: RUNTIME_CHANGED")
             await wait_event(nc, prefix, "w-a", WorkerDrained)
             events = [type(e).__name__ for _, e in await worker_events(nc, prefix, "w-a")]
             assert sorted(events[1:]) == ["RuntimeChanged", "WorkerDrained"], events
             path.write_text(agent_config("v2"))  # put back to the registration in force
             await said.until("makes the registration in force again; the edit the agent refused is given up")
-    finally:
-        release.set()
-        await registry.stop()
-        await registry_nc.close()
 
 
 async def test_a_restamp_refused_for_the_budget_while_the_file_is_past_max_body_begins_no_life(
@@ -707,3 +691,85 @@ async def test_a_restamp_refused_for_the_budget_while_the_file_is_past_max_body_
             assert again.sandbox_classes[0].default_runtime.version == probed("v2", AMD)
             assert [type(e).__name__ for seq, e in await worker_events(nc, prefix, "w-a") if seq > removed] == [
                 "WorkerRegistered"]
+
+
+async def test_a_restamp_that_begins_a_life_while_the_file_is_past_max_body_ends_it(nats_url, nc, prefix, tmp_path):
+    """The file's registration is past MAX_BODY (the worker drained), then the machine moves to another CPU, and
+    an operator removes the worker while the RESTAMP (the registration in force made on the new CPU) is on its
+    way. Taken after the removal, it begins a life under the registration the file no longer makes: the agent
+    removes the worker at once, and registers nothing until the file is mended. Before, that life took
+    placements, undrained, until the drain before the agent's next beat."""
+    hold = Holding(armed=False)
+    cpuinfo = tmp_path / "cpuinfo"
+    shutil.copy(CPUINFO, cpuinfo)
+    path = tmp_path / "agent.toml"
+    path.write_text(agent_config("v1"))
+    probe, reads = counted_probe(cpuinfo)
+    async with running_registry(nats_url, prefix, ttl_s=10, heard={"register": hold}), hold:
+        agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe_interval_s=0.05,
+                      probe=probe)
+        async with agent_said() as said, agent_running(agent):
+            await said.until("registered w-a: REGISTERED")
+            path.write_text(bulky(agent_config("v2"), restorable=3))  # about 1.1 MB
+            await said.until("drained (seq")
+            hold.armed = True
+            shutil.copy(AMD, cpuinfo)
+            await asyncio.wait_for(hold.held.wait(), 10)  # the RESTAMP, on its way
+            removed, _ = await raw_request(nc, prefix, "remove", "w-a", {"reason": "moved its actors"})
+            hold.release()
+            began, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=removed["seq"])
+            ended, _ = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=began, timeout=10)
+            await reads_after(reads, 20)
+            since = [type(e).__name__ for seq, e in await worker_events(nc, prefix, "w-a") if seq > removed["seq"]]
+            assert since == ["WorkerRegistered", "WorkerRemoved"], since
+            path.write_text(agent_config("v2"))  # mended: what fits
+            _, again = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=ended, timeout=5)
+            assert again.sandbox_classes[0].default_runtime.version == probed("v2", AMD)
+
+
+MICROVM = """
+[[sandbox_classes]]
+sandbox_class = "microvm"
+
+[sandbox_classes.default_runtime]
+name = "fc-1"
+profile = "microvm"
+attributes = { kernel_digest = "k1", rootfs_digest = "r1" }
+"""
+
+
+async def test_a_restamp_that_begins_a_life_after_a_removal_takes_the_classes_the_file_lists(nats_url, nc, prefix,
+                                                                                            tmp_path):
+    """The file adds a class, which the registry refuses to the live worker (a change of class needs a new life;
+    the agent says so). Then the machine moves to another CPU: the file's registration made on it is refused
+    again, and the registration in force is made on it (a RESTAMP). The operator removes the worker, as the
+    refusal tells them to, while the RESTAMP is on its way: taken after, it begins a life with the classes of
+    the last one. The agent ends that life and begins one with what the file lists, as after a reconnect. Before,
+    the worker lived on without the file's class for as long as the agent ran (the file's registration counted
+    as sent already)."""
+    hold = Holding(lambda request: len(request.sandbox_classes) == 1, armed=False)
+    cpuinfo = tmp_path / "cpuinfo"
+    shutil.copy(CPUINFO, cpuinfo)
+    path = tmp_path / "agent.toml"
+    path.write_text(agent_config("v1"))
+    async with running_registry(nats_url, prefix, ttl_s=10, heard={"register": hold}), hold:
+        agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe_interval_s=0.05,
+                      probe=ProbeSettings(cpuinfo_path=cpuinfo, architecture="amd64"))
+        async with agent_said() as said, agent_running(agent):
+            await said.until("registered w-a: REGISTERED")
+            path.write_text(agent_config("v1") + MICROVM)
+            await said.until("the registry refused the edit")
+            hold.armed = True
+            shutil.copy(AMD, cpuinfo)
+            await asyncio.wait_for(hold.held.wait(), 10)  # the RESTAMP, on its way
+            removed, _ = await raw_request(nc, prefix, "remove", "w-a", {"reason": "a new life for its classes"})
+            hold.release()
+            events, after = [], removed["seq"]
+            for _ in range(3):  # the life the RESTAMP began, ended, and the file's
+                after, event = await wait_event(nc, prefix, "w-a", (WorkerRegistered, WorkerRemoved), after=after,
+                                                timeout=10)
+                events.append(event)
+            lives = [sorted(c.sandbox_class for c in getattr(e, "sandbox_classes", ())) for e in events]
+            assert lives == [["gvisor"], [], ["gvisor", "microvm"]], lives
+            on = {c.sandbox_class: c.default_runtime.version for c in events[-1].sandbox_classes}
+            assert on["gvisor"] == probed("v1", AMD)

@@ -710,7 +710,8 @@ class Agent:
           on the machine as it is now. Should that be impossible (the probe cannot read the
           machine) or refused, the worker is removed (`_withdraw`): a worker never stays
           registered with a CPU its machine no longer has, where images of that CPU would be
-          sent to it and crash.
+          sent to it and crash. Should it begin a new life (the worker was removed), that life
+          takes what the file makes (`_life_of_the_restamp`).
         Whatever is sent is made on the machine as it is then (`_send`).
         """
         async with self._one_registration:
@@ -852,6 +853,24 @@ class Agent:
                 return None
             await self._withdraw(f"the registry refused it: {e.message}", stop)
             return None
+        if reply.outcome is RegisterOutcome.REGISTERED:
+            return await self._life_of_the_restamp(reply, stop)
+        return reply
+
+    async def _life_of_the_restamp(self, reply: RegisterReply, stop: asyncio.Event) -> RegisterReply | None:
+        """A RESTAMP began a new life (the agent had removed the worker, or another did while it was on its
+        way): a new life takes what the file makes, and this one has the registration of the last. Ended
+        (the caller holds `_one_registration`) if the file makes one past MAX_BODY, which none takes: the
+        worker stays removed until the file is mended (`_restamp`); or begun again with what the file lists
+        if its classes differ (`_life_of_the_file`: an edit refused as a change of class to the last life is
+        never sent again on its own). None when the worker was removed."""
+        if self._file_too_large is not None:
+            await self._withdraw(str(self._file_too_large), stop, "the registration its agent made again on the "
+                                 "CPU the machine has now began a new life, and its file makes one too large to send")
+            return None
+        assert self.registration is not None
+        if self.desired is not None and _classes(self.desired) != _classes(self.registration):
+            return await self._life_of_the_file(stop)
         return reply
 
     async def _life_of_the_file(self, stop: asyncio.Event) -> RegisterReply:
@@ -1136,16 +1155,21 @@ class Agent:
         except ConfigError as e:
             return read_at, e
 
-    async def _withdraw(self, why: str, stop: asyncio.Event) -> None:
+    async def _withdraw(self, why: str, stop: asyncio.Event, reason: str | None = None) -> None:
         """Remove the worker: its registration claims a CPU the machine no longer has, and `why` says
-        why none of the CPU it has now can be made or was taken. The agent then sends no heartbeat,
+        why none of the CPU it has now can be made or was taken (or `reason` says why else it must be out
+        of service: said, and the removal's reason). The agent then sends no heartbeat,
         and tries again (`RESTAMP` at a new reading of the machine or every RESTAMP_AGAIN_S, from the
         registration it had; and an edit of the file) until a registration is taken: a new life. The
         caller holds `_one_registration`."""
-        log.error("%s is registered with a CPU this machine no longer has, and no registration of the one it "
-                  "has now can be made (%s): removing the worker until one can", self.worker_id, why)
+        if reason is None:
+            log.error("%s is registered with a CPU this machine no longer has, and no registration of the one it "
+                      "has now can be made (%s): removing the worker until one can", self.worker_id, why)
+            reason = f"its agent cannot register the CPU its machine has now: {why}"
+        else:
+            log.error("%s: %s; removing the worker until one can be registered (%s)", self.worker_id, reason, why)
         try:
-            await self._remove_self(f"its agent cannot register the CPU its machine has now: {why}"[:256], stop)
+            await self._remove_self(reason[:256], stop)
         except (ContractError, ConfigError):
             # not removed: withdrawn all the same, so that no heartbeat keeps the worker, and it is LOST
             self.withdrawn = True
