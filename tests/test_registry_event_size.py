@@ -773,3 +773,34 @@ async def test_a_restamp_that_begins_a_life_after_a_removal_takes_the_classes_th
             assert lives == [["gvisor"], [], ["gvisor", "microvm"]], lives
             on = {c.sandbox_class: c.default_runtime.version for c in events[-1].sandbox_classes}
             assert on["gvisor"] == probed("v1", AMD)
+
+
+async def test_a_registration_whose_send_removed_the_worker_begins_the_life_the_file_makes_now(nats_url, nc,
+                                                                                               prefix, tmp_path):
+    """An edit adding a class waits for the worker's write budget; the file is edited again (the class dropped
+    again, a new default), then the machine moves to another CPU: the agent removes the worker (its registration
+    claims the old CPU, and the registry takes none for now). Once the budget is earned back, the new life is
+    what the file makes now, on the new CPU. Before, it was the edit the file had left (sent again as it was on
+    its way), and the file's registration, sent after it, was refused as a change of class: the worker lived on
+    with a class the file no longer listed."""
+    clock = Clock()
+    cpuinfo = tmp_path / "cpuinfo"
+    shutil.copy(CPUINFO, cpuinfo)
+    path = tmp_path / "agent.toml"
+    path.write_text(agent_config("v1"))
+    probe, reads = counted_probe(cpuinfo)
+    async with running_registry(nats_url, prefix, ttl_s=10, writes=WriteBudget(1, 10.0, clock)):
+        agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe_interval_s=0.05,
+                      probe=probe)
+        async with agent_said() as said, agent_running(agent):
+            await said.until("registered w-a: REGISTERED")  # its one write
+            path.write_text(agent_config("v1") + MICROVM)
+            await said.until("spent its write budget")  # the edit, refused for the budget, is sent again
+            path.write_text(agent_config("v2"))
+            await reads_after(reads, 5)  # the edit read while the last one waits
+            shutil.copy(AMD, cpuinfo)
+            removed, _ = await wait_event(nc, prefix, "w-a", WorkerRemoved)
+            clock.now += 10.0  # a write earned back
+            _, began = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=removed)
+            assert [c.sandbox_class for c in began.sandbox_classes] == ["gvisor"], began.sandbox_classes
+            assert began.sandbox_classes[0].default_runtime.version == probed("v2", AMD)

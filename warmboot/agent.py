@@ -927,12 +927,15 @@ class Agent:
                     # The registry takes none of this worker's registrations for a while (its write budget
                     # spent), or took none for a TTL, and the one in force claims a CPU the machine no longer
                     # has: the worker is removed meanwhile (a removal is free), where images of that CPU would
-                    # be sent. This registration then begins a new life once the registry takes it; not while
-                    # the file makes one past MAX_BODY (held since this one was sent): what begins a life is
-                    # what the file makes, and none can be sent (`_again`, `_restamp`)
+                    # be sent. A new life takes what the file makes: once the registry takes it, this
+                    # registration, or the file's, if it made another since this one was sent (sent as it was,
+                    # the file's was refused to that life when it differed in class). None while the file makes
+                    # one past MAX_BODY (held since this one was sent), which cannot be sent (`_again`, `_restamp`)
                     await self._withdraw(str(e), stop)
                     if self._file_too_large is not None:
                         raise NotRegistrable(str(self._file_too_large), self._file_too_large.refusal)
+                    if self.desired is not None and self._desired_of is not None and self.desired != registration:
+                        registration, made_of = self.desired, self._desired_of
                     continue
                 except ContractError as e:
                     if (e.code, e.field) == (ErrorCode.INVALID_ARGUMENT, "revision") and "ahead" not in sent_again:
