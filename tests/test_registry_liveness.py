@@ -307,15 +307,20 @@ async def test_replies_match_answers_and_give_up_on_silence(nc, prefix):
             await nc.publish(msg.reply, b"re:" + msg.data)
 
     sub = await nc.subscribe(f"{prefix}.echo", cb=echo)
-    replies = await Replies(nc, timeout=0.3).start()
+    # Patient where an answer is awaited (0.3 s left 50 echoes little room under the suite's load), short where
+    # silence is: the time-out is read at each request and each sweep
+    replies = await Replies(nc, timeout=10.0).start()
     try:
         answers = await asyncio.gather(*(replies.request(f"{prefix}.echo", str(n).encode()) for n in range(50)))
         assert [a.data for a in answers] == [f"re:{n}".encode() for n in range(50)]
         with pytest.raises(nats.errors.NoRespondersError):
             await replies.request(f"{prefix}.nobody", b"x")
+        replies.timeout = 0.3
         with pytest.raises(nats.errors.TimeoutError):
             await replies.request(f"{prefix}.echo", b"quiet")
+        replies.timeout = 10.0
         assert (await replies.request(f"{prefix}.echo", b"after")).data == b"re:after"
+        replies.timeout = 0.3
 
         # A caller cancelled while it waits (a time-out of its own) leaves nothing behind: no
         # "exception was never retrieved" when its request expires, and no entry kept.
