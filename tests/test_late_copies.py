@@ -82,9 +82,17 @@ class Held:
         caller's retry was answered and it went on, unless the request reached the replica late), what
         the held call came to."""
         if self.due is not None:
-            await asyncio.sleep(max(0, self.due[0] - deadline.now_ns()) / 1e9)
+            await past(self.due)
         self.release.set()
         return await asyncio.wait_for(self.outcome, timeout)
+
+
+async def past(due: tuple[int, int, int]) -> None:
+    """Return once the deadline `due` (`deadline.deadline()`) has passed on the services' clock
+    (`deadline.passed` then refuses its write): a request held past its caller's wait, paced by that
+    clock, since no event stands for a wait running out."""
+    while deadline.now_ns() <= due[0]:
+        await asyncio.sleep((due[0] - deadline.now_ns()) / 1e9 + 0.001)  # the hold's length, a clock's
 
 
 async def leave_queue_group(micro: Any) -> None:
@@ -833,6 +841,14 @@ async def test_a_resume_decided_in_time_but_kept_past_its_callers_wait_by_a_refu
         await wb.create(actor("b1", selectors={"zone": "b"}))
         await replica.fold.wait(await last_seq(nc, prefix), 10)
         loop = asyncio.get_running_loop()
+        refused = asyncio.Event()  # set once a group was refused: `_sort_out` asks the log's end to catch up to
+        log_end = replica.committer.last_seq
+
+        async def after_a_refusal() -> int:
+            refused.set()
+            return await log_end()
+
+        replica.committer.last_seq = after_a_refusal
         async with replica.fold.paused():
             # w2 changes (its booking subject fenced) where this replica's fold does not see it yet
             await wb.register(worker("w2", V1, labels={"zone": "b"}, mem=8192))
@@ -843,7 +859,8 @@ async def test_a_resume_decided_in_time_but_kept_past_its_callers_wait_by_a_refu
             async with replica.committer.commits_held():  # both decided in one round, at once (in time)
                 placing = [asyncio.ensure_future(replica.committer.submit(job)) for job in (a1, b1)]
                 await replica.committer.until_queued(2)
-            await asyncio.sleep(WAIT_S * 3)  # the refused group waits for the fold; a1's caller has gone
+            await asyncio.wait_for(refused.wait(), 30)  # the group refused: a1, kept, waits for the fold
+            await past(due)  # the fold paused past a1's caller's wait: the fault
         outcomes = await asyncio.wait_for(asyncio.gather(*placing, return_exceptions=True), 30)
         entries = await read_entries(nc, prefix)
     assert replica.committer.groups >= 1
