@@ -66,14 +66,18 @@ class LosingProxy:
         for cut in list(self._links.values()):
             cut()
 
+    async def cut_and_ended(self) -> None:
+        """`cut_all`, and return once every relay cut has ended (its sockets closed)."""
+        self.cut_all()  # each relay ends as its two pumps see their connections end
+        await asyncio.gather(*self._links, return_exceptions=True)
+
     async def __aenter__(self) -> "LosingProxy":
         self._server = await asyncio.start_server(self._relay, self.host, self.listen)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         self._server.close()
-        self.cut_all()  # each relay ends as its two pumps see their connections end
-        await asyncio.gather(*self._links, return_exceptions=True)
+        await self.cut_and_ended()
 
     async def _relay(self, from_client: asyncio.StreamReader, to_client: asyncio.StreamWriter) -> None:
         try:

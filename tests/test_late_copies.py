@@ -545,8 +545,8 @@ async def test_a_replica_whose_server_dropped_it_while_it_stalled_has_read_its_b
             # does not run; once it runs, it reads them before it sees the connection go
             asyncio.run_coroutine_threadsafe(send_backlog(), relay).result(10)
             assert backlog.wait(10)
-            relay.call_soon_threadsafe(proxy.cut_all)
-            time.sleep(1.0)
+            asyncio.run_coroutine_threadsafe(proxy.cut_and_ended(), relay).result(10)  # dropped, the loop still stalled
+            time.sleep(1.0)  # the stall's length (on top of the above): past TICK_S + STALLED_S, a gap the ticker sees
             await asyncio.wait_for(ticker.backlog_read.wait(), 30)
         assert ticker.gap != gap_before
         await asyncio.wait_for(reconnected.wait(), 30)
