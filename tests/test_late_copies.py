@@ -895,7 +895,7 @@ async def test_a_resume_decided_in_time_whose_append_waits_past_its_callers_wait
         assert keep is not None
 
         async def slow_keep(*args: Any) -> None:
-            await asyncio.sleep(WAIT_S * 3)
+            await asyncio.sleep(WAIT_S * 3)  # the fault: the reply bucket's put slow, past the caller's wait
             await keep(*args)
 
         replica.committer.on_evicted = slow_keep
@@ -927,7 +927,7 @@ async def test_a_write_decided_in_time_but_queued_behind_a_slow_grouped_append_p
     async def slow_first(events: Any, **options: Any) -> Any:
         if not slowed.is_set():
             slowed.set()
-            await asyncio.sleep(WAIT_S * 4)
+            await asyncio.sleep(WAIT_S * 4)  # the fault: the batch in flight slow to be answered, past x3's wait
         return await insert(events, **options)
 
     grouped._insert = slow_first
