@@ -372,6 +372,15 @@ async def cancelled_and_ended(task: asyncio.Future, within: float, what: str) ->
         raise AssertionError(f"{what} did not end within {within:g}s of its cancellation:\n{stack.getvalue()}")
 
 
+async def until(check: Callable[[], bool], within: float = 30.0, what: str = "not within the deadline") -> None:
+    """Return once `check()` holds; AssertionError saying `what` if it does not within `within` s. For state
+    nothing announces (a counter, an attribute of the process's own objects): read again every 0.05 s."""
+    deadline = time.monotonic() + within
+    while not check():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.05)  # polling with a deadline: what is waited for has no event to await
+
+
 READS = logging.getLogger("tests.reads")  # a test's own reads asked again: not a service's (`unanswered_noted`)
 
 

@@ -14,6 +14,7 @@ from events.natspy.connections import ErrorsOnce
 from events.schema import HeartbeatReply, RegisterReply, SeqReply
 from events.subjects import service_subject
 from services.endpoints import call
+from tests.factories import until
 from tests.registry_helpers import PROBE, agent_config, registration
 from tests.secured_helpers import Secured, _seed
 from warmboot.connection import connect
@@ -37,13 +38,6 @@ async def nkey_registry(tmp_path, monkeypatch):
             yield secured, services_seed, worker_seed
     finally:
         secured.stop()
-
-
-async def until(condition, within: float = 30.0) -> None:
-    deadline = time.monotonic() + within
-    while not condition():
-        assert time.monotonic() < deadline, "not within the deadline"
-        await asyncio.sleep(0.1)  # polling the agent's state with a deadline, not a fixed wait
 
 
 class Heard(ErrorsOnce):

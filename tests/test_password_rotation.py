@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 from contextlib import AsyncExitStack
 
+from tests.factories import until
 from tests.registry_helpers import PROBE, agent_config
 from tests.secured_helpers import Secured
-from tests.test_key_rotation import until
 from warmboot.agent import Agent
 from warmboot.agent_config import ConfigError
 from warmboot.runner import start_services, until_stopped

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import time
 
 import nats
 from prometheus_client import REGISTRY
 
 from events.schema import WorkerRegistered, WorkerRemoved
+from tests.factories import until
 from tests.registry_helpers import CPUINFO, agent_config, body, running_registry, wait_event, worker_events
 from tests.test_agent import agent_running
 from tests.test_agent_twins import agent_process, beats_of, machine, process_ended
@@ -34,14 +34,6 @@ PREFIX = "outage"
 
 def restarted_clocks() -> float:
     return REGISTRY.get_sample_value("warmboot_registry_clocks_restarted_total") or 0.0
-
-
-async def until(check, timeout: float = 30.0) -> None:
-    """Until `check()` holds (a counter of the registry's: nothing else says the marker was handled)."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "not within the deadline"
-        await asyncio.sleep(0.05)
 
 
 async def removals(nc, worker_id: str) -> list[str]:
@@ -96,7 +88,7 @@ async def test_every_registry_replica_down_longer_than_the_ttl_removes_no_worker
         before = restarted_clocks()
         await asyncio.sleep(OUTAGE * AGENT_TTL)  # the outage itself: the agent's beats reach no replica
         async with running_registry(nats_url, PREFIX, ttl_s=AGENT_TTL) as registry:
-            await until(lambda: restarted_clocks() > before)
+            await until(lambda: restarted_clocks() > before)  # the marker, handled: the registry's counter says it
             async with beats_of(nc, PREFIX, "w-a") as stored:
                 await asyncio.wait_for(stored.get(), 2 * AGENT_TTL)
             assert await removals(nc, "w-a") == []
