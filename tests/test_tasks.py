@@ -47,7 +47,7 @@ async def test_a_task_that_swallowed_its_cancellation_is_cancelled_again_and_sai
         started.set()
         while True:
             try:
-                await asyncio.sleep(3600)
+                await asyncio.Event().wait()  # the loop's wait for work: nothing comes, it ends only cancelled
             except asyncio.CancelledError:
                 if swallowed:
                     raise
