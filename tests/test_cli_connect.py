@@ -851,11 +851,11 @@ async def test_a_connection_made_as_its_caller_is_cancelled_is_closed(monkeypatc
         asked = connection_module.connect_within("nats://127.0.0.1:1,nats://127.0.0.1:2", "test", 5)
     task = asyncio.ensure_future(asked)
     for _ in range(turns):
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # turns of the loop: where the cancellation lands (the parameter)
     task.cancel()
     if again is not None:
         for _ in range(again):
-            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # turns of the loop: where the second one lands
         task.cancel()
     done, _ = await asyncio.wait({task}, timeout=10)
     assert done
@@ -877,7 +877,7 @@ class SlowToClose(MadeConnections):
 
     async def close(self):
         for _ in range(3):
-            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # turns of the loop: the close's length
         self.closed = True
 
 
@@ -893,7 +893,7 @@ async def test_a_second_cancellation_does_not_cut_the_close_of_a_connect_given_u
     await client.connecting.wait()
     task.cancel()
     for _ in range(turns):
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # turns of the loop: where the second cancellation lands (the parameter)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -955,7 +955,7 @@ async def test_a_socket_given_up_on_is_closed_though_its_caller_is_cancelled_aga
         task.cancel()
         await asyncio.wait_for(closing.wait(), 10)
         for _ in range(turns):
-            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # turns of the loop: where the second cancellation lands (the parameter)
         task.cancel()
         await asyncio.wait({task}, timeout=10)
         assert task.cancelled()

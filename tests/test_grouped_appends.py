@@ -144,7 +144,7 @@ async def test_an_unavailable_store_fails_every_member_once_not_each_again(tmp_p
 async def test_closed_appends_answer_the_waiting_unavailable_and_refuse_new_ones(recorder):
     appends = GroupedAppends(recorder.insert_events_async)
     waiting = [asyncio.create_task(appends.insert(change(f"w{i}"))) for i in range(3)]
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # one turn of the loop: the three inserts queued
     await appends.close()
     for task in waiting:
         with pytest.raises(StoreUnavailableError, match="same request id"):
@@ -350,7 +350,7 @@ async def test_a_group_nobody_took_until_a_member_turned_late_is_not_sent_with_i
     try:
         grouped = recorder.grouped
         first = asyncio.ensure_future(grouped.insert(change("a0")))  # in flight: what follows queues behind it
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # one turn of the loop: a0 queued, and the sender started, before a and b
         results = asyncio.gather(
             grouped.insert(change("a"), late=lambda: None),
             grouped.insert(change("b"), late=lambda: gone if late_one.is_set() else None),

@@ -119,7 +119,7 @@ async def test_writes_decided_in_time_are_not_made_after_their_callers_wait_by_a
                         answered.append((reply.headers or {}).get("Nats-Service-Error-Code", "ok"))
 
                 async def freeze() -> None:
-                    await asyncio.sleep(0.02)
+                    await asyncio.sleep(0.02)  # the fault's moment: amid the requests' spread (jitter), not a wait
                     node.process.send_signal(signal.SIGSTOP)
                     try:
                         await asyncio.sleep(FROZEN_S)  # the fault's length: a leader elected meanwhile

@@ -712,7 +712,7 @@ async def test_a_waiter_cancelled_takes_no_slot_and_one_cancelled_as_it_was_hand
     gone = asyncio.create_task(slots.take())
     handed = asyncio.create_task(slots.take())
     last = asyncio.create_task(slots.take())
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # one turn of the loop: the three wait for the slot, in that order
     gone.cancel()
     await asyncio.gather(gone, return_exceptions=True)
     slots.give()  # to `handed`, skipping the cancelled one
