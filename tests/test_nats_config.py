@@ -812,6 +812,22 @@ def test_an_output_naming_a_file_of_the_seeds_dir_is_refused_and_nothing_written
     assert same.exit_code == 0, same.output
 
 
+def test_users_whose_names_differ_only_in_case_are_refused_with_a_seeds_dir_and_nothing_written(tmp_path):
+    """Each user's seed is the file USER.nk: on a filesystem that ignores case (macOS's, Windows'), worker
+    `orch` and client `Orch` would be one file, holding the seed written last, so that the client's holder
+    signed in as the worker (a security review). Refused, naming both, before anything is written; without
+    --seeds-dir (no files of users) the names stay distinct NATS users."""
+    seeds = tmp_path / "seeds"
+    refused = CliRunner().invoke(main, ["nats-config", "--auth", "nkey", "--worker", "orch", "--client", "Orch",
+                                        "--seeds-dir", str(seeds), "--out", str(tmp_path / "auth.conf")])
+    assert refused.exit_code == 2, refused.output
+    assert "user names must differ in more than case with --seeds-dir: Orch, orch" in refused.output
+    assert not any(tmp_path.rglob("*"))  # nothing written, not even the directory
+    kept = CliRunner().invoke(main, ["nats-config", "--auth", "nkey", "--worker", "orch", "--client", "Orch",
+                                     "--secrets", str(tmp_path / "s.json"), "--out", str(tmp_path / "auth.conf")])
+    assert kept.exit_code == 0, kept.output
+
+
 def test_a_seed_kept_in_a_seeds_dir_is_not_handed_to_another_role(tmp_path):
     """Without --secrets, the seeds directory keeps the roles: a worker's seed file is not taken up
     as a client's when the next run lists the name as a client."""

@@ -549,6 +549,13 @@ def nats_config(
         raise click.UsageError(f"user names must be unique across roles: {', '.join(clashes)}")
     if seeds_dir is not None and auth != "nkey":
         raise click.UsageError("--seeds-dir goes with --auth nkey")
+    if seeds_dir is not None:  # USER.nk each: on a filesystem blind to case (macOS, Windows) one file for two users
+        folded = [u.casefold() for u in users]
+        alike = sorted({u for u in users if folded.count(u.casefold()) > 1})
+        if alike:
+            raise click.UsageError(f"user names must differ in more than case with --seeds-dir: {', '.join(alike)} "
+                                   "(their seed files would be one file where the filesystem ignores case, and "
+                                   "one user's seed handed to the other)")
     if services_seed_path is not None and auth != "nkey":
         raise click.UsageError("--services-seed goes with --auth nkey")
     unknown = sorted(set(rotated) - set(users))
