@@ -14,6 +14,7 @@ import asyncio
 import re
 from contextlib import AsyncExitStack
 
+import msgspec
 import nats.errors
 import pytest
 from click.testing import CliRunner
@@ -21,8 +22,9 @@ from click.testing import CliRunner
 from events.codec import encode
 from events.errors import ContractError
 from events.schema import (Assignment, CreateActor, ErrorCode, ExplainResume, Explanation, FleetRuntimes,
-                           Fragmentation, FragmentationQuery, RegisterReply, Resources, ResumeActor, RuntimesQuery,
-                           SeqReply, WhatIf, WhatIfAnswer, WorkerDetail, WorkerPage, WorkerQuery, WorkersQuery)
+                           Fragmentation, FragmentationQuery, RegisterReply, RegisterWorker, Resources, ResumeActor,
+                           RuntimesQuery, SeqReply, WhatIf, WhatIfAnswer, WorkerDetail, WorkerPage, WorkerQuery,
+                           WorkersQuery)
 from events.subjects import service_subject
 from events.natspy.headers import header_block
 from services.endpoints import (CUT_MESSAGE, EndpointSpec, add_endpoints, call, error_headers, fitting_error,
@@ -34,6 +36,7 @@ from tests.factories import SILENT_TTL_S, last_seq
 from tests.registry_helpers import registration, runtime
 from tests.test_registry_event_size import classes
 from warmboot.cli import main
+from warmboot.client import Client
 from warmboot.runner import SERVICES, start_services
 
 
@@ -123,10 +126,11 @@ async def test_an_unknown_class_of_a_fleet_of_thousands_of_classes_is_refused_at
         def subject(verb: str, entity: str | None = None, service: str = "scheduler") -> str:
             return service_subject(prefix, service, verb, entity)
 
+        wb = Client(nc, prefix, timeout=60)  # as a fleet's agents do: an UNAVAILABLE under load is asked again
         for first in range(0, workers, 200):
             await asyncio.gather(*(
-                call(nc, subject("register", f"w{i}", "registry"),
-                     registration(f"w{i}", node=f"n{i}", classes=many_classes(i)), RegisterReply, timeout=60)
+                wb.register(msgspec.convert(registration(f"w{i}", node=f"n{i}", classes=many_classes(i)),
+                                            RegisterWorker))
                 for i in range(first, min(workers, first + 200))))
         seq = await last_seq(nc, prefix)
         query = WhatIf(sandbox_class="nope", min_seq=seq)
