@@ -43,7 +43,6 @@ from tests.registry_helpers import (AMD, CPUINFO, PROBE, Holding, agent_config, 
 from tests.test_agent import agent_running, probed
 from tests.test_registry_budget import Clock
 from warmboot.agent import Agent
-from warmboot.agent_config import ProbeSettings
 from warmboot.client import Client
 from warmboot.natsserver import NatsServer
 from warmboot.runner import SERVICES, start_services
@@ -476,6 +475,23 @@ async def agent_registered(url: str, prefix: str, path, **heard) -> AsyncIterato
             yield said
 
 
+@asynccontextmanager
+async def machine_agent(url: str, prefix: str, tmp_path, **options) -> AsyncIterator[tuple[Any, Any, Any, Any]]:
+    """w-a's agent of the file agent_config("v1") on an amd64 machine whose cpuinfo the test swaps (CPUINFO at
+    first), both read every 0.05 s (`counted_probe`: its reads can be awaited), once it has registered the worker;
+    `options` are the Agent's. (what it says, `agent_said`; its cpuinfo; its file; its reads of the machine)"""
+    cpuinfo = tmp_path / "cpuinfo"
+    shutil.copy(CPUINFO, cpuinfo)
+    path = tmp_path / "agent.toml"
+    path.write_text(agent_config("v1"))
+    probe, reads = counted_probe(cpuinfo)
+    agent = Agent(url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe_interval_s=0.05,
+                  probe=probe, **options)
+    async with agent_said() as said, agent_running(agent):
+        await said.until("registered w-a: REGISTERED")
+        yield said, cpuinfo, path, reads
+
+
 async def test_an_agent_whose_edit_is_past_max_body_sends_nothing_and_drains_its_worker(nats_url, nc, prefix,
                                                                                          tmp_path):
     """An edit whose registration is past MAX_BODY, which no registry decodes (on warmboot's 2 MB server, which
@@ -543,15 +559,8 @@ async def test_a_cpu_change_while_the_file_is_past_max_body_does_not_end_the_ref
     RESTAMP taken ended the refusal, and after the removal the agent registered, undrained, runtimes the file no
     longer made."""
     beats: asyncio.Queue = asyncio.Queue()
-    cpuinfo = tmp_path / "cpuinfo"
-    shutil.copy(CPUINFO, cpuinfo)
-    path = tmp_path / "agent.toml"
-    path.write_text(agent_config("v1"))
     async with counted_registry(nats_url, prefix, heartbeat=beats.put_nowait):
-        agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe_interval_s=0.05,
-                      probe=ProbeSettings(cpuinfo_path=cpuinfo, architecture="amd64"))
-        async with agent_said() as said, agent_running(agent):
-            await said.until("registered w-a: REGISTERED")
+        async with machine_agent(nats_url, prefix, tmp_path) as (said, cpuinfo, path, _):
             path.write_text(bulky(agent_config("v2"), restorable=3))  # about 1.1 MB
             await said.until("drained (seq")
             shutil.copy(AMD, cpuinfo)
@@ -570,16 +579,8 @@ async def test_a_removed_worker_whose_file_is_past_max_body_is_not_registered_wh
     Before, a removed worker's file past MAX_BODY was ignored as a typo, and the RESTAMP began a life, undrained,
     under the runtimes the file had dropped."""
     registers: list = []
-    cpuinfo = tmp_path / "cpuinfo"
-    shutil.copy(CPUINFO, cpuinfo)
-    path = tmp_path / "agent.toml"
-    path.write_text(agent_config("v1"))
-    probe, reads = counted_probe(cpuinfo)
     async with counted_registry(nats_url, prefix, register=registers.append):
-        agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe_interval_s=0.05,
-                      unreadable_grace_s=0.0, probe=probe)
-        async with agent_said() as said, agent_running(agent):
-            await said.until("registered w-a: REGISTERED")
+        async with machine_agent(nats_url, prefix, tmp_path, unreadable_grace_s=0.0) as (said, cpuinfo, path, reads):
             cpuinfo.unlink()  # the probe cannot read the machine, twice: the worker is removed
             removed, _ = await wait_event(nc, prefix, "w-a", WorkerRemoved)
             path.write_text(bulky(agent_config("v2"), restorable=3))  # about 1.1 MB
@@ -604,16 +605,8 @@ async def test_an_edit_past_max_body_made_while_the_probe_cannot_read_drains_the
     is drained. Before, that read was not an edit (the file's content had not changed since the last read), so
     the refusal went unsaid and unheld, and the registration in force, which the file no longer made, was beaten
     undrained for as long as the agent ran."""
-    cpuinfo = tmp_path / "cpuinfo"
-    shutil.copy(CPUINFO, cpuinfo)
-    path = tmp_path / "agent.toml"
-    path.write_text(agent_config("v1"))
-    probe, reads = counted_probe(cpuinfo)
     async with counted_registry(nats_url, prefix):
-        agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe_interval_s=0.05,
-                      unreadable_grace_s=120, probe=probe)
-        async with agent_said() as said, agent_running(agent):
-            await said.until("registered w-a: REGISTERED")
+        async with machine_agent(nats_url, prefix, tmp_path, unreadable_grace_s=120) as (said, cpuinfo, path, reads):
             cpuinfo.unlink()
             await reads_after(reads, 5)  # reads of the machine, each failing
             path.write_text(bulky(agent_config("v2"), restorable=3))  # about 1.1 MB
@@ -664,18 +657,9 @@ async def test_a_restamp_refused_for_the_budget_while_the_file_is_past_max_body_
     and once the budget was earned back, began a life undrained under runtimes the file had dropped."""
     heard: list[str] = []
     clock = Clock()
-    cpuinfo = tmp_path / "cpuinfo"
-    shutil.copy(CPUINFO, cpuinfo)
-    path = tmp_path / "agent.toml"
-    path.write_text(agent_config("v1"))
-    probe, reads = counted_probe(cpuinfo)
     verbs = {verb: (lambda _, verb=verb: heard.append(verb)) for verb in ("register", "drain", "remove")}
-    async with running_registry(nats_url, prefix, ttl_s=10, writes=WriteBudget(1, 10.0, clock),
-                                heard=verbs):
-        agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe_interval_s=0.05,
-                      probe=probe)
-        async with agent_said() as said, agent_running(agent):
-            await said.until("registered w-a: REGISTERED")
+    async with running_registry(nats_url, prefix, ttl_s=10, writes=WriteBudget(1, 10.0, clock), heard=verbs):
+        async with machine_agent(nats_url, prefix, tmp_path) as (said, cpuinfo, path, reads):
             path.write_text(bulky(agent_config("v2"), restorable=3))  # about 1.1 MB
             await said.until("drained (seq")
             shutil.copy(AMD, cpuinfo)  # the RESTAMP is refused for the budget: the worker is removed
@@ -693,6 +677,17 @@ async def test_a_restamp_refused_for_the_budget_while_the_file_is_past_max_body_
                 "WorkerRegistered"]
 
 
+async def removed_under_a_restamp(nc, prefix: str, hold: Holding, cpuinfo) -> int:
+    """The machine moves to the AMD CPU; the RESTAMP the agent sends for it is held at the registry (`hold`, armed
+    here: its `which` picks the RESTAMP) while an operator removes w-a, then released: the removal's sequence."""
+    hold.armed = True
+    shutil.copy(AMD, cpuinfo)
+    await asyncio.wait_for(hold.held.wait(), 10)  # the RESTAMP, on its way
+    removed, _ = await raw_request(nc, prefix, "remove", "w-a", {"reason": "moved its actors"})
+    hold.release()
+    return removed["seq"]
+
+
 async def test_a_restamp_that_begins_a_life_while_the_file_is_past_max_body_ends_it(nats_url, nc, prefix, tmp_path):
     """The file's registration is past MAX_BODY (the worker drained), then the machine moves to another CPU, and
     an operator removes the worker while the RESTAMP (the registration in force made on the new CPU) is on its
@@ -700,27 +695,15 @@ async def test_a_restamp_that_begins_a_life_while_the_file_is_past_max_body_ends
     removes the worker at once, and registers nothing until the file is mended. Before, that life took
     placements, undrained, until the drain before the agent's next beat."""
     hold = Holding(armed=False)
-    cpuinfo = tmp_path / "cpuinfo"
-    shutil.copy(CPUINFO, cpuinfo)
-    path = tmp_path / "agent.toml"
-    path.write_text(agent_config("v1"))
-    probe, reads = counted_probe(cpuinfo)
     async with running_registry(nats_url, prefix, ttl_s=10, heard={"register": hold}), hold:
-        agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe_interval_s=0.05,
-                      probe=probe)
-        async with agent_said() as said, agent_running(agent):
-            await said.until("registered w-a: REGISTERED")
+        async with machine_agent(nats_url, prefix, tmp_path) as (said, cpuinfo, path, reads):
             path.write_text(bulky(agent_config("v2"), restorable=3))  # about 1.1 MB
             await said.until("drained (seq")
-            hold.armed = True
-            shutil.copy(AMD, cpuinfo)
-            await asyncio.wait_for(hold.held.wait(), 10)  # the RESTAMP, on its way
-            removed, _ = await raw_request(nc, prefix, "remove", "w-a", {"reason": "moved its actors"})
-            hold.release()
-            began, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=removed["seq"])
+            removed = await removed_under_a_restamp(nc, prefix, hold, cpuinfo)
+            began, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=removed)
             ended, _ = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=began, timeout=10)
             await reads_after(reads, 20)
-            since = [type(e).__name__ for seq, e in await worker_events(nc, prefix, "w-a") if seq > removed["seq"]]
+            since = [type(e).__name__ for seq, e in await worker_events(nc, prefix, "w-a") if seq > removed]
             assert since == ["WorkerRegistered", "WorkerRemoved"], since
             path.write_text(agent_config("v2"))  # mended: what fits
             _, again = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=ended, timeout=5)
@@ -748,23 +731,12 @@ async def test_a_restamp_that_begins_a_life_after_a_removal_takes_the_classes_th
     the worker lived on without the file's class for as long as the agent ran (the file's registration counted
     as sent already)."""
     hold = Holding(lambda request: len(request.sandbox_classes) == 1, armed=False)
-    cpuinfo = tmp_path / "cpuinfo"
-    shutil.copy(CPUINFO, cpuinfo)
-    path = tmp_path / "agent.toml"
-    path.write_text(agent_config("v1"))
     async with running_registry(nats_url, prefix, ttl_s=10, heard={"register": hold}), hold:
-        agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe_interval_s=0.05,
-                      probe=ProbeSettings(cpuinfo_path=cpuinfo, architecture="amd64"))
-        async with agent_said() as said, agent_running(agent):
-            await said.until("registered w-a: REGISTERED")
+        async with machine_agent(nats_url, prefix, tmp_path) as (said, cpuinfo, path, _):
             path.write_text(agent_config("v1") + MICROVM)
             await said.until("the registry refused the edit")
-            hold.armed = True
-            shutil.copy(AMD, cpuinfo)
-            await asyncio.wait_for(hold.held.wait(), 10)  # the RESTAMP, on its way
-            removed, _ = await raw_request(nc, prefix, "remove", "w-a", {"reason": "a new life for its classes"})
-            hold.release()
-            events, after = [], removed["seq"]
+            removed = await removed_under_a_restamp(nc, prefix, hold, cpuinfo)
+            events, after = [], removed
             for _ in range(3):  # the life the RESTAMP began, ended, and the file's
                 after, event = await wait_event(nc, prefix, "w-a", (WorkerRegistered, WorkerRemoved), after=after,
                                                 timeout=10)
@@ -784,16 +756,8 @@ async def test_a_registration_whose_send_removed_the_worker_begins_the_life_the_
     its way), and the file's registration, sent after it, was refused as a change of class: the worker lived on
     with a class the file no longer listed."""
     clock = Clock()
-    cpuinfo = tmp_path / "cpuinfo"
-    shutil.copy(CPUINFO, cpuinfo)
-    path = tmp_path / "agent.toml"
-    path.write_text(agent_config("v1"))
-    probe, reads = counted_probe(cpuinfo)
     async with running_registry(nats_url, prefix, ttl_s=10, writes=WriteBudget(1, 10.0, clock)):
-        agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe_interval_s=0.05,
-                      probe=probe)
-        async with agent_said() as said, agent_running(agent):
-            await said.until("registered w-a: REGISTERED")  # its one write
+        async with machine_agent(nats_url, prefix, tmp_path) as (said, cpuinfo, path, reads):  # its one write
             path.write_text(agent_config("v1") + MICROVM)
             await said.until("spent its write budget")  # the edit, refused for the budget, is sent again
             path.write_text(agent_config("v2"))
