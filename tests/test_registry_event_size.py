@@ -768,3 +768,42 @@ async def test_a_registration_whose_send_removed_the_worker_begins_the_life_the_
             _, began = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=removed)
             assert [c.sandbox_class for c in began.sandbox_classes] == ["gvisor"], began.sandbox_classes
             assert began.sandbox_classes[0].default_runtime.version == probed("v2", AMD)
+
+
+async def test_a_restamp_that_begins_a_life_after_a_change_refused_as_too_large_takes_the_files_runtimes(
+        one_mb, prefix, tmp_path):
+    """The file moves the default to v2 and drops v1 (0.55 MB of runtimes): the change is refused, its
+    RuntimeChanged past a 1 MB server (the worker drained). The machine moves to another CPU: the file's
+    registration made on it is refused again, and the registration in force is made on it (a RESTAMP). The
+    operator removes the worker, as the refusal tells them to, while the RESTAMP is on its way: taken after, it
+    begins a life with v1, the runtime the file dropped. The agent ends that life and begins one with what the
+    file makes (its WorkerRegistered carries the classes once, and fits). Before, only a change of class was
+    taken up: the life went on with v1, undrained (a taken registration ends the refusal), and the file's edit
+    counted as sent already, for as long as the agent ran."""
+    url, nc = one_mb
+    hold = Holding(lambda request: request.sandbox_classes[0].default_runtime.name == "gvisor-v1", armed=False)
+    cpuinfo = tmp_path / "cpuinfo"
+    shutil.copy(CPUINFO, cpuinfo)
+    path = tmp_path / "agent.toml"
+    path.write_text(bulky(agent_config("v1")))
+    async with running_registry(url, prefix, ttl_s=10, heard={"register": hold}), hold:
+        agent = Agent(url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe_interval_s=0.05,
+                      probe=ProbeSettings(cpuinfo_path=cpuinfo, architecture="amd64"))
+        async with agent_said() as said, agent_running(agent):
+            await said.until("registered w-a: REGISTERED")
+            path.write_text(bulky(agent_config("v2")))  # v1 dropped: a RuntimeChanged of 1.1 MB
+            await said.until("drained (seq")
+            hold.armed = True
+            shutil.copy(AMD, cpuinfo)
+            await asyncio.wait_for(hold.held.wait(), 20)  # the RESTAMP (v1 on the new CPU), on its way
+            removed, _ = await raw_request(nc, prefix, "remove", "w-a", {"reason": "a new life for its runtimes"})
+            hold.release()
+            events, after = [], removed["seq"]
+            for _ in range(3):  # the life the RESTAMP began, ended, and the file's
+                after, event = await wait_event(nc, prefix, "w-a", (WorkerRegistered, WorkerRemoved), after=after,
+                                                timeout=10)
+                events.append(event)
+            defaults = [getattr(e, "sandbox_classes", ()) and e.sandbox_classes[0].default_runtime.version
+                        for e in events]
+            assert defaults == [probed("v1", AMD), (), probed("v2", AMD)], [type(e).__name__ for e in events]
+

@@ -861,15 +861,21 @@ class Agent:
         """A RESTAMP began a new life (the agent had removed the worker, or another did while it was on its
         way): a new life takes what the file makes, and this one has the registration of the last. Ended
         (the caller holds `_one_registration`) if the file makes one past MAX_BODY, which none takes: the
-        worker stays removed until the file is mended (`_restamp`); or begun again with what the file lists
-        if its classes differ (`_life_of_the_file`: an edit refused as a change of class to the last life is
-        never sent again on its own). None when the worker was removed."""
+        worker stays removed until the file is mended (`_restamp`); or begun again with what the file makes
+        if its classes differ, or if the registry refused the file's registration to the last life and the file
+        makes another than this one (`_life_of_the_file`: an edit refused to the last life, as a change of class
+        or for its RuntimeChanged's size, is never sent again on its own, and a registration taken ends a refusal
+        for size: the life went on, undrained, with runtimes the file had dropped). None when the worker was
+        removed."""
         if self._file_too_large is not None:
             await self._withdraw(str(self._file_too_large), stop, "the registration its agent made again on the "
                                  "CPU the machine has now began a new life, and its file makes one too large to send")
             return None
-        assert self.registration is not None
-        if self.desired is not None and _classes(self.desired) != _classes(self.registration):
+        assert self.registration is not None and self._in_force_of is not None
+        if self.desired is None or self._desired_of is None:
+            return reply
+        if (_classes(self.desired) != _classes(self.registration)
+                or (self._edit_refused and self._desired_of[0] != self._in_force_of[0])):
             return await self._life_of_the_file(stop)
         return reply
 
@@ -879,15 +885,19 @@ class Agent:
         new life takes what the file says, and this one has the classes of the last, which the
         file may have dropped (a scheduler would send it resumes of a class it no longer runs):
         it is ended, and one begun with what the file says. Only when the file's classes differ
-        from this life's: any other difference is a registration on the live worker (an edit's,
+        from this life's (or, after a RESTAMP, the registry refused the file's registration to the last
+        life: `_life_of_the_restamp`): any other difference is a registration on the live worker (an edit's,
         after this one). The caller holds `_one_registration`. The removal waits as long as a
         registration beside the heartbeats does before it is asked again: a repeat decided after
-        the new registration would end the new life too (request ids count within one life)."""
-        log.warning("%s began a new life with the classes of its last one, not those %s lists; removing it "
+        the new registration would end the new life too (request ids count within one life). Taken, the
+        file's registration is in force: no edit of it is held as refused any longer."""
+        log.warning("%s began a new life with the registration of its last one, not what %s makes; removing it "
                     "and registering again", self.worker_id, self.config_path)
-        await self._remove_self("the agent registers anew with the classes its file lists", stop)
+        await self._remove_self("the agent registers anew with what its file makes", stop)
         assert self.desired is not None and self._desired_of is not None
-        return await self._send(self.desired, self._desired_of, stop, BACKGROUND_REGISTER_TIMEOUT_S)
+        reply = await self._send(self.desired, self._desired_of, stop, BACKGROUND_REGISTER_TIMEOUT_S)
+        self._edit_refused = self._file_too_large is not None
+        return reply
 
     async def _send(self, registration: RegisterWorker, made_of: MadeOf, stop: asyncio.Event,
                     timeout: float = REQUEST_TIMEOUT_S) -> RegisterReply:
