@@ -807,3 +807,34 @@ async def test_a_restamp_that_begins_a_life_after_a_change_refused_as_too_large_
                         for e in events]
             assert defaults == [probed("v1", AMD), (), probed("v2", AMD)], [type(e).__name__ for e in events]
 
+
+async def test_a_registration_whose_send_removed_the_worker_follows_an_edit_made_after_the_removal(nats_url, nc,
+                                                                                                  prefix, tmp_path):
+    """As above, but the file is edited after the removal, while the registration waits for the worker's
+    write budget: an edit adding a class waits for the budget, the machine moves to another CPU (the agent
+    removes the worker), then the file drops the class again, with a new default. Once the budget is earned
+    back, the new life is what the file makes then. Before, the registration on its way was made to follow the
+    file once, at the removal: the edit made since waited its turn, the life began with the class the file had
+    dropped, and the file's registration after it was refused as a change of class, for as long as the agent
+    ran."""
+    clock = Clock()
+    cpuinfo = tmp_path / "cpuinfo"
+    shutil.copy(CPUINFO, cpuinfo)
+    path = tmp_path / "agent.toml"
+    path.write_text(agent_config("v1"))
+    probe, reads = counted_probe(cpuinfo)
+    async with running_registry(nats_url, prefix, ttl_s=10, writes=WriteBudget(1, 10.0, clock)):
+        agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe_interval_s=0.05,
+                      probe=probe)
+        async with agent_said() as said, agent_running(agent):
+            await said.until("registered w-a: REGISTERED")  # its one write
+            path.write_text(agent_config("v1") + MICROVM)
+            await said.until("spent its write budget")  # the edit, refused for the budget, is sent again
+            shutil.copy(AMD, cpuinfo)
+            removed, _ = await wait_event(nc, prefix, "w-a", WorkerRemoved)
+            path.write_text(agent_config("v2"))  # the class dropped again, after the removal
+            await reads_after(reads, 5)  # the edit read while the registration on its way waits
+            clock.now += 10.0  # a write earned back
+            _, began = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=removed)
+            assert [c.sandbox_class for c in began.sandbox_classes] == ["gvisor"], began.sandbox_classes
+            assert began.sandbox_classes[0].default_runtime.version == probed("v2", AMD)

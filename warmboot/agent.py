@@ -909,11 +909,22 @@ class Agent:
         self.sent_registration = self.registering = True
         try:
             sent_again: set[str] = set()
+            removed = False  # this send removed the worker (`Stale`): what it sends next begins a new life
             while True:
+                if removed:
+                    # A new life takes what the file makes, when it goes: a registration held back by the budget
+                    # is sent as the file's latest (an edit read since the removal included, else the older one
+                    # began the life and the file's was refused to it as a change of class), and none while the
+                    # file makes one past MAX_BODY, which cannot be sent (`_again`, `_restamp`)
+                    if self._file_too_large is not None:
+                        raise NotRegistrable(str(self._file_too_large), self._file_too_large.refusal)
+                    if self.desired is not None and self._desired_of is not None and self._desired_of[0] != made_of[0]:
+                        registration, made_of = self.desired, self._desired_of
                 # Made on the machine as it is, at each send: a registration retried while the registry
                 # does not take it (unreachable, or the worker's write budget spent) is made again, with a
                 # new request id, once the file makes another registration of the machine as the probe
-                # reads it (`Outdated`, `_still_made`).
+                # reads it (`Outdated`, `_still_made`), or, once this send removed the worker, another
+                # registration at all (`_follows_the_file`).
                 config, reading = made_of
                 _, machine, now = self._machine()
                 if reading != now:
@@ -924,7 +935,8 @@ class Agent:
                 try:
                     reply = await self._request("register", body, RegisterReply, stop, timeout=timeout,
                                                 stale=self._wait_no_longer,
-                                                current=partial(self._still_made, config, now, registration))
+                                                current=partial(self._still_made, config, now, registration,
+                                                                None if not removed else self._follows_the_file))
                     self._in_force_revision = self._beats = body.revision
                     break
                 except Outdated as e:
@@ -938,14 +950,11 @@ class Agent:
                     # spent), or took none for a TTL, and the one in force claims a CPU the machine no longer
                     # has: the worker is removed meanwhile (a removal is free), where images of that CPU would
                     # be sent. A new life takes what the file makes: once the registry takes it, this
-                    # registration, or the file's, if it made another since this one was sent (sent as it was,
-                    # the file's was refused to that life when it differed in class). None while the file makes
-                    # one past MAX_BODY (held since this one was sent), which cannot be sent (`_again`, `_restamp`)
+                    # registration, or the file's, if it made another since this one was sent, or makes one while
+                    # it waits (sent as it was, the file's was refused to that life when it differed in class).
+                    # None while the file makes one past MAX_BODY, which cannot be sent (above)
                     await self._withdraw(str(e), stop)
-                    if self._file_too_large is not None:
-                        raise NotRegistrable(str(self._file_too_large), self._file_too_large.refusal)
-                    if self.desired is not None and self._desired_of is not None and self.desired != registration:
-                        registration, made_of = self.desired, self._desired_of
+                    removed = True
                     continue
                 except ContractError as e:
                     if (e.code, e.field) == (ErrorCode.INVALID_ARGUMENT, "revision") and "ahead" not in sent_again:
@@ -1149,13 +1158,23 @@ class Agent:
             return False
         return read_at != self._unreadable_at and read_at - self._unreadable_at >= self.unreadable_grace_s
 
-    def _still_made(self, config: AgentConfig, reading: tuple, registration: RegisterWorker) -> bool:
+    def _still_made(self, config: AgentConfig, reading: tuple, registration: RegisterWorker,
+                    follows: Callable[[AgentConfig], bool] | None = None) -> bool:
         """Whether `registration`, made of `config` on the read `reading`, is what `config` makes on the
-        machine as the probe reads it now (or the probe cannot make anything of it this time)."""
+        machine as the probe reads it now (or the probe cannot make anything of it this time); and, with
+        `follows`, whether `config` is still what the file makes (`_follows_the_file`)."""
+        if follows is not None and not follows(config):
+            return False
         made = self._made_now(config, reading)[1]
         if isinstance(made, ConfigError):
             return not isinstance(made, MachineMismatch)
         return made is None or made == registration
+
+    def _follows_the_file(self, config: AgentConfig) -> bool:
+        """Whether a registration made of `config`, which will begin a new life (its send removed the worker),
+        is still what the file makes as last read: the configuration it was read as (`_desired_of`), and not
+        one past MAX_BODY (`_file_too_large`)."""
+        return self._file_too_large is None and (self._desired_of is None or self._desired_of[0] == config)
 
     def _made_now(self, config: AgentConfig, reading: tuple) -> tuple[float, RegisterWorker | ConfigError | None]:
         """(when the machine was last read, what `config` makes of that read): None if the read is
