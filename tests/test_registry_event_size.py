@@ -838,3 +838,41 @@ async def test_a_registration_whose_send_removed_the_worker_follows_an_edit_made
             _, began = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=removed)
             assert [c.sandbox_class for c in began.sandbox_classes] == ["gvisor"], began.sandbox_classes
             assert began.sandbox_classes[0].default_runtime.version == probed("v2", AMD)
+
+
+
+async def test_an_edit_sent_to_a_removed_worker_follows_an_edit_made_while_it_waits(nats_url, nc, prefix, tmp_path):
+    """The agent removed its worker (the probe could not read the machine), and the file was edited meanwhile
+    (less memory). The machine reads again: the file's registration goes out, to begin a new life, and waits for
+    the worker's write budget; meanwhile the file moves the default to v2 and drops v1. Once the budget is earned
+    back, the new life is what the file makes then, on v2. Before, the edit sent first began the life on v1, which
+    the file had dropped, until the file's registration after it was taken (the next write the budget allowed;
+    with a change of class, never: refused to that life). Then the file is put back to the edit given up for the
+    later one: it is sent (not held as sent already), and the worker leaves v2, which the file no longer lists."""
+    clock = Clock()
+    cpuinfo = tmp_path / "cpuinfo"
+    shutil.copy(CPUINFO, cpuinfo)
+    path = tmp_path / "agent.toml"
+    path.write_text(agent_config("v1"))
+    probe, reads = counted_probe(cpuinfo)
+    async with running_registry(nats_url, prefix, ttl_s=10, writes=WriteBudget(1, 10.0, clock)):
+        agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe_interval_s=0.05,
+                      unreadable_grace_s=0.0, probe=probe)
+        async with agent_said() as said, agent_running(agent):
+            await said.until("registered w-a: REGISTERED")  # its one write
+            cpuinfo.unlink()  # the probe cannot read the machine, twice: the worker is removed
+            removed, _ = await wait_event(nc, prefix, "w-a", WorkerRemoved)
+            path.write_text(agent_config("v1", memory_mib=4096))  # read, and not made: the probe cannot read
+            await said.until("ignoring the edit of")
+            shutil.copy(CPUINFO, cpuinfo)  # the machine reads again: the file's registration goes out
+            await said.until("spent its write budget")  # and waits for the budget
+            path.write_text(agent_config("v2"))  # v1 dropped
+            await reads_after(reads, 5)  # the edit read while the registration on its way waits
+            clock.now += 10.0  # a write earned back
+            began_at, began = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=removed)
+            assert began.sandbox_classes[0].default_runtime.version == probed("v2"), began.sandbox_classes
+            assert began.capacity.memory_mib == 8192
+            path.write_text(agent_config("v1", memory_mib=4096))  # put back to the edit given up
+            clock.now += 10.0
+            _, change = await wait_event(nc, prefix, "w-a", RuntimeChanged, after=began_at)
+            assert change.sandbox_classes[0].default_runtime.version == probed("v1")

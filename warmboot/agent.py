@@ -756,6 +756,9 @@ class Agent:
                     raise
                 # the file's edit is in force; unless the file was read past MAX_BODY while it was on its way
                 self._edit_refused = self._file_too_large is not None
+                # or a later one, sent in its stead (`_send`: a new life follows the file): `wanted` was not taken,
+                # and the file put back to it sends it
+                self._edited = self.registration
             elif registration is AGAIN:
                 self._again_waiting = False
                 self._again_unmade = None
@@ -909,11 +912,14 @@ class Agent:
         self.sent_registration = self.registering = True
         try:
             sent_again: set[str] = set()
-            removed = False  # this send removed the worker (`Stale`): what it sends next begins a new life
+            # What this send takes will begin a new life: it removed the worker (`Stale`), or it sends the file's
+            # registration (an edit) to a worker this agent removed (`withdrawn`; not a RESTAMP, which sends the
+            # registration in force when the file's is refused or cannot be made, `_life_of_the_restamp`)
+            removed = self.withdrawn and made_of is self._desired_of
             while True:
                 if removed:
                     # A new life takes what the file makes, when it goes: a registration held back by the budget
-                    # is sent as the file's latest (an edit read since the removal included, else the older one
+                    # is sent as the file's latest (an edit read since it was sent included, else the older one
                     # began the life and the file's was refused to it as a change of class), and none while the
                     # file makes one past MAX_BODY, which cannot be sent (`_again`, `_restamp`)
                     if self._file_too_large is not None:
