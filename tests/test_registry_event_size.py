@@ -876,3 +876,39 @@ async def test_an_edit_sent_to_a_removed_worker_follows_an_edit_made_while_it_wa
             clock.now += 10.0
             _, change = await wait_event(nc, prefix, "w-a", RuntimeChanged, after=began_at)
             assert change.sandbox_classes[0].default_runtime.version == probed("v1")
+
+
+async def test_a_registration_whose_send_removed_the_worker_stops_once_the_file_goes_past_max_body(
+        nats_url, nc, prefix, tmp_path):
+    """An edit waits for the worker's write budget; the machine moves to another CPU (the agent removes the
+    worker); then, while the edit still waits, the file goes past MAX_BODY. Nothing is sent once the budget is
+    earned back: the new life would be under a registration the file no longer makes. Mended, the file registers
+    the worker. Before, the edit went on waiting and began a life, undrained until the drain before the next beat."""
+    heard: list[str] = []
+    clock = Clock()
+    cpuinfo = tmp_path / "cpuinfo"
+    shutil.copy(CPUINFO, cpuinfo)
+    path = tmp_path / "agent.toml"
+    path.write_text(agent_config("v1"))
+    probe, reads = counted_probe(cpuinfo)
+    verbs = {verb: (lambda _, verb=verb: heard.append(verb)) for verb in ("register", "drain", "remove")}
+    async with running_registry(nats_url, prefix, ttl_s=10, writes=WriteBudget(1, 10.0, clock), heard=verbs):
+        agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe_interval_s=0.05,
+                      probe=probe)
+        async with agent_said() as said, agent_running(agent):
+            await said.until("registered w-a: REGISTERED")  # its one write
+            path.write_text(agent_config("v2"))
+            await said.until("spent its write budget")  # the edit, refused for the budget, is sent again
+            shutil.copy(AMD, cpuinfo)
+            removed, _ = await wait_event(nc, prefix, "w-a", WorkerRemoved)
+            path.write_text(bulky(agent_config("v3"), restorable=3))  # about 1.1 MB, while the edit waits
+            await said.until(f"exceeds the limit of {MAX_BODY}")
+            await said.until("nothing sent")  # the edit given up, its last attempt answered (refused for the budget)
+            sent = len(heard)
+            clock.now += 10.0  # a write earned back
+            await reads_after(reads, 20)
+            assert "register" not in heard[sent:], heard
+            assert [type(e).__name__ for seq, e in await worker_events(nc, prefix, "w-a") if seq > removed] == []
+            path.write_text(agent_config("v3"))  # mended: what fits
+            _, again = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=removed, timeout=10)
+            assert again.sandbox_classes[0].default_runtime.version == probed("v3", AMD)
