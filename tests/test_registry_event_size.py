@@ -42,7 +42,8 @@ from tests.registry_helpers import (AMD, CPUINFO, PROBE, Holding, agent_config, 
                                     wait_event, worker_events)
 from tests.test_agent import agent_running, probed
 from tests.test_registry_budget import Clock
-from warmboot.agent import Agent
+from warmboot import agent as agent_module
+from warmboot.agent import RETRY_MIN_S, Agent
 from warmboot.client import Client
 from warmboot.natsserver import NatsServer
 from warmboot.runner import SERVICES, start_services
@@ -476,14 +477,16 @@ async def agent_registered(url: str, prefix: str, path, **heard) -> AsyncIterato
 
 
 @asynccontextmanager
-async def machine_agent(url: str, prefix: str, tmp_path, **options) -> AsyncIterator[tuple[Any, Any, Any, Any]]:
-    """w-a's agent of the file agent_config("v1") on an amd64 machine whose cpuinfo the test swaps (CPUINFO at
-    first), both read every 0.05 s (`counted_probe`: its reads can be awaited), once it has registered the worker;
-    `options` are the Agent's. (what it says, `agent_said`; its cpuinfo; its file; its reads of the machine)"""
+async def machine_agent(url: str, prefix: str, tmp_path, first: str | None = None,
+                        **options) -> AsyncIterator[tuple[Any, Any, Any, Any]]:
+    """w-a's agent of the file `first` (agent_config("v1") if not given) on an amd64 machine whose cpuinfo the test
+    swaps (CPUINFO at first), both read every 0.05 s (`counted_probe`: its reads can be awaited), once it has
+    registered the worker; `options` are the Agent's. (what it says, `agent_said`; its cpuinfo; its file; its reads
+    of the machine)"""
     cpuinfo = tmp_path / "cpuinfo"
     shutil.copy(CPUINFO, cpuinfo)
     path = tmp_path / "agent.toml"
-    path.write_text(agent_config("v1"))
+    path.write_text(agent_config("v1") if first is None else first)
     probe, reads = counted_probe(cpuinfo)
     agent = Agent(url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe_interval_s=0.05,
                   probe=probe, **options)
@@ -682,10 +685,21 @@ async def removed_under_a_restamp(nc, prefix: str, hold: Holding, cpuinfo) -> in
     here: its `which` picks the RESTAMP) while an operator removes w-a, then released: the removal's sequence."""
     hold.armed = True
     shutil.copy(AMD, cpuinfo)
-    await asyncio.wait_for(hold.held.wait(), 10)  # the RESTAMP, on its way
+    await asyncio.wait_for(hold.held.wait(), 20)  # the RESTAMP, on its way
     removed, _ = await raw_request(nc, prefix, "remove", "w-a", {"reason": "moved its actors"})
     hold.release()
     return removed["seq"]
+
+
+async def three_lives(nc, prefix: str, removed: int) -> list:
+    """After the removal at `removed`, the life the RESTAMP begins, its end, and the life of the file: the three
+    events (WorkerRegistered, WorkerRemoved, WorkerRegistered), each within 10 s of the last."""
+    events, after = [], removed
+    for _ in range(3):
+        after, event = await wait_event(nc, prefix, "w-a", (WorkerRegistered, WorkerRemoved), after=after,
+                                        timeout=10)
+        events.append(event)
+    return events
 
 
 async def test_a_restamp_that_begins_a_life_while_the_file_is_past_max_body_ends_it(nats_url, nc, prefix, tmp_path):
@@ -736,11 +750,7 @@ async def test_a_restamp_that_begins_a_life_after_a_removal_takes_the_classes_th
             path.write_text(agent_config("v1") + MICROVM)
             await said.until("the registry refused the edit")
             removed = await removed_under_a_restamp(nc, prefix, hold, cpuinfo)
-            events, after = [], removed
-            for _ in range(3):  # the life the RESTAMP began, ended, and the file's
-                after, event = await wait_event(nc, prefix, "w-a", (WorkerRegistered, WorkerRemoved), after=after,
-                                                timeout=10)
-                events.append(event)
+            events = await three_lives(nc, prefix, removed)
             lives = [sorted(c.sandbox_class for c in getattr(e, "sandbox_classes", ())) for e in events]
             assert lives == [["gvisor"], [], ["gvisor", "microvm"]], lives
             on = {c.sandbox_class: c.default_runtime.version for c in events[-1].sandbox_classes}
@@ -782,27 +792,12 @@ async def test_a_restamp_that_begins_a_life_after_a_change_refused_as_too_large_
     counted as sent already, for as long as the agent ran."""
     url, nc = one_mb
     hold = Holding(lambda request: request.sandbox_classes[0].default_runtime.name == "gvisor-v1", armed=False)
-    cpuinfo = tmp_path / "cpuinfo"
-    shutil.copy(CPUINFO, cpuinfo)
-    path = tmp_path / "agent.toml"
-    path.write_text(bulky(agent_config("v1")))
     async with running_registry(url, prefix, ttl_s=10, heard={"register": hold}), hold:
-        agent = Agent(url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe_interval_s=0.05,
-                      probe=ProbeSettings(cpuinfo_path=cpuinfo, architecture="amd64"))
-        async with agent_said() as said, agent_running(agent):
-            await said.until("registered w-a: REGISTERED")
+        async with machine_agent(url, prefix, tmp_path, bulky(agent_config("v1"))) as (said, cpuinfo, path, _):
             path.write_text(bulky(agent_config("v2")))  # v1 dropped: a RuntimeChanged of 1.1 MB
             await said.until("drained (seq")
-            hold.armed = True
-            shutil.copy(AMD, cpuinfo)
-            await asyncio.wait_for(hold.held.wait(), 20)  # the RESTAMP (v1 on the new CPU), on its way
-            removed, _ = await raw_request(nc, prefix, "remove", "w-a", {"reason": "a new life for its runtimes"})
-            hold.release()
-            events, after = [], removed["seq"]
-            for _ in range(3):  # the life the RESTAMP began, ended, and the file's
-                after, event = await wait_event(nc, prefix, "w-a", (WorkerRegistered, WorkerRemoved), after=after,
-                                                timeout=10)
-                events.append(event)
+            removed = await removed_under_a_restamp(nc, prefix, hold, cpuinfo)  # the RESTAMP: v1 on the new CPU
+            events = await three_lives(nc, prefix, removed)
             defaults = [getattr(e, "sandbox_classes", ()) and e.sandbox_classes[0].default_runtime.version
                         for e in events]
             assert defaults == [probed("v1", AMD), (), probed("v2", AMD)], [type(e).__name__ for e in events]
@@ -818,16 +813,8 @@ async def test_a_registration_whose_send_removed_the_worker_follows_an_edit_made
     dropped, and the file's registration after it was refused as a change of class, for as long as the agent
     ran."""
     clock = Clock()
-    cpuinfo = tmp_path / "cpuinfo"
-    shutil.copy(CPUINFO, cpuinfo)
-    path = tmp_path / "agent.toml"
-    path.write_text(agent_config("v1"))
-    probe, reads = counted_probe(cpuinfo)
     async with running_registry(nats_url, prefix, ttl_s=10, writes=WriteBudget(1, 10.0, clock)):
-        agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe_interval_s=0.05,
-                      probe=probe)
-        async with agent_said() as said, agent_running(agent):
-            await said.until("registered w-a: REGISTERED")  # its one write
+        async with machine_agent(nats_url, prefix, tmp_path) as (said, cpuinfo, path, reads):  # its one write
             path.write_text(agent_config("v1") + MICROVM)
             await said.until("spent its write budget")  # the edit, refused for the budget, is sent again
             shutil.copy(AMD, cpuinfo)
@@ -840,7 +827,6 @@ async def test_a_registration_whose_send_removed_the_worker_follows_an_edit_made
             assert began.sandbox_classes[0].default_runtime.version == probed("v2", AMD)
 
 
-
 async def test_an_edit_sent_to_a_removed_worker_follows_an_edit_made_while_it_waits(nats_url, nc, prefix, tmp_path):
     """The agent removed its worker (the probe could not read the machine), and the file was edited meanwhile
     (less memory). The machine reads again: the file's registration goes out, to begin a new life, and waits for
@@ -850,16 +836,8 @@ async def test_an_edit_sent_to_a_removed_worker_follows_an_edit_made_while_it_wa
     with a change of class, never: refused to that life). Then the file is put back to the edit given up for the
     later one: it is sent (not held as sent already), and the worker leaves v2, which the file no longer lists."""
     clock = Clock()
-    cpuinfo = tmp_path / "cpuinfo"
-    shutil.copy(CPUINFO, cpuinfo)
-    path = tmp_path / "agent.toml"
-    path.write_text(agent_config("v1"))
-    probe, reads = counted_probe(cpuinfo)
     async with running_registry(nats_url, prefix, ttl_s=10, writes=WriteBudget(1, 10.0, clock)):
-        agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe_interval_s=0.05,
-                      unreadable_grace_s=0.0, probe=probe)
-        async with agent_said() as said, agent_running(agent):
-            await said.until("registered w-a: REGISTERED")  # its one write
+        async with machine_agent(nats_url, prefix, tmp_path, unreadable_grace_s=0.0) as (said, cpuinfo, path, reads):
             cpuinfo.unlink()  # the probe cannot read the machine, twice: the worker is removed
             removed, _ = await wait_event(nc, prefix, "w-a", WorkerRemoved)
             path.write_text(agent_config("v1", memory_mib=4096))  # read, and not made: the probe cannot read
@@ -879,24 +857,17 @@ async def test_an_edit_sent_to_a_removed_worker_follows_an_edit_made_while_it_wa
 
 
 async def test_a_registration_whose_send_removed_the_worker_stops_once_the_file_goes_past_max_body(
-        nats_url, nc, prefix, tmp_path):
+        nats_url, nc, prefix, tmp_path, monkeypatch):
     """An edit waits for the worker's write budget; the machine moves to another CPU (the agent removes the
     worker); then, while the edit still waits, the file goes past MAX_BODY. Nothing is sent once the budget is
     earned back: the new life would be under a registration the file no longer makes. Mended, the file registers
     the worker. Before, the edit went on waiting and began a life, undrained until the drain before the next beat."""
+    monkeypatch.setattr(agent_module, "RETRY_MAX_S", RETRY_MIN_S)  # an attempt each 0.2 s: 20 reads see several
     heard: list[str] = []
     clock = Clock()
-    cpuinfo = tmp_path / "cpuinfo"
-    shutil.copy(CPUINFO, cpuinfo)
-    path = tmp_path / "agent.toml"
-    path.write_text(agent_config("v1"))
-    probe, reads = counted_probe(cpuinfo)
     verbs = {verb: (lambda _, verb=verb: heard.append(verb)) for verb in ("register", "drain", "remove")}
     async with running_registry(nats_url, prefix, ttl_s=10, writes=WriteBudget(1, 10.0, clock), heard=verbs):
-        agent = Agent(nats_url, "w-a", "node-a", path, prefix=prefix, watch_interval_s=0.05, probe_interval_s=0.05,
-                      probe=probe)
-        async with agent_said() as said, agent_running(agent):
-            await said.until("registered w-a: REGISTERED")  # its one write
+        async with machine_agent(nats_url, prefix, tmp_path) as (said, cpuinfo, path, reads):  # its one write
             path.write_text(agent_config("v2"))
             await said.until("spent its write budget")  # the edit, refused for the budget, is sent again
             shutil.copy(AMD, cpuinfo)

@@ -645,7 +645,7 @@ class Agent:
         failures = 0  # in a row, of this body
         while True:
             if not current():
-                raise Outdated(f"the {verb} on its way no longer says what this machine is")
+                raise Outdated(f"the {verb} on its way is no longer what the file makes of this machine")
             sent = time.monotonic()
             try:
                 reply = await client.request("registry", verb, self.worker_id, body, reply_type)
