@@ -24,7 +24,7 @@ import nats
 import pytest
 
 from events.codec import MAX_BODY, encode
-from events.errors import ContractError, too_large_for_an_event, unavailable
+from events.errors import ContractError, exhausted, too_large_for_an_event, unavailable
 from events.jetstream.layout import (BATCH_COMMIT_HEADER, BATCH_ID_HEADER, BATCH_SEQ_HEADER,
                                      EXPECTED_SUBJECT_SEQ_HEADER, EXPECTED_SUBJECT_SEQ_SUBJECT_HEADER,
                                      event_headers)
@@ -882,4 +882,57 @@ async def test_a_registration_whose_send_removed_the_worker_stops_once_the_file_
             assert [type(e).__name__ for seq, e in await worker_events(nc, prefix, "w-a") if seq > removed] == []
             path.write_text(agent_config("v3"))  # mended: what fits
             _, again = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=removed, timeout=10)
+            assert again.sandbox_classes[0].default_runtime.version == probed("v3", AMD)
+
+
+@pytest.mark.parametrize("then", ["edited", "past_max_body"])
+async def test_the_files_registration_after_a_restamps_life_follows_the_file_while_it_waits(
+        nats_url, nc, prefix, tmp_path, monkeypatch, then):
+    """As in the test of a RESTAMP that begins a life after a removal (the file adds a class the live worker was
+    refused), but the file's registration the agent sends after ending the RESTAMP's life waits for the worker's
+    write budget (refused for it here: the RESTAMP's life just paid), and meanwhile the file changes: it drops
+    the class again with a new default (`edited`), or goes past MAX_BODY (`past_max_body`). The life begun once
+    the registry takes a registration is what the file makes then, and none while the file is past MAX_BODY.
+    Before, that send (its worker removed by the agent itself, but not `withdrawn`) did not follow the file: the
+    life began with the class the file had dropped, and the file's registration after it was refused as a change
+    of class; or it began under the registration the file no longer made, undrained until the next beat."""
+    monkeypatch.setattr(agent_module, "RETRY_MAX_S", RETRY_MIN_S)  # an attempt each 0.2 s
+    hold = Holding(lambda request: len(request.sandbox_classes) == 1, armed=False)
+    refusing = {"on": False}
+    heard: list = []
+
+    def at_the_registry(request):
+        heard.append(request)
+        if refusing["on"] and hold.held.is_set() and len(request.sandbox_classes) == 2:
+            raise exhausted("worker 'w-a' is held back by the test (its write budget)", "worker_id")
+        return hold(request)
+
+    async with running_registry(nats_url, prefix, ttl_s=10, heard={"register": at_the_registry}), hold:
+        async with machine_agent(nats_url, prefix, tmp_path) as (said, cpuinfo, path, reads):
+            path.write_text(agent_config("v1") + MICROVM)
+            await said.until("the registry refused the edit")
+            refusing["on"] = True  # from the RESTAMP held on: the file's two classes refused for the budget
+            removed = await removed_under_a_restamp(nc, prefix, hold, cpuinfo)
+            began, _ = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=removed)
+            ended, _ = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=began, timeout=10)
+            await said.until("held back by the test")  # the file's registration waits
+            if then == "edited":
+                path.write_text(agent_config("v2"))  # the class dropped again, a new default
+            else:
+                path.write_text(bulky(agent_config("v3"), restorable=3))  # about 1.1 MB
+                await said.until(f"exceeds the limit of {MAX_BODY}")
+            await reads_after(reads, 5)  # read while the registration waits
+            refusing["on"] = False
+            if then == "edited":
+                _, life = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=ended, timeout=10)
+                assert [c.sandbox_class for c in life.sandbox_classes] == ["gvisor"], life.sandbox_classes
+                assert life.sandbox_classes[0].default_runtime.version == probed("v2", AMD)
+                return
+            await said.until("nothing sent")
+            sent = len(heard)
+            await reads_after(reads, 20)
+            assert heard[sent:] == [], heard[sent:]
+            assert [type(e).__name__ for seq, e in await worker_events(nc, prefix, "w-a") if seq > ended] == []
+            path.write_text(agent_config("v3"))  # mended: what fits
+            _, again = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=ended, timeout=10)
             assert again.sandbox_classes[0].default_runtime.version == probed("v3", AMD)

@@ -898,24 +898,27 @@ class Agent:
                     "and registering again", self.worker_id, self.config_path)
         await self._remove_self("the agent registers anew with what its file makes", stop)
         assert self.desired is not None and self._desired_of is not None
-        reply = await self._send(self.desired, self._desired_of, stop, BACKGROUND_REGISTER_TIMEOUT_S)
+        # it begins a new life (the worker removed just now): it follows the file while it waits, as any such send
+        reply = await self._send(self.desired, self._desired_of, stop, BACKGROUND_REGISTER_TIMEOUT_S, removed=True)
         self._edit_refused = self._file_too_large is not None
         return reply
 
     async def _send(self, registration: RegisterWorker, made_of: MadeOf, stop: asyncio.Event,
-                    timeout: float = REQUEST_TIMEOUT_S) -> RegisterReply:
+                    timeout: float = REQUEST_TIMEOUT_S, removed: bool = False) -> RegisterReply:
         """One registration, sent until answered (again after `timeout` without an answer);
         the caller holds `_one_registration`. `made_of` is what it was made of: if the probe
         reads the machine otherwise now, the same configuration is made again on the machine
         as it is (ConfigError if it cannot be: the probe cannot read it), so no registration
-        this agent sends claims a CPU the machine no longer has."""
+        this agent sends claims a CPU the machine no longer has. `removed`: the caller removed the worker
+        just before (`_life_of_the_file`), so this send begins a new life, as below."""
         self.sent_registration = self.registering = True
         try:
             sent_again: set[str] = set()
             # What this send takes will begin a new life: it removed the worker (`Stale`), or it sends the file's
             # registration (an edit) to a worker this agent removed (`withdrawn`; not a RESTAMP, which sends the
-            # registration in force when the file's is refused or cannot be made, `_life_of_the_restamp`)
-            removed = self.withdrawn and made_of is self._desired_of
+            # registration in force when the file's is refused or cannot be made, `_life_of_the_restamp`), or its
+            # caller removed it just before (`removed`: `_life_of_the_file`, which does not mark it `withdrawn`)
+            removed = removed or (self.withdrawn and made_of is self._desired_of)
             while True:
                 if removed:
                     # A new life takes what the file makes, when it goes: a registration held back by the budget
