@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import time
 from contextlib import AsyncExitStack, asynccontextmanager
 from datetime import datetime, timezone
 from typing import Any, AsyncIterator
@@ -936,3 +937,43 @@ async def test_the_files_registration_after_a_restamps_life_follows_the_file_whi
             path.write_text(agent_config("v3"))  # mended: what fits
             _, again = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=ended, timeout=10)
             assert again.sandbox_classes[0].default_runtime.version == probed("v3", AMD)
+
+
+MICROVM_ONLY = '\n[capacity]\ncpu_millis = 4000\nmemory_mib = 8192\n\n[labels]\nzone = "a"\n' + MICROVM
+
+
+async def test_an_edit_to_a_removed_worker_refused_by_a_life_it_did_not_begin_sends_what_the_file_makes_now(
+        nats_url, nc, prefix, tmp_path, monkeypatch):
+    """The agent removed its worker (the probe could not read the machine), and the file was edited meanwhile (a
+    second class). The machine reads again: the file's registration goes out, and waits for the worker's write
+    budget; meanwhile the file drops gvisor, and the send follows it (`_send`: a new life takes what the file
+    makes). Then a life this agent did not begin holds the worker (gvisor): the file's registration is refused to
+    it as a change of class, the agent removes it, and sends again what the file makes now: a life of microvm
+    alone. Before, it sent again the edit it had given up (gvisor and microvm), recorded as made of the file's
+    latest configuration, and the file's registration after it was refused to that life as a change of class:
+    the worker lived on with gvisor, which the file no longer listed."""
+    monkeypatch.setattr(agent_module, "RETRY_MAX_S", RETRY_MIN_S)  # an attempt each 0.2 s
+    refusing = {"on": False}
+
+    def at_the_registry(request):
+        if refusing["on"] and (request.request_id or "").startswith("agent-"):
+            raise exhausted("worker 'w-a' is held back by the test (its write budget)", "worker_id")
+
+    async with running_registry(nats_url, prefix, ttl_s=10, heard={"register": at_the_registry}):
+        async with machine_agent(nats_url, prefix, tmp_path, unreadable_grace_s=0.0) as (said, cpuinfo, path, reads):
+            cpuinfo.unlink()  # the probe cannot read the machine, twice: the worker is removed
+            removed, _ = await wait_event(nc, prefix, "w-a", WorkerRemoved)
+            refusing["on"] = True
+            path.write_text(agent_config("v1") + MICROVM)  # read, and not made: the probe cannot read
+            await said.until("ignoring the edit of")
+            shutil.copy(CPUINFO, cpuinfo)  # the machine reads again: the file's registration goes out
+            await said.until("held back by the test")  # and waits
+            path.write_text(MICROVM_ONLY)  # gvisor dropped
+            await reads_after(reads, 5)  # read while the registration waits
+            other = registration("w-a", revision=time.time_ns() // 1_000_000)  # a life the agent did not begin
+            reply, _ = await raw_request(nc, prefix, "register", "w-a", other)
+            assert reply.get("outcome") == "REGISTERED", reply
+            refusing["on"] = False
+            ended, _ = await wait_event(nc, prefix, "w-a", WorkerRemoved, after=reply["seq"], timeout=10)
+            _, life = await wait_event(nc, prefix, "w-a", WorkerRegistered, after=ended, timeout=10)
+            assert [c.sandbox_class for c in life.sandbox_classes] == ["microvm"], life.sandbox_classes

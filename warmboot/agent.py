@@ -741,6 +741,8 @@ class Agent:
                         # removed by this agent, yet refused as a change of class: a life it did not begin holds
                         # the worker (see `_restamp`); it is removed, and the file's registration begins the next
                         await self._withdraw(f"a registration this agent did not make holds it: {e.message}", stop)
+                        # what the file makes now: the send refused may have followed the file past `wanted` (`_send`)
+                        wanted = self.desired
                         self._edited = wanted
                         reply = await self._send(wanted, self._desired_of, stop, BACKGROUND_REGISTER_TIMEOUT_S)
                 except ConfigError as e:
