@@ -733,7 +733,9 @@ class Agent:
                 self._edited = wanted
                 try:
                     try:
-                        reply = await self._send(wanted, self._desired_of, stop, BACKGROUND_REGISTER_TIMEOUT_S)
+                        # to a worker this agent removed, it begins a new life: it follows the file (`_send`)
+                        reply = await self._send(wanted, self._desired_of, stop, BACKGROUND_REGISTER_TIMEOUT_S,
+                                                 removed=self.withdrawn)
                     except ContractError as e:
                         if not (self.withdrawn
                                 and (e.code, e.field) == (ErrorCode.FAILED_PRECONDITION, "sandbox_classes")):
@@ -744,7 +746,8 @@ class Agent:
                         # what the file makes now: the send refused may have followed the file past `wanted` (`_send`)
                         wanted = self.desired
                         self._edited = wanted
-                        reply = await self._send(wanted, self._desired_of, stop, BACKGROUND_REGISTER_TIMEOUT_S)
+                        reply = await self._send(wanted, self._desired_of, stop, BACKGROUND_REGISTER_TIMEOUT_S,
+                                                 removed=True)
                 except ConfigError as e:
                     # Not sent, so not refused: it could not be made on the machine as the probe read it when
                     # its turn came (cpuinfo unreadable for a moment), or its revision could not be kept. It is
@@ -911,16 +914,15 @@ class Agent:
         the caller holds `_one_registration`. `made_of` is what it was made of: if the probe
         reads the machine otherwise now, the same configuration is made again on the machine
         as it is (ConfigError if it cannot be: the probe cannot read it), so no registration
-        this agent sends claims a CPU the machine no longer has. `removed`: the caller removed the worker
-        just before (`_life_of_the_file`), so this send begins a new life, as below."""
+        this agent sends claims a CPU the machine no longer has. `removed`: the worker is out of any life
+        this agent began (its caller removed it, `_life_of_the_file`, or sends the file's edit to a worker it
+        withdrew), so this send begins a new life, as below."""
         self.sent_registration = self.registering = True
         try:
             sent_again: set[str] = set()
-            # What this send takes will begin a new life: it removed the worker (`Stale`), or it sends the file's
-            # registration (an edit) to a worker this agent removed (`withdrawn`; not a RESTAMP, which sends the
-            # registration in force when the file's is refused or cannot be made, `_life_of_the_restamp`), or its
-            # caller removed it just before (`removed`: `_life_of_the_file`, which does not mark it `withdrawn`)
-            removed = removed or (self.withdrawn and made_of is self._desired_of)
+            # What this send takes will begin a new life: its caller says so (`removed`: not a RESTAMP, which
+            # sends the registration in force when the file's is refused or cannot be made, `_life_of_the_restamp`),
+            # or it removed the worker itself (`Stale`, below)
             while True:
                 if removed:
                     # A new life takes what the file makes, when it goes: a registration held back by the budget
