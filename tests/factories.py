@@ -20,6 +20,8 @@ from types import EllipsisType
 from typing import Any, AsyncIterator, Callable, ClassVar, Protocol, TypeVar
 
 import msgspec
+import nats.errors
+import nats.js.errors
 from eventsourcing.persistence import OperationalError
 from nats.aio.client import Client as NATS
 from nats.js.api import ConsumerConfig, DeliverPolicy
@@ -379,6 +381,21 @@ async def until(check: Callable[[], bool], within: float = 30.0, what: str = "no
     while not check():
         assert time.monotonic() < deadline, what
         await asyncio.sleep(0.05)  # polling with a deadline: what is waited for has no event to await
+
+
+async def leaderless_info(js: Any, stream: str, within: float = 90.0) -> Any:
+    """The stream's info as a member left alone answers it, once it says it has no leader (about 10 s after
+    the others stopped); asked every 0.2 s, one second each, unanswered or refused meanwhile."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            info = await js.stream_info(stream)
+            if not info.cluster.leader:
+                return info
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.APIError):  # not yet
+            pass
+        assert time.monotonic() < deadline, "the member left never answered without a leader"
+        await asyncio.sleep(0.2)  # polling a condition with a deadline, not a fixed wait
 
 
 READS = logging.getLogger("tests.reads")  # a test's own reads asked again: not a service's (`unanswered_noted`)
