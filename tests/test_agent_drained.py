@@ -15,7 +15,8 @@ from services.registry.roster import Roster
 from tests.registry_helpers import (PROBE, agent_config, agent_said, raw_request, registration, running_registry,
                                     wait_event)
 from tests.test_agent import agent_running
-from warmboot.agent import Agent, drain_to_say, said_drained
+from warmboot.agent import Agent
+from warmboot.agent_rules import drain_to_say, said_drained
 
 DRAINED = "worker w-a is drained"
 

@@ -1007,7 +1007,7 @@ async def test_an_unanswered_edit_of_the_last_process_is_not_applied_over_the_ne
 
 
 def test_the_state_file_keeps_the_last_revision_and_refuses_what_it_cannot_read(tmp_path):
-    from warmboot.agent import RevisionFile
+    from warmboot.agent_state import RevisionFile
 
     kept = RevisionFile(tmp_path / "revision", "w-a")
     assert kept.read() == 0  # none yet: the clock decides

@@ -1,4 +1,4 @@
-"""What an agent does with a heartbeat refused for its revision (`warmboot.agent.superseded_by`), on the
+"""What an agent does with a heartbeat refused for its revision (`warmboot.agent_rules.superseded_by`), on the
 refusal the registry makes (`services.registry.domain.check_beats_in_force`): register its machine again,
 or stop, another agent of its worker id on another node having registered it since (docs/registry.md); and
 at the start of one that stopped so (`still_superseded`), with the record of it beside its state file."""
@@ -12,8 +12,9 @@ import pytest
 from events.errors import ContractError, in_force_named, latest_revision, revision_refused
 from events.schema import ErrorCode, HeartbeatReply
 from services.registry.domain import check_beats_in_force
-from warmboot.agent import (SUPERSEDED_AT_START_EXIT, RevisionFile, StateFileError, StillSuperseded, Superseded,
-                            SupersededRecord, still_superseded, superseded_by)
+from warmboot.agent_rules import (SUPERSEDED_AT_START_EXIT, StillSuperseded, Superseded, still_superseded,
+                                  superseded_by)
+from warmboot.agent_state import RevisionFile, StateFileError, SupersededRecord
 
 
 def refusal(beats: int, in_force: int, node: str | None) -> ContractError:

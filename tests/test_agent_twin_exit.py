@@ -13,7 +13,7 @@ from events.schema import WorkerDrained, WorkerRegistered, WorkerUpdated
 from tests.registry_helpers import AMD, CPUINFO, running_registry, wait_event, worker_events
 from tests.test_agent import agent_running
 from tests.test_agent_twins import machine
-from warmboot.agent import StillSuperseded, Superseded
+from warmboot.agent_rules import StillSuperseded, Superseded
 
 
 async def drained_once_node_b_holds_it(nats_url: str, nc, prefix: str, tmp_path, one,

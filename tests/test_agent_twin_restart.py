@@ -16,7 +16,7 @@ from events.schema import WorkerRegistered, WorkerRemoved, WorkerUpdated
 from tests.registry_helpers import AMD, agent_config, running_registry, wait_event
 from tests.test_agent import agent_running
 from tests.test_agent_twins import agent_process, beats_of, log_of, machine
-from warmboot.agent import SUPERSEDED_AT_START_EXIT
+from warmboot.agent_rules import SUPERSEDED_AT_START_EXIT
 
 # The workers' TTL. No test here waits for one to run out, but between an agent's end and the next step (a
 # `worker remove` process, a third agent's registration) a loaded machine took longer than 2 s: w-a was

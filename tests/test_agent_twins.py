@@ -20,7 +20,8 @@ from tests.registry_helpers import (AMD, CPUINFO, agent_config, raw_request, reg
                                     wait_event, worker_events)
 from tests.factories import cancelled_and_ended
 from tests.test_agent import agent_running
-from warmboot.agent import Agent, Superseded
+from warmboot.agent import Agent
+from warmboot.agent_rules import Superseded
 from warmboot.agent_config import ProbeSettings
 
 

@@ -79,7 +79,7 @@ import uuid
 from contextlib import suppress
 from functools import partial
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import Any, Callable
 
 import msgspec
 import nats
@@ -93,9 +93,7 @@ from events.natspy.frames import guard_reads
 from events.compat import compat_key
 from events.runtime_id import short_id
 from events.schema import (
-    Drained,
     DrainWorker,
-    MAX_REVISION,
     ErrorCode,
     Heartbeat,
     HeartbeatReply,
@@ -110,7 +108,9 @@ from warmboot.agent_config import (AgentConfig, ConfigError, MachineMismatch, Ma
                                    ProbeSettings, build_registration, parse_config)
 from warmboot.client import Client
 from warmboot.connection import sign_in_hint
-from warmboot.files import take_lock, write_atomically
+from warmboot.agent_rules import (StillSuperseded, Superseded, drain_to_say, said_drained, still_superseded,
+                                  superseded_by)
+from warmboot.agent_state import RevisionFile, StateFileError, SupersededRecord
 
 
 def _classes(registration: RegisterWorker) -> set[str]:
@@ -173,10 +173,6 @@ REQUEST_TIMEOUT_S = 5.0
 BACKGROUND_REGISTER_TIMEOUT_S = 30.0
 
 
-class StateFileError(ConfigError):
-    """The state file cannot be read or written: no registration goes out with a revision it does not keep."""
-
-
 class Outdated(Exception):
     """A request retried no longer says what the machine is: made again by its sender."""
 
@@ -188,32 +184,6 @@ class Stale(Exception):
     the worker meanwhile."""
 
 
-class Superseded(ContractError):
-    """FAILED_PRECONDITION, field revision: another agent of this worker id registered the worker since this
-    agent's last registration (a twin, on another node or on this one, or the machine's replacement). This agent
-    stops (`Agent.run` raises it; `warmboot agent` exits 1 saying it) rather than take the worker back
-    from it: each take fences every placement on the worker (docs/registry.md, "The agent"). `node` and
-    `revision`: the registration in force the refusal named, which an agent with a state file records
-    (`SupersededRecord`) so that its next process does not take the worker back at its start."""
-
-    def __init__(self, code: ErrorCode, message: str, field: str | None = None, *, node: str, revision: int):
-        super().__init__(code, message, field)
-        self.node = node
-        self.revision = revision
-
-
-class StillSuperseded(Superseded):
-    """At its start, an agent that stopped as Superseded (its record says so: `SupersededRecord`) finds
-    the worker still held by another agent's registration above its own (`still_superseded`): it does not
-    register, and `warmboot agent` exits SUPERSEDED_AT_START_EXIT, for a supervisor to leave it stopped
-    (systemd's `RestartPreventExitStatus=`). Registering would take the worker back, the other agent would
-    stop in turn and be restarted: the two take it from each other at their supervisors' restart pace, each
-    take fencing every placement on the worker (found by a review, 2026-12-06)."""
-
-
-# `warmboot agent`'s exit status for StillSuperseded, and for nothing else: 1 is every other error (a
-# Superseded while running included: restarted, the agent looks again), 2 a usage error, 130 a Ctrl-C.
-SUPERSEDED_AT_START_EXIT = 3
 # How long the beat at the start of an agent that stopped as Superseded is asked again while the registry
 # does not answer (`Agent._check_still_superseded`); then it registers, as without the record.
 START_CHECK_S = DEFAULT_TTL_S
@@ -225,193 +195,6 @@ START_CHECK_S = DEFAULT_TTL_S
 # took up to 9 s, and 12 where a beat in flight ignored its cancellation: past the bound, exit status 1).
 EXIT_ASKS_S = 5.0
 EXIT_ASK_LEAST_S = 0.1
-
-
-def superseded_by(refusal: ContractError, worker_id: str, node: str, last_revision: int) -> Superseded | None:
-    """What a heartbeat refused for its revision (`refusal`) means to the agent of `worker_id` on `node`,
-    whose last revision made is `last_revision` (each it sent is at most that): Superseded when the
-    registration in force it names is at a revision above `last_revision` (none of this agent's, so another
-    agent's, registered since: on another node, or on this one: a second agent of the worker id started on
-    this machine, or a machine configured alike, `--node` included); None, and the agent registers its
-    machine again, otherwise: a lower revision is its own earlier registration (a crash rolled the log back
-    and lost its latest), one not above its own is its own too (the beat crossed it); and a refusal naming
-    no node is an earlier registry's, answered as it was. (Until 2026-12-07 a registration on its own node
-    was taken for this machine's, and two agents of one worker id on one node took it from each other at
-    every beat, each take fencing every placement on it.)"""
-    named = in_force_named(refusal)
-    if named is None:
-        return None
-    revision, other = named
-    if revision <= last_revision:
-        return None
-    return Superseded(
-        ErrorCode.FAILED_PRECONDITION,
-        f"worker {worker_id} was registered since by {another_agent(other, node)}: its registration in force "
-        f"is revision {revision}, above every one this agent (node {node}) made, up to {last_revision}. This agent "
-        "stops rather than take the worker back (each take fences every placement on it): give each machine a "
-        "worker id of its own, and run one agent of it; stop an agent before starting its replacement",
-        "revision", node=other, revision=revision)
-
-
-def another_agent(other: str, node: str) -> str:
-    """Who made the registration in force on `other`, to the agent on `node` that did not."""
-    if other != node:
-        return f"another agent, on node {other}"
-    return (f"another agent on this agent's node {node} (a second agent of the worker id started on this machine, "
-            "or a machine configured alike, --node included)")
-
-
-def still_superseded(answer: HeartbeatReply | ContractError | None, worker_id: str, node: str, kept: int,
-                     record: Path, recorded: tuple[str, int]) -> StillSuperseded | str:
-    """What the agent of `worker_id` on `node`, which stopped as Superseded (`recorded`: the node and the
-    revision in force it stopped for, kept in `record`), does at its start with the `answer` to a beat naming
-    `kept`, its last revision made (None: no answer): StillSuperseded, and it does not register, when the
-    registry refuses the beat for another agent's registration above `kept` (`superseded_by`); else why it
-    registers, as it does without a record (the record is cleared): the beat was answered (the registration
-    in force is this agent's), NOT_FOUND (the other's life ended: removed, or LOST), refused otherwise, or
-    not answered (the agent cannot tell, and does as it did before it kept a record)."""
-    if answer is None:
-        return "the registry did not answer its beat"
-    if isinstance(answer, HeartbeatReply):
-        return f"the registry answers its beat (revision {kept}): the registration in force is this agent's"
-    if answer.code is ErrorCode.NOT_FOUND:
-        return f"the other's registration ended: {answer.message}"
-    held = superseded_by(answer, worker_id, node, kept) \
-        if (answer.code, answer.field) == (ErrorCode.FAILED_PRECONDITION, "revision") else None
-    if held is None:
-        return f"its beat was refused otherwise ({answer})"
-    return StillSuperseded(
-        ErrorCode.FAILED_PRECONDITION,
-        f"worker {worker_id} is held by {another_agent(held.node, node)}, which registered it since: its "
-        f"registration (revision {held.revision}) is in force, above every one this agent (node {node}) made, "
-        f"up to {kept}. "
-        f"This agent stopped for node {recorded[0]}'s revision {recorded[1]} before ({record} says so), and does "
-        "not register: that would take the worker back, fence every placement on it, and stop the other agent "
-        "in turn. Give each machine a worker id of its own; to take the worker over on purpose, delete "
-        f"{record} and start this agent again (it also registers at its next start once the other's "
-        "registration has ended: removed, or LOST)", "revision", node=held.node, revision=held.revision)
-
-
-def drain_to_say(drained: Drained | None, known: int) -> bool:
-    """Whether a heartbeat's answer names a drain the agent says: one (its `WorkerDrained`'s sequence) above
-    `known`, the sequence of the latest drain it said, or sent itself (its answer's, which is at or after the
-    drain's). So each drain is said once, at the first beat that names it, and not the agent's own at its
-    exit; a drain of a later life of the worker (a new life is undrained) has a higher sequence, and is said
-    too. None (not drained, or a registry of an earlier version, which says nothing) says nothing."""
-    return drained is not None and drained.seq > known
-
-
-def said_drained(worker_id: str, drained: Drained) -> str:
-    """What the agent says of a drain `drain_to_say` chose."""
-    reason = "no reason given" if drained.reason is None else f"reason {drained.reason!r}"
-    return (f"worker {worker_id} is drained (seq {drained.seq}, {reason}): it takes no new placements; its actors "
-            "stay until stopped or moved")
-
-
-class RevisionFile:
-    """The last revision an agent made for its worker, kept on disk across its processes.
-
-    A revision read off the clock orders an agent's registrations only while its clock never
-    goes back: a process whose clock ran ahead (stepped back by NTP before the next one starts)
-    could leave an edit in flight, unanswered, with a revision above the next process's, and a
-    stalled replica deciding it late would apply it. Written (and synced) before the revision is
-    sent, this file makes the next process start above anything an earlier one sent. It names
-    its worker (`<worker_id> <revision>`): a file of another worker's is refused."""
-
-    def __init__(self, path: Path, worker_id: str):
-        self.path = path
-        self.worker_id = worker_id
-
-    def read(self) -> int:
-        """The revision kept (0 if the file does not exist yet); StateFileError if it cannot be read."""
-        try:
-            text = self.path.read_text(encoding="ascii").strip()
-        except FileNotFoundError:
-            return 0
-        except (OSError, UnicodeDecodeError) as e:
-            raise StateFileError(f"state file {self.path}: cannot read: {e}") from None
-        worker_id, _, number = text.partition(" ")
-        if worker_id != self.worker_id:
-            raise StateFileError(f"state file {self.path}: keeps the revision of worker {worker_id[:128]!r}, not "
-                                 f"{self.worker_id!r}: give each agent a file of its own")
-        if not (number.isdigit() and len(number) <= 16 and int(number) <= MAX_REVISION):
-            raise StateFileError(f"state file {self.path}: holds no revision (a whole number up to {MAX_REVISION}), "
-                                 f"but {number[:40]!r}; remove it to start from the clock")
-        return int(number)
-
-    def hold(self) -> IO[str]:
-        """Hold the file for this process (`FILE.lock` beside it; the open lock file, which holds it until closed
-        or the process ends): StateFileError if another process holds it. Two agents given one state file, of
-        one worker id on one machine, would each go above the other's revisions, take the worker from each
-        other, and each, restarted, find the other's revision there as if it were its own."""
-        lock = self.path.with_name(self.path.name + ".lock")
-        try:
-            handle, holder = take_lock(lock)
-        except OSError as e:
-            raise StateFileError(f"state file {self.path}: cannot take its lock {lock}: {e}") from None
-        if handle is None:
-            raise StateFileError(
-                f"state file {self.path} is in use by another agent (process {holder}, {lock}): two agents of "
-                f"worker {self.worker_id} on one machine take the worker from each other, fencing every placement "
-                "on it; run one agent of it (stop an agent before starting its replacement), and give each agent "
-                "a state file of its own")
-        return handle
-
-    def write(self, revision: int) -> None:
-        """Replace the kept revision, durably (written, synced, renamed over): StateFileError if it cannot be."""
-        try:
-            write_atomically(self.path, f"{self.worker_id} {revision}\n", encoding="ascii")
-        except OSError as e:
-            raise StateFileError(f"state file {self.path}: cannot keep revision {revision} there: {e}; no "
-                                 "registration is sent with a revision it does not keep") from None
-
-
-class SupersededRecord:
-    """That the agent stopped as Superseded, kept across its processes beside its state file, in
-    `<state-file>.superseded`: `<worker_id> <node> <revision>`, the node and the revision of the
-    registration in force it stopped for. A file of its own, not a line or a token added to the state
-    file: an agent of an earlier version refuses a state file holding more than `<worker_id> <revision>`
-    (`RevisionFile.read`), and ignores this one (it takes the worker back at its start, as it did). The
-    next process reads it at its start (`Agent._check_still_superseded`), and clears it once it registers."""
-
-    SUFFIX = ".superseded"
-
-    def __init__(self, state_file: Path, worker_id: str):
-        self.path = state_file.with_name(state_file.name + self.SUFFIX)
-        self.worker_id = worker_id
-
-    def read(self) -> tuple[str, int] | None:
-        """The node and the revision recorded (None: the agent did not stop as Superseded); StateFileError
-        if the file cannot be read or holds something else."""
-        try:
-            text = self.path.read_text(encoding="ascii")
-        except FileNotFoundError:
-            return None
-        except (OSError, UnicodeDecodeError) as e:
-            raise StateFileError(f"{self.path}: cannot read: {e}") from None
-        words = text.split()
-        if words and words[0] != self.worker_id:
-            raise StateFileError(f"{self.path}: records a stop of worker {words[0][:128]!r}, not {self.worker_id!r}: "
-                                 "give each agent a state file of its own")
-        if len(words) != 3 or not (words[2].isdigit() and len(words[2]) <= 16):
-            raise StateFileError(f"{self.path}: holds no record of a stop as superseded (`{self.worker_id} NODE "
-                                 f"REVISION`), but {text[:80]!r}; remove it (this agent then registers at its "
-                                 "start, taking the worker from another agent, if one holds it)")
-        return words[1], int(words[2])
-
-    def write(self, node: str, revision: int) -> None:
-        """Record a stop for `node`'s registration `revision`, durably: StateFileError if it cannot be."""
-        try:
-            write_atomically(self.path, f"{self.worker_id} {node} {revision}\n", encoding="ascii")
-        except OSError as e:
-            raise StateFileError(f"{self.path}: cannot record the stop as superseded: {e}") from None
-
-    def clear(self) -> None:
-        """No longer superseded; StateFileError if the record cannot be removed."""
-        try:
-            self.path.unlink(missing_ok=True)
-        except OSError as e:
-            raise StateFileError(f"{self.path}: cannot remove the record of a stop as superseded: {e}") from None
 
 
 # --- the agent ----------------------------------------------------------------------------

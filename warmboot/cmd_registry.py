@@ -17,7 +17,8 @@ from events.natsauth import NKEY_SEED_ENV
 from events.schema import Placement, RegisterWorker
 from events.subjects import DEFAULT_PREFIX
 from services.process import run_serving, serving_loop
-from warmboot.agent import SUPERSEDED_AT_START_EXIT, Agent, StillSuperseded
+from warmboot.agent import Agent
+from warmboot.agent_rules import SUPERSEDED_AT_START_EXIT, StillSuperseded
 from warmboot.agent_config import ConfigError, ProbeSettings, load_registration
 from warmboot.cli_common import (SIGN_IN_ENV_HELP, Failed, FloatRange, check_given_file, check_id,
                                  check_nats_option, check_nkey_seed_option, check_prefix_option)
