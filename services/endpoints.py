@@ -298,7 +298,7 @@ _PAST_MAX_PAYLOAD = re.compile(PAST_MAX_PAYLOAD.replace("{size}", r"(\d+)").repl
 
 def past_max_payload(message: str) -> tuple[int, int] | None:
     """(the answer's size, the server's max_payload) that a RESOURCE_EXHAUSTED of `fitting` names, else
-    None: for a caller that asks again for less (`warmboot.cmd_views.fitting_whatif`)."""
+    None: for a caller that asks again for less (`warmboot.cmd_whatif.fitting_whatif`)."""
     found = _PAST_MAX_PAYLOAD.search(message)
     return (int(found[1]), int(found[2])) if found is not None else None
 

@@ -51,18 +51,9 @@ from services.scheduler.projection import Projection
 from tests.factories import SILENT_TTL_S, last_seq, log_reads, version
 from warmboot.cli import main
 from services.scheduler.decide import _how_far
-from warmboot.cmd_views import (
-    with_runtime_ids,
-    CLASS_COLUMNS,
-    REJECTED_COLUMNS,
-    WORKER_COLUMNS,
-    render_explanation,
-    render_fragmentation,
-    render_workers,
-    runtime_columns,
-    runtimes_of,
-    worker_rows,
-)
+from warmboot.cmd_explain import REJECTED_COLUMNS, render_explanation
+from warmboot.cmd_fragmentation import CLASS_COLUMNS, render_fragmentation, runtime_columns
+from warmboot.cmd_views import WORKER_COLUMNS, render_workers, runtimes_of, with_runtime_ids, worker_rows
 from warmboot.runner import SERVICES, start_services
 
 WIDTHS = (80, 100)
@@ -725,7 +716,7 @@ def test_wide_names_the_runtime_id_column_alike_in_every_view():
     from events.schema import WhatIf
 
     from services.scheduler.whatif import whatif as forecast
-    from warmboot.cmd_views import render_whatif
+    from warmboot.cmd_whatif import render_whatif
 
     projection = folded(fleet())
     runtimes = runtimes_of(projection)
@@ -829,7 +820,6 @@ def test_an_explanation_naming_as_many_workers_as_the_scheduler_names_says_that_
     EXPLAIN_REJECTED_LIMIT workers at most (a trial at fleet size). A last line says so; fewer, nothing."""
     from events.schema import Explanation, Rejection
     from services.scheduler.decide import EXPLAIN_REJECTED_LIMIT
-    from warmboot.cmd_views import render_explanation
 
     def explained(named: int) -> Explanation:
         return Explanation(candidates=0, counts={"not on pinned node": 1665, "class not registered": 2500},

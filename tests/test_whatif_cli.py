@@ -19,7 +19,8 @@ from tests.factories import actor, last_seq, log_reads, runtime_ids_apart
 from tests.test_views import WIDTHS, assert_fits_whole, fleet, folded, possible_cells, runtime
 from warmboot.cli import main
 from warmboot.client import Client
-from warmboot.cmd_views import COUNT_COLUMNS, forecast_columns, runtimes_of, stranded_columns
+from warmboot.cmd_views import runtimes_of
+from warmboot.cmd_whatif import COUNT_COLUMNS, forecast_columns, stranded_columns
 
 GENERATIONS = (0, 1, 2)
 
@@ -184,7 +185,7 @@ def test_help_says_how_to_name_a_runtime():
 def test_what_the_forecast_supposes_reads_in_the_order_of_its_tables():
     """DROP in the order of the runtime table (by label), DRAIN by id and once each (a walkthrough)."""
     from services.scheduler.whatif import whatif
-    from warmboot.cmd_views import render_whatif
+    from warmboot.cmd_whatif import render_whatif
 
     projection = folded(fleet())
     runtimes = runtimes_of(projection)
@@ -305,7 +306,7 @@ async def test_a_forecast_larger_than_one_answer_carries_lists_as_many_as_fit_an
     and the note says why fewer are listed; any other refusal is raised as it was."""
     from events.codec import encode
     from events.errors import ContractError, exhausted
-    from warmboot.cmd_views import fitting_whatif, render_whatif
+    from warmboot.cmd_whatif import fitting_whatif, render_whatif
 
     stranded, carried = 3000, 100_000
     scheduler, asked = stranding(stranded, carried)
@@ -331,7 +332,7 @@ async def test_a_forecast_asked_for_more_actors_than_there_are_lists_as_many_as_
     narrows (its rows per runtime), the command asked for one actor and printed that, where 400 fit. It asks
     for one actor only to learn whether no limit narrows it (answered: it does), then for fewer as before."""
     from events.codec import encode
-    from warmboot.cmd_views import fitting_whatif
+    from warmboot.cmd_whatif import fitting_whatif
 
     stranded, carried = 1000, 100_000
     scheduler, asked = stranding(stranded, carried)
@@ -346,7 +347,7 @@ def test_a_thousand_workers_drained_are_named_a_few_and_counted():
     """DRAIN listed every worker a forecast drains: 18 KB of one field for a thousand (a trial at fleet
     size). It names ten and counts the rest; -o wide names all."""
     from services.scheduler.whatif import whatif
-    from warmboot.cmd_views import render_whatif
+    from warmboot.cmd_whatif import render_whatif
 
     workers = fleet(40)
     projection = folded(workers)
@@ -365,7 +366,7 @@ def test_many_workers_drained_already_are_named_a_few_and_counted():
     from types import SimpleNamespace
 
     from events.states import WorkerState
-    from warmboot.cmd_views import no_op_notes
+    from warmboot.cmd_whatif import no_op_notes
 
     ids = [f"w-{i:04d}" for i in range(30)]
     projection = SimpleNamespace(workers={w: SimpleNamespace(state=WorkerState.DRAINED if i % 2 else

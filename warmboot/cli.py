@@ -78,7 +78,10 @@ from warmboot.cmd_foundation import probe, schema  # noqa: E402
 
 main.add_command(probe)
 main.add_command(schema)
-from warmboot.cmd_views import explain, fragmentation, whatif, workers  # noqa: E402
+from warmboot.cmd_explain import explain  # noqa: E402
+from warmboot.cmd_fragmentation import fragmentation  # noqa: E402
+from warmboot.cmd_views import workers  # noqa: E402
+from warmboot.cmd_whatif import whatif  # noqa: E402
 
 main.add_command(explain)
 main.add_command(fragmentation)

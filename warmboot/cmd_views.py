@@ -1,4 +1,5 @@
-"""Operator views: `warmboot workers`, `warmboot fragmentation`, `warmboot explain`, `warmboot whatif`.
+"""Operator views: what they share, and `warmboot workers` (`warmboot explain`, `warmboot fragmentation` and
+`warmboot whatif` are warmboot.cmd_explain's, cmd_fragmentation's and cmd_whatif's, on these parts).
 
 Plain aligned columns for people (warmboot.render), `-o wide` for every column and
 the full runtime attributes, `-o json` (or `--json`) for machines. A runtime is shown
@@ -17,7 +18,6 @@ the whole log with the scheduler's own projection (warmboot.audit.Sink) only whe
 into the same pages (`folded_workers`): either way it shows what the scheduler sees. Their JSON
 is the endpoint's answer with each runtime version's `rt-` id beside it (`with_runtime_ids`).
 """
-
 from __future__ import annotations
 
 import asyncio
@@ -33,23 +33,15 @@ import nats.errors
 from events.codec import to_builtins
 from events.compat import compat_key
 from events.errors import ContractError, is_busy_reads, unavailable
-from events.runtime_id import PREFIX as ID_PREFIX
-from events.runtime_id import Runtimes, UnknownRuntime, short_id
-from events.schema import (WHATIF_LIMIT_MAX, CompatVersion, ErrorCode, ExplainResume, Explanation, FleetRuntimes,
-                           Fragmentation, FragmentationQuery, Location, Placement, Rejection, RuntimeFragmentation,
-                           StrandedActor, WhatIf, WhatIfAnswer)
+from events.runtime_id import Runtimes, short_id
+from events.schema import CompatVersion, FleetRuntimes, Placement
 from events.schema import (ACTORS_FILTER_MAX, WORKERS_LIMIT_MAX, WorkerPage, WorkersQuery,
                            WorkerSummary)  # workers
-from events.states import WorkerState
 from events.subjects import event_subject
-from services.endpoints import past_max_payload
-from services.scheduler.decide import EXPLAIN_REJECTED_LIMIT
-from services.scheduler.feasibility import SELECTOR_MISMATCH
-from warmboot.cli_common import (IntRange, LogUnreadable, ask, check_id, last_seq, log_messages, min_seq_option,
-                                 nats_option, prefix_option, request_field, selectors_of, unread_why, version_text)
+from warmboot.cli_common import (IntRange, LogUnreadable, ask, last_seq, log_messages, nats_option, prefix_option,
+                                 request_field, unread_why, version_text)
 from warmboot.client import Client
-from warmboot.render import (Column, JsonList, cell_columns, key_values, render_fields, render_table,
-                             terminal_width)
+from warmboot.render import (Column, JsonList, cell_columns, key_values, render_table, terminal_width)
 
 # --- what every view shares -----------------------------------------------------------------------
 
@@ -282,64 +274,7 @@ def millis(value: int) -> str:
     return f"{value}m"
 
 
-# --- explain ----------------------------------------------------------------------------------------
-
-
-def decision_fields(d: Placement, runtimes: Runtimes, wide: bool) -> list[tuple[str, str]]:
-    stamp = d.sandbox_runtime
-    fields = [
-        ("DECISION", f"{d.action.value} at {d.fidelity.value}" if d.fidelity.value != "NONE" else
-         f"{d.action.value} (cold boot)"),
-        ("WORKER", d.worker_id),
-        ("NODE", d.node),
-        ("RUNTIME", runtimes.label(stamp.sandbox_class, stamp.version, stamp.name)),
-    ]
-    matched = d.matched_version
-    if matched is not None:
-        fields.append(("MATCHED", runtimes.label(stamp.sandbox_class, matched)))
-    if d.snapshot_id:
-        fields.append(("SNAPSHOT", d.snapshot_id))
-    if d.fallback:
-        f = d.fallback
-        fields.append(("FALLBACK", f"{f.reason.value} ({f.from_fidelity.value} -> {f.to_fidelity.value})"))
-    fields.append(("BOOKED", f"{millis(d.booked.cpu_millis)} cpu, {mib(d.booked.memory_mib)} memory"))
-    if wide:
-        fields.append(("RUNTIME ID", short_id(runtimes.add(stamp.sandbox_class, stamp.version))))
-        fields.append(("ATTRIBUTES", version_text(stamp.version)))
-    return fields
-
-
-REJECTED_COLUMNS = [  # a row: (worker id, reasons); -o wide, a worker a row
-    Column("WORKER", lambda r: r[0]),
-    Column("REASONS", lambda r: r[1]),
-]
-GROUPED_COLUMNS = [  # a row: (worker ids, reasons), the workers passed over for the same reasons
-    Column("WORKERS", lambda r: r[0]),
-    Column("REASONS", lambda r: r[1]),
-]
 NAMES_SHOWN = 3  # of a group of workers passed over for the same reasons, the ids named at most
-
-
-def reasons_text(rejection: Rejection, missing: dict[str, list[str]]) -> str:
-    """A worker's reasons; `selector mismatch` naming the selector keys its labels do not match,
-    where `missing` (worker id: keys, read from the log) has them."""
-    keys = missing.get(rejection.worker_id)
-    return ", ".join(f"{r} ({', '.join(keys)})" if r == SELECTOR_MISMATCH and keys else r
-                     for r in rejection.reasons)
-
-
-def rejected_groups(rejected: list[Rejection], missing: dict[str, list[str]]) -> list[tuple[str, list[str]]]:
-    """The workers passed over, as (reasons, worker ids) of those passed over for the same reasons, in
-    the scheduler's order (a group where its first worker is)."""
-    groups: dict[str, list[str]] = {}
-    for r in rejected:
-        groups.setdefault(reasons_text(r, missing), []).append(r.worker_id)
-    return list(groups.items())
-
-
-def group_row(reasons: str, workers: list[str], names: int) -> tuple[str, str]:
-    """A group's row, naming at most `names` of its workers (`named_few`)."""
-    return named_few(workers, names), reasons
 
 
 def named_few(ids: list[str], names: int = NAMES_SHOWN) -> str:
@@ -348,205 +283,9 @@ def named_few(ids: list[str], names: int = NAMES_SHOWN) -> str:
     return ", ".join(ids[:names]) + (f" (+{more} more)" if more > 0 else "")
 
 
-def render_explanation(actor_id: str, answer: Explanation, runtimes: Runtimes, width: int | None,
-                       wide: bool = False, limit: int = 0, missing: dict[str, list[str]] | None = None) -> str:
-    """The explanation as fields, and the workers passed over in the scheduler's order (those that
-    came furthest through the checks first, then by id); SUMMARY counts them all. Those passed over
-    for the same reasons are one row naming a few of them, at most `limit` rows (0: all); with `wide`,
-    a worker a row, at most `limit` workers. A REFUSED whose message is the SUMMARY's gives its code
-    alone. The scheduler names EXPLAIN_REJECTED_LIMIT workers at most, and a last line says so where it
-    names that many: at 5,000 workers, `w-1, w-2, w-3 (+997 more)  not on pinned node` read as the whole
-    of SUMMARY's 1665 not on pinned node, and its 2500 of another class were in no row (a trial)."""
-    missing = missing or {}
-    fields = [("ACTOR", actor_id), ("SUMMARY", answer.message or f"{answer.candidates} candidates")]
-    if answer.decision is not None:
-        fields += decision_fields(answer.decision, runtimes, wide)
-    if answer.refusal is not None:
-        code, said = answer.refusal.code.value, answer.refusal.message
-        fields.append(("REFUSED", code if said == answer.message else f"{code}: {said}"))
-    parts = [render_fields(fields, None if wide else width)]
-    if answer.rejected and wide:  # a worker a row, at most `limit` of them
-        shown = answer.rejected[:limit] if limit else answer.rejected
-        rendered = render_table(REJECTED_COLUMNS, [(r.worker_id, reasons_text(r, missing)) for r in shown], width,
-                                wide)
-        more = len(answer.rejected) - len(shown)
-        notes = [f"({more} more worker(s) passed over: --limit 0 lists them)"] if more else []
-        parts.append("\n".join([rendered.text, *notes]))
-    elif answer.rejected:  # a row for the workers passed over for the same reasons, at most `limit` rows
-        groups = rejected_groups(answer.rejected, missing)
-        shown_groups = groups[:limit] if limit else groups
-        for names in range(NAMES_SHOWN, 0, -1):  # fewer ids named until the rows fit
-            rendered = render_table(GROUPED_COLUMNS, [group_row(reasons, workers, names)
-                                                      for reasons, workers in shown_groups], width, wide)
-            if width is None or rendered.width <= width:
-                break
-        more = len(answer.rejected) - sum(len(workers) for _, workers in shown_groups)
-        notes = [f"({more} more worker(s) passed over for other reasons: --limit 0 lists them)"] if more else []
-        if any(len(workers) > names for _, workers in shown_groups):
-            notes.append("(workers passed over for the same reasons share a row: -o wide lists each)")
-        parts.append("\n".join([rendered.text, *notes]))
-    if len(answer.rejected) >= EXPLAIN_REJECTED_LIMIT:  # the rows count only those the answer names
-        parts[-1] += (f"\n(the scheduler names {EXPLAIN_REJECTED_LIMIT:,} of the workers passed over, those that came "
-                      "furthest through the checks; SUMMARY counts every one)")
-    return "\n\n".join(parts)
-
-
-async def selector_misses(nc: Any, prefix: str, actor_id: str, asked: dict[str, str] | None,
-                          rejected: list[Rejection], workers: Callable[[], Awaitable[Any]]) -> dict[str, list[str]]:
-    """For each worker passed over for `selector mismatch`: the selector keys (the actor's, from its
-    ActorCreated, and the request's) its labels do not match. As the scheduler names them in its answer
-    (`Rejection.missing_keys`, a project addition), reading nothing; from a scheduler of an earlier
-    version, which does not: of one key, that key: the scheduler found
-    each such worker's labels not to match it, and no worker's labels are read. Of several, those its
-    labels, as the log has them now (`workers()`: the registered workers, None where the log cannot be
-    read, which it says), do not match; a worker whose labels match now is left out (the reason stays
-    bare). Empty where the log cannot be read (nor the actor's history: an event of a newer version in
-    it; `workers()` is asked all the same, for what it says of the log)."""
-    from events.schema import ActorCreated
-
-    from warmboot.cli_common import read_subject
-
-    mismatched = [r.worker_id for r in rejected if SELECTOR_MISMATCH in r.reasons]
-    if not mismatched:
-        return {}
-    said = {r.worker_id: list(r.missing_keys) for r in rejected if r.missing_keys}
-    if said:  # the scheduler's, from the labels it judged (`Rejection.missing_keys`); an earlier version's says none
-        return said
-    try:
-        history = await read_subject(nc, prefix, event_subject(prefix, "actor", actor_id))
-    except (click.ClickException, ContractError, nats.errors.Error):  # ContractError: an event it cannot read
-        await workers()  # a log these credentials may not read: said as of the workers' labels (`readable_fleet`)
-        return {}
-    created = [event for _, event in history if isinstance(event, ActorCreated)]
-    wanted = {**(created[-1].selectors if created else {}), **(asked or {})}
-    if len(wanted) == 1:  # no worker's labels to read (every worker's history: 2.8 s at 10,000 workers)
-        return {worker_id: list(wanted) for worker_id in mismatched}
-    projection = await workers()
-    if projection is None:
-        return {}
-    misses = {}
-    for worker_id in mismatched:
-        worker = projection.workers.get(worker_id)
-        keys = sorted(k for k, v in wanted.items() if worker is not None and worker.labels.get(k) != v)
-        if keys:
-            misses[worker_id] = keys
-    return misses
-
-
-@click.command()
-@click.argument("actor_id", callback=check_id)
-@click.option("--selector", "selectors", multiple=True, metavar="KEY=VALUE",
-              callback=request_field(ExplainResume, "selectors"),
-              help="Extra label selector. Repeatable, one value per key.")
-@click.option("--limit", type=IntRange(min=0), default=20, show_default=True,
-              help="List at most N rows of the workers passed over, those that came furthest through the checks "
-                   "first, then by id: a row for the workers passed over for the same reasons, or with -o wide a "
-                   "worker a row (0: all the scheduler names, at most 1,000 workers; SUMMARY counts every one).")
-@min_seq_option
-@nats_option
-@prefix_option
-@output_option
-def explain(actor_id: str, selectors: tuple[str, ...], limit: int, min_seq: int | None, nats_url: str, prefix: str,
-            output: str | None, as_json: bool) -> None:
-    """Why a resume of ACTOR_ID would land where it would (writes nothing).
-
-    The workers passed over for the same reasons are one row naming a few of them
-    (`w-1, w-2, w-3 (+18 more)`); -o wide lists each on its own row, -o json gives the
-    scheduler's answer as it is. A `selector mismatch` names the selector keys the worker's
-    labels do not match (the actor's selectors and --selector), as the scheduler judged them."""
-    sel = selectors_of(selectors) or None
-    mode = output_mode(output, as_json)
-
-    async def work(nc: Any) -> tuple[Explanation, Runtimes | None, dict[str, list[str]]]:
-        answer = await Client(nc, prefix).explain(actor_id, sel, min_seq)
-        if mode == "json":  # the endpoint's answer, as it is
-            return answer, None, {}
-        # the labels from a scheduler (`asked_runtimes`); the workers' histories only when they are needed:
-        # for the keys a selector mismatch of several names where the scheduler (an earlier version's) does not
-        # say them, or when no scheduler said the labels
-        asked = await asked_runtimes(nc, prefix)
-        projection = None if asked is not None else await readable_fleet(nc, prefix)
-
-        async def workers() -> Any:
-            return projection if asked is None else await readable_fleet(nc, prefix,
-                                                                         "selector keys of the mismatched workers")
-
-        runtimes = (asked if asked is not None else runtimes_of(projection) if projection is not None
-                    else Runtimes(complete=False))
-        return answer, runtimes, await selector_misses(nc, prefix, actor_id, sel, answer.rejected, workers)
-
-    answer, runtimes, missing = ask(nats_url, work)
-    if mode == "json":
-        echo_json(to_builtins(answer))
-        return
-    click.echo(render_explanation(actor_id, answer, runtimes, terminal_width(), mode == "wide", limit, missing))
-
-
-# --- fragmentation ------------------------------------------------------------------------------------
-
-
-CLASS_COLUMNS = [
-    Column("CLASS", lambda c: c.sandbox_class),
-    Column("WORKERS", lambda c: str(c.workers), right=True),
-    Column("STRANDED", lambda c: str(c.stranded_snapshots), right=True),
-    Column("LOST LOCAL", lambda c: str(c.lost_local_snapshots), right=True),
-]
-
-
-def runtime_columns(runtimes: Runtimes) -> list[Column]:
-    """Columns of (class, RuntimeFragmentation) rows."""
-    return [
-        Column("CLASS", lambda r: r[0]),
-        Column("RUNTIME", lambda r: pin_label(runtimes, r[0], r[1].version), drop=1,
-               narrow=Column("RUNTIME", lambda r: short_id(compat_key(r[0], r[1].version)), about="as ids")),
-        Column("DEFAULT", lambda r: str(r[1].workers_default), right=True),
-        Column("RESTORABLE", lambda r: str(r[1].workers_restorable), right=True),
-        Column("EDGE", lambda r: str(r[1].workers_compatible), right=True, drop=3),
-        Column("CPU FREE", lambda r: millis(r[1].free.cpu_millis), right=True, drop=2),
-        Column("MEM FREE", lambda r: mib(r[1].free.memory_mib), right=True),
-        Column("SNAPSHOTS", lambda r: str(r[1].snapshots_memory), right=True),
-        Column("RUNTIME ID", lambda r: short_id(compat_key(r[0], r[1].version)), wide=True),
-        Column("ATTRIBUTES", lambda r: version_text(r[1].version), wide=True),
-    ]
-
-
 def by_label(runtimes: Runtimes, sandbox_class: str, version: CompatVersion) -> tuple[str, str, str]:
     """A runtime row's place in a table: by class, then label (its id between equal labels)."""
     return sandbox_class, pin_label(runtimes, sandbox_class, version), short_id(compat_key(sandbox_class, version))
-
-
-def drained_only(row: RuntimeFragmentation) -> bool:
-    """A runtime fragmentation lists with every count 0: no undrained worker runs it, can restore it or
-    accepts it through an edge, and no memory snapshot is stamped with it. The scheduler lists every
-    runtime a registered worker offers, drained ones included (counts of 0 are dropped from its snapshot
-    tallies), so such a runtime is one only drained workers offer."""
-    return not (row.workers_default or row.workers_restorable or row.workers_compatible or row.snapshots_memory)
-
-
-def render_fragmentation(answer: Fragmentation, runtimes: Runtimes, width: int | None, wide: bool = False,
-                         sandbox_class: str | None = None) -> str:
-    """The classes, then their runtimes. A runtime only drained workers offer (`drained_only`) is a row of
-    zeros: left out, and counted in a note, unless `wide` (as `workers` shows a drained worker's row marked
-    DRAINED, and WORKERS counts undrained workers only; a fleet's retired machines listed rows of zeros, a
-    user trial); -o json keeps every runtime, as the scheduler answers."""
-    if not answer.classes:
-        return (f"no worker registers the sandbox class {sandbox_class}" if sandbox_class is not None
-                else "no sandbox classes registered")
-    classes = render_table(CLASS_COLUMNS, answer.classes, width, wide)
-    rows = sorted(((c.sandbox_class, rt) for c in answer.classes for rt in c.runtimes),
-                  key=lambda row: by_label(runtimes, row[0], row[1].version))
-    idle = sum(1 for _, rt in rows if drained_only(rt))
-    shown = rows if wide else [row for row in rows if not drained_only(row[1])]
-    parts, notes = [classes.text], []
-    if shown:
-        table = render_table(runtime_columns(runtimes), shown, width, wide)
-        parts.append(table.text)
-        notes.append(table.footnote(width))
-    if idle:
-        which = f"{idle} runtime{'' if idle == 1 else 's'} only drained workers offer, with no memory snapshot"
-        notes.append(f"({which}: every count 0)" if wide else f"({which}, left out; -o wide lists them)")
-    notes = [n for n in notes if n]
-    return "\n\n".join(parts) + ("\n" + "\n".join(notes) if notes else "")
 
 
 def named_by_stamps_only(versions: Iterable[tuple[str, CompatVersion]], runtimes: Runtimes) -> bool:
@@ -580,55 +319,28 @@ async def stamp_labels(nc: Any, prefix: str, runtimes: Runtimes, versions: Itera
         return runtimes
 
 
-async def fragmentation_labels(nc: Any, prefix: str, answer: Fragmentation) -> Runtimes:
-    """The labels of fragmentation's runtimes (`stamp_labels`), those with memory snapshots looked up."""
-    with_snapshots = [(c.sandbox_class, rt.version) for c in answer.classes for rt in c.runtimes if rt.snapshots_memory]
-    return await stamp_labels(nc, prefix, await runtime_labels(nc, prefix), with_snapshots)
-
-
-@click.command()
-@classes_option("classes and runtimes", request_field(FragmentationQuery, "sandbox_class"))
-@min_seq_option
-@nats_option
-@prefix_option
-@output_option
-def fragmentation(sandbox_class: tuple[str, ...], min_seq: int | None, nats_url: str, prefix: str,
-                  output: str | None, as_json: bool) -> None:
-    """Per sandbox class: workers, stranded and lost local snapshots; per runtime: the workers
-    running it (DEFAULT), able to restore it (RESTORABLE) or accepting it through a compatible
-    version (EDGE), their free room, and the memory snapshots stamped with it (SNAPSHOTS).
-
-    A runtime is labelled as in every view; one no worker runs, by the name its snapshots' stamps
-    carry, as `actor list` shows them (the whole log is then read for it, as `actor list` reads it).
-    A runtime only drained workers offer, with no memory snapshot (every count 0), is left out, a
-    last line saying how many: -o wide and -o json list every runtime.
-
-    A --class the scheduler knows nothing of (no worker has registered it, and no actor of it holds a
-    memory snapshot) is NOT_FOUND, exit status 1, naming the classes the registered workers run where
-    these credentials may read the log."""
-    mode = output_mode(output, as_json)
-    named = list(dict.fromkeys(sandbox_class))
-
-    async def work(nc: Any) -> tuple[Fragmentation, Runtimes | None]:
-        client = Client(nc, prefix)
-        found = []
-        for one in named or [None]:  # the endpoint's own answer for each class asked
-            try:
-                found.append(await client.fragmentation(one, min_seq))
-            except ContractError as e:  # the scheduler knows no such class (`Client.fragmentation`)
-                if e.code is ErrorCode.NOT_FOUND and e.field == "sandbox_class":
-                    await check_class_named(nc, prefix, one)  # the same error, naming the classes the fleet runs
-                raise
-        if len(found) > 1:  # several classes: their answers as one, by class as the endpoint orders them
-            found = [Fragmentation(classes=sorted((c for a in found for c in a.classes),
-                                                  key=lambda c: c.sandbox_class))]
-        return found[0], (None if mode == "json" else await fragmentation_labels(nc, prefix, found[0]))
-
-    answer, runtimes = ask(nats_url, work)
-    if mode == "json":
-        echo_json(to_builtins(answer))
-        return
-    click.echo(render_fragmentation(answer, runtimes, terminal_width(), mode == "wide", ", ".join(named) or None))
+def decision_fields(d: Placement, runtimes: Runtimes, wide: bool) -> list[tuple[str, str]]:
+    stamp = d.sandbox_runtime
+    fields = [
+        ("DECISION", f"{d.action.value} at {d.fidelity.value}" if d.fidelity.value != "NONE" else
+         f"{d.action.value} (cold boot)"),
+        ("WORKER", d.worker_id),
+        ("NODE", d.node),
+        ("RUNTIME", runtimes.label(stamp.sandbox_class, stamp.version, stamp.name)),
+    ]
+    matched = d.matched_version
+    if matched is not None:
+        fields.append(("MATCHED", runtimes.label(stamp.sandbox_class, matched)))
+    if d.snapshot_id:
+        fields.append(("SNAPSHOT", d.snapshot_id))
+    if d.fallback:
+        f = d.fallback
+        fields.append(("FALLBACK", f"{f.reason.value} ({f.from_fidelity.value} -> {f.to_fidelity.value})"))
+    fields.append(("BOOKED", f"{millis(d.booked.cpu_millis)} cpu, {mib(d.booked.memory_mib)} memory"))
+    if wide:
+        fields.append(("RUNTIME ID", short_id(runtimes.add(stamp.sandbox_class, stamp.version))))
+        fields.append(("ATTRIBUTES", version_text(stamp.version)))
+    return fields
 
 
 # --- workers ------------------------------------------------------------------------------------------
@@ -1072,267 +784,3 @@ def workers(sandbox_class: tuple[str, ...], limit: int | None, after: str | None
             echo_table(render_table(columns, [cells for _, cells in table], width, mode == "wide"), width)
     if more is not None:
         click.echo(more, err=True)
-
-
-# --- whatif ---------------------------------------------------------------------------------------------
-
-
-def resolve_drops(runtimes: Runtimes, texts: tuple[str, ...], sandbox_class: str) -> list[CompatVersion]:
-    """The versions `--drop-runtime` names: a label or an `rt-` id names one runtime, a name every
-    runtime of the class that carries it (one release on several CPU generations). An unknown
-    runtime, or an id several runtimes share, is an error naming the option; the runtimes known are
-    those the registered workers offer, so one none offers (a dropped release, whose stamps the
-    views still label) is said to have nothing to drop, not left to read as a typo (a trial)."""
-    versions: dict[Any, CompatVersion] = {}
-    for text in texts:
-        try:
-            if text.startswith(ID_PREFIX) or "@" in text:
-                found = [runtimes.resolve_one(text, sandbox_class)]
-            else:
-                found = runtimes.resolve(text, sandbox_class)
-        except UnknownRuntime as e:
-            said = str(e) if e.known is None else (  # none of the fleet's: why that is refused, and what it offers
-                f"no runtime of class {sandbox_class} is named {text!r} among those its registered workers offer "
-                "(as default, restorable or compatible version): a runtime none offers has nothing to drop (a "
-                "release dropped already: its memory snapshots are stranded, `warmboot fragmentation` counts them; "
-                f"else a typing error); offered: {', '.join(e.known) or 'none'}")
-            raise click.BadParameter(said, param_hint="'--drop-runtime'") from None
-        for known in found:
-            versions.setdefault(known.key, known.version)
-    return list(versions.values())
-
-
-def check_drains(projection: Any, workers: tuple[str, ...], sandbox_class: str) -> None:
-    """Every `--drain` names a registered worker of the class (`services.scheduler.whatif.check_drains`,
-    as the endpoint checks it), said before the question is sent."""
-    from services.scheduler.whatif import check_drains as refused
-
-    try:
-        refused(projection, sandbox_class, workers)
-    except ContractError as e:
-        raise click.BadParameter(e.message, param_hint="'--drain'") from None
-
-
-def no_op_notes(projection: Any, drop: tuple[str, ...], drain: tuple[str, ...]) -> list[str]:
-    """What of a whatif's question changes nothing, said as kubectl says a no-op: the workers to
-    drain that are drained already, or a question that supposes nothing at all."""
-    if not drop and not drain:
-        return ["nothing is dropped or drained (--drop-runtime, --drain): before and after are the fleet as it is"]
-    already = sorted({w for w in drain if projection.workers[w].state is WorkerState.DRAINED})
-    if not already:
-        return []
-    # named a few (DRAINS_NAMED), as DRAIN is: a whole generation asked (2,320 workers) named 654 on one line
-    return [f"{named_few(already, DRAINS_NAMED)} {'is' if len(already) == 1 else 'are'} drained already: the "
-            f"forecast counts {'it' if len(already) == 1 else 'them'} out before and after"]
-
-
-COUNT_COLUMNS = [
-    Column("SNAPSHOTS", lambda r: r[0]),
-    Column("STRANDED", lambda r: str(r[1].stranded_snapshots), right=True),
-    Column("MEMORY RESTORABLE", lambda r: str(r[1].memory_restorable_snapshots), right=True),
-]
-
-
-def forecast_columns(sandbox_class: str, runtimes: Runtimes, dropped: set) -> list[Column]:
-    """Columns of RuntimeForecast rows: before and after, side by side (CPU gives way first, then labels)."""
-
-    def key(r: Any) -> Any:
-        return compat_key(sandbox_class, r.version)
-
-    return [
-        Column("RUNTIME", lambda r: pin_label(runtimes, sandbox_class, r.version), drop=1,
-               narrow=Column("RUNTIME", lambda r: short_id(key(r)), about="as ids")),
-        Column("DROPPED", lambda r: "yes" if key(r) in dropped else "-"),
-        Column("WORKERS", lambda r: str(r.workers_before), right=True),
-        Column("WORKERS AFTER", lambda r: str(r.workers_after), right=True),
-        Column("MEM FREE", lambda r: mib(r.free_before.memory_mib), right=True),
-        Column("MEM FREE AFTER", lambda r: mib(r.free_after.memory_mib), right=True),
-        Column("CPU FREE", lambda r: millis(r.free_before.cpu_millis), right=True, drop=2),
-        Column("CPU FREE AFTER", lambda r: millis(r.free_after.cpu_millis), right=True, drop=3),
-        Column("RUNTIME ID", lambda r: short_id(key(r)), wide=True),
-        Column("ATTRIBUTES", lambda r: version_text(r.version), wide=True),
-    ]
-
-
-def stranded_columns(runtimes: Runtimes, title: str = "NEWLY STRANDED") -> list[Column]:
-    return [
-        Column(title, lambda s: s.actor_id),
-        Column("STAMP", lambda s: pin_label(runtimes, s.stamp.sandbox_class, s.stamp.version, s.stamp.name), drop=1,
-               narrow=Column("STAMP", lambda s: short_id(compat_key(s.stamp.sandbox_class, s.stamp.version)),
-                             about="as ids")),
-        Column("STAMP ID", lambda s: short_id(compat_key(s.stamp.sandbox_class, s.stamp.version)), wide=True),
-        # why it is stranded: a LOCAL image restores only on its node (found by a walkthrough: a drain
-        # listed actors whose runtime stayed, and nothing said their images were on the drained nodes)
-        Column("IMAGE", image_place),
-    ]
-
-
-def image_place(stranded: StrandedActor) -> str:
-    if stranded.location is Location.LOCAL:
-        return f"LOCAL on {stranded.node or '?'}"
-    return stranded.location.value if stranded.location is not None else "-"
-
-
-async def whatif_labels(nc: Any, prefix: str, runtimes: Runtimes, sandbox_class: str, answer: WhatIfAnswer
-                        ) -> Runtimes:
-    """The labels of whatif's runtimes: the fleet's, with the names the stamps of the actors it lists
-    carry; for a runtime no live worker accepts before the step (its snapshots stranded already) and
-    none of those names, the log's (`stamp_labels`). It said `rt-279f31` where fragmentation and
-    `actor list` said `gvisor-2026-10@279f31` (a trial of a rolling upgrade)."""
-    for stranded in (*answer.newly_stranded, *answer.created_newly_stranded):
-        runtimes.stamp(stranded.stamp.sandbox_class, stranded.stamp.version, stranded.stamp.name)
-    unaccepted = [(sandbox_class, r.version) for r in answer.runtimes if not r.workers_before]
-    return await stamp_labels(nc, prefix, runtimes, unaccepted)
-
-
-DRAINS_NAMED = 10  # of the workers a forecast drains, the ids its DRAIN names (-o wide: all)
-
-
-def render_whatif(query: WhatIf, answer: WhatIfAnswer, runtimes: Runtimes, width: int | None,
-                  wide: bool = False, carried: bool = False) -> str:
-    """The forecast: what the query supposes, the snapshot counts before and after, per runtime
-    the workers and free room before and after, and the actors it would strand. DRAIN names
-    DRAINS_NAMED of the workers drained and counts the rest, unless `wide` (a thousand ids were 18 KB of
-    one field: a trial at fleet size). `carried`: the actors listed are as many as one answer of the
-    server carries (`fitting_whatif`), fewer than asked, and the note says so."""
-    cls = query.sandbox_class
-    dropped = {compat_key(cls, v) for v in query.drop_runtimes}
-    drained = sorted(set(query.drain_workers))
-    fields = [
-        ("CLASS", cls),
-        ("DROP", ", ".join(pin_label(runtimes, cls, v)  # in the order of the table below
-                           for v in sorted(query.drop_runtimes, key=lambda v: by_label(runtimes, cls, v))) or "-"),
-        ("DRAIN", (", ".join(drained) if wide else named_few(drained, DRAINS_NAMED)) or "-"),
-    ]
-    parts = [render_fields(fields, None if wide else width)]
-    parts.append(render_table(COUNT_COLUMNS, [("before", answer.before), ("after", answer.after)], width, wide).text)
-    notes = []
-    if answer.runtimes:
-        rows = sorted(answer.runtimes, key=lambda r: by_label(runtimes, cls, r.version))
-        table = render_table(forecast_columns(cls, runtimes, dropped), rows, width, wide)
-        parts.append(table.text)
-        notes.append(table.footnote(width))
-    newly = answer.after.stranded_snapshots - answer.before.stranded_snapshots  # a drop or drain only takes away
-    if answer.newly_stranded:
-        table = render_table(stranded_columns(runtimes), answer.newly_stranded, width, wide)
-        parts.append(table.text)
-        notes.append(table.footnote(width))
-    elif newly <= 0:  # said, not left to an absent table (a walkthrough: the answer an upgrade step waits for)
-        parts.append("no actor newly stranded")
-    if newly > len(answer.newly_stranded):
-        listed = len(answer.newly_stranded)
-        notes.append(f"({newly} snapshots newly stranded, {listed} actor{'' if listed == 1 else 's'} listed"
-                     + (f": {CARRIED})" if carried else f"; --limit 0 lists all, up to {WHATIF_LIMIT_MAX:,})"))
-    if answer.created_newly_stranded:
-        # not counted above (CONTRACT counts PAUSED and SUSPENDED actors), and as stuck under MEMORY: said apart
-        table = render_table(stranded_columns(runtimes, "CREATED, IMAGE NEWLY STRANDED"),
-                             answer.created_newly_stranded, width, wide)
-        parts.append(table.text)
-        notes.append(table.footnote(width))
-        notes.append("(CREATED actors whose first resume restores a memory image (golden or tagged) this strands: "
-                     "in no count above; each first resume falls back to a lower fidelity, or is refused under "
-                     "--min-fidelity MEMORY; at most --limit listed)")
-    text = "\n\n".join(parts)
-    notes = [n for n in notes if n]
-    return text + ("\n" + "\n".join(dict.fromkeys(notes)) if notes else "")
-
-
-async def fitting_whatif(client: Client, query: WhatIf) -> tuple[WhatIfAnswer, WhatIf]:
-    """The forecast of `query`, and the query answered: with a lower `limit` where the answer listing
-    `limit` actors is larger than the server carries (RESOURCE_EXHAUSTED naming both sizes: `whatif
-    --limit 0` of a thousand drained workers was a 3.1 MB answer, refused, and the command printed only
-    that error), as many as fit, asked again at most a few times; the counts are the same whatever
-    it lists. Any other refusal is raised. An answer that a lower `limit` does not make smaller is large
-    for its rows per runtime, which no limit narrows, or asked for more actors than there are: the answer
-    listing one actor is asked once, whose refusal says that no limit narrows it (it said "ask for fewer
-    actors" after eight asks for fewer, a worker's registration of the largest one-class size on a 1 MB
-    server); answered, fewer are asked for as before (taken for the answer, it listed one actor of a
-    thousand where 400 fit: `--limit 0`'s 10,000 cut to 3,685 listed the same thousand)."""
-    before = None  # the size of the answer the last ask was refused for
-    one = False  # the answer listing one actor was asked (and fits)
-    for _ in range(8):
-        try:
-            return await client.whatif(query), query
-        except ContractError as e:
-            past = past_max_payload(e.message) if e.code is ErrorCode.RESOURCE_EXHAUSTED else None
-            if past is None or query.limit <= 1:
-                raise
-            size, carried = past
-            if before is not None and size >= before and not one:  # fewer actors made it no smaller
-                await client.whatif(msgspec.structs.replace(query, limit=1))  # its refusal is raised
-                one = True
-            before = size
-            fits = int(query.limit * carried / size * 0.9)  # a tenth to spare: rows are not all alike
-            query = msgspec.structs.replace(query, limit=max(1, fits if fits < query.limit else query.limit // 2))
-    return await client.whatif(query), query
-
-
-CARRIED = "as many as one answer of this NATS server carries (its max_payload)"  # `fitting_whatif`'s cut
-
-
-def carried_note(limit: int) -> str:
-    """What a forecast listing fewer actors than asked (`fitting_whatif`) says of it on stderr (-o json)."""
-    return f"newly stranded actors listed at most {limit:,}: {CARRIED}"
-
-
-@click.command()
-@click.option("--class", "sandbox_class", required=True, callback=request_field(WhatIf, "sandbox_class"),
-              help="The sandbox class to forecast.")
-@click.option("--drop-runtime", "drop", multiple=True, metavar="RUNTIME",
-              help="As if every worker of the class stopped offering this runtime (as default, restorable "
-                   "or compatible version). A label as the views print it (gvisor-v1, gvisor-v1@3f9a1c), "
-                   "an id (rt-3f9a1c), or a name: every runtime of the class that carries it; one a registered "
-                   "worker of the class offers (one none offers has nothing to drop). Repeatable.")
-@click.option("--drain", "drain", multiple=True, metavar="WORKER",
-              callback=request_field(WhatIf, "drain_workers", sandbox_class="c"),
-              help="As if this worker were drained. Repeatable.")
-@click.option("--limit", type=IntRange(0, WHATIF_LIMIT_MAX), default=100, show_default=True,
-              help=f"Newly stranded actors listed at most (0: all, up to {WHATIF_LIMIT_MAX:,}).")
-@min_seq_option
-@nats_option
-@prefix_option
-@output_option
-def whatif(sandbox_class: str, drop: tuple[str, ...], drain: tuple[str, ...], limit: int, min_seq: int | None,
-           nats_url: str, prefix: str, output: str | None, as_json: bool) -> None:
-    """Before a step of a rolling upgrade: what dropping runtimes and draining workers would do
-    (scheduler.whatif; writes nothing).
-
-    Prints the stranded and memory-restorable snapshots before and after, per runtime the
-    workers that accept it and their free room before and after, and the actors that would
-    be newly stranded. What changes nothing is said on stderr (`note:`): a worker to drain
-    that is drained already, or nothing to drop or drain.
-    """
-    mode = output_mode(output, as_json)
-
-    async def work(nc: Any) -> tuple[WhatIf, WhatIfAnswer, Runtimes, Any]:
-        from services.scheduler.whatif import unknown_class
-
-        target = await last_seq(nc, prefix)
-        asked = await asked_runtimes(nc, prefix, target or None)
-        if asked is None:  # no scheduler says the runtimes: the fleet's histories, every worker's
-            projection = await fleet(nc, prefix, target)
-            runtimes = runtimes_of(projection)
-        else:  # a scheduler's, at least the log's as it was: the histories of the workers to drain alone
-            runtimes, projection = asked, await fleet(nc, prefix, target, drain)
-        classes = registered_classes(runtimes)
-        if sandbox_class not in classes:  # first: the runtimes and workers named are of the class
-            raise unknown_class(sandbox_class, classes)
-        query = WhatIf(sandbox_class=sandbox_class, drop_runtimes=tuple(resolve_drops(runtimes, drop, sandbox_class)),
-                       drain_workers=tuple(dict.fromkeys(drain)), limit=limit or WHATIF_LIMIT_MAX,
-                       min_seq=min_seq or target or None)  # at least the fleet this command resolved against
-        check_drains(projection, drain, sandbox_class)
-        answer, query = await fitting_whatif(Client(nc, prefix), query)
-        if mode != "json":  # a runtime no worker runs, by the name its stamps carry, as the other views say it
-            runtimes = await whatif_labels(nc, prefix, runtimes, sandbox_class, answer)
-        return query, answer, runtimes, projection
-
-    query, answer, runtimes, projection = ask(nats_url, work)
-    for note in no_op_notes(projection, drop, drain):  # on stderr: `-o json` stays the answer alone
-        click.echo(f"note: {note}", err=True)
-    carried = query.limit < (limit or WHATIF_LIMIT_MAX)
-    if mode == "json":
-        if carried:
-            click.echo(f"note: {carried_note(query.limit)}", err=True)
-        echo_json(to_builtins(answer), sandbox_class)
-        return
-    click.echo(render_whatif(query, answer, runtimes, terminal_width(), mode == "wide", carried))

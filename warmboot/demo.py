@@ -364,7 +364,7 @@ class Demo:
 
     async def forecast_drop(self, release: str, console: Console) -> int:
         """Ask whatif, per class, what dropping `release` everywhere would strand; print it; the total."""
-        from warmboot.cmd_views import render_whatif
+        from warmboot.cmd_whatif import render_whatif
         from warmboot.render import terminal_width
 
         runtimes = known_runtimes()
