@@ -619,6 +619,34 @@ async def test_create_with_min_fidelity_memory_and_no_stamped_memory_image_warns
     assert lower.exit_code == 0 and lower.stderr == "", lower.output
 
 
+async def test_client_create_says_an_actor_that_can_never_be_resumed(bus, nc, prefix, caplog):
+    """`Client.create` of an actor the contract takes but no resume can ever place (min_fidelity MEMORY
+    with no stamped MEMORY image of its template to start from) tells its caller, as `actor create`
+    warns: `on_never_resumable(actor_id, why)`, else a warning logged. A script's create of it said
+    nothing, and only its first resume, refused FAILED_PRECONDITION, told (a walkthrough)."""
+    _, wb = bus
+    told: list[tuple[str, str]] = []
+    heard = Client(nc, prefix, on_never_resumable=lambda actor_id, why: told.append((actor_id, why)))
+    floor = dict(cpu=100, mem=256, min_fidelity=Fidelity.MEMORY)
+    await heard.create(actor("c-1", **floor))
+    assert told == [("c-1", "it has no snapshot to restore (no golden_snapshot, no source_tag): a cold boot is below "
+                             "it")]
+    await wb.create(actor("src", cpu=100, mem=256))
+    await wb.resume("src")
+    await wb.suspend("src", fidelity=Fidelity.VOLUMES, uri="s3://bucket/src", snapshot_id="src-volumes")
+    await wb.tag("src", "vols")
+    await heard.create(actor("c-2", source_tag="vols", **floor))  # the tag's snapshot, as the snapshotter copied it
+    assert told[1:] == [("c-2", "its snapshot 'src-volumes' holds VOLUMES only")]
+    await heard.create(actor("c-3", golden_snapshot=golden(V1), **floor))  # a stamped MEMORY image: nothing said
+    await heard.create(actor("c-4", cpu=100, mem=256, min_fidelity=Fidelity.VOLUMES))  # a lower floor: nothing said
+    assert len(told) == 2
+    with caplog.at_level("WARNING", logger="warmboot.client"):  # without the hook: a warning logged
+        await wb.create(actor("c-5", **floor))
+    assert [r.getMessage() for r in caplog.records if r.name == "warmboot.client"] == [
+        "c-5 can never be resumed: its min_fidelity is MEMORY and it has no snapshot to restore (no golden_snapshot, "
+        "no source_tag): a cold boot is below it; every resume is refused (FAILED_PRECONDITION)"]
+
+
 async def test_min_seq_chains_commands_and_is_checked(bus, nc, prefix):
     """`--min-seq` (resume, explain, fragmentation, whatif): answered from state that includes the
     seq an earlier command printed; a value that is no sequence is refused before anything is sent."""

@@ -35,6 +35,10 @@ What it does so that callers need not:
   after the actor was created anew is refused, not carried out on a life nobody asked it of;
   a refusal reaching a caller still waiting is sent again once, as for a resume, unless this
   client had seen the new life begin: then it is raised.
+- Warnings: a `create` the contract takes but no resume can ever place (`min_fidelity` MEMORY
+  with no stamped MEMORY image of its template to start from: `below_memory`) is told to
+  `on_never_resumable(actor_id, why)`, else logged as a warning, as `actor create` warns of it
+  (from a `source_tag`, the snapshot it starts from is asked of `status`, one more request).
 - Retries: UNAVAILABLE, a time-out and "no responders" are retried with the same body
   (the same `request_id`), at most `attempts` times, each attempt waiting `timeout` seconds
   (the constructor's; `with wb.limits(timeout=, attempts=):` for the calls made in a block, on
@@ -117,6 +121,7 @@ from events.schema import (
     RevertReply,
     RuntimesQuery,
     SeqReply,
+    Snapshot,
     SnapshotReply,
     StopActor,
     SuspendActor,
@@ -130,6 +135,7 @@ from events.schema import (
     WorkerQuery,
     WorkersQuery,
 )
+from events.states import ActorState
 from events.subjects import DEFAULT_PREFIX, MAX_WAIT_MS, WAIT_HEADER, check_prefix, micro_name, service_subject
 from warmboot.connection import CONNECT_TIMEOUT_S, connect_within, hears_replies
 
@@ -257,6 +263,25 @@ def under_seq(under: UnderPlacement) -> int:
     return under.placement_seq or 0
 
 
+def below_memory(snapshot: Snapshot | None, template_uid: str,
+                 given: tuple[str, str] = ("golden_snapshot", "source_tag")) -> str | None:
+    """Why an actor of min_fidelity MEMORY whose first snapshot is `snapshot` can never be resumed
+    (as the scheduler's plan refuses it: services.scheduler.decide, rule 4a), or None if its memory
+    may be restored. The snapshotter takes such an actor (the contract lets it); a walkthrough's was
+    refused at every resume, and the CLI said nothing, or that it would start without the memory.
+    `given`: what the golden snapshot and the tag are called where it is said (the CLI's options)."""
+    if snapshot is None:
+        return f"it has no snapshot to restore (no {given[0]}, no {given[1]}): a cold boot is below it"
+    what = f"its snapshot {snapshot.snapshot_id!r}"
+    if snapshot.fidelity is not Fidelity.MEMORY:
+        return f"{what} holds {snapshot.fidelity.value} only"
+    if snapshot.template_uid != template_uid:
+        return f"{what} was taken from template {snapshot.template_uid!r}, not {template_uid!r} (TEMPLATE_CHANGED)"
+    if snapshot.sandbox_runtime is None:
+        return f"{what} holds memory but no sandbox_runtime: no worker can restore it (SNAPSHOT_NOT_MEMORY)"
+    return None
+
+
 class Client:
     """warmboot's endpoints as typed methods, over one NATS connection (see the module docstring)."""
 
@@ -273,6 +298,7 @@ class Client:
         fence_resumes: bool = True,
         fence_lives: bool = True,
         on_unfenced: Callable[[str, ContractError], None] | None = None,
+        on_never_resumable: Callable[[str, str], None] | None = None,
     ):
         self.nc = nc
         # a request the server refuses to carry is FAILED_PRECONDITION at once (`_refusal`);
@@ -291,6 +317,9 @@ class Client:
         # told (the actor's id, the error) when a request goes without the fence `status` would give it,
         # the snapshotter being of an earlier version (`status_if_served`); by default a warning is logged
         self.on_unfenced = on_unfenced
+        # told (the actor's id, why) when `create` made an actor no resume can place (`below_memory`);
+        # by default a warning is logged
+        self.on_never_resumable = on_never_resumable
         # actor id -> that Assignment's seq, worker, node and pin (`placed_under`), the last PLACEMENTS_KEPT actors
         self._placed: dict[str, UnderPlacement] = {}
         # `resume` without a `life_seq` names the life this client last saw the actor in (`_lives`): the
@@ -602,7 +631,31 @@ class Client:
         body = self._with_request_id(given(actor, CreateActor, "actor"))
         created = await self.request("snapshotter", "create", body.actor_id, body, SeqReply)
         remember(self._lives, body.actor_id, created.seq)
+        if body.min_fidelity is Fidelity.MEMORY:  # taken, as the contract allows, though maybe never resumable
+            start = (body.golden_snapshot if body.source_tag is None
+                     else await self.started_from(body.actor_id, created.seq))
+            never = None if body.source_tag is not None and start is None else below_memory(start, body.template_uid)
+            if never is not None and self.on_never_resumable is not None:
+                self.on_never_resumable(body.actor_id, never)
+            elif never is not None:
+                log.warning("%s can never be resumed: its min_fidelity is MEMORY and %s; every resume is refused "
+                            "(FAILED_PRECONDITION)", body.actor_id, never)
         return created
+
+    async def started_from(self, actor_id: str, created: int) -> Snapshot | None:
+        """The snapshot the actor whose create answered `created` (its last event) starts from, as the
+        snapshotter's `status` says it (`ActorStatus.snapshot`, which any caller that may create may ask: a
+        client's credentials may not read the log, and every create from a tag said its checks were not made:
+        a trial of a secured deployment); None when the status does not say it: a snapshotter of an earlier
+        version, none answering, or the actor moved on since (its last event another: its latest snapshot may
+        be another)."""
+        try:
+            status = await self.status(actor_id)
+        except (ContractError, OSError, asyncio.TimeoutError, nats.errors.Error):
+            return None
+        if status.state is not ActorState.CREATED or status.seq != created:  # its last event is still the create's
+            return None
+        return status.snapshot
 
     async def pause(self, actor_id: str, snapshot_id: str | None = None, request_id: str | None = None,
                     placement_seq: int | None = None, placed: Assignment | None = None) -> SnapshotReply:

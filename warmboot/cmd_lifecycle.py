@@ -51,7 +51,8 @@ from events.subjects import event_subject
 from warmboot.cli_common import (MIB, MILLICORES, REFUSED_THE_LOG, Failed, IntRange, LogUnreadable, ask, check_id,
                                  flag_of, json_option, last_seq, min_seq_option, nats_option, prefix_option,
                                  read_subject, replay_for, request_field, selectors_of, unread_why, wire_bounds)
-from warmboot.client import UNDER_PLACEMENT, Client, NobodyAnswered, Refused, asked_first, placed_under
+from warmboot.client import (UNDER_PLACEMENT, Client, NobodyAnswered, Refused, asked_first, below_memory,
+                             placed_under)
 from services.scheduler.feasibility import RUNTIME_MISMATCH, SELECTOR_MISMATCH
 from services.scheduler.feasibility import none_passes as feasibility_none_passes
 from warmboot.cmd_views import (
@@ -359,11 +360,11 @@ def create_cmd(actor_id: str, sandbox_class: str, template_uid: str, cpu_millis:
     check_create_body(body, golden)
 
     async def work(nc: Any) -> tuple[Any, Created]:
-        wb = Client(nc, prefix)
+        wb = Client(nc, prefix, on_never_resumable=lambda *_: None)  # said in the CLI's words: create_warnings
         reply = await wb.create(body)
         read = Created(snapshot=golden_snapshot)
         if source_tag is not None:  # the tag's snapshot, as copied: its template and stamp, and the floor
-            read.snapshot = await started_from(wb, actor_id, reply.seq)
+            read.snapshot = await wb.started_from(actor_id, reply.seq)
             if read.snapshot is None:  # a snapshotter of an earlier version: the log, which a client may not read
                 try:
                     history = await read_subject(nc, prefix, event_subject(prefix, "actor", actor_id))
@@ -400,22 +401,6 @@ def create_cmd(actor_id: str, sandbox_class: str, template_uid: str, cpu_millis:
     echo(reply, as_json, lambda: done("actor", actor_id, "created", reply.seq))
     for line in create_warnings(body, read):
         click.echo(line, err=True)
-
-
-async def started_from(wb: Client, actor_id: str, created: int) -> Snapshot | None:
-    """The snapshot the actor whose create answered `created` (its last event) starts from, as the
-    snapshotter's `status` says it (`ActorStatus.snapshot`, which any caller that may create may ask: a
-    client's credentials may not read the log, and every create from a tag said its checks were not made:
-    a trial of a secured deployment); None when the status does not say it: a snapshotter of an earlier
-    version, none answering, or the actor moved on since (its last event another: its latest snapshot may
-    be another)."""
-    try:
-        status = await wb.status(actor_id)
-    except (ContractError, OSError, asyncio.TimeoutError, nats.errors.Error):
-        return None
-    if status.state is not ActorState.CREATED or status.seq != created:  # its last event is still the create's
-        return None
-    return status.snapshot
 
 
 @dataclass
@@ -468,7 +453,8 @@ def create_warnings(body: CreateActor, read: Created) -> list[str]:
     aid, cls, tag = body.actor_id, body.sandbox_class, body.source_tag
     lines = []
     memory_floor = body.min_fidelity is Fidelity.MEMORY
-    never = None if not memory_floor or read.tag_unread else below_memory(read.snapshot, body.template_uid)
+    never = None if not memory_floor or read.tag_unread else below_memory(read.snapshot, body.template_uid,
+                                                                          ("--golden-snapshot", "--source-tag"))
     ours = read.class_of(cls)
     live = ours is not None and ours.workers > 0  # a registered, undrained worker runs the class
     if never is not None:  # taken, as the contract allows; said instead of the warnings below, which it overrules
@@ -589,23 +575,6 @@ def accepts(answer: Fragmentation | None, stamp: ActorRuntime) -> bool | None:
     return any(compat_key(c.sandbox_class, rt.version) == key
                and rt.workers_default + rt.workers_restorable + rt.workers_compatible > 0
                for c in answer.classes if c.sandbox_class == stamp.sandbox_class for rt in c.runtimes)
-
-
-def below_memory(snapshot: Snapshot | None, template_uid: str) -> str | None:
-    """Why an actor of min_fidelity MEMORY whose first snapshot is `snapshot` can never be resumed
-    (as the scheduler's plan refuses it: services.scheduler.decide, rule 4a), or None if its memory
-    may be restored. The snapshotter takes such an actor (the contract lets it); a walkthrough's was
-    refused at every resume, and the CLI said nothing, or that it would start without the memory."""
-    if snapshot is None:
-        return "it has no snapshot to restore (no --golden-snapshot, no --source-tag): a cold boot is below it"
-    what = f"its snapshot {snapshot.snapshot_id!r}"
-    if snapshot.fidelity is not Fidelity.MEMORY:
-        return f"{what} holds {snapshot.fidelity.value} only"
-    if snapshot.template_uid != template_uid:
-        return f"{what} was taken from template {snapshot.template_uid!r}, not {template_uid!r} (TEMPLATE_CHANGED)"
-    if snapshot.sandbox_runtime is None:
-        return f"{what} holds memory but no sandbox_runtime: no worker can restore it (SNAPSHOT_NOT_MEMORY)"
-    return None
 
 
 def echo(reply: Any, as_json: bool, text: Callable[[], str]) -> None:
