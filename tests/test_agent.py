@@ -81,16 +81,21 @@ def test_example_config_makes_a_valid_registration():
     "text, where",
     [
         ("[capacity\n", "not valid TOML"),
-        (config("v1").replace("zone = ", "zone_typo = 1\nzone = "), "labels"),
+        (config("v1").replace("zone = ", "zone_typo = 1\nzone = "), "labels.zone_typo: Expected `str`, got `int`"),
+        (config("v1").replace('zone = "a"', 'zone = "a"\n"rack 7" = "b"'), "labels: Expected a label key"),
+        (config("v1").replace('"v1" }', '"v1", digest = 7 }'),
+         "sandbox_classes[0].default_runtime.attributes.digest: Expected `str`, got `int`"),
         (config("v1").replace('name = "gvisor-v1"', 'nmae = "gvisor-v1"'), "nmae"),
         (config("v1").replace('profile = "gvisor"', 'profile = "qemu"'), "sandbox_classes[0].default_runtime.profile"),
         (config("v1", ("v1",)), "sandbox_classes[0].restorable_runtimes[0].version"),
         (config("v1").replace("cpu_millis = 4000", "cpu_millis = 0"), "capacity.cpu_millis"),
         (config("v1").replace('"v1" }', '"v1", architecture = "arm64" }'), "architecture"),
     ],
-    ids=["toml", "label-type", "unknown-key", "profile", "restorable-equals-default", "capacity", "probed-key-given"],
+    ids=["toml", "label-type", "label-key", "attribute-value", "unknown-key", "profile", "restorable-equals-default", "capacity", "probed-key-given"],
 )
 def test_bad_config_says_where(tmp_path, text, where):
+    """The field of the error, a label's or an attribute's by its key (msgspec said `labels[...]`), a
+    refused key or value quoted."""
     path = tmp_path / "agent.toml"
     path.write_text(text)
     with pytest.raises(ConfigError) as error:

@@ -230,7 +230,7 @@ INVALID_REGISTRATIONS = [
     ("cpu-zero", _set(["capacity", "cpu_millis"], 0), "capacity.cpu_millis", ">= 1"),
     ("memory-negative", _set(["capacity", "memory_mib"], -1), "capacity.memory_mib", ">= 1"),
     ("memory-missing", _set(["capacity"], {"cpu_millis": 1}), "capacity.memory_mib", "missing"),
-    ("label-value-control", _set(["labels"], {"zone": "a\x01"}), "labels[...]", "Expected printable text"),
+    ("label-value-control", _set(["labels"], {"zone": "a\x01"}), "labels.zone", "Expected printable text"),
     ("classes-empty", _set(["sandbox_classes"], []), "sandbox_classes", "length >= 1"),
     ("classes-nine", _set(["sandbox_classes"], [
         {"sandbox_class": f"c{i}", "default_runtime": runtime("v1")} for i in range(9)

@@ -180,12 +180,29 @@ def test_id_rejected(type_, build, path, bad):
     (create(resources={"cpu_millis": "500m", "memory_mib": 1}), "resources.cpu_millis", "Expected `int`, got `str`"),
     (edit(create(), "resources.cpu_millis", DELETE), "resources.cpu_millis",
      "Object missing required field `cpu_millis`"),
-    (create(selectors={"bad key!": "x"}), "selectors", "or digit (in a key)"),
+    (create(selectors={"zone": "a", "bad key!": "x"}), "selectors", "or digit (in a key); got 'bad key!'"),
+    (create(selectors={"zone": "a", "disk": "v" * 300}), "selectors.disk",
+     "length <= 256; got '" + "v" * (GIVEN_CHARS - 1) + "..."),
 ])
 def test_a_refused_value_is_quoted_where_its_error_does_not_say_it(body, path, message):
-    """The value itself ends its error (`; got ...`), unless msgspec's message says what it got, the
-    field is missing, or the refusal is of a map's key: a user sees what was refused without the body."""
+    """The value itself ends its error (`; got ...`), unless msgspec's message says what it got or the
+    field is missing: a user sees what was refused without the body. A map's value is named by its key
+    (`selectors.<key>`, docs/contract.md; msgspec says `selectors[...]`), a refused key is quoted."""
     error = reject(CreateActor, body, path)
+    assert error.message.endswith(message), error
+
+
+@pytest.mark.parametrize("labels, path, message", [
+    ({"zone": "a", "topology.example.com/rack": "r\x01"}, "labels.topology.example.com/rack",
+     "Expected printable text (no control characters); got 'r\\x01'"),
+    ({"zone": "a", "Bad Key": "x"}, "labels", "(in a key); got 'Bad Key'"),
+    ({"zone": "a", "n": 1}, "labels.n", "Expected `str`, got `int`"),
+])
+def test_a_label_refused_is_named_by_its_key(labels, path, message):
+    """A worker's label (a registration's `labels`): the key of the one refused, as docs/contract.md
+    names it (`labels.<key>`), where msgspec said `labels[...]` and a worker with many labels was left
+    to find which."""
+    error = reject(RegisterWorker, register(labels=labels), path)
     assert error.message.endswith(message), error
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from events.codec import decode_request, encode, to_builtins
+from events.codec import decode_request, encode, field_path, map_entry, to_builtins
 from events.compat import MACHINE_TO_ARCH
 from events.errors import ContractError
 from events.probe import (DEFAULT_CPUINFO, PROFILES, SCHEMA_VERSION, ProbeError, check_architecture,
@@ -146,7 +146,8 @@ def parse_config(text: str, source: str = "config") -> AgentConfig:
     try:
         return msgspec.convert(raw, AgentConfig)
     except msgspec.ValidationError as e:
-        raise ConfigError(f"{source}: {_where(str(e))}") from None
+        keyed = map_entry(AgentConfig, raw, *field_path(e))  # a label or an attribute: named by its key
+        raise ConfigError(f"{source}: {_where(str(e)) if keyed is None else f'{keyed[1]}: {keyed[0]}'}") from None
 
 
 def _where(text: str) -> str:
