@@ -619,6 +619,18 @@ async def test_create_with_min_fidelity_memory_and_no_stamped_memory_image_warns
     assert lower.exit_code == 0 and lower.stderr == "", lower.output
 
 
+@pytest.mark.parametrize("command, usage", [
+    (("actor", "resume"), " actor resume [OPTIONS] ACTOR_ID..."),
+    (("worker", "drain"), " worker drain [OPTIONS] WORKER_ID..."),
+    (("worker", "remove"), " worker remove [OPTIONS] WORKER_ID..."),
+])
+async def test_the_usage_line_of_a_command_of_several_ids_says_so(command, usage):
+    """The usage line, the first a user reads, of a command that takes one or more ids says so, as
+    click's own convention (`ID...`): it said `ACTOR_ID`, as of a command of one."""
+    shown = await cli(*command, "--help")
+    assert shown.exit_code == 0 and shown.output.splitlines()[0].endswith(usage), shown.output
+
+
 async def test_client_create_says_an_actor_that_can_never_be_resumed(bus, nc, prefix, caplog):
     """`Client.create` of an actor the contract takes but no resume can ever place (min_fidelity MEMORY
     with no stamped MEMORY image of its template to start from) tells its caller, as `actor create`

@@ -196,6 +196,14 @@ min_seq_option = click.option(
          "command printed): read-your-writes across commands; UNAVAILABLE if no replica has it in time.")
 
 
+class OneOrMore(click.Argument):
+    """An argument given one or more times (`nargs=-1`): `ACTOR_ID...` in the usage line, as click's own
+    convention says it, while an error names it as one (`Invalid value for 'ACTOR_ID'`)."""
+
+    def get_usage_pieces(self, ctx: click.Context) -> list[str]:
+        return [f"{self.make_metavar(ctx)}..."]
+
+
 def check_id(ctx: click.Context | None, param: click.Parameter | None, value):
     """click callback: every value is an id (one NATS subject token), else a usage error naming the
     parameter (exit status 2, nothing sent)."""

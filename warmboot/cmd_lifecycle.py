@@ -48,9 +48,10 @@ from events.schema import (ActorCreated, ActorRuntime, Assignment, ClassFragment
 from events.schema import ACTORS_LIMIT_MAX, CLASS_PATTERN, ActorPage, ActorsQuery, ActorSummary  # actor list
 from events.states import ActorState
 from events.subjects import event_subject
-from warmboot.cli_common import (MIB, MILLICORES, REFUSED_THE_LOG, Failed, IntRange, LogUnreadable, ask, check_id,
-                                 flag_of, json_option, last_seq, min_seq_option, nats_option, prefix_option,
-                                 read_subject, replay_for, request_field, selectors_of, unread_why, wire_bounds)
+from warmboot.cli_common import (MIB, MILLICORES, REFUSED_THE_LOG, Failed, IntRange, LogUnreadable, OneOrMore,
+                                 ask, check_id, flag_of, json_option, last_seq, min_seq_option, nats_option,
+                                 prefix_option, read_subject, replay_for, request_field, selectors_of, unread_why,
+                                 wire_bounds)
 from warmboot.client import (UNDER_PLACEMENT, Client, NobodyAnswered, Refused, asked_first, below_memory,
                              placed_under)
 from services.scheduler.feasibility import RUNTIME_MISMATCH, SELECTOR_MISMATCH
@@ -639,7 +640,7 @@ def suspend_cmd(actor_id: str, fidelity: str, uri: str | None, snapshot_id: str 
 
 
 @actor.command("resume")
-@click.argument("actor_id", nargs=-1, required=True, metavar="ACTOR_ID")
+@click.argument("actor_id", nargs=-1, required=True, metavar="ACTOR_ID", cls=OneOrMore)
 @click.option("--selector", "selectors", multiple=True, metavar="KEY=VALUE",
               callback=field_of(ResumeActor, "selectors"),
               help="Extra worker label to require (narrows the actor's own selectors).")
@@ -1130,7 +1131,7 @@ def one_request_id(request_id: str | None, ids: tuple[str, ...], argument: str =
 
 
 @worker.command("drain")
-@click.argument("worker_id", nargs=-1, required=True, metavar="WORKER_ID")
+@click.argument("worker_id", nargs=-1, required=True, metavar="WORKER_ID", cls=OneOrMore)
 @click.option("--reason", default=None, callback=field_of(DrainWorker, "reason"),
               help="Recorded on WorkerDrained: at most 256 printable characters.")
 @request_id_option(DrainWorker)
@@ -1158,7 +1159,7 @@ def drain_cmd(worker_id: tuple[str, ...], reason: str | None, request_id: str | 
 
 
 @worker.command("remove")
-@click.argument("worker_id", nargs=-1, required=True, metavar="WORKER_ID")
+@click.argument("worker_id", nargs=-1, required=True, metavar="WORKER_ID", cls=OneOrMore)
 @click.option("--reason", default=None, callback=field_of(RemoveWorker, "reason"),
               help="Recorded on WorkerRemoved: at most 256 printable characters.")
 @request_id_option(RemoveWorker)
