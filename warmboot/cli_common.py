@@ -305,11 +305,10 @@ def request_field(request: type, field: str, **others: Any) -> Callable[[click.C
                         decode([one] if many else one)
                 except ContractError as e:
                     said = e.message
-                    if mapped and said.endswith(" (in a key)") and said.startswith("Expected "):
-                        said = f"{said[:-len(' (in a key)')]}; got {quoted(key)}"  # the key, as a value is said
-                    elif mapped:  # a map's value: msgspec's refusal does not quote it, nor name its key
-                        got = f"; got {quoted(item)}" if said.startswith("Expected ") and "; got " not in said else ""
-                        said = f"selector {key!r}: {in_words(said + got)}"
+                    if mapped and " (in a key); got " in said and said.startswith("Expected "):
+                        said = said.replace(" (in a key)", "", 1)  # the key, as a value is said
+                    elif mapped:  # a map's value (quoted by `decode_request`), named by its key as given
+                        said = f"selector {key!r}: {in_words(said)}"
                     elif len(values) > 1 and repr(one)[:GIVEN_CHARS] not in said:  # which value of several
                         said = f"{quoted(one)}: {said}"
                     raise click.BadParameter(in_words(said), ctx=ctx, param=param) from None
