@@ -812,6 +812,22 @@ def test_an_output_naming_a_file_of_the_seeds_dir_is_refused_and_nothing_written
     assert same.exit_code == 0, same.output
 
 
+@pytest.mark.parametrize("args, says", [
+    (["--operator", "ops", "--client", "ops"], "'ops' as --operator and --client"),
+    (["--operator", "ops", "--operator", "ops"], "'ops' as --operator and --operator"),
+    (["--services-user", "w-1", "--worker", "w-1", "--client", "c", "--operator", "c"],
+     "'c' as --operator and --client; 'w-1' as --services-user and --worker"),
+])
+def test_a_user_given_twice_is_refused_naming_the_options_and_nothing_written(tmp_path, args, says):
+    """A user named by two options (or one twice) was refused as "user names must be unique across roles:
+    ops", naming no option, also when both were --operator (a walkthrough): each is said with the options
+    that give it, before anything is written."""
+    refused = CliRunner().invoke(main, ["nats-config", *args, "--out", str(tmp_path / "auth.conf")])
+    assert refused.exit_code == 2, refused.output
+    assert refused.output.endswith(f"error: a user has one role, and is given once: {says}\n"), refused.output
+    assert not any(tmp_path.rglob("*"))
+
+
 def test_users_whose_names_differ_only_in_case_are_refused_with_a_seeds_dir_and_nothing_written(tmp_path):
     """Each user's seed is the file USER.nk: on a filesystem that ignores case (macOS's, Windows'), worker
     `orch` and client `Orch` would be one file, holding the seed written last, so that the client's holder

@@ -544,9 +544,15 @@ def nats_config(
         raise click.UsageError(f"--worker-nodes binds every worker to its node: give {', '.join(unbound)} "
                                "as ID@NODE")
     users = [services_user, *operators, *clients, *worker_ids]
-    clashes = sorted({u for u in users if users.count(u) > 1})
+    given_as: dict[str, list[str]] = {}  # user -> the options that name it
+    for option, names in (("--services-user", [services_user]), ("--operator", operators), ("--client", clients),
+                          ("--worker", worker_ids)):
+        for name in names:
+            given_as.setdefault(name, []).append(option)
+    clashes = [f"{user!r} as {' and '.join(options)}" for user, options in sorted(given_as.items())
+               if len(options) > 1]
     if clashes:
-        raise click.UsageError(f"user names must be unique across roles: {', '.join(clashes)}")
+        raise click.UsageError(f"a user has one role, and is given once: {'; '.join(clashes)}")
     if seeds_dir is not None and auth != "nkey":
         raise click.UsageError("--seeds-dir goes with --auth nkey")
     if seeds_dir is not None:  # USER.nk each: on a filesystem blind to case (macOS, Windows) one file for two users
