@@ -218,7 +218,7 @@ def test_command_writes_private_files_and_keeps_passwords(tmp_path):
     assert (tmp_path / "a.conf").read_text() != (tmp_path / "b.conf").read_text()
 
     clash = runner.invoke(main, ["nats-config", "--worker", "ops", "--operator", "ops"])
-    assert clash.exit_code == 2 and "unique" in clash.output
+    assert clash.exit_code == 2 and "'ops' as --operator and --worker" in clash.output
     bad = runner.invoke(main, ["nats-config", "--worker", "w.1"])
     assert bad.exit_code == 2
     # said as every other usage error: the option quoted, the value once (it read `Invalid value for --worker:
