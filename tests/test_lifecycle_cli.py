@@ -494,6 +494,25 @@ async def test_audit_of_an_actor_without_events_is_not_found_as_every_command_sa
     assert listed.exit_code == 0, listed.output
 
 
+async def test_audit_of_an_actor_too_wide_for_the_terminal_shows_every_column_with_the_option_its_note_names(bus):
+    """`audit actor` narrowed to the terminal ended "-o wide shows every column", and `-o wide` was refused
+    (exit 2: it took only json; a walkthrough at 50 columns). It takes `-o wide`, every column whatever
+    the width, as the other tables do."""
+    run, wb = bus
+    await wb.create(actor("t-1", cpu=100, mem=256))
+    await wb.resume("t-1")
+    narrow = await run("audit", "actor", "t-1", width=50)
+    assert narrow.exit_code == 0 and " ".join(narrow.stdout.split()).endswith("; -o wide shows every column)"), \
+        narrow.output
+    wide = await run("audit", "actor", "t-1", "-o", "wide", width=50)
+    assert wide.exit_code == 0, wide.output
+    assert wide.stdout.splitlines()[0].split() == ["SEQ", "AT", "EVENT", "WORKER", "FIDELITY", "FALLBACK", "RUNTIME",
+                                                   "DETAIL"], wide.stdout
+    assert "every column" not in wide.stdout
+    both = await run("audit", "actor", "t-1", "-o", "wide", "--json")
+    assert both.exit_code == 2 and "give one" in both.stderr, both.output
+
+
 async def test_create_from_a_golden_snapshot_file(bus, tmp_path):
     run, _ = bus
     path = tmp_path / "golden.json"

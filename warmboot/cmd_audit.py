@@ -25,6 +25,7 @@ from events.subjects import event_subject
 from warmboot.audit import CHANGE_UNREGISTERED, PLACEMENT_RULES, RELEASE_RULES, STAMP_RULES, Sink, summary
 from warmboot.cli_common import (Failed, IntRange, ask, check_id, json_option, nats_option, prefix_option, read_subject,
                                  replay)
+from warmboot.cmd_views import output_mode, output_option
 from warmboot.render import Column, render_fields, render_table, terminal_width
 
 
@@ -107,11 +108,13 @@ def verify_cmd(nats_url: str, prefix: str) -> None:
 @click.argument("actor_id", callback=check_id)
 @nats_option
 @prefix_option
-@json_option
-def actor_cmd(actor_id: str, nats_url: str, prefix: str, as_json: bool) -> None:
+@output_option
+def actor_cmd(actor_id: str, nats_url: str, prefix: str, output: str | None, as_json: bool) -> None:
     """Print ACTOR_ID's timeline: every event with stamp, pin, fidelity, fallback and worker."""
 
     from warmboot.cmd_views import echo_json, echo_table, fleet_runtimes
+
+    as_json = output_mode(output, as_json) == "json"  # a usage error before anything is read
 
     subject = event_subject(prefix, "actor", actor_id)
 
@@ -128,7 +131,7 @@ def actor_cmd(actor_id: str, nats_url: str, prefix: str, as_json: bool) -> None:
         return
     width = terminal_width()
     shown = list(zip(rows, timeline_labels([event for _, event in records], runtimes)))
-    echo_table(render_table(TIMELINE_COLUMNS, shown, width), width)
+    echo_table(render_table(TIMELINE_COLUMNS, shown, width, output == "wide"), width)
 
 
 def _stamped(event) -> tuple[str, ActorRuntime] | None:
