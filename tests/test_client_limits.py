@@ -176,3 +176,25 @@ async def test_a_method_given_no_request_body_says_which_parameter_and_sends_not
     assert "'gvisor' is not a" in bad.value.message, bad.value
     await nc.flush()
     assert everything.pending_msgs == 0
+
+
+async def test_connect_is_awaited_or_entered_as_a_context_manager(stack, nats_url, prefix):
+    """`async with Client.connect(url) as wb:`, the idiom a script writes first, raised TypeError ("'coroutine'
+    object does not support the asynchronous context manager protocol"): only `async with await
+    Client.connect(...)` worked. Both do, each closing the connection it made at the block's end; so does
+    a bare `await`, closed by the caller."""
+    async with Client.connect(nats_url, prefix) as wb:
+        created = await wb.create(actor("cm-1", cpu=100, mem=256))
+        assert (await wb.status("cm-1")).seq == created.seq
+    assert wb.nc.is_closed
+    async with await Client.connect(nats_url, prefix) as again:
+        assert (await again.status("cm-1")).seq == created.seq
+    assert again.nc.is_closed
+    bare = await Client.connect(nats_url, prefix)
+    assert not bare.nc.is_closed
+    await bare.close()
+    assert bare.nc.is_closed
+    with pytest.raises(ContractError) as refused:  # a prefix that is not one: raised at the block's start
+        async with Client.connect(nats_url, "Not A Prefix"):
+            raise AssertionError("entered")
+    assert refused.value.code is ErrorCode.INVALID_ARGUMENT and refused.value.field == "prefix"

@@ -2,7 +2,7 @@
 
 One method per endpoint, taking and returning the schema's Structs (`events.schema`)::
 
-    async with await Client.connect("nats://127.0.0.1:4222") as wb:
+    async with Client.connect("nats://127.0.0.1:4222") as wb:
         await wb.create(CreateActor(actor_id="a-1", sandbox_class="gvisor", template_uid="t1",
                                     resources=Resources(cpu_millis=500, memory_mib=1024)))
         placed = await wb.resume("a-1")          # sees the create: read-your-writes
@@ -282,6 +282,26 @@ def below_memory(snapshot: Snapshot | None, template_uid: str,
     return None
 
 
+class Connecting:
+    """What `Client.connect` gives: awaited, the client (`await Client.connect(...)`); entered, the client,
+    closed at the block's end (`async with Client.connect(...) as wb:`, as `async with await ...`)."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self._make = make  # the connect, made when awaited or entered (never left unawaited)
+        self._client: Client | None = None
+
+    def __await__(self) -> Any:
+        return self._make().__await__()
+
+    async def __aenter__(self) -> "Client":
+        self._client = await self._make()
+        return self._client
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._client is not None:
+            await self._client.close()
+
+
 class Client:
     """warmboot's endpoints as typed methods, over one NATS connection (see the module docstring)."""
 
@@ -331,9 +351,10 @@ class Client:
         self._owned = False
 
     @classmethod
-    async def connect(cls, servers: str | list[str], prefix: str = DEFAULT_PREFIX, *,
-                      connect_timeout: float = CONNECT_TIMEOUT_S, **options: Any) -> "Client":
-        """A client with a connection of its own (closed by `close`), made as the CLI's
+    def connect(cls, servers: str | list[str], prefix: str = DEFAULT_PREFIX, *,
+                connect_timeout: float = CONNECT_TIMEOUT_S, **options: Any) -> "Connecting":
+        """A client with a connection of its own (closed by `close`, or at the end of the block of
+        `async with Client.connect(...) as wb:`; `await Client.connect(...)` gives the client), made as the CLI's
         (`warmboot.connection.connect`): signed in with the URL's user and password, or the nkey
         seed `nkeys_seed` (else $NATS_NKEY_SEED), or what the environment gives
         ($NATS_USER/$NATS_PASSWORD, $NATS_TOKEN, $NATS_CREDS); listening for replies under
@@ -349,6 +370,11 @@ class Client:
         after that the connection reconnects for as long as it lives. `options` go to the
         Client, except the nats.connect keywords
         `user_credentials`, `nkeys_seed`, `inbox_prefix` and `name`."""
+        return Connecting(lambda: cls._connect(servers, prefix, connect_timeout, options))
+
+    @classmethod
+    async def _connect(cls, servers: str | list[str], prefix: str, connect_timeout: float,
+                       options: dict[str, Any]) -> "Client":
         connect = {k: options.pop(k) for k in ("user_credentials", "inbox_prefix", "name") if k in options}
         nkey_seed = options.pop("nkeys_seed", None)
         inspect.signature(cls).bind(None, prefix, **options)  # a mistyped option: its TypeError before connecting
