@@ -284,7 +284,8 @@ def below_memory(snapshot: Snapshot | None, template_uid: str,
 
 class Connecting:
     """What `Client.connect` gives: awaited, the client (`await Client.connect(...)`); entered, the client,
-    closed at the block's end (`async with Client.connect(...) as wb:`, as `async with await ...`)."""
+    closed at the block's end (`async with Client.connect(...) as wb:`, as `async with await ...`). An
+    awaitable, not a coroutine: `asyncio.ensure_future` or `wait_for` take it, `create_task` does not."""
 
     def __init__(self, make: Callable[[], Any]) -> None:
         self._make = make  # the connect, made when awaited or entered (never left unawaited)
@@ -370,7 +371,7 @@ class Client:
         after that the connection reconnects for as long as it lives. `options` go to the
         Client, except the nats.connect keywords
         `user_credentials`, `nkeys_seed`, `inbox_prefix` and `name`."""
-        return Connecting(lambda: cls._connect(servers, prefix, connect_timeout, options))
+        return Connecting(lambda: cls._connect(servers, prefix, connect_timeout, dict(options)))
 
     @classmethod
     async def _connect(cls, servers: str | list[str], prefix: str, connect_timeout: float,
