@@ -1281,7 +1281,8 @@ def test_pins_and_stamps_of_runtimes_the_fleet_no_longer_runs_are_told_apart():
     from events.schema import RuntimeChanged, SnapshotOrigin
     from services.scheduler.projection import Projection
     from tests.factories import booked, created, entry, fold, placed, registered, released, snapshot, stamp, taken
-    from warmboot.cmd_lifecycle import actor_view, stamp_label, worker_view
+    from warmboot.cmd_lifecycle import actor_view, stamp_label
+    from warmboot.cmd_worker import worker_view
     from warmboot.cmd_views import runtimes_of
 
     gen1, gen2 = version("v1", cpu_features="g1"), version("v1", cpu_features="g2")

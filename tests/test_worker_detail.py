@@ -23,7 +23,7 @@ from tests.factories import (booked, created, entry, fold, last_seq, log_reads, 
                              snapshot, stamp, taken, version)
 from warmboot.cli import main
 from warmboot.client import Client
-from warmboot.cmd_lifecycle import detail_view, worker_view
+from warmboot.cmd_worker import detail_view, worker_view
 from warmboot.cmd_views import runtimes_of, worker_rows
 
 V1, V1B, V2, FC = (version(b) for b in ("v1", "v1b", "v2", "fc1"))

@@ -87,7 +87,8 @@ main.add_command(explain)
 main.add_command(fragmentation)
 main.add_command(whatif)
 main.add_command(workers)
-from warmboot.cmd_lifecycle import actor, worker  # noqa: E402
+from warmboot.cmd_lifecycle import actor  # noqa: E402
+from warmboot.cmd_worker import worker  # noqa: E402
 
 main.add_command(actor)
 main.add_command(worker)

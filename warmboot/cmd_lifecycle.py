@@ -1,4 +1,5 @@
-"""Lifecycle and worker commands: `warmboot actor ...` and `warmboot worker ...`.
+"""Lifecycle commands: `warmboot actor ...` (`warmboot worker ...` is warmboot.cmd_worker's, on the parts
+both share here: `run`, `each_one` for several ids, `echo`, the request-id option).
 
 Each mutating command is one call of `warmboot.client.Client`, after, for the verbs that name
 the actor's placement or life, one `snapshotter.status` question (below) (request id generated
@@ -7,16 +8,10 @@ is the same request; UNAVAILABLE and time-outs retried), printed as one line for
 people or, with `--json` (or `-o json`), as the reply's JSON. A contract error is printed as
 `error: CODE field: message` on stderr with exit status 1 (warmboot.cli_common.Failed).
 
-The `show` commands:
-- `actor show` reads the actor's own history (`<prefix>.ev.actor.<id>`) and folds it with
-  the scheduler's projection: state, spec, latest snapshot and its stamp, assignment; the
-  runtime labels are a scheduler's (`scheduler.runtimes`), or, when none answers, the
-  workers' histories folded.
-- `worker show` asks a scheduler replica what its projection has of that worker
-  (`scheduler.worker`, a project addition: `services.scheduler.worker_detail`), at least
-  with all the log held when asked; when none answers, it folds the whole log with the
-  scheduler's projection, as `warmboot workers` does when none answers it (a worker's free
-  room and actors are in the actors' placements), into the same answer.
+`actor show` reads the actor's own history (`<prefix>.ev.actor.<id>`) and folds it with
+the scheduler's projection: state, spec, latest snapshot and its stamp, assignment; the
+runtime labels are a scheduler's (`scheduler.runtimes`), or, when none answers, the
+workers' histories folded.
 
 `actor pause` and `actor suspend` ask the snapshotter where the actor is now
 (`snapshotter.status`) before their request, for the placement they name, unless
@@ -41,17 +36,15 @@ from events.codec import decode_request, encode, json_path, to_builtins, unknown
 from events.errors import ContractError, no_actor
 from events.compat import compat_key
 from events.runtime_id import Runtimes, short_id
-from events.schema import (ActorCreated, ActorRuntime, Assignment, ClassFragmentation, CreateActor, DrainWorker,
-                           ErrorCode, Explanation, Fidelity, Fragmentation, PauseActor, RemoveWorker, Resources,
-                           ResumeActor, RevertActor, Snapshot, StopActor, StreamSeq, SuspendActor, TagRecorded,
-                           TagSnapshot, UpdateTemplate, WorkerDetail)
+from events.schema import (ActorCreated, ActorRuntime, Assignment, ClassFragmentation, CreateActor, ErrorCode,
+                           Explanation, Fidelity, Fragmentation, PauseActor, Resources, ResumeActor, RevertActor,
+                           Snapshot, StopActor, StreamSeq, SuspendActor, TagRecorded, TagSnapshot, UpdateTemplate)
 from events.schema import ACTORS_LIMIT_MAX, CLASS_PATTERN, ActorPage, ActorsQuery, ActorSummary  # actor list
 from events.states import ActorState
 from events.subjects import event_subject
 from warmboot.cli_common import (MIB, MILLICORES, REFUSED_THE_LOG, Failed, IntRange, LogUnreadable, OneOrMore,
                                  ask, check_id, flag_of, json_option, last_seq, min_seq_option, nats_option,
-                                 prefix_option, read_subject, replay_for, request_field, selectors_of, unread_why,
-                                 wire_bounds)
+                                 prefix_option, read_subject, request_field, selectors_of, unread_why, wire_bounds)
 from warmboot.client import (UNDER_PLACEMENT, Client, NobodyAnswered, Refused, asked_first, below_memory,
                              placed_under)
 from services.scheduler.feasibility import RUNTIME_MISMATCH, SELECTOR_MISMATCH
@@ -65,8 +58,6 @@ from warmboot.cmd_views import (
     Walked,
     walk_listing,
     asked_runtimes,
-    class_row,
-    class_runtime_fields,
     decision_fields,
     echo_json,
     echo_table,
@@ -81,7 +72,6 @@ from warmboot.cmd_views import (
     pin_label,
     runtime_labels,
     runtimes_of,
-    unless_busy,
 )
 from warmboot.render import Column, JsonList, cell_columns, key_values, render_fields, render_table, terminal_width
 
@@ -290,6 +280,86 @@ def done(kind: str, entity: str, what: str, seq: int, unchanged: bool = False) -
     """`kind/entity what (seq N)`; `unchanged` (the reply's: the state already was so, nothing
     written) as kubectl says it: `kind/entity unchanged: already what (seq N)`."""
     return f"{kind}/{entity} {'unchanged: already ' if unchanged else ''}{what} (seq {seq})"
+
+
+def echo(reply: Any, as_json: bool, text: Callable[[], str]) -> None:
+    if as_json:
+        echo_json(to_builtins(reply))
+    else:
+        click.echo(text())
+
+
+MANY_IN_FLIGHT = 16  # requests in flight at once of a command given several ids (`each_one`)
+
+
+def each_one(nats_url: str, prefix: str, kind: str, ids: tuple[str, ...],
+             call: Callable[[Client, str], Awaitable[Any]], line: Callable[[str, Any, Any], str], as_json: bool,
+             what: str, labelled: bool = False) -> None:
+    """`call(client, id)` for each of several workers or actors (`kind`) over one connection,
+    MANY_IN_FLIGHT at once: a loop of one command each took 0.5 s a worker (0.7 s an actor's resume), ten
+    minutes for a thousand workers (a trial at fleet size). Each done is printed as it is answered (`line(id,
+    reply, runtimes)`; `runtimes`: the fleet's labels, with `labelled`, read once, after the first reply, as
+    the command of one id reads them); a refusal is said on stderr (`error: worker/W: CODE ...`) and the
+    others go on; the last line counts the refused, exit status 1. -o json: a list in the order given, each
+    reply with its id (`worker_id`, `actor_id`), or the error. A request nobody answers (`NobodyAnswered`:
+    nothing subscribes to the service's subjects, a --prefix no deployment has or the service not running)
+    ends the command at once, said as the command of one id says it (`ask`: where the logs are): no other
+    id fares better (it was said once per id, each after its attempts, a thousand lines for a thousand
+    workers, none saying where the logs are)."""
+    ids = tuple(dict.fromkeys(ids))
+    replies: dict[str, Any] = {}
+
+    async def work(nc: Any) -> None:
+        client = Client(nc, prefix, on_unfenced=unfenced_note("placement", "--placement-seq", "placed"))
+        gate = asyncio.Semaphore(MANY_IN_FLIGHT)
+        labels: list[asyncio.Future] = []  # the fleet's labels, read once, after the first reply (as one id's)
+
+        async def runtimes() -> Runtimes | None:
+            if not labelled or as_json:
+                return None
+            if not labels:
+                labels.append(asyncio.ensure_future(runtime_labels(nc, prefix)))
+            return await asyncio.shield(labels[0])
+
+        async def one(one_id: str) -> None:
+            async with gate:
+                try:
+                    replies[one_id] = reply = await call(client, one_id)
+                except NobodyAnswered:
+                    raise  # the service is not there for any of them: `ask` says it once
+                except ContractError as e:
+                    replies[one_id] = e
+                    click.echo(f"error: {kind}/{one_id}: {Failed(e).message}", err=True)
+                    return
+            if not as_json:
+                labelled_by = await runtimes()
+                click.echo(line(one_id, reply, labelled_by))
+
+        tasks = [asyncio.ensure_future(one(one_id)) for one_id in ids]
+        try:
+            await asyncio.gather(*tasks)
+        finally:  # one failed for all (or the command was interrupted): the others are not waited for
+            for task in (*tasks, *labels):
+                task.cancel()
+            await asyncio.gather(*tasks, *labels, return_exceptions=True)
+
+    ask(nats_url, work)
+    refused = [i for i in ids if isinstance(replies.get(i), ContractError)]
+    if as_json:
+        echo_json([{f"{kind}_id": i, "error": {"code": r.code.value, "message": r.message, "field": r.field}}
+                   if isinstance(r, ContractError) else {f"{kind}_id": i, **to_builtins(r)}
+                   for i, r in ((i, replies[i]) for i in ids)])
+    if refused:
+        click.echo(f"error: {len(refused)} of {len(ids)} {kind}s not {what}: {named_few(refused)}", err=True)
+        raise SystemExit(1)
+
+
+def one_request_id(request_id: str | None, ids: tuple[str, ...], argument: str = "WORKER_ID",
+                   option: str = "--request-id") -> None:
+    """--request-id (or --life-seq) names one request (one actor's life): a usage error with several ids."""
+    if request_id is not None and len(set(ids)) > 1:
+        raise click.UsageError(f"{option} names one {'request' if option == '--request-id' else 'life'}: give one "
+                               f"{argument} with it")
 
 
 # --- actor ---------------------------------------------------------------------------------------
@@ -576,13 +646,6 @@ def accepts(answer: Fragmentation | None, stamp: ActorRuntime) -> bool | None:
     return any(compat_key(c.sandbox_class, rt.version) == key
                and rt.workers_default + rt.workers_restorable + rt.workers_compatible > 0
                for c in answer.classes if c.sandbox_class == stamp.sandbox_class for rt in c.runtimes)
-
-
-def echo(reply: Any, as_json: bool, text: Callable[[], str]) -> None:
-    if as_json:
-        echo_json(to_builtins(reply))
-    else:
-        click.echo(text())
 
 
 @actor.command("pause")
@@ -1047,276 +1110,3 @@ def list_actors_cmd(sandbox_classes: tuple[str, ...], states: tuple[str, ...], w
             echo_table(render_table(columns, table, width, mode == "wide"), width)
     if more is not None:
         click.echo(more, err=True)
-
-
-# --- worker --------------------------------------------------------------------------------------
-
-
-@click.group()
-def worker() -> None:
-    """Drain, remove and show workers."""
-
-
-MANY_IN_FLIGHT = 16  # requests in flight at once of a command given several ids (`each_one`)
-
-
-def each_one(nats_url: str, prefix: str, kind: str, ids: tuple[str, ...],
-             call: Callable[[Client, str], Awaitable[Any]], line: Callable[[str, Any, Any], str], as_json: bool,
-             what: str, labelled: bool = False) -> None:
-    """`call(client, id)` for each of several workers or actors (`kind`) over one connection,
-    MANY_IN_FLIGHT at once: a loop of one command each took 0.5 s a worker (0.7 s an actor's resume), ten
-    minutes for a thousand workers (a trial at fleet size). Each done is printed as it is answered (`line(id,
-    reply, runtimes)`; `runtimes`: the fleet's labels, with `labelled`, read once, after the first reply, as
-    the command of one id reads them); a refusal is said on stderr (`error: worker/W: CODE ...`) and the
-    others go on; the last line counts the refused, exit status 1. -o json: a list in the order given, each
-    reply with its id (`worker_id`, `actor_id`), or the error. A request nobody answers (`NobodyAnswered`:
-    nothing subscribes to the service's subjects, a --prefix no deployment has or the service not running)
-    ends the command at once, said as the command of one id says it (`ask`: where the logs are): no other
-    id fares better (it was said once per id, each after its attempts, a thousand lines for a thousand
-    workers, none saying where the logs are)."""
-    ids = tuple(dict.fromkeys(ids))
-    replies: dict[str, Any] = {}
-
-    async def work(nc: Any) -> None:
-        client = Client(nc, prefix, on_unfenced=unfenced_note("placement", "--placement-seq", "placed"))
-        gate = asyncio.Semaphore(MANY_IN_FLIGHT)
-        labels: list[asyncio.Future] = []  # the fleet's labels, read once, after the first reply (as one id's)
-
-        async def runtimes() -> Runtimes | None:
-            if not labelled or as_json:
-                return None
-            if not labels:
-                labels.append(asyncio.ensure_future(runtime_labels(nc, prefix)))
-            return await asyncio.shield(labels[0])
-
-        async def one(one_id: str) -> None:
-            async with gate:
-                try:
-                    replies[one_id] = reply = await call(client, one_id)
-                except NobodyAnswered:
-                    raise  # the service is not there for any of them: `ask` says it once
-                except ContractError as e:
-                    replies[one_id] = e
-                    click.echo(f"error: {kind}/{one_id}: {Failed(e).message}", err=True)
-                    return
-            if not as_json:
-                labelled_by = await runtimes()
-                click.echo(line(one_id, reply, labelled_by))
-
-        tasks = [asyncio.ensure_future(one(one_id)) for one_id in ids]
-        try:
-            await asyncio.gather(*tasks)
-        finally:  # one failed for all (or the command was interrupted): the others are not waited for
-            for task in (*tasks, *labels):
-                task.cancel()
-            await asyncio.gather(*tasks, *labels, return_exceptions=True)
-
-    ask(nats_url, work)
-    refused = [i for i in ids if isinstance(replies.get(i), ContractError)]
-    if as_json:
-        echo_json([{f"{kind}_id": i, "error": {"code": r.code.value, "message": r.message, "field": r.field}}
-                   if isinstance(r, ContractError) else {f"{kind}_id": i, **to_builtins(r)}
-                   for i, r in ((i, replies[i]) for i in ids)])
-    if refused:
-        click.echo(f"error: {len(refused)} of {len(ids)} {kind}s not {what}: {named_few(refused)}", err=True)
-        raise SystemExit(1)
-
-
-def one_request_id(request_id: str | None, ids: tuple[str, ...], argument: str = "WORKER_ID",
-                   option: str = "--request-id") -> None:
-    """--request-id (or --life-seq) names one request (one actor's life): a usage error with several ids."""
-    if request_id is not None and len(set(ids)) > 1:
-        raise click.UsageError(f"{option} names one {'request' if option == '--request-id' else 'life'}: give one "
-                               f"{argument} with it")
-
-
-@worker.command("drain")
-@click.argument("worker_id", nargs=-1, required=True, metavar="WORKER_ID", cls=OneOrMore)
-@click.option("--reason", default=None, callback=field_of(DrainWorker, "reason"),
-              help="Recorded on WorkerDrained: at most 256 printable characters.")
-@request_id_option(DrainWorker)
-@nats_option
-@prefix_option
-@json_option
-def drain_cmd(worker_id: tuple[str, ...], reason: str | None, request_id: str | None, nats_url: str, prefix: str,
-              as_json: bool) -> None:
-    """Drain WORKER_ID (one or more): it takes no new placements and keeps what it runs.
-
-    A drain lasts the worker's life, its agent's restarts included (as a cordoned node stays
-    cordoned): to take placements again, remove it (its RUNNING actors are released) and let
-    its agent register it anew. A drain of a drained worker writes nothing and prints `unchanged`.
-
-    Several workers: each drained, a line each as it is done (16 at once); one refused is said
-    on stderr and the others go on (exit status 1, the last line counting them); --json gives a
-    list, each reply with its worker_id."""
-    one_request_id(request_id, worker_id)
-    if len(set(worker_id)) > 1:
-        each_one(nats_url, prefix, "worker", worker_id, lambda wb, w: wb.drain(w, reason),
-                 lambda w, reply, _: done("worker", w, "drained", reply.seq, reply.unchanged), as_json, "drained")
-        return
-    reply, _ = run(nats_url, prefix, False, lambda wb: wb.drain(worker_id[0], reason, request_id))
-    echo(reply, as_json, lambda: done("worker", worker_id[0], "drained", reply.seq, reply.unchanged))
-
-
-@worker.command("remove")
-@click.argument("worker_id", nargs=-1, required=True, metavar="WORKER_ID", cls=OneOrMore)
-@click.option("--reason", default=None, callback=field_of(RemoveWorker, "reason"),
-              help="Recorded on WorkerRemoved: at most 256 printable characters.")
-@request_id_option(RemoveWorker)
-@nats_option
-@prefix_option
-@json_option
-def remove_cmd(worker_id: tuple[str, ...], reason: str | None, request_id: str | None, nats_url: str, prefix: str,
-               as_json: bool) -> None:
-    """Remove WORKER_ID (one or more): its RUNNING actors are released (SUSPENDED, back to their latest
-    snapshot).
-
-    Stop the worker's agent first (`warmboot agent --drain-on-exit` drains it as it stops): an
-    agent still running registers the worker again within seconds, undrained, and it takes
-    placements again. The removal does not check for one; a note on stderr says so.
-
-    Several workers: as `worker drain` of several."""
-    one_request_id(request_id, worker_id)
-    if len(set(worker_id)) > 1:
-        try:
-            each_one(nats_url, prefix, "worker", worker_id, lambda wb, w: wb.remove(w, reason),
-                     lambda w, reply, _: done("worker", w, "removed", reply.seq), as_json, "removed")
-        finally:
-            click.echo("note: if the agents of these workers still run, they register them again within seconds, "
-                       "undrained, taking placements: stop the agents (`warmboot agent --drain-on-exit` drains "
-                       "each as it stops)", err=True)
-        return
-    reply, _ = run(nats_url, prefix, False, lambda wb: wb.remove(worker_id[0], reason, request_id))
-    echo(reply, as_json, lambda: done("worker", worker_id[0], "removed", reply.seq))
-    # the agent re-registers it at its next heartbeat, and the output said "removed" alone (a walkthrough)
-    click.echo(f"note: if the agent of {worker_id[0]} still runs, it registers {worker_id[0]} again within seconds, "
-               "undrained, taking placements: stop the agent (`warmboot agent --drain-on-exit` drains it as it "
-               "stops)", err=True)
-
-
-def worker_view(worker_id: str, projection: Any) -> dict:
-    """One worker as the scheduler's projection has it (`worker_detail`, what a scheduler answers), its
-    runtimes labelled as the projection's (`runtimes_of`): `detail_view`."""
-    from services.scheduler.worker_detail import worker_detail
-
-    return detail_view(worker_detail(projection, worker_id), runtimes_of(projection))
-
-
-def detail_view(detail: WorkerDetail, runtimes: Runtimes) -> dict:
-    """A worker (`worker_detail`, or a scheduler's `worker` answer) as `worker show` prints it, as JSON
-    values: its rows of `warmboot workers` (one per class, as `worker_rows` makes them; `compatible` is
-    their `resumes_from`, sorted), its labels, booked actors and the LOCAL images on its node, each
-    runtime by its label in `runtimes`."""
-    from services.scheduler.interner import Interner
-
-    intern = Interner()  # the answer's classes as the fold's records, which the views' helpers read
-    entries = intern.entries((c.sandbox_class, intern.runtime(c.sandbox_class, c.default_runtime),
-                              tuple(intern.runtime(c.sandbox_class, r) for r in c.restorable_runtimes))
-                             for c in detail.classes)
-    held: dict[str, int] = {}  # class -> its actors booked on the worker
-    for booked in detail.actors:
-        held[booked.sandbox_class] = held.get(booked.sandbox_class, 0) + 1
-    capacity, free = to_builtins(detail.capacity), to_builtins(detail.free)
-    rows = []
-    for sandbox_class, entry in entries.items():
-        row = class_row(sandbox_class, entry, runtimes, worker_id=detail.worker_id, node=detail.node,
-                        state=detail.state.value, capacity=capacity, free=free, actors=held.get(sandbox_class, 0),
-                        worker_actors=len(detail.actors), labels=detail.labels)
-        row["compatible"] = sorted(row["resumes_from"])
-        rows.append(row)
-    rows.sort(key=lambda r: (r["sandbox_class"], r["runtime"]))
-    actors = [{"actor_id": a.actor_id, "state": a.state, "booked": to_builtins(a.booked),
-               "pin": pin_label(runtimes, a.pin.sandbox_class, a.pin.version, a.pin.name)} for a in detail.actors]
-    local = [{"actor_id": i.actor_id, "state": i.state, "snapshot_id": i.snapshot_id, "fidelity": i.fidelity.value,
-              "stamp": stamp_label(i.stamp, runtimes)} for i in detail.local_images]
-    return to_builtins({"worker_id": detail.worker_id, "node": detail.node, "state": detail.state,
-                        "labels": dict(detail.labels), "capacity": capacity, "free": free,
-                        "classes": rows, "actors": actors, "local_images": local})
-
-
-async def asked_worker(nc: Any, prefix: str, worker_id: str, min_seq: int | None) -> WorkerDetail | None:
-    """`worker_id` as a scheduler replica's fold has it once it includes `min_seq` (`<prefix>.scheduler.worker`,
-    a project addition): one request, where the log's answer is the whole log (71,000 messages, 5.3 s, at
-    10,000 workers). Its NOT_FOUND is the answer (the worker is not registered); None when no scheduler
-    answers within LABELS_TIMEOUT_S, in one attempt, as `cmd_views.asked_runtimes`: none runs, one of an
-    earlier version, credentials that may not ask it, or a fold that is not at `min_seq` by then."""
-    try:
-        client = Client(nc, prefix, timeout=LABELS_TIMEOUT_S, attempts=1)
-        return await unless_busy(lambda: client.worker(worker_id, min_seq))
-    except ContractError as e:
-        if e.code is ErrorCode.NOT_FOUND:
-            raise
-        return None
-
-
-ACTOR_COLUMNS = [
-    Column("ACTOR", lambda a: a["actor_id"]),
-    Column("STATE", lambda a: a["state"]),
-    Column("CPU", lambda a: millis(a["booked"]["cpu_millis"]), right=True),
-    Column("MEM", lambda a: mib(a["booked"]["memory_mib"]), right=True),
-    Column("PIN", lambda a: a["pin"]),
-]
-
-
-LOCAL_COLUMNS = [
-    Column("ACTOR", lambda a: a["actor_id"]),
-    Column("STATE", lambda a: a["state"]),
-    Column("SNAPSHOT", lambda a: a["snapshot_id"] or "-"),
-    Column("FIDELITY", lambda a: a["fidelity"]),
-    Column("STAMP", lambda a: a["stamp"]),
-]
-
-
-def render_worker(view: dict, width: int | None, wide: bool = False) -> str:
-    cap, free = view["capacity"], view["free"]
-    fields = [
-        ("WORKER", view["worker_id"]),
-        ("NODE", view["node"]),
-        ("STATE", view["state"]),
-        ("LABELS", key_values(view["labels"])),
-        ("CAPACITY", f"{millis(cap['cpu_millis'])} cpu, {mib(cap['memory_mib'])} memory"),
-        ("FREE", f"{millis(free['cpu_millis'])} cpu, {mib(free['memory_mib'])} memory"),
-    ]
-    for row in view["classes"]:  # each runtime with its own edges, as `workers -o wide` shows them
-        fields += class_runtime_fields(row, wide)
-    text = render_fields(fields, None if wide else width)
-    booked = render_table(ACTOR_COLUMNS, view["actors"], width, wide).text if view["actors"] else "no actors booked"
-    where = f"local images on {view['node']}"
-    local = (f"{where} (those actors resume only on this node):\n"
-             + render_table(LOCAL_COLUMNS, view["local_images"], width, wide).text
-             if view["local_images"] else f"no {where}")
-    return text + "\n\n" + booked + "\n\n" + local
-
-
-@worker.command("show")
-@click.argument("worker_id", callback=check_id)
-@nats_option
-@prefix_option
-@output_option
-def show_worker_cmd(worker_id: str, nats_url: str, prefix: str, output: str | None, as_json: bool) -> None:
-    """WORKER_ID's node, state, labels, capacity and free room, runtimes per class (DEFAULT,
-    RESTORABLE, and RESUMES FROM: the versions its compatible_versions edges accept, as
-    `warmboot workers -o wide` shows them), the actors booked on it, and the waiting actors whose LOCAL
-    image is on its node (they resume only there: suspend them before draining its last worker). As a
-    scheduler replica's fold has it, at least with all the log held when asked; the whole log folded
-    with the scheduler's projection when no scheduler answers."""
-    from warmboot.audit import Sink
-
-    mode = output_mode(output, as_json)
-
-    async def work(nc: Any) -> dict:
-        try:
-            target: int | None = await last_seq(nc, prefix, LABELS_TIMEOUT_S)
-        except (click.ClickException, ContractError, nats.errors.Error):
-            target = None  # credentials that may not read the log (a client's) ask for what the fold has
-        detail = await asked_worker(nc, prefix, worker_id, target or None)
-        if detail is not None:
-            return detail_view(detail, await runtime_labels(nc, prefix))
-        sink = await replay_for(nc, prefix, f"worker.{worker_id}", Sink(), mode != "json")
-        return worker_view(worker_id, sink.projection)
-
-    view = ask(nats_url, work)
-    if mode == "json":
-        echo_json(view)
-        return
-    click.echo(render_worker(view, terminal_width(), mode == "wide"))

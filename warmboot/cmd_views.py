@@ -628,7 +628,7 @@ def class_row(sandbox_class: str, entry: Any, runtimes: Runtimes, *, worker_id: 
               labelled: dict[tuple[str, int], dict] | None = None) -> dict:
     """A worker's row of `warmboot workers` for one of its classes (`entry`: the fold's record of it), as
     JSON values; `actors` counts its actors of this class, `worker_actors` those of every class. The one
-    definition of a row: `worker_rows` and `worker show` (`cmd_lifecycle.detail_view`) both make it here.
+    definition of a row: `worker_rows` and `worker show` (`cmd_worker.detail_view`) both make it here.
     `labelled`: the runtime fields of the entries labelled already (an interned entry's, kept while it
     lives), shared by the rows of a fleet whose workers run the same runtimes (read, never changed)."""
     key = (sandbox_class, id(entry))

@@ -4,7 +4,7 @@ What `warmboot worker show W` prints: the worker's node, state, labels, capacity
 classes with their runtimes, the actors booked on it, and the waiting actors whose LOCAL image is on
 its node. The CLI folded the whole log for it (71,000 messages, 5.3 s at 10,000 workers: docs/scaling.md);
 a scheduler replica's fold has it already. The CLI's fold, when no scheduler answers, gives the same
-answer through this function (`warmboot.cmd_lifecycle.worker_view`). Labels are the caller's to give
+answer through this function (`warmboot.cmd_worker.worker_view`). Labels are the caller's to give
 (`cmd_views.runtime_labels`): the answer names runtimes by version and name, as the wire does. Pure: no I/O.
 
 Its cost to the scheduler: two passes over the actors (those booked on the worker,
