@@ -9,6 +9,7 @@ at all, none of them answering, none of them exiting (a trial of the docs)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from contextlib import AsyncExitStack
 
 from tests.factories import until
@@ -59,5 +60,25 @@ async def test_a_stop_is_no_failure_of_the_connection(tmp_path):
         async with AsyncExitStack() as stack:
             running = await start_services(stack, ["registry"], secured.url("svc"), PREFIX)
         assert running.connection_lost is not None and running.connection_lost.cancelled()
+    finally:
+        secured.stop()
+
+
+async def test_a_connection_closed_for_good_is_not_said_frozen_or_unreachable_at_the_stop(tmp_path, caplog):
+    """The stop after the services' connection was closed for good says that once (the ERROR line), not
+    that NATS "did not answer during the stop ... frozen or unreachable" with a request given up: the
+    server answered, it refused the user (a trial of the password rotation, 2026-12-07, found both lines,
+    the second sending the operator after a frozen server)."""
+    secured = Secured(tmp_path / "store", PREFIX).start()
+    try:
+        async with AsyncExitStack() as stack:
+            running = await start_services(stack, ["registry"], secured.url("svc"), PREFIX)
+            services_run = asyncio.create_task(until_stopped(asyncio.Event(), running))
+            await secured.reload(rotate=("svc",))
+            why = await asyncio.wait_for(services_run, 20)
+            assert why is not None and "NATS closed the services' connection for good" in why
+        said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert [m for m in said if "connection for good" in m], said
+        assert not [m for m in said if "frozen or unreachable" in m], said
     finally:
         secured.stop()

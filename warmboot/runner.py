@@ -132,6 +132,8 @@ async def start_services(
         loop = asyncio.get_running_loop()
         began.append(loop.time())
         drain_until(nc, began[0] + STOP_DRAIN_S)
+        if lost.done() and not lost.cancelled():  # closed for good, said once (`closed`): no server to hear
+            return
         if nc.is_connected:
             answering.append(asyncio.ensure_future(nc.flush(timeout=STOP_DRAIN_S)))
             answering[0].add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: `closing` says it
