@@ -450,6 +450,21 @@ async def test_the_time_trigger_saves_what_was_folded_since_the_last_save(nc, pr
     assert [seq for seq, _, _ in stored] == [more, last]
 
 
+async def test_a_checkpoint_bucket_deleted_under_a_running_replica_is_made_again_at_its_next_save(
+        nc, prefix, writer, replicas):
+    """docs/operations.md: "Deleting the bucket is always safe" (`nats stream rm OBJ_<PREFIX>_CHECKPOINTS`).
+    A replica running then kept the handle of the bucket it had opened, and every save after failed
+    (`stream not found; trying again later`) for as long as it ran (a trial of the procedure, 2026-12-07):
+    no checkpoint at all until a replica was restarted."""
+    last = await write_mix(writer)
+    service = await replicas(metrics=False, checkpoint_every=10**9, checkpoint_interval_s=0.2)
+    await service.checkpoints.wait_saved(last, 10)
+    await nc.jetstream().delete_stream(f"OBJ_{prefix.upper()}_CHECKPOINTS")
+    more = await asyncio.to_thread(writer.write, created("after-the-deletion"))
+    await service.checkpoints.wait_saved(more, 10)
+    assert [seq for seq, _, _ in await service.checkpoints.list()] == [more]
+
+
 async def test_a_stop_ends_the_saver_when_a_request_swallowed_its_cancellation(nc, prefix, writer, replicas):
     """On Python 3.11 `asyncio.wait_for` (every nats-py request) returns its result instead of
     raising when the reply and the cancellation arrive together. A saver cancelled that way

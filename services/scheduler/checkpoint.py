@@ -297,7 +297,12 @@ class Checkpoints:
         del state  # the copy can be large: keep only its bytes through the upload
         incarnation = incarnation_of(folded)
         name = object_name(seq, incarnation, self.token)
-        await self.store.put(name, data, meta=ObjectMeta(name=name, description=f"projection at sequence {seq}"))
+        meta = ObjectMeta(name=name, description=f"projection at sequence {seq}")
+        try:
+            await self.store.put(name, data, meta=meta)
+        except NotFoundError:  # the bucket deleted since it was opened (always safe: docs/operations.md)
+            await self._open()  # made again
+            await self.store.put(name, data, meta=meta)
         self.saves += 1
         self.last_size = len(data)
         log.info("saved checkpoint %s (%d events, %d bytes; the fold waited %.3f s)",
