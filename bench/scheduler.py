@@ -26,7 +26,8 @@ Side by side, in one run:
     What a replica costs (`replica_cpu_ratio_3v1`, goal at most 1.5): the CPU of all
     scheduler processes (their own rusage) per committed placement with 3 replicas over
     that with 1, at the same offered load (open loop, two thirds of the rate 3 replicas
-    sustain closed-loop; `replica_cpu_rate_per_s`), alternated over two rounds; beside it
+    sustain closed-loop; `replica_cpu_rate_per_s`), alternated over two rounds, and once more at
+    three quarters of that rate if a run fell behind it (`replica_cpu_rate_held`); beside it
     the same quotient for the closed-loop runs (`replica_cpu_ratio_3v1_saturated`), and
     how many placements each append carried with 1 and 3 replicas (`placements_per_append_*`,
     from `warmboot_scheduler_commit_group_placements`): what splitting the load costs the
@@ -678,17 +679,26 @@ async def bench_bus(quick: bool) -> dict[str, float]:
         # The closed-loop runs above offer the same window instead; there one replica runs at
         # about twice the rate of three, and three replicas, nats-server and the load generator
         # oversubscribe two cores, which a replica on a core of its own would not see.
+        # A run that fell behind the rate (a replica saturated after all: the closed-loop figure it is taken
+        # from wanders) measures a saturated replica, not the offered load: measured again, once, at three
+        # quarters of the rate (both replica counts, alternated again).
         rate = max(100.0, round(three["resumes_per_s"] * 2 / 3, -1))
-        paced: dict[int, list[dict[str, float]]] = {1: [], 3: []}
-        for round_ in range(2):
-            for n in (1, 3):
-                paced[n].append(await bench_resumes(server.url, n, actors, window, request_ids=False,
-                                                    rate=rate, label=f"r{round_}"))
+        for attempt in range(2):
+            paced: dict[int, list[dict[str, float]]] = {1: [], 3: []}
+            for round_ in range(2):
+                for n in (1, 3):
+                    paced[n].append(await bench_resumes(server.url, n, actors, window, request_ids=False,
+                                                        rate=rate, label=f"r{attempt}{round_}"))
+            held = min(r["resumes_per_s"] for n in (1, 3) for r in paced[n]) >= 0.95 * rate
+            if held or attempt == 1:
+                break
+            print(f"(b) same offered load, {rate:.0f} resumes/s: NOT held (a run fell behind); measured again at "
+                  f"{max(100.0, round(rate * 3 / 4, -1)):.0f} resumes/s", flush=True)
+            rate = max(100.0, round(rate * 3 / 4, -1))
         cpu_1, cpu_3 = (statistics.mean(r["cpu_ms_per_placement"] for r in paced[n]) for n in (1, 3))
         fold_1, fold_3 = (statistics.mean(r["fold_cpu_us_per_event"] for r in paced[n]) for n in (1, 3))
         serving_1, serving_3 = (statistics.mean(r["serving_cpu_ms_per_placement"] for r in paced[n]) for n in (1, 3))
         grouped_1, grouped_3 = (statistics.mean(r["placements_per_append"] for r in paced[n]) for n in (1, 3))
-        held = min(r["resumes_per_s"] for n in (1, 3) for r in paced[n]) >= 0.95 * rate
         print(f"(b) same offered load, {rate:.0f} resumes/s{'' if held else ' (NOT held: a run fell behind)'}: "
               f"CPU per placement 1 replica {cpu_1:.3f} ms, 3 replicas {cpu_3:.3f} ms: 3v1 {cpu_3 / cpu_1:.2f} "
               f"(same window instead: {three['cpu_ms_per_placement'] / one['cpu_ms_per_placement']:.2f}); "
