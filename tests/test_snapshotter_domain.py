@@ -13,6 +13,7 @@ from events.schema import (
     ActorCreated,
     ActorPlaced,
     ActorReleased,
+    ActorReverted,
     ActorRuntime,
     ActorStatus,
     ActorStopped,
@@ -708,3 +709,129 @@ def test_a_create_copying_an_id_an_earlier_life_gave_another_image_is_refused():
     assert actor.collect_events() == []
     actor.create(create_request("a", source_tag="t"), msgspec.structs.replace(other, snapshot_id="img-2"), at(4))
     assert actor.latest_snapshot.snapshot_id == "img-2"
+
+
+# --- gaps a mutation campaign of this module found (each test fails on the mutant it names) ---------
+
+
+def test_a_local_image_is_never_tagged_nor_created_from():
+    """A tag is for other actors on any node, and a LOCAL image is on one node only: tagging an actor
+    whose latest snapshot is LOCAL is FAILED_PRECONDITION, nothing recorded on the actor or the tag,
+    in PAUSED and in SUSPENDED (its worker removed after a resume from a pause, the pause's image still
+    its latest); and a create from a tag written before v1.1 that names a LOCAL image is refused on
+    `source_tag`, nothing recorded. (Mutants: either refusal dropped, and every test passed.)"""
+    paused = running("p", node="n-4")
+    paused.pause("p-img", None, at(1))
+    suspended = running("s", node="n-5")
+    suspended.pause("s-img", None, at(1))
+    suspended.place(placed(suspended, node="n-5"))
+    assert suspended.release_from_removed_worker("w-1", suspended.assignment_version, at(2))
+    assert suspended.state is ActorState.SUSPENDED and suspended.latest_snapshot.location is Location.LOCAL
+    for actor, node in ((paused, "n-4"), (suspended, "n-5")):
+        actor.collect_events()
+        tag = Tag("gold")
+        with pytest.raises(ContractError) as refused:
+            actor.tag(tag, None, at(3))
+        assert code_of(refused) is ErrorCode.FAILED_PRECONDITION
+        assert f"is LOCAL on node {node!r}" in refused.value.message, refused.value.message
+        assert actor.collect_events() == [] and tag.collect_events() == [] and tag.snapshot is None
+    local = paused.latest_snapshot  # as a tag written before v1.1 named it
+    fresh = Actor("a-2")
+    with pytest.raises(ContractError) as refused:
+        fresh.create(create_request("a-2", source_tag="old"), local, at(4))
+    assert (code_of(refused), refused.value.field) == (ErrorCode.FAILED_PRECONDITION, "source_tag")
+    assert "names the LOCAL snapshot 'p-img' on node 'n-4'" in refused.value.message, refused.value.message
+    assert fresh.collect_events() == [] and fresh.state is None
+
+
+@pytest.mark.parametrize("verb", UNDER)
+def test_a_pause_or_suspend_naming_a_sequence_beside_its_placement_s_two_is_refused(verb):
+    """The image a pause or suspend records was taken under the placement its `placement_seq` names: the
+    ActorPlaced's sequence or its booking marker's, the one after, and no other. A sequence just before
+    or just after those two names no placement of this actor's (in a log rolled back and written again,
+    it may have been another one's): FAILED_PRECONDITION on `placement_seq`, nothing recorded, rather
+    than the image stamped with this placement's pin and node. (Mutants: the window widened to
+    placed-1 or placed+2, and every test passed.)"""
+    def placed_at_20() -> Actor:  # created at 10, placed at 20 (its marker would be 21; paused at 30, 40)
+        actor = created()
+        actor.place(placed(actor, pin=V1))
+        if verb == "promote":
+            actor.pause(None, None, at(2))
+        return stored(actor)
+
+    for seq in (19, 22):
+        actor = placed_at_20()
+        with pytest.raises(ContractError) as refused:
+            UNDER[verb](actor, UnderPlacement(placement_seq=seq))
+        assert (code_of(refused), refused.value.field) == (ErrorCode.FAILED_PRECONDITION, "placement_seq"), seq
+        assert f"taken under the placement at sequence {seq}" in refused.value.message
+        assert actor.collect_events() == []
+    for seq in (20, 21):
+        assert UNDER[verb](placed_at_20(), UnderPlacement(placement_seq=seq)).sandbox_runtime == V1
+
+
+def test_a_pause_naming_its_placement_when_the_store_gave_no_positions_is_unavailable():
+    """Where the event store did not say at which sequence the actor's placement is, a pause naming a
+    `placement_seq` cannot be checked: UNAVAILABLE (try again), nothing recorded; not FAILED_PRECONDITION
+    saying the placed actor "has never been placed". (Mutant: that UNAVAILABLE dropped.)"""
+    actor = running()  # recorded, not read back from a store: no sequences
+    actor.collect_events()
+    with pytest.raises(ContractError) as refused:
+        actor.pause(None, None, at(2), UnderPlacement(placement_seq=20))
+    assert code_of(refused) is ErrorCode.UNAVAILABLE, refused.value.message
+    assert actor.collect_events() == [] and actor.state is ActorState.RUNNING
+
+
+def test_a_placement_of_another_actor_is_never_recorded_on_this_one():
+    """`place` is given the scheduler's ActorPlaced; one for another actor recorded here would pin this
+    actor, and stamp its next image, with another's placement: refused (ValueError, a caller's bug),
+    nothing recorded. (Mutant: the check dropped.)"""
+    actor = created("a-1")
+    actor.collect_events()
+    with pytest.raises(ValueError, match="placement of 'a-2' recorded on actor 'a-1'"):
+        actor.place(factories.placed("a-2", "w-1", V2, node="n-1", cpu=500, mem=512, at=at(1)))
+    assert actor.collect_events() == [] and actor.state is ActorState.CREATED and actor.assignment is None
+
+
+def test_revert_of_an_unknown_actor_is_not_found():
+    """(Mutant: revert's NOT_FOUND dropped: an AttributeError instead.)"""
+    actor = Actor("ghost")
+    with pytest.raises(ContractError) as refused:
+        actor.revert("node gone", None, at())
+    assert (code_of(refused), refused.value.field) == (ErrorCode.NOT_FOUND, "actor_id")
+    assert actor.pending_events == []
+
+
+def test_revert_records_the_local_image_it_gives_up_and_goes_back_to_the_latest_external_one():
+    """ActorReverted names both images: `snapshot`, the latest EXTERNAL one the actor resumes from, and
+    `abandoned`, the LOCAL one given up (what `audit` prints: "gave up ..."). Reverted to a golden
+    snapshot, the actor again borrows its volumes: its next pause is `borrowed`, as before its first
+    suspend. (Mutants: `abandoned` recorded as the snapshot gone back to; `borrowed` cleared by a revert.)"""
+    actor = created("a-3", golden_snapshot=golden(V2))
+    start = actor.latest_snapshot
+    actor.place(placed(actor, pin=V2, node="n-7"))
+    local = actor.pause(None, None, at(3))
+    actor.collect_events()
+    back = actor.revert("node n-7 is gone", "r-1", at(4))
+    (reverted,) = bodies(actor)
+    assert isinstance(reverted, ActorReverted)
+    assert reverted.snapshot == back == start and reverted.abandoned == local != start
+    assert reverted.abandoned.location is Location.LOCAL and reverted.abandoned.node == "n-7"
+    assert actor.state is ActorState.SUSPENDED and actor.latest_snapshot == start
+    actor.place(placed(actor, pin=V2, node="n-8"))
+    assert actor.pause(None, None, at(6)).borrowed is True  # still no volumes of its own
+
+
+def test_an_actor_created_from_a_tag_of_an_own_snapshot_borrows_nothing():
+    """A tag's copy keeps the `borrowed` flag it had: an actor created from a tag of another actor's own
+    (suspended, not borrowed) snapshot does not borrow volumes, and neither does its pause's image.
+    (Mutant: every created actor with a first snapshot taken as borrowing.)"""
+    source = running("src", pin=V1)
+    own = source.suspend(None, "s3://src", Fidelity.MEMORY, None, at(2))
+    assert own.borrowed is False
+    actor = Actor("a-2")
+    actor.create(create_request("a-2", source_tag="t"), own, at(3))
+    assert actor.latest_snapshot.borrowed is False
+    actor.place(placed(actor, pin=V1))
+    assert actor.pause(None, None, at(5)).borrowed is False
+
