@@ -835,3 +835,43 @@ def test_an_actor_created_from_a_tag_of_an_own_snapshot_borrows_nothing():
     actor.place(placed(actor, pin=V1))
     assert actor.pause(None, None, at(5)).borrowed is False
 
+
+def test_a_retried_request_is_answered_by_what_its_verb_recorded_and_no_other_verb_s():
+    """`Actor.prior` (how a retry with the same request_id is answered, not decided again): a suspend
+    from PAUSED recorded a PROMOTE, a stop of a placed actor recorded its release first; a retry of
+    each is answered by those events. An id a pause used, sent again with a suspend, is
+    FAILED_PRECONDITION on `request_id` (else the suspend would be answered with the pause's LOCAL
+    image). (Mutants: PROMOTE not a suspend's; the release not a stop's; any SnapshotTaken taken as any
+    of the three verbs': every test passed.)"""
+    promoted = running("p")
+    promoted.pause(None, "r-pause", at(1))
+    promoted.suspend(None, "s3://p", Fidelity.MEMORY, "r-promote", at(2))
+    assert promoted.events_at(promoted.prior("suspend", "r-promote"))[0].origin is SnapshotOrigin.PROMOTE
+    with pytest.raises(ContractError) as reused:
+        promoted.prior("suspend", "r-pause")
+    assert (code_of(reused), reused.value.field) == (ErrorCode.FAILED_PRECONDITION, "request_id")
+    assert "already used for another request" in reused.value.message
+    stopped = running("s")
+    stopped.stop("r-stop", at(1))
+    assert [type(e) for e in stopped.events_at(stopped.prior("stop", "r-stop"))] == [ActorReleased, ActorStopped]
+
+
+@pytest.mark.parametrize("verb", ["suspend", "stop"])
+def test_a_suspend_or_stop_whose_id_an_earlier_life_used_is_refused(verb):
+    """A copy of a suspend or stop decided late, after the actor was stopped and created anew, would act
+    on the next life (a suspend recorded the earlier life's image under this life's pin): its request_id
+    was made for the earlier life, so it is FAILED_PRECONDITION on `request_id`. (Mutants: suspend, or
+    stop, left out of REFUSED_FROM_AN_EARLIER_LIFE.)"""
+    actor = running()
+    if verb == "suspend":
+        actor.suspend(None, "s3://a", Fidelity.MEMORY, "r-old", at(1))
+        actor.stop(None, at(2))
+    else:
+        actor.stop("r-old", at(2))
+    actor.create(create_request(), None, at(3))
+    actor.place(placed(actor))
+    with pytest.raises(ContractError) as refused:
+        actor.prior(verb, "r-old")
+    assert (code_of(refused), refused.value.field) == (ErrorCode.FAILED_PRECONDITION, "request_id")
+    assert f"was used in an earlier life of actor 'a-1': a {verb} made for that life" in refused.value.message
+
