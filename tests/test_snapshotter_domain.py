@@ -875,3 +875,15 @@ def test_a_suspend_or_stop_whose_id_an_earlier_life_used_is_refused(verb):
     assert (code_of(refused), refused.value.field) == (ErrorCode.FAILED_PRECONDITION, "request_id")
     assert f"was used in an earlier life of actor 'a-1': a {verb} made for that life" in refused.value.message
 
+
+def test_an_unchanged_update_template_names_the_event_that_set_the_template():
+    """An update-template to the actor's current template records nothing and answers the sequence of
+    the event that set it (`Actor.template_version`: `service` replies `seq` from it), so a read at that
+    sequence sees the template: the TemplateChanged's, once there was one, not the create's. (Mutant:
+    `template_version` left at the create's.)"""
+    actor = created()
+    actor.change_template("tpl-2", None, at(1))
+    actor = stored(actor)
+    assert actor.change_template("tpl-2", None, at(2)) is False and actor.collect_events() == []
+    assert isinstance(actor.history[actor.template_version - 1], TemplateChanged)
+    assert actor.seq_at(actor.template_version) == 20 and actor.template_uid == "tpl-2"
