@@ -171,3 +171,48 @@ def test_an_actor_created_anew_without_a_snapshot_keeps_none_of_its_last_lifes()
     assert log.p.actors["a"].snapshot is None and log.p.actors["a"].snapshot_ref is None
     placed = log.decide("a")
     assert placed.snapshot_id is None and placed.fidelity is PlacedFidelity.NONE
+
+
+def test_an_external_image_names_no_node_even_when_taken_where_the_actor_ran():
+    log = Log()
+    log.worker("w1", runtime(V1), node="n1")
+    log.actor("a")
+    log.place(log.decide("a"))
+    log.add(taken(snapshot("a", V1, snapshot_id="a-ext"), SnapshotOrigin.SUSPEND))
+    assert log.p.actors["a"].image_node is None  # what `actor list` shows of its latest snapshot
+
+
+def test_a_placement_folded_after_its_workers_removal_keeps_the_node_it_names():
+    log = Log()
+    log.worker("w1", runtime(V1), node="n1")
+    log.actor("a")
+    decided = log.decide("a")
+    log.add(WorkerRemoved(at=AT, worker_id="w1", reason="gone"))
+    log.add(placement_event("a", "w1", V1, node="n1"))
+    assert log.p.actors["a"].node == "n1"
+    assert log.p.actors["a"].worker.worker_id == "w1" and not log.p.actors["a"].worker.live
+    assert decided.node == "n1"
+
+
+def test_a_paused_actors_local_memory_image_is_stranded_only_when_its_node_has_no_live_restorer():
+    log = Log()
+    log.worker("w1", runtime(V1), node="n1")
+    log.worker("w2", runtime(V1), node="n2")
+    log.actor("a")
+    placed_a = log.decide("a")
+    log.place(placed_a)
+    log.snapshot("a", stamped=V1, origin=SnapshotOrigin.PAUSE)
+    assert log.p.stranded(CLS) == 0
+    log.drain(placed_a.worker_id)  # the only V1 restorer on its node; the other node's does not help
+    assert log.p.stranded(CLS) == 1
+
+
+def test_a_local_image_is_lost_only_when_its_node_has_no_worker_of_the_class():
+    log = Log()
+    log.worker("w1", runtime(V1), node="n1")
+    log.actor("a")
+    log.place(log.decide("a"))
+    log.add(taken(snapshot("a", V1, snapshot_id="a-1", node="n1"), SnapshotOrigin.SUSPEND))
+    assert log.p.lost_local(CLS) == 0
+    log.add(WorkerRemoved(at=AT, worker_id="w1", reason="gone"))
+    assert log.p.lost_local(CLS) == 1
