@@ -19,7 +19,7 @@ from events.schema import (
     WorkerUpdated,
 )
 from services.scheduler.decide import too_big_for_class
-from services.scheduler.records import SUSPENDED
+from services.scheduler.records import SUSPENDED, request_hash
 from tests.factories import AT, CLASS as CLS, Log, entry, placed as placement_event, runtime, snapshot, taken, version
 
 V1, V2, V3 = version("1"), version("2"), version("3")
@@ -216,3 +216,27 @@ def test_a_local_image_is_lost_only_when_its_node_has_no_worker_of_the_class():
     assert log.p.lost_local(CLS) == 0
     log.add(WorkerRemoved(at=AT, worker_id="w1", reason="gone"))
     assert log.p.lost_local(CLS) == 1
+
+
+def test_a_new_life_keeps_the_last_lifes_request_ids_to_refuse_a_late_resume_by():
+    log = Log()
+    log.worker("w1", runtime(V1))
+    log.actor("a")
+    seq = log.place(log.decide("a"), "r1") - 1
+    log.add(ActorStopped(at=AT, actor_id="a"))
+    log.actor("a")
+    assert log.p.actors["a"].placed_earlier(request_hash("r1")) == seq
+    assert log.p.actors["a"].placed_by(request_hash("r1")) == 0
+
+
+def test_a_new_life_begun_after_an_unread_stop_gives_up_the_last_lifes_booking():
+    log = Log()
+    log.worker("w1", runtime(V1))
+    log.actor("a", cpu=500, mem=1024)
+    log.place(log.decide("a"))
+    log.p.actor_unread(len(log.events) + 1, "a")  # its stop, of a version this fold cannot read
+    log.events.append(None)
+    log.actor("a")
+    w1 = log.p.workers["w1"]
+    assert (w1.booked_cpu, w1.booked_mem, w1.holding) == (0, 0, 0)
+    assert log.p.actors["a"].worker is None and log.p.actors["a"].node is None
