@@ -20,7 +20,7 @@ from events.schema import (
 )
 from services.scheduler.decide import too_big_for_class
 from services.scheduler.records import SUSPENDED, request_hash
-from tests.factories import AT, CLASS as CLS, Log, entry, placed as placement_event, runtime, snapshot, taken, version
+from tests.factories import AT, CLASS as CLS, Log, booked, created, entry, placed as placement_event, runtime, snapshot, taken, version
 
 V1, V2, V3 = version("1"), version("2"), version("3")
 
@@ -240,3 +240,21 @@ def test_a_new_life_begun_after_an_unread_stop_gives_up_the_last_lifes_booking()
     w1 = log.p.workers["w1"]
     assert (w1.booked_cpu, w1.booked_mem, w1.holding) == (0, 0, 0)
     assert log.p.actors["a"].worker is None and log.p.actors["a"].node is None
+
+
+def test_a_pause_whose_local_image_names_a_node_pins_the_actor_there():
+    log = Log()
+    log.worker("w1", runtime(V1), node="n1")
+    log.actor("a")
+    log.place(log.decide("a"))
+    log.add(taken(snapshot("a", V1, snapshot_id="a-p", node="n2"), SnapshotOrigin.PAUSE))
+    assert log.p.actors["a"].node == "n2" and log.p.actors["a"].image_node == "n2"
+
+
+def test_the_aggregate_versions_the_log_gives_are_what_the_next_commits_expect():
+    log = Log()
+    log.worker("w1", runtime(V1))
+    log.p.apply(2, created("a"), 5)
+    log.p.apply(3, booked("w1", "a"), 9)
+    assert log.p.actor_expectation("a") == (5, 2)
+    assert log.p.booking_expectation("w1") == (9, 3)
