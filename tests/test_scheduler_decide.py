@@ -1029,3 +1029,21 @@ def test_a_class_whose_every_worker_was_removed_is_refused_as_not_registered():
     # the same fleet as a log where gvisor was never registered: the same cause
     assert refused.value.message == ("0/1 workers available: 1 class not registered; no worker has registered "
                                      "the sandbox class 'gvisor'")
+
+
+def test_a_memory_restore_is_never_placed_on_a_compatible_worker_short_of_cpu():
+    """Rule 6's room holds for a memory tier too: a worker accepting the stamp whose CPU room is short
+    (by one milli) is passed over, and one whose room is exactly the actor's CPU takes it."""
+    log = Log()
+    log.worker("short", runtime(V1), cpu=499)
+    log.worker("other", runtime(V2), cpu=4000)
+    log.actor("a", cpu=500)
+    log.snapshot("a", stamped=V1)
+    for position in range(20):
+        result = log.decide("a", position=position)
+        assert result.worker_id == "other"
+        assert result.fidelity is PlacedFidelity.VOLUMES
+    log.worker("exact", runtime(V1), cpu=500)
+    for position in range(20):
+        result = log.decide("a", position=position)
+        assert (result.worker_id, result.fidelity) == ("exact", PlacedFidelity.MEMORY)
