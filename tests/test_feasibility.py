@@ -33,3 +33,27 @@ def test_need_is_the_actors_memory_and_the_runtimes_overhead_and_judge_books_it(
     assert rt.need_mib(1025) == 1025 + 32 + 8 * 2
     assert Ask(CLASS, 500, 1025, (), None, None).judge(w, NO_PENDING) == (0, rt, 1025 + 32 + 16)
     assert Ask(CLASS, 500, 1026, (), None, None).judge(w, NO_PENDING)[0] == SHORT_MEMORY
+
+
+def test_a_placement_is_carried_out_only_by_a_worker_that_still_runs_its_class_and_pinned_runtime():
+    """`carries_out` (a retry answered from the log, `audit verify`): without an image too, a worker
+    that no longer registers the class, or no longer runs the runtime the placement pins, cannot
+    carry it out; one that does can, under the pinned runtime (not merely its default)."""
+    from services.scheduler.feasibility import NO_CLASS_NOW, PIN_NOT_RUN, carries_out, carrying
+
+    V2 = version("2")
+    p = fold([registered("w1", entry(V1, (V2,)), node="n1"),
+              registered("w2", entry(V2), node="n2"),
+              registered("w3", entry(version("3")), node="n3"),
+              registered("other", entry(V1, sandbox_class="other-class"), node="n4")], Projection())
+    w1, w3, other = p.workers["w1"], p.workers["w3"], p.workers["other"]
+    v1 = w1.classes[CLASS].default.compat
+    v2 = p.workers["w2"].classes[CLASS].default.compat
+    assert carrying(other, CLASS, "n4", v1, None) == (NO_CLASS_NOW, None)
+    assert carries_out(other, CLASS, "n4", v1, None) is not None
+    assert carrying(w3, CLASS, "n3", v1, None) == (PIN_NOT_RUN, None)
+    assert carries_out(w3, CLASS, "n3", v1, None) is not None
+    why, runs = carrying(w1, CLASS, "n1", v2, None)
+    assert why is None and runs is not None and runs.compat is v2
+    assert carries_out(w1, CLASS, "n1", v1, None) is None
+
