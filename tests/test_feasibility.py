@@ -57,3 +57,25 @@ def test_a_placement_is_carried_out_only_by_a_worker_that_still_runs_its_class_a
     assert why is None and runs is not None and runs.compat is v2
     assert carries_out(w1, CLASS, "n1", v1, None) is None
 
+
+def test_of_two_runtimes_accepting_a_stamp_in_one_role_the_first_with_room_is_the_pin():
+    """Two restorable runtimes listing the stamp's version as compatible both accept it (through an
+    edge, one role): the first in the registration's order that has room is the runtime the restore
+    runs under (module docstring, rule 7); the second only when the first is short of memory."""
+    from services.scheduler.records import EDGE_RESTORABLE
+
+    V2, V3, V4 = version("2"), version("3"), version("4")
+    first, second = runtime(V2, overhead=0, compatible=(V1,)), runtime(V4, overhead=100, compatible=(V1,))
+    p = fold([registered("w1", entry(V1), node="n1"),
+              registered("w2", entry(V3, (first, second)), node="n2", mem=WORKER_RESERVE_MIB + 2000)], Projection())
+    v1 = p.workers["w1"].classes[CLASS].default.compat
+    w2 = p.workers["w2"]
+    ask = Ask(CLASS, 500, 1024, (), None, v1)
+    verdict, rt, need = ask.judge(w2, NO_PENDING, EDGE_RESTORABLE)
+    assert (verdict, rt.compat.version, need) == (0, V2, 1024)
+    second_first = fold([registered("w1", entry(V1), node="n1"),
+                         registered("w2", entry(V3, (second, first)), node="n2", mem=WORKER_RESERVE_MIB + 1200)],
+                        Projection())
+    ask = Ask(CLASS, 500, 1024, (), None, second_first.workers["w1"].classes[CLASS].default.compat)
+    verdict, rt, need = ask.judge(second_first.workers["w2"], NO_PENDING, EDGE_RESTORABLE)
+    assert (verdict, rt.compat.version, need) == (0, V4, 1124)
