@@ -1047,3 +1047,14 @@ def test_a_memory_restore_is_never_placed_on_a_compatible_worker_short_of_cpu():
     for position in range(20):
         result = log.decide("a", position=position)
         assert (result.worker_id, result.fidelity) == ("exact", PlacedFidelity.MEMORY)
+
+
+def test_a_local_image_that_names_no_node_is_a_failed_precondition_naming_that():
+    """Rule 5: a LOCAL latest snapshot whose record names no node restores nowhere; the refusal is
+    FAILED_PRECONDITION saying so (revert gives the image up), not a room refusal more room would lift."""
+    log = Log()
+    log.worker("w", runtime(V1), node="n1")
+    log.actor("a")
+    log.add(taken(snapshot("a", V1, snapshot_id="s1", location=Location.LOCAL, node=None)))
+    error = refused(log, "a", ErrorCode.FAILED_PRECONDITION)
+    assert "a node it does not name" in str(error)
