@@ -289,3 +289,16 @@ def test_a_remembered_refusal_keeps_its_field():
             decide(log.p, "a", None, log.p.seq, {}, memo)
         assert caught.value.field == "resources"
     assert len(memo) == 1
+
+
+def test_a_drained_worker_with_the_labels_is_not_reported_as_missing_them():
+    """Every worker is passed over as drained, none for its labels: the refusal counts it drained
+    (undraining it helps), and does not say no worker has the labels (`none_passes` needs some
+    worker passed over for `selector mismatch`)."""
+    log = Log()
+    log.worker("a-1", labels={"zone": "a"})
+    log.drain("a-1")
+    log.actor("x", selectors={"zone": "a"})
+    message = "0/1 workers available: 1 drained; " + BUSY
+    assert refusal(log, "x") == message
+    assert explained(log, "x") == message
