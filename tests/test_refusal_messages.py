@@ -302,3 +302,21 @@ def test_a_drained_worker_with_the_labels_is_not_reported_as_missing_them():
     message = "0/1 workers available: 1 drained; " + BUSY
     assert refusal(log, "x") == message
     assert explained(log, "x") == message
+
+
+def test_a_worker_with_the_labels_on_another_node_is_not_reported_as_missing_them():
+    """A LOCAL image on n1, whose worker lacks the actor's labels, while a worker on n2 has them: the
+    refusal is the LOCAL one (rule 5), not that no worker has the labels (a worker passed over for
+    `not on pinned node` passed the selector check)."""
+    from events.schema import Location
+    from tests.factories import snapshot, taken
+
+    log = Log()
+    log.worker("home", node="n1", labels={})
+    log.worker("away", node="n2", labels={"zone": "a"})
+    log.actor("x", selectors={"zone": "a"})
+    log.add(taken(snapshot("x", V1, snapshot_id="s1", location=Location.LOCAL, node="n1")))
+    message = ("0/2 workers available: 1 not on pinned node, 1 selector mismatch (zone); its memory image is LOCAL "
+               "on node n1: it restores only on a compatible worker there")
+    assert refusal(log, "x") == message
+    assert explained(log, "x") == message
