@@ -79,3 +79,18 @@ def test_of_two_runtimes_accepting_a_stamp_in_one_role_the_first_with_room_is_th
     ask = Ask(CLASS, 500, 1024, (), None, second_first.workers["w1"].classes[CLASS].default.compat)
     verdict, rt, need = ask.judge(second_first.workers["w2"], NO_PENDING, EDGE_RESTORABLE)
     assert (verdict, rt.compat.version, need) == (0, V4, 1124)
+
+
+def test_a_memory_restore_in_a_role_passes_over_a_worker_accepting_the_stamp_only_in_another():
+    """`judge` with a role considers only the runtimes accepting the stamp in that role: a worker
+    whose default matches the stamp (OWN_DEFAULT) is `runtime mismatch` for the edge tiers and fits
+    for its own; one role never borrows another's runtime."""
+    from services.scheduler.records import EDGE_DEFAULT, EDGE_RESTORABLE, OWN_DEFAULT, OWN_RESTORABLE
+
+    p = fold([registered("w1", entry(V1))], Projection())
+    w1 = p.workers["w1"]
+    ask = Ask(CLASS, 500, 1024, (), None, w1.classes[CLASS].default.compat)
+    assert ask.judge(w1, NO_PENDING, OWN_DEFAULT)[0] == 0
+    for role in (OWN_RESTORABLE, EDGE_DEFAULT, EDGE_RESTORABLE):
+        assert ask.judge(w1, NO_PENDING, role) == (5, None, 0)
+        assert ask.reasons(w1, NO_PENDING) == []
