@@ -1058,3 +1058,17 @@ def test_a_local_image_that_names_no_node_is_a_failed_precondition_naming_that()
     log.add(taken(snapshot("a", V1, snapshot_id="s1", location=Location.LOCAL, node=None)))
     error = refused(log, "a", ErrorCode.FAILED_PRECONDITION)
     assert "a node it does not name" in str(error)
+
+
+def test_a_local_images_memory_tiers_hold_only_the_nodes_workers_accepting_the_stamp_in_that_role():
+    """Rule 5 with rule 2: a LOCAL image's tiers are the node's workers that accept the stamp, each
+    in the tier of the role it accepts it in: a worker there of another runtime is in no tier, and a
+    role no worker accepts the stamp in is no tier."""
+    log = Log()
+    log.worker("acc", runtime(V1), node="n1")
+    log.worker("other", runtime(V2), node="n1")
+    log.worker("away", runtime(V1), node="n2")
+    log.actor("a")
+    log.add(taken(snapshot("a", V1, snapshot_id="s1", location=Location.LOCAL, node="n1")))
+    the_plan = plan(log.p, log.p.actors["a"], None)
+    assert [(t.name, [w.worker_id for w in t.members]) for t in the_plan.tiers] == [("default runtime match", ["acc"])]
