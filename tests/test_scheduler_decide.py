@@ -1072,3 +1072,14 @@ def test_a_local_images_memory_tiers_hold_only_the_nodes_workers_accepting_the_s
     log.add(taken(snapshot("a", V1, snapshot_id="s1", location=Location.LOCAL, node="n1")))
     the_plan = plan(log.p, log.p.actors["a"], None)
     assert [(t.name, [w.worker_id for w in t.members]) for t in the_plan.tiers] == [("default runtime match", ["acc"])]
+
+
+def test_of_two_feasible_workers_the_roomier_is_always_chosen():
+    """Power of two choices with two feasible workers: a draw that lands on the same worker twice is
+    not a second choice, so the two are always compared and the roomier takes the actor."""
+    log = Log()
+    log.worker("roomy", runtime(V1), cpu=8000, mem=32768)
+    log.worker("tight", runtime(V1), cpu=1000, mem=2048)
+    log.actor("a")
+    log.snapshot("a", stamped=V1)
+    assert {log.decide("a", position=n).worker_id for n in range(300)} == {"roomy"}
