@@ -649,16 +649,18 @@ class Client:
 
     # --- snapshotter ------------------------------------------------------------------------
 
-    async def create(self, actor: CreateActor) -> SeqReply:
+    async def create(self, actor: CreateActor, *, warn: bool = True) -> SeqReply:
         """Create the actor (state CREATED), from nothing, a `source_tag` or a `golden_snapshot`, whose stamp
         its first image keeps. `seq`: the ActorCreated event's, remembered as the life this client's
         later stop, tag, revert, update-template and resume of the actor name (`fence_lives`). An actor
         that exists is ALREADY_EXISTS (field `actor_id`), unless STOPPED: then a new life begins. A
-        request_id is made if the body has none."""
+        request_id is made if the body has none. `warn=False`: the caller says itself whether no resume can
+        ever place it (`below_memory`: `actor create` does, in its own words), and no `status` is asked
+        for it."""
         body = self._with_request_id(given(actor, CreateActor, "actor"))
         created = await self.request("snapshotter", "create", body.actor_id, body, SeqReply)
         remember(self._lives, body.actor_id, created.seq)
-        if body.min_fidelity is Fidelity.MEMORY:  # taken, as the contract allows, though maybe never resumable
+        if warn and body.min_fidelity is Fidelity.MEMORY:  # taken, as the contract allows, though maybe never resumable
             start = (body.golden_snapshot if body.source_tag is None
                      else await self.started_from(body.actor_id, created.seq))
             never = None if body.source_tag is not None and start is None else below_memory(start, body.template_uid)

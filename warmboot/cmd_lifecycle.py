@@ -431,8 +431,8 @@ def create_cmd(actor_id: str, sandbox_class: str, template_uid: str, cpu_millis:
     check_create_body(body, golden)
 
     async def work(nc: Any) -> tuple[Any, Created]:
-        wb = Client(nc, prefix, on_never_resumable=lambda *_: None)  # said in the CLI's words: create_warnings
-        reply = await wb.create(body)
+        wb = Client(nc, prefix)
+        reply = await wb.create(body, warn=False)  # said in the CLI's words, `create_warnings`
         read = Created(snapshot=golden_snapshot)
         if source_tag is not None:  # the tag's snapshot, as copied: its template and stamp, and the floor
             read.snapshot = await wb.started_from(actor_id, reply.seq)
