@@ -110,6 +110,18 @@ def _got(value: Any) -> str:
     return f"; got {quoted(value)}"
 
 
+def path_steps(path: str) -> list[int | str]:
+    """A field path as `field_path` gives it (`classes[0].runtime`) as its steps: indices and names."""
+    return [int(index) if index else name for index, name in re.findall(r"\[(\d+)\]|([^.\[\]]+)", path)]
+
+
+def at_path(value: Any, steps: list[int | str]) -> Any:
+    """What the decoded body `value` holds at `steps` (`path_steps`); LookupError or TypeError if nothing."""
+    for step in steps:
+        value = value[step]
+    return value
+
+
 def given(data: bytes, path: str | None, message: str) -> str:
     """`; got 'bad id!'`: the refused value at `path` of the body `data`, quoted (a string or a
     number; `_got`) to end its error with, so that the caller sees what was refused; "" when the
@@ -119,10 +131,7 @@ def given(data: bytes, path: str | None, message: str) -> str:
             or _ENUM.match(message)):
         return ""
     try:
-        value: Any = msgspec.json.decode(data)
-        for step in re.findall(r"\[(\d+)\]|([^.\[\]]+)", path):
-            index, key = step
-            value = value[int(index)] if index else value[key]
+        value: Any = at_path(msgspec.json.decode(data), path_steps(path))
     except (msgspec.DecodeError, LookupError, TypeError, ValueError):
         return ""
     if isinstance(value, bool) or not isinstance(value, str | int | float):
@@ -252,12 +261,10 @@ def map_entry(type_: Any, data: bytes | Any, message: str, path: str | None) -> 
     if not path or (not in_key and "[...]" not in path):
         return None
     at, _, rest = path.partition("[...]")
-    steps = [int(index) if index else key for index, key in re.findall(r"\[(\d+)\]|([^.\[\]]+)", at)]
+    steps = path_steps(at)
     map_type = _map_type(type_, steps)
     try:
-        entries: Any = msgspec.json.decode(data) if isinstance(data, bytes) else data
-        for step in steps:
-            entries = entries[step]
+        entries: Any = at_path(msgspec.json.decode(data) if isinstance(data, bytes) else data, steps)
     except (msgspec.DecodeError, LookupError, TypeError, ValueError, RecursionError):
         return None
     if map_type is None or not isinstance(entries, dict):
