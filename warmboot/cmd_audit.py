@@ -25,7 +25,7 @@ from events.subjects import event_subject
 from warmboot.audit import CHANGE_UNREGISTERED, PLACEMENT_RULES, RELEASE_RULES, STAMP_RULES, Sink, summary
 from warmboot.cli_common import (Failed, IntRange, ask, check_id, json_option, nats_option, prefix_option, read_subject,
                                  replay)
-from warmboot.cmd_views import output_mode, output_option
+from warmboot.cmd_views import echo_json, echo_table, fleet_runtimes, output_mode, output_option, pin_label
 from warmboot.render import Column, render_fields, render_table, terminal_width
 
 
@@ -112,8 +112,6 @@ def verify_cmd(nats_url: str, prefix: str) -> None:
 def actor_cmd(actor_id: str, nats_url: str, prefix: str, output: str | None, as_json: bool) -> None:
     """Print ACTOR_ID's timeline: every event with stamp, pin, fidelity, fallback and worker."""
 
-    from warmboot.cmd_views import echo_json, echo_table, fleet_runtimes
-
     as_json = output_mode(output, as_json) == "json"  # a usage error before anything is read
 
     subject = event_subject(prefix, "actor", actor_id)
@@ -151,8 +149,6 @@ def timeline_labels(events: list, runtimes: Runtimes) -> list[str]:
     the fleet no longer runs (as a default or restorable runtime; an edge that accepts it is not
     running it) is always `name@3f9a1c`: another actor's timeline may name another runtime of that
     name, which this one does not know of (a second walkthrough; a review found the edge case)."""
-    from warmboot.cmd_views import pin_label  # (as `actor_cmd` takes the views': when a timeline is shown)
-
     stamped = [_stamped(event) for event in events]
     for found in stamped:
         if found is not None:  # known, not run (an edge only accepts it), unless a worker runs it
