@@ -263,6 +263,13 @@ class RegisterWorker(Base, kw_only=True):
         "the message naming the highest); more than a year ahead of the registry's clock in ms is "
         "INVALID_ARGUMENT. Resend an unchanged registration with the revision it had: a higher one "
         "writes an event (docs/worker-agents.md)"))] = None
+    # Project addition: which disk of `node` the worker runs on (rule 5's LOCAL images are on it).
+    node_token: Annotated[Id | None, Meta(description=(
+        "optional (project addition): a token kept on the node's own disk, the same for every worker of "
+        "the node (warmboot's agent: --node-token-file). A LOCAL image restores only on workers that "
+        "registered the token of the disk it was written to; a worker registering another token than "
+        "its life's begins a new life (its actors released). The first token a node registers is taken "
+        "as its disk before tokens (docs/contract.md, rule 5)"))] = None
 
 
 class RegisterReply(Base, kw_only=True):
@@ -859,6 +866,7 @@ class WorkerRegistered(WorkerEvent, kw_only=True):
     labels: Labels
     sandbox_classes: tuple[WorkerSandboxClass, ...]
     revision: Revision | None = None  # the registration's (project addition)
+    node_token: Id | None = None  # the disk of its node it registered from (project addition)
 
 
 class RuntimeChanged(WorkerEvent, kw_only=True):
@@ -872,6 +880,7 @@ class WorkerUpdated(WorkerEvent, kw_only=True):
     capacity: Resources
     labels: Labels
     revision: Revision | None = None
+    node_token: Id | None = None  # the disk of its node it registers from now (project addition)
 
 
 class WorkerDrained(WorkerEvent, kw_only=True):
