@@ -14,7 +14,8 @@ import msgspec
 import pytest
 
 from events.errors import ContractError
-from events.schema import ErrorCode, RegisterOutcome, RegisterWorker, RuntimeChanged, WorkerRegistered
+from events.schema import (ErrorCode, RegisterOutcome, RegisterWorker, RuntimeChanged, WorkerRegistered, WorkerRemoved,
+                           WorkerUpdated)
 from services.registry.domain import Worker, canonical_classes, register_outcome
 from tests.registry_helpers import registration, runtime
 
@@ -213,3 +214,68 @@ def test_the_drain_in_force_names_its_own_event():
     version, reason = worker.drain_in_force
     assert isinstance(worker.history[version - 1], WorkerDrained) and reason == "maintenance"
     assert version == worker.version
+
+
+# --- node tokens: which disk of its node a worker registers from (rule 5's LOCAL images are on it) ----------
+
+
+def with_token(body: dict, token: str | None, **changes) -> dict:
+    return {**body, **changes, "node_token": token}
+
+
+def test_a_registration_from_another_disk_of_the_node_ends_the_life_and_begins_a_new_one_undrained():
+    body = registration("w-1")
+    worker = registered(with_token(body, "disk-a", revision=1))
+    worker.drain("cordoned", AT)
+    worker.collect_events()
+    assert worker.register(request(with_token(body, "disk-b", revision=2, request_id="r-2")), AT) \
+        is RegisterOutcome.REGISTERED
+    removed, began = [e.body for e in worker.collect_events()]
+    assert isinstance(removed, WorkerRemoved) and removed.request_id is None
+    assert "another disk of node" in removed.reason and body["node"] in removed.reason
+    assert isinstance(began, WorkerRegistered) and began.node_token == "disk-b" and began.request_id == "r-2"
+    assert worker.alive and worker.lives == 2 and not worker.drained and worker.node_token == "disk-b"
+    # the same registration sent again is answered from the new life, which it began
+    assert worker.prior("register", "r-2") == [worker.version]
+    replayed = Worker("w-1")
+    for event in worker.history:
+        replayed.apply(event)
+    assert (replayed.lives, replayed.node_token, replayed.drained) == (2, "disk-b", False)
+
+
+@pytest.mark.parametrize("before, after", [(None, "disk-a"), ("disk-a", None)])
+def test_a_token_given_or_dropped_on_the_same_machine_updates_the_life_it_does_not_end_it(before, after):
+    body = registration("w-1")
+    worker = registered(with_token(body, before))
+    assert worker.register(request(with_token(body, after)), AT) is RegisterOutcome.UPDATED
+    [updated] = [e.body for e in worker.collect_events()]
+    assert isinstance(updated, WorkerUpdated) and updated.node_token == after
+    assert worker.lives == 1 and worker.node_token == after
+
+
+def test_the_same_token_again_writes_nothing_and_a_registered_token_is_in_the_event():
+    body = with_token(registration("w-1"), "disk-a")
+    worker = Worker("w-1")
+    worker.register(request(body), AT)
+    [began] = [e.body for e in worker.collect_events()]
+    assert began.node_token == "disk-a"
+    assert worker.register(request(body), AT) is RegisterOutcome.UNCHANGED
+    assert worker.collect_events() == []
+
+
+def test_an_equal_revision_naming_another_token_is_another_registration_and_refused():
+    body = registration("w-1")
+    worker = registered(with_token(body, "disk-a", revision=5))
+    with pytest.raises(ContractError) as e:
+        worker.register(request(with_token(body, "disk-b", revision=5)), AT)
+    assert (e.value.code, e.value.field) == (ErrorCode.FAILED_PRECONDITION, "revision")
+    assert worker.collect_events() == [] and worker.lives == 1
+
+
+def test_a_new_life_from_another_disk_too_large_for_one_event_records_nothing():
+    body = registration("w-1")
+    worker = registered(with_token(body, "disk-a"))
+    with pytest.raises(ContractError) as e:
+        worker.register(request(with_token(body, "disk-b")), AT, max_payload=600)
+    assert e.value.code is ErrorCode.INVALID_ARGUMENT
+    assert worker.collect_events() == [] and (worker.alive, worker.lives, worker.node_token) == (True, 1, "disk-a")

@@ -51,6 +51,14 @@ Rules (CONTRACT sections 2 and 3, Registry):
   A revision more than a year ahead of the registry's clock in ms is INVALID_ARGUMENT
   (`REVISION_AHEAD_MS`): the highest is kept across lives, and one credential must not be
   able to put it out of its successors' reach.
+- Node tokens (project addition, docs/contract.md rule 5): a registration may carry `node_token`,
+  the token kept on its node's own disk. It is part of what a registration registers: one that
+  changes it writes `WorkerUpdated` with it. One that names another token than the one the
+  worker's life registered (both given) is another disk, so another machine: the life ends
+  (`WorkerRemoved`, `DISK_CHANGED_REASON`: its actors are released, what ran on the old machine
+  is gone) and the registration begins a new one (`WorkerRegistered`, outcome `REGISTERED`,
+  undrained), in one decision. A token given where the life had none, or none where it had one,
+  is an agent upgraded or downgraded on the same machine: `WorkerUpdated`, the life goes on.
 - A heartbeat may name the revision of the registration it keeps alive (its agent's in
   force): one naming another than the worker's registration in force is FAILED_PRECONDITION
   (field `revision`), and keeps nothing alive (`check_beats_in_force`). Two machines run
@@ -94,6 +102,15 @@ LOST = "LOST"
 # a sender refused goes on one above the highest (the refusal names it), which is then within
 # the bound.
 REVISION_AHEAD_MS = 366 * 24 * 3600 * 1000
+
+# The reason of the removal that ends a worker's life when it registers from another disk of its node
+# (another node token): at most 256 characters (a contract reason), the node an id of at most 128.
+DISK_CHANGED_REASON = ("registered from another disk of node {node} (another node token): a new machine, a new "
+                       "life; what ran on the old one is gone")
+
+
+def disk_changed_reason(node: str) -> str:
+    return DISK_CHANGED_REASON.format(node=node)[:256]
 
 NO_OVERHEAD = ActorOverhead(fixed_mib=0, per_gib_mib=0)
 
@@ -219,6 +236,7 @@ class Worker(WireAggregate):
         self.revision: int | None = None  # the highest a registration of any life recorded
         self.in_force: int | None = None  # the revision of the registration in force (the roster's `revision`)
         self.revised_content: tuple | None = None  # what the worker was once `revision` was recorded
+        self.node_token: str | None = None  # the token of its node's disk this life registered from now
 
     # --- decisions ------------------------------------------------------------------
 
@@ -246,7 +264,8 @@ class Worker(WireAggregate):
                     f"request_id {rid!r} was sent before the last life of worker {self.entity_id!r} ended: a copy of "
                     "that registration, decided late, does not begin a life; a sender that means it sends it "
                     "with a new request_id", "request_id")
-        if not self.alive:
+        another_disk = self.alive and self._another_disk(request.node_token)
+        if not self.alive or another_disk:
             registered = WorkerRegistered(
                 at=at,
                 request_id=rid,
@@ -256,16 +275,21 @@ class Worker(WireAggregate):
                 labels=dict(request.labels),
                 sandbox_classes=classes,
                 revision=revision,
+                node_token=request.node_token,
             )
             check_fits(registered, max_payload)
+            if another_disk:
+                # another machine under this worker id: its predecessor's life, and the actors placed in it, end
+                self.record(WorkerRemoved(at=at, worker_id=self.entity_id, reason=disk_changed_reason(request.node)))
             self.record(registered)
             return RegisterOutcome.REGISTERED
         self._check_same_classes(classes)
         runtime_changed = classes != self.sandbox_classes
-        updated = (request.node, request.capacity, dict(request.labels)) != (
+        updated = (request.node, request.capacity, dict(request.labels), request.node_token) != (
             self.node,
             self.capacity,
             self.labels,
+            self.node_token,
         )
         # A higher revision is written even with the same content: the next copy of an older
         # registration is then refused on the history alone.
@@ -289,6 +313,7 @@ class Worker(WireAggregate):
                 capacity=request.capacity,
                 labels=dict(request.labels),
                 revision=revision,
+                node_token=request.node_token,
             ))
         for change in changes:  # every one checked before any is recorded: all or nothing
             check_fits(change, max_payload)
@@ -358,6 +383,11 @@ class Worker(WireAggregate):
                                 "worker_id")
             raise no_worker(self.entity_id)
 
+    def _another_disk(self, node_token: str | None) -> bool:
+        """Whether a registration naming `node_token` is from another disk than the one this life
+        registered from: both name one, and they differ."""
+        return node_token is not None and self.node_token is not None and node_token != self.node_token
+
     def _check_same_classes(self, classes: tuple[WorkerSandboxClass, ...]) -> None:
         have, want = _names(self.sandbox_classes), _names(classes)
         if have == want:
@@ -390,10 +420,10 @@ class Worker(WireAggregate):
 
     @staticmethod
     def _content_of(request: RegisterWorker, classes: tuple[WorkerSandboxClass, ...]) -> tuple:
-        return request.node, request.capacity, tuple(sorted(request.labels.items())), classes
+        return request.node, request.capacity, tuple(sorted(request.labels.items())), classes, request.node_token
 
     def _content(self) -> tuple:
-        return self.node, self.capacity, tuple(sorted(self.labels.items())), self.sandbox_classes
+        return self.node, self.capacity, tuple(sorted(self.labels.items())), self.sandbox_classes, self.node_token
 
     def _revised(self, revision: int | None) -> None:
         """After an event's fields are applied: the highest revision, and what it registered (an
@@ -408,6 +438,7 @@ class Worker(WireAggregate):
         self.drain_in_force = None
         self.removed_reason = None
         self.node, self.capacity, self.labels = event.node, event.capacity, dict(event.labels)
+        self.node_token = event.node_token
         self.sandbox_classes = canonical_classes(event.sandbox_classes)
         self._revised(event.revision)
         self.in_force = event.revision
@@ -419,6 +450,7 @@ class Worker(WireAggregate):
 
     def when_WorkerUpdated(self, event: WorkerUpdated) -> None:
         self.node, self.capacity, self.labels = event.node, event.capacity, dict(event.labels)
+        self.node_token = event.node_token
         self._revised(event.revision)
         self.in_force = event.revision
 
@@ -431,3 +463,4 @@ class Worker(WireAggregate):
         self.removed_reason = event.reason or ""
         self._revised(event.revision)
         self.in_force = None
+        self.node_token = None
