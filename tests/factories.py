@@ -164,11 +164,12 @@ def actor(actor_id: str, *, cpu: int = 500, mem: int = 1024, template: str = "t1
 
 
 def registered(worker_id: str, *classes: WorkerSandboxClass, node: str | None = None, cpu: int = 4000,
-               mem: int = 4096, labels: dict[str, str] | None = None, at: datetime = AT) -> WorkerRegistered:
+               mem: int = 4096, labels: dict[str, str] | None = None, at: datetime = AT,
+               node_token: str | None = None) -> WorkerRegistered:
     """A registration as the registry records it (`entry(...)` per class)."""
     return WorkerRegistered(at=at, worker_id=worker_id, node=node or f"node-{worker_id}",
                             capacity=Resources(cpu_millis=cpu, memory_mib=mem), labels=labels or {},
-                            sandbox_classes=classes)
+                            sandbox_classes=classes, node_token=node_token)
 
 
 def created(actor_id: str, *, cpu: int = 500, mem: int = 1024, template: str = "t1",
@@ -250,9 +251,10 @@ class Log:
 
     def worker(self, worker_id: str, default: WorkerRuntime | None = None, restorable: tuple[WorkerRuntime, ...] = (),
                *, node: str | None = None, cpu: int = 4000, mem: int = 8192, labels: dict[str, str] | None = None,
-               sandbox_class: str = CLASS) -> int:
+               sandbox_class: str = CLASS, node_token: str | None = None) -> int:
         classes = entry(default or runtime(self.default), restorable, sandbox_class)
-        return self.add(registered(worker_id, classes, node=node, cpu=cpu, mem=mem, labels=labels))
+        return self.add(registered(worker_id, classes, node=node, cpu=cpu, mem=mem, labels=labels,
+                                   node_token=node_token))
 
     def drain(self, worker_id: str) -> int:
         return self.add(WorkerDrained(at=AT, worker_id=worker_id, reason="maintenance"))

@@ -138,6 +138,13 @@ def event_mix() -> list[Event]:
         registered("w4", entry(V2), **ROOMY),
         created("cold"),  # created again: the fold takes the new content
         booked("w9", "nobody"),  # a booking marker alone
+        # node tokens: two disks under node-t (t1 its first, then t2), an image paused on the second's
+        registered("wt1", entry(V1), node="node-t", node_token="t1", **ROOMY),
+        registered("wt2", entry(V1), node="node-t", node_token="t2", **ROOMY),
+        created("on-t2"),
+        placed("on-t2", "wt2", V1, node="node-t"), booked("wt2", "on-t2"),
+        taken(snapshot("on-t2", V1, node="node-t"), SnapshotOrigin.PAUSE),
+        released("on-t2", "wt2", ReleaseReason.PAUSED),
     ]
     return events
 
@@ -158,7 +165,7 @@ def walk(p: Projection) -> dict[str, Any]:
     """
     assert set(vars(p)) == {"seq", "events", "stream_created", "seq_time", "workers", "classes", "actors", "bookings",
                             "subjects", "intern", "recreated", "placed_listener", "registry_version", "unread_actor_seq",
-                            "unread_actors", "unread_workers", "_dispatch"}, \
+                            "unread_actors", "unread_workers", "disks", "_dispatch"}, \
         "a new Projection field: teach the checkpoint codec about it"
     registered = {id(w) for w in p.workers.values()}
     others: dict[int, int] = {}  # unregistered worker records, numbered by first sight
@@ -206,6 +213,7 @@ def walk(p: Projection) -> dict[str, Any]:
         "actors": [(k, obj(a)) for k, a in p.actors.items()],
         "bookings": list(p.bookings.items()),
         "subjects": list(p.subjects.items()),
+        "disks": (type(p.disks).__name__, list(p.disks.items())),
         "recreated": list(p.recreated.items()),
         "unread_actor_seq": p.unread_actor_seq,
         "unread_actors": list(p.unread_actors.items()),

@@ -45,6 +45,7 @@ from services.scheduler.feasibility import (ARCHITECTURE_MISMATCH, CLASS_NOT_REG
                                             missing_keys, room)
 from services.scheduler.fragmentation import fragmentation
 from services.scheduler.projection import Projection
+from services.scheduler.places import describe, node_of, short
 from services.scheduler.records import (MEMORY, PAUSED, RUNNING, SUSPENDED, Actor, SnapshotKind, Worker,
                                         named_image, request_hash)
 from services.snapshotter.stamping import free_form_id
@@ -484,9 +485,9 @@ class Verifier:
             if kind is not None and kind.local:
                 # at any fidelity (rule 5), a cold boot too: the scheduler restricts every tier of such an
                 # actor to that node, and a cold boot elsewhere would leave the image there for good
-                return (f"{aid}'s latest snapshot is LOCAL on node {actor.image_node}; {how} on {wid} on "
-                        f"{worker.node}")
-            return f"{aid} is PAUSED on node {actor.node}; {how} on {wid} on {worker.node}"
+                return (f"{aid}'s latest snapshot is LOCAL on {describe(actor.image_node or '')}; {how} on {wid} on "
+                        f"{short(worker.place)}")
+            return f"{aid} is PAUSED on {describe(actor.node or '')}; {how} on {wid} on {short(worker.place)}"
         if entry is None:  # RUNTIME_GONE, as all that follow but ACROSS_ARCHITECTURES
             return f"{wid} does not register class {cls}"
         if rule == ACROSS_ARCHITECTURES:
@@ -716,13 +717,13 @@ class Verifier:
         if _key(snapshot.sandbox_runtime) != pin.compat.key:
             return Violation(seq, STAMP_NOT_PIN,
                              f"{aid} {origin.value} snapshot {sid} {_stamped(snapshot.sandbox_runtime)}; the "
-                             f"placement it ends (worker {worker}, node {actor.node}) is pinned to "
+                             f"placement it ends (worker {worker}, {describe(actor.node)}) is pinned to "
                              f"{_runtime(pin.runtime)}")
         ran = self.ran.get(aid)
         if ran is not None and snapshot.template_uid != ran:
             return Violation(seq, NOT_RUN_TEMPLATE,
                              f"{aid} {origin.value} snapshot {sid} is of template {snapshot.template_uid}; the "
-                             f"placement it ends (worker {worker}, node {actor.node}) ran template {ran}")
+                             f"placement it ends (worker {worker}, {describe(actor.node)}) ran template {ran}")
         # what the image holds (the snapshotter's `paused_snapshot`, `suspended_snapshot`): a pause's all of
         # the memory, `borrowed` as the actor's latest snapshot is (volumes of its own only once it has been
         # suspended since a golden creation); a suspend's the actor's own durable copy, never `borrowed`. A
@@ -735,10 +736,11 @@ class Verifier:
                          f"{'volumes of its own' if owns else 'none of its own (created from a golden snapshot)'}")
             return Violation(seq, NOT_AS_TAKEN, f"{aid} {origin.value} snapshot {sid} is recorded {held}")
         if origin is SnapshotOrigin.PAUSE:
-            if snapshot.location is not Location.LOCAL or (snapshot.node is not None and snapshot.node != actor.node):
+            if snapshot.location is not Location.LOCAL or (snapshot.node is not None
+                                                           and snapshot.node != node_of(actor.node)):
                 return Violation(seq, MISPLACED,
                                  f"{aid} PAUSE snapshot {sid} is {_where(snapshot)}; a pause's image is LOCAL on the "
-                                 f"node of the placement it ends: node {actor.node} (worker {worker})")
+                                 f"node of the placement it ends: {describe(actor.node)} (worker {worker})")
         elif snapshot.location is not Location.EXTERNAL:
             return Violation(seq, MISPLACED, f"{aid} SUSPEND snapshot {sid} is {_where(snapshot)}; a suspend's image "
                                              "is EXTERNAL")

@@ -37,6 +37,7 @@ from events.schema import (
     Location,
 )
 from services.scheduler.paging import Ahead
+from services.scheduler.places import node_of
 
 
 def actor_summary(actor: Any) -> ActorSummary:
@@ -45,14 +46,14 @@ def actor_summary(actor: Any) -> ActorSummary:
     kind = actor.snapshot
     snapshot = None if kind is None else ActorSnapshotSummary(
         snapshot_id=actor.snapshot_id, template_uid=kind.template_uid, fidelity=kind.fidelity,
-        location=Location.LOCAL if kind.local else Location.EXTERNAL, node=actor.image_node,
+        location=Location.LOCAL if kind.local else Location.EXTERNAL, node=node_of(actor.image_node) if actor.image_node else None,
         borrowed=kind.borrowed, stamp=kind.stamp.runtime if kind.stamp is not None else None)
     worker, pin = actor.worker, actor.pin
     return ActorSummary(
         actor_id=actor.actor_id, state=actor.state, sandbox_class=actor.sandbox_class,
         template_uid=actor.template_uid, resources=actor.resources, selectors=dict(actor.selectors),
         min_fidelity=actor.min_fidelity, snapshot=snapshot,
-        worker_id=worker.worker_id if worker is not None else None, node=actor.node,
+        worker_id=worker.worker_id if worker is not None else None, node=node_of(actor.node) if actor.node else None,
         pin=pin.runtime if pin is not None else None, booked=actor.booked, last_seq=actor.last_seq)
 
 

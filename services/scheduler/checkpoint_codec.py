@@ -47,8 +47,10 @@ from events.natspy import jetstream as natspy_jetstream_module
 from events.schema import ActorRuntime, CompatVersion, Fidelity, Resources, WorkerRuntime
 from events.states import ActorState, WorkerState
 from services.scheduler import interner as interner_module
+from services.scheduler import places as places_module
 from services.scheduler import projection as projection_module
 from services.scheduler import records as records_module
+from services.scheduler.places import Disks
 from services.scheduler.projection import Projection
 from services.scheduler.records import (
     ROLES,
@@ -65,7 +67,9 @@ from services.scheduler.records import (
 )
 
 # Bump on any change of what State holds or how it maps onto the projection.
-FORMAT = 8  # 8: a class's capacity counts (ClassRow), an actor's last life's placements (ActorRow.earlier)
+# 8: a class's capacity counts (ClassRow), an actor's last life's placements (ActorRow.earlier); 9: the disks of
+# nodes (State.disks) and each worker's place (WorkerRow.place)
+FORMAT = 9
 
 
 NONE = -1  # "no reference" in an index field
@@ -91,7 +95,7 @@ def _fold_digest() -> str:
         sources = (records_module.__file__, interner_module.__file__, projection_module.__file__,
                    Path(__file__).with_name("fold.py"), schema_module.__file__, states_module.__file__,
                    layout_module.__file__, headers_module.__file__, frames_module.__file__,
-                   natspy_jetstream_module.__file__, compat_module.__file__, __file__)
+                   natspy_jetstream_module.__file__, compat_module.__file__, places_module.__file__, __file__)
         for path in sources:
             h.update(Path(path).read_bytes())
     except (OSError, TypeError):
@@ -126,6 +130,7 @@ class WorkerRow(Struct, array_like=True, gc=False):
     booking_version: int
     booking_seq: int
     since: int
+    place: str  # the disk of its node it registered from (`services.scheduler.places`)
 
 
 class ActorRow(Struct, array_like=True, gc=False):
@@ -183,6 +188,7 @@ class State(Struct):
     unread_actor_seq: int = 0  # the last message of an actor's history the fold could not read
     unread_actors: list[tuple[str, int]] = []  # (actor id, seq) of Projection.unread_actors
     unread_workers: list[tuple[str, int]] = []  # (worker id, seq) of Projection.unread_workers
+    disks: list[tuple[str, str, str]] = []  # (node, first token, latest token) of Projection.disks
 
 
 class Envelope(Struct):
@@ -289,7 +295,7 @@ def _export(p: Projection) -> State:
             w.worker_id, w.node, w.cpu_millis, w.memory_mib, map_of(w.labels), w.state.value,
             [(name, runtime_index[id(e.default)], [runtime_index[id(r)] for r in e.restorable])
              for name, e in w.classes.items()],
-            w.booked_cpu, w.booked_mem, w.holding, w.booking_version, w.booking_seq, w.since,
+            w.booked_cpu, w.booked_mem, w.holding, w.booking_version, w.booking_seq, w.since, w.place,
         )
         for w in workers
     ]
@@ -350,6 +356,7 @@ def _export(p: Projection) -> State:
         unread_actor_seq=p.unread_actor_seq,
         unread_actors=list(p.unread_actors.items()),
         unread_workers=list(p.unread_workers.items()),
+        disks=[(node, first, latest) for node, (first, latest) in p.disks.items()],
     )
 
 
@@ -394,6 +401,7 @@ def _restore(state: State) -> Projection:
     for i, row in enumerate(state.workers):
         w = Worker(row.worker_id)
         w.node = text(row.node)
+        w.place = text(row.place)
         w.cpu_millis = row.cpu_millis
         w.memory_mib = row.memory_mib
         w.labels = maps[row.labels]
@@ -465,6 +473,7 @@ def _restore(state: State) -> Projection:
     p.unread_actor_seq = state.unread_actor_seq
     p.unread_actors = dict(state.unread_actors)
     p.unread_workers = dict(state.unread_workers)
+    p.disks = Disks({text(node): (first, latest) for node, first, latest in state.disks})
     return p
 
 

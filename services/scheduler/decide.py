@@ -91,6 +91,7 @@ from events.schema import (
 from services.scheduler.feasibility import (NO_PENDING, REASONS, SELECTOR_MISMATCH, Ask, Pending, missing_keys,
                                             none_passes)
 from services.scheduler.projection import Projection
+from services.scheduler.places import describe, node_of
 from services.scheduler.records import (
     EDGE_DEFAULT,
     EDGE_RESTORABLE,
@@ -325,11 +326,14 @@ def _plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | N
     if node is not None:
         on_node = index.by_node.get(node) if index is not None and node else None
         if not on_node:
-            where = f"node {node}" if node else "a node it does not name"
+            where = describe(node) if node else "a node it does not name"
+            gone = (f" (node {node_of(node)} has registered from another disk since, another node token: a "
+                    "machine replaced, the image lost with its disk)" if node and projection.disks.moved_on(node)
+                    else "")
             raise NoWorkerOnNode(
                 ErrorCode.FAILED_PRECONDITION,
                 f"actor {aid}'s latest snapshot is a LOCAL image on {where}, where no worker of class {cls} "
-                f"is registered; it restores only there. To give the image up, revert the actor "
+                f"is registered{gone}; it restores only there. To give the image up, revert the actor "
                 f"(`warmboot actor revert {aid}`): it then resumes from its latest EXTERNAL snapshot, or cold-boots"
             )
         base: IndexedSet | None = on_node
@@ -403,9 +407,9 @@ def _plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | N
         if members:  # a role no worker accepts the stamp in is no tier (most stamps have no edges)
             tiers.append(Tier(name, mem_ask, members, Action.RESTORE, PlacedFidelity.MEMORY, None, role))
     if node is not None:  # rule 5: never relaxed
-        refusal = Cause(f"its memory image is LOCAL on node {node}: it restores only on a compatible worker there"
-                        if actor.state is not PAUSED else
-                        f"actor is PAUSED on node {node}: its memory restores only on a compatible worker there "
+        refusal = Cause(f"its memory image is LOCAL on {describe(node)}: it restores only on a compatible worker "
+                        "there" if actor.state is not PAUSED else
+                        f"actor is PAUSED on {describe(node)}: its memory restores only on a compatible worker there "
                         "(suspended, its image goes to external storage and it may move)")
     elif floor is Fidelity.MEMORY:  # rule 4's exception (4a: more room could help; so could a worker registering)
         refusal = (Cause("no compatible worker has room and min_fidelity is MEMORY") if tiers else
@@ -493,7 +497,7 @@ def _no_worker(arch: str | None, node: str | None, candidates: Sequence[Worker])
     """Why a tier without memory found no worker: none of its `candidates` fits (the counts before it
     say why: room, drained, selectors), or, of a stamp's architecture, none is registered (it read as
     busy, where room freed cannot help: a docs check)."""
-    where = f" on node {node}" if node else ""
+    where = f" on {describe(node)}" if node else ""
     if arch is not None and node is None and not candidates:
         return Cause(f"no registered worker of the class has architecture {arch}", ARCH_FIELD)
     of = f" with architecture {arch}" if arch is not None else ""

@@ -115,7 +115,7 @@ class Ask:
             for key, value in self.selectors:
                 if labels.get(key) != value:
                     return 3, None, 0
-        if self.node is not None and worker.node != self.node:
+        if self.node is not None and worker.place != self.node:  # rule 5: a place, a disk of a node
             return 4, None, 0
         if self.compat is None:
             runtime = entry.default

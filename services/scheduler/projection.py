@@ -55,6 +55,7 @@ from events.compat import compat_key
 from events.states import WAITING
 from services.scheduler.feasibility import carries_out
 from services.scheduler.interner import Interner
+from services.scheduler.places import Disks, node_of
 from services.scheduler.records import (
     ACTOR_FIELDS,
     CREATED,
@@ -95,6 +96,9 @@ class Projection:
         # a copy keeps its creation time, and a message of its own at that sequence has another time.
         self.seq_time: int | bytes | str = 0
         self.workers: dict[str, Worker] = {}
+        # node -> the first and the latest node token its workers registered: which disk of a node a
+        # worker is on (`Worker.place`), and a LOCAL image (`Actor.image_node`), for rule 5
+        self.disks = Disks()
         self.classes: dict[str, ClassIndex] = {}
         self.actors: dict[str, Actor] = {}
         # (version, last seq) of `booking.<id>` subjects of workers not registered now (a
@@ -309,7 +313,7 @@ class Projection:
     def _index(self, worker: Worker, delta: int) -> None:
         """Add (+1) or remove (-1) a worker from the indices of its classes."""
         live = worker.live
-        node = worker.node
+        node = worker.place
         for name, entry in worker.classes.items():
             index = self.class_index(name)
             set_member(index.by_node, node, worker, delta)
@@ -336,7 +340,7 @@ class Projection:
         if worker.live == live:
             return
         delta = 1 if live else -1
-        node = worker.node
+        node = worker.place
         for name, entry in worker.classes.items():
             index = self.class_index(name)
             for compat, (role, _) in entry.accepts.items():
@@ -366,6 +370,7 @@ class Projection:
                 worker.booking_version, worker.booking_seq = previous
         worker.state = REGISTERED
         worker.node = self.intern.text(event.node)
+        worker.place = self.intern.text(self.disks.place(worker.node, event.node_token))
         worker.cpu_millis = event.capacity.cpu_millis
         worker.memory_mib = event.capacity.memory_mib
         worker.labels = self.intern.selectors(event.labels)
@@ -385,9 +390,10 @@ class Projection:
         if worker is None:
             return
         node = self.intern.text(event.node)
-        if node is not worker.node:  # its place in the per-node indices moves with it
+        place = self.intern.text(self.disks.place(node, event.node_token))
+        if place is not worker.place:  # its place in the per-place indices moves with it
             self._index(worker, -1)
-            worker.node = node
+            worker.node, worker.place = node, place
             self._index(worker, +1)
         capacity = event.capacity
         if capacity.cpu_millis != worker.cpu_millis or capacity.memory_mib != worker.memory_mib:
@@ -443,9 +449,10 @@ class Projection:
             else:
                 bump_count(index.external_memory, compat, delta)
 
-    def _set_snapshot(self, actor: Actor, snapshot: Snapshot | None, node: str | None = None) -> None:
-        """The actor's latest snapshot is now `snapshot` (None: it has none); a LOCAL one that
-        names no node is on `node`, if given."""
+    def _set_snapshot(self, actor: Actor, snapshot: Snapshot | None, place: str | None = None) -> None:
+        """The actor's latest snapshot is now `snapshot` (None: it has none); a LOCAL one is on
+        `place` (where the actor ran when it was taken), if given and of the node it names (or it
+        names none); on a disk the fold does not know otherwise (`Disks.unknown`)."""
         if snapshot is None:
             actor.snapshot = actor.snapshot_ref = actor.image_node = None
             return
@@ -456,7 +463,13 @@ class Projection:
             snapshot.template_uid, snapshot.fidelity, self.intern.stamp(runtime) if runtime is not None else None,
             snapshot.borrowed, prefixed, local,
         )
-        image_node = (snapshot.node or node) if local else None
+        image_node = None
+        if local:
+            named = snapshot.node
+            if place is not None and (named is None or node_of(place) == named):
+                image_node = place
+            elif named is not None:
+                image_node = self.disks.unknown(named)
         actor.image_node = None if image_node is None else self.intern.text(image_node)
 
     def _release(self, actor: Actor) -> Actor:
@@ -513,7 +526,7 @@ class Projection:
             return actor
         self._count(actor, -1)
         snapshot = event.snapshot
-        # a LOCAL image that names no node is on the node the actor runs on
+        # a LOCAL image is on the place the actor runs on (a disk of its node), as is one that names no node
         self._set_snapshot(actor, snapshot, actor.node if actor.state is RUNNING else None)
         if origin is SnapshotOrigin.PAUSE:
             node = actor.image_node or actor.node
@@ -548,7 +561,10 @@ class Projection:
             worker = Worker(event.worker_id)
             worker.state = DRAINED
         actor = self._assign(actor, worker, self.intern.lease(self.intern.resources(event.booked), self.intern.stamp(event.sandbox_runtime)))
-        actor.node = self.intern.text(event.node)
+        # on its worker's place (the disk it registered from); a worker removed meanwhile, or on another node
+        # than the placement names, on a disk the fold does not know
+        node = self.intern.text(event.node)
+        actor.node = worker.place if worker.node == node else self.intern.text(self.disks.unknown(node))
         actor.state = RUNNING
         request_id = event.request_id
         if request_id is not None:

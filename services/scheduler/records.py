@@ -167,6 +167,7 @@ class Worker:
     __slots__ = (
         "worker_id",
         "node",
+        "place",  # the disk of its node it registered from (`services.scheduler.places`): what rule 5 reads
         "cpu_millis",
         "memory_mib",
         "labels",
@@ -185,6 +186,7 @@ class Worker:
     def __init__(self, worker_id: str):
         self.worker_id = worker_id
         self.node = ""
+        self.place = ""
         self.cpu_millis = 0
         self.memory_mib = 0
         self.labels: Mapping[str, str] = _EMPTY
@@ -286,13 +288,14 @@ class ClassIndex:
     - `members[role][compat]`: the workers accepting `compat` in that role (a worker in every
       role it accepts `compat` in: `ClassEntry.accepting`); `live[role][compat]` how many
       live workers accept `compat` best in that role (each worker counted once per key);
-    - `by_node[node]`, `by_arch[architecture]`: the workers on a node, and by the
+    - `by_node[place]`, `by_arch[architecture]`: the workers on a place (a disk of a node,
+      `services.scheduler.places`: what rule 5 restricts a LOCAL image to), and by the
       architecture of their class default (a restore without memory keeps the stamp's);
-    - `live_on_node[(node, compat)]`: live workers on a node accepting `compat` in any role;
+    - `live_on_node[(place, compat)]`: live workers on a place accepting `compat` in any role;
     - what counts as stranded (CONTRACT section 3): the latest MEMORY snapshots of
       SUSPENDED and PAUSED actors of their current template, EXTERNAL ones per compat
-      key (`external_memory`), LOCAL ones per node and key (`local_memory`);
-    - `local_waiting[node]`: waiting actors whose latest snapshot is LOCAL on `node`
+      key (`external_memory`), LOCAL ones per place and key (`local_memory`);
+    - `local_waiting[place]`: waiting actors whose latest snapshot is LOCAL on `place`
       (lost when no worker of the class is registered there);
     - `cpu_caps[cpu millis]`, `mem_caps[memory MiB]`: how many of its workers (`workers`) have
       that capacity, so that the largest is known without a pass over them (`largest`: a
@@ -428,7 +431,9 @@ class Actor(Struct, gc=False, eq=False):
     spec: Spec
     snapshot: SnapshotKind | None = None  # the latest snapshot, None before the first
     snapshot_ref: str | None = None  # its id, or (`snapshot.prefixed`) the rest after the actor's id
-    node: str | None = None  # node of the assignment while RUNNING; the pinned node while PAUSED
+    # place (`services.scheduler.places`: a disk of a node) of the assignment while RUNNING; the pinned
+    # place while PAUSED
+    node: str | None = None
     # optimistic concurrency on `actor.<id>`
     version: int = 0
     last_seq: int = 0
@@ -436,8 +441,8 @@ class Actor(Struct, gc=False, eq=False):
     # most RECENT_PLACEMENTS, packed as (64-bit hash of the request id, stream sequence);
     # once one was pushed out, followed by a filter of the hashes pushed out (`with_placement`)
     placements: bytes | None = None
-    # the node of the latest snapshot when it is a LOCAL image (None: not LOCAL, or a LOCAL
-    # image that named no node, taken while the actor ran nowhere)
+    # the place (a disk of a node) of the latest snapshot when it is a LOCAL image (None: not LOCAL, or
+    # a LOCAL image that named no node, taken while the actor ran nowhere)
     image_node: str | None = None
     # the recent placements of the actor's last life (its `placements` when it was created anew,
     # without their filter): a resume carrying one of their request ids is refused

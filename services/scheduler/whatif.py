@@ -26,6 +26,7 @@ from events.errors import ContractError, no_worker, not_found
 from events.schema import (ActorRuntime, Location, Room, RuntimeForecast, SnapshotCounts, StrandedActor, WhatIf,
                            WhatIfAnswer)
 from services.scheduler.projection import Projection
+from services.scheduler.places import node_of
 from services.scheduler.records import (
     CREATED,
     MEMORY,
@@ -95,7 +96,7 @@ class Scenario:
         return found
 
     def on_node(self, node: str, compat: Compat) -> bool:
-        return any(w.node == node for w in self.acceptors(compat))
+        return any(w.place == node for w in self.acceptors(compat))  # a place: a disk of a node (rule 5)
 
 
 def _before(index: ClassIndex) -> SnapshotCounts:
@@ -236,7 +237,8 @@ def _memory_image(actor: Actor, sandbox_class: str) -> tuple[Any, ActorRuntime, 
     if actor.spec.sandbox_class != sandbox_class or kind.template_uid != actor.spec.template_uid:
         return None
     if kind.local:
-        return (actor.image_node or "", kind.stamp.compat), kind.stamp.runtime, Location.LOCAL, actor.image_node or None
+        return (actor.image_node or "", kind.stamp.compat), kind.stamp.runtime, Location.LOCAL, \
+            node_of(actor.image_node) if actor.image_node else None
     return kind.stamp.compat, kind.stamp.runtime, Location.EXTERNAL, None
 
 

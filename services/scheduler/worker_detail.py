@@ -47,13 +47,14 @@ def worker_detail(projection: Any, worker_id: str) -> WorkerDetail:
         a = projection.actors[actor_id]
         actors.append(BookedActor(actor_id=actor_id, sandbox_class=a.sandbox_class, state=a.state, booked=a.booked,
                                   pin=a.pin.runtime))
-    # Waiting actors whose latest image is LOCAL on this worker's node, of a class it runs: they
+    # Waiting actors whose latest image is LOCAL on this worker's place (the disk of its node it registered
+    # from: `services.scheduler.places`), of a class it runs: they
     # resume only on that node (CONTRACT rule 5), so draining or removing the node's last worker of
     # the class strands them (docs/operations.md: suspend them first).
     local = []
     for actor_id, a in projection.actors.items():
         kind = a.snapshot
-        if (kind is None or not kind.local or a.image_node != w.node or a.state in _SETTLED
+        if (kind is None or not kind.local or a.image_node != w.place or a.state in _SETTLED
                 or a.sandbox_class not in w.classes):
             continue
         local.append(LocalImage(actor_id=actor_id, state=a.state, snapshot_id=a.snapshot_id, fidelity=kind.fidelity,

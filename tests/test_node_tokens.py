@@ -1,0 +1,212 @@
+"""Rule 5 with node tokens (docs/contract.md): a LOCAL image restores only on the disk it was written to.
+
+A machine replaced under its old node name (and worker id) was sent the old disk's LOCAL images, which
+cannot load there: a node was its name. With `node_token` in registrations, the fold keys rule 5 by the
+disk of a node (`services.scheduler.places`), and decide, explain, `audit verify` and a checkpoint all
+read the same. Pure: the scheduler's own fold and decisions over logs built here.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from events.errors import ContractError
+from events.schema import (Action, ErrorCode, PlacedFidelity, ReleaseReason, SnapshotOrigin, WorkerRemoved,
+                           WorkerUpdated)
+from services.registry.domain import disk_changed_reason
+from services.scheduler.actor_list import actor_summary
+from services.scheduler.checkpoint_codec import export_state, restore_state
+from services.scheduler.fragmentation import fragmentation
+from services.scheduler.places import Disks, describe, node_of
+from services.scheduler.records import PAUSED
+from services.scheduler.worker_detail import worker_detail
+from tests.factories import AT, Log, placed, registered, entry, fold, runtime, version
+from warmboot import audit
+from warmboot.audit import Sink
+
+V1 = version("1")
+
+
+def paused_on(log: Log, actor_id: str, worker_id: str) -> None:
+    """Place `actor_id` (it must go to `worker_id`), then pause it there: a LOCAL image on its node."""
+    placement = log.decide(actor_id)
+    assert placement.worker_id == worker_id
+    log.place(placement)
+    log.snapshot(actor_id, origin=SnapshotOrigin.PAUSE, stamped=placement.sandbox_runtime.version,
+                 node=placement.node)
+    log.release(actor_id, worker_id, ReleaseReason.PAUSED)
+    assert log.p.actors[actor_id].state is PAUSED
+
+
+def refused(log: Log, actor_id: str) -> ContractError:
+    with pytest.raises(ContractError) as caught:
+        log.decide(actor_id)
+    return caught.value
+
+
+def replaced(log: Log, worker_id: str, node: str, token: str) -> None:
+    """The registry's record of a machine replaced under the same worker id: the life ends, a new one begins."""
+    log.add(WorkerRemoved(at=AT, worker_id=worker_id, reason=disk_changed_reason(node)))
+    log.worker(worker_id, node=node, node_token=token)
+
+
+# --- decide --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("same_worker_id", [True, False])
+def test_a_local_image_is_never_sent_to_a_machine_that_replaced_its_disk_under_the_node_name(same_worker_id):
+    log = Log()
+    log.worker("w1", node="n1", node_token="disk-a")
+    log.actor("a")
+    paused_on(log, "a", "w1")
+    if same_worker_id:
+        replaced(log, "w1", "n1", "disk-b")
+    else:
+        log.add(WorkerRemoved(at=AT, worker_id="w1", reason="LOST"))
+        log.worker("w2", node="n1", node_token="disk-b")
+    error = refused(log, "a")
+    assert error.code is ErrorCode.FAILED_PRECONDITION
+    assert "LOCAL image on node n1" in error.message and "warmboot actor revert a" in error.message
+    assert "registered from another disk since" in error.message  # why: the machine was replaced
+    # the same log without tokens: the hole this closes (the image sent to the new machine at MEMORY)
+    untokened = Log()
+    for event in log.events:
+        if hasattr(event, "node_token"):
+            event = type(event)(**{**{f: getattr(event, f) for f in event.__struct_fields__}, "node_token": None})
+        untokened.add(event)
+    assert untokened.decide("a").fidelity is PlacedFidelity.MEMORY
+
+
+def test_the_same_disk_in_a_new_life_restores_its_images_at_memory():
+    log = Log()
+    log.worker("w1", node="n1", node_token="disk-a")
+    log.actor("a")
+    paused_on(log, "a", "w1")
+    log.add(WorkerRemoved(at=AT, worker_id="w1", reason="LOST"))  # its agent was down past the TTL
+    log.worker("w1", node="n1", node_token="disk-a")
+    log.worker("w2", node="n1", node_token="disk-a")  # another worker of the same machine
+    placement = log.decide("a")
+    assert (placement.node, placement.action, placement.fidelity) == ("n1", Action.RESTORE, PlacedFidelity.MEMORY)
+
+
+def test_images_taken_before_tokens_are_the_disk_of_the_first_token_its_node_registers():
+    """An agent upgraded in place: its node's images from before stay restorable under the first token; a
+    second token (a machine replaced after the upgrade) does not get them."""
+    log = Log()
+    log.worker("w1", node="n1")
+    log.actor("a")
+    log.actor("b")
+    paused_on(log, "a", "w1")
+    log.add(WorkerUpdated(at=AT, worker_id="w1", node="n1", capacity=registered("w1").capacity, labels={},
+                          node_token="disk-a"))
+    assert log.decide("a").fidelity is PlacedFidelity.MEMORY
+    paused_on(log, "b", "w1")
+    replaced(log, "w1", "n1", "disk-b")
+    for actor_id in ("a", "b"):
+        assert refused(log, actor_id).code is ErrorCode.FAILED_PRECONDITION
+
+
+def test_two_disks_registered_under_one_node_each_restore_only_their_own_images():
+    """Two machines under one node name at once (a misconfiguration the registry cannot refuse in a race):
+    each image goes back to the disk it was written to, never to the other, whichever has room."""
+    log = Log()
+    log.worker("w1", node="n1", node_token="disk-a", mem=2048)
+    log.worker("w2", node="n1", node_token="disk-b", mem=65536)
+    log.actor("a", mem=1024)
+    placement = log.decide("a")
+    log.place(placement)
+    worker = placement.worker_id
+    log.snapshot("a", origin=SnapshotOrigin.PAUSE, stamped=placement.sandbox_runtime.version, node="n1")
+    log.release("a", worker, ReleaseReason.PAUSED)
+    for position in range(10):
+        assert log.decide("a", position=position).worker_id == worker
+    log.drain(worker)
+    error = refused(log, "a")
+    assert error.code is ErrorCode.RESOURCE_EXHAUSTED  # its disk has a registered worker, drained
+    assert describe(log.p.actors["a"].node) in error.message
+
+
+def test_views_show_the_node_and_fragmentation_counts_an_image_whose_disk_is_gone_as_lost():
+    log = Log()
+    log.worker("w1", node="n1", node_token="disk-a")
+    log.worker("w2", node="n1", node_token="disk-b")
+    log.actor("a")
+    placement = log.decide("a")
+    log.place(placement)
+    log.snapshot("a", origin=SnapshotOrigin.PAUSE, stamped=placement.sandbox_runtime.version, node="n1")
+    log.release("a", placement.worker_id, ReleaseReason.PAUSED)
+    summary = actor_summary(log.p.actors["a"])
+    assert summary.node == "n1" and summary.snapshot.node == "n1"
+    other = "w2" if placement.worker_id == "w1" else "w1"
+    assert [i.actor_id for i in worker_detail(log.p, placement.worker_id).local_images] == ["a"]
+    assert worker_detail(log.p, other).local_images == []
+    log.add(WorkerRemoved(at=AT, worker_id=placement.worker_id, reason="LOST"))
+    (cls,) = fragmentation(log.p).classes
+    assert cls.lost_local_snapshots == 1
+
+
+def test_a_local_image_taken_where_the_actor_did_not_run_is_on_no_known_disk_of_a_tokened_node():
+    """A pause recorded naming another node than the placement's (no snapshotter writes one; the fold reads
+    it): on a node that registers tokens, on a disk no worker is on; before tokens, on the node, as v1.1."""
+    for token, restorable in (("disk-a", False), (None, True)):
+        log = Log()
+        log.worker("w1", node="n1")
+        log.worker("w9", node="n9", node_token=token)
+        log.actor("a")
+        placement = log.decide("a", selectors=None)
+        log.place(placement)
+        other = "n9" if placement.node == "n1" else "n1"
+        log.snapshot("a", origin=SnapshotOrigin.PAUSE, stamped=V1, node=other)
+        if other == "n1" or restorable:
+            assert log.decide("a").node == other
+        else:
+            assert refused(log, "a").code is ErrorCode.FAILED_PRECONDITION
+
+
+# --- audit verify, checkpoints -------------------------------------------------------------------------------
+
+
+def test_audit_verify_finds_a_restore_sent_to_another_disk_of_the_node():
+    log = Log()
+    log.worker("w1", node="n1", node_token="disk-a")
+    log.actor("a", mem=512)
+    paused_on(log, "a", "w1")
+    replaced(log, "w1", "n1", "disk-b")
+    restore = placed("a", "w1", V1, node="n1", action=Action.RESTORE, fidelity=PlacedFidelity.MEMORY,
+                     snapshot_id=log.p.actors["a"].snapshot_id, mem=512)
+    violation = fold([*log.events, restore], Sink(verify=True)).violation
+    assert violation is not None and violation.rule == audit.LOCAL_OFF_NODE
+    assert "node n1" in violation.detail and "disk-b" in violation.detail
+    same_disk = Log()
+    for event in log.events[:-2]:
+        same_disk.add(event)
+    assert fold([*same_disk.events, restore], Sink(verify=True)).violation is None
+
+
+def test_a_checkpoint_keeps_the_disks_of_nodes_and_decides_as_the_replay():
+    log = Log()
+    log.worker("w1", node="n1", node_token="disk-a")
+    log.actor("a")
+    paused_on(log, "a", "w1")
+    replaced(log, "w1", "n1", "disk-b")
+    restored = restore_state(export_state(log.p))
+    assert restored.disks == {"n1": ("disk-a", "disk-b")}
+    assert restored.workers["w1"].place == log.p.workers["w1"].place == "n1/disk-b"
+    assert restored.actors["a"].image_node == "n1"
+    with pytest.raises(ContractError):
+        from services.scheduler.decide import decide
+        decide(restored, "a", None, restored.seq)
+
+
+# --- the places themselves -----------------------------------------------------------------------------------
+
+
+def test_places_name_the_node_and_the_first_token_is_the_node_itself():
+    disks = Disks()
+    assert disks.place("n1", None) == "n1" and disks == {}
+    assert disks.place("n1", "t1") == "n1"
+    assert disks.place("n1", "t2") == "n1/t2" and node_of("n1/t2") == "n1"
+    assert disks == {"n1": ("t1", "t2")}
+    assert disks.moved_on("n1") and not disks.moved_on("n1/t2")
+    assert disks.unknown("n1") == "n1/" and disks.unknown("n2") == "n2"
+    assert describe("n1") == "node n1" and describe("n1/t2") == "node n1 (the disk of node token t2)"
