@@ -122,11 +122,11 @@ def entry(default: CompatVersion | WorkerRuntime, restorable: tuple = (), sandbo
 
 def worker(worker_id: str, default: CompatVersion | WorkerRuntime, restorable: tuple = (), *, node: str | None = None,
            cpu: int = 4000, mem: int = 4096, labels: dict[str, str] | None = None, sandbox_class: str = CLASS,
-           request_id: str | None = None) -> RegisterWorker:
+           request_id: str | None = None, node_token: str | None = None) -> RegisterWorker:
     return RegisterWorker(
         worker_id=worker_id, node=node or f"node-{worker_id}",
         capacity=Resources(cpu_millis=cpu, memory_mib=mem), labels=labels or {},
-        sandbox_classes=(entry(default, restorable, sandbox_class),), request_id=request_id,
+        sandbox_classes=(entry(default, restorable, sandbox_class),), request_id=request_id, node_token=node_token,
     )
 
 

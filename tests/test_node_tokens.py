@@ -20,7 +20,7 @@ from services.scheduler.fragmentation import fragmentation
 from services.scheduler.places import Disks, describe, node_of
 from services.scheduler.records import PAUSED
 from services.scheduler.worker_detail import worker_detail
-from tests.factories import AT, Log, placed, registered, entry, fold, runtime, version
+from tests.factories import AT, Log, fold, placed, registered, version
 from warmboot import audit
 from warmboot.audit import Sink
 

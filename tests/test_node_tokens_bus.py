@@ -1,0 +1,88 @@
+"""Rule 5 with node tokens, over the bus: the registry, the scheduler and the snapshotter of one stack.
+
+A worker's machine is replaced under its worker id and node name (docs/operations.md, "a machine
+replaced"). Before node tokens, the resume of an actor paused on the old machine was sent to the new
+one at MEMORY: its LOCAL image, on the old disk, cannot load there. Now the registration from the new
+disk ends the worker's life (its running actors released), and the paused actor's resume is refused
+FAILED_PRECONDITION, naming the node and `revert`, with nothing written; `audit verify` finds the log
+clean.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from click.testing import CliRunner
+
+from events.errors import ContractError
+from events.schema import (Action, ActorPlaced, ActorReleased, ErrorCode, PlacedFidelity, ReleaseReason,
+                           WorkerRegistered, WorkerRemoved)
+from tests.factories import actor, last_seq, read_log, version, wait_for, worker
+from warmboot.cli import main
+from warmboot.client import Client
+
+V1 = version("1")
+
+
+async def test_a_machine_replaced_under_its_worker_id_and_node_gets_no_image_of_the_old_disk(
+        stack, nc, prefix, nats_url):
+    wb = Client(nc, prefix)
+    assert (await wb.register(worker("w1", V1, node="n1", node_token="disk-a"))).outcome.value == "REGISTERED"
+    await wb.create(actor("paused", cpu=100, mem=256))
+    await wb.create(actor("running", cpu=100, mem=256))
+    placed_at = await wb.resume("paused")
+    await wb.pause("paused", placement_seq=placed_at.seq)
+    await wb.resume("running")
+    # the same machine, its agent restarted: the same disk, the same life
+    assert (await wb.register(worker("w1", V1, node="n1", node_token="disk-a"))).outcome.value == "UNCHANGED"
+
+    before = await last_seq(nc, prefix)
+    replaced = await wb.register(worker("w1", V1, node="n1", node_token="disk-b"))
+    assert replaced.outcome.value == "REGISTERED"
+    written = [(seq, e) for seq, e in await read_log(nc, prefix) if seq > before]
+    removed, began = written[0][1], written[1][1]
+    assert isinstance(removed, WorkerRemoved) and "another disk of node n1" in removed.reason
+    assert isinstance(began, WorkerRegistered) and began.node_token == "disk-b" and written[1][0] == replaced.seq
+    # the old machine's running actor is released by the snapshotter (what ran there is gone)
+    await wait_for(nc, prefix, lambda e: isinstance(e, ActorReleased) and e.actor_id == "running"
+                   and e.reason is ReleaseReason.WORKER_REMOVED, after=before)
+
+    at = await last_seq(nc, prefix)
+    with pytest.raises(ContractError) as refused:
+        await wb.resume("paused", request_id="r-after")
+    error = refused.value
+    assert error.code is ErrorCode.FAILED_PRECONDITION
+    assert "LOCAL image on node n1" in error.message and "warmboot actor revert paused" in error.message
+    assert "registered from another disk since" in error.message
+    assert await last_seq(nc, prefix) == at  # nothing written
+    # given up, the actor cold-boots on the new machine; the released one runs there again
+    await wb.revert("paused")
+    cold = await wb.resume("paused")
+    assert (cold.worker_id, cold.action, cold.fidelity) == ("w1", Action.RUN, PlacedFidelity.NONE)
+    assert (await wb.resume("running")).worker_id == "w1"
+
+    result = await asyncio.to_thread(
+        CliRunner().invoke, main, ["audit", "verify", "--nats", nats_url, "--prefix", prefix])
+    assert result.exit_code == 0 and "no violation" in result.output, result.output
+    memory = [e for _, e in await read_log(nc, prefix)
+              if isinstance(e, ActorPlaced) and e.fidelity is PlacedFidelity.MEMORY]
+    assert memory == []  # no image was ever restored after its pause: the only one was on the old disk
+
+
+async def test_another_worker_of_the_same_disk_restores_the_image_and_one_of_a_new_disk_does_not(
+        stack, nc, prefix):
+    wb = Client(nc, prefix)
+    await wb.register(worker("w1", V1, node="n1", node_token="disk-a", mem=1024))
+    await wb.create(actor("a", cpu=100, mem=256))
+    placed_at = await wb.resume("a")
+    await wb.pause("a", placement_seq=placed_at.seq)
+    await wb.drain("w1")
+    # a second worker of the same machine (the same token file), and one of a machine put under the
+    # same node name by mistake, much roomier
+    await wb.register(worker("w3", V1, node="n1", node_token="disk-c", mem=65536))
+    await wb.register(worker("w2", V1, node="n1", node_token="disk-a", mem=2048))
+    for _ in range(3):
+        restored = await wb.resume("a")
+        assert (restored.worker_id, restored.fidelity) == ("w2", PlacedFidelity.MEMORY)
+        await wb.pause("a", placement_seq=restored.seq)
