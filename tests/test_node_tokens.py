@@ -210,3 +210,25 @@ def test_places_name_the_node_and_the_first_token_is_the_node_itself():
     assert disks.moved_on("n1") and not disks.moved_on("n1/t2")
     assert disks.unknown("n1") == "n1/" and disks.unknown("n2") == "n2"
     assert describe("n1") == "node n1" and describe("n1/t2") == "node n1 (the disk of node token t2)"
+
+
+def test_an_image_paused_after_its_worker_named_its_disk_is_on_that_disk_not_the_one_of_the_placement():
+    """A worker registered without a token (an agent before tokens) on a node whose first token is another
+    machine's: its actor placed then; its agent upgraded, it names its own disk; the pause that follows
+    is on that disk, and never restores on the node's first disk."""
+    log = Log()
+    log.worker("w0", node="n1", node_token="disk-a")  # the node's first token
+    log.add(WorkerRemoved(at=AT, worker_id="w0", reason="LOST"))
+    log.worker("w2", node="n1", mem=2048)
+    log.actor("a")
+    placement = log.decide("a")
+    assert placement.worker_id == "w2"
+    log.place(placement)
+    log.add(WorkerUpdated(at=AT, worker_id="w2", node="n1", capacity=registered("w2", mem=2048).capacity,
+                          labels={}, node_token="disk-b"))
+    log.snapshot("a", origin=SnapshotOrigin.PAUSE, stamped=placement.sandbox_runtime.version, node="n1")
+    log.release("a", "w2", ReleaseReason.PAUSED)
+    assert log.p.actors["a"].image_node == "n1/disk-b"
+    log.worker("w1", node="n1", node_token="disk-a", mem=65536)  # the first disk's machine, roomy
+    log.drain("w2")
+    assert refused(log, "a").code is ErrorCode.RESOURCE_EXHAUSTED  # its own disk's worker drained; never w1

@@ -472,6 +472,14 @@ class Projection:
                 image_node = self.disks.unknown(named)
         actor.image_node = None if image_node is None else self.intern.text(image_node)
 
+    @staticmethod
+    def _running_place(actor: Actor) -> str | None:
+        """Where a RUNNING actor's memory is written when it pauses: the place its worker registers
+        now (a worker that gave its node token after the placement, the agent upgraded, names its
+        disk), or the placement's when the fold has no such worker."""
+        worker = actor.worker
+        return worker.place if worker is not None and worker.place else actor.node
+
     def _release(self, actor: Actor) -> Actor:
         """Give up the actor's assignment, if it has one; its record from now on."""
         if type(actor) is not Assigned:
@@ -527,7 +535,7 @@ class Projection:
         self._count(actor, -1)
         snapshot = event.snapshot
         # a LOCAL image is on the place the actor runs on (a disk of its node), as is one that names no node
-        self._set_snapshot(actor, snapshot, actor.node if actor.state is RUNNING else None)
+        self._set_snapshot(actor, snapshot, self._running_place(actor) if actor.state is RUNNING else None)
         if origin is SnapshotOrigin.PAUSE:
             node = actor.image_node or actor.node
             actor = self._release(actor)
@@ -577,7 +585,7 @@ class Projection:
     def _actor_released(self, event: ActorReleased, seq: int) -> Actor:
         actor = self.actors[event.actor_id]
         self._count(actor, -1)
-        node = actor.node
+        node = self._running_place(actor) if actor.state is RUNNING else actor.node
         actor = self._release(actor)
         reason = event.reason
         if reason is ReleaseReason.PAUSED:
