@@ -86,6 +86,15 @@ class W:
     drained: bool = False
     booked_cpu: int = 0
     booked_mem: int = 0
+    # with node tokens (`Fuzz(tokens=True)`): the disk the worker's machine has (the truth), and the token
+    # it registers (its disk, or none from an agent before tokens, only ever on its node's first disk)
+    disk: str | None = None
+    token: str | None = None
+
+    @property
+    def at(self) -> str:
+        """Where its LOCAL images are and which it can load: its disk, or its node without tokens."""
+        return self.disk or self.node
 
     def entry(self, cls: str) -> WorkerSandboxClass | None:
         return next((e for e in self.classes if e.sandbox_class == cls), None)
@@ -123,6 +132,10 @@ class A:
     snap: Snapshot | None = None
     pause_node: str | None = None
     held: Held | None = None
+    # where its latest LOCAL image is (`W.at` of the worker that wrote it; "" on no known disk), and where a
+    # PAUSED actor's memory is
+    image_at: str | None = None
+    pause_at: str | None = None
     external: Snapshot | None = None  # the latest EXTERNAL snapshot of this life (revert's way back)
     borrows: bool = False
 
@@ -172,17 +185,17 @@ def options(workers: dict[str, W], a: A, sel: dict, pending: dict) -> tuple[list
     refusal may carry if none fits."""
     snap, cls, floor = a.snap, a.cls, a.floor.value
     local = snap is not None and snap.location is Location.LOCAL
-    restrict = snap.node if local else (a.pause_node if a.state == "PAUSED" else None)
+    restrict = a.image_at if local else (a.pause_at if a.state == "PAUSED" else None)
     if local and snap.node is None:
         restrict = ""  # a LOCAL image that names no node restores nowhere
 
     def eligible(w: W) -> bool:
         return (not w.drained and w.entry(cls) is not None
                 and all(w.labels.get(k) == x for k, x in sel.items())
-                and (restrict is None or w.node == restrict))
+                and (restrict is None or w.at == restrict))
 
-    if restrict is not None and not any(w.entry(cls) is not None and w.node == restrict for w in workers.values()):
-        return [], {ErrorCode.FAILED_PRECONDITION}  # rule 5: no worker of the class on that node at all
+    if restrict is not None and not any(w.entry(cls) is not None and w.at == restrict for w in workers.values()):
+        return [], {ErrorCode.FAILED_PRECONDITION}  # rule 5: no worker of the class on that node (disk) at all
     codes: set[ErrorCode] = set()
     stamp = snap.sandbox_runtime if snap is not None else None
     want_arch = arch(stamp.version) if stamp is not None else None
@@ -326,7 +339,7 @@ class Fuzz:
     pauses, suspends, promotions, template changes, stops, reverts, snapshots of any stamp, and
     resumes decided by the real `decide` on the real Projection and checked against the oracle."""
 
-    def __init__(self, seed: int, *, legacy: bool = False, workers: int = 5, actors: int = 4):
+    def __init__(self, seed: int, *, legacy: bool = False, workers: int = 5, actors: int = 4, tokens: bool = False):
         from services.scheduler.projection import Projection
         self.r = random.Random(seed)
         self.seed = seed
@@ -343,6 +356,36 @@ class Fuzz:
         self.failures: list[str] = []
         self.n = 0
         self.sizes = (workers, actors)
+        # node tokens: each node's machines in turn (`replace`), and the nodes whose first token was registered
+        # (on their first machine: a registration without one is then trusted to be there, docs/contract.md)
+        self.tokens = tokens
+        self.machine: dict[str, int] = {}
+        self.tokened: set[str] = set()
+
+    def disk(self, node: str) -> str:
+        return f"{node}-d{self.machine.get(node, 0)}"
+
+    def token(self, node: str) -> str:
+        """The token a worker of `node`'s machine now registers: its disk's, or (an agent before tokens) none,
+        only on the node's first machine once that machine's token is known."""
+        if node in self.tokened and not self.machine.get(node) and self.r.random() < 0.3:
+            return None
+        self.tokened.add(node)
+        return self.disk(node)
+
+    def replace(self, node: str) -> None:
+        """The node's machine replaced (its disk with it): workers registered from now on are on the new one.
+        Those still registered keep the old one (two disks under one node name until they go)."""
+        if self.tokens and node in self.tokened:
+            self.machine[node] = self.machine.get(node, 0) + 1
+            self.count("machine replaced")
+
+    def unknown_at(self, node: str) -> str:
+        """Where a LOCAL image on `node` not written by a worker of the model is: on no known disk once the node
+        registers tokens, else on its first disk (the one its first token will name)."""
+        if not self.tokens:
+            return node
+        return "" if node in self.tokened else f"{node}-d0"
 
     # events ---------------------------------------------------------------------------------
     def add(self, event) -> None:
@@ -389,10 +432,12 @@ class Fuzz:
         w = W(wid, life, r.choice(NODES), r.choice([600, 1000, 2000]), r.choice([700, 1200, 2100, 4200]),
               r.choice([{}, {"zone": "a"}, {"zone": "b"}, {"zone": "a", "disk": "ssd"}]),
               self.classes(names, machine))
+        if self.tokens:
+            w.disk, w.token = self.disk(w.node), self.token(w.node)
         self.workers[wid] = w
         self.add(WorkerRegistered(at=self.at(), worker_id=wid, node=w.node,
                                   capacity=Resources(cpu_millis=w.cpu, memory_mib=w.mem), labels=w.labels,
-                                  sandbox_classes=w.classes))
+                                  sandbox_classes=w.classes, node_token=w.token))
 
     def change_runtimes(self, wid: str) -> None:
         w = self.workers.get(wid)
@@ -409,13 +454,19 @@ class Fuzz:
             return
         if r.random() < 0.5:
             w.node = r.choice(NODES)
+            if self.tokens and w.disk is not None and not w.disk.startswith(f"{w.node}-"):  # on another machine
+                w.disk, w.token = self.disk(w.node), self.token(w.node)
+        if self.tokens and w.token is None and r.random() < 0.3:  # its agent upgraded: it names its disk
+            w.token = w.disk
+            self.tokened.add(w.node)
         if r.random() < 0.5:
             w.mem = r.choice([700, 1200, 2100, 4200])
             w.cpu = r.choice([600, 1000, 2000])
         if r.random() < 0.5:
             w.labels = r.choice([{}, {"zone": "a"}, {"zone": "b"}, {"zone": "a", "disk": "ssd"}])
         self.add(WorkerUpdated(at=self.at(), worker_id=wid, node=w.node,
-                               capacity=Resources(cpu_millis=w.cpu, memory_mib=w.mem), labels=w.labels))
+                               capacity=Resources(cpu_millis=w.cpu, memory_mib=w.mem), labels=w.labels,
+                               node_token=w.token))
 
     def drain(self, wid: str) -> None:
         w = self.workers.get(wid)
@@ -500,6 +551,7 @@ class Fuzz:
         a.held = None
         if reason is ReleaseReason.PAUSED:
             a.state, a.pause_node = "PAUSED", h.node
+            a.pause_at = w.at if w is not None and w.life == h.life else self.unknown_at(h.node)
         elif reason is ReleaseReason.STOPPED:
             a.state = "STOPPED"
         else:
@@ -517,7 +569,7 @@ class Fuzz:
         snap = Snapshot(snapshot_id=f"{aid}-p{self.n}", actor_id=aid, template_uid=h.template,
                         fidelity=Fidelity.MEMORY, location=Location.LOCAL, node=h.node, sandbox_runtime=h.pin,
                         borrowed=a.borrows, taken_at=AT)
-        a.snap = snap
+        a.snap, a.image_at = snap, w.at
         self.add(SnapshotTaken(at=self.at(), actor_id=aid, snapshot=snap, origin=SnapshotOrigin.PAUSE))
         self.release(a, ReleaseReason.PAUSED)
 
@@ -558,9 +610,10 @@ class Fuzz:
                         node=r.choice(NODES) if local else None, sandbox_runtime=st, borrowed=r.random() < 0.2,
                         taken_at=AT)
         a.snap = snap
+        a.image_at = self.unknown_at(snap.node) if local else None
         origin = SnapshotOrigin.PAUSE if local and r.random() < 0.5 else SnapshotOrigin.SUSPEND
         if origin is SnapshotOrigin.PAUSE:
-            a.state, a.pause_node = "PAUSED", snap.node
+            a.state, a.pause_node, a.pause_at = "PAUSED", snap.node, a.image_at
         else:
             a.state, a.pause_node = "SUSPENDED", None
             if not local:
@@ -630,6 +683,8 @@ class Fuzz:
         why = check(self.workers, self.actors, aid, request, pending, fresh)
         state = self.actors[aid].state if aid in self.actors else "absent"
         self.count("placed" if isinstance(fresh, Placement) else f"refused {fresh.code.value} ({state})")
+        if not isinstance(fresh, Placement) and "registered from another disk since" in fresh.message:
+            self.count("refused: its image's disk replaced")
         if isinstance(fresh, Placement):
             snap = self.actors[aid].snap
             self.count(f"fidelity {fresh.fidelity.value}"
@@ -729,7 +784,7 @@ class Fuzz:
             self.create(aid)
         moves = (["register"] * 3 + ["runtimes"] * 2 + ["update"] * 2 + ["drain", "remove", "flush"] +
                  ["create"] + ["resume"] * 10 + ["pause"] * 2 + ["suspend"] * 2 + ["foreign"] +
-                 ["template", "stop", "revert", "retry"])
+                 ["template", "stop", "revert", "retry"] + (["replace"] * 2 if self.tokens else []))
         for _ in range(steps):
             m = r.choice(moves)
             wid, aid = r.choice(wids), r.choice(aids)
@@ -738,17 +793,18 @@ class Fuzz:
              "flush": self.flush_releases, "create": lambda: self.create(aid), "resume": lambda: self.resume(aid),
              "pause": lambda: self.pause(aid), "suspend": lambda: self.suspend(aid),
              "foreign": lambda: self.foreign_snapshot(aid), "template": lambda: self.template(aid),
-             "stop": lambda: self.stop(aid), "revert": lambda: self.revert(aid), "retry": self.retry}[m]()
+             "stop": lambda: self.stop(aid), "revert": lambda: self.revert(aid), "retry": self.retry,
+             "replace": lambda: self.replace(r.choice(NODES))}[m]()
         self.replay_check()
         return self
 
 
 def fuzz(seeds: range, steps: int = 120, legacy: bool = False, workers: int = 5, actors: int = 4
-         ) -> tuple[list[str], dict[str, int]]:
+         , tokens: bool = False) -> tuple[list[str], dict[str, int]]:
     failures: list[str] = []
     stats: dict[str, int] = {}
     for s in seeds:
-        f = Fuzz(s, legacy=legacy and s % 3 == 0, workers=workers, actors=actors).run(steps)
+        f = Fuzz(s, legacy=legacy and s % 3 == 0, workers=workers, actors=actors, tokens=tokens).run(steps)
         failures += f.failures
         for k, n in f.stats.items():
             stats[k] = stats.get(k, 0) + n

@@ -63,6 +63,18 @@ def test_decisions_on_small_fleets_keep_every_placement_rule():
         assert stats.get(what, 0) >= least, (what, stats.get(what, 0))
 
 
+def test_decisions_with_node_tokens_send_no_local_image_to_another_disk_of_its_node():
+    """The same lives with node tokens: each node's machine replaced now and then (a new disk under the old
+    name, registered by new workers and by worker ids registering again), agents before tokens on a node's
+    first machine, upgraded in place; the oracle knows each worker's disk and each image's, and a LOCAL image
+    (a PAUSED actor's memory) may only go where its disk is (docs/contract.md, rule 5 with node tokens)."""
+    failures, stats = fuzz(range(300), steps=120, tokens=True)
+    assert not failures, "\n".join(failures[:10])
+    for what, least in (("machine replaced", 500), ("fidelity MEMORY LOCAL", 200),
+                        ("refused: its image's disk replaced", 20), ("refused RESOURCE_EXHAUSTED (PAUSED)", 100)):
+        assert stats.get(what, 0) >= least, (what, stats.get(what, 0))
+
+
 def test_decisions_on_a_larger_fleet_keep_every_placement_rule():
     failures, stats = fuzz(range(40), steps=400, legacy=True, workers=14, actors=8)
     assert not failures, "\n".join(failures[:10])
