@@ -857,3 +857,16 @@ def test_a_seed_kept_in_a_seeds_dir_is_not_handed_to_another_role(tmp_path):
     assert (seeds / "w-5.nk").read_text() != worker_seed and (seeds / "ops.nk").read_text() == ops_seed
     assert json.loads((seeds / "_roles.json").read_text())["w-5"] == "client"
     assert stat.S_IMODE((seeds / "_roles.json").stat().st_mode) == 0o600
+
+
+def test_a_worker_of_the_workers_file_given_as_another_user_is_named_with_its_line(tmp_path):
+    """A clash of a worker given in --workers-file was said `as --operator and --worker`, naming an option
+    the user never gave: it names the file's line."""
+    workers = tmp_path / "workers.txt"
+    workers.write_text("# workers\nw-1\nops\n")
+    refused = CliRunner().invoke(main, ["nats-config", "--operator", "ops", "--workers-file", str(workers),
+                                        "--out", str(tmp_path / "auth.conf")])
+    assert refused.exit_code == 2, refused.output
+    assert refused.output.endswith(f"error: a user has one role, and is given once: 'ops' as --operator and "
+                                   f"--workers-file {workers}:3\n"), refused.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["workers.txt"]  # nothing written

@@ -384,10 +384,10 @@ def _write_private(path: Path, text: str) -> None:
         raise click.ClickException(f"{path}: cannot write it ({e}); the file there is as it was") from None
 
 
-def _worker_nodes(entries: list[tuple[str, str]]) -> dict[str, str | None]:
-    """worker id -> its node (None if not given), from `WORKER_ID[@NODE]` entries, each with where
-    it was given; a bad id, or one worker given twice (a typo of another id, or two nodes), is a
-    usage error naming where."""
+def _worker_nodes(entries: list[tuple[str, str]]) -> tuple[dict[str, str | None], dict[str, str]]:
+    """worker id -> its node (None if not given), and worker id -> where it was given (`--worker ID`, or
+    the file's line), from `WORKER_ID[@NODE]` entries, each with where it was given; a bad id, or one
+    worker given twice (a typo of another id, or two nodes), is a usage error naming where."""
     nodes: dict[str, str | None] = {}
     given_at: dict[str, str] = {}
     for where, entry in entries:
@@ -410,7 +410,7 @@ def _worker_nodes(entries: list[tuple[str, str]]) -> dict[str, str | None]:
                                      param_hint=option)
         nodes[worker_id] = node or None
         given_at[worker_id] = where
-    return nodes
+    return nodes, given_at
 
 
 # Beside the secrets (in the --secrets file, and as --seeds-dir's ROLES_FILE), the role each user's
@@ -532,7 +532,7 @@ def nats_config(
             line = line.split("#", 1)[0].strip()
             if line:
                 entries.append((f"{workers_file.name}:{number}", line))
-    nodes = _worker_nodes(entries)
+    nodes, given_at = _worker_nodes(entries)
     worker_ids = list(nodes)
     if worker_nodes_path is None and any(nodes.values()):
         raise click.UsageError("a worker given as ID@NODE is bound to its node only through --worker-nodes FILE "
@@ -548,7 +548,10 @@ def nats_config(
     for option, names in (("--services-user", [services_user]), ("--operator", operators), ("--client", clients),
                           ("--worker", worker_ids)):
         for name in names:
-            given_as.setdefault(name, []).append(option)
+            # a worker of --workers-file is said with its line (`--workers-file workers.txt:3`), not as --worker
+            by = option if option != "--worker" or given_at[name].startswith("--worker ") else \
+                f"--workers-file {given_at[name]}"
+            given_as.setdefault(name, []).append(by)
     clashes = [f"{user!r} as {' and '.join(options)}" for user, options in sorted(given_as.items())
                if len(options) > 1]
     if clashes:
