@@ -1,18 +1,21 @@
 """What a worker agent keeps on disk across its processes, beside its state file: the last revision it made
-(`RevisionFile`, the state file itself) and that it stopped as superseded (`SupersededRecord`)."""
+(`RevisionFile`, the state file itself) and that it stopped as superseded (`SupersededRecord`); and, on the disk
+of its node's LOCAL snapshots, which disk that is (`NodeToken`)."""
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 from typing import IO
 
-from events.schema import MAX_REVISION
+from events.schema import ID_RE, ID_WORDS, MAX_REVISION
 from warmboot.agent_config import ConfigError
-from warmboot.files import take_lock, write_atomically
+from warmboot.files import create_whole, take_lock, write_atomically
 
 
 class StateFileError(ConfigError):
-    """The state file cannot be read or written: no registration goes out with a revision it does not keep."""
+    """A file the agent keeps (its state file, the node's token) cannot be read or written: no registration
+    goes out with a revision, or a node token, it does not keep."""
 
 
 class RevisionFile:
@@ -119,3 +122,58 @@ class SupersededRecord:
             self.path.unlink(missing_ok=True)
         except OSError as e:
             raise StateFileError(f"{self.path}: cannot remove the record of a stop as superseded: {e}") from None
+
+
+class NodeToken:
+    """Which disk of its node a worker runs on: a token kept in a file on the disk that holds the node's LOCAL
+    snapshots (`--node-token-file`), the same file for every worker of the node, registered with each of their
+    registrations (`RegisterWorker.node_token`). A LOCAL image restores only where the token of the disk it was
+    written to is registered (docs/contract.md, rule 5): a machine replaced under the old node name, a new disk,
+    makes a new token, and is not sent the old disk's images, which it does not have.
+
+    The file holds the token and a newline. Made when absent, with a new random token (`uuid4().hex`), written
+    whole beside it and linked into place (`create_whole`): agents of one node starting at once agree on one
+    token. Its directory is not made: a disk not mounted must not be given a token of another disk's."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def read(self) -> str | None:
+        """The token the file holds (None if there is no file); StateFileError if it cannot be read or holds
+        something else."""
+        try:
+            with open(self.path, "rb") as f:
+                data = f.read(256)  # a token and its newline are 129 bytes at most
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise StateFileError(f"node token file {self.path}: cannot read: {e}") from None
+        text = data.decode("ascii", errors="replace").rstrip()
+        if not ID_RE.match(text):
+            raise StateFileError(
+                f"node token file {self.path}: holds no node token ({ID_WORDS}), but {text[:40]!r}: it was not "
+                "written by warmboot. Give the agent the file warmboot made on this disk; delete this one only to "
+                "give up the LOCAL snapshots written on this disk (a new token is then made, and their actors must "
+                "be reverted: `warmboot actor revert`)")
+        return text
+
+    def read_or_make(self) -> str:
+        """The token the file holds, the file made first if absent (by this process or another at once: one
+        token either way); StateFileError if it cannot be read or made."""
+        token = self.read()
+        if token is not None:
+            return token
+        directory = self.path.parent
+        if not directory.is_dir():
+            raise StateFileError(
+                f"node token file {self.path}: no directory {directory}: the file is kept on the disk that holds "
+                "this node's LOCAL snapshots, and the agent does not make its directory (a disk not mounted would "
+                "be given a token of its own); mount the disk, or make the directory")
+        try:
+            create_whole(self.path, f"{uuid.uuid4().hex}\n", encoding="ascii")
+        except OSError as e:
+            raise StateFileError(f"node token file {self.path}: cannot make it: {e}") from None
+        token = self.read()  # this process's token, or that of another which made the file first
+        if token is None:
+            raise StateFileError(f"node token file {self.path}: removed as soon as it was made; start the agent again")
+        return token

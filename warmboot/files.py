@@ -46,12 +46,42 @@ def write_atomically(path: Path, text: str, mode: int | None = None, encoding: s
         with suppress(OSError):
             os.unlink(name)
         raise
-    with suppress(OSError):
-        directory = os.open(path.parent, os.O_RDONLY)
+    _sync_directory(path.parent)
+
+
+def create_whole(path: Path, text: str, encoding: str = "utf-8") -> bool:
+    """Make `path` hold `text`, durably, unless it exists: whether this call made it. The text is
+    written to a temporary file beside it and synced, then linked to `path` (`os.link`, which never
+    replaces a file): of processes making it at once, exactly one makes it, and each sees it whole,
+    never empty or partial. The file gets the mode a file created with open() gets. OSError if it
+    cannot be made (its directory missing among others): `path` is then as it was."""
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # mode 0600
+    try:
+        with os.fdopen(fd, "w", encoding=encoding) as f:
+            f.write(text)
+            f.flush()
+            os.fchmod(f.fileno(), _default_mode())
+            os.fsync(f.fileno())
         try:
-            os.fsync(directory)
+            os.link(name, path)
+        except FileExistsError:
+            return False
+    finally:
+        with suppress(OSError):
+            os.unlink(name)
+    _sync_directory(path.parent)
+    return True
+
+
+def _sync_directory(directory: Path) -> None:
+    """Sync `directory` (a rename or a link in it is then on disk), where the file system can: some refuse an
+    fsync of a directory."""
+    with suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
         finally:
-            os.close(directory)
+            os.close(fd)
 
 
 def _default_mode() -> int:
