@@ -14,7 +14,9 @@ The agent then:
 - registers (`<prefix>.registry.register.<worker_id>`), and heartbeats at a third
   of the TTL the registry answers; while the registry does not answer, it asks
   again more often as the TTL of its last stored beat runs out, so that it is
-  heard as soon as the registry is back;
+  heard as soon as the registry is back; with a node token file (`--node-token-file`),
+  every registration carries the token of the disk its node's LOCAL snapshots are on
+  (`NodeToken`, read, or made, once at the start);
 - re-registers when the file's content changes, or what the probe reads of this
   machine (read again every second and before every heartbeat: a CPU that changed
   under it), so an operator rolls out v2 by making it the default and moving v1
@@ -110,7 +112,7 @@ from warmboot.client import Client
 from warmboot.connection import sign_in_hint
 from warmboot.agent_rules import (StillSuperseded, Superseded, drain_to_say, said_drained, still_superseded,
                                   superseded_by)
-from warmboot.agent_state import RevisionFile, StateFileError, SupersededRecord
+from warmboot.agent_state import NodeToken, RevisionFile, StateFileError, SupersededRecord
 
 
 def _classes(registration: RegisterWorker) -> set[str]:
@@ -219,6 +221,7 @@ class Agent:
         inbox_prefix: str | None = None,
         nkey_seed: str | None = None,
         state_file: str | Path | None = None,
+        node_token_file: str | Path | None = None,
     ):
         self.nats_url = nats_url
         self.nkey_seed = nkey_seed_path(nkey_seed)  # a seed file, or $NATS_NKEY_SEED
@@ -277,6 +280,9 @@ class Agent:
         # beside it, whether this agent stopped as Superseded (`SupersededRecord`): checked at the start
         self.superseded_record = SupersededRecord(Path(state_file), worker_id) if state_file is not None else None
         self._was_superseded = self.superseded_record.read() if self.superseded_record is not None else None
+        # With a node token file, the token of the disk this node's LOCAL snapshots are on, read (made if absent)
+        # once, here, and carried by every registration (`NodeToken`); None: registrations carry none.
+        self.node_token = NodeToken(Path(node_token_file)).read_or_make() if node_token_file is not None else None
         self._revised: RegisterWorker | None = None  # the content `_revision` was given to
         self._in_force_revision: int | None = None  # the revision the registration in force was answered with
         # the revision each heartbeat names: that of this agent's last registration the registry answered,
@@ -347,7 +353,7 @@ class Agent:
 
     def _build(self, config: AgentConfig, machine: MachineRead) -> RegisterWorker:
         """The registration `config` makes on `machine`; its errors name the file (`build_registration`)."""
-        return build_registration(config, self.worker_id, self.node, machine, str(self.config_path))
+        return build_registration(config, self.worker_id, self.node, machine, str(self.config_path), self.node_token)
 
     def _machine(self, fresh: bool = False) -> tuple[float, MachineRead, tuple]:
         """The machine as last read (when, the read, what it says: `MachineRead.reading`), read

@@ -306,12 +306,13 @@ def _runtime(runtime: RuntimeConfig, path: str, probe: MachineRead, stamps: bool
 
 def build_registration(
     config: AgentConfig, worker_id: str, node: str, probe: ProbeSettings | MachineRead = ProbeSettings(),
-    source: str | None = None,
+    source: str | None = None, node_token: str | None = None,
 ) -> RegisterWorker:
     """The RegisterWorker this configuration makes on this machine (read once, or as `probe`
     read it), checked by the registry's own rules (so a bad edit is caught here, with the
     field's path, after the file it was read from, `source`, as `parse_config` names it:
-    `FILE: sandbox_classes[0].default_runtime.profile: ...`)."""
+    `FILE: sandbox_classes[0].default_runtime.profile: ...`); with `node_token`, the token of
+    the node's disk it runs on (`warmboot.agent_state.NodeToken`), else none."""
     if isinstance(probe, ProbeSettings):
         probe = probe.read()
     file = f"{source}: " if source is not None else ""
@@ -335,6 +336,8 @@ def build_registration(
         "labels": config.labels,
         "sandbox_classes": classes,
     }
+    if node_token is not None:
+        raw["node_token"] = node_token
     try:
         return decode_request(RegisterWorker, encode(raw))
     except ContractError as e:  # every runtime was made of the machine as read: the registration is what is wrong
@@ -342,9 +345,10 @@ def build_registration(
         raise NotRegistrable(f"{file}{where}{e.message}", e) from None
 
 
-def load_registration(path: Path, worker_id: str, node: str, probe: ProbeSettings = ProbeSettings()) -> RegisterWorker:
+def load_registration(path: Path, worker_id: str, node: str, probe: ProbeSettings = ProbeSettings(),
+                      node_token: str | None = None) -> RegisterWorker:
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: cannot read: {e}") from None
-    return build_registration(parse_config(text, str(path)), worker_id, node, probe, str(path))
+    return build_registration(parse_config(text, str(path)), worker_id, node, probe, str(path), node_token)

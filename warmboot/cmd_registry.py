@@ -20,6 +20,7 @@ from services.process import run_serving, serving_loop
 from warmboot.agent import Agent
 from warmboot.agent_rules import SUPERSEDED_AT_START_EXIT, StillSuperseded
 from warmboot.agent_config import ConfigError, ProbeSettings, load_registration
+from warmboot.agent_state import NodeToken
 from warmboot.cli_common import (SIGN_IN_ENV_HELP, Failed, FloatRange, check_given_file, check_id,
                                  check_nats_option, check_nkey_seed_option, check_prefix_option)
 from warmboot.restore_check import cannot_carry_out_here
@@ -84,8 +85,16 @@ def check_placement(registration: RegisterWorker, placement_file: BinaryIO) -> N
                    "because another agent registered its worker since records it in FILE.superseded; "
                    "restarted, it exits 3 without registering while that agent holds the worker (delete "
                    "FILE.superseded to take the worker over).")
+@click.option("--node-token-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              envvar="WARMBOOT_NODE_TOKEN_FILE", show_envvar=True,
+              help="File on the disk that holds this node's LOCAL snapshots, the same file for every worker of the "
+                   "node: it keeps the token of that disk, which every registration carries. Made when absent (its "
+                   "directory is not). A new disk (a machine replaced) makes a new token: the registry then starts "
+                   "the worker's new life, and the scheduler no longer sends that node's older LOCAL images to it "
+                   "(docs/contract.md, rule 5). A file holding anything else is refused (exit 1, nothing registered).")
 @click.option("--print-registration", is_flag=True,
-              help="Print the registration the config makes on this machine, as JSON, and exit.")
+              help="Print the registration the config makes on this machine, as JSON, and exit (with the node's "
+                   "token if --node-token-file exists; it is not made).")
 @click.option("--check-placement", "placement_file", type=click.File("rb"), default=None, metavar="FILE",
               help="Check the placement in FILE ('-': standard input; an Assignment as `actor resume -o json` "
                    "prints it) against this machine as the config and the probe read it now, and exit: 0 if it "
@@ -103,6 +112,7 @@ def agent(
     cpuinfo_path: Path,
     arch: str | None,
     state_file: Path | None,
+    node_token_file: Path | None,
     print_registration: bool,
     placement_file: BinaryIO | None,
     verbose: bool,
@@ -126,7 +136,9 @@ def agent(
                                "and exits)")
     if print_registration or placement_file is not None:
         try:
-            registration = load_registration(config_path, worker_id, node, probe)
+            # the token the node has, if it has one: a look, not the agent's start, which would make one
+            token = NodeToken(node_token_file).read() if print_registration and node_token_file is not None else None
+            registration = load_registration(config_path, worker_id, node, probe, token)
         except ConfigError as e:
             if placement_file is None:
                 raise click.ClickException(str(e)) from None
@@ -151,8 +163,9 @@ def agent(
             probe=probe,
             nkey_seed=nkey_seed,
             state_file=state_file,
+            node_token_file=node_token_file,
         )
-    except ConfigError as e:  # the state file cannot be read
+    except ConfigError as e:  # the state file, or the node token file, cannot be read (or made)
         raise click.ClickException(str(e)) from None
 
     # The bound of its stop, as `serve`'s and `up`'s: its own steps (the check that it still holds the worker,
