@@ -8,7 +8,9 @@ from __future__ import annotations
 import os
 import stat
 
-from warmboot.files import write_atomically
+import pytest
+
+from warmboot.files import create_whole, write_atomically
 from warmboot.nats_config import _write_private
 
 
@@ -92,3 +94,19 @@ def test_a_directory_that_refuses_fsync_still_gets_the_file(tmp_path, monkeypatc
     monkeypatch.setattr(files.os, "fsync", fsync)
     _write_private(path, "new\n")
     assert path.read_text() == "new\n"
+
+
+def test_create_whole_makes_a_file_once_and_never_replaces_one(tmp_path):
+    """`create_whole` (the node's token file): the first call makes the file, with the umask's mode (not the
+    temporary file's 0600); a later one, with other text, leaves it as it is; no temporary file stays."""
+    path = tmp_path / "node.token"
+    assert create_whole(path, "first\n") is True
+    assert create_whole(path, "second\n") is False
+    assert path.read_text() == "first\n" and [p.name for p in tmp_path.iterdir()] == ["node.token"]
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask
+    nowhere = tmp_path / "missing" / "node.token"
+    with pytest.raises(FileNotFoundError):
+        create_whole(nowhere, "x\n")
+    assert not nowhere.parent.exists()
