@@ -183,8 +183,7 @@ async def test_every_registration_the_agent_sends_carries_the_file_s_token(nats_
             while sent[-1].sandbox_classes[0].default_runtime.name != "gvisor-v2":
                 sent.append(await asyncio.wait_for(heard.get(), 20))
         assert [(r.worker_id, r.node_token) for r in sent] == [("w-a", token)] * len(sent) and len(sent) >= 2
-        # REGISTRY PART (enable once the registry copies the token into its event):
-        # assert registered.node_token == token
+        assert registered.node_token == token  # recorded by the registry
         assert registered.worker_id == "w-a"
         async with agent_running(Agent(nats_url, "w-n", "node-a", config, prefix=prefix, probe=PROBE)):
             while (plain := await asyncio.wait_for(heard.get(), 20)).worker_id != "w-n":
@@ -210,8 +209,7 @@ async def test_two_workers_of_a_node_given_one_file_register_one_token(nats_url,
     assert re.fullmatch(r"[0-9a-f]{32}", token)
     assert sent == {"w-1": token, "w-2": token}
     assert [status for status, _ in outcomes] == [0, 0], outcomes
-    # REGISTRY PART (enable once the registry copies the token into its event):
-    # assert [event.node_token for event in events] == [token, token]
+    assert [event.node_token for event in events] == [token, token]  # recorded by the registry
     assert [event.worker_id for event in events] == ["w-1", "w-2"]
 
 
