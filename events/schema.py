@@ -268,7 +268,8 @@ class RegisterWorker(Base, kw_only=True):
         "optional (project addition): a token kept on the node's own disk, the same for every worker of "
         "the node (warmboot's agent: --node-token-file). A LOCAL image restores only on workers that "
         "registered the token of the disk it was written to; a worker registering another token than "
-        "its life's begins a new life (its actors released). The first token a node registers is taken "
+        "its life's begins a new life (its actors released), and one registering none after it gave one "
+        "(any life) is FAILED_PRECONDITION, field node_token. The first token a node registers is taken "
         "as its disk before tokens (docs/contract.md, rule 5)"))] = None
 
 

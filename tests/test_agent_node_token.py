@@ -135,14 +135,16 @@ def test_print_registration_shows_the_token_and_never_makes_the_file(tmp_path):
 # --- end to end: a real registry on a real server ----------------------------------------------------
 
 
-async def agent_process(nats_url: str, prefix: str, tmp_path: Path, worker_id: str, token_file: Path):
-    """`warmboot agent` of `worker_id` on node-a with `--node-token-file token_file`, a process of its own."""
+async def agent_process(nats_url: str, prefix: str, tmp_path: Path, worker_id: str, token_file: Path | None):
+    """`warmboot agent` of `worker_id` on node-a with `--node-token-file token_file` (None: without), a process
+    of its own."""
     config = tmp_path / f"{worker_id}.toml"
     config.write_text(agent_config("v1"))
+    token = ["--node-token-file", str(token_file)] if token_file is not None else []
     return await asyncio.create_subprocess_exec(
         sys.executable, "-c", "from warmboot.cli import main; main()",
         "agent", "--nats", nats_url, "--worker-id", worker_id, "--node", "node-a", "--config", str(config),
-        "--prefix", prefix, "--cpuinfo", str(CPUINFO), "--arch", "amd64", "--node-token-file", str(token_file),
+        "--prefix", prefix, "--cpuinfo", str(CPUINFO), "--arch", "amd64", *token,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
 
 
@@ -235,3 +237,20 @@ async def ended_by_itself(process) -> tuple[int, str]:
         await process.wait()
         raise AssertionError(f"the agent did not exit by itself; killed. Its output: {await output_of(process)}") from None
     return process.returncode, await output_of(process)
+
+
+async def test_an_agent_restarted_without_its_token_file_is_refused_and_says_so(nats_url, nc, prefix, tmp_path):
+    """Its worker registered a token before: the registry refuses a registration without one (it could be the
+    machine that replaced the node's first, taken as on that first disk), and the agent exits saying why."""
+    path = tmp_path / "node.token"
+    first = await agent_process(nats_url, prefix, tmp_path, "w-r", path)
+    async with running_registry(nats_url, prefix):
+        await wait_event(nc, prefix, "w-r", WorkerRegistered)
+        status, output = await ended(first)
+        assert status == 0, output
+        events = await worker_events(nc, prefix, "w-r")
+        again = await agent_process(nats_url, prefix, tmp_path, "w-r", None)
+        status, output = await ended_by_itself(again)
+    assert status == 1, output
+    assert "node_token" in output and "--node-token-file" in output
+    assert await worker_events(nc, prefix, "w-r") == events  # nothing written

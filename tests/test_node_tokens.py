@@ -16,8 +16,10 @@ from events.schema import (Action, ErrorCode, PlacedFidelity, ReleaseReason, Sna
 from services.registry.domain import disk_changed_reason
 from services.scheduler.actor_list import actor_summary
 from services.scheduler.checkpoint_codec import export_state, restore_state
+from services.scheduler.decide import decide
 from services.scheduler.fragmentation import fragmentation
 from services.scheduler.places import Disks, describe, node_of
+from services.scheduler.projection import Projection
 from services.scheduler.records import PAUSED
 from services.scheduler.worker_detail import worker_detail
 from tests.factories import AT, Log, fold, placed, registered, version
@@ -194,7 +196,6 @@ def test_a_checkpoint_keeps_the_disks_of_nodes_and_decides_as_the_replay():
     assert restored.workers["w1"].place == log.p.workers["w1"].place == "n1/disk-b"
     assert restored.actors["a"].image_node == "n1"
     with pytest.raises(ContractError):
-        from services.scheduler.decide import decide
         decide(restored, "a", None, restored.seq)
 
 
@@ -203,9 +204,12 @@ def test_a_checkpoint_keeps_the_disks_of_nodes_and_decides_as_the_replay():
 
 def test_places_name_the_node_and_the_first_token_is_the_node_itself():
     disks = Disks()
-    assert disks.place("n1", None) == "n1" and disks == {}
-    assert disks.place("n1", "t1") == "n1"
-    assert disks.place("n1", "t2") == "n1/t2" and node_of("n1/t2") == "n1"
+    assert disks.place("n1", None, "w1@1") == "n1" and disks == {}
+    assert disks.place("n1", "t1", "w1@2") == "n1"
+    assert disks.place("n1", None, "w2@3") == "n1"  # the node has not moved on from its first disk
+    assert disks.place("n1", "t2", "w3@4") == "n1/t2" and node_of("n1/t2") == "n1"
+    assert disks.place("n1", None, "w4@5") == "n1//w4@5" and node_of("n1//w4@5") == "n1"
+    assert describe("n1//w4@5") == "node n1 (a disk that no node token names: the registration w4@5)"
     assert disks == {"n1": ("t1", "t2")}
     assert disks.moved_on("n1") and not disks.moved_on("n1/t2")
     assert disks.unknown("n1") == "n1/" and disks.unknown("n2") == "n2"
@@ -232,3 +236,39 @@ def test_an_image_paused_after_its_worker_named_its_disk_is_on_that_disk_not_the
     log.worker("w1", node="n1", node_token="disk-a", mem=65536)  # the first disk's machine, roomy
     log.drain("w2")
     assert refused(log, "a").code is ErrorCode.RESOURCE_EXHAUSTED  # its own disk's worker drained; never w1
+
+
+def test_a_registration_without_a_token_on_a_node_that_moved_on_is_sent_no_image_of_another_registration():
+    """A machine replaced (a second token on the node), and a worker of a new id registering there without a
+    token (its agent run without --node-token-file): it cannot say which disk it is on, so it is sent neither
+    the first disk's images nor any other's; its own pauses restore on it."""
+    log = Log()
+    log.worker("w1", node="n1", node_token="disk-a")
+    log.actor("a")
+    log.actor("b")
+    paused_on(log, "a", "w1")
+    replaced(log, "w1", "n1", "disk-b")
+    log.drain("w1")
+    log.worker("w9", node="n1")  # no token
+    assert refused(log, "a").code is ErrorCode.FAILED_PRECONDITION
+    paused_on(log, "b", "w9")
+    assert log.decide("b").worker_id == "w9"
+    log.add(WorkerUpdated(at=AT, worker_id="w9", node="n1", capacity=registered("w9").capacity, labels={"x": "y"}))
+    assert log.decide("b").worker_id == "w9"  # an update giving no token keeps its disk
+    log.add(WorkerRemoved(at=AT, worker_id="w9", reason="LOST"))
+    log.worker("w9", node="n1")  # its next life, on whatever machine: not the image's disk
+    assert refused(log, "b").code is ErrorCode.FAILED_PRECONDITION
+    assert replay_decides_alike(log)
+
+
+def replay_decides_alike(log: Log) -> bool:
+    """A checkpoint of the fold, and a fresh fold of the log, decide every actor as the fold does."""
+    restored = restore_state(export_state(log.p))
+    replayed = fold(log.events, Projection())
+
+    def answer(p, actor_id):
+        try:
+            return decide(p, actor_id, None, p.seq).worker_id
+        except ContractError as e:
+            return e.code, e.message
+    return all(answer(log.p, a) == answer(restored, a) == answer(replayed, a) for a in log.p.actors)

@@ -86,3 +86,19 @@ async def test_another_worker_of_the_same_disk_restores_the_image_and_one_of_a_n
         restored = await wb.resume("a")
         assert (restored.worker_id, restored.fidelity) == ("w2", PlacedFidelity.MEMORY)
         await wb.pause("a", placement_seq=restored.seq)
+
+
+async def test_an_agent_restarted_without_its_token_file_is_refused_and_nothing_written(stack, nc, prefix):
+    """Its registration could not say which disk it is on (on the machine that replaced the node's first, it
+    would be taken as on that first disk): refused naming node_token, in its life and after it ended."""
+    wb = Client(nc, prefix)
+    await wb.register(worker("w1", V1, node="n1", node_token="disk-b"))
+    for removed in (False, True):
+        if removed:
+            await wb.remove("w1")  # and in a later life alike
+        at = await last_seq(nc, prefix)
+        with pytest.raises(ContractError) as refused:
+            await wb.register(worker("w1", V1, node="n1"))
+        assert (refused.value.code, refused.value.field) == (ErrorCode.FAILED_PRECONDITION, "node_token")
+        assert "--node-token-file" in refused.value.message
+        assert await last_seq(nc, prefix) == at

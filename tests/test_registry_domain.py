@@ -243,14 +243,34 @@ def test_a_registration_from_another_disk_of_the_node_ends_the_life_and_begins_a
     assert (replayed.lives, replayed.node_token, replayed.drained) == (2, "disk-b", False)
 
 
-@pytest.mark.parametrize("before, after", [(None, "disk-a"), ("disk-a", None)])
-def test_a_token_given_or_dropped_on_the_same_machine_updates_the_life_it_does_not_end_it(before, after):
+def test_a_token_given_on_the_same_machine_updates_the_life_it_does_not_end_it():
     body = registration("w-1")
-    worker = registered(with_token(body, before))
-    assert worker.register(request(with_token(body, after)), AT) is RegisterOutcome.UPDATED
+    worker = registered(with_token(body, None))
+    assert worker.register(request(with_token(body, "disk-a")), AT) is RegisterOutcome.UPDATED
     [updated] = [e.body for e in worker.collect_events()]
-    assert isinstance(updated, WorkerUpdated) and updated.node_token == after
-    assert worker.lives == 1 and worker.node_token == after
+    assert isinstance(updated, WorkerUpdated) and updated.node_token == "disk-a"
+    assert worker.lives == 1 and worker.node_token == "disk-a"
+
+
+@pytest.mark.parametrize("removed_between", [False, True])
+def test_a_registration_without_a_token_of_a_worker_that_registered_one_is_refused(removed_between):
+    """Its agent restarted without --node-token-file (on the machine that replaced the node's first, it would
+    be taken as on that first disk): refused naming node_token, nothing written, in the same life or a later one."""
+    body = registration("w-1")
+    worker = registered(with_token(body, "disk-b"))
+    if removed_between:
+        worker.lose(AT)
+        worker.collect_events()
+    with pytest.raises(ContractError) as e:
+        worker.register(request(with_token(body, None)), AT)
+    assert (e.value.code, e.value.field) == (ErrorCode.FAILED_PRECONDITION, "node_token")
+    assert "--node-token-file" in e.value.message
+    assert worker.collect_events() == [] and worker.lives == 1
+    replayed = Worker("w-1")
+    for event in worker.history:
+        replayed.apply(event)
+    with pytest.raises(ContractError):
+        replayed.register(request(with_token(body, None)), AT)
 
 
 def test_the_same_token_again_writes_nothing_and_a_registered_token_is_in_the_event():

@@ -57,8 +57,11 @@ Rules (CONTRACT sections 2 and 3, Registry):
   worker's life registered (both given) is another disk, so another machine: the life ends
   (`WorkerRemoved`, `DISK_CHANGED_REASON`: its actors are released, what ran on the old machine
   is gone) and the registration begins a new one (`WorkerRegistered`, outcome `REGISTERED`,
-  undrained), in one decision. A token given where the life had none, or none where it had one,
-  is an agent upgraded or downgraded on the same machine: `WorkerUpdated`, the life goes on.
+  undrained), in one decision. A token given where the life had none is an agent upgraded on the
+  same machine: `WorkerUpdated`, the life goes on. A registration without a token, of a worker
+  whose history (any life) registered one, is FAILED_PRECONDITION (field `node_token`), nothing
+  written: its agent restarted without its token file, on the machine that replaced the node's
+  first, would be taken as on that first disk, whose images it does not have.
 - A heartbeat may name the revision of the registration it keeps alive (its agent's in
   force): one naming another than the worker's registration in force is FAILED_PRECONDITION
   (field `revision`), and keeps nothing alive (`check_beats_in_force`). Two machines run
@@ -237,6 +240,7 @@ class Worker(WireAggregate):
         self.in_force: int | None = None  # the revision of the registration in force (the roster's `revision`)
         self.revised_content: tuple | None = None  # what the worker was once `revision` was recorded
         self.node_token: str | None = None  # the token of its node's disk this life registered from now
+        self.tokened = False  # a registration of any life gave a node token
 
     # --- decisions ------------------------------------------------------------------
 
@@ -248,6 +252,12 @@ class Worker(WireAggregate):
         it (`check_fits`: INVALID_ARGUMENT, nothing recorded, otherwise)."""
         classes = canonical_classes(request.sandbox_classes)
         rid, revision = request.request_id, request.revision
+        if request.node_token is None and self.tokened:
+            raise precondition(
+                f"worker {self.entity_id!r} registered a node_token before (the disk of its node it runs on): a "
+                "registration without one cannot say which disk it is on, and would be sent LOCAL images of a "
+                "disk it may not have. Give the token (warmboot agent --node-token-file, the file on the disk of "
+                "the node's LOCAL snapshots), or register the machine under a new worker id", "node_token")
         if revision is not None:
             self._check_revision(revision, at)
             # Equal to the highest: the registration recorded at it, sent again, unless with other content.
@@ -439,6 +449,7 @@ class Worker(WireAggregate):
         self.removed_reason = None
         self.node, self.capacity, self.labels = event.node, event.capacity, dict(event.labels)
         self.node_token = event.node_token
+        self.tokened = self.tokened or event.node_token is not None
         self.sandbox_classes = canonical_classes(event.sandbox_classes)
         self._revised(event.revision)
         self.in_force = event.revision
@@ -451,6 +462,7 @@ class Worker(WireAggregate):
     def when_WorkerUpdated(self, event: WorkerUpdated) -> None:
         self.node, self.capacity, self.labels = event.node, event.capacity, dict(event.labels)
         self.node_token = event.node_token
+        self.tokened = self.tokened or event.node_token is not None
         self._revised(event.revision)
         self.in_force = event.revision
 

@@ -7,9 +7,13 @@ the old disk's images, which cannot load there. A worker may therefore register 
 kept on its node's own disk (warmboot's agent: `--node-token-file`), and the scheduler's fold
 keys everything rule 5 reads by place, not by node:
 
-- a worker's place is its node when it registers no token, or the first token its node ever
-  registered (the disk the node had before tokens, an agent upgraded in place: its earlier
-  images stay restorable), and `<node>/<token>` for any other token (another disk);
+- a worker's place is its node when it registers the first token its node ever registered
+  (the disk the node had before tokens, an agent upgraded in place: its earlier images stay
+  restorable), or none while the node has registered no other token since its first, and
+  `<node>/<token>` for any other token (another disk). A registration without a token on a node
+  that has registered another disk since its first (a machine replaced) cannot say which disk it
+  is on: its place is its own, `<node>//<worker id>@<sequence>`, which no image of another
+  registration is on (the registry refuses it of a worker that gave a token before);
 - a LOCAL image's place is the place of the worker it was taken on (the actor's placement when
   the pause is folded); one whose node is not where the actor ran is on a disk the fold does not
   know: `<node>/` when the node has registered a token (no worker is there: lost), its node
@@ -29,10 +33,13 @@ SEP = "/"
 class Disks(dict[str, tuple[str, str]]):
     """node -> (the first node token it registered, the latest one), of nodes that registered one."""
 
-    def place(self, node: str, token: str | None) -> str:
-        """The place of a worker registering `token` on `node`, the tokens it names recorded."""
+    def place(self, node: str, token: str | None, registration: str) -> str:
+        """The place of a worker registering `token` on `node`, the tokens it names recorded;
+        `registration` names the registration (`<worker id>@<sequence>`), the place of one without
+        a token on a node that has moved on from its first disk."""
         if token is None:
-            return node
+            tokens = self.get(node)
+            return node if tokens is None or tokens[0] == tokens[1] else f"{node}{SEP}{SEP}{registration}"
         first = self[node][0] if node in self else token
         self[node] = (first, token)
         return node if token == first else f"{node}{SEP}{token}"
@@ -70,4 +77,6 @@ def short(place: str) -> str:
         return node
     if not token:
         return f"{node} (a disk of it that no registration names)"
+    if token.startswith(SEP):
+        return f"{node} (a disk that no node token names: the registration {token[1:]})"
     return f"{node} (the disk of node token {token})"

@@ -370,7 +370,7 @@ class Projection:
                 worker.booking_version, worker.booking_seq = previous
         worker.state = REGISTERED
         worker.node = self.intern.text(event.node)
-        worker.place = self.intern.text(self.disks.place(worker.node, event.node_token))
+        worker.place = self.intern.text(self.disks.place(worker.node, event.node_token, f"{worker.worker_id}@{seq}"))
         worker.cpu_millis = event.capacity.cpu_millis
         worker.memory_mib = event.capacity.memory_mib
         worker.labels = self.intern.selectors(event.labels)
@@ -390,7 +390,9 @@ class Projection:
         if worker is None:
             return
         node = self.intern.text(event.node)
-        place = self.intern.text(self.disks.place(node, event.node_token))
+        # an update that gives no token on the same node says nothing new of its disk: its place stays
+        place = worker.place if event.node_token is None and node == worker.node else \
+            self.intern.text(self.disks.place(node, event.node_token, f"{worker.worker_id}@{seq}"))
         if place is not worker.place:  # its place in the per-place indices moves with it
             self._index(worker, -1)
             worker.node, worker.place = node, place
