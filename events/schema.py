@@ -542,7 +542,8 @@ class WorkerDetail(Base, kw_only=True):
     # edges accept (`compatible_versions`), in the worker's order
     classes: list[WorkerSandboxClass]
     actors: list[BookedActor]  # by actor id
-    local_images: list[LocalImage]  # by actor id
+    local_images: list[LocalImage]  # by actor id; those on its node's disk it registered (rule 5)
+    node_token: str | None = None  # project addition: the token of its node's disk it registered
 
 
 class Placement(Base, kw_only=True):
@@ -811,6 +812,7 @@ class WorkerSummary(Base, kw_only=True):
     classes: list[WorkerSandboxClass]  # in the worker's order (filtered: the classes asked alone)
     class_actors: dict[str, int]  # per class of `classes`: the actors of that class booked on it
     actors: int  # the actors booked on it, of every class
+    node_token: str | None = None  # project addition: the token of its node's disk it registered
 
 
 class WorkerPage(Base, kw_only=True):

@@ -11,6 +11,7 @@ clean.
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from click.testing import CliRunner
@@ -102,3 +103,33 @@ async def test_an_agent_restarted_without_its_token_file_is_refused_and_nothing_
         assert (refused.value.code, refused.value.field) == (ErrorCode.FAILED_PRECONDITION, "node_token")
         assert "--node-token-file" in refused.value.message
         assert await last_seq(nc, prefix) == at
+
+
+async def test_worker_show_and_workers_wide_name_the_disk_each_worker_registered(stack, nc, prefix, nats_url):
+    wb = Client(nc, prefix)
+    await wb.register(worker("w1", V1, node="n1", node_token="disk-a"))
+    await wb.register(worker("w2", V1, node="n2"))
+    await wb.create(actor("a", cpu=100, mem=256))
+    placed_at = await wb.resume("a", selectors=None)
+    await wb.pause("a", placement_seq=placed_at.seq)
+    on = placed_at.worker_id
+
+    def run(*args: str):
+        return CliRunner().invoke(main, [*args, "--nats", nats_url, "--prefix", prefix])
+
+    shown = await asyncio.to_thread(run, "worker", "show", "w1")
+    assert shown.exit_code == 0, shown.output
+    assert any(line.split() == ["NODE", "TOKEN", "disk-a"] for line in shown.output.splitlines()), shown.output
+    if on == "w1":
+        assert "local images on n1, on the disk of node token disk-a" in shown.output
+    plain = await asyncio.to_thread(run, "worker", "show", "w2")
+    assert "NODE TOKEN" not in plain.output
+    as_json = await asyncio.to_thread(run, "worker", "show", "w1", "-o", "json")
+    assert json.loads(as_json.output)["node_token"] == "disk-a"
+    wide = await asyncio.to_thread(run, "workers", "-o", "wide")
+    assert wide.exit_code == 0, wide.output
+    header, *rows = wide.output.splitlines()
+    assert "NODE TOKEN" in header
+    column = header.index("NODE TOKEN")
+    tokens = {row.split()[0]: row[column:].split()[0] for row in rows if row.strip()}
+    assert tokens == {"w1": "disk-a", "w2": "-"}, wide.output

@@ -429,7 +429,7 @@ def summary_rows(summaries: list[WorkerSummary], runtimes: Runtimes) -> list[dic
             rows.append(class_row(sandbox_class, entry, runtimes, worker_id=w.worker_id, node=w.node,
                                   state=w.state.value, capacity=capacity, free=free,
                                   actors=w.class_actors.get(sandbox_class, 0), worker_actors=w.actors,
-                                  labels=w.labels, labelled=labelled))
+                                  labels=w.labels, labelled=labelled, node_token=w.node_token))
     rows.sort(key=lambda r: (r["sandbox_class"], r["runtime"], r["worker_id"]))
     return rows
 
@@ -625,7 +625,7 @@ def unknown_class_asked(first: WorkerPage, asked: tuple[str, ...], sent: tuple[s
 
 def class_row(sandbox_class: str, entry: Any, runtimes: Runtimes, *, worker_id: str, node: str, state: str,
               capacity: dict, free: dict, actors: int, worker_actors: int, labels: Mapping[str, str],
-              labelled: dict[tuple[str, int], dict] | None = None) -> dict:
+              labelled: dict[tuple[str, int], dict] | None = None, node_token: str | None = None) -> dict:
     """A worker's row of `warmboot workers` for one of its classes (`entry`: the fold's record of it), as
     JSON values; `actors` counts its actors of this class, `worker_actors` those of every class. The one
     definition of a row: `worker_rows` and `worker show` (`cmd_worker.detail_view`) both make it here.
@@ -648,6 +648,7 @@ def class_row(sandbox_class: str, entry: Any, runtimes: Runtimes, *, worker_id: 
         "actors": actors,  # of this class
         "worker_actors": worker_actors,  # of every class: the worker's whole count
         "labels": dict(labels),
+        "node_token": node_token,  # the disk of its node it registered (docs/contract.md, rule 5)
     }
 
 
@@ -683,6 +684,7 @@ WORKER_COLUMNS = [  # `drop`: the highest gives way first when the terminal is n
     Column("MEM FREE", lambda r: mib(r["free"]["memory_mib"]), right=True),
     Column("ACTORS", lambda r: str(r["actors"]), right=True, drop=2),
     Column("NODE", lambda r: r["node"], drop=5),
+    Column("NODE TOKEN", lambda r: r["node_token"] or "-", wide=True),
     Column("CPU", lambda r: millis(r["capacity"]["cpu_millis"]), right=True, wide=True),
     Column("MEM", lambda r: mib(r["capacity"]["memory_mib"]), right=True, wide=True),
     Column("RUNTIME ID", lambda r: r["runtime_id"], wide=True),

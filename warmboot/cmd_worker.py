@@ -125,7 +125,7 @@ def detail_view(detail: WorkerDetail, runtimes: Runtimes) -> dict:
     for sandbox_class, entry in entries.items():
         row = class_row(sandbox_class, entry, runtimes, worker_id=detail.worker_id, node=detail.node,
                         state=detail.state.value, capacity=capacity, free=free, actors=held.get(sandbox_class, 0),
-                        worker_actors=len(detail.actors), labels=detail.labels)
+                        worker_actors=len(detail.actors), labels=detail.labels, node_token=detail.node_token)
         row["compatible"] = sorted(row["resumes_from"])
         rows.append(row)
     rows.sort(key=lambda r: (r["sandbox_class"], r["runtime"]))
@@ -133,7 +133,8 @@ def detail_view(detail: WorkerDetail, runtimes: Runtimes) -> dict:
                "pin": pin_label(runtimes, a.pin.sandbox_class, a.pin.version, a.pin.name)} for a in detail.actors]
     local = [{"actor_id": i.actor_id, "state": i.state, "snapshot_id": i.snapshot_id, "fidelity": i.fidelity.value,
               "stamp": stamp_label(i.stamp, runtimes)} for i in detail.local_images]
-    return to_builtins({"worker_id": detail.worker_id, "node": detail.node, "state": detail.state,
+    return to_builtins({"worker_id": detail.worker_id, "node": detail.node, "node_token": detail.node_token,
+                        "state": detail.state,
                         "labels": dict(detail.labels), "capacity": capacity, "free": free,
                         "classes": rows, "actors": actors, "local_images": local})
 
@@ -176,6 +177,7 @@ def render_worker(view: dict, width: int | None, wide: bool = False) -> str:
     fields = [
         ("WORKER", view["worker_id"]),
         ("NODE", view["node"]),
+        *([("NODE TOKEN", view["node_token"])] if view["node_token"] else []),
         ("STATE", view["state"]),
         ("LABELS", key_values(view["labels"])),
         ("CAPACITY", f"{millis(cap['cpu_millis'])} cpu, {mib(cap['memory_mib'])} memory"),
@@ -185,8 +187,10 @@ def render_worker(view: dict, width: int | None, wide: bool = False) -> str:
         fields += class_runtime_fields(row, wide)
     text = render_fields(fields, None if wide else width)
     booked = render_table(ACTOR_COLUMNS, view["actors"], width, wide).text if view["actors"] else "no actors booked"
-    where = f"local images on {view['node']}"
-    local = (f"{where} (those actors resume only on this node):\n"
+    disk = "its disk" if view["node_token"] else "this node"
+    where = f"local images on {view['node']}" + (f", on the disk of node token {view['node_token']}"
+                                                if view["node_token"] else "")
+    local = (f"{where} (those actors resume only on {disk}):\n"
              + render_table(LOCAL_COLUMNS, view["local_images"], width, wide).text
              if view["local_images"] else f"no {where}")
     return text + "\n\n" + booked + "\n\n" + local

@@ -131,6 +131,7 @@ class WorkerRow(Struct, array_like=True, gc=False):
     booking_seq: int
     since: int
     place: str  # the disk of its node it registered from (`services.scheduler.places`)
+    token: str | None  # the node token it registered
 
 
 class ActorRow(Struct, array_like=True, gc=False):
@@ -295,7 +296,7 @@ def _export(p: Projection) -> State:
             w.worker_id, w.node, w.cpu_millis, w.memory_mib, map_of(w.labels), w.state.value,
             [(name, runtime_index[id(e.default)], [runtime_index[id(r)] for r in e.restorable])
              for name, e in w.classes.items()],
-            w.booked_cpu, w.booked_mem, w.holding, w.booking_version, w.booking_seq, w.since, w.place,
+            w.booked_cpu, w.booked_mem, w.holding, w.booking_version, w.booking_seq, w.since, w.place, w.token,
         )
         for w in workers
     ]
@@ -402,6 +403,7 @@ def _restore(state: State) -> Projection:
         w = Worker(row.worker_id)
         w.node = text(row.node)
         w.place = text(row.place)
+        w.token = row.token
         w.cpu_millis = row.cpu_millis
         w.memory_mib = row.memory_mib
         w.labels = maps[row.labels]

@@ -371,6 +371,7 @@ class Projection:
         worker.state = REGISTERED
         worker.node = self.intern.text(event.node)
         worker.place = self.intern.text(self.disks.place(worker.node, event.node_token, f"{worker.worker_id}@{seq}"))
+        worker.token = event.node_token
         worker.cpu_millis = event.capacity.cpu_millis
         worker.memory_mib = event.capacity.memory_mib
         worker.labels = self.intern.selectors(event.labels)
@@ -393,6 +394,8 @@ class Projection:
         # an update that gives no token on the same node says nothing new of its disk: its place stays
         place = worker.place if event.node_token is None and node == worker.node else \
             self.intern.text(self.disks.place(node, event.node_token, f"{worker.worker_id}@{seq}"))
+        if event.node_token is not None or node != worker.node:
+            worker.token = event.node_token
         if place is not worker.place:  # its place in the per-place indices moves with it
             self._index(worker, -1)
             worker.node, worker.place = node, place

@@ -168,6 +168,7 @@ class Worker:
         "worker_id",
         "node",
         "place",  # the disk of its node it registered from (`services.scheduler.places`): what rule 5 reads
+        "token",  # the node token it registered (None: none), as the views show it
         "cpu_millis",
         "memory_mib",
         "labels",
@@ -187,6 +188,7 @@ class Worker:
         self.worker_id = worker_id
         self.node = ""
         self.place = ""
+        self.token: str | None = None
         self.cpu_millis = 0
         self.memory_mib = 0
         self.labels: Mapping[str, str] = _EMPTY

@@ -60,7 +60,7 @@ def worker_detail(projection: Any, worker_id: str) -> WorkerDetail:
         local.append(LocalImage(actor_id=actor_id, state=a.state, snapshot_id=a.snapshot_id, fidelity=kind.fidelity,
                                 stamp=kind.stamp.runtime if kind.stamp is not None else None))
     local.sort(key=lambda image: image.actor_id)
-    return WorkerDetail(worker_id=worker_id, node=w.node, state=w.state, labels=dict(w.labels),
+    return WorkerDetail(worker_id=worker_id, node=w.node, node_token=w.token, state=w.state, labels=dict(w.labels),
                         capacity=Resources(cpu_millis=w.cpu_millis, memory_mib=w.memory_mib),
                         free=Room(cpu_millis=w.room_cpu, memory_mib=w.room_mem),
                         classes=classes, actors=actors, local_images=local)

@@ -67,7 +67,8 @@ def worker_summary(worker: Any, held: dict[tuple[int, str], int], classes: set[s
     with `classes`, those of its classes alone."""
     entries = [(name, entry) for name, entry in worker.classes.items() if classes is None or name in classes]
     return WorkerSummary(
-        worker_id=worker.worker_id, node=worker.node, state=worker.state, labels=dict(worker.labels),
+        worker_id=worker.worker_id, node=worker.node, node_token=worker.token, state=worker.state,
+        labels=dict(worker.labels),
         capacity=Resources(cpu_millis=worker.cpu_millis, memory_mib=worker.memory_mib),
         free=Room(cpu_millis=worker.room_cpu, memory_mib=worker.room_mem),
         classes=[WorkerSandboxClass(sandbox_class=name, default_runtime=wire_runtime(entry.default),
