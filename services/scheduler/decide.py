@@ -327,13 +327,14 @@ def _plan(projection: Projection, actor: Actor, selectors: Mapping[str, str] | N
         on_node = index.by_node.get(node) if index is not None and node else None
         if not on_node:
             where = describe(node) if node else "a node it does not name"
-            gone = (f" (node {node_of(node)} has registered from another disk since, another node token: a "
-                    "machine replaced, the image lost with its disk)" if node and projection.disks.moved_on(node)
-                    else "")
+            none_there = (f", a disk no registered worker of class {cls} is on: node {node_of(node)} has registered "
+                          "from another disk since (another node token: a machine replaced, the image lost with its "
+                          "disk)" if node and projection.disks.moved_on(node) else
+                          f", where no worker of class {cls} is registered")
             raise NoWorkerOnNode(
                 ErrorCode.FAILED_PRECONDITION,
-                f"actor {aid}'s latest snapshot is a LOCAL image on {where}, where no worker of class {cls} "
-                f"is registered{gone}; it restores only there. To give the image up, revert the actor "
+                f"actor {aid}'s latest snapshot is a LOCAL image on {where}{none_there}; it restores only there. "
+                f"To give the image up, revert the actor "
                 f"(`warmboot actor revert {aid}`): it then resumes from its latest EXTERNAL snapshot, or cold-boots"
             )
         base: IndexedSet | None = on_node
