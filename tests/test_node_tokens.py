@@ -272,3 +272,28 @@ def replay_decides_alike(log: Log) -> bool:
         except ContractError as e:
             return e.code, e.message
     return all(answer(log.p, a) == answer(restored, a) == answer(replayed, a) for a in log.p.actors)
+
+
+def test_a_retry_is_not_answered_with_a_restore_of_an_image_on_another_disk_than_its_worker_names_now():
+    """A worker with an agent before tokens on a node whose first token is another machine's is taken as on
+    the first disk (the limit rule 5 names) and is sent its image; its agent upgraded, it names its own
+    disk. The resume's retry is then refused, not answered with a restore that cannot load there (found by
+    review: `check_retry` compared nodes only)."""
+    from services.scheduler.decide import check_retry
+
+    log = Log()
+    log.worker("w1", node="n1", node_token="disk-a")
+    log.actor("a")
+    paused_on(log, "a", "w1")
+    log.add(WorkerRemoved(at=AT, worker_id="w1", reason="LOST"))
+    log.worker("w2", node="n1", mem=65536)
+    placement = log.decide("a")
+    assert (placement.worker_id, placement.fidelity) == ("w2", PlacedFidelity.MEMORY)
+    seq = log.place(placement, "r1") - 1
+    check_retry(log.p, placement, seq, "r1")  # answered while nothing says it is on another disk
+    log.add(WorkerUpdated(at=AT, worker_id="w2", node="n1", capacity=registered("w2", mem=65536).capacity,
+                          labels={}, node_token="disk-b"))
+    with pytest.raises(ContractError) as caught:
+        check_retry(log.p, placement, seq, "r1")
+    assert caught.value.code is ErrorCode.FAILED_PRECONDITION and caught.value.field == "request_id"
+    assert "disk-b" in caught.value.message

@@ -55,7 +55,7 @@ from events.compat import compat_key
 from events.states import WAITING
 from services.scheduler.feasibility import carries_out
 from services.scheduler.interner import Interner
-from services.scheduler.places import Disks, node_of
+from services.scheduler.places import Disks, describe, node_of
 from services.scheduler.records import (
     ACTOR_FIELDS,
     CREATED,
@@ -263,7 +263,16 @@ class Projection:
             image = compat(named)
             if image is None:  # a version no worker of the log ran or accepted
                 return "no runtime it runs accepts the image's version"
-        return carries_out(worker, sandbox_class, placement.node, compat(compat_key(sandbox_class, pin.version)), image)
+        why = carries_out(worker, sandbox_class, placement.node, compat(compat_key(sandbox_class, pin.version)), image)
+        if why is None and named is not None:
+            # rule 5: a LOCAL image restores on its disk only; a worker naming another disk of the node since
+            # (its agent upgraded: it was on that disk all along) cannot load it
+            actor = self.actors.get(placement.actor_id)
+            if (actor is not None and actor.snapshot is not None and actor.snapshot.local and actor.image_node
+                    and actor.snapshot_id == placement.snapshot_id and actor.image_node != worker.place):
+                why = (f"it registers {describe(worker.place)} now, not the disk its LOCAL image is on "
+                       f"({describe(actor.image_node)})")
+        return why
 
     def life_unread(self, worker_id: str, after: int = 0) -> int:
         """The last message of the worker's history that this fold could not read, if it came after
