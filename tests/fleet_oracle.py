@@ -452,13 +452,18 @@ class Fuzz:
         w = self.workers.get(wid)
         if w is None:
             return
-        if r.random() < 0.5:
+        moved = r.random() < 0.5
+        if moved:
             w.node = r.choice(NODES)
             if self.tokens and w.disk is not None and not w.disk.startswith(f"{w.node}-"):  # on another machine
                 w.disk, w.token = self.disk(w.node), self.token(w.node)
         if self.tokens and w.token is None and r.random() < 0.3:  # its agent upgraded: it names its disk
             w.token = w.disk
             self.tokened.add(w.node)
+        elif self.tokens and w.token is not None and not moved and r.random() < 0.2:
+            # its agent downgraded on the same machine: no token, the life goes on on its disk
+            w.token = None
+            self.count("agent downgraded")
         if r.random() < 0.5:
             w.mem = r.choice([700, 1200, 2100, 4200])
             w.cpu = r.choice([600, 1000, 2000])
