@@ -242,9 +242,10 @@ def check_retry(projection: Projection, answer: Placement, seq: int, request_id:
       fold has of the worker may be stale, or missing: found by reviews);
     - the worker no longer registers the class, is on another node, no longer runs the runtime the
       placement pins, or that runtime no longer accepts the image's version
-      (`feasibility.carries_out`): the resume would run the actor under another runtime than the
-      one every later snapshot is stamped with, or crash loading its image. FAILED_PRECONDITION,
-      naming `request_id`."""
+      (`feasibility.carries_out`), or it registers another disk of the node than the one the LOCAL
+      image it restores is on (`Projection.cannot_carry_out`, rule 5): the resume would run the actor
+      under another runtime than the one every later snapshot is stamped with, or crash loading its
+      image. FAILED_PRECONDITION, naming `request_id`."""
     worker_id = answer.worker_id
     made = f"the placement request_id {request_id!r} made (sequence {seq}, on worker {worker_id})"
     ended = projection.life_ended(worker_id, seq)
