@@ -297,3 +297,45 @@ def test_a_retry_is_not_answered_with_a_restore_of_an_image_on_another_disk_than
         check_retry(log.p, placement, seq, "r1")
     assert caught.value.code is ErrorCode.FAILED_PRECONDITION and caught.value.field == "request_id"
     assert "disk-b" in caught.value.message
+
+
+def downgraded(log: Log, worker_id: str, node: str, mem: int = 8192) -> None:
+    """A worker's agent downgraded on the same machine (a registration naming no token where its life named
+    one), as a log may hold it: the registry refuses it now (`Worker.register`), an older registry wrote a
+    WorkerUpdated, the life going on."""
+    log.add(WorkerUpdated(at=AT, worker_id=worker_id, node=node, capacity=registered(worker_id, mem=mem).capacity,
+                          labels={}, node_token=None))
+
+
+def test_a_worker_that_stops_naming_its_token_stays_on_its_lifes_disk_never_the_first_one():
+    """Two disks of one node; the second's agent downgraded (no token): the registry takes it as the same
+    machine (the life goes on: an older registry's WorkerUpdated; this one refuses it), so it is still on the
+    second disk. It is never sent the first disk's images,
+    and an image it pauses after is on its own disk, never restored on the first's (found by review: the
+    fold took it as on the node's first disk, and sent it the other machine's image at MEMORY)."""
+    log = Log()
+    log.worker("w1", node="n1", node_token="disk-a", mem=4096)  # the node's first disk
+    log.actor("a")
+    log.actor("b")
+    paused_on(log, "a", "w1")
+    log.worker("w2", node="n1", node_token="disk-b", mem=65536)
+    placement = log.decide("b")
+    assert placement.worker_id == "w2"  # the roomier
+    log.place(placement)
+    downgraded(log, "w2", "n1", mem=65536)
+    assert log.p.workers["w2"].place == "n1/disk-b"
+    log.snapshot("b", origin=SnapshotOrigin.PAUSE, stamped=placement.sandbox_runtime.version, node="n1")
+    log.release("b", "w2", ReleaseReason.PAUSED)
+    assert log.p.actors["b"].image_node == "n1/disk-b"
+    for position in range(10):  # each image to its own disk's worker, whichever is roomier
+        assert log.decide("a", position=position).worker_id == "w1"
+        assert log.decide("b", position=position).worker_id == "w2"
+    log.drain("w1")
+    assert refused(log, "a").code is ErrorCode.RESOURCE_EXHAUSTED  # never w2, on another disk
+    # audit verify judges by the same fold: a restore of a's image sent to w2 is off its disk
+    restore = placed("a", "w2", V1, node="n1", action=Action.RESTORE, fidelity=PlacedFidelity.MEMORY,
+                     snapshot_id=log.p.actors["a"].snapshot_id)
+    violation = fold([*log.events, restore], Sink(verify=True)).violation
+    assert violation is not None and violation.rule == audit.LOCAL_OFF_NODE
+    restored = restore_state(export_state(log.p))
+    assert restored.workers["w2"].place == "n1/disk-b"
