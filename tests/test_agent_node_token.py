@@ -31,10 +31,14 @@ def test_a_token_is_made_when_absent_and_read_back_unchanged(tmp_path):
     path = tmp_path / "node.token"
     assert NodeToken(path).read() is None  # a look makes nothing
     assert not path.exists()
-    token = NodeToken(path).read_or_make()
+    maker = NodeToken(path)
+    token = maker.read_or_make()
+    assert maker.made  # said by the agent's log
     assert re.fullmatch(r"[0-9a-f]{32}", token), token
     assert path.read_text() == f"{token}\n"
-    assert NodeToken(path).read_or_make() == token == NodeToken(path).read()  # kept, not made again
+    reader = NodeToken(path)
+    assert reader.read_or_make() == token == NodeToken(path).read()  # kept, not made again
+    assert not reader.made
     assert path.read_text() == f"{token}\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["node.token"]  # no temporary file left
     other = NodeToken(tmp_path / "other.token").read_or_make()
@@ -213,6 +217,15 @@ async def test_two_workers_of_a_node_given_one_file_register_one_token(nats_url,
     assert [status for status, _ in outcomes] == [0, 0], outcomes
     assert [event.node_token for event in events] == [token, token]  # recorded by the registry
     assert [event.worker_id for event in events] == ["w-1", "w-2"]
+    # the one that made the file says so, as a warning (a new disk: the node's images of another disk are not
+    # restored here; a disk only not mounted is said how to recover); the other names the token it read
+    made = f"node token file {path} was absent: made node token {token}, a new disk of node node-a."
+    read = f"INFO warmboot.agent: node token {token} (file {path})"
+    assert sorted((made in output, read in output) for _, output in outcomes) == [(False, True), (True, False)], \
+        outcomes
+    warned = next(output for _, output in outcomes if made in output)
+    assert "WARNING warmboot.agent: " + made in warned
+    assert "stop the agent, delete" in warned and "mount the disk" in warned
 
 
 async def test_an_agent_given_a_corrupt_token_file_exits_and_registers_nothing(nats_url, nc, prefix, tmp_path):

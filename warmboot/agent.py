@@ -282,7 +282,19 @@ class Agent:
         self._was_superseded = self.superseded_record.read() if self.superseded_record is not None else None
         # With a node token file, the token of the disk this node's LOCAL snapshots are on, read (made if absent)
         # once, here, and carried by every registration (`NodeToken`); None: registrations carry none.
-        self.node_token = NodeToken(Path(node_token_file)).read_or_make() if node_token_file is not None else None
+        self.node_token: str | None = None
+        if node_token_file is not None:
+            token_file = NodeToken(Path(node_token_file))
+            self.node_token = token_file.read_or_make()
+            if token_file.made:  # a new disk, or one whose file was deleted: said, as its effect is not small
+                log.warning(
+                    "node token file %s was absent: made node token %s, a new disk of node %s. LOCAL snapshots "
+                    "this node wrote on a disk of another token are not restored here, and if worker %s registered "
+                    "another token, its life ends at this registration (its running actors released). If the disk "
+                    "that holds them is only not mounted: stop the agent, delete %s, mount the disk, start the agent",
+                    token_file.path, self.node_token, node, worker_id, token_file.path)
+            else:
+                log.info("node token %s (file %s)", self.node_token, token_file.path)
         self._revised: RegisterWorker | None = None  # the content `_revision` was given to
         self._in_force_revision: int | None = None  # the revision the registration in force was answered with
         # the revision each heartbeat names: that of this agent's last registration the registry answered,

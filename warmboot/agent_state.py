@@ -137,6 +137,7 @@ class NodeToken:
 
     def __init__(self, path: Path):
         self.path = path
+        self.made = False  # whether `read_or_make` made the file (not another process, nor an earlier start)
 
     def read(self) -> str | None:
         """The token the file holds (None if there is no file); StateFileError if it cannot be read or holds
@@ -170,7 +171,7 @@ class NodeToken:
                 "this node's LOCAL snapshots, and the agent does not make its directory (a disk not mounted would "
                 "be given a token of its own); mount the disk, or make the directory")
         try:
-            create_whole(self.path, f"{uuid.uuid4().hex}\n", encoding="ascii")
+            self.made = create_whole(self.path, f"{uuid.uuid4().hex}\n", encoding="ascii")
         except OSError as e:
             raise StateFileError(f"node token file {self.path}: cannot make it: {e}") from None
         token = self.read()  # this process's token, or that of another which made the file first
