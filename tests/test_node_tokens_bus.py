@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import pytest
 from click.testing import CliRunner
@@ -57,6 +58,12 @@ async def test_a_machine_replaced_under_its_worker_id_and_node_gets_no_image_of_
     assert "LOCAL image on node n1" in error.message and "warmboot actor revert paused" in error.message
     assert "registered from another disk since" in error.message
     assert await last_seq(nc, prefix) == at  # nothing written
+    # the replay's summary counts the image as lost: no worker of its class is on its disk any more
+    summary = await asyncio.to_thread(
+        CliRunner().invoke, main, ["audit", "replay", "--nats", nats_url, "--prefix", prefix])
+    assert summary.exit_code == 0, summary.output
+    assert re.search(r"^local snapshots on no registered worker's node or disk \(lost\) +1$", summary.stdout,
+                     re.MULTILINE), summary.stdout
     # given up, the actor cold-boots on the new machine; the released one runs there again
     await wb.revert("paused")
     cold = await wb.resume("paused")

@@ -83,7 +83,7 @@ def replay_cmd(until_seq: int | None, until_time: datetime | None, nats_url: str
     pairs = [(f"workers {state}", str(n)) for state, n in result["workers"].items()]
     pairs += [(f"actors {state}", str(n)) for state, n in result["actors"].items()]
     pairs.append(("stranded memory snapshots", str(result["stranded_snapshots"])))
-    pairs.append(("local snapshots on nodes without a worker of the class", str(result["lost_local_snapshots"])))
+    pairs.append(("local snapshots on no registered worker's node or disk (lost)", str(result["lost_local_snapshots"])))
     click.echo(render_fields(pairs))
 
 

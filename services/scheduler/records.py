@@ -348,7 +348,7 @@ class ClassIndex:
 
     def stranded(self) -> int:
         """Counted memory snapshots that no registered, undrained worker could restore at MEMORY
-        (a LOCAL one: no such worker on its node)."""
+        (a LOCAL one: no such worker on its place, the disk of its node it was written to)."""
         external = sum(n for compat, n in self.external_memory.items() if not self.accepting(compat))
         local = sum(n for key, n in self.local_memory.items() if not self.live_on_node.get(key))
         return external + local
@@ -359,8 +359,9 @@ class ClassIndex:
         return self.external_memory.get(compat, 0) + local
 
     def lost_local(self) -> int:
-        """Waiting actors whose LOCAL latest snapshot is on a node with no registered worker of the class."""
-        return sum(n for node, n in self.local_waiting.items() if node not in self.by_node)
+        """Waiting actors whose LOCAL latest snapshot is on a place (a disk of its node) with no registered worker
+        of the class: a node with none, or one that has registered from another disk since."""
+        return sum(n for place, n in self.local_waiting.items() if place not in self.by_node)
 
     def live_count(self) -> int:
         return sum(1 for w in self.workers if w.live)
