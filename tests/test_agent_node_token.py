@@ -219,7 +219,7 @@ async def test_two_workers_of_a_node_given_one_file_register_one_token(nats_url,
     assert [event.worker_id for event in events] == ["w-1", "w-2"]
     # the one that made the file says so, as a warning (a new disk: the node's images of another disk are not
     # restored here; a disk only not mounted is said how to recover); the other names the token it read
-    made = f"node token file {path} was absent: made node token {token}, a new disk of node node-a."
+    made = f"node token file {path} was absent: made node token {token}, a new disk of node node-a ("
     read = f"INFO warmboot.agent: node token {token} (file {path})"
     assert sorted((made in output, read in output) for _, output in outcomes) == [(False, True), (True, False)], \
         outcomes

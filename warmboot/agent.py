@@ -288,10 +288,12 @@ class Agent:
             self.node_token = token_file.read_or_make()
             if token_file.made:  # a new disk, or one whose file was deleted: said, as its effect is not small
                 log.warning(
-                    "node token file %s was absent: made node token %s, a new disk of node %s. LOCAL snapshots "
-                    "this node wrote on a disk of another token are not restored here, and if worker %s registered "
-                    "another token, its life ends at this registration (its running actors released). If the disk "
-                    "that holds them is only not mounted: stop the agent, delete %s, mount the disk, start the agent",
+                    "node token file %s was absent: made node token %s, a new disk of node %s (or the node's first "
+                    "token: its images written before any token are taken as the first token's disk's). LOCAL "
+                    "snapshots this node wrote on a disk of another token are not restored here, and if worker %s "
+                    "registered another token, its life ends at this registration (its running actors released). If "
+                    "the disk that holds them is only not mounted: stop the agent, delete %s, mount the disk, start "
+                    "the agent",
                     token_file.path, self.node_token, node, worker_id, token_file.path)
             else:
                 log.info("node token %s (file %s)", self.node_token, token_file.path)
