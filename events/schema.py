@@ -561,6 +561,10 @@ class Placement(Base, kw_only=True):
     # v1.1: on a MEMORY restore, the version that matched the stamp: the pin's own version,
     # or the compatible version (edge) through which the pin's runtime accepts it; else null.
     matched_version: CompatVersion | None = None
+    # project addition: on a restore of a LOCAL image (rule 5), the node token of the disk the image is
+    # on, as its worker registered it; a worker on another disk refuses the placement (`agent
+    # --check-placement`). Null otherwise, or where the worker registered no token.
+    node_token: Id | None = None
 
 
 class Assignment(Placement, kw_only=True):
@@ -923,6 +927,7 @@ class ActorPlaced(ActorEvent, kw_only=True):
     fallback: Fallback | None = None
     booked: Resources
     matched_version: CompatVersion | None = None  # v1.1: as on the Assignment
+    node_token: Id | None = None  # as on the Assignment (project addition)
 
 
 class ActorReleased(ActorEvent, kw_only=True):

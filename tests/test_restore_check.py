@@ -129,3 +129,46 @@ def test_check_placement_beside_print_registration_is_a_usage_error(tmp_path):
     assert both.stderr.endswith("error: give --print-registration or --check-placement, not both (each prints its "
                                 "answer and exits)\n"), both.stderr
     assert both.stdout == ""
+
+
+def test_a_restore_of_a_local_image_on_another_disk_than_the_machine_s_is_refused(tmp_path):
+    """Rule 5 with node tokens: the placement names the disk its LOCAL image is on; a machine that registers
+    another token (a machine replaced under the worker's id, still registered from its old disk in the
+    scheduler's view), or none, refuses it; the same disk passes."""
+    _, here = machine(tmp_path, config("v1"))
+    v1 = here.sandbox_classes[0].default_runtime
+    on_disk_a = msgspec.structs.replace(placement(here, v1), node_token="disk-a")
+    assert cannot_carry_out_here(msgspec.structs.replace(here, node_token="disk-a"), on_disk_a) is None
+    assert cannot_carry_out_here(msgspec.structs.replace(here, node_token="disk-b"), on_disk_a) == \
+        "it restores a LOCAL image on the disk of node token disk-a, and this machine has node token disk-b"
+    assert cannot_carry_out_here(here, on_disk_a) == ("it restores a LOCAL image on the disk of node token disk-a, "
+                                                      "and this machine has no node token (no --node-token-file)")
+    assert cannot_carry_out_here(msgspec.structs.replace(here, node_token="disk-b"), placement(here, v1)) is None
+
+
+async def test_the_agent_refuses_an_assignment_of_an_image_on_the_disk_its_machine_replaced(stack, nc, prefix,
+                                                                                            nats_url, tmp_path):
+    """Over the bus: an actor paused on w-1 (disk-a); its resume's Assignment names disk-a. The agent of the
+    machine that replaced w-1's, with its own token file, refuses it (exit 1, naming both disks) before the
+    registry has its registration; the old machine's token file passes it."""
+    path, registration = machine(tmp_path, config("v1"))
+    wb = Client(nc, prefix)
+    await wb.register(msgspec.structs.replace(registration, node_token="disk-a"))
+    await wb.create(actor("a-1", cpu=100, mem=256))
+    first = await wb.resume("a-1")
+    assert first.node_token is None  # a cold boot restores no image
+    await wb.pause("a-1", placement_seq=first.seq)
+    resumed = await asyncio.to_thread(CliRunner().invoke, main, ["actor", "resume", "a-1", "-o", "json", "--nats",
+                                                                 nats_url, "--prefix", prefix])
+    assert resumed.exit_code == 0, resumed.output
+    assert json.loads(resumed.stdout)["node_token"] == "disk-a"
+    for token, status in (("disk-a", 0), ("disk-b", 1)):
+        token_file = tmp_path / f"{token}.token"
+        token_file.write_text(f"{token}\n")
+        checked = await asyncio.to_thread(
+            CliRunner().invoke, main, ["agent", "--worker-id", "w-1", "--node", "node-a", "--config", str(path),
+                                       "--cpuinfo", str(CPUINFO), "--arch", "amd64", "--node-token-file",
+                                       str(token_file), "--check-placement", "-"], input=resumed.stdout.encode())
+        assert checked.exit_code == status, checked.output
+    assert "it restores a LOCAL image on the disk of node token disk-a, and this machine has node token disk-b" \
+        in checked.stderr

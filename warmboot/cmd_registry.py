@@ -137,7 +137,7 @@ def agent(
     if print_registration or placement_file is not None:
         try:
             # the token the node has, if it has one: a look, not the agent's start, which would make one
-            token = NodeToken(node_token_file).read() if print_registration and node_token_file is not None else None
+            token = NodeToken(node_token_file).read() if node_token_file is not None else None
             registration = load_registration(config_path, worker_id, node, probe, token)
         except ConfigError as e:
             if placement_file is None:

@@ -23,6 +23,13 @@ def cannot_carry_out_here(registration: RegisterWorker, placement: Placement) ->
     carry out `placement`; None if it can."""
     if placement.worker_id != registration.worker_id:
         return f"it is a placement on worker {placement.worker_id}, not on {registration.worker_id}"
+    if placement.node_token is not None and placement.node_token != registration.node_token:
+        # rule 5: the image is on another disk (a machine replaced under the worker's id, registered from its
+        # old disk still in the scheduler's view): loading it here would crash
+        mine = (f"node token {registration.node_token}" if registration.node_token
+                else "no node token (no --node-token-file)")
+        return (f"it restores a LOCAL image on the disk of node token {placement.node_token}, and this machine "
+                f"has {mine}")
     fleet = Projection()
     fleet.apply(1, WorkerRegistered(at=datetime.now(timezone.utc), worker_id=registration.worker_id,
                                     node=registration.node, capacity=registration.capacity,
