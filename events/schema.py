@@ -729,6 +729,9 @@ class ActorSnapshotSummary(Base, kw_only=True):
     node: str | None  # a LOCAL image's node
     borrowed: bool
     stamp: ActorRuntime | None  # the runtime it was taken under; null: unstamped
+    # project addition: a waiting actor's LOCAL image on a disk of its node that no registered worker of
+    # its class is on (its node has none, or registered from another disk since): given up only by revert
+    lost: bool = False
 
 
 class ActorSummary(Base, kw_only=True):

@@ -126,13 +126,13 @@ def test_the_pages_walked_are_the_rows_of_the_log_s_fold_for_every_filter():
             assert pages[-1].next_after is None
             assert all(page.actors for page in pages[1:]), (filters, limit)  # no cursor leads to an empty page
     # the row is the actor's view without its labels: its stamp and pin as the wire names runtimes
-    row = actor_summary(projection.actors["b-1"])
+    row = actor_summary(projection.actors["b-1"], projection)
     assert row.snapshot == ActorSnapshotSummary(snapshot_id="b-1-s", template_uid="t1", fidelity=Fidelity.MEMORY,
                                                 location=Location.LOCAL, node="node-w-2", borrowed=True,
                                                 stamp=stamp(V2))
     assert (row.state, row.selectors, row.worker_id, row.pin, row.booked) == (ActorState.PAUSED, {"zone": "a",
                                                                                 "disk": "ssd"}, None, None, None)
-    running = actor_summary(projection.actors["r-1"])
+    running = actor_summary(projection.actors["r-1"], projection)
     assert (running.worker_id, running.node, running.pin, running.booked) == (
         "w-2", "node-w-2", stamp(V2), Resources(cpu_millis=500, memory_mib=1024))
 

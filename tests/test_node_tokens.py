@@ -137,14 +137,16 @@ def test_views_show_the_node_and_fragmentation_counts_an_image_whose_disk_is_gon
     log.place(placement)
     log.snapshot("a", origin=SnapshotOrigin.PAUSE, stamped=placement.sandbox_runtime.version, node="n1")
     log.release("a", placement.worker_id, ReleaseReason.PAUSED)
-    summary = actor_summary(log.p.actors["a"])
+    summary = actor_summary(log.p.actors["a"], log.p)
     assert summary.node == "n1" and summary.snapshot.node == "n1"
     other = "w2" if placement.worker_id == "w1" else "w1"
     assert [i.actor_id for i in worker_detail(log.p, placement.worker_id).local_images] == ["a"]
     assert worker_detail(log.p, other).local_images == []
+    assert not summary.snapshot.lost
     log.add(WorkerRemoved(at=AT, worker_id=placement.worker_id, reason="LOST"))
     (cls,) = fragmentation(log.p).classes
     assert cls.lost_local_snapshots == 1
+    assert actor_summary(log.p.actors["a"], log.p).snapshot.lost  # as actor show and list say it
 
 
 def test_a_local_image_taken_where_the_actor_did_not_run_is_on_no_known_disk_of_a_tokened_node():

@@ -58,6 +58,11 @@ async def test_a_machine_replaced_under_its_worker_id_and_node_gets_no_image_of_
     assert "LOCAL image on node n1" in error.message and "warmboot actor revert paused" in error.message
     assert "registered from another disk since" in error.message
     assert await last_seq(nc, prefix) == at  # nothing written
+    shown = await asyncio.to_thread(CliRunner().invoke, main, ["actor", "show", "paused", "--nats", nats_url,
+                                                               "--prefix", prefix])
+    assert shown.exit_code == 0, shown.output
+    assert any(line.startswith("LOST") and "warmboot actor revert paused" in line
+               for line in shown.output.splitlines()), shown.output
     # the replay's summary counts the image as lost: no worker of its class is on its disk any more
     summary = await asyncio.to_thread(
         CliRunner().invoke, main, ["audit", "replay", "--nats", nats_url, "--prefix", prefix])

@@ -884,7 +884,7 @@ def actor_view(actor_id: str, projection: Any, runtimes: Runtimes) -> dict:
     a = projection.actors.get(actor_id)
     if a is None:
         raise no_actor(actor_id)
-    view = summary_view(actor_summary(a), runtimes)
+    view = summary_view(actor_summary(a, projection), runtimes)
     last_seq = view.pop("last_seq")
     return {**view, "events": projection.events, "last_seq": last_seq}
 
@@ -907,6 +907,10 @@ def actor_fields(view: dict, wide: bool) -> list[tuple[str, str]]:
         where = f"LOCAL on {snap['node']}" if snap["location"] == "LOCAL" else "EXTERNAL"
         fields.append(("SNAPSHOT", f"{snap['snapshot_id']}, {snap['fidelity']}, {where}"
                                    + (", borrowed" if snap["borrowed"] else "")))
+        if snap.get("lost"):
+            fields.append(("LOST", f"no registered worker of its class is on the disk its image is on (its node has "
+                                   f"none, or registered from another disk since): `warmboot actor revert "
+                                   f"{view['actor_id']}` gives it up"))
         if snap["template_uid"] != view["template_uid"]:
             fields.append(("SNAPSHOT OF", f"template {snap['template_uid']} (its memory is unusable)"))
         stamp = snap["stamp"]

@@ -40,14 +40,16 @@ from services.scheduler.paging import Ahead
 from services.scheduler.places import node_of
 
 
-def actor_summary(actor: Any) -> ActorSummary:
-    """One actor's record of the fold as a row of `actor list` (`warmboot.cmd_lifecycle.actor_view`
-    without its labels and history count)."""
+def actor_summary(actor: Any, projection: Any) -> ActorSummary:
+    """One actor's record of the fold (`projection`'s) as a row of `actor list`
+    (`warmboot.cmd_lifecycle.actor_view` without its labels and history count)."""
     kind = actor.snapshot
     snapshot = None if kind is None else ActorSnapshotSummary(
         snapshot_id=actor.snapshot_id, template_uid=kind.template_uid, fidelity=kind.fidelity,
-        location=Location.LOCAL if kind.local else Location.EXTERNAL, node=node_of(actor.image_node) if actor.image_node else None,
-        borrowed=kind.borrowed, stamp=kind.stamp.runtime if kind.stamp is not None else None)
+        location=Location.LOCAL if kind.local else Location.EXTERNAL,
+        node=node_of(actor.image_node) if actor.image_node else None,
+        borrowed=kind.borrowed, stamp=kind.stamp.runtime if kind.stamp is not None else None,
+        lost=projection.image_lost(actor))
     worker, pin = actor.worker, actor.pin
     return ActorSummary(
         actor_id=actor.actor_id, state=actor.state, sandbox_class=actor.sandbox_class,
@@ -142,7 +144,7 @@ def actor_page(projection: Any, query: ActorsQuery) -> ActorPage:
             index += 1
             continue
         a = actors[ids[index]]
-        row = actor_summary(a)
+        row = actor_summary(a, projection)
         extra = []  # the least names of the runtimes it names without one, not named on this page yet
         for stamp in (a.snapshot.stamp if a.snapshot is not None else None, a.pin):
             if stamp is not None and not stamp.runtime.name and stamp.compat.key not in named:

@@ -311,6 +311,16 @@ class Projection:
             index = self.classes[sandbox_class] = ClassIndex(sandbox_class)
         return index
 
+    def image_lost(self, actor: Actor) -> bool:
+        """Whether `actor` waits on a LOCAL image that no registered worker of its class is on the disk
+        of (its node has none, or has registered from another disk since; or it names no node): what
+        fragmentation counts as lost (`ClassIndex.lost_local`), given up only by a revert."""
+        kind = actor.snapshot
+        if kind is None or not kind.local or actor.state not in WAITING:
+            return False
+        index = self.classes.get(actor.spec.sandbox_class)
+        return not actor.image_node or index is None or actor.image_node not in index.by_node
+
     def registered(self, sandbox_class: str) -> bool:
         """Whether a registered worker (drained or not) runs the class. Not whether the class has an
         index: one outlives its last worker, and one is made for an actor's class."""
