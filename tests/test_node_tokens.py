@@ -341,3 +341,26 @@ def test_a_worker_that_stops_naming_its_token_stays_on_its_lifes_disk_never_the_
     assert violation is not None and violation.rule == audit.LOCAL_OFF_NODE
     restored = restore_state(export_state(log.p))
     assert restored.workers["w2"].place == "n1/disk-b"
+
+
+def test_a_registration_without_a_token_stays_on_its_own_disk_after_the_first_disk_registers_again():
+    """A node that registered a second disk (a machine replacing the first, its workers moving over one by
+    one), then the first disk's token again (a worker still on the first machine updating its labels): it
+    has moved on from its first disk all the same, so a worker of a new id registering without a token
+    there cannot say which disk it is on, and is sent no image of the first disk (found by review: the
+    node's latest token back at its first made such a registration the first disk's)."""
+    log = Log()
+    log.worker("w1", node="n1", node_token="disk-a")
+    log.worker("w3", node="n1", node_token="disk-a")
+    log.actor("a")
+    log.drain("w3")
+    paused_on(log, "a", "w1")
+    replaced(log, "w1", "n1", "disk-b")  # w1 moved to the new machine
+    log.drain("w1")
+    # w3, still on the old machine, updates its labels: its registration names the first disk's token again
+    log.add(WorkerUpdated(at=AT, worker_id="w3", node="n1", capacity=registered("w3").capacity,
+                          labels={"x": "y"}, node_token="disk-a"))
+    log.worker("w9", node="n1", mem=65536)  # no token: on the new machine, for all the fold can tell
+    assert log.p.workers["w9"].place != "n1"
+    assert refused(log, "a").code is ErrorCode.RESOURCE_EXHAUSTED  # w3 drained; never w9
+    assert replay_decides_alike(log)

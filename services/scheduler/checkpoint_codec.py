@@ -189,7 +189,7 @@ class State(Struct):
     unread_actor_seq: int = 0  # the last message of an actor's history the fold could not read
     unread_actors: list[tuple[str, int]] = []  # (actor id, seq) of Projection.unread_actors
     unread_workers: list[tuple[str, int]] = []  # (worker id, seq) of Projection.unread_workers
-    disks: list[tuple[str, str, str]] = []  # (node, first token, latest token) of Projection.disks
+    disks: list[tuple[str, str, str]] = []  # (node, first token, latest other token) of Projection.disks
 
 
 class Envelope(Struct):

@@ -21,7 +21,7 @@ keys everything rule 5 reads by place, not by node:
 - a PAUSED actor is pinned to its image's place.
 
 '/' is in no id (CONTRACT section 2), so a place is never a node's name, and the node is what
-comes before it. The node's first and latest tokens (`Disks`) are folded from registrations in
+comes before it. The node's first and latest other tokens (`Disks`) are folded from registrations in
 stream order, so every replica, and `audit verify`, finds the same places.
 """
 
@@ -31,7 +31,10 @@ SEP = "/"
 
 
 class Disks(dict[str, tuple[str, str]]):
-    """node -> (the first node token it registered, the latest one), of nodes that registered one."""
+    """node -> (the first node token it registered, the latest other one: the first while it has registered
+    no other), of nodes that registered one. The first registered again does not take the latest back: the
+    node has moved on from its first disk all the same (another machine under its name), and a registration
+    without a token there still cannot say which disk it is on."""
 
     def place(self, node: str, token: str | None, registration: str) -> str:
         """The place of a worker registering `token` on `node`, the tokens it names recorded;
@@ -40,8 +43,8 @@ class Disks(dict[str, tuple[str, str]]):
         if token is None:
             tokens = self.get(node)
             return node if tokens is None or tokens[0] == tokens[1] else f"{node}{SEP}{SEP}{registration}"
-        first = self[node][0] if node in self else token
-        self[node] = (first, token)
+        first, latest = self.get(node, (token, token))
+        self[node] = (first, latest if token == first else token)
         return node if token == first else f"{node}{SEP}{token}"
 
     def unknown(self, node: str) -> str:

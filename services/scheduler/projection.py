@@ -96,7 +96,7 @@ class Projection:
         # a copy keeps its creation time, and a message of its own at that sequence has another time.
         self.seq_time: int | bytes | str = 0
         self.workers: dict[str, Worker] = {}
-        # node -> the first and the latest node token its workers registered: which disk of a node a
+        # node -> the first and the latest other node token its workers registered: which disk of a node a
         # worker is on (`Worker.place`), and a LOCAL image (`Actor.image_node`), for rule 5
         self.disks = Disks()
         self.classes: dict[str, ClassIndex] = {}
