@@ -90,11 +90,15 @@ class W:
     # it registers (its disk, or none from an agent before tokens, only ever on its node's first disk)
     disk: str | None = None
     token: str | None = None
+    # a registration without a token on a node that has registered another disk than its first: it cannot say
+    # which disk it is on, so its place is its own (docs/contract.md): its LOCAL images are there, and it is
+    # sent no other's
+    alone: str | None = None
 
     @property
     def at(self) -> str:
         """Where its LOCAL images are and which it can load: its disk, or its node without tokens."""
-        return self.disk or self.node
+        return self.alone or self.disk or self.node
 
     def entry(self, cls: str) -> WorkerSandboxClass | None:
         return next((e for e in self.classes if e.sandbox_class == cls), None)
@@ -361,6 +365,7 @@ class Fuzz:
         self.tokens = tokens
         self.machine: dict[str, int] = {}
         self.tokened: set[str] = set()
+        self.moved_on: set[str] = set()  # nodes a token other than their first (machine 0's) was registered on
 
     def disk(self, node: str) -> str:
         return f"{node}-d{self.machine.get(node, 0)}"
@@ -370,8 +375,23 @@ class Fuzz:
         only on the node's first machine once that machine's token is known."""
         if node in self.tokened and not self.machine.get(node) and self.r.random() < 0.3:
             return None
+        if node in self.moved_on and self.r.random() < 0.5:
+            return None  # on a node that moved on, on any machine: a new worker id run without its token file
         self.tokened.add(node)
         return self.disk(node)
+
+    def registering(self, w: W, seq_of: str) -> None:
+        """What a registration of `w` (its token just chosen) tells the fold of its node's disks: a token
+        other than the first moves the node on for good; none on a node moved on is a place of its own."""
+        if w.token is not None:
+            w.alone = None
+            if w.token != f"{w.node}-d0":
+                self.moved_on.add(w.node)
+        elif self.tokens and w.node in self.moved_on:
+            w.alone = seq_of
+            self.count("registered alone")
+        else:  # on a node that has not moved on: its first disk, for all the fold (and the contract) can tell
+            w.alone = None
 
     def replace(self, node: str) -> None:
         """The node's machine replaced (its disk with it): workers registered from now on are on the new one.
@@ -434,6 +454,7 @@ class Fuzz:
               self.classes(names, machine))
         if self.tokens:
             w.disk, w.token = self.disk(w.node), self.token(w.node)
+            self.registering(w, f"{wid}@{len(self.events) + 1}")
         self.workers[wid] = w
         self.add(WorkerRegistered(at=self.at(), worker_id=wid, node=w.node,
                                   capacity=Resources(cpu_millis=w.cpu, memory_mib=w.mem), labels=w.labels,
@@ -452,7 +473,7 @@ class Fuzz:
         w = self.workers.get(wid)
         if w is None:
             return
-        moved = r.random() < 0.5
+        moved, was = r.random() < 0.5, w.node
         if moved:
             w.node = r.choice(NODES)
             if self.tokens and w.disk is not None and not w.disk.startswith(f"{w.node}-"):  # on another machine
@@ -464,6 +485,8 @@ class Fuzz:
             # its agent downgraded on the same machine: no token, the life goes on on its disk
             w.token = None
             self.count("agent downgraded")
+        if self.tokens and (w.token is not None or w.node != was):  # one giving no token on its node keeps its place
+            self.registering(w, f"{wid}@{len(self.events) + 1}")
         if r.random() < 0.5:
             w.mem = r.choice([700, 1200, 2100, 4200])
             w.cpu = r.choice([600, 1000, 2000])

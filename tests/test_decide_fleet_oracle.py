@@ -148,3 +148,13 @@ def test_read_only_answers_and_restarts_from_a_checkpoint_leave_every_placement_
         stats.update(fuzz_.stats)
     assert not failures, "\n".join(failures[:10])
     assert stats["views"] >= 1000 and stats["restored"] >= 50 and stats["fidelity MEMORY LOCAL"] >= 30, stats
+
+
+def test_decisions_with_node_tokens_keep_a_registration_without_one_on_a_replaced_node_to_its_own_disk():
+    """Longer lives with node tokens, where a worker of a node whose machine was replaced may register without
+    a token (an agent run without --node-token-file, on any machine): it cannot say which disk it is on, so
+    it is sent no image of another registration, and its own restore only on it (docs/contract.md, rule 5
+    with node tokens). Without the place of its own (`Disks.place`) the oracle finds images sent across."""
+    failures, stats = fuzz(range(300, 600), steps=300, tokens=True)
+    assert not failures, "\n".join(failures[:10])
+    assert stats.get("registered alone", 0) >= 200, stats.get("registered alone", 0)
