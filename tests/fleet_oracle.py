@@ -761,6 +761,12 @@ class Fuzz:
                 machine = w.machine()
                 ok = (eq(rt.version, m) or any(eq(x, m) for x in rt.compatible_versions)) and not (
                     machine is not None and arch(m) not in (None, machine))
+            a = self.actors.get(pl.actor_id)
+            if ok and self.tokens and pl.snapshot_id is not None and a is not None and a.snap is not None \
+                    and a.snap.location is Location.LOCAL and a.snap.snapshot_id == pl.snapshot_id:
+                # rule 5: its LOCAL image still where the worker is (one that registered alone, then named its
+                # disk, has left the place of its own its images are on)
+                ok = a.image_at == w.at
         self.count(f"retry {'answered' if answered else 'refused'}")
         if answered and not ok:
             self.fail(f"a retry is answered with {as_option(pl)}, which its worker cannot carry out now")
