@@ -610,3 +610,25 @@ def test_a_log_changed_around_a_placement_or_a_stamp_is_flagged_where_and_as_it_
                  "PAUSED release written twice", "SUSPENDED release written twice",
                  "a stop's release recorded as a removal's", "a removal's release left out"):
         assert reached[name] >= 3, (name, reached)
+
+
+def test_lives_with_node_tokens_are_clean_and_a_restore_not_naming_its_disk_is_flagged():
+    """The fleet oracle's lives with node tokens (machines replaced, agents before tokens, workers registered
+    without one on a replaced node): verify finds every placement the scheduler decided clean, the node token
+    each names included, and each restore of a LOCAL image with its token dropped or another disk's is flagged
+    where it is, as NODE_TOKEN_MISSTATED (`decide.placement` names the worker's: what its agent checks)."""
+    tokened = 0
+    for seed in range(25):
+        f = CleanLife(seed, workers=6, actors=5, tokens=True).run(200)
+        assert not f.failures, f.failures[:3]
+        assert f.sink.violation is None, f"seed {seed}: {f.sink.violation}"
+        for i, event in enumerate(f.events):
+            if not isinstance(event, ActorPlaced) or event.node_token is None:
+                continue
+            tokened += 1
+            for token in (None, f"{event.node_token}-other"):
+                found = fold([*f.events[:i], msgspec.structs.replace(event, node_token=token)],
+                             Sink(verify=True)).violation
+                assert found is not None and (found.seq, found.rule) == (i + 1, audit.NODE_TOKEN_MISSTATED), (
+                    seed, i, found)
+    assert tokened >= 30, tokened

@@ -184,6 +184,8 @@ def test_audit_verify_finds_a_restore_sent_to_another_disk_of_the_node():
     same_disk = Log()
     for event in log.events[:-2]:
         same_disk.add(event)
+    import msgspec  # on its disk, the placement names its token, as the scheduler writes it (`decide.placement`)
+    restore = msgspec.structs.replace(restore, node_token="disk-a")
     assert fold([*same_disk.events, restore], Sink(verify=True)).violation is None
 
 
@@ -364,3 +366,29 @@ def test_a_registration_without_a_token_stays_on_its_own_disk_after_the_first_di
     assert log.p.workers["w9"].place != "n1"
     assert refused(log, "a").code is ErrorCode.RESOURCE_EXHAUSTED  # w3 drained; never w9
     assert replay_decides_alike(log)
+
+
+@pytest.mark.parametrize("token", [None, "disk-b"])
+def test_audit_verify_finds_a_restore_of_a_local_image_not_naming_its_workers_disk(token):
+    """The node token a restore of a LOCAL image names is what the worker's agent checks its disk against
+    (`agent --check-placement`): one naming none (a scheduler of an earlier version, after agents were given
+    tokens), or another disk's, is not the placement the rules give, and `audit verify` says so (found by
+    review: it judged the worker's place, never the token the record names)."""
+    import msgspec
+
+    log = Log()
+    log.worker("w1", node="n1", node_token="disk-a")
+    log.actor("a", mem=512)
+    paused_on(log, "a", "w1")
+    made = log.decide("a")
+    assert made.node_token == "disk-a"
+    good = fold([*log.events, placed_event_of(made)], Sink(verify=True))
+    assert good.violation is None
+    bad = fold([*log.events, msgspec.structs.replace(placed_event_of(made), node_token=token)], Sink(verify=True))
+    assert bad.violation is not None and bad.violation.rule == audit.NODE_TOKEN_MISSTATED
+    assert "disk-a" in bad.violation.detail
+
+
+def placed_event_of(placement):
+    from services.scheduler.committer import placed_event
+    return placed_event(placement, None)

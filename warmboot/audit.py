@@ -68,6 +68,9 @@ OFF_PLAN = "placement at a fidelity the placement rules do not give its snapshot
 FALLBACK_MISSTATED = "placement whose fallback record is not the one the placement rules give it"
 MATCHED_OTHER = "memory restore naming another matched version than its image's stamp"
 REQUEST_AGAIN = "placement for a request id an earlier placement answered"
+# a restore of a LOCAL image (an actor restricted to a place) names its worker's node token, what the worker's
+# agent checks its disk against (`decide.placement`, `restore_check`); any other placement names none
+NODE_TOKEN_MISSTATED = "placement whose node token is not its worker's disk"
 # at each snapshot an actor takes, copies or goes back to (SnapshotTaken, TagRecorded,
 # ActorCreated, ActorReverted: CONTRACT section 3, "Stamping rules"),
 STAMP_NOT_PIN = "stamp differs from the actor's pin"
@@ -89,7 +92,7 @@ RELEASE_RULES = (RELEASE_ELSEWHERE, RELEASE_UNSNAPSHOTTED)
 CHANGE_UNREGISTERED = "RuntimeChanged without a registration"
 PLACEMENT_RULES = (UNKNOWN_ACTOR, PLACED_STOPPED, PLACED_TWICE, NOT_TAKING, PAST_ROOM, RUNTIME_GONE, SELECTOR_UNMET,
                    LOCAL_OFF_NODE, ACROSS_ARCHITECTURES, NODE_MISMATCH, NOT_IN_SNAPSHOT, BELOW_FLOOR,
-                   UNDER_BOOKED, OFF_PLAN, FALLBACK_MISSTATED, MATCHED_OTHER, REQUEST_AGAIN)
+                   UNDER_BOOKED, OFF_PLAN, FALLBACK_MISSTATED, MATCHED_OTHER, REQUEST_AGAIN, NODE_TOKEN_MISSTATED)
 # The scheduler's judgement of a placement's record and worker as the placement rule verify names: the one
 # table. Its record as a placement made (`feasibility.carrying`, a retry's answer's judgement), its worker by
 # the ask of its tier (`feasibility.Ask.judge` on `decide.tier_ask`, its rejection reasons). Room is judged
@@ -454,6 +457,15 @@ class Verifier:
                 return Violation(seq, MATCHED_OTHER,
                                  f"{aid}'s memory image is {describe_key(stamp.compat.key)}; its placement on {wid} "
                                  f"names {describe_key(matched)} as the version that matched")
+        # the node token its worker's agent checks its disk against: its worker's, on a restore restricted to a place
+        # (rule 5, `decide.placement`); a placement naming none there is not checked, another's is refused
+        token = worker.token if event.action is Action.RESTORE and restricted_to(actor) is not None else None
+        if event.node_token != token:
+            return Violation(seq, NODE_TOKEN_MISSTATED,
+                             f"{aid} placed on {wid} naming node token {event.node_token or '(none)'}; "
+                             + (f"its LOCAL image is on {wid}'s disk, node token {token}" if token is not None else
+                                f"{wid} registers node token {worker.token or '(none)'}, and the placement "
+                                "restores no LOCAL image: it names none"))
         # the scheduler's tiers for the actor's latest snapshot (`decide.plan`), where what follows needs them: a
         # placement without memory (its action and fidelity), one with a fallback record (what it says)
         tiers = self._tiers(actor) if not memory or event.fallback is not None else ()
