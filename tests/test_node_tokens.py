@@ -392,3 +392,34 @@ def test_audit_verify_finds_a_restore_of_a_local_image_not_naming_its_workers_di
 def placed_event_of(placement):
     from services.scheduler.committer import placed_event
     return placed_event(placement, None)
+
+
+def test_a_retry_of_a_restore_without_memory_of_a_local_image_on_another_disk_is_refused_too():
+    """As the retry of a memory restore above, of a LOCAL image the pause took without memory (ROOTFS): it
+    is on its disk too (rule 5 restricts every fidelity), and the placement names no token its worker could
+    check (the worker had none then). The retry is refused once the worker names another disk (found by
+    review: the disk check was of memory restores only, `named_image`)."""
+    from events.schema import Fidelity
+    from services.scheduler.decide import check_retry
+
+    log = Log()
+    log.worker("w1", node="n1", node_token="disk-a")
+    log.actor("a")
+    first = log.decide("a")
+    log.place(first)
+    log.snapshot("a", origin=SnapshotOrigin.PAUSE, stamped=first.sandbox_runtime.version, node="n1",
+                 fidelity=Fidelity.ROOTFS)
+    log.release("a", "w1", ReleaseReason.PAUSED)
+    log.add(WorkerRemoved(at=AT, worker_id="w1", reason="LOST"))
+    log.worker("w2", node="n1", mem=65536)
+    placement = log.decide("a")
+    assert (placement.worker_id, placement.action, placement.fidelity, placement.node_token) == (
+        "w2", Action.RESTORE, PlacedFidelity.ROOTFS, None)
+    seq = log.place(placement, "r1") - 1
+    check_retry(log.p, placement, seq, "r1")
+    log.add(WorkerUpdated(at=AT, worker_id="w2", node="n1", capacity=registered("w2", mem=65536).capacity,
+                          labels={}, node_token="disk-b"))
+    with pytest.raises(ContractError) as caught:
+        check_retry(log.p, placement, seq, "r1")
+    assert caught.value.code is ErrorCode.FAILED_PRECONDITION and caught.value.field == "request_id"
+    assert "disk-b" in caught.value.message

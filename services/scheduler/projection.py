@@ -28,6 +28,7 @@ from typing import Any, Callable
 from msgspec.structs import astuple
 
 from events.schema import (
+    Action,
     ActorCreated,
     ActorPlaced,
     ActorReleased,
@@ -264,9 +265,9 @@ class Projection:
             if image is None:  # a version no worker of the log ran or accepted
                 return "no runtime it runs accepts the image's version"
         why = carries_out(worker, sandbox_class, placement.node, compat(compat_key(sandbox_class, pin.version)), image)
-        if why is None and named is not None:
-            # rule 5: a LOCAL image restores on its disk only; a worker naming another disk of the node since
-            # (its agent upgraded: it was on that disk all along) cannot load it
+        if why is None and placement.action is Action.RESTORE and placement.snapshot_id is not None:
+            # rule 5: a LOCAL image restores on its disk only, at any fidelity; a worker naming another disk of the
+            # node since (its agent upgraded: it was on that disk all along) cannot load it
             actor = self.actors.get(placement.actor_id)
             if (actor is not None and actor.snapshot is not None and actor.snapshot.local and actor.image_node
                     and actor.snapshot_id == placement.snapshot_id and actor.image_node != worker.place):
