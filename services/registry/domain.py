@@ -115,6 +115,7 @@ DISK_CHANGED_REASON = ("registered from another disk of node {node} (another nod
 def disk_changed_reason(node: str) -> str:
     return DISK_CHANGED_REASON.format(node=node)[:256]
 
+
 NO_OVERHEAD = ActorOverhead(fixed_mib=0, per_gib_mib=0)
 
 # What an event message carries besides its body, kept out of the server's max_payload: its id, topic and
