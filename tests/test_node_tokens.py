@@ -283,8 +283,6 @@ def test_a_retry_is_not_answered_with_a_restore_of_an_image_on_another_disk_than
     the first disk (the limit rule 5 names) and is sent its image; its agent upgraded, it names its own
     disk. The resume's retry is then refused, not answered with a restore that cannot load there (found by
     review: `check_retry` compared nodes only)."""
-    from services.scheduler.decide import check_retry
-
     log = Log()
     log.worker("w1", node="n1", node_token="disk-a")
     log.actor("a")
@@ -293,14 +291,7 @@ def test_a_retry_is_not_answered_with_a_restore_of_an_image_on_another_disk_than
     log.worker("w2", node="n1", mem=65536)
     placement = log.decide("a")
     assert (placement.worker_id, placement.fidelity) == ("w2", PlacedFidelity.MEMORY)
-    seq = log.place(placement, "r1") - 1
-    check_retry(log.p, placement, seq, "r1")  # answered while nothing says it is on another disk
-    log.add(WorkerUpdated(at=AT, worker_id="w2", node="n1", capacity=registered("w2", mem=65536).capacity,
-                          labels={}, node_token="disk-b"))
-    with pytest.raises(ContractError) as caught:
-        check_retry(log.p, placement, seq, "r1")
-    assert caught.value.code is ErrorCode.FAILED_PRECONDITION and caught.value.field == "request_id"
-    assert "disk-b" in caught.value.message
+    retry_refused_once_w2_names_disk_b(log, placement)
 
 
 def downgraded(log: Log, worker_id: str, node: str, mem: int = 8192) -> None:
@@ -400,7 +391,6 @@ def test_a_retry_of_a_restore_without_memory_of_a_local_image_on_another_disk_is
     check (the worker had none then). The retry is refused once the worker names another disk (found by
     review: the disk check was of memory restores only, `named_image`)."""
     from events.schema import Fidelity
-    from services.scheduler.decide import check_retry
 
     log = Log()
     log.worker("w1", node="n1", node_token="disk-a")
@@ -415,6 +405,15 @@ def test_a_retry_of_a_restore_without_memory_of_a_local_image_on_another_disk_is
     placement = log.decide("a")
     assert (placement.worker_id, placement.action, placement.fidelity, placement.node_token) == (
         "w2", Action.RESTORE, PlacedFidelity.ROOTFS, None)
+    retry_refused_once_w2_names_disk_b(log, placement)
+
+
+def retry_refused_once_w2_names_disk_b(log: Log, placement) -> None:
+    """Commit `placement` (on w2, registered without a token) under request id r1: its retry is answered from
+    the log while nothing says w2 is on another disk, and refused (FAILED_PRECONDITION, field request_id,
+    naming the disk) once w2's agent, upgraded, registers disk-b."""
+    from services.scheduler.decide import check_retry
+
     seq = log.place(placement, "r1") - 1
     check_retry(log.p, placement, seq, "r1")
     log.add(WorkerUpdated(at=AT, worker_id="w2", node="n1", capacity=registered("w2", mem=65536).capacity,
