@@ -37,7 +37,8 @@ from events.schema import (
     TagRecorded,
 )
 from services.scheduler.decide import (ACTOR_RUNNING, ACTOR_STOPPED, AS_PLACED, NO_ACTOR, RANK, Tier, below_floor,
-                                      memory_lost, memory_lost_all, plan, restricted_to, tier_ask, unresumable)
+                                      memory_lost, memory_lost_all, placed_token, plan, restricted_to, tier_ask,
+                                      unresumable)
 from services.scheduler.feasibility import (ARCHITECTURE_MISMATCH, CLASS_NOT_REGISTERED, DRAINED, FITS,
                                             IMAGE_NOT_ACCEPTED, INSUFFICIENT_CPU, INSUFFICIENT_MEMORY, NO_CLASS_NOW,
                                             NO_PENDING, NOT_ON_PINNED_NODE, OTHER_NODE_NOW, PIN_NOT_RUN, REASONS,
@@ -459,7 +460,7 @@ class Verifier:
                                  f"names {describe_key(matched)} as the version that matched")
         # the node token its worker's agent checks its disk against: its worker's, on a restore restricted to a place
         # (rule 5, `decide.placement`); a placement naming none there is not checked, another's is refused
-        token = worker.token if event.action is Action.RESTORE and restricted_to(actor) is not None else None
+        token = placed_token(actor, event.action, worker)
         if event.node_token != token:
             return Violation(seq, NODE_TOKEN_MISSTATED,
                              f"{aid} placed on {wid} naming node token {event.node_token or '(none)'}; "

@@ -609,7 +609,6 @@ def choose(ask: Ask, members: Sequence[Worker], draw: Draw, pending: Pending, ro
 def placement(actor: Actor, tier: Tier, choice: Choice) -> Placement:
     worker, runtime, need = choice
     pin = runtime.pin
-    restores = tier.action is Action.RESTORE
     return Placement(
         actor_id=actor.actor_id,
         worker_id=worker.worker_id,
@@ -617,14 +616,20 @@ def placement(actor: Actor, tier: Tier, choice: Choice) -> Placement:
         action=tier.action,
         fidelity=tier.fidelity,
         sandbox_runtime=pin,
-        snapshot_id=actor.snapshot_id if restores else None,
+        snapshot_id=actor.snapshot_id if tier.action is Action.RESTORE else None,
         fallback=tier.fallback,
         booked=Resources(cpu_millis=tier.ask.cpu, memory_mib=need),
         matched_version=_matched(tier, runtime),
-        # rule 5: the disk its memory is on is the worker's (the tier is restricted to that place), named
-        # so that a machine on another disk under the worker's id refuses it (`agent --check-placement`)
-        node_token=worker.token if restores and restricted_to(actor) is not None else None,
+        node_token=placed_token(actor, tier.action, worker),
     )
+
+
+def placed_token(actor: Actor, action: Action, worker: Worker) -> str | None:
+    """The node token a placement of `actor` on `worker` names (rule 5): on a restore restricted to a place
+    (`restricted_to`), the worker's, the disk its memory is on, so that a machine on another disk under the
+    worker's id refuses it (`agent --check-placement`); None otherwise. The one definition: `placement`
+    writes it and `audit verify` (NODE_TOKEN_MISSTATED) judges it."""
+    return worker.token if action is Action.RESTORE and restricted_to(actor) is not None else None
 
 
 def _matched(tier: Tier, runtime: Runtime) -> CompatVersion | None:

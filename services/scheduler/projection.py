@@ -411,10 +411,10 @@ class Projection:
         if worker is None:
             return
         node = self.intern.text(event.node)
-        # an update that gives no token on the same node says nothing new of its disk: its place stays
-        place = worker.place if event.node_token is None and node == worker.node else \
-            self.intern.text(self.disks.place(node, event.node_token, f"{worker.worker_id}@{seq}"))
+        # an update that gives no token on the same node says nothing new of its disk: its place and token stay
+        place = worker.place
         if event.node_token is not None or node != worker.node:
+            place = self.intern.text(self.disks.place(node, event.node_token, f"{worker.worker_id}@{seq}"))
             worker.token = event.node_token
         if place is not worker.place:  # its place in the per-place indices moves with it
             self._index(worker, -1)
